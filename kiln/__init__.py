@@ -1,0 +1,40 @@
+"""kiln: an inference optimizer and runtime for ONNX models and torch modules.
+
+    engine = kiln.build("model.onnx")      # import, optimize, plan -> Engine
+    outputs = engine.run({"input": array})  # numpy in -> numpy out; torch in -> torch out
+    engine.save("model.kiln"); engine = kiln.load("model.kiln")
+
+`kiln.load` and the runtime import no ONNX machinery (the lean runtime); `kiln.build`
+imports the builder on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kiln import errors
+from kiln.errors import BindingError, EngineFormatError, KilnError, ModelError, UnsupportedModelError
+from kiln.runtime.engine import Engine, ExecutionContext, load
+
+if TYPE_CHECKING:
+    from kiln.engine.config import BuildConfig
+
+__version__ = "0.1.0"
+
+
+def build(model: Any, config: BuildConfig | None = None, *, progress=None, **options: Any) -> Engine:
+    """Build an engine from an ONNX path, bytes or ModelProto; options map to BuildConfig."""
+    from kiln.engine.builder import build as _build
+    from kiln.engine.config import BuildConfig
+
+    if config is None:
+        config = BuildConfig.from_kwargs(**options)
+    elif options:
+        raise TypeError("pass either a BuildConfig or keyword options, not both")
+    return _build(model, config, progress=progress)
+
+
+__all__ = [
+    "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "KilnError",
+    "ModelError", "UnsupportedModelError", "build", "errors", "load",
+]

@@ -1,0 +1,95 @@
+"""The builder: ONNX model -> Engine. One function; each stage says why it is there."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from collections.abc import Callable
+
+import onnx_ir as ir
+import torch
+
+import kiln
+from kiln.engine.config import BuildConfig
+from kiln.engine.lower import lower, value_dtype_name
+from kiln.engine.memory import plan_arena
+from kiln.engine.plan import FORMAT_VERSION, EnginePlan
+from kiln.frontend import onnx as onnx_frontend
+from kiln.ir import dtypes
+from kiln.passes import optimize
+from kiln.runtime.engine import Engine
+
+Progress = Callable[[str], None]
+
+
+def _device_info(config: BuildConfig) -> dict:
+    if config.device == "cpu":
+        return {"type": "cpu", "name": platform.processor() or platform.machine()}
+    if not torch.cuda.is_available():
+        raise kiln.errors.KilnError(f"--device {config.device}: no CUDA device is available here")
+    return {
+        "type": "cuda",
+        "name": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+    }
+
+
+def _value_sizes(model: ir.Model, config: BuildConfig) -> dict[str, int | None]:
+    symbols: dict[str, int] = {}
+    for v in model.graph.inputs:
+        given = config.shapes.get(v.name)
+        if given and v.shape is not None:
+            for d, n in zip(v.shape, given):
+                if not isinstance(d, int) and d.value:
+                    symbols[d.value] = n
+    sizes: dict[str, int | None] = {}
+    for node in model.graph:
+        for v in node.outputs:
+            name = value_dtype_name(v)
+            if v.shape is None or name is None or dtypes.BY_NAME[name].numpy is None:
+                sizes[v.name] = None
+                continue
+            numel = 1
+            for d in v.shape:
+                numel *= d if isinstance(d, int) else symbols.get(d.value or "", 1)
+            itemsize = dtypes.BY_NAME[name].numpy.itemsize if name != "string" else 8
+            sizes[v.name] = numel * itemsize
+    return sizes
+
+
+def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | None = None,
+          progress: Progress | None = None) -> Engine:
+    config = config or BuildConfig()
+    say = progress or (lambda _msg: None)
+    # Import: read and check the model, list every unsupported node at once.
+    say("importing")
+    graph = model if isinstance(model, ir.Model) else onnx_frontend.load(model)
+    # Optimize: restructure the graph so fewer, cheaper steps run.
+    say("optimizing")
+    graph = optimize(graph, config)
+    # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
+    say("lowering")
+    program, weights, inputs, outputs = lower(graph)
+    # Plan memory: liveness of every activation, packed into one arena.
+    say("planning memory")
+    memory = plan_arena(program, _value_sizes(graph, config))
+    header = {
+        "format_version": FORMAT_VERSION,
+        "kiln_version": kiln.__version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "producer": f"{graph.producer_name or '?'} {graph.producer_version or ''}".strip(),
+        "device": _device_info(config),
+        "build_config": config.to_json(),
+        "inputs": [b.to_json() for b in inputs],
+        "outputs": [b.to_json() for b in outputs],
+        "memory": {k: v for k, v in memory.items() if k != "offsets"},
+        "value_types": {
+            v.name: {"dtype": value_dtype_name(v),
+                     "shape": None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]}
+            for node in graph.graph for v in node.outputs
+        },
+        "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
+    }
+    say("done")
+    return Engine(EnginePlan(header=header, program=program, weights=weights))

@@ -1,0 +1,25 @@
+"""BuildConfig: every builder option, with the defaults a user gets from `kiln.build`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class BuildConfig:
+    opt_level: int = 2  # 0: import and run as is ... 5: everything, most tactics tried
+    device: str = "cpu"
+    precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8 | fp8 | best
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # concrete shapes for planning
+    verbose: bool = False
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> BuildConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown build option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)

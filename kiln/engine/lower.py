@@ -1,0 +1,181 @@
+"""Lowering: an optimized onnx_ir graph -> ProgramSpec (plain steps) + weights.
+
+Each node becomes one step naming its implementation; attributes become JSON values
+(tensors go to the weights, subgraphs become nested ProgramSpecs); a subgraph's reads of
+outer-scope values become explicit extra inputs of its node (`captures`), so liveness and
+the runtime see every dependency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.ir import dtypes
+from kiln.engine.plan import Binding
+from kiln.runtime.program import ProgramSpec, StepSpec
+
+_A = ir.AttributeType
+
+
+def tensor_to_runtime(tensor: ir.TensorProtocol) -> Any:
+    array = tensor.numpy()
+    if array.dtype == object or array.dtype.kind in "SU":
+        return np.array([s.decode("utf-8", "surrogateescape") if isinstance(s, bytes) else s
+                         for s in array.ravel()], dtype=object).reshape(array.shape)
+    dt = dtypes.from_onnx(int(tensor.dtype))
+    if array.dtype != dt.numpy:
+        array = array.view(dt.numpy) if array.dtype.itemsize == dt.numpy.itemsize else array.astype(dt.numpy)
+    return dtypes.numpy_to_torch(np.array(array, copy=True))
+
+
+def _type_to_json(t: ir.TypeProtocol | None) -> dict | None:
+    if t is None:
+        return None
+    if isinstance(t, ir.TensorType):
+        return {"kind": "tensor", "dtype": dtypes.from_onnx(int(t.dtype)).name}
+    if isinstance(t, ir.SequenceType):
+        return {"kind": "sequence", "elem": _type_to_json(t.elem_type)}
+    if isinstance(t, ir.OptionalType):
+        return {"kind": "optional", "elem": _type_to_json(t.elem_type)}
+    return {"kind": "unknown"}
+
+
+def value_dtype_name(value: ir.Value) -> str | None:
+    t = value.type
+    while isinstance(t, (ir.SequenceType, ir.OptionalType)):
+        t = t.elem_type
+    if isinstance(t, ir.TensorType) and int(t.dtype) != 0:
+        return dtypes.from_onnx(int(t.dtype)).name
+    return None
+
+
+def binding_of(value: ir.Value) -> Binding:
+    kind = "tensor"
+    if isinstance(value.type, ir.SequenceType):
+        kind = "sequence"
+    elif isinstance(value.type, ir.OptionalType):
+        kind = "optional"
+    shape = None
+    if kind == "tensor" and value.shape is not None:
+        shape = [d if isinstance(d, int) else d.value for d in value.shape]
+    return Binding(name=value.name, dtype=value_dtype_name(value), shape=shape, kind=kind)
+
+
+class Lowering:
+    def __init__(self, model: ir.Model):
+        self.opsets = dict(model.opset_imports)
+        self.weights: dict[str, Any] = {}
+        self.model = model
+
+    def _weight_key(self, name: str) -> str:
+        key, n = name, 1
+        while key in self.weights:
+            n += 1
+            key = f"{name}#{n}"
+        return key
+
+    def attribute(self, attr: ir.Attr, step_name: str) -> Any:
+        t, v = attr.type, attr.value
+        if t in (_A.INT, _A.FLOAT, _A.STRING):
+            return v
+        if t in (_A.INTS, _A.FLOATS, _A.STRINGS):
+            return list(v)
+        if t == _A.TENSOR:
+            key = self._weight_key(f"{step_name}.{attr.name}")
+            self.weights[key] = tensor_to_runtime(v)
+            return {"$tensor": key}
+        if t == _A.TENSORS:
+            keys = []
+            for i, tensor in enumerate(v):
+                key = self._weight_key(f"{step_name}.{attr.name}.{i}")
+                self.weights[key] = tensor_to_runtime(tensor)
+                keys.append({"$tensor": key})
+            return keys
+        if t == _A.GRAPH:
+            return {"$graph": self.graph(v).to_json()}
+        if t == _A.GRAPHS:
+            return {"$graphs": [self.graph(g).to_json() for g in v]}
+        if t == _A.TYPE_PROTO:
+            return {"$type": _type_to_json(v)}
+        if t == _A.TYPE_PROTOS:
+            return [{"$type": _type_to_json(x)} for x in v]
+        raise NotImplementedError(f"attribute {attr.name!r} of type {t.name} on {step_name!r}")
+
+    def graph(self, graph: ir.Graph) -> ProgramSpec:
+        constants: dict[str, str] = {}
+        for name, value in graph.initializers.items():
+            key = self._weight_key(name)
+            self.weights[key] = tensor_to_runtime(value.const_value)
+            constants[name] = key
+        input_names = [v.name for v in graph.inputs if v.name not in constants]
+        defined = set(constants) | set(input_names)
+        steps = []
+        captures_all: list[str] = []
+        for node in graph:
+            name = node.name or f"{node.op_type}_{len(steps)}"
+            attrs = {k: self.attribute(a, name) for k, a in node.attributes.items()}
+            captures = []
+            for a in node.attributes.values():
+                subs = [a.value] if a.type == _A.GRAPH else list(a.value) if a.type == _A.GRAPHS else []
+                for sub in subs:
+                    for n in _free_names(sub):
+                        if n not in captures:
+                            captures.append(n)
+            domain = node.domain or ""
+            steps.append(
+                StepSpec(
+                    op_type=node.op_type,
+                    name=name,
+                    domain=domain,
+                    opset=self.opsets.get(domain, self.opsets.get("ai.onnx", 21)) or 21,
+                    inputs=[v.name if v is not None else "" for v in node.inputs],
+                    outputs=[v.name if v is not None else "" for v in node.outputs],
+                    attributes=attrs,
+                    captures=captures,
+                    output_dtypes=[value_dtype_name(v) for v in node.outputs],
+                )
+            )
+            for n in [*(v.name for v in node.inputs if v is not None), *captures]:
+                if n not in defined and n not in captures_all:
+                    captures_all.append(n)
+            defined |= {v.name for v in node.outputs}
+        for v in graph.outputs:
+            if v.name not in defined and v.name not in captures_all:
+                captures_all.append(v.name)
+        return ProgramSpec(
+            inputs=input_names,
+            outputs=[v.name for v in graph.outputs],
+            steps=steps,
+            constants=constants,
+            captures=captures_all,
+        )
+
+
+def _free_names(graph: ir.Graph) -> list[str]:
+    defined = {v.name for v in graph.inputs} | set(graph.initializers)
+    free: list[str] = []
+    for node in graph:
+        used = [v.name for v in node.inputs if v is not None]
+        for a in node.attributes.values():
+            subs = [a.value] if a.type == _A.GRAPH else list(a.value) if a.type == _A.GRAPHS else []
+            for sub in subs:
+                used += _free_names(sub)
+        for n in used:
+            if n not in defined and n not in free:
+                free.append(n)
+        defined |= {v.name for v in node.outputs}
+    for v in graph.outputs:
+        if v.name not in defined and v.name not in free:
+            free.append(v.name)
+    return free
+
+
+def lower(model: ir.Model) -> tuple[ProgramSpec, dict[str, Any], list[Binding], list[Binding]]:
+    lowering = Lowering(model)
+    program = lowering.graph(model.graph)
+    inputs = [binding_of(v) for v in model.graph.inputs if v.name in program.inputs]
+    outputs = [binding_of(v) for v in model.graph.outputs]
+    return program, lowering.weights, inputs, outputs

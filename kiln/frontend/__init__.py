@@ -1,0 +1,1 @@
+"""Frontends: ONNX files/protos (and later torch modules) -> kiln IR (onnx_ir.Model)."""

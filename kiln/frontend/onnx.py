@@ -1,0 +1,197 @@
+"""ONNX import: bytes, file or ModelProto -> a checked onnx_ir.Model.
+
+Every problem is collected and reported at once, by node name: unreadable bytes, missing
+external-data files, undefined inputs, cycles, and every node kiln has no implementation for.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+from google.protobuf.message import DecodeError
+
+from kiln.errors import ModelError, UnsupportedModelError
+from kiln.ops.registry import lookup
+
+ModelSource = str | os.PathLike | bytes | onnx.ModelProto
+
+
+def _read_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
+    if isinstance(source, onnx.ModelProto):
+        return source, None
+    if isinstance(source, bytes):
+        data, base, label = source, None, "the given bytes"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ModelError(f"{path}: no such model file")
+        data, base, label = path.read_bytes(), path.parent, str(path)
+    if not data:
+        raise ModelError(f"{label}: the file is empty, not an ONNX model")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeWarning, ValueError) as e:
+        raise ModelError(f"{label}: not a readable ONNX model (protobuf decode failed: {e}); "
+                         "is the file truncated or of another format?") from None
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise ModelError(f"{label}: parsed, but holds no graph: not an ONNX model (or truncated)")
+    return model, base
+
+
+def _external_tensors(graph: onnx.GraphProto):
+    for t in graph.initializer:
+        yield t
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                yield attr.t
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                yield from _external_tensors(g)
+
+
+def _load_external_data(model: onnx.ModelProto, base: Path | None) -> None:
+    problems = []
+    external = [t for t in _external_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return
+    if base is None:
+        raise ModelError(
+            f"{len(external)} tensor(s) keep their data in external files, but the model was "
+            "given as bytes/proto: pass the .onnx path so kiln can find the data files"
+        )
+    for t in external:
+        location = {e.key: e.value for e in t.external_data}.get("location", "")
+        if not (base / location).is_file():
+            problems.append(f"initializer {t.name!r}: external data file {str(base / location)!r} is missing")
+    if problems:
+        raise ModelError("external data cannot be loaded:\n" + "\n".join(f"  - {p}" for p in problems))
+    try:
+        onnx.load_external_data_for_model(model, str(base))
+    except (OSError, ValueError) as e:
+        raise ModelError(f"external data cannot be loaded from {base}: {e}") from None
+
+
+def _node_label(node: onnx.NodeProto, index: int, where: str) -> str:
+    name = node.name or "<unnamed>"
+    return f"node {name!r} (#{index} in {where}, {node.domain or 'ai.onnx'}::{node.op_type})"
+
+
+def _check_graph(graph: onnx.GraphProto, outer: set[str], where: str, problems: list[str]) -> None:
+    """Undefined inputs and cycles, recursively; also puts the nodes in topological order."""
+    defined = set(outer) | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if out:
+                producer[out] = i
+    deps: list[set[int]] = []
+    for i, node in enumerate(graph.node):
+        d = set()
+        for name in node.input:
+            if not name:
+                continue
+            if name in producer:
+                d.add(producer[name])
+            elif name not in defined:
+                problems.append(f"{_node_label(node, i, where)}: input {name!r} is not defined by any "
+                                "graph input, initializer or node output")
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                inner_outer = defined | set(producer)
+                _check_graph(g, inner_outer, f"{where}/{node.name or node.op_type}.{attr.name}", problems)
+                d |= {producer[n] for n in _free_names(g) if n in producer}
+        deps.append(d)
+    # Kahn's algorithm, stable: nodes already in order keep it.
+    order: list[int] = []
+    indegree = [len(d) for d in deps]
+    users: dict[int, list[int]] = {}
+    for i, d in enumerate(deps):
+        for j in d:
+            users.setdefault(j, []).append(i)
+    ready = [i for i, n in enumerate(indegree) if n == 0]
+    import heapq
+
+    heapq.heapify(ready)
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for u in users.get(i, []):
+            indegree[u] -= 1
+            if indegree[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) < len(graph.node):
+        stuck = [i for i in range(len(graph.node)) if i not in set(order)]
+        labels = ", ".join(_node_label(graph.node[i], i, where) for i in stuck[:10])
+        problems.append(f"the graph has a cycle through {len(stuck)} node(s): {labels}")
+        return
+    for out in graph.output:
+        if out.name not in defined and out.name not in producer:
+            problems.append(f"graph output {out.name!r} of {where} is not produced by any node")
+    if order != list(range(len(graph.node))):
+        nodes = [graph.node[i] for i in order]
+        del graph.node[:]
+        graph.node.extend(nodes)
+
+
+def _free_names(graph: onnx.GraphProto) -> set[str]:
+    defined = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    used = set()
+    for node in graph.node:
+        used |= {n for n in node.input if n}
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                used |= _free_names(g)
+        defined |= set(node.output)
+    return used - defined
+
+
+def _unsupported(model: ir.Model) -> list[str]:
+    problems = []
+    opsets = dict(model.opset_imports)
+    for graph in [model.graph, *model.graph.subgraphs()]:
+        for i, node in enumerate(graph):
+            domain = node.domain or ""
+            opset = opsets.get(domain, opsets.get("ai.onnx", 0))
+            spec = lookup(node.op_type, domain)
+            where = "the main graph" if graph is model.graph else f"subgraph {graph.name!r}"
+            label = f"node {node.name or '<unnamed>'!r} (#{i} in {where}): {domain or 'ai.onnx'}::{node.op_type} opset {opset}"
+            if spec is None:
+                problems.append(f"{label}: no kiln implementation of this op")
+                continue
+            reason = spec.check(opset, list(node.attributes))
+            if reason:
+                problems.append(f"{label}: {reason}")
+    return problems
+
+
+def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
+    """Read, check and import an ONNX model into onnx_ir, with shapes and dtypes inferred."""
+    proto, base = _read_proto(source)
+    if isinstance(source, onnx.ModelProto):
+        proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
+    _load_external_data(proto, base)
+    problems: list[str] = []
+    _check_graph(proto.graph, set(), "the main graph", problems)
+    if problems:
+        raise ModelError("the model is malformed:\n" + "\n".join(f"  - {p}" for p in problems))
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001  inference is best-effort: kiln re-derives shapes at run time
+        pass
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # noqa: BLE001  onnx_ir raises assorted errors on malformed protos
+        raise ModelError(f"the model cannot be imported: {type(e).__name__}: {e}") from None
+    if model.functions:
+        ir.passes.common.InlinePass()(model)
+    ir.passes.common.NameFixPass()(model)
+    if check_ops:
+        problems = _unsupported(model)
+        if problems:
+            raise UnsupportedModelError(problems)
+    return model

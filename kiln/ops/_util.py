@@ -1,0 +1,47 @@
+"""Small helpers shared by op implementations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.ir import dtypes
+
+
+def ints(value: Any) -> list[int]:
+    """A shape/axes/indices input (tensor, array or list) as a list of Python ints."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.reshape(-1).tolist()]
+    return [int(v) for v in np.asarray(value).reshape(-1).tolist()]
+
+
+def scalar(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1)[0].item()
+    return np.asarray(value).reshape(-1)[0].item()
+
+
+def norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def torch_dtype(onnx_id: int) -> torch.dtype | None:
+    return dtypes.from_onnx(onnx_id).torch
+
+
+def to_numpy(value: Any) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return dtypes.torch_to_numpy(value)
+    return np.asarray(value)
+
+
+def from_numpy(array: np.ndarray, like: torch.Tensor | None = None) -> Any:
+    """numpy result -> runtime value (torch where it can hold the type), on `like`'s device."""
+    out = dtypes.numpy_to_torch(np.ascontiguousarray(array))
+    if like is not None and isinstance(out, torch.Tensor) and like.device.type != "cpu":
+        out = out.to(like.device)
+    return out

@@ -1,0 +1,5 @@
+"""control_flow ops."""
+
+from __future__ import annotations
+
+from kiln.ops.registry import register  # noqa: F401

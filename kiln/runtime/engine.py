@@ -1,0 +1,178 @@
+"""Engine and ExecutionContext: bind inputs, run the program, hand outputs back.
+
+numpy in -> numpy out; torch in -> torch out. Several contexts share one engine's weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.engine import format as engine_format
+from kiln.engine.plan import Binding, EnginePlan
+from kiln.errors import BindingError, EngineFormatError
+from kiln.ir import dtypes
+from kiln.runtime.program import Program
+
+
+def _check_device(header: dict) -> torch.device:
+    device = header.get("device", {"type": "cpu"})
+    if device.get("type", "cpu") == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise EngineFormatError(
+            f"this engine was built for {device.get('name', 'a CUDA GPU')} and needs CUDA, "
+            "but no CUDA device is available here; rebuild it with --device cpu"
+        )
+    name = torch.cuda.get_device_name()
+    capability = list(torch.cuda.get_device_capability())
+    if device.get("name") != name or device.get("capability") != capability:
+        raise EngineFormatError(
+            f"this engine was built for {device.get('name')} (compute capability "
+            f"{device.get('capability')}), but this machine has {name} ({capability}); "
+            "engines are tuned per GPU: rebuild it here"
+        )
+    return torch.device("cuda")
+
+
+def _to_runtime(value: Any, binding: Binding, device: torch.device) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_to_runtime(v, binding, device) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    array = np.asarray(value)
+    converted = dtypes.numpy_to_torch(array)
+    if isinstance(converted, torch.Tensor) and device.type != "cpu":
+        converted = converted.to(device, non_blocking=True)
+    return converted
+
+
+def _to_user(value: Any, as_torch: bool) -> Any:
+    if isinstance(value, list):
+        return [_to_user(v, as_torch) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value if as_torch else dtypes.torch_to_numpy(value)
+    return value
+
+
+def _given_dtype(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        return dtypes.from_torch(value.dtype).name
+    if isinstance(value, np.ndarray):
+        return dtypes.from_numpy(value.dtype).name
+    return None
+
+
+class Engine:
+    """A loaded engine plan, ready to run. `kiln.build` and `kiln.load` return one."""
+
+    def __init__(self, plan: EnginePlan):
+        self.plan = plan
+        self.device = _check_device(plan.header)
+        weights = {
+            k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device.type != "cpu" else v
+            for k, v in plan.weights.items()
+        }
+        self.program = Program(plan.program, weights)
+        self.inputs: list[Binding] = plan.inputs
+        self.outputs: list[Binding] = plan.outputs
+        self._default_context = ExecutionContext(self)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [b.name for b in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [b.name for b in self.outputs]
+
+    def create_execution_context(self) -> ExecutionContext:
+        return ExecutionContext(self)
+
+    def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        return self._default_context.run(feeds)
+
+    def save(self, path: str | os.PathLike) -> None:
+        engine_format.save(self.plan, path)
+
+    def __repr__(self) -> str:
+        ins = ", ".join(f"{b.name}: {b.describe()}" for b in self.inputs)
+        outs = ", ".join(f"{b.name}: {b.describe()}" for b in self.outputs)
+        return f"<kiln.Engine {len(self.plan.program.steps)} layers on {self.device}; ({ins}) -> ({outs})>"
+
+
+class ExecutionContext:
+    """Per-caller execution state over a shared engine; checks every binding before running."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def _check(self, feeds: dict[str, Any]) -> None:
+        expected = {b.name: b for b in self.engine.inputs}
+        missing = [n for n in expected if n not in feeds]
+        unknown = [n for n in feeds if n not in expected]
+        if missing or unknown:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            if unknown:
+                parts.append(f"unknown input(s) {unknown}")
+            raise BindingError(f"{'; '.join(parts)}; the engine's inputs are {list(expected)}")
+        symbols: dict[str, tuple[int, str]] = {}
+        for name, binding in expected.items():
+            value = feeds[name]
+            if binding.kind != "tensor":
+                continue
+            if not isinstance(value, (np.ndarray, torch.Tensor)):
+                value = np.asarray(value)
+                feeds[name] = value
+            given = _given_dtype(value)
+            if binding.dtype and given != binding.dtype:
+                raise BindingError(
+                    f"input {name!r}: expected dtype {binding.dtype}, given {given} "
+                    f"(shape {list(value.shape)})"
+                )
+            if binding.shape is None:
+                continue
+            shape = list(value.shape)
+            if len(shape) != len(binding.shape):
+                raise BindingError(
+                    f"input {name!r}: expected rank {len(binding.shape)} shape {binding.describe()}, "
+                    f"given shape {shape}"
+                )
+            for axis, (want, got) in enumerate(zip(binding.shape, shape)):
+                if isinstance(want, int) and want != got:
+                    raise BindingError(
+                        f"input {name!r}: expected shape {binding.describe()}, given {shape} "
+                        f"(axis {axis} must be {want})"
+                    )
+                if isinstance(want, str):
+                    seen = symbols.setdefault(want, (got, name))
+                    if seen[0] != got:
+                        raise BindingError(
+                            f"input {name!r}: dimension {want!r} (axis {axis}) is {got}, but input "
+                            f"{seen[1]!r} gave it as {seen[0]}"
+                        )
+
+    def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        if not isinstance(feeds, dict):
+            feeds = dict(zip(self.engine.input_names, feeds))
+        else:
+            feeds = dict(feeds)
+        self._check(feeds)
+        as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
+        device = self.engine.device
+        args = [_to_runtime(feeds[b.name], b, device) for b in self.engine.inputs]
+        with torch.inference_mode():
+            results = self.engine.program.run(args)
+        return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
+
+
+def load(path: str | os.PathLike) -> Engine:
+    """Load a `.kiln` engine file (checked: size, magic, version, checksum, device)."""
+    return Engine(engine_format.load(path))

@@ -1,0 +1,163 @@
+"""A compiled step list: the interpreter loop the engine runs.
+
+A `ProgramSpec` is plain data (what the engine file stores): the names of its inputs,
+outputs, constants and outer-scope captures, and its steps. `Program` binds each value name
+to a slot in a list, each step to its implementation, and frees a value's slot after its
+last use (the liveness plan), so activations do not outlive their consumers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import ExecutionError
+from kiln.ir import dtypes
+from kiln.ops.registry import OpContext, lookup
+
+
+@dataclass
+class StepSpec:
+    op_type: str
+    name: str
+    inputs: list[str]  # "" marks a missing optional input
+    outputs: list[str]  # "" marks an output nobody asked for
+    attributes: dict[str, Any] = field(default_factory=dict)  # JSON-able; see engine.plan
+    domain: str = ""
+    opset: int = 21
+    captures: list[str] = field(default_factory=list)  # outer values its subgraphs read
+    output_dtypes: list[str | None] = field(default_factory=list)
+    fused_from: list[str] = field(default_factory=list)  # ONNX node names this step absorbed
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v not in ([], {}, "") or k in ("name",)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> StepSpec:
+        return cls(**d)
+
+
+@dataclass
+class ProgramSpec:
+    inputs: list[str]
+    outputs: list[str]
+    steps: list[StepSpec]
+    constants: dict[str, str] = field(default_factory=dict)  # value name -> engine weight key
+    captures: list[str] = field(default_factory=list)  # names read from the enclosing graph
+
+    def to_json(self) -> dict:
+        return {
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "constants": self.constants,
+            "captures": self.captures,
+            "steps": [s.to_json() for s in self.steps],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> ProgramSpec:
+        return cls(
+            inputs=d["inputs"],
+            outputs=d["outputs"],
+            constants=d.get("constants", {}),
+            captures=d.get("captures", []),
+            steps=[StepSpec.from_json(s) for s in d["steps"]],
+        )
+
+
+def resolve_attribute(value: Any, weights: dict[str, Any]) -> Any:
+    """JSON attribute -> runtime value: {"$tensor": key} -> weight, {"$graph": spec} -> Program."""
+    if isinstance(value, dict):
+        if "$tensor" in value:
+            return weights[value["$tensor"]]
+        if "$graph" in value:
+            return Program(ProgramSpec.from_json(value["$graph"]), weights)
+        if "$graphs" in value:
+            return [Program(ProgramSpec.from_json(g), weights) for g in value["$graphs"]]
+        if "$type" in value:
+            return value["$type"]
+    if isinstance(value, list) and value and isinstance(value[0], dict) and "$tensor" in value[0]:
+        return [weights[v["$tensor"]] for v in value]
+    return value
+
+
+class Program:
+    """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
+
+    def __init__(self, spec: ProgramSpec, weights: dict[str, Any]):
+        self.spec = spec
+        slots: dict[str, int] = {}
+
+        def slot(name: str) -> int:
+            if name not in slots:
+                slots[name] = len(slots)
+            return slots[name]
+
+        template_values: dict[int, Any] = {}
+        for name, key in spec.constants.items():
+            template_values[slot(name)] = weights[key]
+        self.input_slots = [slot(n) for n in spec.inputs]
+        self.capture_slots = [(n, slot(n)) for n in spec.captures]
+        last_use: dict[str, int] = {}
+        for i, step in enumerate(spec.steps):
+            for n in list(step.inputs) + list(step.captures):
+                if n:
+                    last_use[n] = i
+        keep = set(spec.outputs) | set(spec.constants)
+        free_after: list[list[int]] = [[] for _ in spec.steps]
+        for n, i in last_use.items():
+            if n not in keep:
+                free_after[i].append(slot(n))
+
+        self.steps = []
+        for i, step in enumerate(spec.steps):
+            op = lookup(step.op_type, step.domain)
+            if op is None:  # the builder checked this; a hand-edited engine may not be
+                raise ExecutionError(f"layer {step.name!r}: no implementation of {step.op_type}")
+            ctx = OpContext(
+                name=step.name,
+                op_type=step.op_type,
+                domain=step.domain,
+                opset=step.opset,
+                num_inputs=len(step.inputs),
+                num_outputs=len(step.outputs),
+                output_dtypes=[dtypes.BY_NAME.get(d) if d else None for d in step.output_dtypes],
+                capture_names=list(step.captures),
+            )
+            attrs = {k: resolve_attribute(v, weights) for k, v in step.attributes.items()}
+            in_slots = [slot(n) if n else -1 for n in list(step.inputs) + list(step.captures)]
+            out_slots = [slot(n) if n else -1 for n in step.outputs]
+            self.steps.append((op.fn, ctx, in_slots, out_slots, attrs, free_after[i]))
+        self.output_slots = [slot(n) for n in spec.outputs]
+        self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
+        self.template = [None] * self.num_slots
+        for i, v in template_values.items():
+            self.template[i] = v
+
+    def run(self, inputs: list[Any], outer: dict[str, Any] | None = None) -> list[Any]:
+        env = list(self.template)
+        for s, v in zip(self.input_slots, inputs):
+            env[s] = v
+        if self.capture_slots:
+            for name, s in self.capture_slots:
+                env[s] = outer[name]
+        for fn, ctx, in_slots, out_slots, attrs, free in self.steps:
+            args = [env[s] if s >= 0 else None for s in in_slots]
+            try:
+                result = fn(ctx, *args, **attrs)
+            except Exception as e:  # re-raised with the layer named; the cause is chained
+                if isinstance(e, ExecutionError):
+                    raise
+                raise ExecutionError(
+                    f"layer {ctx.name!r} ({ctx.op_type}) failed: {type(e).__name__}: {e}"
+                ) from e
+            if len(out_slots) == 1:
+                if isinstance(result, tuple):
+                    result = result[0]
+                env[out_slots[0]] = result
+            else:
+                for s, v in zip(out_slots, result):
+                    env[s] = v
+            for s in free:
+                env[s] = None
+        return [env[s] for s in self.output_slots]
