@@ -25,4 +25,5 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     tensor,
     text,
     contrib,
+    fused,
 )
