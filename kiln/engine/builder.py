@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 from collections.abc import Callable
+from pathlib import Path
 
 import onnx_ir as ir
 import torch
@@ -57,6 +59,13 @@ def _value_sizes(model: ir.Model, config: BuildConfig) -> dict[str, int | None]:
     return sizes
 
 
+def _source_info(model: object, graph: ir.Model) -> dict:
+    if isinstance(model, (str, os.PathLike)):
+        path = Path(model).resolve()
+        return {"path": str(path), "name": path.name}
+    return {"path": None, "name": graph.graph.name or None}
+
+
 def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | None = None,
           progress: Progress | None = None) -> Engine:
     config = config or BuildConfig()
@@ -79,6 +88,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "producer": f"{graph.producer_name or '?'} {graph.producer_version or ''}".strip(),
+        "source": _source_info(model, graph),  # lets `kiln bench --against onnxruntime` find the model
         "device": _device_info(config),
         "build_config": config.to_json(),
         "inputs": [b.to_json() for b in inputs],
