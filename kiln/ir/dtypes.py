@@ -102,12 +102,12 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
     if array.dtype.kind in "biufc" and array.dtype.type.__module__ == "numpy":
         if not array.flags.writeable:
             array = array.copy()
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(np.ascontiguousarray(array)).reshape(array.shape)  # keeps 0-d
     # ml_dtypes (bfloat16, float8...): reinterpret the bytes.
     raw = np.ascontiguousarray(array).view(np.uint8 if array.itemsize == 1 else np.uint16)
     if not raw.flags.writeable:
         raw = raw.copy()
-    return torch.from_numpy(raw).view(dt.torch)
+    return torch.from_numpy(raw).view(dt.torch).reshape(array.shape)
 
 
 def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:

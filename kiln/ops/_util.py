@@ -41,7 +41,7 @@ def to_numpy(value: Any) -> np.ndarray:
 
 def from_numpy(array: np.ndarray, like: torch.Tensor | None = None) -> Any:
     """numpy result -> runtime value (torch where it can hold the type), on `like`'s device."""
-    out = dtypes.numpy_to_torch(np.ascontiguousarray(array))
+    out = dtypes.numpy_to_torch(np.ascontiguousarray(array).reshape(np.shape(array)))
     if like is not None and isinstance(out, torch.Tensor) and like.device.type != "cpu":
         out = out.to(like.device)
     return out
