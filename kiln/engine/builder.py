@@ -16,6 +16,7 @@ from kiln.engine.config import BuildConfig
 from kiln.engine.lower import lower, value_dtype_name
 from kiln.engine.memory import plan_arena
 from kiln.engine.plan import FORMAT_VERSION, EnginePlan
+from kiln.engine.precision import lower_precision
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import optimize
@@ -79,6 +80,11 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph)
+    io_casts: dict[str, str] = {}
+    if config.precision in ("fp16", "bf16"):
+        # Precision: half-precision storage, fp32 accumulation inside the kernels.
+        say(f"lowering precision to {config.precision}")
+        io_casts = lower_precision(program, weights, config.precision, set(config.layer_precision))
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, config))
@@ -94,6 +100,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         "inputs": [b.to_json() for b in inputs],
         "outputs": [b.to_json() for b in outputs],
         "memory": {k: v for k, v in memory.items() if k != "offsets"},
+        "io_casts": io_casts,
         "value_types": {
             v.name: {"dtype": value_dtype_name(v),
                      "shape": None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]}

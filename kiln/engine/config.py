@@ -11,6 +11,8 @@ class BuildConfig:
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8 | fp8 | best
     shapes: dict[str, list[int]] = field(default_factory=dict)  # concrete shapes for planning
+    layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
+    cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     verbose: bool = False
 
     def to_json(self) -> dict:

@@ -38,6 +38,17 @@ def _check_device(header: dict) -> torch.device:
     return torch.device("cuda")
 
 
+def _place_weight(value: Any, device: torch.device) -> Any:
+    """On CUDA, small integer constants stay on the host: they feed shape arithmetic."""
+    if device.type == "cpu" or not isinstance(value, torch.Tensor):
+        return value
+    from kiln.runtime.device import HOST_MAX_NUMEL
+
+    if not value.is_floating_point() and not value.is_complex() and value.numel() <= HOST_MAX_NUMEL:
+        return value
+    return value.to(device)
+
+
 def _to_runtime(value: Any, binding: Binding, device: torch.device) -> Any:
     if value is None:
         return None
@@ -74,11 +85,14 @@ class Engine:
     def __init__(self, plan: EnginePlan):
         self.plan = plan
         self.device = _check_device(plan.header)
-        weights = {
-            k: v.to(self.device) if isinstance(v, torch.Tensor) and self.device.type != "cpu" else v
-            for k, v in plan.weights.items()
-        }
-        self.program = Program(plan.program, weights)
+        weights = {k: _place_weight(v, self.device) for k, v in plan.weights.items()}
+        self.program = Program(plan.program, weights, self.device)
+        # Reduced-precision engines keep float32 bindings; values are cast at the boundary.
+        casts = plan.header.get("io_casts", {})
+        self.internal_dtype = {n: dtypes.BY_NAME[casts[n]].torch for n in casts}
+        if plan.header.get("build_config", {}).get("precision") == "tf32" and self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         self.inputs: list[Binding] = plan.inputs
         self.outputs: list[Binding] = plan.outputs
         self._default_context = ExecutionContext(self)
@@ -109,8 +123,15 @@ class Engine:
 class ExecutionContext:
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None):
         self.engine = engine
+        self.runner = None
+        if engine.device.type == "cuda":
+            from kiln.runtime.device import GraphRunner
+
+            if use_cuda_graphs is None:
+                use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
+            self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs)
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -168,8 +189,18 @@ class ExecutionContext:
         as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
         device = self.engine.device
         args = [_to_runtime(feeds[b.name], b, device) for b in self.engine.inputs]
+        internal = self.engine.internal_dtype
+        if internal:
+            args = [a.to(internal[b.dtype]) if b.dtype in internal and isinstance(a, torch.Tensor) else a
+                    for a, b in zip(args, self.engine.inputs)]
         with torch.inference_mode():
-            results = self.engine.program.run(args)
+            if self.runner is not None:
+                results = self.runner.run(args)
+            else:
+                results = self.engine.program.run(args)
+        if internal:
+            results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
+                       else r for r, b in zip(results, self.engine.outputs)]
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
 
 

@@ -28,6 +28,7 @@ class StepSpec:
     captures: list[str] = field(default_factory=list)  # outer values its subgraphs read
     output_dtypes: list[str | None] = field(default_factory=list)
     fused_from: list[str] = field(default_factory=list)  # ONNX node names this step absorbed
+    precision: str = ""  # "fp32": pinned to fp32 in a reduced-precision engine
 
     def to_json(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v not in ([], {}, "") or k in ("name",)}
@@ -65,15 +66,15 @@ class ProgramSpec:
         )
 
 
-def resolve_attribute(value: Any, weights: dict[str, Any]) -> Any:
+def resolve_attribute(value: Any, weights: dict[str, Any], device: Any = None) -> Any:
     """JSON attribute -> runtime value: {"$tensor": key} -> weight, {"$graph": spec} -> Program."""
     if isinstance(value, dict):
         if "$tensor" in value:
             return weights[value["$tensor"]]
         if "$graph" in value:
-            return Program(ProgramSpec.from_json(value["$graph"]), weights)
+            return Program(ProgramSpec.from_json(value["$graph"]), weights, device)
         if "$graphs" in value:
-            return [Program(ProgramSpec.from_json(g), weights) for g in value["$graphs"]]
+            return [Program(ProgramSpec.from_json(g), weights, device) for g in value["$graphs"]]
         if "$type" in value:
             return value["$type"]
     if isinstance(value, list) and value and isinstance(value[0], dict) and "$tensor" in value[0]:
@@ -84,8 +85,9 @@ def resolve_attribute(value: Any, weights: dict[str, Any]) -> Any:
 class Program:
     """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
 
-    def __init__(self, spec: ProgramSpec, weights: dict[str, Any]):
+    def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None):
         self.spec = spec
+        self.device = device  # None or cpu: plain loop; cuda: host/device split (runtime/device.py)
         slots: dict[str, int] = {}
 
         def slot(name: str) -> int:
@@ -124,17 +126,23 @@ class Program:
                 output_dtypes=[dtypes.BY_NAME.get(d) if d else None for d in step.output_dtypes],
                 capture_names=list(step.captures),
             )
-            attrs = {k: resolve_attribute(v, weights) for k, v in step.attributes.items()}
+            attrs = {k: resolve_attribute(v, weights, device) for k, v in step.attributes.items()}
             in_slots = [slot(n) if n else -1 for n in list(step.inputs) + list(step.captures)]
             out_slots = [slot(n) if n else -1 for n in step.outputs]
-            self.steps.append((op.fn, ctx, in_slots, out_slots, attrs, free_after[i]))
+            fn = op.fn if step.precision != "fp32" else _pinned_fp32(op.fn)
+            self.steps.append((fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
             self.template[i] = v
 
-    def run(self, inputs: list[Any], outer: dict[str, Any] | None = None) -> list[Any]:
+    def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
+        """Run once. `plan` (a runtime.device.ShapePlan) is only used on CUDA: see device.py."""
+        if self.device is not None and self.device.type == "cuda":
+            from kiln.runtime.device import run_on_device
+
+            return run_on_device(self, inputs, outer, plan)
         env = list(self.template)
         for s, v in zip(self.input_slots, inputs):
             env[s] = v
@@ -143,14 +151,7 @@ class Program:
                 env[s] = outer[name]
         for fn, ctx, in_slots, out_slots, attrs, free in self.steps:
             args = [env[s] if s >= 0 else None for s in in_slots]
-            try:
-                result = fn(ctx, *args, **attrs)
-            except Exception as e:  # re-raised with the layer named; the cause is chained
-                if isinstance(e, ExecutionError):
-                    raise
-                raise ExecutionError(
-                    f"layer {ctx.name!r} ({ctx.op_type}) failed: {type(e).__name__}: {e}"
-                ) from e
+            result = call_step(fn, ctx, args, attrs)
             if len(out_slots) == 1:
                 if isinstance(result, tuple):
                     result = result[0]
@@ -161,3 +162,31 @@ class Program:
             for s in free:
                 env[s] = None
         return [env[s] for s in self.output_slots]
+
+
+def call_step(fn, ctx: OpContext, args: list[Any], attrs: dict[str, Any]) -> Any:
+    try:
+        return fn(ctx, *args, **attrs)
+    except Exception as e:  # re-raised with the layer named; the cause is chained
+        if isinstance(e, ExecutionError):
+            raise
+        raise ExecutionError(f"layer {ctx.name!r} ({ctx.op_type}) failed: {type(e).__name__}: {e}") from e
+
+
+def _pinned_fp32(fn):
+    """Run a layer in fp32 inside a half-precision engine: upcast its inputs, downcast its outputs."""
+    import torch
+
+    def up(v):
+        return v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
+
+    def run(ctx, *args, **attrs):
+        half = next((a.dtype for a in args if isinstance(a, torch.Tensor)
+                     and a.dtype in (torch.float16, torch.bfloat16)), None)
+        result = fn(ctx, *[up(a) for a in args], **attrs)
+        if half is None:
+            return result
+        down = (lambda v: v.to(half) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v)
+        return tuple(down(r) for r in result) if isinstance(result, tuple) else down(result)
+
+    return run

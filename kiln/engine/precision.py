@@ -1,0 +1,50 @@
+"""Reduced precision (fp16 / bf16): weights and activations stored in half precision.
+
+Applied to the lowered program: float32 weights become half (except the few inputs that
+carry coordinates rather than activations: Resize's roi and scales), Cast-to-float becomes
+Cast-to-half, and the engine's float32 inputs/outputs keep their float32 bindings — the
+runtime casts at the boundary, as TensorRT does. Reductions, softmax and normalisations
+accumulate in fp32 inside torch's half kernels (and kiln's fused ones), whatever the storage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.runtime.program import ProgramSpec
+
+HALF = {"fp16": (torch.float16, "float16", 10), "bf16": (torch.bfloat16, "bfloat16", 16)}
+FLOAT_ID = 1
+# (op, input index) pairs that must stay float32: they are coordinates, not activations.
+KEEP_FP32_INPUTS = {("Resize", 1), ("Resize", 2), ("Upsample", 1), ("GridSample", 1), ("RoiAlign", 1)}
+
+
+def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: str,
+                    pinned: set[str] | None = None) -> dict[str, str]:
+    """Convert in place; returns the boundary casts {binding name: internal dtype name}."""
+    torch_dtype, name, onnx_id = HALF[precision]
+    keep: set[str] = set()
+    for step in program.steps:
+        for i, value in enumerate(step.inputs):
+            if (step.op_type, i) in KEEP_FP32_INPUTS:
+                keep.add(value)
+    key_of = dict(program.constants)
+    keep_keys = {key_of.get(v, v) for v in keep}
+    for key, w in list(weights.items()):
+        if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and key not in keep_keys:
+            weights[key] = w.to(torch_dtype)
+    for step in program.steps:
+        if pinned and step.name in pinned:
+            step.precision = "fp32"
+            continue
+        if step.op_type == "Cast" and step.attributes.get("to") == FLOAT_ID:
+            step.attributes["to"] = onnx_id
+        for attr in ("dtype",):
+            if step.attributes.get(attr) == FLOAT_ID and step.op_type in (
+                "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Multinomial"
+            ):
+                step.attributes[attr] = onnx_id
+        step.output_dtypes = [name if d == "float" else d for d in step.output_dtypes]
+    return {"float": name}
