@@ -9,8 +9,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx import numpy_helper
 from google.protobuf.message import DecodeError
 
 from kiln.errors import ModelError, UnsupportedModelError
@@ -150,6 +152,30 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
     return used - defined
 
 
+def _densify_sparse_constants(graph: onnx.GraphProto) -> None:
+    """Constant(sparse_value) -> Constant(value): onnx_ir cannot hold sparse attributes, and
+    the op's output is dense anyway."""
+    for node in graph.node:
+        for attr in node.attribute:
+            for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+                _densify_sparse_constants(g)
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        for attr in list(node.attribute):
+            if attr.type != onnx.AttributeProto.SPARSE_TENSOR:
+                continue
+            sparse = attr.sparse_tensor
+            values = numpy_helper.to_array(sparse.values)
+            indices = numpy_helper.to_array(sparse.indices).astype("int64")
+            dense = np.zeros(tuple(sparse.dims), dtype=values.dtype)
+            if indices.ndim == 2:  # [NNZ, rank] coordinates
+                dense[tuple(indices.T)] = values
+            else:  # [NNZ] linear indices
+                dense.reshape(-1)[indices] = values
+            node.attribute.remove(attr)
+            node.attribute.append(onnx.helper.make_attribute("value", numpy_helper.from_array(dense)))
+
+
 def _unsupported(model: ir.Model) -> list[str]:
     problems = []
     opsets = dict(model.opset_imports)
@@ -175,6 +201,7 @@ def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
     _load_external_data(proto, base)
+    _densify_sparse_constants(proto.graph)
     problems: list[str] = []
     _check_graph(proto.graph, set(), "the main graph", problems)
     if problems:
