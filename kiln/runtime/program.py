@@ -31,7 +31,8 @@ class StepSpec:
     precision: str = ""  # "fp32": pinned to fp32 in a reduced-precision engine
 
     def to_json(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if v not in ([], {}, "") or k in ("name",)}
+        required = ("op_type", "name", "inputs", "outputs")
+        return {k: v for k, v in self.__dict__.items() if k in required or v not in ([], {}, "")}
 
     @classmethod
     def from_json(cls, d: dict) -> StepSpec:
