@@ -1,5 +1,168 @@
-"""kiln-domain fused ops that the optimizer emits (domain "kiln")."""
+"""kiln-domain fused ops that the optimizer emits (domain "kiln").
+
+Each op stands for a subgraph of ONNX ops (kiln/passes/fusion/ says which); the docstring
+gives the maths. The epilogue of FusedConv/FusedGemm is shared:
+
+    y = layer(x) + bias
+    y = act(y) + residual        (residual_after_activation = 1, e.g. MobileNetV2, BERT)
+    y = act(y + residual)        (residual_after_activation = 0, e.g. ResNet)
+
+In-place epilogue ops reuse the layer's output buffer: no intermediate touches memory twice.
+"""
 
 from __future__ import annotations
 
-from kiln.ops.registry import register  # noqa: F401
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.nn import _conv_params, _pad_spatial
+from kiln.ops.registry import register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _activate_(y: torch.Tensor, activation: str, alpha: float, beta: float) -> torch.Tensor:
+    """act(y), in place where torch has an in-place form."""
+    if activation == "":
+        return y
+    if activation == "Relu":
+        return y.relu_()
+    if activation == "Clip":  # alpha = min, beta = max
+        return y.clamp_(alpha, beta)
+    if activation == "Sigmoid":
+        return y.sigmoid_()
+    if activation == "SiLU":  # x * sigmoid(x)
+        return F.silu(y, inplace=True)
+    if activation == "Tanh":
+        return y.tanh_()
+    if activation == "Gelu":
+        return F.gelu(y)
+    if activation == "GeluTanh":
+        return F.gelu(y, approximate="tanh")
+    if activation == "LeakyRelu":
+        return F.leaky_relu_(y, alpha)
+    if activation == "HardSigmoid":  # max(0, min(1, alpha*x + beta))
+        return y.mul_(alpha).add_(beta).clamp_(0.0, 1.0)
+    if activation == "HardSwish":
+        return F.hardswish(y, inplace=True)
+    raise ValueError(f"unknown fused activation {activation!r}")
+
+
+def _epilogue(y, residual, activation, alpha, beta, residual_after_activation):
+    if residual is not None and not residual_after_activation:
+        y = y.add_(residual) if y.shape == residual.shape else y + residual
+    y = _activate_(y, activation, alpha, beta)
+    if residual is not None and residual_after_activation:
+        y = y.add_(residual) if y.shape == residual.shape else y + residual
+    return y
+
+
+@register("FusedConv", domain="kiln")
+def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations=None, group=1,
+               kernel_shape=None, pads=None, strides=None, activation="", alpha=0.0, beta=0.0,
+               residual_after_activation=0):
+    """Conv(x, W, b) followed by the shared epilogue (activation and/or residual Add)."""
+    n = x.dim() - 2
+    kernel = list(kernel_shape) if kernel_shape else list(w.shape[2:])
+    strides, dilations, pads = _conv_params(x, kernel, auto_pad, dilations, pads, strides)
+    if pads[:n] == pads[n:]:  # symmetric: let the convolution pad, no copy of x
+        y = _CONV[n](x, w, b, stride=strides, padding=pads[:n], dilation=dilations, groups=group)
+    else:
+        y = _CONV[n](_pad_spatial(x, pads[:n], pads[n:]), w, b, stride=strides, dilation=dilations, groups=group)
+    return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
+
+
+@register("FusedGemm", domain="kiln")
+def fused_gemm(ctx, x, w, b=None, residual=None, *, activation="", alpha=0.0, beta=0.0,
+               residual_after_activation=1):
+    """x @ Wᵀ + b (W stored [N, K], pre-transposed at build, as torch.nn.functional.linear wants)."""
+    y = F.linear(x, w, b)  # x: [..., K], w: [N, K] -> y: [..., N]
+    return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
+
+
+@register("Gelu", domain="kiln")
+def gelu(ctx, x, *, approximate="none"):
+    """none: x·Φ(x) = x·½(1 + erf(x/√2));  tanh: ½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""
+    return F.gelu(x, approximate=approximate)
+
+
+@register("LayerNorm", domain="kiln")
+def layer_norm(ctx, x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
+    """(x - mean) / sqrt(var + ε) · scale + bias over the dims from `axis` on (fp32 statistics)."""
+    axis = axis + x.dim() if axis < 0 else axis
+    shape = list(x.shape[axis:])
+    if x.dtype in (torch.float16, torch.bfloat16):
+        y = F.layer_norm(x.float(), shape, None, None, epsilon).to(x.dtype)
+        y = y * scale if scale is not None else y
+        return y + bias if bias is not None else y
+    if scale is not None and list(scale.shape) != shape:
+        scale = scale.expand(shape)
+    if bias is not None and list(bias.shape) != shape:
+        bias = bias.expand(shape)
+    return F.layer_norm(x, shape, scale, bias, epsilon)
+
+
+@register("RMSNorm", domain="kiln")
+def rms_norm(ctx, x, scale=None, *, axis=-1, epsilon=1e-6):
+    """x / sqrt(mean(x², axis..) + ε) · scale, statistics in fp32."""
+    axis = axis + x.dim() if axis < 0 else axis
+    dims = list(range(axis, x.dim()))
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(dims, keepdim=True) + epsilon)).to(x.dtype)
+    return y * scale if scale is not None else y
+
+
+@register("Softmax", domain="kiln")
+def softmax(ctx, x, *, axis=-1):
+    """exp(x - max) / sum(exp(x - max)) along one axis."""
+    return torch.softmax(x, dim=axis)
+
+
+@register("Attention", domain="kiln")
+def attention(ctx, q, k, v, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None, out_perm=None,
+              gqa=0, nan_to_zero=0):
+    """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
+
+    `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
+    H_q / H_kv query heads. `nan_to_zero`: rows whose every key is masked give 0, not NaN.
+    """
+    q = q.permute(q_perm) if q_perm else q  # q: [B, H, S, D]
+    k = k.permute(k_perm) if k_perm else k  # k: [B, Hkv, T, D]
+    v = v.permute(v_perm) if v_perm else v  # v: [B, Hkv, T, D]
+    if mask is not None and mask.dtype != q.dtype and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    if gqa and k.shape[-3] != q.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k = k.repeat_interleave(repeat, dim=-3)
+        v = v.repeat_interleave(repeat, dim=-3)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, S, D]
+    if nan_to_zero:
+        out = torch.nan_to_num_(out, nan=0.0) if not out.requires_grad else torch.nan_to_num(out, nan=0.0)
+    return out.permute(out_perm) if out_perm else out
+
+
+_ELEMENTWISE = {
+    "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Pow": torch.pow,
+    "Max": torch.maximum, "Min": torch.minimum,
+    "Neg": torch.neg, "Abs": torch.abs, "Exp": torch.exp, "Log": torch.log, "Sqrt": torch.sqrt,
+    "Reciprocal": torch.reciprocal, "Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh,
+    "Erf": torch.erf, "Sin": torch.sin, "Cos": torch.cos, "Floor": torch.floor, "Ceil": torch.ceil,
+    "Gelu": F.gelu, "GeluTanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@register("Elementwise", domain="kiln")
+def elementwise(ctx, *inputs, code=None):
+    """A chain of elementwise ops as a small program: each line `Op a b` reads inputs `i<k>`
+    or earlier results `t<k>`, and the last line's result is the output.
+
+    On CPU each line is one torch call (the gain is fewer steps); on GPU the same program is
+    what a generated Triton kernel evaluates in one pass.
+    """
+    temps: list[torch.Tensor] = []
+    for line in code:
+        op, *args = line.split()
+        values = [inputs[int(a[1:])] if a[0] == "i" else temps[int(a[1:])] for a in args]
+        temps.append(_ELEMENTWISE[op](*values))
+    return temps[-1]
+

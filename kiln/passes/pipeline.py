@@ -1,4 +1,11 @@
-"""The optimization pipeline: one function, each pass named, one line saying why."""
+"""The optimization pipeline: one function, each pass named, one line saying why.
+
+Opt levels (like TensorRT's builder optimization level):
+  0  import and run as is
+  1  cleanups: constant folding (incl. static shape arithmetic), no-op removal, CSE, DCE
+  2  + BatchNorm/affine folding into weights, and the fusions into kiln ops (default)
+  3+ the same graph as 2 (the higher levels widen tactic search, not the graph)
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,54 @@ import onnx_ir as ir
 from onnx_ir.passes import common
 
 from kiln.engine.config import BuildConfig
+from kiln.passes import fusion
+from kiln.passes._rewrite import PassReport, run_rule
+from kiln.passes.batchnorm import fold_batchnorm_and_affine
+from kiln.passes.dce import eliminate_dead_code
+from kiln.passes.fold import fold_constants
+from kiln.passes.noop import remove_noops
 
 
-def optimize(model: ir.Model, config: BuildConfig) -> ir.Model:
-    if config.opt_level == 0:  # import and run as is
-        return model
-    # Identity nodes only rename values; removing them shortens the step list.
-    common.IdentityEliminationPass()(model)
-    # Nodes whose outputs nobody reads cost time and memory for nothing.
-    common.RemoveUnusedNodesPass()(model)
+def cleanup(model: ir.Model, report: PassReport) -> None:
+    # Constant nodes become initializers, so every constant looks the same to the rules.
+    common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    # Run once at build what would give the same answer on every run (shapes included).
+    fold_constants(model, report)
+    # Identity, inference Dropout, Reshape/Transpose/Cast chains that cancel.
+    remove_noops(model, report)
+    # Folding may expose more constants (a Reshape of a folded shape); one more round.
+    fold_constants(model, report)
     # Identical subexpressions (same op, inputs, attributes) need computing once.
     common.CommonSubexpressionEliminationPass()(model)
-    common.RemoveUnusedNodesPass()(model)
+    # Nodes and weights nobody reads cost time and memory for nothing.
+    eliminate_dead_code(model, report)
+
+
+def optimize(model: ir.Model, config: BuildConfig, report: PassReport | None = None) -> ir.Model:
+    report = report if report is not None else PassReport()
+    if config.opt_level == 0:  # import and run as is
+        return model
+    cleanup(model, report)
+    if config.opt_level >= 2:
+        # BatchNorm and per-channel Mul/Add disappear into the preceding layer's weights.
+        fold_batchnorm_and_affine(model, report)
+        # Fewer, larger steps: every fusion rule in order (recognise patterns, then fuse
+        # layers with their epilogues, then whatever elementwise chains remain).
+        for name, rule in fusion.RULES:
+            run_rule(model, name, rule, report)
+        eliminate_dead_code(model, report)
     # Steps run in list order: keep it topological after the rewrites.
     common.TopologicalSortPass()(model)
+    model.meta["kiln.pass_report"] = report
     return model
+
+
+def why_not(model: ir.Model, config: BuildConfig | None = None) -> list[str]:
+    """Candidate fusions that did not fire, each with the rule's reason (`kiln inspect --why-not`).
+
+    Works on a copy: the caller's model is not changed.
+    """
+    copy = ir.from_proto(ir.to_proto(model))
+    report = PassReport()
+    optimize(copy, config or BuildConfig(), report)
+    return list(report.refused)

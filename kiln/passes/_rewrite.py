@@ -1,0 +1,228 @@
+"""Small graph-surgery helpers shared by the passes (onnx_ir underneath).
+
+A rule in kiln is `match(node) -> Match | None` (None: this node is not a candidate),
+`check(match) -> str | None` (a reason when it refuses) and `rewrite(match)`; `run_rule`
+drives one rule over a graph and counts how often it fired. Refusals are kept in a
+`PassReport` so that `why_not` can show them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+FUSED_FROM = "kiln.fused_from"
+KILN_DOMAIN = "kiln"
+
+
+@dataclass
+class PassReport:
+    """What the pipeline did: how often each rule fired, and why candidates were refused."""
+
+    fired: dict[str, int] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+
+    def count(self, rule: str, n: int = 1) -> None:
+        if n:
+            self.fired[rule] = self.fired.get(rule, 0) + n
+
+    def refuse(self, rule: str, node: ir.Node, reason: str) -> None:
+        line = f"{rule} at node {node.name!r} ({node.op_type}): {reason}"
+        if line not in self.refused:  # rules sweep the graph until nothing fires
+            self.refused.append(line)
+
+
+# ---------------------------------------------------------------- constants
+
+
+def const(value: ir.Value | None) -> np.ndarray | None:
+    """The value's constant contents, or None if it is computed at run time.
+
+    An initializer that is also a graph input can be overridden by the caller, so it is
+    not a constant.
+    """
+    if value is None or value.const_value is None or value.is_graph_input():
+        return None
+    return value.const_value.numpy()
+
+
+def const_scalar(value: ir.Value | None) -> float | None:
+    array = const(value)
+    if array is None or array.size != 1:
+        return None
+    return float(array.reshape(-1)[0])
+
+
+def is_const_close(value: ir.Value | None, target: float, rtol: float = 1e-3) -> bool:
+    s = const_scalar(value)
+    return s is not None and abs(s - target) <= rtol * abs(target)
+
+
+def static_shape(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.shape is None:
+        return None
+    dims = list(value.shape)
+    return dims if all(isinstance(d, int) for d in dims) else None
+
+
+def same_shape(a: ir.Value, b: ir.Value) -> bool:
+    """True when both shapes are known and equal dim by dim (symbols compared by name)."""
+    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+        return False
+    for x, y in zip(a.shape, b.shape):
+        if isinstance(x, int) or isinstance(y, int):
+            if x != y:
+                return False
+        elif x.value is None or x.value != y.value:
+            return False
+    return True
+
+
+def dtype_of(value: ir.Value | None) -> ir.DataType | None:
+    if value is None or value.type is None or not isinstance(value.type, ir.TensorType):
+        return None
+    return value.type.dtype
+
+
+def new_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Registers `array` as a new initializer under a fresh name derived from `name`."""
+    base, n = name, 1
+    while name in graph.initializers:
+        n += 1
+        name = f"{base}_{n}"
+    tensor = ir.tensor(np.ascontiguousarray(array), name=name)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+    graph.register_initializer(value)
+    return value
+
+
+# ---------------------------------------------------------------- uses
+
+
+def consumers(value: ir.Value) -> list[ir.Node]:
+    return list(dict.fromkeys(u.node for u in value.uses()))
+
+
+def only_user(value: ir.Value | None) -> ir.Node | None:
+    """The single node reading `value` (once), if the graph does not also output it."""
+    if value is None or value.is_graph_output():
+        return None
+    uses = list(value.uses())
+    return uses[0].node if len(uses) == 1 else None
+
+
+def producer(value: ir.Value | None, op_type: str | None = None, domain: str = "") -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    if node is None or (op_type is not None and (node.op_type != op_type or node.domain != domain)):
+        return None
+    return node
+
+
+def other_input(node: ir.Node, value: ir.Value) -> ir.Value | None:
+    """For a binary node reading `value`, its other operand."""
+    a, b = node.inputs[0], node.inputs[1]
+    return b if a is value else a
+
+
+def attr(node: ir.Node, name: str, default: Any = None) -> Any:
+    a = node.attributes.get(name)
+    if a is None:
+        return default
+    v = a.value
+    return list(v) if isinstance(v, tuple) else v
+
+
+def is_op(node: ir.Node | None, *op_types: str, domain: str = "") -> bool:
+    return node is not None and node.op_type in op_types and node.domain == domain
+
+
+# ---------------------------------------------------------------- surgery
+
+
+def fused_from(nodes: Iterable[ir.Node]) -> list[str]:
+    """The ONNX node names a set of nodes stands for (inheriting earlier fusions)."""
+    names: list[str] = []
+    for node in nodes:
+        inherited = node.metadata_props.get(FUSED_FROM)
+        for name in json.loads(inherited) if inherited else [node.name or node.op_type]:
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def replace_with(old_nodes: list[ir.Node], new_node: ir.Node, old_output: ir.Value,
+                 insert_before: ir.Node | None = None) -> None:
+    """Put `new_node` in place of `old_nodes`; its output 0 takes over `old_output`.
+
+    The new output keeps the old output's name, type and shape (graph outputs keep their
+    names), and the node records which ONNX nodes it absorbed in metadata.
+    """
+    graph = old_nodes[0].graph
+    new_node.metadata_props[FUSED_FROM] = json.dumps(fused_from(old_nodes))
+    if not new_node.name:
+        new_node.name = old_output.producer().name
+    out = new_node.outputs[0]
+    out.type, out.shape = old_output.type, old_output.shape
+    graph.insert_before(insert_before or old_output.producer(), new_node)
+    name = old_output.name
+    ir.convenience.replace_all_uses_with(old_output, out, replace_graph_outputs=True)
+    graph.remove(old_nodes, safe=True)
+    old_output.name = f"{name}__replaced"
+    out.name = name
+
+
+def bypass(node: ir.Node, replacement: ir.Value) -> bool:
+    """Remove a node whose output 0 equals `replacement`; False when that cannot be done.
+
+    A graph output keeps its name: when the node's output is a graph output, the
+    replacement is renamed to it, which is only possible if the replacement is itself an
+    intermediate value (not a graph input, initializer or another graph output).
+    """
+    graph = node.graph
+    out = node.outputs[0]
+    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
+        return False
+    if out.is_graph_output():
+        if replacement.is_graph_input() or replacement.is_initializer() or replacement.is_graph_output():
+            return False
+        if replacement.graph is not graph and replacement.producer() is None:
+            return False  # an outer-scope value: a subgraph output cannot rename it
+    name = out.name
+    if replacement.shape is None:
+        replacement.shape = out.shape
+    ir.convenience.replace_all_uses_with(out, replacement, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    if replacement.is_graph_output():
+        out.name = f"{name}__removed"
+        replacement.name = name
+    return True
+
+
+def graphs_of(model: ir.Model) -> list[ir.Graph]:
+    return [model.graph, *model.graph.subgraphs()]
+
+
+Rule = Callable[[ir.Node, PassReport], bool]
+
+
+def run_rule(model: ir.Model, name: str, rule: Rule, report: PassReport, main_only: bool = True) -> int:
+    """Applies `rule` to every node until it no longer fires; returns how often it fired."""
+    fired = 0
+    graphs = [model.graph] if main_only else graphs_of(model)
+    for graph in graphs:
+        changed = True
+        while changed:
+            changed = False
+            for node in list(graph):
+                if node.graph is not graph:  # removed by an earlier rewrite in this sweep
+                    continue
+                if rule(node, report):
+                    fired += 1
+                    changed = True
+    report.count(name, fired)
+    return fired

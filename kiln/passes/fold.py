@@ -1,0 +1,136 @@
+"""Constant folding with kiln's own op implementations.
+
+A node whose inputs are all constants is run once at build time (through the very
+implementation the runtime would call, so folding can never disagree with running) and
+its outputs become initializers. `Shape` and `Size` of a value whose shape is fully static
+fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporters emit.
+
+Never folded: QuantizeLinear/DequantizeLinear (they carry calibration a later pass reads),
+random ops, nodes with subgraphs, and results much larger than their inputs (a folded
+Expand/ConstantOfShape would only bloat the engine).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from kiln.engine.lower import tensor_to_runtime
+from kiln.ir import dtypes
+from kiln.ops.registry import OpContext, lookup
+from kiln.passes._rewrite import PassReport, const, graphs_of, static_shape
+
+NEVER_FOLD = {
+    "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
+    "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
+}
+SIZE_LIMIT = 1 << 20  # elements: a folded output may always be this large, or as large as its inputs
+
+
+def _attributes(node: ir.Node) -> dict | None:
+    kwargs = {}
+    for name, a in node.attributes.items():
+        if a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS):
+            return None
+        if a.type == ir.AttributeType.TENSOR:
+            kwargs[name] = tensor_to_runtime(a.value)
+        elif a.type == ir.AttributeType.TENSORS:
+            kwargs[name] = [tensor_to_runtime(t) for t in a.value]
+        elif a.type in (ir.AttributeType.INTS, ir.AttributeType.FLOATS, ir.AttributeType.STRINGS):
+            kwargs[name] = list(a.value)
+        else:
+            kwargs[name] = a.value
+    return kwargs
+
+
+def _static_shape_result(node: ir.Node) -> np.ndarray | None:
+    """Shape/Size of a value whose shape is fully known, without running anything."""
+    shape = static_shape(node.inputs[0])
+    if shape is None:
+        return None
+    if node.op_type == "Size":
+        return np.array(int(np.prod(shape)), dtype=np.int64)
+    rank = len(shape)
+    start = node.attributes.get_int("start", 0)
+    end = node.attributes.get_int("end", rank)
+    start, end = (max(0, min(rank, i + rank if i < 0 else i)) for i in (start, end))
+    return np.array(shape[start:end], dtype=np.int64)
+
+
+def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:
+    spec = lookup(node.op_type, node.domain)
+    kwargs = _attributes(node)
+    if spec is None or kwargs is None or spec.check(opset, list(kwargs)):
+        return None
+    inputs = [None if v is None else tensor_to_runtime(v.const_value) for v in node.inputs]
+    ctx = OpContext(
+        name=node.name or node.op_type, op_type=node.op_type, domain=node.domain, opset=opset,
+        num_inputs=len(node.inputs), num_outputs=len(node.outputs),
+        output_dtypes=[None if v.dtype is None else dtypes.from_onnx(int(v.dtype)) for v in node.outputs],
+    )
+    with torch.no_grad():
+        result = spec.fn(ctx, *inputs, **kwargs)
+    results = list(result) if isinstance(result, tuple) else [result]
+    arrays = []
+    for r in results:
+        if isinstance(r, torch.Tensor):
+            arrays.append(dtypes.torch_to_numpy(r))
+        elif isinstance(r, np.ndarray) and r.dtype != object:
+            arrays.append(r)
+        else:  # sequences, optionals, strings: leave them to the runtime
+            return None
+    return arrays
+
+
+def _foldable(node: ir.Node) -> bool:
+    if node.op_type in NEVER_FOLD or node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type in ("Shape", "Size"):
+        return True
+    inputs = [v for v in node.inputs if v is not None]
+    return bool(inputs) and all(const(v) is not None for v in inputs)
+
+
+def fold_node(node: ir.Node, opset: int) -> bool:
+    if node.op_type in ("Shape", "Size"):
+        result = _static_shape_result(node)
+        if result is None and const(node.inputs[0]) is None:
+            return False
+        arrays = [result] if result is not None else _evaluate(node, opset)
+    else:
+        arrays = _evaluate(node, opset)
+    if arrays is None or len(arrays) != len(node.outputs):
+        return False
+    input_elements = sum(int(np.prod(v.const_value.shape)) for v in node.inputs if v is not None and v.const_value is not None)
+    if any(a.size > max(SIZE_LIMIT, input_elements) for a in arrays):
+        return False
+    graph = node.graph
+    replacements = []
+    for out, array in zip(node.outputs, arrays):
+        tensor = ir.tensor(np.ascontiguousarray(array), name=out.name)
+        if out.dtype is not None and tensor.dtype != out.dtype:
+            return False  # the implementation disagrees with the declared type: do not guess
+        replacements.append((out, tensor))
+    for out, tensor in replacements:
+        name = out.name
+        folded = ir.Value(name=f"{name}__folding", shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                          const_value=tensor)
+        out.name = f"{name}__folded"
+        folded.name = name
+        graph.register_initializer(folded)
+        ir.convenience.replace_all_uses_with(out, folded, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    return True
+
+
+def fold_constants(model: ir.Model, report: PassReport) -> int:
+    """Folds every foldable node, in graph order (so chains fold in one sweep)."""
+    opset = dict(model.opset_imports).get("", 21)
+    folded = 0
+    for graph in graphs_of(model):
+        for node in list(graph):
+            if _foldable(node) and fold_node(node, opset):
+                folded += 1
+    report.count("fold_constants", folded)
+    return folded

@@ -1,0 +1,105 @@
+"""Removal of nodes that compute nothing at inference time, and of chains that cancel.
+
+Each rule returns True when it rewrote the graph; the comment on each gives the algebra.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kiln.passes._rewrite import PassReport, attr, bypass, const, is_op, only_user, producer, run_rule, static_shape
+
+# Casts through these types keep every value of the source type exactly (src -> wider -> src).
+_LOSSLESS_WIDENING = {
+    ir.DataType.FLOAT16: {ir.DataType.FLOAT, ir.DataType.DOUBLE},
+    ir.DataType.BFLOAT16: {ir.DataType.FLOAT, ir.DataType.DOUBLE},
+    ir.DataType.FLOAT: {ir.DataType.DOUBLE},
+    ir.DataType.INT8: {ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64},
+    ir.DataType.INT16: {ir.DataType.INT32, ir.DataType.INT64},
+    ir.DataType.INT32: {ir.DataType.INT64},
+    ir.DataType.UINT8: {ir.DataType.INT16, ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT16,
+                        ir.DataType.UINT32, ir.DataType.UINT64},
+    ir.DataType.BOOL: {ir.DataType.INT8, ir.DataType.INT32, ir.DataType.INT64, ir.DataType.UINT8},
+}
+
+
+def remove_identity(node: ir.Node, report: PassReport) -> bool:
+    # Identity(x) -> x
+    return is_op(node, "Identity") and node.inputs[0] is not None and bypass(node, node.inputs[0])
+
+
+def remove_dropout(node: ir.Node, report: PassReport) -> bool:
+    # Dropout(x) -> x at inference (training_mode absent or false; the mask unused)
+    if not is_op(node, "Dropout"):
+        return False
+    training = node.inputs[2] if len(node.inputs) > 2 else None
+    if training is not None and (const(training) is None or bool(const(training).reshape(-1)[0])):
+        return False
+    return bypass(node, node.inputs[0])
+
+
+def remove_same_shape_reshape(node: ir.Node, report: PassReport) -> bool:
+    # Reshape(x, shape(x)) -> x, also Expand to x's own static shape; Squeeze/Unsqueeze/Flatten alike
+    if not is_op(node, "Reshape", "Expand", "Flatten", "Squeeze", "Unsqueeze"):
+        return False
+    before, after = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    return before is not None and before == after and bypass(node, node.inputs[0])
+
+
+def collapse_reshape_chain(node: ir.Node, report: PassReport) -> bool:
+    # Reshape(Reshape(x, s1), s2) -> Reshape(x, s2) when s2 copies no dim (no 0 entries)
+    if not is_op(node, "Reshape"):
+        return False
+    inner = producer(node.inputs[0], "Reshape")
+    shape = const(node.inputs[1])
+    if inner is None or shape is None or (attr(node, "allowzero", 0) == 0 and (shape == 0).any()):
+        return False
+    node.replace_input_with(0, inner.inputs[0])
+    return True
+
+
+def collapse_transpose_chain(node: ir.Node, report: PassReport) -> bool:
+    # Transpose(Transpose(x, p1), p2) -> Transpose(x, p1[p2]); Transpose(x, identity) -> x
+    if not is_op(node, "Transpose"):
+        return False
+    perm = attr(node, "perm")
+    inner = producer(node.inputs[0], "Transpose")
+    if perm is not None and perm == sorted(perm):
+        return bypass(node, node.inputs[0])
+    if inner is None or perm is None or attr(inner, "perm") is None:
+        return False
+    combined = [attr(inner, "perm")[p] for p in perm]
+    node.replace_input_with(0, inner.inputs[0])
+    node.attributes["perm"] = ir.AttrInt64s("perm", combined)
+    return True
+
+
+def remove_cast_round_trip(node: ir.Node, report: PassReport) -> bool:
+    # Cast(x, to=type(x)) -> x;  Cast(Cast(x, wider), type(x)) -> x
+    if not is_op(node, "Cast"):
+        return False
+    source = node.inputs[0]
+    target = ir.DataType(attr(node, "to"))
+    if source.dtype == target:
+        return bypass(node, source)
+    inner = producer(source, "Cast")
+    if inner is None or inner.inputs[0].dtype != target:
+        return False
+    if source.dtype not in _LOSSLESS_WIDENING.get(target, set()):
+        return False
+    return bypass(node, inner.inputs[0])
+
+
+NOOP_RULES = {
+    "remove_identity": remove_identity,
+    "remove_dropout": remove_dropout,
+    "remove_same_shape_reshape": remove_same_shape_reshape,
+    "collapse_reshape_chain": collapse_reshape_chain,
+    "collapse_transpose_chain": collapse_transpose_chain,
+    "remove_cast_round_trip": remove_cast_round_trip,
+}
+
+
+def remove_noops(model: ir.Model, report: PassReport) -> int:
+    return sum(run_rule(model, name, rule, report, main_only=False) for name, rule in NOOP_RULES.items())
+
