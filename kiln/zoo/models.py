@@ -1,0 +1,150 @@
+"""The zoo's model table: what each model is, how to build it in torch, and what it takes as input.
+
+Architectures come from `transformers` configs with random, seeded weights (no downloads), plus the
+two real-weight models (MobileNetV2 ImageNet, all-MiniLM-L6-v2). Each full-size model has a small
+variant (few layers, narrow) that exports and runs in seconds for CI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.zoo import mobilenet, sentence
+
+SEED = 0
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    name: str
+    kind: str  # "image": pixel_values; "encoder": input_ids + attention_mask; "decoder": input_ids
+    description: str
+    build: Callable[[], nn.Module]  # the torch model, eval mode, fp32
+    config: dict = field(default_factory=dict)  # what defines it: part of the export cache key
+    batch: int = 1
+    seq: int = 16  # tokens, for text models
+    image_size: int = 224  # for image models
+    vocab_size: int = 0  # for text models: token ids are drawn in [0, vocab_size)
+    slow: bool = False  # heavy: left out of CI (pytest -m "not slow")
+    real_weights: bool = False
+
+
+class _ImageLogits(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.model(pixel_values=pixel_values).logits  # [B, classes]
+
+
+class _EncoderHidden(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, S, D]
+
+
+class _DecoderLogits(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits  # [B, S, vocab]
+
+
+def _hf(config_class: str, model_class: str, wrapper: type[nn.Module], config: dict) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import transformers
+
+        torch.manual_seed(SEED)  # random weights, the same ones every time
+        hf_config = getattr(transformers, config_class)(**config)
+        model = getattr(transformers, model_class)(hf_config)
+        return wrapper(model).eval()
+    return build
+
+
+def _spec(name: str, kind: str, description: str, config_class: str, model_class: str, config: dict,
+          **options) -> ZooModel:
+    wrapper = {"image": _ImageLogits, "encoder": _EncoderHidden, "decoder": _DecoderLogits}[kind]
+    return ZooModel(name=name, kind=kind, description=description,
+                    build=_hf(config_class, model_class, wrapper, config),
+                    config={"class": f"{config_class}/{model_class}", **config}, **options)
+
+
+_BERT_TINY = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=256, max_position_embeddings=128)
+_GPT2_TINY = dict(vocab_size=1024, n_positions=128, n_embd=64, n_layer=2, n_head=4,
+                  bos_token_id=0, eos_token_id=0)
+_LLAMA_SMALL = dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048)
+_LLAMA_TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+_VIT_TINY = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, num_labels=10)
+_RESNET_TINY = dict(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
+                    layer_type="bottleneck", num_labels=10)
+
+MODELS: dict[str, ZooModel] = {m.name: m for m in [
+    ZooModel("mobilenet_v2", "image", "MobileNetV2 1.0, torchvision ImageNet weights",
+             build=mobilenet.pretrained, config={"arch": "torchvision-mobilenet_v2", "weights": "b0353104"},
+             real_weights=True),
+    ZooModel("minilm", "encoder", "all-MiniLM-L6-v2 sentence embeddings (mean pooling + L2 norm), real weights",
+             build=sentence.pretrained, config={"arch": "sentence-transformers/all-MiniLM-L6-v2"},
+             batch=8, seq=32, vocab_size=30522, real_weights=True),
+    _spec("resnet50", "image", "ResNet-50, random weights", "ResNetConfig", "ResNetForImageClassification",
+          {"num_labels": 1000}, slow=True),
+    _spec("resnet_tiny", "image", "ResNet (bottleneck, 4 stages of 1 block, 16-256 wide)",
+          "ResNetConfig", "ResNetForImageClassification", _RESNET_TINY, image_size=64),
+    _spec("bert_base", "encoder", "BERT-base uncased shape, random weights", "BertConfig", "BertModel",
+          {}, seq=128, vocab_size=30522, slow=True),
+    _spec("bert_tiny", "encoder", "BERT, 2 layers, 64 wide", "BertConfig", "BertModel", _BERT_TINY,
+          batch=2, vocab_size=1024),
+    _spec("gpt2", "decoder", "GPT-2 small (124M), random weights", "GPT2Config", "GPT2LMHeadModel",
+          {}, seq=128, vocab_size=50257, slow=True),
+    _spec("gpt2_tiny", "decoder", "GPT-2, 2 layers, 64 wide", "GPT2Config", "GPT2LMHeadModel", _GPT2_TINY,
+          batch=2, vocab_size=1024),
+    _spec("llama_small", "decoder", "Llama, 8 layers, 512 wide, GQA 8/4 heads, random weights",
+          "LlamaConfig", "LlamaForCausalLM", _LLAMA_SMALL, seq=128, vocab_size=32000, slow=True),
+    _spec("llama_tiny", "decoder", "Llama, 2 layers, 64 wide, GQA 4/2 heads", "LlamaConfig", "LlamaForCausalLM",
+          _LLAMA_TINY, batch=2, vocab_size=1024),
+    _spec("vit_b16", "image", "ViT-B/16 224, random weights", "ViTConfig", "ViTForImageClassification",
+          {"num_labels": 1000}, slow=True),
+    _spec("vit_tiny", "image", "ViT, 32px images, 8px patches, 2 layers, 64 wide", "ViTConfig",
+          "ViTForImageClassification", _VIT_TINY, batch=2, image_size=32),
+]}
+
+
+def make_inputs(model: ZooModel, *, batch: int, seq: int, seed: int) -> dict[str, np.ndarray]:
+    """Random inputs of the model's kind: token ids in range (some rows padded), or images."""
+    rng = np.random.default_rng(seed)
+    if model.kind == "image":
+        return {"pixel_values": rng.standard_normal((batch, 3, model.image_size, model.image_size), np.float32)}
+    input_ids = rng.integers(0, model.vocab_size, (batch, seq), dtype=np.int64)
+    if model.kind == "decoder":
+        return {"input_ids": input_ids}
+    attention_mask = np.ones((batch, seq), np.int64)
+    for row in range(1, batch):  # rows after the first end in padding, so masking is exercised
+        attention_mask[row, rng.integers(seq // 2, seq):] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def example_inputs(model: ZooModel, *, batch: int, seq: int) -> dict[str, np.ndarray]:
+    """The deterministic input exported with the model: a real photo / real sentences where we have them."""
+    if model.name == "mobilenet_v2":
+        import skimage.data
+
+        image = mobilenet.preprocess(skimage.data.chelsea())
+        return {"pixel_values": np.repeat(image, batch, axis=0)}
+    if model.name == "minilm":
+        sentences = [sentence.SENTENCES[i % len(sentence.SENTENCES)] for i in range(batch)]
+        return sentence.tokenize(sentences, seq)
+    return make_inputs(model, batch=batch, seq=seq, seed=SEED)
