@@ -95,7 +95,7 @@ def new_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     while name in graph.initializers:
         n += 1
         name = f"{base}_{n}"
-    tensor = ir.tensor(np.ascontiguousarray(array), name=name)
+    tensor = ir.tensor(np.ascontiguousarray(array).reshape(np.shape(array)), name=name)  # keep 0-d 0-d
     value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
     graph.register_initializer(value)
     return value
@@ -226,3 +226,21 @@ def run_rule(model: ir.Model, name: str, rule: Rule, report: PassReport, main_on
                     changed = True
     report.count(name, fired)
     return fired
+
+
+def reduce_axes(node: ir.Node) -> list[int] | None:
+    """The axes of a Reduce* node (input 1 from opset 13/18 on, else the attribute); None if unknown."""
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        axes = const(node.inputs[1])
+        return None if axes is None else [int(a) for a in axes.reshape(-1)]
+    axes = attr(node, "axes")
+    return None if axes is None else [int(a) for a in axes]
+
+
+def trailing_axis(node: ir.Node, rank: int | None) -> int | None:
+    """For a keepdims Reduce over the last dims (e.g. [-1] or [2, 3] of rank 4): the first axis."""
+    axes = reduce_axes(node)
+    if axes is None or rank is None or attr(node, "keepdims", 1) != 1:
+        return None
+    axes = sorted(a + rank if a < 0 else a for a in axes)
+    return axes[0] - rank if axes == list(range(axes[0], rank)) else None

@@ -108,7 +108,7 @@ def fold_node(node: ir.Node, opset: int) -> bool:
     graph = node.graph
     replacements = []
     for out, array in zip(node.outputs, arrays):
-        tensor = ir.tensor(np.ascontiguousarray(array), name=out.name)
+        tensor = ir.tensor(np.ascontiguousarray(array).reshape(np.shape(array)), name=out.name)  # keep 0-d 0-d
         if out.dtype is not None and tensor.dtype != out.dtype:
             return False  # the implementation disagrees with the declared type: do not guess
         replacements.append((out, tensor))
