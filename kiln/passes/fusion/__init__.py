@@ -4,10 +4,20 @@ then attention, then the elementwise chains that are left."""
 
 from __future__ import annotations
 
+from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.conv import fuse_conv
+from kiln.passes.fusion.gelu import fuse_gelu
+from kiln.passes.fusion.layernorm import fuse_layer_norm
+from kiln.passes.fusion.rmsnorm import fuse_rms_norm
+from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.gemm import fuse_gemm
 
 RULES = [
+    ("fuse_gelu", fuse_gelu),
+    ("fuse_layer_norm", fuse_layer_norm),
+    ("fuse_rms_norm", fuse_rms_norm),
+    ("fuse_softmax", fuse_softmax),
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
+    ("fuse_attention", fuse_attention),
 ]

@@ -1,0 +1,183 @@
+"""Scaled dot-product attention -> kiln::Attention (torch's scaled_dot_product_attention).
+
+    O = softmax(Q·Kᵀ·s + M)·V
+
+as exporters write it: MatMul(Q·a, Kᵀ·b) [·c or /c] [+ M] -> Softmax(-1) [-> Where(IsNaN(P), 0, P)]
+-> MatMul(·, V), with s = a·b·c. Around it, the head split/merge Transposes are absorbed
+as permutations applied inside the op (views, no copies):
+
+- Kᵀ: Transpose(K, p), or the torchlib form Reshape(Transpose(Reshape(K, [B·H, T, D]), [0,2,1]), [B,H,D,T]);
+- K/V repeated for grouped-query attention, Reshape(Expand(Unsqueeze(k, 2))), becomes gqa=1 on the
+  un-repeated k/v;
+- Transpose on Q, K, V inputs and on the output.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from kiln.passes._rewrite import (
+    KILN_DOMAIN, PassReport, attr, const, const_scalar, consumers, is_op, only_user, other_input, producer,
+    replace_with,
+)
+
+RULE = "fuse_attention"
+
+
+def _rank(value: ir.Value) -> int | None:
+    return None if value is None or value.shape is None else len(value.shape)
+
+
+def _strip_scale(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, float]:
+    """value = inner·s for scalar constants s (Mul or Div), along single-use edges."""
+    scale = 1.0
+    while (node := producer(value)) is not None and is_op(node, "Mul", "Div") and only_user(value):
+        if node.op_type == "Div" and const_scalar(node.inputs[1]) is not None:
+            scale, inner = scale / const_scalar(node.inputs[1]), node.inputs[0]
+        elif node.op_type == "Mul" and (c := next((const_scalar(v) for v in node.inputs if const_scalar(v) is not None), None)) is not None:
+            inner = node.inputs[1] if const_scalar(node.inputs[0]) is not None else node.inputs[0]
+            scale *= c
+        else:
+            break
+        nodes.append(node)
+        value = inner
+    return value, scale
+
+
+def _absorb_transpose(value: ir.Value, perm: list[int] | None, nodes: list[ir.Node]) -> tuple[ir.Value, list[int] | None]:
+    """value.permute(perm) == inner.permute(combined) when value = Transpose(inner, p)."""
+    node = producer(value, "Transpose")
+    if node is None or not only_user(value) or attr(node, "perm") is None or _rank(value) != 4:
+        return value, perm
+    p = attr(node, "perm")
+    nodes.append(node)
+    return node.inputs[0], p if perm is None else [p[i] for i in perm]
+
+
+def _unrepeat_kv(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, bool]:
+    """Reshape(Expand(Unsqueeze(x, 2), [B, Hkv, r, T, D]), [B, Hkv·r, T, D]) -> (x, True)."""
+    expand = producer(value, "Expand")
+    if expand is None or not only_user(value) or _rank(value) != 5:
+        return value, False
+    unsqueeze = producer(expand.inputs[0], "Unsqueeze")
+    if unsqueeze is None or not only_user(expand.inputs[0]):
+        return value, False
+    axes = const(unsqueeze.inputs[1]) if len(unsqueeze.inputs) > 1 else attr(unsqueeze, "axes")
+    if axes is None or [int(a) for a in list(axes.reshape(-1) if hasattr(axes, "reshape") else axes)] not in ([2], [-3]):
+        return value, False
+    nodes += [expand, unsqueeze]
+    return unsqueeze.inputs[0], True
+
+
+def _key(kt: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int] | None, bool]:
+    """From Kᵀ ([B, H, D, T]) back to K and the permutation that makes it [B, H, T, D]."""
+    outer = producer(kt, "Reshape")
+    if outer is not None and only_user(kt):  # torchlib: Reshape(Transpose(Reshape(K, [BH,T,D]), [0,2,1]), [B,H,D,T])
+        tr = producer(outer.inputs[0], "Transpose")
+        inner = producer(tr.inputs[0], "Reshape") if tr is not None and only_user(outer.inputs[0]) else None
+        if inner is not None and attr(tr, "perm") == [0, 2, 1] and only_user(tr.inputs[0]):
+            source = inner.inputs[0]
+            taken: list[ir.Node] = [outer, tr, inner]
+            if _rank(source) == 5:
+                source, gqa = _unrepeat_kv(source, taken)
+                if not gqa:
+                    source = None
+            else:
+                gqa = False
+            if source is not None and _rank(source) == 4:
+                nodes += taken
+                k, perm = _absorb_transpose(source, None, nodes)
+                return k, perm, gqa
+    tr = producer(kt, "Transpose")
+    if tr is not None and only_user(kt) and attr(tr, "perm") is not None and _rank(kt) == 4:
+        p = attr(tr, "perm")
+        nodes.append(tr)
+        return tr.inputs[0], p[:2] + [p[3], p[2]], False
+    return kt, [0, 1, 3, 2], False
+
+
+def _value_input(v: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int] | None, bool]:
+    gqa = False
+    reshape = producer(v, "Reshape")
+    if reshape is not None and only_user(v) and _rank(reshape.inputs[0]) == 5:
+        taken: list[ir.Node] = [reshape]
+        source, gqa = _unrepeat_kv(reshape.inputs[0], taken)
+        if gqa:
+            nodes += taken
+            v = source
+    v, perm = _absorb_transpose(v, None, nodes)
+    return v, perm, gqa
+
+
+def fuse_attention(node: ir.Node, report: PassReport) -> bool:
+    if not (is_op(node, "Softmax") or is_op(node, "Softmax", domain="kiln")):
+        return False
+    scores = node.inputs[0]
+    rank = _rank(scores)
+    if rank != 4 or attr(node, "axis", -1) not in (-1, 3):
+        return False  # not attention-shaped; nothing to say
+    nodes: list[ir.Node] = [node]
+    probs = node.outputs[0]
+    # Output side: [Where(IsNaN(P), 0, P)] -> MatMul(P, V)
+    nan_to_zero = 0
+    users = consumers(probs)
+    if len(users) == 2 and not probs.is_graph_output():
+        isnan = next((n for n in users if is_op(n, "IsNaN")), None)
+        where = next((n for n in users if is_op(n, "Where")), None)
+        if isnan and where and where.inputs[0] is isnan.outputs[0] and where.inputs[2] is probs \
+                and const_scalar(where.inputs[1]) == 0.0 and only_user(isnan.outputs[0]):
+            nodes += [isnan, where]
+            probs, nan_to_zero = where.outputs[0], 1
+    pv = only_user(probs)
+    if not is_op(pv, "MatMul") or pv.inputs[0] is not probs:
+        report.refuse(RULE, node, "the softmax output does not feed exactly one MatMul with V")
+        return False
+    nodes.append(pv)
+    # Input side: MatMul(Q·a, Kᵀ·b) [·c] [+ M]
+    if not only_user(scores):
+        report.refuse(RULE, node, "the attention scores are read by more than the Softmax")
+        return False
+    mask = None
+    add = producer(scores, "Add")
+    if add is not None:
+        for candidate in add.inputs:
+            inner, _ = _strip_scale(candidate, [])
+            if is_op(producer(inner), "MatMul") and only_user(candidate):
+                mask = other_input(add, candidate)
+                nodes.append(add)
+                scores = candidate
+                break
+        else:
+            report.refuse(RULE, node, "the Add before Softmax has no Q·Kᵀ operand")
+            return False
+    scores, scale = _strip_scale(scores, nodes)
+    qk = producer(scores, "MatMul")
+    if qk is None or not only_user(scores):
+        report.refuse(RULE, node, "the Softmax input is not a (scaled) MatMul of Q and Kᵀ")
+        return False
+    nodes.append(qk)
+    q, q_scale = _strip_scale(qk.inputs[0], nodes)
+    kt, k_scale = _strip_scale(qk.inputs[1], nodes)
+    if _rank(q) != 4 or _rank(kt) != 4 or _rank(pv.inputs[1]) not in (4, None):
+        report.refuse(RULE, node, "Q, Kᵀ and V are not all 4-D [B, H, S, D]")
+        return False
+    k, k_perm, k_gqa = _key(kt, nodes)
+    v, v_perm, v_gqa = _value_input(pv.inputs[1], nodes)
+    if k_gqa != v_gqa:
+        report.refuse(RULE, node, "K is repeated for grouped-query attention but V is not (or the reverse)")
+        return False
+    q, q_perm = _absorb_transpose(q, None, nodes)
+    out, out_perm = pv.outputs[0], None
+    tr = only_user(out)
+    if is_op(tr, "Transpose") and attr(tr, "perm") is not None:
+        nodes.append(tr)
+        out, out_perm = tr.outputs[0], attr(tr, "perm")
+    attrs = [ir.AttrFloat32("scale", scale * q_scale * k_scale),
+             ir.AttrInt64("gqa", int(k_gqa)), ir.AttrInt64("nan_to_zero", nan_to_zero)]
+    for name, perm in (("q_perm", q_perm), ("k_perm", k_perm), ("v_perm", v_perm), ("out_perm", out_perm)):
+        if perm is not None and perm != [0, 1, 2, 3]:
+            attrs.append(ir.AttrInt64s(name, perm))
+    inputs = [q, k, v] + ([mask] if mask is not None else [])
+    fused = ir.Node(KILN_DOMAIN, "Attention", inputs, attrs, name=pv.name)
+    replace_with(nodes, fused, out)
+    return True
