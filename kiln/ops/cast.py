@@ -74,19 +74,30 @@ def _to_float8e8m0(x: torch.Tensor, saturate: bool, round_mode: str) -> torch.Te
 
 
 def _to_string(array: np.ndarray) -> np.ndarray:
+    """Numbers as text the way onnxruntime writes them: floats as "%.8g" ("0.1", "100", "1e+20"),
+    the spec's reserved literals "INF"/"-INF"/"NaN", bools as "1"/"0"."""
     if array.dtype.kind == "O":
         return array
-    if array.dtype.type.__module__ != "numpy":  # ml_dtypes: print the float value
-        array = array.astype(np.float32)
-    return array.astype(np.str_).astype(object)
+    if array.dtype == np.bool_:
+        array = array.astype(np.uint8)
+    if array.dtype.kind in "iu":
+        return array.astype(np.str_).astype(object)
+    values = array.astype(np.float64).reshape(-1)
+    special = {np.inf: "INF", -np.inf: "-INF"}
+    text = ["NaN" if v != v else special.get(v) or "%.8g" % v for v in values.tolist()]
+    return np.array(text, dtype=object).reshape(array.shape)
 
 
 def _from_string(array: np.ndarray, target: DType) -> np.ndarray:
-    text = array.astype(np.str_)
+    """Numbers in plain or scientific notation, "INF"/"+INF"/"-INF"/"NaN" in any case."""
+    text = np.char.strip(array.astype(np.str_))
     if target.name == "bool":
-        return np.isin(np.char.lower(text), ["true", "1"])
+        lower = np.char.lower(text)
+        words = (lower == "true") | (lower == "false")
+        numbers = np.where(words, "0", text).astype(np.float64)
+        return np.where(words, lower == "true", numbers != 0)
     if target.numpy.kind in "iu":
-        return text.astype(np.float64).astype(target.numpy)
+        return text.astype(np.float64).astype(target.numpy)  # "100.5" -> 100, as the spec allows
     return text.astype(np.float64).astype(target.numpy)
 
 

@@ -259,6 +259,4 @@ def clip(ctx, x, low=None, high=None, *, min=-_FLT_MAX, max=_FLT_MAX):  # noqa: 
         return x
     if _needs_numpy(x):
         return _via_numpy(lambda v: np.clip(v, low, high).astype(v.dtype), x)
-    if low is not None and high is not None and low > high:
-        return torch.full_like(x, high)  # ONNX/numpy: every element becomes max
-    return torch.clamp(x, low, high)
+    return torch.clamp(x, low, high)  # min > max gives max everywhere, as numpy.clip does
