@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass
 class BuildConfig:
-    opt_level: int = 2  # 0: import and run as is ... 5: everything, most tactics tried
+    opt_level: int = 2  # 0: as is; 1: folding/cleanups; 2: + BN folding, fusions; 3-5: wider tactic search (kiln/passes/pipeline.py)
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8 | fp8 | best
     shapes: dict[str, list[int]] = field(default_factory=dict)  # concrete shapes for planning

@@ -8,6 +8,7 @@ the runtime see every dependency.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,7 @@ class Lowering:
                     attributes=attrs,
                     captures=captures,
                     output_dtypes=[value_dtype_name(v) for v in node.outputs],
+                    fused_from=json.loads(node.metadata_props.get("kiln.fused_from", "[]")),
                 )
             )
             for n in [*(v.name for v in node.inputs if v is not None), *captures]:
