@@ -41,6 +41,8 @@ def _read_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
                          "is the file truncated or of another format?") from None
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelError(f"{label}: parsed, but holds no graph: not an ONNX model (or truncated)")
+    if not model.opset_import:  # required since IR version 3; its absence means a cut-off file
+        raise ModelError(f"{label}: the model declares no opset_import: not a complete ONNX model (truncated?)")
     return model, base
 
 
