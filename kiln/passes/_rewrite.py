@@ -244,3 +244,8 @@ def trailing_axis(node: ir.Node, rank: int | None) -> int | None:
         return None
     axes = sorted(a + rank if a < 0 else a for a in axes)
     return axes[0] - rank if axes == list(range(axes[0], rank)) else None
+
+
+def record_absorbed(into: ir.Node, absorbed: list[ir.Node]) -> None:
+    """Note on `into` that it now also computes what `absorbed` did (for fused_from)."""
+    into.metadata_props[FUSED_FROM] = json.dumps(fused_from([into, *absorbed]))

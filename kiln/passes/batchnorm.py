@@ -19,7 +19,8 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    PassReport, attr, bypass, const, is_op, new_initializer, only_user, other_input, producer, run_rule,
+    PassReport, attr, bypass, const, is_op, new_initializer, only_user, other_input, producer,
+    record_absorbed, run_rule,
 )
 
 
@@ -110,6 +111,7 @@ def fold_batchnorm(node: ir.Node, report: PassReport) -> bool:
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
     inv_sigma = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
     _scale_layer(layer, inv_sigma, beta - mean * inv_sigma)
+    record_absorbed(layer, [node])
     return bypass(node, node.inputs[0])
 
 
@@ -134,6 +136,7 @@ def fold_constant_mul_add(node: ir.Node, report: PassReport) -> bool:
             _scale_layer(layer, vector, None)
         else:
             _scale_layer(layer, None, vector)
+        record_absorbed(layer, [node])
         return bypass(node, value)
     return False
 

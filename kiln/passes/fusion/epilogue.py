@@ -120,9 +120,11 @@ def absorb_epilogue(value: ir.Value, channels: int, channel_axis: int, take_bias
             continue
         break
     users = consumers(ep.output)
-    if len(users) > 1 and any(is_op(n, "Relu", "Sigmoid", "Clip", "Gelu", "Tanh") for n in users):
-        report.refuse(rule, layer, f"output {ep.output.name!r} is read by {len(users)} nodes "
-                      f"({', '.join(n.op_type for n in users)}): an epilogue can only absorb a single reader")
+    blocked = len(users) > 1 or ep.output.is_graph_output()
+    if blocked and any(is_op(n, "Relu", "Sigmoid", "Clip", "Gelu", "Tanh", "LeakyRelu") for n in users):
+        readers = ", ".join(n.op_type for n in users) + (", a graph output" if ep.output.is_graph_output() else "")
+        report.refuse(rule, layer, f"{ep.output.name!r} is read by {readers}: the activation cannot be "
+                      "absorbed while another reader needs the value before it")
     elif len(users) == 1 and is_op(users[0], "Add") and ep.residual is None:
         report.refuse(rule, layer, f"Add {users[0].name!r} not absorbed as residual: its other input is "
                       "a constant that is not per-channel, or the Add broadcasts the layer output")
