@@ -166,5 +166,11 @@ def load(path: str | os.PathLike) -> EnginePlan:
         raise EngineFormatError(f"{path}: unreadable header: {e}") from None
     blob_start = _PREFIX.size + header_len
     blob_start += -blob_start % _ALIGN
-    weights = _unpack_weights(mm, blob_start, body_end, doc.get("weight_notes", {}))
-    return EnginePlan(header=doc["header"], program=ProgramSpec.from_json(doc["program"]), weights=weights)
+    try:  # a checksum only proves the file is whole; another writer's layout fails here, named
+        weights = _unpack_weights(mm, blob_start, body_end, doc.get("weight_notes", {}))
+        return EnginePlan(header=doc["header"], program=ProgramSpec.from_json(doc["program"]), weights=weights)
+    except (KeyError, TypeError, ValueError, AttributeError, struct.error) as e:
+        raise EngineFormatError(
+            f"{path}: the engine's header or weights table is not laid out as this kiln writes them "
+            f"({type(e).__name__}: {e}); rebuild the engine with this kiln"
+        ) from None
