@@ -59,7 +59,10 @@ def constant_of_shape(ctx, shape, *, value=None):
 @register("Range")
 def range_(ctx, start, limit, delta):
     s, lim, d = scalar(start), scalar(limit), scalar(delta)
-    n = max(math.ceil((lim - s) / d), 0)
+    if isinstance(s, int) and isinstance(lim, int) and isinstance(d, int):
+        n = max(-((s - lim) // d), 0)  # exact ceil((limit - start) / delta) for integers
+    else:
+        n = max(math.ceil((lim - s) / d), 0)
     # start + i * delta in the input type, as ONNX defines it (not a float accumulation).
     steps = torch.arange(n, device=start.device, dtype=torch.int64).to(start.dtype)
     return start.reshape(()) + steps * delta.reshape(())
@@ -90,8 +93,9 @@ def dropout(ctx, data, ratio_input=None, training_mode=None, *, seed=None, ratio
     p = scalar(ratio_input) if ratio_input is not None else ratio
     training = bool(scalar(training_mode)) if training_mode is not None else False
     if not training or p == 0:
-        mask = torch.ones(data.shape, dtype=torch.bool, device=data.device)
-        return (data, mask) if ctx.num_outputs > 1 else data
+        if ctx.num_outputs < 2:
+            return data
+        return data, torch.ones(data.shape, dtype=torch.bool, device=data.device)
     gen = _generator(seed, data.device)
     mask = torch.rand(data.shape, generator=gen, device=data.device) >= p
     out = torch.where(mask, data / (1.0 - p), torch.zeros((), dtype=data.dtype, device=data.device))

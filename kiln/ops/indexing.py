@@ -85,7 +85,8 @@ def scatter_nd(ctx, data, indices, updates, *, reduction="none"):
     elif reduction == "add":
         out.index_add_(0, lin, src)
     else:
-        out.index_reduce_(0, lin, src, _REDUCE[reduction], include_self=True)
+        index = lin.reshape(-1, *[1] * len(rest)).expand(src.shape)
+        out.scatter_reduce_(0, index, src, _REDUCE[reduction], include_self=True)
     return out.reshape(data.shape)
 
 
@@ -174,7 +175,7 @@ def one_hot(ctx, indices, depth, values, *, axis=-1):
     depth = int(ints(depth.to(torch.int64) if isinstance(depth, torch.Tensor) else depth)[0])
     rank = indices.ndim + 1
     axis = norm_axis(axis, rank)
-    idx = indices.to(torch.int64) if indices.is_floating_point() is False else indices.trunc().to(torch.int64)
+    idx = indices.to(torch.int64)  # float indices truncate toward zero, as ONNX casts them
     idx = torch.where(idx < 0, idx + depth, idx)
     classes = torch.arange(depth, device=indices.device)
     hot = idx.unsqueeze(-1) == classes  # [..., depth]

@@ -224,3 +224,22 @@ def test_empty_tensors():
         model = _model(op, feeds, attrs, 13 if op != "CumSum" else 14, 1)
         want = _oracle(model, feeds, "ort")
         _compare(kiln.build(model).run(feeds)["y0"], want[0], op)
+
+
+@pytest.mark.parametrize(
+    "op, feeds, attrs",
+    [
+        ("Concat", {"a": np.array([["x", "yy"]], dtype=object), "b": np.array([["", "z"]], dtype=object)}, {"axis": 0}),
+        ("Gather", {"x": np.array(["a", "b", "c"], dtype=object), "i": _i(2, -3)}, {"axis": 0}),
+        ("Reshape", {"x": np.array(["a", "b", "c", "d"], dtype=object), "s": _i(2, -1)}, {}),
+        ("Transpose", {"x": np.array([["a", "b"], ["c", "d"]], dtype=object)}, {}),
+        ("Slice", {"x": np.array(["a", "b", "c", "d"], dtype=object), "s": _i(-1), "e": _i(0), "a": _i(0),
+                   "p": _i(-2)}, {}),
+    ],
+)
+def test_string_tensors(op, feeds, attrs):
+    """String tensors (numpy object arrays) take the numpy path through the plumbing ops."""
+    model = _model(op, feeds, attrs, 13, 1)
+    want = _oracle(model, feeds, "ort")
+    got = kiln.build(model).run(feeds)["y0"]
+    assert got.shape == want[0].shape and got.tolist() == want[0].tolist()
