@@ -206,3 +206,18 @@ def test_why_not_reports_a_refused_fusion():
     reasons = why_not(model)
     assert any("fuse_conv at node 'conv'" in r and "Relu" in r for r in reasons), reasons
     assert [n.op_type for n in model.graph] == ["Conv", "Relu"]  # the caller's model is untouched
+
+
+def test_elementwise_chain_becomes_one_step():
+    # y = relu(a * b + c) - sigmoid(a): the intermediates are read only inside the chain
+    ins = [helper.make_tensor_value_info(n, F, [3, 4]) for n in "abc"]
+    y = helper.make_tensor_value_info("y", F, [3, 4])
+    nodes = [helper.make_node("Mul", ["a", "b"], ["ab"]), helper.make_node("Add", ["ab", "c"], ["s"]),
+             helper.make_node("Relu", ["s"], ["r"]), helper.make_node("Sigmoid", ["a"], ["g"]),
+             helper.make_node("Sub", ["r", "g"], ["y"])]
+    proto = make_model(nodes, ins, [y])
+    model, report, ops = optimized(proto)
+    assert report.fired["fuse_elementwise"] == 1 and ops == {"kiln::Elementwise": 1}
+    assert list(model.graph.node(0).attributes["code"].value) == [
+        "Mul i0 i1", "Add t0 i2", "Relu t1", "Sigmoid i0", "Sub t2 t3"]
+    assert_same_as_onnxruntime(proto, {n: randn(3, 4) for n in "abc"})

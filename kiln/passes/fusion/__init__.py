@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.conv import fuse_conv
+from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
@@ -20,4 +21,5 @@ RULES = [
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
     ("fuse_attention", fuse_attention),
+    ("fuse_elementwise", fuse_elementwise),
 ]
