@@ -260,16 +260,23 @@ def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_s
     return values, (index + nc * plane).to(torch.int64)
 
 
+_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+
+
 def _avg_or_lp(x, kernel, auto_pad, ceil_mode, dilations, pads, strides, count_include_pad, p):
     n = x.dim() - 2
     outs, begin, end, extra, strides, dilations = _pool_geometry(
         x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
     tail = [e + t for e, t in zip(end, extra)]
-    compute = x if x.dtype.is_floating_point else x.to(torch.float32)
+    compute = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
     if p is not None:
         compute = compute.abs().pow(p)
     padded = _pad_spatial(compute, begin, tail, 0.0)
-    total = _windows(padded, kernel, strides, dilations).sum(dim=tuple(range(-n, 0)))
+    if n in _AVG_POOL and all(d == 1 for d in dilations):
+        # torch's pooling kernel (no dilation support) on the explicitly padded input.
+        total = _AVG_POOL[n](padded, kernel, strides) * math.prod(kernel)
+    else:
+        total = _windows(padded, kernel, strides, dilations).sum(dim=tuple(range(-n, 0)))
     if p is not None:
         return total.pow(1.0 / p).to(x.dtype)
     # Divisor: input cells, plus the declared pads when count_include_pad (never ceil's tail).
@@ -279,6 +286,8 @@ def _avg_or_lp(x, kernel, auto_pad, ceil_mode, dilations, pads, strides, count_i
         ones = _pad_spatial(ones, [0] * n, extra, 0.0)
     else:
         ones = _pad_spatial(ones, begin, tail, 0.0)
+    if ones.shape[2:] == x.shape[2:]:  # no padding at all: every window is full
+        return (total / math.prod(kernel)).to(x.dtype)
     count = _windows(ones, kernel, strides, dilations).sum(dim=tuple(range(-n, 0)))
     return (total / count).to(x.dtype)
 

@@ -49,6 +49,10 @@ def f32(*shape, lo=-3.0, hi=3.0):
     return lambda rng: rng.uniform(lo, hi, shape).astype(np.float32)
 
 
+def f16(*shape, lo=-3.0, hi=3.0):
+    return lambda rng: rng.uniform(lo, hi, shape).astype(np.float16)
+
+
 def const(value, dtype=np.float32):
     return lambda rng: np.asarray(value, dtype=dtype)
 
@@ -157,6 +161,10 @@ CASES = [
          ceil_mode=1, count_include_pad=1),
     pool("AveragePool", "2d-dilations", kernel_shape=[2, 2], dilations=[2, 3], strides=[1, 1]),
     pool("AveragePool", "2d-same-lower", kernel_shape=[3, 3], strides=[2, 2], auto_pad="SAME_LOWER"),
+    pool("AveragePool", "2d-float16", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], make=f16),
+    pool("MaxPool", "2d-float16", kernel_shape=[3, 2], strides=[2, 1], ceil_mode=1, make=f16),
+    Case("Conv-2d-float16", "Conv", feeds(f16(1, 3, 8, 7, lo=-1, hi=1), f16(4, 3, 3, 3, lo=-1, hi=1)),
+         {"pads": [1, 1, 1, 1]}),
     pool("AveragePool", "1d", x=(2, 3, 11), kernel_shape=[4], strides=[3], pads=[1, 2]),
     pool("LpPool", "2d-p2", kernel_shape=[3, 2], strides=[2, 1], pads=[1, 0, 0, 1]),
     pool("LpPool", "2d-p3", kernel_shape=[2, 2], p=3, strides=[2, 2]),
