@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 import kiln
 from kiln.engine import format as engine_format
@@ -86,7 +87,7 @@ def _parse_shapes(specs: list[str] | None) -> dict[str, list[int]]:
 
 def _concrete_shape(binding: Binding, given: dict[str, list[int]], defaults: dict[str, list[int]],
                     symbols: dict[str, int]) -> list[int]:
-    """A binding's shape with every symbolic dim resolved: --shapes, build shapes, then 1."""
+    """A binding's shape with every symbolic dim resolved: --shapes, then the build's shapes, then 1."""
     if binding.name in given:
         return given[binding.name]
     if binding.shape is None:
@@ -96,16 +97,16 @@ def _concrete_shape(binding: Binding, given: dict[str, list[int]], defaults: dic
             f"input {binding.name!r} has unknown rank; give its shape with --shapes {binding.name}:DIMxDIM..."
         )
     built = defaults.get(binding.name)
+    if built is not None and len(built) != len(binding.shape):
+        built = None
     shape = []
     for axis, dim in enumerate(binding.shape):
         if isinstance(dim, int):
             shape.append(dim)
-        elif built is not None and len(built) == len(binding.shape):
-            shape.append(built[axis])
         elif isinstance(dim, str):
             shape.append(symbols.get(dim, 1))
-        else:
-            shape.append(1)
+        else:  # an unnamed dynamic dim
+            shape.append(built[axis] if built else 1)
     return shape
 
 
@@ -157,9 +158,7 @@ def _make_inputs(plan: EnginePlan, args: argparse.Namespace) -> dict[str, Any]:
     if unknown:
         raise KilnError(f"--shapes names {unknown}, but the engine's inputs are {[b.name for b in bindings]}")
     defaults = plan.header.get("build_config", {}).get("shapes", {}) or {}
-    symbols = _symbols_from(bindings, given) | {
-        k: v for k, v in _symbols_from(bindings, defaults).items() if k not in _symbols_from(bindings, given)
-    }
+    symbols = _symbols_from(bindings, defaults) | _symbols_from(bindings, given)  # --shapes wins
     rng = np.random.default_rng(args.seed)
     return {b.name: _random_array(b, _concrete_shape(b, given, defaults, symbols), rng) for b in bindings}
 
@@ -330,7 +329,6 @@ def _onnxruntime_session(onnx_path: Path, device_type: str):
         import onnxruntime as ort
     except ImportError:
         raise KilnError("--against onnxruntime: onnxruntime is not installed (pip install onnxruntime)") from None
-    import torch
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -373,8 +371,12 @@ def _max_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
     return f"{worst:.3g}"
 
 
+def _on_device(value: Any, device: torch.device) -> Any:
+    converted = dtypes.numpy_to_torch(np.asarray(value))  # strings and int4 stay numpy
+    return converted.to(device) if isinstance(converted, torch.Tensor) else converted
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
     from rich.table import Table
 
     if args.iterations is not None and args.iterations < 1:
@@ -392,8 +394,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     sync = profiler.device_sync(engine.device)
     if engine.device.type == "cuda":  # inputs already on the GPU: time the engine, not the copies
-        kiln_feeds = {k: torch.as_tensor(v).to(engine.device) if isinstance(v, np.ndarray) and v.dtype != object
-                      else v for k, v in feeds.items()}
+        kiln_feeds = {k: _on_device(v, engine.device) for k, v in feeds.items()}
     else:
         kiln_feeds = feeds
     context = engine.create_execution_context()
@@ -426,7 +427,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         doc = {name: s.to_json() for name, s, _ in results}
         Path(args.json).write_text(json.dumps(doc, indent=2))
-    if not args.no_overhead and engine.device.type == "cpu":
+    if not args.no_overhead:
         from kiln.runtime.engine import _to_runtime
 
         program_inputs = [_to_runtime(feeds[b.name], b, engine.device) for b in engine.inputs]

@@ -122,6 +122,17 @@ def test_run_symbolic_dims_default_to_one(engine_path, tmp_path):
         assert inputs["x"].shape == (1, 4)
 
 
+def test_run_defaults_to_build_shapes_and_shapes_option_wins(model_path, tmp_path):
+    engine, saved = tmp_path / "planned.kiln", tmp_path / "in.npz"
+    assert main(["build", str(model_path), "-o", str(engine), "--shapes", "x:8x4", "--shapes", "x2:8x3"]) == 0
+    assert main(["run", str(engine), "--save-inputs", str(saved)]) == 0
+    with np.load(saved) as inputs:
+        assert inputs["x"].shape == (8, 4) and inputs["x2"].shape == (8, 3)
+    assert main(["run", str(engine), "--shapes", "x:2x4", "--save-inputs", str(saved)]) == 0
+    with np.load(saved) as inputs:
+        assert inputs["x"].shape == (2, 4) and inputs["x2"].shape == (2, 3)
+
+
 def test_inspect_table(plain_engine_path, capsys):
     assert main(["inspect", str(plain_engine_path)]) == 0
     text = capsys.readouterr().out
