@@ -1,9 +1,9 @@
-"""Convolution and pooling: Conv, ConvTranspose, ConvInteger, DeformConv, the pools, MaxUnpool, Col2Im.
+"""Convolution, pooling, resize and sampling ops.
 
 Padding is always made explicit (ONNX allows asymmetric pads, SAME_* auto-padding and a
 ceil_mode whose last window must start inside the input); the torch kernel then runs with
-padding 0, so its own padding/ceil conventions never enter. Resize and sampling ops live in
-resize.py-style code at the end of this file.
+padding 0, so its own padding/ceil conventions never enter. Resize (end of the file) is
+separable: per axis, numpy computes the source taps and weights once, torch gathers and weighs.
 """
 
 from __future__ import annotations
