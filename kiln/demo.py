@@ -11,7 +11,6 @@ import argparse
 import os
 import tempfile
 import time
-from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 
@@ -47,20 +46,6 @@ def photo(name: str) -> np.ndarray:
     return image[0] if isinstance(image, tuple) else image  # stereo_motorcycle: (left, right, disparity)
 
 
-def time_it(fn: Callable[[], object], iterations: int, warmup: int,
-            budget_s: float) -> tuple[float, float, int]:
-    """Median and 90th-percentile latency in ms, and the run count: stops early past budget_s."""
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(samples) < iterations and (len(samples) < 10 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return float(np.median(samples)), float(np.percentile(samples, 90)), len(samples)
-
-
 def classify(engine, classes: list[str], top: int) -> None:
     from kiln import zoo
 
@@ -78,42 +63,26 @@ def classify(engine, classes: list[str], top: int) -> None:
 
 
 def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, budget_s: float) -> None:
-    import onnxruntime as ort
-    import torch
-
     from kiln import zoo
+    from kiln.zoo.compare import peer_runners, time_runs
 
-    torch.set_num_threads(threads)
-    image = zoo.mobilenet.preprocess(photo("chelsea"))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
-    model = zoo.torch_model("mobilenet_v2")
-    tensor = torch.from_numpy(image)
-
-    def torch_eager():
-        with torch.inference_mode():
-            return model(tensor)
-
-    runners = {
-        "kiln": lambda: engine.run({"pixel_values": image}),
-        "onnxruntime (all graph optimisations)": lambda: session.run(None, {"pixel_values": image}),
-        "torch eager": torch_eager,
-    }
-    print(f"\nBenchmark: MobileNetV2, batch 1, 3x224x224, fp32, CPU, {threads} thread(s); "
-          f"up to {iterations} timed runs ({budget_s:.0f}s each at most) after {warmup} warm-up")
-    results = {name: time_it(fn, iterations, warmup, budget_s) for name, fn in runners.items()}
-    kiln_median = results["kiln"][0]
-    width = max(len(n) for n in results)
+    feeds = {"pixel_values": zoo.mobilenet.preprocess(photo("chelsea"))}
+    runners = peer_runners("mobilenet_v2", onnx_path, feeds, threads=threads, engine=engine)
+    print(f"\nBenchmark: MobileNetV2, batch 1, 3x224x224, fp32, CPU, {threads} thread(s) each; "
+          f"up to {iterations} timed runs ({budget_s:.0f}s at most) after {warmup} warm-up")
+    results = {name: time_runs(fn, iterations=iterations, warmup=warmup, budget_s=budget_s)
+               for name, fn in runners.items()}
+    labels = {"onnxruntime": "onnxruntime (all graph optimisations)"}
+    width = max(len(labels.get(n, n)) for n in results)
+    kiln_median = results["kiln"].median_ms
     print(f"  {'runtime':<{width}}  {'median ms':>9}  {'p90 ms':>7}  {'runs':>5}  {'time / kiln':>11}")
-    for name, (median, p90, runs) in results.items():
-        print(f"  {name:<{width}}  {median:9.2f}  {p90:7.2f}  {runs:5d}  {median / kiln_median:10.2f}x")
+    for name, r in results.items():
+        print(f"  {labels.get(name, name):<{width}}  {r.median_ms:9.2f}  {r.p90_ms:7.2f}  {r.runs:5d}  "
+              f"{r.median_ms / kiln_median:10.2f}x")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kiln.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kiln.demo", description="Build, save, load and run a real MobileNetV2 engine; classify photos; bench it.")
     parser.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 2),
                         help="CPU threads for every runtime in the benchmark (default: 2, or fewer cores)")
     parser.add_argument("--iterations", type=int, default=100, help="timed runs per runtime (default 100)")

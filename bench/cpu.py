@@ -1,0 +1,148 @@
+"""CPU benchmark: kiln vs onnxruntime vs torch eager, side by side in one run, fp32.
+
+    python bench/cpu.py                      # all four models, 2 threads
+    python bench/cpu.py --models minilm --threads 1
+
+Each model comes from the zoo (exported once, cached); every runtime gets the same input and the
+same thread count; onnxruntime runs with all graph optimisations on. Prints a table and writes
+bench/results/cpu-<date>.md with the CPU model, the commit and the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import kiln
+from kiln import zoo
+from kiln.zoo.compare import Latency, peer_runners, time_runs
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PEERS = ("kiln", "onnxruntime", "torch eager")
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    model: str  # zoo name
+    batch: int
+    seq: int | None = None
+
+
+CASES = {c.model: c for c in [
+    Case("ResNet-50", "resnet50", batch=1),
+    Case("MobileNetV2", "mobilenet_v2", batch=1),
+    Case("BERT-base", "bert_base", batch=1, seq=128),
+    Case("MiniLM-L6", "minilm", batch=8, seq=128),
+]}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def shape_text(case: Case) -> str:
+    if case.seq is None:
+        return f"batch {case.batch}, 3x224x224"
+    return f"batch {case.batch}, seq {case.seq}"
+
+
+def run_case(case: Case, args) -> tuple[dict[str, Latency], float]:
+    exported = zoo.export(case.model, batch=case.batch, seq=case.seq)
+    start = time.perf_counter()
+    engine = kiln.build(str(exported.path))
+    build_s = time.perf_counter() - start
+    runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
+    results = {}
+    for peer in PEERS:
+        results[peer] = time_runs(runners[peer], iterations=args.iterations, warmup=args.warmup,
+                                  budget_s=args.budget)
+        print(f"  {case.label:<12} {peer:<12} median {results[peer].median_ms:9.2f} ms "
+              f"(p90 {results[peer].p90_ms:.2f}, {results[peer].runs} runs)", flush=True)
+    return results, build_s
+
+
+def table(rows: list[tuple[Case, dict[str, Latency], float]]) -> list[str]:
+    header = ["model", "input", *(f"{p} ms" for p in PEERS), "kiln / ort", "kiln / torch", "kiln build s"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for case, r, build_s in rows:
+        kiln_ms = r["kiln"].median_ms
+        cells = [case.label, shape_text(case),
+                 *(f"{r[p].median_ms:.2f} (p90 {r[p].p90_ms:.2f})" for p in PEERS),
+                 f"{kiln_ms / r['onnxruntime'].median_ms:.2f}x", f"{kiln_ms / r['torch eager'].median_ms:.2f}x",
+                 f"{build_s:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=20.0, help="seconds of timed runs per peer at most")
+    parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    args = parser.parse_args()
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    versions = {p: importlib.metadata.version(p) for p in ("torch", "onnxruntime", "onnx", "transformers")}
+    print(f"kiln {kiln.__version__} CPU benchmark: {cpu_name()}, {args.threads} thread(s), fp32, median latency")
+    rows = []
+    for name in args.models.split(","):
+        case = CASES[name.strip()]
+        results, build_s = run_case(case, args)
+        rows.append((case, results, build_s))
+    lines = table(rows)
+    print("\n" + "\n".join(lines))
+    if args.no_write:
+        return
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"cpu-{now:%Y-%m-%d}.md"
+    out.write_text("\n".join([
+        f"# kiln CPU benchmark, {now:%Y-%m-%d %H:%M} UTC",
+        "",
+        f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
+        f"- commit: {commit()}; kiln {kiln.__version__}; "
+        + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        "- fp32, latency in ms: median (p90) of up to "
+        f"{args.iterations} runs after {args.warmup} warm-up ({args.budget:.0f}s per runtime at most)",
+        "- onnxruntime: CPUExecutionProvider, ORT_ENABLE_ALL; torch eager: inference_mode; "
+        "kiln: kiln.build defaults",
+        "- models: kiln.zoo exports (torch.onnx dynamo); ResNet-50 and BERT-base random weights, "
+        "MobileNetV2 and MiniLM real weights",
+        "",
+        *lines,
+        "",
+        "Ratios < 1: kiln is faster.",
+        "",
+    ]))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

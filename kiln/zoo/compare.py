@@ -1,0 +1,64 @@
+"""Peers side by side on one zoo model: kiln, onnxruntime and torch eager, same input, same threads.
+
+Shared by the demo and bench/cpu.py so both time the same way: warm-up runs, then timed runs until
+a count or a time budget is reached (at least 10), reported as median and 90th percentile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+Runner = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Latency:
+    median_ms: float
+    p90_ms: float
+    runs: int
+
+
+def time_runs(fn: Runner, *, iterations: int = 100, warmup: int = 10, budget_s: float = 15.0) -> Latency:
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < iterations and (len(samples) < 10 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return Latency(float(np.median(samples)), float(np.percentile(samples, 90)), len(samples))
+
+
+def peer_runners(name: str, onnx_path, feeds: dict[str, np.ndarray], *, threads: int,
+                 engine=None) -> dict[str, Runner]:
+    """Callables that run `feeds` once through kiln, onnxruntime (all graph optimisations) and torch eager."""
+    import onnxruntime as ort
+    import torch
+
+    import kiln
+    from kiln import zoo
+
+    torch.set_num_threads(threads)
+    engine = engine or kiln.build(str(onnx_path))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+    model = zoo.torch_model(name)
+    tensors = {k: torch.from_numpy(v) for k, v in feeds.items()}
+
+    def torch_eager():
+        with torch.inference_mode():
+            return model(**tensors)
+
+    return {
+        "kiln": lambda: engine.run(feeds),
+        "onnxruntime": lambda: session.run(None, feeds),
+        "torch eager": torch_eager,
+    }
