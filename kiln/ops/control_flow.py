@@ -105,24 +105,24 @@ def scan(
                 length = int(sequence_lens.reshape(-1)[b])
                 scans_in = [v[:length] for v in scans_in]
             results.append(
-                _scan_core(body, outer, state, scans_in, [0] * len(scans_in),
-                           directions or [0] * len(scans_in), None, None, ctx.num_outputs)
+                _scan_core(ctx, body, outer, state, scans_in, [0] * len(scans_in),
+                           directions or [0] * len(scans_in), None, None)
             )
         return tuple(torch.stack([r[i] for r in results]) for i in range(ctx.num_outputs))
     num_state = len(own) - num_scan_inputs
     return tuple(
-        _scan_core(body, outer, list(own[:num_state]), list(own[num_state:]),
+        _scan_core(ctx, body, outer, list(own[:num_state]), list(own[num_state:]),
                    scan_input_axes, scan_input_directions, scan_output_axes,
-                   scan_output_directions, ctx.num_outputs)
+                   scan_output_directions)
     )
 
 
-def _scan_core(body, outer, state, scans_in, in_axes, in_dirs, out_axes, out_dirs, num_outputs):
+def _scan_core(ctx, body, outer, state, scans_in, in_axes, in_dirs, out_axes, out_dirs):
     rank = [v.dim() for v in scans_in]
     in_axes = [a + r if a < 0 else a for a, r in zip(in_axes or [0] * len(scans_in), rank)]
     in_dirs = in_dirs or [0] * len(scans_in)
     length = scans_in[0].shape[in_axes[0]] if scans_in else 0
-    num_scan_out = num_outputs - len(state)
+    num_scan_out = ctx.num_outputs - len(state)
     collected: list[list[torch.Tensor]] = [[] for _ in range(num_scan_out)]
     for t in range(length):
         slices = [
@@ -136,7 +136,10 @@ def _scan_core(body, outer, state, scans_in, in_axes, in_dirs, out_axes, out_dir
     out_axes = out_axes or [0] * num_scan_out
     out_dirs = out_dirs or [0] * num_scan_out
     stacked = []
-    for elements, axis, direction in zip(collected, out_axes, out_dirs):
+    for k, (elements, axis, direction) in enumerate(zip(collected, out_axes, out_dirs)):
+        if not elements:  # zero iterations: the element shape is unknown, so [0]
+            stacked.append(_empty_scan_output(ctx, len(state) + k, _device(scans_in)))
+            continue
         if direction:
             elements = elements[::-1]
         axis = axis + elements[0].dim() + 1 if axis < 0 else axis
