@@ -36,7 +36,8 @@ def _model(rng: np.random.Generator) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
         [weight],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="test_cli")
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="test_cli",
+                            ir_version=10)  # onnxruntime 1.30 (on the GPU machine) reads IR <= 13
 
 
 @pytest.fixture
@@ -186,6 +187,18 @@ def test_bench_needs_onnx_path_when_engine_does_not_record_one(model_path, tmp_p
     assert "--onnx" in capsys.readouterr().err
     assert main(["bench", str(path), "--against", "onnxruntime", "--onnx", str(model_path),
                  "--iterations", "2", "--warmup", "0", "--no-overhead"]) == 0
+
+
+def test_bench_against_onnxruntime_of_a_newer_ir_version(tmp_path, capsys):
+    model = _model(np.random.default_rng())
+    model.ir_version = onnx.IR_VERSION + 10  # what a newer onnx than the installed onnxruntime writes
+    onnx.save(model, tmp_path / "newer.onnx")
+    engine = tmp_path / "newer.kiln"
+    kiln.build(str(tmp_path / "newer.onnx")).save(engine)
+    assert main(["bench", str(engine), "--against", "onnxruntime", "--iterations", "2", "--warmup", "0",
+                 "--no-overhead"]) == 0
+    captured = capsys.readouterr()
+    assert "onnxruntime" in captured.out and "IR version" in captured.err
 
 
 @pytest.mark.parametrize("shapes, message", [("x4", "NAME:DIM"), ("x:4xq", "integers"), ("nope:1x4", "nope")])

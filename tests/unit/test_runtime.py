@@ -32,7 +32,8 @@ def _model() -> onnx.ModelProto:
         nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8])], weights,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                            ir_version=10)  # onnxruntime 1.30 (on the GPU machine) reads IR <= 13
 
 
 @pytest.fixture(scope="module")
