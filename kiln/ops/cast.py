@@ -70,7 +70,9 @@ def _to_float8e8m0(x: torch.Tensor, saturate: bool, round_mode: str) -> torch.Te
     exponent = torch.where(special, 0xFF, (exponent + round_up.to(exponent.dtype)) & 0xFF)
     out = exponent.to(torch.uint8)
     e8m0 = dtypes.BY_NAME["float8e8m0"].torch
-    return out.view(e8m0) if e8m0 is not None else out.numpy().view(dtypes.BY_NAME["float8e8m0"].numpy)
+    if e8m0 is None:  # a torch without float8_e8m0fnu: the value stays a numpy array
+        return out.cpu().numpy().view(dtypes.BY_NAME["float8e8m0"].numpy)
+    return out.view(e8m0)
 
 
 def _to_string(array: np.ndarray) -> np.ndarray:
@@ -96,9 +98,7 @@ def _from_string(array: np.ndarray, target: DType) -> np.ndarray:
         words = (lower == "true") | (lower == "false")
         numbers = np.where(words, "0", text).astype(np.float64)
         return np.where(words, lower == "true", numbers != 0)
-    if target.numpy.kind in "iu":
-        return text.astype(np.float64).astype(target.numpy)  # "100.5" -> 100, as the spec allows
-    return text.astype(np.float64).astype(target.numpy)
+    return text.astype(np.float64).astype(target.numpy)  # to integers: "100.5" -> 100, as the spec allows
 
 
 def cast_to(x: Any, target: DType, saturate: bool = True, round_mode: str = "up") -> Any:
