@@ -238,19 +238,16 @@ def cmd_build(args: argparse.Namespace) -> int:
         "precision": args.precision,
     }
     err = _console(stderr=True)
-    stage_times: list[tuple[str, float]] = []
     t0 = time.perf_counter()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
                   console=err, transient=True, disable=not err.is_terminal) as progress:
         task = progress.add_task(f"building {source.name}", total=None)
         last = [t0, None]
 
         def on_stage(stage: str) -> None:
             now = time.perf_counter()
-            if last[1] is not None:
-                stage_times.append((last[1], now - last[0]))
-                if args.verbose:
-                    progress.console.print(_text(f"  {last[1]:<18} {1000 * (now - last[0]):9.1f} ms"))
+            if last[1] is not None and args.verbose:
+                progress.console.print(_text(f"  {last[1]:<18} {1000 * (now - last[0]):9.1f} ms"))
             last[0], last[1] = now, (None if stage == "done" else stage)
             step = _BUILD_STAGES.index(stage) + 1 if stage in _BUILD_STAGES else None
             label = f"[{step}/{len(_BUILD_STAGES)}] " if step else ""
