@@ -1,0 +1,1 @@
+"""Tools around engines (Polygraphy-like): compare against a reference, find diverging layers."""

@@ -1,0 +1,42 @@
+"""kiln compare: error statistics and first-diverging-layer search, against onnxruntime."""
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from kiln.tools.compare import compare, error_stats
+
+
+def _mlp(seed: int = 0) -> onnx.ModelProto:
+    rng = np.random.default_rng(seed)
+    w1 = helper.make_tensor("w1", TensorProto.FLOAT, [8, 16], rng.standard_normal((8, 16)).astype(np.float32).ravel())
+    w2 = helper.make_tensor("w2", TensorProto.FLOAT, [16, 4], rng.standard_normal((16, 4)).astype(np.float32).ravel())
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["a"], name="relu"),
+        helper.make_node("MatMul", ["a", "w2"], ["y"], name="fc2"),
+    ]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])], [w1, w2])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+
+def test_error_stats_counts_elements_outside_tolerance():
+    ref = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    got = ref + np.array([0.0, 0.0, 0.5, 0.0], dtype=np.float32)
+    s = error_stats("v", got, ref, rtol=0.0, atol=0.1)
+    assert not s.passed and s.mismatched == 0.25 and abs(s.max_abs - 0.5) < 1e-7
+
+
+def test_fp32_engine_matches_onnxruntime_layer_by_layer():
+    report = compare(_mlp(), mark_all=True, opt_level=0)
+    assert report.passed and report.first_divergence is None
+    assert {step for step, _, _ in report.layers} >= {"fc1", "relu", "fc2"}
+
+
+def test_first_diverging_layer_is_named():
+    # A tolerance no fp16 engine can meet: the first layer (fc1) is where it shows first.
+    report = compare(_mlp(), precision="fp16", mark_all=True, opt_level=0, rtol=0.0, atol=1e-7)
+    assert not report.passed
+    assert report.first_divergence is not None and report.first_divergence[0] == "fc1"
+    assert "first layer outside tolerance: 'fc1'" in report.render()
