@@ -25,5 +25,6 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     tensor,
     text,
     contrib,
+    contrib_microsoft,
     fused,
 )
