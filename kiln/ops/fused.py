@@ -119,13 +119,26 @@ def softmax(ctx, x, *, axis=-1):
 
 
 @register("Attention", domain="kiln")
-def attention(ctx, q, k, v, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None, out_perm=None,
-              gqa=0, nan_to_zero=0):
+def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
+              out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
+              out_merge_heads=0):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
 
     `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
     H_q / H_kv query heads. `nan_to_zero`: rows whose every key is masked give 0, not NaN.
+    `is_causal`: query i sees keys 0..i (the top-left aligned lower triangle), no mask tensor.
+    Layout (absorbed Reshapes/Split, all views): `qkv_split` = [Wq, Wk, Wv]: q holds q, k and v
+    side by side on its last axis; `q_num_heads` / `kv_num_heads`: a 3-D input [B, S, H·D] is
+    first unflattened to [B, S, H, D]; `out_merge_heads`: the output's last two axes are merged.
     """
+    if qkv_split:
+        q, k, v = torch.split(q, list(qkv_split), dim=-1)  # [B, S, Wq], [B, S, Wk], [B, S, Wv]
+    if q_num_heads and q.dim() == 3:
+        q = q.unflatten(-1, (q_num_heads, -1))  # [B, S, H, D]
+    if kv_num_heads and k.dim() == 3:
+        k = k.unflatten(-1, (kv_num_heads, -1))
+    if kv_num_heads and v.dim() == 3:
+        v = v.unflatten(-1, (kv_num_heads, -1))
     q = q.permute(q_perm) if q_perm else q  # q: [B, H, S, D]
     k = k.permute(k_perm) if k_perm else k  # k: [B, Hkv, T, D]
     v = v.permute(v_perm) if v_perm else v  # v: [B, Hkv, T, D]
@@ -135,10 +148,12 @@ def attention(ctx, q, k, v, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v
         repeat = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(repeat, dim=-3)
         v = v.repeat_interleave(repeat, dim=-3)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, H, S, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                         is_causal=bool(is_causal) and mask is None)  # [B, H, S, D]
     if nan_to_zero:
         out = torch.nan_to_num_(out, nan=0.0) if not out.requires_grad else torch.nan_to_num(out, nan=0.0)
-    return out.permute(out_perm) if out_perm else out
+    out = out.permute(out_perm) if out_perm else out
+    return out.flatten(-2) if out_merge_heads else out
 
 
 _ELEMENTWISE = {

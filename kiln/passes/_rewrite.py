@@ -70,17 +70,22 @@ def static_shape(value: ir.Value | None) -> list[int] | None:
     return dims if all(isinstance(d, int) for d in dims) else None
 
 
-def same_shape(a: ir.Value, b: ir.Value) -> bool:
-    """True when both shapes are known and equal dim by dim (symbols compared by name)."""
-    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
+def dims_equal(a: list, b: list) -> bool:
+    """True when two dim lists are equal dim by dim (ints by value, symbols by name)."""
+    if len(a) != len(b):
         return False
-    for x, y in zip(a.shape, b.shape):
+    for x, y in zip(a, b):
         if isinstance(x, int) or isinstance(y, int):
             if x != y:
                 return False
         elif x.value is None or x.value != y.value:
             return False
     return True
+
+
+def same_shape(a: ir.Value, b: ir.Value) -> bool:
+    """True when both shapes are known and equal dim by dim (symbols compared by name)."""
+    return a.shape is not None and b.shape is not None and dims_equal(list(a.shape), list(b.shape))
 
 
 def dtype_of(value: ir.Value | None) -> ir.DataType | None:

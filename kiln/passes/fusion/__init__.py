@@ -5,6 +5,7 @@ then attention, then the elementwise chains that are left."""
 from __future__ import annotations
 
 from kiln.passes.fusion.attention import fuse_attention
+from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
 from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
@@ -21,5 +22,6 @@ RULES = [
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
     ("fuse_attention", fuse_attention),
+    ("absorb_attention_reshapes", absorb_attention_reshapes),
     ("fuse_elementwise", fuse_elementwise),
 ]

@@ -5,6 +5,14 @@
 kiln::FusedGemm runs torch.nn.functional.linear (one BLAS call with the bias in its
 epilogue); Gemm's alpha/beta fold into the stored weight and bias:
 alpha·A@B + beta·C = A @ (alpha·B) + (beta·C).
+
+Exporters flatten activations to 2-D around a Gemm and restore them after (GPT-2's Conv1D):
+Reshape(x, [M, K]) -> Gemm -> Reshape(·, [B, S, N]). linear works on any leading dims, so
+
+    Reshape(Gemm(Reshape(x, [M, K])), [B, S, N]) = linear(Reshape(x, [B, S, K]))
+
+and the input Reshape disappears too when x is already [B, S, K]. With the output Reshape
+gone the epilogue (GELU, residual Add) sits right after the layer and is absorbed.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, is_op, new_initializer, replace_with
+from kiln.passes._rewrite import (
+    KILN_DOMAIN, PassReport, attr, const, dims_equal, is_op, new_initializer, only_user, producer, replace_with,
+)
 from kiln.passes.fusion.epilogue import absorb_epilogue
 
 RULE = "fuse_gemm"
@@ -51,6 +61,30 @@ def _weight_and_bias(node: ir.Node, report: PassReport) -> tuple[np.ndarray, np.
     return w, np.broadcast_to(bias.reshape(-1) * np.asarray(beta, bias.dtype), (w.shape[0],))
 
 
+def _lift_reshapes(node: ir.Node, k: int, n: int) -> tuple[ir.Value, ir.Node] | None:
+    """(the N-D input, the output Reshape) when node is a 2-D Gemm between a flatten and an unflatten."""
+    x, out = node.inputs[0], node.outputs[0]
+    unflatten = only_user(out)
+    if not is_op(unflatten, "Reshape") or x.shape is None or len(x.shape) != 2:
+        return None
+    target = unflatten.outputs[0].shape
+    if target is None or len(target) < 2 or target[-1] != n:
+        return None
+    flatten = producer(x, "Reshape")
+    source = flatten.inputs[0] if flatten is not None else None
+    if source is not None and source.shape is not None and len(source.shape) == len(target) \
+            and source.shape[-1] == k and dims_equal(list(source.shape)[:-1], list(target)[:-1]):
+        return source, unflatten  # x was [B, S, K] before the flatten: read it directly
+    static = [d for d in target if isinstance(d, int)]
+    if flatten is None or only_user(x) is not node or len(static) != len(target):
+        return None
+    # Re-target the flatten at [B, S, K] (same element order: only the leading dims regroup).
+    shape = new_initializer(node.graph, f"{flatten.name}_shape", np.array([*static[:-1], k], np.int64))
+    flatten.replace_input_with(1, shape)
+    x.shape = ir.Shape([*static[:-1], k])
+    return x, unflatten
+
+
 def fuse_gemm(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "MatMul", "Gemm"):
         return False
@@ -59,15 +93,20 @@ def fuse_gemm(node: ir.Node, report: PassReport) -> bool:
         return False
     w, bias = found
     n = w.shape[0]
-    ep = absorb_epilogue(node.outputs[0], n, -1, take_bias=True, rule=RULE, layer=node, report=report)
+    x, layer_nodes, layer_out = node.inputs[0], [node], node.outputs[0]
+    if (lifted := _lift_reshapes(node, w.shape[1], n)) is not None:
+        x, unflatten = lifted
+        layer_nodes.append(unflatten)
+        layer_out = unflatten.outputs[0]
+    ep = absorb_epilogue(layer_out, n, -1, take_bias=True, rule=RULE, layer=node, report=report)
     if ep.bias is not None:
         bias = ep.bias if bias is None else bias + ep.bias
     graph = node.graph
-    inputs = [node.inputs[0], new_initializer(graph, f"{node.inputs[1].name}_t", np.ascontiguousarray(w))]
+    inputs = [x, new_initializer(graph, f"{node.inputs[1].name}_t", np.ascontiguousarray(w))]
     inputs.append(None if bias is None else new_initializer(graph, f"{node.name}_bias", bias.astype(w.dtype)))
     inputs.append(ep.residual)
     while inputs[-1] is None:
         inputs.pop()
     fused = ir.Node(KILN_DOMAIN, "FusedGemm", inputs, ep.attributes(), name=node.name)
-    replace_with([node, *ep.nodes], fused, ep.output)
+    replace_with([*layer_nodes, *ep.nodes], fused, ep.output)
     return True
