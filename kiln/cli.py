@@ -526,13 +526,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out.print(bindings)
 
     table = Table(title="layers", title_justify="left")
-    for column in ("#", "name", "op", "outputs"):
+    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes"):
         table.add_column(column, justify="right" if column == "#" else "left")
     for layer in layers:
         outs = "; ".join(f"{o['name']}: {o['dtype'] or '?'}{_fmt_shape(o['shape'])}" for o in layer["outputs"])
-        table.add_row(str(layer["index"]), _text(layer["name"]), _text(layer["op_type"]), _text(outs))
+        absorbed = ", ".join(layer.get("fused_from", []))
+        table.add_row(str(layer["index"]), _text(layer["name"]), _text(layer["op_type"]), _text(outs), _text(absorbed))
     out.print(table)
+    if args.why_not:
+        _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
     return 0
+
+
+def _print_why_not(out, model_path: str | None) -> None:
+    """Candidate fusions that did not fire, with each rule's reason (imports the passes)."""
+    if not model_path:
+        raise KilnError("--why-not needs the ONNX model: pass its path (the engine records none)")
+    from kiln.frontend import onnx as onnx_frontend
+    from kiln.passes import why_not
+
+    reasons = why_not(onnx_frontend.load(model_path))
+    out.print(f"\nfusions that did not fire ({len(reasons)}):")
+    for line in reasons:
+        out.print(f"  - {_text(line)}")
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kiln.tools.compare import compare
+
+    feeds = dict(np.load(args.inputs)) if args.inputs else None
+    report = compare(args.model, precision=args.precision, device=args.device, opt_level=args.opt_level,
+                     inputs=feeds, shapes=_parse_shapes(args.shapes), rtol=args.rtol, atol=args.atol,
+                     mark_all=args.mark_all, seed=args.seed)
+    print(report.render())
+    return 0 if report.passed else 2
 
 
 # ---------------------------------------------------------------------------- main
@@ -542,7 +569,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", description="Build ONNX models into kiln engines, run, benchmark and inspect them.")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
-    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect}", required=True)
+    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare}", required=True)
     shapes_help = ("concrete input shapes NAME:DIMxDIM..., comma-separated or repeated "
                    "(symbolic dims default to the build shapes, else 1)")
 
@@ -590,7 +617,25 @@ def _parser() -> argparse.ArgumentParser:
                          description="Show an engine's header, bindings, layers, weights and activation memory.")
     p.add_argument("engine", help="the .kiln engine")
     p.add_argument("--json", action="store_true", help="print the header and layer list as JSON")
+    p.add_argument("--why-not", nargs="?", const="source", metavar="MODEL.onnx",
+                   help="also list candidate fusions that did not fire and why (default: the engine's source model)")
     p.set_defaults(func=cmd_inspect)
+
+    p = verbs.add_parser("compare", help="compare a build of a model against onnxruntime fp32 (Polygraphy-like)",
+                         description="Build the model, run it and onnxruntime fp32 on the same inputs, and report "
+                                     "per-output error statistics; --mark-all compares every layer and names the "
+                                     "first one outside tolerance. Exit status 2 when outside tolerance.")
+    p.add_argument("model", help="the .onnx model")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--opt-level", type=int, default=2, choices=range(6), metavar="N")
+    p.add_argument("--mark-all", action="store_true", help="compare every intermediate value; name the first bad layer")
+    p.add_argument("--rtol", type=float, help="relative tolerance (default by precision)")
+    p.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
+    p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random)")
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -40,3 +40,19 @@ def test_first_diverging_layer_is_named():
     assert not report.passed
     assert report.first_divergence is not None and report.first_divergence[0] == "fc1"
     assert "first layer outside tolerance: 'fc1'" in report.render()
+
+
+def test_cli_compare_and_inspect_why_not(tmp_path, capsys):
+    from kiln.cli import main
+
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(), path)
+    assert main(["compare", str(path), "--mark-all"]) == 0
+    assert "PASSED" in capsys.readouterr().out
+    assert main(["compare", str(path), "--precision", "fp16", "--rtol", "0", "--atol", "1e-9", "--mark-all"]) == 2
+    assert "first layer outside tolerance" in capsys.readouterr().out
+    engine = tmp_path / "mlp.kiln"
+    assert main(["build", str(path), "-o", str(engine)]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(engine), "--why-not"]) == 0
+    assert "fusions that did not fire" in capsys.readouterr().out
