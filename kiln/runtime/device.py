@@ -10,6 +10,7 @@ per concrete input shape and replayed (`GraphRunner`).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -161,7 +162,9 @@ class GraphRunner:
         try:
             # A second eager run that may not synchronize with the host: if any layer does
             # (data-dependent shapes: NonZero, Unique, a Loop on data...), capture is impossible.
-            torch.cuda.set_sync_debug_mode("error")
+            with warnings.catch_warnings():  # "prototype feature": it is, and it is what we need
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cuda.set_sync_debug_mode("error")
             with torch.cuda.stream(stream):
                 self.program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
