@@ -1,0 +1,18 @@
+"""kiln's Triton kernels (needs the `triton` package; under TRITON_INTERPRET=1 they run on CPU tensors).
+
+    compile_elementwise(code, n_inputs)(*inputs)           kiln::Elementwise programs, one kernel each
+    layer_norm(x, weight, bias, eps) / rms_norm(x, weight, eps) / softmax(x)   one row per program
+    bias_activation(y, bias, residual, activation=...)     the GEMM/conv epilogue after cuBLAS/cuDNN
+    gemm(x, w, bias, residual, activation=...)             a Triton GEMM with that epilogue fused
+
+Every kernel takes and returns torch tensors, allocates its output, stores fp16/bf16/fp32 and
+accumulates in fp32.
+"""
+
+from kiln.kernels.cuda.triton.elementwise import compile_elementwise
+from kiln.kernels.cuda.triton.epilogue import bias_activation
+from kiln.kernels.cuda.triton.fused_gemm import GEMM_CONFIGS, GemmConfig, gemm
+from kiln.kernels.cuda.triton.normalization import layer_norm, rms_norm, softmax
+
+__all__ = ["compile_elementwise", "layer_norm", "rms_norm", "softmax", "bias_activation", "gemm", "GemmConfig",
+           "GEMM_CONFIGS"]

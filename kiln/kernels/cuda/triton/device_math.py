@@ -1,0 +1,120 @@
+"""Device functions shared by kiln's Triton kernels.
+
+Written with core `triton.language` only (no libdevice): the same source must run under
+`TRITON_INTERPRET=1` in CI, which does not implement libdevice, and compile with triton 3.6.
+Arguments arrive in fp32, the compute type of every kiln kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+@triton.jit
+def div(a, b):
+    """IEEE-rounded a / b (triton's `/` on fp32 lowers to an approximate division)."""
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def reciprocal(x):
+    return tl.math.div_rn(1.0, x)
+
+
+@triton.jit
+def sqrt(x):
+    return tl.math.sqrt_rn(x)
+
+
+@triton.jit
+def relu(x):
+    return tl.where(x < 0, 0.0, x)  # NaN stays NaN, as torch.relu
+
+
+@triton.jit
+def sigmoid(x):
+    return tl.math.div_rn(1.0, 1.0 + tl.exp(-x))  # exp(-x) = inf gives 0
+
+
+@triton.jit
+def tanh(x):
+    """tanh(|x|) = (1 - e)/(1 + e), e = exp(-2|x|); below 0.2 the odd Taylor series, where 1 - e
+    would cancel (series error < 6e-8 relative there: next term 62x⁹/2835)."""
+    ax = tl.abs(x)
+    e = tl.exp(-2.0 * ax)
+    large = tl.math.div_rn(1.0 - e, 1.0 + e)
+    x2 = ax * ax
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    r = tl.where(ax < 0.2, small, large)
+    return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def gelu(x):
+    """x·Φ(x) = ½x(1 + erf(x/√2))."""
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))  # 1/√2
+
+
+@triton.jit
+def gelu_tanh(x):
+    """½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""
+    return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))  # √(2/π)
+
+
+@triton.jit
+def silu(x):
+    return x * sigmoid(x)
+
+
+@triton.jit
+def maximum(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)  # torch.maximum propagates NaN
+
+
+@triton.jit
+def minimum(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def pow(a, b):
+    """aᵇ = 2^(b·log2|a|), signed for a < 0 and odd integer b, NaN for a < 0 and fractional b.
+    b = 1, 2, 3 are exact products (x², x³ are what exported graphs use)."""
+    r = tl.exp2(b * tl.log2(tl.abs(a)))
+    odd = tl.floor(b * 0.5) * 2.0 != b  # also true for fractional b, which the next line sorts out
+    negative_base = tl.where(tl.floor(b) == b, tl.where(odd, -r, r), float("nan"))
+    r = tl.where(a < 0, negative_base, r)
+    r = tl.where(b == 0, 1.0, tl.where(a == 1, 1.0, r))  # x⁰ = 1 and 1ʸ = 1, NaN included (C99 pow)
+    r = tl.where(b == 1, a, r)
+    r = tl.where(b == 2, a * a, r)
+    return tl.where(b == 3, a * a * a, r)
+
+
+@triton.jit
+def activate(y, ACTIVATION: tl.constexpr, alpha, beta):
+    """The fused epilogue activations of kiln::FusedGemm / FusedConv (kiln/ops/fused.py)."""
+    if ACTIVATION == "Relu":
+        y = relu(y)
+    elif ACTIVATION == "Clip":  # alpha = min, beta = max
+        y = tl.minimum(tl.maximum(y, alpha), beta)
+    elif ACTIVATION == "Sigmoid":
+        y = sigmoid(y)
+    elif ACTIVATION == "SiLU":
+        y = silu(y)
+    elif ACTIVATION == "Tanh":
+        y = tanh(y)
+    elif ACTIVATION == "Gelu":
+        y = gelu(y)
+    elif ACTIVATION == "GeluTanh":
+        y = gelu_tanh(y)
+    elif ACTIVATION == "LeakyRelu":
+        y = tl.where(y < 0, y * alpha, y)
+    elif ACTIVATION == "HardSigmoid":  # max(0, min(1, alpha·x + beta))
+        y = tl.minimum(tl.maximum(y * alpha + beta, 0.0), 1.0)
+    elif ACTIVATION == "HardSwish":  # x·relu6(x + 3)/6
+        y = y * tl.minimum(tl.maximum(y + 3.0, 0.0), 6.0) * 0.16666666666666666
+    return y
+
+
+ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "SiLU", "Tanh", "Gelu", "GeluTanh", "LeakyRelu", "HardSigmoid",
+               "HardSwish")

@@ -1,0 +1,32 @@
+"""Triton kernel tests run on CPU tensors under Triton's interpreter (no GPU in CI).
+
+TRITON_INTERPRET must be set before triton is first imported: @triton.jit reads it when a
+kernel module is imported. Set TRITON_INTERPRET=0 to run the same tests on a GPU instead.
+"""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter holds a scalar argument as a 1-element array and turns it into a
+    Python int with int(array), which numpy ≥ 2.4 refuses: `range(0, n, BLOCK)` over a runtime
+    `n` fails. Newer Triton squeezes first (upstream fix); do the same for older ones."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    if not getattr(original, "kiln_fixed", False):
+        patch_lang_tensor.kiln_fixed = True
+        interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    _fix_interpreter_scalar_index()
