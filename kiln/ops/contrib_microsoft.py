@@ -480,15 +480,19 @@ def group_query_attention(ctx, query, key=None, value=None, past_key=None, past_
         if present_len > seq:
             pad = (0, 0, 0, present_len - seq)
             present_k, present_v = F.pad(k, pad), F.pad(v, pad)
-    else:  # write each batch's new tokens after its own past
-        present_k = k.new_zeros(batch, kv_num_heads, present_len, head_size)
-        present_v = v.new_zeros(batch, kv_num_heads, present_len, head_size)
-        for b in range(batch):  # the cache past each batch's own length is stale: it stays zero
-            start = int(starts[b])
-            present_k[b, :, :start] = past_key[b, :, :start]
-            present_v[b, :, :start] = past_value[b, :, :start]
-            present_k[b, :, start : start + seq] = k[b]
-            present_v[b, :, start : start + seq] = v[b]
+    else:  # each batch's new tokens go after its own past; the cache past that is stale and reads 0
+        p = torch.arange(present_len, device=q.device).reshape(1, present_len)
+        relative = p - starts.reshape(-1, 1)  # [B, P]: position relative to the first new token
+        source = relative.clamp(0, seq - 1)[:, None, :, None].expand(batch, kv_num_heads, present_len, head_size)
+        is_past = (relative < 0)[:, None, :, None]
+        is_new = ((relative >= 0) & (relative < seq))[:, None, :, None]
+
+        def merge(past: torch.Tensor, new: torch.Tensor) -> torch.Tensor:  # -> [B, Nkv, P, H]
+            past = F.pad(past, (0, 0, 0, present_len - past_buffer)) if present_len > past_buffer else past
+            fresh = torch.where(is_new, new.gather(2, source), torch.zeros((), dtype=new.dtype, device=new.device))
+            return torch.where(is_past, past[:, :, :present_len], fresh)
+
+        present_k, present_v = merge(past_key, k), merge(past_value, v)
     # query i of batch b sits at starts[b] + i; it sees keys j <= that, and j < lengths[b]
     i = torch.arange(seq, device=q.device).reshape(1, 1, seq, 1)
     j = torch.arange(present_len, device=q.device).reshape(1, 1, 1, present_len)
