@@ -156,6 +156,25 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     return out.flatten(-2) if out_merge_heads else out
 
 
+@register("Rotary", domain="kiln")
+def rotary(ctx, x, cos, sin, *, num_heads=0, interleaved=0):
+    """Rotary position embedding, rotate-half form: x·cos + rotate_half(x)·sin, cos/sin broadcast to x.
+
+    rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); `interleaved` = 1 rotates pairs
+    (x0, x1), (x2, x3), ... instead (GPT-J). `num_heads`: a 3-D x [B, S, H·D] is first viewed
+    as [B, S, H, D]. cos/sin are full width [..., D] (both halves given), so any rotary table works.
+    """
+    if num_heads and x.dim() == 3:
+        x = x.unflatten(-1, (num_heads, -1))  # [B, S, H, D]
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))  # [..., D/2, 2]
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        first, second = x.chunk(2, dim=-1)
+        rotated = torch.cat((-second, first), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
 _ELEMENTWISE = {
     "Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Pow": torch.pow,
     "Max": torch.maximum, "Min": torch.minimum,

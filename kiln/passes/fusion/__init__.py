@@ -11,6 +11,7 @@ from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
+from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.gemm import fuse_gemm
 
@@ -21,6 +22,7 @@ RULES = [
     ("fuse_softmax", fuse_softmax),
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
+    ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
     ("fuse_elementwise", fuse_elementwise),

@@ -2,8 +2,13 @@
 
     O = softmax(Q·Kᵀ·s + M)·V
 
-as exporters write it: MatMul(Q·a, Kᵀ·b) [·c or /c] [+ M] -> Softmax(-1) [-> Where(IsNaN(P), 0, P)]
--> MatMul(·, V), with s = a·b·c. Around it, the head split/merge Transposes are absorbed
+as exporters write it: MatMul(Q·a, Kᵀ·b) [·c or /c] [+ M] [·d] -> Softmax(-1) [-> Where(IsNaN(P), 0, P)]
+-> MatMul(·, V), with s = a·b·c·d. A scale d applied after the mask scales the mask too
+(M·d: still 0 / very negative). A boolean mask applied as Where(C, scores, f) with a fill
+f ≤ -1e30 (or -inf) becomes the additive mask Where(C, 0, f), which SDPA takes directly.
+A constant mask that is the causal lower triangle (0 / ≤ -1e30, or True / False) becomes
+is_causal=1 with no mask tensor, so SDPA's causal path runs; no row is then fully masked,
+so the NaN guard goes too. Around it, the head split/merge Transposes are absorbed
 as permutations applied inside the op (views, no copies):
 
 - Kᵀ: Transpose(K, p), or the torchlib form Reshape(Transpose(Reshape(K, [B·H, T, D]), [0,2,1]), [B,H,D,T]);
@@ -14,14 +19,16 @@ as permutations applied inside the op (views, no copies):
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, const, const_scalar, consumers, is_op, only_user, other_input, producer,
-    replace_with,
+    KILN_DOMAIN, PassReport, attr, const, const_scalar, consumers, dtype_of, is_op, new_initializer, only_user,
+    other_input, producer, replace_with,
 )
 
 RULE = "fuse_attention"
+MASKED = -1e30  # an additive mask entry at or below this hides its key (exp underflows to 0 exactly)
 
 
 def _rank(value: ir.Value) -> int | None:
@@ -109,6 +116,49 @@ def _value_input(v: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int]
     return v, perm, gqa
 
 
+def _is_causal(mask: ir.Value | None) -> bool:
+    """True for a constant mask that is exactly the top-left lower triangle over its last two axes."""
+    m = const(mask)
+    if m is None or m.ndim < 2 or m.shape[-2] < 2 or m.shape[-1] < 2:
+        return False  # a broadcast row/column is not the triangle of the real [S, T]
+    keep = np.tril(np.ones(m.shape[-2:], dtype=bool))  # [S, T]: query i sees keys 0..i
+    if m.dtype == np.bool_:
+        return bool((m == keep).all())
+    return bool(((m == 0) == keep).all() and (m[..., ~keep] <= MASKED).all())
+
+
+def _scaled_mask(mask: ir.Value, scale: float, before: ir.Node) -> ir.Value:
+    """mask·scale: a new constant when the mask is one, else a Mul node inserted before `before`."""
+    if scale == 1.0:
+        return mask
+    graph, m = before.graph, const(mask)
+    if m is not None:
+        return new_initializer(graph, f"{mask.name}_scaled", (m * np.asarray(scale, m.dtype)).astype(m.dtype))
+    dtype = dtype_of(mask)
+    factor = new_initializer(graph, f"{mask.name}_scale", np.array(scale, dtype.numpy() if dtype else np.float32))
+    mul = ir.Node("", "Mul", [mask, factor], name=f"{before.name}_mask_scale")
+    mul.outputs[0].type, mul.outputs[0].shape = mask.type, mask.shape
+    graph.insert_before(before, mul)
+    return mul.outputs[0]
+
+
+def _where_mask(where: ir.Node, scores: ir.Value, before: ir.Node) -> ir.Value | None:
+    """Where(C, scores, f) with f ≤ -1e30 -> the additive mask Where(C, 0, f), or None."""
+    fill = const_scalar(where.inputs[2])
+    dtype = dtype_of(scores)
+    if where.inputs[1] is not scores or fill is None or fill > MASKED or dtype is None:
+        return None
+    graph, np_dtype = before.graph, dtype.numpy()
+    cond = const(where.inputs[0])
+    if cond is not None:
+        return new_initializer(graph, f"{where.name}_mask", np.where(cond, 0, fill).astype(np_dtype))
+    zero = new_initializer(graph, f"{where.name}_zero", np.array(0, np_dtype))
+    mask = ir.Node("", "Where", [where.inputs[0], zero, where.inputs[2]], name=f"{where.name}_mask")
+    mask.outputs[0].type = ir.TensorType(dtype)
+    graph.insert_before(before, mask)
+    return mask.outputs[0]
+
+
 def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if not (is_op(node, "Softmax") or is_op(node, "Softmax", domain="kiln")):
         return False
@@ -137,9 +187,22 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if not only_user(scores):
         report.refuse(RULE, node, "the attention scores are read by more than the Softmax")
         return False
+    scores, outer_scale = _strip_scale(scores, nodes)  # a scale applied after the mask
     mask = None
-    add = producer(scores, "Add")
-    if add is not None:
+    add = producer(scores, "Add") if only_user(scores) else None
+    where = producer(scores, "Where") if only_user(scores) else None
+    if where is not None:
+        inner, _ = _strip_scale(where.inputs[1], [])
+        if not is_op(producer(inner), "MatMul") or not only_user(where.inputs[1]):
+            report.refuse(RULE, node, "the Where before Softmax does not select from Q·Kᵀ")
+            return False
+        mask = _where_mask(where, where.inputs[1], node)
+        if mask is None:
+            report.refuse(RULE, node, "the Where before Softmax fills with a value above -1e30, not a mask")
+            return False
+        nodes.append(where)
+        scores = where.inputs[1]
+    elif add is not None:
         for candidate in add.inputs:
             inner, _ = _strip_scale(candidate, [])
             if is_op(producer(inner), "MatMul") and only_user(candidate):
@@ -151,6 +214,9 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
             report.refuse(RULE, node, "the Add before Softmax has no Q·Kᵀ operand")
             return False
     scores, scale = _strip_scale(scores, nodes)
+    scale *= outer_scale
+    if mask is not None:
+        mask = _scaled_mask(mask, outer_scale, node)
     qk = producer(scores, "MatMul")
     if qk is None or not only_user(scores):
         report.refuse(RULE, node, "the Softmax input is not a (scaled) MatMul of Q and Kᵀ")
@@ -172,8 +238,13 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if is_op(tr, "Transpose") and attr(tr, "perm") is not None:
         nodes.append(tr)
         out, out_perm = tr.outputs[0], attr(tr, "perm")
+    causal = _is_causal(mask)
+    if causal:
+        mask, nan_to_zero = None, 0
     attrs = [ir.AttrFloat32("scale", scale * q_scale * k_scale),
              ir.AttrInt64("gqa", int(k_gqa)), ir.AttrInt64("nan_to_zero", nan_to_zero)]
+    if causal:
+        attrs.append(ir.AttrInt64("is_causal", 1))
     for name, perm in (("q_perm", q_perm), ("k_perm", k_perm), ("v_perm", v_perm), ("out_perm", out_perm)):
         if perm is not None and perm != [0, 1, 2, 3]:
             attrs.append(ir.AttrInt64s(name, perm))

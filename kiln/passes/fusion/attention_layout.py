@@ -74,16 +74,17 @@ def absorb_attention_reshapes(node: ir.Node, report: PassReport) -> bool:
     inputs = list(node.inputs)
     attrs = {name: a for name, a in node.attributes.items()}
     absorbed: list[ir.Node] = []
-    if "q_num_heads" not in attrs and (found := _split_heads(inputs[0], node)) is not None:
+    if (found := _split_heads(inputs[0], node)) is not None:
         absorbed.append(found[0])
         inputs[0] = found[0].inputs[0]
         attrs["q_num_heads"] = ir.AttrInt64("q_num_heads", found[1])
-    if "kv_num_heads" not in attrs:
-        k_found, v_found = _split_heads(inputs[1], node), _split_heads(inputs[2], node)
-        if k_found is not None and v_found is not None and k_found[1] == v_found[1]:
-            absorbed += [k_found[0], v_found[0]]
-            inputs[1], inputs[2] = k_found[0].inputs[0], v_found[0].inputs[0]
-            attrs["kv_num_heads"] = ir.AttrInt64("kv_num_heads", k_found[1])
+    for i in (1, 2):  # k and v share one head count
+        found = _split_heads(inputs[i], node)
+        if found is not None and attr(node, "kv_num_heads", found[1]) == found[1] \
+                and ("kv_num_heads" not in attrs or attrs["kv_num_heads"].value == found[1]):
+            absorbed.append(found[0])
+            inputs[i] = found[0].inputs[0]
+            attrs["kv_num_heads"] = ir.AttrInt64("kv_num_heads", found[1])
     if "qkv_split" not in attrs and "q_num_heads" in attrs and "kv_num_heads" in attrs \
             and (packed := _packed_split(inputs, node)) is not None:
         absorbed.append(packed[0])
