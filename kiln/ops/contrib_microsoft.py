@@ -4,8 +4,8 @@ Semantics follow onnxruntime's docs/ContribOperators.md and its CPU kernels (the
 every op against onnxruntime on random inputs). The families:
 
 - normalisation: SkipLayerNormalization, SkipSimplifiedLayerNormalization,
-  SimplifiedLayerNormalization (registered in ai.onnx too, where ORT puts it),
-  LayerNormalization, EmbedLayerNormalization — statistics in fp32;
+  EmbedLayerNormalization, and SimplifiedLayerNormalization (in ai.onnx, where onnxruntime
+  puts it) — statistics in fp32;
 - activations: Gelu, BiasGelu, FastGelu, QuickGelu, BiasAdd;
 - matmuls: FusedMatMul, MatMulNBits (blocked 2/4/8-bit weights, dequantised on the fly);
 - attention: Attention (packed QKV projection), MultiHeadAttention, GroupQueryAttention,
@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.ops import indexing, matmul, normalization
+from kiln.ops import indexing
 from kiln.ops.reduction import accumulation_dtype
 from kiln.ops.registry import register
 
@@ -84,10 +84,9 @@ def simplified_layer_normalization(ctx, x, scale, *, axis=-1, epsilon=1e-5, stas
     return y if ctx.num_outputs <= 1 else (y, inv_std)[: ctx.num_outputs]
 
 
-# onnxruntime registers it in the ai.onnx domain (opset 1) as well as in com.microsoft.
-register("SimplifiedLayerNormalization", domain=MS)(simplified_layer_normalization)
+# onnxruntime registers it in the ai.onnx domain, as it does its LayerNormalization for
+# opsets before 17 (kiln's ai.onnx LayerNormalization covers every opset).
 register("SimplifiedLayerNormalization")(simplified_layer_normalization)
-register("LayerNormalization", domain=MS)(normalization.layer_normalization)
 
 
 @register("EmbedLayerNormalization", domain=MS)

@@ -34,10 +34,15 @@ class Case:
     attrs: dict[str, Any] = field(default_factory=dict)
     outputs: int | list[str] = 1  # a count, or output names with "" for outputs left out
     domain: str = MS
+    opset: int = 21  # ai.onnx opset
 
 
 def f32(*shape, lo=-1.0, hi=1.0):
     return lambda rng: rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+def f16(*shape, lo=-1.0, hi=1.0):
+    return lambda rng: rng.uniform(lo, hi, shape).astype(np.float16)
 
 
 def const(value, dtype):
@@ -66,7 +71,7 @@ def run_case(case: Case, seed: int) -> None:
         [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in given.items()],
         [helper.make_value_info(n, onnx.TypeProto()) for n in outputs if n],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset), helper.make_opsetid(MS, 1)])
     model.ir_version = 10
     got = kiln.build(model).run(dict(given))
     with warnings.catch_warnings():
@@ -123,9 +128,13 @@ def rotary_caches(max_pos, half):
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def gqa_prompt(batch, seq, heads, kv_heads, head, *, packed=False, lengths=None, rotary=False, past_buffer=0):
+def gqa_prompt(batch, seq, heads, kv_heads, head, *, packed=False, lengths=None, rotary=False, past_buffer=0,
+               dtype=np.float32):
     """A first (prompt) GQA step; lengths: valid tokens per batch (right padding)."""
     def make(rng):
+        return [v.astype(dtype) if v is not None and v.dtype == np.float32 else v for v in make_f32(rng)]
+
+    def make_f32(rng):
         lens = np.asarray(lengths if lengths is not None else [seq] * batch, dtype=np.int32)
         q = rng.uniform(-1, 1, (batch, seq, heads * head)).astype(np.float32)
         k = rng.uniform(-1, 1, (batch, seq, kv_heads * head)).astype(np.float32)
@@ -164,6 +173,9 @@ CASES = [
     Case("simplified_ln", "SimplifiedLayerNormalization", feeds(f32(B, S, H), f32(H)), {"epsilon": 1e-6},
          outputs=2, domain=""),
     Case("simplified_ln_axis", "SimplifiedLayerNormalization", feeds(f32(B, S, H), f32(S, H)), {"axis": 1}, domain=""),
+    # onnxruntime's contrib LayerNormalization: ai.onnx before opset 17 made it standard
+    Case("layer_norm_opset13", "LayerNormalization", feeds(f32(B, S, H), f32(H), f32(H)), {"epsilon": 1e-5},
+         outputs=3, domain="", opset=13),
     Case("embed_ln", "EmbedLayerNormalization",
          feeds(ints(0, 50, B, S), ints(0, 2, B, S), f32(50, H), f32(16, H), f32(2, H), f32(H), f32(H),
                ints(0, 2, B, S)), {"epsilon": 1e-12}, outputs=3),
@@ -177,6 +189,18 @@ CASES = [
     Case("quick_gelu", "QuickGelu", feeds(f32(B, S, H, lo=-4, hi=4)), {"alpha": 1.5}),
     Case("trilu_lower", "Trilu", feeds(f32(3, 6, 6), const(1, np.int64)), {"upper": 0}),
     # matmuls
+    Case("attention_mask_3d", "Attention", feeds(f32(B, S, H), f32(H, 3 * H), f32(3 * H), ints(0, 2, B, S, S)),
+         {"num_heads": 4}),
+    Case("attention_mask_start_end", "Attention", feeds(f32(B, S, H), f32(H, 3 * H), f32(3 * H), const(
+        [4, 5, 1, 0], np.int32)), {"num_heads": 4}),
+    # 16-bit: statistics and softmax in fp32, as onnxruntime does
+    Case("skip_ln_fp16", "SkipLayerNormalization", feeds(f16(B, S, H), f16(B, S, H), f16(H), f16(H), f16(H)),
+         outputs=["y", "", "", "sum"]),
+    Case("skip_simplified_ln_fp16", "SkipSimplifiedLayerNormalization", feeds(f16(B, S, H), f16(B, S, H), f16(H))),
+    Case("fast_gelu_fp16", "FastGelu", feeds(f16(B, S, H, lo=-4, hi=4), f16(H))),
+    Case("mha_fp16", "MultiHeadAttention", feeds(f16(B, S, H), f16(B, 7, H), f16(B, 7, H)), {"num_heads": 4}),
+    Case("gqa_fp16_rotary", "GroupQueryAttention", gqa_prompt(B, S, 4, 2, 16, rotary=True, dtype=np.float16),
+         {"num_heads": 4, "kv_num_heads": 2, "do_rotary": 1}, outputs=3),
     Case("fused_matmul", "FusedMatMul", feeds(f32(2, 3, 4, 5), f32(2, 3, 5, 6)), {"alpha": 0.5}),
     Case("fused_matmul_trans", "FusedMatMul", feeds(f32(2, 5, 4), f32(2, 6, 5)),
          {"alpha": 2.0, "transA": 1, "transB": 1}),
