@@ -21,6 +21,7 @@ from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import optimize
 from kiln.runtime.engine import Engine
+from kiln.tactics.autotune import autotune
 
 Progress = Callable[[str], None]
 
@@ -85,6 +86,11 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
         say(f"lowering precision to {config.precision}")
         io_casts = lower_precision(program, weights, config.precision, set(config.layer_precision))
+    # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
+    say("selecting tactics")
+    tactics = autotune(program, weights, inputs, device=torch.device(config.device), opt_level=config.opt_level,
+                       shapes=config.shapes, timing_cache=config.timing_cache, allowed=config.tactics,
+                       runs=config.tuning_runs, progress=say)
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, config))
@@ -106,6 +112,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                      "shape": None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]}
             for node in graph.graph for v in node.outputs
         },
+        "tactics": tactics,
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
     say("done")

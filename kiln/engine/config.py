@@ -13,6 +13,9 @@ class BuildConfig:
     shapes: dict[str, list[int]] = field(default_factory=dict)  # concrete shapes for planning
     layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
+    timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
+    tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
+    tuning_runs: int = 10  # timed rounds per layer in the tactic search (median)
     verbose: bool = False
 
     def to_json(self) -> dict:

@@ -29,6 +29,8 @@ class StepSpec:
     output_dtypes: list[str | None] = field(default_factory=list)
     fused_from: list[str] = field(default_factory=list)  # ONNX node names this step absorbed
     precision: str = ""  # "fp32": pinned to fp32 in a reduced-precision engine
+    tactic: str = ""  # the kernel the autotuner chose (kiln/tactics); "": the op's registered implementation
+    tactic_config: dict[str, Any] = field(default_factory=dict)  # JSON-able parameters of that tactic
 
     def to_json(self) -> dict:
         required = ("op_type", "name", "inputs", "outputs")
@@ -130,7 +132,12 @@ class Program:
             attrs = {k: resolve_attribute(v, weights, device) for k, v in step.attributes.items()}
             in_slots = [slot(n) if n else -1 for n in list(step.inputs) + list(step.captures)]
             out_slots = [slot(n) if n else -1 for n in step.outputs]
-            fn = op.fn if step.precision != "fp32" else _pinned_fp32(op.fn)
+            fn = op.fn
+            if step.tactic:  # pre-packs the step's weights once, here, at load
+                from kiln.tactics.registry import launch_for
+
+                fn = launch_for(step, op.fn, [template_values.get(s) for s in in_slots[:len(step.inputs)]], device)
+            fn = fn if step.precision != "fp32" else _pinned_fp32(fn)
             self.steps.append((fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads

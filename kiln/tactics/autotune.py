@@ -1,0 +1,333 @@
+"""Tactic search at build: every layer with several candidate kernels gets the fastest correct one.
+
+    1. run the lowered program once on example inputs at the tuning shapes (config.shapes,
+       symbolic dims 1), recording each tunable layer's real inputs and reference output;
+    2. per layer: drop candidates that do not support it (with the reason), check each
+       survivor against the op's registered implementation on those inputs (a wrong result
+       drops it, with the error), time what is left — interleaved rounds after a warm-up,
+       median; CUDA events on GPU, perf_counter on CPU — and keep the fastest;
+    3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
+       tactic is chosen (its result is still checked);
+    4. the whole program runs once more with the chosen tactics and must match the reference
+       outputs, or every layer goes back to its default.
+
+The choices land in the steps (`StepSpec.tactic`); chosen, runner-up and times per layer go
+to the engine header for `kiln inspect`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kiln.engine.plan import Binding
+from kiln.ir import dtypes
+from kiln.runtime.engine import _place_weight
+from kiln.runtime.program import Program, ProgramSpec, StepSpec
+from kiln.tactics import registry
+from kiln.tactics.tactic import DEFAULT, InputMeta, Launch, Tactic
+from kiln.tactics.timing_cache import TimingCache, environment, layer_signature, signature_key
+
+Progress = Callable[[str], None]
+
+# Candidate vs reference: max |a - b| <= atol + rtol * max |reference|, per dtype. A tactic
+# sums in another order (blocked/packed kernels): fp32 rounding grows with the reduction length.
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12),
+             torch.float16: (1e-2, 1e-3), torch.bfloat16: (4e-2, 1e-2)}
+
+# The whole engine against the reference engine: errors of many layers add up (ResNet-50 has 53
+# convolutions in a row), so fp32 is judged at 1e-3 of the output's scale; each layer was checked tighter.
+WHOLE_MODEL_TOLERANCE = {**TOLERANCE, torch.float32: (1e-3, 1e-5)}
+
+WARMUP_RUNS = 2
+LAYER_BUDGET_S = 0.4  # timing time per layer at most, beyond the minimum of 3 rounds
+
+
+@dataclasses.dataclass
+class LayerTuning:
+    """What the search found for one layer (stored in the engine header, shown by inspect)."""
+
+    tactic: str
+    time_ms: float | None
+    runner_up: str | None = None
+    runner_up_ms: float | None = None
+    candidates: dict[str, float | str] = dataclasses.field(default_factory=dict)  # ms, or why dropped
+    cached: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---- example inputs ----------------------------------------------------------------------------
+
+def example_inputs(bindings: list[Binding], shapes: dict[str, list[int]], seed: int = 0) -> list[Any]:
+    """One input per binding at the tuning shape: floats random normal, integers and bools 1
+    (a valid token id, mask value and index for the models kiln meets), symbolic dims 1."""
+    generator = torch.Generator().manual_seed(seed)
+    values = []
+    for b in bindings:
+        if b.kind != "tensor" or b.dtype is None or b.shape is None:
+            raise ValueError(f"input {b.name!r} is a {b.kind} of {b.dtype}: no example input for it")
+        shape = list(shapes.get(b.name) or [d if isinstance(d, int) else 1 for d in b.shape])
+        dtype = dtypes.BY_NAME[b.dtype].torch
+        if dtype is None:
+            raise ValueError(f"input {b.name!r}: no torch dtype for {b.dtype}")
+        if dtype.is_floating_point:
+            values.append(torch.randn(shape, generator=generator).to(dtype))
+        else:
+            values.append(torch.ones(shape, dtype=dtype))
+    return values
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    start_s = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start_s) * 1e3
+
+
+def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int = 10,
+            budget_s: float = LAYER_BUDGET_S) -> dict[str, float]:
+    """Median ms of each callable, timed in interleaved rounds so a burst of load hits all alike."""
+    for fn in fns.values():
+        for _ in range(WARMUP_RUNS):
+            fn()
+    _synchronize(device)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + budget_s
+    for round_ in range(runs):
+        if round_ >= 3 and time.perf_counter() > deadline:
+            break
+        for name, fn in fns.items():
+            samples[name].append(_time_once(fn, device))
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# ---- checking ----------------------------------------------------------------------------------
+
+def mismatch(result: Any, reference: Any, tolerance: dict | None = None) -> str | None:
+    """None when `result` matches `reference` within the dtype's tolerance, else what differs."""
+    tolerance = tolerance or TOLERANCE
+    if isinstance(reference, (tuple, list)):
+        if not isinstance(result, (tuple, list)) or len(result) != len(reference):
+            return f"gave {type(result).__name__} where the reference gives {len(reference)} values"
+        for i, (r, e) in enumerate(zip(result, reference)):
+            problem = mismatch(r, e, tolerance)
+            if problem:
+                return f"output {i}: {problem}"
+        return None
+    if not isinstance(reference, torch.Tensor):
+        return None if type(result) is type(reference) else f"gave {type(result).__name__}"
+    if not isinstance(result, torch.Tensor):
+        return f"gave {type(result).__name__}, not a tensor"
+    if result.shape != reference.shape or result.dtype != reference.dtype:
+        return (f"gave {str(result.dtype).removeprefix('torch.')}{list(result.shape)}, the reference "
+                f"{str(reference.dtype).removeprefix('torch.')}{list(reference.shape)}")
+    if not reference.is_floating_point():
+        return None if torch.equal(result, reference) else "integer results differ"
+    rtol, atol = tolerance.get(reference.dtype, (1e-4, 1e-5))
+    expected, given = reference.double(), result.double()
+    if not torch.equal(torch.isnan(expected), torch.isnan(given)):
+        return "NaNs differ from the reference"
+    finite = torch.isfinite(expected)
+    if not torch.equal(expected[~finite & ~torch.isnan(expected)], given[~finite & ~torch.isnan(expected)]):
+        return "infinities differ from the reference"
+    if not finite.any():
+        return None
+    scale = expected[finite].abs().max().item()
+    error = (given[finite] - expected[finite]).abs().max().item()
+    if error > atol + rtol * scale:
+        return f"max abs error {error:.3g} > {atol:g} + {rtol:g} x max |reference| {scale:.3g}"
+    return None
+
+
+# ---- the search --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Recorded:
+    args: list[Any]
+    output: Any
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dict[int, _Recorded], list[Any]]:
+    """Run the program once; keep the inputs and output of the steps in `indices`."""
+    records: dict[int, _Recorded] = {}
+    steps = list(program.steps)
+
+    def recording(i: int, fn: Launch) -> Launch:
+        def call(ctx, *args, **attrs):
+            result = fn(ctx, *args, **attrs)
+            records[i] = _Recorded([_clone(a) for a in args], _clone(result))
+            return result
+        return call
+
+    for i in indices:
+        fn, *rest = program.steps[i]
+        program.steps[i] = (recording(i, fn), *rest)
+    try:
+        with torch.inference_mode():
+            outputs = program.run(inputs)
+    finally:
+        program.steps[:] = steps
+    return records, [_clone(o) for o in outputs]
+
+
+def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: list[str]) -> list[Tactic]:
+    found = registry.candidates(step.op_type, step.domain, device.type, opt_level)
+    if allowed:
+        found = [t for t in found if any(t.name == a or t.name.startswith(a + ".") for a in allowed)]
+    return found
+
+
+def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
+                tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
+                runs: int) -> tuple[LayerTuning, dict[str, Any]]:
+    """(what was found, the chosen tactic's config) for one layer."""
+    metas = [InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)]
+    notes: dict[str, float | str] = {}
+    usable: list[Tactic] = []
+    for t in tactics:
+        ok = t.check(step, metas)
+        if ok is True:
+            usable.append(t)
+        else:
+            notes[t.name] = f"unsupported: {ok}"
+    if not usable:
+        return LayerTuning(DEFAULT, None, candidates=notes), {}
+
+    key = signature_key(layer_signature(step, metas, [DEFAULT] + [t.name for t in usable], env))
+    cached = cache.get(key)
+    launches: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
+    for t in usable:
+        if cached is not None and cached["chosen"] != t.name:
+            continue  # a cache hit prepares and checks the winner only
+        config = t.configure(step, metas)
+        try:
+            launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
+            args = [t.to_layout(a) for a in record.args]
+            with torch.inference_mode():
+                problem = mismatch(launch(ctx, *args, **attrs), record.output)
+        except Exception as e:  # noqa: BLE001  a candidate that fails is dropped, with the reason
+            problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
+        if problem:
+            notes[t.name] = f"rejected: {problem}"
+            continue
+        launches[t.name] = ((lambda launch=launch, args=args: launch(ctx, *args, **attrs)), config)
+
+    if cached is not None:
+        chosen = cached["chosen"]
+        if chosen != DEFAULT and chosen not in launches:
+            chosen = DEFAULT  # the cached winner failed its check here: fall back, and say so
+        times = {k: v for k, v in cached["times_ms"].items() if k in launches or k == DEFAULT}
+        return _result(chosen, times, {**cached.get("notes", {}), **notes}, cached=True), \
+            launches[chosen][1] if chosen in launches else {}
+
+    timed = {DEFAULT: lambda: fn(ctx, *record.args, **attrs)} | {k: v[0] for k, v in launches.items()}
+    with torch.inference_mode():
+        times = measure(timed, device, runs)
+    chosen = min(times, key=lambda k: (times[k], k != DEFAULT))
+    cache.put(key, {"chosen": chosen, "times_ms": times, "notes": notes,
+                    "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}"})
+    return _result(chosen, times, notes, cached=False), launches[chosen][1] if chosen in launches else {}
+
+
+def _result(chosen: str, times: dict[str, float], notes: dict[str, float | str], cached: bool) -> LayerTuning:
+    ranked = sorted(times, key=lambda k: times[k])
+    others = [k for k in ranked if k != chosen]
+    return LayerTuning(
+        tactic=chosen, time_ms=times.get(chosen),
+        runner_up=others[0] if others else None, runner_up_ms=times[others[0]] if others else None,
+        candidates={**{k: round(v, 4) for k, v in times.items()}, **notes}, cached=cached,
+    )
+
+
+def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
+             opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
+             allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None) -> dict[str, Any]:
+    """Choose a tactic for every top-level layer of `program` (in place); returns the header record."""
+    say = progress or (lambda _msg: None)
+    if opt_level <= 1:
+        return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
+    tunable = {i: found for i, step in enumerate(program.steps)
+               if (found := _candidates(step, device, opt_level, allowed or []))}
+    if not tunable:
+        return {"skipped": "no layer has more than its default implementation on this device"}
+    placed = {k: _place_weight(v, device) for k, v in weights.items()}
+    try:
+        examples = [v.to(device) for v in example_inputs(inputs, shapes)]
+        reference_program = Program(program, placed, device)
+        records, reference_outputs = _record(reference_program, set(tunable), examples)
+    except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
+        return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
+                           "runs its default implementation"}
+
+    cache = TimingCache(timing_cache)
+    env = environment(device)
+    layers: dict[str, dict[str, Any]] = {}
+    for n, (i, tactics) in enumerate(sorted(tunable.items())):
+        step = program.steps[i]
+        if i not in records:
+            continue  # not reached (a branch not taken): stays default
+        fn, ctx, _in, _out, attrs, _free = reference_program.steps[i]
+        constants = [placed[program.constants[name]] if name in program.constants else None
+                     for name in step.inputs]
+        found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs)
+        step.tactic = "" if found.tactic == DEFAULT else found.tactic
+        step.tactic_config = config if step.tactic else {}
+        layers[step.name] = found.to_json()
+        say(f"tactics: {n + 1}/{len(tunable)} {step.name}: {found.tactic}"
+            + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
+    records.clear()
+
+    record: dict[str, Any] = {"layers": layers, "environment": env,
+                              "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    problem = _check_whole(program, placed, device, examples, reference_outputs)
+    if problem:
+        for step in program.steps:
+            step.tactic, step.tactic_config = "", {}
+        record["reverted"] = f"the engine with the chosen tactics did not match the reference: {problem}"
+        say(f"tactics: {record['reverted']}; every layer runs its default implementation")
+    cache.save()
+    return record
+
+
+def _check_whole(program: ProgramSpec, weights: dict[str, Any], device: torch.device, examples: list[Any],
+                 reference: list[Any]) -> str | None:
+    """Layouts flow between layers (NHWC stacks): the whole engine must still give the reference outputs."""
+    try:
+        tuned = Program(program, weights, device)
+        with torch.inference_mode():
+            outputs = tuned.run(examples)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    for name, got, want in zip(program.outputs, outputs, reference):
+        problem = mismatch(got, want, WHOLE_MODEL_TOLERANCE)
+        if problem:
+            return f"output {name!r}: {problem}"
+    return None

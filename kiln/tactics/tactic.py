@@ -1,0 +1,87 @@
+"""The tactic interface: one way to run one kind of layer on one device.
+
+A tactic is (op pattern, device, dtypes, layout, config) plus these callables:
+
+    supports(step, inputs) -> True | reason     may this tactic run this layer at these shapes?
+    configure(step, inputs) -> config            JSON-able parameters fixed at build (step.tactic_config),
+                                                 e.g. the input size oneDNN packs a weight for
+    prepare(step, constants, device) -> launch   pre-pack weights once; return the kernel
+    launch(ctx, *inputs, **attributes)           the op's own signature (kiln/ops/registry.py)
+
+`prepare` runs when an engine is loaded (and at build, to time the candidate): results that
+cannot be serialized, such as oneDNN's blocked weight layouts or MKL's packed GEMM matrices,
+are produced there, once, and live in the launch closure. The default tactic of every op is
+its registered implementation in kiln/ops — the reference every other tactic is checked
+against before it may be timed (kiln/tactics/autotune.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:  # the runtime resolves tactics by name: no import back into it at run time
+    from kiln.runtime.program import StepSpec
+
+DEFAULT = "default"  # the name the autotuner and `inspect` give the op's registered implementation
+
+Launch = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class InputMeta:
+    """What a tactic may check about one input of a layer at build time."""
+
+    shape: tuple[int, ...] | None  # None: not a tensor (sequence, optional, missing)
+    dtype: torch.dtype | None
+    constant: bool  # a weight of the engine, known at build and load
+
+    @classmethod
+    def of(cls, value: Any, constant: bool) -> InputMeta:
+        if isinstance(value, torch.Tensor):
+            return cls(tuple(value.shape), value.dtype, constant)
+        return cls(None, None, constant)
+
+
+@dataclass(frozen=True)
+class Tactic:
+    """One candidate implementation of `domain::op_type` on `device`.
+
+    `layout` names the activation layout the tactic works in ("channels_last", or "" for
+    whatever it is given): the autotuner times it on inputs in that layout, the layout its
+    neighbours in a conv stack hand it, so a stack pays the conversion once at its boundary.
+    `level` is the builder opt_level from which the tactic is tried (2: default builds).
+    """
+
+    name: str  # unique, stored in the engine: "cpu.conv.onednn"
+    op_type: str
+    domain: str
+    device: str  # "cpu" | "cuda"
+    dtypes: tuple[torch.dtype, ...]  # dtypes of the first input it accepts
+    supports: Callable[[StepSpec, list[InputMeta]], bool | str]
+    prepare: Callable[[StepSpec, list[Any], torch.device], Launch]
+    configure: Callable[[StepSpec, list[InputMeta]], dict[str, Any]] = field(default=lambda step, inputs: {})
+    layout: str = ""
+    level: int = 2
+    available: Callable[[], bool] = field(default=lambda: True)  # the library is present in this torch
+    description: str = ""
+
+    def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        """True when this tactic may run `step` with these inputs, else the reason it may not."""
+        if not self.available():
+            return f"{self.name} is not available in this torch build"
+        first = inputs[0] if inputs else None
+        if first is None or first.dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            given = "no tensor" if first is None or first.dtype is None else str(first.dtype).removeprefix("torch.")
+            return f"{self.name} takes {names} inputs, given {given}"
+        return self.supports(step, inputs)
+
+    def to_layout(self, value: Any) -> Any:
+        """An input as this tactic prefers it (timing only; launch accepts any layout)."""
+        if self.layout == "channels_last" and isinstance(value, torch.Tensor) and value.dim() == 4:
+            return value.contiguous(memory_format=torch.channels_last)
+        return value

@@ -1,0 +1,152 @@
+"""The timing cache: what the autotuner measured, on disk, so a rebuild times nothing.
+
+One JSON file (`BuildConfig.timing_cache`, `kiln build --timing-cache`). An entry is keyed by
+everything a timing depends on: the layer's op, opset, attributes, input shapes, dtypes and
+which inputs are weights, the candidate tactics, and the environment (device name, compute
+capability, driver, thread count, torch/triton/kiln versions). A key that matches means the
+same problem on the same machine: the cached winner is taken without timing, so a rebuild is
+deterministic. Entries for other machines may share the file; they never match here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import kiln
+from kiln.errors import KilnError
+from kiln.tactics.tactic import InputMeta
+
+if TYPE_CHECKING:
+    from kiln.runtime.program import StepSpec
+
+CACHE_VERSION = 1
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """The machine facts a timing depends on; part of every cache key."""
+    env: dict[str, Any] = {
+        "device_type": device.type,
+        "kiln": kiln.__version__,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "threads": torch.get_num_threads(),
+    }
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        env["device_name"] = torch.cuda.get_device_name(index)
+        env["capability"] = list(torch.cuda.get_device_capability(index))
+        env["driver"] = {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    else:
+        env["device_name"] = cpu_name()
+        env["capability"] = None
+        env["driver"] = {"onednn": torch.backends.mkldnn.is_available(), "mkl": bool(torch._C.has_mkl)}
+    return env
+
+
+def _attributes_json(attributes: dict[str, Any]) -> Any:
+    """Attributes as the key sees them: weight references (layer-specific names) become a marker."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, dict):
+            return "<tensor>" if "$tensor" in v else {k: clean(x) for k, x in sorted(v.items())}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(attributes)
+
+
+def layer_signature(step: StepSpec, inputs: list[InputMeta], candidates: list[str],
+                    env: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "op": f"{step.domain or 'ai.onnx'}::{step.op_type}",
+        "opset": step.opset,
+        "attributes": _attributes_json(step.attributes),
+        "inputs": [None if m.shape is None else
+                   {"shape": list(m.shape), "dtype": str(m.dtype).removeprefix("torch."), "constant": m.constant}
+                   for m in inputs],
+        "candidates": sorted(candidates),
+        "environment": env,
+    }
+
+
+def signature_key(signature: dict[str, Any]) -> str:
+    text = json.dumps(signature, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class TimingCache:
+    """An in-memory view of the cache file; `save()` writes it back atomically."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        self.path = Path(path) if path else None
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.hits = 0
+        self.misses = 0
+        if self.path is not None and self.path.exists():
+            self.entries = self._read(self.path)
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, dict[str, Any]]:
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise KilnError(f"timing cache {path}: unreadable ({e}); delete it to start a new one") from None
+        if not isinstance(doc, dict) or doc.get("kiln_timing_cache") != CACHE_VERSION:
+            raise KilnError(
+                f"timing cache {path}: not a kiln timing cache of version {CACHE_VERSION}; "
+                "delete it (or point --timing-cache elsewhere) to start a new one"
+            )
+        return dict(doc.get("entries", {}))
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return entry
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        self.entries[key] = entry
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        if self.path.exists():  # another build may have added entries meanwhile: keep them
+            self.entries = {**self._read(self.path), **self.entries}
+        doc = {"kiln_timing_cache": CACHE_VERSION, "entries": self.entries}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
