@@ -57,6 +57,19 @@ def feeds(*makers):
     return lambda rng: [m(rng) if m is not None else None for m in makers]
 
 
+def one_node_model(op: str, given: dict[str, np.ndarray], **attrs) -> onnx.ModelProto:
+    """A com.microsoft node reading the arrays in `given` (in order), with one output y."""
+    node = helper.make_node(op, list(given), ["y"], domain=MS, **attrs)
+    graph = helper.make_graph(
+        [node], op, [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+                     for n, a in given.items()],
+        [helper.make_value_info("y", onnx.TypeProto())],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
+    model.ir_version = 10
+    return model
+
+
 def run_case(case: Case, seed: int) -> None:
     rng = np.random.default_rng(seed)
     values = case.feeds(rng)
@@ -274,15 +287,24 @@ def test_op_matches_onnxruntime(case: Case):
 def test_bias_add():
     """onnxruntime has BiasAdd on CUDA only: check x + bias + skip directly."""
     rng = np.random.default_rng(7)
-    x, bias, skip = rng.standard_normal((B, S, H), np.float32), rng.standard_normal(H, np.float32), \
-        rng.standard_normal((B, S, H), np.float32)
-    node = helper.make_node("BiasAdd", ["x", "bias", "skip"], ["y"], domain=MS)
-    graph = helper.make_graph(
-        [node], "bias_add",
-        [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, v.shape) for n, v in
-         (("x", x), ("bias", bias), ("skip", skip))],
-        [helper.make_value_info("y", onnx.TypeProto())],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    got = kiln.build(model).run({"x": x, "bias": bias, "skip": skip})["y"]
-    np.testing.assert_allclose(got, x + bias + skip, rtol=1e-6, atol=1e-6)
+    given = {"x": rng.standard_normal((B, S, H), np.float32), "bias": rng.standard_normal(H, np.float32),
+             "skip": rng.standard_normal((B, S, H), np.float32)}
+    got = kiln.build(one_node_model("BiasAdd", given)).run(given)["y"]
+    np.testing.assert_allclose(got, given["x"] + given["bias"] + given["skip"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed_kv", "packed_qkv"])
+def test_mha_packed_layouts(layout):
+    """onnxruntime's CPU kernel has no packed layouts: compare with its result on the same Q/K/V unpacked."""
+    rng = np.random.default_rng(11)
+    heads, head, kv_len = 4, 4, S if layout == "packed_qkv" else 6
+    q, k, v = (rng.uniform(-1, 1, (B, n, heads, head)).astype(np.float32) for n in (S, kv_len, kv_len))
+    if layout == "packed_kv":
+        given = {"query": q.reshape(B, S, heads * head), "key": np.stack([k, v], axis=3)}  # [B, L, N, 2, H]
+    else:
+        given = {"query": np.stack([q, k, v], axis=3)}  # [B, S, N, 3, H]
+    got = kiln.build(one_node_model("MultiHeadAttention", given, num_heads=heads)).run(given)["y"]
+    flat = {"q": q.reshape(B, S, -1), "k": k.reshape(B, kv_len, -1), "v": v.reshape(B, kv_len, -1)}
+    model = one_node_model("MultiHeadAttention", flat, num_heads=heads)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, flat)[0]
+    np.testing.assert_allclose(got, want, *TOLERANCE[np.dtype(np.float32)])
