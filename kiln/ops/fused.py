@@ -87,19 +87,23 @@ def gelu(ctx, x, *, approximate="none"):
 
 
 @register("LayerNorm", domain="kiln")
-def layer_norm(ctx, x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
-    """(x - mean) / sqrt(var + ε) · scale + bias over the dims from `axis` on (fp32 statistics)."""
-    axis = axis + x.dim() if axis < 0 else axis
-    shape = list(x.shape[axis:])
-    if x.dtype in (torch.float16, torch.bfloat16):
-        y = F.layer_norm(x.float(), shape, None, None, epsilon).to(x.dtype)
+def layer_norm(ctx, x, scale=None, bias=None, residual=None, *, axis=-1, epsilon=1e-5):
+    """(s - mean) / sqrt(var + ε) · scale + bias over the dims from `axis` on (fp32 statistics),
+    s = x + residual (skip-LayerNorm; residual may broadcast). With two outputs, s is the second."""
+    s = x if residual is None else x + residual
+    axis = axis + s.dim() if axis < 0 else axis
+    shape = list(s.shape[axis:])
+    if s.dtype in (torch.float16, torch.bfloat16):
+        y = F.layer_norm(s.float(), shape, None, None, epsilon).to(s.dtype)
         y = y * scale if scale is not None else y
-        return y + bias if bias is not None else y
-    if scale is not None and list(scale.shape) != shape:
-        scale = scale.expand(shape)
-    if bias is not None and list(bias.shape) != shape:
-        bias = bias.expand(shape)
-    return F.layer_norm(x, shape, scale, bias, epsilon)
+        y = y + bias if bias is not None else y
+    else:
+        if scale is not None and list(scale.shape) != shape:
+            scale = scale.expand(shape)
+        if bias is not None and list(bias.shape) != shape:
+            bias = bias.expand(shape)
+        y = F.layer_norm(s, shape, scale, bias, epsilon)
+    return (y, s) if ctx.num_outputs == 2 else y
 
 
 @register("RMSNorm", domain="kiln")

@@ -19,7 +19,7 @@ import torch
 from kiln.engine.lower import tensor_to_runtime
 from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
-from kiln.passes._rewrite import PassReport, const, graphs_of, static_shape
+from kiln.passes._rewrite import PassReport, const, graphs_of, is_op, static_shape
 
 NEVER_FOLD = {
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
@@ -83,18 +83,54 @@ def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:
     return arrays
 
 
+def _static_dims_picked(node: ir.Node) -> np.ndarray | None:
+    """Gather(Shape(x), i) (or Shape(x, start, end)) that picks only dims of x known at build time,
+    though x's shape as a whole is dynamic: e.g. the hidden size of [batch, seq, 768]."""
+    if node.op_type == "Shape":
+        source, indices = node, None
+    elif node.op_type == "Gather" and (source := node.inputs[0].producer()) is not None \
+            and source.op_type == "Shape" and source.domain in ("", "ai.onnx") and node.attributes.get_int("axis", 0) == 0:
+        indices = const(node.inputs[1])
+        if indices is None:
+            return None
+    else:
+        return None
+    shape = source.inputs[0].shape
+    if shape is None:
+        return None
+    rank = len(shape)
+    start, end = (source.attributes.get_int(k, d) for k, d in (("start", 0), ("end", rank)))
+    start, end = (max(0, min(rank, i + rank if i < 0 else i)) for i in (start, end))
+    dims = list(shape)[start:end]
+    picked = dims if indices is None else [dims[int(i)] if -len(dims) <= int(i) < len(dims) else None
+                                           for i in indices.reshape(-1)]
+    if not all(isinstance(d, int) for d in picked):
+        return None
+    array = np.array(picked, np.int64)
+    return array if indices is None else array.reshape(indices.shape)
+
+
 def _foldable(node: ir.Node) -> bool:
     if node.op_type in NEVER_FOLD or node.domain not in ("", "ai.onnx"):
         return False
     if node.op_type in ("Shape", "Size"):
         return True
+    if node.op_type == "Gather" and node.inputs[0] is not None and is_op(node.inputs[0].producer(), "Shape"):
+        return True  # a static dim of a dynamic shape
     inputs = [v for v in node.inputs if v is not None]
     return bool(inputs) and all(const(v) is not None for v in inputs)
 
 
 def fold_node(node: ir.Node, opset: int) -> bool:
-    if node.op_type in ("Shape", "Size"):
+    if node.op_type == "Gather" and const(node.inputs[0]) is None:
+        picked = _static_dims_picked(node)
+        if picked is None:
+            return False
+        arrays = [picked]
+    elif node.op_type in ("Shape", "Size"):
         result = _static_shape_result(node)
+        if result is None and node.op_type == "Shape":
+            result = _static_dims_picked(node)  # Shape(x, start, end) of static dims only
         if result is None and const(node.inputs[0]) is None:
             return False
         arrays = [result] if result is not None else _evaluate(node, opset)

@@ -10,8 +10,10 @@ from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.layernorm import fuse_layer_norm
+from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
+from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.gemm import fuse_gemm
 
@@ -22,8 +24,10 @@ RULES = [
     ("fuse_softmax", fuse_softmax),
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
+    ("merge_parallel_gemms", merge_parallel_gemms),
     ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
+    ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_elementwise", fuse_elementwise),
 ]
