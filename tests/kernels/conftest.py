@@ -28,5 +28,33 @@ def _fix_interpreter_scalar_index() -> None:
         interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _fix_interpreter_bf16_dot() -> None:
+    """Triton 3.6's interpreter stores bf16 as uint16 bit patterns and its tl.dot multiplies those
+    integers. Widen bf16 operands to fp32 first (exact: bf16 is the top half of an fp32)."""
+    try:
+        import numpy as np
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+    if getattr(original, "kiln_fixed", False):
+        return
+
+    def widen(handle):
+        if handle.dtype != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return original(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot.kiln_fixed = True
+    builder.create_dot = create_dot
+
+
 if os.environ["TRITON_INTERPRET"] == "1":
     _fix_interpreter_scalar_index()
+    _fix_interpreter_bf16_dot()

@@ -106,14 +106,14 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
         raise ValueError(f"triton gemm: x {tuple(x.shape)} @ wᵀ needs w as [N, {x.shape[-1]}], got {tuple(w.shape)}")
     n, k = w.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)  # x2: [M, K]
-    m = x2.shape[0]
     out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     if k == 0:  # an empty sum: the epilogue alone
         return bias_activation(out.zero_(), bias, residual, activation=activation, alpha=alpha, beta=beta,
                                residual_after_activation=residual_after_activation, inplace=True)
+    x2 = x.reshape(-1, k)  # x2: [M, K]
+    m = x2.shape[0]
     if bias is not None:
         if bias.numel() != n:
             raise ValueError(f"triton gemm: bias has {bias.numel()} elements, expected N = {n}")
