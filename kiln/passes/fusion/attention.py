@@ -142,18 +142,20 @@ def _scaled_mask(mask: ir.Value, scale: float, before: ir.Node) -> ir.Value:
     return mul.outputs[0]
 
 
-def _where_mask(where: ir.Node, scores: ir.Value, before: ir.Node) -> ir.Value | None:
-    """Where(C, scores, f) with f ≤ -1e30 -> the additive mask Where(C, 0, f), or None."""
+def _where_mask(where: ir.Node, scores: ir.Value, scale: float, before: ir.Node) -> ir.Value | None:
+    """Where(C, scores, f)·scale with f ≤ -1e30 -> the additive mask Where(C, 0, f·scale), or None."""
     fill = const_scalar(where.inputs[2])
     dtype = dtype_of(scores)
     if where.inputs[1] is not scores or fill is None or fill > MASKED or dtype is None:
         return None
     graph, np_dtype = before.graph, dtype.numpy()
+    fill = float(np.asarray(fill * scale, np_dtype)) if scale > 0 else fill  # stays ≤ -1e30 or -inf
     cond = const(where.inputs[0])
     if cond is not None:
         return new_initializer(graph, f"{where.name}_mask", np.where(cond, 0, fill).astype(np_dtype))
     zero = new_initializer(graph, f"{where.name}_zero", np.array(0, np_dtype))
-    mask = ir.Node("", "Where", [where.inputs[0], zero, where.inputs[2]], name=f"{where.name}_mask")
+    filler = new_initializer(graph, f"{where.name}_fill", np.array(fill, np_dtype))
+    mask = ir.Node("", "Where", [where.inputs[0], zero, filler], name=f"{where.name}_mask")
     mask.outputs[0].type = ir.TensorType(dtype)
     graph.insert_before(before, mask)
     return mask.outputs[0]
@@ -188,7 +190,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, "the attention scores are read by more than the Softmax")
         return False
     scores, outer_scale = _strip_scale(scores, nodes)  # a scale applied after the mask
-    mask = None
+    mask, mask_scale = None, outer_scale
     add = producer(scores, "Add") if only_user(scores) else None
     where = producer(scores, "Where") if only_user(scores) else None
     if where is not None:
@@ -196,7 +198,8 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         if not is_op(producer(inner), "MatMul") or not only_user(where.inputs[1]):
             report.refuse(RULE, node, "the Where before Softmax does not select from Q·Kᵀ")
             return False
-        mask = _where_mask(where, where.inputs[1], node)
+        mask = _where_mask(where, where.inputs[1], outer_scale, node)
+        mask_scale = 1.0  # the fill is scaled already
         if mask is None:
             report.refuse(RULE, node, "the Where before Softmax fills with a value above -1e30, not a mask")
             return False
@@ -216,7 +219,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     scores, scale = _strip_scale(scores, nodes)
     scale *= outer_scale
     if mask is not None:
-        mask = _scaled_mask(mask, outer_scale, node)
+        mask = _scaled_mask(mask, mask_scale, node)
     qk = producer(scores, "MatMul")
     if qk is None or not only_user(scores):
         report.refuse(RULE, node, "the Softmax input is not a (scaled) MatMul of Q and Kᵀ")

@@ -52,15 +52,16 @@ def _merge_heads(value: ir.Value) -> ir.Node | None:
     return reshape
 
 
-def _packed_split(inputs: list[ir.Value | None], node: ir.Node) -> tuple[ir.Node, list[int]] | None:
-    """(the Split, widths) when q, k, v are the three outputs of one Split of the last axis, read only here."""
+def _packed_split(inputs: list[ir.Value | None], readers: list[ir.Node]) -> tuple[ir.Node, list[int]] | None:
+    """(the Split, widths) when q, k, v are the three outputs of one Split of the last axis, each read
+    once by `readers` (the attention, or a head Reshape it absorbs)."""
     split = producer(inputs[0], "Split")
     if split is None or len(split.outputs) != 3 or list(split.outputs) != inputs[:3]:
         return None
     rank = None if split.inputs[0].shape is None else len(split.inputs[0].shape)
     if rank != 3 or attr(split, "axis", 0) not in (-1, rank - 1):
         return None
-    if any(consumers(v) != [node] or len(list(v.uses())) != 1 or v.is_graph_output() for v in split.outputs):
+    if any(len(list(v.uses())) != 1 or consumers(v)[0] not in readers or v.is_graph_output() for v in split.outputs):
         return None
     widths = [None if v.shape is None else v.shape[-1] for v in split.outputs]
     if not all(isinstance(w, int) for w in widths):
@@ -86,7 +87,7 @@ def absorb_attention_reshapes(node: ir.Node, report: PassReport) -> bool:
             inputs[i] = found[0].inputs[0]
             attrs["kv_num_heads"] = ir.AttrInt64("kv_num_heads", found[1])
     if "qkv_split" not in attrs and "q_num_heads" in attrs and "kv_num_heads" in attrs \
-            and (packed := _packed_split(inputs, node)) is not None:
+            and (packed := _packed_split(inputs, [node, *absorbed])) is not None:
         absorbed.append(packed[0])
         inputs[:3] = [packed[0].inputs[0], None, None]
         attrs["qkv_split"] = ir.AttrInt64s("qkv_split", packed[1])
