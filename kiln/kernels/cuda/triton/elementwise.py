@@ -71,8 +71,8 @@ def parse_program(code: Sequence[str], n_inputs: int) -> list[str]:
         for a in args:
             limit = n_inputs if a[:1] == "i" else k if a[:1] == "t" else -1
             if not a[1:].isdigit() or int(a[1:]) >= limit:
-                raise ValueError(f"kiln::Elementwise line {k} {line!r}: operand {a!r} is not an input i0..i{n_inputs - 1}"
-                                 f" or an earlier result t0..t{k - 1}")
+                raise ValueError(f"kiln::Elementwise line {k} {line!r}: operand {a!r} is not an input "
+                                 f"i0..i{n_inputs - 1} or an earlier result t0..t{k - 1}")
         lines.append(f"t{k} = " + table[op].format(*args))
     if not lines:
         raise ValueError("kiln::Elementwise: empty program")

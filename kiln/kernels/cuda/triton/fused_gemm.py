@@ -101,7 +101,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
     if activation not in dm.ACTIVATIONS:
         raise ValueError(f"triton gemm: unknown activation {activation!r} (known: {dm.ACTIVATIONS})")
     if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
-        raise TypeError(f"triton gemm: x and w must share a float16/bfloat16/float32 dtype, got {x.dtype} and {w.dtype}")
+        raise TypeError(f"triton gemm: x and w must share a float16/bfloat16/float32 dtype, "
+                        f"got {x.dtype} and {w.dtype}")
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"triton gemm: x {tuple(x.shape)} @ wᵀ needs w as [N, {x.shape[-1]}], got {tuple(w.shape)}")
     n, k = w.shape
