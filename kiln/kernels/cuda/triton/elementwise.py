@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -183,6 +184,7 @@ class ElementwiseKernel:
         self.n_inputs = n_inputs
         self.body = parse_program(self.code, n_inputs)
         self._kernels: dict[tuple, Callable] = {}
+        self._launches: dict[tuple, _Launch] = {}  # per input signature
 
     def kernel(self, kinds: str, rank: int, index64: bool) -> Callable:
         key = (kinds, rank, index64)
@@ -194,6 +196,25 @@ class ElementwiseKernel:
     def __call__(self, *inputs: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if len(inputs) != self.n_inputs:
             raise TypeError(f"kiln::Elementwise {self.code}: expected {self.n_inputs} inputs, got {len(inputs)}")
+        key = (tuple((x.shape, x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
+                     for x in inputs), out is None)
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._launches[key] = self._plan(inputs, out)
+        if out is None:
+            out = torch.empty_permuted(launch.shape, launch.order, dtype=launch.dtype, device=inputs[0].device)
+        elif out.shape != launch.shape or not out.is_contiguous():
+            raise ValueError(f"kiln::Elementwise out=: expected a contiguous tensor of shape {tuple(launch.shape)}, "
+                             f"got {tuple(out.shape)} with strides {out.stride()}")
+        if launch.kernel is None:  # empty output
+            return out
+        if launch.copy_inputs:  # too many independent dims: inputs copied to the output's layout
+            inputs = [x.expand(launch.shape).permute(launch.order).contiguous() for x in inputs]
+        launch.kernel[launch.grid](*inputs, out, *launch.args, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        return out
+
+    def _plan(self, inputs: Sequence[torch.Tensor], out: torch.Tensor | None) -> _Launch:
+        """Everything about a launch that depends only on the inputs' shapes, strides and dtypes."""
         for k, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"kiln::Elementwise input {k}: expected a float16/bfloat16/float32 tensor, got "
@@ -203,34 +224,38 @@ class ElementwiseKernel:
         dtype = sized[0].dtype
         for x in sized[1:]:
             dtype = torch.promote_types(dtype, x.dtype)
-        order = list(range(len(shape))) if out is not None else _output_layout(inputs, shape)
-        if out is None:
-            out = torch.empty_permuted(shape, order, dtype=dtype, device=inputs[0].device) if order else \
-                torch.empty(shape, dtype=dtype, device=inputs[0].device)
-        elif out.shape != shape or not out.is_contiguous():
-            raise ValueError(f"kiln::Elementwise out=: expected a contiguous tensor of shape {tuple(shape)}, "
-                             f"got {tuple(out.shape)} with strides {out.stride()}")
-        numel = out.numel()
+        order = (None if out is not None else _output_layout(inputs, shape)) or list(range(len(shape)))
+        launch = _Launch(shape, dtype, order)
+        numel = shape.numel()
         if numel == 0:
-            return out
-        order = order or list(range(len(shape)))
+            return launch
         iter_shape = [shape[d] for d in order]  # the output's memory order: out is contiguous in it
         strides = [[x.expand(shape).stride(d) if shape[d] != 1 else 0 for d in order] for x in inputs]
         merged, strides = _merge_dims(iter_shape, strides)
-        if len(merged) > MAX_RANK:  # too many independent dims: copy inputs to the output's layout
-            inputs = [x.expand(shape).permute(order).contiguous() for x in inputs]
+        if len(merged) > MAX_RANK:
+            launch.copy_inputs = True
             merged, strides = [numel], [[1] for _ in inputs]
         contiguous = _contiguous_strides(merged)
         kinds = "".join("s" if x.numel() == 1 else "c" if s == contiguous else "g" for x, s in zip(inputs, strides))
         reach = max([numel] + [sum((n - 1) * abs(st) for n, st in zip(merged, s)) + 1 for s in strides])
-        index64 = reach + BLOCK >= 2**31
-        args = [*inputs, out, numel]
+        launch.args = [numel]
         if "g" in kinds:
-            args += merged
-            args += [st for x, kind, s in zip(inputs, kinds, strides) if kind == "g" for st in s]
-        kernel = self.kernel(kinds, len(merged), index64)
-        kernel[(triton.cdiv(numel, BLOCK),)](*args, BLOCK=BLOCK, num_warps=NUM_WARPS)
-        return out
+            launch.args += merged
+            launch.args += [st for kind, s in zip(kinds, strides) if kind == "g" for st in s]
+        launch.kernel = self.kernel(kinds, len(merged), index64=reach + BLOCK >= 2**31)
+        launch.grid = (triton.cdiv(numel, BLOCK),)
+        return launch
+
+
+@dataclass
+class _Launch:
+    shape: torch.Size
+    dtype: torch.dtype
+    order: list[int]  # output dims outermost-first in memory
+    kernel: Callable | None = None
+    args: list[int] = field(default_factory=list)  # after the tensors: numel, sizes, strides
+    grid: tuple[int] = (1,)
+    copy_inputs: bool = False
 
 
 _COMPILED: dict[tuple[tuple[str, ...], int], ElementwiseKernel] = {}
