@@ -388,6 +388,32 @@ def _on_device(value: Any, device: torch.device) -> Any:
     return converted.to(device) if isinstance(converted, torch.Tensor) else converted
 
 
+def _transfer_split(context, host_feeds: dict, device_feeds: dict, warmup: int, iterations: int = 50) -> str:
+    """trtexec's H2D / GPU compute / D2H split: median ms of each, from pinned host buffers."""
+    import statistics
+
+    pinned = {k: torch.from_numpy(np.ascontiguousarray(v)).pin_memory() for k, v in host_feeds.items()
+              if isinstance(v, np.ndarray) and v.dtype != object}
+    outputs = context.run(device_feeds)
+
+    def h2d():
+        for v in pinned.values():
+            v.to("cuda", non_blocking=True)
+
+    def d2h():
+        for v in outputs.values():
+            if isinstance(v, torch.Tensor):
+                v.to("cpu")
+
+    medians = []
+    for fn in (h2d, lambda: context.run(device_feeds), d2h):
+        samples = profiler.time_runs(fn, warmup=warmup, iterations=iterations, duration=None,
+                                     sync=torch.cuda.synchronize)
+        medians.append(1000 * statistics.median(samples))
+    return (f"median H2D {medians[0]:.3f} ms | GPU compute {medians[1]:.3f} ms | D2H {medians[2]:.3f} ms "
+            "(pinned host buffers)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -437,6 +463,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table.add_row(name, str(s.count), *ms, f"{s.qps:.1f}", f"{s.mean / base:.2f}x", difference)
     out = _console()
     out.print(table)
+    if engine.device.type == "cuda":
+        out.print(_text(_transfer_split(context, feeds, kiln_feeds, args.warmup)))
     if args.json:
         doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results}
         Path(args.json).write_text(json.dumps(doc, indent=2))
