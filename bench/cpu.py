@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import os
 import platform
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import kiln
-from kiln import zoo
-from kiln.zoo.compare import Latency, peer_runners, time_runs
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
+from kiln.zoo.compare import Latency, peer_runners, time_interleaved  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("kiln", "onnxruntime", "torch eager")
@@ -77,12 +80,11 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float]:
     engine = kiln.build(str(exported.path))
     build_s = time.perf_counter() - start
     runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
-    results = {}
-    for peer in PEERS:
-        results[peer] = time_runs(runners[peer], iterations=args.iterations, warmup=args.warmup,
-                                  budget_s=args.budget)
-        print(f"  {case.label:<12} {peer:<12} median {results[peer].median_ms:9.2f} ms "
-              f"(p90 {results[peer].p90_ms:.2f}, {results[peer].runs} runs)", flush=True)
+    results = time_interleaved({p: runners[p] for p in PEERS}, iterations=args.iterations,
+                               warmup=args.warmup, budget_s=args.budget)
+    for peer, r in results.items():
+        print(f"  {case.label:<12} {peer:<12} median {r.median_ms:9.2f} ms (p90 {r.p90_ms:.2f}, {r.runs} runs)",
+              flush=True)
     return results, build_s
 
 
@@ -105,19 +107,23 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=20.0, help="seconds of timed runs per peer at most")
+    parser.add_argument("--budget", type=float, default=60.0,
+                        help="seconds of timed rounds per model at most (at least 10 rounds are made)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
     args = parser.parse_args()
 
     now = datetime.datetime.now(datetime.timezone.utc)
     versions = {p: importlib.metadata.version(p) for p in ("torch", "onnxruntime", "onnx", "transformers")}
-    print(f"kiln {kiln.__version__} CPU benchmark: {cpu_name()}, {args.threads} thread(s), fp32, median latency")
+    load_before = os.getloadavg()[0]
+    print(f"kiln {kiln.__version__} CPU benchmark: {cpu_name()}, {args.threads} thread(s), fp32, median latency; "
+          f"load average {load_before:.2f} on {os.cpu_count()} cores")
     rows = []
     for name in args.models.split(","):
         case = CASES[name.strip()]
         results, build_s = run_case(case, args)
         rows.append((case, results, build_s))
     lines = table(rows)
+    load_after = os.getloadavg()[0]
     print("\n" + "\n".join(lines))
     if args.no_write:
         return
@@ -130,7 +136,11 @@ def main() -> None:
         f"- commit: {commit()}; kiln {kiln.__version__}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "- fp32, latency in ms: median (p90) of up to "
-        f"{args.iterations} runs after {args.warmup} warm-up ({args.budget:.0f}s per runtime at most)",
+        f"{args.iterations} rounds after {args.warmup} warm-up ({args.budget:.0f}s per model at most); "
+        "the three runtimes take turns within each round",
+        f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, "
+        f"on {os.cpu_count()} cores: a load above the thread count means other work shared the CPU "
+        "and the numbers are pessimistic for every runtime",
         "- onnxruntime: CPUExecutionProvider, ORT_ENABLE_ALL; torch eager: inference_mode; "
         "kiln: kiln.build defaults",
         "- models: kiln.zoo exports (torch.onnx dynamo); ResNet-50 and BERT-base random weights, "

@@ -64,14 +64,14 @@ def classify(engine, classes: list[str], top: int) -> None:
 
 def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, budget_s: float) -> None:
     from kiln import zoo
-    from kiln.zoo.compare import peer_runners, time_runs
+    from kiln.zoo.compare import peer_runners, time_interleaved
 
     feeds = {"pixel_values": zoo.mobilenet.preprocess(photo("chelsea"))}
     runners = peer_runners("mobilenet_v2", onnx_path, feeds, threads=threads, engine=engine)
     print(f"\nBenchmark: MobileNetV2, batch 1, 3x224x224, fp32, CPU, {threads} thread(s) each; "
-          f"up to {iterations} timed runs ({budget_s:.0f}s at most) after {warmup} warm-up")
-    results = {name: time_runs(fn, iterations=iterations, warmup=warmup, budget_s=budget_s)
-               for name, fn in runners.items()}
+          f"up to {iterations} timed rounds ({budget_s:.0f}s at most) after {warmup} warm-up, "
+          "the runtimes taking turns")
+    results = time_interleaved(runners, iterations=iterations, warmup=warmup, budget_s=budget_s)
     labels = {"onnxruntime": "onnxruntime (all graph optimisations)"}
     width = max(len(labels.get(n, n)) for n in results)
     kiln_median = results["kiln"].median_ms
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="CPU threads for every runtime in the benchmark (default: 2, or fewer cores)")
     parser.add_argument("--iterations", type=int, default=100, help="timed runs per runtime (default 100)")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--budget", type=float, default=15.0,
-                        help="seconds of timed runs per runtime at most (at least 10 runs are made)")
+    parser.add_argument("--budget", type=float, default=30.0,
+                        help="seconds of timed rounds at most (at least 10 rounds are made)")
     parser.add_argument("--top", type=int, default=5, help="labels shown per photo (default 5)")
     parser.add_argument("--no-bench", action="store_true", help="classify only, skip the benchmark")
     args = parser.parse_args(argv)

@@ -1,7 +1,9 @@
 """Peers side by side on one zoo model: kiln, onnxruntime and torch eager, same input, same threads.
 
-Shared by the demo and bench/cpu.py so both time the same way: warm-up runs, then timed runs until
-a count or a time budget is reached (at least 10), reported as median and 90th percentile.
+Shared by the demo and bench/cpu.py so both time the same way: warm-up runs, then timed rounds
+until a count or a time budget is reached (at least 10), reported as median and 90th percentile.
+The peers take turns within each round, so a machine that is busy for a while slows them all
+alike instead of whichever ran then.
 """
 
 from __future__ import annotations
@@ -22,16 +24,22 @@ class Latency:
     runs: int
 
 
-def time_runs(fn: Runner, *, iterations: int = 100, warmup: int = 10, budget_s: float = 15.0) -> Latency:
-    for _ in range(warmup):
-        fn()
-    samples: list[float] = []
+def time_interleaved(runners: dict[str, Runner], *, iterations: int = 100, warmup: int = 10,
+                     budget_s: float = 30.0) -> dict[str, Latency]:
+    """Time several runners in rounds (each runs once per round); budget_s bounds all of them together."""
+    for fn in runners.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in runners}
     deadline = time.perf_counter() + budget_s
-    while len(samples) < iterations and (len(samples) < 10 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return Latency(float(np.median(samples)), float(np.percentile(samples, 90)), len(samples))
+    rounds = 0
+    while rounds < iterations and (rounds < 10 or time.perf_counter() < deadline):
+        for name, fn in runners.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+        rounds += 1
+    return {name: Latency(float(np.median(s)), float(np.percentile(s, 90)), len(s)) for name, s in samples.items()}
 
 
 def peer_runners(name: str, onnx_path, feeds: dict[str, np.ndarray], *, threads: int,

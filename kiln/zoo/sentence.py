@@ -54,8 +54,16 @@ class SentenceEmbedder(nn.Module):
 
 def pretrained() -> SentenceEmbedder:
     from transformers import BertModel
+    from transformers.utils import logging as hf_logging
 
-    bert = BertModel.from_pretrained(str(model_dir()), local_files_only=True)  # pooler unused, pruned at export
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar on every benchmark and test
+    try:
+        # The pooler loads too (it is in the checkpoint) but nothing uses it; the export prunes it.
+        bert = BertModel.from_pretrained(str(model_dir()), local_files_only=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return SentenceEmbedder(bert).eval()
 
 
