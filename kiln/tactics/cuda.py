@@ -1,0 +1,534 @@
+"""CUDA tactics: library kernels through torch (cuBLAS, cuDNN, SDPA) and kiln's Triton kernels.
+
+    cuda.elementwise.triton               kiln::Elementwise: the whole chain as one generated kernel
+    cuda.layer_norm.triton                kiln::LayerNorm (+ residual, + the sum as 2nd output), ai.onnx LayerNormalization
+    cuda.rms_norm.triton                  kiln::RMSNorm, ai.onnx RMSNormalization
+    cuda.softmax.triton                   kiln::Softmax, ai.onnx Softmax / LogSoftmax over the last axis
+    cuda.gemm.cublas_triton_epilogue      F.linear without bias, then bias + activation + residual in one kernel, in place
+    cuda.gemm.cublas_addmm_act            torch.addmm / torch._addmm_activation (cuBLASLt bias + ReLU/GELU epilogue)
+    cuda.gemm.triton.<BMxBNxBK>           Triton GEMM with the epilogue fused, one tactic per tile config
+    cuda.conv.channels_last               cuDNN conv on NHWC activations and weights, epilogue by torch in place
+    cuda.conv.channels_last_triton_epilogue   the same conv without bias, epilogue in one Triton kernel
+    cuda.attention.flash / .efficient / .cudnn   SDPA with its backend forced (torch.nn.attention.sdpa_kernel)
+
+Triton is imported when a Triton tactic is prepared, not here: a CPU-only deployment without
+the `triton` package still imports this module (the registry loads every device's tactics).
+Nothing in a launch waits on the host (no .item(), no .cpu()): the engine captures CUDA graphs.
+Under TRITON_INTERPRET=1 the Triton tactics run on CPU tensors (tests/unit/test_tactics_cuda.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.fused import _epilogue, attention, fused_conv
+from kiln.runtime.program import StepSpec
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic
+
+_HALF = (torch.float16, torch.bfloat16)
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+_CL = torch.channels_last
+# The activations kiln's Triton epilogue evaluates (kiln/kernels/cuda/triton/device_math.py: ACTIVATIONS),
+# listed here so that checking a layer does not import triton.
+_TRITON_ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "SiLU", "Tanh", "Gelu", "GeluTanh", "LeakyRelu",
+                       "HardSigmoid", "HardSwish")
+
+
+def _attr(step: StepSpec, name: str, default: Any) -> Any:
+    value = step.attributes.get(name, default)
+    return default if value is None else value
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _kernels() -> ModuleType:
+    """kiln.kernels.cuda.triton, imported on first use (it imports triton)."""
+    return importlib.import_module("kiln.kernels.cuda.triton")
+
+
+def _input(inputs: list[InputMeta], i: int) -> InputMeta | None:
+    """Input i when it is a tensor, else None (missing optional input)."""
+    return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
+
+
+def _float_inputs(inputs: list[InputMeta]) -> bool | str:
+    for k, x in enumerate(inputs):
+        if x.shape is not None and x.dtype not in _FLOAT:
+            return f"input {k} is {str(x.dtype).removeprefix('torch.')}: the Triton kernel reads float16/bfloat16/float32"
+    return True
+
+
+def _same_dtype(inputs: list[InputMeta], indices: tuple[int, ...], what: str) -> bool | str:
+    """The reference promotes mixed dtypes (fp16 · fp32 -> fp32); the kernels store in x's dtype."""
+    x = inputs[0]
+    for i in indices:
+        p = _input(inputs, i)
+        if p is not None and p.dtype != x.dtype:
+            return f"{what} {i} is {p.dtype}, x is {x.dtype} (the reference would promote)"
+    return True
+
+
+# ---- elementwise chains ------------------------------------------------------------------------
+
+def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    floats = _float_inputs(inputs)
+    if floats is not True:
+        return floats
+    if any(x.shape is None for x in inputs):
+        return "an input is not a tensor"
+    from kiln.kernels.cuda.triton.elementwise import parse_program
+    try:
+        parse_program(list(_attr(step, "code", [])), len(inputs))
+    except ValueError as e:
+        return str(e)
+    return True
+
+
+def _prepare_elementwise(step: StepSpec, constants: list[Any], device: torch.device):
+    kernel = _kernels().compile_elementwise(list(step.attributes["code"]), len(step.inputs))
+
+    def launch(ctx, *inputs, **_attributes):
+        return kernel(*inputs)  # one read of each input, one write, the chain in fp32 registers
+
+    return launch
+
+
+register(Tactic(
+    name="cuda.elementwise.triton", op_type="Elementwise", domain="kiln", device="cuda", dtypes=_FLOAT,
+    supports=_elementwise_supports, prepare=_prepare_elementwise, available=triton_available,
+    description="the elementwise chain as one generated Triton kernel (fp32 math, one pass over memory)",
+))
+
+
+# ---- normalisation and softmax -----------------------------------------------------------------
+
+def _norm_axis(axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def _params_fit(inputs: list[InputMeta], indices: tuple[int, ...], shape: tuple[int, ...]) -> bool | str:
+    """scale/bias must broadcast to the normalised dims alone (the kernel indexes them by column)."""
+    for i in indices:
+        p = _input(inputs, i)
+        if p is None:
+            continue
+        if len(p.shape) > len(shape):
+            return f"input {i} of shape {list(p.shape)} has more dims than the normalised {list(shape)}"
+        try:
+            fits = tuple(torch.broadcast_shapes(p.shape, shape)) == tuple(shape)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"input {i} of shape {list(p.shape)} does not broadcast to the normalised dims {list(shape)}"
+    return True
+
+
+def _first_of(*checks) -> bool | str:
+    for check in checks:
+        result = check()
+        if result is not True:
+            return result
+    return True
+
+
+def _layer_norm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    x, residual = inputs[0], _input(inputs, 3)
+    if not x.shape:
+        return "x is a scalar"
+    s_shape = tuple(x.shape)
+    if residual is not None:
+        try:
+            s_shape = tuple(torch.broadcast_shapes(x.shape, residual.shape))
+        except RuntimeError:
+            return f"residual {list(residual.shape)} does not broadcast with x {list(x.shape)}"
+    axis = _norm_axis(int(_attr(step, "axis", -1)), len(s_shape))
+    return _first_of(lambda: _same_dtype(inputs, (1, 2, 3), "input"),
+                     lambda: _params_fit(inputs, (1, 2), s_shape[axis:]))
+
+
+def _prepare_layer_norm(step: StepSpec, constants: list[Any], device: torch.device):
+    kernels = _kernels()
+    axis, epsilon = int(_attr(step, "axis", -1)), float(_attr(step, "epsilon", 1e-5))
+
+    def launch(ctx, x, scale=None, bias=None, residual=None, **_attributes):
+        s = x if residual is None else x + residual  # skip-LayerNorm: s is also the 2nd output
+        y = kernels.layer_norm(s, scale, bias, epsilon, axis=axis)
+        return (y, s) if ctx.num_outputs == 2 else y
+
+    return launch
+
+
+def _onnx_layer_norm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if len(step.outputs) != 1:
+        return "Mean / InvStdDev outputs are asked for"
+    if int(_attr(step, "stash_type", 1)) != 1:
+        return "stash_type is not float32"
+    x = inputs[0]
+    if not x.shape:
+        return "x is a scalar"
+    axis = _norm_axis(int(_attr(step, "axis", -1)), len(x.shape))
+    return _first_of(lambda: _same_dtype(inputs, (1, 2), "input"),
+                     lambda: _params_fit(inputs, (1, 2), tuple(x.shape[axis:])))
+
+
+def _prepare_onnx_layer_norm(step: StepSpec, constants: list[Any], device: torch.device):
+    kernels = _kernels()
+    axis, epsilon = int(_attr(step, "axis", -1)), float(_attr(step, "epsilon", 1e-5))
+
+    def launch(ctx, x, scale, bias=None, **_attributes):
+        return kernels.layer_norm(x, scale, bias, epsilon, axis=axis)
+
+    return launch
+
+
+def _rms_norm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if step.domain == "" and int(_attr(step, "stash_type", 1)) != 1:
+        return "stash_type is not float32"
+    x = inputs[0]
+    if not x.shape:
+        return "x is a scalar"
+    axis = _norm_axis(int(_attr(step, "axis", -1)), len(x.shape))
+    return _first_of(lambda: _same_dtype(inputs, (1,), "input"),
+                     lambda: _params_fit(inputs, (1,), tuple(x.shape[axis:])))
+
+
+def _prepare_rms_norm(step: StepSpec, constants: list[Any], device: torch.device):
+    kernels = _kernels()
+    axis = int(_attr(step, "axis", -1))
+    epsilon = float(_attr(step, "epsilon", 1e-6 if step.domain == "kiln" else 1e-5))
+
+    def launch(ctx, x, scale=None, **_attributes):
+        return kernels.rms_norm(x, scale, epsilon, axis=axis)
+
+    return launch
+
+
+def _softmax_axis(step: StepSpec, rank: int) -> int:
+    """The softmax axis; ai.onnx before opset 13 defaults to 1 and flattens from it (the same as
+    a single-axis softmax when that axis is the last)."""
+    axis = step.attributes.get("axis")
+    if axis is None:
+        axis = -1 if step.domain == "kiln" or step.opset >= 13 else 1
+    return _norm_axis(int(axis), rank)
+
+
+def _softmax_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    x = inputs[0]
+    if not x.shape:
+        return "x is a scalar"
+    axis = _softmax_axis(step, len(x.shape))
+    if axis != len(x.shape) - 1:
+        return f"axis {axis} is not the last of rank {len(x.shape)} (the kernel walks rows)"
+    return True
+
+
+def _prepare_softmax(step: StepSpec, constants: list[Any], device: torch.device):
+    kernels = _kernels()
+    log = step.op_type == "LogSoftmax"
+
+    def launch(ctx, x, **_attributes):
+        return kernels.softmax(x, -1, log=log)
+
+    return launch
+
+
+for _op, _domain in (("LayerNorm", "kiln"), ("LayerNormalization", "")):
+    register(Tactic(
+        name="cuda.layer_norm.triton" + ("" if _domain else ".onnx"), op_type=_op, domain=_domain, device="cuda",
+        dtypes=_FLOAT, available=triton_available,
+        supports=_layer_norm_supports if _domain else _onnx_layer_norm_supports,
+        prepare=_prepare_layer_norm if _domain else _prepare_onnx_layer_norm,
+        description="one row per program, fp32 statistics, scale and bias applied before the one store",
+    ))
+for _op, _domain in (("RMSNorm", "kiln"), ("RMSNormalization", "")):
+    register(Tactic(
+        name="cuda.rms_norm.triton" + ("" if _domain else ".onnx"), op_type=_op, domain=_domain, device="cuda",
+        dtypes=_FLOAT, supports=_rms_norm_supports, prepare=_prepare_rms_norm, available=triton_available,
+        description="one row per program, fp32 statistics, scale applied before the one store",
+    ))
+for _op, _domain in (("Softmax", "kiln"), ("Softmax", ""), ("LogSoftmax", "")):
+    register(Tactic(
+        name="cuda.softmax.triton" + ("" if _domain else f".onnx_{_op.lower()}"), op_type=_op, domain=_domain,
+        device="cuda", dtypes=_FLOAT, supports=_softmax_supports, prepare=_prepare_softmax,
+        available=triton_available, description="one row per program (online max/sum for long rows), fp32 math",
+    ))
+
+
+# ---- linear layers -----------------------------------------------------------------------------
+
+def _gemm_supports(step: StepSpec, inputs: list[InputMeta], activations: tuple[str, ...] | None) -> bool | str:
+    x, w, b, residual = inputs[0], _input(inputs, 1), _input(inputs, 2), _input(inputs, 3)
+    if not x.shape:
+        return "x is a scalar"
+    if w is None or len(w.shape) != 2 or w.shape[1] != x.shape[-1]:
+        return f"w is not an [N, K={x.shape[-1]}] matrix"
+    if w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+        return "x, w and bias do not share one dtype"
+    if b is not None and math.prod(b.shape) != w.shape[0]:
+        return f"bias of shape {list(b.shape)} is not one value per output column ({w.shape[0]})"
+    activation = _attr(step, "activation", "")
+    if activations is not None and activation not in activations:
+        return f"activation {activation!r} is not one the epilogue kernel applies"
+    if residual is not None:
+        out = (*x.shape[:-1], w.shape[0])
+        try:
+            fits = tuple(torch.broadcast_shapes(residual.shape, out)) == out
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"residual of shape {list(residual.shape)} does not broadcast to the output {list(out)}"
+    return True
+
+
+def _epilogue_args(step: StepSpec, residual_after_default: int) -> dict[str, Any]:
+    return {"activation": _attr(step, "activation", ""), "alpha": float(_attr(step, "alpha", 0.0)),
+            "beta": float(_attr(step, "beta", 0.0)),
+            "residual_after_activation": bool(_attr(step, "residual_after_activation", residual_after_default))}
+
+
+def _prepare_gemm_cublas_triton_epilogue(step: StepSpec, constants: list[Any], device: torch.device):
+    bias_activation = _kernels().bias_activation
+    epilogue = _epilogue_args(step, 1)
+
+    def launch(ctx, x, w, b=None, residual=None, **_attributes):
+        y = F.linear(x, w)  # x: [..., K], w: [N, K] -> y: [..., N], a fresh dense tensor
+        if b is None and residual is None and not epilogue["activation"]:
+            return y
+        return bias_activation(y, b, residual, axis=-1, inplace=True, **epilogue)
+
+    return launch
+
+
+def _prepare_gemm_addmm(step: StepSpec, constants: list[Any], device: torch.device):
+    epilogue = _epilogue_args(step, 1)
+    activation, after = epilogue["activation"], epilogue["residual_after_activation"]
+    # cuBLASLt's GELU epilogue is the tanh approximation (torch CUDA too); torch CPU applies exact GELU.
+    fused = {"Relu": False, **({"GeluTanh": True} if device.type == "cuda" else {})}
+
+    def launch(ctx, x, w, b=None, residual=None, **_attributes):
+        x2 = x.reshape(-1, x.shape[-1])  # x2: [M, K]
+        wt = w.t()  # [K, N], a view: cuBLAS reads it transposed
+        act = activation
+        if b is not None and act in fused and (residual is None or after):
+            y2 = torch._addmm_activation(b.reshape(-1), x2, wt, use_gelu=fused[act])  # act(x·wᵀ + b), one call
+            act = ""
+        elif b is not None:
+            y2 = torch.addmm(b.reshape(-1), x2, wt)
+        else:
+            y2 = torch.mm(x2, wt)
+        y = y2.view(*x.shape[:-1], w.shape[0])  # [..., N]
+        return _epilogue(y, residual, act, epilogue["alpha"], epilogue["beta"], after)
+
+    return launch
+
+
+def _gemm_rows(inputs: list[InputMeta]) -> int:
+    return math.prod(inputs[0].shape[:-1])  # x: [..., K] -> M rows
+
+
+def _triton_gemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int):
+    name = f"cuda.gemm.triton.{block_m}x{block_n}x{block_k}"
+
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        common = _gemm_supports(step, inputs, _TRITON_ACTIVATIONS)
+        if common is not True:
+            return common
+        rows = _gemm_rows(inputs)
+        if block_m > max(16, 1 << max(rows - 1, 0).bit_length()):
+            return f"{block_m}-row tiles for {rows} rows: mostly padding"
+        return True
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        kernels = _kernels()
+        config = kernels.GemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
+        epilogue = _epilogue_args(step, 1)
+
+        def launch(ctx, x, w, b=None, residual=None, **_attributes):
+            return kernels.gemm(x, w, b, residual, config=config, **epilogue)  # [..., N], epilogue in registers
+
+        return launch
+
+    return Tactic(
+        name=name, op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_HALF, supports=supports,
+        prepare=prepare, level=level, available=triton_available,
+        description=f"Triton GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} stages, "
+                    "bias/activation/residual applied to the tile before its one store",
+    )
+
+
+register(Tactic(
+    name="cuda.gemm.cublas_triton_epilogue", op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_FLOAT,
+    supports=lambda step, inputs: _gemm_supports(step, inputs, _TRITON_ACTIVATIONS),
+    prepare=_prepare_gemm_cublas_triton_epilogue, available=triton_available,
+    description="cuBLAS GEMM without bias, then bias + activation + residual as one Triton kernel in place",
+))
+register(Tactic(
+    name="cuda.gemm.cublas_addmm_act", op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_FLOAT,
+    supports=lambda step, inputs: _gemm_supports(step, inputs, None), prepare=_prepare_gemm_addmm,
+    description="torch.addmm (bias in the GEMM); ReLU / tanh-GELU through torch._addmm_activation's cuBLASLt "
+                "epilogue; any other epilogue in place after it",
+))
+# A modest candidate list (the full GEMM_CONFIGS at opt_level 3): large tiles for big M, a
+# middle one, and 16-row tiles for batch-1 and decode-sized M.
+for _config, _level in (((128, 128, 64, 8, 3), 2), ((64, 128, 32, 4, 4), 2), ((16, 64, 64, 2, 4), 2),
+                        ((128, 256, 64, 8, 3), 3)):
+    register(_triton_gemm_tactic(*_config, level=_level))
+
+
+# ---- convolution -------------------------------------------------------------------------------
+
+_CONV_ATTRIBUTES = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def _conv_only(step: StepSpec) -> dict[str, Any]:
+    """The convolution's own attributes (no epilogue), as fused_conv takes them."""
+    return {k: step.attributes[k] for k in _CONV_ATTRIBUTES if step.attributes.get(k) is not None}
+
+
+def _conv_supports(step: StepSpec, inputs: list[InputMeta], epilogue_kernel: bool) -> bool | str:
+    x, w, b, residual = inputs[0], _input(inputs, 1), _input(inputs, 2), _input(inputs, 3)
+    if x.shape is None or len(x.shape) != 4:
+        return "only 2-D convolutions (4-D input) have a channels-last layout"
+    if w is None or not w.constant or len(w.shape) != 4:
+        return "the weight is not a constant 4-D tensor of the engine"
+    if w.dtype != x.dtype:
+        return f"weight dtype {w.dtype} differs from input dtype {x.dtype}"
+    if not epilogue_kernel:
+        return True
+    if b is not None and (b.dtype != x.dtype or math.prod(b.shape) != w.shape[0]):
+        return f"bias {b.dtype}{list(b.shape)} is not one {x.dtype} value per output channel ({w.shape[0]})"
+    if _attr(step, "activation", "") not in _TRITON_ACTIVATIONS:
+        return f"activation {_attr(step, 'activation', '')!r} is not one the epilogue kernel applies"
+    if residual is not None:
+        meta = [torch.empty(s.shape, device="meta", dtype=s.dtype) for s in (x, w)]
+        out = tuple(fused_conv(None, *meta, **_conv_only(step)).shape)  # shape inference only
+        try:
+            fits = tuple(torch.broadcast_shapes(residual.shape, out)) == out
+        except RuntimeError:
+            fits = False
+        if not fits:
+            return f"residual of shape {list(residual.shape)} does not broadcast to the output {list(out)}"
+    return True
+
+
+def _prepare_conv_channels_last(step: StepSpec, constants: list[Any], device: torch.device):
+    w_cl = constants[1].contiguous(memory_format=_CL)  # [Cout, Cin/g, kh, kw] in NHWC order, once
+
+    def launch(ctx, x, w=None, b=None, residual=None, **attributes):
+        x = x.contiguous(memory_format=_CL)  # x: [N, C, H, W] channels-last; no copy when it already is
+        return fused_conv(ctx, x, w_cl, b, residual, **attributes)
+
+    return launch
+
+
+def _prepare_conv_triton_epilogue(step: StepSpec, constants: list[Any], device: torch.device):
+    bias_activation = _kernels().bias_activation
+    w_cl = constants[1].contiguous(memory_format=_CL)
+    conv, epilogue = _conv_only(step), _epilogue_args(step, 0)
+
+    def launch(ctx, x, w=None, b=None, residual=None, **_attributes):
+        y = fused_conv(ctx, x.contiguous(memory_format=_CL), w_cl, None, None, **conv)  # [N, Cout, H', W'] NHWC
+        if b is None and residual is None and not epilogue["activation"]:
+            return y
+        return bias_activation(y, b, residual, axis=1, inplace=True, **epilogue)
+
+    return launch
+
+
+register(Tactic(
+    name="cuda.conv.channels_last", op_type="FusedConv", domain="kiln", device="cuda", dtypes=_FLOAT,
+    supports=lambda step, inputs: _conv_supports(step, inputs, epilogue_kernel=False),
+    prepare=_prepare_conv_channels_last, layout="channels_last",
+    description="cuDNN convolution on channels-last activations and weights, epilogue by torch in place",
+))
+register(Tactic(
+    name="cuda.conv.channels_last_triton_epilogue", op_type="FusedConv", domain="kiln", device="cuda",
+    dtypes=_FLOAT, supports=lambda step, inputs: _conv_supports(step, inputs, epilogue_kernel=True),
+    prepare=_prepare_conv_triton_epilogue, layout="channels_last", available=triton_available,
+    description="cuDNN convolution (channels-last, no bias), then bias + residual + activation as one Triton kernel",
+))
+
+
+# ---- attention ---------------------------------------------------------------------------------
+
+def _attention_layout(step: StepSpec, inputs: list[InputMeta]) -> tuple[torch.Tensor, ...]:
+    """q, k, v as SDPA sees them ([B, H, S, D], meta tensors): kiln::Attention's layout handling."""
+    meta = [torch.empty(x.shape, device="meta", dtype=x.dtype) if x.shape is not None else None
+            for x in inputs[:3]] + [None] * (3 - min(len(inputs), 3))
+    q, k, v = meta
+    qkv_split = _attr(step, "qkv_split", None)
+    if qkv_split:
+        q, k, v = torch.split(q, list(qkv_split), dim=-1)
+    q_heads, kv_heads = int(_attr(step, "q_num_heads", 0)), int(_attr(step, "kv_num_heads", 0))
+    q = q.unflatten(-1, (q_heads, -1)) if q_heads and q.dim() == 3 else q
+    k = k.unflatten(-1, (kv_heads, -1)) if kv_heads and k.dim() == 3 else k
+    v = v.unflatten(-1, (kv_heads, -1)) if kv_heads and v.dim() == 3 else v
+    q, k, v = (t.permute(list(p)) if (p := _attr(step, name, None)) else t
+               for t, name in ((q, "q_perm"), (k, "k_perm"), (v, "v_perm")))
+    return q, k, v
+
+
+def _sdpa_supports(backend: str):
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        if any(_input(inputs, i) is None for i in range(1 if _attr(step, "qkv_split", None) else 3)):
+            return "q, k or v is not a tensor"
+        try:
+            q, k, v = _attention_layout(step, inputs)
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:
+            return f"q/k/v layout does not resolve: {e}"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
+        mask = _input(inputs, 3)
+        head_dim = q.shape[-1]
+        if backend in ("flash", "cudnn"):
+            if mask is not None:
+                return f"{backend} attention takes no mask tensor"
+            if head_dim % 8 or head_dim > (256 if backend == "flash" else 128) or v.shape[-1] != head_dim:
+                return f"head dim {head_dim} (v {v.shape[-1]}): {backend} wants equal dims, a multiple of 8, " \
+                       f"at most {256 if backend == 'flash' else 128}"
+            if _attr(step, "is_causal", 0) and q.shape[-2] != k.shape[-2]:
+                return f"causal with {q.shape[-2]} queries and {k.shape[-2]} keys: {backend} aligns the " \
+                       "triangle bottom-right, kiln top-left"
+        if backend == "efficient" and head_dim % 8 and q.dtype != torch.float32:
+            return f"head dim {head_dim} is not a multiple of 8"
+        return True  # anything torch still refuses fails the build-time check, with its message
+
+    return supports
+
+
+def _prepare_sdpa(backend: Any):
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        from torch.nn.attention import sdpa_kernel
+
+        def launch(ctx, *inputs, **attributes):
+            with sdpa_kernel([backend]):  # a thread-local switch, nothing launched: safe in capture
+                return attention(ctx, *inputs, **attributes)
+
+        return launch
+
+    return prepare
+
+
+def _sdpa_backend(name: str) -> Any:
+    from torch.nn.attention import SDPBackend
+    return getattr(SDPBackend, name, None)
+
+
+for _short, _backend, _dtypes in (("flash", "FLASH_ATTENTION", _HALF), ("efficient", "EFFICIENT_ATTENTION", _FLOAT),
+                                  ("cudnn", "CUDNN_ATTENTION", _HALF)):
+    register(Tactic(
+        name=f"cuda.attention.{_short}", op_type="Attention", domain="kiln", device="cuda", dtypes=_dtypes,
+        supports=_sdpa_supports(_short), prepare=_prepare_sdpa(_sdpa_backend(_backend)),
+        available=lambda _b=_backend: _sdpa_backend(_b) is not None,
+        description=f"torch SDPA with the {_backend} backend forced",
+    ))
