@@ -5,7 +5,7 @@
     2. per layer: drop candidates that do not support it (with the reason), check each
        survivor against the op's registered implementation on those inputs (a wrong result
        drops it, with the error), time what is left — interleaved rounds after a warm-up,
-       median; CUDA events on GPU, perf_counter on CPU — and keep the fastest;
+       median on CUDA events, lower quartile of perf_counter on CPU (see measure) — and keep the fastest;
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked);
     4. the whole program runs once more with the chosen tactics and must match the reference
@@ -106,7 +106,13 @@ def _time_once(fn: Callable[[], Any], device: torch.device) -> float:
 
 def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int = 10,
             budget_s: float = LAYER_BUDGET_S) -> dict[str, float]:
-    """Median ms of each callable, timed in interleaved rounds so a burst of load hits all alike."""
+    """ms per call of each callable, timed in interleaved rounds so a burst of load hits all alike.
+
+    On CUDA the median of event timings. On a CPU shared with other work, interference only
+    ever adds time (a descheduled OpenMP thread stalls a whole kernel for a scheduler slice),
+    so the lower quartile is the steadier estimate of the kernel's own cost; on a quiet CPU it
+    is the median's neighbour.
+    """
     for fn in fns.values():
         for _ in range(WARMUP_RUNS):
             fn()
@@ -118,7 +124,9 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
             break
         for name, fn in fns.items():
             samples[name].append(_time_once(fn, device))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    if device.type == "cuda":
+        return {name: statistics.median(s) for name, s in samples.items()}
+    return {name: statistics.quantiles(s, n=4, method="inclusive")[0] for name, s in samples.items()}
 
 
 # ---- checking ----------------------------------------------------------------------------------

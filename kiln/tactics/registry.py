@@ -32,6 +32,11 @@ def register(tactic: Tactic) -> Tactic:
     return tactic
 
 
+def unregister(name: str) -> None:
+    """Remove a tactic (tests register throwaway ones)."""
+    _TACTICS.pop(name, None)
+
+
 def _load() -> None:
     global _loaded
     if _loaded:

@@ -1,0 +1,305 @@
+"""Tactics: the search framework (wrong candidates rejected, timing cache reused, keys with the
+machine in them) and every CPU tactic against the op's registered implementation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.errors import ExecutionError
+from kiln.kernels.cpu import mkl_available, onednn_available
+from kiln.ops.fused import fused_conv, fused_gemm
+from kiln.ops.registry import OpContext
+from kiln.runtime.program import StepSpec
+from kiln.tactics import autotune, registry
+from kiln.tactics.tactic import DEFAULT, InputMeta, Tactic
+from kiln.tactics.timing_cache import TimingCache, environment, layer_signature, signature_key
+
+F32 = TensorProto.FLOAT
+# oneDNN/MKL sum in another order than torch's reference kernels: fp32 rounding of a K-long dot
+# product, relative to the output's scale (the autotuner's own check uses the same bound).
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def rand(*shape, generator=None):
+    return torch.randn(*shape, generator=generator)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = want.abs().max().item()
+    error = (got - want).abs().max().item()
+    assert error <= ATOL + RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def conv_model(path, *, residual: bool = True) -> str:
+    """x -> Conv3x3+Relu -> Conv1x1 (+ x) -> Relu: two FusedConv layers after optimization."""
+    rng = np.random.default_rng()
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32) * 0.2, n)
+             for n, s in (("w1", (8, 8, 3, 3)), ("b1", (8,)), ("w2", (8, 8, 1, 1)), ("b2", (8,)))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+        helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], name="conv2"),
+    ]
+    if residual:
+        nodes += [helper.make_node("Add", ["c2", "x"], ["s"], name="add"),
+                  helper.make_node("Relu", ["s"], ["y"], name="relu2")]
+    else:
+        nodes += [helper.make_node("Relu", ["c2"], ["y"], name="relu2")]
+    graph = helper.make_graph(nodes, "convs", [helper.make_tensor_value_info("x", F32, ["batch", 8, 12, 12])],
+                              [helper.make_tensor_value_info("y", F32, ["batch", 8, 12, 12])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    out = str(path / "convs.onnx")
+    with open(out, "wb") as f:
+        f.write(model.SerializeToString())
+    return out
+
+
+def relu_model(path) -> str:
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu",
+                              [helper.make_tensor_value_info("x", F32, [2, 3])],
+                              [helper.make_tensor_value_info("y", F32, [2, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    out = str(path / "relu.onnx")
+    with open(out, "wb") as f:
+        f.write(model.SerializeToString())
+    return out
+
+
+@pytest.fixture
+def throwaway_tactics():
+    """Register test tactics for ai.onnx Relu on CPU; removed afterwards."""
+    names = []
+
+    def add(name: str, launch, supports=lambda step, inputs: True):
+        registry.register(Tactic(name=name, op_type="Relu", domain="", device="cpu", dtypes=(torch.float32,),
+                                 supports=supports, prepare=lambda step, constants, device: launch))
+        names.append(name)
+
+    yield add
+    for name in names:
+        registry.unregister(name)
+
+
+# ---- the framework ------------------------------------------------------------------------------
+
+def test_a_wrong_candidate_is_rejected_with_its_reason(tmp_path, throwaway_tactics):
+    throwaway_tactics("test.relu.wrong", lambda ctx, x: torch.relu(x) + 1e-3)
+    throwaway_tactics("test.relu.crashes", lambda ctx, x: x.view(-1, 7))
+    throwaway_tactics("test.relu.unsupported", torch.relu, supports=lambda step, inputs: "never, for the test")
+    engine = kiln.build(relu_model(tmp_path))
+    found = engine.plan.header["tactics"]["layers"]["relu"]
+    assert found["tactic"] == DEFAULT and engine.plan.program.steps[0].tactic == ""
+    assert found["candidates"]["test.relu.wrong"].startswith("rejected: max abs error")
+    assert found["candidates"]["test.relu.crashes"].startswith("rejected: failed: RuntimeError")
+    assert found["candidates"]["test.relu.unsupported"] == "unsupported: never, for the test"
+    x = np.random.default_rng().standard_normal((2, 3)).astype(np.float32)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], np.maximum(x, 0))
+
+
+def test_a_correct_candidate_is_timed_and_may_win(tmp_path, throwaway_tactics):
+    throwaway_tactics("test.relu.clamp", lambda ctx, x: x.clamp(min=0))
+    engine = kiln.build(relu_model(tmp_path))
+    found = engine.plan.header["tactics"]["layers"]["relu"]
+    assert set(found["candidates"]) == {DEFAULT, "test.relu.clamp"}
+    assert all(isinstance(v, float) for v in found["candidates"].values())
+    assert found["runner_up"] in {DEFAULT, "test.relu.clamp"} - {found["tactic"]}
+    assert engine.plan.program.steps[0].tactic == ("" if found["tactic"] == DEFAULT else "test.relu.clamp")
+
+
+def test_opt_level_1_tries_the_default_only(tmp_path):
+    engine = kiln.build(conv_model(tmp_path), opt_level=1)
+    assert "skipped" in engine.plan.header["tactics"]
+    assert all(s.tactic == "" for s in engine.plan.program.steps)
+
+
+def test_timing_cache_is_hit_on_rebuild_with_identical_choices(tmp_path):
+    model, cache = conv_model(tmp_path), tmp_path / "timing.json"
+    first = kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]})
+    record = first.plan.header["tactics"]
+    assert record["cache"]["misses"] == 2 and record["cache"]["hits"] == 0
+    doc = json.loads(cache.read_text())
+    assert len(doc["entries"]) == 2
+
+    again = kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]})
+    record2 = again.plan.header["tactics"]
+    assert record2["cache"] == {"path": str(cache), "hits": 2, "misses": 0}
+    assert all(layer["cached"] for layer in record2["layers"].values())
+    assert [(s.tactic, s.tactic_config) for s in again.plan.program.steps] == \
+           [(s.tactic, s.tactic_config) for s in first.plan.program.steps]
+    assert {n: v["tactic"] for n, v in record2["layers"].items()} == \
+           {n: v["tactic"] for n, v in record["layers"].items()}
+
+
+def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
+    env = environment(torch.device("cpu"))
+    assert {"device_name", "capability", "driver", "torch", "triton", "kiln", "threads"} <= set(env)
+    step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]}, domain="kiln")
+    metas = [InputMeta((1, 8, 4, 4), torch.float32, False), InputMeta((8, 8, 3, 3), torch.float32, True)]
+    key = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], env))
+    for field, other in (("device_name", "another CPU"), ("torch", "0.0"), ("kiln", "9.9"), ("threads", 64),
+                         ("driver", {"cuda": "1.0"}), ("capability", [9, 0]), ("triton", "0.1")):
+        changed = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], {**env, field: other}))
+        assert changed != key, field
+    other_shape = [InputMeta((2, 8, 4, 4), torch.float32, False), metas[1]]
+    assert signature_key(layer_signature(step, other_shape, [DEFAULT, "cpu.conv.onednn_nhwc"], env)) != key
+
+    # A cache written on another machine is never hit here.
+    model, cache = conv_model(tmp_path), tmp_path / "timing.json"
+    kiln.build(model, timing_cache=str(cache))
+    monkeypatch.setattr(autotune, "environment", lambda device: {**env, "device_name": "another CPU"})
+    record = kiln.build(model, timing_cache=str(cache)).plan.header["tactics"]
+    assert record["cache"]["hits"] == 0 and record["cache"]["misses"] == 2
+    assert len(json.loads(cache.read_text())["entries"]) == 4  # both machines' entries kept
+
+
+def test_a_corrupt_cache_is_a_clear_error(tmp_path):
+    cache = tmp_path / "timing.json"
+    cache.write_text("{not json")
+    with pytest.raises(kiln.KilnError, match="delete it"):
+        TimingCache(cache)
+
+
+def test_tuned_engine_saves_loads_and_matches_the_default(tmp_path):
+    model = conv_model(tmp_path)
+    tuned = kiln.build(model, tactics=["cpu.conv.onednn_nhwc"], shapes={"x": [1, 8, 12, 12]})
+    reference = kiln.build(model, opt_level=2, tactics=["none"])
+    path = tmp_path / "convs.kiln"
+    tuned.save(path)
+    loaded = kiln.load(path)
+    assert [s.tactic for s in loaded.plan.program.steps] == [s.tactic for s in tuned.plan.program.steps]
+    x = np.random.default_rng().standard_normal((3, 8, 12, 12)).astype(np.float32)  # another batch than tuned
+    want = reference.run({"x": x})["y"]
+    for engine in (tuned, loaded):
+        got = engine.run({"x": x})["y"]
+        assert_close(torch.from_numpy(got), torch.from_numpy(want))
+
+
+def test_an_unknown_tactic_in_an_engine_file_is_named(tmp_path):
+    engine = kiln.build(conv_model(tmp_path))
+    engine.plan.program.steps[0].tactic = "cpu.conv.from_the_future"
+    with pytest.raises(ExecutionError, match="from_the_future.*rebuild"):
+        kiln.runtime.engine.Engine(engine.plan)
+
+
+def test_mismatch_tolerances():
+    ref = torch.randn(64, 64) * 10
+    assert autotune.mismatch(ref + 1e-5, ref) is None
+    assert "max abs error" in autotune.mismatch(ref + 1e-1, ref)
+    assert "NaNs" in autotune.mismatch(torch.full_like(ref, float("nan")), ref)
+    assert autotune.mismatch(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64)) is None
+    assert "integer" in autotune.mismatch(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+    assert "float16" in autotune.mismatch(ref.half(), ref)
+
+
+# ---- each CPU tactic against the default implementation ------------------------------------------
+
+def _prepare(name: str, step: StepSpec, inputs: list, constants: list):
+    tactic = registry.get(name)
+    metas = [InputMeta.of(v, c is not None) for v, c in zip(inputs, constants)]
+    assert tactic.check(step, metas) is True
+    step.tactic, step.tactic_config = name, tactic.configure(step, metas)
+    return tactic.prepare(step, constants, torch.device("cpu"))
+
+
+CONV_CASES = [  # (N, C, H, W, O, k, stride, pad, group, activation, alpha, beta, residual, residual_after)
+    (1, 16, 14, 14, 32, 1, 1, 0, 1, "", 0.0, 0.0, None, 0),
+    (2, 16, 14, 14, 32, 3, 1, 1, 1, "Relu", 0.0, 0.0, None, 0),
+    (1, 16, 15, 15, 32, 3, 2, 1, 1, "Relu", 0.0, 0.0, None, 0),
+    (1, 3, 32, 32, 16, 7, 2, 3, 1, "Relu", 0.0, 0.0, None, 0),
+    (1, 32, 14, 14, 32, 3, 1, 1, 32, "Clip", 0.0, 6.0, None, 0),  # depthwise + ReLU6 (MobileNetV2)
+    (1, 16, 14, 14, 16, 1, 1, 0, 1, "Relu", 0.0, 0.0, "same", 0),  # ResNet: relu(conv + b + x)
+    (1, 16, 14, 14, 16, 1, 1, 0, 1, "", 0.0, 0.0, "same", 1),  # MobileNetV2: conv + b + x
+    (1, 16, 14, 14, 16, 3, 1, 1, 1, "SiLU", 0.0, 0.0, "same", 0),  # activation oneDNN cannot chain
+    (1, 16, 14, 14, 16, 3, 1, 1, 1, "Gelu", 0.0, 0.0, "same", 1),  # residual after activation
+    (1, 16, 14, 14, 16, 3, 1, 1, 4, "LeakyRelu", 0.1, 0.0, None, 0),
+    (1, 16, 14, 14, 16, 3, 1, 1, 1, "HardSwish", 0.0, 0.0, None, 0),
+    (1, 16, 14, 14, 16, 3, 1, 1, 1, "Sigmoid", 0.0, 0.0, None, 0),
+]
+
+
+@pytest.mark.skipif(not onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("tactic", ["cpu.conv.onednn_nhwc", "cpu.conv.torch_nhwc"])
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[5]}x{c[5]}s{c[6]}g{c[8]}-{c[9] or 'none'}-r{c[12]}{c[13]}")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_cpu_conv_tactic_matches_default(tactic, case, layout):
+    n, c, h, w_, o, k, stride, pad, group, activation, alpha, beta, residual, after = case
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    x = rand(n, c, h, w_, generator=g)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = rand(o, c // group, k, k, generator=g) * 0.2
+    b = rand(o, generator=g)
+    attrs = dict(pads=[pad] * 4, strides=[stride] * 2, group=group, activation=activation, alpha=alpha, beta=beta,
+                 residual_after_activation=after, kernel_shape=[k, k])
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    out = (h + 2 * pad - k) // stride + 1
+    r = rand(n, o, out, out, generator=g) if residual else None
+    want = fused_conv(ctx, x, w, b, r, **attrs)
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b", "r" if residual else ""], ["y"], attrs, domain="kiln")
+    launch = _prepare(tactic, step, [x, w, b, r], [None, w, b, None])
+    got = launch(ctx, x, w, b, r, **attrs)
+    assert_close(got, want)
+    assert got.is_contiguous(memory_format=torch.channels_last)  # the stack stays NHWC
+
+
+def test_conv_tactic_refuses_what_it_cannot_run():
+    tactic = registry.get("cpu.conv.onednn_nhwc")
+    x, w = InputMeta((1, 4, 8, 8), torch.float32, False), InputMeta((4, 4, 3, 3), torch.float32, True)
+    step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {"pads": [0, 0, 1, 1]}, domain="kiln")
+    assert "asymmetric pads" in tactic.check(step, [x, w])
+    step.attributes = {"auto_pad": "SAME_UPPER"}
+    assert "auto_pad" in tactic.check(step, [x, w])
+    step.attributes = {}
+    assert "constant" in tactic.check(step, [x, InputMeta((4, 4, 3, 3), torch.float32, False)])
+    assert "float16" in tactic.check(step, [InputMeta((1, 4, 8, 8), torch.float16, False), w])
+    assert "2-D" in tactic.check(step, [InputMeta((1, 4, 8), torch.float32, False), w])
+    step.attributes = {"activation": "HardSigmoid"}
+    assert "post-op" in tactic.check(step, [x, w])
+
+
+GEMM_CASES = [  # (input shape, N, activation, alpha, beta, residual, residual_after, tuned rows)
+    ((32, 64), 48, "", 0.0, 0.0, False, 1, None),
+    ((2, 16, 64), 48, "Gelu", 0.0, 0.0, False, 1, None),
+    ((2, 16, 64), 48, "GeluTanh", 0.0, 0.0, False, 1, None),
+    ((2, 16, 64), 48, "Relu", 0.0, 0.0, False, 1, None),
+    ((2, 16, 64), 64, "", 0.0, 0.0, True, 1, None),  # BERT output dense + residual
+    ((2, 16, 64), 64, "Relu", 0.0, 0.0, True, 0, None),
+    ((2, 16, 64), 64, "Tanh", 0.0, 0.0, True, 1, None),
+    ((8, 64), 48, "Clip", -1.0, 1.0, False, 1, None),
+    ((5, 64), 48, "SiLU", 0.0, 0.0, False, 1, 8),  # run at another row count than packed for
+]
+
+
+@pytest.mark.parametrize("tactic", ["cpu.gemm.onednn", "cpu.gemm.mkl"])
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[2] or 'none'}-r{int(c[5])}{c[6]}")
+def test_cpu_gemm_tactic_matches_default(tactic, case):
+    if not registry.get(tactic).available():
+        pytest.skip(f"{tactic} is not available in this torch build")
+    shape, n, activation, alpha, beta, residual, after, rows = case
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    x, w, b = rand(*shape, generator=g), rand(n, shape[-1], generator=g) * 0.2, rand(n, generator=g)
+    r = rand(*shape[:-1], n, generator=g) if residual else None
+    attrs = dict(activation=activation, alpha=alpha, beta=beta, residual_after_activation=after)
+    ctx = OpContext(name="gemm", op_type="FusedGemm", domain="kiln")
+    want = fused_gemm(ctx, x, w, b, r, **attrs)
+    step = StepSpec("FusedGemm", "gemm", ["x", "w", "b", "r" if residual else ""], ["y"], attrs, domain="kiln")
+    tuned_x = x if rows is None else rand(rows, shape[-1])
+    launch = _prepare(tactic, step, [tuned_x, w, b, r], [None, w, b, None])
+    assert_close(launch(ctx, x, w, b, r, **attrs), want)
+    assert_close(launch(ctx, x.transpose(0, -1).contiguous().transpose(0, -1), w, b, r, **attrs), want)  # strided x
+
+
+def test_mkl_and_onednn_report_availability():
+    assert isinstance(mkl_available(), bool) and isinstance(onednn_available(), bool)
+    names = {t.name for t in registry.candidates("FusedConv", "kiln", "cpu", opt_level=2)}
+    assert "cpu.conv.onednn_nhwc" in names and "cpu.conv.torch_nhwc" not in names  # level 3
+    assert "cpu.conv.torch_nhwc" in {t.name for t in registry.candidates("FusedConv", "kiln", "cpu", opt_level=3)}
