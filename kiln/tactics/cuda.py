@@ -1,10 +1,10 @@
 """CUDA tactics: library kernels through torch (cuBLAS, cuDNN, SDPA) and kiln's Triton kernels.
 
     cuda.elementwise.triton               kiln::Elementwise: the whole chain as one generated kernel
-    cuda.layer_norm.triton                kiln::LayerNorm (+ residual, + the sum as 2nd output), ai.onnx LayerNormalization
+    cuda.layer_norm.triton                kiln::LayerNorm (+ residual, the sum as 2nd output); .onnx: LayerNormalization
     cuda.rms_norm.triton                  kiln::RMSNorm, ai.onnx RMSNormalization
     cuda.softmax.triton                   kiln::Softmax, ai.onnx Softmax / LogSoftmax over the last axis
-    cuda.gemm.cublas_triton_epilogue      F.linear without bias, then bias + activation + residual in one kernel, in place
+    cuda.gemm.cublas_triton_epilogue      F.linear without bias, then bias + activation + residual in one kernel
     cuda.gemm.cublas_addmm_act            torch.addmm / torch._addmm_activation (cuBLASLt bias + ReLU/GELU epilogue)
     cuda.gemm.triton.<BMxBNxBK>           Triton GEMM with the epilogue fused, one tactic per tile config
     cuda.conv.channels_last               cuDNN conv on NHWC activations and weights, epilogue by torch in place
@@ -64,7 +64,8 @@ def _input(inputs: list[InputMeta], i: int) -> InputMeta | None:
 def _float_inputs(inputs: list[InputMeta]) -> bool | str:
     for k, x in enumerate(inputs):
         if x.shape is not None and x.dtype not in _FLOAT:
-            return f"input {k} is {str(x.dtype).removeprefix('torch.')}: the Triton kernel reads float16/bfloat16/float32"
+            dtype = str(x.dtype).removeprefix("torch.")
+            return f"input {k} is {dtype}: the Triton kernel reads float16/bfloat16/float32"
     return True
 
 
