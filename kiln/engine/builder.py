@@ -82,6 +82,12 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("lowering")
     program, weights, inputs, outputs = lower(graph)
     io_casts: dict[str, str] = {}
+    if config.precision == "best":  # the fastest storage kiln can run accurately on the device
+        config.precision = "fp16" if config.device == "cuda" else "fp32"
+    if config.precision in ("int8", "fp8"):
+        raise kiln.errors.KilnError(
+            f"precision {config.precision!r} needs calibration, which this kiln does not implement yet; "
+            "build with fp32, tf32, fp16, bf16 or best")
     if config.precision in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
         say(f"lowering precision to {config.precision}")
