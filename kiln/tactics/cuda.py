@@ -491,13 +491,15 @@ def _sdpa_supports(backend: str):
             return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
         mask = _input(inputs, 3)
         head_dim = q.shape[-1]
+        if backend == "flash" and mask is not None:
+            return "flash attention takes no mask tensor"
+        if backend == "cudnn" and mask is not None and not mask.dtype.is_floating_point:
+            return f"cuDNN attention takes an additive float mask, given {mask.dtype}"
         if backend in ("flash", "cudnn"):
-            if mask is not None:
-                return f"{backend} attention takes no mask tensor"
             if head_dim % 8 or head_dim > (256 if backend == "flash" else 128) or v.shape[-1] != head_dim:
                 return f"head dim {head_dim} (v {v.shape[-1]}): {backend} wants equal dims, a multiple of 8, " \
                        f"at most {256 if backend == 'flash' else 128}"
-            if _attr(step, "is_causal", 0) and q.shape[-2] != k.shape[-2]:
+            if _attr(step, "is_causal", 0) and mask is None and q.shape[-2] != k.shape[-2]:
                 return f"causal with {q.shape[-2]} queries and {k.shape[-2]} keys: {backend} aligns the " \
                        "triangle bottom-right, kiln top-left"
         if backend == "efficient" and head_dim % 8 and q.dtype != torch.float32:
