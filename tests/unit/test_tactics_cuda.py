@@ -11,6 +11,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,7 +93,7 @@ def test_every_cuda_tactic_is_registered_for_its_op():
 
 def test_importing_the_cuda_tactics_does_not_import_triton():
     code = "import sys, kiln.tactics.cuda; assert 'triton' not in sys.modules, 'triton imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)) + "/..")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 # ---- each tactic against the reference ---------------------------------------------------------
@@ -156,6 +157,7 @@ GEMM_CASES = [  # tactic, dtype, activation, residual_after_activation, with res
     ("cuda.gemm.cublas_addmm_act", torch.float32, "Relu", 0, True),  # residual before ReLU: no fused activation
     ("cuda.gemm.triton.16x64x64", torch.float16, "Relu", 0, True),
     ("cuda.gemm.triton.64x128x32", torch.float16, "SiLU", 1, True),
+    ("cuda.gemm.triton.16x64x64", torch.bfloat16, "GeluTanh", 1, False),
 ]
 
 
