@@ -236,6 +236,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "verbose": args.verbose,
         "device": args.device,
         "precision": args.precision,
+        "timing_cache": args.timing_cache,
     }
     err = _console(stderr=True)
     t0 = time.perf_counter()
@@ -505,6 +506,9 @@ def _layers(plan: EnginePlan) -> list[dict]:
         }
         if step.fused_from:
             layer["fused_from"] = list(step.fused_from)
+        tuned = plan.header.get("tactics", {}).get("layers", {}).get(step.name)
+        if tuned:  # chosen tactic, its time and the runner-up's (kiln/tactics/autotune.py)
+            layer["tactic"] = {k: tuned.get(k) for k in ("tactic", "time_ms", "runner_up", "runner_up_ms", "cached")}
         layers.append(layer)
     return layers
 
@@ -541,6 +545,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                         f"{_fmt_bytes(memory.get('naive_bytes'))}"
                         + (f"; {len(memory['unknown'])} value(s) of unknown size" if memory.get("unknown") else "")),
     ]
+    tactics = header.get("tactics") or {}
+    if tactics:
+        chosen = [v["tactic"] for v in tactics.get("layers", {}).values()]
+        summary = tactics.get("skipped") or tactics.get("reverted") or (
+            f"{len(chosen)} layer(s) tuned: " + ", ".join(f"{chosen.count(t)} {t}" for t in sorted(set(chosen))))
+        cache = tactics.get("cache") or {}
+        if cache.get("path"):
+            summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
+        rows.append(("tactics", summary))
     for key, value in rows:
         overview.add_row(key, _text(value))
     out.print(overview)
@@ -554,16 +567,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out.print(bindings)
 
     table = Table(title="layers", title_justify="left")
-    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes"):
+    tuned = any("tactic" in layer for layer in layers)
+    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes") + (("tactic", "ms", "runner-up"),) * tuned:
+        if isinstance(column, tuple):
+            for c in column:
+                table.add_column(c, justify="right" if c == "ms" else "left")
+            continue
         table.add_column(column, justify="right" if column == "#" else "left")
     for layer in layers:
         outs = "; ".join(f"{o['name']}: {o['dtype'] or '?'}{_fmt_shape(o['shape'])}" for o in layer["outputs"])
         absorbed = ", ".join(layer.get("fused_from", []))
-        table.add_row(str(layer["index"]), _text(layer["name"]), _text(layer["op_type"]), _text(outs), _text(absorbed))
+        cells = [str(layer["index"]), _text(layer["name"]), _text(layer["op_type"]), _text(outs), _text(absorbed)]
+        if tuned:
+            cells += _tactic_cells(layer.get("tactic"))
+        table.add_row(*cells)
     out.print(table)
     if args.why_not:
         _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
     return 0
+
+
+def _tactic_cells(tuned: dict | None) -> list:
+    """Chosen tactic, its time, and the runner-up with its time (empty for untuned layers)."""
+    if not tuned:
+        return ["", "", ""]
+    ms = "" if tuned.get("time_ms") is None else f"{tuned['time_ms']:.3f}"
+    runner_up = "" if not tuned.get("runner_up") else f"{tuned['runner_up']} {tuned['runner_up_ms']:.3f}"
+    return [_text(tuned["tactic"] + (" (cached)" if tuned.get("cached") else "")), ms, _text(runner_up)]
 
 
 def _print_why_not(out, model_path: str | None) -> None:
@@ -611,6 +641,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
                    help="builder precision (default fp32)")
+    p.add_argument("--timing-cache", metavar="FILE.json",
+                   help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
     p.set_defaults(func=cmd_build)
 
