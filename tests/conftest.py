@@ -1,6 +1,11 @@
 import os
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on CPU tensors; set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
