@@ -74,18 +74,56 @@ def shape_text(case: Case) -> str:
     return f"batch {case.batch}, seq {case.seq}"
 
 
-def run_case(case: Case, args) -> tuple[dict[str, Latency], float]:
+def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict]:
+    import torch
+
     exported = zoo.export(case.model, batch=case.batch, seq=case.seq)
+    torch.set_num_threads(args.threads)  # tactics are tuned at the thread count they will run with
     start = time.perf_counter()
-    engine = kiln.build(str(exported.path))
+    engine = kiln.build(str(exported.path), timing_cache=args.timing_cache or None)
     build_s = time.perf_counter() - start
+    print(f"  {case.label:<12} tactics: {tactic_summary(engine.plan.header)}", flush=True)
     runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
     results = time_interleaved({p: runners[p] for p in PEERS}, iterations=args.iterations,
                                warmup=args.warmup, budget_s=args.budget)
     for peer, r in results.items():
         print(f"  {case.label:<12} {peer:<12} median {r.median_ms:9.2f} ms (p90 {r.p90_ms:.2f}, {r.runs} runs)",
               flush=True)
-    return results, build_s
+    return results, build_s, engine.plan.header
+
+
+def tactic_summary(header: dict) -> str:
+    tactics = header.get("tactics") or {}
+    if "layers" not in tactics:
+        return tactics.get("skipped", "none")
+    chosen = [v["tactic"] for v in tactics["layers"].values()]
+    text = ", ".join(f"{chosen.count(t)} {t}" for t in sorted(set(chosen)))
+    cache = tactics.get("cache", {})
+    return text + (f" (timing cache: {cache['hits']} hits, {cache['misses']} misses)" if cache.get("path") else "")
+
+
+def step_overhead_us(steps: int = 1000) -> tuple[float, float]:
+    """(µs per step of a 1000-Add engine, µs of the bare torch.add it runs): kiln's own cost per layer."""
+    import torch
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Add", [f"t{i}" if i else "x", "one"], [f"t{i + 1}" if i < steps - 1 else "y"])
+             for i in range(steps)]
+    graph = helper.make_graph(nodes, "adds", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    engine = kiln.build(model.SerializeToString(), opt_level=0)
+    x, one = torch.zeros(1), torch.ones(1)
+
+    def bare():
+        v = x
+        for _ in range(steps):
+            v = torch.add(v, one)
+
+    samples = time_interleaved({"kiln": lambda: engine.run([x]), "bare": bare}, iterations=50, warmup=5,
+                               budget_s=10.0)
+    return samples["kiln"].median_ms * 1e3 / steps, samples["bare"].median_ms * 1e3 / steps
 
 
 def table(rows: list[tuple[Case, dict[str, Latency], float]]) -> list[str]:
@@ -110,6 +148,8 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of timed rounds per model at most (at least 10 rounds are made)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    parser.add_argument("--timing-cache", default=str(zoo.cache_dir().parent / "timing-cache-cpu.json"),
+                        help="kiln's tactic timing cache (rebuilds time nothing); '' for none")
     args = parser.parse_args()
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -118,11 +158,18 @@ def main() -> None:
     print(f"kiln {kiln.__version__} CPU benchmark: {cpu_name()}, {args.threads} thread(s), fp32, median latency; "
           f"load average {load_before:.2f} on {os.cpu_count()} cores")
     rows = []
+    headers: list[dict] = []  # each kiln engine's header: the tactics chosen
     for name in args.models.split(","):
         case = CASES[name.strip()]
-        results, build_s = run_case(case, args)
+        results, build_s, header = run_case(case, args)
         rows.append((case, results, build_s))
+        headers.append(header)
     lines = table(rows)
+    per_step, bare = step_overhead_us()
+    overhead = (f"per-step overhead: {per_step:.2f} µs per layer in a 1000-Add engine, of which the bare "
+                f"torch.add is {bare:.2f} µs: kiln's own cost {per_step - bare:.2f} µs per layer")
+    lines += ["", overhead, ""] + [f"- {case.label} tactics: {tactic_summary(h)}"
+                                   for (case, _, _), h in zip(rows, headers)]
     load_after = os.getloadavg()[0]
     print("\n" + "\n".join(lines))
     if args.no_write:
