@@ -176,9 +176,16 @@ def main() -> None:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"cpu-{now:%Y-%m-%d}.md"
+    contended = max(load_before, load_after) > args.threads + 0.5
+    warning = (["**Contended run**: other processes shared the CPU (see the load below); the latencies are "
+                "inflated, torch's OpenMP threads (kiln, torch eager) more than onnxruntime's pool. "
+                "Re-run on an idle machine before drawing conclusions.", ""] if contended else [])
+    if contended:
+        print("\n" + warning[0])
     out.write_text("\n".join([
         f"# kiln CPU benchmark, {now:%Y-%m-%d %H:%M} UTC",
         "",
+        *warning,
         f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items()),
