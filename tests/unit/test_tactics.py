@@ -301,5 +301,5 @@ def test_cpu_gemm_tactic_matches_default(tactic, case):
 def test_mkl_and_onednn_report_availability():
     assert isinstance(mkl_available(), bool) and isinstance(onednn_available(), bool)
     names = {t.name for t in registry.candidates("FusedConv", "kiln", "cpu", opt_level=2)}
-    assert "cpu.conv.onednn_nhwc" in names and "cpu.conv.torch_nhwc" not in names  # level 3
-    assert "cpu.conv.torch_nhwc" in {t.name for t in registry.candidates("FusedConv", "kiln", "cpu", opt_level=3)}
+    assert {"cpu.conv.onednn_nhwc", "cpu.conv.torch_nhwc"} <= names
+    assert registry.candidates("FusedConv", "kiln", "cpu", opt_level=1) == []  # opt_level 0-1: default only
