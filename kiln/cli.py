@@ -469,6 +469,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results}
         Path(args.json).write_text(json.dumps(doc, indent=2))
+    if args.dump_profile:
+        from kiln.runtime.engine import _to_runtime
+
+        program_inputs = [_to_runtime(feeds[b.name], b, engine.device) for b in engine.inputs]
+        internal = engine.internal_dtype
+        program_inputs = [a.to(internal[b.dtype]) if b.dtype in internal else a
+                          for a, b in zip(program_inputs, engine.inputs)]
+        profile = Table(title="per-layer profile (median ms, eager)", title_justify="left")
+        for column in ("#", "layer", "op", "tactic", "ms", "%"):
+            profile.add_column(column, justify="right" if column in ("#", "ms", "%") else "left")
+        layers = profiler.profile_layers(engine.program, program_inputs)
+        total = sum(layer["ms"] for layer in layers) or 1.0
+        for i, layer in enumerate(layers):
+            profile.add_row(str(i), _text(layer["name"]), _text(layer["op_type"]), _text(layer["tactic"]),
+                            f"{layer['ms']:.3f}", f"{100 * layer['ms'] / total:.1f}")
+        out.print(profile)
     if not args.no_overhead:
         from kiln.runtime.engine import _to_runtime
 
@@ -671,6 +687,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", metavar="OUT.json", help="also write the statistics as JSON")
     p.add_argument("--no-overhead", action="store_true", help="skip the dispatch overhead estimate")
+    p.add_argument("--dump-profile", action="store_true", help="also print each layer's median time (eager)")
     p.set_defaults(func=cmd_bench)
 
     p = verbs.add_parser("inspect", help="show an engine's header, bindings, layers and memory",

@@ -96,7 +96,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("selecting tactics")
     tactics = autotune(program, weights, inputs, device=torch.device(config.device), opt_level=config.opt_level,
                        shapes=config.shapes, timing_cache=config.timing_cache, allowed=config.tactics,
-                       runs=config.tuning_runs, progress=say)
+                       runs=config.tuning_runs, progress=say, io_casts=io_casts)
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, config))

@@ -134,3 +134,59 @@ def dispatch_overhead(program: Any, inputs: list[Any], repeats: int = 20) -> flo
         recorder.run(inputs)
         samples = time_runs(lambda: replayer.run(inputs), warmup=2, iterations=repeats)
     return statistics.median(samples) / len(steps)
+
+
+def profile_layers(program: Any, inputs: list[Any], runs: int = 10) -> list[dict[str, Any]]:
+    """Per-layer time (trtexec's --dumpProfile): median ms of each step over `runs` eager runs.
+
+    On CUDA each step is bracketed by device events (no CUDA graph, so launch gaps show); host
+    shape steps are computed once per shape, as the runtime does, and cost nothing after.
+    """
+    import copy
+    import statistics
+
+    device = getattr(program, "device", None)
+    cuda = device is not None and device.type == "cuda"
+    samples: list[list[float]] = [[] for _ in program.steps]
+    timed = copy.copy(program)
+    timed.steps = []
+    for i, (fn, ctx, ins, outs, attrs, free) in enumerate(program.steps):
+        def call(ctx, *args, _fn=fn, _i=i, **kw):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                result = _fn(ctx, *args, **kw)
+                end.record()
+                pending.append((_i, start, end))
+                return result
+            t0 = time.perf_counter()
+            result = _fn(ctx, *args, **kw)
+            samples[_i].append(1000 * (time.perf_counter() - t0))
+            return result
+
+        timed.steps.append((call, ctx, ins, outs, attrs, free))
+    plan = None
+    if cuda:
+        from kiln.runtime.device import ShapePlan
+
+        plan = ShapePlan()
+    pending: list = []
+    with torch.inference_mode():
+        timed.run(inputs, plan=plan)  # records the host steps of this shape
+        if plan is not None:
+            plan.recording = False
+        pending.clear()
+        for s in samples:
+            s.clear()
+        for _ in range(runs):
+            timed.run(inputs, plan=plan)
+            if cuda:
+                torch.cuda.synchronize()
+                for i, start, end in pending:
+                    samples[i].append(start.elapsed_time(end))
+                pending.clear()
+    layers = []
+    for spec, s in zip(program.spec.steps, samples):
+        layers.append({"name": spec.name, "op_type": spec.op_type, "tactic": getattr(spec, "tactic", "") or "default",
+                       "ms": statistics.median(s) if s else 0.0})
+    return layers

@@ -277,7 +277,8 @@ def _result(chosen: str, times: dict[str, float], notes: dict[str, float | str],
 
 def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
-             allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None) -> dict[str, Any]:
+             allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
+             io_casts: dict[str, str] | None = None) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
@@ -289,6 +290,9 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     placed = {k: _place_weight(v, device) for k, v in weights.items()}
     try:
         examples = [v.to(device) for v in example_inputs(inputs, shapes)]
+        # A half-precision engine takes its float inputs cast at the boundary (runtime/engine.py).
+        casts = {k: dtypes.BY_NAME[v].torch for k, v in (io_casts or {}).items()}
+        examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
         reference_program = Program(program, placed, device)
         records, reference_outputs = _record(reference_program, set(tunable), examples)
     except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
