@@ -82,7 +82,9 @@ def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, b
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kiln.demo", description="Build, save, load and run a real MobileNetV2 engine; classify photos; bench it.")
+    parser = argparse.ArgumentParser(
+        prog="python -m kiln.demo",
+        description="Build, save, load and run a real MobileNetV2 engine; classify photos; bench it.")
     parser.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 2),
                         help="CPU threads for every runtime in the benchmark (default: 2, or fewer cores)")
     parser.add_argument("--iterations", type=int, default=100, help="timed runs per runtime (default 100)")
@@ -114,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         size_mb = engine_path.stat().st_size / 2**20
         start = time.perf_counter()
         engine = kiln.load(engine_path)  # the lean runtime: no ONNX, no builder
-        print(f"  saved+loaded {engine_path.name} ({size_mb:.1f} MiB), load {1e3 * (time.perf_counter() - start):.0f} ms")
+        load_ms = 1e3 * (time.perf_counter() - start)
+        print(f"  saved+loaded {engine_path.name} ({size_mb:.1f} MiB), load {load_ms:.0f} ms")
 
     classify(engine, imagenet_classes(), args.top)
     if not args.no_bench:

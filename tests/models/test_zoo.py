@@ -24,7 +24,8 @@ CAT_CLASSES = range(281, 286)  # ImageNet: tabby, tiger cat, Persian, Siamese, E
 
 
 def assert_fp32_close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.dtype}{got.shape} vs {want.dtype}{want.shape}"
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: got {got.dtype}{got.shape}, expected {want.dtype}{want.shape}"
     scale = max(1.0, float(np.abs(want).max()))
     np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * scale, err_msg=what)
 
@@ -38,6 +39,12 @@ def onnxruntime_session(path) -> ort.InferenceSession:
 @pytest.fixture(scope="module")
 def mobilenet():
     exported = zoo.export("mobilenet_v2")
+    return exported, kiln.build(str(exported.path))
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    exported = zoo.export("minilm")
     return exported, kiln.build(str(exported.path))
 
 
@@ -90,14 +97,13 @@ def test_mobilenet_v2_engine_survives_save_and_load(mobilenet, tmp_path):
     np.testing.assert_array_equal(loaded.run(feeds)[out], engine.run(feeds)[out])
 
 
-def test_minilm_sentence_embeddings_match_transformers():
+def test_minilm_sentence_embeddings_match_transformers(minilm):
     """kiln's sentence embeddings = transformers' BERT + sentence-transformers' mean pooling + L2 norm."""
     import torch
 
-    exported = zoo.export("minilm")
+    exported, engine = minilm
     feeds = exported.inputs()  # real sentences, tokenized and padded to the exported length
     assert not feeds["attention_mask"][:, -1].any(), "a sentence was truncated: export minilm with a longer seq"
-    engine = kiln.build(str(exported.path))
     got = engine.run(feeds)[engine.output_names[1]]  # [B, 384]
 
     bert = zoo.torch_model("minilm").bert
@@ -110,11 +116,10 @@ def test_minilm_sentence_embeddings_match_transformers():
     np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
 
 
-def test_minilm_matches_sentence_transformers():
+def test_minilm_matches_sentence_transformers(minilm):
     """The same embeddings from the sentence-transformers library itself, where it is installed."""
     sentence_transformers = pytest.importorskip("sentence_transformers")
-    exported = zoo.export("minilm")
-    engine = kiln.build(str(exported.path))
+    exported, engine = minilm
     got = engine.run(exported.inputs())[engine.output_names[1]]
     model = sentence_transformers.SentenceTransformer(str(zoo.sentence.model_dir()), device="cpu")
     sentences = zoo.sentence.SENTENCES[:got.shape[0]]
