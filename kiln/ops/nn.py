@@ -226,10 +226,15 @@ def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_s
     kernel = list(kernel_shape)
     outs, begin, end, extra, strides, dilations = _pool_geometry(
         x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
-    padded = _pad_spatial(x, begin, [e + t for e, t in zip(end, extra)], _lowest(x.dtype))
+    after = [e + t for e, t in zip(end, extra)]
     if ctx.num_outputs < 2 and x.dtype.is_floating_point and n <= 3:
         pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
-        return pool(padded, kernel, strides, 0, dilations)
+        if begin == after and all(2 * p <= k for p, k in zip(begin, kernel)):
+            # Symmetric padding torch's kernel takes itself (it pads with -inf): no padded copy,
+            # and the input's memory format (channels-last) is kept.
+            return pool(x, kernel, strides, begin, dilations)
+        return pool(_pad_spatial(x, begin, after, _lowest(x.dtype)), kernel, strides, 0, dilations)
+    padded = _pad_spatial(x, begin, after, _lowest(x.dtype))
     win = _windows(padded, kernel, strides, dilations)
     flat = win.reshape(*win.shape[: 2 + n], -1)
     values, arg = flat.max(dim=-1)
