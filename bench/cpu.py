@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
-from kiln.zoo.compare import Latency, peer_runners, time_interleaved  # noqa: E402
+from kiln.zoo.compare import Latency, peer_runners, time_runners  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("kiln", "onnxruntime", "torch eager")
@@ -84,7 +84,7 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict]:
     build_s = time.perf_counter() - start
     print(f"  {case.label:<12} tactics: {tactic_summary(engine.plan.header)}", flush=True)
     runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
-    results = time_interleaved({p: runners[p] for p in PEERS}, iterations=args.iterations,
+    results = time_runners({p: runners[p] for p in PEERS}, iterations=args.iterations,
                                warmup=args.warmup, budget_s=args.budget)
     for peer, r in results.items():
         print(f"  {case.label:<12} {peer:<12} median {r.median_ms:9.2f} ms (p90 {r.p90_ms:.2f}, {r.runs} runs)",
@@ -121,7 +121,7 @@ def step_overhead_us(steps: int = 1000) -> tuple[float, float]:
         for _ in range(steps):
             v = torch.add(v, one)
 
-    samples = time_interleaved({"kiln": lambda: engine.run([x]), "bare": bare}, iterations=50, warmup=5,
+    samples = time_runners({"kiln": lambda: engine.run([x]), "bare": bare}, iterations=50, warmup=5,
                                budget_s=10.0)
     return samples["kiln"].median_ms * 1e3 / steps, samples["bare"].median_ms * 1e3 / steps
 

@@ -64,14 +64,14 @@ def classify(engine, classes: list[str], top: int) -> None:
 
 def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, budget_s: float) -> None:
     from kiln import zoo
-    from kiln.zoo.compare import peer_runners, time_interleaved
+    from kiln.zoo.compare import peer_runners, time_runners
 
     feeds = {"pixel_values": zoo.mobilenet.preprocess(photo("chelsea"))}
     runners = peer_runners("mobilenet_v2", onnx_path, feeds, threads=threads, engine=engine)
     print(f"\nBenchmark: MobileNetV2, batch 1, 3x224x224, fp32, CPU, {threads} thread(s) each; "
           f"up to {iterations} timed rounds ({budget_s:.0f}s at most) after {warmup} warm-up, "
           "the runtimes taking turns")
-    results = time_interleaved(runners, iterations=iterations, warmup=warmup, budget_s=budget_s)
+    results = time_runners(runners, iterations=iterations, warmup=warmup, budget_s=budget_s)
     labels = {"onnxruntime": "onnxruntime (all graph optimisations)"}
     width = max(len(labels.get(n, n)) for n in results)
     kiln_median = results["kiln"].median_ms

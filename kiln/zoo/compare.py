@@ -1,9 +1,8 @@
 """Peers side by side on one zoo model: kiln, onnxruntime and torch eager, same input, same threads.
 
-Shared by the demo and bench/cpu.py so both time the same way: warm-up runs, then timed rounds
+Shared by the demo and bench/cpu.py so both time the same way: warm-up runs, then timed runs
 until a count or a time budget is reached (at least 10), reported as median and 90th percentile.
-The peers take turns within each round, so a machine that is busy for a while slows them all
-alike instead of whichever ran then.
+Each peer is timed in its own block (time_runners says why not in alternating rounds).
 """
 
 from __future__ import annotations
@@ -24,22 +23,24 @@ class Latency:
     runs: int
 
 
-def time_interleaved(runners: dict[str, Runner], *, iterations: int = 100, warmup: int = 10,
-                     budget_s: float = 30.0) -> dict[str, Latency]:
-    """Time several runners in rounds (each runs once per round); budget_s bounds all of them together."""
-    for fn in runners.values():
+def time_runners(runners: dict[str, Runner], *, iterations: int = 100, warmup: int = 10,
+                 budget_s: float = 30.0) -> dict[str, Latency]:
+    """Time each runner in its own block (warm-up, then up to `iterations` runs in its share of
+    `budget_s`). Blocks, not alternating rounds: onnxruntime's worker threads keep spinning for a
+    while after each call and would steal the other runtimes' cores on a 2-core machine."""
+    results = {}
+    share = budget_s / max(len(runners), 1)
+    for name, fn in runners.items():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in runners}
-    deadline = time.perf_counter() + budget_s
-    rounds = 0
-    while rounds < iterations and (rounds < 10 or time.perf_counter() < deadline):
-        for name, fn in runners.items():
+        samples: list[float] = []
+        deadline = time.perf_counter() + share
+        while len(samples) < iterations and (len(samples) < 10 or time.perf_counter() < deadline):
             start = time.perf_counter()
             fn()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-        rounds += 1
-    return {name: Latency(float(np.median(s)), float(np.percentile(s, 90)), len(s)) for name, s in samples.items()}
+            samples.append((time.perf_counter() - start) * 1e3)
+        results[name] = Latency(float(np.median(samples)), float(np.percentile(samples, 90)), len(samples))
+    return results
 
 
 def peer_runners(name: str, onnx_path, feeds: dict[str, np.ndarray], *, threads: int,
