@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from kiln.ops._util import norm_axis, torch_dtype
 from kiln.ops.reduction import accumulation_dtype
@@ -110,6 +111,12 @@ def layer_normalization(ctx, x, scale, bias=None, *, axis=-1, epsilon=1e-5, stas
     """Normalise over dims [axis, rank); Mean and InvStdDev keep those dims as 1."""
     axis = norm_axis(axis, x.dim())
     dims = list(range(axis, x.dim()))
+    normalized = tuple(x.shape[axis:])
+    if (ctx.num_outputs == 1 and stash_type == 1 and x.is_floating_point()
+            and tuple(scale.shape) == normalized and (bias is None or tuple(bias.shape) == normalized)
+            and scale.dtype == x.dtype and (bias is None or bias.dtype == x.dtype)):
+        # torch's fused kernel: one pass, fp32 accumulation for half inputs.
+        return F.layer_norm(x, normalized, scale, bias, epsilon)
     dtype = _stash_dtype(x, stash_type)
     xf = x.to(dtype)
     mean = xf.mean(dim=dims, keepdim=True)
