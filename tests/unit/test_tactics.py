@@ -303,3 +303,13 @@ def test_mkl_and_onednn_report_availability():
     names = {t.name for t in registry.candidates("FusedConv", "kiln", "cpu", opt_level=2)}
     assert {"cpu.conv.onednn_nhwc", "cpu.conv.torch_nhwc"} <= names
     assert registry.candidates("FusedConv", "kiln", "cpu", opt_level=1) == []  # opt_level 0-1: default only
+
+
+def test_layout_tactics_win_unless_the_default_is_clearly_faster():
+    from kiln.tactics import autotune as at
+
+    # channels-last conv at 1.2x the default's isolated time still wins (its stack stays NHWC) ...
+    assert at._effective_ms("cpu.conv.onednn_nhwc", 1.2) < at._effective_ms("default", 1.0)
+    # ... but not at 1.3x, and layout-free tactics are compared on their raw times.
+    assert at._effective_ms("cpu.conv.onednn_nhwc", 1.3) > at._effective_ms("default", 1.0)
+    assert at._effective_ms("cpu.gemm.mkl", 1.2) == 1.2
