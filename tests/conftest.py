@@ -3,6 +3,7 @@ import os
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("KILN_VERIFY", "1")  # the IR verifier runs between passes in every test build
 if not torch.cuda.is_available():
     # Triton kernels run under the interpreter on CPU tensors; set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")

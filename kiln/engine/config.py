@@ -17,6 +17,7 @@ class BuildConfig:
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
     tuning_runs: int = 10  # timed rounds per layer in the tactic search (median)
     verbose: bool = False
+    verify: bool = False  # run the IR verifier between passes (tests set KILN_VERIFY=1)
 
     def to_json(self) -> dict:
         return asdict(self)

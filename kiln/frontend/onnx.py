@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx_ir.passes import common as ir_passes
 from onnx import numpy_helper
 from google.protobuf.message import DecodeError
 
@@ -217,8 +218,8 @@ def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
     except Exception as e:  # noqa: BLE001  onnx_ir raises assorted errors on malformed protos
         raise ModelError(f"the model cannot be imported: {type(e).__name__}: {e}") from None
     if model.functions:
-        ir.passes.common.InlinePass()(model)
-    ir.passes.common.NameFixPass()(model)
+        ir_passes.InlinePass()(model)
+    ir_passes.NameFixPass()(model)
     if check_ops:
         problems = _unsupported(model)
         if problems:

@@ -9,10 +9,13 @@ Opt levels (like TensorRT's builder optimization level):
 
 from __future__ import annotations
 
+import os
+
 import onnx_ir as ir
 from onnx_ir.passes import common
 
 from kiln.engine.config import BuildConfig
+from kiln.ir.verify import verify
 from kiln.passes import fusion
 from kiln.passes._rewrite import PassReport, run_rule
 from kiln.passes.batchnorm import fold_batchnorm_and_affine
@@ -21,36 +24,51 @@ from kiln.passes.fold import fold_constants
 from kiln.passes.noop import remove_noops
 
 
-def cleanup(model: ir.Model, report: PassReport) -> None:
+def _verifier(config: BuildConfig):
+    """verify(model, stage) between passes when config.verify or KILN_VERIFY=1 (the tests set it)."""
+    if not (config.verify or os.environ.get("KILN_VERIFY") == "1"):
+        return lambda model, stage, require_order=False: None
+    return lambda model, stage, require_order=False: verify(model, f"after {stage}", require_order)
+
+
+def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None) -> None:
     # Constant nodes become initializers, so every constant looks the same to the rules.
     common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     # Run once at build what would give the same answer on every run (shapes included).
     fold_constants(model, report)
+    check(model, "fold_constants")
     # Identity, inference Dropout, Reshape/Transpose/Cast chains that cancel.
     remove_noops(model, report)
+    check(model, "remove_noops")
     # Folding may expose more constants (a Reshape of a folded shape); one more round.
     fold_constants(model, report)
     # Identical subexpressions (same op, inputs, attributes) need computing once.
     common.CommonSubexpressionEliminationPass()(model)
+    check(model, "common_subexpression_elimination")
     # Nodes and weights nobody reads cost time and memory for nothing.
     eliminate_dead_code(model, report)
+    check(model, "eliminate_dead_code")
 
 
 def optimize(model: ir.Model, config: BuildConfig, report: PassReport | None = None) -> ir.Model:
     report = report if report is not None else PassReport()
     if config.opt_level == 0:  # import and run as is
         return model
-    cleanup(model, report)
+    check = _verifier(config)
+    cleanup(model, report, check)
     if config.opt_level >= 2:
         # BatchNorm and per-channel Mul/Add disappear into the preceding layer's weights.
         fold_batchnorm_and_affine(model, report)
+        check(model, "fold_batchnorm_and_affine")
         # Fewer, larger steps: every fusion rule in order (recognise patterns, then fuse
         # layers with their epilogues, then whatever elementwise chains remain).
         for name, rule in fusion.RULES:
             run_rule(model, name, rule, report)
+            check(model, name)
         eliminate_dead_code(model, report)
     # Steps run in list order: keep it topological after the rewrites.
     common.TopologicalSortPass()(model)
+    check(model, "the pipeline", require_order=True)
     model.meta["kiln.pass_report"] = report
     return model
 
