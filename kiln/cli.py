@@ -657,6 +657,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
                    help="builder precision (default fp32)")
+    for flag in ("fp16", "bf16", "tf32", "best"):  # trtexec's spelling: --fp16 is --precision fp16
+        p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
+                       help=f"same as --precision {flag}")
     p.add_argument("--timing-cache", metavar="FILE.json",
                    help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
