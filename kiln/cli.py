@@ -237,6 +237,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "device": args.device,
         "precision": args.precision,
         "timing_cache": args.timing_cache,
+        "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
     }
     err = _console(stderr=True)
     t0 = time.perf_counter()
@@ -660,6 +661,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("fp16", "bf16", "tf32", "best"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")
+    p.add_argument("--pin-fp32", action="append", metavar="LAYER",
+                   help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",
                    help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
