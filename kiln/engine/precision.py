@@ -25,18 +25,26 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
                     pinned: set[str] | None = None) -> dict[str, str]:
     """Convert in place; returns the boundary casts {binding name: internal dtype name}."""
     torch_dtype, name, onnx_id = HALF[precision]
+
+    def is_pinned(step) -> bool:  # a pinned ONNX node keeps fp32 also when a fusion absorbed it
+        return bool(pinned) and (step.name in pinned or bool(pinned.intersection(step.fused_from)))
+
     keep: set[str] = set()
+    readers: dict[str, list[bool]] = {}
     for step in program.steps:
         for i, value in enumerate(step.inputs):
             if (step.op_type, i) in KEEP_FP32_INPUTS:
                 keep.add(value)
+            readers.setdefault(value, []).append(is_pinned(step))
+    # Weights only pinned layers read stay fp32: pinning should not start from rounded weights.
+    keep |= {value for value, pins in readers.items() if all(pins)}
     key_of = dict(program.constants)
     keep_keys = {key_of.get(v, v) for v in keep}
     for key, w in list(weights.items()):
         if isinstance(w, torch.Tensor) and w.dtype == torch.float32 and key not in keep_keys:
             weights[key] = w.to(torch_dtype)
     for step in program.steps:
-        if pinned and step.name in pinned:
+        if is_pinned(step):
             step.precision = "fp32"
             continue
         if step.op_type == "Cast" and step.attributes.get("to") == FLOAT_ID:

@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper
 
 from kiln.tools.compare import compare, error_stats
@@ -56,3 +57,22 @@ def test_cli_compare_and_inspect_why_not(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(engine), "--why-not"]) == 0
     assert "fusions that did not fire" in capsys.readouterr().out
+
+
+def test_pinned_layer_stays_fp32_and_is_more_accurate():
+    """--pin-fp32: the pinned layer runs in fp32 inside an fp16 engine (also when fused)."""
+    import kiln
+
+    model = _mlp()
+    x = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+    exact = kiln.build(model).run({"x": x})["y"]
+    half = kiln.build(model, precision="fp16").run({"x": x})["y"]
+    engine = kiln.build(model, precision="fp16", layer_precision={"fc1": "fp32", "fc2": "fp32"})
+    pinned_steps = [s for s in engine.plan.program.steps if s.precision == "fp32"]
+    assert pinned_steps, "no step was pinned"
+    pinned = engine.run({"x": x})["y"]
+    assert np.abs(pinned - exact).max() <= np.abs(half - exact).max()
+    # the pinned layers' weights were kept in fp32, not rounded to half first
+    assert engine.plan.weights and all(w.dtype == torch.float32 for w in engine.plan.weights.values())
+    # everything pinned: the engine computes exactly what the fp32 engine does (fp16 I/O casts aside)
+    np.testing.assert_allclose(pinned, exact, rtol=2e-3, atol=2e-3)
