@@ -9,20 +9,14 @@ Integers, bools and strings compare exactly; floats with the per-dtype tolerance
 
 from __future__ import annotations
 
-import warnings
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
+from tests.unit.oracle import (Case, assert_close, case_node, case_rng, const, feeds, one_node_model,
+                               run_oracle)
 
 # (rtol, atol) per output dtype; integers, bools and strings compare exactly.
 TOLERANCE = {
@@ -32,96 +26,24 @@ TOLERANCE = {
     np.dtype(np.float16): (1e-3, 1e-3),
 }
 
-Feeds = Callable[[np.random.Generator], list[Any]]
-
-
-@dataclass
-class Case:
-    id: str
-    op: str
-    feeds: Feeds  # rng -> inputs in order (None: optional input left out)
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    outputs: int = 1
-    domain: str = ""
-    oracle: str = "ort"  # "ref": the ONNX reference evaluator
-
 
 def f32(*shape, lo=-1.0, hi=1.0):
     return lambda rng: rng.uniform(lo, hi, shape).astype(np.float32)
-
-
-def const(value, dtype=np.float32):
-    return lambda rng: np.asarray(value, dtype=dtype)
-
-
-def feeds(*makers):
-    return lambda rng: [m(rng) if m is not None else None for m in makers]
 
 
 def strings(*words, shape=None):
     return lambda rng: np.array(list(words), dtype=object).reshape(shape or (len(words),))
 
 
-def _value_info(name: str, value: Any) -> onnx.ValueInfoProto:
-    if isinstance(value, list):
-        elem = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(value[0].dtype), None)
-        return helper.make_value_info(name, helper.make_sequence_type_proto(elem))
-    dtype = TensorProto.STRING if value.dtype == object else helper.np_dtype_to_tensor_dtype(value.dtype)
-    return helper.make_tensor_value_info(name, dtype, value.shape)
-
-
-def _model(node: onnx.NodeProto, inputs: dict[str, Any], outputs: list[str], opset: int,
-           domain: str, opsets: dict[str, int] | None = None) -> onnx.ModelProto:
-    graph = helper.make_graph(
-        [node], "case", [_value_info(n, v) for n, v in inputs.items()],
-        [helper.make_value_info(n, onnx.TypeProto()) for n in outputs],
-    )
-    imports = {"": opset, **(opsets or {})}
-    if domain:
-        imports.setdefault(domain, 1)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid(d, v) for d, v in imports.items()]
-    )
-    model.ir_version = 10
-    return model
-
-
-def _compare(got: Any, want: Any, where: str) -> None:
-    if isinstance(want, list):
-        assert isinstance(got, list) and len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            _compare(g, w, f"{where}[{i}]")
-        return
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
-    if want.dtype == object or want.dtype.kind in "US":
-        assert got.astype(str).tolist() == want.astype(str).tolist(), where
-        return
-    assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
-    if want.dtype in TOLERANCE:
-        rtol, atol = TOLERANCE[want.dtype]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=where)
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=where)
-
-
-def check(node: onnx.NodeProto, values: dict[str, Any], outputs: list[str], *, opset=21,
-          domain="", oracle="ort", opsets=None) -> None:
+def check(node: onnx.NodeProto, values: dict, *, opset=21, oracle="ort", opsets=None) -> None:
     """Run one node through kiln and the oracle and compare every output."""
-    model = _model(node, values, outputs, opset, domain, opsets)
+    model = one_node_model(node, values, opset=opset, opsets=opsets)
     got = kiln.build(model).run(dict(values))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if oracle == "ort":
-            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-            want = session.run(None, values)
-        else:
-            want = ReferenceEvaluator(model).run(None, values)
-    for name, w in zip(outputs, want):
-        if domain == "ai.onnx.preview.training":
+    want = run_oracle(model, values, oracle)
+    for name, w in zip(node.output, want):
+        if node.domain == "ai.onnx.preview.training":
             w = np.asarray(w, dtype=np.asarray(got[name]).dtype)  # the reference returns float64
-        _compare(got[name], w, f"{node.op_type} output {name!r}")
+        assert_close(got[name], w, TOLERANCE, f"{node.op_type} output {name!r}")
 
 
 def _rnn_inputs(gates, seq=5, batch=3, inp=4, hidden=6, directions=1, layout=0, bias=True,
@@ -242,17 +164,9 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_matches_oracle(case: Case):
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    inputs = case.feeds(rng)
-    names = [f"in{i}" if v is not None else "" for i, v in enumerate(inputs)]
-    while names and not names[-1]:
-        names.pop()
-    outputs = [f"out{i}" for i in range(case.outputs)]
-    node = helper.make_node(case.op, names, outputs, domain=case.domain, **case.attrs)
-    values = {n: v for n, v in zip(names, inputs) if n}
+    node, values = case_node(case, case.feeds(case_rng(case.id)))
     opsets = {"ai.onnx.ml": 4} if case.domain == "ai.onnx.ml" else None
-    check(node, values, outputs, opset=case.opset, domain=case.domain, oracle=case.oracle,
-          opsets=opsets)
+    check(node, values, opset=case.opset, oracle=case.oracle, opsets=opsets)
 
 
 # --- subgraph ops: bodies are small graphs of Add/Identity -------------------------------
@@ -280,7 +194,7 @@ def test_scan_with_axes_and_directions(directions):
     )
     values = {"init": rng.standard_normal(3).astype(np.float32),
               "xs": rng.standard_normal((3, 5)).astype(np.float32)}
-    check(node, values, ["final", "ys"], opset=16)
+    check(node, values, opset=16)
 
 
 @pytest.mark.parametrize("trips,cond", [(4, True), (0, True), (6, False)])
@@ -297,12 +211,10 @@ def test_loop_carried_and_scan_outputs(trips, cond):
     values = {"M": np.array(trips, np.int64), "cond": np.array(cond),
               "v0": rng.standard_normal(2).astype(np.float32),
               "outer": rng.standard_normal(2).astype(np.float32)}
-    model = _model(node, {k: values[k] for k in ("M", "cond", "v0", "outer")}, ["v_final", "scans"],
-                   16, "")
+    model = one_node_model(node, {k: values[k] for k in ("M", "cond", "v0", "outer")}, opset=16)
     got = kiln.build(model).run(values)
-    want = ort.InferenceSession(model.SerializeToString(),
-                                providers=["CPUExecutionProvider"]).run(None, values)
-    _compare(got["v_final"], want[0], "v_final")
+    want = run_oracle(model, values)
+    assert_close(got["v_final"], want[0], TOLERANCE, "v_final")
     np.testing.assert_allclose(np.asarray(got["scans"]).reshape(-1), want[1].reshape(-1), rtol=1e-6)
 
 
@@ -314,7 +226,7 @@ def test_if_reads_outer_values(flag):
     node = helper.make_node("If", ["c"], ["out"], then_branch=then_graph, else_branch=else_graph)
     values = {"c": np.array(flag), "a": rng.standard_normal(3).astype(np.float32),
               "b": rng.standard_normal(3).astype(np.float32)}
-    check(node, values, ["out"])
+    check(node, values)
 
 
 def test_tree_ensemble_matches_reference():
@@ -331,7 +243,7 @@ def test_tree_ensemble_matches_reference():
         leaf_targetids=[0, 1, 0, 1, 1, 0], leaf_weights=weights,
     )
     values = {"X": rng.uniform(-1, 1, (8, 3)).astype(np.float32)}
-    check(node, values, ["Y"], domain="ai.onnx.ml", oracle="ref", opsets={"ai.onnx.ml": 5})
+    check(node, values, oracle="ref", opsets={"ai.onnx.ml": 5})
 
 
 def test_loop16_seq_none_output():
@@ -342,7 +254,7 @@ def test_loop16_seq_none_output():
     engine = kiln.build(case.model)
     for inputs, expected in case.data_sets:
         got = engine.run(dict(zip(engine.input_names, inputs)))[engine.output_names[0]]
-        _compare(got, expected[0], "seq_res")
+        assert_close(got, expected[0], TOLERANCE, "seq_res")
 
 
 # The spec numbers post_transform NONE 0, SOFTMAX 1, LOGISTIC 2, SOFTMAX_ZERO 3, PROBIT 4;
@@ -363,11 +275,9 @@ def test_tree_ensemble_post_transform(kiln_code, ort_code):
             nodes_falsenodeids=[1, 2], nodes_falseleafs=[0, 1], leaf_targetids=[0, 1, 2],
             leaf_weights=helper.make_tensor("w", TensorProto.FLOAT, [3], [1.5, -0.5, 2.0]),
         )
-        return _model(node, {"X": np.zeros((10, 2), np.float32)}, ["Y"], 21, "ai.onnx.ml",
-                      {"ai.onnx.ml": 5})
+        return one_node_model(node, {"X": np.zeros((10, 2), np.float32)}, opsets={"ai.onnx.ml": 5})
 
     x = rng.uniform(-1, 1, (10, 2)).astype(np.float32)
     got = kiln.build(model(kiln_code)).run({"X": x})["Y"]
-    want = ort.InferenceSession(model(ort_code).SerializeToString(),
-                                providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
-    _compare(got, want, "Y")
+    want = run_oracle(model(ort_code), {"X": x})[0]
+    assert_close(got, want, TOLERANCE, "Y")

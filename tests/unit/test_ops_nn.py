@@ -1,28 +1,21 @@
 """Convolution, pooling, resize/sampling and quantization ops against an independent oracle.
 
 Each case builds a one-node ONNX model, feeds fresh random inputs (seeded per case) through
-`kiln.build(model).run(feeds)` and through onnxruntime (CPU); where onnxruntime has no kernel
-for the op/opset, or the case asks for it, `onnx.reference.ReferenceEvaluator` is the oracle.
+`kiln.build(model).run(feeds)` and through onnxruntime (CPU), or `onnx.reference.ReferenceEvaluator`
+where the case asks for it (onnxruntime has no kernel for the op/opset/type, or rounds its own way).
 Integers compare exactly; floats with the per-dtype tolerances below.
 """
 
 from __future__ import annotations
 
-import warnings
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
+from tests.unit.oracle import (Case, assert_close, case_node, case_rng, const, feeds, infer_outputs,
+                               one_node_model, run_oracle)
 
 # (rtol, atol) per output dtype; integers compare exactly.
 TOLERANCE = {
@@ -30,19 +23,6 @@ TOLERANCE = {
     np.dtype(np.float32): (1e-5, 1e-5),
     np.dtype(np.float16): (1e-3, 1e-3),
 }
-
-Feeds = Callable[[np.random.Generator], list[np.ndarray | None]]
-
-
-@dataclass
-class Case:
-    id: str
-    op: str
-    feeds: Feeds  # rng -> inputs in order (None: optional input left out)
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    outputs: int = 1
-    oracle: str = "ort"  # "ref": the ONNX reference evaluator (same rounding rules as the spec)
 
 
 def f32(*shape, lo=-3.0, hi=3.0):
@@ -53,20 +33,12 @@ def f16(*shape, lo=-3.0, hi=3.0):
     return lambda rng: rng.uniform(lo, hi, shape).astype(np.float16)
 
 
-def const(value, dtype=np.float32):
-    return lambda rng: np.asarray(value, dtype=dtype)
-
-
 def ints_of(dtype, *shape, lo=None, hi=None):
     if lo is None or hi is None:
         info = np.iinfo(dtype)
         lo = info.min if lo is None else lo
         hi = info.max if hi is None else hi
     return lambda rng: rng.integers(lo, hi + 1, shape).astype(dtype)
-
-
-def feeds(*makers):
-    return lambda rng: [m(rng) if m is not None else None for m in makers]
 
 
 def conv(id, x, w, b=None, **attrs):
@@ -266,59 +238,12 @@ CASES = [
 ]
 
 
-def _onnx_type(array: np.ndarray) -> int:
-    return helper.np_dtype_to_tensor_dtype(array.dtype)
-
-
-def _model(case: Case, inputs: list[np.ndarray | None], out_types: list[int]) -> onnx.ModelProto:
-    names = [f"in{i}" if a is not None else "" for i, a in enumerate(inputs)]
-    while names and not names[-1]:
-        names.pop()
-    outs = [f"out{i}" for i in range(case.outputs)]
-    node = helper.make_node(case.op, names, outs, **case.attrs)
-    graph = helper.make_graph(
-        [node], case.id,
-        [helper.make_tensor_value_info(n, _onnx_type(a), a.shape) for n, a in zip(names, inputs) if n],
-        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
-
-
-def _reference(case: Case, model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    if case.oracle == "ort":
-        try:
-            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        except Exception as error:  # noqa: BLE001  no ORT kernel for this op/type: use the reference
-            warnings.warn(f"{case.id}: onnxruntime cannot run it ({error}); using onnx.reference")
-        else:
-            return session.run(None, feeds)
-    return ReferenceEvaluator(model).run(None, feeds)
-
-
-def _compare(case: Case, got: np.ndarray, want: np.ndarray, index: int) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{case.id} output {index}: shape {got.shape} != {want.shape}"
-    assert got.dtype == want.dtype, f"{case.id} output {index}: dtype {got.dtype} != {want.dtype}"
-    if want.dtype in TOLERANCE:
-        rtol, atol = TOLERANCE[want.dtype]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=case.id)
-    elif want.dtype.kind == "V" or want.dtype.type.__module__ != "numpy":  # ml_dtypes: exact bits
-        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32), err_msg=case.id)
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=case.id)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_matches_oracle(case: Case) -> None:
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    inputs = case.feeds(rng)
-    feeds = {f"in{i}": a for i, a in enumerate(inputs) if a is not None}
+    node, feeds = case_node(case, case.feeds(case_rng(case.id)))
     # ONNX shape inference gives the output types the graph must declare.
-    probe = _model(case, inputs, [onnx.TensorProto.UNDEFINED] * case.outputs)
-    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=True).graph.output
-    want_types = [o.type.tensor_type.elem_type for o in inferred]
-    model = _model(case, inputs, want_types)
-    want = _reference(case, model, feeds)
+    model = infer_outputs(one_node_model(node, feeds, opset=case.opset))
+    want = run_oracle(model, feeds, case.oracle)
     got = kiln.build(model).run(feeds)
-    got = [got[f"out{i}"] for i in range(case.outputs)]
-    for i, (g, w) in enumerate(zip(got, want)):
-        _compare(case, g, w, i)
+    for i, (name, w) in enumerate(zip(node.output, want)):
+        assert_close(got[name], w, TOLERANCE, f"{case.id} output {i}")

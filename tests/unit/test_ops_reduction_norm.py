@@ -1,27 +1,18 @@
 """Reductions, softmax family, normalisations, Gemm/MatMul, attention and losses against an oracle.
 
 Each case builds a one-node ONNX model, feeds fresh random inputs (seeded per case) through
-`kiln.build(model).run(feeds)` and through onnxruntime (CPU); where onnxruntime has no kernel
-for the op/opset/type, or the case asks for it, `onnx.reference.ReferenceEvaluator` is the
-oracle. Integers and booleans compare exactly; floats with the per-dtype tolerances below.
+`kiln.build(model).run(feeds)` and through onnxruntime (CPU), or `onnx.reference.ReferenceEvaluator`
+where the case asks for it (onnxruntime has no kernel for the op/opset/type). Integers and booleans compare exactly; floats with the per-dtype tolerances below.
 """
 
 from __future__ import annotations
 
-import warnings
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
-
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
+from tests.unit.oracle import (Case, assert_close, case_node, case_rng, const, feeds, infer_outputs,
+                               one_node_model, run_oracle)
 
 # (rtol, atol) per output dtype; integers and bools compare exactly.
 TOLERANCE = {
@@ -30,19 +21,6 @@ TOLERANCE = {
     # fp16 storage: kiln accumulates in fp32 and rounds once, the oracles round per step.
     np.dtype(np.float16): (1e-3, 2e-3),
 }
-
-Feeds = Callable[[np.random.Generator], list[np.ndarray | None]]
-
-
-@dataclass
-class Case:
-    id: str
-    op: str
-    feeds: Feeds  # rng -> inputs in order (None: optional input left out)
-    attrs: dict[str, Any] = field(default_factory=dict)
-    opset: int = 21
-    outputs: int = 1
-    oracle: str = "ort"  # "ref": the ONNX reference evaluator
 
 
 def floats(*shape, dtype=np.float32, lo=-3.0, hi=3.0):
@@ -57,20 +35,12 @@ def integers(dtype, *shape, lo=-20, hi=20):
     return lambda rng: rng.integers(lo, hi + 1, shape).astype(dtype)
 
 
-def const(value, dtype=np.int64):
-    return lambda rng: np.asarray(value, dtype=dtype)
-
-
-def feeds(*makers):
-    return lambda rng: [m(rng) if m is not None else None for m in makers]
-
-
 def reduce(op, id, x=floats(3, 4, 5), axes=None, opset=18, oracle="ort", **attrs):
     """Reduce<op>; axes travel as the input from opset 18 (13 for ReduceSum), else as the attribute."""
     input_axes = opset >= (13 if op == "ReduceSum" else 18)
     if axes is not None and not input_axes:
         attrs["axes"] = axes
-    makers = [x, const(axes) if axes is not None and input_axes else None]
+    makers = [x, const(axes, np.int64) if axes is not None and input_axes else None]
     return Case(f"{op}-{id}", op, feeds(*makers), attrs, opset=opset, oracle=oracle)
 
 
@@ -234,57 +204,12 @@ CASES = [
 ]
 
 
-def _onnx_type(a: np.ndarray) -> int:
-    return helper.np_dtype_to_tensor_dtype(a.dtype)
-
-
-def _model(case: Case, inputs: list[np.ndarray | None], out_types: list[int]) -> onnx.ModelProto:
-    names = [f"in{i}" if a is not None else "" for i, a in enumerate(inputs)]
-    while names and not names[-1]:
-        names.pop()
-    outs = [f"out{i}" for i in range(case.outputs)]
-    node = helper.make_node(case.op, names, outs, **case.attrs)
-    graph = helper.make_graph(
-        [node], case.id,
-        [helper.make_tensor_value_info(n, _onnx_type(a), a.shape) for n, a in zip(names, inputs) if n],
-        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, out_types)])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
-
-
-def _reference(case: Case, model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
-    if case.oracle == "ort":
-        try:
-            session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        except Exception as error:  # noqa: BLE001  no ORT kernel for this op/type: use the reference
-            warnings.warn(f"{case.id}: onnxruntime cannot run it ({error}); using onnx.reference")
-        else:
-            return session.run(None, feeds)
-    return ReferenceEvaluator(model).run(None, feeds)
-
-
-def _compare(case: Case, got: np.ndarray, want: np.ndarray, index: int) -> None:
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape, f"{case.id} output {index}: shape {got.shape} != {want.shape}"
-    assert got.dtype == want.dtype, f"{case.id} output {index}: dtype {got.dtype} != {want.dtype}"
-    if want.dtype in TOLERANCE:
-        rtol, atol = TOLERANCE[want.dtype]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=f"{case.id} output {index}")
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=f"{case.id} output {index}")
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_op_matches_oracle(case: Case) -> None:
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    inputs = case.feeds(rng)
-    feeds = {f"in{i}": a for i, a in enumerate(inputs) if a is not None}
+    node, feeds = case_node(case, case.feeds(case_rng(case.id)))
     # ONNX shape inference gives the output types the graph must declare.
-    probe = _model(case, inputs, [onnx.TensorProto.UNDEFINED] * case.outputs)
-    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=True).graph.output
-    want_types = [o.type.tensor_type.elem_type for o in inferred]
-    model = _model(case, inputs, want_types)
-    want = _reference(case, model, feeds)
+    model = infer_outputs(one_node_model(node, feeds, opset=case.opset))
+    want = run_oracle(model, feeds, case.oracle)
     got = kiln.build(model).run(feeds)
-    got = [got[f"out{i}"] for i in range(case.outputs)]
-    for i, (g, w) in enumerate(zip(got, want)):
-        _compare(case, g, w, i)
+    for i, (name, w) in enumerate(zip(node.output, want)):
+        assert_close(got[name], w, TOLERANCE, f"{case.id} output {i}")
