@@ -3,6 +3,8 @@
     cpu.conv.onednn_nhwc   oneDNN conv, blocked weight, bias/activation/residual as post-ops, NHWC
     cpu.conv.torch_nhwc    torch conv2d on channels-last activations and weights: less fixed cost per
                            call than the oneDNN post-op entry point (~40 µs here), so small layers win
+    cpu.conv.mkl_1x1       1x1 stride-1 conv as an MKL packed GEMM over the NHWC pixels (no conv set-up)
+    cpu.conv.onednn_1x1    the same GEMM on oneDNN's linear (packed weight, activation as a post-op)
     cpu.gemm.onednn        oneDNN linear on a packed weight, activation/residual as post-ops
     cpu.gemm.mkl           MKL packed GEMM (cblas_sgemm_compute), epilogue in place after it
 
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import mkl_available, onednn_available
-from kiln.kernels.cpu.conv import conv2d_onednn, pack_conv_weight, post_op
+from kiln.kernels.cpu.conv import conv2d_onednn, pack_conv_weight, pixels_as_rows, post_op, rows_as_pixels
 from kiln.kernels.cpu.gemm import linear_mkl, linear_onednn, pack_linear_mkl, pack_linear_onednn
 from kiln.ops.fused import fused_conv
 from kiln.runtime.program import StepSpec
@@ -122,6 +124,62 @@ register(Tactic(
     name="cpu.conv.torch_nhwc", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
     supports=_torch_nhwc_supports, prepare=_prepare_conv_torch_nhwc, layout="channels_last",
     description="torch conv2d with channels-last activations and weights",
+))
+
+
+# ---- 1x1 convolutions as GEMMs (kiln/kernels/cpu/conv.py says why) ------------------------------
+
+def _pointwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    ok = _conv_supports(step, inputs)
+    if ok is not True:
+        return ok
+    padding, stride, dilation = _conv_geometry(step, inputs[1].shape)
+    if tuple(inputs[1].shape[2:]) != (1, 1) or stride != [1, 1] or padding != [0, 0]:
+        return f"not a 1x1 stride-1 unpadded convolution (kernel {list(inputs[1].shape[2:])}, stride {stride}, " \
+               f"pads {padding})"
+    if int(_attr(step, "group", 1)) != 1:
+        return "grouped convolution"
+    return True
+
+
+def _pointwise_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    n, _c, h, w = inputs[0].shape
+    return {"rows": n * h * w}  # pixels: the GEMM's M
+
+
+def _prepare_pointwise(step: StepSpec, constants: list[Any], gemm: str):
+    w = constants[1].reshape(constants[1].shape[0], -1).contiguous()  # [O, C, 1, 1] -> [O, C]
+    rows = int(step.tactic_config["rows"])
+    op, after = post_op(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0)), \
+        bool(_attr(step, "residual_after_activation", 0))
+    packed = pack_linear_mkl(w, rows) if gemm == "mkl" else pack_linear_onednn(w, rows)
+
+    def launch(ctx, x, w_=None, b=None, residual=None, **_attributes):
+        n, _c, h, w_px = x.shape
+        x_rows = pixels_as_rows(x.contiguous(memory_format=_CL))  # [N·H·W, C], a view
+        r_rows = None if residual is None else pixels_as_rows(residual)  # [N·H·W, O]
+        if gemm == "mkl":
+            y = linear_mkl(x_rows, packed, w, b, rows, r_rows, op, after)
+        else:
+            y = linear_onednn(x_rows, packed, b, r_rows, op, after)
+        return rows_as_pixels(y, n, h, w_px)  # [N, O, H, W] channels-last
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.conv.mkl_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
+    supports=_pointwise_supports, configure=_pointwise_configure,
+    prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "mkl"),
+    layout="channels_last", available=mkl_available,
+    description="1x1 convolution as an MKL packed GEMM over NHWC pixels, epilogue in place",
+))
+register(Tactic(
+    name="cpu.conv.onednn_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
+    supports=_pointwise_supports, configure=_pointwise_configure,
+    prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "onednn"),
+    layout="channels_last", available=onednn_available,
+    description="1x1 convolution as a oneDNN linear over NHWC pixels, activation/residual as post-ops",
 ))
 
 

@@ -313,3 +313,49 @@ def test_layout_tactics_win_unless_the_default_is_clearly_faster():
     # ... but not at 1.3x, and layout-free tactics are compared on their raw times.
     assert at._effective_ms("cpu.conv.onednn_nhwc", 1.3) > at._effective_ms("default", 1.0)
     assert at._effective_ms("cpu.gemm.mkl", 1.2) == 1.2
+
+
+POINTWISE_CASES = [case for case in CONV_CASES if case[5] == 1 and case[6] == 1 and case[8] == 1] + [
+    (2, 24, 7, 7, 96, 1, 1, 0, 1, "Clip", 0.0, 6.0, None, 0),  # MobileNetV2 expansion, batch 2
+    (1, 32, 7, 7, 32, 1, 1, 0, 1, "Relu", 0.0, 0.0, "same", 1),  # activation, then residual
+    (1, 32, 7, 7, 32, 1, 1, 0, 1, "SiLU", 0.0, 0.0, "same", 0),
+]
+
+
+@pytest.mark.parametrize("tactic", ["cpu.conv.mkl_1x1", "cpu.conv.onednn_1x1"])
+@pytest.mark.parametrize("case", POINTWISE_CASES, ids=lambda c: f"n{c[0]}c{c[1]}o{c[4]}-{c[9] or 'none'}-r{c[12]}{c[13]}")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_cpu_pointwise_conv_tactic_matches_default(tactic, case, layout):
+    if not registry.get(tactic).available():
+        pytest.skip(f"{tactic} is not available in this torch build")
+    n, c, h, w_, o, _k, _stride, _pad, _group, activation, alpha, beta, residual, after = case
+    g = torch.Generator().manual_seed(hash(case) % 2**31)
+    x = rand(n, c, h, w_, generator=g)
+    r = rand(n, o, h, w_, generator=g) if residual else None
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+        r = None if r is None else r.contiguous(memory_format=torch.channels_last)
+    w, b = rand(o, c, 1, 1, generator=g) * 0.2, rand(o, generator=g)
+    attrs = dict(pads=[0] * 4, strides=[1, 1], group=1, activation=activation, alpha=alpha, beta=beta,
+                 residual_after_activation=after, kernel_shape=[1, 1])
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    want = fused_conv(ctx, x, w, b, r, **attrs)
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b", "r" if residual else ""], ["y"], attrs, domain="kiln")
+    launch = _prepare(tactic, step, [x, w, b, r], [None, w, b, None])
+    got = launch(ctx, x, w, b, r, **attrs)
+    assert_close(got, want)
+    assert got.is_contiguous(memory_format=torch.channels_last)  # the stack stays NHWC
+    smaller = x[:1]  # another batch than the weight was packed for still runs (unpacked fallback)
+    assert_close(launch(ctx, smaller, w, b, None if r is None else r[:1], **attrs),
+                 fused_conv(ctx, smaller, w, b, None if r is None else r[:1], **attrs))
+
+
+def test_pointwise_conv_tactics_refuse_other_convolutions():
+    tactic = registry.get("cpu.conv.mkl_1x1")
+    x = InputMeta((1, 8, 8, 8), torch.float32, False)
+    step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {}, domain="kiln")
+    assert "1x1" in tactic.check(step, [x, InputMeta((8, 8, 3, 3), torch.float32, True)])
+    step.attributes = {"strides": [2, 2]}
+    assert "stride" in tactic.check(step, [x, InputMeta((8, 8, 1, 1), torch.float32, True)])
+    step.attributes = {"group": 2}
+    assert "grouped" in tactic.check(step, [x, InputMeta((8, 4, 1, 1), torch.float32, True)])
