@@ -5,6 +5,8 @@
                            call than the oneDNN post-op entry point (~40 µs here), so small layers win
     cpu.conv.mkl_1x1       1x1 stride-1 conv as an MKL packed GEMM over the NHWC pixels (no conv set-up)
     cpu.conv.onednn_1x1    the same GEMM on oneDNN's linear (packed weight, activation as a post-op)
+    cpu.conv.onednn_graph  oneDNN Graph partition compiled once at load (TorchScript LLGA): no per-call
+                           primitive set-up (kiln/kernels/cpu/conv_graph.py)
     cpu.gemm.onednn        oneDNN linear on a packed weight, activation/residual as post-ops
     cpu.gemm.mkl           MKL packed GEMM (cblas_sgemm_compute), epilogue in place after it
 
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import mkl_available, onednn_available
+from kiln.kernels.cpu.conv_graph import GraphConv, graph_activation_supported, graph_available
 from kiln.kernels.cpu.conv import conv2d_onednn, pack_conv_weight, pixels_as_rows, post_op, rows_as_pixels
 from kiln.kernels.cpu.gemm import linear_mkl, linear_onednn, pack_linear_mkl, pack_linear_onednn
 from kiln.ops.fused import fused_conv
@@ -127,6 +130,33 @@ register(Tactic(
 ))
 
 
+# ---- oneDNN Graph --------------------------------------------------------------------------------
+
+def _graph_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not graph_activation_supported(_attr(step, "activation", "")):
+        return f"activation {_attr(step, 'activation', '')!r} is not one the traced layer knows"
+    return _conv_supports(step, inputs)
+
+
+def _graph_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    residual = inputs[3] if len(inputs) > 3 else None
+    return {"input_size": list(inputs[0].shape), "residual": residual is not None and residual.shape is not None}
+
+
+def _prepare_conv_graph(step: StepSpec, constants: list[Any], device: torch.device):
+    w, b = constants[1], constants[2] if len(constants) > 2 else None
+    padding, stride, dilation = _conv_geometry(step, tuple(w.shape))
+    layer = GraphConv(w, b, padding, stride, dilation, int(_attr(step, "group", 1)), _attr(step, "activation", ""),
+                      float(_attr(step, "alpha", 0.0)), float(_attr(step, "beta", 0.0)),
+                      bool(_attr(step, "residual_after_activation", 0)), step.tactic_config["input_size"],
+                      bool(step.tactic_config.get("residual")))
+
+    def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
+        return layer(x, residual)  # x: [N, C, H, W] -> [N, O, H', W'] channels-last
+
+    return launch
+
+
 # ---- 1x1 convolutions as GEMMs (kiln/kernels/cpu/conv.py says why) ------------------------------
 
 def _pointwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -180,6 +210,13 @@ register(Tactic(
     prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "onednn"),
     layout="channels_last", available=onednn_available,
     description="1x1 convolution as a oneDNN linear over NHWC pixels, activation/residual as post-ops",
+))
+
+register(Tactic(
+    name="cpu.conv.onednn_graph", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
+    supports=_graph_supports, configure=_graph_configure, prepare=_prepare_conv_graph,
+    layout="channels_last", available=graph_available,
+    description="oneDNN Graph partition (conv + epilogue) compiled once at load, NHWC activations",
 ))
 
 

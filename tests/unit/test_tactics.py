@@ -359,3 +359,23 @@ def test_pointwise_conv_tactics_refuse_other_convolutions():
     assert "stride" in tactic.check(step, [x, InputMeta((8, 8, 1, 1), torch.float32, True)])
     step.attributes = {"group": 2}
     assert "grouped" in tactic.check(step, [x, InputMeta((8, 4, 1, 1), torch.float32, True)])
+
+
+@pytest.mark.skipif(not registry.get("cpu.conv.onednn_graph").available(), reason="no oneDNN Graph in this torch")
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"{c[5]}x{c[5]}s{c[6]}g{c[8]}-{c[9] or 'none'}-r{c[12]}{c[13]}")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_onednn_graph_conv_tactic_matches_default(case, layout):
+    test_cpu_conv_tactic_matches_default("cpu.conv.onednn_graph", case, layout)
+
+
+def test_onednn_graph_conv_runs_other_sizes_and_leaves_the_fusion_switch_alone():
+    was = torch.jit.onednn_fusion_enabled()
+    g = torch.Generator().manual_seed(7)
+    x, w, b = rand(1, 8, 10, 10, generator=g), rand(16, 8, 3, 3, generator=g) * 0.2, rand(16, generator=g)
+    attrs = dict(pads=[1] * 4, strides=[1, 1], group=1, activation="Relu", kernel_shape=[3, 3])
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b"], ["y"], attrs, domain="kiln")
+    launch = _prepare("cpu.conv.onednn_graph", step, [x, w, b], [None, w, b])
+    assert torch.jit.onednn_fusion_enabled() == was
+    other = rand(2, 8, 6, 6, generator=g)  # not the compiled size: the plan's guard falls back, same result
+    assert_close(launch(ctx, other, w, b), fused_conv(ctx, other, w, b, **attrs))
