@@ -20,6 +20,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
+import kiln
+
 Feeds = Callable[[np.random.Generator], list[Any]]
 Tolerance = dict[np.dtype, tuple[float, float]]  # (rtol, atol) per output dtype
 
@@ -97,6 +99,15 @@ def run_oracle(model: onnx.ModelProto, feeds: dict[str, Any], oracle: str = "ort
         if oracle == "ref":
             return ReferenceEvaluator(model).run(None, feeds)
     raise ValueError(f"oracle {oracle!r}: expected 'ort' or 'ref'")
+
+
+def check(model: onnx.ModelProto, feeds: dict[str, Any], tolerance: Tolerance, oracle: str = "ort",
+          label: str = "") -> None:
+    """kiln and the oracle agree on every output of `model`."""
+    got = kiln.build(model).run(dict(feeds))
+    want = run_oracle(model, feeds, oracle)
+    for output, w in zip(model.graph.output, want):
+        assert_close(got[output.name], w, tolerance, f"{label} output {output.name!r}")
 
 
 def assert_close(got: Any, want: Any, tolerance: Tolerance, where: str) -> None:

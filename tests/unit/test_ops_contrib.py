@@ -6,19 +6,16 @@ every output of `kiln.build(model).run(feeds)` with onnxruntime's CPU kernels.
 
 from __future__ import annotations
 
-import warnings
-import zlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import helper
 
 import kiln
+from tests.unit import oracle
+from tests.unit.oracle import case_node, case_rng, check, const, feeds, one_node_model, run_oracle
 
 MS = "com.microsoft"
 # (rtol, atol) per dtype. fp32: attention and normalisations sum dozens of products in a
@@ -27,14 +24,8 @@ TOLERANCE = {np.dtype(np.float32): (1e-4, 1e-5), np.dtype(np.float16): (2e-3, 2e
 
 
 @dataclass
-class Case:
-    id: str
-    op: str
-    feeds: Callable[[np.random.Generator], list[Any]]  # rng -> inputs in order (None: left out)
-    attrs: dict[str, Any] = field(default_factory=dict)
-    outputs: int | list[str] = 1  # a count, or output names with "" for outputs left out
-    domain: str = MS
-    opset: int = 21  # ai.onnx opset
+class Case(oracle.Case):
+    domain: str = MS  # the contrib ops; a few cases set "" for onnxruntime's ai.onnx extensions
 
 
 def f32(*shape, lo=-1.0, hi=1.0):
@@ -45,62 +36,13 @@ def f16(*shape, lo=-1.0, hi=1.0):
     return lambda rng: rng.uniform(lo, hi, shape).astype(np.float16)
 
 
-def const(value, dtype):
-    return lambda rng: np.asarray(value, dtype=dtype)
-
-
 def ints(lo, hi, *shape, dtype=np.int32):
     return lambda rng: rng.integers(lo, hi, shape).astype(dtype)
 
 
-def feeds(*makers):
-    return lambda rng: [m(rng) if m is not None else None for m in makers]
-
-
-def one_node_model(op: str, given: dict[str, np.ndarray], **attrs) -> onnx.ModelProto:
+def ms_model(op: str, given: dict[str, np.ndarray], **attrs) -> onnx.ModelProto:
     """A com.microsoft node reading the arrays in `given` (in order), with one output y."""
-    node = helper.make_node(op, list(given), ["y"], domain=MS, **attrs)
-    graph = helper.make_graph(
-        [node], op, [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
-                     for n, a in given.items()],
-        [helper.make_value_info("y", onnx.TypeProto())],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)])
-    model.ir_version = 10
-    return model
-
-
-def run_case(case: Case, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    values = case.feeds(rng)
-    names = [f"in{i}" if v is not None else "" for i, v in enumerate(values)]
-    while names and not names[-1]:
-        names.pop()
-    outputs = case.outputs if isinstance(case.outputs, list) else [f"out{i}" for i in range(case.outputs)]
-    node = helper.make_node(case.op, names, outputs, domain=case.domain, **case.attrs)
-    given = {n: v for n, v in zip(names, values) if n}
-    graph = helper.make_graph(
-        [node], case.id,
-        [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for n, v in given.items()],
-        [helper.make_value_info(n, onnx.TypeProto()) for n in outputs if n],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset), helper.make_opsetid(MS, 1)])
-    model.ir_version = 10
-    got = kiln.build(model).run(dict(given))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        want = session.run(None, given)
-    for name, w in zip([n for n in outputs if n], want):
-        g = np.asarray(got[name])
-        where = f"{case.id} output {name!r}"
-        assert g.shape == w.shape, f"{where}: shape {g.shape} != {w.shape}"
-        assert g.dtype == w.dtype, f"{where}: dtype {g.dtype} != {w.dtype}"
-        if w.dtype in TOLERANCE:
-            rtol, atol = TOLERANCE[w.dtype]
-            np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=where)
-        else:
-            np.testing.assert_array_equal(g, w, err_msg=where)
+    return one_node_model(helper.make_node(op, list(given), ["y"], domain=MS, **attrs), given)
 
 
 # --- MatMulNBits weights ---------------------------------------------------------------------
@@ -281,7 +223,8 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_op_matches_onnxruntime(case: Case):
-    run_case(case, seed=zlib.crc32(case.id.encode()))
+    node, values = case_node(case, case.feeds(case_rng(case.id)))
+    check(one_node_model(node, values, opset=case.opset, opsets={MS: 1}), values, TOLERANCE, label=case.id)
 
 
 def test_bias_add():
@@ -289,7 +232,7 @@ def test_bias_add():
     rng = np.random.default_rng(7)
     given = {"x": rng.standard_normal((B, S, H), np.float32), "bias": rng.standard_normal(H, np.float32),
              "skip": rng.standard_normal((B, S, H), np.float32)}
-    got = kiln.build(one_node_model("BiasAdd", given)).run(given)["y"]
+    got = kiln.build(ms_model("BiasAdd", given)).run(given)["y"]
     np.testing.assert_allclose(got, given["x"] + given["bias"] + given["skip"], rtol=1e-6, atol=1e-6)
 
 
@@ -303,8 +246,7 @@ def test_mha_packed_layouts(layout):
         given = {"query": q.reshape(B, S, heads * head), "key": np.stack([k, v], axis=3)}  # [B, L, N, 2, H]
     else:
         given = {"query": np.stack([q, k, v], axis=3)}  # [B, S, N, 3, H]
-    got = kiln.build(one_node_model("MultiHeadAttention", given, num_heads=heads)).run(given)["y"]
+    got = kiln.build(ms_model("MultiHeadAttention", given, num_heads=heads)).run(given)["y"]
     flat = {"q": q.reshape(B, S, -1), "k": k.reshape(B, kv_len, -1), "v": v.reshape(B, kv_len, -1)}
-    model = one_node_model("MultiHeadAttention", flat, num_heads=heads)
-    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, flat)[0]
+    want = run_oracle(ms_model("MultiHeadAttention", flat, num_heads=heads), flat)[0]
     np.testing.assert_allclose(got, want, *TOLERANCE[np.dtype(np.float32)])

@@ -8,20 +8,17 @@ exact.
 
 from __future__ import annotations
 
-import warnings
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
+from tests.unit.oracle import assert_close, case_rng, infer_outputs, one_node_model, run_oracle
 
 # (rtol, atol) per output dtype; integers, bools and strings compare exactly.
 TOLERANCE = {
@@ -146,61 +143,27 @@ def _draw(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], bounds, 
     return x.astype(np_dtype)
 
 
-def _onnx_type(array: np.ndarray) -> int:
-    if array.dtype == object:
-        return TensorProto.STRING
-    return helper.np_dtype_to_tensor_dtype(array.dtype)
-
-
 def _model(op: str, feeds: dict[str, np.ndarray], attrs: dict, opset: int) -> onnx.ModelProto:
-    node = helper.make_node(op, list(feeds), ["y"], **attrs)
-    inputs = [helper.make_tensor_value_info(n, _onnx_type(a), a.shape) for n, a in feeds.items()]
-    graph = helper.make_graph([node], op.lower(), inputs, [helper.make_value_info("y", onnx.TypeProto())])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 10
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    graph.output[0].CopyFrom(inferred.graph.output[0])
-    return model
+    return infer_outputs(one_node_model(helper.make_node(op, list(feeds), ["y"], **attrs), feeds, opset=opset))
 
 
 def _oracle(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
     """onnxruntime where it has the kernel, else the ONNX reference evaluator."""
     try:
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)[0]
+        return run_oracle(model, feeds, "ort")[0]
     except Exception:  # noqa: BLE001  (no ORT kernel for this op/type/opset, or no numpy type for
         # its output, e.g. bfloat16: the reference evaluator is the oracle then)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return ReferenceEvaluator(model).run(None, feeds)[0]
-
-
-def _compare(got: np.ndarray, want: np.ndarray) -> None:
-    want = np.asarray(want)
-    if want.dtype == np.uint8 and got.dtype.type.__module__ != "numpy" and got.dtype.itemsize == 1:
-        want = want.view(got.dtype)  # onnxruntime hands float8 outputs back as their raw bytes
-    assert got.shape == want.shape, f"shape {got.shape} != {want.shape}"
-    if want.dtype == object or want.dtype.kind in "US":
-        np.testing.assert_array_equal(got.astype(str), want.astype(str))
-        return
-    assert got.dtype == want.dtype, f"dtype {got.dtype} != {want.dtype}"
-    if want.dtype in TOLERANCE:
-        rtol, atol = TOLERANCE[want.dtype]
-        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol, atol=atol)
-    elif want.dtype.type.__module__ != "numpy":  # float8, int4, float4: compare the values exactly
-        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
-    else:
-        np.testing.assert_array_equal(got, want)
+        return run_oracle(model, feeds, "ref")[0]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_op_matches_oracle(case: Case):
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    rng = case_rng(case.id)
     feeds = {f"x{i}": _draw(rng, dt, shape, bounds, case.specials)
              for i, (dt, shape, bounds) in enumerate(case.inputs)}
     model = _model(case.op, feeds, case.attrs, case.opset)
     got = kiln.build(model).run(feeds)["y"]
-    _compare(got, _oracle(model, feeds))
+    assert_close(got, _oracle(model, feeds), TOLERANCE, case.id)
 
 
 @pytest.mark.parametrize("source,to,attrs", CAST_CASES,
@@ -214,11 +177,12 @@ def test_cast_matches_oracle(source: str, to: int, attrs: dict):
     feeds = {"x0": x}
     model = _model("Cast", feeds, {"to": to, **attrs}, 21)
     got = kiln.build(model).run(feeds)["y"]
-    _compare(got, _oracle(model, feeds))
+    assert_close(got, _oracle(model, feeds), TOLERANCE, "Cast")
     like = helper.make_tensor("like", to, [0], [])
-    model = _model("CastLike", {"x0": x, "like": onnx.numpy_helper.to_array(like)}, attrs, 21)
-    got = kiln.build(model).run({"x0": x, "like": onnx.numpy_helper.to_array(like)})["y"]
-    _compare(got, _oracle(model, {"x0": x, "like": onnx.numpy_helper.to_array(like)}))
+    feeds = {"x0": x, "like": onnx.numpy_helper.to_array(like)}
+    model = _model("CastLike", feeds, attrs, 21)
+    got = kiln.build(model).run(feeds)["y"]
+    assert_close(got, _oracle(model, feeds), TOLERANCE, "CastLike")
 
 
 @pytest.mark.parametrize("source,to", [(F32, TensorProto.INT32), (I64, TensorProto.DOUBLE),
@@ -227,7 +191,7 @@ def test_bitcast_matches_reference(source: str, to: int):
     x = _draw(np.random.default_rng(to), source, (3, 4), (0, 100), specials=False)
     model = _model("BitCast", {"x0": x}, {"to": to}, 26)
     got = kiln.build(model).run({"x0": x})["y"]
-    _compare(got, ReferenceEvaluator(model).run(None, {"x0": x})[0])
+    assert_close(got, run_oracle(model, {"x0": x}, "ref")[0], TOLERANCE, "BitCast")
 
 
 def test_float8e8m0_round_modes():

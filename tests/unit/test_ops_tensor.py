@@ -7,16 +7,13 @@ per-dtype tolerance below (integers and pure data movement: exact).
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import onnx
-import onnxruntime
 import pytest
 from onnx import helper
-from onnx.reference import ReferenceEvaluator
 
 import kiln
+from tests.unit.oracle import assert_close, check, infer_outputs, one_node_model, run_oracle
 
 TOLERANCE = {  # (rtol, atol) per output dtype
     np.dtype(np.float32): (1e-5, 1e-6),
@@ -25,36 +22,9 @@ TOLERANCE = {  # (rtol, atol) per output dtype
 }
 
 
-def _model(op, feeds, attrs, opset, n_out, domain=""):
-    inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
-              for k, v in feeds.items()]
-    outputs = [onnx.ValueInfoProto(name=f"y{i}") for i in range(n_out)]
-    node = helper.make_node(op, list(feeds), [o.name for o in outputs], domain=domain, **attrs)
-    graph = helper.make_graph([node], op.lower(), inputs, outputs)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, opset)])
-    model.ir_version = 10
-    return onnx.shape_inference.infer_shapes(model, strict_mode=True)
-
-
-def _oracle(model, feeds, oracle):
-    if oracle == "ort":
-        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, feeds)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return ReferenceEvaluator(model).run(None, feeds)
-
-
-def _compare(got, want, label):
-    want = np.asarray(want)
-    got = np.asarray(got)
-    assert got.shape == want.shape, f"{label}: shape {got.shape} != {want.shape}"
-    assert got.dtype == want.dtype, f"{label}: dtype {got.dtype} != {want.dtype}"
-    if want.dtype in TOLERANCE:
-        rtol, atol = TOLERANCE[want.dtype]
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=label)
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=label)
+def _model(op, feeds, attrs, opset, n_out):
+    node = helper.make_node(op, list(feeds), [f"y{i}" for i in range(n_out)], **attrs)
+    return infer_outputs(one_node_model(node, feeds, opset=opset))
 
 
 def _f(rng, *shape, dtype=np.float32):
@@ -157,11 +127,7 @@ def test_matches_oracle(case):
     name, op, make_feeds, attrs, opset, n_out, oracle = case
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     feeds = make_feeds(rng)
-    model = _model(op, feeds, attrs, opset, n_out)
-    want = _oracle(model, feeds, oracle)
-    got = kiln.build(model).run(feeds)
-    for i, w in enumerate(want):
-        _compare(got[f"y{i}"], w, f"{name} output {i}")
+    check(_model(op, feeds, attrs, opset, n_out), feeds, TOLERANCE, oracle, name)
 
 
 def test_constant_attribute_forms():
@@ -175,10 +141,7 @@ def test_constant_attribute_forms():
                          np.array([[0, 1, 0], [0, 0, 2]], np.float32)),
     }
     for attr, (value, want) in cases.items():
-        node = helper.make_node("Constant", [], ["y"], **{attr: value})
-        graph = helper.make_graph([node], "c", [], [onnx.ValueInfoProto(name="y")])
-        model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
-        got = kiln.build(model).run({})["y"]
+        got = kiln.build(_model("Constant", {}, {attr: value}, 13, 1)).run({})["y0"]
         np.testing.assert_array_equal(got, want, err_msg=attr)
 
 
@@ -195,12 +158,7 @@ def test_constant_attribute_forms():
 )
 def test_random_ops_shape_dtype_and_range(op, feeds, attrs, dtype, shape):
     """Random draws cannot match another generator: check shape, dtype and value range."""
-    opset = 22
-    inputs = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape) for k, v in feeds.items()]
-    node = helper.make_node(op, list(feeds), ["y"], **attrs)
-    graph = helper.make_graph([node], "r", inputs, [onnx.ValueInfoProto(name="y")])
-    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]))
-    y = kiln.build(model).run(feeds)["y"]
+    y = kiln.build(_model(op, feeds, attrs, 22, 1)).run(feeds)["y0"]
     assert y.shape == shape and y.dtype == dtype
     if op == "RandomUniform":
         assert (y >= -1.0).all() and (y < 3.0).all()
@@ -222,8 +180,7 @@ def test_empty_tensors():
         ("Tile", {"x": _f(rng, 2, 0), "r": _i(2, 3)}, {}),
     ]:
         model = _model(op, feeds, attrs, 13 if op != "CumSum" else 14, 1)
-        want = _oracle(model, feeds, "ort")
-        _compare(kiln.build(model).run(feeds)["y0"], want[0], op)
+        assert_close(kiln.build(model).run(feeds)["y0"], run_oracle(model, feeds)[0], TOLERANCE, op)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +196,4 @@ def test_empty_tensors():
 )
 def test_string_tensors(op, feeds, attrs):
     """String tensors (numpy object arrays) take the numpy path through the plumbing ops."""
-    model = _model(op, feeds, attrs, 13, 1)
-    want = _oracle(model, feeds, "ort")
-    got = kiln.build(model).run(feeds)["y0"]
-    assert got.shape == want[0].shape and got.tolist() == want[0].tolist()
+    check(_model(op, feeds, attrs, 13, 1), feeds, TOLERANCE, label=op)
