@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops import indexing
+from kiln.ops.matmul import merge_heads, split_heads
 from kiln.ops.reduction import accumulation_dtype
 from kiln.ops.registry import register
 
@@ -225,18 +226,6 @@ def matmul_nbits(ctx, a, b, scales, zero_points=None, g_idx=None, bias=None, *, 
 # --- Attention --------------------------------------------------------------------------
 
 
-def _heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[B, S, N·H] -> [B, N, S, H]."""
-    b, s, hidden = x.shape
-    return x.reshape(b, s, num_heads, hidden // num_heads).transpose(1, 2)
-
-
-def _merge(x: torch.Tensor) -> torch.Tensor:
-    """[B, N, S, H] -> [B, S, N·H]."""
-    b, n, s, h = x.shape
-    return x.transpose(1, 2).reshape(b, s, n * h)
-
-
 def _attend(q, k, v, bias, scale: float, *, softcap: float = 0.0, sink: torch.Tensor | None = None,
             want_qk: bool = False):
     """softmax(q·kᵀ·scale [softcapped] + bias [+ sink column])·v in fp32 for 16-bit inputs.
@@ -315,6 +304,19 @@ def _add(a, b):
     return b if a is None else a + b
 
 
+def _mask_bias(key_mask, attention_bias, unidirectional: int, batch: int, q_len: int, kv_len: int, past: int,
+               fill: float, device) -> torch.Tensor | None:
+    """Attention's and MultiHeadAttention's additive bias: key mask + causal mask + attention_bias."""
+    bias = None
+    if key_mask is not None:
+        bias = _key_mask_bias(key_mask, batch, q_len, kv_len, past, fill)
+    if unidirectional:
+        bias = _add(bias, _causal_bias(q_len, kv_len, past, fill, device))
+    if attention_bias is not None:
+        bias = _add(bias, attention_bias)
+    return bias
+
+
 @register("Attention", domain=MS)
 def attention(ctx, x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
               past_sequence_length=None, *, num_heads, qkv_hidden_sizes=None, unidirectional=0,
@@ -332,7 +334,7 @@ def attention(ctx, x, weights, bias=None, mask_index=None, past=None, attention_
     if bias is not None:
         qkv = qkv + bias
     sizes = list(qkv_hidden_sizes) if qkv_hidden_sizes else [qkv.shape[-1] // 3] * 3
-    q, k, v = (_heads(t, num_heads) for t in torch.split(qkv, sizes, dim=-1))  # [B, N, S, H]
+    q, k, v = (split_heads(t, num_heads) for t in torch.split(qkv, sizes, dim=-1))  # [B, N, S, H]
     past_len = 0
     if past is not None and past.numel():
         past_len = past.shape[3]
@@ -340,15 +342,10 @@ def attention(ctx, x, weights, bias=None, mask_index=None, past=None, attention_
         v = torch.cat([past[1], v], dim=2)
     batch, _, seq, head_size = q.shape
     total = k.shape[2]
-    bias_total = None
-    if mask_index is not None:
-        bias_total = _key_mask_bias(mask_index, batch, seq, total, past_len, mask_filter_value)
-    if unidirectional:
-        bias_total = _add(bias_total, _causal_bias(seq, total, past_len, mask_filter_value, q.device))
-    if attention_bias is not None:
-        bias_total = _add(bias_total, attention_bias)
+    bias_total = _mask_bias(mask_index, attention_bias, unidirectional, batch, seq, total, past_len,
+                            mask_filter_value, q.device)
     y, _ = _attend(q, k, v, bias_total, scale or 1.0 / math.sqrt(head_size))
-    y = _merge(y.to(x.dtype))
+    y = merge_heads(y.to(x.dtype))
     if ctx.num_outputs <= 1:
         return y
     return y, torch.stack([k, v])
@@ -375,7 +372,7 @@ def multi_head_attention(ctx, query, key=None, value=None, bias=None, key_paddin
             dq = query.shape[-1]
             bq, bk, bv = bias[:dq], bias[dq : 2 * dq], bias[2 * dq :]
             query = query + bq
-        q = _heads(query, num_heads)
+        q = split_heads(query, num_heads)
         if key.dim() == 5:  # packed KV [B, L, N, 2, H]
             k, v = (t.transpose(1, 2) for t in key.unbind(dim=3))
         elif key.dim() == 4:  # [B, N, L, H]
@@ -383,22 +380,17 @@ def multi_head_attention(ctx, query, key=None, value=None, bias=None, key_paddin
         else:
             if bias is not None:
                 key, value = key + bk, value + bv
-            k, v = _heads(key, num_heads), _heads(value, num_heads)
+            k, v = split_heads(key, num_heads), split_heads(value, num_heads)
     past_len = 0
     if past_key is not None and past_key.numel() and key is not None and key.dim() == 3:
         past_len = past_key.shape[2]
         k = torch.cat([past_key, k], dim=2)
         v = torch.cat([past_value, v], dim=2)
     total = k.shape[2]
-    bias_total = None
-    if key_padding_mask is not None:
-        bias_total = _key_mask_bias(key_padding_mask, batch, seq, total, past_len, mask_filter_value)
-    if unidirectional:
-        bias_total = _add(bias_total, _causal_bias(seq, total, past_len, mask_filter_value, q.device))
-    if attention_bias is not None:
-        bias_total = _add(bias_total, attention_bias)
+    bias_total = _mask_bias(key_padding_mask, attention_bias, unidirectional, batch, seq, total, past_len,
+                            mask_filter_value, q.device)
     y, qk = _attend(q, k, v, bias_total, scale or 1.0 / math.sqrt(q.shape[-1]), want_qk=ctx.num_outputs >= 4)
-    y = _merge(y.to(query.dtype))
+    y = merge_heads(y.to(query.dtype))
     outputs = (y, k, v, None if qk is None else qk.to(query.dtype))
     return y if ctx.num_outputs <= 1 else outputs[: ctx.num_outputs]
 
@@ -435,11 +427,11 @@ def rotary_embedding(ctx, x, position_ids, cos_cache, sin_cache, *, interleaved=
     else:
         if not num_heads:
             num_heads = x.shape[-1] // (rotary_embedding_dim or cos_cache.shape[-1] * 2)
-        heads = _heads(x, num_heads)
+        heads = split_heads(x, num_heads)
     rot = rotary_embedding_dim or heads.shape[-1]
     cos, sin = cos_cache[position_ids][..., : rot // 2], sin_cache[position_ids][..., : rot // 2]
     y = _rotate(heads, cos, sin, interleaved)
-    return y if four_d else _merge(y)
+    return y if four_d else merge_heads(y)
 
 
 @register("GroupQueryAttention", domain=MS)
@@ -460,7 +452,8 @@ def group_query_attention(ctx, query, key=None, value=None, past_key=None, past_
         head_size = query.shape[-1] // (num_heads + 2 * kv_num_heads)
         query, key, value = torch.split(query, [num_heads * head_size, kv_num_heads * head_size,
                                                 kv_num_heads * head_size], dim=-1)
-    q, k, v = _heads(query, num_heads), _heads(key, kv_num_heads), _heads(value, kv_num_heads)  # [B, N, S, H]
+    q = split_heads(query, num_heads)  # [B, N, S, H]
+    k, v = split_heads(key, kv_num_heads), split_heads(value, kv_num_heads)  # [B, Nkv, S, H]
     head_size = q.shape[-1]
     total = int(total_sequence_length.reshape(-1)[0])
     lengths = seqlens_k.to(torch.int64).reshape(batch) + 1  # valid length of each batch after this step
@@ -506,6 +499,6 @@ def group_query_attention(ctx, query, key=None, value=None, past_key=None, past_
         torch.zeros(num_heads, device=q.device) if smooth_softmax else None)
     y, qk = _attend(q, present_k, present_v, bias, scale or 1.0 / math.sqrt(head_size), softcap=softcap, sink=sink,
                     want_qk=ctx.num_outputs >= 4)
-    y = _merge(y.to(query.dtype))
+    y = merge_heads(y.to(query.dtype))
     outputs = (y, present_k, present_v, None if qk is None else qk.to(query.dtype))
     return y if ctx.num_outputs <= 1 else outputs[: ctx.num_outputs]

@@ -71,13 +71,13 @@ def gemm(ctx, a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, broadcas
 # --- Attention --------------------------------------------------------------------------
 
 
-def _split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """[B, S, H·D] -> [B, H, S, D]."""
     b, s, hidden = x.shape
     return x.reshape(b, s, num_heads, hidden // num_heads).transpose(1, 2)
 
 
-def _merge_heads(x: torch.Tensor) -> torch.Tensor:
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
     """[B, H, S, D] -> [B, S, H·D]."""
     b, h, s, d = x.shape
     return x.transpose(1, 2).reshape(b, s, h * d)
@@ -148,9 +148,9 @@ def attention(ctx, q, k, v, attn_mask=None, past_key=None, past_value=None, nonp
     """
     three_d = q.dim() == 3
     if three_d:  # [B, S, H·D] -> [B, H, S, D]
-        q = _split_heads(q, q_num_heads)
-        k = _split_heads(k, kv_num_heads)
-        v = _split_heads(v, kv_num_heads)
+        q = split_heads(q, q_num_heads)
+        k = split_heads(k, kv_num_heads)
+        v = split_heads(v, kv_num_heads)
     if past_key is not None:
         k = torch.cat([past_key, k], dim=2)
         v = torch.cat([past_value, v], dim=2)
@@ -210,7 +210,7 @@ def attention(ctx, q, k, v, attn_mask=None, past_key=None, past_value=None, nonp
         y = torch.where(fully_masked, torch.zeros((), dtype=y.dtype, device=y.device), y)
     y = y.to(q.dtype)
     if three_d:
-        y = _merge_heads(y)
+        y = merge_heads(y)
     outputs = (y, present_key, present_value, None if qk_output is None else qk_output.to(q.dtype))
     return outputs[: max(ctx.num_outputs, 1)]
 
@@ -304,14 +304,14 @@ def linear_attention(ctx, query, key, value, past_state=None, decay=None, beta=N
     d_v = value.shape[-1] // kv_num_heads
     group = q_num_heads // kv_num_heads
     f32 = torch.float32 if query.dtype != torch.float64 else torch.float64
-    q4 = _split_heads(query, q_num_heads).to(f32)  # [B, Hq, T, dk]
-    k4 = _split_heads(key, kv_num_heads).to(f32)  # [B, Hkv, T, dk]
-    v4 = _split_heads(value, kv_num_heads).to(f32)  # [B, Hkv, T, dv]
+    q4 = split_heads(query, q_num_heads).to(f32)  # [B, Hq, T, dk]
+    k4 = split_heads(key, kv_num_heads).to(f32)  # [B, Hkv, T, dk]
+    v4 = split_heads(value, kv_num_heads).to(f32)  # [B, Hkv, T, dv]
     if gating:
         if decay.shape[-1] == kv_num_heads:
             g4 = decay.reshape(b, t, kv_num_heads, 1).transpose(1, 2).to(f32)  # [B, Hkv, T, 1]
         else:
-            g4 = _split_heads(decay, kv_num_heads).to(f32)  # [B, Hkv, T, dk]
+            g4 = split_heads(decay, kv_num_heads).to(f32)  # [B, Hkv, T, dk]
     if delta:
         beta4 = beta.reshape(b, t, beta.shape[-1], 1).transpose(1, 2).to(f32)  # [B, Hkv|1, T, 1]
     if past_state is not None:
@@ -333,7 +333,7 @@ def linear_attention(ctx, query, key, value, past_state=None, decay=None, beta=N
         read = state.repeat_interleave(group, dim=1) if group > 1 else state
         outputs.append(scale_value * torch.einsum("bhd,bhdm->bhm", q4[:, :, i], read))
     out = torch.stack(outputs, dim=2) if outputs else torch.zeros(b, q_num_heads, 0, d_v, dtype=f32, device=query.device)
-    return _merge_heads(out).to(query.dtype), state.to(state_dtype)
+    return merge_heads(out).to(query.dtype), state.to(state_dtype)
 
 
 @register("CausalConvWithState", min_opset=27)
