@@ -200,6 +200,7 @@ def _prepare_pointwise(step: StepSpec, constants: list[Any], gemm: str):
 register(Tactic(
     name="cpu.conv.mkl_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
     supports=_pointwise_supports, configure=_pointwise_configure,
+    level=3,  # opt_level 3+: cpu.conv.onednn_graph beats or ties them on every 1x1 layer measured
     prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "mkl"),
     layout="channels_last", available=mkl_available,
     description="1x1 convolution as an MKL packed GEMM over NHWC pixels, epilogue in place",
@@ -207,6 +208,7 @@ register(Tactic(
 register(Tactic(
     name="cpu.conv.onednn_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
     supports=_pointwise_supports, configure=_pointwise_configure,
+    level=3,  # opt_level 3+: cpu.conv.onednn_graph beats or ties them on every 1x1 layer measured
     prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "onednn"),
     layout="channels_last", available=onednn_available,
     description="1x1 convolution as a oneDNN linear over NHWC pixels, activation/residual as post-ops",
