@@ -112,19 +112,10 @@ class Lowering:
             self.weights[key] = tensor_to_runtime(value.const_value)
             constants[name] = key
         input_names = [v.name for v in graph.inputs if v.name not in constants]
-        defined = set(constants) | set(input_names)
         steps = []
-        captures_all: list[str] = []
         for node in graph:
             name = node.name or f"{node.op_type}_{len(steps)}"
             attrs = {k: self.attribute(a, name) for k, a in node.attributes.items()}
-            captures = []
-            for a in node.attributes.values():
-                subs = [a.value] if a.type == _A.GRAPH else list(a.value) if a.type == _A.GRAPHS else []
-                for sub in subs:
-                    for n in _free_names(sub):
-                        if n not in captures:
-                            captures.append(n)
             domain = node.domain or ""
             steps.append(
                 StepSpec(
@@ -135,37 +126,38 @@ class Lowering:
                     inputs=[v.name if v is not None else "" for v in node.inputs],
                     outputs=[v.name if v is not None else "" for v in node.outputs],
                     attributes=attrs,
-                    captures=captures,
+                    captures=_subgraph_captures(node),
                     output_dtypes=[value_dtype_name(v) for v in node.outputs],
                     fused_from=json.loads(node.metadata_props.get("kiln.fused_from", "[]")),
                 )
             )
-            for n in [*(v.name for v in node.inputs if v is not None), *captures]:
-                if n not in defined and n not in captures_all:
-                    captures_all.append(n)
-            defined |= {v.name for v in node.outputs}
-        for v in graph.outputs:
-            if v.name not in defined and v.name not in captures_all:
-                captures_all.append(v.name)
         return ProgramSpec(
             inputs=input_names,
             outputs=[v.name for v in graph.outputs],
             steps=steps,
             constants=constants,
-            captures=captures_all,
+            captures=_free_names(graph),
         )
 
 
+def _subgraph_captures(node: ir.Node) -> list[str]:
+    """The outer-scope names the node's graph attributes read, in first-use order."""
+    names: list[str] = []
+    for a in node.attributes.values():
+        subs = [a.value] if a.type == _A.GRAPH else list(a.value) if a.type == _A.GRAPHS else []
+        for sub in subs:
+            for n in _free_names(sub):
+                if n not in names:
+                    names.append(n)
+    return names
+
+
 def _free_names(graph: ir.Graph) -> list[str]:
+    """The names the graph reads but neither takes as input nor defines, in first-use order."""
     defined = {v.name for v in graph.inputs} | set(graph.initializers)
     free: list[str] = []
     for node in graph:
-        used = [v.name for v in node.inputs if v is not None]
-        for a in node.attributes.values():
-            subs = [a.value] if a.type == _A.GRAPH else list(a.value) if a.type == _A.GRAPHS else []
-            for sub in subs:
-                used += _free_names(sub)
-        for n in used:
+        for n in [*(v.name for v in node.inputs if v is not None), *_subgraph_captures(node)]:
             if n not in defined and n not in free:
                 free.append(n)
         defined |= {v.name for v in node.outputs}
