@@ -117,6 +117,14 @@ def _norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether `shape` broadcasts to `target` as it is (without growing it)."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, target)) == tuple(target)
+    except RuntimeError:
+        return False
+
+
 def _params_fit(inputs: list[InputMeta], indices: tuple[int, ...], shape: tuple[int, ...]) -> bool | str:
     """scale/bias must broadcast to the normalised dims alone (the kernel indexes them by column)."""
     for i in indices:
@@ -125,11 +133,7 @@ def _params_fit(inputs: list[InputMeta], indices: tuple[int, ...], shape: tuple[
             continue
         if len(p.shape) > len(shape):
             return f"input {i} of shape {list(p.shape)} has more dims than the normalised {list(shape)}"
-        try:
-            fits = tuple(torch.broadcast_shapes(p.shape, shape)) == tuple(shape)
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not _broadcasts_to(p.shape, shape):
             return f"input {i} of shape {list(p.shape)} does not broadcast to the normalised dims {list(shape)}"
     return True
 
@@ -282,11 +286,7 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta], activations: tuple[s
         return f"activation {activation!r} is not one the epilogue kernel applies"
     if residual is not None:
         out = (*x.shape[:-1], w.shape[0])
-        try:
-            fits = tuple(torch.broadcast_shapes(residual.shape, out)) == out
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not _broadcasts_to(residual.shape, out):
             return f"residual of shape {list(residual.shape)} does not broadcast to the output {list(out)}"
     return True
 
@@ -413,11 +413,7 @@ def _conv_supports(step: StepSpec, inputs: list[InputMeta], epilogue_kernel: boo
     if residual is not None:
         meta = [torch.empty(s.shape, device="meta", dtype=s.dtype) for s in (x, w)]
         out = tuple(fused_conv(None, *meta, **_conv_only(step)).shape)  # shape inference only
-        try:
-            fits = tuple(torch.broadcast_shapes(residual.shape, out)) == out
-        except RuntimeError:
-            fits = False
-        if not fits:
+        if not _broadcasts_to(residual.shape, out):
             return f"residual of shape {list(residual.shape)} does not broadcast to the output {list(out)}"
     return True
 
