@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
+from kiln.tactics.timing_cache import cpu_name  # noqa: E402
 from kiln.zoo.compare import Latency, peer_runners, time_runners  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -44,16 +45,6 @@ CASES = {c.model: c for c in [
     Case("BERT-base", "bert_base", batch=1, seq=128),
     Case("MiniLM-L6", "minilm", batch=8, seq=128),
 ]}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def commit() -> str:
@@ -191,7 +182,7 @@ def main() -> None:
         + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "- fp32, latency in ms: median (p90) of up to "
         f"{args.iterations} rounds after {args.warmup} warm-up ({args.budget:.0f}s per model at most); "
-        "the three runtimes take turns within each round",
+        "each runtime timed in its own block",
         f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, "
         f"on {os.cpu_count()} cores: a load above the thread count means other work shared the CPU "
         "and the numbers are pessimistic for every runtime",
