@@ -70,7 +70,7 @@ def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, b
     runners = peer_runners("mobilenet_v2", onnx_path, feeds, threads=threads, engine=engine)
     print(f"\nBenchmark: MobileNetV2, batch 1, 3x224x224, fp32, CPU, {threads} thread(s) each; "
           f"up to {iterations} timed rounds ({budget_s:.0f}s at most) after {warmup} warm-up, "
-          "the runtimes taking turns")
+          "each runtime timed in its own block")
     results = time_runners(runners, iterations=iterations, warmup=warmup, budget_s=budget_s)
     labels = {"onnxruntime": "onnxruntime (all graph optimisations)"}
     width = max(len(labels.get(n, n)) for n in results)
