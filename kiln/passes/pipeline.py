@@ -34,6 +34,9 @@ def _verifier(config: BuildConfig):
 def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None) -> None:
     # Constant nodes become initializers, so every constant looks the same to the rules.
     common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+    # Identical weights (tied embeddings, repeated constants) are stored and loaded once.
+    common.DeduplicateInitializersPass()(model)
+    check(model, "deduplicate_initializers")
     # Run once at build what would give the same answer on every run (shapes included).
     fold_constants(model, report)
     check(model, "fold_constants")

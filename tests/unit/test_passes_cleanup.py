@@ -130,3 +130,23 @@ def test_opt_level_0_runs_the_graph_as_is():
     proto = make_model([helper.make_node("Identity", ["x"], ["i"]), helper.make_node("Relu", ["i"], ["y"])], [x], [y])
     _, report, ops = optimized(proto, level=0)
     assert ops == {"Identity": 1, "Relu": 1} and report.fired == {}
+
+
+def test_identical_weights_are_stored_once():
+    """Two initializers with the same contents become one weight; outputs unchanged."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    import kiln
+
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    inits = [helper.make_tensor(n, TensorProto.FLOAT, [3, 4], data.ravel()) for n in ("a", "b")]
+    nodes = [helper.make_node("Add", ["x", "a"], ["s"], name="add1"),
+             helper.make_node("Mul", ["s", "b"], ["y"], name="mul")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    optimized = kiln.build(model, opt_level=1)
+    assert len(optimized.plan.weights) == 1
+    np.testing.assert_array_equal(optimized.run({"x": x})["y"], kiln.build(model, opt_level=0).run({"x": x})["y"])
