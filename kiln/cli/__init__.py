@@ -1,0 +1,126 @@
+"""The `kiln` command line: build | run | bench | inspect | compare.
+
+    kiln build model.onnx -o model.kiln [--opt-level N] [--shapes x:1x3x224x224] [--verbose]
+    kiln run model.kiln [--inputs in.npz] [--outputs out.npz] [--shapes ...]
+    kiln bench model.kiln [--against onnxruntime] [--onnx model.onnx] [--warmup N]
+               [--iterations N | --duration S] [--shapes ...]
+    kiln inspect model.kiln [--json] [--why-not [MODEL.onnx]]
+    kiln compare model.onnx [--precision P] [--mark-all]
+
+A kiln error prints one line-led message on stderr and exits 1, never a traceback. `run`,
+`bench` and `inspect` load engines through the lean runtime: only `build` imports the ONNX
+frontend and the passes (and `bench --against onnxruntime` imports onnxruntime).
+
+This module holds the parser and main(); each verb is its own module (build.py, run.py,
+bench.py, inspect.py, compare.py), and common.py the helpers they share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import kiln
+from kiln.cli.bench import cmd_bench
+from kiln.cli.build import cmd_build
+from kiln.cli.compare import cmd_compare
+from kiln.cli.inspect import cmd_inspect
+from kiln.cli.run import cmd_run
+from kiln.errors import KilnError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kiln", description="Build ONNX models into kiln engines, run, benchmark and inspect them.")
+    parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare}", required=True)
+    shapes_help = ("concrete input shapes NAME:DIMxDIM..., comma-separated or repeated "
+                   "(symbolic dims default to the build shapes, else 1)")
+
+    p = verbs.add_parser("build", help="import, check, optimise and plan an ONNX model; write the engine",
+                         description="Import, check, optimise and plan an ONNX model, and write a .kiln engine.")
+    p.add_argument("model", help="the .onnx model (external data files next to it)")
+    p.add_argument("-o", "--output", help="engine file to write (default: the model's path with .kiln)")
+    p.add_argument("--opt-level", type=int, default=2, choices=range(6), metavar="N",
+                   help="0: import and run as is ... 5: every optimisation (default 2)")
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="shapes to plan memory for: " + shapes_help)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
+                   help="builder precision (default fp32)")
+    for flag in ("fp16", "bf16", "tf32", "best"):  # trtexec's spelling: --fp16 is --precision fp16
+        p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
+                       help=f"same as --precision {flag}")
+    p.add_argument("--pin-fp32", action="append", metavar="LAYER",
+                   help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
+    p.add_argument("--timing-cache", metavar="FILE.json",
+                   help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
+    p.set_defaults(func=cmd_build)
+
+    p = verbs.add_parser("run", help="run an engine once and print its outputs",
+                         description="Run an engine once on given or random inputs and print its outputs.")
+    p.add_argument("engine", help="the .kiln engine")
+    p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random of the right dtype/shape)")
+    p.add_argument("--outputs", metavar="OUT.npz", help="write the outputs here")
+    p.add_argument("--save-inputs", metavar="IN.npz", help="write the inputs used (e.g. the random ones) here")
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.set_defaults(func=cmd_run)
+
+    p = verbs.add_parser("bench", help="time an engine (optionally side by side with onnxruntime)",
+                         description="Warm up, then time an engine: latency min/mean/median/p90/p95/p99 and qps.")
+    p.add_argument("engine", help="the .kiln engine")
+    p.add_argument("--against", choices=["onnxruntime"], help="also time this runtime on the same inputs")
+    p.add_argument("--onnx", metavar="MODEL.onnx",
+                   help="the ONNX model for --against (default: the source path recorded in the engine)")
+    p.add_argument("--warmup", type=int, default=5, metavar="N", help="untimed runs first (default 5)")
+    how_long = p.add_mutually_exclusive_group()
+    how_long.add_argument("--iterations", type=int, metavar="N", help="timed runs (default: >= 10 runs and 3 s)")
+    how_long.add_argument("--duration", type=float, metavar="S", help="time runs for S seconds")
+    p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random)")
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--json", metavar="OUT.json", help="also write the statistics as JSON")
+    p.add_argument("--no-overhead", action="store_true", help="skip the dispatch overhead estimate")
+    p.add_argument("--dump-profile", action="store_true", help="also print each layer's median time (eager)")
+    p.set_defaults(func=cmd_bench)
+
+    p = verbs.add_parser("inspect", help="show an engine's header, bindings, layers and memory",
+                         description="Show an engine's header, bindings, layers, weights and activation memory.")
+    p.add_argument("engine", help="the .kiln engine")
+    p.add_argument("--json", action="store_true", help="print the header and layer list as JSON")
+    p.add_argument("--why-not", nargs="?", const="source", metavar="MODEL.onnx",
+                   help="also list candidate fusions that did not fire and why (default: the engine's source model)")
+    p.set_defaults(func=cmd_inspect)
+
+    p = verbs.add_parser("compare", help="compare a build of a model against onnxruntime fp32 (Polygraphy-like)",
+                         description="Build the model, run it and onnxruntime fp32 on the same inputs, and report "
+                                     "per-output error statistics; --mark-all compares every layer and names the "
+                                     "first one outside tolerance. Exit status 2 when outside tolerance.")
+    p.add_argument("model", help="the .onnx model")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--opt-level", type=int, default=2, choices=range(6), metavar="N")
+    p.add_argument("--mark-all", action="store_true", help="compare every intermediate value; name the first bad layer")
+    p.add_argument("--rtol", type=float, help="relative tolerance (default by precision)")
+    p.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
+    p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random)")
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_compare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KilnError as e:
+        print(f"kiln {args.verb}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # unwritable output folder, full disk, unreadable file
+        print(f"kiln {args.verb}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kiln {args.verb}: interrupted", file=sys.stderr)
+        return 130

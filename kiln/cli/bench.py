@@ -1,0 +1,196 @@
+"""`kiln bench`: time an engine (trtexec-like latency statistics), optionally side by side with
+onnxruntime on the same inputs; on CUDA also the H2D / compute / D2H split. Only --against
+onnxruntime imports onnxruntime (and onnx, for an IR-version fallback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import kiln
+from kiln.cli.common import console, make_inputs, text
+from kiln.engine.plan import EnginePlan
+from kiln.errors import KilnError
+from kiln.ir import dtypes
+from kiln.runtime import profiler
+
+
+def _onnxruntime_session(onnx_path: Path, device_type: str):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise KilnError("--against onnxruntime: onnxruntime is not installed (pip install onnxruntime)") from None
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = torch.get_num_threads()  # same thread count as kiln's kernels
+    options.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if device_type == "cuda" and "CUDAExecutionProvider" in ort.get_available_providers():
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        return ort.InferenceSession(str(onnx_path), options, providers=providers)
+    except Exception as e:  # noqa: BLE001  ORT raises its own exception types for bad models
+        supported = re.search(r"max supported IR version: (\d+)", str(e))
+        if supported is None:
+            raise KilnError(f"onnxruntime cannot load {onnx_path}: {type(e).__name__}: {e}") from None
+    # A newer onnx wrote the file than this onnxruntime reads. The IR bump seldom touches the
+    # ops of a graph, so try once more with the IR version onnxruntime names, and say so.
+    import onnx
+
+    model = onnx.load(str(onnx_path))
+    print(f"note: {onnx_path} has IR version {model.ir_version}; onnxruntime {ort.__version__} reads up to "
+          f"{supported.group(1)}, so it runs a copy marked {supported.group(1)}", file=sys.stderr)
+    model.ir_version = int(supported.group(1))
+    try:
+        return ort.InferenceSession(model.SerializeToString(), options, providers=providers)
+    except Exception as e:  # noqa: BLE001
+        raise KilnError(f"onnxruntime cannot load {onnx_path}: {type(e).__name__}: {e}") from None
+
+
+def _source_onnx(plan: EnginePlan, args: argparse.Namespace) -> Path:
+    if args.onnx:
+        path = Path(args.onnx)
+    else:
+        recorded = (plan.header.get("source") or {}).get("path")
+        if not recorded:
+            raise KilnError("--against onnxruntime needs the ONNX model: the engine does not record "
+                            "where it was built from, so pass --onnx model.onnx")
+        path = Path(recorded)
+    if not path.is_file():
+        raise KilnError(f"--against onnxruntime: ONNX model {path} not found; pass --onnx model.onnx")
+    return path
+
+
+def _max_difference(a: dict[str, Any], b: dict[str, Any]) -> str:
+    worst = 0.0
+    for name, x in a.items():
+        y = b.get(name)
+        if y is None or isinstance(x, list) or np.asarray(x).dtype.kind not in "biuf":
+            continue
+        x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+        if x.shape != y.shape:
+            return f"shape {list(x.shape)} vs {list(y.shape)}"
+        if x.size:
+            worst = max(worst, float(np.nanmax(np.abs(x - y))))
+    return f"{worst:.3g}"
+
+
+def _on_device(value: Any, device: torch.device) -> Any:
+    converted = dtypes.numpy_to_torch(np.asarray(value))  # strings and int4 stay numpy
+    return converted.to(device) if isinstance(converted, torch.Tensor) else converted
+
+
+def _transfer_split(context, host_feeds: dict, device_feeds: dict, warmup: int, iterations: int = 50) -> str:
+    """trtexec's H2D / GPU compute / D2H split: median ms of each, from pinned host buffers."""
+    import statistics
+
+    pinned = {k: torch.from_numpy(np.ascontiguousarray(v)).pin_memory() for k, v in host_feeds.items()
+              if isinstance(v, np.ndarray) and v.dtype != object}
+    outputs = context.run(device_feeds)
+
+    def h2d():
+        for v in pinned.values():
+            v.to("cuda", non_blocking=True)
+
+    def d2h():
+        for v in outputs.values():
+            if isinstance(v, torch.Tensor):
+                v.to("cpu")
+
+    medians = []
+    for fn in (h2d, lambda: context.run(device_feeds), d2h):
+        samples = profiler.time_runs(fn, warmup=warmup, iterations=iterations, duration=None,
+                                     sync=torch.cuda.synchronize)
+        medians.append(1000 * statistics.median(samples))
+    return (f"median H2D {medians[0]:.3f} ms | GPU compute {medians[1]:.3f} ms | D2H {medians[2]:.3f} ms "
+            "(pinned host buffers)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    if args.iterations is not None and args.iterations < 1:
+        raise KilnError("--iterations must be at least 1")
+    if args.duration is not None and args.duration <= 0:
+        raise KilnError("--duration must be positive")
+    engine = kiln.load(args.engine)
+    feeds = make_inputs(engine.plan, args)
+    session = None
+    if args.against == "onnxruntime":
+        session = _onnxruntime_session(_source_onnx(engine.plan, args), engine.device.type)
+    iterations, duration = args.iterations, args.duration
+    if iterations is None and duration is None:
+        iterations, duration = 10, 3.0  # trtexec's defaults: at least 10 runs and 3 seconds
+
+    sync = profiler.device_sync(engine.device)
+    if engine.device.type == "cuda":  # inputs already on the GPU: time the engine, not the copies
+        kiln_feeds = {k: _on_device(v, engine.device) for k, v in feeds.items()}
+    else:
+        kiln_feeds = feeds
+    context = engine.create_execution_context()
+    results: list[tuple[str, profiler.LatencyStats, str]] = []
+    samples = profiler.time_runs(lambda: context.run(kiln_feeds), warmup=args.warmup,
+                                 iterations=iterations, duration=duration, sync=sync)
+    results.append(("kiln", profiler.LatencyStats.from_samples(samples), "-"))
+    if session is not None:
+        wanted = {i.name for i in session.get_inputs()}
+        ort_feeds = {k: v for k, v in feeds.items() if k in wanted}
+        ort_names = [o.name for o in session.get_outputs()]
+        samples = profiler.time_runs(lambda: session.run(None, ort_feeds), warmup=args.warmup,
+                                     iterations=iterations, duration=duration)
+        reference = dict(zip(ort_names, session.run(None, ort_feeds)))
+        difference = _max_difference(engine.run(feeds), reference)
+        provider = session.get_providers()[0].removesuffix("ExecutionProvider")
+        results.append((f"onnxruntime ({provider})", profiler.LatencyStats.from_samples(samples), difference))
+
+    threads = torch.get_num_threads()
+    table = Table(title=f"{Path(args.engine).name} on {engine.device} ({threads} threads); latency in ms",
+                  title_justify="left")
+    for column in ("runtime", "runs", "min", "mean", "median", "p90", "p95", "p99", "qps", "vs kiln",
+                   "max |diff|"):
+        table.add_column(column, justify="left" if column == "runtime" else "right")
+    base = results[0][1].mean
+    for name, s, difference in results:
+        ms = [f"{1000 * v:.3f}" for v in (s.min, s.mean, s.median, s.p90, s.p95, s.p99)]
+        table.add_row(name, str(s.count), *ms, f"{s.qps:.1f}", f"{s.mean / base:.2f}x", difference)
+    out = console()
+    out.print(table)
+    if engine.device.type == "cuda":
+        out.print(text(_transfer_split(context, feeds, kiln_feeds, args.warmup)))
+    if args.json:
+        doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results}
+        Path(args.json).write_text(json.dumps(doc, indent=2))
+    # The program's own inputs: on the device, cast as the engine casts at its boundary.
+    from kiln.runtime.engine import _to_runtime
+
+    program_inputs = [_to_runtime(feeds[b.name], b, engine.device) for b in engine.inputs]
+    internal = engine.internal_dtype
+    program_inputs = [a.to(internal[b.dtype]) if b.dtype in internal else a
+                      for a, b in zip(program_inputs, engine.inputs)]
+    if args.dump_profile:
+        profile = Table(title="per-layer profile (median ms, eager)", title_justify="left")
+        for column in ("#", "layer", "op", "tactic", "ms", "%"):
+            profile.add_column(column, justify="right" if column in ("#", "ms", "%") else "left")
+        layers = profiler.profile_layers(engine.program, program_inputs)
+        total = sum(layer["ms"] for layer in layers) or 1.0
+        for i, layer in enumerate(layers):
+            profile.add_row(str(i), text(layer["name"]), text(layer["op_type"]), text(layer["tactic"]),
+                            f"{layer['ms']:.3f}", f"{100 * layer['ms'] / total:.1f}")
+        out.print(profile)
+    if not args.no_overhead:
+        per_layer = profiler.dispatch_overhead(engine.program, program_inputs)
+        if per_layer is not None:
+            layers = len(engine.plan.program.steps)
+            out.print(text(
+                f"python dispatch overhead: ~{1e6 * per_layer:.1f} us per layer x {layers} layers "
+                f"= ~{1000 * per_layer * layers:.3f} ms of the {1000 * base:.3f} ms mean"
+            ))
+    return 0

@@ -1,0 +1,89 @@
+"""`kiln build`: import, check, optimise and plan an ONNX model, and write the engine (the one
+verb that imports the ONNX frontend and the passes, through kiln.build)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import kiln
+from kiln.cli.common import console, fmt_bytes, parse_shapes, text
+from kiln.engine.plan import EnginePlan
+from kiln.errors import KilnError
+
+_BUILD_STAGES = ["importing", "optimizing", "lowering", "planning memory"]
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    source = Path(args.model)
+    if not source.is_file():
+        raise KilnError(f"{source}: no such model file")
+    output = Path(args.output) if args.output else source.with_suffix(".kiln")
+    if output.resolve() == source.resolve():
+        raise KilnError(f"-o {output}: the engine would overwrite the model; choose another path")
+    if output.is_dir():
+        raise KilnError(f"-o {output}: is a folder; give the engine file's path")
+    options = {
+        "opt_level": args.opt_level,
+        "shapes": parse_shapes(args.shapes),
+        "verbose": args.verbose,
+        "device": args.device,
+        "precision": args.precision,
+        "timing_cache": args.timing_cache,
+        "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
+    }
+    err = console(stderr=True)
+    t0 = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+                  console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task(f"building {source.name}", total=None)
+        last = [t0, None]
+
+        def on_stage(stage: str) -> None:
+            now = time.perf_counter()
+            if last[1] is not None and args.verbose:
+                progress.console.print(text(f"  {last[1]:<18} {1000 * (now - last[0]):9.1f} ms"))
+            last[0], last[1] = now, (None if stage == "done" else stage)
+            step = _BUILD_STAGES.index(stage) + 1 if stage in _BUILD_STAGES else None
+            label = f"[{step}/{len(_BUILD_STAGES)}] " if step else ""
+            progress.update(task, description=f"building {source.name}: {label}{stage}")
+
+        engine = kiln.build(str(source), progress=on_stage, **options)
+        on_stage(f"writing {output.name}")
+        engine.save(output)
+        on_stage("done")
+    build_seconds = time.perf_counter() - t0
+    _print_build_summary(engine.plan, output, build_seconds)
+    return 0
+
+
+def _print_build_summary(plan: EnginePlan, output: Path, seconds: float) -> None:
+    from rich.table import Table
+
+    header = plan.header
+    memory = header.get("memory", {})
+    peak, naive = memory.get("peak_bytes"), memory.get("naive_bytes")
+    saving = f" ({naive / peak:.1f}x less)" if peak and naive and naive > peak else ""
+    unknown = memory.get("unknown") or []
+    activations = f"planned peak {fmt_bytes(peak)} vs naive sum {fmt_bytes(naive)}{saving}"
+    if unknown:
+        activations += f"; {len(unknown)} value(s) of unknown size not counted"
+    table = Table(title=f"built {output}", show_header=False, box=None, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("engine", f"{output} ({fmt_bytes(output.stat().st_size)})"),
+        ("layers", str(len(plan.program.steps))),
+        ("inputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.inputs)),
+        ("outputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.outputs)),
+        ("weights", fmt_bytes(header.get("weights_bytes"))),
+        ("activations", activations),
+        ("device", header.get("device", {}).get("name", "?")),
+        ("build time", f"{seconds:.2f} s"),
+    ]
+    for key, value in rows:
+        table.add_row(key, text(value))
+    console().print(table)

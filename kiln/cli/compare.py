@@ -1,0 +1,20 @@
+"""`kiln compare`: build a model and compare it with onnxruntime fp32 (kiln/tools/compare.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from kiln.cli.common import parse_shapes
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from kiln.tools.compare import compare
+
+    feeds = dict(np.load(args.inputs)) if args.inputs else None
+    report = compare(args.model, precision=args.precision, device=args.device, opt_level=args.opt_level,
+                     inputs=feeds, shapes=parse_shapes(args.shapes), rtol=args.rtol, atol=args.atol,
+                     mark_all=args.mark_all, seed=args.seed)
+    print(report.render())
+    return 0 if report.passed else 2

@@ -1,0 +1,137 @@
+"""`kiln inspect`: an engine's header, bindings, layers (with tuned tactics), weights and
+activation memory, as tables or JSON. Reads the plan only: needs no device. --why-not imports
+the frontend and the passes, to list candidate fusions that did not fire."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kiln.cli.common import console, fmt_bytes, fmt_shape, text
+from kiln.engine import format as engine_format
+from kiln.engine.plan import EnginePlan
+from kiln.errors import KilnError
+
+
+def _layers(plan: EnginePlan) -> list[dict]:
+    types = plan.header.get("value_types", {})
+    layers = []
+    for i, step in enumerate(plan.program.steps):
+        outputs = []
+        for j, name in enumerate(step.outputs):
+            if not name:
+                continue
+            vt = types.get(name, {})
+            dtype = vt.get("dtype") or (step.output_dtypes[j] if j < len(step.output_dtypes) else None)
+            outputs.append({"name": name, "dtype": dtype, "shape": vt.get("shape")})
+        layer = {
+            "index": i,
+            "name": step.name,
+            "op_type": f"{step.domain}::{step.op_type}" if step.domain else step.op_type,
+            "inputs": list(step.inputs),
+            "outputs": outputs,
+        }
+        if step.fused_from:
+            layer["fused_from"] = list(step.fused_from)
+        tuned = plan.header.get("tactics", {}).get("layers", {}).get(step.name)
+        if tuned:  # chosen tactic, its time and the runner-up's (kiln/tactics/autotune.py)
+            layer["tactic"] = {k: tuned.get(k) for k in ("tactic", "time_ms", "runner_up", "runner_up_ms", "cached")}
+        layers.append(layer)
+    return layers
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    plan = engine_format.load(args.engine)  # the plan only: inspecting needs no device
+    header = plan.header
+    layers = _layers(plan)
+    if args.json:
+        doc = {"header": header, "layers": layers}
+        sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+        return 0
+    out = console()
+    memory = header.get("memory", {})
+    source = header.get("source") or {}
+    overview = Table(title=f"engine {args.engine}", show_header=False, box=None, title_justify="left")
+    overview.add_column(style="bold")
+    overview.add_column()
+    device = header.get("device", {})
+    rows = [
+        ("format version", header.get("format_version")),
+        ("kiln version", header.get("kiln_version")),
+        ("torch version", header.get("torch_version")),
+        ("created", header.get("created")),
+        ("producer", header.get("producer")),
+        ("source", source.get("path") or source.get("name") or "?"),
+        ("device", " ".join(str(v) for v in device.values())),
+        ("build config", json.dumps(header.get("build_config", {}))),
+        ("layers", len(layers)),
+        ("weights", f"{fmt_bytes(header.get('weights_bytes'))} in {len(plan.weights)} tensor(s)"),
+        ("activations", f"planned peak {fmt_bytes(memory.get('peak_bytes'))} vs naive sum "
+                        f"{fmt_bytes(memory.get('naive_bytes'))}"
+                        + (f"; {len(memory['unknown'])} value(s) of unknown size" if memory.get("unknown") else "")),
+    ]
+    tactics = header.get("tactics") or {}
+    if tactics:
+        chosen = [v["tactic"] for v in tactics.get("layers", {}).values()]
+        summary = tactics.get("skipped") or tactics.get("reverted") or (
+            f"{len(chosen)} layer(s) tuned: " + ", ".join(f"{chosen.count(t)} {t}" for t in sorted(set(chosen))))
+        cache = tactics.get("cache") or {}
+        if cache.get("path"):
+            summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
+        rows.append(("tactics", summary))
+    for key, value in rows:
+        overview.add_row(key, text(value))
+    out.print(overview)
+
+    bindings = Table(title="bindings", title_justify="left")
+    for column in ("direction", "name", "kind", "dtype", "shape"):
+        bindings.add_column(column)
+    for direction, items in (("input", plan.inputs), ("output", plan.outputs)):
+        for b in items:
+            bindings.add_row(direction, text(b.name), b.kind, text(b.dtype or "?"), text(fmt_shape(b.shape)))
+    out.print(bindings)
+
+    table = Table(title="layers", title_justify="left")
+    tuned = any("tactic" in layer for layer in layers)
+    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes") + (("tactic", "ms", "runner-up"),) * tuned:
+        if isinstance(column, tuple):
+            for c in column:
+                table.add_column(c, justify="right" if c == "ms" else "left")
+            continue
+        table.add_column(column, justify="right" if column == "#" else "left")
+    for layer in layers:
+        outs = "; ".join(f"{o['name']}: {o['dtype'] or '?'}{fmt_shape(o['shape'])}" for o in layer["outputs"])
+        absorbed = ", ".join(layer.get("fused_from", []))
+        cells = [str(layer["index"]), text(layer["name"]), text(layer["op_type"]), text(outs), text(absorbed)]
+        if tuned:
+            cells += _tactic_cells(layer.get("tactic"))
+        table.add_row(*cells)
+    out.print(table)
+    if args.why_not:
+        _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
+    return 0
+
+
+def _tactic_cells(tuned: dict | None) -> list:
+    """Chosen tactic, its time, and the runner-up with its time (empty for untuned layers)."""
+    if not tuned:
+        return ["", "", ""]
+    ms = "" if tuned.get("time_ms") is None else f"{tuned['time_ms']:.3f}"
+    runner_up = "" if not tuned.get("runner_up") else f"{tuned['runner_up']} {tuned['runner_up_ms']:.3f}"
+    return [text(tuned["tactic"] + (" (cached)" if tuned.get("cached") else "")), ms, text(runner_up)]
+
+
+def _print_why_not(out, model_path: str | None) -> None:
+    """Candidate fusions that did not fire, with each rule's reason (imports the passes)."""
+    if not model_path:
+        raise KilnError("--why-not needs the ONNX model: pass its path (the engine records none)")
+    from kiln.frontend import onnx as onnx_frontend
+    from kiln.passes import why_not
+
+    reasons = why_not(onnx_frontend.load(model_path))
+    out.print(f"\nfusions that did not fire ({len(reasons)}):")
+    for line in reasons:
+        out.print(f"  - {text(line)}")
