@@ -19,6 +19,7 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     object_detection,
     quantization,
     reduction,
+    resize,
     rnn,
     sequence,
     signal,
