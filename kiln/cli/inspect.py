@@ -41,6 +41,32 @@ def _layers(plan: EnginePlan) -> list[dict]:
     return layers
 
 
+def layout_conversions(plan: EnginePlan) -> dict[str, int]:
+    """Layers whose tactic runs in a layout of its own, and the tensors that change layout on the way:
+    each edge from a layer of one layout to a reader of another (graph inputs and outputs count as
+    the default layout, as do weights, which tactics lay out once at load)."""
+    from kiln.tactics import registry
+
+    layout_of: dict[str, str] = {}  # value name -> layout its producer writes
+    steps = plan.program.steps
+    step_layout = []
+    for step in steps:
+        tactic = registry.get(step.tactic) if step.tactic else None
+        layout = tactic.layout if tactic is not None else ""
+        step_layout.append(layout)
+        for name in step.outputs:
+            layout_of[name] = layout
+    conversions = 0
+    for step, layout in zip(steps, step_layout):
+        for name in step.inputs:
+            if name in layout_of and layout_of[name] != layout:
+                conversions += 1
+    conversions += sum(1 for name in plan.program.outputs if layout_of.get(name, ""))
+    conversions += sum(1 for step, layout in zip(steps, step_layout) if layout
+                       for name in step.inputs[:1] if name in plan.program.inputs)
+    return {"layers": sum(1 for layout in step_layout if layout), "conversions": conversions}
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -82,6 +108,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if cache.get("path"):
             summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
         rows.append(("tactics", summary))
+        layouts = layout_conversions(plan)
+        if layouts["layers"]:
+            rows.append(("layout", f"{layouts['layers']} layer(s) run channels-last; {layouts['conversions']} "
+                                   "tensor(s) cross a layout boundary (stack inputs and outputs)"))
     for key, value in rows:
         overview.add_row(key, text(value))
     out.print(overview)
