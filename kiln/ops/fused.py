@@ -75,8 +75,17 @@ def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations
 @register("FusedGemm", domain="kiln")
 def fused_gemm(ctx, x, w, b=None, residual=None, *, activation="", alpha=0.0, beta=0.0,
                residual_after_activation=1):
-    """x @ Wᵀ + b (W stored [N, K], pre-transposed at build, as torch.nn.functional.linear wants)."""
+    """x @ Wᵀ + b (W stored [N, K], pre-transposed at build, as torch.nn.functional.linear wants).
+
+    activation "SwiGLU" (gate and up GEMMs of a gated MLP, W = [W_gate; W_up]) halves the last dim:
+    y = silu(h[..., :H]) * h[..., H:], h = x @ Wᵀ + b, H = half of h's last dim; a residual, if any,
+    is added to y.
+    """
     y = F.linear(x, w, b)  # x: [..., K], w: [N, K] -> y: [..., N]
+    if activation == "SwiGLU":
+        gate, up = y.chunk(2, dim=-1)  # [..., N/2] each, views of y
+        y = F.silu(gate).mul_(up)  # a new [..., N/2] tensor: not in place
+        return _epilogue(y, residual, "", alpha, beta, 1)  # the residual, if any, after the gating
     return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
 
 

@@ -232,6 +232,8 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "the weight is not a constant 2-D matrix"
     if w.dtype != x.dtype:
         return f"weight dtype {w.dtype} differs from input dtype {x.dtype}"
+    if _attr(step, "activation", "") == "SwiGLU":
+        return "activation 'SwiGLU' halves the output's last dim: no post-op gates it, the default implementation does"
     if post_op(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0)) is None:
         return f"activation {_attr(step, 'activation', '')!r} is not one the CPU kernels apply"
     return True

@@ -282,6 +282,8 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta], activations: tuple[s
     if b is not None and math.prod(b.shape) != w.shape[0]:
         return f"bias of shape {list(b.shape)} is not one value per output column ({w.shape[0]})"
     activation = _attr(step, "activation", "")
+    if activation == "SwiGLU":
+        return "activation 'SwiGLU' halves the output's last dim: the default implementation gates it"
     if activations is not None and activation not in activations:
         return f"activation {activation!r} is not one the epilogue kernel applies"
     if residual is not None:

@@ -16,6 +16,7 @@ from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
+from kiln.passes.fusion.swiglu import fuse_swiglu
 from kiln.passes.fusion.gemm import fuse_gemm
 
 RULES = [
@@ -25,6 +26,7 @@ RULES = [
     ("fuse_softmax", fuse_softmax),
     ("fuse_conv", fuse_conv),
     ("fuse_gemm", fuse_gemm),
+    ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
     ("merge_parallel_gemms", merge_parallel_gemms),
     ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),
