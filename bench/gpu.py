@@ -153,8 +153,7 @@ def bench_row(name: str, compile_peers: bool, log, profile: bool = False) -> dic
     if profile:
         from kiln.runtime.profiler import profile_layers
 
-        internal = dev_inputs32[0].half() if dev_inputs32[0].is_floating_point() else dev_inputs32[0]
-        layers = profile_layers(engine.program, [internal])
+        layers = profile_layers(engine.program, engine.program_inputs({"x": dev_inputs32[0]}))
         by_op: dict[str, float] = {}
         for layer in layers:
             key = f"{layer['op_type']} [{layer['tactic']}]"

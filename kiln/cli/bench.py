@@ -168,13 +168,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results}
         Path(args.json).write_text(json.dumps(doc, indent=2))
-    # The program's own inputs: on the device, cast as the engine casts at its boundary.
-    from kiln.runtime.engine import _to_runtime
-
-    program_inputs = [_to_runtime(feeds[b.name], b, engine.device) for b in engine.inputs]
-    internal = engine.internal_dtype
-    program_inputs = [a.to(internal[b.dtype]) if b.dtype in internal else a
-                      for a, b in zip(program_inputs, engine.inputs)]
+    program_inputs = engine.program_inputs(feeds)
     if args.dump_profile:
         profile = Table(title="per-layer profile (median ms, eager)", title_justify="left")
         for column in ("#", "layer", "op", "tactic", "ms", "%"):

@@ -105,6 +105,13 @@ class Engine:
     def output_names(self) -> list[str]:
         return [b.name for b in self.outputs]
 
+    def program_inputs(self, feeds: dict[str, Any]) -> list[Any]:
+        """Feeds by binding name -> the program's inputs: on the engine's device, float inputs of a
+        half-precision engine cast as its boundary casts them. (Bindings are not checked here.)"""
+        args = [_to_runtime(feeds[b.name], b, self.device) for b in self.inputs]
+        return [a.to(self.internal_dtype[b.dtype]) if b.dtype in self.internal_dtype and isinstance(a, torch.Tensor)
+                else a for a, b in zip(args, self.inputs)]
+
     def create_execution_context(self) -> ExecutionContext:
         return ExecutionContext(self)
 
@@ -187,12 +194,8 @@ class ExecutionContext:
             feeds = dict(feeds)
         self._check(feeds)
         as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
-        device = self.engine.device
-        args = [_to_runtime(feeds[b.name], b, device) for b in self.engine.inputs]
+        args = self.engine.program_inputs(feeds)
         internal = self.engine.internal_dtype
-        if internal:
-            args = [a.to(internal[b.dtype]) if b.dtype in internal and isinstance(a, torch.Tensor) else a
-                    for a, b in zip(args, self.engine.inputs)]
         with torch.inference_mode():
             if self.runner is not None:
                 results = self.runner.run(args)

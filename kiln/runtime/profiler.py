@@ -6,7 +6,6 @@ they only check that the helpers run and return sane shapes of data.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -126,10 +125,8 @@ def dispatch_overhead(program: Any, inputs: list[Any], repeats: int = 20) -> flo
     def replaying(i: int) -> Callable[..., Any]:
         return lambda ctx, *args, **attrs: results[i]
 
-    recorder = copy.copy(program)
-    recorder.steps = [(recording(i, s[0]), *s[1:]) for i, s in enumerate(steps)]
-    replayer = copy.copy(program)
-    replayer.steps = [(replaying(i), *s[1:]) for i, s in enumerate(steps)]
+    recorder = program.with_kernels(recording)
+    replayer = program.with_kernels(lambda i, fn: replaying(i))
     with torch.inference_mode():
         recorder.run(inputs)
         samples = time_runs(lambda: replayer.run(inputs), warmup=2, iterations=repeats)
@@ -142,29 +139,27 @@ def profile_layers(program: Any, inputs: list[Any], runs: int = 10) -> list[dict
     On CUDA each step is bracketed by device events (no CUDA graph, so launch gaps show); host
     shape steps are computed once per shape, as the runtime does, and cost nothing after.
     """
-    import copy
-    import statistics
-
     device = getattr(program, "device", None)
     cuda = device is not None and device.type == "cuda"
     samples: list[list[float]] = [[] for _ in program.steps]
-    timed = copy.copy(program)
-    timed.steps = []
-    for i, (fn, ctx, ins, outs, attrs, free) in enumerate(program.steps):
-        def call(ctx, *args, _fn=fn, _i=i, **kw):
+
+    def timed_kernel(i: int, fn):
+        def call(ctx, *args, **kw):
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                result = _fn(ctx, *args, **kw)
+                result = fn(ctx, *args, **kw)
                 end.record()
-                pending.append((_i, start, end))
+                pending.append((i, start, end))
                 return result
             t0 = time.perf_counter()
-            result = _fn(ctx, *args, **kw)
-            samples[_i].append(1000 * (time.perf_counter() - t0))
+            result = fn(ctx, *args, **kw)
+            samples[i].append(1000 * (time.perf_counter() - t0))
             return result
 
-        timed.steps.append((call, ctx, ins, outs, attrs, free))
+        return call
+
+    timed = program.with_kernels(timed_kernel)
     plan = None
     if cuda:
         from kiln.runtime.device import ShapePlan

@@ -8,6 +8,7 @@ last use (the liveness plan), so activations do not outlive their consumers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,15 @@ class Program:
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
             self.template[i] = v
+
+    def with_kernels(self, wrap: Callable[[int, Any], Any], keep_values: bool = False) -> Program:
+        """A copy whose step i calls `wrap(i, kernel)` instead of its kernel (for tracing, timing,
+        replaying); the original is untouched. `keep_values`: no liveness frees."""
+        copy = object.__new__(Program)
+        copy.__dict__.update(self.__dict__)
+        copy.steps = [(wrap(i, fn), ctx, ins, outs, attrs, [] if keep_values else free)
+                      for i, (fn, ctx, ins, outs, attrs, free) in enumerate(self.steps)]
+        return copy
 
     def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
         """Run once. `plan` (a runtime.device.ShapePlan) is only used on CUDA: see device.py."""

@@ -10,7 +10,6 @@ named — the tool for "INT8/FP16 accuracy collapsed: which layer?".
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,18 +129,20 @@ def random_inputs(engine: kiln.Engine, shapes: dict[str, list[int]] | None = Non
 def trace(program: Program, inputs: list[Any]) -> dict[str, Any]:
     """Run `program` keeping every step's outputs, by value name (no liveness frees)."""
     recorded: dict[str, Any] = {}
-    traced = copy.copy(program)
-    traced.steps = []
-    for (fn, ctx, ins, outs, attrs, _free), spec in zip(program.steps, program.spec.steps):
-        def record(ctx, *args, _fn=fn, _names=spec.outputs, **kw):
-            result = _fn(ctx, *args, **kw)
-            values = [result] if len(_names) == 1 and not isinstance(result, tuple) else list(result)
-            for n, v in zip(_names, values):
+    names = [spec.outputs for spec in program.spec.steps]
+
+    def record(i: int, fn):
+        def call(ctx, *args, **kw):
+            result = fn(ctx, *args, **kw)
+            values = [result] if len(names[i]) == 1 and not isinstance(result, tuple) else list(result)
+            for n, v in zip(names[i], values):
                 if n:
                     recorded[n] = v
             return result
 
-        traced.steps.append((record, ctx, ins, outs, attrs, []))
+        return call
+
+    traced = program.with_kernels(record, keep_values=True)
     with torch.inference_mode():
         traced.run(inputs)
     return recorded
@@ -182,11 +183,7 @@ def compare(model: str | Path | onnx.ModelProto, *, precision: str = "fp32", dev
     report = CompareReport(precision, rtol, atol,
                            [error_stats(n, got[n], ref[n], rtol, atol) for n in engine.output_names])
     if mark_all:
-        args = [torch.from_numpy(np.ascontiguousarray(feeds[b.name])) for b in engine.inputs]
-        internal = engine.internal_dtype
-        args = [a.to(engine.device) for a in args]
-        args = [a.to(internal[b.dtype]) if b.dtype in internal else a for a, b in zip(args, engine.inputs)]
-        values = trace(engine.program, args)
+        values = trace(engine.program, engine.program_inputs(feeds))
         for spec in engine.plan.program.steps:
             for name in spec.outputs:
                 if name in ref and name in values and isinstance(values[name], torch.Tensor):
