@@ -21,7 +21,9 @@ if TYPE_CHECKING:
     from kiln.runtime.program import StepSpec
 
 _TACTICS: dict[str, Tactic] = {}
-_DEVICE_MODULES = ("kiln.tactics.cpu", "kiln.tactics.cuda")
+# A module that is absent (an optional backend not written or not installed) is skipped.
+_DEVICE_MODULES = ("kiln.tactics.cpu", "kiln.tactics.cpu_onednn", "kiln.tactics.cuda", "kiln.tactics.cuda_attention",
+                   "kiln.tactics.cuda_pool", "kiln.tactics.cudnn")
 _loaded = False
 
 
