@@ -4,15 +4,20 @@
     layer_norm(x, weight, bias, eps) / rms_norm(x, weight, eps) / softmax(x)   one row per program
     bias_activation(y, bias, residual, activation=...)     the GEMM/conv epilogue after cuBLAS/cuDNN
     gemm(x, w, bias, residual, activation=...)             a Triton GEMM with that epilogue fused
+    flash_attention(q, k, v, mask, scale=..., out=...)     forward attention on strided [B, H, S, D] views
+    max_pool2d / avg_pool2d(x, kernel, ...) / mean_hw(x)  2-D pooling and the H,W mean on NHWC activations
 
 Every kernel takes and returns torch tensors, allocates its output, stores fp16/bf16/fp32 and
 accumulates in fp32.
 """
 
+from kiln.kernels.cuda.triton.attention import ATTENTION_CONFIGS, AttentionConfig, flash_attention
 from kiln.kernels.cuda.triton.elementwise import compile_elementwise
 from kiln.kernels.cuda.triton.epilogue import bias_activation
 from kiln.kernels.cuda.triton.fused_gemm import GEMM_CONFIGS, GemmConfig, gemm
 from kiln.kernels.cuda.triton.normalization import layer_norm, rms_norm, softmax
+from kiln.kernels.cuda.triton.pool import PoolConfig, avg_pool2d, max_pool2d, mean_hw
 
 __all__ = ["compile_elementwise", "layer_norm", "rms_norm", "softmax", "bias_activation", "gemm", "GemmConfig",
-           "GEMM_CONFIGS"]
+           "GEMM_CONFIGS", "flash_attention", "AttentionConfig", "ATTENTION_CONFIGS"]
+__all__ += ["max_pool2d", "avg_pool2d", "mean_hw", "PoolConfig"]
