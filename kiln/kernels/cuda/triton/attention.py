@@ -1,0 +1,258 @@
+"""Forward flash attention (kiln::Attention): out = softmax(q·kᵀ·scale + mask)·v, never materialising q·kᵀ.
+
+Each program owns BLOCK_M query rows of one (batch, head) and walks the keys in BLOCK_N blocks,
+keeping the running row maximum m, the running denominator l and the fp32 accumulator acc in
+registers (online softmax): for each key block, with s = q·kᵀ·scale·log2(e) (+ mask·log2(e)),
+
+    m' = max(m, rowmax(s)),   p = 2^(s - m'),   l = l·2^(m - m') + rowsum(p),   acc = acc·2^(m - m') + p·v
+
+and out = acc / l at the end. log2(e) is folded into the scale so the exponential is one exp2.
+
+Every tensor is addressed through four strides (B, H, S, D), so the layouts kiln's optimizer
+hands the op need no copies: q, k and v as column slices of one [B, S, 3·H·D] QKV GEMM output,
+[B, S, H, D] views permuted to [B, H, S, D], and the output written straight into a [B, S, H, D]
+buffer (out_perm + out_merge_heads are then free views). A mask broadcast to [B, H, S, T] has
+stride 0 on its broadcast axes; a [B, 1, 1, T] padding mask is read as one key vector per block.
+Grouped-query attention maps query head h to key/value head h // (H / Hkv): no repeat_interleave.
+
+Key blocks are visited in two loops: the blocks every query row of the tile sees in full (no
+causal or tail test per element), then the diagonal / tail blocks, which test each key.
+
+Semantics follow kiln/ops/fused.py `attention` (torch SDPA): a mask that is not bool is first
+rounded to q's dtype; causal is top-left aligned (query i sees keys 0..i); a row whose every
+key is masked gives 0, as torch's SDPA does, and nan_to_zero also maps NaN to 0 and ±inf to the
+dtype's largest finite value (torch.nan_to_num).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x·log2 e)
+MAX_HEAD_DIM = 128  # one register tile of q and of acc per program; wider heads spill (SDPA covers them)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # query rows per program
+    block_n: int  # keys per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}.w{self.num_warps}s{self.num_stages}"
+
+
+ATTENTION_CONFIGS = (  # Hopper-friendly tiles (Triton's fused-attention tutorial); the tactics time them
+    AttentionConfig(128, 64, num_warps=4, num_stages=3),
+    AttentionConfig(128, 128, num_warps=8, num_stages=3),
+    AttentionConfig(64, 64, num_warps=4, num_stages=3),
+    AttentionConfig(128, 32, num_warps=4, num_stages=2),
+    AttentionConfig(64, 32, num_warps=4, num_stages=2),
+    AttentionConfig(64, 128, num_warps=4, num_stages=2),
+    AttentionConfig(128, 64, num_warps=8, num_stages=2),
+)
+
+
+@triton.jit
+def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start, end, T,
+                       stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                       HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                       MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                       CHECK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_DV: tl.constexpr):
+    """Key blocks [start, end) folded into (acc, l, m). CHECK_KEYS: test key < T; CAUSAL: key <= query."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < HEAD_DIM  # constant-folded when HEAD_DIM == BLOCK_D
+    dv_ok = offs_dv < HEAD_DIM_V
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)  # offs_n: [BN]
+        k_ptrs = k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # kᵀ tile: [BD, BN]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd  # v tile: [BN, BDV]
+        if CHECK_KEYS:
+            key_ok = offs_n < T
+            k = tl.load(k_ptrs, mask=d_ok[:, None] & key_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & dv_ok[None, :], other=0.0)  # padding rows: 0, not garbage
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
+        s = tl.dot(q, k) * qk_scale  # s: [BM, BN] fp32, in log2 units
+        if HAS_MASK:
+            if MASK_ROWS:  # [.., S, T] masks: one value per (query, key)
+                m_ptrs = mask_base + mask_rows[:, None] * stride_ms + offs_n[None, :] * stride_mt
+                if CHECK_KEYS:
+                    bias = tl.load(m_ptrs, mask=key_ok[None, :], other=0)
+                else:
+                    bias = tl.load(m_ptrs)
+            else:  # [.., 1, T] padding masks: one key vector, the same for every query row
+                m_ptrs = mask_base + offs_n * stride_mt
+                if CHECK_KEYS:
+                    bias = tl.load(m_ptrs, mask=key_ok, other=0)[None, :]
+                else:
+                    bias = tl.load(m_ptrs)[None, :]
+            if MASK_BOOL:
+                s = tl.where(bias != 0, s, float("-inf"))
+            else:  # the op rounds an additive mask to q's dtype before adding it
+                s += bias.to(q.dtype).to(tl.float32) * 1.4426950408889634
+        if CAUSAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if CHECK_KEYS:
+            s = tl.where(key_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if HAS_MASK:  # only a mask can hide every key seen so far: keep 2^(-inf - -inf) from making NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.math.exp2(s - m_new_safe[:, None])  # p: [BM, BN]
+        alpha = tl.math.exp2(m_i - m_new_safe)  # rescales what was accumulated under the old maximum
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # acc: [BM, BDV] fp32
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+                            stride_qb, stride_qh, stride_qs, stride_qd,
+                            stride_kb, stride_kh, stride_kt, stride_kd,
+                            stride_vb, stride_vh, stride_vt, stride_vd,
+                            stride_mb, stride_mh, stride_ms, stride_mt,
+                            stride_ob, stride_oh, stride_os, stride_od,
+                            S, T, kv_group, qk_scale, out_max,
+                            HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                            MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                            NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)  # 64-bit slab offsets; offsets inside one (batch, head) fit 32 bits
+    kv_head = (head // kv_group).to(tl.int64)
+    head = head.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)  # offs_m: [BM]
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < S
+
+    q_ptrs = q_ptr + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)  # q: [BM, BD]
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    mask_base = mask_ptr + batch * stride_mb + head * stride_mh
+    mask_rows = tl.minimum(offs_m, S - 1)  # rows past S read row S-1 of the mask (their output is not stored)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    whole_blocks_end = (T // BLOCK_N) * BLOCK_N  # key blocks with no tail
+    if CAUSAL:  # blocks whose last key is <= the tile's first query are seen in full by every row
+        full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, whole_blocks_end)
+        end = tl.minimum(T, start_m + BLOCK_M)
+    else:
+        full_end = whole_blocks_end
+        end = T
+    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0,
+                                       full_end, T,
+                                       stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                                       HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, False, False,
+                                       BLOCK_N, BLOCK_D, BLOCK_DV)
+    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
+                                       full_end, end, T,
+                                       stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                                       HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
+                                       BLOCK_N, BLOCK_D, BLOCK_DV)
+
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with every key masked: acc is 0, and so is its output
+    out = acc * (1.0 / l_safe)[:, None]
+    if NAN_TO_ZERO:  # torch.nan_to_num: NaN -> 0, ±inf -> the largest finite value of the output dtype
+        out = tl.where(out != out, 0.0, out)
+        out = tl.minimum(tl.maximum(out, -out_max), out_max)
+    o_ptrs = (out_ptr + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_os
+              + offs_dv[None, :] * stride_od)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+def _block_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot wants every tile dim >= 16
+
+
+def _extent(t: torch.Tensor, dims: tuple[int, ...]) -> int:
+    """The largest element offset inside one (batch, head) slab: it is computed in 32 bits."""
+    return sum((t.shape[d] - 1) * abs(t.stride(d)) for d in dims)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
+                    scale: float | None = None, is_causal: bool = False, nan_to_zero: bool = False,
+                    out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+    """softmax(q·kᵀ·scale + mask)·v in q's dtype (fp16/bf16), accumulated in fp32.
+
+    q: [B, H, S, D]; k: [B or 1, Hkv, T, D]; v: [B or 1, Hkv, T, Dv], any strides, H a multiple of
+    Hkv (grouped-query attention). mask: bool (True = attend) or additive float, broadcastable to
+    [B, H, S, T]; is_causal (top-left aligned) applies only without a mask, as in the op. out: the
+    [B, H, S, Dv] view to write into (e.g. a permuted view of a [B, S, H, Dv] buffer); allocated
+    when None. scale None: 1/sqrt(D).
+    """
+    if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"flash_attention: q, k and v must share float16 or bfloat16, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"flash_attention: q, k, v must be [B, H, S, D], got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    batch, heads, s_len, d = q.shape
+    kv_heads, t_len, dv = k.shape[1], k.shape[2], v.shape[3]
+    if k.shape[3] != d or v.shape[1:3] != k.shape[1:3] or k.shape[0] not in (1, batch) or v.shape[0] != k.shape[0]:
+        raise ValueError(f"flash_attention: k {tuple(k.shape)} / v {tuple(v.shape)} do not fit q {tuple(q.shape)}")
+    if heads % kv_heads:
+        raise ValueError(f"flash_attention: {heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head dims {d}/{dv} exceed {MAX_HEAD_DIM}")
+    if out is None:
+        out = torch.empty((batch, heads, s_len, dv), dtype=q.dtype, device=q.device)
+    elif out.shape != (batch, heads, s_len, dv) or out.dtype != q.dtype:
+        raise ValueError(f"flash_attention: out is {out.dtype}{tuple(out.shape)}, "
+                         f"expected {q.dtype}{(batch, heads, s_len, dv)}")
+    if out.numel() == 0:
+        return out
+    if t_len == 0:  # no keys: every row is fully masked
+        return out.zero_()
+    k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)  # a batch-broadcast k/v: stride 0
+    mask_strides = (0, 0, 0, 0)
+    if mask is not None:
+        mask = mask.expand(batch, heads, s_len, t_len)  # broadcast axes: stride 0, nothing copied
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)  # the same bytes; Triton loads i1 pointers less portably
+        elif not mask.dtype.is_floating_point:
+            raise TypeError(f"flash_attention: the mask must be bool or float, got {mask.dtype}")
+        mask_strides = mask.stride()
+    extents = [_extent(q, (2, 3)), _extent(k, (2, 3)), _extent(v, (2, 3)), _extent(out, (2, 3))]
+    if mask is not None:
+        extents.append(_extent(mask, (2, 3)))
+    if max(extents) >= 2**31:
+        raise ValueError("flash_attention: one (batch, head) slab spans more than 2^31 elements")
+    if max(heads, batch) > 65535:
+        raise ValueError(f"flash_attention: {batch} batches x {heads} heads exceed the 65535 grid limit per axis")
+    config = config or default_config(s_len)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    grid = (triton.cdiv(s_len, config.block_m), heads, batch)
+    _flash_attention_kernel[grid](
+        q, k, v, mask if mask is not None else q, out,
+        *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
+        s_len, t_len, heads // kv_heads, scale * LOG2E, float(torch.finfo(q.dtype).max),
+        HEAD_DIM=d, HEAD_DIM_V=dv, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+        MASK_ROWS=mask is not None and mask_strides[2] != 0 and s_len > 1, CAUSAL=bool(is_causal) and mask is None,
+        NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
+        BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
+def default_config(s_len: int) -> AttentionConfig:
+    """A starting point only (the tactics time every config): 64-row tiles for short sequences."""
+    return ATTENTION_CONFIGS[0] if s_len > 64 else ATTENTION_CONFIGS[2]

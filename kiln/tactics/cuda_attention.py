@@ -1,0 +1,154 @@
+"""kiln::Attention on CUDA through kiln's Triton flash-attention kernel, one tactic per tile config.
+
+    cuda.attention.triton.<BMxBN>.w<warps>s<stages>   kiln/kernels/cuda/triton/attention.py
+
+The kernel reads q, k and v through their strides and writes the output in its final layout, so
+the layouts the optimizer absorbs into the op (qkv_split of one QKV GEMM output, [B, S, H·D]
+inputs with q/k/v_perm, out_perm + out_merge_heads) cost no copies, unlike SDPA, which needs a
+contiguous last axis and returns [B, H, S, D]. GQA is head-index arithmetic (no repeat_interleave).
+
+Configs are separate tactics: the autotuner times them on the real shape and keeps the fastest
+(the three default ones at opt_level 2, the rest from 3), like the Triton GEMM tiles in cuda.py.
+Triton is imported when a tactic is prepared, not here (a CPU-only kiln imports every tactic module).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+
+from kiln.runtime.program import StepSpec
+from kiln.tactics.cuda import triton_available
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic
+
+_HALF = (torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
+_GRID_AXIS_LIMIT = 65535
+
+
+def _attr(attributes: dict[str, Any], name: str, default: Any) -> Any:
+    value = attributes.get(name, default)
+    return default if value is None else value
+
+
+def attention_views(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                    attributes: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as [B, H, S, D] views, the layout handling of kiln/ops/fused.py `attention` (no copies).
+
+    Works on real and on meta tensors (supports() resolves the layout at build time).
+    """
+    qkv_split = _attr(attributes, "qkv_split", None)
+    if qkv_split:
+        q, k, v = torch.split(q, list(qkv_split), dim=-1)  # [B, S, Wq], [B, S, Wk], [B, S, Wv]: column slices
+    q_heads, kv_heads = int(_attr(attributes, "q_num_heads", 0)), int(_attr(attributes, "kv_num_heads", 0))
+    q = q.unflatten(-1, (q_heads, -1)) if q_heads and q.dim() == 3 else q  # [B, S, H, D]
+    k = k.unflatten(-1, (kv_heads, -1)) if kv_heads and k.dim() == 3 else k
+    v = v.unflatten(-1, (kv_heads, -1)) if kv_heads and v.dim() == 3 else v
+    q, k, v = (t.permute(list(p)) if (p := _attr(attributes, name, None)) else t
+               for t, name in ((q, "q_perm"), (k, "k_perm"), (v, "v_perm")))
+    return q, k, v  # q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv]
+
+
+def _output_buffer(q: torch.Tensor, v: torch.Tensor, out_perm: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the op's output before out_merge_heads, contiguous; the same memory as a [B, H, S, Dv] view).
+
+    The kernel writes the [B, H, S, Dv] view; with out_perm = [0, 2, 1, 3] the buffer is the
+    [B, S, H, Dv] tensor the next GEMM reads, and merging the heads is a free flatten.
+    """
+    shape = (*q.shape[:3], v.shape[3])  # [B, H, S, Dv]
+    if not out_perm:
+        buffer = torch.empty(shape, dtype=q.dtype, device=q.device)
+        return buffer, buffer
+    out_perm = list(out_perm)
+    buffer = torch.empty([shape[p] for p in out_perm], dtype=q.dtype, device=q.device)
+    inverse = sorted(range(4), key=out_perm.__getitem__)  # buffer.permute(inverse) is [B, H, S, Dv] again
+    return buffer, buffer.permute(inverse)
+
+
+def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
+    return sum((n - 1) * abs(s) for n, s in zip(shape[2:], strides[2:]))
+
+
+def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int) -> bool | str:
+    attributes = step.attributes
+    n_qkv = 1 if _attr(attributes, "qkv_split", None) else 3
+    if any(i >= len(inputs) or inputs[i].shape is None for i in range(n_qkv)):
+        return "q, k or v is not a tensor"
+    meta = [torch.empty(x.shape, device="meta", dtype=x.dtype) if x.shape is not None else None
+            for x in inputs[:3]] + [None] * (3 - min(len(inputs), 3))
+    try:
+        q, k, v = attention_views(*meta, attributes)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        return f"q/k/v layout does not resolve: {e}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
+    if q.dtype not in _HALF or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes one of float16, bfloat16"
+    batch, heads, s_len, d = q.shape
+    kv_batch, kv_heads, t_len, dv = v.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[3] != d:
+        return f"k {list(k.shape)} and v {list(v.shape)} do not pair with q {list(q.shape)}"
+    if kv_batch not in (1, batch) or kv_heads == 0 or heads % kv_heads:
+        return f"k/v batch {kv_batch} and heads {kv_heads} do not map onto q's {batch} and {heads}"
+    if kv_heads != heads and kv_heads != 1 and not _attr(attributes, "gqa", 0):
+        return f"{heads} query heads over {kv_heads} key/value heads without gqa: the op refuses it too"
+    if max(d, dv) > _MAX_HEAD_DIM:
+        return f"head dims {d}/{dv}: the kernel holds at most {_MAX_HEAD_DIM} per row in registers"
+    if min(s_len, t_len, d, dv) == 0:
+        return "an empty sequence or head"
+    if max(batch, heads) > _GRID_AXIS_LIMIT:
+        return f"{batch} batches x {heads} heads: above the {_GRID_AXIS_LIMIT} CUDA grid limit per axis"
+    if block_m > 64 and s_len <= 64:
+        return f"{block_m}-row tiles for {s_len} queries: mostly padding"
+    extents = [_extent(tuple(t.shape), t.stride()) for t in (q, k, v)]
+    mask = inputs[3] if len(inputs) > 3 and inputs[3].shape is not None else None
+    if mask is not None:
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
+        try:
+            expanded = torch.empty(mask.shape, device="meta", dtype=mask.dtype).expand(batch, heads, s_len, t_len)
+        except RuntimeError:
+            return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
+        extents.append(_extent(tuple(expanded.shape), expanded.stride()))
+    extents.append(s_len * heads * dv)  # the output buffer, at most this far inside one slab
+    if max(extents) >= 2**31:
+        return "one (batch, head) slab spans more than 2^31 elements: the kernel indexes it in 32 bits"
+    return True
+
+
+def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        return _supports_layout(step, inputs, block_m)
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")
+        config = kernels.AttentionConfig(block_m, block_n, num_warps=num_warps, num_stages=num_stages)
+
+        def launch(ctx, q, k=None, v=None, mask=None, **attributes):
+            q4, k4, v4 = attention_views(q, k, v, attributes)  # [B, H, S, D] views of the inputs' memory
+            buffer, out = _output_buffer(q4, v4, _attr(attributes, "out_perm", None))
+            kernels.flash_attention(q4, k4, v4, mask, scale=attributes.get("scale", 1.0),
+                                    is_causal=bool(_attr(attributes, "is_causal", 0)),
+                                    nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=config)
+            return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
+
+        return launch
+
+    return Tactic(
+        name=f"cuda.attention.triton.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
+        domain="kiln", device="cuda", dtypes=_HALF, supports=supports, prepare=prepare, level=level,
+        available=triton_available,
+        description=f"Triton flash attention, {block_m} queries x {block_n} keys per step, {num_warps} warps, "
+                    f"{num_stages} stages; strided q/k/v and output (no layout copies), mask/causal/GQA in-kernel",
+    )
+
+
+# The same tiles as ATTENTION_CONFIGS (kiln/kernels/cuda/triton/attention.py), listed here so that
+# registering the tactics does not import triton. Level 2: a short list for default builds.
+for _block_m, _block_n, _warps, _stages, _level in ((128, 64, 4, 3, 2), (128, 128, 8, 3, 2), (64, 64, 4, 3, 2),
+                                                    (128, 32, 4, 2, 3), (64, 32, 4, 2, 3), (64, 128, 4, 2, 3),
+                                                    (128, 64, 8, 2, 3)):
+    register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
