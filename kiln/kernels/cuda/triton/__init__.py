@@ -5,14 +5,12 @@
     bias_activation(y, bias, residual, activation=...)     the GEMM/conv epilogue after cuBLAS/cuDNN
     gemm(x, w, bias, residual, activation=...)             a Triton GEMM with that epilogue fused
     flash_attention(q, k, v, mask, scale=..., out=...)     forward attention on strided [B, H, S, D] views
-    flash_attention(q, k, v, mask, scale=..., out=...)     forward attention on strided [B, H, S, D] views
     max_pool2d / avg_pool2d(x, kernel, ...) / mean_hw(x)  2-D pooling and the H,W mean on NHWC activations
 
 Every kernel takes and returns torch tensors, allocates its output, stores fp16/bf16/fp32 and
 accumulates in fp32.
 """
 
-from kiln.kernels.cuda.triton.attention import ATTENTION_CONFIGS, AttentionConfig, flash_attention
 from kiln.kernels.cuda.triton.attention import ATTENTION_CONFIGS, AttentionConfig, flash_attention
 from kiln.kernels.cuda.triton.elementwise import compile_elementwise
 from kiln.kernels.cuda.triton.epilogue import bias_activation
