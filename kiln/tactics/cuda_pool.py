@@ -200,6 +200,7 @@ register(Tactic(
 ))
 register(Tactic(
     name="cuda.reduce_mean_hw.triton.global_average_pool", op_type="GlobalAveragePool", domain="", device="cuda",
-    dtypes=_FLOAT, supports=_global_average_pool_supports, prepare=_prepare_global_average_pool, layout="channels_last", available=triton_available,
+    dtypes=_FLOAT, supports=_global_average_pool_supports, prepare=_prepare_global_average_pool,
+    layout="channels_last", available=triton_available,
     description="Triton mean over H, W of a 4-D tensor (NHWC: channels contiguous), fp32 sum, one kernel",
 ))

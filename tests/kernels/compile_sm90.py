@@ -19,20 +19,25 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from kiln.kernels.cuda.triton import attention
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import elementwise, epilogue, fused_gemm, normalization
+from kiln.kernels.cuda.triton import pool
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = ("fp16", "bf16", "fp32")
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (227 KiB): more fails at launch with "out of resources"
 
 
-def compile_kernel(fn, types: dict[str, str], constexprs: dict[str, object]):
-    """`types`: argument name -> Triton type ("*fp16", "i32", "fp32"); the rest are constexprs."""
+def compile_kernel(fn, types: dict[str, str], constexprs: dict[str, object], options: dict | None = None):
+    """`types`: argument name -> Triton type ("*fp16", "i32", "fp32"); the rest are constexprs.
+    `options`: num_warps / num_stages as the kernel is launched (they decide shared memory and registers)."""
     signature = {name: types.get(name, "constexpr") for name in fn.arg_names}
     missing = [name for name in fn.arg_names if name not in types and name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no type or constexpr for {missing}")
-    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGET)
+    return triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=TARGET,
+                          options=options)
 
 
 def elementwise_cases():
@@ -85,25 +90,74 @@ def gemm_cases():
                     "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m})
 
 
+def pool_cases():
+    ints = ("P", "C", "H", "W", "OH", "OW", "sxn", "sxc", "sxh", "sxw", "count_h_end", "count_w_end")
+    for dtype in DTYPES:
+        for is_max, include, c_contig, index64 in ((True, False, True, False), (False, True, True, False),
+                                                   (False, False, False, True)):
+            types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"} | {name: "i32" for name in ints}
+            yield (f"pool {'max' if is_max else 'avg'} {dtype} 3x3/2{' nchw' if not c_contig else ''}"
+                   f"{' index64' if index64 else ''}", pool._pool2d_kernel, types,
+                   {"KH": 3, "KW": 3, "SH": 2, "SW": 2, "PH": 1, "PW": 1, "DH": 1, "DW": 1, "IS_MAX": is_max,
+                    "COUNT_PAD": include, "C_CONTIG": c_contig, "INDEX64": index64, "BLOCK_P": 32, "BLOCK_C": 64})
+        for flat, c_contig in ((True, True), (False, False)):
+            types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"} | {n: "i32" for n in ("C", "HW", "W", "sxn", "sxc",
+                                                                                       "sxh", "sxw")}
+            yield (f"mean_hw {dtype}{' flat' if flat else ''}{' nhwc' if c_contig else ''}", pool._mean_hw_kernel,
+                   types, {"FLAT_HW": flat, "C_CONTIG": c_contig, "BLOCK_HW": 64, "BLOCK_C": 64})
+
+
+def attention_cases():
+    """Every tile config with the launch's warps and stages (they decide shared memory and registers) at
+    head dim 64 (BERT, ViT, GPT-2), without and with a padding mask (one key vector per block), and at
+    128 causal (Llama); a per-query bool mask with nan_to_zero at a padded head dim (80 -> 128 lanes)."""
+    fn = attention._flash_attention_kernel
+    ints = {name: "i32" for name in fn.arg_names if name.startswith("stride_") or name in ("S", "T", "kv_group")}
+    variants = {"plain": {}, "causal": {"CAUSAL": True}, "padding-mask": {"HAS_MASK": True},
+                "bool-mask": {"HAS_MASK": True, "MASK_BOOL": True, "MASK_ROWS": True, "NAN_TO_ZERO": True}}
+    cases = [(config, dtype, head_dim, variant) for config in attention.ATTENTION_CONFIGS
+             for dtype, head_dim, variant in (("fp16", 64, "plain"), ("fp16", 64, "padding-mask"),
+                                              ("bf16", 128, "causal"))]
+    cases += [(config, "fp16", 80, "bool-mask") for config in attention.ATTENTION_CONFIGS[1:3]]
+    for config, dtype, head_dim, variant in cases:
+        flags = variants[variant]
+        types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
+                 "mask_ptr": "*u8" if flags.get("MASK_BOOL") else f"*{dtype}", "qk_scale": "fp32",
+                 "out_max": "fp32"} | ints
+        block_d = attention._block_dim(head_dim)
+        constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "HAS_MASK": False, "MASK_BOOL": False,
+                      "MASK_ROWS": False, "CAUSAL": False, "NAN_TO_ZERO": False, "BLOCK_M": config.block_m,
+                      "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d} | flags
+        yield (f"attention {dtype} {config.name} d{head_dim} {variant}", fn, types, constexprs,
+               {"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
 QUICK = {  # one representative per kernel and variant, for CI (the full list takes ~45 s)
     "elementwise fp16 cgs rank 2", "elementwise bf16 ggc rank 3", "layer_norm fp16 block 1024",
     "layer_norm bf16 block 8192", "rms_norm fp16 block 1024", "softmax fp16 block 1024", "log_softmax bf16 block 8192",
     "bias_activation fp16 Gelu", "bias_activation bf16 GeluTanh", "bias_activation fp16 HardSwish",
     "gemm fp16 Gelu 16x64x64", "gemm bf16 Relu 128x128x64", "gemm fp32 none 16x64x64",
+    "pool max fp16 3x3/2", "pool avg bf16 3x3/2", "pool avg fp32 3x3/2 nchw index64", "mean_hw fp16 flat nhwc",
 }
 CASES = {"elementwise": elementwise_cases, "normalization": normalization_cases, "epilogue": epilogue_cases,
          "gemm": gemm_cases}
+CASES["attention"] = attention_cases
+QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention bf16 128x128.w8s3 d128 causal",
+          "attention fp16 64x64.w4s3 d80 bool-mask"}
+CASES["pool"] = pool_cases
 
 
 def main(args: list[str]) -> None:
     quick = "--quick" in args
     groups = [a for a in args if a != "--quick"] or list(CASES)
     for group in groups:
-        for name, fn, types, constexprs in CASES[group]():
+        for name, fn, types, constexprs, *options in CASES[group]():
             if quick and name not in QUICK:
                 continue
             start = time.perf_counter()
-            compiled = compile_kernel(fn, types, constexprs)
+            compiled = compile_kernel(fn, types, constexprs, *options)
+            if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
+                sys.exit(f"{name}: {compiled.metadata.shared} B of shared memory, sm_90 has {SHARED_MEMORY_LIMIT}")
             print(f"ok  {name:48s} {len(compiled.asm['cubin']):7d} B cubin  {time.perf_counter() - start:5.2f} s",
                   flush=True)
 
