@@ -1,0 +1,200 @@
+"""cpu.conv.onednn_direct (kiln/tactics/cpu_onednn.py) against independent oracles.
+
+Per layer: a float64 torch convolution plus the epilogue written out here (not kiln's op), on
+random inputs, over strides, pads (asymmetric too), dilations, groups and depthwise, every
+activation the tactic maps to a oneDNN post-op, and a residual before or after it. Whole
+engines: ResNet-tiny and MobileNetV2 built with this tactic on every convolution, against
+onnxruntime.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kiln
+from kiln import zoo
+from kiln.kernels.cpu import onednn
+from kiln.ops.fused import fused_conv
+from kiln.ops.registry import OpContext
+from kiln.runtime.program import StepSpec
+from kiln.tactics import autotune, registry
+from kiln.tactics.tactic import InputMeta
+
+NAME = "cpu.conv.onednn_direct"
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 not installed (onednn-cpu-gomp)")
+
+# fp32 kernel vs float64 oracle: |error| <= ATOL + RTOL * max|reference|. A K-long fp32 dot product
+# (K = C/groups * kH * kW <= 576 here) rounds to ~1e-6 of its scale; 2e-5 leaves room, an O(1)
+# mistake in any index or epilogue fails by orders of magnitude.
+RTOL, ATOL = 2e-5, 1e-6
+
+_ORACLE_ACT = {  # the ONNX definitions, in float64
+    "": lambda y, a, b: y,
+    "Relu": lambda y, a, b: y.clamp_min(0),
+    "LeakyRelu": lambda y, a, b: torch.where(y >= 0, y, a * y),
+    "Clip": lambda y, a, b: y.clamp(a, b),
+    "Sigmoid": lambda y, a, b: 1 / (1 + torch.exp(-y)),
+    "Tanh": lambda y, a, b: torch.tanh(y),
+    "SiLU": lambda y, a, b: y / (1 + torch.exp(-y)),
+    "HardSwish": lambda y, a, b: y * (y / 6 + 0.5).clamp(0, 1),
+    "HardSigmoid": lambda y, a, b: (a * y + b).clamp(0, 1),
+    "Gelu": lambda y, a, b: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5)),
+    "GeluTanh": lambda y, a, b: 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))),
+}
+
+
+def oracle(x, w, b, r, pads, stride, dilation, group, activation, alpha, beta, after):
+    x64 = F.pad(x.double(), [pads[1], pads[3], pads[0], pads[2]])  # ONNX pads: [top, left, bottom, right]
+    y = F.conv2d(x64, w.double(), None if b is None else b.double(), stride, 0, dilation, group)
+    if r is not None and not after:
+        y = y + r.double()
+    y = _ORACLE_ACT[activation](y, alpha, beta)
+    if r is not None and after:
+        y = y + r.double()
+    return y
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == want64.shape
+    scale = want64.abs().max().item()
+    error = (got.double() - want64).abs().max().item()
+    assert error <= ATOL + RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def prepare(step: StepSpec, inputs: list, constants: list):
+    tactic = registry.get(NAME)
+    metas = [InputMeta.of(v, c is not None) for v, c in zip(inputs, constants)]
+    assert tactic.check(step, metas) is True
+    step.tactic, step.tactic_config = NAME, tactic.configure(step, metas)
+    return tactic.prepare(step, constants, torch.device("cpu"))
+
+
+CASES = [  # N, C, H, W, O, k, stride, pads, dilation, group, bias, activation, alpha, beta, residual, after
+    (1, 16, 14, 14, 32, 1, 1, [0, 0, 0, 0], 1, 1, True, "", 0.0, 0.0, False, 0),
+    (2, 16, 14, 14, 32, 3, 1, [1, 1, 1, 1], 1, 1, True, "Relu", 0.0, 0.0, False, 0),
+    (1, 16, 15, 15, 32, 3, 2, [1, 1, 1, 1], 1, 1, True, "Relu", 0.0, 0.0, False, 0),
+    (1, 3, 32, 32, 16, 7, 2, [3, 3, 3, 3], 1, 1, True, "Relu", 0.0, 0.0, False, 0),  # ResNet stem
+    (1, 32, 14, 14, 32, 3, 1, [1, 1, 1, 1], 1, 32, True, "Clip", 0.0, 6.0, False, 0),  # depthwise + ReLU6
+    (1, 24, 16, 16, 24, 3, 2, [1, 1, 1, 1], 1, 24, True, "Clip", 0.0, 6.0, False, 0),  # depthwise, stride 2
+    (1, 16, 14, 14, 16, 1, 1, [0, 0, 0, 0], 1, 1, True, "Relu", 0.0, 0.0, True, 0),  # ResNet: relu(conv + x)
+    (1, 16, 14, 14, 16, 1, 1, [0, 0, 0, 0], 1, 1, True, "", 0.0, 0.0, True, 1),  # MobileNetV2: conv + x
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "SiLU", 0.0, 0.0, True, 0),
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "Gelu", 0.0, 0.0, True, 1),  # residual after act
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 4, True, "LeakyRelu", 0.1, 0.0, False, 0),  # grouped
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, False, "HardSwish", 0.0, 0.0, False, 0),  # no bias
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "HardSigmoid", 0.2, 0.5, False, 0),
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "Sigmoid", 0.0, 0.0, False, 0),
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "Tanh", 0.0, 0.0, False, 0),
+    (1, 16, 14, 14, 16, 3, 1, [1, 1, 1, 1], 1, 1, True, "GeluTanh", 0.0, 0.0, False, 0),
+    (1, 16, 14, 14, 16, 3, 1, [2, 2, 2, 2], 2, 1, True, "Relu", 0.0, 0.0, False, 0),  # dilated
+    (1, 16, 13, 14, 8, 3, 2, [0, 1, 1, 0], 1, 1, True, "Relu", 0.0, 0.0, False, 0),  # asymmetric pads
+    (1, 64, 7, 7, 64, 3, 1, [1, 1, 1, 1], 1, 1, True, "Relu", 0.0, 0.0, True, 0),  # K = 576
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]}x{c[5]}s{c[6]}d{c[8]}g{c[9]}-{c[11] or 'none'}"
+                                                      f"-r{int(c[14])}{c[15]}")
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_direct_conv_matches_float64_oracle_and_the_registered_op(case, layout):
+    n, c, h, w_, o, k, stride, pads, dilation, group, bias, activation, alpha, beta, residual, after = case
+    g = torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31)
+    x = torch.randn(n, c, h, w_, generator=g)
+    if layout == "nhwc":
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(o, c // group, k, k, generator=g) * (2.0 / (c // group * k * k)) ** 0.5
+    b = torch.randn(o, generator=g) if bias else None
+    out_hw = [(size + pads[i] + pads[i + 2] - dilation * (k - 1) - 1) // stride + 1 for i, size in enumerate((h, w_))]
+    r = torch.randn(n, o, *out_hw, generator=g) if residual else None
+    attrs = dict(pads=pads, strides=[stride] * 2, dilations=[dilation] * 2, group=group, activation=activation,
+                 alpha=alpha, beta=beta, residual_after_activation=after, kernel_shape=[k, k])
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b" if bias else "", "r" if residual else ""], ["y"], attrs,
+                    domain="kiln")
+    launch = prepare(step, [x, w, b, r], [None, w, b, None])
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    got = launch(ctx, x, w, b, r, **attrs)
+    assert got.is_contiguous(memory_format=torch.channels_last)  # a conv stack stays NHWC
+    assert_close(got, oracle(x, w, b, r, pads, [stride] * 2, [dilation] * 2, group, activation, alpha, beta, after))
+    # and the registered op agrees (the autotuner's own check, at its tolerance)
+    want = fused_conv(ctx, x, w, b, r, **attrs)
+    assert (got - want).abs().max().item() <= 1e-5 + 1e-4 * want.abs().max().item()
+
+
+def test_other_batch_sizes_and_strided_inputs_run_and_stay_correct():
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(24, 16, 3, 3, generator=g) * 0.1, torch.randn(24, generator=g)
+    attrs = dict(pads=[1, 1, 1, 1], strides=[1, 1], activation="Relu", residual_after_activation=0)
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b", "r"], ["y"], attrs, domain="kiln")
+    x1, r1 = torch.randn(1, 16, 10, 10, generator=g), torch.randn(1, 24, 10, 10, generator=g)
+    launch = prepare(step, [x1, w, b, r1], [None, w, b, None])
+    for n in (1, 3, 1):  # a new batch size builds a second primitive; the first is still there
+        x = torch.randn(n, 16, 10, 10, generator=g)
+        r = torch.randn(n, 24, 10, 10, generator=g)
+        got = launch(None, x, w, b, r, **attrs)
+        assert_close(got, oracle(x, w, b, r, [1] * 4, [1, 1], [1, 1], 1, "Relu", 0.0, 0.0, False))
+    wide = torch.randn(1, 16, 10, 20, generator=g)[..., ::2]  # not contiguous in any layout
+    assert_close(launch(None, wide, w, b, r1, **attrs),
+                 oracle(wide, w, b, r1, [1] * 4, [1, 1], [1, 1], 1, "Relu", 0.0, 0.0, False))
+
+
+def test_refuses_what_it_cannot_run():
+    tactic = registry.get(NAME)
+    x, w = InputMeta((1, 4, 8, 8), torch.float32, False), InputMeta((4, 4, 3, 3), torch.float32, True)
+    step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {"auto_pad": "SAME_UPPER"}, domain="kiln")
+    assert "auto_pad" in tactic.check(step, [x, w])
+    step.attributes = {}
+    assert "constant" in tactic.check(step, [x, InputMeta((4, 4, 3, 3), torch.float32, False)])
+    assert "float16" in tactic.check(step, [InputMeta((1, 4, 8, 8), torch.float16, False), w])
+    assert "2-D" in tactic.check(step, [InputMeta((1, 4, 8), torch.float32, False), w])
+    assert "residual shape" in tactic.check(step, [x, w, InputMeta(None, None, False),
+                                                  InputMeta((1, 4, 1, 1), torch.float32, False)])
+    step.attributes = {"activation": "SwiGLU"}
+    assert "no oneDNN" in tactic.check(step, [x, w])
+
+
+def test_engine_without_the_library_runs_the_registered_op(monkeypatch):
+    """An engine naming the tactic, loaded where libdnnl is missing, still runs (the default op)."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(8, 4, 3, 3, generator=g), torch.randn(8, generator=g)
+    attrs = dict(pads=[1, 1, 1, 1], activation="Relu")
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b"], ["y"], attrs, domain="kiln", tactic=NAME,
+                    tactic_config={"input_size": [1, 4, 6, 6], "residual": False})
+    tactic = registry.get(NAME)
+    monkeypatch.setattr(onednn, "_LIBRARY", None)  # tactic.available is onednn.available: it reads these
+    monkeypatch.setattr(onednn, "_LOAD_ERROR", "libdnnl.so.3 not found (simulated)")
+    assert not onednn.available()
+    assert "not available" in tactic.check(step, [InputMeta((1, 4, 6, 6), torch.float32, False),
+                                                     InputMeta((8, 4, 3, 3), torch.float32, True)])
+    launch = registry.launch_for(step, fused_conv, [None, w, b], torch.device("cpu"))
+    assert launch is fused_conv
+
+
+def _ort(path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("name", ["resnet_tiny", "mobilenet_v2"])
+def test_whole_engine_on_direct_convolutions_matches_onnxruntime(name, monkeypatch):
+    # The timings decide nothing here (a shared CPU makes them noisy): this tactic "wins" every
+    # layer it supports; the autotuner still checks each layer and the whole engine against the
+    # reference before it keeps the choice.
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {k: float(k != NAME) for k in fns})
+    exported = zoo.export(name)
+    engine = kiln.build(str(exported.path), tactics=[NAME])
+    assert "reverted" not in engine.plan.header["tactics"]
+    convs = [s for s in engine.plan.program.steps if s.op_type == "FusedConv"]
+    assert convs and all(s.tactic == NAME for s in convs), \
+        f"{sum(s.tactic == NAME for s in convs)} of {len(convs)} convolutions on {NAME}"
+    session = _ort(exported.path)
+    for seed in (1, 2):
+        feeds = zoo.random_inputs(name, exported, seed=seed)
+        got = engine.run(feeds)
+        for out, want in zip(session.get_outputs(), session.run(None, feeds)):
+            value = np.asarray(got[out.name])
+            scale = max(1.0, float(np.abs(want).max()))
+            np.testing.assert_allclose(value, want, rtol=1e-3, atol=1e-4 * scale, err_msg=f"{name} {out.name}")
