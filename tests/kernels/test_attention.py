@@ -269,3 +269,57 @@ def test_tactic_refusals_say_why():
     assert "without gqa" in reason(make_step(3, scale=0.1), [randn(1, 4, 16, 32), q, q])
     assert "mostly padding" in reason(make_step(3, scale=0.1), [q] * 3, name="cuda.attention.triton.128x64.w4s3")
     assert "not a tensor" in reason(make_step(3, scale=0.1), [q, None, q])
+
+
+# ---- the tactics inside an engine ------------------------------------------------------------------
+
+class _SelfAttention(torch.nn.Module):
+    """One BERT-style attention: a QKV GEMM, heads split by view/transpose, SDPA with a padding mask, out GEMM."""
+
+    def __init__(self, embed: int = 64, heads: int = 2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(embed, 3 * embed)
+        self.out = torch.nn.Linear(embed, embed)
+
+    def forward(self, x, mask):
+        b, s, e = x.shape
+        q, k, v = (t.view(b, s, self.heads, e // self.heads).transpose(1, 2) for t in self.qkv(x).split(e, dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # y: [B, H, S, D]
+        return self.out(y.transpose(1, 2).reshape(b, s, e))
+
+
+def test_engine_autotunes_the_tactic_on_a_packed_qkv_layer(tmp_path, monkeypatch):
+    """Build (fp16) with the Triton attention tactics standing in for CPU ones: the optimizer hands the op
+    qkv_split + heads-last layouts, the autotuner checks the tactic against the op before timing it; then
+    the engine forced onto the tactic against onnxruntime fp32."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import kiln
+
+    for name, tactic in registry.all_tactics().items():
+        if name.startswith("cuda.attention.triton."):
+            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    torch.manual_seed(13)
+    path = tmp_path / "attention.onnx"
+    example = (torch.randn(2, 40, 64), torch.zeros(2, 1, 1, 40))
+    torch.onnx.export(_SelfAttention().eval(), example, str(path), dynamo=True, input_names=["x", "mask"],
+                      output_names=["y"])
+    engine = kiln.build(str(path), device="cpu", precision="fp16", tactics=["cuda.attention.triton"], tuning_runs=3)
+    attention = next(s for s in engine.plan.program.steps if s.op_type == "Attention")
+    assert attention.attributes.get("qkv_split") and attention.attributes.get("out_merge_heads")
+    notes = engine.plan.header["tactics"]["layers"][attention.name]["candidates"]
+    assert isinstance(notes[TACTIC_64], float), notes  # passed the check against the op, then timed
+    assert "mostly padding" in notes["cuda.attention.triton.128x64.w4s3"]
+
+    attention.tactic = TACTIC_64  # on CPU the interpreter never wins the timing: force it
+    forced = kiln.Engine(engine.plan)
+    x = np.random.default_rng(1).standard_normal((2, 40, 64)).astype(np.float32)
+    mask = np.where(np.random.default_rng(2).random((2, 1, 1, 40)) < 0.3, -10000.0, 0.0).astype(np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x, "mask": mask})[0]
+    # fp16 storage of x, the weights and every activation: a few fp16 ulps of outputs of size ~1
+    np.testing.assert_allclose(forced.run({"x": x, "mask": mask})["y"], expected, rtol=1e-2, atol=1e-2)
+
+
+TACTIC_64 = "cuda.attention.triton.64x64.w4s3"
