@@ -1,4 +1,4 @@
-"""Drop an attention mask that masks nothing.
+"""Drop an attention mask that masks nothing; hand SDPA a materialised mask in its broadcast form.
 
 An exporter that builds the additive mask from an all-ones `attention_mask` leaves a constant
 of zeros after folding (BERT called with input_ids only):
@@ -8,29 +8,92 @@ of zeros after folding (BERT called with input_ids only):
 
 Without the mask tensor, SDPA may take its fastest (flash) kernel, and no row can be fully
 masked, so the NaN guard after the softmax has nothing to do either.
+
+Constant folding stops at SIZE_LIMIT elements (kiln/passes/fold.py), and the dynamo exporter
+materialises the mask at full size: BERT at batch 64, seq 384 computes
+
+    mask = Where(Expand(C, [64, 1, 384, 384]), 0, -inf)        # C: a small constant, [1, 1, 1, 384]
+
+so the mask is 9.4M elements computed at run time, and SDPA reads all of them in every layer.
+`broadcast_constant` evaluates such a mask on its pre-broadcast constants (Expand is a broadcast,
+and elementwise ops commute with broadcasting), which decides emptiness from C alone; a mask
+that does mask something is replaced by that small constant, which the attention broadcasts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import PassReport, attr, const, is_op
+from kiln.passes._rewrite import PassReport, attr, const, is_op, new_initializer
 
 RULE = "drop_empty_attention_mask"
+RULE_BROADCAST = "attention_mask_broadcast"
+
+_MAX_DEPTH = 8
+# Elementwise ops of a mask subgraph, on numpy: each commutes with broadcasting its inputs.
+_ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
+    "Where": lambda node, c, a, b: np.where(c, a, b),
+    "Not": lambda node, x: np.logical_not(x),
+    "And": lambda node, a, b: np.logical_and(a, b),
+    "Or": lambda node, a, b: np.logical_or(a, b),
+    "Equal": lambda node, a, b: np.equal(a, b),
+    "Neg": lambda node, x: np.negative(x),
+    "Add": lambda node, a, b: np.add(a, b),
+    "Sub": lambda node, a, b: np.subtract(a, b),
+    "Mul": lambda node, a, b: np.multiply(a, b),
+    "Cast": lambda node, x: x.astype(ir.DataType(attr(node, "to", 1)).numpy()),
+}
+
+
+def broadcast_constant(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
+    """A constant whose broadcast to `value`'s shape is `value`, or None if `value` depends on an input.
+
+    Sees through Expand and the elementwise ops above; the result keeps numpy's type promotion
+    out of the way by casting back to the value's own element type where it is known.
+    """
+    array = const(value)
+    if array is not None:
+        return array
+    node = value.producer() if value is not None else None
+    if node is None or depth > _MAX_DEPTH or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Expand":
+        return broadcast_constant(node.inputs[0], depth + 1)
+    evaluate = _ELEMENTWISE.get(node.op_type)
+    if evaluate is None or any(v is None for v in node.inputs):
+        return None
+    args = [broadcast_constant(v, depth + 1) for v in node.inputs]
+    if any(a is None for a in args):
+        return None
+    result = np.asarray(evaluate(node, *args))
+    dtype = value.dtype.numpy() if value.dtype is not None else None
+    return result.astype(dtype) if dtype is not None and result.dtype != dtype else result
 
 
 def drop_empty_attention_mask(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "Attention", domain="kiln") or len(node.inputs) < 4 or node.inputs[3] is None:
         return False
-    mask = const(node.inputs[3])
+    value = node.inputs[3]
+    mask = broadcast_constant(value)
     if mask is None:
-        return False  # computed at run time (a padding mask from an input): keep it
+        return False  # computed from an input (a padding mask): keep it
     empty = bool(mask.all()) if mask.dtype == np.bool_ else not np.any(mask)
-    if not empty:
+    if empty:
+        node.replace_input_with(3, None)
+        if attr(node, "nan_to_zero", 0) and not attr(node, "is_causal", 0):
+            node.attributes["nan_to_zero"] = ir.AttrInt64("nan_to_zero", 0)
+        return True
+    if const(value) is not None or node.graph is None:
         report.refuse(RULE, node, "the constant mask masks some positions")
         return False
-    node.replace_input_with(3, None)
-    if attr(node, "nan_to_zero", 0) and not attr(node, "is_causal", 0):
-        node.attributes["nan_to_zero"] = ir.AttrInt64("nan_to_zero", 0)
-    return True
+    # A constant mask computed at full size at run time: keep its values, in the small form.
+    rank = len(value.shape) if value.shape is not None else mask.ndim
+    small = mask.reshape((1,) * max(rank - mask.ndim, 0) + mask.shape)
+    node.replace_input_with(3, new_initializer(node.graph, f"{value.name or 'mask'}_broadcast", small))
+    report.count(RULE_BROADCAST)
+    report.refuse(RULE, node, f"the mask masks some positions; its constant broadcast form {list(small.shape)} "
+                              "is used instead of the materialised mask")
+    return False
