@@ -15,11 +15,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.kernels.cuda import cudnn_graph
 from kiln.kernels.cuda.cudnn_graph import (activation_refusal, describe_conv, describe_gemm, fused_graph,
                                            CudnnGraphError)
-from kiln.ops.fused import fused_conv
+from kiln.ops.fused import fused_conv, fused_gemm
 from kiln.runtime.program import StepSpec
 from kiln.tactics import cudnn as tactics
 from kiln.tactics import registry
@@ -294,3 +295,125 @@ def test_the_pattern_becomes_the_same_pygraph_nodes():
         t = tensors[desc.name]
         assert list(t.dim) == list(desc.dims) and list(t.stride) == list(desc.strides), desc.name
     assert all(out.is_virtual for n in nodes[:-1] for out in n.outputs.values())
+
+
+# ---- the node list's meaning, and what a launch binds ---------------------------------------------
+# cuDNN itself runs only on the GPU (tests/gpu/test_cudnn_conv.py). Here the node list is evaluated op by op with
+# torch, following cuDNN's documented semantics of each node, and compared with the registered FusedConv /
+# FusedGemm: this checks the *description* (order of bias / residual / activation, pads, the wᵀ strides) and what
+# the tactic's launch binds to each graph input, not cuDNN.
+
+def evaluate(pattern, bound: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The pattern's node list in fp32 torch: conv_fprop pads pre/post, RELU_FWD clamps at [lower, upper]."""
+    values = {name: t.float() for name, t in bound.items()}
+    for node in pattern.nodes:
+        p, a = dict(node.params), [values[i] for i in node.inputs]
+        if node.op == "conv_fprop":
+            (top, left), (bottom, right) = p["pre_padding"], p["post_padding"]
+            y = F.conv2d(F.pad(a[0], [left, right, top, bottom]), a[1], stride=p["stride"], dilation=p["dilation"])
+        elif node.op == "matmul":
+            y = a[0] @ a[1]
+        elif node.op in ("bias", "add"):
+            y = a[0] + a[1]
+        elif node.op == "relu":
+            y = a[0].clamp(min=p.get("lower_clip", 0.0), max=p.get("upper_clip", math.inf))
+        elif node.op == "leaky_relu":
+            y = torch.where(a[0] >= 0, a[0], p["negative_slope"] * a[0])
+        elif node.op == "swish":
+            y = a[0] * torch.sigmoid(p["swish_beta"] * a[0])
+        else:
+            y = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "gelu": F.gelu,
+                 "gelu_approx_tanh": lambda v: F.gelu(v, approximate="tanh")}[node.op](a[0])
+        values[node.output] = y
+    return values[pattern.output.name]
+
+
+class RecordingGraph:
+    """Stands in for a built cuDNN graph in the launch tests: checks every bound tensor against its TensorDesc,
+    then evaluates the node list (see evaluate)."""
+
+    def __init__(self, pattern):
+        self.pattern, self.calls = pattern, 0
+
+    def __call__(self, *inputs):
+        self.calls += 1
+        assert len(inputs) == len(self.pattern.inputs)
+        for desc, value in zip(self.pattern.inputs, inputs):
+            assert cudnn_graph._matches(value, desc), (desc, tuple(value.shape), value.stride())
+        y = evaluate(self.pattern, {d.name: v for d, v in zip(self.pattern.inputs, inputs)})
+        return y.to(inputs[0].dtype).as_strided(self.pattern.output.dims, self.pattern.output.strides)
+
+
+CONV_CASES = [
+    ({"kernel_shape": [1, 1], "activation": "Relu"}, (2, 8, 5, 5), (16, 8, 1, 1), True, True),
+    ({"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "activation": "SiLU", "residual_after_activation": 1},
+     (2, 8, 6, 6), (8, 8, 3, 3), True, True),
+    ({"kernel_shape": [3, 3], "pads": [0, 1, 1, 0], "strides": [2, 2], "activation": "Clip", "alpha": -0.5,
+      "beta": 0.5}, (1, 4, 7, 8), (6, 4, 3, 3), True, False),
+    ({"kernel_shape": [7, 7], "auto_pad": "SAME_UPPER", "strides": [2, 2], "activation": "LeakyRelu",
+      "alpha": 0.1}, (1, 3, 15, 15), (8, 3, 7, 7), False, False),
+    ({"kernel_shape": [3, 3], "activation": "Gelu"}, (1, 4, 6, 6), (4, 4, 3, 3), False, True),
+]
+
+
+@pytest.mark.parametrize("attributes, x_shape, w_shape, bias, residual", CONV_CASES)
+def test_conv_node_list_computes_the_layer_and_the_launch_binds_the_described_tensors(
+        attributes, x_shape, w_shape, bias, residual, monkeypatch):
+    torch.manual_seed(0)
+    step = conv_step(4 if residual else 3, **attributes)
+    if not bias:
+        step.inputs[2] = ""
+    x = torch.randn(x_shape)
+    w, b = torch.randn(w_shape) * 0.3, (torch.randn(w_shape[0]) if bias else None)
+    out = reference_conv_shape(step, x_shape, w_shape)
+    r = torch.randn(out) if residual else None
+    expected = fused_conv(None, x, w, b, r, **attributes)
+
+    pattern = tactics.conv_pattern(step, x_shape, w_shape, bias, residual, torch.float16)
+    bound = {"x": x, "w": w, **({"b": b.view(1, -1, 1, 1)} if bias else {}), **({"residual": r} if residual else {})}
+    torch.testing.assert_close(evaluate(pattern, bound), expected, rtol=1e-5, atol=1e-5)
+
+    graphs: dict = {}
+    monkeypatch.setattr(tactics, "fused_graph", lambda p, device: graphs.setdefault(p, RecordingGraph(p)))
+    args = [x.half(), w.half(), b.half() if bias else None] + ([r.half()] if residual else [])  # x, r NCHW
+    metas = [InputMeta.of(a, i in (1, 2)) for i, a in enumerate(args)]
+    assert tactics.conv_static_supports(step, metas) is True
+    configured = dataclasses.replace(step, tactic="cuda.conv.cudnn_fused",
+                                     tactic_config=tactics._conv_configure(step, metas))
+    launch = tactics._prepare_conv(configured, [None, args[1], args[2]] + [None] * residual, torch.device("cpu"))
+    got = launch(None, *args, **attributes)
+    assert list(graphs) == [pattern] and graphs[pattern].calls == 1
+    assert got.dtype == torch.float16 and got.is_contiguous(memory_format=torch.channels_last)
+    want = fused_conv(None, *[a.float() if a is not None else None for a in args], **attributes)
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # fp16 inputs and output rounding
+
+
+@pytest.mark.parametrize("activation, residual_after, bias, residual", [
+    ("Gelu", 1, True, False), ("Relu", 1, True, True), ("", 1, False, True), ("Tanh", 0, True, True)])
+def test_gemm_node_list_computes_the_layer_and_the_launch_binds_the_described_tensors(
+        activation, residual_after, bias, residual, monkeypatch):
+    torch.manual_seed(0)
+    step = gemm_step(4 if residual else 3, activation=activation, residual_after_activation=residual_after)
+    if not bias:
+        step.inputs[2] = ""
+    x, w = torch.randn(2, 3, 16), torch.randn(24, 16) * 0.3
+    b, r = (torch.randn(24) if bias else None), (torch.randn(2, 3, 24) if residual else None)
+    expected = fused_gemm(None, x, w, b, r, activation=activation, residual_after_activation=residual_after)
+
+    pattern = tactics.gemm_pattern(step, 6, (24, 16), bias, residual, torch.bfloat16)
+    bound = {"x": x.reshape(1, 6, 16), "w": w.t().unsqueeze(0), **({"b": b.view(1, 1, -1)} if bias else {}),
+             **({"residual": r.reshape(1, 6, 24)} if residual else {})}
+    torch.testing.assert_close(evaluate(pattern, bound).view(2, 3, 24), expected, rtol=1e-5, atol=1e-5)
+
+    graphs: dict = {}
+    monkeypatch.setattr(tactics, "fused_graph", lambda p, device: graphs.setdefault(p, RecordingGraph(p)))
+    args = [x.bfloat16(), w.bfloat16(), b.bfloat16() if bias else None] + ([r.bfloat16()] if residual else [])
+    metas = [InputMeta.of(a, i in (1, 2)) for i, a in enumerate(args)]
+    assert tactics.gemm_static_supports(step, metas) is True
+    configured = dataclasses.replace(step, tactic="cuda.gemm.cudnn_fused",
+                                     tactic_config=tactics._gemm_configure(step, metas))
+    launch = tactics._prepare_gemm(configured, [None, args[1], args[2]] + [None] * residual, torch.device("cpu"))
+    got = launch(None, *args, **step.attributes)
+    assert graphs[pattern].calls == 1 and got.shape == (2, 3, 24) and got.dtype == torch.bfloat16
+    want = fused_gemm(None, *[a.float() if a is not None else None for a in args], **step.attributes)
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2)  # bf16 output rounding (2^-8)

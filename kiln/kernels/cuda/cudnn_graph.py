@@ -205,6 +205,9 @@ def describe_gemm(rows: int, k: int, n: int, *, bias: bool, residual: bool, acti
 # ---- the library --------------------------------------------------------------------------------
 
 
+_IMPORT_ERROR: list[str] = []  # why `import cudnn` failed, for messages
+
+
 @functools.lru_cache(maxsize=1)
 def import_cudnn() -> ModuleType | None:
     """The cudnn frontend module, or None when it (or the GPU it needs) is absent.
@@ -213,11 +216,13 @@ def import_cudnn() -> ModuleType | None:
     lazy dlopen then finds already in the process (one cuDNN, not two).
     """
     if not torch.cuda.is_available():
+        _IMPORT_ERROR.append("torch sees no CUDA device")
         return None
     torch.backends.cudnn.version()
     try:
         import cudnn
-    except (ImportError, OSError, RuntimeError):
+    except (ImportError, OSError, RuntimeError, AssertionError) as e:  # its dlopen asserts one libcudnn found
+        _IMPORT_ERROR.append(f"import cudnn failed: {type(e).__name__}: {e}")
         return None
     return cudnn
 
@@ -226,7 +231,7 @@ def versions() -> str:
     """'cudnn frontend X, backend Y' for logs and error messages."""
     cudnn = import_cudnn()
     if cudnn is None:
-        return "cudnn frontend not importable (or no CUDA device)"
+        return f"cudnn frontend unavailable ({'; '.join(_IMPORT_ERROR) or 'unknown reason'})"
     try:
         backend = cudnn.backend_version_string()
     except (RuntimeError, AttributeError) as e:  # the frontend imports without libcudnn; asking it then fails
