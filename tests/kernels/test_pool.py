@@ -8,6 +8,9 @@ The same kernels at ResNet-50 / MobileNetV2 sizes on the H200, with timings: tes
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,6 +263,12 @@ def test_pool_tactics_are_registered_channels_last():
         assert tactic is not None and tactic.op_type == op and tactic.device == "cuda"
         assert tactic.layout == "channels_last"
         assert tactic in registry.candidates(op, "", "cuda", opt_level=2)
+
+
+def test_importing_the_pool_tactics_does_not_import_triton():
+    """The registry imports every device's tactics, also on a CPU-only deployment without triton."""
+    code = "import sys, kiln.tactics.cuda_pool; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
