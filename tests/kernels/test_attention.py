@@ -35,7 +35,7 @@ CPU = torch.device("cpu")
 
 
 def reference(q, k, v, mask=None, *, scale, is_causal=False):
-    """softmax(q·kᵀ·scale + mask)·v in float64; GQA by repeating k/v heads; fully masked rows give 0 (torch SDPA)."""
+    """softmax(q·kᵀ·scale + mask)·v in float64; GQA by repeating k/v heads; fully masked rows give 0 (as SDPA)."""
     storage = q.dtype  # the op rounds an additive mask to it first
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]

@@ -132,6 +132,8 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
                             NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the last query tiles see the most keys: start them first so the short ones fill the tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)  # 64-bit slab offsets; offsets inside one (batch, head) fit 32 bits
     kv_head = (head // kv_group).to(tl.int64)
@@ -159,15 +161,13 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     else:
         full_end = whole_blocks_end
         end = T
-    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0,
-                                       full_end, T,
-                                       stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0, full_end,
+                                       T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, False, False,
                                        BLOCK_N, BLOCK_D, BLOCK_DV)
-    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
-                                       full_end, end, T,
-                                       stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
-                                       HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
+    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, full_end,
+                                       end, T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt,
+                                       qk_scale, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
                                        BLOCK_N, BLOCK_D, BLOCK_DV)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with every key masked: acc is 0, and so is its output
