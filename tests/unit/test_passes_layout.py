@@ -248,3 +248,26 @@ def test_static_dims_of_a_dynamic_shape_fold():
     assert report.fired["fold_constants"] == 4  # Gather, Concat, Shape(start=-1), Cast
     assert ops == {"Reshape": 1, "Div": 1}
     assert_same_as_onnxruntime(proto, {"x": randn(3, 4, 8)}, level=1)
+
+
+def test_a_causal_mask_materialised_at_run_time_is_still_recognised(monkeypatch):
+    """GPT-2 at batch 8, seq 512: the exporter expands the triangle to [8, 1, 512, 512], too large to fold."""
+    from onnx import numpy_helper
+
+    from kiln.passes import fold
+
+    monkeypatch.setattr(fold, "SIZE_LIMIT", 8)
+    s = 6
+    causal = np.triu(np.full((s, s), np.finfo(np.float32).min, np.float32), 1)[None, None]
+    proto, feeds = gpt2_attention(causal)
+    for init in proto.graph.initializer:
+        if init.name == "mask":
+            init.name = "triangle"
+    proto.graph.initializer.append(numpy_helper.from_array(np.array([2, 1, s, s], np.int64), "mask_shape"))
+    proto.graph.node.insert(0, helper.make_node("Expand", ["triangle", "mask_shape"], ["mask"]))
+    model, report, ops = optimized(proto)
+    assert ops == {"kiln::Attention": 1}  # the Expand is dead: the attention runs causal, no mask tensor
+    node = model.graph.node(0)
+    assert node.attributes["is_causal"].value == 1
+    assert len([v for v in node.inputs if v is not None]) == 1
+    assert_same_as_onnxruntime(proto, feeds)

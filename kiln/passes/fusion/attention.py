@@ -26,6 +26,7 @@ from kiln.passes._rewrite import (
     KILN_DOMAIN, PassReport, attr, const, const_scalar, consumers, dtype_of, is_op, new_initializer, only_user,
     other_input, producer, replace_with,
 )
+from kiln.passes.fusion.attention_mask import broadcast_constant
 
 RULE = "fuse_attention"
 MASKED = -1e30  # an additive mask entry at or below this hides its key (exp underflows to 0 exactly)
@@ -117,8 +118,12 @@ def _value_input(v: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int]
 
 
 def _is_causal(mask: ir.Value | None) -> bool:
-    """True for a constant mask that is exactly the top-left lower triangle over its last two axes."""
-    m = const(mask)
+    """True for a constant mask that is exactly the top-left lower triangle over its last two axes.
+
+    The mask may be computed at full size at run time from constants (too large to fold: GPT-2 at
+    batch 8, seq 512 materialises [8, 1, 512, 512]); its pre-broadcast form decides.
+    """
+    m = broadcast_constant(mask)
     if m is None or m.ndim < 2 or m.shape[-2] < 2 or m.shape[-1] < 2:
         return False  # a broadcast row/column is not the triangle of the real [S, T]
     keep = np.tril(np.ones(m.shape[-2:], dtype=bool))  # [S, T]: query i sees keys 0..i
