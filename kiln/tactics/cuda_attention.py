@@ -88,6 +88,9 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int) -> b
     if q.dtype not in _HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes one of float16, bfloat16"
     batch, heads, s_len, d = q.shape
+    scale = attributes.get("scale", 1.0)
+    if scale is not None and not scale > 0:
+        return f"scale {scale}: the kernel takes the row maximum before scaling, so it must be positive"
     kv_batch, kv_heads, t_len, dv = v.shape
     if k.shape[:3] != v.shape[:3] or k.shape[3] != d:
         return f"k {list(k.shape)} and v {list(v.shape)} do not pair with q {list(q.shape)}"

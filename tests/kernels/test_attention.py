@@ -184,6 +184,8 @@ def test_refusals():
         flash_attention(randn(1, 3, 8, 32), q, q)
     with pytest.raises(ValueError, match="exceed 128"):
         flash_attention(randn(1, 2, 8, 256), randn(1, 2, 8, 256), randn(1, 2, 8, 256))
+    with pytest.raises(ValueError, match="not positive"):
+        flash_attention(q, q, q, scale=-0.1)
     with pytest.raises(TypeError, match="bool or float"):
         flash_attention(q, q, q, torch.zeros(8, 8, dtype=torch.int32))
 
@@ -269,6 +271,7 @@ def test_tactic_refusals_say_why():
     assert "without gqa" in reason(make_step(3, scale=0.1), [randn(1, 4, 16, 32), q, q])
     assert "mostly padding" in reason(make_step(3, scale=0.1), [q] * 3, name="cuda.attention.triton.128x64.w4s3")
     assert "not a tensor" in reason(make_step(3, scale=0.1), [q, None, q])
+    assert "positive" in reason(make_step(3, scale=-0.1), [q] * 3)
 
 
 # ---- the tactics inside an engine ------------------------------------------------------------------

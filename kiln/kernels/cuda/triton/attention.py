@@ -84,7 +84,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
         else:
             k = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
-        s = tl.dot(q, k) * qk_scale  # s: [BM, BN] fp32, in log2 units
+        qk = tl.dot(q, k)  # qk: [BM, BN] fp32, not yet scaled
         if HAS_MASK:
             if MASK_ROWS:  # [.., S, T] masks: one value per (query, key)
                 m_ptrs = mask_base + mask_rows[:, None] * stride_ms + offs_n[None, :] * stride_mt
@@ -99,19 +99,27 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
                 else:
                     bias = tl.load(m_ptrs)[None, :]
             if MASK_BOOL:
-                s = tl.where(bias != 0, s, float("-inf"))
-            else:  # the op rounds an additive mask to q's dtype before adding it
-                s += bias.to(q.dtype).to(tl.float32) * 1.4426950408889634
+                qk = tl.where(bias != 0, qk, float("-inf"))
+            else:  # scaled now, in log2 units; the op rounds an additive mask to q's dtype before adding it
+                qk = qk * qk_scale + bias.to(q.dtype).to(tl.float32) * 1.4426950408889634
         if CAUSAL:
-            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+            qk = tl.where(offs_m[:, None] >= offs_n[None, :], qk, float("-inf"))
         if CHECK_KEYS:
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(key_ok[None, :], qk, float("-inf"))
+        # Without an additive mask qk is still unscaled: as the scale is positive, the row maximum is taken
+        # first and the scaling folds into the one FMA of the exponent (softmax is ALU-bound at these sizes).
+        if HAS_MASK and not MASK_BOOL:  # constexpr: resolved at compile time
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         if HAS_MASK:  # only a mask can hide every key seen so far: keep 2^(-inf - -inf) from making NaN
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        p = tl.math.exp2(s - m_new_safe[:, None])  # p: [BM, BN]
+        if HAS_MASK and not MASK_BOOL:
+            p = tl.math.exp2(qk - m_new_safe[:, None])  # p: [BM, BN]
+        else:
+            p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # acc: [BM, BDV] fp32
@@ -198,7 +206,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     Hkv (grouped-query attention). mask: bool (True = attend) or additive float, broadcastable to
     [B, H, S, T]; is_causal (top-left aligned) applies only without a mask, as in the op. out: the
     [B, H, S, Dv] view to write into (e.g. a permuted view of a [B, S, H, Dv] buffer); allocated
-    when None. scale None: 1/sqrt(D).
+    when None. scale: positive; None is 1/sqrt(D).
     """
     if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"flash_attention: q, k and v must share float16 or bfloat16, "
@@ -239,8 +247,10 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         raise ValueError("flash_attention: one (batch, head) slab spans more than 2^31 elements")
     if max(heads, batch) > 65535:
         raise ValueError(f"flash_attention: {batch} batches x {heads} heads exceed the 65535 grid limit per axis")
-    config = config or default_config(s_len)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not scale > 0:  # the kernel takes the row maximum before scaling
+        raise ValueError(f"flash_attention: scale {scale} is not positive")
+    config = config or default_config(s_len)
     grid = (triton.cdiv(s_len, config.block_m), heads, batch)
     _flash_attention_kernel[grid](
         q, k, v, mask if mask is not None else q, out,
