@@ -1,0 +1,247 @@
+"""kiln's Triton flash attention against torch SDPA at the benchmark's attention layers, on one GPU.
+
+    python bench/attention.py [--configs all|default] [--cases bert_mask,bert,vit,gpt2,bert_b1,llama]
+
+Each case is one kiln::Attention layer as kiln's optimizer hands it over: BERT/ViT/GPT-2 read q, k
+and v as column slices of the QKV GEMM's [B, S, 3·H·D] output and write [B, S, H·D]; Llama reads
+[B, S, H·D] q/k/v (GQA, causal). Every candidate runs the whole layer, layout included, as the
+autotuner times it: each Triton tile config (the tactics cuda.attention.triton.*), kiln's default
+(the op: SDPA, torch's backend choice), each SDPA backend forced (the tactics cuda.attention.flash /
+.efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D].
+
+Correctness first: each output against the op in fp32 (SDPA math) with the autotuner's tolerance for
+the storage dtype; any failure prints FAIL and the script exits 1 after the table. Timing: 20 calls
+captured in one CUDA graph (the engine replays graphs: no launch overhead counted), median of 10
+replays. TFLOP/s counts 4·B·H·S·T·D (half of it when causal). The table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kiln.ops.fused import attention  # noqa: E402
+from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.tactics import registry  # noqa: E402
+from kiln.tactics.autotune import TOLERANCE, mismatch  # noqa: E402
+from kiln.tactics.tactic import InputMeta  # noqa: E402
+
+HEADS_LAST = [0, 2, 1, 3]
+TRITON = "cuda.attention.triton."
+SDPA_COLUMNS = {"default": "default (op)", "flash": "cuda.attention.flash", "efficient": "cuda.attention.efficient",
+                "cudnn": "cuda.attention.cudnn", "math": "sdpa.math"}
+ALONE = "sdpa kernel alone, contiguous"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    key: str
+    label: str
+    batch: int
+    heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    padding_mask: bool = False
+    causal: bool = False
+    packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
+    dtype: torch.dtype = torch.float16
+
+    @property
+    def flops(self) -> float:
+        full = 4 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+        return full / 2 if self.causal else full
+
+
+CASES = [
+    Case("bert_mask", "BERT b64 h12 s384 d64 +[B,1,1,S] mask", 64, 12, 12, 384, 64, padding_mask=True),
+    Case("bert", "BERT b64 h12 s384 d64", 64, 12, 12, 384, 64),
+    Case("vit", "ViT-B/16 b64 h12 s197 d64", 64, 12, 12, 197, 64),
+    Case("gpt2", "GPT-2 b8 h12 s512 d64 causal", 8, 12, 12, 512, 64, causal=True),
+    Case("bert_b1", "BERT b1 h12 s128 d64", 1, 12, 12, 128, 64),
+    Case("llama", "Llama GQA b4 hq32 hkv8 s1024 d128 causal", 4, 32, 8, 1024, 128, causal=True, packed=False),
+]
+
+
+def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
+    """The Attention step's attributes and its inputs, in the layout kiln's optimizer produces."""
+    g = torch.Generator(device=device).manual_seed(0)
+    b, s, h, hkv, d = case.batch, case.seq, case.heads, case.kv_heads, case.head_dim
+    attributes = dict(scale=d ** -0.5, q_num_heads=h, kv_num_heads=hkv, q_perm=HEADS_LAST, k_perm=HEADS_LAST,
+                      v_perm=HEADS_LAST, out_perm=HEADS_LAST, out_merge_heads=1, is_causal=int(case.causal),
+                      gqa=int(hkv != h))
+    if case.packed:
+        attributes["qkv_split"] = [h * d, hkv * d, hkv * d]
+        inputs = [torch.randn(b, s, (h + 2 * hkv) * d, device=device, generator=g).to(case.dtype), None, None]
+    else:
+        inputs = [torch.randn(b, s, n * d, device=device, generator=g).to(case.dtype) for n in (h, hkv, hkv)]
+    if case.padding_mask:  # each sequence padded from a random length on: -10000 on the padding keys
+        lengths = torch.randint(s // 2, s + 1, (b, 1, 1, 1), device=device, generator=g)
+        keys = torch.arange(s, device=device).view(1, 1, 1, s)
+        inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))  # [B, 1, 1, S]
+    step = StepSpec(op_type="Attention", name=case.key, inputs=[f"in{i}" for i in range(len(inputs))],
+                    outputs=["out"], attributes=attributes, domain="kiln", opset=21)
+    return step, inputs
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call: `calls` calls captured in one CUDA graph, median over `replays` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()  # Triton compiles, cuDNN plans, workspaces are allocated outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def sdpa_backend_call(backend_name: str, step: StepSpec, inputs: list) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def call():
+        with sdpa_kernel([backend]):
+            return attention(None, *inputs, **step.attributes)
+
+    return call
+
+
+def contiguous_sdpa_call(case: Case, device: torch.device) -> Callable[[], torch.Tensor]:
+    """The SDPA kernel alone, torch's choice of backend, on contiguous [B, H, S, D] (GQA: k/v repeated first)."""
+    shape = (case.batch, case.heads, case.seq, case.head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=case.dtype) for _ in range(3))
+    return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+
+def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: torch.device):
+    """name -> (call, note): every way to run the layer; a call of None is not supported (note says why)."""
+    metas = [InputMeta.of(x, False) for x in inputs]
+    found: dict[str, tuple[Callable[[], torch.Tensor] | None, str]] = {
+        "default (op)": (lambda: attention(None, *inputs, **step.attributes), "")}
+    level = 2 if configs == "default" else 5
+    for tactic in registry.candidates("Attention", "kiln", "cuda", opt_level=level):
+        ok = tactic.check(step, metas)
+        if ok is not True:
+            found[tactic.name] = (None, ok)
+            continue
+        launch = tactic.prepare(dataclasses.replace(step, tactic=tactic.name), [None] * len(inputs), device)
+        found[tactic.name] = ((lambda launch=launch: launch(None, *inputs, **step.attributes)), "")
+    found["sdpa.math"] = (sdpa_backend_call("MATH", step, inputs), "")
+    found[ALONE] = (contiguous_sdpa_call(case, device), "no layout work, not the layer")
+    return found
+
+
+def run_case(case: Case, configs: str, device: torch.device) -> tuple[dict[str, tuple[float | None, str]], bool]:
+    step, inputs = make_layer(case, device)
+    with torch.inference_mode():  # the reference: the op in fp32, SDPA's math backend
+        reference = sdpa_backend_call("MATH", step, [x.float() if x is not None else None for x in inputs])()
+    tolerance = {torch.float32: TOLERANCE[case.dtype]}  # the autotuner's bound for the storage dtype
+    results: dict[str, tuple[float | None, str]] = {}
+    ok = True
+    for name, (call, note) in candidates(case, step, inputs, configs, device).items():
+        ours = name.startswith(TRITON)  # a failing SDPA backend is torch's business, not a kiln failure
+        if call is None:
+            results[name] = (None, f"unsupported: {note}")
+            continue
+        try:
+            with torch.inference_mode():
+                out = call()
+                if name != ALONE:
+                    problem = mismatch(out.float(), reference, tolerance)
+                    if problem:
+                        ok &= not ours
+                        results[name] = (None, f"{'FAIL ' if ours else 'wrong: '}{problem}")
+                        continue
+                    note = f"max err {(out.float() - reference).abs().max().item():.2e}" + (f"; {note}" if note else "")
+                ms = graph_ms(call)
+        except Exception as e:  # noqa: BLE001  reported in the table; one broken candidate does not hide the rest
+            ok &= not ours
+            results[name] = (None, f"{'FAIL ' if ours else ''}{type(e).__name__}: {str(e)[:120]}")
+            continue
+        results[name] = (ms, note)
+    if not any(ms for name, (ms, _) in results.items() if name.startswith(TRITON)):
+        ok = False  # the layer is one the kernel is meant for: no config running it is a failure too
+        results["FAIL"] = (None, "no Triton config ran this layer")
+    return results, ok
+
+
+def table(rows: list[tuple[Case, dict[str, tuple[float | None, str]]]]) -> list[str]:
+    """One markdown row per case: the fastest Triton config against each SDPA way of running the layer."""
+    header = ["case", "best Triton config", "ms", "TFLOP/s", *SDPA_COLUMNS, "Triton vs best SDPA",
+              "SDPA kernel alone"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+
+    def fmt(ms: float | None) -> str:
+        return f"{ms:.4f}" if ms else "-"
+
+    for case, results in rows:
+        times = {name: ms for name, (ms, _) in results.items() if ms}
+        triton = {name: ms for name, ms in times.items() if name.startswith(TRITON)}
+        sdpa = {column: times.get(name) for column, name in SDPA_COLUMNS.items()}
+        best = min(triton, key=triton.get, default=None)
+        best_sdpa = min((ms for ms in sdpa.values() if ms), default=None)
+        cells = [case.label, best.removeprefix(TRITON) if best else "none ran", fmt(triton.get(best)),
+                 f"{case.flops / triton[best] / 1e9:.0f}" if best else "-", *(fmt(ms) for ms in sdpa.values()),
+                 f"{best_sdpa / triton[best]:.2f}x" if best and best_sdpa else "-", fmt(times.get(ALONE))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", choices=("all", "default"), default="all",
+                        help="Triton tile configs: all (opt_level 3+) or the default build's (opt_level 2)")
+    parser.add_argument("--cases", default=",".join(c.key for c in CASES))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/attention.py needs a CUDA GPU")
+        return 2
+    device = torch.device("cuda")
+    wanted = args.cases.split(",")
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {__import__('triton').__version__}", flush=True)
+    rows, all_ok = [], True
+    for case in [c for c in CASES if c.key in wanted]:
+        start = time.perf_counter()
+        results, ok = run_case(case, args.configs, device)
+        all_ok &= ok
+        print(f"\n[{case.key}] {case.label}  ({time.perf_counter() - start:.1f} s)")
+        for name, (ms, note) in sorted(results.items(), key=lambda kv: (kv[1][0] is None, kv[1][0] or 0.0)):
+            timing = f"{ms:8.4f} ms {case.flops / ms / 1e9:6.0f} TFLOP/s" if ms else " " * 24
+            print(f"  {name:36s} {timing}  {note}", flush=True)
+        rows.append((case, results))
+
+    print()
+    print("\n".join(table(rows)))
+    print("\nPASS: every Triton config matched the fp32 reference" if all_ok else
+          "\nFAIL: see the FAIL lines above")
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
