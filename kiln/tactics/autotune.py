@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -104,11 +105,52 @@ def _time_once(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - start_s) * 1e3
 
 
+GRAPH_CALLS = 4  # calls per captured CUDA graph when timing a candidate: one replay, several kernels' worth
+
+
+def _graph_replays(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]] | None:
+    """Each callable captured GRAPH_CALLS times into one CUDA graph: the replays to time instead.
+
+    The engine runs as one CUDA graph per input shape, so a candidate's cost there is its GPU
+    time; timed eagerly, a small layer's host launch cost (tens of µs through Python for a
+    Triton or cuDNN-frontend kernel) would hide it and pick the tactic with the cheapest launch.
+    None when any candidate cannot be captured (it syncs with the host): the engine then runs
+    eagerly, and eager timings are the honest ones for all of them.
+    """
+    graphs: dict[str, torch.cuda.CUDAGraph] = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
+        with torch.cuda.stream(stream):  # a run that may not sync: else capture is impossible
+            for fn in fns.values():
+                fn()
+    except Exception:  # noqa: BLE001  a candidate syncs: time everything eagerly
+        return None
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.current_stream().wait_stream(stream)
+    try:
+        for name, fn in fns.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(GRAPH_CALLS):
+                    fn()
+            graphs[name] = graph
+    except Exception:  # noqa: BLE001
+        torch.cuda.synchronize()
+        return None
+    return {name: graph.replay for name, graph in graphs.items()}
+
+
 def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int = 10,
             budget_s: float = LAYER_BUDGET_S) -> dict[str, float]:
     """ms per call of each callable, timed in interleaved rounds so a burst of load hits all alike.
 
-    On CUDA the median of event timings. On a CPU shared with other work, interference only
+    On CUDA the median of event timings, of CUDA-graph replays where every candidate can be
+    captured (as the engine will run them). On a CPU shared with other work, interference only
     ever adds time (a descheduled OpenMP thread stalls a whole kernel for a scheduler slice),
     so the lower quartile is the steadier estimate of the kernel's own cost; on a quiet CPU it
     is the median's neighbour.
@@ -117,6 +159,12 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
         for _ in range(WARMUP_RUNS):
             fn()
     _synchronize(device)
+    per_call = 1
+    if device.type == "cuda" and (replays := _graph_replays(fns)) is not None:
+        fns, per_call = replays, GRAPH_CALLS
+        for fn in fns.values():
+            fn()
+        _synchronize(device)
     samples: dict[str, list[float]] = {name: [] for name in fns}
     deadline = time.perf_counter() + budget_s
     for round_ in range(runs):
@@ -125,7 +173,7 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
         for name, fn in fns.items():
             samples[name].append(_time_once(fn, device))
     if device.type == "cuda":
-        return {name: statistics.median(s) for name, s in samples.items()}
+        return {name: statistics.median(s) / per_call for name, s in samples.items()}
     return {name: statistics.quantiles(s, n=4, method="inclusive")[0] for name, s in samples.items()}
 
 
