@@ -184,6 +184,46 @@ def engines(log, names: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def kernels(log, names: list[str]) -> None:
+    """GPU time by kernel while the engine replays its CUDA graph (torch.profiler / CUPTI): what the
+    replayed engine really spends, free of the per-layer profiler's host overhead."""
+    import tempfile
+
+    import gpu as bench_gpu
+    from torch.profiler import ProfilerActivity, profile
+
+    import kiln
+
+    for name in names:
+        module, inputs, desc = bench_gpu.make(name)
+        module = bench_gpu.FirstOutput(module).float().cpu()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, f"{name}.onnx")
+            torch.onnx.export(module, inputs, path, dynamo=True, input_names=["x"], output_names=["y"])
+            engine = kiln.build(path, device="cuda", precision="fp16")
+        ctx = engine.create_execution_context()
+        x = inputs[0].cuda()
+        for _ in range(3):
+            ctx.run({"x": x})
+        torch.cuda.synchronize()
+        replays = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                ctx.run({"x": x})
+            torch.cuda.synchronize()
+        by_kernel: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                by_kernel.setdefault(event.name[:90], []).append(event.device_time / 1e3)
+        total = sum(sum(v) for v in by_kernel.values()) / replays
+        ms = statistics.median(bench_gpu.time_cuda(lambda: ctx.run({"x": x})))
+        log(f"{name}: {ms:.3f} ms per run; kernels sum {total:.3f} ms per run")
+        for kernel, times in sorted(by_kernel.items(), key=lambda kv: -sum(kv[1]))[:14]:
+            log(f"  {sum(times) / replays:7.3f} ms  x{len(times) // replays:<3d} {kernel}")
+        del engine, ctx
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sections", default="cudnn,sdpa,gemm,engines")
@@ -201,6 +241,8 @@ def main() -> None:
         try:
             if section == "engines":
                 engines(log, args.models.split(","))
+            elif section == "kernels":
+                kernels(log, args.models.split(","))
             else:
                 {"sdpa": sdpa, "gemm": gemm, "cudnn": cudnn_smoke}[section](log)
         except Exception:  # noqa: BLE001  one failing section must not hide the others
