@@ -27,6 +27,18 @@ from kiln.tactics.tactic import InputMeta, Tactic
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
 _GRID_AXIS_LIMIT = 65535
+_SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (H100/H200); a larger tile fails at launch
+
+
+def shared_memory_bound(block_m: int, block_n: int, stages: int, head_dim: int, head_dim_v: int, itemsize: int,
+                        mask_tile_itemsize: int = 0, mask_vector_itemsize: int = 0) -> int:
+    """An upper bound of the kernel's shared memory in bytes, as Triton lays it out on sm_90: the q tile
+    once; per pipeline stage a k and a v tile, and a [BM, BN] mask tile (per-query masks) or a key vector
+    (padding masks, plus alignment). tests/kernels/compile_sm90.py holds it against the compiler's figure."""
+    block_d, block_dv = (max(16, 1 << (d - 1).bit_length()) for d in (head_dim, head_dim_v))
+    per_stage = block_n * (block_d + block_dv) * itemsize + block_m * block_n * mask_tile_itemsize
+    vector = stages * block_n * mask_vector_itemsize + 1024 if mask_vector_itemsize else 0
+    return stages * per_stage + vector + block_m * block_d * itemsize
 
 
 def _attr(attributes: dict[str, Any], name: str, default: Any) -> Any:
@@ -72,7 +84,8 @@ def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return sum((n - 1) * abs(s) for n, s in zip(shape[2:], strides[2:]))
 
 
-def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int) -> bool | str:
+def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
+                     stages: int) -> bool | str:
     attributes = step.attributes
     n_qkv = 1 if _attr(attributes, "qkv_split", None) else 3
     if any(i >= len(inputs) or inputs[i].shape is None for i in range(n_qkv)):
@@ -108,6 +121,7 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int) -> b
         return f"{block_m}-row tiles for {s_len} queries: mostly padding"
     extents = [_extent(tuple(t.shape), t.stride()) for t in (q, k, v)]
     mask = inputs[3] if len(inputs) > 3 and inputs[3].shape is not None else None
+    mask_tile = mask_vector = 0
     if mask is not None:
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
             return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
@@ -116,15 +130,23 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int) -> b
         except RuntimeError:
             return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
         extents.append(_extent(tuple(expanded.shape), expanded.stride()))
+        if expanded.stride(2) != 0 and s_len > 1:  # one mask value per (query, key): a tile per stage
+            mask_tile = expanded.element_size()
+        else:
+            mask_vector = expanded.element_size()
     extents.append(s_len * heads * dv)  # the output buffer, at most this far inside one slab
     if max(extents) >= 2**31:
         return "one (batch, head) slab spans more than 2^31 elements: the kernel indexes it in 32 bits"
+    shared = shared_memory_bound(block_m, block_n, stages, d, dv, q.element_size(), mask_tile, mask_vector)
+    if shared > _SHARED_MEMORY_LIMIT:
+        return f"~{shared} B of shared memory for these tiles at head dims {d}/{dv}: more than sm_90's " \
+               f"{_SHARED_MEMORY_LIMIT}"
     return True
 
 
 def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-        return _supports_layout(step, inputs, block_m)
+        return _supports_layout(step, inputs, block_m, block_n, num_stages)
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")

@@ -272,6 +272,10 @@ def test_tactic_refusals_say_why():
     assert "mostly padding" in reason(make_step(3, scale=0.1), [q] * 3, name="cuda.attention.triton.128x64.w4s3")
     assert "not a tensor" in reason(make_step(3, scale=0.1), [q, None, q])
     assert "positive" in reason(make_step(3, scale=-0.1), [q] * 3)
+    wide = randn(1, 2, 256, 128)  # a [B, H, S, T] mask tile per stage on top of 128-wide k/v tiles
+    assert "shared memory" in reason(make_step(4, scale=0.1), [wide, wide, wide, torch.zeros(1, 2, 256, 256)],
+                                     name="cuda.attention.triton.128x128.w8s3")
+    assert registry.get("cuda.attention.triton.128x128.w8s3").check(make_step(3, scale=0.1), metas([wide] * 3))
 
 
 # ---- the tactics inside an engine ------------------------------------------------------------------
