@@ -3,6 +3,10 @@
     cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation
                              and residual as post-ops), created and JIT-compiled when the engine
                              loads, weight reordered into the kernel's blocked layout then
+    cpu.pool.onednn          MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
+                             primitive on NHWC
+    cpu.gap.onednn           GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
+                             the dynamo exporter emits for it), as a whole-image average pooling
 
 Why not torch's oneDNN entry points (kiln/tactics/cpu.py): they build the primitive descriptor
 on every call, 30-50 µs per convolution whatever its size; MobileNetV2's 52 convolutions then
@@ -138,3 +142,110 @@ register(Tactic(
     available=onednn.available,
     description="oneDNN C API convolution primitive built at load, epilogue as post-ops, NHWC activations",
 ))
+
+
+# ---- pooling -----------------------------------------------------------------------------------
+
+def _pool_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    x = inputs[0]
+    if x.shape is None or len(x.shape) != 4:
+        return "only 2-D pooling (4-D input)"
+    if len(step.outputs) > 1 and step.outputs[1]:
+        return "the Indices output is asked for"
+    if int(_attr(step, "ceil_mode", 0)):
+        return "ceil_mode=1"
+    if int(_attr(step, "storage_order", 0)):
+        return "storage_order=1"
+    auto_pad = _attr(step, "auto_pad", "NOTSET")
+    if auto_pad not in ("NOTSET", "", "VALID"):
+        return f"auto_pad={auto_pad} (pads depend on the input size)"
+    kernel = list(_attr(step, "kernel_shape", []))
+    if len(kernel) != 2:
+        return f"kernel_shape {kernel} is not 2-D"
+    pads = [0, 0, 0, 0] if auto_pad == "VALID" else list(_attr(step, "pads", [0, 0, 0, 0]))
+    if any(p >= k for p, k in zip(pads, kernel + kernel)):
+        return f"pads {pads} as large as the window {kernel}: a window could see only padding"
+    return True
+
+
+def _pool_kind(step: StepSpec) -> str:
+    if step.op_type == "MaxPool":
+        return "max"
+    return "avg_include_padding" if int(_attr(step, "count_include_pad", 0)) else "avg_exclude_padding"
+
+
+def _prepare_pool(step: StepSpec, constants: list[Any], device: torch.device):
+    kernel = [int(k) for k in _attr(step, "kernel_shape", [])]
+    pads = [0, 0, 0, 0] if _attr(step, "auto_pad", "NOTSET") == "VALID" else \
+        [int(p) for p in _attr(step, "pads", [0, 0, 0, 0])]
+    strides = [int(s) for s in _attr(step, "strides", [1, 1])]
+    dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
+    kind = _pool_kind(step)
+    return _shape_cached(step, lambda size: onednn.Pool2d(list(size), kind, kernel, strides, pads, dilations))
+
+
+def _gap_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    x = inputs[0]
+    if x.shape is None or len(x.shape) != 4:
+        return "only 4-D inputs"
+    if step.op_type == "ReduceMean":
+        if not int(_attr(step, "keepdims", 1)):
+            return "keepdims=0"
+        if "axes" in step.attributes and step.attributes["axes"] is not None:
+            if sorted(a % 4 for a in step.attributes["axes"]) != [2, 3]:
+                return f"axes {step.attributes['axes']} are not the spatial axes"
+        elif len(inputs) < 2 or inputs[1].shape is None or not inputs[1].constant:
+            return "the axes are not a constant of the engine"  # their values are checked in prepare
+    return True
+
+
+def _prepare_gap(step: StepSpec, constants: list[Any], device: torch.device):
+    if step.op_type == "ReduceMean" and not ("axes" in step.attributes and step.attributes["axes"] is not None):
+        axes = constants[1]
+        if axes is None or sorted(int(a) % 4 for a in axes.tolist()) != [2, 3]:
+            raise ValueError(f"ReduceMean axes {None if axes is None else axes.tolist()} are not the spatial axes")
+    return _shape_cached(step, lambda size: onednn.Pool2d(list(size), "avg_exclude_padding", list(size[2:]),
+                                                          [1, 1], [0, 0, 0, 0], [1, 1]))
+
+
+def _shape_cached(step: StepSpec, build):
+    """launch(ctx, x, ...) running `build(x.shape)`'s primitive, built once per input shape
+    (the tuned one at load); a lock keeps two threads off one primitive's memory objects."""
+    tuned = tuple(step.tactic_config["input_size"])
+    primitives = {tuned: build(tuned)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
+        primitive = primitives.get(tuple(x.shape))
+        if primitive is None:
+            if len(primitives) > _CACHED_SHAPES:
+                primitives.pop(next(k for k in primitives if k != tuned))
+            primitive = primitives[tuple(x.shape)] = build(tuple(x.shape))
+        with lock:
+            return primitive(x)  # [N, C, H', W'] channels-last
+
+    return launch
+
+
+def _input_size(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape)}
+
+
+for _op in ("MaxPool", "AveragePool"):
+    register(Tactic(
+        name=f"cpu.pool.onednn.{_op}", op_type=_op, domain="", device="cpu", dtypes=(torch.float32,),
+        supports=_pool_supports, configure=_input_size, prepare=_prepare_pool, layout="channels_last",
+        available=onednn.available, description=f"{_op} as a oneDNN pooling primitive built at load, NHWC",
+    ))
+for _op in ("GlobalAveragePool", "ReduceMean"):
+    register(Tactic(
+        name=f"cpu.gap.onednn.{_op}", op_type=_op, domain="", device="cpu", dtypes=(torch.float32,),
+        supports=_gap_supports, configure=_input_size, prepare=_prepare_gap, layout="channels_last",
+        available=onednn.available,
+        description=f"{_op} over H, W as a oneDNN whole-image average pooling built at load, NHWC",
+    ))

@@ -19,7 +19,7 @@ import kiln
 from kiln import zoo
 from kiln.kernels.cpu import onednn
 from kiln.ops.fused import fused_conv
-from kiln.ops.registry import OpContext
+from kiln.ops.registry import OpContext, lookup
 from kiln.runtime.program import StepSpec
 from kiln.tactics import autotune, registry
 from kiln.tactics.tactic import InputMeta
@@ -183,13 +183,17 @@ def test_whole_engine_on_direct_convolutions_matches_onnxruntime(name, monkeypat
     # The timings decide nothing here (a shared CPU makes them noisy): this tactic "wins" every
     # layer it supports; the autotuner still checks each layer and the whole engine against the
     # reference before it keeps the choice.
-    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {k: float(k != NAME) for k in fns})
+    ours = (NAME, "cpu.pool.onednn", "cpu.gap.onednn")
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k.startswith(ours) else 1.0 for k in fns})
     exported = zoo.export(name)
-    engine = kiln.build(str(exported.path), tactics=[NAME])
+    engine = kiln.build(str(exported.path), tactics=list(ours))
     assert "reverted" not in engine.plan.header["tactics"]
     convs = [s for s in engine.plan.program.steps if s.op_type == "FusedConv"]
     assert convs and all(s.tactic == NAME for s in convs), \
         f"{sum(s.tactic == NAME for s in convs)} of {len(convs)} convolutions on {NAME}"
+    pools = [s for s in engine.plan.program.steps if s.op_type in ("MaxPool", "GlobalAveragePool", "ReduceMean")]
+    assert pools and all(s.tactic.startswith(ours[1:]) for s in pools), [(s.op_type, s.tactic) for s in pools]
     session = _ort(exported.path)
     for seed in (1, 2):
         feeds = zoo.random_inputs(name, exported, seed=seed)
@@ -198,3 +202,95 @@ def test_whole_engine_on_direct_convolutions_matches_onnxruntime(name, monkeypat
             value = np.asarray(got[out.name])
             scale = max(1.0, float(np.abs(want).max()))
             np.testing.assert_allclose(value, want, rtol=1e-3, atol=1e-4 * scale, err_msg=f"{name} {out.name}")
+
+
+# ---- pooling -----------------------------------------------------------------------------------
+
+POOL_CASES = [  # op, N, C, H, W, kernel, stride, pads, dilation, count_include_pad
+    ("MaxPool", 1, 16, 56, 56, 3, 2, [1, 1, 1, 1], 1, 0),  # ResNet's stem pooling
+    ("MaxPool", 2, 8, 13, 11, 2, 2, [0, 0, 0, 0], 1, 0),
+    ("MaxPool", 1, 8, 12, 12, 3, 1, [0, 1, 1, 0], 2, 0),  # asymmetric pads, dilated
+    ("AveragePool", 1, 16, 14, 14, 3, 1, [1, 1, 1, 1], 1, 0),  # padding not counted
+    ("AveragePool", 1, 16, 14, 14, 3, 2, [1, 1, 1, 1], 1, 1),  # padding counted
+    ("AveragePool", 1, 16, 7, 7, 7, 1, [0, 0, 0, 0], 1, 0),
+]
+
+
+def pool_oracle(op, x, kernel, stride, pads, dilation, count_include_pad):
+    """Every window written out in float64 with the padding explicit (-inf for max, 0 for average)."""
+    x64 = x.double()
+    fill = float("-inf") if op == "MaxPool" else 0.0
+    padded = F.pad(x64, [pads[1], pads[3], pads[0], pads[2]], value=fill)
+    ones = F.pad(torch.ones_like(x64[:1, :1]), [pads[1], pads[3], pads[0], pads[2]])  # 1 inside, 0 in the padding
+    span = dilation * (kernel - 1) + 1
+    oh, ow = (padded.shape[2] - span) // stride + 1, (padded.shape[3] - span) // stride + 1
+    out = torch.empty(x.shape[0], x.shape[1], oh, ow, dtype=torch.float64)
+    for i in range(oh):
+        for j in range(ow):
+            rows = slice(i * stride, i * stride + span, dilation)
+            cols = slice(j * stride, j * stride + span, dilation)
+            window = padded[:, :, rows, cols]
+            if op == "MaxPool":
+                out[:, :, i, j] = window.amax(dim=(2, 3))
+            else:
+                count = kernel * kernel if count_include_pad else ones[:, :, rows, cols].sum()
+                out[:, :, i, j] = window.sum(dim=(2, 3)) / count
+    return out
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=lambda c: f"{c[0]}-k{c[5]}s{c[6]}d{c[8]}p{''.join(map(str, c[7]))}"
+                                                           f"-inc{c[9]}")
+def test_pooling_matches_float64_oracle_and_the_registered_op(case):
+    op, n, c, h, w, kernel, stride, pads, dilation, count_include_pad = case
+    g = torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31)
+    x = torch.randn(n, c, h, w, generator=g).contiguous(memory_format=torch.channels_last)
+    attrs = dict(kernel_shape=[kernel, kernel], strides=[stride] * 2, pads=pads, dilations=[dilation] * 2)
+    if op == "AveragePool":
+        attrs["count_include_pad"] = count_include_pad
+    step = StepSpec(op, "pool", ["x"], ["y"], attrs)
+    name = f"cpu.pool.onednn.{op}"
+    tactic = registry.get(name)
+    metas = [InputMeta.of(x, False)]
+    assert tactic.check(step, metas) is True
+    step.tactic, step.tactic_config = name, tactic.configure(step, metas)
+    launch = tactic.prepare(step, [None], torch.device("cpu"))
+    ctx = OpContext(name="pool", op_type=op, domain="", num_outputs=1)
+    got = launch(ctx, x, **attrs)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert_close(got, pool_oracle(op, x, kernel, stride, pads, dilation, count_include_pad))
+    want = lookup(op, "").fn(ctx, x, **attrs)
+    assert (got - want).abs().max().item() <= 1e-6 * max(1.0, want.abs().max().item())
+    assert_close(launch(ctx, x[:1].contiguous(), **attrs),  # another batch size, NCHW input
+                 pool_oracle(op, x[:1], kernel, stride, pads, dilation, count_include_pad))
+
+
+def test_pooling_refuses_what_it_cannot_run():
+    tactic = registry.get("cpu.pool.onednn.MaxPool")
+    x = [InputMeta((1, 4, 8, 8), torch.float32, False)]
+    assert "ceil_mode" in tactic.check(StepSpec("MaxPool", "p", ["x"], ["y"], {"kernel_shape": [2, 2],
+                                                                                "ceil_mode": 1}), x)
+    assert "Indices" in tactic.check(StepSpec("MaxPool", "p", ["x"], ["y", "i"], {"kernel_shape": [2, 2]}), x)
+    assert "2-D" in tactic.check(StepSpec("MaxPool", "p", ["x"], ["y"], {"kernel_shape": [2, 2, 2]}),
+                                 [InputMeta((1, 4, 8, 8, 8), torch.float32, False)])
+
+
+@pytest.mark.parametrize("op", ["GlobalAveragePool", "ReduceMean"])
+def test_global_average_matches_float64_mean(op):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 40, 7, 9, generator=g).contiguous(memory_format=torch.channels_last)
+    axes = torch.tensor([-2, -1])
+    step = StepSpec(op, "gap", ["x", "axes"] if op == "ReduceMean" else ["x"], ["y"], {"keepdims": 1}
+                    if op == "ReduceMean" else {})
+    tactic = registry.get(f"cpu.gap.onednn.{op}")
+    inputs, constants = ([x, axes], [None, axes]) if op == "ReduceMean" else ([x], [None])
+    metas = [InputMeta.of(v, c is not None) for v, c in zip(inputs, constants)]
+    assert tactic.check(step, metas) is True
+    step.tactic_config = tactic.configure(step, metas)
+    launch = tactic.prepare(step, constants, torch.device("cpu"))
+    got = launch(None, *inputs, **step.attributes)
+    assert_close(got, x.double().mean(dim=(2, 3), keepdim=True))
+    if op == "ReduceMean":  # axes that are not H, W: the candidate fails to prepare (the autotuner drops it)
+        with pytest.raises(ValueError, match="spatial"):
+            tactic.prepare(step, [None, torch.tensor([1, 2])], torch.device("cpu"))
+        step.attributes = {"keepdims": 0}
+        assert "keepdims" in tactic.check(step, metas)

@@ -37,6 +37,7 @@ CONVOLUTION_DIRECT = 0x1  # dnnl_alg_kind_t
 ELTWISE = {"relu": 0x20, "tanh": 0x21, "linear": 0x26, "hardsigmoid": 0x28, "logistic": 0x29,
            "gelu_tanh": 0x2b, "swish": 0x2c, "clip": 0x2e, "gelu_erf": 0x31, "hardswish": 0x34}
 BINARY_ADD = 0x1fff0
+POOLING = {"max": 0x1ff, "avg_include_padding": 0x2ff, "avg_exclude_padding": 0x3ff}
 ENGINE_CPU = 1  # dnnl_cpu
 STREAM_DEFAULT = 1  # dnnl_stream_default_flags
 FPMATH_STRICT = 0  # dnnl_fpmath_mode_strict: no implicit bf16/tf32 down-conversion
@@ -75,6 +76,8 @@ _SIGNATURES = {
     "dnnl_memory_desc_equal": (ctypes.c_int, [_P, _P]),
     "dnnl_convolution_forward_primitive_desc_create": (
         _S, [_PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _Dims, _Dims, _Dims, _Dims, _P]),
+    "dnnl_pooling_forward_primitive_desc_create": (
+        _S, [_PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _Dims, _Dims, _Dims, _Dims, _Dims, _P]),
     "dnnl_reorder_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P]),
     "dnnl_primitive_desc_query_md": (_P, [_P, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_desc_query": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
@@ -369,4 +372,55 @@ class Conv2d:
         status = execute(prim, stream, self._nargs, self._args)
         if status:
             _check(status, "convolution")
+        return y
+
+
+# ---- pooling -----------------------------------------------------------------------------------
+
+class Pool2d:
+    """One 2-D pooling primitive (max, or average with or without the padding counted) on NHWC.
+
+    ONNX MaxPool/AveragePool with ceil_mode=0 and GlobalAveragePool (a window of the whole
+    image); oneDNN never reads padding for max, and counts it for average only when told to.
+    """
+
+    def __init__(self, input_size: list[int], kind: str, kernel: list[int], stride: list[int], pads: list[int],
+                 dilation: list[int]):
+        lib = load()
+        self._lib = lib
+        n, c, h, w = input_size
+        oh = _out_size(h, kernel[0], stride[0], dilation[0], pads[0], pads[2])
+        ow = _out_size(w, kernel[1], stride[1], dilation[1], pads[1], pads[3])
+        self.input_size, self.output_size = (n, c, h, w), (n, c, oh, ow)
+        src_md = memory_desc([n, c, h, w], TAG_ACDB)
+        dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
+            _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
+            f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
+        prim = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "pooling primitive")
+        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        info = ctypes.c_char_p()
+        lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
+        self.implementation = (info.value or b"?").decode()
+        self._src, self._dst = _memory(src_md.value, None), _memory(dst_md.value, None)
+        self._mds = (src_md, dst_md)
+        self._args = (_ExecArg * 2)(_ExecArg(ARG_SRC, self._src.value), _ExecArg(ARG_DST, self._dst.value))
+        self._out_shape = (n, c, oh, ow)
+        self._out_strides = (oh * ow * c, 1, ow * c, c)
+        self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
+                      lib.stream, self._src.value, self._dst.value)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
+        set_handle, execute, prim, stream, src, dst = self._call
+        y = torch.empty_strided(self._out_shape, self._out_strides, dtype=torch.float32)
+        set_handle(src, x.data_ptr())
+        set_handle(dst, y.data_ptr())
+        status = execute(prim, stream, 2, self._args)
+        if status:
+            _check(status, "pooling")
         return y

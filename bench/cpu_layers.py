@@ -1,0 +1,141 @@
+"""Per-layer CPU times of a zoo model: kiln's layers under several tactic sets, and onnxruntime's nodes.
+
+    python bench/cpu_layers.py --model mobilenet_v2
+    python bench/cpu_layers.py --model resnet50 --sets "cpu.conv.onednn_direct,cpu.gemm;cpu.conv.onednn_graph,cpu.gemm"
+
+Each tactic set builds one engine (kiln.build(tactics=set): the autotuner chooses among the set's
+tactics and each layer's default). The engines then run in interleaved rounds (A, B, A, B, ...)
+with every step timed; a layer's time is the lower quartile of its samples, the steadier
+estimate on a CPU shared with other work (interference only ever adds time). onnxruntime runs
+afterwards in its own block (its worker threads keep spinning after a call and would slow the
+engines timed next to it) with its profiler on, summed per ONNX op type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
+
+DEFAULT_SETS = "cpu.conv.onednn_direct,cpu.gemm;cpu.conv.onednn_nhwc,cpu.conv.torch_nhwc,cpu.conv.onednn_graph,cpu.gemm"
+
+
+def lower_quartile(samples: list[float]) -> float:
+    return statistics.quantiles(samples, n=4, method="inclusive")[0] if len(samples) > 1 else samples[0]
+
+
+def describe(step) -> str:
+    if step.op_type != "FusedConv":
+        return step.op_type
+    a = step.attributes
+    size = step.tactic_config.get("input_size", "")
+    k = a.get("kernel_shape", "?")
+    group = a.get("group", 1)
+    return f"Conv {size} k{k} s{a.get('strides', [1, 1])} g{group} {a.get('activation', '')}" + \
+        (" +res" if len(step.inputs) > 3 and step.inputs[3] else "")
+
+
+def time_engines(engines: dict[str, kiln.Engine], feeds: dict, rounds: int) -> dict[str, list[float]]:
+    """label -> per-step lower-quartile ms, the engines run in interleaved rounds."""
+    import torch
+
+    samples = {label: [[] for _ in e.program.steps] for label, e in engines.items()}
+    timed = {}
+    for label, engine in engines.items():
+        def wrap(i, fn, store=samples[label]):
+            def call(ctx, *args, **kw):
+                t0 = time.perf_counter()
+                result = fn(ctx, *args, **kw)
+                store[i].append(1e3 * (time.perf_counter() - t0))
+                return result
+            return call
+        timed[label] = engine.program.with_kernels(wrap)
+    inputs = {label: engine.program_inputs(feeds) for label, engine in engines.items()}
+    with torch.inference_mode():
+        for label, program in timed.items():  # warm-up, then drop its samples
+            for _ in range(3):
+                program.run(inputs[label])
+            for s in samples[label]:
+                s.clear()
+        for _ in range(rounds):
+            for label, program in timed.items():
+                program.run(inputs[label])
+    return {label: [lower_quartile(s) if s else 0.0 for s in steps] for label, steps in samples.items()}
+
+
+def onnxruntime_profile(path: Path, feeds: dict, threads: int, runs: int) -> tuple[float, dict[str, float]]:
+    """(lower-quartile ms of a whole run, ms per ONNX op type per run) under onnxruntime's profiler."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    plain = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for _ in range(5):
+        plain.run(None, feeds)
+    whole = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        plain.run(None, feeds)
+        whole.append(1e3 * (time.perf_counter() - t0))
+    del plain
+    with tempfile.TemporaryDirectory() as folder:
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(folder) / "ort")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        for _ in range(runs):
+            session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    per_type: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            per_type[e["args"].get("op_name", "?")] += e["dur"] / 1e3 / (runs + 1)  # +1: the profiled warm-up
+    return lower_quartile(whole), dict(per_type)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mobilenet_v2")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--sets", default=DEFAULT_SETS, help="tactic sets separated by ';', tactics by ','")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    exported = zoo.export(args.model, batch=args.batch)
+    feeds = exported.inputs()
+    engines = {}
+    for i, tactic_set in enumerate(args.sets.split(";")):
+        tactics = [t for t in tactic_set.split(",") if t]
+        engines[f"set{i}"] = kiln.build(str(exported.path), tactics=tactics)
+        print(f"set{i}: {', '.join(tactics)}")
+    times = time_engines(engines, feeds, args.rounds)
+    labels = list(engines)
+    first = engines[labels[0]]
+    print(f"\n{args.model} batch {args.batch}, {args.threads} threads: per-layer lower-quartile ms "
+          f"({args.rounds} interleaved rounds; load average {os.getloadavg()[0]:.2f})")
+    print(" | ".join(f"{label:>8}" for label in labels) + " | layer (set0's tactic)")
+    for i, step in enumerate(first.plan.program.steps):
+        cells = [f"{times[label][i]:8.4f}" for label in labels]
+        print(" | ".join(cells) + f" | {describe(step)} ({step.tactic or 'default'})")
+    print(" | ".join(f"{sum(times[label]):8.3f}" for label in labels) + " | sum of layers")
+    ort_ms, per_type = onnxruntime_profile(exported.path, feeds, args.threads, args.rounds)
+    print(f"\nonnxruntime: {ort_ms:.3f} ms per run (lower quartile); kernel time per op type: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per_type.items(), key=lambda kv: -kv[1])))
+
+
+if __name__ == "__main__":
+    main()
