@@ -86,6 +86,30 @@ def test_matmul_bias_activation_becomes_fused_gemm(act, expected):
     assert_same_as_onnxruntime(proto, {"x": randn(2, 5, 8)}, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("then_norm", [True, False])
+def test_a_residual_read_by_a_layer_norm_is_left_to_the_norm(then_norm):
+    """x@W + b + r -> LayerNorm: the GEMM takes the bias, the norm the residual (one pass fewer);
+    without a norm after it, the GEMM epilogue takes the residual."""
+    x = helper.make_tensor_value_info("x", F, [2, 5, 8])
+    r = helper.make_tensor_value_info("r", F, [2, 5, 6])
+    y = helper.make_tensor_value_info("y", F, [2, 5, 6])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["z"]),
+             helper.make_node("Add", ["z", "r"], ["s" if then_norm else "y"])]
+    if then_norm:
+        nodes.append(helper.make_node("LayerNormalization", ["s", "g", "beta"], ["y"], axis=-1, epsilon=1e-5))
+    inits = [("w", randn(8, 6)), ("b", randn(6)), ("g", randn(6)), ("beta", randn(6))]
+    proto = make_model(nodes, [x, r], [y], inits, opset=20)
+    model, report, ops = optimized(proto)
+    gemm = next(n for n in model.graph if n.op_type == "FusedGemm")
+    if then_norm:
+        assert ops == {"kiln::FusedGemm": 1, "kiln::LayerNorm": 1} and report.fired["fuse_skip_layer_norm"] == 1
+        assert len(gemm.inputs) == 3  # x, w, bias: no residual
+        assert any("left to fuse_skip_layer_norm" in line for line in report.refused)
+    else:
+        assert ops == {"kiln::FusedGemm": 1} and len(gemm.inputs) == 4
+    assert_same_as_onnxruntime(proto, {"x": randn(2, 5, 8), "r": randn(2, 5, 6)}, rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_alpha_beta_transb_fold_into_fused_gemm():
     a = helper.make_tensor_value_info("a", F, [3, 4])
     y = helper.make_tensor_value_info("y", F, [3, 5])

@@ -273,7 +273,7 @@ def test_engine_with_cuda_tactics_standing_in_for_cpu_ones(tmp_path, monkeypatch
     assert not [f"{n}: {note}" for n, note in tried.items() if isinstance(note, str) and "rejected" in note]
     checked = {n for n, note in tried.items() if isinstance(note, float)}  # passed the check, then timed
     assert {"cuda.conv.channels_last_triton_epilogue", "cuda.gemm.cublas_triton_epilogue", "cuda.elementwise.triton",
-            "cuda.layer_norm.triton.onnx", "cuda.softmax.triton.onnx_softmax"} <= checked
+            "cuda.layer_norm.triton", "cuda.softmax.triton.onnx_softmax"} <= checked  # the norm takes fc2's residual
 
     # Force the first checked CUDA tactic on every layer (on CPU the interpreter never wins the timing).
     program = engine.plan.program

@@ -76,13 +76,19 @@ def _activation(v: ir.Value) -> tuple[str, float, float, list[ir.Node], ir.Value
     return None
 
 
-def _residual(v: ir.Value) -> tuple[ir.Node, ir.Value] | None:
+def _feeds_layer_norm(v: ir.Value) -> bool:
+    return any(is_op(n, "LayerNormalization") and n.inputs[0] is v for n in consumers(v))
+
+
+def _residual(v: ir.Value, leave_to_norm: bool = False) -> tuple[ir.Node, ir.Value] | None:
     node = only_user(v)
     if not is_op(node, "Add"):
         return None
     r = other_input(node, v)
     if r is None or r is v or const(r) is not None or not same_shape(node.outputs[0], v):
         return None
+    if leave_to_norm and _feeds_layer_norm(node.outputs[0]):
+        return None  # fuse_skip_layer_norm adds it inside the norm's pass over the row: one pass fewer
     return node, r
 
 
@@ -101,7 +107,7 @@ def _bias(v: ir.Value, channels: int, channel_axis: int) -> tuple[ir.Node, np.nd
 
 
 def absorb_epilogue(value: ir.Value, channels: int, channel_axis: int, take_bias: bool,
-                    rule: str, layer: ir.Node, report: PassReport) -> Epilogue:
+                    rule: str, layer: ir.Node, report: PassReport, leave_residual_to_norm: bool = False) -> Epilogue:
     ep = Epilogue(output=value)
     if take_bias and (found := _bias(value, channels, channel_axis)):
         ep.nodes.append(found[0])
@@ -112,7 +118,7 @@ def absorb_epilogue(value: ir.Value, channels: int, channel_axis: int, take_bias
             ep.activation, ep.alpha, ep.beta, nodes, ep.output = act
             ep.nodes += nodes
             continue
-        if ep.residual is None and (res := _residual(ep.output)):
+        if ep.residual is None and (res := _residual(ep.output, leave_residual_to_norm and not ep.activation)):
             ep.nodes.append(res[0])
             ep.residual = res[1]
             ep.residual_after_activation = int(bool(ep.activation))
@@ -125,6 +131,9 @@ def absorb_epilogue(value: ir.Value, channels: int, channel_axis: int, take_bias
         readers = ", ".join(n.op_type for n in users) + (", a graph output" if ep.output.is_graph_output() else "")
         report.refuse(rule, layer, f"{ep.output.name!r} is read by {readers}: the activation cannot be "
                       "absorbed while another reader needs the value before it")
+    elif len(users) == 1 and is_op(users[0], "Add") and ep.residual is None and _residual(ep.output):
+        report.refuse(rule, layer, f"Add {users[0].name!r} left to fuse_skip_layer_norm: the LayerNorm that "
+                      "reads the sum adds it in its own pass")
     elif len(users) == 1 and is_op(users[0], "Add") and ep.residual is None:
         report.refuse(rule, layer, f"Add {users[0].name!r} not absorbed as residual: its other input is "
                       "a constant that is not per-channel, or the Add broadcasts the layer output")

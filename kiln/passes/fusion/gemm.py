@@ -98,7 +98,10 @@ def fuse_gemm(node: ir.Node, report: PassReport) -> bool:
         x, unflatten = lifted
         layer_nodes.append(unflatten)
         layer_out = unflatten.outputs[0]
-    ep = absorb_epilogue(layer_out, n, -1, take_bias=True, rule=RULE, layer=node, report=report)
+    # A residual Add read by a LayerNorm is left to fuse_skip_layer_norm: the norm then adds it in its
+    # own pass over the row, where a GEMM epilogue would write the sum for the norm to read back.
+    ep = absorb_epilogue(layer_out, n, -1, take_bias=True, rule=RULE, layer=node, report=report,
+                         leave_residual_to_norm=True)
     if ep.bias is not None:
         bias = ep.bias if bias is None else bias + ep.bias
     graph = node.graph
