@@ -166,9 +166,9 @@ def _prepare_layer_norm(step: StepSpec, constants: list[Any], device: torch.devi
     axis, epsilon = int(_attr(step, "axis", -1)), float(_attr(step, "epsilon", 1e-5))
 
     def launch(ctx, x, scale=None, bias=None, residual=None, **_attributes):
-        s = x if residual is None else x + residual  # skip-LayerNorm: s is also the 2nd output
-        y = kernels.layer_norm(s, scale, bias, epsilon, axis=axis)
-        return (y, s) if ctx.num_outputs == 2 else y
+        # skip-LayerNorm: s = x + residual formed in the kernel's pass over the row, also the 2nd output
+        return kernels.layer_norm(x, scale, bias, epsilon, axis=axis, residual=residual,
+                                  return_sum=ctx.num_outputs == 2)
 
     return launch
 

@@ -61,10 +61,14 @@ def normalization_cases():
     for dtype in DTYPES:
         for rms in (False, True):
             for block, single in ((1024, True), (8192, False)):
+                residual = not rms and single
                 types = {"x_ptr": f"*{dtype}", "w_ptr": "*fp32", "b_ptr": "*fp32", "y_ptr": f"*{dtype}",
-                         "n": "i32", "row_stride": "i32", "eps": "fp32"}
-                yield (f"{'rms_norm' if rms else 'layer_norm'} {dtype} block {block}", normalization._layer_norm_kernel,
-                       types, {"HAS_W": True, "HAS_B": not rms, "RMS": rms, "BLOCK": block, "SINGLE": single})
+                         "r_ptr": f"*{dtype}", "s_ptr": f"*{dtype}", "n": "i32", "row_stride": "i32",
+                         "r_row_stride": "i32", "eps": "fp32"}
+                yield (f"{'rms_norm' if rms else 'layer_norm'} {dtype} block {block}"
+                       + (" +residual" if residual else ""), normalization._layer_norm_kernel, types,
+                       {"HAS_W": True, "HAS_B": not rms, "HAS_R": residual, "WRITE_S": residual, "RMS": rms,
+                        "BLOCK": block, "SINGLE": single})
         for log in (False, True):
             for block, single in ((1024, True), (8192, False)):
                 types = {"x_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "n": "i32", "row_stride": "i32"}
@@ -148,7 +152,7 @@ def attention_cases():
 
 
 QUICK = {  # one representative per kernel and variant, for CI (the full list takes ~45 s)
-    "elementwise fp16 cgs rank 2", "elementwise bf16 ggc rank 3", "layer_norm fp16 block 1024",
+    "elementwise fp16 cgs rank 2", "elementwise bf16 ggc rank 3", "layer_norm fp16 block 1024 +residual",
     "layer_norm bf16 block 8192", "rms_norm fp16 block 1024", "softmax fp16 block 1024", "log_softmax bf16 block 8192",
     "bias_activation fp16 Gelu", "bias_activation bf16 GeluTanh", "bias_activation fp16 HardSwish",
     "gemm fp16 Gelu 16x64x64", "gemm bf16 Relu 128x128x64", "gemm fp32 none 16x64x64",

@@ -32,6 +32,23 @@ def test_layer_norm(dtype, row_mode):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_skip_layer_norm_forms_the_sum_in_the_kernel(dtype, row_mode):
+    x, r = (torch.randn(5, 3, 37) * 2).to(dtype), torch.randn(5, 3, 37).to(dtype)
+    weight, bias = torch.randn(37).to(dtype), torch.randn(37).to(dtype)
+    s_expected = x + r  # the unfused Add, rounded to dtype
+    y, s = layer_norm(x, weight, bias, 1e-5, residual=r, return_sum=True)
+    if dtype == torch.bfloat16:  # the interpreter's bf16 casts do not round as the GPU's do (to nearest even)
+        assert_close(s, s_expected.float(), dtype)
+    else:
+        torch.testing.assert_close(s, s_expected, rtol=0, atol=0)  # the same rounding as the unfused Add
+    assert_close(y, F.layer_norm(s_expected.float(), (37,), weight.float(), bias.float(), 1e-5), dtype)
+    assert_close(layer_norm(x, weight, bias, 1e-5, residual=r), y.float(), dtype)  # without the sum output
+    positions = torch.randn(3, 37).to(dtype)  # a broadcast residual: added before the kernel
+    assert_close(layer_norm(x, weight, bias, 1e-5, residual=positions),
+                 F.layer_norm((x + positions).float(), (37,), weight.float(), bias.float(), 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_rms_norm(dtype, row_mode):
     x, weight = torch.randn(4, 37).to(dtype), torch.randn(37).to(dtype)
     assert_close(rms_norm(x, weight, 1e-6), rms_reference(x, weight, 1e-6), dtype)

@@ -18,7 +18,8 @@ MAX_ROW_BLOCK = 8192  # elements of one row held in registers at once
 
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, row_stride, eps, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, r_ptr, s_ptr, n, row_stride, r_row_stride, eps,
+                       HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr, WRITE_S: tl.constexpr,
                        RMS: tl.constexpr, BLOCK: tl.constexpr, SINGLE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * row_stride
@@ -27,6 +28,11 @@ def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, y_ptr, n, row_stride, eps, HAS_W: tl
     if SINGLE:  # the whole row in registers
         mask = cols < n
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_R:  # skip-LayerNorm: s = x + r, rounded to the storage dtype as the unfused Add would
+            r = tl.load(r_ptr + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if WRITE_S:
+                tl.store(s_ptr + row * n + cols, x.to(s_ptr.dtype.element_ty), mask=mask)
         if RMS:
             xc = x
         else:
@@ -123,28 +129,49 @@ def _param(p: torch.Tensor | None, shape: list[int]) -> torch.Tensor | None:
     return p.contiguous().reshape(-1)
 
 
-def _norm(x, weight, bias, eps, axis, rms, what):
+def _row_size(x: torch.Tensor, axis: int) -> int:
+    n = 1
+    for size in x.shape[(axis + x.dim() if axis < 0 else axis):]:
+        n *= size
+    return n
+
+
+def _norm(x, weight, bias, eps, axis, rms, what, residual=None, return_sum=False):
     axis = axis + x.dim() if axis < 0 else axis
     shape = list(x.shape[axis:])
-    n = 1
-    for size in shape:
-        n *= size
+    n = _row_size(x, axis)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else None
     if y.numel() == 0:
-        return y
+        return (y, s) if return_sum else y
     x2 = _rows(x, n, what)
+    r2 = _rows(residual, n, what) if residual is not None else x2
     w, b = _param(weight, shape), _param(bias, shape)
     block, single, warps = _block(n)
     _layer_norm_kernel[(x2.shape[0],)](
-        x2, w if w is not None else x2, b if b is not None else x2, y, n, x2.stride(0), float(eps),
-        HAS_W=w is not None, HAS_B=b is not None, RMS=rms, BLOCK=block, SINGLE=single, num_warps=warps)
-    return y
+        x2, w if w is not None else x2, b if b is not None else x2, y, r2, s if s is not None else y,
+        n, x2.stride(0), r2.stride(0), float(eps),
+        HAS_W=w is not None, HAS_B=b is not None, HAS_R=residual is not None, WRITE_S=s is not None,
+        RMS=rms, BLOCK=block, SINGLE=single, num_warps=warps)
+    return (y, s) if return_sum else y
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               eps: float = 1e-5, *, axis: int = -1) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) · weight + bias over the dims from `axis` on (kiln::LayerNorm)."""
-    return _norm(x, weight, bias, eps, axis, rms=False, what="layer_norm")
+               eps: float = 1e-5, *, axis: int = -1, residual: torch.Tensor | None = None,
+               return_sum: bool = False):
+    """(s - mean) / sqrt(var + eps) · weight + bias over the dims from `axis` on (kiln::LayerNorm),
+    s = x (+ residual). With `residual` of x's shape and dtype and a row that fits in registers the
+    sum is formed in the kernel's one pass over the row (and written as a 2nd output when
+    `return_sum`); else it is added first. Returns y, or (y, s) when `return_sum`."""
+    if residual is None:
+        y = _norm(x, weight, bias, eps, axis, rms=False, what="layer_norm")
+        return (y, x) if return_sum else y
+    fits = residual.shape == x.shape and residual.dtype == x.dtype
+    if not fits or not _block(_row_size(x, axis))[1]:
+        s = x + residual
+        y = _norm(s, weight, bias, eps, axis, rms=False, what="layer_norm")
+        return (y, s) if return_sum else y
+    return _norm(x, weight, bias, eps, axis, rms=False, what="layer_norm", residual=residual, return_sum=return_sum)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
