@@ -88,6 +88,9 @@ def cases() -> list[Case]:
              step("FusedGemm", "kiln", 4, residual_after_activation=1),
              lambda: [randn(bert[0], 3072), randn(768, 3072, scale=0.02), randn(768), randn(*bert)],
              frozenset({1, 2})),
+        Case("FusedGemm GPT-2 FFN1 4096x768->3072 no bias +GeluTanh",  # the epilogue on a zero bias
+             step("FusedGemm", "kiln", 2, activation="GeluTanh"),
+             lambda: [randn(4096, 768), randn(3072, 768, scale=0.03)], frozenset({1})),
         Case("FusedGemm batch-1 1x768->3072 +GeluTanh", step("FusedGemm", "kiln", 3, activation="GeluTanh"),
              lambda: [randn(1, 768), randn(3072, 768, scale=0.03), randn(3072)], frozenset({1, 2})),
         Case("FusedGemm QKV 8x128x768->2304 bf16", step("FusedGemm", "kiln", 3),
