@@ -9,6 +9,7 @@
     cuda.gemm.triton.<BMxBNxBK>           Triton GEMM with the epilogue fused, one tactic per tile config
     cuda.conv.channels_last               cuDNN conv on NHWC activations and weights, epilogue by torch in place
     cuda.conv.channels_last_triton_epilogue   the same conv without bias, epilogue in one Triton kernel
+    cuda.conv.patchify_gemm               stride == kernel (ViT patch embedding): patches copied once, one GEMM
     cuda.attention.flash / .efficient / .cudnn   SDPA with its backend forced (torch.nn.attention.sdpa_kernel)
 
 Triton is imported when a Triton tactic is prepared, not here: a CPU-only deployment without
@@ -465,6 +466,56 @@ register(Tactic(
     dtypes=_FLOAT, supports=lambda step, inputs: _conv_supports(step, inputs, epilogue_kernel=True),
     prepare=_prepare_conv_triton_epilogue, layout="channels_last", available=triton_available,
     description="cuDNN convolution (channels-last, no bias), then bias + residual + activation as one Triton kernel",
+))
+
+
+def _patchify_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    x, w = inputs[0], _input(inputs, 1)
+    if x.shape is None or len(x.shape) != 4 or w is None or not w.constant or len(w.shape) != 4:
+        return "not a 2-D convolution with a constant weight"
+    if w.dtype != x.dtype:
+        return f"weight dtype {w.dtype} differs from input dtype {x.dtype}"
+    kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
+    strides = list(_attr(step, "strides", [1, 1]))
+    if strides != kernel:
+        return f"strides {strides} differ from the kernel {kernel}: the windows overlap or skip"
+    if any(d != 1 for d in _attr(step, "dilations", [1, 1])) or int(_attr(step, "group", 1)) != 1:
+        return "dilated or grouped"
+    if any(_attr(step, "pads", [0, 0, 0, 0])) or _attr(step, "auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return "padded"
+    if _attr(step, "activation", "") not in ("", "Relu", "Gelu", "GeluTanh", "Sigmoid", "SiLU", "Tanh"):
+        return f"activation {_attr(step, 'activation', '')!r}"
+    residual = _input(inputs, 3)
+    out = (x.shape[0], w.shape[0], x.shape[2] // kernel[0], x.shape[3] // kernel[1])
+    if residual is not None and tuple(residual.shape) != out:
+        return f"residual {list(residual.shape)} is not the output's shape {list(out)}"
+    return True
+
+
+def _prepare_patchify(step: StepSpec, constants: list[Any], device: torch.device):
+    w = constants[1]
+    cout, cin, kh, kw = w.shape
+    w2t = w.reshape(cout, cin * kh * kw).t()  # [C·kh·kw, Cout] as a view: cuBLAS reads it transposed
+    epilogue = _epilogue_args(step, 0)
+
+    def launch(ctx, x, w=None, b=None, residual=None, **_attributes):
+        n, c, h, wd = x.shape
+        ho, wo = h // kh, wd // kw
+        x = x[:, :, :ho * kh, :wo * kw]  # a trailing partial window is not convolved
+        patches = x.reshape(n, c, ho, kh, wo, kw).permute(0, 2, 4, 1, 3, 5).reshape(n * ho * wo, c * kh * kw)
+        y2 = torch.addmm(b.reshape(-1), patches, w2t) if b is not None else torch.mm(patches, w2t)
+        y = y2.view(n, ho, wo, cout).permute(0, 3, 1, 2)  # [N, Cout, Ho, Wo], channels-last strides: no copy
+        return _epilogue(y, residual, epilogue["activation"], epilogue["alpha"], epilogue["beta"],
+                         epilogue["residual_after_activation"])
+
+    return launch
+
+
+register(Tactic(
+    name="cuda.conv.patchify_gemm", op_type="FusedConv", domain="kiln", device="cuda", dtypes=_FLOAT,
+    supports=_patchify_supports, prepare=_prepare_patchify,
+    description="a convolution whose stride equals its kernel (ViT's patch embedding) as one copy of the patches "
+                "and one cuBLAS GEMM with the bias; the output is channels-last",
 ))
 
 

@@ -48,7 +48,7 @@ EXPECTED = {
     "cuda.softmax.triton.onnx_logsoftmax", "cuda.gemm.cublas_triton_epilogue", "cuda.gemm.cublas_addmm_act",
     "cuda.gemm.triton.128x128x64", "cuda.gemm.triton.64x128x32", "cuda.gemm.triton.16x64x64",
     "cuda.gemm.triton.128x256x64", "cuda.conv.channels_last", "cuda.conv.channels_last_triton_epilogue",
-    "cuda.attention.flash", "cuda.attention.efficient", "cuda.attention.cudnn",
+    "cuda.attention.flash", "cuda.attention.efficient", "cuda.attention.cudnn", "cuda.conv.patchify_gemm",
 }
 
 
@@ -287,3 +287,18 @@ def test_engine_with_cuda_tactics_standing_in_for_cpu_ones(tmp_path, monkeypatch
     x = np.random.default_rng(1).standard_normal((2, 3, 4, 4)).astype(np.float32)
     expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     np.testing.assert_allclose(forced.run({"x": x})["y"], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_patchify_gemm_matches_the_convolution():
+    """ViT's patch embedding (stride == kernel) as patches @ Wᵀ: with bias, a trailing partial window,
+    residual + activation, and the refusals."""
+    vit = make_step("FusedConv", "kiln", 3, kernel_shape=[16, 16], strides=[16, 16])
+    run_against_reference("cuda.conv.patchify_gemm", vit,
+                          [randn(2, 3, 64, 48), randn(24, 3, 16, 16, scale=0.05), randn(24)], {1, 2})
+    ragged = make_step("FusedConv", "kiln", 4, kernel_shape=[4, 4], strides=[4, 4], activation="Gelu")
+    run_against_reference("cuda.conv.patchify_gemm", ragged,
+                          [randn(2, 5, 18, 23), randn(8, 5, 4, 4), randn(8), randn(2, 8, 4, 5)], {1, 2})
+    assert "overlap" in _reason("cuda.conv.patchify_gemm", make_step("FusedConv", "kiln", 2, kernel_shape=[3, 3]),
+                                [randn(1, 4, 8, 8), randn(4, 4, 3, 3)], {1})
+    padded = make_step("FusedConv", "kiln", 2, kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1])
+    assert "padded" in _reason("cuda.conv.patchify_gemm", padded, [randn(1, 4, 8, 8), randn(4, 4, 2, 2)], {1})
