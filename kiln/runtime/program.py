@@ -9,7 +9,7 @@ last use (the liveness plan), so activations do not outlive their consumers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.errors import ExecutionError
@@ -137,7 +137,12 @@ class Program:
             if step.tactic:  # pre-packs the step's weights once, here, at load
                 from kiln.tactics.registry import launch_for
 
-                fn = launch_for(step, op.fn, [template_values.get(s) for s in in_slots[:len(step.inputs)]], device)
+                # Inputs whose value dies at this step (freed after it; not a graph input, output or
+                # capture): a tactic may write its result over one (kiln/tactics/cpu_onednn.py).
+                dying = [k for k, n in enumerate(step.inputs) if n and slot(n) in free_after[i]
+                         and n not in spec.inputs and n not in spec.captures]
+                prepared = replace(step, tactic_config={**step.tactic_config, "dying_inputs": dying}) if dying else step
+                fn = launch_for(prepared, op.fn, [template_values.get(s) for s in in_slots[:len(step.inputs)]], device)
             fn = fn if step.precision != "fp32" else _pinned_fp32(fn)
             self.steps.append((fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
@@ -177,6 +182,7 @@ class Program:
             else:
                 for s, v in zip(out_slots, result):
                     env[s] = v
+            result = v = None  # the slots alone hold the values: a kernel may overwrite a dying input
             for s in free:
                 env[s] = None
         return [env[s] for s in self.output_slots]

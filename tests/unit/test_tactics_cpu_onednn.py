@@ -9,6 +9,8 @@ onnxruntime.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -20,7 +22,7 @@ from kiln import zoo
 from kiln.kernels.cpu import onednn
 from kiln.ops.fused import fused_conv
 from kiln.ops.registry import OpContext, lookup
-from kiln.runtime.program import StepSpec
+from kiln.runtime.program import Program, ProgramSpec, StepSpec
 from kiln.tactics import autotune, registry
 from kiln.tactics.tactic import InputMeta
 
@@ -294,3 +296,46 @@ def test_global_average_matches_float64_mean(op):
             tactic.prepare(step, [None, torch.tensor([1, 2])], torch.device("cpu"))
         step.attributes = {"keepdims": 0}
         assert "keepdims" in tactic.check(step, metas)
+
+
+# ---- the residual accumulated in place -----------------------------------------------------------
+
+def _residual_program(share: str) -> tuple[ProgramSpec, dict, torch.Tensor]:
+    """x -> r = relu(x) -> [alias] -> y = relu(conv(x) + b + r) -> out, where r is afterwards
+    "none": dead; "later": read again by a final Add; "alias": dead under its name, but an Identity
+    made a second name for the same tensor, read by the final Add; "view": a Reshape view of r is
+    read by the final Add."""
+    g = torch.Generator().manual_seed(11)
+    weights = {"w": torch.randn(8, 8, 3, 3, generator=g) * 0.2, "b": torch.randn(8, generator=g)}
+    attrs = {"pads": [1, 1, 1, 1], "activation": "Relu", "kernel_shape": [3, 3]}
+    steps = [StepSpec("Relu", "relu", ["x"], ["r"])]
+    keep = {"none": "r", "later": "r", "alias": "r2", "view": "r2"}[share]
+    if share == "alias":
+        steps.append(StepSpec("Identity", "alias", ["r"], ["r2"]))
+    if share == "view":
+        steps.append(StepSpec("Reshape", "view", ["r", "shape"], ["r2"]))
+        weights["shape"] = torch.tensor([1, 8, 6, 6])
+    steps.append(StepSpec("FusedConv", "conv", ["x", "w", "b", "r"], ["y"], attrs, domain="kiln", tactic=NAME,
+                          tactic_config={"input_size": [1, 8, 6, 6], "residual": True}))
+    outputs = ["y"]
+    if share != "none":
+        steps.append(StepSpec("Add", "add", ["y", keep], ["out"]))
+        outputs = ["out"]
+    constants = {k: k for k in weights}
+    return ProgramSpec(["x"], outputs, steps, constants), weights, torch.randn(1, 8, 6, 6, generator=g)
+
+
+@pytest.mark.parametrize("share", ["none", "later", "alias", "view"])
+def test_residual_is_overwritten_only_when_nothing_else_reads_it(share, monkeypatch):
+    accumulated = []
+    original = onednn.Conv2d.accumulate
+    monkeypatch.setattr(onednn.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
+    spec, weights, x = _residual_program(share)
+    reference = ProgramSpec(spec.inputs, spec.outputs, [dataclasses.replace(s, tactic="", tactic_config={})
+                                                       for s in spec.steps], spec.constants)
+    x_nhwc = x.contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        want = Program(reference, weights).run([x_nhwc.clone()])[0]
+        got = Program(spec, weights).run([x_nhwc.clone()])[0]
+    assert_close(got, want.double())
+    assert accumulated == ([1] if share == "none" else []), "in place exactly when the residual is dead and unshared"

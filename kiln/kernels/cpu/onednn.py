@@ -92,6 +92,7 @@ _SIGNATURES = {
     "dnnl_post_ops_destroy": (_S, [_P]),
     "dnnl_post_ops_append_eltwise": (_S, [_P, ctypes.c_int, ctypes.c_float, ctypes.c_float]),
     "dnnl_post_ops_append_binary": (_S, [_P, ctypes.c_int, _P]),
+    "dnnl_post_ops_append_sum": (_S, [_P, ctypes.c_float, ctypes.c_int32, ctypes.c_int]),
     "dnnl_primitive_attr_create": (_S, [_PP]),
     "dnnl_primitive_attr_destroy": (_S, [_P]),
     "dnnl_primitive_attr_set_post_ops": (_S, [_P, _P]),
@@ -263,7 +264,9 @@ class Conv2d:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: list[int], stride: list[int],
                  pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
-                 residual: bool, residual_after_activation: bool, activation_tag: int = TAG_ACDB):
+                 residual: bool, residual_after_activation: bool, activation_tag: int = TAG_ACDB,
+                 src_tag: int | None = None, residual_in_place: bool = False,
+                 share_weight_with: Conv2d | None = None):
         lib = load()
         self._lib = lib
         n, c, h, wd = input_size
@@ -276,7 +279,7 @@ class Conv2d:
         self.output_size = (n, o, oh, ow)
         self.residual = residual
 
-        src_md = memory_desc([n, c, h, wd], activation_tag)
+        src_md = memory_desc([n, c, h, wd], activation_tag if src_tag is None else src_tag)
         dst_md = memory_desc([n, o, oh, ow], activation_tag)
         if groups == 1:
             w_dims, w_user_tag = [o, c, kh, kw], TAG_ABCD
@@ -304,6 +307,8 @@ class Conv2d:
             if kind == "eltwise":
                 _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
                        f"eltwise post-op {eltwise}")
+            elif residual_in_place:  # dst += residual: the residual is already in dst's memory
+                _check(lib.lib.dnnl_post_ops_append_sum(post, 1.0, 0, 0), "sum post-op")
             else:
                 _check(lib.lib.dnnl_post_ops_append_binary(post, BINARY_ADD, dst_md.value), "binary add post-op")
                 self._residual_index = index
@@ -323,13 +328,18 @@ class Conv2d:
         lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
         self.implementation = (info.value or b"?").decode()
 
-        # the weight, once, in the layout the kernel chose
+        # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
+        # that one chose the same layout: the in-place and the binary variant of one layer)
         w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
         w_user = memory_desc(w_dims, w_user_tag)
-        size = lib.lib.dnnl_memory_desc_get_size(w_md)
-        self._weight = torch.empty(size // 4 + 16, dtype=torch.float32)  # kept alive: the primitive reads it
-        w_src = w.detach().to(torch.float32).contiguous()
-        _reorder(w_user.value, w_md, w_src, self._weight)
+        other = share_weight_with
+        if other is not None and lib.lib.dnnl_memory_desc_equal(w_md, other._w_md):
+            self._weight = other._weight
+        else:
+            size = lib.lib.dnnl_memory_desc_get_size(w_md)
+            self._weight = torch.empty(size // 4 + 16, dtype=torch.float32)  # kept alive: the primitive reads it
+            _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
+        self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
 
         # memory objects whose data handles are swapped per call
@@ -344,7 +354,8 @@ class Conv2d:
         if self._bias is not None:
             self._b_mem = _memory(b_md.value, self._bias.data_ptr())
             args.append((ARG_BIAS, self._b_mem))
-        if residual:
+        self.residual_in_place = residual and residual_in_place
+        if residual and not residual_in_place:
             self._r_mem = _memory(dst_md.value, None)
             args.append((ARG_POST_OP(self._residual_index) | ARG_SRC_1, self._r_mem))
         self._mds = (src_md, dst_md, w_any, b_md, w_user)  # descriptors outlive the memories that use them
@@ -355,7 +366,7 @@ class Conv2d:
         self._out_strides = (oh * ow * o, 1, ow * o, o)  # NHWC in memory, NCHW in shape: channels-last
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value,
-                      self._r_mem.value if residual else None)
+                      self._r_mem.value if residual and not residual_in_place else None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last.
@@ -373,6 +384,18 @@ class Conv2d:
         if status:
             _check(status, "convolution")
         return y
+
+    def accumulate(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The epilogue's residual add done in place (built with residual_in_place): the result is
+        written over `residual` and returned. Reading the residual then costs nothing beyond the
+        output's own cache-line fills; the caller guarantees nothing else reads `residual` after."""
+        set_handle, execute, prim, stream, src, dst, _ = self._call
+        set_handle(src, x.data_ptr())
+        set_handle(dst, residual.data_ptr())
+        status = execute(prim, stream, self._nargs, self._args)
+        if status:
+            _check(status, "convolution")
+        return residual
 
 
 # ---- pooling -----------------------------------------------------------------------------------
