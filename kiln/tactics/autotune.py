@@ -254,6 +254,45 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
     return records, [_clone(o) for o in outputs]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _upcast(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in _HALF else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_upcast(v) for v in value)
+    return value
+
+
+def _half_dtype(value: Any) -> torch.dtype | None:
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.dtype in _HALF else None
+    if isinstance(value, (list, tuple)):
+        return next((d for v in value if (d := _half_dtype(v)) is not None), None)
+    return None
+
+
+def _checker(fn: Launch, ctx, record: _Recorded, attrs: dict) -> Callable[[Any], str | None]:
+    """How a candidate's output is judged: None when it passes, else what differs.
+
+    A half-precision layer is checked against its default implementation run in float32 on
+    float32 copies of the same inputs (the fp32 reference), within the half dtype's tolerance:
+    a tactic must be as close to the exact result as fp16/bf16 storage allows, not merely close
+    to another fp16 kernel. Where the default cannot run in float32, against its recorded output.
+    """
+    half = _half_dtype(record.output)
+    if half is None:
+        return lambda result: mismatch(result, record.output)
+    try:
+        with torch.inference_mode():
+            reference = fn(ctx, *[_upcast(a) for a in record.args], **attrs)
+    except Exception:  # noqa: BLE001  an op with a half-only path: compare with its half output
+        return lambda result: mismatch(result, record.output)
+    tolerance = {**TOLERANCE, torch.float32: TOLERANCE[half]}
+    return lambda result: mismatch(_upcast(result), reference, tolerance)
+
+
 def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: list[str]) -> list[Tactic]:
     found = registry.candidates(step.op_type, step.domain, device.type, opt_level)
     if allowed:
@@ -279,6 +318,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
 
     key = signature_key(layer_signature(step, metas, [DEFAULT] + [t.name for t in usable], env))
     cached = cache.get(key)
+    check = _checker(fn, ctx, record, attrs)
     launches: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
     for t in usable:
         if cached is not None and cached["chosen"] != t.name:
@@ -288,7 +328,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
             launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
             args = [t.to_layout(a) for a in record.args]
             with torch.inference_mode():
-                problem = mismatch(launch(ctx, *args, **attrs), record.output)
+                problem = check(launch(ctx, *args, **attrs))
         except Exception as e:  # noqa: BLE001  a candidate that fails is dropped, with the reason
             problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:

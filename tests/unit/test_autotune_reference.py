@@ -1,0 +1,38 @@
+"""The autotuner judges a half-precision candidate against the fp32 reference (issue 4), not against
+another fp16 kernel: the layer's default implementation run in float32 on float32 copies of its inputs."""
+
+import torch
+
+from kiln.tactics.autotune import _checker, _Recorded
+
+
+def _default(ctx, x, w):
+    """A default implementation whose half-precision path is off by 0.5 (an inexact fp16 kernel)."""
+    y = x * w
+    return y + 0.5 if y.dtype == torch.float16 else y
+
+
+def test_a_half_layer_is_checked_against_its_fp32_reference():
+    x, w = torch.randn(64, dtype=torch.float16), torch.full((64,), 3.0, dtype=torch.float16)
+    record = _Recorded([x, w], _default(None, x, w))
+    check = _checker(_default, None, record, {})
+    exact = (x.float() * w.float()).half()
+    assert check(exact) is None  # as close to the exact result as fp16 storage allows
+    problem = check(record.output)  # the fp16 default's own output: off by 0.5 from the fp32 reference
+    assert problem is not None and "max abs error" in problem
+
+
+def test_float32_layers_and_half_only_defaults_are_checked_against_the_recorded_output():
+    x, w = torch.randn(8), torch.randn(8)
+    record = _Recorded([x, w], _default(None, x, w))
+    assert _checker(_default, None, record, {})(x * w) is None
+
+    def half_only(ctx, x, w):
+        if x.dtype != torch.float16:
+            raise TypeError("fp16 only")
+        return x * w
+
+    xh, wh = x.half(), w.half()
+    record = _Recorded([xh, wh], half_only(None, xh, wh))
+    check = _checker(half_only, None, record, {})
+    assert check(xh * wh) is None and check(xh * wh + 1) is not None
