@@ -3,9 +3,11 @@
     1. run the lowered program once on example inputs at the tuning shapes (config.shapes,
        symbolic dims 1), recording each tunable layer's real inputs and reference output;
     2. per layer: drop candidates that do not support it (with the reason), check each
-       survivor against the op's registered implementation on those inputs (a wrong result
-       drops it, with the error), time what is left — interleaved rounds after a warm-up,
-       median on CUDA events, lower quartile of perf_counter on CPU (see measure) — and keep the fastest;
+       survivor against the op's registered implementation on those inputs — in float32 on
+       float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
+       with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
+       events over CUDA-graph replays, lower quartile of perf_counter on CPU (see measure) — and
+       keep the fastest;
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked);
     4. the whole program runs once more with the chosen tactics and must match the reference
