@@ -3,9 +3,9 @@
     cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation
                              and residual as post-ops), created and JIT-compiled when the engine
                              loads, weight reordered into the kernel's blocked layout then
-    cpu.pool.onednn          MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
-                             primitive on NHWC
-    cpu.gap.onednn           GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
+    cpu.pool.onednn.<op>     MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
+                             primitive on NHWC (torch's channels-last max_pool2d: ~3x slower)
+    cpu.gap.onednn.<op>      GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
                              the dynamo exporter emits for it), as a whole-image average pooling
 
 Why not torch's oneDNN entry points (kiln/tactics/cpu.py): they build the primitive descriptor
@@ -21,8 +21,14 @@ is a torch op that must see an ordinary tensor. channels_last is an ordinary ten
 the tactic declares layout "channels_last", the autotuner times it on NHWC inputs, and a conv
 stack converts once at its boundary, exactly as for the other NHWC tactics.
 
-The tactic is optional: `available()` is false when libdnnl.so.3 (the `onednn-cpu-gomp` wheel)
-cannot be loaded, and an engine that names it then runs the op's registered implementation.
+The residual: when the runtime says the residual's value dies at this layer (StepSpec.tactic_config
+"dying_inputs", set by kiln/runtime/program.py at load) and, at run time, no other slot, view or
+argument holds it, the convolution accumulates into the residual's memory (a sum post-op) instead
+of reading it as a third stream (binary post-op): ~1 ms of ResNet-50's 16 residual convolutions.
+
+The tactics are optional: `available()` is false when libdnnl.so.3 (the `onednn-cpu-gomp` wheel)
+cannot be loaded, or when it would bring its own OpenMP runtime next to torch's; an engine that
+names them then runs the ops' registered implementations.
 A primitive is built for the input size the layer was tuned at (tactic_config["input_size"]);
 another input size (dynamic batch) builds and caches one more primitive on first sight.
 """

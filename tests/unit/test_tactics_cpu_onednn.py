@@ -339,3 +339,15 @@ def test_residual_is_overwritten_only_when_nothing_else_reads_it(share, monkeypa
         got = Program(spec, weights).run([x_nhwc.clone()])[0]
     assert_close(got, want.double())
     assert accumulated == ([1] if share == "none" else []), "in place exactly when the residual is dead and unshared"
+
+
+def test_a_second_openmp_runtime_makes_the_library_unavailable(monkeypatch):
+    """libdnnl resolving libgomp to another file than torch's (CUDA wheels rename theirs) would run
+    two OpenMP pools side by side: the tactics then stay off."""
+    monkeypatch.setattr(onednn, "_LIBRARY", None)
+    monkeypatch.setattr(onednn, "_LOAD_ERROR", None)
+    monkeypatch.setattr(onednn, "_openmp_runtimes", lambda: ["/torch/lib/libgomp-a34b3233.so.1",
+                                                             "/usr/lib/x86_64-linux-gnu/libgomp.so.1"])
+    assert not onednn.available()
+    with pytest.raises(onednn.OneDNNError, match="OpenMP runtime is not torch's"):
+        onednn.load()

@@ -41,7 +41,7 @@ POOLING = {"max": 0x1ff, "avg_include_padding": 0x2ff, "avg_exclude_padding": 0x
 ENGINE_CPU = 1  # dnnl_cpu
 STREAM_DEFAULT = 1  # dnnl_stream_default_flags
 FPMATH_STRICT = 0  # dnnl_fpmath_mode_strict: no implicit bf16/tf32 down-conversion
-QUERY_IMPL_INFO_STR, QUERY_WEIGHTS_MD, QUERY_DST_MD, QUERY_SRC_MD = 8, 131, 133, 129
+QUERY_IMPL_INFO_STR, QUERY_WEIGHTS_MD = 8, 131
 ARG_SRC, ARG_DST, ARG_WEIGHTS, ARG_BIAS, ARG_SRC_1 = 1, 17, 33, 41, 2
 ARG_FROM, ARG_TO = 1, 17
 
@@ -149,6 +149,12 @@ def load() -> _Library:
         if v.major != 3:
             problems.append(f"{path}: oneDNN {version}, the enum values here are oneDNN 3's")
             continue
+        runtimes = _openmp_runtimes()
+        if len(runtimes) > 1:
+            # torch's libgomp renamed (CUDA wheels vendor it as libgomp-<hash>.so.1): libdnnl brought
+            # a second OpenMP pool whose spinning threads would fight torch's for the same cores.
+            problems.append(f"{path}: its OpenMP runtime is not torch's ({', '.join(runtimes)})")
+            continue
         engine, stream = ctypes.c_void_p(), ctypes.c_void_p()
         _check(lib.dnnl_engine_create(ctypes.byref(engine), ENGINE_CPU, 0), "dnnl_engine_create")
         _check(lib.dnnl_stream_create(ctypes.byref(stream), engine, STREAM_DEFAULT), "dnnl_stream_create")
@@ -157,6 +163,16 @@ def load() -> _Library:
     _LOAD_ERROR = "libdnnl.so.3 not found or not usable (pip install onednn-cpu-gomp)" + \
         (": " + "; ".join(problems) if problems else "")
     raise OneDNNError(_LOAD_ERROR)
+
+
+def _openmp_runtimes() -> list[str]:
+    """The distinct OpenMP runtime libraries mapped into this process (Linux; [] elsewhere)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return []
+    found = {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
+    return sorted(f for f in found if f.startswith("/"))  # full paths: two files may share a name
 
 
 def available() -> bool:
@@ -256,16 +272,16 @@ def _out_size(size: int, kernel: int, stride: int, dilation: int, pad_l: int, pa
 class Conv2d:
     """One 2-D convolution primitive with its epilogue as post-ops, for one input shape.
 
-    y = act(conv(x, W) + b [+ r]) [+ r] on NHWC (channels-last) tensors; the residual r is a
-    binary-add post-op that reads r where it lies (no copy), placed before or after the
-    activation as kiln::FusedConv orders them. The weight is reordered into the blocked layout
-    the chosen kernel wants, once, here.
+    y = act(conv(x, W) + b [+ r]) [+ r] on NHWC (channels-last) tensors, the residual r placed
+    before or after the activation as kiln::FusedConv orders them: a binary-add post-op that
+    reads r where it lies (__call__), or, built with residual_in_place, a sum post-op that
+    accumulates into r's own memory (accumulate). The weight is reordered into the blocked
+    layout the chosen kernel wants, once, here.
     """
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: list[int], stride: list[int],
                  pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
-                 residual: bool, residual_after_activation: bool, activation_tag: int = TAG_ACDB,
-                 src_tag: int | None = None, residual_in_place: bool = False,
+                 residual: bool, residual_after_activation: bool, residual_in_place: bool = False,
                  share_weight_with: Conv2d | None = None):
         lib = load()
         self._lib = lib
@@ -279,8 +295,8 @@ class Conv2d:
         self.output_size = (n, o, oh, ow)
         self.residual = residual
 
-        src_md = memory_desc([n, c, h, wd], activation_tag if src_tag is None else src_tag)
-        dst_md = memory_desc([n, o, oh, ow], activation_tag)
+        src_md = memory_desc([n, c, h, wd], TAG_ACDB)
+        dst_md = memory_desc([n, o, oh, ow], TAG_ACDB)
         if groups == 1:
             w_dims, w_user_tag = [o, c, kh, kw], TAG_ABCD
         else:
@@ -343,12 +359,8 @@ class Conv2d:
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
 
         # memory objects whose data handles are swapped per call
-        src_md_used = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_SRC_MD, 0)
-        dst_md_used = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_DST_MD, 0)
-        self.src_bytes = lib.lib.dnnl_memory_desc_get_size(src_md_used)
-        self.dst_bytes = lib.lib.dnnl_memory_desc_get_size(dst_md_used)
-        self._src = _memory(src_md_used, None)
-        self._dst = _memory(dst_md_used, None)
+        self._src = _memory(src_md.value, None)
+        self._dst = _memory(dst_md.value, None)
         self._w_mem = _memory(w_md, self._weight.data_ptr())
         args = [(ARG_SRC, self._src), (ARG_WEIGHTS, self._w_mem), (ARG_DST, self._dst)]
         if self._bias is not None:
