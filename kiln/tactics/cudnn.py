@@ -2,6 +2,8 @@
 
     cuda.conv.cudnn_fused   kiln::FusedConv: conv + bias + residual add + activation, one graph on NHWC tensors
     cuda.gemm.cudnn_fused   kiln::FusedGemm: matmul + bias + activation + residual, one graph (opt_level 3+)
+    cuda.layer_norm.cudnn   kiln::LayerNorm: (x + residual) -> LayerNorm, one graph; the sum as 2nd output when asked
+    cuda.rms_norm.cudnn     kiln::RMSNorm: cuDNN's RMSNorm node
 
 Measured on the H200 at ResNet-50 layer shapes (batch 256, fp16, NHWC; shared/ANCHORS.md, "What fusion is
 worth"), the fused cuDNN graph ran 1.9-2.4x faster than separate conv / add / ReLU kernels.
@@ -27,10 +29,10 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cuda.cudnn_graph import (IO_DTYPES, CudnnGraphError, FusedPattern, activation_refusal,
-                                           conv_output_dims, describe_conv, describe_gemm, fused_graph,
-                                           import_cudnn, is_built)
-from kiln.ops.fused import fused_conv, fused_gemm
+from kiln.kernels.cuda.cudnn_graph import (IO_DTYPES, NORM_PHASES, CudnnGraphError, FusedPattern,
+                                           activation_refusal, conv_output_dims, describe_conv, describe_gemm,
+                                           describe_norm, fused_graph, import_cudnn, is_built)
+from kiln.ops.fused import fused_conv, fused_gemm, layer_norm, rms_norm
 from kiln.ops.nn import _conv_params
 from kiln.runtime.program import StepSpec
 from kiln.tactics.registry import register
@@ -140,8 +142,28 @@ def _conv_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
             "residual": _input(inputs, 3) is not None}
 
 
+def _alternatives(found: FusedPattern | list[FusedPattern]) -> list[FusedPattern]:
+    return list(found) if isinstance(found, (list, tuple)) else [found]
+
+
+def _build_first(patterns: list[FusedPattern], device: torch.device):
+    """The first alternative cuDNN builds (cudnn_graph.first_built, through this module's `fused_graph`, which the
+    unit tests replace with a torch evaluation of the node list)."""
+    reasons = []
+    for pattern in patterns:
+        try:
+            return fused_graph(pattern, device)
+        except CudnnGraphError as e:
+            reasons.append(str(e))
+    raise CudnnGraphError(" | ".join(reasons) if reasons else "no graph to build")
+
+
 class _ShapeGraphs:
-    """The built graph per input shape of one layer; a shape cuDNN declines runs `default`, with one warning."""
+    """The built graph per input shape of one layer; a shape cuDNN declines runs `default`, with one warning.
+
+    `pattern_for(shape)` gives the layer's graph at that shape, or a list of alternatives, best first (a norm
+    in inference phase, then in training phase): the first that cuDNN builds is used.
+    """
 
     def __init__(self, name: str, pattern_for, default):
         self.name, self.pattern_for, self.default = name, pattern_for, default
@@ -151,12 +173,12 @@ class _ShapeGraphs:
         found = self.graphs.get(shape)
         if found is not None:
             return found
-        pattern = self.pattern_for(shape)
+        patterns = _alternatives(self.pattern_for(shape))
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing and not is_built(pattern, device):
+        if capturing and not all(is_built(p, device) for p in patterns):
             return self.default  # never build inside a capture; this shape's eager run comes first in the engine
         try:
-            found = fused_graph(pattern, device)
+            found = _build_first(patterns, device)
         except CudnnGraphError as e:
             warnings.warn(f"layer {self.name!r}: {e}; this shape runs the default implementation", stacklevel=2)
             found = self.default
@@ -297,3 +319,149 @@ register(Tactic(
     level=3,  # tried from opt_level 3 until the H200 says it beats cuBLAS + the Triton epilogue at default builds
     description="matmul + bias + activation + residual as one cuDNN graph (fp32 compute, built per row count)",
 ))
+
+
+# ---- normalisation -------------------------------------------------------------------------------
+
+_NORM_EPSILON = {"LayerNorm": 1e-5, "RMSNorm": 1e-6}  # the registered ops' defaults (kiln/ops/fused.py)
+
+
+def _norm_params(step: StepSpec) -> tuple[bool, float]:
+    """(is RMSNorm, epsilon) of a kiln::LayerNorm / kiln::RMSNorm step."""
+    rms = step.op_type == "RMSNorm"
+    return rms, float(_attr(step, "epsilon", _NORM_EPSILON[step.op_type]))
+
+
+def norm_patterns(step: StepSpec, rows: int, hidden: int, residual: bool, dtype: torch.dtype) -> list[FusedPattern]:
+    """The layer's cuDNN graph in each norm phase, in the order they are tried (inference, then training)."""
+    rms, epsilon = _norm_params(step)
+    sum_output = residual and len(step.outputs) == 2
+    return [describe_norm(rows, hidden, rms=rms, epsilon=epsilon, residual=residual, sum_output=sum_output,
+                          phase=phase, dtype=IO_DTYPES[dtype]) for phase in NORM_PHASES]
+
+
+def norm_static_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """What the step and its shapes say, before cuDNN is asked (pure: runs without a GPU)."""
+    rms = step.op_type == "RMSNorm"
+    x = inputs[0]
+    if not x.shape:
+        return "x is a scalar"
+    if x.dtype not in IO_DTYPES:
+        return f"x is {x.dtype}: the graph takes float16/bfloat16"
+    rank, axis = len(x.shape), int(_attr(step, "axis", -1))
+    if not -rank <= axis < rank:
+        return f"axis {axis} is out of range for rank {rank}"
+    if axis % rank != rank - 1:
+        return f"axis {axis} is not the last of rank {rank}: the graph normalises rows of the last dim"
+    hidden, rows = x.shape[-1], math.prod(x.shape[:-1])
+    if hidden == 0 or rows == 0:
+        return f"empty input {list(x.shape)}"
+    names = ((1, "scale"),) if rms else ((1, "scale"), (2, "bias"))
+    for i, name in names:
+        p = _input(inputs, i)
+        if p is None:
+            continue
+        if p.dtype != x.dtype:
+            return f"{name} is {p.dtype}, x is {x.dtype}: the graph takes one dtype"
+        if math.prod(p.shape) != hidden or (p.shape and p.shape[-1] != hidden):
+            return f"{name} {list(p.shape)} is not one value per column of the last dim ({hidden})"
+    residual = None if rms else _input(inputs, 3)
+    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype):
+        return f"residual {residual.dtype}{list(residual.shape)} is not x's {x.dtype}{list(x.shape)} " \
+               "(the graph adds it element by element, no broadcast)"
+    most = 1 if rms else 2
+    if len(step.outputs) > most:
+        return f"{len(step.outputs)} outputs asked for; {step.op_type} gives at most {most}"
+    return True
+
+
+def _norm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    static = norm_static_supports(step, inputs)
+    if static is not True:
+        return static
+    x = inputs[0]
+    residual = step.op_type == "LayerNorm" and _input(inputs, 3) is not None
+    try:
+        _build_first(norm_patterns(step, math.prod(x.shape[:-1]), x.shape[-1], residual, x.dtype), _device())
+    except CudnnGraphError as e:
+        return str(e)
+    return True
+
+
+def _norm_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    x = inputs[0]
+    return {"rows": math.prod(x.shape[:-1]), "hidden": x.shape[-1], "dtype": IO_DTYPES[x.dtype],
+            "residual": step.op_type == "LayerNorm" and _input(inputs, 3) is not None}
+
+
+_DTYPES_BY_NAME = {name: dtype for dtype, name in IO_DTYPES.items()}
+
+
+def _prepare_norm(step: StepSpec, constants: list[Any], device: torch.device):
+    config = step.tactic_config
+    rms, _epsilon = _norm_params(step)
+    has_residual = not rms and bool(config.get("residual", len(step.inputs) > 3 and step.inputs[3] != ""))
+    two_outputs = len(step.outputs) == 2
+    attributes = dict(step.attributes)
+    fills: dict[tuple[float, torch.dtype, int], torch.Tensor] = {}
+
+    def fill(value: float, dtype: torch.dtype, hidden: int) -> torch.Tensor:
+        """The scale (ones) or bias (zeros) of a layer that has none: cuDNN's LayerNorm binds both."""
+        key = (value, dtype, hidden)
+        if key not in fills:
+            fills[key] = torch.full((1, hidden, 1, 1), value, dtype=dtype, device=device)
+        return fills[key]
+
+    def pattern_for(shape: tuple[int, ...], dtype: torch.dtype) -> list[FusedPattern]:
+        return norm_patterns(step, shape[0], shape[1], has_residual, dtype)
+
+    def default(ctx, x, scale, bias, residual):
+        if rms:
+            return rms_norm(ctx, x, scale, **attributes)
+        return layer_norm(ctx, x, scale, bias, residual, **attributes)
+
+    graphs_by_dtype: dict[torch.dtype, _ShapeGraphs] = {}
+
+    def graphs_for(dtype: torch.dtype) -> _ShapeGraphs:
+        if dtype not in graphs_by_dtype:
+            graphs_by_dtype[dtype] = _ShapeGraphs(step.name, lambda shape: pattern_for(shape, dtype), default)
+        return graphs_by_dtype[dtype]
+
+    if config.get("rows") and config.get("dtype") in _DTYPES_BY_NAME:
+        dtype, rows, hidden = _DTYPES_BY_NAME[config["dtype"]], int(config["rows"]), int(config["hidden"])
+        # built at load: a refusal fails loudly here; the fills are made now, not inside a later capture
+        graphs_for(dtype).graphs[(rows, hidden)] = _build_first(pattern_for((rows, hidden), dtype), device)
+        fill(1.0, dtype, hidden)
+        if not rms:
+            fill(0.0, dtype, hidden)
+
+    def launch(ctx, x, scale=None, bias=None, residual=None, **_attributes):
+        hidden = x.shape[-1]
+        rows = x.numel() // hidden
+        graph = graphs_for(x.dtype).get((rows, hidden), device)
+        if graph is default:
+            return default(ctx, x, scale, bias, residual)
+        args = [x.contiguous().view(rows, hidden, 1, 1),  # [..., H] -> [rows, H, 1, 1]: a view when contiguous
+                (scale if scale is not None else fill(1.0, x.dtype, hidden)).reshape(1, hidden, 1, 1)]
+        if not rms:
+            args.append((bias if bias is not None else fill(0.0, x.dtype, hidden)).reshape(1, hidden, 1, 1))
+        if has_residual:
+            args.append(residual.contiguous().view(rows, hidden, 1, 1))
+        found = graph(*args)
+        outs = found if isinstance(found, tuple) else (found,)  # (y, [sum], [statistics, discarded])
+        y = outs[0].view(x.shape)
+        if not two_outputs:
+            return y
+        return y, (outs[1].view(x.shape) if has_residual else x)  # without a residual the "sum" is x itself
+
+    return launch
+
+
+for _op, _name, _what in (("LayerNorm", "cuda.layer_norm.cudnn", "(x + residual) -> LayerNorm, the sum as 2nd output"),
+                          ("RMSNorm", "cuda.rms_norm.cudnn", "RMSNorm")):
+    register(Tactic(
+        name=_name, op_type=_op, domain="kiln", device="cuda", dtypes=_HALF,
+        supports=_norm_supports, configure=_norm_configure, prepare=_prepare_norm, available=cudnn_available,
+        level=3,  # tried from opt_level 3 until the H200 says it beats the Triton kernel at default builds
+        description=f"{_what} as one cuDNN graph over [rows, hidden] (fp32 statistics, built per row count)",
+    ))

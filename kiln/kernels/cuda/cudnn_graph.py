@@ -9,6 +9,13 @@ and a kiln::FusedGemm layer the same with a matmul in place of the convolution. 
 run the epilogue on the output tile in registers: the fp32 [N, K, P, Q] intermediate never touches memory,
 which is the catalog TensorRT draws on for conv + bias + eltwise + activation.
 
+A kiln::LayerNorm / kiln::RMSNorm layer becomes cuDNN's normalisation node over [rows, hidden] rows, with the
+skip-LayerNorm's residual added by a pointwise node before it (cuDNN >= 9.14 fuses the add into the norm's
+kernel and can write the sum out as a second output):
+
+    s = x + r;  y = (s - mean(s)) / sqrt(var(s) + eps) * scale + bias      (LayerNorm, s = x without r)
+    y = x / sqrt(mean(x^2) + eps) * scale                                    (RMSNorm)
+
 Two steps, kept apart so that the first is testable without a GPU or the library:
 
     describe_conv / describe_gemm -> FusedPattern   pure: the graph's tensors (logical dims, strides) and
@@ -43,22 +50,26 @@ class TensorDesc:
     name: str
     dims: tuple[int, ...]
     strides: tuple[int, ...]
+    dtype: str = ""  # "" = the pattern's I/O dtype; "float32" for a norm's statistics
 
 
 @dataclass(frozen=True)
 class NodeDesc:
     """One cudnn.pygraph call: `graph.<op>(*inputs, name=output, **params)`; its result is named `output`."""
 
-    op: str  # the pygraph method: conv_fprop, matmul, bias, add, relu, swish, ...
-    inputs: tuple[str, ...]  # tensor names, in the method's positional order
+    op: str  # the pygraph method: conv_fprop, matmul, bias, add, relu, swish, layernorm, rmsnorm, ...
+    inputs: tuple[str, ...]  # tensor names, in the method's positional order; "" = an optional port left out
     output: str
     params: tuple[tuple[str, Any], ...] = ()  # keyword arguments; a tuple so that a pattern is hashable
+    more_outputs: tuple[str, ...] = ()  # names of a multi-output node's further results (a norm's mean, inv_var)
 
 
 @dataclass(frozen=True)
 class FusedPattern:
-    """A whole fused layer: the bound inputs in launch order, the one output, the nodes between.
+    """A whole fused layer: the bound inputs in launch order, the output(s), the nodes between.
 
+    `scalars` are fp32 values the graph binds itself, by value (a norm's epsilon): the caller never sees them.
+    `more_outputs` come back after `output`, in order (the skip-LayerNorm's sum; statistics it discards).
     Hashable: built graphs are cached per (pattern, device), so layers of the same shape share one.
     """
 
@@ -66,9 +77,18 @@ class FusedPattern:
     inputs: tuple[TensorDesc, ...]
     output: TensorDesc
     nodes: tuple[NodeDesc, ...]
+    scalars: tuple[tuple[str, float], ...] = ()
+    more_outputs: tuple[TensorDesc, ...] = ()
 
     def node_ops(self) -> list[str]:
         return [n.op for n in self.nodes]
+
+    def outputs(self) -> tuple[TensorDesc, ...]:
+        return (self.output, *self.more_outputs)
+
+    def summary(self) -> str:
+        """'add -> layernorm[INFERENCE]': the node chain for messages, with each norm's phase."""
+        return " -> ".join(n.op + "".join(f"[{v}]" for k, v in n.params if k in _ENUM_PARAMS) for n in self.nodes)
 
 
 IO_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -202,6 +222,49 @@ def describe_gemm(rows: int, k: int, n: int, *, bias: bool, residual: bool, acti
     return FusedPattern(dtype, tuple(t for t in (x, w, b, r) if t is not None), y, tuple(nodes))
 
 
+NORM_PHASES = ("INFERENCE", "TRAINING")  # cudnn.norm_forward_phase, in the order they are tried
+
+
+def describe_norm(rows: int, hidden: int, *, rms: bool, epsilon: float, residual: bool, sum_output: bool,
+                  phase: str, dtype: str) -> FusedPattern:
+    """The cuDNN graph of one LayerNorm (rms=False) or RMSNorm layer over `rows` rows of `hidden` values.
+
+    The layout of cuDNN's norm samples: x is [rows, hidden, 1, 1] (row-major memory: the norm runs over every
+    dim after the first), scale and bias [1, hidden, 1, 1]; epsilon is a pass-by-value fp32 scalar. LayerNorm
+    always binds a bias (the tactic binds zeros when the layer has none); RMSNorm has none.
+
+    `phase` INFERENCE computes y alone. TRAINING also writes the per-row statistics (fp32 [rows, 1, 1, 1]),
+    which the tactic discards: it is the second choice, for a cuDNN that declines the inference graph (the
+    frontend's add + LayerNorm sample is written in training phase).
+    """
+    if min(rows, hidden) <= 0:
+        raise ValueError(f"empty normalisation: {rows} rows of {hidden}")
+    if phase not in NORM_PHASES:
+        raise ValueError(f"norm phase {phase!r} is not one of {NORM_PHASES}")
+    if rms and residual:
+        raise ValueError("kiln::RMSNorm has no residual input")
+    if sum_output and not residual:
+        raise ValueError("the sum is an output only when a residual is added")
+    dims, strides = (rows, hidden, 1, 1), (hidden, 1, hidden, hidden)
+    param_dims, param_strides = (1, hidden, 1, 1), (hidden, 1, hidden, hidden)
+    x = TensorDesc("x", dims, strides)
+    r = TensorDesc("residual", dims, strides) if residual else None
+    scale = TensorDesc("scale", param_dims, param_strides)
+    bias = None if rms else TensorDesc("bias", param_dims, param_strides)
+    nodes = []
+    source = "x"
+    if residual:
+        nodes.append(NodeDesc("add", ("x", "residual"), "sum"))
+        source = "sum"
+    stats = () if phase == "INFERENCE" else (("inv_var",) if rms else ("mean", "inv_var"))
+    nodes.append(NodeDesc("rmsnorm" if rms else "layernorm", (source, "scale", "" if rms else "bias", "epsilon"), "y",
+                          (("norm_forward_phase", phase),), stats))
+    more = [TensorDesc("sum", dims, strides)] if sum_output else []
+    more += [TensorDesc(name, (rows, 1, 1, 1), (1, 1, 1, 1), "float32") for name in stats]
+    return FusedPattern(dtype, tuple(t for t in (x, scale, bias, r) if t is not None), TensorDesc("y", dims, strides),
+                        tuple(nodes), scalars=(("epsilon", float(epsilon)),), more_outputs=tuple(more))
+
+
 # ---- the library --------------------------------------------------------------------------------
 
 
@@ -262,8 +325,9 @@ def _device_handle(index: int) -> tuple[Any, threading.Lock]:
         return _DEVICE_HANDLES[index]
 
 
-_CUDNN_DTYPES = {"float16": "HALF", "bfloat16": "BFLOAT16"}
-_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_CUDNN_DTYPES = {"float16": "HALF", "bfloat16": "BFLOAT16", "float32": "FLOAT"}
+_TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_ENUM_PARAMS = {"norm_forward_phase"}  # params whose value names a member of the cudnn enum of the same name
 
 
 def _matches(t: torch.Tensor, desc: TensorDesc) -> bool:
@@ -271,6 +335,10 @@ def _matches(t: torch.Tensor, desc: TensorDesc) -> bool:
     if tuple(t.shape) != desc.dims:
         return False
     return all(size == 1 or stride == want for size, stride, want in zip(t.shape, t.stride(), desc.strides))
+
+
+def _dtype_of(desc: TensorDesc, pattern: FusedPattern) -> str:
+    return desc.dtype or pattern.dtype
 
 
 def to_pygraph(cudnn: ModuleType, pattern: FusedPattern, handle: Any) -> tuple[Any, dict[str, Any]]:
@@ -285,21 +353,36 @@ def to_pygraph(cudnn: ModuleType, pattern: FusedPattern, handle: Any) -> tuple[A
                           compute_data_type=cudnn.data_type.FLOAT, handle=handle)
     tensors = {t.name: graph.tensor(name=t.name, dim=list(t.dims), stride=list(t.strides), data_type=io)
                for t in pattern.inputs}
+    for name, _value in pattern.scalars:  # bound by value at execute, from a host fp32 tensor (as cuDNN's samples)
+        tensors[name] = graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1],
+                                     data_type=cudnn.data_type.FLOAT, is_pass_by_value=True)
     for node in pattern.nodes:
-        params = {k: list(v) if isinstance(v, tuple) else v for k, v in node.params}
-        tensors[node.output] = getattr(graph, node.op)(*(tensors[i] for i in node.inputs), name=node.output, **params)
-    out = pattern.output
-    tensors[out.name].set_output(True).set_data_type(io).set_dim(list(out.dims)).set_stride(list(out.strides))
+        params = {k: getattr(getattr(cudnn, k), v) if k in _ENUM_PARAMS else list(v) if isinstance(v, tuple) else v
+                  for k, v in node.params}
+        result = getattr(graph, node.op)(*(tensors[i] if i else None for i in node.inputs), name=node.output,
+                                         **params)
+        if isinstance(result, (list, tuple)):  # a multi-output node (a norm: Y, then its statistics or None)
+            tensors[node.output] = result[0]
+            for name, value in zip(node.more_outputs, result[1:]):
+                if value is None:
+                    raise ValueError(f"{node.op} gave no {name!r} output (phase {params.get('norm_forward_phase')})")
+                tensors[name] = value
+        else:
+            tensors[node.output] = result
+    for out in pattern.outputs():
+        dtype = getattr(cudnn.data_type, _CUDNN_DTYPES[_dtype_of(out, pattern)])
+        tensors[out.name].set_output(True).set_data_type(dtype).set_dim(list(out.dims)).set_stride(list(out.strides))
     return graph, tensors
 
 
 class CudnnFusedGraph:
     """One FusedPattern built on cuDNN for one device; calling it runs the graph on torch's current stream.
 
-    The plan is built once (here). A call binds the inputs, allocates the output and the workspace from torch's
+    The plan is built once (here). A call binds the inputs, allocates the outputs and the workspace from torch's
     caching allocator on the current stream — so a CUDA-graph capture records them in its private pool and
     engines shared by several execution contexts never share a workspace — and launches: nothing in a call
-    waits on the host.
+    waits on the host. Pass-by-value scalars are host tensors kept here: cuDNN copies their value into the
+    launch's parameters, so a captured launch replays with it.
     """
 
     def __init__(self, pattern: FusedPattern, device: torch.device):
@@ -319,12 +402,15 @@ class CudnnFusedGraph:
             self.workspace_size = int(graph.get_workspace_size())
         self._graph = graph
         self._inputs = [tensors[t.name] for t in pattern.inputs]
-        self._output = tensors[pattern.output.name]
+        self._outputs = [(tensors[t.name], t, _TORCH_DTYPES[_dtype_of(t, pattern)]) for t in pattern.outputs()]
+        self._scalars = {tensors[name]: torch.full((1, 1, 1, 1), value, dtype=torch.float32)
+                         for name, value in pattern.scalars}
         self._dtype = _TORCH_DTYPES[pattern.dtype]
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """y from the inputs in the pattern's order, each with its TensorDesc's dims and strides."""
-        bindings = {}
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The output(s) from the inputs in the pattern's order, each with its TensorDesc's dims and strides:
+        y alone, or (y, *more_outputs) when the pattern has more."""
+        bindings = dict(self._scalars)
         for desc, handle_tensor, value in zip(self.pattern.inputs, self._inputs, inputs):
             if not _matches(value, desc) or value.dtype != self._dtype:
                 raise ValueError(f"cuDNN graph input {desc.name!r}: given {value.dtype}{list(value.shape)} strides "
@@ -333,9 +419,11 @@ class CudnnFusedGraph:
             if value.data_ptr() % 16:  # the plans assume 16-byte aligned operands (vector loads); views may not be
                 value = value.clone()
             bindings[handle_tensor] = value
-        out = self.pattern.output
-        y = torch.empty_strided(out.dims, out.strides, dtype=self._dtype, device=self.device)
-        bindings[self._output] = y
+        results = []
+        for handle_tensor, desc, dtype in self._outputs:
+            out = torch.empty_strided(desc.dims, desc.strides, dtype=dtype, device=self.device)
+            bindings[handle_tensor] = out
+            results.append(out)
         workspace = torch.empty(self.workspace_size, dtype=torch.uint8, device=self.device) \
             if self.workspace_size else None
         cudnn = import_cudnn()
@@ -343,7 +431,7 @@ class CudnnFusedGraph:
         with self._lock:
             cudnn.set_stream(self._handle, stream)
             self._graph.execute(bindings, workspace, handle=self._handle)
-        return y
+        return results[0] if len(results) == 1 else tuple(results)
 
 
 _BUILT: dict[tuple[FusedPattern, int], CudnnFusedGraph | str] = {}
@@ -367,10 +455,22 @@ def fused_graph(pattern: FusedPattern, device: torch.device) -> CudnnFusedGraph:
                 found = f"{type(e).__name__}: {e}"
             _BUILT[key] = found
     if isinstance(found, str):
-        raise CudnnGraphError(f"cuDNN did not build the graph {' -> '.join(pattern.node_ops())} for "
+        raise CudnnGraphError(f"cuDNN did not build the graph {pattern.summary()} for "
                               f"{', '.join(f'{t.name}{list(t.dims)}' for t in pattern.inputs)} "
                               f"({pattern.dtype}; {versions()}): {found}")
     return found
+
+
+def first_built(patterns: list[FusedPattern], device: torch.device) -> CudnnFusedGraph:
+    """The first of `patterns` (alternatives for one layer, best first) that cuDNN builds; when none does,
+    a CudnnGraphError with every refusal."""
+    reasons = []
+    for pattern in patterns:
+        try:
+            return fused_graph(pattern, device)
+        except CudnnGraphError as e:
+            reasons.append(str(e))
+    raise CudnnGraphError(" | ".join(reasons) if reasons else "no graph to build")
 
 
 def is_built(pattern: FusedPattern, device: torch.device) -> bool:
