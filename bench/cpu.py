@@ -5,7 +5,7 @@
 
 Each model comes from the zoo (exported once, cached); every runtime gets the same input and the
 same thread count; onnxruntime runs with all graph optimisations on. Prints a table and writes
-bench/results/cpu-<date>.md with the CPU model, the commit and the versions.
+bench/results/cpu-<date>.md (appended when it exists) with the CPU model, the commit and the versions.
 """
 
 from __future__ import annotations
@@ -173,8 +173,11 @@ def main() -> None:
                 "Re-run on an idle machine before drawing conclusions.", ""] if contended else [])
     if contended:
         print("\n" + warning[0])
-    out.write_text("\n".join([
-        f"# kiln CPU benchmark, {now:%Y-%m-%d %H:%M} UTC",
+    # One file per day; a later run of the same day is appended as its own section (the earlier
+    # numbers stay for comparison).
+    earlier = out.read_text() if out.exists() else ""
+    out.write_text(earlier + ("\n---\n\n" if earlier else "") + "\n".join([
+        f"{'##' if earlier else '#'} kiln CPU benchmark, {now:%Y-%m-%d %H:%M} UTC",
         "",
         *warning,
         f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
