@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 _TACTICS: dict[str, Tactic] = {}
 # A module that is absent (an optional backend not written or not installed) is skipped.
 _DEVICE_MODULES = ("kiln.tactics.cpu", "kiln.tactics.cpu_onednn", "kiln.tactics.cuda", "kiln.tactics.cuda_attention",
-                   "kiln.tactics.cuda_pool", "kiln.tactics.cudnn")
+                   "kiln.tactics.cuda_pool", "kiln.tactics.cudnn", "kiln.tactics.cuda_conv")
 _loaded = False
 
 
