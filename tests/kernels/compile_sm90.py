@@ -23,6 +23,7 @@ from kiln.kernels.cuda.triton import attention
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import elementwise, epilogue, fused_gemm, normalization
 from kiln.kernels.cuda.triton import pool
+from kiln.kernels.cuda.triton import conv
 from kiln.tactics.cuda_attention import shared_memory_bound
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -151,6 +152,33 @@ def attention_cases():
                 "shared_bound": bound})
 
 
+def conv_cases():
+    """The implicit-GEMM convolution at ResNet-50 layer kinds, with its run-time specialization (aligned
+    pointers, channel strides 1, other strides and Cin/Cout multiples of 16; the 7x7 stem's Cin = 3 strides
+    are not). fp16/bf16 must take Hopper's tensor-core path: wgmma fed by cp.async (pipelined) loads."""
+    fn = conv._conv_kernel
+    ints = ("M", "Cout", "Cin", "H", "W", "Ho", "Wo", "sxn", "sxh", "sxw", "srn", "srh", "srw", "SH", "SW", "PT", "PL",
+            "DH", "DW")
+    pointers = tuple(name for name in fn.arg_names if name.endswith("_ptr"))
+    wgmma = ("wgmma.mma_async", "cp.async")
+    cases = [(config, "fp16", 3, False, "Relu", True) for config in conv.CONV_CONFIGS]  # 3x3 + residual + ReLU
+    cases += [(conv.CONV_CONFIGS[2], "fp16", 7, True, "Relu", False),  # the stem, flat K (Cin = 3)
+              (conv.CONV_CONFIGS[1], "bf16", 1, False, "GeluTanh", True),
+              (conv.CONV_CONFIGS[4], "fp32", 3, False, "", False)]  # full fp32: CUDA cores, no wgmma expected
+    for config, dtype, taps, flat, activation, residual in cases:
+        types = {name: f"*{dtype}" for name in pointers} | {name: "i32" for name in ints} | {"alpha": "fp32",
+                                                                                              "beta": "fp32"}
+        divisible = pointers + (("Cout", "sxn", "srn", "srh", "srw") if flat else
+                                ("Cout", "Cin", "sxn", "sxh", "sxw", "srn", "srh", "srw"))
+        constexprs = {"sxc": 1, "src": 1, "KH": taps, "KW": taps, "FLAT_K": flat, "HAS_BIAS": True,
+                      "HAS_RES": residual, "ACTIVATION": activation, "RES_AFTER": False, "INPUT_PRECISION": "ieee",
+                      "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": 8}
+        yield (f"conv {dtype} {taps}x{taps}{' flat-K' if flat else ''} {activation or 'none'}"
+               f"{' +residual' if residual else ''} {config.name}", fn, types, constexprs,
+               {"options": {"num_warps": config.num_warps, "num_stages": config.num_stages}, "divisible": divisible,
+                "ptx_contains": wgmma if dtype != "fp32" else ()})
+
+
 QUICK = {  # one representative per kernel and variant, for CI (the full list takes ~45 s)
     "elementwise fp16 cgs rank 2", "elementwise bf16 ggc rank 3", "layer_norm fp16 block 1024 +residual",
     "layer_norm bf16 block 8192", "rms_norm fp16 block 1024", "softmax fp16 block 1024", "log_softmax bf16 block 8192",
@@ -164,6 +192,9 @@ CASES["attention"] = attention_cases
 QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention bf16 128x128.w8s3 d128 causal",
           "attention fp16 64x64.w4s3 d80 bool-mask"}
 CASES["pool"] = pool_cases
+CASES["conv"] = conv_cases
+QUICK |= {"conv fp16 3x3 Relu +residual 128x128x64", "conv fp16 7x7 flat-K Relu 128x64x64",
+          "conv bf16 1x1 GeluTanh +residual 128x128x64"}
 
 
 def main(args: list[str]) -> None:
@@ -176,7 +207,11 @@ def main(args: list[str]) -> None:
             start = time.perf_counter()
             extra = dict(extra[0]) if extra else {}
             bound = min(extra.pop("shared_bound", SHARED_MEMORY_LIMIT), SHARED_MEMORY_LIMIT)  # a tactic's estimate
+            expected_ptx = extra.pop("ptx_contains", ())  # instructions the intended code path must use
             compiled = compile_kernel(fn, types, constexprs, **extra)
+            missing = [op for op in expected_ptx if op not in compiled.asm["ptx"]]
+            if missing:
+                sys.exit(f"{name}: the PTX has no {', '.join(missing)} (not the expected sm_90 code path)")
             if compiled.metadata.shared > bound:
                 sys.exit(f"{name}: {compiled.metadata.shared} B of shared memory, above {bound} (sm_90 has "
                          f"{SHARED_MEMORY_LIMIT}; a tactic's supports() may assume less)")
