@@ -173,14 +173,21 @@ class _ShapeGraphs:
         found = self.graphs.get(shape)
         if found is not None:
             return found
-        patterns = _alternatives(self.pattern_for(shape))
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if capturing and not all(is_built(p, device) for p in patterns):
-            return self.default  # never build inside a capture; this shape's eager run comes first in the engine
-        try:
-            found = _build_first(patterns, device)
-        except CudnnGraphError as e:
-            warnings.warn(f"layer {self.name!r}: {e}; this shape runs the default implementation", stacklevel=2)
+        reasons = []
+        for pattern in _alternatives(self.pattern_for(shape)):
+            if capturing and not is_built(pattern, device):
+                # Never build inside a capture (the default runs, this once, uncached); the engine runs each new
+                # shape eagerly before it captures it, so this is reached only by a capture of an unseen shape.
+                return self.default
+            try:
+                found = fused_graph(pattern, device)  # cached: a refusal is remembered, a built graph reused
+                break
+            except CudnnGraphError as e:
+                reasons.append(str(e))
+        else:
+            warnings.warn(f"layer {self.name!r}: {' | '.join(reasons)}; this shape runs the default implementation",
+                          stacklevel=2)
             found = self.default
         self.graphs[shape] = found
         return found

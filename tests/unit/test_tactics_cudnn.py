@@ -668,3 +668,26 @@ def test_the_norm_patterns_become_the_same_pygraph_nodes():
     (node,) = graph.nodes
     assert str(node.node_type).endswith("RMSNORM") and node.inputs.get("bias") is None
     assert tensors["y"].data_type == cudnn.data_type.BFLOAT16
+
+
+def test_during_a_capture_the_first_built_alternative_is_used_and_nothing_is_built(monkeypatch):
+    """In a CUDA-graph capture a shape takes the first alternative already built (the inference graph) even though
+    the later ones were never tried; a shape with nothing built yet runs the default, uncached, and builds nothing."""
+    step = norm_step("LayerNorm", 3)
+    inference, training = tactics.norm_patterns(step, 4, 16, residual=False, dtype=FP16)
+    built = {inference: RecordingGraph(inference)}
+    attempts = []
+
+    def fake_build(pattern, device):
+        attempts.append(pattern)
+        return built[pattern]
+
+    monkeypatch.setattr(tactics, "fused_graph", fake_build)
+    monkeypatch.setattr(tactics, "is_built", lambda pattern, device: pattern in built)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    graphs = tactics._ShapeGraphs("norm_0", lambda shape: tactics.norm_patterns(step, *shape, False, FP16),
+                                  default="default")
+    assert graphs.get((4, 16), torch.device("cpu")) is built[inference] and attempts == [inference]
+    assert graphs.get((8, 16), torch.device("cpu")) == "default" and attempts == [inference]
+    assert (8, 16) not in graphs.graphs  # tried again after the capture, eagerly
