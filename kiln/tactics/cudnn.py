@@ -147,8 +147,8 @@ def _alternatives(found: FusedPattern | list[FusedPattern]) -> list[FusedPattern
 
 
 def _build_first(patterns: list[FusedPattern], device: torch.device):
-    """The first alternative cuDNN builds (cudnn_graph.first_built, through this module's `fused_graph`, which the
-    unit tests replace with a torch evaluation of the node list)."""
+    """The first of `patterns` (alternatives for one layer, best first) that cuDNN builds; when none does, a
+    CudnnGraphError with every refusal. Through this module's `fused_graph`, which the unit tests replace."""
     reasons = []
     for pattern in patterns:
         try:
@@ -406,7 +406,7 @@ _DTYPES_BY_NAME = {name: dtype for dtype, name in IO_DTYPES.items()}
 
 def _prepare_norm(step: StepSpec, constants: list[Any], device: torch.device):
     config = step.tactic_config
-    rms, _epsilon = _norm_params(step)
+    rms = step.op_type == "RMSNorm"
     has_residual = not rms and bool(config.get("residual", len(step.inputs) > 3 and step.inputs[3] != ""))
     two_outputs = len(step.outputs) == 2
     attributes = dict(step.attributes)

@@ -461,18 +461,6 @@ def fused_graph(pattern: FusedPattern, device: torch.device) -> CudnnFusedGraph:
     return found
 
 
-def first_built(patterns: list[FusedPattern], device: torch.device) -> CudnnFusedGraph:
-    """The first of `patterns` (alternatives for one layer, best first) that cuDNN builds; when none does,
-    a CudnnGraphError with every refusal."""
-    reasons = []
-    for pattern in patterns:
-        try:
-            return fused_graph(pattern, device)
-        except CudnnGraphError as e:
-            reasons.append(str(e))
-    raise CudnnGraphError(" | ".join(reasons) if reasons else "no graph to build")
-
-
 def is_built(pattern: FusedPattern, device: torch.device) -> bool:
     """Whether `pattern` was already built (or refused) on `device`: safe to ask for during CUDA-graph capture."""
     index = device.index if device.index is not None else torch.cuda.current_device()
