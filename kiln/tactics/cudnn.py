@@ -340,11 +340,17 @@ def _norm_params(step: StepSpec) -> tuple[bool, float]:
 
 
 def norm_patterns(step: StepSpec, rows: int, hidden: int, residual: bool, dtype: torch.dtype) -> list[FusedPattern]:
-    """The layer's cuDNN graph in each norm phase, in the order they are tried (inference, then training)."""
+    """The layer's cuDNN graph in each norm phase, in the order they are tried (inference, then training).
+
+    A skip-LayerNorm whose sum is not asked for is also offered with the sum written out (and discarded) last:
+    that is the form of cuDNN's add + LayerNorm sample, should the library fuse the add only with it."""
     rms, epsilon = _norm_params(step)
     sum_output = residual and len(step.outputs) == 2
-    return [describe_norm(rows, hidden, rms=rms, epsilon=epsilon, residual=residual, sum_output=sum_output,
-                          phase=phase, dtype=IO_DTYPES[dtype]) for phase in NORM_PHASES]
+    forms = [(phase, sum_output) for phase in NORM_PHASES]
+    if residual and not sum_output:
+        forms += [(phase, True) for phase in NORM_PHASES]
+    return [describe_norm(rows, hidden, rms=rms, epsilon=epsilon, residual=residual, sum_output=with_sum,
+                          phase=phase, dtype=IO_DTYPES[dtype]) for phase, with_sum in forms]
 
 
 def norm_static_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:

@@ -575,13 +575,14 @@ def _norm_args(op, shape, dtype, scale, bias, residual):
 
 
 @pytest.mark.parametrize("op, shape, dtype, scale, bias, residual, outputs, epsilon", NORM_CASES)
-@pytest.mark.parametrize("declines_inference", [False, True])
+@pytest.mark.parametrize("builds", ["first", "training", "last"])
 def test_norm_node_list_computes_the_layer_and_the_launch_binds_the_described_tensors(
-        op, shape, dtype, scale, bias, residual, outputs, epsilon, declines_inference, monkeypatch):
+        op, shape, dtype, scale, bias, residual, outputs, epsilon, builds, monkeypatch):
     """The launch against the registered kiln op (fp32 on the same rounded inputs), through RecordingGraph.
 
-    With `declines_inference` cuDNN is made to refuse the inference-phase graph: the training-phase graph is
-    used, its statistics discarded."""
+    cuDNN is made to build only the first alternative, or only the training-phase ones (statistics discarded),
+    or only the last (for a skip-LayerNorm without its sum asked for: training phase with the sum written and
+    discarded)."""
     torch.manual_seed(0)
     args = _norm_args(op, shape, dtype, scale, bias, residual)
     step = norm_step(op, len(args), outputs, epsilon=epsilon)
@@ -593,8 +594,16 @@ def test_norm_node_list_computes_the_layer_and_the_launch_binds_the_described_te
 
     graphs: dict = {}
 
+    alternatives = tactics.norm_patterns(step, math.prod(shape[:-1]), shape[-1], residual, dtype)
+    if residual and outputs == 1:
+        assert [len(p.more_outputs) for p in alternatives] == [0, 2, 1, 3]  # y | +stats | +sum | +sum +stats
+    else:
+        assert len(alternatives) == 2
+    phase = {"first": "INFERENCE", "training": "TRAINING", "last": "TRAINING"}[builds]
+
     def fake_build(pattern, device):
-        if declines_inference and dict(pattern.nodes[-1].params)["norm_forward_phase"] == "INFERENCE":
+        if dict(pattern.nodes[-1].params)["norm_forward_phase"] != phase or \
+                (builds == "last" and pattern != alternatives[-1]):
             raise CudnnGraphError("declined (test)")
         return graphs.setdefault(pattern, RecordingGraph(pattern))
 
@@ -608,7 +617,8 @@ def test_norm_node_list_computes_the_layer_and_the_launch_binds_the_described_te
     assert len(graphs) == 1
     (pattern, recorder), = graphs.items()
     assert recorder.calls == 1
-    assert dict(pattern.nodes[-1].params)["norm_forward_phase"] == ("TRAINING" if declines_inference else "INFERENCE")
+    assert dict(pattern.nodes[-1].params)["norm_forward_phase"] == phase
+    assert pattern == (alternatives[-1] if builds == "last" else alternatives[0 if builds == "first" else 1])
     assert pattern.scalars == (("epsilon", epsilon),)
 
     registered = (fused_rms_norm if op == "RMSNorm" else fused_layer_norm)
