@@ -256,3 +256,58 @@ def test_tactic_refusals_say_why():
     assert "channels" in reason(make_step(2), [x, randn(16, 6, 3, 3, dtype=torch.float16)])
     assert "64-channel tiles for 16 output channels" in reason(make_step(2), [x, w])
     assert registry.get(TACTIC).check(make_step(2), metas([x, randn(40, 8, 3, 3, dtype=torch.float16)])) is True
+
+
+# ---- the tactics inside an engine ------------------------------------------------------------------
+
+class _Bottleneck(torch.nn.Module):
+    """A ResNet block in miniature: 3x3 conv + BN + ReLU, 1x1 conv + BN, + identity, ReLU (stem 7x7 before it)."""
+
+    def __init__(self, channels: int = 40):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, channels, 7, stride=2, padding=3)
+        self.conv1, self.bn1 = torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False), \
+            torch.nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = torch.nn.Conv2d(channels, channels, 1, bias=False), torch.nn.BatchNorm2d(channels)
+        for bn in (self.bn1, self.bn2):  # non-trivial folded scales and shifts
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.data.uniform_(0.5, 1.5)
+            bn.bias.data.uniform_(-0.5, 0.5)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + x)
+
+
+def test_engine_runs_the_tactic_on_every_conv_of_a_block(tmp_path, monkeypatch):
+    """Build (fp16, opt_level 3) with the igemm tactics standing in for CPU ones: the optimizer folds BN and fuses
+    bias/ReLU/residual into kiln::FusedConv, the autotuner checks the tactic against the op before timing it;
+    then every conv forced onto the tactic (prepared from the engine's stored weights) against onnxruntime fp32."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import kiln
+
+    for name, tactic in registry.all_tactics().items():
+        if name.startswith("cuda.conv.triton_igemm."):
+            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    torch.manual_seed(14)
+    path = tmp_path / "block.onnx"
+    torch.onnx.export(_Bottleneck().eval(), (torch.randn(1, 3, 20, 18),), str(path), dynamo=True,
+                      input_names=["x"], output_names=["y"])
+    engine = kiln.build(str(path), device="cpu", precision="fp16", opt_level=3, tactics=["cuda.conv.triton_igemm"],
+                        tuning_runs=3)
+    convs = [s for s in engine.plan.program.steps if s.op_type == "FusedConv"]
+    assert len(convs) == 3
+    assert any(s.inputs[3:] and s.inputs[3] for s in convs), "the residual Add was not fused into a conv"
+    for conv in convs:
+        notes = engine.plan.header["tactics"]["layers"][conv.name]["candidates"]
+        assert isinstance(notes[TACTIC], float), notes  # passed the check against the op, then timed
+        conv.tactic = TACTIC  # on CPU the interpreter never wins the timing: force it
+    forced = kiln.Engine(engine.plan)
+    x = np.random.default_rng(3).standard_normal((1, 3, 20, 18)).astype(np.float32)
+    expected = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    # fp16 storage of x, the weights and every activation over three layers: a few fp16 ulps of outputs ~1..4
+    np.testing.assert_allclose(forced.run({"x": x})["y"], expected, rtol=1e-2, atol=2e-2)
