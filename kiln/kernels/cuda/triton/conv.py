@@ -15,8 +15,9 @@ Two K loops, chosen per layer (a constexpr):
     and padding mask are per row ([BLOCK_M]); only the channel offset varies along K. The loop is
     flat, not nested, so Triton's software pipelining sees every iteration (a nested tap loop
     with a 1-iteration channel loop, 3x3 at Cin = 64, would never overlap loads with MMAs).
-  - flat K (Cin < BLOCK_K, the 7x7 stem's Cin = 3): K indices decomposed into (r, s, c) per
-    element, so the tile is not 3 real channels of 32 lanes; 147 K entries fill 3 tiles of 64.
+  - flat K (Cin < BLOCK_K, the 7x7 stem's Cin = 3): each K index decomposed into (r, s, c) per
+    element, so a tile spans several taps: the stem's 147 K entries fill 3 tiles of 64, where a
+    tap per step would take 49 tiles of 3 real channels and 61 padding lanes.
 fp16/bf16 operands feed tl.dot with fp32 accumulation (tensor cores: wgmma on sm_90); fp32
 operands multiply in full fp32 (input_precision "ieee") unless allow_tf32. The epilogue
 (bias, activation of device_math, residual before or after it) runs on the fp32 tile in
