@@ -70,17 +70,51 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict]:
 
     exported = zoo.export(case.model, batch=case.batch, seq=case.seq)
     torch.set_num_threads(args.threads)  # tactics are tuned at the thread count they will run with
+    waited = [wait_for_quiet(args.quiet_wait)]
     start = time.perf_counter()
     engine = kiln.build(str(exported.path), timing_cache=args.timing_cache or None)
     build_s = time.perf_counter() - start
     print(f"  {case.label:<12} tactics: {tactic_summary(engine.plan.header)}", flush=True)
     runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
-    results = time_runners({p: runners[p] for p in PEERS}, iterations=args.iterations,
-                               warmup=args.warmup, budget_s=args.budget)
+    results = {}
+    for peer in PEERS:  # each in its own block, after the machine has gone quiet (--quiet-wait)
+        waited.append(wait_for_quiet(args.quiet_wait))
+        results |= time_runners({peer: runners[peer]}, iterations=args.iterations, warmup=args.warmup,
+                                budget_s=args.budget / len(PEERS))
+    if args.quiet_wait and not all(waited):
+        print(f"  {case.label:<12} the machine did not go quiet within {args.quiet_wait:.0f}s before every block",
+              flush=True)
     for peer, r in results.items():
         print(f"  {case.label:<12} {peer:<12} median {r.median_ms:9.2f} ms (p90 {r.p90_ms:.2f}, {r.runs} runs)",
               flush=True)
     return results, build_s, engine.plan.header
+
+
+def cpu_busy(interval_s: float = 1.0) -> float:
+    """Fraction of the machine's CPU time spent busy over `interval_s` (Linux /proc/stat; 0 elsewhere)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+    try:
+        busy0, total0 = sample()
+        time.sleep(interval_s)
+        busy1, total1 = sample()
+    except OSError:
+        return 0.0
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+def wait_for_quiet(max_s: float, threshold: float = 0.15) -> bool:
+    """On a CPU shared with other work, wait (up to max_s) until it has been idle for 2 s in a row:
+    OpenMP's spinning worker threads lose whole scheduler slices to other processes, which makes a
+    contended run useless for comparing runtimes. True when it went quiet (or max_s is 0)."""
+    deadline, quiet = time.perf_counter() + max_s, 0
+    while max_s > 0 and time.perf_counter() < deadline:
+        quiet = quiet + 1 if cpu_busy() < threshold else 0
+        if quiet >= 2:
+            return True
+    return max_s <= 0
 
 
 def tactic_summary(header: dict) -> str:
@@ -139,6 +173,9 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of timed rounds per model at most (at least 10 rounds are made)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="before each build and each runtime's block, wait up to this many seconds for "
+                             "the machine to go idle (a shared CPU); 0: do not wait")
     parser.add_argument("--timing-cache", default=str(zoo.cache_dir().parent / "timing-cache-cpu.json"),
                         help="kiln's tactic timing cache (rebuilds time nothing); '' for none")
     args = parser.parse_args()
@@ -190,7 +227,9 @@ def main() -> None:
         f"on {os.cpu_count()} cores: a load above the thread count means other work shared the CPU "
         "and the numbers are pessimistic for every runtime",
         "- onnxruntime: CPUExecutionProvider, ORT_ENABLE_ALL; torch eager: inference_mode; "
-        "kiln: kiln.build defaults",
+        f"kiln: kiln.build defaults, timing cache {args.timing_cache or 'none'}"
+        + (f"; each block started after the machine was idle for 2 s (waited up to {args.quiet_wait:.0f}s)"
+           if args.quiet_wait else ""),
         "- models: kiln.zoo exports (torch.onnx dynamo); ResNet-50 and BERT-base random weights, "
         "MobileNetV2 and MiniLM real weights",
         "",
