@@ -63,7 +63,8 @@ LAYERS = (
 
 def _nhwc(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g) * scale).to(DTYPE).contiguous(memory_format=CL)
+    t = (torch.randn(shape, device="cuda", generator=g) * scale).to(DTYPE)
+    return t.contiguous(memory_format=CL) if t.dim() == 4 else t  # a bias vector has no channels-last form
 
 
 def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
