@@ -156,8 +156,12 @@ def load() -> _Library:
             problems.append(f"{path}: its OpenMP runtime is not torch's ({', '.join(runtimes)})")
             continue
         engine, stream = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(lib.dnnl_engine_create(ctypes.byref(engine), ENGINE_CPU, 0), "dnnl_engine_create")
-        _check(lib.dnnl_stream_create(ctypes.byref(stream), engine, STREAM_DEFAULT), "dnnl_stream_create")
+        try:  # a build whose CPU engine is SYCL's (the `onednn` wheel) needs an OpenCL CPU device
+            _check(lib.dnnl_engine_create(ctypes.byref(engine), ENGINE_CPU, 0), "dnnl_engine_create")
+            _check(lib.dnnl_stream_create(ctypes.byref(stream), engine, STREAM_DEFAULT), "dnnl_stream_create")
+        except OneDNNError as e:
+            problems.append(f"{path}: {e}")
+            continue
         _LIBRARY = _Library(lib, version, engine, stream)
         return _LIBRARY
     _LOAD_ERROR = "libdnnl.so.3 not found or not usable (pip install onednn-cpu-gomp)" + \
