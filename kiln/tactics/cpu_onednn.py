@@ -26,6 +26,10 @@ The residual: when the runtime says the residual's value dies at this layer (Ste
 argument holds it, the convolution accumulates into the residual's memory (a sum post-op) instead
 of reading it as a third stream (binary post-op): ~1 ms of ResNet-50's 16 residual convolutions.
 
+Outputs are views of a few pooled buffers (kiln/kernels/cpu/onednn.py, _Arena), reused as soon as
+no tensor references them, the most recently used first: the next layer's output lands in memory
+that is still in cache, as in onnxruntime's arena (MobileNetV2 ~5% faster than on fresh allocations).
+
 The tactics are optional: `available()` is false when libdnnl.so.3 (the `onednn-cpu-gomp` wheel)
 cannot be loaded, or when it would bring its own OpenMP runtime next to torch's; an engine that
 names them then runs the ops' registered implementations.
@@ -141,7 +145,6 @@ def _sole_reference_count(with_attributes: bool) -> int | None:
 
 
 _SOLE_REFERENCES: dict[bool, int | None] = {}
-_storage_users = torch._C._storage_Use_Count
 
 
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
@@ -187,7 +190,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         # users: this tensor alone), and it is not the input being read.
         limit = sole.get(bool(_attributes))
         overwrite = (in_place and limit is not None and residual is not x and sys.getrefcount(residual) <= limit
-                     and _storage_users(residual.untyped_storage()._cdata) <= 2
+                     and onednn.storage_users(residual) <= 1
                      and residual.is_contiguous(memory_format=_CL) and residual.dtype == torch.float32)
         with lock:
             if overwrite:

@@ -351,3 +351,56 @@ def test_a_second_openmp_runtime_makes_the_library_unavailable(monkeypatch):
     assert not onednn.available()
     with pytest.raises(onednn.OneDNNError, match="OpenMP runtime is not torch's"):
         onednn.load()
+
+
+def test_arena_reuses_a_buffer_only_once_nothing_references_it():
+    arena = onednn._Arena()
+    shape, strides = (1, 8, 4, 4), (128, 1, 32, 8)
+    a = arena.empty(shape, strides)
+    b = arena.empty(shape, strides)
+    assert a.data_ptr() != b.data_ptr()  # both alive: two buffers
+    view = a.view(1, -1) if a.is_contiguous() else a.permute(0, 2, 3, 1).reshape(1, -1)
+    address = a.data_ptr()
+    del a
+    c = arena.empty(shape, strides)
+    assert c.data_ptr() not in (address, b.data_ptr())  # a's view still reads that memory
+    del view
+    d = arena.empty((1, 4, 2, 2), (16, 1, 8, 4))  # smaller: fits any free buffer
+    assert d.data_ptr() == address
+    assert arena.users(d) == 1 and arena.users(torch.zeros(3)) == 1
+    e = d[:, :2]
+    assert arena.users(d) == 2
+    del e
+
+
+@pytest.mark.parametrize("later", [False, True])
+def test_residual_from_the_arena_is_overwritten_only_when_no_view_of_it_lives(later, monkeypatch):
+    """r is a direct convolution's output (a view of a pooled buffer); with a Reshape view of it
+    read after the residual convolution, the result must not be written over it."""
+    accumulated = []
+    original = onednn.Conv2d.accumulate
+    monkeypatch.setattr(onednn.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
+    g = torch.Generator().manual_seed(12)
+    weights = {"w0": torch.randn(8, 8, 1, 1, generator=g) * 0.3, "w": torch.randn(8, 8, 3, 3, generator=g) * 0.2,
+               "b": torch.randn(8, generator=g), "shape": torch.tensor([1, 8, 6, 6])}
+    config = {"input_size": [1, 8, 6, 6], "residual": False}
+    steps = [StepSpec("FusedConv", "conv0", ["x", "w0"], ["r"], {"kernel_shape": [1, 1]}, domain="kiln",
+                      tactic=NAME, tactic_config=config)]
+    if later:
+        steps.append(StepSpec("Reshape", "view", ["r", "shape"], ["r2"]))
+    steps.append(StepSpec("FusedConv", "conv", ["x", "w", "b", "r"], ["y"],
+                          {"pads": [1, 1, 1, 1], "activation": "Relu", "kernel_shape": [3, 3]}, domain="kiln",
+                          tactic=NAME, tactic_config={**config, "residual": True}))
+    outputs = ["y"]
+    if later:
+        steps.append(StepSpec("Add", "add", ["y", "r2"], ["out"]))
+        outputs = ["out"]
+    spec = ProgramSpec(["x"], outputs, steps, {k: k for k in weights})
+    reference = ProgramSpec(spec.inputs, spec.outputs, [dataclasses.replace(s, tactic="", tactic_config={})
+                                                       for s in spec.steps], spec.constants)
+    x = torch.randn(1, 8, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    with torch.inference_mode():
+        want = Program(reference, weights).run([x.clone()])[0]
+        got = Program(spec, weights).run([x.clone()])[0]
+    assert_close(got, want.double())
+    assert accumulated == ([] if later else [1])

@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -240,6 +241,61 @@ def _reorder(src_md, dst_md, src: torch.Tensor, dst: torch.Tensor) -> None:
     _check(lib.lib.dnnl_stream_wait(lib.stream), "stream wait")
 
 
+# ---- activation memory -------------------------------------------------------------------------
+
+class _Arena:
+    """Output memory for the primitives: a few large buffers, each reused as soon as no tensor
+    references it, the one handed out most recently first.
+
+    Inside a network the cost of a convolution depends on whether its input and output are still
+    in cache: onnxruntime plans its activations into an arena that reuses the same few buffers
+    (measured: MobileNetV2's 52 convolutions take 4.4 ms over three ring buffers, 5.8 ms on fresh
+    torch allocations, 7.3 ms on a buffer per layer). This does the same without a plan: an
+    output is a view of a pooled 1-D buffer, and a buffer is free again when only the pool holds
+    its storage (torch's storage use count: every tensor or view of it adds one). The buffer
+    handed out most recently among the free ones is usually the one the previous layer just
+    read: hot. Every buffer is as large as the largest output seen, so any can serve any layer.
+    """
+
+    _MAX_BYTES = 256 << 20  # the pool's size at most; past it, plain allocations (it never shrinks)
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor] = []  # the most recently handed out last
+        self._pointers: set[int] = set()  # their storages' addresses
+        self._largest = 0
+        self._lock = threading.Lock()
+
+    def users(self, t: torch.Tensor) -> int:
+        """Tensors sharing t's storage, t included, not counting the pool's own buffer."""
+        storage = t.untyped_storage()
+        return _storage_users(storage._cdata) - 1 - (storage.data_ptr() in self._pointers)
+
+    def empty(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+        numel = shape[0] * strides[0]  # NHWC: the batch stride spans one image
+        users = _storage_users
+        with self._lock:
+            buffers = self._buffers
+            for i in range(len(buffers) - 1, -1, -1):
+                buffer = buffers[i]
+                if buffer.numel() >= numel and users(buffer.untyped_storage()._cdata) <= 2:  # pool + temporary
+                    del buffers[i]
+                    break
+            else:
+                largest = max(self._largest, numel)
+                if (len(buffers) + 1) * largest * 4 > self._MAX_BYTES:
+                    return torch.empty_strided(shape, strides, dtype=torch.float32)
+                self._largest = largest
+                buffer = torch.empty(largest, dtype=torch.float32)
+                self._pointers.add(buffer.data_ptr())
+            buffers.append(buffer)
+            return buffer.as_strided(shape, strides)
+
+
+_storage_users = torch._C._storage_Use_Count
+_ARENA = _Arena()
+storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu_onednn.py)
+
+
 # ---- post-ops ----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -385,13 +441,14 @@ class Conv2d:
                       self._r_mem.value if residual and not residual_in_place else None)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last.
+        """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
+        pooled buffer (_Arena).
 
         The caller guarantees x (and residual) are channels-last float32 of the sizes this
         primitive was built for: the primitive reads raw memory.
         """
         set_handle, execute, prim, stream, src, dst, res = self._call
-        y = torch.empty_strided(self._out_shape, self._out_strides, dtype=torch.float32)
+        y = _ARENA.empty(self._out_shape, self._out_strides)
         set_handle(src, x.data_ptr())
         set_handle(dst, y.data_ptr())
         if res is not None:
@@ -456,7 +513,7 @@ class Pool2d:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
         set_handle, execute, prim, stream, src, dst = self._call
-        y = torch.empty_strided(self._out_shape, self._out_strides, dtype=torch.float32)
+        y = _ARENA.empty(self._out_shape, self._out_strides)
         set_handle(src, x.data_ptr())
         set_handle(dst, y.data_ptr())
         status = execute(prim, stream, 2, self._args)
