@@ -404,3 +404,27 @@ def test_residual_from_the_arena_is_overwritten_only_when_no_view_of_it_lives(la
         got = Program(spec, weights).run([x.clone()])[0]
     assert_close(got, want.double())
     assert accumulated == ([] if later else [1])
+
+
+def test_engine_outputs_held_by_the_caller_are_not_reused(monkeypatch, tmp_path):
+    """A convolution's output that is the engine's output lives in the arena: a second run must not
+    write over the arrays the first run returned."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3, "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "conv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k == NAME else 1.0 for k in fns})
+    engine = kiln.build(model.SerializeToString(), tactics=[NAME])
+    assert engine.plan.program.steps[0].tactic == NAME
+    x1, x2 = (rng.standard_normal((1, 4, 6, 6)).astype(np.float32) for _ in range(2))
+    first = engine.run({"x": x1})["y"]
+    kept = np.array(first, copy=True)
+    second = engine.run({"x": x2})["y"]
+    np.testing.assert_array_equal(np.asarray(first), kept)
+    assert not np.allclose(np.asarray(second), kept)
