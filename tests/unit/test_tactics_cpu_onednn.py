@@ -428,3 +428,16 @@ def test_engine_outputs_held_by_the_caller_are_not_reused(monkeypatch, tmp_path)
     second = engine.run({"x": x2})["y"]
     np.testing.assert_array_equal(np.asarray(first), kept)
     assert not np.allclose(np.asarray(second), kept)
+
+
+def test_a_preferred_kernel_is_used_when_onednn_has_it_else_its_first_choice():
+    w, b = torch.randn(16, 1, 3, 3), torch.randn(16)
+    default = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False)
+    missing = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer="no:such")
+    assert missing.implementation == default.implementation
+    x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
+    want = F.conv2d(x.double(), w.double(), b.double(), 1, 1, 1, 16)
+    for kernel in ("jit_dw:avx512_core", default.implementation):
+        conv = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer=kernel)
+        assert conv.implementation in (kernel, default.implementation)
+        assert_close(conv(x), want)

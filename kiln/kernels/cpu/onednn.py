@@ -83,6 +83,7 @@ _SIGNATURES = {
     "dnnl_primitive_desc_query_md": (_P, [_P, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_desc_query": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
     "dnnl_primitive_desc_destroy": (_S, [_P]),
+    "dnnl_primitive_desc_next_impl": (_S, [_P]),
     "dnnl_primitive_create": (_S, [_PP, _P]),
     "dnnl_primitive_destroy": (_S, [_P]),
     "dnnl_primitive_execute": (_S, [_P, _P, ctypes.c_int, _P]),
@@ -325,6 +326,13 @@ def eltwise_for(activation: str, alpha: float, beta: float) -> Eltwise | None | 
 
 # ---- convolution -------------------------------------------------------------------------------
 
+def _implementation(pd: ctypes.c_void_p) -> str:
+    """The name of the kernel a primitive descriptor stands for ("brgconv:avx512_core")."""
+    info = ctypes.c_char_p()
+    load().lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
+    return (info.value or b"?").decode()
+
+
 def _out_size(size: int, kernel: int, stride: int, dilation: int, pad_l: int, pad_r: int) -> int:
     return (size + pad_l + pad_r - dilation * (kernel - 1) - 1) // stride + 1
 
@@ -342,7 +350,7 @@ class Conv2d:
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: list[int], stride: list[int],
                  pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
                  residual: bool, residual_after_activation: bool, residual_in_place: bool = False,
-                 share_weight_with: Conv2d | None = None):
+                 share_weight_with: Conv2d | None = None, prefer: str | None = None):
         lib = load()
         self._lib = lib
         n, c, h, wd = input_size
@@ -390,19 +398,27 @@ class Conv2d:
                 self._residual_index = index
         _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
 
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, src_md.value, w_any.value,
-            b_md.value if b_md is not None else None, dst_md.value, _dims(stride),
-            _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr_h.value),
-            f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
+        def descriptor() -> ctypes.c_void_p:
+            pd = ctypes.c_void_p()
+            _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, src_md.value, w_any.value,
+                b_md.value if b_md is not None else None, dst_md.value, _dims(stride),
+                _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr_h.value),
+                f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
+            return pd
+
+        pd = descriptor()
+        if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+            while _implementation(pd) != prefer:
+                if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                    lib.lib.dnnl_primitive_desc_destroy(pd)
+                    pd = descriptor()  # not there: oneDNN's own first choice
+                    break
         self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
         prim = ctypes.c_void_p()
         _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "convolution primitive")
         self._prim = _Handle(prim, "dnnl_primitive_destroy")
-        info = ctypes.c_char_p()
-        lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
-        self.implementation = (info.value or b"?").decode()
+        self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
         # that one chose the same layout: the in-place and the binary variant of one layer)
