@@ -58,12 +58,17 @@ def _static_shape_result(node: ir.Node) -> np.ndarray | None:
     return np.array(shape[start:end], dtype=np.int64)
 
 
-def _evaluate(node: ir.Node, opset: int) -> list[np.ndarray] | None:
+def evaluate(node: ir.Node, opset: int, tensors: list[ir.TensorProtocol | None] | None = None
+             ) -> list[np.ndarray] | None:
+    """The node's outputs computed by kiln's own op on `tensors` (default: its inputs' constant
+    values), or None when the op cannot be evaluated here."""
     spec = lookup(node.op_type, node.domain)
     kwargs = _attributes(node)
     if spec is None or kwargs is None or spec.check(opset, list(kwargs)):
         return None
-    inputs = [None if v is None else tensor_to_runtime(v.const_value) for v in node.inputs]
+    if tensors is None:
+        tensors = [None if v is None else v.const_value for v in node.inputs]
+    inputs = [None if t is None else tensor_to_runtime(t) for t in tensors]
     ctx = OpContext(
         name=node.name or node.op_type, op_type=node.op_type, domain=node.domain, opset=opset,
         num_inputs=len(node.inputs), num_outputs=len(node.outputs),
@@ -133,9 +138,9 @@ def fold_node(node: ir.Node, opset: int) -> bool:
             result = _static_dims_picked(node)  # Shape(x, start, end) of static dims only
         if result is None and const(node.inputs[0]) is None:
             return False
-        arrays = [result] if result is not None else _evaluate(node, opset)
+        arrays = [result] if result is not None else evaluate(node, opset)
     else:
-        arrays = _evaluate(node, opset)
+        arrays = evaluate(node, opset)
     if arrays is None or len(arrays) != len(node.outputs):
         return False
     input_elements = sum(int(np.prod(v.const_value.shape)) for v in node.inputs if v is not None and v.const_value is not None)

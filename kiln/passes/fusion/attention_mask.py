@@ -22,37 +22,26 @@ that does mask something is replaced by that small constant, which the attention
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import PassReport, attr, const, is_op, new_initializer
+from kiln.passes.fold import evaluate
 
 RULE = "drop_empty_attention_mask"
 RULE_BROADCAST = "attention_mask_broadcast"
 
 _MAX_DEPTH = 8
-# Elementwise ops of a mask subgraph, on numpy: each commutes with broadcasting its inputs.
-_ELEMENTWISE: dict[str, Callable[..., np.ndarray]] = {
-    "Where": lambda node, c, a, b: np.where(c, a, b),
-    "Not": lambda node, x: np.logical_not(x),
-    "And": lambda node, a, b: np.logical_and(a, b),
-    "Or": lambda node, a, b: np.logical_or(a, b),
-    "Equal": lambda node, a, b: np.equal(a, b),
-    "Neg": lambda node, x: np.negative(x),
-    "Add": lambda node, a, b: np.add(a, b),
-    "Sub": lambda node, a, b: np.subtract(a, b),
-    "Mul": lambda node, a, b: np.multiply(a, b),
-    "Cast": lambda node, x: x.astype(ir.DataType(attr(node, "to", 1)).numpy()),
-}
+# Elementwise ops a mask subgraph is made of: each commutes with broadcasting its inputs, so it may
+# be evaluated (by kiln's own op, as constant folding does) on the pre-broadcast constants.
+_ELEMENTWISE = frozenset({"Where", "Not", "And", "Or", "Equal", "Neg", "Add", "Sub", "Mul", "Cast"})
 
 
 def broadcast_constant(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:
     """A constant whose broadcast to `value`'s shape is `value`, or None if `value` depends on an input.
 
-    Sees through Expand and the elementwise ops above; the result keeps numpy's type promotion
-    out of the way by casting back to the value's own element type where it is known.
+    Sees through Expand and the elementwise ops above; gives up (None) where the op's result type
+    disagrees with the value's declared one, as folding does.
     """
     array = const(value)
     if array is not None:
@@ -62,15 +51,17 @@ def broadcast_constant(value: ir.Value | None, depth: int = 0) -> np.ndarray | N
         return None
     if node.op_type == "Expand":
         return broadcast_constant(node.inputs[0], depth + 1)
-    evaluate = _ELEMENTWISE.get(node.op_type)
-    if evaluate is None or any(v is None for v in node.inputs):
+    if node.op_type not in _ELEMENTWISE or any(v is None for v in node.inputs):
         return None
     args = [broadcast_constant(v, depth + 1) for v in node.inputs]
     if any(a is None for a in args):
         return None
-    result = np.asarray(evaluate(node, *args))
-    dtype = value.dtype.numpy() if value.dtype is not None else None
-    return result.astype(dtype) if dtype is not None and result.dtype != dtype else result
+    opset = node.graph.opset_imports.get("", 21) if node.graph is not None else 21
+    results = evaluate(node, opset, [ir.tensor(np.ascontiguousarray(a).reshape(np.shape(a))) for a in args])
+    if not results:
+        return None
+    result = results[node.outputs.index(value)]
+    return result if value.dtype is None or result.dtype == value.dtype.numpy() else None
 
 
 def drop_empty_attention_mask(node: ir.Node, report: PassReport) -> bool:
