@@ -10,7 +10,9 @@ per concrete input shape and replayed (`GraphRunner`).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,6 +114,19 @@ class _Captured:
     reason: str = ""  # why this signature runs eagerly, when graph is None
 
 
+@contextlib.contextmanager
+def host_sync_is_an_error() -> Iterator[None]:
+    """Inside, torch raises on any operation that would synchronize with the host: a run that
+    passes may be captured into a CUDA graph (the runtime's capture, the autotuner's timing)."""
+    with warnings.catch_warnings():  # "prototype feature": it is, and it is what we need
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 class GraphRunner:
     """Per execution context: one ShapePlan and one CUDA graph per input-shape signature.
 
@@ -162,16 +177,11 @@ class GraphRunner:
         try:
             # A second eager run that may not synchronize with the host: if any layer does
             # (data-dependent shapes: NonZero, Unique, a Loop on data...), capture is impossible.
-            with warnings.catch_warnings():  # "prototype feature": it is, and it is what we need
-                warnings.simplefilter("ignore", UserWarning)
-                torch.cuda.set_sync_debug_mode("error")
-            with torch.cuda.stream(stream):
+            with host_sync_is_an_error(), torch.cuda.stream(stream):
                 self.program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
             entry.reason = f"a layer synchronizes with the host ({type(e).__name__}: {str(e)[:120]})"
             return outputs
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:

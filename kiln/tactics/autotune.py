@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 
 from kiln.engine.plan import Binding
 from kiln.ir import dtypes
+from kiln.runtime.device import host_sync_is_an_error
 from kiln.runtime.engine import _place_weight
 from kiln.runtime.program import Program, ProgramSpec, StepSpec
 from kiln.tactics import registry
@@ -123,16 +123,11 @@ def _graph_replays(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            torch.cuda.set_sync_debug_mode("error")
-        with torch.cuda.stream(stream):  # a run that may not sync: else capture is impossible
+        with host_sync_is_an_error(), torch.cuda.stream(stream):  # else capture is impossible
             for fn in fns.values():
                 fn()
     except Exception:  # noqa: BLE001  a candidate syncs: time everything eagerly
         return None
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.current_stream().wait_stream(stream)
     try:
         for name, fn in fns.items():
