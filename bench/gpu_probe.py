@@ -24,20 +24,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu as bench_gpu  # noqa: E402  bench/gpu.py: the models, the wrapper, CUDA-event timing
+
 
 def time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return statistics.median(bench_gpu.time_cuda(fn, warmup, iters))
 
 
 def sdpa(log) -> None:
@@ -153,20 +144,23 @@ def cudnn_smoke(log) -> None:
         f"after CUDA-graph replay max err {(out.float() - ref).abs().max().item():.3g}")
 
 
-def engines(log, names: list[str]) -> None:
+def build_engine(name: str):
+    """-> (kiln fp16 CUDA engine of bench/gpu.py's row `name`, its example inputs), as bench/gpu.py builds it."""
     import tempfile
-
-    import gpu as bench_gpu
 
     import kiln
 
+    module, inputs, _desc = bench_gpu.make(name)
+    module = bench_gpu.FirstOutput(module).float().cpu()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{name}.onnx")
+        torch.onnx.export(module, inputs, path, dynamo=True, input_names=["x"], output_names=["y"])
+        return kiln.build(path, device="cuda", precision="fp16"), inputs
+
+
+def engines(log, names: list[str]) -> None:
     for name in names:
-        module, inputs, desc = bench_gpu.make(name)
-        module = bench_gpu.FirstOutput(module).float().cpu()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"{name}.onnx")
-            torch.onnx.export(module, inputs, path, dynamo=True, input_names=["x"], output_names=["y"])
-            engine = kiln.build(path, device="cuda", precision="fp16")
+        engine, _inputs = build_engine(name)
         layers = engine.plan.header.get("tactics", {}).get("layers", {})
         steps = {s.name: s for s in engine.plan.program.steps}
         seen: set[str] = set()
@@ -187,20 +181,10 @@ def engines(log, names: list[str]) -> None:
 def kernels(log, names: list[str]) -> None:
     """GPU time by kernel while the engine replays its CUDA graph (torch.profiler / CUPTI): what the
     replayed engine really spends, free of the per-layer profiler's host overhead."""
-    import tempfile
-
-    import gpu as bench_gpu
     from torch.profiler import ProfilerActivity, profile
 
-    import kiln
-
     for name in names:
-        module, inputs, desc = bench_gpu.make(name)
-        module = bench_gpu.FirstOutput(module).float().cpu()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, f"{name}.onnx")
-            torch.onnx.export(module, inputs, path, dynamo=True, input_names=["x"], output_names=["y"])
-            engine = kiln.build(path, device="cuda", precision="fp16")
+        engine, inputs = build_engine(name)
         ctx = engine.create_execution_context()
         x = inputs[0].cuda()
         for _ in range(3):

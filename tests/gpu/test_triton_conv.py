@@ -21,6 +21,8 @@ import time
 import pytest
 import torch
 
+from tests.gpu.timing import median_ms
+
 CUDA_OK = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0"
 pytestmark = [
     pytest.mark.gpu,
@@ -65,22 +67,6 @@ def _nhwc(shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = (torch.randn(shape, device="cuda", generator=g) * scale).to(DTYPE)
     return t.contiguous(memory_format=CL) if t.dim() == 4 else t  # a bias vector has no channels-last form
-
-
-def median_ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    """Median of CUDA-event timings of fn(), each call timed on its own."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> str | None:
@@ -167,7 +153,7 @@ def run_all(print_fn=print) -> bool:
                     launch = tactic.prepare(dataclasses.replace(step, tactic=tactic.name), constants, device)
                     problem = _close(launch(ctx, *args, **attributes), expected)
                     if problem is None:
-                        timings[tactic.name] = (median_ms(lambda launch=launch: launch(ctx, *args, **attributes)),
+                        timings[tactic.name] = (median_ms(lambda launch=launch: launch(ctx, *args, **attributes), 5, 30),
                                                 launch)
                 except Exception as e:  # noqa: BLE001  reported as a failure with its cause
                     problem = f"{type(e).__name__}: {e}"
@@ -196,9 +182,9 @@ def run_all(print_fn=print) -> bool:
                     y = y + args[3]
                 return torch.relu(y)
 
-            cudnn_ms = median_ms(cudnn_eager)
+            cudnn_ms = median_ms(cudnn_eager, 5, 30)
             base_launch = baseline.prepare(dataclasses.replace(step, tactic=BASELINE), constants, device)
-            base_ms = median_ms(lambda: base_launch(ctx, *args, **attributes))
+            base_ms = median_ms(lambda: base_launch(ctx, *args, **attributes), 5, 30)
             flops = 2.0 * batch * out_size * out_size * layer.cout * k
             print_fn(f"{label} PASS   {best_ms:8.4f} {cudnn_ms:8.4f} {base_ms:28.4f} {cudnn_ms / best_ms:7.2f}x "
                      f"{flops / best_ms / 1e9:7.1f}  {best[len('cuda.conv.triton_igemm.'):]}"

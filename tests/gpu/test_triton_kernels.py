@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.tolerances import assert_close
+from tests.gpu.timing import median_ms
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,22 +27,6 @@ pytestmark = [
 triton_kernels = pytest.importorskip("kiln.kernels.cuda.triton", exc_type=ImportError)
 
 DEVICE = "cuda"
-
-
-def median_ms(fn, warmup: int = 10, iters: int = 50) -> float:
-    """Median time of fn() in milliseconds, by CUDA events (each call timed on its own)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def report(name: str, kiln_fn, torch_fn, bytes_moved: int | None = None) -> None:

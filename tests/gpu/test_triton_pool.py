@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.gpu.timing import median_ms
+
 CUDA_OK = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0"
 pytestmark = [
     pytest.mark.gpu,
@@ -35,22 +37,6 @@ TOLERANCE = {torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3), torch.fl
 def _nhwc(shape, dtype, seed=0, scale=1.0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(shape, device="cuda", generator=g) * scale).to(dtype).contiguous(memory_format=CL)
-
-
-def median_ms(fn, warmup: int = 10, iters: int = 50) -> float:
-    """Median of CUDA-event timings of fn(), each call timed on its own."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, exact: bool = False) -> str | None:
