@@ -12,7 +12,6 @@ convex combination of v rows, |v| ~ 1..4 here) one more rounding: about 2 ulps o
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -20,11 +19,11 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.kernels.cuda.triton.attention import AttentionConfig, flash_attention  # noqa: E402
-from kiln.ops.registry import OpContext, lookup  # noqa: E402
 from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.autotune import mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
+from tests.unit import tactic_check  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -193,27 +192,14 @@ def test_refusals():
 # ---- the tactics, as the autotuner checks them ------------------------------------------------------
 
 def make_step(n_inputs: int, **attributes) -> StepSpec:
-    return StepSpec(op_type="Attention", name="attention_0", inputs=[f"in{i}" for i in range(n_inputs)],
-                    outputs=["out0"], attributes=attributes, domain="kiln", opset=21)
+    return tactic_check.make_step("Attention", "kiln", n_inputs, **attributes)
 
 
 def metas(args: list) -> list[InputMeta]:
-    return [InputMeta.of(a, False) for a in args]
+    return tactic_check.metas(args)
 
 
-def run_against_the_op(name: str, step: StepSpec, args: list) -> torch.Tensor:
-    """check, prepare, launch, compare with kiln's registered op: what the autotuner does before timing."""
-    tactic = registry.get(name)
-    assert tactic.check(step, metas(args)) is True
-    ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
-                    num_inputs=len(args), num_outputs=1)
-    launch = tactic.prepare(dataclasses.replace(step, tactic=name), [None] * len(args), CPU)
-    expected = lookup("Attention", "kiln").fn(ctx, *[a.clone() if a is not None else a for a in args],
-                                              **step.attributes)
-    got = launch(ctx, *args, **step.attributes)
-    problem = mismatch(got, expected)
-    assert problem is None, f"{name}: {problem}"
-    return got
+run_against_the_op = tactic_check.run_against_reference  # check, prepare, launch, compare with kiln's op
 
 
 TACTIC = "cuda.attention.triton.64x32.w4s2"
@@ -305,9 +291,7 @@ def test_engine_autotunes_the_tactic_on_a_packed_qkv_layer(tmp_path, monkeypatch
 
     import kiln
 
-    for name, tactic in registry.all_tactics().items():
-        if name.startswith("cuda.attention.triton."):
-            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    tactic_check.cuda_tactics_on_cpu(monkeypatch, lambda name: name.startswith("cuda.attention.triton."))
     torch.manual_seed(13)
     path = tmp_path / "attention.onnx"
     example = (torch.randn(2, 40, 64), torch.zeros(2, 1, 1, 40))

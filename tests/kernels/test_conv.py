@@ -13,7 +13,6 @@ magnitudes add to ~100: atol 1e-4.
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -24,11 +23,11 @@ pytest.importorskip("triton")
 from kiln.kernels.cuda.triton import device_math as dm  # noqa: E402
 from kiln.kernels.cuda.triton.conv import CONV_CONFIGS, ConvConfig, conv2d, pack_weight  # noqa: E402
 from kiln.ops.fused import _epilogue  # noqa: E402
-from kiln.ops.registry import OpContext, lookup  # noqa: E402
 from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.autotune import mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
+from tests.unit import tactic_check  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -169,27 +168,20 @@ def test_refusals():
 TACTIC = "cuda.conv.triton_igemm.64x64x64"
 
 
+WEIGHT = {1}  # the weight is a constant of the engine
+
+
 def make_step(n_inputs: int, **attributes) -> StepSpec:
-    return StepSpec(op_type="FusedConv", name="conv_0", inputs=[f"in{i}" for i in range(n_inputs)],
-                    outputs=["out0"], attributes=attributes, domain="kiln", opset=21)
+    return tactic_check.make_step("FusedConv", "kiln", n_inputs, **attributes)
 
 
 def metas(args: list) -> list[InputMeta]:
-    return [InputMeta.of(a, i == 1) for i, a in enumerate(args)]  # the weight is a constant of the engine
+    return tactic_check.metas(args, WEIGHT)
 
 
 def run_against_the_op(name: str, step: StepSpec, args: list) -> torch.Tensor:
     """check, prepare on the weight, launch on NHWC input, compare with kiln's op: what the autotuner does."""
-    tactic = registry.get(name)
-    assert tactic.check(step, metas(args)) is True
-    ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
-                    num_inputs=len(args), num_outputs=1)
-    launch = tactic.prepare(dataclasses.replace(step, tactic=name), [None, args[1], None, None], CPU)
-    expected = lookup("FusedConv", "kiln").fn(ctx, *[a.clone() if a is not None else a for a in args],
-                                              **step.attributes)
-    got = launch(ctx, *[tactic.to_layout(a) for a in args], **step.attributes)
-    problem = mismatch(got, expected)
-    assert problem is None, f"{name}: {problem}"
+    got = tactic_check.run_against_reference(name, step, args, WEIGHT)
     assert got.is_contiguous(memory_format=CL)
     return got
 
@@ -290,9 +282,7 @@ def test_engine_runs_the_tactic_on_every_conv_of_a_block(tmp_path, monkeypatch):
 
     import kiln
 
-    for name, tactic in registry.all_tactics().items():
-        if name.startswith("cuda.conv.triton_igemm."):
-            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    tactic_check.cuda_tactics_on_cpu(monkeypatch, lambda name: name.startswith("cuda.conv.triton_igemm."))
     torch.manual_seed(14)
     path = tmp_path / "block.onnx"
     torch.onnx.export(_Bottleneck().eval(), (torch.randn(1, 3, 20, 18),), str(path), dynamo=True,

@@ -7,7 +7,6 @@ The same kernels at ResNet-50 / MobileNetV2 sizes on the H200, with timings: tes
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.tolerances import DTYPES, assert_close
+from tests.unit import tactic_check
 
 triton = pytest.importorskip("triton")
 
@@ -25,8 +25,6 @@ from kiln.kernels.cuda.triton import pool  # noqa: E402
 from kiln.ops.registry import OpContext, lookup  # noqa: E402
 from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.tactics.autotune import mismatch  # noqa: E402
-from kiln.tactics.tactic import InputMeta  # noqa: E402
 
 CL = torch.channels_last
 LAYOUTS = ["nhwc", "nchw"]
@@ -225,34 +223,10 @@ def test_kernels_refuse_what_they_do_not_compute():
 # ---- the tactics -------------------------------------------------------------------------------
 
 def make_step(op_type: str, n_inputs: int, n_outputs: int = 1, opset: int = 21, **attributes) -> StepSpec:
-    return StepSpec(op_type=op_type, name=f"{op_type.lower()}_0", inputs=[f"in{i}" for i in range(n_inputs)],
-                    outputs=[f"out{i}" for i in range(n_outputs)], attributes=attributes, opset=opset)
+    return tactic_check.make_step(op_type, "", n_inputs, n_outputs, opset, **attributes)
 
 
-def metas(args, constant=frozenset()):
-    return [InputMeta.of(a, i in constant) for i, a in enumerate(args)]
-
-
-def run_tactic(name: str, step: StepSpec, args: list, constant=frozenset()) -> torch.Tensor:
-    """What the autotuner does before timing a candidate: check, prepare, launch on the tactic's layout,
-    compare with the op's registered implementation (its tolerance)."""
-    tactic = registry.get(name)
-    assert tactic.check(step, metas(args, constant)) is True
-    ctx = OpContext(name=step.name, op_type=step.op_type, opset=step.opset, num_inputs=len(args),
-                    num_outputs=len(step.outputs))
-    constants = [a if i in constant else None for i, a in enumerate(args)]
-    launch = tactic.prepare(dataclasses.replace(step, tactic=name), constants, torch.device("cpu"))
-    expected = lookup(step.op_type, "").fn(ctx, *args, **step.attributes)
-    got = launch(ctx, *[tactic.to_layout(a) for a in args], **step.attributes)
-    problem = mismatch(got, expected)
-    assert problem is None, f"{name}: {problem}"
-    return got
-
-
-def reason(name: str, step: StepSpec, args: list, constant=frozenset()) -> str:
-    result = registry.get(name).check(step, metas(args, constant))
-    assert result is not True, f"{name} accepted {step}"
-    return result
+run_tactic, reason = tactic_check.run_against_reference, tactic_check.reason
 
 
 def test_pool_tactics_are_registered_channels_last():
@@ -352,18 +326,14 @@ def test_engine_with_pool_tactics_standing_in_for_cpu_ones(tmp_path, monkeypatch
 
     if type(pool._pool2d_kernel).__name__ != "InterpretedFunction":
         pytest.skip("kiln's Triton kernels were imported compiled (TRITON_INTERPRET unset at import)")
-    for name, tactic in registry.all_tactics().items():
-        if tactic.device == "cuda" and not name.startswith("cuda.attention"):
-            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    tactic_check.cuda_tactics_on_cpu(monkeypatch, lambda name: not name.startswith("cuda.attention"))
     torch.manual_seed(0)
     path = tmp_path / "poolnet.onnx"
     torch.onnx.export(_PoolNet().eval(), (torch.randn(2, 3, 12, 12),), str(path), dynamo=True,
                       input_names=["x"], output_names=["y"])
     engine = kiln.build(str(path), device="cpu", tactics=["cuda"], tuning_runs=3)
     layers = engine.plan.header["tactics"]["layers"]
-    tried = {name: note for layer in layers.values() for name, note in layer["candidates"].items()}
-    assert not [f"{n}: {note}" for n, note in tried.items() if isinstance(note, str) and "rejected" in note]
-    checked = {n for n, note in tried.items() if isinstance(note, float)}  # passed the check, then timed
+    _tried, checked = tactic_check.tuned_candidates(engine)  # checked: passed the check, then timed
     assert {"cuda.pool.max.triton", "cuda.pool.avg.triton", "cuda.reduce_mean_hw.triton"} <= checked
 
     # Force the pool tactics and the NHWC convs (on CPU the interpreter never wins the timing):

@@ -7,7 +7,6 @@ The same tactics at real sizes on the H200, fp16, with timings: tests/gpu/test_c
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -21,11 +20,12 @@ import tests.kernels.conftest  # noqa: F401  TRITON_INTERPRET=1 before triton lo
 
 pytest.importorskip("triton")
 
-from kiln.ops.registry import OpContext, lookup  # noqa: E402
-from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.ops.registry import OpContext  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.tactics.autotune import mismatch  # noqa: E402
-from kiln.tactics.tactic import InputMeta  # noqa: E402
+from tests.unit.tactic_check import (  # noqa: E402
+    cuda_tactics_on_cpu, make_step, run_against_reference, tuned_candidates,
+)
+from tests.unit.tactic_check import reason as _reason  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -50,30 +50,6 @@ EXPECTED = {
     "cuda.gemm.triton.128x256x64", "cuda.conv.channels_last", "cuda.conv.channels_last_triton_epilogue",
     "cuda.attention.flash", "cuda.attention.efficient", "cuda.attention.cudnn", "cuda.conv.patchify_gemm",
 }
-
-
-def make_step(op_type: str, domain: str, n_inputs: int, n_outputs: int = 1, opset: int = 21, **attributes):
-    return StepSpec(op_type=op_type, name=f"{op_type.lower()}_0", inputs=[f"in{i}" for i in range(n_inputs)],
-                    outputs=[f"out{i}" for i in range(n_outputs)], attributes=attributes, domain=domain, opset=opset)
-
-
-def metas(args: list, constant: set[int] = frozenset()) -> list[InputMeta]:
-    return [InputMeta.of(a, i in constant) for i, a in enumerate(args)]
-
-
-def run_against_reference(name: str, step: StepSpec, args: list, constant: set[int] = frozenset()) -> None:
-    """What the autotuner does before timing a candidate: check, prepare, launch, compare with the default."""
-    tactic = registry.get(name)
-    assert tactic.check(step, metas(args, constant)) is True
-    spec = lookup(step.op_type, step.domain)
-    ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
-                    num_inputs=len(args), num_outputs=len(step.outputs))
-    constants = [a if i in constant else None for i, a in enumerate(args)]
-    launch = tactic.prepare(dataclasses.replace(step, tactic=name), constants, CPU)
-    expected = spec.fn(ctx, *[a.clone() if isinstance(a, torch.Tensor) else a for a in args], **step.attributes)
-    got = launch(ctx, *[tactic.to_layout(a) for a in args], **step.attributes)
-    problem = mismatch(got, expected)
-    assert problem is None, f"{name}: {problem}"
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
@@ -200,12 +176,6 @@ def test_attention_flash_backend_on_cpu_with_absorbed_head_layout():
 
 # ---- what supports() refuses -------------------------------------------------------------------
 
-def _reason(name: str, step: StepSpec, args: list, constant: set[int] = frozenset()) -> str:
-    result = registry.get(name).check(step, metas(args, constant))
-    assert isinstance(result, str), f"{name} accepted the layer"
-    return result
-
-
 def test_unsupported_layers_say_why():
     x16 = randn(2, 8, 16, 32, dtype=torch.float16)
     assert "not the last" in _reason("cuda.softmax.triton", make_step("Softmax", "kiln", 1, axis=1), [x16])
@@ -260,18 +230,14 @@ def test_engine_with_cuda_tactics_standing_in_for_cpu_ones(tmp_path, monkeypatch
 
     import kiln
 
-    for name, tactic in registry.all_tactics().items():
-        if tactic.device == "cuda" and not name.startswith("cuda.attention"):
-            monkeypatch.setitem(registry._TACTICS, name, dataclasses.replace(tactic, device="cpu"))
+    cuda_tactics_on_cpu(monkeypatch, lambda name: not name.startswith("cuda.attention"))
     torch.manual_seed(0)
     path = tmp_path / "block.onnx"
     torch.onnx.export(_Block().eval(), (torch.randn(2, 3, 4, 4),), str(path), dynamo=True,
                       input_names=["x"], output_names=["y"])
     engine = kiln.build(str(path), device="cpu", tactics=["cuda"], tuning_runs=3)
     layers = engine.plan.header["tactics"]["layers"]
-    tried = {name: note for layer in layers.values() for name, note in layer["candidates"].items()}
-    assert not [f"{n}: {note}" for n, note in tried.items() if isinstance(note, str) and "rejected" in note]
-    checked = {n for n, note in tried.items() if isinstance(note, float)}  # passed the check, then timed
+    _tried, checked = tuned_candidates(engine)  # checked: passed the check, then timed
     assert {"cuda.conv.channels_last_triton_epilogue", "cuda.gemm.cublas_triton_epilogue", "cuda.elementwise.triton",
             "cuda.layer_norm.triton", "cuda.softmax.triton.onnx_softmax"} <= checked  # the norm takes fc2's residual
 
