@@ -72,15 +72,7 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACTIVATION: tl.constexpr, RES_AFTER: tl.constexpr,
                  INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # tile order: GROUP_M row tiles share each column tile while it is in L2 (as fused_gemm)
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(Cout, BLOCK_N)
-    group_size = GROUP_M * tiles_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % group_size) % rows_in_group
-    tile_n = (pid % group_size) // rows_in_group
+    tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
 
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels: [BM]
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels: [BN]
@@ -134,15 +126,11 @@ def _conv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr,
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
+    residual = acc
     if HAS_RES:  # any strides (broadcast dims have stride 0): no copy of a residual in another layout
         res_offs = (nb.to(tl.int64) * srn + oh * srh + ow * srw)[:, None] + rn[None, :] * src
         residual = tl.load(res_ptr + res_offs, mask=mask, other=0.0).to(tl.float32)
-        if not RES_AFTER:
-            acc += residual
-    acc = dm.activate(acc, ACTIVATION, alpha, beta)
-    if HAS_RES:
-        if RES_AFTER:
-            acc += residual
+    acc = dm.epilogue(acc, residual, ACTIVATION, alpha, beta, HAS_RES, RES_AFTER)
     out_offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
     tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 

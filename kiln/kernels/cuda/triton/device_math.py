@@ -116,5 +116,29 @@ def activate(y, ACTIVATION: tl.constexpr, alpha, beta):
     return y
 
 
+@triton.jit
+def epilogue(y, residual, ACTIVATION: tl.constexpr, alpha, beta, HAS_RES: tl.constexpr, RES_AFTER: tl.constexpr):
+    """act(y + residual), or act(y) + residual when RES_AFTER: the residual step of kiln::FusedGemm /
+    FusedConv around the activation. Without HAS_RES, `residual` is not read (pass y)."""
+    if HAS_RES:
+        if not RES_AFTER:
+            y += residual
+    y = activate(y, ACTIVATION, alpha, beta)
+    if HAS_RES:
+        if RES_AFTER:
+            y += residual
+    return y
+
+
+@triton.jit
+def grouped_tile(pid, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` of a tiled GEMM: GROUP_M row tiles take each column
+    tile in turn, so it is read from L2 while it is still there."""
+    group_size = GROUP_M * tiles_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
 ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "SiLU", "Tanh", "Gelu", "GeluTanh", "LeakyRelu", "HardSigmoid",
                "HardSwish")

@@ -34,14 +34,10 @@ def _bias_activation_kernel(y_ptr, bias_ptr, res_ptr, out_ptr, numel, inner, cha
     if HAS_BIAS:
         channel = (offs // inner) % channels
         y += tl.load(bias_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+    residual = y
     if HAS_RES:
         residual = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if not RES_AFTER:
-            y += residual
-    y = dm.activate(y, ACTIVATION, alpha, beta)
-    if HAS_RES:
-        if RES_AFTER:
-            y += residual
+    y = dm.epilogue(y, residual, ACTIVATION, alpha, beta, HAS_RES, RES_AFTER)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

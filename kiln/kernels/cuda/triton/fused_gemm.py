@@ -50,14 +50,7 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, s
                  alpha, beta, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACTIVATION: tl.constexpr,
                  RES_AFTER: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * tiles_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    tile_m = first_m + (pid % group_size) % rows_in_group
-    tile_n = (pid % group_size) // rows_in_group
+    tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # rm: [BM]
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # rn: [BN]
@@ -78,14 +71,10 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, s
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]  # out and residual: [M, N] contiguous
+    residual = acc
     if HAS_RES:
         residual = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if not RES_AFTER:
-            acc += residual
-    acc = dm.activate(acc, ACTIVATION, alpha, beta)
-    if HAS_RES:
-        if RES_AFTER:
-            acc += residual
+    acc = dm.epilogue(acc, residual, ACTIVATION, alpha, beta, HAS_RES, RES_AFTER)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
