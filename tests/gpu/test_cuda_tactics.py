@@ -25,6 +25,7 @@ from kiln.runtime.program import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.autotune import measure, mismatch
 from kiln.tactics.tactic import InputMeta
+from tests.gpu.common import graph_replay
 
 pytestmark = [
     pytest.mark.gpu,
@@ -126,21 +127,6 @@ def cases() -> list[Case]:
              lambda: [randn(4, 32, 1024, 128, dtype=BF16), randn(4, 8, 1024, 128, dtype=BF16),
               randn(4, 8, 1024, 128, dtype=BF16)]),
     ]
-
-
-def graph_replay(fn):
-    """fn captured into a CUDA graph (fails on any host synchronisation inside it), replayed once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture: Triton compiles, cuBLAS picks its workspace
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return out
 
 
 @pytest.mark.parametrize("case", cases(), ids=lambda c: c.label)

@@ -27,6 +27,7 @@ from kiln.kernels.cuda import cudnn_graph
 from kiln.runtime.program import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
+from tests.gpu.common import capture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -204,14 +205,7 @@ def test_fused_conv_matches_the_fp32_reference_and_replays_in_a_cuda_graph(case)
 
         # Captured once, replayed on new data written into the captured inputs: the replay re-reads them.
         static = [a.clone() if a is not None else None for a in args]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            launch(None, *static, **step.attributes)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = launch(None, *static, **step.attributes)
+        graph, captured = capture(lambda: launch(None, *static, **step.attributes))
         fresh = _inputs(case, step)
         static[0].copy_(fresh[0])
         if case.residual:

@@ -44,6 +44,7 @@ from kiln.runtime.program import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.autotune import measure
 from kiln.tactics.tactic import InputMeta
+from tests.gpu.common import capture
 
 pytestmark = [
     pytest.mark.gpu,
@@ -235,14 +236,7 @@ def _check_and_replay(label: str, dtype: torch.dtype, launch, ctx, args: list, s
         assert not problems, "\n".join(problems)
 
         static = [a.clone() if a is not None else None for a in args]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            launch(ctx, *static, **step.attributes)  # warm-up outside the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = launch(ctx, *static, **step.attributes)
+        graph, captured = capture(lambda: launch(ctx, *static, **step.attributes))
         fresh = fresh_args()
         for i in (0, 3):  # the activations (x, residual); weights stay
             if i < len(static) and static[i] is not None and i < len(fresh) and fresh[i] is not None:

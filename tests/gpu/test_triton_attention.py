@@ -28,6 +28,7 @@ from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.autotune import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
+from tests.gpu.common import graph_replay  # noqa: E402
 
 DEVICE = torch.device("cuda")
 HEADS_LAST = [0, 2, 1, 3]
@@ -51,20 +52,6 @@ def reference(s: StepSpec, args: list) -> torch.Tensor:
     with sdpa_kernel([SDPBackend.MATH]), torch.inference_mode():
         return attention(None, *[a.float() if a is not None and a.is_floating_point() else a for a in args],
                          **s.attributes)
-
-
-def graph_replay(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return out
 
 
 def make_layer(name: str) -> tuple[StepSpec, list]:

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from tests.gpu.timing import median_ms
+from tests.gpu.common import capture, median_ms
 
 CUDA_OK = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0"
 pytestmark = [
@@ -93,11 +93,7 @@ def _reference(ctx, fused_conv, args, attributes) -> torch.Tensor:
 
 def _graph_replay(launch, ctx, args, attributes, reference) -> str | None:
     """Capture one launch in a CUDA graph, change x in place, replay: the replay must see the new x."""
-    launch(ctx, *args, **attributes)  # compiled and warm outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = launch(ctx, *args, **attributes)
+    graph, out = capture(lambda: launch(ctx, *args, **attributes))
     args[0].mul_(-1.0)
     try:
         expected = reference()

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.kernels.tolerances import assert_close
-from tests.gpu.timing import median_ms
+from tests.gpu.common import median_ms
 
 pytestmark = [
     pytest.mark.gpu,

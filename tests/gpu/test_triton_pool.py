@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.gpu.timing import median_ms
+from tests.gpu.common import capture, median_ms
 
 CUDA_OK = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") == "0"
 pytestmark = [
@@ -151,11 +151,7 @@ def _tactic_graph_replay() -> list[tuple[str, str | None]]:
                 continue
             launch = tactic.prepare(dataclasses.replace(s, tactic=name), constants, torch.device("cuda"))
             expected = lookup(s.op_type, "").fn(ctx, *args, **s.attributes)
-            launch(ctx, *args, **s.attributes)  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = launch(ctx, *args, **s.attributes)
+            graph, out = capture(lambda: launch(ctx, *args, **s.attributes))
             args[0].mul_(-1.0)  # new data in the same buffer: the replay must see it
             expected = lookup(s.op_type, "").fn(ctx, *args, **s.attributes)
             graph.replay()
