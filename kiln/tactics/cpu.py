@@ -29,15 +29,10 @@ from kiln.kernels.cpu.gemm import linear_mkl, linear_onednn, pack_linear_mkl, pa
 from kiln.ops.fused import fused_conv
 from kiln.runtime.program import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
 
 _FP32 = (torch.float32,)
 _CL = torch.channels_last
-
-
-def _attr(step: StepSpec, name: str, default: Any) -> Any:
-    value = step.attributes.get(name, default)
-    return default if value is None else value
 
 
 # ---- convolution -------------------------------------------------------------------------------

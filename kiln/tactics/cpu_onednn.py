@@ -48,16 +48,11 @@ import torch
 from kiln.kernels.cpu import onednn
 from kiln.runtime.program import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
 
 _CL = torch.channels_last
 _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the tuned one
 _DEPTHWISE_KERNEL = "jit_dw:avx512_core"
-
-
-def _attr(step: StepSpec, name: str, default: Any) -> Any:
-    value = step.attributes.get(name, default)
-    return default if value is None else value
 
 
 def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:

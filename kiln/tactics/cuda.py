@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kiln.ops.fused import _epilogue, attention, fused_conv
 from kiln.runtime.program import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,11 +43,6 @@ _TRITON_ACTIVATIONS = ("", "Relu", "Clip", "Sigmoid", "SiLU", "Tanh", "Gelu", "G
                        "HardSigmoid", "HardSwish")
 
 
-def _attr(step: StepSpec, name: str, default: Any) -> Any:
-    value = step.attributes.get(name, default)
-    return default if value is None else value
-
-
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -55,11 +50,6 @@ def triton_available() -> bool:
 def _kernels() -> ModuleType:
     """kiln.kernels.cuda.triton, imported on first use (it imports triton)."""
     return importlib.import_module("kiln.kernels.cuda.triton")
-
-
-def _input(inputs: list[InputMeta], i: int) -> InputMeta | None:
-    """Input i when it is a tensor, else None (missing optional input)."""
-    return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
 
 
 def _float_inputs(inputs: list[InputMeta]) -> bool | str:

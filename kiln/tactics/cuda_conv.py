@@ -26,9 +26,9 @@ import torch
 
 from kiln.ops.nn import _conv_params
 from kiln.runtime.program import StepSpec
-from kiln.tactics.cuda import _attr, _conv_supports, _epilogue_args, _input, _same_dtype, triton_available
+from kiln.tactics.cuda import _conv_supports, _epilogue_args, _same_dtype, triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _CL = torch.channels_last

@@ -27,7 +27,7 @@ import torch
 from kiln.runtime.program import StepSpec
 from kiln.tactics.cuda import triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # Window taps are unrolled at compile time (tl.static_range); beyond this a kernel per shape
@@ -38,11 +38,6 @@ MAX_TAPS = 64
 def _pool() -> ModuleType:
     """kiln.kernels.cuda.triton.pool, imported on first use (it imports triton)."""
     return importlib.import_module("kiln.kernels.cuda.triton.pool")
-
-
-def _attr(step: StepSpec, name: str, default: Any) -> Any:
-    value = step.attributes.get(name, default)
-    return default if value is None else value
 
 
 def _four_d(inputs: list[InputMeta]) -> bool | str:

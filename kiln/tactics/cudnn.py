@@ -35,8 +35,9 @@ from kiln.kernels.cuda.cudnn_graph import (IO_DTYPES, NORM_PHASES, CudnnGraphErr
 from kiln.ops.fused import fused_conv, fused_gemm, layer_norm, rms_norm
 from kiln.ops.nn import _conv_params
 from kiln.runtime.program import StepSpec
+from kiln.tactics.cuda import _epilogue_args as _epilogue
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _CL = torch.channels_last
@@ -46,24 +47,8 @@ def cudnn_available() -> bool:
     return import_cudnn() is not None
 
 
-def _attr(step: StepSpec, name: str, default: Any) -> Any:
-    value = step.attributes.get(name, default)
-    return default if value is None else value
-
-
-def _input(inputs: list[InputMeta], i: int) -> InputMeta | None:
-    """Input i when it is a tensor, else None (a missing optional input)."""
-    return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
-
-
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _epilogue(step: StepSpec, residual_after_default: int) -> dict[str, Any]:
-    return {"activation": _attr(step, "activation", ""), "alpha": float(_attr(step, "alpha", 0.0)),
-            "beta": float(_attr(step, "beta", 0.0)),
-            "residual_after_activation": bool(_attr(step, "residual_after_activation", residual_after_default))}
 
 
 # ---- convolution ---------------------------------------------------------------------------------

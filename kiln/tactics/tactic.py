@@ -31,6 +31,12 @@ DEFAULT = "default"  # the name the autotuner and `inspect` give the op's regist
 Launch = Callable[..., Any]
 
 
+def attribute(step: StepSpec, name: str, default: Any) -> Any:
+    """The step's attribute, or `default` where it is absent or None (an ONNX attribute not given)."""
+    value = step.attributes.get(name, default)
+    return default if value is None else value
+
+
 @dataclass(frozen=True)
 class InputMeta:
     """What a tactic may check about one input of a layer at build time."""
@@ -44,6 +50,11 @@ class InputMeta:
         if isinstance(value, torch.Tensor):
             return cls(tuple(value.shape), value.dtype, constant)
         return cls(None, None, constant)
+
+
+def tensor_input(inputs: list[InputMeta], i: int) -> InputMeta | None:
+    """Input i when it is a tensor, else None (a missing optional input)."""
+    return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
 
 
 @dataclass(frozen=True)
