@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -29,12 +28,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kiln.ops.fused import attention  # noqa: E402
 from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.autotune import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
+from gpu import graph_ms  # noqa: E402  bench/gpu.py
 
 HEADS_LAST = [0, 2, 1, 3]
 TRITON = "cuda.attention.triton."
@@ -92,31 +93,6 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
     step = StepSpec(op_type="Attention", name=case.key, inputs=[f"in{i}" for i in range(len(inputs))],
                     outputs=["out"], attributes=attributes, domain="kiln", opset=21)
     return step, inputs
-
-
-def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
-    """Milliseconds per call: `calls` calls captured in one CUDA graph, median over `replays` replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()  # Triton compiles, cuDNN plans, workspaces are allocated outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def sdpa_backend_call(backend_name: str, step: StepSpec, inputs: list) -> Callable[[], torch.Tensor]:

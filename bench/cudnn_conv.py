@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -29,11 +28,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kiln.kernels.cuda import cudnn_graph  # noqa: E402
 from kiln.runtime.program import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
+from gpu import graph_ms  # noqa: E402  bench/gpu.py
 
 CALLS_PER_GRAPH = 10
 REPLAYS = 15
@@ -111,31 +112,6 @@ def _reference(layer: Layer, args: list) -> torch.Tensor:
     return torch.clamp(y + r.float() if r is not None else y, min=0.0)
 
 
-def _graph_ms(fn) -> float:
-    """Median ms per call of fn, CALLS_PER_GRAPH calls captured in one CUDA graph and replayed."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()  # warm-up: builds, autotuning of cuDNN / Triton, allocator
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / CALLS_PER_GRAPH)
-    return statistics.median(times)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="256,1")
@@ -181,7 +157,7 @@ def main() -> int:
                             checks.append(f"FAIL {name} err {error:.3g} (scale {scale:.3g})")
                             cells.append(f"{'wrong':>9s}")
                             continue
-                        times[name] = _graph_ms(fn)
+                        times[name] = graph_ms(fn, CALLS_PER_GRAPH, REPLAYS)
                     cells.append(f"{times[name]:9.4f}")
                 except Exception as e:  # noqa: BLE001  reported with the layer; the other contenders still run
                     failed = failed or name == "cudnn"

@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -89,6 +90,31 @@ def time_cuda(fn, warmup: int = 10, iters: int = 50) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 10) -> float:
+    """Milliseconds per call: `calls` calls captured in one CUDA graph, median over `replays` replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()  # Triton compiles, cuDNN plans, workspaces are allocated outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def bench_row(name: str, compile_peers: bool, log, profile: bool = False) -> dict:
