@@ -8,6 +8,7 @@ last use (the liveness plan), so activations do not outlive their consumers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -146,6 +147,14 @@ class Program:
             fn = fn if step.precision != "fp32" else _pinned_fp32(fn)
             self.steps.append((fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
+        # On the CPU, runs of layers whose tactics run bound oneDNN primitives become one step each
+        # (kiln/runtime/native.py): the loop below runs `run_steps`; `steps` keeps every layer.
+        self.segments = []
+        self.run_steps = self.steps
+        if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
+            from kiln.runtime.native import segments
+
+            self.run_steps, self.segments = segments(self.steps, self.output_slots)
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
@@ -158,6 +167,7 @@ class Program:
         copy.__dict__.update(self.__dict__)
         copy.steps = [(wrap(i, fn), ctx, ins, outs, attrs, [] if keep_values else free)
                       for i, (fn, ctx, ins, outs, attrs, free) in enumerate(self.steps)]
+        copy.run_steps, copy.segments = copy.steps, []  # every layer is seen: no native segments
         return copy
 
     def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
@@ -172,7 +182,7 @@ class Program:
         if self.capture_slots:
             for name, s in self.capture_slots:
                 env[s] = outer[name]
-        for fn, ctx, in_slots, out_slots, attrs, free in self.steps:
+        for fn, ctx, in_slots, out_slots, attrs, free in self.run_steps:
             args = [env[s] if s >= 0 else None for s in in_slots]
             result = call_step(fn, ctx, args, attrs)
             if len(out_slots) == 1:

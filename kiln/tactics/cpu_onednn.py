@@ -47,6 +47,7 @@ import torch
 
 from kiln.kernels.cpu import onednn
 from kiln.runtime.program import StepSpec
+from kiln.runtime.native import NativeStep
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
 
@@ -198,13 +199,16 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
                 return primitive(tuple(x.shape), True).accumulate(x, residual)
             return primitive(tuple(x.shape), False)(x, residual.contiguous(memory_format=_CL))
 
+    launch.native = NativeStep(tuned, primitives[(tuned, in_place)].output_size,
+                               lambda accumulate: primitive(tuned, accumulate),
+                               residual_input=3 if with_residual else None, accumulate=in_place)
     return launch
 
 
 register(Tactic(
     name="cpu.conv.onednn_direct", op_type="FusedConv", domain="kiln", device="cpu", dtypes=(torch.float32,),
     supports=_supports, configure=_configure, prepare=_prepare, layout="channels_last",
-    available=onednn.available,
+    available=onednn.available, native=True,
     description="oneDNN C API convolution primitive built at load, epilogue as post-ops, NHWC activations",
 ))
 
@@ -294,6 +298,7 @@ def _shape_cached(step: StepSpec, build):
         with lock:
             return primitive(x)  # [N, C, H', W'] channels-last
 
+    launch.native = NativeStep(tuned, primitives[tuned].output_size, lambda _accumulate: primitives[tuned])
     return launch
 
 
@@ -305,12 +310,12 @@ for _op in ("MaxPool", "AveragePool"):
     register(Tactic(
         name=f"cpu.pool.onednn.{_op}", op_type=_op, domain="", device="cpu", dtypes=(torch.float32,),
         supports=_pool_supports, configure=_input_size, prepare=_prepare_pool, layout="channels_last",
-        available=onednn.available, description=f"{_op} as a oneDNN pooling primitive built at load, NHWC",
+        available=onednn.available, native=True, description=f"{_op} as a oneDNN pooling primitive built at load, NHWC",
     ))
 for _op in ("GlobalAveragePool", "ReduceMean"):
     register(Tactic(
         name=f"cpu.gap.onednn.{_op}", op_type=_op, domain="", device="cpu", dtypes=(torch.float32,),
         supports=_gap_supports, configure=_input_size, prepare=_prepare_gap, layout="channels_last",
-        available=onednn.available,
+        available=onednn.available, native=True,
         description=f"{_op} over H, W as a oneDNN whole-image average pooling built at load, NHWC",
     ))

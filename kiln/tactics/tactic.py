@@ -77,6 +77,7 @@ class Tactic:
     configure: Callable[[StepSpec, list[InputMeta]], dict[str, Any]] = field(default=lambda step, inputs: {})
     layout: str = ""
     level: int = 2
+    native: bool = False  # its launch offers a NativeStep: it can run inside a native segment (runtime/native.py)
     available: Callable[[], bool] = field(default=lambda: True)  # the library is present in this torch
     description: str = ""
 

@@ -399,11 +399,18 @@ def test_residual_from_the_arena_is_overwritten_only_when_no_view_of_it_lives(la
     reference = ProgramSpec(spec.inputs, spec.outputs, [dataclasses.replace(s, tactic="", tactic_config={})
                                                        for s in spec.steps], spec.constants)
     x = torch.randn(1, 8, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+    program = Program(spec, weights)
     with torch.inference_mode():
         want = Program(reference, weights).run([x.clone()])[0]
-        got = Program(spec, weights).run([x.clone()])[0]
+        got = program.run([x.clone()])[0]
+        layer_by_layer = program.with_kernels(lambda i, fn: fn).run([x.clone()])[0]
     assert_close(got, want.double())
+    assert_close(layer_by_layer, want.double())
+    # layer by layer, the launch accumulates; without the Reshape between them the two
+    # convolutions form a native segment (kiln/runtime/native.py), which writes y, the engine's
+    # output, to a fresh tensor and reads r with the binary post-op
     assert accumulated == ([] if later else [1])
+    assert [s.accumulated for s in program.segments] == ([] if later else [0])
 
 
 def test_engine_outputs_held_by_the_caller_are_not_reused(monkeypatch, tmp_path):

@@ -79,6 +79,7 @@ _SIGNATURES = {
         _S, [_PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _Dims, _Dims, _Dims, _Dims, _P]),
     "dnnl_pooling_forward_primitive_desc_create": (
         _S, [_PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _Dims, _Dims, _Dims, _Dims, _Dims, _P]),
+    "dnnl_inner_product_forward_primitive_desc_create": (_S, [_PP, _P, ctypes.c_int, _P, _P, _P, _P, _P]),
     "dnnl_reorder_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P]),
     "dnnl_primitive_desc_query_md": (_P, [_P, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_desc_query": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
@@ -242,6 +243,29 @@ def _reorder(src_md, dst_md, src: torch.Tensor, dst: torch.Tensor) -> None:
     _check(lib.lib.dnnl_stream_wait(lib.stream), "stream wait")
 
 
+class Bound:
+    """One primitive's execution arguments on memory objects of its own, their addresses fixed
+    when bound: a native segment (kiln/runtime/native.py) binds every layer once, at load, to
+    its planned buffer and then only calls `execute`. `rebind(role, address)` moves one role
+    ("src", "dst", "residual") for a call: the segment's entry and exit values.
+
+    The primitive object's own memory objects (its per-call path) are not touched: both paths may
+    run the same primitive.
+    """
+
+    def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
+                 fixed: list[tuple[int, _Handle]], what: str):
+        self.what = what
+        self._memories = {role: _memory(md, address) for role, (_, md, address) in roles.items()}
+        args = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + fixed
+        self.nargs = len(args)
+        self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
+        self.primitive = primitive
+
+    def rebind(self, role: str, address: int) -> None:
+        _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+
 # ---- activation memory -------------------------------------------------------------------------
 
 class _Arena:
@@ -326,6 +350,44 @@ def eltwise_for(activation: str, alpha: float, beta: float) -> Eltwise | None | 
 
 # ---- convolution -------------------------------------------------------------------------------
 
+def _epilogue_attr(eltwise: Eltwise | None, residual: bool, residual_after_activation: bool, residual_in_place: bool,
+                   dst_md: _Handle) -> tuple[_Handle, int]:
+    """(primitive attr with the epilogue as post-ops, the residual's post-op index or -1).
+
+    y = act(op(x) + r) or act(op(x)) + r, as kiln::FusedConv / FusedGemm order them: the residual is
+    a binary-add post-op reading r where it lies or, residual_in_place, a sum post-op accumulating
+    into dst's own memory (which holds r). fpmath strict: no implicit bf16/tf32 down-conversion."""
+    lib = load()
+    attr = ctypes.c_void_p()
+    _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
+    attr_h = _Handle(attr, "dnnl_primitive_attr_destroy")
+    _check(lib.lib.dnnl_primitive_attr_set_fpmath_mode(attr, FPMATH_STRICT), "fpmath mode")
+    post = ctypes.c_void_p()
+    _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
+    post_h = _Handle(post, "dnnl_post_ops_destroy")
+    order: list[str] = []
+    if residual and not residual_after_activation:
+        order.append("residual")
+    if eltwise is not None:
+        order.append("eltwise")
+    if residual and residual_after_activation:
+        order.append("residual")
+    residual_index = -1
+    for index, kind in enumerate(order):
+        if kind == "eltwise":
+            _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
+                   f"eltwise post-op {eltwise}")
+        elif residual_in_place:  # dst += residual: the residual is already in dst's memory
+            _check(lib.lib.dnnl_post_ops_append_sum(post, 1.0, 0, 0), "sum post-op")
+        else:
+            _check(lib.lib.dnnl_post_ops_append_binary(post, BINARY_ADD, dst_md.value), "binary add post-op")
+            residual_index = index
+    _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
+    del post_h  # the attr keeps its own copy
+    return attr_h, residual_index
+
+
+
 def _implementation(pd: ctypes.c_void_p) -> str:
     """The name of the kernel a primitive descriptor stands for ("brgconv:avx512_core")."""
     info = ctypes.c_char_p()
@@ -372,31 +434,8 @@ class Conv2d:
         w_any = memory_desc(w_dims, TAG_ANY)
         b_md = memory_desc([o], TAG_A) if b is not None else None
 
-        attr = ctypes.c_void_p()
-        _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
-        attr_h = _Handle(attr, "dnnl_primitive_attr_destroy")
-        _check(lib.lib.dnnl_primitive_attr_set_fpmath_mode(attr, FPMATH_STRICT), "fpmath mode")
-        post = ctypes.c_void_p()
-        _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
-        post_h = _Handle(post, "dnnl_post_ops_destroy")
-        order: list[str] = []
-        if residual and not residual_after_activation:
-            order.append("residual")
-        if eltwise is not None:
-            order.append("eltwise")
-        if residual and residual_after_activation:
-            order.append("residual")
-        self._residual_index = -1
-        for index, kind in enumerate(order):
-            if kind == "eltwise":
-                _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
-                       f"eltwise post-op {eltwise}")
-            elif residual_in_place:  # dst += residual: the residual is already in dst's memory
-                _check(lib.lib.dnnl_post_ops_append_sum(post, 1.0, 0, 0), "sum post-op")
-            else:
-                _check(lib.lib.dnnl_post_ops_append_binary(post, BINARY_ADD, dst_md.value), "binary add post-op")
-                self._residual_index = index
-        _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
+        attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation,
+                                                      residual_in_place, dst_md)
 
         def descriptor() -> ctypes.c_void_p:
             pd = ctypes.c_void_p()
@@ -455,6 +494,16 @@ class Conv2d:
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value,
                       self._r_mem.value if residual and not residual_in_place else None)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound): built with residual_in_place, dst is the residual's
+        memory and `residual` is not given; with a binary residual, it is."""
+        src_md, dst_md = self._mds[0], self._mds[1]
+        roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
+        if self.residual and not self.residual_in_place:
+            roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
+        fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
+        return Bound(self._prim.value, roles, fixed, f"convolution {list(self.input_size)} -> {list(self.output_size)}")
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
@@ -526,6 +575,11 @@ class Pool2d:
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value)
 
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound)."""
+        roles = {"src": (ARG_SRC, self._mds[0].value, src), "dst": (ARG_DST, self._mds[1].value, dst)}
+        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}")
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
         set_handle, execute, prim, stream, src, dst = self._call
@@ -535,4 +589,63 @@ class Pool2d:
         status = execute(prim, stream, 2, self._args)
         if status:
             _check(status, "pooling")
+        return y
+
+
+# ---- linear layers -----------------------------------------------------------------------------
+
+class InnerProduct:
+    """y = act(x @ Wᵀ + b [+ r]) [+ r] for x [M, K] row-major: oneDNN's inner product, the weight
+    [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int, eltwise: Eltwise | None,
+                 residual: bool, residual_after_activation: bool):
+        lib = load()
+        n, k = w.shape
+        self.input_size, self.output_size = (rows, k), (rows, n)
+        self.residual = residual
+        src_md, dst_md = memory_desc([rows, k], TAG_AB), memory_desc([rows, n], TAG_AB)
+        w_any, w_user = memory_desc([n, k], TAG_ANY), memory_desc([n, k], TAG_AB)
+        b_md = memory_desc([n], TAG_A) if b is not None else None
+        attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation, False, dst_md)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_inner_product_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, w_any.value,
+            b_md.value if b_md is not None else None, dst_md.value, attr_h.value),
+            f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
+        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
+        prim = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "inner product primitive")
+        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self.implementation = _implementation(pd)
+        w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
+        self._weight = torch.empty(lib.lib.dnnl_memory_desc_get_size(w_md) // 4 + 16, dtype=torch.float32)
+        _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
+        self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
+        self._w_mem = _memory(w_md, self._weight.data_ptr())
+        self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None
+        self._mds = (src_md, dst_md, w_any, b_md, w_user)
+        self._per_call = self.bind(0, 0, 0 if residual else None)
+        self._lock = threading.Lock()
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound)."""
+        src_md, dst_md = self._mds[0], self._mds[1]
+        roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
+        if self.residual:
+            roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
+        fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._b_mem is not None else [])
+        return Bound(self._prim.value, roles, fixed, f"inner product {list(self.input_size)} -> {list(self.output_size)}")
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] contiguous float32 of the built size -> y [M, N] (a new tensor)."""
+        y = torch.empty(self.output_size, dtype=torch.float32)
+        bound = self._per_call
+        with self._lock:
+            bound.rebind("src", x.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            if residual is not None:
+                bound.rebind("residual", residual.data_ptr())
+            _check(_LIBRARY.lib.dnnl_primitive_execute(bound.primitive, _LIBRARY.stream, bound.nargs, bound.args),
+                   "inner product")
         return y

@@ -1,0 +1,190 @@
+"""Native segments (kiln/runtime/native.py): runs of oneDNN layers bound once to a memory plan.
+
+Each program is checked against the same program on the ops' registered implementations (the
+reference), on fresh random inputs, float32 against float64 within the fp32 tolerance; and
+structurally: which layers formed a segment, what was accumulated in place, that values held
+by the caller survive later runs, that other input sizes and two threads still give the
+reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from kiln.kernels.cpu import onednn
+from kiln.runtime.native import Segment
+from kiln.runtime.program import Program, ProgramSpec, StepSpec
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
+
+CONV = "cpu.conv.onednn_direct"
+CL = torch.channels_last
+
+
+def _conv(name, x, w, out, size, *, b=None, residual=None, k=3, stride=1, act="Relu", after=0):
+    pads = [k // 2] * 4
+    inputs = [x, w, b or ""] + ([residual] if residual else [])
+    return StepSpec("FusedConv", name, inputs, [out],
+                    {"pads": pads, "strides": [stride, stride], "kernel_shape": [k, k], "activation": act,
+                     "residual_after_activation": after}, domain="kiln", tactic=CONV,
+                    tactic_config={"input_size": size, "residual": bool(residual)})
+
+
+def _network(outputs=("out",)) -> tuple[ProgramSpec, dict]:
+    """x [1,8,12,12] -> a = relu(conv3x3 x) -> c = relu(conv1x1 a + b) -> d = relu(conv3x3 c + a)
+    (a dies here: accumulated) -> p = maxpool 3x3/2 d -> e = conv1x1/stride 1 p -> out = gap(e)."""
+    g = torch.Generator().manual_seed(5)
+    weights = {"w1": torch.randn(8, 8, 3, 3, generator=g) * 0.2, "w2": torch.randn(8, 8, 1, 1, generator=g) * 0.3,
+               "b2": torch.randn(8, generator=g), "w3": torch.randn(8, 8, 3, 3, generator=g) * 0.2,
+               "w4": torch.randn(16, 8, 1, 1, generator=g) * 0.3, "axes": torch.tensor([2, 3])}
+    steps = [
+        _conv("c1", "x", "w1", "a", [1, 8, 12, 12]),
+        _conv("c2", "a", "w2", "c", [1, 8, 12, 12], b="b2", k=1),
+        _conv("c3", "c", "w3", "d", [1, 8, 12, 12], residual="a"),
+        StepSpec("MaxPool", "pool", ["d"], ["p"], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+                 tactic="cpu.pool.onednn.MaxPool", tactic_config={"input_size": [1, 8, 12, 12]}),
+        _conv("c4", "p", "w4", "e", [1, 8, 6, 6], k=1, act=""),
+        StepSpec("ReduceMean", "gap", ["e", "axes"], ["out"], {"keepdims": 1},
+                 tactic="cpu.gap.onednn.ReduceMean", tactic_config={"input_size": [1, 16, 6, 6]}),
+    ]
+    return ProgramSpec(["x"], list(outputs), steps, {k: k for k in weights}), weights
+
+
+RTOL, ATOL = 2e-5, 1e-6  # float32 results against the float64 reference, relative to the output's scale
+
+
+def assert_close(got: torch.Tensor, want64: torch.Tensor) -> None:
+    assert got.dtype == torch.float32 and got.shape == want64.shape
+    scale = want64.abs().max().item()
+    error = (got.double() - want64).abs().max().item()
+    assert error <= ATOL + RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def _reference(spec: ProgramSpec) -> ProgramSpec:
+    return dataclasses.replace(spec, steps=[dataclasses.replace(s, tactic="", tactic_config={}) for s in spec.steps])
+
+
+def _run(spec, weights, x):
+    with torch.inference_mode():
+        return Program(spec, weights).run([x])
+
+
+def _want(spec, weights, x) -> list[torch.Tensor]:
+    """The registered ops in float64: the oracle."""
+    double = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
+    return _run(_reference(spec), double, x.double())
+
+
+def test_a_run_of_onednn_layers_is_one_segment_and_matches_the_reference():
+    spec, weights = _network()
+    program = Program(spec, weights)
+    assert len(program.segments) == 1 and len(program.run_steps) == 1
+    segment = program.segments[0]
+    assert len(segment.members) == 6
+    assert segment.accumulated == 1  # d accumulated over a: a dies at c3 and lives in a segment buffer
+    # a and c live at once; d is written over a, p over c's freed buffer, e over d's: two buffers
+    assert len(segment.buffers) == 2
+    for seed in range(3):
+        x = torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            got = program.run([x])[0]
+        assert_close(got, _want(spec, weights, x)[0])
+
+
+def test_layer_by_layer_copy_sees_every_layer_and_agrees():
+    spec, weights = _network()
+    program = Program(spec, weights)
+    seen = []
+    traced = program.with_kernels(lambda i, fn: (lambda ctx, *a, **k: seen.append(i) or fn(ctx, *a, **k)))
+    x = torch.randn(1, 8, 12, 12)
+    with torch.inference_mode():
+        got, whole = traced.run([x])[0], program.run([x])[0]
+    assert seen == list(range(6))
+    assert_close(got, _want(spec, weights, x)[0])
+    assert_close(whole, _want(spec, weights, x)[0])
+
+
+def test_values_read_after_the_segment_are_fresh_tensors_each_run():
+    """'a' and 'e' leave the segment (program outputs): a second run must not write over what the
+    first returned, and a value that leaves is not accumulated over."""
+    spec, weights = _network(outputs=("out", "a", "e"))
+    program = Program(spec, weights)
+    assert program.segments[0].accumulated == 0  # 'a' is read after: c3 reads it with the binary post-op
+    with torch.inference_mode():
+        first = program.run([torch.randn(1, 8, 12, 12)])
+        kept = [t.clone() for t in first]
+        second = program.run([torch.randn(1, 8, 12, 12)])
+    for a, b in zip(first, kept):
+        assert torch.equal(a, b)
+    assert not torch.allclose(second[0], kept[0])
+    x = torch.randn(1, 8, 12, 12)
+    for g, w in zip(_run(spec, weights, x), _want(spec, weights, x)):
+        assert_close(g, w)
+
+
+def test_other_input_sizes_run_layer_by_layer():
+    spec, weights = _network()
+    x = torch.randn(1, 8, 16, 16)  # planned for 12x12
+    assert_close(_run(spec, weights, x)[0], _want(spec, weights, x)[0])
+
+
+def test_inputs_in_either_layout_and_a_layer_between_segments():
+    """A non-native layer (Relu) splits the run in two; the second segment reads a value of the
+    first through it, and the first's input arrives NCHW or NHWC."""
+    spec, weights = _network()
+    steps = list(spec.steps)
+    steps[2] = dataclasses.replace(steps[2], inputs=["cr", "w3", "", "a"])
+    steps.insert(2, StepSpec("Relu", "between", ["c"], ["cr"]))
+    spec = dataclasses.replace(spec, steps=steps)
+    program = Program(spec, weights)
+    assert [len(s.members) for s in program.segments] == [2, 4]
+    assert program.segments[1].accumulated == 0  # 'a' is an entry of the second: never written over
+    for layout in (torch.contiguous_format, CL):
+        x = torch.randn(1, 8, 12, 12).contiguous(memory_format=layout)
+        with torch.inference_mode():
+            got = program.run([x])[0]
+        assert_close(got, _want(spec, weights, x)[0])
+
+
+def test_two_threads_share_one_program():
+    spec, weights = _network()
+    program = Program(spec, weights)
+    inputs = [torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    wants = [_run(_reference(spec), weights, x)[0] for x in inputs]
+    problems = []
+
+    def work(offset):
+        with torch.inference_mode():
+            for _ in range(20):
+                for k in range(offset, len(inputs), 2):
+                    got = program.run([inputs[k]])[0]
+                    if not torch.allclose(got, wants[k], rtol=1e-4, atol=1e-5):
+                        problems.append(k)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+
+
+def test_segments_can_be_switched_off(monkeypatch):
+    spec, weights = _network()
+    monkeypatch.setenv("KILN_NATIVE_SEGMENTS", "0")
+    program = Program(spec, weights)
+    assert program.segments == [] and program.run_steps is program.steps
+
+
+def test_a_shape_that_does_not_chain_ends_the_run():
+    """c2 was built for another size than c1's output: no segment spans them."""
+    spec, weights = _network()
+    steps = list(spec.steps)
+    steps[1] = dataclasses.replace(steps[1], tactic_config={"input_size": [1, 8, 16, 16], "residual": False})
+    program = Program(dataclasses.replace(spec, steps=steps), weights)
+    assert all(program.steps[1] not in s.members for s in program.segments)
+    assert all(isinstance(s, Segment) for s in program.segments)
