@@ -38,18 +38,36 @@ class NativeStep:
     `primitive(accumulate)` returns an object with `bind(src, dst, residual) -> Bound`
     (kiln/kernels/cpu/onednn.py); accumulate=True asks for the variant that adds the residual
     into dst's memory (only offered when `accumulate` is True: the residual dies at this step).
+    An `alias` step (a Reshape that moves no byte) has no primitive: its output is its input's
+    memory under another shape.
     """
 
-    input_size: tuple[int, ...]  # [N, C, H, W] of the activation input (step input 0), NHWC in memory
+    input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
     output_size: tuple[int, ...]
-    primitive: Callable[[bool], Any]
+    primitive: Callable[[bool], Any] | None
     residual_input: int | None = None  # the step input that is the residual, same size as the output
     accumulate: bool = False
+    alias: bool = False
 
     @property
     def output_strides(self) -> tuple[int, ...]:
-        n, c, h, w = self.output_size
-        return (c * h * w, 1, w * c, c)  # channels-last
+        return _strides(self.output_size)
+
+
+def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """Channels-last for 4-D (NHWC in memory, NCHW in shape), row-major otherwise."""
+    if len(size) == 4:
+        n, c, h, w = size
+        return (c * h * w, 1, w * c, c)
+    strides, step = [], 1
+    for d in reversed(size):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def _in_layout(v: torch.Tensor) -> torch.Tensor:
+    return v.contiguous(memory_format=_CL) if v.dim() == 4 else v.contiguous()
 
 
 Step = tuple  # (fn, ctx, in_slots, out_slots, attrs, free): kiln/runtime/program.py
@@ -63,7 +81,7 @@ def _numel(size: tuple[int, ...]) -> int:
 
 
 class Segment:
-    """Layers [first, last] of a program run as bound primitives; called as one step."""
+    """Consecutive layers of a program run as bound primitives; called as one step."""
 
     def __init__(self, members: list[Step], read_after: set[int]):
         self.members = members
@@ -82,67 +100,91 @@ class Segment:
         exits = set(self.exits)
         last_read = {s: max(k for k, _ in uses) for s, uses in consumers.items()}
 
-        # The memory plan: internal values (written and last read here) share a few buffers, each
-        # as large as the largest of them, the most recently freed handed out first.
-        internal = [s for s in produced if s not in exits]
-        largest = max((_numel(natives[produced[s]].output_size) for s in internal), default=0)
-        self.buffers: list[torch.Tensor] = []
-        free: list[torch.Tensor] = []
-        holding: dict[int, torch.Tensor] = {}  # slot -> its buffer while the value is live
-        address: dict[int, int] = {}  # slot -> where it is written (entries and exits: per call)
+        # Values that share memory: an alias's output is its input's memory; an accumulated result
+        # is written over its residual. root[s]: the first value of s's group.
+        root: dict[int, int] = {}
         accumulate: list[bool] = []
         for k, (m, native) in enumerate(zip(members, natives)):
             x, out = m[2][0], m[3][0]
             residual = m[2][native.residual_input] if native.residual_input is not None else None
-            over = (native.accumulate and residual in holding and last_read[residual] == k and residual != x
-                    and out not in exits)
+            if native.alias:
+                if x not in produced or last_read[x] != k or x in exits:
+                    raise ValueError(f"alias {m[1].name}: its input is not a value of the segment that dies here")
+                root[out] = root.get(x, x)
+                accumulate.append(False)
+                continue
+            over = (native.accumulate and residual in produced and last_read[residual] == k and residual != x
+                    and residual not in exits and out not in exits)
             accumulate.append(over)
             if over:
-                holding[out] = holding.pop(residual)  # the result takes the residual's buffer
-            elif out not in exits:
-                if not free:
-                    free.append(torch.empty(largest, dtype=torch.float32))
-                    self.buffers.append(free[-1])
-                holding[out] = free.pop()
-            if out in holding:
-                address[out] = holding[out].data_ptr()
-            for v in (x, residual):
-                if v in holding and last_read[v] == k and v != out:
-                    free.append(holding.pop(v))
+                root[out] = root.get(residual, residual)
+        group = {s: root.get(s, s) for s in produced}
+        exit_group = {group[s]: s for s in exits}  # a group read after the segment: bound per call
 
-        # Bind every layer to its buffers; entries and exits are pointed at per call.
-        self.bound = []
-        self.per_call: dict[int, list[tuple[Any, str]]] = {}  # slot -> [(Bound, role)] to point at it
+        # The memory plan: the other groups share a few buffers, each as large as the largest
+        # value, the most recently freed handed out first (still in cache).
+        largest = max((_numel(natives[produced[s]].output_size) for s in produced if group[s] not in exit_group),
+                      default=0)
+        self.buffers: list[torch.Tensor] = []
+        free: list[torch.Tensor] = []
+        holding: dict[int, torch.Tensor] = {}  # group -> its buffer while live
+        address: dict[int, int] = {}  # slot -> address (entries and exit groups: bound per call)
         for k, (m, native) in enumerate(zip(members, natives)):
+            x, out = m[2][0], m[3][0]
+            residual = m[2][native.residual_input] if native.residual_input is not None else None
+            g = group[out]
+            if g not in exit_group:
+                if g not in holding:
+                    if not free:
+                        free.append(torch.empty(largest, dtype=torch.float32))
+                        self.buffers.append(free[-1])
+                    holding[g] = free.pop()
+                address[out] = holding[g].data_ptr()
+            for v in (x, residual):
+                if v in produced and last_read[v] == k and group[v] != g and group[v] in holding:
+                    free.append(holding.pop(group[v]))
+
+        # Bind every layer to its buffers; entries and exit groups are pointed at per call.
+        self.per_call: dict[int, list[tuple[Any, str]]] = {}  # entry slot or exit group -> [(Bound, role)]
+        self.bound = []  # owns the memory objects the calls' argument arrays point at
+        self._calls = []
+        for k, (m, native) in enumerate(zip(members, natives)):
+            if native.alias:
+                continue
             x, out = m[2][0], m[3][0]
             residual = m[2][native.residual_input] if native.residual_input is not None else None
             prim = native.primitive(accumulate[k])
             if accumulate[k]:
-                b = prim.bind(address.get(x, 0), address[out])
-                roles = [(x, "src")]
+                b = prim.bind(address.get(x, 0), address.get(out, 0))
+                roles = [(x, "src"), (out, "dst")]
             else:
                 b = prim.bind(address.get(x, 0), address.get(out, 0),
                               address.get(residual, 0) if residual is not None else None)
                 roles = [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
             for s, role in roles:
-                if s in self.entries or s in exits:
+                if s in produced and group[s] in exit_group:
+                    self.per_call.setdefault(group[s], []).append((b, role))
+                elif s not in produced:
                     self.per_call.setdefault(s, []).append((b, role))
             self.bound.append(b)
-        self.exit_shapes = [(natives[produced[s]].output_size, natives[produced[s]].output_strides)
-                            for s in self.exits]
+            self._calls.append((b.primitive, b.nargs, b.args))
+        self.exit_groups = [group[s] for s in self.exits]
+        self.exit_shapes = []
+        for s in self.exits:
+            native = natives[produced[s]]
+            self.exit_shapes.append((native.output_size, native.output_strides))
         self.entry_sizes = []
         for s in self.entries:
             k, role = consumers[s][0]
-            native = natives[k]
-            self.entry_sizes.append(native.input_size if role == "src" else native.output_size)
+            self.entry_sizes.append(natives[k].input_size if role == "src" else natives[k].output_size)
         from kiln.kernels.cpu import onednn
 
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
-        self._calls = [(b.primitive, b.nargs, b.args) for b in self.bound]
         self._lock = threading.Lock()
         self.accumulated = sum(accumulate)
+        self.aliased = sum(n.alias for n in natives)
 
     @property
     def planned_bytes(self) -> int:
@@ -163,15 +205,15 @@ class Segment:
         if not fits:
             out = self.fallback(list(values))
             return tuple(out) if len(out) != 1 else out[0]
-        entries = [v.contiguous(memory_format=_CL) for v in values]  # free when already channels-last
+        entries = [_in_layout(v) for v in values]  # free when already in the layout
         exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]
         execute, stream = self._execute, self._stream
         with self._lock:
             for s, v in zip(self.entries, entries):
                 for b, role in self.per_call[s]:
                     b.rebind(role, v.data_ptr())
-            for s, v in zip(self.exits, exits):
-                for b, role in self.per_call[s]:
+            for g, v in zip(self.exit_groups, exits):
+                for b, role in self.per_call.get(g, ()):
                     b.rebind(role, v.data_ptr())
             for prim, nargs, args in self._calls:
                 status = execute(prim, stream, nargs, args)
@@ -196,10 +238,18 @@ def segments(steps: list[Step], output_slots: list[int]) -> tuple[list[Step], li
         for s in in_slots:
             if s >= 0:
                 last_read[s] = i
+    outputs = set(output_slots)
     runs: list[list[int]] = []
     for i, step in enumerate(steps):
         native = getattr(step[0], "native", None)
         ok = isinstance(native, NativeStep) and len(step[3]) == 1 and step[3][0] >= 0
+        if ok and native.alias:  # only inside a run, over a value of it that dies here
+            x = step[2][0]
+            ok = (bool(runs) and runs[-1][-1] == i - 1 and steps[i - 1][3][0] == x and last_read.get(x) == i
+                  and x not in outputs and _chains(steps[i - 1], step))
+            if ok:
+                runs[-1].append(i)
+            continue
         if ok and runs and runs[-1][-1] == i - 1 and _chains(steps[i - 1], step):
             runs[-1].append(i)
         elif ok:
@@ -210,7 +260,6 @@ def segments(steps: list[Step], output_slots: list[int]) -> tuple[list[Step], li
     result: list[Step] = []
     made: list[Segment] = []
     i = 0
-    outputs = set(output_slots)
     while i < len(steps):
         run = start.get(i)
         if run is None:

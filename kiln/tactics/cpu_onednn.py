@@ -319,3 +319,101 @@ for _op in ("GlobalAveragePool", "ReduceMean"):
         available=onednn.available, native=True,
         description=f"{_op} over H, W as a oneDNN whole-image average pooling built at load, NHWC",
     ))
+
+
+# ---- linear layers -----------------------------------------------------------------------------
+
+def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    x = inputs[0]
+    w = inputs[1] if len(inputs) > 1 else None
+    b = inputs[2] if len(inputs) > 2 else None
+    residual = inputs[3] if len(inputs) > 3 else None
+    if x.shape is None or len(x.shape) != 2:
+        return "only a matrix input [M, K] (other ranks: cpu.gemm.*)"
+    if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
+        return "the weight is not a constant float32 matrix of the engine"
+    if w.shape[1] != x.shape[1]:
+        return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
+    if b is not None and b.shape is not None and (not b.constant or list(b.shape) != [w.shape[0]]
+                                                  or b.dtype != torch.float32):
+        return "the bias is not a float32 constant [N] of the engine"
+    if _attr(step, "activation", "") == "SwiGLU":
+        return "activation 'SwiGLU' halves the output: no post-op gates it"
+    eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
+    if isinstance(eltwise, str):
+        return eltwise
+    if residual is not None and residual.shape is not None:
+        if list(residual.shape) != [x.shape[0], w.shape[0]] or residual.dtype != torch.float32:
+            return f"residual {list(residual.shape)} is not a float32 [M, N] like the output"
+    return True
+
+
+def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
+    w = constants[1]
+    b = constants[2] if len(constants) > 2 else None
+    eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
+    with_residual = bool(step.tactic_config.get("residual"))
+    after = bool(_attr(step, "residual_after_activation", 1))
+    tuned = tuple(step.tactic_config["input_size"])
+    primitives = {tuned[0]: onednn.InnerProduct(w, b, tuned[0], eltwise, with_residual, after)}
+
+    def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
+        x = x.contiguous()  # [M, K]
+        rows = x.shape[0]
+        primitive = primitives.get(rows)
+        if primitive is None:  # another row count: built once
+            if len(primitives) > _CACHED_SHAPES:
+                primitives.pop(next(k for k in primitives if k != tuned[0]))
+            primitive = primitives[rows] = onednn.InnerProduct(w, b, rows, eltwise, with_residual, after)
+        return primitive(x, residual.contiguous() if residual is not None else None)  # [M, N]
+
+    launch.native = NativeStep(tuned, primitives[tuned[0]].output_size, lambda _accumulate: primitives[tuned[0]],
+                               residual_input=3 if with_residual else None)
+    return launch
+
+
+register(Tactic(
+    name="cpu.gemm.onednn_direct", op_type="FusedGemm", domain="kiln", device="cpu", dtypes=(torch.float32,),
+    supports=_gemm_supports, configure=_configure, prepare=_prepare_gemm, available=onednn.available, native=True,
+    description="oneDNN C API inner product built at load (weight reordered once), epilogue as post-ops",
+))
+
+
+# ---- reshapes that move no byte ----------------------------------------------------------------
+
+def _alias_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    x = inputs[0]
+    if x.shape is None or x.dtype != torch.float32:
+        return "the input's shape is not known, or it is not float32"
+    if len(x.shape) == 4 and x.shape[2] * x.shape[3] != 1 and x.shape[1] != 1:
+        return "a 4-D input is channels-last in a segment: only [N, C, 1, 1] or [N, 1, H, W] keep their order"
+    if step.op_type == "Reshape" and (len(inputs) < 2 or not inputs[1].constant):
+        return "the target shape is not a constant of the engine"
+    return True
+
+
+def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
+    from kiln.ops.registry import OpContext, lookup
+
+    op = lookup(step.op_type, step.domain).fn
+    size = tuple(step.tactic_config["input_size"])
+    ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
+                    num_inputs=len(step.inputs), num_outputs=1)
+    attributes = {k: v for k, v in step.attributes.items()}
+    out = tuple(op(ctx, torch.empty(size, device="meta"), *constants[1:], **attributes).shape)
+
+    def launch(ctx, x, *inputs, **attrs):
+        return op(ctx, x, *inputs, **attrs)
+
+    launch.native = NativeStep(size, out, None, alias=True)
+    return launch
+
+
+for _op in ("Reshape", "Flatten"):
+    register(Tactic(
+        name=f"cpu.alias.{_op}", op_type=_op, domain="", device="cpu", dtypes=(torch.float32,),
+        supports=_alias_supports, configure=_input_size, prepare=_prepare_alias, native=True,
+        description=f"{_op} as a view: inside a native segment, the next layer reads the same memory",
+    ))

@@ -188,3 +188,90 @@ def test_a_shape_that_does_not_chain_ends_the_run():
     program = Program(dataclasses.replace(spec, steps=steps), weights)
     assert all(program.steps[1] not in s.members for s in program.segments)
     assert all(isinstance(s, Segment) for s in program.segments)
+
+
+# ---- the classifier head: Reshape as an alias, FusedGemm as a oneDNN inner product ----------------
+
+def _head(end: str) -> tuple[ProgramSpec, dict]:
+    """_network's gap [1,16,1,1] -> Reshape [1,16] (an alias) -> FusedGemm [1,10]; end "gemm":
+    the Gemm's result is the output; "alias": the Reshape's is (the Gemm is not there)."""
+    spec, weights = _network()
+    g = torch.Generator().manual_seed(9)
+    weights |= {"shape": torch.tensor([1, 16]), "wg": torch.randn(10, 16, generator=g) * 0.3,
+                "bg": torch.randn(10, generator=g)}
+    steps = list(spec.steps) + [StepSpec("Reshape", "flat", ["out", "shape"], ["flat"], tactic="cpu.alias.Reshape",
+                                         tactic_config={"input_size": [1, 16, 1, 1]})]
+    outputs = ["flat"]
+    if end == "gemm":
+        steps.append(StepSpec("FusedGemm", "fc", ["flat", "wg", "bg"], ["logits"],
+                              {"activation": "Sigmoid", "residual_after_activation": 1}, domain="kiln",
+                              tactic="cpu.gemm.onednn_direct", tactic_config={"input_size": [1, 16], "residual": False}))
+        outputs = ["logits"]
+    return ProgramSpec(["x"], outputs, steps, {k: k for k in weights}), weights
+
+
+@pytest.mark.parametrize("end", ["gemm", "alias"])
+def test_the_head_joins_the_segment(end):
+    spec, weights = _head(end)
+    program = Program(spec, weights)
+    assert len(program.segments) == 1 and len(program.run_steps) == 1
+    assert program.segments[0].aliased == 1
+    for seed in range(2):
+        x = torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            first = program.run([x])[0]
+            kept = first.clone()
+            program.run([torch.randn(1, 8, 12, 12)])
+        assert first.shape == ((1, 10) if end == "gemm" else (1, 16))
+        assert torch.equal(first, kept)  # the output is the caller's: not written by the next run
+        assert_close(first, _want(spec, weights, x)[0])
+
+
+def test_an_alias_over_a_value_read_later_is_not_in_the_segment():
+    """'out' is read by the Reshape and is also an engine output: a view of it cannot live in a
+    segment buffer, so the Reshape runs as an ordinary step."""
+    spec, weights = _head("gemm")
+    spec = dataclasses.replace(spec, outputs=["logits", "out"])
+    program = Program(spec, weights)
+    assert [len(s.members) for s in program.segments] == [6]
+    x = torch.randn(1, 8, 12, 12)
+    for got, want in zip(_run(spec, weights, x), _want(spec, weights, x)):
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize("activation,after,residual", [("", 1, False), ("Relu", 1, True), ("Tanh", 0, True),
+                                                       ("Gelu", 1, False)])
+def test_inner_product_matches_float64(activation, after, residual):
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 40, generator=g) * 0.2, torch.randn(24, generator=g)
+    step = StepSpec("FusedGemm", "fc", ["x", "w", "b"] + (["r"] if residual else []), ["y"],
+                    {"activation": activation, "residual_after_activation": after}, domain="kiln",
+                    tactic="cpu.gemm.onednn_direct", tactic_config={"input_size": [3, 40], "residual": residual})
+    spec = ProgramSpec(["x"] + (["r"] if residual else []), ["y"], [step], {"w": "w", "b": "b"})
+    program = Program(spec, {"w": w, "b": b})
+    for rows in (3, 5):  # the tuned row count, and another (built on first use)
+        x = torch.randn(rows, 40, generator=g)
+        inputs = [x] + ([torch.randn(rows, 24, generator=g)] if residual else [])
+        with torch.inference_mode():
+            got = program.run(inputs)[0]
+        with torch.inference_mode():
+            want = Program(_reference(spec), {"w": w.double(), "b": b.double()}).run([t.double() for t in inputs])[0]
+        assert_close(got, want)
+
+
+def test_alias_and_inner_product_refuse_what_they_cannot_run():
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import InputMeta
+
+    alias = registry.get("cpu.alias.Reshape")
+    step = StepSpec("Reshape", "r", ["x", "shape"], ["y"])
+    meta = lambda shape, constant=False: InputMeta(shape=shape, dtype=torch.float32, constant=constant)  # noqa: E731
+    assert alias.check(step, [meta([1, 16, 1, 1]), meta([2], True)]) is True
+    assert "channels-last" in alias.check(step, [meta([1, 16, 2, 2]), meta([2], True)])
+    assert "constant" in alias.check(step, [meta([1, 16, 1, 1]), meta([2])])
+    gemm = registry.get("cpu.gemm.onednn_direct")
+    fc = StepSpec("FusedGemm", "fc", ["x", "w"], ["y"], {"activation": "SwiGLU"}, domain="kiln")
+    assert "SwiGLU" in gemm.check(fc, [meta([2, 8]), meta([6, 8], True)])
+    fc.attributes = {}
+    assert "matrix input" in gemm.check(fc, [meta([2, 3, 8]), meta([6, 8], True)])
+    assert gemm.check(fc, [meta([2, 8]), meta([6, 8], True)]) is True
