@@ -94,6 +94,10 @@ def from_torch(dtype: torch.dtype) -> DType:
         raise ValueError(f"torch dtype {dtype} has no ONNX counterpart") from None
 
 
+_REAL = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+         torch.uint8, torch.bool}
+
+
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
     """Zero-copy where torch can hold the type; numpy kept for strings and sub-byte types."""
     dt = from_numpy(array.dtype)
@@ -102,6 +106,8 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
     if array.dtype.kind in "biufc" and array.dtype.type.__module__ == "numpy":
         if not array.flags.writeable:
             array = array.copy()
+        if array.ndim and array.flags.c_contiguous:
+            return torch.from_numpy(array)  # the common case in one call: engines run it on every input
         return torch.from_numpy(np.ascontiguousarray(array)).reshape(array.shape)  # keeps 0-d
     # ml_dtypes (bfloat16, float8...): reinterpret the bytes.
     raw = np.ascontiguousarray(array).view(np.uint8 if array.itemsize == 1 else np.uint16)
@@ -111,6 +117,8 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
 
 
 def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    if tensor.dtype in _REAL and not tensor.requires_grad and tensor.device.type == "cpu":
+        return tensor.numpy()  # no conjugate or negative bit on real types: one call (every engine output)
     tensor = tensor.detach()
     if tensor.device.type != "cpu":
         tensor = tensor.cpu()

@@ -139,6 +139,7 @@ class ExecutionContext:
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
             self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs)
+        self._static = _static_signature(engine)
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -188,6 +189,10 @@ class ExecutionContext:
                         )
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        if self._static is not None and type(feeds) is dict:
+            done = self._run_static(feeds)
+            if done is not None:
+                return done
         if not isinstance(feeds, dict):
             feeds = dict(zip(self.engine.input_names, feeds))
         else:
@@ -205,6 +210,46 @@ class ExecutionContext:
             results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
                        else r for r, b in zip(results, self.engine.outputs)]
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
+
+
+    def _run_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
+        """The common case in a few lines: a CPU engine of fixed input shapes fed exactly those, as
+        C-contiguous writable numpy arrays of the bound dtypes. After a large network each line of
+        Python runs from cold caches (~0.2 ms for ResNet-50's general path); anything else returns
+        None and takes the general path, which checks and explains."""
+        names, signature, outputs = self._static
+        if len(feeds) != len(names):
+            return None
+        args = []
+        for name, (dtype, shape) in zip(names, signature):
+            value = feeds.get(name)
+            if (type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape
+                    or not value.flags.c_contiguous or not value.flags.writeable):
+                return None
+            args.append(torch.from_numpy(value))
+        with torch.inference_mode():
+            results = self.engine.program.run(args)
+        if all(type(r) is torch.Tensor and r.dtype in _NUMPY_PLAIN and not r.requires_grad for r in results):
+            return {b.name: r.numpy() for b, r in zip(outputs, results)}
+        return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}
+
+
+_NUMPY_PLAIN = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool}
+
+
+def _static_signature(engine: Engine) -> tuple | None:
+    """(input names, [(numpy dtype, shape)], output bindings) of a CPU engine whose inputs are all
+    tensors of fixed shapes and numpy-native dtypes, run without boundary casts; else None."""
+    if engine.device.type != "cpu" or engine.internal_dtype:
+        return None
+    signature = []
+    for b in engine.inputs:
+        dt = dtypes.BY_NAME.get(b.dtype) if b.dtype else None
+        if (b.kind != "tensor" or b.shape is None or not all(isinstance(d, int) for d in b.shape) or dt is None
+                or dt.torch not in _NUMPY_PLAIN):
+            return None
+        signature.append((np.dtype(dt.numpy), tuple(b.shape)))
+    return [b.name for b in engine.inputs], signature, list(engine.outputs)
 
 
 def load(path: str | os.PathLike) -> Engine:

@@ -21,6 +21,7 @@ layers' own launch functions, as they would without segments.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -66,8 +67,8 @@ def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _in_layout(v: torch.Tensor) -> torch.Tensor:
-    return v.contiguous(memory_format=_CL) if v.dim() == 4 else v.contiguous()
+def _laid_out(v: torch.Tensor) -> bool:
+    return v.is_contiguous(memory_format=_CL) if v.dim() == 4 else v.is_contiguous()
 
 
 Step = tuple  # (fn, ctx, in_slots, out_slots, attrs, free): kiln/runtime/program.py
@@ -177,14 +178,47 @@ class Segment:
         for s in self.entries:
             k, role = consumers[s][0]
             self.entry_sizes.append(natives[k].input_size if role == "src" else natives[k].output_size)
-        from kiln.kernels.cpu import onednn
+        from kiln.kernels.cpu import native_loop, onednn
 
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
         self._lock = threading.Lock()
+        self._stage: dict[int, torch.Tensor] = {}
+        self._names = [m[1].name for m, n in zip(members, natives) if not n.alias]
+        # NCHW images (4-D entries as users hand them) are laid out NHWC by a reorder at the head
+        # of the loop, into a buffer of the segment's: no allocation, both threads.
+        self._staged = []  # (entry index, Bound of its reorder, its buffer)
+        for k, size in enumerate(self.entry_sizes):
+            if len(size) == 4:
+                buffer = torch.empty_strided(size, _strides(size), dtype=torch.float32)
+                reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
+                self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
+        staged_calls = [(b.primitive, b.nargs, b.args) for _, b, _ in self._staged] + self._calls
+        # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
+        loop = native_loop.load()
+        self._loop = self._loop_staged = None
+        if loop is not None and self._calls:
+            self._loop = self._c_loop(loop, self._calls)
+            self._loop_staged = self._c_loop(loop, staged_calls)
+        self._names_staged = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
         self.accumulated = sum(accumulate)
         self.aliased = sum(n.alias for n in natives)
+
+    def _c_loop(self, loop, calls: list) -> tuple:
+        count = len(calls)
+        return (loop.kiln_run_segment, ctypes.cast(self._execute, ctypes.c_void_p), count,
+                (ctypes.c_void_p * count)(*[p for p, _, _ in calls]),
+                (ctypes.c_int * count)(*[n for _, n, _ in calls]),
+                (ctypes.c_void_p * count)(*[ctypes.cast(a, ctypes.c_void_p) for _, _, a in calls]),
+                ctypes.c_int(-1))
+
+    def _staging(self, k: int, v: torch.Tensor) -> torch.Tensor:
+        """Entry k copied into its own buffer in the segment's layout (made on first use)."""
+        buffer = self._stage.get(k)
+        if buffer is None:
+            buffer = self._stage[k] = torch.empty_strided(tuple(v.shape), _strides(tuple(v.shape)), dtype=v.dtype)
+        return buffer.copy_(v)
 
     @property
     def planned_bytes(self) -> int:
@@ -205,20 +239,39 @@ class Segment:
         if not fits:
             out = self.fallback(list(values))
             return tuple(out) if len(out) != 1 else out[0]
-        entries = [_in_layout(v) for v in values]  # free when already in the layout
         exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]
         execute, stream = self._execute, self._stream
         with self._lock:
+            # NCHW images go through the reorders at the head of the C loop; other entries in
+            # another layout are copied into a buffer of the segment's (no fresh pages per run)
+            staged = self._loop_staged is not None and bool(self._staged) and all(
+                not _laid_out(values[k]) and values[k].is_contiguous() for k, _, _ in self._staged)
+            if staged:
+                entries = list(values)
+                for k, bound, buffer in self._staged:
+                    bound.rebind("src", values[k].data_ptr())
+                    entries[k] = buffer
+                entries = [v if _laid_out(v) else self._staging(k, v) for k, v in enumerate(entries)]
+            else:
+                entries = [v if _laid_out(v) else self._staging(k, v) for k, v in enumerate(values)]
             for s, v in zip(self.entries, entries):
                 for b, role in self.per_call[s]:
                     b.rebind(role, v.data_ptr())
             for g, v in zip(self.exit_groups, exits):
                 for b, role in self.per_call.get(g, ()):
                     b.rebind(role, v.data_ptr())
-            for prim, nargs, args in self._calls:
-                status = execute(prim, stream, nargs, args)
+            loop = self._loop_staged if staged else self._loop
+            if loop is not None:
+                run, fn, count, prims, nargs, argv, failed = loop
+                status = run(fn, stream, count, prims, nargs, argv, ctypes.byref(failed))
                 if status:
-                    self._check(status, "a layer of a native segment")
+                    names = self._names_staged if staged else self._names
+                    self._check(status, f"layer {names[failed.value]!r} of a native segment")
+            else:
+                for k, (prim, nargs, args) in enumerate(self._calls):
+                    status = execute(prim, stream, nargs, args)
+                    if status:
+                        self._check(status, f"layer {self._names[k]!r} of a native segment")
         return tuple(exits) if len(exits) != 1 else exits[0]
 
 

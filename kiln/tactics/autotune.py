@@ -317,8 +317,11 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
     cached = cache.get(key)
     # A cache hit holds the measurements: the selection rule below is applied to them again, and
     # only the winner is prepared and checked.
-    wanted = _choose({k: v for k, v in cached["times_ms"].items() if k == DEFAULT or any(t.name == k for t in usable)}) \
-        if cached is not None else None
+    names = {DEFAULT} | {t.name for t in usable}
+    known = {k: v for k, v in cached["times_ms"].items() if k in names} if cached is not None else {}
+    if cached is not None and not known:
+        cached = None  # nothing measured that runs here: time them
+    wanted = _choose(known) if cached is not None else None
     check = _checker(fn, ctx, record, attrs)
     launches: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
     for t in usable:

@@ -205,7 +205,8 @@ def _head(end: str) -> tuple[ProgramSpec, dict]:
     if end == "gemm":
         steps.append(StepSpec("FusedGemm", "fc", ["flat", "wg", "bg"], ["logits"],
                               {"activation": "Sigmoid", "residual_after_activation": 1}, domain="kiln",
-                              tactic="cpu.gemm.onednn_direct", tactic_config={"input_size": [1, 16], "residual": False}))
+                              tactic="cpu.gemm.onednn_direct",
+                              tactic_config={"input_size": [1, 16], "residual": False}))
         outputs = ["logits"]
     return ProgramSpec(["x"], outputs, steps, {k: k for k in weights}), weights
 
@@ -275,3 +276,84 @@ def test_alias_and_inner_product_refuse_what_they_cannot_run():
     fc.attributes = {}
     assert "matrix input" in gemm.check(fc, [meta([2, 3, 8]), meta([6, 8], True)])
     assert gemm.check(fc, [meta([2, 8]), meta([6, 8], True)]) is True
+
+
+# ---- the loop in C, and its fallback ------------------------------------------------------------
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_c_loop_and_the_python_loop_agree(compiled, monkeypatch):
+    from kiln.kernels.cpu import native_loop
+
+    if compiled and native_loop.load() is None:
+        pytest.skip(f"no compiled loop here: {native_loop.reason()}")
+    if not compiled:
+        monkeypatch.setattr(native_loop, "load", lambda: None)
+    spec, weights = _head("gemm")
+    program = Program(spec, weights)
+    segment = program.segments[0]
+    assert (segment._loop is not None) == compiled
+    for layout in (torch.contiguous_format, CL):  # NCHW: the reorder heads the loop; NHWC: read in place
+        x = torch.randn(1, 8, 12, 12).contiguous(memory_format=layout)
+        with torch.inference_mode():
+            got = program.run([x])[0]
+        assert_close(got, _want(spec, weights, x)[0])
+
+
+def test_the_loop_is_not_built_when_switched_off(monkeypatch):
+    from kiln.kernels.cpu import native_loop
+
+    monkeypatch.setattr(native_loop, "_LOADED", None)
+    monkeypatch.setattr(native_loop, "_REASON", None)
+    monkeypatch.setenv("KILN_NATIVE_LOOP", "0")
+    assert native_loop.load() is None and native_loop.reason() == "KILN_NATIVE_LOOP=0"
+
+
+def test_the_loop_compiles_into_the_cache(monkeypatch, tmp_path):
+    import shutil
+
+    from kiln.kernels.cpu import native_loop
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine: segments loop in Python")
+    monkeypatch.setattr(native_loop, "_LOADED", None)
+    monkeypatch.setattr(native_loop, "_REASON", None)
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+    assert native_loop.load() is not None, native_loop.reason()
+    assert len(list((tmp_path / "native").glob("segment_loop-*.so"))) == 1
+
+
+# ---- the engine's fast path for fixed-shape CPU engines ------------------------------------------
+
+def test_engine_fast_path_agrees_and_bad_feeds_still_get_the_general_checks(tmp_path):
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+    from kiln.errors import BindingError
+
+    rng = np.random.default_rng(1)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3, "w")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+                               helper.make_node("Relu", ["c"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 6, 6])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    engine = kiln.build(model.SerializeToString())
+    context = engine.create_execution_context()
+    assert context._static is not None
+    x = rng.standard_normal((1, 4, 6, 6)).astype(np.float32)
+    fast = engine.run({"x": x})["y"]
+    context._static = None  # the general path
+    general = context.run({"x": x})["y"]
+    np.testing.assert_array_equal(fast, general)
+    weight = torch.tensor(numpy_helper.to_array(w), dtype=torch.float64)
+    want = np.maximum(torch.nn.functional.conv2d(torch.from_numpy(x).double(), weight, padding=1).numpy(), 0)
+    assert np.abs(fast - want).max() <= 1e-5 * np.abs(want).max()
+    np.testing.assert_allclose(engine.run({"x": x[:, :, :, ::-1].copy()[:, :, :, ::-1]})["y"], fast, rtol=1e-6)
+    with pytest.raises(BindingError, match="expected dtype float"):
+        engine.run({"x": x.astype(np.float64)})
+    with pytest.raises(BindingError, match="axis 2 must be 6"):
+        engine.run({"x": np.zeros((1, 4, 5, 6), np.float32)})
+    with pytest.raises(BindingError, match="missing input"):
+        engine.run({"y": x})

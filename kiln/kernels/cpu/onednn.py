@@ -254,8 +254,9 @@ class Bound:
     """
 
     def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
-                 fixed: list[tuple[int, _Handle]], what: str):
+                 fixed: list[tuple[int, _Handle]], what: str, owner: object):
         self.what = what
+        self._owner = owner  # the primitive object: it owns the primitive and the fixed memories
         self._memories = {role: _memory(md, address) for role, (_, md, address) in roles.items()}
         args = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + fixed
         self.nargs = len(args)
@@ -503,7 +504,8 @@ class Conv2d:
         if self.residual and not self.residual_in_place:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
-        return Bound(self._prim.value, roles, fixed, f"convolution {list(self.input_size)} -> {list(self.output_size)}")
+        what = f"convolution {list(self.input_size)} -> {list(self.output_size)}"
+        return Bound(self._prim.value, roles, fixed, what, self)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
@@ -578,7 +580,7 @@ class Pool2d:
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound)."""
         roles = {"src": (ARG_SRC, self._mds[0].value, src), "dst": (ARG_DST, self._mds[1].value, dst)}
-        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}")
+        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}", self)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
@@ -635,7 +637,8 @@ class InnerProduct:
         if self.residual:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._b_mem is not None else [])
-        return Bound(self._prim.value, roles, fixed, f"inner product {list(self.input_size)} -> {list(self.output_size)}")
+        what = f"inner product {list(self.input_size)} -> {list(self.output_size)}"
+        return Bound(self._prim.value, roles, fixed, what, self)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] contiguous float32 of the built size -> y [M, N] (a new tensor)."""
@@ -649,3 +652,29 @@ class InnerProduct:
             _check(_LIBRARY.lib.dnnl_primitive_execute(bound.primitive, _LIBRARY.stream, bound.nargs, bound.args),
                    "inner product")
         return y
+
+
+# ---- layout changes ----------------------------------------------------------------------------
+
+class Reorder:
+    """One float32 layout change of a fixed size, e.g. an NCHW image into the NHWC a segment runs
+    in: oneDNN's jitted reorder, both threads (torch's copy runs on one)."""
+
+    def __init__(self, size: list[int] | tuple[int, ...], src_tag: int, dst_tag: int):
+        lib = load()
+        self.size = tuple(size)
+        src_md, dst_md = memory_desc(list(size), src_tag), memory_desc(list(size), dst_tag)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src_md.value, lib.engine, dst_md.value,
+                                                          lib.engine, None), f"reorder {list(size)}")
+        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
+        prim = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "reorder primitive")
+        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self.implementation = _implementation(pd)
+        self._mds = (src_md, dst_md)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound)."""
+        roles = {"src": (ARG_FROM, self._mds[0].value, src), "dst": (ARG_TO, self._mds[1].value, dst)}
+        return Bound(self._prim.value, roles, [], f"reorder {list(self.size)}", self)
