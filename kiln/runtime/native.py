@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kiln.kernels.cpu import hugepages
+
 _CL = torch.channels_last
 
 
@@ -137,7 +139,7 @@ class Segment:
             if g not in exit_group:
                 if g not in holding:
                     if not free:
-                        free.append(torch.empty(largest, dtype=torch.float32))
+                        free.append(hugepages.empty(largest))
                         self.buffers.append(free[-1])
                     holding[g] = free.pop()
                 address[out] = holding[g].data_ptr()
@@ -191,7 +193,7 @@ class Segment:
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
             if len(size) == 4:
-                buffer = torch.empty_strided(size, _strides(size), dtype=torch.float32)
+                buffer = hugepages.empty(_numel(size)).as_strided(size, _strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         staged_calls = [(b.primitive, b.nargs, b.args) for _, b, _ in self._staged] + self._calls

@@ -353,9 +353,10 @@ def test_a_second_openmp_runtime_makes_the_library_unavailable(monkeypatch):
         onednn.load()
 
 
-def test_arena_reuses_a_buffer_only_once_nothing_references_it():
+@pytest.mark.parametrize("channels", [8, 256])  # 256: 1 MiB buffers, each on a huge-page mapping of its own
+def test_arena_reuses_a_buffer_only_once_nothing_references_it(channels):
     arena = onednn._Arena()
-    shape, strides = (1, 8, 4, 4), (128, 1, 32, 8)
+    shape, strides = (1, channels, 32, 32), (channels * 1024, 1, channels * 32, channels)
     a = arena.empty(shape, strides)
     b = arena.empty(shape, strides)
     assert a.data_ptr() != b.data_ptr()  # both alive: two buffers

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch  # first: libdnnl's libgomp.so.1 must resolve to the one torch loaded
 
+from kiln.kernels.cpu import hugepages
+
 # ---- enum values of the oneDNN v3 C API (dnnl_types.h, dnnl_common_types.h) -------------------
 F32 = 3  # dnnl_f32
 TAG_ANY, TAG_A, TAG_AB, TAG_ABCD, TAG_ABCDE, TAG_ACDB = 1, 2, 3, 5, 6, 22  # dnnl_format_tag_t
@@ -311,8 +313,8 @@ class _Arena:
                 if (len(buffers) + 1) * largest * 4 > self._MAX_BYTES:
                     return torch.empty_strided(shape, strides, dtype=torch.float32)
                 self._largest = largest
-                buffer = torch.empty(largest, dtype=torch.float32)
-                self._pointers.add(buffer.data_ptr())
+                buffer = hugepages.empty(largest, own=True)  # its storage its own: users() counts it
+                self._pointers.add(buffer.untyped_storage().data_ptr())
             buffers.append(buffer)
             return buffer.as_strided(shape, strides)
 
@@ -469,7 +471,7 @@ class Conv2d:
             self._weight = other._weight
         else:
             size = lib.lib.dnnl_memory_desc_get_size(w_md)
-            self._weight = torch.empty(size // 4 + 16, dtype=torch.float32)  # kept alive: the primitive reads it
+            self._weight = hugepages.empty(size // 4 + 16)  # kept alive: the primitive reads it
             _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
         self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
@@ -621,7 +623,7 @@ class InnerProduct:
         self._prim = _Handle(prim, "dnnl_primitive_destroy")
         self.implementation = _implementation(pd)
         w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
-        self._weight = torch.empty(lib.lib.dnnl_memory_desc_get_size(w_md) // 4 + 16, dtype=torch.float32)
+        self._weight = hugepages.empty(lib.lib.dnnl_memory_desc_get_size(w_md) // 4 + 16)
         _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
         self._w_mem = _memory(w_md, self._weight.data_ptr())
