@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
@@ -65,7 +67,7 @@ def shape_text(case: Case) -> str:
     return f"batch {case.batch}, seq {case.seq}"
 
 
-def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict]:
+def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict, str]:
     import torch
 
     exported = zoo.export(case.model, batch=case.batch, seq=case.seq)
@@ -76,18 +78,44 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict]:
     build_s = time.perf_counter() - start
     print(f"  {case.label:<12} tactics: {tactic_summary(engine.plan.header)}", flush=True)
     runners = peer_runners(case.model, exported.path, exported.inputs(), threads=args.threads, engine=engine)
-    results = {}
-    for peer in PEERS:  # each in its own block, after the machine has gone quiet (--quiet-wait)
-        waited.append(wait_for_quiet(args.quiet_wait))
-        results |= time_runners({peer: runners[peer]}, iterations=args.iterations, warmup=args.warmup,
-                                budget_s=args.budget / len(PEERS))
+    # Rounds of blocks (kiln, onnxruntime, torch, kiln, ...): a shared host's speed drifts over
+    # minutes, and one block each would hand the drift to whichever runtime ran in the slow part.
+    # Blocks, not alternating calls: onnxruntime's workers spin after each call and would take
+    # the cores from the runtime timed next.
+    samples: dict[str, list[float]] = {p: [] for p in PEERS}
+    by_round: list[dict[str, float]] = []
+    for _ in range(args.rounds):
+        medians = {}
+        for peer in PEERS:  # each in its own block, after the machine has gone quiet (--quiet-wait)
+            waited.append(wait_for_quiet(args.quiet_wait))
+            block = time_block(runners[peer], iterations=max(1, args.iterations // args.rounds),
+                               warmup=args.warmup, budget_s=args.budget / len(PEERS) / args.rounds)
+            samples[peer] += block
+            medians[peer] = float(np.median(block))
+        by_round.append(medians)
+    results = {p: Latency(float(np.median(v)), float(np.percentile(v, 90)), len(v)) for p, v in samples.items()}
     if args.quiet_wait and not all(waited):
         print(f"  {case.label:<12} the machine did not go quiet within {args.quiet_wait:.0f}s before every block",
               flush=True)
     for peer, r in results.items():
         print(f"  {case.label:<12} {peer:<12} median {r.median_ms:9.2f} ms (p90 {r.p90_ms:.2f}, {r.runs} runs)",
               flush=True)
-    return results, build_s, engine.plan.header
+    ratios = ", ".join(f"{m['kiln'] / m['onnxruntime']:.2f}" for m in by_round)
+    print(f"  {case.label:<12} kiln / onnxruntime by round: {ratios}", flush=True)
+    return results, build_s, engine.plan.header, ratios
+
+
+def time_block(fn, *, iterations: int, warmup: int, budget_s: float) -> list[float]:
+    """ms of each of up to `iterations` calls after `warmup` (at least 5 calls, at most `budget_s`)."""
+    for _ in range(warmup):
+        fn()
+    out: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(out) < iterations and (len(out) < 5 or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
 
 
 def cpu_busy(interval_s: float = 1.0) -> float:
@@ -151,15 +179,16 @@ def step_overhead_us(steps: int = 1000) -> tuple[float, float]:
     return samples["kiln"].median_ms * 1e3 / steps, samples["bare"].median_ms * 1e3 / steps
 
 
-def table(rows: list[tuple[Case, dict[str, Latency], float]]) -> list[str]:
-    header = ["model", "input", *(f"{p} ms" for p in PEERS), "kiln / ort", "kiln / torch", "kiln build s"]
+def table(rows: list[tuple[Case, dict[str, Latency], float, str]]) -> list[str]:
+    header = ["model", "input", *(f"{p} ms" for p in PEERS), "kiln / ort", "kiln / torch", "kiln / ort by round",
+              "kiln build s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for case, r, build_s in rows:
+    for case, r, build_s, ratios in rows:
         kiln_ms = r["kiln"].median_ms
         cells = [case.label, shape_text(case),
                  *(f"{r[p].median_ms:.2f} (p90 {r[p].p90_ms:.2f})" for p in PEERS),
                  f"{kiln_ms / r['onnxruntime'].median_ms:.2f}x", f"{kiln_ms / r['torch eager'].median_ms:.2f}x",
-                 f"{build_s:.1f}"]
+                 ratios, f"{build_s:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -170,6 +199,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="blocks per runtime, interleaved (kiln, onnxruntime, torch, kiln, ...)")
     parser.add_argument("--budget", type=float, default=60.0,
                         help="seconds of timed rounds per model at most (at least 10 rounds are made)")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
@@ -189,15 +220,15 @@ def main() -> None:
     headers: list[dict] = []  # each kiln engine's header: the tactics chosen
     for name in args.models.split(","):
         case = CASES[name.strip()]
-        results, build_s, header = run_case(case, args)
-        rows.append((case, results, build_s))
+        results, build_s, header, ratios = run_case(case, args)
+        rows.append((case, results, build_s, ratios))
         headers.append(header)
     lines = table(rows)
     per_step, bare = step_overhead_us()
     overhead = (f"per-step overhead: {per_step:.2f} µs per layer in a 1000-Add engine, of which the bare "
                 f"torch.add is {bare:.2f} µs: kiln's own cost {per_step - bare:.2f} µs per layer")
     lines += ["", overhead, ""] + [f"- {case.label} tactics: {tactic_summary(h)}"
-                                   for (case, _, _), h in zip(rows, headers)]
+                                   for (case, _, _, _), h in zip(rows, headers)]
     load_after = os.getloadavg()[0]
     print("\n" + "\n".join(lines))
     if args.no_write:
@@ -221,8 +252,9 @@ def main() -> None:
         f"- commit: {commit()}; kiln {kiln.__version__}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "- fp32, latency in ms: median (p90) of up to "
-        f"{args.iterations} rounds after {args.warmup} warm-up ({args.budget:.0f}s per model at most); "
-        "each runtime timed in its own block",
+        f"{args.iterations} runs ({args.budget:.0f}s per model at most), timed in {args.rounds} rounds of blocks "
+        f"(kiln, onnxruntime, torch eager, kiln, ...), each block after {args.warmup} warm-up runs; "
+        "'by round': kiln / onnxruntime of each round's block medians",
         f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, "
         f"on {os.cpu_count()} cores: a load above the thread count means other work shared the CPU "
         "and the numbers are pessimistic for every runtime",
