@@ -140,6 +140,7 @@ class ExecutionContext:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
             self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs)
         self._static = _static_signature(engine)
+        self._whole_segment = _whole_segment(engine) if self._static is not None else None
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -220,13 +221,19 @@ class ExecutionContext:
         names, signature, outputs = self._static
         if len(feeds) != len(names):
             return None
-        args = []
+        arrays = []
         for name, (dtype, shape) in zip(names, signature):
             value = feeds.get(name)
             if (type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape
                     or not value.flags.c_contiguous or not value.flags.writeable):
                 return None
-            args.append(torch.from_numpy(value))
+            arrays.append(value)
+        whole = self._whole_segment
+        if whole is not None:  # the program is one native segment: numpy in, numpy out, no torch call
+            results = whole.run_numpy(arrays)
+            if results is not None:
+                return {b.name: r for b, r in zip(outputs, results)}
+        args = [torch.from_numpy(a) for a in arrays]
         with torch.inference_mode():
             results = self.engine.program.run(args)
         if all(type(r) is torch.Tensor and r.dtype in _NUMPY_PLAIN and not r.requires_grad for r in results):
@@ -250,6 +257,18 @@ def _static_signature(engine: Engine) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _whole_segment(engine: Engine):
+    """The program's one step when it is a native segment reading the inputs and writing the
+    outputs, in their order (kiln/runtime/native.py); else None."""
+    program = engine.program
+    if len(program.run_steps) != 1 or len(program.segments) != 1:
+        return None
+    segment = program.segments[0]
+    if segment.entries != program.input_slots or segment.exits != program.output_slots:
+        return None
+    return segment
 
 
 def load(path: str | os.PathLike) -> Engine:

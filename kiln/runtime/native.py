@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from kiln.kernels.cpu import hugepages
@@ -196,24 +197,71 @@ class Segment:
                 buffer = hugepages.empty(_numel(size)).as_strided(size, _strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
+        # What a run points at its inputs and outputs: (memory object, source), the source an
+        # ("entry", k), an ("exit", j) or a fixed address (a staged entry's buffer).
+        staged_entries = {k: (bound, buffer) for k, bound, buffer in self._staged}
+        plain: list[tuple[int, Any]] = []
+        staged: list[tuple[int, Any]] = []
+        for k, s in enumerate(self.entries):
+            for b, role in self.per_call[s]:
+                plain.append((b.memory(role), ("entry", k)))
+                staged.append((b.memory(role), staged_entries[k][1].data_ptr()) if k in staged_entries
+                              else (b.memory(role), ("entry", k)))
+        for k, (bound, _buffer) in staged_entries.items():
+            staged.append((bound.memory("src"), ("entry", k)))
+        for j, g in enumerate(self.exit_groups):
+            for b, role in self.per_call.get(g, ()):
+                plain.append((b.memory(role), ("exit", j)))
+                staged.append((b.memory(role), ("exit", j)))
         staged_calls = [(b.primitive, b.nargs, b.args) for _, b, _ in self._staged] + self._calls
+        staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
+        self._variants = {False: (plain, self._calls, self._names), True: (staged, staged_calls, staged_names)}
         # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
         loop = native_loop.load()
-        self._loop = self._loop_staged = None
+        self._set_handle = lib.lib.dnnl_memory_set_data_handle
+        self._c = None
         if loop is not None and self._calls:
-            self._loop = self._c_loop(loop, self._calls)
-            self._loop_staged = self._c_loop(loop, staged_calls)
-        self._names_staged = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
+            self._c = {k: self._c_loop(loop, bindings, calls) for k, (bindings, calls, _) in
+                       self._variants.items()}
         self.accumulated = sum(accumulate)
         self.aliased = sum(n.alias for n in natives)
 
-    def _c_loop(self, loop, calls: list) -> tuple:
-        count = len(calls)
-        return (loop.kiln_run_segment, ctypes.cast(self._execute, ctypes.c_void_p), count,
-                (ctypes.c_void_p * count)(*[p for p, _, _ in calls]),
+    def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
+        count, nbind = len(calls), len(bindings)
+        addresses = (ctypes.c_void_p * max(nbind, 1))()
+        fixed = [(i, src) for i, (_, src) in enumerate(bindings) if isinstance(src, int)]
+        for i, address in fixed:
+            addresses[i] = address
+        return (loop.kiln_run_segment, ctypes.cast(self._execute, ctypes.c_void_p),
+                ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
+                (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
+                [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
+                count, (ctypes.c_void_p * count)(*[p for p, _, _ in calls]),
                 (ctypes.c_int * count)(*[n for _, n, _ in calls]),
                 (ctypes.c_void_p * count)(*[ctypes.cast(a, ctypes.c_void_p) for _, _, a in calls]),
                 ctypes.c_int(-1))
+
+    def _run(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool) -> None:
+        """Point the run's inputs and outputs, run every layer (the caller holds the lock)."""
+        sources = {"entry": entry_addresses, "exit": exit_addresses}
+        bindings, calls, names = self._variants[staged]
+        if self._c is not None:
+            run, execute, set_handle, nbind, memories, addresses, moving, count, prims, nargs, argv, failed = \
+                self._c[staged]
+            for i, (kind, k) in moving:
+                addresses[i] = sources[kind][k]
+            status = run(execute, set_handle, self._stream, nbind, memories, addresses, count, prims, nargs, argv,
+                         ctypes.byref(failed))
+            if status:
+                where = names[failed.value] if failed.value >= 0 else "binding an input or output"
+                self._check(status, f"layer {where!r} of a native segment")
+            return
+        for memory, src in bindings:
+            self._set_handle(memory, src if isinstance(src, int) else sources[src[0]][src[1]])
+        for k, (prim, nargs, args) in enumerate(calls):
+            status = self._execute(prim, self._stream, nargs, args)
+            if status:
+                self._check(status, f"layer {names[k]!r} of a native segment")
 
     def _staging(self, k: int, v: torch.Tensor) -> torch.Tensor:
         """Entry k copied into its own buffer in the segment's layout (made on first use)."""
@@ -242,39 +290,32 @@ class Segment:
             out = self.fallback(list(values))
             return tuple(out) if len(out) != 1 else out[0]
         exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]
-        execute, stream = self._execute, self._stream
+        # NCHW images go through the reorders at the head of the loop; other entries in another
+        # layout are copied into a buffer of the segment's (no fresh pages per run)
+        staged = bool(self._staged) and all(not _laid_out(values[k]) and values[k].is_contiguous()
+                                            for k, _, _ in self._staged)
         with self._lock:
-            # NCHW images go through the reorders at the head of the C loop; other entries in
-            # another layout are copied into a buffer of the segment's (no fresh pages per run)
-            staged = self._loop_staged is not None and bool(self._staged) and all(
-                not _laid_out(values[k]) and values[k].is_contiguous() for k, _, _ in self._staged)
-            if staged:
-                entries = list(values)
-                for k, bound, buffer in self._staged:
-                    bound.rebind("src", values[k].data_ptr())
-                    entries[k] = buffer
-                entries = [v if _laid_out(v) else self._staging(k, v) for k, v in enumerate(entries)]
-            else:
-                entries = [v if _laid_out(v) else self._staging(k, v) for k, v in enumerate(values)]
-            for s, v in zip(self.entries, entries):
-                for b, role in self.per_call[s]:
-                    b.rebind(role, v.data_ptr())
-            for g, v in zip(self.exit_groups, exits):
-                for b, role in self.per_call.get(g, ()):
-                    b.rebind(role, v.data_ptr())
-            loop = self._loop_staged if staged else self._loop
-            if loop is not None:
-                run, fn, count, prims, nargs, argv, failed = loop
-                status = run(fn, stream, count, prims, nargs, argv, ctypes.byref(failed))
-                if status:
-                    names = self._names_staged if staged else self._names
-                    self._check(status, f"layer {names[failed.value]!r} of a native segment")
-            else:
-                for k, (prim, nargs, args) in enumerate(self._calls):
-                    status = execute(prim, stream, nargs, args)
-                    if status:
-                        self._check(status, f"layer {self._names[k]!r} of a native segment")
+            entries = [v if (staged and v.dim() == 4) or _laid_out(v) else self._staging(k, v)
+                       for k, v in enumerate(values)]
+            self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
+
+    def run_numpy(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """The whole program as this one segment, on C-contiguous float32 numpy arrays of the
+        planned sizes (NCHW images: the staged loop); numpy outputs. None: not such inputs."""
+        for a, size in zip(arrays, self.entry_sizes):
+            if a.dtype != np.float32 or a.shape != size or not a.flags.c_contiguous:
+                return None
+        exits = []
+        for size, _ in self.exit_shapes:
+            if len(size) == 4:
+                n, c, h, w = size
+                exits.append(np.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
+            else:
+                exits.append(np.empty(size, np.float32))
+        with self._lock:
+            self._run([a.ctypes.data for a in arrays], [e.ctypes.data for e in exits], bool(self._staged))
+        return exits
 
 
 def _chains(prev: Step, step: Step) -> bool:

@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kiln.kernels.cpu import onednn
 from kiln.runtime.native import Segment
@@ -291,7 +292,7 @@ def test_the_c_loop_and_the_python_loop_agree(compiled, monkeypatch):
     spec, weights = _head("gemm")
     program = Program(spec, weights)
     segment = program.segments[0]
-    assert (segment._loop is not None) == compiled
+    assert (segment._c is not None) == compiled
     for layout in (torch.contiguous_format, CL):  # NCHW: the reorder heads the loop; NHWC: read in place
         x = torch.randn(1, 8, 12, 12).contiguous(memory_format=layout)
         with torch.inference_mode():
@@ -357,3 +358,42 @@ def test_engine_fast_path_agrees_and_bad_feeds_still_get_the_general_checks(tmp_
         engine.run({"x": np.zeros((1, 4, 5, 6), np.float32)})
     with pytest.raises(BindingError, match="missing input"):
         engine.run({"y": x})
+
+
+def test_an_engine_that_is_one_segment_runs_numpy_in_numpy_out(monkeypatch):
+    """Conv -> Relu -> Conv: one segment from the input to the output (a 4-D NCHW-shaped numpy
+    array over NHWC memory); results equal the torch path's and the float64 oracle, and belong to
+    the caller."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+    from kiln.tactics import autotune
+
+    rng = np.random.default_rng(4)
+    w1 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3
+    w2 = rng.standard_normal((6, 8, 1, 1)).astype(np.float32) * 0.3
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "w1"], ["c"], pads=[1, 1, 1, 1]),
+                               helper.make_node("Relu", ["c"], ["r"]),
+                               helper.make_node("Conv", ["r", "w2"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 6, 6])],
+                              [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k == CONV else 1.0 for k in fns})
+    engine = kiln.build(model.SerializeToString())
+    context = engine.create_execution_context()
+    assert context._whole_segment is not None
+    x1, x2 = (rng.standard_normal((1, 4, 6, 6)).astype(np.float32) for _ in range(2))
+    first = context.run({"x": x1})["y"]
+    kept = first.copy()
+    second = context.run({"x": x2})["y"]
+    assert isinstance(first, np.ndarray) and first.shape == (1, 6, 6, 6) and first.dtype == np.float32
+    np.testing.assert_array_equal(first, kept)
+    whole, context._whole_segment = context._whole_segment, None
+    np.testing.assert_array_equal(context.run({"x": x2})["y"], second)  # the torch path agrees
+    context._whole_segment = whole
+    c = F.conv2d(torch.from_numpy(x1).double(), torch.from_numpy(w1).double(), padding=1).relu()
+    assert_close(torch.from_numpy(first), F.conv2d(c, torch.from_numpy(w2).double()))

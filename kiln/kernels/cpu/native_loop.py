@@ -1,4 +1,5 @@
-"""The loop of a native segment in C: one call runs every layer's `dnnl_primitive_execute`.
+"""The loop of a native segment in C: one call binds the run's inputs and outputs and runs every
+layer's `dnnl_primitive_execute`.
 
 From Python, each layer of a segment costs a ctypes call on top of oneDNN's own work, and inside a
 network that call runs cold (the layer before evicted ctypes' and the interpreter's code and
@@ -21,10 +22,21 @@ from pathlib import Path
 
 SOURCE = r"""
 typedef int (*execute_fn)(void *primitive, void *stream, int nargs, const void *args);
+typedef int (*set_handle_fn)(void *memory, void *handle);
 
-/* Runs calls [0, n) in order; returns 0, or the first failing status with its index in *failed. */
-int kiln_run_segment(execute_fn execute, void *stream, int n, void *const *primitives, const int *nargs,
-                     void *const *args, int *failed) {
+/* Points memories [0, nbind) at their addresses (the run's inputs and outputs), then runs calls
+   [0, n) in order. Returns 0, or the first failing status with *failed = the call's index (a
+   binding's: -1 - its index). */
+int kiln_run_segment(execute_fn execute, set_handle_fn set_handle, void *stream, int nbind,
+                     void *const *memories, void *const *addresses, int n, void *const *primitives,
+                     const int *nargs, void *const *args, int *failed) {
+    for (int i = 0; i < nbind; ++i) {
+        int status = set_handle(memories[i], addresses[i]);
+        if (status != 0) {
+            *failed = -1 - i;
+            return status;
+        }
+    }
     for (int i = 0; i < n; ++i) {
         int status = execute(primitives[i], stream, nargs[i], args[i]);
         if (status != 0) {
@@ -35,7 +47,6 @@ int kiln_run_segment(execute_fn execute, void *stream, int n, void *const *primi
     return 0;
 }
 """
-
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
 
@@ -79,8 +90,9 @@ def load() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(target))
         fn = library.kiln_run_segment
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.POINTER(ctypes.c_int)]
     except (OSError, subprocess.SubprocessError) as e:
         _REASON = f"{type(e).__name__}: {e}"
         return None

@@ -268,6 +268,10 @@ class Bound:
     def rebind(self, role: str, address: int) -> None:
         _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
 
+    def memory(self, role: str) -> int:
+        """The dnnl_memory_t of a role (its address is what a run points elsewhere)."""
+        return self._memories[role].value
+
 
 # ---- activation memory -------------------------------------------------------------------------
 
