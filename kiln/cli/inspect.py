@@ -67,6 +67,31 @@ def layout_conversions(plan: EnginePlan) -> dict[str, int]:
     return {"layers": sum(1 for layout in step_layout if layout), "conversions": conversions}
 
 
+def _native_segments(plan) -> str:
+    """What the CPU runtime makes of the plan at load (kiln/runtime/native.py): the runs of layers
+    bound to one memory plan, and that plan's buffers. Loads the program on the CPU (weights packed
+    as at load); says why not when it cannot."""
+    try:
+        import torch
+
+        from kiln.runtime.engine import _place_weight
+        from kiln.runtime.program import Program
+
+        program = Program(plan.program, {k: _place_weight(v, torch.device("cpu")) for k, v in plan.weights.items()},
+                          None)
+    except Exception as e:  # noqa: BLE001  inspect reports; it does not fail on what it only describes
+        return f"not loaded here ({type(e).__name__}: {str(e)[:120]})"
+    segments = program.segments
+    if not segments:
+        return "none (no run of two or more layers with bound-primitive tactics)"
+    layers = sum(len(s.members) for s in segments)
+    buffers = sum(s.planned_bytes for s in segments)
+    return (f"{len(segments)} segment(s) run {layers} of {len(program.steps)} layers as bound primitives; "
+            f"their activations in {fmt_bytes(buffers)} of buffers reused by liveness "
+            f"({sum(s.accumulated for s in segments)} residual(s) accumulated in place, "
+            f"{sum(s.aliased for s in segments)} reshape(s) as aliases)")
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -112,6 +137,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if layouts["layers"]:
             rows.append(("layout", f"{layouts['layers']} layer(s) run channels-last; {layouts['conversions']} "
                                    "tensor(s) cross a layout boundary (stack inputs and outputs)"))
+    if device.get("type") == "cpu":
+        rows.append(("native segments", _native_segments(plan)))
     for key, value in rows:
         overview.add_row(key, text(value))
     out.print(overview)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kiln.runtime.program import ProgramSpec
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.runtime.program import ProgramSpec
 
 ALIGN = 64
 
@@ -21,6 +24,23 @@ class Interval:
     start: int  # step that produces it
     end: int  # last step that reads it (or the end, for outputs)
     offset: int = -1
+
+
+def place(intervals: list[Interval]) -> list[Interval]:
+    """Offsets for `intervals` (in place; returned): the largest first, each at the lowest offset
+    that overlaps no interval live in any of the same steps (both ends inclusive: a step's output
+    never shares memory with its inputs)."""
+    placed: list[Interval] = []
+    for iv in sorted(intervals, key=lambda x: (-x.size, x.start)):
+        busy = sorted((p.offset, p.offset + p.size) for p in placed if p.start <= iv.end and iv.start <= p.end)
+        offset = 0
+        for lo, hi in busy:
+            if offset + iv.size <= lo:
+                break
+            offset = max(offset, hi)
+        iv.offset = offset
+        placed.append(iv)
+    return placed
 
 
 def plan_arena(program: ProgramSpec, sizes: dict[str, int | None]) -> dict:
@@ -45,17 +65,7 @@ def plan_arena(program: ProgramSpec, sizes: dict[str, int | None]) -> dict:
             continue
         size = (size + ALIGN - 1) // ALIGN * ALIGN
         intervals.append(Interval(name, size, start, last.get(name, start)))
-    # Place the largest first; each at the lowest offset that overlaps no live neighbour.
-    placed: list[Interval] = []
-    for iv in sorted(intervals, key=lambda x: (-x.size, x.start)):
-        busy = sorted((p.offset, p.offset + p.size) for p in placed if p.start <= iv.end and iv.start <= p.end)
-        offset = 0
-        for lo, hi in busy:
-            if offset + iv.size <= lo:
-                break
-            offset = max(offset, hi)
-        iv.offset = offset
-        placed.append(iv)
+    placed = place(intervals)
     peak = max((p.offset + p.size for p in placed), default=0)
     return {
         "peak_bytes": peak,

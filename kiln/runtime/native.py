@@ -5,15 +5,18 @@ convolution streams megabytes through the caches and evicts the interpreter's an
 dispatch code and data, so the next step's few microseconds of Python become tens
 (measured on MobileNetV2, 2 threads: 6.0 ms a run, of which 4.0 ms inside oneDNN). onnxruntime's
 C++ executor pays little of this. A segment removes it: each layer's primitive is bound once, at
-load, to the buffer the segment's memory plan gives its output (buffers reused by liveness, the
-one freed most recently first: still in cache), so a run is one `execute` call per layer.
+load, to where the segment's memory plan puts its output (one arena on huge pages, offsets by
+liveness, greedy best fit as kiln/engine/memory.py plans the engine's), and a run is one call
+into a compiled loop (kiln/kernels/cpu/native_loop.py) that binds the run's inputs and outputs
+and executes every layer. NCHW images are laid out NHWC by a reorder at the head of that loop.
 
 A tactic offers a step to a segment by setting `launch.native` (NativeStep). Program groups
 every run of two or more such steps whose shapes chain (kiln/runtime/program.py) into one
 step: its inputs are the values the run reads from outside, its outputs the values read after
 it. Those are bound per call (an entry's address; an exit gets a fresh tensor), so nothing a
 caller holds is ever overwritten by a later run. A residual whose value dies at a convolution
-and lives in a segment buffer is accumulated in place (the primitive's sum post-op).
+and lives in the arena is accumulated in place (the primitive's sum post-op); a Reshape that
+moves no byte is an alias of its input's memory.
 
 Inputs of another size than the one the segment was planned for (dynamic shapes) run through the
 layers' own launch functions, as they would without segments.
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kiln.engine.memory import Interval, place
 from kiln.kernels.cpu import hugepages
 
 _CL = torch.channels_last
@@ -125,28 +129,25 @@ class Segment:
         group = {s: root.get(s, s) for s in produced}
         exit_group = {group[s]: s for s in exits}  # a group read after the segment: bound per call
 
-        # The memory plan: the other groups share a few buffers, each as large as the largest
-        # value, the most recently freed handed out first (still in cache).
-        largest = max((_numel(natives[produced[s]].output_size) for s in produced if group[s] not in exit_group),
-                      default=0)
-        self.buffers: list[torch.Tensor] = []
-        free: list[torch.Tensor] = []
-        holding: dict[int, torch.Tensor] = {}  # group -> its buffer while live
-        address: dict[int, int] = {}  # slot -> address (entries and exit groups: bound per call)
-        for k, (m, native) in enumerate(zip(members, natives)):
-            x, out = m[2][0], m[3][0]
-            residual = m[2][native.residual_input] if native.residual_input is not None else None
-            g = group[out]
-            if g not in exit_group:
-                if g not in holding:
-                    if not free:
-                        free.append(hugepages.empty(largest))
-                        self.buffers.append(free[-1])
-                    holding[g] = free.pop()
-                address[out] = holding[g].data_ptr()
-            for v in (x, residual):
-                if v in produced and last_read[v] == k and group[v] != g and group[v] in holding:
-                    free.append(holding.pop(group[v]))
+        # The memory plan: the other groups get offsets in one arena by liveness (greedy best fit,
+        # kiln/engine/memory.py), on huge pages.
+        spans: dict[int, Interval] = {}
+        for s, k in produced.items():
+            g = group[s]
+            if g in exit_group:
+                continue
+            size = _numel(natives[k].output_size) * 4
+            end = last_read.get(s, k)
+            iv = spans.get(g)
+            if iv is None:
+                spans[g] = Interval(str(g), (size + 63) // 64 * 64, k, end)
+            else:
+                iv.size, iv.start, iv.end = max(iv.size, (size + 63) // 64 * 64), min(iv.start, k), max(iv.end, end)
+        placed = place(list(spans.values()))
+        peak = max((iv.offset + iv.size for iv in placed), default=0)
+        self.buffers = [hugepages.empty(peak // 4)] if peak else []
+        base = self.buffers[0].data_ptr() if peak else 0
+        address: dict[int, int] = {s: base + spans[group[s]].offset for s in produced if group[s] in spans}
 
         # Bind every layer to its buffers; entries and exit groups are pointed at per call.
         self.per_call: dict[int, list[tuple[Any, str]]] = {}  # entry slot or exit group -> [(Bound, role)]

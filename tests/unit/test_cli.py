@@ -277,3 +277,40 @@ def test_inspect_counts_layout_boundaries(tmp_path, capsys):
     engine.save(path)
     assert main(["inspect", str(path)]) == 0
     assert "3 layer(s) run channels-last; 2 tensor(s) cross a layout boundary" in capsys.readouterr().out
+
+
+def test_inspect_reports_native_segments(tmp_path, capsys):
+    """A CPU engine whose three convs run on the bound oneDNN tactic: inspect loads the program and
+    reports the one segment, its arena and the residual accumulated in place; on the torch tactic,
+    none."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    import kiln
+    from kiln.cli import main
+    from kiln.kernels.cpu import onednn
+
+    if not onednn.available():
+        pytest.skip("libdnnl.so.3 cannot be loaded")
+    rng = np.random.default_rng(0)
+    inits = [helper.make_tensor(f"w{i}", TensorProto.FLOAT, (8, 8, 3, 3),
+                                rng.standard_normal((8, 8, 3, 3)).astype(np.float32).ravel()) for i in range(2)]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["r"]),
+             helper.make_node("Conv", ["r", "w1"], ["b"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["b", "r"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    plan = kiln.build(model).plan
+    assert [s.op_type for s in plan.program.steps] == ["FusedConv"] * 2
+    for tactic, expected in (("cpu.conv.onednn_direct", "1 segment(s) run 2 of 2 layers"),
+                             ("cpu.conv.torch_nhwc", "none (no run of two or more layers")):
+        for step in plan.program.steps:
+            step.tactic = tactic
+            step.tactic_config = {"input_size": [1, 8, 16, 16], "residual": len(step.inputs) > 3}
+        path = tmp_path / f"{tactic}.kiln"
+        kiln.Engine(plan).save(path)
+        assert main(["inspect", str(path)]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert expected in out, out

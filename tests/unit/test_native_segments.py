@@ -87,8 +87,9 @@ def test_a_run_of_onednn_layers_is_one_segment_and_matches_the_reference():
     segment = program.segments[0]
     assert len(segment.members) == 6
     assert segment.accumulated == 1  # d accumulated over a: a dies at c3 and lives in a segment buffer
-    # a and c live at once; d is written over a, p over c's freed buffer, e over d's: two buffers
-    assert len(segment.buffers) == 2
+    # one arena by liveness: a and c live at once (d is written over a); p goes where c was, e
+    # where a and d were: two [1, 8, 12, 12] float32 tensors' worth in all
+    assert len(segment.buffers) == 1 and segment.planned_bytes == 2 * 8 * 12 * 12 * 4
     for seed in range(3):
         x = torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(seed))
         with torch.inference_mode():
