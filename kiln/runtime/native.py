@@ -153,6 +153,7 @@ class Segment:
         self.per_call: dict[int, list[tuple[Any, str]]] = {}  # entry slot or exit group -> [(Bound, role)]
         self.bound = []  # owns the memory objects the calls' argument arrays point at
         self._calls = []
+        self._names = []  # the layer each call belongs to
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:
                 continue
@@ -172,7 +173,9 @@ class Segment:
                 elif s not in produced:
                     self.per_call.setdefault(s, []).append((b, role))
             self.bound.append(b)
-            self._calls.append((b.primitive, b.nargs, b.args))
+            calls = b.calls()
+            self._calls += calls
+            self._names += [m[1].name] * len(calls)
         self.exit_groups = [group[s] for s in self.exits]
         self.exit_shapes = []
         for s in self.exits:
@@ -189,7 +192,6 @@ class Segment:
         self._check = onednn._check
         self._lock = threading.Lock()
         self._stage: dict[int, torch.Tensor] = {}
-        self._names = [m[1].name for m, n in zip(members, natives) if not n.alias]
         # NCHW images (4-D entries as users hand them) are laid out NHWC by a reorder at the head
         # of the loop, into a buffer of the segment's: no allocation, both threads.
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
@@ -214,7 +216,7 @@ class Segment:
             for b, role in self.per_call.get(g, ()):
                 plain.append((b.memory(role), ("exit", j)))
                 staged.append((b.memory(role), ("exit", j)))
-        staged_calls = [(b.primitive, b.nargs, b.args) for _, b, _ in self._staged] + self._calls
+        staged_calls = [c for _, b, _ in self._staged for c in b.calls()] + self._calls
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
         self._variants = {False: (plain, self._calls, self._names), True: (staged, staged_calls, staged_names)}
         # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
@@ -233,13 +235,14 @@ class Segment:
         fixed = [(i, src) for i, (_, src) in enumerate(bindings) if isinstance(src, int)]
         for i, address in fixed:
             addresses[i] = address
-        return (loop.kiln_run_segment, ctypes.cast(self._execute, ctypes.c_void_p),
+        execute = ctypes.cast(self._execute, ctypes.c_void_p).value
+        return (loop.kiln_run_segment, (ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
                 ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
                 (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
                 [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
-                count, (ctypes.c_void_p * count)(*[p for p, _, _ in calls]),
-                (ctypes.c_int * count)(*[n for _, n, _ in calls]),
-                (ctypes.c_void_p * count)(*[ctypes.cast(a, ctypes.c_void_p) for _, _, a in calls]),
+                count, (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]),
+                (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
+                (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]),
                 ctypes.c_int(-1))
 
     def _run(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool) -> None:
@@ -259,8 +262,10 @@ class Segment:
             return
         for memory, src in bindings:
             self._set_handle(memory, src if isinstance(src, int) else sources[src[0]][src[1]])
-        for k, (prim, nargs, args) in enumerate(calls):
-            status = self._execute(prim, self._stream, nargs, args)
+        for k, (fn, obj, nargs, args) in enumerate(calls):
+            if fn is not None:  # only the compiled library's kernels have their own function
+                raise RuntimeError(f"layer {names[k]!r} needs kiln's compiled native code, which is not loaded")
+            status = self._execute(obj, self._stream, nargs, args)
             if status:
                 self._check(status, f"layer {names[k]!r} of a native segment")
 

@@ -20,33 +20,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = r"""
-typedef int (*execute_fn)(void *primitive, void *stream, int nargs, const void *args);
-typedef int (*set_handle_fn)(void *memory, void *handle);
+SOURCE = (Path(__file__).with_name("segment_loop.c")).read_text()
 
-/* Points memories [0, nbind) at their addresses (the run's inputs and outputs), then runs calls
-   [0, n) in order. Returns 0, or the first failing status with *failed = the call's index (a
-   binding's: -1 - its index). */
-int kiln_run_segment(execute_fn execute, set_handle_fn set_handle, void *stream, int nbind,
-                     void *const *memories, void *const *addresses, int n, void *const *primitives,
-                     const int *nargs, void *const *args, int *failed) {
-    for (int i = 0; i < nbind; ++i) {
-        int status = set_handle(memories[i], addresses[i]);
-        if (status != 0) {
-            *failed = -1 - i;
-            return status;
-        }
-    }
-    for (int i = 0; i < n; ++i) {
-        int status = execute(primitives[i], stream, nargs[i], args[i]);
-        if (status != 0) {
-            *failed = i;
-            return status;
-        }
-    }
-    return 0;
-}
-"""
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
 
@@ -81,7 +56,8 @@ def load() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as work:
                 source, built = Path(work) / "loop.c", Path(work) / "loop.so"
                 source.write_text(SOURCE)
-                done = subprocess.run([compiler, "-O2", "-shared", "-fPIC", "-o", str(built), str(source)],
+                done = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
+                                       str(source)],
                                       capture_output=True, text=True, timeout=60)
                 if done.returncode != 0:
                     _REASON = f"{compiler} failed: {done.stderr.strip()[:300]}"

@@ -268,6 +268,11 @@ class Bound:
     def rebind(self, role: str, address: int) -> None:
         _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
 
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        """What a run makes of it: [(function, object, nargs, args)], function None meaning
+        dnnl_primitive_execute on this primitive (kiln/kernels/cpu/segment_loop.c)."""
+        return [(None, self.primitive, self.nargs, ctypes.cast(self.args, ctypes.c_void_p).value)]
+
     def memory(self, role: str) -> int:
         """The dnnl_memory_t of a role (its address is what a run points elsewhere)."""
         return self._memories[role].value

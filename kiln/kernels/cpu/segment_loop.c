@@ -1,0 +1,153 @@
+/* kiln's native CPU code, compiled once at first use by kiln/kernels/cpu/native_loop.py with the
+ * machine's C compiler (-O3 -march=native -fopenmp) into kiln's cache.
+ *
+ * kiln_run_segment: the loop of a native segment (kiln/runtime/native.py), one call a run.
+ * kiln_wino_input / kiln_wino_output: the transforms of a Winograd F(2x2, 3x3) convolution
+ * (kiln/kernels/cpu/winograd.py), around a batched GEMM that oneDNN runs.
+ */
+#include <stddef.h>
+
+typedef int (*call_fn)(void *object, void *stream, int nargs, const void *args);
+typedef int (*set_handle_fn)(void *memory, void *handle);
+
+/* Points memories [0, nbind) at their addresses (the run's inputs and outputs), then makes calls
+   [0, n) in order: functions[i](objects[i], stream, nargs[i], args[i]) -- dnnl_primitive_execute
+   on a primitive, or one of the kernels below on its plan. Returns 0, or the first failing status
+   with *failed = the call's index (a binding's: -1 - its index). */
+int kiln_run_segment(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
+                     void *const *memories, void *const *addresses, int n, void *const *objects,
+                     const int *nargs, void *const *args, int *failed) {
+    for (int i = 0; i < nbind; ++i) {
+        int status = set_handle(memories[i], addresses[i]);
+        if (status != 0) {
+            *failed = -1 - i;
+            return status;
+        }
+    }
+    for (int i = 0; i < n; ++i) {
+        int status = functions[i](objects[i], stream, nargs[i], args[i]);
+        if (status != 0) {
+            *failed = i;
+            return status;
+        }
+    }
+    return 0;
+}
+
+/* ---- Winograd F(2x2, 3x3) ------------------------------------------------------------------------
+   Input NHWC [N, H, W, C], padding 1, stride 1; tiles of 2x2 outputs, TH x TW per image, T = N*TH*TW.
+   V[16][T][C] = B^T d B of each 4x4 input patch d; the GEMM makes M[16][T][K] = V[e] @ U[e];
+   the output transform writes Y = A^T m A (+ bias, residual, activation) as NHWC [N, H, W, K]. */
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *src, *dst, *residual;   /* dnnl_memory_t: their data handles are read at each run */
+    float *V, *M;
+    const float *bias;            /* [K] or NULL */
+    long N, H, W, C, K, TH, TW;
+    int activation;               /* 0 none, 1 relu, 2 clip [lo, hi] */
+    float lo, hi;
+    int residual_after;           /* 1: act(y) + r; 0: act(y + r) */
+} wino_plan;
+
+#define CB 64
+
+int kiln_wino_input(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    wino_plan *p = (wino_plan *)object;
+    float *x = NULL;
+    if (p->get_handle(p->src, (void **)&x) != 0 || x == NULL) return 2;
+    const long T = p->N * p->TH * p->TW, C = p->C, H = p->H, W = p->W;
+    #pragma omp parallel for schedule(static)
+    for (long t = 0; t < T; ++t) {
+        long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
+        long i0 = 2 * (r / p->TW) - 1, j0 = 2 * (r % p->TW) - 1;
+        for (long c0 = 0; c0 < C; c0 += CB) {
+            long cn = C - c0 < CB ? C - c0 : CB;
+            float d[4][4][CB], u[4][4][CB];
+            for (int a = 0; a < 4; ++a)
+                for (int b = 0; b < 4; ++b) {
+                    long i = i0 + a, j = j0 + b;
+                    if (i < 0 || i >= H || j < 0 || j >= W) {
+                        for (long c = 0; c < cn; ++c) d[a][b][c] = 0.0f;
+                    } else {
+                        const float *row = x + ((n * H + i) * W + j) * C + c0;
+                        for (long c = 0; c < cn; ++c) d[a][b][c] = row[c];
+                    }
+                }
+            for (int b = 0; b < 4; ++b)
+                for (long c = 0; c < cn; ++c) {
+                    float d0 = d[0][b][c], d1 = d[1][b][c], d2 = d[2][b][c], d3 = d[3][b][c];
+                    u[0][b][c] = d0 - d2; u[1][b][c] = d1 + d2; u[2][b][c] = d2 - d1; u[3][b][c] = d1 - d3;
+                }
+            for (int a = 0; a < 4; ++a) {
+                float *v0 = p->V + ((long)(a * 4 + 0) * T + t) * C + c0;
+                float *v1 = p->V + ((long)(a * 4 + 1) * T + t) * C + c0;
+                float *v2 = p->V + ((long)(a * 4 + 2) * T + t) * C + c0;
+                float *v3 = p->V + ((long)(a * 4 + 3) * T + t) * C + c0;
+                for (long c = 0; c < cn; ++c) {
+                    float e0 = u[a][0][c], e1 = u[a][1][c], e2 = u[a][2][c], e3 = u[a][3][c];
+                    v0[c] = e0 - e2; v1[c] = e1 + e2; v2[c] = e2 - e1; v3[c] = e1 - e3;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+static inline float activate(const wino_plan *p, float v) {
+    if (p->activation == 1) return v > 0.0f ? v : 0.0f;
+    if (p->activation == 2) return v < p->lo ? p->lo : (v > p->hi ? p->hi : v);
+    return v;
+}
+
+int kiln_wino_output(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    wino_plan *p = (wino_plan *)object;
+    float *y = NULL, *res = NULL;
+    if (p->get_handle(p->dst, (void **)&y) != 0 || y == NULL) return 2;
+    if (p->residual != NULL && (p->get_handle(p->residual, (void **)&res) != 0 || res == NULL)) return 2;
+    const long T = p->N * p->TH * p->TW, K = p->K, H = p->H, W = p->W;
+    #pragma omp parallel for schedule(static)
+    for (long t = 0; t < T; ++t) {
+        long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
+        long i0 = 2 * (r / p->TW), j0 = 2 * (r % p->TW);
+        for (long k0 = 0; k0 < K; k0 += CB) {
+            long kn = K - k0 < CB ? K - k0 : CB;
+            float s[2][4][CB];
+            for (int b = 0; b < 4; ++b) {
+                const float *m0 = p->M + ((long)(0 * 4 + b) * T + t) * K + k0;
+                const float *m1 = p->M + ((long)(1 * 4 + b) * T + t) * K + k0;
+                const float *m2 = p->M + ((long)(2 * 4 + b) * T + t) * K + k0;
+                const float *m3 = p->M + ((long)(3 * 4 + b) * T + t) * K + k0;
+                for (long k = 0; k < kn; ++k) {
+                    s[0][b][k] = m0[k] + m1[k] + m2[k];
+                    s[1][b][k] = m1[k] - m2[k] - m3[k];
+                }
+            }
+            for (int a = 0; a < 2; ++a) {
+                long i = i0 + a;
+                if (i >= H) continue;
+                for (int b = 0; b < 2; ++b) {
+                    long j = j0 + b;
+                    if (j >= W) continue;
+                    long at = ((n * H + i) * W + j) * K + k0;
+                    float *out = y + at;
+                    const float *rr = res ? res + at : NULL;
+                    for (long k = 0; k < kn; ++k) {
+                        float v = b == 0 ? s[a][0][k] + s[a][1][k] + s[a][2][k]
+                                         : s[a][1][k] - s[a][2][k] - s[a][3][k];
+                        if (p->bias) v += p->bias[k0 + k];
+                        if (rr && !p->residual_after) v += rr[k];
+                        v = activate(p, v);
+                        if (rr && p->residual_after) v += rr[k];
+                        out[k] = v;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
