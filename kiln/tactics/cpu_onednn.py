@@ -417,3 +417,66 @@ for _op in ("Reshape", "Flatten"):
         supports=_alias_supports, configure=_input_size, prepare=_prepare_alias, native=True,
         description=f"{_op} as a view: inside a native segment, the next layer reads the same memory",
     ))
+
+
+# ---- Winograd F(2x2, 3x3) ----------------------------------------------------------------------
+
+def _winograd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    from kiln.kernels.cpu import winograd
+
+    base = _supports(step, inputs)
+    if base is not True:
+        return base
+    if not winograd.available():
+        return "kiln's native code (a C compiler at first use) is not available"
+    w = inputs[1]
+    pads, strides, dilations = _geometry(step, w.shape)
+    if list(w.shape[2:]) != [3, 3] or strides != [1, 1] or dilations != [1, 1] or pads != [1, 1, 1, 1]:
+        return "only 3x3 convolutions of stride 1, dilation 1 and padding 1"
+    if int(_attr(step, "group", 1)) != 1:
+        return "grouped convolution"
+    if _attr(step, "activation", "") not in winograd.ACTIVATIONS:
+        return f"activation {_attr(step, 'activation', '')!r} is not one the output transform applies"
+    size = winograd.transformed_weight_bytes(int(w.shape[1]), int(w.shape[0]))
+    if size > winograd.WEIGHT_LIMIT:
+        return (f"transformed weights of {size >> 20} MiB: past {winograd.WEIGHT_LIMIT >> 20} MiB streaming them "
+                "bounds the layer, not the arithmetic Winograd saves")
+    return True
+
+
+def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device):
+    from kiln.kernels.cpu import winograd
+
+    w = constants[1]
+    b = constants[2] if len(constants) > 2 else None
+    activation = _attr(step, "activation", "")
+    alpha, beta = float(_attr(step, "alpha", 0.0)), float(_attr(step, "beta", 0.0))
+    with_residual = bool(step.tactic_config.get("residual"))
+    after = bool(_attr(step, "residual_after_activation", 0))
+    tuned = tuple(step.tactic_config["input_size"])
+
+    def build(size):
+        return winograd.WinogradConv(w, b, size, activation, alpha, beta, with_residual, after)
+
+    primitives = {tuned: build(tuned)}
+
+    def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
+        x = x.contiguous(memory_format=_CL)
+        conv = primitives.get(tuple(x.shape))
+        if conv is None:  # another input size: built once
+            if len(primitives) > _CACHED_SHAPES:
+                primitives.pop(next(k for k in primitives if k != tuned))
+            conv = primitives[tuple(x.shape)] = build(tuple(x.shape))
+        return conv(x, residual.contiguous(memory_format=_CL) if with_residual else None)
+
+    launch.native = NativeStep(tuned, primitives[tuned].output_size, lambda _accumulate: primitives[tuned],
+                               residual_input=3 if with_residual else None)
+    return launch
+
+
+register(Tactic(
+    name="cpu.conv.winograd", op_type="FusedConv", domain="kiln", device="cpu", dtypes=(torch.float32,),
+    supports=_winograd_supports, configure=_configure, prepare=_prepare_winograd, layout="channels_last",
+    available=onednn.available, native=True,
+    description="Winograd F(2x2,3x3): C transforms around oneDNN's batched matmul, epilogue in the output transform",
+))

@@ -34,7 +34,7 @@ from kiln.kernels.cpu import hugepages
 
 # ---- enum values of the oneDNN v3 C API (dnnl_types.h, dnnl_common_types.h) -------------------
 F32 = 3  # dnnl_f32
-TAG_ANY, TAG_A, TAG_AB, TAG_ABCD, TAG_ABCDE, TAG_ACDB = 1, 2, 3, 5, 6, 22  # dnnl_format_tag_t
+TAG_ANY, TAG_A, TAG_AB, TAG_ABC, TAG_ABCD, TAG_ABCDE, TAG_ACDB = 1, 2, 3, 4, 5, 6, 22  # dnnl_format_tag_t
 FORWARD_INFERENCE = 96  # dnnl_prop_kind_t
 CONVOLUTION_DIRECT = 0x1  # dnnl_alg_kind_t
 ELTWISE = {"relu": 0x20, "tanh": 0x21, "linear": 0x26, "hardsigmoid": 0x28, "logistic": 0x29,
@@ -82,6 +82,8 @@ _SIGNATURES = {
     "dnnl_pooling_forward_primitive_desc_create": (
         _S, [_PP, _P, ctypes.c_int, ctypes.c_int, _P, _P, _Dims, _Dims, _Dims, _Dims, _Dims, _P]),
     "dnnl_inner_product_forward_primitive_desc_create": (_S, [_PP, _P, ctypes.c_int, _P, _P, _P, _P, _P]),
+    "dnnl_matmul_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P, _P]),
+    "dnnl_memory_get_data_handle": (_S, [_P, _PP]),
     "dnnl_reorder_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P]),
     "dnnl_primitive_desc_query_md": (_P, [_P, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_desc_query": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
