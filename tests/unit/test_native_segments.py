@@ -398,3 +398,21 @@ def test_an_engine_that_is_one_segment_runs_numpy_in_numpy_out(monkeypatch):
     context._whole_segment = whole
     c = F.conv2d(torch.from_numpy(x1).double(), torch.from_numpy(w1).double(), padding=1).relu()
     assert_close(torch.from_numpy(first), F.conv2d(c, torch.from_numpy(w2).double()))
+
+
+def test_the_loop_builds_with_the_flags_the_compiler_takes(monkeypatch, tmp_path):
+    import shutil
+
+    from kiln.kernels.cpu import native_loop
+
+    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
+        pytest.skip("no C compiler on this machine: segments loop in Python")
+    monkeypatch.setattr(native_loop, "_LOADED", None)
+    monkeypatch.setattr(native_loop, "_REASON", None)
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+    monkeypatch.setattr(native_loop, "FLAGS", (("--no-such-flag-kiln",), ("-O2",)))
+    assert native_loop.load() is not None, native_loop.reason()
+    monkeypatch.setattr(native_loop, "_LOADED", None)
+    monkeypatch.setattr(native_loop, "FLAGS", (("--no-such-flag-kiln",),))
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "other"))
+    assert native_loop.load() is None and "failed" in native_loop.reason()

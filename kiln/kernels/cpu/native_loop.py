@@ -22,6 +22,8 @@ from pathlib import Path
 
 SOURCE = (Path(__file__).with_name("segment_loop.c")).read_text()
 
+FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O2",))
+
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
 
@@ -29,6 +31,17 @@ _REASON: str | None = None
 def _cache_dir() -> Path:
     root = os.environ.get("KILN_CACHE")
     return (Path(root) if root else Path.home() / ".cache" / "kiln") / "native"
+
+
+def _cpu_identity() -> str:
+    """The CPU model and its feature flags (Linux), else what platform says."""
+    import platform
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "|".join(next((x for x in lines if x.startswith(key)), "") for key in ("model name", "flags"))
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 def reason() -> str | None:
@@ -44,7 +57,8 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("KILN_NATIVE_LOOP") == "0":
         _REASON = "KILN_NATIVE_LOOP=0"
         return None
-    digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+    # -march=native: the binary is for this CPU's instruction sets; the cache may be shared with others
+    digest = hashlib.sha256((SOURCE + _cpu_identity() + repr(FLAGS)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"segment_loop-{digest}.so"
     try:
         if not target.exists():
@@ -56,10 +70,12 @@ def load() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=target.parent) as work:
                 source, built = Path(work) / "loop.c", Path(work) / "loop.so"
                 source.write_text(SOURCE)
-                done = subprocess.run([compiler, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(built),
-                                       str(source)],
-                                      capture_output=True, text=True, timeout=60)
-                if done.returncode != 0:
+                for flags in FLAGS:  # the best the compiler takes: without OpenMP the transforms run on one thread
+                    done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(source)],
+                                          capture_output=True, text=True, timeout=60)
+                    if done.returncode == 0:
+                        break
+                else:
                     _REASON = f"{compiler} failed: {done.stderr.strip()[:300]}"
                     return None
                 os.replace(built, target)  # atomic: another process may be building it too
