@@ -1,13 +1,16 @@
-"""The loop of a native segment in C: one call binds the run's inputs and outputs and runs every
-layer's `dnnl_primitive_execute`.
+"""kiln's native CPU code (segment_loop.c), compiled once with the machine's C compiler.
 
-From Python, each layer of a segment costs a ctypes call on top of oneDNN's own work, and inside a
-network that call runs cold (the layer before evicted ctypes' and the interpreter's code and
-data): measured 5-13 µs a layer on MobileNetV2 and ResNet-50, 2 threads. This loop, compiled once
-with the machine's C compiler into kiln's cache, makes the whole segment one call.
+- The loop of a native segment: one call binds the run's inputs and outputs and makes every
+  layer's call (`dnnl_primitive_execute`, or a kernel below). From Python, each layer costs a
+  ctypes call on top of oneDNN's own work, and inside a network that call runs cold (the layer
+  before evicted ctypes' and the interpreter's code and data): measured 5-13 µs a layer on
+  MobileNetV2 and ResNet-50, 2 threads. The loop makes the whole segment one call.
+- The input and output transforms of Winograd F(2x2, 3x3) (kiln/kernels/cpu/winograd.py).
 
-Without a C compiler (or when KILN_NATIVE_LOOP=0) `load()` returns None, says why in `reason()`,
-and segments loop in Python (kiln/runtime/native.py): the same results, a little slower.
+Built into kiln's cache (`$KILN_CACHE/native`) per source, CPU model and feature flags, with the
+best flags the compiler takes. Without a C compiler (or when KILN_NATIVE_LOOP=0) `load()` returns
+None, says why in `reason()`, segments loop in Python (kiln/runtime/native.py: the same results, a
+little slower) and the Winograd tactic is unavailable.
 """
 
 from __future__ import annotations
