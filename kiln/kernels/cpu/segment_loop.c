@@ -54,47 +54,40 @@ typedef struct {
 
 #define CB 64
 
-int kiln_wino_input(void *object, void *stream, int nargs, const void *args) {
-    (void)stream; (void)nargs; (void)args;
-    wino_plan *p = (wino_plan *)object;
-    float *x = NULL;
-    if (p->get_handle(p->src, (void **)&x) != 0 || x == NULL) return 2;
-    const long T = p->N * p->TH * p->TW, C = p->C, H = p->H, W = p->W;
-    #pragma omp parallel for schedule(static)
-    for (long t = 0; t < T; ++t) {
-        long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
-        long i0 = 2 * (r / p->TW) - 1, j0 = 2 * (r % p->TW) - 1;
-        for (long c0 = 0; c0 < C; c0 += CB) {
-            long cn = C - c0 < CB ? C - c0 : CB;
-            float d[4][4][CB], u[4][4][CB];
-            for (int a = 0; a < 4; ++a)
-                for (int b = 0; b < 4; ++b) {
-                    long i = i0 + a, j = j0 + b;
-                    if (i < 0 || i >= H || j < 0 || j >= W) {
-                        for (long c = 0; c < cn; ++c) d[a][b][c] = 0.0f;
-                    } else {
-                        const float *row = x + ((n * H + i) * W + j) * C + c0;
-                        for (long c = 0; c < cn; ++c) d[a][b][c] = row[c];
-                    }
+/* Tile t of the input (patch rows 2i-1.., columns 2j-1..) into slot `slot` of V planes of `stride` tiles. */
+static void input_tile(const wino_plan *p, const float *x, float *V, long stride, long slot, long t) {
+    const long C = p->C, H = p->H, W = p->W;
+    long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
+    long i0 = 2 * (r / p->TW) - 1, j0 = 2 * (r % p->TW) - 1;
+    for (long c0 = 0; c0 < C; c0 += CB) {
+        long cn = C - c0 < CB ? C - c0 : CB;
+        float d[4][4][CB], u[4][4][CB];
+        for (int a = 0; a < 4; ++a)
+            for (int b = 0; b < 4; ++b) {
+                long i = i0 + a, j = j0 + b;
+                if (i < 0 || i >= H || j < 0 || j >= W) {
+                    for (long c = 0; c < cn; ++c) d[a][b][c] = 0.0f;
+                } else {
+                    const float *row = x + ((n * H + i) * W + j) * C + c0;
+                    for (long c = 0; c < cn; ++c) d[a][b][c] = row[c];
                 }
-            for (int b = 0; b < 4; ++b)
-                for (long c = 0; c < cn; ++c) {
-                    float d0 = d[0][b][c], d1 = d[1][b][c], d2 = d[2][b][c], d3 = d[3][b][c];
-                    u[0][b][c] = d0 - d2; u[1][b][c] = d1 + d2; u[2][b][c] = d2 - d1; u[3][b][c] = d1 - d3;
-                }
-            for (int a = 0; a < 4; ++a) {
-                float *v0 = p->V + ((long)(a * 4 + 0) * T + t) * C + c0;
-                float *v1 = p->V + ((long)(a * 4 + 1) * T + t) * C + c0;
-                float *v2 = p->V + ((long)(a * 4 + 2) * T + t) * C + c0;
-                float *v3 = p->V + ((long)(a * 4 + 3) * T + t) * C + c0;
-                for (long c = 0; c < cn; ++c) {
-                    float e0 = u[a][0][c], e1 = u[a][1][c], e2 = u[a][2][c], e3 = u[a][3][c];
-                    v0[c] = e0 - e2; v1[c] = e1 + e2; v2[c] = e2 - e1; v3[c] = e1 - e3;
-                }
+            }
+        for (int b = 0; b < 4; ++b)
+            for (long c = 0; c < cn; ++c) {
+                float d0 = d[0][b][c], d1 = d[1][b][c], d2 = d[2][b][c], d3 = d[3][b][c];
+                u[0][b][c] = d0 - d2; u[1][b][c] = d1 + d2; u[2][b][c] = d2 - d1; u[3][b][c] = d1 - d3;
+            }
+        for (int a = 0; a < 4; ++a) {
+            float *v0 = V + ((long)(a * 4 + 0) * stride + slot) * C + c0;
+            float *v1 = V + ((long)(a * 4 + 1) * stride + slot) * C + c0;
+            float *v2 = V + ((long)(a * 4 + 2) * stride + slot) * C + c0;
+            float *v3 = V + ((long)(a * 4 + 3) * stride + slot) * C + c0;
+            for (long c = 0; c < cn; ++c) {
+                float e0 = u[a][0][c], e1 = u[a][1][c], e2 = u[a][2][c], e3 = u[a][3][c];
+                v0[c] = e0 - e2; v1[c] = e1 + e2; v2[c] = e2 - e1; v3[c] = e1 - e3;
             }
         }
     }
-    return 0;
 }
 
 static inline float activate(const wino_plan *p, float v) {
@@ -103,51 +96,75 @@ static inline float activate(const wino_plan *p, float v) {
     return v;
 }
 
-int kiln_wino_output(void *object, void *stream, int nargs, const void *args) {
-    (void)stream; (void)nargs; (void)args;
-    wino_plan *p = (wino_plan *)object;
-    float *y = NULL, *res = NULL;
-    if (p->get_handle(p->dst, (void **)&y) != 0 || y == NULL) return 2;
-    if (p->residual != NULL && (p->get_handle(p->residual, (void **)&res) != 0 || res == NULL)) return 2;
-    const long T = p->N * p->TH * p->TW, K = p->K, H = p->H, W = p->W;
-    #pragma omp parallel for schedule(static)
-    for (long t = 0; t < T; ++t) {
-        long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
-        long i0 = 2 * (r / p->TW), j0 = 2 * (r % p->TW);
-        for (long k0 = 0; k0 < K; k0 += CB) {
-            long kn = K - k0 < CB ? K - k0 : CB;
-            float s[2][4][CB];
-            for (int b = 0; b < 4; ++b) {
-                const float *m0 = p->M + ((long)(0 * 4 + b) * T + t) * K + k0;
-                const float *m1 = p->M + ((long)(1 * 4 + b) * T + t) * K + k0;
-                const float *m2 = p->M + ((long)(2 * 4 + b) * T + t) * K + k0;
-                const float *m3 = p->M + ((long)(3 * 4 + b) * T + t) * K + k0;
-                for (long k = 0; k < kn; ++k) {
-                    s[0][b][k] = m0[k] + m1[k] + m2[k];
-                    s[1][b][k] = m1[k] - m2[k] - m3[k];
-                }
+/* Slot `slot` of M (planes of `stride` tiles) into tile t of the output, with the epilogue. */
+static void output_tile(const wino_plan *p, float *y, const float *res, const float *M, long stride, long slot,
+                        long t) {
+    const long K = p->K, H = p->H, W = p->W;
+    long n = t / (p->TH * p->TW), r = t % (p->TH * p->TW);
+    long i0 = 2 * (r / p->TW), j0 = 2 * (r % p->TW);
+    for (long k0 = 0; k0 < K; k0 += CB) {
+        long kn = K - k0 < CB ? K - k0 : CB;
+        float s[2][4][CB];
+        for (int b = 0; b < 4; ++b) {
+            const float *m0 = M + ((long)(0 * 4 + b) * stride + slot) * K + k0;
+            const float *m1 = M + ((long)(1 * 4 + b) * stride + slot) * K + k0;
+            const float *m2 = M + ((long)(2 * 4 + b) * stride + slot) * K + k0;
+            const float *m3 = M + ((long)(3 * 4 + b) * stride + slot) * K + k0;
+            for (long k = 0; k < kn; ++k) {
+                s[0][b][k] = m0[k] + m1[k] + m2[k];
+                s[1][b][k] = m1[k] - m2[k] - m3[k];
             }
-            for (int a = 0; a < 2; ++a) {
-                long i = i0 + a;
-                if (i >= H) continue;
-                for (int b = 0; b < 2; ++b) {
-                    long j = j0 + b;
-                    if (j >= W) continue;
-                    long at = ((n * H + i) * W + j) * K + k0;
-                    float *out = y + at;
-                    const float *rr = res ? res + at : NULL;
-                    for (long k = 0; k < kn; ++k) {
-                        float v = b == 0 ? s[a][0][k] + s[a][1][k] + s[a][2][k]
-                                         : s[a][1][k] - s[a][2][k] - s[a][3][k];
-                        if (p->bias) v += p->bias[k0 + k];
-                        if (rr && !p->residual_after) v += rr[k];
-                        v = activate(p, v);
-                        if (rr && p->residual_after) v += rr[k];
-                        out[k] = v;
-                    }
+        }
+        for (int a = 0; a < 2; ++a) {
+            long i = i0 + a;
+            if (i >= H) continue;
+            for (int b = 0; b < 2; ++b) {
+                long j = j0 + b;
+                if (j >= W) continue;
+                long at = ((n * H + i) * W + j) * K + k0;
+                float *out = y + at;
+                const float *rr = res ? res + at : NULL;
+                for (long k = 0; k < kn; ++k) {
+                    float v = b == 0 ? s[a][0][k] + s[a][1][k] + s[a][2][k]
+                                     : s[a][1][k] - s[a][2][k] - s[a][3][k];
+                    if (p->bias) v += p->bias[k0 + k];
+                    if (rr && !p->residual_after) v += rr[k];
+                    v = activate(p, v);
+                    if (rr && p->residual_after) v += rr[k];
+                    out[k] = v;
                 }
             }
         }
     }
+}
+
+static int handles(const wino_plan *p, float **x, float **y, float **res) {
+    *x = *y = *res = NULL;
+    if (p->get_handle(p->src, (void **)x) != 0 || *x == NULL) return 2;
+    if (p->get_handle(p->dst, (void **)y) != 0 || *y == NULL) return 2;
+    if (p->residual != NULL && (p->get_handle(p->residual, (void **)res) != 0 || *res == NULL)) return 2;
+    return 0;
+}
+
+/* Whole-layer transforms: V (and M) hold every tile; oneDNN's matmul runs between them on both threads. */
+int kiln_wino_input(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    wino_plan *p = (wino_plan *)object;
+    float *x, *y, *res;
+    if (handles(p, &x, &y, &res)) return 2;
+    const long T = p->N * p->TH * p->TW;
+    #pragma omp parallel for schedule(static)
+    for (long t = 0; t < T; ++t) input_tile(p, x, p->V, T, t, t);
+    return 0;
+}
+
+int kiln_wino_output(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    wino_plan *p = (wino_plan *)object;
+    float *x, *y, *res;
+    if (handles(p, &x, &y, &res)) return 2;
+    const long T = p->N * p->TH * p->TW;
+    #pragma omp parallel for schedule(static)
+    for (long t = 0; t < T; ++t) output_tile(p, y, res, p->M, T, t, t);
     return 0;
 }
