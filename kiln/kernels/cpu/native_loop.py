@@ -93,3 +93,22 @@ def load() -> ctypes.CDLL | None:
         return None
     _LOADED = library
     return library
+
+
+def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
+    """Make `calls` [(function or None for dnnl_primitive_execute, object, nargs, args)] once through
+    the compiled loop, binding nothing: (status, index of the failing call). For a layer run on its
+    own; a segment keeps its arrays built (kiln/runtime/native.py)."""
+    from kiln.kernels.cpu import onednn
+
+    lib, code = onednn.load(), load()
+    execute = ctypes.cast(lib.lib.dnnl_primitive_execute, ctypes.c_void_p).value
+    count = len(calls)
+    failed = ctypes.c_int(-1)
+    nothing = (ctypes.c_void_p * 1)()
+    status = code.kiln_run_segment(
+        (ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
+        ctypes.cast(lib.lib.dnnl_memory_set_data_handle, ctypes.c_void_p), lib.stream, 0, nothing, nothing, count,
+        (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]), (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
+        (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]), ctypes.byref(failed))
+    return status, failed.value

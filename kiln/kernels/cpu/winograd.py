@@ -161,17 +161,7 @@ class _Bound:
         onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
 
     def run(self) -> None:
-        """The three calls, through the compiled loop (the caller holds the layer's lock)."""
-        lib = onednn.load()
-        calls = self.calls()
-        execute = ctypes.cast(lib.lib.dnnl_primitive_execute, ctypes.c_void_p).value
-        count = len(calls)
-        failed = ctypes.c_int(-1)
-        none = (ctypes.c_void_p * 1)()
-        status = self._conv._code.kiln_run_segment(
-            (ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
-            ctypes.cast(lib.lib.dnnl_memory_set_data_handle, ctypes.c_void_p), lib.stream, 0, none, none, count,
-            (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]), (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
-            (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]), ctypes.byref(failed))
+        """The three calls through the compiled loop (the caller holds the layer's lock)."""
+        status, failed = native_loop.run_calls(self.calls())
         if status:
-            onednn._check(status, f"{self.what} (call {failed.value})")
+            onednn._check(status, f"{self.what} (call {failed})")
