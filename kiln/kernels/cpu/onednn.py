@@ -231,16 +231,31 @@ def _memory(md: ctypes.c_void_p | int, handle: int | None) -> _Handle:
     return _Handle(mem, "dnnl_memory_destroy")
 
 
+def _primitive(pd: ctypes.c_void_p, what: str) -> tuple[_Handle, _Handle]:
+    """(owned primitive descriptor, owned primitive) for a created descriptor."""
+    pd_h = _Handle(pd, "dnnl_primitive_desc_destroy")
+    prim = ctypes.c_void_p()
+    _check(load().lib.dnnl_primitive_create(ctypes.byref(prim), pd), f"{what} primitive")
+    return pd_h, _Handle(prim, "dnnl_primitive_destroy")
+
+
+def packed_weight(pd: ctypes.c_void_p, user_md: _Handle, w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(buffer, its memory desc): w (laid out as user_md) reordered once into the layout the
+    primitive's kernel chose, on huge pages; the buffer must outlive the primitive's calls."""
+    lib = load().lib
+    w_md = lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
+    buffer = hugepages.empty(lib.dnnl_memory_desc_get_size(w_md) // 4 + 16)
+    _reorder(user_md.value, w_md, w.detach().to(torch.float32).contiguous(), buffer)
+    return buffer, w_md
+
+
 def _reorder(src_md, dst_md, src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst (layout dst_md) <- src (layout src_md): oneDNN's reorder, once, at primitive build."""
     lib = load()
     pd = ctypes.c_void_p()
     _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src_md, lib.engine, dst_md, lib.engine, None),
            "reorder primitive desc")
-    pd_h = _Handle(pd, "dnnl_primitive_desc_destroy")
-    prim = ctypes.c_void_p()
-    _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd_h.value), "reorder primitive")
-    prim_h = _Handle(prim, "dnnl_primitive_destroy")
+    _pd_h, prim_h = _primitive(pd, "reorder")
     src_m, dst_m = _memory(src_md, src.data_ptr()), _memory(dst_md, dst.data_ptr())
     args = (_ExecArg * 2)(_ExecArg(ARG_FROM, src_m.value), _ExecArg(ARG_TO, dst_m.value))
     _check(lib.lib.dnnl_primitive_execute(prim_h.value, lib.stream, 2, args), "reorder")
@@ -467,10 +482,7 @@ class Conv2d:
                     lib.lib.dnnl_primitive_desc_destroy(pd)
                     pd = descriptor()  # not there: oneDNN's own first choice
                     break
-        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
-        prim = ctypes.c_void_p()
-        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "convolution primitive")
-        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self._pd, self._prim = _primitive(pd, "convolution")
         self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
@@ -481,9 +493,7 @@ class Conv2d:
         if other is not None and lib.lib.dnnl_memory_desc_equal(w_md, other._w_md):
             self._weight = other._weight
         else:
-            size = lib.lib.dnnl_memory_desc_get_size(w_md)
-            self._weight = hugepages.empty(size // 4 + 16)  # kept alive: the primitive reads it
-            _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
+            self._weight, _ = packed_weight(pd, w_user, w)  # kept alive: the primitive reads it
         self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
 
@@ -575,10 +585,7 @@ class Pool2d:
             ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
             _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
             f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
-        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
-        prim = ctypes.c_void_p()
-        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "pooling primitive")
-        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self._pd, self._prim = _primitive(pd, "pooling")
         info = ctypes.c_char_p()
         lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
         self.implementation = (info.value or b"?").decode()
@@ -628,14 +635,9 @@ class InnerProduct:
             ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, w_any.value,
             b_md.value if b_md is not None else None, dst_md.value, attr_h.value),
             f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
-        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
-        prim = ctypes.c_void_p()
-        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "inner product primitive")
-        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self._pd, self._prim = _primitive(pd, "inner product")
         self.implementation = _implementation(pd)
-        w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
-        self._weight = hugepages.empty(lib.lib.dnnl_memory_desc_get_size(w_md) // 4 + 16)
-        _reorder(w_user.value, w_md, w.detach().to(torch.float32).contiguous(), self._weight)
+        self._weight, w_md = packed_weight(pd, w_user, w)
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
         self._w_mem = _memory(w_md, self._weight.data_ptr())
         self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None
@@ -680,10 +682,7 @@ class Reorder:
         pd = ctypes.c_void_p()
         _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src_md.value, lib.engine, dst_md.value,
                                                           lib.engine, None), f"reorder {list(size)}")
-        self._pd = _Handle(pd, "dnnl_primitive_desc_destroy")
-        prim = ctypes.c_void_p()
-        _check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "reorder primitive")
-        self._prim = _Handle(prim, "dnnl_primitive_destroy")
+        self._pd, self._prim = _primitive(pd, "reorder")
         self.implementation = _implementation(pd)
         self._mds = (src_md, dst_md)
 

@@ -88,14 +88,9 @@ class WinogradConv:
         onednn._check(lib.lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), lib.engine, src_md.value,
                                                                  w_any.value, None, dst_md.value, attr.value),
                       f"winograd matmul [16, {t}, {c}] x [16, {c}, {k}]")
-        self._pd = onednn._Handle(pd, "dnnl_primitive_desc_destroy")
-        prim = ctypes.c_void_p()
-        onednn._check(lib.lib.dnnl_primitive_create(ctypes.byref(prim), pd), "winograd matmul primitive")
-        self._prim = onednn._Handle(prim, "dnnl_primitive_destroy")
+        self._pd, self._prim = onednn._primitive(pd, "winograd matmul")
         self.gemm_implementation = onednn._implementation(pd)
-        w_md = lib.lib.dnnl_primitive_desc_query_md(pd, onednn.QUERY_WEIGHTS_MD, 0)
-        self._weight = hugepages.empty(lib.lib.dnnl_memory_desc_get_size(w_md) // 4 + 16)
-        onednn._reorder(w_user.value, w_md, transform_weights(w), self._weight)
+        self._weight, w_md = onednn.packed_weight(pd, w_user, transform_weights(w))
         self._w_mem = onednn._memory(w_md, self._weight.data_ptr())
         self._lock = threading.Lock()
         self._alone: _Bound | None = None
