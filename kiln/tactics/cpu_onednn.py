@@ -41,18 +41,30 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kiln.kernels.cpu import onednn
-from kiln.runtime.program import StepSpec
 from kiln.runtime.native import NativeStep
+from kiln.runtime.program import StepSpec
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
 
 _CL = torch.channels_last
 _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the tuned one
+
+
+def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
+    """primitives[key], built (build(key)) on first use; past _CACHED_SHAPES, the oldest one that is
+    not for the tuned size (tuned(key)) makes room."""
+    found = primitives.get(key)
+    if found is None:
+        if len(primitives) > _CACHED_SHAPES:
+            primitives.pop(next(k for k in primitives if not tuned(k)))
+        found = primitives[key] = build(key)
+    return found
 _DEPTHWISE_KERNEL = "jit_dw:avx512_core"
 
 
@@ -174,13 +186,10 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     sole = {a: _sole_reference_count(a) for a in (False, True)} if in_place else {}
 
     def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn.Conv2d:
-        conv = primitives.get((shape, accumulate))
-        if conv is None:  # another input size, or the binary variant a shared residual needs: built once
-            if len(primitives) > _CACHED_SHAPES:
-                primitives.pop(next(k for k in primitives if k[0] != tuned))
-            same_size = primitives.get((shape, not accumulate))
-            conv = primitives[(shape, accumulate)] = build(shape, accumulate, same_size)
-        return conv
+        # another input size, or the binary variant a shared residual needs: built once
+        return _built(primitives, (shape, accumulate),
+                      lambda key: build(shape, accumulate, primitives.get((shape, not accumulate))),
+                      lambda key: key[0] == tuned)
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         x = x.contiguous(memory_format=_CL)  # x: [N, C, H, W]; free when already channels-last
@@ -290,11 +299,7 @@ def _shape_cached(step: StepSpec, build):
 
     def launch(ctx, x, *_inputs, **_attributes):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
-        primitive = primitives.get(tuple(x.shape))
-        if primitive is None:
-            if len(primitives) > _CACHED_SHAPES:
-                primitives.pop(next(k for k in primitives if k != tuned))
-            primitive = primitives[tuple(x.shape)] = build(tuple(x.shape))
+        primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
         with lock:
             return primitive(x)  # [N, C, H', W'] channels-last
 
@@ -357,16 +362,15 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     with_residual = bool(step.tactic_config.get("residual"))
     after = bool(_attr(step, "residual_after_activation", 1))
     tuned = tuple(step.tactic_config["input_size"])
-    primitives = {tuned[0]: onednn.InnerProduct(w, b, tuned[0], eltwise, with_residual, after)}
+
+    def build(rows: int) -> onednn.InnerProduct:
+        return onednn.InnerProduct(w, b, rows, eltwise, with_residual, after)
+
+    primitives = {tuned[0]: build(tuned[0])}
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         x = x.contiguous()  # [M, K]
-        rows = x.shape[0]
-        primitive = primitives.get(rows)
-        if primitive is None:  # another row count: built once
-            if len(primitives) > _CACHED_SHAPES:
-                primitives.pop(next(k for k in primitives if k != tuned[0]))
-            primitive = primitives[rows] = onednn.InnerProduct(w, b, rows, eltwise, with_residual, after)
+        primitive = _built(primitives, x.shape[0], build, lambda rows: rows == tuned[0])  # another row count: once
         return primitive(x, residual.contiguous() if residual is not None else None)  # [M, N]
 
     launch.native = NativeStep(tuned, primitives[tuned[0]].output_size, lambda _accumulate: primitives[tuned[0]],
@@ -462,11 +466,7 @@ def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         x = x.contiguous(memory_format=_CL)
-        conv = primitives.get(tuple(x.shape))
-        if conv is None:  # another input size: built once
-            if len(primitives) > _CACHED_SHAPES:
-                primitives.pop(next(k for k in primitives if k != tuned))
-            conv = primitives[tuple(x.shape)] = build(tuple(x.shape))
+        conv = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)  # another input size: once
         return conv(x, residual.contiguous(memory_format=_CL) if with_residual else None)
 
     launch.native = NativeStep(tuned, primitives[tuned].output_size, lambda _accumulate: primitives[tuned],
