@@ -94,8 +94,9 @@ def from_torch(dtype: torch.dtype) -> DType:
         raise ValueError(f"torch dtype {dtype} has no ONNX counterpart") from None
 
 
-_REAL = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-         torch.uint8, torch.bool}
+# torch dtypes numpy holds as they are, with no conjugate or negative bit: tensor.numpy() in one call
+NUMPY_REAL = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+              torch.uint8, torch.bool}
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
@@ -117,7 +118,7 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor | np.ndarray:
 
 
 def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    if tensor.dtype in _REAL and not tensor.requires_grad and tensor.device.type == "cpu":
+    if tensor.dtype in NUMPY_REAL and not tensor.requires_grad and tensor.device.type == "cpu":
         return tensor.numpy()  # no conjugate or negative bit on real types: one call (every engine output)
     tensor = tensor.detach()
     if tensor.device.type != "cpu":

@@ -236,12 +236,7 @@ class ExecutionContext:
         args = [torch.from_numpy(a) for a in arrays]
         with torch.inference_mode():
             results = self.engine.program.run(args)
-        if all(type(r) is torch.Tensor and r.dtype in _NUMPY_PLAIN and not r.requires_grad for r in results):
-            return {b.name: r.numpy() for b, r in zip(outputs, results)}
-        return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}
-
-
-_NUMPY_PLAIN = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.uint8, torch.bool}
+        return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
 
 
 def _static_signature(engine: Engine) -> tuple | None:
@@ -253,7 +248,7 @@ def _static_signature(engine: Engine) -> tuple | None:
     for b in engine.inputs:
         dt = dtypes.BY_NAME.get(b.dtype) if b.dtype else None
         if (b.kind != "tensor" or b.shape is None or not all(isinstance(d, int) for d in b.shape) or dt is None
-                or dt.torch not in _NUMPY_PLAIN):
+                or dt.torch not in dtypes.NUMPY_REAL):
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
