@@ -127,7 +127,7 @@ class Segment:
             if over:
                 root[out] = root.get(residual, residual)
         group = {s: root.get(s, s) for s in produced}
-        exit_group = {group[s]: s for s in exits}  # a group read after the segment: bound per call
+        exit_group = {group[s] for s in exits}  # groups read after the segment: bound per call
 
         # The memory plan: the other groups get offsets in one arena by liveness (greedy best fit,
         # kiln/engine/memory.py), on huge pages.
@@ -230,20 +230,18 @@ class Segment:
         self.aliased = sum(n.alias for n in natives)
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
-        count, nbind = len(calls), len(bindings)
+        from kiln.kernels.cpu.native_loop import call_arrays
+
+        nbind = len(bindings)
         addresses = (ctypes.c_void_p * max(nbind, 1))()
-        fixed = [(i, src) for i, (_, src) in enumerate(bindings) if isinstance(src, int)]
-        for i, address in fixed:
-            addresses[i] = address
-        execute = ctypes.cast(self._execute, ctypes.c_void_p).value
-        return (loop.kiln_run_segment, (ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
-                ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
+        for i, (_, src) in enumerate(bindings):
+            if isinstance(src, int):  # fixed: a staged entry's buffer
+                addresses[i] = src
+        functions, objects, nargs, args = call_arrays(calls)
+        return (loop.kiln_run_segment, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
                 (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
                 [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
-                count, (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]),
-                (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
-                (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]),
-                ctypes.c_int(-1))
+                len(calls), objects, nargs, args, ctypes.c_int(-1))
 
     def _run(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool) -> None:
         """Point the run's inputs and outputs, run every layer (the caller holds the lock)."""

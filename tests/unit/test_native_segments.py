@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import native_loop, onednn
 from kiln.runtime.native import Segment
 from kiln.runtime.program import Program, ProgramSpec, StepSpec
 
@@ -284,8 +284,6 @@ def test_alias_and_inner_product_refuse_what_they_cannot_run():
 
 @pytest.mark.parametrize("compiled", [True, False])
 def test_the_c_loop_and_the_python_loop_agree(compiled, monkeypatch):
-    from kiln.kernels.cpu import native_loop
-
     if compiled and native_loop.load() is None:
         pytest.skip(f"no compiled loop here: {native_loop.reason()}")
     if not compiled:
@@ -301,26 +299,27 @@ def test_the_c_loop_and_the_python_loop_agree(compiled, monkeypatch):
         assert_close(got, _want(spec, weights, x)[0])
 
 
-def test_the_loop_is_not_built_when_switched_off(monkeypatch):
-    from kiln.kernels.cpu import native_loop
-
-    monkeypatch.setattr(native_loop, "_LOADED", None)
-    monkeypatch.setattr(native_loop, "_REASON", None)
-    monkeypatch.setenv("KILN_NATIVE_LOOP", "0")
-    assert native_loop.load() is None and native_loop.reason() == "KILN_NATIVE_LOOP=0"
-
-
-def test_the_loop_compiles_into_the_cache(monkeypatch, tmp_path):
-    import shutil
-
-    from kiln.kernels.cpu import native_loop
-
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
-        pytest.skip("no C compiler on this machine: segments loop in Python")
+@pytest.fixture
+def fresh_loop(monkeypatch, tmp_path):
+    """native_loop as in a new process, its cache in tmp_path: load() builds (or refuses) anew."""
     monkeypatch.setattr(native_loop, "_LOADED", None)
     monkeypatch.setattr(native_loop, "_REASON", None)
     monkeypatch.setenv("KILN_CACHE", str(tmp_path))
-    assert native_loop.load() is not None, native_loop.reason()
+    return native_loop
+
+
+needs_compiler = pytest.mark.skipif(native_loop.find_compiler() is None,
+                                    reason="no C compiler on this machine: segments loop in Python")
+
+
+def test_the_loop_is_not_built_when_switched_off(fresh_loop, monkeypatch):
+    monkeypatch.setenv("KILN_NATIVE_LOOP", "0")
+    assert fresh_loop.load() is None and fresh_loop.reason() == "KILN_NATIVE_LOOP=0"
+
+
+@needs_compiler
+def test_the_loop_compiles_into_the_cache(fresh_loop, tmp_path):
+    assert fresh_loop.load() is not None, fresh_loop.reason()
     assert len(list((tmp_path / "native").glob("segment_loop-*.so"))) == 1
 
 
@@ -400,16 +399,8 @@ def test_an_engine_that_is_one_segment_runs_numpy_in_numpy_out(monkeypatch):
     assert_close(torch.from_numpy(first), F.conv2d(c, torch.from_numpy(w2).double()))
 
 
-def test_the_loop_builds_with_the_flags_the_compiler_takes(monkeypatch, tmp_path):
-    import shutil
-
-    from kiln.kernels.cpu import native_loop
-
-    if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")):
-        pytest.skip("no C compiler on this machine: segments loop in Python")
-    monkeypatch.setattr(native_loop, "_LOADED", None)
-    monkeypatch.setattr(native_loop, "_REASON", None)
-    monkeypatch.setenv("KILN_CACHE", str(tmp_path))
+@needs_compiler
+def test_the_loop_builds_with_the_flags_the_compiler_takes(fresh_loop, monkeypatch, tmp_path):
     monkeypatch.setattr(native_loop, "FLAGS", (("--no-such-flag-kiln",), ("-O2",)))
     assert native_loop.load() is not None, native_loop.reason()
     monkeypatch.setattr(native_loop, "_LOADED", None)

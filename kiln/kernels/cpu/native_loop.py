@@ -47,6 +47,11 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def find_compiler() -> str | None:
+    """$CC, else the first of cc, gcc, clang on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
 def reason() -> str | None:
     """Why load() returned None (None when it did not)."""
     return _REASON
@@ -65,7 +70,7 @@ def load() -> ctypes.CDLL | None:
     target = _cache_dir() / f"segment_loop-{digest}.so"
     try:
         if not target.exists():
-            compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+            compiler = find_compiler()
             if compiler is None:
                 _REASON = "no C compiler (cc, gcc or clang) on PATH"
                 return None
@@ -95,20 +100,29 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
-def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
-    """Make `calls` [(function or None for dnnl_primitive_execute, object, nargs, args)] once through
-    the compiled loop, binding nothing: (status, index of the failing call). For a layer run on its
-    own; a segment keeps its arrays built (kiln/runtime/native.py)."""
+def call_arrays(calls: list[tuple[int | None, int, int, int]]) -> tuple[ctypes.Array, ...]:
+    """The loop's (functions, objects, nargs, args) arrays for `calls` [(function or None for
+    dnnl_primitive_execute, object, nargs, args)]."""
     from kiln.kernels.cpu import onednn
 
-    lib, code = onednn.load(), load()
-    execute = ctypes.cast(lib.lib.dnnl_primitive_execute, ctypes.c_void_p).value
+    execute = ctypes.cast(onednn.load().lib.dnnl_primitive_execute, ctypes.c_void_p).value
     count = len(calls)
+    return ((ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
+            (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]),
+            (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
+            (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]))
+
+
+def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
+    """Make `calls` once through the compiled loop, binding nothing: (status, index of the failing
+    call). For a layer run on its own; a segment keeps its arrays built (kiln/runtime/native.py)."""
+    from kiln.kernels.cpu import onednn
+
+    lib = onednn.load()
+    functions, objects, nargs, args = call_arrays(calls)
     failed = ctypes.c_int(-1)
     nothing = (ctypes.c_void_p * 1)()
-    status = code.kiln_run_segment(
-        (ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
-        ctypes.cast(lib.lib.dnnl_memory_set_data_handle, ctypes.c_void_p), lib.stream, 0, nothing, nothing, count,
-        (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]), (ctypes.c_int * count)(*[n for _, _, n, _ in calls]),
-        (ctypes.c_void_p * count)(*[a for _, _, _, a in calls]), ctypes.byref(failed))
+    status = load().kiln_run_segment(functions, ctypes.cast(lib.lib.dnnl_memory_set_data_handle, ctypes.c_void_p),
+                                     lib.stream, 0, nothing, nothing, len(calls), objects, nargs, args,
+                                     ctypes.byref(failed))
     return status, failed.value
