@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.tactics.timing_cache import cpu_name  # noqa: E402
-from kiln.zoo.compare import Latency, peer_runners, time_runners  # noqa: E402
+from kiln.zoo.compare import Latency, peer_runners, time_runners, time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("kiln", "onnxruntime", "torch eager")
@@ -88,8 +88,8 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict, str]:
         medians = {}
         for peer in PEERS:  # each in its own block, after the machine has gone quiet (--quiet-wait)
             waited.append(wait_for_quiet(args.quiet_wait))
-            block = time_block(runners[peer], iterations=max(1, args.iterations // args.rounds),
-                               warmup=args.warmup, budget_s=args.budget / len(PEERS) / args.rounds)
+            block = time_samples(runners[peer], iterations=max(1, args.iterations // args.rounds),
+                                 warmup=args.warmup, budget_s=args.budget / len(PEERS) / args.rounds, min_runs=5)
             samples[peer] += block
             medians[peer] = float(np.median(block))
         by_round.append(medians)
@@ -103,19 +103,6 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict, str]:
     ratios = ", ".join(f"{m['kiln'] / m['onnxruntime']:.2f}" for m in by_round)
     print(f"  {case.label:<12} kiln / onnxruntime by round: {ratios}", flush=True)
     return results, build_s, engine.plan.header, ratios
-
-
-def time_block(fn, *, iterations: int, warmup: int, budget_s: float) -> list[float]:
-    """ms of each of up to `iterations` calls after `warmup` (at least 5 calls, at most `budget_s`)."""
-    for _ in range(warmup):
-        fn()
-    out: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(out) < iterations and (len(out) < 5 or time.perf_counter() < deadline):
-        start = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - start) * 1e3)
-    return out
 
 
 def cpu_busy(interval_s: float = 1.0) -> float:

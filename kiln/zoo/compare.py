@@ -23,6 +23,20 @@ class Latency:
     runs: int
 
 
+def time_samples(fn: Runner, *, iterations: int, warmup: int, budget_s: float, min_runs: int = 10) -> list[float]:
+    """ms of each of up to `iterations` calls after `warmup` (at least `min_runs` calls, then only
+    while `budget_s` lasts)."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < iterations and (len(samples) < min_runs or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
 def time_runners(runners: dict[str, Runner], *, iterations: int = 100, warmup: int = 10,
                  budget_s: float = 30.0) -> dict[str, Latency]:
     """Time each runner in its own block (warm-up, then up to `iterations` runs in its share of
@@ -31,14 +45,7 @@ def time_runners(runners: dict[str, Runner], *, iterations: int = 100, warmup: i
     results = {}
     share = budget_s / max(len(runners), 1)
     for name, fn in runners.items():
-        for _ in range(warmup):
-            fn()
-        samples: list[float] = []
-        deadline = time.perf_counter() + share
-        while len(samples) < iterations and (len(samples) < 10 or time.perf_counter() < deadline):
-            start = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - start) * 1e3)
+        samples = time_samples(fn, iterations=iterations, warmup=warmup, budget_s=share)
         results[name] = Latency(float(np.median(samples)), float(np.percentile(samples, 90)), len(samples))
     return results
 
