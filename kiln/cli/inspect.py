@@ -72,13 +72,9 @@ def _native_segments(plan) -> str:
     bound to one memory plan, and that plan's buffers. Loads the program on the CPU (weights packed
     as at load); says why not when it cannot."""
     try:
-        import torch
+        from kiln.runtime.engine import Engine
 
-        from kiln.runtime.engine import _place_weight
-        from kiln.runtime.program import Program
-
-        program = Program(plan.program, {k: _place_weight(v, torch.device("cpu")) for k, v in plan.weights.items()},
-                          None)
+        program = Engine(plan).program
     except Exception as e:  # noqa: BLE001  inspect reports; it does not fail on what it only describes
         return f"not loaded here ({type(e).__name__}: {str(e)[:120]})"
     segments = program.segments
