@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
-from kiln.tactics.timing_cache import cpu_name  # noqa: E402
-from kiln.zoo.compare import Latency, peer_runners, time_runners, time_samples  # noqa: E402
+from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.zoo.timing import Latency, peer_runners, time_runners, time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PEERS = ("kiln", "onnxruntime", "torch eager")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kiln.kernels.cuda import cudnn_graph  # noqa: E402
-from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from gpu import graph_ms  # noqa: E402  bench/gpu.py

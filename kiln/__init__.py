@@ -15,17 +15,16 @@ from typing import TYPE_CHECKING, Any
 from kiln import errors
 from kiln.errors import BindingError, EngineFormatError, KilnError, ModelError, UnsupportedModelError
 from kiln.runtime.engine import Engine, ExecutionContext, load
+from kiln.version import __version__
 
 if TYPE_CHECKING:
-    from kiln.engine.config import BuildConfig
-
-__version__ = "0.1.0"
+    from kiln.builder.config import BuildConfig
 
 
 def build(model: Any, config: BuildConfig | None = None, *, progress=None, **options: Any) -> Engine:
     """Build an engine from an ONNX path, bytes or ModelProto; options map to BuildConfig."""
-    from kiln.engine.builder import build as _build
-    from kiln.engine.config import BuildConfig
+    from kiln.builder.build import build as _build
+    from kiln.builder.config import BuildConfig
 
     if config is None:
         config = BuildConfig.from_kwargs(**options)
@@ -36,5 +35,5 @@ def build(model: Any, config: BuildConfig | None = None, *, progress=None, **opt
 
 __all__ = [
     "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "KilnError",
-    "ModelError", "UnsupportedModelError", "build", "errors", "load",
+    "ModelError", "UnsupportedModelError", "__version__", "build", "errors", "load",
 ]

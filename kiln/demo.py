@@ -64,7 +64,7 @@ def classify(engine, classes: list[str], top: int) -> None:
 
 def bench(engine, onnx_path: Path, threads: int, iterations: int, warmup: int, budget_s: float) -> None:
     from kiln import zoo
-    from kiln.zoo.compare import peer_runners, time_runners
+    from kiln.zoo.timing import peer_runners, time_runners
 
     feeds = {"pixel_values": zoo.mobilenet.preprocess(photo("chelsea"))}
     runners = peer_runners("mobilenet_v2", onnx_path, feeds, threads=threads, engine=engine)

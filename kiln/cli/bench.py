@@ -16,9 +16,9 @@ import torch
 
 import kiln
 from kiln.cli.common import console, make_inputs, text
-from kiln.engine.plan import EnginePlan
 from kiln.errors import KilnError
 from kiln.ir import dtypes
+from kiln.plan.spec import EnginePlan
 from kiln.runtime import profiler
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import kiln
 from kiln.cli.common import console, fmt_bytes, parse_shapes, text
-from kiln.engine.plan import EnginePlan
 from kiln.errors import KilnError
+from kiln.plan.spec import EnginePlan
 
 _BUILD_STAGES = ["importing", "optimizing", "lowering", "planning memory"]
 

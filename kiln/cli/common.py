@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from kiln.engine.plan import Binding, EnginePlan
 from kiln.errors import KilnError
 from kiln.ir import dtypes
+from kiln.plan.spec import Binding, EnginePlan
 
 
 def console(stderr: bool = False):

@@ -1,4 +1,4 @@
-"""`kiln compare`: build a model and compare it with onnxruntime fp32 (kiln/tools/compare.py)."""
+"""`kiln compare`: build a model and compare it with onnxruntime fp32 (kiln/tools/accuracy.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kiln.cli.common import parse_shapes
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kiln.tools.compare import compare
+    from kiln.tools.accuracy import compare
 
     feeds = dict(np.load(args.inputs)) if args.inputs else None
     report = compare(args.model, precision=args.precision, device=args.device, opt_level=args.opt_level,

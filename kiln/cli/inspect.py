@@ -9,9 +9,9 @@ import json
 import sys
 
 from kiln.cli.common import console, fmt_bytes, fmt_shape, text
-from kiln.engine import format as engine_format
-from kiln.engine.plan import EnginePlan
 from kiln.errors import KilnError
+from kiln.plan import file as engine_file
+from kiln.plan.spec import EnginePlan
 
 
 def _layers(plan: EnginePlan) -> list[dict]:
@@ -35,7 +35,7 @@ def _layers(plan: EnginePlan) -> list[dict]:
         if step.fused_from:
             layer["fused_from"] = list(step.fused_from)
         tuned = plan.header.get("tactics", {}).get("layers", {}).get(step.name)
-        if tuned:  # chosen tactic, its time and the runner-up's (kiln/tactics/autotune.py)
+        if tuned:  # chosen tactic, its time and the runner-up's (kiln/builder/autotune.py)
             layer["tactic"] = {k: tuned.get(k) for k in ("tactic", "time_ms", "runner_up", "runner_up_ms", "cached")}
         layers.append(layer)
     return layers
@@ -91,7 +91,7 @@ def _native_segments(plan) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from rich.table import Table
 
-    plan = engine_format.load(args.engine)  # the plan only: inspecting needs no device
+    plan = engine_file.load(args.engine)  # the plan only: inspecting needs no device
     header = plan.header
     layers = _layers(plan)
     if args.json:

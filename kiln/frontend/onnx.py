@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx_ir.passes import common as ir_passes
-from onnx import numpy_helper
 from google.protobuf.message import DecodeError
+from onnx import numpy_helper
+from onnx_ir.passes import common as ir_passes
 
 from kiln.errors import ModelError, UnsupportedModelError
 from kiln.ops.registry import lookup

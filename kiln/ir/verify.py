@@ -8,10 +8,16 @@ Every problem names the graph, the node's index, its name and op, its inputs, an
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import onnx_ir as ir
 
 from kiln.errors import KilnError
-from kiln.ops.registry import lookup
+
+# The op registry as verify sees it: (op_type, domain) -> the op's entry (with .check(opset, attribute
+# names) -> reason | None), or None when kiln has no implementation. kiln.ops.registry.lookup is one.
+OpLookup = Callable[[str, str], Any]
 
 
 class VerifyError(KilnError):
@@ -30,7 +36,7 @@ def _label(where: str, index: int, node: ir.Node) -> str:
 
 
 def _check_graph(graph: ir.Graph, outer: set[str], where: str, opsets: dict[str, int], require_order: bool,
-                 problems: list[str]) -> None:
+                 lookup: OpLookup, problems: list[str]) -> None:
     defined = set(outer) | {v.name for v in graph.inputs} | set(graph.initializers)
     produced_anywhere: dict[str, int] = {}
     for i, node in enumerate(graph):
@@ -71,17 +77,18 @@ def _check_graph(graph: ir.Graph, outer: set[str], where: str, opsets: dict[str,
                 list(attr.value) if attr.type == ir.AttributeType.GRAPHS else [])
             for sub in subgraphs:
                 _check_graph(sub, seen | set(produced_anywhere), f"{where} / {node.name}.{attr.name}", opsets,
-                             require_order, problems)
+                             require_order, lookup, problems)
         seen |= {v.name for v in node.outputs}
     for v in graph.outputs:
         if v.name not in seen and v.name not in produced_anywhere:
             problems.append(f"{where}: graph output {v.name!r} is produced by no node and is no input or initializer")
 
 
-def verify(model: ir.Model, stage: str = "", require_order: bool = True) -> None:
-    """Raise VerifyError listing every broken invariant; `require_order=False` between rewrites
-    that append nodes out of order (the pipeline sorts topologically at its end)."""
+def verify(model: ir.Model, lookup: OpLookup, stage: str = "", require_order: bool = True) -> None:
+    """Raise VerifyError listing every broken invariant; `lookup` is the op registry every node must
+    be found in (kiln.ops.registry.lookup); `require_order=False` between rewrites that append nodes
+    out of order (the pipeline sorts topologically at its end)."""
     problems: list[str] = []
-    _check_graph(model.graph, set(), "main graph", dict(model.opset_imports), require_order, problems)
+    _check_graph(model.graph, set(), "main graph", dict(model.opset_imports), require_order, lookup, problems)
     if problems:
         raise VerifyError(stage or "", problems)

@@ -8,8 +8,11 @@ the fallback for any layer on CUDA that no specialised kernel covers.
 from kiln.ops import (  # noqa: F401  (imported for their registrations)
     activation,
     cast,
+    contrib,
+    contrib_microsoft,
     control_flow,
     elementwise,
+    fused,
     generators,
     indexing,
     matmul,
@@ -25,7 +28,4 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     signal,
     tensor,
     text,
-    contrib,
-    contrib_microsoft,
-    fused,
 )

@@ -86,12 +86,10 @@ def register(*op_types: str, domain: str = "", min_opset: int = 1) -> Callable[[
 
 
 def lookup(op_type: str, domain: str = "") -> OpSpec | None:
-    from kiln import ops  # noqa: F401  (imports every op family, filling the registry)
-
+    # Complete whenever this module can be imported: importing kiln.ops.registry imports the package
+    # kiln.ops first, whose __init__ imports every op family (each registers its ops).
     return _REGISTRY.get((_normal_domain(domain), op_type))
 
 
 def registered() -> dict[tuple[str, str], OpSpec]:
-    from kiln import ops  # noqa: F401
-
     return dict(_REGISTRY)

@@ -19,8 +19,17 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    PassReport, attr, bypass, const, is_op, new_initializer, only_user, other_input, producer,
-    record_absorbed, run_rule,
+    PassReport,
+    attr,
+    bypass,
+    const,
+    is_op,
+    new_initializer,
+    only_user,
+    other_input,
+    producer,
+    record_absorbed,
+    run_rule,
 )
 
 

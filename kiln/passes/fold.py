@@ -16,8 +16,8 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from kiln.engine.lower import tensor_to_runtime
 from kiln.ir import dtypes
+from kiln.ir.tensors import tensor_to_runtime
 from kiln.ops.registry import OpContext, lookup
 from kiln.passes._rewrite import PassReport, const, graphs_of, is_op, static_shape
 

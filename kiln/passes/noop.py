@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from kiln.passes._rewrite import PassReport, attr, bypass, const, is_op, only_user, producer, run_rule, static_shape
+from kiln.passes._rewrite import PassReport, attr, bypass, const, is_op, producer, run_rule, static_shape
 
 # Casts through these types keep every value of the source type exactly (src -> wider -> src).
 _LOSSLESS_WIDENING = {

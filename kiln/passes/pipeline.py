@@ -10,12 +10,13 @@ Opt levels (like TensorRT's builder optimization level):
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnx_ir.passes import common
 
-from kiln.engine.config import BuildConfig
 from kiln.ir.verify import verify
+from kiln.ops.registry import lookup
 from kiln.passes import fusion
 from kiln.passes._rewrite import PassReport, run_rule
 from kiln.passes.batchnorm import fold_batchnorm_and_affine
@@ -24,11 +25,19 @@ from kiln.passes.fold import fold_constants
 from kiln.passes.noop import remove_noops
 
 
-def _verifier(config: BuildConfig):
-    """verify(model, stage) between passes when config.verify or KILN_VERIFY=1 (the tests set it)."""
-    if not (config.verify or os.environ.get("KILN_VERIFY") == "1"):
+@dataclass
+class PassOptions:
+    """What the pipeline needs to know (the builder derives it from its BuildConfig)."""
+
+    opt_level: int = 2  # 0: as is; 1: cleanups; 2+: + BN folding and fusions
+    verify: bool = False  # run the IR verifier after every pass (also when KILN_VERIFY=1: the tests set it)
+
+
+def _verifier(options: PassOptions):
+    """verify(model, stage) between passes when options.verify or KILN_VERIFY=1."""
+    if not (options.verify or os.environ.get("KILN_VERIFY") == "1"):
         return lambda model, stage, require_order=False: None
-    return lambda model, stage, require_order=False: verify(model, f"after {stage}", require_order)
+    return lambda model, stage, require_order=False: verify(model, lookup, f"after {stage}", require_order)
 
 
 def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None) -> None:
@@ -53,13 +62,14 @@ def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None
     check(model, "eliminate_dead_code")
 
 
-def optimize(model: ir.Model, config: BuildConfig, report: PassReport | None = None) -> ir.Model:
+def optimize(model: ir.Model, options: PassOptions | None = None, report: PassReport | None = None) -> ir.Model:
+    options = options or PassOptions()
     report = report if report is not None else PassReport()
-    if config.opt_level == 0:  # import and run as is
+    if options.opt_level == 0:  # import and run as is
         return model
-    check = _verifier(config)
+    check = _verifier(options)
     cleanup(model, report, check)
-    if config.opt_level >= 2:
+    if options.opt_level >= 2:
         # BatchNorm and per-channel Mul/Add disappear into the preceding layer's weights.
         fold_batchnorm_and_affine(model, report)
         check(model, "fold_batchnorm_and_affine")
@@ -76,12 +86,12 @@ def optimize(model: ir.Model, config: BuildConfig, report: PassReport | None = N
     return model
 
 
-def why_not(model: ir.Model, config: BuildConfig | None = None) -> list[str]:
+def why_not(model: ir.Model, options: PassOptions | None = None) -> list[str]:
     """Candidate fusions that did not fire, each with the rule's reason (`kiln inspect --why-not`).
 
     Works on a copy: the caller's model is not changed.
     """
     copy = ir.from_proto(ir.to_proto(model))
     report = PassReport()
-    optimize(copy, config or BuildConfig(), report)
+    optimize(copy, options, report)
     return list(report.refused)

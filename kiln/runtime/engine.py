@@ -11,10 +11,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.engine import format as engine_format
-from kiln.engine.plan import Binding, EnginePlan
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
+from kiln.plan import file as engine_file
+from kiln.plan.spec import Binding, EnginePlan
+from kiln.runtime.cuda_graphs import GraphRunner
+from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
 
@@ -38,12 +40,10 @@ def _check_device(header: dict) -> torch.device:
     return torch.device("cuda")
 
 
-def _place_weight(value: Any, device: torch.device) -> Any:
+def place_weight(value: Any, device: torch.device) -> Any:
     """On CUDA, small integer constants stay on the host: they feed shape arithmetic."""
     if device.type == "cpu" or not isinstance(value, torch.Tensor):
         return value
-    from kiln.runtime.device import HOST_MAX_NUMEL
-
     if not value.is_floating_point() and not value.is_complex() and value.numel() <= HOST_MAX_NUMEL:
         return value
     return value.to(device)
@@ -85,7 +85,7 @@ class Engine:
     def __init__(self, plan: EnginePlan):
         self.plan = plan
         self.device = _check_device(plan.header)
-        weights = {k: _place_weight(v, self.device) for k, v in plan.weights.items()}
+        weights = {k: place_weight(v, self.device) for k, v in plan.weights.items()}
         self.program = Program(plan.program, weights, self.device)
         # Reduced-precision engines keep float32 bindings; values are cast at the boundary.
         casts = plan.header.get("io_casts", {})
@@ -119,7 +119,7 @@ class Engine:
         return self._default_context.run(feeds)
 
     def save(self, path: str | os.PathLike) -> None:
-        engine_format.save(self.plan, path)
+        engine_file.save(self.plan, path)
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{b.name}: {b.describe()}" for b in self.inputs)
@@ -134,8 +134,6 @@ class ExecutionContext:
         self.engine = engine
         self.runner = None
         if engine.device.type == "cuda":
-            from kiln.runtime.device import GraphRunner
-
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
             self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs)
@@ -268,4 +266,4 @@ def _whole_segment(engine: Engine):
 
 def load(path: str | os.PathLike) -> Engine:
     """Load a `.kiln` engine file (checked: size, magic, version, checksum, device)."""
-    return Engine(engine_format.load(path))
+    return Engine(engine_file.load(path))

@@ -6,7 +6,7 @@ dispatch code and data, so the next step's few microseconds of Python become ten
 (measured on MobileNetV2, 2 threads: 6.0 ms a run, of which 4.0 ms inside oneDNN). onnxruntime's
 C++ executor pays little of this. A segment removes it: each layer's primitive is bound once, at
 load, to where the segment's memory plan puts its output (one arena on huge pages, offsets by
-liveness, greedy best fit as kiln/engine/memory.py plans the engine's), and a run is one call
+liveness, greedy best fit as kiln/plan/memory.py plans the engine's), and a run is one call
 into a compiled loop (kiln/kernels/cpu/native_loop.py) that binds the run's inputs and outputs
 and executes every layer. NCHW images are laid out NHWC by a reorder at the head of that loop.
 
@@ -26,59 +26,22 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from kiln.engine.memory import Interval, place
-from kiln.kernels.cpu import hugepages
+from kiln.kernels.cpu import hugepages, native_loop, onednn
+from kiln.plan.memory import Interval, place
+from kiln.runtime.step import BoundStep, call_step
+from kiln.tactics.tactic import NativeStep, native_strides
 
 _CL = torch.channels_last
 
 
-@dataclass
-class NativeStep:
-    """What a tactic offers a segment for one layer: its primitive(s) at the tuned input size.
-
-    `primitive(accumulate)` returns an object with `bind(src, dst, residual) -> Bound`
-    (kiln/kernels/cpu/onednn.py); accumulate=True asks for the variant that adds the residual
-    into dst's memory (only offered when `accumulate` is True: the residual dies at this step).
-    An `alias` step (a Reshape that moves no byte) has no primitive: its output is its input's
-    memory under another shape.
-    """
-
-    input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
-    output_size: tuple[int, ...]
-    primitive: Callable[[bool], Any] | None
-    residual_input: int | None = None  # the step input that is the residual, same size as the output
-    accumulate: bool = False
-    alias: bool = False
-
-    @property
-    def output_strides(self) -> tuple[int, ...]:
-        return _strides(self.output_size)
-
-
-def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
-    """Channels-last for 4-D (NHWC in memory, NCHW in shape), row-major otherwise."""
-    if len(size) == 4:
-        n, c, h, w = size
-        return (c * h * w, 1, w * c, c)
-    strides, step = [], 1
-    for d in reversed(size):
-        strides.append(step)
-        step *= d
-    return tuple(reversed(strides))
-
-
 def _laid_out(v: torch.Tensor) -> bool:
     return v.is_contiguous(memory_format=_CL) if v.dim() == 4 else v.is_contiguous()
-
-
-Step = tuple  # (fn, ctx, in_slots, out_slots, attrs, free): kiln/runtime/program.py
 
 
 def _numel(size: tuple[int, ...]) -> int:
@@ -91,17 +54,17 @@ def _numel(size: tuple[int, ...]) -> int:
 class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
-    def __init__(self, members: list[Step], read_after: set[int]):
+    def __init__(self, members: list[BoundStep], read_after: set[int]):
         self.members = members
-        natives: list[NativeStep] = [m[0].native for m in members]
+        natives: list[NativeStep] = [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
         for k, m in enumerate(members):
-            produced[m[3][0]] = k
+            produced[m.outputs[0]] = k
         consumers: dict[int, list[tuple[int, str]]] = {}  # slot -> [(member, role)]
         for k, (m, native) in enumerate(zip(members, natives)):
-            consumers.setdefault(m[2][0], []).append((k, "src"))
+            consumers.setdefault(m.inputs[0], []).append((k, "src"))
             if native.residual_input is not None:
-                consumers.setdefault(m[2][native.residual_input], []).append((k, "residual"))
+                consumers.setdefault(m.inputs[native.residual_input], []).append((k, "residual"))
 
         self.entries = [s for s in consumers if s not in produced]  # read here, written before the segment
         self.exits = [s for s in produced if s in read_after]  # written here, read after it
@@ -113,11 +76,11 @@ class Segment:
         root: dict[int, int] = {}
         accumulate: list[bool] = []
         for k, (m, native) in enumerate(zip(members, natives)):
-            x, out = m[2][0], m[3][0]
-            residual = m[2][native.residual_input] if native.residual_input is not None else None
+            x, out = m.inputs[0], m.outputs[0]
+            residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             if native.alias:
                 if x not in produced or last_read[x] != k or x in exits:
-                    raise ValueError(f"alias {m[1].name}: its input is not a value of the segment that dies here")
+                    raise ValueError(f"alias {m.ctx.name}: its input is not a value of the segment that dies here")
                 root[out] = root.get(x, x)
                 accumulate.append(False)
                 continue
@@ -130,7 +93,7 @@ class Segment:
         exit_group = {group[s] for s in exits}  # groups read after the segment: bound per call
 
         # The memory plan: the other groups get offsets in one arena by liveness (greedy best fit,
-        # kiln/engine/memory.py), on huge pages.
+        # kiln/plan/memory.py), on huge pages.
         spans: dict[int, Interval] = {}
         for s, k in produced.items():
             g = group[s]
@@ -157,8 +120,8 @@ class Segment:
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:
                 continue
-            x, out = m[2][0], m[3][0]
-            residual = m[2][native.residual_input] if native.residual_input is not None else None
+            x, out = m.inputs[0], m.outputs[0]
+            residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             prim = native.primitive(accumulate[k])
             if accumulate[k]:
                 b = prim.bind(address.get(x, 0), address.get(out, 0))
@@ -175,7 +138,7 @@ class Segment:
             self.bound.append(b)
             calls = b.calls()
             self._calls += calls
-            self._names += [m[1].name] * len(calls)
+            self._names += [m.ctx.name] * len(calls)
         self.exit_groups = [group[s] for s in self.exits]
         self.exit_shapes = []
         for s in self.exits:
@@ -185,8 +148,6 @@ class Segment:
         for s in self.entries:
             k, role = consumers[s][0]
             self.entry_sizes.append(natives[k].input_size if role == "src" else natives[k].output_size)
-        from kiln.kernels.cpu import native_loop, onednn
-
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
@@ -197,7 +158,7 @@ class Segment:
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
             if len(size) == 4:
-                buffer = hugepages.empty(_numel(size)).as_strided(size, _strides(size))
+                buffer = hugepages.empty(_numel(size)).as_strided(size, native_strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         # What a run points at its inputs and outputs: (memory object, source), the source an
@@ -230,14 +191,12 @@ class Segment:
         self.aliased = sum(n.alias for n in natives)
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
-        from kiln.kernels.cpu.native_loop import call_arrays
-
         nbind = len(bindings)
         addresses = (ctypes.c_void_p * max(nbind, 1))()
         for i, (_, src) in enumerate(bindings):
             if isinstance(src, int):  # fixed: a staged entry's buffer
                 addresses[i] = src
-        functions, objects, nargs, args = call_arrays(calls)
+        functions, objects, nargs, args = native_loop.call_arrays(calls)
         return (loop.kiln_run_segment, functions, ctypes.cast(self._set_handle, ctypes.c_void_p), nbind,
                 (ctypes.c_void_p * max(nbind, 1))(*[m for m, _ in bindings]), addresses,
                 [(i, src) for i, (_, src) in enumerate(bindings) if not isinstance(src, int)],
@@ -271,7 +230,7 @@ class Segment:
         """Entry k copied into its own buffer in the segment's layout (made on first use)."""
         buffer = self._stage.get(k)
         if buffer is None:
-            buffer = self._stage[k] = torch.empty_strided(tuple(v.shape), _strides(tuple(v.shape)), dtype=v.dtype)
+            buffer = self._stage[k] = torch.empty_strided(tuple(v.shape), native_strides(tuple(v.shape)), dtype=v.dtype)
         return buffer.copy_(v)
 
     @property
@@ -280,11 +239,9 @@ class Segment:
 
     def fallback(self, values: list[Any]) -> list[Any]:
         """The layers' own launch functions, for inputs of other sizes than planned."""
-        from kiln.runtime.program import call_step
-
         env = dict(zip(self.entries, values))
-        for fn, ctx, in_slots, out_slots, attrs, _free in self.members:
-            env[out_slots[0]] = call_step(fn, ctx, [env.get(s) if s >= 0 else None for s in in_slots], attrs)
+        for m in self.members:
+            env[m.outputs[0]] = call_step(m.fn, m.ctx, [env.get(s) if s >= 0 else None for s in m.inputs], m.attributes)
         return [env[s] for s in self.exits]
 
     def __call__(self, ctx, *values):
@@ -322,30 +279,30 @@ class Segment:
         return exits
 
 
-def _chains(prev: Step, step: Step) -> bool:
+def _chains(prev: BoundStep, step: BoundStep) -> bool:
     """step's activation input is prev's output, of the size step was built for (or step reads
     an entry: then its size is checked per call)."""
-    native, before = step[0].native, prev[0].native
-    if step[2][0] == prev[3][0] and tuple(before.output_size) != tuple(native.input_size):
+    native, before = step.fn.native, prev.fn.native
+    if step.inputs[0] == prev.outputs[0] and tuple(before.output_size) != tuple(native.input_size):
         return False
     return True
 
 
-def segments(steps: list[Step], output_slots: list[int]) -> tuple[list[Step], list[Segment]]:
+def segments(steps: list[BoundStep], output_slots: list[int]) -> tuple[list[BoundStep], list[Segment]]:
     """steps with each run of >= 2 native steps replaced by one Segment step."""
     last_read: dict[int, int] = {}
-    for i, (_fn, _ctx, in_slots, _outs, _attrs, _free) in enumerate(steps):
-        for s in in_slots:
+    for i, step in enumerate(steps):
+        for s in step.inputs:
             if s >= 0:
                 last_read[s] = i
     outputs = set(output_slots)
     runs: list[list[int]] = []
     for i, step in enumerate(steps):
-        native = getattr(step[0], "native", None)
-        ok = isinstance(native, NativeStep) and len(step[3]) == 1 and step[3][0] >= 0
+        native = getattr(step.fn, "native", None)
+        ok = isinstance(native, NativeStep) and len(step.outputs) == 1 and step.outputs[0] >= 0
         if ok and native.alias:  # only inside a run, over a value of it that dies here
-            x = step[2][0]
-            ok = (bool(runs) and runs[-1][-1] == i - 1 and steps[i - 1][3][0] == x and last_read.get(x) == i
+            x = step.inputs[0]
+            ok = (bool(runs) and runs[-1][-1] == i - 1 and steps[i - 1].outputs[0] == x and last_read.get(x) == i
                   and x not in outputs and _chains(steps[i - 1], step))
             if ok:
                 runs[-1].append(i)
@@ -356,8 +313,8 @@ def segments(steps: list[Step], output_slots: list[int]) -> tuple[list[Step], li
             runs.append([i])
     start = {r[0]: r for r in runs if len(r) >= 2}
     if not start:
-        return steps, []  # the same list: callers that patch a step in place (autotune's recording) see it run
-    result: list[Step] = []
+        return steps, []
+    result: list[BoundStep] = []
     made: list[Segment] = []
     i = 0
     while i < len(steps):
@@ -375,11 +332,11 @@ def segments(steps: list[Step], output_slots: list[int]) -> tuple[list[Step], li
             result.extend(members)
             i = end + 1
             continue
-        first_ctx = members[0][1]
-        ctx = replace(first_ctx, name=f"{first_ctx.name} .. {members[-1][1].name} (native segment of {len(run)})",
+        first_ctx = members[0].ctx
+        ctx = replace(first_ctx, name=f"{first_ctx.name} .. {members[-1].ctx.name} (native segment of {len(run)})",
                       num_inputs=len(segment.entries), num_outputs=len(segment.exits))
-        free = sorted({s for m in members for s in m[5]})
-        result.append((segment, ctx, list(segment.entries), list(segment.exits), {}, free))
+        free = sorted({s for m in members for s in m.free})
+        result.append(BoundStep(segment, ctx, list(segment.entries), list(segment.exits), {}, free))
         made.append(segment)
         i = end + 1
     return (result, made) if made else (steps, [])

@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.host import ShapePlan
+from kiln.runtime.program import Program
+
 
 @dataclass
 class LatencyStats:
@@ -102,16 +105,16 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def dispatch_overhead(program: Any, inputs: list[Any], repeats: int = 20) -> float | None:
+def dispatch_overhead(program: Program, inputs: list[Any], repeats: int = 20) -> float | None:
     """Seconds per layer the interpreter loop costs beyond the kernels themselves.
 
     Runs the program once for real, recording every layer's result, then times the same loop
     with each kernel replaced by "return the recorded result": what remains is the Python
     dispatch (argument gathering, calls, slot writes, frees). Subgraph layers count as one.
-    Returns None when the program is not the step-list interpreter this helper knows.
+    Returns None for a program without steps.
     """
-    steps = getattr(program, "steps", None)
-    if not steps or not all(isinstance(s, tuple) and s and callable(s[0]) for s in steps):
+    steps = program.steps
+    if not steps:
         return None
     results: list[Any] = [None] * len(steps)
 
@@ -133,13 +136,13 @@ def dispatch_overhead(program: Any, inputs: list[Any], repeats: int = 20) -> flo
     return statistics.median(samples) / len(steps)
 
 
-def profile_layers(program: Any, inputs: list[Any], runs: int = 10) -> list[dict[str, Any]]:
+def profile_layers(program: Program, inputs: list[Any], runs: int = 10) -> list[dict[str, Any]]:
     """Per-layer time (trtexec's --dumpProfile): median ms of each step over `runs` eager runs.
 
     On CUDA each step is bracketed by device events (no CUDA graph, so launch gaps show); host
     shape steps are computed once per shape, as the runtime does, and cost nothing after.
     """
-    device = getattr(program, "device", None)
+    device = program.device
     cuda = device is not None and device.type == "cuda"
     samples: list[list[float]] = [[] for _ in program.steps]
 
@@ -162,8 +165,6 @@ def profile_layers(program: Any, inputs: list[Any], runs: int = 10) -> list[dict
     timed = program.with_kernels(timed_kernel)
     plan = None
     if cuda:
-        from kiln.runtime.device import ShapePlan
-
         plan = ShapePlan()
     pending: list = []
     with torch.inference_mode():

@@ -1,74 +1,29 @@
 """A compiled step list: the interpreter loop the engine runs.
 
-A `ProgramSpec` is plain data (what the engine file stores): the names of its inputs,
-outputs, constants and outer-scope captures, and its steps. `Program` binds each value name
-to a slot in a list, each step to its implementation, and frees a value's slot after its
-last use (the liveness plan), so activations do not outlive their consumers.
+A `ProgramSpec` (kiln/plan/spec.py) is plain data: the names of a (sub)graph's inputs, outputs,
+constants and outer-scope captures, and its steps. `Program` binds each value name to a slot in a
+list, each step to its implementation (a `BoundStep`), and frees a value's slot after its last use
+(the liveness plan), so activations do not outlive their consumers.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
+
+import torch
 
 from kiln.errors import ExecutionError
 from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
-
-
-@dataclass
-class StepSpec:
-    op_type: str
-    name: str
-    inputs: list[str]  # "" marks a missing optional input
-    outputs: list[str]  # "" marks an output nobody asked for
-    attributes: dict[str, Any] = field(default_factory=dict)  # JSON-able; see engine.plan
-    domain: str = ""
-    opset: int = 21
-    captures: list[str] = field(default_factory=list)  # outer values its subgraphs read
-    output_dtypes: list[str | None] = field(default_factory=list)
-    fused_from: list[str] = field(default_factory=list)  # ONNX node names this step absorbed
-    precision: str = ""  # "fp32": pinned to fp32 in a reduced-precision engine
-    tactic: str = ""  # the kernel the autotuner chose (kiln/tactics); "": the op's registered implementation
-    tactic_config: dict[str, Any] = field(default_factory=dict)  # JSON-able parameters of that tactic
-
-    def to_json(self) -> dict:
-        required = ("op_type", "name", "inputs", "outputs")
-        return {k: v for k, v in self.__dict__.items() if k in required or v not in ([], {}, "")}
-
-    @classmethod
-    def from_json(cls, d: dict) -> StepSpec:
-        return cls(**d)
-
-
-@dataclass
-class ProgramSpec:
-    inputs: list[str]
-    outputs: list[str]
-    steps: list[StepSpec]
-    constants: dict[str, str] = field(default_factory=dict)  # value name -> engine weight key
-    captures: list[str] = field(default_factory=list)  # names read from the enclosing graph
-
-    def to_json(self) -> dict:
-        return {
-            "inputs": self.inputs,
-            "outputs": self.outputs,
-            "constants": self.constants,
-            "captures": self.captures,
-            "steps": [s.to_json() for s in self.steps],
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> ProgramSpec:
-        return cls(
-            inputs=d["inputs"],
-            outputs=d["outputs"],
-            constants=d.get("constants", {}),
-            captures=d.get("captures", []),
-            steps=[StepSpec.from_json(s) for s in d["steps"]],
-        )
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.host import NEVER_ON_HOST, ShapePlan, on_device, outputs_of, place, upload
+from kiln.runtime.native import segments
+from kiln.runtime.step import BoundStep, call_step, pinned_fp32
+from kiln.tactics.registry import launch_for
 
 
 def resolve_attribute(value: Any, weights: dict[str, Any], device: Any = None) -> Any:
@@ -92,7 +47,7 @@ class Program:
 
     def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None):
         self.spec = spec
-        self.device = device  # None or cpu: plain loop; cuda: host/device split (runtime/device.py)
+        self.device = device  # None or cpu: plain loop; cuda: host/device split (kiln/runtime/host.py)
         slots: dict[str, int] = {}
 
         def slot(name: str) -> int:
@@ -136,24 +91,21 @@ class Program:
             out_slots = [slot(n) if n else -1 for n in step.outputs]
             fn = op.fn
             if step.tactic:  # pre-packs the step's weights once, here, at load
-                from kiln.tactics.registry import launch_for
-
                 # Inputs whose value dies at this step (freed after it; not a graph input, output or
-                # capture): a tactic may write its result over one (kiln/tactics/cpu_onednn.py).
+                # capture): a tactic may write its result over one (kiln/tactics/cpu/onednn.py).
                 dying = [k for k, n in enumerate(step.inputs) if n and slot(n) in free_after[i]
                          and n not in spec.inputs and n not in spec.captures]
-                prepared = replace(step, tactic_config={**step.tactic_config, "dying_inputs": dying}) if dying else step
+                prepared = replace(step, tactic_config={**step.tactic_config, "dying_inputs": dying,
+                                                        "sole_references": sole_reference_counts()}) if dying else step
                 fn = launch_for(prepared, op.fn, [template_values.get(s) for s in in_slots[:len(step.inputs)]], device)
-            fn = fn if step.precision != "fp32" else _pinned_fp32(fn)
-            self.steps.append((fn, ctx, in_slots, out_slots, attrs, free_after[i]))
+            fn = fn if step.precision != "fp32" else pinned_fp32(fn)
+            self.steps.append(BoundStep(fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
         # On the CPU, runs of layers whose tactics run bound oneDNN primitives become one step each
         # (kiln/runtime/native.py): the loop below runs `run_steps`; `steps` keeps every layer.
         self.segments = []
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
-            from kiln.runtime.native import segments
-
             self.run_steps, self.segments = segments(self.steps, self.output_slots)
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
@@ -165,26 +117,25 @@ class Program:
         replaying); the original is untouched. `keep_values`: no liveness frees."""
         copy = object.__new__(Program)
         copy.__dict__.update(self.__dict__)
-        copy.steps = [(wrap(i, fn), ctx, ins, outs, attrs, [] if keep_values else free)
-                      for i, (fn, ctx, ins, outs, attrs, free) in enumerate(self.steps)]
+        copy.steps = [replace(s, fn=wrap(i, s.fn), free=[] if keep_values else s.free)
+                      for i, s in enumerate(self.steps)]
         copy.run_steps, copy.segments = copy.steps, []  # every layer is seen: no native segments
         return copy
 
     def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
-        """Run once. `plan` (a runtime.device.ShapePlan) is only used on CUDA: see device.py."""
+        """Run once. `plan` (a ShapePlan, kiln/runtime/host.py) is only used on CUDA."""
         if self.device is not None and self.device.type == "cuda":
-            from kiln.runtime.device import run_on_device
-
-            return run_on_device(self, inputs, outer, plan)
+            return self._run_on_device(inputs, outer, plan)
         env = list(self.template)
         for s, v in zip(self.input_slots, inputs):
             env[s] = v
         if self.capture_slots:
             for name, s in self.capture_slots:
                 env[s] = outer[name]
-        for fn, ctx, in_slots, out_slots, attrs, free in self.run_steps:
-            args = [env[s] if s >= 0 else None for s in in_slots]
-            result = call_step(fn, ctx, args, attrs)
+        for step in self.run_steps:
+            args = [env[s] if s >= 0 else None for s in step.inputs]
+            result = call_step(step.fn, step.ctx, args, step.attributes)
+            out_slots = step.outputs
             if len(out_slots) == 1:
                 if isinstance(result, tuple):
                     result = result[0]
@@ -193,34 +144,80 @@ class Program:
                 for s, v in zip(out_slots, result):
                     env[s] = v
             result = v = None  # the slots alone hold the values: a kernel may overwrite a dying input
-            for s in free:
+            for s in step.free:
+                env[s] = None
+        return [env[s] for s in self.output_slots]
+
+    def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
+        """Host steps (every input a constant or shape-derived value) run on the CPU, once per input
+        shape with a ShapePlan; the rest on the device, never waiting on the host."""
+        device = self.device
+        env = list(self.template)
+        for s, v in zip(self.input_slots, inputs):
+            env[s] = v
+        for name, s in self.capture_slots:
+            env[s] = outer[name]
+        for i, step in enumerate(self.steps):
+            fn, ctx, in_slots, out_slots, attrs = step.fn, step.ctx, step.inputs, step.outputs, step.attributes
+            cached = plan.host_outputs.get(i) if plan is not None else None
+            if cached is not None:
+                outs = cached
+            else:
+                args = [env[s] if s >= 0 else None for s in in_slots]
+                if not any(on_device(a) for a in args) and ctx.op_type not in NEVER_ON_HOST:
+                    # Host step: every input is a constant or shape-derived value.
+                    outs = [place(o, device) for o in outputs_of(call_step(fn, ctx, args, attrs), len(out_slots))]
+                    if plan is not None and plan.recording:
+                        plan.host_outputs[i] = outs
+                else:
+                    uploads = plan.uploads.get(i) if plan is not None else None
+                    if uploads:
+                        args = [uploads.get(j, a) for j, a in enumerate(args)]
+                    try:
+                        result = call_step(fn, ctx, args, attrs)
+                    except ExecutionError:
+                        # Mixed host/device inputs the op cannot take: move the host values over.
+                        moved = {j: upload(a, device) for j, a in enumerate(args)
+                                 if isinstance(a, (torch.Tensor, list)) and not on_device(a)}
+                        if not moved:
+                            raise
+                        if plan is not None and plan.recording:
+                            plan.uploads[i] = moved
+                        args = [moved.get(j, a) for j, a in enumerate(args)]
+                        result = call_step(fn, ctx, args, attrs)
+                    outs = outputs_of(result, len(out_slots))
+            for s, v in zip(out_slots, outs):
+                env[s] = v
+            for s in step.free:
                 env[s] = None
         return [env[s] for s in self.output_slots]
 
 
-def call_step(fn, ctx: OpContext, args: list[Any], attrs: dict[str, Any]) -> Any:
-    try:
-        return fn(ctx, *args, **attrs)
-    except Exception as e:  # re-raised with the layer named; the cause is chained
-        if isinstance(e, ExecutionError):
-            raise
-        raise ExecutionError(f"layer {ctx.name!r} ({ctx.op_type}) failed: {type(e).__name__}: {e}") from e
+_SOLE_REFERENCES: dict[str, int | None] = {}
 
 
-def _pinned_fp32(fn):
-    """Run a layer in fp32 inside a half-precision engine: upcast its inputs, downcast its outputs."""
-    import torch
+def sole_reference_counts() -> dict[str, int | None]:
+    """sys.getrefcount of a kernel's input that only its slot in this loop holds, as `run` passes it:
+    "plain" without keyword attributes, "keywords" with some (CPython copies the arguments once
+    more then); None where it cannot be measured. A tactic that writes its result over a dying
+    input (kiln/tactics/cpu/onednn.py) does so only when the input's count is no higher: nothing
+    but the slot holds it. Measured once, through this loop itself, so it follows the loop's code:
+    a probe kernel reads values produced 1 to 3 steps before it; the smallest count is the slot's."""
+    if not _SOLE_REFERENCES:
+        for key, attributes in (("plain", {}), ("keywords", {"probe": 1})):
+            seen: list[int] = []
 
-    def up(v):
-        return v.float() if isinstance(v, torch.Tensor) and v.dtype in (torch.float16, torch.bfloat16) else v
+            def probe(ctx, a, b, c, **_attributes):  # counted as a launch counts its residual: a parameter
+                seen.extend((sys.getrefcount(a), sys.getrefcount(b), sys.getrefcount(c)))
+                return a
 
-    def run(ctx, *args, **attrs):
-        half = next((a.dtype for a in args if isinstance(a, torch.Tensor)
-                     and a.dtype in (torch.float16, torch.bfloat16)), None)
-        result = fn(ctx, *[up(a) for a in args], **attrs)
-        if half is None:
-            return result
-        down = (lambda v: v.to(half) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v)
-        return tuple(down(r) for r in result) if isinstance(result, tuple) else down(result)
-
-    return run
+            try:
+                steps = [StepSpec("Relu", f"s{i}", ["x"], [f"v{i}"]) for i in range(3)]
+                steps.append(StepSpec("Sum", "probe", ["v0", "v1", "v2"], ["z"], dict(attributes)))
+                program = Program(ProgramSpec(["x"], ["z"], steps), {}).with_kernels(
+                    lambda i, fn: probe if i == 3 else fn)
+                program.run([torch.zeros(1)])
+                _SOLE_REFERENCES[key] = min(seen) if len(seen) == 3 else None
+            except Exception:  # noqa: BLE001  the loop changed shape: no input is ever written over
+                _SOLE_REFERENCES[key] = None
+    return dict(_SOLE_REFERENCES)

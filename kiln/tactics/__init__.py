@@ -1,2 +1,3 @@
-"""Tactics: the kernels a layer may run, how one is chosen at build (autotune.py) and remembered
-(timing_cache.py). tactic.py is the interface, registry.py the catalog, cpu.py the CPU tactics."""
+"""Tactics: the kernels a layer may run on a device. tactic.py is the interface (Tactic, InputMeta,
+NativeStep), registry.py the catalog, cpu/ and cuda/ the candidates of each device, loaded only for
+that device. Choosing among them is the builder's job (kiln/builder/autotune.py)."""

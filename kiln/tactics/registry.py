@@ -1,35 +1,34 @@
 """Tactic registry: tactic name -> Tactic, and the candidates of one op on one device.
 
-Tactics are declared per device in kiln/tactics/cpu.py (and kiln/tactics/cuda.py when it
-exists), filled in on first use, like the op registry. The runtime calls `launch_for` when it
-loads an engine: a step that names a tactic gets that tactic's kernel, prepared on the step's
-weights; a step without one runs the op's registered implementation.
+Each device's tactics live in their own package, `kiln/tactics/<device>/`, and are loaded on
+first use for that device only: a CPU engine never imports a CUDA or cuDNN tactic module (nor
+triton), a CUDA engine no CPU-only one. A tactic's name starts with its device ("cpu.conv.…"),
+so looking one up by name loads the right package. The runtime calls `launch_for` when it loads
+an engine: a step that names a tactic gets that tactic's kernel, prepared on the step's weights;
+a step without one runs the op's registered implementation.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from kiln.errors import ExecutionError
+from kiln.plan.spec import StepSpec
 from kiln.tactics.tactic import Launch, Tactic
 
-if TYPE_CHECKING:
-    from kiln.runtime.program import StepSpec
-
+DEVICES = ("cpu", "cuda")  # one package each under kiln/tactics/
 _TACTICS: dict[str, Tactic] = {}
-# A module that is absent (an optional backend not written or not installed) is skipped.
-_DEVICE_MODULES = ("kiln.tactics.cpu", "kiln.tactics.cpu_onednn", "kiln.tactics.cuda", "kiln.tactics.cuda_attention",
-                   "kiln.tactics.cuda_pool", "kiln.tactics.cudnn", "kiln.tactics.cuda_conv")
-_loaded = False
+_loaded: set[str] = set()
 
 
 def register(tactic: Tactic) -> Tactic:
     if tactic.name in _TACTICS:
         raise RuntimeError(f"tactic {tactic.name!r} is registered twice")
+    if tactic.device not in DEVICES or not tactic.name.startswith(tactic.device + "."):
+        raise RuntimeError(f"tactic {tactic.name!r}: its name must start with its device ({tactic.device!r})")
     _TACTICS[tactic.name] = tactic
     return tactic
 
@@ -39,29 +38,29 @@ def unregister(name: str) -> None:
     _TACTICS.pop(name, None)
 
 
-def _load() -> None:
-    global _loaded
-    if _loaded:
+def load_device(device: str) -> None:
+    """Import kiln/tactics/<device>/ (its modules register their tactics), once."""
+    if device in _loaded or device not in DEVICES:
         return
-    _loaded = True
-    for module in _DEVICE_MODULES:
-        if importlib.util.find_spec(module) is not None:
-            importlib.import_module(module)
+    _loaded.add(device)
+    importlib.import_module(f"kiln.tactics.{device}")
 
 
 def get(name: str) -> Tactic | None:
-    _load()
+    load_device(name.split(".", 1)[0])
     return _TACTICS.get(name)
 
 
-def all_tactics() -> dict[str, Tactic]:
-    _load()
-    return dict(_TACTICS)
+def all_tactics(device: str | None = None) -> dict[str, Tactic]:
+    """Every tactic of `device` (None: of every device)."""
+    for d in DEVICES if device is None else (device,):
+        load_device(d)
+    return {n: t for n, t in _TACTICS.items() if device is None or t.device == device}
 
 
 def candidates(op_type: str, domain: str, device: str, opt_level: int = 5) -> list[Tactic]:
     """Tactics for `domain::op_type` on `device` tried at `opt_level`, in registration order."""
-    _load()
+    load_device(device)
     return [t for t in _TACTICS.values()
             if t.op_type == op_type and t.domain == domain and t.device == device and t.level <= opt_level]
 

@@ -12,19 +12,18 @@ A tactic is (op pattern, device, dtypes, layout, config) plus these callables:
 cannot be serialized, such as oneDNN's blocked weight layouts or MKL's packed GEMM matrices,
 are produced there, once, and live in the launch closure. The default tactic of every op is
 its registered implementation in kiln/ops — the reference every other tactic is checked
-against before it may be timed (kiln/tactics/autotune.py).
+against before it may be timed (kiln/builder/autotune.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # the runtime resolves tactics by name: no import back into it at run time
-    from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 
 DEFAULT = "default"  # the name the autotuner and `inspect` give the op's registered implementation
 
@@ -97,3 +96,40 @@ class Tactic:
         if self.layout == "channels_last" and isinstance(value, torch.Tensor) and value.dim() == 4:
             return value.contiguous(memory_format=torch.channels_last)
         return value
+
+
+@dataclass
+class NativeStep:
+    """What a tactic offers a segment for one layer: its primitive(s) at the tuned input size.
+
+    A tactic sets it as `launch.native`; the runtime binds it inside a native segment
+    (kiln/runtime/native.py). `primitive(accumulate)` returns an object with
+    `bind(src, dst, residual) -> Bound` (kiln/kernels/cpu/onednn.py); accumulate=True asks for the
+    variant that adds the residual into dst's memory (only offered when `accumulate` is True: the
+    residual dies at this step).
+    An `alias` step (a Reshape that moves no byte) has no primitive: its output is its input's
+    memory under another shape.
+    """
+
+    input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
+    output_size: tuple[int, ...]
+    primitive: Callable[[bool], Any] | None
+    residual_input: int | None = None  # the step input that is the residual, same size as the output
+    accumulate: bool = False
+    alias: bool = False
+
+    @property
+    def output_strides(self) -> tuple[int, ...]:
+        return native_strides(self.output_size)
+
+
+def native_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """Channels-last for 4-D (NHWC in memory, NCHW in shape), row-major otherwise."""
+    if len(size) == 4:
+        n, c, h, w = size
+        return (c * h * w, 1, w * c, c)
+    strides, step = [], 1
+    for d in reversed(size):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))

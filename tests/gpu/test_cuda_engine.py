@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.engine import format as engine_format
+from kiln.plan import file as engine_file
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -107,6 +107,6 @@ def test_engine_for_another_gpu_is_refused(models, tmp_path):
     plan.header = json.loads(json.dumps(plan.header))
     plan.header["device"]["name"] = "NVIDIA Imaginary GPU"
     target = tmp_path / "other.kiln"
-    engine_format.save(plan, target)
+    engine_file.save(plan, target)
     with pytest.raises(kiln.EngineFormatError, match="Imaginary"):
         kiln.load(target)

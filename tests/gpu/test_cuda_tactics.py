@@ -1,4 +1,4 @@
-"""CUDA tactics on the H200 (`pytest tests/gpu/test_cuda_tactics.py -s`): every tactic of kiln/tactics/cuda.py
+"""CUDA tactics on the H200 (`pytest tests/gpu/test_cuda_tactics.py -s`): every tactic of kiln/tactics/cuda/library.py
 against the op's registered implementation at real layer sizes in fp16 (and bf16 where it matters),
 captured into a CUDA graph and replayed (no host synchronisation inside a launch), with a printed
 timing table (never asserted: tests do not assert on time); then small CNN and transformer engines built
@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from kiln.ops.registry import OpContext, lookup
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
-from kiln.tactics.autotune import measure, mismatch
+from kiln.builder.autotune import measure, mismatch
 from kiln.tactics.tactic import InputMeta
 from tests.gpu.common import graph_replay
 
@@ -269,7 +269,7 @@ def test_engine_autotunes_cuda_tactics_and_matches_onnxruntime(name, tmp_path):
 
 def test_measure_times_candidates_as_cuda_graph_replays_and_falls_back_when_one_syncs():
     """The autotuner times candidates as the engine runs them: inside a CUDA graph, without host launch cost."""
-    from kiln.tactics import autotune
+    from kiln.builder import autotune
 
     x = torch.randn(64, device=DEVICE)
     chain = lambda: [x.mul(1.0001) for _ in range(50)]  # noqa: E731  50 tiny kernels: launch-bound when eager

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.cuda import cudnn_graph
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 from tests.gpu.common import capture

@@ -5,7 +5,7 @@
 
 Skipped without CUDA or without the cudnn frontend (the reason is printed). What it checks:
 
-- cuda.layer_norm.cudnn / cuda.rms_norm.cudnn (kiln/tactics/cudnn.py) against an fp32 torch reference written
+- cuda.layer_norm.cudnn / cuda.rms_norm.cudnn (kiln/tactics/cuda/cudnn.py) against an fp32 torch reference written
   here from the definitions, on the same fp16/bf16 inputs:
       s = x + r;  y = (s - mean s) / sqrt(var s + eps) * scale + bias       (the sum s is the 2nd output when asked)
       y = x / sqrt(mean x^2 + eps) * scale                                 (RMSNorm)
@@ -23,7 +23,7 @@ A case marked required fails when cuDNN declines it; the others (every GEMM: fir
 with cuDNN's reason, which the tactic's supports() gives the autotuner in the same words.
 
 Finally a timing table (printed, never asserted): each contender captured in CUDA graphs and replayed, median of
-CUDA-event timings (kiln.tactics.autotune.measure, as the autotuner times candidates), against the current winners
+CUDA-event timings (kiln.builder.autotune.measure, as the autotuner times candidates), against the current winners
 cuda.layer_norm.triton / cuda.rms_norm.triton and cuda.gemm.cublas_addmm_act, and the registered kiln op (torch).
 """
 
@@ -40,9 +40,9 @@ import torch
 from kiln.kernels.cuda import cudnn_graph
 from kiln.ops import fused as kiln_ops
 from kiln.ops.registry import OpContext
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
-from kiln.tactics.autotune import measure
+from kiln.builder.autotune import measure
 from kiln.tactics.tactic import InputMeta
 from tests.gpu.common import capture
 

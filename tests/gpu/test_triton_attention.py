@@ -24,9 +24,9 @@ pytestmark = [
 attention_kernels = pytest.importorskip("kiln.kernels.cuda.triton.attention", exc_type=ImportError)
 
 from kiln.ops.fused import attention  # noqa: E402
-from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.tactics.autotune import TOLERANCE, mismatch  # noqa: E402
+from kiln.builder.autotune import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.gpu.common import graph_replay  # noqa: E402
 

@@ -106,7 +106,7 @@ def _graph_replay(launch, ctx, args, attributes, reference) -> str | None:
 
 def run_all(print_fn=print) -> bool:
     from kiln.ops.registry import OpContext, lookup
-    from kiln.runtime.program import StepSpec
+    from kiln.plan.spec import StepSpec
     from kiln.tactics import registry
     from kiln.tactics.tactic import InputMeta
 

@@ -124,7 +124,7 @@ def _cases() -> list[Case]:
 def _tactic_graph_replay() -> list[tuple[str, str | None]]:
     """Each pool tactic as the engine runs it: prepared, launched inside a captured CUDA graph, replayed."""
     from kiln.ops.registry import OpContext, lookup
-    from kiln.runtime.program import StepSpec
+    from kiln.plan.spec import StepSpec
     from kiln.tactics import registry
     from kiln.tactics.tactic import InputMeta
 

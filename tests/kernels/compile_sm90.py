@@ -24,7 +24,7 @@ from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import elementwise, epilogue, fused_gemm, normalization
 from kiln.kernels.cuda.triton import pool
 from kiln.kernels.cuda.triton import conv
-from kiln.tactics.cuda_attention import shared_memory_bound
+from kiln.tactics.cuda.attention import shared_memory_bound
 
 TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = ("fp16", "bf16", "fp32")

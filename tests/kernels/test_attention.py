@@ -19,9 +19,9 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.kernels.cuda.triton.attention import AttentionConfig, flash_attention  # noqa: E402
-from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.tactics.autotune import mismatch  # noqa: E402
+from kiln.builder.autotune import mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.unit import tactic_check  # noqa: E402
 

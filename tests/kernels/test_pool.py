@@ -1,4 +1,4 @@
-"""kiln's Triton pooling kernels (kiln/kernels/cuda/triton/pool.py) and their tactics (kiln/tactics/cuda_pool.py),
+"""kiln's Triton pooling kernels (kiln/kernels/cuda/triton/pool.py) and their tactics (kiln/tactics/cuda/pool.py),
 under Triton's interpreter, against torch: F.max_pool2d / F.avg_pool2d / mean where torch expresses the
 case, and a tap-by-tap loop on torch tensors where it does not (dilated averages, asymmetric pads).
 
@@ -23,7 +23,7 @@ triton = pytest.importorskip("triton")
 
 from kiln.kernels.cuda.triton import pool  # noqa: E402
 from kiln.ops.registry import OpContext, lookup  # noqa: E402
-from kiln.runtime.program import StepSpec  # noqa: E402
+from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 
 CL = torch.channels_last
@@ -241,7 +241,7 @@ def test_pool_tactics_are_registered_channels_last():
 
 def test_importing_the_pool_tactics_does_not_import_triton():
     """The registry imports every device's tactics, also on a CPU-only deployment without triton."""
-    code = "import sys, kiln.tactics.cuda_pool; assert 'triton' not in sys.modules, 'triton imported'"
+    code = "import sys, kiln.tactics.cuda.pool; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 

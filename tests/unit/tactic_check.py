@@ -1,6 +1,6 @@
 """What the autotuner does to a candidate tactic before timing it, as the tactic tests share it:
 check the layer, prepare on the constants, launch on the tactic's layout, compare with the op's
-registered implementation (kiln/tactics/autotune.py `mismatch`, the dtype's tolerance)."""
+registered implementation (kiln/builder/autotune.py `mismatch`, the dtype's tolerance)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kiln.ops.registry import OpContext, lookup
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
-from kiln.tactics.autotune import mismatch
+from kiln.builder.autotune import mismatch
 from kiln.tactics.tactic import InputMeta
 
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@ another fp16 kernel: the layer's default implementation run in float32 on float3
 
 import torch
 
-from kiln.tactics.autotune import _checker, _Recorded
+from kiln.builder.autotune import _checker, _Recorded
 
 
 def _default(ctx, x, w):

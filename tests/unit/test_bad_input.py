@@ -16,8 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.cli import main
-from kiln.engine import format as engine_format
-from kiln.engine.plan import FORMAT_VERSION
+from kiln.plan import file as engine_file
+from kiln.plan.spec import FORMAT_VERSION
 from kiln.errors import BindingError, EngineFormatError, KilnError, ModelError, UnsupportedModelError
 
 
@@ -163,17 +163,17 @@ def test_cli_build_failure_leaves_no_file(tmp_path, capsys, case):
 
 def _write_raw_engine(path: Path, doc: bytes, blob: bytes = b"", version: int = FORMAT_VERSION) -> None:
     """An engine file laid out by hand, with a valid checksum: only the content is wrong."""
-    prefix = engine_format._PREFIX.pack(engine_format.MAGIC, version, 0, len(doc))
-    pad = b"\0" * (-(len(prefix) + len(doc)) % engine_format._ALIGN)
+    prefix = engine_file._PREFIX.pack(engine_file.MAGIC, version, 0, len(doc))
+    pad = b"\0" * (-(len(prefix) + len(doc)) % engine_file._ALIGN)
     body = prefix + doc + pad + blob
-    path.write_bytes(body + hashlib.blake2b(body, digest_size=engine_format._DIGEST_SIZE).digest())
+    path.write_bytes(body + hashlib.blake2b(body, digest_size=engine_file._DIGEST_SIZE).digest())
 
 
 def test_engine_of_another_format_version(good_engine, tmp_path, monkeypatch):
-    plan = engine_format.load(good_engine)
+    plan = engine_file.load(good_engine)
     path = tmp_path / "future.kiln"
-    monkeypatch.setattr(engine_format, "FORMAT_VERSION", FORMAT_VERSION + 1)
-    engine_format.save(plan, path)  # a whole, well-formed file from a future kiln
+    monkeypatch.setattr(engine_file, "FORMAT_VERSION", FORMAT_VERSION + 1)
+    engine_file.save(plan, path)  # a whole, well-formed file from a future kiln
     monkeypatch.undo()
     _one_error(lambda: kiln.load(path), EngineFormatError, "future.kiln",
                f"version {FORMAT_VERSION + 1}", f"reads version {FORMAT_VERSION}", "rebuild")
@@ -218,10 +218,10 @@ def test_whole_file_from_another_writer(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a CPU-only machine gives")
 def test_engine_for_cuda_on_a_cpu_machine(good_engine, tmp_path):
-    plan = engine_format.load(good_engine)
+    plan = engine_file.load(good_engine)
     plan.header["device"] = {"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0]}
     path = tmp_path / "gpu.kiln"
-    engine_format.save(plan, path)
+    engine_file.save(plan, path)
     _one_error(lambda: kiln.load(path), EngineFormatError, "NVIDIA H200", "no CUDA device")
 
 

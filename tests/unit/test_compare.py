@@ -5,7 +5,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from kiln.tools.compare import compare, error_stats
+from kiln.tools.accuracy import compare, error_stats
 
 
 def _mlp(seed: int = 0) -> onnx.ModelProto:

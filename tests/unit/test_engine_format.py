@@ -13,9 +13,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.engine import format as engine_format
-from kiln.engine.plan import FORMAT_VERSION, EnginePlan
-from kiln.runtime.program import ProgramSpec
+from kiln.plan import file as engine_file
+from kiln.plan.spec import FORMAT_VERSION, EnginePlan
+from kiln.plan.spec import ProgramSpec
 
 
 def _torch_weights() -> dict[str, torch.Tensor]:
@@ -58,8 +58,8 @@ def _round_trip(weights: dict, tmp_path: Path) -> EnginePlan:
     plan = EnginePlan(header={"format_version": FORMAT_VERSION, "inputs": [], "outputs": []},
                       program=ProgramSpec(inputs=[], outputs=[], steps=[]), weights=weights)
     path = tmp_path / "weights.kiln"
-    engine_format.save(plan, path)
-    return engine_format.load(path)
+    engine_file.save(plan, path)
+    return engine_file.load(path)
 
 
 def test_torch_weights_round_trip_bit_exact(tmp_path):
@@ -168,7 +168,7 @@ def test_failed_save_leaves_no_file(tmp_path, monkeypatch):
     def fail(*_args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(engine_format.os, "replace", fail)
+    monkeypatch.setattr(engine_file.os, "replace", fail)
     with pytest.raises(OSError):
-        engine_format.save(plan, target)
+        engine_file.save(plan, target)
     assert list(tmp_path.iterdir()) == []

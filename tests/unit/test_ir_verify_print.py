@@ -7,6 +7,7 @@ from onnx import TensorProto, helper
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir.printer import print_model
 from kiln.ir.verify import VerifyError, verify
+from kiln.ops.registry import lookup
 
 
 def _model():
@@ -19,7 +20,7 @@ def _model():
 
 
 def test_a_well_formed_model_verifies():
-    verify(_model())
+    verify(_model(), lookup)
 
 
 def test_out_of_order_nodes_are_named():
@@ -28,8 +29,8 @@ def test_out_of_order_nodes_are_named():
     model.graph.remove(relu)
     model.graph.insert_before([n for n in model.graph][0], relu)
     with pytest.raises(VerifyError, match=r"node #0 'relu' \(Relu; inputs t\): input 't' is produced later, by node #1"):
-        verify(model, "after a test")
-    verify(model, require_order=False)  # mid-pipeline, order is restored by the final sort
+        verify(model, lookup, "after a test")
+    verify(model, lookup, require_order=False)  # mid-pipeline, order is restored by the final sort
 
 
 def test_an_undefined_input_and_an_unknown_op_are_listed_together():
@@ -40,7 +41,7 @@ def test_an_undefined_input_and_an_unknown_op_are_listed_together():
     relu = [n for n in model.graph if n.op_type == "Relu"][0]
     relu.op_type = "NoSuchOp"
     with pytest.raises(VerifyError) as err:
-        verify(model, "after a test")
+        verify(model, lookup, "after a test")
     assert len(err.value.problems) == 2
     text = str(err.value)
     assert "'add' (Add; inputs x, nowhere): input 'nowhere' is defined by no graph input" in text

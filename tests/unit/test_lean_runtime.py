@@ -22,7 +22,7 @@ import kiln
 REPO = Path(__file__).resolve().parents[2]
 
 FORBIDDEN = ["onnx", "onnx_ir", "onnxscript", "onnxruntime", "kiln.frontend", "kiln.passes",
-             "kiln.engine.builder", "kiln.quant.calibrate"]
+             "kiln.builder.build", "kiln.quant.calibrate"]
 
 
 @pytest.fixture(scope="module")

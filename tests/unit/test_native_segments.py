@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.runtime.native import Segment
-from kiln.runtime.program import Program, ProgramSpec, StepSpec
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.program import Program
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
 
@@ -368,7 +369,7 @@ def test_an_engine_that_is_one_segment_runs_numpy_in_numpy_out(monkeypatch):
     from onnx import TensorProto, helper, numpy_helper
 
     import kiln
-    from kiln.tactics import autotune
+    from kiln.builder import autotune
 
     rng = np.random.default_rng(4)
     w1 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32) * 0.3

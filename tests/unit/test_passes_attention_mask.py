@@ -5,9 +5,8 @@ import onnx
 from onnx import TensorProto, helper
 
 import kiln
-from kiln.engine.config import BuildConfig
 from kiln.frontend import onnx as onnx_frontend
-from kiln.passes import PassReport, optimize
+from kiln.passes import PassOptions, PassReport, optimize
 
 
 def _model(mask: np.ndarray) -> onnx.ModelProto:
@@ -27,7 +26,7 @@ def _attention_inputs(model):
 def test_zero_mask_is_dropped_and_outputs_are_unchanged():
     proto = _model(np.zeros((1, 1, 5, 5), np.float32))
     report = PassReport()
-    optimized = optimize(onnx_frontend.load(proto), BuildConfig(), report)
+    optimized = optimize(onnx_frontend.load(proto), PassOptions(), report)
     assert report.fired.get("drop_empty_attention_mask") == 1
     assert _attention_inputs(optimized) == [["q", "q", "q"]] or _attention_inputs(optimized) == [["q", "q", "q", ""]]
     x = np.random.default_rng(0).standard_normal((2, 3, 5, 8)).astype(np.float32)
@@ -40,7 +39,7 @@ def test_a_mask_that_masks_something_is_kept():
     mask = np.zeros((1, 1, 5, 5), np.float32)
     mask[..., 0] = -1e9
     report = PassReport()
-    optimized = optimize(onnx_frontend.load(_model(mask)), BuildConfig(), report)
+    optimized = optimize(onnx_frontend.load(_model(mask)), PassOptions(), report)
     assert "drop_empty_attention_mask" not in report.fired
     assert _attention_inputs(optimized)[0][3] == "m"
     assert any("masks some positions" in line for line in report.refused)
@@ -71,7 +70,7 @@ def test_a_materialised_all_keep_mask_is_dropped(monkeypatch):
     monkeypatch.setattr(fold, "SIZE_LIMIT", 4)  # as if the mask were too large to fold (BERT b64 s384: 9.4M)
     proto = _materialised_mask_model(np.ones((1, 1, 1, 5), bool))
     report = PassReport()
-    optimized = optimize(onnx_frontend.load(proto), BuildConfig(), report)
+    optimized = optimize(onnx_frontend.load(proto), PassOptions(), report)
     assert report.fired.get("drop_empty_attention_mask") == 1
     assert _attention_inputs(optimized)[0][3:] in ([], [""])
     assert not [n for n in optimized.graph if n.op_type in ("Expand", "Where")]  # the mask subgraph is dead
@@ -88,7 +87,7 @@ def test_a_materialised_padding_mask_is_replaced_by_its_broadcast_form(monkeypat
     keep[..., 3:] = False  # the last two keys are padding
     proto = _materialised_mask_model(keep)
     report = PassReport()
-    optimized = optimize(onnx_frontend.load(proto), BuildConfig(), report)
+    optimized = optimize(onnx_frontend.load(proto), PassOptions(), report)
     assert report.fired.get("attention_mask_broadcast") == 1
     assert "drop_empty_attention_mask" not in report.fired
     mask_name = _attention_inputs(optimized)[0][3]

@@ -11,9 +11,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.engine.config import BuildConfig
 from kiln.frontend import onnx as onnx_frontend
-from kiln.passes import PassReport, optimize
+from kiln.passes import PassOptions, PassReport, optimize
 
 
 def make_model(nodes, inputs, outputs, initializers=(), opset=18) -> onnx.ModelProto:
@@ -23,7 +22,7 @@ def make_model(nodes, inputs, outputs, initializers=(), opset=18) -> onnx.ModelP
 
 def optimized(proto: onnx.ModelProto, level: int = 2):
     report = PassReport()
-    model = optimize(onnx_frontend.load(proto), BuildConfig(opt_level=level), report)
+    model = optimize(onnx_frontend.load(proto), PassOptions(opt_level=level), report)
     ops = collections.Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph)
     return model, report, ops
 

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 from kiln.ops.fused import fused_gemm
 from kiln.ops.registry import OpContext
 from kiln.passes import fusion
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 from tests.unit.test_passes_cleanup import assert_same_as_onnxruntime, make_model, optimized

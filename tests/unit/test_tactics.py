@@ -15,10 +15,11 @@ from kiln.errors import ExecutionError
 from kiln.kernels.cpu import mkl_available, onednn_available
 from kiln.ops.fused import fused_conv, fused_gemm
 from kiln.ops.registry import OpContext
-from kiln.runtime.program import StepSpec
-from kiln.tactics import autotune, registry
+from kiln.plan.spec import StepSpec
+from kiln.builder import autotune
+from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Tactic
-from kiln.tactics.timing_cache import TimingCache, environment, layer_signature, signature_key
+from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 
 F32 = TensorProto.FLOAT
 # oneDNN/MKL sum in another order than torch's reference kernels: fp32 rounding of a K-long dot
@@ -92,27 +93,27 @@ def throwaway_tactics():
 # ---- the framework ------------------------------------------------------------------------------
 
 def test_a_wrong_candidate_is_rejected_with_its_reason(tmp_path, throwaway_tactics):
-    throwaway_tactics("test.relu.wrong", lambda ctx, x: torch.relu(x) + 1e-3)
-    throwaway_tactics("test.relu.crashes", lambda ctx, x: x.view(-1, 7))
-    throwaway_tactics("test.relu.unsupported", torch.relu, supports=lambda step, inputs: "never, for the test")
+    throwaway_tactics("cpu.test.relu.wrong", lambda ctx, x: torch.relu(x) + 1e-3)
+    throwaway_tactics("cpu.test.relu.crashes", lambda ctx, x: x.view(-1, 7))
+    throwaway_tactics("cpu.test.relu.unsupported", torch.relu, supports=lambda step, inputs: "never, for the test")
     engine = kiln.build(relu_model(tmp_path))
     found = engine.plan.header["tactics"]["layers"]["relu"]
     assert found["tactic"] == DEFAULT and engine.plan.program.steps[0].tactic == ""
-    assert found["candidates"]["test.relu.wrong"].startswith("rejected: max abs error")
-    assert found["candidates"]["test.relu.crashes"].startswith("rejected: failed: RuntimeError")
-    assert found["candidates"]["test.relu.unsupported"] == "unsupported: never, for the test"
+    assert found["candidates"]["cpu.test.relu.wrong"].startswith("rejected: max abs error")
+    assert found["candidates"]["cpu.test.relu.crashes"].startswith("rejected: failed: RuntimeError")
+    assert found["candidates"]["cpu.test.relu.unsupported"] == "unsupported: never, for the test"
     x = np.random.default_rng().standard_normal((2, 3)).astype(np.float32)
     np.testing.assert_array_equal(engine.run({"x": x})["y"], np.maximum(x, 0))
 
 
 def test_a_correct_candidate_is_timed_and_may_win(tmp_path, throwaway_tactics):
-    throwaway_tactics("test.relu.clamp", lambda ctx, x: x.clamp(min=0))
+    throwaway_tactics("cpu.test.relu.clamp", lambda ctx, x: x.clamp(min=0))
     engine = kiln.build(relu_model(tmp_path))
     found = engine.plan.header["tactics"]["layers"]["relu"]
-    assert set(found["candidates"]) == {DEFAULT, "test.relu.clamp"}
+    assert set(found["candidates"]) == {DEFAULT, "cpu.test.relu.clamp"}
     assert all(isinstance(v, float) for v in found["candidates"].values())
-    assert found["runner_up"] in {DEFAULT, "test.relu.clamp"} - {found["tactic"]}
-    assert engine.plan.program.steps[0].tactic == ("" if found["tactic"] == DEFAULT else "test.relu.clamp")
+    assert found["runner_up"] in {DEFAULT, "cpu.test.relu.clamp"} - {found["tactic"]}
+    assert engine.plan.program.steps[0].tactic == ("" if found["tactic"] == DEFAULT else "cpu.test.relu.clamp")
 
 
 def test_opt_level_1_tries_the_default_only(tmp_path):
@@ -306,7 +307,7 @@ def test_mkl_and_onednn_report_availability():
 
 
 def test_layout_tactics_win_unless_the_default_is_clearly_faster():
-    from kiln.tactics import autotune as at
+    from kiln.builder import autotune as at
 
     # channels-last conv at 1.2x the default's isolated time still wins (its stack stays NHWC) ...
     assert at._effective_ms("cpu.conv.onednn_nhwc", 1.2) < at._effective_ms("default", 1.0)

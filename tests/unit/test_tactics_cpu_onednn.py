@@ -1,4 +1,4 @@
-"""cpu.conv.onednn_direct (kiln/tactics/cpu_onednn.py) against independent oracles.
+"""cpu.conv.onednn_direct (kiln/tactics/cpu/onednn.py) against independent oracles.
 
 Per layer: a float64 torch convolution plus the epilogue written out here (not kiln's op), on
 random inputs, over strides, pads (asymmetric too), dilations, groups and depthwise, every
@@ -22,8 +22,10 @@ from kiln import zoo
 from kiln.kernels.cpu import onednn
 from kiln.ops.fused import fused_conv
 from kiln.ops.registry import OpContext, lookup
-from kiln.runtime.program import Program, ProgramSpec, StepSpec
-from kiln.tactics import autotune, registry
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.program import Program
+from kiln.builder import autotune
+from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 
 NAME = "cpu.conv.onednn_direct"

@@ -1,4 +1,4 @@
-"""CUDA tactics (kiln/tactics/cuda.py) without a GPU: each tactic's launch on CPU tensors against the op's
+"""CUDA tactics (kiln/tactics/cuda/library.py) without a GPU: each tactic's launch on CPU tensors against the op's
 registered implementation — Triton kernels under TRITON_INTERPRET=1, torch library calls on their CPU
 kernels — plus what supports() refuses, and one engine built with the tactics standing in for CPU ones.
 
@@ -68,7 +68,7 @@ def test_every_cuda_tactic_is_registered_for_its_op():
 
 
 def test_importing_the_cuda_tactics_does_not_import_triton():
-    code = "import sys, kiln.tactics.cuda; assert 'triton' not in sys.modules, 'triton imported'"
+    code = "import sys, kiln.tactics.cuda.library; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])
 
 

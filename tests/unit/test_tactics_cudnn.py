@@ -23,8 +23,8 @@ from kiln.kernels.cuda.cudnn_graph import (activation_refusal, describe_conv, de
 from kiln.ops.fused import fused_conv, fused_gemm
 from kiln.ops.fused import layer_norm as fused_layer_norm
 from kiln.ops.fused import rms_norm as fused_rms_norm
-from kiln.runtime.program import StepSpec
-from kiln.tactics import cudnn as tactics
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda import cudnn as tactics
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 

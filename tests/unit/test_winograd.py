@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.cpu import native_loop, winograd
-from kiln.runtime.program import Program, ProgramSpec, StepSpec
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.program import Program
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 
@@ -130,7 +131,7 @@ def test_engine_with_winograd_layers_matches_onnxruntime(monkeypatch):
     from onnx import TensorProto, helper, numpy_helper
 
     import kiln
-    from kiln.tactics import autotune
+    from kiln.builder import autotune
 
     rng = np.random.default_rng(2)
     w1 = (rng.standard_normal((16, 3, 3, 3)) * 0.3).astype(np.float32)

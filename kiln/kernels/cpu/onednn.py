@@ -347,7 +347,7 @@ class _Arena:
 
 _storage_users = torch._C._storage_Use_Count
 _ARENA = _Arena()
-storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu_onednn.py)
+storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu/onednn.py)
 
 
 # ---- post-ops ----------------------------------------------------------------------------------

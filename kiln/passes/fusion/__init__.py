@@ -10,6 +10,7 @@ from kiln.passes.fusion.attention_mask import drop_empty_attention_mask
 from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
+from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
@@ -17,7 +18,6 @@ from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.swiglu import fuse_swiglu
-from kiln.passes.fusion.gemm import fuse_gemm
 
 RULES = [
     ("fuse_gelu", fuse_gelu),

@@ -23,8 +23,19 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, const, const_scalar, consumers, dtype_of, is_op, new_initializer, only_user,
-    other_input, producer, replace_with,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    const_scalar,
+    consumers,
+    dtype_of,
+    is_op,
+    new_initializer,
+    only_user,
+    other_input,
+    producer,
+    replace_with,
 )
 from kiln.passes.fusion.attention_mask import broadcast_constant
 

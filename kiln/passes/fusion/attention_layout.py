@@ -18,7 +18,15 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, consumers, dims_equal, is_op, only_user, producer, replace_with,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    consumers,
+    dims_equal,
+    is_op,
+    only_user,
+    producer,
+    replace_with,
 )
 
 RULE = "absorb_attention_reshapes"

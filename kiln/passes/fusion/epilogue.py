@@ -16,7 +16,15 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    PassReport, attr, const, const_scalar, consumers, is_op, only_user, other_input, same_shape,
+    PassReport,
+    attr,
+    const,
+    const_scalar,
+    consumers,
+    is_op,
+    only_user,
+    other_input,
+    same_shape,
 )
 
 SIMPLE_ACTIVATIONS = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "HardSwish": "HardSwish"}

@@ -14,7 +14,14 @@ import math
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, is_const_close, is_op, only_user, other_input, producer, replace_with,
+    KILN_DOMAIN,
+    PassReport,
+    is_const_close,
+    is_op,
+    only_user,
+    other_input,
+    producer,
+    replace_with,
 )
 
 RULE = "fuse_gelu"

@@ -21,7 +21,16 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, const, dims_equal, is_op, new_initializer, only_user, producer, replace_with,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    dims_equal,
+    is_op,
+    new_initializer,
+    only_user,
+    producer,
+    replace_with,
 )
 from kiln.passes.fusion.epilogue import absorb_epilogue
 

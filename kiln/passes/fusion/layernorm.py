@@ -12,8 +12,17 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, const, const_scalar, consumers, is_op, only_user, other_input, producer,
-    replace_with, trailing_axis,
+    KILN_DOMAIN,
+    PassReport,
+    const,
+    const_scalar,
+    consumers,
+    is_op,
+    only_user,
+    other_input,
+    producer,
+    replace_with,
+    trailing_axis,
 )
 
 RULE = "fuse_layer_norm"

@@ -14,7 +14,14 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, const, dtype_of, is_op, new_initializer, record_absorbed,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    dtype_of,
+    is_op,
+    new_initializer,
+    record_absorbed,
 )
 
 RULE = "merge_parallel_gemms"

@@ -11,8 +11,17 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, const, const_scalar, is_const_close, is_op, only_user, other_input, producer,
-    replace_with, trailing_axis,
+    KILN_DOMAIN,
+    PassReport,
+    const,
+    const_scalar,
+    is_const_close,
+    is_op,
+    only_user,
+    other_input,
+    producer,
+    replace_with,
+    trailing_axis,
 )
 
 RULE = "fuse_rms_norm"

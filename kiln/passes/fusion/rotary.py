@@ -19,7 +19,18 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    FUSED_FROM, KILN_DOMAIN, fused_from, PassReport, attr, const, consumers, is_op, new_initializer, only_user, other_input, producer,
+    FUSED_FROM,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    consumers,
+    fused_from,
+    is_op,
+    new_initializer,
+    only_user,
+    other_input,
+    producer,
     replace_with,
 )
 from kiln.passes.fusion.attention_layout import _split_heads

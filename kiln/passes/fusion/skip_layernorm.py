@@ -12,7 +12,14 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, consumers, is_op, producer, replace_with, same_shape,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    consumers,
+    is_op,
+    producer,
+    replace_with,
+    same_shape,
 )
 
 RULE = "fuse_skip_layer_norm"

@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, consumers, is_op, only_user, producer, replace_with, reduce_axes
+from kiln.passes._rewrite import (
+    KILN_DOMAIN,
+    PassReport,
+    consumers,
+    is_op,
+    only_user,
+    producer,
+    reduce_axes,
+    replace_with,
+)
 
 RULE = "fuse_softmax"
 

@@ -16,7 +16,16 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.passes._rewrite import (
-    KILN_DOMAIN, PassReport, attr, const, dtype_of, is_op, new_initializer, only_user, producer, replace_with,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    dtype_of,
+    is_op,
+    new_initializer,
+    only_user,
+    producer,
+    replace_with,
 )
 
 RULE = "fuse_swiglu"

@@ -23,7 +23,7 @@ operands multiply in full fp32 (input_precision "ieee") unless allow_tf32. The e
 (bias, activation of device_math, residual before or after it) runs on the fp32 tile in
 registers before its one store; the output is NHWC ([N, Cout, Ho, Wo] with channels-last strides).
 
-The tile config is a tactic parameter: kiln/tactics/cuda_conv.py registers CONV_CONFIGS as
+The tile config is a tactic parameter: kiln/tactics/cuda/conv.py registers CONV_CONFIGS as
 separate tactics and the autotuner keeps the fastest (kiln's timing cache, not triton.autotune).
 """
 
@@ -54,7 +54,7 @@ class ConvConfig:
         return f"{self.block_m}x{self.block_n}x{self.block_k}"
 
 
-CONV_CONFIGS = (  # largest first; the tactics register these (kiln/tactics/cuda_conv.py)
+CONV_CONFIGS = (  # largest first; the tactics register these (kiln/tactics/cuda/conv.py)
     ConvConfig(256, 128, 64, num_warps=8, num_stages=3),
     ConvConfig(128, 128, 64, num_warps=8, num_stages=3),
     ConvConfig(128, 64, 64, num_warps=4, num_stages=4),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+
 @triton.jit
 def div(a, b):
     """IEEE-rounded a / b (triton's `/` on fp32 lowers to an approximate division)."""

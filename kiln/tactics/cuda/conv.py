@@ -4,7 +4,7 @@
                                         activation and residual applied to the tile before its one store
 
 One tactic per tile config (conv.CONV_CONFIGS), tried from the builder opt level in _LEVELS,
-like the Triton GEMM configs in kiln/tactics/cuda.py: the autotuner checks each against the op
+like the Triton GEMM configs in kiln/tactics/cuda/library.py: the autotuner checks each against the op
 and times it on the layer's real shape. layout "channels_last": the tactic is timed on NHWC
 input, the layout its cuDNN neighbours (cuda.conv.channels_last*) hand it, and its output is
 NHWC. The weight is repacked once, at prepare, to the [KH·KW·Cin, Cout] matrix the kernel reads.
@@ -25,10 +25,12 @@ from typing import Any
 import torch
 
 from kiln.ops.nn import _conv_params
-from kiln.runtime.program import StepSpec
-from kiln.tactics.cuda import _conv_supports, _epilogue_args, _same_dtype, triton_available
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import _conv_supports, _epilogue_args, _same_dtype, triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
+from kiln.tactics.tactic import tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _CL = torch.channels_last

@@ -17,16 +17,14 @@ import os
 import platform
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-import kiln
 from kiln.errors import KilnError
+from kiln.plan.spec import StepSpec
 from kiln.tactics.tactic import InputMeta
-
-if TYPE_CHECKING:
-    from kiln.runtime.program import StepSpec
+from kiln.version import __version__
 
 CACHE_VERSION = 1
 
@@ -52,7 +50,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     """The machine facts a timing depends on; part of every cache key."""
     env: dict[str, Any] = {
         "device_type": device.type,
-        "kiln": kiln.__version__,
+        "kiln": __version__,
         "torch": torch.__version__,
         "triton": _version("triton"),
         "threads": torch.get_num_threads(),

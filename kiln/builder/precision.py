@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.program import ProgramSpec
+from kiln.plan.spec import ProgramSpec
 
 HALF = {"fp16": (torch.float16, "float16", 10), "bf16": (torch.bfloat16, "bfloat16", 16)}
 FLOAT_ID = 1

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.program import StepSpec
-from kiln.tactics.cuda import triton_available
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 

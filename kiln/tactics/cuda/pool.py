@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 
-from kiln.runtime.program import StepSpec
-from kiln.tactics.cuda import triton_available
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 # Window taps are unrolled at compile time (tl.static_range); beyond this a kernel per shape

@@ -8,7 +8,7 @@
     cpu.gap.onednn.<op>      GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
                              the dynamo exporter emits for it), as a whole-image average pooling
 
-Why not torch's oneDNN entry points (kiln/tactics/cpu.py): they build the primitive descriptor
+Why not torch's oneDNN entry points (kiln/tactics/cpu/torch_mkl.py): they build the primitive descriptor
 on every call, 30-50 µs per convolution whatever its size; MobileNetV2's 52 convolutions then
 spend more time in set-up than in arithmetic. Here a call costs ~1-2 µs of Python and ctypes
 around `dnnl_primitive_execute` (kiln/kernels/cpu/onednn.py).
@@ -47,10 +47,11 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import onednn
-from kiln.runtime.native import NativeStep
-from kiln.runtime.program import StepSpec
+from kiln.ops.registry import OpContext, lookup
+from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
 _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the tuned one
@@ -123,39 +124,6 @@ def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
     return {"input_size": list(inputs[0].shape), "residual": residual is not None and residual.shape is not None}
 
 
-def _sole_reference_count(with_attributes: bool) -> int | None:
-    """sys.getrefcount of a kernel's input that only its slot in the interpreter holds, as the
-    runtime's step loop passes it (with or without keyword attributes: CPython copies the
-    arguments once more when there are some), or None when it cannot be measured (then no result
-    is written over an input). Measured through that loop, so it follows its code: a probe kernel
-    reads values produced 1 to 3 steps before it; the smallest count is the slot's alone."""
-    if with_attributes not in _SOLE_REFERENCES:
-        from kiln.runtime.program import Program, ProgramSpec
-
-        seen: list[int] = []
-
-        def probe(ctx, a, b, c, **attributes):  # counted as launch counts its residual: a parameter
-            seen.append(sys.getrefcount(a))
-            seen.append(sys.getrefcount(b))
-            seen.append(sys.getrefcount(c))
-            return a
-
-        try:
-            steps = [StepSpec("Relu", f"s{i}", ["x"], [f"v{i}"]) for i in range(3)]
-            steps.append(StepSpec("Sum", "probe", ["v0", "v1", "v2"], ["z"],
-                                  {"probe": 1} if with_attributes else {}))
-            program = Program(ProgramSpec(["x"], ["z"], steps), {})
-            program.steps[3] = (probe, *program.steps[3][1:])
-            program.run([torch.zeros(1)])
-            _SOLE_REFERENCES[with_attributes] = min(seen) if len(seen) == 3 else None
-        except Exception:  # noqa: BLE001  the step loop changed shape: stay on the safe path
-            _SOLE_REFERENCES[with_attributes] = None
-    return _SOLE_REFERENCES[with_attributes]
-
-
-_SOLE_REFERENCES: dict[bool, int | None] = {}
-
-
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
@@ -183,7 +151,9 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     # One primitive's memory objects are rebound on every call: calls from two threads into the
     # same layer (two ExecutionContexts of one engine) must not interleave.
     lock = threading.Lock()
-    sole = {a: _sole_reference_count(a) for a in (False, True)} if in_place else {}
+    # What a dying residual's reference count is when only the runtime's slot holds it (measured by
+    # the runtime through its own loop, kiln/runtime/program.py: sole_reference_counts).
+    sole = step.tactic_config.get("sole_references") or {}
 
     def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn.Conv2d:
         # another input size, or the binary variant a shared residual needs: built once
@@ -199,7 +169,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         # Over the residual only when nothing else can read it: its name dies here (in_place), no
         # other slot holds the same tensor (reference count) and no view shares its memory (storage
         # users: this tensor alone), and it is not the input being read.
-        limit = sole.get(bool(_attributes))
+        limit = sole.get("keywords" if _attributes else "plain")
         overwrite = (in_place and limit is not None and residual is not x and sys.getrefcount(residual) <= limit
                      and onednn.storage_users(residual) <= 1
                      and residual.is_contiguous(memory_format=_CL) and residual.dtype == torch.float32)
@@ -399,8 +369,6 @@ def _alias_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
-    from kiln.ops.registry import OpContext, lookup
-
     op = lookup(step.op_type, step.domain).fn
     size = tuple(step.tactic_config["input_size"])
     ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,

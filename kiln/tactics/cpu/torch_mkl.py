@@ -23,13 +23,14 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import mkl_available, onednn_available
-from kiln.kernels.cpu.conv_graph import GraphConv, graph_activation_supported, graph_available
 from kiln.kernels.cpu.conv import conv2d_onednn, pack_conv_weight, pixels_as_rows, post_op, rows_as_pixels
+from kiln.kernels.cpu.conv_graph import GraphConv, graph_activation_supported, graph_available
 from kiln.kernels.cpu.gemm import linear_mkl, linear_onednn, pack_linear_mkl, pack_linear_onednn
 from kiln.ops.fused import fused_conv
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
 
 _FP32 = (torch.float32,)
 _CL = torch.channels_last

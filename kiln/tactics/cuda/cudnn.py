@@ -29,15 +29,28 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cuda.cudnn_graph import (IO_DTYPES, NORM_PHASES, CudnnGraphError, FusedPattern,
-                                           activation_refusal, conv_output_dims, describe_conv, describe_gemm,
-                                           describe_norm, fused_graph, import_cudnn, is_built)
+from kiln.kernels.cuda.cudnn_graph import (
+    IO_DTYPES,
+    NORM_PHASES,
+    CudnnGraphError,
+    FusedPattern,
+    activation_refusal,
+    conv_output_dims,
+    describe_conv,
+    describe_gemm,
+    describe_norm,
+    fused_graph,
+    import_cudnn,
+    is_built,
+)
 from kiln.ops.fused import fused_conv, fused_gemm, layer_norm, rms_norm
 from kiln.ops.nn import _conv_params
-from kiln.runtime.program import StepSpec
-from kiln.tactics.cuda import _epilogue_args as _epilogue
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import _epilogue_args as _epilogue
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
+from kiln.tactics.tactic import tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _CL = torch.channels_last

@@ -11,25 +11,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 from kiln.ir import dtypes
-from kiln.engine.plan import Binding
-from kiln.runtime.program import ProgramSpec, StepSpec
+from kiln.ir.tensors import tensor_to_runtime
+from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 
 _A = ir.AttributeType
-
-
-def tensor_to_runtime(tensor: ir.TensorProtocol) -> Any:
-    array = tensor.numpy()
-    if array.dtype == object or array.dtype.kind in "SU":
-        return np.array([s.decode("utf-8", "surrogateescape") if isinstance(s, bytes) else s
-                         for s in array.ravel()], dtype=object).reshape(array.shape)
-    dt = dtypes.from_onnx(int(tensor.dtype))
-    if array.dtype != dt.numpy:
-        array = array.view(dt.numpy) if array.dtype.itemsize == dt.numpy.itemsize else array.astype(dt.numpy)
-    return dtypes.numpy_to_torch(np.array(array, copy=True))
 
 
 def _type_to_json(t: ir.TypeProtocol | None) -> dict | None:

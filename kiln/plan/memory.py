@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kiln.runtime.program import ProgramSpec
+from kiln.plan.spec import ProgramSpec
 
 ALIGN = 64
 

@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from kiln.engine.plan import Binding
+from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
-from kiln.runtime.device import host_sync_is_an_error
-from kiln.runtime.engine import _place_weight
-from kiln.runtime.program import Program, ProgramSpec, StepSpec
+from kiln.plan.spec import Binding, ProgramSpec, StepSpec
+from kiln.runtime.engine import place_weight
+from kiln.runtime.host import host_sync_is_an_error
+from kiln.runtime.program import Program
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Launch, Tactic
-from kiln.tactics.timing_cache import TimingCache, environment, layer_signature, signature_key
 
 Progress = Callable[[str], None]
 
@@ -231,23 +231,19 @@ def _clone(value: Any) -> Any:
 def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dict[int, _Recorded], list[Any]]:
     """Run the program once; keep the inputs and output of the steps in `indices`."""
     records: dict[int, _Recorded] = {}
-    steps = list(program.steps)
 
     def recording(i: int, fn: Launch) -> Launch:
+        if i not in indices:
+            return fn
+
         def call(ctx, *args, **attrs):
             result = fn(ctx, *args, **attrs)
             records[i] = _Recorded([_clone(a) for a in args], _clone(result))
             return result
         return call
 
-    for i in indices:
-        fn, *rest = program.steps[i]
-        program.steps[i] = (recording(i, fn), *rest)
-    try:
-        with torch.inference_mode():
-            outputs = program.run(inputs)
-    finally:
-        program.steps[:] = steps
+    with torch.inference_mode():
+        outputs = program.with_kernels(recording).run(inputs)
     return records, [_clone(o) for o in outputs]
 
 
@@ -402,7 +398,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
                if (found := _candidates(step, device, opt_level, allowed or []))}
     if not tunable:
         return {"skipped": "no layer has more than its default implementation on this device"}
-    placed = {k: _place_weight(v, device) for k, v in weights.items()}
+    placed = {k: place_weight(v, device) for k, v in weights.items()}
     try:
         examples = [v.to(device) for v in example_inputs(inputs, shapes)]
         # A half-precision engine takes its float inputs cast at the boundary (runtime/engine.py).
@@ -421,7 +417,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         step = program.steps[i]
         if i not in records:
             continue  # not reached (a branch not taken): stays default
-        fn, ctx, _in, _out, attrs, _free = reference_program.steps[i]
+        bound = reference_program.steps[i]
+        fn, ctx, attrs = bound.fn, bound.ctx, bound.attributes
         constants = [placed[program.constants[name]] if name in program.constants else None
                      for name in step.inputs]
         found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs)

@@ -29,10 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.engine.plan import FORMAT_VERSION, EnginePlan
 from kiln.errors import EngineFormatError
 from kiln.ir import dtypes
-from kiln.runtime.program import ProgramSpec
+from kiln.plan.spec import FORMAT_VERSION, EnginePlan, ProgramSpec
 
 MAGIC = b"KILNENG\0"
 _PREFIX = struct.Struct("<8sIIQ")

@@ -11,17 +11,18 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
-import kiln
-from kiln.engine.config import BuildConfig
-from kiln.engine.lower import lower, value_dtype_name
-from kiln.engine.memory import plan_arena
-from kiln.engine.plan import FORMAT_VERSION, EnginePlan
-from kiln.engine.precision import lower_precision
+from kiln.builder.autotune import autotune
+from kiln.builder.config import BuildConfig
+from kiln.builder.lower import lower, value_dtype_name
+from kiln.builder.precision import lower_precision
+from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
-from kiln.passes import optimize
+from kiln.passes import PassOptions, optimize
+from kiln.plan.memory import plan_arena
+from kiln.plan.spec import FORMAT_VERSION, EnginePlan
 from kiln.runtime.engine import Engine
-from kiln.tactics.autotune import autotune
+from kiln.version import __version__
 
 Progress = Callable[[str], None]
 
@@ -30,7 +31,7 @@ def _device_info(config: BuildConfig) -> dict:
     if config.device == "cpu":
         return {"type": "cpu", "name": platform.processor() or platform.machine()}
     if not torch.cuda.is_available():
-        raise kiln.errors.KilnError(f"--device {config.device}: no CUDA device is available here")
+        raise KilnError(f"--device {config.device}: no CUDA device is available here")
     return {
         "type": "cuda",
         "name": torch.cuda.get_device_name(),
@@ -77,7 +78,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     graph = model if isinstance(model, ir.Model) else onnx_frontend.load(model)
     # Optimize: restructure the graph so fewer, cheaper steps run.
     say("optimizing")
-    graph = optimize(graph, config)
+    graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph)
@@ -85,7 +86,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     if config.precision == "best":  # the fastest storage kiln can run accurately on the device
         config.precision = "fp16" if config.device == "cuda" else "fp32"
     if config.precision in ("int8", "fp8"):
-        raise kiln.errors.KilnError(
+        raise KilnError(
             f"precision {config.precision!r} needs calibration, which this kiln does not implement yet; "
             "build with fp32, tf32, fp16, bf16 or best")
     if config.precision in ("fp16", "bf16"):
@@ -102,7 +103,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     memory = plan_arena(program, _value_sizes(graph, config))
     header = {
         "format_version": FORMAT_VERSION,
-        "kiln_version": kiln.__version__,
+        "kiln_version": __version__,
         "torch_version": torch.__version__,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "producer": f"{graph.producer_name or '?'} {graph.producer_version or ''}".strip(),

@@ -30,9 +30,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.fused import _epilogue, attention, fused_conv
-from kiln.runtime.program import StepSpec
+from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, attribute as _attr, tensor_input as _input
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
+from kiln.tactics.tactic import tensor_input as _input
 
 _HALF = (torch.float16, torch.bfloat16)
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)

@@ -1,1 +1,0 @@
-"""Engine plans and the engine file format (read by the lean runtime; written by the builder)."""

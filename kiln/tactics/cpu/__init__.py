@@ -1,0 +1,10 @@
+"""CPU tactics (loaded by kiln/tactics/registry.py for CPU engines and CPU builds only).
+
+    torch_mkl.py   convolutions and GEMMs through torch's oneDNN/MKL entry points, weights packed at load
+    onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
+                   (conv, Winograd conv, pooling, inner product, no-copy reshapes)
+"""
+
+# Registration order is the candidates' order (a tie in timing goes to the earlier one).
+import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
+import kiln.tactics.cpu.onednn  # noqa: F401

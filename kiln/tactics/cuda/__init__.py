@@ -1,0 +1,18 @@
+"""CUDA tactics (loaded by kiln/tactics/registry.py for CUDA engines and CUDA builds only).
+
+    library.py     cuBLAS/cuBLASLt GEMMs, cuDNN convolutions, SDPA backends, Triton elementwise/norms
+    attention.py   kiln's Triton flash attention
+    pool.py        Triton NHWC pooling
+    conv.py        Triton implicit-GEMM convolution
+    cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
+
+None of them imports triton or cuDNN's frontend at import time: a kernel's library is imported
+when a tactic using it is prepared.
+"""
+
+# Registration order is the candidates' order (a tie in timing goes to the earlier one).
+import kiln.tactics.cuda.library  # noqa: F401, I001
+import kiln.tactics.cuda.attention  # noqa: F401
+import kiln.tactics.cuda.pool  # noqa: F401
+import kiln.tactics.cuda.cudnn  # noqa: F401
+import kiln.tactics.cuda.conv  # noqa: F401
