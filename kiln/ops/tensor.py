@@ -20,10 +20,6 @@ def _shape(x: Any) -> list[int]:
     return list(x.shape)
 
 
-def _device(x: Any) -> torch.device:
-    return x.device if isinstance(x, torch.Tensor) else torch.device("cpu")
-
-
 @register("Identity")
 def identity(ctx, x):
     return x
@@ -218,12 +214,12 @@ def shape_(ctx, x, *, start=0, end=None):
     rank = len(dims)
     start = min(max(start + rank if start < 0 else start, 0), rank)
     end = rank if end is None else min(max(end + rank if end < 0 else end, 0), rank)
-    return torch.tensor(dims[start:end], dtype=torch.int64, device=_device(x))
+    return torch.tensor(dims[start:end], dtype=torch.int64)  # on the host: a shape, read there (kiln/runtime/host.py)
 
 
 @register("Size")
 def size(ctx, x):
-    return torch.tensor(math.prod(_shape(x)), dtype=torch.int64, device=_device(x))
+    return torch.tensor(math.prod(_shape(x)), dtype=torch.int64)  # on the host, as Shape
 
 
 @register("DepthToSpace")

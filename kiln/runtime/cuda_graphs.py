@@ -73,7 +73,8 @@ class GraphRunner:
             with host_sync_is_an_error(), torch.cuda.stream(stream):
                 self.program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
-            entry.reason = f"a layer synchronizes with the host ({type(e).__name__}: {str(e)[:120]})"
+            # the error names the layer (call_step): "layer 'x' (Op) failed: ..."; inspect/bench show it
+            entry.reason = f"a layer synchronizes with the host: {str(e).splitlines()[0][:300]}"
             return outputs
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()

@@ -20,7 +20,7 @@ from kiln.errors import ExecutionError
 from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
-from kiln.runtime.host import NEVER_ON_HOST, ShapePlan, on_device, outputs_of, place, upload
+from kiln.runtime.host import HOST_INPUTS, NEVER_ON_HOST, SHAPE_OPS, ShapePlan, on_device, outputs_of, place, upload
 from kiln.runtime.native import segments
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
 from kiln.tactics.registry import launch_for
@@ -164,13 +164,21 @@ class Program:
                 outs = cached
             else:
                 args = [env[s] if s >= 0 else None for s in in_slots]
-                if not any(on_device(a) for a in args) and ctx.op_type not in NEVER_ON_HOST:
-                    # Host step: every input is a constant or shape-derived value.
+                if ctx.op_type in SHAPE_OPS or (not any(on_device(a) for a in args)
+                                                and ctx.op_type not in NEVER_ON_HOST):
+                    # Host step: every input is a constant or shape-derived value (or only its shape is read).
                     outs = [place(o, device) for o in outputs_of(call_step(fn, ctx, args, attrs), len(out_slots))]
                     if plan is not None and plan.recording:
                         plan.host_outputs[i] = outs
                 else:
                     uploads = plan.uploads.get(i) if plan is not None else None
+                    if uploads is None:  # the host tensors this device layer reads as data: on the device
+                        keep = HOST_INPUTS.get(ctx.op_type, frozenset())
+                        uploads = {j: upload(a, device) for j, a in enumerate(args)
+                                   if j not in keep and isinstance(a, (torch.Tensor, list)) and not on_device(a)
+                                   and not (isinstance(a, list) and not a)}
+                        if plan is not None and plan.recording:
+                            plan.uploads[i] = uploads
                     if uploads:
                         args = [uploads.get(j, a) for j, a in enumerate(args)]
                     try:
@@ -182,7 +190,7 @@ class Program:
                         if not moved:
                             raise
                         if plan is not None and plan.recording:
-                            plan.uploads[i] = moved
+                            plan.uploads[i] = {**plan.uploads.get(i, {}), **moved}
                         args = [moved.get(j, a) for j, a in enumerate(args)]
                         result = call_step(fn, ctx, args, attrs)
                     outs = outputs_of(result, len(out_slots))
