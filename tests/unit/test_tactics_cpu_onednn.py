@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import kiln
 from kiln import zoo
-from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import onednn, onednn_primitives
 from kiln.ops.fused import fused_conv
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
@@ -330,8 +330,8 @@ def _residual_program(share: str) -> tuple[ProgramSpec, dict, torch.Tensor]:
 @pytest.mark.parametrize("share", ["none", "later", "alias", "view"])
 def test_residual_is_overwritten_only_when_nothing_else_reads_it(share, monkeypatch):
     accumulated = []
-    original = onednn.Conv2d.accumulate
-    monkeypatch.setattr(onednn.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
+    original = onednn_primitives.Conv2d.accumulate
+    monkeypatch.setattr(onednn_primitives.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
     spec, weights, x = _residual_program(share)
     reference = ProgramSpec(spec.inputs, spec.outputs, [dataclasses.replace(s, tactic="", tactic_config={})
                                                        for s in spec.steps], spec.constants)
@@ -357,7 +357,7 @@ def test_a_second_openmp_runtime_makes_the_library_unavailable(monkeypatch):
 
 @pytest.mark.parametrize("channels", [8, 256])  # 256: 1 MiB buffers, each on a huge-page mapping of its own
 def test_arena_reuses_a_buffer_only_once_nothing_references_it(channels):
-    arena = onednn._Arena()
+    arena = onednn_primitives._Arena()
     shape, strides = (1, channels, 32, 32), (channels * 1024, 1, channels * 32, channels)
     a = arena.empty(shape, strides)
     b = arena.empty(shape, strides)
@@ -381,8 +381,8 @@ def test_residual_from_the_arena_is_overwritten_only_when_no_view_of_it_lives(la
     """r is a direct convolution's output (a view of a pooled buffer); with a Reshape view of it
     read after the residual convolution, the result must not be written over it."""
     accumulated = []
-    original = onednn.Conv2d.accumulate
-    monkeypatch.setattr(onednn.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
+    original = onednn_primitives.Conv2d.accumulate
+    monkeypatch.setattr(onednn_primitives.Conv2d, "accumulate", lambda self, x, r: accumulated.append(1) or original(self, x, r))
     g = torch.Generator().manual_seed(12)
     weights = {"w0": torch.randn(8, 8, 1, 1, generator=g) * 0.3, "w": torch.randn(8, 8, 3, 3, generator=g) * 0.2,
                "b": torch.randn(8, generator=g), "shape": torch.tensor([1, 8, 6, 6])}
@@ -442,12 +442,12 @@ def test_engine_outputs_held_by_the_caller_are_not_reused(monkeypatch, tmp_path)
 
 def test_a_preferred_kernel_is_used_when_onednn_has_it_else_its_first_choice():
     w, b = torch.randn(16, 1, 3, 3), torch.randn(16)
-    default = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False)
-    missing = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer="no:such")
+    default = onednn_primitives.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False)
+    missing = onednn_primitives.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer="no:such")
     assert missing.implementation == default.implementation
     x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     want = F.conv2d(x.double(), w.double(), b.double(), 1, 1, 1, 16)
     for kernel in ("jit_dw:avx512_core", default.implementation):
-        conv = onednn.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer=kernel)
+        conv = onednn_primitives.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer=kernel)
         assert conv.implementation in (kernel, default.implementation)
         assert_close(conv(x), want)

@@ -49,7 +49,7 @@ def empty(numel: int, dtype: torch.dtype = torch.float32, own: bool = False) -> 
 
     Buffers share mappings, packed one after another (weights: all of a network's in few huge
     pages). `own`: a mapping of its own, so that the tensor's storage is its alone (the CPU
-    output pool, kiln/kernels/cpu/onednn.py, counts a storage's users to know it is free)."""
+    output pool, kiln/kernels/cpu/onednn_primitives.py, counts a storage's users to know it is free)."""
     global _current
     nbytes = numel * dtype.itemsize
     if not enabled() or nbytes == 0 or (own and nbytes < MIN_OWN_BYTES):

@@ -26,7 +26,7 @@ The residual: when the runtime says the residual's value dies at this layer (Ste
 argument holds it, the convolution accumulates into the residual's memory (a sum post-op) instead
 of reading it as a third stream (binary post-op): ~1 ms of ResNet-50's 16 residual convolutions.
 
-Outputs are views of a few pooled buffers (kiln/kernels/cpu/onednn.py, _Arena), reused as soon as
+Outputs are views of a few pooled buffers (kiln/kernels/cpu/onednn_primitives.py, _Arena), reused as soon as
 no tensor references them, the most recently used first: the next layer's output lands in memory
 that is still in cache, as in onnxruntime's arena (MobileNetV2 ~5% faster than on fresh allocations).
 
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import onednn, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -142,8 +142,8 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     depthwise = groups > 1 and groups == w.shape[0] and w.shape[1] == 1
     prefer = _DEPTHWISE_KERNEL if depthwise else None
 
-    def build(input_size: tuple[int, ...], accumulate: bool, weight_of: onednn.Conv2d | None = None):
-        return onednn.Conv2d(w, b, list(input_size), strides, pads, dilations, groups, eltwise, with_residual, after,
+    def build(input_size: tuple[int, ...], accumulate: bool, weight_of: onednn_primitives.Conv2d | None = None):
+        return onednn_primitives.Conv2d(w, b, list(input_size), strides, pads, dilations, groups, eltwise, with_residual, after,
                              residual_in_place=accumulate, share_weight_with=weight_of, prefer=prefer)
 
     tuned = tuple(step.tactic_config["input_size"])
@@ -155,7 +155,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     # the runtime through its own loop, kiln/runtime/program.py: sole_reference_counts).
     sole = step.tactic_config.get("sole_references") or {}
 
-    def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn.Conv2d:
+    def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn_primitives.Conv2d:
         # another input size, or the binary variant a shared residual needs: built once
         return _built(primitives, (shape, accumulate),
                       lambda key: build(shape, accumulate, primitives.get((shape, not accumulate))),
@@ -171,7 +171,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         # users: this tensor alone), and it is not the input being read.
         limit = sole.get("keywords" if _attributes else "plain")
         overwrite = (in_place and limit is not None and residual is not x and sys.getrefcount(residual) <= limit
-                     and onednn.storage_users(residual) <= 1
+                     and onednn_primitives.storage_users(residual) <= 1
                      and residual.is_contiguous(memory_format=_CL) and residual.dtype == torch.float32)
         with lock:
             if overwrite:
@@ -231,7 +231,7 @@ def _prepare_pool(step: StepSpec, constants: list[Any], device: torch.device):
     strides = [int(s) for s in _attr(step, "strides", [1, 1])]
     dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
     kind = _pool_kind(step)
-    return _shape_cached(step, lambda size: onednn.Pool2d(list(size), kind, kernel, strides, pads, dilations))
+    return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), kind, kernel, strides, pads, dilations))
 
 
 def _gap_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -256,7 +256,7 @@ def _prepare_gap(step: StepSpec, constants: list[Any], device: torch.device):
         axes = constants[1]
         if axes is None or sorted(int(a) % 4 for a in axes.tolist()) != [2, 3]:
             raise ValueError(f"ReduceMean axes {None if axes is None else axes.tolist()} are not the spatial axes")
-    return _shape_cached(step, lambda size: onednn.Pool2d(list(size), "avg_exclude_padding", list(size[2:]),
+    return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), "avg_exclude_padding", list(size[2:]),
                                                           [1, 1], [0, 0, 0, 0], [1, 1]))
 
 
@@ -333,8 +333,8 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     after = bool(_attr(step, "residual_after_activation", 1))
     tuned = tuple(step.tactic_config["input_size"])
 
-    def build(rows: int) -> onednn.InnerProduct:
-        return onednn.InnerProduct(w, b, rows, eltwise, with_residual, after)
+    def build(rows: int) -> onednn_primitives.InnerProduct:
+        return onednn_primitives.InnerProduct(w, b, rows, eltwise, with_residual, after)
 
     primitives = {tuned[0]: build(tuned[0])}
 

@@ -1,0 +1,354 @@
+"""oneDNN primitives built once per layer and input shape: Conv2d, Pool2d, InnerProduct.
+
+Each is built at engine load on the binding in onednn.py (the kernel chosen and JIT-compiled,
+the weight reordered into its blocked layout once) and then run two ways: called per layer, a
+few µs of `dnnl_memory_set_data_handle` plus `dnnl_primitive_execute`, or bound once to a
+native segment's planned buffers (`bind` -> onednn.Bound).
+
+Activations are NHWC (oneDNN's `acdb`, torch's channels_last), so the tensors a primitive
+reads and writes are ordinary torch tensors: only the weights live in oneDNN's blocked layout
+(format `any`: the kernel picks it). Per-layer outputs are views of a few pooled buffers
+(_Arena below).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from kiln.kernels.cpu import hugepages
+from kiln.kernels.cpu.onednn import (
+    ARG_BIAS,
+    ARG_DST,
+    ARG_POST_OP,
+    ARG_SRC,
+    ARG_SRC_1,
+    ARG_WEIGHTS,
+    CONVOLUTION_DIRECT,
+    FORWARD_INFERENCE,
+    POOLING,
+    QUERY_IMPL_INFO_STR,
+    QUERY_WEIGHTS_MD,
+    TAG_A,
+    TAG_AB,
+    TAG_ABCD,
+    TAG_ABCDE,
+    TAG_ACDB,
+    TAG_ANY,
+    Bound,
+    Eltwise,
+    OneDNNError,
+    _check,
+    _dims,
+    _epilogue_attr,
+    _ExecArg,
+    _implementation,
+    _memory,
+    _primitive,
+    load,
+    memory_desc,
+    packed_weight,
+)
+
+# ---- activation memory -------------------------------------------------------------------------
+
+class _Arena:
+    """Output memory for the primitives: a few large buffers, each reused as soon as no tensor
+    references it, the one handed out most recently first.
+
+    Inside a network the cost of a convolution depends on whether its input and output are still
+    in cache: onnxruntime plans its activations into an arena that reuses the same few buffers
+    (measured: MobileNetV2's 52 convolutions take 4.4 ms over three ring buffers, 5.8 ms on fresh
+    torch allocations, 7.3 ms on a buffer per layer). This does the same without a plan: an
+    output is a view of a pooled 1-D buffer, and a buffer is free again when only the pool holds
+    its storage (torch's storage use count: every tensor or view of it adds one). The buffer
+    handed out most recently among the free ones is usually the one the previous layer just
+    read: hot. Every buffer is as large as the largest output seen, so any can serve any layer.
+    """
+
+    _MAX_BYTES = 256 << 20  # the pool's size at most; past it, plain allocations (it never shrinks)
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor] = []  # the most recently handed out last
+        self._pointers: set[int] = set()  # their storages' addresses
+        self._largest = 0
+        self._lock = threading.Lock()
+
+    def users(self, t: torch.Tensor) -> int:
+        """Tensors sharing t's storage, t included, not counting the pool's own buffer."""
+        storage = t.untyped_storage()
+        return _storage_users(storage._cdata) - 1 - (storage.data_ptr() in self._pointers)
+
+    def empty(self, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+        numel = shape[0] * strides[0]  # NHWC: the batch stride spans one image
+        users = _storage_users
+        with self._lock:
+            buffers = self._buffers
+            for i in range(len(buffers) - 1, -1, -1):
+                buffer = buffers[i]
+                if buffer.numel() >= numel and users(buffer.untyped_storage()._cdata) <= 2:  # pool + temporary
+                    del buffers[i]
+                    break
+            else:
+                largest = max(self._largest, numel)
+                if (len(buffers) + 1) * largest * 4 > self._MAX_BYTES:
+                    return torch.empty_strided(shape, strides, dtype=torch.float32)
+                self._largest = largest
+                buffer = hugepages.empty(largest, own=True)  # its storage its own: users() counts it
+                self._pointers.add(buffer.untyped_storage().data_ptr())
+            buffers.append(buffer)
+            return buffer.as_strided(shape, strides)
+
+
+_storage_users = torch._C._storage_Use_Count
+_ARENA = _Arena()
+storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu/onednn.py)
+
+
+def _out_size(size: int, kernel: int, stride: int, dilation: int, pad_l: int, pad_r: int) -> int:
+    return (size + pad_l + pad_r - dilation * (kernel - 1) - 1) // stride + 1
+
+
+class Conv2d:
+    """One 2-D convolution primitive with its epilogue as post-ops, for one input shape.
+
+    y = act(conv(x, W) + b [+ r]) [+ r] on NHWC (channels-last) tensors, the residual r placed
+    before or after the activation as kiln::FusedConv orders them: a binary-add post-op that
+    reads r where it lies (__call__), or, built with residual_in_place, a sum post-op that
+    accumulates into r's own memory (accumulate). The weight is reordered into the blocked
+    layout the chosen kernel wants, once, here.
+    """
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: list[int], stride: list[int],
+                 pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
+                 residual: bool, residual_after_activation: bool, residual_in_place: bool = False,
+                 share_weight_with: Conv2d | None = None, prefer: str | None = None):
+        lib = load()
+        self._lib = lib
+        n, c, h, wd = input_size
+        o, i_per_group, kh, kw = w.shape
+        if c != i_per_group * groups:
+            raise OneDNNError(f"input channels {c} != weight's {i_per_group} x {groups} groups")
+        oh = _out_size(h, kh, stride[0], dilation[0], pads[0], pads[2])
+        ow = _out_size(wd, kw, stride[1], dilation[1], pads[1], pads[3])
+        self.input_size = (n, c, h, wd)
+        self.output_size = (n, o, oh, ow)
+        self.residual = residual
+
+        src_md = memory_desc([n, c, h, wd], TAG_ACDB)
+        dst_md = memory_desc([n, o, oh, ow], TAG_ACDB)
+        if groups == 1:
+            w_dims, w_user_tag = [o, c, kh, kw], TAG_ABCD
+        else:
+            w_dims, w_user_tag = [groups, o // groups, i_per_group, kh, kw], TAG_ABCDE
+        w_any = memory_desc(w_dims, TAG_ANY)
+        b_md = memory_desc([o], TAG_A) if b is not None else None
+
+        attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation,
+                                                      residual_in_place, dst_md)
+
+        def descriptor() -> ctypes.c_void_p:
+            pd = ctypes.c_void_p()
+            _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, src_md.value, w_any.value,
+                b_md.value if b_md is not None else None, dst_md.value, _dims(stride),
+                _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr_h.value),
+                f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
+            return pd
+
+        pd = descriptor()
+        if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+            while _implementation(pd) != prefer:
+                if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                    lib.lib.dnnl_primitive_desc_destroy(pd)
+                    pd = descriptor()  # not there: oneDNN's own first choice
+                    break
+        self._pd, self._prim = _primitive(pd, "convolution")
+        self.implementation = _implementation(pd)
+
+        # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
+        # that one chose the same layout: the in-place and the binary variant of one layer)
+        w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
+        w_user = memory_desc(w_dims, w_user_tag)
+        other = share_weight_with
+        if other is not None and lib.lib.dnnl_memory_desc_equal(w_md, other._w_md):
+            self._weight = other._weight
+        else:
+            self._weight, _ = packed_weight(pd, w_user, w)  # kept alive: the primitive reads it
+        self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
+        self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
+
+        # memory objects whose data handles are swapped per call
+        self._src = _memory(src_md.value, None)
+        self._dst = _memory(dst_md.value, None)
+        self._w_mem = _memory(w_md, self._weight.data_ptr())
+        args = [(ARG_SRC, self._src), (ARG_WEIGHTS, self._w_mem), (ARG_DST, self._dst)]
+        if self._bias is not None:
+            self._b_mem = _memory(b_md.value, self._bias.data_ptr())
+            args.append((ARG_BIAS, self._b_mem))
+        self.residual_in_place = residual and residual_in_place
+        if residual and not residual_in_place:
+            self._r_mem = _memory(dst_md.value, None)
+            args.append((ARG_POST_OP(self._residual_index) | ARG_SRC_1, self._r_mem))
+        self._mds = (src_md, dst_md, w_any, b_md, w_user)  # descriptors outlive the memories that use them
+        self._nargs = len(args)
+        self._args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
+        # the per-call path below touches only these locals' worth of state: a few µs in all
+        self._out_shape = (n, o, oh, ow)
+        self._out_strides = (oh * ow * o, 1, ow * o, o)  # NHWC in memory, NCHW in shape: channels-last
+        self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
+                      lib.stream, self._src.value, self._dst.value,
+                      self._r_mem.value if residual and not residual_in_place else None)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound): built with residual_in_place, dst is the residual's
+        memory and `residual` is not given; with a binary residual, it is."""
+        src_md, dst_md = self._mds[0], self._mds[1]
+        roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
+        if self.residual and not self.residual_in_place:
+            roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
+        fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
+        what = f"convolution {list(self.input_size)} -> {list(self.output_size)}"
+        return Bound(self._prim.value, roles, fixed, what, self)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
+        pooled buffer (_Arena).
+
+        The caller guarantees x (and residual) are channels-last float32 of the sizes this
+        primitive was built for: the primitive reads raw memory.
+        """
+        set_handle, execute, prim, stream, src, dst, res = self._call
+        y = _ARENA.empty(self._out_shape, self._out_strides)
+        set_handle(src, x.data_ptr())
+        set_handle(dst, y.data_ptr())
+        if res is not None:
+            set_handle(res, residual.data_ptr())
+        status = execute(prim, stream, self._nargs, self._args)
+        if status:
+            _check(status, "convolution")
+        return y
+
+    def accumulate(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The epilogue's residual add done in place (built with residual_in_place): the result is
+        written over `residual` and returned. Reading the residual then costs nothing beyond the
+        output's own cache-line fills; the caller guarantees nothing else reads `residual` after."""
+        set_handle, execute, prim, stream, src, dst, _ = self._call
+        set_handle(src, x.data_ptr())
+        set_handle(dst, residual.data_ptr())
+        status = execute(prim, stream, self._nargs, self._args)
+        if status:
+            _check(status, "convolution")
+        return residual
+
+
+# ---- pooling -----------------------------------------------------------------------------------
+
+class Pool2d:
+    """One 2-D pooling primitive (max, or average with or without the padding counted) on NHWC.
+
+    ONNX MaxPool/AveragePool with ceil_mode=0 and GlobalAveragePool (a window of the whole
+    image); oneDNN never reads padding for max, and counts it for average only when told to.
+    """
+
+    def __init__(self, input_size: list[int], kind: str, kernel: list[int], stride: list[int], pads: list[int],
+                 dilation: list[int]):
+        lib = load()
+        self._lib = lib
+        n, c, h, w = input_size
+        oh = _out_size(h, kernel[0], stride[0], dilation[0], pads[0], pads[2])
+        ow = _out_size(w, kernel[1], stride[1], dilation[1], pads[1], pads[3])
+        self.input_size, self.output_size = (n, c, h, w), (n, c, oh, ow)
+        src_md = memory_desc([n, c, h, w], TAG_ACDB)
+        dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
+            _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
+            f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+        self._pd, self._prim = _primitive(pd, "pooling")
+        info = ctypes.c_char_p()
+        lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
+        self.implementation = (info.value or b"?").decode()
+        self._src, self._dst = _memory(src_md.value, None), _memory(dst_md.value, None)
+        self._mds = (src_md, dst_md)
+        self._args = (_ExecArg * 2)(_ExecArg(ARG_SRC, self._src.value), _ExecArg(ARG_DST, self._dst.value))
+        self._out_shape = (n, c, oh, ow)
+        self._out_strides = (oh * ow * c, 1, ow * c, c)
+        self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
+                      lib.stream, self._src.value, self._dst.value)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound)."""
+        roles = {"src": (ARG_SRC, self._mds[0].value, src), "dst": (ARG_DST, self._mds[1].value, dst)}
+        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}", self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
+        set_handle, execute, prim, stream, src, dst = self._call
+        y = _ARENA.empty(self._out_shape, self._out_strides)
+        set_handle(src, x.data_ptr())
+        set_handle(dst, y.data_ptr())
+        status = execute(prim, stream, 2, self._args)
+        if status:
+            _check(status, "pooling")
+        return y
+
+
+# ---- linear layers -----------------------------------------------------------------------------
+
+class InnerProduct:
+    """y = act(x @ Wᵀ + b [+ r]) [+ r] for x [M, K] row-major: oneDNN's inner product, the weight
+    [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int, eltwise: Eltwise | None,
+                 residual: bool, residual_after_activation: bool):
+        lib = load()
+        self._lib = lib
+        n, k = w.shape
+        self.input_size, self.output_size = (rows, k), (rows, n)
+        self.residual = residual
+        src_md, dst_md = memory_desc([rows, k], TAG_AB), memory_desc([rows, n], TAG_AB)
+        w_any, w_user = memory_desc([n, k], TAG_ANY), memory_desc([n, k], TAG_AB)
+        b_md = memory_desc([n], TAG_A) if b is not None else None
+        attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation, False, dst_md)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_inner_product_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, w_any.value,
+            b_md.value if b_md is not None else None, dst_md.value, attr_h.value),
+            f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
+        self._pd, self._prim = _primitive(pd, "inner product")
+        self.implementation = _implementation(pd)
+        self._weight, w_md = packed_weight(pd, w_user, w)
+        self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
+        self._w_mem = _memory(w_md, self._weight.data_ptr())
+        self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None
+        self._mds = (src_md, dst_md, w_any, b_md, w_user)
+        self._per_call = self.bind(0, 0, 0 if residual else None)
+        self._lock = threading.Lock()
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (Bound)."""
+        src_md, dst_md = self._mds[0], self._mds[1]
+        roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
+        if self.residual:
+            roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
+        fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._b_mem is not None else [])
+        what = f"inner product {list(self.input_size)} -> {list(self.output_size)}"
+        return Bound(self._prim.value, roles, fixed, what, self)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] contiguous float32 of the built size -> y [M, N] (a new tensor)."""
+        y = torch.empty(self.output_size, dtype=torch.float32)
+        bound = self._per_call
+        with self._lock:
+            bound.rebind("src", x.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            if residual is not None:
+                bound.rebind("residual", residual.data_ptr())
+            lib = self._lib
+            _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args), "inner product")
+        return y
+
