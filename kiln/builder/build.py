@@ -15,13 +15,16 @@ from kiln.builder.autotune import autotune
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower, value_dtype_name
 from kiln.builder.precision import lower_precision
+from kiln.builder.profile_check import check_at_profile_ends
+from kiln.builder.profiles import resolve as resolve_profiles
+from kiln.builder.profiles import shapes_at
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
 from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
-from kiln.runtime.engine import Engine
+from kiln.runtime.engine import Engine, place_weight
 from kiln.version import __version__
 
 Progress = Callable[[str], None]
@@ -39,10 +42,10 @@ def _device_info(config: BuildConfig) -> dict:
     }
 
 
-def _value_sizes(model: ir.Model, config: BuildConfig) -> dict[str, int | None]:
+def _value_sizes(model: ir.Model, shapes: dict[str, list[int]]) -> dict[str, int | None]:
     symbols: dict[str, int] = {}
     for v in model.graph.inputs:
-        given = config.shapes.get(v.name)
+        given = shapes.get(v.name)
         if given and v.shape is not None:
             for d, n in zip(v.shape, given):
                 if not isinstance(d, int) and d.value:
@@ -93,14 +96,29 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
         say(f"lowering precision to {config.precision}")
         io_casts = lower_precision(program, weights, config.precision, set(config.layer_precision))
+    # Profiles: the shapes each input may take (the user's, else kiln's default for symbolic dims);
+    # tactics are tuned at the first profile's opt shape.
+    profiles = resolve_profiles(config.profiles, inputs, graph.graph, config.shapes)
+    tuning_shapes = {**(shapes_at(profiles[0], "opt") if profiles else {}), **config.shapes}
+    value_shapes = {v.name: None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]
+                    for node in graph.graph for v in node.outputs}
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
     say("selecting tactics")
-    tactics = autotune(program, weights, inputs, device=torch.device(config.device), opt_level=config.opt_level,
-                       shapes=config.shapes, timing_cache=config.timing_cache, allowed=config.tactics,
+    device = torch.device(config.device)
+    tactics = autotune(program, weights, inputs, device=device, opt_level=config.opt_level,
+                       shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
                        runs=config.tuning_runs, progress=say, io_casts=io_casts)
+    # ... and valid at every profile's ends: a tactic that refuses or errs there goes back to the default.
+    if profiles and "layers" in tactics:
+        say("checking tactics at the profiles' ends")
+        placed = {k: place_weight(v, device) for k, v in weights.items()}
+        checks = check_at_profile_ends(program, placed, inputs, profiles, device, io_casts, value_shapes,
+                                       tuning_shapes)
+        if checks:
+            tactics["profiles"] = checks
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
-    memory = plan_arena(program, _value_sizes(graph, config))
+    memory = plan_arena(program, _value_sizes(graph, tuning_shapes))
     header = {
         "format_version": FORMAT_VERSION,
         "kiln_version": __version__,
@@ -111,14 +129,12 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         "device": _device_info(config),
         "build_config": config.to_json(),
         "inputs": [b.to_json() for b in inputs],
+        "profiles": [p.to_json() for p in profiles],
         "outputs": [b.to_json() for b in outputs],
         "memory": {k: v for k, v in memory.items() if k != "offsets"},
         "io_casts": io_casts,
-        "value_types": {
-            v.name: {"dtype": value_dtype_name(v),
-                     "shape": None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]}
-            for node in graph.graph for v in node.outputs
-        },
+        "value_types": {v.name: {"dtype": value_dtype_name(v), "shape": value_shapes[v.name]}
+                        for node in graph.graph for v in node.outputs},
         "tactics": tactics,
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -10,7 +11,10 @@ class BuildConfig:
     opt_level: int = 2  # 0: as is; 1: folding/cleanups; 2: + BN folding, fusions; 3-5: wider tactic search (kiln/passes/pipeline.py)
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8 | fp8 | best
-    shapes: dict[str, list[int]] = field(default_factory=dict)  # concrete shapes for planning
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # the shapes tactics are tuned at (a profile's opt)
+    # optimization profiles: [{input: (min, opt, max) | "1x1,8x128,32x512"}]; [] = kiln's default for
+    # symbolic dims (kiln/builder/profiles.py)
+    profiles: list[dict[str, Any]] = field(default_factory=list)
     layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)

@@ -43,7 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="engine file to write (default: the model's path with .kiln)")
     p.add_argument("--opt-level", type=int, default=2, choices=range(6), metavar="N",
                    help="0: import and run as is ... 5: every optimisation (default 2)")
-    p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="shapes to plan memory for: " + shapes_help)
+    p.add_argument("--shapes", action="append", metavar="NAME:DIMS",
+                   help="shapes to tune tactics and plan memory at: " + shapes_help)
+    p.add_argument("--profile", action="append", metavar="NAME:MIN,OPT,MAX[;NAME:...]",
+                   help="an optimization profile (repeat for several): each input's smallest, tuned and largest "
+                        "shape, e.g. 'input_ids:1x1,8x128,32x512'; inputs sharing a symbolic dim follow the ones "
+                        "given. Default: kiln picks one for symbolic dims (kiln inspect says which)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
                    help="builder precision (default fp32)")

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import kiln
-from kiln.cli.common import console, fmt_bytes, parse_shapes, text
+from kiln.cli.common import console, fmt_bytes, parse_profile, parse_shapes, text
 from kiln.errors import KilnError
 from kiln.plan.spec import EnginePlan
 
@@ -29,6 +29,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     options = {
         "opt_level": args.opt_level,
         "shapes": parse_shapes(args.shapes),
+        "profiles": [parse_profile(spec) for spec in args.profile or []],
         "verbose": args.verbose,
         "device": args.device,
         "precision": args.precision,
@@ -79,6 +80,7 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float) -> None
         ("layers", str(len(plan.program.steps))),
         ("inputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.inputs)),
         ("outputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.outputs)),
+        *[(f"profile {k}", f"{p.describe()}  ({p.source})") for k, p in enumerate(plan.profiles)],
         ("weights", fmt_bytes(header.get("weights_bytes"))),
         ("activations", activations),
         ("device", header.get("device", {}).get("name", "?")),

@@ -7,6 +7,7 @@ Lean: imports no ONNX, frontend or passes (tests/unit/test_lean_runtime.py).
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,18 @@ def parse_shapes(specs: list[str] | None) -> dict[str, list[int]]:
             if any(d < 0 for d in shapes[name]):
                 raise KilnError(f"--shapes {item!r}: dimensions must not be negative")
     return shapes
+
+
+def parse_profile(spec: str) -> dict[str, str]:
+    """`--profile "input_ids:1x1,8x128,32x512;attention_mask:1x1,8x128,32x512"` -> one profile, its
+    ranges as given (the builder checks them against the model: kiln/builder/profiles.py)."""
+    profile: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in re.split(r"[;\s]+", spec))):
+        name, sep, ranges = item.rpartition(":")
+        if not sep or not name:
+            raise KilnError(f"--profile {item!r}: expected NAME:MIN,OPT,MAX, e.g. input_ids:1x1,8x128,32x512")
+        profile[name] = ranges
+    return profile
 
 
 def _concrete_shape(binding: Binding, given: dict[str, list[int]], defaults: dict[str, list[int]],

@@ -146,6 +146,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for b in items:
             bindings.add_row(direction, text(b.name), b.kind, text(b.dtype or "?"), text(fmt_shape(b.shape)))
     out.print(bindings)
+    for k, profile in enumerate(plan.profiles):
+        out.print(text(f"optimization profile {k}: {profile.describe()}"))
+        out.print(text(f"  from {profile.source}"))
+        for name, r in profile.inputs.items():
+            out.print(text(f"  {name}: min {r.min}, opt {r.opt}, max {r.max}"))
+    checks = (header.get("tactics") or {}).get("profiles") or {}
+    for line in checks.get("checked_at", []):
+        out.print(text(f"  tactics checked at {line}"))
+    for layer, why in (checks.get("reverted_layers") or {}).items():
+        out.print(text(f"  layer {layer} runs its default: {why}"))
 
     table = Table(title="layers", title_justify="left")
     tuned = any("tactic" in layer for layer in layers)

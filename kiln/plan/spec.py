@@ -101,3 +101,55 @@ class EnginePlan:
     @property
     def outputs(self) -> list[Binding]:
         return [Binding(**b) for b in self.header["outputs"]]
+
+    @property
+    def profiles(self) -> list[Profile]:
+        return [Profile.from_json(p) for p in self.header.get("profiles", [])]
+
+
+@dataclass
+class ShapeRange:
+    """One input's shapes in a profile: the smallest, the one tactics are tuned at, the largest."""
+
+    min: list[int]
+    opt: list[int]
+    max: list[int]
+
+    def to_json(self) -> dict:
+        return {"min": self.min, "opt": self.opt, "max": self.max}
+
+    def describe(self) -> str:
+        return "[" + ", ".join(str(lo) if lo == hi else f"{lo}..{hi}" for lo, hi in zip(self.min, self.max)) + "]"
+
+
+@dataclass
+class Profile:
+    """An optimization profile (TensorRT's): the range of shapes each input may take in one run.
+
+    An engine with symbolic dims carries one or more; a run's shapes must fall inside one of them
+    (the first that fits is used). `source` says where it came from: the user, or kiln's defaults
+    and why (shown by `kiln inspect`).
+    """
+
+    inputs: dict[str, ShapeRange]
+    source: str = "user"
+
+    def to_json(self) -> dict:
+        return {"inputs": {k: v.to_json() for k, v in self.inputs.items()}, "source": self.source}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Profile:
+        return cls({k: ShapeRange(**v) for k, v in d["inputs"].items()}, d.get("source", "user"))
+
+    def outside(self, shapes: dict[str, tuple[int, ...]]) -> str | None:
+        """None when every input's shape lies inside this profile, else the first that does not."""
+        for name, r in self.inputs.items():
+            shape = shapes.get(name)
+            if shape is None:
+                continue
+            if len(shape) != len(r.min) or any(not lo <= d <= hi for d, lo, hi in zip(shape, r.min, r.max)):
+                return f"input {name!r} shape {list(shape)} is not inside {r.describe()}"
+        return None
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {r.describe()}" for name, r in self.inputs.items())

@@ -14,7 +14,7 @@ import torch
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
-from kiln.plan.spec import Binding, EnginePlan
+from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.cuda_graphs import GraphRunner
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
@@ -95,6 +95,7 @@ class Engine:
             torch.backends.cudnn.allow_tf32 = True
         self.inputs: list[Binding] = plan.inputs
         self.outputs: list[Binding] = plan.outputs
+        self.profiles: list[Profile] = plan.profiles
         self._default_context = ExecutionContext(self)
 
     @property
@@ -132,6 +133,7 @@ class ExecutionContext:
 
     def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None):
         self.engine = engine
+        self.profile = 0  # the optimization profile of the last run
         self.runner = None
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
@@ -186,6 +188,21 @@ class ExecutionContext:
                             f"input {name!r}: dimension {want!r} (axis {axis}) is {got}, but input "
                             f"{seen[1]!r} gave it as {seen[0]}"
                         )
+        if self.engine.profiles:
+            self.profile = self._select_profile(feeds)
+
+    def _select_profile(self, feeds: dict[str, Any]) -> int:
+        """The first optimization profile holding every input's shape, or an error naming them all."""
+        shapes = {name: tuple(v.shape) for name, v in feeds.items() if isinstance(v, (np.ndarray, torch.Tensor))}
+        problems = []
+        for k, profile in enumerate(self.engine.profiles):
+            problem = profile.outside(shapes)
+            if problem is None:
+                return k
+            problems.append(f"profile {k} ({profile.describe()}): {problem}")
+        given = ", ".join(f"{n} {list(s)}" for n, s in shapes.items())
+        raise BindingError(f"input shapes {given} are outside every optimization profile of this engine:\n  "
+                           + "\n  ".join(problems) + "\nrebuild it with a --profile (profiles=[...]) that covers them")
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
         if self._static is not None and type(feeds) is dict:

@@ -54,8 +54,9 @@ def _numel(size: tuple[int, ...]) -> int:
 class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
-    def __init__(self, members: list[BoundStep], read_after: set[int]):
+    def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None):
         self.members = members
+        self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
         natives: list[NativeStep] = [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
         for k, m in enumerate(members):
@@ -239,7 +240,7 @@ class Segment:
 
     def fallback(self, values: list[Any]) -> list[Any]:
         """The layers' own launch functions, for inputs of other sizes than planned."""
-        env = dict(zip(self.entries, values))
+        env = {**self.constants, **dict(zip(self.entries, values))}
         for m in self.members:
             env[m.outputs[0]] = call_step(m.fn, m.ctx, [env.get(s) if s >= 0 else None for s in m.inputs], m.attributes)
         return [env[s] for s in self.exits]
@@ -288,7 +289,8 @@ def _chains(prev: BoundStep, step: BoundStep) -> bool:
     return True
 
 
-def segments(steps: list[BoundStep], output_slots: list[int]) -> tuple[list[BoundStep], list[Segment]]:
+def segments(steps: list[BoundStep], output_slots: list[int],
+             constants: dict[int, Any] | None = None) -> tuple[list[BoundStep], list[Segment]]:
     """steps with each run of >= 2 native steps replaced by one Segment step."""
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
@@ -327,7 +329,8 @@ def segments(steps: list[BoundStep], output_slots: list[int]) -> tuple[list[Boun
         end = run[-1]
         read_after = {s for s, last in last_read.items() if last > end} | outputs
         try:
-            segment = Segment(members, read_after)
+            read = {s for m in members for s in m.inputs}
+            segment = Segment(members, read_after, {s: v for s, v in (constants or {}).items() if s in read})
         except Exception:  # noqa: BLE001  a run that cannot be planned runs layer by layer, as before
             result.extend(members)
             i = end + 1

@@ -106,7 +106,7 @@ class Program:
         self.segments = []
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
-            self.run_steps, self.segments = segments(self.steps, self.output_slots)
+            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values)
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
         for i, v in template_values.items():

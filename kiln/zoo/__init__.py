@@ -43,17 +43,24 @@ def torch_model(name: str) -> nn.Module:
         return get(name).build()
 
 
-def export(name: str, *, batch: int | None = None, seq: int | None = None, refresh: bool = False) -> Export:
-    """Export `name` for one input shape (cached) and return the ONNX path and example inputs."""
+def export(name: str, *, batch: int | None = None, seq: int | None = None, dynamic: bool = False,
+           refresh: bool = False) -> Export:
+    """Export `name` for one input shape (cached) and return the ONNX path and example inputs.
+
+    dynamic=True exports as users do for serving: symbolic `batch` (axis 0 of every input) and, for
+    text models, `seq` (axis 1); `batch`/`seq` are then only the example input's shape."""
     model = get(name)
     batch = model.batch if batch is None else batch
     seq = model.seq if seq is None else seq
     shape = {"batch": batch} if model.kind == "image" else {"batch": batch, "seq": seq}
+    if dynamic:
+        shape["dynamic"] = True
 
     def run_export(folder: Path) -> dict[str, np.ndarray]:
         with offline():
             inputs = example_inputs(model, batch=batch, seq=seq)
-            return export_module(model.build(), inputs, folder)
+            axes = ({0: "batch"} if model.kind == "image" else {0: "batch", 1: "seq"}) if dynamic else None
+            return export_module(model.build(), inputs, folder, dynamic_axes=axes)
 
     return cached_export(name, {**model.config, **shape}, run_export, refresh=refresh)
 

@@ -43,15 +43,20 @@ def _quiet_loggers(quiet: bool, names=("torch.onnx", "torch.export", "onnxscript
 
 
 def export_module(module: torch.nn.Module, inputs: dict[str, np.ndarray], folder: Path,
-                  *, verbose: bool = False) -> dict[str, np.ndarray]:
-    """Export `module(**inputs)` to folder/model.onnx; the graph inputs take the keyword names."""
+                  *, verbose: bool = False, dynamic_axes: dict[int, str] | None = None) -> dict[str, np.ndarray]:
+    """Export `module(**inputs)` to folder/model.onnx; the graph inputs take the keyword names.
+    `dynamic_axes` ({axis: name}, the same for every input): symbolic dims (torch.export.Dim)."""
     module = module.eval()
     kwargs = {k: torch.from_numpy(v) for k, v in inputs.items()}
+    dynamic_shapes = None
+    if dynamic_axes:
+        dims = {axis: torch.export.Dim(name, min=1) for axis, name in dynamic_axes.items()}
+        dynamic_shapes = {k: {a: d for a, d in dims.items() if a < v.dim()} for k, v in kwargs.items()}
     # The exporter narrates every step and warns about things users cannot act on; keep it for -v.
     quiet = contextlib.nullcontext() if verbose else contextlib.redirect_stdout(io.StringIO())
     with torch.no_grad(), warnings.catch_warnings(), quiet, _quiet_loggers(not verbose):
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, (), kwargs=kwargs, dynamo=True, external_data=False,
-                                    verbose=verbose)
+                                    verbose=verbose, dynamic_shapes=dynamic_shapes)
     program.save(str(folder / "model.onnx"), external_data=False)
     return inputs

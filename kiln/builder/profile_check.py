@@ -1,0 +1,146 @@
+"""Every chosen tactic is checked at the ends of every optimization profile, not only where it was timed.
+
+The autotuner (autotune.py) times and checks each layer at the profile's opt shape. A tactic valid
+there may refuse another shape (a kernel for 2-D inputs only, a tile that needs a multiple of 8) or
+be wrong at it. So at each profile's min and max shape:
+
+    - each tuned layer's `check` is asked with its inputs at that shape (from a reference run, or,
+      where that run would cost too much, from the graph's symbolic shapes);
+    - where the reference run is affordable (always on CUDA; on the CPU when the point's inputs are
+      at most NUMERIC_LIMIT times the opt shape's elements), each tuned layer also runs on the
+      recorded inputs and must match the op's reference implementation within the dtype's tolerance.
+
+A layer that fails goes back to its default implementation, and the header says which and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from kiln.builder.autotune import _checker, _record, example_inputs
+from kiln.builder.profiles import shapes_at
+from kiln.ir import dtypes
+from kiln.plan.spec import Binding, Profile, ProgramSpec
+from kiln.runtime.program import Program
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+NUMERIC_LIMIT = 16  # on the CPU, a point is run when its inputs have at most this many times opt's elements
+
+
+def _elements(shapes: dict[str, list[int]]) -> int:
+    return sum(math.prod(s) for s in shapes.values())
+
+
+def _symbolic_metas(step, program: ProgramSpec, weights: dict[str, Any], value_shapes: dict[str, list],
+                    opt_metas: list[InputMeta], symbols: dict[str, int]) -> list[InputMeta] | None:
+    """The step's input metas at a point from the graph's symbolic shapes; None when a dim is unknown."""
+    metas = []
+    for name, opt in zip(step.inputs, opt_metas):
+        if not name or opt.shape is None:
+            metas.append(opt)
+            continue
+        if name in program.constants:
+            metas.append(opt)
+            continue
+        shape = value_shapes.get(name)
+        if shape is None:
+            return None
+        dims = []
+        for d in shape:
+            if isinstance(d, int):
+                dims.append(d)
+            elif isinstance(d, str) and d in symbols:
+                dims.append(symbols[d])
+            else:
+                return None
+        metas.append(InputMeta(tuple(dims), opt.dtype, opt.constant))
+    return metas
+
+
+def _symbols(inputs: list[Binding], shapes: dict[str, list[int]]) -> dict[str, int]:
+    symbols = {}
+    for b in inputs:
+        for d, n in zip(b.shape or [], shapes.get(b.name, [])):
+            if isinstance(d, str):
+                symbols[d] = n
+    return symbols
+
+
+def check_at_profile_ends(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding],
+                          profiles: list[Profile], device: torch.device, io_casts: dict[str, str],
+                          value_shapes: dict[str, list], tuning_shapes: dict[str, list[int]]) -> dict[str, Any]:
+    """Check the tuned layers of `program` at each profile's min and max; revert the ones that fail
+    (in place). Returns the header record: what was checked where, and what was reverted."""
+    tuned = [i for i, s in enumerate(program.steps) if s.tactic]
+    if not tuned or not profiles:
+        return {}
+    reference_spec = dataclasses.replace(program, steps=[dataclasses.replace(s, tactic="", tactic_config={})
+                                                         for s in program.steps])
+    reference = Program(reference_spec, weights, device)
+    casts = {k: dtypes.BY_NAME[v].torch for k, v in io_casts.items()}
+    opt_elements = _elements(tuning_shapes) or 1
+    opt_metas: dict[int, list[InputMeta]] = {}
+    checked: list[str] = []
+    reverted: dict[str, str] = {}
+    opt_examples = [v.to(device) for v in example_inputs(inputs, tuning_shapes)]
+    opt_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(opt_examples, inputs)]
+    records, _ = _record(reference, set(tuned), opt_examples)
+    for i in tuned:
+        if i in records:
+            constants = [name in program.constants for name in program.steps[i].inputs]
+            opt_metas[i] = [InputMeta.of(a, c) for a, c in zip(records[i].args, constants)]
+    records.clear()
+
+    for k, profile in enumerate(profiles):
+        for point in ("min", "max"):
+            shapes = shapes_at(profile, point)
+            if shapes == {n: s for n, s in tuning_shapes.items() if n in shapes}:
+                continue  # the shape tactics were timed and checked at
+            label = f"profile {k} {point} " + ", ".join(f"{n}{s}" for n, s in shapes.items())
+            numeric = device.type == "cuda" or _elements(shapes) <= NUMERIC_LIMIT * opt_elements
+            records = {}
+            if numeric:
+                examples = [v.to(device) for v in example_inputs(inputs, {**tuning_shapes, **shapes})]
+                examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
+                try:
+                    records, _ = _record(reference, set(tuned), examples)
+                except Exception as e:  # noqa: BLE001  the reference itself cannot run there: say so
+                    checked.append(f"{label}: the reference run failed ({type(e).__name__}: {str(e)[:120]})")
+                    continue
+            symbols = _symbols(inputs, {**tuning_shapes, **shapes})
+            for i in tuned:
+                step = program.steps[i]
+                if not step.tactic or i not in opt_metas:
+                    continue
+                tactic = registry.get(step.tactic)
+                record = records.get(i)
+                constants = [weights[program.constants[n]] if n in program.constants else None for n in step.inputs]
+                metas = ([InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)] if record else
+                         _symbolic_metas(step, program, weights, value_shapes, opt_metas[i], symbols))
+                if metas is None:
+                    continue
+                problem = None
+                ok = tactic.check(step, metas) if tactic is not None else "unknown tactic"
+                if ok is not True:
+                    problem = f"unsupported: {ok}"
+                elif record is not None:
+                    bound = reference.steps[i]
+                    check = _checker(bound.fn, bound.ctx, record, bound.attributes)
+                    try:
+                        launch = tactic.prepare(step, constants, device)
+                        with torch.inference_mode():
+                            problem = check(launch(bound.ctx, *[tactic.to_layout(a) for a in record.args],
+                                                   **bound.attributes))
+                    except Exception as e:  # noqa: BLE001
+                        problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                if problem:
+                    reverted[step.name] = f"{step.tactic} at {label}: {problem}"
+                    step.tactic, step.tactic_config = "", {}
+            checked.append(f"{label}: {'numerically' if numeric else 'supports() on symbolic shapes'}")
+            records.clear()
+    return {"checked_at": checked, "reverted_layers": reverted}
