@@ -19,24 +19,6 @@ from typing import Any
 import torch
 
 HOST_MAX_NUMEL = 4096  # host results larger than this move to the device once and stay there
-NEVER_ON_HOST = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"}
-SHAPE_OPS = {"Shape", "Size"}  # read only their input's shape: host steps wherever the input lives
-
-# Inputs an op reads on the host (shapes, axes, counts, scalars: kiln/ops reads them with ints() or
-# scalar()), by op and input index. A device layer is given every other host tensor on the device
-# (uploaded once per shape plan): torch would otherwise copy it inside the kernel call, a transfer
-# that waits for the host and makes CUDA-graph capture impossible (GatherND with host indices).
-_REDUCE_OPS = ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
-               "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
-HOST_INPUTS: dict[str, frozenset[int]] = {op: frozenset(inputs) for op, inputs in {
-    "Reshape": {1}, "Split": {1}, "Slice": {1, 2, 3, 4}, "Squeeze": {1}, "Unsqueeze": {1}, "Expand": {1},
-    "Tile": {1, 2, 3}, "Pad": {1, 2, 3}, "CenterCropPad": {1}, "ConstantOfShape": {0}, "Range": {0, 1, 2},
-    "Dropout": {1, 2}, "TopK": {1}, "OneHot": {1}, "Trilu": {1}, "MaxUnpool": {2}, "Col2Im": {1, 2},
-    "AffineGrid": {1}, "NonMaxSuppression": {2, 3, 4}, "Resize": {1, 2, 3}, "Upsample": {1}, "Clip": {1, 2},
-    "If": {0}, "Loop": {0, 1}, "SplitToSequence": {1}, "SequenceAt": {1}, "SequenceInsert": {2},
-    "SequenceErase": {1}, "DFT": {1, 2}, "STFT": {1, 3}, "CumSum": {1},
-    **{op: {1} for op in _REDUCE_OPS},
-}.items()}
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -20,8 +21,9 @@ from kiln.errors import ExecutionError
 from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
-from kiln.runtime.host import HOST_INPUTS, NEVER_ON_HOST, SHAPE_OPS, ShapePlan, on_device, outputs_of, place, upload
+from kiln.runtime.host import ShapePlan, on_device, outputs_of, place, upload
 from kiln.runtime.native import segments
+from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
 from kiln.tactics.registry import launch_for
 
@@ -65,7 +67,10 @@ class Program:
             for n in list(step.inputs) + list(step.captures):
                 if n:
                     last_use[n] = i
-        keep = set(spec.outputs) | set(spec.constants)
+        # Steps of shape-only values run once per input-shape signature (kiln/runtime/shapes.py); their
+        # values are remembered, so never freed (nor written over by a later layer)
+        shape_steps, shape_values = shape_only_steps(spec)
+        keep = set(spec.outputs) | set(spec.constants) | shape_values
         free_after: list[list[int]] = [[] for _ in spec.steps]
         for n, i in last_use.items():
             if n not in keep:
@@ -107,6 +112,12 @@ class Program:
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
             self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values)
+        self.shape_steps = shape_steps
+        self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
+        # the loop once a signature's shape values are known: without the steps that compute them
+        computed_once = {id(self.steps[i]) for i in shape_steps}
+        self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]
+        self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
@@ -120,6 +131,7 @@ class Program:
         copy.steps = [replace(s, fn=wrap(i, s.fn), free=[] if keep_values else s.free)
                       for i, s in enumerate(self.steps)]
         copy.run_steps, copy.segments = copy.steps, []  # every layer is seen: no native segments
+        copy.shape_plans = None  # ... and runs, shape steps included
         return copy
 
     def run(self, inputs: list[Any], outer: dict[str, Any] | None = None, plan: Any = None) -> list[Any]:
@@ -132,7 +144,17 @@ class Program:
         if self.capture_slots:
             for name, s in self.capture_slots:
                 env[s] = outer[name]
-        for step in self.run_steps:
+        steps, signature = self.run_steps, None
+        if self.shape_plans is not None:  # this signature's shape values, when known: their steps are skipped
+            signature = _signature(inputs)
+            known = self.shape_plans.get(signature) if signature is not None else None
+            if known is not None:
+                self.shape_plans.move_to_end(signature)
+                for s, v in known:
+                    env[s] = v
+                steps = self.lean_steps
+                signature = None
+        for step in steps:
             args = [env[s] if s >= 0 else None for s in step.inputs]
             result = call_step(step.fn, step.ctx, args, step.attributes)
             out_slots = step.outputs
@@ -146,6 +168,10 @@ class Program:
             result = v = None  # the slots alone hold the values: a kernel may overwrite a dying input
             for s in step.free:
                 env[s] = None
+        if signature is not None:
+            self.shape_plans[signature] = [(s, env[s]) for s in self.shape_slots]
+            if len(self.shape_plans) > SHAPE_PLANS:
+                self.shape_plans.popitem(last=False)
         return [env[s] for s in self.output_slots]
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
@@ -164,9 +190,8 @@ class Program:
                 outs = cached
             else:
                 args = [env[s] if s >= 0 else None for s in in_slots]
-                if ctx.op_type in SHAPE_OPS or (not any(on_device(a) for a in args)
-                                                and ctx.op_type not in NEVER_ON_HOST):
-                    # Host step: every input is a constant or shape-derived value (or only its shape is read).
+                if i in self.shape_steps:
+                    # Host step: a shape-only value (kiln/runtime/shapes.py), once per input-shape signature.
                     outs = [place(o, device) for o in outputs_of(call_step(fn, ctx, args, attrs), len(out_slots))]
                     if plan is not None and plan.recording:
                         plan.host_outputs[i] = outs
@@ -199,6 +224,19 @@ class Program:
             for s in step.free:
                 env[s] = None
         return [env[s] for s in self.output_slots]
+
+
+SHAPE_PLANS = 64  # input-shape signatures whose shape values a Program remembers (least recently used go)
+
+
+def _signature(inputs: list[Any]) -> tuple | None:
+    """The input shapes and dtypes, as a key; None when an input is not a tensor."""
+    key = []
+    for v in inputs:
+        if not isinstance(v, torch.Tensor):
+            return None
+        key.append((tuple(v.shape), v.dtype))
+    return tuple(key)
 
 
 _SOLE_REFERENCES: dict[str, int | None] = {}
