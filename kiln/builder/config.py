@@ -15,6 +15,8 @@ class BuildConfig:
     # optimization profiles: [{input: (min, opt, max) | "1x1,8x128,32x512"}]; [] = kiln's default for
     # symbolic dims (kiln/builder/profiles.py)
     profiles: list[dict[str, Any]] = field(default_factory=list)
+    # symbolic dims where zero padding is exact, besides batch and a masked sequence (runtime/buckets.py)
+    pad_dims: list[str] = field(default_factory=list)
     layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)

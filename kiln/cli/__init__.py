@@ -49,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="an optimization profile (repeat for several): each input's smallest, tuned and largest "
                         "shape, e.g. 'input_ids:1x1,8x128,32x512'; inputs sharing a symbolic dim follow the ones "
                         "given. Default: kiln picks one for symbolic dims (kiln inspect says which)")
+    p.add_argument("--pad-dims", metavar="SYMBOL[,SYMBOL]",
+                   help="symbolic dims where zero padding at the end is exact, besides batch and a sequence an "
+                        "attention_mask input covers (e.g. 'seq' for a causal decoder): CUDA shape buckets pad them")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
                    help="builder precision (default fp32)")

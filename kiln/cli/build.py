@@ -30,6 +30,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "opt_level": args.opt_level,
         "shapes": parse_shapes(args.shapes),
         "profiles": [parse_profile(spec) for spec in args.profile or []],
+        "pad_dims": [d.strip() for d in (args.pad_dims or "").split(",") if d.strip()],
         "verbose": args.verbose,
         "device": args.device,
         "precision": args.precision,

@@ -1,14 +1,26 @@
-"""CUDA graphs: one per input-shape signature of an execution context, replayed."""
+"""CUDA graphs: one per input-shape signature of an execution context, replayed, in a bounded cache.
+
+A context captures a graph the second time it meets a signature (the first run is eager: it
+records the signature's shape values and warms the kernels up) and replays it after. Graphs are
+kept least recently used first out, within a count and a memory budget (each graph's memory is
+what its capture allocated: its private pool, inputs and outputs), so a stream of shapes cannot
+grow device memory without bound; shape buckets (kiln/runtime/buckets.py) keep the number of
+signatures small in the first place. `stats` counts captures, replays, evictions and eager runs.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kiln.runtime.host import ShapePlan, host_sync_is_an_error
 from kiln.runtime.program import Program
+
+MAX_GRAPHS = 64
+MEMORY_BUDGET = 4 << 30  # bytes of captured graphs per context
 
 
 @dataclass
@@ -18,6 +30,22 @@ class _Captured:
     static_inputs: list[Any]
     static_outputs: list[Any]
     reason: str = ""  # why this signature runs eagerly, when graph is None
+    bytes: int = 0  # device memory the capture took
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+    eager_runs: int = 0  # first sight of a signature, or a signature that cannot be captured
+    graphs: int = 0  # held now
+    graph_bytes: int = 0  # held now
+    peak_graph_bytes: int = 0
+    eager_reasons: dict[str, str] = field(default_factory=dict)  # signature -> why it runs eagerly
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
 
 
 class GraphRunner:
@@ -27,10 +55,14 @@ class GraphRunner:
     the same context (TensorRT's contract for a context's output buffers).
     """
 
-    def __init__(self, program: Program, use_graphs: bool = True):
+    def __init__(self, program: Program, use_graphs: bool = True, max_graphs: int = MAX_GRAPHS,
+                 memory_budget: int = MEMORY_BUDGET):
         self.program = program
         self.use_graphs = use_graphs
-        self.entries: dict[tuple, _Captured] = {}
+        self.max_graphs = max_graphs
+        self.memory_budget = memory_budget
+        self.entries: OrderedDict[tuple, _Captured] = OrderedDict()
+        self.stats = GraphStats()
 
     @staticmethod
     def _key(inputs: list[Any]) -> tuple | None:
@@ -44,26 +76,32 @@ class GraphRunner:
     def run(self, inputs: list[Any]) -> list[Any]:
         key = self._key(inputs)
         if key is None:  # sequences/optionals: no shape signature, run eagerly
+            self.stats.eager_runs += 1
             return self.program.run(inputs)
         entry = self.entries.get(key)
         if entry is None:
             return self._first_run(key, inputs)
-        if entry.graph is None:
+        self.entries.move_to_end(key)
+        if entry.graph is None:  # graphs off, or this signature cannot be captured (entry.reason)
+            self.stats.eager_runs += 1
             return self.program.run(inputs, plan=entry.plan)
         for dst, src in zip(entry.static_inputs, inputs):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         entry.graph.replay()
+        self.stats.replays += 1
         return entry.static_outputs
 
     def _first_run(self, key: tuple, inputs: list[Any]) -> list[Any]:
         plan = ShapePlan()
         outputs = self.program.run(inputs, plan=plan)  # eager; records host values, warms up kernels
+        self.stats.eager_runs += 1
         plan.recording = False
         entry = _Captured(None, plan, [], [], reason="CUDA graphs disabled")
         self.entries[key] = entry
         if not self.use_graphs:
             return outputs
+        free_before = torch.cuda.memory_allocated()
         static_inputs = [t.clone() for t in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -73,8 +111,9 @@ class GraphRunner:
             with host_sync_is_an_error(), torch.cuda.stream(stream):
                 self.program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
-            # the error names the layer (call_step): "layer 'x' (Op) failed: ..."; inspect/bench show it
+            # the error names the layer (call_step): "layer 'x' (Op) failed: ..."; bench shows it
             entry.reason = f"a layer synchronizes with the host: {str(e).splitlines()[0][:300]}"
+            self.stats.eager_reasons[str(key)] = entry.reason
             return outputs
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -83,7 +122,27 @@ class GraphRunner:
                 static_outputs = self.program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001
             entry.reason = f"capture failed ({type(e).__name__}: {str(e)[:120]})"
+            self.stats.eager_reasons[str(key)] = entry.reason
             torch.cuda.synchronize()
             return outputs
         entry.graph, entry.static_inputs, entry.static_outputs, entry.reason = graph, static_inputs, static_outputs, ""
+        entry.bytes = max(torch.cuda.memory_allocated() - free_before, 0)
+        self.stats.captures += 1
+        self.stats.graphs += 1
+        self.stats.graph_bytes += entry.bytes
+        self.stats.peak_graph_bytes = max(self.stats.peak_graph_bytes, self.stats.graph_bytes)
+        self._evict(keep=key)
         return outputs
+
+    def _evict(self, keep: tuple) -> None:
+        """Least recently used graphs out until the count and the memory are within bounds."""
+        while self.stats.graphs > self.max_graphs or (self.stats.graph_bytes > self.memory_budget
+                                                      and self.stats.graphs > 1):
+            victim = next((k for k, e in self.entries.items() if e.graph is not None and k != keep), None)
+            if victim is None:
+                return
+            entry = self.entries.pop(victim)
+            self.stats.graphs -= 1
+            self.stats.graph_bytes -= entry.bytes
+            self.stats.evictions += 1
+            entry.graph = None  # its pool goes back to torch's allocator with the last reference

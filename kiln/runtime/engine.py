@@ -15,7 +15,8 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.cuda_graphs import GraphRunner
+from kiln.runtime.buckets import plan_buckets
+from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
@@ -113,8 +114,9 @@ class Engine:
         return [a.to(self.internal_dtype[b.dtype]) if b.dtype in self.internal_dtype and isinstance(a, torch.Tensor)
                 else a for a, b in zip(args, self.inputs)]
 
-    def create_execution_context(self) -> ExecutionContext:
-        return ExecutionContext(self)
+    def create_execution_context(self, **options: Any) -> ExecutionContext:
+        """A new context (its own activations, CUDA graphs and buckets); options: ExecutionContext's."""
+        return ExecutionContext(self, **options)
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
         return self._default_context.run(feeds)
@@ -131,14 +133,23 @@ class Engine:
 class ExecutionContext:
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
-    def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None):
+    def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
+                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET):
+        """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
+        default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
+        there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU)."""
         self.engine = engine
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
-            self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs)
+            self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs, max_graphs=max_graphs,
+                                      memory_budget=graph_memory_budget)
+        if buckets is None:
+            buckets = self.runner is not None and self.runner.use_graphs
+        pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
+        self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
         self._static = _static_signature(engine)
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
 
@@ -218,10 +229,16 @@ class ExecutionContext:
         args = self.engine.program_inputs(feeds)
         internal = self.engine.internal_dtype
         with torch.inference_mode():
+            targets = None
+            if self.buckets is not None:  # padded up to the run's buckets, cropped back after
+                targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names)
+                args = self.buckets.pad(args, targets)
             if self.runner is not None:
                 results = self.runner.run(args)
             else:
                 results = self.engine.program.run(args)
+            if targets:
+                results = self.buckets.crop(results, targets)
         if internal:
             results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
                        else r for r, b in zip(results, self.engine.outputs)]
