@@ -89,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     p.add_argument("--json", metavar="OUT.json", help="also write the statistics as JSON")
+    stream = p.add_mutually_exclusive_group()
+    stream.add_argument("--random-shapes", metavar="NAME:MINxMIN..MAXxMAX",
+                        help="replay a stream of random shapes (e.g. input_ids:1x1..32x512; inputs sharing a "
+                             "symbol follow) and report p50/p99 with first calls, captures and memory")
+    stream.add_argument("--shapes-from", metavar="FILE", help="replay the shapes in FILE (NAME:DIMS[,...] a line)")
+    p.add_argument("--requests", type=int, default=200, metavar="N", help="requests in a --random-shapes stream")
     p.add_argument("--no-overhead", action="store_true", help="skip the dispatch overhead estimate")
     p.add_argument("--dump-profile", action="store_true", help="also print each layer's median time (eager)")
     p.set_defaults(func=cmd_bench)

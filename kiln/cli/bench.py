@@ -122,6 +122,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise KilnError("--duration must be positive")
     engine = kiln.load(args.engine)
+    if args.random_shapes or args.shapes_from:
+        return _bench_stream(engine, args)
     feeds = make_inputs(engine.plan, args)
     session = None
     if args.against == "onnxruntime":
@@ -187,4 +189,54 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"python dispatch overhead: ~{1e6 * per_layer:.1f} us per layer x {layers} layers "
                 f"= ~{1000 * per_layer * layers:.3f} ms of the {1000 * base:.3f} ms mean"
             ))
+    return 0
+
+
+def _bench_stream(engine, args: argparse.Namespace) -> int:
+    """A stream of request shapes (bench_stream.py): every call timed, first calls included."""
+    from rich.table import Table
+
+    from kiln.cli import bench_stream
+
+    stream = bench_stream.shape_stream(engine.inputs, random_shapes=args.random_shapes,
+                                       shapes_from=args.shapes_from, requests=args.requests, seed=args.seed)
+    rng = np.random.default_rng(args.seed)
+    host = [bench_stream.request_inputs(engine.inputs, shapes, rng) for shapes in stream]
+    context = engine.create_execution_context()
+    cuda = engine.device.type == "cuda"
+    on_device = [{k: _on_device(v, engine.device) for k, v in feeds.items()} for feeds in host] if cuda else host
+    by_id = {id(s): f for s, f in zip(stream, on_device)}
+    results = [("kiln", bench_stream.replay(context.run, stream, lambda shapes: by_id[id(shapes)], engine.device))]
+    if args.against == "onnxruntime":
+        session = _onnxruntime_session(_source_onnx(engine.plan, args), engine.device.type)
+        wanted = {i.name for i in session.get_inputs()}
+        host_by_id = {id(s): {k: v for k, v in f.items() if k in wanted} for s, f in zip(stream, host)}
+        results.append(("onnxruntime", bench_stream.replay(lambda feeds: session.run(None, feeds), stream,
+                                                           lambda shapes: host_by_id[id(shapes)], None)))
+    table = Table(title=f"{Path(args.engine).name} on {engine.device}: {len(stream)} requests, "
+                        f"{results[0][1].signatures} distinct shapes; latency in ms", title_justify="left")
+    for column in ("runtime", "p50", "p99", "p99/p50", "p50 warm", "p99 warm", "p99/p50 warm", "first call",
+                   "total s", "memory"):
+        table.add_column(column, justify="left" if column in ("runtime", "memory") else "right")
+    for name, r in results:
+        a, w = r.all_calls, r.warm_calls or r.all_calls
+        table.add_row(name, f"{1000 * a.median:.3f}", f"{1000 * a.p99:.3f}", f"{a.p99 / a.median:.2f}",
+                      f"{1000 * w.median:.3f}", f"{1000 * w.p99:.3f}", f"{w.p99 / w.median:.2f}",
+                      f"{r.first_call_ms:.3f}" if r.first_call_ms is not None else "-", f"{a.total:.2f}", r.memory)
+    out = console()
+    out.print(table)
+    out.print(text("warm: the second half of the stream; first call: mean of the calls meeting a shape first"))
+    if context.runner is not None:
+        s = context.runner.stats
+        out.print(text(f"CUDA graphs: {s.captures} captured, {s.replays} replays, {s.evictions} evicted, "
+                       f"{s.eager_runs} eager runs; {s.graphs} held ({s.graph_bytes / 2**20:.0f} MiB, peak "
+                       f"{s.peak_graph_bytes / 2**20:.0f} MiB)"))
+        for signature, reason in list(s.eager_reasons.items())[:3]:
+            out.print(text(f"  eager {signature}: {reason}"))
+    if context.buckets is not None:
+        out.print(text(f"shape buckets on: {', '.join(sorted(context.buckets.symbols))} padded"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({n: r.to_json() for n, r in results}
+                                              | ({"graphs": context.runner.stats.to_json()} if context.runner else {}),
+                                              indent=2, default=str))
     return 0
