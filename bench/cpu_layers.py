@@ -13,6 +13,14 @@ engines timed next to it) with its profiler on, summed per ONNX op type.
 The timing wrapper holds extra references to each layer's inputs, so cpu.conv.onednn_direct never
 accumulates a residual in place here (it does only when nothing else holds it): its residual layers
 show the binary post-op's time, ~0.05-0.1 ms more each on ResNet-50 than inside a plain engine run.
+
+    python bench/cpu_layers.py --wins resnet50,mobilenet_v2,bert_base,minilm
+
+--wins builds each model once with every tactic (opt_level 5, the level-3 ones included) and no
+timing cache, so every candidate is timed on this machine, and tallies the autotuner's own record
+(the engine header's tactics.layers): per CPU tactic and model, the layers it was timed on, won
+and came second on, and its time over the winner's. The evidence for retiring a tactic
+(docs/retired-tactics.md).
 """
 
 from __future__ import annotations
@@ -108,6 +116,48 @@ def onnxruntime_profile(path: Path, feeds: dict, threads: int, runs: int) -> tup
     return lower_quartile(whole), dict(per_type)
 
 
+WIN_CASES = {"resnet50": {"batch": 1}, "mobilenet_v2": {"batch": 1},  # bench/cpu.py's shapes
+             "bert_base": {"batch": 1, "seq": 128}, "minilm": {"batch": 8, "seq": 128}}
+
+
+def tuned_layers(model: str, threads: int) -> dict[str, dict]:
+    """The autotuner's record of `model` built with every tactic and no timing cache: layer -> {tactic,
+    time_ms, runner_up, runner_up_ms, candidates: {name: ms or why not}}."""
+    import torch
+
+    torch.set_num_threads(threads)
+    exported = zoo.export(model, **WIN_CASES.get(model, {}))
+    engine = kiln.build(str(exported.path), opt_level=5, timing_cache=None)
+    return engine.plan.header["tactics"].get("layers", {})
+
+
+def win_table(layers_by_model: dict[str, dict[str, dict]], prefix: str = "cpu.") -> list[str]:
+    """Lines of a table: per tactic (and the default) and model, the layers it won (the autotuner's choice,
+    layout preference and native credit applied), the distinct layers it was measured on (a layer the build
+    had already measured, same shapes and attributes, takes that choice unmeasured), how often it came second
+    and had the lowest raw time there, and its time over the winner's where it lost (median, best)."""
+    names = sorted({name for layers in layers_by_model.values() for layer in layers.values()
+                    for name, v in layer["candidates"].items()
+                    if isinstance(v, float) and (name.startswith(prefix) or name == "default")})
+    lines = ["| tactic | model | won | measured on | second | fastest raw | time / winner's where it lost |",
+             "|---|---|---|---|---|---|---|"]
+    for name in names:
+        for model, layers in layers_by_model.items():
+            measured = [layer for layer in layers.values()
+                        if not layer["cached"] and isinstance(layer["candidates"].get(name), float)]
+            if not measured:
+                continue
+            won = sum(layer["tactic"] == name for layer in layers.values())
+            second = sum(layer["runner_up"] == name for layer in measured)
+            fastest = sum(min((v for v in layer["candidates"].values() if isinstance(v, float))) ==
+                          layer["candidates"][name] for layer in measured)
+            ratios = sorted(layer["candidates"][name] / layer["time_ms"] for layer in measured
+                            if layer["tactic"] != name and layer["time_ms"])
+            lost = f"median {statistics.median(ratios):.2f}x, best {ratios[0]:.2f}x" if ratios else "-"
+            lines.append(f"| {name} | {model} | {won} | {len(measured)} | {second} | {fastest} | {lost} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mobilenet_v2")
@@ -115,7 +165,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--sets", default=DEFAULT_SETS, help="tactic sets separated by ';', tactics by ','")
+    parser.add_argument("--wins", default="", help="models (comma-separated): count the layers each tactic wins")
+    parser.add_argument("--wins-json", default="", help="with --wins: also write the per-layer records here")
     args = parser.parse_args()
+
+    if args.wins:
+        layers_by_model = {}
+        for model in args.wins.split(","):
+            start = time.perf_counter()
+            layers_by_model[model] = tuned_layers(model, args.threads)
+            print(f"{model}: {len(layers_by_model[model])} tuned layers in {time.perf_counter() - start:.0f} s "
+                  f"(load average {os.getloadavg()[0]:.2f})", flush=True)
+        if args.wins_json:
+            Path(args.wins_json).write_text(json.dumps(layers_by_model, indent=1))
+        print("\n".join(win_table(layers_by_model)))
+        return
 
     import torch
 

@@ -323,10 +323,10 @@ POINTWISE_CASES = [case for case in CONV_CASES if case[5] == 1 and case[6] == 1 
 ]
 
 
-@pytest.mark.parametrize("tactic", ["cpu.conv.mkl_1x1", "cpu.conv.onednn_1x1"])
 @pytest.mark.parametrize("case", POINTWISE_CASES, ids=lambda c: f"n{c[0]}c{c[1]}o{c[4]}-{c[9] or 'none'}-r{c[12]}{c[13]}")
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_cpu_pointwise_conv_tactic_matches_default(tactic, case, layout):
+def test_cpu_pointwise_conv_tactic_matches_default(case, layout):
+    tactic = "cpu.conv.onednn_1x1"
     if not registry.get(tactic).available():
         pytest.skip(f"{tactic} is not available in this torch build")
     n, c, h, w_, o, _k, _stride, _pad, _group, activation, alpha, beta, residual, after = case
@@ -351,8 +351,8 @@ def test_cpu_pointwise_conv_tactic_matches_default(tactic, case, layout):
                  fused_conv(ctx, smaller, w, b, None if r is None else r[:1], **attrs))
 
 
-def test_pointwise_conv_tactics_refuse_other_convolutions():
-    tactic = registry.get("cpu.conv.mkl_1x1")
+def test_pointwise_conv_tactic_refuses_other_convolutions():
+    tactic = registry.get("cpu.conv.onednn_1x1")
     x = InputMeta((1, 8, 8, 8), torch.float32, False)
     step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {}, domain="kiln")
     assert "1x1" in tactic.check(step, [x, InputMeta((8, 8, 3, 3), torch.float32, True)])

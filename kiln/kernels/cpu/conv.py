@@ -102,8 +102,10 @@ def conv2d_onednn(x: torch.Tensor, packed_w: torch.Tensor, b: torch.Tensor | Non
 # pixels: y[N·H·W, O] = x[N·H·W, C] · Wᵀ + b, and the channels-last tensors *are* those
 # matrices (a view, no copy). A GEMM entry point skips oneDNN's convolution set-up, which costs
 # ~30 µs per call here whatever the layer's size (the primitive descriptor is rebuilt on every
-# call): MobileNetV2's small 1x1 layers at 14x14 and 7x7 take 40-70 µs as a convolution and
-# 30-55 µs as an MKL packed GEMM.
+# call): MobileNetV2's small 1x1 layers at 14x14 and 7x7 took 40-70 µs as a convolution and
+# 30-55 µs as an MKL packed GEMM. (The tactics built since, oneDNN Graph and the C API's bound
+# primitives, have no such set-up: cpu.conv.onednn_1x1 now rarely wins, and its MKL twin is
+# retired, docs/retired-tactics.md.)
 
 def pixels_as_rows(x: torch.Tensor) -> torch.Tensor:
     """x [N, C, H, W] (any layout) -> [N·H·W, C]: a view when x is channels-last."""

@@ -3,8 +3,8 @@
     cpu.conv.onednn_nhwc   oneDNN conv, blocked weight, bias/activation/residual as post-ops, NHWC
     cpu.conv.torch_nhwc    torch conv2d on channels-last activations and weights: less fixed cost per
                            call than the oneDNN post-op entry point (~40 µs here), so small layers win
-    cpu.conv.mkl_1x1       1x1 stride-1 conv as an MKL packed GEMM over the NHWC pixels (no conv set-up)
-    cpu.conv.onednn_1x1    the same GEMM on oneDNN's linear (packed weight, activation as a post-op)
+    cpu.conv.onednn_1x1    1x1 stride-1 conv as oneDNN's linear over the NHWC pixels (no conv set-up),
+                           packed weight, activation as a post-op
     cpu.conv.onednn_graph  oneDNN Graph partition compiled once at load (TorchScript LLGA): no per-call
                            primitive set-up (kiln/kernels/cpu/conv_graph.py)
     cpu.gemm.onednn        oneDNN linear on a packed weight, activation/residual as post-ops
@@ -13,6 +13,8 @@
 The NHWC convolutions turn their input channels-last (free when it already is) and give a
 channels-last output, so a conv stack converts once at its input; every other op sees a
 tensor of the same shape, only its strides differ (torch ops are layout-agnostic).
+
+Retired, with the measurement that retired each: docs/retired-tactics.md (cpu.conv.mkl_1x1).
 """
 
 from __future__ import annotations
@@ -173,39 +175,28 @@ def _pointwise_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, A
     return {"rows": n * h * w}  # pixels: the GEMM's M
 
 
-def _prepare_pointwise(step: StepSpec, constants: list[Any], gemm: str):
+def _prepare_pointwise(step: StepSpec, constants: list[Any], device: torch.device):
     w = constants[1].reshape(constants[1].shape[0], -1).contiguous()  # [O, C, 1, 1] -> [O, C]
-    rows = int(step.tactic_config["rows"])
     op, after = post_op(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0)), \
         bool(_attr(step, "residual_after_activation", 0))
-    packed = pack_linear_mkl(w, rows) if gemm == "mkl" else pack_linear_onednn(w, rows)
+    packed = pack_linear_onednn(w, int(step.tactic_config["rows"]))
 
     def launch(ctx, x, w_=None, b=None, residual=None, **_attributes):
         n, _c, h, w_px = x.shape
         x_rows = pixels_as_rows(x.contiguous(memory_format=_CL))  # [N·H·W, C], a view
         r_rows = None if residual is None else pixels_as_rows(residual)  # [N·H·W, O]
-        if gemm == "mkl":
-            y = linear_mkl(x_rows, packed, w, b, rows, r_rows, op, after)
-        else:
-            y = linear_onednn(x_rows, packed, b, r_rows, op, after)
+        y = linear_onednn(x_rows, packed, b, r_rows, op, after)
         return rows_as_pixels(y, n, h, w_px)  # [N, O, H, W] channels-last
 
     return launch
 
 
 register(Tactic(
-    name="cpu.conv.mkl_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
-    supports=_pointwise_supports, configure=_pointwise_configure,
-    level=3,  # opt_level 3+: cpu.conv.onednn_graph beats or ties them on every 1x1 layer measured
-    prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "mkl"),
-    layout="channels_last", available=mkl_available,
-    description="1x1 convolution as an MKL packed GEMM over NHWC pixels, epilogue in place",
-))
-register(Tactic(
     name="cpu.conv.onednn_1x1", op_type="FusedConv", domain="kiln", device="cpu", dtypes=_FP32,
     supports=_pointwise_supports, configure=_pointwise_configure,
-    level=3,  # opt_level 3+: cpu.conv.onednn_graph beats or ties them on every 1x1 layer measured
-    prepare=lambda step, constants, device: _prepare_pointwise(step, constants, "onednn"),
+    level=3,  # opt_level 3+: it wins a 1x1 layer now and then, within noise of the conv tactics
+              # (measured: docs/retired-tactics.md, which retired its MKL twin cpu.conv.mkl_1x1)
+    prepare=_prepare_pointwise,
     layout="channels_last", available=onednn_available,
     description="1x1 convolution as a oneDNN linear over NHWC pixels, activation/residual as post-ops",
 ))
