@@ -2,8 +2,9 @@
 
 A rule in kiln is `match(node) -> Match | None` (None: this node is not a candidate),
 `check(match) -> str | None` (a reason when it refuses) and `rewrite(match)`; `run_rule`
-drives one rule over a graph and counts how often it fired. Refusals are kept in a
-`PassReport` so that `why_not` can show them.
+drives one rule over a graph and counts how often it fired. Nothing in the graph changes
+before the rule has decided: a refused match leaves it exactly as it was. Refusals are kept
+in a `PassReport` so that `why_not` can show them.
 """
 
 from __future__ import annotations
@@ -181,22 +182,31 @@ def replace_with(old_nodes: list[ir.Node], new_node: ir.Node, old_output: ir.Val
     out.name = name
 
 
-def bypass(node: ir.Node, replacement: ir.Value) -> bool:
-    """Remove a node whose output 0 equals `replacement`; False when that cannot be done.
+def bypass_refusal(node: ir.Node, replacement: ir.Value) -> str | None:
+    """Why `bypass(node, replacement)` cannot be done, or None when it can (a check: changes nothing).
 
     A graph output keeps its name: when the node's output is a graph output, the
     replacement is renamed to it, which is only possible if the replacement is itself an
     intermediate value (not a graph input, initializer or another graph output).
     """
-    graph = node.graph
     out = node.outputs[0]
     if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
-        return False
+        return "an output other than the first is read or is a graph output"
     if out.is_graph_output():
         if replacement.is_graph_input() or replacement.is_initializer() or replacement.is_graph_output():
-            return False
-        if replacement.graph is not graph and replacement.producer() is None:
-            return False  # an outer-scope value: a subgraph output cannot rename it
+            return f"the output {out.name!r} is a graph output and {replacement.name!r} cannot take its name"
+        if replacement.graph is not node.graph and replacement.producer() is None:
+            return f"the output {out.name!r} is a graph output and {replacement.name!r} is from an outer scope"
+    return None
+
+
+def bypass(node: ir.Node, replacement: ir.Value) -> bool:
+    """Remove a node whose output 0 equals `replacement`; False (graph untouched) when
+    `bypass_refusal` says it cannot be done."""
+    if bypass_refusal(node, replacement) is not None:
+        return False
+    graph = node.graph
+    out = node.outputs[0]
     name = out.name
     if replacement.shape is None:
         replacement.shape = out.shape

@@ -22,6 +22,7 @@ from kiln.passes._rewrite import (
     PassReport,
     attr,
     bypass,
+    bypass_refusal,
     const,
     is_op,
     new_initializer,
@@ -117,6 +118,9 @@ def fold_batchnorm(node: ir.Node, report: PassReport) -> bool:
     if any(p is None for p in params):
         report.refuse("fold_batchnorm", node, "scale/bias/mean/var are not all constants")
         return False
+    if (reason := bypass_refusal(node, node.inputs[0])) is not None:
+        report.refuse("fold_batchnorm", node, f"the BatchNormalization cannot be removed: {reason}")
+        return False  # decided before the weights change: a kept BN must not apply on scaled weights
     gamma, beta, mean, var = (p.astype(np.float64) for p in params)
     inv_sigma = gamma / np.sqrt(var + attr(node, "epsilon", 1e-5))
     _scale_layer(layer, inv_sigma, beta - mean * inv_sigma)
@@ -139,7 +143,7 @@ def fold_constant_mul_add(node: ir.Node, report: PassReport) -> bool:
         if node.op_type == "Add" and layer.op_type == "MatMul":
             continue  # a MatMul's bias Add becomes the FusedGemm bias instead
         vector = _channel_vector(c, len(value.shape), axis, channels)
-        if vector is None:
+        if vector is None or bypass_refusal(node, value) is not None:
             continue
         if node.op_type == "Mul":
             _scale_layer(layer, vector, None)

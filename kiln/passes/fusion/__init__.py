@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
-from kiln.passes.fusion.attention_mask import drop_empty_attention_mask
+from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_broadcast_attention_mask
 from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
@@ -32,6 +32,7 @@ RULES = [
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
     ("drop_empty_attention_mask", drop_empty_attention_mask),
+    ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_elementwise", fuse_elementwise),
 ]

@@ -15,9 +15,14 @@ as permutations applied inside the op (views, no copies):
 - K/V repeated for grouped-query attention, Reshape(Expand(Unsqueeze(k, 2))), becomes gqa=1 on the
   un-repeated k/v;
 - Transpose on Q, K, V inputs and on the output.
+
+The rule decides everything before it changes the graph, whether the mask is causal included
+(the mask's `constant` is computed off the graph); the mask it reads is built only then.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -37,7 +42,7 @@ from kiln.passes._rewrite import (
     producer,
     replace_with,
 )
-from kiln.passes.fusion.attention_mask import broadcast_constant
+from kiln.passes.fusion.attention_mask import broadcast_constant, evaluate_on_constants
 
 RULE = "fuse_attention"
 MASKED = -1e30  # an additive mask entry at or below this hides its key (exp underflows to 0 exactly)
@@ -128,13 +133,94 @@ def _value_input(v: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, list[int]
     return v, perm, gqa
 
 
-def _is_causal(mask: ir.Value | None) -> bool:
+@dataclass
+class _AddMask:
+    """An additive mask M, times the scale d applied after it: M·d (d = 1: M as is).
+
+    `constant` is what the mask holds (its pre-broadcast form), computed off the graph;
+    `build` adds what computes it. The rule calls `build` only once it has decided to fuse.
+    """
+
+    mask: ir.Value
+    scale: float = 1.0
+
+    def _scaled(self, m: np.ndarray) -> np.ndarray:
+        return (m * np.asarray(self.scale, m.dtype)).astype(m.dtype)
+
+    def _factor(self) -> np.ndarray:
+        dtype = dtype_of(self.mask)
+        return np.array(self.scale, dtype.numpy() if dtype else np.float32)
+
+    def constant(self, graph: ir.Graph) -> np.ndarray | None:
+        """The built mask's `broadcast_constant` (None: it depends on an input)."""
+        if self.scale == 1.0:
+            return broadcast_constant(self.mask)
+        if (m := const(self.mask)) is not None:
+            return self._scaled(m)
+        m = broadcast_constant(self.mask, depth=1)  # one level below the Mul that `build` adds
+        if m is None:
+            return None
+        return evaluate_on_constants("Mul", [m, self._factor()], dtype_of(self.mask), graph.opset_imports.get("", 21))
+
+    def build(self, before: ir.Node) -> ir.Value:
+        """M·d: M itself, a new constant, or a Mul node inserted before `before`."""
+        if self.scale == 1.0:
+            return self.mask
+        graph = before.graph
+        if (m := const(self.mask)) is not None:
+            return new_initializer(graph, f"{self.mask.name}_scaled", self._scaled(m))
+        factor = new_initializer(graph, f"{self.mask.name}_scale", self._factor())
+        mul = ir.Node("", "Mul", [self.mask, factor], name=f"{before.name}_mask_scale")
+        mul.outputs[0].type, mul.outputs[0].shape = self.mask.type, self.mask.shape
+        graph.insert_before(before, mul)
+        return mul.outputs[0]
+
+
+@dataclass
+class _WhereMask:
+    """A boolean Where(C, scores, f) as the additive mask Where(C, 0, f), with f scaled already.
+
+    `constant` and `build` as for `_AddMask`.
+    """
+
+    where: ir.Node
+    fill: float
+    dtype: ir.DataType  # the scores'
+
+    def _filled(self, cond: np.ndarray) -> np.ndarray:
+        return np.where(cond, 0, self.fill).astype(self.dtype.numpy())
+
+    def _zero_and_fill(self) -> list[np.ndarray]:
+        return [np.array(0, self.dtype.numpy()), np.array(self.fill, self.dtype.numpy())]
+
+    def constant(self, graph: ir.Graph) -> np.ndarray | None:
+        cond = self.where.inputs[0]
+        if const(cond) is not None:
+            return self._filled(const(cond))
+        c = broadcast_constant(cond, depth=1)  # one level below the Where that `build` adds
+        if c is None:
+            return None
+        return evaluate_on_constants("Where", [c, *self._zero_and_fill()], self.dtype, graph.opset_imports.get("", 21))
+
+    def build(self, before: ir.Node) -> ir.Value:
+        """Where(C, 0, f): a new constant when C is one, else a Where node inserted before `before`."""
+        graph, cond, name = before.graph, self.where.inputs[0], self.where.name
+        if const(cond) is not None:
+            return new_initializer(graph, f"{name}_mask", self._filled(const(cond)))
+        zero, fill = self._zero_and_fill()
+        inputs = [cond, new_initializer(graph, f"{name}_zero", zero), new_initializer(graph, f"{name}_fill", fill)]
+        mask = ir.Node("", "Where", inputs, name=f"{name}_mask")
+        mask.outputs[0].type = ir.TensorType(self.dtype)
+        graph.insert_before(before, mask)
+        return mask.outputs[0]
+
+
+def _is_causal(m: np.ndarray | None) -> bool:
     """True for a constant mask that is exactly the top-left lower triangle over its last two axes.
 
     The mask may be computed at full size at run time from constants (too large to fold: GPT-2 at
-    batch 8, seq 512 materialises [8, 1, 512, 512]); its pre-broadcast form decides.
+    batch 8, seq 512 materialises [8, 1, 512, 512]); its pre-broadcast form `m` decides.
     """
-    m = broadcast_constant(mask)
     if m is None or m.ndim < 2 or m.shape[-2] < 2 or m.shape[-1] < 2:
         return False  # a broadcast row/column is not the triangle of the real [S, T]
     keep = np.tril(np.ones(m.shape[-2:], dtype=bool))  # [S, T]: query i sees keys 0..i
@@ -143,38 +229,14 @@ def _is_causal(mask: ir.Value | None) -> bool:
     return bool(((m == 0) == keep).all() and (m[..., ~keep] <= MASKED).all())
 
 
-def _scaled_mask(mask: ir.Value, scale: float, before: ir.Node) -> ir.Value:
-    """mask·scale: a new constant when the mask is one, else a Mul node inserted before `before`."""
-    if scale == 1.0:
-        return mask
-    graph, m = before.graph, const(mask)
-    if m is not None:
-        return new_initializer(graph, f"{mask.name}_scaled", (m * np.asarray(scale, m.dtype)).astype(m.dtype))
-    dtype = dtype_of(mask)
-    factor = new_initializer(graph, f"{mask.name}_scale", np.array(scale, dtype.numpy() if dtype else np.float32))
-    mul = ir.Node("", "Mul", [mask, factor], name=f"{before.name}_mask_scale")
-    mul.outputs[0].type, mul.outputs[0].shape = mask.type, mask.shape
-    graph.insert_before(before, mul)
-    return mul.outputs[0]
-
-
-def _where_mask(where: ir.Node, scores: ir.Value, scale: float, before: ir.Node) -> ir.Value | None:
+def _where_mask(where: ir.Node, scores: ir.Value, scale: float) -> _WhereMask | None:
     """Where(C, scores, f)·scale with f ≤ -1e30 -> the additive mask Where(C, 0, f·scale), or None."""
     fill = const_scalar(where.inputs[2])
     dtype = dtype_of(scores)
     if where.inputs[1] is not scores or fill is None or fill > MASKED or dtype is None:
         return None
-    graph, np_dtype = before.graph, dtype.numpy()
-    fill = float(np.asarray(fill * scale, np_dtype)) if scale > 0 else fill  # stays ≤ -1e30 or -inf
-    cond = const(where.inputs[0])
-    if cond is not None:
-        return new_initializer(graph, f"{where.name}_mask", np.where(cond, 0, fill).astype(np_dtype))
-    zero = new_initializer(graph, f"{where.name}_zero", np.array(0, np_dtype))
-    filler = new_initializer(graph, f"{where.name}_fill", np.array(fill, np_dtype))
-    mask = ir.Node("", "Where", [where.inputs[0], zero, filler], name=f"{where.name}_mask")
-    mask.outputs[0].type = ir.TensorType(dtype)
-    graph.insert_before(before, mask)
-    return mask.outputs[0]
+    fill = float(np.asarray(fill * scale, dtype.numpy())) if scale > 0 else fill  # stays ≤ -1e30 or -inf
+    return _WhereMask(where, fill, dtype)
 
 
 def fuse_attention(node: ir.Node, report: PassReport) -> bool:
@@ -206,7 +268,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, "the attention scores are read by more than the Softmax")
         return False
     scores, outer_scale = _strip_scale(scores, nodes)  # a scale applied after the mask
-    mask, mask_scale = None, outer_scale
+    mask: _AddMask | _WhereMask | None = None
     add = producer(scores, "Add") if only_user(scores) else None
     where = producer(scores, "Where") if only_user(scores) else None
     if where is not None:
@@ -214,8 +276,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         if not is_op(producer(inner), "MatMul") or not only_user(where.inputs[1]):
             report.refuse(RULE, node, "the Where before Softmax does not select from Q·Kᵀ")
             return False
-        mask = _where_mask(where, where.inputs[1], outer_scale, node)
-        mask_scale = 1.0  # the fill is scaled already
+        mask = _where_mask(where, where.inputs[1], outer_scale)  # the fill is scaled already
         if mask is None:
             report.refuse(RULE, node, "the Where before Softmax fills with a value above -1e30, not a mask")
             return False
@@ -225,7 +286,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         for candidate in add.inputs:
             inner, _ = _strip_scale(candidate, [])
             if is_op(producer(inner), "MatMul") and only_user(candidate):
-                mask = other_input(add, candidate)
+                mask = _AddMask(other_input(add, candidate), outer_scale)
                 nodes.append(add)
                 scores = candidate
                 break
@@ -234,8 +295,6 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
             return False
     scores, scale = _strip_scale(scores, nodes)
     scale *= outer_scale
-    if mask is not None:
-        mask = _scaled_mask(mask, mask_scale, node)
     qk = producer(scores, "MatMul")
     if qk is None or not only_user(scores):
         report.refuse(RULE, node, "the Softmax input is not a (scaled) MatMul of Q and Kᵀ")
@@ -257,9 +316,10 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if is_op(tr, "Transpose") and attr(tr, "perm") is not None:
         nodes.append(tr)
         out, out_perm = tr.outputs[0], attr(tr, "perm")
-    causal = _is_causal(mask)
+    causal = mask is not None and _is_causal(mask.constant(node.graph))
     if causal:
         mask, nan_to_zero = None, 0
+    # Decided: from here on the graph changes.
     attrs = [ir.AttrFloat32("scale", scale * q_scale * k_scale),
              ir.AttrInt64("gqa", int(k_gqa)), ir.AttrInt64("nan_to_zero", nan_to_zero)]
     if causal:
@@ -267,7 +327,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     for name, perm in (("q_perm", q_perm), ("k_perm", k_perm), ("v_perm", v_perm), ("out_perm", out_perm)):
         if perm is not None and perm != [0, 1, 2, 3]:
             attrs.append(ir.AttrInt64s(name, perm))
-    inputs = [q, k, v] + ([mask] if mask is not None else [])
+    inputs = [q, k, v] + ([mask.build(node)] if mask is not None else [])
     fused = ir.Node(KILN_DOMAIN, "Attention", inputs, attrs, name=pv.name)
     replace_with(nodes, fused, out)
     return True

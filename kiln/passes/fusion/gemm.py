@@ -17,6 +17,8 @@ gone the epilogue (GELU, residual Add) sits right after the layer and is absorbe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
@@ -70,8 +72,26 @@ def _weight_and_bias(node: ir.Node, report: PassReport) -> tuple[np.ndarray, np.
     return w, np.broadcast_to(bias.reshape(-1) * np.asarray(beta, bias.dtype), (w.shape[0],))
 
 
-def _lift_reshapes(node: ir.Node, k: int, n: int) -> tuple[ir.Value, ir.Node] | None:
-    """(the N-D input, the output Reshape) when node is a 2-D Gemm between a flatten and an unflatten."""
+@dataclass
+class _Lift:
+    """A 2-D Gemm between a flatten and an unflatten, read as an N-D linear layer."""
+
+    source: ir.Value  # the N-D input [B, S, K] the layer reads
+    unflatten: ir.Node  # the output Reshape the layer absorbs
+    flatten: ir.Node | None = None  # when set: re-target this flatten at `shape` (source is its output)
+    shape: list[int] | None = None
+
+    def apply(self) -> ir.Value:
+        """The layer's input, after re-targeting the flatten when that is needed (changes the graph)."""
+        if self.flatten is not None:
+            target = new_initializer(self.flatten.graph, f"{self.flatten.name}_shape", np.array(self.shape, np.int64))
+            self.flatten.replace_input_with(1, target)
+            self.source.shape = ir.Shape(self.shape)
+        return self.source
+
+
+def _lift_reshapes(node: ir.Node, k: int, n: int) -> _Lift | None:
+    """How to read node as N-D when it is a 2-D Gemm between a flatten and an unflatten (graph untouched)."""
     x, out = node.inputs[0], node.outputs[0]
     unflatten = only_user(out)
     if not is_op(unflatten, "Reshape") or x.shape is None or len(x.shape) != 2:
@@ -83,15 +103,12 @@ def _lift_reshapes(node: ir.Node, k: int, n: int) -> tuple[ir.Value, ir.Node] | 
     source = flatten.inputs[0] if flatten is not None else None
     if source is not None and source.shape is not None and len(source.shape) == len(target) \
             and source.shape[-1] == k and dims_equal(list(source.shape)[:-1], list(target)[:-1]):
-        return source, unflatten  # x was [B, S, K] before the flatten: read it directly
+        return _Lift(source, unflatten)  # x was [B, S, K] before the flatten: read it directly
     static = [d for d in target if isinstance(d, int)]
     if flatten is None or only_user(x) is not node or len(static) != len(target):
         return None
     # Re-target the flatten at [B, S, K] (same element order: only the leading dims regroup).
-    shape = new_initializer(node.graph, f"{flatten.name}_shape", np.array([*static[:-1], k], np.int64))
-    flatten.replace_input_with(1, shape)
-    x.shape = ir.Shape([*static[:-1], k])
-    return x, unflatten
+    return _Lift(x, unflatten, flatten, [*static[:-1], k])
 
 
 def fuse_gemm(node: ir.Node, report: PassReport) -> bool:
@@ -102,17 +119,18 @@ def fuse_gemm(node: ir.Node, report: PassReport) -> bool:
         return False
     w, bias = found
     n = w.shape[0]
-    x, layer_nodes, layer_out = node.inputs[0], [node], node.outputs[0]
+    layer_nodes, layer_out = [node], node.outputs[0]
     if (lifted := _lift_reshapes(node, w.shape[1], n)) is not None:
-        x, unflatten = lifted
-        layer_nodes.append(unflatten)
-        layer_out = unflatten.outputs[0]
+        layer_nodes.append(lifted.unflatten)
+        layer_out = lifted.unflatten.outputs[0]
     # A residual Add read by a LayerNorm is left to fuse_skip_layer_norm: the norm then adds it in its
     # own pass over the row, where a GEMM epilogue would write the sum for the norm to read back.
     ep = absorb_epilogue(layer_out, n, -1, take_bias=True, rule=RULE, layer=node, report=report,
                          leave_residual_to_norm=True)
     if ep.bias is not None:
         bias = ep.bias if bias is None else bias + ep.bias
+    # Decided: from here on the graph changes.
+    x = lifted.apply() if lifted is not None else node.inputs[0]
     graph = node.graph
     inputs = [x, new_initializer(graph, f"{node.inputs[1].name}_t", np.ascontiguousarray(w))]
     inputs.append(None if bias is None else new_initializer(graph, f"{node.name}_bias", bias.astype(w.dtype)))

@@ -118,14 +118,16 @@ def fuse_rotary(node: ir.Node, report: PassReport) -> bool:
             and attr(transpose, "perm") is not None and attr(transpose, "perm")[-1] == rank - 1 \
             and c.ndim <= rank and s.ndim <= rank:
         perm = attr(transpose, "perm")
-        inverse = [int(i) for i in np.argsort(perm)]
-        cos, sin = _transposed(graph, cos, c, inverse), _transposed(graph, sin, s, inverse)
         nodes.append(transpose)
         x = transpose.inputs[0]
         if (heads := _split_heads(x, transpose)) is not None:
             nodes.append(heads[0])
             x = heads[0].inputs[0]
             attrs.append(ir.AttrInt64("num_heads", heads[1]))
+    # Decided: from here on the graph changes.
+    if perm is not None:
+        inverse = [int(i) for i in np.argsort(perm)]
+        cos, sin = _transposed(graph, cos, c, inverse), _transposed(graph, sin, s, inverse)
     rotary = ir.Node(KILN_DOMAIN, "Rotary", [x, cos, sin], attrs, name=add.name)
     if perm is None:
         replace_with(nodes, rotary, out)
