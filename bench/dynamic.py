@@ -1,0 +1,210 @@
+"""kiln at every shape: one engine, a stream of requests of random batch x sequence, each with a real
+padding mask, side by side with the peers on the same stream (issue 10's benchmark).
+
+    python bench/dynamic.py --device cuda                  # BERT-base, batch 1-32 x seq 1-512, 200 requests
+    python bench/dynamic.py --device cpu --max-batch 4 --max-seq 128 --requests 60
+
+Peers: on CUDA torch eager fp16 and torch.compile(dynamic=True) fp16 (the same module kiln's ONNX was
+exported from); on the CPU onnxruntime (all graph optimisations, same thread count). Every request is
+run by every runtime back to back (same shape, same data), so each request has its own kiln / fastest
+peer ratio. Reported: p50/p99 over all calls (first calls, captures and compiles included), p99/p50
+after warm-up (the second half), mean first-call cost, the stream's total time, CUDA graphs captured,
+device memory peak, and where kiln is slower than the fastest peer. Correctness first: kiln's output is
+compared with the fp32 reference on a few requests (real tokens only). Prints a table last; writes
+bench/results/dynamic-<device>-<date>.md (appended).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
+from kiln.runtime.profiler import percentile  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def stream(requests: int, max_batch: int, max_seq: int, vocab: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(requests):
+        b, s = int(rng.integers(1, max_batch + 1)), int(rng.integers(1, max_seq + 1))
+        mask = np.ones((b, s), np.int64)
+        for row in range(b):
+            mask[row, rng.integers(max(1, s // 2), s + 1):] = 0  # padded at the end, at least half real
+        out.append({"input_ids": rng.integers(0, vocab, (b, s), dtype=np.int64), "attention_mask": mask})
+    return out
+
+
+def summary(samples: list[float], first: list[float]) -> dict:
+    ordered = sorted(samples)
+    warm = sorted(samples[len(samples) // 2:])
+    return {"p50": percentile(ordered, 50), "p99": percentile(ordered, 99),
+            "warm_p50": percentile(warm, 50), "warm_p99": percentile(warm, 99),
+            "first_ms": statistics.fmean(first) if first else float("nan"), "total_s": sum(samples) / 1000}
+
+
+def commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
+    return os.environ.get("KILN_COMMIT") or sha.strip() or "?"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="bert_base", help="zoo encoder: bert_base, bert_tiny, minilm")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads (kiln and onnxruntime)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the table and log here")
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    torch.set_num_threads(args.threads)
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    model = zoo.get(args.model)
+    t0 = time.perf_counter()
+    exported = zoo.export(args.model, batch=2, seq=16, dynamic=True)
+    log(f"export (symbolic batch, seq): {time.perf_counter() - t0:.1f} s -> {exported.path}")
+    requests = stream(args.requests, args.max_batch, args.max_seq, model.vocab_size, args.seed)
+    profile = {"input_ids": f"1x1,{min(8, args.max_batch)}x{min(128, args.max_seq)},{args.max_batch}x{args.max_seq}"}
+    t0 = time.perf_counter()
+    engine = kiln.build(str(exported.path), device=args.device, precision="fp16" if cuda else "fp32",
+                        profiles=[profile])
+    build_s = time.perf_counter() - t0
+    log(f"kiln build {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}")
+    context = engine.create_execution_context()
+
+    runners: dict[str, object] = {}
+    if cuda:
+        module = zoo.torch_model(args.model).cuda().half().eval()
+        device_requests = [{k: torch.from_numpy(v).cuda() for k, v in r.items()} for r in requests]
+
+        def eager(r):
+            return module(**r)
+
+        runners["kiln"] = lambda r: context.run(r)
+        runners["torch eager"] = eager
+        if not args.no_compile:
+            compiled = torch.compile(module, dynamic=True)
+            runners["torch.compile dynamic"] = lambda r: compiled(**r)
+        feeds = device_requests
+        reference32 = zoo.torch_model(args.model).cuda().float().eval()
+    else:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = args.threads
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+        runners["kiln"] = lambda r: context.run(r)
+        runners["onnxruntime"] = lambda r: session.run(None, r)
+        feeds = requests
+        reference32 = None
+
+    # correctness on a few requests: real tokens only (padded positions are free to differ)
+    with torch.inference_mode():
+        for k in range(0, len(requests), max(1, len(requests) // 4)):
+            got = np.asarray(next(iter(context.run(feeds[k]).values())).float().cpu() if cuda
+                             else next(iter(context.run(feeds[k]).values())), dtype=np.float32)
+            if cuda:
+                want = reference32(**{n: v for n, v in feeds[k].items()})
+                want = np.asarray(want.float().cpu())
+            else:
+                want = runners["onnxruntime"](feeds[k])[0]
+            real = requests[k]["attention_mask"].astype(bool)
+            err = float(np.abs(got[real] - want[real]).max())
+            log(f"request {k} {list(requests[k]['input_ids'].shape)}: max |kiln - reference| over real tokens "
+                f"{err:.3g} (|ref| max {float(np.abs(want[real]).max()):.3g})")
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    firsts: dict[str, list[float]] = {name: [] for name in runners}
+    seen: dict[str, set] = {name: set() for name in runners}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    memory_before = torch.cuda.memory_allocated() if cuda else 0
+    with torch.inference_mode():
+        for r, shapes in zip(feeds, requests):
+            key = shapes["input_ids"].shape
+            for name, run in runners.items():
+                sync()
+                t0 = time.perf_counter()
+                run(r)
+                sync()
+                ms = 1000 * (time.perf_counter() - t0)
+                times[name].append(ms)
+                if key not in seen[name]:
+                    firsts[name].append(ms)
+                    seen[name].add(key)
+    peers = [n for n in runners if n != "kiln"]
+    fastest = [min(times[p][i] for p in peers) for i in range(len(requests))]
+    ratios = [k / f for k, f in zip(times["kiln"], fastest)]
+    warm_ratios = ratios[len(ratios) // 2:]
+    stats = {name: summary(times[name], firsts[name]) for name in runners}
+
+    device = torch.cuda.get_device_name() if cuda else _cpu_name()
+    log("")
+    log(f"# kiln at every shape: {args.model}, {args.device} ({device}), commit {commit()}, "
+        f"{datetime.date.today().isoformat()}")
+    log(f"{args.requests} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
+        f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)")
+    log("")
+    log("| runtime | p50 | p99 | warm p50 | warm p99 | warm p99/p50 | first call (mean) | stream total s |")
+    log("|---|---|---|---|---|---|---|---|")
+    for name, s in stats.items():
+        log(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['warm_p50']:.3f} | {s['warm_p99']:.3f} | "
+            f"{s['warm_p99'] / s['warm_p50']:.2f} | {s['first_ms']:.1f} | {s['total_s']:.2f} |")
+    total_fastest = min(stats[p]["total_s"] for p in peers)
+    log("")
+    log(f"kiln / fastest peer per request: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}; after "
+        f"warm-up median {statistics.median(warm_ratios):.2f}, worst {max(warm_ratios):.2f}, slower than the "
+        f"fastest peer on {sum(r > 1 for r in warm_ratios)} of {len(warm_ratios)} requests; "
+        f"stream total {stats['kiln']['total_s'] / total_fastest:.2f}x the fastest peer's")
+    if cuda:
+        g = context.runner.stats
+        log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.eager_runs} eager "
+            f"runs, {g.graphs} held ({g.graph_bytes / 2**20:.0f} MiB); device memory peak "
+            f"{(torch.cuda.max_memory_allocated() - memory_before) / 2**20:.0f} MiB above the start")
+        for signature, reason in list(g.eager_reasons.items())[:3]:
+            log(f"  eager {signature}: {reason}")
+    log(f"kiln build {build_s:.1f} s; buckets: {sorted(context.buckets.symbols) if context.buckets else 'off'}")
+    text = "\n".join(lines) + "\n"
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / f"dynamic-{args.device}-{datetime.date.today().isoformat()}.md", "a") as f:
+        f.write(text + "\n")
+    if args.out:
+        Path(args.out, f"dynamic-{args.device}.md").write_text(text)
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+if __name__ == "__main__":
+    main()
