@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (kiln and onnxruntime)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
+    ap.add_argument("--no-warm-up", action="store_true",
+                    help="skip the warm-up before the stream (kiln: every bucket once, capturing its CUDA graph; "
+                         "torch.compile: the smallest and largest shape, compiling its dynamic graph)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the table and log here")
     args = ap.parse_args()
     cuda = args.device == "cuda"
@@ -140,6 +143,21 @@ def main() -> None:
                 f"{err:.3g} (|ref| max {float(np.abs(want[real]).max()):.3g})")
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    warm_up_s: dict[str, float] = {}
+    if not args.no_warm_up:
+        t0 = time.perf_counter()
+        runs = context.warm_up()
+        warm_up_s["kiln"] = time.perf_counter() - t0
+        log(f"kiln warm-up: {runs} runs (every bucket) in {warm_up_s['kiln']:.1f} s")
+        if "torch.compile dynamic" in runners:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                for b, s in ((1, 8), (args.max_batch, args.max_seq), (2, 33)):
+                    ones = torch.ones(b, s, dtype=torch.int64, device="cuda")
+                    runners["torch.compile dynamic"]({"input_ids": ones, "attention_mask": ones})
+            sync()
+            warm_up_s["torch.compile dynamic"] = time.perf_counter() - t0
+            log(f"torch.compile dynamic warm-up: 3 shapes in {warm_up_s['torch.compile dynamic']:.1f} s")
     times: dict[str, list[float]] = {name: [] for name in runners}
     firsts: dict[str, list[float]] = {name: [] for name in runners}
     seen: dict[str, set] = {name: set() for name in runners}
@@ -172,17 +190,28 @@ def main() -> None:
     log(f"{args.requests} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
         f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)")
     log("")
-    log("| runtime | p50 | p99 | warm p50 | warm p99 | warm p99/p50 | first call (mean) | stream total s |")
-    log("|---|---|---|---|---|---|---|---|")
+    log("| runtime | p50 | p99 | 2nd-half p50 | 2nd-half p99 | 2nd-half p99/p50 | first call (mean) | stream total s "
+        "| warm-up s |")
+    log("|---|---|---|---|---|---|---|---|---|")
     for name, s in stats.items():
         log(f"| {name} | {s['p50']:.3f} | {s['p99']:.3f} | {s['warm_p50']:.3f} | {s['warm_p99']:.3f} | "
-            f"{s['warm_p99'] / s['warm_p50']:.2f} | {s['first_ms']:.1f} | {s['total_s']:.2f} |")
+            f"{s['warm_p99'] / s['warm_p50']:.2f} | {s['first_ms']:.1f} | {s['total_s']:.2f} | "
+            f"{warm_up_s.get(name, 0):.1f} |")
     total_fastest = min(stats[p]["total_s"] for p in peers)
     log("")
     log(f"kiln / fastest peer per request: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}; after "
         f"warm-up median {statistics.median(warm_ratios):.2f}, worst {max(warm_ratios):.2f}, slower than the "
         f"fastest peer on {sum(r > 1 for r in warm_ratios)} of {len(warm_ratios)} requests; "
         f"stream total {stats['kiln']['total_s'] / total_fastest:.2f}x the fastest peer's")
+    tokens = [int(r["input_ids"].size) for r in requests]
+    for low, high in ((0, 512), (512, 4096), (4096, 1 << 30)):
+        picked = [x for x, n in zip(ratios, tokens) if low <= n < high]
+        if picked:
+            log(f"  batch x seq in [{low}, {high}): {len(picked)} requests, kiln / fastest median "
+                f"{statistics.median(picked):.2f}, worst {max(picked):.2f}")
+    worst = sorted(range(len(ratios)), key=lambda i: -ratios[i])[:5]
+    log("  worst requests: " + ", ".join(f"#{i} {list(requests[i]['input_ids'].shape)} {ratios[i]:.2f}"
+                                         for i in worst))
     if cuda:
         g = context.runner.stats
         log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.eager_runs} eager "

@@ -19,13 +19,12 @@ def _norm_indices(indices: torch.Tensor, dim: int) -> torch.Tensor:
 
 def _linear_index(indices: torch.Tensor, dims: list[int]) -> torch.Tensor:
     """[..., m] multi-indices into the leading `dims` -> [...] flat indices."""
-    m = len(dims)
-    strides = [math.prod(dims[j + 1:]) for j in range(m)]
-    dims_t = torch.tensor(dims, dtype=torch.int64, device=indices.device)
     idx = indices.to(torch.int64)
-    idx = torch.where(idx < 0, idx + dims_t, idx)
-    strides_t = torch.tensor(strides, dtype=torch.int64, device=indices.device)
-    return (idx * strides_t).sum(-1)
+    flat = torch.zeros(idx.shape[:-1], dtype=torch.int64, device=idx.device)
+    for j, dim in enumerate(dims):  # Python ints only: no host-to-device copy (CUDA graphs capture this)
+        column = idx[..., j]
+        flat = flat + torch.where(column < 0, column + dim, column) * math.prod(dims[j + 1:])
+    return flat
 
 
 @register("Gather")

@@ -5,6 +5,7 @@ numpy in -> numpy out; torch in -> torch out. Several contexts share one engine'
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any
 
@@ -201,6 +202,39 @@ class ExecutionContext:
                         )
         if self.engine.profiles:
             self.profile = self._select_profile(feeds)
+
+    def warm_up(self, profile: int = 0) -> int:
+        """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
+        stream of requests meets no first call: on CUDA each run captures its graph. Returns the
+        number of runs. Without buckets: one run at the profile's opt shape."""
+        plan = self.engine.profiles[profile] if self.engine.profiles else None
+        if plan is None:
+            return 0
+        symbols: dict[str, list[int]] = {}
+        for b in self.engine.inputs:
+            r = plan.inputs.get(b.name)
+            for axis, d in enumerate(b.shape or []):
+                if isinstance(d, str) and r is not None and d not in symbols:
+                    if self.buckets is not None and d in self.buckets.symbols:
+                        symbols[d] = self.buckets.sizes(d, r.min[axis], r.max[axis])
+                    else:
+                        symbols[d] = [r.opt[axis]]
+        runs = 0
+        for values in itertools.product(*symbols.values()):
+            sizes = dict(zip(symbols, values))
+            feeds = {}
+            for b in self.engine.inputs:
+                r = plan.inputs.get(b.name)
+                shape = [sizes[d] if isinstance(d, str) and d in sizes else (r.opt[axis] if r else d)
+                         for axis, d in enumerate(b.shape or [])]
+                dt = dtypes.BY_NAME[b.dtype or "float"].torch
+                fill = 1 if "mask" in b.name.lower() else 0  # a mask keeps every token: no empty row
+                feeds[b.name] = torch.full(shape, fill, dtype=dt, device=self.engine.device)
+            self.run(feeds)
+            runs += 1
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        return runs
 
     def _select_profile(self, feeds: dict[str, Any]) -> int:
         """The first optimization profile holding every input's shape, or an error naming them all."""

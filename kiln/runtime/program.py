@@ -192,6 +192,12 @@ class Program:
                 args = [env[s] if s >= 0 else None for s in in_slots]
                 if i in self.shape_steps:
                     # Host step: a shape-only value (kiln/runtime/shapes.py), once per input-shape signature.
+                    # One that reads a weight already on the device (a position table gathered by
+                    # shape-derived ids) takes its host inputs there too.
+                    if any(on_device(a) for a in args):
+                        keep = HOST_INPUTS.get(ctx.op_type, frozenset())
+                        args = [upload(a, device) if j not in keep and isinstance(a, torch.Tensor) else a
+                                for j, a in enumerate(args)]
                     outs = [place(o, device) for o in outputs_of(call_step(fn, ctx, args, attrs), len(out_slots))]
                     if plan is not None and plan.recording:
                         plan.host_outputs[i] = outs

@@ -37,6 +37,9 @@ def test_bert_pads_batch_and_the_masked_sequence(bert):
     assert buckets.symbols == {"batch": 1, "seq": 8}
     assert buckets.sizes("seq", 1, 48) == [8, 16, 32, 48]
     assert buckets.sizes("batch", 1, 4) == [1, 2, 4]
+    assert buckets.sizes("seq", 1, 512) == [8, 16, 32, 64, 128, 192, 256, 384, 512]  # 1.5x steps from 128
+    assert buckets.sizes("batch", 1, 32) == [1, 2, 4, 8, 16, 24, 32]
+    assert buckets.sizes("batch", 3, 20) == [4, 8, 16, 20]
     assert buckets.bucket("seq", 33, 1, 48) == 48 and buckets.bucket("seq", 9, 1, 48) == 16
     assert buckets.crops == [[(0, "batch"), (1, "seq")]]
 
@@ -85,3 +88,12 @@ def test_no_bucket_where_an_output_could_not_be_cropped():
 def test_a_symbol_off_axis_0_without_a_mask_does_not_pad():
     inputs = [Binding("x", "float", ["batch", "n", 3])]
     assert plan_buckets(inputs, [Binding("y", "float", ["batch", "n", 3])]).symbols == {"batch": 1}
+
+
+def test_warm_up_runs_every_bucket_once(bert):
+    _, engine = bert
+    context = engine.create_execution_context(buckets=True)
+    assert context.warm_up() == 3 * 4  # batch 1, 2, 4 x seq 8, 16, 32, 48
+    assert len(engine.program.shape_plans) >= 12
+    plain = engine.create_execution_context(buckets=False)
+    assert plain.warm_up() == 1  # no buckets: the opt shape
