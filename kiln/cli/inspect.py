@@ -12,6 +12,7 @@ from kiln.cli.common import console, fmt_bytes, fmt_shape, text
 from kiln.errors import KilnError
 from kiln.plan import file as engine_file
 from kiln.plan.spec import EnginePlan
+from kiln.runtime.shapes import DATA_DEPENDENT_SHAPES
 
 
 def _layers(plan: EnginePlan) -> list[dict]:
@@ -151,6 +152,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.print(text(f"  from {profile.source}"))
         for name, r in profile.inputs.items():
             out.print(text(f"  {name}: min {r.min}, opt {r.opt}, max {r.max}"))
+    if device.get("type") == "cuda":
+        for line in _graph_blockers(plan):
+            out.print(text(line))
     checks = (header.get("tactics") or {}).get("profiles") or {}
     for line in checks.get("checked_at", []):
         out.print(text(f"  tactics checked at {line}"))
@@ -176,6 +180,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.why_not:
         _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
     return 0
+
+
+def _graph_blockers(plan: EnginePlan) -> list[str]:
+    """Layers that decide output shapes from data (kiln/runtime/shapes.py): on CUDA they wait for the
+    host, so an input signature whose run reaches one runs eagerly, without a CUDA graph."""
+    lines = []
+    for step in plan.program.steps:
+        if step.op_type in DATA_DEPENDENT_SHAPES:
+            lines.append(f"CUDA graph: layer {step.name!r} ({step.op_type}) decides its output shape (or branch) "
+                         "from data and waits for the host: runs reaching it are eager. Way out: give it a fixed size "
+                         "(TopK with a constant k, a max count padded to), or split the model before it")
+    return lines
 
 
 def _tactic_cells(tuned: dict | None) -> list:

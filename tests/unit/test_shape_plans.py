@@ -89,3 +89,18 @@ def test_a_shape_that_depends_on_data_is_computed_every_run():
         z, total = session.run(None, {"x": x})
         np.testing.assert_array_equal(got["z"], z)
         assert float(got["total"]) == float(total) == float(np.count_nonzero(x))
+
+
+def test_inspect_names_the_layers_that_keep_a_cuda_engine_from_graphs(tmp_path, capsys):
+    from kiln.cli import main
+    from kiln.plan import file as engine_file
+
+    engine = kiln.build(_nonzero_model(), profiles=[{"x": "1,8,16"}])
+    plan = engine.plan
+    plan.header["device"] = {"type": "cuda", "name": "NVIDIA H200", "capability": [9, 0]}  # as built there
+    path = tmp_path / "nonzero.kiln"
+    engine_file.save(plan, path)
+    assert main(["inspect", str(path)]) == 0  # inspect reads the plan only: no GPU needed
+    out = capsys.readouterr().out
+    assert "(NonZero) decides its output shape (or branch) from data and waits for the host" in out
+    assert "Way out" in out
