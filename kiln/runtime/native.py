@@ -18,14 +18,17 @@ caller holds is ever overwritten by a later run. A residual whose value dies at 
 and lives in the arena is accumulated in place (the primitive's sum post-op); a Reshape that
 moves no byte is an alias of its input's memory.
 
-Inputs of another size than the one the segment was planned for (dynamic shapes) run through the
-layers' own launch functions, as they would without segments.
+Inputs of another size than the one the segment was planned for (a profile's other shapes) get a
+segment of their own, bound on first sight from each layer's NativeStep at that size (`at`), and
+kept (RESIZED per segment, least recently used out); a size a layer cannot bind runs through the
+layers' own launch functions, as without segments.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
@@ -38,6 +41,7 @@ from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides
 
 _CL = torch.channels_last
+RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 
 
 def _laid_out(v: torch.Tensor) -> bool:
@@ -54,10 +58,14 @@ def _numel(size: tuple[int, ...]) -> int:
 class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
-    def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None):
+    def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
+                 natives: list[NativeStep] | None = None):
+        """`natives`: the members' NativeSteps at other input sizes than their tuned ones (see resized)."""
         self.members = members
+        self.read_after = read_after
         self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
-        natives: list[NativeStep] = [m.fn.native for m in members]
+        self.resized: OrderedDict[tuple, Segment | None] = OrderedDict()  # entry sizes -> that size's segment
+        natives = natives if natives is not None else [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
         for k, m in enumerate(members):
             produced[m.outputs[0]] = k
@@ -245,10 +253,43 @@ class Segment:
             env[m.outputs[0]] = call_step(m.fn, m.ctx, [env.get(s) if s >= 0 else None for s in m.inputs], m.attributes)
         return [env[s] for s in self.exits]
 
+    def _for_sizes(self, values: tuple) -> Segment | None:
+        """The segment bound for these entry sizes (built on first sight, RESIZED kept, least recently
+        used out), or None when a layer cannot be bound at them: then the layers run one by one."""
+        if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values):
+            return None
+        key = tuple(tuple(v.shape) for v in values)
+        if key in self.resized:
+            self.resized.move_to_end(key)
+            return self.resized[key]
+        sizes = dict(zip(self.entries, key))
+        natives = []
+        try:
+            for m in self.members:
+                native = m.fn.native.at(sizes[m.inputs[0]]) if m.fn.native.at is not None else None
+                if native is None:
+                    raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
+                if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
+                    raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
+                sizes[m.outputs[0]] = native.output_size
+                natives.append(native)
+            segment = Segment(self.members, self.read_after, self.constants, natives)
+            if segment.entries != self.entries or segment.exits != self.exits:
+                raise ValueError("the segment's entries or exits changed")
+        except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
+            segment = None
+        self.resized[key] = segment
+        while len(self.resized) > RESIZED:
+            self.resized.popitem(last=False)
+        return segment
+
     def __call__(self, ctx, *values):
         fits = all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and tuple(v.shape) == size
                    for v, size in zip(values, self.entry_sizes))
         if not fits:
+            other = self._for_sizes(values)
+            if other is not None:
+                return other(ctx, *values)
             out = self.fallback(list(values))
             return tuple(out) if len(out) != 1 else out[0]
         exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]

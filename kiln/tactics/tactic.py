@@ -117,6 +117,9 @@ class NativeStep:
     residual_input: int | None = None  # the step input that is the residual, same size as the output
     accumulate: bool = False
     alias: bool = False
+    # the same layer's NativeStep for another activation input size (its primitives built on first
+    # use): lets the runtime bind a segment for every input size a profile allows, not only the tuned one
+    at: Callable[[tuple[int, ...]], NativeStep] | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:

@@ -178,9 +178,11 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
                 return primitive(tuple(x.shape), True).accumulate(x, residual)
             return primitive(tuple(x.shape), False)(x, residual.contiguous(memory_format=_CL))
 
-    launch.native = NativeStep(tuned, primitives[(tuned, in_place)].output_size,
-                               lambda accumulate: primitive(tuned, accumulate),
-                               residual_input=3 if with_residual else None, accumulate=in_place)
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        return NativeStep(size, primitive(size, in_place).output_size, lambda accumulate: primitive(size, accumulate),
+                          residual_input=3 if with_residual else None, accumulate=in_place, at=native_at)
+
+    launch.native = native_at(tuned)
     return launch
 
 
@@ -273,7 +275,11 @@ def _shape_cached(step: StepSpec, build):
         with lock:
             return primitive(x)  # [N, C, H', W'] channels-last
 
-    launch.native = NativeStep(tuned, primitives[tuned].output_size, lambda _accumulate: primitives[tuned])
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        primitive = _built(primitives, size, build, lambda key: key == tuned)
+        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive, at=native_at)
+
+    launch.native = native_at(tuned)
     return launch
 
 
@@ -343,8 +349,14 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         primitive = _built(primitives, x.shape[0], build, lambda rows: rows == tuned[0])  # another row count: once
         return primitive(x, residual.contiguous() if residual is not None else None)  # [M, N]
 
-    launch.native = NativeStep(tuned, primitives[tuned[0]].output_size, lambda _accumulate: primitives[tuned[0]],
-                               residual_input=3 if with_residual else None)
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        if len(size) != 2 or size[1] != tuned[1]:
+            raise ValueError(f"inner product built for [M, {tuned[1]}] inputs, given {list(size)}")
+        primitive = _built(primitives, size[0], build, lambda rows: rows == tuned[0])
+        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive,
+                          residual_input=3 if with_residual else None, at=native_at)
+
+    launch.native = native_at(tuned)
     return launch
 
 
@@ -374,12 +386,15 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
     ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
                     num_inputs=len(step.inputs), num_outputs=1)
     attributes = {k: v for k, v in step.attributes.items()}
-    out = tuple(op(ctx, torch.empty(size, device="meta"), *constants[1:], **attributes).shape)
+
+    def native_at(in_size: tuple[int, ...]) -> NativeStep:
+        out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
+        return NativeStep(in_size, out, None, alias=True, at=native_at)
 
     def launch(ctx, x, *inputs, **attrs):
         return op(ctx, x, *inputs, **attrs)
 
-    launch.native = NativeStep(size, out, None, alias=True)
+    launch.native = native_at(size)
     return launch
 
 
@@ -437,8 +452,12 @@ def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device
         conv = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)  # another input size: once
         return conv(x, residual.contiguous(memory_format=_CL) if with_residual else None)
 
-    launch.native = NativeStep(tuned, primitives[tuned].output_size, lambda _accumulate: primitives[tuned],
-                               residual_input=3 if with_residual else None)
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        conv = _built(primitives, size, build, lambda key: key == tuned)
+        return NativeStep(size, conv.output_size, lambda _accumulate: conv,
+                          residual_input=3 if with_residual else None, at=native_at)
+
+    launch.native = native_at(tuned)
     return launch
 
 
