@@ -118,3 +118,22 @@ def test_a_cuda_engine_loads_no_cpu_tactic_module(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "LOADED []" in done.stdout, done.stdout
+
+
+def test_the_static_replay_path_gives_what_the_general_path_gives():
+    exported = zoo.export("bert_tiny", batch=2, seq=32)
+    engine = kiln.build(str(exported.path), device="cuda", precision="fp16")
+    context = engine.create_execution_context()
+    rng = np.random.default_rng()
+    feeds = _feeds(rng, 2, 32)
+    first = {k: v.clone() for k, v in context.run(feeds).items()}  # general path: runs, then captures
+    assert context.runner.stats.captures == 1
+    replays = context.runner.stats.replays
+    fast = context.run(feeds)  # CUDA tensors of exactly the bindings: the static replay path
+    assert context.runner.stats.replays == replays + 1
+    for name, value in fast.items():
+        assert value.dtype == torch.float32 and value.is_cuda  # cast back at the boundary, as the general path
+        torch.testing.assert_close(value, first[name], rtol=0, atol=0)
+    host = context.run({k: v.cpu().numpy() for k, v in feeds.items()})  # numpy: the general path, numpy out
+    for name, value in host.items():
+        np.testing.assert_array_equal(value, first[name].cpu().numpy())
