@@ -1,9 +1,28 @@
 """Recurrent layers: RNN, GRU, LSTM, with ONNX's gate layouts and options.
 
-One time loop per direction on torch ops. The input projection X·Wᵀ for all time steps is
-one matmul before the loop; only the recurrent part runs per step.
+Two paths. Where one of torch's whole-sequence kernels computes exactly ONNX's equations, the
+layer is one call of it (kiln/ops/recurrent_fused.py: oneDNN's LSTM on the CPU, cuDNN on CUDA):
+every direction, initial_h/initial_c, layout 1, sequence_lens, outputs Y, Y_h, Y_c. The rest runs
+step by step here, because torch's kernels cannot express it exactly:
+
+- activations other than the defaults (LSTM Sigmoid/Tanh/Tanh, GRU Sigmoid/Tanh, RNN Tanh; the RNN
+  may also be Relu), or any activation_alpha / activation_beta: torch's kernels hard-wire their
+  nonlinearities, and an RNN's two directions share one;
+- clip: torch's kernels never clamp the gate pre-activations;
+- LSTM input_forget=1 (f = 1 − i): torch's LSTM computes f from its own weights;
+- LSTM peepholes P with a nonzero entry: torch's LSTM has no peephole terms (an all-zero P adds
+  nothing and runs fused);
+- GRU linear_before_reset=0, ONNX's default: h̃ = tanh(X·W_hᵀ + (r ⊙ H)·R_hᵀ + b) multiplies the
+  reset gate into H before the recurrent matmul; torch's GRU (and cuDNN's) multiply it into the
+  matmul's result, n = tanh(X·W_nᵀ + b_in + r ⊙ (H·R_nᵀ + b_hn)), which is linear_before_reset=1;
+- an empty X (no time step or no batch entry): nothing for a kernel to run.
+
+The step path: one time loop per direction on torch ops; the input projection X·Wᵀ for all time
+steps is one matmul before the loop, only the recurrent part runs per step.
 Shapes (layout 0): X [S, B, I], W [D, G·H, I], R [D, G·H, H], B [D, 2·G·H],
 Y [S, D, B, H], Y_h / Y_c [D, B, H]. layout 1 puts batch first: X [B, S, I], Y [B, S, D, H].
+sequence_lens: Y is zero past each sequence's length; a sequence of length 0 has Y_h = Y_c = 0
+(onnxruntime's answer; the spec does not say).
 """
 
 from __future__ import annotations
@@ -12,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 
+from kiln.ops import recurrent_fused
+from kiln.ops.recurrent_fused import reverse_within_lengths
 from kiln.ops.registry import register
 
 # name -> (function(x, alpha, beta), default alpha, default beta); alpha/beta None: unused.
@@ -74,7 +95,7 @@ def _run(ctx, cell, num_gates, X, W, R, B, sequence_lens, initial_states, *, dir
         reverse = direction == "reverse" or d == 1
         x = X
         if reverse:
-            x = _reverse_sequences(X, lengths)
+            x = reverse_within_lengths(X, lengths)
         xw = x @ W[d].T + B[d, : num_gates * hidden]  # [S, B, G·H]
         rb = B[d, num_gates * hidden :]
         states = [
@@ -94,10 +115,13 @@ def _run(ctx, cell, num_gates, X, W, R, B, sequence_lens, initial_states, *, dir
             states = new_states
         y = torch.stack(outputs) if outputs else X.new_zeros((0, batch, hidden))  # [S, B, H]
         if reverse:
-            y = _reverse_sequences(y, lengths)
+            y = reverse_within_lengths(y, lengths)
         ys.append(y)
         for k in range(num_states):
-            finals[k].append(states[k])
+            final = states[k]
+            if lengths is not None:  # a sequence of length 0 ends in zeros (onnxruntime's answer)
+                final = torch.where((lengths > 0).unsqueeze(1), final, torch.zeros_like(final))
+            finals[k].append(final)
     Y = torch.stack(ys, dim=1)  # [S, D, B, H]
     finals_t = [torch.stack(f) for f in finals]  # [D, B, H]
     if layout:
@@ -106,26 +130,68 @@ def _run(ctx, cell, num_gates, X, W, R, B, sequence_lens, initial_states, *, dir
     return (Y, *finals_t)
 
 
-def _reverse_sequences(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """Reverse x [S, B, ...] along time, each batch entry within its own length."""
-    if lengths is None:
-        return x.flip(0)
-    seq_len = x.shape[0]
-    t = torch.arange(seq_len, device=x.device).unsqueeze(1)  # [S, 1]
-    index = torch.where(t < lengths, lengths - 1 - t, t)  # [S, B]
-    index = index.reshape(*index.shape, *([1] * (x.dim() - 2))).expand_as(x)
-    return torch.gather(x, 0, index)
-
-
 def _clip(x: torch.Tensor, clip: float | None) -> torch.Tensor:
     return x if clip is None else torch.clamp(x, -clip, clip)
+
+
+def _num_directions(ctx, W: torch.Tensor, direction: str) -> int:
+    expected = 2 if direction == "bidirectional" else 1
+    if W.dim() != 3 or W.shape[0] != expected:
+        raise ValueError(f"{ctx.op_type} node {ctx.name!r}: direction={direction!r} takes W of shape "
+                         f"[{expected}, G·H, I], given {list(W.shape)}")
+    return expected
+
+
+def _activation_names(activations, defaults: list[str], num_directions: int) -> list[str]:
+    """Lower-cased, one list for all directions (a single direction's list serves both)."""
+    names = [a.lower() for a in (activations or defaults * num_directions)]
+    return names * 2 if num_directions == 2 and len(names) == len(defaults) else names
+
+
+def _fused_refusal(X: torch.Tensor, names: list[str], fused_names: list[str], activation_alpha,
+                   activation_beta, clip) -> str | None:
+    """None when torch's kernel may run this layer, else why it runs step by step (module docstring)."""
+    if activation_alpha or activation_beta:
+        return "activation_alpha/activation_beta given"
+    if names != fused_names * (len(names) // len(fused_names)):
+        return f"activations {names}"
+    if clip is not None:
+        return f"clip={clip}"
+    if X.numel() == 0:
+        return "empty X"
+    return None
+
+
+def _all_zero(P: torch.Tensor) -> bool:
+    """Whether the peepholes add nothing; read once per P tensor (a weight: once per engine)."""
+    return recurrent_fused.once_per_tensors("zero", (P,), lambda: not bool(P.any()))
+
+
+def _fused(ctx, mode: str, X, W, R, B, sequence_lens, initial_h, initial_c, *, direction: str, layout: int):
+    """The layer as one torch kernel call; sequence_lens read on the host (packing needs them there)."""
+    seq_len, batch = (X.shape[1], X.shape[0]) if layout else (X.shape[0], X.shape[1])
+    lengths = None
+    if sequence_lens is not None:
+        lengths = sequence_lens.reshape(-1).to(device="cpu", dtype=torch.int64)
+        if lengths.numel() != batch or int(lengths.min()) < 0 or int(lengths.max()) > seq_len:
+            raise ValueError(f"{ctx.op_type} node {ctx.name!r}: sequence_lens must hold {batch} lengths in "
+                             f"[0, {seq_len}], given {lengths.tolist()}")
+        if int(lengths.min()) == seq_len:
+            lengths = None  # every sequence full: the plain kernel
+    return recurrent_fused.run_fused(mode, X, W, R, B, lengths, initial_h, initial_c,
+                                     reverse=direction == "reverse", layout=layout)
 
 
 @register("RNN")
 def rnn(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_alpha=None,
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0):
-    num_directions = W.shape[0]
+    num_directions = _num_directions(ctx, W, direction)
+    names = _activation_names(activations, ["Tanh"], num_directions)
+    if _fused_refusal(X, names, names[:1], activation_alpha, activation_beta, clip) is None and \
+            names[0] in ("tanh", "relu"):
+        return _fused(ctx, f"RNN_{names[0].upper()}", X, W, R, B, sequence_lens, initial_h, None,
+                      direction=direction, layout=layout)
     acts = _activations(activations, activation_alpha, activation_beta, ["Tanh"], num_directions)
 
     def cell(xw, states, r, rb, f, clip_, d):
@@ -139,7 +205,11 @@ def rnn(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
 def gru(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_alpha=None,
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0, linear_before_reset=0):
-    num_directions = W.shape[0]
+    num_directions = _num_directions(ctx, W, direction)
+    names = _activation_names(activations, ["Sigmoid", "Tanh"], num_directions)
+    if linear_before_reset and _fused_refusal(X, names, ["sigmoid", "tanh"], activation_alpha, activation_beta,
+                                              clip) is None:
+        return _fused(ctx, "GRU", X, W, R, B, sequence_lens, initial_h, None, direction=direction, layout=layout)
     acts = _activations(activations, activation_alpha, activation_beta, ["Sigmoid", "Tanh"],
                         num_directions)
 
@@ -164,7 +234,12 @@ def gru(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
 def lstm(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=None, P=None, *,
          activation_alpha=None, activation_beta=None, activations=None, clip=None,
          direction="forward", hidden_size=None, input_forget=0, layout=0):
-    num_directions = W.shape[0]
+    num_directions = _num_directions(ctx, W, direction)
+    names = _activation_names(activations, ["Sigmoid", "Tanh", "Tanh"], num_directions)
+    if not input_forget and (P is None or _all_zero(P)) and \
+            _fused_refusal(X, names, ["sigmoid", "tanh", "tanh"], activation_alpha, activation_beta, clip) is None:
+        return _fused(ctx, "LSTM", X, W, R, B, sequence_lens, initial_h, initial_c, direction=direction,
+                      layout=layout)
     acts = _activations(activations, activation_alpha, activation_beta,
                         ["Sigmoid", "Tanh", "Tanh"], num_directions)
 
