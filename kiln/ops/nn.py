@@ -1,13 +1,14 @@
 """Convolution, pooling and sampling ops (Resize and Upsample are in resize.py).
 
-Padding is always made explicit (ONNX allows asymmetric pads, SAME_* auto-padding and a
-ceil_mode whose last window must start inside the input); the torch kernel then runs with
-padding 0, so its own padding/ceil conventions never enter.
+A convolution's padding is made explicit (ONNX allows asymmetric pads and SAME_* auto-padding);
+the torch kernel then runs with padding 0, so its own padding conventions never enter. A pool's
+padding never is (see Pooling below): its windows are reduced over the taps inside the input.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -172,13 +173,21 @@ def deform_conv(ctx, x, w, offset, b=None, mask=None, *, dilations=None, group=1
 
 # ---------------------------------------------------------------------------------------------
 # Pooling
+#
+# Padding is never materialised here (unlike convolution above): in a pool it only ever adds
+# nothing to a sum, -inf to a max, or a count to a divisor. Each window is reduced over the taps
+# that land inside the input, and the divisor is counted from the geometry. A kernel far larger
+# than its input therefore costs what the input costs: EfficientNet's head in transformers is
+# AvgPool2d(1280, ceil_mode=True) on a 7x7 map, whose ceil_mode tail, padded explicitly, was a
+# 1280x1280 plane per channel (8 GB at batch 1; 250 GiB at batch 32 in fp16 on the H200).
 
 
 def _pool_geometry(x, kernel, auto_pad, ceil_mode, dilations, pads, strides):
     """Output sizes and the explicit pads that make every window lie inside the padded input.
 
-    Returns (out_sizes, begin, end, extra): `extra` is the tail padding ceil_mode adds beyond
-    the declared end pads (it never counts as padding for count_include_pad).
+    Returns (out_sizes, begin, end, extra, strides, dilations): `extra` is the tail ceil_mode
+    adds beyond the declared end pads (it never counts as padding for count_include_pad). The
+    CUDA pooling kernels read their geometry here too, so kernel and reference cannot disagree.
     """
     n = x.dim() - 2
     in_sizes = list(x.shape[2:])
@@ -203,14 +212,93 @@ def _pool_geometry(x, kernel, auto_pad, ceil_mode, dilations, pads, strides):
     return outs, begin, end, extra, strides, dilations
 
 
-def _windows(x, kernel, strides, dilations):
-    """[N, C, *padded] -> [N, C, *out, *kernel] view of every (dilated) pooling window."""
-    n = x.dim() - 2
-    for i in range(n):
-        span = (kernel[i] - 1) * dilations[i] + 1
-        x = x.unfold(2 + i, span, strides[i])
-        if dilations[i] > 1:
-            x = x[..., :: dilations[i]]
+@dataclass(frozen=True)
+class PoolAxis:
+    """One spatial axis of ONNX's window grid: window o reads o*stride - begin + t*dilation,
+    t in [0, kernel); positions outside [0, size) are padding (declared, auto or ceil's tail)."""
+
+    size: int
+    kernel: int
+    stride: int
+    dilation: int
+    begin: int  # the declared (or auto_pad) pads; ceil_mode's tail is not padding
+    end: int
+    out: int
+
+    def taps_within(self, lo: int, hi: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per window, the first tap t landing in [lo, hi) and how many do: two [out] int64 tensors."""
+        start = torch.arange(self.out, device=device) * self.stride - self.begin  # [out]
+        first = (-((start - lo) // self.dilation)).clamp(min=0)  # ceil((lo - start) / dilation)
+        last = ((hi - 1 - start) // self.dilation).clamp(max=self.kernel - 1)
+        return first, (last - first + 1).clamp(min=0)
+
+    def counts(self, include_pad: bool) -> torch.Tensor:
+        """[out] float64: the taps a window's divisor counts (the input, plus the declared pads
+        when include_pad; never ceil_mode's tail)."""
+        lo, hi = (-self.begin, self.size + self.end) if include_pad else (0, self.size)
+        return self.taps_within(lo, hi)[1].to(torch.float64)
+
+    def tap_grid(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index [out, width] int64 into [0, size), valid [out, width] bool): each window's taps
+        inside the input, numbered from its first such tap; width <= min(kernel, size)."""
+        first, count = self.taps_within(0, self.size)
+        width = max(int(count.max()) if self.out else 0, 1)  # an all-padding window: one invalid tap
+        j = torch.arange(width)
+        start = torch.arange(self.out) * self.stride - self.begin
+        index = start[:, None] + (first[:, None] + j) * self.dilation  # [out, width]
+        valid = j < count[:, None]
+        return index.clamp(0, self.size - 1).to(device), valid.to(device)
+
+    def torch_out(self, ceil_mode: bool) -> int:
+        """The windows torch's pooling kernels give with padding `begin` on both sides."""
+        span = (self.kernel - 1) * self.dilation + 1
+        out = (self.size + 2 * self.begin - span + (self.stride - 1 if ceil_mode else 0)) // self.stride + 1
+        if ceil_mode and (out - 1) * self.stride >= self.size + self.begin:
+            out -= 1
+        return out
+
+
+def _pool_axes(x, kernel, auto_pad, ceil_mode, dilations, pads, strides) -> list[PoolAxis]:
+    outs, begin, end, _extra, strides, dilations = _pool_geometry(
+        x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
+    return [PoolAxis(int(x.shape[2 + i]), int(kernel[i]), int(strides[i]), int(dilations[i]), int(begin[i]),
+                     int(end[i]), int(outs[i])) for i in range(len(outs))]
+
+
+def _torch_ceil_mode(axes: list[PoolAxis]) -> bool | None:
+    """The ceil_mode with which torch's kernels, padded by `begin` on both sides, place ONNX's
+    windows and give at least `out` of them (the extra ones are cropped); None when no setting
+    does (a begin pad over half the kernel, or end pads past what torch's grid reaches).
+
+    torch clips every window to the input as ONNX's padding semantics need: a max ignores the
+    outside, a sum adds nothing, and its exclude-pad divisor counts the taps inside.
+    """
+    if not 1 <= len(axes) <= 3 or any(2 * a.begin > a.kernel or a.out < 1 for a in axes):
+        return None
+    for ceil_mode in (False, True):
+        if all(a.torch_out(ceil_mode) >= a.out for a in axes):
+            return ceil_mode
+    return None
+
+
+def _crop(y: torch.Tensor, axes: list[PoolAxis]) -> torch.Tensor:
+    if all(y.shape[2 + i] == a.out for i, a in enumerate(axes)):
+        return y
+    return y[(slice(None), slice(None), *[slice(0, a.out) for a in axes])]
+
+
+def _reduce_windows(x: torch.Tensor, axes: list[PoolAxis], reduce: str) -> torch.Tensor:
+    """Sum or max of every window over its taps inside the input, one axis at a time (a box's
+    sum and max are separable): [N, C, *sizes] -> [N, C, *outs]. Each step gathers [out, width]
+    taps along one axis, width <= min(kernel, size): no padding, no window grid of the whole."""
+    for i, axis in enumerate(axes):
+        dim = 2 + i
+        index, valid = axis.tap_grid(x.device)  # [out, width]
+        taps = x.index_select(dim, index.reshape(-1)).unflatten(dim, tuple(index.shape))
+        invalid = ~valid.reshape(*valid.shape, *[1] * (x.dim() - dim - 1))  # [out, width, 1...]
+        fill = 0 if reduce == "sum" else _lowest(x.dtype)
+        taps = taps.masked_fill(invalid, fill)  # [N, C, ..., out, width, ...]
+        x = taps.sum(dim + 1) if reduce == "sum" else taps.amax(dim + 1)
     return x
 
 
@@ -218,82 +306,93 @@ def _lowest(dtype):
     return -math.inf if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
+_MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
 @register("MaxPool")
 def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None,
              pads=None, storage_order=0, strides=None):
-    n = x.dim() - 2
-    kernel = list(kernel_shape)
-    outs, begin, end, extra, strides, dilations = _pool_geometry(
-        x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
-    after = [e + t for e, t in zip(end, extra)]
-    if ctx.num_outputs < 2 and x.dtype.is_floating_point and n <= 3:
-        pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[n]
-        if begin == after and all(2 * p <= k for p, k in zip(begin, kernel)):
-            # Symmetric padding torch's kernel takes itself (it pads with -inf): no padded copy,
-            # and the input's memory format (channels-last) is kept.
-            return pool(x, kernel, strides, begin, dilations)
-        return pool(_pad_spatial(x, begin, after, _lowest(x.dtype)), kernel, strides, 0, dilations)
-    padded = _pad_spatial(x, begin, after, _lowest(x.dtype))
-    win = _windows(padded, kernel, strides, dilations)
-    flat = win.reshape(*win.shape[: 2 + n], -1)
-    values, arg = flat.max(dim=-1)
-    if ctx.num_outputs < 2:
-        return values
-    # Window-local argmax -> coordinates in the unpadded input -> ONNX flat index over N*C*spatial.
-    in_sizes = list(x.shape[2:])
-    rem = arg
-    coords = [None] * n
-    for i in reversed(range(n)):
-        coords[i] = rem % kernel[i]
-        rem = rem // kernel[i]
-    index = torch.zeros_like(arg)
+    axes = _pool_axes(x, list(kernel_shape), auto_pad, ceil_mode, dilations, pads, strides)
+    if ctx.num_outputs >= 2:
+        return _max_pool_with_indices(x, axes, storage_order)
+    torch_ceil = _torch_ceil_mode(axes) if x.dtype.is_floating_point else None
+    if torch_ceil is not None:
+        # torch's kernel pads with -inf itself: no padded copy, and channels-last input stays so.
+        y = _MAX_POOL[len(axes)](x, [a.kernel for a in axes], [a.stride for a in axes], [a.begin for a in axes],
+                                 [a.dilation for a in axes], ceil_mode=torch_ceil)
+        return _crop(y, axes)
+    return _reduce_windows(x, axes, "max")
+
+
+def _max_pool_with_indices(x: torch.Tensor, axes: list[PoolAxis], storage_order: int):
+    """Values and ONNX's flat indices (over N*C*spatial of the unpadded input; storage_order 1:
+    column-major spatial) of each window's first maximum, in the window's row-major tap order."""
+    n = len(axes)
+    in_sizes = [a.size for a in axes]
     steps = [1] * n
-    if storage_order == 1:  # column-major spatial layout
+    if storage_order == 1:
         for i in range(1, n):
             steps[i] = steps[i - 1] * in_sizes[i - 1]
     else:
         for i in reversed(range(n - 1)):
             steps[i] = steps[i + 1] * in_sizes[i + 1]
-    for i in range(n):
-        shape = [1] * (2 + n)
-        shape[2 + i] = outs[i]
-        start = (torch.arange(outs[i], device=x.device) * strides[i] - begin[i]).reshape(shape)
-        index = index + (start + coords[i] * dilations[i]) * steps[i]
+    index, valid, flat = [], None, None
+    for i, axis in enumerate(axes):
+        tap_index, tap_valid = axis.tap_grid(x.device)  # [out_i, width_i]
+        shape = [1] * (2 * n)
+        shape[2 * i:2 * i + 2] = tap_index.shape
+        index.append(tap_index.reshape(shape))
+        valid = tap_valid.reshape(shape) if valid is None else valid & tap_valid.reshape(shape)
+        flat = tap_index.reshape(shape) * steps[i] + (0 if flat is None else flat)
+    # [N, C, out0, width0, out1, width1, ...] -> [N, C, *outs, taps]: window-major, taps row-major.
+    order = [2 * i for i in range(n)] + [2 * i + 1 for i in range(n)]
+    outs = [a.out for a in axes]
+    taps = x[(slice(None), slice(None), *index)]
+    taps = taps.permute(0, 1, *[2 + o for o in order]).reshape(*x.shape[:2], *outs, -1)
+    valid = valid.permute(order).reshape(*outs, -1)
+    flat = flat.permute(order).reshape(*outs, -1)
+    values, arg = taps.masked_fill(~valid, _lowest(x.dtype)).max(dim=-1)  # [N, C, *outs]
+    spatial = flat.expand(*x.shape[:2], *flat.shape).gather(-1, arg.unsqueeze(-1)).squeeze(-1)
     plane = math.prod(in_sizes)
-    nc = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(x.shape[0], x.shape[1], *[1] * n)
-    return values, (index + nc * plane).to(torch.int64)
+    nc = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(*x.shape[:2], *[1] * n)
+    return values, (spatial + nc * plane).to(torch.int64)
 
 
-_AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+def _window_sums(x: torch.Tensor, axes: list[PoolAxis], count_include_pad: int | None) -> torch.Tensor:
+    """Each window's sum over the input, divided by ONNX's AveragePool divisor unless
+    count_include_pad is None (LpPool): [N, C, *sizes] -> [N, C, *outs], x's dtype."""
+    torch_ceil = _torch_ceil_mode(axes) if all(a.dilation == 1 for a in axes) else None
+    if torch_ceil is None:
+        total = _reduce_windows(x, axes, "sum")
+        divided = False
+    else:
+        # torch's own divisor is ONNX's when pads are excluded, and when included if the end pads
+        # equal the begin ones (torch pads both sides alike); otherwise it sums and kiln divides.
+        native = count_include_pad == 0 or (count_include_pad == 1 and all(a.end == a.begin for a in axes))
+        one_d = len(axes) == 1  # avg_pool1d has no divisor_override: run it as 2-D over [L, 1]
+        y = x.unsqueeze(-1) if one_d else x
+        pool = {2: F.avg_pool2d, 3: F.avg_pool3d}[y.dim() - 2]
+        extra = [1] if one_d else []
+        total = pool(y, [a.kernel for a in axes] + extra, [a.stride for a in axes] + extra,
+                     [a.begin for a in axes] + [0] * len(extra), ceil_mode=torch_ceil,
+                     count_include_pad=bool(count_include_pad), divisor_override=None if native else 1)
+        total = _crop(total.squeeze(-1) if one_d else total, axes)
+        divided = native
+    if count_include_pad is None or divided:
+        return total
+    count = axes[0].counts(bool(count_include_pad))
+    for axis in axes[1:]:
+        count = count[..., None] * axis.counts(bool(count_include_pad))  # [out0, out1, ...]
+    return total / count.to(total.dtype).to(total.device)
 
 
 def _avg_or_lp(x, kernel, auto_pad, ceil_mode, dilations, pads, strides, count_include_pad, p):
-    n = x.dim() - 2
-    outs, begin, end, extra, strides, dilations = _pool_geometry(
-        x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
-    tail = [e + t for e, t in zip(end, extra)]
-    compute = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-    if p is not None:
-        compute = compute.abs().pow(p)
-    padded = _pad_spatial(compute, begin, tail, 0.0)
-    if n in _AVG_POOL and all(d == 1 for d in dilations):
-        # torch's pooling kernel (no dilation support) on the explicitly padded input.
-        total = _AVG_POOL[n](padded, kernel, strides) * math.prod(kernel)
-    else:
-        total = _windows(padded, kernel, strides, dilations).sum(dim=tuple(range(-n, 0)))
-    if p is not None:
-        return total.pow(1.0 / p).to(x.dtype)
-    # Divisor: input cells, plus the declared pads when count_include_pad (never ceil's tail).
-    ones = torch.ones((1, 1, *x.shape[2:]), dtype=compute.dtype, device=x.device)
-    if count_include_pad:
-        ones = _pad_spatial(ones, begin, end, 1.0)
-        ones = _pad_spatial(ones, [0] * n, extra, 0.0)
-    else:
-        ones = _pad_spatial(ones, begin, tail, 0.0)
-    if ones.shape[2:] == x.shape[2:]:  # no padding at all: every window is full
-        return (total / math.prod(kernel)).to(x.dtype)
-    count = _windows(ones, kernel, strides, dilations).sum(dim=tuple(range(-n, 0)))
-    return (total / count).to(x.dtype)
+    axes = _pool_axes(x, kernel, auto_pad, ceil_mode, dilations, pads, strides)
+    compute = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)  # fp32 sums for fp16/bf16
+    if p is None:
+        return _window_sums(compute, axes, int(count_include_pad)).to(x.dtype)
+    total = _window_sums(compute.abs().pow(p), axes, None)  # LpPool: padding adds |0|^p = 0
+    return total.pow(1.0 / p).to(x.dtype)
 
 
 @register("AveragePool")
