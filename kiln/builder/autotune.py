@@ -10,8 +10,9 @@
        keep the fastest;
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked);
-    4. the whole program runs once more with the chosen tactics and must match the reference
-       outputs, or every layer goes back to its default.
+    4. the whole program runs once more with the chosen tactics and is judged against the error
+       the default engine itself makes at its precision (accuracy.py): when it is worse, only the
+       layers to blame go back to their default, and the header and the build log say which and why.
 
 The choices land in the steps (`StepSpec.tactic`); chosen, runner-up and times per layer go
 to the engine header for `kiln inspect`.
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from kiln.builder.accuracy import TOLERANCE, full_float32, half_dtype, mismatch, settle, upcast
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
@@ -37,15 +39,6 @@ from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Launch, Tactic
 
 Progress = Callable[[str], None]
-
-# Candidate vs reference: max |a - b| <= atol + rtol * max |reference|, per dtype. A tactic
-# sums in another order (blocked/packed kernels): fp32 rounding grows with the reduction length.
-TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12),
-             torch.float16: (1e-2, 1e-3), torch.bfloat16: (4e-2, 1e-2)}
-
-# The whole engine against the reference engine: errors of many layers add up (ResNet-50 has 53
-# convolutions in a row), so fp32 is judged at 1e-3 of the output's scale; each layer was checked tighter.
-WHOLE_MODEL_TOLERANCE = {**TOLERANCE, torch.float32: (1e-3, 1e-5)}
 
 WARMUP_RUNS = 2
 LAYER_BUDGET_S = 0.4  # timing time per layer at most, beyond the minimum of 3 rounds
@@ -174,44 +167,6 @@ def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int =
     return {name: statistics.quantiles(s, n=4, method="inclusive")[0] for name, s in samples.items()}
 
 
-# ---- checking ----------------------------------------------------------------------------------
-
-def mismatch(result: Any, reference: Any, tolerance: dict | None = None) -> str | None:
-    """None when `result` matches `reference` within the dtype's tolerance, else what differs."""
-    tolerance = tolerance or TOLERANCE
-    if isinstance(reference, (tuple, list)):
-        if not isinstance(result, (tuple, list)) or len(result) != len(reference):
-            return f"gave {type(result).__name__} where the reference gives {len(reference)} values"
-        for i, (r, e) in enumerate(zip(result, reference)):
-            problem = mismatch(r, e, tolerance)
-            if problem:
-                return f"output {i}: {problem}"
-        return None
-    if not isinstance(reference, torch.Tensor):
-        return None if type(result) is type(reference) else f"gave {type(result).__name__}"
-    if not isinstance(result, torch.Tensor):
-        return f"gave {type(result).__name__}, not a tensor"
-    if result.shape != reference.shape or result.dtype != reference.dtype:
-        return (f"gave {str(result.dtype).removeprefix('torch.')}{list(result.shape)}, the reference "
-                f"{str(reference.dtype).removeprefix('torch.')}{list(reference.shape)}")
-    if not reference.is_floating_point():
-        return None if torch.equal(result, reference) else "integer results differ"
-    rtol, atol = tolerance.get(reference.dtype, (1e-4, 1e-5))
-    expected, given = reference.double(), result.double()
-    if not torch.equal(torch.isnan(expected), torch.isnan(given)):
-        return "NaNs differ from the reference"
-    finite = torch.isfinite(expected)
-    if not torch.equal(expected[~finite & ~torch.isnan(expected)], given[~finite & ~torch.isnan(expected)]):
-        return "infinities differ from the reference"
-    if not finite.any():
-        return None
-    scale = expected[finite].abs().max().item()
-    error = (given[finite] - expected[finite]).abs().max().item()
-    if error > atol + rtol * scale:
-        return f"max abs error {error:.3g} > {atol:g} + {rtol:g} x max |reference| {scale:.3g}"
-    return None
-
-
 # ---- the search --------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -247,25 +202,6 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
     return records, [_clone(o) for o in outputs]
 
 
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _upcast(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.float() if value.dtype in _HALF else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_upcast(v) for v in value)
-    return value
-
-
-def _half_dtype(value: Any) -> torch.dtype | None:
-    if isinstance(value, torch.Tensor):
-        return value.dtype if value.dtype in _HALF else None
-    if isinstance(value, (list, tuple)):
-        return next((d for v in value if (d := _half_dtype(v)) is not None), None)
-    return None
-
-
 def _checker(fn: Launch, ctx, record: _Recorded, attrs: dict) -> Callable[[Any], str | None]:
     """How a candidate's output is judged: None when it passes, else what differs.
 
@@ -274,16 +210,16 @@ def _checker(fn: Launch, ctx, record: _Recorded, attrs: dict) -> Callable[[Any],
     a tactic must be as close to the exact result as fp16/bf16 storage allows, not merely close
     to another fp16 kernel. Where the default cannot run in float32, against its recorded output.
     """
-    half = _half_dtype(record.output)
+    half = half_dtype(record.output)
     if half is None:
         return lambda result: mismatch(result, record.output)
     try:
-        with torch.inference_mode():
-            reference = fn(ctx, *[_upcast(a) for a in record.args], **attrs)
+        with torch.inference_mode(), full_float32():
+            reference = fn(ctx, *[upcast(a) for a in record.args], **attrs)
     except Exception:  # noqa: BLE001  an op with a half-only path: compare with its half output
         return lambda result: mismatch(result, record.output)
     tolerance = {**TOLERANCE, torch.float32: TOLERANCE[half]}
-    return lambda result: mismatch(_upcast(result), reference, tolerance)
+    return lambda result: mismatch(upcast(result), reference, tolerance)
 
 
 def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: list[str]) -> list[Tactic]:
@@ -431,27 +367,24 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
-    problem = _check_whole(program, placed, device, examples, reference_outputs)
-    if problem:
-        for step in program.steps:
-            step.tactic, step.tactic_config = "", {}
-        record["reverted"] = f"the engine with the chosen tactics did not match the reference: {problem}"
-        say(f"tactics: {record['reverted']}; every layer runs its default implementation")
+    if any(step.tactic for step in program.steps):
+        # Tactics checked one by one can still go wrong together: judge the whole engine against the
+        # error the default engine itself makes at this precision; revert only the layers to blame.
+        settled = settle(program, placed, device, examples, reference_program, reference_outputs, say)
+        record["accuracy"] = settled.to_json()
+        for name, why in settled.reverted.items():
+            layer = layers[name]
+            default_ms = layer["candidates"].get(DEFAULT)
+            tactic = layer["tactic"]
+            layers[name] = {**layer, "tactic": DEFAULT, "reverted": why,
+                            "time_ms": default_ms if isinstance(default_ms, float) else None,
+                            "runner_up": tactic, "runner_up_ms": layer["time_ms"]}
+        if settled.reverted:
+            record["reverted_layers"] = settled.reverted
+            say(f"tactics: {len(settled.reverted)} layer(s) reverted to their default: " + ", ".join(settled.reverted))
+        if settled.reverted and not any(step.tactic for step in program.steps):
+            record["reverted"] = (f"every tuned layer ({len(settled.reverted)}) reverted to its default: the tuned "
+                                  f"engine was off ({settled.first_problem}) and no smaller set of reverts fixed it")
+            say(f"tactics: {record['reverted']}")
     cache.save()
     return record
-
-
-def _check_whole(program: ProgramSpec, weights: dict[str, Any], device: torch.device, examples: list[Any],
-                 reference: list[Any]) -> str | None:
-    """Layouts flow between layers (NHWC stacks): the whole engine must still give the reference outputs."""
-    try:
-        tuned = Program(program, weights, device)
-        with torch.inference_mode():
-            outputs = tuned.run(examples)
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {str(e)[:200]}"
-    for name, got, want in zip(program.outputs, outputs, reference):
-        problem = mismatch(got, want, WHOLE_MODEL_TOLERANCE)
-        if problem:
-            return f"output {name!r}: {problem}"
-    return None

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import kiln
 from kiln.cli.common import console, fmt_bytes, parse_profile, parse_shapes, text
+from kiln.cli.inspect import tactics_summary, whole_engine_check
 from kiln.errors import KilnError
 from kiln.plan.spec import EnginePlan
 
@@ -87,6 +88,10 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float) -> None
         ("device", header.get("device", {}).get("name", "?")),
         ("build time", f"{seconds:.2f} s"),
     ]
+    tactics = header.get("tactics") or {}
+    if tactics:  # what the tuner chose, and what its whole-engine check reverted and why
+        rows.append(("tactics", tactics_summary(tactics)))
+        rows += [("", line) for line in whole_engine_check(tactics)]
     for key, value in rows:
         table.add_row(key, text(value))
     console().print(table)

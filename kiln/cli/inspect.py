@@ -123,9 +123,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     tactics = header.get("tactics") or {}
     if tactics:
-        chosen = [v["tactic"] for v in tactics.get("layers", {}).values()]
-        summary = tactics.get("skipped") or tactics.get("reverted") or (
-            f"{len(chosen)} layer(s) tuned: " + ", ".join(f"{chosen.count(t)} {t}" for t in sorted(set(chosen))))
+        summary = tactics_summary(tactics)
         cache = tactics.get("cache") or {}
         if cache.get("path"):
             summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
@@ -160,6 +158,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.print(text(f"  tactics checked at {line}"))
     for layer, why in (checks.get("reverted_layers") or {}).items():
         out.print(text(f"  layer {layer} runs its default: {why}"))
+    for line in whole_engine_check(header.get("tactics") or {}):
+        out.print(text(f"  {line}"))
 
     table = Table(title="layers", title_justify="left")
     tuned = any("tactic" in layer for layer in layers)
@@ -180,6 +180,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.why_not:
         _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
     return 0
+
+
+def tactics_summary(tactics: dict) -> str:
+    """One line: what the tuner chose, and how many layers the whole-engine check sent back to their default."""
+    if tactics.get("skipped") or tactics.get("reverted"):
+        return tactics.get("skipped") or tactics["reverted"]
+    chosen = [v["tactic"] for v in tactics.get("layers", {}).values()]
+    summary = f"{len(chosen)} layer(s) tuned: " + ", ".join(f"{chosen.count(t)} {t}" for t in sorted(set(chosen)))
+    reverted = tactics.get("reverted_layers") or {}
+    if reverted:
+        summary += f"; {len(reverted)} reverted to their default by the whole-engine check: " + ", ".join(reverted)
+    return summary
+
+
+def whole_engine_check(tactics: dict) -> list[str]:
+    """What the tuned engine was judged against and how close it came (kiln/builder/accuracy.py), and
+    each layer the check reverted with why; `kiln build` prints the same lines."""
+    accuracy = tactics.get("accuracy") or {}
+    lines = []
+    if accuracy.get("outputs"):
+        def g(v) -> str:
+            return f"{v:.3g}" if isinstance(v, (int, float)) else str(v)
+
+        outputs = "; ".join(f"{name} max abs error {g(e['error'])} ("
+                            + (f"the default engine's own {g(e['default_error'])}, " if e["default_error"] else "")
+                            + f"allowed {g(e['allowed'])})" for name, e in accuracy["outputs"].items())
+        lines.append(f"tactics judged against {accuracy.get('reference')}: {outputs}")
+    for layer, why in (tactics.get("reverted_layers") or {}).items():
+        lines.append(f"layer {layer} runs its default (whole-engine check): {why}")
+    return lines
 
 
 def _graph_blockers(plan: EnginePlan) -> list[str]:

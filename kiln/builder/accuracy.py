@@ -1,0 +1,429 @@
+"""The tuned engine against the error its precision itself makes: keep it, or blame and revert only
+the layers that are worse.
+
+Each tactic was checked alone, on the inputs the default engine gave its layer (autotune.py). Put
+together, tactics can still go wrong: a layer handed a neighbour's layout (channels-last, strided)
+that it misreads, or errors within each layer's tolerance that compound through a deep stack. So the
+tuned engine runs once more on the example inputs and is judged — not against the default
+half-precision engine, which itself drifts from the exact result (random BatchNorm statistics made
+torch's FP16 ResNet-50 13% off FP32; judged against it, every tuned engine failed and went back to
+default kernels), but against the error that default engine makes:
+
+    reference = the default engine run on float32 copies of its weights and activations
+                (an fp32 engine: the default engine itself)
+    own       = max |default - reference|, per output (0 for an fp32 engine)
+    error     = max |tuned - reference|
+    accepted  <=> error <= ERROR_FACTOR * own + atol + rtol * max |reference|   (WHOLE_MODEL_TOLERANCE)
+
+An fp32 engine is thereby judged as before: within WHOLE_MODEL_TOLERANCE of the default engine.
+When the engine fails, the guilty layers are found and only they revert:
+
+    1. blame in context: the tuned engine runs again, and each tuned layer's output is compared
+       with its default implementation on the very inputs it is given there (for a half layer,
+       against the default run in float32 on float32 copies, the same rule as above per layer with
+       TOLERANCE). A layer worse than its precision explains is guilty: it reverts, and the run
+       goes on with the default's output. Repeated while it finds some (BLAME_ROUNDS at most).
+    2. errors that compound: no layer is wrong alone, yet the engine drifts. The tuned layers are
+       ranked by their own error relative to their allowance, and the fewest of the worst whose
+       revert lets the engine pass are found by bisection (log2(layers) whole runs).
+
+Reverting every layer (the default engine passes by definition) is the last resort, never silent:
+the header, the build log, `kiln build` and `kiln inspect` say which layers went back and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.program import Program
+from kiln.runtime.step import BoundStep
+
+Progress = Callable[[str], None]
+
+# Candidate vs reference: max |a - b| <= atol + rtol * max |reference|, per dtype as (rtol, atol).
+# A tactic sums in another order (blocked/packed kernels): fp32 rounding grows with the reduction length.
+TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12),
+             torch.float16: (1e-2, 1e-3), torch.bfloat16: (4e-2, 1e-2)}
+
+# The whole engine against the reference engine: errors of many layers add up (ResNet-50 has 53
+# convolutions in a row), so fp32 is judged at 1e-3 of the output's scale; each layer was checked tighter.
+WHOLE_MODEL_TOLERANCE = {**TOLERANCE, torch.float32: (1e-3, 1e-5)}
+
+# A tuned engine (or layer) may be this many times as far from the float32 reference as the default
+# one is: two half-precision computations of one chaotic network differ from float32 by errors of the
+# same size (the max of many roundings), rarely twice; a wrong kernel is off by far more.
+ERROR_FACTOR = 2.0
+BLAME_ROUNDS = 3  # blame-in-context runs before the search for compounding errors
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+# ---- values ------------------------------------------------------------------------------------
+
+def upcast(value: Any) -> Any:
+    """Half-precision tensors (also inside lists and tuples) as float32; everything else as is."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in HALF else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(upcast(v) for v in value)
+    return value
+
+
+def half_dtype(value: Any) -> torch.dtype | None:
+    """The half dtype of the first half-precision tensor in `value`, else None."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype if value.dtype in HALF else None
+    if isinstance(value, (list, tuple)):
+        return next((d for v in value if (d := half_dtype(v)) is not None), None)
+    return None
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _flat(v)]
+    return [value]
+
+
+def mismatch(result: Any, reference: Any, tolerance: dict | None = None) -> str | None:
+    """None when `result` matches `reference` within the dtype's tolerance, else what differs."""
+    tolerance = tolerance or TOLERANCE
+    if isinstance(reference, (tuple, list)):
+        if not isinstance(result, (tuple, list)) or len(result) != len(reference):
+            return f"gave {type(result).__name__} where the reference gives {len(reference)} values"
+        for i, (r, e) in enumerate(zip(result, reference)):
+            problem = mismatch(r, e, tolerance)
+            if problem:
+                return f"output {i}: {problem}"
+        return None
+    if not isinstance(reference, torch.Tensor):
+        return None if type(result) is type(reference) else f"gave {type(result).__name__}"
+    if not isinstance(result, torch.Tensor):
+        return f"gave {type(result).__name__}, not a tensor"
+    if result.shape != reference.shape or result.dtype != reference.dtype:
+        return (f"gave {str(result.dtype).removeprefix('torch.')}{list(result.shape)}, the reference "
+                f"{str(reference.dtype).removeprefix('torch.')}{list(reference.shape)}")
+    if not reference.is_floating_point():
+        return None if torch.equal(result, reference) else "integer results differ"
+    rtol, atol = tolerance.get(reference.dtype, (1e-4, 1e-5))
+    expected, given = reference.double(), result.double()
+    if not torch.equal(torch.isnan(expected), torch.isnan(given)):
+        return "NaNs differ from the reference"
+    finite = torch.isfinite(expected)
+    if not torch.equal(expected[~finite & ~torch.isnan(expected)], given[~finite & ~torch.isnan(expected)]):
+        return "infinities differ from the reference"
+    if not finite.any():
+        return None
+    scale = expected[finite].abs().max().item()
+    error = (given[finite] - expected[finite]).abs().max().item()
+    if error > atol + rtol * scale:
+        return f"max abs error {error:.3g} > {atol:g} + {rtol:g} x max |reference| {scale:.3g}"
+    return None
+
+
+def output_error(result: Any, reference: Any) -> float:
+    """How far one output is from its reference: max abs error over the reference's finite values
+    (float), the fraction of elements that differ (integers, bools); inf where the two do not even
+    agree on shape, NaNs or infinities. `result` is compared in the reference's dtype."""
+    if not isinstance(reference, torch.Tensor):
+        return 0.0 if type(result) is type(reference) else math.inf
+    if not isinstance(result, torch.Tensor) or result.shape != reference.shape:
+        return math.inf
+    if not reference.is_floating_point():
+        if result.is_floating_point():
+            return math.inf
+        return 0.0 if reference.numel() == 0 else (result != reference).double().mean().item()
+    if not result.is_floating_point():
+        return math.inf
+    expected, given = reference.double(), result.double()
+    nan = torch.isnan(expected)
+    if not torch.equal(nan, torch.isnan(given)):
+        return math.inf
+    finite = torch.isfinite(expected)
+    if not torch.equal(expected[~finite & ~nan], given[~finite & ~nan]):
+        return math.inf
+    return (given[finite] - expected[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def _scale(reference: Any) -> float:
+    if not isinstance(reference, torch.Tensor) or not reference.is_floating_point():
+        return 0.0
+    finite = reference[torch.isfinite(reference)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def allowance(own: float, scale: float, dtype: torch.dtype | None, tolerance: dict) -> float:
+    """How far from the reference a value may be: ERROR_FACTOR x the default's own error, plus the
+    dtype's tolerance (integers: none)."""
+    rtol, atol = tolerance.get(dtype, (0.0, 0.0))
+    return ERROR_FACTOR * own + atol + rtol * scale
+
+
+def _ratio(error: float, allowed: float) -> float:
+    if error <= allowed:
+        return error / allowed if allowed > 0 else 0.0
+    return math.inf if allowed == 0 or math.isinf(error) else error / allowed
+
+
+# ---- the float32 reference ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """TF32 off while a float32 reference runs: torch lets cuDNN convolutions multiply in TF32 by
+    default, whose 10-bit mantissa is fp16's, and a reference that rounds like the engine it judges
+    would see no error at all."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _float32_kernel(_index: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(ctx, *args, **attrs):
+        if ctx.op_type == "Cast" and args and isinstance(args[0], torch.Tensor) and args[0].dtype == torch.float32:
+            result = fn(ctx, *args, **attrs)
+            if half_dtype(result) is not None:
+                return args[0]  # a Cast to half (lower_precision made Cast-to-float one): stays float32
+            return result
+        return upcast(fn(ctx, *upcast(args), **{k: upcast(v) for k, v in attrs.items()}))
+    return call
+
+
+def float32_run(default: Program, inputs: list[Any]) -> list[Any]:
+    """The default program run on float32 copies of its half-precision weights and activations: the
+    exact result of the engine's own (rounded) weights, against which its half storage is judged."""
+    with torch.inference_mode(), full_float32():
+        return default.with_kernels(_float32_kernel).run(upcast(list(inputs)))
+
+
+@dataclasses.dataclass
+class Baseline:
+    """What a tuned engine's outputs are judged against."""
+
+    names: list[str]  # the program's outputs
+    reference: list[Any]  # per output: the float32 run's value, or the default engine's
+    default: list[Any]  # per output: the default engine's value
+    own_errors: list[float]  # per output: the default engine's own error against `reference`
+    source: str  # what `reference` is, for the header
+
+
+def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], inputs: list[Any]) -> Baseline:
+    """The float32 run for a half-precision engine, the default engine itself otherwise (or where
+    the float32 run fails: an op with a half-only path)."""
+    same = Baseline(list(spec.outputs), default_outputs, default_outputs, [0.0] * len(default_outputs),
+                    "the default engine")
+    if not any(half_dtype(o) is not None for o in default_outputs):
+        return same
+    try:
+        exact = float32_run(default, inputs)
+    except Exception as e:  # noqa: BLE001  judged against the default engine instead, saying why
+        same.source = f"the default engine (no float32 run: {type(e).__name__}: {str(e)[:160]})"
+        return same
+    own = [output_error(upcast(d), r) for d, r in zip(default_outputs, exact)]
+    return Baseline(list(spec.outputs), exact, default_outputs, own, "a float32 run of the default engine")
+
+
+# ---- judging the whole engine ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Verdict:
+    problem: str | None  # None: accepted
+    outputs: dict[str, dict[str, float]]  # per output: error, the default's own error, allowed
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: {k: round(v, 6) if math.isfinite(v) else str(v) for k, v in e.items()}
+                for name, e in self.outputs.items()}
+
+
+def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
+          base: Baseline) -> Verdict:
+    """Run the engine `spec` describes (its tactics, native segments and all) and judge its outputs."""
+    try:
+        with torch.inference_mode():
+            outputs = Program(spec, weights, device).run(inputs)
+    except Exception as e:  # noqa: BLE001
+        return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
+    found: dict[str, dict[str, float]] = {}
+    problem = None
+    for name, got, want, default, own in zip(base.names, outputs, base.reference, base.default, base.own_errors):
+        if isinstance(default, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.dtype != default.dtype):
+            problem = problem or f"output {name!r}: {mismatch(got, default)}"
+            continue
+        if math.isinf(own):  # the default overflows where float32 does not: judged against the default
+            want, own = default, 0.0
+        error = output_error(got, want)
+        dtype = default.dtype if isinstance(default, torch.Tensor) else None
+        allowed = allowance(own, _scale(want), dtype, WHOLE_MODEL_TOLERANCE)
+        found[name] = {"error": error, "default_error": own, "allowed": allowed}
+        if error > allowed and problem is None:
+            against = "the default engine" if want is default else "the float32 run"
+            problem = (f"output {name!r}: max abs error {error:.3g} against {against}"
+                       + (f", {error / own:.2g}x the default engine's own {own:.3g}" if own else "")
+                       + f" (allowed {allowed:.3g})")
+    return Verdict(problem, found)
+
+
+# ---- blaming layers ----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LayerBlame:
+    """One tuned layer judged on the inputs the tuned engine gave it."""
+
+    index: int
+    ratio: float  # its error / what its precision allows (> 1: guilty)
+    error: float
+    allowed: float
+    problem: str  # what was wrong, or how close it came
+
+
+def _default_in_float32(step: BoundStep, args: list[Any]) -> Any | None:
+    try:
+        with full_float32():
+            return step.fn(step.ctx, *upcast(args), **step.attributes)
+    except Exception:  # noqa: BLE001  an op with a half-only path: judged against its half output
+        return None
+
+
+def _judge_layer(index: int, result: Any, expected: Any, exact: Any | None) -> LayerBlame:
+    worst = LayerBlame(index, 0.0, 0.0, 0.0, "")
+    results, expecteds = _flat(result), _flat(expected)
+    if len(results) != len(expecteds):
+        return LayerBlame(index, math.inf, math.inf, 0.0, f"gave {len(results)} values, the default {len(expecteds)}")
+    exacts = _flat(exact) if exact is not None else [None] * len(expecteds)
+    for k, (got, default, exact_value) in enumerate(zip(results, expecteds, exacts)):
+        if isinstance(default, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.dtype != default.dtype
+                                                  or got.shape != default.shape):
+            return LayerBlame(index, math.inf, math.inf, 0.0, mismatch(got, default) or "differs")
+        half = isinstance(default, torch.Tensor) and default.dtype in HALF
+        if half and isinstance(exact_value, torch.Tensor) and exact_value.shape == default.shape:
+            reference, own, error = exact_value, output_error(upcast(default), exact_value), \
+                output_error(upcast(got), exact_value)
+        else:
+            reference, own, error = default, 0.0, output_error(got, default)
+        dtype = default.dtype if isinstance(default, torch.Tensor) else None
+        allowed = allowance(own, _scale(reference), dtype, TOLERANCE)
+        ratio = _ratio(error, allowed)
+        if ratio >= worst.ratio:
+            where = f"output {k}: " if len(results) > 1 else ""
+            against = f"the float32 default, whose half-precision run is off by {own:.3g}" if own else "the default"
+            worst = LayerBlame(index, ratio, error, allowed,
+                               f"{where}max abs error {error:.3g} against {against} (allowed {allowed:.3g})")
+    return worst
+
+
+def blame(default: Program, tuned: Program, indices: set[int], inputs: list[Any]) -> dict[int, LayerBlame]:
+    """Run `tuned` once; each layer in `indices` is judged against its default implementation on the
+    inputs it is given in this engine (its neighbours' layouts, their rounding). A guilty layer's
+    output is replaced by the default's, as if it were reverted, so the layers after it are judged
+    on what the engine will give them."""
+    found: dict[int, LayerBlame] = {}
+
+    def judging(i: int, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if i not in indices:
+            return fn
+        step = default.steps[i]
+
+        def call(ctx, *args, **attrs):
+            # The default first: a tactic may write its result over a dying input.
+            expected = step.fn(step.ctx, *args, **step.attributes)
+            exact = _default_in_float32(step, list(args)) if half_dtype(expected) is not None else None
+            try:
+                result = fn(ctx, *args, **attrs)
+            except Exception as e:  # noqa: BLE001  a tactic that fails here is guilty
+                found[i] = LayerBlame(i, math.inf, math.inf, 0.0, f"failed: {type(e).__name__}: {str(e)[:160]}")
+                return expected
+            found[i] = _judge_layer(i, result, expected, exact)
+            return result if found[i].ratio <= 1 else expected
+        return call
+
+    try:
+        with torch.inference_mode():
+            tuned.with_kernels(judging).run(inputs)
+    except Exception:  # noqa: BLE001  a default layer fails on what a passing tactic gave: the layers judged so far
+        return found
+    return found
+
+
+# ---- settling ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Settlement:
+    """What the accuracy check decided: the header's record of it and the layers it reverted."""
+
+    verdict: Verdict  # of the engine as it is now
+    first_problem: str | None  # what failed the engine as tuned (None: it passed at once)
+    reverted: dict[str, str]  # layer name -> "<tactic>: why"
+    whole_runs: int
+    reference: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference": self.reference, "outputs": self.verdict.to_json(), "tuned_engine": self.first_problem
+                or "accepted", "whole_runs": self.whole_runs}
+
+
+def _without(spec: ProgramSpec, names: set[str]) -> ProgramSpec:
+    return dataclasses.replace(spec, steps=[dataclasses.replace(s, tactic="", tactic_config={}) if s.name in names
+                                            else s for s in spec.steps])
+
+
+def _revert(step: StepSpec, why: str, reverted: dict[str, str], say: Progress) -> None:
+    reverted[step.name] = f"{step.tactic}: {why}"
+    say(f"tactics: layer {step.name} reverted to its default (was {step.tactic}): {why}")
+    step.tactic, step.tactic_config = "", {}
+
+
+def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
+           default: Program, default_outputs: list[Any], say: Progress) -> Settlement:
+    """Judge the tuned engine `spec` describes; revert (in place) the layers to blame until it passes."""
+    base = baseline(spec, default, default_outputs, inputs)
+    verdict, runs = judge(spec, weights, device, inputs, base), 1
+    first = verdict.problem
+    reverted: dict[str, str] = {}
+    if verdict.problem is None:
+        return Settlement(verdict, None, reverted, runs, base.source)
+    say(f"tactics: the tuned engine is off ({verdict.problem}); finding the layers to blame")
+
+    blames: dict[int, LayerBlame] = {}
+    for _ in range(BLAME_ROUNDS):
+        tuned = {i for i, s in enumerate(spec.steps) if s.tactic}
+        blames = blame(default, Program(spec, weights, device), tuned, inputs)
+        guilty = sorted(i for i, b in blames.items() if b.ratio > 1)
+        if not guilty:
+            break
+        for i in guilty:
+            _revert(spec.steps[i], f"wrong in this engine, on the inputs its neighbours give it: {blames[i].problem}",
+                    reverted, say)
+        verdict, runs = judge(spec, weights, device, inputs, base), runs + 1
+        if verdict.problem is None:
+            return Settlement(verdict, first, reverted, runs, base.source)
+
+    # Errors that compound: the fewest of the worst layers (by their own error) whose revert passes.
+    tuned_order = [i for i, s in enumerate(spec.steps) if s.tactic]
+    ranked = sorted(tuned_order, key=lambda i: -(blames[i].ratio if i in blames else 0.0))
+    problem = verdict.problem
+    low, high, passing = 1, len(ranked), None
+    while low < high:
+        middle = (low + high) // 2
+        names = {spec.steps[i].name for i in ranked[:middle]}
+        trial, runs = judge(_without(spec, names), weights, device, inputs, base), runs + 1
+        if trial.problem is None:
+            high, passing = middle, trial
+        else:
+            low = middle + 1
+    for i in ranked[:low]:
+        own = blames.get(i)
+        alone = f"right on the inputs it is given ({own.problem})" if own else "not reached by the blame run"
+        _revert(spec.steps[i], f"errors that compound: {alone}, yet the engine is off with it tuned ({problem}); "
+                               f"one of the {low} layer(s) closest to their allowance, the fewest whose revert "
+                               "lets the engine pass", reverted, say)
+    if passing is None:  # every remaining layer reverted: the default engine, which passes by definition
+        passing, runs = judge(spec, weights, device, inputs, base), runs + 1
+    return Settlement(passing, first, reverted, runs, base.source)
