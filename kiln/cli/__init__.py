@@ -1,4 +1,4 @@
-"""The `kiln` command line: build | run | bench | inspect | compare.
+"""The `kiln` command line: build | run | bench | inspect | compare | serve | perf.
 
     kiln build model.onnx -o model.kiln [--opt-level N] [--shapes x:1x3x224x224] [--verbose]
     kiln run model.kiln [--inputs in.npz] [--outputs out.npz] [--shapes ...]
@@ -6,6 +6,8 @@
                [--iterations N | --duration S] [--shapes ...]
     kiln inspect model.kiln [--json] [--why-not [MODEL.onnx]]
     kiln compare model.onnx [--precision P] [--mark-all]
+    kiln serve MODEL_REPOSITORY | --model model.onnx [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
+    kiln perf -m MODEL [-u URL] [-i http|grpc] [--concurrency-range 1:8:2]
 
 A kiln error prints one line-led message on stderr and exits 1, never a traceback. `run`,
 `bench` and `inspect` load engines through the lean runtime: only `build` imports the ONNX
@@ -25,7 +27,9 @@ from kiln.cli.bench import cmd_bench
 from kiln.cli.build import cmd_build
 from kiln.cli.compare import cmd_compare
 from kiln.cli.inspect import cmd_inspect
+from kiln.cli.perf import add_parser as add_perf_parser
 from kiln.cli.run import cmd_run
+from kiln.cli.serve import add_parser as add_serve_parser
 from kiln.errors import KilnError
 
 
@@ -33,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", description="Build ONNX models into kiln engines, run, benchmark and inspect them.")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
-    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare}", required=True)
+    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare,serve,perf}", required=True)
     shapes_help = ("concrete input shapes NAME:DIMxDIM..., comma-separated or repeated "
                    "(symbolic dims default to the build shapes, else 1)")
 
@@ -122,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shapes", action="append", metavar="NAME:DIMS", help="random input shapes: " + shapes_help)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_compare)
+
+    add_serve_parser(verbs)  # kiln/cli/serve.py
+    add_perf_parser(verbs)  # kiln/cli/perf.py
     return parser
 
 

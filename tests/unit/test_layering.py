@@ -26,10 +26,10 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("ops", {"kiln.ops"}),
     ("kernels", {"kiln.kernels"}),
     ("tactics", {"kiln.tactics"}),
-    ("stages", {"kiln.runtime", "kiln.frontend", "kiln.passes"}),  # side by side: none imports another
+    ("stages", {"kiln.runtime", "kiln.frontend", "kiln.passes", "kiln.quant"}),  # side by side: none imports another
     ("builder", {"kiln.builder"}),
     ("apps", {"kiln", "kiln.tools", "kiln.zoo", "kiln.cli", "kiln.demo", "kiln.backend", "kiln.__main__",
-              "kiln.data"}),
+              "kiln.data", "kiln.serve"}),
 ]
 
 

@@ -1,0 +1,295 @@
+"""The dynamic batcher: a model's bounded queue, merged into engine calls on its instances.
+
+Requests wait in one FIFO per model (bounded: a full queue refuses at once with QueueFull, the
+caller's 429 / RESOURCE_EXHAUSTED). When an instance (one ExecutionContext, one thread) is idle,
+the batcher takes the oldest request and the queued requests that can share its engine call:
+the same shape past the batch axis, rows adding up to no more than the model's max batch and a
+batch size some optimization profile holds. It waits for more only while the oldest has waited
+less than max_queue_delay and the batch is short of the largest preferred size. A merged batch is
+concatenated along axis 0, padded up to a size a profile holds when it falls between profiles
+(the padding rows repeat the last real row, so they compute nothing unusual, and are dropped),
+run, and split back by row offsets: each request gets exactly its own rows. A batch that fails
+is rerun request by request, so one request's failure is never another's.
+
+Timeouts: a request past its deadline is dropped from the queue (the frontend answers it);
+closing stops intake and lets everything queued and running finish (graceful shutdown, unload).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln import Engine
+from kiln.serve.config import ModelConfig
+from kiln.serve.errors import QueueFull, RequestTimeout, Unavailable
+from kiln.serve.stats import ModelStats
+
+Signature = tuple[tuple[int, ...], ...]  # per input, in config order: the shape past the batch axis
+
+
+@dataclass
+class Pending:
+    """One queued request: its inputs (by name), rows on the batch axis and the future it answers."""
+
+    inputs: dict[str, np.ndarray]
+    rows: int
+    signature: Signature
+    future: asyncio.Future
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    deadline_ns: int | None = None
+    queue_ns: int | None = None  # set when its batch starts
+
+
+class BatchShapes:
+    """Which batch sizes the engine's profiles hold for a request shape (past the batch axis)."""
+
+    def __init__(self, engine: Engine, config: ModelConfig):
+        self.names = [t.name for t in config.inputs]
+        self.max_batch_size = config.max_batch_size
+        self.ranges = []  # per profile: (batch min, batch max, {input: (min dims, max dims) past axis 0})
+        for p in engine.profiles:
+            rs = [p.inputs[n] for n in self.names if n in p.inputs]
+            if config.max_batch_size > 0 and rs:
+                lo, hi = max(r.min[0] for r in rs), min(r.max[0] for r in rs)
+                rest = {n: (r.min[1:], r.max[1:]) for n, r in p.inputs.items()}
+            else:
+                lo, hi, rest = 1, 1, {n: (r.min, r.max) for n, r in p.inputs.items()}
+            self.ranges.append((lo, hi, rest))
+        self._cache: dict[Signature, list[tuple[int, int]]] = {}
+
+    def sizes(self, signature: Signature) -> list[tuple[int, int]]:
+        """Batch-size intervals of the profiles holding this signature (no profiles: 1..max)."""
+        found = self._cache.get(signature)
+        if found is not None:
+            return found
+        if not self.ranges:
+            found = [(1, max(1, self.max_batch_size))]
+        else:
+            found = []
+            for lo, hi, rest in self.ranges:
+                inside = all(
+                    n not in rest or len(s) == len(rest[n][0])
+                    and all(a <= d <= b for d, a, b in zip(s, *rest[n]))
+                    for n, s in zip(self.names, signature))
+                if inside:
+                    found.append((lo, min(hi, self.max_batch_size) if self.max_batch_size else hi))
+            found.sort()
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[signature] = found
+        return found
+
+    def limit(self, signature: Signature) -> int:
+        return max((hi for _, hi in self.sizes(signature)), default=0)
+
+    def padded(self, signature: Signature, rows: int) -> int | None:
+        """The smallest batch size >= rows that a profile holds, or None."""
+        for lo, hi in self.sizes(signature):
+            if rows <= hi:
+                return max(rows, lo)
+        return None
+
+
+class Instance:
+    """One execution context of the engine and the one thread that runs it."""
+
+    def __init__(self, engine: Engine, name: str, index: int):
+        self.index = index
+        self.context = engine.create_execution_context()
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kiln-{name}-{index}")
+
+
+@dataclass
+class BatchResult:
+    outputs: list[dict[str, np.ndarray] | BaseException]  # per request
+    rows: int  # the engine call's batch size (padding included)
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
+class Batcher:
+    def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int):
+        self.config = config
+        self.stats = stats
+        self.shapes = BatchShapes(engine, config)
+        self.batching = config.max_batch_size > 0 and config.dynamic_batching is not None
+        batching = config.dynamic_batching
+        self.delay_ns = batching.max_queue_delay_microseconds * 1000 if batching else 0
+        self.preferred = sorted(batching.preferred_batch_size) if batching else []
+        self.max_queue_size = config.queue_bound or max_queue_size
+        self.instances = [Instance(engine, config.name, k) for k in range(config.instance_count)]
+        self.pending: deque[Pending] = deque()
+        self.closing = False
+        self._idle: asyncio.Queue[Instance] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._running: set[asyncio.Task] = set()
+
+    # ---- intake -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._idle = asyncio.Queue()
+        for instance in self.instances:
+            self._idle.put_nowait(instance)
+        self._wakeup = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"kiln-batcher-{self.config.name}")
+
+    def submit(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature,
+               deadline_ns: int | None) -> Pending:
+        if self.closing:
+            raise Unavailable(f"model {self.config.name!r} is unloading or the server is shutting down")
+        if len(self.pending) >= self.max_queue_size:
+            raise QueueFull(f"model {self.config.name!r}: the queue holds its maximum of {self.max_queue_size} "
+                            "requests; retry later")
+        request = Pending(inputs, rows, signature, asyncio.get_running_loop().create_future(), deadline_ns=deadline_ns)
+        self.pending.append(request)
+        self.stats.pending = len(self.pending)
+        self._wakeup.set()
+        return request
+
+    async def close(self) -> None:
+        """Stop intake; finish what is queued and running; stop the instances' threads."""
+        self.closing = True
+        if self._task is not None:
+            self._wakeup.set()
+            await self._task
+            if self._running:
+                await asyncio.gather(*self._running, return_exceptions=True)
+        for instance in self.instances:
+            instance.thread.shutdown(wait=True)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            instance = await self._idle.get()
+            batch = await self._next_batch()
+            if batch is None:  # closing and nothing left
+                return
+            task = asyncio.get_running_loop().create_task(self._execute(instance, batch))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
+
+    def _drop_finished(self) -> None:
+        """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""
+        now = time.monotonic_ns()
+        kept = deque()
+        for r in self.pending:
+            if r.future.done():
+                continue
+            if r.deadline_ns is not None and now >= r.deadline_ns:
+                r.future.set_exception(RequestTimeout(
+                    f"model {self.config.name!r}: the request's timeout passed after "
+                    f"{(now - r.arrival_ns) // 1000} us in the queue"))
+                continue
+            kept.append(r)
+        self.pending = kept
+        self.stats.pending = len(kept)
+
+    async def _next_batch(self) -> list[Pending] | None:
+        while True:
+            self._drop_finished()
+            if not self.pending:
+                if self.closing:
+                    return None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            head = self.pending[0]
+            if not self.batching:
+                return [self.pending.popleft()]
+            limit = self.shapes.limit(head.signature)
+            chosen, rows = [], 0
+            for r in self.pending:
+                if r.signature == head.signature and rows + r.rows <= limit:
+                    chosen.append(r)
+                    rows += r.rows
+                    if rows == limit:
+                        break
+            target = max((p for p in self.preferred if p <= limit), default=limit)
+            waited = time.monotonic_ns() - head.arrival_ns
+            if rows < target and waited < self.delay_ns and not self.closing:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), (self.delay_ns - waited) / 1e9)
+                except TimeoutError:
+                    pass
+                continue
+            if self.preferred and rows > target:  # cut at the largest preferred size a prefix reaches
+                total, cut = 0, len(chosen)
+                for k, r in enumerate(chosen):
+                    total += r.rows
+                    if total in self.preferred:
+                        cut = k + 1
+                chosen = chosen[:cut]
+            taken = {id(r) for r in chosen}
+            self.pending = deque(r for r in self.pending if id(r) not in taken)
+            self.stats.pending = len(self.pending)
+            return chosen
+
+    async def _execute(self, instance: Instance, batch: list[Pending]) -> None:
+        start = time.monotonic_ns()
+        for r in batch:
+            r.queue_ns = start - r.arrival_ns
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(instance.thread, self._run_batch, instance, batch)
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting caller, then the loop goes on
+            result = BatchResult([e] * len(batch), sum(r.rows for r in batch))
+        finally:
+            self._idle.put_nowait(instance)
+        self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
+        for r, out in zip(batch, result.outputs):
+            if r.future.done():
+                continue
+            if isinstance(out, BaseException):
+                r.future.set_exception(out)
+            else:
+                r.future.set_result(out)
+
+    def _run_batch(self, instance: Instance, batch: list[Pending]) -> BatchResult:
+        """In the instance's thread: merge, run, split (one request alone: no copy at all)."""
+        t0 = time.perf_counter_ns()
+        rows = sum(r.rows for r in batch)
+        padded = rows
+        if self.config.max_batch_size > 0:
+            padded = self.shapes.padded(batch[0].signature, rows) or rows
+        feeds = {}
+        for name in batch[0].inputs:
+            parts = [r.inputs[name] for r in batch]
+            if padded > rows:  # repeat the last real row up to a size a profile holds
+                parts.append(np.repeat(parts[-1][-1:], padded - rows, axis=0))
+            feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        t1 = time.perf_counter_ns()
+        try:
+            outputs = instance.context.run(feeds)
+        except Exception as e:  # noqa: BLE001 - a batch failing is rerun request by request below
+            if len(batch) == 1:
+                return BatchResult([e], padded, t1 - t0, time.perf_counter_ns() - t1)
+            return self._run_alone(instance, batch, padded, t1 - t0)
+        t2 = time.perf_counter_ns()
+        if len(batch) == 1 and padded == rows:
+            return BatchResult([outputs], padded, t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+        split: list[dict[str, np.ndarray] | BaseException] = []
+        offset = 0
+        for r in batch:
+            split.append({n: v[offset:offset + r.rows] for n, v in outputs.items()})
+            offset += r.rows
+        return BatchResult(split, padded, t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+
+    def _run_alone(self, instance: Instance, batch: list[Pending], padded: int, input_ns: int) -> BatchResult:
+        t1 = time.perf_counter_ns()
+        outputs: list[dict[str, np.ndarray] | BaseException] = []
+        for r in batch:
+            try:
+                outputs.append(instance.context.run(dict(r.inputs)))
+            except Exception as e:  # noqa: BLE001 - this request's own error, answered to it alone
+                outputs.append(e)
+        return BatchResult(outputs, padded, input_ns, time.perf_counter_ns() - t1)

@@ -1,0 +1,331 @@
+"""The server's core, shared by its HTTP and gRPC frontends: models, their states, inference.
+
+A frontend decodes its wire format into an InferRequest (numpy arrays by input name), awaits
+`ServerCore.infer`, and encodes the InferResponse; health, metadata, config, statistics and the
+repository calls are plain methods. Everything here runs on the server's event loop; engines run
+on their instances' threads (kiln/serve/batcher.py), loading on a worker thread.
+
+Model states follow Triton's repository index: READY, LOADING, UNLOADING, UNAVAILABLE (with a
+reason: the load error, or "unloaded").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln import BindingError, Engine
+from kiln.serve import datatypes
+from kiln.serve.batcher import Batcher, Signature
+from kiln.serve.config import ModelConfig, parse_json
+from kiln.serve.errors import (
+    InvalidRequest,
+    ModelLoadError,
+    NotFound,
+    QueueFull,
+    RequestTimeout,
+    ServeError,
+    Unavailable,
+)
+from kiln.serve.repository import LoadedVersion, ModelRepository
+from kiln.serve.stats import ModelStats
+from kiln.version import __version__
+
+SERVER_NAME = "kiln"
+EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
+              "model_configuration", "statistics", "binary_tensor_data", "parameters"]
+DEFAULT_MAX_QUEUE_SIZE = 1024
+
+
+@dataclass
+class InferRequest:
+    model: str
+    version: str = ""  # "": the latest ready version
+    id: str = ""
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # in the client's order
+    outputs: list[str] | None = None  # requested outputs; None: all, in the model's order
+    timeout_us: int | None = None
+
+
+@dataclass
+class InferResponse:
+    model: str
+    version: str
+    id: str
+    outputs: list[tuple[str, np.ndarray]]
+
+
+@dataclass
+class ModelVersion:
+    """One served version: its engine, config, batcher and statistics."""
+
+    name: str
+    version: str
+    engine: Engine
+    config: ModelConfig
+    batcher: Batcher
+    stats: ModelStats
+
+    def metadata(self, versions: list[str]) -> dict:
+        mbs = self.config.max_batch_size
+
+        def tensors(ts):
+            return [{"name": t.name, "datatype": t.datatype.v2, "shape": t.shape(mbs)} for t in ts]
+
+        return {"name": self.name, "versions": versions, "platform": "kiln",
+                "inputs": tensors(self.config.inputs), "outputs": tensors(self.config.outputs)}
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    state: str = "UNAVAILABLE"
+    reason: str = ""
+    versions: dict[str, ModelVersion] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load/unload at a time
+
+
+class ServerCore:
+    def __init__(self, repository: ModelRepository, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE):
+        self.repository = repository
+        self.max_queue_size = max_queue_size
+        self.models: dict[str, ModelEntry] = {}
+        self.accepting = True  # False from the start of a shutdown on
+        self.started = False
+
+    # ---- health and metadata ------------------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return True
+
+    @property
+    def ready(self) -> bool:
+        """Ready once the startup loads are done and until shutdown begins (each model has its own
+        readiness: a model that failed to load is UNAVAILABLE in the index, the others serve)."""
+        return self.started and self.accepting
+
+    def metadata(self) -> dict:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+
+    def model(self, name: str, version: str = "") -> ModelVersion:
+        entry = self.models.get(name)
+        if entry is None:
+            if name in self.repository.names():
+                raise Unavailable(f"model {name!r} is not loaded (load it: POST /v2/repository/models/{name}/load)")
+            raise NotFound(f"unknown model {name!r}; the repository holds {self.repository.names()}")
+        if not version:
+            if not entry.versions:
+                raise Unavailable(f"model {name!r} is {entry.state}{': ' + entry.reason if entry.reason else ''}")
+            return entry.versions[max(entry.versions, key=int)]
+        found = entry.versions.get(version)
+        if found is None:
+            if not version.isdigit():
+                raise InvalidRequest(f"model {name!r}: version {version!r} is not a positive integer")
+            raise NotFound(f"model {name!r} has no version {version!r}; versions served: "
+                           f"{sorted(entry.versions, key=int)}")
+        return found
+
+    def model_ready(self, name: str, version: str = "") -> bool:
+        try:
+            self.model(name, version)
+        except ServeError:
+            return False
+        return self.accepting
+
+    def model_metadata(self, name: str, version: str = "") -> dict:
+        m = self.model(name, version)
+        return m.metadata(sorted(self.models[name].versions, key=int))
+
+    def statistics(self, name: str = "", version: str = "") -> list[ModelStats]:
+        if name:
+            if version:
+                return [self.model(name, version).stats]
+            self.model(name)  # NotFound / Unavailable
+            return [v.stats for _, v in sorted(self.models[name].versions.items(), key=lambda kv: int(kv[0]))]
+        return [v.stats for entry in self.models.values() for v in entry.versions.values()]
+
+    def ready_versions(self) -> list[ModelVersion]:
+        return [v for entry in self.models.values() for v in entry.versions.values()]
+
+    # ---- inference ----------------------------------------------------------------------------
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        arrival = time.monotonic_ns()
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        model = self.model(request.model, request.version)
+        pending = None
+        try:
+            inputs, rows, signature = validate(request, model)
+            deadline = None
+            timeouts = [t for t in (request.timeout_us, model.config.dynamic_batching and
+                                    model.config.dynamic_batching.default_timeout_microseconds) if t]
+            if timeouts:
+                deadline = arrival + min(timeouts) * 1000
+            pending = model.batcher.submit(inputs, rows, signature, deadline)
+            if deadline is not None:
+                try:
+                    outputs = await asyncio.wait_for(asyncio.shield(pending.future), (deadline - arrival) / 1e9)
+                except TimeoutError:
+                    pending.future.cancel()  # the batcher skips it if still queued
+                    raise RequestTimeout(f"model {model.name!r}: the request's timeout of {min(timeouts)} us passed "
+                                         "before it was answered") from None
+            else:
+                outputs = await pending.future
+        except BindingError as e:  # the engine's own check of a request validate() let through
+            model.stats.record_request(False, time.monotonic_ns() - arrival, pending.queue_ns if pending else None,
+                                       "OTHER")
+            raise InvalidRequest(f"model {model.name!r}: {e}") from None
+        except ServeError as e:
+            model.stats.record_request(False, time.monotonic_ns() - arrival,
+                                       pending.queue_ns if pending else None, failure_reason(e))
+            raise
+        except Exception:
+            model.stats.record_request(False, time.monotonic_ns() - arrival, pending.queue_ns if pending else None,
+                                       "BACKEND")
+            raise
+        model.stats.record_request(True, time.monotonic_ns() - arrival, pending.queue_ns)
+        names = request.outputs if request.outputs is not None else [t.name for t in model.config.outputs]
+        return InferResponse(model.name, model.version, request.id, [(n, outputs[n]) for n in names])
+
+    # ---- the repository -----------------------------------------------------------------------
+
+    async def start(self, load: list[str] | None = None) -> None:
+        """Load every model of the repository (or those named); a model that fails to load is
+        UNAVAILABLE with its reason, the others serve."""
+        names = self.repository.names() if load is None else load
+        for name in names:
+            try:
+                await self.load(name)
+            except ServeError:
+                pass  # recorded in the model's entry (the index shows it)
+        self.started = True
+
+    def index(self, ready_only: bool = False) -> list[dict]:
+        rows = []
+        for name in sorted(set(self.repository.names()) | set(self.models)):
+            entry = self.models.get(name)
+            if entry is None:
+                if not ready_only:
+                    rows.append({"name": name, "version": "", "state": "UNAVAILABLE", "reason": "not loaded"})
+                continue
+            if entry.versions:
+                rows += [{"name": name, "version": v, "state": entry.state, "reason": entry.reason}
+                         for v in sorted(entry.versions, key=int)]
+            elif not ready_only:
+                rows.append({"name": name, "version": "", "state": entry.state, "reason": entry.reason})
+        return [r for r in rows if not ready_only or r["state"] == "READY"]
+
+    async def load(self, name: str, config_json: str | dict | None = None) -> None:
+        """(Re)load a model; a reload swaps versions in only once the new ones are ready."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down")
+        override = parse_json(config_json, f"load request for {name!r}") if config_json else None
+        if name not in self.repository.names():
+            raise NotFound(f"unknown model {name!r}; the repository holds {self.repository.names()}")
+        entry = self.models.setdefault(name, ModelEntry(name))
+        async with entry.lock:
+            if not entry.versions:
+                entry.state, entry.reason = "LOADING", ""
+            try:
+                loaded: list[LoadedVersion] = await asyncio.to_thread(self.repository.load, name, override)
+            except ServeError as e:
+                if not entry.versions:
+                    entry.state, entry.reason = "UNAVAILABLE", str(e)
+                raise ModelLoadError(f"failed to load model {name!r}: {e}") from e
+            fresh = {}
+            for v in loaded:
+                stats = ModelStats(v.name, v.version)
+                batcher = Batcher(v.engine, v.config, stats, self.max_queue_size)
+                batcher.start()
+                fresh[v.version] = ModelVersion(v.name, v.version, v.engine, v.config, batcher, stats)
+            old, entry.versions = entry.versions, fresh
+            entry.state, entry.reason = "READY", ""
+            for v in old.values():
+                await v.batcher.close()  # requests it holds finish on the old engine
+
+    async def unload(self, name: str) -> None:
+        entry = self.models.get(name)
+        if entry is None:
+            if name in self.repository.names():
+                return  # not loaded: nothing to do (Triton answers success too)
+            raise NotFound(f"unknown model {name!r}; the repository holds {self.repository.names()}")
+        async with entry.lock:
+            old, entry.versions = entry.versions, {}
+            entry.state, entry.reason = "UNLOADING", ""
+            for v in old.values():
+                await v.batcher.close()  # queued and running requests finish first
+            entry.state, entry.reason = "UNAVAILABLE", "unloaded"
+
+    async def close(self) -> None:
+        """Graceful: refuse new requests, finish every queued and running one."""
+        self.accepting = False
+        for entry in self.models.values():
+            for v in entry.versions.values():
+                await v.batcher.close()
+
+
+def failure_reason(e: ServeError) -> str:
+    """Triton's reason label of nv_inference_request_failure."""
+    if isinstance(e, (QueueFull, Unavailable)):
+        return "REJECTED"
+    if isinstance(e, RequestTimeout):
+        return "CANCELED"
+    if isinstance(e, InvalidRequest):
+        return "OTHER"
+    return "BACKEND"
+
+
+def validate(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.ndarray], int, Signature]:
+    """The request's inputs against the model's config and profiles: every problem a 400 naming
+    the tensor, expected and given. Returns the inputs in config order, the batch rows and the
+    shapes past the batch axis (what the batcher groups by)."""
+    config = model.config
+    name = model.name
+    unknown = [n for n in request.inputs if config.input(n) is None]
+    if unknown:
+        raise InvalidRequest(f"model {name!r} has no input(s) {unknown}; its inputs are {[t.name for t in config.inputs]}")
+    missing = [t.name for t in config.inputs if t.name not in request.inputs]
+    if missing:
+        raise InvalidRequest(f"model {name!r}: missing input(s) {missing}")
+    if request.outputs is not None:
+        wrong = [n for n in request.outputs if config.output(n) is None]
+        if wrong:
+            raise InvalidRequest(f"model {name!r} has no output(s) {wrong}; its outputs are "
+                                 f"{[t.name for t in config.outputs]}")
+        if len(set(request.outputs)) != len(request.outputs):
+            raise InvalidRequest(f"model {name!r}: an output is requested twice in {request.outputs}")
+    batching = config.max_batch_size > 0
+    inputs, rows = {}, None
+    for t in config.inputs:
+        array = request.inputs[t.name]
+        given = datatypes.of_array(array)
+        if given is not t.datatype:
+            raise InvalidRequest(f"input {t.name!r} of model {name!r}: datatype {given.v2} given, expected {t.datatype.v2}")
+        shape = list(array.shape)
+        dims = shape[1:] if batching else shape
+        if len(shape) != len(t.shape(config.max_batch_size)) or any(w != -1 and w != d for w, d in zip(t.dims, dims)):
+            raise InvalidRequest(f"input {t.name!r} of model {name!r}: shape {shape} given, expected "
+                                 f"{t.shape(config.max_batch_size)} (-1: any size"
+                                 f"{', the batch axis at most ' + str(config.max_batch_size) if batching else ''})")
+        if batching:
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise InvalidRequest(f"model {name!r}: inputs have different batch sizes ({rows} and {shape[0]} "
+                                     f"for {t.name!r})")
+        inputs[t.name] = array
+    rows = rows if rows is not None else 1
+    if batching and not 1 <= rows <= config.max_batch_size:
+        raise InvalidRequest(f"model {name!r}: batch size {rows} given, expected 1..{config.max_batch_size} "
+                             "(max_batch_size)")
+    signature = tuple(tuple(a.shape[1:] if batching else a.shape) for a in inputs.values())
+    if model.batcher.shapes.padded(signature, rows) is None:
+        given = ", ".join(f"{n} {list(a.shape)}" for n, a in inputs.items())
+        raise InvalidRequest(f"model {name!r}: input shapes {given} are outside every optimization profile of its "
+                             f"engine ({'; '.join(p.describe() for p in model.engine.profiles)})")
+    return inputs, rows, signature

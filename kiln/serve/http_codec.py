@@ -1,0 +1,179 @@
+"""KServe v2 inference requests and responses over HTTP: JSON tensors and Triton's binary extension.
+
+A request body is a JSON object, optionally followed by raw tensor bytes: the header
+`Inference-Header-Content-Length: N` says the JSON is the first N bytes, and each input whose
+parameters carry `binary_data_size` takes that many of the bytes after it, in input order. A
+response carries outputs as JSON lists, or as bytes after the JSON when the request asked for
+binary outputs (`binary_data_output`, or an output's `binary_data`), with the same header.
+Everything the client declares (sizes, shapes, datatypes, lengths) is checked against what it
+sent; every mismatch is an InvalidRequest naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.serve import datatypes
+from kiln.serve.core import InferRequest, InferResponse
+from kiln.serve.errors import InvalidRequest
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+@dataclass
+class OutputOptions:
+    """How the client wants each output back: binary or JSON, and top-k classification."""
+
+    binary_default: bool = False
+    binary: dict[str, bool] = field(default_factory=dict)
+    classification: dict[str, int] = field(default_factory=dict)
+
+    def is_binary(self, name: str) -> bool:
+        return self.binary.get(name, self.binary_default)
+
+
+def _object(value: object, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{what} must be a JSON object")
+    return value
+
+
+def _int(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidRequest(f"{what} must be a non-negative integer, given {value!r}")
+    return value
+
+
+def _bool(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidRequest(f"{what} must be true or false, given {value!r}")
+    return value
+
+
+def parse_json_header(data: bytes | memoryview) -> dict:
+    try:
+        header = json.loads(bytes(data))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequest(f"the request is not valid JSON: {e}") from None
+    return _object(header, "the request")
+
+
+def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> tuple[InferRequest, OutputOptions]:
+    if header_length is not None:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise InvalidRequest(f"{HEADER_LENGTH} {header_length!r} is not an integer") from None
+        if not 0 <= length <= len(body):
+            raise InvalidRequest(f"{HEADER_LENGTH} {length} is outside the body's {len(body)} bytes")
+    else:
+        length = len(body)
+    view = memoryview(body)
+    header = parse_json_header(view[:length])
+    binary, offset = view[length:], 0
+
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidRequest("the request's 'id' must be a string")
+    params = _object(header.get("parameters", {}), "the request's 'parameters'")
+    timeout = params.get("timeout")
+    if timeout is not None:
+        timeout = _int(timeout, "parameter 'timeout' (microseconds)")
+    options = OutputOptions(_bool(params.get("binary_data_output", False), "parameter 'binary_data_output'"))
+
+    raw_inputs = header.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise InvalidRequest("the request's 'inputs' must be a non-empty list of tensors")
+    inputs: dict[str, np.ndarray] = {}
+    for k, item in enumerate(raw_inputs):
+        item = _object(item, f"inputs[{k}]")
+        name = item.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"inputs[{k}] needs a 'name' string")
+        if name in inputs:
+            raise InvalidRequest(f"input {name!r} is given twice")
+        shape = item.get("shape")
+        if not isinstance(shape, list):
+            raise InvalidRequest(f"input {name!r} needs a 'shape' list")
+        datatypes.element_count(shape, name)
+        datatype = datatypes.from_v2(item.get("datatype"), name)
+        tensor_params = _object(item.get("parameters", {}), f"input {name!r} 'parameters'")
+        if any(key.startswith("shared_memory") for key in tensor_params):
+            raise InvalidRequest(f"input {name!r}: shared memory is not supported by kiln serve; send the data")
+        size = tensor_params.get("binary_data_size")
+        if size is not None:
+            size = _int(size, f"input {name!r} binary_data_size")
+            if "data" in item:
+                raise InvalidRequest(f"input {name!r} has both binary_data_size and JSON 'data'; send one")
+            if offset + size > len(binary):
+                raise InvalidRequest(f"input {name!r}: binary_data_size {size} runs past the {len(binary) - offset} "
+                                     "bytes of binary data left in the body")
+            inputs[name] = datatypes.from_bytes(binary[offset:offset + size], datatype, shape, name)
+            offset += size
+        elif "data" in item:
+            inputs[name] = datatypes.from_json(item["data"], datatype, shape, name)
+        else:
+            raise InvalidRequest(f"input {name!r} has neither 'data' nor binary_data_size")
+    if offset != len(binary):
+        raise InvalidRequest(f"the body holds {len(binary) - offset} bytes of binary data that no input's "
+                             "binary_data_size accounts for")
+
+    outputs = None
+    if "outputs" in header:
+        raw_outputs = header["outputs"]
+        if not isinstance(raw_outputs, list):
+            raise InvalidRequest("the request's 'outputs' must be a list")
+        outputs = []
+        for k, item in enumerate(raw_outputs):
+            item = _object(item, f"outputs[{k}]")
+            name = item.get("name")
+            if not isinstance(name, str) or not name:
+                raise InvalidRequest(f"outputs[{k}] needs a 'name' string")
+            out_params = _object(item.get("parameters", {}), f"output {name!r} 'parameters'")
+            if any(key.startswith("shared_memory") for key in out_params):
+                raise InvalidRequest(f"output {name!r}: shared memory is not supported by kiln serve")
+            if "binary_data" in out_params:
+                options.binary[name] = _bool(out_params["binary_data"], f"output {name!r} binary_data")
+            if "classification" in out_params:
+                options.classification[name] = _int(out_params["classification"], f"output {name!r} classification")
+            outputs.append(name)
+    request = InferRequest(model=model, version=version, id=request_id, inputs=inputs, outputs=outputs,
+                           timeout_us=timeout)
+    return request, options
+
+
+def classify(array: np.ndarray, k: int, batched: bool) -> np.ndarray:
+    """Triton's classification extension: the top k of each row as "score:index" BYTES."""
+    rows = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
+    k = min(k, rows.shape[1])
+    order = np.argsort(-rows.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty((rows.shape[0], k), dtype=object)
+    for r in range(rows.shape[0]):
+        out[r] = [f"{float(rows[r, i]):f}:{int(i)}".encode() for i in order[r]]
+    return out if batched else out.reshape(k)
+
+
+def encode_response(response: InferResponse, options: OutputOptions, batched: bool) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary outputs follow it."""
+    outputs, chunks = [], []
+    for name, array in response.outputs:
+        if name in options.classification:
+            array = classify(array, options.classification[name], batched)
+        entry = {"name": name, "datatype": datatypes.of_array(array).v2, "shape": list(array.shape)}
+        if options.is_binary(name):
+            data = datatypes.to_bytes(array)
+            entry["parameters"] = {"binary_data_size": len(data)}
+            chunks.append(data)
+        else:
+            entry["data"] = datatypes.to_json(array)
+        outputs.append(entry)
+    body = {"model_name": response.model, "model_version": response.version, "outputs": outputs}
+    if response.id:
+        body["id"] = response.id
+    header = json.dumps(body, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)

@@ -1,0 +1,230 @@
+"""A load generator in the spirit of Triton's perf_analyzer: closed-loop concurrency over HTTP or gRPC.
+
+At concurrency N, N clients each keep one request outstanding (the next one leaves when the
+previous answers) for a measurement window after a warm-up; every request's latency is kept.
+The clients are tritonclient's asyncio clients on one event loop in this process (so the
+generator itself costs one core at most: on a small machine, run it where the server is not,
+or read its numbers as a lower bound). Inputs are random, shaped from the model's metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+
+@dataclass
+class PerfOptions:
+    model: str
+    url: str = ""  # default localhost:8000 (http) / localhost:8001 (grpc)
+    protocol: str = "http"  # http | grpc
+    version: str = ""
+    concurrency: list[int] = field(default_factory=lambda: [1])
+    batch_size: int = 1
+    shapes: dict[str, list[int]] = field(default_factory=dict)  # sizes for -1 dims past the batch axis
+    binary: bool = True  # HTTP: binary tensor data (else JSON)
+    warmup_s: float = 0.5
+    window_s: float = 2.0
+    max_requests: int | None = None  # per concurrency level (after warm-up): stop early
+    seed: int = 0
+
+    @property
+    def address(self) -> str:
+        return self.url or ("localhost:8000" if self.protocol == "http" else "localhost:8001")
+
+
+@dataclass
+class PerfResult:
+    concurrency: int
+    requests: int
+    errors: int
+    seconds: float
+    latencies_us: list[float]
+    batch_size: int = 1
+    first_error: str = ""
+
+    @property
+    def throughput(self) -> float:
+        """Inferences (rows) per second."""
+        return self.requests * self.batch_size / self.seconds if self.seconds else 0.0
+
+    def percentile(self, q: float) -> float:
+        return float(np.percentile(self.latencies_us, q)) if self.latencies_us else float("nan")
+
+    def to_json(self) -> dict:
+        return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
+                "seconds": self.seconds, "batch_size": self.batch_size, "throughput_infer_per_s": self.throughput,
+                **{f"p{q}_us": self.percentile(q) for q in (50, 90, 95, 99)},
+                "mean_us": float(np.mean(self.latencies_us)) if self.latencies_us else float("nan")}
+
+
+class _Client:
+    """One protocol's client with the request prepared once: `await infer()` sends it."""
+
+    def __init__(self, options: PerfOptions, metadata: dict, rng: np.random.Generator, batched: bool):
+        self.options = options
+        self.inputs = []
+        if options.protocol == "http":
+            import tritonclient.http.aio as client_module
+        else:
+            import tritonclient.grpc.aio as client_module
+        self.module = client_module
+        self.client = client_module.InferenceServerClient(options.address)
+        for tensor in metadata["inputs"]:
+            shape = list(tensor["shape"])
+            if batched:
+                shape[0] = options.batch_size
+            given = options.shapes.get(tensor["name"])
+            rest = shape[1:] if batched else shape
+            if given is not None:
+                if len(given) != len(rest):
+                    raise KilnError(f"--shape {tensor['name']}: {len(given)} dims given, the input has {len(rest)} "
+                                    f"past the batch axis ({tensor['shape']})")
+                rest = given
+            rest = [1 if d < 0 else d for d in rest]
+            shape = ([shape[0]] if batched else []) + rest
+            data = _random(tensor["datatype"], shape, tensor["name"], rng)
+            tensor_input = client_module.InferInput(tensor["name"], shape, tensor["datatype"])
+            if options.protocol == "http":
+                tensor_input.set_data_from_numpy(data, binary_data=options.binary)
+            else:
+                tensor_input.set_data_from_numpy(data)
+            self.inputs.append(tensor_input)
+
+    async def infer(self) -> None:
+        await self.client.infer(self.options.model, self.inputs, model_version=self.options.version)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def _random(datatype: str, shape: list[int], name: str, rng: np.random.Generator) -> np.ndarray:
+    from tritonclient.utils import triton_to_np_dtype
+
+    dtype = triton_to_np_dtype(datatype)
+    if datatype == "BYTES":
+        return np.array([b"kiln"] * int(np.prod(shape)), dtype=object).reshape(shape)
+    if datatype == "BOOL":
+        return rng.random(shape) < 0.5
+    if np.dtype(dtype).kind in "iu":
+        if "mask" in name.lower():
+            return np.ones(shape, dtype)  # an attention mask keeps every token
+        return rng.integers(0, 100, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+async def _metadata(options: PerfOptions) -> tuple[dict, bool]:
+    if options.protocol == "http":
+        import tritonclient.http.aio as client_module
+    else:
+        import tritonclient.grpc.aio as client_module
+    client = client_module.InferenceServerClient(options.address)
+    try:
+        if options.protocol == "http":
+            metadata = await client.get_model_metadata(options.model, options.version)
+            config = await client.get_model_config(options.model, options.version)
+        else:
+            metadata = await client.get_model_metadata(options.model, options.version, as_json=True)
+            config = (await client.get_model_config(options.model, options.version, as_json=True))["config"]
+    finally:
+        await client.close()
+    metadata["inputs"] = [{**t, "shape": [int(d) for d in t["shape"]]} for t in metadata["inputs"]]
+    return metadata, int(config.get("max_batch_size", 0)) > 0
+
+
+async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrency: int) -> PerfResult:
+    rng = np.random.default_rng(options.seed)
+    clients = [_Client(options, metadata, rng, batched) for _ in range(concurrency)]
+    latencies: list[float] = []
+    errors = [0]
+    first_error = [""]
+    counting = [False]
+    stop_at = [float("inf")]
+    done = asyncio.Event()
+
+    async def worker(client: _Client) -> None:
+        while time.perf_counter() < stop_at[0] and not done.is_set():
+            t0 = time.perf_counter()
+            try:
+                await client.infer()
+            except Exception as e:  # noqa: BLE001 - counted and reported; the sweep goes on
+                if counting[0]:
+                    errors[0] += 1
+                    first_error[0] = first_error[0] or str(e)
+                continue
+            if counting[0]:
+                latencies.append((time.perf_counter() - t0) * 1e6)
+                if options.max_requests and len(latencies) >= options.max_requests:
+                    done.set()
+
+    try:
+        tasks = [asyncio.create_task(worker(c)) for c in clients]
+        await asyncio.sleep(options.warmup_s)
+        counting[0] = True
+        start = time.perf_counter()
+        stop_at[0] = start + options.window_s
+        try:
+            await asyncio.wait_for(done.wait(), options.window_s)
+        except TimeoutError:
+            pass
+        counting[0] = False
+        seconds = time.perf_counter() - start
+        stop_at[0] = 0
+        await asyncio.gather(*tasks)
+    finally:
+        for c in clients:
+            await c.close()
+    return PerfResult(concurrency, len(latencies), errors[0], seconds, latencies,
+                      options.batch_size if batched else 1, first_error[0])
+
+
+async def sweep(options: PerfOptions, on_result=None) -> list[PerfResult]:
+    """Measure every concurrency level in turn; `on_result(result)` as each finishes."""
+    metadata, batched = await _metadata(options)
+    results = []
+    for concurrency in options.concurrency:
+        result = await _level(options, metadata, batched, concurrency)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+def plot(results: list[PerfResult], path: str, title: str) -> None:
+    """Throughput against p50/p99 latency, one point per concurrency level, as a PNG (Pillow)."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        raise KilnError("--plot needs Pillow: pip install pillow") from None
+    width, height, pad = 720, 480, 60
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    xs = [r.percentile(99) / 1000 for r in results] + [r.percentile(50) / 1000 for r in results]
+    ys = [r.throughput for r in results]
+    x_max = max(xs) * 1.1 if xs and max(xs) > 0 else 1.0
+    y_max = max(ys) * 1.1 if ys and max(ys) > 0 else 1.0
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return pad + x / x_max * (width - 2 * pad), height - pad - y / y_max * (height - 2 * pad)
+
+    draw.line([at(0, 0), at(x_max, 0)], fill="black")
+    draw.line([at(0, 0), at(0, y_max)], fill="black")
+    for k in range(5):
+        x, y = x_max * k / 4, y_max * k / 4
+        draw.text((at(x, 0)[0] - 10, height - pad + 8), f"{x:.1f}", fill="black")
+        draw.text((4, at(0, y)[1] - 6), f"{y:.0f}", fill="black")
+    draw.text((width / 2 - 60, height - 24), "latency (ms)", fill="black")
+    draw.text((4, 8), f"{title}: inferences/s vs latency (blue p50, red p99)", fill="black")
+    for key, color in ((50, "blue"), (99, "red")):
+        points = [at(r.percentile(key) / 1000, r.throughput) for r in results]
+        if len(points) > 1:
+            draw.line(points, fill=color, width=2)
+        for (x, y), r in zip(points, results):
+            draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=color)
+            draw.text((x + 5, y - 12), f"c={r.concurrency}", fill=color)
+    image.save(path)
