@@ -1,0 +1,81 @@
+"""Recurrent sensor-style forecasters exported as users export them, kiln against onnxruntime.
+
+torch.onnx.export(dynamo=True) turns nn.LSTM / nn.GRU into ONNX LSTM / GRU nodes (one per layer,
+GRU with linear_before_reset=1), so these models exercise the fused whole-sequence path of
+kiln/ops/recurrent_fused.py end to end: the weight re-ordering the exporter adds in front of each
+node is folded at build, and kiln re-orders the folded weights back into torch's layout once.
+
+Tolerance (fp32): oneDNN's LSTM (kiln) and onnxruntime's MLAS sum each gate's products in their own
+order; over 96 recurrent steps and two layers the few-ulp differences of each step compound. We
+allow rtol 1e-4 plus 1e-5 of max(1, the largest output) (observed: under 3e-8), while a wrong
+gate order or direction is an O(1) error.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.ops import recurrent_fused
+from kiln.zoo.export import export_module
+
+BATCH, STEPS, FEATURES = 8, 96, 16
+
+
+class Forecaster(nn.Module):
+    """A recurrent body over [batch, time, features] and a linear head on the last step."""
+
+    def __init__(self, body: nn.Module, hidden: int):
+        super().__init__()
+        self.body = body
+        self.head = nn.Linear(hidden, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.body(x)  # y: [B, S, D·H]
+        return self.head(y[:, -1])  # [B, 1]
+
+
+MODELS = {
+    # the issue's forecaster: 2-layer LSTM, 16 -> 128
+    "lstm": (lambda: Forecaster(nn.LSTM(FEATURES, 128, num_layers=2, batch_first=True), 128), "LSTM", 2),
+    "gru": (lambda: Forecaster(nn.GRU(FEATURES, 96, num_layers=2, batch_first=True), 96), "GRU", 2),
+    "bilstm": (lambda: Forecaster(nn.LSTM(FEATURES, 64, num_layers=1, batch_first=True, bidirectional=True), 128),
+               "LSTM", 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_forecaster_matches_onnxruntime_and_runs_fused(name, tmp_path, monkeypatch):
+    make, op, layers = MODELS[name]
+    torch.manual_seed(0)
+    module = make().eval()
+    example = {"x": np.random.default_rng(0).standard_normal((BATCH, STEPS, FEATURES)).astype(np.float32)}
+    export_module(module, example, tmp_path)
+    path = str(tmp_path / "model.onnx")
+    ops = [n.op_type for n in onnx.load(path).graph.node]
+    assert ops.count(op) == layers, f"{name}: the export should hold one {op} node per layer: {ops}"
+
+    calls = []
+    real = recurrent_fused.run_fused
+    monkeypatch.setattr(recurrent_fused, "run_fused", lambda mode, *a, **k: calls.append(mode) or real(mode, *a, **k))
+    engine = kiln.build(path)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for run in range(2):
+        calls.clear()
+        x = rng.standard_normal((BATCH, STEPS, FEATURES)).astype(np.float32)
+        (output,) = engine.run({"x": x}).values()
+        (want,) = session.run(None, {"x": x})
+        with torch.inference_mode():
+            eager = module(torch.from_numpy(x)).numpy()
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} run {run}")
+        np.testing.assert_allclose(output, eager, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} vs torch")
+        assert calls == [op] * layers, f"{name}: fused calls {calls}"
