@@ -236,11 +236,11 @@ def baseline(spec: ProgramSpec, default: Program, default_outputs: list[Any], in
 @dataclasses.dataclass
 class Verdict:
     problem: str | None  # None: accepted
-    outputs: dict[str, dict[str, float]]  # per output: error, the default's own error, allowed
+    outputs: dict[str, dict[str, Any]]  # per output: error, the default's own error, allowed (, against)
 
     def to_json(self) -> dict[str, Any]:
-        return {name: {k: round(v, 6) if math.isfinite(v) else str(v) for k, v in e.items()}
-                for name, e in self.outputs.items()}
+        return {name: {k: (round(v, 6) if math.isfinite(v) else str(v)) if isinstance(v, float) else v
+                       for k, v in e.items()} for name, e in self.outputs.items()}
 
 
 def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
@@ -251,18 +251,21 @@ def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inpu
             outputs = Program(spec, weights, device).run(inputs)
     except Exception as e:  # noqa: BLE001
         return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
-    found: dict[str, dict[str, float]] = {}
+    found: dict[str, dict[str, Any]] = {}
     problem = None
     for name, got, want, default, own in zip(base.names, outputs, base.reference, base.default, base.own_errors):
         if isinstance(default, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.dtype != default.dtype):
             problem = problem or f"output {name!r}: {mismatch(got, default)}"
             continue
-        if math.isinf(own):  # the default overflows where float32 does not: judged against the default
+        fallback = math.isinf(own)
+        if fallback:  # the default overflows (or NaNs) where float32 does not: judged against the default
             want, own = default, 0.0
         error = output_error(got, want)
         dtype = default.dtype if isinstance(default, torch.Tensor) else None
         allowed = allowance(own, _scale(want), dtype, WHOLE_MODEL_TOLERANCE)
-        found[name] = {"error": error, "default_error": own, "allowed": allowed}
+        found[name] = {"error": error, "default_error": math.inf if fallback else own, "allowed": allowed}
+        if fallback:
+            found[name]["against"] = "the default engine: its infinities or NaNs are not the float32 run's"
         if error > allowed and problem is None:
             against = "the default engine" if want is default else "the float32 run"
             problem = (f"output {name!r}: max abs error {error:.3g} against {against}"

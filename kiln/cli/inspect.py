@@ -204,6 +204,7 @@ def whole_engine_check(tactics: dict) -> list[str]:
             return f"{v:.3g}" if isinstance(v, (int, float)) else str(v)
 
         outputs = "; ".join(f"{name} max abs error {g(e['error'])} ("
+                            + (f"against {e['against']}, " if e.get("against") else "")
                             + (f"the default engine's own {g(e['default_error'])}, " if e["default_error"] else "")
                             + f"allowed {g(e['allowed'])})" for name, e in accuracy["outputs"].items())
         lines.append(f"tactics judged against {accuracy.get('reference')}: {outputs}")

@@ -211,3 +211,15 @@ def test_build_summary_and_inspect_say_what_was_reverted(tmp_path, gemm_tactics,
     assert "layer matmul1 runs its default (whole-engine check): cpu.test.gemm.reads_row_major: wrong" in shown
     header = kiln.load(path).plan.header["tactics"]
     assert list(header["reverted_layers"]) == ["matmul1"]
+
+
+def test_where_the_default_overflows_in_half_precision_the_tuned_engine_is_judged_against_it(tmp_path, gemm_tactics):
+    # Gain 3000: the second layer's outputs (~1e7) overflow fp16 to infinity, not float32; the default
+    # engine's own error is then unbounded, and the tuned engine is held to the default's outputs.
+    gemm_tactics("cpu.test.gemm.plain", fused_gemm)
+    engine = kiln.build(gemm_chain(tmp_path, 2, gain=3000.0), tactics=["cpu.test"], precision="fp16")
+    record = engine.plan.header["tactics"]
+    y = record["accuracy"]["outputs"]["y"]
+    assert y["default_error"] == "inf" and y["against"].startswith("the default engine")
+    assert record["accuracy"]["tuned_engine"] == "accepted" and "reverted_layers" not in record
+    assert chosen(engine)["matmul0"] == "cpu.test.gemm.plain"
