@@ -129,7 +129,8 @@ class ModelConfig:
     def to_json(self) -> dict[str, Any]:
         """The config as Triton's HTTP API returns it: proto field names, 64-bit integers as numbers."""
         message = self.to_proto()
-        return _int64_as_numbers(message.DESCRIPTOR, json_format.MessageToDict(message, preserving_proto_field_name=True))
+        return _int64_as_numbers(message.DESCRIPTOR, json_format.MessageToDict(
+            message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
 
 
 def _int64_as_numbers(descriptor, value: dict) -> dict:

@@ -1,0 +1,85 @@
+"""Fixtures of the server tests: a repository of small models (engines built once per session) and
+one server on 127.0.0.1, free ports, in this process (a ServerThread), shared by the tests that only
+read from it. Tests that load, unload, overflow or stop a server start their own."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("fastapi")
+
+from serve_models import write_repository
+
+import kiln
+from kiln.serve import ServeOptions, ServerThread
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("engines")
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory, engines) -> Path:
+    return write_repository(tmp_path_factory.mktemp("repository"), engines)
+
+
+def options(repository: Path, **overrides) -> ServeOptions:
+    """127.0.0.1, free ports, a short shutdown: what every test server uses."""
+    return ServeOptions(**{"repository": repository, "host": "127.0.0.1", "http_port": 0, "grpc_port": 0,
+                           "metrics_port": 0, "shutdown_timeout": 10.0, **overrides})
+
+
+@pytest.fixture(scope="session")
+def server(repository):
+    thread = ServerThread(options(repository))
+    running = thread.start()
+    yield running
+    thread.stop()
+
+
+@pytest.fixture
+def http(server):
+    import tritonclient.http as httpclient
+
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}", connection_timeout=30,
+                                              network_timeout=30)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def grpc(server):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def engine_of(repository):
+    """The repository's engines run directly, the oracle every served answer is checked against."""
+    cache = {}
+
+    def load(name: str, version: str = "1") -> kiln.Engine:
+        if (name, version) not in cache:
+            cache[name, version] = kiln.load(repository / name / version / "model.kiln")
+        return cache[name, version]
+
+    return load
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
