@@ -115,11 +115,14 @@ class ServerCore:
         entry = self.models.get(name)
         if entry is None:
             if name in self.repository.names():
-                raise Unavailable(f"model {name!r} is not loaded (load it: POST /v2/repository/models/{name}/load)")
+                raise NotFound(f"model {name!r} is not loaded; load it: POST /v2/repository/models/{name}/load")
             raise NotFound(f"unknown model {name!r}; the repository holds {self.repository.names()}")
+        if not entry.versions:
+            state = f"{entry.state}{': ' + entry.reason if entry.reason else ''}"
+            if entry.state in ("LOADING", "UNLOADING"):
+                raise Unavailable(f"model {name!r} is {state}")
+            raise NotFound(f"model {name!r} is not loaded ({state}); load it: POST /v2/repository/models/{name}/load")
         if not version:
-            if not entry.versions:
-                raise Unavailable(f"model {name!r} is {entry.state}{': ' + entry.reason if entry.reason else ''}")
             return entry.versions[max(entry.versions, key=int)]
         found = entry.versions.get(version)
         if found is None:

@@ -1,0 +1,196 @@
+"""Dynamic batching: requests merged into engine calls never mix. The batcher alone (no network:
+what it merges, pads and cuts), then a bounded concurrent load over HTTP and gRPC at once where
+every response is checked against its own request's input."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from onnx import TensorProto, helper, numpy_helper
+from serve_models import OPSET, mlp
+
+import kiln
+from kiln.serve.batcher import Batcher, BatchShapes
+from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
+from kiln.serve.stats import ModelStats
+
+
+def _double_seq():
+    """y = 2x, x FP32 [batch, seq]: requests of different seq must not share a call."""
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["y"])], "double",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq"])],
+                              [numpy_helper.from_array(np.array(2, np.float32), "two")])
+    return helper.make_model(graph, opset_imports=OPSET, ir_version=10)
+
+
+@pytest.fixture(scope="module")
+def double_engine():
+    return kiln.build(_double_seq().SerializeToString(), profiles=[{"x": ([1, 1], [4, 8], [16, 64])}])
+
+
+@pytest.fixture(scope="module")
+def padded_engine():
+    """mlp whose only profile starts at batch 4: smaller batches are padded up to it."""
+    return kiln.build(mlp().SerializeToString(), profiles=[{"x": ([4, 8], [8, 8], [16, 8])}])
+
+
+def _config(engine, text: str, name: str = "m"):
+    return complete(parse_pbtxt(text, "test") if text else None, engine, name)
+
+
+async def _run(batcher: Batcher, requests: list[np.ndarray], signature=None) -> list[dict]:
+    """Queue every request before the batcher's loop first runs, then let it work."""
+    batcher.start()
+    pending = [batcher.submit({"x": x}, x.shape[0], signature or (tuple(x.shape[1:]),), None) for x in requests]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)
+    finally:
+        await batcher.close()
+
+
+def test_queued_requests_merge_into_one_call_and_split_back(double_engine):
+    config = _config(double_engine, "max_batch_size: 16\ndynamic_batching {}")
+    stats = ModelStats("m", "1")
+    xs = [np.random.default_rng().standard_normal((rows, 8)).astype(np.float32) for rows in (1, 3, 2, 4)]
+    results = asyncio.run(_run(Batcher(double_engine, config, stats, 64), xs))
+    for x, out in zip(xs, results):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    assert stats.execution_count == 1 and stats.inference_count == 10
+    assert list(stats.batches) == [10]
+
+
+def test_different_shapes_never_share_a_call(double_engine):
+    config = _config(double_engine, "max_batch_size: 16\ndynamic_batching {}")
+    stats = ModelStats("m", "1")
+    xs = [np.random.default_rng().standard_normal((2, seq)).astype(np.float32) for seq in (8, 16, 8, 16, 32)]
+
+    async def run():
+        batcher = Batcher(double_engine, config, stats, 64)
+        batcher.start()
+        pending = [batcher.submit({"x": x}, 2, ((x.shape[1],),), None) for x in xs]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)
+        finally:
+            await batcher.close()
+
+    for x, out in zip(xs, asyncio.run(run())):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    assert stats.execution_count == 3  # seq 8 (two requests), seq 16 (two), seq 32
+    assert sorted(stats.batches) == [2, 4]
+
+
+def test_max_batch_and_preferred_sizes_cut_batches(double_engine):
+    config = _config(double_engine, "max_batch_size: 8\ndynamic_batching { preferred_batch_size: [4] }")
+    stats = ModelStats("m", "1")
+    xs = [np.random.default_rng().standard_normal((1, 8)).astype(np.float32) for _ in range(11)]
+    for x, out in zip(xs, asyncio.run(_run(Batcher(double_engine, config, stats, 64), xs))):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    # 11 rows queued at once: cut at the preferred 4 each time (not the max 8); the last 3 alone
+    assert stats.batches[4].compute_infer.count == 2 and stats.batches[3].compute_infer.count == 1
+
+
+def test_without_dynamic_batching_each_request_runs_alone(double_engine):
+    config = _config(double_engine, "max_batch_size: 8")
+    stats = ModelStats("m", "1")
+    xs = [np.random.default_rng().standard_normal((2, 8)).astype(np.float32) for _ in range(3)]
+    for x, out in zip(xs, asyncio.run(_run(Batcher(double_engine, config, stats, 64), xs))):
+        np.testing.assert_array_equal(out["y"], 2 * x)
+    assert stats.execution_count == 3
+
+
+def test_batches_below_the_profile_are_padded_and_cropped(padded_engine):
+    config = _config(padded_engine, "")
+    assert config.max_batch_size == 16
+    shapes = BatchShapes(padded_engine, config)
+    assert shapes.padded(((8,),), 1) == 4 and shapes.padded(((8,),), 9) == 9 and shapes.padded(((8,),), 17) is None
+    stats = ModelStats("m", "1")
+    xs = [np.random.default_rng().standard_normal((1, 8)).astype(np.float32)]
+    (out,) = asyncio.run(_run(Batcher(padded_engine, config, stats, 64), xs))
+    assert out["z"].shape == (1, 8)
+    np.testing.assert_array_equal(out["z"], 2 * xs[0])
+    assert list(stats.batches) == [4] and stats.inference_count == 4  # the engine call ran 4 rows
+
+
+def test_queue_bound_refuses_at_once(double_engine):
+    from kiln.serve.errors import QueueFull
+
+    config = _config(double_engine, "max_batch_size: 8\ndynamic_batching { default_queue_policy { max_queue_size: 2 } }")
+
+    async def run():
+        batcher = Batcher(double_engine, config, ModelStats("m", "1"), 1024)
+        batcher.start()
+        x = np.ones((1, 8), np.float32)
+        first = [batcher.submit({"x": x}, 1, ((8,),), None) for _ in range(2)]
+        with pytest.raises(QueueFull, match="maximum of 2"):
+            batcher.submit({"x": x}, 1, ((8,),), None)
+        await asyncio.gather(*(p.future for p in first))
+        batcher.submit({"x": x}, 1, ((8,),), None)  # room again
+        await batcher.close()
+
+    asyncio.run(run())
+
+
+def test_config_default_batching_is_inferred(double_engine):
+    config = _config(double_engine, "")
+    assert config.max_batch_size == 16 and config.dynamic_batching == DynamicBatching()
+    assert [t.dims for t in config.inputs] == [[-1]]
+
+
+# ---- a bounded concurrent load over the network ---------------------------------------------------
+
+CLIENTS, REQUESTS = 16, 20
+
+
+def test_concurrent_clients_each_get_their_own_rows(server, http, engine_of):
+    """16 clients (half HTTP binary/JSON, half gRPC) x 20 requests of 1..4 rows, all at once."""
+    engine = engine_of("mlp", "2")
+    before = http.get_inference_statistics("mlp")["model_stats"][0]
+    failures: list[str] = []
+    rows_sent = [0] * CLIENTS
+
+    def client(k: int) -> None:
+        rng = np.random.default_rng(k)
+        use_grpc = k % 2 == 1
+        module = grpcclient if use_grpc else httpclient
+        address = f"127.0.0.1:{server.ports.grpc if use_grpc else server.ports.http}"
+        connection = module.InferenceServerClient(address)
+        try:
+            for n in range(REQUESTS):
+                x = rng.standard_normal((int(rng.integers(1, 5)), 8)).astype(np.float32)
+                tensor = module.InferInput("x", list(x.shape), "FP32")
+                if use_grpc:
+                    tensor.set_data_from_numpy(x)
+                else:
+                    tensor.set_data_from_numpy(x, binary_data=n % 2 == 0)
+                result = connection.infer("mlp", [tensor], request_id=f"{k}-{n}")
+                rows_sent[k] += x.shape[0]
+                z, y = result.as_numpy("z"), result.as_numpy("y")
+                if z.shape != x.shape or not np.array_equal(z, 2 * x):
+                    failures.append(f"client {k} request {n}: z is not 2x of its own input")
+                elif not np.allclose(y, engine.run({"x": x})["y"], rtol=1e-5, atol=1e-6):
+                    # fp32 GEMM rounding differs across batch sizes; a mixed-up row is off by O(1)
+                    failures.append(f"client {k} request {n}: y differs from the engine run alone")
+        except Exception as e:  # noqa: BLE001 - reported below with the client's name
+            failures.append(f"client {k}: {type(e).__name__}: {e}")
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a client did not finish in 120 s"
+    assert not failures, failures[:5]
+    after = http.get_inference_statistics("mlp")["model_stats"][0]
+    requests = after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
+    assert requests == CLIENTS * REQUESTS
+    assert after["inference_count"] - before["inference_count"] == sum(rows_sent)
+    assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
+    assert http.is_server_ready()
