@@ -18,9 +18,10 @@ closing stops intake and lets everything queued and running finish (graceful shu
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,12 +98,36 @@ class BatchShapes:
 
 
 class Instance:
-    """One execution context of the engine and the one thread that runs it."""
+    """One execution context of the engine and the one thread that runs it.
 
-    def __init__(self, engine: Engine, name: str, index: int):
+    The thread takes a batch from its queue, runs it and hands the result back to the event loop
+    with call_soon_threadsafe: one wake-up each way, no executor futures in between."""
+
+    def __init__(self, engine: Engine, name: str, index: int, run, finish):
         self.index = index
         self.context = engine.create_execution_context()
-        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kiln-{name}-{index}")
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._run, self._finish = run, finish
+        self.thread = threading.Thread(target=self._serve, name=f"kiln-{name}-{index}", daemon=True)
+        self.thread.start()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: list[Pending]) -> None:
+        self._work.put((loop, batch))
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            loop, batch = item
+            try:
+                result = self._run(self, batch)
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+                result = BatchResult([e] * len(batch), sum(r.rows for r in batch))
+            try:
+                loop.call_soon_threadsafe(self._finish, self, batch, result)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
 
 
 @dataclass
@@ -115,6 +140,11 @@ class BatchResult:
 
 
 class Batcher:
+    """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
+    the loop's next turn (so requests that arrive together are seen together); a dispatch hands
+    batches to idle instances, or sets a timer when the oldest request may still wait for company;
+    an instance's result comes back as a callback that answers the futures and dispatches again."""
+
     def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int):
         self.config = config
         self.stats = stats
@@ -124,22 +154,21 @@ class Batcher:
         self.delay_ns = batching.max_queue_delay_microseconds * 1000 if batching else 0
         self.preferred = sorted(batching.preferred_batch_size) if batching else []
         self.max_queue_size = config.queue_bound or max_queue_size
-        self.instances = [Instance(engine, config.name, k) for k in range(config.instance_count)]
+        self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish)
+                          for k in range(config.instance_count)]
+        self.idle = list(reversed(self.instances))
         self.pending: deque[Pending] = deque()
         self.closing = False
-        self._idle: asyncio.Queue[Instance] | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._task: asyncio.Task | None = None
-        self._running: set[asyncio.Task] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Event | None = None
 
     # ---- intake -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._idle = asyncio.Queue()
-        for instance in self.instances:
-            self._idle.put_nowait(instance)
-        self._wakeup = asyncio.Event()
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"kiln-batcher-{self.config.name}")
+        self.loop = asyncio.get_running_loop()
+        self._drained = asyncio.Event()
 
     def submit(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature,
                deadline_ns: int | None) -> Pending:
@@ -148,37 +177,57 @@ class Batcher:
         if len(self.pending) >= self.max_queue_size:
             raise QueueFull(f"model {self.config.name!r}: the queue holds its maximum of {self.max_queue_size} "
                             "requests; retry later")
-        request = Pending(inputs, rows, signature, asyncio.get_running_loop().create_future(), deadline_ns=deadline_ns)
+        request = Pending(inputs, rows, signature, self.loop.create_future(), deadline_ns=deadline_ns)
         self.pending.append(request)
         self.stats.pending = len(self.pending)
-        self._wakeup.set()
+        self._schedule()
         return request
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._dispatch)
 
     async def close(self) -> None:
         """Stop intake; finish what is queued and running; stop the instances' threads."""
         self.closing = True
-        if self._task is not None:
-            self._wakeup.set()
-            await self._task
-            if self._running:
-                await asyncio.gather(*self._running, return_exceptions=True)
+        if self.loop is not None:
+            self._dispatch()
+            while self.pending or len(self.idle) < len(self.instances):
+                self._drained.clear()
+                await self._drained.wait()
         for instance in self.instances:
-            instance.thread.shutdown(wait=True)
+            instance.stop()
 
-    # ---- the loop ---------------------------------------------------------------------------------
+    # ---- dispatch ---------------------------------------------------------------------------------
 
-    async def _loop(self) -> None:
-        while True:
-            instance = await self._idle.get()
-            batch = await self._next_batch()
-            if batch is None:  # closing and nothing left
-                return
-            task = asyncio.get_running_loop().create_task(self._execute(instance, batch))
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+    def _dispatch(self) -> None:
+        self._scheduled = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        while self.idle:
+            self._drop_finished()
+            if not self.pending:
+                break
+            batch = self._next_batch()
+            if batch is None:  # the oldest may wait for more: come back when its delay is up
+                wake = self.pending[0].arrival_ns + self.delay_ns
+                self._timer = self.loop.call_later(max(0, wake - time.monotonic_ns()) / 1e9, self._dispatch)
+                break
+            instance = self.idle.pop()
+            start = time.monotonic_ns()
+            for r in batch:
+                r.queue_ns = start - r.arrival_ns
+            instance.submit(self.loop, batch)
+        self.stats.pending = len(self.pending)
+        if not self.pending and len(self.idle) == len(self.instances):
+            self._drained.set()
 
     def _drop_finished(self) -> None:
         """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""
+        if all(not r.future.done() and r.deadline_ns is None for r in self.pending):
+            return
         now = time.monotonic_ns()
         kept = deque()
         for r in self.pending:
@@ -191,60 +240,42 @@ class Batcher:
                 continue
             kept.append(r)
         self.pending = kept
-        self.stats.pending = len(kept)
 
-    async def _next_batch(self) -> list[Pending] | None:
-        while True:
-            self._drop_finished()
-            if not self.pending:
-                if self.closing:
-                    return None
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            head = self.pending[0]
-            if not self.batching:
-                return [self.pending.popleft()]
-            limit = self.shapes.limit(head.signature)
-            chosen, rows = [], 0
-            for r in self.pending:
-                if r.signature == head.signature and rows + r.rows <= limit:
-                    chosen.append(r)
-                    rows += r.rows
-                    if rows == limit:
-                        break
-            target = max((p for p in self.preferred if p <= limit), default=limit)
-            waited = time.monotonic_ns() - head.arrival_ns
-            if rows < target and waited < self.delay_ns and not self.closing:
-                self._wakeup.clear()
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), (self.delay_ns - waited) / 1e9)
-                except TimeoutError:
-                    pass
-                continue
-            if self.preferred and rows > target:  # cut at the largest preferred size a prefix reaches
-                total, cut = 0, len(chosen)
-                for k, r in enumerate(chosen):
-                    total += r.rows
-                    if total in self.preferred:
-                        cut = k + 1
-                chosen = chosen[:cut]
+    def _next_batch(self) -> list[Pending] | None:
+        """The requests of the next engine call, taken off the queue; None: wait for more."""
+        head = self.pending[0]
+        if not self.batching:
+            return [self.pending.popleft()]
+        limit = self.shapes.limit(head.signature)
+        chosen, rows = [], 0
+        for r in self.pending:
+            if r.signature == head.signature and rows + r.rows <= limit:
+                chosen.append(r)
+                rows += r.rows
+                if rows == limit:
+                    break
+        target = max((p for p in self.preferred if p <= limit), default=limit)
+        if rows < target and time.monotonic_ns() - head.arrival_ns < self.delay_ns and not self.closing:
+            return None
+        if self.preferred and rows > target:  # cut at the largest preferred size a prefix reaches
+            total, cut = 0, len(chosen)
+            for k, r in enumerate(chosen):
+                total += r.rows
+                if total in self.preferred:
+                    cut = k + 1
+            chosen = chosen[:cut]
+        if len(chosen) == len(self.pending):
+            self.pending.clear()
+        elif len(chosen) == 1:
+            self.pending.remove(chosen[0])
+        else:
             taken = {id(r) for r in chosen}
             self.pending = deque(r for r in self.pending if id(r) not in taken)
-            self.stats.pending = len(self.pending)
-            return chosen
+        return chosen
 
-    async def _execute(self, instance: Instance, batch: list[Pending]) -> None:
-        start = time.monotonic_ns()
-        for r in batch:
-            r.queue_ns = start - r.arrival_ns
-        loop = asyncio.get_running_loop()
-        try:
-            result = await loop.run_in_executor(instance.thread, self._run_batch, instance, batch)
-        except BaseException as e:  # noqa: BLE001 - handed to every waiting caller, then the loop goes on
-            result = BatchResult([e] * len(batch), sum(r.rows for r in batch))
-        finally:
-            self._idle.put_nowait(instance)
+    def _finish(self, instance: Instance, batch: list[Pending], result: BatchResult) -> None:
+        """On the loop: answer the batch's callers, record it, and give the instance more work."""
+        self.idle.append(instance)
         self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
         for r, out in zip(batch, result.outputs):
             if r.future.done():
@@ -253,9 +284,12 @@ class Batcher:
                 r.future.set_exception(out)
             else:
                 r.future.set_result(out)
+        self._dispatch()
+
+    # ---- in an instance's thread ------------------------------------------------------------------
 
     def _run_batch(self, instance: Instance, batch: list[Pending]) -> BatchResult:
-        """In the instance's thread: merge, run, split (one request alone: no copy at all)."""
+        """Merge, run, split (one request alone: no copy at all)."""
         t0 = time.perf_counter_ns()
         rows = sum(r.rows for r in batch)
         padded = rows
