@@ -107,7 +107,7 @@ def run_fused(mode: str, X: torch.Tensor, W: torch.Tensor, R: torch.Tensor, B: t
     """
     directions, hidden = W.shape[0], R.shape[-1]
     time_axis = 1 if layout else 0
-    seq_len, batch = X.shape[time_axis], X.shape[1 - time_axis]
+    batch = X.shape[1 - time_axis]
     weights = torch_weights(mode, W, R, B)
     given = (initial_h, initial_c) if mode == "LSTM" else (initial_h,)
     hx = [X.new_zeros((directions, batch, hidden)) if s is None else (s.transpose(0, 1) if layout else s).contiguous()

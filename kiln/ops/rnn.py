@@ -51,18 +51,20 @@ _ACTIVATIONS: dict[str, tuple[Callable, float | None, float | None]] = {
 }
 
 
-def _activations(names, alphas, betas, defaults: list[str], num_directions: int) -> list[Callable]:
-    """The activation callables, len(defaults) per direction; alpha/beta consumed in order."""
-    names = list(names or defaults * num_directions)
-    if len(names) == len(defaults) and num_directions == 2:
-        names = names * 2
+def _activation_names(activations, defaults: list[str], num_directions: int) -> list[str]:
+    """Lower-cased, one list for all directions (a single direction's list serves both)."""
+    names = [a.lower() for a in (activations or defaults * num_directions)]
+    return names * 2 if num_directions == 2 and len(names) == len(defaults) else names
+
+
+def _activations(names: list[str], alphas, betas) -> list[Callable]:
+    """The activation callables of `_activation_names`' list; alpha/beta consumed in order."""
     alphas, betas = list(alphas or []), list(betas or [])
     out = []
     for name in names:
-        key = name.lower()
-        if key not in _ACTIVATIONS:
+        if name not in _ACTIVATIONS:
             raise ValueError(f"unknown recurrent activation {name!r}")
-        fn, alpha, beta = _ACTIVATIONS[key]
+        fn, alpha, beta = _ACTIVATIONS[name]
         if alpha is not None and alphas:
             alpha = alphas.pop(0)
         if beta is not None and betas:
@@ -142,12 +144,6 @@ def _num_directions(ctx, W: torch.Tensor, direction: str) -> int:
     return expected
 
 
-def _activation_names(activations, defaults: list[str], num_directions: int) -> list[str]:
-    """Lower-cased, one list for all directions (a single direction's list serves both)."""
-    names = [a.lower() for a in (activations or defaults * num_directions)]
-    return names * 2 if num_directions == 2 and len(names) == len(defaults) else names
-
-
 def _fused_refusal(X: torch.Tensor, names: list[str], fused_names: list[str], activation_alpha,
                    activation_beta, clip) -> str | None:
     """None when torch's kernel may run this layer, else why it runs step by step (module docstring)."""
@@ -192,7 +188,7 @@ def rnn(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
             names[0] in ("tanh", "relu"):
         return _fused(ctx, f"RNN_{names[0].upper()}", X, W, R, B, sequence_lens, initial_h, None,
                       direction=direction, layout=layout)
-    acts = _activations(activations, activation_alpha, activation_beta, ["Tanh"], num_directions)
+    acts = _activations(names, activation_alpha, activation_beta)
 
     def cell(xw, states, r, rb, f, clip_, d):
         return [f[0](_clip(xw + states[0] @ r.T + rb, clip_))]
@@ -210,8 +206,7 @@ def gru(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
     if linear_before_reset and _fused_refusal(X, names, ["sigmoid", "tanh"], activation_alpha, activation_beta,
                                               clip) is None:
         return _fused(ctx, "GRU", X, W, R, B, sequence_lens, initial_h, None, direction=direction, layout=layout)
-    acts = _activations(activations, activation_alpha, activation_beta, ["Sigmoid", "Tanh"],
-                        num_directions)
+    acts = _activations(names, activation_alpha, activation_beta)
 
     def cell(xw, states, r, rb, f, clip_, d):
         h = states[0]
@@ -240,8 +235,7 @@ def lstm(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=Non
             _fused_refusal(X, names, ["sigmoid", "tanh", "tanh"], activation_alpha, activation_beta, clip) is None:
         return _fused(ctx, "LSTM", X, W, R, B, sequence_lens, initial_h, initial_c, direction=direction,
                       layout=layout)
-    acts = _activations(activations, activation_alpha, activation_beta,
-                        ["Sigmoid", "Tanh", "Tanh"], num_directions)
+    acts = _activations(names, activation_alpha, activation_beta)
 
     def cell(xw, states, r, rb, f, clip_, d):
         h, c = states
