@@ -5,13 +5,17 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import resource
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import onnx_ir as ir
 import torch
 
 from kiln.builder.autotune import autotune
+from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower, value_dtype_name
 from kiln.builder.precision import lower_precision
@@ -65,6 +69,52 @@ def _value_sizes(model: ir.Model, shapes: dict[str, list[int]]) -> dict[str, int
     return sizes
 
 
+@dataclass
+class PeakMemory:
+    """The process's peak resident memory during the build, less what it held when the build began.
+
+    On Linux the kernel's high-water mark (VmHWM) is reset when the build begins (writing 5 to
+    /proc/self/clear_refs), so the peak is the build's own even in a process that peaked higher
+    before; the process's VmHWM then reads from the build on. Elsewhere ru_maxrss, which cannot
+    be reset: an earlier, higher peak hides the build's (the delta is then a lower bound).
+    """
+
+    start_rss: int
+    method: str  # "VmHWM" or "ru_maxrss"
+
+    @classmethod
+    def start(cls) -> PeakMemory:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return cls(_status_bytes("VmRSS"), "VmHWM")
+        except OSError:
+            return cls(_max_rss(), "ru_maxrss")
+
+    def delta(self) -> int:
+        peak = _status_bytes("VmHWM") if self.method == "VmHWM" else _max_rss()
+        return max(peak - self.start_rss, 0)
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _max_rss() -> int:
+    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def _weight_bytes(model: ir.Model) -> int:
+    """What the model's initializers hold (every graph's), as imported: the unit of build memory."""
+    return int(sum(v.const_value.nbytes for g in [model.graph, *model.graph.subgraphs()]
+                   for v in g.initializers.values() if v.const_value is not None))
+
+
 def _source_info(model: object, graph: ir.Model) -> dict:
     if isinstance(model, (str, os.PathLike)):
         path = Path(model).resolve()
@@ -76,9 +126,20 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
           progress: Progress | None = None) -> Engine:
     config = config or BuildConfig()
     say = progress or (lambda _msg: None)
+    memory_at_start = PeakMemory.start()
     # Import: read and check the model, list every unsupported node at once.
     say("importing")
     graph = model if isinstance(model, ir.Model) else onnx_frontend.load(model)
+    model_weight_bytes = _weight_bytes(graph)
+    if config.precision == "best":  # the fastest storage kiln can run accurately on the device
+        config.precision = "fp16" if config.device == "cuda" else "fp32"
+    quantization: dict = {}
+    storage = config.precision
+    if config.precision in ("int8", "fp8"):
+        # Quantize: measure each Conv/Gemm/MatMul input's range on calibration data and make the
+        # quantization explicit (Q/DQ); the layers no quantized kernel runs stay in float storage.
+        graph, quantization = quantize(graph, config, say)
+        storage = "fp16" if config.device == "cuda" else "fp32"
     # Optimize: restructure the graph so fewer, cheaper steps run.
     say("optimizing")
     graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify))
@@ -86,16 +147,10 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("lowering")
     program, weights, inputs, outputs = lower(graph)
     io_casts: dict[str, str] = {}
-    if config.precision == "best":  # the fastest storage kiln can run accurately on the device
-        config.precision = "fp16" if config.device == "cuda" else "fp32"
-    if config.precision in ("int8", "fp8"):
-        raise KilnError(
-            f"precision {config.precision!r} needs calibration, which this kiln does not implement yet; "
-            "build with fp32, tf32, fp16, bf16 or best")
-    if config.precision in ("fp16", "bf16"):
+    if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
-        say(f"lowering precision to {config.precision}")
-        io_casts = lower_precision(program, weights, config.precision, set(config.layer_precision))
+        say(f"lowering precision to {storage}")
+        io_casts = lower_precision(program, weights, storage, set(config.layer_precision))
     # Profiles: the shapes each input may take (the user's, else kiln's default for symbolic dims);
     # tactics are tuned at the first profile's opt shape.
     profiles = resolve_profiles(config.profiles, inputs, graph.graph, config.shapes)
@@ -136,7 +191,12 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         "value_types": {v.name: {"dtype": value_dtype_name(v), "shape": value_shapes[v.name]}
                         for node in graph.graph for v in node.outputs},
         "tactics": tactics,
+        "quantization": quantization,
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
+    engine = Engine(EnginePlan(header=header, program=program, weights=weights))
+    # Peak RSS growth over the whole build, the engine's load (its layers' packed weights) included.
+    header["build_memory"] = {"peak_rss_delta_bytes": memory_at_start.delta(), "measured_by": memory_at_start.method,
+                              "model_weight_bytes": model_weight_bytes}
     say("done")
-    return Engine(EnginePlan(header=header, program=program, weights=weights))
+    return engine

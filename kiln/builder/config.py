@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,11 +23,30 @@ class BuildConfig:
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
     tuning_runs: int = 10  # timed rounds per layer in the tactic search (median)
+    # post-training quantization (precision int8 / fp8): calibration data (a folder of .npy/.npz or of
+    # images, or an iterable of {input: array}), the calibrator, a cache of the measured ranges, how
+    # images are preprocessed, and "auto" (quantize the layers an int8/fp8 kernel of the device runs;
+    # the others stay float, said in the header) or "emulate" (quantize every Conv/Gemm/MatMul and run
+    # it as its kernel would compute, in float: accuracy studies on any machine)
+    calibration: Any = None
+    calibrator: str = "entropy"  # minmax | percentile | entropy (kiln/quant/calibrators.py)
+    calibration_cache: str | None = None
+    calibration_preprocessing: str = "imagenet"
+    quantization: str = "auto"
     verbose: bool = False
     verify: bool = False  # run the IR verifier between passes (tests set KILN_VERIFY=1)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        calibration = self.calibration
+        self.calibration = None  # an iterable of batches: neither copied nor stored
+        try:
+            doc = asdict(self)
+        finally:
+            self.calibration = calibration
+        if calibration is not None:
+            doc["calibration"] = str(calibration) if isinstance(calibration, (str, os.PathLike)) else \
+                f"<{type(calibration).__name__}>"
+        return doc
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> BuildConfig:

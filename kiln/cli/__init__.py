@@ -59,7 +59,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="target device (default cpu)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8", "best"],
                    help="builder precision (default fp32)")
-    for flag in ("fp16", "bf16", "tf32", "best"):  # trtexec's spelling: --fp16 is --precision fp16
+    p.add_argument("--calib", metavar="DIR", help="calibration data for --int8/--fp8: a folder of .npy/.npz batches "
+                                                  "or of images (see --calib-preprocessing)")
+    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile"],
+                   help="how a tensor's range is chosen from its calibration values (default entropy)")
+    p.add_argument("--calib-cache", metavar="FILE.json", help="measured ranges: read when it covers the model, "
+                                                              "else written (a rebuild skips the data)")
+    p.add_argument("--calib-preprocessing", default="imagenet", choices=["imagenet"],
+                   help="how calibration images become inputs (default imagenet: 224 crop, mean/std)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "emulate"],
+                   help="auto: quantize the layers an int8/fp8 kernel of the device runs (none yet: they stay "
+                        "float, said in the build summary); emulate: quantize every Conv/Gemm/MatMul and compute "
+                        "as its kernel would, to measure int8/fp8 accuracy on any machine")
+    for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")
     p.add_argument("--pin-fp32", action="append", metavar="LAYER",

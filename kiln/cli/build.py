@@ -37,6 +37,11 @@ def cmd_build(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "timing_cache": args.timing_cache,
         "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
+        "calibration": args.calib,
+        "calibrator": args.calibrator,
+        "calibration_cache": args.calib_cache,
+        "calibration_preprocessing": args.calib_preprocessing,
+        "quantization": args.quantization,
     }
     err = console(stderr=True)
     t0 = time.perf_counter()
@@ -59,11 +64,34 @@ def cmd_build(args: argparse.Namespace) -> int:
         engine.save(output)
         on_stage("done")
     build_seconds = time.perf_counter() - t0
-    _print_build_summary(engine.plan, output, build_seconds)
+    _print_build_summary(engine.plan, output, build_seconds, args.verbose)
     return 0
 
 
-def _print_build_summary(plan: EnginePlan, output: Path, seconds: float) -> None:
+def _build_memory(header: dict) -> str | None:
+    """'peak RSS +X during the build (N.Nx the model's Y of weights)', or None for an old engine."""
+    memory = header.get("build_memory")
+    if not memory:
+        return None
+    delta, weights = memory.get("peak_rss_delta_bytes"), memory.get("model_weight_bytes")
+    ratio = f" ({delta / weights:.1f}x the model's {fmt_bytes(weights)} of weights)" if weights else ""
+    lower_bound = ", a lower bound: ru_maxrss" if memory.get("measured_by") == "ru_maxrss" else ""
+    return f"peak RSS +{fmt_bytes(delta)} during the build{ratio}{lower_bound}"
+
+
+def _quantization_rows(q: dict) -> list[tuple[str, str]]:
+    if not q:
+        return []
+    if q.get("mode") == "auto":
+        return [("quantization", q.get("note", ""))]
+    kept = q.get("kept_float") or {}
+    calibration = q.get("calibration") or {}
+    source = "the cache" if calibration.get("from_cache") else f"{calibration.get('batches', '?')} batch(es)"
+    return [("quantization", f"{q['dtype']} (emulated): {len(q.get('quantized', []))} layer(s) quantized, "
+                             f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
+
+
+def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose: bool = False) -> None:
     from rich.table import Table
 
     header = plan.header
@@ -83,11 +111,14 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float) -> None
         ("inputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.inputs)),
         ("outputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.outputs)),
         *[(f"profile {k}", f"{p.describe()}  ({p.source})") for k, p in enumerate(plan.profiles)],
+        *_quantization_rows(header.get("quantization") or {}),
         ("weights", fmt_bytes(header.get("weights_bytes"))),
         ("activations", activations),
         ("device", header.get("device", {}).get("name", "?")),
         ("build time", f"{seconds:.2f} s"),
     ]
+    if verbose and (memory_row := _build_memory(header)) is not None:
+        rows.append(("build memory", memory_row))
     tactics = header.get("tactics") or {}
     if tactics:  # what the tuner chose, and what its whole-engine check reverted and why
         rows.append(("tactics", tactics_summary(tactics)))

@@ -30,6 +30,7 @@ class PassOptions:
     """What the pipeline needs to know (the builder derives it from its BuildConfig)."""
 
     opt_level: int = 2  # 0: as is; 1: cleanups; 2+: + BN folding and fusions
+    fusions: bool = True  # False: stop after BN folding (post-training quantization measures that graph)
     verify: bool = False  # run the IR verifier after every pass (also when KILN_VERIFY=1: the tests set it)
 
 
@@ -75,7 +76,7 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
         check(model, "fold_batchnorm_and_affine")
         # Fewer, larger steps: every fusion rule in order (recognise patterns, then fuse
         # layers with their epilogues, then whatever elementwise chains remain).
-        for name, rule in fusion.RULES:
+        for name, rule in fusion.RULES if options.fusions else ():
             run_rule(model, name, rule, report)
             check(model, name)
         eliminate_dead_code(model, report)

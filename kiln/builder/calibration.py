@@ -1,0 +1,110 @@
+"""Post-training quantization at build: measure each quantized layer's input range on calibration
+data, then insert Q/DQ pairs (kiln/quant/qdq.py) so the rest of the builder sees an explicitly
+quantized model.
+
+Calibration runs the model as folded so far (constants folded, BatchNorm folded into the convolutions,
+no fusion yet: the ranges measured are those of the tensors the quantized layers read), lowered and
+run by the runtime's own interpreter, every layer's output observed where a quantized layer reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+
+from kiln.builder.lower import lower
+from kiln.errors import KilnError
+from kiln.ir import dtypes
+from kiln.passes import PassOptions, optimize
+from kiln.quant import cache as calibration_cache
+from kiln.quant import calibrators, data, qdq
+from kiln.runtime.program import Program
+
+MAX_BATCHES = 512
+
+
+def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *, exclude: set[str],
+                   cache_path: str | None, preprocessing: str, say: Callable[[str], None]) -> tuple[dict, dict]:
+    """({tensor: amax}, a record for the engine header) for every quantized layer's activation input."""
+    needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
+    cached = calibration_cache.load(cache_path, calibrator, dtype, needed)
+    if cached is not None:
+        say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
+        return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
+    if source is None:
+        raise KilnError(f"precision {dtype}: calibration data is needed (--calib DIR, or calibration=... in the API)"
+                        + (f"; the cache {cache_path} does not cover this model" if cache_path else ""))
+    program, weights, inputs, _ = lower(model)
+    runner = Program(program, weights)
+    observers = {name: calibrators.make(calibrator) for name in needed}
+    watched = {i: [(k, n) for k, n in enumerate(step.outputs) if n in observers] for i, step in enumerate(program.steps)}
+
+    def observing(i: int, fn):
+        outputs = watched.get(i)
+        if not outputs:
+            return fn
+
+        def call(ctx, *args, **attrs):
+            result = fn(ctx, *args, **attrs)
+            values = result if isinstance(result, tuple) else (result,)
+            for k, name in outputs:
+                observers[name].observe(values[k])
+            return result
+        return call
+
+    recorder = runner.with_kernels(observing)
+    names = [b.name for b in inputs]
+    count = 0
+    with torch.inference_mode():
+        for batch in data.batches(source, names, preprocessing=preprocessing, limit=MAX_BATCHES):
+            args = []
+            for b in inputs:
+                value = dtypes.numpy_to_torch(np.ascontiguousarray(batch[b.name]))
+                if b.name in observers:
+                    observers[b.name].observe(value)
+                args.append(value)
+            recorder.run(args)
+            count += 1
+            say(f"calibration: batch {count}")
+    if count == 0:
+        raise KilnError("calibration: the data gave no batch")
+    ranges = {name: obs.amax() for name, obs in observers.items()}
+    calibration_cache.save(cache_path, calibrator, dtype, ranges, count)
+    return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path}
+
+
+def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Model, dict]:
+    """The model with its quantized layers explicit (Q/DQ), and the header record of what was done.
+
+    "auto": quantize the layers an INT8/FP8 kernel of the device runs faster than float. kiln has no
+    such kernel yet (oneDNN s8 with VNNI/AMX, cuBLASLt/Triton INT8 and FP8 on the H200 are the next
+    step), so today every layer stays in float and the record says so: a quantized model that is
+    slower and less accurate than its float twin is not built silently. "emulate": quantize every
+    Conv/Gemm/MatMul and run it as its kernel would (quantized inputs, wide accumulation) on any
+    device: the accuracy an INT8/FP8 deployment will have, measured here.
+    """
+    dtype = config.precision
+    exclude = set(config.layer_precision)
+    if config.quantization not in ("auto", "emulate"):
+        raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
+    model = optimize(model, PassOptions(opt_level=config.opt_level, verify=config.verify, fusions=False))
+    layers = [t.node.name for t in qdq.targets(model.graph, exclude)]
+    if config.quantization == "auto":
+        kept = "fp16" if config.device == "cuda" else "fp32"
+        note = (f"{dtype}: no {dtype} kernel on {config.device} in this kiln yet; the {len(layers)} quantizable "
+                f"layer(s) stay {kept} (quantization='emulate' measures {dtype} accuracy)")
+        say(note)
+        return model, {"dtype": dtype, "mode": "auto", "quantized": [], "kept_float": layers, "note": note}
+    say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
+    ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
+                                    cache_path=config.calibration_cache,
+                                    preprocessing=config.calibration_preprocessing, say=say)
+    skipped = qdq.insert(model, ranges, dtype, exclude)
+    quantized = [name for name in layers if name not in skipped]
+    return model, {"dtype": dtype, "mode": "emulate", "calibration": record, "quantized": quantized,
+                   "kept_float": {**skipped, **{name: "pinned" for name in exclude}},
+                   "ranges": {k: float(v) for k, v in sorted(ranges.items())}}

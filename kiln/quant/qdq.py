@@ -1,0 +1,149 @@
+"""Explicit quantization from measured ranges: Q/DQ pairs inserted into the graph, as TensorRT's
+implicit INT8 mode and onnxruntime's QDQ format place them.
+
+For every Conv, Gemm and MatMul with a constant weight (the layers INT8/FP8 kernels run):
+
+    x ──Q(s_x)──DQ(s_x)──┐                      s_x = amax(x) / 127 (int8) or / 448 (FP8 E4M3),
+    W_q ─────────DQ(s_w)──┴── Conv/Gemm/MatMul    per tensor, symmetric (zero point 0)
+                                                s_w per output channel = max|W_c| / 127 (or / 448)
+
+The weight is stored quantized (int8 / float8e4m3fn) with its scales; the bias stays float (a kernel
+takes it as int32 at s_x·s_w). One Q/DQ pair serves every consumer of a tensor. What runs then is
+exactly what an INT8/FP8 kernel computes (quantized inputs, wide accumulation): constant folding turns
+DQ(W_q) into the dequantized weight, and each activation pair quantizes on the way in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from kiln.errors import KilnError
+
+QUANTIZABLE = ("Conv", "Gemm", "MatMul")
+INT8_MAX = 127.0
+FP8_MAX = 448.0  # float8e4m3fn
+
+
+@dataclass(frozen=True)
+class Target:
+    """A layer kiln quantizes: its node, the activation input and the constant weight input."""
+
+    node: ir.Node
+    activation: ir.Value
+    weight: ir.Value
+    channel_axis: int  # the weight's output-channel axis
+
+
+def targets(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[Target]:
+    """Layers to quantize: Conv (weight axis 0), Gemm (B's N axis), MatMul with a constant 2-D B
+    (axis 1); an already quantized input (a DequantizeLinear producer) or an excluded name is skipped."""
+    found = []
+    for node in graph:
+        if node.op_type not in QUANTIZABLE or node.domain not in ("", "ai.onnx") or node.name in exclude:
+            continue
+        if len(node.inputs) < 2 or node.inputs[0] is None or node.inputs[1] is None:
+            continue
+        x, w = node.inputs[0], node.inputs[1]
+        if w.const_value is None or x.const_value is not None:
+            continue
+        producer = x.producer()
+        if producer is not None and producer.op_type == "DequantizeLinear":
+            continue
+        if node.op_type == "Conv":
+            axis = 0
+        elif node.op_type == "Gemm":
+            if node.attributes.get("transA") is not None and node.attributes["transA"].value:
+                continue
+            trans_b = node.attributes.get("transB")
+            axis = 0 if trans_b is not None and trans_b.value else 1
+        else:  # MatMul: x [..., K] @ W [K, N]
+            if len(w.shape or []) != 2:
+                continue
+            axis = 1
+        found.append(Target(node, x, w, axis))
+    return found
+
+
+def _scalar(name: str, value: float) -> ir.Value:
+    return ir.Value(name=name, const_value=ir.tensor(np.array(value, np.float32), name=name))
+
+
+def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = ()) -> ir.Value:
+    if dtype == "int8":
+        tensor = ir.tensor(np.zeros(shape, np.int8), name=name)
+    else:
+        tensor = ir.tensor(np.zeros(shape, ml_dtypes.float8_e4m3fn), name=name)
+    return ir.Value(name=name, const_value=tensor)
+
+
+def _initializer(graph: ir.Graph, value: ir.Value) -> ir.Value:
+    graph.register_initializer(value)
+    return value
+
+
+def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str] = frozenset()) -> dict[str, str]:
+    """Quantize every target layer whose activation has a measured range (in place). Returns
+    {layer name: why it was left in float} for the targets it skipped."""
+    if dtype not in ("int8", "fp8"):
+        raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
+    graph = model.graph
+    qmax = INT8_MAX if dtype == "int8" else FP8_MAX
+    model.opset_imports[""] = max(model.opset_imports.get("", 13), 19 if dtype == "fp8" else 13)
+    skipped: dict[str, str] = {}
+    pairs: dict[str, ir.Value] = {}  # activation name -> its dequantized value
+    for t in targets(graph, exclude):
+        amax = ranges.get(t.activation.name)
+        if amax is None:
+            skipped[t.node.name] = f"no range measured for its input {t.activation.name!r}"
+            continue
+        if not np.isfinite(amax) or amax <= 0:
+            skipped[t.node.name] = f"its input {t.activation.name!r} was {amax} on every calibration batch"
+            continue
+        dq = pairs.get(t.activation.name)
+        if dq is None:
+            base = t.activation.name
+            scale = _initializer(graph, _scalar(f"{base}_qscale", amax / qmax))
+            zero = _initializer(graph, _zero_point(f"{base}_qzero", dtype))
+            q = ir.node("QuantizeLinear", [t.activation, scale, zero], name=f"{base}_quantize", num_outputs=1)
+            q.outputs[0].name = f"{base}_q"
+            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{base}_dequantize", num_outputs=1)
+            d.outputs[0].name = f"{base}_dq"
+            d.outputs[0].dtype = t.activation.dtype
+            d.outputs[0].shape = t.activation.shape
+            graph.insert_before(t.node, [q, d])
+            dq = pairs[t.activation.name] = d.outputs[0]
+        t.node.replace_input_with(0, dq)
+        t.node.replace_input_with(1, _quantized_weight(graph, t, dtype, qmax))
+        if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
+            graph.initializers.pop(t.weight.name)
+    return skipped
+
+
+def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir.Value:
+    """DQ(W_q, s_w per output channel, 0): the weight stored quantized."""
+    w = t.weight.const_value.numpy().astype(np.float32)
+    axes = tuple(a for a in range(w.ndim) if a != t.channel_axis)
+    amax = np.abs(w).max(axis=axes)  # one per output channel
+    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    shape = [1] * w.ndim
+    shape[t.channel_axis] = -1
+    q = w / scale.reshape(shape)
+    base = f"{t.node.name or t.weight.name}_weight"
+    if dtype == "int8":
+        stored = ir.tensor(np.clip(np.round(q), -qmax, qmax).astype(np.int8), name=f"{base}_q")
+    else:
+        stored = ir.tensor(np.clip(q, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn), name=f"{base}_q")
+    w_q = _initializer(graph, ir.Value(name=f"{base}_q", const_value=stored))
+    s = _initializer(graph, ir.Value(name=f"{base}_scale", const_value=ir.tensor(scale, name=f"{base}_scale")))
+    zero = _initializer(graph, _zero_point(f"{base}_zero", dtype, scale.shape))
+    d = ir.node("DequantizeLinear", [w_q, s, zero], attributes={"axis": t.channel_axis}, name=f"{base}_dequantize",
+                num_outputs=1)
+    d.outputs[0].name = f"{base}_dq"
+    d.outputs[0].dtype = t.weight.dtype
+    d.outputs[0].shape = t.weight.shape
+    graph.insert_before(t.node, [d])
+    return d.outputs[0]

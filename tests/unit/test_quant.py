@@ -1,0 +1,200 @@
+"""Post-training quantization: calibrators, Q/DQ insertion, the build path, the calibration cache and
+its errors. Quantized engines are checked against onnxruntime running the same Q/DQ graph."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.cli import main
+from kiln.errors import KilnError
+from kiln.frontend import onnx as onnx_frontend
+from kiln.passes import PassOptions, optimize
+from kiln.quant import qdq
+from kiln.quant.calibrators import Entropy, MinMax, Percentile, make
+
+
+def _cnn(seed: int = 0) -> bytes:
+    """conv -> relu -> conv -> global pool -> flatten -> gemm: three quantizable layers."""
+    rng = np.random.default_rng(seed)
+    w1 = numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((8, 8, 3, 3)).astype(np.float32) * 0.2, "w2")
+    w3 = numpy_helper.from_array(rng.standard_normal((5, 8)).astype(np.float32), "w3")
+    b3 = numpy_helper.from_array(rng.standard_normal(5).astype(np.float32), "b3")
+    nodes = [helper.make_node("Conv", ["x", "w1"], ["c1"], name="conv1", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+             helper.make_node("Conv", ["r1", "w2"], ["c2"], name="conv2", pads=[1, 1, 1, 1]),
+             helper.make_node("GlobalAveragePool", ["c2"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Gemm", ["f", "w3", "b3"], ["y"], name="fc", transB=1)]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5])], [w1, w2, w3, b3])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]).SerializeToString()
+
+
+def _batches(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{"x": rng.standard_normal((1, 3, 12, 12), dtype=np.float32)} for _ in range(n)]
+
+
+# ---- calibrators -------------------------------------------------------------------------------
+
+def test_minmax_is_the_largest_magnitude():
+    c = MinMax()
+    values = torch.randn(1000) * 3
+    for chunk in values.split(100):
+        c.observe(chunk)
+    assert c.amax() == pytest.approx(float(values.abs().max()))
+
+
+def test_percentile_matches_numpy_within_a_bin_after_the_range_grew():
+    c = Percentile(99.0)
+    values = torch.randn(50_000)
+    c.observe(values[:100] * 0.01)  # a first batch far narrower than the rest: the histogram must widen
+    for chunk in values.split(5000):
+        c.observe(chunk)
+    nonzero = np.abs(np.concatenate([values[:100].numpy() * 0.01, values.numpy()]))
+    assert c.counts.sum() == pytest.approx(np.count_nonzero(nonzero))  # every value counted once
+    want = np.percentile(nonzero, 99.0)
+    assert abs(c.amax() - want) <= 2 * c.width
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 50.0])
+def test_entropy_clips_a_gaussian_tail_but_not_its_body(scale):
+    c = Entropy()
+    values = torch.randn(200_000) * scale
+    for chunk in values.split(20_000):
+        c.observe(chunk)
+    amax = c.amax() / scale
+    assert 2.5 < amax < float(values.abs().max()) / scale  # ~3.7 sigma: the rare tail clipped
+
+
+def test_entropy_is_not_pulled_in_by_a_relus_zeros():
+    c = Entropy()
+    values = torch.randn(200_000).clamp(min=0)  # half exactly 0
+    for chunk in values.split(20_000):
+        c.observe(chunk)
+    assert c.amax() > 2.5
+
+
+def test_an_unknown_calibrator_is_named():
+    with pytest.raises(ValueError, match="no calibrator 'kl'; kiln has"):
+        make("kl")
+
+
+# ---- Q/DQ insertion ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype, stored", [("int8", ir.DataType.INT8), ("fp8", ir.DataType.FLOAT8E4M3FN)])
+def test_insert_quantizes_conv_and_gemm_inputs_and_weights(dtype, stored):
+    model = optimize(onnx_frontend.load(_cnn()), PassOptions(fusions=False))
+    targets = qdq.targets(model.graph)
+    assert [t.node.name for t in targets] == ["conv1", "conv2", "fc"]
+    assert [t.channel_axis for t in targets] == [0, 0, 0]
+    ranges = {t.activation.name: 2.0 for t in targets}
+    skipped = qdq.insert(model, ranges, dtype)
+    assert skipped == {}
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("QuantizeLinear") == 3 and ops.count("DequantizeLinear") == 6  # 3 activations, 3 weights
+    weights = [v for v in model.graph.initializers.values() if v.name.endswith("_weight_q")]
+    assert len(weights) == 3 and all(v.const_value.dtype == stored for v in weights)
+
+
+def test_a_layer_without_a_range_stays_float_and_says_why():
+    model = optimize(onnx_frontend.load(_cnn()), PassOptions(fusions=False))
+    targets = qdq.targets(model.graph)
+    skipped = qdq.insert(model, {targets[0].activation.name: 1.0, targets[1].activation.name: 0.0}, "int8")
+    assert skipped["conv2"] == f"its input {targets[1].activation.name!r} was 0.0 on every calibration batch"
+    assert skipped["fc"].startswith("no range measured")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_an_emulated_engine_computes_what_onnxruntime_computes_on_the_same_qdq_graph(dtype, tmp_path):
+    """kiln's quantized build vs onnxruntime (no graph optimisation: it runs the Q/DQ ops as written)
+    on the same Q/DQ model, fresh inputs: within one quantization step of the output."""
+    from kiln.builder.calibration import quantize
+    from kiln.builder.config import BuildConfig
+
+    config = BuildConfig(precision=dtype, quantization="emulate", calibration=_batches(8), calibrator="minmax")
+    model, record = quantize(onnx_frontend.load(_cnn()), config, lambda _msg: None)
+    path = tmp_path / "q.onnx"
+    onnx.save(ir.to_proto(model), path)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    engine = kiln.build(_cnn(), precision=dtype, quantization="emulate", calibration=_batches(8), calibrator="minmax")
+    assert engine.plan.header["quantization"]["ranges"] == record["ranges"]
+    step = record["ranges"]["f"] / (127 if dtype == "int8" else 448)  # the fc layer's input, one step
+    for feeds in _batches(4, seed=7):
+        got = engine.run(feeds)["y"]
+        want = session.run(None, feeds)[0]
+        # the fc input is one quantization step wide; an output moves by its weights' row sums at most
+        np.testing.assert_allclose(got, want, atol=step * float(np.abs(numpy_helper.to_array(
+            onnx.load_from_string(_cnn()).graph.initializer[2])).sum(1).max()) + 1e-4)
+
+
+# ---- the build path ------------------------------------------------------------------------------
+
+def test_auto_keeps_float_without_a_quantized_kernel_and_says_so():
+    engine = kiln.build(_cnn(), precision="int8")  # no data needed: nothing is quantized
+    q = engine.plan.header["quantization"]
+    assert q["mode"] == "auto" and q["quantized"] == [] and q["kept_float"] == ["conv1", "conv2", "fc"]
+    assert "no int8 kernel on cpu in this kiln yet" in q["note"]
+    fp32 = kiln.build(_cnn())
+    feeds = _batches(1)[0]
+    np.testing.assert_allclose(engine.run(feeds)["y"], fp32.run(feeds)["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_calibration_cache_lets_a_rebuild_skip_the_data(tmp_path):
+    cache = tmp_path / "calib.json"
+    first = kiln.build(_cnn(), precision="int8", quantization="emulate", calibration=_batches(6),
+                       calibration_cache=str(cache))
+    doc = json.loads(cache.read_text())
+    assert doc["calibrator"] == "entropy" and doc["dtype"] == "int8" and doc["batches"] == 6
+    again = kiln.build(_cnn(), precision="int8", quantization="emulate", calibration_cache=str(cache))
+    assert again.plan.header["quantization"]["calibration"]["from_cache"]
+    feeds = _batches(1, seed=3)[0]
+    np.testing.assert_array_equal(first.run(feeds)["y"], again.run(feeds)["y"])
+    # another calibrator's cache is not used: the data is needed again
+    with pytest.raises(KilnError, match="calibration data is needed"):
+        kiln.build(_cnn(), precision="int8", quantization="emulate", calibrator="minmax",
+                   calibration_cache=str(cache))
+
+
+def test_calibration_from_a_folder_of_npz(tmp_path):
+    for k, batch in enumerate(_batches(3)):
+        np.savez(tmp_path / f"batch{k}.npz", **batch)
+    engine = kiln.build(_cnn(), precision="int8", quantization="emulate", calibration=str(tmp_path))
+    assert engine.plan.header["quantization"]["calibration"]["batches"] == 3
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quantization": "emulate"}, "precision int8: calibration data is needed"),
+    ({"quantization": "emulate", "calibration": "/nonexistent/folder"}, "no such folder"),
+    ({"quantization": "emulate", "calibration": [{"input": np.zeros(3)}]}, r"lacks input\(s\) \['x'\]"),
+    ({"quantization": "sometimes"}, "quantization 'sometimes': 'auto' or 'emulate'"),
+])
+def test_calibration_errors_are_clear(options, message):
+    with pytest.raises(KilnError, match=message):
+        kiln.build(_cnn(), precision="int8", **options)
+
+
+def test_cli_builds_an_emulated_int8_engine_from_a_folder(tmp_path, capsys):
+    data = tmp_path / "calib"
+    data.mkdir()
+    for k, batch in enumerate(_batches(3)):
+        np.save(data / f"b{k}.npy", batch["x"])
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes(_cnn())
+    out = tmp_path / "cnn.kiln"
+    assert main(["build", str(model), "-o", str(out), "--int8", "--calib", str(data), "--quantization", "emulate",
+                 "--calibrator", "minmax"]) == 0
+    text = capsys.readouterr().out
+    assert "int8 (emulated): 3 layer(s) quantized, 0 kept float; ranges by minmax from 3 batch(es)" in text
