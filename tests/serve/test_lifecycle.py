@@ -241,3 +241,17 @@ def _metric(port: int, name: str) -> str | None:
         if line.startswith(name + "{"):
             return line.rsplit(" ", 1)[1]
     return None
+
+
+def test_listening_sockets_say_tcp():
+    """asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto is TCP; without it a response
+    written as headers then body waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from kiln.serve.server import _listen
+
+    sock = _listen("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()
