@@ -1,9 +1,9 @@
 """The HTTP frontend (FastAPI): KServe v2 routes with Triton's extensions, over a ServerCore.
 
-    GET  /v2/health/live | /v2/health/ready                  200, or 503 when not ready
+    GET  /v2/health/live | /v2/health/ready                  200, or 400 when not (the v2 protocol's 4xx)
     GET  /v2                                                 server metadata
     GET  /v2/models/{m}[/versions/{v}]                       model metadata
-    GET  /v2/models/{m}[/versions/{v}]/ready                 200, or 503
+    GET  /v2/models/{m}[/versions/{v}]/ready                 200, or 400
     GET  /v2/models/{m}[/versions/{v}]/config                Triton's model config as JSON
     GET  /v2/models[/{m}[/versions/{v}]]/stats               Triton's statistics
     POST /v2/models/{m}[/versions/{v}]/infer                 JSON and binary tensors
@@ -112,11 +112,11 @@ def http_app(core: ServerCore, metrics: MetricsExporter, max_request_bytes: int 
 
     @app.get("/v2/health/live", responses=openapi.EMPTY)
     async def live() -> Response:
-        return Response(status_code=200 if core.live else 503)
+        return Response(status_code=200 if core.live else 400)
 
     @app.get("/v2/health/ready", responses=openapi.EMPTY)
     async def ready() -> Response:
-        return Response(status_code=200 if core.ready else 503)
+        return Response(status_code=200 if core.ready else 400)
 
     @app.get("/v2", responses=openapi.OBJECT)
     async def server_metadata() -> Response:
@@ -147,7 +147,7 @@ def http_app(core: ServerCore, metrics: MetricsExporter, max_request_bytes: int 
     @app.get("/v2/models/{model_name}/ready", responses=openapi.EMPTY)
     @app.get("/v2/models/{model_name}/versions/{model_version}/ready", responses=openapi.EMPTY)
     async def model_ready(model_name: str, model_version: str = "") -> Response:
-        return Response(status_code=200 if core.model_ready(model_name, model_version) else 503)
+        return Response(status_code=200 if core.model_ready(model_name, model_version) else 400)
 
     @app.get("/v2/models/{model_name}/config", responses=openapi.OBJECT)
     @app.get("/v2/models/{model_name}/versions/{model_version}/config", responses=openapi.OBJECT)
