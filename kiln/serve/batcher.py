@@ -45,6 +45,8 @@ class Pending:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     deadline_ns: int | None = None
     queue_ns: int | None = None  # set when its batch starts
+    group: Signature | None = None  # what must match to share a call (the signature, padded dims bucketed)
+    sizes: dict[str, int] = field(default_factory=dict)  # its own size of each dim the batcher may pad
 
 
 class BatchShapes:
@@ -95,6 +97,61 @@ class BatchShapes:
             if rows <= hi:
                 return max(rows, lo)
         return None
+
+
+class SequencePadding:
+    """Dims past the batch axis that zero padding leaves exact (a sequence an attention mask covers,
+    the engine's declared pad_dims), as the runtime's shape buckets find them: requests that differ
+    only there share a call, padded to the longest and cropped back. Requests are grouped by the
+    power-of-two bucket of each such size, so none is padded to more than about twice its own."""
+
+    def __init__(self, engine: Engine, config: ModelConfig):
+        self.pads: dict[str, list[tuple[int, str]]] = {}
+        self.crops: dict[str, list[tuple[int, str]]] = {}
+        self.floors: dict[str, int] = {}
+        enabled = config.parameters.get("pad_to_merge", "true").lower() not in ("false", "0", "no", "off")
+        if not enabled or config.max_batch_size <= 0 or len(engine.profiles) != 1:
+            return
+        plan = engine.create_execution_context(buckets=True).buckets
+        if plan is None:
+            return
+        batch = {b.shape[0] for b in engine.inputs if b.shape}
+        self.floors = {symbol: floor for symbol, floor in plan.symbols.items() if symbol not in batch}
+        if not self.floors:
+            return
+        self.pads = {b.name: [(axis, d) for axis, d in pads if d in self.floors]
+                     for b, pads in zip(engine.inputs, plan.pads)}
+        self.crops = {b.name: [(axis, d) for axis, d in crops if d in self.floors]
+                      for b, crops in zip(engine.outputs, plan.crops)}
+
+    def group(self, inputs: dict[str, np.ndarray], signature: Signature) -> tuple[Signature, dict[str, int]]:
+        if not self.floors:
+            return signature, {}
+        sizes: dict[str, int] = {}
+        group = []
+        for (name, array), dims in zip(inputs.items(), signature):
+            dims = list(dims)
+            for axis, symbol in self.pads.get(name, []):
+                size = int(array.shape[axis])
+                sizes[symbol] = size
+                bucket = max(self.floors[symbol], 1 << max(0, size - 1).bit_length())
+                dims[axis - 1] = -bucket  # axis past the batch axis; negative: "padded up to this bucket"
+            group.append(tuple(dims))
+        return tuple(group), sizes
+
+    def pad(self, name: str, array: np.ndarray, targets: dict[str, int]) -> np.ndarray:
+        widths = [(0, 0)] * array.ndim
+        for axis, symbol in self.pads.get(name, []):
+            widths[axis] = (0, targets[symbol] - array.shape[axis])
+        if all(w == (0, 0) for w in widths):
+            return array
+        return np.pad(array, widths)  # zeros: token 0 under a mask of 0 is never attended
+
+    def crop(self, name: str, array: np.ndarray, sizes: dict[str, int]) -> np.ndarray:
+        index = [slice(None)] * array.ndim
+        for axis, symbol in self.crops.get(name, []):
+            index[axis] = slice(0, sizes[symbol])
+        return array[tuple(index)]
 
 
 class Instance:
@@ -150,6 +207,7 @@ class Batcher:
         self.stats = stats
         self.shapes = BatchShapes(engine, config)
         self.batching = config.max_batch_size > 0 and config.dynamic_batching is not None
+        self.padding = SequencePadding(engine, config) if self.batching else None
         batching = config.dynamic_batching
         self.delay_ns = batching.max_queue_delay_microseconds * 1000 if batching else 0
         self.preferred = sorted(batching.preferred_batch_size) if batching else []
@@ -178,6 +236,7 @@ class Batcher:
             raise QueueFull(f"model {self.config.name!r}: the queue holds its maximum of {self.max_queue_size} "
                             "requests; retry later")
         request = Pending(inputs, rows, signature, self.loop.create_future(), deadline_ns=deadline_ns)
+        request.group, request.sizes = self.padding.group(inputs, signature) if self.padding else (signature, {})
         self.pending.append(request)
         self.stats.pending = len(self.pending)
         self._schedule()
@@ -249,7 +308,7 @@ class Batcher:
         limit = self.shapes.limit(head.signature)
         chosen, rows = [], 0
         for r in self.pending:
-            if r.signature == head.signature and rows + r.rows <= limit:
+            if r.group == head.group and rows + r.rows <= limit:
                 chosen.append(r)
                 rows += r.rows
                 if rows == limit:
@@ -295,9 +354,16 @@ class Batcher:
         padded = rows
         if self.config.max_batch_size > 0:
             padded = self.shapes.padded(batch[0].signature, rows) or rows
+        targets: dict[str, int] = {}  # padded dims: the longest of the batch
+        for r in batch:
+            for symbol, size in r.sizes.items():
+                targets[symbol] = max(targets.get(symbol, 0), size)
+        ragged = any(size != targets[symbol] for r in batch for symbol, size in r.sizes.items())
         feeds = {}
         for name in batch[0].inputs:
             parts = [r.inputs[name] for r in batch]
+            if ragged:
+                parts = [self.padding.pad(name, part, targets) for part in parts]
             if padded > rows:  # repeat the last real row up to a size a profile holds
                 parts.append(np.repeat(parts[-1][-1:], padded - rows, axis=0))
             feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
@@ -314,7 +380,10 @@ class Batcher:
         split: list[dict[str, np.ndarray] | BaseException] = []
         offset = 0
         for r in batch:
-            split.append({n: v[offset:offset + r.rows] for n, v in outputs.items()})
+            mine = {n: v[offset:offset + r.rows] for n, v in outputs.items()}
+            if ragged:
+                mine = {n: self.padding.crop(n, v, r.sizes) for n, v in mine.items()}
+            split.append(mine)
             offset += r.rows
         return BatchResult(split, padded, t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
 

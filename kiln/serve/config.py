@@ -37,6 +37,8 @@ from kiln.serve.datatypes import Datatype
 from kiln.serve.errors import ModelLoadError
 
 PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
+# parameters { key: ... }: build options for a model.onnx, and the batcher's own
+PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge"}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
 
@@ -247,6 +249,9 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
     parameters = {}
     for key, value in message.parameters.items():
         parameters[key] = value.string_value
+    unknown = sorted(set(parameters) - PARAMETERS)
+    if unknown:
+        problems.append(f"parameters {unknown} are not kiln's; it reads {sorted(PARAMETERS)}")
     if problems:
         raise ModelLoadError(f"{where}:\n  " + "\n  ".join(problems))
     return ModelConfig(

@@ -26,7 +26,6 @@ from kiln.serve.config import ModelConfig, check, complete, read_model_config
 from kiln.serve.errors import ModelLoadError, NotFound
 
 ENGINE_FILE, ONNX_FILE = "model.kiln", "model.onnx"
-BUILD_PARAMETERS = {"precision", "opt_level", "profile", "pad_dims"}
 
 
 @dataclass
@@ -136,9 +135,6 @@ def _copy(config: ModelConfig) -> ModelConfig:
 def build_options(config: ModelConfig, onnx_path: Path) -> dict:
     """kiln.build options from a config: its parameters, its device, and a batch profile up to
     max_batch_size when the batch is the model's only symbolic dim (else kiln's default profile)."""
-    unknown = sorted(set(config.parameters) - BUILD_PARAMETERS)
-    if unknown:
-        raise ModelLoadError(f"model {config.name!r}: unknown parameters {unknown}; kiln reads {sorted(BUILD_PARAMETERS)}")
     options: dict = {"device": "cuda" if config.instance_kind == "KIND_GPU" else "cpu"}
     p = config.parameters
     if "precision" in p:

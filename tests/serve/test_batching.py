@@ -136,6 +136,42 @@ def test_queue_bound_refuses_at_once(double_engine):
     asyncio.run(run())
 
 
+def test_masked_sequences_of_different_lengths_share_a_call_and_are_cropped_back():
+    """BERT tiny: an attention mask covers the sequence, so zero padding is exact there; requests of
+    seq 9..16 (one bucket) merge into one call padded to 16, each answer cropped to its own length
+    and equal to the engine run on that request alone; seq 40 (another bucket) runs on its own."""
+    from kiln import zoo
+
+    engine = kiln.build(str(zoo.export("bert_tiny", dynamic=True).path))
+    config = _config(engine, "")
+    stats = ModelStats("bert", "1")
+    rng = np.random.default_rng()
+    requests = []
+    for batch, seq in ((1, 9), (2, 16), (1, 12), (2, 40), (1, 13)):
+        ids = rng.integers(0, 1000, (batch, seq))
+        mask = np.ones((batch, seq), np.int64)
+        mask[:, seq - 2:] = 0  # the requests' own padding too
+        requests.append({"input_ids": ids, "attention_mask": mask})
+
+    async def run():
+        batcher = Batcher(engine, config, stats, 64)
+        batcher.start()
+        pending = [batcher.submit(r, r["input_ids"].shape[0], tuple(a.shape[1:] for a in r.values()), None)
+                   for r in requests]
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)
+        finally:
+            await batcher.close()
+
+    output = engine.output_names[0]
+    for request, answer in zip(requests, asyncio.run(run())):
+        alone = engine.run(request)[output]
+        assert answer[output].shape == alone.shape
+        # padded keys are masked out; only fp32 summation order differs from the call alone
+        np.testing.assert_allclose(answer[output], alone, rtol=1e-4, atol=1e-4)
+    assert stats.execution_count == 2 and sorted(stats.batches) == [2, 5]  # seq 9-16 (5 rows), seq 40 (2)
+
+
 def test_config_default_batching_is_inferred(double_engine):
     config = _config(double_engine, "")
     assert config.max_batch_size == 16 and config.dynamic_batching == DynamicBatching()
