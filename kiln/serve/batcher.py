@@ -99,6 +99,12 @@ class BatchShapes:
         return None
 
 
+def _flag(config: ModelConfig, name: str) -> bool | None:
+    """A true/false parameter of the config; None when it is not set."""
+    value = config.parameters.get(name)
+    return None if value is None else value.strip().lower() not in ("false", "0", "no", "off")
+
+
 class SequencePadding:
     """Dims past the batch axis that zero padding leaves exact (a sequence an attention mask covers,
     the engine's declared pad_dims), as the runtime's shape buckets find them: requests that differ
@@ -109,8 +115,7 @@ class SequencePadding:
         self.pads: dict[str, list[tuple[int, str]]] = {}
         self.crops: dict[str, list[tuple[int, str]]] = {}
         self.floors: dict[str, int] = {}
-        enabled = config.parameters.get("pad_to_merge", "true").lower() not in ("false", "0", "no", "off")
-        if not enabled or config.max_batch_size <= 0 or len(engine.profiles) != 1:
+        if _flag(config, "pad_to_merge") is False or config.max_batch_size <= 0 or len(engine.profiles) != 1:
             return
         plan = engine.create_execution_context(buckets=True).buckets
         if plan is None:
@@ -160,9 +165,9 @@ class Instance:
     The thread takes a batch from its queue, runs it and hands the result back to the event loop
     with call_soon_threadsafe: one wake-up each way, no executor futures in between."""
 
-    def __init__(self, engine: Engine, name: str, index: int, run, finish):
+    def __init__(self, engine: Engine, name: str, index: int, run, finish, buckets: bool | None = None):
         self.index = index
-        self.context = engine.create_execution_context()
+        self.context = engine.create_execution_context(buckets=buckets)
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.thread = threading.Thread(target=self._serve, name=f"kiln-{name}-{index}", daemon=True)
@@ -212,7 +217,7 @@ class Batcher:
         self.delay_ns = batching.max_queue_delay_microseconds * 1000 if batching else 0
         self.preferred = sorted(batching.preferred_batch_size) if batching else []
         self.max_queue_size = config.queue_bound or max_queue_size
-        self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish)
+        self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish, _flag(config, "buckets"))
                           for k in range(config.instance_count)]
         self.idle = list(reversed(self.instances))
         self.pending: deque[Pending] = deque()

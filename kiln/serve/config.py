@@ -13,7 +13,8 @@ its name, never silently dropped. What kiln serve reads:
     instance_group          count (execution contexts of one engine), kind (KIND_CPU | KIND_GPU)
     version_policy          latest { num_versions } (default 1) | all {} | specific { versions }
     parameters              build options for a model.onnx: precision, opt_level, profile
-                            (kiln build's --profile syntax), pad_dims
+                            (kiln build's --profile syntax), pad_dims; the batcher's pad_to_merge
+                            and buckets (true/false, kiln/serve/batcher.py)
 
 A config that leaves out inputs and outputs is completed from the engine's bindings (Triton's
 auto-complete); with max_batch_size also 0, batching is inferred: an engine whose inputs and
@@ -38,7 +39,7 @@ from kiln.serve.errors import ModelLoadError
 
 PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
 # parameters { key: ... }: build options for a model.onnx, and the batcher's own
-PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge"}
+PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets"}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
 

@@ -117,6 +117,17 @@ def test_batches_below_the_profile_are_padded_and_cropped(padded_engine):
     assert list(stats.batches) == [4] and stats.inference_count == 4  # the engine call ran 4 rows
 
 
+def test_buckets_parameter_pads_calls_inside_the_runtime(double_engine):
+    config = _config(double_engine, 'max_batch_size: 16\ndynamic_batching {}\n'
+                                    'parameters { key: "buckets" value: { string_value: "true" } }')
+    stats = ModelStats("m", "1")
+    batcher = Batcher(double_engine, config, stats, 64)
+    assert batcher.instances[0].context.buckets is not None
+    xs = [np.random.default_rng().standard_normal((rows, 5)).astype(np.float32) for rows in (1, 2)]
+    for x, out in zip(xs, asyncio.run(_run(batcher, xs))):
+        np.testing.assert_array_equal(out["y"], 2 * x)  # 3 rows ran as a batch of 4 inside, cropped back
+
+
 def test_queue_bound_refuses_at_once(double_engine):
     from kiln.serve.errors import QueueFull
 
