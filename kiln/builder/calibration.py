@@ -17,6 +17,7 @@ import onnx_ir as ir
 import torch
 
 from kiln.builder.lower import lower
+from kiln.builder.sensitivity import choose_float_layers
 from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
@@ -25,11 +26,14 @@ from kiln.quant import calibrators, data, qdq
 from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
+EVALUATION_BATCHES = 4  # the first calibration batches also judge an accuracy target
 
 
 def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *, exclude: set[str],
-                   cache_path: str | None, preprocessing: str, say: Callable[[str], None]) -> tuple[dict, dict]:
-    """({tensor: amax}, a record for the engine header) for every quantized layer's activation input."""
+                   cache_path: str | None, preprocessing: str, say: Callable[[str], None],
+                   keep: list | None = None) -> tuple[dict, dict]:
+    """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
+    the first EVALUATION_BATCHES batches are appended to `keep` when given."""
     needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
     cached = calibration_cache.load(cache_path, calibrator, dtype, needed)
     if cached is not None:
@@ -61,6 +65,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     count = 0
     with torch.inference_mode():
         for batch in data.batches(source, names, preprocessing=preprocessing, limit=MAX_BATCHES):
+            if keep is not None and len(keep) < EVALUATION_BATCHES:
+                keep.append(batch)
             args = []
             for b in inputs:
                 value = dtypes.numpy_to_torch(np.ascontiguousarray(batch[b.name]))
@@ -100,11 +106,25 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         say(note)
         return model, {"dtype": dtype, "mode": "auto", "quantized": [], "kept_float": layers, "note": note}
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
+    evaluation: list = []
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
-                                    preprocessing=config.calibration_preprocessing, say=say)
-    skipped = qdq.insert(model, ranges, dtype, exclude)
-    quantized = [name for name in layers if name not in skipped]
+                                    preprocessing=config.calibration_preprocessing, say=say, keep=evaluation)
+    accuracy: dict = {}
+    sensitive: set[str] = set()
+    if config.accuracy_target is not None:
+        # Mixed precision: the most sensitive layers stay float until the output error meets the target.
+        if not evaluation:
+            evaluation = list(data.batches(config.calibration, [v.name for v in model.graph.inputs],
+                                           preprocessing=config.calibration_preprocessing,
+                                           limit=EVALUATION_BATCHES)) if config.calibration is not None else []
+        if not evaluation:
+            raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
+        sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
+                                                  exclude, say)
+    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive)
+    quantized = [name for name in layers if name not in skipped and name not in sensitive]
+    kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "emulate", "calibration": record, "quantized": quantized,
-                   "kept_float": {**skipped, **{name: "pinned" for name in exclude}},
+                   "kept_float": kept, "accuracy": accuracy,
                    "ranges": {k: float(v) for k, v in sorted(ranges.items())}}

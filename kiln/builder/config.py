@@ -33,6 +33,9 @@ class BuildConfig:
     calibration_cache: str | None = None
     calibration_preprocessing: str = "imagenet"
     quantization: str = "auto"
+    # the largest output error (relative to the output's scale, on the first calibration batches) an
+    # emulated int8/fp8 engine may have: the most sensitive layers stay float until it is met
+    accuracy_target: float | None = None
     verbose: bool = False
     verify: bool = False  # run the IR verifier between passes (tests set KILN_VERIFY=1)
 

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: quantize the layers an int8/fp8 kernel of the device runs (none yet: they stay "
                         "float, said in the build summary); emulate: quantize every Conv/Gemm/MatMul and compute "
                         "as its kernel would, to measure int8/fp8 accuracy on any machine")
+    p.add_argument("--accuracy-target", type=float, metavar="ERR",
+                   help="largest output error of an --int8/--fp8 engine, relative to the output's scale on the "
+                        "calibration data (e.g. 0.02): the most sensitive layers stay float until it is met")
     for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")

@@ -42,6 +42,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "calibration_cache": args.calib_cache,
         "calibration_preprocessing": args.calib_preprocessing,
         "quantization": args.quantization,
+        "accuracy_target": args.accuracy_target,
     }
     err = console(stderr=True)
     t0 = time.perf_counter()
@@ -87,8 +88,15 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
     kept = q.get("kept_float") or {}
     calibration = q.get("calibration") or {}
     source = "the cache" if calibration.get("from_cache") else f"{calibration.get('batches', '?')} batch(es)"
-    return [("quantization", f"{q['dtype']} (emulated): {len(q.get('quantized', []))} layer(s) quantized, "
+    rows = [("quantization", f"{q['dtype']} (emulated): {len(q.get('quantized', []))} layer(s) quantized, "
                              f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
+    accuracy = q.get("accuracy") or {}
+    if accuracy:
+        rows.append(("accuracy", f"output error {accuracy['error']:.3g} (target {accuracy['target']:g}; every "
+                                 f"layer quantized: {accuracy['error_all_quantized']:.3g})"
+                                 + ("" if accuracy.get("met", True) else ": NOT met")))
+    rows += [("  kept float", f"{name}: {why}") for name, why in kept.items()]
+    return rows
 
 
 def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose: bool = False) -> None:
