@@ -65,6 +65,7 @@ class Segment:
         self.read_after = read_after
         self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
         self.resized: OrderedDict[tuple, Segment | None] = OrderedDict()  # entry sizes -> that size's segment
+        self._resize_lock = threading.Lock()
         natives = natives if natives is not None else [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
         for k, m in enumerate(members):
@@ -259,6 +260,10 @@ class Segment:
         if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values):
             return None
         key = tuple(tuple(v.shape) for v in values)
+        with self._resize_lock:  # contexts of one engine share its segments
+            return self._bind_sizes(key)
+
+    def _bind_sizes(self, key: tuple) -> Segment | None:
         if key in self.resized:
             self.resized.move_to_end(key)
             return self.resized[key]

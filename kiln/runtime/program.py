@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
@@ -118,6 +119,7 @@ class Program:
         computed_once = {id(self.steps[i]) for i in shape_steps}
         self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
+        self._plans_lock = threading.Lock()
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
@@ -147,9 +149,13 @@ class Program:
         steps, signature = self.run_steps, None
         if self.shape_plans is not None:  # this signature's shape values, when known: their steps are skipped
             signature = _signature(inputs)
-            known = self.shape_plans.get(signature) if signature is not None else None
+            known = None
+            if signature is not None:
+                with self._plans_lock:  # contexts of one engine share its Program: one thread at a time here
+                    known = self.shape_plans.get(signature)
+                    if known is not None:
+                        self.shape_plans.move_to_end(signature)
             if known is not None:
-                self.shape_plans.move_to_end(signature)
                 for s, v in known:
                     env[s] = v
                 steps = self.lean_steps
@@ -169,9 +175,10 @@ class Program:
             for s in step.free:
                 env[s] = None
         if signature is not None:
-            self.shape_plans[signature] = [(s, env[s]) for s in self.shape_slots]
-            if len(self.shape_plans) > SHAPE_PLANS:
-                self.shape_plans.popitem(last=False)
+            with self._plans_lock:
+                self.shape_plans[signature] = [(s, env[s]) for s in self.shape_slots]
+                while len(self.shape_plans) > SHAPE_PLANS:
+                    self.shape_plans.popitem(last=False)
         return [env[s] for s in self.output_slots]
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
