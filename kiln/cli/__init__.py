@@ -131,10 +131,15 @@ def _parser() -> argparse.ArgumentParser:
                                      "per-output error statistics; --mark-all compares every layer and names the "
                                      "first one outside tolerance. Exit status 2 when outside tolerance.")
     p.add_argument("model", help="the .onnx model")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16", "int8", "fp8"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--opt-level", type=int, default=2, choices=range(6), metavar="N")
     p.add_argument("--mark-all", action="store_true", help="compare every intermediate value; name the first bad layer")
+    p.add_argument("--per-layer", action="store_true",
+                   help="compare every intermediate value and rank the layers by error relative to their scale "
+                        "(which layers an int8/fp8 engine loses the most in)")
+    p.add_argument("--calib", metavar="DIR", help="calibration data for --precision int8/fp8 (emulated)")
+    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile"])
     p.add_argument("--rtol", type=float, help="relative tolerance (default by precision)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
     p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random)")

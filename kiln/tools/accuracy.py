@@ -23,7 +23,8 @@ from kiln.ir import dtypes
 from kiln.runtime.program import Program
 
 # Default tolerances per precision: |kiln - ref| <= atol + rtol * |ref| elementwise.
-TOLERANCES = {"fp32": (1e-4, 1e-5), "tf32": (5e-3, 5e-3), "fp16": (2e-2, 2e-2), "bf16": (5e-2, 5e-2)}
+TOLERANCES = {"fp32": (1e-4, 1e-5), "tf32": (5e-3, 5e-3), "fp16": (2e-2, 2e-2), "bf16": (5e-2, 5e-2),
+              "int8": (1e-1, 1e-1), "fp8": (1e-1, 1e-1)}  # a quantized layer: a few steps of its scale
 
 
 @dataclass
@@ -57,7 +58,9 @@ class CompareReport:
     def passed(self) -> bool:
         return all(s.passed for s in self.outputs)
 
-    def render(self, worst: int = 10) -> str:
+    def render(self, worst: int = 10, by_scale: bool = False) -> str:
+        """`by_scale`: rank the layers by max |err| relative to their own max |ref| (--per-layer), not by
+        the share of elements outside tolerance."""
         head = (f"{'value':<40} {'shape':<18} {'max |err|':>10} {'mean |err|':>10} {'p99 |err|':>10} "
                 f"{'max rel':>10} {'max |ref|':>10} {'outside':>9}")
         lines = [f"kiln ({self.precision}) vs onnxruntime fp32; tolerance |err| <= {self.atol:g} + {self.rtol:g}*|ref|",
@@ -71,8 +74,13 @@ class CompareReport:
                              f"max |err| {s.max_abs:.3g} at max |ref| {s.ref_max:.3g}")
             else:
                 lines.append("every compared layer is within tolerance")
-            ranked = sorted(self.layers, key=lambda t: -t[2].mismatched)[:worst]
-            lines += ["", f"worst {len(ranked)} layers by share of elements outside tolerance:", "step / op / " + head]
+            if by_scale:
+                ranked = sorted(self.layers, key=lambda t: -(t[2].max_abs / (t[2].ref_max or 1.0)))[:worst]
+                how = "max |err| / max |ref|"
+            else:
+                ranked = sorted(self.layers, key=lambda t: -t[2].mismatched)[:worst]
+                how = "share of elements outside tolerance"
+            lines += ["", f"worst {len(ranked)} layers by {how}:", "step / op / " + head]
             lines += [f"{step} / {op} / {s.row()}" for step, op, s in ranked]
         lines.append("")
         lines.append("PASSED" if self.passed else "FAILED")
@@ -165,7 +173,8 @@ def _all_outputs_model(model: onnx.ModelProto) -> onnx.ModelProto:
 def compare(model: str | Path | onnx.ModelProto, *, precision: str = "fp32", device: str = "cpu",
             opt_level: int = 2, inputs: dict[str, np.ndarray] | None = None, shapes: dict | None = None,
             rtol: float | None = None, atol: float | None = None, mark_all: bool = False,
-            seed: int = 0) -> CompareReport:
+            seed: int = 0, build_options: dict[str, Any] | None = None) -> CompareReport:
+    """`build_options`: more kiln.build options (calibration data, calibrator, quantization for int8/fp8)."""
     import onnxruntime as ort
 
     proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
@@ -173,7 +182,7 @@ def compare(model: str | Path | onnx.ModelProto, *, precision: str = "fp32", dev
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
     engine = kiln.build(proto if isinstance(model, onnx.ModelProto) else model,
-                        precision=precision, device=device, opt_level=opt_level)
+                        precision=precision, device=device, opt_level=opt_level, **(build_options or {}))
     feeds = inputs or random_inputs(engine, shapes, seed)
     reference = _all_outputs_model(proto) if mark_all else proto
     session = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"])

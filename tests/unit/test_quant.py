@@ -198,3 +198,18 @@ def test_cli_builds_an_emulated_int8_engine_from_a_folder(tmp_path, capsys):
                  "--calibrator", "minmax"]) == 0
     text = capsys.readouterr().out
     assert "int8 (emulated): 3 layer(s) quantized, 0 kept float; ranges by minmax from 3 batch(es)" in text
+
+
+def test_compare_per_layer_names_the_layers_an_int8_engine_loses_the_most_in(tmp_path, capsys):
+    data = tmp_path / "calib"
+    data.mkdir()
+    for k, batch in enumerate(_batches(4)):
+        np.savez(data / f"b{k}.npz", **batch)
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes(_cnn())
+    main(["compare", str(model), "--precision", "int8", "--calib", str(data), "--per-layer"])
+    text = capsys.readouterr().out
+    assert "kiln (int8) vs onnxruntime fp32" in text
+    assert "layers by max |err| / max |ref|" in text
+    ranked = text.split("layers by max |err| / max |ref|:")[1]
+    assert "conv" in ranked  # quantized layers are named with their error
