@@ -4,17 +4,27 @@ Each node becomes one step naming its implementation; attributes become JSON val
 (tensors go to the weights, subgraphs become nested ProgramSpecs); a subgraph's reads of
 outer-scope values become explicit extra inputs of its node (`captures`), so liveness and
 the runtime see every dependency.
+
+Weights are stored once per content: two initializers (or tensor attributes) of at least
+SHARE_MIN_ELEMENTS elements with the same dtype, shape and bytes become one engine weight that
+both names point at (an exporter that folded a shared weight once per layer, or a model tying
+weights under two names). Smaller ones stay apart: sharing them saves nothing, and a tiny
+constant that must stay fp32 (Resize scales) must not drag an equal one of a half-precision
+layer along.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
 import onnx_ir as ir
+import torch
 
 from kiln.ir import dtypes
 from kiln.ir.tensors import tensor_to_runtime
+from kiln.passes._rewrite import SHARE_MIN_ELEMENTS
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 
 _A = ir.AttributeType
@@ -53,10 +63,19 @@ def binding_of(value: ir.Value) -> Binding:
     return Binding(name=value.name, dtype=value_dtype_name(value), shape=shape, kind=kind)
 
 
+def _content_key(weight: Any) -> tuple | None:
+    """(dtype, shape, digest of the bytes) of a large tensor; None for small ones and non-tensors."""
+    if not isinstance(weight, torch.Tensor) or weight.numel() < SHARE_MIN_ELEMENTS:
+        return None
+    data = weight.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return str(weight.dtype), tuple(weight.shape), hashlib.blake2b(data, digest_size=32).digest()
+
+
 class Lowering:
     def __init__(self, model: ir.Model):
         self.opsets = dict(model.opset_imports)
         self.weights: dict[str, Any] = {}
+        self.by_content: dict[tuple, str] = {}  # _content_key -> the key of the stored weight
         self.model = model
 
     def _weight_key(self, name: str) -> str:
@@ -66,6 +85,21 @@ class Lowering:
             key = f"{name}#{n}"
         return key
 
+    def store(self, name: str, tensor: ir.TensorProtocol) -> str:
+        """The weights key holding `tensor`: a new one, or the key of an identical large weight."""
+        weight = tensor_to_runtime(tensor)
+        content = _content_key(weight)
+        if content is not None and (key := self.by_content.get(content)) is not None:
+            stored = self.weights[key]
+            same = stored.reshape(-1).view(torch.uint8)
+            if torch.equal(same, weight.contiguous().reshape(-1).view(torch.uint8)):
+                return key
+        key = self._weight_key(name)
+        self.weights[key] = weight
+        if content is not None:
+            self.by_content.setdefault(content, key)
+        return key
+
     def attribute(self, attr: ir.Attr, step_name: str) -> Any:
         t, v = attr.type, attr.value
         if t in (_A.INT, _A.FLOAT, _A.STRING):
@@ -73,16 +107,9 @@ class Lowering:
         if t in (_A.INTS, _A.FLOATS, _A.STRINGS):
             return list(v)
         if t == _A.TENSOR:
-            key = self._weight_key(f"{step_name}.{attr.name}")
-            self.weights[key] = tensor_to_runtime(v)
-            return {"$tensor": key}
+            return {"$tensor": self.store(f"{step_name}.{attr.name}", v)}
         if t == _A.TENSORS:
-            keys = []
-            for i, tensor in enumerate(v):
-                key = self._weight_key(f"{step_name}.{attr.name}.{i}")
-                self.weights[key] = tensor_to_runtime(tensor)
-                keys.append({"$tensor": key})
-            return keys
+            return [{"$tensor": self.store(f"{step_name}.{attr.name}.{i}", tensor)} for i, tensor in enumerate(v)]
         if t == _A.GRAPH:
             return {"$graph": self.graph(v).to_json()}
         if t == _A.GRAPHS:
@@ -96,9 +123,7 @@ class Lowering:
     def graph(self, graph: ir.Graph) -> ProgramSpec:
         constants: dict[str, str] = {}
         for name, value in graph.initializers.items():
-            key = self._weight_key(name)
-            self.weights[key] = tensor_to_runtime(value.const_value)
-            constants[name] = key
+            constants[name] = self.store(name, value.const_value)
         input_names = [v.name for v in graph.inputs if v.name not in constants]
         steps = []
         for node in graph:

@@ -95,8 +95,49 @@ def dtype_of(value: ir.Value | None) -> ir.DataType | None:
     return value.type.dtype
 
 
+# Weights at least this large (elements) are shared by content: a rewrite that would store a second
+# copy of an existing initializer reads the existing one instead. Below it, sharing saves nothing
+# worth having, and a small constant shared by two nodes could stop a rule that needs its only reader.
+SHARE_MIN_ELEMENTS = 4096
+
+
+def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    """Same dtype, shape and bytes (NaN payloads and -0.0 included); a strided sample first, so
+    telling apart two different weights costs a few hundred elements, not their size."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    step = max(1, flat_a.size // 256)
+    if flat_a[::step].tobytes() != flat_b[::step].tobytes():
+        return False
+    as_bytes = lambda x: np.ascontiguousarray(x).reshape(-1).view(np.uint8)  # noqa: E731
+    return bool(np.array_equal(as_bytes(a), as_bytes(b)))
+
+
+def identical_initializer(graph: ir.Graph, array: np.ndarray) -> ir.Value | None:
+    """An initializer of `graph` holding exactly `array` (dtype, shape, bytes) that no caller can
+    override (not also a graph input), or None. Strings and sub-byte types are never matched."""
+    if array.dtype == object or array.dtype.kind in "SUV":
+        return None
+    try:
+        dtype = ir.DataType.from_numpy(array.dtype)
+    except TypeError:
+        return None
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or value.is_graph_input() or tensor.dtype != dtype or tuple(tensor.shape) != array.shape:
+            continue
+        if _bytes_equal(tensor.numpy(), array):
+            return value
+    return None
+
+
 def new_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """Registers `array` as a new initializer under a fresh name derived from `name`."""
+    """Registers `array` as a new initializer under a fresh name derived from `name`; a large
+    array identical to an initializer the graph already holds returns that one instead, so a
+    rewrite repeated over layers sharing one weight (ALBERT) stores its result once."""
+    if array.size >= SHARE_MIN_ELEMENTS and (same := identical_initializer(graph, np.asarray(array))) is not None:
+        return same
     base, n = name, 1
     while name in graph.initializers:
         n += 1

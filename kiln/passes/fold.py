@@ -8,9 +8,17 @@ fold too, which resolves the Shape -> Gather -> Concat -> Reshape chains exporte
 Never folded: QuantizeLinear/DequantizeLinear (they carry calibration a later pass reads),
 random ops, nodes with subgraphs, and results much larger than their inputs (a folded
 Expand/ConstantOfShape would only bloat the engine).
+
+Never copied per use: a weight shared by many layers (ALBERT reuses one layer's weights in all
+of them) may reach each layer through its own Transpose/Cast node. Nodes that compute the same
+thing from the same constants fold once, and every later one reads that result; a large result
+identical to an initializer already in the graph reads that initializer. Without this, folding
+stored one copy of the transformed weight per layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
@@ -19,7 +27,8 @@ import torch
 from kiln.ir import dtypes
 from kiln.ir.tensors import tensor_to_runtime
 from kiln.ops.registry import OpContext, lookup
-from kiln.passes._rewrite import PassReport, const, graphs_of, is_op, static_shape
+from kiln.passes._rewrite import (SHARE_MIN_ELEMENTS, PassReport, const, graphs_of, identical_initializer, is_op,
+                                  static_shape)
 
 NEVER_FOLD = {
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
@@ -126,7 +135,42 @@ def _foldable(node: ir.Node) -> bool:
     return bool(inputs) and all(const(v) is not None for v in inputs)
 
 
-def fold_node(node: ir.Node, opset: int) -> bool:
+def _signature(node: ir.Node) -> tuple | None:
+    """What a node computes from constants: op, attributes and the very input values; None when
+    an attribute is a tensor or graph (not worth comparing: such nodes are rare and small)."""
+    attributes = []
+    for name, a in sorted(node.attributes.items()):
+        if a.type in (ir.AttributeType.TENSOR, ir.AttributeType.TENSORS, ir.AttributeType.GRAPH,
+                      ir.AttributeType.GRAPHS):
+            return None
+        attributes.append((name, tuple(a.value) if isinstance(a.value, (list, tuple)) else a.value))
+    return (node.domain, node.op_type, node.overload, tuple(attributes), tuple(id(v) for v in node.inputs),
+            len(node.outputs))
+
+
+def _reuse(node: ir.Node, results: list[ir.Value]) -> None:
+    """Point every reader of the node's outputs at `results` (values already folded) and drop it."""
+    for out, result in zip(node.outputs, results):
+        ir.convenience.replace_all_uses_with(out, result)
+    node.graph.remove(node, safe=True)
+
+
+@dataclass
+class _Folded:
+    """A node folded in this sweep: its inputs (held, so their ids cannot be reused) and results."""
+
+    inputs: list[ir.Value | None]
+    results: list[ir.Value]
+
+
+def fold_node(node: ir.Node, opset: int, folded: dict[tuple, _Folded] | None = None) -> bool:
+    """Fold one node into initializers. `folded` (by signature) remembers what this sweep folded,
+    so a node computing the same from the same constants reads the earlier result."""
+    signature = _signature(node) if folded is not None else None
+    # A graph output keeps its own name, so it gets its own initializer.
+    if signature in (folded or {}) and not any(out.is_graph_output() for out in node.outputs):
+        _reuse(node, folded[signature].results)
+        return True
     if node.op_type == "Gather" and const(node.inputs[0]) is None:
         picked = _static_dims_picked(node)
         if picked is None:
@@ -153,15 +197,26 @@ def fold_node(node: ir.Node, opset: int) -> bool:
         if out.dtype is not None and tensor.dtype != out.dtype:
             return False  # the implementation disagrees with the declared type: do not guess
         replacements.append((out, tensor))
+    results = []
     for out, tensor in replacements:
+        existing = None
+        if tensor.size >= SHARE_MIN_ELEMENTS and not out.is_graph_output():
+            existing = identical_initializer(graph, tensor.numpy())
+        if existing is not None:  # e.g. Transpose(W) where W^T is already stored: read that one
+            ir.convenience.replace_all_uses_with(out, existing)
+            results.append(existing)
+            continue
         name = out.name
-        folded = ir.Value(name=f"{name}__folding", shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
-                          const_value=tensor)
+        value = ir.Value(name=f"{name}__folding", shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                         const_value=tensor)
         out.name = f"{name}__folded"
-        folded.name = name
-        graph.register_initializer(folded)
-        ir.convenience.replace_all_uses_with(out, folded, replace_graph_outputs=True)
+        value.name = name
+        graph.register_initializer(value)
+        ir.convenience.replace_all_uses_with(out, value, replace_graph_outputs=True)
+        results.append(value)
     graph.remove(node, safe=True)
+    if signature is not None:
+        folded[signature] = _Folded(list(node.inputs), results)
     return True
 
 
@@ -170,8 +225,9 @@ def fold_constants(model: ir.Model, report: PassReport) -> int:
     opset = dict(model.opset_imports).get("", 21)
     folded = 0
     for graph in graphs_of(model):
+        results: dict[tuple, _Folded] = {}
         for node in list(graph):
-            if _foldable(node) and fold_node(node, opset):
+            if _foldable(node) and fold_node(node, opset, results):
                 folded += 1
     report.count("fold_constants", folded)
     return folded

@@ -92,6 +92,19 @@ _VIT_TINY = dict(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=
                  intermediate_size=128, num_labels=10)
 _RESNET_TINY = dict(embedding_size=16, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1],
                     layer_type="bottleneck", num_labels=10)
+# transformers' EfficientNet pools its last map with AvgPool2d(hidden_dim, ceil_mode=True): a
+# 1280-wide kernel over B0's 7x7 map (and 320 over the small one's 2x2), exported as an AveragePool
+# whose kernel is far larger than its input. hidden_dim must equal the top conv's width.
+_EFFICIENTNET_B0 = dict(image_size=224, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280,
+                        dropout_rate=0.2, num_labels=1000)
+# ALBERT shares one layer's weights across every layer (num_hidden_groups=1): the exported graph
+# reads the same initializers from each of its layers.
+_ALBERT_BASE = dict(vocab_size=30000, embedding_size=128, hidden_size=768, num_hidden_layers=12,
+                    num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512)
+_ALBERT_TINY = dict(vocab_size=1024, embedding_size=32, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    intermediate_size=256, max_position_embeddings=128)
+_EFFICIENTNET_TINY = dict(image_size=64, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
+                          dropout_rate=0.2, num_labels=10)
 
 MODELS: dict[str, ZooModel] = {m.name: m for m in [
     ZooModel("mobilenet_v2", "image", "MobileNetV2 1.0, torchvision ImageNet weights",
@@ -120,6 +133,14 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
           {"num_labels": 1000}, slow=True),
     _spec("vit_tiny", "image", "ViT, 32px images, 8px patches, 2 layers, 64 wide", "ViTConfig",
           "ViTForImageClassification", _VIT_TINY, batch=2, image_size=32),
+    _spec("albert_base", "encoder", "ALBERT-base v2 shape (12 layers sharing one layer's weights), random weights",
+          "AlbertConfig", "AlbertModel", _ALBERT_BASE, seq=128, vocab_size=30000, slow=True),
+    _spec("albert_tiny", "encoder", "ALBERT, 4 layers sharing one layer's weights, 64 wide", "AlbertConfig",
+          "AlbertModel", _ALBERT_TINY, batch=2, vocab_size=1024),
+    _spec("efficientnet_b0", "image", "EfficientNet-B0 224, random weights", "EfficientNetConfig",
+          "EfficientNetForImageClassification", _EFFICIENTNET_B0, slow=True),
+    _spec("efficientnet_tiny", "image", "EfficientNet, width 0.25, one block per stage, 64px images",
+          "EfficientNetConfig", "EfficientNetForImageClassification", _EFFICIENTNET_TINY, batch=2, image_size=64),
 ]}
 
 
