@@ -33,7 +33,16 @@ def build(model: Any, config: BuildConfig | None = None, *, progress=None, **opt
     return _build(model, config, progress=progress)
 
 
+def __getattr__(name: str) -> Any:
+    # onnxruntime's InferenceSession (kiln/compat): imported on first use, so `kiln.load` stays lean
+    if name == "InferenceSession":
+        from kiln.compat.session import InferenceSession
+
+        return InferenceSession
+    raise AttributeError(f"module 'kiln' has no attribute {name!r}")
+
+
 __all__ = [
-    "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "KilnError",
+    "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "InferenceSession", "KilnError",
     "ModelError", "UnsupportedModelError", "__version__", "build", "errors", "load",
 ]

@@ -1,7 +1,7 @@
 """kiln's imports point down the layering of docs/architecture.md, and no module imports itself
 back through others. Every import counts: module level, inside functions, under TYPE_CHECKING.
 
-    apps (the `kiln` facade, cli, tools, zoo, demo, backend)
+    apps (the `kiln` facade, cli, tools, zoo, demo, backend, compat, torch_backend)
       -> builder -> {frontend, passes, runtime} -> tactics -> kernels -> ops -> plan -> ir -> base (errors, version)
 
 Packages of one level (frontend, passes and runtime; errors and version) may not import one another.
@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("stages", {"kiln.runtime", "kiln.frontend", "kiln.passes", "kiln.quant"}),  # side by side: none imports another
     ("builder", {"kiln.builder"}),
     ("apps", {"kiln", "kiln.tools", "kiln.zoo", "kiln.cli", "kiln.demo", "kiln.backend", "kiln.__main__",
-              "kiln.data", "kiln.serve"}),
+              "kiln.data", "kiln.serve", "kiln.compat", "kiln.torch_backend"}),
 ]
 
 
