@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("stages", {"kiln.runtime", "kiln.frontend", "kiln.passes", "kiln.quant"}),  # side by side: none imports another
     ("builder", {"kiln.builder"}),
     ("apps", {"kiln", "kiln.tools", "kiln.zoo", "kiln.cli", "kiln.demo", "kiln.backend", "kiln.__main__",
-              "kiln.data", "kiln.serve", "kiln.compat", "kiln.torch_backend"}),
+              "kiln.data", "kiln.serve", "kiln.compat", "kiln.torch_backend", "kiln.llm"}),
 ]
 
 

@@ -1,0 +1,81 @@
+"""Attention over the paged KV cache, and the metadata that describes one step's batch.
+
+A step's tokens are flattened into one [T] batch: request b owns rows query_start[b] ..
+query_start[b] + query_lens[b], the last query_lens[b] positions of its seq_lens[b] tokens. Each
+layer first writes the step's new K/V into their slots (`write_kv`), then every request attends
+over its block table: so a request may read blocks another request of the same step is filling
+(a prefix-cache hit on a prompt being computed right now) and still see the right values.
+
+`paged_attention` is the reference: one request at a time, torch SDPA over K/V gathered from its
+blocks, on any device; a request's result never depends on the rest of the batch. With the Triton
+backend, requests with one query token (decodes, listed first) go through the paged decode kernel
+(kiln/llm/kernels/paged_decode.py) instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot each new token's K/V goes to
+    query_start: list[int]  # [B] host: first row of each request in the flattened batch
+    query_lens: list[int]  # [B] host: rows of each request this step
+    seq_lens: list[int]  # [B] host: tokens each request attends over (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32: each request's blocks, padded with the null block
+    seq_lens_tensor: torch.Tensor  # [B] int32, on the device (kernels)
+    num_decodes: int = 0  # the first num_decodes requests have exactly one query row
+    backend: str = "torch"  # torch | triton
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, Hkv, D] -> slots of k_cache, v_cache: [num_blocks, block_size, Hkv, D]."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, D] -> [T, Hq, D]; each request's queries see its keys up to their own position
+    (and, with a sliding window, only the last `sliding_window` of them)."""
+    out = torch.empty_like(q)
+    first = 0
+    if meta.backend == "triton" and meta.num_decodes:
+        from kiln.llm.kernels.paged_decode import paged_decode_attention  # here: a CPU run never imports triton
+        n = meta.num_decodes
+        out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens_tensor[:n],
+                                         scale, sliding_window)
+        first = n
+    block_size = k_cache.shape[1]
+    for b in range(first, len(meta.query_lens)):
+        start, num_q, num_kv = meta.query_start[b], meta.query_lens[b], meta.seq_lens[b]
+        blocks = meta.block_tables[b, :(num_kv + block_size - 1) // block_size]
+        k = k_cache[blocks].flatten(0, 1)[:num_kv]  # [L, Hkv, D]
+        v = v_cache[blocks].flatten(0, 1)[:num_kv]
+        out[start:start + num_q] = _attend(q[start:start + num_q], k, v, scale, sliding_window)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            sliding_window: int | None) -> torch.Tensor:
+    """One request: q [Q, Hq, D] are the last Q positions of k, v [L, Hkv, D]."""
+    num_q, num_kv = q.shape[0], k.shape[0]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, S, D]
+    group = q.shape[0] // k.shape[0]
+    if group > 1:
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    if num_q == num_kv and sliding_window is None:  # a whole prompt: plain causal (flash attention on CUDA)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        query_pos = torch.arange(num_kv - num_q, num_kv, device=q.device)[:, None]  # bottom-right aligned
+        key_pos = torch.arange(num_kv, device=q.device)[None, :]
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= key_pos > query_pos - sliding_window
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)  # [Q, Hq, D]

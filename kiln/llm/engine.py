@@ -1,0 +1,295 @@
+"""LLMEngine: the loop every front end drives. One `step()` is schedule -> run -> postprocess:
+
+    scheduler.schedule()        which tokens of which requests (kiln/llm/scheduler.py, plain Python)
+    runner.execute(...)         one model step over the paged KV cache, sampling on the device
+    scheduler.update(...)       append tokens, finish on EOS / stop tokens / length, free blocks
+    _process(...)               incremental text, stop strings, log-probabilities -> RequestOutputs
+
+Loading builds the model from config.json on the chosen device and dtype, reads the safetensors,
+and sizes the KV cache from the budget the user gives (EngineConfig.kv_cache_memory or num_kv_blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kiln.llm.block_manager import BlockManager
+from kiln.llm.config import EngineConfig, LLMError, ModelConfig
+from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
+from kiln.llm.model_runner import ModelRunner, TokenLogprobs
+from kiln.llm.models import build_model
+from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kiln.llm.parallel import SINGLE, TensorParallel
+from kiln.llm.request import Request, RequestStatus
+from kiln.llm.sampling_params import SamplingParams
+from kiln.llm.scheduler import Scheduler, SchedulerConfig
+from kiln.llm.spec_decode import propose_ngram
+from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
+from kiln.llm.weights import iterate_weights
+
+log = logging.getLogger("kiln.llm")
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str | torch.dtype, checkpoint: str | None, device: torch.device) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name == "auto":  # the checkpoint's on a GPU; fp32 on the CPU, where half precision is emulated and slow
+        return DTYPES.get(checkpoint or "float32", torch.float32) if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise LLMError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16")
+    return DTYPES[name]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
+@dataclass
+class EngineStats:
+    """Counters the server's /metrics reads (cumulative since start)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_preemptions: int = 0
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests
+
+
+@dataclass
+class _State:
+    """Per-request output state: detokenizer, text so far, what was sent."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer | None
+    metrics: RequestMetrics
+    text: str = ""
+    sent_text: int = 0
+    sent_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    sent_logprobs: int = 0
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, tp: TensorParallel = SINGLE,
+                 observer: Callable[[str, dict], None] | None = None):
+        self.path = Path(model)
+        self.config = config = config or EngineConfig()
+        config.check()
+        self.model_config = ModelConfig.from_folder(self.path)
+        self.tokenizer = Tokenizer(self.path) if (self.path / "tokenizer.json").is_file() else None
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.model_config.dtype, self.device)
+        max_position = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or max_position
+        if self.max_model_len > max_position:
+            raise LLMError(f"max_model_len {self.max_model_len} is longer than the model's max_position_embeddings "
+                           f"{max_position}")
+        if config.attention_backend == "auto":
+            config.attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        started = time.perf_counter()
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = build_model(self.model_config, self.max_model_len, tp)
+        self.model.load_weights(iterate_weights(self.path), source=str(self.path))
+        spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
+                           self.model_config.head_dim, config.block_size, self.dtype)
+        num_blocks = config.num_kv_blocks or spec.blocks_for_budget(config.kv_cache_bytes())
+        if (num_blocks - 1) * config.block_size < self.max_model_len:
+            raise LLMError(f"the KV cache holds {(num_blocks - 1) * config.block_size} tokens, less than one request "
+                           f"of max_model_len {self.max_model_len}: raise kv_cache_memory or lower max_model_len")
+        self.kv_cache_spec, self.num_kv_blocks = spec, num_blocks
+        self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   self.max_model_len, config.enable_chunked_prefill),
+                                   self.block_manager)
+        self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
+                                  self.model_config.vocab_size, config.attention_backend, config.seed)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.states: dict[str, _State] = {}
+        self.stats = EngineStats()
+        self.observer = observer  # (event, fields): "first_token", "token", "finished" (server metrics)
+        self._ids = itertools.count()
+        log.info("kiln llm: %s (%s) on %s in %s, %d KV blocks of %d tokens (%.2f GiB), loaded in %.1f s",
+                 self.path.name, self.model_config.model_type, self.device, self.dtype, num_blocks, config.block_size,
+                 num_blocks * spec.bytes_per_block / 2**30, time.perf_counter() - started)
+
+    # -- requests -----------------------------------------------------------------------------
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with generation_config.json's sampling defaults (temperature, top_p, ...)."""
+        return SamplingParams(**self.model_config.generation_defaults)
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise LLMError(f"{self.path} has no tokenizer.json: give prompts as token ids")
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        params = params or self.default_sampling_params()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise LLMError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if params.stop and self.tokenizer is None:
+            raise LLMError(f"request {request_id!r}: stop strings need a tokenizer ({self.path} has none)")
+        request = Request(request_id, token_ids, params, self.eos_token_ids,
+                          arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self.scheduler.add(request)
+        detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+                       if params.detokenize and self.tokenizer is not None else None)
+        self.states[request_id] = _State(request, prompt if isinstance(prompt, str) else None, detokenizer,
+                                         RequestMetrics(request.arrival_time),
+                                         logprobs=[] if params.logprobs is not None else None)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request: its blocks are free when this returns. False if it was not running or waiting."""
+        request = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id, "abort")
+        return request is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        self.stats.num_preemptions += len(scheduled.preempted)
+        if scheduled.empty:
+            return []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            state = self.states[item.request_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        result = self.runner.execute(scheduled)
+        self.stats.draft_tokens += result.num_draft_tokens
+        self.stats.accepted_draft_tokens += result.num_accepted_drafts
+        self.scheduler.update(scheduled, result.sampled)
+        outputs = []
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            tokens = result.sampled.get(item.request_id)
+            if tokens:
+                outputs.append(self._process(self.states[item.request_id], tokens,
+                                             result.logprobs.get(item.request_id), now))
+        if self.config.speculative_ngram:
+            self._propose_drafts()
+        return outputs
+
+    def _process(self, state: _State, tokens: list[int], logprobs: list[TokenLogprobs] | None,
+                 now: float) -> RequestOutput:
+        request, params, metrics = state.request, state.request.params, state.metrics
+        kept = request.output_token_ids[state.sent_tokens:]  # the update may have dropped tokens after a stop
+        self.stats.generation_tokens += len(kept)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            self.stats.prompt_tokens += request.num_prompt_tokens
+            self._observe("first_token", ttft=now - metrics.arrival_time)
+        elif kept:
+            self._observe("token", itl=now - metrics.last_token_time, count=len(kept))
+        metrics.last_token_time = now
+        if state.logprobs is not None and logprobs:
+            state.logprobs.extend(logprobs[:len(kept)])
+        if state.detokenizer is not None:
+            checked = len(state.text)
+            state.text += state.detokenizer.add(kept)
+            if params.stop and request.num_output_tokens >= params.min_tokens:
+                self._check_stop_strings(state, checked)
+        finished = request.status.finished
+        hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
+        visible = state.text[:max(len(state.text) - hold, state.sent_text)]
+        delta_text, state.sent_text = visible[state.sent_text:], len(visible)
+        output_ids = request.output_token_ids
+        delta_ids, state.sent_tokens = output_ids[state.sent_tokens:], len(output_ids)
+        delta_logprobs = None
+        if state.logprobs is not None:
+            delta_logprobs, state.sent_logprobs = state.logprobs[state.sent_logprobs:], len(state.logprobs)
+        completion = CompletionOutput(0, visible if not finished else state.text, output_ids, delta_text, delta_ids,
+                                      state.logprobs, delta_logprobs, request.status.finish_reason,
+                                      request.stop_reason)
+        if finished:
+            metrics.finished_time = now
+            metrics.num_preemptions = request.num_preemptions
+            self._forget(request.request_id, request.status.finish_reason)
+            self._observe("finished", e2e=now - metrics.arrival_time, reason=request.status.finish_reason,
+                          prompt_tokens=request.num_prompt_tokens, generation_tokens=request.num_output_tokens,
+                          ttft=metrics.first_token_time - metrics.arrival_time)
+        return RequestOutput(request.request_id, state.prompt, request.prompt_token_ids, [completion], finished,
+                             max(request.num_cached_tokens, 0), metrics)
+
+    def _check_stop_strings(self, state: _State, checked: int) -> None:
+        """Cut the text at the first stop string that ends in its new part; finish the request there."""
+        params, text = state.request.params, state.text
+        search_from = max(0, checked - max(len(s) for s in params.stop) + 1)
+        found = [(i, s) for s in params.stop if (i := text.find(s, search_from)) >= 0]
+        if not found:
+            return
+        index, stop = min(found)
+        state.text = text[:index + len(stop)] if params.include_stop_str_in_output else text[:index]
+        request = state.request
+        request.stop_reason = stop
+        if request.status.finished:  # the same step also hit EOS or the length: the stop string came first
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _forget(self, request_id: str, reason: str | None) -> None:
+        if self.states.pop(request_id, None) is not None and reason is not None:
+            self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        self.runner.sampler.forget(request_id)
+
+    def _observe(self, event: str, **fields) -> None:
+        if self.observer is not None:
+            self.observer(event, fields)
+
+    def _propose_drafts(self) -> None:
+        config = self.config
+        for request in self.scheduler.running:
+            params = request.params
+            if not params.greedy or params.needs_penalties or request.num_computed_tokens != request.num_tokens - 1:
+                continue  # drafts are verified greedily; a request mid-prefill has none
+            room = self.max_model_len - request.num_tokens
+            if params.max_tokens is not None:
+                room = min(room, params.max_tokens - request.num_output_tokens)
+            k = min(config.speculative_ngram, room - 1)
+            if k > 0:
+                request.spec_token_ids = propose_ngram(request.token_ids, k, config.ngram_min, config.ngram_max)

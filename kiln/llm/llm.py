@@ -1,0 +1,113 @@
+"""The offline API, TensorRT-LLM's and vLLM's shape:
+
+    from kiln.llm import LLM, SamplingParams
+    llm = LLM("path/to/hf-folder", dtype="bfloat16", kv_cache_memory="4GiB")
+    for out in llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32)):
+        print(out.outputs[0].text)
+    for delta in llm.stream("Once upon a time", SamplingParams(max_tokens=64)):
+        print(delta.outputs[0].delta_text, end="")
+
+All prompts of a call run together with in-flight batching; results come back in prompt order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from kiln.llm.config import EngineConfig, LLMError
+from kiln.llm.engine import LLMEngine
+from kiln.llm.outputs import RequestOutput
+from kiln.llm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | Path, *, dtype: str = "auto", tensor_parallel: int = 1, **engine_options):
+        if tensor_parallel != 1:
+            raise LLMError("tensor_parallel > 1 runs through kiln.llm.tensor_parallel (one process per rank); "
+                           "LLM itself runs one device")
+        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
+        self._calls = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
+                call: int) -> list[list[str]]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or self.engine.default_sampling_params()] * len(prompts)
+        if len(params) != len(prompts):
+            raise LLMError(f"{len(prompts)} prompts but {len(params)} SamplingParams: give one, or one per prompt")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append([])
+                for j in range(p.n):  # n samples of one prompt: n requests (the prefix cache shares the prompt)
+                    child = p if p.n == 1 and j == 0 else dataclasses.replace(
+                        p, n=1, seed=None if p.seed is None else p.seed + j)
+                    ids[-1].append(self.engine.add_request(prompt, child, request_id=f"llm-{call}-{i}-{j}"))
+        except Exception:
+            for request_id in itertools.chain.from_iterable(ids):
+                self.engine.abort(request_id)
+            raise
+        return ids
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt (n samples in its outputs)."""
+        prompts = _as_list(prompts)
+        ids = self._submit(prompts, params, next(self._calls))
+        final: dict[str, RequestOutput] = {}
+        wanted = set(itertools.chain.from_iterable(ids))
+        try:
+            while wanted - final.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        final[out.request_id] = out
+        finally:
+            for request_id in wanted - final.keys():
+                self.engine.abort(request_id)
+        results = []
+        for group in ids:
+            first = final[group[0]]
+            outputs = [dataclasses.replace(final[r].outputs[0], index=j) for j, r in enumerate(group)]
+            results.append(dataclasses.replace(first, request_id=group[0].rsplit("-", 1)[0], outputs=outputs))
+        return results
+
+    def stream(self, prompts: Prompt | Sequence[Prompt],
+               params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output every step it produced text (delta_text / delta_token_ids);
+        closing the iterator early cancels what is left."""
+        prompts = _as_list(prompts)
+        ids = self._submit(prompts, params, next(self._calls))
+        live = set(itertools.chain.from_iterable(ids))
+        try:
+            while live:
+                for out in self.engine.step():
+                    if out.request_id in live:
+                        if out.finished:
+                            live.discard(out.request_id)
+                        yield out
+        finally:
+            for request_id in live:
+                self.engine.abort(request_id)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             **template_options) -> list[RequestOutput]:
+        """generate() over conversations rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if self.tokenizer is None:
+            raise LLMError(f"{self.engine.path} has no tokenizer.json: chat needs one")
+        prompts = [self.tokenizer.encode_chat(c, **template_options) for c in conversations]
+        return self.generate(prompts, params)
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)

@@ -1,0 +1,142 @@
+"""One model step: scheduled requests in, accepted tokens out.
+
+`prepare` flattens the step's requests into one batch (decodes first, for the decode kernel) and
+builds the attention metadata; `forward` runs the model and returns fp32 logits for the rows that
+choose a token (each sampled request's last row, and one row per draft token); `execute` samples
+and verifies drafts. Everything the step needs arrives in the SchedulerOutput: the runner holds no
+request state but the sampler's per-request generators.
+
+The tensors `prepare` builds are the step's only inputs, so on CUDA a decode-only step can be
+captured once per batch-size bucket and replayed with these copied into static buffers (padded rows
+write to the null block): that capture is not written yet (no GPU time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.llm.attention import AttentionMetadata
+from kiln.llm.sampling import Sampler
+from kiln.llm.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    order: list[ScheduledRequest]  # the requests in batch order (decodes first)
+    token_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logit_rows: torch.Tensor  # [R] int64: rows of the batch whose logits are needed
+    row_owner: list[int]  # [R]: index into order of each logits row
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # the most likely tokens, best first
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]] = field(default_factory=dict)  # request id -> accepted tokens
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # for requests that asked
+    num_draft_tokens: int = 0
+    num_accepted_drafts: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+                 device: torch.device, vocab_size: int, attention_backend: str = "torch", seed: int | None = None):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.attention_backend = attention_backend
+        self.sampler = Sampler(vocab_size, device, seed)
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+        order = sorted(scheduled, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
+        size = self.block_size
+        token_ids, positions, slots = [], [], []
+        query_start, query_lens, seq_lens, rows, owners = [], [], [], [], []
+        max_blocks = max(len(s.block_ids) for s in order)
+        tables = np.zeros((len(order), max_blocks), dtype=np.int32)  # padded with the null block
+        start = 0
+        for b, item in enumerate(order):
+            n = len(item.token_ids)
+            pos = np.arange(item.start_position, item.start_position + n)
+            table = np.asarray(item.block_ids, dtype=np.int64)
+            tables[b, :len(table)] = table
+            token_ids.append(np.asarray(item.token_ids, dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // size] * size + pos % size)
+            query_start.append(start)
+            query_lens.append(n)
+            seq_lens.append(item.start_position + n)
+            if item.sample:
+                first = start + n - 1 - item.num_draft_tokens
+                rows.extend(range(first, start + n))
+                owners.extend([b] * (item.num_draft_tokens + 1))
+            start += n
+
+        def device_tensor(parts):
+            return torch.from_numpy(np.concatenate(parts)).to(self.device)
+
+        meta = AttentionMetadata(
+            slot_mapping=device_tensor(slots), query_start=query_start, query_lens=query_lens, seq_lens=seq_lens,
+            block_tables=torch.from_numpy(tables).to(self.device),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            num_decodes=sum(1 for n in query_lens if n == 1), backend=self.attention_backend)
+        return StepInputs(order=order, token_ids=device_tensor(token_ids), positions=device_tensor(positions),
+                          meta=meta, logit_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+                          row_owner=owners)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """[R, vocab] fp32 logits of the rows that choose a token."""
+        hidden = self.model(inputs.token_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.logit_rows])
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> StepResult:
+        result = StepResult()
+        if output.empty:
+            return result
+        inputs = self.prepare(output.scheduled)
+        if not inputs.row_owner:  # only prefill chunks: nothing to choose yet
+            self.forward(inputs)
+            return result
+        logits = self.forward(inputs)
+        owners = [inputs.order[b] for b in inputs.row_owner]
+        requests = [s.request for s in owners]
+        sampled = self.sampler(logits, [r.params for r in requests], [r.request_id for r in requests],
+                               [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
+        token_ids = sampled.token_ids.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        row = 0
+        for item in inputs.order:
+            if not item.sample:
+                continue
+            targets = token_ids[row:row + item.num_draft_tokens + 1]  # the model's choice after each position
+            drafts = item.token_ids[len(item.token_ids) - item.num_draft_tokens:]
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+                accepted += 1
+            result.sampled[item.request_id] = targets[:accepted + 1]
+            result.num_draft_tokens += len(drafts)
+            result.num_accepted_drafts += accepted
+            want = item.request.params.logprobs
+            if want is not None:
+                result.logprobs[item.request_id] = [
+                    TokenLogprobs(targets[i], logprobs[row + i],
+                                  list(zip(top_ids[row + i][:want], top_logprobs[row + i][:want])) if want else [])
+                    for i in range(accepted + 1)]
+            row += item.num_draft_tokens + 1
+        return result

@@ -1,0 +1,179 @@
+"""The pieces decoder models are made of: tensor-parallel linear layers and embedding, RMSNorm, RoPE.
+
+Linear layers keep their full-size weights' slice for this rank and load from the checkpoint's full
+tensors (`load`), so the same model code runs on one device or split over several.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.llm.config import LLMError, RopeConfig
+from kiln.llm.parallel import TensorParallel
+
+
+class ColumnLinear(nn.Module):
+    """y = x·Wᵀ + b, W's output features split by rank. `parts` lists the logical outputs fused into
+    one GEMM (q, k, v; gate, up): each is split by rank on its own, so a rank holds its slice of each."""
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TensorParallel, what: str):
+        super().__init__()
+        self.tp = tp
+        self.slices = [tp.shard(p, f"{what} output part {i}") for i, p in enumerate(parts)]
+        self.offsets = [sum(size for _, size in self.slices[:i]) for i in range(len(parts))]
+        local = sum(size for _, size in self.slices)
+        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
+        """Load this rank's slice of the checkpoint's full `kind` ("weight" or "bias") of one fused part."""
+        start, size = self.slices[part]
+        offset = self.offsets[part]
+        target = getattr(self, kind).data[offset:offset + size]
+        source = tensor[start:start + size]
+        if source.shape != target.shape:
+            raise LLMError(f"part {part}: expected {list(target.shape)} (of {self.slices[part]}), got "
+                             f"{list(tensor.shape)}")
+        target.copy_(source)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowLinear(nn.Module):
+    """y = x·Wᵀ + b, W's input features split by rank: partial sums all-reduced, bias added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str):
+        super().__init__()
+        self.tp = tp
+        self.start, local = tp.shard(in_features, f"{what} input")
+        self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+
+    def load(self, kind: str, tensor: torch.Tensor) -> None:
+        if kind == "weight":
+            tensor = tensor[:, self.start:self.start + self.weight.shape[1]]
+        target = getattr(self, kind).data
+        if tensor.shape != target.shape:
+            raise LLMError(f"expected {list(target.shape)}, got {list(tensor.shape)}")
+        target.copy_(tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding with the vocabulary split by rank (rows past the vocabulary are zero padding)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
+
+    def load(self, kind: str, tensor: torch.Tensor) -> None:
+        if tensor.shape[0] != self.vocab_size or tensor.shape[1:] != self.weight.shape[1:]:
+            raise LLMError(f"expected [{self.vocab_size}, {self.weight.shape[1]}], got {list(tensor.shape)}")
+        part = tensor[self.start:self.start + self.rows]
+        self.weight.data[:part.shape[0]].copy_(part)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(token_ids, self.weight)
+        local = token_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden·Eᵀ over this rank's rows, gathered over ranks: [R, H] -> [R, vocab] (fp32)."""
+        local = F.linear(hidden, self.weight if weight is None else weight).float()
+        return self.tp.all_gather_last(local)[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) · w, accumulated in fp32 whatever the storage dtype (as transformers)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """RoPE's inverse frequencies [head_dim/2] and the cos/sin scale, as transformers computes them
+    (modeling_rope_utils: default, linear, llama3, yarn)."""
+    dim = head_dim
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.kind == "default":
+        return inv_freq, 1.0
+    if rope.kind == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.kind == "llama3":
+        old = rope.original_max_position or max_position
+        low_wavelen, high_wavelen = old / rope.low_freq_factor, old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)  # long waves: / factor
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled  # in between: interpolate
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    # yarn: extrapolate short wavelengths, interpolate long ones, ramp between; scale cos/sin
+    factor, original = rope.factor, rope.original_max_position or max_position
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        attention_factor = (mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+                            if rope.mscale and rope.mscale_all_dim else mscale(factor))
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (the half-split layout of transformers' rotate_half), with a cos/sin
+    table for every position up to max_position computed once in fp32."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int, model_max_position: int):
+        super().__init__()
+        inv_freq, scale = rope_inverse_frequencies(rope, head_dim, model_max_position)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, D/2]
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in xs:  # [T, H, D]
+            x1, x2 = x.float().chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
+        return out

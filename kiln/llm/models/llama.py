@@ -1,0 +1,116 @@
+"""Llama-family decoders (Llama 2/3, Mistral, Qwen2/2.5): RMSNorm, RoPE, grouped-query attention,
+SwiGLU; Qwen2's q/k/v bias; Mistral's sliding window; tied embeddings.
+
+Checkpoint names are transformers' (model.layers.N.self_attn.q_proj.weight, ...); q/k/v and gate/up
+are fused into one GEMM each at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.llm.attention import AttentionMetadata, paged_attention, write_kv
+from kiln.llm.config import ModelConfig
+from kiln.llm.models.layers import ColumnLinear, RMSNorm, Rotary, RowLinear, VocabEmbedding
+from kiln.llm.models.loading import WeightLoader
+from kiln.llm.parallel import TensorParallel
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, rotary: Rotary, what: str):
+        super().__init__()
+        d = config.head_dim
+        self.num_heads = tp.shard(config.num_heads, f"{what} attention heads")[1]
+        self.num_kv_heads = tp.shard(config.num_kv_heads, f"{what} key/value heads")[1]
+        self.head_dim = d
+        self.scale = d ** -0.5
+        self.sliding_window = config.sliding_window
+        self.rotary = rotary
+        self.qkv_proj = ColumnLinear(config.hidden_size, [config.num_heads * d, config.num_kv_heads * d,
+                                                          config.num_kv_heads * d], config.qkv_bias, tp, f"{what}.qkv")
+        self.o_proj = RowLinear(config.num_heads * d, config.hidden_size, config.o_bias, tp, f"{what}.o_proj")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d))
+        v = v.view(num_tokens, self.num_kv_heads, d)  # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * d))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, what: str):
+        super().__init__()
+        self.intermediate = tp.shard(config.intermediate_size, f"{what} intermediate")[1]
+        self.gate_up_proj = ColumnLinear(config.hidden_size, [config.intermediate_size] * 2, config.mlp_bias, tp,
+                                         f"{what}.gate_up")
+        self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp, f"{what}.down")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # SwiGLU
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, rotary: Rotary, index: int):
+        super().__init__()
+        what = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.self_attn = LlamaAttention(config, tp, rotary, what)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.mlp = LlamaMLP(config, tp, what)
+
+    def forward(self, x, positions, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, tp: TensorParallel, max_position: int):
+        super().__init__()
+        self.config = config
+        rotary = Rotary(config.rope, config.head_dim, max_position, config.max_position_embeddings)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaLayer(config, tp, rotary, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """token_ids, positions: [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(token_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, hidden] -> fp32 logits [R, vocab]."""
+        return (self.lm_head or self.embed_tokens).logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+        loader = WeightLoader(self, source)
+        for name, tensor in weights:
+            path, _, kind = name.removeprefix("model.").rpartition(".")
+            owner, _, leaf = path.rpartition(".")
+            if leaf in QKV and owner.endswith("self_attn"):
+                loader.load(name, f"{owner}.qkv_proj", kind, tensor, QKV[leaf])
+            elif leaf in GATE_UP and owner.endswith("mlp"):
+                loader.load(name, f"{owner}.gate_up_proj", kind, tensor, GATE_UP[leaf])
+            elif path == "lm_head" and self.lm_head is None:
+                loader.skip(name)  # a tied checkpoint may store the head anyway: the embedding is the head
+            elif path.endswith("rotary_emb"):
+                loader.skip(name)  # a precomputed inv_freq: kiln computes its own from config.json
+            else:
+                loader.load(name, path, kind, tensor)
+        loader.finish()
+
+
+QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+GATE_UP = {"gate_proj": 0, "up_proj": 1}
