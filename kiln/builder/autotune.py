@@ -184,8 +184,11 @@ def _clone(value: Any) -> Any:
 
 
 def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dict[int, _Recorded], list[Any]]:
-    """Run the program once; keep the inputs and output of the steps in `indices`."""
+    """Run the program once; keep the inputs and output of the steps in `indices`. A layer's weights are
+    kept by reference, not copied: they never change, and a weight every layer shares (ALBERT's) would
+    otherwise be copied once per layer."""
     records: dict[int, _Recorded] = {}
+    weights = {id(v) for v in program.template if isinstance(v, torch.Tensor)}
 
     def recording(i: int, fn: Launch) -> Launch:
         if i not in indices:
@@ -193,7 +196,7 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
 
         def call(ctx, *args, **attrs):
             result = fn(ctx, *args, **attrs)
-            records[i] = _Recorded([_clone(a) for a in args], _clone(result))
+            records[i] = _Recorded([a if id(a) in weights else _clone(a) for a in args], _clone(result))
             return result
         return call
 
