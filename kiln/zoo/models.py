@@ -61,23 +61,54 @@ class _DecoderLogits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits  # [B, S, vocab]
 
 
-def _hf(config_class: str, model_class: str, wrapper: type[nn.Module], config: dict) -> Callable[[], nn.Module]:
+def _init_like_torchvision(model: nn.Module) -> None:
+    """transformers' EfficientNet init (std 0.02 for every convolution and BatchNorm scale) shrinks
+    the signal ~1e-9 a block: by the head every activation is exactly 0.0, and a comparison of
+    zeros proves nothing. torchvision's instead: He normal convolutions (fan out), unit-scale
+    BatchNorm, here with random running statistics so that BatchNorm folding is exercised."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", generator=generator)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5, generator=generator)
+                m.bias.uniform_(-0.1, 0.1, generator=generator)
+                m.running_mean.uniform_(-0.1, 0.1, generator=generator)
+                m.running_var.uniform_(0.5, 1.5, generator=generator)
+            elif isinstance(m, nn.Linear):
+                bound = m.out_features ** -0.5
+                m.weight.uniform_(-bound, bound, generator=generator)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+
+_INITS: dict[str, Callable[[nn.Module], None]] = {"torchvision": _init_like_torchvision}
+
+
+def _hf(config_class: str, model_class: str, wrapper: type[nn.Module], config: dict,
+        init: str | None = None) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
         import transformers
 
         torch.manual_seed(SEED)  # random weights, the same ones every time
         hf_config = getattr(transformers, config_class)(**config)
         model = getattr(transformers, model_class)(hf_config)
+        if init is not None:
+            _INITS[init](model)
         return wrapper(model).eval()
     return build
 
 
 def _spec(name: str, kind: str, description: str, config_class: str, model_class: str, config: dict,
-          **options) -> ZooModel:
+          init: str | None = None, **options) -> ZooModel:
+    """init: a weight initialisation replacing transformers' own (a key of _INITS; part of the cache key)."""
     wrapper = {"image": _ImageLogits, "encoder": _EncoderHidden, "decoder": _DecoderLogits}[kind]
+    key = {"class": f"{config_class}/{model_class}", **config, **({"init": init} if init else {})}
     return ZooModel(name=name, kind=kind, description=description,
-                    build=_hf(config_class, model_class, wrapper, config),
-                    config={"class": f"{config_class}/{model_class}", **config}, **options)
+                    build=_hf(config_class, model_class, wrapper, config, init), config=key, **options)
 
 
 _BERT_TINY = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -137,10 +168,11 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
           "AlbertConfig", "AlbertModel", _ALBERT_BASE, seq=128, vocab_size=30000, slow=True),
     _spec("albert_tiny", "encoder", "ALBERT, 4 layers sharing one layer's weights, 64 wide", "AlbertConfig",
           "AlbertModel", _ALBERT_TINY, batch=2, vocab_size=1024),
-    _spec("efficientnet_b0", "image", "EfficientNet-B0 224, random weights", "EfficientNetConfig",
-          "EfficientNetForImageClassification", _EFFICIENTNET_B0, slow=True),
+    _spec("efficientnet_b0", "image", "EfficientNet-B0 224, random weights (torchvision's init)", "EfficientNetConfig",
+          "EfficientNetForImageClassification", _EFFICIENTNET_B0, init="torchvision", slow=True),
     _spec("efficientnet_tiny", "image", "EfficientNet, width 0.25, one block per stage, 64px images",
-          "EfficientNetConfig", "EfficientNetForImageClassification", _EFFICIENTNET_TINY, batch=2, image_size=64),
+          "EfficientNetConfig", "EfficientNetForImageClassification", _EFFICIENTNET_TINY, init="torchvision",
+          batch=2, image_size=64),
 ]}
 
 
