@@ -360,7 +360,7 @@ def _max_pool_with_indices(x: torch.Tensor, axes: list[PoolAxis], storage_order:
 
 def _window_sums(x: torch.Tensor, axes: list[PoolAxis], count_include_pad: int | None) -> torch.Tensor:
     """Each window's sum over the input, divided by ONNX's AveragePool divisor unless
-    count_include_pad is None (LpPool): [N, C, *sizes] -> [N, C, *outs], x's dtype."""
+    count_include_pad is None (LpPool): [N, C, *sizes] -> [N, C, *outs], in x's (fp32/fp64) dtype."""
     torch_ceil = _torch_ceil_mode(axes) if all(a.dilation == 1 for a in axes) else None
     if torch_ceil is None:
         total = _reduce_windows(x, axes, "sum")
