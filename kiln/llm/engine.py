@@ -232,6 +232,8 @@ class LLMEngine:
         if state.detokenizer is not None:
             checked = len(state.text)
             state.text += state.detokenizer.add(kept)
+            if request.status.finished:
+                state.text += state.detokenizer.flush()
             if params.stop and request.num_output_tokens >= params.min_tokens:
                 self._check_stop_strings(state, checked)
         finished = request.status.finished

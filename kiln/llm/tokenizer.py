@@ -110,3 +110,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """At the end: whatever is held back, incomplete characters included (as decode() would show them)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):] if new_text.startswith(prefix_text) else ""

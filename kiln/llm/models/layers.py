@@ -23,6 +23,7 @@ class ColumnLinear(nn.Module):
     def __init__(self, in_features: int, parts: list[int], bias: bool, tp: TensorParallel, what: str):
         super().__init__()
         self.tp = tp
+        self.parts, self.in_features = parts, in_features
         self.slices = [tp.shard(p, f"{what} output part {i}") for i, p in enumerate(parts)]
         self.offsets = [sum(size for _, size in self.slices[:i]) for i in range(len(parts))]
         local = sum(size for _, size in self.slices)
@@ -50,17 +51,18 @@ class RowLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel, what: str):
         super().__init__()
         self.tp = tp
+        self.in_features = in_features
         self.start, local = tp.shard(in_features, f"{what} input")
         self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
 
     def load(self, kind: str, tensor: torch.Tensor) -> None:
+        full = [self.weight.shape[0]] + ([self.in_features] if kind == "weight" else [])
+        if list(tensor.shape) != full:
+            raise LLMError(f"expected {full}, got {list(tensor.shape)}")
         if kind == "weight":
             tensor = tensor[:, self.start:self.start + self.weight.shape[1]]
-        target = getattr(self, kind).data
-        if tensor.shape != target.shape:
-            raise LLMError(f"expected {list(target.shape)}, got {list(tensor.shape)}")
-        target.copy_(tensor)
+        getattr(self, kind).data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight))
