@@ -154,13 +154,15 @@ def albert_base(tmp_path_factory):
 def test_albert_base_stores_shared_weights_once_and_matches_onnxruntime(albert_base):
     check_outputs("albert_base", albert_base)
     check_weights_stored_once("albert_base", albert_base)
-    # Measured 0.67-0.79 GiB (16-19x its 42 MiB of weights); 1.23 GiB (29x) with the per-layer copies.
-    check_peak("albert_base", albert_base, 1 << 30, "1 GiB")
+    # Measured 0.55-0.57 GiB (13x its 42 MiB of weights); 1.23 GiB (29x) when folding, the GEMM
+    # fusions, lowering and the tactic search's records each held a copy of the shared layer per layer.
+    check_peak("albert_base", albert_base, 800 * MiB, "800 MiB")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the tactic search clones every tuned layer's inputs, the shared weight "
-                   "included (kiln/builder/autotune.py _record), and each layer's tactic packs its own copy of it; "
-                   "importing peaks at ~5x the weights")
+@pytest.mark.xfail(strict=True, reason="the oneDNN GEMM tactic packs its own copy of the weight for every layer "
+                   "(kiln/tactics/cpu/onednn.py: 547 MiB with it alone, 262 MiB with cpu.gemm.mkl alone, 215 MiB with "
+                   "no tactic), and importing peaks at ~5x the weights (kiln/frontend/onnx.py: infer_shapes "
+                   "serialises and parses the whole model, weights included)")
 def test_albert_base_build_memory_meets_the_target(albert_base):
     check_peak("albert_base", albert_base, 3 * albert_base.model_weights + FIXED, "3x the weights + FIXED")
