@@ -33,6 +33,14 @@ def build(model: Any, config: BuildConfig | None = None, *, progress=None, **opt
     return _build(model, config, progress=progress)
 
 
+def compile(module: Any, example_inputs: Any, **options: Any) -> Any:  # noqa: A001  (torch.compile's name)
+    """A torch.nn.Module -> a callable running it in kiln engines, with PyTorch where kiln cannot
+    (kiln/torch_backend.py; docs/frontdoors.md)."""
+    from kiln.torch_backend import compile as _compile
+
+    return _compile(module, example_inputs, **options)
+
+
 def __getattr__(name: str) -> Any:
     # onnxruntime's InferenceSession (kiln/compat): imported on first use, so `kiln.load` stays lean
     if name == "InferenceSession":
@@ -44,5 +52,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "InferenceSession", "KilnError",
-    "ModelError", "UnsupportedModelError", "__version__", "build", "errors", "load",
+    "ModelError", "UnsupportedModelError", "__version__", "build", "compile", "errors", "load",
 ]

@@ -1,0 +1,323 @@
+"""kiln.compile and torch.compile(backend="kiln"): a torch.nn.Module run by kiln engines.
+
+    compiled = kiln.compile(model, (x,), precision="fp16", dynamic={"x": {0: (1, 8, 64)}})
+    y = compiled(x)                  # same outputs, dtypes, devices and pytree as model(x)
+    print(compiled.explain())        # the stages, what fell back to PyTorch and why, the time each takes
+    compiled.save("model.kilnpt"); compiled = kiln.torch_backend.load("model.kilnpt")
+
+    import kiln.torch_backend        # registers the backend
+    model = torch.compile(model, backend="kiln")
+
+The module is captured with torch.export and split (kiln/frontend/torch.py): the ops kiln runs become
+ONNX models built into engines (optimization profiles from the `dynamic` ranges), the rest stays in
+PyTorch, said once in a FallbackWarning. Calls run the stages in order over named values; each stage's
+time is measured (on CUDA only with `compiled.profile = True`, which synchronises around each stage).
+A saved model is a folder: manifest.json, one .kiln engine per kiln stage and one torch.export archive
+per PyTorch stage; it loads without the model's source (a custom op's library must be imported first).
+Inference only: nothing here records gradients.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from kiln.builder.build import build as kiln_build
+from kiln.builder.config import BuildConfig
+from kiln.errors import KilnError
+from kiln.frontend import torch as torch_frontend
+from kiln.frontend.torch import FallbackOp, Stage
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine import load as load_engine
+from kiln.version import __version__
+
+SAVE_FORMAT = 1
+
+
+class FallbackWarning(UserWarning):
+    """Some of the model's ops run in PyTorch, not in a kiln engine (named in the message)."""
+
+
+@dataclass
+class _Runner:
+    """One stage, ready to run: a kiln engine or a PyTorch callable, and what it reads and writes."""
+
+    kind: str
+    name: str
+    inputs: list[str]
+    outputs: list[str]
+    ops: list[str]
+    fallback: list[FallbackOp]
+    engine: Engine | None = None
+    function: Any = None  # torch stages: GraphModule or the loaded program's module
+    archive: bytes | None = None  # torch stages: the torch.export archive (made on first save)
+    source: Stage | None = None  # the frontend's stage, while the compiled object holds it
+    seconds: float = 0.0
+    calls: int = 0
+
+    def run(self, values: list[Any]) -> list[Any]:
+        if self.engine is not None:
+            results = self.engine.run(dict(zip(self.inputs, values)))
+            return [results[name] for name in self.engine.output_names]
+        return list(self.function(*values))
+
+
+@dataclass
+class Explanation:
+    """What kiln.compile made of a module: `print(compiled.explain())`."""
+
+    stages: list[dict[str, Any]]
+    fallbacks: list[FallbackOp]
+    timed: bool = field(default=False)
+
+    def __str__(self) -> str:
+        engines = sum(s["kind"] == "kiln" for s in self.stages)
+        ops = sum(len(s["ops"]) for s in self.stages)
+        in_torch = sum(len(s["ops"]) for s in self.stages if s["kind"] == "torch")
+        lines = [f"kiln.compile: {len(self.stages)} stage(s): {engines} kiln engine(s), "
+                 f"{len(self.stages) - engines} in PyTorch; {ops - in_torch} of {ops} ops in kiln"]
+        total = sum(s["seconds"] for s in self.stages)
+        lines.append(f"  {'stage':<10} {'runs in':<8} {'ops':>4}  {'time share':>10}  ops")
+        for s in self.stages:
+            share = f"{100 * s['seconds'] / total:.1f}%" if total > 0 else "not run"
+            names = sorted({o.rsplit('.', 1)[0] if o.endswith('.default') else o for o in s["ops"]})
+            shown = ", ".join(names[:6]) + (f", ... ({len(names) - 6} more)" if len(names) > 6 else "")
+            lines.append(f"  {s['name']:<10} {'kiln' if s['kind'] == 'kiln' else 'PyTorch':<8} {len(s['ops']):>4}  "
+                         f"{share:>10}  {shown}")
+        if total > 0 and not self.timed:
+            lines.append("  (times on CUDA are launch times: set compiled.profile = True to synchronise around stages)")
+        if self.fallbacks:
+            lines.append(f"fell back to PyTorch ({len(self.fallbacks)} op(s)):")
+            lines += [f"  {op.describe()}" for op in self.fallbacks]
+        else:
+            lines.append("nothing fell back to PyTorch")
+        return "\n".join(lines)
+
+
+class CompiledModule:
+    """A module compiled by kiln: call it as the module; explain(); save()."""
+
+    def __init__(self, runners: list[_Runner], inputs: list[str], outputs: list[Any], in_spec: pytree.TreeSpec,
+                 out_spec: pytree.TreeSpec, options: dict[str, Any]):
+        self.runners = runners
+        self.inputs = inputs
+        self.outputs = outputs
+        self.in_spec = in_spec
+        self.out_spec = out_spec
+        self.options = options
+        self.profile = False
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [r.engine for r in self.runners if r.engine is not None]
+
+    @property
+    def fallbacks(self) -> list[FallbackOp]:
+        return [op for r in self.runners for op in r.fallback]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self.in_spec:
+            ordered = self.in_spec.children_specs[1].context
+            flat, spec = pytree.tree_flatten((args, {k: kwargs[k] for k in ordered if k in kwargs}))
+            if spec != self.in_spec:
+                raise KilnError(f"the inputs are structured as {spec}, but the model was compiled for {self.in_spec}")
+        env = dict(zip(self.inputs, flat))
+        sync = self.profile and torch.cuda.is_available()
+        with torch.inference_mode():
+            for runner in self.runners:
+                if sync:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                env.update(zip(runner.outputs, runner.run([env[name] for name in runner.inputs])))
+                if sync:
+                    torch.cuda.synchronize()
+                runner.seconds += time.perf_counter() - start
+                runner.calls += 1
+        results = [env[o] if isinstance(o, str) else o for o in self.outputs]
+        return pytree.tree_unflatten(results, self.out_spec)
+
+    def explain(self) -> Explanation:
+        stages = [{"name": r.name, "kind": r.kind, "ops": r.ops, "seconds": r.seconds, "calls": r.calls}
+                  for r in self.runners]
+        timed = self.profile or not any(e.device.type == "cuda" for e in self.engines)
+        return Explanation(stages, self.fallbacks, timed)
+
+    def save(self, path: str | Path) -> None:
+        """A folder: manifest.json, <stage>.kiln engines, <stage>.pt2 torch.export archives."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        stages = []
+        for r in self.runners:
+            entry = {"kind": r.kind, "name": r.name, "inputs": r.inputs, "outputs": r.outputs, "ops": r.ops,
+                     "fallback": [asdict(op) for op in r.fallback]}
+            if r.engine is not None:
+                entry["file"] = f"{r.name}.kiln"
+                r.engine.save(folder / entry["file"])
+            else:
+                if r.archive is None:
+                    r.archive = torch_frontend.save_torch_stage(r.source)
+                entry["file"] = f"{r.name}.pt2"
+                (folder / entry["file"]).write_bytes(r.archive)
+            stages.append(entry)
+        try:
+            specs = {"in_spec": pytree.treespec_dumps(self.in_spec), "out_spec": pytree.treespec_dumps(self.out_spec)}
+        except Exception as e:  # noqa: BLE001  a pytree node type without a serialized name
+            raise KilnError(f"the model's inputs or outputs are of a pytree type torch cannot serialize ({e}); "
+                            "return tensors, tuples, lists or dicts to save the compiled model") from None
+        manifest = {"format": SAVE_FORMAT, "kiln_version": __version__, "torch_version": torch.__version__,
+                    "inputs": self.inputs, "outputs": self.outputs, **specs, "stages": stages,
+                    "options": self.options}
+        (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
+
+    @classmethod
+    def load(cls, path: str | Path) -> CompiledModule:
+        folder = Path(path)
+        if not (folder / "manifest.json").is_file():
+            raise KilnError(f"{folder}: not a saved kiln.compile model (no manifest.json)")
+        manifest = json.loads((folder / "manifest.json").read_text())
+        if manifest.get("format") != SAVE_FORMAT:
+            raise KilnError(f"{folder}: saved in format {manifest.get('format')}, this kiln reads {SAVE_FORMAT}")
+        runners = []
+        for s in manifest["stages"]:
+            runner = _Runner(s["kind"], s["name"], s["inputs"], s["outputs"], s["ops"],
+                             [FallbackOp(**op) for op in s["fallback"]])
+            if s["kind"] == "kiln":
+                runner.engine = load_engine(folder / s["file"])
+            else:
+                runner.archive = (folder / s["file"]).read_bytes()
+                try:
+                    runner.function = torch_frontend.load_torch_stage(runner.archive)
+                except Exception as e:
+                    ops = sorted({op.op for op in runner.fallback})
+                    raise KilnError(f"{folder / s['file']}: the PyTorch stage {s['name']} ({', '.join(ops)}) does not "
+                                    f"load ({type(e).__name__}: {str(e)[:300]}); import the library that registers "
+                                    "its custom ops first") from e
+            runners.append(runner)
+        return cls(runners, manifest["inputs"], manifest["outputs"], pytree.treespec_loads(manifest["in_spec"]),
+                   pytree.treespec_loads(manifest["out_spec"]), manifest.get("options", {}))
+
+
+def _device_of(example_inputs: Any) -> str:
+    for leaf in pytree.tree_leaves(example_inputs):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+def compile(module: torch.nn.Module, example_inputs: Any, *, precision: str = "fp32", dynamic: dict | None = None,
+            device: str | None = None, example_kwargs: dict | None = None, progress=None,
+            **build_options: Any) -> CompiledModule:  # noqa: A001
+    """Compile `module` for inputs like `example_inputs` (a tuple of positional arguments, or one tensor).
+
+    `dynamic`: {argument name: {axis: (min, opt, max) or (min, max)}}, nested as the argument is (a dict
+    of tensors takes a dict); these ranges become the engines' optimization profiles. Other keyword
+    options are kiln.build's (opt_level, timing_cache, tactics, ...).
+    """
+    args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    device = device or _device_of((args, example_kwargs))
+    if isinstance(module, torch.nn.Module):
+        module = module.eval()
+    split = torch_frontend.partition(module, args, example_kwargs or {}, dynamic, progress)
+    options = {"precision": precision, "device": device, **build_options}
+    runners = []
+    for stage in split.stages:
+        runner = _Runner(stage.kind, stage.name, stage.inputs, stage.outputs, stage.ops, stage.fallback,
+                         function=stage.module, source=stage)
+        if stage.kind == "kiln":
+            try:
+                config = BuildConfig.from_kwargs(**options, profiles=stage.profiles())
+                runner.engine = kiln_build(stage.onnx, config, progress=progress)
+            except KilnError as e:  # an engine kiln cannot build: PyTorch runs this stage, said so
+                why = f"kiln could not build its stage: {str(e).splitlines()[0][:300]}"
+                runner.kind = "torch"
+                runner.fallback = [FallbackOp(stage.name, op, why, "the whole stage") for op in stage.ops]
+        runners.append(runner)
+    compiled = CompiledModule(runners, split.inputs, split.outputs, split.in_spec, split.out_spec, options)
+    if compiled.fallbacks:
+        ops = sorted({op.op for op in compiled.fallbacks})
+        places = "; ".join(op.describe() for op in compiled.fallbacks[:5])
+        more = f"; ... ({len(compiled.fallbacks) - 5} more)" if len(compiled.fallbacks) > 5 else ""
+        warnings.warn(f"kiln.compile: {len(compiled.fallbacks)} op(s) run in PyTorch ({', '.join(ops)}), the rest in "
+                      f"{len(compiled.engines)} kiln engine(s): {places}{more}. compiled.explain() shows the stages "
+                      "and the time each takes", FallbackWarning, stacklevel=_caller_level())
+    return compiled
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel naming the first frame outside kiln (the user's call)."""
+    root = str(Path(__file__).resolve().parent)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def load(path: str | Path) -> CompiledModule:
+    """A compiled model saved with CompiledModule.save."""
+    return CompiledModule.load(path)
+
+
+# ---- torch.compile(backend="kiln") ------------------------------------------------------------------
+
+class _Bound(torch.nn.Module):
+    """A dynamo graph with its parameters held as buffers, so kiln sees them as weights (folded,
+    pre-packed) instead of inputs; called with the remaining inputs."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, args: list[Any], constant: list[bool]):
+        super().__init__()
+        self.graph_module = graph_module
+        self.constant = constant
+        for k, (a, c) in enumerate(zip(args, constant)):
+            if c:
+                self.register_buffer(f"weight_{k}", a.detach())
+
+    def forward(self, *inputs: Any) -> Any:
+        given = iter(inputs)
+        full = [getattr(self, f"weight_{k}") if c else next(given) for k, c in enumerate(self.constant)]
+        return self.graph_module(*full)
+
+
+class _PerShape:
+    """What the backend hands dynamo: compiles with kiln at the first call of each input signature
+    (dynamo's graphs take flat tensors; a graph dynamo made dynamic gets one static engine per shape)."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, options: dict[str, Any]):
+        self.graph_module = graph_module
+        self.options = options
+        self.compiled: dict[tuple, tuple[CompiledModule, list[bool]]] = {}
+
+    def __call__(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
+        found = self.compiled.get(key)
+        if found is None:
+            constant = [isinstance(a, torch.nn.Parameter) for a in args]
+            bound = _Bound(self.graph_module, list(args), constant)
+            inputs = tuple(a for a, c in zip(args, constant) if not c)
+            found = self.compiled[key] = (compile(bound, inputs, **self.options), constant)
+        compiled, constant = found
+        return compiled(*(a for a, c in zip(args, constant) if not c))
+
+
+def kiln_backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
+                 mode: str | None = None) -> Any:
+    """torch.compile's backend: torch.compile(model, backend="kiln", options={"precision": "fp16"})."""
+    return _PerShape(graph_module, dict(options or {}))
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "kiln" not in _COMPILER_FNS:
+        register_backend(kiln_backend, name="kiln")
+
+
+_register()
