@@ -8,6 +8,7 @@
     kiln compare model.onnx [--precision P] [--mark-all]
     kiln serve MODEL_REPOSITORY | --model model.onnx [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
     kiln perf -m MODEL [-u URL] [-i http|grpc] [--concurrency-range 1:8:2]
+    kiln llm serve|generate|bench HF_FOLDER ...   (an LLM runtime with an OpenAI-compatible server)
 
 A kiln error prints one line-led message on stderr and exits 1, never a traceback. `run`,
 `bench` and `inspect` load engines through the lean runtime: only `build` imports the ONNX
@@ -27,6 +28,7 @@ from kiln.cli.bench import cmd_bench
 from kiln.cli.build import cmd_build
 from kiln.cli.compare import cmd_compare
 from kiln.cli.inspect import cmd_inspect
+from kiln.cli.llm import add_parser as add_llm_parser
 from kiln.cli.perf import add_parser as add_perf_parser
 from kiln.cli.run import cmd_run
 from kiln.cli.serve import add_parser as add_serve_parser
@@ -37,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kiln", description="Build ONNX models into kiln engines, run, benchmark and inspect them.")
     parser.add_argument("--version", action="version", version=f"kiln {kiln.__version__}")
-    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare,serve,perf}", required=True)
+    verbs = parser.add_subparsers(dest="verb", metavar="{build,run,bench,inspect,compare,serve,perf,llm}", required=True)
     shapes_help = ("concrete input shapes NAME:DIMxDIM..., comma-separated or repeated "
                    "(symbolic dims default to the build shapes, else 1)")
 
@@ -149,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_serve_parser(verbs)  # kiln/cli/serve.py
     add_perf_parser(verbs)  # kiln/cli/perf.py
+    add_llm_parser(verbs)  # kiln/cli/llm.py
     return parser
 
 
