@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from kiln import errors
 from kiln.errors import BindingError, EngineFormatError, KilnError, ModelError, UnsupportedModelError
+from kiln.runtime import engine as _engine_module
 from kiln.runtime.engine import Engine, ExecutionContext, load
 from kiln.version import __version__
 
@@ -39,6 +40,16 @@ def compile(module: Any, example_inputs: Any, **options: Any) -> Any:  # noqa: A
     from kiln.torch_backend import compile as _compile
 
     return _compile(module, example_inputs, **options)
+
+
+def _refit(engine: Engine, weights: Any, **options: Any) -> Any:
+    """Engine.refit's derivation: the builder's (kiln/builder/refit.py), imported on first use."""
+    from kiln.builder.refit import refit
+
+    return refit(engine, weights, **options)
+
+
+_engine_module.REFIT = _refit  # the runtime calls up through this hook, never by importing the builder
 
 
 def __getattr__(name: str) -> Any:

@@ -1,4 +1,4 @@
-"""The `kiln` command line: build | run | bench | inspect | compare | serve | perf.
+"""The `kiln` command line: build | run | bench | inspect | compare | refit | serve | perf.
 
     kiln build model.onnx -o model.kiln [--opt-level N] [--shapes x:1x3x224x224] [--verbose]
     kiln run model.kiln [--inputs in.npz] [--outputs out.npz] [--shapes ...]
@@ -6,6 +6,7 @@
                [--iterations N | --duration S] [--shapes ...]
     kiln inspect model.kiln [--json] [--why-not [MODEL.onnx]]
     kiln compare model.onnx [--precision P] [--mark-all]
+    kiln refit model.kiln --weights new.safetensors|new.onnx [--onnx model.onnx] [-o out.kiln]
     kiln serve MODEL_REPOSITORY | --model model.onnx [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
     kiln perf -m MODEL [-u URL] [-i http|grpc] [--concurrency-range 1:8:2]
     kiln llm serve|generate|bench HF_FOLDER ...   (an LLM runtime with an OpenAI-compatible server)
@@ -30,6 +31,7 @@ from kiln.cli.compare import cmd_compare
 from kiln.cli.inspect import cmd_inspect
 from kiln.cli.llm import add_parser as add_llm_parser
 from kiln.cli.perf import add_parser as add_perf_parser
+from kiln.cli.refit import add_parser as add_refit_parser
 from kiln.cli.run import cmd_run
 from kiln.cli.serve import add_parser as add_serve_parser
 from kiln.errors import KilnError
@@ -149,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_compare)
 
+    add_refit_parser(verbs)  # kiln/cli/refit.py
     add_serve_parser(verbs)  # kiln/cli/serve.py
     add_perf_parser(verbs)  # kiln/cli/perf.py
     add_llm_parser(verbs)  # kiln/cli/llm.py

@@ -81,6 +81,10 @@ def _given_dtype(value: Any) -> str | None:
     return None
 
 
+# Engine.refit's weight derivation (kiln/builder/refit.py), installed by the `kiln` facade.
+REFIT: Any = None
+
+
 class Engine:
     """A loaded engine plan, ready to run. `kiln.build` and `kiln.load` return one."""
 
@@ -124,6 +128,30 @@ class Engine:
 
     def save(self, path: str | os.PathLike) -> None:
         engine_file.save(self.plan, path)
+
+    def refit(self, weights: Any, **options: Any) -> Any:
+        """Replace weights without rebuilding: `weights` a .safetensors or .onnx path, an ONNX model, or
+        {initializer name: tensor}; re-derived as the builder derived them, or refused with the reason
+        (kiln/builder/refit.py, which the `kiln` facade installs as REFIT: the runtime never imports the
+        builder). Contexts made before a refit may still run the old weights (their bound native segments
+        and CUDA graphs): make new ones after it."""
+        if REFIT is None:
+            raise EngineFormatError("refit derives weights with kiln's builder, which is not installed here")
+        return REFIT(self, weights, **options)
+
+    def set_weights(self, weights: dict[str, Any]) -> None:
+        """Swap in weights by engine key, each of its old dtype and shape; the layers re-prepare (pack) them."""
+        for key, value in weights.items():
+            old = self.plan.weights.get(key)
+            if old is None or type(old) is not type(value) or old.dtype != value.dtype or old.shape != value.shape:
+                given = f"{getattr(value, 'dtype', type(value).__name__)} {list(getattr(value, 'shape', []))}"
+                raise BindingError(f"weight {key!r}: the engine holds "
+                                   + (f"{old.dtype} {list(old.shape)}" if old is not None else "no such weight")
+                                   + f", given {given}")
+        self.plan.weights.update(weights)
+        placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
+        self.program = Program(self.plan.program, placed, self.device)
+        self._default_context = ExecutionContext(self)
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{b.name}: {b.describe()}" for b in self.inputs)
