@@ -1,0 +1,135 @@
+"""Paged decode attention in Triton: one query token per request against its K/V in cache blocks.
+
+Split-KV (flash decoding): a request's keys are cut into splits of SPLIT_TOKENS; program (b, kv head,
+split) walks its split in tiles of BLOCK_N tokens, finding each token's block through the block table
+(so the page size is a parameter, independent of the tile), and keeps an online softmax:
+
+    m' = max(m, rowmax(s)),   p = e^(s - m'),   l = l·e^(m - m') + rowsum(p),   acc = acc·e^(m - m') + p·v
+
+It writes acc / l and the log-sum-exp m + log l per split; a second kernel merges the splits:
+out = Σ_i e^(lse_i - M) o_i / Σ_i e^(lse_i - M). GQA: the query heads sharing one K/V head are packed
+into the rows of one program (BLOCK_H ≥ 16 rows for tl.dot), so each K/V tile is read once per group.
+
+The split length is fixed, not chosen from the batch: a request's result does not depend on what else
+is in the batch (extra splits past its length contribute exact zeros). The grid's split count only needs
+to cover the longest request, so a CUDA graph captured for max_model_len replays for any batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SPLIT_TOKENS = 256  # keys per split
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, lse_ptr, scale, window,
+                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    start = split * SPLIT
+    end = tl.minimum(start + SPLIT, seq_len)
+    lowest = tl.maximum(seq_len - window, 0) if window > 0 else 0  # sliding window: keys before it are masked
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = (pos < end) & (pos >= lowest)
+        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0)
+        slot = pos % PAGE
+        k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile: no NaN from -inf - -inf
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
+                         stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr):
+    b = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
+    partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+                           max_seq_len: int | None = None, split_tokens: int = SPLIT_TOKENS,
+                           block_n: int = 32) -> torch.Tensor:
+    """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D];
+    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
+    Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity)."""
+    batch, num_heads, head_dim = q.shape
+    _, page, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * page
+    block_n = min(block_n, split_tokens)
+    num_splits = max(1, math.ceil(max_seq_len / split_tokens))
+    partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, scale, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
+        PAGE=page, BLOCK_N=max(16, block_n), SPLIT=split_tokens, IEEE=q.dtype == torch.float32)
+    out = torch.empty_like(q)
+    _merge_splits_kernel[(batch, num_heads)](
+        partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits))
+    return out
