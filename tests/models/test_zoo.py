@@ -94,7 +94,11 @@ def test_mobilenet_v2_engine_survives_save_and_load(mobilenet, tmp_path):
     loaded = kiln.load(tmp_path / "mobilenet_v2.kiln")
     feeds = zoo.random_inputs("mobilenet_v2", exported, seed=3)
     out = engine.output_names[0]
-    np.testing.assert_array_equal(loaded.run(feeds)[out], engine.run(feeds)[out])
+    # The same plan; the loaded engine prepares its tactics again (oneDNN weight reorders, oneDNN Graph
+    # partitions compiled at load), and a kernel chosen anew for the same layer may sum in another order:
+    # seen as 1e-6 differences in a few builds out of ten under a loaded CPU. One engine run twice is
+    # bit for bit the same (fp32, 2 threads).
+    np.testing.assert_allclose(loaded.run(feeds)[out], engine.run(feeds)[out], rtol=1e-5, atol=1e-5)
 
 
 def test_minilm_sentence_embeddings_match_transformers(minilm):
