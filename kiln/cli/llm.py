@@ -36,6 +36,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt blocks")
     g.add_argument("--no-chunked-prefill", action="store_true", help="prefill a prompt in one step")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--quantization", choices=["fp8", "int8", "int4"],
+                   help="quantize the projections' weights at load (fp8: E4M3 per channel; int8/int4: weight-only)")
     g.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="propose K draft tokens per step by n-gram prompt lookup (greedy requests; default off)")
     g.add_argument("--seed", type=int, help="seed of the sampler for requests without their own")
@@ -48,7 +50,7 @@ def _engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, attention_backend=args.attention_backend,
-                        speculative_ngram=args.speculative_ngram, seed=args.seed)
+                        quantization=args.quantization, speculative_ngram=args.speculative_ngram, seed=args.seed)
 
 
 def add_parser(verbs) -> None:

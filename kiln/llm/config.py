@@ -190,6 +190,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # torch (reference, any device) | triton (paged decode kernel) | auto
+    quantization: str | None = None  # fp8 | int8 | int4: quantize the projections' weights at load
+    quantization_group_size: int = 128  # int4's group of input features
     speculative_ngram: int = 0  # draft tokens proposed per step by n-gram prompt lookup (0: off)
     ngram_min: int = 1
     ngram_max: int = 3
@@ -206,6 +208,8 @@ class EngineConfig:
                 raise LLMError(f"{name} must be positive, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise LLMError(f"attention_backend {self.attention_backend!r}: expected auto, torch or triton")
+        if self.quantization not in (None, "fp8", "int8", "int4"):
+            raise LLMError(f"quantization {self.quantization!r}: expected fp8, int8 or int4 (or none)")
         if self.speculative_ngram < 0 or not 1 <= self.ngram_min <= self.ngram_max:
             raise LLMError("speculative_ngram must be >= 0 and 1 <= ngram_min <= ngram_max")
 

@@ -28,6 +28,7 @@ from kiln.llm.model_runner import ModelRunner, TokenLogprobs
 from kiln.llm.models import build_model
 from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.llm.parallel import SINGLE, TensorParallel
+from kiln.llm.quantization import quantize_model
 from kiln.llm.request import Request, RequestStatus
 from kiln.llm.sampling_params import SamplingParams
 from kiln.llm.scheduler import Scheduler, SchedulerConfig
@@ -115,6 +116,8 @@ class LLMEngine:
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(self.model_config, self.max_model_len, tp)
         self.model.load_weights(iterate_weights(self.path), source=str(self.path))
+        if config.quantization:
+            quantize_model(self.model, config.quantization, config.quantization_group_size)
         spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
                            self.model_config.head_dim, config.block_size, self.dtype)
         num_blocks = config.num_kv_blocks or spec.blocks_for_budget(config.kv_cache_bytes())

@@ -29,6 +29,7 @@ class ColumnLinear(nn.Module):
         local = sum(size for _, size in self.slices)
         self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None  # set by kiln/llm/quantization.py (the weight is then None)
 
     def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
         """Load this rank's slice of the checkpoint's full `kind` ("weight" or "bias") of one fused part."""
@@ -42,7 +43,10 @@ class ColumnLinear(nn.Module):
         target.copy_(source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quantized is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.quantized(x)
+        return y if self.bias is None else y + self.bias
 
 
 class RowLinear(nn.Module):
@@ -55,6 +59,7 @@ class RowLinear(nn.Module):
         self.start, local = tp.shard(in_features, f"{what} input")
         self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.quantized: nn.Module | None = None
 
     def load(self, kind: str, tensor: torch.Tensor) -> None:
         full = [self.weight.shape[0]] + ([self.in_features] if kind == "weight" else [])
@@ -65,7 +70,7 @@ class RowLinear(nn.Module):
         getattr(self, kind).data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(F.linear(x, self.weight) if self.quantized is None else self.quantized(x))
         return y if self.bias is None else y + self.bias
 
 
