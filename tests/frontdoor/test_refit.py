@@ -171,3 +171,69 @@ def test_an_engine_built_from_bytes_needs_its_model(models, tmp_path):
     engine.refit(str(tmp_path / "new.safetensors"), onnx=str(models[0]))
     want = kiln.build(models[1].read_bytes()).run(_x())["logits"]
     np.testing.assert_allclose(engine.run(_x())["logits"], want, rtol=1e-6, atol=1e-6)
+
+
+def _qdq_model(seed: int) -> onnx.ModelProto:
+    """Explicit Q/DQ (as onnxruntime's quantizer writes it): int8 weights with per-channel scales."""
+    rng = np.random.default_rng(seed)
+    w = rng.integers(-127, 128, (16, 8)).astype(np.int8)
+    inits = [numpy_helper.from_array(w, "w_q"),
+             numpy_helper.from_array(rng.uniform(0.005, 0.02, 8).astype(np.float32), "w_scale"),
+             numpy_helper.from_array(np.zeros(8, np.int8), "w_zero"),
+             numpy_helper.from_array(np.array(rng.uniform(0.02, 0.05), np.float32), "x_scale"),
+             numpy_helper.from_array(np.array(0, np.int8), "x_zero"),
+             numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "bias")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zero"], ["xd"]),
+             helper.make_node("DequantizeLinear", ["w_q", "w_scale", "w_zero"], ["wd"], axis=1),
+             helper.make_node("MatMul", ["xd", "wd"], ["mm"]), helper.make_node("Add", ["mm", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def test_explicit_qdq_scales_and_int8_weights_refit(tmp_path):
+    for seed in (0, 1):
+        onnx.save(_qdq_model(seed), tmp_path / f"qdq{seed}.onnx")
+    engine = kiln.build(str(tmp_path / "qdq0.onnx"))
+    report = engine.refit(str(tmp_path / "qdq1.onnx"))
+    assert report.changed  # the int8 weight, its scales, the activation scale, the bias
+    feed = {"x": np.random.default_rng(9).standard_normal((4, 16)).astype(np.float32)}
+    fresh = kiln.build(str(tmp_path / "qdq1.onnx"))
+    if [s.tactic for s in engine.plan.program.steps] == [s.tactic for s in fresh.plan.program.steps]:
+        np.testing.assert_array_equal(engine.run(feed)["y"], fresh.run(feed)["y"])
+    import onnxruntime as ort  # and what onnxruntime computes for the new Q/DQ model
+    want = ort.InferenceSession(str(tmp_path / "qdq1.onnx"), providers=["CPUExecutionProvider"]).run(None, feed)[0]
+    np.testing.assert_allclose(engine.run(feed)["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_bert_refit_through_fused_attention_and_merged_gemms(tmp_path, precision):
+    """BERT tiny exported twice with different (trained-looking) weights: LayerNorm folded, Q/K/V GEMMs
+    merged into one, attention fused; the refit engine equals the fresh build of the second."""
+    import torch
+
+    from kiln import zoo
+    from kiln.zoo.export import export_module
+    from kiln.zoo.models import example_inputs
+
+    spec = zoo.get("bert_tiny")
+    for seed in (1, 2):
+        model = zoo.torch_model("bert_tiny")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.02 * torch.randn_like(p))  # every LayerNorm weight differs from 1: none shared
+        (tmp_path / f"m{seed}").mkdir()
+        export_module(model, example_inputs(spec, batch=2, seq=16), tmp_path / f"m{seed}",
+                      dynamic_axes={0: "batch", 1: "seq"})
+    cache = str(tmp_path / "timing.json")
+    engine = kiln.build(str(tmp_path / "m1" / "model.onnx"), precision=precision, timing_cache=cache)
+    fresh = kiln.build(str(tmp_path / "m2" / "model.onnx"), precision=precision, timing_cache=cache)
+    assert {"Attention", "FusedGemm"} <= {s.op_type for s in engine.plan.program.steps}
+    engine.refit(str(tmp_path / "m2" / "model.onnx"))
+    assert _tactics(engine) == _tactics(fresh)
+    feed = {k: v for k, v in example_inputs(spec, batch=2, seq=16).items()}
+    for name, value in engine.run(feed).items():
+        np.testing.assert_array_equal(value, fresh.run(feed)[name])
