@@ -21,17 +21,35 @@ from kiln.llm.config import EngineConfig, LLMError
 from kiln.llm.engine import LLMEngine
 from kiln.llm.outputs import RequestOutput
 from kiln.llm.sampling_params import SamplingParams
+from kiln.llm.tensor_parallel import TensorParallelGroup
 
 Prompt = str | list[int]
 
 
 class LLM:
     def __init__(self, model: str | Path, *, dtype: str = "auto", tensor_parallel: int = 1, **engine_options):
-        if tensor_parallel != 1:
-            raise LLMError("tensor_parallel > 1 runs through kiln.llm.tensor_parallel (one process per rank); "
-                           "LLM itself runs one device")
-        self.engine = LLMEngine(model, EngineConfig(dtype=dtype, **engine_options))
+        """tensor_parallel=N: N processes (this one is rank 0), one GPU each (gloo on the CPU); close()
+        ends them. Scripts that use it must guard their entry point (`if __name__ == "__main__":`)."""
+        config = EngineConfig(dtype=dtype, **engine_options)
+        self._group = None
+        if tensor_parallel > 1:
+            self._group = TensorParallelGroup(model, config, tensor_parallel)
+            self.engine = self._group.engine
+        else:
+            self.engine = LLMEngine(model, config)
         self._calls = itertools.count()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device)."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):
