@@ -1,0 +1,157 @@
+"""kiln.llm vs transformers `generate` on the same random-weight model and lengths, side by side in one run.
+
+    python bench/llm.py                                  # CPU: a small Llama shape, fp32, batch 1 and 8
+    python bench/llm.py --preset llama3-8b --dtype bfloat16 --batch 1 8 64 --input-len 128 --output-len 128
+    python bench/llm.py --quantization fp8 int4          # also kiln with quantized weights
+
+For each batch size: prompts of random token ids, greedy, ignore EOS, exactly output-len tokens each.
+kiln runs through LLM.stream (TTFT = first token of the batch; decode tok/s = tokens after the first
+step / the time after it); transformers through model.generate with its dynamic cache (total time
+only). On CUDA the table adds the batch-1 HBM roofline: weight bytes / bandwidth (--bandwidth, TB/s;
+4.3 measured on the H200 used for kiln's numbers), and kiln's decode rate as a fraction of it.
+Writes bench/results/llm-<date>.md (appended) with the device and the commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu import commit  # noqa: E402  bench/cpu.py
+from kiln.llm import LLM, SamplingParams  # noqa: E402
+from kiln.llm.quantization import weight_bytes  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PRESETS = {  # transformers LlamaConfig fields
+    "tiny": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=4096),
+    "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, vocab_size=32000),
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+}
+
+
+def write_checkpoint(preset: str, dtype: torch.dtype, folder: Path) -> None:
+    config = transformers.LlamaConfig(**PRESETS[preset], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.save_pretrained(folder)
+
+
+def run_kiln(folder: Path, args, batch: int, quantization: str | None) -> dict:
+    llm = LLM(folder, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(batch, 1),
+              max_num_batched_tokens=max(args.input_len * batch, 2048), quantization=quantization)
+    vocab = llm.engine.model_config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, detokenize=False)
+
+    def prompts():
+        return [torch.randint(3, vocab, (args.input_len,), generator=generator).tolist() for _ in range(batch)]
+
+    list(llm.stream(prompts(), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)))
+    sync()
+    start = time.perf_counter()
+    first = None
+    for out in llm.stream(prompts(), params):
+        if first is None:
+            sync()
+            first = time.perf_counter()
+    sync()
+    end = time.perf_counter()
+    decode_tokens = batch * (args.output_len - 1)
+    result = {"ttft_ms": (first - start) * 1e3, "decode_tok_s": decode_tokens / (end - first),
+              "total_tok_s": batch * args.output_len / (end - start), "weight_bytes": weight_bytes(llm.engine.model)}
+    del llm
+    return result
+
+
+def run_transformers(folder: Path, args, batch: int) -> dict:
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(args.device).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, model.config.vocab_size, (batch, args.input_len), generator=generator).to(args.device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, **kwargs)
+        sync()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=args.output_len, min_new_tokens=args.output_len, **kwargs)
+        sync()
+    elapsed = time.perf_counter() - start
+    del model
+    return {"ttft_ms": float("nan"), "decode_tok_s": float("nan"), "total_tok_s": batch * args.output_len / elapsed}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16, float16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--quantization", nargs="*", default=[], choices=["fp8", "int8", "int4"])
+    parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--bandwidth", type=float, default=4.3, help="HBM TB/s for the roofline (CUDA)")
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        write_checkpoint(args.preset, getattr(torch, args.dtype), folder)
+        for batch in args.batch:
+            for quantization in [None, *args.quantization]:
+                result = run_kiln(folder, args, batch, quantization)
+                rows.append((f"kiln{'' if quantization is None else ' ' + quantization}", batch, result))
+            if not args.no_transformers:
+                rows.append(("transformers generate", batch, run_transformers(folder, args, batch)))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    lines = [f"## {datetime.date.today()} {args.preset} {args.dtype} on {device} ({args.device}), commit {commit()}",
+             f"input {args.input_len} tokens, output {args.output_len}, greedy, torch {torch.__version__}", "",
+             "| system | batch | TTFT ms | decode tok/s | total tok/s | batch-1 roofline tok/s | of roofline |",
+             "|---|---|---|---|---|---|---|"]
+    for name, batch, r in rows:
+        roofline = ""
+        share = ""
+        if args.device.startswith("cuda") and "weight_bytes" in r:
+            rate = args.bandwidth * 1e12 / r["weight_bytes"]
+            roofline = f"{rate:.0f}"
+            share = f"{r['decode_tok_s'] / rate:.0%}" if batch == 1 else ""
+        lines.append(f"| {name} | {batch} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
+                     f"{roofline} | {share} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.no_write:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"llm-{datetime.date.today()}.md"
+        with path.open("a") as f:
+            f.write(text + "\n")
+        print(f"appended to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
