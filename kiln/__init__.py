@@ -34,7 +34,7 @@ def build(model: Any, config: BuildConfig | None = None, *, progress=None, **opt
     return _build(model, config, progress=progress)
 
 
-def compile(module: Any, example_inputs: Any, **options: Any) -> Any:  # noqa: A001  (torch.compile's name)
+def compile(module: Any, example_inputs: Any, **options: Any) -> Any:
     """A torch.nn.Module -> a callable running it in kiln engines, with PyTorch where kiln cannot
     (kiln/torch_backend.py; docs/frontdoors.md)."""
     from kiln.torch_backend import compile as _compile

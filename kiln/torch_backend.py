@@ -82,8 +82,8 @@ class Explanation:
         engines = sum(s["kind"] == "kiln" for s in self.stages)
         ops = sum(len(s["ops"]) for s in self.stages)
         in_torch = sum(len(s["ops"]) for s in self.stages if s["kind"] == "torch")
-        lines = [f"kiln.compile: {len(self.stages)} stage(s): {engines} kiln engine(s), "
-                 f"{len(self.stages) - engines} in PyTorch; {ops - in_torch} of {ops} ops in kiln"]
+        lines = [(f"kiln.compile: {len(self.stages)} stage(s): {engines} kiln engine(s), "
+                  f"{len(self.stages) - engines} in PyTorch; {ops - in_torch} of {ops} ops in kiln")]
         total = sum(s["seconds"] for s in self.stages)
         lines.append(f"  {'stage':<10} {'runs in':<8} {'ops':>4}  {'time share':>10}  ops")
         for s in self.stages:
@@ -215,7 +215,7 @@ def _device_of(example_inputs: Any) -> str:
 
 def compile(module: torch.nn.Module, example_inputs: Any, *, precision: str = "fp32", dynamic: dict | None = None,
             device: str | None = None, example_kwargs: dict | None = None, progress=None,
-            **build_options: Any) -> CompiledModule:  # noqa: A001
+            **build_options: Any) -> CompiledModule:
     """Compile `module` for inputs like `example_inputs` (a tuple of positional arguments, or one tensor).
 
     `dynamic`: {argument name: {axis: (min, opt, max) or (min, max)}}, nested as the argument is (a dict

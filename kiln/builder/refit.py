@@ -63,7 +63,7 @@ class RefitReport:
     unchanged: int
 
     def to_json(self) -> dict:
-        return {**asdict(self), "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        return {**asdict(self), "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
 def _as_numpy(name: str, value: Any) -> np.ndarray:

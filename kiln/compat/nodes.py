@@ -100,12 +100,11 @@ class Signature:
         initialized = {t.name for t in graph.initializer}
         outputs = [NodeArg.of(v) for v in graph.output]
         if any(_open(v.type) for v in graph.output):
-            try:  # the graph declares less than inference knows: report what onnxruntime would
-                inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.output
+            # the graph declares less than inference knows: report what onnxruntime would
+            inferred = _inferred_outputs(model)
+            if inferred is not None:
                 outputs = [NodeArg.of(i, inferred=True) if _open(v.type) else o
                            for v, i, o in zip(graph.output, inferred, outputs)]
-            except Exception:  # noqa: BLE001  inference is best-effort; the declared types stand
-                pass
         return cls(
             inputs=[NodeArg.of(v) for v in graph.input if v.name not in initialized],
             initializers=[NodeArg.of(v) for v in graph.input if v.name in initialized],
@@ -115,3 +114,10 @@ class Signature:
 
 def _open(t: onnx.TypeProto) -> bool:
     return t.WhichOneof("value") == "tensor_type" and (not t.tensor_type.elem_type or not t.tensor_type.HasField("shape"))
+
+
+def _inferred_outputs(model: onnx.ModelProto) -> list[onnx.ValueInfoProto] | None:
+    try:
+        return list(onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.output)
+    except Exception:  # noqa: BLE001  inference is best-effort; the declared types stand
+        return None

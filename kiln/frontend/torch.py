@@ -42,6 +42,10 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.export import Dim
+from torch.onnx._internal.exporter import (  # private to torch: see the docstring
+    _decomp,
+    _registration,
+)
 
 from kiln.errors import KilnError
 from kiln.ops.registry import lookup
@@ -180,16 +184,12 @@ def _quiet_exporter() -> Iterator[None]:
 
 @functools.lru_cache(maxsize=1)
 def _onnx_registry():
-    from torch.onnx._internal.exporter import _registration  # private: see the module docstring
-
     with _quiet_exporter():
         return _registration.ONNXRegistry.from_torchlib()
 
 
 def _decompose(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """Decompose as torch.onnx.export does: ops the exporter translates stay whole."""
-    from torch.onnx._internal.exporter import _decomp  # private: see the module docstring
-
     registered = set(_decomp.get_onnx_implemented_overloads(_onnx_registry()))
     return program.run_decompositions(_decomp.create_onnx_friendly_decomposition_table(registered))
 
