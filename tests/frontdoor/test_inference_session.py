@@ -313,3 +313,38 @@ def test_one_import_switch(tmp_path):
         return session.run(None, {name: x})
 
     _same(application(kort), application(ort))
+
+
+def _one_node(node, inputs, outputs) -> bytes:
+    graph = helper.make_graph([node], "one", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.mark.parametrize("case", ["bool", "string", "sequence"])
+def test_other_types_as_onnxruntime(case):
+    """onnxruntime's own test patterns for non-float tensors: booleans, strings, a sequence output."""
+    if case == "bool":
+        model = _one_node(helper.make_node("And", ["a", "b"], ["c"]),
+                          [helper.make_tensor_value_info(n, TensorProto.BOOL, [3]) for n in "ab"],
+                          [helper.make_tensor_value_info("c", TensorProto.BOOL, [3])])
+        feed = {"a": np.array([True, False, True]), "b": np.array([True, True, False])}
+    elif case == "string":
+        model = _one_node(helper.make_node("Identity", ["s"], ["t"]),
+                          [helper.make_tensor_value_info("s", TensorProto.STRING, [2])],
+                          [helper.make_tensor_value_info("t", TensorProto.STRING, [2])])
+        feed = {"s": np.array(["kiln", "onnxruntime"], dtype=object)}
+    else:
+        model = _one_node(helper.make_node("SplitToSequence", ["x"], ["parts"], axis=0),
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 2])],
+                          [helper.make_tensor_sequence_value_info("parts", TensorProto.FLOAT, None)])
+        feed = {"x": np.random.default_rng(8).standard_normal((3, 2)).astype(np.float32)}
+    session, reference = _pair(model)
+    assert _args(session.get_inputs()) == _args(reference.get_inputs())
+    assert _args(session.get_outputs()) == _args(reference.get_outputs())
+    got, want = session.run(None, feed), reference.run(None, feed)
+    if case == "sequence":
+        assert isinstance(got[0], list) and len(got[0]) == len(want[0])
+        _same(got[0], want[0])
+    else:
+        assert got[0].dtype == want[0].dtype
+        np.testing.assert_array_equal(got[0], want[0])
