@@ -12,13 +12,14 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kiln.kernels.cpu import native_loop, onednn
-from kiln.runtime.native import Segment
 from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.native import Segment
 from kiln.runtime.program import Program
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
@@ -277,7 +278,8 @@ def test_alias_and_inner_product_refuse_what_they_cannot_run():
     fc = StepSpec("FusedGemm", "fc", ["x", "w"], ["y"], {"activation": "SwiGLU"}, domain="kiln")
     assert "SwiGLU" in gemm.check(fc, [meta([2, 8]), meta([6, 8], True)])
     fc.attributes = {}
-    assert "matrix input" in gemm.check(fc, [meta([2, 3, 8]), meta([6, 8], True)])
+    assert gemm.check(fc, [meta([2, 3, 8]), meta([6, 8], True)]) is True  # a batch of rows: [B, S, K]
+    assert "batch of rows" in gemm.check(fc, [meta([2, 3, 4, 8]), meta([6, 8], True)])
     assert gemm.check(fc, [meta([2, 8]), meta([6, 8], True)]) is True
 
 
@@ -408,3 +410,31 @@ def test_the_loop_builds_with_the_flags_the_compiler_takes(fresh_loop, monkeypat
     monkeypatch.setattr(native_loop, "FLAGS", (("--no-such-flag-kiln",),))
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "other"))
     assert native_loop.load() is None and "failed" in native_loop.reason()
+
+
+def test_a_transformer_ffn_runs_as_a_native_segment_of_two_inner_products():
+    """[B, S, K] rows through FusedGemm(GELU) -> FusedGemm, both on oneDNN inner products bound in one
+    segment, against onnxruntime at the tuned shape and at another sequence length."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+
+    rng = np.random.default_rng()
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32) * 0.2, "w1")
+    b1 = numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b1")
+    w2 = numpy_helper.from_array(rng.standard_normal((32, 16)).astype(np.float32) * 0.2, "w2")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["a"]), helper.make_node("MatMul", ["a", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", 16])], [w1, b1, w2])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    engine = kiln.build(model, profiles=[{"x": "1x1x16,2x8x16,4x32x16"}], tactics=["cpu.gemm.onednn_direct"])
+    steps = engine.plan.program.steps
+    if not all(s.tactic == "cpu.gemm.onednn_direct" for s in steps if s.op_type == "FusedGemm"):
+        pytest.skip("the tuner kept a default GEMM on this machine (timed faster)")
+    assert len(engine.program.segments) == 1
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape in ((2, 8, 16), (3, 21, 16)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)

@@ -39,6 +39,7 @@ another input size (dynamic batch) builds and caches one more primitive on first
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -311,11 +312,11 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     w = inputs[1] if len(inputs) > 1 else None
     b = inputs[2] if len(inputs) > 2 else None
     residual = inputs[3] if len(inputs) > 3 else None
-    if x.shape is None or len(x.shape) != 2:
-        return "only a matrix input [M, K] (other ranks: cpu.gemm.*)"
+    if x.shape is None or len(x.shape) not in (2, 3):
+        return "only a matrix [M, K] or a batch of rows [B, S, K] (other ranks: cpu.gemm.*)"
     if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
         return "the weight is not a constant float32 matrix of the engine"
-    if w.shape[1] != x.shape[1]:
+    if w.shape[1] != x.shape[-1]:
         return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
     if b is not None and b.shape is not None and (not b.constant or list(b.shape) != [w.shape[0]]
                                                   or b.dtype != torch.float32):
@@ -326,8 +327,8 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if isinstance(eltwise, str):
         return eltwise
     if residual is not None and residual.shape is not None:
-        if list(residual.shape) != [x.shape[0], w.shape[0]] or residual.dtype != torch.float32:
-            return f"residual {list(residual.shape)} is not a float32 [M, N] like the output"
+        if list(residual.shape) != [*x.shape[:-1], w.shape[0]] or residual.dtype != torch.float32:
+            return f"residual {list(residual.shape)} is not a float32 [..., N] like the output"
     return True
 
 
@@ -342,18 +343,25 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     def build(rows: int) -> onednn_primitives.InnerProduct:
         return onednn_primitives.InnerProduct(w, b, rows, eltwise, with_residual, after)
 
-    primitives = {tuned[0]: build(tuned[0])}
+    def rows_of(size: tuple[int, ...]) -> int:
+        return math.prod(size[:-1])
+
+    primitives = {rows_of(tuned): build(rows_of(tuned))}
+    n = int(w.shape[0])
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
-        x = x.contiguous()  # [M, K]
-        primitive = _built(primitives, x.shape[0], build, lambda rows: rows == tuned[0])  # another row count: once
-        return primitive(x, residual.contiguous() if residual is not None else None)  # [M, N]
+        lead = x.shape[:-1]
+        rows = rows_of(tuple(x.shape))
+        primitive = _built(primitives, rows, build, lambda r: r == rows_of(tuned))  # another row count: once
+        y = primitive(x.reshape(rows, x.shape[-1]).contiguous(),  # x: [..., K] -> rows [M, K]
+                      residual.reshape(rows, n).contiguous() if residual is not None else None)
+        return y.reshape(*lead, n)  # [..., N]
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
-        if len(size) != 2 or size[1] != tuned[1]:
-            raise ValueError(f"inner product built for [M, {tuned[1]}] inputs, given {list(size)}")
-        primitive = _built(primitives, size[0], build, lambda rows: rows == tuned[0])
-        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive,
+        if len(size) not in (2, 3) or size[-1] != tuned[-1]:
+            raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
+        primitive = _built(primitives, rows_of(size), build, lambda r: r == rows_of(tuned))
+        return NativeStep(size, (*size[:-1], n), lambda _accumulate: primitive,
                           residual_input=3 if with_residual else None, at=native_at)
 
     launch.native = native_at(tuned)
