@@ -6,6 +6,16 @@ import torch
 from tests.llm import checkpoints
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These models are tiny: on a shared 2-core machine OpenMP's threads mostly wait for each other
+    (a decode step measured 30x slower with 2 threads than with 1 under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):
     """name -> (folder, transformers model); written lazily, once."""
