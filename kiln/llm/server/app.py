@@ -165,8 +165,11 @@ def build_app(llm: AsyncLLM, model_name: str, metrics: LLMMetrics, max_pending: 
 
     async def run(request: Request, body, prefix: str, kind: str, prompts: list[list[int]], params: SamplingParams,
                   echo: list[str | None] | None = None):
-        limit = engine.max_model_len
+        limit, vocab = engine.max_model_len, engine.model_config.vocab_size
         for tokens in prompts:
+            bad = [t for t in tokens if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="prompt")
             if len(tokens) >= limit:
                 raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
                                     f"has {len(tokens)} tokens: shorten it.", param="prompt")
