@@ -115,9 +115,11 @@ def main() -> int:
     parser.add_argument("--quantization", nargs="*", default=[], choices=["fp8", "int8", "int4"])
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--bandwidth", type=float, default=4.3, help="HBM TB/s for the roofline (CUDA)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -130,7 +132,8 @@ def main() -> int:
                 rows.append(("transformers generate", batch, run_transformers(folder, args, batch)))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     lines = [f"## {datetime.date.today()} {args.preset} {args.dtype} on {device} ({args.device}), commit {commit()}",
-             f"input {args.input_len} tokens, output {args.output_len}, greedy, torch {torch.__version__}", "",
+             f"input {args.input_len} tokens, output {args.output_len}, greedy, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} CPU thread(s)", "",
              "| system | batch | TTFT ms | decode tok/s | total tok/s | batch-1 roofline tok/s | of roofline |",
              "|---|---|---|---|---|---|---|"]
     for name, batch, r in rows:

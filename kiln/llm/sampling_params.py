@@ -62,6 +62,8 @@ class SamplingParams:
             problems.append(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             problems.append("stop strings must not be empty")
+        if self.stop and not self.detokenize:
+            problems.append("stop strings need detokenize=True (they are matched in the text)")
         if problems:
             raise LLMError("invalid sampling parameters: " + "; ".join(problems))
 
