@@ -2,6 +2,8 @@
 caching leave every request's tokens unchanged; streaming, cancellation, stop strings and tokens,
 seeds, penalties against transformers, speculative n-gram decoding exact under greedy."""
 
+import random
+
 import pytest
 import torch
 
@@ -188,3 +190,21 @@ def test_bad_requests(llama):
     with pytest.raises(LLMError, match="top_p must be in"):
         SamplingParams(top_p=0)
     assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_engine_settings_never_change_greedy_tokens(llama, alone, seed):
+    """Block size, step budget, seats, cache size (preemption), prefix caching, chunking and drafts drawn
+    at random: every request still gets exactly the tokens it gets alone."""
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 8, 16])
+    options = dict(block_size=block_size, max_num_batched_tokens=rng.choice([3, 7, 64]),
+                   max_num_seqs=rng.choice([1, 2, 5]), enable_prefix_caching=rng.random() < 0.7,
+                   enable_chunked_prefill=True, speculative_ngram=rng.choice([0, 0, 3]), max_model_len=80,
+                   num_kv_blocks=rng.choice([80 // block_size + 2, 400 // block_size]))
+    llm = LLM(llama, **options)
+    order = rng.sample(range(len(PROMPTS)), len(PROMPTS))
+    outs = llm.generate([PROMPTS[i] for i in order], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [alone[i] for i in order], options
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks - 1 and not llm.engine.has_unfinished()
