@@ -9,8 +9,9 @@ multiplies through a small module (`layer.quantized`); embeddings, norms and the
     int4  weight-only, asymmetric per group of `group_size` input features (scale and zero point per
           group), two values packed per byte: w ≈ (q - z) · s.
 
-The CPU path here is the reference (dequantize, then GEMM); Triton W4A16/W8A16 GEMV kernels are the GPU
-path still to write. Checkpoints already quantized (compressed-tensors, AutoAWQ) are not read yet.
+On the CPU the weight is dequantized, then multiplied (the reference); on CUDA int8 and int4 go through
+the Triton weight-only GEMM (kernels/quant_gemm.py), which dequantizes tiles in registers. Checkpoints
+already quantized (compressed-tensors, AutoAWQ) are not read yet.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class Int8Weight(nn.Module):
         self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kiln.llm.kernels.quant_gemm import int8_gemm  # here: a CPU run never imports triton
+            return int8_gemm(x, self.q, self.scale)
         return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
 
 
@@ -78,6 +82,9 @@ class Int4Weight(nn.Module):
         return ((q - self.zero[..., None]) * self.scale[..., None]).view(self.packed.shape[0], -1).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kiln.llm.kernels.quant_gemm import int4_gemm  # here: a CPU run never imports triton
+            return int4_gemm(x, self.packed, self.scale, self.zero, self.group_size)
         return F.linear(x, self.dequantize(x.dtype))
 
 
