@@ -8,6 +8,12 @@ Tolerance (fp32): kiln runs torch's CPU kernels (oneDNN/MKL), onnxruntime its ow
 sums products in its own order, so every layer differs by a few ulp (~1e-7 relative) and a deep
 network compounds that to ~1e-6..1e-5 of the output's scale. We allow 1e-4 of the output's largest
 magnitude plus rtol 1e-3: ten times that drift, yet any wrong op semantics (an O(1) error) fails.
+That only means something when the outputs depend on the input by much more than the tolerance:
+test_outputs_are_worth_comparing checks it for every CI model (random weights can leave logits
+that are all biases, see the inits in kiln/zoo/models.py).
+
+A model kiln cannot build or run is listed in KILN_FAILURES with the exact error, as a strict
+xfail: the failure stays visible, and the test says so the day it is fixed.
 """
 
 from __future__ import annotations
@@ -19,7 +25,19 @@ import pytest
 import kiln
 from kiln import zoo
 
-MODEL_PARAMS = [pytest.param(name, marks=pytest.mark.slow) if zoo.get(name).slow else name for name in zoo.MODELS]
+# zoo name -> (the exception kiln raises, its message as seen): none at the moment.
+KILN_FAILURES: dict[str, tuple[type[BaseException], str]] = {}
+
+
+def _marks(name: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.slow] if zoo.get(name).slow else []
+    if name in KILN_FAILURES:
+        error, message = KILN_FAILURES[name]
+        marks.append(pytest.mark.xfail(raises=error, strict=True, reason=f"kiln: {message}"))
+    return marks
+
+
+MODEL_PARAMS = [pytest.param(name, marks=_marks(name)) for name in zoo.MODELS]
 CAT_CLASSES = range(281, 286)  # ImageNet: tabby, tiger cat, Persian, Siamese, Egyptian cat
 
 
@@ -63,7 +81,24 @@ def test_kiln_matches_onnxruntime(name):
             assert_fp32_close(got[out], expected, f"{name} output {out!r} (seed {seed})")
 
 
-@pytest.mark.parametrize("name", [n for n in zoo.names(slow=False)])
+@pytest.mark.parametrize("name", zoo.names(slow=False))
+def test_outputs_are_worth_comparing(name):
+    """Finite outputs that two fresh inputs move by at least 100x the comparison's absolute tolerance:
+    not NaN, not all ~0, not all biases (an init that loses the signal makes every input's logits equal,
+    and kiln would pass the comparison with any kernel)."""
+    exported = zoo.export(name)
+    session = onnxruntime_session(exported.path)
+    first = session.run(None, zoo.random_inputs(name, exported, seed=1))
+    second = session.run(None, zoo.random_inputs(name, exported, seed=2))
+    for out, a, b in zip(session.get_outputs(), first, second):
+        assert np.isfinite(a).all(), f"{name} output {out.name!r} is not finite"
+        scale = max(1.0, float(np.abs(a).max()))
+        moved = float(np.std(a.astype(np.float64) - b))
+        assert moved >= 100 * 1e-4 * scale, \
+            f"{name} output {out.name!r}: two inputs' outputs differ by std {moved:.3g} (|max| {np.abs(a).max():.3g})"
+
+
+@pytest.mark.parametrize("name", zoo.names(slow=False))
 def test_export_matches_torch(name):
     """The zoo's ONNX file computes what its torch model does (checked with onnxruntime)."""
     import torch
