@@ -9,7 +9,8 @@ over its block table: so a request may read blocks another request of the same s
 `paged_attention` is the reference: one request at a time, torch SDPA over K/V gathered from its
 blocks, on any device; a request's result never depends on the rest of the batch. With the Triton
 backend, requests with one query token (decodes, listed first) go through the paged decode kernel
-(kiln/llm/kernels/paged_decode.py) instead.
+(kiln/llm/kernels/paged_decode.py) and all the others through one launch of the paged prefill
+kernel (kernels/paged_prefill.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,20 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [B] int32, on the device (kernels)
     num_decodes: int = 0  # the first num_decodes requests have exactly one query row
     backend: str = "torch"  # torch | triton
+    # triton backend only: the rest of the requests' rows in BLOCK_M tiles, for the prefill kernel
+    query_start_tensor: torch.Tensor | None = None  # [B] int32
+    query_lens_tensor: torch.Tensor | None = None  # [B] int32
+    prefill_tiles: torch.Tensor | None = None  # [tiles, 2] int32: (request, first row)
+
+
+PREFILL_BLOCK_M = 32  # query rows per program of the Triton prefill kernel
+
+
+def prefill_tiles(query_lens: list[int], first_request: int, device: torch.device) -> torch.Tensor:
+    """(request index, first row) of each PREFILL_BLOCK_M-row tile of requests first_request..: [tiles, 2]."""
+    tiles = [(b, row) for b in range(first_request, len(query_lens))
+             for row in range(0, query_lens[b], PREFILL_BLOCK_M)]
+    return torch.tensor(tiles, dtype=torch.int32).reshape(-1, 2).to(device)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,15 +59,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, Hq, D] -> [T, Hq, D]; each request's queries see its keys up to their own position
     (and, with a sliding window, only the last `sliding_window` of them)."""
     out = torch.empty_like(q)
-    first = 0
-    if meta.backend == "triton" and meta.num_decodes:
-        from kiln.llm.kernels.paged_decode import paged_decode_attention  # here: a CPU run never imports triton
+    if meta.backend == "triton":
+        # here, not at the top: a run on the torch backend (any CPU run) never imports triton
+        from kiln.llm.kernels.paged_decode import paged_decode_attention
+        from kiln.llm.kernels.paged_prefill import paged_prefill_attention
         n = meta.num_decodes
-        out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens_tensor[:n],
-                                         scale, sliding_window)
-        first = n
+        if n:
+            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
+                                             meta.seq_lens_tensor[:n], scale, sliding_window)
+        if n < len(meta.query_lens):
+            paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor,
+                                    meta.query_lens_tensor, meta.seq_lens_tensor, meta.prefill_tiles, scale,
+                                    sliding_window, out=out, block_m=PREFILL_BLOCK_M)
+        return out
     block_size = k_cache.shape[1]
-    for b in range(first, len(meta.query_lens)):
+    for b in range(len(meta.query_lens)):
         start, num_q, num_kv = meta.query_start[b], meta.query_lens[b], meta.seq_lens[b]
         blocks = meta.block_tables[b, :(num_kv + block_size - 1) // block_size]
         k = k_cache[blocks].flatten(0, 1)[:num_kv]  # [L, Hkv, D]

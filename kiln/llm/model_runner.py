@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.llm.attention import AttentionMetadata
+from kiln.llm.attention import AttentionMetadata, prefill_tiles
 from kiln.llm.sampling import Sampler
 from kiln.llm.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -92,6 +92,10 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(self.device),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             num_decodes=sum(1 for n in query_lens if n == 1), backend=self.attention_backend)
+        if self.attention_backend == "triton":
+            meta.query_start_tensor = torch.tensor(query_start, dtype=torch.int32, device=self.device)
+            meta.query_lens_tensor = torch.tensor(query_lens, dtype=torch.int32, device=self.device)
+            meta.prefill_tiles = prefill_tiles(query_lens, meta.num_decodes, self.device)
         return StepInputs(order=order, token_ids=device_tensor(token_ids), positions=device_tensor(positions),
                           meta=meta, logit_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
                           row_owner=owners)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 SPLIT_TOKENS = 256  # keys per split
+NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
 @triton.jit
@@ -38,7 +39,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
     seq_len = tl.load(seq_lens + b)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, seq_len)
-    lowest = tl.maximum(seq_len - window, 0) if window > 0 else 0  # sliding window: keys before it are masked
+    lowest = tl.maximum(seq_len - window, 0)  # sliding window (2^30 when none): keys before it are masked
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -121,7 +122,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, scale, sliding_window or 0,
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, scale, sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
