@@ -2,9 +2,11 @@
 
     kiln serve MODEL_REPOSITORY [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
     kiln serve --model model.onnx|model.kiln [--name NAME]
+    kiln serve --ray MODEL_REPOSITORY [--ray-address ADDR] [--replicas N | --autoscale MIN-MAX]
 
 Prints one line per endpoint once it serves (the ports actually bound: 0 asks for free ones),
 then runs until SIGINT/SIGTERM and shuts down gracefully (every request in flight answered).
+With --ray the models run as Ray Serve deployments on a Ray cluster (kiln/serve/ray/), HTTP only.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def add_parser(verbs) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0: a free one; -1: none)")
-    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; 0: a free one; -1: none)")
-    p.add_argument("--metrics-port", type=int, default=8002,
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: a free one; -1: none)")
+    p.add_argument("--metrics-port", type=int,
                    help="Prometheus /metrics port (default 8002; -1: only on the HTTP port)")
     p.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
                    help="none: load every model at start (default); explicit: only --load-model ones, the rest "
@@ -43,6 +45,24 @@ def add_parser(verbs) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    ray = p.add_argument_group("Ray Serve (--ray: the models as Ray Serve deployments across a Ray cluster; "
+                               "HTTP only, on Ray Serve's proxy; needs the ray extra)")
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: one deployment per model")
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help="the Ray cluster (auto: the one this machine belongs to; ray://host:10001; local: a new "
+                          "one); default: RAY_ADDRESS, else a new local one")
+    ray.add_argument("--replicas", type=int, default=1, metavar="N", help="replicas per model (default 1)")
+    ray.add_argument("--autoscale", metavar="MIN-MAX",
+                     help="scale each model's replicas between MIN and MAX on ongoing requests (instead of --replicas)")
+    ray.add_argument("--target-ongoing-requests", type=float, metavar="N",
+                     help="with --autoscale: ongoing requests per replica to scale towards (default: half of "
+                          "the replica's maximum)")
+    ray.add_argument("--replica-cpus", type=float, default=1, metavar="N",
+                     help="CPUs each replica reserves (default 1); a KIND_GPU model's replica also reserves one GPU")
+    ray.add_argument("--max-replicas-per-node", type=int, metavar="N",
+                     help="at most N replicas of a model per node (1: every replica on its own node)")
+    ray.add_argument("--proxy-location", default="EveryNode", choices=["EveryNode", "HeadOnly"],
+                     help="where Ray Serve runs HTTP proxies (default EveryNode: every node with a replica)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -55,6 +75,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KilnError("give a model repository folder or --model FILE (one of them)")
     if args.model_control_mode == "none" and args.load_model:
         raise KilnError("--load-model needs --model-control-mode explicit")
+
+    if args.ray:
+        return _serve_ray(args)
+    if args.grpc_port is None:
+        args.grpc_port = 8001
+    if args.metrics_port is None:
+        args.metrics_port = 8002
 
     def port(value: int) -> int | None:
         return None if value < 0 else value
@@ -82,5 +109,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 1
+    print("kiln serve: stopped", flush=True)
+    return 0
+
+
+def _serve_ray(args: argparse.Namespace) -> int:
+    try:
+        from kiln.serve.ray import RayOptions, ReplicaOptions, run
+        from kiln.serve.ray.app import parse_autoscale
+    except ImportError as e:
+        raise KilnError(f"kiln serve --ray needs the ray and serve extras ({e.name} is missing): "
+                        "pip install 'kiln[serve,ray]'") from None
+    if args.grpc_port not in (None, -1) or args.metrics_port not in (None, -1):
+        raise KilnError("--ray serves HTTP only (Ray Serve's proxy): drop --grpc-port/--metrics-port; Ray exports "
+                        "its own metrics")
+    if args.model_control_mode != "none" or args.load_model:
+        raise KilnError("--ray loads every model of the repository (one deployment each); explicit model control "
+                        "is not served")
+    if args.http_port <= 0:
+        raise KilnError(f"--ray needs a fixed --http-port (given {args.http_port}): Ray Serve's proxies bind it "
+                        "on every node")
+    if args.autoscale and args.replicas != 1:
+        raise KilnError("give --replicas or --autoscale, not both")
+    replicas = ReplicaOptions(num_replicas=args.replicas, num_cpus=args.replica_cpus,
+                              autoscaling=parse_autoscale(args.autoscale) if args.autoscale else None,
+                              target_ongoing_requests=args.target_ongoing_requests,
+                              max_replicas_per_node=args.max_replicas_per_node)
+    options = RayOptions(repository=args.repository, model=args.model, model_name=args.name, replicas=replicas,
+                         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
+                         shutdown_timeout=args.shutdown_timeout, address=args.ray_address, host=args.host,
+                         http_port=args.http_port, proxy_location=args.proxy_location, log_level=args.log_level)
+    logging.basicConfig(level=args.log_level.upper(), format="kiln serve: %(message)s")
+
+    def started(index: list[dict]) -> None:
+        for row in index:
+            state = row["state"] + (f" ({row['reason']})" if row["reason"] else "")
+            print(f"kiln serve: model {row['name']} version {row['version'] or '-'}: {state}", flush=True)
+        print(f"kiln serve: HTTP on {args.host}:{args.http_port} (Ray Serve)", flush=True)
+        print("kiln serve: ready", flush=True)
+
+    run(options, started)
     print("kiln serve: stopped", flush=True)
     return 0

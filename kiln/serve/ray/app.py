@@ -61,12 +61,14 @@ class RayOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retries: int = 2  # sends again of a request whose replica died with it in flight
     ingress_replicas: int = 1
+    shutdown_timeout: float = 30.0  # seconds a stopping replica gives the requests it holds
     # where `run` serves (cluster-wide Serve options: they apply when Serve starts on the cluster)
     address: str | None = None  # the Ray cluster ("auto", "ray://host:10001"); None: RAY_ADDRESS or a new local one
     host: str = "127.0.0.1"
     http_port: int = 8000
     proxy_location: str = "EveryNode"  # EveryNode | HeadOnly | Disabled (Ray Serve's ProxyLocation)
     app_name: str = APP_NAME
+    log_level: str = "warning"  # the replicas' log level; per-request access logs are off, as in kiln serve
 
     def repository_of(self) -> ModelRepository:
         if (self.repository is None) == (self.model is None):
@@ -135,10 +137,12 @@ def deployment(repository: str | Path | ModelRepository, options: RayOptions | N
     for name in names:
         replicas = options.models.get(name, options.replicas)
         settings = deployment_options(model_config(repository, name), replicas)
-        models[name] = serve.deployment(ModelReplica).options(name=name, **settings).bind(
+        models[name] = serve.deployment(ModelReplica).options(
+            name=name, graceful_shutdown_timeout_s=options.shutdown_timeout, **settings).bind(
             repository, name, options.max_queue_size)
     ingress = serve.deployment(Ingress).options(name=INGRESS, num_replicas=options.ingress_replicas,
-                                                ray_actor_options={"num_cpus": 0})
+                                                ray_actor_options={"num_cpus": 0},
+                                                graceful_shutdown_timeout_s=options.shutdown_timeout)
     return ingress.bind(repository, models, IngressOptions(options.retries, options.max_request_bytes))
 
 
@@ -170,27 +174,28 @@ def parse_autoscale(text: str) -> tuple[int, int]:
 def run(options: RayOptions, on_started=None) -> None:
     """Deploy on a Ray cluster (connecting to options.address, or starting a local one), serve until
     SIGINT/SIGTERM, then delete the application: Ray Serve lets every replica answer the requests it
-    holds before stopping it. `kiln serve --ray` runs this."""
-    import ray
-
+    holds (up to shutdown_timeout) before stopping it. `kiln serve --ray` runs this; on_started gets
+    the repository index once every deployment is up."""
     repository = options.repository_of()
     app = deployment(repository, options)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     # a new local cluster without the dashboard; an existing one as it was started
     ray.init(**({"address": options.address} if options.address else {"include_dashboard": False}),
-             logging_level="warning")
+             logging_level=options.log_level.upper())
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         serve.start(http_options={"host": options.host, "port": options.http_port},
                     proxy_location=options.proxy_location)
-        handle = serve.run(app, name=options.app_name, route_prefix="/", blocking=False)
+        handle = serve.run(app, name=options.app_name, route_prefix="/",
+                           logging_config={"log_level": options.log_level.upper(), "enable_access_log": False})
         if on_started is not None:
             on_started(handle.index.remote().result())
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         try:
             serve.delete(options.app_name)
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
             ray.shutdown()

@@ -9,8 +9,9 @@ model's description (asked of one replica at start: every replica loads the same
 A request whose replica dies while it is in flight (killed, out of memory, its node lost) is sent
 again, up to `retries` times: inference is stateless, so a second run gives the answer the first
 would have. Past that it is answered 503 with Retry-After, never lost and never another's.
-Each inference response carries the headers `kiln-ray-node` and `kiln-ray-replica`: where it was
-computed.
+Each inference response says where it was computed and how many sends it took, in the headers
+`kiln-ray-node` (the Ray node id), `kiln-ray-replica` (the Serve replica's actor name) and
+`kiln-ray-attempts`.
 """
 
 from __future__ import annotations
@@ -34,10 +35,18 @@ from kiln.serve.repository import ModelRepository
 
 log = logging.getLogger("kiln.serve.ray")
 
-NODE_HEADER, REPLICA_HEADER = "kiln-ray-node", "kiln-ray-replica"
-# the replicas that answered the HTTP request being handled (one list per request, filled by infer)
-ANSWERED_BY: contextvars.ContextVar[list[ReplicaIdentity] | None] = contextvars.ContextVar("kiln_ray_answered_by",
-                                                                                          default=None)
+NODE_HEADER, REPLICA_HEADER, ATTEMPTS_HEADER = "kiln-ray-node", "kiln-ray-replica", "kiln-ray-attempts"
+
+
+@dataclass
+class Answered:
+    """Who answered the HTTP request being handled: one per request, set by the middleware, filled by infer."""
+
+    replica: ReplicaIdentity | None = None
+    attempts: int = 0
+
+
+ANSWERED: contextvars.ContextVar[Answered | None] = contextvars.ContextVar("kiln_ray_answered", default=None)
 
 
 class NotUnderRay(ServeError):
@@ -88,7 +97,9 @@ class RayCore(ServerCore):
             raise Unavailable("the server is shutting down")
         self.model(request.model, request.version)  # unknown or unavailable: 404/503 without a round trip
         handle = self.deployments[request.model]
+        answered = ANSWERED.get() or Answered()
         for attempt in range(self.retries + 1):
+            answered.attempts = attempt + 1
             try:
                 answer: ReplicaAnswer = await handle.infer.remote(request)
             except (RayActorError, ReplicaUnavailableError) as e:  # the replica died with the request in flight
@@ -104,9 +115,7 @@ class RayCore(ServerCore):
                 raise Unavailable(f"model {request.model!r}: its deployment is unavailable: {e}") from None
             except RayTaskError as e:  # a fault of the replica itself (kiln serve's 500)
                 raise ServeError(f"model {request.model!r}: the replica failed: {e.cause!r}") from None
-            answered = ANSWERED_BY.get()
-            if answered is not None:
-                answered.append(answer.replica)
+            answered.replica = answer.replica
             if answer.error is not None:
                 raise answer.error
             return answer.response
@@ -137,21 +146,22 @@ class AnsweredByHeaders:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        answered: list[ReplicaIdentity] = []
-        token = ANSWERED_BY.set(answered)
+        answered = Answered()
+        token = ANSWERED.set(answered)
 
         async def send_with_headers(message):
-            if message["type"] == "http.response.start" and answered:
-                who = answered[-1]
-                headers = [*message.get("headers", []), (NODE_HEADER.encode(), who.node_id.encode()),
-                           (REPLICA_HEADER.encode(), who.replica_id.encode())]
+            if message["type"] == "http.response.start" and answered.attempts:
+                headers = [*message.get("headers", []), (ATTEMPTS_HEADER.encode(), str(answered.attempts).encode())]
+                if answered.replica is not None:
+                    headers += [(NODE_HEADER.encode(), answered.replica.node_id.encode()),
+                                (REPLICA_HEADER.encode(), answered.replica.replica_id.encode())]
                 message = {**message, "headers": headers}
             await send(message)
 
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            ANSWERED_BY.reset(token)
+            ANSWERED.reset(token)
 
 
 @serve.ingress()

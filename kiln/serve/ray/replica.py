@@ -30,7 +30,7 @@ class ReplicaIdentity:
     """Where an answer was computed: the Ray node, the Serve replica, the process."""
 
     node_id: str
-    replica_id: str
+    replica_id: str  # the replica's actor name (SERVE_REPLICA::app#deployment#id), for ray.get_actor(namespace="serve")
     pid: int
 
 
@@ -69,7 +69,7 @@ class ModelReplica:
         self.core = ServerCore(repository, max_queue_size)
         await self.core.start([name])  # a model that fails to load is UNAVAILABLE with its reason
         self.identity = ReplicaIdentity(ray.get_runtime_context().get_node_id(),
-                                        serve.get_replica_context().replica_id.unique_id, os.getpid())
+                                        serve.get_replica_context().replica_id.to_full_id_str(), os.getpid())
 
     async def describe(self) -> ModelDescription:
         entry = self.core.models[self.name]
