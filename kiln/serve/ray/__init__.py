@@ -17,6 +17,13 @@ works against Ray Serve's proxy unchanged. docs/serving.md ("Past one machine: R
 Requires the `ray` extra (ray[serve]); nothing else of kiln imports this package.
 """
 
-from kiln.serve.ray.app import RayOptions, ReplicaOptions, build, deployment, deployment_options, run
+from kiln.serve.ray.app import (
+    RayOptions,
+    ReplicaOptions,
+    build,
+    deployment,
+    deployment_options,
+    run,
+)
 
 __all__ = ["RayOptions", "ReplicaOptions", "build", "deployment", "deployment_options", "run"]

@@ -15,6 +15,7 @@ filesystem or a copy), as Triton's repository is on a cluster.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ class RayOptions:
     ingress_replicas: int = 1
     shutdown_timeout: float = 30.0  # seconds a stopping replica gives the requests it holds
     # where `run` serves (cluster-wide Serve options: they apply when Serve starts on the cluster)
-    address: str | None = None  # the Ray cluster ("auto", "ray://host:10001"); None: RAY_ADDRESS or a new local one
+    address: str | None = None  # the Ray cluster ("auto", "ray://host:10001", "local": a new one); None: RAY_ADDRESS or a new one
     host: str = "127.0.0.1"
     http_port: int = 8000
     proxy_location: str = "EveryNode"  # EveryNode | HeadOnly | Disabled (Ray Serve's ProxyLocation)
@@ -179,7 +180,9 @@ def run(options: RayOptions, on_started=None) -> None:
     repository = options.repository_of()
     app = deployment(repository, options)
     # a new local cluster without the dashboard; an existing one as it was started
-    ray.init(**({"address": options.address} if options.address else {"include_dashboard": False}),
+    address = options.address or os.environ.get("RAY_ADDRESS")  # what ray.init would connect to
+    joining = address not in (None, "", "local")
+    ray.init(address=options.address, **({} if joining else {"include_dashboard": False}),
              logging_level=options.log_level.upper())
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -22,7 +22,11 @@ from dataclasses import dataclass
 
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
 from ray.serve.handle import DeploymentHandle
 
 from kiln.serve.config import ModelConfig
@@ -176,7 +180,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         # /metrics: the ingress machine's own gauges; per-model counters live in the replicas (Ray's metrics)
-        app = http_app(self.core, MetricsExporter(lambda: []), self.options.max_request_bytes)
+        app = http_app(self.core, MetricsExporter(list), self.options.max_request_bytes)
         app.add_middleware(AnsweredByHeaders)
         return app
 
