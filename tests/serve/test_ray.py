@@ -39,6 +39,9 @@ from tritonclient.utils import InferenceServerException
 import kiln
 from kiln.serve.ray import RayOptions, ReplicaOptions, deployment
 
+# one cluster for the module: under xdist, `--dist loadgroup` keeps these tests on one worker
+pytestmark = pytest.mark.xdist_group("ray_cluster")
+
 NODE = {"num_cpus": 2, "object_store_memory": 100 << 20, "node_ip_address": "127.0.0.1"}
 LOOPBACK = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 DEPLOY_TIMEOUT = 240  # s: replicas import torch and kiln on a shared 2-core machine
@@ -200,6 +203,15 @@ def test_requests_spread_over_replicas_on_both_nodes(ray_app):
     assert nodes == _alive_nodes() and len(nodes) == 2
     assert len(replicas) == 2 and all(r.startswith("SERVE_REPLICA::kiln#mlp#") for r in replicas)
     assert {attempts for _, _, attempts in served} == {"1"}
+    # kiln's batcher merged concurrent requests inside the replicas: fewer engine calls than requests
+    handle = serve.get_deployment_handle("mlp", app_name="kiln")
+    calls = {}  # replica -> (requests, engine calls); a handle reaches one replica per call
+    for _ in range(20):
+        who, stats = handle.statistics.remote().result(timeout_s=30)
+        calls[who.replica_id] = (stats[0]["inference_stats"]["success"]["count"], stats[0]["execution_count"])
+        if len(calls) == 2:
+            break
+    assert any(requests > executions for requests, executions in calls.values()), calls
 
 
 def test_tritonclient_http_against_the_ray_ingress(ray_app):

@@ -23,7 +23,13 @@ from kiln.errors import KilnError
 from kiln.serve.config import DynamicBatching, ModelConfig
 from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import InvalidRequest, QueueFull, Unavailable
-from kiln.serve.ray import RayOptions, ReplicaOptions, deployment, deployment_options
+from kiln.serve.ray import (
+    RayOptions,
+    ReplicaOptions,
+    build,
+    deployment,
+    deployment_options,
+)
 from kiln.serve.ray.app import parse_autoscale
 from kiln.serve.ray.ingress import ANSWERED, Answered, RayCore
 from kiln.serve.ray.replica import (
@@ -52,7 +58,12 @@ def _accepted_by_ray(options: dict) -> dict:
 def test_cpu_model_options():
     options = _accepted_by_ray(deployment_options(_config(), ReplicaOptions(num_replicas=3, num_cpus=2)))
     # two batches of 16 in flight per instance, 2 instances: enough to keep the batcher's queue fed
-    assert options == {"max_ongoing_requests": 64, "ray_actor_options": {"num_cpus": 2}, "num_replicas": 3}
+    assert options == {"max_ongoing_requests": 64, "max_queued_requests": 1024, "ray_actor_options": {"num_cpus": 2},
+                       "num_replicas": 3}
+    bounded = _config()
+    bounded.dynamic_batching.max_queue_size = 10
+    assert deployment_options(bounded, ReplicaOptions(), max_queue_size=99)["max_queued_requests"] == 10
+    assert deployment_options(_config(), ReplicaOptions(), max_queue_size=99)["max_queued_requests"] == 99
     unbatched = deployment_options(_config(max_batch=0, instances=1, batching=False), ReplicaOptions())
     assert unbatched["max_ongoing_requests"] == 8
     pinned = deployment_options(_config(), ReplicaOptions(max_ongoing_requests=5, max_replicas_per_node=1))
@@ -100,6 +111,17 @@ def test_application_refusals(tmp_path):
         deployment(root, RayOptions(models={"c": ReplicaOptions()}))
     with pytest.raises(KilnError, match="may not be named 'kiln-ingress'"):
         deployment(_repository(tmp_path / "x", "kiln-ingress"))
+
+
+def test_application_builder_arguments(tmp_path):
+    """`serve run kiln.serve.ray:build repository=... replicas=2` hands build() its key=value pairs."""
+    root = _repository(tmp_path, "a")
+    assert build({"repository": str(root), "replicas": "2", "cpus": "0.5", "max_replicas_per_node": "1"}) is not None
+    assert build({"repository": str(root), "autoscale": "1-3"}) is not None
+    with pytest.raises(KilnError, match=r"unknown argument\(s\) \['replica'\]"):
+        build({"repository": str(root), "replica": "2"})
+    with pytest.raises(KilnError, match="one of repository=, model="):
+        build({})
 
 
 # ---- the ingress over fake handles ----------------------------------------------------------------

@@ -62,6 +62,7 @@ class RayOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retries: int = 2  # sends again of a request whose replica died with it in flight
     ingress_replicas: int = 1
+    ingress_max_ongoing_requests: int = 1024  # per ingress replica (it only decodes, waits and encodes)
     shutdown_timeout: float = 30.0  # seconds a stopping replica gives the requests it holds
     # where `run` serves (cluster-wide Serve options: they apply when Serve starts on the cluster)
     address: str | None = None  # the Ray cluster ("auto", "ray://host:10001", "local": a new one); None: RAY_ADDRESS or a new one
@@ -91,13 +92,18 @@ def model_config(repository: ModelRepository, name: str) -> ModelConfig:
         return ModelConfig(name=name)
 
 
-def deployment_options(config: ModelConfig, replicas: ReplicaOptions) -> dict:
-    """Ray Serve options of a model's deployment."""
+def deployment_options(config: ModelConfig, replicas: ReplicaOptions,
+                       max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE) -> dict:
+    """Ray Serve options of a model's deployment.
+
+    A replica takes up to max_ongoing_requests at once (into kiln's batcher, which merges them); the
+    requests beyond wait in Ray's router at the ingress, at most the model's queue bound (its config's
+    max_queue_size, else the server's), past which they are refused with 429 as kiln serve refuses them."""
     gpus = replicas.num_gpus if replicas.num_gpus is not None else (1 if config.instance_kind == "KIND_GPU" else 0)
     per_batch = max(config.max_batch_size, 1) if config.dynamic_batching is not None else 1
     ongoing = replicas.max_ongoing_requests or max(8, 2 * config.instance_count * per_batch)
     actor = {"num_cpus": replicas.num_cpus}
-    options: dict = {"max_ongoing_requests": ongoing}
+    options: dict = {"max_ongoing_requests": ongoing, "max_queued_requests": config.queue_bound or max_queue_size}
     if gpus:
         actor["num_gpus"] = gpus
         # the replica's resources reserved as one bundle, on one node (Ray Serve places the replica in bundle 0)
@@ -137,11 +143,12 @@ def deployment(repository: str | Path | ModelRepository, options: RayOptions | N
     models = {}
     for name in names:
         replicas = options.models.get(name, options.replicas)
-        settings = deployment_options(model_config(repository, name), replicas)
+        settings = deployment_options(model_config(repository, name), replicas, options.max_queue_size)
         models[name] = serve.deployment(ModelReplica).options(
             name=name, graceful_shutdown_timeout_s=options.shutdown_timeout, **settings).bind(
             repository, name, options.max_queue_size)
     ingress = serve.deployment(Ingress).options(name=INGRESS, num_replicas=options.ingress_replicas,
+                                                max_ongoing_requests=options.ingress_max_ongoing_requests,
                                                 ray_actor_options={"num_cpus": 0},
                                                 graceful_shutdown_timeout_s=options.shutdown_timeout)
     return ingress.bind(repository, models, IngressOptions(options.retries, options.max_request_bytes))

@@ -127,7 +127,8 @@ class RayCore(ServerCore):
 
     def statistics(self, name: str = "", version: str = "") -> list:
         raise NotUnderRay("statistics are kept by each replica under Ray Serve; read Ray Serve's metrics "
-                          "(ray_serve_*) on the Ray metrics endpoint")
+                          "(ray_serve_*) on the Ray metrics endpoint, or one replica's through the model's "
+                          "deployment handle (statistics.remote())")
 
     async def load(self, name: str, config_json: str | dict | None = None) -> None:
         raise NotUnderRay("models are loaded by Ray Serve deployments; change the repository and run the "

@@ -86,6 +86,11 @@ class ModelReplica:
             return ReplicaAnswer(self.identity, error=e)
         return ReplicaAnswer(self.identity, response=response)
 
+    async def statistics(self) -> tuple[ReplicaIdentity, list[dict]]:
+        """This replica's Triton statistics of the model (the HTTP route cannot gather every replica's:
+        a deployment handle reaches one replica per call)."""
+        return self.identity, [s.to_json() for s in self.core.statistics()]
+
     async def __del__(self):
         """Ray Serve stops a replica once its ongoing requests are answered; the batcher then has
         nothing queued, and closing it ends its instances' threads."""
