@@ -134,13 +134,13 @@ def time_model(model: Model, args, folder: Path) -> tuple[dict[str, float], list
 
 
 def table(rows: list[tuple[Model, dict[str, float], list[float], float]]) -> list[str]:
-    header = ["model", "input", *(f"{p} ms" for p in PEERS), "kiln / ort", "kiln / torch", "kiln / ort by round",
-              "kiln build s"]
+    header = ["model", "input", *(f"{p} ms" for p in PEERS), "kiln / ort", "kiln / torch",
+              "kiln / ort, median of rounds", "kiln / ort by round", "kiln build s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for model, ms, by_round, build_s in rows:
         cells = [model.label, model.shape_text(), *(f"{ms[p]:.2f}" for p in PEERS),
                  f"{ms['kiln'] / ms['onnxruntime']:.2f}x", f"{ms['kiln'] / ms['torch eager']:.2f}x",
-                 ", ".join(f"{r:.2f}" for r in by_round), f"{build_s:.1f}"]
+                 f"{float(np.median(by_round)):.2f}x", ", ".join(f"{r:.2f}" for r in by_round), f"{build_s:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -178,15 +178,24 @@ def main() -> None:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"recurrent-{now:%Y-%m-%d}.md"
+    contended = max(load_before, load_after) > args.threads + 0.5
+    warning = (["**Contended run**: other processes shared the CPU (see the load below); every latency is "
+                "inflated, torch's OpenMP threads (kiln, torch eager) far more than onnxruntime's pool, and "
+                "the per-round ratios scatter. Re-run on an idle machine before drawing conclusions.", ""]
+               if contended else [])
+    if contended:
+        print("\n" + warning[0])
     earlier = out.read_text() if out.exists() else ""
     out.write_text(earlier + ("\n---\n\n" if earlier else "") + "\n".join([
         f"{'##' if earlier else '#'} kiln recurrent benchmark, {now:%Y-%m-%d %H:%M} UTC",
         "",
+        *warning,
         f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"- fp32, latency in ms: median over {args.rounds} interleaved rounds of blocks (kiln, onnxruntime, "
         f"torch eager, kiln, ...), each block up to {args.iterations} runs after {args.warmup} warm-up runs; "
-        "'by round': kiln / onnxruntime of each round's block medians",
+        "'by round': kiln / onnxruntime of each round's block medians (their median is the figure least "
+        "moved by other work on a shared machine)",
         f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, on "
         f"{os.cpu_count()} cores: above the thread count, other work shared the CPU"
         + (f"; each block started after the machine was idle for 2 s (waited up to {args.quiet_wait:.0f}s)"

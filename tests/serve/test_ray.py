@@ -290,6 +290,24 @@ def test_killed_replica_loses_no_request(ray_app):
     retried = [replica for attempts, replica in results if attempts > 1]
     assert retried, "the killed replica held no request: nothing was sent again"
     assert victim not in retried
+    # Ray Serve replaces the dead replica: two running again, the victim not among them
+    deadline = time.monotonic() + 120
+    while not (_gone(victim) and _running_replicas("slow") == 2) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _gone(victim) and _running_replicas("slow") == 2
+
+
+def _running_replicas(deployment_name: str) -> int:
+    states = serve.status().applications["kiln"].deployments[deployment_name].replica_states
+    return states.get("RUNNING", 0)
+
+
+def _gone(replica: str) -> bool:
+    try:
+        ray.get_actor(replica, namespace="serve")
+    except ValueError:  # no live actor of that name
+        return True
+    return False
 
 
 def _replica_pid(replica: str) -> int:
