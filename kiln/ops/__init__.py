@@ -21,6 +21,7 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     normalization,
     object_detection,
     quantization,
+    quantized,
     reduction,
     resize,
     rnn,

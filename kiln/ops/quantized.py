@@ -1,0 +1,121 @@
+"""kiln's quantized layers (domain "kiln"): what kiln/passes/fusion/qdq.py makes of an explicitly
+quantized graph (DequantizeLinear -> Conv/Gemm/MatMul [-> Relu/Clip] -> QuantizeLinear, residual Adds
+between Q/DQ pairs), and what the INT8/FP8 kernels of every device implement (kiln/tactics/*/).
+
+THE CONTRACT (docs/quantization.md says the same with the passes around it). Inputs follow ONNX's
+QLinearConv order, so a reader of ORT's QLinearConv/QLinearMatMul/QLinearAdd knows them already:
+
+    QConv (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
+    QGemm (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
+    QAdd  (a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
+
+    x, a, b       quantized activations: uint8 or int8 (float8e4m3fn for FP8); QConv x is [N, C, *spatial],
+                  QGemm x is [..., K]
+    *_scale       float32; activations per tensor (a scalar); w_scale a scalar or one per output
+                  channel ([O] for QConv, [N] for QGemm)
+    *_zero_point  the quantized value of real 0, of the tensor's own dtype, same shape as its scale
+                  (always present, so the dtype is explicit; 0 for float8). The fusion only makes
+                  layers whose weights are symmetric (w_zero_point all 0); kernels may rely on it
+    w             QConv: int8 [O, C/group, *kernel] as ONNX Conv; QGemm: int8 [N, K] (already
+                  transposed, as kiln::FusedGemm stores it), x @ wᵀ
+    bias          int32 [O] / [N] at scale x_scale·w_scale, zero point 0 (ONNX QLinearConv's B), or absent
+    y_scale, y_zero_point
+                  present: the output is quantized to y_zero_point's dtype (uint8/int8/float8);
+                  absent (empty input): the output is float, of type `output_dtype` (ONNX enum,
+                  default 1 = float32): the dequantized result, for a float consumer
+
+    attributes    QConv: Conv's (auto_pad, dilations, group, kernel_shape, pads, strides);
+                  all: activation ("" | "Relu" | "Clip"), alpha/beta (Clip's min/max), output_dtype
+
+The arithmetic every kernel implements (the reference below, in float64 where exact):
+
+    acc[o]  = Σ (x − x_zero_point) · (w[o] − w_zero_point[o])          exact integers (int32 on a kernel)
+    r[o]    = x_scale · w_scale[o] · (acc[o] + bias[o])                the real-valued layer output
+    r       = act(r)                                                    Relu: max(r, 0); Clip: clamp(r, alpha, beta)
+    y       = saturate(round_half_even(r / y_scale) + y_zero_point)    or r itself (float output)
+
+QAdd: r = act(a_scale·(a − a_zero_point) + b_scale·(b − b_zero_point)) (numpy broadcasting), then y as
+above. A kernel computing r in float32 (oneDNN's scales, fbgemm's requantization) may land one
+quantization step away from the reference where r / y_scale sits near a rounding tie: the tests allow
+that one step and no more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ir import dtypes
+from kiln.ops.fused import _activate_
+from kiln.ops.nn import _conv, _conv_params
+from kiln.ops.quantization import _param, quantize_linear
+from kiln.ops.registry import register
+
+QUANTIZED_LAYERS = ("QConv", "QGemm", "QAdd")
+
+
+def _real(q: torch.Tensor, scale: torch.Tensor, zero_point, axis: int = 0) -> torch.Tensor:
+    """q − zero point as float64 (exact for 8-bit integers and float8), scale not applied."""
+    y = q.to(torch.float64)
+    if zero_point is not None:
+        y = y - _param(zero_point.to(torch.float64), q.dim(), q.shape, axis, 0)
+    return y
+
+
+def _activate(r: torch.Tensor, activation: str, alpha: float, beta: float) -> torch.Tensor:
+    if activation not in ("", "Relu", "Clip"):
+        raise ValueError(f"quantized layer activation {activation!r}: '', 'Relu' or 'Clip'")
+    return _activate_(r, activation, alpha, beta)
+
+
+def _output(ctx, r: torch.Tensor, y_scale, y_zero_point, output_dtype: int) -> torch.Tensor:
+    """r quantized by (y_scale, y_zero_point), or r as a float of `output_dtype` when y_scale is absent."""
+    if y_scale is None:
+        return r.to(dtypes.from_onnx(output_dtype or 1).torch)
+    # float32 as a kernel divides; round half to even and saturation as ONNX QuantizeLinear
+    return quantize_linear(ctx, r.to(torch.float32), y_scale, y_zero_point)
+
+
+def _channel_scale(x_scale: torch.Tensor, w_scale: torch.Tensor, rank: int, axis: int) -> torch.Tensor:
+    """x_scale · w_scale in float64, broadcast along the output-channel axis of a rank-`rank` result."""
+    s = x_scale.to(torch.float64).reshape(()) * w_scale.to(torch.float64).reshape(-1)
+    if s.numel() == 1:
+        return s.reshape(())
+    shape = [1] * rank
+    shape[axis] = -1
+    return s.reshape(shape)
+
+
+@register("QConv", domain="kiln")
+def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None, *,
+          auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
+          activation="", alpha=0.0, beta=0.0, output_dtype=1):
+    """Convolution of quantized x and w with int32 bias, activation and requantization (module docstring)."""
+    xf = _real(x, x_scale, x_zero_point)  # [N, C, *spatial]
+    wf = _real(w, w_scale, w_zero_point, axis=0)  # [O, C/group, *kernel]
+    kernel = list(kernel_shape) if kernel_shape else list(w.shape[2:])
+    strides, dilations, pads = _conv_params(xf, kernel, auto_pad, dilations, pads, strides)
+    acc = _conv(xf, wf, None if bias is None else bias.to(torch.float64), strides, dilations, pads, group)
+    r = acc * _channel_scale(x_scale, w_scale, acc.dim(), 1)  # [N, O, *spatial']
+    return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
+
+
+@register("QGemm", domain="kiln")
+def qgemm(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None, *,
+          activation="", alpha=0.0, beta=0.0, output_dtype=1):
+    """x [..., K] @ w [N, K]ᵀ of quantized operands with int32 bias, activation and requantization."""
+    xf = _real(x, x_scale, x_zero_point)
+    wf = _real(w, w_scale, w_zero_point, axis=0)
+    acc = torch.matmul(xf, wf.t())  # [..., N]
+    if bias is not None:
+        acc = acc + bias.to(torch.float64)
+    r = acc * _channel_scale(x_scale, w_scale, acc.dim(), -1)
+    return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
+
+
+@register("QAdd", domain="kiln")
+def qadd(ctx, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale=None, y_zero_point=None, *,
+         activation="", alpha=0.0, beta=0.0, output_dtype=1):
+    """a + b of quantized operands (each its own scale and zero point), activation, requantization."""
+    r = _real(a, a_scale, a_zero_point) * a_scale.to(torch.float64) + \
+        _real(b, b_scale, b_zero_point) * b_scale.to(torch.float64)
+    return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
