@@ -31,6 +31,7 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [B] int32, on the device (kernels)
     num_decodes: int = 0  # the first num_decodes requests have exactly one query row
     backend: str = "torch"  # torch | triton
+    max_seq_len: int | None = None  # triton: sizes the decode kernel's grid (the runner passes max_model_len's)
     # triton backend only: the rest of the requests' rows in BLOCK_M tiles, for the prefill kernel
     query_start_tensor: torch.Tensor | None = None  # [B] int32
     query_lens_tensor: torch.Tensor | None = None  # [B] int32
@@ -66,7 +67,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         n = meta.num_decodes
         if n:
             out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
-                                             meta.seq_lens_tensor[:n], scale, sliding_window)
+                                             meta.seq_lens_tensor[:n], scale, sliding_window, meta.max_seq_len)
         if n < len(meta.query_lens):
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor,
                                     meta.query_lens_tensor, meta.seq_lens_tensor, meta.prefill_tiles, scale,

@@ -196,6 +196,9 @@ class EngineConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     seed: int | None = None  # the global generator's seed, for requests without their own
+    # decode steps replayed as CUDA graphs per batch-size bucket; auto: on for CUDA + triton on one GPU
+    cuda_graphs: bool | str = "auto"
+    load_format: str = "safetensors"  # safetensors | dummy (random weights, for benchmarks: no checkpoint read)
 
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
@@ -212,6 +215,10 @@ class EngineConfig:
             raise LLMError(f"quantization {self.quantization!r}: expected fp8, int8 or int4 (or none)")
         if self.speculative_ngram < 0 or not 1 <= self.ngram_min <= self.ngram_max:
             raise LLMError("speculative_ngram must be >= 0 and 1 <= ngram_min <= ngram_max")
+        if self.cuda_graphs not in (True, False, "auto"):
+            raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise LLMError(f"load_format {self.load_format!r}: expected safetensors or dummy")
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

@@ -68,6 +68,18 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(before)
 
 
+@torch.no_grad()
+def _dummy_weights(model: torch.nn.Module, seed: int | None) -> None:
+    """Random weights in place of a checkpoint (load_format="dummy"): matrices N(0, 0.02), norms and biases
+    as built (ones, zeros). Made on the model's device: an 8B model in a second on a GPU."""
+    generator = None
+    for p in model.parameters():
+        if p.dim() > 1:
+            if generator is None:
+                generator = torch.Generator(device=p.device).manual_seed(0 if seed is None else seed)
+            p.normal_(0.0, 0.02, generator=generator)
+
+
 @dataclass
 class EngineStats:
     """Counters the server's /metrics reads (cumulative since start)."""
@@ -115,7 +127,10 @@ class LLMEngine:
         started = time.perf_counter()
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(self.model_config, self.max_model_len, tp)
-        self.model.load_weights(iterate_weights(self.path), source=str(self.path))
+        if config.load_format == "dummy":
+            _dummy_weights(self.model, config.seed)
+        else:
+            self.model.load_weights(iterate_weights(self.path), source=str(self.path))
         if config.quantization:
             quantize_model(self.model, config.quantization, config.quantization_group_size)
         spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
@@ -130,8 +145,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    self.max_model_len, config.enable_chunked_prefill),
                                    self.block_manager)
+        graphs = config.cuda_graphs
+        if graphs == "auto":
+            graphs = self.device.type == "cuda" and config.attention_backend == "triton" and tp.size == 1
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
-                                  self.model_config.vocab_size, config.attention_backend, config.seed)
+                                  self.model_config.vocab_size, config.attention_backend, config.seed,
+                                  max_model_len=self.max_model_len, cuda_graphs=bool(graphs),
+                                  max_num_seqs=config.max_num_seqs)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)

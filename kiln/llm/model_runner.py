@@ -4,11 +4,11 @@
 builds the attention metadata; `forward` runs the model and returns fp32 logits for the rows that
 choose a token (each sampled request's last row, and one row per draft token); `execute` samples
 and verifies drafts. Everything the step needs arrives in the SchedulerOutput: the runner holds no
-request state but the sampler's per-request generators.
+request state but the seeds it drew for requests without one.
 
-The tensors `prepare` builds are the step's only inputs, so on CUDA a decode-only step can be
-captured once per batch-size bucket and replayed with these copied into static buffers (padded rows
-write to the null block): that capture is not written yet (no GPU time).
+The tensors `prepare` builds are the step's only inputs, so with `cuda_graphs` a decode-only step
+replays the graph captured for its batch-size bucket instead (kiln/llm/cuda_graphs.py), with the same
+values copied into static buffers; prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ class StepInputs:
     meta: AttentionMetadata
     logit_rows: torch.Tensor  # [R] int64: rows of the batch whose logits are needed
     row_owner: list[int]  # [R]: index into order of each logits row
+    row_positions: list[int] = field(default_factory=list)  # [R]: the position of the token each row chooses
 
 
 @dataclass
@@ -51,19 +52,31 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
-                 device: torch.device, vocab_size: int, attention_backend: str = "torch", seed: int | None = None):
+                 device: torch.device, vocab_size: int, attention_backend: str = "torch", seed: int | None = None,
+                 max_model_len: int | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
         self.sampler = Sampler(vocab_size, device, seed)
+        # the decode kernel's grid from max_model_len, not from the batch: the same bits eager or graphed
+        self.max_seq_len = -(-max_model_len // block_size) * block_size if max_model_len else None
+        self.graphs = None
+        self.num_graph_steps = 0  # decode steps that replayed a graph (tests, bench)
+        if cuda_graphs:
+            if device.type != "cuda" or attention_backend != "triton" or max_model_len is None:
+                raise ValueError("CUDA graphs need a CUDA device, the triton attention backend and max_model_len")
+            from kiln.llm.cuda_graphs import DecodeGraphs  # here: CPU runs never touch torch.cuda graphs
+
+            self.graphs = DecodeGraphs(model, kv_caches, self.sampler, block_size, max_model_len, max_num_seqs, device)
+            self.graphs.capture()
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         order = sorted(scheduled, key=lambda s: len(s.token_ids) != 1)  # decodes first (stable)
         size = self.block_size
         token_ids, positions, slots = [], [], []
-        query_start, query_lens, seq_lens, rows, owners = [], [], [], [], []
+        query_start, query_lens, seq_lens, rows, owners, row_positions = [], [], [], [], [], []
         max_blocks = max(len(s.block_ids) for s in order)
         tables = np.zeros((len(order), max_blocks), dtype=np.int32)  # padded with the null block
         start = 0
@@ -82,6 +95,7 @@ class ModelRunner:
                 first = start + n - 1 - item.num_draft_tokens
                 rows.extend(range(first, start + n))
                 owners.extend([b] * (item.num_draft_tokens + 1))
+                row_positions.extend(range(item.start_position + first - start + 1, item.start_position + n + 1))
             start += n
 
         def device_tensor(parts):
@@ -91,14 +105,15 @@ class ModelRunner:
             slot_mapping=device_tensor(slots), query_start=query_start, query_lens=query_lens, seq_lens=seq_lens,
             block_tables=torch.from_numpy(tables).to(self.device),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            num_decodes=sum(1 for n in query_lens if n == 1), backend=self.attention_backend)
+            num_decodes=sum(1 for n in query_lens if n == 1), backend=self.attention_backend,
+            max_seq_len=self.max_seq_len)
         if self.attention_backend == "triton":
             meta.query_start_tensor = torch.tensor(query_start, dtype=torch.int32, device=self.device)
             meta.query_lens_tensor = torch.tensor(query_lens, dtype=torch.int32, device=self.device)
             meta.prefill_tiles = prefill_tiles(query_lens, meta.num_decodes, self.device)
         return StepInputs(order=order, token_ids=device_tensor(token_ids), positions=device_tensor(positions),
                           meta=meta, logit_rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-                          row_owner=owners)
+                          row_owner=owners, row_positions=row_positions)
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -111,21 +126,34 @@ class ModelRunner:
         result = StepResult()
         if output.empty:
             return result
-        inputs = self.prepare(output.scheduled)
+        scheduled = output.scheduled
+        if (self.graphs is not None and len(scheduled) <= self.graphs.buckets[-1]
+                and all(len(s.token_ids) == 1 and s.sample for s in scheduled)):
+            return self._execute_graphed(scheduled)
+        inputs = self.prepare(scheduled)
         if not inputs.row_owner:  # only prefill chunks: nothing to choose yet
             self.forward(inputs)
             return result
         logits = self.forward(inputs)
         owners = [inputs.order[b] for b in inputs.row_owner]
+        return self._finish(inputs.order, owners, logits, inputs.row_positions)
+
+    def _finish(self, order: list[ScheduledRequest], owners: list[ScheduledRequest], logits: torch.Tensor,
+                positions: list[int], token_ids: list[int] | None = None) -> StepResult:
+        """Sample (unless token_ids came from a graph) and verify drafts."""
+        result = StepResult()
         requests = [s.request for s in owners]
-        sampled = self.sampler(logits, [r.params for r in requests], [r.request_id for r in requests],
-                               [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests])
-        token_ids = sampled.token_ids.tolist()
+        if token_ids is None:
+            sampled = self.sampler(logits, [r.params for r in requests], [r.request_id for r in requests],
+                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], positions)
+            token_ids = sampled.token_ids.tolist()
+        else:
+            sampled = self.sampler.logprobs_only(logits, [r.params for r in requests], token_ids)
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_logprobs = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         row = 0
-        for item in inputs.order:
+        for item in order:
             if not item.sample:
                 continue
             targets = token_ids[row:row + item.num_draft_tokens + 1]  # the model's choice after each position
@@ -144,3 +172,21 @@ class ModelRunner:
                     for i in range(accepted + 1)]
             row += item.num_draft_tokens + 1
         return result
+
+    def _execute_graphed(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        """A pure-decode step: replay the bucket's graphs; sample eagerly from the graph's logits only when a
+        request needs penalties (its history) or log-probabilities."""
+        self.num_graph_steps += 1
+        params = [s.request.params for s in scheduled]
+        ids = [s.request_id for s in scheduled]
+        positions = [s.start_position + 1 for s in scheduled]
+        n = len(scheduled)
+        if any(p.needs_penalties for p in params):
+            bucket, _ = self.graphs.run(scheduled, None)
+            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n], positions)
+        sampling = None if all(p.greedy for p in params) else self.sampler.params_tensors(params, ids, positions)
+        bucket, tokens = self.graphs.run(scheduled, sampling)
+        token_ids = tokens[:n].tolist()
+        if any(p.logprobs is not None for p in params):
+            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n], positions, token_ids)
+        return StepResult(sampled={i: [t] for i, t in zip(ids, token_ids)})

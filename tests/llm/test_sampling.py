@@ -74,18 +74,44 @@ def test_penalties_by_formula():
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     params = SamplingParams(temperature=1.0, seed=42)
-    alone = [Sampler(V, torch.device("cpu"))(LOGITS[None].clone(), [params], ["a"], [[0]], [1]).token_ids.item()
-             for _ in range(1)]
+    alone = Sampler(V, torch.device("cpu"))(LOGITS[None].clone(), [params], ["a"], [[0]], [1]).token_ids.item()
     sampler = Sampler(V, torch.device("cpu"), seed=7)
     mixed = [SamplingParams(temperature=1.0), params, SamplingParams(temperature=0.3)]
     batch = sampler(LOGITS.expand(3, -1).clone(), mixed, ["x", "a", "y"], [[0]] * 3, [1] * 3)
-    assert batch.token_ids[1].item() == alone[0]
-    # a request's generator advances with its own draws only: 20 draws alone == 20 draws among others
+    assert batch.token_ids[1].item() == alone
+    # a request's draw depends on its seed and position only: 20 positions alone == the same among others
     s1, s2 = Sampler(V, torch.device("cpu")), Sampler(V, torch.device("cpu"))
-    seq1 = [s1(LOGITS[None].clone(), [params], ["a"], [[0]], [1]).token_ids.item() for _ in range(20)]
-    seq2 = [s2(LOGITS.expand(2, -1).clone(), [SamplingParams(temperature=1.0), params], ["z", "a"], [[0]] * 2,
-               [1] * 2).token_ids[1].item() for _ in range(20)]
+    seq1 = [s1(LOGITS[None].clone(), [params], ["a"], [[0] * n], [1]).token_ids.item() for n in range(1, 21)]
+    seq2 = [s2(LOGITS.expand(2, -1).clone(), [SamplingParams(temperature=1.0), params], ["z", "a"], [[0] * 7, [0] * n],
+               [1] * 2).token_ids[1].item() for n in range(1, 21)]
     assert seq1 == seq2 and len(set(seq1)) > 1
+    # the same position again (a request recomputed after preemption) draws the same token
+    again = [s1(LOGITS[None].clone(), [params], ["b"], [[0] * n], [1]).token_ids.item() for n in range(1, 21)]
+    assert again == seq1
+
+
+def test_engine_seed_fixes_unseeded_requests():
+    params = [SamplingParams(temperature=1.0)] * 64
+    draws = [Sampler(V, torch.device("cpu"), seed=s)(LOGITS.expand(64, -1).clone(), params, [f"r{i}" for i in range(64)],
+                                                     [[0]] * 64, [1] * 64).token_ids.tolist() for s in (3, 3, 4)]
+    assert draws[0] == draws[1] != draws[2]
+
+
+def test_counter_based_draws_are_uniform():
+    """u = hash(key, token): uniform on (0, 1) per token and independent across rows and tokens, by moments
+    and by a chi-square over 16 bins (10^6 draws)."""
+    from kiln.llm.sampling import mix32, row_keys
+
+    keys = row_keys(torch.arange(1000, dtype=torch.int64), torch.zeros(1000, dtype=torch.int64),
+                    torch.arange(1000, dtype=torch.int64) * 7)
+    vocab_keys = mix32(torch.arange(1000, dtype=torch.int64) + 0x9E3779B9)
+    u = ((mix32(keys[:, None] ^ vocab_keys[None, :]) >> 8).double() + 0.5) / 2 ** 24
+    assert abs(u.mean().item() - 0.5) < 2e-3 and abs(u.var().item() - 1 / 12) < 1e-3
+    counts = torch.bincount((u * 16).long().flatten(), minlength=16).double()
+    chi2 = (((counts - u.numel() / 16) ** 2) / (u.numel() / 16)).sum().item()
+    assert chi2 < 45  # 15 degrees of freedom: p ~ 1e-4
+    corr = torch.corrcoef(torch.stack([u[:, :-1].flatten(), u[:, 1:].flatten()]))[0, 1].item()
+    assert abs(corr) < 5e-3
 
 
 def test_logprobs_are_of_the_raw_logits():

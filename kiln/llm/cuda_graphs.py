@@ -1,0 +1,153 @@
+"""The decode step captured as CUDA graphs, one per batch-size bucket, replayed for pure-decode steps.
+
+A decode step of an 8B model is ~300 kernel launches; at batch 1 the GPU needs ~4 ms for its weight
+reads and the launches alone take about as long from Python. Capturing the step makes it one launch.
+What a step depends on is in static buffers sized for the largest bucket, filled on the host and
+copied in before each replay: token ids, positions, slot mapping, block tables (full width:
+max_model_len / block_size), sequence lengths, and the sampling values per row. A batch of n requests
+runs in the smallest bucket >= n (1, 2, 4, 8, ... max_num_seqs); rows past n are padding: token 0 at
+position 0, writing its K/V into slot 0 of the null block 0 (which no request ever reads) and
+attending over that one key.
+
+Per bucket b two graphs share one memory pool (captured largest first, so smaller buckets reuse the
+pool's blocks): the forward (embedding -> layers with paged decode attention -> logits -> the greedy
+argmax) and sampling on the device (temperature, min-p, top-k, top-p, the counter-based exponential
+race of kiln/llm/sampling.py, with per-row seeds). They run the same torch code the eager step runs,
+and the decode kernel's grid is max_model_len's in both, so a replay gives the eager step's tokens.
+Steps with penalties or log-probabilities replay the forward, then sample eagerly from its logits.
+Prefill and mixed steps run eagerly. The pool's size is measured at capture (`memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from kiln.llm.attention import AttentionMetadata
+from kiln.llm.sampling import Sampler
+
+log = logging.getLogger("kiln.llm")
+
+SAMPLING_FIELDS = ("temperature", "min_p", "top_k", "top_p", "greedy", "seed_lo", "seed_hi", "positions")
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to max_batch (max_batch itself last when it is not a power of two)."""
+    buckets, b = [], 1
+    while b < max_batch:
+        buckets.append(b)
+        b *= 2
+    return buckets + [max_batch]
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, kv_caches, sampler: Sampler, block_size: int, max_model_len: int,
+                 max_batch: int, device: torch.device):
+        self.model, self.kv_caches, self.sampler = model, kv_caches, sampler
+        self.device = device
+        self.block_size = block_size
+        self.width = -(-max_model_len // block_size)  # block-table columns
+        self.max_seq_len = self.width * block_size
+        self.buckets = batch_buckets(max_batch)
+        n = self.buckets[-1]
+        # host staging (pinned: copies overlap nothing, but skip a bounce buffer) and device buffers
+        pin = device.type == "cuda"
+        self.host_ints = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, seq lens
+        self.host_tables = torch.zeros((n, self.width), dtype=torch.int32, pin_memory=pin)
+        self.ints = torch.zeros((4, n), dtype=torch.int64, device=device)
+        self.ints[3] = 1
+        self.tables = torch.zeros((n, self.width), dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.sampling = {k: torch.zeros(n, dtype=torch.bool if k == "greedy" else
+                                        torch.float32 if k in ("temperature", "min_p", "top_p") else torch.int64,
+                                        device=device) for k in SAMPLING_FIELDS}
+        self.sampling["temperature"].fill_(1.0)
+        self.sampling["top_k"].fill_(sampler.vocab_size)
+        self.sampling["top_p"].fill_(1.0)
+        self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.greedy_ids: dict[int, torch.Tensor] = {}
+        self.sampled_ids: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+        self.capture_seconds = 0.0
+
+    def bucket(self, n: int) -> int | None:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        return None
+
+    def _forward(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = AttentionMetadata(slot_mapping=self.ints[2, :b], query_start=list(range(b)), query_lens=[1] * b,
+                                 seq_lens=[1] * b, block_tables=self.tables[:b], seq_lens_tensor=self.seq_lens[:b],
+                                 num_decodes=b, backend="triton", max_seq_len=self.max_seq_len)
+        hidden = self.model(self.ints[0, :b], self.ints[1, :b], self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def _sample(self, b: int) -> torch.Tensor:
+        t = {k: v[:b] for k, v in self.sampling.items()}
+        return self.sampler.sample(self.logits[b], t)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        started = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm up off the capture (Triton compiles, cuBLAS picks kernels)
+                for _ in range(2):
+                    logits, _ = self._forward(b)
+                    self.logits[b] = logits
+                    self._sample(b)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.logits[b], self.greedy_ids[b] = self._forward(b)
+            self.forward_graphs[b] = graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.sampled_ids[b] = self._sample(b)
+            self.sample_graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - started
+        log.info("kiln llm: decode captured as CUDA graphs for batch sizes %s in %.1f s, %.1f MiB of graph memory",
+                 self.buckets, self.capture_seconds, self.memory_bytes / 2**20)
+
+    def run(self, items, sampling: dict[str, np.ndarray] | None) -> tuple[int, torch.Tensor]:
+        """items: the step's decode requests (ScheduledRequest, one token each). Replays the bucket's forward
+        and, with `sampling` (Sampler.params_tensors of the rows), its sampling graph. Returns (bucket,
+        token ids [bucket] on the device: greedy when sampling is None)."""
+        n = len(items)
+        b = self.bucket(n)
+        ints, tables, size = self.host_ints.numpy(), self.host_tables.numpy(), self.block_size
+        ints[:, :b] = 0
+        ints[3, :b] = 1  # padding rows: token 0 at position 0 in slot 0 of the null block, one key
+        tables[:b] = 0
+        for i, item in enumerate(items):
+            pos = item.start_position
+            blocks = item.block_ids
+            ints[0, i] = item.token_ids[0]
+            ints[1, i] = pos
+            ints[2, i] = blocks[pos // size] * size + pos % size
+            ints[3, i] = pos + 1
+            tables[i, :len(blocks)] = blocks
+        self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
+        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        self.seq_lens[:b].copy_(self.ints[3, :b])
+        self.forward_graphs[b].replay()
+        if sampling is None:
+            return b, self.greedy_ids[b]
+        for key, values in sampling.items():
+            target = self.sampling[key]
+            target[:n].copy_(torch.from_numpy(values), non_blocking=False)
+        self.sample_graphs[b].replay()
+        return b, self.sampled_ids[b]
