@@ -50,6 +50,9 @@ CASES = {c.model: c for c in [
 
 
 def commit() -> str:
+    """The tree's commit; KILN_COMMIT overrides it (the GPU machine's copy of the tree carries a stale .git)."""
+    if os.environ.get("KILN_COMMIT"):
+        return os.environ["KILN_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,

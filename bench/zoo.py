@@ -229,7 +229,7 @@ def main_cpu(args) -> list[str]:
                 "per-round ratios scatter. Re-run on an idle machine before drawing conclusions.", ""]
                if contended else [])
     write_results(args.results / f"zoo-cpu-{now:%Y-%m-%d}.md", [
-        f"kiln zoo CPU benchmark, {now:%Y-%m-%d %H:%M} UTC ({'full sizes' if args.full else 'CI variants'})",
+        f"kiln zoo CPU benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
         "",
         *warning,
         f"- device: {cpu_name()} ({platform.machine()}, {isa}), {args.threads} thread(s) for every runtime",
@@ -381,7 +381,7 @@ def main_cuda(args) -> list[str]:
     if not args.no_write:
         now = datetime.datetime.now(datetime.timezone.utc)
         write_results(args.results / f"zoo-cuda-{now:%Y-%m-%d}.md", [
-            f"kiln zoo CUDA benchmark, {now:%Y-%m-%d %H:%M} UTC ({'full sizes' if args.full else 'CI variants'})",
+            f"kiln zoo CUDA benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
             "",
             f"- device: {device}; commit {commit()}; kiln {kiln.__version__}; torch {torch.__version__}",
             "- fp16; median latency in ms (CUDA events, after warm-up); kiln: kiln.build(device='cuda', "
