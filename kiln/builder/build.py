@@ -142,7 +142,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         storage = "fp16" if config.device == "cuda" else "fp32"
     # Optimize: restructure the graph so fewer, cheaper steps run.
     say("optimizing")
-    graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify))
+    graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify,
+                                        unsigned_activations=config.device == "cpu"))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph)

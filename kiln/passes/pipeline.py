@@ -22,6 +22,7 @@ from kiln.passes._rewrite import PassReport, run_rule
 from kiln.passes.batchnorm import fold_batchnorm_and_affine
 from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.fold import fold_constants
+from kiln.passes.fusion.qdq_propagate import RULE_UNSIGNED, use_unsigned_activations
 from kiln.passes.noop import remove_noops
 
 
@@ -32,6 +33,9 @@ class PassOptions:
     opt_level: int = 2  # 0: as is; 1: cleanups; 2+: + BN folding and fusions
     fusions: bool = True  # False: stop after BN folding (post-training quantization measures that graph)
     verify: bool = False  # run the IR verifier after every pass (also when KILN_VERIFY=1: the tests set it)
+    # int8 activation Q/DQ pairs made uint8 (exact: zero point + 128): the CPU's int8 kernels are exact
+    # only on unsigned sources without VNNI (kiln/passes/fusion/qdq_propagate.py)
+    unsigned_activations: bool = False
 
 
 def _verifier(options: PassOptions):
@@ -76,6 +80,9 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
         check(model, "fold_batchnorm_and_affine")
         # Fewer, larger steps: every fusion rule in order (recognise patterns, then fuse
         # layers with their epilogues, then whatever elementwise chains remain).
+        if options.fusions and options.unsigned_activations:
+            run_rule(model, RULE_UNSIGNED, use_unsigned_activations, report)
+            check(model, RULE_UNSIGNED)
         for name, rule in fusion.RULES if options.fusions else ():
             run_rule(model, name, rule, report)
             check(model, name)

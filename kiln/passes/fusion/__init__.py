@@ -1,6 +1,7 @@
-"""Fusion rules, one module each (pattern / check with a reason / rewrite), in the order they run: recognisers of decomposed ops first (so the
-layer fusions see a Gelu where the exporter wrote Erf arithmetic), then layer epilogues,
-then attention, then the elementwise chains that are left."""
+"""Fusion rules, one module each (pattern / check with a reason / rewrite), in the order they run: explicit
+quantization first (Q/DQ pairs propagated, quantized layers formed: nothing else may split them), then
+recognisers of decomposed ops (so the layer fusions see a Gelu where the exporter wrote Erf arithmetic),
+then layer epilogues, then attention, then the elementwise chains that are left."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
+from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
+from kiln.passes.fusion.qdq_propagate import remove_qdq_round_trips, sink_dequantize
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
@@ -20,6 +23,10 @@ from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.swiglu import fuse_swiglu
 
 RULES = [
+    ("sink_dequantize", sink_dequantize),  # the 8-bit tensor through MaxPool/Reshape/Concat...
+    ("remove_qdq_round_trips", remove_qdq_round_trips),  # Q(DQ(q)) = q
+    ("fuse_quantized_layers", fuse_quantized_layer),  # before fuse_conv/fuse_gemm take the float layer
+    ("fuse_quantized_add", fuse_quantized_add),
     ("fuse_gelu", fuse_gelu),
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),

@@ -1,0 +1,281 @@
+"""oneDNN int8 primitives: kiln::QConv as a u8/s8 convolution, kiln::QGemm as an inner product.
+
+What kiln/ops/quantized.py specifies, on oneDNN 3's quantization attributes (all fixed at build:
+every scale and zero point of an explicitly quantized graph is a constant):
+
+    src   u8 / s8, zero point (DNNL_ARG_ATTR_ZERO_POINTS | SRC, s32) only where it is not 0
+    wei   s8, symmetric; scales x_scale·w_scale[o] (one per output channel, or one) as the
+          weights' scales: oneDNN forms r = scale·acc + bias in f32, the bias as a real f32
+    post  Relu / Clip as an eltwise post-op on r
+    dst   u8 / s8 with scale y_scale and zero point y_zero_point (q = round(r / y_scale) + zp,
+          saturated), or f32 r itself (the float-output form)
+
+Activations are NHWC (channels-last) as for the float primitives; the weight is reordered once into
+the blocked layout the kernel chose. On an AVX2 CPU without VNNI oneDNN multiplies u8·s8 pairs with
+vpmaddubsw, whose int16 pair sums saturate when both products of a pair are large and of one sign
+(255·127·2 > 32767): `pair_overflow_possible` says when a weight lets that happen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import torch
+
+from kiln.kernels.cpu.onednn import (
+    ARG_BIAS,
+    ARG_DST,
+    ARG_SRC,
+    ARG_WEIGHTS,
+    CONVOLUTION_DIRECT,
+    ELTWISE,
+    FORWARD_INFERENCE,
+    QUERY_WEIGHTS_MD,
+    TAG_A,
+    TAG_AB,
+    TAG_ABCD,
+    TAG_ABCDE,
+    TAG_ACDB,
+    TAG_ANY,
+    Bound,
+    Eltwise,
+    OneDNNError,
+    _check,
+    _dims,
+    _Handle,
+    _implementation,
+    _memory,
+    _primitive,
+    _reorder,
+    load,
+)
+
+# dnnl_data_type_t (oneDNN 3, dnnl_common_types.h)
+F32, S32, S8, U8 = 3, 4, 5, 6
+DATA_TYPES = {torch.float32: F32, torch.int32: S32, torch.int8: S8, torch.uint8: U8}
+ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS = 4096, 8192  # DNNL_ARG_ATTR_SCALES / _ZERO_POINTS (oneDNN 3)
+
+_EXTRA_SIGNATURES = {
+    "dnnl_primitive_attr_set_scales_mask": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "dnnl_primitive_attr_set_zero_points_mask": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+}
+_signed = threading.Lock()
+_ready = False
+
+
+def _lib():
+    """The loaded library, with the quantization entry points' signatures declared (once)."""
+    global _ready
+    lib = load()
+    if not _ready:
+        with _signed:
+            for name, (restype, argtypes) in _EXTRA_SIGNATURES.items():
+                fn = getattr(lib.lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
+            _ready = True
+    return lib
+
+
+def memory_desc(dims: list[int], dtype: torch.dtype, tag: int) -> _Handle:
+    lib = _lib()
+    md = ctypes.c_void_p()
+    _check(lib.lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), DATA_TYPES[dtype], tag),
+           f"memory desc {dims} {dtype} tag {tag}")
+    return _Handle(md, "dnnl_memory_desc_destroy")
+
+
+def pair_overflow_possible(w: torch.Tensor, x_dtype: torch.dtype) -> bool:
+    """Whether vpmaddubsw (AVX2 without VNNI) can saturate on this weight: some output channel has
+    two weights of one sign whose magnitudes times the largest activation sum past int16. Which two
+    weights a kernel pairs depends on its blocking, so any two of a channel count (conservative).
+    s8 activations are shifted to u8 by oneDNN (+128), so both cases use 255."""
+    flat = w.reshape(w.shape[0], -1).to(torch.int32)
+    worst = 0
+    for sign in (1, -1):
+        top = (flat * sign).clamp(min=0).topk(min(2, flat.shape[1]), dim=1).values
+        worst = max(worst, int(top.sum(dim=1).max()))
+    return 255 * worst > 32767
+
+
+class _Quantized:
+    """What QConv/QGemm primitives share: the attr (scales, zero points, post-op) and the
+    constant memories (scales, zero points, weight, bias) an execution passes."""
+
+    def _attr(self, scales: torch.Tensor, weight_mask: int, x_zero: int, y: tuple | None,
+              eltwise: Eltwise | None) -> _Handle:
+        lib = _lib()
+        attr = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
+        attr_h = _Handle(attr, "dnnl_primitive_attr_destroy")
+        _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, ARG_WEIGHTS, weight_mask if scales.numel() > 1 else 0),
+               "weight scales")
+        self._constants: list[tuple[int, torch.Tensor, int]] = [(ARG_ATTR_SCALES | ARG_WEIGHTS, scales, F32)]
+        if x_zero:
+            _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, ARG_SRC, 0), "src zero point")
+            self._constants.append((ARG_ATTR_ZERO_POINTS | ARG_SRC, torch.tensor([x_zero], dtype=torch.int32), S32))
+        if y is not None:
+            y_scale, y_zero = y
+            _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, ARG_DST, 0), "dst scale")
+            self._constants.append((ARG_ATTR_SCALES | ARG_DST, torch.tensor([y_scale], dtype=torch.float32), F32))
+            if y_zero:
+                _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, ARG_DST, 0), "dst zero point")
+                self._constants.append((ARG_ATTR_ZERO_POINTS | ARG_DST, torch.tensor([y_zero], dtype=torch.int32),
+                                        S32))
+        if eltwise is not None:
+            post = ctypes.c_void_p()
+            _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
+            post_h = _Handle(post, "dnnl_post_ops_destroy")
+            _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
+                   f"eltwise post-op {eltwise}")
+            _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
+            del post_h
+        return attr_h
+
+    def _finish(self, pd: ctypes.c_void_p, what: str, w: torch.Tensor, w_user: _Handle,
+                bias: torch.Tensor | None, b_md: _Handle | None) -> None:
+        """Primitive, the weight reordered once into the kernel's layout, the constant memories."""
+        lib = _lib()
+        self._pd, self._prim = _primitive(pd, what)
+        self.implementation = _implementation(pd)
+        w_md = lib.lib.dnnl_primitive_desc_query_md(pd, QUERY_WEIGHTS_MD, 0)
+        size = lib.lib.dnnl_memory_desc_get_size(w_md)
+        self._weight = torch.zeros(size + 64, dtype=torch.int8)  # the kernel's layout may carry compensation
+        src = w.detach().to(torch.int8).contiguous()
+        _reorder(w_user.value, w_md, src, self._weight)
+        fixed = [(ARG_WEIGHTS, _memory(w_md, self._weight.data_ptr()))]
+        self._bias = None
+        if bias is not None:
+            self._bias = bias.detach().to(torch.float32).contiguous()
+            fixed.append((ARG_BIAS, _memory(b_md.value, self._bias.data_ptr())))
+        self._scalars = []
+        for arg, value, dtype in self._constants:
+            md = memory_desc([value.numel()], torch.float32 if dtype == F32 else torch.int32, TAG_A)
+            value = value.contiguous()
+            self._scalars.append((md, value))
+            fixed.append((arg, _memory(md.value, value.data_ptr())))
+        self._fixed = fixed
+        self._lock = threading.Lock()
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        """Arguments at fixed addresses (onednn.Bound), as the float primitives offer them."""
+        roles = {"src": (ARG_SRC, self._src_md.value, src), "dst": (ARG_DST, self._dst_md.value, dst)}
+        return Bound(self._prim.value, roles, self._fixed, self.what, self)
+
+    def _execute(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        lib = _lib()
+        with self._lock:
+            bound = self._per_call
+            bound.rebind("src", x.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args), self.what)
+        return y
+
+
+def _eltwise(activation: str, alpha: float, beta: float) -> Eltwise | None:
+    if activation == "":
+        return None
+    if activation == "Relu":
+        return Eltwise("relu")
+    if activation == "Clip":
+        return Eltwise("clip", float(alpha), float(beta))
+    raise OneDNNError(f"quantized layer activation {activation!r}: '', 'Relu' or 'Clip'")
+
+
+def combined_scales(x_scale: float, w_scale: torch.Tensor) -> torch.Tensor:
+    """x_scale·w_scale in float64, one per output channel (or one): what scales the accumulator."""
+    return torch.as_tensor(w_scale, dtype=torch.float64).reshape(-1) * float(x_scale)
+
+
+def _scales(x_scale: float, w_scale: torch.Tensor) -> torch.Tensor:
+    return combined_scales(x_scale, w_scale).to(torch.float32)  # rounded once, as oneDNN takes them
+
+
+class QConv2d(_Quantized):
+    """One int8 2-D convolution (kiln::QConv) for one input size; NHWC activations in and out."""
+
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, input_size: list[int],
+                 stride: list[int], pads: list[int], dilation: list[int], groups: int, x_dtype: torch.dtype,
+                 x_scale: float, x_zero: int, y: tuple[torch.dtype, float, int] | None,
+                 activation: str = "", alpha: float = 0.0, beta: float = 0.0):
+        """bias: int32 at x_scale·w_scale (the contract's), or None; y: (dtype, scale, zero point) of a
+        quantized output, None for float32."""
+        lib = _lib()
+        n, c, h, wd = input_size
+        o, i_per_group, kh, kw = w.shape
+        if c != i_per_group * groups:
+            raise OneDNNError(f"input channels {c} != weight's {i_per_group} x {groups} groups")
+        oh = (h + pads[0] + pads[2] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        ow = (wd + pads[1] + pads[3] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+        self.input_size, self.output_size = (n, c, h, wd), (n, o, oh, ow)
+        self.out_dtype = torch.float32 if y is None else y[0]
+        self._src_md = memory_desc([n, c, h, wd], x_dtype, TAG_ACDB)
+        self._dst_md = memory_desc([n, o, oh, ow], self.out_dtype, TAG_ACDB)
+        if groups == 1:
+            w_dims, w_tag, mask = [o, c, kh, kw], TAG_ABCD, 1 << 0
+        else:
+            w_dims, w_tag, mask = [groups, o // groups, i_per_group, kh, kw], TAG_ABCDE, (1 << 0) | (1 << 1)
+        w_any = memory_desc(w_dims, torch.int8, TAG_ANY)
+        w_user = memory_desc(w_dims, torch.int8, w_tag)
+        scales = _scales(x_scale, w_scale)
+        real_bias = None if bias is None else bias.to(torch.float64) * scales.to(torch.float64)
+        b_md = memory_desc([o], torch.float32, TAG_A) if bias is not None else None
+        attr = self._attr(scales.expand(o).contiguous() if scales.numel() > 1 else scales, mask, x_zero,
+                          None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta))
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_convolution_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, CONVOLUTION_DIRECT, self._src_md.value, w_any.value,
+            b_md.value if b_md is not None else None, self._dst_md.value, _dims(stride),
+            _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), attr.value),
+            f"int8 convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
+        self.what = f"int8 convolution {list(self.input_size)} -> {list(self.output_size)}"
+        self._finish(pd, "int8 convolution", w, w_user, real_bias, b_md)
+        self._mds = (w_any, w_user, b_md, attr)
+        self._out_strides = (oh * ow * o, 1, ow * o, o)  # NHWC in memory, NCHW in shape
+        self._per_call = self.bind(0, 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last of the built size and dtype -> y [N, O, H', W'] channels-last."""
+        y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+        return self._execute(x, y)
+
+
+class QMatMul(_Quantized):
+    """One int8 matmul (kiln::QGemm) for M rows: y [M, N] = x [M, K] @ w [N, K]ᵀ, quantized.
+
+    oneDNN's matmul, not its inner product: the inner product takes no source zero point, and
+    onnxruntime's uint8 activations have one."""
+
+    def __init__(self, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                 x_dtype: torch.dtype, x_scale: float, x_zero: int, y: tuple[torch.dtype, float, int] | None,
+                 activation: str = "", alpha: float = 0.0, beta: float = 0.0):
+        lib = _lib()
+        n, k = w.shape
+        self.input_size, self.output_size = (rows, k), (rows, n)
+        self.out_dtype = torch.float32 if y is None else y[0]
+        self._src_md = memory_desc([rows, k], x_dtype, TAG_AB)
+        self._dst_md = memory_desc([rows, n], self.out_dtype, TAG_AB)
+        w_any, w_user = memory_desc([k, n], torch.int8, TAG_ANY), memory_desc([k, n], torch.int8, TAG_AB)
+        scales = _scales(x_scale, w_scale)
+        real_bias = None if bias is None else bias.to(torch.float64) * scales.to(torch.float64)
+        b_md = memory_desc([1, n], torch.float32, TAG_AB) if bias is not None else None
+        attr = self._attr(scales.expand(n).contiguous() if scales.numel() > 1 else scales, 1 << 1, x_zero,
+                          None if y is None else (y[1], y[2]), _eltwise(activation, alpha, beta))
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_matmul_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, self._src_md.value, w_any.value,
+            b_md.value if b_md is not None else None, self._dst_md.value, attr.value),
+            f"int8 matmul [{rows}, {k}] x [{n}, {k}]ᵀ")
+        self.what = f"int8 matmul {list(self.input_size)} -> {list(self.output_size)}"
+        self._finish(pd, "int8 matmul", w.t().contiguous(), w_user, real_bias, b_md)  # w: [K, N]
+        self._mds = (w_any, w_user, b_md, attr)
+        self._per_call = self.bind(0, 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] contiguous of the built size and dtype -> y [M, N]."""
+        return self._execute(x, torch.empty(self.output_size, dtype=self.out_dtype))
+
+
+def as_int(value) -> int:
+    return int(np.asarray(value).reshape(-1)[0])

@@ -1,0 +1,242 @@
+"""Explicitly quantized layers -> kiln::QConv / kiln::QGemm / kiln::QAdd (kiln/ops/quantized.py).
+
+    DQ(x_q) -> Conv | Gemm | MatMul (DQ(w_q), [bias]) [-> + b] [-> Relu | Clip] [-> Q(s_y, z_y)]
+        =>  QConv | QGemm (x_q, s_x, z_x, w_q, s_w, 0, [s_y, z_y], bias_q)
+
+    bias_q = round(b / (s_x·s_w))  (a DQ'd int32 bias at exactly that scale comes back unchanged)
+
+The layer reads the 8-bit tensor itself and, when one Q reads its result, writes the 8-bit result
+(else float, for the readers that want float). Weights must be symmetric (zero point 0), int8 or
+float8, per tensor or per output channel: what INT8/FP8 kernels compute.
+
+    DQ(a) + DQ(b) [-> Relu] -> Q(s_y, z_y)  =>  QAdd(a, s_a, z_a, b, s_b, z_b, s_y, z_y)
+
+a residual Add between quantized tensors (QLinearAdd-style), one pass over 8-bit tensors instead of
+two dequantizations, a float add and a quantization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.passes._rewrite import (
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    const_scalar,
+    is_op,
+    new_initializer,
+    only_user,
+    other_input,
+    replace_with,
+)
+from kiln.passes.fusion.qdq_propagate import QParams, dequantized, qparams
+
+RULE_LAYER = "fuse_quantized_layers"
+RULE_ADD = "fuse_quantized_add"
+ACTIVATION_TYPES = (ir.DataType.UINT8, ir.DataType.INT8, ir.DataType.FLOAT8E4M3FN)
+WEIGHT_TYPES = (ir.DataType.INT8, ir.DataType.FLOAT8E4M3FN)
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclass
+class _Weight:
+    q: np.ndarray  # QConv: [O, C/g, *k]; QGemm: [N, K]
+    scale: np.ndarray  # scalar or [O]/[N]
+    dq: ir.Node
+
+
+def _weight(node: ir.Node, report: PassReport) -> _Weight | str:
+    """The layer's weight as the fused op stores it, or why it cannot be."""
+    found = dequantized(node.inputs[1])
+    if found is None:
+        return "the weight is not a DequantizeLinear of constants"
+    dq, p = found
+    w = const(dq.inputs[0])
+    if w is None:
+        return "the quantized weight is computed at run time"
+    if dq.inputs[0].dtype not in WEIGHT_TYPES:
+        return f"weights of type {dq.inputs[0].dtype}: the kernels take int8 (or float8e4m3fn) weights"
+    if np.any(p.zero_point.astype(np.float32) != 0):
+        return "the weight's zero point is not 0 (asymmetric weights: no kernel takes them)"
+    if node.op_type == "Conv":
+        axis = 0
+    elif node.op_type == "MatMul":
+        if w.ndim != 2:
+            return f"the weight is {w.ndim}-D, not a matrix"
+        axis = 1
+    else:
+        axis = 0 if attr(node, "transB", 0) else 1
+    if not p.per_tensor and (p.axis % w.ndim != axis or p.scale.size != w.shape[axis]):
+        return f"the weight's scales run along axis {p.axis}, not its output channels"
+    if axis == 1:  # [K, N] -> [N, K]
+        w = np.ascontiguousarray(w.T)
+    return _Weight(w, p.scale.reshape(-1) if not p.per_tensor else p.scale.reshape(()), dq)
+
+
+def _real_bias(value: ir.Value | None, channels: int) -> np.ndarray | None | str:
+    """A bias input as float64 [channels] (a DQ'd one dequantized), None when absent, else why not."""
+    if value is None:
+        return None
+    found = dequantized(value)
+    if found is not None:
+        dq, p = found
+        b = const(dq.inputs[0])
+        if b is None:
+            return "the bias is quantized at run time"
+        real = (b.astype(np.float64) - p.zero_point.astype(np.float64)) * p.scale.astype(np.float64)
+    else:
+        real = const(value)
+        if real is None:
+            return "the bias is computed at run time"
+        real = real.astype(np.float64)
+    if real.size != channels or real.squeeze().ndim > 1:
+        return f"the bias has shape {list(real.shape)}, not one per output channel ({channels})"
+    return real.reshape(-1)
+
+
+def _bias_after(value: ir.Value, channels: int) -> tuple[ir.Node, np.ndarray] | None:
+    """An Add of a constant [N] bias right after a MatMul (what kiln's own PTQ leaves)."""
+    add = only_user(value)
+    if not is_op(add, "Add"):
+        return None
+    b = const(other_input(add, value))
+    if b is None or b.size != channels or b.shape[-1] != channels:
+        return None
+    return add, b.astype(np.float64).reshape(-1)
+
+
+def _activation(value: ir.Value) -> tuple[ir.Node, str, float, float] | None:
+    node = only_user(value)
+    if is_op(node, "Relu"):
+        return node, "Relu", 0.0, 0.0
+    if is_op(node, "Clip") and node.inputs[0] is value:
+        bounds = []
+        for i, name, default in ((1, "min", -np.inf), (2, "max", np.inf)):
+            v = node.inputs[i] if len(node.inputs) > i else None
+            bound = attr(node, name, default) if v is None else const_scalar(v)
+            if bound is None:
+                return None
+            bounds.append(float(bound))
+        return node, "Clip", bounds[0], bounds[1]
+    return None
+
+
+def _quantized_output(value: ir.Value) -> tuple[ir.Node, QParams] | None:
+    q = only_user(value)
+    p = qparams(q) if is_op(q, "QuantizeLinear") else None
+    if p is None or not p.per_tensor or p.zero_value is None or attr(q, "saturate", 1) != 1:
+        return None
+    return q, p
+
+
+def _scalar(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    return new_initializer(graph, name, np.asarray(array).reshape(()))
+
+
+def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
+    if not is_op(node, "Conv", "Gemm", "MatMul") or len(node.inputs) < 2:
+        return False
+    found = dequantized(node.inputs[0])
+    if found is None:
+        return False  # a float layer
+    dq_x, px = found
+    x_q = dq_x.inputs[0]
+    if not px.per_tensor or x_q.dtype not in ACTIVATION_TYPES:
+        report.refuse(RULE_LAYER, node, "the input is quantized per channel or to a type no kernel reads")
+        return False
+    weight = _weight(node, report)
+    if isinstance(weight, str):
+        report.refuse(RULE_LAYER, node, weight)
+        return False
+    channels = weight.q.shape[0]
+    if node.op_type == "Gemm" and (attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0
+                                   or (len(node.inputs) > 2 and node.inputs[2] is not None
+                                       and attr(node, "beta", 1.0) != 1.0)):
+        report.refuse(RULE_LAYER, node, "Gemm with transA, alpha or beta other than 0, 1, 1")
+        return False
+    if node.op_type == "MatMul" and (node.inputs[0].shape is None or len(node.inputs[0].shape) < 2):
+        report.refuse(RULE_LAYER, node, "the input rank is unknown or 1")
+        return False
+    bias = _real_bias(node.inputs[2] if len(node.inputs) > 2 else None, channels)
+    if isinstance(bias, str):
+        report.refuse(RULE_LAYER, node, bias)
+        return False
+    absorbed: list[ir.Node] = [node]
+    out = node.outputs[0]
+    if bias is None and node.op_type == "MatMul" and (after := _bias_after(out, channels)):
+        absorbed.append(after[0])
+        bias, out = after[1], after[0].outputs[0]
+    activation, alpha, beta = "", 0.0, 0.0
+    if act := _activation(out):
+        absorbed.append(act[0])
+        activation, alpha, beta, out = act[1], act[2], act[3], act[0].outputs[0]
+    scale = px.scale.astype(np.float64).reshape(()) * weight.scale.astype(np.float64)  # scalar or [O]
+    bias_q = None if bias is None else np.round(bias / scale)
+    if bias_q is not None and np.abs(bias_q).max(initial=0) > INT32_LIMIT:
+        report.refuse(RULE_LAYER, node, "the bias does not fit int32 at the scale x_scale·w_scale")
+        return False
+    output = _quantized_output(out)
+    # decided: the graph changes from here on
+    graph = node.graph
+    inputs: list[ir.Value | None] = [x_q, px.scale_value, px.zero_value or _scalar(graph, f"{x_q.name}_zero",
+                                                                                   px.zero_point)]
+    inputs += [new_initializer(graph, f"{node.name}_weight_q", weight.q),
+               new_initializer(graph, f"{node.name}_weight_scale", weight.scale.astype(np.float32)),
+               new_initializer(graph, f"{node.name}_weight_zero",
+                               np.zeros(weight.scale.shape, weight.dq.inputs[0].dtype.numpy()))]
+    if output is not None:
+        absorbed.append(output[0])
+        inputs += [output[1].scale_value, output[1].zero_value]
+        out = output[0].outputs[0]
+    else:
+        inputs += [None, None]
+    if bias_q is not None:
+        inputs.append(new_initializer(graph, f"{node.name}_bias_q", bias_q.astype(np.int32)))
+    while inputs[-1] is None:
+        inputs.pop()
+    attributes = [a for a in node.attributes.values()] if node.op_type == "Conv" else []
+    float_type = node.outputs[0].dtype or ir.DataType.FLOAT
+    attributes += [ir.AttrString("activation", activation), ir.AttrFloat32("alpha", alpha),
+                   ir.AttrFloat32("beta", beta), ir.AttrInt64("output_dtype", int(float_type))]
+    op = "QConv" if node.op_type == "Conv" else "QGemm"
+    fused = ir.Node(KILN_DOMAIN, op, inputs, attributes, name=node.name)
+    replace_with(absorbed, fused, out)
+    return True
+
+
+def fuse_quantized_add(node: ir.Node, report: PassReport) -> bool:
+    if not is_op(node, "Add"):
+        return False
+    a, b = (dequantized(v) for v in node.inputs[:2])
+    if a is None or b is None:
+        return False
+    if not (a[1].per_tensor and b[1].per_tensor):
+        report.refuse(RULE_ADD, node, "an input is quantized per channel")
+        return False
+    out = node.outputs[0]
+    absorbed = [node]
+    activation, alpha, beta = "", 0.0, 0.0
+    if act := _activation(out):
+        absorbed.append(act[0])
+        activation, alpha, beta, out = act[1], act[2], act[3], act[0].outputs[0]
+    output = _quantized_output(out)
+    if output is None:
+        report.refuse(RULE_ADD, node, "its result is not quantized by one QuantizeLinear: the Add stays in float")
+        return False
+    absorbed.append(output[0])
+    graph = node.graph
+    inputs = []
+    for dq, p in (a, b):
+        inputs += [dq.inputs[0], p.scale_value, p.zero_value or _scalar(graph, f"{dq.inputs[0].name}_zero",
+                                                                        p.zero_point)]
+    inputs += [output[1].scale_value, output[1].zero_value]
+    attributes = [ir.AttrString("activation", activation), ir.AttrFloat32("alpha", alpha),
+                  ir.AttrFloat32("beta", beta), ir.AttrInt64("output_dtype", int(out.dtype or ir.DataType.FLOAT))]
+    fused = ir.Node(KILN_DOMAIN, "QAdd", inputs, attributes, name=node.name)
+    replace_with(absorbed, fused, output[0].outputs[0])
+    return True

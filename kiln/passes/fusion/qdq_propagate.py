@@ -1,0 +1,171 @@
+"""Q/DQ propagation: the 8-bit tensor travels through the ops that only move or pick values, and
+quantize-dequantize round trips that change nothing disappear.
+
+    op(DQ(q; s, z)) = DQ(op(q); s, z)       op ∈ MaxPool, Reshape, Flatten, Transpose, Squeeze,
+                                            Unsqueeze (per-tensor s, z: they commute with every
+                                            value-moving op; MaxPool because DQ is increasing, s > 0)
+    Concat(DQ(q1; s, z), DQ(q2; s, z)) = DQ(Concat(q1, q2); s, z)
+    Q(DQ(q; s, z); s, z) = q                rounding s·(q − z)/s + z gives q back; in range already
+
+So a quantized model's `DQ -> MaxPool -> Q -> DQ -> Conv` becomes `MaxPool(q) -> DQ -> Conv`, which
+kiln/passes/fusion/qdq_layers.py then turns into a MaxPool on the 8-bit tensor feeding a QConv.
+
+`use_unsigned_activations` (CPU builds): an int8 activation pair becomes a uint8 one, exactly
+(Q(x; s, z, int8) + 128 = Q(x; s, z + 128, uint8): both clamp the same integer, shifted). On an
+AVX2 CPU without VNNI, oneDNN's int8 kernels are exact only for uint8 sources (signed sources
+are shifted and their weights halved: measured thousands of accumulator units off at K = 4608).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.passes._rewrite import PassReport, attr, bypass, const, consumers, is_op, new_initializer, producer
+
+RULE_SINK = "sink_dequantize"
+RULE_PAIRS = "remove_qdq_round_trips"
+RULE_UNSIGNED = "unsigned_activations"
+MOVERS = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze")
+INT8_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)
+
+
+@dataclass(frozen=True)
+class QParams:
+    """A Q/DQ node's constant scale and zero point (the zero point's dtype is the quantized type)."""
+
+    scale: np.ndarray
+    zero_point: np.ndarray
+    axis: int
+    scale_value: ir.Value
+    zero_value: ir.Value | None  # None: absent (uint8 zeros for DQ of uint8, per ONNX)
+
+    @property
+    def per_tensor(self) -> bool:
+        return self.scale.size == 1
+
+    def same(self, other: QParams) -> bool:
+        """The same quantization, value for value (exact: a round trip is removed only then)."""
+        return (self.scale.dtype == other.scale.dtype and self.zero_point.dtype == other.zero_point.dtype
+                and self.scale.shape == other.scale.shape and np.array_equal(self.scale, other.scale)
+                and np.array_equal(self.zero_point, other.zero_point)
+                and (self.per_tensor or self.axis == other.axis))
+
+
+def qparams(node: ir.Node | None) -> QParams | None:
+    """A QuantizeLinear/DequantizeLinear's constant parameters, or None (computed, blocked, absent node)."""
+    if node is None or not is_op(node, "QuantizeLinear", "DequantizeLinear") or attr(node, "block_size", 0):
+        return None
+    scale = const(node.inputs[1])
+    zero_value = node.inputs[2] if len(node.inputs) > 2 else None
+    if scale is None or scale.dtype != np.float32 or not np.all(scale > 0):
+        return None
+    if zero_value is not None:
+        zero = const(zero_value)
+        if zero is None:
+            return None
+    elif node.op_type == "DequantizeLinear" and node.inputs[0].dtype in INT8_TYPES:
+        zero = np.zeros(scale.shape, node.inputs[0].dtype.numpy())
+    elif node.op_type == "QuantizeLinear" and attr(node, "output_dtype", 0) in (0, ir.DataType.UINT8):
+        zero = np.zeros(scale.shape, np.uint8)
+    else:
+        return None
+    if attr(node, "output_dtype", 0) and zero_value is not None and attr(node, "output_dtype") != \
+            ir.DataType.from_numpy(zero.dtype):
+        return None
+    return QParams(scale, zero, int(attr(node, "axis", 1)), node.inputs[1], zero_value)
+
+
+def dequantized(value: ir.Value | None) -> tuple[ir.Node, QParams] | None:
+    """(the DequantizeLinear producing `value`, its parameters) when they are constants."""
+    dq = producer(value, "DequantizeLinear")
+    params = qparams(dq)
+    return (dq, params) if params is not None else None
+
+
+def _dequantize_node(q: ir.Value, params: QParams, name: str) -> ir.Node:
+    inputs = [q, params.scale_value] + ([params.zero_value] if params.zero_value is not None else [])
+    return ir.node("DequantizeLinear", inputs, attributes={"axis": params.axis}, name=name, num_outputs=1)
+
+
+def sink_dequantize(node: ir.Node, report: PassReport) -> bool:
+    # op(DQ(q; s, z)) -> DQ(op(q); s, z) for value-moving ops, per-tensor s, z
+    if not (is_op(node, *MOVERS) or is_op(node, "Concat")) or len(node.inputs) == 0:
+        return False
+    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
+        return False  # MaxPool's Indices are read
+    data = list(node.inputs) if node.op_type == "Concat" else [node.inputs[0]]
+    found = [dequantized(v) for v in data]
+    if not all(found):
+        if node.op_type == "Concat" and any(found):
+            report.refuse(RULE_SINK, node, "only some inputs are dequantized: the Concat stays in float")
+        return False
+    params = found[0][1]
+    if not params.per_tensor:
+        report.refuse(RULE_SINK, node, "the input is dequantized per channel: the op does not commute with it")
+        return False
+    if not all(p.same(params) for _, p in found[1:]):
+        report.refuse(RULE_SINK, node, "its inputs are quantized with different scales or zero points")
+        return False
+    quantized = [dq.inputs[0] for dq, _ in found]
+    graph = node.graph
+    inputs = quantized + list(node.inputs[len(data):])
+    moved = ir.Node(node.domain, node.op_type, inputs, list(node.attributes.values()), name=f"{node.name}_quantized",
+                    num_outputs=1)
+    out = node.outputs[0]
+    moved.outputs[0].type = ir.TensorType(quantized[0].dtype)
+    moved.outputs[0].shape = out.shape
+    moved.outputs[0].name = f"{out.name}_q"
+    dq = _dequantize_node(moved.outputs[0], params, f"{node.name}_dequantize")
+    dq.outputs[0].type, dq.outputs[0].shape = out.type, out.shape
+    graph.insert_before(node, [moved, dq])
+    name = out.name
+    ir.convenience.replace_all_uses_with(out, dq.outputs[0], replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    out.name = f"{name}__replaced"
+    dq.outputs[0].name = name
+    return True
+
+
+def remove_qdq_round_trips(node: ir.Node, report: PassReport) -> bool:
+    # Q(DQ(q; s, z); s, z) -> q
+    if not is_op(node, "QuantizeLinear"):
+        return False
+    found = dequantized(node.inputs[0])
+    params = qparams(node)
+    if found is None or params is None:
+        return False
+    dq, inner = found
+    if not inner.same(params) or dq.inputs[0].dtype != ir.DataType.from_numpy(params.zero_point.dtype):
+        return False  # a requantization: it stays
+    return bypass(node, dq.inputs[0])
+
+
+def use_unsigned_activations(node: ir.Node, report: PassReport) -> bool:
+    # Q(x; s, z, int8) -> DQ(·; s, z)  =>  Q(x; s, z + 128, uint8) -> DQ(·; s, z + 128)
+    if not is_op(node, "QuantizeLinear"):
+        return False
+    params = qparams(node)
+    q = node.outputs[0]
+    if params is None or params.zero_point.dtype != np.int8 or not params.per_tensor or \
+            const(node.inputs[0]) is not None:
+        return False
+    readers = consumers(q)
+    if q.is_graph_output() or not readers:
+        return False
+    for reader in readers:
+        found = qparams(reader) if is_op(reader, "DequantizeLinear") and reader.inputs[0] is q else None
+        if found is None or not found.same(params):
+            report.refuse(RULE_UNSIGNED, node, f"{reader.name!r} ({reader.op_type}) reads the int8 tensor itself")
+            return False
+    if any(len(n.inputs) < 3 for n in [node, *readers]):
+        return False  # an int8 zero point is always given (else the type is uint8)
+    shifted = (params.zero_point.astype(np.int16) + 128).astype(np.uint8)
+    zero = new_initializer(node.graph, f"{q.name}_zero_point_u8", shifted)
+    for n in [node, *readers]:
+        n.replace_input_with(2, zero)
+    node.attributes.pop("output_dtype", None)
+    q.type = ir.TensorType(ir.DataType.UINT8)
+    return True

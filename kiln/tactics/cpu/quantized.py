@@ -1,0 +1,328 @@
+"""CPU tactics for kiln's quantized layers (kiln/ops/quantized.py: QConv, QGemm, QAdd).
+
+    cpu.qconv.onednn   kiln::QConv as one oneDNN int8 convolution primitive built at load (u8 source,
+                       s8 weights reordered once, scales and zero points as attributes, Relu/Clip as a
+                       post-op, the output requantized or float), NHWC activations
+    cpu.qgemm.onednn   kiln::QGemm as a oneDNN int8 matmul over the rows of x [..., K]
+    cpu.qadd.torch     kiln::QAdd in float32 torch ops (two 8-bit reads, one 8-bit write)
+
+They refuse what their kernels would get wrong, with the reason (`kiln inspect`): signed sources
+(oneDNN shifts them and halves the weights on a CPU without VNNI: thousands of accumulator units
+off, measured), weights whose pair sums can saturate vpmaddubsw's int16 on such a CPU (any two
+weights of one output channel with |w1| + |w2| > 128: ORT's and PyTorch's `reduce_range` keeps
+weights within that), non-zero weight zero points.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import torch
+
+from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives
+from kiln.kernels.cpu.cpu_features import has_int8_dot_product
+from kiln.plan.spec import StepSpec
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
+
+_CL = torch.channels_last
+_QUANTIZED = (torch.uint8, torch.int8)
+_CACHED_SHAPES = 8
+
+
+def _common(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
+    """What QConv and QGemm on oneDNN both need."""
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    names = ("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point")
+    for i, name in enumerate(names, start=1):
+        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
+            return f"{name} is not a constant of the engine"
+    x, w = inputs[0], inputs[3]
+    if x.dtype != torch.uint8:
+        return (f"source {str(x.dtype).removeprefix('torch.')}: only uint8 (oneDNN's signed sources are inexact "
+                "without VNNI; CPU builds make activations uint8)")
+    if w.dtype != torch.int8 or len(w.shape) != w_rank:
+        return f"the weight is not an int8 {w_rank}-D tensor"
+    y_scale = inputs[6] if len(inputs) > 6 else None
+    if y_scale is not None and y_scale.shape is not None:
+        y_zero = inputs[7] if len(inputs) > 7 else None
+        if not y_scale.constant or y_zero is None or not y_zero.constant or y_zero.dtype not in _QUANTIZED:
+            return "the output scale and zero point are not uint8/int8 constants of the engine"
+    elif int(_attr(step, "output_dtype", 1)) != 1:
+        return "a float output other than float32"
+    if _attr(step, "activation", "") not in ("", "Relu", "Clip"):
+        return f"activation {_attr(step, 'activation', '')!r}"
+    return True
+
+
+def _safe_weight(w: torch.Tensor, w_zero: torch.Tensor) -> bool | str:
+    if bool((w_zero != 0).any()):
+        return "the weight's zero point is not 0"
+    if not has_int8_dot_product() and onednn_int8.pair_overflow_possible(w, torch.uint8):
+        return ("two weights of one output channel sum past 128 in magnitude: vpmaddubsw would saturate on this "
+                "CPU without VNNI (quantize weights to 7 bits, reduce_range, for its int8 kernels)")
+    return True
+
+
+def _y(constants: list[Any]) -> tuple[torch.dtype, float, int] | None:
+    y_scale = constants[6] if len(constants) > 6 else None
+    if y_scale is None:
+        return None
+    y_zero = constants[7]
+    return y_zero.dtype, float(y_scale.reshape(-1)[0]), int(y_zero.reshape(-1)[0])
+
+
+def _built(cache: dict, key, build, tuned):
+    found = cache.get(key)
+    if found is None:
+        if len(cache) > _CACHED_SHAPES:
+            cache.pop(next(k for k in cache if k != tuned))
+        found = cache[key] = build(key)
+    return found
+
+
+# ---- QConv -------------------------------------------------------------------------------------
+
+def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
+    auto_pad = _attr(step, "auto_pad", "NOTSET")
+    if auto_pad not in ("NOTSET", "", "VALID"):
+        return f"auto_pad={auto_pad} (pads depend on the input size)"
+    pads = [0, 0, 0, 0] if auto_pad == "VALID" else [int(p) for p in _attr(step, "pads", [0, 0, 0, 0])]
+    strides = [int(s) for s in _attr(step, "strides", [1, 1])]
+    dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
+    return pads, strides, dilations
+
+
+def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    common = _common(step, inputs, 4)
+    if common is not True:
+        return common
+    x, w = inputs[0], inputs[3]
+    if len(x.shape) != 4:
+        return "only 2-D convolutions (4-D input)"
+    geometry = _geometry(step, w.shape)
+    if isinstance(geometry, str):
+        return geometry
+    groups = int(_attr(step, "group", 1))
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    return True
+
+
+def _qconv_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
+        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
+            return f"{name} is not a constant of the engine"
+    x, w = inputs[0], inputs[3]
+    if len(x.shape) != 4 or w.dtype not in _QUANTIZED or len(w.shape) != 4:
+        return "only 2-D convolutions of an int8/uint8 weight"
+    if int(_attr(step, "output_dtype", 1)) != 1 and (len(inputs) <= 6 or inputs[6].shape is None):
+        return "a float output other than float32"
+    geometry = _geometry(step, w.shape)
+    if isinstance(geometry, str):
+        return geometry
+    groups = int(_attr(step, "group", 1))
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    if isinstance(onednn.eltwise_for(*_activation(step)), str):
+        return f"activation {_attr(step, 'activation', '')!r}"
+    return True
+
+
+def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape)}
+
+
+def _activation(step: StepSpec) -> tuple[str, float, float]:
+    return _attr(step, "activation", ""), float(_attr(step, "alpha", 0.0)), float(_attr(step, "beta", 0.0))
+
+
+def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
+    x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
+    safe = _safe_weight(w, w_zero)
+    if safe is not True:
+        raise ValueError(safe)
+    bias = constants[8] if len(constants) > 8 else None
+    pads, strides, dilations = _geometry(step, tuple(w.shape))
+    groups = int(_attr(step, "group", 1))
+    y = _y(constants)
+    activation, alpha, beta = _activation(step)
+    tuned = tuple(step.tactic_config["input_size"])
+
+    def build(size: tuple[int, ...]) -> onednn_int8.QConv2d:
+        return onednn_int8.QConv2d(w, w_scale, bias, list(size), strides, pads, dilations, groups, torch.uint8,
+                                   float(x_scale.reshape(-1)[0]), int(x_zero.reshape(-1)[0]), y, activation,
+                                   alpha, beta)
+
+    primitives = {tuned: build(tuned)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W] uint8, NHWC in memory
+        with lock:
+            primitive = _built(primitives, tuple(x.shape), build, tuned)
+        return primitive(x)  # [N, O, H', W'] channels-last
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.qconv.onednn", op_type="QConv", domain="kiln", device="cpu", dtypes=(torch.uint8,),
+    supports=_qconv_supports, configure=_configure, prepare=_prepare_qconv, layout="channels_last",
+    available=onednn.available,
+    description="oneDNN int8 convolution built at load: u8 source, s8 weights, scales/zero points as attributes",
+))
+
+
+def _dequantized_conv(step: StepSpec, constants: list[Any], device: torch.device):
+    """QConv as its float layer: x dequantized, a float32 oneDNN convolution on the dequantized weight
+    (what the Q/DQ graph means in float), the result quantized. Where int8 kernels are inexact (weights
+    past 7 bits on a CPU without VNNI) or slower, this is what runs."""
+    x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
+    bias = constants[8] if len(constants) > 8 else None
+    pads, strides, dilations = _geometry(step, tuple(w.shape))
+    groups = int(_attr(step, "group", 1))
+    activation, alpha, beta = _activation(step)
+    eltwise = onednn.eltwise_for(activation, alpha, beta)
+    s_x, z_x = float(x_scale.reshape(-1)[0]), float(x_zero.reshape(-1)[0])
+    scale = onednn_int8.combined_scales(s_x, w_scale)  # [O] or scalar, float64
+    w_real = ((w.to(torch.float64) - w_zero.to(torch.float64).reshape(-1, 1, 1, 1)) *
+              w_scale.to(torch.float64).reshape(-1, 1, 1, 1)).to(torch.float32)
+    b_real = None if bias is None else (bias.to(torch.float64) * scale).to(torch.float32)
+    quantize = _quantizer(constants)
+    tuned = tuple(step.tactic_config["input_size"])
+
+    def build(size: tuple[int, ...]) -> onednn_primitives.Conv2d:
+        return onednn_primitives.Conv2d(w_real, b_real, list(size), strides, pads, dilations, groups, eltwise,
+                                        False, False)
+
+    primitives = {tuned: build(tuned)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        xf = x.contiguous(memory_format=_CL).to(torch.float32).sub_(z_x).mul_(s_x)  # [N, C, H, W] NHWC
+        with lock:
+            primitive = _built(primitives, tuple(x.shape), build, tuned)
+            y = primitive(xf)
+        return quantize(y)
+
+    return launch
+
+
+def _quantizer(constants: list[Any]):
+    """r -> round(r / y_scale) + y_zero saturated (QuantizeLinear), or r itself for a float output."""
+    y = _y(constants)
+    if y is None:
+        return lambda r: r.clone()  # the float primitives write into a pooled buffer
+    dtype, y_scale, y_zero = y
+    info = torch.iinfo(dtype)
+
+    def quantize(r: torch.Tensor) -> torch.Tensor:
+        q = torch.div(r, y_scale).round_().add_(y_zero).clamp_(info.min, info.max)
+        return q.to(dtype)
+
+    return quantize
+
+
+register(Tactic(
+    name="cpu.qconv.dequantized", op_type="QConv", domain="kiln", device="cpu", dtypes=_QUANTIZED,
+    supports=_qconv_float_supports, configure=_configure, prepare=_dequantized_conv, layout="channels_last",
+    available=onednn.available,
+    description="the float layer: dequantize, float32 oneDNN convolution of the dequantized weight, quantize",
+))
+
+
+# ---- QGemm -------------------------------------------------------------------------------------
+
+def _qgemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    common = _common(step, inputs, 2)
+    if common is not True:
+        return common
+    x, w = inputs[0], inputs[3]
+    if len(x.shape) < 2 or x.shape[-1] != w.shape[1]:
+        return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
+    return True
+
+
+def _prepare_qgemm(step: StepSpec, constants: list[Any], device: torch.device):
+    x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
+    safe = _safe_weight(w, w_zero)
+    if safe is not True:
+        raise ValueError(safe)
+    bias = constants[8] if len(constants) > 8 else None
+    y = _y(constants)
+    activation, alpha, beta = _activation(step)
+    n = int(w.shape[0])
+    tuned = math.prod(step.tactic_config["input_size"][:-1])
+
+    def build(rows: int) -> onednn_int8.QMatMul:
+        return onednn_int8.QMatMul(w, w_scale, bias, rows, torch.uint8, float(x_scale.reshape(-1)[0]),
+                                   int(x_zero.reshape(-1)[0]), y, activation, alpha, beta)
+
+    primitives = {tuned: build(tuned)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        with lock:
+            primitive = _built(primitives, rows, build, tuned)
+        return primitive(x.reshape(rows, x.shape[-1]).contiguous()).reshape(*lead, n)  # [..., N]
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.qgemm.onednn", op_type="QGemm", domain="kiln", device="cpu", dtypes=(torch.uint8,),
+    supports=_qgemm_supports, configure=_configure, prepare=_prepare_qgemm, available=onednn.available,
+    description="oneDNN int8 matmul built at load: u8 rows, s8 weights, scales/zero points as attributes",
+))
+
+
+# ---- QAdd --------------------------------------------------------------------------------------
+
+def _qadd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if len(inputs) < 8 or any(inputs[i].shape is None or not inputs[i].constant for i in (1, 2, 4, 5, 6, 7)):
+        return "the scales and zero points (output's included) are not constants of the engine"
+    if inputs[3].dtype not in _QUANTIZED or inputs[7].dtype not in _QUANTIZED:
+        return "an input or the output is not uint8/int8"
+    if _attr(step, "activation", "") not in ("", "Relu", "Clip"):
+        return f"activation {_attr(step, 'activation', '')!r}"
+    return True
+
+
+def _prepare_qadd(step: StepSpec, constants: list[Any], device: torch.device):
+    a_scale, a_zero, _, b_scale, b_zero, y_scale, y_zero = (c.reshape(()) if c is not None else None
+                                                             for c in constants[1:8])
+    # y = round(r / s_y) + z_y with r = s_a (a - z_a) + s_b (b - z_b): one multiply-add per operand
+    ka, kb = float(a_scale) / float(y_scale), float(b_scale) / float(y_scale)
+    offset = float(y_zero) - ka * float(a_zero) - kb * float(b_zero)
+    activation, alpha, beta = _activation(step)
+    # the activation bounds r, before rounding: in units of y, r / s_y + z_y
+    low = float(y_zero) if activation == "Relu" else alpha / float(y_scale) + float(y_zero) \
+        if activation == "Clip" else None
+    high = beta / float(y_scale) + float(y_zero) if activation == "Clip" else None
+    info = torch.iinfo(y_zero.dtype)
+    out = y_zero.dtype
+
+    def launch(ctx, a, a_s, a_z, b, *_inputs, **_attributes):
+        y = torch.mul(a, ka)  # float32, a's layout
+        y.add_(b, alpha=kb).add_(offset)
+        if low is not None:
+            y.clamp_(low, high)
+        return y.round_().clamp_(info.min, info.max).to(out)  # round half to even, saturate
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.qadd.torch", op_type="QAdd", domain="kiln", device="cpu", dtypes=_QUANTIZED,
+    supports=_qadd_supports, prepare=_prepare_qadd,
+    description="quantized Add in float32 torch ops: r/s_y = k_a·a + k_b·b + offset, rounded and saturated",
+))
