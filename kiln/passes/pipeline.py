@@ -84,7 +84,10 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
             run_rule(model, RULE_UNSIGNED, use_unsigned_activations, report)
             check(model, RULE_UNSIGNED)
         for name, rule in fusion.RULES if options.fusions else ():
-            run_rule(model, name, rule, report)
+            if run_rule(model, name, rule, report):
+                # What a rewrite replaced is dead (a decomposed attention's shape arithmetic still reading
+                # its key): gone before the next rule counts a value's readers.
+                eliminate_dead_code(model, report)
             check(model, name)
         eliminate_dead_code(model, report)
     # Steps run in list order: keep it topological after the rewrites.

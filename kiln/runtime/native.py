@@ -38,14 +38,33 @@ import torch
 from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.plan.memory import Interval, place
 from kiln.runtime.step import BoundStep, call_step
-from kiln.tactics.tactic import NativeStep, native_strides
+from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
 
 
-def _laid_out(v: torch.Tensor) -> bool:
-    return v.is_contiguous(memory_format=_CL) if v.dim() == 4 else v.is_contiguous()
+_NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_)}
+
+
+def reads_of(m: BoundStep, native: NativeStep) -> list[tuple[int, Any]]:
+    """(slot, role) of each value a member reads: its src (step input 0) and residual, or for kiln's
+    own kernels every step input it names, the role being the input's index."""
+    if native.reads is not None:
+        return [(m.inputs[i], i) for i in native.reads if i < len(m.inputs) and m.inputs[i] >= 0]
+    found = [(m.inputs[0], "src")]
+    if native.residual_input is not None:
+        found.append((m.inputs[native.residual_input], "residual"))
+    return found
+
+
+def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtype, str]:
+    """(size, dtype, layout) a member reads its input `role` in."""
+    if native.reads is not None:
+        size, dtype = native.reads[role]
+        return tuple(size), dtype, "rows"
+    size = tuple(native.input_size if role == "src" else native.output_size)
+    return size, torch.float32, "nhwc" if len(size) == 4 else "rows"
 
 
 def _numel(size: tuple[int, ...]) -> int:
@@ -70,11 +89,10 @@ class Segment:
         produced: dict[int, int] = {}  # slot -> member that writes it
         for k, m in enumerate(members):
             produced[m.outputs[0]] = k
-        consumers: dict[int, list[tuple[int, str]]] = {}  # slot -> [(member, role)]
+        consumers: dict[int, list[tuple[int, Any]]] = {}  # slot -> [(member, role)]
         for k, (m, native) in enumerate(zip(members, natives)):
-            consumers.setdefault(m.inputs[0], []).append((k, "src"))
-            if native.residual_input is not None:
-                consumers.setdefault(m.inputs[native.residual_input], []).append((k, "residual"))
+            for slot, role in reads_of(m, native):
+                consumers.setdefault(slot, []).append((k, role))
 
         self.entries = [s for s in consumers if s not in produced]  # read here, written before the segment
         self.exits = [s for s in produced if s in read_after]  # written here, read after it
@@ -88,6 +106,9 @@ class Segment:
         for k, (m, native) in enumerate(zip(members, natives)):
             x, out = m.inputs[0], m.outputs[0]
             residual = m.inputs[native.residual_input] if native.residual_input is not None else None
+            if native.reads is not None:  # kiln's own kernels: no alias, no accumulation
+                accumulate.append(False)
+                continue
             if native.alias:
                 if x not in produced or last_read[x] != k or x in exits:
                     raise ValueError(f"alias {m.ctx.name}: its input is not a value of the segment that dies here")
@@ -133,7 +154,11 @@ class Segment:
             x, out = m.inputs[0], m.outputs[0]
             residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             prim = native.primitive(accumulate[k])
-            if accumulate[k]:
+            if native.reads is not None:
+                reads = reads_of(m, native)
+                b = prim.bind_reads(address.get(out, 0), {role: address.get(slot, 0) for slot, role in reads})
+                roles = [(out, "dst"), *reads]
+            elif accumulate[k]:
                 b = prim.bind(address.get(x, 0), address.get(out, 0))
                 roles = [(x, "src"), (out, "dst")]
             else:
@@ -153,11 +178,18 @@ class Segment:
         self.exit_shapes = []
         for s in self.exits:
             native = natives[produced[s]]
-            self.exit_shapes.append((native.output_size, native.output_strides))
-        self.entry_sizes = []
+            self.exit_shapes.append((tuple(native.output_size), native.output_strides))
+        # Each entry's size, dtype and layout ("nhwc": a 4-D activation of oneDNN's layers; "rows":
+        # row-major, what kiln's own kernels read), as its readers expect it
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = [], [], []
         for s in self.entries:
-            k, role = consumers[s][0]
-            self.entry_sizes.append(natives[k].input_size if role == "src" else natives[k].output_size)
+            expected = {_expects(natives[k], role) for k, role in consumers[s]}
+            if len(expected) != 1:
+                raise ValueError(f"the layers of a segment read value {s} in different forms: {sorted(map(str, expected))}")
+            size, dtype, layout = expected.pop()
+            self.entry_sizes.append(size)
+            self.entry_dtypes.append(dtype)
+            self.entry_layouts.append(layout)
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
@@ -167,7 +199,7 @@ class Segment:
         # of the loop, into a buffer of the segment's: no allocation, both threads.
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
-            if len(size) == 4:
+            if self.entry_layouts[k] == "nhwc":
                 buffer = hugepages.empty(_numel(size)).as_strided(size, native_strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
@@ -240,8 +272,13 @@ class Segment:
         """Entry k copied into its own buffer in the segment's layout (made on first use)."""
         buffer = self._stage.get(k)
         if buffer is None:
-            buffer = self._stage[k] = torch.empty_strided(tuple(v.shape), native_strides(tuple(v.shape)), dtype=v.dtype)
+            size = tuple(v.shape)
+            strides = native_strides(size) if self.entry_layouts[k] == "nhwc" else row_major_strides(size)
+            buffer = self._stage[k] = torch.empty_strided(size, strides, dtype=v.dtype)
         return buffer.copy_(v)
+
+    def _laid_out(self, k: int, v: torch.Tensor) -> bool:
+        return v.is_contiguous(memory_format=_CL) if self.entry_layouts[k] == "nhwc" else v.is_contiguous()
 
     @property
     def planned_bytes(self) -> int:
@@ -257,7 +294,7 @@ class Segment:
     def _for_sizes(self, values: tuple) -> Segment | None:
         """The segment bound for these entry sizes (built on first sight, RESIZED kept, least recently
         used out), or None when a layer cannot be bound at them: then the layers run one by one."""
-        if not all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values):
+        if not all(isinstance(v, torch.Tensor) and v.dtype == dtype for v, dtype in zip(values, self.entry_dtypes)):
             return None
         key = tuple(tuple(v.shape) for v in values)
         with self._resize_lock:  # contexts of one engine share its segments
@@ -271,9 +308,11 @@ class Segment:
         natives = []
         try:
             for m in self.members:
-                native = m.fn.native.at(sizes[m.inputs[0]]) if m.fn.native.at is not None else None
-                if native is None:
+                tuned = m.fn.native
+                if tuned.at is None:
                     raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
+                native = tuned.at({i: sizes[m.inputs[i]] for i in tuned.reads}) if tuned.reads is not None \
+                    else tuned.at(sizes[m.inputs[0]])
                 if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
                     raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
                 sizes[m.outputs[0]] = native.output_size
@@ -289,8 +328,8 @@ class Segment:
         return segment
 
     def __call__(self, ctx, *values):
-        fits = all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 and tuple(v.shape) == size
-                   for v, size in zip(values, self.entry_sizes))
+        fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and tuple(v.shape) == size
+                   for v, size, dtype in zip(values, self.entry_sizes, self.entry_dtypes))
         if not fits:
             other = self._for_sizes(values)
             if other is not None:
@@ -300,23 +339,23 @@ class Segment:
         exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]
         # NCHW images go through the reorders at the head of the loop; other entries in another
         # layout are copied into a buffer of the segment's (no fresh pages per run)
-        staged = bool(self._staged) and all(not _laid_out(values[k]) and values[k].is_contiguous()
+        staged = bool(self._staged) and all(not self._laid_out(k, values[k]) and values[k].is_contiguous()
                                             for k, _, _ in self._staged)
         with self._lock:
-            entries = [v if (staged and v.dim() == 4) or _laid_out(v) else self._staging(k, v)
-                       for k, v in enumerate(values)]
+            entries = [v if (staged and self.entry_layouts[k] == "nhwc") or self._laid_out(k, v)
+                       else self._staging(k, v) for k, v in enumerate(values)]
             self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
 
     def run_numpy(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The whole program as this one segment, on C-contiguous float32 numpy arrays of the
         planned sizes (NCHW images: the staged loop); numpy outputs. None: not such inputs."""
-        for a, size in zip(arrays, self.entry_sizes):
-            if a.dtype != np.float32 or a.shape != size or not a.flags.c_contiguous:
+        for a, size, dtype in zip(arrays, self.entry_sizes, self.entry_dtypes):
+            if a.dtype != _NUMPY.get(dtype) or a.shape != size or not a.flags.c_contiguous:
                 return None
         exits = []
-        for size, _ in self.exit_shapes:
-            if len(size) == 4:
+        for size, strides in self.exit_shapes:
+            if len(size) == 4 and strides != row_major_strides(size):
                 n, c, h, w = size
                 exits.append(np.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
             else:
@@ -326,66 +365,108 @@ class Segment:
         return exits
 
 
-def _chains(prev: BoundStep, step: BoundStep) -> bool:
-    """step's activation input is prev's output, of the size step was built for (or step reads
-    an entry: then its size is checked per call)."""
-    native, before = step.fn.native, prev.fn.native
-    if step.inputs[0] == prev.outputs[0] and tuple(before.output_size) != tuple(native.input_size):
-        return False
+def _joins(step: BoundStep, produced: dict[int, tuple[int, ...]]) -> bool:
+    """Every value step reads from the run (`produced`: slot -> size) is of the size it was built for
+    (a value from outside the run is checked per call)."""
+    native = step.fn.native
+    if native.reads is not None:
+        return all(tuple(produced[slot]) == tuple(native.reads[i][0]) for slot, i in reads_of(step, native)
+                   if slot in produced)
+    x = step.inputs[0]
+    return x not in produced or tuple(produced[x]) == tuple(native.input_size)
+
+
+def _hoistable(pending: list[BoundStep], produced: dict[int, Any], read: set[int]) -> bool:
+    """Steps that are not native, met between members of a run, may run before it: none reads a value
+    the run writes, and none frees a value the run reads (its last use would move before theirs)."""
+    for step in pending:
+        if any(s in produced for s in step.inputs if s >= 0) or any(s in read for s in step.free):
+            return False
     return True
 
 
-def segments(steps: list[BoundStep], output_slots: list[int],
-             constants: dict[int, Any] | None = None) -> tuple[list[BoundStep], list[Segment]]:
-    """steps with each run of >= 2 native steps replaced by one Segment step."""
+def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[int, Any] | None = None,
+             not_members: set[int] | None = None) -> tuple[list[BoundStep], list[Segment]]:
+    """steps with each run of >= 2 native steps replaced by one Segment step. Steps that are not native
+    but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
+    before the segment when they do not depend on it. `not_members`: indices of steps never made
+    members (shape-only steps, which the program computes once per input-shape signature)."""
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
         for s in step.inputs:
             if s >= 0:
                 last_read[s] = i
     outputs = set(output_slots)
-    runs: list[list[int]] = []
+    excluded = not_members or set()
+    runs: list[tuple[list[int], list[int]]] = []  # (members, steps run before the segment)
+    members: list[int] = []
+    hoisted: list[int] = []
+    pending: list[int] = []
+    produced: dict[int, tuple[int, ...]] = {}  # slot -> size, of the open run
+    read: set[int] = set()  # slots the open run's members read
+
+    def close() -> None:
+        nonlocal members, hoisted, pending, produced, read
+        if members:
+            runs.append((members, hoisted))
+        members, hoisted, pending, produced, read = [], [], [], {}, set()
+
     for i, step in enumerate(steps):
         native = getattr(step.fn, "native", None)
-        ok = isinstance(native, NativeStep) and len(step.outputs) == 1 and step.outputs[0] >= 0
-        if ok and native.alias:  # only inside a run, over a value of it that dies here
-            x = step.inputs[0]
-            ok = (bool(runs) and runs[-1][-1] == i - 1 and steps[i - 1].outputs[0] == x and last_read.get(x) == i
-                  and x not in outputs and _chains(steps[i - 1], step))
-            if ok:
-                runs[-1].append(i)
+        ok = (isinstance(native, NativeStep) and len(step.outputs) == 1 and step.outputs[0] >= 0
+              and i not in excluded)
+        if not ok:
+            if members:
+                pending.append(i)
             continue
-        if ok and runs and runs[-1][-1] == i - 1 and _chains(steps[i - 1], step):
-            runs[-1].append(i)
-        elif ok:
-            runs.append([i])
-    start = {r[0]: r for r in runs if len(r) >= 2}
+        if native.alias:  # only right after a member of the run, over a value of it that dies here
+            x = step.inputs[0]
+            if (members and not pending and members[-1] == i - 1 and steps[i - 1].outputs[0] == x
+                    and last_read.get(x) == i and x not in outputs and _joins(step, produced)):
+                members.append(i)
+                produced[step.outputs[0]] = tuple(native.output_size)
+            else:
+                close()
+            continue
+        joins = bool(members) and _joins(step, produced) and \
+            _hoistable([steps[k] for k in pending], produced, read)
+        if not joins:
+            close()
+        hoisted += pending
+        pending = []
+        members.append(i)
+        produced[step.outputs[0]] = tuple(native.output_size)
+        read |= {slot for slot, _ in reads_of(step, native)}
+    close()
+    start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}
     if not start:
         return steps, []
     result: list[BoundStep] = []
     made: list[Segment] = []
-    i = 0
-    while i < len(steps):
-        run = start.get(i)
-        if run is None:
-            result.append(steps[i])
-            i += 1
+    moved: set[int] = set()
+    for i, step in enumerate(steps):
+        if i in moved:
             continue
-        members = [steps[k] for k in run]
+        if i not in start:
+            result.append(step)
+            continue
+        run, before = start[i]
+        members_ = [steps[k] for k in run]
         end = run[-1]
         read_after = {s for s, last in last_read.items() if last > end} | outputs
         try:
-            read = {s for m in members for s in m.inputs}
-            segment = Segment(members, read_after, {s: v for s, v in (constants or {}).items() if s in read})
+            read_by = {s for m in members_ for s in m.inputs}
+            segment = Segment(members_, read_after, {s: v for s, v in (constants or {}).items() if s in read_by})
         except Exception:  # noqa: BLE001  a run that cannot be planned runs layer by layer, as before
-            result.extend(members)
-            i = end + 1
+            result.append(step)
             continue
-        first_ctx = members[0].ctx
-        ctx = replace(first_ctx, name=f"{first_ctx.name} .. {members[-1].ctx.name} (native segment of {len(run)})",
+        result.extend(steps[k] for k in before)  # they depend on nothing the segment writes
+        moved.update(run)
+        moved.update(before)
+        first_ctx = members_[0].ctx
+        ctx = replace(first_ctx, name=f"{first_ctx.name} .. {members_[-1].ctx.name} (native segment of {len(run)})",
                       num_inputs=len(segment.entries), num_outputs=len(segment.exits))
-        free = sorted({s for m in members for s in m.free})
+        free = sorted({s for m in members_ for s in m.free})
         result.append(BoundStep(segment, ctx, list(segment.entries), list(segment.exits), {}, free))
         made.append(segment)
-        i = end + 1
     return (result, made) if made else (steps, [])

@@ -112,7 +112,7 @@ class Program:
         self.segments = []
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
-            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values)
+            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps)
         self.shape_steps = shape_steps
         self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
         # the loop once a signature's shape values are known: without the steps that compute them

@@ -109,6 +109,11 @@ class NativeStep:
     residual dies at this step).
     An `alias` step (a Reshape that moves no byte) has no primitive: its output is its input's
     memory under another shape.
+
+    A layer of kiln's own C kernels (kiln/kernels/cpu/transformer.py) may read several step inputs
+    in any dtype, row-major: `reads` = {step input index: (size, dtype)}; then `primitive(False)` has
+    `bind_reads(dst, {index: address})`, `at` takes {index: size} (every read's size), and its
+    output is row-major whatever its rank.
     """
 
     input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
@@ -120,10 +125,11 @@ class NativeStep:
     # the same layer's NativeStep for another activation input size (its primitives built on first
     # use): lets the runtime bind a segment for every input size a profile allows, not only the tuned one
     at: Callable[[tuple[int, ...]], NativeStep] | None = None
+    reads: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
-        return native_strides(self.output_size)
+        return native_strides(self.output_size) if self.reads is None else row_major_strides(self.output_size)
 
 
 def native_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -131,6 +137,10 @@ def native_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     if len(size) == 4:
         n, c, h, w = size
         return (c * h * w, 1, w * c, c)
+    return row_major_strides(size)
+
+
+def row_major_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for d in reversed(size):
         strides.append(step)

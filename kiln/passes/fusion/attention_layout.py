@@ -9,6 +9,11 @@ and GPT-2 computes Q, K and V with one GEMM and splits them along the hidden axi
 
     q, k, v = Split(qkv, [Wq, Wk, Wv], axis=-1)  ->  Attention(qkv, None, None, qkv_split=[Wq, Wk, Wv])
 
+A head transpose the attention fusion left in front of an input (BERT's exported key: Reshape, then
+Transpose to [B, H, S, D], read as is) becomes the input's permutation, composed with any it had:
+
+    Attention(Transpose(x, P), .., k_perm=Q)  ->  Attention(x, .., k_perm=[P[Q[0]], .., P[Q[3]]])
+
 Unflattening the last axis and slicing it are views in torch, so the op does the same work
 as before in fewer steps; on the GPU the merge is the one copy the output Reshape made anyway.
 """
@@ -32,10 +37,12 @@ from kiln.passes._rewrite import (
 RULE = "absorb_attention_reshapes"
 
 
-def _split_heads(value: ir.Value | None, node: ir.Node) -> tuple[ir.Node, int] | None:
-    """(the Reshape, H) when value = Reshape(x, [B, S, H, D]) of a 3-D x = [B, S, H·D], read only here."""
+def _split_heads(value: ir.Value | None, readers: ir.Node | list[ir.Node]) -> tuple[ir.Node, int] | None:
+    """(the Reshape, H) when value = Reshape(x, [B, S, H, D]) of a 3-D x = [B, S, H·D], read only by
+    `readers` (one of them: the attention, or a transpose it absorbs)."""
+    readers = readers if isinstance(readers, list) else [readers]
     reshape = producer(value, "Reshape")
-    if reshape is None or only_user(value) is not node or value.shape is None or len(value.shape) != 4:
+    if reshape is None or only_user(value) not in readers or value.shape is None or len(value.shape) != 4:
         return None
     source = reshape.inputs[0].shape
     heads, depth = value.shape[2], value.shape[3]
@@ -77,18 +84,36 @@ def _packed_split(inputs: list[ir.Value | None], readers: list[ir.Node]) -> tupl
     return split, widths
 
 
+def _head_transpose(value: ir.Value | None, node: ir.Node) -> ir.Node | None:
+    """The 4-D Transpose giving `value`, if `node` is its only reader."""
+    transpose = producer(value, "Transpose")
+    if transpose is None or only_user(value) is not node or value.shape is None or len(value.shape) != 4:
+        return None
+    perm = attr(transpose, "perm")
+    return transpose if perm is not None and sorted(perm) == [0, 1, 2, 3] else None
+
+
 def absorb_attention_reshapes(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "Attention", domain=KILN_DOMAIN):
         return False
     inputs = list(node.inputs)
     attrs = {name: a for name, a in node.attributes.items()}
     absorbed: list[ir.Node] = []
-    if (found := _split_heads(inputs[0], node)) is not None:
+    if "qkv_split" not in attrs:
+        for i, name in enumerate(("q_perm", "k_perm", "v_perm")):
+            if (transpose := _head_transpose(inputs[i], node)) is None:
+                continue
+            outer = attr(transpose, "perm")
+            inner = list(attrs[name].value) if name in attrs else [0, 1, 2, 3]
+            absorbed.append(transpose)
+            inputs[i] = transpose.inputs[0]
+            attrs[name] = ir.AttrInt64s(name, [outer[j] for j in inner])  # x.permute(outer).permute(inner)
+    if (found := _split_heads(inputs[0], [node, *absorbed])) is not None:
         absorbed.append(found[0])
         inputs[0] = found[0].inputs[0]
         attrs["q_num_heads"] = ir.AttrInt64("q_num_heads", found[1])
     for i in (1, 2):  # k and v share one head count
-        found = _split_heads(inputs[i], node)
+        found = _split_heads(inputs[i], [node, *absorbed])
         if found is not None and attr(node, "kv_num_heads", found[1]) == found[1] \
                 and ("kv_num_heads" not in attrs or attrs["kv_num_heads"].value == found[1]):
             absorbed.append(found[0])

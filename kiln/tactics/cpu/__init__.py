@@ -4,9 +4,11 @@
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
                    (conv, Winograd conv, pooling, inner product, no-copy reshapes)
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
+    transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
 """
 
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
+import kiln.tactics.cpu.transformer  # noqa: F401

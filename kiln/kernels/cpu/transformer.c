@@ -1,0 +1,352 @@
+/* kiln's transformer layers in C, members of native segments (kiln/runtime/native.py): compiled once
+ * by kiln/kernels/cpu/transformer.py through native_loop.build (-O3 -march=native -fopenmp).
+ *
+ * Each kernel has the segment loop's signature, int fn(void *plan, void *stream, int nargs, const void *args),
+ * and reads its operands' addresses from oneDNN memory objects (dnnl_memory_get_data_handle) at every
+ * call: the segment binds a layer once and points only its entries and exits per run, as it does for
+ * oneDNN's own primitives. Float32 throughout; statistics and softmax sums in float32 as torch's CPU
+ * kernels keep them.
+ *
+ *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows
+ *   kiln_add          y = a + b, b repeating over a's leading rows
+ *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
+ *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a
+ *                     contiguous last axis; additive or boolean mask at any broadcast strides; causal
+ *
+ * Returns 0, or 2 (oneDNN's "invalid arguments") for an operand that is not bound or an index out of
+ * range: the segment then names the layer.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KILN_AVX2 1
+#endif
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+static inline void *handle_of(get_handle_fn get, void *memory) {
+    void *h = NULL;
+    if (memory == NULL || get(memory, &h) != 0) return NULL;
+    return h;
+}
+
+/* ---- LayerNorm ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *residual, *y;  /* dnnl_memory_t; residual may be NULL */
+    const float *scale, *bias;  /* [n] or NULL */
+    long rows, n;
+    long residual_rows;  /* the residual's rows: row r of x adds residual row r % residual_rows */
+    float epsilon;
+    long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
+} ln_plan;
+
+static void ln_row(const float *x, const float *r, float *y, const float *scale, const float *bias, long n,
+                   float epsilon) {
+    float sum = 0.0f;
+    if (r) {
+        for (long i = 0; i < n; ++i) { float s = x[i] + r[i]; y[i] = s; sum += s; }
+        x = y;
+    } else {
+        for (long i = 0; i < n; ++i) sum += x[i];
+    }
+    const float mean = sum / (float)n;
+    float var = 0.0f;
+    for (long i = 0; i < n; ++i) { float d = x[i] - mean; var += d * d; }
+    const float rstd = 1.0f / sqrtf(var / (float)n + epsilon);
+    if (scale && bias)
+        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * scale[i] + bias[i];
+    else if (scale)
+        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * scale[i];
+    else if (bias)
+        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd + bias[i];
+    else
+        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd;
+}
+
+int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const ln_plan *p = (const ln_plan *)object;
+    const float *x = (const float *)handle_of(p->get_handle, p->x);
+    float *y = (float *)handle_of(p->get_handle, p->y);
+    const float *r = p->residual ? (const float *)handle_of(p->get_handle, p->residual) : NULL;
+    if (!x || !y || (p->residual && !r)) return 2;
+    const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
+    #pragma omp parallel for schedule(static) if (rows > p->grain)
+    for (long row = 0; row < rows; ++row)
+        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, p->scale, p->bias, n, p->epsilon);
+    return 0;
+}
+
+/* ---- Add (b repeating over a's leading rows) ---------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *a, *b, *y;
+    long rows, n;  /* a, y: [rows, n] */
+    long b_rows;   /* b: [b_rows, n], row r of a adds row r % b_rows */
+    long grain;
+} add_plan;
+
+int kiln_add(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const add_plan *p = (const add_plan *)object;
+    const float *a = (const float *)handle_of(p->get_handle, p->a);
+    const float *b = (const float *)handle_of(p->get_handle, p->b);
+    float *y = (float *)handle_of(p->get_handle, p->y);
+    if (!a || !b || !y) return 2;
+    const long rows = p->rows, n = p->n, br = p->b_rows;
+    #pragma omp parallel for schedule(static) if (rows > p->grain)
+    for (long row = 0; row < rows; ++row) {
+        const float *ar = a + row * n, *bb = b + (row % br) * n;
+        float *yr = y + row * n;
+        for (long i = 0; i < n; ++i) yr[i] = ar[i] + bb[i];
+    }
+    return 0;
+}
+
+/* ---- Gather of table rows (embedding lookup) ---------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *ids, *y;       /* ids: int64 [count] */
+    const float *table;  /* [vocab, n] */
+    long count, vocab, n;
+} gather_plan;
+
+int kiln_gather_rows(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const gather_plan *p = (const gather_plan *)object;
+    const int64_t *ids = (const int64_t *)handle_of(p->get_handle, p->ids);
+    float *y = (float *)handle_of(p->get_handle, p->y);
+    if (!ids || !y) return 2;
+    for (long i = 0; i < p->count; ++i) {
+        int64_t id = ids[i];
+        if (id < 0) id += p->vocab;
+        if (id < 0 || id >= p->vocab) return 2;  /* ONNX: out of range is an error */
+        memcpy(y + i * p->n, p->table + id * p->n, (size_t)p->n * sizeof(float));
+    }
+    return 0;
+}
+
+/* ---- Attention ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *q, *k, *v, *mask, *out;  /* dnnl_memory_t; q, k, v may be one memory (a packed qkv) */
+    long q_off, k_off, v_off;      /* elements from the memory's address to element [0, 0, 0, 0] */
+    long B, H, Hkv, S, T, D, Dv;
+    long qs[3], ks[3], vs[3], os[3];  /* strides in elements of batch, head, position; the last axis is 1 */
+    long ms[4];       /* the mask's strides of batch, head, query, key (0: broadcast) */
+    int mask_kind;    /* 0 none, 1 additive float32, 2 boolean (true: attend) */
+    int causal;       /* query i sees keys 0..i */
+    int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
+    float scale;
+} attention_plan;
+
+#define QB 4    /* query rows computed together */
+#define KB 16   /* keys per register tile */
+
+#ifdef KILN_AVX2
+/* exp(x) for x <= 0 (a softmax's shifted scores), 8 lanes; below -87.3 it is exactly 0 as torch's is
+   for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. */
+static inline __m256 exp_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
+/* s[j] = exp(s[j] - max) for j < t, returns the sum; max is -inf-free here */
+static float exp_shifted(float *s, long t, float max) {
+    long j = 0;
+    float sum = 0.0f;
+#ifdef KILN_AVX2
+    __m256 m = _mm256_set1_ps(max), acc = _mm256_setzero_ps();
+    for (; j + 8 <= t; j += 8) {
+        __m256 e = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+    for (; j < t; ++j) { float e = expf(s[j] - max); s[j] = e; sum += e; }
+    return sum;
+}
+
+/* scores[r][j] = q_r · kt[:, j] for QB rows and keys [0, limit), kt packed [D][tp] and scores [QB][tp]
+   (limit and tp multiples of KB) */
+static void scores_tile(const float *const *qrow, const float *kt, long D, long tp, long limit, float *scores) {
+    for (long j0 = 0; j0 < limit; j0 += KB) {
+#ifdef KILN_AVX2
+        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
+               a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
+               a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+        for (long d = 0; d < D; ++d) {
+            const float *kd = kt + d * tp + j0;
+            __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
+            __m256 q0 = _mm256_broadcast_ss(qrow[0] + d), q1 = _mm256_broadcast_ss(qrow[1] + d);
+            __m256 q2 = _mm256_broadcast_ss(qrow[2] + d), q3 = _mm256_broadcast_ss(qrow[3] + d);
+            a00 = _mm256_fmadd_ps(q0, k0, a00); a01 = _mm256_fmadd_ps(q0, k1, a01);
+            a10 = _mm256_fmadd_ps(q1, k0, a10); a11 = _mm256_fmadd_ps(q1, k1, a11);
+            a20 = _mm256_fmadd_ps(q2, k0, a20); a21 = _mm256_fmadd_ps(q2, k1, a21);
+            a30 = _mm256_fmadd_ps(q3, k0, a30); a31 = _mm256_fmadd_ps(q3, k1, a31);
+        }
+        _mm256_storeu_ps(scores + 0 * tp + j0, a00); _mm256_storeu_ps(scores + 0 * tp + j0 + 8, a01);
+        _mm256_storeu_ps(scores + 1 * tp + j0, a10); _mm256_storeu_ps(scores + 1 * tp + j0 + 8, a11);
+        _mm256_storeu_ps(scores + 2 * tp + j0, a20); _mm256_storeu_ps(scores + 2 * tp + j0 + 8, a21);
+        _mm256_storeu_ps(scores + 3 * tp + j0, a30); _mm256_storeu_ps(scores + 3 * tp + j0 + 8, a31);
+#else
+        for (int r = 0; r < QB; ++r)
+            for (long j = j0; j < j0 + KB; ++j) {
+                float acc = 0.0f;
+                for (long d = 0; d < D; ++d) acc += qrow[r][d] * kt[d * tp + j];
+                scores[r * tp + j] = acc;
+            }
+#endif
+    }
+}
+
+/* out_r = sum_j p[r][j] v_j for QB rows, v rows at stride vstride, Dv wide */
+static void pv_tile(const float *p, long tp, long t, const float *v, long vstride, long Dv, float *const *orow) {
+    long d0 = 0;
+#ifdef KILN_AVX2
+    for (; d0 + 16 <= Dv; d0 += 16) {
+        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
+               a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
+               a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+        for (long j = 0; j < t; ++j) {
+            const float *vj = v + j * vstride + d0;
+            __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
+            __m256 p0 = _mm256_broadcast_ss(p + 0 * tp + j), p1 = _mm256_broadcast_ss(p + 1 * tp + j);
+            __m256 p2 = _mm256_broadcast_ss(p + 2 * tp + j), p3 = _mm256_broadcast_ss(p + 3 * tp + j);
+            a00 = _mm256_fmadd_ps(p0, v0, a00); a01 = _mm256_fmadd_ps(p0, v1, a01);
+            a10 = _mm256_fmadd_ps(p1, v0, a10); a11 = _mm256_fmadd_ps(p1, v1, a11);
+            a20 = _mm256_fmadd_ps(p2, v0, a20); a21 = _mm256_fmadd_ps(p2, v1, a21);
+            a30 = _mm256_fmadd_ps(p3, v0, a30); a31 = _mm256_fmadd_ps(p3, v1, a31);
+        }
+        _mm256_storeu_ps(orow[0] + d0, a00); _mm256_storeu_ps(orow[0] + d0 + 8, a01);
+        _mm256_storeu_ps(orow[1] + d0, a10); _mm256_storeu_ps(orow[1] + d0 + 8, a11);
+        _mm256_storeu_ps(orow[2] + d0, a20); _mm256_storeu_ps(orow[2] + d0 + 8, a21);
+        _mm256_storeu_ps(orow[3] + d0, a30); _mm256_storeu_ps(orow[3] + d0 + 8, a31);
+    }
+#endif
+    for (; d0 < Dv; ++d0)
+        for (int r = 0; r < QB; ++r) {
+            float acc = 0.0f;
+            for (long j = 0; j < t; ++j) acc += p[r * tp + j] * v[j * vstride + d0];
+            orow[r][d0] = acc;
+        }
+}
+
+/* One (batch, head): every query row of it. work: kt [D][tp], scores [QB][tp], a dump row [Dv]. */
+static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
+                           const void *mask, float *out, long b, long h, float *work) {
+    const long S = p->S, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
+    const long hk = h / (p->H / p->Hkv);
+    const float *qb = q + b * p->qs[0] + h * p->qs[1];
+    const float *kb = k + b * p->ks[0] + hk * p->ks[1];
+    const float *vb = v + b * p->vs[0] + hk * p->vs[1];
+    float *ob = out + b * p->os[0] + h * p->os[1];
+    float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp;
+    for (long j = 0; j < T; ++j) {  /* kᵀ, packed: a tile's keys are contiguous */
+        const float *kj = kb + j * p->ks[2];
+        for (long d = 0; d < D; ++d) kt[d * tp + j] = kj[d];
+    }
+    for (long d = 0; d < D; ++d)
+        for (long j = T; j < tp; ++j) kt[d * tp + j] = 0.0f;
+    const float scale = p->scale;
+    for (long i0 = 0; i0 < S; i0 += QB) {
+        const float *qrow[QB];
+        float *orow[QB];
+        for (int r = 0; r < QB; ++r) {
+            long i = i0 + r < S ? i0 + r : S - 1;  /* past the last row: recompute it, write nowhere */
+            qrow[r] = qb + i * p->qs[2];
+            orow[r] = i0 + r < S ? ob + i * p->os[2] : dump;
+        }
+        /* the causal mask hides keys past the last row of the tile: compute no further */
+        long tmax = p->causal ? (i0 + QB < T ? i0 + QB : T) : T;
+        long tpad = (tmax + KB - 1) / KB * KB;
+        scores_tile(qrow, kt, D, tp, tpad, scores);
+        for (int r = 0; r < QB; ++r) {
+            long i = i0 + r < S ? i0 + r : S - 1;
+            float *s = scores + r * tp;
+            long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
+            float max = -INFINITY;
+            if (p->mask_kind == 1) {
+                const float *m = (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
+                for (long j = 0; j < t; ++j) { s[j] = s[j] * scale + m[j * p->ms[3]]; max = s[j] > max ? s[j] : max; }
+            } else if (p->mask_kind == 2) {
+                const unsigned char *m = (const unsigned char *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
+                for (long j = 0; j < t; ++j) {
+                    s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
+                    max = s[j] > max ? s[j] : max;
+                }
+            } else {
+                for (long j = 0; j < t; ++j) { s[j] *= scale; max = s[j] > max ? s[j] : max; }
+            }
+            if (max == -INFINITY || isnan(max)) {  /* no key to attend to (or NaN scores): NaN, as softmax gives */
+                for (long j = 0; j < tpad; ++j) s[j] = 0.0f;
+                float fill = p->nan_to_zero && max == -INFINITY ? 0.0f : NAN;
+                for (long j = 0; j < t; ++j) s[j] = fill;
+                continue;
+            }
+            float inv = 1.0f / exp_shifted(s, t, max);
+            for (long j = 0; j < t; ++j) s[j] *= inv;
+            for (long j = t; j < tpad; ++j) s[j] = 0.0f;
+        }
+        pv_tile(scores, tp, tmax, vb, p->vs[2], Dv, orow);
+    }
+}
+
+int kiln_attention(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const attention_plan *p = (const attention_plan *)object;
+    const float *q = (const float *)handle_of(p->get_handle, p->q);
+    const float *k = (const float *)handle_of(p->get_handle, p->k);
+    const float *v = (const float *)handle_of(p->get_handle, p->v);
+    float *out = (float *)handle_of(p->get_handle, p->out);
+    const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
+    if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
+    q += p->q_off; k += p->k_off; v += p->v_off;
+    const long tp = (p->T + KB - 1) / KB * KB;
+    const long per_thread = p->D * tp + QB * tp + p->Dv;
+    const long heads = p->B * p->H;
+    /* one thread below ~64k multiply-adds: a parallel region costs more than that */
+    const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > 65536;
+    int failed = 0;
+    #pragma omp parallel if (parallel)
+    {
+        float *work = (float *)malloc((size_t)per_thread * sizeof(float));
+        #pragma omp for schedule(dynamic, 1)
+        for (long bh = 0; bh < heads; ++bh) {
+            if (work == NULL) {
+                #pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            attention_head(p, q, k, v, mask, out, bh / p->H, bh % p->H, work);
+        }
+        free(work);
+    }
+    return failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
+}

@@ -1,0 +1,287 @@
+"""Transformer layers in kiln's own C (transformer.c): LayerNorm, Add, embedding Gather, attention.
+
+Why: inside an exported encoder every layer but the GEMMs ran through torch's dispatcher and kiln's
+Python loop, ~20-50 µs a layer; at BERT's small shapes (batch 1 x 7 tokens) that was four times
+onnxruntime's whole latency. As C kernels with the segment loop's signature they become members of a
+native segment (kiln/runtime/native.py) and a whole encoder runs as one call.
+
+A kernel object is one layer at fixed sizes (plan fields that every binding shares: sizes, weights);
+`bind_reads(dst, {input index: address})` gives a segment its call on memory objects of its own, as
+oneDNN primitives do (kiln/kernels/cpu/onednn.py Bound); `__call__` runs it on torch tensors, for the
+layer run outside a segment. The operands' addresses travel as oneDNN memory objects so that the
+segment loop points entries and exits per run the way it does for every other member.
+
+Built by native_loop.build with the machine's C compiler; `load()` is None without one (the tactics
+are then unavailable and the layers run their registered implementations).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn
+
+SOURCE = Path(__file__).with_name("transformer.c").read_text()
+_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention")
+
+_LOADED: ctypes.CDLL | None = None
+_REASON: str | None = None
+_LOCK = threading.Lock()
+_HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
+
+# rows of work below which a kernel stays on one thread: a parallel region costs ~2-5 µs
+PARALLEL_ELEMENTS = 1 << 15
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use, then reused from kiln's cache), or None."""
+    global _LOADED, _REASON
+    with _LOCK:
+        if _LOADED is not None or _REASON is not None:
+            return _LOADED
+        if not onednn.available():
+            _REASON = "libdnnl.so.3 cannot be loaded (the kernels' operands are oneDNN memory objects)"
+            return None
+        built = native_loop.build("transformer", SOURCE)
+        if isinstance(built, str):
+            _REASON = built
+            return None
+        try:
+            lib = ctypes.CDLL(str(built))
+            for name in _FUNCTIONS:
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                                         ctypes.c_void_p]
+        except (OSError, AttributeError) as e:
+            _REASON = f"{type(e).__name__}: {e}"
+            return None
+        _LOADED = lib
+        return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str | None:
+    """Why load() returned None (None when it did not)."""
+    return _REASON
+
+
+def _handle_md() -> Any:
+    global _HANDLE_MD
+    if _HANDLE_MD is None:
+        _HANDLE_MD = onednn.memory_desc([1], onednn.TAG_A)
+    return _HANDLE_MD
+
+
+_LONG3, _LONG4 = ctypes.c_long * 3, ctypes.c_long * 4
+
+
+class _LayerNormPlan(ctypes.Structure):  # ln_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("residual", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
+                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long)]
+
+
+class _AddPlan(ctypes.Structure):  # add_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("y", ctypes.c_void_p), ("rows", ctypes.c_long), ("n", ctypes.c_long), ("b_rows", ctypes.c_long),
+                ("grain", ctypes.c_long)]
+
+
+class _GatherPlan(ctypes.Structure):  # gather_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("table", ctypes.c_void_p), ("count", ctypes.c_long), ("vocab", ctypes.c_long), ("n", ctypes.c_long)]
+
+
+class _AttentionPlan(ctypes.Structure):  # attention_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("q_off", ctypes.c_long), ("k_off", ctypes.c_long), ("v_off", ctypes.c_long),
+                ("B", ctypes.c_long), ("H", ctypes.c_long), ("Hkv", ctypes.c_long), ("S", ctypes.c_long),
+                ("T", ctypes.c_long), ("D", ctypes.c_long), ("Dv", ctypes.c_long),
+                ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
+                ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
+                ("scale", ctypes.c_float)]
+
+
+class KernelBound:
+    """One layer's call on memory objects of its own (what a native segment runs); `rebind` points a
+    role ("dst", or the index of the step input it reads) elsewhere for a call."""
+
+    def __init__(self, kernel: NativeKernel, addresses: dict[Any, int]):
+        lib = onednn.load()
+        self.what = kernel.what
+        self._kernel = kernel  # owns the weights the plan points at
+        self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
+        fields = dict(kernel.fields)
+        for role, names in kernel.roles.items():
+            if role in self._memories:
+                for name in names:
+                    fields[name] = self._memories[role].value
+        self._plan = kernel.PLAN(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+                                 **fields)
+        self._function = ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: Any) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: Any, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+    def run(self) -> None:
+        status = getattr(self._kernel.library, self._kernel.FUNCTION)(ctypes.addressof(self._plan), None, 0, None)
+        if status:
+            onednn._check(status, self.what)
+
+
+class NativeKernel:
+    """A layer at fixed sizes. Subclasses set PLAN, FUNCTION, `roles` ({role: plan fields}) and
+    `fields` (the plan's other fields), and keep alive the tensors those point at."""
+
+    PLAN: type[ctypes.Structure]
+    FUNCTION: str
+    output_size: tuple[int, ...]
+
+    def __init__(self, what: str):
+        library = load()
+        if library is None:
+            raise onednn.OneDNNError(f"kiln's transformer kernels are not built: {reason()}")
+        self.library = library
+        self.what = what
+        self.roles: dict[Any, tuple[str, ...]] = {}
+        self.fields: dict[str, Any] = {}
+        self._alone: KernelBound | None = None
+        self._lock = threading.Lock()
+
+    def bind_reads(self, dst: int, reads: dict[int, int]) -> KernelBound:
+        """The layer's call writing dst and reading each step input (by index) at its address."""
+        return KernelBound(self, {"dst": dst, **reads})
+
+    def __call__(self, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Run on tensors (contiguous, of the built sizes, by step input index): a new float32 output."""
+        y = torch.empty(self.output_size, dtype=torch.float32)
+        with self._lock:
+            if self._alone is None:
+                self._alone = self.bind_reads(0, {k: 0 for k in inputs})
+            bound = self._alone
+            bound.rebind("dst", y.data_ptr())
+            for k, v in inputs.items():
+                bound.rebind(k, v.data_ptr())
+            bound.run()
+        return y
+
+
+def _rows(size: tuple[int, ...]) -> int:
+    n = 1
+    for d in size[:-1]:
+        n *= d
+    return n
+
+
+def repeats_over_rows(size: tuple[int, ...], of: tuple[int, ...]) -> bool:
+    """A tensor of `size` broadcast to `of` is its rows repeated over `of`'s leading rows: its shape,
+    after leading 1s, is a suffix of `of` (so flat row r of `of` reads its row r % its rows)."""
+    trimmed = list(size)
+    while len(trimmed) > 1 and trimmed[0] == 1:
+        trimmed.pop(0)
+    return len(trimmed) <= len(of) and tuple(of[len(of) - len(trimmed):]) == tuple(trimmed) and len(trimmed) >= 1
+
+
+class LayerNorm(NativeKernel):
+    """y = (s - mean) / sqrt(var + eps) * scale + bias over the last axis, s = x [+ residual]."""
+
+    PLAN, FUNCTION = _LayerNormPlan, "kiln_layer_norm"
+
+    def __init__(self, size: tuple[int, ...], scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 epsilon: float, residual_size: tuple[int, ...] | None = None):
+        super().__init__(f"layer norm {list(size)}")
+        n, rows = int(size[-1]), _rows(size)
+        if residual_size is not None and not repeats_over_rows(residual_size, size):
+            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        self.input_size = self.output_size = tuple(size)
+        self._scale = None if scale is None else scale.detach().to(torch.float32).reshape(-1).contiguous()
+        self._bias = None if bias is None else bias.detach().to(torch.float32).reshape(-1).contiguous()
+        for w in (self._scale, self._bias):
+            if w is not None and w.numel() != n:
+                raise ValueError(f"scale/bias of {w.numel()} elements for rows of {n}")
+        self.roles = {0: ("x",), 3: ("residual",), "dst": ("y",)}
+        self.fields = dict(scale=self._scale.data_ptr() if self._scale is not None else None,
+                           bias=self._bias.data_ptr() if self._bias is not None else None,
+                           rows=rows, n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),
+                           residual_rows=_rows(residual_size) if residual_size is not None else rows)
+
+
+class Add(NativeKernel):
+    """y = a + b, the smaller operand's rows repeating over the larger's (reads step inputs 0 and 1)."""
+
+    PLAN, FUNCTION = _AddPlan, "kiln_add"
+
+    def __init__(self, a_size: tuple[int, ...], b_size: tuple[int, ...]):
+        super().__init__(f"add {list(a_size)} + {list(b_size)}")
+        big, small, roles = (a_size, b_size, {0: ("a",), 1: ("b",)}) if _numel(a_size) >= _numel(b_size) \
+            else (b_size, a_size, {1: ("a",), 0: ("b",)})
+        if not repeats_over_rows(small, big):
+            raise ValueError(f"{list(small)} does not repeat over the rows of {list(big)}")
+        self.output_size = tuple(big)
+        n = int(big[-1])
+        self.roles = {**roles, "dst": ("y",)}
+        self.fields = dict(rows=_rows(big), n=n, b_rows=_rows(small), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)))
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    return _rows(size) * (size[-1] if size else 1)
+
+
+class GatherRows(NativeKernel):
+    """y = table[ids] for a constant table [V, N] and int64 ids of any shape (step input 1)."""
+
+    PLAN, FUNCTION = _GatherPlan, "kiln_gather_rows"
+
+    def __init__(self, table: torch.Tensor, ids_size: tuple[int, ...]):
+        super().__init__(f"gather rows of {list(table.shape)} by {list(ids_size)}")
+        self._table = table.detach().to(torch.float32).contiguous()
+        vocab, n = self._table.shape
+        self.output_size = (*ids_size, int(n))
+        count = 1
+        for d in ids_size:
+            count *= d
+        self.roles = {1: ("ids",), "dst": ("y",)}
+        self.fields = dict(table=self._table.data_ptr(), count=count, vocab=int(vocab), n=int(n))
+
+
+class Attention(NativeKernel):
+    """softmax(q kᵀ scale + mask) v for every (batch, head). q, k, v (and the output) are given as
+    (step input, element offset, strides of batch, head, position) over [B, H, S, D] views with a
+    contiguous last axis; q, k and v may be one input (a packed qkv). The mask: None, or (kind
+    "add" | "bool", strides of batch, head, query, key; 0 where it broadcasts)."""
+
+    PLAN, FUNCTION = _AttentionPlan, "kiln_attention"
+
+    def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
+                 v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
+                 mask: tuple[str, tuple[int, ...]] | None, scale: float, causal: bool, nan_to_zero: bool):
+        super().__init__(f"attention B={dims['B']} H={dims['H']} S={dims['S']} T={dims['T']} D={dims['D']}")
+        self.output_size = tuple(output_size)
+        roles: dict[Any, list[str]] = {"dst": ["out"]}
+        for name, (index, _, _) in (("q", q), ("k", k), ("v", v)):
+            roles.setdefault(index, []).append(name)
+        if mask is not None:
+            roles[3] = ["mask"]
+        self.roles = {role: tuple(names) for role, names in roles.items()}
+        self.fields = dict(q_off=q[1], k_off=k[1], v_off=v[1], **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T",
+                                                                                          "D", "Dv")},
+                           qs=_LONG3(*q[2]), ks=_LONG3(*k[2]), vs=_LONG3(*v[2]), os=_LONG3(*out_strides),
+                           ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
+                           mask_kind={None: 0, "add": 1, "bool": 2}[mask[0] if mask is not None else None],
+                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale))

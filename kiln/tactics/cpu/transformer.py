@@ -1,0 +1,311 @@
+"""CPU tactics for a transformer's layers besides its GEMMs, on kiln's own C kernels
+(kiln/kernels/cpu/transformer.py), each runnable inside a native segment:
+
+    cpu.layernorm.native   kiln::LayerNorm over the last axis (+ a residual repeating over the rows)
+    cpu.attention.native   kiln::Attention: q/k/v at the strides its layout attributes give (a packed
+                           qkv, heads split and permuted), additive or boolean mask, causal, GQA
+    cpu.add.native         Add of float32 tensors, one repeating over the other's rows
+    cpu.gather.native      Gather of rows of a constant float32 table by int64 ids (an embedding)
+
+Why: with these an exported encoder's layers from the embeddings to the last LayerNorm are all native,
+and a run is one call into the segment loop instead of a Python step and a torch dispatch per layer
+(~20-50 µs each: at BERT's small shapes more than onnxruntime's whole latency). Outside a segment each
+runs its kernel on torch tensors.
+
+A kernel is bound per input sizes (`at` gets every read's size): sizes are only plan fields, so binding
+at a new shape costs a few ctypes calls, not a rebuild.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kiln.kernels.cpu import transformer as kernels
+from kiln.plan.spec import StepSpec
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import attribute as _attr
+
+_F32 = torch.float32
+_KEPT = 16  # kernels kept per layer for input sizes met at run time (least recently used out)
+
+
+def _sizes_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    """The tuned size of every tensor input: [[index, size], ...] (JSON keys would be strings)."""
+    return {"input_sizes": [[k, list(m.shape)] for k, m in enumerate(inputs) if m.shape is not None]}
+
+
+def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
+    return {int(k): tuple(size) for k, size in step.tactic_config["input_sizes"]}
+
+
+def _prepared(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
+              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel]):
+    """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
+    launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes."""
+    built: OrderedDict[tuple, kernels.NativeKernel] = OrderedDict()
+
+    def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
+        key = tuple(sorted(sizes.items()))
+        found = built.get(key)
+        if found is None:
+            found = built[key] = build(sizes)
+            while len(built) > _KEPT:
+                built.popitem(last=False)
+        else:
+            built.move_to_end(key)
+        return found
+
+    def launch(ctx, *inputs, **_attributes):
+        tensors = {k: v for k, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
+        wanted = reads({k: tuple(v.shape) for k, v in tensors.items()})
+        for k, dtype in wanted.items():
+            if tensors[k].dtype != dtype:
+                raise TypeError(f"input {k} is {tensors[k].dtype}, the layer was built for {dtype}")
+        sizes = {k: tuple(tensors[k].shape) for k in wanted}
+        return kernel(sizes)({k: tensors[k].contiguous() for k in wanted})
+
+    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        dtypes = reads(sizes)
+        sizes = {k: tuple(sizes[k]) for k in dtypes}
+        found = kernel(sizes)
+        first = min(sizes)
+        return NativeStep(sizes[first], found.output_size, lambda _accumulate: found, at=native_at,
+                          reads={k: (sizes[k], dtypes[k]) for k in sizes})
+
+    launch.native = native_at(_tuned_sizes(step))
+    return launch
+
+
+def _float(meta: InputMeta | None) -> bool:
+    return meta is not None and meta.shape is not None and meta.dtype == _F32
+
+
+# ---- LayerNorm -------------------------------------------------------------------------------------
+
+def _ln_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not kernels.available():
+        return f"kiln's transformer kernels are not built: {kernels.reason()}"
+    x = inputs[0]
+    if x.shape is None or len(x.shape) < 1 or x.shape[-1] < 1:
+        return "the input's shape is not known"
+    if len([o for o in step.outputs if o]) != 1:
+        return "the sum x + residual is asked for as a second output"
+    axis = int(_attr(step, "axis", -1))
+    if axis not in (-1, len(x.shape) - 1):
+        return f"normalizes from axis {axis}: only the last axis"
+    for k, name in ((1, "scale"), (2, "bias")):
+        w = inputs[k] if k < len(inputs) else None
+        if w is None or w.shape is None:
+            continue
+        if not w.constant or w.dtype != _F32 or math.prod(w.shape) != x.shape[-1]:
+            return f"the {name} is not a float32 constant of the normalized width {x.shape[-1]}"
+    residual = inputs[3] if len(inputs) > 3 else None
+    if residual is not None and residual.shape is not None:
+        if residual.dtype != _F32:
+            return f"residual dtype {residual.dtype}, only float32"
+        if not kernels.repeats_over_rows(residual.shape, x.shape):
+            return f"the residual {list(residual.shape)} does not repeat over the rows of {list(x.shape)}"
+    return True
+
+
+def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    scale = constants[1] if len(constants) > 1 else None
+    bias = constants[2] if len(constants) > 2 else None
+    epsilon = float(_attr(step, "epsilon", 1e-5))
+
+    def reads(sizes):
+        return {k: _F32 for k in (0, 3) if k in sizes}
+
+    return _prepared(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3)))
+
+
+register(Tactic(
+    name="cpu.layernorm.native", op_type="LayerNorm", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_ln_supports, configure=_sizes_config, prepare=_ln_prepare, available=kernels.available, native=True,
+    description="LayerNorm (+ residual) over the last axis in kiln's C, a native-segment member",
+))
+
+
+# ---- Add -------------------------------------------------------------------------------------------
+
+def _add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not kernels.available():
+        return f"kiln's transformer kernels are not built: {kernels.reason()}"
+    if len(inputs) != 2 or not _float(inputs[0]) or not _float(inputs[1]):
+        return "only float32 tensors of known shapes"
+    a, b = inputs[0].shape, inputs[1].shape
+    big, small = (a, b) if math.prod(a) >= math.prod(b) else (b, a)
+    if not big or not kernels.repeats_over_rows(small, big):
+        return f"{list(small)} does not repeat over the rows of {list(big)}"
+    return True
+
+
+def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    return _prepared(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]))
+
+
+register(Tactic(
+    name="cpu.add.native", op_type="Add", domain="", device="cpu", dtypes=(_F32,),
+    supports=_add_supports, configure=_sizes_config, prepare=_add_prepare, available=kernels.available, native=True,
+    description="Add (one operand's rows repeating over the other's) in kiln's C, a native-segment member",
+))
+
+
+# ---- Gather (embedding) ----------------------------------------------------------------------------
+
+def _gather_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not kernels.available():
+        return f"kiln's transformer kernels are not built: {kernels.reason()}"
+    table, ids = inputs[0], inputs[1] if len(inputs) > 1 else None
+    if not table.constant or table.dtype != _F32 or table.shape is None or len(table.shape) != 2:
+        return "the table is not a float32 constant matrix of the engine"
+    if int(_attr(step, "axis", 0)) not in (0, -2):
+        return "gathers along another axis than the rows"
+    if ids is None or ids.shape is None or ids.dtype != torch.int64 or ids.constant:
+        return "the indices are not int64 computed at run time"
+    return True
+
+
+def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    table = constants[0]
+    return _prepared(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
+
+
+register(Tactic(
+    name="cpu.gather.native", op_type="Gather", domain="", device="cpu", dtypes=(_F32,),
+    supports=_gather_supports, configure=_sizes_config, prepare=_gather_prepare, available=kernels.available,
+    native=True, description="rows of a constant table by int64 ids (an embedding) in kiln's C, a native-segment member",
+))
+
+
+# ---- Attention -------------------------------------------------------------------------------------
+
+def _head_views(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]]) -> dict[str, Any] | str:
+    """q, k, v as the op views them ([B, H, S, D], kiln/ops/fused.py attention), computed on meta
+    tensors: {name: (step input, storage offset, strides)} plus the dims, or why the kernel cannot."""
+    if 0 not in sizes:
+        return "no q"
+    tensors = {k: torch.empty(sizes[k], device="meta") for k in (0, 1, 2) if k in sizes}
+    q, k, v = tensors.get(0), tensors.get(1), tensors.get(2)
+    source = {"q": 0, "k": 1, "v": 2}
+    split = attrs.get("qkv_split")
+    if split:
+        q, k, v = torch.split(q, list(split), dim=-1)
+        source = {"q": 0, "k": 0, "v": 0}
+    if k is None or v is None:
+        return "k or v is missing"
+    qh, kvh = attrs.get("q_num_heads") or 0, attrs.get("kv_num_heads") or 0
+    if qh and q.dim() == 3:
+        q = q.unflatten(-1, (qh, -1))
+    if kvh and k.dim() == 3:
+        k = k.unflatten(-1, (kvh, -1))
+    if kvh and v.dim() == 3:
+        v = v.unflatten(-1, (kvh, -1))
+    views = {}
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        perm = attrs.get(f"{name}_perm")
+        t = t.permute(list(perm)) if perm else t
+        if t.dim() != 4 or t.stride(3) != 1:
+            return f"{name} is not [B, H, S, D] with a contiguous last axis ({list(t.shape)}, strides {list(t.stride())})"
+        views[name] = (source[name], t.storage_offset(), tuple(t.stride()[:3]), tuple(t.shape))
+    (B, H, S, D), (Bk, Hkv, T, Dk), (Bv, Hv, Tv, Dv) = views["q"][3], views["k"][3], views["v"][3]
+    if not (B == Bk == Bv) or Dk != D or Tv != T or Hv != Hkv or Hkv < 1 or H % Hkv:
+        return f"q {list(views['q'][3])}, k {list(views['k'][3])}, v {list(views['v'][3])} do not fit together"
+    if Hkv != H and not attrs.get("gqa"):
+        return "k and v have fewer heads than q without gqa"
+    return {"views": views, "dims": dict(B=B, H=H, Hkv=Hkv, S=S, T=T, D=D, Dv=Dv)}
+
+
+def _attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
+    """Everything kernels.Attention needs at these sizes, or why not."""
+    found = _head_views(attrs, sizes)
+    if isinstance(found, str):
+        return found
+    dims = found["dims"]
+    B, H, S, T, Dv = dims["B"], dims["H"], dims["S"], dims["T"], dims["Dv"]
+    mask = None
+    if 3 in sizes:
+        if mask_dtype not in (_F32, torch.bool):
+            return f"mask dtype {mask_dtype}: only float32 (added) or bool"
+        m = sizes[3]
+        if len(m) > 4 or any(d not in (1, want) for d, want in zip(reversed(m), (T, S, H, B))):
+            return f"the mask {list(m)} does not broadcast to [B, H, S, T] = {[B, H, S, T]}"
+        expanded = torch.empty(m, device="meta").expand(B, H, S, T)
+        mask = ("add" if mask_dtype == _F32 else "bool", tuple(expanded.stride()))
+    out_perm = attrs.get("out_perm")
+    shape = [B, H, S, Dv]
+    permuted = [shape[i] for i in out_perm] if out_perm else shape
+    out = torch.empty(permuted, device="meta")
+    if out_perm:
+        inverse = [0] * 4
+        for i, p in enumerate(out_perm):
+            inverse[p] = i
+        out = out.permute(inverse)  # [B, H, S, Dv] over the output's memory
+    if out.stride(3) != 1:
+        return "the output's last axis would not be contiguous"
+    output_size = (*permuted[:2], permuted[2] * permuted[3]) if attrs.get("out_merge_heads") else tuple(permuted)
+    scale = attrs.get("scale", 1.0)
+    scale = 1.0 / math.sqrt(dims["D"]) if scale is None else float(scale)
+    causal = bool(attrs.get("is_causal")) and 3 not in sizes
+    views = {name: view[:3] for name, view in found["views"].items()}
+    return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out.stride()[:3]),
+                output_size=output_size, mask=mask, scale=scale, causal=causal,
+                nan_to_zero=bool(attrs.get("nan_to_zero")))
+
+
+def _attention_attributes(step: StepSpec) -> dict[str, Any]:
+    return {k: v for k, v in step.attributes.items()}
+
+
+def _attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not kernels.available():
+        return f"kiln's transformer kernels are not built: {kernels.reason()}"
+    sizes = {k: m.shape for k, m in enumerate(inputs[:4]) if m.shape is not None}
+    for k in (0, 1, 2):
+        if k in sizes and inputs[k].dtype != _F32:
+            return f"input {k} is {inputs[k].dtype}: only float32"
+    mask_dtype = inputs[3].dtype if 3 in sizes else None
+    found = _attention_plan(_attention_attributes(step), sizes, mask_dtype)
+    return found if isinstance(found, str) else True
+
+
+def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    attrs = _attention_attributes(step)
+    # the mask's dtype is fixed by the graph: float32 unless the tuned inputs said otherwise
+    mask_dtype = torch.bool if step.tactic_config.get("mask_bool") else _F32
+
+    def reads(sizes):
+        found = {k: _F32 for k in (0, 1, 2) if k in sizes}
+        if 3 in sizes:
+            found[3] = mask_dtype
+        return found
+
+    def build(sizes):
+        plan = _attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+        if isinstance(plan, str):
+            raise ValueError(f"attention at {sizes}: {plan}")
+        return kernels.Attention(**plan)
+
+    return _prepared(step, reads, build)
+
+
+def _attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    config = _sizes_config(step, inputs[:4])
+    if len(inputs) > 3 and inputs[3].dtype == torch.bool:
+        config["mask_bool"] = True
+    return config
+
+
+register(Tactic(
+    name="cpu.attention.native", op_type="Attention", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_attention_supports, configure=_attention_configure, prepare=_attention_prepare,
+    available=kernels.available, native=True,
+    description="attention per (batch, head) in kiln's C (packed kᵀ, register tiles, vector exp), a native-segment "
+                "member",
+))
