@@ -15,7 +15,7 @@ import onnx_ir as ir
 import torch
 
 from kiln.builder.autotune import autotune
-from kiln.builder.calibration import quantize
+from kiln.builder.calibration import quantize, summarize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower, value_dtype_name
 from kiln.builder.precision import lower_precision
@@ -172,6 +172,9 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                                        tuning_shapes)
         if checks:
             tactics["profiles"] = checks
+    if quantization.get("mode") == "kernels" or any(s.op_type in ("QConv", "QGemm") for s in program.steps):
+        # what each quantized layer runs in, and why (int8 where its kernel was faster and exact)
+        quantization["layers"] = summarize(program, tactics)
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, tuning_shapes))

@@ -20,6 +20,8 @@ from kiln.builder.lower import lower
 from kiln.builder.sensitivity import choose_float_layers
 from kiln.errors import KilnError
 from kiln.ir import dtypes
+from kiln.kernels.cpu import cpu_features
+from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
 from kiln.quant import calibrators, data, qdq
@@ -45,7 +47,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     program, weights, inputs, _ = lower(model)
     runner = Program(program, weights)
     observers = {name: calibrators.make(calibrator) for name in needed}
-    watched = {i: [(k, n) for k, n in enumerate(step.outputs) if n in observers] for i, step in enumerate(program.steps)}
+    watched = {i: [(k, n) for k, n in enumerate(step.outputs) if n in observers]
+               for i, step in enumerate(program.steps)}
 
     def observing(i: int, fn):
         outputs = watched.get(i)
@@ -86,10 +89,12 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
 def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Model, dict]:
     """The model with its quantized layers explicit (Q/DQ), and the header record of what was done.
 
-    "auto": quantize the layers an INT8/FP8 kernel of the device runs faster than float. kiln has no
-    such kernel yet (oneDNN s8 with VNNI/AMX, cuBLASLt/Triton INT8 and FP8 on the H200 are the next
-    step), so today every layer stays in float and the record says so: a quantized model that is
-    slower and less accurate than its float twin is not built silently. "emulate": quantize every
+    "auto" on the CPU: quantize every Conv/Gemm/MatMul for the device's int8 kernels (uint8 activations
+    where they cannot be negative; 7-bit weights on a CPU without VNNI, whose kernels would otherwise
+    saturate); the optimizer fuses each into a kiln::QConv/QGemm and the autotuner times its int8 kernel
+    against its float layer (dequantize, float kernel, quantize), so a layer runs int8 only where that
+    is faster; the header then says per layer what ran and why (`summarize`). "auto" on CUDA: no int8/FP8
+    kernel there yet, every layer stays float and the record says so. "emulate": quantize every
     Conv/Gemm/MatMul and run it as its kernel would (quantized inputs, wide accumulation) on any
     device: the accuracy an INT8/FP8 deployment will have, measured here.
     """
@@ -99,7 +104,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
     model = optimize(model, PassOptions(opt_level=config.opt_level, verify=config.verify, fusions=False))
     layers = [t.node.name for t in qdq.targets(model.graph, exclude)]
-    if config.quantization == "auto":
+    kernels = config.quantization == "auto" and config.device == "cpu" and dtype == "int8"
+    if config.quantization == "auto" and not kernels:
         kept = "fp16" if config.device == "cuda" else "fp32"
         note = (f"{dtype}: no {dtype} kernel on {config.device} in this kiln yet; the {len(layers)} quantizable "
                 f"layer(s) stay {kept} (quantization='emulate' measures {dtype} accuracy)")
@@ -122,9 +128,44 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say)
-    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive)
+    # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
+    weight_max = 64.0 if kernels and not has_int8_dot_product() else None
+    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=kernels, weight_max=weight_max)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
-    return model, {"dtype": dtype, "mode": "emulate", "calibration": record, "quantized": quantized,
-                   "kept_float": kept, "accuracy": accuracy,
+    return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
+                   "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
+                   "weights": f"{'7' if weight_max else '8'}-bit per channel"
+                   + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: float(v) for k, v in sorted(ranges.items())}}
+
+
+INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
+
+
+def summarize(program, tactics: dict) -> dict[str, dict[str, str]]:
+    """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
+    autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"])."""
+    tuned = tactics.get("layers", {})
+    found: dict[str, dict[str, str]] = {}
+    for step in program.steps:
+        if step.domain != "kiln" or step.op_type not in ("QConv", "QGemm"):
+            continue
+        layer = tuned.get(step.name) or {}
+        chosen = layer.get("tactic", step.tactic or "default")
+        candidates = layer.get("candidates", {})
+        int8 = next((candidates.get(t) for t in INT8_TACTICS if t in candidates), None)
+        if chosen in INT8_TACTICS:
+            faster = layer.get("runner_up_ms")
+            why = f"int8 kernel {layer.get('time_ms', 0):.3f} ms" + (f", next {layer.get('runner_up')} "
+                                                                   f"{faster:.3f} ms" if faster else "")
+            found[step.name] = {"precision": "int8", "tactic": chosen, "why": why}
+        elif isinstance(int8, str):
+            found[step.name] = {"precision": "fp32", "tactic": chosen, "why": f"int8 kernel {int8}"}
+        elif isinstance(int8, (int, float)):
+            found[step.name] = {"precision": "fp32", "tactic": chosen,
+                                "why": f"int8 kernel slower: {int8:.3f} ms vs {layer.get('time_ms', 0):.3f} ms"}
+        else:
+            found[step.name] = {"precision": "fp32" if chosen != "default" else "int8 (reference)",
+                                "tactic": chosen, "why": "no int8 kernel was timed for it"}
+    return found

@@ -73,8 +73,8 @@ def _scalar(name: str, value: float) -> ir.Value:
 
 
 def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = ()) -> ir.Value:
-    if dtype == "int8":
-        tensor = ir.tensor(np.zeros(shape, np.int8), name=name)
+    if dtype in ("int8", "uint8"):
+        tensor = ir.tensor(np.zeros(shape, np.int8 if dtype == "int8" else np.uint8), name=name)
     else:
         tensor = ir.tensor(np.zeros(shape, ml_dtypes.float8_e4m3fn), name=name)
     return ir.Value(name=name, const_value=tensor)
@@ -85,9 +85,28 @@ def _initializer(graph: ir.Graph, value: ir.Value) -> ir.Value:
     return value
 
 
-def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str] = frozenset()) -> dict[str, str]:
+def _non_negative(value: ir.Value) -> bool:
+    """The value is a Relu's output, or a Clip's with a constant lower bound >= 0 (MobileNet's ReLU6)."""
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return False
+    if node.op_type == "Relu":
+        return True
+    if node.op_type == "Clip" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        low = node.inputs[1].const_value
+        return low is not None and float(low.numpy().reshape(-1)[0]) >= 0.0
+    return False
+
+
+def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str] = frozenset(),
+           unsigned: bool = False, weight_max: float | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
-    {layer name: why it was left in float} for the targets it skipped."""
+    {layer name: why it was left in float} for the targets it skipped.
+
+    unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
+    uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
+    quantized weight magnitude (64 keeps any two weights' products with a uint8 activation within
+    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py)."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -106,10 +125,13 @@ def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[s
         dq = pairs.get(t.activation.name)
         if dq is None:
             base = t.activation.name
-            scale = _initializer(graph, _scalar(f"{base}_qscale", amax / qmax))
-            zero = _initializer(graph, _zero_point(f"{base}_qzero", dtype))
+            positive = unsigned and dtype == "int8" and _non_negative(t.activation)
+            scale = _initializer(graph, _scalar(f"{base}_qscale", amax / (255.0 if positive else qmax)))
+            zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
             q = ir.node("QuantizeLinear", [t.activation, scale, zero], name=f"{base}_quantize", num_outputs=1)
             q.outputs[0].name = f"{base}_q"
+            q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
+            q.outputs[0].shape = t.activation.shape
             d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{base}_dequantize", num_outputs=1)
             d.outputs[0].name = f"{base}_dq"
             d.outputs[0].dtype = t.activation.dtype
@@ -117,7 +139,7 @@ def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[s
             graph.insert_before(t.node, [q, d])
             dq = pairs[t.activation.name] = d.outputs[0]
         t.node.replace_input_with(0, dq)
-        t.node.replace_input_with(1, _quantized_weight(graph, t, dtype, qmax))
+        t.node.replace_input_with(1, _quantized_weight(graph, t, dtype, weight_max or qmax))
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
     return skipped

@@ -142,14 +142,24 @@ def test_an_emulated_engine_computes_what_onnxruntime_computes_on_the_same_qdq_g
 
 # ---- the build path ------------------------------------------------------------------------------
 
-def test_auto_keeps_float_without_a_quantized_kernel_and_says_so():
-    engine = kiln.build(_cnn(), precision="int8")  # no data needed: nothing is quantized
+def test_auto_on_the_cpu_quantizes_for_its_kernels_and_says_per_layer_what_ran():
+    engine = kiln.build(_cnn(), precision="int8", calibration=_batches(6), calibrator="minmax")
     q = engine.plan.header["quantization"]
-    assert q["mode"] == "auto" and q["quantized"] == [] and q["kept_float"] == ["conv1", "conv2", "fc"]
-    assert "no int8 kernel on cpu in this kiln yet" in q["note"]
+    assert q["mode"] == "kernels" and q["quantized"] == ["conv1", "conv2", "fc"]
+    assert {s.op_type for s in engine.plan.program.steps} >= {"QConv", "QGemm"}
+    assert set(q["layers"]) == {"conv1", "conv2", "fc"}
+    for layer in q["layers"].values():  # the autotuner's choice: int8 where its kernel was faster
+        assert layer["precision"] in ("int8", "fp32") and layer["why"]
+    # the same arithmetic as quantization="emulate" up to one step of requantization per layer
+    emulated = kiln.build(_cnn(), precision="int8", quantization="emulate", calibration=_batches(6),
+                          calibrator="minmax")
     fp32 = kiln.build(_cnn())
-    feeds = _batches(1)[0]
-    np.testing.assert_allclose(engine.run(feeds)["y"], fp32.run(feeds)["y"], rtol=1e-5, atol=1e-5)
+    for feeds in _batches(3, seed=7):
+        got, want, exact = engine.run(feeds)["y"], emulated.run(feeds)["y"], fp32.run(feeds)["y"]
+        assert np.abs(got - exact).max() < 0.1 * np.abs(exact).max()
+        assert np.abs(got - want).max() < 0.05 * np.abs(exact).max()  # u8 after ReLU, 7-bit weights: not identical
+    with pytest.raises(KilnError, match="calibration data is needed"):
+        kiln.build(_cnn(), precision="int8")
 
 
 def test_the_calibration_cache_lets_a_rebuild_skip_the_data(tmp_path):

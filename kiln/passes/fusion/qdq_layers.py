@@ -34,7 +34,7 @@ from kiln.passes._rewrite import (
     other_input,
     replace_with,
 )
-from kiln.passes.fusion.qdq_propagate import QParams, dequantized, qparams
+from kiln.passes.fusion.qdq_propagate import QParams, dequantized, qparams, quantized_type
 
 RULE_LAYER = "fuse_quantized_layers"
 RULE_ADD = "fuse_quantized_add"
@@ -59,8 +59,8 @@ def _weight(node: ir.Node, report: PassReport) -> _Weight | str:
     w = const(dq.inputs[0])
     if w is None:
         return "the quantized weight is computed at run time"
-    if dq.inputs[0].dtype not in WEIGHT_TYPES:
-        return f"weights of type {dq.inputs[0].dtype}: the kernels take int8 (or float8e4m3fn) weights"
+    if quantized_type(dq.inputs[0]) not in WEIGHT_TYPES:
+        return f"weights of type {quantized_type(dq.inputs[0])}: the kernels take int8 (or float8e4m3fn) weights"
     if np.any(p.zero_point.astype(np.float32) != 0):
         return "the weight's zero point is not 0 (asymmetric weights: no kernel takes them)"
     if node.op_type == "Conv":
@@ -146,7 +146,7 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
         return False  # a float layer
     dq_x, px = found
     x_q = dq_x.inputs[0]
-    if not px.per_tensor or x_q.dtype not in ACTIVATION_TYPES:
+    if not px.per_tensor or quantized_type(x_q) not in ACTIVATION_TYPES:
         report.refuse(RULE_LAYER, node, "the input is quantized per channel or to a type no kernel reads")
         return False
     weight = _weight(node, report)
@@ -188,7 +188,7 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
     inputs += [new_initializer(graph, f"{node.name}_weight_q", weight.q),
                new_initializer(graph, f"{node.name}_weight_scale", weight.scale.astype(np.float32)),
                new_initializer(graph, f"{node.name}_weight_zero",
-                               np.zeros(weight.scale.shape, weight.dq.inputs[0].dtype.numpy()))]
+                               np.zeros(weight.scale.shape, quantized_type(weight.dq.inputs[0]).numpy()))]
     if output is not None:
         absorbed.append(output[0])
         inputs += [output[1].scale_value, output[1].zero_value]
@@ -206,6 +206,8 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
     op = "QConv" if node.op_type == "Conv" else "QGemm"
     fused = ir.Node(KILN_DOMAIN, op, inputs, attributes, name=node.name)
     replace_with(absorbed, fused, out)
+    if output is not None:  # the quantized type, whatever the Q's output declared
+        fused.outputs[0].type = ir.TensorType(ir.DataType.from_numpy(output[1].zero_point.dtype))
     return True
 
 
@@ -239,4 +241,5 @@ def fuse_quantized_add(node: ir.Node, report: PassReport) -> bool:
                   ir.AttrFloat32("beta", beta), ir.AttrInt64("output_dtype", int(out.dtype or ir.DataType.FLOAT))]
     fused = ir.Node(KILN_DOMAIN, "QAdd", inputs, attributes, name=node.name)
     replace_with(absorbed, fused, output[0].outputs[0])
+    fused.outputs[0].type = ir.TensorType(ir.DataType.from_numpy(output[1].zero_point.dtype))
     return True

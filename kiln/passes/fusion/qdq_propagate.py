@@ -66,8 +66,8 @@ def qparams(node: ir.Node | None) -> QParams | None:
         zero = const(zero_value)
         if zero is None:
             return None
-    elif node.op_type == "DequantizeLinear" and node.inputs[0].dtype in INT8_TYPES:
-        zero = np.zeros(scale.shape, node.inputs[0].dtype.numpy())
+    elif node.op_type == "DequantizeLinear" and quantized_type(node.inputs[0]) in INT8_TYPES:
+        zero = np.zeros(scale.shape, quantized_type(node.inputs[0]).numpy())
     elif node.op_type == "QuantizeLinear" and attr(node, "output_dtype", 0) in (0, ir.DataType.UINT8):
         zero = np.zeros(scale.shape, np.uint8)
     else:
@@ -76,6 +76,19 @@ def qparams(node: ir.Node | None) -> QParams | None:
             ir.DataType.from_numpy(zero.dtype):
         return None
     return QParams(scale, zero, int(attr(node, "axis", 1)), node.inputs[1], zero_value)
+
+
+def quantized_type(value: ir.Value | None) -> ir.DataType | None:
+    """A quantized tensor's element type: its declared type, a constant's, or the zero point's of the
+    QuantizeLinear producing it (values created by passes may carry no type yet)."""
+    if value is None:
+        return None
+    if value.dtype is not None:
+        return value.dtype
+    if value.const_value is not None:
+        return value.const_value.dtype
+    params = qparams(producer(value, "QuantizeLinear"))
+    return ir.DataType.from_numpy(params.zero_point.dtype) if params is not None else None
 
 
 def dequantized(value: ir.Value | None) -> tuple[ir.Node, QParams] | None:
@@ -115,7 +128,7 @@ def sink_dequantize(node: ir.Node, report: PassReport) -> bool:
     moved = ir.Node(node.domain, node.op_type, inputs, list(node.attributes.values()), name=f"{node.name}_quantized",
                     num_outputs=1)
     out = node.outputs[0]
-    moved.outputs[0].type = ir.TensorType(quantized[0].dtype)
+    moved.outputs[0].type = ir.TensorType(quantized_type(quantized[0])) if quantized_type(quantized[0]) else None
     moved.outputs[0].shape = out.shape
     moved.outputs[0].name = f"{out.name}_q"
     dq = _dequantize_node(moved.outputs[0], params, f"{node.name}_dequantize")
@@ -138,7 +151,7 @@ def remove_qdq_round_trips(node: ir.Node, report: PassReport) -> bool:
     if found is None or params is None:
         return False
     dq, inner = found
-    if not inner.same(params) or dq.inputs[0].dtype != ir.DataType.from_numpy(params.zero_point.dtype):
+    if not inner.same(params) or quantized_type(dq.inputs[0]) != ir.DataType.from_numpy(params.zero_point.dtype):
         return False  # a requantization: it stays
     return bypass(node, dq.inputs[0])
 
