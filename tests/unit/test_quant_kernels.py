@@ -1,0 +1,223 @@
+"""kiln's quantized layers (kiln/ops/quantized.py) and their CPU tactics (kiln/tactics/cpu/quantized.py).
+
+The reference implementations against onnx.reference's QLinearConv / QLinearMatMul (exact integer
+arithmetic: equal, element for element) and against the contract's formula in numpy (float outputs,
+QAdd); the oneDNN int8 tactics and the float-layer tactic against the reference, within the contract's
+one quantization step, on fresh random inputs; and the refusals that keep the int8 kernels exact on a
+CPU without VNNI (signed sources, weights whose pair sums saturate vpmaddubsw).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+
+from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu.cpu_features import has_int8_dot_product
+from kiln.kernels.cpu.onednn_int8 import pair_overflow_possible
+from kiln.ops.registry import OpContext, lookup
+from kiln.plan.spec import StepSpec
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+needs_onednn = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here")
+T = torch.tensor
+
+
+def _ctx(op: str, n: int) -> OpContext:
+    return OpContext(name=op.lower(), op_type=op, domain="kiln", num_inputs=n, num_outputs=1)
+
+
+def _conv_case(rng, *, x_dtype=np.uint8, groups=1, stride=1, per_channel=True, wmax=127, y_dtype=np.uint8,
+               c=8, o=16, size=9, x_zero=None, bias=True):
+    lo, hi = (0, 256) if x_dtype == np.uint8 else (-128, 128)
+    if groups > 1:
+        c = o = groups
+    x = rng.integers(lo, hi, (2, c, size, size)).astype(x_dtype)
+    w = rng.integers(-wmax, wmax + 1, (o, c // groups, 3, 3)).astype(np.int8)
+    x_scale = np.float32(rng.uniform(0.01, 0.05))
+    x_zero = np.array(rng.integers(lo // 2, hi // 2) if x_zero is None else x_zero, x_dtype)
+    w_scale = (rng.uniform(0.001, 0.01, o) if per_channel else np.array([rng.uniform(0.001, 0.01)])).astype(np.float32)
+    w_zero = np.zeros(w_scale.shape, np.int8)
+    b = rng.integers(-3000, 3000, o).astype(np.int32) if bias else None
+    y_scale = np.float32(rng.uniform(0.2, 0.6))
+    y_zero = np.array(rng.integers(0, 20) if y_dtype == np.uint8 else rng.integers(-20, 20), y_dtype)
+    attrs = {"pads": [1, 1, 1, 1], "strides": [stride, stride], "group": groups}
+    return [x, x_scale, x_zero, w, w_scale if per_channel else w_scale.reshape(()), w_zero if per_channel
+            else w_zero.reshape(()), y_scale, y_zero, b], attrs
+
+
+def _onnx_reference(op: str, args: list, attrs: dict) -> np.ndarray:
+    names = ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"][:len(args)]
+    inits = [numpy_helper.from_array(np.asarray(a), n) for n, a in zip(names[1:], args[1:]) if a is not None]
+    names = [n if a is not None else "" for n, a in zip(names, args)]
+    node = helper.make_node(op, names, ["y"], **attrs)
+    x_type = helper.np_dtype_to_tensor_dtype(args[0].dtype)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", x_type, args[0].shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.UNDEFINED, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    return ReferenceEvaluator(model).run(None, {"x": args[0]})[0]
+
+
+def _torch(args: list) -> list:
+    return [None if a is None else torch.from_numpy(np.array(a)) for a in args]
+
+
+@pytest.mark.parametrize("x_dtype, groups, stride, per_channel, y_dtype", [
+    (np.uint8, 1, 1, True, np.uint8), (np.int8, 1, 2, False, np.int8), (np.uint8, 4, 1, True, np.int8),
+    (np.int8, 16, 2, True, np.uint8)])
+def test_qconv_reference_is_qlinearconv(x_dtype, groups, stride, per_channel, y_dtype):
+    rng = np.random.default_rng(11 + groups + stride)
+    args, attrs = _conv_case(rng, x_dtype=x_dtype, groups=groups, stride=stride, per_channel=per_channel,
+                             y_dtype=y_dtype)
+    got = lookup("QConv", "kiln").fn(_ctx("QConv", 9), *_torch(args), **attrs).numpy()
+    want = _onnx_reference("QLinearConv", args, attrs)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_qgemm_reference_is_qlinearmatmul_with_the_bias_added_before_requantization():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 256, (2, 5, 24)).astype(np.uint8)
+    w = rng.integers(-127, 128, (12, 24)).astype(np.int8)  # [N, K]
+    xs, xz = np.float32(0.03), np.array(131, np.uint8)
+    ws, wz = rng.uniform(0.001, 0.01, 12).astype(np.float32), np.zeros(12, np.int8)
+    ys, yz = np.float32(0.9), np.array(-4, np.int8)
+    got = lookup("QGemm", "kiln").fn(_ctx("QGemm", 8), *_torch([x, xs, xz, w, ws, wz, ys, yz])).numpy()
+    want = _onnx_reference("QLinearMatMul", [x, xs, xz, w.T.copy(), ws, wz, ys, yz], {})
+    np.testing.assert_array_equal(got, want)
+    # with a bias and a float output: the contract's formula in float64
+    b = rng.integers(-500, 500, 12).astype(np.int32)
+    got = lookup("QGemm", "kiln").fn(_ctx("QGemm", 9), *_torch([x, xs, xz, w, ws, wz, None, None, b]),
+                                     activation="Clip", alpha=-1.0, beta=2.0).numpy()
+    acc = (x.astype(np.float64) - 131) @ w.T.astype(np.float64) + b
+    want = np.clip(acc * (np.float64(xs) * ws.astype(np.float64)), -1.0, 2.0)
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_qadd_reference_is_the_formula_with_relu():
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 256, (2, 3, 4, 5)).astype(np.uint8), rng.integers(-128, 128, (2, 3, 4, 5)).astype(np.int8)
+    sa, za, sb, zb, sy, zy = np.float32(0.02), np.array(100, np.uint8), np.float32(0.05), np.array(3, np.int8), \
+        np.float32(0.04), np.array(7, np.uint8)
+    got = lookup("QAdd", "kiln").fn(_ctx("QAdd", 8), *_torch([a, sa, za, b, sb, zb, sy, zy]), activation="Relu").numpy()
+    r = np.maximum(np.float64(sa) * (a.astype(np.float64) - 100) + np.float64(sb) * (b.astype(np.float64) - 3), 0)
+    want = np.clip(np.round((r.astype(np.float32) / sy).astype(np.float64)) + 7, 0, 255).astype(np.uint8)
+    assert (np.abs(got.astype(int) - want.astype(int)) <= 1).all() and (got != want).mean() < 1e-2
+
+
+# ---- the CPU tactics ---------------------------------------------------------------------------
+
+CONSTANT_INPUTS = {"QConv": {1, 2, 3, 4, 5, 6, 7, 8}, "QGemm": {1, 2, 3, 4, 5, 6, 7, 8}, "QAdd": {1, 2, 4, 5, 6, 7}}
+
+
+def _tactic_output(name: str, op: str, args: list, attrs: dict):
+    """The autotuner's path for a candidate: check, configure, prepare on the constants, launch."""
+    tactic = registry.get(name)
+    step = StepSpec(op_type=op, name=op.lower(), inputs=[f"in{i}" for i in range(len(args))], outputs=["y"],
+                    attributes=attrs, domain="kiln")
+    metas = [InputMeta.of(a, i in CONSTANT_INPUTS[op]) for i, a in enumerate(args)]
+    ok = tactic.check(step, metas)
+    if ok is not True:
+        return ok
+    step = dataclasses.replace(step, tactic=name, tactic_config=tactic.configure(step, metas))
+    launch = tactic.prepare(step, [a if i in CONSTANT_INPUTS[op] else None for i, a in enumerate(args)],
+                            torch.device("cpu"))
+    return launch(_ctx(op, len(args)), *[tactic.to_layout(a) for a in args], **attrs)
+
+
+def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.is_floating_point():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        return
+    diff = (got.to(torch.int64) - want.to(torch.int64)).abs()
+    assert int(diff.max()) <= 1, int(diff.max())
+    assert float((diff > 0).double().mean()) < 1e-3  # ties are rare: a kernel off everywhere is wrong
+
+
+KERNEL_CASES = {
+    "plain": dict(), "zero point 0, no bias": dict(x_zero=0, bias=False), "stride 2, int8 out": dict(stride=2,
+                                                                                                    y_dtype=np.int8),
+    "depthwise": dict(groups=16), "grouped": dict(groups=4), "per tensor": dict(per_channel=False),
+    "wide": dict(c=96, o=40, size=7),
+}
+
+
+@needs_onednn
+@pytest.mark.parametrize("activation", ["", "Relu", "Clip"])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=list(KERNEL_CASES))
+def test_the_int8_convolution_is_the_reference_within_one_step(case, activation):
+    rng = np.random.default_rng(len(case) + len(activation))
+    args, attrs = _conv_case(rng, wmax=64, **KERNEL_CASES[case])  # 7-bit weights: exact without VNNI
+    attrs |= {"activation": activation, "alpha": -0.5 if activation == "Clip" else 0.0, "beta": 3.0}
+    targs = _torch(args)
+    want = lookup("QConv", "kiln").fn(_ctx("QConv", 9), *targs, **attrs)
+    for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):
+        _within_one_step(_tactic_output(name, "QConv", targs, attrs), want)
+    # the float-output form: no y_scale / y_zero_point
+    float_args = targs[:6] + [None, None, targs[8]]
+    want = lookup("QConv", "kiln").fn(_ctx("QConv", 9), *float_args, **attrs)
+    for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):
+        _within_one_step(_tactic_output(name, "QConv", float_args, attrs), want)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows, quantized_out", [((3, 40), True), ((2, 7, 40), False), ((1, 40), True)])
+def test_the_int8_matmul_is_the_reference_within_one_step(rows, quantized_out):
+    rng = np.random.default_rng(sum(rows))
+    x = torch.from_numpy(rng.integers(0, 256, rows).astype(np.uint8))
+    w = torch.from_numpy(rng.integers(-64, 65, (24, 40)).astype(np.int8))
+    args = [x, T(0.02), T(17, dtype=torch.uint8), w, torch.rand(24) * 0.01 + 1e-3, torch.zeros(24, dtype=torch.int8),
+            T(0.3) if quantized_out else None, T(9, dtype=torch.uint8) if quantized_out else None,
+            torch.from_numpy(rng.integers(-900, 900, 24).astype(np.int32))]
+    attrs = {"activation": "Relu", "alpha": 0.0, "beta": 0.0}
+    want = lookup("QGemm", "kiln").fn(_ctx("QGemm", 9), *args, **attrs)
+    _within_one_step(_tactic_output("cpu.qgemm.onednn", "QGemm", args, attrs), want)
+
+
+@pytest.mark.parametrize("activation", ["", "Relu", "Clip"])
+def test_the_quantized_add_is_the_reference_within_one_step(activation):
+    rng = np.random.default_rng(len(activation))
+    a = torch.from_numpy(rng.integers(0, 256, (1, 8, 6, 6)).astype(np.uint8)).contiguous(
+        memory_format=torch.channels_last)
+    b = torch.from_numpy(rng.integers(0, 256, (1, 8, 6, 6)).astype(np.uint8))
+    args = [a, T(0.03), T(120, dtype=torch.uint8), b, T(0.02), T(5, dtype=torch.uint8), T(0.05),
+            T(0, dtype=torch.uint8)]
+    attrs = {"activation": activation, "alpha": 0.3, "beta": 4.1}
+    want = lookup("QAdd", "kiln").fn(_ctx("QAdd", 8), *args, **attrs)
+    _within_one_step(_tactic_output("cpu.qadd.torch", "QAdd", args, attrs), want)
+
+
+def test_pair_overflow_is_possible_exactly_past_128():
+    w = torch.zeros(2, 10, dtype=torch.int8)
+    w[0, :2] = torch.tensor([64, 64])
+    assert not pair_overflow_possible(w, torch.uint8)  # 255 * 128 = 32640 fits int16
+    w[1, :2] = torch.tensor([-65, -64])
+    assert pair_overflow_possible(w, torch.uint8)
+    w[1, :2] = torch.tensor([-127, 127])  # opposite signs never add up
+    assert not pair_overflow_possible(w, torch.uint8)
+
+
+@needs_onednn
+def test_the_int8_convolution_refuses_what_it_would_get_wrong_here():
+    rng = np.random.default_rng(2)
+    args, attrs = _conv_case(rng, x_dtype=np.int8, wmax=64)
+    reason = _tactic_output("cpu.qconv.onednn", "QConv", _torch(args), attrs)
+    assert isinstance(reason, str) and "takes uint8" in reason  # signed sources: inexact without VNNI
+    args, attrs = _conv_case(rng, wmax=127)
+    args[3][0, 0, 0, :2] = 127  # two full-range weights of one sign in one output channel
+    if has_int8_dot_product():
+        pytest.skip("this CPU multiplies 8-bit pairs into int32 (VNNI/AMX): full-range weights are exact")
+    with pytest.raises(ValueError, match="vpmaddubsw would saturate"):
+        _tactic_output("cpu.qconv.onednn", "QConv", _torch(args), attrs)
+    # the float layer takes them, within a step of the exact integer arithmetic
+    targs = _torch(args)
+    want = lookup("QConv", "kiln").fn(_ctx("QConv", 9), *targs, **attrs)
+    _within_one_step(_tactic_output("cpu.qconv.dequantized", "QConv", targs, attrs), want)
