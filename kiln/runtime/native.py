@@ -130,7 +130,7 @@ class Segment:
             g = group[s]
             if g in exit_group:
                 continue
-            size = _numel(natives[k].output_size) * 4
+            size = _numel(natives[k].output_size) * natives[k].output_dtype.itemsize
             end = last_read.get(s, k)
             iv = spans.get(g)
             if iv is None:
@@ -178,7 +178,7 @@ class Segment:
         self.exit_shapes = []
         for s in self.exits:
             native = natives[produced[s]]
-            self.exit_shapes.append((tuple(native.output_size), native.output_strides))
+            self.exit_shapes.append((tuple(native.output_size), native.output_strides, native.output_dtype))
         # Each entry's size, dtype and layout ("nhwc": a 4-D activation of oneDNN's layers; "rows":
         # row-major, what kiln's own kernels read), as its readers expect it
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = [], [], []
@@ -328,15 +328,19 @@ class Segment:
         return segment
 
     def __call__(self, ctx, *values):
-        fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and tuple(v.shape) == size
+        fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and v.shape == size
                    for v, size, dtype in zip(values, self.entry_sizes, self.entry_dtypes))
-        if not fits:
-            other = self._for_sizes(values)
-            if other is not None:
-                return other(ctx, *values)
-            out = self.fallback(list(values))
-            return tuple(out) if len(out) != 1 else out[0]
-        exits = [torch.empty_strided(size, strides, dtype=torch.float32) for size, strides in self.exit_shapes]
+        if fits:
+            return self._run_bound(values)
+        other = self._for_sizes(values)
+        if other is not None:
+            return other._run_bound(values)
+        out = self.fallback(list(values))
+        return tuple(out) if len(out) != 1 else out[0]
+
+    def _run_bound(self, values: tuple) -> Any:
+        """One run on entries of the planned sizes and dtypes: fresh exit tensors."""
+        exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
         # NCHW images go through the reorders at the head of the loop; other entries in another
         # layout are copied into a buffer of the segment's (no fresh pages per run)
         staged = bool(self._staged) and all(not self._laid_out(k, values[k]) and values[k].is_contiguous()
@@ -354,12 +358,12 @@ class Segment:
             if a.dtype != _NUMPY.get(dtype) or a.shape != size or not a.flags.c_contiguous:
                 return None
         exits = []
-        for size, strides in self.exit_shapes:
+        for size, strides, dtype in self.exit_shapes:
             if len(size) == 4 and strides != row_major_strides(size):
                 n, c, h, w = size
                 exits.append(np.empty((n, h, w, c), np.float32).transpose(0, 3, 1, 2))  # NHWC memory, NCHW shape
             else:
-                exits.append(np.empty(size, np.float32))
+                exits.append(np.empty(size, _NUMPY[dtype]))
         with self._lock:
             self._run([a.ctypes.data for a in arrays], [e.ctypes.data for e in exits], bool(self._staged))
         return exits

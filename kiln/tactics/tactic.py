@@ -113,7 +113,7 @@ class NativeStep:
     A layer of kiln's own C kernels (kiln/kernels/cpu/transformer.py) may read several step inputs
     in any dtype, row-major: `reads` = {step input index: (size, dtype)}; then `primitive(False)` has
     `bind_reads(dst, {index: address})`, `at` takes {index: size} (every read's size), and its
-    output is row-major whatever its rank.
+    output (of `output_dtype`) is row-major whatever its rank.
     """
 
     input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
@@ -126,6 +126,7 @@ class NativeStep:
     # use): lets the runtime bind a segment for every input size a profile allows, not only the tuned one
     at: Callable[[tuple[int, ...]], NativeStep] | None = None
     reads: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None
+    output_dtype: torch.dtype = torch.float32
 
     @property
     def output_strides(self) -> tuple[int, ...]:

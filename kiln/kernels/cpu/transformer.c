@@ -12,6 +12,8 @@
  *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
  *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a
  *                     contiguous last axis; additive or boolean mask at any broadcast strides; causal
+ *   kiln_broadcast    Cast (to bool, float32), And, Or, Where over broadcast operands, and
+ *   kiln_gather_nd    GatherND: what an exported attention mask is prepared with, run in the segment
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") for an operand that is not bound or an index out of
  * range: the segment then names the layer.
@@ -349,4 +351,122 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
         free(work);
     }
     return failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
+}
+
+/* ---- Broadcasting elementwise ops of an exported attention mask's preparation -------------------
+   Cast (to bool or float32), And, Or, Where (float32 branches) over up to 6 dims; each input's strides
+   are 0 where it broadcasts; the output is contiguous. */
+
+#define MAXD 6
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *in[3], *out;
+    long dims[MAXD];         /* the output's, 1s in front */
+    long strides[3][MAXD];   /* elements of each input */
+    int op;                  /* 0 cast to bool, 1 cast to float32, 2 and, 3 or, 4 where */
+    int src_type;            /* casts: 0 int64, 1 int32, 2 float32, 3 bool */
+} broadcast_plan;
+
+static inline int truth(const void *x, int type, long i) {
+    switch (type) {
+        case 0: return ((const int64_t *)x)[i] != 0;
+        case 1: return ((const int32_t *)x)[i] != 0;
+        case 2: return ((const float *)x)[i] != 0.0f;
+        default: return ((const unsigned char *)x)[i] != 0;
+    }
+}
+
+static inline float as_float(const void *x, int type, long i) {
+    switch (type) {
+        case 0: return (float)((const int64_t *)x)[i];
+        case 1: return (float)((const int32_t *)x)[i];
+        case 2: return ((const float *)x)[i];
+        default: return (float)((const unsigned char *)x)[i];
+    }
+}
+
+int kiln_broadcast(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const broadcast_plan *p = (const broadcast_plan *)object;
+    const int inputs = p->op == 4 ? 3 : (p->op >= 2 ? 2 : 1);
+    const void *in[3] = {NULL, NULL, NULL};
+    for (int k = 0; k < inputs; ++k)
+        if ((in[k] = handle_of(p->get_handle, p->in[k])) == NULL) return 2;
+    void *out = handle_of(p->get_handle, p->out);
+    if (!out) return 2;
+    const long n = p->dims[MAXD - 1];
+    long outer = 1;
+    for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
+    const long s0 = p->strides[0][MAXD - 1], s1 = p->strides[1][MAXD - 1], s2 = p->strides[2][MAXD - 1];
+    for (long o = 0; o < outer; ++o) {
+        long rem = o, off[3] = {0, 0, 0};
+        for (int d = MAXD - 2; d >= 0; --d) {
+            long i = rem % p->dims[d];
+            rem /= p->dims[d];
+            for (int k = 0; k < inputs; ++k) off[k] += i * p->strides[k][d];
+        }
+        const long base = o * n;
+        switch (p->op) {
+            case 0: {
+                unsigned char *y = (unsigned char *)out + base;
+                for (long j = 0; j < n; ++j) y[j] = (unsigned char)truth(in[0], p->src_type, off[0] + j * s0);
+                break;
+            }
+            case 1: {
+                float *y = (float *)out + base;
+                for (long j = 0; j < n; ++j) y[j] = as_float(in[0], p->src_type, off[0] + j * s0);
+                break;
+            }
+            case 2: case 3: {
+                const unsigned char *a = (const unsigned char *)in[0] + off[0];
+                const unsigned char *b = (const unsigned char *)in[1] + off[1];
+                unsigned char *y = (unsigned char *)out + base;
+                if (p->op == 2)
+                    for (long j = 0; j < n; ++j) y[j] = (a[j * s0] != 0) & (b[j * s1] != 0);
+                else
+                    for (long j = 0; j < n; ++j) y[j] = (a[j * s0] != 0) | (b[j * s1] != 0);
+                break;
+            }
+            default: {
+                const unsigned char *c = (const unsigned char *)in[0] + off[0];
+                const float *a = (const float *)in[1] + off[1], *b = (const float *)in[2] + off[2];
+                float *y = (float *)out + base;
+                for (long j = 0; j < n; ++j) y[j] = c[j * s0] ? a[j * s1] : b[j * s2];
+                break;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- GatherND (batch_dims 0): out[i] = data[indices[i, 0], .., indices[i, m-1]] (a slice of `rest`) -- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *data, *indices, *out;   /* indices: int64 [count, m] */
+    long count, m, rest, element; /* rest: elements per slice; element: bytes per element */
+    long dims[MAXD];              /* data's first m dims */
+} gather_nd_plan;
+
+int kiln_gather_nd(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const gather_nd_plan *p = (const gather_nd_plan *)object;
+    const char *data = (const char *)handle_of(p->get_handle, p->data);
+    const int64_t *idx = (const int64_t *)handle_of(p->get_handle, p->indices);
+    char *out = (char *)handle_of(p->get_handle, p->out);
+    if (!data || !idx || !out) return 2;
+    const long bytes = p->rest * p->element;
+    for (long i = 0; i < p->count; ++i) {
+        long at = 0;
+        for (long j = 0; j < p->m; ++j) {
+            int64_t k = idx[i * p->m + j];
+            if (k < 0) k += p->dims[j];
+            if (k < 0 || k >= p->dims[j]) return 2;  /* ONNX: out of range is an error */
+            at = at * p->dims[j] + k;
+        }
+        if (bytes == 1) out[i] = data[at];
+        else memcpy(out + i * bytes, data + at * bytes, (size_t)bytes);
+    }
+    return 0;
 }

@@ -27,7 +27,7 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn
 
 SOURCE = Path(__file__).with_name("transformer.c").read_text()
-_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention")
+_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd")
 
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
@@ -112,6 +112,21 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("scale", ctypes.c_float)]
 
 
+MAX_DIMS = 6  # MAXD in transformer.c
+_LONGD = ctypes.c_long * MAX_DIMS
+
+
+class _BroadcastPlan(ctypes.Structure):  # broadcast_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * 3), ("out", ctypes.c_void_p),
+                ("dims", _LONGD), ("strides", _LONGD * 3), ("op", ctypes.c_int), ("src_type", ctypes.c_int)]
+
+
+class _GatherNDPlan(ctypes.Structure):  # gather_nd_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("data", ctypes.c_void_p), ("indices", ctypes.c_void_p),
+                ("out", ctypes.c_void_p), ("count", ctypes.c_long), ("m", ctypes.c_long), ("rest", ctypes.c_long),
+                ("element", ctypes.c_long), ("dims", _LONGD)]
+
+
 class KernelBound:
     """One layer's call on memory objects of its own (what a native segment runs); `rebind` points a
     role ("dst", or the index of the step input it reads) elsewhere for a call."""
@@ -122,10 +137,16 @@ class KernelBound:
         self._kernel = kernel  # owns the weights the plan points at
         self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
         fields = dict(kernel.fields)
+        slots: dict[int, int] = {}  # in_[k] of a broadcast plan
         for role, names in kernel.roles.items():
             if role in self._memories:
                 for name in names:
-                    fields[name] = self._memories[role].value
+                    if name.startswith("in_"):
+                        slots[int(name[3:])] = self._memories[role].value
+                    else:
+                        fields[name] = self._memories[role].value
+        if slots:
+            fields["in_"] = (ctypes.c_void_p * 3)(*[slots.get(k) for k in range(3)])
         self._plan = kernel.PLAN(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
                                  **fields)
         self._function = ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value
@@ -152,6 +173,7 @@ class NativeKernel:
     PLAN: type[ctypes.Structure]
     FUNCTION: str
     output_size: tuple[int, ...]
+    output_dtype: torch.dtype = torch.float32
 
     def __init__(self, what: str):
         library = load()
@@ -170,7 +192,7 @@ class NativeKernel:
 
     def __call__(self, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
         """Run on tensors (contiguous, of the built sizes, by step input index): a new float32 output."""
-        y = torch.empty(self.output_size, dtype=torch.float32)
+        y = torch.empty(self.output_size, dtype=self.output_dtype)
         with self._lock:
             if self._alone is None:
                 self._alone = self.bind_reads(0, {k: 0 for k in inputs})
@@ -285,3 +307,61 @@ class Attention(NativeKernel):
                            ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
                            mask_kind={None: 0, "add": 1, "bool": 2}[mask[0] if mask is not None else None],
                            causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale))
+
+
+# the dtypes broadcast_plan's casts read (src_type)
+SOURCE_TYPES = {torch.int64: 0, torch.int32: 1, torch.float32: 2, torch.bool: 3}
+_OPS = {"cast_bool": 0, "cast_float": 1, "and": 2, "or": 3, "where": 4}
+
+
+def broadcast_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, ...]:
+    """A row-major tensor of `size` broadcast to `to` (MAX_DIMS long, 1s in front): its element strides,
+    0 where it repeats."""
+    padded = (1,) * (len(to) - len(size)) + tuple(size)
+    strides, step = [], 1
+    for d, want in zip(reversed(padded), reversed(to)):
+        strides.append(0 if d == 1 and want != 1 else step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+class Broadcast(NativeKernel):
+    """An elementwise op over broadcast operands, the output row-major: "cast_bool" (x != 0),
+    "cast_float", "and", "or" (bool), "where" (bool condition, float32 branches). Reads step inputs
+    0..arity-1 in their dtypes (`source`: the cast's input dtype)."""
+
+    PLAN, FUNCTION = _BroadcastPlan, "kiln_broadcast"
+
+    def __init__(self, op: str, sizes: list[tuple[int, ...]], source: torch.dtype = torch.bool):
+        super().__init__(f"{op} of {[list(s) for s in sizes]}")
+        out = tuple(torch.broadcast_shapes(*[torch.Size(s) for s in sizes]))
+        if len(out) > MAX_DIMS:
+            raise ValueError(f"{len(out)} dims: at most {MAX_DIMS}")
+        self.output_size = out
+        self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
+        dims = (1,) * (MAX_DIMS - len(out)) + out
+        strides = [broadcast_strides(s, dims) for s in sizes] + [(0,) * MAX_DIMS] * (3 - len(sizes))
+        self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
+        self.fields = dict(dims=_LONGD(*dims), strides=(_LONGD * 3)(*[_LONGD(*s) for s in strides]), op=_OPS[op],
+                           src_type=SOURCE_TYPES[source])
+
+
+class GatherND(NativeKernel):
+    """ONNX GatherND with batch_dims 0: data (step input 0, any 1-, 4- or 8-byte dtype) by int64
+    indices [..., m] (step input 1)."""
+
+    PLAN, FUNCTION = _GatherNDPlan, "kiln_gather_nd"
+
+    def __init__(self, data_size: tuple[int, ...], data_dtype: torch.dtype, indices_size: tuple[int, ...]):
+        super().__init__(f"gather_nd of {list(data_size)} by {list(indices_size)}")
+        m = int(indices_size[-1])
+        if not 1 <= m <= min(len(data_size), MAX_DIMS):
+            raise ValueError(f"index tuples of {m} into a {len(data_size)}-D tensor")
+        rest = tuple(data_size[m:])
+        self.output_size = (*indices_size[:-1], *rest)
+        self.output_dtype = data_dtype
+        count = _numel(tuple(indices_size[:-1]) + (1,)) if len(indices_size) > 1 else 1
+        self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
+        self.fields = dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
+                           element=torch.empty((), dtype=data_dtype).element_size(),
+                           dims=_LONGD(*(list(data_size[:m]) + [1] * (MAX_DIMS - m))))

@@ -35,7 +35,7 @@ _F32 = torch.float32
 _KEPT = 16  # kernels kept per layer for input sizes met at run time (least recently used out)
 
 
-def _sizes_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+def sizes_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
     """The tuned size of every tensor input: [[index, size], ...] (JSON keys would be strings)."""
     return {"input_sizes": [[k, list(m.shape)] for k, m in enumerate(inputs) if m.shape is not None]}
 
@@ -44,7 +44,7 @@ def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
     return {int(k): tuple(size) for k, size in step.tactic_config["input_sizes"]}
 
 
-def _prepared(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
+def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
               build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel]):
     """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
     launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes."""
@@ -76,7 +76,7 @@ def _prepared(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict
         found = kernel(sizes)
         first = min(sizes)
         return NativeStep(sizes[first], found.output_size, lambda _accumulate: found, at=native_at,
-                          reads={k: (sizes[k], dtypes[k]) for k in sizes})
+                          reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype)
 
     launch.native = native_at(_tuned_sizes(step))
     return launch
@@ -122,12 +122,12 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def reads(sizes):
         return {k: _F32 for k in (0, 3) if k in sizes}
 
-    return _prepared(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3)))
+    return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3)))
 
 
 register(Tactic(
     name="cpu.layernorm.native", op_type="LayerNorm", domain="kiln", device="cpu", dtypes=(_F32,),
-    supports=_ln_supports, configure=_sizes_config, prepare=_ln_prepare, available=kernels.available, native=True,
+    supports=_ln_supports, configure=sizes_config, prepare=_ln_prepare, available=kernels.available, native=True,
     description="LayerNorm (+ residual) over the last axis in kiln's C, a native-segment member",
 ))
 
@@ -147,12 +147,12 @@ def _add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    return _prepared(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]))
+    return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]))
 
 
 register(Tactic(
     name="cpu.add.native", op_type="Add", domain="", device="cpu", dtypes=(_F32,),
-    supports=_add_supports, configure=_sizes_config, prepare=_add_prepare, available=kernels.available, native=True,
+    supports=_add_supports, configure=sizes_config, prepare=_add_prepare, available=kernels.available, native=True,
     description="Add (one operand's rows repeating over the other's) in kiln's C, a native-segment member",
 ))
 
@@ -174,12 +174,12 @@ def _gather_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     table = constants[0]
-    return _prepared(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
+    return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
 
 
 register(Tactic(
     name="cpu.gather.native", op_type="Gather", domain="", device="cpu", dtypes=(_F32,),
-    supports=_gather_supports, configure=_sizes_config, prepare=_gather_prepare, available=kernels.available,
+    supports=_gather_supports, configure=sizes_config, prepare=_gather_prepare, available=kernels.available,
     native=True, description="rows of a constant table by int64 ids (an embedding) in kiln's C, a native-segment member",
 ))
 
@@ -292,11 +292,11 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
             raise ValueError(f"attention at {sizes}: {plan}")
         return kernels.Attention(**plan)
 
-    return _prepared(step, reads, build)
+    return prepared_native(step, reads, build)
 
 
 def _attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
-    config = _sizes_config(step, inputs[:4])
+    config = sizes_config(step, inputs[:4])
     if len(inputs) > 3 and inputs[3].dtype == torch.bool:
         config["mask_bool"] = True
     return config
