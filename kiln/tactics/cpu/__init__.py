@@ -5,6 +5,7 @@
                    (conv, Winograd conv, pooling, inner product, no-copy reshapes)
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
+    broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
 """
 
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
@@ -12,3 +13,4 @@ import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
+import kiln.tactics.cpu.broadcast  # noqa: F401
