@@ -65,39 +65,51 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("KILN_NATIVE_LOOP") == "0":
         _REASON = "KILN_NATIVE_LOOP=0"
         return None
-    # -march=native: the binary is for this CPU's instruction sets; the cache may be shared with others
-    digest = hashlib.sha256((SOURCE + _cpu_identity() + repr(FLAGS)).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"segment_loop-{digest}.so"
+    built = build("segment_loop", SOURCE)
+    if isinstance(built, str):
+        _REASON = built
+        return None
     try:
-        if not target.exists():
-            compiler = find_compiler()
-            if compiler is None:
-                _REASON = "no C compiler (cc, gcc or clang) on PATH"
-                return None
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as work:
-                source, built = Path(work) / "loop.c", Path(work) / "loop.so"
-                source.write_text(SOURCE)
-                for flags in FLAGS:  # the best the compiler takes: without OpenMP the transforms run on one thread
-                    done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(source)],
-                                          capture_output=True, text=True, timeout=60)
-                    if done.returncode == 0:
-                        break
-                else:
-                    _REASON = f"{compiler} failed: {done.stderr.strip()[:300]}"
-                    return None
-                os.replace(built, target)  # atomic: another process may be building it too
-        library = ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(built))
         fn = library.kiln_run_segment
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                        ctypes.POINTER(ctypes.c_int)]
-    except (OSError, subprocess.SubprocessError) as e:
+    except OSError as e:
         _REASON = f"{type(e).__name__}: {e}"
         return None
     _LOADED = library
     return library
+
+
+def build(stem: str, source: str) -> Path | str:
+    """`source` compiled into a shared library in kiln's cache (once per source, CPU and flags): its
+    path, or why it could not be built. Also compiles kiln's GEMM (kiln/kernels/cpu/gemm_native.py)."""
+    # -march=native: the binary is for this CPU's instruction sets; the cache may be shared with others
+    digest = hashlib.sha256((source + _cpu_identity() + repr(FLAGS)).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{stem}-{digest}.so"
+    if target.exists():
+        return target
+    compiler = find_compiler()
+    if compiler is None:
+        return "no C compiler (cc, gcc or clang) on PATH"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as work:
+            code, built = Path(work) / f"{stem}.c", Path(work) / f"{stem}.so"
+            code.write_text(source)
+            for flags in FLAGS:  # the best the compiler takes: without OpenMP the transforms run on one thread
+                done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(code)],
+                                      capture_output=True, text=True, timeout=120)
+                if done.returncode == 0:
+                    break
+            else:
+                return f"{compiler} failed: {done.stderr.strip()[:300]}"
+            os.replace(built, target)  # atomic: another process may be building it too
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    return target
 
 
 def call_arrays(calls: list[tuple[int | None, int, int, int]]) -> tuple[ctypes.Array, ...]:

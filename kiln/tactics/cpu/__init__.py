@@ -3,6 +3,7 @@
     torch_mkl.py   convolutions and GEMMs through torch's oneDNN/MKL entry points, weights packed at load
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
                    (conv, Winograd conv, pooling, inner product, no-copy reshapes)
+    gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
@@ -11,6 +12,7 @@
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
+import kiln.tactics.cpu.gemm_packed  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401

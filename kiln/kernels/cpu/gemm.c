@@ -1,0 +1,454 @@
+/* kiln's own FP32 GEMM for linear layers: y = epilogue(x @ Wᵀ), x [M, K] row-major, W [N, K] constant.
+ * Compiled at first use by kiln/kernels/cpu/native_loop.py (-O3 -march=native -fopenmp), wrapped by
+ * kiln/kernels/cpu/gemm_native.py.
+ *
+ * GotoBLAS/BLIS structure. W is packed once, at engine load, into panels of NR columns holding the
+ * whole K: packed[p][k][j] = W[p*NR + j][k] (zeros past N), so a kc x NR micro-panel is contiguous
+ * and stays in L1 while the microkernel runs down the rows. Per call, A (= x) is packed into MR-row
+ * panels [q][k][i] for M blocks of up to MC rows (both threads pack, then compute); a small M (decode,
+ * batch 1) reads x in place and streams the packed W once over the whole K (memory-bound: no blocking
+ * to amortise). The microkernel keeps an MR x NR tile of C in registers: 6x16 on AVX2+FMA (12 ymm
+ * accumulators), 14x32 on AVX-512 (28 zmm), chosen at run time from cpuid (__builtin_cpu_supports), so
+ * one build runs on either. Written with GCC vector extensions: one template, instantiated per ISA by
+ * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
+ *
+ * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
+ * after it; applied to each C tile right after its last K block, while the tile is in L1.
+ * Threads: OpenMP (the libgomp torch loaded: one pool), work items over (row group, panel chunk)
+ * handed out dynamically, so a core slowed by other work takes fewer of them.
+ */
+#include <stddef.h>
+#include <string.h>
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+/* Activations (kiln/kernels/cpu/gemm_native.py: ACTIVATIONS). */
+enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_LEAKY_RELU, ACT_GELU, ACT_GELU_TANH, ACT_TANH, ACT_SIGMOID, ACT_SILU,
+       ACT_HARD_SIGMOID, ACT_HARD_SWISH };
+
+typedef struct {
+    get_handle_fn get_handle;   /* dnnl_memory_get_data_handle when src/dst/residual are oneDNN memories
+                                   (a native segment rebinds those), NULL when they are the addresses */
+    void *src, *dst, *residual; /* residual NULL: none */
+    const float *packed_w;      /* kiln_gemm_pack_w's layout for `kernel` */
+    const float *bias;          /* [N] or NULL */
+    float *scratch;             /* kiln_gemm_scratch_floats() floats: packed A */
+    long M, K, N;
+    int kernel, threads;
+    int activation;
+    float alpha, beta;
+    int residual_after;         /* 1: act(y) + r; 0: act(y + r) */
+    long small_m;               /* up to this many rows, x is read in place (no packing, no K blocks) */
+} kiln_gemm_plan;
+
+typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
+                        int load_c);
+
+typedef struct {
+    const char *name;
+    int mr, nr;
+    long kc, mc;                /* K block (kc x nr floats of W in L1), M block (mc x kc floats of A in L2) */
+    tile_fn packed, direct;     /* A packed [k][MR] / A row-major with leading dimension lda */
+    int (*supported)(void);
+    int test_only;              /* never picked by kiln: runs another ISA's tile shape on this one */
+} kernel_desc;
+
+/* ---- the microkernel template ------------------------------------------------------------------------
+   NAME_rows: C[0:M, 0:NR] (+)= A[0:M, 0:k] B[0:k, 0:NR], A element (i, p) at a[i*rs + p*cs], B packed
+   [k][NR]; M a constant once inlined, so the accumulators are registers. NAME_tile: any m <= MR rows,
+   n <= NR columns (a partial tile goes through a buffer). */
+#define KILN_UNROLL _Pragma("GCC unroll 16")
+
+#define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR)                                                          \
+    typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
+    static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
+        const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
+        int load_c) {                                                                                        \
+        NAME##_vec acc[MR][NV];                                                                              \
+        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j) {                   \
+            if (load_c) memcpy(&acc[i][j], c + i * ldc + j * (W), sizeof(NAME##_vec));                       \
+            else acc[i][j] = (NAME##_vec){0};                                                                \
+        }                                                                                                    \
+        for (long p = 0; p < k; ++p) {                                                                       \
+            NAME##_vec bv[NV];                                                                               \
+            KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + p * ((W) * (NV)) + j * (W),          \
+                                                            sizeof(NAME##_vec));                            \
+            KILN_UNROLL for (int i = 0; i < M; ++i) {                                                        \
+                const float av = a[i * rs + p * cs];                                                         \
+                KILN_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] += av * bv[j];                            \
+            }                                                                                                \
+        }                                                                                                    \
+        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)                     \
+            memcpy(c + i * ldc + j * (W), &acc[i][j], sizeof(NAME##_vec));                                   \
+    }                                                                                                        \
+    KILN_BODIES(NAME, TARGET, MR)                                                                            \
+    static inline __attribute__((always_inline)) TARGET void NAME##_run(int m, long k, const float *a, long rs, \
+                                  int packed, const float *b, float *c, long ldc, int n, int load_c) {      \
+        if (n == (W) * (NV)) {                                                                               \
+            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, load_c));                                           \
+            return;                                                                                          \
+        }                                                                                                    \
+        float tile[(MR) * (W) * (NV)] __attribute__((aligned(64)));                                          \
+        for (int i = 0; i < m; ++i)                                                                          \
+            for (int j = 0; j < (W) * (NV); ++j) tile[i * (W) * (NV) + j] = load_c && j < n ? c[i * ldc + j] : 0.0f; \
+        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), load_c));                                     \
+        for (int i = 0; i < m; ++i) memcpy(c + i * ldc, tile + i * (W) * (NV), (size_t)n * sizeof(float));  \
+    }                                                                                                        \
+    static TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
+                              int n, int load_c) {                                                           \
+        (void)lda;                                                                                           \
+        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, load_c);                                                     \
+    }                                                                                                        \
+    static TARGET void NAME##_direct(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
+                              int n, int load_c) {                                                           \
+        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, load_c);                                                   \
+    }
+
+/* One function per row count M (<= MR; larger ones are never called) and A layout, each compiled on its
+   own: merged into one function, the bodies shared registers and spilled (measured: 43 GFLOP/s a core
+   where each alone runs at 102). NAME_pM reads A packed ([k][MR]), NAME_dM in place (row stride rs). */
+#define KILN_BODY(NAME, TARGET, MR, M)                                                                       \
+    static __attribute__((noinline)) TARGET void NAME##_p##M(long k, const float *a, long rs, const float *b, \
+                                                           float *c, long ldc, int load_c) {                 \
+        (void)rs;                                                                                            \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, load_c);                                  \
+    }                                                                                                        \
+    static __attribute__((noinline)) TARGET void NAME##_d##M(long k, const float *a, long rs, const float *b, \
+                                                           float *c, long ldc, int load_c) {                 \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, load_c);                                  \
+    }
+#define KILN_BODIES(NAME, TARGET, MR)                                                                        \
+    KILN_BODY(NAME, TARGET, MR, 1) KILN_BODY(NAME, TARGET, MR, 2) KILN_BODY(NAME, TARGET, MR, 3)             \
+    KILN_BODY(NAME, TARGET, MR, 4) KILN_BODY(NAME, TARGET, MR, 5) KILN_BODY(NAME, TARGET, MR, 6)             \
+    KILN_BODY(NAME, TARGET, MR, 7) KILN_BODY(NAME, TARGET, MR, 8) KILN_BODY(NAME, TARGET, MR, 9)             \
+    KILN_BODY(NAME, TARGET, MR, 10) KILN_BODY(NAME, TARGET, MR, 11) KILN_BODY(NAME, TARGET, MR, 12)          \
+    KILN_BODY(NAME, TARGET, MR, 13) KILN_BODY(NAME, TARGET, MR, 14)
+#define KILN_CALL(NAME, M, ARGS) \
+    case M: if (packed) NAME##_p##M ARGS; else NAME##_d##M ARGS; break;
+#define KILN_DISPATCH(NAME, m, ARGS)                                                                         \
+    switch (m) {                                                                                             \
+    KILN_CALL(NAME, 1, ARGS) KILN_CALL(NAME, 2, ARGS) KILN_CALL(NAME, 3, ARGS) KILN_CALL(NAME, 4, ARGS)      \
+    KILN_CALL(NAME, 5, ARGS) KILN_CALL(NAME, 6, ARGS) KILN_CALL(NAME, 7, ARGS) KILN_CALL(NAME, 8, ARGS)      \
+    KILN_CALL(NAME, 9, ARGS) KILN_CALL(NAME, 10, ARGS) KILN_CALL(NAME, 11, ARGS) KILN_CALL(NAME, 12, ARGS)   \
+    KILN_CALL(NAME, 13, ARGS) KILN_CALL(NAME, 14, ARGS)                                                      \
+    default: break;                                                                                          \
+    }
+
+static int always(void) { return 1; }
+
+#if defined(__x86_64__) || defined(__i386__)
+#define KILN_AVX2 __attribute__((target("avx2,fma")))
+#define KILN_AVX512 __attribute__((target("avx512f,avx2,fma")))
+KILN_DEFINE_KERNEL(avx512, KILN_AVX512, 16, 2, 14)
+KILN_DEFINE_KERNEL(avx2, KILN_AVX2, 8, 2, 6)
+#ifdef KILN_GEMM_TEST_KERNELS
+/* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
+   instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
+   selection. Slow to run and to compile (its 28 accumulators spill): a build of its own, for tests. */
+KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14)
+#endif
+static int has_avx512(void) { __builtin_cpu_init(); return __builtin_cpu_supports("avx512f"); }
+static int has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+#endif
+KILN_DEFINE_KERNEL(generic, , 4, 2, 4)
+
+static const kernel_desc KERNELS[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, has_avx512, 0},
+    {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, has_avx2, 0},
+#ifdef KILN_GEMM_TEST_KERNELS
+    {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct, has_avx2, 1},
+#endif
+#endif
+    {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, always, 0},
+};
+#define KERNEL_COUNT ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
+
+int kiln_gemm_kernel_count(void) { return KERNEL_COUNT; }
+const char *kiln_gemm_kernel_name(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].name : NULL; }
+int kiln_gemm_kernel_supported(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].supported(); }
+int kiln_gemm_kernel_test_only(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].test_only; }
+int kiln_gemm_kernel_nr(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].nr : 0; }
+
+long kiln_gemm_packed_floats(int kernel, long n, long k) {
+    long nr = KERNELS[kernel].nr;
+    return (n + nr - 1) / nr * nr * k;
+}
+
+/* W [N, K] row-major -> packed[p][k][j] = W[p*NR + j][k], zeros past N. */
+void kiln_gemm_pack_w(int kernel, const float *w, long n, long k, float *packed) {
+    const long nr = KERNELS[kernel].nr, panels = (n + nr - 1) / nr;
+    #pragma omp parallel for schedule(static)
+    for (long p = 0; p < panels; ++p) {
+        float *out = packed + p * k * nr;
+        for (long k0 = 0; k0 < k; k0 += 64) {  /* 64 x NR blocks: reads W rows in runs of 64 floats */
+            long kb = k - k0 < 64 ? k - k0 : 64;
+            for (long j = 0; j < nr; ++j) {
+                long row = p * nr + j;
+                for (long t = 0; t < kb; ++t) out[(k0 + t) * nr + j] = row < n ? w[row * k + k0 + t] : 0.0f;
+            }
+        }
+    }
+}
+
+/* ---- the epilogue ------------------------------------------------------------------------------------ */
+
+/* Without it GCC keeps each select (x < -4 ? -4 : x) a branch, as a comparison might trap: the loops
+   below would not vectorise. kiln never unmasks floating-point exceptions. */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+/* erf(x) as Eigen/XLA compute it for float32: x·P(x²)/Q(x²) on [-4, 4] (|error| < 1e-6 measured by the
+   tests against float64). Plain arithmetic and selects: the loops below vectorise. */
+static inline float erf_rational(float x) {
+    x = x < -4.0f ? -4.0f : (x > 4.0f ? 4.0f : x);
+    const float x2 = x * x;
+    float p = -2.72614225801306e-10f;
+    p = p * x2 + 2.77068142495902e-08f;
+    p = p * x2 - 2.10102402082508e-06f;
+    p = p * x2 - 5.69250639462346e-05f;
+    p = p * x2 - 7.34990630326855e-04f;
+    p = p * x2 - 2.95459980854025e-03f;
+    p = p * x2 - 1.60960333262415e-02f;
+    float q = -1.45660718464996e-05f;
+    q = q * x2 - 2.13374055278905e-04f;
+    q = q * x2 - 1.68282697438203e-03f;
+    q = q * x2 - 7.37332916720468e-03f;
+    q = q * x2 - 1.42647390514189e-02f;
+    float r = x * p / q;
+    return r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
+}
+
+/* tanh(x) as Eigen and MLAS compute it for float32: x·P(x²)/Q(x²) on [-9, 9], clamped to [-1, 1]. */
+static inline float tanh_rational(float x) {
+    x = x < -9.0f ? -9.0f : (x > 9.0f ? 9.0f : x);
+    const float x2 = x * x;
+    float p = -2.76076847742355e-16f;
+    p = p * x2 + 2.00018790482477e-13f;
+    p = p * x2 - 8.60467152213735e-11f;
+    p = p * x2 + 5.12229709037114e-08f;
+    p = p * x2 + 1.48572235717979e-05f;
+    p = p * x2 + 6.37261928875436e-04f;
+    p = p * x2 + 4.89352455891786e-03f;
+    float q = 1.19825839466702e-06f;
+    q = q * x2 + 1.18534705686654e-04f;
+    q = q * x2 + 2.26843463243900e-03f;
+    q = q * x2 + 4.89352518554385e-03f;
+    float r = x * p / q;
+    return r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
+}
+
+/* e^x (Cephes' expf): x = n·ln2 + r, |r| <= ln2/2, e^r by a degree-7 polynomial, 2^n into the exponent
+   bits. Relative error ~2 ulp; x clamped to where 2^n is a normal float (below: ~0, above: ~FLT_MAX). */
+static inline float exp_poly(float x) {
+    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    const float n = __builtin_rintf(x * 1.44269504088896341f);
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int bits = ((int)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+static void activate(float *c, int n, int activation, float alpha, float beta) {
+    switch (activation) {
+    case ACT_RELU:
+        for (int j = 0; j < n; ++j) c[j] = c[j] > 0.0f ? c[j] : 0.0f;
+        break;
+    case ACT_CLIP:  /* alpha = min, beta = max */
+        for (int j = 0; j < n; ++j) c[j] = c[j] < alpha ? alpha : (c[j] > beta ? beta : c[j]);
+        break;
+    case ACT_LEAKY_RELU:
+        for (int j = 0; j < n; ++j) c[j] = c[j] >= 0.0f ? c[j] : alpha * c[j];
+        break;
+    case ACT_GELU:  /* x·Φ(x) = ½x(1 + erf(x/√2)) */
+        for (int j = 0; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
+        break;
+    case ACT_GELU_TANH:  /* ½x(1 + tanh(u)) = x·σ(2u), u = √(2/π)(x + 0.044715x³): no cancellation for x < 0 */
+        for (int j = 0; j < n; ++j) {
+            float x = c[j];
+            c[j] = x / (1.0f + exp_poly(-1.5957691216057308f * (x + 0.044715f * x * x * x)));
+        }
+        break;
+    case ACT_TANH:
+        for (int j = 0; j < n; ++j) c[j] = tanh_rational(c[j]);
+        break;
+    case ACT_SIGMOID:
+        for (int j = 0; j < n; ++j) c[j] = 1.0f / (1.0f + exp_poly(-c[j]));
+        break;
+    case ACT_SILU:
+        for (int j = 0; j < n; ++j) c[j] = c[j] / (1.0f + exp_poly(-c[j]));
+        break;
+    case ACT_HARD_SIGMOID:  /* max(0, min(1, alpha·x + beta)) */
+        for (int j = 0; j < n; ++j) {
+            float v = alpha * c[j] + beta;
+            c[j] = v < 0.0f ? 0.0f : (v > 1.0f ? 1.0f : v);
+        }
+        break;
+    case ACT_HARD_SWISH:  /* x·relu6(x + 3)/6 */
+        for (int j = 0; j < n; ++j) {
+            float v = c[j] + 3.0f;
+            v = v < 0.0f ? 0.0f : (v > 6.0f ? 6.0f : v);
+            c[j] = c[j] * v * (1.0f / 6.0f);
+        }
+        break;
+    default:
+        break;
+    }
+}
+
+#pragma GCC pop_options
+
+static int has_epilogue(const kiln_gemm_plan *p, const float *res) {
+    return p->bias != NULL || res != NULL || p->activation != ACT_NONE;
+}
+
+/* Rows [row0, row0 + m), columns [col0, col0 + n) of y: + bias, activation and residual. */
+static void epilogue(const kiln_gemm_plan *p, float *y, const float *res, long row0, long col0, int m, int n) {
+    const long N = p->N;
+    const float *bias = p->bias ? p->bias + col0 : NULL;
+    for (int i = 0; i < m; ++i) {
+        float *c = y + (row0 + i) * N + col0;
+        const float *r = res ? res + (row0 + i) * N + col0 : NULL;
+        if (bias) for (int j = 0; j < n; ++j) c[j] += bias[j];
+        if (r && !p->residual_after) for (int j = 0; j < n; ++j) c[j] += r[j];
+        activate(c, n, p->activation, p->alpha, p->beta);
+        if (r && p->residual_after) for (int j = 0; j < n; ++j) c[j] += r[j];
+    }
+}
+
+/* ---- the driver -------------------------------------------------------------------------------------- */
+
+static long ceil_div(long a, long b) { return (a + b - 1) / b; }
+
+/* Rows per M block: the fewest blocks of at most kd->mc rows, evened out, in whole MR panels. */
+static long m_block(const kernel_desc *kd, long M) {
+    long blocks = ceil_div(M, kd->mc);
+    return ceil_div(ceil_div(M, blocks), kd->mr) * kd->mr;
+}
+
+long kiln_gemm_scratch_floats(int kernel, long m, long k) {
+    const kernel_desc *kd = &KERNELS[kernel];
+    return m_block(kd, m) * k + 64;
+}
+
+/* Panels per work item: enough items for every thread to take several (dynamic balance), at most 8
+   panels (a chunk's C tile, mc x 8·NR, stays in L2 across the K blocks). */
+static long panel_chunk(long panels, long row_groups, int threads) {
+    long chunk = panels * row_groups / (4L * threads);
+    return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
+}
+
+/* x rows [0, M) read in place, each tile over the whole K: W streams through once. */
+static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res) {
+    const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
+    const long chunk = panel_chunk(panels, 1, p->threads), items = ceil_div(panels, chunk);
+    const int epi = has_epilogue(p, res);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(p->threads) if (p->threads > 1 && items > 1)
+    for (long it = 0; it < items; ++it) {
+        for (long q = it * chunk; q < (it + 1) * chunk && q < panels; ++q) {
+            const long col0 = q * nr;
+            const int n = (int)(N - col0 < nr ? N - col0 : nr);
+            for (long row0 = 0; row0 < M; row0 += kd->mr) {
+                const int m = (int)(M - row0 < kd->mr ? M - row0 : kd->mr);
+                kd->direct(m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
+                if (epi) epilogue(p, y, res, row0, col0, m, n);
+            }
+        }
+    }
+}
+
+/* A [rows, K] (rows <= MR) -> panel[k][i] */
+static void pack_a(const float *x, long K, int rows, int mr, float *panel) {
+    for (long k0 = 0; k0 < K; k0 += 64) {
+        long kb = K - k0 < 64 ? K - k0 : 64;
+        for (int i = 0; i < rows; ++i) {
+            const float *src = x + i * K + k0;
+            float *dst = panel + k0 * mr + i;
+            for (long t = 0; t < kb; ++t) dst[t * mr] = src[t];
+        }
+    }
+}
+
+static void run_packed(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+                       const float *res) {
+    const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
+    const long panels = ceil_div(N, nr), mc = m_block(kd, M);
+    const int epi = has_epilogue(p, res);
+    float *a_packed = p->scratch;
+    #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
+    for (long m0 = 0; m0 < M; m0 += mc) {
+        const long rows = M - m0 < mc ? M - m0 : mc, row_panels = ceil_div(rows, mr);
+        #pragma omp for schedule(static)
+        for (long q = 0; q < row_panels; ++q) {
+            const long r = rows - q * mr < mr ? rows - q * mr : mr;
+            pack_a(x + (m0 + q * mr) * K, K, (int)r, (int)mr, a_packed + q * mr * K);
+        }
+        /* work items: row groups (when the panels alone are too few to share) x chunks of panels */
+        long groups = ceil_div(2L * p->threads, panels);
+        groups = groups > row_panels ? row_panels : groups;
+        const long group_panels = ceil_div(row_panels, groups);
+        const long chunk = panel_chunk(panels, groups, p->threads), chunks = ceil_div(panels, chunk);
+        #pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < groups * chunks; ++it) {
+            const long g = it / chunks, c = it % chunks;
+            const long q_end = (g + 1) * group_panels < row_panels ? (g + 1) * group_panels : row_panels;
+            const long p_end = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
+            for (long k0 = 0; k0 < K; k0 += kc) {
+                const long kb = K - k0 < kc ? K - k0 : kc;
+                const int last = k0 + kb == K;
+                for (long pn = c * chunk; pn < p_end; ++pn) {
+                    const long col0 = pn * nr;
+                    const int n = (int)(N - col0 < nr ? N - col0 : nr);
+                    const float *b = p->packed_w + pn * K * nr + k0 * nr;
+                    for (long q = g * group_panels; q < q_end; ++q) {
+                        const long row0 = m0 + q * mr;
+                        const int m = (int)(rows - q * mr < mr ? rows - q * mr : mr);
+                        kd->packed(m, kb, a_packed + q * mr * K + k0 * mr, mr, b, y + row0 * N + col0, N, n, k0 > 0);
+                        if (last && epi) epilogue(p, y, res, row0, col0, m, n);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* One call of a native segment (kiln/runtime/native.py), or of the layer run on its own. */
+int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const kiln_gemm_plan *p = (const kiln_gemm_plan *)object;
+    if (p->kernel < 0 || p->kernel >= KERNEL_COUNT) return 2;
+    const kernel_desc *kd = &KERNELS[p->kernel];
+    const float *x = (const float *)p->src, *res = (const float *)p->residual;
+    float *y = (float *)p->dst;
+    if (p->get_handle != NULL) {
+        void *h = NULL;
+        if (p->get_handle(p->src, &h) != 0 || h == NULL) return 2;
+        x = (const float *)h;
+        if (p->get_handle(p->dst, &h) != 0 || h == NULL) return 2;
+        y = (float *)h;
+        if (p->residual != NULL) {
+            if (p->get_handle(p->residual, &h) != 0 || h == NULL) return 2;
+            res = (const float *)h;
+        }
+    }
+    if (p->M <= 0 || p->N <= 0) return 0;
+    if (p->K <= 0) {  /* an empty sum: y = epilogue(0) */
+        for (long i = 0; i < p->M; ++i) memset(y + i * p->N, 0, (size_t)p->N * sizeof(float));
+        for (long i = 0; i < p->M; ++i) epilogue(p, y, res, i, 0, 1, (int)p->N);
+        return 0;
+    }
+    if (p->M <= p->small_m) run_small(p, kd, x, y, res);
+    else run_packed(p, kd, x, y, res);
+    return 0;
+}

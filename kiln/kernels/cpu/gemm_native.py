@@ -1,0 +1,225 @@
+"""kiln's own packed FP32 GEMM for linear layers (gemm.c): y = epilogue(x @ Wᵀ), W [N, K] constant.
+
+W is packed once, when the engine loads, into the panels the microkernel reads (6x16 on AVX2+FMA,
+14x32 on AVX-512, picked from cpuid at run time); any row count M runs on the same packed weight,
+so one layer serves every input size a profile allows. kiln::FusedGemm's epilogue (bias, activation,
+residual before or after it) is applied to each tile while it is in L1.
+
+Why a GEMM of kiln's own: on an AVX2 EPYC, BERT-base's FFN GEMM (128 x 768 x 3072) ran at 64% of the
+cores' FMA peak in MKL and oneDNN where onnxruntime's MLAS reaches 90%; the autotuner now times this
+kernel against both, per layer (kiln/tactics/cpu/gemm_packed.py).
+
+Built by native_loop.build() with the machine's C compiler (cached per source, CPU and flags);
+`load()` returns None without one, and says why in `reason()`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.kernels.cpu import hugepages, native_loop, onednn
+
+SOURCE = Path(__file__).with_name("gemm.c").read_text()
+
+# kiln::FusedGemm's activations (kiln/ops/fused.py) -> gemm.c's codes
+ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "Gelu": 4, "GeluTanh": 5, "Tanh": 6, "Sigmoid": 7,
+               "SiLU": 8, "HardSigmoid": 9, "HardSwish": 10}
+
+_LOADED: dict[bool, ctypes.CDLL] = {}
+_REASON: dict[bool, str] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+class _Plan(ctypes.Structure):  # kiln_gemm_plan in gemm.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p),
+                ("residual", ctypes.c_void_p), ("packed_w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("scratch", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
+                ("kernel", ctypes.c_int), ("threads", ctypes.c_int), ("activation", ctypes.c_int),
+                ("alpha", ctypes.c_float), ("beta", ctypes.c_float), ("residual_after", ctypes.c_int),
+                ("small_m", ctypes.c_long)]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    index: int
+    name: str
+    nr: int  # columns per packed panel
+    supported: bool  # this CPU runs it
+    test_only: bool  # another ISA's tile shape on this one, in the tests' build only
+
+
+def load(test_kernels: bool = False) -> ctypes.CDLL | None:
+    """The compiled GEMM (built on first use, then reused from kiln's cache), or None.
+    `test_kernels`: the build that adds the test-only kernels (a minute more to compile)."""
+    with _LOAD_LOCK:
+        if test_kernels in _LOADED or test_kernels in _REASON:
+            return _LOADED.get(test_kernels)
+        source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + SOURCE
+        built = native_loop.build("gemm-test" if test_kernels else "gemm", source)
+        if isinstance(built, str):
+            _REASON[test_kernels] = built
+            return None
+        try:
+            lib = ctypes.CDLL(str(built))
+        except OSError as e:
+            _REASON[test_kernels] = f"{type(e).__name__}: {e}"
+            return None
+        lib.kiln_gemm.restype = ctypes.c_int
+        lib.kiln_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.kiln_gemm_kernel_name.restype = ctypes.c_char_p
+        for name in ("kiln_gemm_packed_floats", "kiln_gemm_scratch_floats"):
+            getattr(lib, name).restype = ctypes.c_long
+            getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        lib.kiln_gemm_pack_w.restype = None
+        lib.kiln_gemm_pack_w.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        _LOADED[test_kernels] = lib
+        return lib
+
+
+def reason(test_kernels: bool = False) -> str | None:
+    """Why load() returned None (None when it did not)."""
+    return _REASON.get(test_kernels)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def kernels(test_kernels: bool = False) -> list[Kernel]:
+    """Every microkernel of the build, in kiln's order of preference."""
+    lib = load(test_kernels)
+    if lib is None:
+        return []
+    return [Kernel(i, lib.kiln_gemm_kernel_name(i).decode(), lib.kiln_gemm_kernel_nr(i),
+                   bool(lib.kiln_gemm_kernel_supported(i)), bool(lib.kiln_gemm_kernel_test_only(i)))
+            for i in range(lib.kiln_gemm_kernel_count())]
+
+
+def best_kernel() -> Kernel:
+    """The first kernel this CPU runs (AVX-512, else AVX2, else the portable one)."""
+    return next(k for k in kernels() if k.supported and not k.test_only)
+
+
+def small_rows(kernel: Kernel) -> int:
+    """Up to this many rows x is read in place (GEMV-like: the packed W streams once, no A packing)."""
+    return 2 * (14 if kernel.nr >= 32 else 6)
+
+
+class PackedLinear:
+    """One linear layer: W packed once; any row count; bind() gives a native segment its call."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, activation: str = "", alpha: float = 0.0,
+                 beta: float = 0.0, residual: bool = False, residual_after_activation: bool = True,
+                 kernel: Kernel | None = None, small_m: int | None = None):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one kiln's GEMM applies ({sorted(ACTIVATIONS)})")
+        test_kernels = kernel is not None and kernel.test_only
+        lib = load(test_kernels)
+        if lib is None:
+            raise RuntimeError(f"kiln's GEMM is not built: {reason(test_kernels)}")
+        self.kernel = kernel or best_kernel()
+        if not self.kernel.supported:
+            raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
+        self._lib = lib
+        n, k = (int(d) for d in w.shape)
+        self.n, self.k = n, k
+        w = w.detach().to(torch.float32).contiguous()
+        self._w = hugepages.empty(lib.kiln_gemm_packed_floats(self.kernel.index, n, k))
+        lib.kiln_gemm_pack_w(self.kernel.index, w.data_ptr(), n, k, self._w.data_ptr())
+        self._bias = None if b is None else b.detach().to(torch.float32).reshape(n).contiguous()
+        self.residual = residual
+        self._epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
+                              residual_after=int(residual_after_activation))
+        self.small_m = small_rows(self.kernel) if small_m is None else small_m
+        self.implementation = f"kiln packed GEMM, {self.kernel.name}"
+        self._call_plans: dict[int, tuple[_Plan, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, rows: int, scratch: torch.Tensor | None = None) -> tuple[_Plan, torch.Tensor]:
+        """A plan for `rows` rows with its own A scratch (or `scratch` when large enough)."""
+        need = self._lib.kiln_gemm_scratch_floats(self.kernel.index, rows, self.k)
+        if scratch is None or scratch.numel() < need:
+            scratch = hugepages.empty(need) if rows > self.small_m else torch.empty(0)
+        plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
+                     scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.n, kernel=self.kernel.index,
+                     threads=torch.get_num_threads(), small_m=self.small_m, **self._epilogue)
+        return plan, scratch
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] float32 -> y [..., N] (a new tensor); residual [..., N] when the layer has one."""
+        lead = tuple(x.shape[:-1])
+        rows = math.prod(lead)
+        x = x.reshape(rows, self.k).contiguous()  # x: [M, K]
+        y = torch.empty((rows, self.n), dtype=torch.float32)  # y: [M, N]
+        r = None
+        if self.residual:
+            r = residual.reshape(rows, self.n).contiguous()
+        with self._lock:
+            found = self._call_plans.get(rows)
+            if found is None:
+                if len(self._call_plans) > 8:  # row counts of a dynamic profile: the oldest out
+                    self._call_plans.pop(next(iter(self._call_plans)))
+                found = self._call_plans[rows] = self.plan(rows)
+            plan = found[0]
+            plan.src, plan.dst = x.data_ptr(), y.data_ptr()
+            plan.residual = r.data_ptr() if r is not None else None
+            plan.threads = torch.get_num_threads()
+            status = self._lib.kiln_gemm(ctypes.byref(plan), None, 0, None)
+        if status:
+            raise RuntimeError(f"kiln GEMM [{rows}, {self.k}] x [{self.n}, {self.k}]ᵀ failed ({status})")
+        return y.reshape(*lead, self.n)
+
+    def rows(self, input_size: tuple[int, ...]) -> BoundRows:
+        """What a native segment binds for inputs of `input_size` ([..., K])."""
+        return BoundRows(self, tuple(int(d) for d in input_size))
+
+
+class BoundRows:
+    """The layer at one input size, as kiln/runtime/native.py's NativeStep.primitive() returns it."""
+
+    def __init__(self, gemm: PackedLinear, input_size: tuple[int, ...]):
+        if input_size[-1] != gemm.k:
+            raise ValueError(f"input {list(input_size)} does not end in K = {gemm.k}")
+        self.gemm = gemm
+        self.input_size, self.output_size = input_size, (*input_size[:-1], gemm.n)
+        self.residual = gemm.residual
+        self.rows = math.prod(input_size[:-1])
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> GemmCall:
+        return GemmCall(self, src, dst, residual if self.residual else None)
+
+
+class GemmCall:
+    """One bound call (kiln_gemm on a plan of its own, scratch included): src, dst and residual are
+    oneDNN memory objects, so the segment loop points them at each run's addresses as it does a
+    primitive's (kiln/kernels/cpu/segment_loop.c)."""
+
+    def __init__(self, bound: BoundRows, src: int, dst: int, residual: int | None):
+        lib = onednn.load()
+        gemm = bound.gemm
+        self.what = f"kiln GEMM {list(bound.input_size)} -> {list(bound.output_size)}"
+        self._bound = bound
+        self._md = onednn.memory_desc([1], onednn.TAG_A)  # only the handle matters to kiln_gemm
+        self._memories = {"src": onednn._memory(self._md.value, src), "dst": onednn._memory(self._md.value, dst)}
+        if residual is not None:
+            self._memories["residual"] = onednn._memory(self._md.value, residual)
+        self._plan, self._scratch = gemm.plan(bound.rows)
+        self._plan.get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
+        self._plan.src, self._plan.dst = self._memories["src"].value, self._memories["dst"].value
+        self._plan.residual = self._memories["residual"].value if residual is not None else None
+        self._function = ctypes.cast(gemm._lib.kiln_gemm, ctypes.c_void_p).value
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: str) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: str, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)

@@ -1,0 +1,285 @@
+"""kiln's packed GEMM (kiln/kernels/cpu/gemm.c, gemm_native.py) and its tactic cpu.gemm.kiln_packed,
+against independent oracles.
+
+Kernel: y = epilogue(x @ Wᵀ) in float64 torch, the epilogue written out here from the ONNX
+definitions (not kiln's op), on random inputs at odd shapes (every M, N, K edge of the 6x16 and 14x32
+tiles, the K blocks of 256 and 192, the M blocks), every activation, a residual before or after it,
+[B, S, K] inputs, both paths (x read in place for a small M, x packed otherwise) and every kernel this
+CPU runs. The AVX-512 kernel cannot run on an AVX2 machine: its tile shape runs here through the
+tests' build (the same template at 16 lanes, AVX2 instructions), and kiln must pick it exactly where
+the CPU reports avx512f. Tactic: the autotuner's check against the registered op, native segments at
+the tuned and other row counts, and an engine against onnxruntime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.kernels.cpu import gemm_native, onednn
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.program import Program
+from tests.unit.tactic_check import make_step, reason, run_against_reference
+
+NAME = "cpu.gemm.kiln_packed"
+pytestmark = pytest.mark.skipif(not gemm_native.available(), reason=f"kiln's GEMM not built: {gemm_native.reason()}")
+
+# fp32 kernel vs float64 oracle: |error| <= ATOL + RTOL * max|z|, z the pre-activation (x Wᵀ + b [+ r]).
+# A K-long fp32 dot product rounds to ~sqrt(K)·6e-8 of its scale (K <= 800 here); every activation's
+# slope is <= 1.5 and its rational approximation (erf, tanh) is within 1e-6: 2e-5 leaves room, while
+# an index or epilogue mistake fails by orders of magnitude.
+RTOL, ATOL = 2e-5, 2e-6
+
+ORACLE_ACT = {  # the ONNX definitions, in float64
+    "": lambda y, a, b: y,
+    "Relu": lambda y, a, b: y.clamp_min(0),
+    "LeakyRelu": lambda y, a, b: torch.where(y >= 0, y, a * y),
+    "Clip": lambda y, a, b: y.clamp(a, b),
+    "Sigmoid": lambda y, a, b: 1 / (1 + torch.exp(-y)),
+    "Tanh": lambda y, a, b: torch.tanh(y),
+    "SiLU": lambda y, a, b: y / (1 + torch.exp(-y)),
+    "HardSwish": lambda y, a, b: y * (y / 6 + 0.5).clamp(0, 1),
+    "HardSigmoid": lambda y, a, b: (a * y + b).clamp(0, 1),
+    "Gelu": lambda y, a, b: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5)),
+    "GeluTanh": lambda y, a, b: 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))),
+}
+PARAMS = {"LeakyRelu": (0.1, 0.0), "Clip": (-0.5, 0.7), "HardSigmoid": (0.2, 0.5)}
+
+
+def oracle(x, w, b, r, activation, after):
+    """(y, max|z|) in float64."""
+    z = x.double() @ w.double().T
+    if b is not None:
+        z = z + b.double()
+    if r is not None and not after:
+        z = z + r.double()
+    alpha, beta = PARAMS.get(activation, (0.0, 0.0))
+    y = ORACLE_ACT[activation](z, alpha, beta)
+    if r is not None and after:
+        y = y + r.double()
+    return y, max(z.abs().max().item(), 1.0)
+
+
+def assert_close(got, want64, scale):
+    assert got.dtype == torch.float32 and got.shape == want64.shape
+    error = (got.double() - want64).abs().max().item()
+    assert error <= ATOL + RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def data(g, lead, k, n, bias=True, residual=False):
+    x = torch.randn(*lead, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5  # z = x Wᵀ of order 1: the activations are not saturated
+    b = torch.randn(n, generator=g) if bias else None
+    r = torch.randn(*lead, n, generator=g) if residual else None
+    return x, w, b, r
+
+
+def runnable(test_kernels=False):
+    return [k for k in gemm_native.kernels(test_kernels) if k.supported and (k.test_only or not test_kernels)]
+
+
+SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 tiles, K past one block (256 / 192), M past one block
+    (1, 1, 1), (1, 7, 5), (7, 17, 33), (13, 63, 129), (17, 129, 16), (63, 257, 31), (129, 300, 70),
+    (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100),
+]
+
+
+@pytest.mark.parametrize("kernel", runnable(), ids=lambda k: k.name.replace(" ", "-"))
+@pytest.mark.parametrize("path", ["in place", "packed"])
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=lambda v: str(v))
+def test_gemm_matches_float64_at_odd_shapes(kernel, path, m, k, n):
+    g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    x, w, b, _ = data(g, (m,), k, n)
+    # small_m decides the path: x read in place up to that many rows, packed past it
+    layer = gemm_native.PackedLinear(w, b, kernel=kernel, small_m=1 << 30 if path == "in place" else 0)
+    want, scale = oracle(x, w, b, None, "", 1)
+    assert_close(layer(x), want, scale)
+
+
+@pytest.mark.parametrize("activation", sorted(ORACLE_ACT))
+@pytest.mark.parametrize("residual,after", [(False, 1), (True, 1), (True, 0)])
+def test_every_epilogue_matches_float64(activation, residual, after):
+    g = torch.Generator().manual_seed(7)
+    for lead, small in (((2, 37), None), ((3,), None), ((50,), 0)):  # [B, S, K] rows; a small M; packed
+        x, w, b, r = data(g, lead, 72, 45, residual=residual)
+        alpha, beta = PARAMS.get(activation, (0.0, 0.0))
+        layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=residual,
+                                         residual_after_activation=bool(after), small_m=small)
+        want, scale = oracle(x, w, b, r, activation, after)
+        assert_close(layer(x, r), want, scale)
+
+
+@pytest.mark.parametrize("activation", ["Gelu", "GeluTanh", "Tanh", "Sigmoid", "SiLU"])
+def test_rational_activations_are_within_1e6_of_float64(activation):
+    """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone."""
+    grid = torch.linspace(-12, 12, 24001).reshape(-1, 1)  # [G, 1]: K = 1, W = [[1]]
+    layer = gemm_native.PackedLinear(torch.ones(1, 1), None, activation)
+    want = ORACLE_ACT[activation](grid.double(), 0.0, 0.0)
+    error = (layer(grid).double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
+    assert error.max().item() <= 1e-6, f"{activation}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
+
+
+def test_no_bias_and_an_empty_k():
+    g = torch.Generator().manual_seed(1)
+    x, w, _, _ = data(g, (9,), 31, 18, bias=False)
+    want, scale = oracle(x, w, None, None, "Relu", 1)
+    assert_close(gemm_native.PackedLinear(w, None, "Relu")(x), want, scale)
+    b = torch.randn(5, generator=g)
+    y = gemm_native.PackedLinear(torch.empty(5, 0), b, "Relu")(torch.empty(4, 0))  # K = 0: act(b)
+    assert torch.equal(y, b.relu().expand(4, 5))
+
+
+def test_threads_follow_torch_and_agree():
+    g = torch.Generator().manual_seed(2)
+    x, w, b, _ = data(g, (200,), 300, 130)
+    layer = gemm_native.PackedLinear(w, b, "Gelu")
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(layer(x))
+    finally:
+        torch.set_num_threads(before)
+    want, scale = oracle(x, w, b, None, "Gelu", 1)
+    for y in outputs:
+        assert_close(y, want, scale)
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="reads the CPU's flags from /proc/cpuinfo")
+def test_the_kernel_is_the_widest_the_cpu_reports():
+    """AVX-512 exactly where the kernel sees avx512f (cpuid, as the OS reports it), else AVX2 + FMA."""
+    flags = _cpu_flags()
+    best = gemm_native.best_kernel()
+    if "avx512f" in flags:
+        assert best.name.startswith("avx512") and best.nr == 32
+    elif {"avx2", "fma"} <= flags:
+        assert best.name.startswith("avx2") and best.nr == 16
+        assert not next(k for k in gemm_native.kernels() if k.name.startswith("avx512")).supported
+    else:
+        assert best.name.startswith("generic")
+    for unsupported in [k for k in gemm_native.kernels() if not k.supported]:
+        with pytest.raises(ValueError, match="does not run on this CPU"):
+            gemm_native.PackedLinear(torch.ones(2, 2), None, kernel=unsupported)
+
+
+@pytest.mark.slow  # the tests' build compiles the 14x32 template for AVX2 (~1 minute, then cached)
+def test_the_avx512_tile_shape_runs_right_on_this_cpu():
+    kernels = runnable(test_kernels=True)
+    if not kernels:
+        pytest.skip("the tests' build has no test kernel for this CPU")
+    g = torch.Generator().manual_seed(5)
+    for m, k, n in [(1, 7, 5), (15, 193, 33), (29, 385, 64), (170, 200, 31)]:
+        for small in (1 << 30, 0):
+            x, w, b, r = data(g, (m,), k, n, residual=True)
+            layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[0], small_m=small)
+            want, scale = oracle(x, w, b, r, "Gelu", 1)
+            assert_close(layer(x, r), want, scale)
+
+
+# ---- the tactic ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lead", [(5,), (2, 9)])
+@pytest.mark.parametrize("activation,residual", [("", False), ("Gelu", True), ("Relu", False)])
+def test_tactic_matches_the_registered_op(lead, activation, residual):
+    g = torch.Generator().manual_seed(11)
+    x, w, b, r = data(g, lead, 40, 24, residual=residual)
+    step = make_step("FusedGemm", "kiln", 4 if residual else 3, activation=activation, residual_after_activation=1)
+    step = dataclasses.replace(step, tactic_config={"input_size": list(x.shape), "residual": residual})
+    args = [x, w, b] + ([r] if residual else [])
+    run_against_reference(NAME, step, args, constant={1, 2})
+
+
+def test_tactic_refuses_what_it_cannot_run():
+    g = torch.Generator().manual_seed(12)
+    x, w, b, _ = data(g, (4,), 8, 6)
+    swiglu = make_step("FusedGemm", "kiln", 3, activation="SwiGLU")
+    assert "SwiGLU" in reason(NAME, swiglu, [x, w, b], constant={1, 2})
+    plain = make_step("FusedGemm", "kiln", 3)
+    assert "batch of rows" in reason(NAME, plain, [x.reshape(1, 2, 2, 8), w, b], constant={1, 2})
+    assert "constant" in reason(NAME, plain, [x, w, b], constant={2})
+    residual = make_step("FusedGemm", "kiln", 4)
+    assert "residual" in reason(NAME, residual, [x, w, b, torch.randn(1, 6)], constant={1, 2})
+
+
+def _ffn(k: int, hidden: int, activation: str, residual: bool) -> tuple[ProgramSpec, dict]:
+    """x [.., k] -> FusedGemm(activation) [.., hidden] -> FusedGemm (+ x) [.., k], both on the tactic."""
+    g = torch.Generator().manual_seed(13)
+    weights = {"w1": torch.randn(hidden, k, generator=g) / k ** 0.5, "b1": torch.randn(hidden, generator=g),
+               "w2": torch.randn(k, hidden, generator=g) / hidden ** 0.5, "b2": torch.randn(k, generator=g)}
+    up = StepSpec("FusedGemm", "up", ["x", "w1", "b1"], ["h"], {"activation": activation}, domain="kiln",
+                  tactic=NAME, tactic_config={"input_size": [2, 7, k], "residual": False})
+    down = StepSpec("FusedGemm", "down", ["h", "w2", "b2"] + (["x"] if residual else []), ["y"],
+                    {"residual_after_activation": 1}, domain="kiln", tactic=NAME,
+                    tactic_config={"input_size": [2, 7, hidden], "residual": residual})
+    return ProgramSpec(["x"], ["y"], [up, down], {s: s for s in weights}), weights
+
+
+@pytest.mark.skipif(not onednn.available(), reason="a native segment binds oneDNN memory objects")
+@pytest.mark.parametrize("activation,residual", [("Gelu", True), ("Relu", False)])
+def test_a_transformer_ffn_runs_as_one_native_segment_at_every_row_count(activation, residual):
+    spec, weights = _ffn(48, 100, activation, residual)
+    program = Program(spec, weights)
+    assert [len(s.members) for s in program.segments] == [2]
+    g = torch.Generator().manual_seed(14)
+    for shape in ((2, 7, 48), (3, 11, 48), (1, 1, 48)):  # the tuned size, then others (bound on first sight)
+        x = torch.randn(*shape, generator=g)
+        with torch.inference_mode():
+            got = program.run([x])[0]
+        h, _ = oracle(x, weights["w1"], weights["b1"], None, activation, 1)
+        want, scale = oracle(h, weights["w2"], weights["b2"], x if residual else None, "", 1)
+        assert_close(got, want, scale)
+
+
+def test_engine_on_kiln_gemm_matches_onnxruntime(monkeypatch):
+    """A BERT-style FFN block exported as ONNX (MatMul, Add, erf GELU, MatMul, Add, residual Add), built
+    with this tactic winning every layer (timings made up: the shared CPU decides nothing here; the
+    autotuner still checks each layer and the engine against the reference), against onnxruntime at the
+    tuned shape and another sequence length."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+    from kiln.builder import autotune
+
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        key: 0.0 if key.startswith(NAME) else 1.0 for key in fns})
+    rng = np.random.default_rng()
+    k, hidden = 64, 160
+    inits = [numpy_helper.from_array((rng.standard_normal((k, hidden)) / k ** 0.5).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(hidden).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((hidden, k)) / hidden ** 0.5).astype(np.float32), "w2"),
+             numpy_helper.from_array(rng.standard_normal(k).astype(np.float32), "b2"),
+             numpy_helper.from_array(np.array(2 ** -0.5, np.float32), "s"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"]), helper.make_node("Add", ["h0", "b1"], ["h"]),
+             helper.make_node("Mul", ["h", "s"], ["hs"]), helper.make_node("Erf", ["hs"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["he"]),
+             helper.make_node("Mul", ["he", "half"], ["a"]),
+             helper.make_node("MatMul", ["a", "w2"], ["y0"]), helper.make_node("Add", ["y0", "b2"], ["y1"]),
+             helper.make_node("Add", ["y1", "x"], ["y"])]
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "s", k])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    model = model.SerializeToString()
+    engine = kiln.build(model, profiles=[{"x": "1x1x64,2x16x64,4x40x64"}], tactics=[NAME])
+    gemms = [s for s in engine.plan.program.steps if s.op_type == "FusedGemm"]
+    assert len(gemms) == 2 and all(s.tactic == NAME for s in gemms), [(s.name, s.tactic) for s in gemms]
+    assert gemms[0].attributes.get("activation") == "Gelu"  # the GELU and the residual are the GEMMs' epilogue
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for shape in ((2, 16, k), (3, 29, k), (1, 1, k)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
