@@ -282,6 +282,47 @@ def elementwise_chain_read_midway():
     return model(nodes, [value("x", [2, 8])], [value("y", [2, 8]), value("r", [2, 8])])
 
 
+# ---------------------------------------------------------------- explicit quantization (Q/DQ)
+
+U8 = TensorProto.UINT8
+
+
+def _quantize(x: str, scale: float, tag: str, zero: int = 0) -> tuple[list, list]:
+    """x -> QuantizeLinear -> DequantizeLinear (uint8, per tensor): nodes and initializers."""
+    inits = [(f"{tag}_s", np.array(scale, np.float32)), (f"{tag}_z", np.array(zero, np.uint8))]
+    return [node("QuantizeLinear", [x, f"{tag}_s", f"{tag}_z"], [f"{tag}_q"]),
+            node("DequantizeLinear", [f"{tag}_q", f"{tag}_s", f"{tag}_z"], [f"{tag}_dq"])], inits
+
+
+def qdq_conv(weight_zero: int = 0):
+    """DQ(x_q) -> Conv(DQ(w_q)): the weight's zero point `weight_zero` (kernels take only 0)."""
+    nodes, inits = _quantize("x", 0.05, "x", 128)
+    inits += [("wq", rng.integers(-64, 65, (4, 3, 3, 3)).astype(np.int8)), ("ws", np.full(4, 0.01, np.float32)),
+              ("wz", np.full(4, weight_zero, np.int8))]
+    nodes += [node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
+              node("Conv", ["x_dq", "w"], ["y"], pads=[1, 1, 1, 1])]
+    return model(nodes, [value("x", [1, 3, 6, 6])], [value("y", None)], inits)
+
+
+def qdq_concat_of_two_scales():
+    n1, i1 = _quantize("a", 0.05, "a")
+    n2, i2 = _quantize("b", 0.07, "b")
+    nodes = n1 + n2 + [node("Concat", ["a_dq", "b_dq"], ["y"], axis=1)]
+    return model(nodes, [value("a", [1, 2, 4]), value("b", [1, 3, 4])], [value("y", [1, 5, 4])], i1 + i2)
+
+
+def qdq_add(requantized: bool = False):
+    """DQ(a) + DQ(b), its sum read as float (no Q): or a Q(DQ) pair with another scale (requantized)."""
+    n1, i1 = _quantize("a", 0.05, "a")
+    n2, i2 = _quantize("b", 0.07, "b")
+    nodes = n1 + n2 + [node("Add", ["a_dq", "b_dq"], ["y"])]
+    if requantized:
+        i1 += [("r_s", np.array(0.09, np.float32))]
+        nodes = n1 + [node("QuantizeLinear", ["a_dq", "r_s", "a_z"], ["y"])]
+        return model(nodes, [value("a", [2, 4])], [value("y", [2, 4], U8)], i1)
+    return model(nodes, [value("a", [2, 4]), value("b", [2, 4])], [value("y", [2, 4])], i1 + i2)
+
+
 CASES = {
     "gelu/one_plus_erf_read_twice": Case("fuse_gelu", gelu_whose_one_plus_erf_is_also_an_output,
                                          "not followed by ½·x·(1 + ·)"),
@@ -329,7 +370,12 @@ CASES = {
                                             "not all constants"),
     "batchnorm/running_mean_is_an_output": Case("fold_batchnorm", lambda: batchnorm(mean_is_output=True),
                                                 "cannot be removed"),
+    "quantized_layers/asymmetric_weight": Case("fuse_quantized_layers", lambda: qdq_conv(weight_zero=3),
+                                               "zero point is not 0"),
+    "quantized_add/sum_read_as_float": Case("fuse_quantized_add", qdq_add, "not quantized by one QuantizeLinear"),
+    "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.
+    "qdq_round_trips/requantization": Case("remove_qdq_round_trips", lambda: qdq_add(requantized=True), None),
     "attention_layout/head_split_read_twice": Case("absorb_attention_reshapes",
                                                    attention_with_a_head_split_read_twice, None),
     "attention_mask_broadcast/mask_from_an_input": Case("attention_mask_broadcast", lambda: attention("add_input"),

@@ -100,14 +100,17 @@ def _real_bias(value: ir.Value | None, channels: int) -> np.ndarray | None | str
 
 
 def _bias_after(value: ir.Value, channels: int) -> tuple[ir.Node, np.ndarray] | None:
-    """An Add of a constant [N] bias right after a MatMul (what kiln's own PTQ leaves)."""
+    """An Add of a constant (or DQ'd constant) [N] bias right after a MatMul: what exporters write for
+    a Linear, and onnxruntime's QDQ models keep with the bias DQ'd from int32."""
     add = only_user(value)
-    if not is_op(add, "Add"):
+    if not is_op(add, "Add") or value.shape is None:
         return None
-    b = const(other_input(add, value))
-    if b is None or b.size != channels or b.shape[-1] != channels:
-        return None
-    return add, b.astype(np.float64).reshape(-1)
+    other = other_input(add, value)
+    shape = other.shape if other is not None else None
+    if shape is None or len(shape) > len(value.shape) or any(d != 1 for d in list(shape)[:-1]):
+        return None  # not a per-column bias: it would broadcast the layer's output
+    real = _real_bias(other, channels)
+    return None if real is None or isinstance(real, str) else (add, real)
 
 
 def _activation(value: ir.Value) -> tuple[ir.Node, str, float, float] | None:
