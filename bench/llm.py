@@ -97,11 +97,12 @@ def run_kiln(folder: Path, args, batch: int, quantization: str | None, graphs: b
     decode_tokens = batch * (args.output_len - 1)
     model = llm.engine.model
     graphs = llm.engine.runner.graphs
+    gpu_ms = graphs.time_replay(batch) if graphs is not None else None  # after the run: its inputs, its lengths
     result = {"ttft_ms": (first - start) * 1e3, "decode_tok_s": decode_tokens / (end - first),
               "total_tok_s": batch * args.output_len / (end - start), "weight_bytes": weight_bytes(model),
               "read_bytes": weight_bytes(model) - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size(),
               "graph_mib": graphs.memory_bytes / 2**20 if graphs is not None else None,
-              "graph_steps": llm.engine.runner.num_graph_steps}
+              "graph_steps": llm.engine.runner.num_graph_steps, "gpu_step_ms": gpu_ms}
     del llm, model, graphs
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -179,10 +180,10 @@ def main() -> int:
              f"input {args.input_len} tokens, output {args.output_len}, greedy, torch {torch.__version__}, "
              f"{torch.get_num_threads()} CPU thread(s)", "",
              "| system | batch | TTFT ms | decode tok/s | total tok/s | batch-1 roofline tok/s | of roofline "
-             "| of bytes-read roofline | graph MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| of bytes-read roofline | graph MiB | GPU ms/step (graph replay) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, batch, r in rows:
-        roofline = share = share_read = graph = ""
+        roofline = share = share_read = graph = gpu = ""
         if args.device.startswith("cuda") and "weight_bytes" in r:
             rate = args.bandwidth * 1e12 / r["weight_bytes"]
             roofline = f"{rate:.0f}"
@@ -190,8 +191,9 @@ def main() -> int:
                 share = f"{r['decode_tok_s'] / rate:.1%}"
                 share_read = f"{r['decode_tok_s'] * r['read_bytes'] / (args.bandwidth * 1e12):.1%}"
             graph = f"{r['graph_mib']:.0f}" if r.get("graph_mib") is not None else ""
+            gpu = f"{r['gpu_step_ms']:.2f}" if r.get("gpu_step_ms") is not None else ""
         lines.append(f"| {name} | {batch} | {r['ttft_ms']:.1f} | {r['decode_tok_s']:.1f} | {r['total_tok_s']:.1f} | "
-                     f"{roofline} | {share} | {share_read} | {graph} |")
+                     f"{roofline} | {share} | {share_read} | {graph} | {gpu} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_write:

@@ -10,6 +10,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' \
   | tee -a "$OUT/device.txt"
 if [ "$test_timeout" -gt 0 ]; then
+  # the fused kernels first: if they fail on the device, the rest runs on the torch code (KILN_LLM_FUSED=0)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rfE tests/llm/test_fused_kernels.py \
+    2>&1 | tee "$OUT/fused.log" | tail -15
+  grep -q " passed" "$OUT/fused.log" && ! grep -q "failed\|error" "$OUT/fused.log" || export KILN_LLM_FUSED=0
+  echo "KILN_LLM_FUSED=${KILN_LLM_FUSED:-1}"
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="" -rfE \
     tests/llm/test_gpu.py tests/llm/test_gpu_graphs.py 2>&1 | tee "$OUT/tests.log" | tail -40
   timeout "$test_timeout" python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rfE \
@@ -20,4 +25,4 @@ if [ "$bench_timeout" -gt 0 ]; then
   timeout "$bench_timeout" python3 bench/llm.py "$@" 2>&1 | tee "$OUT/bench.log" | grep -v "^(" | tail -30
   cp bench/results/llm-*.md "$OUT/" 2>/dev/null
 fi
-echo "== tests"; grep -E "passed|failed|error" "$OUT/tests.log" "$OUT/kernels.log" 2>/dev/null | tail -4
+echo "== tests"; echo "KILN_LLM_FUSED=${KILN_LLM_FUSED:-1}"; grep -E "passed|failed|error" "$OUT/fused.log" "$OUT/tests.log" "$OUT/kernels.log" 2>/dev/null | tail -4

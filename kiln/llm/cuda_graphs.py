@@ -97,6 +97,7 @@ class DecodeGraphs:
     def capture(self) -> None:
         started = time.perf_counter()
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # so that the difference below is the graphs' pool and outputs alone
         before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
@@ -117,10 +118,23 @@ class DecodeGraphs:
                 self.sampled_ids[b] = self._sample(b)
             self.sample_graphs[b] = graph
         torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()  # the warm-ups' blocks outside the pool
         self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
         self.capture_seconds = time.perf_counter() - started
         log.info("kiln llm: decode captured as CUDA graphs for batch sizes %s in %.1f s, %.1f MiB of graph memory",
                  self.buckets, self.capture_seconds, self.memory_bytes / 2**20)
+
+    def time_replay(self, batch: int, repeats: int = 20) -> float:
+        """Milliseconds of GPU time per replay of the forward graph holding `batch` rows (CUDA events)."""
+        graph = self.forward_graphs[self.bucket(batch)]
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / repeats
 
     def run(self, items, sampling: dict[str, np.ndarray] | None) -> tuple[int, torch.Tensor]:
         """items: the step's decode requests (ScheduledRequest, one token each). Replays the bucket's forward

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.llm.config import LLMError
+from kiln.llm.models import layers
 from kiln.llm.models.layers import ColumnLinear, RowLinear
 
 METHODS = ("fp8", "int8", "int4")
@@ -38,8 +39,12 @@ class FP8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
-            x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [T, 1] per token
-            x_q = (x.float() / x_scale).to(torch.float8_e4m3fn)
+            if layers.FUSED:
+                from kiln.llm.kernels.fused import fp8_quantize_rows  # one kernel for the per-token scales
+                x_q, x_scale = fp8_quantize_rows(x, FP8_MAX)
+            else:
+                x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX  # [T, 1] per token
+                x_q = (x.float() / x_scale).to(torch.float8_e4m3fn)
             return torch._scaled_mm(x_q, self.q.t(), scale_a=x_scale, scale_b=self.scale[None, :], out_dtype=x.dtype)
         return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
 

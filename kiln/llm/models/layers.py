@@ -7,6 +7,7 @@ tensors (`load`), so the same model code runs on one device or split over severa
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +15,9 @@ from torch import nn
 
 from kiln.llm.config import LLMError, RopeConfig
 from kiln.llm.parallel import TensorParallel
+
+# the fused Triton kernels (kiln/llm/kernels/fused.py) on CUDA; KILN_LLM_FUSED=0: the torch code everywhere
+FUSED = os.environ.get("KILN_LLM_FUSED", "1") != "0"
 
 
 class ColumnLinear(nn.Module):
@@ -114,10 +118,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if FUSED and x.is_cuda and x.dim() == 2:
+            from kiln.llm.kernels.fused import rms_norm  # here: a CPU run never imports triton
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on CUDA."""
+        if FUSED and x.is_cuda and x.dim() == 2:
+            from kiln.llm.kernels.fused import add_rms_norm
+            return add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self.forward(x)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:

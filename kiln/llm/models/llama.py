@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.llm.attention import AttentionMetadata, paged_attention, write_kv
 from kiln.llm.config import ModelConfig
+from kiln.llm.models import layers
 from kiln.llm.models.layers import ColumnLinear, RMSNorm, Rotary, RowLinear, VocabEmbedding
 from kiln.llm.models.loading import WeightLoader
 from kiln.llm.parallel import TensorParallel
@@ -37,6 +38,12 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.head_dim
+        if layers.FUSED and x.is_cuda:  # RoPE and the cache writes in one kernel
+            from kiln.llm.kernels.fused import rope_kv_write  # here: a CPU run never imports triton
+            q = rope_kv_write(self.qkv_proj(x), positions, meta.slot_mapping, self.rotary.cos, self.rotary.sin,
+                              kv_cache[0], kv_cache[1], self.num_heads, self.num_kv_heads, d)
+            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+            return self.o_proj(out.reshape(num_tokens, self.num_heads * d))
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d))
         v = v.view(num_tokens, self.num_kv_heads, d)  # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -54,6 +61,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp, f"{what}.down")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if layers.FUSED and x.is_cuda:
+            from kiln.llm.kernels.fused import silu_mul
+            return self.down_proj(silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
@@ -67,9 +77,11 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config, tp, what)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, h, positions, kv_cache, meta, next_norm: RMSNorm):
+        """x: the residual stream, h: this layer's normed input -> (x, the next norm of x): each residual add
+        is fused with the norm after it (one kernel on CUDA)."""
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, positions, kv_cache, meta))
+        return next_norm.add_forward(x, self.mlp(h))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -86,9 +98,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """token_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(token_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
-        return self.norm(x)
+        h = self.layers[0].input_layernorm(x)
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms):
+            x, h = layer(x, h, positions, kv_cache, meta, next_norm)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> fp32 logits [R, vocab]."""

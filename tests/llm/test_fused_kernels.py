@@ -1,0 +1,81 @@
+"""The fused Triton kernels of kiln/llm/kernels/fused.py against the torch reference code they replace
+(RMSNorm, Rotary + write_kv, silu(gate)·up, FP8Weight's per-token scales): under TRITON_INTERPRET=1 on the
+CPU, on the GPU with TRITON_INTERPRET=0."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from kiln.llm.attention import write_kv  # noqa: E402
+from kiln.llm.config import RopeConfig  # noqa: E402
+from kiln.llm.kernels.fused import add_rms_norm, fp8_quantize_rows, rms_norm, rope_kv_write, silu_mul  # noqa: E402
+from kiln.llm.models.layers import RMSNorm, Rotary  # noqa: E402
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+# bf16 tolerance: two bf16 steps (the interpreter's bf16 stores may round a step differently from the GPU's)
+BF16 = 2e-2
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, BF16)])
+@pytest.mark.parametrize("width", [64, 100])
+def test_rms_norm_and_add(dtype, tol, width):
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn((5, width), generator=g) * 3).to(dtype)
+    delta = torch.randn((5, width), generator=g).to(dtype)
+    weight = (1 + torch.randn(width, generator=g) * 0.1).to(dtype)
+    norm = RMSNorm(width, 1e-5).to(dtype)
+    norm.weight.data.copy_(weight)
+    got = rms_norm(x.to(DEVICE), weight.to(DEVICE), 1e-5).cpu()
+    expected = norm(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    total, normed = add_rms_norm(x.to(DEVICE), delta.to(DEVICE), weight.to(DEVICE), 1e-5)
+    if DEVICE == "cuda" or dtype == torch.float32:
+        assert torch.equal(total.cpu(), x + delta)  # the sum rounded to the storage dtype, as torch's add
+    torch.testing.assert_close(total.cpu().float(), (x + delta).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(normed.cpu().float(), norm(x + delta).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, BF16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (6, 2, 32), (3, 3, 8)])
+def test_rope_kv_write(dtype, tol, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    tokens, blocks, page = 7, 6, 4
+    rotary = Rotary(RopeConfig(theta=10000.0, kind="llama3", factor=8.0, original_max_position=16), head_dim, 64, 64)
+    qkv = torch.randn((tokens, (heads + 2 * kv_heads) * head_dim), generator=g).to(dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    slots = torch.randperm(blocks * page, generator=g)[:tokens]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q_ref, k_ref = rotary(positions, q.reshape(tokens, heads, head_dim), k.reshape(tokens, kv_heads, head_dim))
+    k_cache_ref = torch.randn((blocks, page, kv_heads, head_dim), generator=g).to(dtype)
+    v_cache_ref = torch.randn((blocks, page, kv_heads, head_dim), generator=g).to(dtype)
+    k_cache, v_cache = k_cache_ref.clone().to(DEVICE), v_cache_ref.clone().to(DEVICE)
+    write_kv(k_ref, v.reshape(tokens, kv_heads, head_dim), k_cache_ref, v_cache_ref, slots)
+    got = rope_kv_write(qkv.to(DEVICE), positions.to(DEVICE), slots.to(DEVICE), rotary.cos.to(DEVICE),
+                        rotary.sin.to(DEVICE), k_cache, v_cache, heads, kv_heads, head_dim)
+    torch.testing.assert_close(got.cpu().float(), q_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(k_cache.cpu().float(), k_cache_ref.float(), atol=tol, rtol=tol)
+    assert torch.equal(v_cache.cpu(), v_cache_ref)  # v is copied, and no slot but the step's was touched
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, BF16)])
+def test_silu_mul(dtype, tol):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn((4, 2 * 1500), generator=g) * 2).to(dtype)  # two column tiles, the last partial
+    gate, up = x.split(1500, dim=-1)
+    torch.testing.assert_close(silu_mul(x.to(DEVICE)).cpu().float(), (F.silu(gate) * up).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="float8 conversions: on the GPU only")
+def test_fp8_rows_match_the_reference_quantization():
+    x = (torch.randn((3, 5000), device="cuda") * 4).to(torch.bfloat16)
+    q, scale = fp8_quantize_rows(x)
+    expected_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+    torch.testing.assert_close(scale, expected_scale, atol=0, rtol=1e-6)
+    expected = (x.float() / expected_scale).to(torch.float8_e4m3fn)
+    mismatch = (q.float() != expected.float()).float().mean().item()
+    assert mismatch < 1e-3  # a division rounded once differently may move a value by one E4M3 step
+    torch.testing.assert_close(q.float(), expected.float(), atol=0, rtol=0.07)
