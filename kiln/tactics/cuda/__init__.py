@@ -5,6 +5,8 @@
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
     cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
+    quant_*.py     kiln::QGemm / QConv / QAdd: INT8/FP8 GEMMs and convolutions (Triton, cuBLASLt) and the
+                   float layer on dequantized values, with the requantizing epilogue fused
 
 None of them imports triton or cuDNN's frontend at import time: a kernel's library is imported
 when a tactic using it is prepared.
@@ -16,3 +18,6 @@ import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
 import kiln.tactics.cuda.cudnn  # noqa: F401
 import kiln.tactics.cuda.conv  # noqa: F401
+import kiln.tactics.cuda.quant_gemm  # noqa: F401
+import kiln.tactics.cuda.quant_conv  # noqa: F401
+import kiln.tactics.cuda.quant_add  # noqa: F401

@@ -1,0 +1,174 @@
+"""One-pass elementwise kernels around kiln's quantized layers (kiln/ops/quantized.py):
+
+    requantize(acc, epilogue, axis)   a library GEMM/conv's output (cuBLASLt's int32 from torch._int_mm,
+                                      _scaled_mm's fp32, a float conv on dequantized values) -> the
+                                      layer's output: (acc + bias[c])·scale[c], Relu/Clip, quantized
+    dequantize(x, scale, zero, dtype) (x − zero)·scale of an 8-bit tensor, in x's layout
+    qadd(a, ..., b, ...)              kiln::QAdd: act(s_a·(a − z_a) + s_b·(b − z_b)) quantized (or float)
+
+Each reads its inputs once and writes once: torch would take three to six passes over memory for
+the same (convert, subtract, multiply, add, round, clamp, convert). Rounding and saturation are
+qmath's (exact in the interpreter and on the GPU alike). Outputs keep the memory order of the
+(first) input, so channels-last activations stay channels-last.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.cuda.triton import qmath
+from kiln.kernels.cuda.triton.qgemm import INT_RANGE, OUTPUTS, QUANTIZED_INPUTS, Epilogue
+
+BLOCK = 1024
+_RANK = 4  # qadd's broadcasting walks up to 4 dims
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """t's dims outermost-first in memory (identity for a contiguous tensor)."""
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill [data_ptr, data_ptr + numel) exactly once (some permutation of it is contiguous)."""
+    return t.permute(_memory_order(t)).is_contiguous()
+
+
+def _out_kind(dtype: torch.dtype) -> int:
+    if dtype in INT_RANGE:
+        return qmath.OUT_INT
+    return qmath.OUT_FP8 if dtype == torch.float8_e4m3fn else qmath.OUT_FLOAT
+
+
+@triton.jit
+def _requantize_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, numel, inner, channels, y_scale, y_zero, alpha, beta,
+                       HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                       QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if INDEX64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    channel = (offs // inner) % channels
+    acc = tl.load(acc_ptr + offs, mask=mask, other=0)
+    scale = tl.load(scale_ptr + channel, mask=mask, other=0.0)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + channel, mask=mask, other=0)
+    else:
+        bias = scale  # not read
+    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def requantize(acc: torch.Tensor, epilogue: Epilogue, axis: int = -1) -> torch.Tensor:
+    """The layer's output from its accumulator `acc` (int32, or float), in acc's layout: bias and scale run
+    along `axis` (-1 for a GEMM, 1 for a convolution). An int32 acc with an int32 bias adds them exactly."""
+    if acc.dtype not in (torch.int32, torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"triton requantize: the accumulator is int32 or float, got {acc.dtype}")
+    axis = axis + acc.dim() if axis < 0 else axis
+    channels = acc.shape[axis] if acc.dim() else 1
+    epilogue.check(channels)
+    if epilogue.bias is not None and acc.dtype == torch.int32 and epilogue.bias.dtype != torch.int32:
+        raise TypeError(f"triton requantize: an int32 accumulator takes an int32 bias, got {epilogue.bias.dtype}")
+    if not _dense(acc):
+        acc = acc.contiguous()
+    order = _memory_order(acc)
+    out = torch.empty_like(acc, dtype=epilogue.out_dtype)  # acc's strides (dense: preserved)
+    numel = acc.numel()
+    if numel == 0:
+        return out
+    inner = 1
+    for d in order[order.index(axis) + 1:] if acc.dim() else []:
+        inner *= acc.shape[d]
+    qmin, qmax = epilogue.qrange
+    _requantize_kernel[(triton.cdiv(numel, BLOCK),)](
+        acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, numel, inner,
+        channels, float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
+        HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
+        QMAX=qmax, INDEX64=numel + BLOCK >= 2**31, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _dequantize_kernel(x_ptr, out_ptr, numel, scale, zero, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if INDEX64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)  # masked-off lanes are never stored
+    tl.store(out_ptr + offs, ((x - zero) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize(x: torch.Tensor, scale: float, zero: float, dtype: torch.dtype) -> torch.Tensor:
+    """(x − zero)·scale in `dtype`, x's layout kept (a strided view is compacted first)."""
+    if x.dtype not in QUANTIZED_INPUTS:
+        raise TypeError(f"triton dequantize: x is int8/uint8/float8e4m3fn, got {x.dtype}")
+    if not _dense(x):
+        x = x.contiguous()
+    out = torch.empty_like(x, dtype=dtype)
+    numel = x.numel()
+    if numel:
+        _dequantize_kernel[(triton.cdiv(numel, BLOCK),)](x, out, numel, float(scale), float(zero),
+                                                         INDEX64=numel + BLOCK >= 2**31, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _qadd_kernel(a_ptr, b_ptr, out_ptr, numel, size1, size2, size3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
+                 a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, alpha, beta,
+                 ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                 INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if INDEX64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # the output's memory order
+    mask = offs < numel
+    i3 = offs % size3
+    rest = offs // size3
+    i2 = rest % size2
+    rest = rest // size2
+    i1 = rest % size1
+    i0 = rest // size1
+    # masked-off lanes are never stored
+    a = tl.load(a_ptr + i0 * sa0 + i1 * sa1 + i2 * sa2 + i3 * sa3, mask=mask).to(tl.float32)
+    b = tl.load(b_ptr + i0 * sb0 + i1 * sb1 + i2 * sb2 + i3 * sb3, mask=mask).to(tl.float32)
+    r = (a - a_zero) * a_scale + (b - b_zero) * b_scale  # a − z exact: 8-bit values in fp32
+    y = qmath.requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scale: float, b_zero: float, *,
+         out_dtype: torch.dtype, y_scale: float = 1.0, y_zero: float = 0.0, activation: str = "",
+         alpha: float = 0.0, beta: float = 0.0) -> torch.Tensor:
+    """kiln::QAdd with per-tensor parameters: a and b broadcast (numpy rules, rank <= 4 after
+    broadcasting); the output takes a's layout when a has the output's shape and is dense."""
+    if a.dtype not in QUANTIZED_INPUTS or b.dtype not in QUANTIZED_INPUTS:
+        raise TypeError(f"triton qadd: a and b are int8/uint8/float8e4m3fn, got {a.dtype}, {b.dtype}")
+    if out_dtype not in OUTPUTS:
+        raise TypeError(f"triton qadd: output dtype {out_dtype} is not one of {OUTPUTS}")
+    if activation not in ("", "Relu", "Clip"):
+        raise ValueError(f"triton qadd: activation {activation!r} is not '', 'Relu' or 'Clip'")
+    shape = torch.broadcast_shapes(a.shape, b.shape)
+    if len(shape) > _RANK:
+        raise ValueError(f"triton qadd: output rank {len(shape)} is above {_RANK}")
+    if tuple(a.shape) == tuple(shape) and _dense(a):
+        out = torch.empty_like(a, dtype=out_dtype)
+    else:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    numel = out.numel()
+    if numel == 0:
+        return out
+    order = _memory_order(out) if out.dim() else []
+    a_e, b_e = a.expand(shape), b.expand(shape)  # views: broadcast dims have stride 0
+    pad = _RANK - len(order)
+    sizes = [1] * pad + [shape[d] for d in order]
+    sa = [0] * pad + [a_e.stride(d) for d in order]
+    sb = [0] * pad + [b_e.stride(d) for d in order]
+    qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
+    _qadd_kernel[(triton.cdiv(numel, BLOCK),)](
+        a_e, b_e, out, numel, sizes[1], sizes[2], sizes[3], *sa, *sb, float(a_scale), float(a_zero), float(b_scale),
+        float(b_zero), float(y_scale), float(y_zero), float(alpha), float(beta), ACTIVATION=activation,
+        OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax, INDEX64=numel + BLOCK >= 2**31, BLOCK=BLOCK, num_warps=4)
+    return out

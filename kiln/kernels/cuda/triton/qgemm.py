@@ -1,0 +1,189 @@
+"""A Triton GEMM of 8-bit operands with the requantizing epilogue fused (kiln::QGemm's arithmetic).
+
+    acc[m, n] = Σ_k x[m, k]·w[n, k]                  int8 x int8 -> int32 (exact), or
+                                                     float8e4m3fn x float8e4m3fn -> fp32
+    y[m, n]   = requantize((acc + bias[n])·scale[n])  kiln/kernels/cuda/triton/qmath.py
+
+x: [M, K] int8/uint8/float8e4m3fn (K contiguous), w: [N, K] of the same family, K contiguous: both
+operands are K-major, the layout Hopper's wgmma reads 8-bit operands in (an N-major int8/fp8 B
+would need a transpose through shared memory). The zero point of x is not subtracted per element:
+Σ (x − z)·w = Σ x·w − z·Σ_k w[n, k], so the caller folds −z·colsum(w) into the int32 bias once, at
+prepare (`fold_zero_point`). A uint8 x is shifted to int8 in registers (x − 128, its zero point
+with it): the tensor cores multiply int8 by int8 only.
+
+FP8 products are exact in fp32, but Hopper's tensor cores add them into the accumulator with fewer
+bits than fp32 (~14, as DeepSeek-V3's report measured); `max_num_imprecise_acc = BLOCK_K` makes
+Triton add each K step's partial sums into an fp32 accumulator with CUDA-core adds (its default on
+sm_90 is never), as cuBLASLt does without fast accumulation.
+
+The tile config is a tactic parameter (kiln/tactics/cuda/quant_gemm.py), timed by the autotuner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.cuda.triton import device_math as dm
+from kiln.kernels.cuda.triton import qmath
+
+QUANTIZED_INPUTS = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+OUTPUTS = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float32, torch.float16, torch.bfloat16)
+INT_RANGE = {torch.int8: (-128, 127), torch.uint8: (0, 255)}
+
+
+@dataclass(frozen=True)
+class QGemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}"
+
+
+QGEMM_CONFIGS = (  # 8-bit operands: twice the K of the fp16 tiles in the same shared memory
+    QGemmConfig(128, 256, 128, num_warps=8, num_stages=3),
+    QGemmConfig(128, 128, 128, num_warps=8, num_stages=3),
+    QGemmConfig(64, 128, 128, num_warps=4, num_stages=4),
+    QGemmConfig(16, 64, 128, num_warps=2, num_stages=4),  # decode-sized M
+)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the layer does after the products, fixed at prepare: per-channel fp32 scale [N], bias [N]
+    (int32 for an int8 layer, the zero-point correction folded in; fp32 for FP8), the activation and
+    the output (`out_dtype`: int8/uint8/float8e4m3fn quantized by y_scale/y_zero, else float)."""
+
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype
+    y_scale: float = 1.0
+    y_zero: float = 0.0
+    activation: str = ""
+    alpha: float = 0.0
+    beta: float = 0.0
+
+    @property
+    def out_kind(self) -> int:
+        if self.out_dtype in INT_RANGE:
+            return qmath.OUT_INT
+        return qmath.OUT_FP8 if self.out_dtype == torch.float8_e4m3fn else qmath.OUT_FLOAT
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        return INT_RANGE.get(self.out_dtype, (0, 0))
+
+    def check(self, channels: int) -> None:
+        if self.activation not in ("", "Relu", "Clip"):
+            raise ValueError(f"quantized epilogue: activation {self.activation!r} is not '', 'Relu' or 'Clip'")
+        if self.out_dtype not in OUTPUTS:
+            raise TypeError(f"quantized epilogue: output dtype {self.out_dtype} is not one of {OUTPUTS}")
+        if self.scale.numel() != channels or self.scale.dtype != torch.float32:
+            raise ValueError(f"quantized epilogue: scale must be {channels} fp32 values, got "
+                             f"{self.scale.dtype}{list(self.scale.shape)}")
+        if self.bias is not None and self.bias.numel() != channels:
+            raise ValueError(f"quantized epilogue: bias has {self.bias.numel()} values, expected {channels}")
+
+
+@triton.jit
+def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                  y_scale, y_zero, alpha, beta,
+                  FP8: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    row_ok = rm < M
+    col_ok = rn < N
+    x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]  # [BM, BK], K contiguous
+    w_tile = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None]  # [BK, BN] = wᵀ tile, K contiguous
+    if FP8:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    for k in range(0, K, BLOCK_K):
+        k_ok = rk < K - k
+        if FP8:
+            a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0)
+            b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0)
+            if X_UNSIGNED:
+                a = (a.to(tl.int32) - 128).to(tl.int8)  # its zero point moved by 128 as well (fold_zero_point)
+            acc = tl.dot(a, b, acc)  # int8 x int8 -> int32
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+
+    scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0)[None, :]
+    else:
+        bias = scale  # not read
+    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    offs = rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fold_zero_point(w: torch.Tensor, bias: torch.Tensor | None, x_zero: int, x_dtype: torch.dtype) -> torch.Tensor:
+    """The int32 bias an int8 kernel adds to Σ x·w so that the sum is Σ (x − x_zero)·w + bias:
+    bias − z·Σ_k w[n, k], with z the zero point as the kernel sees x (a uint8 x is shifted by −128 in
+    registers, its zero point too). w: [N, ...] int8 (a conv's [Cout, Cin, KH, KW] as well)."""
+    z = x_zero - 128 if x_dtype == torch.uint8 else x_zero
+    folded = -z * w.reshape(w.shape[0], -1).to(torch.int64).sum(dim=1)  # [N]
+    if bias is not None:
+        folded = folded + bias.reshape(-1).to(torch.int64)
+    if folded.numel() and int(folded.abs().max()) >= 2**31:
+        raise ValueError("the bias with the zero-point correction does not fit int32")
+    return folded.to(torch.int32)
+
+
+def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmConfig | None = None) -> torch.Tensor:
+    """requantize(x @ wᵀ) with the epilogue fused: x [..., K] int8/uint8 (with w int8) or float8e4m3fn (with w
+    float8e4m3fn), w [N, K] K-contiguous -> [..., N] in epilogue.out_dtype.
+
+    The zero point of x must already be folded into epilogue.bias (fold_zero_point); FP8 has none.
+    """
+    fp8 = x.dtype == torch.float8_e4m3fn
+    if x.dtype not in QUANTIZED_INPUTS or w.dtype != (torch.float8_e4m3fn if fp8 else torch.int8):
+        raise TypeError(f"triton qgemm: x int8/uint8 with w int8, or both float8e4m3fn; got {x.dtype}, {w.dtype}")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1] or w.stride(1) != 1:
+        raise ValueError(f"triton qgemm: x {tuple(x.shape)} @ wᵀ needs w as a K-contiguous [N, {x.shape[-1]}], "
+                         f"got {tuple(w.shape)} with strides {w.stride()}")
+    n, k = w.shape
+    epilogue.check(n)
+    if epilogue.bias is not None and epilogue.bias.dtype != (torch.float32 if fp8 else torch.int32):
+        raise TypeError(f"triton qgemm: the bias of an {'fp8' if fp8 else 'int8'} layer is "
+                        f"{'float32' if fp8 else 'int32'}, got {epilogue.bias.dtype}")
+    lead = x.shape[:-1]
+    out = torch.empty((*lead, n), dtype=epilogue.out_dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x2 = x.reshape(-1, k)
+    if k and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if config is None:
+        config = next((c for c in QGEMM_CONFIGS if c.block_m <= max(m, 16)), QGEMM_CONFIGS[-1])
+    qmin, qmax = epilogue.qrange
+    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
+    _qgemm_kernel[grid](
+        x2, w, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, m, n, k,
+        x2.stride(0), w.stride(0), float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha),
+        float(epilogue.beta), FP8=fp8, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
+        ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out

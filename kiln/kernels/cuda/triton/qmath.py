@@ -1,0 +1,84 @@
+"""Device functions of kiln's quantized kernels: the requantizing epilogue every INT8/FP8 layer ends in.
+
+    r = (acc + bias[c]) · scale[c]         scale = x_scale·w_scale (kiln/ops/quantized.py)
+    r = act(r)                             Relu / Clip
+    y = saturate(round_half_even(r / y_scale) + y_zero)      int8 / uint8 outputs
+    y = e4m3(saturate(r / y_scale, ±448))                     float8e4m3fn outputs
+    y = r                                                      float outputs
+
+Rounding is done in fp32 arithmetic, not by a conversion instruction, for two reasons: the
+interpreter (TRITON_INTERPRET=1, the CI path) rounds fp32 -> float8e4nv wrongly (ties away, a value
+that rounds up into the next binade gets the wrong exponent, subnormals flushed: measured on
+triton 3.9), and libdevice's rint does not exist there. So an fp8 result is first rounded onto the
+E4M3 grid here, after which the conversion is exact on the GPU and in the interpreter alike, and
+integer results are whole numbers in range before their (exact) conversion.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kiln.kernels.cuda.triton import device_math as dm
+
+FP8_MAX = 448.0  # largest finite float8e4m3fn
+# What a quantized kernel writes (a constexpr of every kernel here)
+OUT_FLOAT, OUT_INT, OUT_FP8 = 0, 1, 2
+
+
+@triton.jit
+def round_half_even(v):
+    """v rounded to the nearest integer, ties to even, for |v| < 2²²: adding 1.5·2²³ puts v where the
+    fp32 spacing is 1, so the add itself rounds (round-to-nearest-even, IEEE's default), and the
+    subtraction is exact."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """v saturated to ±448 and rounded (nearest, ties to even) onto the float8e4m3fn grid, in fp32.
+
+    E4M3 keeps 3 mantissa bits: within binade [2^e, 2^(e+1)) the spacing is 2^(e-3), and below the
+    smallest normal 2^-6 the subnormal spacing 2^-9 (the binade -6 spacing). Scaling by the
+    reciprocal spacing (a power of two: exact) puts the grid on the integers."""
+    v = tl.minimum(tl.maximum(v, -448.0), 448.0)  # FP8_MAX (a jit function reads no Python global)
+    bits = v.to(tl.int32, bitcast=True)
+    biased = tl.maximum((bits >> 23) & 0xFF, 127 - 6)  # fp32 biased exponent, subnormals at the -6 binade
+    inverse = ((257 - biased) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): biased 127 + 3 - (biased - 127)
+    spacing = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    q = tl.abs(round_half_even(v * inverse) * spacing)
+    return tl.where(bits < 0, -q, q)  # the sign of v, -0.0 included (as torch's conversion keeps it)
+
+
+@triton.jit
+def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
+               QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
+    (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is an IEEE division, as the reference's float32 one."""
+    if ACTIVATION == "Relu":
+        r = dm.relu(r)
+    elif ACTIVATION == "Clip":  # alpha = min, beta = max
+        r = tl.minimum(tl.maximum(r, alpha), beta)
+    if OUT == 1:
+        v = dm.div(r, y_scale)
+        # bounded first so that the rounding trick's |v| < 2^22 holds; saturation is unchanged by it
+        v = tl.minimum(tl.maximum(v, QMIN - 1.0 - y_zero), QMAX + 1.0 - y_zero)
+        r = tl.minimum(tl.maximum(round_half_even(v) + y_zero, QMIN * 1.0), QMAX * 1.0)
+    elif OUT == 2:
+        r = round_to_e4m3(dm.div(r, y_scale))
+    return r
+
+
+@triton.jit
+def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+           OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """The epilogue from the accumulator: int32 acc + int32 bias is exact (the zero-point correction
+    folded into the bias); a float accumulator (FP8 products, a float layer's output) adds the bias
+    in fp32. Then r = (acc + bias)·scale, the activation and the output's quantization."""
+    if HAS_BIAS:
+        if acc.dtype == tl.int32:
+            acc = acc + bias
+        else:
+            acc = acc.to(tl.float32) + bias.to(tl.float32)
+    r = acc.to(tl.float32) * scale
+    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)

@@ -1,0 +1,175 @@
+"""CUDA tactics for kiln::QConv (kiln/ops/quantized.py): INT8/FP8 convolutions with the requantizing epilogue.
+
+    cuda.qconv.triton_igemm.<BMxBNxBK>   Triton implicit-GEMM convolution of int8 (int32 accumulator) or
+                                         float8e4m3fn (fp32) NHWC activations, 2-D, groups 1; zero point,
+                                         bias, per-channel scale, Relu/Clip and requantization on the tile
+    cuda.qconv.dequantized               the float layer in fp16: x dequantized in one pass (channels-last),
+                                         cuDNN fp16 convolution on the dequantized weight, one Triton pass
+                                         for bias (fp32), activation and requantization. Any rank, any groups
+                                         (depthwise included): what runs where the Triton kernel does not
+    cuda.qconv.dequantized_fp32          the same in fp32 with TF32 off, for layers whose values fp16 cannot
+                                         hold to one output step (large scales, wide sums)
+
+All are timed by the autotuner against the op's reference and each other (issue 12's H200 numbers:
+no 8-bit convolution is assumed faster than FP16). layout "channels_last": timed on NHWC input, the
+layout its neighbours hand it; outputs are NHWC. Every parameter is read at prepare: launches do
+host arithmetic on shapes only, and run inside captured CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.nn import _conv, _conv_params
+from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.quant_common import QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import attribute as _attr
+
+_CL = torch.channels_last
+
+
+def _geometry(step: StepSpec, x: Any, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
+    """strides, dilations, pads (ONNX order) for x (real or meta: only its shape is read), auto_pad resolved."""
+    return _conv_params(x, kernel, _attr(step, "auto_pad", "NOTSET"), _attr(step, "dilations", None),
+                        _attr(step, "pads", None), _attr(step, "strides", None))
+
+
+def _output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
+    return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _padded_tile(block: int, size: int) -> bool:
+    return block > max(16, 1 << max(size - 1, 0).bit_length())
+
+
+def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """Any 1-D to 3-D QConv with constant parameters (the dequantized tactics)."""
+    x = inputs[0]
+    if x.shape is None or not 3 <= len(x.shape) <= 5:
+        return "x is not the input of a 1-D to 3-D convolution"
+    common = check_layer(step, inputs, len(x.shape))
+    if common is not True:
+        return common
+    w, groups = inputs[3], int(_attr(step, "group", 1))
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    return True
+
+
+def _igemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+    name = f"cuda.qconv.triton_igemm.{block_m}x{block_n}x{block_k}"
+
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        common = check_layer(step, inputs, 4)
+        if common is not True:
+            return common
+        x, w = inputs[0], inputs[3]
+        if len(x.shape) != 4:
+            return "only 2-D convolutions (4-D input)"
+        if int(_attr(step, "group", 1)) != 1:
+            return f"group {_attr(step, 'group', 1)}: the implicit GEMM reduces over all input channels"
+        if x.shape[1] != w.shape[1]:
+            return f"x has {x.shape[1]} channels, the weight takes {w.shape[1]}"
+        kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
+        if kernel != list(w.shape[2:]):
+            return f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}"
+        strides, dilations, pads = _geometry(step, torch.empty(x.shape, device="meta"), kernel)
+        ho = _output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
+        wo = _output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
+        if ho <= 0 or wo <= 0:
+            return "the kernel does not fit the padded input"
+        rows = x.shape[0] * ho * wo
+        if _padded_tile(block_m, rows):
+            return f"{block_m}-pixel tiles for {rows} output pixels: mostly padding"
+        if _padded_tile(block_n, w.shape[0]):
+            return f"{block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
+        return True
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        qconv = kernels("qconv")
+        config = qconv.QConvConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
+        layer = QuantizedLayer.of(step, constants, device)
+        kernel = tuple(int(k) for k in layer.w.shape[2:])
+        w_packed = qconv.pack_weight(layer.w)  # [Cout, KH·KW·Cin], K-major: once per layer
+        epilogue = layer.integer_epilogue()
+        x_zero = layer.x_zero
+
+        def launch(ctx, x, *_inputs, **_attributes):
+            strides, dilations, pads = _geometry(step, x, list(kernel))  # host arithmetic on x's shape
+            x = x.contiguous(memory_format=_CL)  # no copy when it already is NHWC (as it was timed)
+            return qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
+                                 pads=tuple(pads), dilations=tuple(dilations), config=config)
+
+        return launch
+
+    return Tactic(
+        name=name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
+        prepare=prepare, layout="channels_last", level=level, available=triton_available,
+        description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {block_m}x{block_n}x{block_k} tiles, "
+                    f"{num_warps} warps, {num_stages} stages, zero point / bias / scale / Relu / requantization "
+                    "fused in the epilogue",
+    )
+
+
+# (block_m, block_n, block_k, warps, stages) -> the opt level it is tried from. Each config compiles a kernel
+# per layer kind (taps, flat K, epilogue): three at default builds, the rest from opt_level 3.
+for _config, _level in (((128, 128, 64, 8, 4), 2), ((128, 64, 64, 4, 4), 2), ((64, 64, 64, 4, 4), 2),
+                        ((256, 128, 64, 8, 4), 3), ((128, 128, 128, 8, 3), 3)):
+    register(_igemm_tactic(*_config, level=_level))
+
+
+# ---- the float layer ---------------------------------------------------------------------------------
+
+def _dequantized(dtype: torch.dtype):
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        qelementwise = kernels("qelementwise")
+        layer = QuantizedLayer.of(step, constants, device)
+        w_real = layer.real_weight(dtype)  # [O, C/g, *k]
+        if w_real.dim() == 4:
+            w_real = w_real.contiguous(memory_format=_CL)
+        epilogue = layer.real_epilogue()
+        kernel = list(layer.w.shape[2:])
+        groups = int(_attr(step, "group", 1))
+        x_scale, x_zero = layer.x_scale, layer.x_zero
+
+        def launch(ctx, x, *_inputs, **_attributes):
+            strides, dilations, pads = _geometry(step, x, kernel)
+            if x.dim() == 4:
+                x = x.contiguous(memory_format=_CL)
+            xf = qelementwise.dequantize(x, x_scale, x_zero, dtype)  # real values, x's layout
+            n = len(kernel)
+            if pads[:n] == pads[n:]:  # symmetric: cuDNN pads, no padded copy
+                acc = F.conv2d(xf, w_real, None, strides, pads[:n], dilations, groups) if n == 2 else \
+                    _conv(xf, w_real, None, strides, dilations, pads, groups)
+            else:
+                acc = _conv(xf, w_real, None, strides, dilations, pads, groups)  # zero padding: real 0
+            return qelementwise.requantize(acc, epilogue, 1)
+
+        if dtype != torch.float32:
+            return launch
+
+        def launch_without_tf32(ctx, x, *inputs, **attributes):
+            allowed = torch.backends.cudnn.allow_tf32  # a host-side flag: nothing is launched to set it
+            torch.backends.cudnn.allow_tf32 = False
+            try:
+                return launch(ctx, x, *inputs, **attributes)
+            finally:
+                torch.backends.cudnn.allow_tf32 = allowed
+
+        return launch_without_tf32
+
+    return prepare
+
+
+for _suffix, _dtype, _what in (("", torch.float16, "fp16"), ("_fp32", torch.float32, "fp32 (TF32 off)")):
+    register(Tactic(
+        name=f"cuda.qconv.dequantized{_suffix}", op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED,
+        supports=_supports, prepare=_dequantized(_dtype), layout="channels_last", available=triton_available,
+        description=f"the float layer in {_what}: x dequantized in one pass, cuDNN convolution on the dequantized "
+                    "weight, bias (fp32) / Relu / requantization in one Triton pass",
+    ))
