@@ -1,7 +1,7 @@
 """Fused elementwise kernels for the decoder layers on CUDA, in Triton: what a decode step is made of
-besides its GEMMs. In a captured decode step each torch op is a kernel of ~2-3 us whatever its size;
-the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per layer (~3 ms a step on an
-8B model, measured on the H200), these make them 4.
+besides its GEMMs. In a captured decode step each torch op is a kernel of a few us whatever its size;
+the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per layer, these make them 4
+(an 8B model's graphed batch-1 step: 7.1 ms end to end before, 5.2 ms after, on the H200).
 
 - rms_norm / add_rms_norm: (x [+ delta]) / sqrt(mean(x²) + eps) · w, one program per row; the sum is
   rounded to the storage dtype before normalizing, and x·rstd before the weight, as the torch reference
