@@ -148,6 +148,9 @@ class LLMEngine:
         graphs = config.cuda_graphs
         if graphs == "auto":
             graphs = self.device.type == "cuda" and config.attention_backend == "triton" and tp.size == 1
+        elif graphs and (self.device.type != "cuda" or config.attention_backend != "triton" or tp.size > 1):
+            raise LLMError("cuda_graphs needs a CUDA device, the triton attention backend and one GPU "
+                           "(tensor-parallel ranks run their steps eagerly)")
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
                                   self.model_config.vocab_size, config.attention_backend, config.seed,
                                   max_model_len=self.max_model_len, cuda_graphs=bool(graphs),

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kiln.llm import LLM, LLMError, SamplingParams
-from tests.llm.conftest import hf_greedy
 
 PROMPTS = ["Hello world, hello", "The quick brown fox jumps over the lazy dog. The quick brown",
            "Paged attention", "In-flight batching admits new requests every step; prefix caching", "Ü 日本語", "a"]
@@ -208,3 +207,13 @@ def test_random_engine_settings_never_change_greedy_tokens(llama, alone, seed):
     assert [o.outputs[0].token_ids for o in outs] == [alone[i] for i in order], options
     blocks = llm.engine.block_manager
     assert blocks.num_free_blocks == blocks.num_blocks - 1 and not llm.engine.has_unfinished()
+
+
+def test_cuda_graphs_refused_where_they_cannot_run(hf_models):
+    from kiln.llm import LLM
+    from kiln.llm.config import LLMError
+
+    folder, _ = hf_models("llama")
+    with pytest.raises(LLMError, match="cuda_graphs needs a CUDA device"):
+        LLM(folder, device="cpu", kv_cache_memory="2MiB", cuda_graphs=True)
+    assert LLM(folder, device="cpu", kv_cache_memory="2MiB").engine.runner.graphs is None  # auto: off on the CPU
