@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import multiprocessing
-import os
 import socket
 from pathlib import Path
 
