@@ -47,27 +47,69 @@ typedef struct {
     long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
 } ln_plan;
 
+#ifdef KILN_AVX2
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+#endif
+
+/* sum of s = x (+ r), written to y when r is given; 16 lanes at a time, the tail in order */
+static float row_sum(const float *x, const float *r, float *y, long n) {
+    long i = 0;
+    float sum = 0.0f;
+#ifdef KILN_AVX2
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 s0 = _mm256_loadu_ps(x + i), s1 = _mm256_loadu_ps(x + i + 8);
+        if (r) {
+            s0 = _mm256_add_ps(s0, _mm256_loadu_ps(r + i));
+            s1 = _mm256_add_ps(s1, _mm256_loadu_ps(r + i + 8));
+            _mm256_storeu_ps(y + i, s0);
+            _mm256_storeu_ps(y + i + 8, s1);
+        }
+        a0 = _mm256_add_ps(a0, s0);
+        a1 = _mm256_add_ps(a1, s1);
+    }
+    sum = hsum(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < n; ++i) {
+        float v = r ? x[i] + r[i] : x[i];
+        if (r) y[i] = v;
+        sum += v;
+    }
+    return sum;
+}
+
+static float row_centered_squares(const float *x, float mean, long n) {
+    long i = 0;
+    float sum = 0.0f;
+#ifdef KILN_AVX2
+    __m256 m = _mm256_set1_ps(mean), a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        __m256 d0 = _mm256_sub_ps(_mm256_loadu_ps(x + i), m), d1 = _mm256_sub_ps(_mm256_loadu_ps(x + i + 8), m);
+        a0 = _mm256_fmadd_ps(d0, d0, a0);
+        a1 = _mm256_fmadd_ps(d1, d1, a1);
+    }
+    sum = hsum(_mm256_add_ps(a0, a1));
+#endif
+    for (; i < n; ++i) { float d = x[i] - mean; sum += d * d; }
+    return sum;
+}
+
 static void ln_row(const float *x, const float *r, float *y, const float *scale, const float *bias, long n,
                    float epsilon) {
-    float sum = 0.0f;
-    if (r) {
-        for (long i = 0; i < n; ++i) { float s = x[i] + r[i]; y[i] = s; sum += s; }
-        x = y;
-    } else {
-        for (long i = 0; i < n; ++i) sum += x[i];
+    const float mean = row_sum(x, r, y, n) / (float)n;
+    if (r) x = y;  /* s = x + r now lives in y */
+    const float rstd = 1.0f / sqrtf(row_centered_squares(x, mean, n) / (float)n + epsilon);
+    for (long i = 0; i < n; ++i) {
+        float v = (x[i] - mean) * rstd;
+        if (scale) v *= scale[i];
+        if (bias) v += bias[i];
+        y[i] = v;
     }
-    const float mean = sum / (float)n;
-    float var = 0.0f;
-    for (long i = 0; i < n; ++i) { float d = x[i] - mean; var += d * d; }
-    const float rstd = 1.0f / sqrtf(var / (float)n + epsilon);
-    if (scale && bias)
-        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * scale[i] + bias[i];
-    else if (scale)
-        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd * scale[i];
-    else if (bias)
-        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd + bias[i];
-    else
-        for (long i = 0; i < n; ++i) y[i] = (x[i] - mean) * rstd;
 }
 
 int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
@@ -150,8 +192,8 @@ typedef struct {
     float scale;
 } attention_plan;
 
-#define QB 4    /* query rows computed together */
-#define KB 16   /* keys per register tile */
+#define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
+#define KB 16   /* keys (or output dims) per register tile */
 
 #ifdef KILN_AVX2
 /* exp(x) for x <= 0 (a softmax's shifted scores), 8 lanes; below -87.3 it is exactly 0 as torch's is
@@ -176,6 +218,29 @@ static inline __m256 exp_le0(__m256 x) {
 }
 #endif
 
+/* s[j] = s[j] * scale + m[j] (m NULL: no mask; additive float32, contiguous), returns max_j s[j] */
+static float scale_add_max(float *s, long t, float scale, const float *m) {
+    long j = 0;
+    float max = -INFINITY;
+#ifdef KILN_AVX2
+    __m256 c = _mm256_set1_ps(scale), mx = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= t; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), c);
+        if (m) v = _mm256_add_ps(v, _mm256_loadu_ps(m + j));
+        _mm256_storeu_ps(s + j, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int i = 0; i < 8; ++i) max = lanes[i] > max ? lanes[i] : max;
+#endif
+    for (; j < t; ++j) {
+        s[j] = s[j] * scale + (m ? m[j] : 0.0f);
+        max = s[j] > max ? s[j] : max;
+    }
+    return max;
+}
+
 /* s[j] = exp(s[j] - max) for j < t, returns the sum; max is -inf-free here */
 static float exp_shifted(float *s, long t, float max) {
     long j = 0;
@@ -195,72 +260,71 @@ static float exp_shifted(float *s, long t, float max) {
     return sum;
 }
 
-/* scores[r][j] = q_r · kt[:, j] for QB rows and keys [0, limit), kt packed [D][tp] and scores [QB][tp]
-   (limit and tp multiples of KB) */
-static void scores_tile(const float *const *qrow, const float *kt, long D, long tp, long limit, float *scores) {
+/* scores[r][j] = q_r · k_j for QB rows and keys [0, limit) (a multiple of KB): kᵀ packed in blocks of KB
+   keys, kb[(j / KB)][d][j % KB], so a tile's loads are one contiguous stream; scores [QB][tp]. */
+static void scores_tile(const float *const *qrow, const float *kb, long D, long tp, long limit, float *scores) {
     for (long j0 = 0; j0 < limit; j0 += KB) {
+        const float *block = kb + (j0 / KB) * D * KB;
 #ifdef KILN_AVX2
-        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-               a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-               a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+        __m256 a[QB][2];
+        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
         for (long d = 0; d < D; ++d) {
-            const float *kd = kt + d * tp + j0;
-            __m256 k0 = _mm256_loadu_ps(kd), k1 = _mm256_loadu_ps(kd + 8);
-            __m256 q0 = _mm256_broadcast_ss(qrow[0] + d), q1 = _mm256_broadcast_ss(qrow[1] + d);
-            __m256 q2 = _mm256_broadcast_ss(qrow[2] + d), q3 = _mm256_broadcast_ss(qrow[3] + d);
-            a00 = _mm256_fmadd_ps(q0, k0, a00); a01 = _mm256_fmadd_ps(q0, k1, a01);
-            a10 = _mm256_fmadd_ps(q1, k0, a10); a11 = _mm256_fmadd_ps(q1, k1, a11);
-            a20 = _mm256_fmadd_ps(q2, k0, a20); a21 = _mm256_fmadd_ps(q2, k1, a21);
-            a30 = _mm256_fmadd_ps(q3, k0, a30); a31 = _mm256_fmadd_ps(q3, k1, a31);
+            __m256 k0 = _mm256_loadu_ps(block + d * KB), k1 = _mm256_loadu_ps(block + d * KB + 8);
+            for (int r = 0; r < QB; ++r) {
+                __m256 q = _mm256_broadcast_ss(qrow[r] + d);
+                a[r][0] = _mm256_fmadd_ps(q, k0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(q, k1, a[r][1]);
+            }
         }
-        _mm256_storeu_ps(scores + 0 * tp + j0, a00); _mm256_storeu_ps(scores + 0 * tp + j0 + 8, a01);
-        _mm256_storeu_ps(scores + 1 * tp + j0, a10); _mm256_storeu_ps(scores + 1 * tp + j0 + 8, a11);
-        _mm256_storeu_ps(scores + 2 * tp + j0, a20); _mm256_storeu_ps(scores + 2 * tp + j0 + 8, a21);
-        _mm256_storeu_ps(scores + 3 * tp + j0, a30); _mm256_storeu_ps(scores + 3 * tp + j0 + 8, a31);
+        for (int r = 0; r < QB; ++r) {
+            _mm256_storeu_ps(scores + r * tp + j0, a[r][0]);
+            _mm256_storeu_ps(scores + r * tp + j0 + 8, a[r][1]);
+        }
 #else
         for (int r = 0; r < QB; ++r)
-            for (long j = j0; j < j0 + KB; ++j) {
+            for (long j = 0; j < KB; ++j) {
                 float acc = 0.0f;
-                for (long d = 0; d < D; ++d) acc += qrow[r][d] * kt[d * tp + j];
-                scores[r * tp + j] = acc;
+                for (long d = 0; d < D; ++d) acc += qrow[r][d] * block[d * KB + j];
+                scores[r * tp + j0 + j] = acc;
             }
 #endif
     }
 }
 
-/* out_r = sum_j p[r][j] v_j for QB rows, v rows at stride vstride, Dv wide */
-static void pv_tile(const float *p, long tp, long t, const float *v, long vstride, long Dv, float *const *orow) {
+/* out_r = sum_{j < t} p[r][j] v_j for QB rows. v's first `full` dims in chunks of KB: chunk c's row j at
+   chunks + c * chunk_stride + j * row_stride; the dims past them (Dv % KB) at tail + j * tail_stride. */
+static void pv_tile(const float *p, long tp, long t, const float *chunks, long chunk_stride, long row_stride,
+                    long full, const float *tail, long tail_stride, long Dv, float *const *orow) {
     long d0 = 0;
 #ifdef KILN_AVX2
-    for (; d0 + 16 <= Dv; d0 += 16) {
-        __m256 a00 = _mm256_setzero_ps(), a01 = _mm256_setzero_ps(), a10 = _mm256_setzero_ps(),
-               a11 = _mm256_setzero_ps(), a20 = _mm256_setzero_ps(), a21 = _mm256_setzero_ps(),
-               a30 = _mm256_setzero_ps(), a31 = _mm256_setzero_ps();
+    for (; d0 + KB <= full; d0 += KB) {
+        const float *vc = chunks + (d0 / KB) * chunk_stride;
+        __m256 a[QB][2];
+        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
         for (long j = 0; j < t; ++j) {
-            const float *vj = v + j * vstride + d0;
-            __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);
-            __m256 p0 = _mm256_broadcast_ss(p + 0 * tp + j), p1 = _mm256_broadcast_ss(p + 1 * tp + j);
-            __m256 p2 = _mm256_broadcast_ss(p + 2 * tp + j), p3 = _mm256_broadcast_ss(p + 3 * tp + j);
-            a00 = _mm256_fmadd_ps(p0, v0, a00); a01 = _mm256_fmadd_ps(p0, v1, a01);
-            a10 = _mm256_fmadd_ps(p1, v0, a10); a11 = _mm256_fmadd_ps(p1, v1, a11);
-            a20 = _mm256_fmadd_ps(p2, v0, a20); a21 = _mm256_fmadd_ps(p2, v1, a21);
-            a30 = _mm256_fmadd_ps(p3, v0, a30); a31 = _mm256_fmadd_ps(p3, v1, a31);
+            __m256 v0 = _mm256_loadu_ps(vc + j * row_stride), v1 = _mm256_loadu_ps(vc + j * row_stride + 8);
+            for (int r = 0; r < QB; ++r) {
+                __m256 pr = _mm256_broadcast_ss(p + r * tp + j);
+                a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
+            }
         }
-        _mm256_storeu_ps(orow[0] + d0, a00); _mm256_storeu_ps(orow[0] + d0 + 8, a01);
-        _mm256_storeu_ps(orow[1] + d0, a10); _mm256_storeu_ps(orow[1] + d0 + 8, a11);
-        _mm256_storeu_ps(orow[2] + d0, a20); _mm256_storeu_ps(orow[2] + d0 + 8, a21);
-        _mm256_storeu_ps(orow[3] + d0, a30); _mm256_storeu_ps(orow[3] + d0 + 8, a31);
+        for (int r = 0; r < QB; ++r) {
+            _mm256_storeu_ps(orow[r] + d0, a[r][0]);
+            _mm256_storeu_ps(orow[r] + d0 + 8, a[r][1]);
+        }
     }
 #endif
     for (; d0 < Dv; ++d0)
         for (int r = 0; r < QB; ++r) {
             float acc = 0.0f;
-            for (long j = 0; j < t; ++j) acc += p[r * tp + j] * v[j * vstride + d0];
+            for (long j = 0; j < t; ++j) acc += p[r * tp + j] * tail[j * tail_stride + d0];
             orow[r][d0] = acc;
         }
 }
 
-/* One (batch, head): every query row of it. work: kt [D][tp], scores [QB][tp], a dump row [Dv]. */
+/* One (batch, head): every query row of it. work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump row
+   [Dv], v's full chunks [Dv / KB][T][KB]. */
 static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
                            const void *mask, float *out, long b, long h, float *work) {
     const long S = p->S, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
@@ -269,13 +333,28 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     const float *kb = k + b * p->ks[0] + hk * p->ks[1];
     const float *vb = v + b * p->vs[0] + hk * p->vs[1];
     float *ob = out + b * p->os[0] + h * p->os[1];
-    float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp;
-    for (long j = 0; j < T; ++j) {  /* kᵀ, packed: a tile's keys are contiguous */
-        const float *kj = kb + j * p->ks[2];
-        for (long d = 0; d < D; ++d) kt[d * tp + j] = kj[d];
+    float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
+    const long full = Dv / KB * KB;
+    /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it */
+    const float *chunks = vb;
+    long chunk_stride = KB, row_stride = p->vs[2];
+    if (S > QB && full > 0) {
+        for (long c = 0; c < full / KB; ++c)
+            for (long j = 0; j < T; ++j)
+                memcpy(vpacked + (c * T + j) * KB, vb + j * p->vs[2] + c * KB, KB * sizeof(float));
+        chunks = vpacked;
+        chunk_stride = T * KB;
+        row_stride = KB;
     }
-    for (long d = 0; d < D; ++d)
-        for (long j = T; j < tp; ++j) kt[d * tp + j] = 0.0f;
+    for (long j = 0; j < tp; ++j) {  /* kᵀ in blocks of KB keys, zeros past the last */
+        float *dst = kt + (j / KB) * D * KB + j % KB;
+        if (j < T) {
+            const float *kj = kb + j * p->ks[2];
+            for (long d = 0; d < D; ++d) dst[d * KB] = kj[d];
+        } else {
+            for (long d = 0; d < D; ++d) dst[d * KB] = 0.0f;
+        }
+    }
     const float scale = p->scale;
     for (long i0 = 0; i0 < S; i0 += QB) {
         const float *qrow[QB];
@@ -294,7 +373,9 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             float *s = scores + r * tp;
             long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
             float max = -INFINITY;
-            if (p->mask_kind == 1) {
+            if (p->mask_kind == 1 && p->ms[3] == 1) {
+                max = scale_add_max(s, t, scale, (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]);
+            } else if (p->mask_kind == 1) {
                 const float *m = (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
                 for (long j = 0; j < t; ++j) { s[j] = s[j] * scale + m[j * p->ms[3]]; max = s[j] > max ? s[j] : max; }
             } else if (p->mask_kind == 2) {
@@ -304,7 +385,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
                     max = s[j] > max ? s[j] : max;
                 }
             } else {
-                for (long j = 0; j < t; ++j) { s[j] *= scale; max = s[j] > max ? s[j] : max; }
+                max = scale_add_max(s, t, scale, NULL);
             }
             if (max == -INFINITY || isnan(max)) {  /* no key to attend to (or NaN scores): NaN, as softmax gives */
                 for (long j = 0; j < tpad; ++j) s[j] = 0.0f;
@@ -316,7 +397,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             for (long j = 0; j < t; ++j) s[j] *= inv;
             for (long j = t; j < tpad; ++j) s[j] = 0.0f;
         }
-        pv_tile(scores, tp, tmax, vb, p->vs[2], Dv, orow);
+        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, full, vb, p->vs[2], Dv, orow);
     }
 }
 
@@ -331,7 +412,7 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
     q += p->q_off; k += p->k_off; v += p->v_off;
     const long tp = (p->T + KB - 1) / KB * KB;
-    const long per_thread = p->D * tp + QB * tp + p->Dv;
+    const long per_thread = p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB);
     const long heads = p->B * p->H;
     /* one thread below ~64k multiply-adds: a parallel region costs more than that */
     const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > 65536;

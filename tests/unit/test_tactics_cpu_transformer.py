@@ -1,0 +1,261 @@
+"""kiln's C kernels for a transformer's layers (kiln/tactics/cpu/transformer.py, broadcast.py) against
+independent oracles on fresh random inputs: float64 numpy for LayerNorm and attention, numpy for the
+exact ops (Add, Gather, Cast, And/Or, Where), onnx.reference for GatherND; and each tactic against
+the op's registered implementation, as the autotuner checks it. Tolerances: float32 sums of up to
+768 terms and a polynomial exp (~2 ulp), so 2e-5 absolute / 1e-4 relative on O(1) values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper
+from onnx.reference import ReferenceEvaluator
+
+from kiln.kernels.cpu import transformer as kernels
+from kiln.ops.registry import OpContext, lookup
+from kiln.plan.spec import StepSpec
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kiln's C kernels: {kernels.reason()}")
+
+rng = np.random.default_rng()
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int]):
+    """(the tactic's launch, the registered op, its context) for a one-layer step over `inputs`."""
+    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], ["y"],
+                    dict(attrs), domain=domain)
+    metas = [InputMeta.of(v, k in constants) for k, v in enumerate(inputs)]
+    t = registry.get(tactic)
+    ok = t.check(step, metas)
+    assert ok is True, ok
+    step = dataclasses.replace(step, tactic=tactic, tactic_config=t.configure(step, metas))
+    launch = t.prepare(step, [v if k in constants else None for k, v in enumerate(inputs)], torch.device("cpu"))
+    ctx = OpContext(name="layer", op_type=op, domain=domain, opset=17, num_inputs=len(inputs), num_outputs=1)
+    return launch, lookup(op, domain).fn, ctx
+
+
+def refusal(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int],
+            outputs: tuple[str, ...] = ("y",)) -> str:
+    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], list(outputs),
+                    dict(attrs), domain=domain)
+    found = registry.get(tactic).check(step, [InputMeta.of(v, k in constants) for k, v in enumerate(inputs)])
+    assert found is not True
+    return found
+
+
+def t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+# ---------------------------------------------------------------- LayerNorm
+
+
+def layer_norm64(x, scale, bias, residual, eps):
+    s = x.astype(np.float64) + (residual.astype(np.float64) if residual is not None else 0.0)
+    y = (s - s.mean(-1, keepdims=True)) / np.sqrt(s.var(-1, keepdims=True) + eps)
+    return y * (scale if scale is not None else 1.0) + (bias if bias is not None else 0.0)
+
+
+@pytest.mark.parametrize("residual", [None, "same", "rows"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_float64(residual, affine):
+    for n in (1, 7, 64, 768):
+        b, s = int(rng.integers(1, 5)), int(rng.integers(1, 90))
+        x = rng.standard_normal((b, s, n)).astype(np.float32) * 3 + 1
+        r = None if residual is None else rng.standard_normal((b, s, n) if residual == "same" else (1, s, n))
+        r = None if r is None else r.astype(np.float32)
+        scale = rng.standard_normal(n).astype(np.float32) if affine else None
+        bias = rng.standard_normal(n).astype(np.float32) if affine else None
+        eps = float(rng.choice([1e-12, 1e-5]))
+        inputs = [t(x), None if scale is None else t(scale), None if bias is None else t(bias),
+                  None if r is None else t(r)]
+        launch, op, ctx = prepared("cpu.layernorm.native", "LayerNorm", "kiln", inputs, {"epsilon": eps}, {1, 2})
+        got = launch(ctx, *inputs, epsilon=eps)
+        np.testing.assert_allclose(got.numpy(), layer_norm64(x, scale, bias, r, eps), atol=ATOL * 4, rtol=RTOL,
+                                   err_msg=f"n={n}")  # 768-term float32 sums: 8e-5
+        np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
+
+
+def test_layer_norm_at_other_sizes_through_its_native_step():
+    x = torch.randn(2, 9, 32)
+    w, bias, r = torch.randn(32), torch.randn(32), torch.randn(1, 9, 32)
+    launch, op, ctx = prepared("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, bias, r], {}, {1, 2})
+    native = launch.native.at({0: (5, 3, 32), 3: (1, 3, 32)})
+    assert native.output_size == (5, 3, 32) and native.reads == {0: ((5, 3, 32), torch.float32),
+                                                                  3: ((1, 3, 32), torch.float32)}
+    x2, r2 = torch.randn(5, 3, 32), torch.randn(1, 3, 32)
+    np.testing.assert_allclose(launch(ctx, x2, w, bias, r2).numpy(), op(ctx, x2, w, bias, r2).numpy(),
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_layer_norm_refuses_what_it_cannot_run():
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    assert "last axis" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {"axis": 1}, {1})
+    assert "second output" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, x], {}, {1},
+                                      outputs=("y", "sum"))
+    assert "repeat" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, torch.randn(2, 1, 8)],
+                               {}, {1})
+    assert "constant" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {}, set())
+
+
+# ---------------------------------------------------------------- Add, Gather
+
+
+def test_add_with_rows_repeating_is_exact():
+    for a_shape, b_shape in (((3, 5, 16), (3, 5, 16)), ((1, 5, 16), (4, 5, 16)), ((4, 7, 3), (3,)), ((2, 6), (1, 6))):
+        a, b = (rng.standard_normal(s).astype(np.float32) for s in (a_shape, b_shape))
+        launch, op, ctx = prepared("cpu.add.native", "Add", "", [t(a), t(b)], {}, set())
+        np.testing.assert_array_equal(launch(ctx, t(a), t(b)).numpy(), a + b)
+    assert "repeat" in refusal("cpu.add.native", "Add", "", [torch.randn(3, 1, 4), torch.randn(3, 5, 4)], {}, set())
+
+
+def test_gather_rows_is_exact_with_negative_ids_and_fails_out_of_range():
+    table = rng.standard_normal((50, 24)).astype(np.float32)
+    ids = rng.integers(-50, 50, (3, 11))
+    launch, op, ctx = prepared("cpu.gather.native", "Gather", "", [t(table), t(ids)], {"axis": 0}, {0})
+    np.testing.assert_array_equal(launch(ctx, t(table), t(ids)).numpy(), np.take(table, ids, axis=0))
+    with pytest.raises(Exception, match="invalid arguments"):
+        launch(ctx, t(table), t(np.array([[0, 50]])))
+    assert "int64" in refusal("cpu.gather.native", "Gather", "", [t(table), t(ids.astype(np.int32))], {}, {0})
+    assert "constant" in refusal("cpu.gather.native", "Gather", "", [t(table), t(ids)], {}, set())
+
+
+# ---------------------------------------------------------------- attention
+
+
+def attention64(q, k, v, mask, scale, causal, nan_to_zero):
+    """q [B, H, S, D], k/v [B, Hkv, T, D]; mask additive float or bool, broadcast to [B, H, S, T]."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, repeat, axis=1).astype(np.float64), np.repeat(v, repeat, axis=1).astype(np.float64)
+    scores = np.einsum("bhsd,bhtd->bhst", q.astype(np.float64), k) * scale
+    if mask is not None:
+        scores = np.where(mask, scores, -np.inf) if mask.dtype == np.bool_ else scores + mask
+    if causal:
+        scores = np.where(np.tril(np.ones(scores.shape[-2:], bool)), scores, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(scores - top)
+        out = np.einsum("bhst,bhtd->bhsd", e / e.sum(-1, keepdims=True), v)
+    return np.nan_to_num(out, nan=0.0) if nan_to_zero else out
+
+
+def test_attention_on_bert_s_packed_qkv_with_padding_masks():
+    # q, k, v side by side in one GEMM output [B, S, 3·H·D]; output merged [B, S, H·D]
+    for _ in range(4):
+        b, s, h, d = int(rng.integers(1, 5)), int(rng.integers(1, 70)), int(rng.choice([1, 4, 12])), \
+            int(rng.choice([8, 16, 64]))
+        qkv = rng.standard_normal((b, s, 3 * h * d)).astype(np.float32)
+        keep = np.ones((b, s), bool)
+        for row in range(b):  # right or left padding; one row may see nothing
+            cut = int(rng.integers(0, s + 1))
+            keep[row, cut:] = False if rng.random() < 0.5 else keep[row, cut:]
+            keep[row, :cut] = keep[row, :cut] if rng.random() < 0.5 else False
+        mask = np.where(keep[:, None, None, :], 0.0, -np.inf).astype(np.float32)
+        mask = np.broadcast_to(mask, (b, 1, s, s)).copy()
+        attrs = {"scale": d ** -0.5, "nan_to_zero": 1, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3],
+                 "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "q_num_heads": h, "kv_num_heads": h,
+                 "out_merge_heads": 1, "qkv_split": [h * d] * 3}
+        inputs = [t(qkv), None, None, t(mask)]
+        launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+        got = launch(ctx, *inputs, **attrs).numpy()
+        heads = qkv.reshape(b, s, 3, h, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, S, D]
+        want = attention64(heads[0], heads[1], heads[2], mask, d ** -0.5, False, True)
+        want = want.transpose(0, 2, 1, 3).reshape(b, s, h * d)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}, {h} heads of {d}")
+        np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("case", ["causal", "gqa_bool_mask", "cross", "no_mask_default_scale"])
+def test_attention_on_separate_heads(case):
+    b, h, hkv, s, tt, d = 2, 4, 4, int(rng.integers(1, 40)), None, int(rng.choice([16, 20, 64]))
+    tt = int(rng.integers(1, 50)) if case == "cross" else s
+    if case == "gqa_bool_mask":
+        hkv = 2
+    q = rng.standard_normal((b, h, s, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, hkv, tt, d)).astype(np.float32) for _ in range(2))
+    mask = None
+    attrs = {"scale": 0.3}
+    if case == "causal":
+        attrs["is_causal"] = 1
+    if case == "gqa_bool_mask":
+        attrs["gqa"] = 1
+        mask = rng.random((b, 1, 1, tt)) < 0.7
+        mask[..., 0] = True
+    if case == "cross":
+        mask = (rng.standard_normal((1, h, s, tt)) * 2).astype(np.float32)  # a float bias, broadcast over batch
+    if case == "no_mask_default_scale":
+        attrs["scale"] = None  # SDPA's 1/sqrt(D)
+    inputs = [t(q), t(k), t(v)] + ([t(mask)] if mask is not None else [])
+    launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+    got = launch(ctx, *inputs, **attrs).numpy()
+    scale = d ** -0.5 if attrs["scale"] is None else attrs["scale"]
+    want = attention64(q, k, v, mask, scale, case == "causal", False)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
+
+
+def test_attention_refuses_what_it_cannot_run():
+    q = torch.randn(1, 2, 5, 8)
+    assert "int64" in refusal("cpu.attention.native", "Attention", "kiln",
+                              [q, q, q, torch.ones(1, 1, 1, 5, dtype=torch.int64)], {}, set())
+    assert "gqa" in refusal("cpu.attention.native", "Attention", "kiln", [q, torch.randn(1, 1, 5, 8),
+                                                                         torch.randn(1, 1, 5, 8)], {}, set())
+    assert "broadcast" in refusal("cpu.attention.native", "Attention", "kiln", [q, q, q, torch.zeros(1, 1, 3, 5)],
+                                  {}, set())
+
+
+# ---------------------------------------------------------------- mask preparation ops
+
+
+def test_cast_and_logical_ops_and_where_are_exact_over_broadcasts():
+    m = rng.integers(0, 2, (3, 9))
+    launch, op, ctx = prepared("cpu.cast.native", "Cast", "", [t(m)], {"to": 9}, set())
+    np.testing.assert_array_equal(launch(ctx, t(m), to=9).numpy(), m != 0)
+    f = rng.integers(-3, 3, (4, 5)).astype(np.int32)
+    launch, op, ctx = prepared("cpu.cast.native", "Cast", "", [t(f)], {"to": 1}, set())
+    np.testing.assert_array_equal(launch(ctx, t(f), to=1).numpy(), f.astype(np.float32))
+    a, b = rng.random((1, 1, 7, 1)) < 0.5, rng.random((3, 1, 1, 7)) < 0.5
+    for name, expect in (("And", a & b), ("Or", a | b)):
+        launch, op, ctx = prepared(f"cpu.{name.lower()}.native", name, "", [t(a), t(b)], {}, set())
+        np.testing.assert_array_equal(launch(ctx, t(a), t(b)).numpy(), expect)
+    cond = rng.random((3, 1, 6, 6)) < 0.5
+    x, y = np.array(0.0, np.float32), np.array(-np.inf, np.float32)
+    launch, op, ctx = prepared("cpu.where.native", "Where", "", [t(cond), t(x), t(y)], {}, set())
+    np.testing.assert_array_equal(launch(ctx, t(cond), t(x), t(y)).numpy(), np.where(cond, x, y))
+    x = rng.standard_normal((6,)).astype(np.float32)
+    y = rng.standard_normal((3, 1, 1, 1)).astype(np.float32)
+    launch, op, ctx = prepared("cpu.where.native", "Where", "", [t(cond), t(x), t(y)], {}, set())
+    np.testing.assert_array_equal(launch(ctx, t(cond), t(x), t(y)).numpy(), np.where(cond, x, y))
+    assert "bool and float32" in refusal("cpu.cast.native", "Cast", "", [t(m)], {"to": 7}, set())
+
+
+def gather_nd_reference(data: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    elem = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.bool_): onnx.TensorProto.BOOL}[data.dtype]
+    graph = helper.make_graph([helper.make_node("GatherND", ["data", "indices"], ["y"])], "g",
+                              [helper.make_tensor_value_info("data", elem, list(data.shape)),
+                               helper.make_tensor_value_info("indices", onnx.TensorProto.INT64, list(indices.shape))],
+                              [helper.make_tensor_value_info("y", elem, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return ReferenceEvaluator(model).run(None, {"data": data, "indices": indices})[0]
+
+
+def test_gather_nd_matches_onnx_reference():
+    # BERT's: mask [B, T] by a grid of (b, t) pairs [B, 1, 1, T, 2]
+    b, s = 3, 8
+    mask = rng.random((b, s)) < 0.6
+    grid = np.stack(np.broadcast_arrays(np.arange(b)[:, None, None, None], np.arange(s)[None, None, None, :]), -1)
+    data = rng.standard_normal((4, 5, 6)).astype(np.float32)
+    single = rng.integers(-4, 4, (2, 3, 1))  # slices of [5, 6], negative indices from the end
+    pairs = np.stack([rng.integers(-4, 4, (7,)), rng.integers(0, 5, (7,))], -1)
+    for d, i in ((mask, grid), (data, single), (data, pairs)):
+        launch, op, ctx = prepared("cpu.gathernd.native", "GatherND", "", [t(d), t(i)], {}, set())
+        np.testing.assert_array_equal(launch(ctx, t(d), t(i)).numpy(), gather_nd_reference(d, i))
+    assert "batch_dims" in refusal("cpu.gathernd.native", "GatherND", "", [t(data), t(pairs)], {"batch_dims": 1},
+                                   set())
