@@ -137,7 +137,7 @@ def integer_steps(ctx) -> int:
     """How many quantization steps a layer's integer output may be from its reference: one for kiln's
     quantized layers (kiln/ops/quantized.py: a kernel's float32 requantization may round a near-tie the
     other way), none otherwise."""
-    return QUANTIZED_STEPS if ctx.domain == "kiln" and ctx.op_type in QUANTIZED_LAYERS else 0
+    return QUANTIZED_STEPS if ctx is not None and ctx.domain == "kiln" and ctx.op_type in QUANTIZED_LAYERS else 0
 
 
 def output_error(result: Any, reference: Any) -> float:
