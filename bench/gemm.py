@@ -1,18 +1,24 @@
 """FP32 GEMM on the CPU, per transformer shape: GFLOP/s and % of the cores' FMA peak for each kernel
 kiln can pick, side by side with onnxruntime's MLAS (a one-node MatMul + Add model), same threads.
 
-    python bench/gemm.py [--threads 2] [--rounds 5]
+    python bench/gemm.py [--threads 2] [--rounds 5] [--shapes 128x768x3072,...] [--write]
 
-Kernels: torch's F.linear (MKL), torch's oneDNN linear on a packed weight (kiln's cpu.gemm.onednn),
-MKL's packed GEMM (cpu.gemm.mkl), and oneDNN's inner product through its C API with the weight in the
-layout its kernel wants (cpu.gemm.onednn_direct). Peak = cores x GHz x FLOPs per cycle per core (2 FMA
-units x vector lanes x 2: 32 on AVX2, 64 on AVX-512), from /proc/cpuinfo's flags and MHz. Timed in
-interleaved rounds (a shared machine's drift lands on all alike), best of each round's median.
+Kernels: kiln's packed GEMM (cpu.gemm.kiln_packed), torch's F.linear (MKL), MKL's packed GEMM
+(cpu.gemm.mkl), oneDNN's inner product through its C API with the weight in its kernel's layout
+(cpu.gemm.onednn_direct) and onnxruntime's MatMul + Add (MLAS); each computes x Wᵀ + b.
+
+Two peaks: nominal = cores x the MHz /proc/cpuinfo reports x FLOPs per cycle (2 FMA units x lanes x 2:
+32 on AVX2, 64 on AVX-512), and measured = the cores running independent FMA chains at once (a
+virtual CPU that boosts runs above its nominal clock: the measured peak is the honest ceiling).
+Timed in interleaved rounds (each kernel a block of calls per round, a shared machine's drift lands
+on all alike): GFLOP/s of the median of the round medians; 'by round' is kiln / MLAS time per round.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import statistics
 import sys
 import time
@@ -23,18 +29,52 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu import commit, wait_for_quiet  # noqa: E402  bench/cpu.py
 
-SHAPES = [  # (M, K, N): BERT-base at 1 x 128 tokens
-    (128, 768, 768),    # attention output projection
-    (128, 768, 2304),   # fused QKV
-    (128, 768, 3072),   # FFN up (GELU)
-    (128, 3072, 768),   # FFN down
-    (8, 768, 768),      # a short sequence
-]
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = [(m, k, n) for m in (1, 8, 128, 512) for k, n in ((768, 768), (768, 3072), (3072, 768))] + [
+    (128, 768, 2304)]  # BERT-base: attention output (768 -> 768), FFN up, FFN down at M tokens; fused QKV
+KILN, MLAS = "kiln packed GEMM (cpu.gemm.kiln_packed)", "onnxruntime MatMul+Add (MLAS)"
+
+_FMA_PEAK = r"""
+#include <omp.h>
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v16 __attribute__((vector_size(64)));
+#define CHAINS(V, TARGET, NAME)                                                                  \
+    __attribute__((target(TARGET))) static float NAME(long iters) {                            \
+        V a0 = (V){0} + 0.1f, a1 = (V){0} + 0.2f, a2 = (V){0} + 0.3f, a3 = (V){0} + 0.4f,        \
+          a4 = (V){0} + 0.5f, a5 = (V){0} + 0.6f, a6 = (V){0} + 0.7f, a7 = (V){0} + 0.8f,        \
+          a8 = (V){0} + 0.9f, a9 = (V){0} + 1.0f, a10 = (V){0} + 1.1f, a11 = (V){0} + 1.2f;      \
+        const V b = (V){0} + 0.999999f, c = (V){0} + 1e-7f;                                      \
+        for (long i = 0; i < iters; ++i) {                                                       \
+            a0 = a0 * b + c; a1 = a1 * b + c; a2 = a2 * b + c; a3 = a3 * b + c;                  \
+            a4 = a4 * b + c; a5 = a5 * b + c; a6 = a6 * b + c; a7 = a7 * b + c;                  \
+            a8 = a8 * b + c; a9 = a9 * b + c; a10 = a10 * b + c; a11 = a11 * b + c;              \
+        }                                                                                        \
+        V s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;                       \
+        return s[0];                                                                             \
+    }
+CHAINS(v8, "avx2,fma", chains8)
+CHAINS(v16, "avx512f", chains16)
+/* GFLOP/s of `threads` threads each running 12 independent FMA chains for `iters` steps */
+double kiln_fma_peak(int threads, long iters, int wide) {
+    volatile float sink = 0.0f;
+    double t0 = omp_get_wtime();
+    #pragma omp parallel num_threads(threads)
+    {
+        float s = wide ? chains16(iters) : chains8(iters);
+        #pragma omp atomic
+        sink += s;
+    }
+    double seconds = omp_get_wtime() - t0;
+    return threads * (double)iters * 12 * (wide ? 16 : 8) * 2 / seconds / 1e9;
+}
+"""
 
 
 def cpu_facts() -> tuple[str, float, int]:
-    """(model name, GHz, FP32 FLOPs per cycle per core)."""
+    """(model name, nominal GHz, FP32 FLOPs per cycle per core)."""
     name, mhz, flags = "?", 0.0, set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -49,84 +89,138 @@ def cpu_facts() -> tuple[str, float, int]:
     return name, mhz / 1000, per_cycle
 
 
-def runners(m: int, k: int, n: int) -> dict:
+def measured_peak(threads: int, per_cycle: int) -> float | None:
+    """Best of 5 runs of the FMA chains on `threads` threads (GFLOP/s), or None without a C compiler."""
+    import ctypes
+
+    from kiln.kernels.cpu import native_loop
+
+    built = native_loop.build("fma_peak", _FMA_PEAK)
+    if isinstance(built, str):
+        return None
+    fn = ctypes.CDLL(str(built)).kiln_fma_peak
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    return max(fn(threads, 20_000_000, int(per_cycle == 64)) for _ in range(5))
+
+
+def runners(m: int, k: int, n: int, threads: int) -> dict:
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
     w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
     b = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
-    out = {"torch F.linear (MKL)": lambda: F.linear(x, w, b)}
-    from kiln.kernels.cpu import gemm, mkl_available, onednn_available
+    out = {}
+    from kiln.kernels.cpu import gemm, gemm_native, mkl_available, onednn
 
-    from kiln.kernels.cpu.conv import post_op
-
-    none = post_op("", 0.0, 0.0)
-    if onednn_available():
-        packed = gemm.pack_linear_onednn(w, m)
-        out["torch oneDNN linear, packed (cpu.gemm.onednn)"] = lambda: gemm.linear_onednn(x, packed, b, None, none, True)
+    if gemm_native.available():
+        packed = gemm_native.PackedLinear(w, b)
+        out[KILN] = lambda: packed(x)
+    out["torch F.linear (MKL)"] = lambda: F.linear(x, w, b)
     if mkl_available():
+        from kiln.kernels.cpu.conv import post_op
+
+        none = post_op("", 0.0, 0.0)
         mkl = gemm.pack_linear_mkl(w, m)
         out["MKL packed GEMM (cpu.gemm.mkl)"] = lambda: gemm.linear_mkl(x, mkl, w, b, m, None, none, True)
-    from kiln.kernels.cpu import onednn
-
     if onednn.available():
         from kiln.kernels.cpu.onednn_primitives import InnerProduct
 
         ip = InnerProduct(w, b, m, None, False, True)
-        out[f"oneDNN inner product C API (cpu.gemm.onednn_direct, {ip.implementation})"] = lambda: ip(x)
+        out[f"oneDNN inner product (cpu.gemm.onednn_direct, {ip.implementation})"] = lambda: ip(x)
     try:
-        import onnx
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
-
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", ["x", "wt"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
-            "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-            [numpy_helper.from_array(w.numpy().T.copy(), "wt"), numpy_helper.from_array(b.numpy(), "b")])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-        model.ir_version = min(model.ir_version, 10)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = torch.get_num_threads()
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        feeds = {"x": x.numpy()}
-        out["onnxruntime MatMul+Add (MLAS)"] = lambda: session.run(None, feeds)
-        del onnx
     except ImportError:
-        pass
+        return out
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "wt"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        [numpy_helper.from_array(w.numpy().T.copy(), "wt"), numpy_helper.from_array(b.numpy(), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"x": x.numpy()}
+    out[MLAS] = lambda: session.run(None, feeds)
+    reference = F.linear(x.double(), w.double(), b.double())
+    for name, fn in out.items():  # every kernel computes the same thing before it is timed
+        got = torch.as_tensor(np.asarray(fn()[0] if name == MLAS else fn()))
+        assert torch.allclose(got.double(), reference, rtol=1e-3, atol=1e-3 * k ** 0.5), name
     return out
 
 
+def time_shape(m: int, k: int, n: int, args) -> tuple[dict[str, list[float]], list[float]]:
+    """(seconds per call of each round, by kernel; kiln / MLAS per round)."""
+    fns = runners(m, k, n, args.threads)
+    calls = max(3, min(200, int(args.seconds_per_block * 60e9 / (2 * m * k * n))))  # ~0.1 s at 60 GFLOP/s
+    samples: dict[str, list[float]] = {key: [] for key in fns}
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    for _ in range(args.rounds):
+        wait_for_quiet(args.quiet_wait)
+        for key, fn in fns.items():
+            times = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            samples[key].append(statistics.median(times))
+    ratios = [a / b for a, b in zip(samples.get(KILN, []), samples.get(MLAS, []))]
+    return samples, ratios
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--calls", type=int, default=20, help="timed calls per round per kernel")
+    ap.add_argument("--seconds-per-block", type=float, default=0.1, help="about this long per kernel per round")
+    ap.add_argument("--shapes", default="", help="MxKxN,... (default: BERT-base's at M = 1, 8, 128, 512)")
+    ap.add_argument("--quiet-wait", type=float, default=0.0,
+                    help="before each round, wait up to this many seconds for the machine to go idle")
+    ap.add_argument("--write", action="store_true", help="append the table to bench/results/gemm-<date>.md")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     name, ghz, per_cycle = cpu_facts()
-    peak = args.threads * ghz * per_cycle  # GFLOP/s
-    print(f"# FP32 GEMM, {name}, {args.threads} threads, peak {peak:.0f} GFLOP/s "
-          f"({ghz:.2f} GHz x {per_cycle} FLOP/cycle/core); median of {args.rounds} interleaved rounds")
-    print("\n| M x K x N | kernel | ms | GFLOP/s | % of peak |\n|---|---|---|---|---|")
-    for m, k, n in SHAPES:
-        fns = runners(m, k, n)
-        samples: dict[str, list[float]] = {key: [] for key in fns}
-        for fn in fns.values():
-            for _ in range(3):
-                fn()
-        for _ in range(args.rounds):
-            for key, fn in fns.items():
-                times = []
-                for _ in range(args.calls):
-                    t0 = time.perf_counter()
-                    fn()
-                    times.append(time.perf_counter() - t0)
-                samples[key].append(statistics.median(times))
+    nominal = args.threads * ghz * per_cycle  # GFLOP/s
+    measured = measured_peak(args.threads, per_cycle)
+    load_before = os.getloadavg()[0]
+    from kiln.kernels.cpu import gemm_native
+
+    kernel = gemm_native.best_kernel().name if gemm_native.available() else "not built"
+    head = [f"FP32 GEMM, {name}, {args.threads} threads; nominal peak {nominal:.0f} GFLOP/s ({ghz:.2f} GHz x "
+            f"{per_cycle} FLOP/cycle/core), measured FMA peak "
+            + (f"{measured:.0f} GFLOP/s" if measured else "n/a (no C compiler)")
+            + f"; kiln's microkernel: {kernel}; median of {args.rounds} interleaved rounds"]
+    print(head[0], flush=True)
+    lines = ["| M x K x N | kernel | ms | GFLOP/s | % nominal peak | % measured peak | best round GFLOP/s "
+             "| kiln / MLAS by round |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
+    for m, k, n in shapes:
+        samples, ratios = time_shape(m, k, n, args)
         flops = 2 * m * k * n
-        for key, s in sorted(samples.items(), key=lambda kv: min(kv[1])):
+        for key, s in sorted(samples.items(), key=lambda kv: statistics.median(kv[1])):
             seconds = statistics.median(s)
             gflops = flops / seconds / 1e9
-            print(f"| {m} x {k} x {n} | {key} | {1000 * seconds:.3f} | {gflops:.1f} | {100 * gflops / peak:.0f}% |")
+            of_measured = f"{100 * gflops / measured:.0f}%" if measured else "n/a"
+            by_round = ", ".join(f"{r:.2f}" for r in ratios) if key == KILN else ""
+            line = (f"| {m} x {k} x {n} | {key} | {1000 * seconds:.3f} | {gflops:.1f} | {100 * gflops / nominal:.0f}% "
+                    f"| {of_measured} | {flops / min(s) / 1e9:.1f} | {by_round} |")
+            lines.append(line)
+            print(line, flush=True)
+    load_after = os.getloadavg()[0]
+    tail = f"machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, on {os.cpu_count()} cores"
+    print(tail)
+    if args.write:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        out = RESULTS / f"gemm-{now:%Y-%m-%d}.md"
+        earlier = out.read_text() if out.exists() else ""
+        out.write_text(earlier + ("\n---\n\n" if earlier else "") + "\n".join([
+            f"{'##' if earlier else '#'} FP32 GEMM, {now:%Y-%m-%d %H:%M} UTC, commit {commit()}", "", head[0], "",
+            f"- {tail}: above the thread count, other work shared the cores", "", *lines, ""]))
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

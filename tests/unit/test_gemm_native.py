@@ -89,13 +89,15 @@ SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 tiles, K past one block (2
 
 
 @pytest.mark.parametrize("kernel", runnable(), ids=lambda k: k.name.replace(" ", "-"))
-@pytest.mark.parametrize("path", ["in place", "packed"])
+@pytest.mark.parametrize("path", ["whole K in place", "K blocks in place", "K blocks packed"])
 @pytest.mark.parametrize("m,k,n", SHAPES, ids=lambda v: str(v))
 def test_gemm_matches_float64_at_odd_shapes(kernel, path, m, k, n):
     g = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
     x, w, b, _ = data(g, (m,), k, n)
-    # small_m decides the path: x read in place up to that many rows, packed past it
-    layer = gemm_native.PackedLinear(w, b, kernel=kernel, small_m=1 << 30 if path == "in place" else 0)
+    # small_m and pack_m pick the path: x read in place over the whole K up to small_m rows, else
+    # K-blocked, x packed past pack_m rows
+    small, pack = {"whole K in place": (1 << 30, 0), "K blocks in place": (0, 1 << 30), "K blocks packed": (0, 0)}[path]
+    layer = gemm_native.PackedLinear(w, b, kernel=kernel, small_m=small, pack_m=pack)
     want, scale = oracle(x, w, b, None, "", 1)
     assert_close(layer(x), want, scale)
 
@@ -104,11 +106,11 @@ def test_gemm_matches_float64_at_odd_shapes(kernel, path, m, k, n):
 @pytest.mark.parametrize("residual,after", [(False, 1), (True, 1), (True, 0)])
 def test_every_epilogue_matches_float64(activation, residual, after):
     g = torch.Generator().manual_seed(7)
-    for lead, small in (((2, 37), None), ((3,), None), ((50,), 0)):  # [B, S, K] rows; a small M; packed
-        x, w, b, r = data(g, lead, 72, 45, residual=residual)
+    for lead, small, pack in (((2, 37), None, None), ((3,), None, None), ((50,), 0, 0), ((50,), 0, 1 << 30)):
+        x, w, b, r = data(g, lead, 72, 45, residual=residual)  # [B, S, K] rows; a small M; packed; in place
         alpha, beta = PARAMS.get(activation, (0.0, 0.0))
         layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=residual,
-                                         residual_after_activation=bool(after), small_m=small)
+                                         residual_after_activation=bool(after), small_m=small, pack_m=pack)
         want, scale = oracle(x, w, b, r, activation, after)
         assert_close(layer(x, r), want, scale)
 
@@ -181,9 +183,10 @@ def test_the_avx512_tile_shape_runs_right_on_this_cpu():
         pytest.skip("the tests' build has no test kernel for this CPU")
     g = torch.Generator().manual_seed(5)
     for m, k, n in [(1, 7, 5), (15, 193, 33), (29, 385, 64), (170, 200, 31)]:
-        for small in (1 << 30, 0):
+        for small, pack in ((1 << 30, 0), (0, 0), (0, 1 << 30)):
             x, w, b, r = data(g, (m,), k, n, residual=True)
-            layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[0], small_m=small)
+            layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[0], small_m=small,
+                                             pack_m=pack)
             want, scale = oracle(x, w, b, r, "Gelu", 1)
             assert_close(layer(x, r), want, scale)
 

@@ -38,7 +38,8 @@ typedef struct {
     int activation;
     float alpha, beta;
     int residual_after;         /* 1: act(y) + r; 0: act(y + r) */
-    long small_m;               /* up to this many rows, x is read in place (no packing, no K blocks) */
+    long small_m;               /* up to this many rows, x is read in place over the whole K (GEMV-like) */
+    long pack_m;                /* past this many rows, A is packed (else read in place, K-blocked) */
 } kiln_gemm_plan;
 
 typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
@@ -380,19 +381,25 @@ static void pack_a(const float *x, long K, int rows, int mr, float *panel) {
     }
 }
 
-static void run_packed(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
-                       const float *res) {
+/* K-blocked: per M block (A packed by both threads when `pack`, else read in place), work items of
+   row groups x panel chunks; per item, for each K block, each panel's kc x NR micro-panel stays in L1
+   while the tiles run down the item's rows. */
+static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+                        const float *res, int pack) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
     const long panels = ceil_div(N, nr), mc = m_block(kd, M);
     const int epi = has_epilogue(p, res);
     float *a_packed = p->scratch;
+    const tile_fn tile = pack ? kd->packed : kd->direct;
     #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
     for (long m0 = 0; m0 < M; m0 += mc) {
         const long rows = M - m0 < mc ? M - m0 : mc, row_panels = ceil_div(rows, mr);
-        #pragma omp for schedule(static)
-        for (long q = 0; q < row_panels; ++q) {
-            const long r = rows - q * mr < mr ? rows - q * mr : mr;
-            pack_a(x + (m0 + q * mr) * K, K, (int)r, (int)mr, a_packed + q * mr * K);
+        if (pack) {
+            #pragma omp for schedule(static)
+            for (long q = 0; q < row_panels; ++q) {
+                const long r = rows - q * mr < mr ? rows - q * mr : mr;
+                pack_a(x + (m0 + q * mr) * K, K, (int)r, (int)mr, a_packed + q * mr * K);
+            }
         }
         /* work items: row groups (when the panels alone are too few to share) x chunks of panels */
         long groups = ceil_div(2L * p->threads, panels);
@@ -414,7 +421,8 @@ static void run_packed(const kiln_gemm_plan *p, const kernel_desc *kd, const flo
                     for (long q = g * group_panels; q < q_end; ++q) {
                         const long row0 = m0 + q * mr;
                         const int m = (int)(rows - q * mr < mr ? rows - q * mr : mr);
-                        kd->packed(m, kb, a_packed + q * mr * K + k0 * mr, mr, b, y + row0 * N + col0, N, n, k0 > 0);
+                        const float *a = pack ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
+                        tile(m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
                         if (last && epi) epilogue(p, y, res, row0, col0, m, n);
                     }
                 }
@@ -449,6 +457,6 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
         return 0;
     }
     if (p->M <= p->small_m) run_small(p, kd, x, y, res);
-    else run_packed(p, kd, x, y, res);
+    else run_blocked(p, kd, x, y, res, p->M > p->pack_m);
     return 0;
 }

@@ -42,7 +42,7 @@ class _Plan(ctypes.Structure):  # kiln_gemm_plan in gemm.c
                 ("scratch", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
                 ("kernel", ctypes.c_int), ("threads", ctypes.c_int), ("activation", ctypes.c_int),
                 ("alpha", ctypes.c_float), ("beta", ctypes.c_float), ("residual_after", ctypes.c_int),
-                ("small_m", ctypes.c_long)]
+                ("small_m", ctypes.c_long), ("pack_m", ctypes.c_long)]
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class PackedLinear:
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, activation: str = "", alpha: float = 0.0,
                  beta: float = 0.0, residual: bool = False, residual_after_activation: bool = True,
-                 kernel: Kernel | None = None, small_m: int | None = None):
+                 kernel: Kernel | None = None, small_m: int | None = None, pack_m: int | None = None):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one kiln's GEMM applies ({sorted(ACTIVATIONS)})")
         test_kernels = kernel is not None and kernel.test_only
@@ -137,6 +137,7 @@ class PackedLinear:
         self._epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
                               residual_after=int(residual_after_activation))
         self.small_m = small_rows(self.kernel) if small_m is None else small_m
+        self.pack_m = 0 if pack_m is None else pack_m
         self.implementation = f"kiln packed GEMM, {self.kernel.name}"
         self._call_plans: dict[int, tuple[_Plan, torch.Tensor]] = {}
         self._lock = threading.Lock()
@@ -145,10 +146,10 @@ class PackedLinear:
         """A plan for `rows` rows with its own A scratch (or `scratch` when large enough)."""
         need = self._lib.kiln_gemm_scratch_floats(self.kernel.index, rows, self.k)
         if scratch is None or scratch.numel() < need:
-            scratch = hugepages.empty(need) if rows > self.small_m else torch.empty(0)
+            scratch = hugepages.empty(need) if rows > max(self.small_m, self.pack_m) else torch.empty(0)
         plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
                      scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.n, kernel=self.kernel.index,
-                     threads=torch.get_num_threads(), small_m=self.small_m, **self._epilogue)
+                     threads=torch.get_num_threads(), small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
         return plan, scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
