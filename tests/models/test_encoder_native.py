@@ -1,0 +1,123 @@
+"""Transformer encoders exported with symbolic batch and sequence run on the CPU as one native segment
+(kiln/tactics/cpu/transformer.py, broadcast.py; kiln/runtime/native.py), mask preparation included,
+and match onnxruntime at fresh random shapes inside their profile with real padding masks (left,
+right, none, a row with no token). Tolerance: fp32 through 2 layers of 64-wide sums, 1e-4 absolute
+on LayerNorm outputs of O(1); padded vs unpadded runs of kiln itself agree to 1e-5 on real tokens (the
+same kernels, another row count: only the GEMM's blocking may reorder sums)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import kiln
+from kiln import zoo
+from kiln.kernels.cpu import onednn
+from kiln.kernels.cpu import transformer as kernels
+from kiln.runtime.native import Segment
+
+pytestmark = pytest.mark.skipif(not (onednn.available() and kernels.available()),
+                                reason="needs libdnnl and kiln's C kernels")
+
+rng = np.random.default_rng()
+PROFILE = "1x1,2x16,6x80"
+
+
+def build(name: str):
+    exported = zoo.export(name, dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": PROFILE}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return engine, session
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return build("bert_tiny")
+
+
+def padded_mask(b: int, s: int, kind: str) -> np.ndarray:
+    mask = np.ones((b, s), np.int64)
+    for row in range(b):
+        real = int(rng.integers(1, s + 1))
+        if kind == "right" or (kind == "mixed" and rng.random() < 0.5):
+            mask[row, real:] = 0
+        elif kind in ("left", "mixed"):
+            mask[row, :s - real] = 0
+    return mask
+
+
+def feeds(b: int, s: int, mask: np.ndarray) -> dict[str, np.ndarray]:
+    return {"input_ids": rng.integers(0, 1000, (b, s), dtype=np.int64), "attention_mask": mask}
+
+
+def lean_steps(engine) -> list:
+    return engine.program.lean_steps
+
+
+def test_the_encoder_is_one_native_segment_mask_included(bert):
+    engine, _ = bert
+    program = engine.program
+    (step,) = lean_steps(engine)  # a known shape: nothing but the segment runs
+    assert isinstance(step.fn, Segment)
+    ops = {m.ctx.op_type for m in step.fn.members}
+    assert {"Gather", "LayerNorm", "FusedGemm", "Attention", "Cast", "GatherND", "Where"} <= ops
+    shape_only = {id(program.steps[i]) for i in program.shape_steps}
+    outside = [s.ctx.op_type for s in program.run_steps if s is not step and id(s) not in shape_only]
+    assert outside == [], f"layers outside the segment: {outside}"
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "mixed", "none"])
+def test_random_shapes_with_padding_match_onnxruntime(bert, kind):
+    engine, session = bert
+    context = engine.create_execution_context()
+    for _ in range(4):
+        b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
+        mask = padded_mask(b, s, kind) if kind != "none" else np.ones((b, s), np.int64)
+        if kind == "mixed" and b > 1:
+            mask[-1] = 0  # a row that sees no token: the exported graph gives it a finite output
+        x = feeds(b, s, mask)
+        got = next(iter(context.run(x).values()))
+        want = session.run(None, x)[0]
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4, err_msg=f"{b}x{s} {kind}")
+    bound = [key for seg in engine.program.segments for key, other in seg.resized.items() if other is not None]
+    assert bound, "no segment was bound at another shape"
+
+
+def test_padding_never_changes_the_real_tokens(bert):
+    engine, _ = bert
+    b, s = 4, int(rng.integers(8, 60))
+    mask = padded_mask(b, s, "right")
+    x = feeds(b, s, mask)
+    batch = next(iter(engine.run(x).values()))
+    for row in range(b):
+        real = int(mask[row].sum())
+        alone = next(iter(engine.run({"input_ids": x["input_ids"][row:row + 1, :real],
+                                      "attention_mask": np.ones((1, real), np.int64)}).values()))
+        np.testing.assert_allclose(batch[row, :real], alone[0], atol=1e-5, rtol=1e-5, err_msg=f"row {row}")
+
+
+def test_the_same_shape_again_takes_the_checked_path_and_stays_right(bert):
+    engine, session = bert
+    context = engine.create_execution_context()
+    x = feeds(3, 17, padded_mask(3, 17, "mixed"))
+    first = next(iter(context.run(x).values()))
+    assert context._checked, "the checked signature was not remembered"
+    x2 = {**x, "input_ids": rng.integers(0, 1000, (3, 17), dtype=np.int64)}
+    np.testing.assert_allclose(next(iter(context.run(x2).values())), session.run(None, x2)[0], atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(next(iter(context.run(x).values())), first)
+    with pytest.raises(kiln.errors.BindingError):  # a wrong dtype is still refused with the general checks
+        context.run({**x, "attention_mask": x["attention_mask"].astype(np.int32)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["distilbert_tiny", "albert_tiny"])
+def test_other_encoders_are_one_segment_and_match_onnxruntime(name):
+    engine, session = build(name)
+    (step,) = lean_steps(engine)
+    assert isinstance(step.fn, Segment)
+    for _ in range(3):
+        b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
+        x = feeds(b, s, padded_mask(b, s, "mixed"))
+        got = next(iter(engine.run(x).values()))
+        np.testing.assert_allclose(got, session.run(None, x)[0], atol=1e-4, rtol=1e-4, err_msg=f"{name} {b}x{s}")
