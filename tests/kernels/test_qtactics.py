@@ -1,0 +1,181 @@
+"""kiln's CUDA tactics for quantized layers (kiln/tactics/cuda/quant_*.py) on the CPU: the Triton kernels
+under the interpreter, torch._int_mm and torch._scaled_mm on torch's CPU build (both run there in torch
+2.13), cuBLAS/cuDNN's place taken by torch's CPU GEMM/conv. Each tactic is checked, prepared on the
+layer's constants and launched as the autotuner does it, and judged against the op's float64 reference
+within one quantization step (tests/kernels/qlayers.py says how steps are counted).
+
+The same checks run on the H200 at ResNet-50 / BERT shapes in tests/gpu/test_quant_cuda.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.tactics import registry  # noqa: E402
+from kiln.tactics.tactic import InputMeta  # noqa: E402
+from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, run_tactic  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
+
+I8, U8 = torch.int8, torch.uint8
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+TRITON_GEMM = "cuda.qgemm.triton.16x64x128"  # the tile the small test shapes fill (M = 40, N = 80)
+TRITON_CONV = "cuda.qconv.triton_igemm.64x64x64"
+
+
+def test_the_tactics_are_registered_for_their_ops():
+    cuda = registry.all_tactics("cuda")
+    for name, op in (("cuda.qgemm.int_mm", "QGemm"), ("cuda.qgemm.scaled_mm", "QGemm"),
+                     ("cuda.qgemm.scaled_mm_direct", "QGemm"), ("cuda.qgemm.dequantized", "QGemm"),
+                     (TRITON_GEMM, "QGemm"), (TRITON_CONV, "QConv"), ("cuda.qconv.dequantized", "QConv"),
+                     ("cuda.qconv.dequantized_fp32", "QConv"), ("cuda.qadd.triton", "QAdd"), ("cuda.qadd.torch", "QAdd")):
+        assert cuda[name].op_type == op and cuda[name].domain == "kiln"
+    default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
+    assert "cuda.qconv.triton_igemm.256x128x64" not in default  # the widest tile from opt_level 3
+    assert {"cuda.qconv.dequantized", TRITON_CONV} <= default
+
+
+# ---- QGemm -------------------------------------------------------------------------------------------
+
+GEMM_CASES = [  # (tactic, x dtype, output dtype)
+    *[(TRITON_GEMM, x, out) for x in (I8, U8, FP8) for out in (I8, FP8, F32, F16)],
+    ("cuda.qgemm.triton.64x128x128", U8, U8),
+    *[("cuda.qgemm.int_mm", x, out) for x in (I8, U8) for out in (I8, U8, FP8, F32)],
+    *[("cuda.qgemm.scaled_mm", FP8, out) for out in (I8, FP8, F32, BF16)],
+    ("cuda.qgemm.scaled_mm_direct", FP8, BF16), ("cuda.qgemm.scaled_mm_direct", FP8, F32),
+    *[("cuda.qgemm.dequantized", x, out) for x, out in ((I8, I8), (U8, FP8), (FP8, FP8))],
+]
+
+
+@pytest.mark.parametrize("name, x_dtype, out", GEMM_CASES, ids=lambda v: str(v).removeprefix("torch."))
+def test_qgemm_tactic_matches_the_reference(name, x_dtype, out):
+    # the direct FP8 GEMM writes fp32 only with one weight scale (cuBLASLt's row-wise scaling writes bf16)
+    layer = gemm_layer(x_dtype, out, per_channel=not (name.endswith("direct") and out == F32))
+    check_tactic(name, layer)
+
+
+@pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])
+@pytest.mark.parametrize("name", [TRITON_GEMM, "cuda.qgemm.int_mm"])
+def test_qgemm_variants(name, variant):
+    options = {"per-tensor, no bias, Clip": dict(per_channel=False, bias=False, activation="Clip"),
+               "3-D x, no activation": dict(lead=(2, 3, 7), activation=""),
+               "8 rows": dict(lead=(8,))}[variant]  # torch._int_mm wants more than 16: the tactic pads
+    for x_dtype in (I8, U8):
+        layer = gemm_layer(x_dtype, I8, seed=3, **options)
+        check_tactic(name, layer, what=str(x_dtype))
+
+
+def test_fp8_gemm_accumulates_in_fp32():
+    """Large K with outputs that cancel: fp32 float output stays within fp32 rounding of the sums."""
+    layer = gemm_layer(FP8, F32, lead=(33,), k=1024, n=64, activation="", seed=5)
+    for name in (TRITON_GEMM, "cuda.qgemm.scaled_mm"):
+        check_tactic(name, layer)
+
+
+def test_qgemm_refusals():
+    assert "multiples of 8" in refusal("cuda.qgemm.int_mm", gemm_layer(I8, I8, k=100))
+    assert "float8_e4m3fn" in refusal("cuda.qgemm.scaled_mm", gemm_layer(I8, I8))
+    assert "multiples of 16" in refusal("cuda.qgemm.scaled_mm", gemm_layer(FP8, FP8, n=40))
+    assert "quantized output" in refusal("cuda.qgemm.scaled_mm_direct", gemm_layer(FP8, I8))
+    assert "bfloat16" in refusal("cuda.qgemm.scaled_mm_direct", gemm_layer(FP8, F16))
+    assert "mostly padding" in refusal("cuda.qgemm.triton.128x128x128", gemm_layer(I8, I8))
+    layer = gemm_layer(I8, I8)
+    computed = [InputMeta.of(a, i in layer.constant - {1}) for i, a in enumerate(layer.args)]  # x_scale at run time
+    assert "x_scale is not a constant" in registry.get(TRITON_GEMM).check(layer.step, computed)
+    mixed = gemm_layer(I8, I8)
+    mixed.args[3] = mixed.args[3].to(torch.float32).to(FP8)  # int8 activations with FP8 weights
+    assert "multiply int8 by int8" in refusal(TRITON_GEMM, mixed)
+    clipped = gemm_layer(I8, I8)
+    clipped.attributes["activation"] = "Gelu"
+    assert "activation 'Gelu'" in refusal(TRITON_GEMM, clipped)
+
+
+def test_asymmetric_weights_are_refused_at_prepare():
+    layer = gemm_layer(I8, I8)
+    layer.args[5] = torch.ones_like(layer.args[5])
+    with pytest.raises(ValueError, match="zero point is not 0"):
+        run_tactic(TRITON_GEMM, layer)
+
+
+# ---- QConv -------------------------------------------------------------------------------------------
+
+CONV_GEOMETRIES = {  # the tap loop with a channel tail (Cin 80 = 64 + 16); flat K (the 7x7 stem, Cin 3); 1x1
+    "3x3 pad 1": dict(cin=80, cout=72),                       # stride 2; asymmetric pads; dilation 2
+    "7x7 stride 2 Cin 3": dict(cin=3, cout=64, size=(13, 12), kernel=7, stride=2, pads=[3, 3, 3, 3]),
+    "1x1 stride 2": dict(cin=48, cout=72, size=(9, 8), kernel=1, stride=2, pads=[0, 0, 0, 0]),
+    "3x3 pads 0,1,1,0": dict(cin=40, cout=72, size=(7, 7), pads=[0, 1, 1, 0]),
+    "3x3 dilation 2": dict(cin=24, cout=72, size=(9, 9), dilation=2, pads=[2, 2, 2, 2]),
+}
+
+
+@pytest.mark.parametrize("x_dtype, out", [(I8, I8), (U8, U8), (U8, FP8), (FP8, FP8), (FP8, F32), (I8, F16)],
+                         ids=lambda v: str(v).removeprefix("torch."))
+def test_qconv_triton_matches_the_reference(x_dtype, out):
+    check_tactic(TRITON_CONV, conv_layer(x_dtype, out))
+
+
+@pytest.mark.parametrize("geometry", list(CONV_GEOMETRIES))
+def test_qconv_triton_geometries(geometry):
+    for x_dtype, out in ((U8, I8), (FP8, FP8)):
+        layer = conv_layer(x_dtype, out, seed=2, **CONV_GEOMETRIES[geometry])
+        got = check_tactic(TRITON_CONV, layer, what=f"{geometry} {x_dtype}")
+        assert got.is_contiguous(memory_format=torch.channels_last), got.stride()
+
+
+def test_qconv_triton_per_tensor_no_bias_clip_int8_input_zero_point():
+    layer = conv_layer(I8, I8, per_channel=False, bias=False, activation="Clip", seed=4)
+    check_tactic(TRITON_CONV, layer)
+
+
+@pytest.mark.parametrize("name", ["cuda.qconv.dequantized", "cuda.qconv.dequantized_fp32"])
+@pytest.mark.parametrize("case", ["3x3", "depthwise", "1-D", "stem"])
+def test_qconv_dequantized_runs_every_layer(name, case):
+    options = {"3x3": dict(cin=32, cout=24), "depthwise": dict(cin=24, cout=24, group=24),
+               "1-D": dict(cin=16, cout=8, size=(11,)), "stem": CONV_GEOMETRIES["7x7 stride 2 Cin 3"]}[case]
+    for x_dtype, out in ((U8, I8), (FP8, FP8), (I8, F32)):
+        if out == F32 and name == "cuda.qconv.dequantized":
+            continue  # fp16 storage: not within fp32's tolerance (the autotuner rejects it for float outputs)
+        layer = conv_layer(x_dtype, out, seed=1, **options)
+        check_tactic(name, layer, what=f"{case} {x_dtype}")
+
+
+def test_qconv_refusals():
+    assert "group 24" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=24, cout=24, group=24))
+    assert "not 4-D" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=16, cout=72, size=(11,)))
+    assert "mostly padding" in refusal(TRITON_CONV, conv_layer(I8, I8, cout=8))
+    assert "mostly padding" in refusal("cuda.qconv.triton_igemm.256x128x64", conv_layer(I8, I8))
+
+
+# ---- QAdd --------------------------------------------------------------------------------------------
+
+ADD_CASES = {  # a, b, out, a's layout, b's shape
+    "int8 NHWC": (I8, I8, I8, torch.channels_last, None),
+    "uint8 NCHW": (U8, U8, U8, torch.contiguous_format, None),
+    "fp8": (FP8, FP8, FP8, torch.channels_last, None),
+    "int8 + uint8 -> float": (I8, U8, F32, torch.channels_last, None),
+    "broadcast b [1, C, 1, 1]": (I8, I8, I8, torch.channels_last, (1, 24, 1, 1)),
+}
+
+
+@pytest.mark.parametrize("name", ["cuda.qadd.triton", "cuda.qadd.torch"])
+@pytest.mark.parametrize("case", list(ADD_CASES))
+def test_qadd_matches_the_reference(name, case):
+    a_dtype, b_dtype, out, layout, b_shape = ADD_CASES[case]
+    for activation in ("Relu", "Clip", ""):
+        layer = add_layer(a_dtype, b_dtype, out, b_shape=b_shape, activation=activation)
+        layer.args[0] = layer.args[0].contiguous(memory_format=layout)
+        got = check_tactic(name, layer, what=f"{case} {activation}")
+        if name.endswith("triton") and b_shape is None:
+            assert got.stride() == layer.args[0].stride()  # a's layout kept
+
+
+def test_qadd_mixed_layouts_and_rank_5():
+    layer = add_layer(U8, U8, U8)
+    layer.args[0] = layer.args[0].contiguous(memory_format=torch.channels_last)  # b stays NCHW
+    check_tactic("cuda.qadd.triton", layer, what="mixed layouts")
+    deep = add_layer(I8, I8, I8, shape=(2, 3, 4, 5, 6))
+    assert "at most 4" in refusal("cuda.qadd.triton", deep)
+    check_tactic("cuda.qadd.torch", deep, what="rank 5")
