@@ -13,7 +13,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kiln import errors
-from kiln.errors import BindingError, EngineFormatError, KilnError, ModelError, UnsupportedModelError
+from kiln.errors import (
+    BindingError,
+    EngineFormatError,
+    EngineRebuildWarning,
+    KilnError,
+    ModelError,
+    UnsupportedModelError,
+)
 from kiln.runtime import engine as _engine_module
 from kiln.runtime.engine import Engine, ExecutionContext, load
 from kiln.version import __version__
@@ -62,6 +69,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "BindingError", "Engine", "EngineFormatError", "ExecutionContext", "InferenceSession", "KilnError",
+    "BindingError", "Engine", "EngineFormatError", "EngineRebuildWarning", "ExecutionContext", "InferenceSession",
+    "KilnError",
     "ModelError", "UnsupportedModelError", "__version__", "build", "compile", "errors", "load",
 ]

@@ -30,3 +30,8 @@ class BindingError(KilnError, ValueError):
 
 class ExecutionError(KilnError):
     """A layer failed while running; the message names the layer and its op."""
+
+
+class EngineRebuildWarning(UserWarning):
+    """Inputs lay outside an engine's optimization profile, so kiln rebuilt it with the profile widened
+    (kiln.InferenceSession, torch.compile(backend="kiln")); the message says how to build once."""

@@ -19,6 +19,7 @@ Inference only: nothing here records gradients.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -27,14 +28,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 
 from kiln.builder.build import build as kiln_build
 from kiln.builder.config import BuildConfig
-from kiln.errors import KilnError
+from kiln.builder.profiles import DEFAULT_BATCH, DEFAULT_IMAGE, DEFAULT_SEQUENCE_MAX
+from kiln.errors import EngineRebuildWarning, KilnError
 from kiln.frontend import torch as torch_frontend
-from kiln.frontend.torch import FallbackOp, Stage
+from kiln.frontend.torch import FallbackOp, Range, Stage
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine import load as load_engine
 from kiln.version import __version__
@@ -269,48 +272,198 @@ def load(path: str | Path) -> CompiledModule:
 # ---- torch.compile(backend="kiln") ------------------------------------------------------------------
 
 class _Bound(torch.nn.Module):
-    """A dynamo graph with its parameters held as buffers, so kiln sees them as weights (folded,
-    pre-packed) instead of inputs; called with the remaining inputs."""
+    """A dynamo graph with its parameters, buffers and module attributes held as buffers, so kiln sees
+    them as weights (folded, pre-packed) instead of inputs; called with the remaining tensor inputs.
+    The size arguments dynamo passes for dynamic dims (`s0`) are read from the tensors they measure
+    (`sizes`), so torch.export traces them as shape arithmetic rather than fixing them as constants;
+    the Python numbers dynamo passes wrapped in tensors (a LayerNorm's eps under dynamic=True) are
+    written into the graph (`scalars`): `.item()` of a tensor would be data-dependent to torch.export."""
 
-    def __init__(self, graph_module: torch.fx.GraphModule, args: list[Any], constant: list[bool]):
+    def __init__(self, graph_module: torch.fx.GraphModule, args: list[Any], constant: list[bool],
+                 sizes: dict[int, tuple[int, int]] | None = None, scalars: dict[int, int | float] | None = None):
         super().__init__()
-        self.graph_module = graph_module
+        self.graph_module = _with_scalars(graph_module, scalars) if scalars else graph_module
         self.constant = constant
+        self.sizes = sizes or {}
         for k, (a, c) in enumerate(zip(args, constant)):
             if c:
                 self.register_buffer(f"weight_{k}", a.detach())
 
     def forward(self, *inputs: Any) -> Any:
         given = iter(inputs)
-        full = [getattr(self, f"weight_{k}") if c else next(given) for k, c in enumerate(self.constant)]
+        full = [getattr(self, f"weight_{k}") if c else None if k in self.sizes else next(given)
+                for k, c in enumerate(self.constant)]
+        for k, (tensor, axis) in self.sizes.items():
+            full[k] = full[tensor].shape[axis]
         return self.graph_module(*full)
 
 
-class _PerShape:
-    """What the backend hands dynamo: compiles with kiln at the first call of each input signature
-    (dynamo's graphs take flat tensors; a graph dynamo made dynamic gets one static engine per shape)."""
+def _with_scalars(graph_module: torch.fx.GraphModule, scalars: dict[int, int | float]) -> torch.fx.GraphModule:
+    """A copy of the graph where `placeholder_k.item()` reads the number scalars[k]."""
+    graph = copy.deepcopy(graph_module.graph)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for k, number in scalars.items():
+        for item in [u for u in placeholders[k].users if u.op == "call_method" and u.target == "item"]:
+            for user in list(item.users):
+                user.args = torch.fx.node.map_arg(user.args, lambda n, i=item, v=number: v if n is i else n)
+                user.kwargs = torch.fx.node.map_arg(user.kwargs, lambda n, i=item, v=number: v if n is i else n)
+            graph.erase_node(item)
+    return torch.fx.GraphModule(graph_module, graph)
+
+
+def _module_state(node: torch.fx.Node) -> bool:
+    """A graph argument dynamo took from the module (a parameter, buffer or attribute), not from the
+    call's arguments: kiln holds it as a weight."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    while getattr(source, "base", None) is not None:
+        source = source.base
+    local = getattr(source, "local_name", None)
+    return source is not None and local in (None, "self")
+
+
+class _DynamicDims:
+    """What dynamo made dynamic in one graph: the symbolic axes of its tensor arguments and dynamo's
+    range for each symbol; each SymInt argument equals an axis of a tensor argument (`sizes`)."""
+
+    def __init__(self, axes: dict[int, dict[int, sympy.Symbol]], sizes: dict[int, tuple[int, int]],
+                 bounds: dict[sympy.Symbol, tuple[int, int | None]], ranks: dict[int, int]):
+        self.axes = axes  # tensor argument index -> axis -> symbol
+        self.sizes = sizes  # SymInt argument index -> (tensor argument index, axis)
+        self.bounds = bounds  # symbol -> dynamo's value range (None: unbounded above)
+        self.ranks = ranks  # tensor argument index -> rank
+
+    @classmethod
+    def of(cls, graph_module: torch.fx.GraphModule) -> _DynamicDims | None:
+        """None when the graph has no dynamic dim, or one kiln cannot follow (a dim that is an expression
+        of symbols, a size argument measuring no input): such a graph is compiled once per shape."""
+        values = [n.meta.get("example_value") for n in graph_module.graph.nodes if n.op == "placeholder"]
+        axes: dict[int, dict[int, sympy.Symbol]] = {}
+        bounds: dict[sympy.Symbol, tuple[int, int | None]] = {}
+        for k, v in enumerate(values):
+            if not isinstance(v, torch.Tensor) or isinstance(v, torch.nn.Parameter):
+                continue
+            for axis, d in enumerate(v.shape):
+                if not isinstance(d, torch.SymInt):
+                    continue
+                expr = d.node.expr
+                if expr.is_number:
+                    continue  # dynamic=True makes every dim a SymInt; this one was specialised
+                if not isinstance(expr, sympy.Symbol):
+                    return None
+                axes.setdefault(k, {})[axis] = expr
+                found = d.node.shape_env.var_to_range.get(expr)
+                lower = int(found.lower) if found is not None and found.lower > 0 else 1
+                upper = None if found is None or found.upper > 2**62 else int(found.upper)  # int_oo: unbounded
+                bounds[expr] = (lower, upper)
+        if not axes:
+            return None
+        where = {s: (k, axis) for k, found in axes.items() for axis, s in found.items()}
+        sizes = {}
+        for k, v in enumerate(values):
+            if isinstance(v, torch.SymInt):
+                if v.node.expr not in where:
+                    return None
+                sizes[k] = where[v.node.expr]
+            elif not isinstance(v, torch.Tensor):
+                return None  # an argument of another kind (a float dynamo left symbolic): per shape
+        return cls(axes, sizes, bounds, {k: values[k].dim() for k in axes})
+
+    def values(self, args: tuple) -> dict[sympy.Symbol, int]:
+        return {s: int(args[k].shape[axis]) for k, found in self.axes.items() for axis, s in found.items()}
+
+    def ranges(self, values: dict[sympy.Symbol, int], held: dict[sympy.Symbol, Range] | None = None
+               ) -> dict[sympy.Symbol, Range]:
+        """Each symbol's profile range: dynamo's bounds, where dynamo has no upper bound kiln's default
+        profile's (64 for a batch axis, 1024 for an image's H or W, 512 for others), tuned at the first
+        call's value; widened to hold the ranges already `held` and `values`."""
+        found = {}
+        for symbol, (lower, upper) in self.bounds.items():
+            if upper is None:
+                k, axis = next((k, a) for k, axes in self.axes.items() for a, s in axes.items() if s == symbol)
+                upper = DEFAULT_BATCH[2] if axis == 0 else \
+                    DEFAULT_IMAGE[2] if self.ranks[k] == 4 and axis >= 2 else DEFAULT_SEQUENCE_MAX
+            low, opt, high = lower, values[symbol], upper
+            if held is not None and symbol in held:
+                low, opt, high = min(low, held[symbol][0]), held[symbol][1], max(high, held[symbol][2])
+            found[symbol] = (min(low, values[symbol]), opt, max(high, values[symbol]))
+        return found
+
+    def dynamic(self, constant: list[bool], ranges: dict[sympy.Symbol, Range]) -> dict:
+        """kiln.compile's `dynamic` for _Bound (whose forward takes *inputs: the non-constant tensors)."""
+        per_input = [{axis: ranges[s] for axis, s in self.axes.get(k, {}).items()} or None
+                     for k, c in enumerate(constant) if not c and k not in self.sizes]
+        return {"inputs": per_input}
+
+
+class _DynamoGraph:
+    """What the backend hands dynamo: compiles one graph with kiln at its first call. A graph with dims
+    dynamo made dynamic becomes one engine whose optimization profile spans them (dynamo's ranges, and
+    where it has none kiln's defaults), rebuilt wider once, with an EngineRebuildWarning, when a call
+    falls outside; a static graph (or one kiln cannot follow) gets one engine per input signature."""
 
     def __init__(self, graph_module: torch.fx.GraphModule, options: dict[str, Any]):
         self.graph_module = graph_module
         self.options = options
-        self.compiled: dict[tuple, tuple[CompiledModule, list[bool]]] = {}
+        placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+        self.state = [_module_state(n) for n in placeholders]
+        self.wrapped = [k for k, n in enumerate(placeholders)
+                        if getattr(n.meta.get("grapharg"), "pass_arg_as_tensor", False)]
+        self.dims = _DynamicDims.of(graph_module)
+        self.compiled: dict[tuple, CompiledModule] = {}
+        self.ranges: dict[sympy.Symbol, Range] | None = None  # the dynamic engine's, once built
+        self.builds = 0
+
+    def _constant(self, args: tuple) -> list[bool]:
+        return [isinstance(a, torch.nn.Parameter) or held or k in self.wrapped
+                for k, (a, held) in enumerate(zip(args, self.state))]
+
+    def _inputs(self, args: tuple, dynamic: bool) -> list[Any]:
+        """What the compiled module takes: the arguments less the weights (and, dynamic, less the sizes)."""
+        skip = self.dims.sizes if dynamic else {}
+        return [a for k, (a, c) in enumerate(zip(args, self._constant(args))) if not c and k not in skip]
+
+    def _scalars(self, args: tuple) -> dict[int, int | float]:
+        return {k: args[k].item() for k in self.wrapped}
+
+    def _compile(self, args: tuple, dynamic: dict | None) -> CompiledModule:
+        bound = _Bound(self.graph_module, list(args), self._constant(args), self.dims.sizes if dynamic else None,
+                       self._scalars(args))
+        self.builds += 1
+        return compile(bound, tuple(self._inputs(args, dynamic is not None)), dynamic=dynamic, **self.options)
 
     def __call__(self, *args: Any) -> Any:
-        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
-        found = self.compiled.get(key)
-        if found is None:
-            constant = [isinstance(a, torch.nn.Parameter) for a in args]
-            bound = _Bound(self.graph_module, list(args), constant)
-            inputs = tuple(a for a, c in zip(args, constant) if not c)
-            found = self.compiled[key] = (compile(bound, inputs, **self.options), constant)
-        compiled, constant = found
-        return compiled(*(a for a, c in zip(args, constant) if not c))
+        scalars = tuple(self._scalars(args).values())  # dynamo guards module attributes; a user's number may vary
+        if self.dims is not None and all(args[k].shape[a] >= 2 for k, axes in self.dims.axes.items() for a in axes):
+            return self._call_dynamic(args, scalars)
+        key = scalars + tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a
+                              for a in args)
+        if key not in self.compiled:
+            self.compiled[key] = self._compile(args, None)
+        return self.compiled[key](*self._inputs(args, False))
+
+    def _call_dynamic(self, args: tuple, scalars: tuple) -> Any:
+        values = self.dims.values(args)
+        key = ("dynamic", *scalars)
+        outside = self.ranges is not None and any(not lo <= values[s] <= hi for s, (lo, _, hi) in self.ranges.items())
+        if key not in self.compiled or outside:
+            if outside:
+                warnings.warn(f"torch.compile(backend='kiln'): sizes {_named(values)} lie outside the engine's "
+                              f"profile ({_named(self.ranges)}): rebuilding it with the profile widened to hold "
+                              "them; mark the dims with their ranges (torch._dynamo.mark_dynamic(x, dim, min=, max=)) "
+                              "to build once", EngineRebuildWarning, stacklevel=3)
+            self.ranges = self.dims.ranges(values, self.ranges)
+            self.compiled[key] = self._compile(args, self.dims.dynamic(self._constant(args), self.ranges))
+        return self.compiled[key](*self._inputs(args, True))
+
+
+def _named(ranges: dict[sympy.Symbol, Any]) -> str:
+    return ", ".join(f"{s}={v if isinstance(v, int) else f'{v[0]}..{v[2]}'}" for s, v in ranges.items())
 
 
 def kiln_backend(graph_module: torch.fx.GraphModule, example_inputs: list[Any], options: dict | None = None,
                  mode: str | None = None) -> Any:
     """torch.compile's backend: torch.compile(model, backend="kiln", options={"precision": "fp16"})."""
-    return _PerShape(graph_module, dict(options or {}))
+    return _DynamoGraph(graph_module, dict(options or {}))
 
 
 def _register() -> None:

@@ -32,7 +32,7 @@ from kiln.compat import cache
 from kiln.compat import options as session_options
 from kiln.compat.iobinding import IOBinding, OrtValue
 from kiln.compat.nodes import ModelMetadata, NodeArg, Signature
-from kiln.errors import BindingError, ModelError
+from kiln.errors import BindingError, EngineRebuildWarning, ModelError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.runtime.engine import Engine, ExecutionContext
@@ -43,10 +43,6 @@ FIX = " Please fix either the inputs/outputs or the model."
 
 class InvalidArgument(BindingError):
     """onnxruntime's INVALID_ARGUMENT: a wrong input or output name, element type, rank or dimension."""
-
-
-class EngineRebuildWarning(UserWarning):
-    """A run's shapes lay outside the engine's optimization profile: the engine was rebuilt wider."""
 
 
 def _read_model(source: str | bytes | Any) -> tuple[onnx.ModelProto, bytes, Path | None]:

@@ -17,7 +17,6 @@ from torch import nn
 import kiln
 import kiln.torch_backend
 from frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
-from kiln import zoo
 from kiln.frontend import torch as torch_frontend
 
 # float32: the same layers computed by kiln's kernels (BN folded into the conv, fused epilogues) and
@@ -258,25 +257,43 @@ def test_torch_compile_backend_kiln():
     _same(got, model(x))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name,dynamic,shapes", [
-    ("gpt2_tiny", {"input_ids": {0: (1, 2, 4), 1: (2, 16, 64)}}, [(2, 16), (1, 5), (4, 64)]),
-    ("bert_tiny", {"input_ids": {0: (1, 2, 4), 1: (2, 16, 64)}, "attention_mask": {0: (1, 2, 4), 1: (2, 16, 64)}},
-     [(2, 16), (1, 5), (4, 64)]),
-    ("resnet_tiny", {"pixel_values": {0: (1, 2, 4)}}, [(2, 0), (1, 0), (4, 0)]),
-])
-def test_zoo_models(name, dynamic, shapes):
-    model = zoo.torch_model(name)
-    spec = zoo.get(name)
-    example = {k: torch.from_numpy(v) for k, v in zoo.example_inputs(spec, batch=2, seq=16).items()}
-    compiled = kiln.compile(model, (), example_kwargs=example, dynamic=dynamic)
-    assert not compiled.fallbacks
-    outputs = []
-    for batch, seq in shapes:
-        x = {k: torch.from_numpy(v) for k, v in zoo.make_inputs(spec, batch=batch, seq=seq, seed=batch).items()}
-        with torch.no_grad():
-            want = model(**x)
-        got = compiled(**x)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # a few fp32 layers, reordered sums
-        outputs.append(got)
-    assert not torch.equal(outputs[0][:1], outputs[1][:1]) or outputs[0].shape != outputs[1].shape
+def _count_builds(monkeypatch) -> list:
+    builds = []
+    real = kiln.torch_backend.kiln_build
+    monkeypatch.setattr(kiln.torch_backend, "kiln_build", lambda *a, **k: builds.append(a) or real(*a, **k))
+    return builds
+
+
+def test_torch_compile_dynamic_dims_build_one_engine(monkeypatch):
+    """Dims dynamo made dynamic become one engine with an optimization profile over them (dynamo's
+    range, kiln's default maximum where dynamo has none), not one engine per shape."""
+    builds = _count_builds(monkeypatch)
+    backends = []
+    real = kiln.torch_backend.kiln_backend
+    torch._dynamo.reset()
+    model = _seeded(Block)
+    fast = torch.compile(model, backend=lambda g, e: backends.append(real(g, e)) or backends[-1], dynamic=True)
+    for batch, seq in [(2, 7), (3, 9), (4, 16), (2, 30), (3, 5)]:
+        x = torch.randn(batch, seq, 32)
+        _same(fast(x), model(x))
+    assert len(builds) == 1 and len(backends) == 1
+    engine, = backends[0].compiled[("dynamic", 1e-5, 0.0, 1e-5)].engines  # eps, dropout: written into the graph
+    assert [p.describe() for p in engine.profiles] == ["inputs_0 [2..64, 2..512, 32]"]
+
+
+def test_torch_compile_automatic_dynamic_and_a_rebuild_past_the_profile(monkeypatch):
+    """Without dynamic=True dynamo compiles the first shape statically and marks the dims that changed
+    dynamic at the second: two builds for a stream of shapes. A size past kiln's default maximum (no
+    bound from dynamo) rebuilds that engine once, wider, with a warning."""
+    builds = _count_builds(monkeypatch)
+    torch._dynamo.reset()
+    model = _seeded(Mlp)
+    fast = torch.compile(model, backend="kiln")
+    for batch in (3, 5, 9, 2, 17, 64):
+        x = torch.randn(batch, 12)
+        _same(fast(x), model(x))
+    assert len(builds) == 2
+    with pytest.warns(kiln.EngineRebuildWarning, match=r"outside the engine's profile \(s\w+=2\.\.64\)"):
+        _same(fast(x := torch.randn(100, 12)), model(x))
+    _same(fast(x := torch.randn(80, 12)), model(x))
+    assert len(builds) == 3
