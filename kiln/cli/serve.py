@@ -12,7 +12,6 @@ With --ray the models run as Ray Serve deployments on a Ray cluster (kiln/serve/
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import sys
 
@@ -69,6 +68,7 @@ def add_parser(verbs) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from kiln.serve import ServeOptions, Server
+        from kiln.serve.server import run
     except ImportError as e:
         raise KilnError(f"kiln serve needs the serve extra ({e.name} is missing): pip install 'kiln[serve]'") from None
     if (args.repository is None) == (args.model is None):
@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("kiln serve: ready", flush=True)
 
     try:
-        asyncio.run(Server(options).serve_forever(started))
+        run(Server(options).serve_forever(started))  # on uvloop where installed
     except OSError as e:
         print(f"kiln serve: error: {e}", file=sys.stderr)
         return 1

@@ -18,8 +18,6 @@ closing stops intake and lets everything queued and running finish (graceful shu
 from __future__ import annotations
 
 import asyncio
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ import numpy as np
 from kiln import Engine
 from kiln.serve.config import ModelConfig
 from kiln.serve.errors import QueueFull, RequestTimeout, Unavailable
+from kiln.serve.instances import Instance
 from kiln.serve.stats import ModelStats
 
 Signature = tuple[tuple[int, ...], ...]  # per input, in config order: the shape past the batch axis
@@ -159,39 +158,6 @@ class SequencePadding:
         return array[tuple(index)]
 
 
-class Instance:
-    """One execution context of the engine and the one thread that runs it.
-
-    The thread takes a batch from its queue, runs it and hands the result back to the event loop
-    with call_soon_threadsafe: one wake-up each way, no executor futures in between."""
-
-    def __init__(self, engine: Engine, name: str, index: int, run, finish, buckets: bool | None = None):
-        self.index = index
-        self.context = engine.create_execution_context(buckets=buckets)
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._run, self._finish = run, finish
-        self.thread = threading.Thread(target=self._serve, name=f"kiln-{name}-{index}", daemon=True)
-        self.thread.start()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, batch: list[Pending]) -> None:
-        self._work.put((loop, batch))
-
-    def stop(self) -> None:
-        self._work.put(None)
-
-    def _serve(self) -> None:
-        while (item := self._work.get()) is not None:
-            loop, batch = item
-            try:
-                result = self._run(self, batch)
-            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
-                result = BatchResult([e] * len(batch), sum(r.rows for r in batch))
-            try:
-                loop.call_soon_threadsafe(self._finish, self, batch, result)
-            except RuntimeError:  # the loop is closed: nobody waits any more
-                return
-
-
 @dataclass
 class BatchResult:
     outputs: list[dict[str, np.ndarray] | BaseException]  # per request
@@ -204,7 +170,8 @@ class BatchResult:
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
     the loop's next turn (so requests that arrive together are seen together); a dispatch hands
-    batches to idle instances, or sets a timer when the oldest request may still wait for company;
+    batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
+    kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
 
     def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int):
@@ -283,7 +250,14 @@ class Batcher:
             start = time.monotonic_ns()
             for r in batch:
                 r.queue_ns = start - r.arrival_ns
-            instance.submit(self.loop, batch)
+            if instance.inline:
+                try:
+                    result = self._run_batch(instance, batch)
+                except Exception as e:  # noqa: BLE001 - answered to the batch's callers
+                    result = e
+                self._answer(instance, batch, result)
+            else:
+                instance.submit(self.loop, batch)
         self.stats.pending = len(self.pending)
         if not self.pending and len(self.idle) == len(self.instances):
             self._drained.set()
@@ -337,9 +311,16 @@ class Batcher:
             self.pending = deque(r for r in self.pending if id(r) not in taken)
         return chosen
 
-    def _finish(self, instance: Instance, batch: list[Pending], result: BatchResult) -> None:
-        """On the loop: answer the batch's callers, record it, and give the instance more work."""
+    def _finish(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
+        """On the loop, from an instance's thread: answer the batch's callers and give the instance more work."""
+        self._answer(instance, batch, result)
+        self._dispatch()
+
+    def _answer(self, instance: Instance, batch: list[Pending], result: BatchResult | BaseException) -> None:
+        """Answer the batch's callers, record the call and put the instance back among the idle ones."""
         self.idle.append(instance)
+        if isinstance(result, BaseException):
+            result = BatchResult([result] * len(batch), sum(r.rows for r in batch))
         self.stats.record_batch(result.rows, len(batch), result.input_ns, result.infer_ns, result.output_ns)
         for r, out in zip(batch, result.outputs):
             if r.future.done():
@@ -348,7 +329,6 @@ class Batcher:
                 r.future.set_exception(out)
             else:
                 r.future.set_result(out)
-        self._dispatch()
 
     # ---- in an instance's thread ------------------------------------------------------------------
 
@@ -371,10 +351,13 @@ class Batcher:
                 parts = [self.padding.pad(name, part, targets) for part in parts]
             if padded > rows:  # repeat the last real row up to a size a profile holds
                 parts.append(np.repeat(parts[-1][-1:], padded - rows, axis=0))
-            feeds[name] = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+            if len(parts) > 1:
+                feeds[name] = np.concatenate(parts, axis=0)
+            else:  # a request's own array: read-only over its request buffer (engines may write their inputs)
+                feeds[name] = parts[0] if parts[0].flags.writeable else parts[0].copy()
         t1 = time.perf_counter_ns()
         try:
-            outputs = instance.context.run(feeds)
+            outputs = instance.execute(feeds)
         except Exception as e:  # noqa: BLE001 - a batch failing is rerun request by request below
             if len(batch) == 1:
                 return BatchResult([e], padded, t1 - t0, time.perf_counter_ns() - t1)
@@ -397,7 +380,7 @@ class Batcher:
         outputs: list[dict[str, np.ndarray] | BaseException] = []
         for r in batch:
             try:
-                outputs.append(instance.context.run(dict(r.inputs)))
+                outputs.append(instance.execute({n: a if a.flags.writeable else a.copy() for n, a in r.inputs.items()}))
             except Exception as e:  # noqa: BLE001 - this request's own error, answered to it alone
                 outputs.append(e)
         return BatchResult(outputs, padded, input_ns, time.perf_counter_ns() - t1)

@@ -69,6 +69,12 @@ class ModelVersion:
     batcher: Batcher
     stats: ModelStats
 
+    def __post_init__(self):
+        # what validate() checks of every request, looked up once: (name, numpy dtype, dims past the batch axis)
+        self.input_specs = [(t.name, t.datatype.numpy, tuple(t.dims)) for t in self.config.inputs]
+        batching = self.config.dynamic_batching
+        self.default_timeout_us = batching.default_timeout_microseconds if batching else 0
+
     def metadata(self, versions: list[str]) -> dict:
         mbs = self.config.max_batch_size
 
@@ -156,26 +162,27 @@ class ServerCore:
 
     # ---- inference ----------------------------------------------------------------------------
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    async def infer(self, request: InferRequest, model: ModelVersion | None = None) -> InferResponse:
+        """`model`: the request's model version, when the frontend has looked it up already."""
         arrival = time.monotonic_ns()
         if not self.accepting:
             raise Unavailable("the server is shutting down")
-        model = self.model(request.model, request.version)
+        if model is None:
+            model = self.model(request.model, request.version)
         pending = None
         try:
             inputs, rows, signature = validate(request, model)
-            deadline = None
-            timeouts = [t for t in (request.timeout_us, model.config.dynamic_batching and
-                                    model.config.dynamic_batching.default_timeout_microseconds) if t]
-            if timeouts:
-                deadline = arrival + min(timeouts) * 1000
+            timeout = request.timeout_us
+            if model.default_timeout_us and (not timeout or model.default_timeout_us < timeout):
+                timeout = model.default_timeout_us
+            deadline = arrival + timeout * 1000 if timeout else None
             pending = model.batcher.submit(inputs, rows, signature, deadline)
             if deadline is not None:
                 try:
                     outputs = await asyncio.wait_for(asyncio.shield(pending.future), (deadline - arrival) / 1e9)
                 except TimeoutError:
                     pending.future.cancel()  # the batcher skips it if still queued
-                    raise RequestTimeout(f"model {model.name!r}: the request's timeout of {min(timeouts)} us passed "
+                    raise RequestTimeout(f"model {model.name!r}: the request's timeout of {timeout} us passed "
                                          "before it was answered") from None
             else:
                 outputs = await pending.future
@@ -243,7 +250,8 @@ class ServerCore:
             fresh = {}
             for v in loaded:
                 stats = ModelStats(v.name, v.version)
-                batcher = Batcher(v.engine, v.config, stats, self.max_queue_size)
+                # off the loop: a CUDA instance captures its graphs as it is made
+                batcher = await asyncio.to_thread(Batcher, v.engine, v.config, stats, self.max_queue_size)
                 batcher.start()
                 fresh[v.version] = ModelVersion(v.name, v.version, v.engine, v.config, batcher, stats)
             old, entry.versions = entry.versions, fresh
@@ -287,6 +295,42 @@ def validate(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.n
     """The request's inputs against the model's config and profiles: every problem a 400 naming
     the tensor, expected and given. Returns the inputs in config order, the batch rows and the
     shapes past the batch axis (what the batcher groups by)."""
+    return _validate_quickly(request, model) or _validate(request, model)
+
+
+def _validate_quickly(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.ndarray], int, Signature] | None:
+    """validate()'s answer for a request that passes every check (the common case), in few steps;
+    None for anything else: _validate then says what is wrong, or answers the rarer valid cases."""
+    given = request.inputs
+    specs = model.input_specs
+    if request.outputs is not None or len(given) != len(specs):
+        return None
+    batching = model.config.max_batch_size > 0
+    inputs, rows, signature = {}, 1, []
+    for k, (name, dtype, dims) in enumerate(specs):
+        array = given.get(name)
+        if array is None or array.dtype != dtype:
+            return None
+        shape = array.shape
+        if batching:
+            if k == 0:
+                rows = shape[0] if shape else 0
+            elif not shape or shape[0] != rows:
+                return None
+            shape = shape[1:]
+        if len(shape) != len(dims) or any(w != d and w != -1 for w, d in zip(dims, shape)):
+            return None
+        inputs[name] = array
+        signature.append(shape)
+    if batching and not 1 <= rows <= model.config.max_batch_size:
+        return None
+    signature = tuple(signature)
+    if model.batcher.shapes.padded(signature, rows) is None:
+        return None
+    return inputs, rows, signature
+
+
+def _validate(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.ndarray], int, Signature]:
     config = model.config
     name = model.name
     unknown = [n for n in request.inputs if config.input(n) is None]

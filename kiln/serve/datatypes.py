@@ -100,8 +100,9 @@ def from_bytes(data: bytes | memoryview, datatype: Datatype, shape: list[int], t
         raise InvalidRequest(
             f"input {tensor!r}: {len(data)} bytes of data given, but shape {shape} of {datatype.v2} needs "
             f"{expected} ({count} elements x {datatype.numpy.itemsize} bytes)")
-    # a copy: the engine may write to its inputs and the request buffer is read-only
-    return np.frombuffer(data, dtype=datatype.numpy).reshape(shape).copy()
+    # read-only over the request's buffer: the batcher copies it where an engine call needs its own
+    # (merged batches are new arrays anyway), on the instance's thread rather than the event loop
+    return np.frombuffer(data, dtype=datatype.numpy).reshape(shape)
 
 
 def _bytes_elements(data: bytes | memoryview, count: int, shape: list[int], tensor: str) -> np.ndarray:

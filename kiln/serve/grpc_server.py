@@ -71,11 +71,10 @@ def decode_request(request: pb.ModelInferRequest) -> tuple[InferRequest, dict[st
             raise InvalidRequest(f"input {name!r} is given twice")
         datatype = datatypes.from_v2(tensor.datatype, name)
         shape = list(tensor.shape)
-        datatypes.element_count(shape, name)
-        if any(key.startswith("shared_memory") for key in tensor.parameters):
+        if tensor.parameters and any(key.startswith("shared_memory") for key in tensor.parameters):
             raise InvalidRequest(f"input {name!r}: shared memory is not supported by kiln serve; send the data")
         if raw:
-            inputs[name] = datatypes.from_bytes(raw[k], datatype, shape, name)
+            inputs[name] = datatypes.from_bytes(raw[k], datatype, shape, name)  # checks the shape
             continue
         field_name = _CONTENTS.get(datatype.v2)
         if field_name is None:
@@ -97,7 +96,7 @@ def decode_request(request: pb.ModelInferRequest) -> tuple[InferRequest, dict[st
             array = array.astype(datatype.numpy)
         inputs[name] = array.reshape(shape)
     timeout = None
-    if "timeout" in request.parameters:
+    if request.parameters and "timeout" in request.parameters:
         timeout = request.parameters["timeout"].int64_param
         if timeout < 0:
             raise InvalidRequest("parameter 'timeout' must be >= 0 microseconds")
@@ -168,11 +167,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return message
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
+        model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
         infer_request, classification = decode_request(request)
-        response = await self.core.infer(infer_request)
-        batched = self.core.model(response.model, response.version).config.max_batch_size > 0
-        return encode_response(response, classification, batched)
+        response = await self.core.infer(infer_request, model)
+        return encode_response(response, classification, model.config.max_batch_size > 0)
 
     @_answers_errors
     async def ModelInfer(self, request, context):

@@ -50,7 +50,9 @@ class ModelStats:
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call over `requests` requests of `batch_size` rows in all."""
-        b = self.batches.setdefault(batch_size, BatchStats())
+        b = self.batches.get(batch_size)
+        if b is None:
+            b = self.batches[batch_size] = BatchStats()
         b.compute_input.add(input_ns)
         b.compute_infer.add(infer_ns)
         b.compute_output.add(output_ns)

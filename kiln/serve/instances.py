@@ -1,0 +1,171 @@
+"""A model's instances: execution contexts of one engine, each with its own thread and, on CUDA,
+its own stream.
+
+An instance's thread takes a batch from its queue, runs it and hands the result back to the event
+loop with call_soon_threadsafe: one wake-up each way, no executor futures in between.
+
+On CUDA each instance runs its context on its own `torch.cuda.Stream` (set as the thread's current
+stream), so the instances of a model overlap on the GPU: one copies its inputs in while another
+computes. The runtime hands outputs back as host arrays, which waits for that stream; the instance
+also synchronizes its stream before answering, so no request is answered before its own work is
+done, and no instance waits for another's.
+
+CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
+signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
+cudaMalloc, a copy to the host — on every thread of the process while it lasts; another instance
+running then would fail, or break the capture. So runs share the GPU through one gate per process:
+a run that may capture (an instance's first two runs of a signature, and every run after the
+runtime evicted a graph) runs alone; the others run side by side. At load, each CUDA instance runs
+the profile's shape buckets once more than it takes to capture them (ExecutionContext.warm_up), alone,
+so steady serving meets no capture.
+
+Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups and the loop's
+polling for the answer (tens of microseconds of CPU, far more wall time on a loaded machine), and the
+thread's Python competes with the event loop for the GIL. A CPU instance whose calls take less than
+INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batches on the loop
+itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
+this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln import Engine
+
+log = logging.getLogger("kiln.serve")
+
+INLINE_NS = 100_000  # CPU calls averaging less CPU time than this run on the event loop
+INLINE_AFTER = 16  # calls measured first (the first calls of a shape bind and allocate: they are slow)
+
+
+class GpuGate:
+    """Runs side by side (shared) or one alone (exclusive), the exclusive ones first in line."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._running = 0
+        self._alone = False
+        self._waiting = 0  # exclusive runs waiting: shared ones hold back for them
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._lock:
+            while self._alone or self._waiting:
+                self._lock.wait()
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running -= 1
+                if not self._running:
+                    self._lock.notify_all()
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        with self._lock:
+            self._waiting += 1
+            while self._alone or self._running:
+                self._lock.wait()
+            self._waiting -= 1
+            self._alone = True
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._alone = False
+                self._lock.notify_all()
+
+
+GATE = GpuGate()  # one per process: a capture constrains every thread of it
+
+
+class Instance:
+    """One execution context and the thread (and CUDA stream) that runs it."""
+
+    def __init__(self, engine: Engine, name: str, index: int, run: Callable, finish: Callable,
+                 buckets: bool | None = None, warm_up: bool = True):
+        self.index = index
+        self.context = engine.create_execution_context(buckets=buckets)
+        self.cuda = engine.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
+        self.calls = 0  # engine calls run (tests: which instances served)
+        self._seen: dict[tuple, int] = {}  # CUDA: runs per input signature (captures happen in the first two)
+        self._evictions = 0
+        self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._run, self._finish = run, finish
+        if self.cuda and warm_up:
+            self.warm_up()
+        self.thread = threading.Thread(target=self._serve, name=f"kiln-{name}-{index}", daemon=True)
+        self.thread.start()
+
+    @property
+    def inline(self) -> bool:
+        """Run this instance's next batch on the event loop (a CPU engine whose calls are tiny)."""
+        return self.calls > INLINE_AFTER and self._call_ns < INLINE_NS
+
+    def warm_up(self) -> None:
+        """CUDA: capture the graphs of the profile's shape buckets now, alone, on this instance's stream."""
+        with GATE.alone(), torch.cuda.stream(self.stream):
+            try:
+                self.context.warm_up()
+                self.context.warm_up()  # the first run of a signature is eager, the second captures
+            except Exception as e:  # noqa: BLE001 - serving still works; first requests then capture
+                log.warning("instance %d: warm-up failed (%s: %s); graphs are captured on first requests",
+                            self.index, type(e).__name__, str(e).splitlines()[0][:200])
+            self.stream.synchronize()
+
+    def execute(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """One engine call in the calling thread; on CUDA, on this instance's stream and done when it returns."""
+        self.calls += 1
+        if not self.cuda:
+            start = time.thread_time_ns()  # CPU time: a call preempted on a busy machine is not a slow call
+            outputs = self.context.run(feeds)
+            self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
+            return outputs
+        key = tuple((v.shape, v.dtype.str) if isinstance(v, np.ndarray) else id(v) for v in feeds.values())
+        seen = self._seen.get(key, 0)
+        with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
+            outputs = self.context.run(feeds)
+            self.stream.synchronize()
+        runner = self.context.runner
+        if runner is not None and runner.stats.evictions != self._evictions:
+            self._evictions = runner.stats.evictions
+            self._seen.clear()  # an evicted signature captures again: run alone until seen twice more
+        elif seen < 2:
+            if len(self._seen) >= 4096:
+                self._seen.clear()
+            self._seen[key] = seen + 1
+        return outputs
+
+    def submit(self, loop: asyncio.AbstractEventLoop, batch: list) -> None:
+        self._work.put((loop, batch))
+
+    def stop(self) -> None:
+        self._work.put(None)
+
+    def _serve(self) -> None:
+        if self.cuda:
+            torch.cuda.set_stream(self.stream)
+        while (item := self._work.get()) is not None:
+            loop, batch = item
+            try:
+                result = self._run(self, batch)
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+                result = e
+            try:
+                loop.call_soon_threadsafe(self._finish, self, batch, result)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
