@@ -143,7 +143,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     # Optimize: restructure the graph so fewer, cheaper steps run.
     say("optimizing")
     graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify,
-                                        unsigned_activations=config.device == "cpu"))
+                                        unsigned_activations=config.device == "cpu",
+                                        cpu_rules=config.device == "cpu", refittable=config.refittable))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph)

@@ -189,7 +189,8 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
                          "new weights need new calibration: rebuild with --calib")
     model, label, base = _new_model(engine, weights, onnx)
     # The builder's stages, in its order and with its options (kiln/builder/build.py).
-    graph = optimize(model, PassOptions(opt_level=config.opt_level))
+    graph = optimize(model, PassOptions(opt_level=config.opt_level, unsigned_activations=config.device == "cpu",
+                                        cpu_rules=config.device == "cpu", refittable=config.refittable))
     program, derived, inputs, outputs = lower(graph)
     if config.precision in ("fp16", "bf16"):
         lower_precision(program, derived, config.precision, set(config.layer_precision))

@@ -89,6 +89,18 @@ def fused_gemm(ctx, x, w, b=None, residual=None, *, activation="", alpha=0.0, be
     return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
 
 
+@register("SqueezeExcite", domain="kiln")
+def squeeze_excite(ctx, x, w1, b1=None, w2=None, b2=None, *, activation="", alpha=0.0, beta=0.0, gate="Sigmoid",
+                   gate_alpha=0.0, gate_beta=0.0):
+    """Squeeze-and-excitation: y = x · gate(W2 act(W1 mean(x) + b1) + b2), the mean over x's spatial dims,
+    one gate value per (image, channel). w1 [R, C], w2 [C, R]; act and gate are epilogue activations
+    (gate: Sigmoid or HardSigmoid, its alpha/beta those of ONNX HardSigmoid)."""
+    s = x.mean(dim=tuple(range(2, x.dim())), dtype=torch.float32)  # [N, C], fp32 statistics
+    h = _activate_(F.linear(s, w1.float(), None if b1 is None else b1.float()), activation, alpha, beta)  # [N, R]
+    g = _activate_(F.linear(h, w2.float(), None if b2 is None else b2.float()), gate, gate_alpha, gate_beta)  # [N, C]
+    return x * g.to(x.dtype).reshape(*g.shape, *([1] * (x.dim() - 2)))
+
+
 @register("Gelu", domain="kiln")
 def gelu(ctx, x, *, approximate="none"):
     """none: x·Φ(x) = x·½(1 + erf(x/√2));  tanh: ½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""

@@ -145,6 +145,20 @@ def gemm(weight_is_input=False, trans_a=0, bias_shape=(6,)):
     return model(nodes, inputs, [value("y", [3, 6])], inits)
 
 
+def squeeze_excite_whose_mean_is_an_output():
+    """x * sigmoid(Conv1x1(relu(Conv1x1(GlobalAveragePool(x))))) with the pooled mean also a graph output."""
+    nodes = [node("GlobalAveragePool", ["x"], ["s"]), node("Conv", ["s", "w1"], ["q"]), node("Relu", ["q"], ["h"]),
+             node("Conv", ["h", "w2"], ["e"]), node("Sigmoid", ["e"], ["g"]), node("Mul", ["x", "g"], ["y"])]
+    return model(nodes, [value("x", [1, 6, 5, 5])], [value("y", [1, 6, 5, 5]), value("s", [1, 6, 1, 1])],
+                 [("w1", randn(2, 6, 1, 1)), ("w2", randn(6, 2, 1, 1))])
+
+
+def padded_pool_over_the_whole_input():
+    """AveragePool whose window covers the 5x5 input but pads it: the divisor may count padding."""
+    return model([node("AveragePool", ["x"], ["y"], kernel_shape=[7, 7], pads=[1, 1, 1, 1])],
+                 [value("x", [1, 3, 5, 5])], [value("y", [1, 3, 1, 1])])
+
+
 def matmul_of_a_vector():
     # x [8] @ W [8, 6]: a 1-D input is not a batch of rows
     return model([node("MatMul", ["x", "w"], ["y"])], [value("x", [8])], [value("y", [6])], [("w", randn(8, 6))])
@@ -335,6 +349,9 @@ CASES = {
     "softmax/two_axes": Case("fuse_softmax", softmax_over_two_axes, "not over exactly one axis"),
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
+    "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,
+                                             "is read elsewhere too", before=["fuse_conv"]),
+    "global_average_pool/padded": Case("global_average_pool", padded_pool_over_the_whole_input, "pads it"),
     "gemm/weight_not_constant": Case("fuse_gemm", lambda: gemm(weight_is_input=True), "computed at run time"),
     "gemm/trans_a": Case("fuse_gemm", lambda: gemm(trans_a=1), "transA=1"),
     "gemm/bias_not_per_column": Case("fuse_gemm", lambda: gemm(bias_shape=(3, 6)), "not one value per output column"),

@@ -12,6 +12,7 @@ from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
+from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
@@ -20,6 +21,7 @@ from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
+from kiln.passes.fusion.squeeze_excite import fuse_squeeze_excite
 from kiln.passes.fusion.swiglu import fuse_swiglu
 
 RULES = [
@@ -31,7 +33,9 @@ RULES = [
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_softmax", fuse_softmax),
+    ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("fuse_conv", fuse_conv),
+    ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues
     ("fuse_gemm", fuse_gemm),
     ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
     ("merge_parallel_gemms", merge_parallel_gemms),
@@ -43,3 +47,6 @@ RULES = [
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_elementwise", fuse_elementwise),
 ]
+# Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
+# unfused layers are what was measured.
+CPU_RULES = {"fuse_squeeze_excite"}

@@ -7,6 +7,7 @@
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
+    squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """
 
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
@@ -16,3 +17,4 @@ import kiln.tactics.cpu.gemm_packed  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
+import kiln.tactics.cpu.squeeze_excite  # noqa: F401

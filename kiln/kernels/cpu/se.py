@@ -1,0 +1,175 @@
+"""Squeeze-and-excitation in kiln's C (se.c): kiln::SqueezeExcite as one call, a native-segment member.
+
+Why: an SE block of EfficientNet/MobileNetV3/RegNetY is four layers in the unfused graph (global
+average pool, two 1x1 convolutions on a 1x1 map, the channel scale), each a oneDNN primitive or a
+torch op of a few microseconds of arithmetic; the scale (a Mul) has no oneDNN tactic, so every SE
+block split EfficientNet-B0's native segment in two and ran its Mul through Python (16 blocks).
+As one C kernel the whole block is one call of the segment loop, x is read twice instead of three
+times, and the two GEMVs (at most 1152 x 48 in B0) are a few microseconds on one thread.
+
+A SqueezeExcite is one layer at one input size (the weights, sizes and epilogue kinds);
+`bind(src, dst)` gives a segment its call on memory objects and scratch of its own, as oneDNN
+primitives do (kiln/kernels/cpu/onednn.py Bound), and `__call__` runs it on a channels-last tensor.
+Built by native_loop.build with the machine's C compiler; `load()` is None without one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn
+
+SOURCE = Path(__file__).with_name("se.c").read_text()
+
+# activation kinds of se.c: the hidden layer's and the gate's (kiln/ops/fused.py names)
+ACTIVATIONS = {"": 0, "Relu": 1, "SiLU": 2, "HardSwish": 3, "Clip": 4, "LeakyRelu": 5, "Sigmoid": 6,
+               "HardSigmoid": 7}
+GATES = ("Sigmoid", "HardSigmoid")
+PARALLEL_ELEMENTS = 1 << 14  # below this many input elements one thread: a parallel region costs ~2-5 µs
+
+_LOADED: ctypes.CDLL | None = None
+_REASON: str | None = None
+_LOCK = threading.Lock()
+
+
+class _Plan(ctypes.Structure):  # se_plan in se.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("w1", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("w2t", ctypes.c_void_p), ("b2", ctypes.c_void_p),
+                ("partial", ctypes.c_void_p), ("block", ctypes.c_void_p), ("gate", ctypes.c_void_p),
+                ("hidden", ctypes.c_void_p), ("N", ctypes.c_long), ("HW", ctypes.c_long), ("C", ctypes.c_long),
+                ("R", ctypes.c_long), ("activation", ctypes.c_int), ("alpha", ctypes.c_float),
+                ("beta", ctypes.c_float), ("gate_kind", ctypes.c_int), ("gate_alpha", ctypes.c_float),
+                ("gate_beta", ctypes.c_float), ("threads", ctypes.c_int)]
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, then reused from kiln's cache), or None."""
+    global _LOADED, _REASON
+    with _LOCK:
+        if _LOADED is not None or _REASON is not None:
+            return _LOADED
+        if not onednn.available():
+            _REASON = "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"
+            return None
+        built = native_loop.build("se", SOURCE)
+        if isinstance(built, str):
+            _REASON = built
+            return None
+        try:
+            lib = ctypes.CDLL(str(built))
+            fn = lib.kiln_squeeze_excite
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        except (OSError, AttributeError) as e:
+            _REASON = f"{type(e).__name__}: {e}"
+            return None
+        _LOADED = lib
+        return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str | None:
+    """Why load() returned None (None when it did not)."""
+    return _REASON
+
+
+def _vector(v: torch.Tensor | None) -> torch.Tensor | None:
+    return None if v is None else v.detach().to(torch.float32).reshape(-1).contiguous()
+
+
+class SqueezeExcite:
+    """y = x · gate(W2 act(W1 mean_hw(x) + b1) + b2) per (image, channel), x [N, C, H, W] channels-last.
+    w1 [R, C], w2 [C, R] (the 1x1 convolutions' weights, any trailing 1s)."""
+
+    def __init__(self, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+                 input_size: tuple[int, ...], activation: str, alpha: float, beta: float,
+                 gate: str, gate_alpha: float, gate_beta: float):
+        library = load()
+        if library is None:
+            raise onednn.OneDNNError(f"kiln's squeeze-excitation kernel is not built: {reason()}")
+        if activation not in ACTIVATIONS or gate not in GATES:
+            raise ValueError(f"activation {activation!r} / gate {gate!r}: the kernel applies {sorted(ACTIVATIONS)} "
+                             f"and gates {GATES}")
+        n, c, h, w = (int(d) for d in input_size)
+        r = int(w1.shape[0])
+        self._w1 = w1.detach().to(torch.float32).reshape(r, -1).contiguous()  # [R, C]
+        self._w2t = w2.detach().to(torch.float32).reshape(-1, r).t().contiguous()  # [R, C]
+        if self._w1.shape[1] != c or self._w2t.shape[1] != c:
+            raise ValueError(f"weights {list(w1.shape)} and {list(w2.shape)} do not fit {c} channels")
+        self._b1, self._b2 = _vector(b1), _vector(b2)
+        for bias, want in ((self._b1, r), (self._b2, c)):
+            if bias is not None and bias.numel() != want:
+                raise ValueError(f"a bias of {bias.numel()} values for a layer of {want}")
+        self.input_size = self.output_size = (n, c, h, w)
+        self.library = library
+        self.what = f"squeeze-excite {list(self.input_size)} through {r}"
+        self.shape = dict(N=n, HW=h * w, C=c, R=r)
+        self.epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
+                             gate_kind=ACTIVATIONS[gate], gate_alpha=float(gate_alpha), gate_beta=float(gate_beta))
+        self.weights = dict(w1=self._w1.data_ptr(), b1=self._b1.data_ptr() if self._b1 is not None else None,
+                            w2t=self._w2t.data_ptr(), b2=self._b2.data_ptr() if self._b2 is not None else None)
+        self._lock = threading.Lock()
+        self._alone: _Bound | None = None
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
+        """The layer's call reading src, writing dst (NHWC), on scratch of its own."""
+        if residual is not None:
+            raise ValueError("a squeeze-excitation block has no residual")
+        return _Bound(self, src, dst)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, C, H, W] channels-last float32 of the built size -> a new channels-last y."""
+        n, c, h, w = self.output_size
+        y = torch.empty_strided(self.output_size, (c * h * w, 1, w * c, c), dtype=torch.float32)
+        with self._lock:
+            if self._alone is None:
+                self._alone = self.bind(0, 0)
+            bound = self._alone
+            bound.rebind("src", x.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            bound.run()
+        return y
+
+
+class _Bound:
+    """A SqueezeExcite's call for one segment (or its own per-call path)."""
+
+    def __init__(self, layer: SqueezeExcite, src: int, dst: int):
+        lib = onednn.load()
+        self.what = layer.what
+        self._layer = layer  # owns the weights the plan points at
+        handle_md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
+        self._memories = {"src": onednn._memory(handle_md.value, src), "dst": onednn._memory(handle_md.value, dst)}
+        self._md = handle_md
+        s = layer.shape
+        threads = torch.get_num_threads() if s["N"] * s["HW"] * s["C"] >= PARALLEL_ELEMENTS else 1
+        self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
+        self._block = torch.empty(max(threads, 1) * s["C"], dtype=torch.float32)
+        self._gate = torch.empty(s["N"] * s["C"], dtype=torch.float32)
+        self._hidden = torch.empty(s["N"] * s["R"], dtype=torch.float32)
+        self._plan = _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+                           x=self._memories["src"].value, y=self._memories["dst"].value, **layer.weights,
+                           partial=self._partial.data_ptr(), block=self._block.data_ptr(),
+                           gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(), **s, **layer.epilogue,
+                           threads=threads)
+        self._function = ctypes.cast(layer.library.kiln_squeeze_excite, ctypes.c_void_p).value
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: str) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: str, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+    def run(self) -> None:
+        status = self._layer.library.kiln_squeeze_excite(ctypes.addressof(self._plan), None, 0, None)
+        if status:
+            onednn._check(status, self.what)
