@@ -57,6 +57,13 @@ TOLERANCE = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-12),
 # convolutions in a row), so fp32 is judged at 1e-3 of the output's scale; each layer was checked tighter.
 WHOLE_MODEL_TOLERANCE = {**TOLERANCE, torch.float32: (1e-3, 1e-5)}
 
+# An engine with quantized layers: each layer is checked to one step of its reference, but a step flipped
+# at a rounding tie (float32 requantization) perturbs every layer after it, and each of those
+# requantizes the perturbation into more flips: a cascade. Measured on MobileNetV2 int8 (52 layers, the
+# oneDNN kernels within one step of the reference at ~1e-5 of the elements): 3.4% of the output's scale
+# off the reference engine. A misread layout or a wrong scale is off by the output's whole scale.
+QUANTIZED_WHOLE_MODEL_TOLERANCE = {**WHOLE_MODEL_TOLERANCE, torch.float32: (0.1, 1e-5)}
+
 # A tuned engine (or layer) may be this many times as far from the float32 reference as the default
 # one is: two half-precision computations of one chaotic network differ from float32 by errors of the
 # same size (the max of many roundings), rarely twice; a wrong kernel is off by far more.
@@ -266,6 +273,8 @@ def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inpu
         return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
     found: dict[str, dict[str, Any]] = {}
     problem = None
+    quantized = any(s.domain == "kiln" and s.op_type in QUANTIZED_LAYERS for s in spec.steps)
+    tolerance = QUANTIZED_WHOLE_MODEL_TOLERANCE if quantized else WHOLE_MODEL_TOLERANCE
     for name, got, want, default, own in zip(base.names, outputs, base.reference, base.default, base.own_errors):
         if isinstance(default, torch.Tensor) and (not isinstance(got, torch.Tensor) or got.dtype != default.dtype):
             problem = problem or f"output {name!r}: {mismatch(got, default)}"
@@ -275,7 +284,7 @@ def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inpu
             want, own = default, 0.0
         error = output_error(got, want)
         dtype = default.dtype if isinstance(default, torch.Tensor) else None
-        allowed = allowance(own, _scale(want), dtype, WHOLE_MODEL_TOLERANCE)
+        allowed = allowance(own, _scale(want), dtype, tolerance)
         found[name] = {"error": error, "default_error": math.inf if fallback else own, "allowed": allowed}
         if fallback:
             found[name]["against"] = "the default engine: its infinities or NaNs are not the float32 run's"

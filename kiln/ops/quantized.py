@@ -53,12 +53,26 @@ from kiln.ops.registry import register
 QUANTIZED_LAYERS = ("QConv", "QGemm", "QAdd")
 
 
-def _real(q: torch.Tensor, scale: torch.Tensor, zero_point, axis: int = 0) -> torch.Tensor:
+def _real(q: torch.Tensor, scale: torch.Tensor, zero_point, axis: int = 0,
+          dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """q − zero point as float64 (exact for 8-bit integers and float8), scale not applied."""
-    y = q.to(torch.float64)
+    y = q.to(dtype)
     if zero_point is not None:
-        y = y - _param(zero_point.to(torch.float64), q.dim(), q.shape, axis, 0)
+        y = y - _param(zero_point.to(dtype), q.dim(), q.shape, axis, 0)
     return y
+
+
+def _exact_dtype(x: torch.Tensor, x_zero_point, w: torch.Tensor, w_zero_point, terms: int) -> torch.dtype:
+    """float32 when every partial sum of `terms` products (x − z_x)(w − z_w) is an integer below 2^24,
+    so float32 sums them exactly in any order (the reference then runs at float speed), else float64."""
+    if not (x.dtype in (torch.uint8, torch.int8) and w.dtype in (torch.uint8, torch.int8)):
+        return torch.float64
+    info = torch.iinfo(x.dtype)
+    z = 0 if x_zero_point is None else int(x_zero_point.reshape(-1)[0]) if x_zero_point.numel() == 1 else None
+    x_span = max(info.max - min(z, info.max), max(z, info.min) - info.min) if z is not None else 255
+    w_span = int((w.to(torch.int32) - (0 if w_zero_point is None else w_zero_point.to(torch.int32).reshape(
+        -1, *[1] * (w.dim() - 1)))).abs().max()) if w.numel() else 0
+    return torch.float32 if terms * x_span * w_span < 2**24 else torch.float64
 
 
 def _activate(r: torch.Tensor, activation: str, alpha: float, beta: float) -> torch.Tensor:
@@ -90,11 +104,14 @@ def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
           auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
           activation="", alpha=0.0, beta=0.0, output_dtype=1):
     """Convolution of quantized x and w with int32 bias, activation and requantization (module docstring)."""
-    xf = _real(x, x_scale, x_zero_point)  # [N, C, *spatial]
-    wf = _real(w, w_scale, w_zero_point, axis=0)  # [O, C/group, *kernel]
+    exact = _exact_dtype(x, x_zero_point, w, w_zero_point, w[0].numel())
+    xf = _real(x, x_scale, x_zero_point, dtype=exact)  # [N, C, *spatial]
+    wf = _real(w, w_scale, w_zero_point, axis=0, dtype=exact)  # [O, C/group, *kernel]
     kernel = list(kernel_shape) if kernel_shape else list(w.shape[2:])
     strides, dilations, pads = _conv_params(xf, kernel, auto_pad, dilations, pads, strides)
-    acc = _conv(xf, wf, None if bias is None else bias.to(torch.float64), strides, dilations, pads, group)
+    acc = _conv(xf, wf, None, strides, dilations, pads, group).to(torch.float64)  # exact integers
+    if bias is not None:
+        acc = acc + bias.to(torch.float64).reshape(-1, *[1] * (acc.dim() - 2))
     r = acc * _channel_scale(x_scale, w_scale, acc.dim(), 1)  # [N, O, *spatial']
     return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
 
@@ -103,9 +120,10 @@ def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
 def qgemm(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None, *,
           activation="", alpha=0.0, beta=0.0, output_dtype=1):
     """x [..., K] @ w [N, K]ᵀ of quantized operands with int32 bias, activation and requantization."""
-    xf = _real(x, x_scale, x_zero_point)
-    wf = _real(w, w_scale, w_zero_point, axis=0)
-    acc = torch.matmul(xf, wf.t())  # [..., N]
+    exact = _exact_dtype(x, x_zero_point, w, w_zero_point, w.shape[-1])
+    xf = _real(x, x_scale, x_zero_point, dtype=exact)
+    wf = _real(w, w_scale, w_zero_point, axis=0, dtype=exact)
+    acc = torch.matmul(xf, wf.t()).to(torch.float64)  # [..., N], exact integers
     if bias is not None:
         acc = acc + bias.to(torch.float64)
     r = acc * _channel_scale(x_scale, w_scale, acc.dim(), -1)

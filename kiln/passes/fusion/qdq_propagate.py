@@ -123,6 +123,9 @@ def sink_dequantize(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE_SINK, node, "its inputs are quantized with different scales or zero points")
         return False
     quantized = [dq.inputs[0] for dq, _ in found]
+    if node.op_type == "MaxPool" and quantized_type(quantized[0]) not in INT8_TYPES:
+        report.refuse(RULE_SINK, node, "MaxPool on float8 values: torch has no such kernel")
+        return False
     graph = node.graph
     inputs = quantized + list(node.inputs[len(data):])
     moved = ir.Node(node.domain, node.op_type, inputs, list(node.attributes.values()), name=f"{node.name}_quantized",
