@@ -332,27 +332,37 @@ static void epilogue(const kiln_gemm_plan *p, float *y, const float *res, long r
 
 static long ceil_div(long a, long b) { return (a + b - 1) / b; }
 
-/* Rows per M block: the fewest blocks of at most kd->mc rows, evened out, in whole MR panels. */
-static long m_block(const kernel_desc *kd, long M) {
-    long blocks = ceil_div(M, kd->mc);
-    return ceil_div(ceil_div(M, blocks), kd->mr) * kd->mr;
+/* Row blocks: ceil(M / MR) blocks of near-equal size (8 rows: 4 + 4, not 6 + 2; a tile of few rows is
+   bound by its loads of W, not by its FMAs). Block q: rows [first, first + rows). */
+static void row_block(long M, long blocks, long q, long *first, long *rows) {
+    const long base = M / blocks, rem = M % blocks;
+    *first = q * base + (q < rem ? q : rem);
+    *rows = base + (q < rem);
+}
+
+/* Row blocks per M block: the fewest M blocks of at most kd->mc rows (packed A, mc x kc, stays in L2). */
+static long blocks_per_m_block(const kernel_desc *kd, long row_blocks) {
+    const long most = kd->mc / kd->mr, m_blocks = ceil_div(row_blocks, most);
+    return ceil_div(row_blocks, m_blocks);
 }
 
 long kiln_gemm_scratch_floats(int kernel, long m, long k) {
     const kernel_desc *kd = &KERNELS[kernel];
-    return m_block(kd, m) * k + 64;
+    return blocks_per_m_block(kd, ceil_div(m, kd->mr)) * kd->mr * k + 64;
 }
 
-/* Panels per work item: enough items for every thread to take several (dynamic balance), at most 8
-   panels (a chunk's C tile, mc x 8·NR, stays in L2 across the K blocks). */
+/* Panels per work item: enough items for every thread to take several (dynamic balance: a core slowed
+   by other work takes fewer), at most 8 panels (a chunk's C tile, mc x 8·NR, stays in L2 across the K
+   blocks). */
 static long panel_chunk(long panels, long row_groups, int threads) {
     long chunk = panels * row_groups / (4L * threads);
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 
-/* x rows [0, M) read in place, each tile over the whole K: W streams through once. */
+/* x read in place, each tile over the whole K: W streams through once (decode, batch 1). */
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res) {
     const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
+    const long row_blocks = ceil_div(M, kd->mr);
     const long chunk = panel_chunk(panels, 1, p->threads), items = ceil_div(panels, chunk);
     const int epi = has_epilogue(p, res);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(p->threads) if (p->threads > 1 && items > 1)
@@ -360,10 +370,11 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
         for (long q = it * chunk; q < (it + 1) * chunk && q < panels; ++q) {
             const long col0 = q * nr;
             const int n = (int)(N - col0 < nr ? N - col0 : nr);
-            for (long row0 = 0; row0 < M; row0 += kd->mr) {
-                const int m = (int)(M - row0 < kd->mr ? M - row0 : kd->mr);
-                kd->direct(m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
-                if (epi) epilogue(p, y, res, row0, col0, m, n);
+            for (long r = 0; r < row_blocks; ++r) {
+                long row0, m;
+                row_block(M, row_blocks, r, &row0, &m);
+                kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
+                if (epi) epilogue(p, y, res, row0, col0, (int)m, n);
             }
         }
     }
@@ -381,35 +392,37 @@ static void pack_a(const float *x, long K, int rows, int mr, float *panel) {
     }
 }
 
-/* K-blocked: per M block (A packed by both threads when `pack`, else read in place), work items of
-   row groups x panel chunks; per item, for each K block, each panel's kc x NR micro-panel stays in L1
-   while the tiles run down the item's rows. */
+/* K-blocked: per M block (A packed by the threads when `pack`, else read in place), work items of row
+   groups x panel chunks; per item, for each K block, each panel's kc x NR micro-panel stays in L1 while
+   the tiles run down the item's rows. */
 static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
                         const float *res, int pack) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
-    const long panels = ceil_div(N, nr), mc = m_block(kd, M);
+    const long panels = ceil_div(N, nr), row_blocks = ceil_div(M, mr);
+    const long per_m_block = blocks_per_m_block(kd, row_blocks);
     const int epi = has_epilogue(p, res);
     float *a_packed = p->scratch;
     const tile_fn tile = pack ? kd->packed : kd->direct;
     #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
-    for (long m0 = 0; m0 < M; m0 += mc) {
-        const long rows = M - m0 < mc ? M - m0 : mc, row_panels = ceil_div(rows, mr);
+    for (long b0 = 0; b0 < row_blocks; b0 += per_m_block) {
+        const long blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
         if (pack) {
-            #pragma omp for schedule(static)
-            for (long q = 0; q < row_panels; ++q) {
-                const long r = rows - q * mr < mr ? rows - q * mr : mr;
-                pack_a(x + (m0 + q * mr) * K, K, (int)r, (int)mr, a_packed + q * mr * K);
+            #pragma omp for schedule(dynamic, 1)
+            for (long q = 0; q < blocks; ++q) {
+                long row0, m;
+                row_block(M, row_blocks, b0 + q, &row0, &m);
+                pack_a(x + row0 * K, K, (int)m, (int)mr, a_packed + q * mr * K);
             }
         }
         /* work items: row groups (when the panels alone are too few to share) x chunks of panels */
         long groups = ceil_div(2L * p->threads, panels);
-        groups = groups > row_panels ? row_panels : groups;
-        const long group_panels = ceil_div(row_panels, groups);
+        groups = groups > blocks ? blocks : groups;
+        const long group_blocks = ceil_div(blocks, groups);
         const long chunk = panel_chunk(panels, groups, p->threads), chunks = ceil_div(panels, chunk);
         #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < groups * chunks; ++it) {
             const long g = it / chunks, c = it % chunks;
-            const long q_end = (g + 1) * group_panels < row_panels ? (g + 1) * group_panels : row_panels;
+            const long q_end = (g + 1) * group_blocks < blocks ? (g + 1) * group_blocks : blocks;
             const long p_end = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
             for (long k0 = 0; k0 < K; k0 += kc) {
                 const long kb = K - k0 < kc ? K - k0 : kc;
@@ -418,12 +431,12 @@ static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const fl
                     const long col0 = pn * nr;
                     const int n = (int)(N - col0 < nr ? N - col0 : nr);
                     const float *b = p->packed_w + pn * K * nr + k0 * nr;
-                    for (long q = g * group_panels; q < q_end; ++q) {
-                        const long row0 = m0 + q * mr;
-                        const int m = (int)(rows - q * mr < mr ? rows - q * mr : mr);
+                    for (long q = g * group_blocks; q < q_end; ++q) {
+                        long row0, m;
+                        row_block(M, row_blocks, b0 + q, &row0, &m);
                         const float *a = pack ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
-                        tile(m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
-                        if (last && epi) epilogue(p, y, res, row0, col0, m, n);
+                        tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
+                        if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
                     }
                 }
             }
