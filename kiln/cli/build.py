@@ -80,16 +80,31 @@ def _build_memory(header: dict) -> str | None:
     return f"peak RSS +{fmt_bytes(delta)} during the build{ratio}{lower_bound}"
 
 
+def _precision_row(layers: dict) -> list[tuple[str, str]]:
+    """How many quantized layers run int8 kernels and how many their float layer (`kiln inspect`: why)."""
+    if not layers:
+        return []
+    counts: dict[str, int] = {}
+    for layer in layers.values():
+        counts[layer["precision"]] = counts.get(layer["precision"], 0) + 1
+    return [("  ran as", ", ".join(f"{n} {p}" for p, n in sorted(counts.items())) + " (kiln inspect: per layer, why)")]
+
+
 def _quantization_rows(q: dict) -> list[tuple[str, str]]:
     if not q:
         return []
     if q.get("mode") == "auto":
         return [("quantization", q.get("note", ""))]
+    if "mode" not in q:  # an explicitly quantized model (Q/DQ): its layers as the fusion made them
+        return [("quantization", f"explicit Q/DQ: {len(q.get('layers') or {})} quantized layer(s)")] + \
+            _precision_row(q.get("layers") or {})
     kept = q.get("kept_float") or {}
     calibration = q.get("calibration") or {}
     source = "the cache" if calibration.get("from_cache") else f"{calibration.get('batches', '?')} batch(es)"
-    rows = [("quantization", f"{q['dtype']} (emulated): {len(q.get('quantized', []))} layer(s) quantized, "
+    how = "emulated" if q.get("mode") == "emulate" else "kernels"
+    rows = [("quantization", f"{q['dtype']} ({how}): {len(q.get('quantized', []))} layer(s) quantized, "
                              f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
+    rows += _precision_row(q.get("layers") or {})
     accuracy = q.get("accuracy") or {}
     if accuracy:
         rows.append(("accuracy", f"output error {accuracy['error']:.3g} (target {accuracy['target']:g}; every "

@@ -17,6 +17,7 @@ from kiln.runtime.shapes import DATA_DEPENDENT_SHAPES
 
 def _layers(plan: EnginePlan) -> list[dict]:
     types = plan.header.get("value_types", {})
+    quantized = (plan.header.get("quantization") or {}).get("layers") or {}
     layers = []
     for i, step in enumerate(plan.program.steps):
         outputs = []
@@ -38,6 +39,9 @@ def _layers(plan: EnginePlan) -> list[dict]:
         tuned = plan.header.get("tactics", {}).get("layers", {}).get(step.name)
         if tuned:  # chosen tactic, its time and the runner-up's (kiln/builder/autotune.py)
             layer["tactic"] = {k: tuned.get(k) for k in ("tactic", "time_ms", "runner_up", "runner_up_ms", "cached")}
+        precision = quantized.get(step.name)
+        if precision:  # a quantized layer: int8 kernel or its float layer, and why (builder/calibration.py)
+            layer["precision"] = precision
         layers.append(layer)
     return layers
 
@@ -163,7 +167,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     table = Table(title="layers", title_justify="left")
     tuned = any("tactic" in layer for layer in layers)
-    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes") + (("tactic", "ms", "runner-up"),) * tuned:
+    precisions = any("precision" in layer for layer in layers)
+    for column in ("#", "name", "op", "outputs", "absorbed ONNX nodes") + (("tactic", "ms", "runner-up"),) * tuned \
+            + ("precision (why)",) * precisions:
         if isinstance(column, tuple):
             for c in column:
                 table.add_column(c, justify="right" if c == "ms" else "left")
@@ -175,6 +181,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         cells = [str(layer["index"]), text(layer["name"]), text(layer["op_type"]), text(outs), text(absorbed)]
         if tuned:
             cells += _tactic_cells(layer.get("tactic"))
+        if precisions:
+            p = layer.get("precision")
+            cells.append(text(f"{p['precision']} ({p['why']})") if p else "")
         table.add_row(*cells)
     out.print(table)
     if args.why_not:
