@@ -8,9 +8,9 @@ the runtime see every dependency.
 Weights are stored once per content: two initializers (or tensor attributes) of at least
 SHARE_MIN_ELEMENTS elements with the same dtype, shape and bytes become one engine weight that
 both names point at (an exporter that folded a shared weight once per layer, or a model tying
-weights under two names). Smaller ones stay apart: sharing them saves nothing, and a tiny
-constant that must stay fp32 (Resize scales) must not drag an equal one of a half-precision
-layer along.
+weights under two names), except in a refittable build. Smaller ones stay apart: sharing them
+saves nothing, and a tiny constant that must stay fp32 (Resize scales) must not drag an equal one
+of a half-precision layer along.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from kiln.ir import dtypes
 from kiln.ir.tensors import tensor_to_runtime
-from kiln.passes._rewrite import SHARE_MIN_ELEMENTS
+from kiln.passes._rewrite import SHARE_MIN_ELEMENTS, shares_weights
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 
 _A = ir.AttributeType
@@ -77,6 +77,7 @@ class Lowering:
         self.weights: dict[str, Any] = {}
         self.by_content: dict[tuple, str] = {}  # _content_key -> the key of the stored weight
         self.model = model
+        self.share = shares_weights(model.graph)  # a refittable build keeps equal weights apart
 
     def _weight_key(self, name: str) -> str:
         key, n = name, 1
@@ -88,7 +89,7 @@ class Lowering:
     def store(self, name: str, tensor: ir.TensorProtocol) -> str:
         """The weights key holding `tensor`: a new one, or the key of an identical large weight."""
         weight = tensor_to_runtime(tensor)
-        content = _content_key(weight)
+        content = _content_key(weight) if self.share else None
         if content is not None and (key := self.by_content.get(content)) is not None:
             stored = self.weights[key]
             same = stored.reshape(-1).view(torch.uint8)

@@ -164,7 +164,8 @@ def _first_difference(built: dict, derived: dict) -> str:
         moved = sorted(k for k in set(built["constants"]) | set(derived["constants"])
                        if built["constants"].get(k) != derived["constants"].get(k))
         return (f"the weights of {moved[:6]} are stored differently: the builder stores identical weights once, "
-                "so weights that were equal and are not now (or the reverse) change the engine's layout")
+                "so weights that were equal and are not now (or the reverse) change the engine's layout; an engine "
+                "built with refittable=True (kiln build --refittable) keeps every weight apart")
     if len(built["steps"]) != len(derived["steps"]):
         return (f"the engine has {len(built['steps'])} layers, these weights give {len(derived['steps'])}: the "
                 "builder's folding and fusions depend on the values (a zero bias removed, a constant that folds)")

@@ -85,6 +85,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",
                    help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
+    p.add_argument("--refittable", action="store_true",
+                   help="keep every weight refittable (kiln refit): none stored once for being equal to another, "
+                        "so an engine built from freshly initialised weights takes trained ones")
     p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
     p.set_defaults(func=cmd_build)
 

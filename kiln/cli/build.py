@@ -43,6 +43,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "calibration_preprocessing": args.calib_preprocessing,
         "quantization": args.quantization,
         "accuracy_target": args.accuracy_target,
+        "refittable": args.refittable,
     }
     err = console(stderr=True)
     t0 = time.perf_counter()

@@ -114,6 +114,16 @@ def _bytes_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(as_bytes(a), as_bytes(b)))
 
 
+# Set on every graph of a model built refittable (PassOptions.refittable): no weight is shared with
+# another because their values are equal, so new weights whose values differ fit the same engine.
+WEIGHTS_APART = "kiln.weights_apart"
+
+
+def shares_weights(graph: ir.Graph) -> bool:
+    """Whether rewrites may store a result once for every equal weight (not in a refittable build)."""
+    return not graph.meta.get(WEIGHTS_APART, False)
+
+
 def identical_initializer(graph: ir.Graph, array: np.ndarray) -> ir.Value | None:
     """An initializer of `graph` holding exactly `array` (dtype, shape, bytes) that no caller can
     override (not also a graph input), or None. Strings and sub-byte types are never matched."""
@@ -135,8 +145,10 @@ def identical_initializer(graph: ir.Graph, array: np.ndarray) -> ir.Value | None
 def new_initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     """Registers `array` as a new initializer under a fresh name derived from `name`; a large
     array identical to an initializer the graph already holds returns that one instead, so a
-    rewrite repeated over layers sharing one weight (ALBERT) stores its result once."""
-    if array.size >= SHARE_MIN_ELEMENTS and (same := identical_initializer(graph, np.asarray(array))) is not None:
+    rewrite repeated over layers sharing one weight (ALBERT) stores its result once (except in a
+    refittable build: there equal values are a coincidence new weights may undo)."""
+    if array.size >= SHARE_MIN_ELEMENTS and shares_weights(graph) and \
+            (same := identical_initializer(graph, np.asarray(array))) is not None:
         return same
     base, n = name, 1
     while name in graph.initializers:

@@ -27,8 +27,16 @@ import torch
 from kiln.ir import dtypes
 from kiln.ir.tensors import tensor_to_runtime
 from kiln.ops.registry import OpContext, lookup
-from kiln.passes._rewrite import (SHARE_MIN_ELEMENTS, PassReport, const, graphs_of, identical_initializer, is_op,
-                                  static_shape)
+from kiln.passes._rewrite import (
+    SHARE_MIN_ELEMENTS,
+    PassReport,
+    const,
+    graphs_of,
+    identical_initializer,
+    is_op,
+    shares_weights,
+    static_shape,
+)
 
 NEVER_FOLD = {
     "QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear",
@@ -200,7 +208,7 @@ def fold_node(node: ir.Node, opset: int, folded: dict[tuple, _Folded] | None = N
     results = []
     for out, tensor in replacements:
         existing = None
-        if tensor.size >= SHARE_MIN_ELEMENTS and not out.is_graph_output():
+        if tensor.size >= SHARE_MIN_ELEMENTS and not out.is_graph_output() and shares_weights(graph):
             existing = identical_initializer(graph, tensor.numpy())
         if existing is not None:  # e.g. Transpose(W) where W^T is already stored: read that one
             ir.convenience.replace_all_uses_with(out, existing)

@@ -18,7 +18,7 @@ from onnx_ir.passes import common
 from kiln.ir.verify import verify
 from kiln.ops.registry import lookup
 from kiln.passes import fusion
-from kiln.passes._rewrite import PassReport, run_rule
+from kiln.passes._rewrite import WEIGHTS_APART, PassReport, graphs_of, run_rule, shares_weights
 from kiln.passes.batchnorm import fold_batchnorm_and_affine
 from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.fold import fold_constants
@@ -38,6 +38,10 @@ class PassOptions:
     unsigned_activations: bool = False
     # rules whose fused op has a CPU kernel only (fusion.CPU_RULES: squeeze-and-excitation blocks)
     cpu_rules: bool = False
+    # a refittable build (BuildConfig.refittable): weights are never shared because their values are
+    # equal (a freshly initialised model's LayerNorm weights and zero biases would be stored once, and
+    # trained weights, no longer equal, would not fit the engine)
+    refittable: bool = False
 
 
 def _verifier(options: PassOptions):
@@ -51,8 +55,9 @@ def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None
     # Constant nodes become initializers, so every constant looks the same to the rules.
     common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     # Identical weights (tied embeddings, repeated constants) are stored and loaded once.
-    common.DeduplicateInitializersPass()(model)
-    check(model, "deduplicate_initializers")
+    if shares_weights(model.graph):
+        common.DeduplicateInitializersPass()(model)
+        check(model, "deduplicate_initializers")
     # Run once at build what would give the same answer on every run (shapes included).
     fold_constants(model, report)
     check(model, "fold_constants")
@@ -72,6 +77,8 @@ def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None
 def optimize(model: ir.Model, options: PassOptions | None = None, report: PassReport | None = None) -> ir.Model:
     options = options or PassOptions()
     report = report if report is not None else PassReport()
+    for graph in graphs_of(model) if options.refittable else ():
+        graph.meta[WEIGHTS_APART] = True  # read by the rewrites' weight sharing and by lowering
     if options.opt_level == 0:  # import and run as is
         return model
     check = _verifier(options)

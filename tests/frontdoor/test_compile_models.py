@@ -30,8 +30,8 @@ CASES = [
 ]
 FULL = [
     ("resnet50", IMAGE, IMAGE_SHAPES, (1e-3, 1e-3)),
-    ("bert_base", MASKED, TEXT_SHAPES, (1e-3, 1e-3)),
-    ("gpt2", TEXT, TEXT_SHAPES, (1e-3, 2e-3)),
+    ("bert_base", MASKED, TEXT_SHAPES, (1e-4, 1e-4)),
+    ("gpt2", TEXT, TEXT_SHAPES, (1e-4, 1e-4)),
 ]
 
 

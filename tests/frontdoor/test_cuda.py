@@ -1,6 +1,7 @@
 """The front doors on a CUDA device (H200 only; skipped without CUDA): kiln.compile with CUDA
-modules (outputs on the device, fallback stage included), kiln.InferenceSession with the CUDA provider
-and device-resident io binding, refit of a CUDA fp16 engine."""
+modules (outputs on the device, fallback stage included), ResNet-50, BERT-base and GPT-2 in fp16 against
+the modules in fp32 at four shapes inside their ranges, kiln.InferenceSession with the CUDA provider and
+device-resident io binding, refit of a CUDA fp16 engine."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import kiln.compat as kort
 import kiln.torch_backend
 from frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
 from frontdoor.test_compile import Block, SmallCnn, WithCustomOp, _seeded
+from frontdoor.test_compile_models import FULL, compile_and_compare
 from frontdoor.test_inference_session import _mlp_model
 from frontdoor.test_refit import _model, _weights
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(autouse=True)
@@ -45,6 +47,23 @@ def test_compile_on_cuda(precision, tol):
         for batch in (1, 2, 4):
             x = torch.randn(batch, *shape[1:], device="cuda")
             _close(compiled(x), model(x), tol)
+
+
+def _fp16_close(got, want):
+    """fp16 storage over 12-50 layers, fp32 accumulation: errors of ~1e-3 of the outputs' scale, a few
+    elements near 1e-2 (an int8-like error would be 10x that; a wrong output is off by its whole scale)."""
+    error = (got - want).float()
+    relative_rms = (error.norm() / want.float().norm()).item()
+    worst = (error.abs().max() / want.abs().max()).item()
+    print(f"  {list(want.shape)}: relative RMS error {relative_rms:.1e}, max error / max |output| {worst:.1e}")
+    assert relative_rms <= 1e-2 and worst <= 5e-2, (relative_rms, worst)
+
+
+@pytest.mark.parametrize("name,dynamic,shapes,tolerance", FULL, ids=[c[0] for c in FULL])
+def test_full_size_models_in_fp16(name, dynamic, shapes, tolerance):
+    compiled = compile_and_compare(name, dynamic, shapes, _fp16_close, device="cuda", precision="fp16")
+    assert all(e.device.type == "cuda" for e in compiled.engines)
+    assert compiled.engines[0].plan.header["build_config"]["precision"] == "fp16"
 
 
 def test_custom_op_fallback_on_cuda(tmp_path):
