@@ -221,3 +221,20 @@ def test_the_int8_convolution_refuses_what_it_would_get_wrong_here():
     targs = _torch(args)
     want = lookup("QConv", "kiln").fn(_ctx("QConv", 9), *targs, **attrs)
     _within_one_step(_tactic_output("cpu.qconv.dequantized", "QConv", targs, attrs), want)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+def test_max_pooling_on_8_bit_values_is_the_reference(dtype):
+    info = torch.iinfo(dtype)
+    x = torch.randint(info.min, info.max + 1, (1, 16, 13, 13), dtype=dtype)
+    attrs = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}
+    want = lookup("MaxPool", "").fn(OpContext(name="p", op_type="MaxPool"), x, **attrs)
+    tactic = registry.get("cpu.pool.onednn_int8.MaxPool")
+    step = StepSpec(op_type="MaxPool", name="p", inputs=["x"], outputs=["y"], attributes=attrs)
+    metas = [InputMeta.of(x, False)]
+    assert tactic.check(step, metas) is True
+    step = dataclasses.replace(step, tactic=tactic.name, tactic_config=tactic.configure(step, metas))
+    got = tactic.prepare(step, [None], torch.device("cpu"))(OpContext(name="p", op_type="MaxPool"),
+                                                          tactic.to_layout(x), **attrs)
+    assert torch.equal(got, want)  # max picks a value: exact

@@ -32,6 +32,7 @@ from kiln.kernels.cpu.onednn import (
     CONVOLUTION_DIRECT,
     ELTWISE,
     FORWARD_INFERENCE,
+    POOLING,
     QUERY_WEIGHTS_MD,
     TAG_A,
     TAG_AB,
@@ -279,3 +280,33 @@ class QMatMul(_Quantized):
 
 def as_int(value) -> int:
     return int(np.asarray(value).reshape(-1)[0])
+
+
+class MaxPool2d(_Quantized):
+    """Max pooling on an 8-bit NHWC tensor (a MaxPool the Q/DQ propagation moved onto the quantized
+    values): oneDNN's pooling on u8/s8, which never reads padding for max."""
+
+    def __init__(self, input_size: list[int], dtype: torch.dtype, kernel: list[int], stride: list[int],
+                 pads: list[int], dilation: list[int]):
+        lib = _lib()
+        n, c, h, w = input_size
+        oh = (h + pads[0] + pads[2] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+        ow = (w + pads[1] + pads[3] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+        self.input_size, self.output_size, self.out_dtype = (n, c, h, w), (n, c, oh, ow), dtype
+        self._src_md = memory_desc([n, c, h, w], dtype, TAG_ACDB)
+        self._dst_md = memory_desc([n, c, oh, ow], dtype, TAG_ACDB)
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING["max"], self._src_md.value, self._dst_md.value,
+            _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
+            f"8-bit max pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+        self._pd, self._prim = _primitive(pd, "8-bit max pooling")
+        self.implementation = _implementation(pd)
+        self.what = f"8-bit max pooling {list(self.input_size)} -> {list(self.output_size)}"
+        self._fixed, self._lock = [], threading.Lock()
+        self._out_strides = (oh * ow * c, 1, ow * c, c)
+        self._per_call = self.bind(0, 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+        return self._execute(x, y)

@@ -5,6 +5,7 @@
                        post-op, the output requantized or float), NHWC activations
     cpu.qgemm.onednn   kiln::QGemm as a oneDNN int8 matmul over the rows of x [..., K]
     cpu.qadd.torch     kiln::QAdd in float32 torch ops (two 8-bit reads, one 8-bit write)
+    cpu.pool.onednn_int8.MaxPool   MaxPool on 8-bit values (torch's uint8 max_pool2d fails on NHWC)
 
 They refuse what their kernels would get wrong, with the reason (`kiln inspect`): signed sources
 (oneDNN shifts them and halves the weights on a CPU without VNNI: thousands of accumulator units
@@ -24,6 +25,7 @@ import torch
 from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -325,4 +327,42 @@ register(Tactic(
     name="cpu.qadd.torch", op_type="QAdd", domain="kiln", device="cpu", dtypes=_QUANTIZED,
     supports=_qadd_supports, prepare=_prepare_qadd,
     description="quantized Add in float32 torch ops: r/s_y = k_a·a + k_b·b + offset, rounded and saturated",
+))
+
+
+# ---- MaxPool on 8-bit values -------------------------------------------------------------------
+
+def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device):
+    kernel = [int(k) for k in _attr(step, "kernel_shape", [])]
+    pads = [0, 0, 0, 0] if _attr(step, "auto_pad", "NOTSET") == "VALID" else \
+        [int(p) for p in _attr(step, "pads", [0, 0, 0, 0])]
+    strides = [int(s) for s in _attr(step, "strides", [1, 1])]
+    dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
+    tuned = tuple(step.tactic_config["input_size"])
+    dtype = torch.uint8 if step.tactic_config.get("dtype", "uint8") == "uint8" else torch.int8
+
+    def build(size: tuple[int, ...]) -> onednn_int8.MaxPool2d:
+        return onednn_int8.MaxPool2d(list(size), dtype, kernel, strides, pads, dilations)
+
+    primitives = {tuned: build(tuned)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W], NHWC in memory
+        with lock:
+            primitive = _built(primitives, tuple(x.shape), build, tuned)
+        return primitive(x)
+
+    return launch
+
+
+def _pool_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape), "dtype": str(inputs[0].dtype).removeprefix("torch.")}
+
+
+register(Tactic(
+    name="cpu.pool.onednn_int8.MaxPool", op_type="MaxPool", domain="", device="cpu", dtypes=_QUANTIZED,
+    supports=_pool_supports, configure=_pool_configure, prepare=_prepare_max_pool, layout="channels_last",
+    available=onednn.available,
+    description="MaxPool on uint8/int8 NHWC values (a Q/DQ pair moved past it) as a oneDNN pooling primitive",
 ))
