@@ -4,10 +4,11 @@
  *
  * GotoBLAS/BLIS structure. W is packed once, at engine load, into panels of NR columns holding the
  * whole K: packed[p][k][j] = W[p*NR + j][k] (zeros past N), so a kc x NR micro-panel is contiguous
- * and stays in L1 while the microkernel runs down the rows. Per call, A (= x) is packed into MR-row
- * panels [q][k][i] for M blocks of up to MC rows (both threads pack, then compute); a small M (decode,
- * batch 1) reads x in place and streams the packed W once over the whole K (memory-bound: no blocking
- * to amortise). The microkernel keeps an MR x NR tile of C in registers: 6x16 on AVX2+FMA (12 ymm
+ * and stays in L1 while the microkernel runs down the rows. Up to a few MB of x (kiln_gemm_plan.small_m,
+ * set by gemm_native.py) the tiles read x in place over the whole K: each W panel streams once, the rows
+ * of x come from L2/L3, and a call is one fork/join. Past it, the K-blocked GotoBLAS loop: x packed per
+ * call into MR-row panels per M block of up to MC rows (kc x MC in L2), C tiles revisited per K block.
+ * The microkernel keeps an MR x NR tile of C in registers: 6x16 on AVX2+FMA (12 ymm
  * accumulators), 14x32 on AVX-512 (28 zmm), chosen at run time from cpuid (__builtin_cpu_supports), so
  * one build runs on either. Written with GCC vector extensions: one template, instantiated per ISA by
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).

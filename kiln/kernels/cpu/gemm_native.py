@@ -10,13 +10,14 @@ cores' FMA peak in MKL and oneDNN where onnxruntime's MLAS reaches 90%; the auto
 kernel against both, per layer (kiln/tactics/cpu/gemm_packed.py).
 
 Built by native_loop.build() with the machine's C compiler (cached per source, CPU and flags);
-`load()` returns None without one, and says why in `reason()`.
+`load()` returns None without one (or with KILN_NATIVE_GEMM=0), and says why in `reason()`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,9 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
     with _LOAD_LOCK:
         if test_kernels in _LOADED or test_kernels in _REASON:
             return _LOADED.get(test_kernels)
+        if os.environ.get("KILN_NATIVE_GEMM") == "0":  # kiln without its GEMM (the autotuner's other candidates)
+            _REASON[test_kernels] = "KILN_NATIVE_GEMM=0"
+            return None
         source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + SOURCE
         built = native_loop.build("gemm-test" if test_kernels else "gemm", source)
         if isinstance(built, str):
@@ -106,9 +110,16 @@ def best_kernel() -> Kernel:
     return next(k for k in kernels() if k.supported and not k.test_only)
 
 
-def small_rows(kernel: Kernel) -> int:
-    """Up to this many rows x is read in place (GEMV-like: the packed W streams once, no A packing)."""
-    return 2 * (14 if kernel.nr >= 32 else 6)
+IN_PLACE_BYTES = 4 << 20  # x up to this size is read in place over the whole K (kiln_gemm_plan.small_m)
+
+
+def small_rows(kernel: Kernel, k: int) -> int:
+    """Up to this many rows x is read in place over the whole K, each W panel streamed once and the rows
+    re-read from L2/L3 per panel: no packing, no K blocks, one fork/join (nothing for a thread that other
+    work descheduled to hold up). Measured on an AVX2 EPYC at BERT-base's shapes (M = 8..512, K = 768 or
+    3072, one thread, CPU time): as fast as the K-blocked paths, packed or not, within the noise (~85 GFLOP/s
+    of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches."""
+    return max(2 * (14 if kernel.nr >= 32 else 6), IN_PLACE_BYTES // max(4 * k, 1))
 
 
 class PackedLinear:
@@ -136,7 +147,7 @@ class PackedLinear:
         self.residual = residual
         self._epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
                               residual_after=int(residual_after_activation))
-        self.small_m = small_rows(self.kernel) if small_m is None else small_m
+        self.small_m = small_rows(self.kernel, k) if small_m is None else small_m
         self.pack_m = 0 if pack_m is None else pack_m
         self.implementation = f"kiln packed GEMM, {self.kernel.name}"
         self._call_plans: dict[int, tuple[_Plan, torch.Tensor]] = {}
