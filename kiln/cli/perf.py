@@ -59,6 +59,8 @@ def add_parser(verbs) -> None:
                    help="measurement window per level in ms (default 2000)")
     p.add_argument("--warmup", type=float, default=0.5, metavar="S", help="warm-up seconds per level (default 0.5)")
     p.add_argument("--max-requests", type=int, metavar="N", help="stop a level after N answered requests")
+    p.add_argument("--processes", type=int, default=1, metavar="N",
+                   help="client processes sharing each level's concurrency (default 1; a fast server outruns one)")
     p.add_argument("--json-data", action="store_true", help="HTTP: send tensors as JSON (default binary)")
     p.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw throughput against latency (Pillow)")
@@ -76,7 +78,7 @@ def cmd_perf(args: argparse.Namespace) -> int:
         model=args.model, url=args.url, protocol=args.protocol, version=args.model_version,
         concurrency=args.concurrency or args.concurrency_range, batch_size=args.batch_size,
         shapes=dict(args.shape or []), binary=not args.json_data, warmup_s=args.warmup,
-        window_s=args.measurement_interval / 1000, max_requests=args.max_requests)
+        window_s=args.measurement_interval / 1000, max_requests=args.max_requests, processes=max(1, args.processes))
     out = console()
     out.print(f"kiln perf: {args.model} over {args.protocol} at {options.address}, batch {args.batch_size}, "
               f"{args.measurement_interval} ms per level")

@@ -38,7 +38,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from kiln import Engine
@@ -59,18 +58,23 @@ class GpuGate:
         self._waiting = 0  # exclusive runs waiting: shared ones hold back for them
 
     @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
+    def shared(self, wait: bool = True) -> Iterator[bool]:
+        """Yields True inside a shared turn; with wait=False, False at once while an exclusive run holds
+        or waits (the event loop reading GPU gauges must not stall behind a warm-up)."""
         with self._lock:
-            while self._alone or self._waiting:
-                self._lock.wait()
-            self._running += 1
+            entered = wait or not (self._alone or self._waiting)
+            if entered:
+                while self._alone or self._waiting:
+                    self._lock.wait()
+                self._running += 1
         try:
-            yield
+            yield entered
         finally:
-            with self._lock:
-                self._running -= 1
-                if not self._running:
-                    self._lock.notify_all()
+            if entered:
+                with self._lock:
+                    self._running -= 1
+                    if not self._running:
+                        self._lock.notify_all()
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
@@ -114,7 +118,7 @@ class Instance:
     @property
     def inline(self) -> bool:
         """Run this instance's next batch on the event loop (a CPU engine whose calls are tiny)."""
-        return self.calls > INLINE_AFTER and self._call_ns < INLINE_NS
+        return not self.cuda and self.calls > INLINE_AFTER and self._call_ns < INLINE_NS
 
     def warm_up(self) -> None:
         """CUDA: capture the graphs of the profile's shape buckets now, alone, on this instance's stream."""
@@ -135,7 +139,7 @@ class Instance:
             outputs = self.context.run(feeds)
             self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
             return outputs
-        key = tuple((v.shape, v.dtype.str) if isinstance(v, np.ndarray) else id(v) for v in feeds.values())
+        key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
         seen = self._seen.get(key, 0)
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
             outputs = self.context.run(feeds)

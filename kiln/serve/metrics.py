@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 
+from kiln.serve.instances import GATE
 from kiln.serve.stats import ModelStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -98,11 +99,13 @@ class MetricsExporter:
             return
         if torch.cuda.is_available():
             gpus = [(torch.cuda.get_device_properties(k), k) for k in range(torch.cuda.device_count())]
-            _family(lines, "nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes",
-                    [({"gpu_uuid": str(p.uuid)}, torch.cuda.mem_get_info(k)[1]) for p, k in gpus])
-            _family(lines, "nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes",
-                    [({"gpu_uuid": str(p.uuid)}, torch.cuda.mem_get_info(k)[1] - torch.cuda.mem_get_info(k)[0])
-                     for p, k in gpus])
+            with GATE.shared(wait=False) as safe:  # not while an instance captures a CUDA graph (instances.py)
+                memory = [(p, torch.cuda.mem_get_info(k)) for p, k in gpus] if safe else []
+            if memory:
+                _family(lines, "nv_gpu_memory_total_bytes", "gauge", "GPU total memory, in bytes",
+                        [({"gpu_uuid": str(p.uuid)}, total) for p, (_, total) in memory])
+                _family(lines, "nv_gpu_memory_used_bytes", "gauge", "GPU used memory, in bytes",
+                        [({"gpu_uuid": str(p.uuid)}, total - free) for p, (free, total) in memory])
             utilization = []
             for p, k in gpus:
                 try:

@@ -4,14 +4,19 @@ At concurrency N, N clients each keep one request outstanding (the next one leav
 previous answers) for a measurement window after a warm-up; every request's latency is kept.
 The clients are tritonclient's asyncio clients on one event loop in this process (so the
 generator itself costs one core at most: on a small machine, run it where the server is not,
-or read its numbers as a lower bound). Inputs are random, shaped from the model's metadata.
+or read its numbers as a lower bound), or, with `processes` > 1, spread over that many worker
+processes measuring the same wall-clock window (a fast server outruns one Python client loop).
+Inputs are random, shaped from the model's metadata.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import Executor, ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,6 +37,7 @@ class PerfOptions:
     window_s: float = 2.0
     max_requests: int | None = None  # per concurrency level (after warm-up): stop early
     seed: int = 0
+    processes: int = 1  # client processes sharing each level's concurrency
 
     @property
     def address(self) -> str:
@@ -137,7 +143,12 @@ async def _metadata(options: PerfOptions) -> tuple[dict, bool]:
     return metadata, int(config.get("max_batch_size", 0)) > 0
 
 
-async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrency: int) -> PerfResult:
+WindowHook = Callable[[str], None]  # called with "start" and "end" of each level's measured window
+
+
+async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrency: int,
+                 begin_at: float | None = None, hook: WindowHook | None = None) -> PerfResult:
+    """One level in this process; `begin_at` (time.time()): when the window starts (else after the warm-up)."""
     rng = np.random.default_rng(options.seed)
     clients = [_Client(options, metadata, rng, batched) for _ in range(concurrency)]
     latencies: list[float] = []
@@ -164,7 +175,12 @@ async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrenc
 
     try:
         tasks = [asyncio.create_task(worker(c)) for c in clients]
-        await asyncio.sleep(options.warmup_s)
+        if begin_at is not None and time.time() > begin_at - options.warmup_s / 2:
+            raise KilnError(f"a client process was ready {time.time() - begin_at + options.warmup_s:.1f} s after "
+                            "its level's warm-up began (a busy machine?): use fewer --processes")
+        await asyncio.sleep(options.warmup_s if begin_at is None else max(0.0, begin_at - time.time()))
+        if hook is not None:
+            hook("start")
         counting[0] = True
         start = time.perf_counter()
         stop_at[0] = start + options.window_s
@@ -174,6 +190,8 @@ async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrenc
             pass
         counting[0] = False
         seconds = time.perf_counter() - start
+        if hook is not None:
+            hook("end")
         stop_at[0] = 0
         await asyncio.gather(*tasks)
     finally:
@@ -183,15 +201,68 @@ async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrenc
                       options.batch_size if batched else 1, first_error[0])
 
 
-async def sweep(options: PerfOptions, on_result=None) -> list[PerfResult]:
-    """Measure every concurrency level in turn; `on_result(result)` as each finishes."""
+def _level_in_process(options: PerfOptions, metadata: dict, batched: bool, concurrency: int,
+                      begin_at: float) -> PerfResult:
+    """A worker process's share of a level."""
+    return asyncio.run(_level(options, metadata, batched, concurrency, begin_at))
+
+
+def _get_ready(protocol: str) -> None:
+    """In each worker process, before the first level: the client modules imported."""
+    if protocol == "http":
+        import tritonclient.http.aio  # noqa: F401
+    else:
+        import tritonclient.grpc.aio  # noqa: F401
+    time.sleep(0.5)  # held, so that each worker of the pool takes one of these
+
+
+async def _spread_level(options: PerfOptions, metadata: dict, batched: bool, concurrency: int,
+                        executor: Executor, processes: int, hook: WindowHook | None) -> PerfResult:
+    """One level over worker processes: each takes a share of the clients, all measure one window."""
+    shares = [concurrency // processes + (k < concurrency % processes) for k in range(processes)]
+    shares = [n for n in shares if n]
+    begin_at = time.time() + options.warmup_s + 1.0  # + the workers' set-up (clients, connections)
+    loop = asyncio.get_running_loop()
+    futures = [loop.run_in_executor(executor, _level_in_process, replace(options, seed=options.seed + k), metadata,
+                                    batched, n, begin_at) for k, n in enumerate(shares)]
+    if hook is not None:
+        await asyncio.sleep(max(0.0, begin_at - time.time()))
+        hook("start")
+        await asyncio.sleep(options.window_s)
+        hook("end")
+    parts = await asyncio.gather(*futures)
+    return PerfResult(concurrency, sum(p.requests for p in parts), sum(p.errors for p in parts),
+                      max(p.seconds for p in parts), [x for p in parts for x in p.latencies_us],
+                      parts[0].batch_size, next((p.first_error for p in parts if p.first_error), ""))
+
+
+async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = None,
+                executor: Executor | None = None) -> list[PerfResult]:
+    """Measure every concurrency level in turn; `on_result(result)` as each finishes, `hook("start")` and
+    `hook("end")` around each measured window. With options.processes > 1 the levels run in worker
+    processes (`executor`, or a pool made for this sweep)."""
     metadata, batched = await _metadata(options)
+    own = None
+    if options.processes > 1 and executor is None:
+        executor = own = ProcessPoolExecutor(options.processes, mp_context=multiprocessing.get_context("spawn"))
     results = []
-    for concurrency in options.concurrency:
-        result = await _level(options, metadata, batched, concurrency)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
+    try:
+        if options.processes > 1:
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*[loop.run_in_executor(executor, _get_ready, options.protocol)
+                                   for _ in range(options.processes)])
+        for concurrency in options.concurrency:
+            if options.processes > 1 and concurrency > 1:
+                result = await _spread_level(options, metadata, batched, concurrency, executor,
+                                             min(options.processes, concurrency), hook)
+            else:
+                result = await _level(options, metadata, batched, concurrency, hook=hook)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        if own is not None:
+            own.shutdown()
     return results
 
 

@@ -29,3 +29,13 @@ def test_perf_reports_an_unknown_model(server, capsys):
     code = main(["perf", "-m", "nope", "-u", f"127.0.0.1:{server.ports.http}", "--measurement-interval", "100"])
     assert code == 1
     assert "unknown model 'nope'" in capsys.readouterr().err
+
+
+def test_perf_spreads_clients_over_processes(server, capsys):
+    """--processes 2: each level's clients split over two worker processes measuring one window."""
+    code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{server.ports.grpc}", "-i", "grpc", "--concurrency", "1", "4",
+                 "--processes", "2", "--measurement-interval", "500", "--warmup", "0.2"])
+    assert code == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
+    assert [int(r[0]) for r in rows] == [1, 4]
+    assert all(int(r[-2]) > 0 and int(r[-1]) == 0 for r in rows)  # requests answered, no errors
