@@ -14,10 +14,13 @@ ValueError, a wrong name, type, rank or dimension an InvalidArgument with onnxru
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +89,7 @@ class InferenceSession:
         self._lock = threading.Lock()
         self._local = threading.local()
         self._engine: Engine | None = None
+        self._workers: ThreadPoolExecutor | None = None  # run_async's, made at its first call
         base = self._path.parent if self._path is not None else None
         self._digest = cache.model_digest(data, _external_files(self._model, base))
         self._configure(providers, provider_options, kwargs)
@@ -147,6 +151,31 @@ class InferenceSession:
         results = self._context(feeds).run(feeds)
         return [results[name] for name in names]
 
+    def run_async(self, output_names: list[str] | None, input_feed: dict[str, Any],
+                  callback: Callable[[list[Any], Any, str], None], user_data: Any, run_options: Any = None) -> None:
+        """onnxruntime's run_async: returns at once; a worker thread of the session runs the model, then
+        calls callback(outputs, user_data, err) with the outputs and err "" on success, [] and the error's
+        message on failure. Missing inputs raise here, as onnxruntime checks them before it hands off."""
+        self._missing(input_feed)
+        feed = dict(input_feed)  # the caller may refill its dict for the next run
+        with self._lock:
+            if self._workers is None:
+                self._workers = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                                   thread_name_prefix="kiln-session")
+            workers = self._workers
+        workers.submit(self._run_then_call, output_names, feed, callback, user_data)
+
+    def _run_then_call(self, output_names: list[str] | None, feed: dict[str, Any],
+                       callback: Callable[[list[Any], Any, str], None], user_data: Any) -> None:
+        try:
+            outputs, err = self.run(output_names, feed), ""
+        except Exception as e:  # noqa: BLE001  onnxruntime hands every failure of the run to the callback
+            outputs, err = [], str(e)
+        try:
+            callback(outputs, user_data, err)
+        except Exception:  # noqa: BLE001  reported as an uncaught exception of this thread; the pool lives on
+            threading.excepthook(threading.ExceptHookArgs((*sys.exc_info(), threading.current_thread())))
+
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
 
@@ -164,12 +193,15 @@ class InferenceSession:
                 raise InvalidArgument(f"Invalid output name:{name} (the model's outputs are {known})")
         return list(output_names)
 
+    def _missing(self, input_feed: dict[str, Any]) -> None:
+        missing = [i.name for i in self._signature.inputs if i.name not in input_feed]
+        if missing:
+            raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
+
     def _checked_feeds(self, input_feed: dict[str, Any]) -> dict[str, Any]:
         """The feed as onnxruntime checks it: names, element types, ranks, fixed dimensions."""
         expected = {i.name: i for i in self._signature.inputs}
-        missing = [name for name in expected if name not in input_feed]
-        if missing:
-            raise ValueError(f"Required inputs ({missing}) are missing from input feed ({list(input_feed)}).")
+        self._missing(input_feed)
         overridable = {i.name for i in self._signature.initializers}
         feeds = {}
         for name, value in input_feed.items():
