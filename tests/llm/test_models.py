@@ -10,7 +10,7 @@ import torch
 
 from kiln.llm import LLM, LLMError, SamplingParams
 from kiln.llm.config import ModelConfig
-from kiln.llm.engine import LLMEngine, EngineConfig
+from kiln.llm.engine import EngineConfig, LLMEngine
 from kiln.llm.request import Request
 from kiln.llm.scheduler import ScheduledRequest
 from tests.llm.conftest import hf_greedy
