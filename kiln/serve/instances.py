@@ -14,10 +14,11 @@ CUDA graphs and threads: the runtime captures a graph the second time a context 
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
 cudaMalloc, a copy to the host — on every thread of the process while it lasts; another instance
 running then would fail, or break the capture. So runs share the GPU through one gate per process:
-a run that may capture (an instance's first two runs of a signature, and every run after the
-runtime evicted a graph) runs alone; the others run side by side. At load, each CUDA instance runs
-the profile's shape buckets once more than it takes to capture them (ExecutionContext.warm_up), alone,
-so steady serving meets no capture.
+a run that may capture runs alone; the others run side by side. At load, each CUDA instance runs
+the profile's shape buckets (ExecutionContext.warm_up), alone, capturing their graphs; when that
+covers every shape the engine takes (one profile, each dynamic dim bucketed or fixed), serving
+captures nothing and every run is shared. Otherwise an instance's first two runs of an input
+signature run alone, and so does every run after the runtime evicted a graph.
 
 Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups and the loop's
 polling for the answer (tens of microseconds of CPU, far more wall time on a loaded machine), and the
@@ -107,6 +108,7 @@ class Instance:
         self.calls = 0  # engine calls run (tests: which instances served)
         self._seen: dict[tuple, int] = {}  # CUDA: runs per input signature (captures happen in the first two)
         self._evictions = 0
+        self.captured_all = False  # CUDA: warm-up captured a graph for every shape the engine takes
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
@@ -125,11 +127,28 @@ class Instance:
         with GATE.alone(), torch.cuda.stream(self.stream):
             try:
                 self.context.warm_up()
-                self.context.warm_up()  # the first run of a signature is eager, the second captures
+                self.context.warm_up()  # replays, or captures what the first pass left (the runtime's choice)
+                self.captured_all = self._covers_every_shape()
             except Exception as e:  # noqa: BLE001 - serving still works; first requests then capture
                 log.warning("instance %d: warm-up failed (%s: %s); graphs are captured on first requests",
                             self.index, type(e).__name__, str(e).splitlines()[0][:200])
             self.stream.synchronize()
+        self._evictions = self.context.runner.stats.evictions if self.context.runner is not None else 0
+
+    def _covers_every_shape(self) -> bool:
+        """Whether warm_up() ran every shape the engine takes: one profile, whose every dynamic dim is
+        bucketed (warm_up ran each bucket) or fixed (min = max), with CUDA graphs on."""
+        engine, runner, buckets = self.context.engine, self.context.runner, self.context.buckets
+        if runner is None or not runner.use_graphs or len(engine.profiles) != 1:
+            return False
+        profile = engine.profiles[0]
+        for b in engine.inputs:
+            r = profile.inputs.get(b.name)
+            for axis, d in enumerate(b.shape or []):
+                if isinstance(d, str) and not (buckets is not None and d in buckets.symbols) \
+                        and (r is None or r.min[axis] != r.max[axis]):
+                    return False
+        return True
 
     def execute(self, feeds: dict[str, Any]) -> dict[str, Any]:
         """One engine call in the calling thread; on CUDA, on this instance's stream and done when it returns."""
@@ -139,15 +158,18 @@ class Instance:
             outputs = self.context.run(feeds)
             self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
             return outputs
-        key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
-        seen = self._seen.get(key, 0)
+        key, seen = None, 2
+        if not self.captured_all:
+            key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
+            seen = self._seen.get(key, 0)
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
             outputs = self.context.run(feeds)
             self.stream.synchronize()
         runner = self.context.runner
         if runner is not None and runner.stats.evictions != self._evictions:
             self._evictions = runner.stats.evictions
-            self._seen.clear()  # an evicted signature captures again: run alone until seen twice more
+            self.captured_all = False  # an evicted signature captures again: run alone until seen twice more
+            self._seen.clear()
         elif seen < 2:
             if len(self._seen) >= 4096:
                 self._seen.clear()

@@ -59,10 +59,13 @@ def _ask(port: int, model: str, x: np.ndarray) -> dict[str, np.ndarray]:
         client.close()
 
 
+BATCHED = "dynamic_batching { max_queue_delay_microseconds: 500 }"
+NO_BUCKETS = 'parameters { key: "buckets" value: { string_value: "false" } }'  # graphs captured while serving
+
+
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batching", ["", "dynamic_batching { max_queue_delay_microseconds: 500 }"],
-                         ids=["alone", "batched"])
+@pytest.mark.parametrize("batching", ["", BATCHED, f"{BATCHED}\n{NO_BUCKETS}"], ids=["alone", "batched", "captures"])
 def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_rows(tmp_path, cuda_engines, batching):
     repository = _repository(tmp_path / "repo", cuda_engines, batching)
     thread = ServerThread(options(repository))
@@ -73,6 +76,8 @@ def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_row
             streams = {instance.stream for instance in instances}
             assert len(streams) == 2 and torch.cuda.default_stream() not in streams
             assert all(instance.context.runner.stats.captures > 0 for instance in instances)  # warmed up at load
+            # every batch size's graph captured at load, unless buckets are off (then captures come with requests)
+            assert all(instance.captured_all == (NO_BUCKETS not in batching) for instance in instances)
         rng = np.random.default_rng()
         requests = [("mlp" if k % 2 else "slow", rng.standard_normal((int(rng.integers(1, 5)), 8 if k % 2 else 4))
                      .astype(np.float32)) for k in range(128)]
@@ -87,6 +92,8 @@ def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_row
         for name in ("mlp", "slow"):
             instances = server.core.model(name).batcher.instances
             assert all(instance.calls > 0 for instance in instances), "both instances served"
+            if NO_BUCKETS in batching:  # batch sizes met first while serving were captured then
+                assert sum(instance.context.runner.stats.captures for instance in instances) > 2
     finally:
         thread.stop()
 
