@@ -54,11 +54,11 @@ print('fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'grpcio', 
       'protobuf', google.protobuf.__version__, loop, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
 stage "tests/serve gpu-marked"
-timeout 100 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
+timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
 echo "pytest exit $?"
 
 stage "bench/serve.py on cuda"
-timeout 215 python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
+timeout 200 python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
   --processes 4 --random-weights --concurrency 1 8 32 64 --window 1.0 --warmup 0.5 --out "$OUT" 2>&1
 echo "bench exit $?"
 stage "done"
