@@ -1,17 +1,39 @@
 #!/usr/bin/env bash
-# kiln serve on the GPU (issue 14), the whole device run in one script, from a kiln checkout's root:
+# kiln serve on the GPU (issue 14), the whole device run in one script.
 #
-#   KILN_COMMIT=$(git rev-parse --short HEAD) OUT=/some/dir bash bench/serve_gpu.sh [WHEELS]
+# Here, first (the registries are reachable from this machine, not from the device):
+#   bash bench/serve_gpu.sh --fetch      # wheels into .whl-serve/ (git-ignored), and HEAD as .whl-serve/kiln-src.tar
+# then on the device, with .whl-serve carried (run's carry: [".whl-serve"]):
+#   mkdir -p /tmp/k && tar -xf .whl-serve/kiln-src.tar -C /tmp/k && cp -r .whl-serve /tmp/k/ && cd /tmp/k &&
+#   KILN_COMMIT=<HEAD> OUT=$OUT bash bench/serve_gpu.sh .whl-serve
+# (HEAD's snapshot, not the working tree: the device copy holds whatever else is uncommitted here.)
 #
 # 1. wheels: the serving stack the device image lacks (fastapi, uvicorn, tritonclient and their needs),
 #    carried as wheels in WHEELS (default .whl-serve); each is installed into /tmp/serve-deps, first on
-#    PYTHONPATH, unless python3 already has that distribution at the same major version and not older
+#    PYTHONPATH, unless python3 already has that distribution at the same major version and not older.
+#    Seen on the device on 2026-12-01 (python 3.12.3): no fastapi, starlette, pydantic, uvicorn,
+#    tritonclient, gevent, opentelemetry; grpcio 1.84.0, protobuf 7.36.2 (tritonclient's stubs are
+#    protobuf 6 code: 6.33.6 is put first), anyio 4.15.1, h11 0.16.0, typing-extensions 4.16.0
 # 2. tests/serve's gpu-marked tests (test_cuda.py: two instances on their own streams, concurrent requests)
 # 3. bench/serve.py on cuda: MobileNetV2 (random weights: the ImageNet ones come from a package) and
 #    BERT-base (seq 128), fp16 engines, 2 instances, batching on/off, concurrency 1 8 32 64, gRPC and
 #    HTTP binary, 4 client processes; its tables in $OUT/serve.md (rewritten after every row)
 # Each stage runs under its own timeout; the log is $OUT/serve_gpu.log.
 set -u
+if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPython 3.12, --no-deps (each need listed)
+  mkdir -p .whl-serve
+  .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl-serve \
+    fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+    typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 \
+    tritonclient==2.73.0 python-rapidjson==1.25 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
+    zope.event==6.2 zope.interface==8.7 brotli==1.2.1 grpcio==1.85.3 protobuf==6.33.6 typing-extensions==4.16.0 \
+    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0
+  git archive HEAD -o .whl-serve/kiln-src.tar
+  du -sh .whl-serve; echo "kiln-src.tar: $(git rev-parse --short HEAD)"
+  exit 0
+fi
 OUT=${OUT:-/tmp/serve-gpu}
 WHEELS=${1:-.whl-serve}
 mkdir -p "$OUT"
@@ -45,7 +67,7 @@ if [ -s /tmp/serve-wheels.txt ]; then
 fi
 export PYTHONPATH=/tmp/serve-deps${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "
-import fastapi, uvicorn, grpc, google.protobuf, tritonclient.grpc.aio, tritonclient.http.aio, torch
+import fastapi, uvicorn, grpc, google.protobuf, tritonclient.grpc.aio, tritonclient.http.aio, torch, kiln.serve
 try:
     import uvloop; loop = 'uvloop ' + uvloop.__version__
 except ImportError:
