@@ -238,3 +238,34 @@ def test_max_pooling_on_8_bit_values_is_the_reference(dtype):
     got = tactic.prepare(step, [None], torch.device("cpu"))(OpContext(name="p", op_type="MaxPool"),
                                                           tactic.to_layout(x), **attrs)
     assert torch.equal(got, want)  # max picks a value: exact
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype, zero", [(torch.uint8, 128), (torch.uint8, 0), (torch.int8, -3)])
+@pytest.mark.parametrize("shape", [(1, 3, 17, 19), (2, 5, 24)])
+def test_quantize_and_dequantize_as_one_reorder_are_the_reference(dtype, zero, shape):
+    x = torch.randn(*shape) * 5
+    x.view(-1)[:8] = (torch.arange(8) - 4 + 0.5) * 0.25  # ties at a scale whose reciprocal is exact
+    # oneDNN rounds x·(1/s) + zero point, ONNX round(x/s) + zero point: at an exact tie (odd zero point, or
+    # an inexact reciprocal) one step apart; everywhere else the same
+    for s in (0.25, 0.037):
+        scale, zp = T(s), T(zero, dtype=dtype)
+        want = lookup("QuantizeLinear", "").fn(OpContext(name="q", op_type="QuantizeLinear"), x, scale, zp)
+        got = _run_plain_tactic("cpu.quantize.onednn", "QuantizeLinear", [x, scale, zp])
+        diff = (got.to(torch.int32) - want.to(torch.int32)).abs()
+        ties = torch.zeros(shape, dtype=torch.bool)
+        ties.view(-1)[:8] = True
+        assert int(diff.max()) <= 1 and float((diff[~ties] > 0).double().mean()) < 1e-3
+        back = lookup("DequantizeLinear", "").fn(OpContext(name="d", op_type="DequantizeLinear"), want, scale, zp)
+        torch.testing.assert_close(_run_plain_tactic("cpu.dequantize.onednn", "DequantizeLinear", [want, scale, zp]),
+                                   back, rtol=1e-6, atol=1e-6)
+
+
+def _run_plain_tactic(name: str, op: str, args: list):
+    tactic = registry.get(name)
+    step = StepSpec(op_type=op, name="q", inputs=["x", "s", "z"], outputs=["y"])
+    metas = [InputMeta.of(a, i > 0) for i, a in enumerate(args)]
+    assert tactic.check(step, metas) is True
+    step = dataclasses.replace(step, tactic=name, tactic_config=tactic.configure(step, metas))
+    launch = tactic.prepare(step, [None, *args[1:]], torch.device("cpu"))
+    return launch(OpContext(name="q", op_type=op), tactic.to_layout(args[0]), *args[1:])

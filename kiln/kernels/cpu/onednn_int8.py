@@ -27,7 +27,9 @@ import torch
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
+    ARG_FROM,
     ARG_SRC,
+    ARG_TO,
     ARG_WEIGHTS,
     CONVOLUTION_DIRECT,
     ELTWISE,
@@ -36,6 +38,7 @@ from kiln.kernels.cpu.onednn import (
     QUERY_WEIGHTS_MD,
     TAG_A,
     TAG_AB,
+    TAG_ABC,
     TAG_ABCD,
     TAG_ABCDE,
     TAG_ACDB,
@@ -309,4 +312,62 @@ class MaxPool2d(_Quantized):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+        return self._execute(x, y)
+
+
+class ScaledReorder(_Quantized):
+    """QuantizeLinear (float32 -> u8/s8) or DequantizeLinear (u8/s8 -> float32), per tensor, as one oneDNN
+    reorder with scale and zero point attributes: one pass on both threads, and the NCHW -> NHWC layout
+    change of a network's input in the same pass. oneDNN rounds x·(1/scale) + zero point where ONNX rounds
+    x/scale and then adds it: at an exact tie (an odd zero point, an inexact reciprocal) one step apart."""
+
+    def __init__(self, size: list[int], src_dtype: torch.dtype, dst_dtype: torch.dtype, scale: float,
+                 zero: int, src_channels_last: bool):
+        lib = _lib()
+        four_d = len(size) == 4
+        tags = {1: TAG_A, 2: TAG_AB, 3: TAG_ABC, 4: TAG_ABCD}
+        if len(size) not in tags:
+            raise OneDNNError(f"reorder of rank {len(size)}")
+        src_tag = TAG_ACDB if four_d and src_channels_last else tags[len(size)]
+        dst_tag = TAG_ACDB if four_d else tags[len(size)]
+        self.input_size = self.output_size = tuple(size)
+        self.out_dtype = dst_dtype
+        self._src_md = memory_desc(list(size), src_dtype, src_tag)
+        self._dst_md = memory_desc(list(size), dst_dtype, dst_tag)
+        quantize = dst_dtype in (torch.uint8, torch.int8)
+        side = ARG_DST if quantize else ARG_SRC
+        attr = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
+        self._attr = _Handle(attr, "dnnl_primitive_attr_destroy")
+        _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, side, 0), "reorder scale")
+        self._constants = [(ARG_ATTR_SCALES | side, torch.tensor([scale], dtype=torch.float32), F32)]
+        if zero:
+            _check(lib.lib.dnnl_primitive_attr_set_zero_points_mask(attr, side, 0), "reorder zero point")
+            self._constants.append((ARG_ATTR_ZERO_POINTS | side, torch.tensor([zero], dtype=torch.int32), S32))
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), self._src_md.value, lib.engine,
+                                                          self._dst_md.value, lib.engine, attr),
+               f"{'quantizing' if quantize else 'dequantizing'} reorder {list(size)}")
+        self._pd, self._prim = _primitive(pd, "scaled reorder")
+        self.implementation = _implementation(pd)
+        self.what = f"{'quantize' if quantize else 'dequantize'} {list(size)}"
+        self._scalars, fixed = [], []
+        for arg, value, dtype in self._constants:
+            md = memory_desc([1], torch.float32 if dtype == F32 else torch.int32, TAG_A)
+            self._scalars.append((md, value))
+            fixed.append((arg, _memory(md.value, value.data_ptr())))
+        self._fixed, self._lock = fixed, threading.Lock()
+        n = size
+        self._out_strides = (n[1] * n[2] * n[3], 1, n[3] * n[1], n[1]) if four_d else None
+        self._per_call = self.bind(0, 0)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        roles = {"src": (ARG_FROM, self._src_md.value, src), "dst": (ARG_TO, self._dst_md.value, dst)}
+        return Bound(self._prim.value, roles, self._fixed, self.what, self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._out_strides is not None:
+            y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+        else:
+            y = torch.empty(self.output_size, dtype=self.out_dtype)
         return self._execute(x, y)

@@ -6,6 +6,7 @@
     cpu.qgemm.onednn   kiln::QGemm as a oneDNN int8 matmul over the rows of x [..., K]
     cpu.qadd.torch     kiln::QAdd in float32 torch ops (two 8-bit reads, one 8-bit write)
     cpu.pool.onednn_int8.MaxPool   MaxPool on 8-bit values (torch's uint8 max_pool2d fails on NHWC)
+    cpu.quantize.onednn / cpu.dequantize.onednn   per-tensor Q / DQ as one scaled oneDNN reorder
 
 They refuse what their kernels would get wrong, with the reason (`kiln inspect`): signed sources
 (oneDNN shifts them and halves the weights on a CPU without VNNI: thousands of accumulator units
@@ -366,3 +367,61 @@ register(Tactic(
     available=onednn.available,
     description="MaxPool on uint8/int8 NHWC values (a Q/DQ pair moved past it) as a oneDNN pooling primitive",
 ))
+
+
+# ---- QuantizeLinear / DequantizeLinear per tensor -------------------------------------------------
+
+def _scaled_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    x = inputs[0]
+    if x.shape is None or not 1 <= len(x.shape) <= 4:
+        return "only tensors of rank 1 to 4"
+    if len(inputs) < 2 or inputs[1].shape is None or not inputs[1].constant or math.prod(inputs[1].shape) != 1:
+        return "the scale is not one constant of the engine (per tensor)"
+    zero = inputs[2] if len(inputs) > 2 else None
+    if zero is None or zero.shape is None or not zero.constant or zero.dtype not in _QUANTIZED:
+        return "the zero point is not a uint8/int8 constant of the engine"
+    if int(_attr(step, "block_size", 0)) or int(_attr(step, "output_dtype", 0)) not in (0, 2, 3):
+        return "blocked quantization or another output type"
+    if step.op_type == "QuantizeLinear" and not int(_attr(step, "saturate", 1)):
+        return "saturate=0"
+    return True
+
+
+def _scaled_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape)}
+
+
+def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
+    scale, zero = float(constants[1].reshape(-1)[0]), constants[2]
+    quantize = step.op_type == "QuantizeLinear"
+    src, dst = (torch.float32, zero.dtype) if quantize else (zero.dtype, torch.float32)
+    z = int(zero.reshape(-1)[0])
+    primitives: dict = {}
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        channels_last = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=_CL)
+        if not channels_last:
+            x = x.contiguous()
+        key = (tuple(x.shape), channels_last)
+        with lock:
+            primitive = primitives.get(key)
+            if primitive is None:
+                if len(primitives) > _CACHED_SHAPES:
+                    primitives.pop(next(iter(primitives)))
+                primitive = primitives[key] = onednn_int8.ScaledReorder(list(x.shape), src, dst, scale, z,
+                                                                        channels_last)
+        return primitive(x)  # 4-D: channels-last
+
+    lock = threading.Lock()
+    return launch
+
+
+for _op, _dtypes in (("QuantizeLinear", (torch.float32,)), ("DequantizeLinear", _QUANTIZED)):
+    register(Tactic(
+        name=f"cpu.{'quantize' if _op == 'QuantizeLinear' else 'dequantize'}.onednn", op_type=_op, domain="",
+        device="cpu", dtypes=_dtypes, supports=_scaled_supports, configure=_scaled_configure,
+        prepare=_prepare_scaled, layout="channels_last", available=onednn.available,
+        description=f"{_op} per tensor as one oneDNN reorder with scale/zero-point attributes (NCHW -> NHWC too)",
+    ))
