@@ -193,6 +193,8 @@ def test_the_quantized_add_is_the_reference_within_one_step(activation):
     attrs = {"activation": activation, "alpha": 0.3, "beta": 4.1}
     want = lookup("QAdd", "kiln").fn(_ctx("QAdd", 8), *args, **attrs)
     _within_one_step(_tactic_output("cpu.qadd.torch", "QAdd", args, attrs), want)
+    if onednn.available():
+        _within_one_step(_tactic_output("cpu.qadd.onednn", "QAdd", args, attrs), want)
 
 
 def test_pair_overflow_is_possible_exactly_past_128():

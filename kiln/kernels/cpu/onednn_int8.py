@@ -29,8 +29,10 @@ from kiln.kernels.cpu.onednn import (
     ARG_DST,
     ARG_FROM,
     ARG_SRC,
+    ARG_SRC_1,
     ARG_TO,
     ARG_WEIGHTS,
+    BINARY_ADD,
     CONVOLUTION_DIRECT,
     ELTWISE,
     FORWARD_INFERENCE,
@@ -64,6 +66,9 @@ ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS = 4096, 8192  # DNNL_ARG_ATTR_SCALES / _ZE
 _EXTRA_SIGNATURES = {
     "dnnl_primitive_attr_set_scales_mask": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_attr_set_zero_points_mask": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
+    "dnnl_binary_primitive_desc_create": (ctypes.c_int, [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_int,
+                                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                         ctypes.c_void_p]),
 }
 _signed = threading.Lock()
 _ready = False
@@ -371,3 +376,76 @@ class ScaledReorder(_Quantized):
         else:
             y = torch.empty(self.output_size, dtype=self.out_dtype)
         return self._execute(x, y)
+
+
+class QAddBinary(_Quantized):
+    """kiln::QAdd of two same-size 8-bit tensors as one oneDNN binary add: the operands' scales as the
+    sources' scales, the zero points and the output's scale folded into a linear post-op, the
+    activation as a clip in output units, rounded and saturated by the 8-bit destination:
+
+        y = clip(k_a·a + k_b·b + c, lo, hi)    k_a = s_a/s_y, k_b = s_b/s_y, c = z_y − k_a·z_a − k_b·z_b
+    """
+
+    def __init__(self, size: list[int], a_dtype: torch.dtype, b_dtype: torch.dtype, y_dtype: torch.dtype,
+                 ka: float, kb: float, offset: float, low: float | None, high: float | None):
+        lib = _lib()
+        if "dnnl_binary_primitive_desc_create" not in _EXTRA_SIGNATURES:
+            raise OneDNNError("binary primitive not bound")
+        tag = TAG_ACDB if len(size) == 4 else {1: TAG_A, 2: TAG_AB, 3: TAG_ABC}[len(size)]
+        self.input_size = self.output_size = tuple(size)
+        self.out_dtype = y_dtype
+        self._src_md = memory_desc(list(size), a_dtype, tag)
+        self._src1_md = memory_desc(list(size), b_dtype, tag)
+        self._dst_md = memory_desc(list(size), y_dtype, tag)
+        attr = ctypes.c_void_p()
+        _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
+        self._attr = _Handle(attr, "dnnl_primitive_attr_destroy")
+        self._constants = []
+        for arg, k in ((ARG_SRC, ka), (ARG_SRC_1, kb)):
+            _check(lib.lib.dnnl_primitive_attr_set_scales_mask(attr, arg, 0), "binary source scale")
+            self._constants.append((ARG_ATTR_SCALES | arg, torch.tensor([k], dtype=torch.float32), F32))
+        post = ctypes.c_void_p()
+        _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
+        post_h = _Handle(post, "dnnl_post_ops_destroy")
+        _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE["linear"], 1.0, float(offset)), "offset post-op")
+        info = torch.iinfo(y_dtype)
+        lo = float(info.min) if low is None else max(float(info.min), low)
+        hi = float(info.max) if high is None else min(float(info.max), high)
+        _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE["clip"], lo, hi), "clip post-op")
+        _check(lib.lib.dnnl_primitive_attr_set_post_ops(attr, post), "set post ops")
+        del post_h
+        pd = ctypes.c_void_p()
+        _check(lib.lib.dnnl_binary_primitive_desc_create(ctypes.byref(pd), lib.engine, BINARY_ADD,
+                                                         self._src_md.value, self._src1_md.value, self._dst_md.value,
+                                                         attr), f"8-bit binary add {list(size)}")
+        self._pd, self._prim = _primitive(pd, "8-bit binary add")
+        self.implementation = _implementation(pd)
+        self.what = f"8-bit add {list(size)}"
+        self._scalars, fixed = [], []
+        for arg, value, _ in self._constants:
+            md = memory_desc([1], torch.float32, TAG_A)
+            self._scalars.append((md, value))
+            fixed.append((arg, _memory(md.value, value.data_ptr())))
+        self._fixed, self._lock = fixed, threading.Lock()
+        n = size
+        self._out_strides = (n[1] * n[2] * n[3], 1, n[3] * n[1], n[1]) if len(size) == 4 else None
+        self._per_call = self.bind(0, 0, 0)
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
+        roles = {"src": (ARG_SRC, self._src_md.value, src), "residual": (ARG_SRC_1, self._src1_md.value, residual or 0),
+                 "dst": (ARG_DST, self._dst_md.value, dst)}
+        return Bound(self._prim.value, roles, self._fixed, self.what, self)
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self._out_strides is not None:
+            y = torch.empty_strided(self.output_size, self._out_strides, dtype=self.out_dtype)
+        else:
+            y = torch.empty(self.output_size, dtype=self.out_dtype)
+        lib = _lib()
+        with self._lock:
+            bound = self._per_call
+            bound.rebind("src", a.data_ptr())
+            bound.rebind("residual", b.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            _check(lib.lib.dnnl_primitive_execute(bound.primitive, lib.stream, bound.nargs, bound.args), self.what)
+        return y

@@ -4,7 +4,8 @@
                        s8 weights reordered once, scales and zero points as attributes, Relu/Clip as a
                        post-op, the output requantized or float), NHWC activations
     cpu.qgemm.onednn   kiln::QGemm as a oneDNN int8 matmul over the rows of x [..., K]
-    cpu.qadd.torch     kiln::QAdd in float32 torch ops (two 8-bit reads, one 8-bit write)
+    cpu.qadd.onednn    kiln::QAdd of same-size operands as one oneDNN binary add on 8-bit tensors
+    cpu.qadd.torch     kiln::QAdd in float32 torch ops (any broadcast)
     cpu.pool.onednn_int8.MaxPool   MaxPool on 8-bit values (torch's uint8 max_pool2d fails on NHWC)
     cpu.quantize.onednn / cpu.dequantize.onednn   per-tensor Q / DQ as one scaled oneDNN reorder
 
@@ -301,18 +302,8 @@ def _qadd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _prepare_qadd(step: StepSpec, constants: list[Any], device: torch.device):
-    a_scale, a_zero, _, b_scale, b_zero, y_scale, y_zero = (c.reshape(()) if c is not None else None
-                                                             for c in constants[1:8])
-    # y = round(r / s_y) + z_y with r = s_a (a - z_a) + s_b (b - z_b): one multiply-add per operand
-    ka, kb = float(a_scale) / float(y_scale), float(b_scale) / float(y_scale)
-    offset = float(y_zero) - ka * float(a_zero) - kb * float(b_zero)
-    activation, alpha, beta = _activation(step)
-    # the activation bounds r, before rounding: in units of y, r / s_y + z_y
-    low = float(y_zero) if activation == "Relu" else alpha / float(y_scale) + float(y_zero) \
-        if activation == "Clip" else None
-    high = beta / float(y_scale) + float(y_zero) if activation == "Clip" else None
-    info = torch.iinfo(y_zero.dtype)
-    out = y_zero.dtype
+    ka, kb, offset, low, high, out = _qadd_coefficients(step, constants)
+    info = torch.iinfo(out)
 
     def launch(ctx, a, a_s, a_z, b, *_inputs, **_attributes):
         y = torch.mul(a, ka)  # float32, a's layout
@@ -328,6 +319,61 @@ register(Tactic(
     name="cpu.qadd.torch", op_type="QAdd", domain="kiln", device="cpu", dtypes=_QUANTIZED,
     supports=_qadd_supports, prepare=_prepare_qadd,
     description="quantized Add in float32 torch ops: r/s_y = k_a·a + k_b·b + offset, rounded and saturated",
+))
+
+
+def _qadd_onednn_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    base = _qadd_supports(step, inputs)
+    if base is not True:
+        return base
+    a, b = inputs[0], inputs[3]
+    if a.shape != b.shape or not 1 <= len(a.shape) <= 4:
+        return "the operands' shapes differ (broadcast) or their rank is not 1 to 4"
+    return True
+
+
+def _qadd_coefficients(step: StepSpec, constants: list[Any]) -> tuple[float, float, float, float | None,
+                                                                       float | None, torch.dtype]:
+    """(k_a, k_b, offset, low, high, output dtype): y = clip(k_a·a + k_b·b + offset, low, high) in output
+    units, the activation's bounds (None: the type's) before rounding."""
+    a_scale, a_zero, _, b_scale, b_zero, y_scale, y_zero = (c.reshape(()) if c is not None else None
+                                                             for c in constants[1:8])
+    ka, kb = float(a_scale) / float(y_scale), float(b_scale) / float(y_scale)
+    offset = float(y_zero) - ka * float(a_zero) - kb * float(b_zero)
+    activation, alpha, beta = _activation(step)
+    low = float(y_zero) if activation == "Relu" else alpha / float(y_scale) + float(y_zero) \
+        if activation == "Clip" else None
+    high = beta / float(y_scale) + float(y_zero) if activation == "Clip" else None
+    return ka, kb, offset, low, high, y_zero.dtype
+
+
+def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.device):
+    ka, kb, offset, low, high, out = _qadd_coefficients(step, constants)
+    primitives: dict = {}
+    lock = threading.Lock()
+
+    def launch(ctx, a, a_s, a_z, b, *_inputs, **_attributes):
+        layout = _CL if a.dim() == 4 else torch.contiguous_format
+        a, b = a.contiguous(memory_format=layout), b.contiguous(memory_format=layout)
+        key = (tuple(a.shape), a.dtype, b.dtype)
+        with lock:
+            primitive = primitives.get(key)
+            if primitive is None:
+                if len(primitives) > _CACHED_SHAPES:
+                    primitives.pop(next(iter(primitives)))
+                primitive = primitives[key] = onednn_int8.QAddBinary(list(a.shape), a.dtype, b.dtype, out, ka, kb,
+                                                                     offset, low, high)
+        return primitive(a, b)
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.qadd.onednn", op_type="QAdd", domain="kiln", device="cpu", dtypes=_QUANTIZED,
+    supports=_qadd_onednn_supports, prepare=_prepare_qadd_onednn, layout="channels_last", available=onednn.available,
+    description="quantized Add as one oneDNN binary add on 8-bit tensors: scales, offset and activation as attributes",
 ))
 
 
