@@ -180,6 +180,7 @@ def test_the_int8_matmul_is_the_reference_within_one_step(rows, quantized_out):
     attrs = {"activation": "Relu", "alpha": 0.0, "beta": 0.0}
     want = lookup("QGemm", "kiln").fn(_ctx("QGemm", 9), *args, **attrs)
     _within_one_step(_tactic_output("cpu.qgemm.onednn", "QGemm", args, attrs), want)
+    _within_one_step(_tactic_output("cpu.qgemm.dequantized", "QGemm", args, attrs), want)
 
 
 @pytest.mark.parametrize("activation", ["", "Relu", "Clip"])

@@ -4,6 +4,7 @@
                        s8 weights reordered once, scales and zero points as attributes, Relu/Clip as a
                        post-op, the output requantized or float), NHWC activations
     cpu.qgemm.onednn   kiln::QGemm as a oneDNN int8 matmul over the rows of x [..., K]
+    cpu.qconv.dequantized / cpu.qgemm.dequantized   the float layer (dequantize, float kernel, quantize)
     cpu.qadd.onednn    kiln::QAdd of same-size operands as one oneDNN binary add on 8-bit tensors
     cpu.qadd.torch     kiln::QAdd in float32 torch ops (any broadcast)
     cpu.pool.onednn_int8.MaxPool   MaxPool on 8-bit values (torch's uint8 max_pool2d fails on NHWC)
@@ -286,6 +287,58 @@ register(Tactic(
     name="cpu.qgemm.onednn", op_type="QGemm", domain="kiln", device="cpu", dtypes=(torch.uint8,),
     supports=_qgemm_supports, configure=_configure, prepare=_prepare_qgemm, available=onednn.available,
     description="oneDNN int8 matmul built at load: u8 rows, s8 weights, scales/zero points as attributes",
+))
+
+
+def _qgemm_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not onednn.available():
+        return "libdnnl.so.3 cannot be loaded"
+    for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
+        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
+            return f"{name} is not a constant of the engine"
+    x, w = inputs[0], inputs[3]
+    if len(w.shape) != 2 or w.dtype not in _QUANTIZED or len(x.shape) < 2 or x.shape[-1] != w.shape[1]:
+        return f"input {list(x.shape)} and weight {list(w.shape)} are not [..., K] and an 8-bit [N, K]"
+    if int(_attr(step, "output_dtype", 1)) != 1 and (len(inputs) <= 6 or inputs[6].shape is None):
+        return "a float output other than float32"
+    if isinstance(onednn.eltwise_for(*_activation(step)), str):
+        return f"activation {_attr(step, 'activation', '')!r}"
+    return True
+
+
+def _dequantized_gemm(step: StepSpec, constants: list[Any], device: torch.device):
+    """QGemm as its float layer: x dequantized, oneDNN's float32 inner product on the dequantized weight,
+    the result quantized (weights past 7 bits on a CPU without VNNI; or wherever that is faster)."""
+    x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
+    bias = constants[8] if len(constants) > 8 else None
+    s_x, z_x = float(x_scale.reshape(-1)[0]), float(x_zero.reshape(-1)[0])
+    scale = onednn_int8.combined_scales(s_x, w_scale)
+    w_real = ((w.to(torch.float64) - w_zero.to(torch.float64).reshape(-1, 1)) *
+              w_scale.to(torch.float64).reshape(-1, 1)).to(torch.float32)  # [N, K]
+    b_real = None if bias is None else (bias.to(torch.float64) * scale).to(torch.float32)
+    eltwise = onednn.eltwise_for(*_activation(step))
+    quantize = _quantizer(constants)
+    n = int(w.shape[0])
+    tuned = math.prod(step.tactic_config["input_size"][:-1])
+    primitives = {tuned: onednn_primitives.InnerProduct(w_real, b_real, tuned, eltwise, False, False)}
+    lock = threading.Lock()
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        xf = x.reshape(rows, x.shape[-1]).to(torch.float32).sub_(z_x).mul_(s_x)  # [M, K]
+        with lock:
+            primitive = _built(primitives, rows, lambda r: onednn_primitives.InnerProduct(
+                w_real, b_real, r, eltwise, False, False), tuned)
+        return quantize(primitive(xf)).reshape(*lead, n)
+
+    return launch
+
+
+register(Tactic(
+    name="cpu.qgemm.dequantized", op_type="QGemm", domain="kiln", device="cpu", dtypes=_QUANTIZED,
+    supports=_qgemm_float_supports, configure=_configure, prepare=_dequantized_gemm, available=onednn.available,
+    description="the float layer: dequantize, float32 oneDNN inner product of the dequantized weight, quantize",
 ))
 
 
