@@ -246,9 +246,9 @@ def test_torch_compile_backend_kiln():
     fast = torch.compile(model, backend=spy)
     x = torch.randn(3, 12)
     _same(fast(x), model(x))
-    (compiled_module, _), = captured[0].compiled.values()
+    compiled_module, = captured[0].compiled.values()
     engine_inputs = compiled_module.engines[0].inputs  # x alone: no weight among them
-    assert len(engine_inputs) == 1 and engine_inputs[0].shape == [3, 12]
+    assert len(engine_inputs) == 1 and engine_inputs[0].shape[1:] == [12]  # dynamo may have made rows dynamic
     # the custom op: dynamo hands the backend the graph with it, and kiln falls back around it
     model = _seeded(WithCustomOp)
     fast = torch.compile(model, backend="kiln")

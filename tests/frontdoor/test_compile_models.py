@@ -20,16 +20,16 @@ IMAGE = {"pixel_values": {0: (1, 2, 4)}}
 IMAGE_SHAPES = [(2, 0), (1, 0), (4, 0), (3, 0)]
 
 # name, dynamic ranges, (batch, seq) shapes inside them, tolerance (rtol, atol) in float32.
-# Tiny: a few fp32 layers summed in another order than torch's. Full size: 12-50 layers; BN folded into
-# ResNet-50's convolutions and fused epilogues round differently; BERT's hidden states are LayerNorm outputs
-# (unit scale), GPT-2's logits and ResNet-50's are larger (tens), hence the absolute parts.
+# Tiny: a few fp32 layers summed in another order than torch's. Full size (12-50 layers; BN folded into
+# ResNet-50's convolutions, fused epilogues) measured here: max errors 4e-6 on BERT-base's hidden states
+# (up to 5), 5e-6 on GPT-2's logits (up to 3), 1.4e-4 on ResNet-50's logits (up to 86).
 CASES = [
     ("gpt2_tiny", TEXT, TEXT_SHAPES[:3], (1e-4, 1e-4)),
     ("bert_tiny", MASKED, TEXT_SHAPES[:3], (1e-4, 1e-4)),
     ("resnet_tiny", IMAGE, IMAGE_SHAPES[:3], (1e-4, 1e-4)),
 ]
 FULL = [
-    ("resnet50", IMAGE, IMAGE_SHAPES, (1e-3, 1e-3)),
+    ("resnet50", IMAGE, IMAGE_SHAPES, (1e-4, 1e-3)),  # logits up to ~90: 1e-3 is ~1e-5 of their scale
     ("bert_base", MASKED, TEXT_SHAPES, (1e-4, 1e-4)),
     ("gpt2", TEXT, TEXT_SHAPES, (1e-4, 1e-4)),
 ]
