@@ -304,7 +304,10 @@ class InnerProduct:
     [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int, eltwise: Eltwise | None,
-                 residual: bool, residual_after_activation: bool):
+                 residual: bool, residual_after_activation: bool, weight_from: InnerProduct | None = None):
+        """`weight_from`: the same layer at another row count; its packed weight is taken as it is when
+        oneDNN has a kernel for that layout at these rows (no second copy, no reorder: a BERT-base at a
+        new sequence length binds its 48 GEMMs in milliseconds instead of re-packing 340 MB)."""
         lib = load()
         self._lib = lib
         n, k = w.shape
@@ -314,14 +317,29 @@ class InnerProduct:
         w_any, w_user = memory_desc([n, k], TAG_ANY), memory_desc([n, k], TAG_AB)
         b_md = memory_desc([n], TAG_A) if b is not None else None
         attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation, False, dst_md)
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_inner_product_forward_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, w_any.value,
-            b_md.value if b_md is not None else None, dst_md.value, attr_h.value),
-            f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
+
+        def create(weights_md) -> ctypes.c_void_p | None:
+            pd = ctypes.c_void_p()
+            status = lib.lib.dnnl_inner_product_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, weights_md,
+                b_md.value if b_md is not None else None, dst_md.value, attr_h.value)
+            return pd if status == 0 else None
+
+        shared = weight_from._weight_md if weight_from is not None else None
+        pd = create(shared) if shared is not None else None
+        if pd is None:
+            shared = None
+            pd = create(w_any.value)
+            if pd is None:
+                _check(3, f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
         self._pd, self._prim = _primitive(pd, "inner product")
         self.implementation = _implementation(pd)
-        self._weight, w_md = packed_weight(pd, w_user, w)
+        if shared is not None:
+            self._weight, w_md = weight_from._weight, shared
+        else:
+            self._weight, w_md = packed_weight(pd, w_user, w)
+        self._weight_md = w_md
+        self._weight_owner = weight_from if shared is not None else None  # keeps the md's owner alive
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
         self._w_mem = _memory(w_md, self._weight.data_ptr())
         self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None

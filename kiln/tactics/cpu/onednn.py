@@ -340,13 +340,16 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     after = bool(_attr(step, "residual_after_activation", 1))
     tuned = tuple(step.tactic_config["input_size"])
 
-    def build(rows: int) -> onednn_primitives.InnerProduct:
-        return onednn_primitives.InnerProduct(w, b, rows, eltwise, with_residual, after)
-
     def rows_of(size: tuple[int, ...]) -> int:
         return math.prod(size[:-1])
 
-    primitives = {rows_of(tuned): build(rows_of(tuned))}
+    def build(rows: int) -> onednn_primitives.InnerProduct:
+        # another row count reads the tuned primitive's packed weight when oneDNN takes its layout
+        return onednn_primitives.InnerProduct(w, b, rows, eltwise, with_residual, after,
+                                              weight_from=primitives.get(rows_of(tuned)))
+
+    primitives: dict[int, onednn_primitives.InnerProduct] = {}
+    primitives[rows_of(tuned)] = build(rows_of(tuned))
     n = int(w.shape[0])
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
