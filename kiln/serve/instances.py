@@ -25,7 +25,8 @@ polling for the answer (tens of microseconds of CPU, far more wall time on a loa
 thread's Python competes with the event loop for the GIL. A CPU instance whose calls take less than
 INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batches on the loop
 itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
-this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py).
+this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py
+--inproc). A call inline holds the loop for its duration: at most about INLINE_NS.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ from kiln import Engine
 
 log = logging.getLogger("kiln.serve")
 
-INLINE_NS = 100_000  # CPU calls averaging less CPU time than this run on the event loop
+# CPU calls averaging less CPU time than this run on the event loop: about what a hand-off to the thread
+# and back cost the process on a 2-core VM (in-process, an empty model: 360-440 us of CPU per request
+# through the thread, 190-216 us inline), so an inline call costs no more CPU than the hand-off it saves
+INLINE_NS = 200_000
 INLINE_AFTER = 16  # calls measured first (the first calls of a shape bind and allocate: they are slow)
 
 
