@@ -21,7 +21,6 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import numpy as np
 import torch
 
 from kiln.kernels.cpu.onednn import (
@@ -284,10 +283,6 @@ class QMatMul(_Quantized):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] contiguous of the built size and dtype -> y [M, N]."""
         return self._execute(x, torch.empty(self.output_size, dtype=self.out_dtype))
-
-
-def as_int(value) -> int:
-    return int(np.asarray(value).reshape(-1)[0])
 
 
 class MaxPool2d(_Quantized):
