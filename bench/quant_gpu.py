@@ -1,0 +1,445 @@
+"""INT8 / FP8 on the GPU, side by side with FP16 (issue 12): per layer, then whole engines.
+
+    python3 bench/quant_gpu.py [--sections layers,engines] [--engines resnet50_b256,bert_b64]
+                               [--opt-level 2] [--quick] [--row-timeout 1500] [--out DIR]
+
+layers:  every CUDA tactic of kiln::QConv / kiln::QGemm (kiln/tactics/cuda/quant_*.py) at ResNet-50 conv
+         shapes (batch 256, NHWC) and BERT-base GEMM shapes (64 x 384 tokens), int8 and FP8, against the FP16
+         layer through torch (cuDNN / cuBLAS). Each tactic's output is first compared with the float layer
+         on the dequantized values (cuda.q*.dequantized_fp32 / the fp32 GEMM): more than one step off on
+         over 1% of the outputs marks its row WRONG. Milliseconds per call: 20 calls in one CUDA graph,
+         median of 10 replays.
+engines: ResNet-50 batch 256 and BERT-base 64 x 384 (random weights, kiln.zoo): torch fp16 eager, kiln
+         fp16, and kiln on onnxruntime quantize_static QDQ models (int8 S8S8 per-channel MinMax; FP8
+         E4M3), calibrated on 2 small random batches of a dynamic-batch export; accuracy against torch
+         fp32 (ResNet: top-1 agreement; BERT: worst cosine of the hidden states). Each engine row runs
+         in its own process under --row-timeout: a failing or hanging row is a row.
+
+Prints the tables last and writes them to DIR/quant_gpu.md (log: DIR/quant_gpu.log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FP8 = torch.float8_e4m3fn
+# (name, Cin, Cout, input H = W, kernel, stride): ResNet-50's conv kinds, batch 256
+CONVS = [("stem 7x7/2 3->64", 3, 64, 224, 7, 2), ("3x3 64->64 @56", 64, 64, 56, 3, 1),
+         ("1x1 64->256 @56", 64, 256, 56, 1, 1), ("1x1 256->64 @56", 256, 64, 56, 1, 1),
+         ("3x3/2 128->128 @56", 128, 128, 56, 3, 2), ("3x3 128->128 @28", 128, 128, 28, 3, 1),
+         ("1x1 512->128 @28", 512, 128, 28, 1, 1), ("3x3 256->256 @14", 256, 256, 14, 3, 1),
+         ("1x1 1024->256 @14", 1024, 256, 14, 1, 1), ("3x3 512->512 @7", 512, 512, 7, 3, 1),
+         ("1x1 2048->512 @7", 2048, 512, 7, 1, 1)]
+# (name, K, N): BERT-base's GEMMs at 64 x 384 tokens
+GEMMS = [("qkv 768->2304", 768, 2304), ("attn-out 768->768", 768, 768), ("ffn1 768->3072", 768, 3072),
+         ("ffn2 3072->768", 3072, 768)]
+CONV_BATCH, TOKENS = 256, 64 * 384
+DEVICE = "cuda"  # --dry-run: "cpu", tiny shapes, Triton under its interpreter (checks this script, times nothing)
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
+    if DEVICE != "cuda":
+        return _host_ms(fn)
+    from gpu import graph_ms as _graph_ms  # bench/gpu.py: warm-up outside the capture, median of replays
+    return _graph_ms(fn, calls, replays)
+
+
+def _host_ms(fn, runs: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ---- per layer -------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class QLayer:
+    """One quantized layer on the device, in kiln::QConv / QGemm's input order."""
+
+    op_type: str
+    args: list
+    attributes: dict
+
+    def step(self):
+        from kiln.plan.spec import StepSpec
+        inputs = [f"in{i}" if a is not None else "" for i, a in enumerate(self.args)]
+        return StepSpec(op_type=self.op_type, name="layer", inputs=inputs, outputs=["y"],
+                        attributes=dict(self.attributes), domain="kiln", opset=1)
+
+    def metas(self):
+        from kiln.tactics.tactic import InputMeta
+        return [InputMeta.of(a, i > 0) for i, a in enumerate(self.args)]
+
+
+def _quantized(shape, dtype, gen) -> torch.Tensor:
+    if dtype == FP8:
+        return torch.randn(shape, device=DEVICE, generator=gen).to(FP8)
+    return torch.randint(-128, 128, shape, device=DEVICE, generator=gen, dtype=torch.int8)
+
+
+def make_layer(op: str, spec: tuple, dtype: torch.dtype, seed: int = 0) -> QLayer:
+    """Random 8-bit operands; y_scale puts typical outputs mid-range (values do not change the timing)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    zero = lambda shape=(): torch.zeros(shape, dtype=dtype, device=DEVICE)  # noqa: E731
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=DEVICE)  # noqa: E731
+    if op == "QConv":
+        _, cin, cout, size, kernel, stride = spec
+        x = _quantized((CONV_BATCH, cin, size, size), dtype, gen).contiguous(memory_format=torch.channels_last)
+        w = _quantized((cout, cin, kernel, kernel), dtype, gen)
+        k = cin * kernel * kernel
+        attributes = {"kernel_shape": [kernel] * 2, "strides": [stride] * 2, "pads": [kernel // 2] * 4,
+                      "dilations": [1, 1], "group": 1}
+    else:
+        _, k, cout = spec
+        x = _quantized((TOKENS, k), dtype, gen)
+        w = _quantized((cout, k), dtype, gen)
+        attributes = {}
+    w_scale = torch.rand(cout, device=DEVICE, generator=gen) * 0.01 + 0.002
+    bias = torch.randint(-3000, 3000, (cout,), device=DEVICE, generator=gen, dtype=torch.int32)
+    # |Σ x·w| ~ √K·E|x|·E|w| (int8 uniform: 74 each; FP8 of N(0, 1): 1): outputs ~30 steps from 0
+    y_scale = 0.02 * 0.007 * math.sqrt(k) * (1.0 if dtype == FP8 else 74.0 * 74.0) / 30.0
+    args = [x, f32(0.02), zero(), w, w_scale, zero((cout,)), f32(y_scale), zero(), bias]
+    return QLayer(op, args, {**attributes, "activation": "Relu", "alpha": 0.0, "beta": 0.0, "output_dtype": 1})
+
+
+def _fp16_layer(op: str, spec: tuple):
+    """The FP16 layer through torch (cuDNN channels-last conv / cuBLAS GEMM) with its bias and ReLU."""
+    import torch.nn.functional as F
+    half = {"device": DEVICE, "dtype": torch.float16}
+    if op == "QConv":
+        _, cin, cout, size, kernel, stride = spec
+        x = torch.randn(CONV_BATCH, cin, size, size, **half).contiguous(memory_format=torch.channels_last)
+        w = (torch.randn(cout, cin, kernel, kernel, **half) * 0.05).contiguous(memory_format=torch.channels_last)
+        b = torch.randn(cout, **half)
+        return lambda: F.relu(F.conv2d(x, w, b, stride, kernel // 2), inplace=True)
+    _, k, n = spec
+    x = torch.randn(TOKENS, k, **half)
+    w = torch.randn(n, k, **half) * 0.05
+    b = torch.randn(n, **half)
+    return lambda: torch._addmm_activation(b, x, w.t())
+
+
+def _wrong_share(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Share of outputs more than one step from the float layer's (E4M3: one grid spacing)."""
+    g, w = got.float(), want.float()
+    if got.dtype == FP8:
+        unit = torch.exp2(torch.floor(torch.log2(torch.maximum(g.abs(), w.abs()).clamp_min(2.0**-6))) - 3)
+    else:
+        unit = torch.ones((), device=g.device)
+    return float(((g - w).abs() > unit * 1.001).float().mean())
+
+
+def bench_layers(opt_level: int, quick: bool, log) -> list[dict]:
+    from kiln.ops.registry import OpContext
+    from kiln.tactics import registry
+
+    rows = []
+    layers = [("QConv", s) for s in (CONVS[1:3] + CONVS[-2:-1] if quick else CONVS)]
+    layers += [("QGemm", s) for s in (GEMMS[:1] if quick else GEMMS)]
+    for op, spec in layers:
+        row = {"op": op, "layer": spec[0], "tactics": {}}
+        try:
+            row["fp16"] = graph_ms(_fp16_layer(op, spec))
+        except Exception as e:  # noqa: BLE001  a failing baseline is reported in its row
+            row["fp16_error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        for dtype, label in ((torch.int8, "int8"), (FP8, "fp8")):
+            try:
+                layer = make_layer(op, spec, dtype)
+            except Exception as e:  # noqa: BLE001
+                row["tactics"][f"({label} layer)"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+                continue
+            step, metas, attrs = layer.step(), layer.metas(), layer.attributes
+            ctx = OpContext("layer", op, domain="kiln", num_inputs=len(layer.args))
+            reference_name = "cuda.qconv.dequantized_fp32" if op == "QConv" else "cuda.qgemm.triton.128x128x128"
+            reference = None
+            names = [t.name for t in registry.candidates(op, "kiln", "cuda", opt_level)]
+            names.sort(key=lambda n: n != reference_name)  # the reference first
+            for name in names:
+                tactic = registry.get(name)
+                key = f"{label} {name}"
+                ok = tactic.check(step, metas)
+                if ok is not True:
+                    continue
+                start = time.perf_counter()
+                try:
+                    launch = tactic.prepare(dataclasses.replace(step, tactic=name), [None] + layer.args[1:],
+                                            torch.device(DEVICE))
+                    args = [tactic.to_layout(a) for a in layer.args]
+                    out = launch(ctx, *args, **attrs)
+                    _sync()
+                    note = ""
+                    if reference is None:
+                        reference = out
+                    elif (share := _wrong_share(out, reference)) > 0.01:
+                        note = f" WRONG ({share:.1%} more than a step from {reference_name})"
+                    ms = graph_ms(lambda launch=launch, args=args: launch(ctx, *args, **attrs))
+                    row["tactics"][key] = ms if not note else f"{ms:.3f} ms{note}"
+                    log(f"{op} {spec[0]}: {key} {ms:.3f} ms{note} ({time.perf_counter() - start:.1f} s)")
+                except Exception as e:  # noqa: BLE001  a failing tactic is a cell, not the end of the run
+                    row["tactics"][key] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                    log(f"{op} {spec[0]}: {key} failed: {type(e).__name__}: {e}")
+            del layer, reference
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def _best(row: dict, label: str) -> tuple[str, float] | None:
+    timed = [(n.split(" ", 1)[1], v) for n, v in row["tactics"].items() if n.startswith(label + " ")
+             and isinstance(v, float)]
+    return min(timed, key=lambda t: t[1]) if timed else None
+
+
+def layers_table(rows: list[dict]) -> list[str]:
+    lines = ["| layer | fp16 (cuDNN/cuBLAS) ms | best int8 ms | int8 vs fp16 | best fp8 ms | fp8 vs fp16 |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r['op']} {r['layer']}", f"{r['fp16']:.3f}" if "fp16" in r else r.get("fp16_error", "—")]
+        for label in ("int8", "fp8"):
+            best = _best(r, label)
+            if best is None:
+                cells += ["—", "—"]
+                continue
+            cells += [f"{best[1]:.3f} ({best[0].removeprefix('cuda.')})",
+                      f"{r['fp16'] / best[1]:.2f}×" if "fp16" in r else "—"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "every tactic (ms, or what happened):", ""]
+    for r in rows:
+        lines.append(f"- {r['op']} {r['layer']}: " + ", ".join(
+            f"{n.removeprefix('int8 ').removeprefix('fp8 ')} [{n.split(' ')[0]}] "
+            f"{v:.3f}" if isinstance(v, float) else f"{n} {v}" for n, v in r["tactics"].items()))
+    return lines
+
+
+# ---- whole engines (one process per row) -------------------------------------------------------------------
+
+ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
+HALF = "fp16"  # kiln's float precision around the 8-bit layers
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8")
+
+
+def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_types: list[str] | None) -> None:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(feeds)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    fp8 = mode == "kiln_fp8"
+    kind = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
+    quantize_static(fp32_path, out_path, Reader(), quant_format=QuantFormat.QDQ, activation_type=kind,
+                    weight_type=kind, per_channel=not fp8, op_types_to_quantize=op_types,
+                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax)
+
+
+def _accuracy(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
+    got, want = got.float().flatten(1), want.float().flatten(1)
+    error = float((got - want).abs().max() / want.abs().max())
+    if name.startswith("resnet"):
+        return f"top-1 = fp32 on {float((got.argmax(1) == want.argmax(1)).float().mean()):.1%}, max err {error:.2g}"
+    cosine = torch.nn.functional.cosine_similarity(got, want, dim=1)
+    return f"cosine vs fp32 >= {float(cosine.min()):.4f}"
+
+
+def engine_row(key: str, mode: str, opt_level: int) -> dict:
+    """One (workload, mode) measurement in this process: ms per batch, throughput, accuracy vs torch fp32."""
+    import kiln
+    from kiln import zoo
+    from kiln.zoo.models import make_inputs
+
+    name, batch, seq = ENGINES[key]
+    row: dict = {"workload": key, "mode": mode}
+    feeds = make_inputs(zoo.get(name), batch=batch, seq=seq or 0, seed=0)
+    dev = {k: torch.from_numpy(v).to(DEVICE) for k, v in feeds.items()}
+    module = zoo.torch_model(name).to(DEVICE).eval()
+    with torch.inference_mode():
+        want = _first(module(**dev)).float()
+    if mode == "torch_fp16":
+        m16 = module.half()
+        dev16 = {k: v.half() if v.is_floating_point() else v for k, v in dev.items()}
+        with torch.inference_mode():
+            got = _first(m16(**dev16)).float()
+            row["ms"] = _median_ms(lambda: m16(**dev16))
+        row["accuracy"] = _accuracy(name, got, want)
+        return row
+    del module
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    start = time.perf_counter()
+    exported = zoo.export(name, batch=batch, seq=seq, dynamic=True)
+    path = str(exported.path)
+    shapes = {k: list(v.shape) for k, v in feeds.items()}  # one fixed profile: the benchmark's shape
+    build = {"device": DEVICE, "opt_level": opt_level, "shapes": shapes,
+             "profiles": [{k: [shape, shape, shape] for k, shape in shapes.items()}]}
+    if mode == "kiln_fp16":
+        engine = kiln.build(path, precision=HALF, **build)
+    else:
+        calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
+        with tempfile.TemporaryDirectory() as tmp:
+            qdq = os.path.join(tmp, "qdq.onnx")
+            # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
+            _ort_qdq(path, qdq, calibration, mode, ["MatMul", "Gemm"] if seq else None)
+            row["quantize_s"] = time.perf_counter() - start
+            engine = kiln.build(qdq, precision=HALF, **build)  # float layers between the 8-bit ones in fp16
+    row["build_s"] = time.perf_counter() - start
+    steps = engine.plan.program.steps
+    quantized = [s for s in steps if s.op_type in ("QConv", "QGemm", "QAdd")]
+    row["layers"] = f"{sum(s.tactic.startswith('cuda.q') for s in quantized)}/{len(quantized)} on 8-bit kernels"
+    ctx = engine.create_execution_context()
+    got = next(iter(ctx.run(dev).values()))
+    row["accuracy"] = _accuracy(name, got, want)
+    row["ms"] = _median_ms(lambda: ctx.run(dev))
+    return row
+
+
+def _first(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    return logits if logits is not None else out.last_hidden_state
+
+
+def _median_ms(fn) -> float:
+    from gpu import time_cuda  # bench/gpu.py: CUDA events around each call after a warm-up
+    with torch.inference_mode():
+        return statistics.median(time_cuda(fn, warmup=5, iters=20)) if DEVICE == "cuda" else _host_ms(fn)
+
+
+def bench_engines(keys: list[str], timeout: int, opt_level: int, log) -> list[dict]:
+    rows = []
+    for key in keys:
+        for mode in MODES:
+            start = time.perf_counter()
+            command = [sys.executable, __file__, "--engine-row", f"{key}:{mode}", "--opt-level", str(opt_level)]
+            command += ["--dry-run"] if DEVICE != "cuda" else []
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                result = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
+                row = json.loads(result[-1][4:]) if result else \
+                    {"workload": key, "mode": mode, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:200]}
+            except subprocess.TimeoutExpired:
+                row = {"workload": key, "mode": mode, "error": f"timed out after {timeout} s"}
+            log(f"{key} {mode}: {row} ({time.perf_counter() - start:.0f} s)")
+            rows.append(row)
+    return rows
+
+
+def engines_table(rows: list[dict]) -> list[str]:
+    lines = ["| workload | mode | ms / batch | items/s | vs kiln fp16 | vs torch fp16 | accuracy | 8-bit layers | build s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['workload']} | {r['mode']} | failed: {r['error']} ||||||| ")
+            continue
+        batch = ENGINES[r["workload"]][1]
+        base = {m["mode"]: m.get("ms") for m in rows if m["workload"] == r["workload"] and "ms" in m}
+        ratio = lambda mode: f"{base[mode] / r['ms']:.2f}×" if base.get(mode) else "—"  # noqa: E731
+        lines.append(f"| {r['workload']} | {r['mode']} | {r['ms']:.2f} | {batch * 1e3 / r['ms']:,.0f} | "
+                     f"{ratio('kiln_fp16')} | {ratio('torch_fp16')} | {r.get('accuracy', '—')} | "
+                     f"{r.get('layers', '—')} | {r.get('build_s', 0):.0f} |")
+    return lines
+
+
+def dry_run() -> None:
+    """Tiny layers and engines on the CPU (Triton under its interpreter): every path of this script runs."""
+    global DEVICE, CONV_BATCH, TOKENS, CONVS, GEMMS, HALF
+    os.environ["TRITON_INTERPRET"] = "1"
+    DEVICE, CONV_BATCH, TOKENS, HALF = "cpu", 1, 40, "fp32"
+    CONVS, GEMMS = [("3x3 48->64 @8", 48, 64, 8, 3, 1)], [("gemm 128->96", 128, 96)]
+    ENGINES.clear()
+    ENGINES.update({"resnet_tiny_b2": ("resnet_tiny", 2, None), "bert_tiny_b2": ("bert_tiny", 2, 16)})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="layers,engines")
+    ap.add_argument("--engines", default="", help="default: " + ",".join(ENGINES))
+    ap.add_argument("--opt-level", type=int, default=2, help="3: every tile config (slower to compile)")
+    ap.add_argument("--quick", action="store_true", help="a few layers only")
+    ap.add_argument("--row-timeout", type=int, default=1500, help="seconds per engine row (its own process)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--engine-row", help=argparse.SUPPRESS)  # key:mode, run by bench_engines in a child
+    ap.add_argument("--dry-run", action="store_true", help="on the CPU at tiny shapes: checks the script, times nothing")
+    args = ap.parse_args()
+    if args.dry_run:
+        dry_run()
+    if args.engine_row:
+        key, mode = args.engine_row.split(":")
+        try:
+            row = engine_row(key, mode, args.opt_level)
+        except Exception as e:  # noqa: BLE001  the parent prints it as the row
+            traceback.print_exc()
+            row = {"workload": key, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:160]}"}
+        print("ROW " + json.dumps(row), flush=True)
+        return
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "quant_gpu.log"), "a")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    sections = args.sections.split(",")
+    commit = os.environ.get("KILN_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                                             capture_output=True, text=True).stdout.strip()
+    where = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU dry run (Triton interpreter), not timings"
+    lines = [f"# INT8 / FP8 vs FP16, {where}, torch {torch.__version__}",
+             f"commit {commit or '?'}, {datetime.date.today().isoformat()}, opt_level {args.opt_level}", ""]
+    if "layers" in sections:
+        try:
+            rows = bench_layers(args.opt_level, args.quick, log)
+            lines += [f"## layers (ResNet-50 convs at batch {CONV_BATCH}, BERT-base GEMMs at {TOKENS} tokens), "
+                      "ms per call in CUDA graphs", ""] + layers_table(rows) + [""]
+        except Exception:  # noqa: BLE001
+            log("layers section failed:\n" + traceback.format_exc())
+    if "engines" in sections:
+        rows = bench_engines((args.engines or ",".join(ENGINES)).split(","), args.row_timeout, args.opt_level, log)
+        lines += ["## engines (median ms per batch, CUDA events; int8/fp8 from onnxruntime QDQ models)", ""]
+        lines += engines_table(rows)
+    table = "\n".join(lines)
+    print("\n" + table)
+    with open(os.path.join(args.out, "quant_gpu.md"), "w") as f:
+        f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

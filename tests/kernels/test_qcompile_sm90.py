@@ -1,0 +1,119 @@
+"""kiln's quantized Triton kernels lowered through Triton's real compiler to sm_90 cubins (no GPU needed):
+the interpreter accepts code the compiler rejects, and cannot say which instructions the H200 would run.
+Checked here: 8-bit tiles of 64 rows and more become Hopper's wgmma (s8.s8 -> s32, e4m3.e4m3 -> f32), not
+an fp16 fallback; the epilogue's round-half-to-even constant (1.5·2^23) survives the compiler (no
+fast-math folding of (v + c) − c); shared memory fits the SM.
+
+    python -m tests.kernels.test_qcompile_sm90      one line per kernel (as tests/kernels/compile_sm90.py)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+WGMMA_INT8, WGMMA_FP8 = "wgmma.mma_async.sync.aligned.m64n{}k32.s32.s8.s8", "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.e4m3"
+ROUNDING = "0f4B400000"  # 12582912.0 = 1.5·2^23 in PTX
+
+
+def cases():
+    from kiln.kernels.cuda.triton import qconv, qelementwise, qgemm
+
+    dtype = {"int8": "i8", "uint8": "u8", "fp8": "fp8e4nv", "fp16": "fp16", "fp32": "fp32", "i32": "i32"}
+    out_kind = {"int8": 1, "uint8": 1, "fp8": 2, "fp16": 0, "fp32": 0}
+    configs = {c.name: c for c in qgemm.QGEMM_CONFIGS}
+    for x, out, config, wgmma in (("int8", "int8", "128x128x128", WGMMA_INT8.format(128)),
+                                  ("uint8", "uint8", "64x128x128", WGMMA_INT8.format(128)),
+                                  ("fp8", "fp8", "128x256x128", WGMMA_FP8.format(256)),
+                                  ("fp8", "fp16", "16x64x128", None)):
+        c = configs[config]
+        fp8 = x == "fp8"
+        types = {"x_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype['fp8' if fp8 else 'int8']}",
+                 "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
+                 "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+        types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
+        constexprs = {"FP8": fp8, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True, "ACTIVATION": "Relu",
+                      "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128, "QMAX": 255 if out == "uint8" else 127,
+                      "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
+        divisible = ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn")
+        yield (f"qgemm {x} -> {out} {config}", qgemm._qgemm_kernel, types, constexprs,
+               {"num_warps": c.num_warps, "num_stages": c.num_stages}, divisible, wgmma, out_kind[out] != 0)
+
+    configs = {c.name: c for c in qconv.QCONV_CONFIGS}
+    ints = ("M", "Cout", "Cin", "H", "W", "Ho", "Wo", "sxn", "sxh", "sxw", "SH", "SW", "PT", "PL", "DH", "DW", "pad")
+    for x, out, taps, flat, config, wgmma in (("int8", "int8", 3, False, "128x128x64", WGMMA_INT8.format(128)),
+                                              ("uint8", "uint8", 1, False, "128x128x128", WGMMA_INT8.format(128)),
+                                              ("int8", "int8", 7, True, "128x64x64", WGMMA_INT8.format(64)),
+                                              ("fp8", "fp8", 3, False, "256x128x64", WGMMA_FP8.format(128))):
+        c = configs[config]
+        fp8 = x == "fp8"
+        types = {"x_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype['fp8' if fp8 else 'int8']}",
+                 "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
+                 "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ints}
+        constexprs = {"sxc": 1, "KH": taps, "KW": taps, "FLAT_K": flat, "FP8": fp8, "X_UNSIGNED": x == "uint8",
+                      "HAS_BIAS": True, "ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
+                      "QMAX": 255 if out == "uint8" else 127, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
+                      "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
+        divisible = ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "Cout", "sxn") + \
+            (() if flat else ("Cin", "sxh", "sxw"))
+        yield (f"qconv {x} -> {out} {taps}x{taps}{' flat-K' if flat else ''} {config}", qconv._qconv_kernel, types,
+               constexprs, {"num_warps": c.num_warps, "num_stages": c.num_stages}, divisible, wgmma, True)
+
+    block = {"BLOCK": qelementwise.BLOCK}
+    for acc, out in (("i32", "int8"), ("fp32", "fp8")):
+        types = {"acc_ptr": f"*{dtype[acc]}", "bias_ptr": f"*{dtype[acc]}", "scale_ptr": "*fp32",
+                 "out_ptr": f"*{dtype[out]}", "numel": "i32", "inner": "i32", "channels": "i32", "y_scale": "fp32",
+                 "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+        yield (f"requantize {acc} -> {out}", qelementwise._requantize_kernel, types,
+               {"HAS_BIAS": True, "ACTIVATION": "Clip", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127,
+                "INDEX64": False} | block, {"num_warps": 4}, ("acc_ptr", "out_ptr"), None, True)
+    yield ("dequantize uint8 -> fp16", qelementwise._dequantize_kernel,
+           {"x_ptr": "*u8", "out_ptr": "*fp16", "numel": "i32", "scale": "fp32", "zero": "fp32"},
+           {"INDEX64": False} | block, {"num_warps": 4}, ("x_ptr", "out_ptr"), None, False)
+    for x, out in (("int8", "int8"), ("fp8", "fp8")):
+        types = {"a_ptr": f"*{dtype[x]}", "b_ptr": f"*{dtype[x]}", "out_ptr": f"*{dtype[out]}"}
+        types |= {n: "i32" for n in ("numel", "size1", "size2", "size3", "sa0", "sa1", "sa2", "sa3", "sb0", "sb1",
+                                     "sb2", "sb3")}
+        types |= {n: "fp32" for n in ("a_scale", "a_zero", "b_scale", "b_zero", "y_scale", "y_zero", "alpha", "beta")}
+        yield (f"qadd {x} -> {out}", qelementwise._qadd_kernel, types,
+               {"ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False} | block,
+               {"num_warps": 4}, ("a_ptr", "b_ptr", "out_ptr"), None, True)
+
+
+def main() -> None:
+    from tests.kernels.compile_sm90 import SHARED_MEMORY_LIMIT, compile_kernel
+
+    for name, fn, types, constexprs, options, divisible, wgmma, rounds in cases():
+        start = time.perf_counter()
+        compiled = compile_kernel(fn, types, constexprs, options, divisible)
+        ptx = compiled.asm["ptx"]
+        if wgmma is not None and wgmma not in ptx:
+            sys.exit(f"{name}: no {wgmma} in the PTX (not Hopper's 8-bit tensor-core path)")
+        if rounds and ROUNDING not in ptx:
+            sys.exit(f"{name}: the rounding constant {ROUNDING} is gone from the PTX (folded away?)")
+        if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
+            sys.exit(f"{name}: {compiled.metadata.shared} B of shared memory, above {SHARED_MEMORY_LIMIT}")
+        print(f"ok  {name:44s} {compiled.metadata.shared:7d} B shared  {time.perf_counter() - start:5.2f} s",
+              flush=True)
+
+
+@pytest.mark.slow
+def test_quantized_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_qcompile_sm90"], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok ") == len(list(cases()))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        sys.exit("the sm_90 compile needs the real compiler: unset TRITON_INTERPRET")
+    main()

@@ -1,0 +1,176 @@
+"""kiln's quantized Triton kernels under the interpreter (kiln/kernels/cuda/triton/q*.py): the rounding of
+the requantizing epilogue bit for bit against torch (round half to even, saturation, the E4M3 grid with
+its ties, subnormals and signed zero), exact ties through a whole GEMM, the elementwise kernels'
+layouts, and the errors each kernel raises for a wrong call. The tactics built on them are judged
+against the ops' reference in test_qtactics.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from kiln.kernels.cuda.triton import qmath  # noqa: E402
+from kiln.kernels.cuda.triton.qconv import QConvConfig, pack_weight, qconv2d  # noqa: E402
+from kiln.kernels.cuda.triton.qelementwise import dequantize, qadd, requantize  # noqa: E402
+from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, fold_zero_point, qgemm  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
+
+FP8 = torch.float8_e4m3fn
+SMALL = QGemmConfig(16, 16, 32, group_m=2)  # several row, column and K tiles at interpreter sizes
+
+
+@triton.jit
+def _round_kernel(x_ptr, fp8_ptr, int_ptr, u8_ptr, n, y_scale, y_zero, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(fp8_ptr + offs, qmath.requantize(x, y_scale, 0.0, 0.0, 0.0, "", 2, 0, 0).to(tl.float8e4nv), mask=mask)
+    tl.store(int_ptr + offs, qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", 1, -128, 127).to(tl.int8), mask=mask)
+    tl.store(u8_ptr + offs, qmath.requantize(x, y_scale, 128.0 + y_zero, 0.0, 0.0, "Relu", 1, 0, 255).to(tl.uint8),
+             mask=mask)
+
+
+def _rounded(x: torch.Tensor, y_scale: float, y_zero: float):
+    out = [torch.empty(x.numel(), dtype=d) for d in (FP8, torch.int8, torch.uint8)]
+    _round_kernel[(triton.cdiv(x.numel(), 256),)](x, *out, x.numel(), y_scale, y_zero, BLOCK=256)
+    return out
+
+
+def _fp8_values() -> torch.Tensor:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+    return codes[~torch.isnan(codes)].unique()
+
+
+def test_fp8_rounding_is_torchs_bit_for_bit():
+    """Every E4M3 value, every midpoint between neighbours (ties to even), just beside them, past ±448
+    (saturated), subnormals and -0.0: the same code as torch's float32 -> float8e4m3fn conversion."""
+    grid = _fp8_values()
+    mids = (grid[1:] + grid[:-1]) / 2
+    nudged = torch.cat([mids * (1 + 2.0**-20), mids * (1 - 2.0**-20)])
+    x = torch.cat([grid, mids, nudged, torch.tensor([-0.0, 449.0, 464.0, 1e6, -1e6, 2.0**-10, -(2.0**-11), 1e-30])])
+    fp8, _, _ = _rounded(x, 1.0, 0.0)
+    want = x.clamp(-448.0, 448.0).to(FP8)
+    assert torch.equal(fp8.view(torch.uint8), want.view(torch.uint8))
+    scaled, _, _ = _rounded(x * 0.375, 0.375, 0.0)  # r / y_scale: an IEEE division, as the reference's
+    assert torch.equal(scaled.view(torch.uint8), (x * 0.375 / 0.375).clamp(-448.0, 448.0).to(FP8).view(torch.uint8))
+
+
+def test_integer_rounding_is_half_to_even_and_saturates():
+    x = torch.cat([torch.arange(-140, 140) + 0.5, torch.arange(-140, 140) + 0.49999997, torch.randn(1000) * 90,
+                   torch.tensor([1e9, -1e9, -0.5, 0.5, 1.5, 2.5])])
+    _, q, u = _rounded(x, 1.0, -3.0)
+    assert torch.equal(q, (torch.round(x) - 3).clamp(-128, 127).to(torch.int8))
+    assert torch.equal(u, (torch.round(x.relu()) + 125).clamp(0, 255).to(torch.uint8))  # Relu before rounding
+
+
+def test_gemm_epilogue_rounds_exact_ties_to_even():
+    """Power-of-two scales make r / y_scale land exactly on .5 for every odd sum: all must go to even."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-128, 128, (40, 96), generator=gen, dtype=torch.int8)
+    w = torch.randint(-127, 128, (24, 96), generator=gen, dtype=torch.int8)
+    acc = x.int() @ w.int().t()
+    scale = torch.full((24,), 0.5)
+    y = qgemm(x, w, Epilogue(scale, None, torch.int8, y_scale=64.0, y_zero=1.0), SMALL)
+    want = (torch.round(acc.double() * 0.5 / 64.0) + 1).clamp(-128, 127).to(torch.int8)
+    assert bool(((acc * 0.5 / 64.0) % 1 == 0.5).any())  # the ties are there
+    assert torch.equal(y, want)
+    fp8 = qgemm(x, w, Epilogue(scale, None, FP8, y_scale=8.0), SMALL)
+    assert torch.equal(fp8.view(torch.uint8), (acc.double() * 0.5 / 8.0).clamp(-448, 448).float().to(FP8)
+                       .view(torch.uint8))
+
+
+def test_uint8_zero_point_is_folded_exactly():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (2, 19, 70), generator=gen, dtype=torch.uint8)
+    w = torch.randint(-127, 128, (33, 70), generator=gen, dtype=torch.int8)
+    bias = torch.randint(-500, 500, (33,), generator=gen, dtype=torch.int32)
+    acc = (x.int() - 141) @ w.int().t() + bias  # [2, 19, 33], exact
+    y = qgemm(x, w, Epilogue(torch.ones(33), fold_zero_point(w, bias, 141, torch.uint8), torch.float32), SMALL)
+    assert torch.equal(y, acc.float())  # every |acc| < 2^24: exact in fp32
+
+
+def test_fp8_conv_pads_with_real_zero_and_int8_with_the_zero_point():
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randint(-127, 128, (16, 8, 3, 3), generator=gen, dtype=torch.int8)
+    x = torch.randint(-128, 128, (1, 8, 5, 5), generator=gen, dtype=torch.int8)
+    config = QConvConfig(16, 16, 16, group_m=2)
+    ep = Epilogue(torch.ones(16), fold_zero_point(w, None, -7, torch.int8), torch.float32)
+    y = qconv2d(x.contiguous(memory_format=torch.channels_last), pack_weight(w), (3, 3), ep, x_zero=-7,
+                pads=(1, 1, 1, 1), config=config)
+    want = torch.nn.functional.conv2d(x.double() + 7, w.double(), padding=1)  # zero padding of x − z
+    assert torch.equal(y.double(), want)
+    xf = (torch.randn(1, 8, 5, 5, generator=gen) * 4).to(FP8)
+    wf = torch.randn(16, 8, 3, 3, generator=gen).to(FP8)
+    y = qconv2d(xf, pack_weight(wf), (3, 3), Epilogue(torch.ones(16), None, torch.float32), pads=(1, 1, 1, 1),
+                config=config)
+    torch.testing.assert_close(y.double(), torch.nn.functional.conv2d(xf.double(), wf.double(), padding=1),
+                               rtol=1e-6, atol=1e-5)
+
+
+# ---- the elementwise kernels -------------------------------------------------------------------------
+
+def test_requantize_keeps_the_layout_and_runs_along_the_axis():
+    gen = torch.Generator().manual_seed(3)
+    acc = torch.randint(-20000, 20000, (2, 8, 5, 6), generator=gen, dtype=torch.int32)
+    acc = acc.contiguous(memory_format=torch.channels_last)
+    scale = torch.rand(8, generator=gen) * 0.01
+    bias = torch.randint(-300, 300, (8,), generator=gen, dtype=torch.int32)
+    y = requantize(acc, Epilogue(scale, bias, torch.uint8, y_scale=0.5, y_zero=100.0, activation="Relu"), axis=1)
+    assert y.stride() == acc.stride()
+    r = ((acc + bias.reshape(1, 8, 1, 1)).float() * scale.reshape(1, 8, 1, 1)).relu()
+    assert torch.equal(y, (torch.round(r / 0.5) + 100).clamp(0, 255).to(torch.uint8))
+    half = torch.randn(3, 7, 10, generator=gen).to(torch.float16)
+    out = requantize(half, Epilogue(torch.ones(10), torch.linspace(-1, 1, 10), torch.float32, activation="Clip",
+                                    alpha=-0.5, beta=0.5))
+    torch.testing.assert_close(out, (half.float() + torch.linspace(-1, 1, 10)).clamp(-0.5, 0.5))
+
+
+def test_dequantize_is_exact_in_fp32_and_keeps_the_layout():
+    x = torch.randint(0, 256, (2, 5, 4, 3), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+    y = dequantize(x, 0.037, 129, torch.float32)
+    assert y.stride() == x.stride() and torch.equal(y, (x.float() - 129) * 0.037)
+    view = x[:, :, 1:3]  # not dense: compacted first
+    assert torch.equal(dequantize(view, 0.037, 129, torch.float32), (view.float() - 129) * 0.037)
+    f = torch.randn(6, 7).to(FP8)
+    assert torch.equal(dequantize(f, 0.5, 0, torch.float16), (f.float() * 0.5).half())
+
+
+def test_qadd_broadcasts_in_any_layout():
+    a = torch.randint(-128, 128, (2, 6, 3, 4), dtype=torch.int8)
+    b = torch.randint(-128, 128, (6, 1, 1), dtype=torch.int8)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        y = qadd(a.contiguous(memory_format=layout), 0.02, 3, b, 0.05, -4, out_dtype=torch.float32)
+        torch.testing.assert_close(y, (a.float() - 3) * 0.02 + (b.float() + 4) * 0.05, rtol=1e-6, atol=1e-6)
+        assert y.stride() == a.contiguous(memory_format=layout).stride()
+
+
+# ---- wrong calls -------------------------------------------------------------------------------------
+
+def test_kernels_name_what_is_wrong():
+    x, w = torch.zeros(4, 16, dtype=torch.int8), torch.zeros(8, 16, dtype=torch.int8)
+    ep = Epilogue(torch.ones(8), None, torch.int8)
+    with pytest.raises(TypeError, match="both float8e4m3fn"):
+        qgemm(x, w.to(torch.float32).to(FP8), ep)
+    with pytest.raises(ValueError, match="K-contiguous"):
+        qgemm(x, torch.zeros(16, 8, dtype=torch.int8).t(), ep)
+    with pytest.raises(ValueError, match="8 fp32 values"):
+        qgemm(x, w, Epilogue(torch.ones(4), None, torch.int8))
+    with pytest.raises(TypeError, match="int32"):
+        qgemm(x, w, Epilogue(torch.ones(8), torch.ones(8), torch.int8))
+    with pytest.raises(ValueError, match="activation 'Gelu'"):
+        qgemm(x, w, Epilogue(torch.ones(8), None, torch.int8, activation="Gelu"))
+    with pytest.raises(ValueError, match="does not fit int32"):
+        fold_zero_point(torch.full((2, 2**18), 127, dtype=torch.int8), None, -128, torch.int8)
+    with pytest.raises(ValueError, match="packed weight"):
+        qconv2d(torch.zeros(1, 4, 5, 5, dtype=torch.int8), torch.zeros(8, 9, dtype=torch.int8), (3, 3),
+                Epilogue(torch.ones(8), None, torch.int8))
+    with pytest.raises(ValueError, match="rank 5"):
+        qadd(torch.zeros(1, 1, 1, 1, 2, dtype=torch.int8), 1.0, 0, torch.zeros(2, dtype=torch.int8), 1.0, 0,
+             out_dtype=torch.int8)
