@@ -1,7 +1,8 @@
 """INT8 / FP8 on the GPU, side by side with FP16 (issue 12): per layer, then whole engines.
 
     python3 bench/quant_gpu.py [--sections layers,engines] [--engines resnet50_b256,bert_b64]
-                               [--opt-level 2] [--quick] [--row-timeout 1500] [--out DIR]
+                               [--modes torch_fp16,kiln_fp16,kiln_int8,kiln_fp8] [--opt-level 2] [--quick]
+                               [--row-timeout 540] [--out DIR] [--dry-run]
 
 layers:  every CUDA tactic of kiln::QConv / kiln::QGemm (kiln/tactics/cuda/quant_*.py) at ResNet-50 conv
          shapes (batch 256, NHWC) and BERT-base GEMM shapes (64 x 384 tokens), int8 and FP8, against the FP16
@@ -343,10 +344,10 @@ def _median_ms(fn) -> float:
         return statistics.median(time_cuda(fn, warmup=5, iters=20)) if DEVICE == "cuda" else _host_ms(fn)
 
 
-def bench_engines(keys: list[str], timeout: int, opt_level: int, log) -> list[dict]:
+def bench_engines(keys: list[str], modes: list[str], timeout: int, opt_level: int, log) -> list[dict]:
     rows = []
     for key in keys:
-        for mode in MODES:
+        for mode in modes:
             start = time.perf_counter()
             command = [sys.executable, __file__, "--engine-row", f"{key}:{mode}", "--opt-level", str(opt_level)]
             command += ["--dry-run"] if DEVICE != "cuda" else []
@@ -394,7 +395,8 @@ def main() -> None:
     ap.add_argument("--engines", default="", help="default: " + ",".join(ENGINES))
     ap.add_argument("--opt-level", type=int, default=2, help="3: every tile config (slower to compile)")
     ap.add_argument("--quick", action="store_true", help="a few layers only")
-    ap.add_argument("--row-timeout", type=int, default=1500, help="seconds per engine row (its own process)")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--row-timeout", type=int, default=540, help="seconds per engine row (its own process)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--engine-row", help=argparse.SUPPRESS)  # key:mode, run by bench_engines in a child
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at tiny shapes: checks the script, times nothing")
@@ -432,7 +434,8 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             log("layers section failed:\n" + traceback.format_exc())
     if "engines" in sections:
-        rows = bench_engines((args.engines or ",".join(ENGINES)).split(","), args.row_timeout, args.opt_level, log)
+        rows = bench_engines((args.engines or ",".join(ENGINES)).split(","), args.modes.split(","), args.row_timeout,
+                             args.opt_level, log)
         lines += ["## engines (median ms per batch, CUDA events; int8/fp8 from onnxruntime QDQ models)", ""]
         lines += engines_table(rows)
     table = "\n".join(lines)
