@@ -135,10 +135,12 @@ def test_no_bias_and_an_empty_k():
     assert torch.equal(y, b.relu().expand(4, 5))
 
 
-def test_threads_follow_torch_and_agree():
+@pytest.mark.parametrize("m,k,n", [(200, 300, 130), (50, 70, 20)])  # N of 2 panels: rows split among threads too
+@pytest.mark.parametrize("small,pack", [(None, None), (0, 0)])  # whole K in place; K blocks packed
+def test_threads_follow_torch_and_agree(m, k, n, small, pack):
     g = torch.Generator().manual_seed(2)
-    x, w, b, _ = data(g, (200,), 300, 130)
-    layer = gemm_native.PackedLinear(w, b, "Gelu")
+    x, w, b, _ = data(g, (m,), k, n)
+    layer = gemm_native.PackedLinear(w, b, "Gelu", small_m=small, pack_m=pack)
     before = torch.get_num_threads()
     try:
         outputs = []

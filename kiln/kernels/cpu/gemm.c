@@ -360,18 +360,24 @@ static long panel_chunk(long panels, long row_groups, int threads) {
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 
-/* x read in place, each tile over the whole K: W streams through once (decode, batch 1). */
+/* x read in place, each tile over the whole K: W streams through once (per row group). Work items: row
+   groups (only when the panels alone are too few for the threads) x chunks of panels. */
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res) {
     const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
     const long row_blocks = ceil_div(M, kd->mr);
-    const long chunk = panel_chunk(panels, 1, p->threads), items = ceil_div(panels, chunk);
+    long groups = ceil_div(2L * p->threads, panels);
+    groups = groups > row_blocks ? row_blocks : groups;
+    const long group_blocks = ceil_div(row_blocks, groups);
+    const long chunk = panel_chunk(panels, groups, p->threads), chunks = ceil_div(panels, chunk);
     const int epi = has_epilogue(p, res);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(p->threads) if (p->threads > 1 && items > 1)
-    for (long it = 0; it < items; ++it) {
-        for (long q = it * chunk; q < (it + 1) * chunk && q < panels; ++q) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(p->threads) if (p->threads > 1 && groups * chunks > 1)
+    for (long it = 0; it < groups * chunks; ++it) {
+        const long g = it / chunks, c = it % chunks;
+        const long r_end = (g + 1) * group_blocks < row_blocks ? (g + 1) * group_blocks : row_blocks;
+        for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q) {
             const long col0 = q * nr;
             const int n = (int)(N - col0 < nr ? N - col0 : nr);
-            for (long r = 0; r < row_blocks; ++r) {
+            for (long r = g * group_blocks; r < r_end; ++r) {
                 long row0, m;
                 row_block(M, row_blocks, r, &row0, &m);
                 kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
