@@ -401,8 +401,8 @@ def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
     key = []
     for name in names:
         a = feeds.get(name)
-        if type(a) is not np.ndarray or not a.flags.c_contiguous or not a.flags.writeable:
-            return None
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or not a.flags.writeable or a.dtype.kind not in "biuf":
+            return None  # bfloat16 and float8 arrays (ml_dtypes, kind 'V') take the general path's conversion
         key.append((a.dtype, a.shape))
     return tuple(key)
 
