@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -189,6 +190,20 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
     otherwise be copied once per layer."""
     records: dict[int, _Recorded] = {}
     weights = {id(v) for v in program.template if isinstance(v, torch.Tensor)}
+    # One copy per activation: a layer's output is the next layer's input (and Q, K and V read one
+    # tensor). The copy is made when the tensor is first seen, right after the layer that made it, and
+    # found again by identity while the tensor lives (a weak reference: a freed tensor's id may be reused).
+    copies: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return _clone(value)
+        found = copies.get(id(value))
+        if found is not None and found[0]() is value:
+            return found[1]
+        made = value.clone()
+        copies[id(value)] = (weakref.ref(value), made)
+        return made
 
     def recording(i: int, fn: Launch) -> Launch:
         if i not in indices:
@@ -196,12 +211,14 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
 
         def call(ctx, *args, **attrs):
             result = fn(ctx, *args, **attrs)
-            records[i] = _Recorded([a if id(a) in weights else _clone(a) for a in args], _clone(result))
+            records[i] = _Recorded([a if id(a) in weights else copy(a) for a in args],
+                                   tuple(copy(r) for r in result) if isinstance(result, tuple) else copy(result))
             return result
         return call
 
     with torch.inference_mode():
         outputs = program.with_kernels(recording).run(inputs)
+    copies.clear()
     return records, [_clone(o) for o in outputs]
 
 

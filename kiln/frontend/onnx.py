@@ -198,6 +198,47 @@ def _unsupported(model: ir.Model) -> list[str]:
     return problems
 
 
+WEIGHT_BYTES = 1 << 16  # initializers this large are left out of the copy ONNX's shape inference makes
+
+
+def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """`proto` with ONNX's inferred shapes and dtypes, inferred on a skeleton without its large weights.
+
+    onnx.shape_inference serialises the model, parses it in C++ and returns a parsed copy: with the
+    weights that is ~3x their bytes more at once (an ALBERT-base import peaked at ~3.5x its 42 MiB).
+    Inference reads an initializer's dtype and dims, and the values of small ones only (shape tensors
+    for data propagation), so it runs on a copy whose large initializers carry no bytes, and what it
+    found (value_info, the outputs' types, subgraphs' annotations) is copied back. Best-effort: on
+    failure the model is returned as it was (shapes are re-derived at run time)."""
+    skeleton = onnx.ModelProto(ir_version=proto.ir_version)
+    skeleton.opset_import.extend(proto.opset_import)
+    skeleton.functions.extend(proto.functions)
+    graph, source = skeleton.graph, proto.graph
+    graph.name = source.name
+    for field in ("node", "input", "output", "value_info"):
+        getattr(graph, field).extend(getattr(source, field))
+    for tensor in source.initializer:
+        if tensor.HasField("raw_data") and len(tensor.raw_data) >= WEIGHT_BYTES:
+            graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims)
+        else:
+            graph.initializer.append(tensor)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(skeleton, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001  inference is best-effort: kiln re-derives shapes at run time
+        return proto
+    found = inferred.graph
+    if len(found.node) != len(source.node) or len(found.output) != len(source.output):
+        return proto
+    del source.value_info[:]
+    source.value_info.extend(found.value_info)
+    for mine, theirs in zip(source.output, found.output):
+        mine.CopyFrom(theirs)
+    for mine, theirs in zip(source.node, found.node):  # what inference wrote inside If/Loop/Scan bodies
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in mine.attribute):
+            mine.CopyFrom(theirs)
+    return proto
+
+
 def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
     """Read, check and import an ONNX model into onnx_ir, with shapes and dtypes inferred."""
     proto, base = _read_proto(source)
@@ -209,10 +250,7 @@ def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
     _check_graph(proto.graph, set(), "the main graph", problems)
     if problems:
         raise ModelError("the model is malformed:\n" + "\n".join(f"  - {p}" for p in problems))
-    try:
-        proto = onnx.shape_inference.infer_shapes(proto, check_type=False, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001  inference is best-effort: kiln re-derives shapes at run time
-        pass
+    proto = _infer_shapes(proto)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # noqa: BLE001  onnx_ir raises assorted errors on malformed protos

@@ -8,6 +8,7 @@ list, each step to its implementation (a `BoundStep`), and frees a value's slot 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -78,6 +79,10 @@ class Program:
                 free_after[i].append(slot(n))
 
         self.steps = []
+        # Layers that read the same weights with the same tactic and configuration (ALBERT's 12 layers of
+        # one layer's weights) share one prepared launch: its packed weights exist once, not once per layer.
+        shared_launches: dict[tuple, Any] = {}
+        on_cuda = device is not None and getattr(device, "type", "cpu") != "cpu"
         for i, step in enumerate(spec.steps):
             op = lookup(step.op_type, step.domain)
             if op is None:  # the builder checked this; a hand-edited engine may not be
@@ -103,7 +108,13 @@ class Program:
                          and n not in spec.inputs and n not in spec.captures]
                 prepared = replace(step, tactic_config={**step.tactic_config, "dying_inputs": dying,
                                                         "sole_references": sole_reference_counts()}) if dying else step
-                fn = launch_for(prepared, op.fn, [template_values.get(s) for s in in_slots[:len(step.inputs)]], device)
+                constants = [template_values.get(s) for s in in_slots[:len(step.inputs)]]
+                key = shared_launch_key(prepared, constants) if not on_cuda else None
+                fn = shared_launches.get(key) if key is not None else None
+                if fn is None:
+                    fn = launch_for(prepared, op.fn, constants, device)
+                    if key is not None:
+                        shared_launches[key] = fn
             fn = fn if step.precision != "fp32" else pinned_fp32(fn)
             self.steps.append(BoundStep(fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
@@ -240,6 +251,37 @@ class Program:
 
 
 SHAPE_PLANS = 64  # input-shape signatures whose shape values a Program remembers (least recently used go)
+
+
+SHARE_MIN_ELEMENTS = 4096  # a weight this large is worth one prepared launch for every layer reading it
+
+
+def shared_launch_key(step: StepSpec, constants: list[Any]) -> tuple | None:
+    """What makes two layers' prepared launches interchangeable: the op, tactic, its configuration and
+    attributes, and the very weight objects they read (the engine stores a weight once per content,
+    kiln/builder/lower.py; small constants by value). None when the layer reads no large weight or its
+    attributes are not plain data.
+
+    CPU launches only: a CPU tactic's launch returns a fresh output (or one its arena hands out only
+    while no tensor holds it), keeps per-call state under a lock, and a native segment binds each member
+    on memory objects of its own, so two layers may call one launch in turn."""
+    if not any(isinstance(c, torch.Tensor) and c.numel() >= SHARE_MIN_ELEMENTS for c in constants):
+        return None
+    try:
+        described = json.dumps([step.tactic_config, step.attributes], sort_keys=True)
+    except (TypeError, ValueError):
+        return None
+    return (step.op_type, step.domain, step.opset, step.tactic, step.precision, described,
+            tuple(step.output_dtypes), tuple(_constant_key(c) for c in constants))
+
+
+def _constant_key(value: Any) -> Any:
+    """A large weight by identity; a small one by value (each fused layer keeps its own bias copy)."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.numel() < SHARE_MIN_ELEMENTS and value.device.type == "cpu":
+        return (str(value.dtype), tuple(value.shape), value.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return id(value)
 
 
 def _signature(inputs: list[Any]) -> tuple | None:

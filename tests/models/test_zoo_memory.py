@@ -154,15 +154,16 @@ def albert_base(tmp_path_factory):
 def test_albert_base_stores_shared_weights_once_and_matches_onnxruntime(albert_base):
     check_outputs("albert_base", albert_base)
     check_weights_stored_once("albert_base", albert_base)
-    # Measured 0.55-0.57 GiB (13x its 42 MiB of weights); 1.23 GiB (29x) when folding, the GEMM
-    # fusions, lowering and the tactic search's records each held a copy of the shared layer per layer.
-    check_peak("albert_base", albert_base, 800 * MiB, "800 MiB")
+    # Measured 0.36 GiB (8.7x its 42 MiB of weights); 0.55-0.57 GiB before layers of one weight shared one
+    # prepared launch, the search's records one copy per activation and packed weights their own huge
+    # pages; 1.23 GiB (29x) when folding, the GEMM fusions, lowering and the records each held a copy of
+    # the shared layer per layer.
+    check_peak("albert_base", albert_base, 512 * MiB, "512 MiB")
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the oneDNN GEMM tactic packs its own copy of the weight for every layer "
-                   "(kiln/tactics/cpu/onednn.py: 547 MiB with it alone, 262 MiB with cpu.gemm.mkl alone, 215 MiB with "
-                   "no tactic), and importing peaks at ~5x the weights (kiln/frontend/onnx.py: infer_shapes "
-                   "serialises and parses the whole model, weights included)")
+@pytest.mark.xfail(strict=True, reason="368 MiB measured against 287: the tactic search holds a copy of every "
+                   "tuned layer's input and output at once (~60 MiB at seq 128) next to the engine's weights, and "
+                   "the libraries loaded on first use and each candidate's packed weights come on top")
 def test_albert_base_build_memory_meets_the_target(albert_base):
     check_peak("albert_base", albert_base, 3 * albert_base.model_weights + FIXED, "3x the weights + FIXED")

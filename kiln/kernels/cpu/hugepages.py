@@ -49,9 +49,15 @@ def empty(numel: int, dtype: torch.dtype = torch.float32, own: bool = False) -> 
 
     Buffers share mappings, packed one after another (weights: all of a network's in few huge
     pages). `own`: a mapping of its own, so that the tensor's storage is its alone (the CPU
-    output pool, kiln/kernels/cpu/onednn_primitives.py, counts a storage's users to know it is free)."""
+    output pool, kiln/kernels/cpu/onednn_primitives.py, counts a storage's users to know it is free);
+    buffers of 2 MiB or more always get one."""
     global _current
     nbytes = numel * dtype.itemsize
+    # A buffer of a huge page or more fills huge pages on its own: its own mapping, unmapped when it dies.
+    # Carved from a shared chunk it would keep the chunk's pages resident until every neighbour died too
+    # (the bump allocator never reuses a freed range): a build that packs and drops every candidate's
+    # weights (the tactic search) grew by ~180 MiB that way on ALBERT-base.
+    own = own or nbytes >= HUGE
     if not enabled() or nbytes == 0 or (own and nbytes < MIN_OWN_BYTES):
         return torch.empty(numel, dtype=dtype)
     with _lock:
