@@ -101,7 +101,7 @@ def _qconv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
             else:
                 if X_UNSIGNED:
                     a = (a.to(tl.int32) - 128).to(tl.int8)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     else:
         c_blocks = tl.cdiv(Cin, BLOCK_K)
         for step in range(0, KH * KW * c_blocks):
@@ -120,7 +120,7 @@ def _qconv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
             else:
                 if X_UNSIGNED:
                     a = (a.to(tl.int32) - 128).to(tl.int8)
-                acc = tl.dot(a, b, acc)
+                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
     scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
     if HAS_BIAS:

@@ -123,7 +123,7 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
             b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0)
             if X_UNSIGNED:
                 a = (a.to(tl.int32) - 128).to(tl.int8)  # its zero point moved by 128 as well (fold_zero_point)
-            acc = tl.dot(a, b, acc)  # int8 x int8 -> int32
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)  # int8 x int8 -> int32 (triton 3.6 needs out_dtype with an int acc)
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
