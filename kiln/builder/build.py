@@ -5,10 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import resource
-import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import onnx_ir as ir
@@ -29,6 +26,7 @@ from kiln.passes import PassOptions, optimize
 from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
 from kiln.runtime.engine import Engine, place_weight
+from kiln.runtime.rss import PeakMemory
 from kiln.version import __version__
 
 Progress = Callable[[str], None]
@@ -67,46 +65,6 @@ def _value_sizes(model: ir.Model, shapes: dict[str, list[int]]) -> dict[str, int
             itemsize = dtypes.BY_NAME[name].numpy.itemsize if name != "string" else 8
             sizes[v.name] = numel * itemsize
     return sizes
-
-
-@dataclass
-class PeakMemory:
-    """The process's peak resident memory during the build, less what it held when the build began.
-
-    On Linux the kernel's high-water mark (VmHWM) is reset when the build begins (writing 5 to
-    /proc/self/clear_refs), so the peak is the build's own even in a process that peaked higher
-    before; the process's VmHWM then reads from the build on. Elsewhere ru_maxrss, which cannot
-    be reset: an earlier, higher peak hides the build's (the delta is then a lower bound).
-    """
-
-    start_rss: int
-    method: str  # "VmHWM" or "ru_maxrss"
-
-    @classmethod
-    def start(cls) -> PeakMemory:
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            return cls(_status_bytes("VmRSS"), "VmHWM")
-        except OSError:
-            return cls(_max_rss(), "ru_maxrss")
-
-    def delta(self) -> int:
-        peak = _status_bytes("VmHWM") if self.method == "VmHWM" else _max_rss()
-        return max(peak - self.start_rss, 0)
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # kB
-    raise OSError(f"/proc/self/status has no {field}")
-
-
-def _max_rss() -> int:
-    scale = 1 if sys.platform == "darwin" else 1024  # bytes on macOS, kB on Linux
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
 def _release_weights(model: ir.Model) -> None:

@@ -20,6 +20,7 @@ from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.plan.spec import EnginePlan
 from kiln.runtime import profiler
+from kiln.runtime.rss import PeakMemory
 
 
 def _onnxruntime_session(onnx_path: Path, device_type: str):
@@ -114,6 +115,15 @@ def _transfer_split(context, host_feeds: dict, device_feeds: dict, warmup: int, 
             "(pinned host buffers)")
 
 
+def _memory_line(memory: dict[str, int], method: str) -> str:
+    """Peak RSS growth per phase: a runtime's load (its packed weights and libraries) and its timed runs
+    (above what it held loaded: activations, arenas, scratch). One process: a runtime's load also pays for
+    the libraries it is the first to load; bench/memory.py measures each runtime in a process of its own."""
+    parts = [f"{name} +{v / 2**20:.1f} MiB" for name, v in memory.items()]
+    bound = " (ru_maxrss: lower bounds)" if method == "ru_maxrss" else ""
+    return "peak RSS growth: " + ", ".join(parts) + bound
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
@@ -121,13 +131,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise KilnError("--iterations must be at least 1")
     if args.duration is not None and args.duration <= 0:
         raise KilnError("--duration must be positive")
+    memory: dict[str, int] = {}  # peak RSS growth of each phase (kiln/runtime/rss.py)
+    phase = PeakMemory.start()
     engine = kiln.load(args.engine)
+    memory["kiln load"] = phase.delta()
     if args.random_shapes or args.shapes_from:
         return _bench_stream(engine, args)
     feeds = make_inputs(engine.plan, args)
     session = None
     if args.against == "onnxruntime":
+        phase = PeakMemory.start()
         session = _onnxruntime_session(_source_onnx(engine.plan, args), engine.device.type)
+        memory["onnxruntime load"] = phase.delta()
     iterations, duration = args.iterations, args.duration
     if iterations is None and duration is None:
         iterations, duration = 10, 3.0  # trtexec's defaults: at least 10 runs and 3 seconds
@@ -139,15 +154,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         kiln_feeds = feeds
     context = engine.create_execution_context()
     results: list[tuple[str, profiler.LatencyStats, str]] = []
+    phase = PeakMemory.start()
     samples = profiler.time_runs(lambda: context.run(kiln_feeds), warmup=args.warmup,
                                  iterations=iterations, duration=duration, sync=sync)
+    memory["kiln runs"] = phase.delta()
     results.append(("kiln", profiler.LatencyStats.from_samples(samples), "-"))
     if session is not None:
         wanted = {i.name for i in session.get_inputs()}
         ort_feeds = {k: v for k, v in feeds.items() if k in wanted}
         ort_names = [o.name for o in session.get_outputs()]
+        phase = PeakMemory.start()
         samples = profiler.time_runs(lambda: session.run(None, ort_feeds), warmup=args.warmup,
                                      iterations=iterations, duration=duration)
+        memory["onnxruntime runs"] = phase.delta()
         reference = dict(zip(ort_names, session.run(None, ort_feeds)))
         difference = _max_difference(engine.run(feeds), reference)
         provider = session.get_providers()[0].removesuffix("ExecutionProvider")
@@ -165,10 +184,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         table.add_row(name, str(s.count), *ms, f"{s.qps:.1f}", f"{s.mean / base:.2f}x", difference)
     out = console()
     out.print(table)
+    out.print(text(_memory_line(memory, phase.method)))
     if engine.device.type == "cuda":
         out.print(text(_transfer_split(context, feeds, kiln_feeds, args.warmup)))
     if args.json:
-        doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results}
+        doc = {name.split(" ")[0]: s.to_json() for name, s, _ in results} | {"peak_rss_growth_bytes": memory}
         Path(args.json).write_text(json.dumps(doc, indent=2))
     program_inputs = engine.program_inputs(feeds)
     if args.dump_profile:

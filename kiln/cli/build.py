@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 import kiln
-from kiln.cli.common import console, fmt_bytes, parse_profile, parse_shapes, text
+from kiln.cli.common import console, fmt_bytes, make_inputs, parse_profile, parse_shapes, text
 from kiln.cli.inspect import tactics_summary, whole_engine_check
 from kiln.errors import KilnError
 from kiln.plan.spec import EnginePlan
+from kiln.runtime.rss import PeakMemory
 
 _BUILD_STAGES = ["importing", "optimizing", "lowering", "planning memory"]
 
@@ -66,8 +67,21 @@ def cmd_build(args: argparse.Namespace) -> int:
         engine.save(output)
         on_stage("done")
     build_seconds = time.perf_counter() - t0
-    _print_build_summary(engine.plan, output, build_seconds, args.verbose)
+    run_memory = _run_memory(engine) if args.verbose else None
+    _print_build_summary(engine.plan, output, build_seconds, args.verbose, run_memory)
     return 0
+
+
+def _run_memory(engine: kiln.Engine, runs: int = 2) -> str:
+    """'peak RSS +X over the loaded engine during N runs ...': the engine run on random inputs of its build
+    shapes (the first run binds its native segments and shape plans, so it is counted too)."""
+    feeds = make_inputs(engine.plan, argparse.Namespace(inputs=None, shapes=None, seed=0))
+    context = engine.create_execution_context()
+    peak = PeakMemory.start()
+    for _ in range(runs):
+        context.run(feeds)
+    lower_bound = ", a lower bound: ru_maxrss" if peak.method == "ru_maxrss" else ""
+    return f"peak RSS +{fmt_bytes(peak.delta())} over the loaded engine during {runs} runs on random inputs{lower_bound}"
 
 
 def _build_memory(header: dict) -> str | None:
@@ -115,7 +129,8 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose: bool = False) -> None:
+def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose: bool = False,
+                         run_memory: str | None = None) -> None:
     from rich.table import Table
 
     header = plan.header
@@ -143,6 +158,8 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose
     ]
     if verbose and (memory_row := _build_memory(header)) is not None:
         rows.append(("build memory", memory_row))
+    if run_memory is not None:
+        rows.append(("run memory", run_memory))
     tactics = header.get("tactics") or {}
     if tactics:  # what the tuner chose, and what its whole-engine check reverted and why
         rows.append(("tactics", tactics_summary(tactics)))
