@@ -20,6 +20,9 @@
  */
 #include <stddef.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
@@ -35,7 +38,7 @@ typedef struct {
     const float *bias;          /* [N] or NULL */
     float *scratch;             /* kiln_gemm_scratch_floats() floats: packed A */
     long M, K, N;
-    int kernel, threads;
+    int kernel, threads;        /* threads <= 0: omp_get_max_threads() at each call */
     int activation;
     float alpha, beta;
     int residual_after;         /* 1: act(y) + r; 0: act(y + r) */
@@ -362,15 +365,16 @@ static long panel_chunk(long panels, long row_groups, int threads) {
 
 /* x read in place, each tile over the whole K: W streams through once (per row group). Work items: row
    groups (only when the panels alone are too few for the threads) x chunks of panels. */
-static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res) {
+static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res,
+                      int threads) {
     const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
     const long row_blocks = ceil_div(M, kd->mr);
-    long groups = ceil_div(2L * p->threads, panels);
+    long groups = ceil_div(2L * threads, panels);
     groups = groups > row_blocks ? row_blocks : groups;
     const long group_blocks = ceil_div(row_blocks, groups);
-    const long chunk = panel_chunk(panels, groups, p->threads), chunks = ceil_div(panels, chunk);
+    const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
     const int epi = has_epilogue(p, res);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(p->threads) if (p->threads > 1 && groups * chunks > 1)
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && groups * chunks > 1)
     for (long it = 0; it < groups * chunks; ++it) {
         const long g = it / chunks, c = it % chunks;
         const long r_end = (g + 1) * group_blocks < row_blocks ? (g + 1) * group_blocks : row_blocks;
@@ -403,14 +407,14 @@ static void pack_a(const float *x, long K, int rows, int mr, float *panel) {
    groups x panel chunks; per item, for each K block, each panel's kc x NR micro-panel stays in L1 while
    the tiles run down the item's rows. */
 static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
-                        const float *res, int pack) {
+                        const float *res, int pack, int threads) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
     const long panels = ceil_div(N, nr), row_blocks = ceil_div(M, mr);
     const long per_m_block = blocks_per_m_block(kd, row_blocks);
     const int epi = has_epilogue(p, res);
     float *a_packed = p->scratch;
     const tile_fn tile = pack ? kd->packed : kd->direct;
-    #pragma omp parallel num_threads(p->threads) if (p->threads > 1)
+    #pragma omp parallel num_threads(threads) if (threads > 1)
     for (long b0 = 0; b0 < row_blocks; b0 += per_m_block) {
         const long blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
         if (pack) {
@@ -422,10 +426,10 @@ static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const fl
             }
         }
         /* work items: row groups (when the panels alone are too few to share) x chunks of panels */
-        long groups = ceil_div(2L * p->threads, panels);
+        long groups = ceil_div(2L * threads, panels);
         groups = groups > blocks ? blocks : groups;
         const long group_blocks = ceil_div(blocks, groups);
-        const long chunk = panel_chunk(panels, groups, p->threads), chunks = ceil_div(panels, chunk);
+        const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
         #pragma omp for schedule(dynamic, 1)
         for (long it = 0; it < groups * chunks; ++it) {
             const long g = it / chunks, c = it % chunks;
@@ -476,7 +480,12 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
         for (long i = 0; i < p->M; ++i) epilogue(p, y, res, i, 0, 1, (int)p->N);
         return 0;
     }
-    if (p->M <= p->small_m) run_small(p, kd, x, y, res);
-    else run_blocked(p, kd, x, y, res, p->M > p->pack_m);
+    int threads = p->threads;
+#ifdef _OPENMP
+    if (threads <= 0) threads = omp_get_max_threads();  /* what torch.set_num_threads set (one libgomp) */
+#endif
+    if (threads < 1) threads = 1;
+    if (p->M <= p->small_m) run_small(p, kd, x, y, res, threads);
+    else run_blocked(p, kd, x, y, res, p->M > p->pack_m, threads);
     return 0;
 }

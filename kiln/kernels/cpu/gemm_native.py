@@ -160,7 +160,7 @@ class PackedLinear:
             scratch = hugepages.empty(need) if rows > max(self.small_m, self.pack_m) else torch.empty(0)
         plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
                      scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.n, kernel=self.kernel.index,
-                     threads=torch.get_num_threads(), small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
+                     threads=0, small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
         return plan, scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,7 +181,6 @@ class PackedLinear:
             plan = found[0]
             plan.src, plan.dst = x.data_ptr(), y.data_ptr()
             plan.residual = r.data_ptr() if r is not None else None
-            plan.threads = torch.get_num_threads()
             status = self._lib.kiln_gemm(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln GEMM [{rows}, {self.k}] x [{self.n}, {self.k}]ᵀ failed ({status})")
