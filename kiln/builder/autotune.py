@@ -9,7 +9,8 @@
        events over CUDA-graph replays, lower quartile of perf_counter on CPU (see measure) — and
        keep the fastest;
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
-       tactic is chosen (its result is still checked);
+       tactic is chosen (its result is still checked); on the CPU, a profile's min shape is checked
+       and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
     4. the whole program runs once more with the chosen tactics and is judged against the error
        the default engine itself makes at its precision (accuracy.py): when it is worse, only the
        layers to blame go back to their default, and the header and the build log say which and why.
@@ -55,6 +56,7 @@ class LayerTuning:
     runner_up_ms: float | None = None
     candidates: dict[str, float | str] = dataclasses.field(default_factory=dict)  # ms, or why dropped
     cached: bool = False
+    at_min: dict[str, float] | None = None  # ms at the profile's min shape, where it was timed there too
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -252,13 +254,15 @@ def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: l
 
 def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
                 tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
-                runs: int) -> tuple[LayerTuning, dict[str, Any]]:
-    """(what was found, the chosen tactic's config) for one layer."""
-    metas = [InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)]
+                runs: int, small: _Recorded | None = None) -> tuple[LayerTuning, dict[str, Any]]:
+    """(what was found, the chosen tactic's config) for one layer; `small`: its inputs at the profile's
+    min shape too, where every candidate is also checked and timed (see _choose_over)."""
+    points = [record] + ([small] if small is not None else [])
+    metas = [[InputMeta.of(a, c is not None) for a, c in zip(r.args, constants)] for r in points]
     notes: dict[str, float | str] = {}
     usable: list[Tactic] = []
     for t in tactics:
-        ok = t.check(step, metas)
+        ok = next((found for found in (t.check(step, m) for m in metas) if found is not True), True)
         if ok is True:
             usable.append(t)
         else:
@@ -266,50 +270,74 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
     if not usable:
         return LayerTuning(DEFAULT, None, candidates=notes), {}
 
-    key = signature_key(layer_signature(step, metas, [DEFAULT] + [t.name for t in usable], env))
-    cached = cache.get(key)
+    keys = [signature_key(layer_signature(step, m, [DEFAULT] + [t.name for t in usable], env)) for m in metas]
+    cached = [cache.get(key) for key in keys]
     # A cache hit holds the measurements: the selection rule below is applied to them again, and
     # only the winner is prepared and checked.
     names = {DEFAULT} | {t.name for t in usable}
-    known = {k: v for k, v in cached["times_ms"].items() if k in names} if cached is not None else {}
-    if cached is not None and not known:
-        cached = None  # nothing measured that runs here: time them
-    wanted = _choose(known) if cached is not None else None
-    check = _checker(fn, ctx, record, attrs)
-    launches: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {}
+    known = [{k: v for k, v in c["times_ms"].items() if k in names} if c is not None else {} for c in cached]
+    hit = all(known)
+    wanted = _choose_over(known) if hit else None
+    checks = [_checker(fn, ctx, r, attrs) for r in points]
+    launches: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
     for t in usable:
         if wanted is not None and wanted != t.name:
             continue
-        config = t.configure(step, metas)
+        config = t.configure(step, metas[0])
+        calls: list[Callable[[], Any]] = []
+        problem = None
         try:
             launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
-            args = [t.to_layout(a) for a in record.args]
-            with torch.inference_mode():
-                problem = check(launch(ctx, *args, **attrs))
+            for r, check in zip(points, checks):
+                args = [t.to_layout(a) for a in r.args]
+                with torch.inference_mode():
+                    problem = check(launch(ctx, *args, **attrs))
+                if problem:
+                    break
+                calls.append(lambda launch=launch, args=args: launch(ctx, *args, **attrs))
         except Exception as e:  # noqa: BLE001  a candidate that fails is dropped, with the reason
             problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:
             notes[t.name] = f"rejected: {problem}"
             continue
-        launches[t.name] = ((lambda launch=launch, args=args: launch(ctx, *args, **attrs)), config)
+        launches[t.name] = (calls, config)
 
-    if cached is not None:
+    if hit:
         chosen = wanted if wanted == DEFAULT or wanted in launches else DEFAULT  # a failed winner: the default
-        times = {k: v for k, v in cached["times_ms"].items() if k in launches or k == DEFAULT}
-        return _result(chosen, times, {**cached.get("notes", {}), **notes}, cached=True), \
+        times = [{k: v for k, v in c["times_ms"].items() if k in launches or k == DEFAULT} for c in cached]
+        return _result(chosen, times, {**cached[0].get("notes", {}), **notes}, cached=True), \
             launches[chosen][1] if chosen in launches else {}
 
-    timed = {DEFAULT: lambda: fn(ctx, *record.args, **attrs)} | {k: v[0] for k, v in launches.items()}
-    with torch.inference_mode():
-        times = measure(timed, device, runs)
-    chosen = _choose(times)
-    cache.put(key, {"chosen": chosen, "times_ms": times, "notes": notes,
-                    "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}"})
+    times = []
+    for p, (r, key) in enumerate(zip(points, keys)):
+        timed = {DEFAULT: lambda r=r: fn(ctx, *r.args, **attrs)} | {k: v[0][p] for k, v in launches.items()}
+        with torch.inference_mode():
+            measured = measure(timed, device, runs)
+        times.append(measured)
+        cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes,
+                        "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}"})
+    chosen = _choose_over(times)
     return _result(chosen, times, notes, cached=False), launches[chosen][1] if chosen in launches else {}
 
 
 def _choose(times: dict[str, float]) -> str:
     return min(times, key=lambda k: (_effective_ms(k, times[k]), k != DEFAULT))
+
+
+def _choose_over(points: list[dict[str, float]]) -> str:
+    """The tactic for every shape of a profile, from its times at the opt shape and, when timed there,
+    at the min shape: the least summed ratio to each point's best, costs as _effective_ms counts them
+    (made positive). A tactic 7% faster at 8 x 128 but three times slower at 1 x 1 (a GEMM packing its
+    weight per call outside a segment) is not chosen; one a little slower at both is not either."""
+    if len(points) == 1:
+        return _choose(points[0])
+    names = [k for k in points[0] if all(k in p for p in points[1:])]
+
+    def cost(name: str, ms: float) -> float:
+        return _effective_ms(name, ms) + NATIVE_CREDIT_MS  # > 0: a non-native tactic pays the credit instead
+
+    best = [min(cost(k, p[k]) for k in names) for p in points]
+    return min(names, key=lambda k: (sum(cost(k, p[k]) / b for p, b in zip(points, best)), k != DEFAULT))
 
 
 # A layer timed alone does not pay for leaving its neighbours' layout: the default conv is timed
@@ -333,21 +361,24 @@ def _effective_ms(name: str, ms: float) -> float:
     return ms - NATIVE_CREDIT_MS if tactic.native else ms
 
 
-def _result(chosen: str, times: dict[str, float], notes: dict[str, float | str], cached: bool) -> LayerTuning:
+def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float | str], cached: bool) -> LayerTuning:
+    times = points[0]
     ranked = sorted(times, key=lambda k: times[k])
     others = [k for k in ranked if k != chosen]
     return LayerTuning(
         tactic=chosen, time_ms=times.get(chosen),
         runner_up=others[0] if others else None, runner_up_ms=times[others[0]] if others else None,
         candidates={**{k: round(v, 4) for k, v in times.items()}, **notes}, cached=cached,
+        at_min={k: round(v, 4) for k, v in points[1].items()} if len(points) > 1 else None,
     )
 
 
 def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
-             io_casts: dict[str, str] | None = None) -> dict[str, Any]:
-    """Choose a tactic for every top-level layer of `program` (in place); returns the header record."""
+             io_casts: dict[str, str] | None = None, min_shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
+    `min_shapes`: a profile's smallest shapes, where every candidate is also timed (_choose_over)."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
@@ -363,6 +394,11 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
         reference_program = Program(program, placed, device)
         records, reference_outputs = _record(reference_program, set(tunable), examples)
+        small: dict[int, _Recorded] = {}
+        if min_shapes and {**shapes, **min_shapes} != shapes:
+            small_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **min_shapes})]
+            small_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(small_examples, inputs)]
+            small, _ = _record(reference_program, set(tunable), small_examples)
     except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
         return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
                            "runs its default implementation"}
@@ -378,13 +414,15 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         fn, ctx, attrs = bound.fn, bound.ctx, bound.attributes
         constants = [placed[program.constants[name]] if name in program.constants else None
                      for name in step.inputs]
-        found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs)
+        found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs,
+                                    small.get(i))
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
         say(f"tactics: {n + 1}/{len(tunable)} {step.name}: {found.tactic}"
             + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
     records.clear()
+    small.clear()
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}

@@ -132,9 +132,12 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
     say("selecting tactics")
     device = torch.device(config.device)
+    # On the CPU a profile's range is timed at both ends of use: its opt and its min shape (a tactic fast at
+    # opt but slow at small shapes, outside a native segment, would cost every short request).
+    min_shapes = shapes_at(profiles[0], "min") if profiles and device.type == "cpu" else None
     tactics = autotune(program, weights, inputs, device=device, opt_level=config.opt_level,
                        shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
-                       runs=config.tuning_runs, progress=say, io_casts=io_casts)
+                       runs=config.tuning_runs, progress=say, io_casts=io_casts, min_shapes=min_shapes)
     # ... and valid at every profile's ends: a tactic that refuses or errs there goes back to the default.
     if profiles and "layers" in tactics:
         say("checking tactics at the profiles' ends")

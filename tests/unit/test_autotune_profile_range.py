@@ -1,0 +1,76 @@
+"""On the CPU a profile's range is tuned at both ends of use: every candidate is checked and timed at the
+profile's opt and min shapes, and the choice is the least summed ratio to each shape's best
+(kiln/builder/autotune.py _choose_over), so a tactic fast at the opt shape but slow at small ones
+(a GEMM that packs its weight per call outside a native segment) does not serve every short request."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from kiln.builder import autotune as at
+from kiln.tactics import registry
+from kiln.tactics.tactic import DEFAULT, Tactic
+
+NATIVE = "cpu.layernorm.native"  # a native tactic (credited), any will do for the rule
+PLAIN = "cpu.gemm.mkl"  # a non-native one
+
+
+def test_one_point_chooses_as_before():
+    times = {DEFAULT: 1.0, PLAIN: 0.8, NATIVE: 0.84}
+    assert at._choose_over([times]) == at._choose(times)
+
+
+def test_faster_at_opt_but_slow_at_min_loses():
+    opt = {DEFAULT: 10.0, PLAIN: 9.0, NATIVE: 9.6}  # 7% faster at 8 x 128 ...
+    small = {DEFAULT: 0.30, PLAIN: 0.30, NATIVE: 0.02}  # ... 15x slower at 1 x 1
+    assert at._choose([opt, small][0]) == PLAIN
+    assert at._choose_over([opt, small]) == NATIVE
+
+
+def test_a_tactic_clearly_faster_at_opt_still_wins_when_its_small_shape_cost_is_small():
+    opt = {DEFAULT: 10.0, PLAIN: 3.0, NATIVE: 9.5}  # 3x faster where the time goes
+    small = {DEFAULT: 0.06, PLAIN: 0.07, NATIVE: 0.05}
+    assert at._choose_over([opt, small]) == PLAIN
+
+
+def test_ties_go_to_the_default():
+    same = {DEFAULT: 1.0, PLAIN: 1.0}
+    assert at._choose_over([same, dict(same)]) == DEFAULT
+
+
+@pytest.fixture
+def slow_when_small():
+    """A Relu tactic that sleeps 5 ms on inputs of fewer than 64 elements."""
+    name = "cpu.test.relu.slow_when_small"
+
+    def launch(ctx, x):
+        if x.numel() < 64:
+            time.sleep(0.005)
+        return torch.relu(x)
+
+    registry.register(Tactic(name=name, op_type="Relu", domain="", device="cpu", dtypes=(torch.float32,),
+                             supports=lambda step, inputs: True, prepare=lambda step, constants, device: launch))
+    yield name
+    registry.unregister(name)
+
+
+def test_a_profile_build_times_candidates_at_its_min_shape(tmp_path, slow_when_small):
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 32])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 32])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    engine = kiln.build(model.SerializeToString(), profiles=[{"x": "1x32,64x32,128x32"}],
+                        timing_cache=str(tmp_path / "cache.json"))
+    found = engine.plan.header["tactics"]["layers"]["relu"]
+    assert set(found["at_min"]) == {DEFAULT, slow_when_small}
+    assert found["at_min"][slow_when_small] >= 4.0  # timed on the 1 x 32 input, where it sleeps
+    assert found["candidates"][slow_when_small] < 4.0  # and on the 64 x 32 one, where it does not
+    assert found["tactic"] == DEFAULT
+    x = np.random.default_rng().standard_normal((3, 32)).astype(np.float32)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], np.maximum(x, 0))
