@@ -1,0 +1,44 @@
+"""EfficientNet and MobileNetV2 from the zoo as one native segment on the CPU, against onnxruntime (issue 11).
+
+With the squeeze-and-excitation blocks fused (kiln::SqueezeExcite, kiln's C kernel) and EfficientNet's
+ceil-mode head pool read as a global mean, every layer of both networks has a tactic that runs inside a
+native segment: the whole network is one call of the segment loop. Which tactic the tuner keeps is a
+timing decision (on a loaded machine a sample can keep a layer on its default), so the tests give the
+native tactics the win (autotune.NATIVE_CREDIT_MS) and check the structure that makes possible, then
+the numbers against onnxruntime on fresh inputs. test_zoo.py checks both models with the tuner's own
+choices.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kiln
+from kiln import zoo
+from kiln.builder import autotune
+from kiln.runtime.native import Segment
+from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
+
+NATIVE = ["cpu.conv.onednn_direct", "cpu.squeeze_excite.native", "cpu.gap", "cpu.pool", "cpu.alias",
+          "cpu.gemm.onednn_direct", "cpu.gemm.kiln_packed"]
+
+
+@pytest.mark.slow  # a build of each network with the search: 30-60 s on 2 shared cores
+@pytest.mark.parametrize("name, blocks", [("efficientnet_tiny", 7), ("mobilenet_v2", 0)])
+def test_whole_network_is_one_native_segment_and_matches_onnxruntime(name, blocks, monkeypatch):
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+    exported = zoo.export(name)
+    engine = kiln.build(str(exported.path), tactics=NATIVE)
+    ops = [s.op_type for s in engine.plan.program.steps]
+    assert ops.count("SqueezeExcite") == blocks and "Mul" not in ops and "AveragePool" not in ops
+    run_steps = engine.program.run_steps
+    assert len(run_steps) == 1 and isinstance(run_steps[0].fn, Segment), \
+        [s.ctx.name for s in run_steps if not isinstance(s.fn, Segment)]
+    assert len(run_steps[0].fn.members) == len(ops)
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    for seed in (1, 2):
+        feeds = zoo.random_inputs(name, exported, seed=seed)
+        got = engine.run(feeds)
+        for n, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[n], want, f"{name} {n} (seed {seed})")
