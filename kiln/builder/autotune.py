@@ -9,8 +9,8 @@
        events over CUDA-graph replays, lower quartile of perf_counter on CPU (see measure) — and
        keep the fastest;
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
-       tactic is chosen (its result is still checked); on the CPU, a profile's min shape is checked
-       and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
+       tactic is chosen (its result is still checked); on the CPU, a profile's mid and min shapes are
+       checked and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
     4. the whole program runs once more with the chosen tactics and is judged against the error
        the default engine itself makes at its precision (accuracy.py): when it is worse, only the
        layers to blame go back to their default, and the header and the build log say which and why.
@@ -56,7 +56,7 @@ class LayerTuning:
     runner_up_ms: float | None = None
     candidates: dict[str, float | str] = dataclasses.field(default_factory=dict)  # ms, or why dropped
     cached: bool = False
-    at_min: dict[str, float] | None = None  # ms at the profile's min shape, where it was timed there too
+    at: dict[str, dict[str, float]] | None = None  # ms at the profile's other points ("mid", "min") timed too
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -254,10 +254,11 @@ def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: l
 
 def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
                 tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
-                runs: int, small: _Recorded | None = None) -> tuple[LayerTuning, dict[str, Any]]:
-    """(what was found, the chosen tactic's config) for one layer; `small`: its inputs at the profile's
-    min shape too, where every candidate is also checked and timed (see _choose_over)."""
-    points = [record] + ([small] if small is not None else [])
+                runs: int, others: dict[str, _Recorded] | None = None) -> tuple[LayerTuning, dict[str, Any]]:
+    """(what was found, the chosen tactic's config) for one layer; `others`: its inputs at other points of
+    the profile ("mid", "min"), where every candidate is also checked and timed (see _choose_over)."""
+    labels = list(others or {})
+    points = [record] + [others[label] for label in labels]
     metas = [[InputMeta.of(a, c is not None) for a, c in zip(r.args, constants)] for r in points]
     notes: dict[str, float | str] = {}
     usable: list[Tactic] = []
@@ -305,7 +306,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
     if hit:
         chosen = wanted if wanted == DEFAULT or wanted in launches else DEFAULT  # a failed winner: the default
         times = [{k: v for k, v in c["times_ms"].items() if k in launches or k == DEFAULT} for c in cached]
-        return _result(chosen, times, {**cached[0].get("notes", {}), **notes}, cached=True), \
+        return _result(chosen, times, {**cached[0].get("notes", {}), **notes}, cached=True, labels=labels), \
             launches[chosen][1] if chosen in launches else {}
 
     times = []
@@ -317,7 +318,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
         cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes,
                         "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}"})
     chosen = _choose_over(times)
-    return _result(chosen, times, notes, cached=False), launches[chosen][1] if chosen in launches else {}
+    return _result(chosen, times, notes, cached=False, labels=labels), launches[chosen][1] if chosen in launches else {}
 
 
 def _choose(times: dict[str, float]) -> str:
@@ -326,9 +327,9 @@ def _choose(times: dict[str, float]) -> str:
 
 def _choose_over(points: list[dict[str, float]]) -> str:
     """The tactic for every shape of a profile, from its times at the opt shape and, when timed there,
-    at the min shape: the least summed ratio to each point's best, costs as _effective_ms counts them
-    (made positive). A tactic 7% faster at 8 x 128 but three times slower at 1 x 1 (a GEMM packing its
-    weight per call outside a segment) is not chosen; one a little slower at both is not either."""
+    at smaller ones: the least summed ratio to each point's best, costs as _effective_ms counts them
+    (made positive). A tactic 7% faster at 8 x 128 but three times slower at 3 x 11 (a GEMM packing its
+    weight per call outside a segment) is not chosen; one a little slower everywhere is not either."""
     if len(points) == 1:
         return _choose(points[0])
     names = [k for k in points[0] if all(k in p for p in points[1:])]
@@ -361,7 +362,8 @@ def _effective_ms(name: str, ms: float) -> float:
     return ms - NATIVE_CREDIT_MS if tactic.native else ms
 
 
-def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float | str], cached: bool) -> LayerTuning:
+def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float | str], cached: bool,
+            labels: list[str] | None = None) -> LayerTuning:
     times = points[0]
     ranked = sorted(times, key=lambda k: times[k])
     others = [k for k in ranked if k != chosen]
@@ -369,16 +371,18 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
         tactic=chosen, time_ms=times.get(chosen),
         runner_up=others[0] if others else None, runner_up_ms=times[others[0]] if others else None,
         candidates={**{k: round(v, 4) for k, v in times.items()}, **notes}, cached=cached,
-        at_min={k: round(v, 4) for k, v in points[1].items()} if len(points) > 1 else None,
+        at={label: {k: round(v, 4) for k, v in p.items()} for label, p in zip(labels or [], points[1:])} or None,
     )
 
 
 def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
-             io_casts: dict[str, str] | None = None, min_shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+             io_casts: dict[str, str] | None = None,
+             other_shapes: dict[str, dict[str, list[int]]] | None = None) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
-    `min_shapes`: a profile's smallest shapes, where every candidate is also timed (_choose_over)."""
+    `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
+    also timed (_choose_over)."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
@@ -394,11 +398,14 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
         reference_program = Program(program, placed, device)
         records, reference_outputs = _record(reference_program, set(tunable), examples)
-        small: dict[int, _Recorded] = {}
-        if min_shapes and {**shapes, **min_shapes} != shapes:
-            small_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **min_shapes})]
-            small_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(small_examples, inputs)]
-            small, _ = _record(reference_program, set(tunable), small_examples)
+        others: dict[str, dict[int, _Recorded]] = {}
+        for label, point in (other_shapes or {}).items():
+            if {**shapes, **point} == shapes or any({**shapes, **point} == {**shapes, **seen} for seen in
+                                                    [(other_shapes or {})[k] for k in others]):
+                continue  # the opt shape, or a point already taken
+            point_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **point})]
+            point_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(point_examples, inputs)]
+            others[label], _ = _record(reference_program, set(tunable), point_examples)
     except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
         return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
                            "runs its default implementation"}
@@ -415,14 +422,14 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         constants = [placed[program.constants[name]] if name in program.constants else None
                      for name in step.inputs]
         found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs,
-                                    small.get(i))
+                                    {label: r[i] for label, r in others.items() if i in r})
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
         say(f"tactics: {n + 1}/{len(tunable)} {step.name}: {found.tactic}"
             + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
     records.clear()
-    small.clear()
+    others.clear()
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}

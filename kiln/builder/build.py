@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 from collections.abc import Callable
@@ -132,12 +133,18 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
     say("selecting tactics")
     device = torch.device(config.device)
-    # On the CPU a profile's range is timed at both ends of use: its opt and its min shape (a tactic fast at
-    # opt but slow at small shapes, outside a native segment, would cost every short request).
-    min_shapes = shapes_at(profiles[0], "min") if profiles and device.type == "cpu" else None
+    # On the CPU a profile's range is timed at more than its opt shape: at the geometric middle of min and
+    # opt and at min too (a tactic fast at opt but slow at small shapes, outside a native segment, would
+    # cost every short request; a single token alone is a degenerate GEMV, so not the only other point).
+    other_shapes = None
+    if profiles and device.type == "cpu":
+        low = shapes_at(profiles[0], "min")
+        mid = {name: [max(1, round(math.sqrt(a * b))) for a, b in zip(low[name], tuning_shapes.get(name, low[name]))]
+               for name in low}
+        other_shapes = {"mid": mid, "min": low}
     tactics = autotune(program, weights, inputs, device=device, opt_level=config.opt_level,
                        shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
-                       runs=config.tuning_runs, progress=say, io_casts=io_casts, min_shapes=min_shapes)
+                       runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes)
     # ... and valid at every profile's ends: a tactic that refuses or errs there goes back to the default.
     if profiles and "layers" in tactics:
         say("checking tactics at the profiles' ends")

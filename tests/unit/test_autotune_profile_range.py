@@ -1,5 +1,6 @@
-"""On the CPU a profile's range is tuned at both ends of use: every candidate is checked and timed at the
-profile's opt and min shapes, and the choice is the least summed ratio to each shape's best
+"""On the CPU a profile's range is tuned at more than its opt shape: every candidate is checked and timed at
+the profile's opt, mid (geometric middle of min and opt) and min shapes, and the choice is the least summed
+ratio to each shape's best
 (kiln/builder/autotune.py _choose_over), so a tactic fast at the opt shape but slow at small ones
 (a GEMM that packs its weight per call outside a native segment) does not serve every short request."""
 
@@ -68,9 +69,10 @@ def test_a_profile_build_times_candidates_at_its_min_shape(tmp_path, slow_when_s
     engine = kiln.build(model.SerializeToString(), profiles=[{"x": "1x32,64x32,128x32"}],
                         timing_cache=str(tmp_path / "cache.json"))
     found = engine.plan.header["tactics"]["layers"]["relu"]
-    assert set(found["at_min"]) == {DEFAULT, slow_when_small}
-    assert found["at_min"][slow_when_small] >= 4.0  # timed on the 1 x 32 input, where it sleeps
-    assert found["candidates"][slow_when_small] < 4.0  # and on the 64 x 32 one, where it does not
+    assert set(found["at"]) == {"mid", "min"} and set(found["at"]["min"]) == {DEFAULT, slow_when_small}
+    assert found["at"]["min"][slow_when_small] >= 4.0  # timed on the 1 x 32 input, where it sleeps
+    assert found["at"]["mid"][slow_when_small] < 4.0  # 8 x 32, the geometric middle of 1 and 64: it does not
+    assert found["candidates"][slow_when_small] < 4.0  # nor at the opt shape, 64 x 32
     assert found["tactic"] == DEFAULT
     x = np.random.default_rng().standard_normal((3, 32)).astype(np.float32)
     np.testing.assert_array_equal(engine.run({"x": x})["y"], np.maximum(x, 0))

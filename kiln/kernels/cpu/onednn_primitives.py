@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -299,6 +301,38 @@ class Pool2d:
 
 # ---- linear layers -----------------------------------------------------------------------------
 
+class _PrimitiveCache:
+    """Inner-product primitives by (rows, shapes, epilogue) and weight layout, least recently used out: a
+    BERT-base at a new sequence length needs 4 new primitives, not one per each of its 48 GEMMs. A
+    primitive holds no weights (they are execution arguments), so layers of one shape can share one."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[tuple, list[tuple[Any, tuple]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def find(self, key: tuple, weights_md) -> tuple | None:
+        equal = load().lib.dnnl_memory_desc_equal
+        with self._lock:
+            for md, made in self._entries.get(key, ()):
+                if equal(md, weights_md):
+                    self._entries.move_to_end(key)
+                    return made
+        return None
+
+    def add(self, key: tuple, weights_md, made: tuple) -> None:
+        # the descriptor is the primitive's own weights md: it lives as long as `made` does
+        own = load().lib.dnnl_primitive_desc_query_md(made[0].value, QUERY_WEIGHTS_MD, 0)
+        with self._lock:
+            self._entries.setdefault(key, []).append((own, made))
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+
+
+_SHARED_PRIMITIVES = _PrimitiveCache(256)
+
+
 class InnerProduct:
     """y = act(x @ Wᵀ + b [+ r]) [+ r] for x [M, K] row-major: oneDNN's inner product, the weight
     [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
@@ -326,13 +360,21 @@ class InnerProduct:
             return pd if status == 0 else None
 
         shared = weight_from._weight_md if weight_from is not None else None
-        pd = create(shared) if shared is not None else None
-        if pd is None:
-            shared = None
-            pd = create(w_any.value)
+        # the layers of a transformer share shapes: one primitive per (rows, shapes, epilogue, weight layout)
+        key = (rows, n, k, eltwise, residual, residual_after_activation, b is not None)
+        made = _SHARED_PRIMITIVES.find(key, shared) if shared is not None else None
+        if made is None:
+            pd = create(shared) if shared is not None else None
             if pd is None:
-                _check(3, f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
-        self._pd, self._prim = _primitive(pd, "inner product")
+                shared = None
+                pd = create(w_any.value)
+                if pd is None:
+                    _check(3, f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
+            made = _primitive(pd, "inner product")
+            if shared is not None:
+                _SHARED_PRIMITIVES.add(key, shared, made)
+        self._pd, self._prim = made
+        pd = self._pd.value
         self.implementation = _implementation(pd)
         if shared is not None:
             self._weight, w_md = weight_from._weight, shared

@@ -414,8 +414,9 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     const long tp = (p->T + KB - 1) / KB * KB;
     const long per_thread = p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB);
     const long heads = p->B * p->H;
-    /* one thread below ~64k multiply-adds: a parallel region costs more than that */
-    const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > 65536;
+    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel region's barrier waits out any descheduled
+       thread of a loaded machine, which costs more than small work gains */
+    const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > (4L << 20);
     int failed = 0;
     #pragma omp parallel if (parallel)
     {

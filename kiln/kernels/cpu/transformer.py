@@ -34,8 +34,9 @@ _REASON: str | None = None
 _LOCK = threading.Lock()
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 
-# rows of work below which a kernel stays on one thread: a parallel region costs ~2-5 µs
-PARALLEL_ELEMENTS = 1 << 15
+# elements below which LayerNorm and Add stay on one thread (~1 ms of work): a parallel region costs a few
+# µs on a quiet machine, and on a loaded one its barrier waits out a descheduled thread's whole time slice
+PARALLEL_ELEMENTS = 1 << 20
 
 
 def load() -> ctypes.CDLL | None:
