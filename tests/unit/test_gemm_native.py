@@ -136,7 +136,7 @@ def test_no_bias_and_an_empty_k():
 
 
 @pytest.mark.parametrize("m,k,n", [(200, 300, 130), (50, 70, 20)])  # N of 2 panels: rows split among threads too
-@pytest.mark.parametrize("small,pack", [(None, None), (0, 0)])  # whole K in place; K blocks packed
+@pytest.mark.parametrize("small,pack", [(None, None), (0, None), (0, 0)])  # whole K; K blocks in place; packed
 def test_threads_follow_torch_and_agree(m, k, n, small, pack):
     g = torch.Generator().manual_seed(2)
     x, w, b, _ = data(g, (m,), k, n)

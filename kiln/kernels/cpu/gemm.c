@@ -6,8 +6,10 @@
  * whole K: packed[p][k][j] = W[p*NR + j][k] (zeros past N), so a kc x NR micro-panel is contiguous
  * and stays in L1 while the microkernel runs down the rows. Up to a few MB of x (kiln_gemm_plan.small_m,
  * set by gemm_native.py) the tiles read x in place over the whole K: each W panel streams once, the rows
- * of x come from L2/L3, and a call is one fork/join. Past it, the K-blocked GotoBLAS loop: x packed per
- * call into MR-row panels per M block of up to MC rows (kc x MC in L2), C tiles revisited per K block.
+ * of x come from L2/L3, and a call is one fork/join. Past it, the K-blocked loop: kc x NR micro-panels of
+ * W in L1, C tiles revisited per K block, x read in place (one fork/join) or, past pack_m rows, packed per
+ * call into MR-row panels per M block of up to MC rows (GotoBLAS; two barriers per M block, which a thread
+ * descheduled by other work holds up: off by default, gemm_native.py says why).
  * The microkernel keeps an MR x NR tile of C in registers: 6x16 on AVX2+FMA (12 ymm
  * accumulators), 14x32 on AVX-512 (28 zmm), chosen at run time from cpuid (__builtin_cpu_supports), so
  * one build runs on either. Written with GCC vector extensions: one template, instantiated per ISA by
@@ -403,54 +405,90 @@ static void pack_a(const float *x, long K, int rows, int mr, float *panel) {
     }
 }
 
-/* K-blocked: per M block (A packed by the threads when `pack`, else read in place), work items of row
-   groups x panel chunks; per item, for each K block, each panel's kc x NR micro-panel stays in L1 while
-   the tiles run down the item's rows. */
-static void run_blocked(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
-                        const float *res, int pack, int threads) {
+/* Work items of an M block: row groups (when the panels alone are too few to share among the threads)
+   x chunks of panels. */
+typedef struct { long groups, group_blocks, chunk, chunks; } item_grid;
+
+static item_grid grid_of(long blocks, long panels, int threads) {
+    item_grid g;
+    g.groups = ceil_div(2L * threads, panels);
+    g.groups = g.groups > blocks ? blocks : g.groups;
+    g.group_blocks = ceil_div(blocks, g.groups);
+    g.chunk = panel_chunk(panels, g.groups, threads);
+    g.chunks = ceil_div(panels, g.chunk);
+    return g;
+}
+
+/* One item of the K-blocked loop: for each K block, each panel's kc x NR micro-panel stays in L1 while
+   the tiles run down the item's row blocks [q0, q1) of the M block starting at row block b0. A is packed
+   (a_packed: the M block's panels) or read in place (a_packed NULL). */
+static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+                         const float *res, const float *a_packed, long row_blocks, long b0, long q0, long q1,
+                         long p0, long p1, int epi) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
-    const long panels = ceil_div(N, nr), row_blocks = ceil_div(M, mr);
+    const tile_fn tile = a_packed ? kd->packed : kd->direct;
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        const long kb = K - k0 < kc ? K - k0 : kc;
+        const int last = k0 + kb == K;
+        for (long pn = p0; pn < p1; ++pn) {
+            const long col0 = pn * nr;
+            const int n = (int)(N - col0 < nr ? N - col0 : nr);
+            const float *b = p->packed_w + pn * K * nr + k0 * nr;
+            for (long q = q0; q < q1; ++q) {
+                long row0, m;
+                row_block(M, row_blocks, b0 + q, &row0, &m);
+                const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
+                tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
+                if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
+            }
+        }
+    }
+}
+
+/* K-blocked, x read in place: every item of every M block in one dynamic loop (one fork/join). */
+static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+                                 const float *res, int threads) {
+    const long panels = ceil_div(p->N, kd->nr), row_blocks = ceil_div(p->M, kd->mr);
+    const long per_m_block = blocks_per_m_block(kd, row_blocks), m_blocks = ceil_div(row_blocks, per_m_block);
+    const item_grid g = grid_of(per_m_block, panels, threads);
+    const long per = g.groups * g.chunks;
+    const int epi = has_epilogue(p, res);
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && m_blocks * per > 1)
+    for (long it = 0; it < m_blocks * per; ++it) {
+        const long mb = it / per, gi = it % per / g.chunks, c = it % g.chunks;
+        const long b0 = mb * per_m_block, blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
+        const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
+        const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
+        if (q0 < q1) blocked_item(p, kd, x, y, res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, epi);
+    }
+}
+
+/* K-blocked GotoBLAS loop, x packed: per M block, the threads pack its MR-row panels (whichever is free
+   takes the next), then share its items. Two barriers per M block: a thread that other work deschedules
+   holds the others up (measured on a shared 2-core VM: well behind the in-place paths there). */
+static void run_blocked_packed(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+                               const float *res, int threads) {
+    const long M = p->M, K = p->K, mr = kd->mr;
+    const long panels = ceil_div(p->N, kd->nr), row_blocks = ceil_div(M, mr);
     const long per_m_block = blocks_per_m_block(kd, row_blocks);
     const int epi = has_epilogue(p, res);
     float *a_packed = p->scratch;
-    const tile_fn tile = pack ? kd->packed : kd->direct;
     #pragma omp parallel num_threads(threads) if (threads > 1)
     for (long b0 = 0; b0 < row_blocks; b0 += per_m_block) {
         const long blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
-        if (pack) {
-            #pragma omp for schedule(dynamic, 1)
-            for (long q = 0; q < blocks; ++q) {
-                long row0, m;
-                row_block(M, row_blocks, b0 + q, &row0, &m);
-                pack_a(x + row0 * K, K, (int)m, (int)mr, a_packed + q * mr * K);
-            }
-        }
-        /* work items: row groups (when the panels alone are too few to share) x chunks of panels */
-        long groups = ceil_div(2L * threads, panels);
-        groups = groups > blocks ? blocks : groups;
-        const long group_blocks = ceil_div(blocks, groups);
-        const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
         #pragma omp for schedule(dynamic, 1)
-        for (long it = 0; it < groups * chunks; ++it) {
-            const long g = it / chunks, c = it % chunks;
-            const long q_end = (g + 1) * group_blocks < blocks ? (g + 1) * group_blocks : blocks;
-            const long p_end = (c + 1) * chunk < panels ? (c + 1) * chunk : panels;
-            for (long k0 = 0; k0 < K; k0 += kc) {
-                const long kb = K - k0 < kc ? K - k0 : kc;
-                const int last = k0 + kb == K;
-                for (long pn = c * chunk; pn < p_end; ++pn) {
-                    const long col0 = pn * nr;
-                    const int n = (int)(N - col0 < nr ? N - col0 : nr);
-                    const float *b = p->packed_w + pn * K * nr + k0 * nr;
-                    for (long q = g * group_blocks; q < q_end; ++q) {
-                        long row0, m;
-                        row_block(M, row_blocks, b0 + q, &row0, &m);
-                        const float *a = pack ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
-                        tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
-                        if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
-                    }
-                }
-            }
+        for (long q = 0; q < blocks; ++q) {
+            long row0, m;
+            row_block(M, row_blocks, b0 + q, &row0, &m);
+            pack_a(x + row0 * K, K, (int)m, (int)mr, a_packed + q * mr * K);
+        }
+        const item_grid g = grid_of(blocks, panels, threads);
+        #pragma omp for schedule(dynamic, 1)
+        for (long it = 0; it < g.groups * g.chunks; ++it) {
+            const long gi = it / g.chunks, c = it % g.chunks;
+            const long q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
+            const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
+            blocked_item(p, kd, x, y, res, a_packed, row_blocks, b0, gi * g.group_blocks, q1, c * g.chunk, p1, epi);
         }
     }
 }
@@ -486,6 +524,7 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
 #endif
     if (threads < 1) threads = 1;
     if (p->M <= p->small_m) run_small(p, kd, x, y, res, threads);
-    else run_blocked(p, kd, x, y, res, p->M > p->pack_m, threads);
+    else if (p->M > p->pack_m) run_blocked_packed(p, kd, x, y, res, threads);
+    else run_blocked_in_place(p, kd, x, y, res, threads);
     return 0;
 }

@@ -111,6 +111,11 @@ def best_kernel() -> Kernel:
 
 
 IN_PLACE_BYTES = 4 << 20  # x up to this size is read in place over the whole K (kiln_gemm_plan.small_m)
+# Past it, the K-blocked loop reads x in place too: packing A (GotoBLAS's way, kiln_gemm_plan.pack_m) costs
+# two barriers per M block, and on a shared 2-core VM (load ~9) the packed loop ran at half the speed of
+# the in-place ones, which ran level with oneDNN and MLAS (BERT-base shapes, M = 128 and 512, interleaved
+# medians); alone on a core (CPU time) all three paths ran within the noise of each other.
+NEVER = 1 << 62
 
 
 def small_rows(kernel: Kernel, k: int) -> int:
@@ -148,7 +153,7 @@ class PackedLinear:
         self._epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
                               residual_after=int(residual_after_activation))
         self.small_m = small_rows(self.kernel, k) if small_m is None else small_m
-        self.pack_m = 0 if pack_m is None else pack_m
+        self.pack_m = NEVER if pack_m is None else pack_m
         self.implementation = f"kiln packed GEMM, {self.kernel.name}"
         self._call_plans: dict[int, tuple[_Plan, torch.Tensor]] = {}
         self._lock = threading.Lock()
