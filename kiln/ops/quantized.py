@@ -25,13 +25,15 @@ QLinearConv order, so a reader of ORT's QLinearConv/QLinearMatMul/QLinearAdd kno
                   default 1 = float32): the dequantized result, for a float consumer
 
     attributes    QConv: Conv's (auto_pad, dilations, group, kernel_shape, pads, strides);
-                  all: activation ("" | "Relu" | "Clip"), alpha/beta (Clip's min/max), output_dtype
+                  all: activation ("" | "Relu" | "Clip" | "Gelu" | "GeluTanh"; kiln::FusedConv's names),
+                  alpha/beta (Clip's min/max), output_dtype
 
 The arithmetic every kernel implements (the reference below, in float64 where exact):
 
     acc[o]  = Σ (x − x_zero_point) · (w[o] − w_zero_point[o])          exact integers (int32 on a kernel)
     r[o]    = x_scale · w_scale[o] · (acc[o] + bias[o])                the real-valued layer output
-    r       = act(r)                                                    Relu: max(r, 0); Clip: clamp(r, alpha, beta)
+    r       = act(r)                                                    Relu: max(r, 0); Clip: clamp(r, alpha, beta);
+                                                                        Gelu (erf), GeluTanh: as kiln/ops/fused.py
     y       = saturate(round_half_even(r / y_scale) + y_zero_point)    or r itself (float output)
 
 QAdd: r = act(a_scale·(a − a_zero_point) + b_scale·(b − b_zero_point)) (numpy broadcasting), then y as
@@ -76,9 +78,7 @@ def _exact_dtype(x: torch.Tensor, x_zero_point, w: torch.Tensor, w_zero_point, t
 
 
 def _activate(r: torch.Tensor, activation: str, alpha: float, beta: float) -> torch.Tensor:
-    if activation not in ("", "Relu", "Clip"):
-        raise ValueError(f"quantized layer activation {activation!r}: '', 'Relu' or 'Clip'")
-    return _activate_(r, activation, alpha, beta)
+    return _activate_(r, activation, alpha, beta)  # kiln's epilogue activations (kiln/ops/fused.py)
 
 
 def _output(ctx, r: torch.Tensor, y_scale, y_zero_point, output_dtype: int) -> torch.Tensor:

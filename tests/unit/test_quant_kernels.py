@@ -169,15 +169,16 @@ def test_the_int8_convolution_is_the_reference_within_one_step(case, activation)
 
 
 @needs_onednn
+@pytest.mark.parametrize("activation", ["Relu", "Gelu"])
 @pytest.mark.parametrize("rows, quantized_out", [((3, 40), True), ((2, 7, 40), False), ((1, 40), True)])
-def test_the_int8_matmul_is_the_reference_within_one_step(rows, quantized_out):
+def test_the_int8_matmul_is_the_reference_within_one_step(rows, quantized_out, activation):
     rng = np.random.default_rng(sum(rows))
     x = torch.from_numpy(rng.integers(0, 256, rows).astype(np.uint8))
     w = torch.from_numpy(rng.integers(-64, 65, (24, 40)).astype(np.int8))
     args = [x, T(0.02), T(17, dtype=torch.uint8), w, torch.rand(24) * 0.01 + 1e-3, torch.zeros(24, dtype=torch.int8),
             T(0.3) if quantized_out else None, T(9, dtype=torch.uint8) if quantized_out else None,
             torch.from_numpy(rng.integers(-900, 900, 24).astype(np.int32))]
-    attrs = {"activation": "Relu", "alpha": 0.0, "beta": 0.0}
+    attrs = {"activation": activation, "alpha": 0.0, "beta": 0.0}
     want = lookup("QGemm", "kiln").fn(_ctx("QGemm", 9), *args, **attrs)
     _within_one_step(_tactic_output("cpu.qgemm.onednn", "QGemm", args, attrs), want)
     _within_one_step(_tactic_output("cpu.qgemm.dequantized", "QGemm", args, attrs), want)

@@ -54,6 +54,7 @@ from kiln.kernels.cpu.onednn import (
     _memory,
     _primitive,
     _reorder,
+    eltwise_for,
     load,
 )
 
@@ -182,13 +183,10 @@ class _Quantized:
 
 
 def _eltwise(activation: str, alpha: float, beta: float) -> Eltwise | None:
-    if activation == "":
-        return None
-    if activation == "Relu":
-        return Eltwise("relu")
-    if activation == "Clip":
-        return Eltwise("clip", float(alpha), float(beta))
-    raise OneDNNError(f"quantized layer activation {activation!r}: '', 'Relu' or 'Clip'")
+    found = eltwise_for(activation, alpha, beta)  # the float primitives' table (onednn.py)
+    if isinstance(found, str):
+        raise OneDNNError(found)
+    return found
 
 
 def combined_scales(x_scale: float, w_scale: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""Fusion rules, one module each (pattern / check with a reason / rewrite), in the order they run: explicit
-quantization first (Q/DQ pairs propagated, quantized layers formed: nothing else may split them), then
-recognisers of decomposed ops (so the layer fusions see a Gelu where the exporter wrote Erf arithmetic),
-then layer epilogues, then attention, then the elementwise chains that are left."""
+"""Fusion rules, one module each (pattern / check with a reason / rewrite), in the order they run: recognisers
+of decomposed ops first (so the layer fusions see a Gelu where the exporter wrote Erf arithmetic), then
+explicit quantization (Q/DQ pairs propagated, quantized layers formed, before the float layer fusions take
+their Conv/Gemm), then layer epilogues, then attention, then the elementwise chains that are left."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ from kiln.passes.fusion.squeeze_excite import fuse_squeeze_excite
 from kiln.passes.fusion.swiglu import fuse_swiglu
 
 RULES = [
-    ("sink_dequantize", sink_dequantize),  # the 8-bit tensor through MaxPool/Reshape/Concat...
-    ("remove_qdq_round_trips", remove_qdq_round_trips),  # Q(DQ(q)) = q
-    ("fuse_quantized_layers", fuse_quantized_layer),  # before fuse_conv/fuse_gemm take the float layer
-    ("fuse_quantized_add", fuse_quantized_add),
     ("fuse_gelu", fuse_gelu),
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_softmax", fuse_softmax),
+    ("sink_dequantize", sink_dequantize),  # the 8-bit tensor through MaxPool/Reshape/Concat...
+    ("remove_qdq_round_trips", remove_qdq_round_trips),  # Q(DQ(q)) = q
+    ("fuse_quantized_layers", fuse_quantized_layer),  # after fuse_gelu (its Gelu absorbed), before fuse_conv/fuse_gemm
+    ("fuse_quantized_add", fuse_quantized_add),
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("fuse_conv", fuse_conv),
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues

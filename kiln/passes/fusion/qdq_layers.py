@@ -113,10 +113,13 @@ def _bias_after(value: ir.Value, channels: int) -> tuple[ir.Node, np.ndarray] | 
     return None if real is None or isinstance(real, str) else (add, real)
 
 
-def _activation(value: ir.Value) -> tuple[ir.Node, str, float, float] | None:
+def _activation(value: ir.Value, gelu: bool = False) -> tuple[ir.Node, str, float, float] | None:
+    """Relu or Clip (any layer); Gelu too for a QConv/QGemm (`gelu`): the transformer FFN's up projection."""
     node = only_user(value)
     if is_op(node, "Relu"):
         return node, "Relu", 0.0, 0.0
+    if gelu and (is_op(node, "Gelu") or is_op(node, "Gelu", domain=KILN_DOMAIN)):
+        return node, "GeluTanh" if attr(node, "approximate", "none") == "tanh" else "Gelu", 0.0, 0.0
     if is_op(node, "Clip") and node.inputs[0] is value:
         bounds = []
         for i, name, default in ((1, "min", -np.inf), (2, "max", np.inf)):
@@ -175,7 +178,7 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
         absorbed.append(after[0])
         bias, out = after[1], after[0].outputs[0]
     activation, alpha, beta = "", 0.0, 0.0
-    if act := _activation(out):
+    if act := _activation(out, gelu=True):
         absorbed.append(act[0])
         activation, alpha, beta, out = act[1], act[2], act[3], act[0].outputs[0]
     scale = px.scale.astype(np.float64).reshape(()) * weight.scale.astype(np.float64)  # scalar or [O]

@@ -59,8 +59,8 @@ def _common(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
             return "the output scale and zero point are not uint8/int8 constants of the engine"
     elif int(_attr(step, "output_dtype", 1)) != 1:
         return "a float output other than float32"
-    if _attr(step, "activation", "") not in ("", "Relu", "Clip"):
-        return f"activation {_attr(step, 'activation', '')!r}"
+    if isinstance(onednn.eltwise_for(*_activation(step)), str):
+        return f"activation {_attr(step, 'activation', '')!r} has no oneDNN post-op"
     return True
 
 
