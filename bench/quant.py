@@ -229,6 +229,56 @@ def table(rows: list[Row]) -> list[str]:
     return lines
 
 
+# ResNet-50 (C, O, H, kernel, stride, groups), MobileNetV2's depthwise and 1x1 layers, BERT-base's GEMMs (M, K, N)
+LAYER_CONVS = [(64, 64, 56, 3, 1, 1), (64, 256, 56, 1, 1, 1), (256, 64, 56, 1, 1, 1), (128, 128, 28, 3, 1, 1),
+               (512, 128, 28, 1, 1, 1), (256, 256, 14, 3, 1, 1), (1024, 256, 14, 1, 1, 1), (512, 512, 7, 3, 1, 1),
+               (2048, 512, 7, 1, 1, 1), (3, 64, 224, 7, 2, 1), (32, 32, 112, 3, 1, 32), (144, 144, 56, 3, 1, 144),
+               (960, 960, 7, 3, 1, 960), (16, 96, 112, 1, 1, 1), (96, 24, 56, 1, 1, 1), (160, 960, 7, 1, 1, 1)]
+LAYER_GEMMS = [(128, 768, 768), (128, 768, 3072), (128, 3072, 768), (1, 2048, 1000)]
+
+
+def layer_table(rounds: int) -> list[str]:
+    """Each layer alone: oneDNN's float32 primitive (kiln's fp32 tactic) against its int8 one (u8 source, s8
+    7-bit weights, quantized output), the 10th percentile of interleaved calls: what the kernels give
+    before any engine overhead."""
+    import torch
+
+    from kiln.kernels.cpu import onednn_primitives
+    from kiln.kernels.cpu.onednn_int8 import QConv2d, QMatMul
+
+    def pair(f32, i8) -> tuple[float, float]:
+        times: dict[int, list[float]] = {0: [], 1: []}
+        for _ in range(3):
+            f32(), i8()
+        for _ in range(rounds):
+            for k, fn in enumerate((f32, i8)):
+                start = time.perf_counter()
+                fn()
+                times[k].append((time.perf_counter() - start) * 1e3)
+        return tuple(float(np.percentile(times[k], 10)) for k in (0, 1))
+
+    lines = ["| layer | fp32 ms | int8 ms | int8 / fp32 | int8 kernel |", "|---|---|---|---|---|"]
+    for c, o, h, k, s, g in LAYER_CONVS:
+        x = torch.randn(1, c, h, h).contiguous(memory_format=torch.channels_last)
+        w, p = torch.randn(o, c // g, k, k) * 0.1, k // 2
+        conv = onednn_primitives.Conv2d(w, torch.randn(o), [1, c, h, h], [s, s], [p] * 4, [1, 1], g, None, False, False)
+        xq = torch.randint(0, 256, x.shape, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        qconv = QConv2d(torch.randint(-64, 65, w.shape, dtype=torch.int8), torch.rand(o) * 0.01,
+                        torch.zeros(o, dtype=torch.int32), [1, c, h, h], [s, s], [p] * 4, [1, 1], g, torch.uint8,
+                        0.02, 0, (torch.uint8, 0.5, 0))
+        f, q = pair(lambda: conv(x), lambda: qconv(xq))
+        lines.append(f"| conv {c}->{o} {h}x{h} k{k} s{s}" + (f" g{g}" if g > 1 else "") +
+                     f" | {f:.3f} | {q:.3f} | {q / f:.2f} | {qconv.implementation} |")
+    for m, k, n in LAYER_GEMMS:
+        ip = onednn_primitives.InnerProduct(torch.randn(n, k), torch.randn(n), m, None, False, False)
+        x, xq = torch.randn(m, k), torch.randint(0, 256, (m, k), dtype=torch.uint8)
+        qm = QMatMul(torch.randint(-64, 65, (n, k), dtype=torch.int8), torch.rand(n) * 0.01,
+                     torch.zeros(n, dtype=torch.int32), m, torch.uint8, 0.02, 128, (torch.uint8, 0.5, 3))
+        f, q = pair(lambda: ip(x), lambda: qm(xq))
+        lines.append(f"| gemm {m}x{k}x{n} | {f:.3f} | {q:.3f} | {q / f:.2f} | {qm.implementation} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -240,6 +290,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--calibration", type=int, default=8)
     parser.add_argument("--held-out", type=int, default=24)
     parser.add_argument("--calibrator", default="entropy")
+    parser.add_argument("--layers", type=int, default=40, help="per-layer kernel table: calls per layer (0: none)")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -248,7 +299,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     print(f"kiln {kiln.__version__} INT8 CPU benchmark: {cpu_name()} ({cpu_features.describe()}), {args.threads} "
           f"thread(s); load average {load_before:.2f} on {os.cpu_count()} cores", flush=True)
     rows = []
-    for name in args.models.split(","):
+    for name in [m for m in args.models.split(",") if m]:
         try:
             rows.append(run_model(name, args))
         except Exception as e:  # noqa: BLE001  one failing model must not hide the others
@@ -257,6 +308,13 @@ def main(argv: list[str] | None = None) -> list[str]:
             traceback.print_exc()
             rows.append(Row(MODELS.get(name, (name,))[0], name, error=f"{type(e).__name__}: {str(e)[:160]}"))
         gc.collect()
+    layers = []
+    if args.layers:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        layers = layer_table(args.layers)
+        print("\n".join(layers), flush=True)
     load_after = os.getloadavg()[0]
     lines = table(rows) + [""]
     for r in rows:
@@ -294,6 +352,8 @@ def main(argv: list[str] | None = None) -> list[str]:
         "",
         *lines,
         "",
+        *(["Each layer alone (oneDNN float32 vs int8 primitive, batch 1, 10th percentile of "
+           f"{args.layers} interleaved calls, {args.threads} thread(s)):", "", *layers, ""] if layers else []),
         "Ratios < 1: the first is faster.",
         "",
     ]
