@@ -187,7 +187,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         table.add_row(*cells)
     out.print(table)
     if args.why_not:
-        _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"))
+        _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"),
+                       cpu=plan.header.get("device", {}).get("type", "cpu") == "cpu")
     return 0
 
 
@@ -243,14 +244,15 @@ def _tactic_cells(tuned: dict | None) -> list:
     return [text(tuned["tactic"] + (" (cached)" if tuned.get("cached") else "")), ms, text(runner_up)]
 
 
-def _print_why_not(out, model_path: str | None) -> None:
-    """Candidate fusions that did not fire, with each rule's reason (imports the passes)."""
+def _print_why_not(out, model_path: str | None, cpu: bool = True) -> None:
+    """Candidate fusions that did not fire, with each rule's reason (imports the passes); `cpu`: the
+    engine's device asked for the CPU-only rules (squeeze-and-excitation) too, as its build did."""
     if not model_path:
         raise KilnError("--why-not needs the ONNX model: pass its path (the engine records none)")
     from kiln.frontend import onnx as onnx_frontend
-    from kiln.passes import why_not
+    from kiln.passes import PassOptions, why_not
 
-    reasons = why_not(onnx_frontend.load(model_path))
+    reasons = why_not(onnx_frontend.load(model_path), PassOptions(cpu_rules=cpu))
     out.print(f"\nfusions that did not fire ({len(reasons)}):")
     for line in reasons:
         out.print(f"  - {text(line)}")

@@ -21,6 +21,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln.builder import autotune
 from kiln.frontend import onnx as onnx_frontend
 from kiln.kernels.cpu import se
 from kiln.passes import PassOptions, PassReport, optimize
@@ -29,6 +30,14 @@ from kiln.runtime.native import Segment
 RTOL, ATOL = 1e-5, 1e-5  # fp32: the mean and the GEMVs sum in other orders than float64 / onnxruntime
 
 pytestmark = pytest.mark.skipif(not se.available(), reason=f"kiln's SE kernel is not built: {se.reason()}")
+
+
+@pytest.fixture(autouse=True)
+def native_tactics_win(monkeypatch):
+    """A tactic that runs in a native segment always beats the op's own implementation here: on a loaded
+    machine a timing sample can otherwise make the tuner keep a layer on the default, and these tests
+    are about the kernels and the segments, not the tuner's choice."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def _act64(v: np.ndarray, kind: str, alpha: float, beta: float) -> np.ndarray:
@@ -230,3 +239,15 @@ def test_a_window_over_the_whole_input_is_a_global_mean(kernel, ceil_mode, count
 def test_windows_smaller_than_the_input_stay_a_pooling():
     nodes, report = _optimized(head_pool_model(3, 0, 0), cpu_rules=True)
     assert "global_average_pool" not in report.fired and ("", "AveragePool") in nodes
+
+
+def test_inspect_why_not_names_a_refused_block_of_a_cpu_engine(tmp_path, capsys):
+    from kiln.cli import main
+    from tests.unit.test_passes_refusals import squeeze_excite_whose_mean_is_an_output
+
+    path = tmp_path / "se.onnx"
+    onnx.save(squeeze_excite_whose_mean_is_an_output(), path)
+    assert main(["build", str(path), "-o", str(tmp_path / "se.kiln")]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "se.kiln"), "--why-not", str(path)]) == 0
+    assert "fuse_squeeze_excite" in capsys.readouterr().out  # the CPU-only rule ran, as in the engine's build
