@@ -82,9 +82,10 @@ def runnable(test_kernels=False):
     return [k for k in gemm_native.kernels(test_kernels) if k.supported and (k.test_only or not test_kernels)]
 
 
-SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 tiles, K past one block (256 / 192), M past one block
-    (1, 1, 1), (1, 7, 5), (7, 17, 33), (13, 63, 129), (17, 129, 16), (63, 257, 31), (129, 300, 70),
-    (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100),
+SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 tiles, K past one block (256 / 192), M past one block,
+    # the narrow tiles (7-8 rows on AVX2, 15-16 on AVX-512)
+    (1, 1, 1), (1, 7, 5), (7, 17, 33), (8, 40, 24), (13, 63, 129), (16, 50, 40), (17, 129, 16), (63, 257, 31),
+    (129, 300, 70), (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100),
 ]
 
 
@@ -106,8 +107,10 @@ def test_gemm_matches_float64_at_odd_shapes(kernel, path, m, k, n):
 @pytest.mark.parametrize("residual,after", [(False, 1), (True, 1), (True, 0)])
 def test_every_epilogue_matches_float64(activation, residual, after):
     g = torch.Generator().manual_seed(7)
-    for lead, small, pack in (((2, 37), None, None), ((3,), None, None), ((50,), 0, 0), ((50,), 0, 1 << 30)):
-        x, w, b, r = data(g, lead, 72, 45, residual=residual)  # [B, S, K] rows; a small M; packed; in place
+    for lead, small, pack in (((2, 37), None, None), ((3,), None, None), ((8,), None, None), ((50,), 0, 0),
+                              ((50,), 0, 1 << 30)):
+        # [B, S, K] rows; a small M (wide tiles, then narrow ones); K blocks packed, in place
+        x, w, b, r = data(g, lead, 72, 45, residual=residual)
         alpha, beta = PARAMS.get(activation, (0.0, 0.0))
         layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=residual,
                                          residual_after_activation=bool(after), small_m=small, pack_m=pack)
@@ -186,7 +189,7 @@ def test_the_avx512_tile_shape_runs_right_on_this_cpu():
     if not kernels:
         pytest.skip("the tests' build has no test kernel for this CPU")
     g = torch.Generator().manual_seed(5)
-    for m, k, n in [(1, 7, 5), (15, 193, 33), (29, 385, 64), (170, 200, 31)]:
+    for m, k, n in [(1, 7, 5), (15, 193, 33), (16, 64, 48), (29, 385, 64), (170, 200, 31)]:
         for small, pack in ((1 << 30, 0), (0, 0), (0, 1 << 30)):
             x, w, b, r = data(g, (m,), k, n, residual=True)
             layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[0], small_m=small,

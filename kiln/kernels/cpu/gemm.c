@@ -56,6 +56,8 @@ typedef struct {
     int mr, nr;
     long kc, mc;                /* K block (kc x nr floats of W in L1), M block (mc x kc floats of A in L2) */
     tile_fn packed, direct;     /* A packed [k][MR] / A row-major with leading dimension lda */
+    tile_fn narrow;             /* A in place, up to narrow_mr rows x nr / 2 columns (half a panel), or NULL */
+    int narrow_mr;
     int (*supported)(void);
     int test_only;              /* never picked by kiln: runs another ISA's tile shape on this one */
 } kernel_desc;
@@ -66,7 +68,7 @@ typedef struct {
    n <= NR columns (a partial tile goes through a buffer). */
 #define KILN_UNROLL _Pragma("GCC unroll 16")
 
-#define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR)                                                          \
+#define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR, BS)                                                      \
     typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
     static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
@@ -78,7 +80,7 @@ typedef struct {
         }                                                                                                    \
         for (long p = 0; p < k; ++p) {                                                                       \
             NAME##_vec bv[NV];                                                                               \
-            KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + p * ((W) * (NV)) + j * (W),          \
+            KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + p * (BS) + j * (W),                  \
                                                             sizeof(NAME##_vec));                            \
             KILN_UNROLL for (int i = 0; i < M; ++i) {                                                        \
                 const float av = a[i * rs + p * cs];                                                         \
@@ -101,7 +103,7 @@ typedef struct {
         KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), load_c));                                     \
         for (int i = 0; i < m; ++i) memcpy(c + i * ldc, tile + i * (W) * (NV), (size_t)n * sizeof(float));  \
     }                                                                                                        \
-    static TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
+    static __attribute__((unused)) TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, \
                               int n, int load_c) {                                                           \
         (void)lda;                                                                                           \
         NAME##_run(m, k, a, 0, 1, b, c, ldc, n, load_c);                                                     \
@@ -129,7 +131,8 @@ typedef struct {
     KILN_BODY(NAME, TARGET, MR, 4) KILN_BODY(NAME, TARGET, MR, 5) KILN_BODY(NAME, TARGET, MR, 6)             \
     KILN_BODY(NAME, TARGET, MR, 7) KILN_BODY(NAME, TARGET, MR, 8) KILN_BODY(NAME, TARGET, MR, 9)             \
     KILN_BODY(NAME, TARGET, MR, 10) KILN_BODY(NAME, TARGET, MR, 11) KILN_BODY(NAME, TARGET, MR, 12)          \
-    KILN_BODY(NAME, TARGET, MR, 13) KILN_BODY(NAME, TARGET, MR, 14)
+    KILN_BODY(NAME, TARGET, MR, 13) KILN_BODY(NAME, TARGET, MR, 14) KILN_BODY(NAME, TARGET, MR, 15)            \
+    KILN_BODY(NAME, TARGET, MR, 16)
 #define KILN_CALL(NAME, M, ARGS) \
     case M: if (packed) NAME##_p##M ARGS; else NAME##_d##M ARGS; break;
 #define KILN_DISPATCH(NAME, m, ARGS)                                                                         \
@@ -137,7 +140,7 @@ typedef struct {
     KILN_CALL(NAME, 1, ARGS) KILN_CALL(NAME, 2, ARGS) KILN_CALL(NAME, 3, ARGS) KILN_CALL(NAME, 4, ARGS)      \
     KILN_CALL(NAME, 5, ARGS) KILN_CALL(NAME, 6, ARGS) KILN_CALL(NAME, 7, ARGS) KILN_CALL(NAME, 8, ARGS)      \
     KILN_CALL(NAME, 9, ARGS) KILN_CALL(NAME, 10, ARGS) KILN_CALL(NAME, 11, ARGS) KILN_CALL(NAME, 12, ARGS)   \
-    KILN_CALL(NAME, 13, ARGS) KILN_CALL(NAME, 14, ARGS)                                                      \
+    KILN_CALL(NAME, 13, ARGS) KILN_CALL(NAME, 14, ARGS) KILN_CALL(NAME, 15, ARGS) KILN_CALL(NAME, 16, ARGS)  \
     default: break;                                                                                          \
     }
 
@@ -146,13 +149,18 @@ static int always(void) { return 1; }
 #if defined(__x86_64__) || defined(__i386__)
 #define KILN_AVX2 __attribute__((target("avx2,fma")))
 #define KILN_AVX512 __attribute__((target("avx512f,avx2,fma")))
-KILN_DEFINE_KERNEL(avx512, KILN_AVX512, 16, 2, 14)
-KILN_DEFINE_KERNEL(avx2, KILN_AVX2, 8, 2, 6)
+KILN_DEFINE_KERNEL(avx512, KILN_AVX512, 16, 2, 14, 32)
+KILN_DEFINE_KERNEL(avx2, KILN_AVX2, 8, 2, 6, 16)
+/* Narrow tiles for a small M past MR: one vector of columns (half a panel) for up to 16 / 8 rows at once,
+   so the W panel is read once for all the rows (the wide tile would pass over it twice). */
+KILN_DEFINE_KERNEL(avx512_narrow, KILN_AVX512, 16, 1, 16, 32)
+KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
 #ifdef KILN_GEMM_TEST_KERNELS
 /* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
    instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
    selection. Slow to run and to compile (its 28 accumulators spill): a build of its own, for tests. */
-KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14)
+KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
+KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
 #endif
 static int has_avx512(void) { __builtin_cpu_init(); return __builtin_cpu_supports("avx512f"); }
 static int has_avx2(void) {
@@ -160,17 +168,18 @@ static int has_avx2(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 #endif
-KILN_DEFINE_KERNEL(generic, , 4, 2, 4)
+KILN_DEFINE_KERNEL(generic, , 4, 2, 4, 8)
 
 static const kernel_desc KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
-    {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, has_avx512, 0},
-    {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, has_avx2, 0},
+    {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, avx512_narrow_direct, 16, has_avx512, 0},
+    {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, avx2_narrow_direct, 8, has_avx2, 0},
 #ifdef KILN_GEMM_TEST_KERNELS
-    {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct, has_avx2, 1},
+    {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct,
+     wide_on_avx2_narrow_direct, 16, has_avx2, 1},
 #endif
 #endif
-    {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, always, 0},
+    {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, NULL, 0, always, 0},
 };
 #define KERNEL_COUNT ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -370,12 +379,27 @@ static long panel_chunk(long panels, long row_groups, int threads) {
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res,
                       int threads) {
     const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
+    const int epi = has_epilogue(p, res);
+    /* Past MR rows (two wide row blocks, each re-reading the W panel), up to narrow_mr: every row at once,
+       half a panel at a time (8x768x768, one core: ~80 GFLOP/s where 4 + 4 wide rows ran at ~60; at MR rows
+       or fewer the wide tile does more FMAs per load and wins) */
+    if (kd->narrow != NULL && M > kd->mr && M <= kd->narrow_mr) {
+        const long half = nr / 2, chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && chunks > 1)
+        for (long c = 0; c < chunks; ++c)
+            for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q)
+                for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
+                    const int n = (int)(N - col0 < half ? N - col0 : half);
+                    kd->narrow((int)M, K, x, K, p->packed_w + q * K * nr + (col0 - q * nr), y + col0, N, n, 0);
+                    if (epi) epilogue(p, y, res, 0, col0, (int)M, n);
+                }
+        return;
+    }
     const long row_blocks = ceil_div(M, kd->mr);
     long groups = ceil_div(2L * threads, panels);
     groups = groups > row_blocks ? row_blocks : groups;
     const long group_blocks = ceil_div(row_blocks, groups);
     const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
-    const int epi = has_epilogue(p, res);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && groups * chunks > 1)
     for (long it = 0; it < groups * chunks; ++it) {
         const long g = it / chunks, c = it % chunks;

@@ -168,12 +168,17 @@ class PackedLinear:
                      threads=0, small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
         return plan, scratch
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] float32 -> y [..., N] (a new tensor); residual [..., N] when the layer has one."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] float32 -> y [..., N] (a new tensor, or `out`: contiguous float32 [..., N]); residual
+        [..., N] when the layer has one."""
         lead = tuple(x.shape[:-1])
         rows = math.prod(lead)
         x = x.reshape(rows, self.k).contiguous()  # x: [M, K]
-        y = torch.empty((rows, self.n), dtype=torch.float32)  # y: [M, N]
+        if out is not None and (out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != rows * self.n):
+            raise ValueError(f"out must be a contiguous float32 tensor of {rows} x {self.n} elements, "
+                             f"given {out.dtype} {list(out.shape)}")
+        y = torch.empty((rows, self.n), dtype=torch.float32) if out is None else out  # y: [M, N]
         r = None
         if self.residual:
             r = residual.reshape(rows, self.n).contiguous()
