@@ -25,8 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+if "--no-spin" in sys.argv:  # read by libgomp when torch loads it: before the import
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,6 +81,10 @@ def main() -> None:
                     help="skip the warm-up before the stream (kiln: every bucket once, capturing its CUDA graph; "
                          "torch.compile: the smallest and largest shape, compiling its dynamic graph)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the table and log here")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="CPU: idle threads sleep instead of spinning, in both runtimes (OMP_WAIT_POLICY=PASSIVE for "
+                         "kiln's OpenMP, session.intra_op.allow_spinning=0 for onnxruntime): on a host with more "
+                         "runnable threads than cores a spinning worker takes the core its own caller needs")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     torch.set_num_threads(args.threads)
@@ -121,6 +128,8 @@ def main() -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = args.threads
         options.inter_op_num_threads = 1
+        if args.no_spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
         runners["kiln"] = lambda r: context.run(r)
         runners["onnxruntime"] = lambda r: session.run(None, r)
@@ -158,6 +167,7 @@ def main() -> None:
             sync()
             warm_up_s["torch.compile dynamic"] = time.perf_counter() - t0
             log(f"torch.compile dynamic warm-up: 3 shapes in {warm_up_s['torch.compile dynamic']:.1f} s")
+    load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in runners}
     firsts: dict[str, list[float]] = {name: [] for name in runners}
     seen: dict[str, set] = {name: set() for name in runners}
@@ -188,7 +198,9 @@ def main() -> None:
     log(f"# kiln at every shape: {args.model}, {args.device} ({device}), commit {commit()}, "
         f"{datetime.date.today().isoformat()}")
     log(f"{args.requests} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
-        f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)")
+        f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)"
+        + ("" if cuda else f"; idle threads {'sleep (--no-spin)' if args.no_spin else 'spin (default)'}; load average "
+           f"{load_before:.1f} before the stream, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)"))
     log("")
     log("| runtime | p50 | p99 | 2nd-half p50 | 2nd-half p99 | 2nd-half p99/p50 | first call (mean) | stream total s "
         "| warm-up s |")
@@ -229,10 +241,15 @@ def main() -> None:
 
 
 def _cpu_name() -> str:
+    """The CPU model and the vector ISA kiln's kernels see (AVX2/FMA, AVX-512 or neither)."""
+    name, flags = "?", set()
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "?"
+        if line.startswith("model name") and name == "?":
+            name = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and not flags:
+            flags = set(line.split(":", 1)[1].split())
+    isa = "AVX-512" if "avx512f" in flags else "AVX2+FMA, no AVX-512" if {"avx2", "fma"} <= flags else "no AVX2"
+    return f"{name}, {isa}"
 
 
 if __name__ == "__main__":
