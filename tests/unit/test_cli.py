@@ -167,8 +167,8 @@ def test_bench_against_onnxruntime(engine_path, tmp_path, capsys):
     for word in ("kiln", "onnxruntime", "median", "p90", "p95", "p99", "qps", "dispatch overhead"):
         assert word in text
     doc = json.loads(stats.read_text())
-    assert set(doc) == {"kiln", "onnxruntime"}
-    for runtime in doc.values():
+    assert {"kiln", "onnxruntime"} <= set(doc) <= {"kiln", "onnxruntime", "peak_rss_growth_bytes"}
+    for runtime in (doc["kiln"], doc["onnxruntime"]):
         assert runtime["count"] == 4
         assert runtime["min"] <= runtime["median"] <= runtime["p99"]  # never assert on the times themselves
 
