@@ -5,7 +5,9 @@ kiln can pick, side by side with onnxruntime's MLAS (a one-node MatMul + Add mod
 
 Kernels: kiln's packed GEMM (cpu.gemm.kiln_packed), torch's F.linear (MKL), MKL's packed GEMM
 (cpu.gemm.mkl), oneDNN's inner product through its C API with the weight in its kernel's layout
-(cpu.gemm.onednn_direct) and onnxruntime's MatMul + Add (MLAS); each computes x Wᵀ + b.
+(cpu.gemm.onednn_direct) and onnxruntime's MatMul + Add (MLAS); each computes x Wᵀ + b. kiln's writes
+into one preallocated output (in an engine its GEMMs write into a native segment's arena, as
+onnxruntime's into its own); the others allocate theirs per call (MLAS from onnxruntime's arena).
 
 Two peaks: nominal = cores x the MHz /proc/cpuinfo reports x FLOPs per cycle (2 FMA units x lanes x 2:
 32 on AVX2, 64 on AVX-512), and measured = the cores running independent FMA chains at once (a
@@ -125,8 +127,8 @@ def runners(m: int, k: int, n: int, threads: int) -> dict:
     from kiln.kernels.cpu import gemm, gemm_native, mkl_available, onednn
 
     if gemm_native.available():
-        packed = gemm_native.PackedLinear(w, b)
-        out[KILN] = lambda: packed(x)
+        packed, y = gemm_native.PackedLinear(w, b), torch.empty(m, n)
+        out[KILN] = lambda: packed(x, out=y)  # into a buffer of its own, as into a native segment's arena
     out["torch F.linear (MKL)"] = lambda: F.linear(x, w, b)
     if mkl_available():
         from kiln.kernels.cpu.conv import post_op
