@@ -221,7 +221,9 @@ class Segment:
                 staged.append((b.memory(role), ("exit", j)))
         staged_calls = [c for _, b, _ in self._staged for c in b.calls()] + self._calls
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
-        self._variants = {False: (plain, self._calls, self._names), True: (staged, staged_calls, staged_names)}
+        self._variants = {False: (plain, self._calls, self._names)}
+        if self._staged:  # only a segment reading NCHW images has the reordering variant
+            self._variants[True] = (staged, staged_calls, staged_names)
         # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
         loop = native_loop.load()
         self._set_handle = lib.lib.dnnl_memory_set_data_handle

@@ -205,6 +205,26 @@ class NativeKernel:
         return y
 
 
+def vector(w: torch.Tensor | None) -> torch.Tensor | None:
+    """A weight as the kernels read it: float32, 1-D, contiguous (as it is, when it already is)."""
+    if w is None or (w.dtype == torch.float32 and w.dim() == 1 and w.is_contiguous() and not w.requires_grad):
+        return w
+    return w.detach().to(torch.float32).reshape(-1).contiguous()
+
+
+def broadcast_shape(*sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's broadcast of `sizes` (torch.broadcast_shapes costs ~0.3 ms a call: this runs per layer
+    whenever a segment binds a new input size)."""
+    rank = max(len(s) for s in sizes)
+    out = []
+    for axis in range(rank):
+        dims = {s[axis - rank + len(s)] for s in sizes if axis - rank + len(s) >= 0} - {1}
+        if len(dims) > 1:
+            raise ValueError(f"sizes {[list(s) for s in sizes]} do not broadcast")
+        out.append(dims.pop() if dims else 1)
+    return tuple(out)
+
+
 def _rows(size: tuple[int, ...]) -> int:
     n = 1
     for d in size[:-1]:
@@ -233,8 +253,7 @@ class LayerNorm(NativeKernel):
         if residual_size is not None and not repeats_over_rows(residual_size, size):
             raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
         self.input_size = self.output_size = tuple(size)
-        self._scale = None if scale is None else scale.detach().to(torch.float32).reshape(-1).contiguous()
-        self._bias = None if bias is None else bias.detach().to(torch.float32).reshape(-1).contiguous()
+        self._scale, self._bias = vector(scale), vector(bias)
         for w in (self._scale, self._bias):
             if w is not None and w.numel() != n:
                 raise ValueError(f"scale/bias of {w.numel()} elements for rows of {n}")
@@ -335,7 +354,7 @@ class Broadcast(NativeKernel):
 
     def __init__(self, op: str, sizes: list[tuple[int, ...]], source: torch.dtype = torch.bool):
         super().__init__(f"{op} of {[list(s) for s in sizes]}")
-        out = tuple(torch.broadcast_shapes(*[torch.Size(s) for s in sizes]))
+        out = broadcast_shape(*[tuple(s) for s in sizes])
         if len(out) > MAX_DIMS:
             raise ValueError(f"{len(out)} dims: at most {MAX_DIMS}")
         self.output_size = out

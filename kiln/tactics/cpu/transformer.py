@@ -115,8 +115,8 @@ def _ln_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    scale = constants[1] if len(constants) > 1 else None
-    bias = constants[2] if len(constants) > 2 else None
+    scale = kernels.vector(constants[1] if len(constants) > 1 else None)  # converted once, not per size
+    bias = kernels.vector(constants[2] if len(constants) > 2 else None)
     epsilon = float(_attr(step, "epsilon", 1e-5))
 
     def reads(sizes):
