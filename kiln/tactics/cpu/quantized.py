@@ -200,39 +200,31 @@ def _dequantized_conv(step: StepSpec, constants: list[Any], device: torch.device
     w_real = ((w.to(torch.float64) - w_zero.to(torch.float64).reshape(-1, 1, 1, 1)) *
               w_scale.to(torch.float64).reshape(-1, 1, 1, 1)).to(torch.float32)
     b_real = None if bias is None else (bias.to(torch.float64) * scale).to(torch.float32)
-    quantize = _quantizer(constants)
+    y = _y(constants)
+    x_dtype = x_zero.dtype
     tuned = tuple(step.tactic_config["input_size"])
 
-    def build(size: tuple[int, ...]) -> onednn_primitives.Conv2d:
-        return onednn_primitives.Conv2d(w_real, b_real, list(size), strides, pads, dilations, groups, eltwise,
+    def build(size: tuple[int, ...]) -> tuple:
+        # three primitives, three parallel regions: dequantizing reorder, float convolution, quantizing reorder
+        # (on a loaded 2-core host every region's barrier may wait out a descheduled thread)
+        conv = onednn_primitives.Conv2d(w_real, b_real, list(size), strides, pads, dilations, groups, eltwise,
                                         False, False)
+        dequantize = onednn_int8.ScaledReorder(list(size), x_dtype, torch.float32, s_x, int(z_x), True)
+        quantize = None if y is None else onednn_int8.ScaledReorder(list(conv.output_size), torch.float32, y[0],
+                                                                      y[1], y[2], True)
+        return dequantize, conv, quantize
 
     primitives = {tuned: build(tuned)}
     lock = threading.Lock()
 
     def launch(ctx, x, *_inputs, **_attributes):
-        xf = x.contiguous(memory_format=_CL).to(torch.float32).sub_(z_x).mul_(s_x)  # [N, C, H, W] NHWC
+        x = x.contiguous(memory_format=_CL)  # [N, C, H, W] 8-bit, NHWC in memory
         with lock:
-            primitive = _built(primitives, tuple(x.shape), build, tuned)
-            y = primitive(xf)
-        return quantize(y)
+            dequantize, conv, quantize = _built(primitives, tuple(x.shape), build, tuned)
+            r = conv(dequantize(x))  # float32 NHWC, a view of the float primitives' pooled buffer
+            return r.clone() if quantize is None else quantize(r)
 
     return launch
-
-
-def _quantizer(constants: list[Any]):
-    """r -> round(r / y_scale) + y_zero saturated (QuantizeLinear), or r itself for a float output."""
-    y = _y(constants)
-    if y is None:
-        return lambda r: r.clone()  # the float primitives write into a pooled buffer
-    dtype, y_scale, y_zero = y
-    info = torch.iinfo(dtype)
-
-    def quantize(r: torch.Tensor) -> torch.Tensor:
-        q = torch.div(r, y_scale).round_().add_(y_zero).clamp_(info.min, info.max)
-        return q.to(dtype)
-
-    return quantize
 
 
 register(Tactic(
@@ -317,20 +309,26 @@ def _dequantized_gemm(step: StepSpec, constants: list[Any], device: torch.device
               w_scale.to(torch.float64).reshape(-1, 1)).to(torch.float32)  # [N, K]
     b_real = None if bias is None else (bias.to(torch.float64) * scale).to(torch.float32)
     eltwise = onednn.eltwise_for(*_activation(step))
-    quantize = _quantizer(constants)
-    n = int(w.shape[0])
+    y = _y(constants)
+    n, k = int(w.shape[0]), int(w.shape[1])
     tuned = math.prod(step.tactic_config["input_size"][:-1])
-    primitives = {tuned: onednn_primitives.InnerProduct(w_real, b_real, tuned, eltwise, False, False)}
+
+    def build(rows: int) -> tuple:  # dequantizing reorder, float inner product, quantizing reorder
+        dequantize = onednn_int8.ScaledReorder([rows, k], x_zero.dtype, torch.float32, s_x, int(z_x), False)
+        quantize = None if y is None else onednn_int8.ScaledReorder([rows, n], torch.float32, y[0], y[1], y[2],
+                                                                      False)
+        return dequantize, onednn_primitives.InnerProduct(w_real, b_real, rows, eltwise, False, False), quantize
+
+    primitives = {tuned: build(tuned)}
     lock = threading.Lock()
 
     def launch(ctx, x, *_inputs, **_attributes):
         lead = x.shape[:-1]
         rows = math.prod(lead)
-        xf = x.reshape(rows, x.shape[-1]).to(torch.float32).sub_(z_x).mul_(s_x)  # [M, K]
         with lock:
-            primitive = _built(primitives, rows, lambda r: onednn_primitives.InnerProduct(
-                w_real, b_real, r, eltwise, False, False), tuned)
-        return quantize(primitive(xf)).reshape(*lead, n)
+            dequantize, gemm, quantize = _built(primitives, rows, build, tuned)
+            r = gemm(dequantize(x.reshape(rows, k).contiguous()))  # [M, N] float32, a new tensor
+            return (r if quantize is None else quantize(r)).reshape(*lead, n)
 
     return launch
 
