@@ -30,7 +30,7 @@ from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -174,13 +174,20 @@ def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = _built(primitives, tuple(x.shape), build, tuned)
         return primitive(x)  # [N, O, H', W'] channels-last
 
+    def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
+        with lock:
+            primitive = _built(primitives, tuple(size), build, tuned)
+        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive, at=native_at,
+                          output_dtype=primitive.out_dtype)
+
+    launch.native = native_at(tuned)
     return launch
 
 
 register(Tactic(
     name="cpu.qconv.onednn", op_type="QConv", domain="kiln", device="cpu", dtypes=(torch.uint8,),
     supports=_qconv_supports, configure=_configure, prepare=_prepare_qconv, layout="channels_last",
-    available=onednn.available,
+    available=onednn.available, native=True,
     description="oneDNN int8 convolution built at load: u8 source, s8 weights, scales/zero points as attributes",
 ))
 
@@ -272,12 +279,21 @@ def _prepare_qgemm(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = _built(primitives, rows, build, tuned)
         return primitive(x.reshape(rows, x.shape[-1]).contiguous()).reshape(*lead, n)  # [..., N]
 
+    def native_at(size: tuple[int, ...]) -> NativeStep:  # rows [B, S, K] bound as [B*S, K], as the float gemm
+        if len(size) not in (2, 3) or size[-1] != int(w.shape[1]):
+            raise ValueError(f"int8 matmul over [..., {int(w.shape[1])}] rows of rank 2 or 3, given {list(size)}")
+        with lock:
+            primitive = _built(primitives, math.prod(size[:-1]), build, tuned)
+        return NativeStep(tuple(size), (*size[:-1], n), lambda _accumulate: primitive, at=native_at,
+                          output_dtype=primitive.out_dtype)
+
+    launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
 
 
 register(Tactic(
     name="cpu.qgemm.onednn", op_type="QGemm", domain="kiln", device="cpu", dtypes=(torch.uint8,),
-    supports=_qgemm_supports, configure=_configure, prepare=_prepare_qgemm, available=onednn.available,
+    supports=_qgemm_supports, configure=_configure, prepare=_prepare_qgemm, available=onednn.available, native=True,
     description="oneDNN int8 matmul built at load: u8 rows, s8 weights, scales/zero points as attributes",
 ))
 
@@ -405,25 +421,44 @@ def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.dev
     primitives: dict = {}
     lock = threading.Lock()
 
-    def launch(ctx, a, a_s, a_z, b, *_inputs, **_attributes):
-        layout = _CL if a.dim() == 4 else torch.contiguous_format
-        a, b = a.contiguous(memory_format=layout), b.contiguous(memory_format=layout)
-        key = (tuple(a.shape), a.dtype, b.dtype)
+    def built(size: tuple[int, ...], a_dtype: torch.dtype, b_dtype: torch.dtype) -> onednn_int8.QAddBinary:
+        key = (tuple(size), a_dtype, b_dtype)
         with lock:
             primitive = primitives.get(key)
             if primitive is None:
                 if len(primitives) > _CACHED_SHAPES:
                     primitives.pop(next(iter(primitives)))
-                primitive = primitives[key] = onednn_int8.QAddBinary(list(a.shape), a.dtype, b.dtype, out, ka, kb,
+                primitive = primitives[key] = onednn_int8.QAddBinary(list(size), a_dtype, b_dtype, out, ka, kb,
                                                                      offset, low, high)
-        return primitive(a, b)
+        return primitive
 
+    def launch(ctx, a, a_s, a_z, b, *_inputs, **_attributes):
+        layout = _CL if a.dim() == 4 else torch.contiguous_format
+        a, b = a.contiguous(memory_format=layout), b.contiguous(memory_format=layout)
+        return built(tuple(a.shape), a.dtype, b.dtype)(a, b)
+
+    dtypes = step.tactic_config.get("dtypes")
+    if dtypes:  # inside a native segment: b is the binary primitive's "residual", of a's size
+        a_dtype, b_dtype = (getattr(torch, d) for d in dtypes)
+
+        def native_at(size: tuple[int, ...]) -> NativeStep:
+            primitive = built(tuple(size), a_dtype, b_dtype)
+            return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, residual_input=3,
+                              at=native_at, output_dtype=out)
+
+        launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
+
+
+def _qadd_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape),
+            "dtypes": [str(inputs[i].dtype).removeprefix("torch.") for i in (0, 3)]}
 
 
 register(Tactic(
     name="cpu.qadd.onednn", op_type="QAdd", domain="kiln", device="cpu", dtypes=_QUANTIZED,
-    supports=_qadd_onednn_supports, prepare=_prepare_qadd_onednn, layout="channels_last", available=onednn.available,
+    supports=_qadd_onednn_supports, configure=_qadd_configure, prepare=_prepare_qadd_onednn, layout="channels_last",
+    available=onednn.available, native=True,
     description="quantized Add as one oneDNN binary add on 8-bit tensors: scales, offset and activation as attributes",
 ))
 
@@ -451,6 +486,13 @@ def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device
             primitive = _built(primitives, tuple(x.shape), build, tuned)
         return primitive(x)
 
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        with lock:
+            primitive = _built(primitives, tuple(size), build, tuned)
+        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive, at=native_at,
+                          output_dtype=dtype)
+
+    launch.native = native_at(tuned)
     return launch
 
 
@@ -461,7 +503,7 @@ def _pool_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
 register(Tactic(
     name="cpu.pool.onednn_int8.MaxPool", op_type="MaxPool", domain="", device="cpu", dtypes=_QUANTIZED,
     supports=_pool_supports, configure=_pool_configure, prepare=_prepare_max_pool, layout="channels_last",
-    available=onednn.available,
+    available=onednn.available, native=True,
     description="MaxPool on uint8/int8 NHWC values (a Q/DQ pair moved past it) as a oneDNN pooling primitive",
 ))
 
@@ -511,7 +553,17 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
                                                                         channels_last)
         return primitive(x)  # 4-D: channels-last
 
+    def native_at(size: tuple[int, ...]) -> NativeStep:
+        # inside a segment a 4-D input is NHWC already (an image is laid out by the segment's own reorder)
+        key = (tuple(size), len(size) == 4)
+        with lock:
+            primitive = primitives.get(key)
+            if primitive is None:
+                primitive = primitives[key] = onednn_int8.ScaledReorder(list(size), src, dst, scale, z, len(size) == 4)
+        return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, at=native_at, output_dtype=dst)
+
     lock = threading.Lock()
+    launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
 
 
@@ -519,6 +571,6 @@ for _op, _dtypes in (("QuantizeLinear", (torch.float32,)), ("DequantizeLinear", 
     register(Tactic(
         name=f"cpu.{'quantize' if _op == 'QuantizeLinear' else 'dequantize'}.onednn", op_type=_op, domain="",
         device="cpu", dtypes=_dtypes, supports=_scaled_supports, configure=_scaled_configure,
-        prepare=_prepare_scaled, layout="channels_last", available=onednn.available,
+        prepare=_prepare_scaled, layout="channels_last", available=onednn.available, native=True,
         description=f"{_op} per tensor as one oneDNN reorder with scale/zero-point attributes (NCHW -> NHWC too)",
     ))
