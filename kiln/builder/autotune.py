@@ -337,7 +337,7 @@ def _choose_over(points: list[dict[str, float]]) -> str:
     def cost(name: str, ms: float) -> float:
         return _effective_ms(name, ms) + NATIVE_CREDIT_MS  # > 0: a non-native tactic pays the credit instead
 
-    best = [min(cost(k, p[k]) for k in names) for p in points]
+    best = [max(min(cost(k, p[k]) for k in names), 1e-6) for p in points]  # a zero timing is not a divisor
     return min(names, key=lambda k: (sum(cost(k, p[k]) / b for p, b in zip(points, best)), k != DEFAULT))
 
 
