@@ -26,6 +26,7 @@ from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
 from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
+from kiln.quant.smoothquant import check_alpha
 from kiln.runtime.engine import Engine, place_weight
 from kiln.runtime.rss import PeakMemory
 from kiln.version import __version__
@@ -104,6 +105,9 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         config.precision = "fp16" if config.device == "cuda" else "fp32"
     quantization: dict = {}
     storage = config.precision
+    if check_alpha(config.smoothquant) is not None and config.precision not in ("int8", "fp8"):
+        raise KilnError(f"smoothquant={config.smoothquant}: smoothing prepares activations for int8/fp8 "
+                        f"quantization; this build's precision is {config.precision} (add --int8 or --fp8)")
     if config.precision in ("int8", "fp8"):
         # Quantize: measure each Conv/Gemm/MatMul input's range on calibration data and make the
         # quantization explicit (Q/DQ); the layers no quantized kernel runs stay in float storage.
@@ -155,7 +159,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
             tactics["profiles"] = checks
     if quantization.get("mode") == "kernels" or any(s.op_type in ("QConv", "QGemm") for s in program.steps):
         # what each quantized layer runs in, and why (int8 where its kernel was faster and exact)
-        quantization["layers"] = summarize(program, tactics)
+        quantization["layers"] = summarize(program, tactics, quantization.get("smoothquant"))
     # Plan memory: liveness of every activation, packed into one arena.
     say("planning memory")
     memory = plan_arena(program, _value_sizes(graph, tuning_shapes))

@@ -9,7 +9,8 @@ run by the runtime's own interpreter, every layer's output observed where a quan
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -24,29 +25,20 @@ from kiln.kernels.cpu import cpu_features
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
-from kiln.quant import calibrators, data, qdq
+from kiln.quant import calibrators, data, qdq, smoothquant
 from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
 EVALUATION_BATCHES = 4  # the first calibration batches also judge an accuracy target
 
 
-def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *, exclude: set[str],
-                   cache_path: str | None, preprocessing: str, say: Callable[[str], None],
-                   keep: list | None = None) -> tuple[dict, dict]:
-    """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
-    the first EVALUATION_BATCHES batches are appended to `keep` when given."""
-    needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
-    cached = calibration_cache.load(cache_path, calibrator, dtype, needed)
-    if cached is not None:
-        say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
-        return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
-    if source is None:
-        raise KilnError(f"precision {dtype}: calibration data is needed (--calib DIR, or calibration=... in the API)"
-                        + (f"; the cache {cache_path} does not cover this model" if cache_path else ""))
+def _observe(model: ir.Model, source: Any, observers: dict, *, preprocessing: str, say: Callable[[str], None],
+             keep: list | None, what: str) -> int:
+    """Run the model on every calibration batch, each observed tensor's values handed to its observer
+    (anything with `observe(tensor)`) where it is produced; the number of batches. The first
+    EVALUATION_BATCHES batches are appended to `keep` when given."""
     program, weights, inputs, _ = lower(model)
     runner = Program(program, weights)
-    observers = {name: calibrators.make(calibrator) for name in needed}
     watched = {i: [(k, n) for k, n in enumerate(step.outputs) if n in observers]
                for i, step in enumerate(program.steps)}
 
@@ -78,12 +70,63 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                 args.append(value)
             recorder.run(args)
             count += 1
-            say(f"calibration: batch {count}")
+            say(f"{what}: batch {count}")
     if count == 0:
-        raise KilnError("calibration: the data gave no batch")
+        raise KilnError(f"{what}: the data gave no batch")
+    return count
+
+
+def _data_needed(dtype: str, cache_path: str | None, why_not_cached: str | None) -> KilnError:
+    return KilnError(f"precision {dtype}: calibration data is needed (--calib DIR, or calibration=... in the API)"
+                     + (f"; the cache {cache_path} does not cover this model" if cache_path else "")
+                     + (f" ({why_not_cached})" if why_not_cached else ""))
+
+
+def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *, exclude: set[str],
+                   cache_path: str | None, preprocessing: str, say: Callable[[str], None],
+                   keep: list | None = None, smoothquant: float | None = None,
+                   channel_max: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+    """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
+    the first EVALUATION_BATCHES batches are appended to `keep` when given. smoothquant / channel_max:
+    the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
+    needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
+    cached = calibration_cache.load(cache_path, calibrator, dtype, needed, smoothquant)
+    if cached is not None:
+        say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
+        return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
+    why_not_cached = calibration_cache.mismatch(cache_path, calibrator, dtype, smoothquant)
+    if source is None:
+        raise _data_needed(dtype, cache_path, why_not_cached)
+    if why_not_cached:
+        say(f"calibration: not using the cache {cache_path}: {why_not_cached}")
+    observers = {name: calibrators.make(calibrator) for name in needed}
+    count = _observe(model, source, observers, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
     ranges = {name: obs.amax() for name, obs in observers.items()}
-    calibration_cache.save(cache_path, calibrator, dtype, ranges, count)
+    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max)
     return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path}
+
+
+def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
+           keep: list | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """SmoothQuant (kiln/quant/smoothquant.py), in place: every MatMul/Gemm input whose producer can fold a
+    per-channel scale is smoothed from its per-channel maxima on the calibration data (or the cache);
+    ({tensor: channel maxima}, the header record: per layer smoothed or why not)."""
+    found = smoothquant.plan(model.graph)
+    needed = {g.activation.name for g in found.groups}
+    channel_max = calibration_cache.load_channel_max(config.calibration_cache, config.calibrator, config.precision,
+                                                     alpha, needed) if needed else {}
+    if channel_max is None:
+        if config.calibration is None:
+            raise _data_needed(config.precision, config.calibration_cache, calibration_cache.mismatch(
+                config.calibration_cache, config.calibrator, config.precision, alpha))
+        observers = {name: smoothquant.ChannelMax() for name in needed}
+        _observe(model, config.calibration, observers, preprocessing=config.calibration_preprocessing, say=say,
+                 keep=keep, what="smoothquant statistics")
+        channel_max = {name: obs.value() for name, obs in observers.items()}
+    record = smoothquant.smooth(model, found, channel_max, alpha)
+    say(f"smoothquant (alpha {alpha:g}): {len(record['smoothed'])} layer(s) smoothed, "
+        f"{len(record['skipped'])} not")
+    return channel_max, record
 
 
 def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Model, dict]:
@@ -97,6 +140,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     kernel there yet, every layer stays float and the record says so. "emulate": quantize every
     Conv/Gemm/MatMul and run it as its kernel would (quantized inputs, wide accumulation) on any
     device: the accuracy an INT8/FP8 deployment will have, measured here.
+
+    config.smoothquant (alpha): before the ranges are measured, the inputs of MatMul/Gemm layers fed by a
+    LayerNorm (or a MatMul/Gemm) are smoothed (kiln/quant/smoothquant.py), the float model unchanged.
     """
     dtype = config.precision
     exclude = set(config.layer_precision)
@@ -111,11 +157,20 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                 f"layer(s) stay {kept} (quantization='emulate' measures {dtype} accuracy)")
         say(note)
         return model, {"dtype": dtype, "mode": "auto", "quantized": [], "kept_float": layers, "note": note}
-    say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     evaluation: list = []
+    alpha = smoothquant.check_alpha(config.smoothquant)
+    channel_max, smoothing = None, None
+    if alpha is not None:
+        if isinstance(config.calibration, Iterator):  # read twice: statistics, then ranges of the smoothed model
+            config = dataclasses.replace(config, calibration=list(data.batches(
+                config.calibration, [v.name for v in model.graph.inputs],
+                preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
+        channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
+    say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
-                                    preprocessing=config.calibration_preprocessing, say=say, keep=evaluation)
+                                    preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
+                                    smoothquant=alpha, channel_max=channel_max)
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -137,15 +192,19 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
                    "weights": f"{'7' if weight_max else '8'}-bit per channel"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
-                   "ranges": {k: float(v) for k, v in sorted(ranges.items())}}
+                   "ranges": {k: float(v) for k, v in sorted(ranges.items())},
+                   **({"smoothquant": smoothing} if smoothing is not None else {})}
 
 
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
 
 
-def summarize(program, tactics: dict) -> dict[str, dict[str, str]]:
+def summarize(program, tactics: dict, smoothing: dict | None = None) -> dict[str, dict[str, str]]:
     """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
-    autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"])."""
+    autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"]);
+    with SmoothQuant, whether its input was smoothed or why not."""
+    smoothing = smoothing or {}
+    notes = {**smoothing.get("smoothed", {}), **smoothing.get("skipped", {})}
     tuned = tactics.get("layers", {})
     found: dict[str, dict[str, str]] = {}
     for step in program.steps:
@@ -168,4 +227,6 @@ def summarize(program, tactics: dict) -> dict[str, dict[str, str]]:
         else:
             found[step.name] = {"precision": "fp32" if chosen != "default" else "int8 (reference)",
                                 "tactic": chosen, "why": "no int8 kernel was timed for it"}
+        if step.name in notes:
+            found[step.name]["why"] += f"; {notes[step.name]}"
     return found

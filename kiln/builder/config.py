@@ -36,6 +36,9 @@ class BuildConfig:
     # the largest output error (relative to the output's scale, on the first calibration batches) an
     # emulated int8/fp8 engine may have: the most sensitive layers stay float until it is met
     accuracy_target: float | None = None
+    # SmoothQuant's migration strength alpha in [0, 1] (None: off): the inputs of MatMul/Gemm layers fed
+    # by a LayerNorm or a MatMul/Gemm are smoothed per channel before calibration (kiln/quant/smoothquant.py)
+    smoothquant: float | None = None
     # weights that a refit can replace by any others (kiln refit): none stored once for being equal to
     # another, so an engine built from a freshly initialised model takes trained weights (TensorRT's REFIT)
     refittable: bool = False

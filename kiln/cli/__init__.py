@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-target", type=float, metavar="ERR",
                    help="largest output error of an --int8/--fp8 engine, relative to the output's scale on the "
                         "calibration data (e.g. 0.02): the most sensitive layers stay float until it is met")
+    p.add_argument("--smoothquant", type=float, metavar="ALPHA",
+                   help="with --int8/--fp8: SmoothQuant, move activation outliers into the weights with strength "
+                        "ALPHA in [0, 1] (0.5 is usual) for MatMul/Gemm inputs fed by a LayerNorm or a MatMul/Gemm; "
+                        "the float model is unchanged (default off)")
     for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")

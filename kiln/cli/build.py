@@ -44,6 +44,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "calibration_preprocessing": args.calib_preprocessing,
         "quantization": args.quantization,
         "accuracy_target": args.accuracy_target,
+        "smoothquant": args.smoothquant,
         "refittable": args.refittable,
     }
     err = console(stderr=True)
@@ -126,6 +127,13 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
                                  f"layer quantized: {accuracy['error_all_quantized']:.3g})"
                                  + ("" if accuracy.get("met", True) else ": NOT met")))
     rows += [("  kept float", f"{name}: {why}") for name, why in kept.items()]
+    smoothing = q.get("smoothquant")
+    if smoothing:
+        spread = "; ".join(f"{name} channel spread {a:g}x -> {b:g}x" for name, (a, b) in smoothing["spread"].items())
+        rows.append(("smoothquant", f"alpha {smoothing['alpha']:g}: {len(smoothing['smoothed'])} layer(s) smoothed, "
+                                    f"{len(smoothing['skipped'])} not" + (f" ({spread})" if spread else "")))
+        rows += [("  not smoothed", f"{name}: {why.removeprefix('not smoothed: ')}")
+                 for name, why in smoothing["skipped"].items()]
     return rows
 
 
