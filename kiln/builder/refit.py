@@ -15,18 +15,29 @@ Refused, with the reason:
   - new weights that change what the builder does with the graph (two weights that were identical and
     stored once now differ, a bias that was zero and removed is not, a constant folds differently): the
     first step that differs is named;
-  - int8/fp8 engines: their scales were calibrated on the old weights' activations (rebuild with
-    calibration data);
   - an engine whose ONNX model is not known (given as bytes at build) and not passed with `onnx=`.
 The tactics were timed and checked on the old weights: refit does not re-run the accuracy check.
+
+INT8/FP8 engines of kiln's calibration (precision int8/fp8) refit as TensorRT's do: the builder's
+quantization (kiln/builder/calibration.py's `quantize`, kiln/quant/qdq.py) runs again on the new
+weights, so the per-channel weight scales, the int8/fp8 weights and the int32 biases (at s_x·s_w) are
+re-derived exactly as a build would; the ACTIVATION ranges stay the calibrated ones the engine records
+(header["quantization"]["ranges"], given to the builder as its calibration cache), and the layers an
+accuracy target kept float stay float. `recalibrate=DATA` measures the ranges again on the new weights
+with the engine's calibrator (and chooses the float layers again), as a fresh build with that data
+would. Refused: an engine that does not record its ranges (recalibrate, or rebuild), and one built for
+another CPU's weight width (7-bit weights without VNNI, 8-bit with). Explicit Q/DQ models need none of
+this: their quantized weights and scales are initializers, replaced as given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
-from dataclasses import asdict, dataclass
+import tempfile
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +47,7 @@ import onnx_ir as ir
 import safetensors.torch
 import torch
 
+from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower
 from kiln.builder.precision import lower_precision
@@ -43,6 +55,7 @@ from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
+from kiln.quant import cache as calibration_cache
 from kiln.runtime.engine import Engine
 from kiln.version import __version__
 
@@ -61,6 +74,9 @@ class RefitReport:
     model: str  # the ONNX model the weights were derived through
     changed: list[str]  # engine weight keys whose values changed
     unchanged: int
+    # int8/fp8 engines of kiln's calibration: what became of the activation scales ("" otherwise)
+    activation_scales: str = ""
+    requantized: list[str] = field(default_factory=list)  # layers whose weight scales were derived again
 
     def to_json(self) -> dict:
         return {**asdict(self), "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
@@ -82,17 +98,23 @@ def _initializers(model: ir.Model) -> dict[str, ir.Value]:
 
 
 def _replace(model: ir.Model, weights: dict[str, Any]) -> None:
-    """Each named initializer takes its new value: same dtype and shape, or refused."""
+    """Each named initializer takes its new value: same dtype and shape, or refused (every problem listed)."""
     held = _initializers(model)
+    problems = []
     unknown = sorted(set(weights) - set(held))
     if unknown:
         shown = ", ".join(sorted(held)[:12]) + (" ..." if len(held) > 12 else "")
-        raise RefitError(f"no initializer named {unknown[:10]} in the model the engine was built from "
-                         f"(its initializers: {shown}); the names are the ONNX model's")
-    problems = []
+        problems.append(f"no initializer named {unknown[:10]}{' ...' if len(unknown) > 10 else ''} in the model the "
+                        f"engine was built from (its initializers: {shown}); the names are the ONNX model's")
     arrays = {}
     for name, value in weights.items():
-        array = _as_numpy(name, value)
+        if name not in held:
+            continue
+        try:
+            array = _as_numpy(name, value)
+        except RefitError as e:
+            problems.append(str(e))
+            continue
         old = held[name].const_value
         want_dtype = dtypes.from_onnx(int(old.dtype)).name
         given_dtype = dtypes.from_numpy(array.dtype).name
@@ -177,30 +199,107 @@ def _first_difference(built: dict, derived: dict) -> str:
     return "the program's inputs or outputs differ"
 
 
-def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLike | None = None
-                   ) -> tuple[dict[str, Any], RefitReport]:
+@dataclass
+class _Quantized:
+    """The builder's quantization run again on the new weights: the model with Q/DQ, and what was kept."""
+
+    model: ir.Model
+    record: dict  # calibration.quantize's header record
+    activation_scales: str  # for the report and the CLI
+
+
+def _weight_width(record: dict) -> str:
+    return str(record.get("weights", "")).split(" (")[0]  # "7-bit per channel" / "8-bit per channel"
+
+
+def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: Any) -> _Quantized:
+    """Quantize the new model as the build did: its recorded activation ranges as the calibration cache
+    and its float layers pinned, or (recalibrate) calibration on the given data, as a fresh build would."""
+    quiet = lambda _msg: None  # noqa: E731
+    mode = built.get("mode")
+    if recalibrate is not None:
+        fresh = dataclasses.replace(config, calibration=recalibrate, calibration_cache=None)
+        try:
+            model, record = quantize(model, fresh, quiet)
+        except KilnError as e:
+            raise RefitError(f"recalibration on the new weights failed: {e}") from None
+        done = record.get("calibration") or {}
+        note = (f"recalibrated on the new weights: {done.get('tensors', 0)} activation range(s) measured on "
+                f"{done.get('batches', 0)} batch(es) ({config.calibrator})") if done else record.get("note", "")
+        return _Quantized(model, record, note)
+    if mode not in ("kernels", "emulate"):  # "auto" with no kernel on the device: nothing was quantized
+        model, record = quantize(model, config, quiet)
+        return _Quantized(model, record, record.get("note", ""))
+    ranges = built.get("ranges")
+    if not isinstance(ranges, dict):
+        raise RefitError(f"this {config.precision} engine does not record the activation ranges it was calibrated "
+                         "with (built by an older kiln): refit with recalibrate=DATA (kiln refit --calib DIR), "
+                         "or rebuild")
+    pinned = dict(config.layer_precision)
+    pinned.update({name: "fp32" for name in (built.get("accuracy") or {}).get("kept_float") or {}})
+    with tempfile.TemporaryDirectory(prefix="kiln-refit-") as folder:
+        cache = os.path.join(folder, "ranges.json")
+        calibration_cache.save(cache, config.calibrator, config.precision, ranges,
+                               int((built.get("calibration") or {}).get("batches", 0)))
+        kept = dataclasses.replace(config, calibration=None, calibration_cache=cache, accuracy_target=None,
+                                   layer_precision=pinned)
+        try:
+            model, record = quantize(model, kept, quiet)
+        except KilnError as e:  # a quantized layer's input the recorded ranges do not cover
+            raise RefitError(f"the engine's calibrated activation ranges do not cover the new model's quantized "
+                             f"layers ({str(e).splitlines()[0]}): refit with recalibrate=DATA (--calib DIR)") from None
+    if _weight_width(record) != _weight_width(built):
+        raise RefitError(f"the engine holds {_weight_width(built)} weights and this CPU's int8 kernels take "
+                         f"{_weight_width(record)} ({record.get('weights')}): its quantized weights cannot be "
+                         "derived here as the build derived them; refit on a CPU like the one that built it")
+    note = (f"kept: the {len(ranges)} activation range(s) calibrated at build ({config.calibrator}); weight scales, "
+            "quantized weights and int32 biases derived from the new weights (recalibrate=DATA / --calib DIR "
+            "measures the activation ranges again)")
+    return _Quantized(model, record, note)
+
+
+@dataclass
+class Derived:
+    """What a build from the new weights would store, where it differs from the engine."""
+
+    weights: dict[str, Any]  # engine key -> the new value, for the keys whose values changed
+    report: RefitReport
+    quantization: dict | None = None  # recalibrated: the engine header's new "quantization" entries
+
+
+def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLike | None = None,
+                   recalibrate: Any = None) -> Derived:
     """The engine's weights (by engine key) as a build from the new weights would store them."""
     header = engine.plan.header
     try:
         config = BuildConfig.from_kwargs(**header["build_config"])
     except (KeyError, TypeError) as e:
         raise RefitError(f"the engine's build options cannot be read by this kiln ({e}); rebuild it") from None
-    if config.precision in ("int8", "fp8"):
-        raise RefitError(f"a {config.precision} engine's quantization scales were calibrated on the old weights; "
-                         "new weights need new calibration: rebuild with --calib")
+    quantized = config.precision in ("int8", "fp8")
+    if recalibrate is not None and not quantized:
+        raise RefitError(f"recalibrate: the engine is {config.precision}, nothing in it was calibrated")
     model, label, base = _new_model(engine, weights, onnx)
     # The builder's stages, in its order and with its options (kiln/builder/build.py).
+    storage = config.precision
+    requantized: _Quantized | None = None
+    if quantized:
+        requantized = _requantize(model, config, header.get("quantization") or {}, recalibrate)
+        model = requantized.model
+        storage = "fp16" if config.device == "cuda" else "fp32"
     graph = optimize(model, PassOptions(opt_level=config.opt_level, unsigned_activations=config.device == "cpu",
                                         cpu_rules=config.device == "cpu", refittable=config.refittable))
     program, derived, inputs, outputs = lower(graph)
-    if config.precision in ("fp16", "bf16"):
-        lower_precision(program, derived, config.precision, set(config.layer_precision))
+    if storage in ("fp16", "bf16"):
+        lower_precision(program, derived, storage, set(config.layer_precision))
     built_spec, new_spec = _structure(engine.plan.program.to_json()), _structure(program.to_json())
     same_io = [b.to_json() for b in inputs] == header["inputs"] and [b.to_json() for b in outputs] == header["outputs"]
     if built_spec != new_spec or not same_io:
         version = header.get("kiln_version")
         note = "" if version in (None, __version__) else \
             f" (the engine was built by kiln {version}: its builder may differ)"
+        if recalibrate is not None:
+            note += ("; the new calibration quantizes differently from the build's (another layer left float, "
+                     "or a range of 0): rebuild with this calibration data")
         raise RefitError("these weights change the engine's structure, so they need a rebuild: "
                          + _first_difference(built_spec, new_spec) + note)
     problems = []
@@ -213,7 +312,14 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
         raise RefitError("derived weights do not fit the engine:\n  " + "\n  ".join(problems[:10]))
     changed = {k: v for k, v in derived.items() if not _equal(v, engine.plan.weights[k])}
     report = RefitReport(source=label, model=base, changed=sorted(changed), unchanged=len(derived) - len(changed))
-    return changed, report
+    if requantized is None:
+        return Derived(changed, report)
+    report.activation_scales = requantized.activation_scales
+    report.requantized = list(requantized.record.get("quantized", []))
+    # recalibrated: the engine holds the new ranges from now on, and a later refit keeps those
+    entries = {k: requantized.record[k] for k in ("calibration", "ranges", "accuracy", "kept_float", "quantized")
+               if k in requantized.record} if recalibrate is not None else None
+    return Derived(changed, report, entries)
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -223,9 +329,14 @@ def _equal(a: Any, b: Any) -> bool:
     return np.array_equal(a, b)
 
 
-def refit(engine: Engine, weights: WeightsSource, onnx: str | os.PathLike | None = None) -> RefitReport:
-    """Derive the weights (derive_weights), swap them into the engine, record the refit in its header."""
-    changed, report = derive_weights(engine, weights, onnx)
-    engine.set_weights(changed)
-    engine.plan.header.setdefault("refits", []).append(report.to_json())
-    return report
+def refit(engine: Engine, weights: WeightsSource, onnx: str | os.PathLike | None = None,
+          recalibrate: Any = None) -> RefitReport:
+    """Derive the weights (derive_weights), swap them into the engine, record the refit in its header.
+    recalibrate: calibration data (as kiln.build's `calibration`) for an int8/fp8 engine's activation
+    ranges to be measured again on the new weights; without it they stay the calibrated ones."""
+    derived = derive_weights(engine, weights, onnx, recalibrate)
+    engine.set_weights(derived.weights)
+    if derived.quantization is not None:
+        engine.plan.header.setdefault("quantization", {}).update(derived.quantization)
+    engine.plan.header.setdefault("refits", []).append(derived.report.to_json())
+    return derived.report

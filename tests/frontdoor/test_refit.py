@@ -156,14 +156,6 @@ def test_weights_that_change_the_structure_are_refused(tmp_path):
                                rtol=1e-6, atol=1e-6)  # tactics may differ between the two builds
 
 
-def test_int8_engines_are_refused(models, tmp_path):
-    calibration = [{"x": np.random.default_rng(k).standard_normal((2, 3, 8, 8)).astype(np.float32)} for k in range(2)]
-    engine = kiln.build(str(models[0]), precision="int8", quantization="emulate", calibration=calibration,
-                        calibrator="minmax", profiles=[{"x": "1x3x8x8,2x3x8x8,4x3x8x8"}])
-    with pytest.raises(RefitError, match="calibrated on the old weights"):
-        engine.refit(str(tmp_path / "new.safetensors"))
-
-
 def test_an_engine_built_from_bytes_needs_its_model(models, tmp_path):
     engine = kiln.build(models[0].read_bytes())
     with pytest.raises(RefitError, match="does not record the ONNX model"):
