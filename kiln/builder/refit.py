@@ -26,7 +26,8 @@ re-derived exactly as a build would; the ACTIVATION ranges stay the calibrated o
 accuracy target kept float stay float. `recalibrate=DATA` measures the ranges again on the new weights
 with the engine's calibrator (and chooses the float layers again), as a fresh build with that data
 would. Refused: an engine that does not record its ranges (recalibrate, or rebuild), and one built for
-another CPU's weight width (7-bit weights without VNNI, 8-bit with). Explicit Q/DQ models need none of
+another CPU's weight width (7-bit weights without VNNI, 8-bit with), and a SmoothQuant build (its
+smoothing factors come from activation statistics the engine does not record) unless recalibrated. Explicit Q/DQ models need none of
 this: their quantized weights and scales are initializers, replaced as given.
 """
 
@@ -230,6 +231,11 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
     if mode not in ("kernels", "emulate"):  # "auto" with no kernel on the device: nothing was quantized
         model, record = quantize(model, config, quiet)
         return _Quantized(model, record, record.get("note", ""))
+    if config.smoothquant is not None:
+        raise RefitError(f"this {config.precision} engine was built with SmoothQuant (alpha {config.smoothquant}): its "
+                         "smoothing factors are formed from the weights and the activations' per-channel maxima "
+                         "measured at build, which the engine does not record; refit with recalibrate=DATA "
+                         "(kiln refit --calib DIR), or rebuild")
     ranges = built.get("ranges")
     if not isinstance(ranges, dict):
         raise RefitError(f"this {config.precision} engine does not record the activation ranges it was calibrated "
@@ -317,7 +323,8 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
     report.activation_scales = requantized.activation_scales
     report.requantized = list(requantized.record.get("quantized", []))
     # recalibrated: the engine holds the new ranges from now on, and a later refit keeps those
-    entries = {k: requantized.record[k] for k in ("calibration", "ranges", "accuracy", "kept_float", "quantized")
+    entries = {k: requantized.record[k] for k in ("calibration", "ranges", "accuracy", "kept_float", "quantized",
+                                                        "smoothquant")
                if k in requantized.record} if recalibrate is not None else None
     return Derived(changed, report, entries)
 

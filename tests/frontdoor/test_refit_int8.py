@@ -165,6 +165,19 @@ def test_recalibrated_refit_equals_a_fresh_build_with_that_data(tmp_path, net):
     _same_as_fresh(engine, fresh, net)
 
 
+def test_a_smoothquant_engine_refits_with_recalibration(tmp_path):
+    """SmoothQuant's factors (1/s into the LayerNorm, s into fc1's rows) are formed from the new weights and
+    the new data's channel maxima, as a fresh build with that data forms them."""
+    paths = _save(tmp_path, "block")
+    engine = _build(paths[0], tmp_path, "block", "auto", calibration=_batches("block", 0, 3), smoothquant=0.5)
+    assert "fc1" in engine.plan.header["quantization"]["smoothquant"]["smoothed"]
+    data = _batches("block", 11, 4)
+    engine.refit(paths[1], recalibrate=data)
+    fresh = _build(paths[1], tmp_path, "block", "auto", calibration=data, smoothquant=0.5)
+    assert engine.plan.header["quantization"]["ranges"] == fresh.plan.header["quantization"]["ranges"]
+    _same_as_fresh(engine, fresh, "block")
+
+
 def test_cli_refit_of_an_int8_engine(tmp_path, capsys):
     paths = _save(tmp_path, "conv")
     cache = str(tmp_path / "ranges.json")
@@ -222,6 +235,11 @@ def test_what_cannot_be_derived_is_refused(tmp_path):
     with pytest.raises(RefitError, match="refit on a CPU like the one that built it"):
         engine.refit(paths[1])
     quantization["weights"] = width
+    # SmoothQuant: its factors come from per-channel activation maxima the engine does not keep
+    engine.plan.header["build_config"]["smoothquant"] = 0.5
+    with pytest.raises(RefitError, match="SmoothQuant.*recalibrate=DATA"):
+        engine.refit(paths[1])
+    engine.plan.header["build_config"]["smoothquant"] = None
     # a float engine has nothing to recalibrate
     fp32 = kiln.build(paths[0])
     with pytest.raises(RefitError, match="the engine is fp32, nothing in it was calibrated"):
