@@ -173,7 +173,8 @@ def _replace_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndar
     name = f"{node.name or old.name}_{suffix}"
     while name in graph.initializers:
         name += "_"
-    value = ir.Value(name=name, const_value=ir.tensor(array.astype(old.const_value.numpy().dtype), name=name))
+    tensor = ir.tensor(array.astype(old.const_value.numpy().dtype), name=name)
+    value = ir.Value(name=name, shape=ir.Shape(array.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
     graph.register_initializer(value)
     node.replace_input_with(index, value)
     if not old.uses() and old.name in graph.initializers and not old.is_graph_output():
