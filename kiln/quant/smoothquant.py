@@ -11,10 +11,12 @@ y = X·W (X [..., K], W [K, N]) and any s > 0 per input channel j,
 evens the channels' ranges out (α = 0.5: both X' and W' have range √(max|X_j| · max|W_j|) on channel j).
 X·diag(s)⁻¹ is folded into the producer, so the graph gains no op:
 
-    LayerNormalization             γ' = γ / s,  β' = β / s
-    SimplifiedLayerNormalization,  γ' = γ / s
-    RMSNormalization
-    MatMul(x, W_p), Gemm(x, B, C)  W_p[:, j] /= s_j  (B's output channels),  C[..., j] /= s_j
+    LayerNormalization (also com.microsoft's SkipLayerNormalization)   γ' = γ / s,  β' = β / s
+    SimplifiedLayerNormalization, RMSNormalization                     γ' = γ / s
+    MatMul(x, W_p), Gemm(x, B, C)       W_p[:, j] /= s_j (B's output channels),  C[..., j] /= s_j
+    Mul(a, c), c constant               c' = c / s
+    Add(a, c), c constant               c' = c / s, and a's producer takes 1/s (recursively): a decomposed
+                                        LayerNorm's Mul(γ) -> Add(β), a Linear's MatMul -> Add(bias)
 
 and diag(s)·W into every consumer's weight rows. Consumers reading one activation (Q, K, V) share one s.
 An activation that another op reads too (a post-LN BERT's residual Add reads its LayerNorm's output),
@@ -33,9 +35,12 @@ import torch
 from kiln.errors import KilnError
 from kiln.quant.qdq import Target, targets
 
-# producer op -> (input index of its per-channel scale γ, of its shift β or None)
-NORMALIZATIONS = {"LayerNormalization": (1, 2), "SimplifiedLayerNormalization": (1, None),
-                  "RMSNormalization": (1, None)}
+# (domain, normalization) -> input index of its per-channel scale γ, of its shift β (None: it has none)
+NORMALIZATIONS = {("", "LayerNormalization"): (1, 2), ("", "SimplifiedLayerNormalization"): (1, None),
+                  ("", "RMSNormalization"): (1, None), ("com.microsoft", "SkipLayerNormalization"): (2, 3),
+                  ("com.microsoft", "SkipSimplifiedLayerNormalization"): (2, None)}
+FOLDS_INTO = ("LayerNormalization, SimplifiedLayerNormalization, RMSNormalization, SkipLayerNormalization, "
+              "MatMul/Gemm with a constant weight, Mul by a constant, Add of a constant to one of these")
 FLOOR = 1e-5  # the smallest channel maximum a factor is formed from (SmoothQuant's clamp)
 
 
@@ -92,20 +97,38 @@ def _input_axis(t: Target) -> int:
     return 1 - t.channel_axis
 
 
-def _why_not_foldable(node: ir.Node) -> str | None:
-    """None when 1/s per output channel (the last axis) folds into the node's constants, else why not."""
+def _domain(node: ir.Node) -> str:
+    return "" if node.domain == "ai.onnx" else node.domain
+
+
+def _constant_operand(node: ir.Node) -> int | None:
+    """Which input of a binary node is the constant one, when exactly one is."""
+    if len(node.inputs) != 2:
+        return None
+    constant = [_const(v) is not None for v in node.inputs]
+    return constant.index(True) if constant.count(True) == 1 else None
+
+
+def _why_not_foldable(value: ir.Value, channels: int) -> str | None:
+    """None when 1/s per channel (the last axis, `channels` wide) folds into the constants of the node
+    producing `value`, else why not. An Add of a constant folds when its other operand does (recursively):
+    (a + c)/s = a/s + c/s, the decomposed LayerNorm's Mul(γ) -> Add(β), a Linear's MatMul -> Add(bias)."""
+    node = value.producer()
+    if node is None:
+        return "it is a graph input: no producer to fold 1/s into"
     where = f"{node.op_type} {node.name!r}"
-    if node.domain not in ("", "ai.onnx"):
-        return f"it comes from {node.domain}::{node.op_type} {node.name!r}, which kiln cannot fold 1/s into"
-    if node.op_type in NORMALIZATIONS:
-        scale, shift = NORMALIZATIONS[node.op_type]
+    if node.outputs[0] is not value:
+        return f"it is output {value.index()} of {where}, which has no per-channel scale"
+    key = (_domain(node), node.op_type)
+    if key in NORMALIZATIONS:
+        scale, shift = NORMALIZATIONS[key]
         if len(node.inputs) <= scale or _const(node.inputs[scale]) is None:
             return f"{where}'s scale is not a constant"
         if shift is not None and len(node.inputs) > shift and node.inputs[shift] is not None \
                 and _const(node.inputs[shift]) is None:
             return f"{where}'s bias is not a constant"
         return None
-    if node.op_type in ("MatMul", "Gemm"):
+    if key in (("", "MatMul"), ("", "Gemm")):
         weight = _const(node.inputs[1]) if len(node.inputs) > 1 else None
         if weight is None or weight.ndim != 2 or _const(node.inputs[0]) is not None:
             return f"{where} has no constant 2-D weight as its second input"
@@ -113,8 +136,21 @@ def _why_not_foldable(node: ir.Node) -> str | None:
                 and _const(node.inputs[2]) is None:
             return f"{where}'s C is not a constant"
         return None
-    return (f"it comes from {where}, which has no per-channel scale to fold 1/s into (kiln folds into "
-            f"{', '.join(NORMALIZATIONS)}, and MatMul/Gemm with a constant weight)")
+    if key in (("", "Mul"), ("", "Add")):
+        k = _constant_operand(node)
+        c = None if k is None else _const(node.inputs[k])
+        if c is None or (c.ndim and c.shape[-1] not in (1, channels)):
+            return f"it comes from {where}, which has no constant per-channel operand to fold 1/s into"
+        if node.op_type == "Mul":
+            return None
+        a = node.inputs[1 - k]
+        if a.is_graph_output() or len(a.uses()) != 1:
+            return f"{where} adds a constant to {a.name!r}, which is read elsewhere too"
+        if a.shape is None or not a.shape.rank() or a.shape[-1] != channels:
+            return f"{where} adds a constant to {a.name!r}, whose last axis is not the {channels} channels"
+        why = _why_not_foldable(a, channels)
+        return None if why is None else f"{where} adds a constant to {a.name!r}: {why}"
+    return f"it comes from {where}, which has no per-channel scale to fold 1/s into (kiln folds into {FOLDS_INTO})"
 
 
 def plan(graph: ir.Graph) -> Plan:
@@ -131,20 +167,18 @@ def plan(graph: ir.Graph) -> Plan:
         why = None
         readers = {id(t.node) for t in consumers}
         others = [u.node for u in x.uses() if id(u.node) not in readers or u.idx != 0]
-        producer = x.producer()
-        if producer is None:
-            why = "it is a graph input: no producer to fold 1/s into"
-        elif x.is_graph_output():
+        channels = {t.weight.const_value.shape[_input_axis(t)] for t in consumers}
+        if x.is_graph_output():
             why = "it is also a graph output, which would be divided by s"
         elif others:
             why = (f"{others[0].op_type} {others[0].name!r} reads it too (not a MatMul/Gemm with a constant "
                    f"weight), and would see it divided by s")
-        else:
-            why = _why_not_foldable(producer)
-        if why is None and len({t.weight.const_value.shape[_input_axis(t)] for t in consumers}) != 1:
+        elif len(channels) != 1:
             why = "its readers' weights disagree on its channel count"
+        else:
+            why = _why_not_foldable(x, channels.pop())
         if why is None:
-            found.groups.append(Group(x, producer, consumers))
+            found.groups.append(Group(x, x.producer(), consumers))
         else:
             for t in consumers:
                 found.skipped[t.node.name] = f"not smoothed: its input {name!r}: {why}"
@@ -187,21 +221,31 @@ def _per_last_axis(array: np.ndarray, size: int) -> np.ndarray:
     return np.broadcast_to(array.astype(np.float64), shape)
 
 
-def apply(graph: ir.Graph, group: Group, s: np.ndarray) -> None:
-    """Fold 1/s into the producer's output channels and s into the consumers' weight rows (in place)."""
-    node = group.producer
-    if node.op_type in NORMALIZATIONS:
-        scale, shift = NORMALIZATIONS[node.op_type]
+def _divide_output(graph: ir.Graph, node: ir.Node, s: np.ndarray) -> None:
+    """The node's output 0 divided by s per channel, through its constants (what _why_not_foldable allowed)."""
+    key = (_domain(node), node.op_type)
+    if key in NORMALIZATIONS:  # γ' = γ/s, β' = β/s
+        scale, shift = NORMALIZATIONS[key]
         _replace_constant(graph, node, scale, _per_last_axis(_const(node.inputs[scale]), s.size) / s, "smoothed_scale")
         if shift is not None and len(node.inputs) > shift and node.inputs[shift] is not None:
             _replace_constant(graph, node, shift, _per_last_axis(_const(node.inputs[shift]), s.size) / s,
                               "smoothed_bias")
-    else:  # MatMul / Gemm: its output channels are W_p's columns (B's rows with transB)
+    elif node.op_type in ("MatMul", "Gemm"):  # its output channels are W_p's columns (B's rows with transB)
         trans_b = node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0))
         w = _const(node.inputs[1]).astype(np.float64)
         _replace_constant(graph, node, 1, w / (s[:, None] if trans_b else s[None, :]), "smoothed_weight")
         if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
             _replace_constant(graph, node, 2, _per_last_axis(_const(node.inputs[2]), s.size) / s, "smoothed_bias")
+    else:  # Mul(a, c): c/s;  Add(a, c): a/s + c/s
+        k = _constant_operand(node)
+        _replace_constant(graph, node, k, _per_last_axis(_const(node.inputs[k]), s.size) / s, "smoothed_constant")
+        if node.op_type == "Add":
+            _divide_output(graph, node.inputs[1 - k].producer(), s)
+
+
+def apply(graph: ir.Graph, group: Group, s: np.ndarray) -> None:
+    """Fold 1/s into the producer's output channels and s into the consumers' weight rows (in place)."""
+    _divide_output(graph, group.producer, s)
     for t in group.consumers:
         w = t.weight.const_value.numpy().astype(np.float64)
         shape = [1, 1]

@@ -115,6 +115,40 @@ def _gemm_chain(seed: int = 0) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
+def _decomposed(seed: int = 0) -> bytes:
+    """A LayerNorm written out (ReduceMean, Sub, Mul, ReduceMean, Add, Sqrt, Div, Mul(γ), Add(β)) -> a Linear
+    (MatMul, Add(bias)) -> MatMul -> com.microsoft SkipLayerNormalization -> MatMul: SmoothQuant's folds
+    through a constant Add into what produces its other operand, and into onnxruntime's fused LayerNorm."""
+    rng = np.random.default_rng(seed)
+    g = (1 + 0.1 * rng.standard_normal(D)).astype(np.float32)
+    g[list(OUTLIERS)] *= 70
+    arrays = {"g": g, "b": rng.standard_normal(D).astype(np.float32), "eps": np.array(1e-5, np.float32),
+              "wa": rng.standard_normal((D, D)).astype(np.float32) * 0.2, "ba": rng.standard_normal(D).astype(np.float32),
+              "wb": rng.standard_normal((D, D)).astype(np.float32) * 0.2, "g2": g[::-1].copy(),
+              "b2": rng.standard_normal(D).astype(np.float32), "wc": rng.standard_normal((D, 8)).astype(np.float32)}
+    n = helper.make_node
+    nodes = [n("ReduceMean", ["x"], ["mean"], name="mean", axes=[-1]),
+             n("Sub", ["x", "mean"], ["d"], name="center"),
+             n("Mul", ["d", "d"], ["d2"], name="square"),
+             n("ReduceMean", ["d2"], ["var"], name="variance", axes=[-1]),
+             n("Add", ["var", "eps"], ["var_eps"], name="add_eps"),
+             n("Sqrt", ["var_eps"], ["std"], name="std"),
+             n("Div", ["d", "std"], ["normed"], name="normalize"),
+             n("Mul", ["normed", "g"], ["scaled"], name="gamma"),
+             n("Add", ["scaled", "b"], ["h"], name="beta"),
+             n("MatMul", ["h", "wa"], ["ya"], name="linear_a"),
+             n("Add", ["ya", "ba"], ["ha"], name="linear_a_bias"),
+             n("MatMul", ["ha", "wb"], ["yb"], name="linear_b"),
+             n("SkipLayerNormalization", ["yb", "x", "g2", "b2"], ["hc"], name="skip_ln", domain="com.microsoft",
+               epsilon=1e-5),
+             n("MatMul", ["hc", "wc"], ["y"], name="linear_c")]
+    graph = helper.make_graph(nodes, "decomposed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, S, D])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, S, 8])],
+                              [numpy_helper.from_array(a, k) for k, a in arrays.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                   helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
+
+
 def _folded(model: bytes) -> ir.Model:
     """The graph calibration sees: constants and BatchNorms folded, no fusion."""
     return optimize(onnx_frontend.load(model), PassOptions(fusions=False))
@@ -135,6 +169,13 @@ def test_plan_shares_one_factor_over_qkv_and_names_what_it_cannot_smooth():
     assert "comes from Gelu 'gelu'" in found.skipped["fc2"]
 
 
+def test_a_decomposed_layernorm_a_linears_bias_and_a_skip_layernorm_take_1_over_s():
+    found = smoothquant.plan(_folded(_decomposed()).graph)
+    assert [(g.activation.name, g.producer.name, [t.node.name for t in g.consumers]) for g in found.groups] == \
+        [("h", "beta", ["linear_a"]), ("ha", "linear_a_bias", ["linear_b"]), ("hc", "skip_ln", ["linear_c"])]
+    assert not found.skipped
+
+
 def test_factors_are_smoothquants_formula_over_every_readers_weights():
     model = _folded(_block(outlier_gain=60))
     group = smoothquant.plan(model.graph).groups[0]  # ln1 -> q, k, v
@@ -148,7 +189,7 @@ def test_factors_are_smoothquants_formula_over_every_readers_weights():
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.5, 0.85, 1.0])
-@pytest.mark.parametrize("make", [_block, _gemm_chain])
+@pytest.mark.parametrize("make", [_block, _gemm_chain, _decomposed])
 def test_the_smoothed_float_graph_computes_what_the_original_does(make, alpha):
     """onnxruntime on the original and on the smoothed graph (factors from real calibration statistics, far
     from 1 on the outlier channels): the same outputs within float32 rounding (1e-5 of the output's scale)."""
@@ -163,7 +204,7 @@ def test_the_smoothed_float_graph_computes_what_the_original_does(make, alpha):
     for _ in range(3):
         feeds = {name: rng.standard_normal(shape).astype(np.float32)}
         assert _relative_error(_ort(model, feeds), _ort(original, feeds)) < 1e-5
-    before, after = record["spread"]["h" if make is _gemm_chain else "h1"]
+    before, after = record["spread"]["h1" if make is _block else "h"]
     if alpha > 0:
         assert after < before  # the outlier channels are evened out
 
