@@ -253,7 +253,7 @@ def test_int8_with_smoothquant_is_far_closer_to_fp32_on_outlier_channels(seed):
     assert with_sq * 1.5 < without, (with_sq, without)
 
 
-def test_cpu_int8_kernels_with_smoothquant_stay_close_to_fp32():
+def test_cpu_int8_kernels_with_smoothquant_stay_close_to_fp32(tmp_path, capsys):
     """The same block built for the CPU's int8 kernels (7-bit weights without VNNI, uint8 activations),
     each layer int8 or its float form as the autotuner chose: still within 10% of the output's scale."""
     model = _block(0, outlier_gain=60)
@@ -267,6 +267,11 @@ def test_cpu_int8_kernels_with_smoothquant_stay_close_to_fp32():
         q["layers"]["q_proj"]["why"]
     assert "not smoothed: its input 'g': it comes from Gelu 'gelu'" in q["layers"]["fc2"]["why"]
     assert max(_relative_error(engine.run(f)["y"], fp32.run(f)["y"]) for f in _batches(4, seed=200)) < 0.1
+    engine.save(tmp_path / "block.kiln")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "block.kiln"), "--json"]) == 0
+    layers = {layer["name"]: layer for layer in json.loads(capsys.readouterr().out)["layers"]}
+    assert "not smoothed: its input 'ctx2': it comes from Reshape 'merge_heads'" in layers["out_proj"]["precision"]["why"]
 
 
 # ---- the option, the reasons, the cache --------------------------------------------------------
