@@ -164,7 +164,6 @@ def plan(graph: ir.Graph) -> Plan:
             values[t.activation.name] = t.activation
     for name, consumers in by_activation.items():
         x = values[name]
-        why = None
         readers = {id(t.node) for t in consumers}
         others = [u.node for u in x.uses() if id(u.node) not in readers or u.idx != 0]
         channels = {t.weight.const_value.shape[_input_axis(t)] for t in consumers}
