@@ -5,6 +5,9 @@
     print(compiled.explain())        # the stages, what fell back to PyTorch and why, the time each takes
     compiled.save("model.kilnpt"); compiled = kiln.torch_backend.load("model.kilnpt")
 
+    compiled = kiln.compile(model, (x,), refittable=True)
+    compiled.load_state_dict(trained.state_dict())   # new weights into every stage, no rebuild
+
     import kiln.torch_backend        # registers the backend
     model = torch.compile(model, backend="kiln")
 
@@ -15,6 +18,14 @@ time is measured (on CUDA only with `compiled.profile = True`, which synchronise
 A saved model is a folder: manifest.json, one .kiln engine per kiln stage and one torch.export archive
 per PyTorch stage; it loads without the model's source (a custom op's library must be imported first).
 Inference only: nothing here records gradients.
+
+Refit (`compiled.refit(module_or_state_dict)`, `compiled.load_state_dict(sd)`) needs `refittable=True`
+at compile, as Torch-TensorRT's refit needs `immutable_weights=False`: the kiln stages are then exported
+without the ONNX exporter's optimizer (which folds BatchNorm into a convolution under the convolution's
+weight's name and renames transposed weights), so each stage's initializers are the module's weights by
+name, and built refittable (no weight stored once for equalling another). Each kiln stage's engine takes
+its weights through kiln/builder/refit.py (re-derived as its builder derived them, or refused with the
+reason); each PyTorch stage takes copies of its new weights (the module given is never written to).
 """
 
 from __future__ import annotations
@@ -28,16 +39,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import onnx
 import sympy
 import torch
 import torch.utils._pytree as pytree
+from onnx import numpy_helper
 
 from kiln.builder.build import build as kiln_build
 from kiln.builder.config import BuildConfig
 from kiln.builder.profiles import DEFAULT_BATCH, DEFAULT_IMAGE, DEFAULT_SEQUENCE_MAX
+from kiln.builder.refit import Derived, RefitError, RefitReport, derive_weights
+from kiln.builder.refit import apply as apply_refit
 from kiln.errors import EngineRebuildWarning, KilnError
 from kiln.frontend import torch as torch_frontend
 from kiln.frontend.torch import FallbackOp, Range, Stage
+from kiln.ir import dtypes
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine import load as load_engine
 from kiln.version import __version__
@@ -63,6 +80,8 @@ class _Runner:
     function: Any = None  # torch stages: GraphModule or the loaded program's module
     archive: bytes | None = None  # torch stages: the torch.export archive (made on first save)
     source: Stage | None = None  # the frontend's stage, while the compiled object holds it
+    weights: dict[str, str] = field(default_factory=dict)  # the stage's name of a module weight -> state_dict key
+    onnx: bytes | None = None  # kiln stages of a refittable compile: the ONNX its engine derives weights through
     seconds: float = 0.0
     calls: int = 0
 
@@ -109,13 +128,15 @@ class CompiledModule:
     """A module compiled by kiln: call it as the module; explain(); save()."""
 
     def __init__(self, runners: list[_Runner], inputs: list[str], outputs: list[Any], in_spec: pytree.TreeSpec,
-                 out_spec: pytree.TreeSpec, options: dict[str, Any]):
+                 out_spec: pytree.TreeSpec, options: dict[str, Any],
+                 weight_specs: dict[str, tuple[str, list[int]]] | None = None):
         self.runners = runners
         self.inputs = inputs
         self.outputs = outputs
         self.in_spec = in_spec
         self.out_spec = out_spec
         self.options = options
+        self.weight_specs = weight_specs or {}  # the module's state_dict: key -> (dtype, shape)
         self.profile = False
 
     @property
@@ -154,6 +175,78 @@ class CompiledModule:
         timed = self.profile or not any(e.device.type == "cuda" for e in self.engines)
         return Explanation(stages, self.fallbacks, timed)
 
+    def refit(self, weights: torch.nn.Module | dict[str, torch.Tensor], strict: bool = False) -> ModuleRefit:
+        """New module weights into every stage without re-export or rebuild: each kiln engine re-derives its
+        own (BatchNorm folded, transposed, merged, half precision) as its build did, each PyTorch stage takes
+        copies. `weights`: a module like the compiled one, or (part of) its state_dict. Every problem (a key
+        the module lacks, a shape or dtype unlike its, with `strict` a key missing) is listed in one
+        RefitError, and nothing changes unless every stage takes its weights."""
+        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else dict(weights)
+        self._check(state, strict)
+        used = {key for r in self.runners for key in r.weights.values()}
+        derived: list[tuple[_Runner, Derived, bytes]] = []
+        for r in self.runners:  # derive every engine's weights first: a refusal leaves all stages as they were
+            given = {name: state[key] for name, key in r.weights.items() if key in state}
+            if r.engine is None or not given:
+                continue
+            if r.onnx is None:
+                raise RefitError(f"stage {r.name} was not compiled refittable: the ONNX exporter's optimizer folded "
+                                 "and renamed its weights (BatchNorm into the convolution, transposed Linear weights), "
+                                 "so they cannot be mapped from the module's; compile with kiln.compile(..., "
+                                 "refittable=True)")
+            model = _with_initializers(r.onnx, given, r.name)
+            try:
+                derived.append((r, derive_weights(r.engine, model), model))
+            except RefitError as e:
+                raise RefitError(f"stage {r.name}: {e}") from None
+        reports: dict[str, RefitReport | list[str]] = {}
+        for r, d, model in derived:
+            apply_refit(r.engine, d)
+            r.onnx = model
+            reports[r.name] = d.report
+        for r in self.runners:
+            given = {name: state[key] for name, key in r.weights.items() if key in state}
+            if r.engine is not None or not given:
+                continue
+            if r.source is not None:  # the stage's GraphModule runs: its tensors are replaced by copies
+                for name, value in given.items():
+                    _replace_tensor(r.function, name, value)
+                r.archive = None  # saved again from the GraphModule
+            else:  # loaded: the archive is the stage
+                r.archive = torch_frontend.refit_torch_stage(r.archive, given)
+                r.function = torch_frontend.load_torch_stage(r.archive)
+            reports[r.name] = sorted(r.weights[name] for name in given)
+        return ModuleRefit(reports, sorted(k for k in state if k not in used))
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> ModuleRefit:
+        """torch's name for refit: with `strict`, a key of the module missing from `state_dict` is refused too."""
+        return self.refit(state_dict, strict=strict)
+
+    def _check(self, state: dict[str, Any], strict: bool) -> None:
+        if not self.weight_specs:
+            raise RefitError("this compiled module does not record its module's weights (compiled by an older kiln): "
+                             "compile it again with refittable=True")
+        problems = []
+        unknown = sorted(k for k in state if k not in self.weight_specs)
+        if unknown:
+            shown = ", ".join(list(self.weight_specs)[:12]) + (" ..." if len(self.weight_specs) > 12 else "")
+            problems.append(f"unexpected key(s) {unknown[:10]}{' ...' if len(unknown) > 10 else ''}: the compiled "
+                            f"module's state_dict has no such entry (its keys: {shown})")
+        missing = sorted(k for k in self.weight_specs if k not in state) if strict else []
+        if missing:
+            problems.append(f"missing key(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} (strict: every key "
+                            "of the module's state_dict)")
+        for key, value in state.items():
+            if key not in self.weight_specs:
+                continue
+            dtype, shape = self.weight_specs[key]
+            if not isinstance(value, torch.Tensor):
+                problems.append(f"{key!r}: a {type(value).__name__}, not a tensor")
+            elif str(value.dtype) != dtype or list(value.shape) != shape:
+                problems.append(f"{key!r}: the module holds {dtype} {shape}, given {value.dtype} {list(value.shape)}")
+        if problems:
+            raise RefitError("weights that do not fit the compiled module:\n  " + "\n  ".join(problems))
+
     def save(self, path: str | Path) -> None:
         """A folder: manifest.json, <stage>.kiln engines, <stage>.pt2 torch.export archives."""
         folder = Path(path)
@@ -161,10 +254,13 @@ class CompiledModule:
         stages = []
         for r in self.runners:
             entry = {"kind": r.kind, "name": r.name, "inputs": r.inputs, "outputs": r.outputs, "ops": r.ops,
-                     "fallback": [asdict(op) for op in r.fallback]}
+                     "fallback": [asdict(op) for op in r.fallback], "weights": r.weights}
             if r.engine is not None:
                 entry["file"] = f"{r.name}.kiln"
                 r.engine.save(folder / entry["file"])
+                if r.onnx is not None:  # what a refit derives the engine's weights through
+                    entry["onnx"] = f"{r.name}.onnx"
+                    (folder / entry["onnx"]).write_bytes(r.onnx)
             else:
                 if r.archive is None:
                     r.archive = torch_frontend.save_torch_stage(r.source)
@@ -178,7 +274,7 @@ class CompiledModule:
                             "return tensors, tuples, lists or dicts to save the compiled model") from None
         manifest = {"format": SAVE_FORMAT, "kiln_version": __version__, "torch_version": torch.__version__,
                     "inputs": self.inputs, "outputs": self.outputs, **specs, "stages": stages,
-                    "options": self.options}
+                    "options": self.options, "weights": self.weight_specs}
         (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, default=str))
 
     @classmethod
@@ -192,9 +288,11 @@ class CompiledModule:
         runners = []
         for s in manifest["stages"]:
             runner = _Runner(s["kind"], s["name"], s["inputs"], s["outputs"], s["ops"],
-                             [FallbackOp(**op) for op in s["fallback"]])
+                             [FallbackOp(**op) for op in s["fallback"]], weights=s.get("weights", {}))
             if s["kind"] == "kiln":
                 runner.engine = load_engine(folder / s["file"])
+                if s.get("onnx"):
+                    runner.onnx = (folder / s["onnx"]).read_bytes()
             else:
                 runner.archive = (folder / s["file"]).read_bytes()
                 try:
@@ -205,8 +303,66 @@ class CompiledModule:
                                     f"load ({type(e).__name__}: {str(e)[:300]}); import the library that registers "
                                     "its custom ops first") from e
             runners.append(runner)
+        specs = {k: (v[0], list(v[1])) for k, v in manifest.get("weights", {}).items()}
         return cls(runners, manifest["inputs"], manifest["outputs"], pytree.treespec_loads(manifest["in_spec"]),
-                   pytree.treespec_loads(manifest["out_spec"]), manifest.get("options", {}))
+                   pytree.treespec_loads(manifest["out_spec"]), manifest.get("options", {}), specs)
+
+
+@dataclass
+class ModuleRefit:
+    """What CompiledModule.refit changed: per stage its engine's RefitReport (kiln) or the module keys it
+    took (PyTorch), and the keys given that no stage reads (BatchNorm's num_batches_tracked in eval)."""
+
+    stages: dict[str, RefitReport | list[str]]
+    unused: list[str]
+
+    def __str__(self) -> str:
+        lines = [f"refit {len(self.stages)} stage(s)"]
+        for name, done in self.stages.items():
+            if isinstance(done, RefitReport):
+                lines.append(f"  {name} (kiln): {len(done.changed)} engine weight(s) changed, {done.unchanged} unchanged")
+            else:
+                lines.append(f"  {name} (PyTorch): {len(done)} weight(s) replaced")
+        if self.unused:
+            lines.append(f"  read by no stage: {', '.join(self.unused[:10])}" + (" ..." if len(self.unused) > 10 else ""))
+        return "\n".join(lines)
+
+
+def _with_initializers(model_bytes: bytes, weights: dict[str, torch.Tensor], stage: str) -> bytes:
+    """The stage's ONNX model with the named initializers replaced (dtypes and shapes already checked)."""
+    model = onnx.load_from_string(model_bytes)
+    held = {init.name: init for init in model.graph.initializer}
+    absent = sorted(name for name in weights if name not in held)
+    if absent:
+        raise RefitError(f"stage {stage}: its ONNX model has no initializer {absent[:10]}: the exporter did not keep "
+                         "these weights as they are, so they cannot be replaced")
+    for name, value in weights.items():
+        array = dtypes.torch_to_numpy(value.detach().cpu().contiguous())
+        held[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    return model.SerializeToString()
+
+
+def _replace_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """module.<name> becomes a copy of `value` on its device: the tensor it held (the compiled module's own
+    parameter) is not written to."""
+    old = getattr(module, name)
+    new = value.detach().to(old.device).clone()
+    if name in module._parameters:
+        module._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
+    else:
+        module._buffers[name] = new
+
+
+def _weight_specs(module: Any, stages: list[Stage]) -> dict[str, tuple[str, list[int]]]:
+    """The module's state_dict as (dtype, shape) per key: what a refit must match."""
+    specs: dict[str, tuple[str, list[int]]] = {}
+    if isinstance(module, torch.nn.Module):
+        specs.update({k: (str(v.dtype), list(v.shape)) for k, v in module.state_dict().items()})
+    for stage in stages:
+        for name, key in stage.weights.items():
+            value = getattr(stage.module, name)
+            specs[key] = (str(value.dtype), list(value.shape))
+    return specs
 
 
 def _device_of(example_inputs: Any) -> str:
@@ -229,12 +385,14 @@ def compile(module: torch.nn.Module, example_inputs: Any, *, precision: str = "f
     device = device or _device_of((args, example_kwargs))
     if isinstance(module, torch.nn.Module):
         module = module.eval()
-    split = torch_frontend.partition(module, args, example_kwargs or {}, dynamic, progress)
+    refittable = bool(build_options.get("refittable"))
+    split = torch_frontend.partition(module, args, example_kwargs or {}, dynamic, progress, refittable=refittable)
     options = {"precision": precision, "device": device, **build_options}
     runners = []
     for stage in split.stages:
         runner = _Runner(stage.kind, stage.name, stage.inputs, stage.outputs, stage.ops, stage.fallback,
-                         function=stage.module, source=stage)
+                         function=stage.module, source=stage, weights=stage.weights,
+                         onnx=stage.onnx if refittable else None)
         if stage.kind == "kiln":
             try:
                 config = BuildConfig.from_kwargs(**options, profiles=stage.profiles())
@@ -244,7 +402,8 @@ def compile(module: torch.nn.Module, example_inputs: Any, *, precision: str = "f
                 runner.kind = "torch"
                 runner.fallback = [FallbackOp(stage.name, op, why, "the whole stage") for op in stage.ops]
         runners.append(runner)
-    compiled = CompiledModule(runners, split.inputs, split.outputs, split.in_spec, split.out_spec, options)
+    compiled = CompiledModule(runners, split.inputs, split.outputs, split.in_spec, split.out_spec, options,
+                              _weight_specs(module, split.stages))
     if compiled.fallbacks:
         ops = sorted({op.op for op in compiled.fallbacks})
         places = "; ".join(op.describe() for op in compiled.fallbacks[:5])

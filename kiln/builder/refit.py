@@ -342,8 +342,13 @@ def refit(engine: Engine, weights: WeightsSource, onnx: str | os.PathLike | None
     recalibrate: calibration data (as kiln.build's `calibration`) for an int8/fp8 engine's activation
     ranges to be measured again on the new weights; without it they stay the calibrated ones."""
     derived = derive_weights(engine, weights, onnx, recalibrate)
+    apply(engine, derived)
+    return derived.report
+
+
+def apply(engine: Engine, derived: Derived) -> None:
+    """Swap derived weights into the engine (its layers re-prepare them) and record the refit in its header."""
     engine.set_weights(derived.weights)
     if derived.quantization is not None:
         engine.plan.header.setdefault("quantization", {}).update(derived.quantization)
     engine.plan.header.setdefault("refits", []).append(derived.report.to_json())
-    return derived.report

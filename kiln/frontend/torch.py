@@ -15,6 +15,10 @@
    instead of crossing a boundary, so stages exchange tensors only.
 4. A kiln stage becomes an ONNX model (torch.export of the stage, then torch.onnx.export, dynamo);
    when kiln cannot import it, the ops to blame move to PyTorch and the split is made again.
+   `refittable`: exported without the exporter's optimizer, which folds BatchNorm into a convolution
+   under the convolution's weight's name and stores transposed weights under new names (`val_N`), so
+   every initializer is a module weight as is, named as the stage holds it (Stage.weights maps those
+   names to the module's state_dict keys, for CompiledModule.refit).
    Its optimization profile follows the dynamic ranges through each boundary tensor's symbolic
    shape (a dim `2*s0` of a stage input ranges over 2*min .. 2*max).
 
@@ -87,6 +91,9 @@ class Stage:
     input_dynamic: list[dict[int, Range]] = field(default_factory=list)  # per input: dynamic axis -> range
     onnx: bytes | None = None  # kiln stages
     fallback: list[FallbackOp] = field(default_factory=list)  # torch stages
+    # the module's weights the stage holds: its own name (the GraphModule's attribute, the ONNX initializer
+    # of a refittable export) -> the module's state_dict key
+    weights: dict[str, str] = field(default_factory=dict)
 
     def profiles(self) -> list[dict[str, list[list[int]]]]:
         """kiln.build's profiles for this stage: [] when every input is static."""
@@ -340,6 +347,7 @@ class _Graph:
     constants: dict[str, torch.Tensor]  # placeholder name -> parameter, buffer or lifted constant
     inputs: list[torch.fx.Node]  # user input placeholders, flat
     outputs: list[Any]  # user outputs: nodes or literals
+    state_keys: dict[str, str] = field(default_factory=dict)  # placeholder name -> the module's parameter/buffer key
 
     @classmethod
     def of(cls, program: torch.export.ExportedProgram) -> _Graph:
@@ -352,7 +360,8 @@ class _Graph:
         output_node = next(n for n in program.graph.nodes if n.op == "output")
         kinds = [spec.kind.name for spec in sig.output_specs]
         outputs = [v for v, k in zip(output_node.args[0], kinds) if k == "USER_OUTPUT"]
-        return cls(program, constants, [n for n in placeholders if n.name in user], outputs)
+        state_keys = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        return cls(program, constants, [n for n in placeholders if n.name in user], outputs, state_keys)
 
 
 def _reads(members: list[torch.fx.Node], graph: _Graph) -> list[torch.fx.Node]:
@@ -380,6 +389,12 @@ def _reads(members: list[torch.fx.Node], graph: _Graph) -> list[torch.fx.Node]:
     return found
 
 
+def stage_weight_name(placeholder: str) -> str:
+    """The name a stage gives a module weight (its placeholder in the exported program, e.g. p_fc_weight):
+    the GraphModule's attribute, and the ONNX initializer of its refittable export."""
+    return re.sub(r"\W", "_", placeholder)
+
+
 def _stage_module(members: list[torch.fx.Node], reads: list[torch.fx.Node], outputs: list[torch.fx.Node],
                   graph: _Graph) -> torch.fx.GraphModule:
     """The members as a GraphModule: reads in as placeholders, constants as buffers, shape math copied."""
@@ -392,7 +407,7 @@ def _stage_module(members: list[torch.fx.Node], reads: list[torch.fx.Node], outp
     def value(n: torch.fx.Node) -> torch.fx.Node:
         if n not in env:
             if n.op == "placeholder" and n.name in graph.constants:
-                attr = re.sub(r"\W", "_", n.name)
+                attr = stage_weight_name(n.name)
                 root.register_buffer(attr, graph.constants[n.name])
                 env[n] = g.get_attr(attr)
             elif _is_shape_node(n):
@@ -448,9 +463,12 @@ def _stages(graph: _Graph, torch_nodes: dict[torch.fx.Node, str]) -> list[Stage]
     for k, ((kind, members), read) in enumerate(zip(scheduled, reads)):
         outputs = [n for n in members if n in needed]
         fallback = [FallbackOp(n.name, _op_name(n), torch_nodes[n], _where(n)) for n in members if n in torch_nodes]
+        module = _stage_module(members, read, outputs, graph)
+        held = {n.target for n in module.graph.nodes if n.op == "get_attr"}
+        weights = {stage_weight_name(p): key for p, key in graph.state_keys.items() if stage_weight_name(p) in held}
         stages.append(Stage(kind=kind, name=f"{kind}_{k}", inputs=[n.name for n in read], outputs=[n.name for n in outputs],
                             ops=[_op_name(n) for n in members if _op_name(n) != "getitem"],
-                            module=_stage_module(members, read, outputs, graph), fallback=fallback))
+                            module=module, fallback=fallback, weights=weights))
     return stages
 
 
@@ -464,14 +482,15 @@ def _run_examples(stages: list[Stage], env: dict[str, Any]) -> None:
 
 # ---- kiln stages as ONNX --------------------------------------------------------------------------
 
-def stage_to_onnx(stage: Stage) -> onnx.ModelProto:
-    """torch.export of the stage (its dynamic axes as Dim.DYNAMIC), then the dynamo ONNX exporter."""
+def stage_to_onnx(stage: Stage, optimize: bool = True) -> onnx.ModelProto:
+    """torch.export of the stage (its dynamic axes as Dim.DYNAMIC), then the dynamo ONNX exporter; without
+    its optimizer (`optimize=False`) every module weight is an initializer as is, by its stage name."""
     examples = tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in stage.example_inputs)
     shapes = tuple({a: Dim.DYNAMIC for a in d} or None for d in stage.input_dynamic)
     with _quiet_exporter():
         program = torch.export.export(stage.module, examples, dynamic_shapes=shapes if any(shapes) else None,
                                       strict=False)
-        exported = torch.onnx.export(program, dynamo=True, verbose=False, report=False)
+        exported = torch.onnx.export(program, dynamo=True, verbose=False, report=False, optimize=optimize)
     return exported.model_proto
 
 
@@ -508,8 +527,9 @@ def kiln_cannot_run(model: onnx.ModelProto) -> dict[str, str]:
 # ---- the whole split ----------------------------------------------------------------------------
 
 def partition(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, dynamic: dict | None = None,
-              progress: Callable[[str], None] | None = None) -> Partition:
-    """Capture the module and split it into kiln and PyTorch stages, each kiln stage as ONNX."""
+              progress: Callable[[str], None] | None = None, refittable: bool = False) -> Partition:
+    """Capture the module and split it into kiln and PyTorch stages, each kiln stage as ONNX (refittable:
+    exported without the exporter's optimizer, its initializers the module's weights as they are)."""
     say = progress or (lambda _msg: None)
     kwargs = kwargs or {}
     say("capturing with torch.export")
@@ -537,7 +557,7 @@ def partition(module: torch.nn.Module, args: tuple, kwargs: dict | None = None, 
                 continue
             say(f"exporting {stage.name} ({len(stage.ops)} ops) to ONNX")
             try:
-                model = stage_to_onnx(stage)
+                model = stage_to_onnx(stage, optimize=not refittable)
             except Exception as e:  # noqa: BLE001  the exporter failed on this piece: PyTorch runs it
                 why = f"the ONNX exporter failed on its stage ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
                 whole_stage.update({n.name: why for n in stage.module.graph.nodes
@@ -583,4 +603,19 @@ def save_torch_stage(stage: Stage) -> bytes:
 
 def load_torch_stage(data: bytes) -> Callable[..., Any]:
     return torch.export.load(io.BytesIO(data)).module()
+
+
+def refit_torch_stage(data: bytes, weights: dict[str, torch.Tensor]) -> bytes:
+    """A saved PyTorch stage (save_torch_stage's archive) with some of its weights, by stage name, replaced."""
+    program = torch.export.load(io.BytesIO(data))
+    for name, value in weights.items():
+        held = program.state_dict if name in program.state_dict else program.constants
+        if name not in held:
+            raise KilnError(f"internal: the saved PyTorch stage holds no weight {name!r}")
+        old = held[name]
+        value = value.detach().to(old.device).clone()
+        held[name] = torch.nn.Parameter(value, requires_grad=False) if isinstance(old, torch.nn.Parameter) else value
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
 
