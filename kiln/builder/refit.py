@@ -75,6 +75,8 @@ class RefitReport:
     model: str  # the ONNX model the weights were derived through
     changed: list[str]  # engine weight keys whose values changed
     unchanged: int
+    # the model's initializers replaced in the engine's model (a partial refit); [] when a whole model was given
+    initializers: list[str] = field(default_factory=list)
     # int8/fp8 engines of kiln's calibration: what became of the activation scales ("" otherwise)
     activation_scales: str = ""
     requantized: list[str] = field(default_factory=list)  # layers whose weight scales were derived again
@@ -142,26 +144,52 @@ def _source_model(engine: Engine, onnx_path: str | os.PathLike | None) -> Path:
     return Path(recorded)
 
 
-def _new_model(engine: Engine, weights: WeightsSource, onnx_path: str | os.PathLike | None
-               ) -> tuple[ir.Model, str, str]:
-    """(the ONNX model with the new weights, imported; where the weights came from; the model's name)."""
+@dataclass
+class _NewModel:
+    model: ir.Model  # the ONNX model with the new weights, imported
+    source: str  # where the new weights came from
+    base: str  # the model they were put into (or the whole model given)
+    initializers: list[str]  # the names replaced in `base`; [] for a whole model
+
+
+def _stale_after_earlier_refits(engine: Engine, given: set[str], base: Path) -> None:
+    """The model the engine was built from still holds the weights earlier refits replaced: a partial refit
+    derived through it would put those old values back. Refused unless they are given again."""
+    stale: set[str] = set()
+    for entry in engine.plan.header.get("refits", []):
+        if entry.get("initializers") == [] and entry.get("changed"):  # a whole model was given then
+            raise RefitError(f"an earlier refit took a whole model ({entry.get('source')}); {base} holds other "
+                             "weights, which these would be derived with: refit from a whole model (.onnx), or pass "
+                             "the model that holds the engine's weights now (onnx=... / --onnx)")
+        stale |= set(entry.get("initializers") or [])
+    stale -= given
+    if stale:
+        shown = sorted(stale)
+        raise RefitError(f"earlier refits replaced {shown[:10]}{' ...' if len(shown) > 10 else ''}, which {base} still "
+                         "holds with their old values: give them again with these weights, refit from a whole model "
+                         "(.onnx), or pass the model that holds the engine's weights now (onnx=... / --onnx)")
+
+
+def _new_model(engine: Engine, weights: WeightsSource, onnx_path: str | os.PathLike | None) -> _NewModel:
     if isinstance(weights, (bytes, onnx.ModelProto)):
-        return onnx_frontend.load(weights), "an ONNX model", "the given model"
+        return _NewModel(onnx_frontend.load(weights), "an ONNX model", "the given model", [])
     if isinstance(weights, (str, os.PathLike)):
         path = Path(weights)
         if not path.is_file():
             raise RefitError(f"{path}: no such weights file")
         if path.suffix == ".onnx":
-            return onnx_frontend.load(path), str(path), str(path)
+            return _NewModel(onnx_frontend.load(path), str(path), str(path), [])
         if path.suffix != ".safetensors":
             raise RefitError(f"{path}: weights come as .safetensors (named as the ONNX initializers) or .onnx")
         weights, label = safetensors.torch.load_file(str(path)), str(path)
     else:
         label = f"{len(weights)} named tensor(s)"
     base = _source_model(engine, onnx_path)
+    if onnx_path is None:  # the recorded model: as it was at build
+        _stale_after_earlier_refits(engine, set(weights), base)
     model = onnx_frontend.load(base)
     _replace(model, dict(weights))
-    return model, label, str(base)
+    return _NewModel(model, label, str(base), sorted(weights))
 
 
 def _structure(spec: dict) -> dict:
@@ -284,7 +312,8 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
     quantized = config.precision in ("int8", "fp8")
     if recalibrate is not None and not quantized:
         raise RefitError(f"recalibrate: the engine is {config.precision}, nothing in it was calibrated")
-    model, label, base = _new_model(engine, weights, onnx)
+    new_model = _new_model(engine, weights, onnx)
+    model = new_model.model
     # The builder's stages, in its order and with its options (kiln/builder/build.py).
     storage = config.precision
     requantized: _Quantized | None = None
@@ -317,7 +346,8 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
     if problems:
         raise RefitError("derived weights do not fit the engine:\n  " + "\n  ".join(problems[:10]))
     changed = {k: v for k, v in derived.items() if not _equal(v, engine.plan.weights[k])}
-    report = RefitReport(source=label, model=base, changed=sorted(changed), unchanged=len(derived) - len(changed))
+    report = RefitReport(source=new_model.source, model=new_model.base, changed=sorted(changed),
+                         unchanged=len(derived) - len(changed), initializers=new_model.initializers)
     if requantized is None:
         return Derived(changed, report)
     report.activation_scales = requantized.activation_scales

@@ -233,3 +233,23 @@ def test_bert_refit_through_fused_attention_and_merged_gemms(tmp_path, precision
     feed = {k: v for k, v in example_inputs(spec, batch=2, seq=16).items()}
     for name, value in engine.run(feed).items():
         np.testing.assert_array_equal(value, fresh.run(feed)[name])
+
+
+def test_a_partial_refit_after_another_keeps_its_weights_or_is_refused(models, tmp_path):
+    """The recorded model still holds what an earlier refit replaced: deriving through it with only other
+    weights would silently put the old ones back, so those must come again (or the current model be given)."""
+    engine = _build(models[0], tmp_path, "fp32")
+    new = _weights(1)
+    head = {k: v for k, v in new.items() if k.startswith("fc.")}
+    body = {k: v for k, v in new.items() if not k.startswith("fc.")}
+    assert engine.refit(head).initializers == ["fc.bias", "fc.weight"]
+    with pytest.raises(RefitError, match=r"earlier refits replaced \['fc.bias', 'fc.weight'\].*give them again"):
+        engine.refit(body)
+    engine.refit({**body, "fc.weight": head["fc.weight"], "fc.bias": head["fc.bias"]})
+    want = _build(models[1], tmp_path, "fp32").run(_x())["logits"]
+    np.testing.assert_array_equal(engine.run(_x())["logits"], want)
+    # after a whole model, a partial refit needs the model that holds the engine's weights now
+    engine.refit(str(models[0]))
+    with pytest.raises(RefitError, match="an earlier refit took a whole model"):
+        engine.refit(head)
+    engine.refit(head, onnx=str(models[0]))
