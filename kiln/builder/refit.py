@@ -241,23 +241,37 @@ def _weight_width(record: dict) -> str:
     return str(record.get("weights", "")).split(" (")[0]  # "7-bit per channel" / "8-bit per channel"
 
 
+def _check_weight_width(built: dict, record: dict) -> None:
+    """The int8 weights derived here are for this CPU's kernels (7-bit without VNNI); the engine's tactics
+    were chosen for those of the CPU that built it."""
+    if _weight_width(record) != _weight_width(built):
+        raise RefitError(f"the engine holds {_weight_width(built)} weights and this CPU's int8 kernels take "
+                         f"{_weight_width(record)} ({record.get('weights')}): its quantized weights cannot be "
+                         "derived here as the build derived them; refit on a CPU like the one that built it")
+
+
+def _quiet(_message: str) -> None:
+    """The builder's progress, unsaid during a refit."""
+
+
 def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: Any) -> _Quantized:
     """Quantize the new model as the build did: its recorded activation ranges as the calibration cache
     and its float layers pinned, or (recalibrate) calibration on the given data, as a fresh build would."""
-    quiet = lambda _msg: None  # noqa: E731
     mode = built.get("mode")
     if recalibrate is not None:
         fresh = dataclasses.replace(config, calibration=recalibrate, calibration_cache=None)
         try:
-            model, record = quantize(model, fresh, quiet)
+            model, record = quantize(model, fresh, _quiet)
         except KilnError as e:
             raise RefitError(f"recalibration on the new weights failed: {e}") from None
+        if mode in ("kernels", "emulate"):
+            _check_weight_width(built, record)
         done = record.get("calibration") or {}
         note = (f"recalibrated on the new weights: {done.get('tensors', 0)} activation range(s) measured on "
                 f"{done.get('batches', 0)} batch(es) ({config.calibrator})") if done else record.get("note", "")
         return _Quantized(model, record, note)
     if mode not in ("kernels", "emulate"):  # "auto" with no kernel on the device: nothing was quantized
-        model, record = quantize(model, config, quiet)
+        model, record = quantize(model, config, _quiet)
         return _Quantized(model, record, record.get("note", ""))
     if config.smoothquant is not None:
         raise RefitError(f"this {config.precision} engine was built with SmoothQuant (alpha {config.smoothquant}): its "
@@ -278,14 +292,11 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
         kept = dataclasses.replace(config, calibration=None, calibration_cache=cache, accuracy_target=None,
                                    layer_precision=pinned)
         try:
-            model, record = quantize(model, kept, quiet)
+            model, record = quantize(model, kept, _quiet)
         except KilnError as e:  # a quantized layer's input the recorded ranges do not cover
             raise RefitError(f"the engine's calibrated activation ranges do not cover the new model's quantized "
                              f"layers ({str(e).splitlines()[0]}): refit with recalibrate=DATA (--calib DIR)") from None
-    if _weight_width(record) != _weight_width(built):
-        raise RefitError(f"the engine holds {_weight_width(built)} weights and this CPU's int8 kernels take "
-                         f"{_weight_width(record)} ({record.get('weights')}): its quantized weights cannot be "
-                         "derived here as the build derived them; refit on a CPU like the one that built it")
+    _check_weight_width(built, record)
     note = (f"kept: the {len(ranges)} activation range(s) calibrated at build ({config.calibrator}); weight scales, "
             "quantized weights and int32 biases derived from the new weights (recalibrate=DATA / --calib DIR "
             "measures the activation ranges again)")
