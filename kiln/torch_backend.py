@@ -39,12 +39,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import onnx
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from onnx import numpy_helper
 
 from kiln.builder.build import build as kiln_build
 from kiln.builder.config import BuildConfig
@@ -54,9 +51,9 @@ from kiln.builder.refit import apply as apply_refit
 from kiln.errors import EngineRebuildWarning, KilnError
 from kiln.frontend import torch as torch_frontend
 from kiln.frontend.torch import FallbackOp, Range, Stage
-from kiln.ir import dtypes
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine import load as load_engine
+from kiln.torch_refit import ModuleRefit, check_state_dict, replace_tensor, weight_specs, with_initializers
 from kiln.version import __version__
 
 SAVE_FORMAT = 1
@@ -182,7 +179,7 @@ class CompiledModule:
         the module lacks, a shape or dtype unlike its, with `strict` a key missing) is listed in one
         RefitError, and nothing changes unless every stage takes its weights."""
         state = weights.state_dict() if isinstance(weights, torch.nn.Module) else dict(weights)
-        self._check(state, strict)
+        check_state_dict(self.weight_specs, state, strict)
         used = {key for r in self.runners for key in r.weights.values()}
         derived: list[tuple[_Runner, Derived, bytes]] = []
         for r in self.runners:  # derive every engine's weights first: a refusal leaves all stages as they were
@@ -194,7 +191,7 @@ class CompiledModule:
                                  "and renamed its weights (BatchNorm into the convolution, transposed Linear weights), "
                                  "so they cannot be mapped from the module's; compile with kiln.compile(..., "
                                  "refittable=True)")
-            model = _with_initializers(r.onnx, given, r.name)
+            model = with_initializers(r.onnx, given, r.name)
             try:
                 derived.append((r, derive_weights(r.engine, model), model))
             except RefitError as e:
@@ -210,7 +207,7 @@ class CompiledModule:
                 continue
             if r.source is not None:  # the stage's GraphModule runs: its tensors are replaced by copies
                 for name, value in given.items():
-                    _replace_tensor(r.function, name, value)
+                    replace_tensor(r.function, name, value)
                 r.archive = None  # saved again from the GraphModule
             else:  # loaded: the archive is the stage
                 r.archive = torch_frontend.refit_torch_stage(r.archive, given)
@@ -221,31 +218,6 @@ class CompiledModule:
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], strict: bool = True) -> ModuleRefit:
         """torch's name for refit: with `strict`, a key of the module missing from `state_dict` is refused too."""
         return self.refit(state_dict, strict=strict)
-
-    def _check(self, state: dict[str, Any], strict: bool) -> None:
-        if not self.weight_specs:
-            raise RefitError("this compiled module does not record its module's weights (compiled by an older kiln): "
-                             "compile it again with refittable=True")
-        problems = []
-        unknown = sorted(k for k in state if k not in self.weight_specs)
-        if unknown:
-            shown = ", ".join(list(self.weight_specs)[:12]) + (" ..." if len(self.weight_specs) > 12 else "")
-            problems.append(f"unexpected key(s) {unknown[:10]}{' ...' if len(unknown) > 10 else ''}: the compiled "
-                            f"module's state_dict has no such entry (its keys: {shown})")
-        missing = sorted(k for k in self.weight_specs if k not in state) if strict else []
-        if missing:
-            problems.append(f"missing key(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} (strict: every key "
-                            "of the module's state_dict)")
-        for key, value in state.items():
-            if key not in self.weight_specs:
-                continue
-            dtype, shape = self.weight_specs[key]
-            if not isinstance(value, torch.Tensor):
-                problems.append(f"{key!r}: a {type(value).__name__}, not a tensor")
-            elif str(value.dtype) != dtype or list(value.shape) != shape:
-                problems.append(f"{key!r}: the module holds {dtype} {shape}, given {value.dtype} {list(value.shape)}")
-        if problems:
-            raise RefitError("weights that do not fit the compiled module:\n  " + "\n  ".join(problems))
 
     def save(self, path: str | Path) -> None:
         """A folder: manifest.json, <stage>.kiln engines, <stage>.pt2 torch.export archives."""
@@ -308,63 +280,6 @@ class CompiledModule:
                    pytree.treespec_loads(manifest["out_spec"]), manifest.get("options", {}), specs)
 
 
-@dataclass
-class ModuleRefit:
-    """What CompiledModule.refit changed: per stage its engine's RefitReport (kiln) or the module keys it
-    took (PyTorch), and the keys given that no stage reads (BatchNorm's num_batches_tracked in eval)."""
-
-    stages: dict[str, RefitReport | list[str]]
-    unused: list[str]
-
-    def __str__(self) -> str:
-        lines = [f"refit {len(self.stages)} stage(s)"]
-        for name, done in self.stages.items():
-            if isinstance(done, RefitReport):
-                lines.append(f"  {name} (kiln): {len(done.changed)} engine weight(s) changed, {done.unchanged} unchanged")
-            else:
-                lines.append(f"  {name} (PyTorch): {len(done)} weight(s) replaced")
-        if self.unused:
-            lines.append(f"  read by no stage: {', '.join(self.unused[:10])}" + (" ..." if len(self.unused) > 10 else ""))
-        return "\n".join(lines)
-
-
-def _with_initializers(model_bytes: bytes, weights: dict[str, torch.Tensor], stage: str) -> bytes:
-    """The stage's ONNX model with the named initializers replaced (dtypes and shapes already checked)."""
-    model = onnx.load_from_string(model_bytes)
-    held = {init.name: init for init in model.graph.initializer}
-    absent = sorted(name for name in weights if name not in held)
-    if absent:
-        raise RefitError(f"stage {stage}: its ONNX model has no initializer {absent[:10]}: the exporter did not keep "
-                         "these weights as they are, so they cannot be replaced")
-    for name, value in weights.items():
-        array = dtypes.torch_to_numpy(value.detach().cpu().contiguous())
-        held[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array), name))
-    return model.SerializeToString()
-
-
-def _replace_tensor(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    """module.<name> becomes a copy of `value` on its device: the tensor it held (the compiled module's own
-    parameter) is not written to."""
-    old = getattr(module, name)
-    new = value.detach().to(old.device).clone()
-    if name in module._parameters:
-        module._parameters[name] = torch.nn.Parameter(new, requires_grad=False)
-    else:
-        module._buffers[name] = new
-
-
-def _weight_specs(module: Any, stages: list[Stage]) -> dict[str, tuple[str, list[int]]]:
-    """The module's state_dict as (dtype, shape) per key: what a refit must match."""
-    specs: dict[str, tuple[str, list[int]]] = {}
-    if isinstance(module, torch.nn.Module):
-        specs.update({k: (str(v.dtype), list(v.shape)) for k, v in module.state_dict().items()})
-    for stage in stages:
-        for name, key in stage.weights.items():
-            value = getattr(stage.module, name)
-            specs[key] = (str(value.dtype), list(value.shape))
-    return specs
-
-
 def _device_of(example_inputs: Any) -> str:
     for leaf in pytree.tree_leaves(example_inputs):
         if isinstance(leaf, torch.Tensor):
@@ -403,7 +318,7 @@ def compile(module: torch.nn.Module, example_inputs: Any, *, precision: str = "f
                 runner.fallback = [FallbackOp(stage.name, op, why, "the whole stage") for op in stage.ops]
         runners.append(runner)
     compiled = CompiledModule(runners, split.inputs, split.outputs, split.in_spec, split.out_spec, options,
-                              _weight_specs(module, split.stages))
+                              weight_specs(module, split.stages))
     if compiled.fallbacks:
         ops = sorted({op.op for op in compiled.fallbacks})
         places = "; ".join(op.describe() for op in compiled.fallbacks[:5])
