@@ -211,3 +211,23 @@ def test_fp16_stages_refit_as_a_fresh_compile(tmp_path):
         if _tactics(compiled) == _tactics(fresh):
             assert torch.equal(compiled(x), fresh(x))
         torch.testing.assert_close(compiled(x), new(x), rtol=2e-2, atol=2e-2)  # half storage of the weights
+
+
+def test_an_int8_compiled_module_keeps_its_calibrated_ranges(tmp_path):
+    """kiln.compile(precision="int8"): its engines re-derive their int8 weights, scales and int32 biases
+    from the new weights with the ranges calibrated at compile, as a fresh compile reading them from the
+    calibration cache does (kiln/builder/refit.py)."""
+    old, new = _made(Mlp, 0), _made(Mlp, 1)
+    options = dict(precision="int8", calibrator="minmax", refittable=True, timing_cache=str(tmp_path / "timing.json"),
+                   calibration_cache=str(tmp_path / "ranges.json"))
+    calibration = [{"x": torch.randn(4, 12).numpy()} for _ in range(3)]
+    compiled = kiln.compile(old, (torch.randn(4, 12),), calibration=calibration, **options)
+    report = compiled.refit(new)
+    assert report.stages["kiln_0"].activation_scales.startswith("kept: the 2 activation range(s)")
+    fresh = kiln.compile(new, (torch.randn(4, 12),), **options)  # the ranges from the cache
+    x = torch.randn(4, 12)
+    with torch.no_grad():
+        if _tactics(compiled) == _tactics(fresh):
+            assert torch.equal(compiled(x), fresh(x))
+        else:  # the accuracy check reverted a layer to its float tactic in one build: one quantization step
+            torch.testing.assert_close(compiled(x), fresh(x), rtol=0, atol=0.05 * fresh(x).abs().max().item())
