@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,19 +33,26 @@ from kiln.serve.stats import ModelStats
 Signature = tuple[tuple[int, ...], ...]  # per input, in config order: the shape past the batch axis
 
 
-@dataclass
 class Pending:
-    """One queued request: its inputs (by name), rows on the batch axis and the future it answers."""
+    """One queued request: its inputs (by name), rows on the batch axis and the future it answers.
+    (A plain class with slots: one is made per request, on the event loop.)"""
 
-    inputs: dict[str, np.ndarray]
-    rows: int
-    signature: Signature
-    future: asyncio.Future
-    arrival_ns: int = field(default_factory=time.monotonic_ns)
-    deadline_ns: int | None = None
-    queue_ns: int | None = None  # set when its batch starts
-    group: Signature | None = None  # what must match to share a call (the signature, padded dims bucketed)
-    sizes: dict[str, int] = field(default_factory=dict)  # its own size of each dim the batcher may pad
+    __slots__ = ("inputs", "rows", "signature", "future", "arrival_ns", "deadline_ns", "queue_ns", "group", "sizes")
+
+    def __init__(self, inputs: dict[str, np.ndarray], rows: int, signature: Signature, future: asyncio.Future,
+                 arrival_ns: int | None = None, deadline_ns: int | None = None):
+        self.inputs = inputs
+        self.rows = rows
+        self.signature = signature
+        self.future = future
+        self.arrival_ns = time.monotonic_ns() if arrival_ns is None else arrival_ns
+        self.deadline_ns = deadline_ns
+        self.queue_ns: int | None = None  # set when its batch starts
+        self.group: Signature = signature  # what must match to share a call (the signature, padded dims bucketed)
+        self.sizes: dict[str, int] = _NO_SIZES  # its own size of each dim the batcher may pad (never mutated)
+
+
+_NO_SIZES: dict[str, int] = {}
 
 
 class BatchShapes:
@@ -208,7 +215,8 @@ class Batcher:
             raise QueueFull(f"model {self.config.name!r}: the queue holds its maximum of {self.max_queue_size} "
                             "requests; retry later")
         request = Pending(inputs, rows, signature, self.loop.create_future(), deadline_ns=deadline_ns)
-        request.group, request.sizes = self.padding.group(inputs, signature) if self.padding else (signature, {})
+        if self.padding is not None and self.padding.floors:
+            request.group, request.sizes = self.padding.group(inputs, signature)
         self.pending.append(request)
         self.stats.pending = len(self.pending)
         self._schedule()

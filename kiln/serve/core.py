@@ -72,6 +72,7 @@ class ModelVersion:
     def __post_init__(self):
         # what validate() checks of every request, looked up once: (name, numpy dtype, dims past the batch axis)
         self.input_specs = [(t.name, t.datatype.numpy, tuple(t.dims)) for t in self.config.inputs]
+        self.output_names = [t.name for t in self.config.outputs]
         batching = self.config.dynamic_batching
         self.default_timeout_us = batching.default_timeout_microseconds if batching else 0
 
@@ -199,7 +200,7 @@ class ServerCore:
                                        "BACKEND")
             raise
         model.stats.record_request(True, time.monotonic_ns() - arrival, pending.queue_ns)
-        names = request.outputs if request.outputs is not None else [t.name for t in model.config.outputs]
+        names = request.outputs if request.outputs is not None else model.output_names
         return InferResponse(model.name, model.version, request.id, [(n, outputs[n]) for n in names])
 
     # ---- the repository -----------------------------------------------------------------------

@@ -35,24 +35,25 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
-def _answers_errors(method):
+async def _abort(context, e: Exception, method: str) -> None:
     """ServeError -> its status code and message; anything else -> INTERNAL (and logged)."""
+    if isinstance(e, ServeError):
+        if e.retry_after:
+            context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
+        await context.abort(getattr(grpc.StatusCode, e.grpc_code), str(e))
+    log.exception("internal error in %s", method, exc_info=e)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
+
+def _answers_errors(method):
     @functools.wraps(method)
     async def wrapped(self, request, context):
         try:
             return await method(self, request, context)
-        except ServeError as e:
-            if e.retry_after:
-                context.set_trailing_metadata((("retry-after", str(e.retry_after)),))
-            await context.abort(getattr(grpc.StatusCode, e.grpc_code), str(e))
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as e:
-            log.exception("internal error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+        except Exception as e:  # noqa: BLE001 - answered to the client (_abort)
+            await _abort(context, e, method.__name__)
 
     return wrapped
 
@@ -142,14 +143,20 @@ def decode_request(request: pb.ModelInferRequest) -> tuple[InferRequest, dict[st
                         outputs=outputs, timeout_us=timeout or None), classification
 
 
-def encode_response(response: InferResponse, classification: dict[str, int], batched: bool) -> pb.ModelInferResponse:
-    message = pb.ModelInferResponse(model_name=response.model, model_version=response.version, id=response.id)
+_Output = pb.ModelInferResponse.InferOutputTensor
+
+
+def encode_response(response: InferResponse, classification: dict[str, int] | None,
+                    batched: bool) -> pb.ModelInferResponse:
+    tensors, contents = [], []
     for name, array in response.outputs:
-        if name in classification:
+        if classification and name in classification:
             array = classify(array, classification[name], batched)
-        message.outputs.add(name=name, datatype=datatypes.of_array(array).v2, shape=array.shape)
-        message.raw_output_contents.append(datatypes.to_bytes(array))
-    return message
+        tensors.append(_Output(name=name, datatype=datatypes.of_array(array).v2, shape=array.shape))
+        contents.append(datatypes.to_bytes(array))
+    # one constructor call: the outputs and their bytes given whole (not added one field at a time)
+    return pb.ModelInferResponse(model_name=response.model, model_version=response.version, id=response.id,
+                                 outputs=tensors, raw_output_contents=contents)
 
 
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -198,9 +205,20 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         response = await self.core.infer(infer_request, model)
         return encode_response(response, classification, model.config.max_batch_size > 0)
 
-    @_answers_errors
     async def ModelInfer(self, request, context):
-        return await self._infer(request)
+        # _infer's steps inline, with _answers_errors' handling: the hot path, one coroutine frame
+        try:
+            model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
+            infer_request = _decode_quickly(request)
+            classification = None
+            if infer_request is None:
+                infer_request, classification = decode_request(request)
+            response = await self.core.infer(infer_request, model)
+            return encode_response(response, classification, model.config.max_batch_size > 0)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # noqa: BLE001 - answered to the client (_abort)
+            await _abort(context, e, "ModelInfer")
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Responses in completion order, each with its request's id; an error is a response too."""

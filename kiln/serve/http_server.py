@@ -54,17 +54,23 @@ def error_response(status: int, message: str, retry_after: int | None = None) ->
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The body, inflated when Content-Encoding says gzip/deflate, never more than `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise PayloadTooLarge(f"the request body of {length} bytes exceeds the server's limit of {limit}")
+    check_length(request.headers.get("content-length"), limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise PayloadTooLarge(f"the request body exceeds the server's limit of {limit} bytes")
         chunks.append(chunk)
-    body = b"".join(chunks)
-    encoding = request.headers.get("content-encoding", "").lower()
+    return inflate(b"".join(chunks), request.headers.get("content-encoding", ""), limit)
+
+
+def check_length(length: str | None, limit: int) -> None:
+    if length and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"the request body of {length} bytes exceeds the server's limit of {limit}")
+
+
+def inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    encoding = encoding.lower()
     if encoding in ("gzip", "deflate"):
         inflater = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib header, detected
         try:

@@ -1,0 +1,166 @@
+"""kiln serve's HTTP infer fast path (kiln/serve/http_fast.py) against the FastAPI route it stands in
+front of: the same request through each, raw ASGI messages in and out, must give the same status, the
+same body and the same protocol headers. Valid requests (JSON and binary, FP16, classification,
+gzip, a batched model and a fixed one) and every malformed infer request of test_errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import options, rng
+from test_errors import CASES, binary_body, infer_json
+
+from kiln.serve import ServerThread
+from kiln.serve.http_fast import InferFastPath
+from kiln.serve.http_server import http_app
+from kiln.serve.metrics import MetricsExporter
+from kiln.serve.server import _SwitchInterval
+
+COMPARED = ("content-type", "inference-header-content-length", "retry-after")
+
+
+@pytest.fixture(scope="module")
+def core_thread(repository):
+    thread = ServerThread(options(repository, http_port=None, grpc_port=None, metrics_port=None))
+    server = thread.start()
+    yield thread, server.core
+    thread.stop()
+
+
+async def _asgi(app, path: str, body: bytes, headers: dict[str, str], method: str = "POST",
+                chunk: int | None = None) -> tuple[int, bytes, dict[str, str]]:
+    """One request through an ASGI app: the status, the body and the headers it sent."""
+    parts = [body[k:k + chunk] for k in range(0, len(body), chunk)] if chunk and body else [body]
+    messages = [{"type": "http.request", "body": p, "more_body": k < len(parts) - 1} for k, p in enumerate(parts)]
+    sent: list[dict] = []
+
+    async def receive():
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    raw_headers = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    raw_headers.append((b"content-length", str(len(body)).encode()))
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "headers": raw_headers,
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], payload, {k.decode().lower(): v.decode() for k, v in start["headers"]}
+
+
+def _both(core_thread, path: str, body: bytes | str | dict | None, headers: dict | None = None, **kw):
+    thread, core = core_thread
+    if isinstance(body, dict):
+        body = json.dumps(body)
+    body = body.encode() if isinstance(body, str) else (body or b"")
+    headers = headers or {}
+    app = http_app(core, MetricsExporter(list))
+    fast = InferFastPath(app, core, 64 << 20)
+    return (thread.call(_asgi(app, path, body, headers, **kw)), thread.call(_asgi(fast, path, body, headers, **kw)))
+
+
+def _same(slow, fast) -> None:
+    assert fast[0] == slow[0], (fast, slow)
+    assert fast[1] == slow[1], (fast[1][:300], slow[1][:300])
+    for key in COMPARED:
+        assert fast[2].get(key) == slow[2].get(key), key
+
+
+def _valid_cases() -> dict[str, tuple]:
+    x = rng().standard_normal((3, 8)).astype(np.float32)
+    header = {"inputs": [{"name": "x", "shape": [3, 8], "datatype": "FP32", "parameters": {"binary_data_size": 96}}],
+              "parameters": {"binary_data_output": True}, "id": "r-1"}
+    binary, binary_headers = binary_body(header, x.tobytes())
+    mixed = {**header, "outputs": [{"name": "z", "parameters": {"binary_data": False}},
+                                   {"name": "y", "parameters": {"classification": 3}}]}
+    mixed_body, mixed_headers = binary_body(mixed, x.tobytes())
+    h = rng().standard_normal((2, 4)).astype(np.float16)
+    b = rng().standard_normal((2, 4)).astype(ml_dtypes.bfloat16)
+    half = {"inputs": [{"name": "h", "shape": [2, 4], "datatype": "FP16", "parameters": {"binary_data_size": 16}},
+                       {"name": "b", "shape": [2, 4], "datatype": "BF16", "parameters": {"binary_data_size": 16}}],
+            "parameters": {"binary_data_output": True}}
+    half_body, half_headers = binary_body(half, h.tobytes() + b.tobytes())
+    a = rng().standard_normal((2, 3)).astype(np.float32)
+    fixed = {"inputs": [{"name": "a", "shape": [2, 3], "datatype": "FP32", "data": a.reshape(-1).tolist()},
+                        {"name": "i", "shape": [2, 3], "datatype": "INT64", "data": list(range(6))}]}
+    return {
+        "JSON": ("/v2/models/mlp/infer", infer_json(data=x[:2].reshape(-1).tolist()), None),
+        "binary in and out": ("/v2/models/mlp/infer", binary, binary_headers),
+        "version given": ("/v2/models/mlp/versions/2/infer", binary, binary_headers),
+        "mixed outputs, classification": ("/v2/models/mlp/infer", mixed_body, mixed_headers),
+        "FP16 and BF16": ("/v2/models/half/infer", half_body, half_headers),
+        "fixed model, INT64": ("/v2/models/fixed/infer", fixed, None),
+        "gzip": ("/v2/models/mlp/infer", gzip.compress(binary), {**binary_headers, "Content-Encoding": "gzip"}),
+    }
+
+
+@pytest.mark.parametrize("case", list(_valid_cases()))
+def test_valid_request_answers_as_the_fastapi_route(core_thread, case):
+    path, body, headers = _valid_cases()[case]
+    slow, fast = _both(core_thread, path, body, headers)
+    assert slow[0] == 200, slow
+    _same(slow, fast)
+
+
+def test_body_in_several_messages(core_thread):
+    path, body, headers = _valid_cases()["binary in and out"]
+    slow, fast = _both(core_thread, path, body, headers, chunk=7)
+    assert slow[0] == 200
+    _same(slow, fast)
+
+
+@pytest.mark.parametrize("case", [c for c, v in CASES.items() if v[0].endswith("/infer")])
+def test_malformed_request_answers_as_the_fastapi_route(core_thread, case):
+    path, body, headers, status, message = CASES[case]
+    slow, fast = _both(core_thread, path, body, headers)
+    assert fast[0] == status and message in json.loads(fast[1])["error"]
+    _same(slow, fast)
+
+
+def test_too_large_and_other_routes(core_thread, repository):
+    thread, core = core_thread
+    app = http_app(core, MetricsExporter(list), max_request_bytes=100)
+    fast = InferFastPath(app, core, 100)
+    body = json.dumps(infer_json()).encode()
+    slow_answer = thread.call(_asgi(app, "/v2/models/mlp/infer", body, {}))
+    fast_answer = thread.call(_asgi(fast, "/v2/models/mlp/infer", body, {}))
+    assert fast_answer[0] == 413
+    _same(slow_answer, fast_answer)
+    # not infer, or infer with another method: FastAPI answers, through the fast path's app
+    for method, path in (("GET", "/v2/models/mlp"), ("GET", "/v2/models/mlp/infer"), ("POST", "/v2/models/x/infer/y")):
+        _same(thread.call(_asgi(app, path, b"", {}, method=method)), thread.call(_asgi(fast, path, b"", {}, method=method)))
+
+
+def test_server_sets_the_switch_interval_while_serving(repository):
+    thread = ServerThread(options(repository, http_port=None, grpc_port=None, metrics_port=None,
+                                  switch_interval_us=50))
+    thread.start()
+    try:
+        assert sys.getswitchinterval() <= 51e-6  # the smallest any running server asked for
+    finally:
+        thread.stop()
+
+
+def test_switch_interval_restored_when_the_last_server_stops():
+    switch = _SwitchInterval()
+    python = 0.005
+    saved = sys.getswitchinterval()  # what the servers of other tests in this process left
+    sys.setswitchinterval(python)
+    try:
+        switch.enter(300)
+        switch.enter(100)
+        assert sys.getswitchinterval() == pytest.approx(100e-6, abs=2e-6)
+        switch.leave()
+        assert sys.getswitchinterval() == pytest.approx(100e-6, abs=2e-6)  # one server still runs
+        switch.leave()
+        assert sys.getswitchinterval() == pytest.approx(python, abs=2e-6)  # Python keeps whole microseconds
+    finally:
+        sys.setswitchinterval(saved)
