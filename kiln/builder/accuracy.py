@@ -71,6 +71,7 @@ ERROR_FACTOR = 2.0
 BLAME_ROUNDS = 3  # blame-in-context runs before the search for compounding errors
 
 HALF = (torch.float16, torch.bfloat16)
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_STEPS = 1
 
 
@@ -100,6 +101,14 @@ def _flat(value: Any) -> list[Any]:
     return [value]
 
 
+def float8_ordinal(x: torch.Tensor) -> torch.Tensor:
+    """Each float8 value's position on its grid (int64): neighbours differ by one, +0 and -0 are both 0.
+    The bits are sign-magnitude, so the magnitude bits count steps from zero."""
+    bits = x.view(torch.uint8).to(torch.int64)
+    magnitude = bits & 0x7F
+    return torch.where(bits >= 0x80, -magnitude, magnitude)
+
+
 def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer_steps: int = 0) -> str | None:
     """None when `result` matches `reference` within the dtype's tolerance, else what differs.
     `integer_steps`: how far integers may be (a quantized layer's output: QUANTIZED_STEPS)."""
@@ -119,6 +128,12 @@ def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer
     if result.shape != reference.shape or result.dtype != reference.dtype:
         return (f"gave {str(result.dtype).removeprefix('torch.')}{list(result.shape)}, the reference "
                 f"{str(reference.dtype).removeprefix('torch.')}{list(reference.shape)}")
+    if integer_steps and reference.dtype in FLOAT8:
+        # a quantized layer's FP8 output: one step is one spacing of the float8 grid (as one integer for int8)
+        if not torch.equal(torch.isnan(result.float()), torch.isnan(reference.float())):
+            return "NaNs differ from the reference"
+        steps = int((float8_ordinal(result) - float8_ordinal(reference)).abs().max()) if reference.numel() else 0
+        return None if steps <= integer_steps else f"float8 results differ by up to {steps} steps of their grid"
     if not reference.is_floating_point():
         if integer_steps and reference.numel() and not torch.equal(result, reference):
             steps = int((result.to(torch.int64) - reference.to(torch.int64)).abs().max())

@@ -11,6 +11,10 @@ float8, per tensor or per output channel: what INT8/FP8 kernels compute.
 
     DQ(a) + DQ(b) [-> Relu] -> Q(s_y, z_y)  =>  QAdd(a, s_a, z_a, b, s_b, z_b, s_y, z_y)
 
+An activation behind a quantize-dequantize pair of the output's own parameters, `-> Q(s, z) -> DQ(s, z)
+-> Relu | Clip -> Q(s, z)` (onnxruntime's FP8 models keep their Relus so), is absorbed as if it followed
+directly: exact (_activation_behind_round_trip).
+
 a residual Add between quantized tensors (QLinearAdd-style), one pass over 8-bit tensors instead of
 two dequantizations, a float add and a quantization.
 """
@@ -132,6 +136,27 @@ def _activation(value: ir.Value, gelu: bool = False) -> tuple[ir.Node, str, floa
     return None
 
 
+def _activation_behind_round_trip(value: ir.Value) -> tuple[list[ir.Node], tuple[ir.Node, str, float, float]] | None:
+    """`value -> Q(s, z) -> DQ(s, z) -> Relu | Clip -> Q(s, z)`: the activation as if it read `value`.
+
+    What onnxruntime's quantize_static writes when it keeps the activation (FP8, symmetric activations,
+    QDQKeepRemovableActivations). Exact: Q is nondecreasing with Q(DQ(q)) = q, so
+    Q(act(DQ(Q(r)))) = act_q(Q(r)) = Q(act(r)) for act = max(·, 0) or clamp(·, a, b), where act_q applies
+    the same bounds to the quantized value (max(q, z); clamp(q, Q(a), Q(b))). Only with the same s, z
+    on both Q: a requantization between them rounds twice."""
+    q = only_user(value)
+    params = qparams(q) if is_op(q, "QuantizeLinear") else None
+    dq = only_user(q.outputs[0]) if params is not None else None
+    if not is_op(dq, "DequantizeLinear") or not params.per_tensor:
+        return None
+    inner = qparams(dq)
+    act = _activation(dq.outputs[0])
+    after = _quantized_output(act[0].outputs[0]) if act is not None else None
+    if inner is None or not inner.same(params) or after is None or not after[1].same(params):
+        return None
+    return [q, dq], act
+
+
 def _quantized_output(value: ir.Value) -> tuple[ir.Node, QParams] | None:
     q = only_user(value)
     p = qparams(q) if is_op(q, "QuantizeLinear") else None
@@ -181,6 +206,9 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
     if act := _activation(out, gelu=True):
         absorbed.append(act[0])
         activation, alpha, beta, out = act[1], act[2], act[3], act[0].outputs[0]
+    elif found := _activation_behind_round_trip(out):
+        absorbed += found[0] + [found[1][0]]
+        activation, alpha, beta, out = found[1][1], found[1][2], found[1][3], found[1][0].outputs[0]
     scale = px.scale.astype(np.float64).reshape(()) * weight.scale.astype(np.float64)  # scalar or [O]
     bias_q = None if bias is None else np.round(bias / scale)
     if bias_q is not None and np.abs(bias_q).max(initial=0) > INT32_LIMIT:
@@ -232,6 +260,9 @@ def fuse_quantized_add(node: ir.Node, report: PassReport) -> bool:
     if act := _activation(out):
         absorbed.append(act[0])
         activation, alpha, beta, out = act[1], act[2], act[3], act[0].outputs[0]
+    elif found := _activation_behind_round_trip(out):
+        absorbed += found[0] + [found[1][0]]
+        activation, alpha, beta, out = found[1][1], found[1][2], found[1][3], found[1][0].outputs[0]
     output = _quantized_output(out)
     if output is None:
         report.refuse(RULE_ADD, node, "its result is not quantized by one QuantizeLinear: the Add stays in float")
