@@ -25,6 +25,25 @@ def scalar(value: Any) -> Any:
     return np.asarray(value).reshape(-1)[0].item()
 
 
+def broadcast_sizes(*sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """numpy's (ONNX's multidirectional) broadcast of `sizes`, a ValueError when they do not. In
+    Python: torch.broadcast_shapes costs tens of microseconds a call (symbolic-shape checks), and
+    Expand runs it on every call of a transformer's mask preparation."""
+    rank = max((len(s) for s in sizes), default=0)
+    out = []
+    for axis in range(rank):
+        dim = 1
+        for s in sizes:
+            k = axis - rank + len(s)
+            if k >= 0 and s[k] != 1:
+                if dim != 1 and s[k] != dim:
+                    raise ValueError(f"sizes {[list(z) for z in sizes]} do not broadcast "
+                                     f"(axis {axis}: {dim} vs {s[k]})")
+                dim = s[k]
+        out.append(dim)
+    return tuple(out)
+
+
 def norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kiln.ops._util import ints, norm_axis
+from kiln.ops._util import broadcast_sizes, ints, norm_axis
 from kiln.ops.registry import register
 
 
@@ -145,7 +145,7 @@ def flatten(ctx, x, *, axis=1):
 
 @register("Expand")
 def expand(ctx, x, shape):
-    out = torch.broadcast_shapes(tuple(x.shape), tuple(ints(shape)))
+    out = broadcast_sizes(tuple(x.shape), tuple(ints(shape)))
     if isinstance(x, torch.Tensor):
         return x.expand(out)
     return np.broadcast_to(x, out).copy()

@@ -18,9 +18,13 @@ caller holds is ever overwritten by a later run. A residual whose value dies at 
 and lives in the arena is accumulated in place (the primitive's sum post-op); a Reshape that
 moves no byte is an alias of its input's memory.
 
-Inputs of another size than the one the segment was planned for (a profile's other shapes) get a
-segment of their own, bound on first sight from each layer's NativeStep at that size (`at`), and
-kept (RESIZED per segment, least recently used out); a size a layer cannot bind runs through the
+Inputs of another size than the one the segment was planned for (a profile's other shapes) run as a
+view over a template segment (_Resized): the template's arena and memory plan, each layer at that
+size from its NativeStep (`at`) — kiln's own kernels only replan, oneDNN primitives bind anew to the
+template's addresses. A size the template's arena cannot hold grows the template to the largest sizes
+seen along each entry axis, so a stream of shapes binds a few templates, not one segment per shape.
+Views are kept (VIEWS per segment, least recently used out); a segment that reorders NCHW images at
+its head binds a segment of its own per size (RESIZED); a size a layer cannot bind runs through the
 layers' own launch functions, as without segments.
 """
 
@@ -42,6 +46,7 @@ from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
 _CL = torch.channels_last
 RESIZED = 8  # segments bound for other input sizes than the tuned one, per segment (profile shapes)
+VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
 
 
 _NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_)}
@@ -137,6 +142,8 @@ class Segment:
                 spans[g] = Interval(str(g), (size + 63) // 64 * 64, k, end)
             else:
                 iv.size, iv.start, iv.end = max(iv.size, (size + 63) // 64 * 64), min(iv.start, k), max(iv.end, end)
+        self._capacity = {g: iv.size for g, iv in spans.items()}  # what a view over this segment may use
+        self._layout = (produced, group, exit_group, last_read)
         placed = place(list(spans.values()))
         peak = max((iv.offset + iv.size for iv in placed), default=0)
         self.buffers = [hugepages.empty(peak // 4)] if peak else []
@@ -145,32 +152,25 @@ class Segment:
 
         # Bind every layer to its buffers; entries and exit groups are pointed at per call.
         self.per_call: dict[int, list[tuple[Any, str]]] = {}  # entry slot or exit group -> [(Bound, role)]
+        self._per_call_index: dict[int, list[tuple[int, Any]]] = {}  # the same, the Bound by its index in bound
+        self._address, self._accumulate = address, accumulate
         self.bound = []  # owns the memory objects the calls' argument arrays point at
+        self._bound_members: list[int] = []  # the member of each bound call
         self._calls = []
         self._names = []  # the layer each call belongs to
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:
                 continue
-            x, out = m.inputs[0], m.outputs[0]
-            residual = m.inputs[native.residual_input] if native.residual_input is not None else None
-            prim = native.primitive(accumulate[k])
-            if native.reads is not None:
-                reads = reads_of(m, native)
-                b = prim.bind_reads(address.get(out, 0), {role: address.get(slot, 0) for slot, role in reads})
-                roles = [(out, "dst"), *reads]
-            elif accumulate[k]:
-                b = prim.bind(address.get(x, 0), address.get(out, 0))
-                roles = [(x, "src"), (out, "dst")]
-            else:
-                b = prim.bind(address.get(x, 0), address.get(out, 0),
-                              address.get(residual, 0) if residual is not None else None)
-                roles = [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
+            b, roles = _bind_member(m, native, accumulate[k], address)
             for s, role in roles:
                 if s in produced and group[s] in exit_group:
                     self.per_call.setdefault(group[s], []).append((b, role))
+                    self._per_call_index.setdefault(group[s], []).append((len(self.bound), role))
                 elif s not in produced:
                     self.per_call.setdefault(s, []).append((b, role))
+                    self._per_call_index.setdefault(s, []).append((len(self.bound), role))
             self.bound.append(b)
+            self._bound_members.append(k)
             calls = b.calls()
             self._calls += calls
             self._names += [m.ctx.name] * len(calls)
@@ -233,6 +233,11 @@ class Segment:
                        self._variants.items()}
         self.accumulated = sum(accumulate)
         self.aliased = sum(n.alias for n in natives)
+        self._natives = natives
+        self._entry_readers = [consumers[s] for s in self.entries]
+        # Other sizes as views over this segment's memory (_Resized)
+        self._views = self._c is not None and not self._staged
+        self._template: Segment = self  # the segment whose memory other sizes' views use (grows)
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
@@ -302,32 +307,76 @@ class Segment:
         with self._resize_lock:  # contexts of one engine share its segments
             return self._bind_sizes(key)
 
-    def _bind_sizes(self, key: tuple) -> Segment | None:
+    def _natives_at(self, key: tuple) -> list[NativeStep]:
+        """Every member's NativeStep for entries of sizes `key` (ValueError: a layer cannot bind them)."""
+        sizes = dict(zip(self.entries, key))
+        natives = []
+        for m in self.members:
+            tuned = m.fn.native
+            if tuned.at is None:
+                raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
+            native = tuned.at({i: sizes[m.inputs[i]] for i in tuned.reads}) if tuned.reads is not None \
+                else tuned.at(sizes[m.inputs[0]])
+            if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
+                raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
+            sizes[m.outputs[0]] = native.output_size
+            natives.append(native)
+        return natives
+
+    def _bind_sizes(self, key: tuple) -> Segment | _Resized | None:
         if key in self.resized:
             self.resized.move_to_end(key)
             return self.resized[key]
-        sizes = dict(zip(self.entries, key))
-        natives = []
         try:
-            for m in self.members:
-                tuned = m.fn.native
-                if tuned.at is None:
-                    raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
-                native = tuned.at({i: sizes[m.inputs[i]] for i in tuned.reads}) if tuned.reads is not None \
-                    else tuned.at(sizes[m.inputs[0]])
-                if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
-                    raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
-                sizes[m.outputs[0]] = native.output_size
-                natives.append(native)
-            segment = Segment(self.members, self.read_after, self.constants, natives)
-            if segment.entries != self.entries or segment.exits != self.exits:
-                raise ValueError("the segment's entries or exits changed")
+            natives = self._natives_at(key)
+            segment = self._view(key, natives) if self._views else None
+            if segment is None:
+                segment = Segment(self.members, self.read_after, self.constants, natives)
+                if segment.entries != self.entries or segment.exits != self.exits:
+                    raise ValueError("the segment's entries or exits changed")
         except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
             segment = None
         self.resized[key] = segment
-        while len(self.resized) > RESIZED:
+        while len(self.resized) > (VIEWS if self._views else RESIZED):
             self.resized.popitem(last=False)
         return segment
+
+    def _view(self, key: tuple, natives: list[NativeStep]) -> _Resized | None:
+        """These sizes as a view over the template's memory: no binding, only the members' plans at
+        them. A template too small for them grows to the largest sizes seen along each entry axis
+        (so a stream of shapes binds a few templates, not one segment per shape)."""
+        template = self._template
+        if template.fits(natives):
+            return _Resized(template, natives)
+        grown = tuple(tuple(max(a, b) for a, b in zip(t, k)) if len(t) == len(k) else k
+                      for t, k in zip(template.entry_sizes, key))
+        for sizes in dict.fromkeys((grown, key)):
+            try:
+                at = natives if sizes == key else self._natives_at(sizes)
+                candidate = Segment(self.members, self.read_after, self.constants, at)
+            except Exception:  # noqa: BLE001  the merged sizes may not bind: then these alone
+                continue
+            if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
+                    or not candidate.fits(natives):
+                continue
+            self._template = candidate
+            return _Resized(candidate, natives)
+        return None
+
+    def fits(self, natives: list[NativeStep]) -> bool:
+        """Whether the members at `natives`' sizes fit this segment's arena (each value no larger than
+        its place) with the same structure (aliases, accumulations, what each reads): the memory
+        plan's offsets hold for them, liveness being the same."""
+        if [_form(n) for n in natives] != [_form(n) for n in self._natives]:
+            return False
+        produced, group, exit_group, _ = self._layout
+        need: dict[int, int] = {}
+        for s, k in produced.items():
+            g = group[s]
+            if g not in exit_group:
+                size = _numel(natives[k].output_size) * natives[k].output_dtype.itemsize
+                need[g] = max(need.get(g, 0), size)
+        return all(n <= self._capacity.get(g, -1) for g, n in need.items())
 
     def __call__(self, ctx, *values):
         fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and v.shape == size
@@ -369,6 +418,28 @@ class Segment:
         with self._lock:
             self._run([a.ctypes.data for a in arrays], [e.ctypes.data for e in exits], bool(self._staged))
         return exits
+
+
+def _form(native: NativeStep) -> tuple:
+    """What of a member's NativeStep shapes a segment's structure, whatever its sizes."""
+    return native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads)
+
+
+def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int]
+                 ) -> tuple[Any, list[tuple[int, Any]]]:
+    """A member's call bound to the planned addresses of what it reads and writes (0: an entry or
+    exit, pointed at per run): (Bound, [(slot, role)])."""
+    x, out = m.inputs[0], m.outputs[0]
+    residual = m.inputs[native.residual_input] if native.residual_input is not None else None
+    prim = native.primitive(accumulate)
+    if native.reads is not None:
+        reads = reads_of(m, native)
+        b = prim.bind_reads(address.get(out, 0), {role: address.get(slot, 0) for slot, role in reads})
+        return b, [(out, "dst"), *reads]
+    if accumulate:
+        return prim.bind(address.get(x, 0), address.get(out, 0)), [(x, "src"), (out, "dst")]
+    b = prim.bind(address.get(x, 0), address.get(out, 0), address.get(residual, 0) if residual is not None else None)
+    return b, [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
 
 
 def _joins(step: BoundStep, produced: dict[int, tuple[int, ...]]) -> bool:
@@ -476,3 +547,71 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
         result.append(BoundStep(segment, ctx, list(segment.entries), list(segment.exits), {}, free))
         made.append(segment)
     return (result, made) if made else (steps, [])
+
+
+class _Resized:
+    """A segment at other input sizes over its template's memory: the template's arena, each member
+    at these sizes bound to the template's planned addresses. kiln's own kernels replan on the
+    template's memory objects (only their plan changes: tens of microseconds a layer); a oneDNN
+    primitive binds anew at these sizes. Building one skips the memory plan, the arena's pages and
+    the structure's analysis that a Segment of its own does (milliseconds for a transformer block).
+    The template's lock serializes runs: they share its arena and memory objects."""
+
+    def __init__(self, template: Segment, natives: list[NativeStep]):
+        self.template = template
+        self.entries, self.exits = template.entries, template.exits
+        bound = []
+        for b, k in zip(template.bound, template._bound_members):
+            native = natives[k]
+            if hasattr(b, "replan"):
+                bound.append(b.replan(native.primitive(template._accumulate[k])))
+            else:
+                bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
+        self._bound = bound  # owns what the calls point at
+        calls = [c for b in bound for c in b.calls()]
+        self.exit_shapes = []
+        produced = template._layout[0]
+        for s in self.exits:
+            native = natives[produced[s]]
+            self.exit_shapes.append((tuple(native.output_size), native.output_strides, native.output_dtype))
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = [], [], []
+        for readers in template._entry_readers:
+            expected = {_expects(natives[k], role) for k, role in readers}
+            if len(expected) != 1:
+                raise ValueError(f"a segment's layers read an entry in different forms: {sorted(map(str, expected))}")
+            size, dtype, layout = expected.pop()
+            self.entry_sizes.append(size)
+            self.entry_dtypes.append(dtype)
+            self.entry_layouts.append(layout)
+        bindings = []
+        for k, s in enumerate(self.entries):
+            bindings += [(_memory_of(bound[i], role), ("entry", k)) for i, role in template._per_call_index[s]]
+        for j, g in enumerate(template.exit_groups):
+            bindings += [(_memory_of(bound[i], role), ("exit", j)) for i, role in template._per_call_index.get(g, ())]
+        self._c = template._c_loop(native_loop.load(), bindings, calls)
+        self._names = [template.members[k].ctx.name for b, k in zip(bound, template._bound_members)
+                       for _ in b.calls()]
+
+    def _run_bound(self, values: tuple) -> Any:
+        template = self.template
+        exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
+        entries = []
+        for v, layout in zip(values, self.entry_layouts):
+            laid_out = v.is_contiguous(memory_format=_CL) if layout == "nhwc" else v.is_contiguous()
+            entries.append(v if laid_out else (v.contiguous(memory_format=_CL) if layout == "nhwc" else v.contiguous()))
+        sources = {"entry": [v.data_ptr() for v in entries], "exit": [v.data_ptr() for v in exits]}
+        with template._lock:
+            run, functions, set_handle, nbind, memories, addresses, moving, count, objects, nargs, args, failed = \
+                self._c
+            for i, (kind, k) in moving:
+                addresses[i] = sources[kind][k]
+            status = run(functions, set_handle, template._stream, nbind, memories, addresses, count, objects, nargs,
+                         args, ctypes.byref(failed))
+        if status:
+            where = self._names[failed.value] if failed.value >= 0 else "binding an input or output"
+            template._check(status, f"layer {where!r} of a native segment")
+        return tuple(exits) if len(exits) != 1 else exits[0]
+
+
+def _memory_of(bound: Any, role: Any) -> int:
+    return bound.memory(role)

@@ -17,6 +17,7 @@ from kiln import zoo
 from kiln.builder import autotune
 from kiln.kernels.cpu import onednn
 from kiln.kernels.cpu import transformer as kernels
+from kiln.runtime import native
 from kiln.runtime.native import Segment
 from kiln.tactics.tactic import DEFAULT
 
@@ -121,6 +122,39 @@ def test_the_same_shape_again_takes_the_checked_path_and_stays_right(bert):
     np.testing.assert_array_equal(next(iter(context.run(x).values())), first)
     with pytest.raises(kiln.errors.BindingError):  # a wrong dtype is still refused with the general checks
         context.run({**x, "attention_mask": x["attention_mask"].astype(np.int32)})
+
+
+def test_other_shapes_are_views_over_one_growing_template(bert, monkeypatch):
+    """A stream of shapes binds no segment per shape: each is a view (the members' plans at its sizes)
+    over a template whose arena grows to the largest sizes seen; the views equal onnxruntime, and equal
+    a segment bound on its own at that shape bit for bit (same kernels, same plans)."""
+    engine, session = bert
+    (segment,) = engine.program.segments
+    segment.resized.clear()
+    segment._template = segment
+    ran = []
+    run_view = native._Resized._run_bound
+    monkeypatch.setattr(native._Resized, "_run_bound", lambda view, values: ran.append((view, values))
+                        or run_view(view, values))
+    context = engine.create_execution_context()
+    shapes = [(1, 5), (2, 9), (6, 80), (3, 33), (1, 80), (5, 2), (4, 61)]
+    for b, s in shapes:
+        x = feeds(b, s, padded_mask(b, s, "mixed"))
+        got = next(iter(context.run(x).values()))
+        np.testing.assert_allclose(got, session.run(None, x)[0], atol=1e-4, rtol=1e-4, err_msg=f"{b}x{s}")
+    assert len(ran) == len(shapes), "a shape ran outside the views"
+    for view, values in ran:
+        key = tuple(tuple(v.shape) for v in values)
+        alone = Segment(segment.members, segment.read_after, segment.constants, segment._natives_at(key))
+        for mine, theirs in zip(_as_tuple(run_view(view, values)), _as_tuple(alone._run_bound(values))):
+            assert mine.equal(theirs), f"view at {key} differs from a segment of its own"
+    templates = {id(view.template) for view, _ in ran}
+    assert len(templates) <= 3, f"{len(templates)} templates bound for {len(shapes)} shapes"
+    assert segment._template.fits(segment._natives_at(tuple(tuple(v.shape) for v in ran[2][1])))  # the 6 x 80
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
 
 
 @pytest.mark.slow

@@ -239,6 +239,16 @@ class GemmCall:
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
 
+    def replan(self, bound: BoundRows) -> native_loop.Replanned:
+        """The same layer at other rows (`bound`) on this call's memory objects and scratch (a larger
+        one of its own when this is too small): what a native segment resized over its template runs."""
+        if bound.gemm is not self._bound.gemm:
+            raise ValueError(f"{bound.gemm.implementation}: not the layer of {self.what}")
+        plan, scratch = bound.gemm.plan(bound.rows, self._scratch)
+        plan.get_handle, plan.src, plan.dst, plan.residual = (self._plan.get_handle, self._plan.src, self._plan.dst,
+                                                              self._plan.residual)
+        return native_loop.Replanned(self._function, plan, self, scratch, bound)
+
     def memory(self, role: str) -> int:
         return self._memories[role].value
 

@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SOURCE = (Path(__file__).with_name("segment_loop.c")).read_text()
 
@@ -138,3 +139,17 @@ def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
                                      lib.stream, 0, nothing, nothing, len(calls), objects, nargs, args,
                                      ctypes.byref(failed))
     return status, failed.value
+
+
+class Replanned:
+    """A bound call's plan at other sizes on the same memory objects (those of `source`, the call
+    bound at the template's sizes): (function, plan), and what the plan points at kept alive."""
+
+    def __init__(self, function: int, plan: ctypes.Structure, source: Any, *keep: Any):
+        self._function, self._plan, self._source, self._keep = function, plan, source, keep
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: Any) -> int:
+        return self._source.memory(role)

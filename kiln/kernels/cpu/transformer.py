@@ -133,10 +133,13 @@ class KernelBound:
     role ("dst", or the index of the step input it reads) elsewhere for a call."""
 
     def __init__(self, kernel: NativeKernel, addresses: dict[Any, int]):
-        lib = onednn.load()
         self.what = kernel.what
         self._kernel = kernel  # owns the weights the plan points at
         self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
+        self._plan, self._function = self._plan_for(kernel)
+
+    def _plan_for(self, kernel: NativeKernel) -> tuple[ctypes.Structure, int]:
+        """kernel's plan reading and writing this call's memory objects, and its function."""
         fields = dict(kernel.fields)
         slots: dict[int, int] = {}  # in_[k] of a broadcast plan
         for role, names in kernel.roles.items():
@@ -148,9 +151,17 @@ class KernelBound:
                         fields[name] = self._memories[role].value
         if slots:
             fields["in_"] = (ctypes.c_void_p * 3)(*[slots.get(k) for k in range(3)])
-        self._plan = kernel.PLAN(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
-                                 **fields)
-        self._function = ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value
+        get_handle = ctypes.cast(onednn.load().lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
+        return (kernel.PLAN(get_handle=get_handle, **fields),
+                ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value)
+
+    def replan(self, kernel: NativeKernel) -> native_loop.Replanned:
+        """The same layer at other sizes (`kernel`, of the same class) on this call's memory objects:
+        what a native segment resized over its template runs (kiln/runtime/native.py)."""
+        if type(kernel) is not type(self._kernel) or set(kernel.roles) != set(self._kernel.roles):
+            raise ValueError(f"{kernel.what}: not the layer {self.what} at other sizes")
+        plan, function = self._plan_for(kernel)
+        return native_loop.Replanned(function, plan, self, kernel)
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
