@@ -266,9 +266,13 @@ def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_typ
 
     fp8 = mode == "kiln_fp8"
     kind = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
+    # FP8: onnxruntime's default drops every Relu/Clip, trusting the Q after the layer to clip at its zero
+    # point, which float8 does not: the model would have no Relu (top-1 = fp32 on 0% in onnxruntime itself).
+    # Kept, they sit behind a Q/DQ pair of the layer's own scale, which kiln's fusion absorbs exactly.
     quantize_static(fp32_path, out_path, Reader(), quant_format=QuantFormat.QDQ, activation_type=kind,
                     weight_type=kind, per_channel=not fp8, op_types_to_quantize=op_types,
-                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax)
+                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax,
+                    extra_options={"QDQKeepRemovableActivations": fp8})
 
 
 def _accuracy(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
@@ -280,7 +284,42 @@ def _accuracy(name: str, got: torch.Tensor, want: torch.Tensor) -> str:
     return f"cosine vs fp32 >= {float(cosine.min()):.4f}"
 
 
-def engine_row(key: str, mode: str, opt_level: int) -> dict:
+def _onnxruntime_agreement(name: str, qdq_path: str, feeds: dict, got: torch.Tensor, images: int = 8) -> str:
+    """kiln against onnxruntime (CPU) running the same Q/DQ model on the first `images` items."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(qdq_path, options, providers=["CPUExecutionProvider"])
+    want = session.run(None, {k: v[:images] for k, v in feeds.items()})[0]
+    return _accuracy(name, got[:images].cpu(), torch.from_numpy(want)).replace("fp32", "onnxruntime")
+
+
+def _profile(engine, dev: dict) -> dict:
+    """Per-layer eager profile (kiln/runtime/profiler.py): ms per (op, tactic) and the slowest layers, and
+    the autotuner's notes on the quantized layers' candidates (why a kernel was not taken)."""
+    from kiln.runtime import profiler
+
+    layers = profiler.profile_layers(engine.program, engine.program_inputs(dev), runs=5)
+    by_kind: dict[str, list[float]] = {}
+    for layer in layers:
+        key = f"{layer['op_type']} {layer['tactic'] or '(default)'}"
+        by_kind.setdefault(key, []).append(float(layer["ms"]))
+    kinds = sorted(((k, round(sum(v), 3), len(v)) for k, v in by_kind.items()), key=lambda t: -t[1])
+    slowest = sorted(layers, key=lambda layer: -float(layer["ms"]))[:10]
+    notes: dict[str, int] = {}
+    for tuned in engine.plan.header.get("tactics", {}).get("layers", {}).values():
+        for tactic, note in tuned.get("candidates", {}).items():
+            if isinstance(note, str) and tactic.startswith("cuda.q"):
+                short = f"{tactic.rsplit('.', 1)[0] if 'triton' in tactic else tactic}: {note[:90]}"
+                notes[short] = notes.get(short, 0) + 1
+    return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
+            "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
+                        for layer in slowest],
+            "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12]}
+
+
+def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> dict:
     """One (workload, mode) measurement in this process: ms per batch, throughput, accuracy vs torch fp32."""
     import kiln
     from kiln import zoo
@@ -314,12 +353,11 @@ def engine_row(key: str, mode: str, opt_level: int) -> dict:
         engine = kiln.build(path, precision=HALF, **build)
     else:
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
-        with tempfile.TemporaryDirectory() as tmp:
-            qdq = os.path.join(tmp, "qdq.onnx")
-            # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
-            _ort_qdq(path, qdq, calibration, mode, ["MatMul", "Gemm"] if seq else None)
-            row["quantize_s"] = time.perf_counter() - start
-            engine = kiln.build(qdq, precision=HALF, **build)  # float layers between the 8-bit ones in fp16
+        qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
+        # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
+        _ort_qdq(path, qdq, calibration, mode, ["MatMul", "Gemm"] if seq else None)
+        row["quantize_s"] = time.perf_counter() - start
+        engine = kiln.build(qdq, precision=HALF, **build)  # float layers between the 8-bit ones in fp16
     row["build_s"] = time.perf_counter() - start
     steps = engine.plan.program.steps
     quantized = [s for s in steps if s.op_type in ("QConv", "QGemm", "QAdd")]
@@ -328,6 +366,14 @@ def engine_row(key: str, mode: str, opt_level: int) -> dict:
     got = next(iter(ctx.run(dev).values()))
     row["accuracy"] = _accuracy(name, got, want)
     row["ms"] = _median_ms(lambda: ctx.run(dev))
+    row["cuda_graphs"] = bool(getattr(getattr(ctx, "runner", None), "use_graphs", False))
+    if mode in ("kiln_int8", "kiln_fp8"):
+        try:
+            row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)
+        except Exception as e:  # noqa: BLE001  a comparison that cannot run is a note in the row
+            row["vs_onnxruntime"] = f"failed: {type(e).__name__}: {str(e)[:120]}"
+    if profile:
+        row["profile"] = _profile(engine, dev)
     return row
 
 
@@ -344,13 +390,15 @@ def _median_ms(fn) -> float:
         return statistics.median(time_cuda(fn, warmup=5, iters=20)) if DEVICE == "cuda" else _host_ms(fn)
 
 
-def bench_engines(keys: list[str], modes: list[str], timeout: int, opt_level: int, log) -> list[dict]:
+def bench_engines(keys: list[str], modes: list[str], timeout: int, opt_level: int, log,
+                  profile: bool = False) -> list[dict]:
     rows = []
     for key in keys:
         for mode in modes:
             start = time.perf_counter()
             command = [sys.executable, __file__, "--engine-row", f"{key}:{mode}", "--opt-level", str(opt_level)]
             command += ["--dry-run"] if DEVICE != "cuda" else []
+            command += ["--profile"] if profile else []
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
                 result = [line for line in done.stdout.splitlines() if line.startswith("ROW ")]
@@ -364,17 +412,18 @@ def bench_engines(keys: list[str], modes: list[str], timeout: int, opt_level: in
 
 
 def engines_table(rows: list[dict]) -> list[str]:
-    lines = ["| workload | mode | ms / batch | items/s | vs kiln fp16 | vs torch fp16 | accuracy | 8-bit layers | build s |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | mode | ms / batch | items/s | vs kiln fp16 | vs torch fp16 | accuracy | vs onnxruntime | "
+             "8-bit layers | build s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['workload']} | {r['mode']} | failed: {r['error']} ||||||| ")
+            lines.append(f"| {r['workload']} | {r['mode']} | failed: {r['error']} |||||||| ")
             continue
         batch = ENGINES[r["workload"]][1]
         base = {m["mode"]: m.get("ms") for m in rows if m["workload"] == r["workload"] and "ms" in m}
         ratio = lambda mode: f"{base[mode] / r['ms']:.2f}×" if base.get(mode) else "—"  # noqa: E731
         lines.append(f"| {r['workload']} | {r['mode']} | {r['ms']:.2f} | {batch * 1e3 / r['ms']:,.0f} | "
                      f"{ratio('kiln_fp16')} | {ratio('torch_fp16')} | {r.get('accuracy', '—')} | "
+                     f"{r.get('vs_onnxruntime', '—')} | "
                      f"{r.get('layers', '—')} | {r.get('build_s', 0):.0f} |")
     return lines
 
@@ -398,6 +447,7 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--row-timeout", type=int, default=540, help="seconds per engine row (its own process)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--profile", action="store_true", help="engines: per-layer profile and the tuner's notes")
     ap.add_argument("--engine-row", help=argparse.SUPPRESS)  # key:mode, run by bench_engines in a child
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at tiny shapes: checks the script, times nothing")
     args = ap.parse_args()
@@ -406,7 +456,7 @@ def main() -> None:
     if args.engine_row:
         key, mode = args.engine_row.split(":")
         try:
-            row = engine_row(key, mode, args.opt_level)
+            row = engine_row(key, mode, args.opt_level, args.profile)
         except Exception as e:  # noqa: BLE001  the parent prints it as the row
             traceback.print_exc()
             row = {"workload": key, "mode": mode, "error": f"{type(e).__name__}: {str(e)[:160]}"}
@@ -435,7 +485,7 @@ def main() -> None:
             log("layers section failed:\n" + traceback.format_exc())
     if "engines" in sections:
         rows = bench_engines((args.engines or ",".join(ENGINES)).split(","), args.modes.split(","), args.row_timeout,
-                             args.opt_level, log)
+                             args.opt_level, log, args.profile)
         lines += ["## engines (median ms per batch, CUDA events; int8/fp8 from onnxruntime QDQ models)", ""]
         lines += engines_table(rows)
     table = "\n".join(lines)
