@@ -24,9 +24,11 @@ from tritonclient.grpc import service_pb2_grpc
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, ServeError
+from kiln.serve.grpc_wire import WireRequest, parse_infer_request
 from kiln.serve.http_codec import classify
 
 log = logging.getLogger("kiln.serve")
+SERVICE = "inference.GRPCInferenceService"
 
 # InferTensorContents' typed field for each datatype sent without raw_input_contents
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -58,10 +60,10 @@ def _answers_errors(method):
     return wrapped
 
 
-def _decode_quickly(request: pb.ModelInferRequest) -> InferRequest | None:
+def _decode_quickly(request: pb.ModelInferRequest, raw) -> InferRequest | None:
     """The common request (every input raw, of a fixed-size type, sizes that agree; no parameters, no
-    outputs named) in few steps; None for anything else, which decode_request then handles or refuses."""
-    raw = request.raw_input_contents
+    outputs named) in few steps; None for anything else, which decode_request then handles or refuses.
+    `raw`: the tensors' bytes (request.raw_input_contents, or views into the received message)."""
     tensors = request.inputs
     if not raw or len(raw) != len(tensors) or request.parameters or request.outputs:
         return None
@@ -81,11 +83,11 @@ def _decode_quickly(request: pb.ModelInferRequest) -> InferRequest | None:
     return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs)
 
 
-def decode_request(request: pb.ModelInferRequest) -> tuple[InferRequest, dict[str, int]]:
-    quick = _decode_quickly(request)
+def decode_request(request: pb.ModelInferRequest, raw=None) -> tuple[InferRequest, dict[str, int]]:
+    raw = request.raw_input_contents if raw is None else raw
+    quick = _decode_quickly(request, raw)
     if quick is not None:
         return quick, {}
-    raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
         raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send every input's "
                              "data raw, or every input's in contents")
@@ -206,13 +208,20 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return encode_response(response, classification, model.config.max_batch_size > 0)
 
     async def ModelInfer(self, request, context):
-        # _infer's steps inline, with _answers_errors' handling: the hot path, one coroutine frame
+        """`request`: a WireRequest (kiln serve's deserializer, kiln/serve/grpc_wire.py) or a ModelInferRequest.
+        _infer's steps inline, with _answers_errors' handling: the hot path, one coroutine frame."""
         try:
+            if type(request) is WireRequest:
+                if request.message is None:
+                    raise InvalidRequest(request.error)
+                request, raw = request.message, request.raw
+            else:
+                raw = request.raw_input_contents
             model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
-            infer_request = _decode_quickly(request)
+            infer_request = _decode_quickly(request, raw)
             classification = None
             if infer_request is None:
-                infer_request, classification = decode_request(request)
+                infer_request, classification = decode_request(request, raw)
             response = await self.core.infer(infer_request, model)
             return encode_response(response, classification, model.config.max_batch_size > 0)
         except (asyncio.CancelledError, grpc.aio.AbortError):
@@ -273,12 +282,38 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
 
+class _Handlers:
+    """Stands in for a server to catch the method handlers the generated add_..._to_server makes."""
+
+    def __init__(self):
+        self.handlers: dict = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = dict(handlers)
+
+
+def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    """The generated registration, with ModelInfer's request deserialized by parse_infer_request
+    (tensor bytes as views into the received message, not protobuf's copies)."""
+    caught = _Handlers()
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
+    handlers = caught.handlers
+    handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
+        servicer.ModelInfer, request_deserializer=parse_infer_request,
+        response_serializer=pb.ModelInferResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
+
+
 def grpc_server(core: ServerCore, host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
     """The server with the servicer added and its port bound (0: a free one); not started."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1),
                                       ("grpc.so_reuseport", 0)])
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(core), server)
+    add_servicer(InferenceServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port} (in use?)")

@@ -1,0 +1,105 @@
+"""kiln/serve/grpc_wire.py: a ModelInferRequest split into its other fields and views of its tensor bytes,
+checked against protobuf's own parse of the whole message (the oracle): fresh random messages, tensor
+sizes at the varint length boundaries, fields in any order (concatenated messages merge), truncations;
+the views are into the received bytes (no copy); a malformed message over gRPC is INVALID_ARGUMENT."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import rng
+from tritonclient.grpc import service_pb2 as pb
+
+from kiln.serve.grpc_wire import parse_infer_request, split_raw_contents
+
+SIZES = [0, 1, 16, 127, 128, 16383, 16384, 300_000]  # 1, 2 and 3-byte length varints
+
+
+def _message(g: np.random.Generator, raw_sizes: list[int]) -> pb.ModelInferRequest:
+    m = pb.ModelInferRequest(model_name="m" * int(g.integers(1, 40)), id=str(g.integers(1 << 60)))
+    if g.random() < 0.5:
+        m.model_version = str(g.integers(1, 9))
+    if g.random() < 0.5:
+        m.parameters["timeout"].int64_param = int(g.integers(1 << 40))
+    for k, size in enumerate(raw_sizes):
+        t = m.inputs.add(name=f"in{k}", datatype="UINT8", shape=[size])
+        if g.random() < 0.3:
+            t.parameters["p"].string_param = "v"
+        m.raw_input_contents.append(g.integers(0, 256, size, dtype=np.uint8).tobytes())
+    if g.random() < 0.5:
+        m.outputs.add(name="out").parameters["classification"].int64_param = 3
+    return m
+
+
+def _check_same(data: bytes) -> None:
+    """parse_infer_request(data) says what protobuf says of data."""
+    try:
+        full = pb.ModelInferRequest.FromString(data)
+    except Exception:  # noqa: BLE001 - protobuf refuses: so must we
+        full = None
+    parsed = parse_infer_request(data)
+    if full is None:
+        assert parsed.message is None and "not a valid inference.ModelInferRequest" in parsed.error
+        return
+    assert parsed.message is not None, parsed.error
+    assert [bytes(r) for r in parsed.raw] == list(full.raw_input_contents)
+    full.ClearField("raw_input_contents")
+    parsed.message.ClearField("raw_input_contents")
+    assert parsed.message == full
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_split_equals_protobufs_parse(seed):
+    g = np.random.default_rng(seed + int(rng().integers(1 << 30)))
+    sizes = [int(s) for s in g.choice(SIZES, size=int(g.integers(0, 4)))]
+    data = _message(g, sizes).SerializeToString()
+    _check_same(data)
+    others, raw = split_raw_contents(data)
+    assert [len(r) for r in raw] == sizes
+    assert all(r.obj is data for r in raw)  # views of the received bytes: no copy
+    assert len(others) < 200 + 20 * len(sizes)  # the tensors are not in it
+
+
+def test_fields_in_any_order():
+    # protobuf merges concatenated messages: raw contents before the inputs, between them, twice a name
+    g = rng()
+    a, b = _message(g, [16, 128]), _message(g, [300_000])
+    raw_first = pb.ModelInferRequest(raw_input_contents=[b"x" * 5]).SerializeToString()
+    for data in (raw_first + a.SerializeToString(), a.SerializeToString() + b.SerializeToString(),
+                 a.SerializeToString() + raw_first + b.SerializeToString()):
+        _check_same(data)
+
+
+def test_truncated_and_garbage_messages():
+    data = _message(rng(), [16, 300, 128]).SerializeToString()
+    for cut in sorted({*range(0, 40), *rng().integers(0, len(data), 40).tolist(), len(data) - 1}):
+        _check_same(data[:cut])
+    for garbage in (b"\xff", b"\x3a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x3b\x00", b"\x0b"):
+        _check_same(garbage)
+
+
+def test_arrays_are_views_of_the_request(server):
+    """Over gRPC: the answer is right for tensors of every length class (the views decode as the bytes)."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    try:
+        for rows in (1, 3, 16):
+            x = rng().standard_normal((rows, 8)).astype(np.float32)
+            given = grpcclient.InferInput("x", list(x.shape), "FP32")
+            given.set_data_from_numpy(x)
+            answer = client.infer("mlp", [given])
+            np.testing.assert_array_equal(answer.as_numpy("z"), 2 * x)
+    finally:
+        client.close()
+
+
+def test_malformed_message_is_invalid_argument(server):
+    import grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.ports.grpc}") as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as e:
+            call(b"\x3a\xff\xff\xff\x0f", timeout=30)  # raw_input_contents of 4 GB that is not there
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid inference.ModelInferRequest" in e.value.details()
