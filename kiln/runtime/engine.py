@@ -187,8 +187,6 @@ class ExecutionContext:
             and not engine.internal_dtype and self.buckets is None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
             else None
-        self._boundary: tuple | None = None  # the static signature's graph with its boundary casts inside
-        self._boundary_reason: str | None = None  # why it could not be captured
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -343,12 +341,9 @@ class ExecutionContext:
 
     def _replay_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CUDA engine of fixed shapes, fed CUDA tensors of exactly its bindings, whose graph is
-        captured: copy into the graph's inputs and replay, with as little Python as a call can have;
-        a batch-1 call is about 0.4 ms, so the host work around the replay is much of it, and much
-        of its jitter. A half-precision engine's boundary casts (fp32 in, fp32 out) are captured in a
-        graph of their own (_boundary_graph): one copy and one replay a call, no allocation, no cast
-        launched from the host (ResNet-50 batch 1 on the H200: p99/p50 1.10 with the casts launched
-        around the replay, 1.02 for the replay alone). Else None: the general path."""
+        captured: copy into the graph's inputs (the boundary cast to fp16/bf16 in the same copy) and
+        replay, with as little Python as a call can have; a batch-1 call is about 0.4 ms, so the host
+        work around the replay is much of it, and much of its jitter. Else None: the general path."""
         names, signature, key, outputs = self._cuda_static
         if len(feeds) != len(names):
             return None
@@ -362,54 +357,12 @@ class ExecutionContext:
                 return None
             values.append(value)
         with torch.inference_mode():
-            boundary = self._boundary
-            if boundary is None and self._boundary_reason is None and any(d is not None for _, d in outputs):
-                boundary = self._capture_boundary(entry, signature, outputs)
-            if boundary is not None:
-                graph, static_inputs, static_outputs = boundary
-                for dst, src in zip(static_inputs, values):
-                    dst.copy_(src)
-                graph.replay()
-                self.runner.stats.replays += 1
-                return dict(zip(names_of(outputs), static_outputs))
             for dst, src in zip(entry.static_inputs, values):
                 dst.copy_(src)
             entry.graph.replay()
             self.runner.entries.move_to_end(key)
             self.runner.stats.replays += 1
-            return {name: r if dtype is None else r.to(dtype)
-                    for (name, dtype), r in zip(outputs, entry.static_outputs)}
-
-    def _capture_boundary(self, entry: Any, signature: list, outputs: list) -> tuple | None:
-        """The static signature's graph with the boundary casts inside: inputs in the user's dtypes,
-        cast in the graph; outputs cast back in the graph, into tensors the graph owns (overwritten by
-        the next run of this context, as a graph's outputs are). Captured once, after the signature's
-        own graph exists (its kernels warmed up, its shape plan recorded); on failure the casts stay
-        outside and the reason is kept."""
-        device = self.engine.device
-        before = torch.cuda.memory_allocated(device)
-        static_inputs = [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in signature]
-        graph = torch.cuda.CUDAGraph()
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # a warm-up of the casts, off the capture
-                [x.to(t.dtype) for x, t in zip(static_inputs, entry.static_inputs)]
-            torch.cuda.current_stream().wait_stream(stream)
-            with torch.cuda.graph(graph):
-                cast = [x.to(t.dtype) for x, t in zip(static_inputs, entry.static_inputs)]
-                results = self.engine.program.run(cast, plan=entry.plan)
-                static_outputs = [r if dtype is None else r.to(dtype) for (_, dtype), r in zip(outputs, results)]
-        except Exception as e:  # noqa: BLE001  the casts stay outside the graph
-            self._boundary_reason = f"{type(e).__name__}: {str(e)[:200]}"
-            torch.cuda.synchronize()
-            return None
-        self._boundary = (graph, static_inputs, static_outputs)
-        stats = self.runner.stats
-        stats.captures += 1
-        stats.graph_bytes += max(torch.cuda.memory_allocated(device) - before, 0)
-        stats.peak_graph_bytes = max(stats.peak_graph_bytes, stats.graph_bytes)
-        return self._boundary
+            return {name: r if dtype is None else r.to(dtype) for (name, dtype), r in zip(outputs, entry.static_outputs)}
 
     def _run_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """The common case in a few lines: a CPU engine of fixed input shapes fed exactly those, as
@@ -452,10 +405,6 @@ def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
             return None  # bfloat16 and float8 arrays (ml_dtypes, kind 'V') take the general path's conversion
         key.append((a.dtype, a.shape))
     return tuple(key)
-
-
-def names_of(outputs: list[tuple[str, Any]]) -> list[str]:
-    return [name for name, _ in outputs]
 
 
 def _cuda_static_signature(engine: Engine) -> tuple | None:
