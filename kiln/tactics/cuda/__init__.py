@@ -21,3 +21,4 @@ import kiln.tactics.cuda.conv  # noqa: F401
 import kiln.tactics.cuda.quant_gemm  # noqa: F401
 import kiln.tactics.cuda.quant_conv  # noqa: F401
 import kiln.tactics.cuda.quant_add  # noqa: F401
+import kiln.tactics.cuda.quant_linear  # noqa: F401

@@ -110,7 +110,7 @@ def _prepare_avg_pool(step: StepSpec, constants: list[Any], device: torch.device
 
 
 register(Tactic(
-    name="cuda.pool.max.triton", op_type="MaxPool", domain="", device="cuda", dtypes=_FLOAT,
+    name="cuda.pool.max.triton", op_type="MaxPool", domain="", device="cuda", dtypes=_FLOAT + (torch.int8, torch.uint8),
     supports=_window_supports, prepare=_prepare_max_pool, layout="channels_last", available=triton_available,
     description="Triton MaxPool 2-D on NHWC: a program per output-pixel block x channel block, taps unrolled, "
                 "NaN-propagating max, NHWC output",

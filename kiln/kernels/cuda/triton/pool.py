@@ -45,6 +45,7 @@ class PoolConfig:
 # with room for the loaded tap; large enough that each program moves a few KiB.
 TILE = 2048
 MAX_BLOCK_C = 64  # 128 B of fp16 per pixel and tap: one full cache line per row of the tile
+INT8_DTYPES = (torch.int8, torch.uint8)  # max_pool2d of a quantized tensor (its max is the max of the values)
 
 
 @triton.jit
@@ -94,7 +95,8 @@ def _pool2d_kernel(x_ptr, y_ptr, P, C, H, W, OH, OW, sxn, sxc, sxh, sxw, count_h
             mask = (inside & p_mask)[:, None] & c_mask[None, :]
             ptrs = x_ptr + offs[:, None] + c_off[None, :]
             if IS_MAX:
-                v = tl.load(ptrs, mask=mask, other=float("-inf")).to(tl.float32)
+                # padding is -inf after the conversion (an 8-bit load cannot hold it); 8-bit values are exact in fp32
+                v = tl.where(mask, tl.load(ptrs, mask=mask, other=0).to(tl.float32), float("-inf"))
                 # NaN wins, as in torch's kernel: (v > acc) is false for NaN on either side.
                 acc = tl.where((v > acc) | (v != v), v, acc)
             else:
@@ -172,8 +174,9 @@ def _geometry(shape: tuple[int, ...], kernel: tuple[int, ...], strides: tuple[in
 def _check_input(x: torch.Tensor, what: str) -> None:
     if x.dim() != 4:
         raise ValueError(f"triton {what}: expected a 4-D [N, C, H, W] tensor, got shape {tuple(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"triton {what}: expected a float16/bfloat16/float32 tensor, got {x.dtype}")
+    if x.dtype not in FLOAT_DTYPES and not (what == "max_pool2d" and x.dtype in INT8_DTYPES):
+        raise TypeError(f"triton {what}: expected a float16/bfloat16/float32 tensor (int8/uint8 for max_pool2d), "
+                        f"got {x.dtype}")
 
 
 def _tile(pixels: int, channels: int, config: PoolConfig) -> tuple[int, int]:

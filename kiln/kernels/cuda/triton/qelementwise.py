@@ -4,6 +4,7 @@
                                       _scaled_mm's fp32, a float conv on dequantized values) -> the
                                       layer's output: (acc + bias[c])·scale[c], Relu/Clip, quantized
     dequantize(x, scale, zero, dtype) (x − zero)·scale of an 8-bit tensor, in x's layout
+    quantize(x, scale, zero, dtype)   ONNX QuantizeLinear (per tensor, saturating) of a float tensor, in x's layout
     qadd(a, ..., b, ...)              kiln::QAdd: act(s_a·(a − z_a) + s_b·(b − z_b)) quantized (or float)
 
 Each reads its inputs once and writes once: torch would take three to six passes over memory for
@@ -22,6 +23,7 @@ from kiln.kernels.cuda.triton import qmath
 from kiln.kernels.cuda.triton.qgemm import INT_RANGE, OUTPUTS, QUANTIZED_INPUTS, Epilogue
 
 BLOCK = 1024
+SAME_LAYOUT_BLOCK = 4096  # 16 elements per thread at 8 warps: 16-byte loads of 8-bit values
 _RANK = 4  # qadd's broadcasting walks up to 4 dims
 
 
@@ -116,6 +118,38 @@ def dequantize(x: torch.Tensor, scale: float, zero: float, dtype: torch.dtype) -
 
 
 @triton.jit
+def _quantize_kernel(x_ptr, out_ptr, numel, y_scale, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr,
+                     QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    if INDEX64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize(x: torch.Tensor, scale: float, zero: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """ONNX QuantizeLinear with per-tensor parameters (saturating): x / scale (an IEEE division in fp32),
+    round half to even, + zero, clamped (float8: onto the E4M3 grid, ±448), in x's layout."""
+    if not x.is_floating_point() or x.dtype in QUANTIZED_INPUTS:
+        raise TypeError(f"triton quantize: x is float32/float16/bfloat16, got {x.dtype}")
+    if out_dtype not in QUANTIZED_INPUTS:
+        raise TypeError(f"triton quantize: the output is int8/uint8/float8e4m3fn, got {out_dtype}")
+    if not _dense(x):
+        x = x.contiguous()
+    out = torch.empty_like(x, dtype=out_dtype)
+    numel = x.numel()
+    if numel:
+        qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
+        _quantize_kernel[(triton.cdiv(numel, SAME_LAYOUT_BLOCK),)](
+            x, out, numel, float(scale), float(zero), OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax,
+            INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
+    return out
+
+
+@triton.jit
 def _qadd_kernel(a_ptr, b_ptr, out_ptr, numel, size1, size2, size3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
                  a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, alpha, beta,
                  ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
@@ -139,6 +173,26 @@ def _qadd_kernel(a_ptr, b_ptr, out_ptr, numel, size1, size2, size3, sa0, sa1, sa
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _qadd_same_layout_kernel(a_ptr, b_ptr, out_ptr, numel, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero,
+                             alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                             QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+    """a, b and out dense with one shape and one set of strides (a residual Add of two NHWC tensors): the
+    same flat offset in all three, so the 8-bit loads and stores vectorise (the 4-D walk's index arithmetic
+    hides their contiguity from the compiler: measured at ~400 GB/s on the H200)."""
+    pid = tl.program_id(0)
+    if INDEX64:
+        pid = pid.to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)  # masked-off lanes are never stored
+    b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
+    r = (a - a_zero) * a_scale + (b - b_zero) * b_scale
+    y = qmath.requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+
 def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scale: float, b_zero: float, *,
          out_dtype: torch.dtype, y_scale: float = 1.0, y_zero: float = 0.0, activation: str = "",
          alpha: float = 0.0, beta: float = 0.0) -> torch.Tensor:
@@ -160,13 +214,19 @@ def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scal
     numel = out.numel()
     if numel == 0:
         return out
+    qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
+    if a.shape == b.shape == out.shape and a.stride() == b.stride() == out.stride():  # out dense: a is too
+        _qadd_same_layout_kernel[(triton.cdiv(numel, SAME_LAYOUT_BLOCK),)](
+            a, b, out, numel, float(a_scale), float(a_zero), float(b_scale), float(b_zero), float(y_scale),
+            float(y_zero), float(alpha), float(beta), ACTIVATION=activation, OUT=_out_kind(out_dtype), QMIN=qmin,
+            QMAX=qmax, INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
+        return out
     order = _memory_order(out) if out.dim() else []
     a_e, b_e = a.expand(shape), b.expand(shape)  # views: broadcast dims have stride 0
     pad = _RANK - len(order)
     sizes = [1] * pad + [shape[d] for d in order]
     sa = [0] * pad + [a_e.stride(d) for d in order]
     sb = [0] * pad + [b_e.stride(d) for d in order]
-    qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
     _qadd_kernel[(triton.cdiv(numel, BLOCK),)](
         a_e, b_e, out, numel, sizes[1], sizes[2], sizes[3], *sa, *sb, float(a_scale), float(a_zero), float(b_scale),
         float(b_zero), float(y_scale), float(y_zero), float(alpha), float(beta), ACTIVATION=activation,
