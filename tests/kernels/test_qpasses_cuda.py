@@ -110,3 +110,56 @@ def test_max_pool_of_an_8bit_nhwc_tensor_is_the_max_of_its_values(dtype):
     tactic = registry.all_tactics("cuda")["cuda.pool.max.triton"]
     step = _step("MaxPool", ["x"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
     assert tactic.check(step, [InputMeta.of(x, False)]) is True
+
+
+@pytest.mark.slow
+def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypatch):
+    """onnxruntime's int8 QDQ model of a ResNet block (input QuantizeLinear, MaxPool on the 8-bit tensor, the
+    residual QAdd of two NHWC tensors, the DequantizeLinear before the head), every step that has one of
+    these CUDA kernels forced onto it: the engine matches onnxruntime running the same Q/DQ graph."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    import kiln
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+    from tests.unit.test_qdq_fp8_activations import _Block
+
+    selected = ("cuda.quantize.triton", "cuda.dequantize.triton", "cuda.pool.max.triton", "cuda.qadd.triton",
+                "cuda.qconv.dequantized_fp32", "cuda.qgemm.dequantized")
+    cuda_tactics_on_cpu(monkeypatch, lambda name: name in selected)
+    torch.manual_seed(0)
+    fp32, path = tmp_path / "block.onnx", tmp_path / "block_int8.onnx"
+    torch.onnx.export(_Block().eval(), (torch.randn(2, 3, 16, 16),), str(fp32), dynamo=True, input_names=["x"],
+                      output_names=["y"])
+    rng = np.random.default_rng(0)
+    feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(5)]
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter(feeds[:3])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    quantize_static(str(fp32), str(path), Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+                    weight_type=QuantType.QInt8, per_channel=True)
+    engine = kiln.build(str(path), device="cpu", tactics=list(selected), tuning_runs=2, shapes={"x": [2, 3, 16, 16]})
+    layers = engine.plan.header["tactics"]["layers"]
+    forced = []
+    for step in engine.plan.program.steps:
+        candidates = layers.get(step.name, {}).get("candidates", {})
+        kernel = next((n for n in selected if isinstance(candidates.get(n), float)), None)
+        if kernel is not None:
+            step.tactic, step.tactic_config = kernel, {}
+            forced.append(kernel)
+    assert {"cuda.quantize.triton", "cuda.pool.max.triton", "cuda.qadd.triton"} <= set(forced), (forced, layers)
+    on_kernels = kiln.Engine(engine.plan)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    for feed in feeds[3:]:
+        want = session.run(None, feed)[0]
+        got = on_kernels.run(feed)["y"]
+        # a near-tie rounded the other way moves the logits by about one step of the last activations
+        assert np.abs(got - want).max() <= 0.05 * np.abs(want).max() + 1e-3, (forced, got, want)
