@@ -293,3 +293,36 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ---- the passes around the layers: Q/DQ, MaxPool on 8-bit tensors, the residual QAdd in one layout --------
+
+def test_quantize_dequantize_and_8bit_max_pool_at_resnet_shapes():
+    from kiln.builder.accuracy import mismatch
+    from kiln.ops.quantization import dequantize_linear, quantize_linear
+    from kiln.ops.registry import OpContext
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+
+    def step(op, **attributes):
+        return StepSpec(op_type=op, name="layer", inputs=["x", "s", "z"][:1 if op == "MaxPool" else 3],
+                        outputs=["y"], attributes=attributes)
+
+    image = torch.randn(BATCH, 3, 224, 224, device=CUDA) * 2
+    scale = torch.tensor(0.0173, device=CUDA)
+    for zero in (torch.tensor(-7, dtype=I8, device=CUDA), torch.tensor(0.0, device=CUDA).to(FP8)):
+        q = registry.get("cuda.quantize.triton").prepare(step("QuantizeLinear"), [None, scale, zero], CUDA)
+        got = q(OpContext("q", "QuantizeLinear"), image, scale, zero)
+        want = quantize_linear(OpContext("q", "QuantizeLinear"), image, scale, zero)
+        assert mismatch(got, want, integer_steps=1) is None  # a near-tie of the fp32 division: one step
+        dq = registry.get("cuda.dequantize.triton").prepare(step("DequantizeLinear"), [None, scale, zero], CUDA)
+        assert torch.equal(dq(OpContext("dq", "DequantizeLinear"), got, scale, zero),
+                           dequantize_linear(OpContext("dq", "DequantizeLinear"), got, scale, zero))
+    for dtype in (I8, U8):
+        low, high = (-128, 128) if dtype == I8 else (0, 256)
+        x = torch.randint(low, high, (BATCH, 64, 112, 112), device=CUDA, dtype=torch.int32).to(dtype)
+        x = x.contiguous(memory_format=torch.channels_last)
+        attributes = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+        pool = registry.get("cuda.pool.max.triton").prepare(step("MaxPool", **attributes), [None], CUDA)
+        got = pool(OpContext("p", "MaxPool"), x)
+        assert got.dtype == dtype and torch.equal(got.float(), torch.nn.functional.max_pool2d(x.float(), 3, 2, 1))
