@@ -13,7 +13,8 @@
 #    PYTHONPATH, unless python3 already has that distribution at the same major version and not older.
 #    Seen on the device on 2026-12-01 (python 3.12.3): no fastapi, starlette, pydantic, uvicorn,
 #    tritonclient, gevent, opentelemetry; grpcio 1.84.0, protobuf 7.36.2 (tritonclient's stubs are
-#    protobuf 6 code: 6.33.6 is put first), anyio 4.15.1, h11 0.16.0, typing-extensions 4.16.0
+#    protobuf 6 code: 6.33.6 is put first), anyio 4.15.1, h11 0.16.0, typing-extensions 4.16.0; httptools is
+#    carried since 2026-12-01 evening: without it uvicorn parses HTTP with h11, in pure Python
 # 2. tests/serve's gpu-marked tests (test_cuda.py: two instances on their own streams, concurrent requests)
 # 3. bench/serve.py on cuda: MobileNetV2 (random weights: the ImageNet ones come from a package) and
 #    BERT-base (seq 128), fp16 engines, 2 instances, batching on/off, concurrency 1 8 32 64, gRPC and
@@ -29,7 +30,7 @@ if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPytho
     typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 \
     tritonclient==2.73.0 python-rapidjson==1.25 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
     zope.event==6.2 zope.interface==8.7 brotli==1.2.1 grpcio==1.85.3 protobuf==6.33.6 typing-extensions==4.16.0 \
-    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0
+    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0 httptools==0.9.0
   git archive HEAD -o .whl-serve/kiln-src.tar
   du -sh .whl-serve; echo "kiln-src.tar: $(git rev-parse --short HEAD)"
   exit 0
@@ -69,18 +70,22 @@ export PYTHONPATH=/tmp/serve-deps${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "
 import fastapi, uvicorn, grpc, google.protobuf, tritonclient.grpc.aio, tritonclient.http.aio, torch, kiln.serve
 try:
+    import httptools; parser = 'httptools ' + httptools.__version__
+except ImportError:
+    parser = 'h11'
+try:
     import uvloop; loop = 'uvloop ' + uvloop.__version__
 except ImportError:
     loop = 'asyncio'
 print('fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'grpcio', grpc.__version__,
-      'protobuf', google.protobuf.__version__, loop, 'torch', torch.__version__, torch.cuda.get_device_name())"
+      'protobuf', google.protobuf.__version__, loop, parser, 'torch', torch.__version__, torch.cuda.get_device_name())"
 
 stage "tests/serve gpu-marked"
 timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
 echo "pytest exit $?"
 
 stage "bench/serve.py on cuda"
-timeout 200 python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
+timeout 450 python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
   --processes 4 --random-weights --concurrency 1 8 32 64 --window 1.0 --warmup 0.5 --out "$OUT" 2>&1
 echo "bench exit $?"
 stage "done"
