@@ -30,6 +30,12 @@ from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.zoo.timing import Latency, peer_runners, time_runners, time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _wait_policy() -> str:
+    """How idle OpenMP threads wait (kiln and torch; onnxruntime has its own pool): set by kiln's import."""
+    given = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    return "OpenMP idle threads: " + (", ".join(f"{k}={v}" for k, v in given.items()) or "libgomp default")
 PEERS = ("kiln", "onnxruntime", "torch eager")
 
 
@@ -205,7 +211,7 @@ def main() -> None:
     versions = {p: importlib.metadata.version(p) for p in ("torch", "onnxruntime", "onnx", "transformers")}
     load_before = os.getloadavg()[0]
     print(f"kiln {kiln.__version__} CPU benchmark: {cpu_name()}, {args.threads} thread(s), fp32, median latency; "
-          f"load average {load_before:.2f} on {os.cpu_count()} cores")
+          f"load average {load_before:.2f} on {os.cpu_count()} cores; {_wait_policy()}")
     rows = []
     headers: list[dict] = []  # each kiln engine's header: the tactics chosen
     for name in args.models.split(","):
@@ -238,7 +244,7 @@ def main() -> None:
         f"{'##' if earlier else '#'} kiln CPU benchmark, {now:%Y-%m-%d %H:%M} UTC",
         "",
         *warning,
-        f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
+        f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime; {_wait_policy()}",
         f"- commit: {commit()}; kiln {kiln.__version__}; "
         + ", ".join(f"{k} {v}" for k, v in versions.items()),
         "- fp32, latency in ms: median (p90) of up to "

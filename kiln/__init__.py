@@ -10,10 +10,21 @@ imports the builder on first use.
 
 from __future__ import annotations
 
+import os as _os
+import sys as _sys
 from typing import TYPE_CHECKING, Any
 
-from kiln import errors
-from kiln.errors import (
+# Idle OpenMP threads. libgomp (torch's, which oneDNN and kiln's C kernels share) reads its wait policy
+# once, when torch loads it; by default an idle thread spins 300,000 iterations before it sleeps. Where
+# cores are shared (a cloud VM, a host running other work) the spinning threads take the time slices
+# the working ones need: ResNet-50 batch 1 on a loaded 2-vCPU EPYC ran at 2.0-3.4x onnxruntime's latency
+# spinning and at 0.56-0.88x with a short spin (bench/results/cpu-2026-12-01.md). So a short spin, unless
+# the user chose a policy, and only when kiln is imported before torch (else libgomp has read it).
+if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
+    _os.environ["GOMP_SPINCOUNT"] = "10000"
+
+from kiln import errors  # noqa: E402
+from kiln.errors import (  # noqa: E402
     BindingError,
     EngineFormatError,
     EngineRebuildWarning,
@@ -21,9 +32,9 @@ from kiln.errors import (
     ModelError,
     UnsupportedModelError,
 )
-from kiln.runtime import engine as _engine_module
-from kiln.runtime.engine import Engine, ExecutionContext, load
-from kiln.version import __version__
+from kiln.runtime import engine as _engine_module  # noqa: E402
+from kiln.runtime.engine import Engine, ExecutionContext, load  # noqa: E402
+from kiln.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
     from kiln.builder.config import BuildConfig
