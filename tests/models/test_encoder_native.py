@@ -157,6 +157,22 @@ def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+def test_a_t5_encoder_with_rmsnorm_is_one_segment_and_matches_onnxruntime():
+    """T5's RMSNorm (kiln::RMSNorm after the fusion) runs in kiln's C LayerNorm kernel without the mean
+    (cpu.rmsnorm.native), so the encoder's layers are one segment; the relative-position bias is shape
+    arithmetic, computed once per input shape. Random shapes with padding against onnxruntime."""
+    engine, session = build("t5_encoder_tiny")
+    (step,) = lean_steps(engine)
+    assert isinstance(step.fn, Segment)
+    assert "RMSNorm" in {m.ctx.op_type for m in step.fn.members}
+    names = {i.name for i in session.get_inputs()}
+    for _ in range(3):
+        b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
+        x = {k: v for k, v in feeds(b, s, padded_mask(b, s, "right")).items() if k in names}
+        got = next(iter(engine.run(x).values()))
+        np.testing.assert_allclose(got, session.run(None, x)[0], atol=1e-4, rtol=1e-4, err_msg=f"t5 {b}x{s}")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["distilbert_tiny", "albert_tiny"])
 def test_other_encoders_are_one_segment_and_match_onnxruntime(name):

@@ -259,3 +259,20 @@ def test_gather_nd_matches_onnx_reference():
         np.testing.assert_array_equal(launch(ctx, t(d), t(i)).numpy(), gather_nd_reference(d, i))
     assert "batch_dims" in refusal("cpu.gathernd.native", "GatherND", "", [t(data), t(pairs)], {"batch_dims": 1},
                                    set())
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_rms_norm_matches_float64(affine):
+    """cpu.rmsnorm.native (the LayerNorm kernel without the mean) against float64 and kiln::RMSNorm's reference."""
+    for n in (1, 7, 64, 512):
+        b, s = int(rng.integers(1, 5)), int(rng.integers(1, 90))
+        x = rng.standard_normal((b, s, n)).astype(np.float32) * 3 + 1
+        scale = rng.standard_normal(n).astype(np.float32) if affine else None
+        eps = float(rng.choice([1e-6, 1e-5]))
+        inputs = [t(x)] + ([t(scale)] if scale is not None else [])
+        launch, op, ctx = prepared("cpu.rmsnorm.native", "RMSNorm", "kiln", inputs, {"epsilon": eps}, {1})
+        got = launch(ctx, *inputs, epsilon=eps)
+        x64 = x.astype(np.float64)
+        want = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + eps) * (scale if scale is not None else 1.0)
+        np.testing.assert_allclose(got.numpy(), want, atol=ATOL * 4, rtol=RTOL, err_msg=f"n={n}")
+        np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)

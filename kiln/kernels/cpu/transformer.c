@@ -45,6 +45,7 @@ typedef struct {
     long residual_rows;  /* the residual's rows: row r of x adds residual row r % residual_rows */
     float epsilon;
     long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
+    int rms;     /* RMSNorm: no mean taken out, s / sqrt(mean(s²) + eps) */
 } ln_plan;
 
 #ifdef KILN_AVX2
@@ -100,8 +101,9 @@ static float row_centered_squares(const float *x, float mean, long n) {
 }
 
 static void ln_row(const float *x, const float *r, float *y, const float *scale, const float *bias, long n,
-                   float epsilon) {
-    const float mean = row_sum(x, r, y, n) / (float)n;
+                   float epsilon, int rms) {
+    const float sum = r || !rms ? row_sum(x, r, y, n) : 0.0f;  /* RMSNorm sums only to write s = x + r */
+    const float mean = rms ? 0.0f : sum / (float)n;
     if (r) x = y;  /* s = x + r now lives in y */
     const float rstd = 1.0f / sqrtf(row_centered_squares(x, mean, n) / (float)n + epsilon);
     for (long i = 0; i < n; ++i) {
@@ -122,7 +124,7 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row)
-        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, p->scale, p->bias, n, p->epsilon);
+        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, p->scale, p->bias, n, p->epsilon, p->rms);
     return 0;
 }
 

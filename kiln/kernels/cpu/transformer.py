@@ -88,7 +88,7 @@ class _LayerNormPlan(ctypes.Structure):  # ln_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("residual", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
-                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long)]
+                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int)]
 
 
 class _AddPlan(ctypes.Structure):  # add_plan
@@ -253,13 +253,14 @@ def repeats_over_rows(size: tuple[int, ...], of: tuple[int, ...]) -> bool:
 
 
 class LayerNorm(NativeKernel):
-    """y = (s - mean) / sqrt(var + eps) * scale + bias over the last axis, s = x [+ residual]."""
+    """y = (s - mean) / sqrt(var + eps) * scale + bias over the last axis, s = x [+ residual]; with
+    rms=True RMSNorm: y = s / sqrt(mean(s²) + eps) * scale (+ bias)."""
 
     PLAN, FUNCTION = _LayerNormPlan, "kiln_layer_norm"
 
     def __init__(self, size: tuple[int, ...], scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 epsilon: float, residual_size: tuple[int, ...] | None = None):
-        super().__init__(f"layer norm {list(size)}")
+                 epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False):
+        super().__init__(f"{'rms' if rms else 'layer'} norm {list(size)}")
         n, rows = int(size[-1]), _rows(size)
         if residual_size is not None and not repeats_over_rows(residual_size, size):
             raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
@@ -272,7 +273,8 @@ class LayerNorm(NativeKernel):
         self.fields = dict(scale=self._scale.data_ptr() if self._scale is not None else None,
                            bias=self._bias.data_ptr() if self._bias is not None else None,
                            rows=rows, n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),
-                           residual_rows=_rows(residual_size) if residual_size is not None else rows)
+                           residual_rows=_rows(residual_size) if residual_size is not None else rows,
+                           rms=int(rms))
 
 
 class Add(NativeKernel):
