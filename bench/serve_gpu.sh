@@ -85,8 +85,9 @@ timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
 echo "pytest exit $?"
 
 stage "bench/serve.py on cuda"
-timeout 450 python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
-  --processes 4 --random-weights --concurrency 1 8 32 64 --window 1.0 --warmup 0.5 --out "$OUT" 2>&1
+timeout "${SERVE_BENCH_S:-450}" python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 \
+  --instances 2 --processes 4 --random-weights --concurrency ${SERVE_CONCURRENCY:-1 8 32 64} --window 1.0 --warmup 0.5 \
+  --out "$OUT" 2>&1
 echo "bench exit $?"
 stage "done"
 } 2>&1 | tee "$OUT/serve_gpu.log"
