@@ -5,6 +5,7 @@ minutes each on a 2-core CPU). The CUDA fp16 cases are in test_cuda.py."""
 from __future__ import annotations
 
 import time
+import warnings
 
 import pytest
 import torch
@@ -85,3 +86,38 @@ def test_zoo_full_size(name, dynamic, shapes, tolerance):
     engine = compiled.engines[0]
     profile = engine.profiles[0].describe()
     assert ("1..4" in profile) and (name == "resnet50" or "2..64" in profile), profile
+
+
+@pytest.mark.parametrize("name,dynamic,shapes,tolerance", CASES, ids=[c[0] for c in CASES])
+def test_torch_compile_backend_on_zoo_models(name, dynamic, shapes, tolerance):
+    """torch.compile(module, backend="kiln", dynamic=True) on the zoo's GPT-2, BERT (with its mask) and ResNet
+    architectures: the module's own outputs at several shapes, one kiln engine for all of them, none of
+    them falling back to PyTorch."""
+    rtol, atol = tolerance
+    model = zoo.torch_model(name)
+    spec = zoo.get(name)
+    builds = []
+    real = kiln.torch_backend.kiln_build
+
+    def counting(*args, **kwargs):
+        builds.append(args)
+        return real(*args, **kwargs)
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("error", kiln.torch_backend.FallbackWarning)  # a fallback would fail the test
+        patch.setattr(kiln.torch_backend, "kiln_build", counting)
+        fast = torch.compile(model, backend="kiln", dynamic=True)
+        outputs = []
+        for batch, seq in shapes:
+            x = _inputs(spec, batch, seq, seed=batch * 100 + seq)
+            with torch.no_grad():
+                want = model(**x)
+                got = fast(**x)
+            want = want if isinstance(want, torch.Tensor) else want[0]
+            got = got if isinstance(got, torch.Tensor) else got[0]
+            torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+            outputs.append(got)
+    assert builds, "kiln built nothing: the backend was not used"
+    assert len(builds) <= 2, f"{len(builds)} builds for {len(shapes)} shapes"
+    assert not torch.equal(outputs[0][:1, :1], outputs[1][:1, :1])
