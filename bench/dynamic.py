@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import statistics
 import subprocess
@@ -28,11 +29,13 @@ from pathlib import Path
 if "--no-spin" in sys.argv:  # read by libgomp when torch loads it: before the import
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+importlib.import_module("kiln")  # before torch: its OpenMP wait policy is read when torch loads libgomp
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
@@ -199,7 +202,7 @@ def main() -> None:
         f"{datetime.date.today().isoformat()}")
     log(f"{args.requests} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
         f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)"
-        + ("" if cuda else f"; idle threads {'sleep (--no-spin)' if args.no_spin else 'spin (default)'}; load average "
+        + ("" if cuda else f"; idle threads {'sleep (--no-spin)' if args.no_spin else _spin()}; load average "
            f"{load_before:.1f} before the stream, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)"))
     log("")
     log("| runtime | p50 | p99 | 2nd-half p50 | 2nd-half p99 | 2nd-half p99/p50 | first call (mean) | stream total s "
@@ -238,6 +241,11 @@ def main() -> None:
         f.write(text + "\n")
     if args.out:
         Path(args.out, f"dynamic-{args.device}.md").write_text(text)
+
+
+def _spin() -> str:
+    count = os.environ.get("GOMP_SPINCOUNT")
+    return f"spin GOMP_SPINCOUNT={count}" if count else "spin (libgomp default)"
 
 
 def _cpu_name() -> str:
