@@ -10,25 +10,11 @@ imports the builder on first use.
 
 from __future__ import annotations
 
-import os as _os
-import sys as _sys
 from typing import TYPE_CHECKING, Any
 
-# Idle OpenMP threads. libgomp (torch's, which oneDNN and kiln's C kernels share) reads its wait policy
-# once, when torch loads it; by default an idle thread spins 300,000 iterations before it sleeps. Where
-# the cores are busy with other work (a shared VM, a host running other jobs) the spinning threads take
-# the time slices the working ones need: ResNet-50 batch 1 on a 2-vCPU EPYC with two busy loops beside it
-# ran at 1.97x onnxruntime's latency spinning and at 0.95x with a short spin. On an idle machine the short
-# spin costs instead (0-27% on CNNs, ~1.4x on a stream of small transformer requests: a sleeping thread
-# wakes for every layer). So a short spin when the machine is busy as kiln is imported (1-min load average
-# at least half its CPUs), unless the user chose a policy, and only before torch is loaded
-# (bench/results/cpu-2026-12-01.md).
-if "torch" not in _sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(_os.environ):
-    try:
-        if _os.getloadavg()[0] >= 0.5 * (_os.cpu_count() or 1):
-            _os.environ["GOMP_SPINCOUNT"] = "10000"
-    except OSError:  # no load average on this platform: libgomp's default
-        pass
+from kiln.openmp import choose_wait_policy
+
+choose_wait_policy()  # before torch loads libgomp: a short spin on a busy machine (kiln/openmp.py)
 
 from kiln import errors  # noqa: E402
 from kiln.errors import (  # noqa: E402

@@ -1,0 +1,44 @@
+"""kiln/openmp.py: the short OpenMP spin is chosen on a busy machine only, never over the user's own
+policy, and never after torch has loaded libgomp (too late to matter: not pretended)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kiln import openmp
+
+
+def test_a_busy_machine_gets_the_short_spin():
+    env: dict[str, str] = {}
+    assert openmp.choose_wait_policy(env, modules={}, load=1.0, cpus=2) == openmp.SHORT_SPIN
+    assert env == {"GOMP_SPINCOUNT": openmp.SHORT_SPIN}
+
+
+def test_an_idle_machine_keeps_libgomps_default():
+    env: dict[str, str] = {}
+    assert openmp.choose_wait_policy(env, modules={}, load=0.9, cpus=2) is None
+    assert openmp.choose_wait_policy(env, modules={}, load=7.9, cpus=16) is None
+    assert env == {}
+
+
+def test_the_users_policy_and_a_loaded_torch_win():
+    for given in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
+        env = dict(given)
+        assert openmp.choose_wait_policy(env, modules={}, load=9.0, cpus=2) is None
+        assert env == given
+    env = {}
+    assert openmp.choose_wait_policy(env, modules={"torch": object()}, load=9.0, cpus=2) is None
+    assert env == {}
+
+
+def test_import_kiln_decides_before_torch_loads():
+    code = ("import os, sys; import kiln; from kiln import openmp; "
+            "print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'), "
+            "openmp.busy(os.getloadavg()[0], os.cpu_count() or 1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in __import__("os").environ.items() if k not in openmp.POLICY})
+    torch_loaded, spin, was_busy = out.stdout.split()
+    assert torch_loaded == "True"  # kiln imports torch: the decision had to come first
+    # the load may change between the import and the check: only a set spin must be the short one
+    assert spin in ("None", openmp.SHORT_SPIN), out.stdout
