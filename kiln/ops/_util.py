@@ -27,8 +27,9 @@ def scalar(value: Any) -> Any:
 
 def broadcast_sizes(*sizes: tuple[int, ...]) -> tuple[int, ...]:
     """numpy's (ONNX's multidirectional) broadcast of `sizes`, a ValueError when they do not. In
-    Python: torch.broadcast_shapes costs tens of microseconds a call (symbolic-shape checks), and
-    Expand runs it on every call of a transformer's mask preparation."""
+    Python: torch.broadcast_shapes costs tens of microseconds a call (symbolic-shape checks); Expand runs
+    this on every call of a transformer's mask preparation, kiln's CPU broadcast kernels whenever a native
+    segment binds a new input size."""
     rank = max((len(s) for s in sizes), default=0)
     out = []
     for axis in range(rank):

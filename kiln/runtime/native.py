@@ -151,8 +151,8 @@ class Segment:
         address: dict[int, int] = {s: base + spans[group[s]].offset for s in produced if group[s] in spans}
 
         # Bind every layer to its buffers; entries and exit groups are pointed at per call.
-        self.per_call: dict[int, list[tuple[Any, str]]] = {}  # entry slot or exit group -> [(Bound, role)]
-        self._per_call_index: dict[int, list[tuple[int, Any]]] = {}  # the same, the Bound by its index in bound
+        # entry slot or exit group -> [(index of the Bound in self.bound, role)]
+        self.per_call: dict[int, list[tuple[int, Any]]] = {}
         self._address, self._accumulate = address, accumulate
         self.bound = []  # owns the memory objects the calls' argument arrays point at
         self._bound_members: list[int] = []  # the member of each bound call
@@ -164,32 +164,19 @@ class Segment:
             b, roles = _bind_member(m, native, accumulate[k], address)
             for s, role in roles:
                 if s in produced and group[s] in exit_group:
-                    self.per_call.setdefault(group[s], []).append((b, role))
-                    self._per_call_index.setdefault(group[s], []).append((len(self.bound), role))
+                    self.per_call.setdefault(group[s], []).append((len(self.bound), role))
                 elif s not in produced:
-                    self.per_call.setdefault(s, []).append((b, role))
-                    self._per_call_index.setdefault(s, []).append((len(self.bound), role))
+                    self.per_call.setdefault(s, []).append((len(self.bound), role))
             self.bound.append(b)
             self._bound_members.append(k)
             calls = b.calls()
             self._calls += calls
             self._names += [m.ctx.name] * len(calls)
         self.exit_groups = [group[s] for s in self.exits]
-        self.exit_shapes = []
-        for s in self.exits:
-            native = natives[produced[s]]
-            self.exit_shapes.append((tuple(native.output_size), native.output_strides, native.output_dtype))
-        # Each entry's size, dtype and layout ("nhwc": a 4-D activation of oneDNN's layers; "rows":
-        # row-major, what kiln's own kernels read), as its readers expect it
-        self.entry_sizes, self.entry_dtypes, self.entry_layouts = [], [], []
-        for s in self.entries:
-            expected = {_expects(natives[k], role) for k, role in consumers[s]}
-            if len(expected) != 1:
-                raise ValueError(f"the layers of a segment read value {s} in different forms: {sorted(map(str, expected))}")
-            size, dtype, layout = expected.pop()
-            self.entry_sizes.append(size)
-            self.entry_dtypes.append(dtype)
-            self.entry_layouts.append(layout)
+        self.exit_shapes = _exit_shapes(self.exits, produced, natives)
+        self._entry_readers = [consumers[s] for s in self.entries]
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, self._entry_readers,
+                                                                               natives)
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
@@ -209,16 +196,17 @@ class Segment:
         plain: list[tuple[int, Any]] = []
         staged: list[tuple[int, Any]] = []
         for k, s in enumerate(self.entries):
-            for b, role in self.per_call[s]:
-                plain.append((b.memory(role), ("entry", k)))
-                staged.append((b.memory(role), staged_entries[k][1].data_ptr()) if k in staged_entries
-                              else (b.memory(role), ("entry", k)))
+            for i, role in self.per_call[s]:
+                memory = self.bound[i].memory(role)
+                plain.append((memory, ("entry", k)))
+                staged.append((memory, staged_entries[k][1].data_ptr()) if k in staged_entries
+                              else (memory, ("entry", k)))
         for k, (bound, _buffer) in staged_entries.items():
             staged.append((bound.memory("src"), ("entry", k)))
         for j, g in enumerate(self.exit_groups):
-            for b, role in self.per_call.get(g, ()):
-                plain.append((b.memory(role), ("exit", j)))
-                staged.append((b.memory(role), ("exit", j)))
+            for i, role in self.per_call.get(g, ()):
+                plain.append((self.bound[i].memory(role), ("exit", j)))
+                staged.append((self.bound[i].memory(role), ("exit", j)))
         staged_calls = [c for _, b, _ in self._staged for c in b.calls()] + self._calls
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
         self._variants = {False: (plain, self._calls, self._names)}
@@ -234,7 +222,6 @@ class Segment:
         self.accumulated = sum(accumulate)
         self.aliased = sum(n.alias for n in natives)
         self._natives = natives
-        self._entry_readers = [consumers[s] for s in self.entries]
         # Other sizes as views over this segment's memory (_Resized)
         self._views = self._c is not None and not self._staged
         self._template: Segment = self  # the segment whose memory other sizes' views use (grows)
@@ -256,15 +243,7 @@ class Segment:
         sources = {"entry": entry_addresses, "exit": exit_addresses}
         bindings, calls, names = self._variants[staged]
         if self._c is not None:
-            run, execute, set_handle, nbind, memories, addresses, moving, count, prims, nargs, argv, failed = \
-                self._c[staged]
-            for i, (kind, k) in moving:
-                addresses[i] = sources[kind][k]
-            status = run(execute, set_handle, self._stream, nbind, memories, addresses, count, prims, nargs, argv,
-                         ctypes.byref(failed))
-            if status:
-                where = names[failed.value] if failed.value >= 0 else "binding an input or output"
-                self._check(status, f"layer {where!r} of a native segment")
+            _run_loop(self._c[staged], self._stream, sources, names)
             return
         for memory, src in bindings:
             self._set_handle(memory, src if isinstance(src, int) else sources[src[0]][src[1]])
@@ -420,6 +399,42 @@ class Segment:
         return exits
 
 
+def _exit_shapes(exits: list[int], produced: dict[int, int], natives: list[NativeStep]) -> list[tuple]:
+    """(size, strides, dtype) of each exit, from the member that writes it."""
+    return [(tuple(natives[produced[s]].output_size), natives[produced[s]].output_strides,
+             natives[produced[s]].output_dtype) for s in exits]
+
+
+def _entry_forms(entries: list[int], readers: list[list[tuple[int, Any]]], natives: list[NativeStep]
+                 ) -> tuple[list, list, list]:
+    """Each entry's size, dtype and layout ("nhwc": a 4-D activation of oneDNN's layers; "rows": row-major,
+    what kiln's own kernels read), as its readers [(member, role)] expect it."""
+    sizes, dtypes, layouts = [], [], []
+    for s, read_by in zip(entries, readers):
+        expected = {_expects(natives[k], role) for k, role in read_by}
+        if len(expected) != 1:
+            raise ValueError(f"the layers of a segment read value {s} in different forms: {sorted(map(str, expected))}")
+        size, dtype, layout = expected.pop()
+        sizes.append(size)
+        dtypes.append(dtype)
+        layouts.append(layout)
+    return sizes, dtypes, layouts
+
+
+def _run_loop(c: tuple, stream: Any, sources: dict[str, list[int]], names: list[str]) -> None:
+    """One run of a segment's compiled loop (`c`: Segment._c_loop's arrays): its moving bindings pointed at
+    this run's entries and exits (`sources`), every call made; a failing call raised by its layer's name.
+    The caller holds the lock of the segment whose memory objects the loop binds."""
+    run, functions, set_handle, nbind, memories, addresses, moving, count, objects, nargs, args, failed = c
+    for i, (kind, k) in moving:
+        addresses[i] = sources[kind][k]
+    status = run(functions, set_handle, stream, nbind, memories, addresses, count, objects, nargs, args,
+                 ctypes.byref(failed))
+    if status:
+        where = names[failed.value] if failed.value >= 0 else "binding an input or output"
+        onednn._check(status, f"layer {where!r} of a native segment")
+
+
 def _form(native: NativeStep) -> tuple:
     """What of a member's NativeStep shapes a segment's structure, whatever its sizes."""
     return native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads)
@@ -569,25 +584,14 @@ class _Resized:
                 bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
         self._bound = bound  # owns what the calls point at
         calls = [c for b in bound for c in b.calls()]
-        self.exit_shapes = []
-        produced = template._layout[0]
-        for s in self.exits:
-            native = natives[produced[s]]
-            self.exit_shapes.append((tuple(native.output_size), native.output_strides, native.output_dtype))
-        self.entry_sizes, self.entry_dtypes, self.entry_layouts = [], [], []
-        for readers in template._entry_readers:
-            expected = {_expects(natives[k], role) for k, role in readers}
-            if len(expected) != 1:
-                raise ValueError(f"a segment's layers read an entry in different forms: {sorted(map(str, expected))}")
-            size, dtype, layout = expected.pop()
-            self.entry_sizes.append(size)
-            self.entry_dtypes.append(dtype)
-            self.entry_layouts.append(layout)
+        self.exit_shapes = _exit_shapes(self.exits, template._layout[0], natives)
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
+                                                                               natives)
         bindings = []
         for k, s in enumerate(self.entries):
-            bindings += [(_memory_of(bound[i], role), ("entry", k)) for i, role in template._per_call_index[s]]
+            bindings += [(bound[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
         for j, g in enumerate(template.exit_groups):
-            bindings += [(_memory_of(bound[i], role), ("exit", j)) for i, role in template._per_call_index.get(g, ())]
+            bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         self._c = template._c_loop(native_loop.load(), bindings, calls)
         self._names = [template.members[k].ctx.name for b, k in zip(bound, template._bound_members)
                        for _ in b.calls()]
@@ -601,17 +605,5 @@ class _Resized:
             entries.append(v if laid_out else (v.contiguous(memory_format=_CL) if layout == "nhwc" else v.contiguous()))
         sources = {"entry": [v.data_ptr() for v in entries], "exit": [v.data_ptr() for v in exits]}
         with template._lock:
-            run, functions, set_handle, nbind, memories, addresses, moving, count, objects, nargs, args, failed = \
-                self._c
-            for i, (kind, k) in moving:
-                addresses[i] = sources[kind][k]
-            status = run(functions, set_handle, template._stream, nbind, memories, addresses, count, objects, nargs,
-                         args, ctypes.byref(failed))
-        if status:
-            where = self._names[failed.value] if failed.value >= 0 else "binding an input or output"
-            template._check(status, f"layer {where!r} of a native segment")
+            _run_loop(self._c, template._stream, sources, self._names)
         return tuple(exits) if len(exits) != 1 else exits[0]
-
-
-def _memory_of(bound: Any, role: Any) -> int:
-    return bound.memory(role)

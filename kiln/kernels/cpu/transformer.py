@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import native_loop, onednn
+from kiln.ops._util import broadcast_sizes
 
 SOURCE = Path(__file__).with_name("transformer.c").read_text()
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd")
@@ -223,19 +224,6 @@ def vector(w: torch.Tensor | None) -> torch.Tensor | None:
     return w.detach().to(torch.float32).reshape(-1).contiguous()
 
 
-def broadcast_shape(*sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """numpy's broadcast of `sizes` (torch.broadcast_shapes costs ~0.3 ms a call: this runs per layer
-    whenever a segment binds a new input size)."""
-    rank = max(len(s) for s in sizes)
-    out = []
-    for axis in range(rank):
-        dims = {s[axis - rank + len(s)] for s in sizes if axis - rank + len(s) >= 0} - {1}
-        if len(dims) > 1:
-            raise ValueError(f"sizes {[list(s) for s in sizes]} do not broadcast")
-        out.append(dims.pop() if dims else 1)
-    return tuple(out)
-
-
 def _rows(size: tuple[int, ...]) -> int:
     n = 1
     for d in size[:-1]:
@@ -367,7 +355,7 @@ class Broadcast(NativeKernel):
 
     def __init__(self, op: str, sizes: list[tuple[int, ...]], source: torch.dtype = torch.bool):
         super().__init__(f"{op} of {[list(s) for s in sizes]}")
-        out = broadcast_shape(*[tuple(s) for s in sizes])
+        out = broadcast_sizes(*[tuple(s) for s in sizes])
         if len(out) > MAX_DIMS:
             raise ValueError(f"{len(out)} dims: at most {MAX_DIMS}")
         self.output_size = out
