@@ -134,22 +134,6 @@ register(Tactic(
 
 # ---- RMSNorm (kiln::RMSNorm: T5, Llama-style encoders) ---------------------------------------------
 
-def _rms_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if not kernels.available():
-        return f"kiln's transformer kernels are not built: {kernels.reason()}"
-    x = inputs[0]
-    if x.shape is None or len(x.shape) < 1 or x.shape[-1] < 1:
-        return "the input's shape is not known"
-    axis = int(_attr(step, "axis", -1))
-    if axis not in (-1, len(x.shape) - 1):
-        return f"normalizes from axis {axis}: only the last axis"
-    w = inputs[1] if len(inputs) > 1 else None
-    if w is not None and w.shape is not None and (not w.constant or w.dtype != _F32
-                                                  or math.prod(w.shape) != x.shape[-1]):
-        return f"the scale is not a float32 constant of the normalized width {x.shape[-1]}"
-    return True
-
-
 def _rms_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     scale = kernels.vector(constants[1] if len(constants) > 1 else None)
     epsilon = float(_attr(step, "epsilon", 1e-6))
@@ -159,7 +143,8 @@ def _rms_prepare(step: StepSpec, constants: list[Any], device: torch.device):
 
 register(Tactic(
     name="cpu.rmsnorm.native", op_type="RMSNorm", domain="kiln", device="cpu", dtypes=(_F32,),
-    supports=_rms_supports, configure=sizes_config, prepare=_rms_prepare, available=kernels.available, native=True,
+    # kiln::RMSNorm (x, scale) passes LayerNorm's checks as they are: one output, no bias, no residual
+    supports=_ln_supports, configure=sizes_config, prepare=_rms_prepare, available=kernels.available, native=True,
     description="RMSNorm over the last axis in kiln's C (the LayerNorm kernel without the mean), a native-segment "
                 "member",
 ))
