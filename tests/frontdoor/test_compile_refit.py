@@ -12,6 +12,7 @@ from torch import nn
 
 import kiln
 import kiln.torch_backend
+from frontdoor.test_compile import Block
 from kiln.builder.refit import RefitError
 
 # float32: the same layers computed by kiln's kernels (BN folded into the conv, fused epilogues) and by
@@ -40,22 +41,6 @@ class SmallCnn(nn.Module):
 
     def forward(self, images):
         return self.head(torch.flatten(self.features(images), 1))
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: LayerNorm, multi-head attention, GELU MLP, residuals."""
-
-    def __init__(self, d=32, heads=4):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        h = self.ln1(x)
-        a, _ = self.attn(h, h, h, need_weights=False)
-        x = x + a
-        return x + self.mlp(self.ln2(x))
 
 
 class WithGain(nn.Module):

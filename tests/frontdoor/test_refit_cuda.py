@@ -11,18 +11,10 @@ import torch
 import kiln
 import kiln.torch_backend
 from frontdoor.test_compile_refit import CASES, WithGain, _made, _tactics
+from frontdoor.test_cuda import exact_float32  # noqa: F401  autouse: no TF32 in torch's float32 reference
 from frontdoor.test_refit_int8 import NETS, _batches, _save
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-@pytest.fixture(autouse=True)
-def exact_float32():
-    """Float32 compared at float32's tolerance: no TF32 in torch's reference."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 @pytest.mark.parametrize("quantization", ["emulate", "auto"])
