@@ -290,11 +290,29 @@ def test_killed_replica_loses_no_request(ray_app):
     retried = [replica for attempts, replica in results if attempts > 1]
     assert retried, "the killed replica held no request: nothing was sent again"
     assert victim not in retried
-    # Ray Serve replaces the dead replica: two running again, the victim not among them
+    # Ray Serve replaces the dead replica: two live replica actors again, the victim not among them, and
+    # the controller counts both RUNNING. (Right after the kill the controller may still count the
+    # victim as running: waiting on that count alone let the replacement be placed during the next
+    # test, on the node that test adds.)
     deadline = time.monotonic() + 120
-    while not (_gone(victim) and _running_replicas("slow") == 2) and time.monotonic() < deadline:
+    while not (_gone(victim) and _live_replicas("slow") == 2 and _running_replicas("slow") == 2) \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert _gone(victim) and _running_replicas("slow") == 2
+    assert _gone(victim) and _live_replicas("slow") == 2 and _running_replicas("slow") == 2
+
+
+def _live_replicas(deployment_name: str) -> int:
+    """Replica actors of the deployment that answer a call (started, not dead)."""
+    prefix = f"SERVE_REPLICA::kiln#{deployment_name}#"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
+    live = 0
+    for name in names:
+        try:
+            ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(lambda _self: None), timeout=10)
+        except Exception:  # noqa: BLE001 - dead, dying or not yet started
+            continue
+        live += 1
+    return live
 
 
 def _running_replicas(deployment_name: str) -> int:
@@ -320,7 +338,8 @@ def test_gpu_model_replica_is_placed_with_its_gpu(cluster, ray_app, ray_reposito
     """A KIND_GPU model's replica reserves a GPU in a placement-group bundle: on a cluster where only a
     third node has one (declared: there is no GPU here), the replica lands there. Without CUDA the
     model itself cannot load (its engine is a CPU one), so it is UNAVAILABLE with that reason."""
-    gpu_node = cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 << 20, node_ip_address="127.0.0.1")
+    # 2 CPUs: the bundle's CPU stays free even if Ray places some other replica on the new node
+    gpu_node = cluster.add_node(num_cpus=2, num_gpus=1, object_store_memory=100 << 20, node_ip_address="127.0.0.1")
     try:
         (tmp_path / "onGPU" / "1").mkdir(parents=True)
         shutil.copy(ray_repository / "mlp" / "1" / "model.kiln", tmp_path / "onGPU" / "1" / "model.kiln")
