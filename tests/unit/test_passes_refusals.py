@@ -159,6 +159,19 @@ def padded_pool_over_the_whole_input():
                  [value("x", [1, 3, 5, 5])], [value("y", [1, 3, 1, 1])])
 
 
+def conv1d_same_padded():
+    """Conv1d with auto_pad SAME_UPPER: its pads depend on the input's length."""
+    return model([node("Conv", ["x", "w"], ["y"], auto_pad="SAME_UPPER")], [value("x", [2, 4, 9])],
+                 [value("y", [2, 5, 9])], [("w", randn(5, 4, 3))])
+
+
+def mean_over_time_of_a_dynamic_batch():
+    """Squeeze([N, C, 1, W], 2) -> mean over time: the [N, C] to restore has a symbolic dim."""
+    nodes = [node("Squeeze", ["x", "two"], ["s"]), node("ReduceMean", ["s", "minus_one"], ["y"], keepdims=0)]
+    return model(nodes, [value("x", ["N", 4, 1, 9])], [value("y", ["N", 4])],
+                 [("two", np.array([2], np.int64)), ("minus_one", np.array([-1], np.int64))])
+
+
 def matmul_of_a_vector():
     # x [8] @ W [8, 6]: a 1-D input is not a batch of rows
     return model([node("MatMul", ["x", "w"], ["y"])], [value("x", [8])], [value("y", [6])], [("w", randn(8, 6))])
@@ -351,6 +364,9 @@ CASES = {
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,
                                              "is read elsewhere too", before=["fuse_conv"]),
+    "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),
+    "conv1d_mean/dynamic_batch": Case("conv1d_mean_as_global_pool", mean_over_time_of_a_dynamic_batch,
+                                      "shape is not static"),
     "global_average_pool/padded": Case("global_average_pool", padded_pool_over_the_whole_input, "pads it"),
     "gemm/weight_not_constant": Case("fuse_gemm", lambda: gemm(weight_is_input=True), "computed at run time"),
     "gemm/trans_a": Case("fuse_gemm", lambda: gemm(trans_a=1), "transA=1"),
