@@ -248,7 +248,8 @@ def test_engine_relays_weights_out_once(op, attrs, outputs, layout, mode, monkey
     rng = case_rng(f"engine-{op}-{outputs}")
     values = layer_inputs(rng, op, directions=directions, layout=layout, lengths="mixed", initial=True, bias=True)
     model, _ = engine_model(op, values, attrs, outputs)
-    engine = kiln.build(model)
+    engine = kiln.build(model)  # may run the layer already (a candidate tactic refused it: the default is timed)
+    built_with = len(relayouts)
     relayouts.clear()
     for run in range(3):
         fresh = layer_inputs(rng, op, directions=directions, layout=layout, lengths="mixed", initial=True,
@@ -260,7 +261,8 @@ def test_engine_relays_weights_out_once(op, attrs, outputs, layout, mode, monkey
         for name, w in zip(["Y", "Y_h", "Y_c"], want):
             if name in got:
                 assert_close(got[name], w, TOLERANCE, f"{op} engine run {run} {name}")
-    assert len(relayouts) == 1, f"weights re-laid-out {len(relayouts)} times in 3 runs"
+    assert len(relayouts) == (0 if built_with else 1), \
+        f"weights re-laid-out {len(relayouts)} times in 3 runs ({built_with} at build)"
     assert fused_calls and set(fused_calls) == {mode}
 
 

@@ -7,6 +7,7 @@
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
+    recurrent.py   ONNX LSTM as kiln's C loop (kiln/kernels/cpu/lstm.c): input projection + one loop over time
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """
 
@@ -18,3 +19,4 @@ import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
 import kiln.tactics.cpu.squeeze_excite  # noqa: F401
+import kiln.tactics.cpu.recurrent  # noqa: F401
