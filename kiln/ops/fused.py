@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.indexing import _norm_indices
 from kiln.ops.nn import _conv_params, _pad_spatial
 from kiln.ops.registry import register
 
@@ -225,3 +226,13 @@ def elementwise(ctx, *inputs, code=None):
         temps.append(_ELEMENTWISE[op](*values))
     return temps[-1]
 
+
+@register("EmbeddingConcat", domain="kiln")
+def embedding_concat(ctx, ids, *parts, fields=()):
+    """Concat(part_k if fields[k] < 0 else part_k[ids[:, fields[k]]], axis=1): a recommender's per-field
+    embedding lookups and their concatenation as one step (kiln/passes/fusion/embedding_concat.py).
+    ids [N, F] integer; a looked-up part is a table [V, D] (negative ids count from its end), the others
+    [N, C] tensors concatenated as they are."""
+    pieces = [part if field < 0 else part.index_select(0, _norm_indices(ids[:, field], part.shape[0]))
+              for part, field in zip(parts, fields)]  # each [N, ·]
+    return torch.cat(pieces, dim=1)

@@ -172,6 +172,16 @@ def mean_over_time_of_a_dynamic_batch():
                  [("two", np.array([2], np.int64)), ("minus_one", np.array([-1], np.int64))])
 
 
+def lookups_from_two_ids_tensors():
+    """Concat(T_0[a[:, 0]], T_1[b[:, 1]]): per-field lookups, but from two ids tensors."""
+    nodes = [node("Gather", ["a", "zero"], ["ca"], axis=1), node("Gather", ["t0", "ca"], ["e0"]),
+             node("Gather", ["b", "one"], ["cb"], axis=1), node("Gather", ["t1", "cb"], ["e1"]),
+             node("Concat", ["e0", "e1"], ["y"], axis=1)]
+    return model(nodes, [value("a", [3, 2], I64), value("b", [3, 2], I64)], [value("y", [3, 4])],
+                 [("zero", np.array(0, np.int64)), ("one", np.array(1, np.int64)), ("t0", randn(5, 2)),
+                  ("t1", randn(5, 2))])
+
+
 def matmul_of_a_vector():
     # x [8] @ W [8, 6]: a 1-D input is not a batch of rows
     return model([node("MatMul", ["x", "w"], ["y"])], [value("x", [8])], [value("y", [6])], [("w", randn(8, 6))])
@@ -367,6 +377,7 @@ CASES = {
     "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),
     "conv1d_mean/dynamic_batch": Case("conv1d_mean_as_global_pool", mean_over_time_of_a_dynamic_batch,
                                       "shape is not static"),
+    "embedding_concat/two_ids_tensors": Case("fuse_embedding_concat", lookups_from_two_ids_tensors, "different ids"),
     "global_average_pool/padded": Case("global_average_pool", padded_pool_over_the_whole_input, "pads it"),
     "gemm/weight_not_constant": Case("fuse_gemm", lambda: gemm(weight_is_input=True), "computed at run time"),
     "gemm/trans_a": Case("fuse_gemm", lambda: gemm(trans_a=1), "transA=1"),

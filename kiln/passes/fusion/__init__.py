@@ -11,6 +11,7 @@ from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_bro
 from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
+from kiln.passes.fusion.embedding_concat import fuse_embedding_concat
 from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
@@ -39,6 +40,7 @@ RULES = [
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
     ("conv1d_mean_as_global_pool", conv1d_mean_as_global_pool),
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues
+    ("fuse_embedding_concat", fuse_embedding_concat),
     ("fuse_gemm", fuse_gemm),
     ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
     ("merge_parallel_gemms", merge_parallel_gemms),
@@ -52,4 +54,4 @@ RULES = [
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
-CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool"}
+CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool", "fuse_embedding_concat"}
