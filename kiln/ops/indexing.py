@@ -33,6 +33,13 @@ def gather(ctx, data, indices, *, axis=0):
     if not isinstance(data, torch.Tensor):
         idx = to_numpy(indices).astype(np.int64)
         return np.take(data, np.where(idx < 0, idx + data.shape[axis], idx), axis=axis)
+    if indices.dim() == 0 and indices.device.type == "cpu" and data.device.type == "cpu":
+        # one index (y[:, -1] of a sequence): a copy of the slice; index_select walks a strided input
+        # element by element (~3x slower on a transposed [8, 96, 128])
+        i = int(indices)
+        if not -data.shape[axis] <= i < data.shape[axis]:
+            raise IndexError(f"Gather index {i} is out of range for axis {axis} of size {data.shape[axis]}")
+        return data.select(axis, i).clone(memory_format=torch.contiguous_format)
     idx = _norm_indices(indices, data.shape[axis])
     out = data.index_select(axis, idx.reshape(-1))
     return out.reshape(data.shape[:axis] + idx.shape + data.shape[axis + 1:])
