@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.indexing import _norm_indices
 from kiln.ops.nn import _conv_params, _pad_spatial
 from kiln.ops.registry import register
 
@@ -233,6 +232,13 @@ def embedding_concat(ctx, ids, *parts, fields=()):
     embedding lookups and their concatenation as one step (kiln/passes/fusion/embedding_concat.py).
     ids [N, F] integer; a looked-up part is a table [V, D] (negative ids count from its end), the others
     [N, C] tensors concatenated as they are."""
-    pieces = [part if field < 0 else part.index_select(0, _norm_indices(ids[:, field], part.shape[0]))
-              for part, field in zip(parts, fields)]  # each [N, ·]
-    return torch.cat(pieces, dim=1)
+    looked_up = [(part, field) for part, field in zip(parts, fields) if field >= 0]
+    if any(field >= ids.shape[1] for _, field in looked_up):
+        raise IndexError(f"{ctx.name}: fields {list(fields)} index ids of {ids.shape[1]} columns")
+    vocab = [0] * ids.shape[1]
+    for part, field in looked_up:
+        vocab[field] = part.shape[0]
+    ids = ids.to(torch.int64)  # [N, F]
+    ids = torch.where(ids < 0, ids + torch.tensor(vocab, device=ids.device), ids)  # negatives from each table's end
+    pieces = [part if field < 0 else part.index_select(0, ids[:, field]) for part, field in zip(parts, fields)]
+    return torch.cat(pieces, dim=1)  # [N, Σ widths]
