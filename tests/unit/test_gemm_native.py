@@ -118,6 +118,43 @@ def test_every_epilogue_matches_float64(activation, residual, after):
         assert_close(layer(x, r), want, scale)
 
 
+def swiglu_oracle(x, w, b, r):
+    """(y, max|z|) in float64: y = silu(z[..., :H]) · z[..., H:] (+ r), z = x Wᵀ + b (kiln::FusedGemm's SwiGLU,
+    written out here, not kiln's op)."""
+    z = x.double() @ w.double().T
+    if b is not None:
+        z = z + b.double()
+    gate, up = z.chunk(2, dim=-1)
+    y = gate / (1 + torch.exp(-gate)) * up
+    if r is not None:
+        y = y + r.double()
+    return y, max(z.abs().max().item() ** 2, 1.0)  # the product of two operands of order |z|
+
+
+@pytest.mark.parametrize("kernel", runnable() + runnable(test_kernels=True), ids=lambda k: k.name.replace(" ", "-"))
+@pytest.mark.parametrize("path", ["whole K in place", "K blocks in place", "K blocks packed"])
+@pytest.mark.parametrize("m,k,h", [(1, 5, 3), (5, 40, 8), (7, 33, 21), (13, 300, 16), (16, 64, 70), (50, 72, 45),
+                                   (129, 260, 33)], ids=lambda v: str(v))
+def test_swiglu_matches_float64(kernel, path, m, k, h):
+    """W = [W_gate; W_up], H output columns (a panel's half and edges past it), every path and kernel, a
+    residual and a bias on some shapes."""
+    g = torch.Generator().manual_seed(m * 1000 + k * 10 + h)
+    with_bias, residual = m % 2 == 1, h % 3 == 0
+    x, w, b, _ = data(g, (m,), k, 2 * h, bias=with_bias)
+    r = torch.randn(m, h, generator=g) if residual else None
+    small, pack = {"whole K in place": (1 << 30, 0), "K blocks in place": (0, 1 << 30), "K blocks packed": (0, 0)}[path]
+    layer = gemm_native.PackedLinear(w, b, "SwiGLU", residual=residual, kernel=kernel, small_m=small, pack_m=pack)
+    want, scale = swiglu_oracle(x, w, b, r)
+    assert_close(layer(x, r), want, scale)
+
+
+def test_swiglu_with_an_empty_k_is_the_gated_bias():
+    b = torch.randn(10)
+    layer = gemm_native.PackedLinear(torch.empty(10, 0), b, "SwiGLU")
+    want, scale = swiglu_oracle(torch.empty(3, 0), torch.empty(10, 0), b, None)
+    assert_close(layer(torch.empty(3, 0)), want, scale)
+
+
 @pytest.mark.parametrize("activation", ["Gelu", "GeluTanh", "Tanh", "Sigmoid", "SiLU"])
 def test_rational_activations_are_within_1e6_of_float64(activation):
     """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone."""
@@ -201,10 +238,13 @@ def test_the_avx512_tile_shape_runs_right_on_this_cpu():
 # ---- the tactic ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("lead", [(5,), (2, 9)])
-@pytest.mark.parametrize("activation,residual", [("", False), ("Gelu", True), ("Relu", False)])
+@pytest.mark.parametrize("activation,residual", [("", False), ("Gelu", True), ("Relu", False), ("SwiGLU", False),
+                                                 ("SwiGLU", True)])
 def test_tactic_matches_the_registered_op(lead, activation, residual):
     g = torch.Generator().manual_seed(11)
     x, w, b, r = data(g, lead, 40, 24, residual=residual)
+    if activation == "SwiGLU":  # the residual is as wide as the gated output
+        r = None if r is None else r[..., :12].contiguous()
     step = make_step("FusedGemm", "kiln", 4 if residual else 3, activation=activation, residual_after_activation=1)
     step = dataclasses.replace(step, tactic_config={"input_size": list(x.shape), "residual": residual})
     args = [x, w, b] + ([r] if residual else [])
@@ -213,9 +253,12 @@ def test_tactic_matches_the_registered_op(lead, activation, residual):
 
 def test_tactic_refuses_what_it_cannot_run():
     g = torch.Generator().manual_seed(12)
-    x, w, b, _ = data(g, (4,), 8, 6)
+    x, w, b, _ = data(g, (4,), 8, 7)
     swiglu = make_step("FusedGemm", "kiln", 3, activation="SwiGLU")
-    assert "SwiGLU" in reason(NAME, swiglu, [x, w, b], constant={1, 2})
+    assert "even number" in reason(NAME, swiglu, [x, w, b], constant={1, 2})  # 7 rows: no gate/up halves
+    x, w, b, _ = data(g, (4,), 8, 6)
+    swiglu_residual = make_step("FusedGemm", "kiln", 4, activation="SwiGLU")
+    assert "residual" in reason(NAME, swiglu_residual, [x, w, b, torch.randn(4, 6)], constant={1, 2})  # not [4, 3]
     plain = make_step("FusedGemm", "kiln", 3)
     assert "batch of rows" in reason(NAME, plain, [x.reshape(1, 2, 2, 8), w, b], constant={1, 2})
     assert "constant" in reason(NAME, plain, [x, w, b], constant={2})
@@ -224,20 +267,22 @@ def test_tactic_refuses_what_it_cannot_run():
 
 
 def _ffn(k: int, hidden: int, activation: str, residual: bool) -> tuple[ProgramSpec, dict]:
-    """x [.., k] -> FusedGemm(activation) [.., hidden] -> FusedGemm (+ x) [.., k], both on the tactic."""
+    """x [.., k] -> FusedGemm(activation) [.., hidden] (SwiGLU: [.., hidden / 2]) -> FusedGemm (+ x) [.., k], both
+    on the tactic."""
     g = torch.Generator().manual_seed(13)
+    inner = hidden // 2 if activation == "SwiGLU" else hidden
     weights = {"w1": torch.randn(hidden, k, generator=g) / k ** 0.5, "b1": torch.randn(hidden, generator=g),
-               "w2": torch.randn(k, hidden, generator=g) / hidden ** 0.5, "b2": torch.randn(k, generator=g)}
+               "w2": torch.randn(k, inner, generator=g) / inner ** 0.5, "b2": torch.randn(k, generator=g)}
     up = StepSpec("FusedGemm", "up", ["x", "w1", "b1"], ["h"], {"activation": activation}, domain="kiln",
                   tactic=NAME, tactic_config={"input_size": [2, 7, k], "residual": False})
     down = StepSpec("FusedGemm", "down", ["h", "w2", "b2"] + (["x"] if residual else []), ["y"],
                     {"residual_after_activation": 1}, domain="kiln", tactic=NAME,
-                    tactic_config={"input_size": [2, 7, hidden], "residual": residual})
+                    tactic_config={"input_size": [2, 7, inner], "residual": residual})
     return ProgramSpec(["x"], ["y"], [up, down], {s: s for s in weights}), weights
 
 
 @pytest.mark.skipif(not onednn.available(), reason="a native segment binds oneDNN memory objects")
-@pytest.mark.parametrize("activation,residual", [("Gelu", True), ("Relu", False)])
+@pytest.mark.parametrize("activation,residual", [("Gelu", True), ("Relu", False), ("SwiGLU", True)])
 def test_a_transformer_ffn_runs_as_one_native_segment_at_every_row_count(activation, residual):
     spec, weights = _ffn(48, 100, activation, residual)
     program = Program(spec, weights)
@@ -247,7 +292,10 @@ def test_a_transformer_ffn_runs_as_one_native_segment_at_every_row_count(activat
         x = torch.randn(*shape, generator=g)
         with torch.inference_mode():
             got = program.run([x])[0]
-        h, _ = oracle(x, weights["w1"], weights["b1"], None, activation, 1)
+        if activation == "SwiGLU":
+            h, _ = swiglu_oracle(x, weights["w1"], weights["b1"], None)
+        else:
+            h, _ = oracle(x, weights["w1"], weights["b1"], None, activation, 1)
         want, scale = oracle(h, weights["w2"], weights["b2"], x if residual else None, "", 1)
         assert_close(got, want, scale)
 

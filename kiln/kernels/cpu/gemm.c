@@ -30,7 +30,7 @@ typedef int (*get_handle_fn)(void *memory, void **handle);
 
 /* Activations (kiln/kernels/cpu/gemm_native.py: ACTIVATIONS). */
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_LEAKY_RELU, ACT_GELU, ACT_GELU_TANH, ACT_TANH, ACT_SIGMOID, ACT_SILU,
-       ACT_HARD_SIGMOID, ACT_HARD_SWISH };
+       ACT_HARD_SIGMOID, ACT_HARD_SWISH, ACT_SWIGLU };
 
 typedef struct {
     get_handle_fn get_handle;   /* dnnl_memory_get_data_handle when src/dst/residual are oneDNN memories
@@ -46,6 +46,8 @@ typedef struct {
     int residual_after;         /* 1: act(y) + r; 0: act(y + r) */
     long small_m;               /* up to this many rows, x is read in place over the whole K (GEMV-like) */
     long pack_m;                /* past this many rows, A is packed (else read in place, K-blocked) */
+    long out_n;                 /* the output's width: N, or for ACT_SWIGLU the gated half (see swiglu_epilogue) */
+    float *c_scratch;           /* ACT_SWIGLU past small_m rows: [M, N] floats of C before the gating */
 } kiln_gemm_plan;
 
 typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
@@ -343,6 +345,31 @@ static void epilogue(const kiln_gemm_plan *p, float *y, const float *res, long r
     }
 }
 
+/* SwiGLU (kiln::FusedGemm's "SwiGLU": y = silu(h[:, :H]) · h[:, H:], h = x Wᵀ + b). gemm_native.py packs
+   W = [W_gate; W_up] so that panel q holds gate rows [q·NR/2, (q+1)·NR/2) in its first half and the
+   matching up rows in its second (zero rows past H), the bias likewise: a C tile of one panel holds both
+   operands of NR/2 output columns. c: the tile (m rows, leading dimension ldc) of panel q, rows from row0;
+   y [M, out_n]: the output, written here (+ the residual, after the gating). */
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+static void swiglu_epilogue(const kiln_gemm_plan *p, long nr, const float *c, long ldc, float *y, const float *res,
+                            long row0, long q, int m) {
+    const long half = nr / 2, col0 = q * half, out_n = p->out_n;
+    const int n = (int)(out_n - col0 < half ? out_n - col0 : half);
+    const float *bias = p->bias ? p->bias + q * nr : NULL;
+    for (int i = 0; i < m; ++i) {
+        const float *g = c + i * ldc, *u = g + half;
+        float *out = y + (row0 + i) * out_n + col0;
+        const float *r = res ? res + (row0 + i) * out_n + col0 : NULL;
+        for (int j = 0; j < n; ++j) {
+            const float a = bias ? g[j] + bias[j] : g[j], b = bias ? u[j] + bias[half + j] : u[j];
+            out[j] = a / (1.0f + exp_poly(-a)) * b;
+        }
+        if (r) for (int j = 0; j < n; ++j) out[j] += r[j];
+    }
+}
+#pragma GCC pop_options
+
 /* ---- the driver -------------------------------------------------------------------------------------- */
 
 static long ceil_div(long a, long b) { return (a + b - 1) / b; }
@@ -379,7 +406,7 @@ static long panel_chunk(long panels, long row_groups, int threads) {
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res,
                       int threads) {
     const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
-    const int epi = has_epilogue(p, res);
+    const int epi = has_epilogue(p, res), swiglu = p->activation == ACT_SWIGLU;
     /* Past MR rows (two wide row blocks, each re-reading the W panel), up to narrow_mr: every row at once,
        half a panel at a time (8x768x768, one core: ~80 GFLOP/s where 4 + 4 wide rows ran at ~60; at MR rows
        or fewer the wide tile does more FMAs per load and wins) */
@@ -387,12 +414,20 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
         const long half = nr / 2, chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
         #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && chunks > 1)
         for (long c = 0; c < chunks; ++c)
-            for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q)
+            for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q) {
+                float tile[16 * 32] __attribute__((aligned(64)));  /* SwiGLU: both halves of the panel */
                 for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
                     const int n = (int)(N - col0 < half ? N - col0 : half);
-                    kd->narrow((int)M, K, x, K, p->packed_w + q * K * nr + (col0 - q * nr), y + col0, N, n, 0);
+                    const float *w = p->packed_w + q * K * nr + (col0 - q * nr);
+                    if (swiglu) {
+                        kd->narrow((int)M, K, x, K, w, tile + (col0 - q * nr), nr, n, 0);
+                        continue;
+                    }
+                    kd->narrow((int)M, K, x, K, w, y + col0, N, n, 0);
                     if (epi) epilogue(p, y, res, 0, col0, (int)M, n);
                 }
+                if (swiglu) swiglu_epilogue(p, nr, tile, nr, y, res, 0, q, (int)M);
+            }
         return;
     }
     const long row_blocks = ceil_div(M, kd->mr);
@@ -410,6 +445,12 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
             for (long r = g * group_blocks; r < r_end; ++r) {
                 long row0, m;
                 row_block(M, row_blocks, r, &row0, &m);
+                if (swiglu) {  /* the tile on the stack, gated into y */
+                    float tile[16 * 32] __attribute__((aligned(64)));
+                    kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, tile, nr, n, 0);
+                    swiglu_epilogue(p, nr, tile, nr, y, res, row0, q, (int)m);
+                    continue;
+                }
                 kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
                 if (epi) epilogue(p, y, res, row0, col0, (int)m, n);
             }
@@ -446,7 +487,7 @@ static item_grid grid_of(long blocks, long panels, int threads) {
 /* One item of the K-blocked loop: for each K block, each panel's kc x NR micro-panel stays in L1 while
    the tiles run down the item's row blocks [q0, q1) of the M block starting at row block b0. A is packed
    (a_packed: the M block's panels) or read in place (a_packed NULL). */
-static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
+static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, float *out,
                          const float *res, const float *a_packed, long row_blocks, long b0, long q0, long q1,
                          long p0, long p1, int epi) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
@@ -463,7 +504,9 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                 row_block(M, row_blocks, b0 + q, &row0, &m);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
                 tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
-                if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
+                if (last && p->activation == ACT_SWIGLU)
+                    swiglu_epilogue(p, nr, y + row0 * N + col0, N, out, res, row0, pn, (int)m);
+                else if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
             }
         }
     }
@@ -471,7 +514,7 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
 
 /* K-blocked, x read in place: every item of every M block in one dynamic loop (one fork/join). */
 static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
-                                 const float *res, int threads) {
+                                 float *out, const float *res, int threads) {
     const long panels = ceil_div(p->N, kd->nr), row_blocks = ceil_div(p->M, kd->mr);
     const long per_m_block = blocks_per_m_block(kd, row_blocks), m_blocks = ceil_div(row_blocks, per_m_block);
     const item_grid g = grid_of(per_m_block, panels, threads);
@@ -483,7 +526,7 @@ static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd,
         const long b0 = mb * per_m_block, blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
         const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
         const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
-        if (q0 < q1) blocked_item(p, kd, x, y, res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, epi);
+        if (q0 < q1) blocked_item(p, kd, x, y, out, res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, epi);
     }
 }
 
@@ -491,7 +534,7 @@ static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd,
    takes the next), then share its items. Two barriers per M block: a thread that other work deschedules
    holds the others up (measured on a shared 2-core VM: well behind the in-place paths there). */
 static void run_blocked_packed(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
-                               const float *res, int threads) {
+                               float *out, const float *res, int threads) {
     const long M = p->M, K = p->K, mr = kd->mr;
     const long panels = ceil_div(p->N, kd->nr), row_blocks = ceil_div(M, mr);
     const long per_m_block = blocks_per_m_block(kd, row_blocks);
@@ -512,7 +555,8 @@ static void run_blocked_packed(const kiln_gemm_plan *p, const kernel_desc *kd, c
             const long gi = it / g.chunks, c = it % g.chunks;
             const long q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
             const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
-            blocked_item(p, kd, x, y, res, a_packed, row_blocks, b0, gi * g.group_blocks, q1, c * g.chunk, p1, epi);
+            blocked_item(p, kd, x, y, out, res, a_packed, row_blocks, b0, gi * g.group_blocks, q1, c * g.chunk, p1,
+                         epi);
         }
     }
 }
@@ -537,6 +581,13 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
         }
     }
     if (p->M <= 0 || p->N <= 0) return 0;
+    const int swiglu = p->activation == ACT_SWIGLU;
+    if (swiglu && p->K <= 0) {  /* an empty sum: y = silu(b_gate) · b_up */
+        static const float zeros[64];
+        for (long i = 0; i < p->M; ++i)
+            for (long q = 0; q < ceil_div(p->N, kd->nr); ++q) swiglu_epilogue(p, kd->nr, zeros, 0, y, res, i, q, 1);
+        return 0;
+    }
     if (p->K <= 0) {  /* an empty sum: y = epilogue(0) */
         for (long i = 0; i < p->M; ++i) memset(y + i * p->N, 0, (size_t)p->N * sizeof(float));
         for (long i = 0; i < p->M; ++i) epilogue(p, y, res, i, 0, 1, (int)p->N);
@@ -547,8 +598,14 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
     if (threads <= 0) threads = omp_get_max_threads();  /* what torch.set_num_threads set (one libgomp) */
 #endif
     if (threads < 1) threads = 1;
-    if (p->M <= p->small_m) run_small(p, kd, x, y, res, threads);
-    else if (p->M > p->pack_m) run_blocked_packed(p, kd, x, y, res, threads);
-    else run_blocked_in_place(p, kd, x, y, res, threads);
+    if (p->M <= p->small_m) {
+        run_small(p, kd, x, y, res, threads);
+        return 0;
+    }
+    /* the K-blocked paths revisit C per K block: SwiGLU's C goes to c_scratch, gated into y at the last one */
+    float *c = swiglu ? p->c_scratch : y;
+    if (c == NULL) return 3;
+    if (p->M > p->pack_m) run_blocked_packed(p, kd, x, c, y, res, threads);
+    else run_blocked_in_place(p, kd, x, c, y, res, threads);
     return 0;
 }

@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("gemm.c").read_text()
 
 # kiln::FusedGemm's activations (kiln/ops/fused.py) -> gemm.c's codes
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "Gelu": 4, "GeluTanh": 5, "Tanh": 6, "Sigmoid": 7,
-               "SiLU": 8, "HardSigmoid": 9, "HardSwish": 10}
+               "SiLU": 8, "HardSigmoid": 9, "HardSwish": 10, "SwiGLU": 11}
 
 _LOADED: dict[bool, ctypes.CDLL] = {}
 _REASON: dict[bool, str] = {}
@@ -43,7 +43,8 @@ class _Plan(ctypes.Structure):  # kiln_gemm_plan in gemm.c
                 ("scratch", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
                 ("kernel", ctypes.c_int), ("threads", ctypes.c_int), ("activation", ctypes.c_int),
                 ("alpha", ctypes.c_float), ("beta", ctypes.c_float), ("residual_after", ctypes.c_int),
-                ("small_m", ctypes.c_long), ("pack_m", ctypes.c_long)]
+                ("small_m", ctypes.c_long), ("pack_m", ctypes.c_long), ("out_n", ctypes.c_long),
+                ("c_scratch", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,27 @@ def small_rows(kernel: Kernel, k: int) -> int:
     return max(2 * (14 if kernel.nr >= 32 else 6), IN_PLACE_BYTES // max(4 * k, 1))
 
 
+def swiglu_panels(w: torch.Tensor, b: torch.Tensor | None, nr: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """W = [W_gate; W_up] [2H, K] (and b [2H]) with rows reordered for gemm.c's SwiGLU epilogue: panel q
+    of NR rows holds gate rows [q·NR/2, (q+1)·NR/2) then the same up rows, zero rows past H; so one C
+    tile holds both operands of NR/2 output columns and gates them in L1 (y = silu(gate) · up)."""
+    if w.shape[0] % 2:
+        raise ValueError(f"SwiGLU needs an even number of weight rows (gate and up), given {list(w.shape)}")
+    h, half = w.shape[0] // 2, nr // 2
+    panels = -(-h // half)
+    j = torch.arange(panels * half).reshape(panels, 1, half)  # output column of each (panel, half, lane)
+    rows = torch.cat([j, j + h], dim=1)  # [panels, 2, half]: gate row j, up row H + j
+    rows = torch.where(j.expand_as(rows) < h, rows, torch.full_like(rows, 2 * h)).reshape(-1)  # 2H: a zero row
+    w = torch.cat([w, w.new_zeros(1, w.shape[1])])[rows]  # [panels·NR, K]
+    b = None if b is None else torch.cat([b.reshape(-1), b.new_zeros(1)])[rows]
+    return w, b
+
+
 class PackedLinear:
-    """One linear layer: W packed once; any row count; bind() gives a native segment its call."""
+    """One linear layer: W packed once; any row count; bind() gives a native segment its call.
+
+    activation "SwiGLU" (kiln::FusedGemm's: W = [W_gate; W_up] [2H, K]) gives y = silu(gate) · up [..., H]:
+    W's rows are interleaved per panel (swiglu_panels) and each C tile is gated while in L1."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, activation: str = "", alpha: float = 0.0,
                  beta: float = 0.0, residual: bool = False, residual_after_activation: bool = True,
@@ -144,11 +164,19 @@ class PackedLinear:
             raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
         self._lib = lib
         n, k = (int(d) for d in w.shape)
-        self.n, self.k = n, k
-        w = w.detach().to(torch.float32).contiguous()
-        self._w = hugepages.empty(lib.kiln_gemm_packed_floats(self.kernel.index, n, k))
-        lib.kiln_gemm_pack_w(self.kernel.index, w.data_ptr(), n, k, self._w.data_ptr())
-        self._bias = None if b is None else b.detach().to(torch.float32).reshape(n).contiguous()
+        w = w.detach().to(torch.float32)
+        b = None if b is None else b.detach().to(torch.float32).reshape(n)
+        self.swiglu = activation == "SwiGLU"
+        if self.swiglu:
+            w, b = swiglu_panels(w, b, self.kernel.nr)
+            self.n, self.gemm_n = n // 2, int(w.shape[0])  # output width H; the GEMM's N (panels·NR)
+        else:
+            self.n = self.gemm_n = n
+        self.k = k
+        w = w.contiguous()
+        self._w = hugepages.empty(lib.kiln_gemm_packed_floats(self.kernel.index, self.gemm_n, k))
+        lib.kiln_gemm_pack_w(self.kernel.index, w.data_ptr(), self.gemm_n, k, self._w.data_ptr())
+        self._bias = None if b is None else b.contiguous()
         self.residual = residual
         self._epilogue = dict(activation=ACTIVATIONS[activation], alpha=float(alpha), beta=float(beta),
                               residual_after=int(residual_after_activation))
@@ -159,13 +187,18 @@ class PackedLinear:
         self._lock = threading.Lock()
 
     def plan(self, rows: int, scratch: torch.Tensor | None = None) -> tuple[_Plan, torch.Tensor]:
-        """A plan for `rows` rows with its own A scratch (or `scratch` when large enough)."""
-        need = self._lib.kiln_gemm_scratch_floats(self.kernel.index, rows, self.k)
-        if scratch is None or scratch.numel() < need:
-            scratch = hugepages.empty(need) if rows > max(self.small_m, self.pack_m) else torch.empty(0)
+        """A plan for `rows` rows with its own scratch (or `scratch` when large enough): packed A past
+        pack_m rows, then SwiGLU's C before the gating past small_m rows (gemm.c's K-blocked paths)."""
+        packed_a = self._lib.kiln_gemm_scratch_floats(self.kernel.index, rows, self.k) \
+            if rows > max(self.small_m, self.pack_m) else 0
+        packed_a = -(-packed_a // 16) * 16  # C starts 64-byte aligned
+        c = rows * self.gemm_n if self.swiglu and rows > self.small_m else 0
+        if scratch is None or scratch.numel() < packed_a + c:
+            scratch = hugepages.empty(packed_a + c) if packed_a + c else torch.empty(0)
         plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
-                     scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.n, kernel=self.kernel.index,
-                     threads=0, small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
+                     scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.gemm_n, kernel=self.kernel.index,
+                     threads=0, small_m=self.small_m, pack_m=self.pack_m, out_n=self.n,
+                     c_scratch=scratch.data_ptr() + 4 * packed_a if c else None, **self._epilogue)
         return plan, scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -2,8 +2,9 @@
 
     cpu.gemm.kiln_packed   kiln::FusedGemm as kiln's GEMM: the weight packed once at load for the
                            microkernel this CPU runs (AVX-512 14x32, AVX2 6x16), A packed per call,
-                           bias/activation/residual applied to each tile in cache; runnable inside
-                           native segments, at any row count (one packed weight serves them all)
+                           bias/activation/residual applied to each tile in cache (SwiGLU's gating
+                           too: gate and up rows interleaved per panel); runnable inside native
+                           segments, at any row count (one packed weight serves them all)
 
 The autotuner times it against oneDNN (cpu.gemm.onednn_direct, cpu.gemm.onednn) and MKL
 (cpu.gemm.mkl) per layer and keeps the fastest: on an AVX2 EPYC, MKL and oneDNN ran BERT-base's FFN
@@ -45,9 +46,14 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "the bias is not a float32 constant [N] of the engine"
     activation = _attr(step, "activation", "")
     if activation not in gemm_native.ACTIVATIONS:
-        return f"activation {activation!r} is not one kiln's GEMM applies (SwiGLU halves the output)"
+        return f"activation {activation!r} is not one kiln's GEMM applies"
+    n = w.shape[0]
+    if activation == "SwiGLU":  # W = [W_gate; W_up]: the output is half as wide
+        if n % 2:
+            return f"SwiGLU needs an even number of weight rows (gate and up), given {list(w.shape)}"
+        n //= 2
     if residual is not None and residual.shape is not None:
-        if list(residual.shape) != [*x.shape[:-1], w.shape[0]] or residual.dtype != torch.float32:
+        if list(residual.shape) != [*x.shape[:-1], n] or residual.dtype != torch.float32:
             return f"residual {list(residual.shape)} is not a float32 [..., N] like the output"
     return True
 
