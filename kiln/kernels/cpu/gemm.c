@@ -357,15 +357,17 @@ static void swiglu_epilogue(const kiln_gemm_plan *p, long nr, const float *c, lo
     const long half = nr / 2, col0 = q * half, out_n = p->out_n;
     const int n = (int)(out_n - col0 < half ? out_n - col0 : half);
     const float *bias = p->bias ? p->bias + q * nr : NULL;
+    float gate[16], up[16];  /* half <= 16: copies, so that the loops below vectorise (no aliasing) */
     for (int i = 0; i < m; ++i) {
-        const float *g = c + i * ldc, *u = g + half;
-        float *out = y + (row0 + i) * out_n + col0;
-        const float *r = res ? res + (row0 + i) * out_n + col0 : NULL;
-        for (int j = 0; j < n; ++j) {
-            const float a = bias ? g[j] + bias[j] : g[j], b = bias ? u[j] + bias[half + j] : u[j];
-            out[j] = a / (1.0f + exp_poly(-a)) * b;
+        memcpy(gate, c + i * ldc, (size_t)half * sizeof(float));
+        memcpy(up, c + i * ldc + half, (size_t)half * sizeof(float));
+        if (bias) for (long j = 0; j < half; ++j) { gate[j] += bias[j]; up[j] += bias[half + j]; }
+        for (long j = 0; j < half; ++j) gate[j] = gate[j] / (1.0f + exp_poly(-gate[j])) * up[j];
+        if (res) {
+            const float *r = res + (row0 + i) * out_n + col0;
+            for (int j = 0; j < n; ++j) gate[j] += r[j];
         }
-        if (r) for (int j = 0; j < n; ++j) out[j] += r[j];
+        memcpy(y + (row0 + i) * out_n + col0, gate, (size_t)n * sizeof(float));
     }
 }
 #pragma GCC pop_options
