@@ -182,13 +182,20 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
 
 
 @register("Rotary", domain="kiln")
-def rotary(ctx, x, cos, sin, *, num_heads=0, interleaved=0):
+def rotary(ctx, x, cos, sin, *, num_heads=0, interleaved=0, rotate_heads=0):
     """Rotary position embedding, rotate-half form: x·cos + rotate_half(x)·sin, cos/sin broadcast to x.
 
     rotate_half(x) = concat(-x[..., D/2:], x[..., :D/2]); `interleaved` = 1 rotates pairs
     (x0, x1), (x2, x3), ... instead (GPT-J). `num_heads`: a 3-D x [B, S, H·D] is first viewed
     as [B, S, H, D]. cos/sin are full width [..., D] (both halves given), so any rotary table works.
+    `rotate_heads` = R > 0 (with num_heads and a 3-D x): only heads [0, R) rotate, the others pass
+    through, and y keeps x's shape [B, S, H·D]: a packed q|k|v (kiln/passes/fusion/rotary.py
+    fuse_packed_rotary) whose v heads are not rotated.
     """
+    if rotate_heads and num_heads and x.dim() == 3:
+        heads = x.unflatten(-1, (num_heads, -1))  # [B, S, H, D]
+        rotated = rotary(ctx, heads[:, :, :rotate_heads], cos, sin, interleaved=interleaved)  # [B, S, R, D]
+        return torch.cat((rotated, heads[:, :, rotate_heads:]), dim=2).flatten(-2)  # [B, S, H·D]
     if num_heads and x.dim() == 3:
         x = x.unflatten(-1, (num_heads, -1))  # [B, S, H, D]
     if interleaved:

@@ -218,6 +218,18 @@ def rotary(cos_of: str = "x", with_add: bool = True):
     return model(nodes, [value("x", [2, 3, 5, d]), value("z", [2, 3, 5, d])], [value(out, [2, 3, 5, d])], inits)
 
 
+def packed_rotary_of_two_tables():
+    """Split(qkv) -> kiln::Rotary(q), kiln::Rotary(k) with tables of their own -> kiln::Attention."""
+    nodes = [node("Split", ["qkv", "widths"], ["q", "k", "v"], axis=-1),
+             node("Rotary", ["q", "cos_q", "sin_q"], ["rq"], domain="kiln", num_heads=4),
+             node("Rotary", ["k", "cos_k", "sin_k"], ["rk"], domain="kiln", num_heads=2),
+             node("Attention", ["rq", "rk", "v"], ["y"], domain="kiln", kv_num_heads=2, gqa=1, q_perm=[0, 2, 1, 3],
+                  k_perm=[0, 2, 1, 3], v_perm=[0, 2, 1, 3], out_perm=[0, 2, 1, 3], out_merge_heads=1)]
+    inits = [("widths", np.array([16, 8, 8], np.int64))] + [(n, randn(3, 1, 4)) for n in ("cos_q", "sin_q", "cos_k",
+                                                                                         "sin_k")]
+    return model(nodes, [value("qkv", [1, 3, 32])], [value("y", [1, 3, 16])], inits)
+
+
 def skip_layer_norm_of_a_broadcasting_add():
     # [1, 8] + [4, 1] -> [4, 8]: neither operand is the row the norm reads
     nodes = [node("Add", ["a", "b"], ["s"]), node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1)]
@@ -391,6 +403,8 @@ CASES = {
                                         "differ in weight dtype"),
     "rotary/cos_of_another_tensor": Case("fuse_rotary", lambda: rotary(cos_of="z"), "x·cos of the same x"),
     "rotary/no_add": Case("fuse_rotary", lambda: rotary(with_add=False), "not multiplied by sin and added"),
+    "packed_rotary/tables_of_their_own": Case("fuse_packed_rotary", packed_rotary_of_two_tables,
+                                              "do not share one cos/sin table"),
     # fuse_attention: the first three are refused after the mask was settled (the old rule had built it by then)
     "attention/where_const_mask_v_repeated_k_not": Case(
         "fuse_attention", lambda: attention("where_const", v_repeated=True), "grouped-query"),

@@ -554,3 +554,44 @@ int kiln_gather_nd(void *object, void *stream, int nargs, const void *args) {
     }
     return 0;
 }
+
+/* ---- Rotary position embedding (kiln::Rotary, rotate-half form) ---------------------------------
+   x contiguous, viewed as [n0, n1, n2, D]: y = x·cos + rotate_half(x)·sin for the first `rotate` of the
+   n2 (heads) axis, rotate_half(x) = (-x[D/2:], x[:D/2]); the other heads are copied (a packed q|k|v whose v
+   is not rotated). cos and sin at element strides over (n0, n1, n2) (0 where they broadcast), their last
+   axis contiguous. */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *cos, *sin, *y;
+    long n0, n1, n2, D, rotate;
+    long cs[3], ss[3];
+} rotary_plan;
+
+int kiln_rotary(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const rotary_plan *p = (const rotary_plan *)object;
+    const float *x = (const float *)handle_of(p->get_handle, p->x);
+    const float *c = (const float *)handle_of(p->get_handle, p->cos);
+    const float *s = (const float *)handle_of(p->get_handle, p->sin);
+    float *y = (float *)handle_of(p->get_handle, p->y);
+    if (!x || !c || !s || !y) return 2;
+    const long half = p->D / 2, rows = p->n0 * p->n1;
+    #pragma omp parallel for schedule(static) if (rows * p->n2 * p->D > (1L << 20))
+    for (long r = 0; r < rows; ++r) {
+        const long i0 = r / p->n1, i1 = r % p->n1;
+        for (long h = 0; h < p->n2; ++h) {
+            const float *xi = x + (r * p->n2 + h) * p->D;
+            float *yo = y + (r * p->n2 + h) * p->D;
+            if (h >= p->rotate) {
+                memcpy(yo, xi, (size_t)p->D * sizeof(float));
+                continue;
+            }
+            const float *ci = c + i0 * p->cs[0] + i1 * p->cs[1] + h * p->cs[2];
+            const float *si = s + i0 * p->ss[0] + i1 * p->ss[1] + h * p->ss[2];
+            for (long j = 0; j < half; ++j) yo[j] = xi[j] * ci[j] - xi[half + j] * si[j];
+            for (long j = 0; j < half; ++j) yo[half + j] = xi[half + j] * ci[half + j] + xi[j] * si[half + j];
+        }
+    }
+    return 0;
+}

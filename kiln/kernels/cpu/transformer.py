@@ -28,7 +28,8 @@ from kiln.kernels.cpu import native_loop, onednn
 from kiln.ops._util import broadcast_sizes
 
 SOURCE = Path(__file__).with_name("transformer.c").read_text()
-_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd")
+_FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
+              "kiln_rotary")
 
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
@@ -112,6 +113,13 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
                 ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
                 ("scale", ctypes.c_float)]
+
+
+class _RotaryPlan(ctypes.Structure):  # rotary_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("cos", ctypes.c_void_p),
+                ("sin", ctypes.c_void_p), ("y", ctypes.c_void_p), ("n0", ctypes.c_long), ("n1", ctypes.c_long),
+                ("n2", ctypes.c_long), ("D", ctypes.c_long), ("rotate", ctypes.c_long), ("cs", _LONG3),
+                ("ss", _LONG3)]
 
 
 MAX_DIMS = 6  # MAXD in transformer.c
@@ -386,3 +394,27 @@ class GatherND(NativeKernel):
         self.fields = dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
                            element=torch.empty((), dtype=data_dtype).element_size(),
                            dims=_LONGD(*(list(data_size[:m]) + [1] * (MAX_DIMS - m))))
+
+
+class Rotary(NativeKernel):
+    """kiln::Rotary, rotate-half form: x (step input 0, contiguous) viewed as [n0, n1, n2, D] (`view`),
+    y = x·cos + rotate_half(x)·sin over the first `rotate` of the n2 heads, the others copied; cos and sin
+    (step inputs 1 and 2) of sizes that broadcast to the view, their last axis D."""
+
+    PLAN, FUNCTION = _RotaryPlan, "kiln_rotary"
+
+    def __init__(self, view: tuple[int, int, int, int], output_size: tuple[int, ...], rotate: int,
+                 cos_size: tuple[int, ...], sin_size: tuple[int, ...]):
+        super().__init__(f"rotary {list(view)}, {rotate} heads rotated")
+        n0, n1, n2, depth = (int(d) for d in view)
+        if depth % 2 or not 0 <= rotate <= n2 or _numel(tuple(output_size)) != n0 * n1 * n2 * depth:
+            raise ValueError(f"rotary over {list(view)} (rotating {rotate} heads) into {list(output_size)}")
+        strides = []
+        for size in (cos_size, sin_size):
+            if len(size) > 4 or not size or size[-1] != depth:
+                raise ValueError(f"a cos/sin table of {list(size)} for a rotary of depth {depth}")
+            strides.append(torch.empty(size, device="meta").expand(view).stride()[:3])  # 0 where it repeats
+        self.output_size = tuple(output_size)
+        self.roles = {0: ("x",), 1: ("cos",), 2: ("sin",), "dst": ("y",)}
+        self.fields = dict(n0=n0, n1=n1, n2=n2, D=depth, rotate=int(rotate), cs=_LONG3(*strides[0]),
+                           ss=_LONG3(*strides[1]))

@@ -16,6 +16,7 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
+from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import remove_qdq_round_trips, sink_dequantize
@@ -47,6 +48,7 @@ RULES = [
     ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
+    ("fuse_packed_rotary", fuse_packed_rotary),  # after the head reshapes: q and k are Rotary(.., num_heads)
     ("drop_empty_attention_mask", drop_empty_attention_mask),
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
@@ -54,4 +56,5 @@ RULES = [
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
-CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool", "fuse_embedding_concat"}
+CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool", "fuse_embedding_concat",
+             "fuse_packed_rotary"}

@@ -8,6 +8,7 @@
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
     recurrent.py   ONNX LSTM as kiln's C loop (kiln/kernels/cpu/lstm.c): input projection + one loop over time
+    rotary.py      ... and for kiln::Rotary (a decoder's rotary embedding, packed q|k|v included)
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """
 
@@ -18,5 +19,6 @@ import kiln.tactics.cpu.gemm_packed  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
+import kiln.tactics.cpu.rotary  # noqa: F401
 import kiln.tactics.cpu.squeeze_excite  # noqa: F401
 import kiln.tactics.cpu.recurrent  # noqa: F401
