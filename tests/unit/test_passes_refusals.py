@@ -195,6 +195,14 @@ def gated_mlp(up_reads: str = "x", up_width: int = 6):
     return model(nodes, [value("x", [2, 8]), value("x2", [2, 8])], [value("y", [2, 6])], inits)
 
 
+def merged_gated_mlp_split_unevenly():
+    """x·W split 1 + 7, then silu(first) * second (the Mul broadcasts [2, 1] over [2, 7]): not gate and up halves."""
+    nodes = [node("MatMul", ["x", "wgu"], ["h"]), node("Split", ["h", "widths"], ["g", "u"], axis=-1),
+             node("Sigmoid", ["g"], ["sig"]), node("Mul", ["g", "sig"], ["act"]), node("Mul", ["act", "u"], ["y"])]
+    inits = [("wgu", randn(8, 8)), ("widths", np.array([1, 7], np.int64))]
+    return model(nodes, [value("x", [2, 8])], [value("y", [2, 7])], inits)
+
+
 def parallel_gemms_of_two_dtypes():
     # two plain FusedGemms read x; their weights differ in dtype: one GEMM cannot hold both
     nodes = [node("FusedGemm", ["x", "w0"], ["y0"], domain="kiln"),
@@ -399,6 +407,8 @@ CASES = {
                                     before=["fuse_gemm"]),
     "swiglu/widths_broadcast": Case("fuse_swiglu", lambda: gated_mlp(up_width=1), "the Mul would broadcast",
                                     before=["fuse_gemm"]),
+    "split_swiglu/uneven_split": Case("fuse_split_swiglu", merged_gated_mlp_split_unevenly,
+                                      "does not halve the GEMM's last axis", before=["fuse_gemm"]),
     "parallel_gemm/weight_dtypes": Case("merge_parallel_gemms", parallel_gemms_of_two_dtypes,
                                         "differ in weight dtype"),
     "rotary/cos_of_another_tensor": Case("fuse_rotary", lambda: rotary(cos_of="z"), "x·cos of the same x"),

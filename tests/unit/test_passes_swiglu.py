@@ -124,3 +124,39 @@ def test_llama_tiny_runs_its_mlps_as_one_gemm_each(monkeypatch):
     monkeypatch.setattr(fusion, "RULES", [(name, rule) for name, rule in fusion.RULES if name != "fuse_swiglu"])
     _, _, without = optimized(proto)
     assert sum(ops.values()) == sum(without.values()) - 4 == 23
+
+
+def merged_gated_mlp(b=2, s=5, k=16, n=24, bias=True, up_is_output=False) -> onnx.ModelProto:
+    """Phi-3's MLP: h = x·[Wg | Wu] (+ b), gate, up = Split(h, 2), y = (gate·sigmoid(gate)·up)·Wd."""
+    nodes = [helper.make_node("MatMul", ["x", "wgu"], ["h0"])]
+    inits = [("wgu", randn(k, 2 * n)), ("wd", randn(n, k))]
+    h = "h0"
+    if bias:
+        nodes.append(helper.make_node("Add", ["h0", "bgu"], ["h"]))
+        inits.append(("bgu", randn(2 * n)))
+        h = "h"
+    nodes += [helper.make_node("Split", [h], ["g", "u"], axis=-1, num_outputs=2),
+              helper.make_node("Sigmoid", ["g"], ["sig"]), helper.make_node("Mul", ["g", "sig"], ["act"]),
+              helper.make_node("Mul", ["u", "act"], ["m"]), helper.make_node("MatMul", ["m", "wd"], ["y"])]
+    outputs = [value("y", [b, s, k])] + ([value("u", [b, s, n])] if up_is_output else [])
+    return make_model(nodes, [value("x", [b, s, k])], outputs, inits)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_merged_gate_up_gemm_split_in_halves_becomes_one_swiglu_gemm(bias):
+    proto = merged_gated_mlp(bias=bias)
+    model, report, ops = optimized(proto)
+    assert report.fired["fuse_split_swiglu"] == 1
+    assert ops == {"kiln::FusedGemm": 2}  # gate|up with SwiGLU, then the down projection
+    swiglu = next(n for n in model.graph if n.attributes.get_string("activation", "") == "SwiGLU")
+    assert list(swiglu.inputs[1].const_value.numpy().shape) == [48, 16]  # the merged weight as it was, [2N, K]
+    assert list(swiglu.outputs[0].shape) == [2, 5, 24]
+    assert_same_as_onnxruntime(proto, {"x": randn(2, 5, 16)}, rtol=1e-4, atol=1e-4)  # fp32, K = 16 and N = 24 sums
+
+
+def test_a_merged_gate_up_whose_up_half_is_read_elsewhere_stays_apart():
+    proto = merged_gated_mlp(up_is_output=True)
+    _, report, ops = optimized(proto)
+    assert "fuse_split_swiglu" not in report.fired and "Split" in ops
+    assert any("up half is read elsewhere" in line for line in report.refused)
+    assert_same_as_onnxruntime(proto, {"x": randn(2, 5, 16)}, rtol=1e-4, atol=1e-4)

@@ -80,9 +80,11 @@ def test_rotary_tactic_refuses_what_it_cannot_run():
     assert "odd" in reason(NAME, make_step("Rotary", "kiln", 3, num_heads=2), [odd, torch.randn(4, 3), torch.randn(4, 3)])
 
 
-def test_packed_rotary_fires_per_layer_and_matches_onnxruntime():
-    """llama_tiny (2 layers, GQA 4/2): each layer's Split and two rotaries become one Rotary of the packed
-    qkv, the attention reads it with qkv_split; the CPU engine, one native segment, against onnxruntime."""
+@pytest.mark.parametrize("name", ["llama_tiny", "phi3_tiny"])
+def test_packed_rotary_fires_per_layer_and_matches_onnxruntime(name):
+    """llama_tiny (2 layers, GQA 4/2; q, k, v cut by a Split) and phi3_tiny (by three Slices): each layer's
+    cut and two rotaries become one Rotary of the packed qkv, the attention reads it with qkv_split; the CPU
+    engine, one native segment, against onnxruntime."""
     import onnx
     import onnxruntime as ort
 
@@ -91,23 +93,26 @@ def test_packed_rotary_fires_per_layer_and_matches_onnxruntime():
     from kiln.frontend import onnx as onnx_frontend
     from kiln.passes import PassOptions, PassReport, optimize
 
-    exported = zoo.export("llama_tiny")
+    exported = zoo.export(name)
     proto = onnx.load(str(exported.path))
     report = PassReport()
     model = optimize(onnx_frontend.load(proto), PassOptions(opt_level=2, cpu_rules=True), report)
     assert report.fired["fuse_packed_rotary"] == 2
     ops = [n.op_type for n in model.graph]
-    assert "Split" not in ops and ops.count("Rotary") == 2
+    assert "Split" not in ops and "Slice" not in ops and ops.count("Rotary") == 2
     rotaries = [n for n in model.graph if n.op_type == "Rotary"]
-    assert all(n.attributes.get_int("rotate_heads", 0) == n.attributes.get_int("num_heads", 0) - 2 for n in rotaries)
+    kv_heads = {"llama_tiny": 2, "phi3_tiny": 4}[name]
+    assert all(n.attributes.get_int("rotate_heads", 0) == n.attributes.get_int("num_heads", 0) - kv_heads
+               for n in rotaries)
     without = PassReport()
     optimize(onnx_frontend.load(proto), PassOptions(opt_level=2, cpu_rules=False), without)
     assert "fuse_packed_rotary" not in without.fired  # a CPU rule only
 
-    feeds = zoo.random_inputs("llama_tiny", exported, seed=7)
+    feeds = zoo.random_inputs(name, exported, seed=7)
     want = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
     engine = kiln.build(proto, timing_cache=None)
     got = engine.run(feeds)
     assert any(v["tactic"] == NAME for v in engine.plan.header["tactics"]["layers"].values())
+    assert len(engine.program.run_steps) == 1  # the whole decoder: one native segment
     for out, w in zip(proto.graph.output, want):
         np.testing.assert_allclose(np.asarray(got[out.name]), w, rtol=1e-4, atol=1e-4, err_msg=out.name)

@@ -25,7 +25,7 @@ from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
 from kiln.passes.fusion.squeeze_excite import fuse_squeeze_excite
-from kiln.passes.fusion.swiglu import fuse_swiglu
+from kiln.passes.fusion.swiglu import fuse_split_swiglu, fuse_swiglu
 
 RULES = [
     ("fuse_gelu", fuse_gelu),
@@ -44,6 +44,7 @@ RULES = [
     ("fuse_embedding_concat", fuse_embedding_concat),
     ("fuse_gemm", fuse_gemm),
     ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
+    ("fuse_split_swiglu", fuse_split_swiglu),  # a gate|up GEMM the model merged itself (Phi-3), then chunked
     ("merge_parallel_gemms", merge_parallel_gemms),
     ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),

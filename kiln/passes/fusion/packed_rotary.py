@@ -2,7 +2,7 @@
 
 A decoder's q, k and v come from one GEMM (merge_parallel_gemms) and are split before the rotary:
 
-    q, k, v = Split(qkv, [H·D, Hkv·D, Hkv·D], axis=-1)
+    q, k, v = Split(qkv, [H·D, Hkv·D, Hkv·D], axis=-1)     (or three Slices of qkv's last axis, Phi-3's)
     Attention(Rotary(q, cos, sin, num_heads=H), Rotary(k, cos, sin, num_heads=Hkv), v, kv_num_heads=Hkv)
       ->
     Attention(Rotary(qkv, cos, sin, num_heads=H + 2·Hkv, rotate_heads=H + Hkv), qkv_split=[H·D, Hkv·D, Hkv·D],
@@ -20,6 +20,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, consumers, is_op, producer, replace_with
+from kiln.passes.fusion.rotary import _last_axis_slice
 
 RULE = "fuse_packed_rotary"
 
@@ -43,6 +44,27 @@ def _shared_by_heads(table: ir.Value) -> bool:
     return shape is not None and (len(shape) == 1 or (2 <= len(shape) <= 4 and shape[-2] == 1))
 
 
+def _packed(parts: list[ir.Value]) -> tuple[ir.Value, list[ir.Node]] | None:
+    """(qkv, the nodes that cut it) when q, k, v (`parts`) are, in order, the outputs of one Split of qkv
+    or three Slices of its last axis that tile it."""
+    split = producer(parts[0], "Split")
+    if split is not None:
+        if len(split.outputs) != 3 or list(split.outputs) != parts or \
+                attr(split, "axis", 0) not in (-1, None if split.inputs[0].shape is None else len(split.inputs[0].shape) - 1):
+            return None
+        return split.inputs[0], [split]
+    slices = [_last_axis_slice(v) for v in parts]
+    if None in slices or any(x is not slices[0][0] for x, _, _ in slices):
+        return None
+    packed = slices[0][0]
+    width = None if packed.shape is None else packed.shape[-1]
+    bounds = [(start, min(end, width) if isinstance(width, int) else end) for _, start, end in slices]
+    if not isinstance(width, int) or bounds[0][0] != 0 or bounds[-1][1] != width \
+            or any(a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+        return None
+    return packed, [producer(v) for v in parts]
+
+
 def fuse_packed_rotary(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "Attention", domain=KILN_DOMAIN) or attr(node, "qkv_split") or attr(node, "q_num_heads"):
         return False
@@ -51,23 +73,24 @@ def fuse_packed_rotary(node: ir.Node, report: PassReport) -> bool:
     if q is None or k is None:
         return False
     (rq, heads), (rk, kv_heads) = q, k
-    split = producer(rq.inputs[0], "Split")
     v = inputs[2]
-    if split is None or len(split.outputs) != 3 or list(split.outputs) != [rq.inputs[0], rk.inputs[0], v]:
-        report.refuse(RULE, node, "q, k and v are not the three outputs of one Split")
+    parts = [rq.inputs[0], rk.inputs[0], v]
+    found = _packed(parts)
+    if found is None:
+        report.refuse(RULE, node, "q, k and v are not the outputs of one Split (or Slices) of a packed qkv's last axis")
         return False
-    packed = split.inputs[0]
-    if packed.shape is None or len(packed.shape) != 3 or attr(split, "axis", 0) not in (-1, 2):
-        report.refuse(RULE, node, "the Split is not of a 3-D qkv's last axis")
+    packed, cuts = found
+    if packed.shape is None or len(packed.shape) != 3:
+        report.refuse(RULE, node, "the packed qkv is not 3-D")
         return False
-    if any(consumers(s) != [reader] or s.is_graph_output() for s, reader in zip(split.outputs, (rq, rk, node))):
-        report.refuse(RULE, node, "a Split output is read by more than the rotary or the attention")
+    if any(consumers(s) != [reader] or s.is_graph_output() for s, reader in zip(parts, (rq, rk, node))):
+        report.refuse(RULE, node, "q, k or v is read by more than the rotary or the attention")
         return False
     if rq.inputs[1] is not rk.inputs[1] or rq.inputs[2] is not rk.inputs[2] \
             or not _shared_by_heads(rq.inputs[1]) or not _shared_by_heads(rq.inputs[2]):
         report.refuse(RULE, node, "q and k do not share one cos/sin table for every head")
         return False
-    widths = [None if s.shape is None else s.shape[-1] for s in split.outputs]
+    widths = [None if s.shape is None else s.shape[-1] for s in parts]
     if not all(isinstance(w, int) for w in widths) or attr(node, "kv_num_heads", 0) != kv_heads \
             or v.shape is None or len(v.shape) != 3:
         report.refuse(RULE, node, "v is not a 3-D value of the key heads")
@@ -89,5 +112,5 @@ def fuse_packed_rotary(node: ir.Node, report: PassReport) -> bool:
     attrs["qkv_split"] = ir.AttrInt64s("qkv_split", widths)
     fused = ir.Node(KILN_DOMAIN, "Attention", [rotary.outputs[0], None, None, *inputs[3:]], list(attrs.values()),
                     name=node.name)
-    replace_with([node, rq, rk, split], fused, node.outputs[0], insert_before=node)
+    replace_with([node, rq, rk, *cuts], fused, node.outputs[0], insert_before=node)
     return True

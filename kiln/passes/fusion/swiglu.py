@@ -8,6 +8,13 @@ The split width N is half the output's last dim (both halves have the same width
 Only layers without a residual qualify: the residual would have to apply to the gated output.
 This rule runs before `merge_parallel_gemms`, which would otherwise merge the up GEMM with
 other plain GEMMs reading x and hide the pair behind a Split.
+
+Phi-3 exports the pair already merged (gate_up_proj, then chunk): `fuse_split_swiglu` takes
+
+    gate, up = Split(h, 2 equal halves, axis=-1), h = x·Wᵀ + b (a plain FusedGemm read only there)
+    gate·sigmoid(gate)·up  ->  FusedGemm(x, W, b, activation="SwiGLU")
+
+W is already [W_gate; W_up]: the weight is reused as it is.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from kiln.passes._rewrite import (
     PassReport,
     attr,
     const,
+    consumers,
     dtype_of,
     is_op,
     new_initializer,
@@ -27,8 +35,10 @@ from kiln.passes._rewrite import (
     producer,
     replace_with,
 )
+from kiln.passes.fusion.epilogue import _activation
 
 RULE = "fuse_swiglu"
+SPLIT_RULE = "fuse_split_swiglu"
 
 
 def _layer(value: ir.Value, mul: ir.Node) -> ir.Node | None:
@@ -79,4 +89,43 @@ def fuse_swiglu(node: ir.Node, report: PassReport) -> bool:
     fused = ir.Node(KILN_DOMAIN, "FusedGemm", inputs, attributes, name=f"{gate.name}_swiglu")
     first = min((gate, up), key=lambda n: list(graph).index(n))
     replace_with([gate, up, node], fused, node.outputs[0], insert_before=first)
+    return True
+
+
+def _halves(split: ir.Node) -> bool:
+    """Split of a 3-D or 2-D value's last axis into two outputs of one static width."""
+    x = split.inputs[0]
+    if x.shape is None or len(split.outputs) != 2 or any(v.shape is None for v in split.outputs):
+        return False
+    rank = len(x.shape)
+    widths = [v.shape[-1] for v in split.outputs]
+    return attr(split, "axis", 0) in (-1, rank - 1) and isinstance(widths[0], int) and widths[0] == widths[1]
+
+
+def fuse_split_swiglu(node: ir.Node, report: PassReport) -> bool:
+    if not is_op(node, "Mul") or node.inputs[0] is node.inputs[1]:
+        return False
+    split = producer(node.inputs[0], "Split") or producer(node.inputs[1], "Split")
+    if split is None or len(split.outputs) != 2:
+        return False
+    gate, up = split.outputs
+    silu = _activation(gate)
+    if silu is None or silu[0] != "SiLU" or up not in node.inputs or silu[4] not in node.inputs:
+        return False  # not silu(first half) · second half
+    gemm = producer(split.inputs[0], "FusedGemm", KILN_DOMAIN)
+    if gemm is None or consumers(split.inputs[0]) != [split] or split.inputs[0].is_graph_output():
+        return False
+    if not _halves(split):
+        report.refuse(SPLIT_RULE, node, "the Split does not halve the GEMM's last axis")
+        return False
+    if attr(gemm, "activation", "") or len(gemm.inputs) > 3 or const(gemm.inputs[1]) is None:
+        report.refuse(SPLIT_RULE, node, "the GEMM has an activation or a residual, or a weight computed at run time")
+        return False
+    if consumers(up) != [node] or up.is_graph_output():
+        report.refuse(SPLIT_RULE, node, "the up half is read elsewhere too")
+        return False
+    attributes = [ir.AttrString("activation", "SwiGLU"), ir.AttrFloat32("alpha", 0.0), ir.AttrFloat32("beta", 0.0),
+                  ir.AttrInt64("residual_after_activation", 1)]
+    fused = ir.Node(KILN_DOMAIN, "FusedGemm", list(gemm.inputs), attributes, name=f"{gemm.name}_swiglu")
+    replace_with([gemm, split, *silu[3], node], fused, node.outputs[0], insert_before=gemm)
     return True
