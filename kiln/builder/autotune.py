@@ -274,12 +274,10 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
     keys = [signature_key(layer_signature(step, m, [DEFAULT] + [t.name for t in usable], env)) for m in metas]
     cached = [cache.get(key) for key in keys]
     # A cache hit holds the measurements: the selection rule below is applied to them again, and
-    # only the winner is prepared and checked. An entry that lacks a candidate this build can run (neither
-    # timed nor rejected there: written by a run that timed fewer) is no hit: the layer is timed again
-    # (T5-small's FFN GEMM kept a non-native tactic from an entry holding two of its five candidates).
+    # only the winner is prepared and checked.
     names = {DEFAULT} | {t.name for t in usable}
     known = [{k: v for k, v in c["times_ms"].items() if k in names} if c is not None else {} for c in cached]
-    hit = all(known) and all(names <= set(c["times_ms"]) | set(c.get("notes", {})) for c in cached)
+    hit = all(known)
     wanted = _choose_over(known) if hit else None
     checks = [_checker(fn, ctx, r, attrs) for r in points]
     launches: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
