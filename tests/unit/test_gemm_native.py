@@ -237,7 +237,7 @@ def test_the_avx512_tile_shape_runs_right_on_this_cpu():
 
 # ---- the tactic ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("lead", [(5,), (2, 9)])
+@pytest.mark.parametrize("lead", [(5,), (2, 9), (1, 3, 4)])  # (1, 3, 4): ConvNeXt's [N, H, W, C] rows
 @pytest.mark.parametrize("activation,residual", [("", False), ("Gelu", True), ("Relu", False), ("SwiGLU", False),
                                                  ("SwiGLU", True)])
 def test_tactic_matches_the_registered_op(lead, activation, residual):
@@ -260,10 +260,24 @@ def test_tactic_refuses_what_it_cannot_run():
     swiglu_residual = make_step("FusedGemm", "kiln", 4, activation="SwiGLU")
     assert "residual" in reason(NAME, swiglu_residual, [x, w, b, torch.randn(4, 6)], constant={1, 2})  # not [4, 3]
     plain = make_step("FusedGemm", "kiln", 3)
-    assert "batch of rows" in reason(NAME, plain, [x.reshape(1, 2, 2, 8), w, b], constant={1, 2})
+    assert "rank 2 or more" in reason(NAME, plain, [x.reshape(32), w, b], constant={1, 2})
     assert "constant" in reason(NAME, plain, [x, w, b], constant={2})
     residual = make_step("FusedGemm", "kiln", 4)
     assert "residual" in reason(NAME, residual, [x, w, b, torch.randn(1, 6)], constant={1, 2})
+
+
+def test_rows_of_rank_4_run_outside_native_segments():
+    """A segment's 4-D values are NHWC in memory: [N, H, W, C] rows must not join one."""
+    from kiln.tactics import registry
+
+    g = torch.Generator().manual_seed(15)
+    x, w, b, _ = data(g, (1, 3, 4), 8, 6)
+    tactic = next(t for t in registry.candidates("FusedGemm", "kiln", "cpu", 5) if t.name == NAME)
+    for lead, native in (((1, 3, 4), False), ((3, 4), True)):
+        step = dataclasses.replace(make_step("FusedGemm", "kiln", 3), tactic=NAME,
+                                   tactic_config={"input_size": [*lead, 8], "residual": False})
+        launch = tactic.prepare(step, [None, w, b], torch.device("cpu"))
+        assert hasattr(launch, "native") == (native and onednn.available()), lead
 
 
 def _ffn(k: int, hidden: int, activation: str, residual: bool) -> tuple[ProgramSpec, dict]:

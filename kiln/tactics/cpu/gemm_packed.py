@@ -4,7 +4,8 @@
                            microkernel this CPU runs (AVX-512 14x32, AVX2 6x16), A packed per call,
                            bias/activation/residual applied to each tile in cache (SwiGLU's gating
                            too: gate and up rows interleaved per panel); runnable inside native
-                           segments, at any row count (one packed weight serves them all)
+                           segments (rows of rank 2 or 3), at any row count (one packed weight serves
+                           them all); rows of higher rank run as a step of their own
 
 The autotuner times it against oneDNN (cpu.gemm.onednn_direct, cpu.gemm.onednn) and MKL
 (cpu.gemm.mkl) per layer and keeps the fastest: on an AVX2 EPYC, MKL and oneDNN ran BERT-base's FFN
@@ -35,8 +36,8 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     w = inputs[1] if len(inputs) > 1 else None
     b = inputs[2] if len(inputs) > 2 else None
     residual = inputs[3] if len(inputs) > 3 else None
-    if x.shape is None or len(x.shape) not in (2, 3):
-        return "only a matrix [M, K] or a batch of rows [B, S, K]"
+    if x.shape is None or len(x.shape) < 2:
+        return "only rows [..., K] of rank 2 or more"
     if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
         return "the weight is not a constant float32 matrix of the engine"
     if w.shape[1] != x.shape[-1]:
@@ -86,7 +87,9 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return NativeStep(size, at_size.output_size, lambda _accumulate: at_size,
                           residual_input=3 if with_residual else None, at=native_at)
 
-    if onednn.available():  # a segment points oneDNN memory objects at each run's buffers
+    # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
+    # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments
+    if onednn.available() and len(tuned) in (2, 3):
         launch.native = native_at(tuned)
     return launch
 
