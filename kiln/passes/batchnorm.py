@@ -9,7 +9,8 @@ and after a linear layer x = W∗a + b it is absorbed into the layer's weights:
     W' = W · γ/σ  (per output channel),   b' = (b - μ) · γ/σ + β
 
 The same algebra folds a later Mul by a per-channel constant s (W' = W·s, b' = b·s) and a
-later Add of a per-channel constant t (b' = b + t). These are exact in real arithmetic; in
+later Add of a per-channel constant t (b' = b + t). A MatMul's bias is an Add of its own, so a scale
+after it is folded through that Add: (x·W + b)·s = x·(W·s) + b·s (ConvNeXt's layer scale). These are exact in real arithmetic; in
 floating point they round once more, like the original computation, in a different place.
 """
 
@@ -154,6 +155,54 @@ def fold_constant_mul_add(node: ir.Node, report: PassReport) -> bool:
     return False
 
 
+def _matmul_bias(value: ir.Value) -> tuple[ir.Node, ir.Node, ir.Value, int] | None:
+    """(Add, MatMul, the Add's constant input, channels) when value = MatMul(x, W) + c, W a constant matrix, c
+    constant, each value read only along this chain."""
+    add = producer(value)
+    if not is_op(add, "Add") or only_user(value) is None or value.shape is None:
+        return None
+    for mm_value in add.inputs:
+        found = _layer(mm_value)
+        if found is None or found[0].op_type != "MatMul":
+            continue
+        c_value = other_input(add, mm_value)
+        c = const(c_value)
+        if c is None or not np.issubdtype(c.dtype, np.floating) or c_value.is_graph_input():
+            continue
+        return add, found[0], c_value, found[2]
+    return None
+
+
+def fold_scale_through_matmul_bias(node: ir.Node, report: PassReport) -> bool:
+    # (MatMul(x, W) + c)·s -> MatMul(x, W·s) + c·s,   s per output channel
+    if not is_op(node, "Mul"):
+        return False
+    for value in node.inputs:
+        found = _matmul_bias(value)
+        if found is None:
+            continue
+        add, matmul, c_value, channels = found
+        s = const(other_input(node, value))
+        if s is None or not np.issubdtype(s.dtype, np.floating):
+            continue
+        vector = _channel_vector(s, len(value.shape), len(value.shape) - 1, channels)
+        c = const(c_value)
+        if vector is None or c.ndim > len(value.shape) or (c.ndim and c.shape[-1] not in (1, channels)):
+            report.refuse("fold_scale_through_matmul_bias", node, "the scale or the bias is not per output channel")
+            continue
+        if (reason := bypass_refusal(node, value)) is not None:
+            report.refuse("fold_scale_through_matmul_bias", node, f"the Mul cannot be removed: {reason}")
+            continue
+        _scale_layer(matmul, vector, None)
+        scaled = (c.astype(np.float64) * vector).astype(c.dtype)  # broadcasts over the last axis
+        add.replace_input_with(list(add.inputs).index(c_value),
+                               new_initializer(add.graph, f"{c_value.name}_scaled", scaled))
+        record_absorbed(matmul, [node])
+        return bypass(node, value)
+    return False
+
+
 def fold_batchnorm_and_affine(model: ir.Model, report: PassReport) -> int:
     return (run_rule(model, "fold_batchnorm", fold_batchnorm, report)
-            + run_rule(model, "fold_constant_mul_add", fold_constant_mul_add, report))
+            + run_rule(model, "fold_constant_mul_add", fold_constant_mul_add, report)
+            + run_rule(model, "fold_scale_through_matmul_bias", fold_scale_through_matmul_bias, report))

@@ -66,6 +66,32 @@ def test_mul_add_by_per_channel_constants_fold_into_conv_weights():
     assert_same_as_onnxruntime(proto, {"x": randn(1, 3, 6, 6)}, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("bias_first", [True, False])
+def test_a_layer_scale_after_a_matmul_bias_folds_into_the_weights(bias_first):
+    """ConvNeXt's MLP tail on [N, H, W, C] rows: (x·W + b)·γ -> one FusedGemm, W' = W·γ, b' = b·γ."""
+    x = helper.make_tensor_value_info("x", F, [1, 3, 4, 8])
+    y = helper.make_tensor_value_info("y", F, [1, 3, 4, 6])
+    add = helper.make_node("Add", ["b", "mm"] if bias_first else ["mm", "b"], ["z"])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), add, helper.make_node("Mul", ["gamma", "z"], ["y"])]
+    inits = [("w", randn(8, 6)), ("b", randn(6)), ("gamma", randn(1, 1, 1, 6))]
+    proto = make_model(nodes, [x], [y], inits)
+    _, report, ops = optimized(proto)
+    assert report.fired["fold_scale_through_matmul_bias"] == 1 and ops == {"kiln::FusedGemm": 1}
+    assert_same_as_onnxruntime(proto, {"x": randn(1, 3, 4, 8)}, rtol=1e-5, atol=1e-5)
+
+
+def test_a_scale_that_varies_along_rows_is_not_folded_through_a_matmul_bias():
+    x = helper.make_tensor_value_info("x", F, [3, 4, 8])
+    y = helper.make_tensor_value_info("y", F, [3, 4, 6])
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"]), helper.make_node("Add", ["mm", "b"], ["z"]),
+             helper.make_node("Mul", ["z", "s"], ["y"])]
+    inits = [("w", randn(8, 6)), ("b", randn(6)), ("s", randn(4, 1))]  # one scale per row: not W's columns
+    proto = make_model(nodes, [x], [y], inits)
+    _, report, ops = optimized(proto)
+    assert "fold_scale_through_matmul_bias" not in report.fired and ops["Mul"] == 1
+    assert_same_as_onnxruntime(proto, {"x": randn(3, 4, 8)}, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("act, expected", [("Relu", "Relu"), ("Sigmoid", "Sigmoid"), ("SiLU", "SiLU"),
                                            ("Clip", "Clip"), ("Gelu", "Gelu")])
 def test_matmul_bias_activation_becomes_fused_gemm(act, expected):
