@@ -105,6 +105,33 @@ def test_layer_norm_refuses_what_it_cannot_run():
     assert "constant" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {}, set())
 
 
+@pytest.mark.parametrize("shape", [(1, 7, 5, 96), (3, 40), (2, 9, 768)])  # ConvNeXt's [N, H, W, C], rows
+def test_onnx_layer_normalization_matches_the_onnx_reference(shape):
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np.float32)
+    scale, bias = (rng.standard_normal(shape[-1]).astype(np.float32) for _ in range(2))
+    eps = 1e-6
+    node = helper.make_node("LayerNormalization", ["x", "scale", "bias"], ["y"], axis=-1, epsilon=eps)
+    graph = helper.make_graph([node], "ln", [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+                                            for n in ("x", "scale", "bias")],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
+    want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])).run(
+        None, {"x": x, "scale": scale, "bias": bias})[0]
+    inputs = [t(x), t(scale), t(bias)]
+    launch, op, ctx = prepared("cpu.layernormalization.native", "LayerNormalization", "", inputs,
+                               {"axis": -1, "epsilon": eps}, {1, 2})
+    got = launch(ctx, *inputs, axis=-1, epsilon=eps)
+    np.testing.assert_allclose(got.numpy(), want, atol=ATOL * 4, rtol=RTOL)  # 768-term float32 sums: 8e-5
+    assert launch.native.reads == {0: (shape, torch.float32)}  # row-major at any rank: a segment member
+
+
+def test_onnx_layer_normalization_refuses_what_it_cannot_run():
+    x, w = torch.randn(2, 3, 8), torch.randn(8)
+    name = "cpu.layernormalization.native"
+    assert "Mean" in refusal(name, "LayerNormalization", "", [x, w], {}, {1}, outputs=("y", "mean"))
+    assert "last axis" in refusal(name, "LayerNormalization", "", [x, w], {"axis": 1}, {1})
+    assert "constant" in refusal(name, "LayerNormalization", "", [x, w], {}, set())
+
+
 # ---------------------------------------------------------------- Add, Gather
 
 

@@ -2,6 +2,9 @@
 (kiln/kernels/cpu/transformer.py), each runnable inside a native segment:
 
     cpu.layernorm.native   kiln::LayerNorm over the last axis (+ a residual repeating over the rows)
+    cpu.layernormalization.native
+                           ONNX LayerNormalization over the last axis (only Y asked for) on the same
+                           kernel: ConvNeXt's channel norm on [N, H, W, C], Swin's and MobileViT's norms
     cpu.attention.native   kiln::Attention: q/k/v at the strides its layout attributes give (a packed
                            qkv, heads split and permuted), additive or boolean mask, causal, GQA
     cpu.add.native         Add of float32 tensors, one repeating over the other's rows
@@ -129,6 +132,22 @@ register(Tactic(
     name="cpu.layernorm.native", op_type="LayerNorm", domain="kiln", device="cpu", dtypes=(_F32,),
     supports=_ln_supports, configure=sizes_config, prepare=_ln_prepare, available=kernels.available, native=True,
     description="LayerNorm (+ residual) over the last axis in kiln's C, a native-segment member",
+))
+
+
+def _onnx_ln_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if any(step.outputs[1:]):
+        return "the Mean or InvStdDev output is asked for"
+    if int(_attr(step, "stash_type", 1)) != 1:
+        return "stash_type is not float32"
+    return _ln_supports(step, inputs[:3])
+
+
+register(Tactic(
+    name="cpu.layernormalization.native", op_type="LayerNormalization", domain="", device="cpu", dtypes=(_F32,),
+    # ai.onnx LayerNormalization (x, scale, bias) is kiln::LayerNorm without the residual
+    supports=_onnx_ln_supports, configure=sizes_config, prepare=_ln_prepare, available=kernels.available,
+    native=True, description="ONNX LayerNormalization over the last axis in kiln's C, a native-segment member",
 ))
 
 
