@@ -244,6 +244,29 @@ def test_an_alias_over_a_value_read_later_is_not_in_the_segment():
         assert_close(got, want)
 
 
+@pytest.mark.parametrize("grid", [[1, 3, 4, 16], [1, 12, 16]])
+def test_rows_reshaped_to_4d_stay_rows(grid):
+    """A row-major LayerNorm [1, 12, 16] reshaped to Swin's token grid [1, 3, 4, 16]: a segment lays a 4-D value
+    out channels-last, so that Reshape is no alias there (the output keeps its rows); to 3-D it is."""
+    g = torch.Generator().manual_seed(21)
+    weights = {"scale": torch.randn(16, generator=g), "bias": torch.randn(16, generator=g),
+               "grid": torch.tensor(grid), "w": torch.randn(16, 16, generator=g) * 0.3}
+    steps = [StepSpec("FusedGemm", "fc", ["x", "w"], ["h"], {}, domain="kiln", tactic="cpu.gemm.kiln_packed",
+                      tactic_config={"input_size": [1, 12, 16], "residual": False}),
+             StepSpec("LayerNorm", "ln", ["h", "scale", "bias"], ["y"], {"epsilon": 1e-5}, domain="kiln",
+                      tactic="cpu.layernorm.native", tactic_config={"input_sizes": [[0, [1, 12, 16]]]}),
+             StepSpec("Reshape", "to_grid", ["y", "grid"], ["out"], tactic="cpu.alias.Reshape",
+                      tactic_config={"input_size": [1, 12, 16]})]
+    spec = ProgramSpec(["x"], ["out"], steps, {k: k for k in weights})
+    program = Program(spec, weights)
+    assert [s.aliased for s in program.segments] == [0 if len(grid) == 4 else 1]
+    x = torch.randn(1, 12, 16, generator=g)
+    with torch.inference_mode():
+        got = program.run([x])[0]
+    want = torch.nn.functional.layer_norm(x @ weights["w"].T, (16,), weights["scale"], weights["bias"], 1e-5)
+    assert_close(got, want.reshape(grid))
+
+
 @pytest.mark.parametrize("activation,after,residual", [("", 1, False), ("Relu", 1, True), ("Tanh", 0, True),
                                                        ("Gelu", 1, False)])
 def test_inner_product_matches_float64(activation, after, residual):

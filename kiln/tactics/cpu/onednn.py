@@ -384,7 +384,7 @@ def _alias_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x = inputs[0]
     if x.shape is None or x.dtype != torch.float32:
         return "the input's shape is not known, or it is not float32"
-    if len(x.shape) == 4 and x.shape[2] * x.shape[3] != 1 and x.shape[1] != 1:
+    if not _keeps_order(tuple(x.shape)):
         return "a 4-D input is channels-last in a segment: only [N, C, 1, 1] or [N, 1, H, W] keep their order"
     if step.op_type == "Reshape" and (len(inputs) < 2 or not inputs[1].constant):
         return "the target shape is not a constant of the engine"
@@ -400,13 +400,23 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
 
     def native_at(in_size: tuple[int, ...]) -> NativeStep:
         out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
+        if not _keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
+            raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
         return NativeStep(in_size, out, None, alias=True, at=native_at)
 
     def launch(ctx, x, *inputs, **attrs):
         return op(ctx, x, *inputs, **attrs)
 
-    launch.native = native_at(size)
+    try:
+        launch.native = native_at(size)
+    except ValueError:  # [B, S, C] -> [B, H, W, C] (Swin's token grid): a view outside segments
+        pass
     return launch
+
+
+def _keeps_order(size: tuple[int, ...]) -> bool:
+    """Whether a value of this size has the same memory order row-major and as a segment lays it out."""
+    return len(size) != 4 or size[2] * size[3] == 1 or size[1] == 1
 
 
 for _op in ("Reshape", "Flatten"):
