@@ -46,6 +46,18 @@ def remove_same_shape_reshape(node: ir.Node, report: PassReport) -> bool:
     return before is not None and before == after and bypass(node, node.inputs[0])
 
 
+def remove_zero_pad(node: ir.Node, report: PassReport) -> bool:
+    # Pad(x, pads = 0) -> x, whatever the mode (Swin's pad to a whole number of windows when there is none)
+    if not is_op(node, "Pad"):
+        return False
+    pads = const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if pads is None:
+        pads = attr(node, "pads")
+    if pads is None or any(int(p) != 0 for p in list(pads.reshape(-1) if hasattr(pads, "reshape") else pads)):
+        return False
+    return bypass(node, node.inputs[0])
+
+
 def collapse_reshape_chain(node: ir.Node, report: PassReport) -> bool:
     # Reshape(Reshape(x, s1), s2) -> Reshape(x, s2) when s2 copies no dim (no 0 entries)
     if not is_op(node, "Reshape"):
@@ -94,6 +106,7 @@ NOOP_RULES = {
     "remove_identity": remove_identity,
     "remove_dropout": remove_dropout,
     "remove_same_shape_reshape": remove_same_shape_reshape,
+    "remove_zero_pad": remove_zero_pad,
     "collapse_reshape_chain": collapse_reshape_chain,
     "collapse_transpose_chain": collapse_transpose_chain,
     "remove_cast_round_trip": remove_cast_round_trip,

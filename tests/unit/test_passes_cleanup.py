@@ -97,6 +97,21 @@ def test_noops_identity_dropout_transpose_and_cast_chains_removed():
     assert_same_as_onnxruntime(proto, {"x": np.random.default_rng(2).standard_normal((2, 3, 4), np.float32)}, level=1)
 
 
+def test_a_pad_of_zeros_is_removed_and_a_real_one_kept():
+    """Swin pads its token grid to whole windows; at 224 px there is nothing to pad."""
+    x = helper.make_tensor_value_info("x", F, [1, 4, 4, 3])
+    y = helper.make_tensor_value_info("y", F, None)
+    nodes = [helper.make_node("Pad", ["x", "zeros"], ["p"], mode="constant"),
+             helper.make_node("Relu", ["p"], ["r"]),
+             helper.make_node("Pad", ["r", "ones"], ["y"], mode="constant")]
+    proto = make_model(nodes, [x], [y], [("zeros", np.zeros(8, np.int64)),
+                                         ("ones", np.array([0, 1, 0, 0, 0, 1, 0, 0], np.int64))])
+    _, report, ops = optimized(proto, level=1)
+    assert report.fired["remove_zero_pad"] == 1 and ops == {"Relu": 1, "Pad": 1}
+    assert_same_as_onnxruntime(proto, {"x": np.random.default_rng(3).standard_normal((1, 4, 4, 3), np.float32)},
+                               level=1)
+
+
 def test_lossy_cast_chain_is_kept():
     x = helper.make_tensor_value_info("x", F, [5])
     y = helper.make_tensor_value_info("y", F, [5])
