@@ -127,6 +127,9 @@ class NativeStep:
     at: Callable[[tuple[int, ...]], NativeStep] | None = None
     reads: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None
     output_dtype: torch.dtype = torch.float32
+    # kiln's own kernels only: the step's outputs past the first, (size, dtype) each, row-major; bound as
+    # roles "dst1", "dst2"... (a pre-LN LayerNorm's sum x + residual)
+    more_outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
     @property
     def output_strides(self) -> tuple[int, ...]:

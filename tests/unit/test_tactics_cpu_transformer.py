@@ -27,9 +27,10 @@ rng = np.random.default_rng()
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int]):
+def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int],
+             outputs: tuple[str, ...] = ("y",)):
     """(the tactic's launch, the registered op, its context) for a one-layer step over `inputs`."""
-    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], ["y"],
+    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], list(outputs),
                     dict(attrs), domain=domain)
     metas = [InputMeta.of(v, k in constants) for k, v in enumerate(inputs)]
     t = registry.get(tactic)
@@ -37,7 +38,8 @@ def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, const
     assert ok is True, ok
     step = dataclasses.replace(step, tactic=tactic, tactic_config=t.configure(step, metas))
     launch = t.prepare(step, [v if k in constants else None for k, v in enumerate(inputs)], torch.device("cpu"))
-    ctx = OpContext(name="layer", op_type=op, domain=domain, opset=17, num_inputs=len(inputs), num_outputs=1)
+    ctx = OpContext(name="layer", op_type=op, domain=domain, opset=17, num_inputs=len(inputs),
+                    num_outputs=len(outputs))
     return launch, lookup(op, domain).fn, ctx
 
 
@@ -83,6 +85,27 @@ def test_layer_norm_matches_float64(residual, affine):
         np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
 
 
+@pytest.mark.parametrize("residual", [None, "same", "rows"])
+def test_pre_ln_layer_norm_also_gives_the_sum(residual):
+    """A pre-LN block's norm: y = LN(x + r) and the sum s = x + r (the residual stream) as a second output."""
+    for n in (5, 64, 384):
+        b, s = int(rng.integers(1, 4)), int(rng.integers(1, 70))
+        x = rng.standard_normal((b, s, n)).astype(np.float32) * 2 - 1
+        r = None if residual is None else rng.standard_normal((b, s, n) if residual == "same" else (1, s, n))
+        r = None if r is None else r.astype(np.float32)
+        scale, bias = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        inputs = [t(x), t(scale), t(bias), None if r is None else t(r)]
+        launch, op, ctx = prepared("cpu.layernorm.native", "LayerNorm", "kiln", inputs, {"epsilon": 1e-6}, {1, 2},
+                                   outputs=("y", "sum"))
+        y, total = launch(ctx, *inputs, epsilon=1e-6)
+        np.testing.assert_array_equal(total.numpy(), x + r if r is not None else x)  # one float32 add: exact
+        np.testing.assert_allclose(y.numpy(), layer_norm64(x, scale, bias, r, 1e-6), atol=ATOL * 4, rtol=RTOL)
+        want_y, want_total = op(ctx, *inputs, epsilon=1e-6)
+        np.testing.assert_allclose(y.numpy(), want_y.numpy(), atol=ATOL * 4, rtol=RTOL)
+        np.testing.assert_array_equal(total.numpy(), want_total.numpy())
+    assert launch.native.more_outputs == ((tuple(x.shape), torch.float32),)
+
+
 def test_layer_norm_at_other_sizes_through_its_native_step():
     x = torch.randn(2, 9, 32)
     w, bias, r = torch.randn(32), torch.randn(32), torch.randn(1, 9, 32)
@@ -98,8 +121,8 @@ def test_layer_norm_at_other_sizes_through_its_native_step():
 def test_layer_norm_refuses_what_it_cannot_run():
     x, w = torch.randn(2, 3, 8), torch.randn(8)
     assert "last axis" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {"axis": 1}, {1})
-    assert "second output" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, x], {}, {1},
-                                      outputs=("y", "sum"))
+    assert "3 outputs" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, x], {}, {1},
+                                  outputs=("y", "sum", "other"))
     assert "repeat" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, torch.randn(2, 1, 8)],
                                {}, {1})
     assert "constant" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {}, set())

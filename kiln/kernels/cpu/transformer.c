@@ -7,7 +7,8 @@
  * oneDNN's own primitives. Float32 throughout; statistics and softmax sums in float32 as torch's CPU
  * kernels keep them.
  *
- *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows
+ *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows;
+ *                     s = x + r also written when asked for (a pre-LN block's residual stream)
  *   kiln_add          y = a + b, b repeating over a's leading rows
  *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
  *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a
@@ -40,6 +41,7 @@ static inline void *handle_of(get_handle_fn get, void *memory) {
 typedef struct {
     get_handle_fn get_handle;
     void *x, *residual, *y;  /* dnnl_memory_t; residual may be NULL */
+    void *sum;               /* dnnl_memory_t of s = x [+ r], a second output; NULL: not asked for */
     const float *scale, *bias;  /* [n] or NULL */
     long rows, n;
     long residual_rows;  /* the residual's rows: row r of x adds residual row r % residual_rows */
@@ -57,7 +59,7 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* sum of s = x (+ r), written to y when r is given; 16 lanes at a time, the tail in order */
+/* sum of s = x (+ r), written to y when y is given; 16 lanes at a time, the tail in order */
 static float row_sum(const float *x, const float *r, float *y, long n) {
     long i = 0;
     float sum = 0.0f;
@@ -68,6 +70,8 @@ static float row_sum(const float *x, const float *r, float *y, long n) {
         if (r) {
             s0 = _mm256_add_ps(s0, _mm256_loadu_ps(r + i));
             s1 = _mm256_add_ps(s1, _mm256_loadu_ps(r + i + 8));
+        }
+        if (y) {
             _mm256_storeu_ps(y + i, s0);
             _mm256_storeu_ps(y + i + 8, s1);
         }
@@ -78,7 +82,7 @@ static float row_sum(const float *x, const float *r, float *y, long n) {
 #endif
     for (; i < n; ++i) {
         float v = r ? x[i] + r[i] : x[i];
-        if (r) y[i] = v;
+        if (y) y[i] = v;
         sum += v;
     }
     return sum;
@@ -100,11 +104,13 @@ static float row_centered_squares(const float *x, float mean, long n) {
     return sum;
 }
 
-static void ln_row(const float *x, const float *r, float *y, const float *scale, const float *bias, long n,
-                   float epsilon, int rms) {
-    const float sum = r || !rms ? row_sum(x, r, y, n) : 0.0f;  /* RMSNorm sums only to write s = x + r */
+/* s_out: where s = x (+ r) is kept as an output of its own, or NULL (then s lives in y until normalized) */
+static void ln_row(const float *x, const float *r, float *y, float *s_out, const float *scale, const float *bias,
+                   long n, float epsilon, int rms) {
+    float *s = s_out ? s_out : (r ? y : NULL);  /* where s is written, when it is not x itself */
+    const float sum = s || !rms ? row_sum(x, r, s, n) : 0.0f;  /* RMSNorm sums only to write s */
     const float mean = rms ? 0.0f : sum / (float)n;
-    if (r) x = y;  /* s = x + r now lives in y */
+    if (s) x = s;
     const float rstd = 1.0f / sqrtf(row_centered_squares(x, mean, n) / (float)n + epsilon);
     for (long i = 0; i < n; ++i) {
         float v = (x[i] - mean) * rstd;
@@ -120,11 +126,13 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     const float *x = (const float *)handle_of(p->get_handle, p->x);
     float *y = (float *)handle_of(p->get_handle, p->y);
     const float *r = p->residual ? (const float *)handle_of(p->get_handle, p->residual) : NULL;
-    if (!x || !y || (p->residual && !r)) return 2;
+    float *s = p->sum ? (float *)handle_of(p->get_handle, p->sum) : NULL;
+    if (!x || !y || (p->residual && !r) || (p->sum && !s)) return 2;
     const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row)
-        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, p->scale, p->bias, n, p->epsilon, p->rms);
+        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,
+               n, p->epsilon, p->rms);
     return 0;
 }
 
