@@ -224,6 +224,32 @@ def test_attention_on_separate_heads(case):
     np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("h, s, tt, case", [(3, 300, 300, "causal"), (1, 200, 200, "bool_mask"),
+                                         (3, 301, 257, "float_mask"), (6, 198, 198, "none")])
+def test_attention_splits_long_heads_into_row_runs_across_threads(h, s, tt, case):
+    """Heads of many query rows run as several work items (a run of rows each) when the heads alone would
+    leave a thread idle: every run's rows, the last short one included, against float64."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        b, d = 1, 64
+        q = rng.standard_normal((b, h, s, d)).astype(np.float32)
+        k, v = (rng.standard_normal((b, h, tt, d)).astype(np.float32) for _ in range(2))
+        mask, attrs = None, {"scale": d ** -0.5, "is_causal": int(case == "causal")}
+        if case == "bool_mask":
+            mask = rng.random((b, 1, s, tt)) < 0.8
+            mask[..., 0] = True
+        if case == "float_mask":
+            mask = rng.standard_normal((b, 1, 1, tt)).astype(np.float32)
+        inputs = [t(q), t(k), t(v)] + ([t(mask)] if mask is not None else [])
+        launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+        got = launch(ctx, *inputs, **attrs).numpy()
+        want = attention64(q, k, v, mask, d ** -0.5, case == "causal", False)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_attention_refuses_what_it_cannot_run():
     q = torch.randn(1, 2, 5, 8)
     assert "int64" in refusal("cpu.attention.native", "Attention", "kiln",

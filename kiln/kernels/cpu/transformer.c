@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KILN_AVX2 1
@@ -333,11 +336,11 @@ static void pv_tile(const float *p, long tp, long t, const float *chunks, long c
         }
 }
 
-/* One (batch, head): every query row of it. work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump row
-   [Dv], v's full chunks [Dv / KB][T][KB]. */
+/* One (batch, head), its query rows [first, last). work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump
+   row [Dv], v's full chunks [Dv / KB][T][KB]. */
 static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
-                           const void *mask, float *out, long b, long h, float *work) {
-    const long S = p->S, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
+                           const void *mask, float *out, long b, long h, long first, long last, float *work) {
+    const long S = last, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
     const long hk = h / (p->H / p->Hkv);
     const float *qb = q + b * p->qs[0] + h * p->qs[1];
     const float *kb = k + b * p->ks[0] + hk * p->ks[1];
@@ -348,7 +351,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it */
     const float *chunks = vb;
     long chunk_stride = KB, row_stride = p->vs[2];
-    if (S > QB && full > 0) {
+    if (S - first > QB && full > 0) {
         for (long c = 0; c < full / KB; ++c)
             for (long j = 0; j < T; ++j)
                 memcpy(vpacked + (c * T + j) * KB, vb + j * p->vs[2] + c * KB, KB * sizeof(float));
@@ -366,7 +369,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
         }
     }
     const float scale = p->scale;
-    for (long i0 = 0; i0 < S; i0 += QB) {
+    for (long i0 = first; i0 < S; i0 += QB) {
         const float *qrow[QB];
         float *orow[QB];
         for (int r = 0; r < QB; ++r) {
@@ -426,19 +429,36 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     const long heads = p->B * p->H;
     /* one thread below ~4M multiply-adds (~0.1 ms): a parallel region's barrier waits out any descheduled
        thread of a loaded machine, which costs more than small work gains */
-    const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > (4L << 20);
+    const int parallel = heads * p->S * p->T * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
+    /* work items: (batch, head, a run of query rows). Heads alone leave threads idle when they do not divide
+       evenly (YOLOS's 3 heads on 2 threads: one thread does 2 heads, the other 1) and give a thread slowed by
+       other work a whole head; so each head's rows split until there are ~4 items a thread, each run at least
+       8 row tiles (its kᵀ and v packing then costs ~1% of its products) */
+    long chunks = 1;
+#ifdef _OPENMP
+    if (parallel && omp_get_max_threads() > 1) {
+        const long want = (4L * omp_get_max_threads() + heads - 1) / heads, most = (p->S + 8 * QB - 1) / (8 * QB);
+        chunks = want < most ? want : most;
+        if (chunks < 1) chunks = 1;
+    }
+#endif
+    const long rows = ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB;  /* a multiple of the row tile */
+    const long items = heads * chunks;
     int failed = 0;
     #pragma omp parallel if (parallel)
     {
         float *work = (float *)malloc((size_t)per_thread * sizeof(float));
         #pragma omp for schedule(dynamic, 1)
-        for (long bh = 0; bh < heads; ++bh) {
+        for (long item = 0; item < items; ++item) {
             if (work == NULL) {
                 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
-            attention_head(p, q, k, v, mask, out, bh / p->H, bh % p->H, work);
+            const long bh = item / chunks, first = (item % chunks) * rows;
+            const long last = first + rows < p->S ? first + rows : p->S;
+            if (first < last)
+                attention_head(p, q, k, v, mask, out, bh / p->H, bh % p->H, first, last, work);
         }
         free(work);
     }
