@@ -32,6 +32,7 @@
 #endif
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
+typedef int (*parallel_for_fn)(long items, int threads, void (*fn)(void *ctx, long item), void *ctx);
 
 static inline void *handle_of(get_handle_fn get, void *memory) {
     void *h = NULL;
@@ -203,6 +204,7 @@ typedef struct {
     int causal;       /* query i sees keys 0..i */
     int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
     float scale;
+    parallel_for_fn parallel_for;  /* kiln_parallel_for (pool.c), or NULL: OpenMP */
 } attention_plan;
 
 #define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
@@ -414,6 +416,44 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     }
 }
 
+/* A thread's work memory for attention_head, kept from call to call (grown when a call needs more): a
+   malloc per item would map and fault in fresh pages for every head of every call. */
+static float *thread_work(long floats) {
+    static __thread float *work = NULL;
+    static __thread long capacity = 0;
+    if (floats > capacity) {
+        free(work);
+        work = (float *)malloc((size_t)floats * sizeof(float));
+        capacity = work != NULL ? floats : 0;
+    }
+    return work;
+}
+
+typedef struct {
+    const attention_plan *p;
+    const float *q, *k, *v;
+    const void *mask;
+    float *out;
+    long chunks, rows;  /* runs of query rows per head, rows per run (a multiple of QB) */
+    int failed;
+} attention_loop;
+
+/* Item = (batch·head, run of query rows). */
+static void attention_item(void *loop, long item) {
+    attention_loop *l = (attention_loop *)loop;
+    const attention_plan *p = l->p;
+    const long tp = (p->T + KB - 1) / KB * KB;
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB));
+    if (work == NULL) {
+        __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const long bh = item / l->chunks, first = (item % l->chunks) * l->rows;
+    const long last = first + l->rows < p->S ? first + l->rows : p->S;
+    if (first < last)
+        attention_head(p, l->q, l->k, l->v, l->mask, l->out, bh / p->H, bh % p->H, first, last, work);
+}
+
 int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const attention_plan *p = (const attention_plan *)object;
@@ -424,45 +464,35 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
     if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
     q += p->q_off; k += p->k_off; v += p->v_off;
-    const long tp = (p->T + KB - 1) / KB * KB;
-    const long per_thread = p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB);
     const long heads = p->B * p->H;
-    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel region's barrier waits out any descheduled
+    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel loop's end waits out any descheduled
        thread of a loaded machine, which costs more than small work gains */
     const int parallel = heads * p->S * p->T * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
+#ifdef _OPENMP
+    const int threads = parallel ? omp_get_max_threads() : 1;
+#else
+    const int threads = 1;
+#endif
     /* work items: (batch, head, a run of query rows). Heads alone leave threads idle when they do not divide
        evenly (YOLOS's 3 heads on 2 threads: one thread does 2 heads, the other 1) and give a thread slowed by
        other work a whole head; so each head's rows split until there are ~4 items a thread, each run at least
        8 row tiles (its kᵀ and v packing then costs ~1% of its products) */
     long chunks = 1;
-#ifdef _OPENMP
-    if (parallel && omp_get_max_threads() > 1) {
-        const long want = (4L * omp_get_max_threads() + heads - 1) / heads, most = (p->S + 8 * QB - 1) / (8 * QB);
+    if (threads > 1) {
+        const long want = (4L * threads + heads - 1) / heads, most = (p->S + 8 * QB - 1) / (8 * QB);
         chunks = want < most ? want : most;
         if (chunks < 1) chunks = 1;
     }
-#endif
-    const long rows = ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB;  /* a multiple of the row tile */
+    attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
     const long items = heads * chunks;
-    int failed = 0;
-    #pragma omp parallel if (parallel)
-    {
-        float *work = (float *)malloc((size_t)per_thread * sizeof(float));
-        #pragma omp for schedule(dynamic, 1)
-        for (long item = 0; item < items; ++item) {
-            if (work == NULL) {
-                #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            const long bh = item / chunks, first = (item % chunks) * rows;
-            const long last = first + rows < p->S ? first + rows : p->S;
-            if (first < last)
-                attention_head(p, q, k, v, mask, out, bh / p->H, bh % p->H, first, last, work);
-        }
-        free(work);
+    if (p->parallel_for != NULL || threads <= 1) {
+        if (p->parallel_for != NULL) p->parallel_for(items, threads, attention_item, &l);
+        else for (long item = 0; item < items; ++item) attention_item(&l, item);
+    } else {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (long item = 0; item < items; ++item) attention_item(&l, item);
     }
-    return failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
+    return l.failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
 }
 
 /* ---- Broadcasting elementwise ops of an exported attention mask's preparation -------------------

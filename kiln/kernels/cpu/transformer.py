@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import native_loop, onednn, pool
 from kiln.ops._util import broadcast_sizes
 
 SOURCE = Path(__file__).with_name("transformer.c").read_text()
@@ -111,7 +111,7 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("T", ctypes.c_long), ("D", ctypes.c_long), ("Dv", ctypes.c_long),
                 ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
                 ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("parallel_for", ctypes.c_void_p)]
 
 
 MAX_DIMS = 6  # MAXD in transformer.c
@@ -336,7 +336,8 @@ class Attention(NativeKernel):
                            qs=_LONG3(*q[2]), ks=_LONG3(*k[2]), vs=_LONG3(*v[2]), os=_LONG3(*out_strides),
                            ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
                            mask_kind={None: 0, "add": 1, "bool": 2}[mask[0] if mask is not None else None],
-                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale))
+                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
+                           parallel_for=pool.parallel_for() or None)
 
 
 # the dtypes broadcast_plan's casts read (src_type)
