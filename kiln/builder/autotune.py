@@ -295,7 +295,10 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
                     problem = check(launch(ctx, *args, **attrs))
                 if problem:
                     break
-                calls.append(lambda launch=launch, args=args: launch(ctx, *args, **attrs))
+                # a tactic that runs bound inside a native segment may say how to time it that way
+                timed = getattr(launch, "timed", None)
+                calls.append(timed(*args) if timed is not None else
+                             lambda launch=launch, args=args: launch(ctx, *args, **attrs))
         except Exception as e:  # noqa: BLE001  a candidate that fails is dropped, with the reason
             problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:

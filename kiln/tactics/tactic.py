@@ -13,6 +13,10 @@ cannot be serialized, such as oneDNN's blocked weight layouts or MKL's packed GE
 are produced there, once, and live in the launch closure. The default tactic of every op is
 its registered implementation in kiln/ops — the reference every other tactic is checked
 against before it may be timed (kiln/builder/autotune.py).
+
+A launch may carry `launch.native` (a NativeStep: it runs inside native segments) and
+`launch.timed(*inputs) -> callable`: the layer bound to those inputs once, each call running it as
+a segment does (no Python path per call); the autotuner times that instead of the launch.
 """
 
 from __future__ import annotations

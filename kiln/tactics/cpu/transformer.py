@@ -80,7 +80,26 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
                           reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
                           more_outputs=found.more_outputs)
 
+    def timed(*inputs) -> Callable[[], None]:
+        """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
+        (the autotuner times this: the launch's Python path is not paid inside a segment)."""
+        tensors = {k: v.contiguous() for k, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
+        wanted = reads({k: tuple(v.shape) for k, v in tensors.items()})
+        found = kernel({k: tuple(tensors[k].shape) for k in wanted})
+        outputs = [torch.empty(size, dtype=dtype) for size, dtype in ((found.output_size, found.output_dtype),
+                                                                      *found.more_outputs)]
+        bound = found.bind_reads(outputs[0].data_ptr(), {k: tensors[k].data_ptr() for k in wanted}
+                                 | {f"dst{j}": y.data_ptr() for j, y in enumerate(outputs[1:], 1)})
+        kept = (tensors, outputs)  # what the bound call points at
+
+        def run() -> None:
+            bound.run()
+            return kept
+
+        return run
+
     launch.native = native_at(_tuned_sizes(step))
+    launch.timed = timed
     return launch
 
 
