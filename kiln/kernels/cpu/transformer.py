@@ -1,4 +1,4 @@
-"""Transformer layers in kiln's own C (transformer.c): LayerNorm, Add, embedding Gather, attention.
+"""Transformer layers in kiln's own C (transformer.c, attention.c): LayerNorm, Add, embedding Gather, attention.
 
 Why: inside an exported encoder every layer but the GEMMs ran through torch's dispatcher and kiln's
 Python loop, ~20-50 µs a layer; at BERT's small shapes (batch 1 x 7 tokens) that was four times
@@ -27,7 +27,8 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn, pool
 from kiln.ops._util import broadcast_sizes
 
-SOURCE = Path(__file__).with_name("transformer.c").read_text()
+# one compilation unit: attention.c uses transformer.c's helpers
+SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("transformer.c", "attention.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd")
 
 _LOADED: ctypes.CDLL | None = None
