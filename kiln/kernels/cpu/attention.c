@@ -2,9 +2,6 @@
  * last axis; additive or boolean mask at any broadcast strides; causal. Compiled as one unit with
  * transformer.c, after it (kiln/kernels/cpu/transformer.py SOURCE): it uses that file's includes,
  * handle_of, max_threads and the plan conventions described there.
- *
- * Work items are (batch, head, a run of query rows) through kiln's pool (pool.c) when the plan has its
- * kiln_parallel_for, else OpenMP.
  */
 
 /* ---- Attention ---------------------------------------------------------------------------------- */
@@ -20,7 +17,6 @@ typedef struct {
     int causal;       /* query i sees keys 0..i */
     int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
     float scale;
-    parallel_for_fn parallel_for;  /* kiln_parallel_for (pool.c), or NULL: OpenMP */
 } attention_plan;
 
 #define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
@@ -297,9 +293,8 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     }
     attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
     const long items = heads * chunks;
-    if (p->parallel_for != NULL || threads <= 1) {
-        if (p->parallel_for != NULL) p->parallel_for(items, threads, attention_item, &l);
-        else for (long item = 0; item < items; ++item) attention_item(&l, item);
+    if (threads <= 1) {
+        for (long item = 0; item < items; ++item) attention_item(&l, item);
     } else {
         #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (long item = 0; item < items; ++item) attention_item(&l, item);

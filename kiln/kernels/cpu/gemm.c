@@ -17,9 +17,8 @@
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
  * after it; applied to each C tile right after its last K block, while the tile is in L1.
- * Threads: work items over (row group, panel chunk) handed out dynamically, so a core slowed by other work
- * takes fewer of them: through kiln's pool (kiln/kernels/cpu/pool.c, its kiln_parallel_for in the plan),
- * whose caller does not wait for a helper that has not started, else OpenMP (the libgomp torch loaded).
+ * Threads: OpenMP (the libgomp torch loaded: one pool), work items over (row group, panel chunk)
+ * handed out dynamically, so a core slowed by other work takes fewer of them.
  */
 #include <stddef.h>
 #include <string.h>
@@ -28,7 +27,6 @@
 #endif
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
-typedef int (*parallel_for_fn)(long items, int threads, void (*fn)(void *ctx, long item), void *ctx);
 
 /* Activations (kiln/kernels/cpu/gemm_native.py: ACTIVATIONS). */
 enum { ACT_NONE, ACT_RELU, ACT_CLIP, ACT_LEAKY_RELU, ACT_GELU, ACT_GELU_TANH, ACT_TANH, ACT_SIGMOID, ACT_SILU,
@@ -48,7 +46,6 @@ typedef struct {
     int residual_after;         /* 1: act(y) + r; 0: act(y + r) */
     long small_m;               /* up to this many rows, x is read in place over the whole K (GEMV-like) */
     long pack_m;                /* past this many rows, A is packed (else read in place, K-blocked) */
-    parallel_for_fn parallel_for;  /* kiln_parallel_for (pool.c), or NULL: OpenMP */
 } kiln_gemm_plan;
 
 typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
@@ -377,67 +374,25 @@ static long panel_chunk(long panels, long row_groups, int threads) {
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 
-/* A loop of run_small: its items are chunks of panels (narrow_item) or (row group, chunk of panels). */
-typedef struct {
-    const kiln_gemm_plan *p;
-    const kernel_desc *kd;
-    const float *x;
-    float *y;
-    const float *res;
-    int epi;
-    long chunk, chunks, row_blocks, group_blocks;
-} small_loop;
-
-/* Chunk c of the panels, every row at once, half a panel at a time. */
-static void narrow_item(void *loop, long c) {
-    const small_loop *l = (const small_loop *)loop;
-    const kiln_gemm_plan *p = l->p;
-    const long M = p->M, K = p->K, N = p->N, nr = l->kd->nr, half = nr / 2, panels = ceil_div(N, nr);
-    for (long q = c * l->chunk; q < (c + 1) * l->chunk && q < panels; ++q)
-        for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
-            const int n = (int)(N - col0 < half ? N - col0 : half);
-            l->kd->narrow((int)M, K, l->x, K, p->packed_w + q * K * nr + (col0 - q * nr), l->y + col0, N, n, 0);
-            if (l->epi) epilogue(p, l->y, l->res, 0, col0, (int)M, n);
-        }
-}
-
-/* Item it = (row group g, chunk c of the panels): every tile of them over the whole K. */
-static void small_item(void *loop, long it) {
-    const small_loop *l = (const small_loop *)loop;
-    const kiln_gemm_plan *p = l->p;
-    const long M = p->M, K = p->K, N = p->N, nr = l->kd->nr, panels = ceil_div(N, nr);
-    const long g = it / l->chunks, c = it % l->chunks, row_blocks = l->row_blocks;
-    const long r_end = (g + 1) * l->group_blocks < row_blocks ? (g + 1) * l->group_blocks : row_blocks;
-    for (long q = c * l->chunk; q < (c + 1) * l->chunk && q < panels; ++q) {
-        const long col0 = q * nr;
-        const int n = (int)(N - col0 < nr ? N - col0 : nr);
-        for (long r = g * l->group_blocks; r < r_end; ++r) {
-            long row0, m;
-            row_block(M, row_blocks, r, &row0, &m);
-            l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n, 0);
-            if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n);
-        }
-    }
-}
-
 /* x read in place, each tile over the whole K: W streams through once (per row group). Work items: row
    groups (only when the panels alone are too few for the threads) x chunks of panels. */
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res,
                       int threads) {
-    const long M = p->M, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
+    const long M = p->M, K = p->K, N = p->N, nr = kd->nr, panels = ceil_div(N, nr);
     const int epi = has_epilogue(p, res);
     /* Past MR rows (two wide row blocks, each re-reading the W panel), up to narrow_mr: every row at once,
        half a panel at a time (8x768x768, one core: ~80 GFLOP/s where 4 + 4 wide rows ran at ~60; at MR rows
        or fewer the wide tile does more FMAs per load and wins) */
     if (kd->narrow != NULL && M > kd->mr && M <= kd->narrow_mr) {
-        const long chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
-        small_loop l = {p, kd, x, y, res, epi, chunk, 0, 0, 0};
-        if (p->parallel_for != NULL) {
-            p->parallel_for(chunks, threads, narrow_item, &l);
-            return;
-        }
+        const long half = nr / 2, chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
         #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && chunks > 1)
-        for (long c = 0; c < chunks; ++c) narrow_item(&l, c);
+        for (long c = 0; c < chunks; ++c)
+            for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q)
+                for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
+                    const int n = (int)(N - col0 < half ? N - col0 : half);
+                    kd->narrow((int)M, K, x, K, p->packed_w + q * K * nr + (col0 - q * nr), y + col0, N, n, 0);
+                    if (epi) epilogue(p, y, res, 0, col0, (int)M, n);
+                }
         return;
     }
     const long row_blocks = ceil_div(M, kd->mr);
@@ -445,13 +400,21 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
     groups = groups > row_blocks ? row_blocks : groups;
     const long group_blocks = ceil_div(row_blocks, groups);
     const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
-    small_loop l = {p, kd, x, y, res, epi, chunk, chunks, row_blocks, group_blocks};
-    if (p->parallel_for != NULL) {
-        p->parallel_for(groups * chunks, threads, small_item, &l);
-        return;
-    }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && groups * chunks > 1)
-    for (long it = 0; it < groups * chunks; ++it) small_item(&l, it);
+    for (long it = 0; it < groups * chunks; ++it) {
+        const long g = it / chunks, c = it % chunks;
+        const long r_end = (g + 1) * group_blocks < row_blocks ? (g + 1) * group_blocks : row_blocks;
+        for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q) {
+            const long col0 = q * nr;
+            const int n = (int)(N - col0 < nr ? N - col0 : nr);
+            for (long r = g * group_blocks; r < r_end; ++r) {
+                long row0, m;
+                row_block(M, row_blocks, r, &row0, &m);
+                kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
+                if (epi) epilogue(p, y, res, row0, col0, (int)m, n);
+            }
+        }
+    }
 }
 
 /* A [rows, K] (rows <= MR) -> panel[k][i] */
@@ -506,29 +469,6 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
     }
 }
 
-/* A loop of run_blocked_in_place: item it = (M block, row group, chunk of panels). */
-typedef struct {
-    const kiln_gemm_plan *p;
-    const kernel_desc *kd;
-    const float *x;
-    float *y;
-    const float *res;
-    int epi;
-    item_grid g;
-    long per, per_m_block, row_blocks, panels;
-} in_place_loop;
-
-static void in_place_item(void *loop, long it) {
-    const in_place_loop *l = (const in_place_loop *)loop;
-    const item_grid g = l->g;
-    const long mb = it / l->per, gi = it % l->per / g.chunks, c = it % g.chunks;
-    const long b0 = mb * l->per_m_block;
-    const long blocks = l->row_blocks - b0 < l->per_m_block ? l->row_blocks - b0 : l->per_m_block;
-    const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
-    const long p1 = (c + 1) * g.chunk < l->panels ? (c + 1) * g.chunk : l->panels;
-    if (q0 < q1) blocked_item(l->p, l->kd, l->x, l->y, l->res, NULL, l->row_blocks, b0, q0, q1, c * g.chunk, p1, l->epi);
-}
-
 /* K-blocked, x read in place: every item of every M block in one dynamic loop (one fork/join). */
 static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
                                  const float *res, int threads) {
@@ -536,13 +476,15 @@ static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd,
     const long per_m_block = blocks_per_m_block(kd, row_blocks), m_blocks = ceil_div(row_blocks, per_m_block);
     const item_grid g = grid_of(per_m_block, panels, threads);
     const long per = g.groups * g.chunks;
-    in_place_loop l = {p, kd, x, y, res, has_epilogue(p, res), g, per, per_m_block, row_blocks, panels};
-    if (p->parallel_for != NULL) {
-        p->parallel_for(m_blocks * per, threads, in_place_item, &l);
-        return;
-    }
+    const int epi = has_epilogue(p, res);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && m_blocks * per > 1)
-    for (long it = 0; it < m_blocks * per; ++it) in_place_item(&l, it);
+    for (long it = 0; it < m_blocks * per; ++it) {
+        const long mb = it / per, gi = it % per / g.chunks, c = it % g.chunks;
+        const long b0 = mb * per_m_block, blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
+        const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
+        const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
+        if (q0 < q1) blocked_item(p, kd, x, y, res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, epi);
+    }
 }
 
 /* K-blocked GotoBLAS loop, x packed: per M block, the threads pack its MR-row panels (whichever is free

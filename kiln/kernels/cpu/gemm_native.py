@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import hugepages, native_loop, onednn, pool
+from kiln.kernels.cpu import hugepages, native_loop, onednn
 
 SOURCE = Path(__file__).with_name("gemm.c").read_text()
 
@@ -43,7 +43,7 @@ class _Plan(ctypes.Structure):  # kiln_gemm_plan in gemm.c
                 ("scratch", ctypes.c_void_p), ("M", ctypes.c_long), ("K", ctypes.c_long), ("N", ctypes.c_long),
                 ("kernel", ctypes.c_int), ("threads", ctypes.c_int), ("activation", ctypes.c_int),
                 ("alpha", ctypes.c_float), ("beta", ctypes.c_float), ("residual_after", ctypes.c_int),
-                ("small_m", ctypes.c_long), ("pack_m", ctypes.c_long), ("parallel_for", ctypes.c_void_p)]
+                ("small_m", ctypes.c_long), ("pack_m", ctypes.c_long)]
 
 
 @dataclass(frozen=True)
@@ -165,8 +165,7 @@ class PackedLinear:
             scratch = hugepages.empty(need) if rows > max(self.small_m, self.pack_m) else torch.empty(0)
         plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
                      scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.n, kernel=self.kernel.index,
-                     threads=0, small_m=self.small_m, pack_m=self.pack_m, parallel_for=pool.parallel_for() or None,
-                     **self._epilogue)
+                     threads=0, small_m=self.small_m, pack_m=self.pack_m, **self._epilogue)
         return plan, scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,

@@ -31,7 +31,6 @@
 #endif
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
-typedef int (*parallel_for_fn)(long items, int threads, void (*fn)(void *ctx, long item), void *ctx);
 
 static inline void *handle_of(get_handle_fn get, void *memory) {
     void *h = NULL;
@@ -51,8 +50,6 @@ typedef struct {
     float epsilon;
     long grain;  /* rows per OpenMP chunk; rows <= grain: one thread */
     int rms;     /* RMSNorm: no mean taken out, s / sqrt(mean(s²) + eps) */
-    parallel_for_fn parallel_for;  /* kiln_parallel_for (pool.c): items of item_rows rows; NULL: OpenMP */
-    long item_rows;                /* 0: too few rows to share out through the pool */
 } ln_plan;
 
 #ifdef KILN_AVX2
@@ -133,22 +130,6 @@ static int max_threads(void) {
 #endif
 }
 
-typedef struct {
-    const ln_plan *p;
-    const float *x, *r;
-    float *y, *s;
-} ln_loop;
-
-static void ln_item(void *loop, long item) {
-    const ln_loop *l = (const ln_loop *)loop;
-    const ln_plan *p = l->p;
-    const long n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : p->rows;
-    const long last = (item + 1) * p->item_rows < p->rows ? (item + 1) * p->item_rows : p->rows;
-    for (long row = item * p->item_rows; row < last; ++row)
-        ln_row(l->x + row * n, l->r ? l->r + (row % rr) * n : NULL, l->y + row * n, l->s ? l->s + row * n : NULL,
-               p->scale, p->bias, n, p->epsilon, p->rms);
-}
-
 int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const ln_plan *p = (const ln_plan *)object;
@@ -158,10 +139,6 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     float *s = p->sum ? (float *)handle_of(p->get_handle, p->sum) : NULL;
     if (!x || !y || (p->residual && !r) || (p->sum && !s)) return 2;
     const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
-    if (p->parallel_for != NULL && p->item_rows > 0 && rows > p->item_rows) {
-        ln_loop l = {p, x, r, y, s};
-        return p->parallel_for((rows + p->item_rows - 1) / p->item_rows, max_threads(), ln_item, &l);
-    }
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row)
         ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,
@@ -177,15 +154,7 @@ typedef struct {
     long rows, n;  /* a, y: [rows, n] */
     long b_rows;   /* b: [b_rows, n], row r of a adds row r % b_rows */
     long grain;
-    parallel_for_fn parallel_for;  /* as ln_plan's */
-    long item_rows;
 } add_plan;
-
-typedef struct {
-    const add_plan *p;
-    const float *a, *b;
-    float *y;
-} add_loop;
 
 static void add_rows(const add_plan *p, const float *a, const float *b, float *y, long first, long last) {
     const long n = p->n, br = p->b_rows;
@@ -196,11 +165,6 @@ static void add_rows(const add_plan *p, const float *a, const float *b, float *y
     }
 }
 
-static void add_item(void *loop, long item) {
-    const add_loop *l = (const add_loop *)loop;
-    const long first = item * l->p->item_rows, last = first + l->p->item_rows;
-    add_rows(l->p, l->a, l->b, l->y, first, last < l->p->rows ? last : l->p->rows);
-}
 
 int kiln_add(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
@@ -210,10 +174,6 @@ int kiln_add(void *object, void *stream, int nargs, const void *args) {
     float *y = (float *)handle_of(p->get_handle, p->y);
     if (!a || !b || !y) return 2;
     const long rows = p->rows;
-    if (p->parallel_for != NULL && p->item_rows > 0 && rows > p->item_rows) {
-        add_loop l = {p, a, b, y};
-        return p->parallel_for((rows + p->item_rows - 1) / p->item_rows, max_threads(), add_item, &l);
-    }
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row) add_rows(p, a, b, y, row, row + 1);
     return 0;

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn, pool
+from kiln.kernels.cpu import native_loop, onednn
 from kiln.ops._util import broadcast_sizes
 
 # one compilation unit: attention.c uses transformer.c's helpers
@@ -36,14 +36,9 @@ _REASON: str | None = None
 _LOCK = threading.Lock()
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 
-# elements below which LayerNorm and Add stay on one thread (~1 ms of work) when they run on OpenMP: a
-# parallel region costs a few µs on a quiet machine, and on a loaded one its barrier waits out a descheduled
-# thread's whole time slice
+# elements below which LayerNorm and Add stay on one thread (~1 ms of work): a parallel region costs a few
+# µs on a quiet machine, and on a loaded one its barrier waits out a descheduled thread's whole time slice
 PARALLEL_ELEMENTS = 1 << 20
-# Through kiln's pool (pool.c), whose caller never waits for a helper that has not started, they share out
-# from POOL_ELEMENTS on (~10 µs of work: a ViT-B row block of 197 x 768 took 60-70 µs on one thread), in
-# items of about POOL_ITEM_ELEMENTS
-POOL_ELEMENTS, POOL_ITEM_ELEMENTS = 1 << 15, 1 << 13
 
 
 def load() -> ctypes.CDLL | None:
@@ -95,14 +90,13 @@ class _LayerNormPlan(ctypes.Structure):  # ln_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("residual", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("bias", ctypes.c_void_p), ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
-                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int),
-                ("parallel_for", ctypes.c_void_p), ("item_rows", ctypes.c_long)]
+                ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int)]
 
 
 class _AddPlan(ctypes.Structure):  # add_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("a", ctypes.c_void_p), ("b", ctypes.c_void_p),
                 ("y", ctypes.c_void_p), ("rows", ctypes.c_long), ("n", ctypes.c_long), ("b_rows", ctypes.c_long),
-                ("grain", ctypes.c_long), ("parallel_for", ctypes.c_void_p), ("item_rows", ctypes.c_long)]
+                ("grain", ctypes.c_long)]
 
 
 class _GatherPlan(ctypes.Structure):  # gather_plan
@@ -118,7 +112,7 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("T", ctypes.c_long), ("D", ctypes.c_long), ("Dv", ctypes.c_long),
                 ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
                 ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
-                ("scale", ctypes.c_float), ("parallel_for", ctypes.c_void_p)]
+                ("scale", ctypes.c_float)]
 
 
 MAX_DIMS = 6  # MAXD in transformer.c
@@ -278,7 +272,7 @@ class LayerNorm(NativeKernel):
                            bias=self._bias.data_ptr() if self._bias is not None else None,
                            rows=rows, n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),
                            residual_rows=_rows(residual_size) if residual_size is not None else rows,
-                           rms=int(rms), **_row_items(rows, n))
+                           rms=int(rms))
 
 
 class Add(NativeKernel):
@@ -295,19 +289,11 @@ class Add(NativeKernel):
         self.output_size = tuple(big)
         n = int(big[-1])
         self.roles = {**roles, "dst": ("y",)}
-        self.fields = dict(rows=_rows(big), n=n, b_rows=_rows(small), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),
-                           **_row_items(_rows(big), n))
+        self.fields = dict(rows=_rows(big), n=n, b_rows=_rows(small), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)))
 
 
 def _numel(size: tuple[int, ...]) -> int:
     return _rows(size) * (size[-1] if size else 1)
-
-
-def _row_items(rows: int, n: int) -> dict[str, Any]:
-    """The plan fields that share a row-wise kernel's rows out through kiln's pool (none when too few)."""
-    if rows * n < POOL_ELEMENTS or not pool.parallel_for():
-        return {"parallel_for": None, "item_rows": 0}
-    return {"parallel_for": pool.parallel_for(), "item_rows": max(1, POOL_ITEM_ELEMENTS // max(n, 1))}
 
 
 class GatherRows(NativeKernel):
@@ -351,8 +337,7 @@ class Attention(NativeKernel):
                            qs=_LONG3(*q[2]), ks=_LONG3(*k[2]), vs=_LONG3(*v[2]), os=_LONG3(*out_strides),
                            ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
                            mask_kind={None: 0, "add": 1, "bool": 2}[mask[0] if mask is not None else None],
-                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
-                           parallel_for=pool.parallel_for() or None)
+                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale))
 
 
 # the dtypes broadcast_plan's casts read (src_type)
