@@ -295,7 +295,10 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
                     problem = check(launch(ctx, *args, **attrs))
                 if problem:
                     break
-                calls.append(lambda launch=launch, args=args: launch(ctx, *args, **attrs))
+                # a tactic that runs bound inside a native segment may say how to time it that way
+                timed = getattr(launch, "timed", None)
+                calls.append(timed(*args) if timed is not None else
+                             lambda launch=launch, args=args: launch(ctx, *args, **attrs))
         except Exception as e:  # noqa: BLE001  a candidate that fails is dropped, with the reason
             problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:
@@ -352,6 +355,12 @@ LAYOUT_PREFERENCE = 1.25
 # that is not native splits a segment in two (an exit allocated, an entry bound). A tactic that
 # runs inside a native segment (kiln/runtime/native.py) skips both.
 NATIVE_CREDIT_MS = 0.05
+# ... and a layer's time alone, on a CPU shared with other work, is no finer than ~10%: the GEMM tactics
+# of a transformer ran within 10% of each other per core (bench/results/gemm-2026-12-01.md) while the
+# tuner, timing them on two loaded cores, picked among them by noise (a ViT/YOLOS/Whisper engine took
+# non-native GEMMs, MKL or torch's oneDNN linear, between native ones, each splitting a segment). Within
+# that margin the native tactic wins.
+NATIVE_PREFERENCE = 1.1
 
 
 def _effective_ms(name: str, ms: float) -> float:
@@ -359,7 +368,7 @@ def _effective_ms(name: str, ms: float) -> float:
     if tactic is None:
         return ms
     ms = ms / LAYOUT_PREFERENCE if tactic.layout else ms
-    return ms - NATIVE_CREDIT_MS if tactic.native else ms
+    return ms / NATIVE_PREFERENCE - NATIVE_CREDIT_MS if tactic.native else ms
 
 
 def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float | str], cached: bool,

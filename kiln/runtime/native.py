@@ -63,6 +63,16 @@ def reads_of(m: BoundStep, native: NativeStep) -> list[tuple[int, Any]]:
     return found
 
 
+def writes_of(m: BoundStep, native: NativeStep) -> list[tuple[int, str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """(slot, role, size, strides, dtype) of each value a member writes: its output, and for kiln's own
+    kernels of several outputs (NativeStep.more_outputs) each further one that is read (role "dst<j>")."""
+    found = [(m.outputs[0], "dst", tuple(native.output_size), native.output_strides, native.output_dtype)]
+    for j, (size, dtype) in enumerate(native.more_outputs, 1):
+        if j < len(m.outputs) and m.outputs[j] >= 0:
+            found.append((m.outputs[j], f"dst{j}", tuple(size), row_major_strides(tuple(size)), dtype))
+    return found
+
+
 def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtype, str]:
     """(size, dtype, layout) a member reads its input `role` in."""
     if native.reads is not None:
@@ -92,8 +102,11 @@ class Segment:
         self._resize_lock = threading.Lock()
         natives = natives if natives is not None else [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
-        for k, m in enumerate(members):
-            produced[m.outputs[0]] = k
+        forms: dict[int, tuple] = {}  # slot -> (size, strides, dtype) it is written in
+        for k, (m, native) in enumerate(zip(members, natives)):
+            for slot, _role, size, strides, dtype in writes_of(m, native):
+                produced[slot] = k
+                forms[slot] = (size, strides, dtype)
         consumers: dict[int, list[tuple[int, Any]]] = {}  # slot -> [(member, role)]
         for k, (m, native) in enumerate(zip(members, natives)):
             for slot, role in reads_of(m, native):
@@ -135,7 +148,7 @@ class Segment:
             g = group[s]
             if g in exit_group:
                 continue
-            size = _numel(natives[k].output_size) * natives[k].output_dtype.itemsize
+            size = _numel(forms[s][0]) * forms[s][2].itemsize
             end = last_read.get(s, k)
             iv = spans.get(g)
             if iv is None:
@@ -173,7 +186,7 @@ class Segment:
             self._calls += calls
             self._names += [m.ctx.name] * len(calls)
         self.exit_groups = [group[s] for s in self.exits]
-        self.exit_shapes = _exit_shapes(self.exits, produced, natives)
+        self.exit_shapes = [forms[s] for s in self.exits]
         self._entry_readers = [consumers[s] for s in self.entries]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, self._entry_readers,
                                                                                natives)
@@ -274,7 +287,8 @@ class Segment:
         """The layers' own launch functions, for inputs of other sizes than planned."""
         env = {**self.constants, **dict(zip(self.entries, values))}
         for m in self.members:
-            env[m.outputs[0]] = call_step(m.fn, m.ctx, [env.get(s) if s >= 0 else None for s in m.inputs], m.attributes)
+            out = call_step(m.fn, m.ctx, [env.get(s) if s >= 0 else None for s in m.inputs], m.attributes)
+            env.update(zip(m.outputs, out) if len(m.outputs) > 1 else [(m.outputs[0], out)])
         return [env[s] for s in self.exits]
 
     def _for_sizes(self, values: tuple) -> Segment | None:
@@ -298,7 +312,8 @@ class Segment:
                 else tuned.at(sizes[m.inputs[0]])
             if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
                 raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
-            sizes[m.outputs[0]] = native.output_size
+            for slot, _role, size, _strides, _dtype in writes_of(m, native):
+                sizes[slot] = size
             natives.append(native)
         return natives
 
@@ -349,11 +364,12 @@ class Segment:
         if [_form(n) for n in natives] != [_form(n) for n in self._natives]:
             return False
         produced, group, exit_group, _ = self._layout
+        forms = _forms(self.members, natives)
         need: dict[int, int] = {}
-        for s, k in produced.items():
+        for s in produced:
             g = group[s]
             if g not in exit_group:
-                size = _numel(natives[k].output_size) * natives[k].output_dtype.itemsize
+                size = _numel(forms[s][0]) * forms[s][2].itemsize
                 need[g] = max(need.get(g, 0), size)
         return all(n <= self._capacity.get(g, -1) for g, n in need.items())
 
@@ -399,10 +415,10 @@ class Segment:
         return exits
 
 
-def _exit_shapes(exits: list[int], produced: dict[int, int], natives: list[NativeStep]) -> list[tuple]:
-    """(size, strides, dtype) of each exit, from the member that writes it."""
-    return [(tuple(natives[produced[s]].output_size), natives[produced[s]].output_strides,
-             natives[produced[s]].output_dtype) for s in exits]
+def _forms(members: list[BoundStep], natives: list[NativeStep]) -> dict[int, tuple]:
+    """slot -> (size, strides, dtype) of each value the members write."""
+    return {slot: (size, strides, dtype) for m, native in zip(members, natives)
+            for slot, _role, size, strides, dtype in writes_of(m, native)}
 
 
 def _entry_forms(entries: list[int], readers: list[list[tuple[int, Any]]], natives: list[NativeStep]
@@ -437,7 +453,8 @@ def _run_loop(c: tuple, stream: Any, sources: dict[str, list[int]], names: list[
 
 def _form(native: NativeStep) -> tuple:
     """What of a member's NativeStep shapes a segment's structure, whatever its sizes."""
-    return native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads)
+    return (native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads),
+            len(native.more_outputs))
 
 
 def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int]
@@ -449,8 +466,9 @@ def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: di
     prim = native.primitive(accumulate)
     if native.reads is not None:
         reads = reads_of(m, native)
-        b = prim.bind_reads(address.get(out, 0), {role: address.get(slot, 0) for slot, role in reads})
-        return b, [(out, "dst"), *reads]
+        more = [(slot, role) for slot, role, *_ in writes_of(m, native)[1:]]  # outputs past the first
+        b = prim.bind_reads(address.get(out, 0), {role: address.get(slot, 0) for slot, role in reads + more})
+        return b, [(out, "dst"), *more, *reads]
     if accumulate:
         return prim.bind(address.get(x, 0), address.get(out, 0)), [(x, "src"), (out, "dst")]
     b = prim.bind(address.get(x, 0), address.get(out, 0), address.get(residual, 0) if residual is not None else None)
@@ -505,8 +523,8 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
 
     for i, step in enumerate(steps):
         native = getattr(step.fn, "native", None)
-        ok = (isinstance(native, NativeStep) and len(step.outputs) == 1 and step.outputs[0] >= 0
-              and i not in excluded)
+        ok = (isinstance(native, NativeStep) and step.outputs and step.outputs[0] >= 0 and i not in excluded
+              and len(step.outputs) <= 1 + len(native.more_outputs))
         if not ok:
             if members:
                 pending.append(i)
@@ -516,7 +534,7 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
             if (members and not pending and members[-1] == i - 1 and steps[i - 1].outputs[0] == x
                     and last_read.get(x) == i and x not in outputs and _joins(step, produced)):
                 members.append(i)
-                produced[step.outputs[0]] = tuple(native.output_size)
+                produced[step.outputs[0]] = tuple(native.output_size)  # an alias writes one value
             else:
                 close()
             continue
@@ -527,7 +545,7 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
         hoisted += pending
         pending = []
         members.append(i)
-        produced[step.outputs[0]] = tuple(native.output_size)
+        produced.update({slot: size for slot, _role, size, _strides, _dtype in writes_of(step, native)})
         read |= {slot for slot, _ in reads_of(step, native)}
     close()
     start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}
@@ -584,7 +602,8 @@ class _Resized:
                 bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
         self._bound = bound  # owns what the calls point at
         calls = [c for b in bound for c in b.calls()]
-        self.exit_shapes = _exit_shapes(self.exits, template._layout[0], natives)
+        forms = _forms(template.members, natives)
+        self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
                                                                                natives)
         bindings = []

@@ -13,6 +13,10 @@ cannot be serialized, such as oneDNN's blocked weight layouts or MKL's packed GE
 are produced there, once, and live in the launch closure. The default tactic of every op is
 its registered implementation in kiln/ops — the reference every other tactic is checked
 against before it may be timed (kiln/builder/autotune.py).
+
+A launch may carry `launch.native` (a NativeStep: it runs inside native segments) and
+`launch.timed(*inputs) -> callable`: the layer bound to those inputs once, each call running it as
+a segment does (no Python path per call); the autotuner times that instead of the launch.
 """
 
 from __future__ import annotations
@@ -127,6 +131,9 @@ class NativeStep:
     at: Callable[[tuple[int, ...]], NativeStep] | None = None
     reads: dict[int, tuple[tuple[int, ...], torch.dtype]] | None = None
     output_dtype: torch.dtype = torch.float32
+    # kiln's own kernels only: the step's outputs past the first, (size, dtype) each, row-major; bound as
+    # roles "dst1", "dst2"... (a pre-LN LayerNorm's sum x + residual)
+    more_outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
     @property
     def output_strides(self) -> tuple[int, ...]:

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kiln's C kerne
 N = 16
 
 
-def layer_norm(name: str, x: str, out: str, size: list[int], residual: str = "") -> StepSpec:
+def layer_norm(name: str, x: str, out: str, size: list[int], residual: str = "", total: str = "") -> StepSpec:
+    """`total`: the sum x + residual as a second output (a pre-LN block's residual stream)."""
     config = {"input_sizes": [[0, size]] + ([[3, size]] if residual else [])}
-    return StepSpec("LayerNorm", name, [x, "scale", "bias", residual], [out], {"epsilon": 1e-5}, domain="kiln",
-                    tactic="cpu.layernorm.native", tactic_config=config)
+    return StepSpec("LayerNorm", name, [x, "scale", "bias", residual], [out] + ([total] if total else []),
+                    {"epsilon": 1e-5}, domain="kiln", tactic="cpu.layernorm.native", tactic_config=config)
 
 
 def add(name: str, a: str, b: str, out: str, size: list[int]) -> StepSpec:
@@ -99,3 +100,30 @@ def test_members_of_other_sizes_bind_a_segment_of_their_own():
         x, y = torch.randn(rows, N), torch.randn(rows, N)
         torch.testing.assert_close(p.run([x, y])[0], p.with_kernels(lambda i, fn: fn).run([x, y])[0])
     assert {key[0] for key, other in segment.resized.items() if other is not None} >= {(1, N), (5, N)}
+
+
+def test_pre_ln_norms_with_the_sum_as_a_second_output_are_members():
+    """Pre-LN blocks: s0 = x + y, a = LN(s0); s1 = s0 + a (the block's residual), z = LN(s1). Each norm
+    writes both outputs; the sums are read by later members and s1 after the segment, at the tuned size
+    and at others (views over the template's memory)."""
+    size = [3, N]
+    steps = [layer_norm("ln0", "x", "a", size, residual="y", total="s0"),
+             add("add", "a", "s0", "b", size),
+             layer_norm("ln1", "b", "z", size, residual="s0", total="s1")]
+    p = program(steps, ["z", "s1"])
+    (segment,) = p.segments
+    assert [m.ctx.name for m in segment.members] == ["ln0", "add", "ln1"]
+    weights = [v.numpy() for v in p.template if isinstance(v, torch.Tensor)]  # scale, bias
+    for rows in (3, 1, 7, 3):
+        x, y = torch.randn(rows, N), torch.randn(rows, N)
+        z, s1 = p.run([x, y])
+        alone = p.with_kernels(lambda i, fn: fn).run([x, y])
+        torch.testing.assert_close(z, alone[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s1, alone[1], atol=1e-5, rtol=1e-5)
+        s0 = x.numpy() + y.numpy()
+        a = numpy_ln(s0, *weights)
+        want_s1 = a + s0 + s0
+        np.testing.assert_allclose(s1.numpy(), want_s1, atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(z.numpy(), numpy_ln(want_s1, *weights), atol=2e-5, rtol=1e-4)
+    assert set(segment.exits) == set(p.output_slots)
+    assert all(other is not None for other in segment.resized.values()) and len(segment.resized) == 2  # 1, 7 rows

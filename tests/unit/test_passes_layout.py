@@ -93,6 +93,51 @@ def test_causal_mask_packed_qkv_and_head_reshapes_become_one_attention():
     assert_same_as_onnxruntime(proto, feeds)
 
 
+def projected_attention(order: tuple[str, ...], query_factor: float | None):
+    """x -> Q, K, V projections (MatMul + Add, computed in `order`) -> head Reshapes/Transposes ->
+    softmax(q·kᵀ·s)·v -> [B, S, H·D]; query_factor: Whisper's q·D^-1/2 right after the projection (and
+    no scale on the scores)."""
+    b, s, h, d = 2, 7, 4, 8
+    nodes, inits = [], [("heads", np.array([b, s, h, d], np.int64)), ("merged", np.array([b, s, h * d], np.int64))]
+    for name in order:
+        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"{name}m"]),
+                  helper.make_node("Add", [f"{name}m", f"b{name}"], [f"{name}p"])]
+        inits += [(f"w{name}", randn(h * d, h * d)), (f"b{name}", randn(h * d))]
+    if query_factor is not None:
+        nodes.append(helper.make_node("Mul", ["qp", "factor"], ["qs"]))
+        inits.append(("factor", np.array(query_factor, np.float32)))
+    for name, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3])):
+        source = "qs" if name == "q" and query_factor is not None else f"{name}p"
+        nodes += [helper.make_node("Reshape", [source, "heads"], [name + "4"]),
+                  helper.make_node("Transpose", [name + "4"], [name + "t"], perm=perm)]
+    nodes.append(helper.make_node("MatMul", ["qt", "kt"], ["scores"]))
+    if query_factor is None:
+        nodes.append(helper.make_node("Mul", ["scores", "scale"], ["scaled"]))
+        inits.append(("scale", np.array(d ** -0.5, np.float32)))
+    nodes += [
+        helper.make_node("Softmax", ["scaled" if query_factor is None else "scores"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "vt"], ["o"]),
+        helper.make_node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["o4", "merged"], ["y"]),
+    ]
+    proto = make_model(nodes, [value("x", [b, s, h * d])], [value("y", [b, s, h * d])], inits)
+    return proto, {"x": randn(b, s, h * d)}
+
+
+@pytest.mark.parametrize("order", [("q", "k", "v"), ("k", "v", "q"), ("v", "q", "k")])
+@pytest.mark.parametrize("query_factor", [None, 0.125, 0.3])
+def test_merged_projections_in_any_order_and_a_query_scale_go_into_the_attention(order, query_factor):
+    proto, feeds = projected_attention(order, query_factor)
+    model, report, ops = optimized(proto)
+    assert ops == {"kiln::FusedGemm": 1, "kiln::Attention": 1}  # no Split, no Mul: the attention reads the GEMM
+    node = next(n for n in model.graph if n.op_type == "Attention")
+    attrs = {name: a.value for name, a in node.attributes.items()}
+    assert list(attrs["qkv_split"]) == [32, 32, 32] and node.inputs[0].producer().op_type == "FusedGemm"
+    if query_factor is not None:
+        assert attrs["scale"] == pytest.approx(query_factor)
+    assert_same_as_onnxruntime(proto, feeds)
+
+
 def test_a_mask_that_is_not_causal_stays_a_tensor():
     s = 6
     mask = np.where(rng.random((1, 1, s, s)) < 0.3, -np.inf, 0).astype(np.float32)

@@ -11,15 +11,15 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln.builder import autotune
+from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.errors import ExecutionError
 from kiln.kernels.cpu import mkl_available, onednn_available
 from kiln.ops.fused import fused_conv, fused_gemm
 from kiln.ops.registry import OpContext
 from kiln.plan.spec import StepSpec
-from kiln.builder import autotune
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Tactic
-from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 
 F32 = TensorProto.FLOAT
 # oneDNN/MKL sum in another order than torch's reference kernels: fp32 rounding of a K-long dot
@@ -315,6 +315,14 @@ def test_layout_tactics_win_unless_the_default_is_clearly_faster():
     # ... but not at 1.3x, and layout-free tactics are compared on their raw times.
     assert at._effective_ms("cpu.conv.onednn_nhwc", 1.3) > at._effective_ms("default", 1.0)
     assert at._effective_ms("cpu.gemm.mkl", 1.2) == 1.2
+
+
+def test_native_tactics_win_within_the_timing_noise():
+    # a native GEMM 8% slower alone than MKL's still wins (it keeps its segment whole) ...
+    assert autotune._choose({"cpu.gemm.mkl": 10.0, "cpu.gemm.kiln_packed": 10.8, "default": 12.0}) \
+        == "cpu.gemm.kiln_packed"
+    # ... 15% slower it does not
+    assert autotune._choose({"cpu.gemm.mkl": 10.0, "cpu.gemm.kiln_packed": 11.5, "default": 12.0}) == "cpu.gemm.mkl"
 
 
 POINTWISE_CASES = [case for case in CONV_CASES if case[5] == 1 and case[6] == 1 and case[8] == 1] + [

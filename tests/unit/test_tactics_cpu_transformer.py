@@ -27,9 +27,10 @@ rng = np.random.default_rng()
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int]):
+def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, constants: set[int],
+             outputs: tuple[str, ...] = ("y",)):
     """(the tactic's launch, the registered op, its context) for a one-layer step over `inputs`."""
-    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], ["y"],
+    step = StepSpec(op, "layer", [f"i{k}" if v is not None else "" for k, v in enumerate(inputs)], list(outputs),
                     dict(attrs), domain=domain)
     metas = [InputMeta.of(v, k in constants) for k, v in enumerate(inputs)]
     t = registry.get(tactic)
@@ -37,7 +38,8 @@ def prepared(tactic: str, op: str, domain: str, inputs: list, attrs: dict, const
     assert ok is True, ok
     step = dataclasses.replace(step, tactic=tactic, tactic_config=t.configure(step, metas))
     launch = t.prepare(step, [v if k in constants else None for k, v in enumerate(inputs)], torch.device("cpu"))
-    ctx = OpContext(name="layer", op_type=op, domain=domain, opset=17, num_inputs=len(inputs), num_outputs=1)
+    ctx = OpContext(name="layer", op_type=op, domain=domain, opset=17, num_inputs=len(inputs),
+                    num_outputs=len(outputs))
     return launch, lookup(op, domain).fn, ctx
 
 
@@ -83,6 +85,50 @@ def test_layer_norm_matches_float64(residual, affine):
         np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
 
 
+@pytest.mark.parametrize("residual", [None, "same", "rows"])
+def test_pre_ln_layer_norm_also_gives_the_sum(residual):
+    """A pre-LN block's norm: y = LN(x + r) and the sum s = x + r (the residual stream) as a second output."""
+    for n in (5, 64, 384):
+        b, s = int(rng.integers(1, 4)), int(rng.integers(1, 70))
+        x = rng.standard_normal((b, s, n)).astype(np.float32) * 2 - 1
+        r = None if residual is None else rng.standard_normal((b, s, n) if residual == "same" else (1, s, n))
+        r = None if r is None else r.astype(np.float32)
+        scale, bias = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        inputs = [t(x), t(scale), t(bias), None if r is None else t(r)]
+        launch, op, ctx = prepared("cpu.layernorm.native", "LayerNorm", "kiln", inputs, {"epsilon": 1e-6}, {1, 2},
+                                   outputs=("y", "sum"))
+        y, total = launch(ctx, *inputs, epsilon=1e-6)
+        np.testing.assert_array_equal(total.numpy(), x + r if r is not None else x)  # one float32 add: exact
+        np.testing.assert_allclose(y.numpy(), layer_norm64(x, scale, bias, r, 1e-6), atol=ATOL * 4, rtol=RTOL)
+        want_y, want_total = op(ctx, *inputs, epsilon=1e-6)
+        np.testing.assert_allclose(y.numpy(), want_y.numpy(), atol=ATOL * 4, rtol=RTOL)
+        np.testing.assert_array_equal(total.numpy(), want_total.numpy())
+    assert launch.native.more_outputs == ((tuple(x.shape), torch.float32),)
+    # what the autotuner times: the layer bound once, each call one C call, writing what the launch returns
+    _, (timed_y, timed_total) = launch.timed(*inputs)()
+    torch.testing.assert_close(timed_y, y, rtol=0, atol=0)
+    torch.testing.assert_close(timed_total, total, rtol=0, atol=0)
+
+
+def test_row_kernels_on_two_threads_match():
+    """LayerNorm (with the sum kept) and Add at encoder sizes on 2 threads (OpenMP past PARALLEL_ELEMENTS)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, n in ((197, 768), (1125, 192), (1500, 768)):
+            x = rng.standard_normal((1, rows, n)).astype(np.float32)
+            r = rng.standard_normal((1, rows, n)).astype(np.float32)
+            scale, bias = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+            norm = kernels.LayerNorm((1, rows, n), t(scale), t(bias), 1e-6, (1, rows, n), keep_sum=True)
+            y, total = norm({0: t(x), 3: t(r)})
+            np.testing.assert_array_equal(total.numpy(), x + r)
+            np.testing.assert_allclose(y.numpy(), layer_norm64(x, scale, bias, r, 1e-6), atol=ATOL * 4, rtol=RTOL)
+            b = rng.standard_normal((rows, n)).astype(np.float32)
+            np.testing.assert_array_equal(kernels.Add((1, rows, n), (rows, n))({0: t(x), 1: t(b)}).numpy(), x + b)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_layer_norm_at_other_sizes_through_its_native_step():
     x = torch.randn(2, 9, 32)
     w, bias, r = torch.randn(32), torch.randn(32), torch.randn(1, 9, 32)
@@ -98,8 +144,8 @@ def test_layer_norm_at_other_sizes_through_its_native_step():
 def test_layer_norm_refuses_what_it_cannot_run():
     x, w = torch.randn(2, 3, 8), torch.randn(8)
     assert "last axis" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {"axis": 1}, {1})
-    assert "second output" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, x], {}, {1},
-                                      outputs=("y", "sum"))
+    assert "3 outputs" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, x], {}, {1},
+                                  outputs=("y", "sum", "other"))
     assert "repeat" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w, None, torch.randn(2, 1, 8)],
                                {}, {1})
     assert "constant" in refusal("cpu.layernorm.native", "LayerNorm", "kiln", [x, w], {}, set())
@@ -226,6 +272,32 @@ def test_attention_on_separate_heads(case):
     want = attention64(q, k, v, mask, scale, case == "causal", False)
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
     np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("h, s, tt, case", [(3, 300, 300, "causal"), (1, 200, 200, "bool_mask"),
+                                         (3, 301, 257, "float_mask"), (6, 198, 198, "none")])
+def test_attention_splits_long_heads_into_row_runs_across_threads(h, s, tt, case):
+    """Heads of many query rows run as several work items (a run of rows each) when the heads alone would
+    leave a thread idle: every run's rows, the last short one included, against float64."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        b, d = 1, 64
+        q = rng.standard_normal((b, h, s, d)).astype(np.float32)
+        k, v = (rng.standard_normal((b, h, tt, d)).astype(np.float32) for _ in range(2))
+        mask, attrs = None, {"scale": d ** -0.5, "is_causal": int(case == "causal")}
+        if case == "bool_mask":
+            mask = rng.random((b, 1, s, tt)) < 0.8
+            mask[..., 0] = True
+        if case == "float_mask":
+            mask = rng.standard_normal((b, 1, 1, tt)).astype(np.float32)
+        inputs = [t(q), t(k), t(v)] + ([t(mask)] if mask is not None else [])
+        launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+        got = launch(ctx, *inputs, **attrs).numpy()
+        want = attention64(q, k, v, mask, d ** -0.5, case == "causal", False)
+        np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_attention_refuses_what_it_cannot_run():

@@ -7,11 +7,11 @@
  * oneDNN's own primitives. Float32 throughout; statistics and softmax sums in float32 as torch's CPU
  * kernels keep them.
  *
- *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows
+ *   kiln_layer_norm   y = LN(x [+ r]) * scale + bias over the last axis; r may repeat over leading rows;
+ *                     s = x + r also written when asked for (a pre-LN block's residual stream)
  *   kiln_add          y = a + b, b repeating over a's leading rows
  *   kiln_gather_rows  y[r] = table[ids[r]] (an embedding lookup; int64 ids, negative ones from the end)
- *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a
- *                     contiguous last axis; additive or boolean mask at any broadcast strides; causal
+ *   kiln_attention    softmax(q kᵀ scale + mask) v per (batch, head): attention.c, compiled with this file
  *   kiln_broadcast    Cast (to bool, float32), And, Or, Where over broadcast operands, and
  *   kiln_gather_nd    GatherND: what an exported attention mask is prepared with, run in the segment
  *
@@ -22,6 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KILN_AVX2 1
@@ -40,6 +43,7 @@ static inline void *handle_of(get_handle_fn get, void *memory) {
 typedef struct {
     get_handle_fn get_handle;
     void *x, *residual, *y;  /* dnnl_memory_t; residual may be NULL */
+    void *sum;               /* dnnl_memory_t of s = x [+ r], a second output; NULL: not asked for */
     const float *scale, *bias;  /* [n] or NULL */
     long rows, n;
     long residual_rows;  /* the residual's rows: row r of x adds residual row r % residual_rows */
@@ -57,7 +61,7 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* sum of s = x (+ r), written to y when r is given; 16 lanes at a time, the tail in order */
+/* sum of s = x (+ r), written to y when y is given; 16 lanes at a time, the tail in order */
 static float row_sum(const float *x, const float *r, float *y, long n) {
     long i = 0;
     float sum = 0.0f;
@@ -68,6 +72,8 @@ static float row_sum(const float *x, const float *r, float *y, long n) {
         if (r) {
             s0 = _mm256_add_ps(s0, _mm256_loadu_ps(r + i));
             s1 = _mm256_add_ps(s1, _mm256_loadu_ps(r + i + 8));
+        }
+        if (y) {
             _mm256_storeu_ps(y + i, s0);
             _mm256_storeu_ps(y + i + 8, s1);
         }
@@ -78,7 +84,7 @@ static float row_sum(const float *x, const float *r, float *y, long n) {
 #endif
     for (; i < n; ++i) {
         float v = r ? x[i] + r[i] : x[i];
-        if (r) y[i] = v;
+        if (y) y[i] = v;
         sum += v;
     }
     return sum;
@@ -100,11 +106,13 @@ static float row_centered_squares(const float *x, float mean, long n) {
     return sum;
 }
 
-static void ln_row(const float *x, const float *r, float *y, const float *scale, const float *bias, long n,
-                   float epsilon, int rms) {
-    const float sum = r || !rms ? row_sum(x, r, y, n) : 0.0f;  /* RMSNorm sums only to write s = x + r */
+/* s_out: where s = x (+ r) is kept as an output of its own, or NULL (then s lives in y until normalized) */
+static void ln_row(const float *x, const float *r, float *y, float *s_out, const float *scale, const float *bias,
+                   long n, float epsilon, int rms) {
+    float *s = s_out ? s_out : (r ? y : NULL);  /* where s is written, when it is not x itself */
+    const float sum = s || !rms ? row_sum(x, r, s, n) : 0.0f;  /* RMSNorm sums only to write s */
     const float mean = rms ? 0.0f : sum / (float)n;
-    if (r) x = y;  /* s = x + r now lives in y */
+    if (s) x = s;
     const float rstd = 1.0f / sqrtf(row_centered_squares(x, mean, n) / (float)n + epsilon);
     for (long i = 0; i < n; ++i) {
         float v = (x[i] - mean) * rstd;
@@ -114,17 +122,27 @@ static void ln_row(const float *x, const float *r, float *y, const float *scale,
     }
 }
 
+static int max_threads(void) {
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
 int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const ln_plan *p = (const ln_plan *)object;
     const float *x = (const float *)handle_of(p->get_handle, p->x);
     float *y = (float *)handle_of(p->get_handle, p->y);
     const float *r = p->residual ? (const float *)handle_of(p->get_handle, p->residual) : NULL;
-    if (!x || !y || (p->residual && !r)) return 2;
+    float *s = p->sum ? (float *)handle_of(p->get_handle, p->sum) : NULL;
+    if (!x || !y || (p->residual && !r) || (p->sum && !s)) return 2;
     const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row)
-        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, p->scale, p->bias, n, p->epsilon, p->rms);
+        ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,
+               n, p->epsilon, p->rms);
     return 0;
 }
 
@@ -138,6 +156,16 @@ typedef struct {
     long grain;
 } add_plan;
 
+static void add_rows(const add_plan *p, const float *a, const float *b, float *y, long first, long last) {
+    const long n = p->n, br = p->b_rows;
+    for (long row = first; row < last; ++row) {
+        const float *ar = a + row * n, *bb = b + (row % br) * n;
+        float *yr = y + row * n;
+        for (long i = 0; i < n; ++i) yr[i] = ar[i] + bb[i];
+    }
+}
+
+
 int kiln_add(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const add_plan *p = (const add_plan *)object;
@@ -145,13 +173,9 @@ int kiln_add(void *object, void *stream, int nargs, const void *args) {
     const float *b = (const float *)handle_of(p->get_handle, p->b);
     float *y = (float *)handle_of(p->get_handle, p->y);
     if (!a || !b || !y) return 2;
-    const long rows = p->rows, n = p->n, br = p->b_rows;
+    const long rows = p->rows;
     #pragma omp parallel for schedule(static) if (rows > p->grain)
-    for (long row = 0; row < rows; ++row) {
-        const float *ar = a + row * n, *bb = b + (row % br) * n;
-        float *yr = y + row * n;
-        for (long i = 0; i < n; ++i) yr[i] = ar[i] + bb[i];
-    }
+    for (long row = 0; row < rows; ++row) add_rows(p, a, b, y, row, row + 1);
     return 0;
 }
 
@@ -177,264 +201,6 @@ int kiln_gather_rows(void *object, void *stream, int nargs, const void *args) {
         memcpy(y + i * p->n, p->table + id * p->n, (size_t)p->n * sizeof(float));
     }
     return 0;
-}
-
-/* ---- Attention ---------------------------------------------------------------------------------- */
-
-typedef struct {
-    get_handle_fn get_handle;
-    void *q, *k, *v, *mask, *out;  /* dnnl_memory_t; q, k, v may be one memory (a packed qkv) */
-    long q_off, k_off, v_off;      /* elements from the memory's address to element [0, 0, 0, 0] */
-    long B, H, Hkv, S, T, D, Dv;
-    long qs[3], ks[3], vs[3], os[3];  /* strides in elements of batch, head, position; the last axis is 1 */
-    long ms[4];       /* the mask's strides of batch, head, query, key (0: broadcast) */
-    int mask_kind;    /* 0 none, 1 additive float32, 2 boolean (true: attend) */
-    int causal;       /* query i sees keys 0..i */
-    int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
-    float scale;
-} attention_plan;
-
-#define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
-#define KB 16   /* keys (or output dims) per register tile */
-
-#ifdef KILN_AVX2
-/* exp(x) for x <= 0 (a softmax's shifted scores), 8 lanes; below -87.3 it is exactly 0 as torch's is
-   for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. */
-static inline __m256 exp_le0(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-#endif
-
-/* s[j] = s[j] * scale + m[j] (m NULL: no mask; additive float32, contiguous), returns max_j s[j] */
-static float scale_add_max(float *s, long t, float scale, const float *m) {
-    long j = 0;
-    float max = -INFINITY;
-#ifdef KILN_AVX2
-    __m256 c = _mm256_set1_ps(scale), mx = _mm256_set1_ps(-INFINITY);
-    for (; j + 8 <= t; j += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), c);
-        if (m) v = _mm256_add_ps(v, _mm256_loadu_ps(m + j));
-        _mm256_storeu_ps(s + j, v);
-        mx = _mm256_max_ps(mx, v);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, mx);
-    for (int i = 0; i < 8; ++i) max = lanes[i] > max ? lanes[i] : max;
-#endif
-    for (; j < t; ++j) {
-        s[j] = s[j] * scale + (m ? m[j] : 0.0f);
-        max = s[j] > max ? s[j] : max;
-    }
-    return max;
-}
-
-/* s[j] = exp(s[j] - max) for j < t, returns the sum; max is -inf-free here */
-static float exp_shifted(float *s, long t, float max) {
-    long j = 0;
-    float sum = 0.0f;
-#ifdef KILN_AVX2
-    __m256 m = _mm256_set1_ps(max), acc = _mm256_setzero_ps();
-    for (; j + 8 <= t; j += 8) {
-        __m256 e = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-        _mm256_storeu_ps(s + j, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (int i = 0; i < 8; ++i) sum += lanes[i];
-#endif
-    for (; j < t; ++j) { float e = expf(s[j] - max); s[j] = e; sum += e; }
-    return sum;
-}
-
-/* scores[r][j] = q_r · k_j for QB rows and keys [0, limit) (a multiple of KB): kᵀ packed in blocks of KB
-   keys, kb[(j / KB)][d][j % KB], so a tile's loads are one contiguous stream; scores [QB][tp]. */
-static void scores_tile(const float *const *qrow, const float *kb, long D, long tp, long limit, float *scores) {
-    for (long j0 = 0; j0 < limit; j0 += KB) {
-        const float *block = kb + (j0 / KB) * D * KB;
-#ifdef KILN_AVX2
-        __m256 a[QB][2];
-        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-        for (long d = 0; d < D; ++d) {
-            __m256 k0 = _mm256_loadu_ps(block + d * KB), k1 = _mm256_loadu_ps(block + d * KB + 8);
-            for (int r = 0; r < QB; ++r) {
-                __m256 q = _mm256_broadcast_ss(qrow[r] + d);
-                a[r][0] = _mm256_fmadd_ps(q, k0, a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(q, k1, a[r][1]);
-            }
-        }
-        for (int r = 0; r < QB; ++r) {
-            _mm256_storeu_ps(scores + r * tp + j0, a[r][0]);
-            _mm256_storeu_ps(scores + r * tp + j0 + 8, a[r][1]);
-        }
-#else
-        for (int r = 0; r < QB; ++r)
-            for (long j = 0; j < KB; ++j) {
-                float acc = 0.0f;
-                for (long d = 0; d < D; ++d) acc += qrow[r][d] * block[d * KB + j];
-                scores[r * tp + j0 + j] = acc;
-            }
-#endif
-    }
-}
-
-/* out_r = sum_{j < t} p[r][j] v_j for QB rows. v's first `full` dims in chunks of KB: chunk c's row j at
-   chunks + c * chunk_stride + j * row_stride; the dims past them (Dv % KB) at tail + j * tail_stride. */
-static void pv_tile(const float *p, long tp, long t, const float *chunks, long chunk_stride, long row_stride,
-                    long full, const float *tail, long tail_stride, long Dv, float *const *orow) {
-    long d0 = 0;
-#ifdef KILN_AVX2
-    for (; d0 + KB <= full; d0 += KB) {
-        const float *vc = chunks + (d0 / KB) * chunk_stride;
-        __m256 a[QB][2];
-        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-        for (long j = 0; j < t; ++j) {
-            __m256 v0 = _mm256_loadu_ps(vc + j * row_stride), v1 = _mm256_loadu_ps(vc + j * row_stride + 8);
-            for (int r = 0; r < QB; ++r) {
-                __m256 pr = _mm256_broadcast_ss(p + r * tp + j);
-                a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
-                a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
-            }
-        }
-        for (int r = 0; r < QB; ++r) {
-            _mm256_storeu_ps(orow[r] + d0, a[r][0]);
-            _mm256_storeu_ps(orow[r] + d0 + 8, a[r][1]);
-        }
-    }
-#endif
-    for (; d0 < Dv; ++d0)
-        for (int r = 0; r < QB; ++r) {
-            float acc = 0.0f;
-            for (long j = 0; j < t; ++j) acc += p[r * tp + j] * tail[j * tail_stride + d0];
-            orow[r][d0] = acc;
-        }
-}
-
-/* One (batch, head): every query row of it. work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump row
-   [Dv], v's full chunks [Dv / KB][T][KB]. */
-static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
-                           const void *mask, float *out, long b, long h, float *work) {
-    const long S = p->S, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
-    const long hk = h / (p->H / p->Hkv);
-    const float *qb = q + b * p->qs[0] + h * p->qs[1];
-    const float *kb = k + b * p->ks[0] + hk * p->ks[1];
-    const float *vb = v + b * p->vs[0] + hk * p->vs[1];
-    float *ob = out + b * p->os[0] + h * p->os[1];
-    float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
-    const long full = Dv / KB * KB;
-    /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it */
-    const float *chunks = vb;
-    long chunk_stride = KB, row_stride = p->vs[2];
-    if (S > QB && full > 0) {
-        for (long c = 0; c < full / KB; ++c)
-            for (long j = 0; j < T; ++j)
-                memcpy(vpacked + (c * T + j) * KB, vb + j * p->vs[2] + c * KB, KB * sizeof(float));
-        chunks = vpacked;
-        chunk_stride = T * KB;
-        row_stride = KB;
-    }
-    for (long j = 0; j < tp; ++j) {  /* kᵀ in blocks of KB keys, zeros past the last */
-        float *dst = kt + (j / KB) * D * KB + j % KB;
-        if (j < T) {
-            const float *kj = kb + j * p->ks[2];
-            for (long d = 0; d < D; ++d) dst[d * KB] = kj[d];
-        } else {
-            for (long d = 0; d < D; ++d) dst[d * KB] = 0.0f;
-        }
-    }
-    const float scale = p->scale;
-    for (long i0 = 0; i0 < S; i0 += QB) {
-        const float *qrow[QB];
-        float *orow[QB];
-        for (int r = 0; r < QB; ++r) {
-            long i = i0 + r < S ? i0 + r : S - 1;  /* past the last row: recompute it, write nowhere */
-            qrow[r] = qb + i * p->qs[2];
-            orow[r] = i0 + r < S ? ob + i * p->os[2] : dump;
-        }
-        /* the causal mask hides keys past the last row of the tile: compute no further */
-        long tmax = p->causal ? (i0 + QB < T ? i0 + QB : T) : T;
-        long tpad = (tmax + KB - 1) / KB * KB;
-        scores_tile(qrow, kt, D, tp, tpad, scores);
-        for (int r = 0; r < QB; ++r) {
-            long i = i0 + r < S ? i0 + r : S - 1;
-            float *s = scores + r * tp;
-            long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
-            float max = -INFINITY;
-            if (p->mask_kind == 1 && p->ms[3] == 1) {
-                max = scale_add_max(s, t, scale, (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]);
-            } else if (p->mask_kind == 1) {
-                const float *m = (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
-                for (long j = 0; j < t; ++j) { s[j] = s[j] * scale + m[j * p->ms[3]]; max = s[j] > max ? s[j] : max; }
-            } else if (p->mask_kind == 2) {
-                const unsigned char *m = (const unsigned char *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
-                for (long j = 0; j < t; ++j) {
-                    s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
-                    max = s[j] > max ? s[j] : max;
-                }
-            } else {
-                max = scale_add_max(s, t, scale, NULL);
-            }
-            if (max == -INFINITY || isnan(max)) {  /* no key to attend to (or NaN scores): NaN, as softmax gives */
-                for (long j = 0; j < tpad; ++j) s[j] = 0.0f;
-                float fill = p->nan_to_zero && max == -INFINITY ? 0.0f : NAN;
-                for (long j = 0; j < t; ++j) s[j] = fill;
-                continue;
-            }
-            float inv = 1.0f / exp_shifted(s, t, max);
-            for (long j = 0; j < t; ++j) s[j] *= inv;
-            for (long j = t; j < tpad; ++j) s[j] = 0.0f;
-        }
-        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, full, vb, p->vs[2], Dv, orow);
-    }
-}
-
-int kiln_attention(void *object, void *stream, int nargs, const void *args) {
-    (void)stream; (void)nargs; (void)args;
-    const attention_plan *p = (const attention_plan *)object;
-    const float *q = (const float *)handle_of(p->get_handle, p->q);
-    const float *k = (const float *)handle_of(p->get_handle, p->k);
-    const float *v = (const float *)handle_of(p->get_handle, p->v);
-    float *out = (float *)handle_of(p->get_handle, p->out);
-    const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
-    if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
-    q += p->q_off; k += p->k_off; v += p->v_off;
-    const long tp = (p->T + KB - 1) / KB * KB;
-    const long per_thread = p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB);
-    const long heads = p->B * p->H;
-    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel region's barrier waits out any descheduled
-       thread of a loaded machine, which costs more than small work gains */
-    const int parallel = heads > 1 && heads * p->S * p->T * (p->D + p->Dv) > (4L << 20);
-    int failed = 0;
-    #pragma omp parallel if (parallel)
-    {
-        float *work = (float *)malloc((size_t)per_thread * sizeof(float));
-        #pragma omp for schedule(dynamic, 1)
-        for (long bh = 0; bh < heads; ++bh) {
-            if (work == NULL) {
-                #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            attention_head(p, q, k, v, mask, out, bh / p->H, bh % p->H, work);
-        }
-        free(work);
-    }
-    return failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
 }
 
 /* ---- Broadcasting elementwise ops of an exported attention mask's preparation -------------------

@@ -1,4 +1,4 @@
-"""Transformer layers in kiln's own C (transformer.c): LayerNorm, Add, embedding Gather, attention.
+"""Transformer layers in kiln's own C (transformer.c, attention.c): LayerNorm, Add, embedding Gather, attention.
 
 Why: inside an exported encoder every layer but the GEMMs ran through torch's dispatcher and kiln's
 Python loop, ~20-50 µs a layer; at BERT's small shapes (batch 1 x 7 tokens) that was four times
@@ -27,7 +27,8 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.ops._util import broadcast_sizes
 
-SOURCE = Path(__file__).with_name("transformer.c").read_text()
+# one compilation unit: attention.c uses transformer.c's helpers
+SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("transformer.c", "attention.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
               "kiln_rotary")
 
@@ -88,8 +89,8 @@ _LONG3, _LONG4 = ctypes.c_long * 3, ctypes.c_long * 4
 
 class _LayerNormPlan(ctypes.Structure):  # ln_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("residual", ctypes.c_void_p),
-                ("y", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
+                ("y", ctypes.c_void_p), ("sum", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("rows", ctypes.c_long), ("n", ctypes.c_long), ("residual_rows", ctypes.c_long),
                 ("epsilon", ctypes.c_float), ("grain", ctypes.c_long), ("rms", ctypes.c_int)]
 
 
@@ -189,12 +190,14 @@ class KernelBound:
 
 class NativeKernel:
     """A layer at fixed sizes. Subclasses set PLAN, FUNCTION, `roles` ({role: plan fields}) and
-    `fields` (the plan's other fields), and keep alive the tensors those point at."""
+    `fields` (the plan's other fields), and keep alive the tensors those point at. A layer of several
+    outputs lists the ones past the first in `more_outputs` (size, dtype), bound as roles "dst1", "dst2"..."""
 
     PLAN: type[ctypes.Structure]
     FUNCTION: str
     output_size: tuple[int, ...]
     output_dtype: torch.dtype = torch.float32
+    more_outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
 
     def __init__(self, what: str):
         library = load()
@@ -211,18 +214,22 @@ class NativeKernel:
         """The layer's call writing dst and reading each step input (by index) at its address."""
         return KernelBound(self, {"dst": dst, **reads})
 
-    def __call__(self, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
-        """Run on tensors (contiguous, of the built sizes, by step input index): a new float32 output."""
-        y = torch.empty(self.output_size, dtype=self.output_dtype)
+    def __call__(self, inputs: dict[int, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Run on tensors (contiguous, of the built sizes, by step input index): new outputs (a tuple when
+        the layer has several)."""
+        ys = [torch.empty(size, dtype=dtype) for size, dtype in ((self.output_size, self.output_dtype),
+                                                                  *self.more_outputs)]
+        roles = ["dst"] + [f"dst{j}" for j in range(1, len(ys))]
         with self._lock:
             if self._alone is None:
-                self._alone = self.bind_reads(0, {k: 0 for k in inputs})
+                self._alone = self.bind_reads(0, {k: 0 for k in inputs} | {role: 0 for role in roles[1:]})
             bound = self._alone
-            bound.rebind("dst", y.data_ptr())
+            for role, y in zip(roles, ys):
+                bound.rebind(role, y.data_ptr())
             for k, v in inputs.items():
                 bound.rebind(k, v.data_ptr())
             bound.run()
-        return y
+        return tuple(ys) if len(ys) > 1 else ys[0]
 
 
 def vector(w: torch.Tensor | None) -> torch.Tensor | None:
@@ -250,12 +257,14 @@ def repeats_over_rows(size: tuple[int, ...], of: tuple[int, ...]) -> bool:
 
 class LayerNorm(NativeKernel):
     """y = (s - mean) / sqrt(var + eps) * scale + bias over the last axis, s = x [+ residual]; with
-    rms=True RMSNorm: y = s / sqrt(mean(s²) + eps) * scale (+ bias)."""
+    rms=True RMSNorm: y = s / sqrt(mean(s²) + eps) * scale (+ bias). keep_sum: s is a second output
+    (a pre-LN block, where the sum is the residual stream the next block adds to)."""
 
     PLAN, FUNCTION = _LayerNormPlan, "kiln_layer_norm"
 
     def __init__(self, size: tuple[int, ...], scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False):
+                 epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False,
+                 keep_sum: bool = False):
         super().__init__(f"{'rms' if rms else 'layer'} norm {list(size)}")
         n, rows = int(size[-1]), _rows(size)
         if residual_size is not None and not repeats_over_rows(residual_size, size):
@@ -265,7 +274,8 @@ class LayerNorm(NativeKernel):
         for w in (self._scale, self._bias):
             if w is not None and w.numel() != n:
                 raise ValueError(f"scale/bias of {w.numel()} elements for rows of {n}")
-        self.roles = {0: ("x",), 3: ("residual",), "dst": ("y",)}
+        self.roles = {0: ("x",), 3: ("residual",), "dst": ("y",), "dst1": ("sum",)}
+        self.more_outputs = ((self.output_size, torch.float32),) if keep_sum else ()
         self.fields = dict(scale=self._scale.data_ptr() if self._scale is not None else None,
                            bias=self._bias.data_ptr() if self._bias is not None else None,
                            rows=rows, n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),

@@ -1,7 +1,8 @@
 """CPU tactics for a transformer's layers besides its GEMMs, on kiln's own C kernels
 (kiln/kernels/cpu/transformer.py), each runnable inside a native segment:
 
-    cpu.layernorm.native   kiln::LayerNorm over the last axis (+ a residual repeating over the rows)
+    cpu.layernorm.native   kiln::LayerNorm over the last axis (+ a residual repeating over the rows; the sum
+                           as a second output in a pre-LN block)
     cpu.layernormalization.native
                            ONNX LayerNormalization over the last axis (only Y asked for) on the same
                            kernel: ConvNeXt's channel norm on [N, H, W, C], Swin's and MobileViT's norms
@@ -79,9 +80,29 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         found = kernel(sizes)
         first = min(sizes)
         return NativeStep(sizes[first], found.output_size, lambda _accumulate: found, at=native_at,
-                          reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype)
+                          reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
+                          more_outputs=found.more_outputs)
+
+    def timed(*inputs) -> Callable[[], None]:
+        """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
+        (the autotuner times this: the launch's Python path is not paid inside a segment)."""
+        tensors = {k: v.contiguous() for k, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
+        wanted = reads({k: tuple(v.shape) for k, v in tensors.items()})
+        found = kernel({k: tuple(tensors[k].shape) for k in wanted})
+        outputs = [torch.empty(size, dtype=dtype) for size, dtype in ((found.output_size, found.output_dtype),
+                                                                      *found.more_outputs)]
+        bound = found.bind_reads(outputs[0].data_ptr(), {k: tensors[k].data_ptr() for k in wanted}
+                                 | {f"dst{j}": y.data_ptr() for j, y in enumerate(outputs[1:], 1)})
+        kept = (tensors, outputs)  # what the bound call points at
+
+        def run() -> None:
+            bound.run()
+            return kept
+
+        return run
 
     launch.native = native_at(_tuned_sizes(step))
+    launch.timed = timed
     return launch
 
 
@@ -97,8 +118,8 @@ def _ln_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x = inputs[0]
     if x.shape is None or len(x.shape) < 1 or x.shape[-1] < 1:
         return "the input's shape is not known"
-    if len([o for o in step.outputs if o]) != 1:
-        return "the sum x + residual is asked for as a second output"
+    if len(step.outputs) > 2:
+        return f"{len(step.outputs)} outputs: the norm and at most the sum x + residual"
     axis = int(_attr(step, "axis", -1))
     if axis not in (-1, len(x.shape) - 1):
         return f"normalizes from axis {axis}: only the last axis"
@@ -121,11 +142,13 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     scale = kernels.vector(constants[1] if len(constants) > 1 else None)  # converted once, not per size
     bias = kernels.vector(constants[2] if len(constants) > 2 else None)
     epsilon = float(_attr(step, "epsilon", 1e-5))
+    keep_sum = len(step.outputs) == 2  # pre-LN: the sum x + residual is the residual stream, read on
 
     def reads(sizes):
         return {k: _F32 for k in (0, 3) if k in sizes}
 
-    return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3)))
+    return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3),
+                                                                        keep_sum=keep_sum))
 
 
 register(Tactic(

@@ -1,0 +1,303 @@
+/* kiln_attention: softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a contiguous
+ * last axis; additive or boolean mask at any broadcast strides; causal. Compiled as one unit with
+ * transformer.c, after it (kiln/kernels/cpu/transformer.py SOURCE): it uses that file's includes,
+ * handle_of, max_threads and the plan conventions described there.
+ */
+
+/* ---- Attention ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *q, *k, *v, *mask, *out;  /* dnnl_memory_t; q, k, v may be one memory (a packed qkv) */
+    long q_off, k_off, v_off;      /* elements from the memory's address to element [0, 0, 0, 0] */
+    long B, H, Hkv, S, T, D, Dv;
+    long qs[3], ks[3], vs[3], os[3];  /* strides in elements of batch, head, position; the last axis is 1 */
+    long ms[4];       /* the mask's strides of batch, head, query, key (0: broadcast) */
+    int mask_kind;    /* 0 none, 1 additive float32, 2 boolean (true: attend) */
+    int causal;       /* query i sees keys 0..i */
+    int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
+    float scale;
+} attention_plan;
+
+#define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
+#define KB 16   /* keys (or output dims) per register tile */
+
+#ifdef KILN_AVX2
+/* exp(x) for x <= 0 (a softmax's shifted scores), 8 lanes; below -87.3 it is exactly 0 as torch's is
+   for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. */
+static inline __m256 exp_le0(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
+}
+#endif
+
+/* s[j] = s[j] * scale + m[j] (m NULL: no mask; additive float32, contiguous), returns max_j s[j] */
+static float scale_add_max(float *s, long t, float scale, const float *m) {
+    long j = 0;
+    float max = -INFINITY;
+#ifdef KILN_AVX2
+    __m256 c = _mm256_set1_ps(scale), mx = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= t; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), c);
+        if (m) v = _mm256_add_ps(v, _mm256_loadu_ps(m + j));
+        _mm256_storeu_ps(s + j, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    for (int i = 0; i < 8; ++i) max = lanes[i] > max ? lanes[i] : max;
+#endif
+    for (; j < t; ++j) {
+        s[j] = s[j] * scale + (m ? m[j] : 0.0f);
+        max = s[j] > max ? s[j] : max;
+    }
+    return max;
+}
+
+/* s[j] = exp(s[j] - max) for j < t, returns the sum; max is -inf-free here */
+static float exp_shifted(float *s, long t, float max) {
+    long j = 0;
+    float sum = 0.0f;
+#ifdef KILN_AVX2
+    __m256 m = _mm256_set1_ps(max), acc = _mm256_setzero_ps();
+    for (; j + 8 <= t; j += 8) {
+        __m256 e = exp_le0(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; ++i) sum += lanes[i];
+#endif
+    for (; j < t; ++j) { float e = expf(s[j] - max); s[j] = e; sum += e; }
+    return sum;
+}
+
+/* scores[r][j] = q_r · k_j for QB rows and keys [0, limit) (a multiple of KB): kᵀ packed in blocks of KB
+   keys, kb[(j / KB)][d][j % KB], so a tile's loads are one contiguous stream; scores [QB][tp]. */
+static void scores_tile(const float *const *qrow, const float *kb, long D, long tp, long limit, float *scores) {
+    for (long j0 = 0; j0 < limit; j0 += KB) {
+        const float *block = kb + (j0 / KB) * D * KB;
+#ifdef KILN_AVX2
+        __m256 a[QB][2];
+        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (long d = 0; d < D; ++d) {
+            __m256 k0 = _mm256_loadu_ps(block + d * KB), k1 = _mm256_loadu_ps(block + d * KB + 8);
+            for (int r = 0; r < QB; ++r) {
+                __m256 q = _mm256_broadcast_ss(qrow[r] + d);
+                a[r][0] = _mm256_fmadd_ps(q, k0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(q, k1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < QB; ++r) {
+            _mm256_storeu_ps(scores + r * tp + j0, a[r][0]);
+            _mm256_storeu_ps(scores + r * tp + j0 + 8, a[r][1]);
+        }
+#else
+        for (int r = 0; r < QB; ++r)
+            for (long j = 0; j < KB; ++j) {
+                float acc = 0.0f;
+                for (long d = 0; d < D; ++d) acc += qrow[r][d] * block[d * KB + j];
+                scores[r * tp + j0 + j] = acc;
+            }
+#endif
+    }
+}
+
+/* out_r = sum_{j < t} p[r][j] v_j for QB rows. v's first `full` dims in chunks of KB: chunk c's row j at
+   chunks + c * chunk_stride + j * row_stride; the dims past them (Dv % KB) at tail + j * tail_stride. */
+static void pv_tile(const float *p, long tp, long t, const float *chunks, long chunk_stride, long row_stride,
+                    long full, const float *tail, long tail_stride, long Dv, float *const *orow) {
+    long d0 = 0;
+#ifdef KILN_AVX2
+    for (; d0 + KB <= full; d0 += KB) {
+        const float *vc = chunks + (d0 / KB) * chunk_stride;
+        __m256 a[QB][2];
+        for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (long j = 0; j < t; ++j) {
+            __m256 v0 = _mm256_loadu_ps(vc + j * row_stride), v1 = _mm256_loadu_ps(vc + j * row_stride + 8);
+            for (int r = 0; r < QB; ++r) {
+                __m256 pr = _mm256_broadcast_ss(p + r * tp + j);
+                a[r][0] = _mm256_fmadd_ps(pr, v0, a[r][0]);
+                a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < QB; ++r) {
+            _mm256_storeu_ps(orow[r] + d0, a[r][0]);
+            _mm256_storeu_ps(orow[r] + d0 + 8, a[r][1]);
+        }
+    }
+#endif
+    for (; d0 < Dv; ++d0)
+        for (int r = 0; r < QB; ++r) {
+            float acc = 0.0f;
+            for (long j = 0; j < t; ++j) acc += p[r * tp + j] * tail[j * tail_stride + d0];
+            orow[r][d0] = acc;
+        }
+}
+
+/* One (batch, head), its query rows [first, last). work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump
+   row [Dv], v's full chunks [Dv / KB][T][KB]. */
+static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
+                           const void *mask, float *out, long b, long h, long first, long last, float *work) {
+    const long S = last, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
+    const long hk = h / (p->H / p->Hkv);
+    const float *qb = q + b * p->qs[0] + h * p->qs[1];
+    const float *kb = k + b * p->ks[0] + hk * p->ks[1];
+    const float *vb = v + b * p->vs[0] + hk * p->vs[1];
+    float *ob = out + b * p->os[0] + h * p->os[1];
+    float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
+    const long full = Dv / KB * KB;
+    /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it */
+    const float *chunks = vb;
+    long chunk_stride = KB, row_stride = p->vs[2];
+    if (S - first > QB && full > 0) {
+        for (long c = 0; c < full / KB; ++c)
+            for (long j = 0; j < T; ++j)
+                memcpy(vpacked + (c * T + j) * KB, vb + j * p->vs[2] + c * KB, KB * sizeof(float));
+        chunks = vpacked;
+        chunk_stride = T * KB;
+        row_stride = KB;
+    }
+    for (long j = 0; j < tp; ++j) {  /* kᵀ in blocks of KB keys, zeros past the last */
+        float *dst = kt + (j / KB) * D * KB + j % KB;
+        if (j < T) {
+            const float *kj = kb + j * p->ks[2];
+            for (long d = 0; d < D; ++d) dst[d * KB] = kj[d];
+        } else {
+            for (long d = 0; d < D; ++d) dst[d * KB] = 0.0f;
+        }
+    }
+    const float scale = p->scale;
+    for (long i0 = first; i0 < S; i0 += QB) {
+        const float *qrow[QB];
+        float *orow[QB];
+        for (int r = 0; r < QB; ++r) {
+            long i = i0 + r < S ? i0 + r : S - 1;  /* past the last row: recompute it, write nowhere */
+            qrow[r] = qb + i * p->qs[2];
+            orow[r] = i0 + r < S ? ob + i * p->os[2] : dump;
+        }
+        /* the causal mask hides keys past the last row of the tile: compute no further */
+        long tmax = p->causal ? (i0 + QB < T ? i0 + QB : T) : T;
+        long tpad = (tmax + KB - 1) / KB * KB;
+        scores_tile(qrow, kt, D, tp, tpad, scores);
+        for (int r = 0; r < QB; ++r) {
+            long i = i0 + r < S ? i0 + r : S - 1;
+            float *s = scores + r * tp;
+            long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
+            float max = -INFINITY;
+            if (p->mask_kind == 1 && p->ms[3] == 1) {
+                max = scale_add_max(s, t, scale, (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]);
+            } else if (p->mask_kind == 1) {
+                const float *m = (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
+                for (long j = 0; j < t; ++j) { s[j] = s[j] * scale + m[j * p->ms[3]]; max = s[j] > max ? s[j] : max; }
+            } else if (p->mask_kind == 2) {
+                const unsigned char *m = (const unsigned char *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
+                for (long j = 0; j < t; ++j) {
+                    s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
+                    max = s[j] > max ? s[j] : max;
+                }
+            } else {
+                max = scale_add_max(s, t, scale, NULL);
+            }
+            if (max == -INFINITY || isnan(max)) {  /* no key to attend to (or NaN scores): NaN, as softmax gives */
+                for (long j = 0; j < tpad; ++j) s[j] = 0.0f;
+                float fill = p->nan_to_zero && max == -INFINITY ? 0.0f : NAN;
+                for (long j = 0; j < t; ++j) s[j] = fill;
+                continue;
+            }
+            float inv = 1.0f / exp_shifted(s, t, max);
+            for (long j = 0; j < t; ++j) s[j] *= inv;
+            for (long j = t; j < tpad; ++j) s[j] = 0.0f;
+        }
+        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, full, vb, p->vs[2], Dv, orow);
+    }
+}
+
+/* A thread's work memory for attention_head, kept from call to call (grown when a call needs more): a
+   malloc per item would map and fault in fresh pages for every head of every call. */
+static float *thread_work(long floats) {
+    static __thread float *work = NULL;
+    static __thread long capacity = 0;
+    if (floats > capacity) {
+        free(work);
+        work = (float *)malloc((size_t)floats * sizeof(float));
+        capacity = work != NULL ? floats : 0;
+    }
+    return work;
+}
+
+typedef struct {
+    const attention_plan *p;
+    const float *q, *k, *v;
+    const void *mask;
+    float *out;
+    long chunks, rows;  /* runs of query rows per head, rows per run (a multiple of QB) */
+    int failed;
+} attention_loop;
+
+/* Item = (batch·head, run of query rows). */
+static void attention_item(void *loop, long item) {
+    attention_loop *l = (attention_loop *)loop;
+    const attention_plan *p = l->p;
+    const long tp = (p->T + KB - 1) / KB * KB;
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB));
+    if (work == NULL) {
+        __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    const long bh = item / l->chunks, first = (item % l->chunks) * l->rows;
+    const long last = first + l->rows < p->S ? first + l->rows : p->S;
+    if (first < last)
+        attention_head(p, l->q, l->k, l->v, l->mask, l->out, bh / p->H, bh % p->H, first, last, work);
+}
+
+int kiln_attention(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const attention_plan *p = (const attention_plan *)object;
+    const float *q = (const float *)handle_of(p->get_handle, p->q);
+    const float *k = (const float *)handle_of(p->get_handle, p->k);
+    const float *v = (const float *)handle_of(p->get_handle, p->v);
+    float *out = (float *)handle_of(p->get_handle, p->out);
+    const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
+    if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
+    q += p->q_off; k += p->k_off; v += p->v_off;
+    const long heads = p->B * p->H;
+    /* one thread below ~4M multiply-adds (~0.1 ms): a parallel loop's end waits out any descheduled
+       thread of a loaded machine, which costs more than small work gains */
+    const int parallel = heads * p->S * p->T * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
+    const int threads = parallel ? max_threads() : 1;
+    /* work items: (batch, head, a run of query rows). Heads alone leave threads idle when they do not divide
+       evenly (YOLOS's 3 heads on 2 threads: one thread does 2 heads, the other 1) and give a thread slowed by
+       other work a whole head; so each head's rows split until there are ~4 items a thread, each run at least
+       8 row tiles (its kᵀ and v packing then costs ~1% of its products) */
+    long chunks = 1;
+    if (threads > 1) {
+        const long want = (4L * threads + heads - 1) / heads, most = (p->S + 8 * QB - 1) / (8 * QB);
+        chunks = want < most ? want : most;
+        if (chunks < 1) chunks = 1;
+    }
+    attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
+    const long items = heads * chunks;
+    if (threads <= 1) {
+        for (long item = 0; item < items; ++item) attention_item(&l, item);
+    } else {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (long item = 0; item < items; ++item) attention_item(&l, item);
+    }
+    return l.failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
+}
