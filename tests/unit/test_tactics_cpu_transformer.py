@@ -167,7 +167,10 @@ def test_onnx_layer_normalization_matches_the_onnx_reference(shape):
                                {"axis": -1, "epsilon": eps}, {1, 2})
     got = launch(ctx, *inputs, axis=-1, epsilon=eps)
     np.testing.assert_allclose(got.numpy(), want, atol=ATOL * 4, rtol=RTOL)  # 768-term float32 sums: 8e-5
-    assert launch.native.reads == {0: (shape, torch.float32)}  # row-major at any rank: a segment member
+    if len(shape) <= 3:
+        assert launch.native.reads == {0: (shape, torch.float32)}  # a segment member
+    else:  # a segment's 4-D values are NHWC in memory: [N, H, W, C] runs as a step of its own
+        assert not hasattr(launch, "native")
 
 
 def test_onnx_layer_normalization_refuses_what_it_cannot_run():

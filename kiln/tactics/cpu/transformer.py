@@ -49,9 +49,12 @@ def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
 
 
 def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
-              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel]):
+              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None):
     """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
-    launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes."""
+    launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes.
+    max_rank: inputs of a higher rank run as a step of their own, never inside a segment (a segment's 4-D
+    values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
+    engine 0.036 off while the layer was exact alone, and the build reverted 30 layers)."""
     built: OrderedDict[tuple, kernels.NativeKernel] = OrderedDict()
 
     def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
@@ -77,6 +80,8 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
+        if max_rank is not None and any(len(v) > max_rank for v in sizes.values()):
+            raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
         found = kernel(sizes)
         first = min(sizes)
         return NativeStep(sizes[first], found.output_size, lambda _accumulate: found, at=native_at,
@@ -101,8 +106,10 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
 
         return run
 
-    launch.native = native_at(_tuned_sizes(step))
-    launch.timed = timed
+    tuned = _tuned_sizes(step)
+    if max_rank is None or all(len(v) <= max_rank for v in tuned.values()):
+        launch.native = native_at(tuned)
+        launch.timed = timed
     return launch
 
 
@@ -148,7 +155,7 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return {k: _F32 for k in (0, 3) if k in sizes}
 
     return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3),
-                                                                        keep_sum=keep_sum))
+                                                                        keep_sum=keep_sum), max_rank=3)
 
 
 register(Tactic(
@@ -207,7 +214,8 @@ def _add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]))
+    return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]),
+                           max_rank=3)
 
 
 register(Tactic(
