@@ -133,9 +133,12 @@ def test_merged_projections_in_any_order_and_a_query_scale_go_into_the_attention
     node = next(n for n in model.graph if n.op_type == "Attention")
     attrs = {name: a.value for name, a in node.attributes.items()}
     assert list(attrs["qkv_split"]) == [32, 32, 32] and node.inputs[0].producer().op_type == "FusedGemm"
-    if query_factor is not None:
-        assert attrs["scale"] == pytest.approx(query_factor)
-    assert_same_as_onnxruntime(proto, feeds)
+    if query_factor is not None:  # absorbed into the attention's scale, or folded into the q rows of the GEMM
+        # (batchnorm.py's scale-through-bias fold runs first): either way no Mul, and onnxruntime's result below
+        assert attrs["scale"] == pytest.approx(query_factor) or attrs["scale"] == pytest.approx(1.0)
+    # scores reach ~30 on these unit-variance weights: folding 0.3 into the weights rounds them differently
+    # from onnxruntime's Mul after the GEMM (2e-5 seen on outputs of ~0.6)
+    assert_same_as_onnxruntime(proto, feeds, rtol=1e-4, atol=1e-4)
 
 
 def test_a_mask_that_is_not_causal_stays_a_tensor():
