@@ -65,26 +65,36 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         if os.environ.get("KILN_NATIVE_GEMM") == "0":  # kiln without its GEMM (the autotuner's other candidates)
             _REASON[test_kernels] = "KILN_NATIVE_GEMM=0"
             return None
-        source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + SOURCE
-        built = native_loop.build("gemm-test" if test_kernels else "gemm", source)
-        if isinstance(built, str):
-            _REASON[test_kernels] = built
-            return None
-        try:
-            lib = ctypes.CDLL(str(built))
-        except OSError as e:
-            _REASON[test_kernels] = f"{type(e).__name__}: {e}"
+        lib = open_library("gemm", SOURCE, test_kernels)
+        if isinstance(lib, str):
+            _REASON[test_kernels] = lib
             return None
         lib.kiln_gemm.restype = ctypes.c_int
         lib.kiln_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         lib.kiln_gemm_kernel_name.restype = ctypes.c_char_p
-        for name in ("kiln_gemm_packed_floats", "kiln_gemm_scratch_floats"):
-            getattr(lib, name).restype = ctypes.c_long
-            getattr(lib, name).argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        lib.kiln_gemm_pack_w.restype = None
-        lib.kiln_gemm_pack_w.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        lib.kiln_gemm_scratch_floats.restype = ctypes.c_long
+        lib.kiln_gemm_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
         _LOADED[test_kernels] = lib
         return lib
+
+
+def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | str:
+    """A library compiled with gemm.c's microkernels (this file's, or lstm.c's, which includes them): built
+    into kiln's cache as `stem` (`stem`-test with the test-only tiles), loaded, gemm.c's packing functions
+    declared; or why not."""
+    source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + source
+    built = native_loop.build(f"{stem}-test" if test_kernels else stem, source)
+    if isinstance(built, str):
+        return built
+    try:
+        lib = ctypes.CDLL(str(built))
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    lib.kiln_gemm_packed_floats.restype = ctypes.c_long
+    lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+    lib.kiln_gemm_pack_w.restype = None
+    lib.kiln_gemm_pack_w.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    return lib
 
 
 def reason(test_kernels: bool = False) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, hugepages, native_loop
+from kiln.kernels.cpu import gemm_native, hugepages
 
 SOURCE = gemm_native.SOURCE + "\n" + Path(__file__).with_name("lstm.c").read_text()
 
@@ -47,15 +47,9 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         if gemm_native.load() is None:
             _REASON[test_kernels] = f"kiln's GEMM is not built: {gemm_native.reason()}"
             return None
-        source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + SOURCE
-        built = native_loop.build("lstm-test" if test_kernels else "lstm", source)
-        if isinstance(built, str):
-            _REASON[test_kernels] = built
-            return None
-        try:
-            lib = ctypes.CDLL(str(built))
-        except OSError as e:
-            _REASON[test_kernels] = f"{type(e).__name__}: {e}"
+        lib = gemm_native.open_library("lstm", SOURCE, test_kernels)
+        if isinstance(lib, str):
+            _REASON[test_kernels] = lib
             return None
         lib.kiln_lstm.restype = ctypes.c_int
         lib.kiln_lstm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
@@ -63,10 +57,6 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         lib.kiln_lstm_gate_columns.argtypes = [ctypes.c_int, ctypes.c_long]
         lib.kiln_lstm_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long]
-        lib.kiln_gemm_packed_floats.restype = ctypes.c_long
-        lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        lib.kiln_gemm_pack_w.restype = None
-        lib.kiln_gemm_pack_w.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         _LOADED[test_kernels] = lib
         return lib
 
