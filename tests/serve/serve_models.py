@@ -60,7 +60,7 @@ def fixed() -> onnx.ModelProto:
         [numpy_helper.from_array(np.array(3, np.float32), "three"), numpy_helper.from_array(np.array(1, np.int64), "one")])
 
 
-def slow(size: int = 512, steps: int = 6) -> onnx.ModelProto:
+def slow(size: int = 1024, steps: int = 8) -> onnx.ModelProto:
     """y = x + 0 * sum(M^steps) where M is filled from x's sum: real work no folding can skip."""
     rng = np.random.default_rng(0)
     weight = (rng.standard_normal((size, size)) / size).astype(np.float32)

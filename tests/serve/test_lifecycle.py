@@ -168,7 +168,13 @@ def test_request_timeout_in_the_queue(server):
     blocker = threading.Thread(target=lambda: blocked.append(
         _post(server.ports.http, "/v2/models/slow/infer", _slow_request(4))[0]))
     blocker.start()
-    time.sleep(0.005)
+    # the timed request must arrive while the blocker runs: wait for the one instance to be busy (a fixed
+    # sleep let a loaded machine send the timed request first, which then ran at once and answered 200)
+    slow = next(v for v in server.core.ready_versions() if v.config.name == "slow")
+    deadline = time.monotonic() + 30
+    while slow.batcher.idle and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not slow.batcher.idle, "the blocking request never started"
     status, answer, headers = _post(server.ports.http, "/v2/models/slow/infer", _slow_request(timeout=20000))
     blocker.join(60)
     # 20 ms cannot be met behind a ~40 ms call (nor by one of its own)
