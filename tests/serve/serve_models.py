@@ -3,7 +3,7 @@
     mlp      x FP32 [batch, 8] -> y = Relu(x @ W) [batch, 4], z = 2x [batch, 8] (exact: shows which rows came back)
     half     h FP16 [batch, 4] -> h2 = 2h FP16; b BF16 [batch, 4] -> bf = float(b) + 1 FP32, bb = bf16(bf)
     fixed    a FP32 [2, 3] (no batch axis) -> a3 = 3a, i INT64 [2, 3] -> i1 = i + 1
-    slow     x FP32 [batch, 4] -> y: x + 0 * (a chain of 512x512 matmuls on a value x decides), ~tens of ms
+    slow     x FP32 [batch, 4] -> y: x + 0 * (a chain of 1024x1024 matmuls on a value x decides), ~tens of ms
     broken   a folder whose config names an input the engine does not have (fails to load; the others serve)
 """
 
