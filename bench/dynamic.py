@@ -40,7 +40,6 @@ import torch  # noqa: E402
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.runtime.profiler import percentile  # noqa: E402
-from kiln.runtime.buckets import LARGE_RUN  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -80,9 +79,6 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (kiln and onnxruntime)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--large-run", type=int, default=LARGE_RUN,
-                    help="CUDA: padded elements (batch x tokens) from which a run pads to a fine grain and runs "
-                         "without a graph (kiln/runtime/buckets.py); 0: always buckets and graphs")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip the warm-up before the stream (kiln: every bucket once, capturing its CUDA graph; "
@@ -112,7 +108,7 @@ def main() -> None:
                         profiles=[profile])
     build_s = time.perf_counter() - t0
     log(f"kiln build {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}")
-    context = engine.create_execution_context(large_run=args.large_run or None)
+    context = engine.create_execution_context()
 
     runners: dict[str, object] = {}
     if cuda:
@@ -233,8 +229,7 @@ def main() -> None:
                                          for i in worst))
     if cuda:
         g = context.runner.stats
-        log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.large_runs} large "
-            f"runs (fine grain, no graph; from {args.large_run or 'never'}), {g.eager_runs} eager "
+        log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.eager_runs} eager "
             f"runs, {g.graphs} held ({g.graph_bytes / 2**20:.0f} MiB); device memory peak "
             f"{(torch.cuda.max_memory_allocated() - memory_before) / 2**20:.0f} MiB above the start")
         for signature, reason in list(g.eager_reasons.items())[:3]:

@@ -15,17 +15,10 @@ cropped); padded values are zeros. Bucket sizes are powers of two from a floor (
 for sequences), with a step of 1.5x between them from HALF_STEPS on (large sizes are where padding
 costs compute: at most 1.5x there, not 2x), up to the profile's max, which is always a bucket.
 BERT with batch 1..32 x seq 1..512: 7 x 9 = 63 buckets.
-
-Large runs are the exception. Where the padded sizes' product (batch x tokens) reaches `eager_from`
-(LARGE_RUN: 4096 tokens of a transformer), the GPU's work dwarfs the launches a graph saves, and a
-bucket's padding (up to 1.5x along each dim, ~1.3x on average over batch x seq) is pure extra work;
-such a run pads only to a fine grain (FINE_GRAIN along sequences, nothing along batch) and runs
-without a graph (`Targets.fine`), its shape plan kept like a graph's, in a bounded cache.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,15 +28,6 @@ from kiln.plan.spec import Binding, Profile
 SEQUENCE_FLOOR = 8
 HALF_STEPS = {1: 16, SEQUENCE_FLOOR: 128}  # floor -> the size from which 1.5x steps come in between
 MASK_NAMES = ("attention_mask", "mask", "input_mask")
-LARGE_RUN = 4096  # product of a run's padded dims from which it runs at a fine grain, without a graph
-FINE_GRAIN = 16  # a large run's sequences pad to a multiple of this (Triton's divisibility specialisation)
-
-
-class Targets(dict):
-    """symbol -> (real size, padded size) of one run; `fine`: a large run, padded to the fine grain and
-    run without a CUDA graph."""
-
-    fine: bool = False
 
 
 @dataclass
@@ -70,12 +54,9 @@ class Buckets:
     def bucket(self, symbol: str, value: int, low: int, high: int) -> int:
         return next(s for s in self.sizes(symbol, low, high) if s >= value)
 
-    def targets(self, inputs: list[torch.Tensor], profile: Profile, names: list[str],
-                eager_from: int | None = None) -> Targets:
-        """symbol -> (real size, padded size) for this run, inside `profile`'s range: buckets, or the fine
-        grain when the real sizes' product reaches `eager_from` and a sequence is among them."""
-        out = Targets()
-        ranges: dict[str, int] = {}
+    def targets(self, inputs: list[torch.Tensor], profile: Profile, names: list[str]) -> dict[str, tuple[int, int]]:
+        """symbol -> (real size, bucket size) for this run, inside `profile`'s range."""
+        out: dict[str, tuple[int, int]] = {}
         for k, pads in enumerate(self.pads):
             r = profile.inputs.get(names[k])
             for axis, symbol in pads:
@@ -83,16 +64,9 @@ class Buckets:
                     continue
                 value = int(inputs[k].shape[axis])
                 out[symbol] = (value, self.bucket(symbol, value, r.min[axis], r.max[axis]))
-                ranges[symbol] = r.max[axis]
-        if eager_from is not None and any(self.symbols[s] > 1 for s in out) \
-                and math.prod(v for v, _ in out.values()) >= eager_from:
-            out.fine = True
-            for symbol, (value, _) in out.items():
-                grain = FINE_GRAIN if self.symbols[symbol] > 1 else 1
-                out[symbol] = (value, min(-(-value // grain) * grain, ranges[symbol]))
         return out
 
-    def pad(self, inputs: list[torch.Tensor], targets: Targets) -> list[torch.Tensor]:
+    def pad(self, inputs: list[torch.Tensor], targets: dict[str, tuple[int, int]]) -> list[torch.Tensor]:
         """Inputs zero-padded to their buckets (unchanged where they already are there)."""
         padded = []
         for x, pads in zip(inputs, self.pads):
@@ -107,7 +81,7 @@ class Buckets:
             padded.append(out)
         return padded
 
-    def crop(self, outputs: list, targets: Targets) -> list:
+    def crop(self, outputs: list, targets: dict[str, tuple[int, int]]) -> list:
         cropped = []
         for y, crops in zip(outputs, self.crops):
             if crops and isinstance(y, torch.Tensor):

@@ -20,7 +20,6 @@ from kiln.runtime.host import ShapePlan, host_sync_is_an_error
 from kiln.runtime.program import Program
 
 MAX_GRAPHS = 64
-MAX_EAGER_PLANS = 256  # shape plans of signatures run without a graph (large runs) a context keeps
 MEMORY_BUDGET = 4 << 30  # bytes of captured graphs per context
 
 
@@ -39,8 +38,7 @@ class GraphStats:
     captures: int = 0
     replays: int = 0
     evictions: int = 0
-    eager_runs: int = 0  # first sight of a signature, a signature that cannot be captured, or a large run
-    large_runs: int = 0  # of those: runs at a fine grain, never captured (kiln/runtime/buckets.py)
+    eager_runs: int = 0  # first sight of a signature, or a signature that cannot be captured
     graphs: int = 0  # held now
     graph_bytes: int = 0  # held now
     peak_graph_bytes: int = 0
@@ -75,20 +73,17 @@ class GraphRunner:
             key.append((tuple(v.shape), v.dtype))
         return tuple(key)
 
-    def run(self, inputs: list[Any], capture: bool = True) -> list[Any]:
-        """`capture` False: a large run (kiln/runtime/buckets.py), eager at its own signature, whose shape
-        plan is kept (MAX_EAGER_PLANS of them, least recently used out) but never a graph."""
+    def run(self, inputs: list[Any]) -> list[Any]:
         key = self._key(inputs)
         if key is None:  # sequences/optionals: no shape signature, run eagerly
             self.stats.eager_runs += 1
             return self.program.run(inputs)
         entry = self.entries.get(key)
         if entry is None:
-            return self._first_run(key, inputs) if capture else self._large_run(key, inputs)
+            return self._first_run(key, inputs)
         self.entries.move_to_end(key)
-        if entry.graph is None:  # graphs off, a signature that cannot be captured (entry.reason), a large run
+        if entry.graph is None:  # graphs off, or this signature cannot be captured (entry.reason)
             self.stats.eager_runs += 1
-            self.stats.large_runs += not capture
             return self.program.run(inputs, plan=entry.plan)
         for dst, src in zip(entry.static_inputs, inputs):
             if dst.data_ptr() != src.data_ptr():
@@ -96,18 +91,6 @@ class GraphRunner:
         entry.graph.replay()
         self.stats.replays += 1
         return entry.static_outputs
-
-    def _large_run(self, key: tuple, inputs: list[Any]) -> list[Any]:
-        plan = ShapePlan()
-        outputs = self.program.run(inputs, plan=plan)
-        plan.recording = False
-        self.stats.eager_runs += 1
-        self.stats.large_runs += 1
-        self.entries[key] = _Captured(None, plan, [], [], reason="a large run: eager at a fine grain")
-        uncaptured = [k for k, e in self.entries.items() if e.graph is None]
-        for victim in uncaptured[:max(len(uncaptured) - MAX_EAGER_PLANS, 0)]:
-            del self.entries[victim]
-        return outputs
 
     def _first_run(self, key: tuple, inputs: list[Any]) -> list[Any]:
         plan = ShapePlan()

@@ -16,7 +16,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import LARGE_RUN, plan_buckets
+from kiln.runtime.buckets import plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
@@ -163,15 +163,11 @@ class ExecutionContext:
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
     def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
-                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET,
-                 large_run: int | None = LARGE_RUN):
+                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
-        there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `large_run`:
-        with buckets, a run whose padded dims' product (batch x tokens) reaches it pads to a fine grain
-        and runs without a graph (its bucket's padding would cost more than a graph saves); None: never."""
+        there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU)."""
         self.engine = engine
-        self.large_run = large_run
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
         if engine.device.type == "cuda":
@@ -311,11 +307,10 @@ class ExecutionContext:
         with torch.inference_mode():
             targets = None
             if self.buckets is not None:  # padded up to the run's buckets, cropped back after
-                targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names,
-                                               self.large_run)
+                targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names)
                 args = self.buckets.pad(args, targets)
             if self.runner is not None:
-                results = self.runner.run(args, capture=not (targets and targets.fine))
+                results = self.runner.run(args)
             else:
                 results = self.engine.program.run(args)
             if targets:

@@ -81,33 +81,6 @@ def test_symbolic_shapes_replay_a_bounded_number_of_graphs_and_stay_right():
     assert stats.replays >= len(shapes) - 2 * stats.captures  # everything else replays a graph
 
 
-def test_large_runs_pad_to_the_fine_grain_without_a_graph_and_stay_right():
-    """From `large_run` padded elements a run pads only its sequence to a multiple of 16 and replays no
-    graph (kiln/runtime/buckets.py); below it, buckets and graphs as ever. Results equal unpadded runs."""
-    exported = zoo.export("bert_tiny", dynamic=True)
-    engine = kiln.build(str(exported.path), device="cuda", precision="fp16",
-                        profiles=[{"input_ids": "1x1,4x32,8x128"}])
-    context = engine.create_execution_context(large_run=256)
-    plain = engine.create_execution_context(buckets=False)
-    rng = np.random.default_rng()
-    small, large = [(2, 20), (1, 100), (4, 50)], [(3, 90), (8, 100), (5, 77)]  # large: >= 256 tokens
-    for batch, seq in small + large:
-        feeds = _feeds(rng, batch, seq)
-        for _ in range(2):  # a small shape's second call replays its graph
-            out = next(iter(context.run(feeds).values()))
-        assert tuple(out.shape) == (batch, seq, 64)
-        unpadded = next(iter(plain.run(feeds).values()))
-        np.testing.assert_allclose(out.float().cpu().numpy(), unpadded.float().cpu().numpy(), atol=FP16_ATOL,
-                                   err_msg=f"{batch}x{seq}: padded vs unpadded")
-        _close_on_real_tokens(out, _reference(feeds), feeds["attention_mask"], f"{batch}x{seq}")
-    stats = context.runner.stats
-    assert stats.large_runs == 2 * len(large) and stats.captures == len(small), stats
-    assert stats.eager_reasons == {}, stats.eager_reasons  # no capture failed: large runs attempt none
-    shapes = {k[0][0]: e.graph is not None for k, e in context.runner.entries.items()}
-    assert shapes == {(2, 32): True, (1, 128): True, (4, 64): True, (3, 96): False, (8, 112): False,
-                      (5, 80): False}, shapes
-
-
 def test_the_graph_cache_stays_within_its_bounds():
     exported = zoo.export("bert_tiny", dynamic=True)
     engine = kiln.build(str(exported.path), device="cuda", precision="fp16",

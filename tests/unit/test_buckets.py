@@ -4,12 +4,9 @@ CUDA pads by default; here the CPU context is asked to, which runs the same padd
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 import kiln
 from kiln import zoo
@@ -61,35 +58,6 @@ def test_padding_never_changes_a_result(bert):
         np.testing.assert_allclose(got, next(iter(plain.run(feeds).values())), rtol=RTOL, atol=ATOL,
                                    err_msg=f"padded vs unpadded, batch {batch} x seq {seq}")
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
-
-
-def test_a_large_run_pads_to_the_fine_grain_only(bert):
-    """From LARGE_RUN padded elements a run pads its sequence to a multiple of FINE_GRAIN and its batch not
-    at all (a bucket's 1.5x would be compute), flagged to run without a CUDA graph; below, buckets as ever."""
-    _, engine = bert
-    buckets = plan_buckets(engine.inputs, engine.outputs)
-    profile, names = engine.profiles[0], engine.input_names
-    x = lambda b, s: [np.zeros((b, s), np.int64)] * 2  # noqa: E731
-    small = buckets.targets(x(3, 33), profile, names, eager_from=100)
-    assert small == {"batch": (3, 4), "seq": (33, 48)} and not small.fine  # 99 elements: buckets
-    large = buckets.targets(x(3, 35), profile, names, eager_from=100)
-    assert large == {"batch": (3, 3), "seq": (35, 48)} and large.fine  # 35 -> 48: the multiple of 16, = max
-    large = buckets.targets(x(3, 17), profile, names, eager_from=50)
-    assert large == {"batch": (3, 3), "seq": (17, 32)} and large.fine
-    assert not buckets.targets(x(3, 35), profile, names).fine  # no threshold: never
-    batch_only = plan_buckets([Binding("x", "float", ["batch", 8])], [Binding("y", "float", ["batch", 8])])
-    ranges = SimpleNamespace(inputs={"x": SimpleNamespace(min=[1, 8], max=[64, 8])})  # what targets() reads
-    assert not batch_only.targets([np.zeros((48, 8), np.float32)], ranges, ["x"], eager_from=2).fine  # a CNN's
-    # batches keep their buckets: no sequence there
-    # padding to the fine grain changes no result either (the same pad and crop as a bucket's)
-    rng = np.random.default_rng()
-    context = engine.create_execution_context(buckets=True, large_run=64)
-    plain = engine.create_execution_context(buckets=False)
-    for batch, seq in ((3, 35), (4, int(rng.integers(17, 49)))):
-        feeds = _feeds(rng, batch, seq)
-        assert context.buckets.targets([torch.from_numpy(v) for v in feeds.values()], profile, names, 64).fine
-        np.testing.assert_allclose(next(iter(context.run(feeds).values())), next(iter(plain.run(feeds).values())),
-                                   rtol=RTOL, atol=ATOL, err_msg=f"fine grain vs unpadded, {batch} x {seq}")
 
 
 def test_a_decoder_without_a_mask_pads_only_batch_unless_told():
