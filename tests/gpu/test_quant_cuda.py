@@ -207,7 +207,9 @@ def _ort_qdq(fp32_path: str, path: str, feeds: list[dict], method, activations, 
                     weight_type=weights, per_channel=not fp8, calibrate_method=method)
 
 
-def _engine_vs_onnxruntime(path: str, feeds: list[dict], bound_of) -> dict:
+def _engine_vs_onnxruntime(path: str, feeds: list[dict], bound_of, relative_l2: float | None = None) -> dict:
+    """The CUDA engine against onnxruntime running the same QDQ model: every element within `bound_of(want)`,
+    and (`relative_l2`) ‖got - want‖ / ‖want‖ at most that, which a wrong scale or zero point exceeds by far."""
     import onnxruntime as ort
 
     import kiln
@@ -219,7 +221,11 @@ def _engine_vs_onnxruntime(path: str, feeds: list[dict], bound_of) -> dict:
         got = next(iter(engine.run(f).values()))
         want = session.run(None, f)[0]
         error, bound = float(np.abs(got - want).max()), bound_of(want)
-        assert error <= bound, f"kiln on CUDA is {error:.4g} from onnxruntime (allowed {bound:.4g})"
+        assert error <= bound, f"kiln on CUDA is {error:.4g} from onnxruntime (allowed {bound:.4g}; |want| max " \
+                               f"{float(np.abs(want).max()):.4g})"
+        if relative_l2 is not None:
+            rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
+            assert rel <= relative_l2, f"kiln on CUDA is {rel:.3g} from onnxruntime in relative L2 (allowed {relative_l2})"
     layers = engine.plan.header["tactics"].get("layers", {})
     return {name: layer["tactic"] for name, layer in layers.items()}
 
@@ -243,12 +249,18 @@ def test_resnet_qdq_engine_on_cuda_matches_onnxruntime(tmp_path, case):
     scales = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
     last_dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"][-1]
     step = float(np.max(scales[last_dq.input[1]]))
+    if case.startswith("fp8"):
+        # E4M3's grid is not uniform: between 256 and 448 (the top binade, which calibration to amax/448 fills)
+        # adjacent values are 2^(8-3) = 32 apart, so one flipped rounding there moves a value by 32 scales
+        step *= 32
     classifier = [v for v in scales.values() if v.ndim == 2 and v.dtype == np.float32]
     # one flipped rounding of the last quantized tensor through the classifier's weights bounds the CPU engine
     # (tests/models/test_qdq_models.py); the CUDA kernels round near-ties where the CPU ones do not, so their
     # flips fall elsewhere upstream: twice that (a wrong zero point or scale is off by orders of magnitude more)
     bound = 2 * step * (float(np.abs(classifier[-1]).sum(axis=-1).max()) if classifier else 1.0) + 1e-3
-    chosen = _engine_vs_onnxruntime(path, evaluation, lambda want: bound)
+    # relative L2 within 10%: E4M3 keeps 3 mantissa bits (a flipped rounding moves a value by 6-12%), and the
+    # CUDA kernels' flips upstream reach the logits (measured 5.4% on the H200); a wrong scale or zero point is O(1)
+    chosen = _engine_vs_onnxruntime(path, evaluation, lambda want: bound, relative_l2=0.1)
     print(case, chosen)
     if case.startswith("int8"):
         assert any(t.startswith("cuda.q") for t in chosen.values()), \
