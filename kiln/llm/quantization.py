@@ -2,16 +2,14 @@
 the module. After loading, every q/k/v, o, gate/up and down projection keeps its weight quantized and
 multiplies through a small module (`layer.quantized`); embeddings, norms and the LM head stay as loaded.
 
-    fp8   E4M3 with one scale per output channel (s = max|w| / 448). Decode's few rows (<= DECODE_ROWS)
-          on CUDA: the Triton weight-only GEMM (activations kept in their dtype). More rows on a GPU with
-          FP8 tensor cores (compute capability >= 8.9): activations quantized per token on the fly and
+    fp8   E4M3 with one scale per output channel (s = max|w| / 448). On a GPU with FP8 tensor cores
+          (compute capability >= 8.9) activations are quantized per token on the fly and the GEMM is
           torch._scaled_mm; elsewhere the weight is dequantized to the activation dtype.
     int8  weight-only, symmetric per output channel (s = max|w| / 127): y = (x · qᵀ) · s.
     int4  weight-only, asymmetric per group of `group_size` input features (scale and zero point per
           group), two values packed per byte: w ≈ (q - z) · s.
 
-On the CPU the weight is dequantized, then multiplied (the reference); on CUDA int8 and int4 (and fp8's
-decode rows) go through
+On the CPU the weight is dequantized, then multiplied (the reference); on CUDA int8 and int4 go through
 the Triton weight-only GEMM (kernels/quant_gemm.py), which dequantizes tiles in registers. Checkpoints
 already quantized (compressed-tensors, AutoAWQ) are not read yet.
 """
@@ -28,7 +26,6 @@ from kiln.llm.models.layers import ColumnLinear, RowLinear
 
 METHODS = ("fp8", "int8", "int4")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-DECODE_ROWS = 16  # up to this many rows (tokens) an fp8 layer runs the weight-only kernel, past it _scaled_mm
 
 
 class FP8Weight(nn.Module):
@@ -41,11 +38,6 @@ class FP8Weight(nn.Module):
         self.use_scaled_mm = (weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (8, 9))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and x.numel() <= DECODE_ROWS * x.shape[-1]:
-            # decode: bound by the weight's bytes, read once as fp8 and dequantized in registers (Triton);
-            # torch._scaled_mm at a few rows ran no faster than bf16's GEMV (5.0 ms a Llama-3-8B step)
-            from kiln.llm.kernels.quant_gemm import channel_scaled_gemm
-            return channel_scaled_gemm(x, self.q, self.scale)
         if self.use_scaled_mm:
             if layers.FUSED:
                 from kiln.llm.kernels.fused import fp8_quantize_rows  # one kernel for the per-token scales
@@ -67,8 +59,8 @@ class Int8Weight(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
-            from kiln.llm.kernels.quant_gemm import channel_scaled_gemm  # here: a CPU run never imports triton
-            return channel_scaled_gemm(x, self.q, self.scale)
+            from kiln.llm.kernels.quant_gemm import int8_gemm  # here: a CPU run never imports triton
+            return int8_gemm(x, self.q, self.scale)
         return F.linear(x, self.q.to(x.dtype)) * self.scale.to(x.dtype)
 
 

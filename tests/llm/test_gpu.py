@@ -49,9 +49,3 @@ def test_fp8_scaled_mm_perplexity(hf_models):
     fp8 = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", quantization="fp8")
     assert fp8.engine.model.layers[0].self_attn.qkv_proj.quantized.use_scaled_mm
     assert abs(perplexity(fp8.engine, ids) / perplexity(base.engine, ids) - 1) < 0.05
-    # decode's few rows take the weight-only Triton kernel: the fp8 weight dequantized, activations as they are
-    layer = fp8.engine.model.layers[0].self_attn.qkv_proj.quantized
-    x = torch.randn(3, layer.q.shape[1], device="cuda", dtype=torch.bfloat16)
-    want = (x.double() @ layer.q.double().t()) * layer.scale.double()
-    # bf16 output: 8 significant bits (rtol 2^-7); fp32 accumulation order otherwise
-    torch.testing.assert_close(layer(x).double(), want, rtol=2 ** -7, atol=1e-3 * want.abs().max().item())

@@ -1,12 +1,11 @@
-"""Weight-only quantized GEMM in Triton: y = x · dequant(W)ᵀ with W read as int8 or fp8 E4M3 (per-channel
-scale) or int4 (two per byte, per-group scale and zero point) and dequantized in registers, so a decode step
-reads 1/2 (int8, fp8) or 1/4 (int4) of bf16's weight bytes — the bandwidth batch-1 decoding is bound by.
+"""Weight-only quantized GEMM in Triton: y = x · dequant(W)ᵀ with W read as int8 (per-channel scale)
+or int4 (two per byte, per-group scale and zero point) and dequantized in registers, so a decode step
+reads 1/2 (int8) or 1/4 (int4) of bf16's weight bytes — the bandwidth batch-1 decoding is bound by.
 
 Program (m tile, n tile) walks K in BLOCK_K steps: loads x [BLOCK_M, BLOCK_K], the weight tile
 [BLOCK_N, BLOCK_K] as stored, dequantizes it (int4: nibble k % 2 of byte k // 2; group k // GROUP)
-and accumulates tl.dot in fp32; the per-channel scale (int8, fp8) multiplies the accumulator once at the
-end. Decode's few rows take narrow n tiles, so a projection's weight streams through enough programs to
-keep every SM's loads in flight. Layouts are kiln/llm/quantization.py's Int8Weight, FP8Weight, Int4Weight.
+and accumulates tl.dot in fp32; int8's per-channel scale multiplies the accumulator once at the end.
+Layouts are kiln/llm/quantization.py's Int8Weight and Int4Weight.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def _int4_gemm_kernel(x_ptr, packed_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K, st
 
 
 @triton.jit
-def _channel_scaled_gemm_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
+def _int8_gemm_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -63,23 +62,19 @@ def _channel_scaled_gemm_kernel(x_ptr, q_ptr, scale_ptr, y_ptr, M, N, K, stride_
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                     other=0.0)
         q = tl.load(q_ptr + offs_n[:, None] * stride_qn + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)  # a float zero: int8 and float8 alike take it
+                    other=0)
         if IEEE:
             acc += tl.dot(x, tl.trans(q.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(q.to(x.dtype)))  # int8 |q| <= 127, E4M3: exact in bf16 and fp16
+            acc += tl.dot(x, tl.trans(q.to(x.dtype)))  # |q| <= 127: exact in bf16 and fp16
     scale = tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], (acc * scale[None, :]).to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-def _tiles(m: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode's few rows get a short M tile and narrow N tiles (a 4096-wide
-    projection in 256 programs, not 64: one wide tile a program left most SMs without loads to wait on);
-    tl.dot needs >= 16 each."""
-    if m <= 16:
-        return 16, (16 if n <= 8192 else 32), 128
-    return 64, 64, 64
+def _tiles(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode's few rows get a short M tile; tl.dot needs >= 16 each."""
+    return (16 if m <= 16 else 64), 64, 64
 
 
 def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
@@ -89,7 +84,7 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     m, k = x2.shape
     n = packed.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = _tiles(m, n)
+    block_m, block_n, block_k = _tiles(m)
     block_k = min(block_k, group_size) if group_size >= 16 else block_k
     _int4_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x2, packed, scale, zero, y, m, n, k, x2.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
@@ -97,15 +92,14 @@ def int4_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: 
     return y.reshape(*x.shape[:-1], n)
 
 
-def channel_scaled_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: [M, K]; q: [N, K] int8 or float8_e4m3fn; scale: [N] fp32 -> [M, N] in x's dtype."""
+def int8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x: [M, K]; q: [N, K] int8; scale: [N] fp32 -> [M, N] in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     m, k = x2.shape
     n = q.shape[0]
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = _tiles(m, n)
-    _channel_scaled_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+    block_m, block_n, block_k = _tiles(m)
+    _int8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         x2, q, scale, y, m, n, k, x2.stride(0), q.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
     return y.reshape(*x.shape[:-1], n)
-
