@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -102,7 +103,7 @@ class Engine:
         self.inputs: list[Binding] = plan.inputs
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
-        self._default_context = ExecutionContext(self)
+        self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
     @property
     def input_names(self) -> list[str]:
@@ -124,7 +125,13 @@ class Engine:
         return ExecutionContext(self, **options)
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
-        return self._default_context.run(feeds)
+        """Run on this thread's own context (made on its first call), so threads may call one engine at
+        once: a context's outputs are its buffers until its next run (a CUDA graph's static outputs), and
+        another thread's run must not be that next run. For many threads, make contexts and pool them."""
+        context = getattr(self._threads, "context", None)
+        if context is None:
+            context = self._threads.context = ExecutionContext(self)
+        return context.run(feeds)
 
     def save(self, path: str | os.PathLike) -> None:
         engine_file.save(self.plan, path)
@@ -151,7 +158,7 @@ class Engine:
         self.plan.weights.update(weights)
         placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
         self.program = Program(self.plan.program, placed, self.device)
-        self._default_context = ExecutionContext(self)
+        self._threads = threading.local()  # contexts of the old weights (bound segments, graphs) go
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{b.name}: {b.describe()}" for b in self.inputs)

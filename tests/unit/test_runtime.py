@@ -94,6 +94,33 @@ def test_contexts_in_threads_agree(engine, model):
         np.testing.assert_allclose(results[i], _reference(model, x), rtol=RTOL, atol=ATOL)
 
 
+def test_engine_run_from_threads_runs_each_on_its_own_context(engine, model):
+    """Engine.run from several threads at once: each thread's calls go to a context of its own (a context's
+    outputs are its buffers until its next run), made on the thread's first call and kept for its next."""
+    inputs = [_x(b) for b in (1, 2, 3, 4)]
+    results: dict[int, list[np.ndarray]] = {}
+    contexts: dict[int, object] = {}
+
+    def work(i: int) -> None:
+        results[i] = [engine.run({"x": inputs[i]})["y"] for _ in range(5)]
+        contexts[i] = engine._threads.context
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, x in enumerate(inputs):
+        for out in results[i]:
+            np.testing.assert_allclose(out, _reference(model, x), rtol=RTOL, atol=ATOL)
+    assert len({id(c) for c in contexts.values()}) == len(inputs)
+    engine.run({"x": inputs[0]})
+    mine = engine._threads.context  # this thread's own, none of theirs
+    assert all(mine is not c for c in contexts.values())
+    engine.run({"x": inputs[1]})
+    assert engine._threads.context is mine  # kept for the thread's next call
+
+
 def test_numpy_in_numpy_out(engine):
     out = engine.run({"x": _x(2)})["y"]
     assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (2, 8)
