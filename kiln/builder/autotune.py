@@ -430,8 +430,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         fn, ctx, attrs = bound.fn, bound.ctx, bound.attributes
         constants = [placed[program.constants[name]] if name in program.constants else None
                      for name in step.inputs]
-        found, config = _tune_layer(step, records[i], fn, ctx, attrs, constants, tactics, device, cache, env, runs,
-                                    {label: r[i] for label, r in others.items() if i in r})
+        # each layer's record is let go once tuned: its activations that no later layer's record reads are
+        # freed as the search walks the network, not all held to its end
+        found, config = _tune_layer(step, records.pop(i), fn, ctx, attrs, constants, tactics, device, cache, env,
+                                    runs, {label: r.pop(i) for label, r in others.items() if i in r})
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()

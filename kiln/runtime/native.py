@@ -237,7 +237,10 @@ class Segment:
         self._natives = natives
         # Other sizes as views over this segment's memory (_Resized)
         self._views = self._c is not None and not self._staged
-        self._template: Segment = self  # the segment whose memory other sizes' views use (grows)
+        # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
+        # `self`, which made every segment a reference cycle: a dead engine's arena, packed weights and
+        # oneDNN primitives then waited for the garbage collector)
+        self._grown: Segment | None = None
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
@@ -339,7 +342,7 @@ class Segment:
         """These sizes as a view over the template's memory: no binding, only the members' plans at
         them. A template too small for them grows to the largest sizes seen along each entry axis
         (so a stream of shapes binds a few templates, not one segment per shape)."""
-        template = self._template
+        template = self._grown or self
         if template.fits(natives):
             return _Resized(template, natives)
         grown = tuple(tuple(max(a, b) for a, b in zip(t, k)) if len(t) == len(k) else k
@@ -353,7 +356,7 @@ class Segment:
             if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
                     or not candidate.fits(natives):
                 continue
-            self._template = candidate
+            self._grown = candidate
             return _Resized(candidate, natives)
         return None
 

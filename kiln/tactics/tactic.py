@@ -140,6 +140,23 @@ class NativeStep:
         return native_strides(self.output_size) if self.reads is None else row_major_strides(self.output_size)
 
 
+class resizable:
+    """Decorates a tactic's `native_at(size) -> NativeStep`: the step it returns gets `at` = this object,
+    so the function need not name itself. A closure that passes itself as `at` is a reference cycle
+    (its cell holds it): the layer's prepared kernels, packed weights included, then lived until the
+    garbage collector ran — an ALBERT-base build's tactic search peaked ~80 MiB higher for it."""
+
+    __slots__ = ("_native_at",)
+
+    def __init__(self, native_at: Callable[[Any], NativeStep]):
+        self._native_at = native_at
+
+    def __call__(self, size: Any) -> NativeStep:
+        step = self._native_at(size)
+        step.at = self
+        return step
+
+
 def native_strides(size: tuple[int, ...]) -> tuple[int, ...]:
     """Channels-last for 4-D (NHWC in memory, NCHW in shape), row-major otherwise."""
     if len(size) == 4:

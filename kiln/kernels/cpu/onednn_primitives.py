@@ -387,6 +387,7 @@ class InnerProduct:
         self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None
         self._mds = (src_md, dst_md, w_any, b_md, w_user)
         self._per_call = self.bind(0, 0, 0 if residual else None)
+        self._per_call._owner = None  # ours: its reference back to us made every inner product a cycle
         self._lock = threading.Lock()
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:

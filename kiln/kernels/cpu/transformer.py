@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +143,11 @@ class KernelBound:
     """One layer's call on memory objects of its own (what a native segment runs); `rebind` points a
     role ("dst", or the index of the step input it reads) elsewhere for a call."""
 
-    def __init__(self, kernel: NativeKernel, addresses: dict[Any, int]):
+    def __init__(self, kernel: NativeKernel, addresses: dict[Any, int], owned_by_kernel: bool = False):
         self.what = kernel.what
-        self._kernel = kernel  # owns the weights the plan points at
+        # owns the weights the plan points at; the kernel's own per-call binding holds it weakly (a strong
+        # reference back made every kernel a cycle, freed only by the garbage collector)
+        self._kernel = weakref.proxy(kernel) if owned_by_kernel else kernel
         self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
         self._plan, self._function = self._plan_for(kernel)
 
@@ -222,7 +225,8 @@ class NativeKernel:
         roles = ["dst"] + [f"dst{j}" for j in range(1, len(ys))]
         with self._lock:
             if self._alone is None:
-                self._alone = self.bind_reads(0, {k: 0 for k in inputs} | {role: 0 for role in roles[1:]})
+                self._alone = KernelBound(self, {"dst": 0, **{k: 0 for k in inputs}, **{role: 0 for role in roles[1:]}},
+                                          owned_by_kernel=True)
             bound = self._alone
             for role, y in zip(roles, ys):
                 bound.rebind(role, y.data_ptr())

@@ -25,7 +25,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -77,6 +77,8 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         return layer(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
             raise ValueError(f"kiln GEMM takes [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
@@ -85,7 +87,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         if at_size is None or at_size.input_size != size:
             at_size = bound[rows] = layer.rows(size)
         return NativeStep(size, at_size.output_size, lambda _accumulate: at_size,
-                          residual_input=3 if with_residual else None, at=native_at)
+                          residual_input=3 if with_residual else None)
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
     # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments

@@ -51,7 +51,7 @@ from kiln.kernels.cpu import onednn, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -179,9 +179,11 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
                 return primitive(tuple(x.shape), True).accumulate(x, residual)
             return primitive(tuple(x.shape), False)(x, residual.contiguous(memory_format=_CL))
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         return NativeStep(size, primitive(size, in_place).output_size, lambda accumulate: primitive(size, accumulate),
-                          residual_input=3 if with_residual else None, accumulate=in_place, at=native_at)
+                          residual_input=3 if with_residual else None, accumulate=in_place)
 
     launch.native = native_at(tuned)
     return launch
@@ -276,9 +278,11 @@ def _shape_cached(step: StepSpec, build):
         with lock:
             return primitive(x)  # [N, C, H', W'] channels-last
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         primitive = _built(primitives, size, build, lambda key: key == tuned)
-        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive, at=native_at)
+        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive)
 
     launch.native = native_at(tuned)
     return launch
@@ -360,12 +364,14 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
                       residual.reshape(rows, n).contiguous() if residual is not None else None)
         return y.reshape(*lead, n)  # [..., N]
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
             raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
         primitive = _built(primitives, rows_of(size), build, lambda r: r == rows_of(tuned))
         return NativeStep(size, (*size[:-1], n), lambda _accumulate: primitive,
-                          residual_input=3 if with_residual else None, at=native_at)
+                          residual_input=3 if with_residual else None)
 
     launch.native = native_at(tuned)
     return launch
@@ -398,11 +404,13 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
                     num_inputs=len(step.inputs), num_outputs=1)
     attributes = {k: v for k, v in step.attributes.items()}
 
+    @resizable
+
     def native_at(in_size: tuple[int, ...]) -> NativeStep:
         out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
         if not _keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
             raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
-        return NativeStep(in_size, out, None, alias=True, at=native_at)
+        return NativeStep(in_size, out, None, alias=True)
 
     def launch(ctx, x, *inputs, **attrs):
         return op(ctx, x, *inputs, **attrs)
@@ -473,10 +481,12 @@ def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device
         conv = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)  # another input size: once
         return conv(x, residual.contiguous(memory_format=_CL) if with_residual else None)
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         conv = _built(primitives, size, build, lambda key: key == tuned)
         return NativeStep(size, conv.output_size, lambda _accumulate: conv,
-                          residual_input=3 if with_residual else None, at=native_at)
+                          residual_input=3 if with_residual else None)
 
     launch.native = native_at(tuned)
     return launch

@@ -30,7 +30,7 @@ from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -174,10 +174,12 @@ def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = _built(primitives, tuple(x.shape), build, tuned)
         return primitive(x)  # [N, O, H', W'] channels-last
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive, at=native_at,
+        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive,
                           output_dtype=primitive.out_dtype)
 
     launch.native = native_at(tuned)
@@ -279,12 +281,14 @@ def _prepare_qgemm(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = _built(primitives, rows, build, tuned)
         return primitive(x.reshape(rows, x.shape[-1]).contiguous()).reshape(*lead, n)  # [..., N]
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:  # rows [B, S, K] bound as [B*S, K], as the float gemm
         if len(size) not in (2, 3) or size[-1] != int(w.shape[1]):
             raise ValueError(f"int8 matmul over [..., {int(w.shape[1])}] rows of rank 2 or 3, given {list(size)}")
         with lock:
             primitive = _built(primitives, math.prod(size[:-1]), build, tuned)
-        return NativeStep(tuple(size), (*size[:-1], n), lambda _accumulate: primitive, at=native_at,
+        return NativeStep(tuple(size), (*size[:-1], n), lambda _accumulate: primitive,
                           output_dtype=primitive.out_dtype)
 
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
@@ -441,10 +445,12 @@ def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.dev
     if dtypes:  # inside a native segment: b is the binary primitive's "residual", of a's size
         a_dtype, b_dtype = (getattr(torch, d) for d in dtypes)
 
+        @resizable
+
         def native_at(size: tuple[int, ...]) -> NativeStep:
             primitive = built(tuple(size), a_dtype, b_dtype)
             return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, residual_input=3,
-                              at=native_at, output_dtype=out)
+                              output_dtype=out)
 
         launch.native = native_at(tuple(step.tactic_config["input_size"]))
     return launch
@@ -486,10 +492,12 @@ def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device
             primitive = _built(primitives, tuple(x.shape), build, tuned)
         return primitive(x)
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive, at=native_at,
+        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive,
                           output_dtype=dtype)
 
     launch.native = native_at(tuned)
@@ -553,6 +561,8 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
                                                                         channels_last)
         return primitive(x)  # 4-D: channels-last
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         # inside a segment a 4-D input is NHWC already (an image is laid out by the segment's own reorder)
         key = (tuple(size), len(size) == 4)
@@ -560,7 +570,7 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = primitives.get(key)
             if primitive is None:
                 primitive = primitives[key] = onednn_int8.ScaledReorder(list(size), src, dst, scale, z, len(size) == 4)
-        return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, at=native_at, output_dtype=dst)
+        return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, output_dtype=dst)
 
     lock = threading.Lock()
     launch.native = native_at(tuple(step.tactic_config["input_size"]))

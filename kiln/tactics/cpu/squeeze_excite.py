@@ -18,7 +18,7 @@ import torch
 from kiln.kernels.cpu import se
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -76,9 +76,11 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
         return kernel(tuple(x.shape))(x)  # [N, C, H, W] channels-last
 
+    @resizable
+
     def native_at(size: tuple[int, ...]) -> NativeStep:
         found = kernel(tuple(size))
-        return NativeStep(tuple(size), found.output_size, lambda _accumulate: found, at=native_at)
+        return NativeStep(tuple(size), found.output_size, lambda _accumulate: found)
 
     launch.native = native_at(tuned)
     return launch

@@ -32,7 +32,7 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -77,6 +77,8 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         sizes = {k: tuple(tensors[k].shape) for k in wanted}
         return kernel(sizes)({k: tensors[k].contiguous() for k in wanted})
 
+    @resizable
+
     def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
@@ -84,7 +86,7 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
             raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
         found = kernel(sizes)
         first = min(sizes)
-        return NativeStep(sizes[first], found.output_size, lambda _accumulate: found, at=native_at,
+        return NativeStep(sizes[first], found.output_size, lambda _accumulate: found,
                           reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
                           more_outputs=found.more_outputs)
 
