@@ -33,7 +33,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -235,6 +235,7 @@ class Segment:
         self.accumulated = sum(accumulate)
         self.aliased = sum(n.alias for n in natives)
         self._natives = natives
+        self._structure = [_form(n) for n in natives]  # what fits() compares another size's members with
         # Other sizes as views over this segment's memory (_Resized)
         self._views = self._c is not None and not self._staged
         # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
@@ -303,10 +304,11 @@ class Segment:
         with self._resize_lock:  # contexts of one engine share its segments
             return self._bind_sizes(key)
 
-    def _natives_at(self, key: tuple) -> list[NativeStep]:
+    def _natives_at(self, key: tuple) -> _AtSizes:
         """Every member's NativeStep for entries of sizes `key` (ValueError: a layer cannot bind them)."""
         sizes = dict(zip(self.entries, key))
         natives = []
+        forms: dict[int, tuple] = {}
         for m in self.members:
             tuned = m.fn.native
             if tuned.at is None:
@@ -315,20 +317,21 @@ class Segment:
                 else tuned.at(sizes[m.inputs[0]])
             if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
                 raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
-            for slot, _role, size, _strides, _dtype in writes_of(m, native):
+            for slot, _role, size, strides, dtype in writes_of(m, native):
                 sizes[slot] = size
+                forms[slot] = (size, strides, dtype)
             natives.append(native)
-        return natives
+        return _AtSizes(natives, forms)
 
     def _bind_sizes(self, key: tuple) -> Segment | _Resized | None:
         if key in self.resized:
             self.resized.move_to_end(key)
             return self.resized[key]
         try:
-            natives = self._natives_at(key)
-            segment = self._view(key, natives) if self._views else None
+            at = self._natives_at(key)
+            segment = self._view(key, at) if self._views else None
             if segment is None:
-                segment = Segment(self.members, self.read_after, self.constants, natives)
+                segment = Segment(self.members, self.read_after, self.constants, at.natives)
                 if segment.entries != self.entries or segment.exits != self.exits:
                     raise ValueError("the segment's entries or exits changed")
         except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
@@ -338,36 +341,37 @@ class Segment:
             self.resized.popitem(last=False)
         return segment
 
-    def _view(self, key: tuple, natives: list[NativeStep]) -> _Resized | None:
+    def _view(self, key: tuple, wanted: _AtSizes) -> _Resized | None:
         """These sizes as a view over the template's memory: no binding, only the members' plans at
         them. A template too small for them grows to the largest sizes seen along each entry axis
         (so a stream of shapes binds a few templates, not one segment per shape)."""
         template = self._grown or self
-        if template.fits(natives):
-            return _Resized(template, natives)
+        if template.fits(wanted.natives, wanted.forms):
+            return _Resized(template, wanted.natives, wanted.forms)
         grown = tuple(tuple(max(a, b) for a, b in zip(t, k)) if len(t) == len(k) else k
                       for t, k in zip(template.entry_sizes, key))
         for sizes in dict.fromkeys((grown, key)):
             try:
-                at = natives if sizes == key else self._natives_at(sizes)
-                candidate = Segment(self.members, self.read_after, self.constants, at)
+                at = wanted if sizes == key else self._natives_at(sizes)
+                candidate = Segment(self.members, self.read_after, self.constants, at.natives)
             except Exception:  # noqa: BLE001  the merged sizes may not bind: then these alone
                 continue
             if candidate.entries != self.entries or candidate.exits != self.exits or not candidate._views \
-                    or not candidate.fits(natives):
+                    or not candidate.fits(wanted.natives, wanted.forms):
                 continue
             self._grown = candidate
-            return _Resized(candidate, natives)
+            return _Resized(candidate, wanted.natives, wanted.forms)
         return None
 
-    def fits(self, natives: list[NativeStep]) -> bool:
+    def fits(self, natives: list[NativeStep], forms: dict[int, tuple] | None = None) -> bool:
         """Whether the members at `natives`' sizes fit this segment's arena (each value no larger than
         its place) with the same structure (aliases, accumulations, what each reads): the memory
-        plan's offsets hold for them, liveness being the same."""
-        if [_form(n) for n in natives] != [_form(n) for n in self._natives]:
+        plan's offsets hold for them, liveness being the same. `forms`: _forms(members, natives), when
+        the caller has them."""
+        if [_form(n) for n in natives] != self._structure:
             return False
         produced, group, exit_group, _ = self._layout
-        forms = _forms(self.members, natives)
+        forms = forms if forms is not None else _forms(self.members, natives)
         need: dict[int, int] = {}
         for s in produced:
             g = group[s]
@@ -416,6 +420,15 @@ class Segment:
         with self._lock:
             self._run([a.ctypes.data for a in arrays], [e.ctypes.data for e in exits], bool(self._staged))
         return exits
+
+
+@dataclass
+class _AtSizes:
+    """The members of a segment at other entry sizes: their NativeSteps, and slot -> (size, strides, dtype)
+    of each value they write (_forms)."""
+
+    natives: list[NativeStep]
+    forms: dict[int, tuple]
 
 
 def _forms(members: list[BoundStep], natives: list[NativeStep]) -> dict[int, tuple]:
@@ -593,7 +606,8 @@ class _Resized:
     the structure's analysis that a Segment of its own does (milliseconds for a transformer block).
     The template's lock serializes runs: they share its arena and memory objects."""
 
-    def __init__(self, template: Segment, natives: list[NativeStep]):
+    def __init__(self, template: Segment, natives: list[NativeStep], forms: dict[int, tuple] | None = None):
+        """`forms`: _forms(template.members, natives), when the caller has them."""
         self.template = template
         self.entries, self.exits = template.entries, template.exits
         bound = []
@@ -605,7 +619,7 @@ class _Resized:
                 bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
         self._bound = bound  # owns what the calls point at
         calls = [c for b in bound for c in b.calls()]
-        forms = _forms(template.members, natives)
+        forms = forms if forms is not None else _forms(template.members, natives)
         self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
                                                                                natives)

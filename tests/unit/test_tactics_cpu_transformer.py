@@ -303,6 +303,84 @@ def test_attention_splits_long_heads_into_row_runs_across_threads(h, s, tt, case
         torch.set_num_threads(threads)
 
 
+def _torch_views(attrs, sizes):
+    """The oracle for the attention plan's geometry: q, k, v and the output as torch itself views them
+    (split, unflatten, permute, expand on meta tensors), as kiln/ops/fused.py attention does."""
+    q, k, v = (torch.empty(sizes[i], device="meta") if i in sizes else None for i in (0, 1, 2))
+    source = {"q": 0, "k": 1, "v": 2}
+    if attrs.get("qkv_split"):
+        q, k, v = torch.split(q, list(attrs["qkv_split"]), dim=-1)
+        source = {"q": 0, "k": 0, "v": 0}
+    if attrs.get("q_num_heads") and q.dim() == 3:
+        q = q.unflatten(-1, (attrs["q_num_heads"], -1))
+    if attrs.get("kv_num_heads") and k.dim() == 3:
+        k = k.unflatten(-1, (attrs["kv_num_heads"], -1))
+    if attrs.get("kv_num_heads") and v.dim() == 3:
+        v = v.unflatten(-1, (attrs["kv_num_heads"], -1))
+    views, shapes = {}, {}
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        x = x.permute(attrs[f"{name}_perm"]) if attrs.get(f"{name}_perm") else x  # [B, H, S, D]
+        views[name], shapes[name] = (source[name], x.storage_offset(), tuple(x.stride()[:3])), x.shape
+    B, H, S, _ = shapes["q"]
+    T, Dv = shapes["k"][2], shapes["v"][3]
+    mask = tuple(torch.empty(sizes[3], device="meta").expand(B, H, S, T).stride()) if 3 in sizes else None
+    shape = [B, H, S, Dv]
+    out_perm = attrs.get("out_perm")
+    out = torch.empty([shape[i] for i in out_perm] if out_perm else shape, device="meta")
+    if out_perm:
+        out = out.permute([out_perm.index(i) for i in range(4)])
+    return views, mask, tuple(out.stride()[:3])
+
+
+def test_the_attention_plan_has_torch_s_view_geometry_at_every_size():
+    """The plan is index arithmetic (it runs per layer at every new input size): its offsets and strides,
+    size-1 axes included, are those of the views torch makes, over fresh random sizes and layouts."""
+    from kiln.tactics.cpu.transformer import _attention_plan
+
+    for _ in range(300):
+        b, s, tt, h, d = (int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 9)),
+                          int(rng.choice([1, 2, 4])), int(rng.choice([2, 8])))
+        layout = rng.choice(["packed", "separate rows", "heads"])
+        if layout == "packed":
+            tt, sizes = s, {0: (b, s, 3 * h * d)}
+            attrs = {"qkv_split": [h * d] * 3, "q_num_heads": h, "kv_num_heads": h}
+        elif layout == "separate rows":
+            sizes = {0: (b, s, h * d), 1: (b, tt, h * d), 2: (b, tt, h * d)}
+            attrs = {"q_num_heads": h, "kv_num_heads": h}
+        else:
+            sizes, attrs = {0: (b, h, s, d), 1: (b, h, tt, d), 2: (b, h, tt, d)}, {}
+        if layout != "heads":
+            attrs.update(q_perm=[0, 2, 1, 3], k_perm=[0, 2, 1, 3], v_perm=[0, 2, 1, 3])
+        if rng.random() < 0.5:
+            attrs.update(out_perm=[0, 2, 1, 3], out_merge_heads=int(rng.random() < 0.5))
+        mask_dtype = None
+        if rng.random() < 0.7:  # any broadcast of [B, H, S, T], leading axes dropped or not
+            full = [b, h, s, tt]
+            sizes[3] = tuple(x if rng.random() < 0.5 else 1 for x in full)[int(rng.integers(0, 4)):] or (tt,)
+            mask_dtype = torch.float32 if rng.random() < 0.5 else torch.bool
+        plan = _attention_plan(attrs, sizes, mask_dtype)
+        assert isinstance(plan, dict), plan
+        views, mask, out = _torch_views(attrs, sizes)
+        assert (plan["q"], plan["k"], plan["v"]) == (views["q"], views["k"], views["v"]), (attrs, sizes)
+        assert plan["out_strides"] == out, (attrs, sizes)
+        assert (plan["mask"][1] if plan["mask"] else None) == mask, (attrs, sizes)
+
+
+def test_layers_of_one_attention_configuration_share_the_kernel_at_a_new_size():
+    b, s, h, d = 2, int(rng.integers(2, 40)), 2, 8
+    qkv = rng.standard_normal((b, s, 3 * h * d)).astype(np.float32)
+    mask = np.zeros((b, 1, s, s), np.float32)
+    attrs = {"q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3],
+             "q_num_heads": h, "kv_num_heads": h, "out_merge_heads": 1, "qkv_split": [h * d] * 3}
+    first, _, ctx = prepared("cpu.attention.native", "Attention", "kiln", [t(qkv), None, None, t(mask)], attrs, set())
+    second, _, _ = prepared("cpu.attention.native", "Attention", "kiln", [t(qkv), None, None, t(mask)], attrs, set())
+    other = {0: (b + 1, s + 1, 3 * h * d), 3: (b + 1, 1, s + 1, s + 1)}
+    at_first, at_second = first.native.at(other), second.native.at(other)
+    assert at_first.primitive(False) is at_second.primitive(False)  # built once, bound by each layer
+    inputs = [t(rng.standard_normal(other[0]).astype(np.float32)), None, None, t(np.zeros(other[3], np.float32))]
+    np.testing.assert_array_equal(first(ctx, *inputs, **attrs).numpy(), second(ctx, *inputs, **attrs).numpy())
+
+
 def test_attention_refuses_what_it_cannot_run():
     q = torch.randn(1, 2, 5, 8)
     assert "int64" in refusal("cpu.attention.native", "Attention", "kiln",

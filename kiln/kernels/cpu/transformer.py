@@ -139,6 +139,19 @@ class _GatherNDPlan(ctypes.Structure):  # gather_nd_plan
                 ("element", ctypes.c_long), ("dims", _LONGD)]
 
 
+_ADDRESSES: dict[str, tuple[int, int]] = {}  # FUNCTION -> (dnnl_memory_get_data_handle, the kernel's function)
+
+
+def _addresses(kernel: NativeKernel) -> tuple[int, int]:
+    """The C addresses a plan of `kernel` is run with (looked up once: a new input size binds every layer)."""
+    found = _ADDRESSES.get(kernel.FUNCTION)
+    if found is None:
+        found = _ADDRESSES[kernel.FUNCTION] = (
+            ctypes.cast(onednn.load().lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+            ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value)
+    return found
+
+
 class KernelBound:
     """One layer's call on memory objects of its own (what a native segment runs); `rebind` points a
     role ("dst", or the index of the step input it reads) elsewhere for a call."""
@@ -164,9 +177,8 @@ class KernelBound:
                         fields[name] = self._memories[role].value
         if slots:
             fields["in_"] = (ctypes.c_void_p * 3)(*[slots.get(k) for k in range(3)])
-        get_handle = ctypes.cast(onednn.load().lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
-        return (kernel.PLAN(get_handle=get_handle, **fields),
-                ctypes.cast(getattr(kernel.library, kernel.FUNCTION), ctypes.c_void_p).value)
+        get_handle, function = _addresses(kernel)
+        return kernel.PLAN(get_handle=get_handle, **fields), function
 
     def replan(self, kernel: NativeKernel) -> native_loop.Replanned:
         """The same layer at other sizes (`kernel`, of the same class) on this call's memory objects:

@@ -23,6 +23,7 @@ at a new shape costs a few ctypes calls, not a rebuild.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -256,40 +257,113 @@ register(Tactic(
 
 # ---- Attention -------------------------------------------------------------------------------------
 
+def _contiguous(size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A row-major tensor of `size` as (shape, strides, storage offset), as torch.empty(size) has them."""
+    strides, step = [], 1
+    for d in reversed(size):
+        strides.append(step)
+        step *= max(int(d), 1)
+    return tuple(int(d) for d in size), tuple(reversed(strides)), 0
+
+
+def _view_strides(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch.Tensor.view gives a tensor of (shape, strides) viewed as new_shape (ATen's
+    computeStride, size-1 axes included, so plans match those made from meta tensors); ValueError when
+    no view exists."""
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base = strides[-1] if strides else 1
+    tensor_numel = view_numel = 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                raise ValueError(f"{list(shape)} (strides {list(strides)}) has no view as {list(new_shape)}")
+            if d > 0:
+                chunk_base, tensor_numel, view_numel = strides[d - 1], 1, 1
+    if view_d != -1:
+        raise ValueError(f"{list(shape)} has no view as {list(new_shape)}")
+    return tuple(new_strides)
+
+
+def _unflatten_last(view: tuple, parts: int) -> tuple:
+    """view.unflatten(-1, (parts, -1))."""
+    shape, strides, offset = view
+    if parts < 1 or shape[-1] % parts:
+        raise ValueError(f"the last axis of {list(shape)} does not split into {parts} heads")
+    new_shape = (*shape[:-1], parts, shape[-1] // parts)
+    return new_shape, _view_strides(shape, strides, new_shape), offset
+
+
 def _head_views(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]]) -> dict[str, Any] | str:
-    """q, k, v as the op views them ([B, H, S, D], kiln/ops/fused.py attention), computed on meta
-    tensors: {name: (step input, storage offset, strides)} plus the dims, or why the kernel cannot."""
+    """q, k, v as the op views them ([B, H, S, D], kiln/ops/fused.py attention), computed as views are
+    (shape, strides, storage offset: the arithmetic of torch's split, unflatten and permute, without a
+    tensor: this runs per layer for every new input size): {name: (step input, storage offset,
+    strides)} plus the dims, or why the kernel cannot."""
     if 0 not in sizes:
         return "no q"
-    tensors = {k: torch.empty(sizes[k], device="meta") for k in (0, 1, 2) if k in sizes}
+    tensors = {k: _contiguous(sizes[k]) for k in (0, 1, 2) if k in sizes}
     q, k, v = tensors.get(0), tensors.get(1), tensors.get(2)
     source = {"q": 0, "k": 1, "v": 2}
     split = attrs.get("qkv_split")
     if split:
-        q, k, v = torch.split(q, list(split), dim=-1)
+        shape, strides, offset = q
+        widths = [int(w) for w in split]
+        if not shape or sum(widths) != shape[-1]:
+            return f"qkv_split {widths} does not cover the last axis of {list(shape)}"
+        parts, start = [], 0
+        for w in widths:  # torch.split(q, widths, dim=-1): views, each `start` columns in
+            parts.append(((*shape[:-1], w), strides, offset + start * strides[-1]))
+            start += w
+        q, k, v = parts
         source = {"q": 0, "k": 0, "v": 0}
     if k is None or v is None:
         return "k or v is missing"
     qh, kvh = attrs.get("q_num_heads") or 0, attrs.get("kv_num_heads") or 0
-    if qh and q.dim() == 3:
-        q = q.unflatten(-1, (qh, -1))
-    if kvh and k.dim() == 3:
-        k = k.unflatten(-1, (kvh, -1))
-    if kvh and v.dim() == 3:
-        v = v.unflatten(-1, (kvh, -1))
+    try:
+        if qh and len(q[0]) == 3:
+            q = _unflatten_last(q, int(qh))
+        if kvh and len(k[0]) == 3:
+            k = _unflatten_last(k, int(kvh))
+        if kvh and len(v[0]) == 3:
+            v = _unflatten_last(v, int(kvh))
+    except ValueError as e:
+        return str(e)
     views = {}
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, (shape, strides, offset) in (("q", q), ("k", k), ("v", v)):
         perm = attrs.get(f"{name}_perm")
-        t = t.permute(list(perm)) if perm else t
-        if t.dim() != 4 or t.stride(3) != 1:
-            return f"{name} is not [B, H, S, D] with a contiguous last axis ({list(t.shape)}, strides {list(t.stride())})"
-        views[name] = (source[name], t.storage_offset(), tuple(t.stride()[:3]), tuple(t.shape))
+        if perm:
+            if sorted(int(p) for p in perm) != list(range(len(shape))):
+                return f"{name}_perm {list(perm)} is not a permutation of {len(shape)} axes"
+            shape, strides = tuple(shape[int(p)] for p in perm), tuple(strides[int(p)] for p in perm)
+        if len(shape) != 4 or strides[3] != 1:
+            return f"{name} is not [B, H, S, D] with a contiguous last axis ({list(shape)}, strides {list(strides)})"
+        views[name] = (source[name], offset, tuple(strides[:3]), tuple(shape))
     (B, H, S, D), (Bk, Hkv, T, Dk), (Bv, Hv, Tv, Dv) = views["q"][3], views["k"][3], views["v"][3]
     if not (B == Bk == Bv) or Dk != D or Tv != T or Hv != Hkv or Hkv < 1 or H % Hkv:
         return f"q {list(views['q'][3])}, k {list(views['k'][3])}, v {list(views['v'][3])} do not fit together"
     if Hkv != H and not attrs.get("gqa"):
         return "k and v have fewer heads than q without gqa"
     return {"views": views, "dims": dict(B=B, H=H, Hkv=Hkv, S=S, T=T, D=D, Dv=Dv)}
+
+
+def _expanded_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, ...]:
+    """torch.empty(size).expand(to).stride(), by torch's own rule (inferExpandGeometry): a new leading
+    axis has the stride of the axes after it, and an axis broadcast from 1 has stride 0."""
+    _, strides, _ = _contiguous(size)
+    out: list[int] = [0] * len(to)
+    lead = len(to) - len(size)
+    for i in range(len(to) - 1, -1, -1):
+        if i >= lead:
+            have, stride = size[i - lead], strides[i - lead]
+        else:
+            have, stride = 1, to[i + 1] * out[i + 1] if i + 1 < len(to) else 1
+        out[i] = 0 if have != to[i] else stride
+    return tuple(out)
 
 
 def _attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
@@ -303,28 +377,27 @@ def _attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], ma
     if 3 in sizes:
         if mask_dtype not in (_F32, torch.bool):
             return f"mask dtype {mask_dtype}: only float32 (added) or bool"
-        m = sizes[3]
+        m = tuple(sizes[3])
         if len(m) > 4 or any(d not in (1, want) for d, want in zip(reversed(m), (T, S, H, B))):
             return f"the mask {list(m)} does not broadcast to [B, H, S, T] = {[B, H, S, T]}"
-        expanded = torch.empty(m, device="meta").expand(B, H, S, T)
-        mask = ("add" if mask_dtype == _F32 else "bool", tuple(expanded.stride()))
+        mask = ("add" if mask_dtype == _F32 else "bool", _expanded_strides(m, (B, H, S, T)))
     out_perm = attrs.get("out_perm")
     shape = [B, H, S, Dv]
     permuted = [shape[i] for i in out_perm] if out_perm else shape
-    out = torch.empty(permuted, device="meta")
+    _, out_strides, _ = _contiguous(tuple(permuted))
     if out_perm:
         inverse = [0] * 4
         for i, p in enumerate(out_perm):
             inverse[p] = i
-        out = out.permute(inverse)  # [B, H, S, Dv] over the output's memory
-    if out.stride(3) != 1:
+        out_strides = tuple(out_strides[i] for i in inverse)  # [B, H, S, Dv] over the output's memory
+    if out_strides[3] != 1:
         return "the output's last axis would not be contiguous"
     output_size = (*permuted[:2], permuted[2] * permuted[3]) if attrs.get("out_merge_heads") else tuple(permuted)
     scale = attrs.get("scale", 1.0)
     scale = 1.0 / math.sqrt(dims["D"]) if scale is None else float(scale)
     causal = bool(attrs.get("is_causal")) and 3 not in sizes
     views = {name: view[:3] for name, view in found["views"].items()}
-    return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out.stride()[:3]),
+    return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out_strides[:3]),
                 output_size=output_size, mask=mask, scale=scale, causal=causal,
                 nan_to_zero=bool(attrs.get("nan_to_zero")))
 
@@ -356,13 +429,35 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
             found[3] = mask_dtype
         return found
 
+    described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
+
     def build(sizes):
+        # an encoder's attention layers have one configuration: at a new input size the first builds the
+        # kernel (it holds no weights) and the others take it
+        key = (described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None)
+        with _SHARED_LOCK:
+            found = _SHARED_ATTENTION.get(key)
+            if found is not None:
+                _SHARED_ATTENTION.move_to_end(key)
+                return found
         plan = _attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
         if isinstance(plan, str):
             raise ValueError(f"attention at {sizes}: {plan}")
-        return kernels.Attention(**plan)
+        found = kernels.Attention(**plan)
+        with _SHARED_LOCK:
+            _SHARED_ATTENTION[key] = found
+            while len(_SHARED_ATTENTION) > _SHARED_KEPT:
+                _SHARED_ATTENTION.popitem(last=False)
+        return found
 
     return prepared_native(step, reads, build)
+
+
+# attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel
+# is its plan fields, and every binding (kiln/kernels/cpu/transformer.py KernelBound) has memory of its own
+_SHARED_ATTENTION: OrderedDict[tuple, kernels.Attention] = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_KEPT = 64
 
 
 def _attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
