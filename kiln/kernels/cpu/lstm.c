@@ -8,9 +8,9 @@
  *
  * Gate columns: W and R are packed with their rows permuted so that one NR-wide panel holds one gate of
  * NR hidden units, the four gates of a unit block in four consecutive panels (and zero rows padding the
- * last block). A thread that owns unit block u computes its four gate panels and then the cell of those
- * units: the step's only synchronisation is one barrier (every thread reads all of h at the next step),
- * and a thread's share of R stays in its own core's cache across the steps (static schedule).
+ * last block). A work item is a unit block: its four gate panels and then the cell of those units,
+ * claimed by whichever thread is free (recurrent.c's run_stages); a step's items all finish before the
+ * next step's start (every item reads all of h).
  * σ and tanh are gemm.c's Cephes/Eigen rational forms (vectorised loops; ~1e-7 from libm's).
  * The default activations without clip, peepholes or input_forget run one fused cell loop (lstm_cell);
  * the rest the staged cell (lstm_cell_generic: each gate activated in place by recurrent_activate):
@@ -71,46 +71,30 @@ static void lstm_cell_generic(const kiln_recurrent_plan *p, long step, float *g,
 
 #pragma GCC pop_options
 
+static void lstm_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long nr = c->nr;
+    float *g = step_gates(c, step) + u * 4 * nr;
+    const float *h_prev = h_prev_of(c, step);
+    if (!(c->skip_first && step == 0))
+        for (long q = 0; q < 4; ++q)
+            recurrent_panel(c->kd, p->N, p->H, h_prev, p->packed_r + (u * 4 + q) * p->H * nr, g + q * nr, c->ldg, 1);
+    const long j0 = u * nr, w = unit_width(c, u);
+    if (p->generic) lstm_cell_generic(p, step, g, c->ldg, nr, j0, w, c->s.c, h_prev, h_next_of(c, step));
+    else lstm_cell(p, step, g, c->ldg, nr, j0, w, c->s.c, h_prev, h_next_of(c, step));
+}
+
 int kiln_lstm(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
-    const kiln_recurrent_plan *p = (const kiln_recurrent_plan *)object;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
     if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 4 || KERNELS[p->kernel].nr > 64) return 2;
-    const kernel_desc *kd = &KERNELS[p->kernel];
-    const long S = p->S, N = p->N, H = p->H, nr = kd->nr;
-    const long G = recurrent_gate_columns(p->kernel, H, 4), blocks = G / (4 * nr);
-    if (S <= 0 || N <= 0) return 0;
-    const recurrent_scratch s = scratch_of(p, G);
+    const long G = recurrent_gate_columns(p->kernel, p->H, 4);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const loop_ctx c = loop_of(p, G, 1);
     const int threads = recurrent_threads(p);
-    recurrent_input(p, &s, G, threads);
-    load_states(p, &s);
-    const int skip_first = p->h0 == NULL;  /* h = 0: the first step's recurrent GEMM adds nothing */
-    const long row_t = p->batch_major ? 1 : N, ldg = (p->batch_major ? S : 1) * G;  /* xw rows of (t, n) */
-    const int time_reversed = p->reverse && p->lengths == NULL;  /* else xw is in step order */
-    float *h_final = S % 2 ? s.h_b : s.h_a;
-    /* the batch in row chunks of MR (8 rows on AVX2: 6 + 2; measured a layer faster than 4 + 4 rows, and than
-       gemm.c's narrow 8-row tile, in interleaved A/B runs of one process) */
-
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        float *h_prev = s.h_a, *h_next = s.h_b;
-        for (long step = 0; step < S; ++step) {
-            float *g = s.xw + (time_reversed ? S - 1 - step : step) * row_t * G;  /* row n at g + n*ldg */
-            #pragma omp for schedule(static)
-            for (long u = 0; u < blocks; ++u) {
-                if (!(skip_first && step == 0))
-                    for (long q = 0; q < 4; ++q) {
-                        const long panel = u * 4 + q;
-                        recurrent_panel(kd, N, H, h_prev, p->packed_r + panel * H * nr, g + panel * nr, ldg, 1);
-                    }
-                const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                if (p->generic) lstm_cell_generic(p, step, g + u * 4 * nr, ldg, nr, j0, w, s.c, h_prev, h_next);
-                else lstm_cell(p, step, g + u * 4 * nr, ldg, nr, j0, w, s.c, h_prev, h_next);
-            }  /* the barrier: all of h_next is written before any thread reads it */
-            float *swap = h_prev;
-            h_prev = h_next;
-            h_next = swap;
-        }
-    }
-    store_states(p, h_final, s.c);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled = run_stages(&c, p->S, G / (4 * c.nr), threads, lstm_item);
+    store_states(p, h_prev_of(&c, p->S), c.s.c);
     return 0;
 }

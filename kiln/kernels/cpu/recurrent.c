@@ -8,10 +8,18 @@
  *
  * Gate columns: W and R are packed with their rows permuted so that one NR-wide panel holds one gate of
  * NR hidden units, the gates of a unit block in consecutive panels (zero rows pad the last block). A
- * thread that owns unit block u computes its gate panels and then the cell of those units (static
- * schedule: a thread's share of R stays in its core's cache across the steps); a step synchronises once
- * (every thread reads all of h at the next step), the GRU with linear_before_reset=0 twice (its candidate
- * multiplies r ⊙ h, all of it, by R_h).
+ * work item is one unit block: its gate panels, then the cell of those units. A step's items all finish
+ * before the next step's start (every item reads all of h), the GRU with linear_before_reset=0 has two
+ * stages a step (its candidate multiplies r ⊙ h, all of it, by R_h).
+ *
+ * Threads (run_stages): the calling thread publishes each stage and every thread claims the stage's items
+ * from an atomic counter; a stage ends when its items are done, not when every thread has arrived. Where
+ * an OpenMP barrier a step waited for a thread the OS had descheduled (on a 2-core VM shared with other
+ * work: a whole time slice a step, measured 400 ms a call where 1 ms was the norm), a thread that has not
+ * woken up yet claims nothing and holds no one up: the others take its items. One the OS preempted while
+ * it held an item does hold the stage up: when the caller's thread has waited STALL_NS for a stage, it
+ * finishes the call alone (the others leave at the next stage) and says so in plan.stalled, and
+ * kiln/kernels/cpu/recurrent.py runs the layer's next calls on one thread before trying two again.
  *
  *   RNN   h = f(g)                                                        (bias Wb + Rb in xw)
  *   GRU   z = f(g_z), r = f(g_r)                                          (ONNX gate order z, r, h)
@@ -25,6 +33,9 @@
  * of every row is at one place in xw and the step's GEMM tiles stay uniform.
  * clip clamps every gate's pre-activation to [-clip, clip] (not the LSTM's cell state), as the spec says.
  */
+
+#include <sched.h>
+#include <time.h>
 
 enum { RACT_RELU, RACT_TANH, RACT_SIGMOID, RACT_AFFINE, RACT_LEAKY_RELU, RACT_THRESHOLDED_RELU,
        RACT_SCALED_TANH, RACT_HARD_SIGMOID, RACT_ELU, RACT_SOFTSIGN };
@@ -55,6 +66,7 @@ typedef struct {
     int generic;           /* LSTM: 0 = the default activations, no clip, peepholes or input_forget (fused cell) */
     recurrent_act act[3];  /* the spec's f, g, h (RNN: f; GRU: f, g; LSTM: f, g, h) */
     float clip;            /* > 0: gate pre-activations clamped to [-clip, clip] */
+    int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {
@@ -64,14 +76,16 @@ static long recurrent_gate_columns(int kernel, long h, int gates) {
 
 long kiln_recurrent_gate_columns(int kernel, long h, int gates) { return recurrent_gate_columns(kernel, h, gates); }
 
-/* xw [S·N, G], h_a, h_b, c, rh [N, H], the GRU's h·R_hᵀ [N, G/3], the length-reversed X [S·N, I] */
+/* xw [S·N, G], h_a, h_b, c, rh [N, H], the GRU's h·R_hᵀ [N, G/3], the length-reversed X [S·N, I], and
+   run_stages' counters (2 longs per stage, 2 stages a step at most) */
 long kiln_recurrent_scratch_floats(int kernel, long s, long n, long i, long h, int gates) {
     const long g = recurrent_gate_columns(kernel, h, gates);
-    return s * n * g + 4 * n * h + n * g + s * n * i + 64;
+    return s * n * g + 4 * n * h + n * g + s * n * i + 8 * s + 64;
 }
 
 typedef struct {
     float *xw, *h_a, *h_b, *c, *rh, *hr, *x;
+    long *counters;
 } recurrent_scratch;
 
 static recurrent_scratch scratch_of(const kiln_recurrent_plan *p, long G) {
@@ -84,6 +98,7 @@ static recurrent_scratch scratch_of(const kiln_recurrent_plan *p, long G) {
     s.rh = s.c + N * H;
     s.hr = s.rh + N * H;
     s.x = s.hr + N * G;
+    s.counters = (long *)(((size_t)(s.x + p->S * N * p->I) + 63) & ~(size_t)63);
     return s;
 }
 
@@ -171,13 +186,113 @@ static void hold_row(const kiln_recurrent_plan *p, long step, long n, const floa
     if (y) memset(y + j0, 0, (size_t)w * sizeof(float));
 }
 
-/* The recurrent GEMM of one gate panel for every batch row: c (+)= h·R_panelᵀ, row n at c + n*ldc. */
+/* The recurrent GEMM of one gate panel for every batch row: c (+)= h·R_panelᵀ, row n at c + n*ldc. The batch
+   in row chunks of MR (8 rows on AVX2: 6 + 2; measured an LSTM layer faster than 4 + 4 rows, and than gemm.c's
+   narrow 8-row tile, in interleaved A/B runs of one process). */
 static void recurrent_panel(const kernel_desc *kd, long N, long H, const float *h, const float *r_panel, float *c,
                             long ldc, int load_c) {
     for (long r0 = 0; r0 < N; r0 += kd->mr) {
         const int m = (int)(N - r0 < kd->mr ? N - r0 : kd->mr);
         kd->direct(m, H, h + r0 * H, H, r_panel, c + r0 * ldc, ldc, (int)kd->nr, load_c);
     }
+}
+
+/* ---- the loop over time -------------------------------------------------------------------------- */
+
+typedef struct loop_ctx loop_ctx;
+typedef void (*item_fn)(const loop_ctx *c, long stage, long item);
+
+struct loop_ctx {
+    const kiln_recurrent_plan *p;
+    const kernel_desc *kd;
+    recurrent_scratch s;
+    long G, nr, ldg, row_t, ldhr;
+    int skip_first, time_reversed, phases;
+};
+
+static loop_ctx loop_of(const kiln_recurrent_plan *p, long G, int phases) {
+    loop_ctx c;
+    c.p = p;
+    c.kd = &KERNELS[p->kernel];
+    c.s = scratch_of(p, G);
+    c.G = G;
+    c.nr = c.kd->nr;
+    c.row_t = p->batch_major ? 1 : p->N;  /* xw rows of (t, n): t*row_t + n*ldg/G */
+    c.ldg = (p->batch_major ? p->S : 1) * G;
+    c.ldhr = G / p->gates;
+    c.skip_first = p->h0 == NULL;  /* h = 0: the first step's recurrent GEMM adds nothing */
+    c.time_reversed = p->reverse && p->lengths == NULL;  /* else xw is in step order */
+    c.phases = phases;
+    return c;
+}
+
+static float *step_gates(const loop_ctx *c, long step) {  /* row n at + n*ldg */
+    const long t = c->time_reversed ? c->p->S - 1 - step : step;
+    return c->s.xw + t * c->row_t * c->G;
+}
+static float *h_prev_of(const loop_ctx *c, long step) { return step % 2 ? c->s.h_b : c->s.h_a; }
+static float *h_next_of(const loop_ctx *c, long step) { return step % 2 ? c->s.h_a : c->s.h_b; }
+static long unit_width(const loop_ctx *c, long u) { return c->p->H - u * c->nr < c->nr ? c->p->H - u * c->nr : c->nr; }
+
+#define STALL_NS 200000L  /* 0.2 ms: a hundred times an item of a 128-unit LSTM */
+
+static void spin_pause(long *spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (++*spins % 4096 == 0) sched_yield();  /* a long wait: let whatever the OS put first run */
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Stages 0 .. stages-1 in order, each `items` calls of fn, claimed by whichever thread is free; the
+   caller's thread publishes stage k once stage k-1 is done. Returns when every stage is done; 1 when the
+   caller's thread went on alone after a stall (the file's comment). */
+static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
+    long *claimed = c->s.counters, *done = claimed + stages;
+    memset(claimed, 0, (size_t)(2 * stages) * sizeof(long));
+    long published = 0;
+    int alone = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        int leader = 1;
+#ifdef _OPENMP
+        leader = omp_get_thread_num() == 0;
+#endif
+        for (long k = 0; k < stages; ++k) {
+            long spins = 0;
+            if (leader) {
+                if (k > 0 && __atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
+                    const long start = now_ns();
+                    while (__atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
+                        spin_pause(&spins);
+                        if (!alone && spins % 256 == 0 && now_ns() - start > STALL_NS)
+                            __atomic_store_n(&alone, 1, __ATOMIC_RELAXED);
+                    }
+                }
+                __atomic_store_n(&published, k + 1, __ATOMIC_RELEASE);
+            } else {
+                while (__atomic_load_n(&published, __ATOMIC_ACQUIRE) <= k && !__atomic_load_n(&alone, __ATOMIC_RELAXED))
+                    spin_pause(&spins);
+                if (__atomic_load_n(&alone, __ATOMIC_RELAXED)) break;
+            }
+            for (;;) {
+                const long item = __atomic_fetch_add(&claimed[k], 1, __ATOMIC_RELAXED);
+                if (item >= items) break;
+                fn(c, k, item);
+                __atomic_fetch_add(&done[k], 1, __ATOMIC_RELEASE);
+            }
+        }
+        if (leader) {
+            long spins = 0;
+            while (__atomic_load_n(&done[stages - 1], __ATOMIC_ACQUIRE) < items) spin_pause(&spins);
+        }
+    }
+    return alone;
 }
 
 #pragma GCC push_options
@@ -262,109 +377,80 @@ static void gru_reset(const kiln_recurrent_plan *p, float *g, long ldg, const fl
 
 #pragma GCC pop_options
 
+static void rnn_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    float *g = step_gates(c, step) + u * c->nr;
+    const float *h_prev = h_prev_of(c, step);
+    if (!(c->skip_first && step == 0))
+        recurrent_panel(c->kd, p->N, p->H, h_prev, p->packed_r + u * p->H * c->nr, g, c->ldg, 1);
+    rnn_cell(p, step, g, c->ldg, h_prev, h_next_of(c, step), u * c->nr, unit_width(c, u));
+}
+
+/* linear_before_reset=1: z, r into xw, h·R_hᵀ into hr, then the cell */
+static void gru_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long N = p->N, H = p->H, nr = c->nr;
+    const float *r = p->packed_r + u * 3 * H * nr, *h_prev = h_prev_of(c, step);
+    float *g = step_gates(c, step) + u * 3 * nr, *hr = c->s.hr + u * nr;
+    if (!(c->skip_first && step == 0)) {
+        recurrent_panel(c->kd, N, H, h_prev, r, g, c->ldg, 1);                      /* z */
+        recurrent_panel(c->kd, N, H, h_prev, r + H * nr, g + nr, c->ldg, 1);        /* r */
+        recurrent_panel(c->kd, N, H, h_prev, r + 2 * H * nr, hr, c->ldhr, 0);       /* h·R_hᵀ */
+    } else {
+        for (long n = 0; n < N; ++n) memset(hr + n * c->ldhr, 0, (size_t)nr * sizeof(float));
+    }
+    gru_cell(p, step, g, c->ldg, hr, c->ldhr, h_prev, h_next_of(c, step), u * nr, unit_width(c, u), nr);
+}
+
+/* linear_before_reset=0, stage 2·step: z, r and r ⊙ h; stage 2·step + 1: (r ⊙ h)·R_hᵀ and the cell */
+static void gru_reset_item(const loop_ctx *c, long stage, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long step = stage / 2, N = p->N, H = p->H, nr = c->nr;
+    const int recur = !(c->skip_first && step == 0);
+    const float *h_prev = h_prev_of(c, step);
+    float *g = step_gates(c, step) + u * 3 * nr;
+    if (stage % 2 == 0) {
+        const float *r = p->packed_r + u * 3 * H * nr;
+        if (recur) {
+            recurrent_panel(c->kd, N, H, h_prev, r, g, c->ldg, 1);
+            recurrent_panel(c->kd, N, H, h_prev, r + H * nr, g + nr, c->ldg, 1);
+        }
+        gru_reset(p, g, c->ldg, h_prev, c->s.rh, u * nr, unit_width(c, u), nr);
+        return;
+    }
+    if (recur) recurrent_panel(c->kd, N, H, c->s.rh, p->packed_r + (u * 3 + 2) * H * nr, g + 2 * nr, c->ldg, 1);
+    gru_cell(p, step, g, c->ldg, NULL, 0, h_prev, h_next_of(c, step), u * nr, unit_width(c, u), nr);
+}
+
 int kiln_rnn(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
-    const kiln_recurrent_plan *p = (const kiln_recurrent_plan *)object;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
     if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 1) return 2;
-    const kernel_desc *kd = &KERNELS[p->kernel];
-    const long S = p->S, N = p->N, H = p->H, nr = kd->nr;
-    const long G = recurrent_gate_columns(p->kernel, H, 1), blocks = G / nr;
-    if (S <= 0 || N <= 0) return 0;
-    const recurrent_scratch s = scratch_of(p, G);
+    const long G = recurrent_gate_columns(p->kernel, p->H, 1);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const loop_ctx c = loop_of(p, G, 1);
     const int threads = recurrent_threads(p);
-    recurrent_input(p, &s, G, threads);
-    load_states(p, &s);
-    const int skip_first = p->h0 == NULL;  /* h = 0: the first step's recurrent GEMM adds nothing */
-    const long row_t = p->batch_major ? 1 : N, ldg = (p->batch_major ? S : 1) * G;
-    const int time_reversed = p->reverse && p->lengths == NULL;  /* else xw is in step order */
-    float *h_final = S % 2 ? s.h_b : s.h_a;
-
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        float *h_prev = s.h_a, *h_next = s.h_b;
-        for (long step = 0; step < S; ++step) {
-            float *g = s.xw + (time_reversed ? S - 1 - step : step) * row_t * G;  /* row n at g + n*ldg */
-            #pragma omp for schedule(static)
-            for (long u = 0; u < blocks; ++u) {
-                if (!(skip_first && step == 0))
-                    recurrent_panel(kd, N, H, h_prev, p->packed_r + u * H * nr, g + u * nr, ldg, 1);
-                const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                rnn_cell(p, step, g + u * nr, ldg, h_prev, h_next, j0, w);
-            }  /* the barrier: all of h_next is written before any thread reads it */
-            float *swap = h_prev;
-            h_prev = h_next;
-            h_next = swap;
-        }
-    }
-    store_states(p, h_final, NULL);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled = run_stages(&c, p->S, G / c.nr, threads, rnn_item);
+    store_states(p, h_prev_of(&c, p->S), NULL);
     return 0;
 }
 
 int kiln_gru(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
-    const kiln_recurrent_plan *p = (const kiln_recurrent_plan *)object;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
     if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 3) return 2;
     if (p->linear_before_reset && p->bias_rh == NULL) return 3;
-    const kernel_desc *kd = &KERNELS[p->kernel];
-    const long S = p->S, N = p->N, H = p->H, nr = kd->nr;
-    const long G = recurrent_gate_columns(p->kernel, H, 3), blocks = G / (3 * nr);
-    if (S <= 0 || N <= 0) return 0;
-    const recurrent_scratch s = scratch_of(p, G);
+    const long G = recurrent_gate_columns(p->kernel, p->H, 3);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const int phases = p->linear_before_reset ? 1 : 2;
+    const loop_ctx c = loop_of(p, G, phases);
     const int threads = recurrent_threads(p);
-    recurrent_input(p, &s, G, threads);
-    load_states(p, &s);
-    const int skip_first = p->h0 == NULL;
-    const long row_t = p->batch_major ? 1 : N, ldg = (p->batch_major ? S : 1) * G;
-    const long ldhr = blocks * nr;  /* h·R_hᵀ of linear_before_reset=1: [N, blocks·NR] */
-    const int time_reversed = p->reverse && p->lengths == NULL;
-    float *h_final = S % 2 ? s.h_b : s.h_a;
-
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        float *h_prev = s.h_a, *h_next = s.h_b;
-        for (long step = 0; step < S; ++step) {
-            float *g = s.xw + (time_reversed ? S - 1 - step : step) * row_t * G;
-            const int recur = !(skip_first && step == 0);
-            if (p->linear_before_reset) {
-                #pragma omp for schedule(static)
-                for (long u = 0; u < blocks; ++u) {
-                    const float *r = p->packed_r + u * 3 * H * nr;
-                    float *gu = g + u * 3 * nr, *hr = s.hr + u * nr;
-                    if (recur) {
-                        recurrent_panel(kd, N, H, h_prev, r, gu, ldg, 1);                    /* z */
-                        recurrent_panel(kd, N, H, h_prev, r + H * nr, gu + nr, ldg, 1);      /* r */
-                        recurrent_panel(kd, N, H, h_prev, r + 2 * H * nr, hr, ldhr, 0);      /* h·R_hᵀ */
-                    } else {
-                        for (long n = 0; n < N; ++n) memset(hr + n * ldhr, 0, (size_t)nr * sizeof(float));
-                    }
-                    const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                    gru_cell(p, step, gu, ldg, hr, ldhr, h_prev, h_next, j0, w, nr);
-                }  /* the barrier */
-            } else {
-                #pragma omp for schedule(static)
-                for (long u = 0; u < blocks; ++u) {
-                    const float *r = p->packed_r + u * 3 * H * nr;
-                    float *gu = g + u * 3 * nr;
-                    if (recur) {
-                        recurrent_panel(kd, N, H, h_prev, r, gu, ldg, 1);
-                        recurrent_panel(kd, N, H, h_prev, r + H * nr, gu + nr, ldg, 1);
-                    }
-                    const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                    gru_reset(p, gu, ldg, h_prev, s.rh, j0, w, nr);
-                }  /* barrier: all of r ⊙ h is written */
-                #pragma omp for schedule(static)
-                for (long u = 0; u < blocks; ++u) {
-                    float *gu = g + u * 3 * nr;
-                    if (recur) recurrent_panel(kd, N, H, s.rh, p->packed_r + (u * 3 + 2) * H * nr, gu + 2 * nr, ldg, 1);
-                    const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                    gru_cell(p, step, gu, ldg, NULL, 0, h_prev, h_next, j0, w, nr);
-                }  /* the barrier */
-            }
-            float *swap = h_prev;
-            h_prev = h_next;
-            h_next = swap;
-        }
-    }
-    store_states(p, h_final, NULL);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled =
+        run_stages(&c, p->S * phases, G / (3 * c.nr), threads, phases == 1 ? gru_item : gru_reset_item);
+    store_states(p, h_prev_of(&c, p->S), NULL);
     return 0;
 }

@@ -62,7 +62,10 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("N", ctypes.c_long), ("I", ctypes.c_long), ("H", ctypes.c_long), ("kernel", ctypes.c_int),
                 ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
-                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float)]
+                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
+
+# After a call that a descheduled thread held up (recurrent.c: run_stages), this many calls run on one thread.
+SOLO_CALLS = 8
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -166,6 +169,7 @@ class RecurrentDirection:
                                                 or peepholes is not None or bool(input_forget)))
         self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._solo_calls = 0  # calls left on one thread after a stall
         self._lock = threading.Lock()
 
     def _pack(self, m: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -210,10 +214,12 @@ class RecurrentDirection:
                          yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
                          peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
-                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
+                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
+                         threads=1 if self._solo_calls else 0,
                          reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
                          linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
                          generic=self._generic, act=self._acts, clip=self._clip)
             status = self._function(ctypes.byref(plan), None, 0, None)
+            self._solo_calls = SOLO_CALLS if plan.stalled else max(0, self._solo_calls - 1)
         if status:
             raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
