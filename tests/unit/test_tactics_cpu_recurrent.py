@@ -22,7 +22,7 @@ from onnx import helper
 
 import kiln
 from kiln.builder import autotune
-from kiln.kernels.cpu import recurrent
+from kiln.kernels.cpu import gemm_native, recurrent
 from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
@@ -193,3 +193,26 @@ def test_refused_layer_runs_the_ops_path(monkeypatch):
     built = engine("GRU", values, attrs, 8, monkeypatch)
     assert built.plan.program.steps[0].tactic in ("", None, "default")
     check_runs("GRU", built, values, attrs, 8, rng, shape, bias=True, initial=True, runs=1)
+
+
+@pytest.mark.slow  # the test-kernel build compiles gemm.c's AVX-512 tile for AVX2: a minute, once
+@pytest.mark.parametrize("cell, attrs", [("RNN", {}), ("GRU", {"linear_before_reset": 0}),
+                                         ("GRU", {"linear_before_reset": 1})])
+def test_avx512_tile_shape_on_this_cpu(cell, attrs):
+    """The 14x32 tile (unit blocks of 32, rows in one chunk) against onnxruntime, on AVX2 instructions."""
+    kernel = next((k for k in gemm_native.kernels(test_kernels=True) if k.test_only and k.supported), None)
+    if kernel is None:
+        pytest.skip("no test-only kernel runs on this CPU")
+    rng = case_rng(f"{cell}-wide-tile-{attrs}")
+    for hidden, batch, steps, features in [(40, 9, 6, 7), (64, 16, 4, 3)]:
+        values = inputs(cell, rng, steps=steps, batch=batch, features=features, hidden=hidden, directions=1,
+                        layout=0, bias=True, initial=True)
+        t = {k: torch.from_numpy(v) for k, v in values.items()}
+        layer = recurrent.RecurrentDirection(cell, t["W"][0], t["R"][0], t["B"][0], kernel=kernel,
+                                             linear_before_reset=bool(attrs.get("linear_before_reset")))
+        y, yh = torch.empty(steps, batch, hidden), torch.empty(batch, hidden)
+        layer.run(t["X"], y, t["initial_h"][0], None, yh, None, reverse=False, batch_major=False)
+        want = oracle(cell, values, attrs, hidden)
+        tolerance = RNN_TOLERANCE if cell == "RNN" else TOLERANCE
+        assert_close(y.numpy(), want[0][:, 0], tolerance, f"{kernel.name} H {hidden} N {batch} Y")
+        assert_close(yh.numpy(), want[1][0], tolerance, f"{kernel.name} H {hidden} N {batch} Y_h")
