@@ -64,8 +64,10 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
 
-# After a call that a descheduled thread held up (recurrent.c: run_stages), this many calls run on one thread.
-SOLO_CALLS = 8
+# After a call that a descheduled thread held up (recurrent.c: run_stages), the next calls run on one thread:
+# 8 after a first stall, twice as many after each stall of the call that tries threads again (a machine that
+# stays busy), at most 1024; a call on all threads that no one held up starts over at 8.
+SOLO_CALLS, SOLO_CALLS_MOST = 8, 1024
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -170,6 +172,7 @@ class RecurrentDirection:
         self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._solo_calls = 0  # calls left on one thread after a stall
+        self._solo_next = SOLO_CALLS  # ... after the next one
         self._lock = threading.Lock()
 
     def _pack(self, m: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -220,6 +223,11 @@ class RecurrentDirection:
                          linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
                          generic=self._generic, act=self._acts, clip=self._clip)
             status = self._function(ctypes.byref(plan), None, 0, None)
-            self._solo_calls = SOLO_CALLS if plan.stalled else max(0, self._solo_calls - 1)
+            if self._solo_calls:
+                self._solo_calls -= 1
+            elif plan.stalled:
+                self._solo_calls, self._solo_next = self._solo_next, min(2 * self._solo_next, SOLO_CALLS_MOST)
+            else:
+                self._solo_next = SOLO_CALLS
         if status:
             raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
