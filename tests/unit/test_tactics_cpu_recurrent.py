@@ -216,3 +216,27 @@ def test_avx512_tile_shape_on_this_cpu(cell, attrs):
         tolerance = RNN_TOLERANCE if cell == "RNN" else TOLERANCE
         assert_close(y.numpy(), want[0][:, 0], tolerance, f"{kernel.name} H {hidden} N {batch} Y")
         assert_close(yh.numpy(), want[1][0], tolerance, f"{kernel.name} H {hidden} N {batch} Y_h")
+
+
+@pytest.mark.parametrize("cell, lbr", [("RNN", False), ("GRU", False), ("GRU", True), ("LSTM", False)])
+def test_one_thread_and_all_threads_agree_exactly(cell, lbr):
+    """Each unit block is one work item computed by one thread in one order, whichever thread claims it: a call
+    on one thread (what recurrent.py falls back to after a stall) gives the very bits of a call on all."""
+    rng = case_rng(f"{cell}-threads-{lbr}")
+    values = inputs(cell, rng, steps=9, batch=7, features=6, hidden=40, directions=1, layout=0, bias=True,
+                    initial=True)
+    t = {k: torch.from_numpy(v) for k, v in values.items()}
+    layer = recurrent.RecurrentDirection(cell, t["W"][0], t["R"][0], t["B"][0], linear_before_reset=lbr)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, max(2, threads)):
+            torch.set_num_threads(n)
+            y, yh = torch.empty(9, 7, 40), torch.empty(7, 40)
+            yc = torch.empty(7, 40) if cell == "LSTM" else None
+            c0 = t["initial_c"][0] if cell == "LSTM" else None
+            layer.run(t["X"], y, t["initial_h"][0], c0, yh, yc, reverse=False, batch_major=False)
+            results.append((y, yh))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
