@@ -220,8 +220,8 @@ def test_avx512_tile_shape_on_this_cpu(cell, attrs):
 
 @pytest.mark.parametrize("cell, lbr", [("RNN", False), ("GRU", False), ("GRU", True), ("LSTM", False)])
 def test_one_thread_and_all_threads_agree_exactly(cell, lbr):
-    """Each unit block is one work item computed by one thread in one order, whichever thread claims it: a call
-    on one thread (what recurrent.py falls back to after a stall) gives the very bits of a call on all."""
+    """Each unit block is one work item computed by one thread in one order, whichever thread claims it (and a
+    call whose helper stalled goes on alone): a call on one thread gives the very bits of a call on all."""
     rng = case_rng(f"{cell}-threads-{lbr}")
     values = inputs(cell, rng, steps=9, batch=7, features=6, hidden=40, directions=1, layout=0, bias=True,
                     initial=True)

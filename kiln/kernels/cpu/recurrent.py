@@ -64,11 +64,6 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
 
-# After a call that a descheduled thread held up (recurrent.c: run_stages), the next calls run on one thread:
-# 8 after a first stall, twice as many after each stall of the call that tries threads again (a machine that
-# stays busy), at most 1024; a call on all threads that no one held up starts over at 8.
-SOLO_CALLS, SOLO_CALLS_MOST = 8, 1024
-
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
     """The compiled library (built on first use), or None: reason() says why. `test_kernels`: the build
@@ -171,8 +166,6 @@ class RecurrentDirection:
                                                 or peepholes is not None or bool(input_forget)))
         self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
-        self._solo_calls = 0  # calls left on one thread after a stall
-        self._solo_next = SOLO_CALLS  # ... after the next one
         self._lock = threading.Lock()
 
     def _pack(self, m: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -217,17 +210,10 @@ class RecurrentDirection:
                          yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
                          peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
-                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
-                         threads=1 if self._solo_calls else 0,
+                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
                          reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
                          linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
                          generic=self._generic, act=self._acts, clip=self._clip)
             status = self._function(ctypes.byref(plan), None, 0, None)
-            if self._solo_calls:
-                self._solo_calls -= 1
-            elif plan.stalled:
-                self._solo_calls, self._solo_next = self._solo_next, min(2 * self._solo_next, SOLO_CALLS_MOST)
-            else:
-                self._solo_next = SOLO_CALLS
         if status:
             raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
