@@ -51,26 +51,34 @@ _ACTIVATIONS: dict[str, tuple[Callable, float | None, float | None]] = {
 }
 
 
-def _activation_names(activations, defaults: list[str], num_directions: int) -> list[str]:
+def activation_names(activations, defaults: list[str], num_directions: int) -> list[str]:
     """Lower-cased, one list for all directions (a single direction's list serves both)."""
     names = [a.lower() for a in (activations or defaults * num_directions)]
     return names * 2 if num_directions == 2 and len(names) == len(defaults) else names
 
 
-def _activations(names: list[str], alphas, betas) -> list[Callable]:
-    """The activation callables of `_activation_names`' list; alpha/beta consumed in order."""
+def activation_parameters(names: list[str], alphas, betas) -> list[tuple[str, float | None, float | None]]:
+    """(name, alpha, beta) of each of `activation_names`' list: activation_alpha / activation_beta are
+    consumed in order by the activations that take them, the others get the activation's default; None:
+    the activation takes no such parameter. Also kiln's C loop's reading (kiln/tactics/cpu/recurrent.py)."""
     alphas, betas = list(alphas or []), list(betas or [])
     out = []
     for name in names:
         if name not in _ACTIVATIONS:
             raise ValueError(f"unknown recurrent activation {name!r}")
-        fn, alpha, beta = _ACTIVATIONS[name]
+        _, alpha, beta = _ACTIVATIONS[name]
         if alpha is not None and alphas:
             alpha = alphas.pop(0)
         if beta is not None and betas:
             beta = betas.pop(0)
-        out.append(lambda x, fn=fn, a=alpha, b=beta: fn(x, a, b))
+        out.append((name, alpha, beta))
     return out
+
+
+def _activations(names: list[str], alphas, betas) -> list[Callable]:
+    """The activation callables of `activation_names`' list."""
+    return [lambda x, fn=_ACTIVATIONS[name][0], a=alpha, b=beta: fn(x, a, b)
+            for name, alpha, beta in activation_parameters(names, alphas, betas)]
 
 
 def _run(ctx, cell, num_gates, X, W, R, B, sequence_lens, initial_states, *, direction, hidden_size,
@@ -183,7 +191,7 @@ def rnn(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0):
     num_directions = _num_directions(ctx, W, direction)
-    names = _activation_names(activations, ["Tanh"], num_directions)
+    names = activation_names(activations, ["Tanh"], num_directions)
     if _fused_refusal(X, names, names[:1], activation_alpha, activation_beta, clip) is None and \
             names[0] in ("tanh", "relu"):
         return _fused(ctx, f"RNN_{names[0].upper()}", X, W, R, B, sequence_lens, initial_h, None,
@@ -202,7 +210,7 @@ def gru(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, *, activation_
         activation_beta=None, activations=None, clip=None, direction="forward", hidden_size=None,
         layout=0, linear_before_reset=0):
     num_directions = _num_directions(ctx, W, direction)
-    names = _activation_names(activations, ["Sigmoid", "Tanh"], num_directions)
+    names = activation_names(activations, ["Sigmoid", "Tanh"], num_directions)
     if linear_before_reset and _fused_refusal(X, names, ["sigmoid", "tanh"], activation_alpha, activation_beta,
                                               clip) is None:
         return _fused(ctx, "GRU", X, W, R, B, sequence_lens, initial_h, None, direction=direction, layout=layout)
@@ -230,7 +238,7 @@ def lstm(ctx, X, W, R, B=None, sequence_lens=None, initial_h=None, initial_c=Non
          activation_alpha=None, activation_beta=None, activations=None, clip=None,
          direction="forward", hidden_size=None, input_forget=0, layout=0):
     num_directions = _num_directions(ctx, W, direction)
-    names = _activation_names(activations, ["Sigmoid", "Tanh", "Tanh"], num_directions)
+    names = activation_names(activations, ["Sigmoid", "Tanh", "Tanh"], num_directions)
     if not input_forget and (P is None or _all_zero(P)) and \
             _fused_refusal(X, names, ["sigmoid", "tanh", "tanh"], activation_alpha, activation_beta, clip) is None:
         return _fused(ctx, "LSTM", X, W, R, B, sequence_lens, initial_h, initial_c, direction=direction,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.builder import autotune
 from kiln.ops import recurrent_fused
 from kiln.zoo.export import export_module
 
@@ -78,7 +79,32 @@ def test_forecaster_matches_onnxruntime_and_runs_fused(name, tmp_path, monkeypat
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} run {run}")
         np.testing.assert_allclose(output, eager, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} vs torch")
-        # every layer one whole-sequence kernel: kiln's own LSTM loop (cpu.lstm.native, the tuner's choice
+        # every layer one whole-sequence kernel: kiln's own loop (cpu.lstm.native / cpu.gru.native, the tuner's choice
         # where it was faster) or torch's (run_fused), never the step-by-step path
-        native = sum(s.op_type == op and s.tactic == "cpu.lstm.native" for s in engine.plan.program.steps)
+        native = sum(s.op_type == op and s.tactic == f"cpu.{op.lower()}.native" for s in engine.plan.program.steps)
         assert calls == [op] * (layers - native), f"{name}: fused calls {calls}, {native} native layer(s)"
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_gru_forecaster_in_kilns_loop_matches_onnxruntime(bidirectional, tmp_path, monkeypatch):
+    """The exported GRU forecaster (linear_before_reset=1 from torch) with every GRU layer on cpu.gru.native,
+    made the tuner's choice whatever this machine's timings say."""
+    torch.manual_seed(0)
+    body = nn.GRU(FEATURES, 48, num_layers=2, batch_first=True, bidirectional=bidirectional)
+    module = Forecaster(body, 96 if bidirectional else 48).eval()
+    x0 = np.random.default_rng(0).standard_normal((BATCH, 24, FEATURES)).astype(np.float32)
+    export_module(module, {"x": x0}, tmp_path)
+    path = str(tmp_path / "model.onnx")
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k == "cpu.gru.native" else 1.0 for k in fns})
+    engine = kiln.build(path, timing_cache=None)
+    grus = [s for s in engine.plan.program.steps if s.op_type == "GRU"]
+    assert len(grus) == 2 and all(s.tactic == "cpu.gru.native" for s in grus), [(s.op_type, s.tactic) for s in grus]
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    for run in range(2):
+        x = rng.standard_normal((BATCH, 24, FEATURES)).astype(np.float32)
+        (output,) = engine.run({"x": x}).values()
+        (want,) = session.run(None, {"x": x})
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"run {run}")

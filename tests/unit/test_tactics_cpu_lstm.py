@@ -1,7 +1,7 @@
 """cpu.lstm.native (kiln/kernels/cpu/lstm.c) against onnxruntime: every direction and layout, with and
 without bias and initial states, hidden sizes that fill and that do not fill the microkernel's unit
-blocks, batches past its row tile; the layers it leaves to the op's own path; and the kernel on another
-ISA's tile shape (AVX-512's 14x32, run with AVX2 instructions).
+blocks, batches past its row tile; sequence_lens given at run time; and the kernel on another ISA's tile
+shape (AVX-512's 14x32, run with AVX2 instructions). Peepholes, clip, activations: test_tactics_cpu_recurrent.py.
 
 Tolerance (fp32): kiln's GEMM and onnxruntime's MLAS sum each gate's dot products in their own orders,
 and σ / tanh are rational approximations (~1e-7 from libm's); the recurrence carries each step's
@@ -18,13 +18,13 @@ from onnx import helper
 
 import kiln
 from kiln.builder import autotune
-from kiln.kernels.cpu import gemm_native, lstm
+from kiln.kernels.cpu import gemm_native, recurrent
 from kiln.ops import recurrent_fused
 from tests.unit.oracle import assert_close, case_rng, one_node_model, run_oracle
 
 NAME = "cpu.lstm.native"
 TOLERANCE = {np.dtype(np.float32): (1e-5, 2e-6)}
-pytestmark = pytest.mark.skipif(not lstm.available(), reason=f"kiln's LSTM is not built: {lstm.reason()}")
+pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop is not built: {recurrent.reason()}")
 
 
 def inputs(rng, *, steps, batch, features, hidden, directions, layout, bias, initial):
@@ -93,14 +93,22 @@ def test_lstm_native_matches_onnxruntime(direction, layout, hidden, batch, bias,
             assert_close(got[name], want, TOLERANCE, f"{direction} layout {layout} run {run} {name}")
 
 
-def test_sequence_lens_leaves_the_layer_to_the_op(monkeypatch):
-    values = inputs(case_rng("lstm-lens"), steps=5, batch=3, features=4, hidden=8, directions=1, layout=0,
-                    bias=True, initial=False)
-    built, feeds = engine(values, {}, 8, monkeypatch, sequence_lens=True)
-    assert built.plan.program.steps[0].tactic in ("", None, "default")
-    want = oracle({**values, "sequence_lens": feeds["sequence_lens"]}, {}, 8)
-    for name, w in zip(["Y", "Y_h", "Y_c"], want):
-        assert_close(built.run(feeds)[name], w, TOLERANCE, f"sequence_lens {name}")
+@pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
+def test_sequence_lens_runs_in_the_loop(direction, monkeypatch):
+    """Per-row lengths given at run time (0 and full among them): Y zero past each length, Y_h / Y_c the
+    state at it (zeros for length 0, onnxruntime's answer)."""
+    rng = case_rng(f"lstm-lens-{direction}")
+    directions = 2 if direction == "bidirectional" else 1
+    values = inputs(rng, steps=6, batch=5, features=4, hidden=20, directions=directions, layout=0, bias=True,
+                    initial=True)
+    built, feeds = engine(values, {"direction": direction}, 20, monkeypatch, sequence_lens=True)
+    assert built.plan.program.steps[0].tactic == NAME
+    for lengths in ([6, 3, 0, 1, 5], [2, 2, 2, 2, 2]):
+        feeds["sequence_lens"] = np.array(lengths, np.int32)
+        got = built.run(feeds)
+        want = oracle({**values, "sequence_lens": feeds["sequence_lens"]}, {"direction": direction}, 20)
+        for name, w in zip(["Y", "Y_h", "Y_c"], want):
+            assert_close(got[name], w, TOLERANCE, f"{direction} lengths {lengths} {name}")
 
 
 @pytest.mark.slow  # the test-kernel build compiles gemm.c's AVX-512 tile for AVX2: a minute, once
@@ -114,7 +122,7 @@ def test_avx512_tile_shape_on_this_cpu():
         values = inputs(rng, steps=steps, batch=batch, features=features, hidden=hidden, directions=1, layout=0,
                         bias=True, initial=True)
         t = {k: torch.from_numpy(v) for k, v in values.items()}
-        layer = lstm.LSTMDirection(t["W"][0], t["R"][0], t["B"][0], kernel=kernel)
+        layer = recurrent.RecurrentDirection("LSTM", t["W"][0], t["R"][0], t["B"][0], kernel=kernel)
         y, yh, yc = torch.empty(steps, batch, hidden), torch.empty(batch, hidden), torch.empty(batch, hidden)
         layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=False, batch_major=False)
         want = recurrent_fused.run_fused("LSTM", t["X"], t["W"], t["R"], t["B"], None, t["initial_h"], t["initial_c"],

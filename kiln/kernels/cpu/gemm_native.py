@@ -79,7 +79,7 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
 
 
 def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | str:
-    """A library compiled with gemm.c's microkernels (this file's, or lstm.c's, which includes them): built
+    """A library compiled with gemm.c's microkernels (this file's, or recurrent.py's, which includes them): built
     into kiln's cache as `stem` (`stem`-test with the test-only tiles), loaded, gemm.c's packing functions
     declared; or why not."""
     source = ("#define KILN_GEMM_TEST_KERNELS 1\n" if test_kernels else "") + source

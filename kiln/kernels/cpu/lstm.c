@@ -1,5 +1,5 @@
-/* One direction of an ONNX LSTM layer as one call: kiln's GEMM microkernels (gemm.c, compiled into the
- * same library: kiln/kernels/cpu/lstm.py prepends it) and the cell in one loop over time.
+/* One direction of an ONNX LSTM layer as one call, on recurrent.c's plan, input projection, states and
+ * sequence lengths (kiln/kernels/cpu/recurrent.py compiles gemm.c, recurrent.c and this file as one).
  *
  *   xw = X·Wᵀ + (Wb + Rb)                     one GEMM over every time step: [S·N, I] x [I, G]
  *   per step t:  g = xw[t] + h·Rᵀ             the recurrent GEMM accumulates into xw[t] in place
@@ -8,45 +8,25 @@
  *
  * Gate columns: W and R are packed with their rows permuted so that one NR-wide panel holds one gate of
  * NR hidden units, the four gates of a unit block in four consecutive panels (and zero rows padding the
- * last block). A thread that owns unit block u computes its four gate panels and then the cell of those
- * units: the step's only synchronisation is one barrier (every thread reads all of h at the next step),
- * and a thread's share of R stays in its own core's cache across the steps (static schedule).
+ * last block). A work item is a unit block: its four gate panels and then the cell of those units,
+ * claimed by whichever thread is free (recurrent.c's run_stages); a step's items all finish before the
+ * next step's start (every item reads all of h).
  * σ and tanh are gemm.c's Cephes/Eigen rational forms (vectorised loops; ~1e-7 from libm's).
+ * The default activations without clip, peepholes or input_forget run one fused cell loop (lstm_cell);
+ * the rest the staged cell (lstm_cell_generic: each gate activated in place by recurrent_activate):
+ *     i = f(g_i + P_i ⊙ c),  f = input_forget ? 1 − i : f(g_f + P_f ⊙ c),  c = f ⊙ c + i ⊙ g(g_c),
+ *     o = f(g_o + P_o ⊙ c),  h = o ⊙ h(c)
  */
-
-typedef struct {
-    const float *x;        /* time-major [S, N, I] rows, or batch-major [N, S, I] (batch_major) */
-    float *y;              /* h of (t, n) at y[t*y_ts + n*y_ns] (H floats), or NULL */
-    long y_ts, y_ns;
-    const float *h0, *c0;  /* [N, H] rows at h0 + n*state_ns, or NULL: zeros */
-    float *yh, *yc;        /* the final h and c, same strides, or NULL */
-    long state_ns;
-    const float *packed_w; /* kiln_gemm_pack_w of the permuted W [G, I], G = blocks·4·NR */
-    const float *packed_r; /* ... of the permuted R [G, H] */
-    const float *bias;     /* [G] permuted Wb + Rb */
-    float *scratch;        /* kiln_lstm_scratch_floats() floats */
-    long S, N, I, H;
-    int kernel, threads, reverse, batch_major;
-} kiln_lstm_plan;
-
-static long lstm_gate_columns(int kernel, long h) {
-    const long nr = KERNELS[kernel].nr;
-    return (h + nr - 1) / nr * 4 * nr;
-}
-
-long kiln_lstm_gate_columns(int kernel, long h) { return lstm_gate_columns(kernel, h); }
-
-long kiln_lstm_scratch_floats(int kernel, long s, long n, long h) {
-    return s * n * lstm_gate_columns(kernel, h) + 3 * n * h + 16;
-}
 
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")
 
 /* The cell for units [j0, j0 + w) of every batch row: gates at g (row stride ldg; gate q at q*NR). */
-static void lstm_cell(const float *g, long ldg, long nr, long N, long H, long j0, long w, float *c, float *h_next,
-                      float *y, long y_ns) {
-    for (long n = 0; n < N; ++n) {
+static void lstm_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg, long nr, long j0, long w,
+                      float *c, const float *h_prev, float *h_next) {
+    const long H = p->H;
+    for (long n = 0; n < p->N; ++n) {
+        if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
         const float *gi = g + n * ldg, *go = gi + nr, *gf = gi + 2 * nr, *gc = gi + 3 * nr;
         float *cn = c + n * H + j0, *hn = h_next + n * H + j0;
         for (long j = 0; j < w; ++j) {
@@ -57,84 +37,64 @@ static void lstm_cell(const float *g, long ldg, long nr, long N, long H, long j0
             cn[j] = cell;
             hn[j] = o * tanh_rational(cell);
         }
-        if (y != NULL) memcpy(y + n * y_ns + j0, hn, (size_t)w * sizeof(float));
+        float *y = y_row(p, step, n);
+        if (y != NULL) memcpy(y + j0, hn, (size_t)w * sizeof(float));
+    }
+}
+
+/* The staged cell (any activations, clip, peepholes, input_forget); the gates are activated in place. */
+static void lstm_cell_generic(const kiln_recurrent_plan *p, long step, float *g, long ldg, long nr, long j0, long w,
+                              float *c, const float *h_prev, float *h_next) {
+    const long H = p->H, units = H + nr - 1 - (H - 1) % nr;  /* blocks·NR */
+    const float *pi = p->peepholes ? p->peepholes + j0 : NULL;
+    const float *po = pi ? pi + units : NULL, *pf = pi ? pi + 2 * units : NULL;
+    float hc[64];  /* h(c) of w <= NR units */
+    for (long n = 0; n < p->N; ++n) {
+        if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
+        float *gi = g + n * ldg, *go = gi + nr, *gf = gi + 2 * nr, *gc = gi + 3 * nr;
+        float *cn = c + n * H + j0, *hn = h_next + n * H + j0;
+        if (pi) for (long j = 0; j < w; ++j) { gi[j] += pi[j] * cn[j]; gf[j] += pf[j] * cn[j]; }
+        recurrent_activate(gi, w, &p->act[0], p->clip);
+        if (p->input_forget) for (long j = 0; j < w; ++j) gf[j] = 1.0f - gi[j];
+        else recurrent_activate(gf, w, &p->act[0], p->clip);
+        recurrent_activate(gc, w, &p->act[1], p->clip);
+        for (long j = 0; j < w; ++j) cn[j] = gf[j] * cn[j] + gi[j] * gc[j];
+        if (po) for (long j = 0; j < w; ++j) go[j] += po[j] * cn[j];
+        recurrent_activate(go, w, &p->act[0], p->clip);
+        memcpy(hc, cn, (size_t)w * sizeof(float));
+        recurrent_activate(hc, w, &p->act[2], 0.0f);  /* the cell state is never clipped */
+        for (long j = 0; j < w; ++j) hn[j] = go[j] * hc[j];
+        float *y = y_row(p, step, n);
+        if (y != NULL) memcpy(y + j0, hn, (size_t)w * sizeof(float));
     }
 }
 
 #pragma GCC pop_options
 
+static void lstm_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long nr = c->nr;
+    float *g = step_gates(c, step) + u * 4 * nr;
+    const float *h_prev = h_prev_of(c, step);
+    if (!(c->skip_first && step == 0))
+        for (long q = 0; q < 4; ++q)
+            recurrent_panel(c->kd, p->N, p->H, h_prev, p->packed_r + (u * 4 + q) * p->H * nr, g + q * nr, c->ldg, 1);
+    const long j0 = u * nr, w = unit_width(c, u);
+    if (p->generic) lstm_cell_generic(p, step, g, c->ldg, nr, j0, w, c->s.c, h_prev, h_next_of(c, step));
+    else lstm_cell(p, step, g, c->ldg, nr, j0, w, c->s.c, h_prev, h_next_of(c, step));
+}
+
 int kiln_lstm(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
-    const kiln_lstm_plan *p = (const kiln_lstm_plan *)object;
-    if (p->kernel < 0 || p->kernel >= KERNEL_COUNT) return 2;
-    const kernel_desc *kd = &KERNELS[p->kernel];
-    const long S = p->S, N = p->N, H = p->H, nr = kd->nr, mr = kd->mr;
-    const long G = lstm_gate_columns(p->kernel, H), blocks = G / (4 * nr);
-    if (S <= 0 || N <= 0) return 0;
-    float *xw = p->scratch, *h_a = xw + S * N * G, *h_b = h_a + N * H, *c = h_b + N * H;
-    int threads = p->threads;
-#ifdef _OPENMP
-    if (threads <= 0) threads = omp_get_max_threads();
-#endif
-    if (threads < 1) threads = 1;
-
-    /* xw = X·Wᵀ + b for every step at once; row (t, n) is t*N + n, or n*S + t batch-major */
-    kiln_gemm_plan input = {0};
-    input.src = (void *)p->x;
-    input.dst = xw;
-    input.packed_w = p->packed_w;
-    input.bias = p->bias;
-    input.M = S * N;
-    input.K = p->I;
-    input.N = G;
-    input.kernel = p->kernel;
-    input.threads = threads;
-    input.small_m = 1L << 62;  /* x read in place, one fork/join */
-    input.pack_m = 1L << 62;
-    kiln_gemm(&input, NULL, 0, NULL);
-
-    for (long n = 0; n < N; ++n) {
-        if (p->h0) memcpy(h_a + n * H, p->h0 + n * p->state_ns, (size_t)H * sizeof(float));
-        else memset(h_a + n * H, 0, (size_t)H * sizeof(float));
-        if (p->c0) memcpy(c + n * H, p->c0 + n * p->state_ns, (size_t)H * sizeof(float));
-        else memset(c + n * H, 0, (size_t)H * sizeof(float));
-    }
-    const int skip_first = p->h0 == NULL;  /* h = 0: the first step's recurrent GEMM adds nothing */
-    const long row_t = p->batch_major ? 1 : N, row_n = p->batch_major ? S : 1;  /* xw rows of (t, n) */
-    const long ldg = row_n * G;
-    /* the batch in row chunks of MR (8 rows on AVX2: 6 + 2; measured a layer faster than 4 + 4 rows, and than
-       gemm.c's narrow 8-row tile, in interleaved A/B runs of one process) */
-
-    #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        float *h_prev = h_a, *h_next = h_b;
-        for (long step = 0; step < S; ++step) {
-            const long t = p->reverse ? S - 1 - step : step;
-            float *g = xw + t * row_t * G;  /* row n at g + n*ldg */
-            float *y = p->y != NULL ? p->y + t * p->y_ts : NULL;
-            #pragma omp for schedule(static)
-            for (long u = 0; u < blocks; ++u) {
-                if (!(skip_first && step == 0))
-                    for (long q = 0; q < 4; ++q) {
-                        const long panel = u * 4 + q;
-                        const float *r = p->packed_r + panel * H * nr;
-                        for (long r0 = 0; r0 < N; r0 += mr) {
-                            const int m = (int)(N - r0 < mr ? N - r0 : mr);
-                            kd->direct(m, H, h_prev + r0 * H, H, r, g + r0 * ldg + panel * nr, ldg, (int)nr, 1);
-                        }
-                    }
-                const long j0 = u * nr, w = H - j0 < nr ? H - j0 : nr;
-                lstm_cell(g + u * 4 * nr, ldg, nr, N, H, j0, w, c, h_next, y, p->y_ns);
-            }  /* the barrier: all of h_next is written before any thread reads it */
-            float *swap = h_prev;
-            h_prev = h_next;
-            h_next = swap;
-        }
-        #pragma omp single
-        for (long n = 0; n < N; ++n) {
-            if (p->yh) memcpy(p->yh + n * p->state_ns, h_prev + n * H, (size_t)H * sizeof(float));
-            if (p->yc) memcpy(p->yc + n * p->state_ns, c + n * H, (size_t)H * sizeof(float));
-        }
-    }
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
+    if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 4 || KERNELS[p->kernel].nr > 64) return 2;
+    const long G = recurrent_gate_columns(p->kernel, p->H, 4);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const loop_ctx c = loop_of(p, G, 1);
+    const int threads = recurrent_threads(p);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled = run_stages(&c, p->S, G / (4 * c.nr), threads, lstm_item);
+    store_states(p, h_prev_of(&c, p->S), c.s.c);
     return 0;
 }

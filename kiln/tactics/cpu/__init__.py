@@ -7,7 +7,8 @@
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
     transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
-    recurrent.py   ONNX LSTM as kiln's C loop (kiln/kernels/cpu/lstm.c): input projection + one loop over time
+    recurrent.py   ONNX RNN, GRU, LSTM as kiln's C loop (kiln/kernels/cpu/recurrent.c, lstm.c): input
+                   projection + one loop over time
     rotary.py      ... and for kiln::Rotary (a decoder's rotary embedding, packed q|k|v included)
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """

@@ -1,13 +1,18 @@
-"""CPU recurrent-layer tactic on kiln's own C loop (kiln/kernels/cpu/lstm.c).
+"""CPU recurrent-layer tactics on kiln's own C loop (kiln/kernels/cpu/recurrent.c, lstm.c).
 
-    cpu.lstm.native   ONNX LSTM, every direction and layout, initial_h / initial_c, outputs Y, Y_h, Y_c:
-                      per direction, W and R packed once at load, a call is the input projection of every
-                      step as one GEMM and then one loop over time in C (recurrent GEMM + cell per block
-                      of hidden units, one barrier a step)
+    cpu.rnn.native    ONNX RNN
+    cpu.gru.native    ONNX GRU, linear_before_reset 0 (ONNX's default, which torch's kernels cannot run) and 1
+    cpu.lstm.native   ONNX LSTM, peepholes and input_forget included
 
-What it leaves to the op's own implementation (kiln/ops/rnn.py, torch's kernels or the step loop): the
-activations other than the defaults and their alpha/beta, clip, input_forget, peepholes, and
-sequence_lens (an input the layer is given at run time: a call that gets one runs the op's own path).
+Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
+of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
+W and R are packed once at load; a call is the input projection of every step as one GEMM and then one
+loop over time in C (recurrent GEMM + cell per block of hidden units, one barrier a step; the GRU with
+linear_before_reset=0 two).
+
+What they leave to the op's own implementation (kiln/ops/rnn.py): W, R, B or P computed by the graph
+rather than constants of the engine, other dtypes than float32, the Softplus activation, and at run time
+an empty X, malformed states or sequence_lens (the op's path raises its errors for those).
 """
 
 from __future__ import annotations
@@ -16,97 +21,143 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import lstm
+from kiln.kernels.cpu import recurrent
 from kiln.ops.registry import lookup
+from kiln.ops.rnn import activation_names, activation_parameters
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
 from kiln.tactics.tactic import attribute as _attr
 
-_DEFAULT_ACTIVATIONS = ["sigmoid", "tanh", "tanh"]
+_INITIAL_H, _LENGTHS, _PEEPHOLES = 5, 4, 7  # ONNX input indices (LSTM: initial_c 6, P 7)
+_SPEC_DEFAULTS = {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"], "LSTM": ["Sigmoid", "Tanh", "Tanh"]}
 
 
 def _directions(step: StepSpec) -> int:
     return 2 if _attr(step, "direction", "forward") == "bidirectional" else 1
 
 
-def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if not lstm.available():
-        return f"kiln's LSTM is not built: {lstm.reason()}"
-    x, w, r = inputs[0], tensor_input(inputs, 1), tensor_input(inputs, 2)
-    b = tensor_input(inputs, 3)
-    if x.shape is None or len(x.shape) != 3:
-        return "X is not a 3-D tensor"
+def _activations(cell: str, step: StepSpec) -> list[list[recurrent.Activation]]:
+    """Per direction, the spec's f, g(, h) with their alpha / beta (kiln/ops/rnn.py's reading)."""
     directions = _directions(step)
-    if w is None or r is None or not (w.constant and r.constant) or len(w.shape) != 3 or len(r.shape) != 3:
-        return "W and R are not constant 3-D tensors of the engine"
-    if w.dtype != torch.float32 or r.dtype != torch.float32:
-        return "W or R is not float32"
-    hidden = r.shape[2]
-    if w.shape[0] != directions or r.shape[0] != directions or w.shape[1] != 4 * hidden or r.shape[1] != 4 * hidden:
-        return f"W {list(w.shape)} / R {list(r.shape)} are not [{directions}, 4·H, ·] for H = {hidden}"
-    if w.shape[2] != x.shape[2]:
-        return f"X's input size {x.shape[2]} is not W's {w.shape[2]}"
-    if b is not None and (not b.constant or list(b.shape) != [directions, 8 * hidden] or b.dtype != torch.float32):
-        return f"B is not a constant float32 [{directions}, 8·H]"
-    if tensor_input(inputs, 4) is not None:
-        return "sequence_lens is given (the op's own path stops each sequence at its length)"
-    if tensor_input(inputs, 7) is not None:
-        return "peepholes P are given"
-    names = [a.lower() for a in _attr(step, "activations", []) or []]
-    if names and names != _DEFAULT_ACTIVATIONS * (len(names) // 3):
-        return f"activations {names} (only Sigmoid, Tanh, Tanh)"
-    if _attr(step, "activation_alpha", None) or _attr(step, "activation_beta", None):
-        return "activation_alpha / activation_beta given"
-    if _attr(step, "clip", None) is not None:
-        return "clip"
-    if int(_attr(step, "input_forget", 0)):
-        return "input_forget=1"
-    if int(_attr(step, "hidden_size", hidden)) != hidden:
-        return f"hidden_size {_attr(step, 'hidden_size', None)} is not R's {hidden}"
-    return True
+    names = activation_names(_attr(step, "activations", []) or None, _SPEC_DEFAULTS[cell], directions)
+    parameters = activation_parameters(names, _attr(step, "activation_alpha", None),
+                                       _attr(step, "activation_beta", None))
+    k = len(_SPEC_DEFAULTS[cell])
+    if len(parameters) != k * directions:
+        raise ValueError(f"{cell}: {len(parameters)} activations for {directions} direction(s) of {k} each")
+    return [[recurrent.Activation(n, a or 0.0, b or 0.0) for n, a, b in parameters[d * k:(d + 1) * k]]
+            for d in range(directions)]
 
 
-def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    W, R = constants[1], constants[2]
-    B = constants[3] if len(constants) > 3 else None
-    directions = _directions(step)
-    layers = [lstm.LSTMDirection(W[d], R[d], None if B is None else B[d]) for d in range(directions)]
-    hidden = layers[0].hidden
-    reverse_only = _attr(step, "direction", "forward") == "reverse"
-    batch_major = bool(int(_attr(step, "layout", 0)))
-    op = lookup("LSTM", "").fn
+def _supporter(cell: str):
+    gates = recurrent.GATES[cell]
 
-    def launch(ctx, X, W_=None, R_=None, B_=None, sequence_lens=None, initial_h=None, initial_c=None, P=None,
-               **attributes):
-        batch = X.shape[0] if batch_major else X.shape[1] if X.dim() == 3 else -1
-        state_size = (batch, directions, hidden) if batch_major else (directions, batch, hidden)
-        if sequence_lens is not None or X.dtype != torch.float32 or X.dim() != 3 or X.shape[2] != layers[0].inputs \
-                or any(s is not None and tuple(s.shape) != state_size for s in (initial_h, initial_c)):
-            # what this loop does not run, and every malformed input: the op's own path (and its errors)
-            return op(ctx, X, W_, R_, B_, sequence_lens, initial_h, initial_c, P, **attributes)
-        X = X.contiguous()  # [S, N, I] (layout 1: [N, S, I])
-        steps = X.shape[1] if batch_major else X.shape[0]
-        if batch_major:
-            Y = X.new_empty((batch, steps, directions, hidden))  # [N, S, D, H]
-            Y_h, Y_c = X.new_empty((batch, directions, hidden)), X.new_empty((batch, directions, hidden))  # [N, D, H]
-        else:
-            Y = X.new_empty((steps, directions, batch, hidden))  # [S, D, N, H]
-            Y_h, Y_c = X.new_empty((directions, batch, hidden)), X.new_empty((directions, batch, hidden))  # [D, N, H]
-        states = [None if s is None else s.to(torch.float32).contiguous() for s in (initial_h, initial_c)]
-        for d, layer in enumerate(layers):
-            def state(s):  # direction d's [N, H] (a strided view in layout 1)
-                return None if s is None else (s[:, d] if batch_major else s[d])
-            y = Y[:, :, d] if batch_major else Y[:, d]
-            layer.run(X, y, state(states[0]), state(states[1]), state(Y_h), state(Y_c),
-                      reverse=reverse_only or d == 1, batch_major=batch_major)
-        return Y, Y_h, Y_c
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        if not recurrent.available():
+            return f"kiln's recurrent layers are not built: {recurrent.reason()}"
+        x, w, r = inputs[0], tensor_input(inputs, 1), tensor_input(inputs, 2)
+        b = tensor_input(inputs, 3)
+        if x.shape is None or len(x.shape) != 3:
+            return "X is not a 3-D tensor"
+        directions = _directions(step)
+        if w is None or r is None or not (w.constant and r.constant) or len(w.shape) != 3 or len(r.shape) != 3:
+            return "W and R are not constant 3-D tensors of the engine"
+        if w.dtype != torch.float32 or r.dtype != torch.float32:
+            return "W or R is not float32"
+        hidden = r.shape[2]
+        if w.shape[0] != directions or r.shape[0] != directions or w.shape[1] != gates * hidden \
+                or r.shape[1] != gates * hidden:
+            return f"W {list(w.shape)} / R {list(r.shape)} are not [{directions}, {gates}·H, ·] for H = {hidden}"
+        if w.shape[2] != x.shape[2]:
+            return f"X's input size {x.shape[2]} is not W's {w.shape[2]}"
+        if b is not None and (not b.constant or list(b.shape) != [directions, 2 * gates * hidden]
+                              or b.dtype != torch.float32):
+            return f"B is not a constant float32 [{directions}, {2 * gates}·H]"
+        lengths = tensor_input(inputs, _LENGTHS)
+        if lengths is not None and lengths.dtype not in (torch.int32, torch.int64):
+            return f"sequence_lens is {lengths.dtype}, not int32"
+        p = tensor_input(inputs, _PEEPHOLES) if cell == "LSTM" else None
+        if p is not None and (not p.constant or list(p.shape) != [directions, 3 * hidden] or p.dtype != torch.float32):
+            return f"P is not a constant float32 [{directions}, 3·H]"
+        try:
+            per_direction = _activations(cell, step)
+        except ValueError as e:
+            return str(e)
+        unsupported = sorted({a.name for acts in per_direction for a in acts} - set(recurrent.ACTIVATIONS))
+        if unsupported:
+            return f"activations {unsupported} (kiln's loop has {sorted(recurrent.ACTIVATIONS)})"
+        clip = _attr(step, "clip", None)
+        if clip is not None and not float(clip) > 0:
+            return f"clip={clip} is not positive"
+        if int(_attr(step, "hidden_size", hidden)) != hidden:
+            return f"hidden_size {_attr(step, 'hidden_size', None)} is not R's {hidden}"
+        return True
 
-    return launch
+    return supports
 
 
-register(Tactic(
-    name="cpu.lstm.native", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
-    supports=_supports, prepare=_prepare, available=lstm.available,
-    description="LSTM as kiln's C loop: input projection as one GEMM, recurrent GEMM + cell per unit block and step",
-))
+def _preparer(cell: str):
+    op = lookup(cell, "").fn
+    has_c = cell == "LSTM"
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        W, R = constants[1], constants[2]
+        B = constants[3] if len(constants) > 3 else None
+        P = constants[_PEEPHOLES] if has_c and len(constants) > _PEEPHOLES else None
+        directions = _directions(step)
+        clip = _attr(step, "clip", None)
+        per_direction = _activations(cell, step)
+        layers = [recurrent.RecurrentDirection(
+            cell, W[d], R[d], None if B is None else B[d], peepholes=None if P is None else P[d],
+            linear_before_reset=bool(int(_attr(step, "linear_before_reset", 0))),
+            input_forget=bool(int(_attr(step, "input_forget", 0))), activations=per_direction[d],
+            clip=None if clip is None else float(clip)) for d in range(directions)]
+        hidden = layers[0].hidden
+        reverse_only = _attr(step, "direction", "forward") == "reverse"
+        batch_major = bool(int(_attr(step, "layout", 0)))
+
+        def launch(ctx, X, W_=None, R_=None, B_=None, sequence_lens=None, initial_h=None, *rest, **attributes):
+            initial_c = rest[0] if has_c and rest else None
+            fallback = (X, W_, R_, B_, sequence_lens, initial_h, *rest)
+            if X.dtype != torch.float32 or X.dim() != 3 or X.shape[2] != layers[0].inputs or X.numel() == 0:
+                return op(ctx, *fallback, **attributes)  # what this loop does not run: the op's path (and its errors)
+            batch, steps = (X.shape[0], X.shape[1]) if batch_major else (X.shape[1], X.shape[0])
+            state_size = (batch, directions, hidden) if batch_major else (directions, batch, hidden)
+            if any(s is not None and tuple(s.shape) != state_size for s in (initial_h, initial_c)):
+                return op(ctx, *fallback, **attributes)
+            lengths = None
+            if sequence_lens is not None:
+                lengths = sequence_lens.reshape(-1).to(device="cpu", dtype=torch.int32).contiguous()
+                if lengths.numel() != batch or int(lengths.min()) < 0 or int(lengths.max()) > steps:
+                    return op(ctx, *fallback, **attributes)
+                if int(lengths.min()) == steps:
+                    lengths = None  # every sequence full
+            X = X.contiguous()  # [S, N, I] (layout 1: [N, S, I])
+            if batch_major:
+                Y = X.new_empty((batch, steps, directions, hidden))  # [N, S, D, H]
+            else:
+                Y = X.new_empty((steps, directions, batch, hidden))  # [S, D, N, H]
+            finals = [X.new_empty(state_size) for _ in range(2 if has_c else 1)]  # [D, N, H] | [N, D, H]
+            states = [None if s is None else s.to(torch.float32).contiguous() for s in (initial_h, initial_c)]
+            for d, layer in enumerate(layers):
+                def state(s):  # direction d's [N, H] (a strided view in layout 1)
+                    return None if s is None else (s[:, d] if batch_major else s[d])
+                y = Y[:, :, d] if batch_major else Y[:, d]
+                layer.run(X, y, state(states[0]), state(states[1]), state(finals[0]),
+                          state(finals[1]) if has_c else None, reverse=reverse_only or d == 1,
+                          batch_major=batch_major, lengths=lengths)
+            return (Y, *finals)
+
+        return launch
+
+    return prepare
+
+
+for _cell in ("RNN", "GRU", "LSTM"):
+    register(Tactic(
+        name=f"cpu.{_cell.lower()}.native", op_type=_cell, domain="", device="cpu", dtypes=(torch.float32,),
+        supports=_supporter(_cell), prepare=_preparer(_cell), available=recurrent.available,
+        description=f"{_cell} as kiln's C loop: input projection as one GEMM, recurrent GEMM + cell per unit "
+                    "block and step",
+    ))

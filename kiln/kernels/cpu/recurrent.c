@@ -1,0 +1,460 @@
+/* ONNX recurrent layers (RNN, GRU; LSTM in lstm.c) as one call per direction: kiln's GEMM microkernels
+ * (gemm.c, compiled into the same library: kiln/kernels/cpu/recurrent.py prepends it) and the cell in one
+ * loop over time. This file holds what the three cells share (the plan, the input projection, the states,
+ * sequence lengths, activations) and the RNN and GRU loops.
+ *
+ *   xw = X·Wᵀ + b                     one GEMM over every time step: [S·N, I] x [I, G]
+ *   per step t:  g = xw[t] + h·Rᵀ     the recurrent GEMM accumulates into xw[t] in place, then the cell
+ *
+ * Gate columns: W and R are packed with their rows permuted so that one NR-wide panel holds one gate of
+ * NR hidden units, the gates of a unit block in consecutive panels (zero rows pad the last block). A
+ * work item is one unit block: its gate panels, then the cell of those units. A step's items all finish
+ * before the next step's start (every item reads all of h), the GRU with linear_before_reset=0 has two
+ * stages a step (its candidate multiplies r ⊙ h, all of it, by R_h).
+ *
+ * Threads (run_stages): the calling thread publishes each stage and every thread claims the stage's items
+ * from an atomic counter; a stage ends when its items are done, not when every thread has arrived. Where
+ * an OpenMP barrier a step waited for a thread the OS had descheduled (on a 2-core VM shared with other
+ * work: a whole time slice a step, measured 400 ms a call where 1 ms was the norm), a thread that has not
+ * woken up yet claims nothing and holds no one up: the others take its items. One the OS preempted while
+ * it held an item does hold the stage up: when the caller's thread has waited STALL_NS for a stage, it
+ * finishes the call alone (the others leave at the next stage) and says so in plan.stalled; the next call
+ * tries every thread again. (Running the next calls on one thread after a stall was tried and dropped: on
+ * this shared VM it kept a layer at one thread's speed, 1.36 ms where two ran 0.72 ms, long after the
+ * contention had gone.) Measured on a quiet moment of the 2-core EPYC, a 128-unit LSTM layer (batch 8,
+ * 96 steps) runs 0.72 ms here against 0.70 ms on the OpenMP barrier a step it replaced: no faster when
+ * nothing competes for the cores.
+ *
+ *   RNN   h = f(g)                                                        (bias Wb + Rb in xw)
+ *   GRU   z = f(g_z), r = f(g_r)                                          (ONNX gate order z, r, h)
+ *         linear_before_reset=0: h̃ = g(xw_h + (r ⊙ h)·R_hᵀ)              (bias Wb_h + Rb_h in xw)
+ *         linear_before_reset=1: h̃ = g(xw_h + r ⊙ (h·R_hᵀ + Rb_h))       (bias Wb_h in xw)
+ *         h = (1 − z) ⊙ h̃ + z ⊙ h
+ *
+ * sequence_lens (lengths): row n runs its first L_n steps; past them it keeps its state and writes zeros
+ * to Y; a row of length 0 ends in zeros (onnxruntime's answer). A reverse direction with lengths reads X
+ * reversed within each row's length (copied once into the scratch before the input projection), so step s
+ * of every row is at one place in xw and the step's GEMM tiles stay uniform.
+ * clip clamps every gate's pre-activation to [-clip, clip] (not the LSTM's cell state), as the spec says.
+ */
+
+#include <sched.h>
+#include <time.h>
+
+enum { RACT_RELU, RACT_TANH, RACT_SIGMOID, RACT_AFFINE, RACT_LEAKY_RELU, RACT_THRESHOLDED_RELU,
+       RACT_SCALED_TANH, RACT_HARD_SIGMOID, RACT_ELU, RACT_SOFTSIGN };
+
+typedef struct {
+    int kind;              /* RACT_* (kiln/kernels/cpu/recurrent.py: ACTIVATIONS) */
+    float alpha, beta;
+} recurrent_act;
+
+typedef struct {
+    const float *x;        /* time-major [S, N, I] rows, or batch-major [N, S, I] (batch_major) */
+    float *y;              /* h of (t, n) at y[t*y_ts + n*y_ns] (H floats), or NULL */
+    long y_ts, y_ns;
+    const float *h0, *c0;  /* [N, H] rows at h0 + n*state_ns, or NULL: zeros (c0, yc: the LSTM's only) */
+    float *yh, *yc;        /* the final h and c, same strides, or NULL */
+    long state_ns;
+    const float *packed_w; /* kiln_gemm_pack_w of the permuted W [G, I], G = blocks·gates·NR */
+    const float *packed_r; /* ... of the permuted R [G, H] */
+    const float *bias;     /* [G] permuted bias folded into xw */
+    const float *bias_rh;  /* GRU linear_before_reset=1: Rb_h [blocks·NR] by unit, else NULL */
+    const float *peepholes;/* LSTM: P [3, blocks·NR] (i, o, f) by unit, or NULL */
+    const int *lengths;    /* [N] in [0, S], or NULL: every row runs S steps */
+    float *scratch;        /* kiln_recurrent_scratch_floats() floats */
+    long S, N, I, H;
+    int kernel, threads, reverse, batch_major;
+    int gates;             /* 1 RNN, 3 GRU, 4 LSTM */
+    int linear_before_reset, input_forget;
+    int generic;           /* LSTM: 0 = the default activations, no clip, peepholes or input_forget (fused cell) */
+    recurrent_act act[3];  /* the spec's f, g, h (RNN: f; GRU: f, g; LSTM: f, g, h) */
+    float clip;            /* > 0: gate pre-activations clamped to [-clip, clip] */
+    int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
+} kiln_recurrent_plan;
+
+static long recurrent_gate_columns(int kernel, long h, int gates) {
+    const long nr = KERNELS[kernel].nr;
+    return (h + nr - 1) / nr * gates * nr;
+}
+
+long kiln_recurrent_gate_columns(int kernel, long h, int gates) { return recurrent_gate_columns(kernel, h, gates); }
+
+/* xw [S·N, G], h_a, h_b, c, rh [N, H], the GRU's h·R_hᵀ [N, G/3], the length-reversed X [S·N, I], and
+   run_stages' counters (2 longs per stage, 2 stages a step at most) */
+long kiln_recurrent_scratch_floats(int kernel, long s, long n, long i, long h, int gates) {
+    const long g = recurrent_gate_columns(kernel, h, gates);
+    return s * n * g + 4 * n * h + n * g + s * n * i + 8 * s + 64;
+}
+
+typedef struct {
+    float *xw, *h_a, *h_b, *c, *rh, *hr, *x;
+    long *counters;
+} recurrent_scratch;
+
+static recurrent_scratch scratch_of(const kiln_recurrent_plan *p, long G) {
+    recurrent_scratch s;
+    const long N = p->N, H = p->H;
+    s.xw = p->scratch;
+    s.h_a = s.xw + p->S * N * G;
+    s.h_b = s.h_a + N * H;
+    s.c = s.h_b + N * H;
+    s.rh = s.c + N * H;
+    s.hr = s.rh + N * H;
+    s.x = s.hr + N * G;
+    s.counters = (long *)(((size_t)(s.x + p->S * N * p->I) + 63) & ~(size_t)63);
+    return s;
+}
+
+static int recurrent_threads(const kiln_recurrent_plan *p) {
+    int threads = p->threads;
+#ifdef _OPENMP
+    if (threads <= 0) threads = omp_get_max_threads();
+#endif
+    return threads < 1 ? 1 : threads;
+}
+
+static long row_of(const kiln_recurrent_plan *p, long t, long n) {  /* the X / xw row of (time t, batch row n) */
+    return p->batch_major ? n * p->S + t : t * p->N + n;
+}
+
+static long length_of(const kiln_recurrent_plan *p, long n) { return p->lengths ? p->lengths[n] : p->S; }
+
+/* Where step `step` of row n writes its h (the time it computes; past its length: zeros at t = step). */
+static float *y_row(const kiln_recurrent_plan *p, long step, long n) {
+    if (p->y == NULL) return NULL;
+    const long length = length_of(p, n);
+    const long t = step >= length ? step : (p->reverse ? length - 1 - step : step);
+    return p->y + t * p->y_ts + n * p->y_ns;
+}
+
+/* xw = X·Wᵀ + b for every step at once (X reversed within each length first, where that applies). */
+static void recurrent_input(const kiln_recurrent_plan *p, const recurrent_scratch *s, long G, int threads) {
+    const float *x = p->x;
+    const long I = p->I;
+    if (p->reverse && p->lengths) {
+        for (long n = 0; n < p->N; ++n) {
+            const long length = length_of(p, n);
+            for (long t = 0; t < p->S; ++t) {
+                const long from = t < length ? length - 1 - t : t;
+                memcpy(s->x + row_of(p, t, n) * I, x + row_of(p, from, n) * I, (size_t)I * sizeof(float));
+            }
+        }
+        x = s->x;
+    }
+    kiln_gemm_plan input = {0};
+    input.src = (void *)x;
+    input.dst = s->xw;
+    input.packed_w = p->packed_w;
+    input.bias = p->bias;
+    input.M = p->S * p->N;
+    input.K = I;
+    input.N = G;
+    input.kernel = p->kernel;
+    input.threads = threads;
+    input.small_m = 1L << 62;  /* x read in place, one fork/join */
+    input.pack_m = 1L << 62;
+    kiln_gemm(&input, NULL, 0, NULL);
+}
+
+static void load_states(const kiln_recurrent_plan *p, const recurrent_scratch *s) {
+    const long H = p->H;
+    for (long n = 0; n < p->N; ++n) {
+        if (p->h0) memcpy(s->h_a + n * H, p->h0 + n * p->state_ns, (size_t)H * sizeof(float));
+        else memset(s->h_a + n * H, 0, (size_t)H * sizeof(float));
+        if (p->c0) memcpy(s->c + n * H, p->c0 + n * p->state_ns, (size_t)H * sizeof(float));
+        else memset(s->c + n * H, 0, (size_t)H * sizeof(float));
+    }
+}
+
+static void store_states(const kiln_recurrent_plan *p, const float *h, const float *c) {
+    const long H = p->H;
+    for (long n = 0; n < p->N; ++n) {
+        const int empty = length_of(p, n) == 0;
+        if (p->yh) {
+            if (empty) memset(p->yh + n * p->state_ns, 0, (size_t)H * sizeof(float));
+            else memcpy(p->yh + n * p->state_ns, h + n * H, (size_t)H * sizeof(float));
+        }
+        if (p->yc && c) {
+            if (empty) memset(p->yc + n * p->state_ns, 0, (size_t)H * sizeof(float));
+            else memcpy(p->yc + n * p->state_ns, c + n * H, (size_t)H * sizeof(float));
+        }
+    }
+}
+
+/* Row n is past its length at `step`: it keeps units [j0, j0 + w) of h and writes zeros to Y. */
+static void hold_row(const kiln_recurrent_plan *p, long step, long n, const float *h_prev, float *h_next, long j0,
+                     long w) {
+    memcpy(h_next + n * p->H + j0, h_prev + n * p->H + j0, (size_t)w * sizeof(float));
+    float *y = y_row(p, step, n);
+    if (y) memset(y + j0, 0, (size_t)w * sizeof(float));
+}
+
+/* The recurrent GEMM of one gate panel for every batch row: c (+)= h·R_panelᵀ, row n at c + n*ldc. The batch
+   in row chunks of MR (8 rows on AVX2: 6 + 2; measured an LSTM layer faster than 4 + 4 rows, and than gemm.c's
+   narrow 8-row tile, in interleaved A/B runs of one process). */
+static void recurrent_panel(const kernel_desc *kd, long N, long H, const float *h, const float *r_panel, float *c,
+                            long ldc, int load_c) {
+    for (long r0 = 0; r0 < N; r0 += kd->mr) {
+        const int m = (int)(N - r0 < kd->mr ? N - r0 : kd->mr);
+        kd->direct(m, H, h + r0 * H, H, r_panel, c + r0 * ldc, ldc, (int)kd->nr, load_c);
+    }
+}
+
+/* ---- the loop over time -------------------------------------------------------------------------- */
+
+typedef struct loop_ctx loop_ctx;
+typedef void (*item_fn)(const loop_ctx *c, long stage, long item);
+
+struct loop_ctx {
+    const kiln_recurrent_plan *p;
+    const kernel_desc *kd;
+    recurrent_scratch s;
+    long G, nr, ldg, row_t, ldhr;
+    int skip_first, time_reversed, phases;
+};
+
+static loop_ctx loop_of(const kiln_recurrent_plan *p, long G, int phases) {
+    loop_ctx c;
+    c.p = p;
+    c.kd = &KERNELS[p->kernel];
+    c.s = scratch_of(p, G);
+    c.G = G;
+    c.nr = c.kd->nr;
+    c.row_t = p->batch_major ? 1 : p->N;  /* xw rows of (t, n): t*row_t + n*ldg/G */
+    c.ldg = (p->batch_major ? p->S : 1) * G;
+    c.ldhr = G / p->gates;
+    c.skip_first = p->h0 == NULL;  /* h = 0: the first step's recurrent GEMM adds nothing */
+    c.time_reversed = p->reverse && p->lengths == NULL;  /* else xw is in step order */
+    c.phases = phases;
+    return c;
+}
+
+static float *step_gates(const loop_ctx *c, long step) {  /* row n at + n*ldg */
+    const long t = c->time_reversed ? c->p->S - 1 - step : step;
+    return c->s.xw + t * c->row_t * c->G;
+}
+static float *h_prev_of(const loop_ctx *c, long step) { return step % 2 ? c->s.h_b : c->s.h_a; }
+static float *h_next_of(const loop_ctx *c, long step) { return step % 2 ? c->s.h_a : c->s.h_b; }
+static long unit_width(const loop_ctx *c, long u) { return c->p->H - u * c->nr < c->nr ? c->p->H - u * c->nr : c->nr; }
+
+#define STALL_NS 200000L  /* 0.2 ms: a hundred times an item of a 128-unit LSTM */
+
+static void spin_pause(long *spins) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+    if (++*spins % 4096 == 0) sched_yield();  /* a long wait: let whatever the OS put first run */
+}
+
+static long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+/* Stages 0 .. stages-1 in order, each `items` calls of fn, claimed by whichever thread is free; the
+   caller's thread publishes stage k once stage k-1 is done. Returns when every stage is done; 1 when the
+   caller's thread went on alone after a stall (the file's comment). */
+static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
+    long *claimed = c->s.counters, *done = claimed + stages;
+    memset(claimed, 0, (size_t)(2 * stages) * sizeof(long));
+    long published = 0;
+    int alone = 0;
+    #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
+    {
+        int leader = 1;
+#ifdef _OPENMP
+        leader = omp_get_thread_num() == 0;
+#endif
+        for (long k = 0; k < stages; ++k) {
+            long spins = 0;
+            if (leader) {
+                if (k > 0 && __atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
+                    const long start = now_ns();
+                    while (__atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
+                        spin_pause(&spins);
+                        if (!alone && spins % 256 == 0 && now_ns() - start > STALL_NS)
+                            __atomic_store_n(&alone, 1, __ATOMIC_RELAXED);
+                    }
+                }
+                __atomic_store_n(&published, k + 1, __ATOMIC_RELEASE);
+            } else {
+                while (__atomic_load_n(&published, __ATOMIC_ACQUIRE) <= k && !__atomic_load_n(&alone, __ATOMIC_RELAXED))
+                    spin_pause(&spins);
+                if (__atomic_load_n(&alone, __ATOMIC_RELAXED)) break;
+            }
+            for (;;) {
+                const long item = __atomic_fetch_add(&claimed[k], 1, __ATOMIC_RELAXED);
+                if (item >= items) break;
+                fn(c, k, item);
+                __atomic_fetch_add(&done[k], 1, __ATOMIC_RELEASE);
+            }
+        }
+        if (leader) {
+            long spins = 0;
+            while (__atomic_load_n(&done[stages - 1], __ATOMIC_ACQUIRE) < items) spin_pause(&spins);
+        }
+    }
+    return alone;
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+static void clamp_all(float *v, long n, float clip) {
+    for (long j = 0; j < n; ++j) v[j] = v[j] < -clip ? -clip : (v[j] > clip ? clip : v[j]);
+}
+
+/* v = act(clip(v)) in place; one vectorisable loop per kind (alpha/beta as kiln/ops/rnn.py takes them). */
+static void recurrent_activate(float *v, long n, const recurrent_act *a, float clip) {
+    const float alpha = a->alpha, beta = a->beta;
+    if (clip > 0.0f) clamp_all(v, n, clip);
+    switch (a->kind) {
+    case RACT_RELU: for (long j = 0; j < n; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f; break;
+    case RACT_TANH: for (long j = 0; j < n; ++j) v[j] = tanh_rational(v[j]); break;
+    case RACT_SIGMOID: for (long j = 0; j < n; ++j) v[j] = 1.0f / (1.0f + exp_poly(-v[j])); break;
+    case RACT_AFFINE: for (long j = 0; j < n; ++j) v[j] = alpha * v[j] + beta; break;
+    case RACT_LEAKY_RELU: for (long j = 0; j < n; ++j) v[j] = v[j] >= 0.0f ? v[j] : alpha * v[j]; break;
+    case RACT_THRESHOLDED_RELU: for (long j = 0; j < n; ++j) v[j] = v[j] > alpha ? v[j] : 0.0f; break;
+    case RACT_SCALED_TANH: for (long j = 0; j < n; ++j) v[j] = alpha * tanh_rational(beta * v[j]); break;
+    case RACT_HARD_SIGMOID:
+        for (long j = 0; j < n; ++j) {
+            const float u = alpha * v[j] + beta;
+            v[j] = u < 0.0f ? 0.0f : (u > 1.0f ? 1.0f : u);
+        }
+        break;
+    case RACT_ELU: for (long j = 0; j < n; ++j) v[j] = v[j] >= 0.0f ? v[j] : alpha * (exp_poly(v[j]) - 1.0f); break;
+    case RACT_SOFTSIGN: for (long j = 0; j < n; ++j) v[j] = v[j] / (1.0f + (v[j] < 0.0f ? -v[j] : v[j])); break;
+    default: break;
+    }
+}
+
+/* RNN cell, units [j0, j0 + w) of every row: h = f(g). g row n at g + n*ldg. */
+static void rnn_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg, const float *h_prev, float *h_next,
+                     long j0, long w) {
+    for (long n = 0; n < p->N; ++n) {
+        if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
+        float *gn = g + n * ldg, *hn = h_next + n * p->H + j0;
+        recurrent_activate(gn, w, &p->act[0], p->clip);
+        memcpy(hn, gn, (size_t)w * sizeof(float));
+        float *y = y_row(p, step, n);
+        if (y) memcpy(y + j0, hn, (size_t)w * sizeof(float));
+    }
+}
+
+/* GRU cell, units [j0, j0 + w): z, r activated in place (linear_before_reset=0: already, by gru_reset),
+   the candidate's pre-activation in g_h (plus r ⊙ (hr + Rb_h) with linear_before_reset=1). */
+static void gru_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg, const float *hr, long ldhr,
+                     const float *h_prev, float *h_next, long j0, long w, long nr) {
+    const float *rbh = p->bias_rh ? p->bias_rh + j0 : NULL;
+    for (long n = 0; n < p->N; ++n) {
+        if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
+        float *gz = g + n * ldg, *gr = gz + nr, *gh = gz + 2 * nr;
+        const float *hp = h_prev + n * p->H + j0;
+        float *hn = h_next + n * p->H + j0;
+        if (p->linear_before_reset) {
+            recurrent_activate(gz, w, &p->act[0], p->clip);
+            recurrent_activate(gr, w, &p->act[0], p->clip);
+            const float *hrn = hr + n * ldhr;
+            for (long j = 0; j < w; ++j) gh[j] += gr[j] * (hrn[j] + rbh[j]);
+        }
+        recurrent_activate(gh, w, &p->act[1], p->clip);
+        for (long j = 0; j < w; ++j) hn[j] = (1.0f - gz[j]) * gh[j] + gz[j] * hp[j];
+        float *y = y_row(p, step, n);
+        if (y) memcpy(y + j0, hn, (size_t)w * sizeof(float));
+    }
+}
+
+/* GRU linear_before_reset=0, first half of a step: z, r of units [j0, j0 + w) activated, rh = r ⊙ h. */
+static void gru_reset(const kiln_recurrent_plan *p, float *g, long ldg, const float *h_prev, float *rh, long j0,
+                      long w, long nr) {
+    for (long n = 0; n < p->N; ++n) {
+        float *gz = g + n * ldg, *gr = gz + nr;
+        recurrent_activate(gz, w, &p->act[0], p->clip);
+        recurrent_activate(gr, w, &p->act[0], p->clip);
+        const float *hp = h_prev + n * p->H + j0;
+        float *out = rh + n * p->H + j0;
+        for (long j = 0; j < w; ++j) out[j] = gr[j] * hp[j];
+    }
+}
+
+#pragma GCC pop_options
+
+static void rnn_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    float *g = step_gates(c, step) + u * c->nr;
+    const float *h_prev = h_prev_of(c, step);
+    if (!(c->skip_first && step == 0))
+        recurrent_panel(c->kd, p->N, p->H, h_prev, p->packed_r + u * p->H * c->nr, g, c->ldg, 1);
+    rnn_cell(p, step, g, c->ldg, h_prev, h_next_of(c, step), u * c->nr, unit_width(c, u));
+}
+
+/* linear_before_reset=1: z, r into xw, h·R_hᵀ into hr, then the cell */
+static void gru_item(const loop_ctx *c, long step, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long N = p->N, H = p->H, nr = c->nr;
+    const float *r = p->packed_r + u * 3 * H * nr, *h_prev = h_prev_of(c, step);
+    float *g = step_gates(c, step) + u * 3 * nr, *hr = c->s.hr + u * nr;
+    if (!(c->skip_first && step == 0)) {
+        recurrent_panel(c->kd, N, H, h_prev, r, g, c->ldg, 1);                      /* z */
+        recurrent_panel(c->kd, N, H, h_prev, r + H * nr, g + nr, c->ldg, 1);        /* r */
+        recurrent_panel(c->kd, N, H, h_prev, r + 2 * H * nr, hr, c->ldhr, 0);       /* h·R_hᵀ */
+    } else {
+        for (long n = 0; n < N; ++n) memset(hr + n * c->ldhr, 0, (size_t)nr * sizeof(float));
+    }
+    gru_cell(p, step, g, c->ldg, hr, c->ldhr, h_prev, h_next_of(c, step), u * nr, unit_width(c, u), nr);
+}
+
+/* linear_before_reset=0, stage 2·step: z, r and r ⊙ h; stage 2·step + 1: (r ⊙ h)·R_hᵀ and the cell */
+static void gru_reset_item(const loop_ctx *c, long stage, long u) {
+    const kiln_recurrent_plan *p = c->p;
+    const long step = stage / 2, N = p->N, H = p->H, nr = c->nr;
+    const int recur = !(c->skip_first && step == 0);
+    const float *h_prev = h_prev_of(c, step);
+    float *g = step_gates(c, step) + u * 3 * nr;
+    if (stage % 2 == 0) {
+        const float *r = p->packed_r + u * 3 * H * nr;
+        if (recur) {
+            recurrent_panel(c->kd, N, H, h_prev, r, g, c->ldg, 1);
+            recurrent_panel(c->kd, N, H, h_prev, r + H * nr, g + nr, c->ldg, 1);
+        }
+        gru_reset(p, g, c->ldg, h_prev, c->s.rh, u * nr, unit_width(c, u), nr);
+        return;
+    }
+    if (recur) recurrent_panel(c->kd, N, H, c->s.rh, p->packed_r + (u * 3 + 2) * H * nr, g + 2 * nr, c->ldg, 1);
+    gru_cell(p, step, g, c->ldg, NULL, 0, h_prev, h_next_of(c, step), u * nr, unit_width(c, u), nr);
+}
+
+int kiln_rnn(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
+    if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 1) return 2;
+    const long G = recurrent_gate_columns(p->kernel, p->H, 1);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const loop_ctx c = loop_of(p, G, 1);
+    const int threads = recurrent_threads(p);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled = run_stages(&c, p->S, G / c.nr, threads, rnn_item);
+    store_states(p, h_prev_of(&c, p->S), NULL);
+    return 0;
+}
+
+int kiln_gru(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
+    if (p->kernel < 0 || p->kernel >= KERNEL_COUNT || p->gates != 3) return 2;
+    if (p->linear_before_reset && p->bias_rh == NULL) return 3;
+    const long G = recurrent_gate_columns(p->kernel, p->H, 3);
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const int phases = p->linear_before_reset ? 1 : 2;
+    const loop_ctx c = loop_of(p, G, phases);
+    const int threads = recurrent_threads(p);
+    recurrent_input(p, &c.s, G, threads);
+    load_states(p, &c.s);
+    p->stalled =
+        run_stages(&c, p->S * phases, G / (3 * c.nr), threads, phases == 1 ? gru_item : gru_reset_item);
+    store_states(p, h_prev_of(&c, p->S), NULL);
+    return 0;
+}

@@ -1,0 +1,219 @@
+"""ONNX RNN, GRU and LSTM layers as kiln's own C loop (recurrent.c, lstm.c): one call per direction,
+weights packed once.
+
+Why not torch's or oneDNN's kernels: at a forecaster's shapes (batch 8, hidden 128, 96 steps) oneDNN's
+RNN primitive ran one LSTM layer in ~8 ms on an AVX2 EPYC, torch's `_VF.lstm` about the same, where
+onnxruntime ran two layers in ~5 ms: the recurrent GEMM of a step is small ([8, 128] x [128, 512]), and
+what decides is how little surrounds it. The C loop reuses gemm.c's microkernels (the input projection of
+every step as one GEMM, then per step the recurrent GEMM of a block of hidden units and the cell of those
+units, one barrier a step; the GRU with linear_before_reset=0 two). torch's kernels also cannot run
+ONNX's default GRU (linear_before_reset=0), other activations, clip or peepholes: kiln/ops/rnn.py runs
+those step by step in Python.
+
+The library is gemm.c, recurrent.c and lstm.c, compiled on first use as kiln's GEMM is
+(kiln/kernels/cpu/native_loop.py: cached per source, CPU and flags); the microkernel is picked from
+cpuid when a layer is built (AVX-512, AVX2, portable).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.kernels.cpu import gemm_native, hugepages
+
+_HERE = Path(__file__).parent
+SOURCE = "\n".join([gemm_native.SOURCE, (_HERE / "recurrent.c").read_text(), (_HERE / "lstm.c").read_text()])
+
+GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}  # gate blocks of W's rows, in ONNX's order (GRU z r h, LSTM i o f c)
+# ONNX activation name (lower case) -> recurrent.c's RACT_* code
+ACTIVATIONS = {"relu": 0, "tanh": 1, "sigmoid": 2, "affine": 3, "leakyrelu": 4, "thresholdedrelu": 5,
+               "scaledtanh": 6, "hardsigmoid": 7, "elu": 8, "softsign": 9}
+DEFAULT_ACTIVATIONS = {"RNN": ["tanh"], "GRU": ["sigmoid", "tanh"], "LSTM": ["sigmoid", "tanh", "tanh"]}
+
+_LOADED: dict[bool, ctypes.CDLL] = {}
+_REASON: dict[bool, str] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One of the spec's f, g, h: an ONNX activation name (lower case) and its alpha, beta."""
+
+    name: str
+    alpha: float = 0.0
+    beta: float = 0.0
+
+
+class _Act(ctypes.Structure):  # recurrent_act in recurrent.c
+    _fields_ = [("kind", ctypes.c_int), ("alpha", ctypes.c_float), ("beta", ctypes.c_float)]
+
+
+class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
+    _fields_ = [("x", ctypes.c_void_p), ("y", ctypes.c_void_p), ("y_ts", ctypes.c_long), ("y_ns", ctypes.c_long),
+                ("h0", ctypes.c_void_p), ("c0", ctypes.c_void_p), ("yh", ctypes.c_void_p), ("yc", ctypes.c_void_p),
+                ("state_ns", ctypes.c_long), ("packed_w", ctypes.c_void_p), ("packed_r", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("bias_rh", ctypes.c_void_p), ("peepholes", ctypes.c_void_p),
+                ("lengths", ctypes.c_void_p), ("scratch", ctypes.c_void_p), ("S", ctypes.c_long),
+                ("N", ctypes.c_long), ("I", ctypes.c_long), ("H", ctypes.c_long), ("kernel", ctypes.c_int),
+                ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
+                ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
+                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
+
+
+def load(test_kernels: bool = False) -> ctypes.CDLL | None:
+    """The compiled library (built on first use), or None: reason() says why. `test_kernels`: the build
+    with gemm.c's test-only tiles (another ISA's tile shape on this CPU: kiln/kernels/cpu/gemm_native.py)."""
+    with _LOAD_LOCK:
+        if test_kernels in _LOADED or test_kernels in _REASON:
+            return _LOADED.get(test_kernels)
+        if gemm_native.load() is None:
+            _REASON[test_kernels] = f"kiln's GEMM is not built: {gemm_native.reason()}"
+            return None
+        lib = gemm_native.open_library("recurrent", SOURCE, test_kernels)
+        if isinstance(lib, str):
+            _REASON[test_kernels] = lib
+            return None
+        for cell in ("kiln_rnn", "kiln_gru", "kiln_lstm"):
+            fn = getattr(lib, cell)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.kiln_recurrent_gate_columns.restype = ctypes.c_long
+        lib.kiln_recurrent_gate_columns.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+        lib.kiln_recurrent_scratch_floats.restype = ctypes.c_long
+        lib.kiln_recurrent_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                                      ctypes.c_long, ctypes.c_int]
+        _LOADED[test_kernels] = lib
+        return lib
+
+
+def reason(test_kernels: bool = False) -> str | None:
+    return _REASON.get(test_kernels)
+
+
+def available() -> bool:
+    return load() is not None
+
+
+class RecurrentDirection:
+    """One direction of an ONNX RNN / GRU / LSTM layer: W [G·H, I], R [G·H, H] (ONNX's gate order), B [2·G·H]
+    or None, P [3·H] (LSTM peepholes i, o, f) or None, packed once with the gate rows of each NR-unit block
+    side by side (recurrent.c). `activations`: the spec's f, g(, h) for this direction (None: the defaults);
+    `clip`: None or the bound of every gate's pre-activation."""
+
+    def __init__(self, cell: str, w: torch.Tensor, r: torch.Tensor, b: torch.Tensor | None, *,
+                 peepholes: torch.Tensor | None = None, linear_before_reset: bool = False,
+                 input_forget: bool = False, activations: list[Activation] | None = None,
+                 clip: float | None = None, kernel: gemm_native.Kernel | None = None):
+        if cell not in GATES:
+            raise ValueError(f"unknown recurrent cell {cell!r}: one of {sorted(GATES)}")
+        test_kernels = kernel is not None and kernel.test_only
+        lib = load(test_kernels)
+        if lib is None:
+            raise RuntimeError(f"kiln's recurrent layers are not built: {reason(test_kernels)}")
+        self._lib, self.cell = lib, cell
+        self.kernel = kernel or gemm_native.best_kernel()
+        if not self.kernel.supported:
+            raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
+        gates = self.gates = GATES[cell]
+        hidden, inputs = int(r.shape[1]), int(w.shape[1])
+        self.hidden, self.inputs = hidden, inputs
+        nr = self.kernel.nr
+        columns = int(lib.kiln_recurrent_gate_columns(self.kernel.index, hidden, gates))
+        units = columns // gates  # blocks·NR
+        # permuted row k of the packed matrices: unit block u, gate q, lane j -> ONNX row q*H + u*NR + j (or zeros)
+        k = torch.arange(columns)
+        u, q, j = k // (gates * nr), k // nr % gates, k % nr
+        unit = u * nr + j
+        source = torch.where(unit < hidden, q * hidden + unit, gates * hidden)  # G·H: the zero row appended below
+        by_unit = torch.where(torch.arange(units) < hidden, torch.arange(units), hidden)  # [blocks·NR] -> unit
+
+        def permuted(m: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:  # m [rows of ONNX, k] -> [len(rows), k]
+            m = m.detach().to(torch.float32)
+            return torch.cat([m, m.new_zeros((1, m.shape[1]))]).index_select(0, rows).contiguous()
+
+        wb, rb = (torch.zeros(gates * hidden), torch.zeros(gates * hidden)) if b is None else \
+            b.detach().to(torch.float32).reshape(2, gates * hidden).unbind(0)
+        folded = wb + rb  # [G·H]: both biases in xw ...
+        self._bias_rh = None
+        if cell == "GRU" and linear_before_reset:  # ... but Rb_h, multiplied by r each step
+            folded = torch.cat([folded[:2 * hidden], wb[2 * hidden:]])
+            self._bias_rh = permuted(rb[2 * hidden:].reshape(hidden, 1), by_unit).reshape(units)
+        self._bias = permuted(folded.reshape(gates * hidden, 1), source).reshape(columns)
+        self._peepholes = None
+        if peepholes is not None:  # [3·H] (i, o, f) -> [3, blocks·NR]
+            p = peepholes.detach().to(torch.float32).reshape(3, hidden)
+            self._peepholes = torch.stack([permuted(p[g].reshape(hidden, 1), by_unit).reshape(units)
+                                           for g in range(3)]).contiguous()
+        self._w = self._pack(permuted(w.reshape(gates * hidden, inputs), source), columns, inputs)
+        self._r = self._pack(permuted(r.reshape(gates * hidden, hidden), source), columns, hidden)
+        self.columns = columns
+        names = activations or [Activation(a) for a in DEFAULT_ACTIVATIONS[cell]]
+        if len(names) != len(DEFAULT_ACTIVATIONS[cell]) or any(a.name not in ACTIVATIONS for a in names):
+            raise ValueError(f"{cell} takes {len(DEFAULT_ACTIVATIONS[cell])} activations of {sorted(ACTIVATIONS)}, "
+                             f"given {[a.name for a in names]}")
+        self._acts = (_Act * 3)(*[_Act(ACTIVATIONS[a.name], a.alpha, a.beta) for a in names])
+        self._clip = 0.0 if clip is None else float(clip)
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be positive, given {clip}")
+        self._linear_before_reset, self._input_forget = int(bool(linear_before_reset)), int(bool(input_forget))
+        self._generic = int(cell == "LSTM" and ([a.name for a in names] != DEFAULT_ACTIVATIONS["LSTM"]
+                                                or any(a.alpha or a.beta for a in names) or clip is not None
+                                                or peepholes is not None or bool(input_forget)))
+        self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def _pack(self, m: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        packed = hugepages.empty(self._lib.kiln_gemm_packed_floats(self.kernel.index, n, k))
+        self._lib.kiln_gemm_pack_w(self.kernel.index, m.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
+            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
+            lengths: torch.Tensor | None = None) -> None:
+        """x: contiguous [S, N, I] (or [N, S, I] batch_major); y: where h of (t, n) goes, a [S, N, H] view
+        whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
+        contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
+        [0, S] (checked by the caller), or None."""
+        if batch_major:
+            batch, steps = x.shape[0], x.shape[1]
+        else:
+            steps, batch = x.shape[0], x.shape[1]
+        if y is not None:
+            y_ts, y_ns = (y.stride(1), y.stride(0)) if batch_major else (y.stride(0), y.stride(1))
+        else:
+            y_ts = y_ns = 0
+        states = [s for s in (h0, c0, yh, yc) if s is not None]
+        state_ns = states[0].stride(0) if states else 0
+        if any(s.stride(0) != state_ns for s in states):
+            raise ValueError(f"the {self.cell}'s initial and final states must share one row stride")
+        if lengths is not None and (lengths.dtype != torch.int32 or not lengths.is_contiguous()):
+            raise ValueError("lengths must be a contiguous int32 tensor")
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
+            key = (steps, batch)
+            scratch = self._scratch.get(key)
+            if scratch is None:
+                if len(self._scratch) > 4:
+                    self._scratch.pop(next(iter(self._scratch)))
+                scratch = self._scratch[key] = torch.empty(self._lib.kiln_recurrent_scratch_floats(
+                    self.kernel.index, steps, batch, self.inputs, self.hidden, self.gates))
+            plan = _Plan(x=x.data_ptr(), y=address(y), y_ts=y_ts, y_ns=y_ns, h0=address(h0), c0=address(c0),
+                         yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
+                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
+                         peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
+                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
+                         reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
+                         linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
+                         generic=self._generic, act=self._acts, clip=self._clip)
+            status = self._function(ctypes.byref(plan), None, 0, None)
+        if status:
+            raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
