@@ -75,6 +75,15 @@ def test_contexts_share_one_engine_and_agree(engine):
     assert all(c.engine is engine for c in contexts)
 
 
+def _in_threads(work, n: int) -> None:
+    """work(0) .. work(n - 1), each on a thread of its own, all at once; returns when every one is done."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_contexts_in_threads_agree(engine, model):
     """Each thread has its own context and its own inputs; none sees another's activations."""
     inputs = [_x(b) for b in (1, 2, 3, 4, 5, 6)]
@@ -85,11 +94,7 @@ def test_contexts_in_threads_agree(engine, model):
         for _ in range(5):
             results[i] = context.run({"x": inputs[i]})["y"]
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, len(inputs))
     for i, x in enumerate(inputs):
         np.testing.assert_allclose(results[i], _reference(model, x), rtol=RTOL, atol=ATOL)
 
@@ -105,11 +110,7 @@ def test_engine_run_from_threads_runs_each_on_its_own_context(engine, model):
         results[i] = [engine.run({"x": inputs[i]})["y"] for _ in range(5)]
         contexts[i] = engine._threads.context
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(work, len(inputs))
     for i, x in enumerate(inputs):
         for out in results[i]:
             np.testing.assert_allclose(out, _reference(model, x), rtol=RTOL, atol=ATOL)
