@@ -27,13 +27,14 @@ import argparse
 import datetime
 import gc
 import importlib.metadata
+import json
 import os
 import platform
 import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -305,7 +306,7 @@ def run_cuda(label: str, name: str, args) -> CudaRow:
     from gpu import time_cuda  # bench/gpu.py: CUDA events around each call, after warm-up
 
     row = CudaRow(label, name)
-    exported = zoo.export(name, batch=args.batch)
+    exported = zoo.export(name, batch=args.batch, seq=args.seq)
     row.input = input_text(exported)
     feeds = exported.inputs()
     module = zoo.torch_model(name).cuda()
@@ -318,7 +319,7 @@ def run_cuda(label: str, name: str, args) -> CudaRow:
         row.torch_fp16_vs_fp32 = relative_error_torch(ref16, ref32)
         row.ms["torch eager"] = statistics.median(time_cuda(lambda: module(**inputs16)))
     for peer, mode in (("torch.compile", None), ("reduce-overhead", "reduce-overhead")):
-        if args.no_compile:
+        if args.no_compile or (mode or "default") not in args.torch_modes.split(","):
             continue
         torch._dynamo.reset()
         try:
@@ -372,6 +373,10 @@ def main_cuda(args) -> list[str]:
         gc.collect()
         torch.cuda.empty_cache()
         rows.append(row)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:  # a row at a time: a run cut short keeps what it measured
+                f.write(json.dumps({**asdict(row), "batch": args.batch, "seq": args.seq, "commit": commit(),
+                                    "device": device}) + "\n")
         speedup = row.speedup()
         print(f"  {label:<20} {name:<22} " + (f"FAILED {row.error}" if row.error else
               ", ".join(f"{p} {'—' if row.ms.get(p) is None else f'{row.ms[p]:.3f}'}" for p in CUDA_PEERS)
@@ -409,7 +414,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="CPU: before each block, wait up to this many seconds for the machine to go idle")
     parser.add_argument("--timing-cache", default=str(zoo.cache_dir().parent / "timing-cache-cpu.json"),
                         help="CPU: kiln's tactic timing cache; '' for none")
+    parser.add_argument("--seq", type=int, help="CUDA: sequence length of every text model (default: each one's own)")
     parser.add_argument("--no-compile", action="store_true", help="CUDA: skip the torch.compile peers")
+    parser.add_argument("--torch-modes", default="default,reduce-overhead",
+                        help="CUDA: which torch.compile modes run as peers (eager always does); at batch 1 "
+                             "reduce-overhead is the fastest PyTorch mode, at large batch eager or default")
+    parser.add_argument("--jsonl", help="CUDA: append each model's row to this JSON-lines file as it is measured")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the results file")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
     return parser.parse_args(argv)
