@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (kiln and onnxruntime)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
+    ap.add_argument("--no-split", action="store_true",
+                    help="CUDA: pad a batch to its bucket as one run, never split it into bucket-sized chunks")
     ap.add_argument("--no-warm-up", action="store_true",
                     help="skip the warm-up before the stream (kiln: every bucket once, capturing its CUDA graph; "
                          "torch.compile: the smallest and largest shape, compiling its dynamic graph)")
@@ -109,6 +111,8 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     log(f"kiln build {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}")
     context = engine.create_execution_context()
+    if args.no_split and context.buckets is not None:
+        context.buckets.batch = None  # every run padded whole to its bucket (the behaviour before splitting)
 
     runners: dict[str, object] = {}
     if cuda:
@@ -230,7 +234,7 @@ def main() -> None:
     if cuda:
         g = context.runner.stats
         log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.eager_runs} eager "
-            f"runs, {g.graphs} held ({g.graph_bytes / 2**20:.0f} MiB); device memory peak "
+            f"runs, {g.split_runs} runs split into chunks{' (splitting off)' if args.no_split else ''}, {g.graphs} held ({g.graph_bytes / 2**20:.0f} MiB); device memory peak "
             f"{(torch.cuda.max_memory_allocated() - memory_before) / 2**20:.0f} MiB above the start")
         for signature, reason in list(g.eager_reasons.items())[:3]:
             log(f"  eager {signature}: {reason}")

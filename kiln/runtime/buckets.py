@@ -11,23 +11,30 @@ kept (the crop back to the real size) is computed from real elements only:
             or where the user declares it (`pad_dims`, e.g. a causal decoder padded at the end)
 
 A dim is padded only when every output carrying it carries it as a plain symbol (so it can be
-cropped); padded values are zeros. Bucket sizes are powers of two from a floor (1 for batch, 8
-for sequences), with a step of 1.5x between them from HALF_STEPS on (large sizes are where padding
-costs compute: at most 1.5x there, not 2x), up to the profile's max, which is always a bucket.
-BERT with batch 1..32 x seq 1..512: 7 x 9 = 63 buckets.
+cropped); padded values are zeros. Bucket sizes are powers of two from a floor (1 for batch, 16
+for sequences) up to the profile's max, which is always a bucket. Large sizes are where padding
+costs compute, so a sequence also has a 1.5x step from 128 and quarter steps from 256 (256, 320,
+384, 448, 512, 640, ...: at most 1.25x padding there). A batch between two powers of two is not
+padded by up to 2x when splitting it costs less: its rows run as several bucket-sized chunks
+(25 = 16 + 8 + 1), each a graph replay, chosen by the replay times each bucket's capture measured
+(`split`). BERT with batch 1..32 x seq 1..512: 6 x 10 = 60 buckets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kiln.plan.spec import Binding, Profile
 
-SEQUENCE_FLOOR = 8
-HALF_STEPS = {1: 16, SEQUENCE_FLOOR: 128}  # floor -> the size from which 1.5x steps come in between
+SEQUENCE_FLOOR = 16
+HALF_STEP_FROM = 128  # sequences: a 1.5x step between powers of two from here
+QUARTER_STEPS_FROM = 256  # sequences: steps of a quarter of the power of two from here
 MASK_NAMES = ("attention_mask", "mask", "input_mask")
+MAX_CHUNKS = 4  # a split batch runs as at most this many replays
+CHUNK_OVERHEAD_MS = 0.02  # per extra replay: slicing, padding and the outputs' copy
+SPLIT_MARGIN = 0.05  # split only when the chunks' measured time is this much below the padded run's
 
 
 @dataclass
@@ -37,16 +44,22 @@ class Buckets:
     symbols: dict[str, int]  # symbol -> smallest bucket
     pads: list[list[tuple[int, str]]]  # per input: [(axis, symbol)]
     crops: list[list[tuple[int, str]]]  # per output: [(axis, symbol)]
+    batch: str | None = None  # the symbol a run may split into chunks: axis 0 of every input and output carrying it
+    # measured ms of one replay per bucket: {other symbols' (symbol, bucket) pairs: {batch bucket: ms}}
+    costs: dict[tuple, dict[int, float]] = field(default_factory=dict)
+    _splits: dict[tuple, list[tuple[int, int]] | None] = field(default_factory=dict)  # split()'s answers
 
     def sizes(self, symbol: str, low: int, high: int) -> list[int]:
-        """The buckets of `symbol` inside [low, high]: powers of two from the floor (with 1.5x steps
-        between them from HALF_STEPS on), and high."""
+        """The buckets of `symbol` inside [low, high]: powers of two from the floor (sequences with
+        a 1.5x step from HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM), and high."""
         floor = max(self.symbols[symbol], 1)
-        half_from = HALF_STEPS.get(floor, 1 << 30)
+        sequence = floor > 1
         ladder, size = [], floor
         while size < high:
             ladder.append(size)
-            if size >= half_from and size * 3 // 2 < high:
+            if sequence and size >= QUARTER_STEPS_FROM:
+                ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
+            elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
                 ladder.append(size * 3 // 2)
             size *= 2
         return [s for s in ladder if s >= low] + [high]
@@ -65,6 +78,57 @@ class Buckets:
                 value = int(inputs[k].shape[axis])
                 out[symbol] = (value, self.bucket(symbol, value, r.min[axis], r.max[axis]))
         return out
+
+    def _rest(self, targets: dict[str, tuple[int, int]]) -> tuple:
+        return tuple(sorted((s, b) for s, (_, b) in targets.items() if s != self.batch))
+
+    def cost_unknown(self, targets: dict[str, tuple[int, int]]) -> bool:
+        """Whether no replay time is known for the bucket `targets` pads to (only with a batch symbol)."""
+        return (self.batch is not None and self.batch in targets
+                and targets[self.batch][1] not in self.costs.get(self._rest(targets), {}))
+
+    def learn(self, targets: dict[str, tuple[int, int]], ms: float | None) -> None:
+        """Record one replay's time of the bucket `targets` pads to (the graph capture measured it)."""
+        if ms is not None and self.batch is not None and self.batch in targets:
+            self.costs.setdefault(self._rest(targets), {})[targets[self.batch][1]] = ms
+            self._splits.clear()
+
+    def split(self, targets: dict[str, tuple[int, int]]) -> list[tuple[int, int]] | None:
+        """[(rows, batch bucket)] to run the batch as chunks, or None to run it padded as one.
+
+        Chunks are taken from the buckets whose replay time is known at the run's other sizes; the
+        fewest-milliseconds cover of the real rows (at most MAX_CHUNKS replays, CHUNK_OVERHEAD_MS each
+        beyond the first) wins when it is SPLIT_MARGIN below the padded bucket's own time:
+        25 rows as 16 + 8 + 1 instead of 32 where the GPU's time grows with the rows."""
+        if self.batch is None or self.batch not in targets:
+            return None
+        key = (targets[self.batch], self._rest(targets))
+        if key not in self._splits:
+            if len(self._splits) >= 4096:
+                self._splits.clear()
+            self._splits[key] = self._cheapest_split(targets)
+        return self._splits[key]
+
+    def _cheapest_split(self, targets: dict[str, tuple[int, int]]) -> list[tuple[int, int]] | None:
+        real, padded = targets[self.batch]
+        known = self.costs.get(self._rest(targets), {})
+        whole = known.get(padded)
+        if real == padded or whole is None or len(known) < 2:
+            return None
+        # best[n]: (ms, chunks) covering n rows with at most MAX_CHUNKS chunks, largest chunks first
+        best: list[tuple[float, tuple[tuple[int, int], ...]]] = [(0.0, ())]
+        for n in range(1, real + 1):
+            options = []
+            for size, ms in known.items():
+                rows = min(size, n)
+                before_ms, before = best[n - rows]
+                if len(before) < MAX_CHUNKS:
+                    options.append((before_ms + ms + (CHUNK_OVERHEAD_MS if before else 0.0), before + ((rows, size),)))
+            best.append(min(options) if options else (float("inf"), ()))
+        ms, chunks = best[real]
+        if len(chunks) < 2 or ms >= whole * (1 - SPLIT_MARGIN):
+            return None
+        return sorted(chunks, key=lambda c: -c[1])
 
     def pad(self, inputs: list[torch.Tensor], targets: dict[str, tuple[int, int]]) -> list[torch.Tensor]:
         """Inputs zero-padded to their buckets (unchanged where they already are there)."""
@@ -130,4 +194,6 @@ def plan_buckets(inputs: list[Binding], outputs: list[Binding], pad_dims: list[s
         return None
     pads = [[(axis, d) for axis, d in enumerate(b.shape or []) if d in floors] for b in inputs]
     crops = [[(axis, d) for axis, d in enumerate(b.shape or []) if d in floors] for b in outputs]
-    return Buckets(floors, pads, crops)
+    # a batch splits into chunks when every output carries it at axis 0 (the chunks' rows concatenate)
+    batches = [s for s, floor in floors.items() if floor == 1 and all((0, s) in c for c in crops)]
+    return Buckets(floors, pads, crops, batch=batches[0] if len(batches) == 1 else None)

@@ -31,6 +31,7 @@ class _Captured:
     static_outputs: list[Any]
     reason: str = ""  # why this signature runs eagerly, when graph is None
     bytes: int = 0  # device memory the capture took
+    ms: float | None = None  # one replay's time, measured after the capture (shape buckets' split costs)
 
 
 @dataclass
@@ -39,6 +40,7 @@ class GraphStats:
     replays: int = 0
     evictions: int = 0
     eager_runs: int = 0  # first sight of a signature, or a signature that cannot be captured
+    split_runs: int = 0  # runs whose batch ran as several bucket-sized chunks (kiln/runtime/buckets.py)
     graphs: int = 0  # held now
     graph_bytes: int = 0  # held now
     peak_graph_bytes: int = 0
@@ -92,6 +94,11 @@ class GraphRunner:
         self.stats.replays += 1
         return entry.static_outputs
 
+    def replay_ms(self, inputs: list[Any]) -> float | None:
+        """The measured time of one replay of the graph captured for these inputs' shapes, if any."""
+        entry = self.entries.get(self._key(inputs))
+        return entry.ms if entry is not None and entry.graph is not None else None
+
     def _first_run(self, key: tuple, inputs: list[Any]) -> list[Any]:
         plan = ShapePlan()
         outputs = self.program.run(inputs, plan=plan)  # eager; records host values, warms up kernels
@@ -126,6 +133,7 @@ class GraphRunner:
             torch.cuda.synchronize()
             return outputs
         entry.graph, entry.static_inputs, entry.static_outputs, entry.reason = graph, static_inputs, static_outputs, ""
+        entry.ms = _replay_ms(graph)
         entry.bytes = max(torch.cuda.memory_allocated() - free_before, 0)
         self.stats.captures += 1
         self.stats.graphs += 1
@@ -146,3 +154,16 @@ class GraphRunner:
             self.stats.graph_bytes -= entry.bytes
             self.stats.evictions += 1
             entry.graph = None  # its pool goes back to torch's allocator with the last reference
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 2) -> float:
+    """The fastest of a few replays, in ms (CUDA events): what running this bucket costs the GPU."""
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return min(times)

@@ -315,13 +315,17 @@ class ExecutionContext:
             targets = None
             if self.buckets is not None:  # padded up to the run's buckets, cropped back after
                 targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names)
-                args = self.buckets.pad(args, targets)
-            if self.runner is not None:
-                results = self.runner.run(args)
+                chunks = self.buckets.split(targets)
+                if chunks is not None:
+                    results = self._run_chunks(args, targets, chunks)
+                else:
+                    args = self.buckets.pad(args, targets)
+                    results = self._run_program(args)
+                    if self.runner is not None and self.buckets.cost_unknown(targets):
+                        self.buckets.learn(targets, self.runner.replay_ms(args))
+                    results = self.buckets.crop(results, targets)
             else:
-                results = self.engine.program.run(args)
-            if targets:
-                results = self.buckets.crop(results, targets)
+                results = self._run_program(args)
         if internal:
             results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
                        else r for r, b in zip(results, self.engine.outputs)]
@@ -330,6 +334,32 @@ class ExecutionContext:
             if key is not None and len(self._checked) < CHECKED_SIGNATURES:
                 self._checked[key] = self.profile
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
+
+    def _run_program(self, args: list[Any]) -> list[Any]:
+        return self.runner.run(args) if self.runner is not None else self.engine.program.run(args)
+
+    def _run_chunks(self, args: list[Any], targets: dict[str, tuple[int, int]],
+                    chunks: list[tuple[int, int]]) -> list[Any]:
+        """The batch's rows as bucket-sized chunks, one padded run each, every chunk's outputs copied
+        into its rows of fresh outputs before the next run (a run's outputs live in its graph's or
+        arena's memory). Exact as batch padding is: rows of a batch never meet."""
+        batch = self.buckets.batch
+        carries = [any(symbol == batch for _, symbol in pads) for pads in self.buckets.pads]
+        real = targets[batch][0]
+        outputs: list[Any] = []
+        start = 0
+        for rows, bucket in chunks:
+            chunk = [x.narrow(0, start, rows) if c else x for x, c in zip(args, carries)]
+            sizes = {**targets, batch: (rows, bucket)}
+            results = self.buckets.crop(self._run_program(self.buckets.pad(chunk, sizes)), sizes)
+            if not outputs:
+                outputs = [r.new_empty((real, *r.shape[1:])) for r in results]
+            for out, r in zip(outputs, results):
+                out.narrow(0, start, rows).copy_(r)
+            start += rows
+        if self.runner is not None:
+            self.runner.stats.split_runs += 1
+        return outputs
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CPU engine fed numpy arrays (C-contiguous, writable) of a signature a call already checked:

@@ -34,14 +34,47 @@ def _feeds(rng, batch, seq):
 def test_bert_pads_batch_and_the_masked_sequence(bert):
     _, engine = bert
     buckets = plan_buckets(engine.inputs, engine.outputs)
-    assert buckets.symbols == {"batch": 1, "seq": 8}
-    assert buckets.sizes("seq", 1, 48) == [8, 16, 32, 48]
+    assert buckets.symbols == {"batch": 1, "seq": 16}
+    assert buckets.batch == "batch"  # axis 0 of every input and output carrying it: runs may split
+    assert buckets.sizes("seq", 1, 48) == [16, 32, 48]
     assert buckets.sizes("batch", 1, 4) == [1, 2, 4]
-    assert buckets.sizes("seq", 1, 512) == [8, 16, 32, 64, 128, 192, 256, 384, 512]  # 1.5x steps from 128
-    assert buckets.sizes("batch", 1, 32) == [1, 2, 4, 8, 16, 24, 32]
+    # a 1.5x step from 128, quarter steps from 256: at most 1.25x padding where the work is large
+    assert buckets.sizes("seq", 1, 512) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512]
+    assert buckets.sizes("seq", 1, 1024) == [16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024]
+    assert buckets.sizes("batch", 1, 32) == [1, 2, 4, 8, 16, 32]  # in between: split into chunks
     assert buckets.sizes("batch", 3, 20) == [4, 8, 16, 20]
     assert buckets.bucket("seq", 33, 1, 48) == 48 and buckets.bucket("seq", 9, 1, 48) == 16
     assert buckets.crops == [[(0, "batch"), (1, "seq")]]
+
+
+def _buckets_with_costs(costs: dict[int, float]):
+    buckets = plan_buckets([Binding("x", "float", ["batch", "seq"]), Binding("attention_mask", "int64", ["batch", "seq"])],
+                           [Binding("y", "float", ["batch", "seq", 4])])
+    for size, ms in costs.items():
+        buckets.learn({"batch": (size, size), "seq": (100, 128)}, ms)
+    return buckets
+
+
+def test_a_batch_splits_where_the_measured_replays_say_it_costs_less():
+    # time growing with the rows (a GPU-bound size): 25 rows as 16 + 8 + 1 beats 32 padded
+    grows = _buckets_with_costs({1: 1.0, 2: 1.1, 4: 1.3, 8: 2.0, 16: 4.0, 32: 8.0})
+    assert grows.split({"batch": (25, 32), "seq": (100, 128)}) == [(16, 16), (8, 8), (1, 1)]
+    assert grows.split({"batch": (32, 32), "seq": (100, 128)}) is None  # no padding to save
+    assert grows.split({"batch": (17, 32), "seq": (100, 128)}) == [(16, 16), (1, 1)]
+    assert grows.split({"batch": (25, 32), "seq": (100, 64)}) is None  # no replay measured at seq 64
+    # flat time (launch-bound sizes): padding is free, one run
+    flat = _buckets_with_costs({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 1.0})
+    assert flat.split({"batch": (25, 32), "seq": (100, 128)}) is None
+    # at most MAX_CHUNKS replays: 31 rows would be 16 + 8 + 4 + 2 + 1 (five), so the cover is four chunks
+    chunks = grows.split({"batch": (31, 32), "seq": (100, 128)})
+    assert chunks is None or (len(chunks) <= 4 and sum(r for r, _ in chunks) == 31)
+    # the padded bucket's own time unknown: never split on a guess
+    assert _buckets_with_costs({1: 1.0, 16: 4.0}).split({"batch": (17, 32), "seq": (100, 128)}) is None
+
+
+def test_no_split_where_an_output_does_not_carry_the_batch():
+    inputs = [Binding("x", "float", ["batch", 8])]
+    assert plan_buckets(inputs, [Binding("y", "float", ["batch", 8]), Binding("n", "float", [1])]).batch is None
 
 
 def test_padding_never_changes_a_result(bert):
@@ -66,7 +99,7 @@ def test_a_decoder_without_a_mask_pads_only_batch_unless_told():
     assert plan_buckets(engine.inputs, engine.outputs).symbols == {"batch": 1}
     causal = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x16,3x40"}], pad_dims=["seq"])
     buckets = plan_buckets(causal.inputs, causal.outputs, ["seq"])
-    assert buckets.symbols == {"batch": 1, "seq": 8}
+    assert buckets.symbols == {"batch": 1, "seq": 16}
     padded = causal.create_execution_context(buckets=True)
     rng = np.random.default_rng()
     for batch, seq in ((1, 5), (3, 17), (2, int(rng.integers(1, 41)))):
@@ -93,7 +126,29 @@ def test_a_symbol_off_axis_0_without_a_mask_does_not_pad():
 def test_warm_up_runs_every_bucket_once(bert):
     _, engine = bert
     context = engine.create_execution_context(buckets=True)
-    assert context.warm_up() == 3 * 4  # batch 1, 2, 4 x seq 8, 16, 32, 48
-    assert len(engine.program.shape_plans) >= 12
+    assert context.warm_up() == 3 * 3  # batch 1, 2, 4 x seq 16, 32, 48
+    assert len(engine.program.shape_plans) >= 9
     plain = engine.create_execution_context(buckets=False)
     assert plain.warm_up() == 1  # no buckets: the opt shape
+
+
+def test_a_split_batch_gives_the_unpadded_result(bert):
+    """The chunked path (as CUDA runs it once replays are timed) on the CPU: the costs are set by hand
+    so that every batch of 3 runs as 2 + 1 and every batch of 4 off its bucket does too."""
+    exported, engine = bert
+    split = engine.create_execution_context(buckets=True)
+    for seq_bucket in (16, 32, 48):
+        for size, ms in {1: 1.0, 2: 1.5, 4: 3.0}.items():
+            split.buckets.learn({"batch": (size, size), "seq": (seq_bucket, seq_bucket)}, ms)
+    plain = engine.create_execution_context(buckets=False)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    for seq in (int(rng.integers(1, 17)), int(rng.integers(17, 49))):
+        feeds = _feeds(rng, 3, seq)
+        assert split.buckets.split(split.buckets.targets(
+            [feeds["input_ids"], feeds["attention_mask"]], engine.profiles[0], engine.input_names)) == [(2, 2), (1, 1)]
+        got = next(iter(split.run(feeds).values()))
+        assert got.shape == (3, seq, 64)
+        np.testing.assert_allclose(got, next(iter(plain.run(feeds).values())), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"split vs unpadded, batch 3 x seq {seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
