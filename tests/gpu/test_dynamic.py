@@ -141,15 +141,16 @@ def test_the_static_replay_path_gives_what_the_general_path_gives():
 
 def test_a_batch_split_into_chunks_on_cuda_gives_the_unpadded_result():
     """Chunks replay several bucket graphs in one run: every chunk's outputs must be copied out before
-    the next replay. Costs set by hand so that batches of 3, 5, 6 and 7 split (bert_tiny's replays
-    are launch-bound, so measured costs would rightly keep them whole)."""
+    the next replay. Costs set by hand, proportional to the rows, so that batches of 3 (2 + 1), 5 (4 + 1),
+    6 (4 + 2) and 7 (4 + 2 + 1) split (bert_tiny's replays are launch-bound: measured costs would rightly
+    keep them whole)."""
     exported = zoo.export("bert_tiny", dynamic=True)
     engine = kiln.build(str(exported.path), device="cuda", precision="fp16",
                         profiles=[{"input_ids": "1x1,4x32,8x128"}])
     context = engine.create_execution_context()
     assert context.warm_up() > 0
     for rest in context.buckets.costs:  # measured at each capture: now made to grow with the rows
-        context.buckets.costs[rest] = {1: 1.0, 2: 1.5, 4: 2.5, 8: 5.0}
+        context.buckets.costs[rest] = {1: 1.0, 2: 2.0, 4: 4.0, 8: 8.0}
     context.buckets._splits.clear()
     plain = engine.create_execution_context(buckets=False)
     rng = np.random.default_rng()
