@@ -49,6 +49,7 @@ EXPECTED = {
     "cuda.gemm.triton.128x128x64", "cuda.gemm.triton.64x128x32", "cuda.gemm.triton.16x64x64",
     "cuda.gemm.triton.128x256x64", "cuda.conv.channels_last", "cuda.conv.channels_last_triton_epilogue",
     "cuda.attention.flash", "cuda.attention.efficient", "cuda.attention.cudnn", "cuda.conv.patchify_gemm",
+    "cuda.rotary.triton",
 }
 
 
@@ -123,6 +124,55 @@ def test_rms_norm(op_type, domain, name, dtype):
 def test_softmax(op_type, domain, opset, attributes, name):
     step = make_step(op_type, domain, 1, opset=opset, **attributes)
     run_against_reference(name, step, [randn(2, 3, 37, scale=4)])
+
+
+def _rotary_table(shape, dtype):
+    """cos/sin of random angles (a real table's values, |.| <= 1), full width as kiln::Rotary takes them."""
+    angles = torch.rand(*shape) * 6.3
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_on_heads(dtype, interleaved):
+    # x [B, S, H, D], one table per position shared by batch and heads (stride 0 in the kernel)
+    cos, sin = _rotary_table((5, 1, 16), dtype)
+    step = make_step("Rotary", "kiln", 3, interleaved=interleaved)
+    run_against_reference("cuda.rotary.triton", step, [randn(2, 5, 4, 16, dtype=dtype), cos, sin])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_on_a_strided_slice_of_packed_qkv(dtype):
+    # q sliced out of a packed q|k|v [B, S, 3·H·D] (a strided view, read in place), viewed as H heads
+    packed = randn(2, 7, 3 * 4 * 8, dtype=dtype)
+    q = packed[..., : 4 * 8]
+    assert not q.is_contiguous()
+    cos, sin = _rotary_table((2, 7, 1, 8), dtype)
+    step = make_step("Rotary", "kiln", 3, num_heads=4)
+    got = run_against_reference("cuda.rotary.triton", step, [q, cos, sin])
+    assert got.shape == (2, 7, 4, 8)
+
+
+@needs_interpreter
+def test_rotary_rotates_only_the_first_heads_of_a_packed_qkv():
+    # q and k heads rotate, v's pass through, the packed shape is kept (fuse_packed_rotary's layer)
+    cos, sin = _rotary_table((3, 1, 16), torch.float32)
+    step = make_step("Rotary", "kiln", 3, num_heads=6, rotate_heads=4)
+    x = randn(1, 3, 6 * 16)
+    got = run_against_reference("cuda.rotary.triton", step, [x, cos, sin])
+    assert got.shape == x.shape
+    torch.testing.assert_close(got[..., 4 * 16:], x[..., 4 * 16:], rtol=0, atol=0)  # v exact
+
+
+def test_rotary_refusals():
+    step = make_step("Rotary", "kiln", 3)
+    cos, sin = _rotary_table((5, 1, 16), torch.float32)
+    assert "dtype" in _reason("cuda.rotary.triton", step, [randn(2, 5, 4, 16, dtype=torch.float16), cos, sin])
+    assert "odd" in _reason("cuda.rotary.triton", step, [randn(2, 5, 4, 15)] + list(_rotary_table((5, 1, 15), torch.float32)))
+    wide = _rotary_table((3, 5, 1, 16), torch.float32)  # a batch of 3 tables for a batch of 2
+    assert "broadcast" in _reason("cuda.rotary.triton", step, [randn(2, 5, 4, 16), *wide])
 
 
 GEMM_CASES = [  # tactic, dtype, activation, residual_after_activation, with residual

@@ -4,6 +4,7 @@
     attention.py   kiln's Triton flash attention
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
+    rotary.py      Triton rotary embedding (kiln::Rotary)
     cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
     quant_*.py     kiln::QGemm / QConv / QAdd: INT8/FP8 GEMMs and convolutions (Triton, cuBLASLt) and the
                    float layer on dequantized values, with the requantizing epilogue fused
@@ -16,6 +17,7 @@ when a tactic using it is prepared.
 import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
+import kiln.tactics.cuda.rotary  # noqa: F401
 import kiln.tactics.cuda.cudnn  # noqa: F401
 import kiln.tactics.cuda.conv  # noqa: F401
 import kiln.tactics.cuda.quant_gemm  # noqa: F401

@@ -7,6 +7,7 @@
     conv2d(x, pack_weight(w), (kh, kw), bias, residual, ...)  2-D implicit-GEMM convolution (NHWC), that epilogue fused
     flash_attention(q, k, v, mask, scale=..., out=...)     forward attention on strided [B, H, S, D] views
     max_pool2d / avg_pool2d(x, kernel, ...) / mean_hw(x)  2-D pooling and the H,W mean on NHWC activations
+    rotary(x, cos, sin, num_heads=..., rotate_heads=...)  rotary embedding on strided q/k (or a packed q|k|v)
 
 Every kernel takes and returns torch tensors, allocates its output, stores fp16/bf16/fp32 and
 accumulates in fp32.
@@ -19,8 +20,9 @@ from kiln.kernels.cuda.triton.epilogue import bias_activation
 from kiln.kernels.cuda.triton.fused_gemm import GEMM_CONFIGS, GemmConfig, gemm
 from kiln.kernels.cuda.triton.normalization import layer_norm, rms_norm, softmax
 from kiln.kernels.cuda.triton.pool import PoolConfig, avg_pool2d, max_pool2d, mean_hw
+from kiln.kernels.cuda.triton.rotary import rotary
 
 __all__ = ["compile_elementwise", "layer_norm", "rms_norm", "softmax", "bias_activation", "gemm", "GemmConfig",
            "GEMM_CONFIGS", "flash_attention", "AttentionConfig", "ATTENTION_CONFIGS"]
 __all__ += ["max_pool2d", "avg_pool2d", "mean_hw", "PoolConfig"]
-__all__ += ["conv2d", "pack_weight", "ConvConfig", "CONV_CONFIGS"]
+__all__ += ["conv2d", "pack_weight", "ConvConfig", "CONV_CONFIGS", "rotary"]
