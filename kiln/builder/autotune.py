@@ -1,7 +1,9 @@
 """Tactic search at build: every layer with several candidate kernels gets the fastest correct one.
 
     1. run the lowered program once on example inputs at the tuning shapes (config.shapes,
-       symbolic dims 1), recording each tunable layer's real inputs and reference output;
+       symbolic dims 1), recording each tunable layer's real inputs and reference output — at one
+       tuning point each layer is tuned (2, 3) as the run reaches it, so one layer's record is alive
+       at a time; with a profile's other points too, every record is taken first;
     2. per layer: drop candidates that do not support it (with the reason), check each
        survivor against the op's registered implementation on those inputs — in float32 on
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
@@ -178,6 +180,10 @@ class _Recorded:
     output: Any
 
 
+class _TuningFailed(Exception):
+    """Carries an error of the tactic search out of the example run it happened inside."""
+
+
 def _clone(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.clone()
@@ -186,10 +192,13 @@ def _clone(value: Any) -> Any:
     return value
 
 
-def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dict[int, _Recorded], list[Any]]:
+def _record(program: Program, indices: set[int], inputs: list[Any],
+            on_record: Callable[[int, _Recorded], None] | None = None) -> tuple[dict[int, _Recorded], list[Any]]:
     """Run the program once; keep the inputs and output of the steps in `indices`. A layer's weights are
     kept by reference, not copied: they never change, and a weight every layer shares (ALBERT's) would
-    otherwise be copied once per layer."""
+    otherwise be copied once per layer. With `on_record`, each record is handed to it as soon as its
+    layer has run (and kept by no one else): the search tunes a layer while the run goes on, so at most
+    one layer's record is alive at a time, not every layer's activations at once."""
     records: dict[int, _Recorded] = {}
     weights = {id(v) for v in program.template if isinstance(v, torch.Tensor)}
     # One copy per activation: a layer's output is the next layer's input (and Q, K and V read one
@@ -213,6 +222,9 @@ def _record(program: Program, indices: set[int], inputs: list[Any]) -> tuple[dic
 
         def call(ctx, *args, **attrs):
             result = fn(ctx, *args, **attrs)
+            if on_record is not None:  # copies of its own: nothing here outlives the handler
+                on_record(i, _Recorded([a if id(a) in weights else _clone(a) for a in args], _clone(result)))
+                return result
             records[i] = _Recorded([a if id(a) in weights else copy(a) for a in args],
                                    tuple(copy(r) for r in result) if isinstance(result, tuple) else copy(result))
             return result
@@ -406,15 +418,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         casts = {k: dtypes.BY_NAME[v].torch for k, v in (io_casts or {}).items()}
         examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
         reference_program = Program(program, placed, device)
-        records, reference_outputs = _record(reference_program, set(tunable), examples)
-        others: dict[str, dict[int, _Recorded]] = {}
-        for label, point in (other_shapes or {}).items():
-            if {**shapes, **point} == shapes or any({**shapes, **point} == {**shapes, **seen} for seen in
-                                                    [(other_shapes or {})[k] for k in others]):
-                continue  # the opt shape, or a point already taken
-            point_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **point})]
-            point_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(point_examples, inputs)]
-            others[label], _ = _record(reference_program, set(tunable), point_examples)
+        points = [(label, point) for label, point in (other_shapes or {}).items()
+                  if {**shapes, **point} != shapes]  # the opt shape itself is no other point
+        points = [(label, point) for k, (label, point) in enumerate(points)
+                  if all({**shapes, **point} != {**shapes, **seen} for _, seen in points[:k])]  # nor one taken
     except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
         return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
                            "runs its default implementation"}
@@ -422,25 +429,53 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     cache = TimingCache(timing_cache)
     env = environment(device)
     layers: dict[str, dict[str, Any]] = {}
-    for n, (i, tactics) in enumerate(sorted(tunable.items())):
+    order = {i: n for n, i in enumerate(sorted(tunable))}
+
+    def tune(i: int, record: _Recorded, others: dict[str, _Recorded]) -> None:
         step = program.steps[i]
-        if i not in records:
-            continue  # not reached (a branch not taken): stays default
         bound = reference_program.steps[i]
-        fn, ctx, attrs = bound.fn, bound.ctx, bound.attributes
         constants = [placed[program.constants[name]] if name in program.constants else None
                      for name in step.inputs]
-        # each layer's record is let go once tuned: its activations that no later layer's record reads are
-        # freed as the search walks the network, not all held to its end
-        found, config = _tune_layer(step, records.pop(i), fn, ctx, attrs, constants, tactics, device, cache, env,
-                                    runs, {label: r.pop(i) for label, r in others.items() if i in r})
+        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants, tunable[i],
+                                    device, cache, env, runs, others)
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
-        say(f"tactics: {n + 1}/{len(tunable)} {step.name}: {found.tactic}"
+        say(f"tactics: {order[i] + 1}/{len(tunable)} {step.name}: {found.tactic}"
             + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
-    records.clear()
-    others.clear()
+
+    def tune_now(i: int, record: _Recorded) -> None:
+        try:
+            tune(i, record, {})
+        except Exception as e:  # the search's own failure, not the example run's: raised as it is below
+            raise _TuningFailed() from e
+
+    try:
+        if not points:
+            # One point: each layer is tuned as the example run reaches it, on a record no other holds.
+            _, reference_outputs = _record(reference_program, set(tunable), examples, on_record=tune_now)
+        else:
+            records, reference_outputs = _record(reference_program, set(tunable), examples)
+            others: dict[str, dict[int, _Recorded]] = {}
+            for label, point in points:
+                point_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **point})]
+                point_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v
+                                  for v, b in zip(point_examples, inputs)]
+                others[label], _ = _record(reference_program, set(tunable), point_examples)
+            for i in sorted(tunable):
+                if i in records:  # else not reached (a branch not taken): stays default
+                    # each layer's record is let go once tuned: its activations that no later layer's record
+                    # reads are freed as the search walks the network, not all held to its end
+                    tune(i, records.pop(i), {label: r.pop(i) for label, r in others.items() if i in r})
+            records.clear()
+            others.clear()
+    except _TuningFailed as e:
+        raise e.__cause__ from None
+    except Exception as e:  # noqa: BLE001  a model the search cannot feed still builds, untuned
+        for step in program.steps:
+            step.tactic, step.tactic_config = "", {}
+        return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
+                           "runs its default implementation"}
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
