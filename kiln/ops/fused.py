@@ -242,10 +242,11 @@ def embedding_concat(ctx, ids, *parts, fields=()):
     looked_up = [(part, field) for part, field in zip(parts, fields) if field >= 0]
     if any(field >= ids.shape[1] for _, field in looked_up):
         raise IndexError(f"{ctx.name}: fields {list(fields)} index ids of {ids.shape[1]} columns")
-    vocab = [0] * ids.shape[1]
-    for part, field in looked_up:
-        vocab[field] = part.shape[0]
     ids = ids.to(torch.int64)  # [N, F]
-    ids = torch.where(ids < 0, ids + torch.tensor(vocab, device=ids.device), ids)  # negatives from each table's end
-    pieces = [part if field < 0 else part.index_select(0, ids[:, field]) for part, field in zip(parts, fields)]
+
+    def rows(field: int, vocab: int) -> torch.Tensor:  # negatives count from the table's end (no host copy:
+        column = ids[:, field]  # a CUDA graph captures this layer)
+        return torch.where(column < 0, column + vocab, column)
+
+    pieces = [part if field < 0 else part.index_select(0, rows(field, part.shape[0])) for part, field in zip(parts, fields)]
     return torch.cat(pieces, dim=1)  # [N, Σ widths]

@@ -57,5 +57,5 @@ RULES = [
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
-CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool", "fuse_embedding_concat",
+CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "fuse_packed_rotary", "fuse_split_swiglu"}

@@ -5,6 +5,7 @@
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
     rotary.py      Triton rotary embedding (kiln::Rotary)
+    embedding.py   kiln::EmbeddingConcat from one stacked table
     cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
     quant_*.py     kiln::QGemm / QConv / QAdd: INT8/FP8 GEMMs and convolutions (Triton, cuBLASLt) and the
                    float layer on dequantized values, with the requantizing epilogue fused
@@ -18,6 +19,7 @@ import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
 import kiln.tactics.cuda.rotary  # noqa: F401
+import kiln.tactics.cuda.embedding  # noqa: F401
 import kiln.tactics.cuda.cudnn  # noqa: F401
 import kiln.tactics.cuda.conv  # noqa: F401
 import kiln.tactics.cuda.quant_gemm  # noqa: F401
