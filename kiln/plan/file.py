@@ -23,6 +23,7 @@ import mmap
 import os
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,29 @@ def _pack_weights(weights: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
     head += b" " * (-len(head) % 8)
     blob = struct.pack("<Q", len(head)) + head + b"".join(e[3] for e in entries)
     return blob, notes
+
+
+@dataclass
+class MappedWeights:
+    """The weights section of a loaded engine file, mapped copy-on-write (nothing writes to it).
+
+    The tensors of `EnginePlan.weights` are views of these pages; the checksum read every page, so
+    all are resident. Once the runtime has packed what its kernels read from packed copies,
+    `release()` lets the kernel drop the pages: a weight still read as it is faults its pages back
+    in from the page cache, one that only fed a packed copy stays out. The resident memory of a
+    loaded engine is then its packed weights plus the weights read as they are, not both of every
+    weight. (The mapping holds the file's inode: an engine file replaced by a save, which writes a
+    new file and renames it, does not change a loaded engine.)"""
+
+    mm: mmap.mmap
+    start: int
+    end: int
+
+    def release(self) -> None:
+        page = mmap.PAGESIZE
+        low = (self.start + page - 1) // page * page
+        if self.end > low and hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED, low, self.end - low)
 
 
 def _unpack_weights(buf: memoryview | mmap.mmap, start: int, end: int, notes: dict) -> dict[str, Any]:
@@ -167,7 +191,10 @@ def load(path: str | os.PathLike) -> EnginePlan:
     blob_start += -blob_start % _ALIGN
     try:  # a checksum only proves the file is whole; another writer's layout fails here, named
         weights = _unpack_weights(mm, blob_start, body_end, doc.get("weight_notes", {}))
-        return EnginePlan(header=doc["header"], program=ProgramSpec.from_json(doc["program"]), weights=weights)
+        mapped = MappedWeights(mm, blob_start, body_end)
+        mapped.release()  # the checksum read every page; each comes back when (and if) a layer reads it
+        return EnginePlan(header=doc["header"], program=ProgramSpec.from_json(doc["program"]), weights=weights,
+                          mapped=mapped)
     except (KeyError, TypeError, ValueError, AttributeError, struct.error) as e:
         raise EngineFormatError(
             f"{path}: the engine's header or weights table is not laid out as this kiln writes them "

@@ -93,6 +93,8 @@ class EnginePlan:
     header: dict[str, Any]
     program: ProgramSpec
     weights: dict[str, Any] = field(default_factory=dict)
+    # the loaded file's weight bytes (kiln/plan/file.py MappedWeights) when the weights are views of them
+    mapped: Any = field(default=None, repr=False, compare=False)
 
     @property
     def inputs(self) -> list[Binding]:

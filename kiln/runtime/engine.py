@@ -93,7 +93,9 @@ class Engine:
         self.plan = plan
         self.device = _check_device(plan.header)
         weights = {k: place_weight(v, self.device) for k, v in plan.weights.items()}
-        self.program = Program(plan.program, weights, self.device)
+        # a loaded file's weight pages leave memory as each layer's copy is packed (or moved to the GPU)
+        self.program = Program(plan.program, weights, self.device,
+                               after_packing=plan.mapped.release if plan.mapped is not None else None)
         # Reduced-precision engines keep float32 bindings; values are cast at the boundary.
         casts = plan.header.get("io_casts", {})
         self.internal_dtype = {n: dtypes.BY_NAME[casts[n]].torch for n in casts}

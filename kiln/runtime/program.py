@@ -49,7 +49,10 @@ def resolve_attribute(value: Any, weights: dict[str, Any], device: Any = None) -
 class Program:
     """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
 
-    def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None):
+    def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None,
+                 after_packing: Callable[[], None] | None = None):
+        """`after_packing`: called after each layer's tactic is prepared (its weights packed), and once at
+        the end: a loaded engine file lets go of the pages its weights were packed from."""
         self.spec = spec
         self.device = device  # None or cpu: plain loop; cuda: host/device split (kiln/runtime/host.py)
         slots: dict[str, int] = {}
@@ -115,6 +118,8 @@ class Program:
                     fn = launch_for(prepared, op.fn, constants, device)
                     if key is not None:
                         shared_launches[key] = fn
+                    if after_packing is not None:
+                        after_packing()
             fn = fn if step.precision != "fp32" else pinned_fp32(fn)
             self.steps.append(BoundStep(fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
@@ -124,6 +129,8 @@ class Program:
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
             self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps)
+        if after_packing is not None:
+            after_packing()
         self.shape_steps = shape_steps
         self.shape_slots = sorted({slot(n) for n in shape_values if n not in spec.constants})
         # the loop once a signature's shape values are known: without the steps that compute them
