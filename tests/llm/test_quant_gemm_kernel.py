@@ -28,7 +28,7 @@ def data(m, n, k, seed=0):
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 130, 96), (33, 64, 160)])
 def test_int8_kernel_matches_the_reference(m, n, k):
     x, w = data(m, n, k)
-    module = Int8Weight(w)
+    module = Int8Weight.quantize(w)
     got = int8_gemm(x, module.q, module.scale)
     torch.testing.assert_close(got, module(x), atol=1e-4, rtol=1e-4)  # fp32 sums in another order
 
@@ -36,14 +36,14 @@ def test_int8_kernel_matches_the_reference(m, n, k):
 @pytest.mark.parametrize("m,n,k,group", [(1, 48, 64, 16), (5, 130, 96, 32), (17, 64, 256, 128), (2, 40, 64, 64)])
 def test_int4_kernel_matches_the_reference(m, n, k, group):
     x, w = data(m, n, k, seed=1)
-    module = Int4Weight(w, group_size=group)
+    module = Int4Weight.quantize(w, group_size=group)
     got = int4_gemm(x, module.packed, module.scale, module.zero, module.group_size)
     torch.testing.assert_close(got, module(x), atol=1e-4, rtol=1e-4)
 
 
 def test_half_precision_activations():
     x, w = data(3, 64, 128, seed=2)
-    module = Int4Weight(w, group_size=32)
+    module = Int4Weight.quantize(w, group_size=32)
     got = int4_gemm(x.bfloat16(), module.packed, module.scale, module.zero, 32)
     assert got.dtype == torch.bfloat16
     # the dequantized tile is rounded to bf16 before the dot (8-bit mantissa)

@@ -15,6 +15,7 @@ from torch import nn
 
 from kiln.llm.config import LLMError, RopeConfig
 from kiln.llm.parallel import TensorParallel
+from kiln.llm.prequantized.tensor import QuantizedTensor
 
 # the fused Triton kernels (kiln/llm/kernels/fused.py) on CUDA; KILN_LLM_FUSED=0: the torch code everywhere
 FUSED = os.environ.get("KILN_LLM_FUSED", "1") != "0"
@@ -34,10 +35,16 @@ class ColumnLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # set by kiln/llm/quantization.py (the weight is then None)
+        self.checkpoint_parts: dict[int, QuantizedTensor] = {}  # pre-quantized parts, until they are attached
 
-    def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
+    def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
         """Load this rank's slice of the checkpoint's full `kind` ("weight" or "bias") of one fused part."""
         start, size = self.slices[part]
+        if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
+            if list(tensor.shape) != [self.parts[part], self.in_features]:
+                raise LLMError(f"part {part}: expected {[self.parts[part], self.in_features]}, got {list(tensor.shape)}")
+            self.checkpoint_parts[part] = tensor.rows(start, size)
+            return
         offset = self.offsets[part]
         target = getattr(self, kind).data[offset:offset + size]
         source = tensor[start:start + size]
@@ -64,11 +71,15 @@ class RowLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None
+        self.checkpoint_parts: dict[int, QuantizedTensor] = {}
 
-    def load(self, kind: str, tensor: torch.Tensor) -> None:
+    def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         full = [self.weight.shape[0]] + ([self.in_features] if kind == "weight" else [])
         if list(tensor.shape) != full:
             raise LLMError(f"expected {full}, got {list(tensor.shape)}")
+        if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
+            self.checkpoint_parts[0] = tensor.columns(self.start, self.weight.shape[1])
+            return
         if kind == "weight":
             tensor = tensor[:, self.start:self.start + self.weight.shape[1]]
         getattr(self, kind).data.copy_(tensor)

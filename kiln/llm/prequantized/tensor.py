@@ -1,0 +1,62 @@
+"""One linear layer's weight as a checkpoint quantized it, unpacked into kiln's terms (quantization.py's
+Int4Weight, Int8Weight, FP8Weight hold exactly these values), so that no value is re-rounded at load:
+
+    int4  values uint8 in 0..15, w = (values - zero) · scale, one scale and zero per group of input features
+    int8  values int8,           w = values · scale, one scale per output channel
+    fp8   values float8_e4m3fn,  w = values · scale, one scale per output channel (a per-tensor scale repeated)
+
+scale and zero are [out, groups] fp32 (groups = 1: per output channel; group_size is then the input width).
+A tensor-parallel rank takes rows (column-parallel) or columns (row-parallel) of it; columns must fall on
+group boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.llm.config import LLMError
+
+
+@dataclass
+class QuantizedTensor:
+    method: str  # int4 | int8 | fp8
+    values: torch.Tensor  # [out, in]
+    scale: torch.Tensor  # [out, groups] fp32
+    zero: torch.Tensor | None  # [out, groups] fp32 (int4), None otherwise
+    group_size: int  # input features per group (the input width for one group)
+    source: str = ""  # the checkpoint format and layer it came from, for error messages
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def rows(self, start: int, size: int) -> QuantizedTensor:
+        """Output features [start, start + size) (a column-parallel rank's slice of one fused part)."""
+        zero = None if self.zero is None else self.zero[start:start + size]
+        return QuantizedTensor(self.method, self.values[start:start + size], self.scale[start:start + size], zero,
+                               self.group_size, self.source)
+
+    def columns(self, start: int, size: int) -> QuantizedTensor:
+        """Input features [start, start + size) (a row-parallel rank's slice)."""
+        if self.scale.shape[1] == 1:  # one scale per output channel: any slice keeps it
+            return QuantizedTensor(self.method, self.values[:, start:start + size], self.scale, self.zero, size,
+                                   self.source)
+        if start % self.group_size or size % self.group_size:
+            raise LLMError(f"{self.source}: a tensor-parallel rank's input features [{start}, {start + size}) do not "
+                           f"fall on the checkpoint's groups of {self.group_size}; use a tensor_parallel size that "
+                           f"divides the input width into whole groups")
+        groups = slice(start // self.group_size, (start + size) // self.group_size)
+        zero = None if self.zero is None else self.zero[:, groups]
+        return QuantizedTensor(self.method, self.values[:, start:start + size], self.scale[:, groups], zero,
+                               self.group_size, self.source)
+
+    def dequantize(self) -> torch.Tensor:
+        """[out, in] fp32: exact (a 4- or 8-bit integer or an e4m3 value times an fp16/bf16/fp32 scale)."""
+        q = self.values.float()
+        if self.zero is not None:
+            q = q.view(q.shape[0], -1, self.group_size) - self.zero[..., None]
+        else:
+            q = q.view(q.shape[0], -1, self.group_size)
+        return (q * self.scale[..., None]).view(self.values.shape)
