@@ -26,6 +26,7 @@ from kiln.llm.config import EngineConfig, LLMError, ModelConfig
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
 from kiln.llm.model_runner import ModelRunner, TokenLogprobs
 from kiln.llm.models import build_model
+from kiln.llm.models.layers import ColumnLinear, RowLinear, materialize_weight
 from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.llm.parallel import SINGLE, TensorParallel
 from kiln.llm.prequantized import convert_weights, read_format
@@ -74,6 +75,9 @@ def _dummy_weights(model: torch.nn.Module, seed: int | None) -> None:
     """Random weights in place of a checkpoint (load_format="dummy"): matrices N(0, 0.02), norms and biases
     as built (ones, zeros). Made on the model's device: an 8B model in a second on a GPU."""
     generator = None
+    for module in model.modules():
+        if isinstance(module, (ColumnLinear, RowLinear)):
+            materialize_weight(module)
     for p in model.parameters():
         if p.dim() > 1:
             if generator is None:

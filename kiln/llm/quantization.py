@@ -163,7 +163,7 @@ def attach_checkpoint_weights(model: nn.Module) -> int:
                            "kiln fuses them into one GEMM with one method and group size")
         values = torch.cat([p.values for p in parts])
         scale = torch.cat([p.scale for p in parts])
-        device = module.weight.device
+        device = module.device
         method = parts[0].method
         if method == "int4":
             zero = torch.cat([p.zero for p in parts])

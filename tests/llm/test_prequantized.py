@@ -24,7 +24,9 @@ import torch
 from safetensors.torch import save_file
 
 from kiln.llm import LLM, LLMError, SamplingParams
+from kiln.llm.config import ModelConfig
 from kiln.llm.engine import EngineConfig, LLMEngine
+from kiln.llm.models import build_model
 from kiln.llm.models.layers import RowLinear
 from kiln.llm.parallel import TensorParallel
 from kiln.llm.prequantized import convert_weights, read_format
@@ -339,6 +341,16 @@ def test_requantizing_and_other_families_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(gpt2))
     with pytest.raises(LLMError, match="pre-quantized gpt2 checkpoints are not supported"):
         LLM(tmp_path)
+
+
+def test_quantized_layers_never_allocate_a_full_precision_weight(quantized_checkpoints):
+    """Linear weights are built on the meta device and allocated only when a full-precision tensor arrives."""
+    folder, _, _ = quantized_checkpoints("awq")
+    config = ModelConfig.from_folder(folder)
+    model = build_model(config, 64)
+    model.load_weights(convert_weights(iterate_weights(folder), read_format(config.quantization_config, "x")))
+    assert model.layers[0].self_attn.qkv_proj.weight.is_meta and model.layers[0].mlp.down_proj.weight.is_meta
+    assert not model.layers[1].mlp.down_proj.weight.is_meta  # the unquantized layer
 
 
 def test_a_layer_missing_a_tensor_is_named(quantized_checkpoints):
