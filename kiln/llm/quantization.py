@@ -95,13 +95,6 @@ class Int4Weight(nn.Module):
         self.register_buffer("zero", zero)
 
     @classmethod
-    def from_values(cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int) -> Int4Weight:
-        """q: [out, in] uint8 in 0..15 -> packed two per byte."""
-        if q.shape[1] % 2:
-            raise LLMError(f"int4: {q.shape[1]} input features: expected an even number (two per byte)")
-        return cls(q[:, 0::2] | (q[:, 1::2] << 4), scale, zero, group_size)
-
-    @classmethod
     def quantize(cls, weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
         out_features, in_features = weight.shape
         group_size = min(group_size, in_features)
@@ -112,7 +105,7 @@ class Int4Weight(nn.Module):
         scale = ((high - low) / 15.0).clamp(min=1e-12)
         zero = torch.round(-low / scale).clamp(0, 15)
         q = (torch.round(w / scale[..., None]) + zero[..., None]).clamp(0, 15).to(torch.uint8).view(out_features, -1)
-        return cls.from_values(q, scale, zero, group_size)
+        return cls(q[:, 0::2] | (q[:, 1::2] << 4), scale, zero, group_size)  # even input features in the low nibble
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         low, high = self.packed & 0xF, self.packed >> 4
@@ -161,18 +154,14 @@ def attach_checkpoint_weights(model: nn.Module) -> int:
         if len(methods) != 1:
             raise LLMError(f"{path}: its fused parts are quantized differently ({sorted(methods)}): "
                            "kiln fuses them into one GEMM with one method and group size")
-        values = torch.cat([p.values for p in parts])
+        values = torch.cat([p.values for p in parts])  # each part already on the module's device
         scale = torch.cat([p.scale for p in parts])
-        device = module.device
-        method = parts[0].method
-        if method == "int4":
-            zero = torch.cat([p.zero for p in parts])
-            module.quantized = Int4Weight.from_values(values.to(device), scale.to(device), zero.to(device),
-                                                      parts[0].group_size)
-        elif method == "int8":
-            module.quantized = Int8Weight(values.to(device), scale[:, 0].to(device))
+        if parts[0].method == "int4":
+            module.quantized = Int4Weight(values, scale, torch.cat([p.zero for p in parts]), parts[0].group_size)
+        elif parts[0].method == "int8":
+            module.quantized = Int8Weight(values, scale[:, 0].contiguous())
         else:
-            module.quantized = FP8Weight(values.to(device), scale[:, 0].to(device))
+            module.quantized = FP8Weight(values, scale[:, 0].contiguous())
         module.weight = None
         module.checkpoint_parts = {}
         count += 1

@@ -46,7 +46,7 @@ class ColumnLinear(nn.Module):
         if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
             if list(tensor.shape) != [self.parts[part], self.in_features]:
                 raise LLMError(f"part {part}: expected {[self.parts[part], self.in_features]}, got {list(tensor.shape)}")
-            self.checkpoint_parts[part] = tensor.rows(start, size)
+            self.checkpoint_parts[part] = tensor.rows(start, size).to(self.device)
             return
         if kind == "weight":
             materialize_weight(self)
@@ -84,7 +84,7 @@ class RowLinear(nn.Module):
         if list(tensor.shape) != full:
             raise LLMError(f"expected {full}, got {list(tensor.shape)}")
         if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
-            self.checkpoint_parts[0] = tensor.columns(self.start, self.weight.shape[1])
+            self.checkpoint_parts[0] = tensor.columns(self.start, self.weight.shape[1]).to(self.device)
             return
         if kind == "weight":
             materialize_weight(self)

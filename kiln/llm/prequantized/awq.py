@@ -60,7 +60,6 @@ class AWQ(CheckpointFormat):
             raise LLMError(f"{layer}: AWQ tensors qweight {list(qweight.shape)} {qweight.dtype}, qzeros "
                            f"{list(qzeros.shape)}, scales {list(scales.shape)} do not fit groups of {self.group_size} "
                            f"(expected qweight [in, out/8] int32, qzeros [in/group, out/8], scales [in/group, out])")
-        values = _unpack_outputs(qweight).t().contiguous()  # [out, in]
+        values = _unpack_outputs(qweight).t()  # [out, in]
         zero = _unpack_outputs(qzeros).t().float().contiguous()  # [out, groups]
-        return QuantizedTensor("int4", values, scales.t().float().contiguous(), zero, self.group_size,
-                               f"{layer} (awq)")
+        return QuantizedTensor.int4(values, scales.t().float().contiguous(), zero, self.group_size, f"{layer} (awq)")

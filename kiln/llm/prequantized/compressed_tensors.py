@@ -137,7 +137,7 @@ class CompressedTensors(CheckpointFormat):
             if zero.shape != scale.shape:
                 raise LLMError(f"{source}: weight_zero_point unpacks to {list(zero.shape)}, expected "
                                f"{list(scale.shape)} (one per output channel and group)")
-        return QuantizedTensor("int4", values.to(torch.uint8).contiguous(), scale, zero, size, source)
+        return QuantizedTensor.int4(values, scale, zero, size, source)
 
     def _scale_rows(self, scale: torch.Tensor, out_features: int, in_features: int, source: str) -> torch.Tensor:
         """weight_scale as [out, groups]: a per-tensor scale repeated for every output channel."""

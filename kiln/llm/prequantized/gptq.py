@@ -66,6 +66,6 @@ class GPTQ(CheckpointFormat):
             raise LLMError(f"{layer}: GPTQ tensors qweight {list(qweight.shape)} {qweight.dtype}, qzeros "
                            f"{list(qzeros.shape)}, scales {list(scales.shape)} do not fit groups of {size} "
                            f"(expected qweight [in/8, out] int32, qzeros [groups, out/8], scales [groups, out])")
-        values = unpack_int32(qweight, 4, dim=0).t().to(torch.uint8).contiguous()  # [out, in]
+        values = unpack_int32(qweight, 4, dim=0).t()  # [out, in]
         zero = (unpack_int32(qzeros, 4, dim=1) + self.zero_offset).t().float().contiguous()  # [out, groups]
-        return QuantizedTensor("int4", values, scales.t().float().contiguous(), zero, size, f"{layer} (gptq)")
+        return QuantizedTensor.int4(values, scales.t().float().contiguous(), zero, size, f"{layer} (gptq)")
