@@ -154,10 +154,12 @@ def attach_checkpoint_weights(model: nn.Module) -> int:
         if len(methods) != 1:
             raise LLMError(f"{path}: its fused parts are quantized differently ({sorted(methods)}): "
                            "kiln fuses them into one GEMM with one method and group size")
-        values = torch.cat([p.values for p in parts])  # each part already on the module's device
-        scale = torch.cat([p.scale for p in parts])
+        # each part already on the module's device; row-major, as the Triton GEMMs read them
+        values = torch.cat([p.values for p in parts]).contiguous()
+        scale = torch.cat([p.scale for p in parts]).contiguous()
         if parts[0].method == "int4":
-            module.quantized = Int4Weight(values, scale, torch.cat([p.zero for p in parts]), parts[0].group_size)
+            zero = torch.cat([p.zero for p in parts]).contiguous()
+            module.quantized = Int4Weight(values, scale, zero, parts[0].group_size)
         elif parts[0].method == "int8":
             module.quantized = Int8Weight(values, scale[:, 0].contiguous())
         else:

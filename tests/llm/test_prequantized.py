@@ -234,6 +234,8 @@ def test_dequantized_weights_are_the_checkpoints_exactly(quantized_checkpoints, 
                                torch.from_numpy(exact[f"{prefix}.mlp.down_proj"]))
         if method == "int4":
             assert type(layer.self_attn.qkv_proj.quantized).__name__ == "Int4Weight"
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
+            assert all(b.is_contiguous() for b in module.quantized.buffers())  # the Triton GEMMs read row-major
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -262,6 +264,21 @@ def test_logits_match_transformers_on_the_dequantized_weights(quantized_checkpoi
 def test_greedy_generation_is_token_for_token_the_dequantized_model(quantized_checkpoints, name):
     folder, hf, _ = quantized_checkpoints(name)
     llm = LLM(folder, kv_cache_memory="4MiB", block_size=4)
+    prompts = ["Hello world, hello", "Paged attention reads keys and values"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        expected, _ = hf_greedy(hf, llm.tokenizer.encode(prompt), 12)
+        assert out.outputs[0].token_ids == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["awq", "gptq", "gptq_v2_sym_per_channel", "ct_int4_group_asym",
+                                  "ct_int8_channel_packed"])
+def test_cuda_kernels_generate_what_the_dequantized_model_does(quantized_checkpoints, name):
+    """fp32 on CUDA: the Triton int4/int8 GEMMs (exact fp32 products), CUDA graphs, the fused kernels."""
+    folder, hf, _ = quantized_checkpoints(name)
+    llm = LLM(folder, device="cuda", dtype="float32", kv_cache_memory="64MiB", block_size=16)
     prompts = ["Hello world, hello", "Paged attention reads keys and values"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):

@@ -24,7 +24,8 @@ from kiln.llm.prequantized.tensor import QuantizedTensor
 
 FORMATS = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors}
 
-__all__ = ["CheckpointFormat", "QuantizedTensor", "read_format", "convert_weights", "FORMATS"]
+__all__ = ["AWQ", "GPTQ", "CompressedTensors", "CheckpointFormat", "QuantizedTensor", "read_format", "convert_weights",
+           "FORMATS"]
 
 
 def read_format(quantization_config: dict | None, source: str) -> CheckpointFormat | None:

@@ -37,7 +37,8 @@ class QuantizedTensor:
         if q.shape[1] % 2:
             raise LLMError(f"{source}: {q.shape[1]} input features: int4 needs an even number (two a byte)")
         q = q.to(torch.uint8)
-        return cls("int4", q[:, 0::2] | (q[:, 1::2] << 4), scale, zero, group_size, source)
+        packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # row-major whatever q's strides (the kernels' layout)
+        return cls("int4", packed, scale, zero, group_size, source)
 
     @property
     def shape(self) -> torch.Size:
