@@ -115,7 +115,8 @@ class Layout:
             tensors[f"{prefix}.g_idx"] = t((np.arange(w.shape[1]) // group).astype(np.int32))
             effective = stored + 1 if v1 else stored  # what the checkpoint means (a stored 15 in v1 reads as 16)
             g = q.reshape(w.shape[0], -1, group)  # [out, groups, group]
-            return ((g - effective[..., None]) * scale.astype(np.float32)[..., None]).reshape(w.shape).astype(np.float32)
+            exact = (g - effective[..., None]) * scale.astype(np.float32)[..., None]
+            return exact.reshape(w.shape).astype(np.float32)
         return self._write_compressed_tensors(w, prefix, tensors)
 
     def _write_compressed_tensors(self, w: np.ndarray, prefix: str, tensors: dict) -> np.ndarray:

@@ -64,7 +64,8 @@ def test_int4_kernel_on_checkpoint_layouts(layout, group):
 
     scales = (torch.rand((groups, n), generator=g) * 0.02 + 0.001).half()
     if layout == "awq":
-        tensor = AWQ(group).unpack({"qweight": words(k, n // 8), "qzeros": words(groups, n // 8), "scales": scales}, "l")
+        tensor = AWQ(group).unpack({"qweight": words(k, n // 8), "qzeros": words(groups, n // 8), "scales": scales},
+                                   "l")
     else:
         tensor = GPTQ(group, 1).unpack({"qweight": words(k // 8, n), "qzeros": words(groups, n // 8), "scales": scales},
                                        "l")

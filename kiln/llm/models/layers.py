@@ -35,7 +35,8 @@ class ColumnLinear(nn.Module):
         self.offsets = [sum(size for _, size in self.slices[:i]) for i in range(len(parts))]
         local = sum(size for _, size in self.slices)
         self.device = torch.get_default_device()
-        self.weight = nn.Parameter(torch.empty(local, in_features, device="meta"), requires_grad=False)  # materialize_weight
+        # allocated by materialize_weight when a full-precision tensor arrives
+        self.weight = nn.Parameter(torch.empty(local, in_features, device="meta"), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # set by kiln/llm/quantization.py (the weight is then None)
         self.checkpoint_parts: dict[int, QuantizedTensor] = {}  # pre-quantized parts, until they are attached
@@ -45,7 +46,8 @@ class ColumnLinear(nn.Module):
         start, size = self.slices[part]
         if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
             if list(tensor.shape) != [self.parts[part], self.in_features]:
-                raise LLMError(f"part {part}: expected {[self.parts[part], self.in_features]}, got {list(tensor.shape)}")
+                raise LLMError(f"part {part}: expected {[self.parts[part], self.in_features]}, "
+                               f"got {list(tensor.shape)}")
             self.checkpoint_parts[part] = tensor.rows(start, size).to(self.device)
             return
         if kind == "weight":
@@ -74,7 +76,8 @@ class RowLinear(nn.Module):
         self.in_features = in_features
         self.start, local = tp.shard(in_features, f"{what} input")
         self.device = torch.get_default_device()
-        self.weight = nn.Parameter(torch.empty(out_features, local, device="meta"), requires_grad=False)  # materialize_weight
+        # allocated by materialize_weight when a full-precision tensor arrives
+        self.weight = nn.Parameter(torch.empty(out_features, local, device="meta"), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None
         self.checkpoint_parts: dict[int, QuantizedTensor] = {}

@@ -39,7 +39,8 @@ class CompressedTensors(CheckpointFormat):
     @property
     def components(self) -> tuple[str, ...]:
         if self.format == "pack-quantized":
-            return ("weight_packed", "weight_scale", "weight_shape") + (() if self.symmetric else ("weight_zero_point",))
+            zero_point = () if self.symmetric else ("weight_zero_point",)
+            return ("weight_packed", "weight_scale", "weight_shape") + zero_point
         return ("weight", "weight_scale")
 
     @classmethod
