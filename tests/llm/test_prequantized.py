@@ -371,6 +371,18 @@ def test_quantized_layers_never_allocate_a_full_precision_weight(quantized_check
     assert not model.layers[1].mlp.down_proj.weight.is_meta  # the unquantized layer
 
 
+def test_group_indices_are_read_and_checked():
+    """A g_idx of i // group is the plain order (dropped); any other order is act-order: refused."""
+    gptq, ct = read_format(LAYOUTS["gptq"], "x"), read_format(LAYOUTS["ct_int4_group_sym"], "x")
+    plain = torch.arange(64, dtype=torch.int32) // 32
+    assert list(convert_weights([("l.g_idx", plain)], gptq)) == []
+    assert list(convert_weights([("l.weight_g_idx", torch.arange(64, dtype=torch.int32) // 16)], ct)) == []
+    with pytest.raises(LLMError, match=r"l.g_idx is not i // group_size \(32\)"):
+        list(convert_weights([("l.g_idx", plain.flip(0))], gptq))
+    with pytest.raises(LLMError, match=r"l.weight_g_idx is not i // group_size \(16\)"):
+        list(convert_weights([("l.weight_g_idx", plain)], ct))
+
+
 def test_a_layer_missing_a_tensor_is_named(quantized_checkpoints):
     folder, _, _ = quantized_checkpoints("awq")
     weights = [(n, w) for n, w in iterate_weights(folder) if n != "model.layers.0.mlp.up_proj.qzeros"]

@@ -102,6 +102,12 @@ class CompressedTensors(CheckpointFormat):
         return component in self.components
 
     def drops(self, component: str, tensor: torch.Tensor, layer: str) -> bool:
+        if component == "weight_g_idx":  # some writers store one without act-order: it must be i // group
+            group = self.group_size or tensor.shape[0]
+            if not torch.equal(tensor.long(), torch.arange(tensor.shape[0]) // group):
+                raise LLMError(f"{layer}.weight_g_idx is not i // group_size ({group}): the checkpoint reorders input "
+                               "rows (act-order), which kiln does not support")
+            return True
         return component in ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
 
     def unpack(self, group: dict[str, torch.Tensor], layer: str) -> QuantizedTensor:
