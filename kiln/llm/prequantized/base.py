@@ -13,7 +13,7 @@ SHIFTS_8BIT = torch.arange(0, 32, 8, dtype=torch.int32)
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """int32 words holding 32/bits values each, value i of a word at bits [bits·i, bits·(i+1)), consecutive
-    values along `dim` -> uint8 (or int32 for 8 bits) with that dim 32/bits times longer."""
+    values along `dim` -> the values as int32, that dim 32/bits times longer."""
     shifts = SHIFTS_4BIT if bits == 4 else SHIFTS_8BIT
     mask = (1 << bits) - 1
     if dim == 1:  # [R, C/n] -> [R, C/n, n] -> [R, C]
