@@ -361,6 +361,23 @@ def test_requantizing_and_other_families_are_refused(tmp_path):
         LLM(tmp_path)
 
 
+def test_a_layers_tensors_may_lie_in_different_shards(quantized_checkpoints, tmp_path):
+    """qweight in one shard, qzeros and scales in another (model.safetensors.index.json lists them)."""
+    folder, _, _ = quantized_checkpoints("awq")
+    tensors = dict(iterate_weights(folder))
+    shards = {"a.safetensors": {n: w for n, w in tensors.items() if not n.endswith((".qzeros", ".scales"))},
+              "b.safetensors": {n: w for n, w in tensors.items() if n.endswith((".qzeros", ".scales"))}}
+    for shard, part in shards.items():
+        save_file(part, str(tmp_path / shard), metadata={"format": "pt"})
+    index = {"weight_map": {n: shard for shard, part in shards.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    split, whole = engine(tmp_path).model, engine(folder).model
+    for a, b in zip(split.layers, whole.layers):
+        assert torch.equal(a.mlp.gate_up_proj.quantized.dequantize(torch.float32),
+                           b.mlp.gate_up_proj.quantized.dequantize(torch.float32))
+
+
 def test_quantized_layers_never_allocate_a_full_precision_weight(quantized_checkpoints):
     """Linear weights are built on the meta device and allocated only when a full-precision tensor arrives."""
     folder, _, _ = quantized_checkpoints("awq")
