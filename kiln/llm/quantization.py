@@ -8,6 +8,8 @@ multiplies through a small module (`layer.quantized`); embeddings, norms and the
     int8  weight-only, symmetric per output channel (s = max|w| / 127): y = (x · qᵀ) · s.
     int4  weight-only, asymmetric per group of `group_size` input features (scale and zero point per
           group), two values packed per byte: w ≈ (q - z) · s.
+    (Int8GroupWeight holds pre-quantized 8-bit checkpoints with per-group scales and zero points; kiln does
+    not quantize to it.)
 
 On the CPU the weight is dequantized, then multiplied (the reference); on CUDA int8 and int4 go through
 the Triton weight-only GEMM (kernels/quant_gemm.py), which dequantizes tiles in registers. Checkpoints
@@ -119,6 +121,29 @@ class Int4Weight(nn.Module):
         return F.linear(x, self.dequantize(x.dtype))
 
 
+class Int8GroupWeight(nn.Module):
+    """8-bit weight-only with a scale and zero point per group, as pre-quantized 8-bit GPTQ and group-wise or
+    asymmetric compressed-tensors checkpoints store it (kiln's own int8 is symmetric per channel):
+    q: [out, in] uint8, scale, zero: [out, in/group_size] fp32; w = (q - zero) · scale."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
+        super().__init__()
+        self.group_size = group_size
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("zero", zero)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        q = self.q.float().view(self.q.shape[0], -1, self.group_size)
+        return ((q - self.zero[..., None]) * self.scale[..., None]).view(self.q.shape).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from kiln.llm.kernels.quant_gemm import uint8_group_gemm  # here: a CPU run never imports triton
+            return uint8_group_gemm(x, self.q, self.scale, self.zero, self.group_size)
+        return F.linear(x, self.dequantize(x.dtype))
+
+
 def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> int:
     """Quantize every projection of `model` in place; returns how many layers were quantized."""
     if method not in METHODS:
@@ -150,7 +175,7 @@ def attach_checkpoint_weights(model: nn.Module) -> int:
         if any(p is None for p in parts):
             raise LLMError(f"{path}: some of its fused parts are quantized in the checkpoint and some are not "
                            f"({[p is not None for p in parts]}); kiln fuses them into one GEMM, so all or none")
-        methods = {(p.method, p.group_size if p.method == "int4" else 0) for p in parts}
+        methods = {(p.method, p.group_size if p.zero is not None else 0) for p in parts}
         if len(methods) != 1:
             raise LLMError(f"{path}: its fused parts are quantized differently ({sorted(methods)}): "
                            "kiln fuses them into one GEMM with one method and group size")
@@ -160,6 +185,9 @@ def attach_checkpoint_weights(model: nn.Module) -> int:
         if parts[0].method == "int4":
             zero = torch.cat([p.zero for p in parts]).contiguous()
             module.quantized = Int4Weight(values, scale, zero, parts[0].group_size)
+        elif parts[0].method == "int8-group":
+            zero = torch.cat([p.zero for p in parts]).contiguous()
+            module.quantized = Int8GroupWeight(values, scale, zero, parts[0].group_size)
         elif parts[0].method == "int8":
             module.quantized = Int8Weight(values, scale[:, 0].contiguous())
         else:

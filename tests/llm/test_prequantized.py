@@ -46,19 +46,20 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds output
 
 # -- reference quantizers: weight [out, in] fp32 -> stored integers, scales, zeros and the exact dequantized weight
 
-def quantize_int4(w: np.ndarray, group: int, symmetric: bool, scale_dtype=np.float16):
-    """Per (output row, group of `group` inputs): q in 0..15, w ≈ (q - z) · s. Symmetric: z = 8."""
+def quantize_groups(w: np.ndarray, group: int, symmetric: bool, bits: int = 4, scale_dtype=np.float16):
+    """Per (output row, group of `group` inputs): q in 0..2^bits-1, w ≈ (q - z) · s. Symmetric: z = 2^(bits-1)."""
     out, inp = w.shape
+    top, middle = 2**bits - 1, 2 ** (bits - 1)
     g = w.reshape(out, inp // group, group)
     if symmetric:
-        scale = (np.abs(g).max(-1) / 7).astype(scale_dtype)
-        zero = np.full(scale.shape, 8, dtype=np.int64)
+        scale = (np.abs(g).max(-1) / (middle - 1)).astype(scale_dtype)
+        zero = np.full(scale.shape, middle, dtype=np.int64)
     else:
         low, high = np.minimum(g.min(-1), 0), np.maximum(g.max(-1), 0)
-        scale = ((high - low) / 15).astype(scale_dtype)
-        zero = np.clip(np.round(-low / scale.astype(np.float32)), 0, 15).astype(np.int64)
+        scale = ((high - low) / top).astype(scale_dtype)
+        zero = np.clip(np.round(-low / scale.astype(np.float32)), 0, top).astype(np.int64)
     s32 = scale.astype(np.float32)
-    q = np.clip(np.round(g / s32[..., None]) + zero[..., None], 0, 15).astype(np.int64)
+    q = np.clip(np.round(g / s32[..., None]) + zero[..., None], 0, top).astype(np.int64)
     dequantized = ((q - zero[..., None]) * s32[..., None]).reshape(out, inp).astype(np.float32)
     return q.reshape(out, inp), scale, zero, dequantized
 
@@ -98,7 +99,7 @@ class Layout:
         kind = self.quantization_config["quant_method"]
         if kind == "awq":
             group = self.quantization_config["group_size"]
-            q, scale, zero, exact = quantize_int4(w, group, symmetric=False)
+            q, scale, zero, exact = quantize_groups(w, group, symmetric=False)
             tensors[f"{prefix}.qweight"] = t(pack_awq(q.T))  # [in, out/8]
             tensors[f"{prefix}.qzeros"] = t(pack_awq(zero.T))  # [in/group, out/8]
             tensors[f"{prefix}.scales"] = t(scale.T)  # [in/group, out] fp16
@@ -106,11 +107,12 @@ class Layout:
         if kind == "gptq":
             config = self.quantization_config
             group = config["group_size"] if config["group_size"] > 0 else w.shape[1]
-            q, scale, zero, _ = quantize_int4(w, group, symmetric=config["sym"])
+            bits = config["bits"]
+            q, scale, zero, _ = quantize_groups(w, group, symmetric=config["sym"], bits=bits)
             v1 = config.get("checkpoint_format", "gptq") == "gptq"
-            stored = (zero - 1) & 0xF if v1 else zero  # AutoGPTQ's packer stores zero - 1; its kernels add 1 back
-            tensors[f"{prefix}.qweight"] = t(pack_sequential(q.T, 4, axis=0))  # [in/8, out]
-            tensors[f"{prefix}.qzeros"] = t(pack_sequential(stored.T, 4, axis=1))  # [groups, out/8]
+            stored = (zero - 1) % 2**bits if v1 else zero  # AutoGPTQ's packer stores zero - 1; its kernels add 1 back
+            tensors[f"{prefix}.qweight"] = t(pack_sequential(q.T, bits, axis=0))  # [in/(32/bits), out]
+            tensors[f"{prefix}.qzeros"] = t(pack_sequential(stored.T, bits, axis=1))  # [groups, out/(32/bits)]
             tensors[f"{prefix}.scales"] = t(scale.T)  # [groups, out]
             tensors[f"{prefix}.g_idx"] = t((np.arange(w.shape[1]) // group).astype(np.int32))
             effective = stored + 1 if v1 else stored  # what the checkpoint means (a stored 15 in v1 reads as 16)
@@ -131,6 +133,21 @@ class Layout:
             tensors[f"{prefix}.weight"], tensors[f"{prefix}.weight_scale"] = q, scale
             tensors[f"{prefix}.input_scale"] = torch.tensor([0.02])  # static activation scale: read, not applied
             return (q.float() * scale.reshape(-1, 1)).numpy()
+        if scheme["num_bits"] == 8 and (scheme["strategy"] == "group" or not scheme["symmetric"]):
+            # 8 bits with zero points (asymmetric) per group or channel: stored q + 128, zero points likewise
+            group = scheme["group_size"] or w.shape[1]
+            q, scale, zero, exact = quantize_groups(w, group, scheme["symmetric"], bits=8)
+            if fmt == "pack-quantized":
+                tensors[f"{prefix}.weight_packed"] = t(pack_sequential(q, 8, axis=1))
+                tensors[f"{prefix}.weight_shape"] = torch.tensor(w.shape)
+                zero_point = t(pack_sequential(zero, 8, axis=0))  # [out/4, groups]
+            else:  # naive: signed int8 as they are
+                tensors[f"{prefix}.weight"] = t((q - 128).astype(np.int8))
+                zero_point = t((zero - 128).astype(np.int8))
+            tensors[f"{prefix}.weight_scale"] = t(scale)
+            if not scheme["symmetric"]:
+                tensors[f"{prefix}.weight_zero_point"] = zero_point
+            return exact
         if scheme["num_bits"] == 8:  # symmetric int8, per channel (or tensor), scales in bf16
             per_channel = scheme["strategy"] == "channel"
             absmax = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max().reshape(1)
@@ -145,7 +162,7 @@ class Layout:
             return (q * scale.float().reshape(-1, 1).numpy()).astype(np.float32)
         # int4 pack-quantized: signed q in -8..7 stored as q + 8; zero points likewise, packed along outputs
         group, symmetric = scheme["group_size"], scheme["symmetric"]
-        q, scale, zero, exact = quantize_int4(w, group, symmetric)
+        q, scale, zero, exact = quantize_groups(w, group, symmetric)
         tensors[f"{prefix}.weight_packed"] = t(pack_sequential(q, 4, axis=1))  # [out, in/8]
         tensors[f"{prefix}.weight_shape"] = torch.tensor(w.shape)
         tensors[f"{prefix}.weight_scale"] = t(scale)  # [out, groups]
@@ -172,9 +189,19 @@ LAYOUTS = {
     "ct_int4_group_asym": compressed("pack-quantized", symmetric=False, group_size=32),
     "ct_int8_channel_packed": compressed("pack-quantized", num_bits=8, strategy="channel", group_size=None),
     "ct_int8_tensor": compressed("int-quantized", num_bits=8, strategy="tensor", group_size=None),
+    "gptq_8bit": {"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False, "sym": False},
+    "ct_int8_group_asym_packed": compressed("pack-quantized", num_bits=8, symmetric=False, group_size=32),
+    "ct_int8_channel_asym": compressed("naive-quantized", num_bits=8, symmetric=False, strategy="channel",
+                                       group_size=None),
     "ct_fp8_channel": compressed("float-quantized", num_bits=8, type="float", strategy="channel", group_size=None),
     "ct_fp8_tensor": compressed("float-quantized", num_bits=8, type="float", strategy="tensor", group_size=None),
 }
+# the kiln module each layout becomes
+MODULES = {"awq": "Int4Weight", "gptq": "Int4Weight", "gptq_v2_sym_per_channel": "Int4Weight",
+           "ct_int4_group_sym": "Int4Weight", "ct_int4_group_asym": "Int4Weight",
+           "ct_int8_channel_packed": "Int8Weight", "ct_int8_tensor": "Int8Weight",
+           "gptq_8bit": "Int8GroupWeight", "ct_int8_group_asym_packed": "Int8GroupWeight",
+           "ct_int8_channel_asym": "Int8GroupWeight", "ct_fp8_channel": "FP8Weight", "ct_fp8_tensor": "FP8Weight"}
 GROUPS_OF_64 = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False, "sym": True}
 
 
@@ -216,7 +243,6 @@ def engine(folder, **options):
 def test_dequantized_weights_are_the_checkpoints_exactly(quantized_checkpoints, name):
     folder, _, exact = quantized_checkpoints(name)
     model = engine(folder).model
-    method = {"awq": "int4", "gptq": "int4"}.get(LAYOUTS[name]["quant_method"])
     for index, layer in enumerate(model.layers):
         prefix = f"model.layers.{index}"
         qkv = layer.self_attn.qkv_proj.quantized.dequantize(torch.float32)
@@ -233,8 +259,7 @@ def test_dequantized_weights_are_the_checkpoints_exactly(quantized_checkpoints, 
             assert layer.mlp.down_proj.weight is None
             assert torch.equal(layer.mlp.down_proj.quantized.dequantize(torch.float32),
                                torch.from_numpy(exact[f"{prefix}.mlp.down_proj"]))
-        if method == "int4":
-            assert type(layer.self_attn.qkv_proj.quantized).__name__ == "Int4Weight"
+        assert type(layer.self_attn.qkv_proj.quantized).__name__ == MODULES[name]
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj):
             assert all(b.is_contiguous() for b in module.quantized.buffers())  # the Triton GEMMs read row-major
 
@@ -275,7 +300,7 @@ def test_greedy_generation_is_token_for_token_the_dequantized_model(quantized_ch
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["awq", "gptq", "gptq_v2_sym_per_channel", "ct_int4_group_asym",
-                                  "ct_int8_channel_packed"])
+                                  "ct_int8_channel_packed", "gptq_8bit", "ct_int8_channel_asym"])
 def test_cuda_kernels_generate_what_the_dequantized_model_does(quantized_checkpoints, name):
     """fp32 on CUDA: the Triton int4/int8 GEMMs (exact fp32 products), CUDA graphs, the fused kernels."""
     folder, hf, _ = quantized_checkpoints(name)
@@ -330,13 +355,13 @@ REFUSED = [
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "AWQ version 'gemv' is not supported"),
     ({"quant_method": "awq", "bits": 3, "group_size": 128, "version": "gemm"}, "AWQ with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
-    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "GPTQ with 8 bits"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format 'marlin'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes' is not supported"),
     (compressed("nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized' is not supported"),
     (compressed("pack-quantized", actorder="group"), "actorder 'group'"),
-    (compressed("pack-quantized", num_bits=8), "8-bit group-wise weights"),
+    (compressed("pack-quantized", symmetric=False, strategy="tensor"), "one zero point per tensor"),
     (compressed("pack-quantized", num_bits=3), "3-bit integer weights"),
     (compressed("float-quantized", num_bits=8, type="float", strategy="block", group_size=None),
      "weight strategy 'block'"),

@@ -5,7 +5,7 @@ loaders route it (q/k/v and gate/up parts, tensor-parallel slices) like a full-p
 quantization.attach_checkpoint_weights then swaps in the module that multiplies it.
 
     awq                 AutoAWQ GEMM, 4 bits                 awq.py
-    gptq                AutoGPTQ / GPTQModel, 4 bits         gptq.py
+    gptq                AutoGPTQ / GPTQModel, 4 or 8 bits    gptq.py
     compressed-tensors  pack-quantized int4/int8, int8, FP8  compressed_tensors.py
 """
 

@@ -7,7 +7,8 @@ only; one quantization scheme for the Linear layers, layers in `ignore` stored i
                      weight_zero_point [ceil(out·bits/32), groups] packed along outputs (asymmetric only).
                      Stored values are q + 2^(bits-1) (signed q made unsigned), zero points likewise:
                      w = (q - zp) · s.
-    naive-/int-quantized  weight int8 [out, in], weight_scale; symmetric: w = q · s.
+    naive-/int-quantized  weight int8 [out, in], weight_scale, weight_zero_point int8 [out, groups]
+                     (asymmetric only): w = (q - zp) · s.
     float-quantized  weight float8_e4m3fn [out, in], weight_scale [out, 1] or [1]: w = q · s.
 
 Activation quantization in the scheme (W8A8, FP8 static `input_scale`) is not applied: activations stay in
@@ -38,10 +39,10 @@ class CompressedTensors(CheckpointFormat):
 
     @property
     def components(self) -> tuple[str, ...]:
+        zero_point = () if self.symmetric else ("weight_zero_point",)
         if self.format == "pack-quantized":
-            zero_point = () if self.symmetric else ("weight_zero_point",)
             return ("weight_packed", "weight_scale", "weight_shape") + zero_point
-        return ("weight", "weight_scale")
+        return ("weight", "weight_scale") + zero_point
 
     @classmethod
     def from_config(cls, config: dict, source: str) -> CompressedTensors:
@@ -87,13 +88,15 @@ class CompressedTensors(CheckpointFormat):
             if strategy == "group" and (not isinstance(group, int) or group <= 0):
                 raise LLMError(f"{what}: group strategy with group_size {group!r}")
         elif bits == 8:
-            if strategy == "group" or not symmetric:
-                raise LLMError(f"{what}: 8-bit {'asymmetric' if not symmetric else 'group-wise'} weights are not "
-                               "supported: kiln's int8 is symmetric with one scale per output channel (or tensor)")
+            if strategy == "group" and (not isinstance(group, int) or group <= 0):
+                raise LLMError(f"{what}: group strategy with group_size {group!r}")
         else:
             raise LLMError(f"{what}: {bits}-bit integer weights are not supported (4 or 8)")
         if fmt == "float-quantized" and not symmetric:
             raise LLMError(f"{what}: asymmetric FP8 weights are not supported")
+        if not symmetric and strategy == "tensor":
+            raise LLMError(f"{what}: asymmetric weights with one zero point per tensor are not supported "
+                           "(per channel or group are)")
         return cls(fmt, bits, strategy, group if strategy == "group" else None, symmetric)
 
     def holds(self, component: str, tensor: torch.Tensor) -> bool:
@@ -136,7 +139,17 @@ class CompressedTensors(CheckpointFormat):
                 values = (values - offset).to(torch.int8)
             elif values.dtype != torch.int8:
                 raise LLMError(f"{source}: weight is {values.dtype}, expected int8")
-            return QuantizedTensor("int8", values.contiguous(), scale, None, size, source)
+            if self.symmetric and scale.shape[1] == 1:  # kiln's int8: symmetric, one scale per output channel
+                return QuantizedTensor("int8", values.contiguous(), scale, None, size, source)
+            zero = torch.full_like(scale, offset)
+            if not self.symmetric:
+                stored = group["weight_zero_point"]
+                zero = (unpack_int32(stored, 8, dim=0)[:out_features].float() if self.format == "pack-quantized"
+                        else stored.float().reshape(scale.shape) + offset)
+            if zero.shape != scale.shape:
+                raise LLMError(f"{source}: weight_zero_point gives {list(zero.shape)}, expected {list(scale.shape)}")
+            unsigned = (values.to(torch.int32) + offset).to(torch.uint8).contiguous()  # q + 128, zero likewise
+            return QuantizedTensor("int8-group", unsigned, scale, zero, size, source)
         if self.symmetric:
             zero = torch.full_like(scale, offset)
         else:

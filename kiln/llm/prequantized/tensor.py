@@ -4,6 +4,7 @@ Int4Weight, Int8Weight, FP8Weight hold exactly these values), so that no value i
     int4  values uint8 [out, in/2], two 4-bit q in 0..15 a byte (input 2i in the low nibble of byte i,
           Int4Weight's packing), w = (q - zero) · scale, one scale and zero per group of input features
     int8  values int8,           w = values · scale, one scale per output channel
+    int8-group  values uint8,    w = (values - zero) · scale, one scale and zero per group (8-bit GPTQ, ...)
     fp8   values float8_e4m3fn,  w = values · scale, one scale per output channel (a per-tensor scale repeated)
 
 scale and zero are [out, groups] fp32 (groups = 1: per output channel; group_size is then the input width).
@@ -23,10 +24,10 @@ from kiln.llm.config import LLMError
 
 @dataclass
 class QuantizedTensor:
-    method: str  # int4 | int8 | fp8
+    method: str  # int4 | int8 | int8-group | fp8
     values: torch.Tensor  # [out, in] (int4: [out, in/2], two a byte)
     scale: torch.Tensor  # [out, groups] fp32
-    zero: torch.Tensor | None  # [out, groups] fp32 (int4), None otherwise
+    zero: torch.Tensor | None  # [out, groups] fp32 (int4, int8-group), None otherwise
     group_size: int  # input features per group (the input width for one group)
     source: str = ""  # the checkpoint format and layer it came from, for error messages
 
