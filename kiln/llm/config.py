@@ -68,6 +68,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     generation_defaults: dict = field(default_factory=dict)  # generation_config.json's sampling fields
+    quantization_config: dict | None = None  # a pre-quantized checkpoint's (kiln/llm/prequantized reads it)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> ModelConfig:
@@ -98,7 +99,9 @@ class ModelConfig:
         common = dict(model_type=model_type, family=FAMILIES[model_type], vocab_size=raw["vocab_size"],
                       tie_word_embeddings=raw.get("tie_word_embeddings", model_type == "gpt2"),
                       dtype=raw.get("dtype", raw.get("torch_dtype")), bos_token_id=bos, eos_token_ids=eos_ids,
-                      generation_defaults=defaults)
+                      generation_defaults=defaults,
+                      # older compressed-tensors checkpoints name it compression_config
+                      quantization_config=raw.get("quantization_config") or raw.get("compression_config"))
         if model_type == "gpt2":
             hidden, heads = raw["n_embd"], raw["n_head"]
             act = raw.get("activation_function", "gelu_new")

@@ -26,9 +26,11 @@ from kiln.llm.config import EngineConfig, LLMError, ModelConfig
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
 from kiln.llm.model_runner import ModelRunner, TokenLogprobs
 from kiln.llm.models import build_model
+from kiln.llm.models.layers import ColumnLinear, RowLinear, materialize_weight
 from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.llm.parallel import SINGLE, TensorParallel
-from kiln.llm.quantization import quantize_model
+from kiln.llm.prequantized import convert_weights, read_format
+from kiln.llm.quantization import attach_checkpoint_weights, quantize_model
 from kiln.llm.request import Request, RequestStatus
 from kiln.llm.sampling_params import SamplingParams
 from kiln.llm.scheduler import Scheduler, SchedulerConfig
@@ -73,6 +75,9 @@ def _dummy_weights(model: torch.nn.Module, seed: int | None) -> None:
     """Random weights in place of a checkpoint (load_format="dummy"): matrices N(0, 0.02), norms and biases
     as built (ones, zeros). Made on the model's device: an 8B model in a second on a GPU."""
     generator = None
+    for module in model.modules():
+        if isinstance(module, (ColumnLinear, RowLinear)):
+            materialize_weight(module)
     for p in model.parameters():
         if p.dim() > 1:
             if generator is None:
@@ -124,11 +129,24 @@ class LLMEngine:
                            f"{max_position}")
         if config.attention_backend == "auto":
             config.attention_backend = "triton" if self.device.type == "cuda" else "torch"
+        # a pre-quantized checkpoint: its format is checked here, before any weight is read
+        self.checkpoint_format = read_format(self.model_config.quantization_config, str(self.path / "config.json"))
+        if self.checkpoint_format is not None:
+            if config.quantization:
+                raise LLMError(f"{self.path} is already quantized ({self.checkpoint_format.name}): leave "
+                               f"quantization unset (got {config.quantization!r}) to load its weights as they are")
+            if self.model_config.family != "llama":
+                raise LLMError(f"{self.path}: pre-quantized {self.model_config.model_type} checkpoints are not "
+                               "supported (Llama, Mistral and Qwen2 are)")
         started = time.perf_counter()
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = build_model(self.model_config, self.max_model_len, tp)
         if config.load_format == "dummy":
             _dummy_weights(self.model, config.seed)
+        elif self.checkpoint_format is not None:
+            self.model.load_weights(convert_weights(iterate_weights(self.path), self.checkpoint_format),
+                                    source=str(self.path))
+            attach_checkpoint_weights(self.model)
         else:
             self.model.load_weights(iterate_weights(self.path), source=str(self.path))
         if config.quantization:

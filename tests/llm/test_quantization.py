@@ -19,7 +19,7 @@ def weight(out=24, inp=64, seed=0):
 
 def test_int8_rounds_within_half_a_step_per_channel():
     w = weight()
-    q = Int8Weight(w)
+    q = Int8Weight.quantize(w)
     assert q.q.dtype == torch.int8 and q.scale.shape == (24,)
     error = (q.q.float() * q.scale[:, None] - w).abs()
     assert (error <= q.scale[:, None] / 2 + 1e-7).all()
@@ -29,7 +29,7 @@ def test_int8_rounds_within_half_a_step_per_channel():
 
 def test_fp8_keeps_three_mantissa_bits():
     w = weight()
-    q = FP8Weight(w)
+    q = FP8Weight.quantize(w)
     assert q.q.dtype == torch.float8_e4m3fn
     back = q.q.float() * q.scale[:, None]
     big = w.abs() > q.scale[:, None] * 2 ** -6  # normal numbers of e4m3 (subnormals have absolute error)
@@ -39,7 +39,7 @@ def test_fp8_keeps_three_mantissa_bits():
 
 def test_int4_packs_two_per_byte_and_rounds_within_a_step_per_group():
     w = weight()
-    q = Int4Weight(w, group_size=16)
+    q = Int4Weight.quantize(w, group_size=16)
     assert q.packed.dtype == torch.uint8 and q.packed.shape == (24, 32) and q.scale.shape == (24, 4)
     back = q.dequantize(torch.float32)
     step = q.scale.repeat_interleave(16, dim=1)
@@ -47,7 +47,7 @@ def test_int4_packs_two_per_byte_and_rounds_within_a_step_per_group():
     low = q.packed & 0xF  # unpacking by hand: even input features are the low nibbles
     torch.testing.assert_close(back[:, 0::2], (low.float() - q.zero.repeat_interleave(8, dim=1)) * step[:, 0::2])
     with pytest.raises(LLMError, match="multiple of the group size"):
-        Int4Weight(weight(inp=40), group_size=16)
+        Int4Weight.quantize(weight(inp=40), group_size=16)
 
 
 @pytest.fixture(scope="module")

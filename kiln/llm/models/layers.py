@@ -1,7 +1,9 @@
 """The pieces decoder models are made of: tensor-parallel linear layers and embedding, RMSNorm, RoPE.
 
 Linear layers keep their full-size weights' slice for this rank and load from the checkpoint's full
-tensors (`load`), so the same model code runs on one device or split over several.
+tensors (`load`), so the same model code runs on one device or split over several. Their full-precision
+weight is allocated when a full-precision tensor is loaded into it (`materialize_weight`): a pre-quantized
+checkpoint's layers never hold one (an int4 70B model does not first take a bf16 70B model's memory).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 
 from kiln.llm.config import LLMError, RopeConfig
 from kiln.llm.parallel import TensorParallel
+from kiln.llm.prequantized.tensor import QuantizedTensor
 
 # the fused Triton kernels (kiln/llm/kernels/fused.py) on CUDA; KILN_LLM_FUSED=0: the torch code everywhere
 FUSED = os.environ.get("KILN_LLM_FUSED", "1") != "0"
@@ -31,13 +34,24 @@ class ColumnLinear(nn.Module):
         self.slices = [tp.shard(p, f"{what} output part {i}") for i, p in enumerate(parts)]
         self.offsets = [sum(size for _, size in self.slices[:i]) for i in range(len(parts))]
         local = sum(size for _, size in self.slices)
-        self.weight = nn.Parameter(torch.empty(local, in_features), requires_grad=False)
+        self.device = torch.get_default_device()
+        # allocated by materialize_weight when a full-precision tensor arrives
+        self.weight = nn.Parameter(torch.empty(local, in_features, device="meta"), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # set by kiln/llm/quantization.py (the weight is then None)
+        self.checkpoint_parts: dict[int, QuantizedTensor] = {}  # pre-quantized parts, until they are attached
 
-    def load(self, kind: str, tensor: torch.Tensor, part: int = 0) -> None:
+    def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
         """Load this rank's slice of the checkpoint's full `kind` ("weight" or "bias") of one fused part."""
         start, size = self.slices[part]
+        if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
+            if list(tensor.shape) != [self.parts[part], self.in_features]:
+                raise LLMError(f"part {part}: expected {[self.parts[part], self.in_features]}, "
+                               f"got {list(tensor.shape)}")
+            self.checkpoint_parts[part] = tensor.rows(start, size).to(self.device)
+            return
+        if kind == "weight":
+            materialize_weight(self)
         offset = self.offsets[part]
         target = getattr(self, kind).data[offset:offset + size]
         source = tensor[start:start + size]
@@ -61,21 +75,35 @@ class RowLinear(nn.Module):
         self.tp = tp
         self.in_features = in_features
         self.start, local = tp.shard(in_features, f"{what} input")
-        self.weight = nn.Parameter(torch.empty(out_features, local), requires_grad=False)
+        self.device = torch.get_default_device()
+        # allocated by materialize_weight when a full-precision tensor arrives
+        self.weight = nn.Parameter(torch.empty(out_features, local, device="meta"), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None
+        self.checkpoint_parts: dict[int, QuantizedTensor] = {}
 
-    def load(self, kind: str, tensor: torch.Tensor) -> None:
+    def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         full = [self.weight.shape[0]] + ([self.in_features] if kind == "weight" else [])
         if list(tensor.shape) != full:
             raise LLMError(f"expected {full}, got {list(tensor.shape)}")
+        if isinstance(tensor, QuantizedTensor):  # kept quantized: quantization.attach_checkpoint_weights
+            self.checkpoint_parts[0] = tensor.columns(self.start, self.weight.shape[1]).to(self.device)
+            return
         if kind == "weight":
+            materialize_weight(self)
             tensor = tensor[:, self.start:self.start + self.weight.shape[1]]
         getattr(self, kind).data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(F.linear(x, self.weight) if self.quantized is None else self.quantized(x))
         return y if self.bias is None else y + self.bias
+
+
+def materialize_weight(linear: ColumnLinear | RowLinear) -> None:
+    """Allocate the layer's full-precision weight (built on the meta device) on its device."""
+    if linear.weight is not None and linear.weight.is_meta:
+        linear.weight = nn.Parameter(torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device=linear.device),
+                                     requires_grad=False)
 
 
 class VocabEmbedding(nn.Module):

@@ -9,6 +9,7 @@ from torch import nn
 
 from kiln.llm.config import LLMError
 from kiln.llm.models.layers import ColumnLinear, RowLinear, VocabEmbedding
+from kiln.llm.prequantized.tensor import QuantizedTensor
 
 
 class WeightLoader:
@@ -26,6 +27,10 @@ class WeightLoader:
             self.unplaced.append(name)
             return
         module = self.model.get_submodule(path)
+        if isinstance(tensor, QuantizedTensor) and not isinstance(module, (ColumnLinear, RowLinear)):
+            raise LLMError(f"{self.source}: {name} is quantized ({tensor.method}), but kiln keeps {path} "
+                           "(an embedding, LM head or norm) in full precision; a checkpoint that leaves it "
+                           "unquantized (compressed-tensors' ignore, AWQ's modules_to_not_convert) loads")
         try:
             if isinstance(module, ColumnLinear):
                 module.load(kind, tensor, part)
