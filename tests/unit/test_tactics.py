@@ -325,6 +325,29 @@ def test_native_tactics_win_within_the_timing_noise():
     assert autotune._choose({"cpu.gemm.mkl": 10.0, "cpu.gemm.kiln_packed": 11.5, "default": 12.0}) == "cpu.gemm.mkl"
 
 
+def test_a_non_native_winner_is_timed_again_against_the_best_native_one(monkeypatch):
+    """A burst of other work on the native candidates' samples made MKL win; timed again, each candidate keeps
+    its faster time, and the native GEMM wins. A native winner, or one with no native rival, is not re-timed."""
+    again = []
+
+    def measure(fns, device, runs):
+        again.append(sorted(fns))
+        return {"cpu.gemm.mkl": 3.0, "cpu.gemm.kiln_packed": 2.5}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    fns = dict.fromkeys(["default", "cpu.gemm.mkl", "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct"], lambda: None)
+    first = {"default": 5.0, "cpu.gemm.mkl": 2.8, "cpu.gemm.kiln_packed": 12.0, "cpu.gemm.onednn_direct": 13.0}
+    times = autotune.confirmed(first, fns, torch.device("cpu"), runs=5)
+    assert again == [["cpu.gemm.kiln_packed", "cpu.gemm.mkl"]]  # the winner and the best native rival only
+    assert times == {**first, "cpu.gemm.mkl": 2.8, "cpu.gemm.kiln_packed": 2.5}
+    assert autotune._choose(times) == "cpu.gemm.kiln_packed"
+    native_first = {"default": 5.0, "cpu.gemm.kiln_packed": 2.0, "cpu.gemm.mkl": 3.0}
+    assert autotune.confirmed(native_first, fns, torch.device("cpu"), runs=5) == native_first
+    assert autotune.confirmed({"default": 1.0, "cpu.gemm.mkl": 2.0}, fns, torch.device("cpu"), runs=5) \
+        == {"default": 1.0, "cpu.gemm.mkl": 2.0}
+    assert len(again) == 1
+
+
 POINTWISE_CASES = [case for case in CONV_CASES if case[5] == 1 and case[6] == 1 and case[8] == 1] + [
     (2, 24, 7, 7, 96, 1, 1, 0, 1, "Clip", 0.0, 6.0, None, 0),  # MobileNetV2 expansion, batch 2
     (1, 32, 7, 7, 32, 1, 1, 0, 1, "Relu", 0.0, 0.0, "same", 1),  # activation, then residual
