@@ -279,6 +279,10 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
     known = [{k: v for k, v in c["times_ms"].items() if k in names} if c is not None else {} for c in cached]
     hit = all(known)
     wanted = _choose_over(known) if hit else None
+    if hit and not _native(wanted) and any(_native(k) for k in known[0]) \
+            and not all(c.get("confirmed") for c in cached):
+        hit, wanted = False, None  # an entry from before `confirmed`: a non-native win is timed again, once
+        cache.hits, cache.misses = cache.hits - len(keys), cache.misses + len(keys)
     checks = [_checker(fn, ctx, r, attrs) for r in points]
     launches: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
     for t in usable:
@@ -318,7 +322,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
         with torch.inference_mode():
             measured = confirmed(measure(timed, device, runs), timed, device, runs)
         times.append(measured)
-        cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes,
+        cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes, "confirmed": True,
                         "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}"})
     chosen = _choose_over(times)
     return _result(chosen, times, notes, cached=False, labels=labels), launches[chosen][1] if chosen in launches else {}

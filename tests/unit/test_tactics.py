@@ -141,6 +141,26 @@ def test_timing_cache_is_hit_on_rebuild_with_identical_choices(tmp_path):
            {n: v["tactic"] for n, v in record["layers"].items()}
 
 
+def test_an_old_cached_non_native_win_is_timed_again_once(tmp_path):
+    """An entry written before wins were confirmed (no "confirmed"), in which the default beat every native
+    candidate, is timed afresh at the next build (and confirmed); a confirmed entry is a hit as before."""
+    model, cache = conv_model(tmp_path), tmp_path / "timing.json"
+    kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]})
+    doc = json.loads(cache.read_text())
+    assert all(e["confirmed"] for e in doc["entries"].values())
+    for entry in doc["entries"].values():  # as a contended build wrote them: the default far ahead
+        entry["times_ms"] = {k: (1e-3 if k == DEFAULT else 1e3) for k in entry["times_ms"]}
+        entry["chosen"] = DEFAULT
+        del entry["confirmed"]
+    cache.write_text(json.dumps(doc))
+    record = kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]}).plan.header["tactics"]
+    assert record["cache"]["hits"] == 0 and record["cache"]["misses"] == 4
+    assert all(not layer["cached"] and layer["candidates"][DEFAULT] > 1e-3 for layer in record["layers"].values())
+    assert all(e["confirmed"] for e in json.loads(cache.read_text())["entries"].values())
+    assert kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]}).plan.header["tactics"][
+        "cache"]["hits"] == 4
+
+
 def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
     env = environment(torch.device("cpu"))
     assert {"device_name", "capability", "driver", "torch", "triton", "kiln", "threads"} <= set(env)
