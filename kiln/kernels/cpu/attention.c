@@ -314,11 +314,6 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     }
     attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
     const long items = heads * chunks;
-    if (threads <= 1) {
-        for (long item = 0; item < items; ++item) attention_item(&l, item);
-    } else {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (long item = 0; item < items; ++item) attention_item(&l, item);
-    }
+    parallel_items(items, threads, attention_item, &l);
     return l.failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
 }

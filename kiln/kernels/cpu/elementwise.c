@@ -12,7 +12,7 @@
  * Evaluation runs over chunks of at most CHUNK elements of y's last axis (after kiln/kernels/cpu/elementwise.py
  * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
  * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
- * vectorises. Past `grain` elements the chunks are shared among the OpenMP threads.
+ * vectorises. Past `grain` elements the chunks are shared among the threads (parallel_items: gemm.c's pool).
  */
 
 #define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
@@ -94,6 +94,30 @@ static void ew_chunk(const elementwise_plan *p, const float *const *in, const lo
     }
 }
 
+typedef struct {
+    const elementwise_plan *p;
+    const float *const *in;
+    float *y;
+    long n, per_row, chunks;
+} elementwise_loop;
+
+/* Chunks [16 item, 16 item + 16) of y, row by row. */
+static void elementwise_item(void *loop, long item) {
+    const elementwise_loop *l = (const elementwise_loop *)loop;
+    const elementwise_plan *p = l->p;
+    for (long it = item * 16; it < (item + 1) * 16 && it < l->chunks; ++it) {
+        const long o = it / l->per_row, j0 = (it % l->per_row) * EW_CHUNK;
+        long rem = o, off[EW_INPUTS] = {0};
+        for (int d = MAXD - 2; d >= 0; --d) {
+            const long i = rem % p->dims[d];
+            rem /= p->dims[d];
+            for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
+        }
+        for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
+        ew_chunk(p, l->in, off, l->y + o * l->n + j0, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
+    }
+}
+
 int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     (void)stream; (void)nargs; (void)args;
     const elementwise_plan *p = (const elementwise_plan *)object;
@@ -108,19 +132,11 @@ int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
     long outer = 1;
     for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
     if (n <= 0 || outer <= 0) return 0;
-    const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK, items = outer * per_row;
-    #pragma omp parallel for schedule(static) if (outer * n > p->grain)
-    for (long it = 0; it < items; ++it) {
-        const long o = it / per_row, j0 = (it % per_row) * EW_CHUNK;
-        long rem = o, off[EW_INPUTS] = {0};
-        for (int d = MAXD - 2; d >= 0; --d) {
-            const long i = rem % p->dims[d];
-            rem /= p->dims[d];
-            for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
-        }
-        for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
-        ew_chunk(p, in, off, y + o * n + j0, n - j0 < EW_CHUNK ? n - j0 : EW_CHUNK);
-    }
+    const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK;
+    /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
+    elementwise_loop l = {p, in, y, n, per_row, outer * per_row};
+    const long items = (l.chunks + 15) / 16;
+    parallel_items(items, outer * n > p->grain ? max_threads() : 1, elementwise_item, &l);
     return 0;
 }
 

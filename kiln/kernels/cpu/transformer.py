@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import gemm_native, native_loop, onednn
 from kiln.ops._util import broadcast_sizes
 
 # one compilation unit: attention.c uses transformer.c's helpers
@@ -66,6 +66,8 @@ def load() -> ctypes.CDLL | None:
         except (OSError, AttributeError) as e:
             _REASON = f"{type(e).__name__}: {e}"
             return None
+        # attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's
+        ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
         _LOADED = lib
         return lib
 
