@@ -14,7 +14,7 @@ import math
 import torch
 
 from kiln.kernels.cpu.transformer import MAX_DIMS, PARALLEL_ELEMENTS, NativeKernel, broadcast_strides
-from kiln.ops._util import broadcast_sizes
+from kiln.ops._util import broadcast_sizes, merge_walked_dims
 
 EW_INPUTS = 8   # EW_INPUTS in elementwise.c
 EW_LINES = 32   # EW_LINES in elementwise.c
@@ -63,18 +63,9 @@ def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
 
 
 def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
-    """out's dims (and each operand's strides over them) with size-1 dims dropped and each pair of
-    neighbours merged where every operand walks the pair as one dim; MAX_DIMS long again, 1s in front."""
-    keep = [d for d in range(len(out)) if out[d] != 1]
-    dims = [out[d] for d in keep]
-    walks = [[s[d] for d in keep] for s in strides]
-    d = len(dims) - 2
-    while d >= 0:
-        if all(w[d] == w[d + 1] * dims[d + 1] for w in walks):
-            dims[d:d + 2] = [dims[d] * dims[d + 1]]
-            for w in walks:
-                w[d:d + 2] = [w[d + 1]]
-        d -= 1
+    """out's dims (and each operand's strides over them) merged where every operand walks them as one
+    (merge_walked_dims); MAX_DIMS long again, 1s in front."""
+    dims, walks = merge_walked_dims(list(out), [list(s) for s in strides])
     pad = MAX_DIMS - len(dims)
     return (1,) * pad + tuple(dims), [(0,) * pad + tuple(w) for w in walks]
 

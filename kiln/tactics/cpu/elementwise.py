@@ -20,6 +20,7 @@ import torch
 from kiln.kernels.cpu import elementwise as kernels
 from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.broadcast import broadcast_input_shapes
 from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
@@ -44,13 +45,10 @@ def _elementwise_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
     lines = kernels.parse(list(_attr(step, "code", [])), len(inputs))
     if isinstance(lines, str):
         return lines
-    try:
-        out = torch.broadcast_shapes(*[torch.Size(m.shape) for m in inputs])
-    except RuntimeError as e:
-        return f"the inputs do not broadcast: {e}"
-    if len(out) > kernels.MAX_DIMS:
-        return f"{len(out)} dims: at most {kernels.MAX_DIMS}"
-    if out.numel() == 0:
+    shapes = broadcast_input_shapes(inputs)
+    if isinstance(shapes, str):
+        return shapes
+    if torch.broadcast_shapes(*shapes).numel() == 0:
         return "an empty output"
     return True
 
