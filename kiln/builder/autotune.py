@@ -335,9 +335,10 @@ def confirmed(measured: dict[str, float], fns: dict[str, Callable[[], Any]], dev
 
     Why: on a CPU shared with other work a burst can land on one candidate's samples, and a win by noise
     is kept in the timing cache for every later build. On a 2-core AMD EPYC (AVX-512) at load 4-6 the
-    cache held torch's linear (MKL, whose AMD path runs at ~45% of the FMA peak where oneDNN's inner
-    product runs at ~90%: bench/results/zoo-cpu-2026-12-02.md) as 4x faster than every oneDNN and kiln
-    GEMM of a DCN layer; run in the network it was the slowest of them, and it split the native segment."""
+    cache held torch's linear (MKL, whose AMD path runs at ~35% of a core's measured FMA peak where
+    oneDNN's inner product runs at ~90%: bench/results/zoo-cpu-2026-12-02.md) as 4x faster than every
+    oneDNN and kiln GEMM of a DCN layer; in the network it was the slowest of them, and it split the
+    native segment."""
     chosen = _choose(measured)
     rivals = [k for k in measured if k != chosen and _native(k)]
     if _native(chosen) or not rivals:
