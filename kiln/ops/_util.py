@@ -45,6 +45,22 @@ def broadcast_sizes(*sizes: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def merge_walked_dims(shape: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Drop size-1 dims; merge neighbours d, d+1 that every operand walks as one (stride_d = stride_d+1·size_d+1):
+    the fewest, longest loops over a broadcast elementwise op (the Triton and the C Elementwise kernels)."""
+    keep = [d for d, size in enumerate(shape) if size != 1]
+    shape = [shape[d] for d in keep]
+    strides = [[s[d] for d in keep] for s in strides]
+    d = len(shape) - 2
+    while d >= 0:
+        if all(s[d] == s[d + 1] * shape[d + 1] for s in strides):
+            shape[d:d + 2] = [shape[d] * shape[d + 1]]
+            for s in strides:
+                s[d:d + 2] = [s[d + 1]]
+        d -= 1
+    return shape, strides
+
+
 def norm_axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 

@@ -141,6 +141,26 @@ def test_timing_cache_is_hit_on_rebuild_with_identical_choices(tmp_path):
            {n: v["tactic"] for n, v in record["layers"].items()}
 
 
+def test_an_old_cached_non_native_win_is_timed_again_once(tmp_path):
+    """An entry written before wins were confirmed (no "confirmed"), in which the default beat every native
+    candidate, is timed afresh at the next build (and confirmed); a confirmed entry is a hit as before."""
+    model, cache = conv_model(tmp_path), tmp_path / "timing.json"
+    kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]})
+    doc = json.loads(cache.read_text())
+    assert all(e["confirmed"] for e in doc["entries"].values())
+    for entry in doc["entries"].values():  # as a contended build wrote them: the default far ahead
+        entry["times_ms"] = {k: (1e-3 if k == DEFAULT else 1e3) for k in entry["times_ms"]}
+        entry["chosen"] = DEFAULT
+        del entry["confirmed"]
+    cache.write_text(json.dumps(doc))
+    record = kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]}).plan.header["tactics"]
+    assert record["cache"]["hits"] == 0 and record["cache"]["misses"] == 4
+    assert all(not layer["cached"] and layer["candidates"][DEFAULT] > 1e-3 for layer in record["layers"].values())
+    assert all(e["confirmed"] for e in json.loads(cache.read_text())["entries"].values())
+    assert kiln.build(model, timing_cache=str(cache), shapes={"x": [2, 8, 12, 12]}).plan.header["tactics"][
+        "cache"]["hits"] == 4
+
+
 def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
     env = environment(torch.device("cpu"))
     assert {"device_name", "capability", "driver", "torch", "triton", "kiln", "threads"} <= set(env)
@@ -323,6 +343,29 @@ def test_native_tactics_win_within_the_timing_noise():
         == "cpu.gemm.kiln_packed"
     # ... 15% slower it does not
     assert autotune._choose({"cpu.gemm.mkl": 10.0, "cpu.gemm.kiln_packed": 11.5, "default": 12.0}) == "cpu.gemm.mkl"
+
+
+def test_a_non_native_winner_is_timed_again_against_the_best_native_one(monkeypatch):
+    """A burst of other work on the native candidates' samples made MKL win; timed again, each candidate keeps
+    its faster time, and the native GEMM wins. A native winner, or one with no native rival, is not re-timed."""
+    again = []
+
+    def measure(fns, device, runs):
+        again.append(sorted(fns))
+        return {"cpu.gemm.mkl": 3.0, "cpu.gemm.kiln_packed": 2.5}
+
+    monkeypatch.setattr(autotune, "measure", measure)
+    fns = dict.fromkeys(["default", "cpu.gemm.mkl", "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct"], lambda: None)
+    first = {"default": 5.0, "cpu.gemm.mkl": 2.8, "cpu.gemm.kiln_packed": 12.0, "cpu.gemm.onednn_direct": 13.0}
+    times = autotune.confirmed(first, fns, torch.device("cpu"), runs=5)
+    assert again == [["cpu.gemm.kiln_packed", "cpu.gemm.mkl"]]  # the winner and the best native rival only
+    assert times == {**first, "cpu.gemm.mkl": 2.8, "cpu.gemm.kiln_packed": 2.5}
+    assert autotune._choose(times) == "cpu.gemm.kiln_packed"
+    native_first = {"default": 5.0, "cpu.gemm.kiln_packed": 2.0, "cpu.gemm.mkl": 3.0}
+    assert autotune.confirmed(native_first, fns, torch.device("cpu"), runs=5) == native_first
+    assert autotune.confirmed({"default": 1.0, "cpu.gemm.mkl": 2.0}, fns, torch.device("cpu"), runs=5) \
+        == {"default": 1.0, "cpu.gemm.mkl": 2.0}
+    assert len(again) == 1
 
 
 POINTWISE_CASES = [case for case in CONV_CASES if case[5] == 1 and case[6] == 1 and case[8] == 1] + [

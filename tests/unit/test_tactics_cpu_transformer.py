@@ -277,6 +277,21 @@ def test_attention_on_separate_heads(case):
     np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("d", [4, 36, 40])
+@pytest.mark.parametrize("s", [5, 64])
+def test_attention_with_head_dims_past_a_whole_register_tile(d, s):
+    """Head dims that are not a multiple of the 16-wide tile (MobileViT-S's 36): v's last chunk is packed
+    zero-padded when enough query tiles read it (s = 64), read in place one dim at a time when not (s = 5)."""
+    b, h = 4, 4  # MobileViT-S's first transformer: the 4 pixels of its 2x2 patches as the batch, 4 heads
+    q, k, v = (rng.standard_normal((b, h, s, d)).astype(np.float32) for _ in range(3))
+    inputs = [t(q), t(k), t(v)]
+    attrs = {"scale": d ** -0.5}
+    launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+    got = launch(ctx, *inputs, **attrs).numpy()
+    np.testing.assert_allclose(got, attention64(q, k, v, None, d ** -0.5, False, False), atol=ATOL, rtol=RTOL)
+    np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("h, s, tt, case", [(3, 300, 300, "causal"), (1, 200, 200, "bool_mask"),
                                          (3, 301, 257, "float_mask"), (6, 198, 198, "none")])
 def test_attention_splits_long_heads_into_row_runs_across_threads(h, s, tt, case):

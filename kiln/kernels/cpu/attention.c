@@ -118,13 +118,14 @@ static void scores_tile(const float *const *qrow, const float *kb, long D, long 
     }
 }
 
-/* out_r = sum_{j < t} p[r][j] v_j for QB rows. v's first `full` dims in chunks of KB: chunk c's row j at
-   chunks + c * chunk_stride + j * row_stride; the dims past them (Dv % KB) at tail + j * tail_stride. */
+/* out_r = sum_{j < t} p[r][j] v_j for QB rows. v's first `packed` dims in chunks of KB: chunk c's row j at
+   chunks + c * chunk_stride + j * row_stride (a chunk past Dv zero-padded: its tile goes through a buffer);
+   the dims past them at tail + j * tail_stride, one at a time. */
 static void pv_tile(const float *p, long tp, long t, const float *chunks, long chunk_stride, long row_stride,
-                    long full, const float *tail, long tail_stride, long Dv, float *const *orow) {
+                    long packed, const float *tail, long tail_stride, long Dv, float *const *orow) {
     long d0 = 0;
 #ifdef KILN_AVX2
-    for (; d0 + KB <= full; d0 += KB) {
+    for (; d0 + KB <= packed; d0 += KB) {
         const float *vc = chunks + (d0 / KB) * chunk_stride;
         __m256 a[QB][2];
         for (int r = 0; r < QB; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
@@ -136,11 +137,23 @@ static void pv_tile(const float *p, long tp, long t, const float *chunks, long c
                 a[r][1] = _mm256_fmadd_ps(pr, v1, a[r][1]);
             }
         }
-        for (int r = 0; r < QB; ++r) {
-            _mm256_storeu_ps(orow[r] + d0, a[r][0]);
-            _mm256_storeu_ps(orow[r] + d0 + 8, a[r][1]);
+        if (d0 + KB <= Dv) {
+            for (int r = 0; r < QB; ++r) {
+                _mm256_storeu_ps(orow[r] + d0, a[r][0]);
+                _mm256_storeu_ps(orow[r] + d0 + 8, a[r][1]);
+            }
+        } else {  /* the zero-padded last chunk: only its Dv - d0 dims are the output's */
+            float tile[KB];
+            for (int r = 0; r < QB; ++r) {
+                _mm256_storeu_ps(tile, a[r][0]);
+                _mm256_storeu_ps(tile + 8, a[r][1]);
+                memcpy(orow[r] + d0, tile, (size_t)(Dv - d0) * sizeof(float));
+            }
+            d0 = Dv;
         }
     }
+#else
+    (void)chunks; (void)chunk_stride; (void)row_stride; (void)packed;
 #endif
     for (; d0 < Dv; ++d0)
         for (int r = 0; r < QB; ++r) {
@@ -151,7 +164,7 @@ static void pv_tile(const float *p, long tp, long t, const float *chunks, long c
 }
 
 /* One (batch, head), its query rows [first, last). work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump
-   row [Dv], v's full chunks [Dv / KB][T][KB]. */
+   row [Dv], v's chunks [ceil(Dv / KB)][T][KB]. */
 static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
                            const void *mask, float *out, long b, long h, long first, long last, float *work) {
     const long S = last, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
@@ -161,17 +174,25 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     const float *vb = v + b * p->vs[0] + hk * p->vs[1];
     float *ob = out + b * p->os[0] + h * p->os[1];
     float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
-    const long full = Dv / KB * KB;
-    /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it */
+    /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it; the last
+       chunk zero-padded past Dv (MobileViT-S's heads of 36 dims: the 4 past 32 one at a time, strided, took
+       twice the vector part's instructions) */
     const float *chunks = vb;
-    long chunk_stride = KB, row_stride = p->vs[2];
-    if (S - first > QB && full > 0) {
-        for (long c = 0; c < full / KB; ++c)
-            for (long j = 0; j < T; ++j)
-                memcpy(vpacked + (c * T + j) * KB, vb + j * p->vs[2] + c * KB, KB * sizeof(float));
+    long chunk_stride = KB, row_stride = p->vs[2], packed = Dv / KB * KB;
+    if (S - first > QB) {
+        const long nc = (Dv + KB - 1) / KB;
+        for (long c = 0; c < nc; ++c) {
+            const long n = Dv - c * KB < KB ? Dv - c * KB : KB;
+            for (long j = 0; j < T; ++j) {
+                float *dst = vpacked + (c * T + j) * KB;
+                memcpy(dst, vb + j * p->vs[2] + c * KB, (size_t)n * sizeof(float));
+                for (long d = n; d < KB; ++d) dst[d] = 0.0f;
+            }
+        }
         chunks = vpacked;
         chunk_stride = T * KB;
         row_stride = KB;
+        packed = nc * KB;
     }
     for (long j = 0; j < tp; ++j) {  /* kᵀ in blocks of KB keys, zeros past the last */
         float *dst = kt + (j / KB) * D * KB + j % KB;
@@ -224,7 +245,7 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             for (long j = 0; j < t; ++j) s[j] *= inv;
             for (long j = t; j < tpad; ++j) s[j] = 0.0f;
         }
-        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, full, vb, p->vs[2], Dv, orow);
+        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, packed, vb, p->vs[2], Dv, orow);
     }
 }
 
@@ -255,7 +276,7 @@ static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
     const attention_plan *p = l->p;
     const long tp = (p->T + KB - 1) / KB * KB;
-    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * (p->Dv / KB * KB));
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB));
     if (work == NULL) {
         __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
         return;
@@ -293,11 +314,6 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     }
     attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
     const long items = heads * chunks;
-    if (threads <= 1) {
-        for (long item = 0; item < items; ++item) attention_item(&l, item);
-    } else {
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-        for (long item = 0; item < items; ++item) attention_item(&l, item);
-    }
+    parallel_items(items, threads, attention_item, &l);
     return l.failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */
 }

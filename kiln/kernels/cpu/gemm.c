@@ -17,8 +17,9 @@
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
  * after it; applied to each C tile right after its last K block, while the tile is in L1.
- * Threads: OpenMP (the libgomp torch loaded: one pool), work items over (row group, panel chunk)
- * handed out dynamically, so a core slowed by other work takes fewer of them.
+ * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
+ * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
+ * before it claimed any is not waited for; the packed GotoBLAS path (off by default) stays on OpenMP.
  */
 #include <stddef.h>
 #include <string.h>
@@ -403,6 +404,20 @@ static long panel_chunk(long panels, long row_groups, int threads) {
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 
+/* The shared state of run_small's parallel loop (kiln_parallel_for: pool.c). */
+typedef struct {
+    const kiln_gemm_plan *p;
+    const kernel_desc *kd;
+    const float *x;
+    float *y;
+    const float *res;
+    int epi, swiglu;
+    long chunk, chunks, group_blocks;
+} small_loop;
+
+static void narrow_item(void *loop, long c);
+static void small_item(void *loop, long it);
+
 /* x read in place, each tile over the whole K: W streams through once (per row group). Work items: row
    groups (only when the panels alone are too few for the threads) x chunks of panels. */
 static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y, const float *res,
@@ -413,23 +428,9 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
        half a panel at a time (8x768x768, one core: ~80 GFLOP/s where 4 + 4 wide rows ran at ~60; at MR rows
        or fewer the wide tile does more FMAs per load and wins) */
     if (kd->narrow != NULL && M > kd->mr && M <= kd->narrow_mr) {
-        const long half = nr / 2, chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
-        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && chunks > 1)
-        for (long c = 0; c < chunks; ++c)
-            for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q) {
-                float tile[16 * 32] __attribute__((aligned(64)));  /* SwiGLU: both halves of the panel */
-                for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
-                    const int n = (int)(N - col0 < half ? N - col0 : half);
-                    const float *w = p->packed_w + q * K * nr + (col0 - q * nr);
-                    if (swiglu) {
-                        kd->narrow((int)M, K, x, K, w, tile + (col0 - q * nr), nr, n, 0);
-                        continue;
-                    }
-                    kd->narrow((int)M, K, x, K, w, y + col0, N, n, 0);
-                    if (epi) epilogue(p, y, res, 0, col0, (int)M, n);
-                }
-                if (swiglu) swiglu_epilogue(p, nr, tile, nr, y, res, 0, q, (int)M);
-            }
+        const long chunk = panel_chunk(panels, 1, threads), chunks = ceil_div(panels, chunk);
+        small_loop l = {p, kd, x, y, res, epi, swiglu, chunk, chunks, 0};
+        kiln_parallel_for(chunks, threads, narrow_item, &l);
         return;
     }
     const long row_blocks = ceil_div(M, kd->mr);
@@ -437,25 +438,52 @@ static void run_small(const kiln_gemm_plan *p, const kernel_desc *kd, const floa
     groups = groups > row_blocks ? row_blocks : groups;
     const long group_blocks = ceil_div(row_blocks, groups);
     const long chunk = panel_chunk(panels, groups, threads), chunks = ceil_div(panels, chunk);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && groups * chunks > 1)
-    for (long it = 0; it < groups * chunks; ++it) {
-        const long g = it / chunks, c = it % chunks;
-        const long r_end = (g + 1) * group_blocks < row_blocks ? (g + 1) * group_blocks : row_blocks;
-        for (long q = c * chunk; q < (c + 1) * chunk && q < panels; ++q) {
-            const long col0 = q * nr;
-            const int n = (int)(N - col0 < nr ? N - col0 : nr);
-            for (long r = g * group_blocks; r < r_end; ++r) {
-                long row0, m;
-                row_block(M, row_blocks, r, &row0, &m);
-                if (swiglu) {  /* the tile on the stack, gated into y */
-                    float tile[16 * 32] __attribute__((aligned(64)));
-                    kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, tile, nr, n, 0);
-                    swiglu_epilogue(p, nr, tile, nr, y, res, row0, q, (int)m);
-                    continue;
-                }
-                kd->direct((int)m, K, x + row0 * K, K, p->packed_w + q * K * nr, y + row0 * N + col0, N, n, 0);
-                if (epi) epilogue(p, y, res, row0, col0, (int)m, n);
+    small_loop l = {p, kd, x, y, res, epi, swiglu, chunk, chunks, group_blocks};
+    kiln_parallel_for(groups * chunks, threads, small_item, &l);
+}
+
+/* The narrow tiles' item: chunk c of the W panels, every row. */
+static void narrow_item(void *loop, long c) {
+    const small_loop *l = (const small_loop *)loop;
+    const kiln_gemm_plan *p = l->p;
+    const long M = p->M, K = p->K, N = p->N, nr = l->kd->nr, panels = ceil_div(N, nr), half = nr / 2;
+    for (long q = c * l->chunk; q < (c + 1) * l->chunk && q < panels; ++q) {
+        float tile[16 * 32] __attribute__((aligned(64)));  /* SwiGLU: both halves of the panel */
+        for (long col0 = q * nr; col0 < (q + 1) * nr && col0 < N; col0 += half) {
+            const int n = (int)(N - col0 < half ? N - col0 : half);
+            const float *w = p->packed_w + q * K * nr + (col0 - q * nr);
+            if (l->swiglu) {
+                l->kd->narrow((int)M, K, l->x, K, w, tile + (col0 - q * nr), nr, n, 0);
+                continue;
             }
+            l->kd->narrow((int)M, K, l->x, K, w, l->y + col0, N, n, 0);
+            if (l->epi) epilogue(p, l->y, l->res, 0, col0, (int)M, n);
+        }
+        if (l->swiglu) swiglu_epilogue(p, nr, tile, nr, l->y, l->res, 0, q, (int)M);
+    }
+}
+
+/* The wide tiles' item `it`: (row group, chunk of W panels). */
+static void small_item(void *loop, long it) {
+    const small_loop *l = (const small_loop *)loop;
+    const kiln_gemm_plan *p = l->p;
+    const long M = p->M, K = p->K, N = p->N, nr = l->kd->nr, panels = ceil_div(N, nr);
+    const long row_blocks = ceil_div(M, l->kd->mr), g = it / l->chunks, c = it % l->chunks;
+    const long r_end = (g + 1) * l->group_blocks < row_blocks ? (g + 1) * l->group_blocks : row_blocks;
+    for (long q = c * l->chunk; q < (c + 1) * l->chunk && q < panels; ++q) {
+        const long col0 = q * nr;
+        const int n = (int)(N - col0 < nr ? N - col0 : nr);
+        for (long r = g * l->group_blocks; r < r_end; ++r) {
+            long row0, m;
+            row_block(M, row_blocks, r, &row0, &m);
+            if (l->swiglu) {  /* the tile on the stack, gated into y */
+                float tile[16 * 32] __attribute__((aligned(64)));
+                l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, tile, nr, n, 0);
+                swiglu_epilogue(p, nr, tile, nr, l->y, l->res, row0, q, (int)m);
+                continue;
+            }
+            l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n, 0);
+            if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n);
         }
     }
 }
@@ -515,21 +543,34 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
 }
 
 /* K-blocked, x read in place: every item of every M block in one dynamic loop (one fork/join). */
+typedef struct {
+    const kiln_gemm_plan *p;
+    const kernel_desc *kd;
+    const float *x, *res;
+    float *y, *out;
+    item_grid g;
+    long per_m_block, per;
+    int epi;
+} in_place_loop;
+
+static void in_place_item(void *loop, long it) {
+    const in_place_loop *l = (const in_place_loop *)loop;
+    const long panels = ceil_div(l->p->N, l->kd->nr), row_blocks = ceil_div(l->p->M, l->kd->mr);
+    const item_grid g = l->g;
+    const long mb = it / l->per, gi = it % l->per / g.chunks, c = it % g.chunks;
+    const long b0 = mb * l->per_m_block, blocks = row_blocks - b0 < l->per_m_block ? row_blocks - b0 : l->per_m_block;
+    const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
+    const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
+    if (q0 < q1) blocked_item(l->p, l->kd, l->x, l->y, l->out, l->res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, l->epi);
+}
+
 static void run_blocked_in_place(const kiln_gemm_plan *p, const kernel_desc *kd, const float *x, float *y,
                                  float *out, const float *res, int threads) {
     const long panels = ceil_div(p->N, kd->nr), row_blocks = ceil_div(p->M, kd->mr);
     const long per_m_block = blocks_per_m_block(kd, row_blocks), m_blocks = ceil_div(row_blocks, per_m_block);
     const item_grid g = grid_of(per_m_block, panels, threads);
-    const long per = g.groups * g.chunks;
-    const int epi = has_epilogue(p, res);
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && m_blocks * per > 1)
-    for (long it = 0; it < m_blocks * per; ++it) {
-        const long mb = it / per, gi = it % per / g.chunks, c = it % g.chunks;
-        const long b0 = mb * per_m_block, blocks = row_blocks - b0 < per_m_block ? row_blocks - b0 : per_m_block;
-        const long q0 = gi * g.group_blocks, q1 = (gi + 1) * g.group_blocks < blocks ? (gi + 1) * g.group_blocks : blocks;
-        const long p1 = (c + 1) * g.chunk < panels ? (c + 1) * g.chunk : panels;
-        if (q0 < q1) blocked_item(p, kd, x, y, out, res, NULL, row_blocks, b0, q0, q1, c * g.chunk, p1, epi);
-    }
+    in_place_loop l = {p, kd, x, res, y, out, g, per_m_block, g.groups * g.chunks, has_epilogue(p, res)};
+    kiln_parallel_for(m_blocks * l.per, threads, in_place_item, &l);
 }
 
 /* K-blocked GotoBLAS loop, x packed: per M block, the threads pack its MR-row panels (whichever is free

@@ -26,7 +26,7 @@ import torch
 
 from kiln.kernels.cpu import hugepages, native_loop, onednn
 
-SOURCE = Path(__file__).with_name("gemm.c").read_text()
+SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("pool.c", "gemm.c"))
 
 # kiln::FusedGemm's activations (kiln/ops/fused.py) -> gemm.c's codes
 ACTIVATIONS = {"": 0, "Relu": 1, "Clip": 2, "LeakyRelu": 3, "Gelu": 4, "GeluTanh": 5, "Tanh": 6, "Sigmoid": 7,
@@ -78,6 +78,13 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         return lib
 
 
+def parallel_for_address() -> int | None:
+    """The address of pool.c's kiln_pool_parallel_for in the GEMM library (None without it): kiln's other C
+    kernels run their parallel loops through it, on the same workers as the GEMMs."""
+    lib = load()
+    return None if lib is None else ctypes.cast(lib.kiln_pool_parallel_for, ctypes.c_void_p).value
+
+
 def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | str:
     """A library compiled with gemm.c's microkernels (this file's, or recurrent.py's, which includes them): built
     into kiln's cache as `stem` (`stem`-test with the test-only tiles), loaded, gemm.c's packing functions
@@ -90,6 +97,8 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
         lib = ctypes.CDLL(str(built))
     except OSError as e:
         return f"{type(e).__name__}: {e}"
+    # pool.c's loops (KILN_POOL=0: OpenMP's instead, e.g. to compare the two on a machine)
+    ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = int(os.environ.get("KILN_POOL", "1") != "0")
     lib.kiln_gemm_packed_floats.restype = ctypes.c_long
     lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     lib.kiln_gemm_pack_w.restype = None

@@ -32,6 +32,22 @@
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
+typedef void (*kiln_item_fn)(void *ctx, long item);
+
+/* gemm.c's thread pool (pool.c: a worker descheduled before it claimed an item is not waited for), set by
+   kiln/kernels/cpu/transformer.py when the GEMM library is built; NULL: an OpenMP loop. */
+void (*kiln_shared_parallel_for)(long count, int threads, kiln_item_fn fn, void *ctx) = NULL;
+
+/* fn(ctx, item) for each item in [0, count) on up to `threads` threads */
+static void parallel_items(long count, int threads, kiln_item_fn fn, void *ctx) {
+    if (kiln_shared_parallel_for != NULL && threads > 1 && count > 1) {
+        kiln_shared_parallel_for(count, threads, fn, ctx);
+        return;
+    }
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+    for (long i = 0; i < count; ++i) fn(ctx, i);
+}
+
 static inline void *handle_of(get_handle_fn get, void *memory) {
     void *h = NULL;
     if (memory == NULL || get(memory, &h) != 0) return NULL;

@@ -25,13 +25,14 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import gemm_native, native_loop, onednn
 from kiln.ops._util import broadcast_sizes
 
 # one compilation unit: attention.c uses transformer.c's helpers
-SOURCE = "\n".join(Path(__file__).with_name(name).read_text() for name in ("transformer.c", "attention.c"))
+SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
+                   for name in ("transformer.c", "attention.c", "elementwise.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
-              "kiln_rotary")
+              "kiln_rotary", "kiln_elementwise", "kiln_concat")
 
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
@@ -65,6 +66,8 @@ def load() -> ctypes.CDLL | None:
         except (OSError, AttributeError) as e:
             _REASON = f"{type(e).__name__}: {e}"
             return None
+        # attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's
+        ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
         _LOADED = lib
         return lib
 
@@ -176,7 +179,8 @@ class KernelBound:
                     else:
                         fields[name] = self._memories[role].value
         if slots:
-            fields["in_"] = (ctypes.c_void_p * 3)(*[slots.get(k) for k in range(3)])
+            slot_array = dict(kernel.PLAN._fields_)["in_"]  # c_void_p * 3 (broadcast), * 8 (elementwise, concat)
+            fields["in_"] = slot_array(*[slots.get(k) for k in range(slot_array._length_)])
         get_handle, function = _addresses(kernel)
         return kernel.PLAN(get_handle=get_handle, **fields), function
 

@@ -10,6 +10,7 @@
     recurrent.py   ONNX RNN, GRU, LSTM as kiln's C loop (kiln/kernels/cpu/recurrent.c, lstm.c): input
                    projection + one loop over time
     rotary.py      ... and for kiln::Rotary (a decoder's rotary embedding, packed q|k|v included)
+    elementwise.py kiln::Elementwise programs and Concat in kiln's C, native-segment members
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """
 
@@ -20,6 +21,7 @@ import kiln.tactics.cpu.gemm_packed  # noqa: F401
 import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
+import kiln.tactics.cpu.elementwise  # noqa: F401
 import kiln.tactics.cpu.rotary  # noqa: F401
 import kiln.tactics.cpu.squeeze_excite  # noqa: F401
 import kiln.tactics.cpu.recurrent  # noqa: F401

@@ -31,7 +31,7 @@ _CAST_TO = {9: "cast_bool", 1: "cast_float"}  # ONNX TensorProto BOOL, FLOAT
 _SOURCES = tuple(kernels.SOURCE_TYPES)
 
 
-def _shapes(inputs: list[InputMeta]) -> list[tuple[int, ...]] | str:
+def broadcast_input_shapes(inputs: list[InputMeta]) -> list[tuple[int, ...]] | str:
     if any(m.shape is None for m in inputs):
         return "an input's shape is not known"
     try:
@@ -56,7 +56,7 @@ def _cast_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return f"casts to ONNX type {_attr(step, 'to', 0)}: only bool and float32"
     if inputs[0].dtype not in _SOURCES:
         return f"casts from {inputs[0].dtype}"
-    shapes = _shapes(inputs[:1])
+    shapes = broadcast_input_shapes(inputs[:1])
     return shapes if isinstance(shapes, str) else True
 
 
@@ -85,7 +85,7 @@ def _logical_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return why
     if len(inputs) != 2 or any(m.dtype != torch.bool for m in inputs):
         return "only two bool tensors"
-    shapes = _shapes(inputs)
+    shapes = broadcast_input_shapes(inputs)
     return shapes if isinstance(shapes, str) else True
 
 
@@ -111,7 +111,7 @@ def _where_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return why
     if len(inputs) != 3 or inputs[0].dtype != torch.bool or any(m.dtype != torch.float32 for m in inputs[1:]):
         return "only a bool condition choosing between float32 tensors"
-    shapes = _shapes(inputs)
+    shapes = broadcast_input_shapes(inputs)
     return shapes if isinstance(shapes, str) else True
 
 

@@ -34,6 +34,8 @@ from types import ModuleType
 import torch
 import triton
 
+from kiln.ops._util import merge_walked_dims
+
 BLOCK = 1024
 NUM_WARPS = 4
 MAX_RANK = 6  # after merging dims; beyond it the inputs are expanded and copied (rare)
@@ -151,19 +153,7 @@ def _contiguous_strides(shape: Sequence[int]) -> list[int]:
     return strides[::-1]
 
 
-def _merge_dims(shape: list[int], strides: list[list[int]]) -> tuple[list[int], list[list[int]]]:
-    """Drop size-1 dims; merge neighbours d, d+1 that every input walks as one (stride_d = stride_d+1·size_d+1)."""
-    keep = [d for d, size in enumerate(shape) if size != 1]
-    shape = [shape[d] for d in keep]
-    strides = [[s[d] for d in keep] for s in strides]
-    d = len(shape) - 2
-    while d >= 0:
-        if all(s[d] == s[d + 1] * shape[d + 1] for s in strides):
-            shape[d:d + 2] = [shape[d] * shape[d + 1]]
-            for s in strides:
-                s[d:d + 2] = [s[d + 1]]
-        d -= 1
-    return shape, strides
+_merge_dims = merge_walked_dims  # kiln/ops/_util.py, shared with the CPU Elementwise kernel
 
 
 def _output_layout(inputs: Sequence[torch.Tensor], shape: torch.Size) -> list[int] | None:

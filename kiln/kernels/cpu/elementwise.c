@@ -1,0 +1,172 @@
+/* kiln::Elementwise (a chain of float32 elementwise ops, kiln/passes/fusion/elementwise.py) and Concat in C,
+ * members of native segments; compiled with transformer.c (its handle_of, MAXD).
+ *
+ *   kiln_elementwise  y = program(in_0, .., in_{k-1}), every input broadcast to y's shape (strides 0 where it
+ *                     broadcasts); constants are baked into the plan, activations read through their memory
+ *   kiln_concat       y = Concat(in_0, .., in_{k-1}) along one axis, each input viewed as [outer, width_k]
+ *
+ * Why: through torch each line of an Elementwise program is a dispatch, an allocation and (past torch's
+ * grain) a parallel region, and a Concat another copy step; a recommender's cross layers (x0 * (W x + b) + x)
+ * spent as long in them as in their GEMMs on a shared 2-core VM, and they split the native segment.
+ *
+ * Evaluation runs over chunks of at most CHUNK elements of y's last axis (after kiln/kernels/cpu/elementwise.py
+ * merged the dims every operand walks contiguously): each input's chunk is read in place (stride 1), splatted
+ * (stride 0) or gathered, then each line of the program is one loop over the chunk that the compiler
+ * vectorises. Past `grain` elements the chunks are shared among the threads (parallel_items: gemm.c's pool).
+ */
+
+#define EW_INPUTS 8   /* EW_INPUTS in elementwise.py */
+#define EW_LINES 32   /* EW_LINES in elementwise.py */
+#define EW_CHUNK 256
+
+/* Ops (elementwise.py: OPS). */
+enum { EW_ADD, EW_SUB, EW_MUL, EW_DIV, EW_POW, EW_MAX, EW_MIN, EW_NEG, EW_ABS, EW_EXP, EW_LOG, EW_SQRT,
+       EW_RECIPROCAL, EW_RELU, EW_SIGMOID, EW_TANH, EW_ERF, EW_SIN, EW_COS, EW_FLOOR, EW_CEIL, EW_GELU,
+       EW_GELU_TANH };
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *in_[EW_INPUTS];               /* activations: dnnl_memory_t (NULL for a constant or an unused slot) */
+    const float *constant[EW_INPUTS];   /* constants: their data, row-major */
+    void *out;
+    long dims[MAXD];                    /* y's, 1s in front */
+    long strides[EW_INPUTS][MAXD];      /* elements, 0 where the input broadcasts */
+    int inputs, lines;
+    int code[EW_LINES][3];              /* op, operand a, operand b: k < EW_INPUTS input k, else line k - EW_INPUTS */
+    long grain;                         /* elements past which the chunks are shared among the threads */
+} elementwise_plan;
+
+static inline float ew_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* r = op(a, b) over n elements; b unused by unary ops. */
+static void ew_line(int op, const float *restrict a, const float *restrict b, float *restrict r, long n) {
+    switch (op) {
+        case EW_ADD: for (long j = 0; j < n; ++j) r[j] = a[j] + b[j]; break;
+        case EW_SUB: for (long j = 0; j < n; ++j) r[j] = a[j] - b[j]; break;
+        case EW_MUL: for (long j = 0; j < n; ++j) r[j] = a[j] * b[j]; break;
+        case EW_DIV: for (long j = 0; j < n; ++j) r[j] = a[j] / b[j]; break;
+        case EW_POW: for (long j = 0; j < n; ++j) r[j] = powf(a[j], b[j]); break;
+        /* torch.maximum / minimum: NaN if either is NaN */
+        case EW_MAX: for (long j = 0; j < n; ++j) r[j] = (a[j] != a[j] || b[j] != b[j]) ? a[j] + b[j] : (a[j] > b[j] ? a[j] : b[j]); break;
+        case EW_MIN: for (long j = 0; j < n; ++j) r[j] = (a[j] != a[j] || b[j] != b[j]) ? a[j] + b[j] : (a[j] < b[j] ? a[j] : b[j]); break;
+        case EW_NEG: for (long j = 0; j < n; ++j) r[j] = -a[j]; break;
+        case EW_ABS: for (long j = 0; j < n; ++j) r[j] = fabsf(a[j]); break;
+        case EW_EXP: for (long j = 0; j < n; ++j) r[j] = expf(a[j]); break;
+        case EW_LOG: for (long j = 0; j < n; ++j) r[j] = logf(a[j]); break;
+        case EW_SQRT: for (long j = 0; j < n; ++j) r[j] = sqrtf(a[j]); break;
+        case EW_RECIPROCAL: for (long j = 0; j < n; ++j) r[j] = 1.0f / a[j]; break;
+        case EW_RELU: for (long j = 0; j < n; ++j) r[j] = a[j] > 0.0f ? a[j] : (a[j] != a[j] ? a[j] : 0.0f); break;
+        case EW_SIGMOID: for (long j = 0; j < n; ++j) r[j] = ew_sigmoid(a[j]); break;
+        case EW_TANH: for (long j = 0; j < n; ++j) r[j] = tanhf(a[j]); break;
+        case EW_ERF: for (long j = 0; j < n; ++j) r[j] = erff(a[j]); break;
+        case EW_SIN: for (long j = 0; j < n; ++j) r[j] = sinf(a[j]); break;
+        case EW_COS: for (long j = 0; j < n; ++j) r[j] = cosf(a[j]); break;
+        case EW_FLOOR: for (long j = 0; j < n; ++j) r[j] = floorf(a[j]); break;
+        case EW_CEIL: for (long j = 0; j < n; ++j) r[j] = ceilf(a[j]); break;
+        case EW_GELU: for (long j = 0; j < n; ++j) r[j] = 0.5f * a[j] * (1.0f + erff(a[j] * 0.70710678118654752f)); break;
+        case EW_GELU_TANH:
+            for (long j = 0; j < n; ++j)
+                r[j] = 0.5f * a[j] * (1.0f + tanhf(0.79788456080286536f * (a[j] + 0.044715f * a[j] * a[j] * a[j])));
+            break;
+        default: break;
+    }
+}
+
+/* One chunk: y[0:n] for the output row starting at flat element `base`, input k's first element at off[k]. */
+static void ew_chunk(const elementwise_plan *p, const float *const *in, const long *off, float *y, long n) {
+    float buffers[EW_INPUTS][EW_CHUNK] __attribute__((aligned(64)));
+    float temps[EW_LINES][EW_CHUNK] __attribute__((aligned(64)));
+    const float *operand[EW_INPUTS + EW_LINES];
+    for (int k = 0; k < p->inputs; ++k) {
+        const long s = p->strides[k][MAXD - 1];
+        const float *x = in[k] + off[k];
+        if (s == 1) {
+            operand[k] = x;
+        } else {
+            for (long j = 0; j < n; ++j) buffers[k][j] = x[j * s];
+            operand[k] = buffers[k];
+        }
+    }
+    for (int l = 0; l < p->lines; ++l) {
+        float *r = l == p->lines - 1 ? y : temps[l];
+        ew_line(p->code[l][0], operand[p->code[l][1]], operand[p->code[l][2]], r, n);
+        operand[EW_INPUTS + l] = r;
+    }
+}
+
+typedef struct {
+    const elementwise_plan *p;
+    const float *const *in;
+    float *y;
+    long n, per_row, chunks;
+} elementwise_loop;
+
+/* Chunks [16 item, 16 item + 16) of y, row by row. */
+static void elementwise_item(void *loop, long item) {
+    const elementwise_loop *l = (const elementwise_loop *)loop;
+    const elementwise_plan *p = l->p;
+    for (long it = item * 16; it < (item + 1) * 16 && it < l->chunks; ++it) {
+        const long o = it / l->per_row, j0 = (it % l->per_row) * EW_CHUNK;
+        long rem = o, off[EW_INPUTS] = {0};
+        for (int d = MAXD - 2; d >= 0; --d) {
+            const long i = rem % p->dims[d];
+            rem /= p->dims[d];
+            for (int k = 0; k < p->inputs; ++k) off[k] += i * p->strides[k][d];
+        }
+        for (int k = 0; k < p->inputs; ++k) off[k] += j0 * p->strides[k][MAXD - 1];
+        ew_chunk(p, l->in, off, l->y + o * l->n + j0, l->n - j0 < EW_CHUNK ? l->n - j0 : EW_CHUNK);
+    }
+}
+
+int kiln_elementwise(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const elementwise_plan *p = (const elementwise_plan *)object;
+    const float *in[EW_INPUTS] = {NULL};
+    for (int k = 0; k < p->inputs; ++k) {
+        in[k] = p->constant[k] != NULL ? p->constant[k] : (const float *)handle_of(p->get_handle, p->in_[k]);
+        if (in[k] == NULL) return 2;
+    }
+    float *y = (float *)handle_of(p->get_handle, p->out);
+    if (y == NULL || p->lines < 1) return 2;
+    const long n = p->dims[MAXD - 1];
+    long outer = 1;
+    for (int d = 0; d < MAXD - 1; ++d) outer *= p->dims[d];
+    if (n <= 0 || outer <= 0) return 0;
+    const long per_row = (n + EW_CHUNK - 1) / EW_CHUNK;
+    /* items of 16 chunks: a few hundred of them at most past the grain, each ~4k elements */
+    elementwise_loop l = {p, in, y, n, per_row, outer * per_row};
+    const long items = (l.chunks + 15) / 16;
+    parallel_items(items, outer * n > p->grain ? max_threads() : 1, elementwise_item, &l);
+    return 0;
+}
+
+/* ---- Concat -------------------------------------------------------------------------------------- */
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *in_[EW_INPUTS], *out;
+    long widths[EW_INPUTS];   /* elements of input k per outer index (its dims from the axis on) */
+    long outer;               /* the product of the dims before the axis */
+    int inputs;
+} concat_plan;
+
+int kiln_concat(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const concat_plan *p = (const concat_plan *)object;
+    const float *in[EW_INPUTS] = {NULL};
+    long total = 0;
+    for (int k = 0; k < p->inputs; ++k) {
+        if (p->widths[k] > 0 && (in[k] = (const float *)handle_of(p->get_handle, p->in_[k])) == NULL) return 2;
+        total += p->widths[k];
+    }
+    float *y = (float *)handle_of(p->get_handle, p->out);
+    if (y == NULL) return 2;
+    for (long o = 0; o < p->outer; ++o) {
+        float *row = y + o * total;
+        for (int k = 0; k < p->inputs; ++k) {
+            memcpy(row, in[k] + o * p->widths[k], (size_t)p->widths[k] * sizeof(float));
+            row += p->widths[k];
+        }
+    }
+    return 0;
+}

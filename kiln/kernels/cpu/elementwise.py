@@ -1,0 +1,121 @@
+"""kiln::Elementwise programs and Concat in kiln's C (elementwise.c, compiled with transformer.c): layers
+at fixed sizes for native segments, and callable on tensors outside one.
+
+The C kernel evaluates the program chunk by chunk along y's last axis; before that, the dims are merged
+wherever every operand walks them contiguously, so same-shaped operands are one long row and a bias
+broadcast over rows is a row of its own length (fewer, longer chunks).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+
+from kiln.kernels.cpu.transformer import MAX_DIMS, PARALLEL_ELEMENTS, NativeKernel, broadcast_strides
+from kiln.ops._util import broadcast_sizes, merge_walked_dims
+
+EW_INPUTS = 8   # EW_INPUTS in elementwise.c
+EW_LINES = 32   # EW_LINES in elementwise.c
+# the program's op names (kiln/passes/fusion/elementwise.py) in elementwise.c's enum order
+OPS = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu",
+       "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Floor", "Ceil", "Gelu", "GeluTanh")
+UNARY = set(OPS[OPS.index("Neg"):])
+
+_LONGD = ctypes.c_long * MAX_DIMS
+
+
+class _ElementwisePlan(ctypes.Structure):  # elementwise_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * EW_INPUTS),
+                ("constant", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p), ("dims", _LONGD),
+                ("strides", _LONGD * EW_INPUTS), ("inputs", ctypes.c_int), ("lines", ctypes.c_int),
+                ("code", (ctypes.c_int * 3) * EW_LINES), ("grain", ctypes.c_long)]
+
+
+class _ConcatPlan(ctypes.Structure):  # concat_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("in_", ctypes.c_void_p * EW_INPUTS), ("out", ctypes.c_void_p),
+                ("widths", ctypes.c_long * EW_INPUTS), ("outer", ctypes.c_long), ("inputs", ctypes.c_int)]
+
+
+def parse(code: list[str], inputs: int) -> list[tuple[int, int, int]] | str:
+    """The program as (op, operand a, operand b) triples (operand k < EW_INPUTS: input k, else line
+    k - EW_INPUTS), or why elementwise.c cannot run it."""
+    if not code or len(code) > EW_LINES:
+        return f"{len(code)} lines: 1 to {EW_LINES}"
+    if inputs > EW_INPUTS:
+        return f"{inputs} inputs: at most {EW_INPUTS}"
+    lines = []
+    for number, line in enumerate(code):
+        op, *args = line.split()
+        if op not in OPS:
+            return f"line {number} {line!r}: {op} is not one of kiln's C ops"
+        if len(args) != (1 if op in UNARY else 2):
+            return f"line {number} {line!r}: {len(args)} operands"
+        operands = []
+        for a in args:
+            k = int(a[1:])
+            if (a[0] == "i" and not 0 <= k < inputs) or (a[0] == "t" and not 0 <= k < number) or a[0] not in "it":
+                return f"line {number} {line!r}: operand {a} does not exist"
+            operands.append(k if a[0] == "i" else EW_INPUTS + k)
+        lines.append((OPS.index(op), operands[0], operands[-1]))
+    return lines
+
+
+def merged_dims(out: tuple[int, ...], strides: list[tuple[int, ...]]) -> tuple[tuple[int, ...], list[tuple[int, ...]]]:
+    """out's dims (and each operand's strides over them) merged where every operand walks them as one
+    (merge_walked_dims); MAX_DIMS long again, 1s in front."""
+    dims, walks = merge_walked_dims(list(out), [list(s) for s in strides])
+    pad = MAX_DIMS - len(dims)
+    return (1,) * pad + tuple(dims), [(0,) * pad + tuple(w) for w in walks]
+
+
+class Elementwise(NativeKernel):
+    """y = the program over its inputs broadcast together (float32, y row-major). `sizes`: every input's size
+    by index; `constants`: the inputs that are weights of the engine (baked into the plan; the others are
+    step inputs the segment binds)."""
+
+    PLAN, FUNCTION = _ElementwisePlan, "kiln_elementwise"
+
+    def __init__(self, code: list[str], sizes: dict[int, tuple[int, ...]], constants: dict[int, torch.Tensor]):
+        count = max([*sizes, *constants]) + 1
+        super().__init__(f"elementwise {code} of {count} inputs")
+        lines = parse(code, count)
+        if isinstance(lines, str):
+            raise ValueError(f"{self.what}: {lines}")
+        self._constants = {k: c.detach().to(torch.float32).contiguous() for k, c in constants.items()}
+        all_sizes = [tuple(sizes[k]) if k in sizes else tuple(self._constants[k].shape) for k in range(count)]
+        out = broadcast_sizes(*all_sizes)
+        if len(out) > MAX_DIMS:
+            raise ValueError(f"{self.what}: {len(out)} dims, at most {MAX_DIMS}")
+        self.output_size = tuple(out)
+        padded = (1,) * (MAX_DIMS - len(out)) + tuple(out)
+        dims, strides = merged_dims(padded, [broadcast_strides(s, padded) for s in all_sizes])
+        strides += [(0,) * MAX_DIMS] * (EW_INPUTS - count)
+        code_array = ((ctypes.c_int * 3) * EW_LINES)(*[(ctypes.c_int * 3)(*line) for line in lines])
+        self.roles = {k: (f"in_{k}",) for k in sizes} | {"dst": ("out",)}
+        self.fields = dict(
+            constant=(ctypes.c_void_p * EW_INPUTS)(*[self._constants[k].data_ptr() if k in self._constants else None
+                                                     for k in range(EW_INPUTS)]),
+            dims=_LONGD(*dims), strides=(_LONGD * EW_INPUTS)(*[_LONGD(*s) for s in strides]), inputs=count,
+            lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS)
+
+
+class Concat(NativeKernel):
+    """y = Concat(inputs, axis) of float32 tensors (step inputs 0..k-1, row-major)."""
+
+    PLAN, FUNCTION = _ConcatPlan, "kiln_concat"
+
+    def __init__(self, sizes: list[tuple[int, ...]], axis: int):
+        super().__init__(f"concat of {[list(s) for s in sizes]} on axis {axis}")
+        if not 1 <= len(sizes) <= EW_INPUTS:
+            raise ValueError(f"{self.what}: 1 to {EW_INPUTS} inputs")
+        rank = len(sizes[0])
+        axis = axis + rank if axis < 0 else axis
+        if any(len(s) != rank or s[:axis] != sizes[0][:axis] or s[axis + 1:] != sizes[0][axis + 1:] for s in sizes):
+            raise ValueError(f"{self.what}: the inputs differ off the axis")
+        self.output_size = (*sizes[0][:axis], sum(s[axis] for s in sizes), *sizes[0][axis + 1:])
+        widths = [math.prod(s[axis:]) for s in sizes]
+        self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
+        self.fields = dict(widths=(ctypes.c_long * EW_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
+                           inputs=len(sizes))

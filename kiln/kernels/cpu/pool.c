@@ -1,0 +1,168 @@
+/* kiln_parallel_for: the parallel loops of kiln's own C kernels on a pool of their own, where a worker that
+ * has not started an item by the time the caller has run out of items is simply not waited for.
+ *
+ * Why: an OpenMP parallel loop ends at a barrier every thread of the team must reach. On a machine shared
+ * with other work (2 vCPUs at load 4-6), a worker descheduled when the loop begins is waited for a whole
+ * scheduler slice although the caller did every item itself: kiln's attention at MobileViT's shapes took
+ * 0.1 ms or 12 ms, nothing between (bench/results/zoo-cpu-2026-12-02.md). onnxruntime's pool revokes the
+ * tasks no worker has started when the caller is done; this does the same: items are claimed from one
+ * counter (generation << 32 | next item), the caller claims too, and it waits only for the items claimed.
+ *
+ * Workers poll for a new loop a short while (SPIN_NS), then sleep on a futex. One loop at a time: a caller
+ * that finds the pool busy (another thread's loop, or a loop inside an item) runs its items itself. After
+ * a fork the child has no workers: they are started again. Compiled into each library that uses it.
+ */
+#include <limits.h>
+#include <pthread.h>
+#include <sched.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
+
+typedef void (*kiln_item_fn)(void *ctx, long item);
+
+#define POOL_MAX_WORKERS 63
+#define POOL_SPIN_NS 30000L  /* a worker's poll for the next loop before it sleeps (libgomp's short spin: ~10k polls) */
+
+static struct {
+    pthread_mutex_t lock;       /* held by the caller of the running loop */
+    unsigned long word;         /* generation << 32 | the next unclaimed item */
+    unsigned int generation;    /* the futex the workers sleep on */
+    int sleepers;
+    kiln_item_fn fn;
+    void *ctx;
+    long count;
+    int limit;                  /* workers [0, limit) take part in the current loop */
+    long done;                  /* items of the current loop finished */
+    int started;                /* workers running */
+    pid_t pid;                  /* the process they run in */
+    unsigned int last;          /* the last generation used (under lock) */
+} kiln_pool = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, NULL, NULL, 0, 0, 0, 0, 0, 0};
+
+static inline void pool_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static long pool_now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static void pool_wait(unsigned int *address, unsigned int value) {
+#if defined(__linux__)
+    syscall(SYS_futex, address, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+#else
+    (void)address; (void)value;
+    sched_yield();
+#endif
+}
+
+static void pool_wake(unsigned int *address) {
+#if defined(__linux__)
+    syscall(SYS_futex, address, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)address;
+#endif
+}
+
+/* Claim and run items of generation g until none is left (or the loop is over). */
+static void pool_run_items(unsigned int g) {
+    for (;;) {
+        unsigned long w = __atomic_load_n(&kiln_pool.word, __ATOMIC_ACQUIRE);
+        if ((unsigned int)(w >> 32) != g) return;
+        const long item = (long)(w & 0xffffffffUL);
+        /* read before the claim: a claim that succeeds proves generation g still running, so these are its */
+        kiln_item_fn fn = __atomic_load_n(&kiln_pool.fn, __ATOMIC_RELAXED);
+        void *ctx = __atomic_load_n(&kiln_pool.ctx, __ATOMIC_RELAXED);
+        if (item >= __atomic_load_n(&kiln_pool.count, __ATOMIC_RELAXED)) return;
+        if (!__atomic_compare_exchange_n(&kiln_pool.word, &w, w + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) continue;
+        fn(ctx, item);
+        __atomic_add_fetch(&kiln_pool.done, 1, __ATOMIC_RELEASE);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int id = (int)(long)arg;
+    unsigned int seen = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE);
+    for (;;) {
+        unsigned int g;
+        long since = 0;
+        int polls = 0;
+        while ((g = __atomic_load_n(&kiln_pool.generation, __ATOMIC_ACQUIRE)) == seen) {
+            pool_relax();
+            if (++polls % 64) continue;
+            const long now = pool_now_ns();
+            if (since == 0) since = now;
+            if (now - since < POOL_SPIN_NS) continue;
+            __atomic_add_fetch(&kiln_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            if (__atomic_load_n(&kiln_pool.generation, __ATOMIC_SEQ_CST) == seen)
+                pool_wait(&kiln_pool.generation, seen);
+            __atomic_sub_fetch(&kiln_pool.sleepers, 1, __ATOMIC_SEQ_CST);
+            since = 0;
+        }
+        seen = g;
+        if (id < __atomic_load_n(&kiln_pool.limit, __ATOMIC_RELAXED)) pool_run_items(g);
+    }
+    return NULL;
+}
+
+/* 0: kiln_parallel_for is an OpenMP dynamic loop instead (KILN_POOL=0; kiln/kernels/cpu/gemm_native.py sets it) */
+int kiln_pool_enabled = 1;
+
+/* fn(ctx, item) for every item in [0, count), on up to `threads` threads (the caller's included). */
+static void kiln_parallel_for(long count, int threads, kiln_item_fn fn, void *ctx) {
+    if (!kiln_pool_enabled) {
+        #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1 && count > 1)
+        for (long i = 0; i < count; ++i) fn(ctx, i);
+        return;
+    }
+    if (threads <= 1 || count <= 1 || count > 0xffffffffL || pthread_mutex_trylock(&kiln_pool.lock) != 0) {
+        for (long i = 0; i < count; ++i) fn(ctx, i);
+        return;
+    }
+    if (kiln_pool.pid != getpid()) {  /* a forked child: its parent's workers are not here */
+        kiln_pool.pid = getpid();
+        kiln_pool.started = 0;
+    }
+    int want = threads - 1 < POOL_MAX_WORKERS ? threads - 1 : POOL_MAX_WORKERS;
+    while (kiln_pool.started < want) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&thread, &attr, pool_worker, (void *)(long)kiln_pool.started);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        kiln_pool.started++;
+    }
+    want = want < kiln_pool.started ? want : kiln_pool.started;
+    if (++kiln_pool.last == 0) kiln_pool.last = 1;
+    const unsigned int g = kiln_pool.last;
+    __atomic_store_n(&kiln_pool.fn, fn, __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.ctx, ctx, __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.count, count, __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.limit, want, __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.done, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&kiln_pool.word, (unsigned long)g << 32, __ATOMIC_RELEASE);
+    __atomic_store_n(&kiln_pool.generation, g, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&kiln_pool.sleepers, __ATOMIC_SEQ_CST) > 0) pool_wake(&kiln_pool.generation);
+    pool_run_items(g);
+    /* only the items a worker claimed are waited for */
+    for (int polls = 0; __atomic_load_n(&kiln_pool.done, __ATOMIC_ACQUIRE) < count; ++polls) {
+        if (polls < 4096) pool_relax();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&kiln_pool.lock);
+}
+
+/* The same, exported: kiln's other kernels (transformer.c's attention and elementwise) run their loops on this
+   library's pool through it, so that one set of workers serves every kiln kernel of a network. */
+void kiln_pool_parallel_for(long count, int threads, kiln_item_fn fn, void *ctx) {
+    kiln_parallel_for(count, threads, fn, ctx);
+}

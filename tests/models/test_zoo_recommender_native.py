@@ -1,0 +1,42 @@
+"""The DCN recommender from the zoo on the CPU with its cross layers and head Concat in kiln's C, against
+onnxruntime (issue 11).
+
+DCN-v2's cross layer x0 * (W x + b) + x leaves a Mul and an Add after each GEMM (fused into one
+kiln::Elementwise), and the head reads Concat(cross output, MLP output). With cpu.elementwise.native and
+cpu.concat.native every layer after the embedding lookup can run inside a native segment. Which tactic the
+tuner keeps is a timing decision, so the test gives the native tactics the win (autotune.NATIVE_CREDIT_MS)
+and checks the structure, then the numbers against onnxruntime on fresh inputs.
+"""
+
+from __future__ import annotations
+
+import kiln
+from kiln import zoo
+from kiln.builder import autotune
+from kiln.runtime.native import Segment
+from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
+
+NATIVE = ["cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.elementwise.native", "cpu.concat.native"]
+
+
+def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_onnxruntime(monkeypatch):
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+    exported = zoo.export("dcn_tiny")
+    engine = kiln.build(str(exported.path), tactics=NATIVE, timing_cache=None)
+    steps = engine.plan.program.steps
+    chosen = {s.name: s.tactic for s in steps}
+    elementwise = [s.name for s in steps if s.op_type == "Elementwise"]
+    concats = [s.name for s in steps if s.op_type == "Concat"]
+    assert len(elementwise) == 2 and len(concats) == 1, [s.op_type for s in steps]  # 2 cross layers, the head's
+    assert all(chosen[n] == "cpu.elementwise.native" for n in elementwise) and chosen[concats[0]] == "cpu.concat.native"
+    segments = [s.fn for s in engine.program.run_steps if isinstance(s.fn, Segment)]
+    members = {m.ctx.name for seg in segments for m in seg.members}
+    assert set(elementwise) | set(concats) <= members, f"outside a segment: {set(elementwise) | set(concats) - members}"
+    assert len(segments) == 1, [len(seg.members) for seg in segments]
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    for seed in (1, 2):
+        feeds = zoo.random_inputs("dcn_tiny", exported, seed=seed)
+        got = engine.run(feeds)
+        for n, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[n], want, f"dcn_tiny {n} (seed {seed})")

@@ -1,0 +1,99 @@
+"""pool.c's kiln_parallel_for (the parallel loops of kiln's GEMM, attention and Elementwise kernels) against
+OpenMP's loop and a single thread: the same items, so bitwise the same outputs; under calls from several
+Python threads at once (one runs on the pool, the others alone); in a forked child (no workers inherited);
+with 3 threads on 2 cores. Correctness only: what it buys on a loaded machine is in bench/results."""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.kernels.cpu import elementwise, gemm_native
+from kiln.kernels.cpu import transformer as transformer_kernels
+from tests.unit.test_tactics_cpu_transformer import prepared
+
+pytestmark = pytest.mark.skipif(not gemm_native.available() or not transformer_kernels.available(),
+                                reason="kiln's C kernels are not built")
+
+
+def pool_enabled(value: int | None = None) -> int:
+    flag = ctypes.c_int.in_dll(gemm_native.load(), "kiln_pool_enabled")
+    if value is not None:
+        flag.value = value
+    return flag.value
+
+
+def gemm_cases() -> list[tuple[gemm_native.PackedLinear, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for m, k, n, small in ((256, 845, 1024, None), (12, 300, 700, None), (200, 300, 130, 0), (1, 64, 4000, None)):
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        cases.append((gemm_native.PackedLinear(w, b, "Relu", small_m=small), torch.randn(m, k, generator=g)))
+    return cases
+
+
+def attention(q: torch.Tensor) -> torch.Tensor:
+    launch, _, ctx = prepared("cpu.attention.native", "Attention", "kiln", [q, q * 0.5, q + 1], {"scale": 0.2}, set())
+    return launch(ctx, q, q * 0.5, q + 1, scale=0.2)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_pool_loops_match_openmp_and_one_thread_bitwise(threads):
+    before = torch.get_num_threads()
+    q = torch.randn(2, 4, 200, 36)
+    ew = elementwise.Elementwise(["Mul i0 i1", "Add t0 i2"], {0: (1100, 1024), 1: (1100, 1024), 2: (1100, 1024)}, {})
+    xs = {k: torch.randn(1100, 1024) for k in range(3)}
+    results = {}
+    try:
+        for mode, (pool, n) in {"pool": (1, threads), "openmp": (0, threads), "one": (1, 1)}.items():
+            pool_enabled(pool)
+            torch.set_num_threads(n)
+            results[mode] = [layer(x) for layer, x in gemm_cases()] + [attention(q), ew(xs)]
+    finally:
+        pool_enabled(1)
+        torch.set_num_threads(before)
+    for mode in ("openmp", "one"):
+        for got, want in zip(results["pool"], results[mode]):
+            assert torch.equal(got, want), mode
+
+
+def test_calls_from_several_threads_at_once_are_all_right():
+    cases = gemm_cases()
+    wants = [layer(x) for layer, x in cases]
+    failures: list[str] = []
+
+    def work(seed: int) -> None:
+        for i in range(8):
+            j = (seed + i) % len(cases)
+            if not torch.equal(cases[j][0](cases[j][1]), wants[j]):
+                failures.append(f"thread {seed}, call {i}, case {j}")
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a call never returned"
+    assert not failures, failures
+
+
+def _child(layer, x, queue) -> None:
+    # no torch op here: libgomp (torch's OpenMP) is not fork-safe, a reduction in the child hangs whatever kiln does
+    queue.put(layer(x).numpy().astype(np.float64).sum())
+
+
+def test_a_forked_child_starts_its_own_workers():
+    layer, x = gemm_cases()[0]
+    want = layer(x).numpy().astype(np.float64).sum()  # the parent's workers are running
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child, args=(layer, x, queue))
+    child.start()
+    child.join(timeout=120)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == want
