@@ -49,20 +49,29 @@ def test_pool_loops_match_openmp_and_one_thread_bitwise(threads):
     ew = elementwise.Elementwise(["Mul i0 i1", "Add t0 i2"], {0: (1100, 1024), 1: (1100, 1024), 2: (1100, 1024)}, {})
     xs = {k: torch.randn(1100, 1024) for k in range(3)}
     results = {}
+    previous = pool_enabled()
     try:
         for mode, (pool, n) in {"pool": (1, threads), "openmp": (0, threads), "one": (1, 1)}.items():
             pool_enabled(pool)
             torch.set_num_threads(n)
             results[mode] = [layer(x) for layer, x in gemm_cases()] + [attention(q), ew(xs)]
     finally:
-        pool_enabled(1)
+        pool_enabled(previous)
         torch.set_num_threads(before)
     for mode in ("openmp", "one"):
         for got, want in zip(results["pool"], results[mode]):
             assert torch.equal(got, want), mode
 
 
-def test_calls_from_several_threads_at_once_are_all_right():
+@pytest.fixture
+def on_the_pool():
+    """kiln's pool for the test (it is the default only on a busy machine: kiln/openmp.py)."""
+    previous = pool_enabled(1)
+    yield
+    pool_enabled(previous)
+
+
+def test_calls_from_several_threads_at_once_are_all_right(on_the_pool):
     cases = gemm_cases()
     wants = [layer(x) for layer, x in cases]
     failures: list[str] = []
@@ -87,7 +96,7 @@ def _child(layer, x, queue) -> None:
     queue.put(layer(x).numpy().astype(np.float64).sum())
 
 
-def test_a_forked_child_starts_its_own_workers():
+def test_a_forked_child_starts_its_own_workers(on_the_pool):
     layer, x = gemm_cases()[0]
     want = layer(x).numpy().astype(np.float64).sum()  # the parent's workers are running
     context = multiprocessing.get_context("fork")
@@ -97,3 +106,11 @@ def test_a_forked_child_starts_its_own_workers():
     child.join(timeout=120)
     assert child.exitcode == 0
     assert queue.get(timeout=5) == want
+
+
+def test_the_pool_is_kilns_default_only_on_a_busy_machine():
+    kiln_pool_wanted = gemm_native.kiln_pool_wanted
+    assert kiln_pool_wanted({}, load=0.3, cpus=2) is False  # quiet: OpenMP's loop
+    assert kiln_pool_wanted({}, load=1.5, cpus=2) is True  # busy: the pool
+    assert kiln_pool_wanted({"KILN_POOL": "1"}, load=0.0, cpus=2) is True  # the user decides
+    assert kiln_pool_wanted({"KILN_POOL": "0"}, load=9.0, cpus=2) is False

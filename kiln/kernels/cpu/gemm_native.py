@@ -85,6 +85,28 @@ def parallel_for_address() -> int | None:
     return None if lib is None else ctypes.cast(lib.kiln_pool_parallel_for, ctypes.c_void_p).value
 
 
+BUSY = 0.5  # load average per CPU from which the machine counts as busy (kiln/openmp.py's rule for the spin)
+
+
+def kiln_pool_wanted(environ: dict[str, str] | None = None, load: float | None = None,
+                     cpus: int | None = None) -> bool:
+    """Whether kiln's C loops (GEMM, attention, Elementwise) run on kiln's own pool (pool.c) or on OpenMP's:
+    KILN_POOL=1 / 0 decides; else the pool where the machine is busy as the kernels load (1-min load average
+    at least half the CPUs). The pool does not wait for a worker that claimed no work, where OpenMP's
+    barrier waits out a descheduled thread's time slice (a 256x845x1024 GEMM at load ~6 on 2 cores: 16.0 ->
+    6.3 ms median); on a quiet machine its fastest calls were slower (128x768x768: 0.66 against 0.36 ms,
+    bench/results/zoo-cpu-2026-12-02.md), and an earlier pool measured 10-15% slower there."""
+    environ = os.environ if environ is None else environ
+    if "KILN_POOL" in environ:
+        return environ["KILN_POOL"] != "0"
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return False
+    return load >= BUSY * max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
+
+
 def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | str:
     """A library compiled with gemm.c's microkernels (this file's, or recurrent.py's, which includes them): built
     into kiln's cache as `stem` (`stem`-test with the test-only tiles), loaded, gemm.c's packing functions
@@ -97,8 +119,8 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
         lib = ctypes.CDLL(str(built))
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-    # pool.c's loops (KILN_POOL=0: OpenMP's instead, e.g. to compare the two on a machine)
-    ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = int(os.environ.get("KILN_POOL", "1") != "0")
+    # pool.c's loops where the machine is busy, else OpenMP's (KILN_POOL=1/0 decides: kiln/openmp.py)
+    ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = int(kiln_pool_wanted())
     lib.kiln_gemm_packed_floats.restype = ctypes.c_long
     lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     lib.kiln_gemm_pack_w.restype = None
