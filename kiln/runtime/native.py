@@ -598,6 +598,16 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     return (result, made) if made else (steps, [])
 
 
+def _replanned(bound: Any, primitive: Any) -> Any | None:
+    """`bound` (a template's call of kiln's own kernel) replanned for `primitive`, or None when the member is
+    another kind of call at these sizes (a oneDNN layer: its tuned row count on oneDNN, the others on
+    kiln's GEMM, kiln/tactics/cpu/onednn.py): then it is bound anew."""
+    try:
+        return bound.replan(primitive)
+    except ValueError:
+        return None
+
+
 class _Resized:
     """A segment at other input sizes over its template's memory: the template's arena, each member
     at these sizes bound to the template's planned addresses. kiln's own kernels replan on the
@@ -613,10 +623,9 @@ class _Resized:
         bound = []
         for b, k in zip(template.bound, template._bound_members):
             native = natives[k]
-            if hasattr(b, "replan"):
-                bound.append(b.replan(native.primitive(template._accumulate[k])))
-            else:
-                bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
+            replanned = _replanned(b, native.primitive(template._accumulate[k])) if hasattr(b, "replan") else None
+            bound.append(replanned if replanned is not None else
+                         _bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
         self._bound = bound  # owns what the calls point at
         calls = [c for b in bound for c in b.calls()]
         forms = forms if forms is not None else _forms(template.members, natives)

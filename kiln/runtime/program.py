@@ -101,7 +101,11 @@ class Program:
             in_slots = [slot(n) if n else -1 for n in list(step.inputs) + list(step.captures)]
             out_slots = [slot(n) if n else -1 for n in step.outputs]
             fn = op.fn
-            if step.tactic:  # pre-packs the step's weights once, here, at load
+            # A shape-only step on the CPU runs once per input-shape signature, on small values: the op's
+            # own implementation (a few µs of torch) rather than a native tactic's launch, which binds its
+            # kernel per input size (~40-80 µs for an embedding gather or a mask's And at a new size)
+            once_per_signature = i in shape_steps and not on_cuda
+            if step.tactic and not once_per_signature:  # pre-packs the step's weights once, here, at load
                 # Inputs whose value dies at this step (freed after it; not a graph input, output or
                 # capture): a tactic may write its result over one (kiln/tactics/cpu/onednn.py).
                 dying = [k for k, n in enumerate(step.inputs) if n and slot(n) in free_after[i]

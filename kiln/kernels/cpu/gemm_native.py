@@ -285,8 +285,8 @@ class GemmCall:
     def replan(self, bound: BoundRows) -> native_loop.Replanned:
         """The same layer at other rows (`bound`) on this call's memory objects and scratch (a larger
         one of its own when this is too small): what a native segment resized over its template runs."""
-        if bound.gemm is not self._bound.gemm:
-            raise ValueError(f"{bound.gemm.implementation}: not the layer of {self.what}")
+        if getattr(bound, "gemm", None) is not self._bound.gemm:  # another layer, or a oneDNN primitive
+            raise ValueError(f"{type(bound).__name__}: not the layer of {self.what} at other rows")
         plan, scratch = bound.gemm.plan(bound.rows, self._scratch)
         plan.get_handle, plan.src, plan.dst, plan.residual = (self._plan.get_handle, self._plan.src, self._plan.dst,
                                                               self._plan.residual)
