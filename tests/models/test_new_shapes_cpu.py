@@ -139,6 +139,9 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
     answers stay right after evictions, shapes coming back included."""
     engine, session = bert
     monkeypatch.setattr(program_module, "SHAPE_PLANS", 4)
+    budget = 100_000  # bytes: one or two signatures' shape values at the larger shapes (embeddings [b, s, 64])
+    monkeypatch.setattr(program_module, "SHAPE_PLAN_BYTES", budget)
+    program = engine.program
     monkeypatch.setattr(native, "VIEWS", 5)
     monkeypatch.setattr(engine_module, "CHECKED_SIGNATURES", 6)
     (segment,) = engine.program.segments
@@ -148,7 +151,10 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
     for k, (b, s) in enumerate(stream):
         x = request(b, s)
         got = next(iter(context.run(x).values()))
-        assert len(engine.program.shape_plans) <= 4
+        assert len(program.shape_plans) <= 4
+        assert program.shape_plan_bytes <= budget or len(program.shape_plans) == 1
+        assert program.shape_plan_bytes == sum(v.numel() * v.element_size() for values in program.shape_plans.values()
+                                               for _, v in values if isinstance(v, torch.Tensor))
         assert len(segment.resized) <= 5
         assert len(context._checked) <= 6
         if k % 5 == 0 or k >= len(shapes):
