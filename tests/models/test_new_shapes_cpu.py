@@ -19,10 +19,12 @@ from kiln import zoo
 from kiln.builder import autotune
 from kiln.kernels.cpu import gemm_native, onednn, onednn_primitives
 from kiln.kernels.cpu import transformer as kernels
+from kiln.ops.registry import lookup
 from kiln.runtime import engine as engine_module
 from kiln.runtime import native
 from kiln.runtime import program as program_module
 from kiln.tactics import registry
+from kiln.tactics.cpu import onednn as onednn_tactics
 from kiln.tactics.tactic import DEFAULT
 
 pytestmark = pytest.mark.skipif(not (onednn.available() and kernels.available() and gemm_native.available()),
@@ -124,6 +126,39 @@ def test_a_layer_run_on_its_own_at_other_rows_matches_onednn(bert):
         got = step.fn(step.ctx, x, *constants[1:], **step.attributes)
         want = x @ w.T + (b if b is not None else 0)
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL, rtol=RTOL, err_msg=f"{rows} rows")
+
+
+def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypatch):
+    """Past ONEDNN_FROM_MACS the JIT pays for itself within the call: those rows get a primitive of their own
+    (outside a segment and inside one), smaller ones stay on kiln's GEMM; every path matches torch."""
+    engine, _ = bert
+    template = engine.program.template
+    step = max((g for g in engine.program.steps if g.ctx.op_type == "FusedGemm"),
+               key=lambda g: template[g.inputs[1]].numel())  # the widest layer: N x K multiply-adds a row
+    constants = [template[s] if s >= 0 else None for s in step.inputs]
+    w, b = constants[1], constants[2] if len(constants) > 2 else None
+    per_row = w.numel()
+    reference = lookup("FusedGemm", "kiln").fn
+    monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 40 * per_row)  # from 40 rows on: oneDNN
+    created = []
+    make = onednn_primitives.InnerProduct.__init__
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "__init__",
+                        lambda self, w, b, rows, *a, **k: created.append(rows) or make(self, w, b, rows, *a, **k))
+    for rows in (39, 41):
+        x = torch.randn(rows, w.shape[1])  # x: [M, K]
+        got = step.fn(step.ctx, x, *constants[1:], **step.attributes)
+        want = reference(step.ctx, x, *constants[1:], **step.attributes)  # kiln::FusedGemm's own op (its GELU)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL, rtol=RTOL, err_msg=f"{rows} rows")
+    assert created == [41]
+    _, session = bert
+    context = engine.create_execution_context()
+    for bs, s in ((1, 37), (3, 29)):  # 37 rows: kiln's GEMM; 87 rows: oneDNN primitives, bound in the view
+        x = request(bs, s)
+        got = next(iter(context.run(x).values()))
+        real = x["attention_mask"].astype(bool)
+        np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL,
+                                   err_msg=f"{bs}x{s}")
+    assert 87 in created and 37 not in created
 
 
 def test_shape_only_steps_run_the_ops_own_implementations(bert):

@@ -359,10 +359,13 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     n = int(w.shape[0])
     packed = other_rows(step, w, b, with_residual)
 
+    def on_kiln_gemm(rows: int) -> bool:
+        return packed is not None and rows != rows_of(tuned) and packed.takes(rows)
+
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         lead = x.shape[:-1]
         rows = rows_of(tuple(x.shape))
-        if rows != rows_of(tuned) and packed is not None:
+        if on_kiln_gemm(rows):
             return packed.linear()(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
         primitive = _built(primitives, rows, build, lambda r: r == rows_of(tuned))  # another row count: once
         y = primitive(x.reshape(rows, x.shape[-1]).contiguous(),  # x: [..., K] -> rows [M, K]
@@ -374,7 +377,7 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     def native_at(size: tuple[int, ...]) -> NativeStep:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
             raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
-        if rows_of(size) != rows_of(tuned) and packed is not None:
+        if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, lambda _accumulate: bound,
                               residual_input=3 if with_residual else None)
@@ -386,21 +389,34 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     return launch
 
 
+# A oneDNN linear layer at another row count builds its primitive there only from this much work: creating
+# and JIT-compiling one costs ~0.3 ms, and where the tuner chose oneDNN it ran up to ~25% faster than kiln's
+# GEMM (BERT-base at 1024 rows), so from ~1.5 ms of work (~32 M multiply-adds on one core) the primitive pays
+# for itself within the call. Below it kiln's GEMM runs the rows: bert_tiny's layers always, BERT-base's at
+# up to ~20 rows.
+ONEDNN_FROM_MACS = 32 << 20
+
+
 class OtherRows:
     """A oneDNN linear layer at row counts other than its tuned one, on kiln's packed GEMM
-    (kiln/kernels/cpu/gemm_native.py): oneDNN's inner product is created and JIT-compiled per row count
-    (~0.3 ms each, bert_tiny's first call at a new shape was a third that), kiln's GEMM runs any row count
-    on one packed weight. That weight is packed on first use (one more copy of the layer's weight, once),
-    so an engine run only at its tuned shape never holds it. The two agree to fp32 rounding: different
-    blockings of the same sums."""
+    (kiln/kernels/cpu/gemm_native.py) where the work is small (ONEDNN_FROM_MACS): oneDNN's inner product
+    is created and JIT-compiled per row count (~0.3 ms each: a third of bert_tiny's first call at a new
+    shape, ~10 ms of BERT-base's 36 such layers), kiln's GEMM runs any row count on one packed weight. That
+    weight is packed on first use (one more copy of the layer's weight, once), so an engine run only at
+    large row counts never holds it. The two agree to fp32 rounding: different blockings of the same sums."""
 
     def __init__(self, step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool):
         self._args = (w, b, _attr(step, "activation", ""), float(_attr(step, "alpha", 0.0)),
                       float(_attr(step, "beta", 0.0)))
         self._residual = (with_residual, bool(_attr(step, "residual_after_activation", 1)))
+        self._macs_per_row = int(w.shape[0]) * int(w.shape[1])
         self._layer: gemm_native.PackedLinear | None = None
         self._bound: dict[int, gemm_native.BoundRows] = {}  # rows -> the last size bound at them
         self._lock = threading.Lock()
+
+    def takes(self, rows: int) -> bool:
+        """Whether `rows` rows run here rather than on a oneDNN primitive built for them."""
+        return rows * self._macs_per_row < ONEDNN_FROM_MACS
 
     def linear(self) -> gemm_native.PackedLinear:
         with self._lock:
