@@ -161,6 +161,17 @@ def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypa
     assert 87 in created and 37 not in created
 
 
+def test_large_layers_keep_a_onednn_primitive_per_row_count(bert):
+    """A layer past OTHER_ROWS_WEIGHT (BERT-base's) is not copied into kiln's GEMM: its JIT per row count is
+    a few % of its work, a second packed weight would not be."""
+    engine, _ = bert
+    spec = next(s for s in engine.plan.program.steps if s.op_type == "FusedGemm")
+    small = torch.randn(192, 64)
+    assert onednn_tactics.other_rows(spec, small, None, False) is not None
+    side = int(onednn_tactics.OTHER_ROWS_WEIGHT ** 0.5) + 1
+    assert onednn_tactics.other_rows(spec, torch.randn(side, side), None, False) is None
+
+
 def test_shape_only_steps_run_the_ops_own_implementations(bert):
     engine, _ = bert
     program = engine.program

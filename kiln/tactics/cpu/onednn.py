@@ -389,21 +389,26 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     return launch
 
 
-# A oneDNN linear layer at another row count builds its primitive there only from this much work: creating
-# and JIT-compiling one costs ~0.3 ms, and where the tuner chose oneDNN it ran up to ~25% faster than kiln's
-# GEMM (BERT-base at 1024 rows), so from ~1.5 ms of work (~32 M multiply-adds on one core) the primitive pays
-# for itself within the call. Below it kiln's GEMM runs the rows: bert_tiny's layers always, BERT-base's at
-# up to ~20 rows.
+# Which other row counts of a oneDNN linear layer run on kiln's GEMM (OtherRows): creating and JIT-compiling
+# a primitive costs ~0.2-0.6 ms whatever the layer's size (measured on BERT-base's and bert_tiny's layers),
+# and where the tuner chose oneDNN it ran up to ~25% faster than kiln's GEMM (BERT-base at 1024 rows).
+# - layers of at most OTHER_ROWS_WEIGHT elements: there the JIT is as much as the work (bert_tiny's layers
+#   are 4-16 K elements: a first call at a new shape was a third primitives); past it (BERT-base's
+#   0.6-2.4 M) the JIT is a few % of a call, and packing kiln's copy of the weight on first use cost a
+#   small request ~0.2 s (and ~250 MB) for 36 layers: those keep a primitive per row count;
+# - rows of less than ONEDNN_FROM_MACS multiply-adds: from ~1.5 ms of work on one core the primitive pays
+#   for itself within the call.
+OTHER_ROWS_WEIGHT = 1 << 18
 ONEDNN_FROM_MACS = 32 << 20
 
 
 class OtherRows:
-    """A oneDNN linear layer at row counts other than its tuned one, on kiln's packed GEMM
-    (kiln/kernels/cpu/gemm_native.py) where the work is small (ONEDNN_FROM_MACS): oneDNN's inner product
-    is created and JIT-compiled per row count (~0.3 ms each: a third of bert_tiny's first call at a new
-    shape, ~10 ms of BERT-base's 36 such layers), kiln's GEMM runs any row count on one packed weight. That
-    weight is packed on first use (one more copy of the layer's weight, once), so an engine run only at
-    large row counts never holds it. The two agree to fp32 rounding: different blockings of the same sums."""
+    """A small oneDNN linear layer at row counts other than its tuned one, on kiln's packed GEMM
+    (kiln/kernels/cpu/gemm_native.py) where the work is small (OTHER_ROWS_WEIGHT, ONEDNN_FROM_MACS): oneDNN's
+    inner product is created and JIT-compiled per row count, kiln's GEMM runs any row count on one packed
+    weight. That weight is packed on first use (one more copy of the layer's weight, at most 1 MiB, once),
+    so an engine run only at its tuned shape never holds it. The two agree to fp32 rounding: different
+    blockings of the same sums."""
 
     def __init__(self, step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool):
         self._args = (w, b, _attr(step, "activation", ""), float(_attr(step, "alpha", 0.0)),
@@ -439,7 +444,8 @@ class OtherRows:
 def other_rows(step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool) -> OtherRows | None:
     """kiln's GEMM for the layer's other row counts, or None where it does not run this layer (not built,
     or an activation it does not apply): then oneDNN builds a primitive per row count, as before."""
-    if not gemm_native.available() or _attr(step, "activation", "") not in gemm_native.ACTIVATIONS:
+    if not gemm_native.available() or _attr(step, "activation", "") not in gemm_native.ACTIVATIONS \
+            or w.numel() > OTHER_ROWS_WEIGHT:
         return None
     return OtherRows(step, w, b, with_residual)
 
