@@ -442,8 +442,9 @@ class OtherRows:
 
 
 def other_rows(step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool) -> OtherRows | None:
-    """kiln's GEMM for the layer's other row counts, or None where it does not run this layer (not built,
-    or an activation it does not apply): then oneDNN builds a primitive per row count, as before."""
+    """kiln's GEMM for the layer's other row counts, or None where it does not run this layer (not built, an
+    activation it does not apply, a weight past OTHER_ROWS_WEIGHT): then oneDNN builds a primitive per row
+    count, as before."""
     if not gemm_native.available() or _attr(step, "activation", "") not in gemm_native.ACTIVATIONS \
             or w.numel() > OTHER_ROWS_WEIGHT:
         return None
