@@ -61,6 +61,8 @@ def range_(ctx, start, limit, delta):
     s, lim, d = scalar(start), scalar(limit), scalar(delta)
     if isinstance(s, int) and isinstance(lim, int) and isinstance(d, int):
         n = max(-((s - lim) // d), 0)  # exact ceil((limit - start) / delta) for integers
+        if start.dtype == torch.int64:  # exact in int64: one call (an exported encoder's arange, per new shape)
+            return torch.arange(s, s + n * d, d, dtype=torch.int64, device=start.device)
     else:
         n = max(math.ceil((lim - s) / d), 0)
     # start + i * delta in the input type, as ONNX defines it (not a float accumulation).

@@ -453,6 +453,15 @@ def _entry_forms(entries: list[int], readers: list[list[tuple[int, Any]]], nativ
     return sizes, dtypes, layouts
 
 
+def _c_loop_over(c: tuple, calls: list) -> tuple:
+    """A segment's compiled-loop arrays (`c`: Segment._c_loop's) with other calls on the same memory objects:
+    its bindings kept, an addresses array of its own (written per run, under the template's lock)."""
+    run, _functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, _nargs, _args, _ = c
+    functions, objects, nargs, args = native_loop.call_arrays(calls)
+    return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, len(calls),
+            objects, nargs, args, ctypes.c_int(-1))
+
+
 def _run_loop(c: tuple, stream: Any, sources: dict[str, list[int]], names: list[str]) -> None:
     """One run of a segment's compiled loop (`c`: Segment._c_loop's arrays): its moving bindings pointed at
     this run's entries and exits (`sources`), every call made; a failing call raised by its layer's name.
@@ -598,6 +607,16 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     return (result, made) if made else (steps, [])
 
 
+def _replanned(bound: Any, primitive: Any) -> Any | None:
+    """`bound` (a template's call of kiln's own kernel) replanned for `primitive`, or None when the member is
+    another kind of call at these sizes (a oneDNN layer: its tuned row count on oneDNN, the others on
+    kiln's GEMM, kiln/tactics/cpu/onednn.py): then it is bound anew."""
+    try:
+        return bound.replan(primitive)
+    except ValueError:
+        return None
+
+
 class _Resized:
     """A segment at other input sizes over its template's memory: the template's arena, each member
     at these sizes bound to the template's planned addresses. kiln's own kernels replan on the
@@ -611,18 +630,26 @@ class _Resized:
         self.template = template
         self.entries, self.exits = template.entries, template.exits
         bound = []
+        anew = False  # a member bound anew has memory objects of its own: the run binds them too
         for b, k in zip(template.bound, template._bound_members):
             native = natives[k]
-            if hasattr(b, "replan"):
-                bound.append(b.replan(native.primitive(template._accumulate[k])))
-            else:
-                bound.append(_bind_member(template.members[k], native, template._accumulate[k], template._address)[0])
+            replanned = _replanned(b, native.primitive(template._accumulate[k])) if hasattr(b, "replan") else None
+            if replanned is None:
+                anew = True
+                replanned = _bind_member(template.members[k], native, template._accumulate[k], template._address)[0]
+            bound.append(replanned)
         self._bound = bound  # owns what the calls point at
         calls = [c for b in bound for c in b.calls()]
         forms = forms if forms is not None else _forms(template.members, natives)
         self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
                                                                                natives)
+        if not anew and len(calls) == len(template._calls):
+            # every call replanned on the template's memory objects: its bindings and names hold, and only the
+            # calls' arrays are new (the common case: a transformer's members are all kiln's own kernels)
+            self._names = template._names
+            self._c = _c_loop_over(template._c[False], calls)
+            return
         bindings = []
         for k, s in enumerate(self.entries):
             bindings += [(bound[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]

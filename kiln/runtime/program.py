@@ -104,7 +104,11 @@ class Program:
             in_slots = [slot(n) if n else -1 for n in list(step.inputs) + list(step.captures)]
             out_slots = [slot(n) if n else -1 for n in step.outputs]
             fn = op.fn
-            if step.tactic:  # pre-packs the step's weights once, here, at load
+            # A shape-only step on the CPU runs once per input-shape signature, on small values: the op's
+            # own implementation (a few µs of torch) rather than a native tactic's launch, which binds its
+            # kernel per input size (~40-80 µs for an embedding gather or a mask's And at a new size)
+            once_per_signature = i in shape_steps and not on_cuda
+            if step.tactic and not once_per_signature:  # pre-packs the step's weights once, here, at load
                 # Inputs whose value dies at this step (freed after it; not a graph input, output or
                 # capture): a tactic may write its result over one (kiln/tactics/cpu/onednn.py).
                 dying = [k for k, n in enumerate(step.inputs) if n and slot(n) in free_after[i]
@@ -137,6 +141,9 @@ class Program:
         computed_once = {id(self.steps[i]) for i in shape_steps}
         self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
+        self.shape_plan_bytes = 0  # what the remembered shape values hold (an encoder's position and token-type
+        # embeddings are shape-only: [batch, seq, hidden] floats per signature)
+        self._plan_sizes: dict[tuple, int] = {}
         self._plans_lock = threading.Lock()
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
@@ -193,11 +200,23 @@ class Program:
             for s in step.free:
                 env[s] = None
         if signature is not None:
-            with self._plans_lock:
-                self.shape_plans[signature] = [(s, env[s]) for s in self.shape_slots]
-                while len(self.shape_plans) > SHAPE_PLANS:
-                    self.shape_plans.popitem(last=False)
+            self._remember(signature, [(s, env[s]) for s in self.shape_slots])
         return [env[s] for s in self.output_slots]
+
+    def _remember(self, signature: tuple, values: list[tuple[int, Any]]) -> None:
+        """Keep a signature's shape values: at most SHAPE_PLANS signatures and SHAPE_PLAN_BYTES of tensors
+        (the newest always kept), the least recently used out."""
+        size = sum(v.numel() * v.element_size() for _, v in values if isinstance(v, torch.Tensor))
+        with self._plans_lock:
+            if signature in self.shape_plans:  # another thread's run recorded it meanwhile
+                return
+            self.shape_plans[signature] = values
+            self._plan_sizes[signature] = size
+            self.shape_plan_bytes += size
+            while len(self.shape_plans) > 1 and (len(self.shape_plans) > SHAPE_PLANS
+                                                 or self.shape_plan_bytes > SHAPE_PLAN_BYTES):
+                old, _ = self.shape_plans.popitem(last=False)
+                self.shape_plan_bytes -= self._plan_sizes.pop(old)
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
         """Host steps (every input a constant or shape-derived value) run on the CPU, once per input
@@ -258,6 +277,7 @@ class Program:
 
 
 SHAPE_PLANS = 64  # input-shape signatures whose shape values a Program remembers (least recently used go)
+SHAPE_PLAN_BYTES = 64 << 20  # ... and the most their tensors hold (BERT-base's at 8 x 256: ~7 MB a signature)
 
 
 SHARE_MIN_ELEMENTS = 4096  # a weight this large is worth one prepared launch for every layer reading it

@@ -158,6 +158,10 @@ IN_PLACE_BYTES = 4 << 20  # x up to this size is read in place over the whole K 
 # the in-place ones, which ran level with oneDNN and MLAS (BERT-base shapes, M = 128 and 512, interleaved
 # medians); alone on a core (CPU time) all three paths ran within the noise of each other.
 NEVER = 1 << 62
+# Up to this many multiply-adds (~0.1 ms on one core) a layer runs on one thread, as kiln's attention does
+# (attention.c): the end of a parallel loop waits out any thread the OS has descheduled, which on a loaded
+# machine costs more than small work gains. bert_tiny's layers at a few tokens are ~0.1-0.4 M.
+PARALLEL_MACS = 4 << 20
 
 
 def small_rows(kernel: Kernel, k: int) -> int:
@@ -238,7 +242,7 @@ class PackedLinear:
             scratch = hugepages.empty(packed_a + c) if packed_a + c else torch.empty(0)
         plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
                      scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.gemm_n, kernel=self.kernel.index,
-                     threads=0, small_m=self.small_m, pack_m=self.pack_m, out_n=self.n,
+                     threads=1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0, small_m=self.small_m, pack_m=self.pack_m, out_n=self.n,
                      c_scratch=scratch.data_ptr() + 4 * packed_a if c else None, **self._epilogue)
         return plan, scratch
 
@@ -316,8 +320,8 @@ class GemmCall:
     def replan(self, bound: BoundRows) -> native_loop.Replanned:
         """The same layer at other rows (`bound`) on this call's memory objects and scratch (a larger
         one of its own when this is too small): what a native segment resized over its template runs."""
-        if bound.gemm is not self._bound.gemm:
-            raise ValueError(f"{bound.gemm.implementation}: not the layer of {self.what}")
+        if getattr(bound, "gemm", None) is not self._bound.gemm:  # another layer, or a oneDNN primitive
+            raise ValueError(f"{type(bound).__name__}: not the layer of {self.what} at other rows")
         plan, scratch = bound.gemm.plan(bound.rows, self._scratch)
         plan.get_handle, plan.src, plan.dst, plan.residual = (self._plan.get_handle, self._plan.src, self._plan.dst,
                                                               self._plan.residual)

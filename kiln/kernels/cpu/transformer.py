@@ -165,11 +165,14 @@ class KernelBound:
         # reference back made every kernel a cycle, freed only by the garbage collector)
         self._kernel = weakref.proxy(kernel) if owned_by_kernel else kernel
         self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
+        self._roles = dict(kernel.roles)
+        self._memory_fields = self._memory_fields_of(kernel)
         self._plan, self._function = self._plan_for(kernel)
 
-    def _plan_for(self, kernel: NativeKernel) -> tuple[ctypes.Structure, int]:
-        """kernel's plan reading and writing this call's memory objects, and its function."""
-        fields = dict(kernel.fields)
+    def _memory_fields_of(self, kernel: NativeKernel) -> dict[str, Any]:
+        """The plan fields that point at this call's memory objects (the same at any size where the layer's
+        roles name the same fields: an Add's larger operand may change sides)."""
+        fields: dict[str, Any] = {}
         slots: dict[int, int] = {}  # in_[k] of a broadcast plan
         for role, names in kernel.roles.items():
             if role in self._memories:
@@ -179,8 +182,16 @@ class KernelBound:
                     else:
                         fields[name] = self._memories[role].value
         if slots:
-            slot_array = dict(kernel.PLAN._fields_)["in_"]  # c_void_p * 3 (broadcast), * 8 (elementwise, concat)
-            fields["in_"] = slot_array(*[slots.get(k) for k in range(slot_array._length_)])
+            length = dict(kernel.PLAN._fields_)["in_"]._length_  # 3 (broadcast), 8 (elementwise, concat)
+            fields["in_"] = tuple(slots.get(k) for k in range(length))
+        return fields
+
+    def _plan_for(self, kernel: NativeKernel) -> tuple[ctypes.Structure, int]:
+        """kernel's plan reading and writing this call's memory objects, and its function."""
+        memory = self._memory_fields if kernel.roles == self._roles else self._memory_fields_of(kernel)
+        fields = {**kernel.fields, **memory}
+        if "in_" in fields:
+            fields["in_"] = dict(kernel.PLAN._fields_)["in_"](*fields["in_"])
         get_handle, function = _addresses(kernel)
         return kernel.PLAN(get_handle=get_handle, **fields), function
 

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import onednn, onednn_primitives
+from kiln.kernels.cpu import gemm_native, onednn, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -337,6 +337,8 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
+    """The inner product at the tuned row count; other row counts (a profile's other shapes) on kiln's
+    packed GEMM (other_rows), which needs no primitive per row count."""
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
     eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
@@ -355,10 +357,16 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     primitives: dict[int, onednn_primitives.InnerProduct] = {}
     primitives[rows_of(tuned)] = build(rows_of(tuned))
     n = int(w.shape[0])
+    packed = other_rows(step, w, b, with_residual)
+
+    def on_kiln_gemm(rows: int) -> bool:
+        return packed is not None and rows != rows_of(tuned) and packed.takes(rows)
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         lead = x.shape[:-1]
         rows = rows_of(tuple(x.shape))
+        if on_kiln_gemm(rows):
+            return packed.linear()(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
         primitive = _built(primitives, rows, build, lambda r: r == rows_of(tuned))  # another row count: once
         y = primitive(x.reshape(rows, x.shape[-1]).contiguous(),  # x: [..., K] -> rows [M, K]
                       residual.reshape(rows, n).contiguous() if residual is not None else None)
@@ -369,12 +377,78 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     def native_at(size: tuple[int, ...]) -> NativeStep:
         if len(size) not in (2, 3) or size[-1] != tuned[-1]:
             raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
+        if on_kiln_gemm(rows_of(size)):
+            bound = packed.rows(size)
+            return NativeStep(size, bound.output_size, lambda _accumulate: bound,
+                              residual_input=3 if with_residual else None)
         primitive = _built(primitives, rows_of(size), build, lambda r: r == rows_of(tuned))
         return NativeStep(size, (*size[:-1], n), lambda _accumulate: primitive,
                           residual_input=3 if with_residual else None)
 
     launch.native = native_at(tuned)
     return launch
+
+
+# Which other row counts of a oneDNN linear layer run on kiln's GEMM (OtherRows): creating and JIT-compiling
+# a primitive costs ~0.2-0.6 ms whatever the layer's size (measured on BERT-base's and bert_tiny's layers),
+# and where the tuner chose oneDNN it ran up to ~25% faster than kiln's GEMM (BERT-base at 1024 rows).
+# - layers of at most OTHER_ROWS_WEIGHT elements: there the JIT is as much as the work (bert_tiny's layers
+#   are 4-16 K elements: a first call at a new shape was a third primitives); past it (BERT-base's
+#   0.6-2.4 M) the JIT is a few % of a call, and packing kiln's copy of the weight on first use cost a
+#   small request ~0.2 s (and ~250 MB) for 36 layers: those keep a primitive per row count;
+# - rows of less than ONEDNN_FROM_MACS multiply-adds: from ~1.5 ms of work on one core the primitive pays
+#   for itself within the call.
+OTHER_ROWS_WEIGHT = 1 << 18
+ONEDNN_FROM_MACS = 32 << 20
+
+
+class OtherRows:
+    """A small oneDNN linear layer at row counts other than its tuned one, on kiln's packed GEMM
+    (kiln/kernels/cpu/gemm_native.py) where the work is small (OTHER_ROWS_WEIGHT, ONEDNN_FROM_MACS): oneDNN's
+    inner product is created and JIT-compiled per row count, kiln's GEMM runs any row count on one packed
+    weight. That weight is packed on first use (one more copy of the layer's weight, at most 1 MiB, once),
+    so an engine run only at its tuned shape never holds it. The two agree to fp32 rounding: different
+    blockings of the same sums."""
+
+    def __init__(self, step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool):
+        self._args = (w, b, _attr(step, "activation", ""), float(_attr(step, "alpha", 0.0)),
+                      float(_attr(step, "beta", 0.0)))
+        self._residual = (with_residual, bool(_attr(step, "residual_after_activation", 1)))
+        self._macs_per_row = int(w.shape[0]) * int(w.shape[1])
+        self._layer: gemm_native.PackedLinear | None = None
+        self._bound: dict[int, gemm_native.BoundRows] = {}  # rows -> the last size bound at them
+        self._lock = threading.Lock()
+
+    def takes(self, rows: int) -> bool:
+        """Whether `rows` rows run here rather than on a oneDNN primitive built for them."""
+        return rows * self._macs_per_row < ONEDNN_FROM_MACS
+
+    def linear(self) -> gemm_native.PackedLinear:
+        with self._lock:
+            if self._layer is None:
+                w, b, activation, alpha, beta = self._args
+                self._layer = gemm_native.PackedLinear(w, b, activation, alpha, beta, residual=self._residual[0],
+                                                       residual_after_activation=self._residual[1])
+            return self._layer
+
+    def rows(self, size: tuple[int, ...]) -> gemm_native.BoundRows:
+        rows = math.prod(size[:-1])
+        found = self._bound.get(rows)
+        if found is None or found.input_size != size:
+            if len(self._bound) >= _CACHED_SHAPES * 8:  # a plan's few fields each; the oldest out
+                self._bound.pop(next(iter(self._bound)))
+            found = self._bound[rows] = self.linear().rows(size)
+        return found
+
+
+def other_rows(step: StepSpec, w: torch.Tensor, b: torch.Tensor | None, with_residual: bool) -> OtherRows | None:
+    """kiln's GEMM for the layer's other row counts, or None where it does not run this layer (not built, an
+    activation it does not apply, a weight past OTHER_ROWS_WEIGHT): then oneDNN builds a primitive per row
+    count, as before."""
+    if not gemm_native.available() or _attr(step, "activation", "") not in gemm_native.ACTIVATIONS \
+            or w.numel() > OTHER_ROWS_WEIGHT:
+        return None
+    return OtherRows(step, w, b, with_residual)
 
 
 register(Tactic(
