@@ -153,3 +153,60 @@ def make(name: str) -> Calibrator:
         return CALIBRATORS[name]()
     except KeyError:
         raise ValueError(f"no calibrator {name!r}; kiln has {sorted(CALIBRATORS)}") from None
+
+
+class PerChannel:
+    """One calibrator per channel (axis 1 of an NCHW activation): the range of each channel on its own, for
+    the inputs of depthwise convolutions, whose output channel c reads input channel c only, so that a
+    per-channel input scale folds into the layer's per-channel weight scale (kiln/passes/fusion/qdq_layers.py).
+    amax() is then an array [C].
+
+    minmax keeps one maximum per channel; the histogram calibrators one histogram per channel, counted for
+    every channel at once (one bincount over channel·BINS + bin) and each channel's width doubling as in
+    Histogram, then the calibrator's own rule per channel."""
+
+    name = "per-channel"
+
+    def __init__(self, calibrator: str):
+        if calibrator not in CALIBRATORS:
+            make(calibrator)  # the error that names the calibrators
+        self.calibrator = calibrator
+        self.counts: np.ndarray | None = None  # [C, BINS]; minmax: [C] maxima
+        self.width: np.ndarray | None = None  # [C]
+
+    def observe(self, x: torch.Tensor) -> None:
+        if x.dim() < 2 or not x.numel():
+            return
+        values = x.detach().float().abs().transpose(0, 1).reshape(x.shape[1], -1)  # [C, N·H·W]
+        channels = values.shape[0]
+        top = values.max(dim=1).values.double().numpy()
+        if self.counts is not None and self.counts.shape[0] != channels:
+            raise ValueError(f"per-channel calibration: {channels} channels after {self.counts.shape[0]}")
+        if self.calibrator == "minmax":
+            self.counts = top if self.counts is None else np.maximum(self.counts, top)
+            return
+        if self.counts is None:
+            self.counts = np.zeros((channels, BINS), np.float64)
+            self.width = np.where(top > 0, top, 1.0) / BINS
+        for c in np.nonzero(top >= self.width * BINS)[0]:  # merge pairs of bins until the range holds top
+            while top[c] >= self.width[c] * BINS:
+                merged = self.counts[c].reshape(-1, 2).sum(1)
+                self.counts[c] = np.concatenate([merged, np.zeros(BINS // 2)])
+                self.width[c] *= 2
+        width = torch.from_numpy(self.width).float().unsqueeze(1)  # [C, 1]
+        index = (values / width).long().clamp_(max=BINS - 1)
+        index += torch.arange(channels).unsqueeze(1) * BINS
+        counted = torch.bincount(index[values > 0], minlength=channels * BINS)  # exact zeros left out
+        self.counts += counted.double().numpy().reshape(channels, BINS)
+
+    def amax(self) -> np.ndarray:
+        if self.counts is None:
+            return np.zeros(0)
+        if self.calibrator == "minmax":
+            return self.counts.copy()
+        out = []
+        for counts, width in zip(self.counts, self.width):
+            one = make(self.calibrator)
+            one.counts, one.width = counts, float(width)
+            out.append(one.amax())
+        return np.array(out, np.float64)

@@ -8,7 +8,14 @@ For every Conv, Gemm and MatMul with a constant weight (the layers INT8/FP8 kern
                                                 s_w per output channel = max|W_c| / 127 (or / 448)
 
 The weight is stored quantized (int8 / float8e4m3fn) with its scales; the bias stays float (a kernel
-takes it as int32 at s_x·s_w). One Q/DQ pair serves every consumer of a tensor. What runs then is
+takes it as int32 at s_x·s_w).
+
+The input of a depthwise convolution (group = C, one input channel per group) is quantized per channel
+(axis 1, s_x[c] = amax(x_c) / 127) when depthwise convolutions are its only quantized readers: output
+channel o reads input channel c = o·C/O alone, so x_c·s_x[c]·w_o·s_w[o] = x_c·w_o·(s_x[c]·s_w[o]) and
+the per-channel input scale folds into the per-channel weight scale (kiln/passes/fusion/qdq_layers.py)
+and the int8 kernel is unchanged. MobileNetV2's expanded activations have channels whose ranges differ
+by orders of magnitude: one scale for all rounds the small ones to zero. One Q/DQ pair serves every consumer of a tensor. What runs then is
 exactly what an INT8/FP8 kernel computes (quantized inputs, wide accumulation): constant folding turns
 DQ(W_q) into the dequantized weight, and each activation pair quantizes on the way in.
 """
@@ -68,8 +75,35 @@ def targets(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[Target]:
     return found
 
 
+def is_depthwise(node: ir.Node) -> bool:
+    """A Conv whose every group reads one input channel (group = C_in, weight [O, 1, *k])."""
+    if node.op_type != "Conv" or node.inputs[1] is None or node.inputs[1].const_value is None:
+        return False
+    group = node.attributes.get("group")
+    w_shape = node.inputs[1].const_value.shape
+    return group is not None and group.value > 1 and w_shape[1] == 1 and w_shape[0] % group.value == 0
+
+
+def per_channel_activations(graph: ir.Graph, exclude: set[str] = frozenset()) -> set[str]:
+    """The activations to quantize per channel: those whose every quantized reader is a depthwise Conv."""
+    readers: dict[str, list[ir.Node]] = {}
+    for t in targets(graph, exclude):
+        readers.setdefault(t.activation.name, []).append(t.node)
+    return {name for name, nodes in readers.items() if all(is_depthwise(n) for n in nodes)
+            and all(len(n.inputs[0].shape or []) >= 3 for n in nodes)}
+
+
 def _scalar(name: str, value: float) -> ir.Value:
     return ir.Value(name=name, const_value=ir.tensor(np.array(value, np.float32), name=name))
+
+
+def _clip_max(value: ir.Value) -> float | None:
+    """The upper bound of the Clip producing `value` (ReLU6: 6), when constant."""
+    node = value.producer()
+    if node is None or node.op_type != "Clip" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+        return None
+    high = node.inputs[2].const_value if node.inputs[2] is not None else None
+    return None if high is None else float(high.numpy().reshape(-1)[0])
 
 
 def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = ()) -> ir.Value:
@@ -98,7 +132,7 @@ def _non_negative(value: ir.Value) -> bool:
     return False
 
 
-def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str] = frozenset(),
+def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
            unsigned: bool = False, weight_max: float | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
@@ -106,7 +140,10 @@ def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[s
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
     quantized weight magnitude (64 keeps any two weights' products with a uint8 activation within
-    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py)."""
+    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py). A range given as an
+    array (one amax per channel, per_channel_activations) quantizes that activation along axis 1; a
+    channel that was 0 on every batch gets the largest channel's scale (its values quantize to 0 either
+    way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -119,20 +156,43 @@ def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[s
         if amax is None:
             skipped[t.node.name] = f"no range measured for its input {t.activation.name!r}"
             continue
-        if not np.isfinite(amax) or amax <= 0:
-            skipped[t.node.name] = f"its input {t.activation.name!r} was {amax} on every calibration batch"
+        amax = np.asarray(amax, np.float64)
+        if not np.all(np.isfinite(amax)) or amax.max(initial=0.0) <= 0:
+            skipped[t.node.name] = f"its input {t.activation.name!r} was {amax.max(initial=0.0)} on every " \
+                                   "calibration batch"
+            continue
+        if amax.ndim == 1 and not is_depthwise(t.node):
+            skipped[t.node.name] = f"its input {t.activation.name!r} has per-channel ranges: only a depthwise " \
+                                   "convolution folds them into its weight scales"
             continue
         dq = pairs.get(t.activation.name)
         if dq is None:
             base = t.activation.name
+            high = _clip_max(t.activation)
+            if high is not None and high > 0:
+                amax = np.minimum(amax, high)
+            amax = np.where(amax > 0, amax, amax.max())  # a channel 0 throughout: any scale quantizes it to 0
             positive = unsigned and dtype == "int8" and _non_negative(t.activation)
-            scale = _initializer(graph, _scalar(f"{base}_qscale", amax / (255.0 if positive else qmax)))
-            zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
-            q = ir.node("QuantizeLinear", [t.activation, scale, zero], name=f"{base}_quantize", num_outputs=1)
+            steps = 255.0 if positive else qmax
+            s = (amax / steps).astype(np.float32)
+            if high is not None and high > 0:  # float32 rounding may not put the top step above the Clip's bound
+                s = np.where(s.astype(np.float64) * steps > high, np.nextafter(s, np.float32(0)), s)
+            if amax.ndim == 0:
+                scale = _initializer(graph, _scalar(f"{base}_qscale", float(s)))
+                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
+                axis = {}
+            else:
+                scale = _initializer(graph, ir.Value(name=f"{base}_qscale", const_value=ir.tensor(
+                    s, name=f"{base}_qscale")))
+                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype, amax.shape))
+                axis = {"axis": 1}
+            q = ir.node("QuantizeLinear", [t.activation, scale, zero], attributes=axis, name=f"{base}_quantize",
+                        num_outputs=1)
             q.outputs[0].name = f"{base}_q"
             q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
             q.outputs[0].shape = t.activation.shape
-            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{base}_dequantize", num_outputs=1)
+            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], attributes=axis, name=f"{base}_dequantize",
+                        num_outputs=1)
             d.outputs[0].name = f"{base}_dq"
             d.outputs[0].dtype = t.activation.dtype
             d.outputs[0].shape = t.activation.shape
