@@ -113,21 +113,27 @@ def main() -> None:
     parser.add_argument("--accuracy-target", type=float, default=None)
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-bias-correction", action="store_true")
+    parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
     args = parser.parse_args()
-    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target)
+    options = {"bias_correction": not args.no_bias_correction, "per_channel_depthwise": not args.per_tensor_depthwise}
+    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, **options)
     if args.minilm:
-        rows += [minilm(c) for c in args.calibrators]
+        rows += [minilm(c, **options) for c in args.calibrators]
     if args.no_write:
         return
     now = datetime.datetime.now(datetime.timezone.utc)
     out = Path(__file__).resolve().parent / "results" / f"quant-cpu-{now:%Y-%m-%d}.md"
     lines = [f"\n## Accuracy, {now:%Y-%m-%d %H:%M} UTC (bench/quant_accuracy.py)\n",
              f"- device: {cpu_name()} ({platform.machine()}); commit {commit()}; torch {torch.__version__}\n",
-             "| model | dtype | calibrator | result | kept float |", "|---|---|---|---|---|"]
+             "| model | dtype | calibrator | options | result | kept float |", "|---|---|---|---|---|---|"]
     for r in rows:
         result = (f"top-1 {r['agreement']:.3f} of {r['held_out']} held out" if "agreement" in r
                   else f"cosine min {r['cosine_min']:.4f}, mean {r['cosine_mean']:.4f}")
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['calibrator']} | {result} | {r.get('kept_float', 0)} |")
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
+        target = f", accuracy_target={args.accuracy_target}" if args.accuracy_target and "agreement" in r else ""
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['calibrator']} | {opts}{target} | {result} | "
+                     f"{r.get('kept_float', 0)} |")
     with out.open("a") as f:
         f.write("\n".join(lines) + "\n")
     print(f"appended to {out}")

@@ -86,10 +86,13 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                    cache_path: str | None, preprocessing: str, say: Callable[[str], None],
                    keep: list | None = None, smoothquant: float | None = None,
                    channel_max: dict[str, np.ndarray] | None = None,
-                   per_channel_depthwise: bool = True) -> tuple[dict, dict]:
+                   per_channel_depthwise: bool = True,
+                   channel_means: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
     the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
-    inputs read only by depthwise convolutions get one amax per channel (an array; kiln/quant/qdq.py). smoothquant / channel_max:
+    inputs read only by depthwise convolutions get one amax per channel (an array; kiln/quant/qdq.py).
+    channel_means: when given (bias correction), filled with each activation's mean per channel, measured
+    on the same batches (left empty when the ranges come from the cache: then no correction). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
     needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
     per_channel = qdq.per_channel_activations(model.graph, exclude) if per_channel_depthwise else set()
@@ -104,8 +107,16 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
         say(f"calibration: not using the cache {cache_path}: {why_not_cached}")
     observers = {name: calibrators.PerChannel(calibrator) if name in per_channel else calibrators.make(calibrator)
                  for name in needed}
-    count = _observe(model, source, observers, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
+    means = {}
+    if channel_means is not None:  # the axis a layer reduces: a Conv's channels, a Gemm/MatMul's last axis
+        means = {t.activation.name: calibrators.ChannelMean(1 if t.node.op_type == "Conv" else -1)
+                 for t in qdq.targets(model.graph, exclude)}
+    watched = {name: calibrators.Together(obs, means[name]) if name in means else obs
+               for name, obs in observers.items()}
+    count = _observe(model, source, watched, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
     ranges = {name: obs.amax() for name, obs in observers.items()}
+    if channel_means is not None:
+        channel_means.update({name: m.value() for name, m in means.items()})
     calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max)
     return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path,
                     "per_channel": len(per_channel)}
@@ -172,11 +183,13 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                 preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
         channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
+    channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
-                                    per_channel_depthwise=config.per_channel_depthwise)
+                                    per_channel_depthwise=config.per_channel_depthwise,
+                                    channel_means=channel_means)
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -195,7 +208,10 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say, unsigned=unsigned, weight_max=weight_max)
-    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max)
+    if config.bias_correction and not channel_means:
+        say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
+    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
+                         channel_means=channel_means)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
@@ -203,6 +219,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    "weights": f"{'7' if weight_max else '8'}-bit per channel"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
+                   "bias_correction": bool(channel_means),
                    **({"smoothquant": smoothing} if smoothing is not None else {})}
 
 

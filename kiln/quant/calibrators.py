@@ -210,3 +210,35 @@ class PerChannel:
             one.counts, one.width = counts, float(width)
             out.append(one.amax())
         return np.array(out, np.float64)
+
+
+class ChannelMean:
+    """The mean of an activation per channel (axis 1 for a convolution's input, the last axis for a
+    Gemm/MatMul's) over every calibration batch: what bias correction multiplies the weights' rounding by."""
+
+    def __init__(self, axis: int):
+        self.axis = axis
+        self._sum: torch.Tensor | None = None
+        self._count = 0
+
+    def observe(self, x: torch.Tensor) -> None:
+        if x.dim() < 2 or not x.numel():
+            return
+        channels = x.detach().double().movedim(self.axis, -1).reshape(-1, x.shape[self.axis])  # [rows, C]
+        total = channels.sum(0)
+        self._sum = total if self._sum is None else self._sum + total
+        self._count += channels.shape[0]
+
+    def value(self) -> np.ndarray:
+        return np.zeros(0) if self._sum is None else (self._sum / self._count).numpy()
+
+
+class Together:
+    """Several observers of one tensor (a range calibrator and a ChannelMean)."""
+
+    def __init__(self, *observers):
+        self.observers = observers
+
+    def observe(self, x: torch.Tensor) -> None:
+        for o in self.observers:
+            o.observe(x)

@@ -133,7 +133,8 @@ def _non_negative(value: ir.Value) -> bool:
 
 
 def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
-           unsigned: bool = False, weight_max: float | None = None) -> dict[str, str]:
+           unsigned: bool = False, weight_max: float | None = None,
+           channel_means: dict[str, np.ndarray] | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -143,7 +144,13 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py). A range given as an
     array (one amax per channel, per_channel_activations) quantizes that activation along axis 1; a
     channel that was 0 on every batch gets the largest channel's scale (its values quantize to 0 either
-    way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above."""
+    way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above.
+
+    channel_means ({activation: its mean per channel on the calibration data}): bias correction (Nagel et
+    al. 2019, "Data-Free Quantization", section 4.2). Rounding the weights shifts each output channel's
+    mean by Σ (W_q - W)·E[x]; the layer's bias absorbs minus that, so the quantized layer's output has the
+    float layer's mean (exact for 1x1 convolutions and GEMMs, off only at the padded border for larger
+    kernels)."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -199,7 +206,11 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             graph.insert_before(t.node, [q, d])
             dq = pairs[t.activation.name] = d.outputs[0]
         t.node.replace_input_with(0, dq)
-        t.node.replace_input_with(1, _quantized_weight(graph, t, dtype, weight_max or qmax))
+        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax)
+        mean = (channel_means or {}).get(t.activation.name)
+        if mean is not None:
+            _correct_bias(graph, t, weight_dq, mean)
+        t.node.replace_input_with(1, weight_dq)
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
     return skipped
@@ -229,3 +240,51 @@ def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir
     d.outputs[0].shape = t.weight.shape
     graph.insert_before(t.node, [d])
     return d.outputs[0]
+
+
+def _dequantized_weight(value: ir.Value) -> np.ndarray:
+    """DQ(W_q; s, axis) of _quantized_weight, in float64."""
+    dq = value.producer()
+    q, scale = dq.inputs[0].const_value.numpy(), dq.inputs[1].const_value.numpy()
+    shape = [1] * q.ndim
+    shape[dq.attributes["axis"].value] = -1
+    return q.astype(np.float64) * scale.astype(np.float64).reshape(shape)
+
+
+def _correct_bias(graph: ir.Graph, t: Target, weight_dq: ir.Value, mean: np.ndarray) -> None:
+    """bias -= Σ (W_q - W)·E[x] per output channel (insert's docstring); a Conv/Gemm without a bias gets one."""
+    w = t.weight.const_value.numpy().astype(np.float64)
+    delta = _dequantized_weight(weight_dq) - w
+    if t.node.op_type == "Conv":  # [O, C/g, *k]; group gi's outputs read input channels gi·C/g ...
+        groups = t.node.attributes["group"].value if "group" in t.node.attributes else 1
+        per_group = delta.shape[1]
+        if mean.size != groups * per_group:
+            return
+        m = mean.reshape(groups, 1, per_group)  # [g, 1, C/g]
+        d = delta.sum(axis=tuple(range(2, delta.ndim))).reshape(groups, -1, per_group)  # [g, O/g, C/g]
+        shift = (d * m).sum(-1).reshape(-1)  # [O]
+        bias_index = 2
+    elif t.node.op_type == "Gemm":
+        d = delta.T if t.channel_axis == 0 else delta  # [K, N]
+        if mean.size != d.shape[0]:
+            return
+        shift = mean @ d
+        bias_index = 2
+    else:  # MatMul: no bias input to adjust
+        return
+    has_bias = len(t.node.inputs) > bias_index and t.node.inputs[bias_index] is not None
+    if has_bias:
+        old = t.node.inputs[bias_index].const_value
+        if old is None or old.numpy().size != shift.size:
+            return
+        bias = old.numpy().astype(np.float64).reshape(-1)
+    else:
+        bias = np.zeros(shift.size)
+    name = f"{t.node.name or t.weight.name}_bias_corrected"
+    value = _initializer(graph, ir.Value(name=name, const_value=ir.tensor((bias - shift).astype(np.float32),
+                                                                          name=name)))
+    if has_bias:
+        t.node.replace_input_with(bias_index, value)
+    elif t.node.op_type == "Conv" or len(t.node.inputs) == bias_index:
+        t.node.resize_inputs(bias_index + 1)
+        t.node.replace_input_with(bias_index, value)
