@@ -89,8 +89,7 @@ def per_channel_activations(graph: ir.Graph, exclude: set[str] = frozenset()) ->
     readers: dict[str, list[ir.Node]] = {}
     for t in targets(graph, exclude):
         readers.setdefault(t.activation.name, []).append(t.node)
-    return {name for name, nodes in readers.items() if all(is_depthwise(n) for n in nodes)
-            and all(len(n.inputs[0].shape or []) >= 3 for n in nodes)}
+    return {name for name, nodes in readers.items() if all(is_depthwise(n) for n in nodes)}
 
 
 def _scalar(name: str, value: float) -> ir.Value:

@@ -185,7 +185,8 @@ def _quantized_output(value: ir.Value, channels: int | None = None) -> tuple[ir.
 def _per_channel_along(p: QParams, value: ir.Value, axis: int, channels: int) -> bool:
     """Scales one per channel of `axis`, the zero point the same for all."""
     rank = len(value.shape) if value.shape is not None else None
-    return (rank is not None and rank > axis and p.axis % rank == axis and p.scale.size == channels
+    along = p.axis == axis if rank is None else rank > axis and p.axis % rank == axis
+    return (along and p.scale.size == channels
             and np.all(p.zero_point.reshape(-1) == p.zero_point.reshape(-1)[0]))
 
 
