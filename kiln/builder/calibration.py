@@ -99,6 +99,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     cached = calibration_cache.load(cache_path, calibrator, dtype, needed, smoothquant, per_channel)
     if cached is not None:
         say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
+        if channel_means is not None:
+            channel_means.update(calibration_cache.load_channel_mean(cache_path))
         return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
     why_not_cached = calibration_cache.mismatch(cache_path, calibrator, dtype, smoothquant)
     if source is None:
@@ -117,7 +119,7 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     ranges = {name: obs.amax() for name, obs in observers.items()}
     if channel_means is not None:
         channel_means.update({name: m.value() for name, m in means.items()})
-    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max)
+    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max, channel_means)
     return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path,
                     "per_channel": len(per_channel)}
 
