@@ -1,8 +1,8 @@
 """INT8/FP8 accuracy on real weights and real photographs (issue 12), emulated (quantization='emulate':
 computed as the quantized kernels would, on this CPU).
 
-MobileNetV2 (ImageNet weights) calibrated on a third of a set of crops and flips of scikit-image's
-photographs and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
+MobileNetV2 (ImageNet weights) calibrated on a third of 112 crops and flips of scikit-image's
+photographs (kiln.quant.data.photo_variants) and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
 embeddings against FP32 by cosine. The issue's targets (MobileNetV2 INT8 >= 97%, FP8 >= 98%; MiniLM
 cosine >= 0.99) are asserted where kiln meets them; the measured agreement is printed either way.
 """
@@ -14,36 +14,12 @@ import pytest
 
 import kiln
 from kiln import zoo
-from kiln.quant.data import imagenet
-
-# the photographs scikit-image ships (others, e.g. eagle, would be downloaded: never at test time)
-PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
-          "retina", "colorwheel", "brick", "grass", "gravel", "clock", "coins", "moon"]
-
-
-def _variants(per_photo: int = 6, seed: int = 0) -> list[np.ndarray]:
-    import skimage.data
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for name in PHOTOS:
-        image = getattr(skimage.data, name)()
-        h, w = image.shape[:2]
-        for k in range(per_photo):
-            s = rng.uniform(0.5, 1.0)
-            ch, cw = int(h * s), int(w * s)
-            y, x = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
-            crop = image[y:y + ch, x:x + cw]
-            if k % 2:
-                crop = crop[:, ::-1]
-            out.append(imagenet(np.ascontiguousarray(crop)))
-    return out
-
+from kiln.quant.data import imagenet, photo_variants
 
 @pytest.fixture(scope="module")
 def mobilenet():
-    images = _variants()
-    assert len(images) >= 90
+    images = photo_variants()  # 112 crops/flips of 16 photographs: 38 calibrate, 74 held out
+    assert len(images) >= 100
     calibration = [{"pixel_values": v} for v in images[::3]]
     held_out = [v for i, v in enumerate(images) if i % 3]
     path = str(zoo.mobilenet_v2())
@@ -58,8 +34,12 @@ def _agreement(engine, held_out, reference) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, target", [("int8", 0.97), ("fp8", 0.98)])
-def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, capsys):
+# guards below the agreement measured with bench/quant_accuracy.py on this set (percentile; per-channel depthwise
+# inputs, bias correction): int8 0.905 every layer, 0.946 at --accuracy-target 0.05 (15 layers float); fp8 0.730,
+# 0.946 (41 float). The issue's targets (0.97, 0.98) are not met yet: xfail says so
+@pytest.mark.parametrize("dtype, target, plain_guard, mixed_guard", [("int8", 0.97, 0.85, 0.90),
+                                                                     ("fp8", 0.98, 0.65, 0.90)])
+def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, plain_guard, mixed_guard, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
                        calibrator="percentile")
@@ -71,7 +51,7 @@ def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, capsys):
         print(f"\nMobileNetV2 {dtype}: top-1 agreement {a_plain:.3f} every layer quantized, {a_mixed:.3f} with "
               f"--accuracy-target 0.05 ({kept} layer(s) kept float), on {len(held_out)} held-out images")
     assert a_mixed >= a_plain - 0.02  # keeping sensitive layers float does not make it worse
-    assert a_mixed >= 0.75  # a regression guard; the issue's target is asserted below when met
+    assert a_plain >= plain_guard and a_mixed >= mixed_guard  # regression guards; the target is asserted when met
     if a_mixed < target:
         pytest.xfail(f"{dtype} top-1 agreement {a_mixed:.3f} < the issue's target {target}: not yet met")
 
@@ -82,7 +62,7 @@ def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
 
     cat = imagenet(skimage.data.chelsea())
     path = str(zoo.mobilenet_v2())
-    calibration = [{"pixel_values": v} for v in _variants(per_photo=1)[:8]]
+    calibration = [{"pixel_values": v} for v in photo_variants(per_photo=1)[:8]]
     fp32 = next(iter(kiln.build(path).run({"pixel_values": cat}).values()))
     int8 = kiln.build(path, precision="int8", quantization="emulate", calibration=calibration,
                       calibrator="percentile")
