@@ -222,6 +222,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
+                   # what the correction was formed from: a refit forms it again from the new weights with these
+                   # (kiln/builder/refit.py), as it keeps the ranges
+                   "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
                    **({"smoothquant": smoothing} if smoothing is not None else {})}
 
 
