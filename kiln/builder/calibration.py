@@ -86,11 +86,13 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                    cache_path: str | None, preprocessing: str, say: Callable[[str], None],
                    keep: list | None = None, smoothquant: float | None = None,
                    channel_max: dict[str, np.ndarray] | None = None,
-                   per_channel_depthwise: bool = True,
+                   per_channel_depthwise: bool = True, unsigned: bool = False,
                    channel_means: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
     the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
     inputs read only by depthwise convolutions get one amax per channel (an array; kiln/quant/qdq.py).
+    unsigned: int8 activations that cannot be negative will be uint8 (qdq.insert's `unsigned`), which the
+    entropy calibrator's search must know.
     channel_means: when given (bias correction), filled with each activation's mean per channel, measured
     on the same batches (left empty when the ranges come from the cache: then no correction). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
@@ -107,8 +109,11 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
         raise _data_needed(dtype, cache_path, why_not_cached)
     if why_not_cached:
         say(f"calibration: not using the cache {cache_path}: {why_not_cached}")
-    observers = {name: calibrators.PerChannel(calibrator) if name in per_channel else calibrators.make(calibrator)
-                 for name in needed}
+    # a non-negative activation quantized to uint8 is one-sided: its histogram of |x| maps onto all 256 codes
+    one_sided = {t.activation.name for t in qdq.targets(model.graph, exclude)
+                 if unsigned and dtype == "int8" and qdq.non_negative(t.activation)}
+    observers = {name: calibrators.PerChannel(calibrator, name in one_sided) if name in per_channel
+                 else calibrators.make(calibrator, name in one_sided) for name in needed}
     means = {}
     if channel_means is not None:  # the axis a layer reduces: a Conv's channels, a Gemm/MatMul's last axis
         means = {t.activation.name: calibrators.ChannelMean(1 if t.node.op_type == "Conv" else -1)
@@ -184,13 +189,16 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                 config.calibration, [v.name for v in model.graph.inputs],
                 preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
         channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
+    # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
+    # int8 kernels read (and CUDA's take), so what "emulate" measures too
+    unsigned = dtype == "int8"
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
-                                    per_channel_depthwise=config.per_channel_depthwise,
+                                    per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
                                     channel_means=channel_means)
     accuracy: dict = {}
     sensitive: set[str] = set()
@@ -202,9 +210,6 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                            limit=EVALUATION_BATCHES)) if config.calibration is not None else []
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
-    # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
-    # int8 kernels read (and CUDA's take), so what "emulate" measures too
-    unsigned = dtype == "int8"
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if kernels and not has_int8_dot_product() else None
     if config.accuracy_target is not None:

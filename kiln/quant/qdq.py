@@ -118,7 +118,7 @@ def _initializer(graph: ir.Graph, value: ir.Value) -> ir.Value:
     return value
 
 
-def _non_negative(value: ir.Value) -> bool:
+def non_negative(value: ir.Value) -> bool:
     """The value is a Relu's output, or a Clip's with a constant lower bound >= 0 (MobileNet's ReLU6)."""
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx"):
@@ -178,7 +178,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             if high is not None and high > 0:
                 amax = np.minimum(amax, high)
             amax = np.where(amax > 0, amax, amax.max())  # a channel 0 throughout: any scale quantizes it to 0
-            positive = unsigned and dtype == "int8" and _non_negative(t.activation)
+            positive = unsigned and dtype == "int8" and non_negative(t.activation)
             steps = 255.0 if positive else qmax
             s = (amax / steps).astype(np.float32)
             if high is not None and high > 0:  # float32 rounding may not put the top step above the Clip's bound

@@ -124,7 +124,7 @@ def test_per_channel_histograms_match_one_calibrator_per_channel():
     rng = np.random.default_rng(5)
     batches = [torch.from_numpy(rng.gamma(1.0, size=(2, 4, 6, 6)).astype(np.float32)
                                 * np.array([0.01, 1, 10, 300], np.float32)[None, :, None, None]) for _ in range(3)]
-    for name in ("percentile", "entropy", "minmax"):
+    for name in ("percentile", "minmax"):
         together = calibrators.PerChannel(name)
         alone = [calibrators.make(name) for _ in range(4)]
         for b in batches:
@@ -132,3 +132,21 @@ def test_per_channel_histograms_match_one_calibrator_per_channel():
             for c, cal in enumerate(alone):
                 cal.observe(b[:, c])
         np.testing.assert_allclose(together.amax(), [c.amax() for c in alone], rtol=1e-6)
+
+
+@pytest.mark.parametrize("one_sided", [False, True])
+def test_per_channel_entropy_is_the_tensors_threshold_capped_by_each_channels_maximum(one_sided):
+    """The KL search runs once, on the whole tensor (a channel's own histogram is too sparse for it); each
+    channel takes min(its maximum, that threshold)."""
+    rng = np.random.default_rng(6)
+    batches = [torch.from_numpy(rng.gamma(1.0, size=(2, 4, 16, 16)).astype(np.float32)
+                                * np.array([0.01, 1, 2, 3], np.float32)[None, :, None, None]) for _ in range(3)]
+    together = calibrators.PerChannel("entropy", one_sided)
+    whole = calibrators.make("entropy", one_sided)
+    for b in batches:
+        together.observe(b)
+        whole.observe(b)
+    top = np.max([b.abs().amax(dim=(0, 2, 3)).numpy() for b in batches], axis=0).astype(np.float64)
+    threshold = whole.amax()
+    assert top[0] < threshold < top[-1]  # one channel below the threshold, one clipped by it
+    np.testing.assert_allclose(together.amax(), np.minimum(top, threshold), rtol=1e-6)
