@@ -4,7 +4,8 @@ computed as the quantized kernels would, on this CPU).
 MobileNetV2 (ImageNet weights) calibrated on a third of 112 crops and flips of scikit-image's
 photographs (kiln.quant.data.photo_variants) and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
 embeddings against FP32 by cosine. The issue's targets (MobileNetV2 INT8 >= 97%, FP8 >= 98%; MiniLM
-cosine >= 0.99) are asserted where kiln meets them; the measured agreement is printed either way.
+cosine >= 0.99) are not met yet: each test asserts what kiln measured (bench/quant_accuracy.py) and says by
+how much it falls short; the measured agreement is printed either way.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def _agreement(engine, held_out, reference) -> float:
 
 
 @pytest.mark.slow
-# guards below the agreement measured with bench/quant_accuracy.py on this set (percentile; per-channel depthwise
-# inputs, bias correction): int8 0.905 every layer, 0.946 at --accuracy-target 0.05 (15 layers float); fp8 0.730,
-# 0.946 (41 float). The issue's targets (0.97, 0.98) are not met yet: xfail says so
-@pytest.mark.parametrize("dtype, target, plain_guard, mixed_guard", [("int8", 0.97, 0.85, 0.90),
-                                                                     ("fp8", 0.98, 0.65, 0.90)])
-def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, plain_guard, mixed_guard, capsys):
+# What kiln reaches on this set (74 held out; percentile, per-channel depthwise inputs, bias correction), measured
+# with bench/quant_accuracy.py on 2026-12-02 and asserted as held-out image counts: int8 67/74 (0.905) every layer,
+# 70/74 (0.946) at --accuracy-target 0.05 (15 layers float); fp8 54/74 (0.730), 70/74 (0.946, 41 float). The
+# issue's targets are NOT met: int8 >= 0.97 (72/74; 2 images short with mixed precision, 5 with every layer
+# int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
+@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 67, 70), ("fp8", 54, 70)])
+def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
                        calibrator="percentile")
@@ -50,10 +52,21 @@ def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, plain_guard, mixe
     with capsys.disabled():
         print(f"\nMobileNetV2 {dtype}: top-1 agreement {a_plain:.3f} every layer quantized, {a_mixed:.3f} with "
               f"--accuracy-target 0.05 ({kept} layer(s) kept float), on {len(held_out)} held-out images")
-    assert a_mixed >= a_plain - 0.02  # keeping sensitive layers float does not make it worse
-    assert a_plain >= plain_guard and a_mixed >= mixed_guard  # regression guards; the target is asserted when met
-    if a_mixed < target:
-        pytest.xfail(f"{dtype} top-1 agreement {a_mixed:.3f} < the issue's target {target}: not yet met")
+    assert round(a_plain * len(held_out)) >= plain_count
+    assert round(a_mixed * len(held_out)) >= mixed_count
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_entropy_int8_top1_agreement(mobilenet, capsys):
+    """The entropy calibrator with per-channel depthwise inputs: 40/74 (0.541) when each channel ran its own KL
+    search, 66/74 (0.892) with the tensor's threshold capped per channel (bench/quant_accuracy.py, 2026-12-02)."""
+    path, calibration, held_out, reference = mobilenet
+    engine = kiln.build(path, precision="int8", quantization="emulate", calibration=calibration,
+                        calibrator="entropy")
+    agreement = _agreement(engine, held_out, reference)
+    with capsys.disabled():
+        print(f"\nMobileNetV2 int8 entropy: top-1 agreement {agreement:.3f} on {len(held_out)} held-out images")
+    assert round(agreement * len(held_out)) >= 66
 
 
 def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
@@ -98,7 +111,8 @@ def test_minilm_int8_embeddings_keep_their_direction(capsys):
     with capsys.disabled():
         print(f"\nMiniLM int8: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} with "
               f"--accuracy-target 0.05 ({kept} layer(s) kept float)")
-    assert c_plain >= 0.85 and c_mixed >= c_plain - 0.01  # regression guards
-    if c_mixed < 0.99:
-        pytest.xfail(f"MiniLM int8 cosine {c_mixed:.4f} < the issue's 0.99: per-tensor activations lose the "
-                     "transformer's outliers (SmoothQuant-style migration: not yet)")
+    # measured 2026-12-02: every layer int8 0.9116 (bench/quant_accuracy.py --minilm); the issue's target 0.99 is
+    # NOT met (0.078 short): per-tensor activations lose the residual stream's outlier channels, and SmoothQuant
+    # cannot reach these post-LN inputs (the residual Add reads them too; docs/quantization.md)
+    assert c_plain >= 0.911
+    assert c_mixed >= c_plain - 0.01  # keeping the most sensitive layers float does not make it worse
