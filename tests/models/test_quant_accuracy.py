@@ -35,12 +35,13 @@ def _agreement(engine, held_out, reference) -> float:
 
 
 @pytest.mark.slow
-# What kiln reaches on this set (74 held out; percentile, per-channel depthwise inputs, bias correction), measured
-# with bench/quant_accuracy.py on 2026-12-02 and asserted as held-out image counts: int8 67/74 (0.905) every layer,
-# 70/74 (0.946) at --accuracy-target 0.05 (15 layers float); fp8 54/74 (0.730), 70/74 (0.946, 41 float). The
-# issue's targets are NOT met: int8 >= 0.97 (72/74; 2 images short with mixed precision, 5 with every layer
-# int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
-@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 67, 70), ("fp8", 54, 70)])
+# What kiln reaches on this set (74 held out; percentile, per-channel depthwise inputs, bias correction), as held-out
+# image counts, measured 2026-12-02: int8 through kiln.build (this test) 68/74 (0.919) every layer, 71/74 (0.959) at
+# --accuracy-target 0.05 (15 layers float); bench/quant_accuracy.py's reference-interpreter path gives 67 and 70
+# (float rounding of the float ops differs). fp8 54/74 (0.730), 70/74 (0.946, 41 float): the bench's numbers, not
+# re-measured through kiln.build before the deadline. The targets are NOT met: int8 >= 0.97 (72/74; 1 image
+# short with mixed precision, 4 with every layer int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
+@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 68, 71), ("fp8", 54, 70)])
 def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
