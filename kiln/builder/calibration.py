@@ -85,25 +85,48 @@ def _data_needed(dtype: str, cache_path: str | None, why_not_cached: str | None)
 def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *, exclude: set[str],
                    cache_path: str | None, preprocessing: str, say: Callable[[str], None],
                    keep: list | None = None, smoothquant: float | None = None,
-                   channel_max: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+                   channel_max: dict[str, np.ndarray] | None = None,
+                   per_channel_depthwise: bool = True, unsigned: bool = False,
+                   channel_means: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
-    the first EVALUATION_BATCHES batches are appended to `keep` when given. smoothquant / channel_max:
+    the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
+    inputs read only by depthwise convolutions get one amax per channel (an array; kiln/quant/qdq.py).
+    unsigned: int8 activations that cannot be negative will be uint8 (qdq.insert's `unsigned`), which the
+    entropy calibrator's search must know.
+    channel_means: when given (bias correction), filled with each activation's mean per channel, measured
+    on the same batches (left empty when the ranges come from the cache: then no correction). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
     needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
-    cached = calibration_cache.load(cache_path, calibrator, dtype, needed, smoothquant)
+    per_channel = qdq.per_channel_activations(model.graph, exclude) if per_channel_depthwise else set()
+    cached = calibration_cache.load(cache_path, calibrator, dtype, needed, smoothquant, per_channel)
     if cached is not None:
         say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
+        if channel_means is not None:
+            channel_means.update(calibration_cache.load_channel_mean(cache_path))
         return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
     why_not_cached = calibration_cache.mismatch(cache_path, calibrator, dtype, smoothquant)
     if source is None:
         raise _data_needed(dtype, cache_path, why_not_cached)
     if why_not_cached:
         say(f"calibration: not using the cache {cache_path}: {why_not_cached}")
-    observers = {name: calibrators.make(calibrator) for name in needed}
-    count = _observe(model, source, observers, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
+    # a non-negative activation quantized to uint8 is one-sided: its histogram of |x| maps onto all 256 codes
+    one_sided = {t.activation.name for t in qdq.targets(model.graph, exclude)
+                 if unsigned and dtype == "int8" and qdq.non_negative(t.activation)}
+    observers = {name: calibrators.PerChannel(calibrator, name in one_sided) if name in per_channel
+                 else calibrators.make(calibrator, name in one_sided) for name in needed}
+    means = {}
+    if channel_means is not None:  # the axis a layer reduces: a Conv's channels, a Gemm/MatMul's last axis
+        means = {t.activation.name: calibrators.ChannelMean(1 if t.node.op_type == "Conv" else -1)
+                 for t in qdq.targets(model.graph, exclude)}
+    watched = {name: calibrators.Together(obs, means[name]) if name in means else obs
+               for name, obs in observers.items()}
+    count = _observe(model, source, watched, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
     ranges = {name: obs.amax() for name, obs in observers.items()}
-    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max)
-    return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path}
+    if channel_means is not None:
+        channel_means.update({name: m.value() for name, m in means.items()})
+    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max, channel_means)
+    return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path,
+                    "per_channel": len(per_channel)}
 
 
 def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
@@ -166,11 +189,17 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                 config.calibration, [v.name for v in model.graph.inputs],
                 preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
         channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
+    # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
+    # int8 kernels read (and CUDA's take), so what "emulate" measures too
+    unsigned = dtype == "int8"
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
+    channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
-                                    smoothquant=alpha, channel_max=channel_max)
+                                    smoothquant=alpha, channel_max=channel_max,
+                                    per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
+                                    channel_means=channel_means)
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -181,18 +210,26 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                            limit=EVALUATION_BATCHES)) if config.calibration is not None else []
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
-        sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude, say)
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if kernels and not has_int8_dot_product() else None
-    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=kernels, weight_max=weight_max)
+    if config.accuracy_target is not None:
+        sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
+                                                  exclude, say, unsigned=unsigned, weight_max=weight_max)
+    if config.bias_correction and not channel_means:
+        say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
+    skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
+                         channel_means=channel_means)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
                    "weights": f"{'7' if weight_max else '8'}-bit per channel"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
-                   "ranges": {k: float(v) for k, v in sorted(ranges.items())},
+                   "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
+                   "bias_correction": bool(channel_means),
+                   # what the correction was formed from: a refit forms it again from the new weights with these
+                   # (kiln/builder/refit.py), as it keeps the ranges
+                   "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
                    **({"smoothquant": smoothing} if smoothing is not None else {})}
 
 

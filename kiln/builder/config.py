@@ -36,6 +36,12 @@ class BuildConfig:
     # the largest output error (relative to the output's scale, on the first calibration batches) an
     # emulated int8/fp8 engine may have: the most sensitive layers stay float until it is met
     accuracy_target: float | None = None
+    # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
+    # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
+    per_channel_depthwise: bool = True
+    # bias correction: each quantized layer's bias absorbs the mean shift its weights' rounding causes,
+    # from the per-channel means of its input on the calibration data (kiln/quant/qdq.py)
+    bias_correction: bool = True
     # SmoothQuant's migration strength alpha in [0, 1] (None: off): the inputs of MatMul/Gemm layers fed
     # by a LayerNorm or a MatMul/Gemm are smoothed per channel before calibration (kiln/quant/smoothquant.py)
     smoothquant: float | None = None

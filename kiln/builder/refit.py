@@ -22,7 +22,9 @@ INT8/FP8 engines of kiln's calibration (precision int8/fp8) refit as TensorRT's 
 quantization (kiln/builder/calibration.py's `quantize`, kiln/quant/qdq.py) runs again on the new
 weights, so the per-channel weight scales, the int8/fp8 weights and the int32 biases (at s_x·s_w) are
 re-derived exactly as a build would; the ACTIVATION ranges stay the calibrated ones the engine records
-(header["quantization"]["ranges"], given to the builder as its calibration cache), and the layers an
+(header["quantization"]["ranges"], given to the builder as its calibration cache) and so do the
+per-channel input means bias correction was formed from (header["quantization"]["channel_means"], in
+the same cache: the correction Σ (W_q − W)·E[x] is formed again from the new weights' rounding), and the layers an
 accuracy target kept float stay float. `recalibrate=DATA` measures the ranges again on the new weights
 with the engine's calibrator (and chooses the float layers again), as a fresh build with that data
 would. Refused: an engine that does not record its ranges (recalibrate, or rebuild), and one built for
@@ -283,12 +285,18 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
         raise RefitError(f"this {config.precision} engine does not record the activation ranges it was calibrated "
                          "with (built by an older kiln): refit with recalibrate=DATA (kiln refit --calib DIR), "
                          "or rebuild")
+    channel_means = built.get("channel_means") or {}
+    if built.get("bias_correction") and not channel_means:
+        raise RefitError(f"this {config.precision} engine was built with bias correction but does not record the "
+                         "per-channel input means it was formed from (built by an older kiln): refit with "
+                         "recalibrate=DATA (kiln refit --calib DIR), or rebuild")
     pinned = dict(config.layer_precision)
     pinned.update({name: "fp32" for name in (built.get("accuracy") or {}).get("kept_float") or {}})
     with tempfile.TemporaryDirectory(prefix="kiln-refit-") as folder:
         cache = os.path.join(folder, "ranges.json")
         calibration_cache.save(cache, config.calibrator, config.precision, ranges,
-                               int((built.get("calibration") or {}).get("batches", 0)))
+                               int((built.get("calibration") or {}).get("batches", 0)),
+                               channel_mean={k: np.asarray(v, np.float64) for k, v in channel_means.items()})
         kept = dataclasses.replace(config, calibration=None, calibration_cache=cache, accuracy_target=None,
                                    layer_precision=pinned)
         try:
@@ -365,7 +373,7 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
     report.requantized = list(requantized.record.get("quantized", []))
     # recalibrated: the engine holds the new ranges from now on, and a later refit keeps those
     entries = {k: requantized.record[k] for k in ("calibration", "ranges", "accuracy", "kept_float", "quantized",
-                                                        "smoothquant")
+                                                        "smoothquant", "bias_correction", "channel_means")
                if k in requantized.record} if recalibrate is not None else None
     return Derived(changed, report, entries)
 

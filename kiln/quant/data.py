@@ -93,3 +93,30 @@ def _folder(folder: Path, input_names: list[str], preprocessing: str) -> Iterato
 
         for path in images:
             yield {input_names[0]: imagenet(imread(path))}
+
+
+# scikit-image's bundled photographs (others, e.g. eagle, would be downloaded: never here)
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
+          "retina", "colorwheel", "brick", "grass", "gravel", "clock", "coins", "moon")
+
+
+def photo_variants(per_photo: int = 7, seed: int = 0) -> list[np.ndarray]:
+    """Crops (a random 50-100% of each side, so also rescalings once resized to 224) and horizontal flips
+    of scikit-image's photographs, preprocessed as `imagenet`: the image set of kiln's accuracy
+    measurements (issue 12: >= 100 images; per_photo 7 gives 112)."""
+    import skimage.data
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for name in PHOTOS:
+        image = getattr(skimage.data, name)()
+        h, w = image.shape[:2]
+        for k in range(per_photo):
+            s = rng.uniform(0.5, 1.0)
+            ch, cw = int(h * s), int(w * s)
+            y, x = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
+            crop = image[y:y + ch, x:x + cw]
+            if k % 2:
+                crop = crop[:, ::-1]
+            out.append(imagenet(np.ascontiguousarray(crop)))
+    return out

@@ -8,7 +8,14 @@ For every Conv, Gemm and MatMul with a constant weight (the layers INT8/FP8 kern
                                                 s_w per output channel = max|W_c| / 127 (or / 448)
 
 The weight is stored quantized (int8 / float8e4m3fn) with its scales; the bias stays float (a kernel
-takes it as int32 at s_x·s_w). One Q/DQ pair serves every consumer of a tensor. What runs then is
+takes it as int32 at s_x·s_w).
+
+The input of a depthwise convolution (group = C, one input channel per group) is quantized per channel
+(axis 1, s_x[c] = amax(x_c) / 127) when depthwise convolutions are its only quantized readers: output
+channel o reads input channel c = o·C/O alone, so x_c·s_x[c]·w_o·s_w[o] = x_c·w_o·(s_x[c]·s_w[o]) and
+the per-channel input scale folds into the per-channel weight scale (kiln/passes/fusion/qdq_layers.py)
+and the int8 kernel is unchanged. MobileNetV2's expanded activations have channels whose ranges differ
+by orders of magnitude: one scale for all rounds the small ones to zero. One Q/DQ pair serves every consumer of a tensor. What runs then is
 exactly what an INT8/FP8 kernel computes (quantized inputs, wide accumulation): constant folding turns
 DQ(W_q) into the dequantized weight, and each activation pair quantizes on the way in.
 """
@@ -68,8 +75,34 @@ def targets(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[Target]:
     return found
 
 
+def is_depthwise(node: ir.Node) -> bool:
+    """A Conv whose every group reads one input channel (group = C_in, weight [O, 1, *k])."""
+    if node.op_type != "Conv" or node.inputs[1] is None or node.inputs[1].const_value is None:
+        return False
+    group = node.attributes.get("group")
+    w_shape = node.inputs[1].const_value.shape
+    return group is not None and group.value > 1 and w_shape[1] == 1 and w_shape[0] % group.value == 0
+
+
+def per_channel_activations(graph: ir.Graph, exclude: set[str] = frozenset()) -> set[str]:
+    """The activations to quantize per channel: those whose every quantized reader is a depthwise Conv."""
+    readers: dict[str, list[ir.Node]] = {}
+    for t in targets(graph, exclude):
+        readers.setdefault(t.activation.name, []).append(t.node)
+    return {name for name, nodes in readers.items() if all(is_depthwise(n) for n in nodes)}
+
+
 def _scalar(name: str, value: float) -> ir.Value:
     return ir.Value(name=name, const_value=ir.tensor(np.array(value, np.float32), name=name))
+
+
+def _clip_max(value: ir.Value) -> float | None:
+    """The upper bound of the Clip producing `value` (ReLU6: 6), when constant."""
+    node = value.producer()
+    if node is None or node.op_type != "Clip" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 3:
+        return None
+    high = node.inputs[2].const_value if node.inputs[2] is not None else None
+    return None if high is None else float(high.numpy().reshape(-1)[0])
 
 
 def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = ()) -> ir.Value:
@@ -85,7 +118,7 @@ def _initializer(graph: ir.Graph, value: ir.Value) -> ir.Value:
     return value
 
 
-def _non_negative(value: ir.Value) -> bool:
+def non_negative(value: ir.Value) -> bool:
     """The value is a Relu's output, or a Clip's with a constant lower bound >= 0 (MobileNet's ReLU6)."""
     node = value.producer()
     if node is None or node.domain not in ("", "ai.onnx"):
@@ -98,15 +131,25 @@ def _non_negative(value: ir.Value) -> bool:
     return False
 
 
-def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str] = frozenset(),
-           unsigned: bool = False, weight_max: float | None = None) -> dict[str, str]:
+def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
+           unsigned: bool = False, weight_max: float | None = None,
+           channel_means: dict[str, np.ndarray] | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
     quantized weight magnitude (64 keeps any two weights' products with a uint8 activation within
-    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py)."""
+    int16: the int8 kernels of a CPU without VNNI, kiln/kernels/cpu/onednn_int8.py). A range given as an
+    array (one amax per channel, per_channel_activations) quantizes that activation along axis 1; a
+    channel that was 0 on every batch gets the largest channel's scale (its values quantize to 0 either
+    way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above.
+
+    channel_means ({activation: its mean per channel on the calibration data}): bias correction (Nagel et
+    al. 2019, "Data-Free Quantization", section 4.2). Rounding the weights shifts each output channel's
+    mean by Σ (W_q - W)·E[x]; the layer's bias absorbs minus that, so the quantized layer's output has the
+    float layer's mean (exact for 1x1 convolutions and GEMMs, off only at the padded border for larger
+    kernels)."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -119,27 +162,54 @@ def insert(model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[s
         if amax is None:
             skipped[t.node.name] = f"no range measured for its input {t.activation.name!r}"
             continue
-        if not np.isfinite(amax) or amax <= 0:
-            skipped[t.node.name] = f"its input {t.activation.name!r} was {amax} on every calibration batch"
+        amax = np.asarray(amax, np.float64)
+        if not np.all(np.isfinite(amax)) or amax.max(initial=0.0) <= 0:
+            skipped[t.node.name] = f"its input {t.activation.name!r} was {amax.max(initial=0.0)} on every " \
+                                   "calibration batch"
+            continue
+        if amax.ndim == 1 and not is_depthwise(t.node):
+            skipped[t.node.name] = f"its input {t.activation.name!r} has per-channel ranges: only a depthwise " \
+                                   "convolution folds them into its weight scales"
             continue
         dq = pairs.get(t.activation.name)
         if dq is None:
             base = t.activation.name
-            positive = unsigned and dtype == "int8" and _non_negative(t.activation)
-            scale = _initializer(graph, _scalar(f"{base}_qscale", amax / (255.0 if positive else qmax)))
-            zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
-            q = ir.node("QuantizeLinear", [t.activation, scale, zero], name=f"{base}_quantize", num_outputs=1)
+            high = _clip_max(t.activation)
+            if high is not None and high > 0:
+                amax = np.minimum(amax, high)
+            amax = np.where(amax > 0, amax, amax.max())  # a channel 0 throughout: any scale quantizes it to 0
+            positive = unsigned and dtype == "int8" and non_negative(t.activation)
+            steps = 255.0 if positive else qmax
+            s = (amax / steps).astype(np.float32)
+            if high is not None and high > 0:  # float32 rounding may not put the top step above the Clip's bound
+                s = np.where(s.astype(np.float64) * steps > high, np.nextafter(s, np.float32(0)), s)
+            if amax.ndim == 0:
+                scale = _initializer(graph, _scalar(f"{base}_qscale", float(s)))
+                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
+                axis = {}
+            else:
+                scale = _initializer(graph, ir.Value(name=f"{base}_qscale", const_value=ir.tensor(
+                    s, name=f"{base}_qscale")))
+                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype, amax.shape))
+                axis = {"axis": 1}
+            q = ir.node("QuantizeLinear", [t.activation, scale, zero], attributes=axis, name=f"{base}_quantize",
+                        num_outputs=1)
             q.outputs[0].name = f"{base}_q"
             q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
             q.outputs[0].shape = t.activation.shape
-            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], name=f"{base}_dequantize", num_outputs=1)
+            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], attributes=axis, name=f"{base}_dequantize",
+                        num_outputs=1)
             d.outputs[0].name = f"{base}_dq"
             d.outputs[0].dtype = t.activation.dtype
             d.outputs[0].shape = t.activation.shape
             graph.insert_before(t.node, [q, d])
             dq = pairs[t.activation.name] = d.outputs[0]
         t.node.replace_input_with(0, dq)
-        t.node.replace_input_with(1, _quantized_weight(graph, t, dtype, weight_max or qmax))
+        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax)
+        mean = (channel_means or {}).get(t.activation.name)
+        if mean is not None:
+            _correct_bias(graph, t, weight_dq, mean)
+        t.node.replace_input_with(1, weight_dq)
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
     return skipped
@@ -169,3 +239,51 @@ def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir
     d.outputs[0].shape = t.weight.shape
     graph.insert_before(t.node, [d])
     return d.outputs[0]
+
+
+def _dequantized_weight(value: ir.Value) -> np.ndarray:
+    """DQ(W_q; s, axis) of _quantized_weight, in float64."""
+    dq = value.producer()
+    q, scale = dq.inputs[0].const_value.numpy(), dq.inputs[1].const_value.numpy()
+    shape = [1] * q.ndim
+    shape[dq.attributes["axis"].value] = -1
+    return q.astype(np.float64) * scale.astype(np.float64).reshape(shape)
+
+
+def _correct_bias(graph: ir.Graph, t: Target, weight_dq: ir.Value, mean: np.ndarray) -> None:
+    """bias -= Σ (W_q - W)·E[x] per output channel (insert's docstring); a Conv/Gemm without a bias gets one."""
+    w = t.weight.const_value.numpy().astype(np.float64)
+    delta = _dequantized_weight(weight_dq) - w
+    if t.node.op_type == "Conv":  # [O, C/g, *k]; group gi's outputs read input channels gi·C/g ...
+        groups = t.node.attributes["group"].value if "group" in t.node.attributes else 1
+        per_group = delta.shape[1]
+        if mean.size != groups * per_group:
+            return
+        m = mean.reshape(groups, 1, per_group)  # [g, 1, C/g]
+        d = delta.sum(axis=tuple(range(2, delta.ndim))).reshape(groups, -1, per_group)  # [g, O/g, C/g]
+        shift = (d * m).sum(-1).reshape(-1)  # [O]
+        bias_index = 2
+    elif t.node.op_type == "Gemm":
+        d = delta.T if t.channel_axis == 0 else delta  # [K, N]
+        if mean.size != d.shape[0]:
+            return
+        shift = mean @ d
+        bias_index = 2
+    else:  # MatMul: no bias input to adjust
+        return
+    has_bias = len(t.node.inputs) > bias_index and t.node.inputs[bias_index] is not None
+    if has_bias:
+        old = t.node.inputs[bias_index].const_value
+        if old is None or old.numpy().size != shift.size:
+            return
+        bias = old.numpy().astype(np.float64).reshape(-1)
+    else:
+        bias = np.zeros(shift.size)
+    name = f"{t.node.name or t.weight.name}_bias_corrected"
+    value = _initializer(graph, ir.Value(name=name, const_value=ir.tensor((bias - shift).astype(np.float32),
+                                                                          name=name)))
+    if has_bias:
+        t.node.replace_input_with(bias_index, value)
+    elif t.node.op_type == "Conv" or len(t.node.inputs) == bias_index:
+        t.node.resize_inputs(bias_index + 1)
+        t.node.replace_input_with(bias_index, value)

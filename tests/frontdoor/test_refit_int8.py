@@ -126,6 +126,9 @@ def test_refit_keeps_the_calibrated_ranges_and_equals_a_fresh_build(tmp_path, ne
     cache = str(tmp_path / "ranges.json")
     engine = _build(paths[0], tmp_path, net, quantization, calibration=_batches(net, 0, 3), calibration_cache=cache)
     ranges = dict(engine.plan.header["quantization"]["ranges"])
+    means = dict(engine.plan.header["quantization"]["channel_means"])
+    if net == "conv":  # bias correction (on by default) formed from the inputs' channel means: refit forms it again
+        assert engine.plan.header["quantization"]["bias_correction"] and set(means) == set(ranges)
     before = engine.run(_batches(net, 7, 1)[0])["y"]
     # the fresh build reads the first build's ranges from the calibration cache: no calibration data given
     fresh = _build(paths[1], tmp_path, net, quantization, calibration_cache=cache)
@@ -140,6 +143,7 @@ def test_refit_keeps_the_calibrated_ranges_and_equals_a_fresh_build(tmp_path, ne
     layers = {"conv": ["conv1", "conv2", "fc"], "block": ["fc1", "fc2"]}[net]
     assert report.requantized == layers
     assert engine.plan.header["quantization"]["ranges"] == ranges
+    assert engine.plan.header["quantization"]["channel_means"] == means
     if quantization == "auto":  # kiln::QConv/QGemm: int8 weights, their scales and int32 biases changed
         assert {"QConv" if net == "conv" else "QGemm"} <= {s.op_type for s in engine.plan.program.steps}
         changed = set(report.changed)
@@ -245,6 +249,11 @@ def test_what_cannot_be_derived_is_refused(tmp_path):
     with pytest.raises(RefitError, match="does not record the activation ranges.*recalibrate=DATA"):
         engine.refit(paths[1])
     quantization["ranges"] = ranges
+    # bias correction without the channel means it was formed from (an engine of an older kiln)
+    means = quantization.pop("channel_means")
+    with pytest.raises(RefitError, match="bias correction but does not record.*recalibrate=DATA"):
+        engine.refit(paths[1])
+    quantization["channel_means"] = means
     # built for another CPU's int8 kernels: 7-bit weights without VNNI, 8-bit with
     width = quantization["weights"]
     quantization["weights"] = "8-bit per channel" if width.startswith("7-bit") else "7-bit per channel (no VNNI)"

@@ -1,10 +1,11 @@
 """INT8/FP8 accuracy on real weights and real photographs (issue 12), emulated (quantization='emulate':
 computed as the quantized kernels would, on this CPU).
 
-MobileNetV2 (ImageNet weights) calibrated on a third of a set of crops and flips of scikit-image's
-photographs and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
+MobileNetV2 (ImageNet weights) calibrated on a third of 112 crops and flips of scikit-image's
+photographs (kiln.quant.data.photo_variants) and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
 embeddings against FP32 by cosine. The issue's targets (MobileNetV2 INT8 >= 97%, FP8 >= 98%; MiniLM
-cosine >= 0.99) are asserted where kiln meets them; the measured agreement is printed either way.
+cosine >= 0.99) are not met yet: each test asserts what kiln measured (bench/quant_accuracy.py) and says by
+how much it falls short; the measured agreement is printed either way.
 """
 
 from __future__ import annotations
@@ -14,36 +15,12 @@ import pytest
 
 import kiln
 from kiln import zoo
-from kiln.quant.data import imagenet
-
-# the photographs scikit-image ships (others, e.g. eagle, would be downloaded: never at test time)
-PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
-          "retina", "colorwheel", "brick", "grass", "gravel", "clock", "coins", "moon"]
-
-
-def _variants(per_photo: int = 6, seed: int = 0) -> list[np.ndarray]:
-    import skimage.data
-
-    rng = np.random.default_rng(seed)
-    out = []
-    for name in PHOTOS:
-        image = getattr(skimage.data, name)()
-        h, w = image.shape[:2]
-        for k in range(per_photo):
-            s = rng.uniform(0.5, 1.0)
-            ch, cw = int(h * s), int(w * s)
-            y, x = rng.integers(0, h - ch + 1), rng.integers(0, w - cw + 1)
-            crop = image[y:y + ch, x:x + cw]
-            if k % 2:
-                crop = crop[:, ::-1]
-            out.append(imagenet(np.ascontiguousarray(crop)))
-    return out
-
+from kiln.quant.data import imagenet, photo_variants
 
 @pytest.fixture(scope="module")
 def mobilenet():
-    images = _variants()
-    assert len(images) >= 90
+    images = photo_variants()  # 112 crops/flips of 16 photographs: 38 calibrate, 74 held out
+    assert len(images) >= 100
     calibration = [{"pixel_values": v} for v in images[::3]]
     held_out = [v for i, v in enumerate(images) if i % 3]
     path = str(zoo.mobilenet_v2())
@@ -58,8 +35,14 @@ def _agreement(engine, held_out, reference) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype, target", [("int8", 0.97), ("fp8", 0.98)])
-def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, capsys):
+# What kiln reaches on this set (74 held out; percentile, per-channel depthwise inputs, bias correction), as held-out
+# image counts, measured 2026-12-02: int8 through kiln.build (this test) 68/74 (0.919) every layer, 71/74 (0.959) at
+# --accuracy-target 0.05 (15 layers float); bench/quant_accuracy.py's reference-interpreter path gives 67 and 70
+# (float rounding of the float ops differs). fp8 54/74 (0.730), 70/74 (0.946, 41 float): the bench's numbers, not
+# re-measured through kiln.build before the deadline. The issue's targets are NOT met: int8 >= 0.97 (72/74; 1 image
+# short with mixed precision, 4 with every layer int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
+@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 68, 71), ("fp8", 54, 70)])
+def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
                        calibrator="percentile")
@@ -70,10 +53,21 @@ def test_mobilenet_v2_top1_agreement(mobilenet, dtype, target, capsys):
     with capsys.disabled():
         print(f"\nMobileNetV2 {dtype}: top-1 agreement {a_plain:.3f} every layer quantized, {a_mixed:.3f} with "
               f"--accuracy-target 0.05 ({kept} layer(s) kept float), on {len(held_out)} held-out images")
-    assert a_mixed >= a_plain - 0.02  # keeping sensitive layers float does not make it worse
-    assert a_mixed >= 0.75  # a regression guard; the issue's target is asserted below when met
-    if a_mixed < target:
-        pytest.xfail(f"{dtype} top-1 agreement {a_mixed:.3f} < the issue's target {target}: not yet met")
+    assert round(a_plain * len(held_out)) >= plain_count
+    assert round(a_mixed * len(held_out)) >= mixed_count
+
+
+@pytest.mark.slow
+def test_mobilenet_v2_entropy_int8_top1_agreement(mobilenet, capsys):
+    """The entropy calibrator with per-channel depthwise inputs: 40/74 (0.541) when each channel ran its own KL
+    search, 66/74 (0.892) with the tensor's threshold capped per channel (bench/quant_accuracy.py, 2026-12-02)."""
+    path, calibration, held_out, reference = mobilenet
+    engine = kiln.build(path, precision="int8", quantization="emulate", calibration=calibration,
+                        calibrator="entropy")
+    agreement = _agreement(engine, held_out, reference)
+    with capsys.disabled():
+        print(f"\nMobileNetV2 int8 entropy: top-1 agreement {agreement:.3f} on {len(held_out)} held-out images")
+    assert round(agreement * len(held_out)) >= 66
 
 
 def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
@@ -82,7 +76,7 @@ def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
 
     cat = imagenet(skimage.data.chelsea())
     path = str(zoo.mobilenet_v2())
-    calibration = [{"pixel_values": v} for v in _variants(per_photo=1)[:8]]
+    calibration = [{"pixel_values": v} for v in photo_variants(per_photo=1)[:8]]
     fp32 = next(iter(kiln.build(path).run({"pixel_values": cat}).values()))
     int8 = kiln.build(path, precision="int8", quantization="emulate", calibration=calibration,
                       calibrator="percentile")
@@ -118,7 +112,8 @@ def test_minilm_int8_embeddings_keep_their_direction(capsys):
     with capsys.disabled():
         print(f"\nMiniLM int8: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} with "
               f"--accuracy-target 0.05 ({kept} layer(s) kept float)")
-    assert c_plain >= 0.85 and c_mixed >= c_plain - 0.01  # regression guards
-    if c_mixed < 0.99:
-        pytest.xfail(f"MiniLM int8 cosine {c_mixed:.4f} < the issue's 0.99: per-tensor activations lose the "
-                     "transformer's outliers (SmoothQuant-style migration: not yet)")
+    # measured 2026-12-02: every layer int8 0.9116 (bench/quant_accuracy.py --minilm); the issue's target 0.99 is
+    # NOT met (0.078 short): per-tensor activations lose the residual stream's outlier channels, and SmoothQuant
+    # cannot reach these post-LN inputs (the residual Add reads them too; docs/quantization.md)
+    assert c_plain >= 0.911
+    assert c_mixed >= c_plain - 0.01  # keeping the most sensitive layers float does not make it worse

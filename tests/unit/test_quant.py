@@ -85,6 +85,22 @@ def test_entropy_is_not_pulled_in_by_a_relus_zeros():
     assert c.amax() > 2.5
 
 
+def test_entropy_of_a_one_sided_activation_searches_over_uint8s_256_levels():
+    """A uint8 activation over [0, amax] has 256 codes, twice int8's positive half: the KL search quantizes
+    each candidate range into 256 levels and starts at 256 bins (TensorRT's 128 assumes int8's symmetric
+    grid). On a heavy tail (lognormal, sigma 2) KL wants the smallest range it may take: 128 bins for int8,
+    256 and a few for uint8; both clip the tail."""
+    values = torch.from_numpy(np.random.default_rng(3).lognormal(0.0, 2.0, 200_000).astype(np.float32))
+    symmetric, one_sided = Entropy(), make("entropy", one_sided=True)
+    assert (symmetric.levels, one_sided.levels) == (128, 256)
+    for chunk in values.split(20_000):
+        symmetric.observe(chunk)
+        one_sided.observe(chunk)
+    assert symmetric.width == one_sided.width  # the same histogram
+    assert symmetric.amax() / symmetric.width == 128.5
+    assert 256.5 <= one_sided.amax() / one_sided.width < 300 and one_sided.amax() < float(values.max())
+
+
 def test_an_unknown_calibrator_is_named():
     with pytest.raises(ValueError, match="no calibrator 'kl'; kiln has"):
         make("kl")

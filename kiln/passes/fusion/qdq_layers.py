@@ -11,6 +11,19 @@ float8, per tensor or per output channel: what INT8/FP8 kernels compute.
 
     DQ(a) + DQ(b) [-> Relu] -> Q(s_y, z_y)  =>  QAdd(a, s_a, z_a, b, s_b, z_b, s_y, z_y)
 
+Per-channel activation scales (a depthwise convolution's input, kiln/quant/qdq.py), folded so that
+every kernel still sees one scale per activation tensor:
+
+    DQ(x_q; s_x[C], z, axis 1) -> depthwise Conv     =>  QConv(x_q, s0, z, w_q, s_w[o]·s_x[c(o)]/s0, ...)
+        output channel o reads input channel c(o) = o·C/O only: Σ s_x[c]·x·s_w[o]·w = s0·(s_w[o]·s_x[c]/s0)·Σ x·w
+    layer -> [Relu | Clip] -> Q(s_y[O], z, axis 1)    =>  QConv(..., w_scale = s_w[o]·s0/s_y[o], y_scale = s0)
+        round(r[o]/s_y[o]) = round((r[o]·s0/s_y[o]) / s0): the output scale moves into the weight scale,
+        the int32 bias (accumulator units) is unchanged; Relu commutes with the positive factor, a Clip
+        only where the quantization's own saturation makes it redundant (a ReLU6 whose every channel's
+        range is <= 6: then Q clamps at [0, 255·s_y[o]] within [0, 6] already)
+
+s0 = max(s): one zero point for every channel (uniform) is required.
+
 An activation behind a quantize-dequantize pair of the output's own parameters, `-> Q(s, z) -> DQ(s, z)
 -> Relu | Clip -> Q(s, z)` (onnxruntime's FP8 models keep their Relus so), is absorbed as if it followed
 directly: exact (_activation_behind_round_trip).
@@ -157,12 +170,63 @@ def _activation_behind_round_trip(value: ir.Value) -> tuple[list[ir.Node], tuple
     return [q, dq], act
 
 
-def _quantized_output(value: ir.Value) -> tuple[ir.Node, QParams] | None:
+def _quantized_output(value: ir.Value, channels: int | None = None) -> tuple[ir.Node, QParams] | None:
+    """The QuantizeLinear alone reading `value`: per tensor, or (channels: a convolution's output channels)
+    per channel along axis 1 with one zero point for all."""
     q = only_user(value)
     p = qparams(q) if is_op(q, "QuantizeLinear") else None
-    if p is None or not p.per_tensor or p.zero_value is None or attr(q, "saturate", 1) != 1:
+    if p is None or p.zero_value is None or attr(q, "saturate", 1) != 1:
+        return None
+    if not p.per_tensor and (channels is None or not _per_channel_along(p, value, 1, channels)):
         return None
     return q, p
+
+
+def _per_channel_along(p: QParams, value: ir.Value, axis: int, channels: int) -> bool:
+    """Scales one per channel of `axis`, the zero point the same for all."""
+    rank = len(value.shape) if value.shape is not None else None
+    along = p.axis == axis if rank is None else rank > axis and p.axis % rank == axis
+    return (along and p.scale.size == channels
+            and np.all(p.zero_point.reshape(-1) == p.zero_point.reshape(-1)[0]))
+
+
+def _depthwise_input_factors(node: ir.Node, px: QParams, w_shape: tuple[int, ...]) -> np.ndarray | str:
+    """Per output channel, s_x[c(o)] / max(s_x): the per-channel input scales a depthwise convolution folds
+    into its weight scales; or why it cannot."""
+    if node.op_type != "Conv":
+        return "the input is quantized per channel and the layer is not a convolution"
+    group = attr(node, "group", 1)
+    channels = px.scale.size
+    if group != channels or w_shape[1] != 1 or w_shape[0] % channels:
+        return (f"the input is quantized per channel ({channels} scales) and the convolution is not depthwise "
+                f"(group {group}, weight {list(w_shape)}): its output channels read several input channels")
+    if not _per_channel_along(px, node.inputs[0], 1, channels):
+        return "the input's per-channel scales are not along its channel axis or its zero points differ"
+    s = px.scale.astype(np.float64).reshape(-1)
+    return np.repeat(s / s.max(), w_shape[0] // channels)  # output o reads input channel o // multiplier
+
+
+def _folded_activation(activation: str, alpha: float, beta: float, p: QParams) -> tuple[str, float, float] | None:
+    """The activation to run on r·s0/s_y[o] before quantizing with s0 (per-channel output scales folded):
+    Relu as it is; Clip(alpha, beta) where the quantization's saturation range, [(qmin - z)·s_y[o],
+    (qmax - z)·s_y[o]] for every o, lies inside [alpha, beta] (then Q clamps as tightly: the Clip is
+    redundant), or inside [-inf, beta] with alpha = 0 (a Relu); None when neither holds (Gelu, a Clip
+    that bites)."""
+    if activation in ("", "Relu"):
+        return activation, alpha, beta
+    if activation != "Clip":
+        return None
+    z = float(p.zero_point.reshape(-1)[0])
+    if p.zero_point.dtype in (np.uint8, np.int8):
+        info = np.iinfo(p.zero_point.dtype)
+        low, high = (info.min - z) * p.scale.astype(np.float64), (info.max - z) * p.scale.astype(np.float64)
+    else:  # float8e4m3fn, zero point 0
+        low, high = -448.0 * p.scale.astype(np.float64), 448.0 * p.scale.astype(np.float64)
+    if np.all(high <= beta) and np.all(low >= alpha):
+        return "", 0.0, 0.0
+    if np.all(high <= beta) and alpha == 0.0:
+        return "Relu", 0.0, 0.0
+    return None
 
 
 def _scalar(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
@@ -177,14 +241,21 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
         return False  # a float layer
     dq_x, px = found
     x_q = dq_x.inputs[0]
-    if not px.per_tensor or quantized_type(x_q) not in ACTIVATION_TYPES:
-        report.refuse(RULE_LAYER, node, "the input is quantized per channel or to a type no kernel reads")
+    if quantized_type(x_q) not in ACTIVATION_TYPES:
+        report.refuse(RULE_LAYER, node, "the input is quantized to a type no kernel reads")
         return False
     weight = _weight(node, report)
     if isinstance(weight, str):
         report.refuse(RULE_LAYER, node, weight)
         return False
     channels = weight.q.shape[0]
+    x_scale = px.scale.astype(np.float64).reshape(-1).max()  # s0: the scale the kernel is given
+    if not px.per_tensor:  # a depthwise convolution's per-channel input scales, into its weight scales
+        factors = _depthwise_input_factors(node, px, weight.q.shape)
+        if isinstance(factors, str):
+            report.refuse(RULE_LAYER, node, factors)
+            return False
+        weight = _Weight(weight.q, (weight.scale.astype(np.float64) * factors).astype(np.float32), weight.dq)
     if node.op_type == "Gemm" and (attr(node, "transA", 0) or attr(node, "alpha", 1.0) != 1.0
                                    or (len(node.inputs) > 2 and node.inputs[2] is not None
                                        and attr(node, "beta", 1.0) != 1.0)):
@@ -209,23 +280,41 @@ def fuse_quantized_layer(node: ir.Node, report: PassReport) -> bool:
     elif found := _activation_behind_round_trip(out):
         absorbed += found[0] + [found[1][0]]
         activation, alpha, beta, out = found[1][1], found[1][2], found[1][3], found[1][0].outputs[0]
-    scale = px.scale.astype(np.float64).reshape(()) * weight.scale.astype(np.float64)  # scalar or [O]
+    scale = x_scale * weight.scale.astype(np.float64)  # scalar or [O]: the accumulator's unit
     bias_q = None if bias is None else np.round(bias / scale)
     if bias_q is not None and np.abs(bias_q).max(initial=0) > INT32_LIMIT:
         report.refuse(RULE_LAYER, node, "the bias does not fit int32 at the scale x_scale·w_scale")
         return False
-    output = _quantized_output(out)
+    output = _quantized_output(out, channels if node.op_type == "Conv" else None)
+    y_scale = None
+    if output is not None and not output[1].per_tensor:  # per-channel output scales, into the weight scales
+        folded = _folded_activation(activation, alpha, beta, output[1])
+        if folded is None:
+            output = None  # the layer writes float; the QuantizeLinear stays
+        else:
+            activation, alpha, beta = folded
+            s_y = output[1].scale.astype(np.float64).reshape(-1)
+            weight = _Weight(weight.q, (weight.scale.astype(np.float64) * s_y.max() / s_y).astype(np.float32),
+                             weight.dq)
+            y_scale = s_y.max()
     # decided: the graph changes from here on
     graph = node.graph
-    inputs: list[ir.Value | None] = [x_q, px.scale_value, px.zero_value or _scalar(graph, f"{x_q.name}_zero",
-                                                                                   px.zero_point)]
+    zero_point = px.zero_point.reshape(-1)[0].reshape(())
+    x_params = [px.scale_value, px.zero_value or _scalar(graph, f"{x_q.name}_zero", zero_point)] if px.per_tensor \
+        else [_scalar(graph, f"{node.name}_x_scale", np.float32(x_scale)),
+              _scalar(graph, f"{node.name}_x_zero", zero_point)]
+    inputs: list[ir.Value | None] = [x_q, *x_params]
     inputs += [new_initializer(graph, f"{node.name}_weight_q", weight.q),
                new_initializer(graph, f"{node.name}_weight_scale", weight.scale.astype(np.float32)),
                new_initializer(graph, f"{node.name}_weight_zero",
                                np.zeros(weight.scale.shape, quantized_type(weight.dq.inputs[0]).numpy()))]
     if output is not None:
         absorbed.append(output[0])
-        inputs += [output[1].scale_value, output[1].zero_value]
+        if y_scale is None:
+            inputs += [output[1].scale_value, output[1].zero_value]
+        else:
+            inputs += [_scalar(graph, f"{node.name}_y_scale", np.float32(y_scale)),
+                       _scalar(graph, f"{node.name}_y_zero", output[1].zero_point.reshape(-1)[0].reshape(()))]
         out = output[0].outputs[0]
     else:
         inputs += [None, None]

