@@ -153,7 +153,8 @@ def test_weights_that_change_the_structure_are_refused(tmp_path):
     onnx.save(model(other, other.copy()), tmp_path / "tied2.onnx")
     feed = {"x": rng.standard_normal((2, 64)).astype(np.float32)}
     np.testing.assert_allclose(engine.run(feed)["y"], kiln.build(str(tmp_path / "tied2.onnx")).run(feed)["y"],
-                               rtol=1e-6, atol=1e-6)  # tactics may differ between the two builds
+                               rtol=1e-5, atol=1e-5)  # the two builds may pick other GEMM tactics: 64-term fp32
+    # sums in another order differ by a few ulps of |y| ~ 10 (2.6e-6 seen under load), not by 1e-6
 
 
 def test_an_engine_built_from_bytes_needs_its_model(models, tmp_path):
