@@ -9,7 +9,7 @@ set -u
 OUT=${OUT:-/tmp/kiln-zoo}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if ls .whl/nvidia_cudnn_frontend-*.whl >/dev/null 2>&1; then
-  pip install -q --no-deps --target /tmp/cudnn-fe .whl/nvidia_cudnn_frontend-*.whl 2>/dev/null && export PYTHONPATH=/tmp/cudnn-fe
+  pip install -q --no-deps --target /tmp/cudnn-fe .whl/nvidia_cudnn_frontend-*.whl 2>/dev/null && export PYTHONPATH=/tmp/cudnn-fe${PYTHONPATH:+:$PYTHONPATH}
 fi
 BATCH=${BATCH:-}; SEQ=${SEQ:-}; MODES=${MODES:-default,reduce-overhead}
 echo "== $(date +%T) export ${MODELS} (batch ${BATCH:-own}, seq ${SEQ:-own})"
