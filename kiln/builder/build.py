@@ -28,7 +28,7 @@ from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
 from kiln.quant.smoothquant import check_alpha
 from kiln.runtime.engine import Engine, place_weight
-from kiln.runtime.rss import PeakMemory
+from kiln.runtime.rss import PeakMemory, return_free_memory
 from kiln.version import __version__
 
 Progress = Callable[[str], None]
@@ -120,7 +120,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                                         cpu_rules=config.device == "cpu", refittable=config.refittable))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
-    program, weights, inputs, outputs = lower(graph)
+    program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied
     io_casts: dict[str, str] = {}
     if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
@@ -134,6 +134,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                     for node in graph.graph for v in node.outputs}
     if not isinstance(model, ir.Model):  # the graph is the build's own: its weights are now the engine's copies
         _release_weights(graph)
+    return_free_memory()
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
     say("selecting tactics")
     device = torch.device(config.device)
@@ -149,6 +150,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     tactics = autotune(program, weights, inputs, device=device, opt_level=config.opt_level,
                        shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
                        runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes)
+    return_free_memory()  # the search's records and candidates are gone: before the engine packs its weights
     # ... and valid at every profile's ends: a tactic that refuses or errs there goes back to the default.
     if profiles and "layers" in tactics:
         say("checking tactics at the profiles' ends")

@@ -72,7 +72,8 @@ def _content_key(weight: Any) -> tuple | None:
 
 
 class Lowering:
-    def __init__(self, model: ir.Model):
+    def __init__(self, model: ir.Model, copy_weights: bool = True):
+        self.copy_weights = copy_weights
         self.opsets = dict(model.opset_imports)
         self.weights: dict[str, Any] = {}
         self.by_content: dict[tuple, str] = {}  # _content_key -> the key of the stored weight
@@ -88,7 +89,7 @@ class Lowering:
 
     def store(self, name: str, tensor: ir.TensorProtocol) -> str:
         """The weights key holding `tensor`: a new one, or the key of an identical large weight."""
-        weight = tensor_to_runtime(tensor)
+        weight = tensor_to_runtime(tensor, copy=self.copy_weights)
         content = _content_key(weight) if self.share else None
         if content is not None and (key := self.by_content.get(content)) is not None:
             stored = self.weights[key]
@@ -181,8 +182,10 @@ def _free_names(graph: ir.Graph) -> list[str]:
     return free
 
 
-def lower(model: ir.Model) -> tuple[ProgramSpec, dict[str, Any], list[Binding], list[Binding]]:
-    lowering = Lowering(model)
+def lower(model: ir.Model, copy_weights: bool = True) -> tuple[ProgramSpec, dict[str, Any], list[Binding], list[Binding]]:
+    """`copy_weights=False`: the engine's weights share the graph's arrays where they can (a graph the build
+    made itself, never the caller's: one copy of the weights instead of two while both live)."""
+    lowering = Lowering(model, copy_weights)
     program = lowering.graph(model.graph)
     inputs = [binding_of(v) for v in model.graph.inputs if v.name in program.inputs]
     outputs = [binding_of(v) for v in model.graph.outputs]

@@ -105,3 +105,31 @@ def test_a_loaded_engine_holds_its_packed_weights_not_the_file_pages_too(tmp_pat
     # one copy (packed, or read as it is) plus activations and the libraries' first-use memory;
     # both copies (file pages + packed) measured 2x the weights before the pages were let go
     assert report["grew"] < 1.6 * weights, f"loading grew RSS by {report['grew'] / MiB:.0f} MiB for {weights / MiB:.0f} MiB of weights"
+
+
+def test_a_callers_ir_model_is_never_aliased_by_the_engine():
+    """A build from a file or bytes lowers its own graph's arrays without a copy (one copy of the weights
+    while both live); a caller's onnx_ir model is copied: writing to it later changes no engine. (A lookup
+    table: the passes keep it as it is, where a GEMM's weight would be transposed into a new array.)"""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+
+    rng = np.random.default_rng()
+    table = rng.standard_normal((100, 16)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "ids"], ["y"], axis=0)],
+                              "lookup", [helper.make_tensor_value_info("ids", TensorProto.INT64, [8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 16])],
+                              [numpy_helper.from_array(table, "table")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model = ir.serde.deserialize_model(proto)
+    mine = np.array(table)
+    model.graph.initializers["table"].const_value = ir.Tensor(mine, name="table")  # a writable array the caller holds
+    engine = kiln.build(model)
+    ids = rng.integers(0, 100, 8)
+    np.testing.assert_array_equal(engine.run({"ids": ids})["y"], table[ids])
+    mine[:] = 0  # the caller reuses its array
+    np.testing.assert_array_equal(engine.run({"ids": ids})["y"], table[ids])
+    from_bytes = kiln.build(proto.SerializeToString())
+    np.testing.assert_array_equal(from_bytes.run({"ids": ids})["y"], table[ids])
