@@ -82,11 +82,6 @@ class Buckets:
     def _rest(self, targets: dict[str, tuple[int, int]]) -> tuple:
         return tuple(sorted((s, b) for s, (_, b) in targets.items() if s != self.batch))
 
-    def cost_unknown(self, targets: dict[str, tuple[int, int]]) -> bool:
-        """Whether no replay time is known for the bucket `targets` pads to (only with a batch symbol)."""
-        return (self.batch is not None and self.batch in targets
-                and targets[self.batch][1] not in self.costs.get(self._rest(targets), {}))
-
     def learn(self, targets: dict[str, tuple[int, int]], ms: float | None) -> None:
         """Record one replay's time of the bucket `targets` pads to (the graph capture measured it)."""
         if ms is not None and self.batch is not None and self.batch in targets:

@@ -322,9 +322,10 @@ class ExecutionContext:
                     results = self._run_chunks(args, targets, chunks)
                 else:
                     args = self.buckets.pad(args, targets)
+                    captured = self.runner.stats.captures if self.runner is not None else 0
                     results = self._run_program(args)
-                    if self.runner is not None and self.buckets.cost_unknown(targets):
-                        self.buckets.learn(targets, self.runner.replay_ms(args))
+                    if self.runner is not None and self.runner.stats.captures != captured:
+                        self.buckets.learn(targets, self.runner.replay_ms(args))  # timed at its capture
                     results = self.buckets.crop(results, targets)
             else:
                 results = self._run_program(args)

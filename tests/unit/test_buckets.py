@@ -152,3 +152,30 @@ def test_a_split_batch_gives_the_unpadded_result(bert):
         np.testing.assert_allclose(got, next(iter(plain.run(feeds).values())), rtol=RTOL, atol=ATOL,
                                    err_msg=f"split vs unpadded, batch 3 x seq {seq}")
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_bucket_captured_by_a_run_has_its_replay_time_learned(bert):
+    """What a CUDA context does on the CPU: a stand-in for the graph runner that 'captures' each new
+    padded shape once (timing it as the runner does) — the context learns that time for the bucket, once."""
+    import types
+
+    _, engine = bert
+    context = engine.create_execution_context(buckets=True)
+    program = engine.program
+    seen: dict[tuple, float] = {}
+
+    def run(args):
+        key = tuple(tuple(a.shape) for a in args)
+        if key not in seen:
+            seen[key] = 0.5 + len(seen)  # "measured at its capture"
+            runner.stats.captures += 1
+        return program.run(args)
+
+    runner = types.SimpleNamespace(stats=types.SimpleNamespace(captures=0, split_runs=0), run=run,
+                                   replay_ms=lambda args: seen.get(tuple(tuple(a.shape) for a in args)))
+    context.runner = runner
+    rng = np.random.default_rng()
+    for batch, seq in ((3, 20), (4, 30), (1, 5), (3, 25)):  # the last: the first's bucket again
+        context.run(_feeds(rng, batch, seq))
+    assert context.buckets.costs == {(("seq", 32),): {4: 0.5}, (("seq", 16),): {1: 1.5}}
+    assert runner.stats.captures == 2

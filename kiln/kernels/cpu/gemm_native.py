@@ -92,10 +92,11 @@ def kiln_pool_wanted(environ: dict[str, str] | None = None, load: float | None =
                      cpus: int | None = None) -> bool:
     """Whether kiln's C loops (GEMM, attention, Elementwise) run on kiln's own pool (pool.c) or on OpenMP's:
     KILN_POOL=1 / 0 decides; else the pool where the machine is busy as the kernels load (1-min load average
-    at least half the CPUs). The pool does not wait for a worker that claimed no work, where OpenMP's
-    barrier waits out a descheduled thread's time slice (a 256x845x1024 GEMM at load ~6 on 2 cores: 16.0 ->
-    6.3 ms median); on a quiet machine its fastest calls were slower (128x768x768: 0.66 against 0.36 ms,
-    bench/results/zoo-cpu-2026-12-02.md), and an earlier pool measured 10-15% slower there."""
+    at least half the CPUs; the same rule kiln/openmp.py applies to OpenMP's spin, which cannot import this
+    module: it runs before torch loads). The pool does not wait for a worker that claimed no work, where
+    OpenMP's barrier waits out a descheduled thread's time slice (a 256x845x1024 GEMM at load ~6 on 2 cores:
+    16.0 -> 6.3 ms median); with nothing else running single GEMMs ran level, but end to end it cost 4-10%
+    (BERT-base, T5-small's encoder: bench/results/zoo-cpu-2026-12-02.md)."""
     environ = os.environ if environ is None else environ
     if "KILN_POOL" in environ:
         return environ["KILN_POOL"] != "0"
@@ -119,7 +120,7 @@ def open_library(stem: str, source: str, test_kernels: bool) -> ctypes.CDLL | st
         lib = ctypes.CDLL(str(built))
     except OSError as e:
         return f"{type(e).__name__}: {e}"
-    # pool.c's loops where the machine is busy, else OpenMP's (KILN_POOL=1/0 decides: kiln/openmp.py)
+    # pool.c's loops where the machine is busy, else OpenMP's (kiln_pool_wanted; KILN_POOL=1/0 decides)
     ctypes.c_int.in_dll(lib, "kiln_pool_enabled").value = int(kiln_pool_wanted())
     lib.kiln_gemm_packed_floats.restype = ctypes.c_long
     lib.kiln_gemm_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
