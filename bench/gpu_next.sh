@@ -15,8 +15,8 @@ stage "pre-quantized LLM checkpoints on CUDA"
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest tests/llm/test_prequantized.py tests/llm/test_quant_gemm_kernel.py -q \
   -p no:cacheprovider 2>&1 | tail -5
 stage "zoo rows the new tactics are for, batch 1 (eager, reduce-overhead)"
-MODELS=phi3_small,llama_small,qwen2_small,dcn MODES=reduce-overhead timeout 200 bash bench/gpu_zoo.sh 2>&1 | grep "x the fastest\|FAILED"
+MODELS=phi3_small,llama_small,qwen2_small,dcn MODES=reduce-overhead timeout 170 bash bench/gpu_zoo.sh 2>&1 | grep "x the fastest\|FAILED"
 stage "and at large batch (eager, torch.compile)"
-MODELS=phi3_small,qwen2_small BATCH=8 SEQ=512 MODES=default timeout 150 bash bench/gpu_zoo.sh 2>&1 | grep "x the fastest\|FAILED"
+MODELS=phi3_small,qwen2_small BATCH=8 SEQ=512 MODES=default timeout 130 bash bench/gpu_zoo.sh 2>&1 | grep "x the fastest\|FAILED"
 stage done
 } 2>&1 | tee "$OUT/next.log"
