@@ -236,7 +236,8 @@ def quantized_checkpoints(tmp_path_factory):
 
 
 def engine(folder, **options):
-    return LLMEngine(folder, EngineConfig(**{"kv_cache_memory": "4MiB", "block_size": 4, **options}))
+    """fp32 on the CPU, also on a machine with a GPU (the CUDA kernels have their own test below)."""
+    return LLMEngine(folder, EngineConfig(**{"kv_cache_memory": "4MiB", "block_size": 4, "device": "cpu", **options}))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -289,7 +290,7 @@ def test_logits_match_transformers_on_the_dequantized_weights(quantized_checkpoi
 @pytest.mark.parametrize("name", ["awq", "gptq", "ct_int4_group_asym", "ct_fp8_tensor"])
 def test_greedy_generation_is_token_for_token_the_dequantized_model(quantized_checkpoints, name):
     folder, hf, _ = quantized_checkpoints(name)
-    llm = LLM(folder, kv_cache_memory="4MiB", block_size=4)
+    llm = LLM(folder, device="cpu", kv_cache_memory="4MiB", block_size=4)
     prompts = ["Hello world, hello", "Paged attention reads keys and values"]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
@@ -315,7 +316,7 @@ def test_cuda_kernels_generate_what_the_dequantized_model_does(quantized_checkpo
 def test_two_ranks_generate_what_one_does(quantized_checkpoints):
     """Column-parallel ranks take their rows of each fused part, row-parallel ones their whole groups."""
     folder, _, _ = quantized_checkpoints("ct_int4_group_asym")
-    options = dict(kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=16)
+    options = dict(device="cpu", kv_cache_memory="2MiB", block_size=4, max_num_batched_tokens=16)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=1, ignore_eos=True)
     single = LLM(folder, **options).generate(["Hello world, hello", "a"], params)
     with LLM(folder, tensor_parallel=2, **options) as llm:
