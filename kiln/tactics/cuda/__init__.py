@@ -4,6 +4,7 @@
     attention.py   kiln's Triton flash attention
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
+    conv1d.py      long-kernel 1-D convolution as one batched GEMM; InstanceNormalization on group_norm
     rotary.py      Triton rotary embedding (kiln::Rotary)
     embedding.py   kiln::EmbeddingConcat from one stacked table
     cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
@@ -22,6 +23,7 @@ import kiln.tactics.cuda.rotary  # noqa: F401
 import kiln.tactics.cuda.embedding  # noqa: F401
 import kiln.tactics.cuda.cudnn  # noqa: F401
 import kiln.tactics.cuda.conv  # noqa: F401
+import kiln.tactics.cuda.conv1d  # noqa: F401
 import kiln.tactics.cuda.quant_gemm  # noqa: F401
 import kiln.tactics.cuda.quant_conv  # noqa: F401
 import kiln.tactics.cuda.quant_add  # noqa: F401
