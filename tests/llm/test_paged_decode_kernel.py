@@ -77,6 +77,17 @@ def test_a_request_does_not_depend_on_its_batch():
     both = paged_decode_attention(q, k, v, tables, lens, 0.25, split_tokens=16, block_n=16)
     alone = paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25, split_tokens=16, block_n=16)
     assert torch.equal(both[:1], alone)  # bit for bit: the split length does not depend on the batch
+    wide = paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25, max_seq_len=4096, split_tokens=16,
+                                  block_n=16)
+    assert torch.equal(wide, alone)  # nor on the grid (a CUDA graph is captured for max_model_len)
+
+
+@pytest.mark.parametrize("max_splits", [1, 2, 3])
+def test_long_requests_take_longer_splits_not_more(max_splits):
+    """At most max_splits splits a request: 150 keys in 2 splits of 80 (16-key tiles), or 3 of 64, or one."""
+    q, k, v, tables, lens = case(2, 4, 2, 16, 8, [150, 20])
+    got = paged_decode_attention(q, k, v, tables, lens, 0.25, split_tokens=16, block_n=16, max_splits=max_splits)
+    torch.testing.assert_close(got, reference(q, k, v, tables, lens, 0.25), atol=2e-5, rtol=1e-5)
 
 
 def test_engine_with_the_triton_backend_generates_what_torch_does(hf_models):
