@@ -177,7 +177,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a [R, V] tensor (the first index of the maximum), one program a row.
 
     torch's own reduction gives a single row to one block: 28 us for a 128,256-token vocabulary at batch 1 on
-    the H200 (a 4.8 ms decode step's 0.6%); here one program streams the row in 4,096-wide tiles (~4 us).
+    the H200 (a 4.8 ms decode step's 0.6%); here one program streams the row in 4,096-wide tiles (its time on
+    the H200 not yet isolated: bench/llm_profile.py --top 20 lists it).
     A row of -inf only, or of NaN, gives index 0 (greedy rows never hold either: the logits are finite)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "argmax_rows wants a row-major [R, V] tensor"
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
