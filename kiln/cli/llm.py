@@ -40,6 +40,10 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize the projections' weights at load (fp8: E4M3 per channel; int8/int4: weight-only)")
     g.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="propose K draft tokens per step by n-gram prompt lookup (greedy requests; default off)")
+    g.add_argument("--speculative-model", metavar="PATH",
+                   help="a smaller draft model of the same vocabulary proposing tokens (greedy requests)")
+    g.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens the --speculative-model proposes per step (default 4)")
     g.add_argument("--seed", type=int, help="seed of the sampler for requests without their own")
 
 
@@ -50,7 +54,9 @@ def _engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         enable_prefix_caching=not args.no_prefix_caching,
                         enable_chunked_prefill=not args.no_chunked_prefill, attention_backend=args.attention_backend,
-                        quantization=args.quantization, speculative_ngram=args.speculative_ngram, seed=args.seed)
+                        quantization=args.quantization, speculative_ngram=args.speculative_ngram,
+                        speculative_model=args.speculative_model, speculative_tokens=args.speculative_tokens,
+                        seed=args.seed)
 
 
 def add_parser(verbs) -> None:

@@ -198,6 +198,11 @@ class EngineConfig:
     speculative_ngram: int = 0  # draft tokens proposed per step by n-gram prompt lookup (0: off)
     ngram_min: int = 1
     ngram_max: int = 3
+    # or by a smaller draft model of the same vocabulary (a Hugging Face-format folder): tokens per step, and
+    # its own KV cache budget (default: kv_cache_memory)
+    speculative_model: str | None = None
+    speculative_tokens: int = 4
+    speculative_kv_cache_memory: int | str | None = None
     seed: int | None = None  # the global generator's seed, for requests without their own
     # decode steps replayed as CUDA graphs per batch-size bucket; auto: on for CUDA + triton on one GPU
     cuda_graphs: bool | str = "auto"
@@ -218,6 +223,11 @@ class EngineConfig:
             raise LLMError(f"quantization {self.quantization!r}: expected fp8, int8 or int4 (or none)")
         if self.speculative_ngram < 0 or not 1 <= self.ngram_min <= self.ngram_max:
             raise LLMError("speculative_ngram must be >= 0 and 1 <= ngram_min <= ngram_max")
+        if self.speculative_model is not None:
+            if self.speculative_ngram:
+                raise LLMError("speculative_model and speculative_ngram: choose one proposer")
+            if self.speculative_tokens < 1:
+                raise LLMError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
         if self.cuda_graphs not in (True, False, "auto"):
             raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
         if self.load_format not in ("safetensors", "dummy"):

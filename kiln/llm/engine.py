@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from kiln.llm.block_manager import BlockManager
-from kiln.llm.config import EngineConfig, LLMError, ModelConfig
+from kiln.llm.config import EngineConfig, LLMError, ModelConfig, parse_bytes
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
 from kiln.llm.model_runner import ModelRunner, TokenLogprobs
 from kiln.llm.models import build_model
@@ -173,6 +173,17 @@ class LLMEngine:
                                   self.model_config.vocab_size, config.attention_backend, config.seed,
                                   max_model_len=self.max_model_len, cuda_graphs=bool(graphs),
                                   max_num_seqs=config.max_num_seqs)
+        self.draft = None
+        if config.speculative_model is not None:
+            if tp.size > 1:
+                raise LLMError("speculative_model with tensor parallelism is not supported yet")
+            from kiln.llm.draft import DraftModel
+
+            self.draft = DraftModel(config.speculative_model, target=self.model_config, device=self.device,
+                                    dtype=self.dtype, max_model_len=self.max_model_len, block_size=config.block_size,
+                                    kv_cache_bytes=parse_bytes(config.speculative_kv_cache_memory
+                                                               or config.kv_cache_memory),
+                                    attention_backend=config.attention_backend)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -255,7 +266,7 @@ class LLMEngine:
             if tokens:
                 outputs.append(self._process(self.states[item.request_id], tokens,
                                              result.logprobs.get(item.request_id), now))
-        if self.config.speculative_ngram:
+        if self.config.speculative_ngram or self.draft is not None:
             self._propose_drafts()
         return outputs
 
@@ -322,6 +333,8 @@ class LLMEngine:
         if self.states.pop(request_id, None) is not None and reason is not None:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.runner.sampler.forget(request_id)
+        if self.draft is not None:
+            self.draft.forget(request_id)
 
     def _observe(self, event: str, **fields) -> None:
         if self.observer is not None:
@@ -329,6 +342,7 @@ class LLMEngine:
 
     def _propose_drafts(self) -> None:
         config = self.config
+        wanted: list[tuple[Request, int]] = []
         for request in self.scheduler.running:
             params = request.params
             if not params.greedy or params.needs_penalties or request.num_computed_tokens != request.num_tokens - 1:
@@ -336,6 +350,14 @@ class LLMEngine:
             room = self.max_model_len - request.num_tokens
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens)
-            k = min(config.speculative_ngram, room - 1)
-            if k > 0:
+            k = min(config.speculative_tokens if self.draft is not None else config.speculative_ngram, room - 1)
+            if k > 0 and self.draft is not None:
+                wanted.append((request, k))
+            elif k > 0:
                 request.spec_token_ids = propose_ngram(request.token_ids, k, config.ngram_min, config.ngram_max)
+        if wanted:
+            for request, _ in wanted:
+                request.spec_token_ids = []
+            by_id = {request.request_id: request for request, _ in wanted}
+            for request_id, drafts in self.draft.propose(wanted).items():
+                by_id[request_id].spec_token_ids = drafts
