@@ -73,7 +73,8 @@ def write_checkpoint(preset: str, dtype: torch.dtype, folder: Path, weights: boo
 
 
 def run_kiln(folder: Path, args, batch: int, quantization: str | None, graphs: bool = True) -> dict:
-    llm = LLM(folder, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(batch, 1),
+    llm = LLM(folder, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
+              max_num_seqs=max(batch, 1),
               max_num_batched_tokens=max(args.input_len * batch, 2048), quantization=quantization,
               device=args.device, cuda_graphs=graphs and args.device.startswith("cuda"),
               load_format="dummy" if args.dummy else "safetensors", max_model_len=args.max_model_len)
@@ -146,6 +147,7 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--kv-cache-memory", default="1GiB")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--quantization", nargs="*", default=[], choices=["fp8", "int8", "int4"])
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--eager-batch", type=int, nargs="*", default=[1],

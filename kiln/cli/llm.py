@@ -40,6 +40,8 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="quantize the projections' weights at load (fp8: E4M3 per channel; int8/int4: weight-only)")
     g.add_argument("--speculative-ngram", type=int, default=0, metavar="K",
                    help="propose K draft tokens per step by n-gram prompt lookup (greedy requests; default off)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="auto: the model's dtype; fp8: E4M3 with unit scale (twice the tokens per byte)")
     g.add_argument("--speculative-model", metavar="PATH",
                    help="a smaller draft model of the same vocabulary proposing tokens (greedy requests)")
     g.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
@@ -56,6 +58,7 @@ def _engine_config(args: argparse.Namespace):
                         enable_chunked_prefill=not args.no_chunked_prefill, attention_backend=args.attention_backend,
                         quantization=args.quantization, speculative_ngram=args.speculative_ngram,
                         speculative_model=args.speculative_model, speculative_tokens=args.speculative_tokens,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         seed=args.seed)
 
 

@@ -50,9 +50,21 @@ def prefill_tiles(query_lens: list[int], first_request: int, device: torch.devic
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D] -> slots of k_cache, v_cache: [num_blocks, block_size, Hkv, D]."""
+    """k, v: [T, Hkv, D] -> slots of k_cache, v_cache: [num_blocks, block_size, Hkv, D]. An FP8 E4M3 cache
+    (kv_cache_dtype="fp8", unit scale) stores them saturated at +-448, its largest finite value."""
+    if k_cache.dtype != k.dtype:
+        k, v = _to_cache(k, k_cache.dtype), _to_cache(v, v_cache.dtype)
+    if k_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no FP8 kernel: copy the bytes
+        k, v, k_cache, v_cache = k.view(torch.uint8), v.view(torch.uint8), k_cache.view(torch.uint8), v_cache.view(
+            torch.uint8)
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def _to_cache(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-448.0, 448.0)  # a cast past the largest finite E4M3 value gives NaN
+    return x.to(dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -77,8 +89,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for b in range(len(meta.query_lens)):
         start, num_q, num_kv = meta.query_start[b], meta.query_lens[b], meta.seq_lens[b]
         blocks = meta.block_tables[b, :(num_kv + block_size - 1) // block_size]
-        k = k_cache[blocks].flatten(0, 1)[:num_kv]  # [L, Hkv, D]
-        v = v_cache[blocks].flatten(0, 1)[:num_kv]
+        k = k_cache[blocks].flatten(0, 1)[:num_kv].to(q.dtype)  # [L, Hkv, D]; an FP8 cache widened
+        v = v_cache[blocks].flatten(0, 1)[:num_kv].to(q.dtype)
         out[start:start + num_q] = _attend(q[start:start + num_q], k, v, scale, sliding_window)
     return out
 

@@ -185,6 +185,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available
     kv_cache_memory: int | str = DEFAULT_KV_CACHE_MEMORY  # the KV cache's budget; kiln never takes "90% of the GPU"
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype | fp8: E4M3, unit scale (twice the tokens per byte)
     num_kv_blocks: int | None = None  # or exactly this many blocks (overrides kv_cache_memory)
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # requests running at once
@@ -228,6 +229,8 @@ class EngineConfig:
                 raise LLMError("speculative_model and speculative_ngram: choose one proposer")
             if self.speculative_tokens < 1:
                 raise LLMError(f"speculative_tokens must be >= 1, got {self.speculative_tokens}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise LLMError(f"kv_cache_dtype {self.kv_cache_dtype!r}: expected auto or fp8")
         if self.cuda_graphs not in (True, False, "auto"):
             raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
         if self.load_format not in ("safetensors", "dummy"):

@@ -43,7 +43,7 @@ class _Sequence:
 
 class DraftModel:
     def __init__(self, path: str | Path, *, target: ModelConfig, device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, block_size: int, kv_cache_bytes: int, attention_backend: str):
+                 kv_dtype: torch.dtype, max_model_len: int, block_size: int, kv_cache_bytes: int, attention_backend: str):
         self.path = Path(path)
         if not (self.path / "config.json").is_file():
             raise LLMError(f"speculative_model {str(path)!r}: no config.json there (a Hugging Face-format folder)")
@@ -62,7 +62,7 @@ class DraftModel:
         finally:
             torch.set_default_dtype(previous)
         self.model.load_weights(iterate_weights(self.path), source=str(self.path))
-        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, dtype)
+        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
         num_blocks = spec.blocks_for_budget(kv_cache_bytes)
         self.kv_caches = allocate_kv_cache(spec, num_blocks, device)
         self.block_size = block_size

@@ -151,8 +151,9 @@ class LLMEngine:
             self.model.load_weights(iterate_weights(self.path), source=str(self.path))
         if config.quantization:
             quantize_model(self.model, config.quantization, config.quantization_group_size)
+        self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
-                           self.model_config.head_dim, config.block_size, self.dtype)
+                           self.model_config.head_dim, config.block_size, self.kv_dtype)
         num_blocks = config.num_kv_blocks or spec.blocks_for_budget(config.kv_cache_bytes())
         if (num_blocks - 1) * config.block_size < self.max_model_len:
             raise LLMError(f"the KV cache holds {(num_blocks - 1) * config.block_size} tokens, less than one request "
@@ -180,7 +181,8 @@ class LLMEngine:
             from kiln.llm.draft import DraftModel
 
             self.draft = DraftModel(config.speculative_model, target=self.model_config, device=self.device,
-                                    dtype=self.dtype, max_model_len=self.max_model_len, block_size=config.block_size,
+                                    dtype=self.dtype, kv_dtype=self.kv_dtype, max_model_len=self.max_model_len,
+                                    block_size=config.block_size,
                                     kv_cache_bytes=parse_bytes(config.speculative_kv_cache_memory
                                                                or config.kv_cache_memory),
                                     attention_backend=config.attention_backend)

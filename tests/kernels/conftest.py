@@ -55,9 +55,39 @@ def _fix_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _fix_interpreter_fp8_cast() -> None:
+    """The interpreter's float -> FP8 E4M3 conversion (triton.runtime.interpreter._convert_float) ORs the
+    rounded-up mantissa into the exponent instead of adding the carry (1.94 becomes 1.0, not 2.0) and rounds
+    ties up: convert to float8e4nv with torch's cast instead (round to nearest even, as the GPU's cvt.rn)."""
+    try:
+        import numpy as np
+        import torch
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._convert_float
+    if getattr(original, "kiln_fixed", False):
+        return
+    sources = {tl.float32: (np.uint32, torch.float32), tl.float16: (np.uint16, torch.float16),
+               tl.bfloat16: (np.uint16, torch.bfloat16)}
+
+    def convert(input, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype not in sources:
+            return original(input, input_dtype, output_dtype, rounding_mode)
+        bits, dtype = sources[input_dtype]
+        raw = np.ascontiguousarray(np.asarray(input)).view(bits).reshape(-1)
+        values = torch.from_numpy(raw.copy()).view(dtype)
+        return values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(np.shape(input))
+
+    convert.kiln_fixed = True
+    interpreter._convert_float = convert
+
+
 if os.environ["TRITON_INTERPRET"] == "1":
     _fix_interpreter_scalar_index()
     _fix_interpreter_bf16_dot()
+    _fix_interpreter_fp8_cast()
 
 
 def pytest_configure(config):

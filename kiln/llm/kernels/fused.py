@@ -65,7 +65,7 @@ def _rotate(x_ptr, heads, half, ok, cos, sin, HALF: tl.constexpr):
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, stride_qkv, stride_q,
                     stride_kslot, stride_vslot, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
@@ -83,13 +83,19 @@ def _rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_cache
     hk = tl.arange(0, BLOCK_HKV)
     ok = (hk < HKV)[:, None] & half_ok[None, :]
     a, b = _rotate(row + HQ * 2 * HALF, hk, half, ok, cos, sin, HALF)
+    # k rounded to q's dtype first, as the torch code does (rotate in the model dtype, then store)
+    a, b = a.to(q_ptr.dtype.element_ty), b.to(q_ptr.dtype.element_ty)
+    v_src = row + (HQ + HKV) * 2 * HALF + hk[:, None] * (2 * HALF) + half[None, :]
+    v_a, v_b = tl.load(v_src, mask=ok, other=0.0), tl.load(v_src + HALF, mask=ok, other=0.0)
+    if FP8:  # an FP8 E4M3 cache (unit scale): saturate at its largest finite value, as the torch write does
+        a, b = tl.clamp(a.to(tl.float32), -448.0, 448.0), tl.clamp(b.to(tl.float32), -448.0, 448.0)
+        v_a, v_b = tl.clamp(v_a.to(tl.float32), -448.0, 448.0), tl.clamp(v_b.to(tl.float32), -448.0, 448.0)
     dst = k_cache + slot * stride_kslot + hk[:, None] * (2 * HALF) + half[None, :]
     tl.store(dst, a.to(k_cache.dtype.element_ty), mask=ok)
     tl.store(dst + HALF, b.to(k_cache.dtype.element_ty), mask=ok)
-    v_src = row + (HQ + HKV) * 2 * HALF + hk[:, None] * (2 * HALF) + half[None, :]
     v_dst = v_cache + slot * stride_vslot + hk[:, None] * (2 * HALF) + half[None, :]
-    tl.store(v_dst, tl.load(v_src, mask=ok, other=0.0), mask=ok)
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=ok, other=0.0), mask=ok)
+    tl.store(v_dst, v_a.to(v_cache.dtype.element_ty), mask=ok)
+    tl.store(v_dst + HALF, v_b.to(v_cache.dtype.element_ty), mask=ok)
 
 
 def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cos: torch.Tensor,
@@ -106,7 +112,7 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
         qkv, positions, slot_mapping, cos, sin, q, k_cache, v_cache, qkv.stride(0), q.stride(0),
         k_cache.stride(1), v_cache.stride(1), HQ=num_heads, HKV=num_kv_heads, HALF=half,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(half))
+        BLOCK_HALF=triton.next_power_of_2(half), FP8=k_cache.dtype == torch.float8_e4m3fn)
     return q
 
 

@@ -66,7 +66,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
         block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0)
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=valid[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                    mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 KV widened
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -78,7 +78,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=valid[:, None] & d_ok[None, :], other=0.0)
+                    mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -116,7 +116,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
                            block_n: int = 32, max_splits: int = MAX_SPLITS) -> torch.Tensor:
-    """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D];
+    """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
+    (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
     changes a result. split_tokens: the shortest split; max_splits: the most splits of one request."""

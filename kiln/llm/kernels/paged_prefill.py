@@ -53,7 +53,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
         block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=in_seq, other=0)
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=in_seq[:, None] & d_ok[None, :], other=0.0)
+                    mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # fp8 KV widened
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -66,7 +66,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
         alpha = tl.exp(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=in_seq[:, None] & d_ok[None, :], other=0.0)
+                    mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         else:
