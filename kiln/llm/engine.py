@@ -347,8 +347,8 @@ class LLMEngine:
         wanted: list[tuple[Request, int]] = []
         for request in self.scheduler.running:
             params = request.params
-            if not params.greedy or params.needs_penalties or request.num_computed_tokens != request.num_tokens - 1:
-                continue  # drafts are verified greedily; a request mid-prefill has none
+            if request.num_computed_tokens != request.num_tokens - 1:
+                continue  # a request mid-prefill has none
             room = self.max_model_len - request.num_tokens
             if params.max_tokens is not None:
                 room = min(room, params.max_tokens - request.num_output_tokens)

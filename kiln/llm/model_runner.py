@@ -144,8 +144,15 @@ class ModelRunner:
         result = StepResult()
         requests = [s.request for s in owners]
         if token_ids is None:
+            # each row's history: the request's tokens, then the drafts before that row's position (what the
+            # history is if they are accepted, so penalties judge a draft row as the plain step would)
+            histories, seen = [], {}
+            for s in owners:
+                i = seen[s.request_id] = seen.get(s.request_id, -1) + 1
+                drafts = s.token_ids[len(s.token_ids) - s.num_draft_tokens:] if s.num_draft_tokens else []
+                histories.append(s.request.token_ids + drafts[:i] if i else s.request.token_ids)
             sampled = self.sampler(logits, [r.params for r in requests], [r.request_id for r in requests],
-                                   [r.token_ids for r in requests], [r.num_prompt_tokens for r in requests], positions)
+                                   histories, [r.num_prompt_tokens for r in requests], positions)
             token_ids = sampled.token_ids.tolist()
         else:
             sampled = self.sampler.logprobs_only(logits, [r.params for r in requests], token_ids)

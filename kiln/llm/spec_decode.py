@@ -1,8 +1,11 @@
 """Speculative decoding's draft proposer: n-gram prompt lookup. The request's latest n tokens
 (n from ngram_max down to ngram_min) are looked up earlier in its own tokens; the tokens that followed
 the most recent match are the drafts. The model checks them all in one step (a request with k drafts
-computes k + 1 positions) and keeps the ones its own greedy choice agrees with, plus its next token:
-the output is exactly greedy decoding's, in fewer steps when text repeats (code, quotes, extraction)."""
+computes k + 1 positions) and keeps the ones its own choice agrees with, plus its next token: the output is
+exactly the plain decoding's, in fewer steps when text repeats (code, quotes, extraction). Greedy and sampled
+requests alike: the sampler's draw for a position is a function of the request's seed and that position only
+(kiln/llm/sampling.py), and penalties see each draft row's history as it would be were the drafts accepted, so a
+sampled request draws the same tokens with or without drafts."""
 
 from __future__ import annotations
 

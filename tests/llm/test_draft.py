@@ -73,3 +73,17 @@ def test_a_draft_of_another_vocabulary_is_refused(target, tmp_path):
         make(target, speculative_model=str(tmp_path / "missing"))
     with pytest.raises(LLMError, match="choose one proposer"):
         make(target, speculative_model=str(folder), speculative_ngram=2)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=30, temperature=0, frequency_penalty=1.0, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.7, presence_penalty=0.8, seed=4, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.6, seed=9, ignore_eos=True),
+], ids=["greedy+frequency", "sampled+presence", "sampled"])
+def test_penalized_and_sampled_requests_draw_what_they_draw_without_drafts(target, params):
+    """The target as its own draft proposes its unpenalized greedy tokens: many are accepted, so the rows after
+    an accepted draft must see it in their penalties' history, as the plain step would."""
+    expected = tokens(make(target).generate(PROMPTS, params))
+    llm = make(target, speculative_model=str(target), speculative_tokens=3)
+    assert tokens(llm.generate(PROMPTS, params)) == expected
+    assert llm.engine.stats.accepted_draft_tokens > 0

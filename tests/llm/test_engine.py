@@ -180,6 +180,23 @@ def test_speculative_ngram_is_exact_under_greedy(llama):
     assert tokens(llm.generate(prompts, sampled)) == tokens(make(llama).generate(prompts, sampled))
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=30, temperature=0.3, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, presence_penalty=0.2, ignore_eos=True),
+    SamplingParams(max_tokens=30, temperature=0.5, frequency_penalty=0.5, seed=2, ignore_eos=True),
+], ids=["sampled", "top-k/top-p", "greedy+penalties", "sampled+penalties"])
+def test_speculation_is_exact_for_sampled_and_penalized_requests(llama, params):
+    """Drafts for every request: a seeded draw depends on the position only, and each draft row's penalties
+    see the history it has if the drafts before it are accepted: the same tokens as without speculation."""
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+               "Hello world, hello world, hello world, hello"]
+    expected = tokens(make(llama).generate(prompts, params))
+    llm = make(llama, speculative_ngram=4)
+    assert tokens(llm.generate(prompts, params)) == expected
+    assert llm.engine.stats.draft_tokens > 0
+
+
 def test_bad_requests(llama):
     llm = make(llama, max_model_len=32)
     with pytest.raises(LLMError, match="length limit is 32"):
