@@ -27,13 +27,15 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | Path, *, dtype: str = "auto", tensor_parallel: int = 1, **engine_options):
+    def __init__(self, model: str | Path, *, dtype: str = "auto", tensor_parallel: int = 1,
+                 distributed_executor: str = "mp", **engine_options):
         """tensor_parallel=N: N processes (this one is rank 0), one GPU each (gloo on the CPU); close()
-        ends them. Scripts that use it must guard their entry point (`if __name__ == "__main__":`)."""
+        ends them. Scripts that use it must guard their entry point (`if __name__ == "__main__":`).
+        distributed_executor: "mp" (local processes) or "ray" (Ray actors: past one machine)."""
         config = EngineConfig(dtype=dtype, **engine_options)
         self._group = None
         if tensor_parallel > 1:
-            self._group = TensorParallelGroup(model, config, tensor_parallel)
+            self._group = TensorParallelGroup(model, config, tensor_parallel, distributed_executor)
             self.engine = self._group.engine
         else:
             self.engine = LLMEngine(model, config)
