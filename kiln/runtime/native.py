@@ -236,6 +236,12 @@ class Segment:
         self.aliased = sum(n.alias for n in natives)
         self._natives = natives
         self._structure = [_form(n) for n in natives]  # what fits() compares another size's members with
+        # what _natives_at and fits() walk per new input size, looked up once here: each member's `at` with the
+        # slots it reads ((step input, slot) pairs, or its input 0's slot), and (slot, group) of every value that
+        # lives in the arena
+        self._resizers = [(m.fn.native.at, [(i, m.inputs[i]) for i in m.fn.native.reads]
+                           if m.fn.native.reads is not None else None, m.inputs[0]) for m in members]
+        self._arena_slots = [(s, group[s]) for s in produced if group[s] not in exit_group]
         # Other sizes as views over this segment's memory (_Resized)
         self._views = self._c is not None and not self._staged
         # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
@@ -309,17 +315,20 @@ class Segment:
         sizes = dict(zip(self.entries, key))
         natives = []
         forms: dict[int, tuple] = {}
-        for m in self.members:
-            tuned = m.fn.native
-            if tuned.at is None:
+        for m, (at, reads, x) in zip(self.members, self._resizers):
+            if at is None:
                 raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
-            native = tuned.at({i: sizes[m.inputs[i]] for i in tuned.reads}) if tuned.reads is not None \
-                else tuned.at(sizes[m.inputs[0]])
+            native = at({i: sizes[slot] for i, slot in reads}) if reads is not None else at(sizes[x])
             if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
                 raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
-            for slot, _role, size, strides, dtype in writes_of(m, native):
-                sizes[slot] = size
-                forms[slot] = (size, strides, dtype)
+            if native.more_outputs:
+                for slot, _role, size, strides, dtype in writes_of(m, native):
+                    sizes[slot] = size
+                    forms[slot] = (size, strides, dtype)
+            else:  # writes_of's one entry, without its list
+                size = tuple(native.output_size)
+                sizes[m.outputs[0]] = size
+                forms[m.outputs[0]] = (size, native.output_strides, native.output_dtype)
             natives.append(native)
         return _AtSizes(natives, forms)
 
@@ -370,15 +379,13 @@ class Segment:
         the caller has them."""
         if [_form(n) for n in natives] != self._structure:
             return False
-        produced, group, exit_group, _ = self._layout
         forms = forms if forms is not None else _forms(self.members, natives)
-        need: dict[int, int] = {}
-        for s in produced:
-            g = group[s]
-            if g not in exit_group:
-                size = _numel(forms[s][0]) * forms[s][2].itemsize
-                need[g] = max(need.get(g, 0), size)
-        return all(n <= self._capacity.get(g, -1) for g, n in need.items())
+        capacity = self._capacity
+        for s, g in self._arena_slots:
+            size, _strides, dtype = forms[s]
+            if _numel(size) * dtype.itemsize > capacity.get(g, -1):
+                return False
+        return True
 
     def __call__(self, ctx, *values):
         fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and v.shape == size
@@ -453,11 +460,17 @@ def _entry_forms(entries: list[int], readers: list[list[tuple[int, Any]]], nativ
     return sizes, dtypes, layouts
 
 
-def _c_loop_over(c: tuple, calls: list) -> tuple:
-    """A segment's compiled-loop arrays (`c`: Segment._c_loop's) with other calls on the same memory objects:
-    its bindings kept, an addresses array of its own (written per run, under the template's lock)."""
-    run, _functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, _nargs, _args, _ = c
-    functions, objects, nargs, args = native_loop.call_arrays(calls)
+def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
+    """A segment's compiled-loop arrays (`c`: Segment._c_loop's, for `template_calls`) with other calls on the
+    same memory objects: its bindings kept, an addresses array of its own (written per run, under the template's
+    lock). Calls of the template's functions without arguments (replanned kernels: only the plan is new) share
+    the template's functions, nargs and args arrays (the loop only reads them)."""
+    run, functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, nargs, args, _ = c
+    if len(calls) == len(template_calls) and all(f == t[0] and n == 0 == t[2] and a == 0 == t[3] for (f, _, n, a), t
+                                                 in zip(calls, template_calls)):
+        objects = (ctypes.c_void_p * max(len(calls), 1))(*[o for _, o, _, _ in calls])
+    else:
+        functions, objects, nargs, args = native_loop.call_arrays(calls)
     return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, len(calls),
             objects, nargs, args, ctypes.c_int(-1))
 
@@ -648,7 +661,7 @@ class _Resized:
             # every call replanned on the template's memory objects: its bindings and names hold, and only the
             # calls' arrays are new (the common case: a transformer's members are all kiln's own kernels)
             self._names = template._names
-            self._c = _c_loop_over(template._c[False], calls)
+            self._c = _c_loop_over(template._c[False], calls, template._calls)
             return
         bindings = []
         for k, s in enumerate(self.entries):
