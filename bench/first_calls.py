@@ -85,7 +85,8 @@ def main() -> None:
             repeat[name].append(tuple(statistics.median(t[i] for t in again[name]) for i in (0, 1)))
 
     print(f"# first calls at new shapes: {args.model}, cpu ({_cpu_name()}), commit {commit()}, "
-          f"{args.threads} thread(s), {args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq}, load average {os.getloadavg()[0]:.1f}")
+          f"{args.threads} thread(s), {args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq}, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print("\n| clock | kiln first calls / onnxruntime's (stream) | per request median, worst | first-call extra "
           "kiln, onnxruntime (median µs) | repeats kiln / onnxruntime |")
     print("|---|---|---|---|---|")
