@@ -190,6 +190,7 @@ class Segment:
         self._entry_readers = [consumers[s] for s in self.entries]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, self._entry_readers,
                                                                                natives)
+        self._planned_key = tuple(tuple(size) for size in self.entry_sizes)  # _entry_key of the planned sizes
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
@@ -301,15 +302,6 @@ class Segment:
             env.update(zip(m.outputs, out) if len(m.outputs) > 1 else [(m.outputs[0], out)])
         return [env[s] for s in self.exits]
 
-    def _for_sizes(self, values: tuple) -> Segment | None:
-        """The segment bound for these entry sizes (built on first sight, RESIZED kept, least recently
-        used out), or None when a layer cannot be bound at them: then the layers run one by one."""
-        if not all(isinstance(v, torch.Tensor) and v.dtype == dtype for v, dtype in zip(values, self.entry_dtypes)):
-            return None
-        key = tuple(tuple(v.shape) for v in values)
-        with self._resize_lock:  # contexts of one engine share its segments
-            return self._bind_sizes(key)
-
     def _natives_at(self, key: tuple) -> _AtSizes:
         """Every member's NativeStep for entries of sizes `key` (ValueError: a layer cannot bind them)."""
         sizes = dict(zip(self.entries, key))
@@ -333,6 +325,9 @@ class Segment:
         return _AtSizes(natives, forms)
 
     def _bind_sizes(self, key: tuple) -> Segment | _Resized | None:
+        """The segment bound for entries of sizes `key` (built on first sight, VIEWS or RESIZED kept, least recently
+        used out), or None when a layer cannot be bound at them: then the layers run one by one. The caller holds
+        the resize lock."""
         if key in self.resized:
             self.resized.move_to_end(key)
             return self.resized[key]
@@ -388,13 +383,14 @@ class Segment:
         return True
 
     def __call__(self, ctx, *values):
-        fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and v.shape == size
-                   for v, size, dtype in zip(values, self.entry_sizes, self.entry_dtypes))
-        if fits:
-            return self._run_bound(values)
-        other = self._for_sizes(values)
-        if other is not None:
-            return other._run_bound(values)
+        key = _entry_key(values, self.entry_dtypes)  # the entries' sizes, in one pass (a repeated call's whole check)
+        if key is not None:
+            if key == self._planned_key:
+                return self._run_bound(values)
+            with self._resize_lock:  # contexts of one engine share its segments
+                other = self._bind_sizes(key)
+            if other is not None:
+                return other._run_bound(values)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
@@ -487,6 +483,16 @@ def _run_loop(c: tuple, stream: Any, sources: dict[str, list[int]], names: list[
     if status:
         where = names[failed.value] if failed.value >= 0 else "binding an input or output"
         onednn._check(status, f"layer {where!r} of a native segment")
+
+
+def _entry_key(values: tuple, dtypes: list[torch.dtype]) -> tuple | None:
+    """The sizes of a segment's entries, as its views are keyed; None when one is not a tensor of its entry's dtype."""
+    key = []
+    for v, dtype in zip(values, dtypes):
+        if not isinstance(v, torch.Tensor) or v.dtype != dtype:
+            return None
+        key.append(tuple(v.shape))
+    return tuple(key)
 
 
 def _form(native: NativeStep) -> tuple:
