@@ -377,13 +377,18 @@ class ExecutionContext:
         return outputs
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
-        """A CPU engine fed numpy arrays (C-contiguous, writable) of a signature a call already checked:
-        straight to the program. Else None: the general path checks, and remembers the signature."""
+        """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
+        signature (remembered), then straight to the program. Else None: the general path."""
         names = self.engine.input_names
         key = _numpy_signature(names, feeds)
-        profile = self._checked.get(key) if key is not None else None
-        if profile is None:
+        if key is None:
             return None
+        profile = self._checked.get(key)
+        if profile is None:  # a new signature: checked here (errors as the general path raises them), then run
+            self._check(feeds)  # as a checked one (the general path's conversions give the same tensors for these)
+            profile = self.profile
+            if len(self._checked) < CHECKED_SIGNATURES:
+                self._checked[key] = profile
         self.profile = profile
         args = [torch.from_numpy(feeds[n]) for n in names]
         with torch.inference_mode():

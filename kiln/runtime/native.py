@@ -190,6 +190,7 @@ class Segment:
         self._entry_readers = [consumers[s] for s in self.entries]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, self._entry_readers,
                                                                                natives)
+        self._planned_key = tuple(tuple(size) for size in self.entry_sizes)  # _entry_key of the planned sizes
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
@@ -236,6 +237,12 @@ class Segment:
         self.aliased = sum(n.alias for n in natives)
         self._natives = natives
         self._structure = [_form(n) for n in natives]  # what fits() compares another size's members with
+        # what _natives_at and fits() walk per new input size, looked up once here: each member's `at` with the
+        # slots it reads ((step input, slot) pairs, or its input 0's slot), and (slot, group) of every value that
+        # lives in the arena
+        self._resizers = [(m.fn.native.at, [(i, m.inputs[i]) for i in m.fn.native.reads]
+                           if m.fn.native.reads is not None else None, m.inputs[0]) for m in members]
+        self._arena_slots = [(s, group[s]) for s in produced if group[s] not in exit_group]
         # Other sizes as views over this segment's memory (_Resized)
         self._views = self._c is not None and not self._staged
         # the segment whose memory other sizes' views use, once grown past this one (None: this one; never
@@ -295,35 +302,32 @@ class Segment:
             env.update(zip(m.outputs, out) if len(m.outputs) > 1 else [(m.outputs[0], out)])
         return [env[s] for s in self.exits]
 
-    def _for_sizes(self, values: tuple) -> Segment | None:
-        """The segment bound for these entry sizes (built on first sight, RESIZED kept, least recently
-        used out), or None when a layer cannot be bound at them: then the layers run one by one."""
-        if not all(isinstance(v, torch.Tensor) and v.dtype == dtype for v, dtype in zip(values, self.entry_dtypes)):
-            return None
-        key = tuple(tuple(v.shape) for v in values)
-        with self._resize_lock:  # contexts of one engine share its segments
-            return self._bind_sizes(key)
-
     def _natives_at(self, key: tuple) -> _AtSizes:
         """Every member's NativeStep for entries of sizes `key` (ValueError: a layer cannot bind them)."""
         sizes = dict(zip(self.entries, key))
         natives = []
         forms: dict[int, tuple] = {}
-        for m in self.members:
-            tuned = m.fn.native
-            if tuned.at is None:
+        for m, (at, reads, x) in zip(self.members, self._resizers):
+            if at is None:
                 raise ValueError(f"layer {m.ctx.name!r} offers no primitive for other sizes")
-            native = tuned.at({i: sizes[m.inputs[i]] for i in tuned.reads}) if tuned.reads is not None \
-                else tuned.at(sizes[m.inputs[0]])
+            native = at({i: sizes[slot] for i, slot in reads}) if reads is not None else at(sizes[x])
             if native.residual_input is not None and sizes[m.inputs[native.residual_input]] != native.output_size:
                 raise ValueError(f"layer {m.ctx.name!r}: the residual is not the output's size")
-            for slot, _role, size, strides, dtype in writes_of(m, native):
-                sizes[slot] = size
-                forms[slot] = (size, strides, dtype)
+            if native.more_outputs:
+                for slot, _role, size, strides, dtype in writes_of(m, native):
+                    sizes[slot] = size
+                    forms[slot] = (size, strides, dtype)
+            else:  # writes_of's one entry, without its list
+                size = tuple(native.output_size)
+                sizes[m.outputs[0]] = size
+                forms[m.outputs[0]] = (size, native.output_strides, native.output_dtype)
             natives.append(native)
         return _AtSizes(natives, forms)
 
     def _bind_sizes(self, key: tuple) -> Segment | _Resized | None:
+        """The segment bound for entries of sizes `key` (built on first sight, VIEWS or RESIZED kept, least recently
+        used out), or None when a layer cannot be bound at them: then the layers run one by one. The caller holds
+        the resize lock."""
         if key in self.resized:
             self.resized.move_to_end(key)
             return self.resized[key]
@@ -370,24 +374,23 @@ class Segment:
         the caller has them."""
         if [_form(n) for n in natives] != self._structure:
             return False
-        produced, group, exit_group, _ = self._layout
         forms = forms if forms is not None else _forms(self.members, natives)
-        need: dict[int, int] = {}
-        for s in produced:
-            g = group[s]
-            if g not in exit_group:
-                size = _numel(forms[s][0]) * forms[s][2].itemsize
-                need[g] = max(need.get(g, 0), size)
-        return all(n <= self._capacity.get(g, -1) for g, n in need.items())
+        capacity = self._capacity
+        for s, g in self._arena_slots:
+            size, _strides, dtype = forms[s]
+            if _numel(size) * dtype.itemsize > capacity.get(g, -1):
+                return False
+        return True
 
     def __call__(self, ctx, *values):
-        fits = all(isinstance(v, torch.Tensor) and v.dtype == dtype and v.shape == size
-                   for v, size, dtype in zip(values, self.entry_sizes, self.entry_dtypes))
-        if fits:
-            return self._run_bound(values)
-        other = self._for_sizes(values)
-        if other is not None:
-            return other._run_bound(values)
+        key = _entry_key(values, self.entry_dtypes)  # the entries' sizes, in one pass (a repeated call's whole check)
+        if key is not None:
+            if key == self._planned_key:
+                return self._run_bound(values)
+            with self._resize_lock:  # contexts of one engine share its segments
+                other = self._bind_sizes(key)
+            if other is not None:
+                return other._run_bound(values)
         out = self.fallback(list(values))
         return tuple(out) if len(out) != 1 else out[0]
 
@@ -453,11 +456,17 @@ def _entry_forms(entries: list[int], readers: list[list[tuple[int, Any]]], nativ
     return sizes, dtypes, layouts
 
 
-def _c_loop_over(c: tuple, calls: list) -> tuple:
-    """A segment's compiled-loop arrays (`c`: Segment._c_loop's) with other calls on the same memory objects:
-    its bindings kept, an addresses array of its own (written per run, under the template's lock)."""
-    run, _functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, _nargs, _args, _ = c
-    functions, objects, nargs, args = native_loop.call_arrays(calls)
+def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
+    """A segment's compiled-loop arrays (`c`: Segment._c_loop's, for `template_calls`) with other calls on the
+    same memory objects: its bindings kept, an addresses array of its own (written per run, under the template's
+    lock). Calls of the template's functions without arguments (replanned kernels: only the plan is new) share
+    the template's functions, nargs and args arrays (the loop only reads them)."""
+    run, functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, nargs, args, _ = c
+    if len(calls) == len(template_calls) and all(f == t[0] and n == 0 == t[2] and a == 0 == t[3] for (f, _, n, a), t
+                                                 in zip(calls, template_calls)):
+        objects = (ctypes.c_void_p * max(len(calls), 1))(*[o for _, o, _, _ in calls])
+    else:
+        functions, objects, nargs, args = native_loop.call_arrays(calls)
     return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, len(calls),
             objects, nargs, args, ctypes.c_int(-1))
 
@@ -474,6 +483,16 @@ def _run_loop(c: tuple, stream: Any, sources: dict[str, list[int]], names: list[
     if status:
         where = names[failed.value] if failed.value >= 0 else "binding an input or output"
         onednn._check(status, f"layer {where!r} of a native segment")
+
+
+def _entry_key(values: tuple, dtypes: list[torch.dtype]) -> tuple | None:
+    """The sizes of a segment's entries, as its views are keyed; None when one is not a tensor of its entry's dtype."""
+    key = []
+    for v, dtype in zip(values, dtypes):
+        if not isinstance(v, torch.Tensor) or v.dtype != dtype:
+            return None
+        key.append(tuple(v.shape))
+    return tuple(key)
 
 
 def _form(native: NativeStep) -> tuple:
@@ -648,7 +667,7 @@ class _Resized:
             # every call replanned on the template's memory objects: its bindings and names hold, and only the
             # calls' arrays are new (the common case: a transformer's members are all kiln's own kernels)
             self._names = template._names
-            self._c = _c_loop_over(template._c[False], calls)
+            self._c = _c_loop_over(template._c[False], calls, template._calls)
             return
         bindings = []
         for k, s in enumerate(self.entries):

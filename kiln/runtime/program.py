@@ -276,7 +276,8 @@ class Program:
         return [env[s] for s in self.output_slots]
 
 
-SHAPE_PLANS = 64  # input-shape signatures whose shape values a Program remembers (least recently used go)
+SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembers (least recently used go): as
+# many as a native segment keeps views (kiln/runtime/native.py VIEWS): a shape whose view is kept skips its shape steps
 SHAPE_PLAN_BYTES = 64 << 20  # ... and the most their tensors hold (BERT-base's at 8 x 256: ~7 MB a signature)
 
 

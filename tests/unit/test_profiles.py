@@ -73,6 +73,24 @@ def test_a_shape_outside_every_profile_names_input_shape_and_ranges(bert_engine)
         bert_engine.run(_text_inputs(rng, 5, 8))
 
 
+def test_a_rejected_signature_is_rejected_every_time(bert_engine):
+    """A CPU context remembers the numpy signatures it checked and runs them unchecked after: a signature that
+    failed its check must never be remembered (here twice in a row, the same error each time)."""
+    rng = np.random.default_rng()
+    context = bert_engine.create_execution_context()
+    feeds = _text_inputs(rng, 2, 16)
+    mismatched = {"input_ids": feeds["input_ids"], "attention_mask": np.ones((2, 17), np.int64)}
+    wrong_dtype = {"input_ids": feeds["input_ids"].astype(np.int32), "attention_mask": feeds["attention_mask"]}
+    for _ in range(2):
+        with pytest.raises(BindingError, match=r"input 'attention_mask': dimension .* is 17, but input 'input_ids'"):
+            context.run(mismatched)
+        with pytest.raises(BindingError, match=r"input 'input_ids': expected dtype int64, given int32"):
+            context.run(wrong_dtype)
+    context.run(feeds)  # the good signature, then the bad ones again, now past a remembered signature
+    with pytest.raises(BindingError, match="is 17"):
+        context.run(mismatched)
+
+
 def test_tactics_are_checked_at_both_ends_of_the_profile(bert_engine):
     checks = bert_engine.plan.header["tactics"].get("profiles")
     if checks is None:  # no layer has a tactic other than its default on this machine

@@ -166,6 +166,7 @@ class KernelBound:
         self._kernel = weakref.proxy(kernel) if owned_by_kernel else kernel
         self._memories = {role: onednn._memory(_handle_md().value, address) for role, address in addresses.items()}
         self._roles = dict(kernel.roles)
+        self._kernel_type = type(kernel)
         self._memory_fields = self._memory_fields_of(kernel)
         self._plan, self._function = self._plan_for(kernel)
 
@@ -198,7 +199,7 @@ class KernelBound:
     def replan(self, kernel: NativeKernel) -> native_loop.Replanned:
         """The same layer at other sizes (`kernel`, of the same class) on this call's memory objects:
         what a native segment resized over its template runs (kiln/runtime/native.py)."""
-        if type(kernel) is not type(self._kernel) or set(kernel.roles) != set(self._kernel.roles):
+        if type(kernel) is not self._kernel_type or kernel.roles.keys() != self._roles.keys():
             raise ValueError(f"{kernel.what}: not the layer {self.what} at other sizes")
         plan, function = self._plan_for(kernel)
         return native_loop.Replanned(function, plan, self, kernel)
