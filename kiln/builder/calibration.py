@@ -25,7 +25,7 @@ from kiln.kernels.cpu import cpu_features
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
-from kiln.quant import calibrators, data, qdq, smoothquant
+from kiln.quant import calibrators, data, qdq, residual, smoothquant
 from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
@@ -87,7 +87,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                    keep: list | None = None, smoothquant: float | None = None,
                    channel_max: dict[str, np.ndarray] | None = None,
                    per_channel_depthwise: bool = True, unsigned: bool = False,
-                   channel_means: dict[str, np.ndarray] | None = None) -> tuple[dict, dict]:
+                   channel_means: dict[str, np.ndarray] | None = None,
+                   extra: set[str] = frozenset()) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
     the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
     inputs read only by depthwise convolutions get one amax per channel (an array; kiln/quant/qdq.py).
@@ -96,7 +97,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     channel_means: when given (bias correction), filled with each activation's mean per channel, measured
     on the same batches (left empty when the ranges come from the cache: then no correction). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
-    needed = {t.activation.name for t in qdq.targets(model.graph, exclude)}
+    # extra: other activations to measure (the residual Adds' inputs, kiln/quant/residual.py)
+    needed = {t.activation.name for t in qdq.targets(model.graph, exclude)} | set(extra)
     per_channel = qdq.per_channel_activations(model.graph, exclude) if per_channel_depthwise else set()
     cached = calibration_cache.load(cache_path, calibrator, dtype, needed, smoothquant, per_channel)
     if cached is not None:
@@ -192,6 +194,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
     # int8 kernels read (and CUDA's take), so what "emulate" measures too
     unsigned = dtype == "int8"
+    # the CPU's int8 kernels: post-activation residual Adds between quantized layers are quantized too
+    adds = residual.plan(model.graph, exclude) if kernels else []
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
@@ -199,7 +203,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
                                     per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
-                                    channel_means=channel_means)
+                                    channel_means=channel_means, extra=residual.activations(adds))
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -217,8 +221,10 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                                   exclude, say, unsigned=unsigned, weight_max=weight_max)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
+    adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
                          channel_means=channel_means)
+    residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
@@ -227,6 +233,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
+                   "residual_adds": residual_adds,
                    # what the correction was formed from: a refit forms it again from the new weights with these
                    # (kiln/builder/refit.py), as it keeps the ranges
                    "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
