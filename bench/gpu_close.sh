@@ -15,6 +15,8 @@ timeout 130 python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_dynam
 stage "LLM kernels on the device (FP8 KV, draft model on CPU)"
 TRITON_INTERPRET=0 timeout 90 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rf tests/llm/test_fp8_kv.py \
   tests/llm/test_paged_decode_kernel.py tests/llm/test_fused_kernels.py 2>&1 | tail -3
+TRITON_INTERPRET=0 timeout 80 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="" -rf \
+  tests/llm/test_gpu.py tests/llm/test_gpu_graphs.py 2>&1 | tail -3
 stage "LLM decode, batch 1 8 64"
 timeout 110 python3 bench/llm.py --preset llama3-8b --dtype bfloat16 --batch 1 8 64 --input-len 128 --output-len 128 \
   --no-transformers --eager-batch --no-write 2>&1 | grep "^| kiln" | tail -4
