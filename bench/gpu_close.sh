@@ -24,7 +24,7 @@ timeout 70 python3 bench/llm.py --preset llama3-8b --dtype bfloat16 --batch 1 64
   --no-transformers --eager-batch --kv-cache-dtype fp8 --no-write 2>&1 | grep "^| kiln" | tail -2
 timeout 60 python3 bench/llm_profile.py --top 20 2>&1 | grep -i "replay\|argmax\|decode_split\|merge" | head -5
 stage "ResNet-50 batch 256: kiln fp16 vs int8 (ORT QDQ)"
-timeout 170 python3 bench/quant_gpu.py --sections engines --engines resnet50_b256 --modes kiln_fp16,kiln_int8 \
-  --row-timeout 80 --out "$OUT" 2>&1 | grep -v Warn | tail -8
+timeout 100 python3 bench/quant_gpu.py --sections engines --engines resnet50_b256 --modes kiln_fp16,kiln_int8 \
+  --row-timeout 90 --out "$OUT" 2>&1 | grep -v Warn | tail -8
 stage done
 } 2>&1 | tee "$OUT/close.log"
