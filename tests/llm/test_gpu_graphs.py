@@ -106,3 +106,16 @@ def test_graph_memory_is_measured_and_bounded(hf_models):
     graphs = llm.engine.runner.graphs
     assert graphs.buckets == [1, 2, 4, 8, 16, 32, 64]
     assert 0 < graphs.memory_bytes < 256 * 2**20
+
+
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_draft_model_and_fp8_kv_on_cuda(hf_models, kv):
+    """A draft model on CUDA (eager draft steps, graphed target decode between verifications): fp32 greedy and
+    seeded sampling as without speculation; with an FP8 cache, the same with and without the draft."""
+    folder, _ = hf_models("llama")
+    for params in (SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+                   SamplingParams(max_tokens=24, temperature=0.7, seed=3, ignore_eos=True)):
+        plain, _, _ = generate(folder, True, PROMPTS, params, kv_cache_dtype=kv)
+        drafted, _, outs = generate(folder, True, PROMPTS, params, kv_cache_dtype=kv, speculative_model=str(folder),
+                                    speculative_tokens=3)
+        assert drafted == plain
