@@ -380,6 +380,12 @@ def qdq_add(requantized: bool = False):
     return model(nodes, [value("a", [2, 4]), value("b", [2, 4])], [value("y", [2, 4])], i1 + i2)
 
 
+def transpose_of_a_dynamic_batch():
+    """A Transpose whose batch is symbolic: a Relayout's attributes would hold one size only."""
+    return model([node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], [value("x", ["N", 3, 4, 5])],
+                 [value("y", ["N", 4, 5, 3])])
+
+
 CASES = {
     "gelu/one_plus_erf_read_twice": Case("fuse_gelu", gelu_whose_one_plus_erf_is_also_an_output,
                                          "not followed by ½·x·(1 + ·)"),
@@ -392,6 +398,7 @@ CASES = {
     "softmax/two_axes": Case("fuse_softmax", softmax_over_two_axes, "not over exactly one axis"),
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
+    "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "shape is not static"),
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,
                                              "is read elsewhere too", before=["fuse_conv"]),
     "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),

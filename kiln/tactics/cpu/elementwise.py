@@ -4,11 +4,14 @@ native-segment members:
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
                             inputs broadcast, constants baked into the plan
     cpu.concat.native       Concat of float32 tensors along any axis
+    cpu.concat.nhwc         Concat of 4-D images along channels as a segment lays them out (NHWC: rows of
+                            channels), between convolutions (MobileViT's fusion of its input and its
+                            transformer's output)
 
 Why: their default runs each program line as a torch call (an allocation and, past torch's grain, a
 parallel region each) and splits the native segment around it; a DCN recommender's cross layers,
 x0 * (W x + b) + x, and its Concat before the head took a third of its run on a shared 2-core VM.
-Inputs of rank 4 run as steps of their own (a segment's 4-D values are NHWC in memory).
+Other inputs of rank 4 run as steps of their own (a segment's 4-D values are NHWC in memory).
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.broadcast import broadcast_input_shapes
 from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
+_CL = torch.channels_last
 
 
 def _float_inputs(inputs: list[InputMeta]) -> str | None:
@@ -83,6 +87,8 @@ def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     rank, axis = len(inputs[0].shape), int(_attr(step, "axis", 0))
     if rank == 0 or not -rank <= axis < rank:
         return f"axis {axis} of a rank-{rank} tensor"
+    if rank == 4 and axis in (1, -3):  # timed as a member here it would take the credit of one, and it is not
+        return "4-D images along channels: cpu.concat.nhwc runs those inside a segment"
     try:
         kernels.Concat([m.shape for m in inputs], axis)
     except ValueError as e:
@@ -105,4 +111,48 @@ register(Tactic(
     supports=_concat_supports, configure=sizes_config, prepare=_concat_prepare,
     available=transformer_kernels.available, native=True,
     description="Concat of float32 tensors in kiln's C, a native-segment member",
+))
+
+
+# ---- Concat of NHWC images along channels ----------------------------------------------------------
+
+def _nhwc_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (why := _float_inputs(inputs)) is not None:
+        return why
+    if not 2 <= len(inputs) <= kernels.EW_INPUTS:
+        return f"{len(inputs)} inputs: 2 to {kernels.EW_INPUTS}"
+    if any(m.constant for m in inputs):
+        return "a constant input (folded or left to the default)"
+    shapes = [tuple(m.shape) for m in inputs]
+    if any(len(s) != 4 for s in shapes) or int(_attr(step, "axis", 0)) not in (1, -3):
+        return "only 4-D images concatenated along channels (axis 1)"
+    if any(s[0] != shapes[0][0] or s[2:] != shapes[0][2:] for s in shapes):
+        return f"images {[list(s) for s in shapes]} differ off the channel axis"
+    return True
+
+
+def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    sizes = [tuple(size) for _, size in sorted((int(k), size) for k, size in step.tactic_config["input_sizes"])]
+    n, _, h, w = sizes[0]
+    output_size = (n, sum(s[1] for s in sizes), h, w)
+    # NHWC memory: each image pixel's channels are a row, so the channel concat is a concat of rows [N*H*W, C_k]
+    kernel = kernels.Concat([(n * h * w, s[1]) for s in sizes], 1)
+
+    def launch(ctx, *xs, **_attributes):
+        if [tuple(x.shape) for x in xs] != sizes:
+            return torch.cat(xs, dim=1)  # another size than the tuned one: torch's own
+        rows = {k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, -1) for k, x in enumerate(xs)}
+        y = kernel(rows)  # [N*H*W, sum C] = NHWC memory
+        return y.reshape(n, h, w, -1).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
+
+    launch.native = NativeStep(sizes[0], output_size, lambda _accumulate: kernel,
+                               reads={k: (size, _F32) for k, size in enumerate(sizes)}, channels_last=True)
+    return launch
+
+
+register(Tactic(
+    name="cpu.concat.nhwc", op_type="Concat", domain="", device="cpu", dtypes=(_F32,),
+    supports=_nhwc_concat_supports, configure=sizes_config, prepare=_nhwc_concat_prepare, layout="channels_last",
+    available=transformer_kernels.available, native=True,
+    description="Concat of float32 NHWC images along channels in kiln's C (rows of channels), a native-segment member",
 ))
