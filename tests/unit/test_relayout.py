@@ -184,3 +184,58 @@ def test_a_dynamic_batch_keeps_its_transpose_and_runs_every_batch():
     for batch in (2, 3):
         x = np.random.default_rng(batch).standard_normal((batch, 5, 3, 4)).astype(np.float32)
         np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
+
+
+def convnext_block_model(c: int = 12, h: int = 6, w: int = 5, seed: int = 0) -> onnx.ModelProto:
+    """ConvNeXt's block as exported: depthwise conv, permute to NHWC, LayerNorm, Linear, Gelu, Linear,
+    permute back, residual Add; then a 1x1 conv."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "wd": rng.standard_normal((c, 1, 7, 7)).astype(np.float32) * 0.2,
+        "g": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32), "b": rng.standard_normal(c).astype(np.float32) * 0.1,
+        "w1": rng.standard_normal((c, 4 * c)).astype(np.float32) * 0.2,
+        "b1": rng.standard_normal(4 * c).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((4 * c, c)).astype(np.float32) * 0.2,
+        "wo": rng.standard_normal((5, c, 1, 1)).astype(np.float32) * 0.2,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wd"], ["d"], pads=[3, 3, 3, 3], group=c, name="dwconv"),
+        helper.make_node("Transpose", ["d"], ["p"], perm=[0, 2, 3, 1], name="permute"),
+        helper.make_node("LayerNormalization", ["p", "g", "b"], ["n"], axis=-1, epsilon=1e-6, name="layer_norm"),
+        helper.make_node("MatMul", ["n", "w1"], ["m1"], name="pwconv1"),
+        helper.make_node("Add", ["m1", "b1"], ["a1"], name="bias1"),
+        helper.make_node("Gelu", ["a1"], ["ge"], name="gelu"),
+        helper.make_node("MatMul", ["ge", "w2"], ["m2"], name="pwconv2"),
+        helper.make_node("Transpose", ["m2"], ["q"], perm=[0, 3, 1, 2], name="permute_back"),
+        helper.make_node("Add", ["x", "q"], ["r"], name="residual"),
+        helper.make_node("Conv", ["r", "wo"], ["y"], name="conv_out"),
+    ]
+    graph = helper.make_graph(
+        nodes, "convnext_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5, h, w])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_channels_last_run_is_flattened_to_rows():
+    model = optimize(onnx_frontend.load(convnext_block_model()), PassOptions(cpu_rules=True), report := PassReport())
+    assert report.fired.get("fuse_relayout") == 2 and report.fired.get("flatten_channels_last_runs") == 1
+    shapes = {n.op_type: list(n.outputs[0].shape) for n in model.graph}
+    assert shapes["LayerNormalization"] == [1, 30, 12] and shapes["FusedGemm"] == [1, 30, 12], shapes
+
+
+@pytest.mark.parametrize("c, h, w", [(12, 6, 5), (7, 3, 9)])
+def test_convnext_block_is_one_segment_and_matches_onnxruntime(c, h, w):
+    proto = convnext_block_model(c=c, h=h, w=w)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native",
+                                                            "cpu.layernormalization.native", "cpu.gemm.kiln_packed",
+                                                            "cpu.add.nhwc"])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert "" not in tactics and tactics.count("cpu.add.nhwc") == 1, tactics
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == len(tactics), [len(s.members) for s in segments]
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, c, h, w)).astype(np.float32)
+        # fp32: LayerNorm, the GEMMs and the convolutions sum in other orders than onnxruntime's
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)

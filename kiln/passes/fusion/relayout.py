@@ -86,3 +86,87 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
                     name=f"{node.name}_relayout")
     replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
     return True
+
+
+# ---- channels-last runs: the values between NCHW -> NHWC and back as [N, H*W, C] -------------------
+
+RULE_RUNS = "flatten_channels_last_runs"
+# ops that act on the last axis only, each reading the run's value as input 0 and constants besides
+_LAST_AXIS = {("", "LayerNormalization"), ("kiln", "LayerNorm"), ("kiln", "FusedGemm"), ("kiln", "Gelu")}
+
+
+def _moves_like(node: ir.Node, shape: list[int], perm: list[int]) -> bool:
+    """Whether Relayout `node` of an input of `shape` moves its elements as Transpose(perm) does."""
+    numel = int(np.prod(shape))
+    want = np.arange(numel).reshape(shape).transpose(perm).reshape(-1)
+    dims, order = attr(node, "dims", []), attr(node, "perm", [])
+    return bool(np.array_equal(np.arange(numel).reshape(dims).transpose(order).reshape(-1), want))
+
+
+def _run_from(start: ir.Node) -> tuple[list[ir.Node], list[ir.Node]] | str:
+    """(the nodes of the run after `start`, the Relayouts that end it), or why there is no such run."""
+    inner: list[ir.Node] = []
+    ends: list[ir.Node] = []
+    values = [start.outputs[0]]
+    while values:
+        value = values.pop()
+        if value.is_graph_output():
+            return f"{value.name!r} is a graph output"
+        for reader in dict.fromkeys(u.node for u in value.uses()):
+            if reader in inner or reader in ends:
+                continue
+            shape = static_shape(reader.inputs[0]) if reader.inputs[0] is value else None
+            if shape is None:
+                return f"{reader.name!r} reads the run's value other than as its first input"
+            if is_op(reader, "Relayout", domain=KILN_DOMAIN):
+                back = static_shape(reader.outputs[0])
+                if back != [shape[0], shape[3], shape[1], shape[2]] or not _moves_like(reader, shape, [0, 3, 1, 2]):
+                    return f"{reader.name!r} moves the run's value otherwise than back to NCHW"
+                ends.append(reader)
+                continue
+            if (reader.domain, reader.op_type) not in _LAST_AXIS:
+                return f"{reader.name!r} ({reader.op_type}) is not an op over the last axis"
+            if int(attr(reader, "axis", -1)) not in (-1, 3) or attr(reader, "residual_after_activation", 0):
+                return f"{reader.name!r} is over another axis than the last"
+            if any(v is not None and static_shape(v) is not None and len(static_shape(v)) > 2 and v is not value
+                   for v in reader.inputs) or any(v is not None and v is not value and v.const_value is None
+                                                  for v in reader.inputs):
+                return f"{reader.name!r} reads another value than the run's and constants of rank <= 2"
+            out = static_shape(reader.outputs[0])
+            if len(reader.outputs) != 1 or out is None or len(out) != 4 or out[:3] != shape[:3]:
+                return f"{reader.name!r}'s output is not [N, H, W, *] like its input"
+            inner.append(reader)
+            values.append(reader.outputs[0])
+    return inner, ends
+
+
+def flatten_channels_last_runs(node: ir.Node, report: PassReport) -> bool:
+    # R1 = Relayout(x [N, C, H, W] -> [N, H, W, C]); ops over the last axis; Relayout(-> [N, C', H, W])
+    #   -> every value from R1's output to the last op's as [N, H*W, *]
+    # ConvNeXt's blocks (permute, LayerNorm, two Linears, permute back): a segment keeps 4-D values NHWC in
+    # memory, which is exactly the row-major [N, H*W, C] the flattened run reads, so the two Relayouts are
+    # plain copies and LayerNorm and the GEMMs run as members over rows (a 4-D [N, H, W, C] value inside a
+    # segment would be laid out [N, W, C, H] and the run would leave it).
+    if not is_op(node, "Relayout", domain=KILN_DOMAIN):
+        return False
+    shape, out = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    if shape is None or len(shape) != 4 or out != [shape[0], shape[2], shape[3], shape[1]] \
+            or not _moves_like(node, shape, [0, 2, 3, 1]):
+        return False
+    found = _run_from(node)
+    if isinstance(found, str):
+        report.refuse(RULE_RUNS, node, found)
+        return False
+    inner, ends = found
+    if not ends:
+        report.refuse(RULE_RUNS, node, "the run does not end in a Relayout back to NCHW")
+        return False
+    n, h, w = out[0], out[1], out[2]
+    node.attributes["shape"] = ir.AttrInt64s("shape", [n, h * w, out[3]])
+    for value in [node.outputs[0], *(m.outputs[0] for m in inner)]:
+        last = static_shape(value)[3]
+        value.shape = ir.Shape([n, h * w, last])
+    for m in inner:
+        if "axis" in m.attributes:
+            m.attributes["axis"] = ir.AttrInt64("axis", -1)
+    return True

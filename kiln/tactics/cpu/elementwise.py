@@ -4,6 +4,7 @@ native-segment members:
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
                             inputs broadcast, constants baked into the plan
     cpu.concat.native       Concat of float32 tensors along any axis
+    cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
     cpu.concat.nhwc         Concat of 4-D images along channels as a segment lays them out (NHWC: rows of
                             channels), between convolutions (MobileViT's fusion of its input and its
                             transformer's output)
@@ -155,4 +156,43 @@ register(Tactic(
     supports=_nhwc_concat_supports, configure=sizes_config, prepare=_nhwc_concat_prepare, layout="channels_last",
     available=transformer_kernels.available, native=True,
     description="Concat of float32 NHWC images along channels in kiln's C (rows of channels), a native-segment member",
+))
+
+
+# ---- Add of two NHWC images of one size ----------------------------------------------------------------
+
+def _nhwc_add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (why := _float_inputs(inputs)) is not None:
+        return why
+    if len(inputs) != 2 or any(m.constant for m in inputs):
+        return "two tensors computed at run time"
+    a, b = (tuple(m.shape) for m in inputs)
+    if len(a) != 4 or a != b:
+        return f"only two 4-D images of one size (given {list(a)} and {list(b)}): no broadcast"
+    return True
+
+
+def _nhwc_add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    size = tuple(step.tactic_config["input_sizes"][0][1])
+    n, c, h, w = size
+    # both operands and the sum laid out alike (NHWC in a segment): an add of rows [N*H*W, C]
+    kernel = transformer_kernels.Add((n * h * w, c), (n * h * w, c))
+
+    def launch(ctx, a, b, **_attributes):
+        if tuple(a.shape) != size or tuple(b.shape) != size:
+            return a + b  # another size than the tuned one: torch's own
+        rows = {k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, c) for k, x in enumerate((a, b))}
+        return kernel(rows).reshape(n, h, w, c).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
+
+    launch.native = NativeStep(size, size, lambda _accumulate: kernel, reads={0: (size, _F32), 1: (size, _F32)},
+                               channels_last=True)
+    return launch
+
+
+register(Tactic(
+    name="cpu.add.nhwc", op_type="Add", domain="", device="cpu", dtypes=(_F32,),
+    supports=_nhwc_add_supports, configure=sizes_config, prepare=_nhwc_add_prepare, layout="channels_last",
+    available=transformer_kernels.available, native=True,
+    description="Add of two float32 NHWC images of one size in kiln's C (a residual between convolutions), "
+                "a native-segment member",
 ))
