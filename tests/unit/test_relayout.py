@@ -239,3 +239,19 @@ def test_convnext_block_is_one_segment_and_matches_onnxruntime(c, h, w):
         x = np.random.default_rng(seed).standard_normal((1, c, h, w)).astype(np.float32)
         # fp32: LayerNorm, the GEMMs and the convolutions sum in other orders than onnxruntime's
         np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+def test_a_chain_that_moves_no_element_becomes_one_reshape():
+    """An LSTM's output [S, 1, B, H] with its direction axis transposed away: a view, not a copy."""
+    s1 = numpy_helper.from_array(np.array([6, 4, 5], np.int64), "s1")
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2, 3], name="swap_direction"),
+             helper.make_node("Reshape", ["t", "s1"], ["r"], name="squeeze_direction"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "no_move", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 1, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4, 5])], [s1])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    nodes, report = _optimized(proto, cpu_rules=True)
+    assert report.fired.get("fuse_relayout") == 1 and nodes == [("", "Reshape"), ("", "Relu")], nodes
+    engine = kiln.build(proto.SerializeToString())
+    x = np.random.default_rng(3).standard_normal((6, 1, 4, 5)).astype(np.float32)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))

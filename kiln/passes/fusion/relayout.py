@@ -2,6 +2,7 @@
 
     t1 = Reshape(x, s1); t2 = Transpose(t1, p1); ...; y = Reshape(tk, sk)
       ->  y = Relayout(x, dims, perm, shape)       y = x.reshape(dims).permute(perm).reshape(shape)
+      ->  y = Reshape(x, shape)                     when perm moves nothing (a Transpose of a size-1 dim)
 
 Every such chain moves x's elements by one strided walk: the pass runs the chain on an index table
 (arange over x's shape) and reads dims and perm off the result (kiln/ops/relayout.py strided_form);
@@ -18,7 +19,17 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.ops.relayout import TABLE_LIMIT, dims_and_perm, strided_form
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, is_op, only_user, producer, replace_with, static_shape
+from kiln.passes._rewrite import (
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    is_op,
+    new_initializer,
+    only_user,
+    producer,
+    replace_with,
+    static_shape,
+)
 
 RULE = "fuse_relayout"
 MOVERS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
@@ -81,6 +92,12 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, "no strided walk of the input gives the chain's result")
         return False
     dims, perm = found
+    if perm == sorted(perm):  # the chain moves no element: one Reshape (a view; inside a segment, an alias)
+        graph = node.graph
+        target = new_initializer(graph, f"{node.name}_shape", np.array(out, dtype=np.int64))
+        reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
+        replace_with(chain, reshape, node.outputs[0], insert_before=chain[0])
+        return True
     fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
                     [ir.AttrInt64s("dims", dims), ir.AttrInt64s("perm", perm), ir.AttrInt64s("shape", out)],
                     name=f"{node.name}_relayout")
