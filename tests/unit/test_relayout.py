@@ -83,7 +83,7 @@ def test_strided_form_refuses_what_no_walk_gives():
     ((3, 4, 5), [3, 4, 5], [1, 0, 2], (4, 3, 5)),
 ])
 def test_kernel_matches_torch(input_size, dims, perm, output_size):
-    layer = relayout.Relayout(input_size, dims, perm, output_size)
+    layer = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, output_size))
     for seed in (1, 2):
         x = torch.randn(input_size, generator=torch.Generator().manual_seed(seed))
         want = x.reshape(dims).permute(perm).reshape(output_size)
@@ -255,3 +255,52 @@ def test_a_chain_that_moves_no_element_becomes_one_reshape():
     engine = kiln.build(proto.SerializeToString())
     x = np.random.default_rng(3).standard_normal((6, 1, 4, 5)).astype(np.float32)
     np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
+
+
+def roll_model(axis: int, shift: int, c: int = 6, h: int = 7, w: int = 5, seed: int = 0) -> onnx.ModelProto:
+    """Conv, then torch.roll as the exporter writes it (two Slices and a Concat along `axis`), then a Conv."""
+    rng = np.random.default_rng(seed)
+    size = (1, c, h, w)[axis]
+    inits = {"w0": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3,
+             "w1": rng.standard_normal((4, c, 3, 3)).astype(np.float32) * 0.2,
+             "ax": np.array([axis], np.int64), "s0": np.array([size - shift], np.int64),
+             "e0": np.array([size], np.int64), "s1": np.array([0], np.int64), "e1": np.array([size - shift], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv_in"),
+             helper.make_node("Slice", ["f", "s0", "e0", "ax"], ["tail"], name="slice_tail"),
+             helper.make_node("Slice", ["f", "s1", "e1", "ax"], ["head"], name="slice_head"),
+             helper.make_node("Concat", ["tail", "head"], ["rolled"], axis=axis, name="roll"),
+             helper.make_node("Conv", ["rolled", "w1"], ["y"], pads=[1, 1, 1, 1], name="conv_out")]
+    graph = helper.make_graph(nodes, "roll", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, h, w])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, h, w])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+@pytest.mark.parametrize("axis, shift", [(2, 3), (3, 1), (1, 2)])
+def test_slices_and_concat_of_a_roll_run_inside_the_segment_and_match_onnxruntime(axis, shift):
+    proto = roll_model(axis, shift)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.slice.native",
+                                                            "cpu.concat.nhwc"])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert tactics.count("cpu.slice.native") == 2 and tactics.count("cpu.concat.nhwc") == 1, tactics
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == 5, [len(s.members) for s in segments]
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 7, 5)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [([1], [4], [1], [1]), ([0, 1], [3, 5], [2, 3], [2, 2]),
+                                                       ([-3], [100], [-1], [1])])
+def test_slice_kernel_matches_torch(starts, ends, axes, steps):
+    from kiln.ops.tensor import slice_
+    from kiln.ops.registry import OpContext
+    ctx = OpContext(name="s", op_type="Slice", domain="", opset=18, num_inputs=5, num_outputs=1)
+    bounds = [torch.tensor(v) for v in (starts, ends, axes, steps)]
+    move = lambda x: slice_(ctx, x, *bounds)  # noqa: E731
+    x = torch.randn(2, 6, 5, 7, generator=torch.Generator().manual_seed(4))
+    layer = relayout.Relayout(tuple(x.shape), move, "slice")
+    torch.testing.assert_close(layer(x.contiguous(memory_format=torch.channels_last)), move(x), rtol=0, atol=0)
+    rows = relayout.Relayout((12, 35), lambda t: t[3:9:2, 4:30], "slice")  # 2-D: row-major
+    y = torch.randn(12, 35)
+    torch.testing.assert_close(rows(y), y[3:9:2, 4:30], rtol=0, atol=0)

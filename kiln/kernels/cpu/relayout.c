@@ -1,7 +1,7 @@
 /* kiln::Relayout's copy, a member of native segments (kiln/runtime/native.py): compiled once by
  * kiln/kernels/cpu/relayout.py through native_loop.build.
  *
- *   y[i] = x[sum_k digit_k(i) * stride[k]]     y contiguous, the digits of i in the mixed radix of size[]
+ *   y[i] = x[base + sum_k digit_k(i) * stride[k]]     y contiguous, the digits of i in the mixed radix of size[]
  *
  * The plan's walk is over memory on both sides (a 4-D value of a segment is NHWC), dims merged where they
  * can be, at most MAX_DIMS. An innermost dim of stride 1 is a memcpy of its run (MobileViT's unfold and
@@ -20,6 +20,7 @@ typedef int (*get_handle_fn)(void *memory, void **handle);
 typedef struct {
     get_handle_fn get_handle;
     void *x, *y;                  /* dnnl_memory_t */
+    long base;                    /* where the walk starts in x (a Slice's first element), elements */
     long rank;                    /* dims of the walk, 1..MAX_DIMS */
     long size[MAX_DIMS];          /* outer to inner */
     long stride[MAX_DIMS];        /* in x, elements */
@@ -36,7 +37,7 @@ int kiln_relayout(void *object, void *stream, int nargs, const void *args) {
     long rows = 1;
     for (long k = 0; k < r - 1; ++k) rows *= p->size[k];
     long digit[MAX_DIMS] = {0};
-    long offset = 0;  /* of the current row in x */
+    long offset = p->base;  /* of the current row in x */
     for (long row = 0; row < rows; ++row) {
         const float *src = x + offset;
         float *dst = y + row * inner;

@@ -1,4 +1,5 @@
-"""kiln::Relayout in kiln's C (relayout.c): a permutation of elements as one strided copy, a native-segment member.
+"""kiln::Relayout and Slice in kiln's C (relayout.c): a permutation or a slice of elements as one strided copy,
+a native-segment member.
 
 Why: MobileViT's unfold and fold ([1, C, H, W] <-> [4, H*W/4, C], kiln/passes/fusion/relayout.py) ran as
 Transposes on torch, each a step that split the native segment around it (15 steps a run). Inside a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +35,8 @@ _LOCK = threading.Lock()
 
 class _Plan(ctypes.Structure):  # relayout_plan in relayout.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
-                ("rank", ctypes.c_long), ("size", ctypes.c_long * MAX_DIMS), ("stride", ctypes.c_long * MAX_DIMS)]
+                ("base", ctypes.c_long), ("rank", ctypes.c_long), ("size", ctypes.c_long * MAX_DIMS),
+                ("stride", ctypes.c_long * MAX_DIMS)]
 
 
 def load() -> ctypes.CDLL | None:
@@ -81,36 +84,48 @@ def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def memory_walk(input_size: tuple[int, ...], dims: list[int], perm: list[int], output_size: tuple[int, ...]
-                ) -> list[tuple[int, int]]:
-    """[(size, stride)] outer to inner: the walk of x's memory (segment layout) that gives y's memory in order."""
+def memory_walk(input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[int, list[tuple[int, int]], tuple[int, ...]]:
+    """(base, [(size, stride)] outer to inner, output size): the walk of x's memory (segment layout) from
+    element `base` that gives y's memory in order, y = move(x) (a view or copy of x's elements: a
+    Relayout's reshape-permute-reshape, a Slice)."""
     numel = int(np.prod(input_size))
     if numel > TABLE_LIMIT:
-        raise ValueError(f"{numel} elements: a Relayout of at most {TABLE_LIMIT}")
+        raise ValueError(f"{numel} elements: a walk of at most {TABLE_LIMIT}")
     offsets = torch.as_strided(torch.arange(numel, dtype=torch.int64), input_size, _strides(input_size))
-    moved = offsets.reshape(dims).permute(perm).reshape(output_size)  # y's elements' offsets in x's memory
+    moved = move(offsets)  # y's elements' offsets in x's memory
+    output_size = tuple(moved.shape)
     laid = torch.empty_strided(output_size, _strides(output_size), dtype=torch.int64)
     laid.copy_(moved)  # y's memory order: walk its storage
-    flat = laid.as_strided((numel,), (1,)).numpy()
-    form = strided_form(flat)
-    if form is None:
-        raise ValueError(f"no strided walk of [{input_size}] gives its relayout to {list(output_size)}")
+    flat = laid.as_strided((laid.numel(),), (1,)).numpy()
+    if flat.size == 0:
+        raise ValueError(f"an empty output {list(output_size)}")
+    base = int(flat.min())
+    form = strided_form(flat - base)
+    if form is None or int(flat[0]) != base:
+        raise ValueError(f"no strided walk of {list(input_size)} gives its {list(output_size)}")
     if len(form) > MAX_DIMS:
         raise ValueError(f"a walk of {len(form)} dims: the kernel takes {MAX_DIMS}")
-    return form
+    return base, form, output_size
+
+
+def relayout_move(dims: list[int], perm: list[int], output_size: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """kiln::Relayout's map: x.reshape(dims).permute(perm).reshape(output_size)."""
+    return lambda x: x.reshape(dims).permute(perm).reshape(output_size)
 
 
 class Relayout:
-    """y = x.reshape(dims).permute(perm).reshape(output_size) on float32 values as a segment lays them out."""
+    """y = move(x) on float32 values as a segment lays them out (4-D: NHWC), one strided walk of x's memory;
+    move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice."""
 
-    def __init__(self, input_size: tuple[int, ...], dims: list[int], perm: list[int], output_size: tuple[int, ...]):
+    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor], what: str = "relayout"):
         library = load()
         if library is None:
             raise onednn.OneDNNError(f"kiln's relayout kernel is not built: {reason()}")
-        self.input_size, self.output_size = tuple(input_size), tuple(output_size)
-        self.walk = memory_walk(self.input_size, list(dims), list(perm), self.output_size)
+        self.input_size = tuple(input_size)
+        self.base, self.walk, self.output_size = memory_walk(self.input_size, move)
         self.library = library
-        self.what = f"relayout {list(self.input_size)} -> {list(self.output_size)}"
+        self.what = f"{what} {list(self.input_size)} -> {list(self.output_size)}"
         self._lock = threading.Lock()
         self._alone: _Bound | None = None
 
@@ -152,7 +167,7 @@ class _Bound:
         sizes = [s for s, _ in layer.walk]
         strides = [t for _, t in layer.walk]
         self._plan = _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
-                           x=self._memories["src"].value, y=self._memories["dst"].value, rank=len(sizes),
+                           x=self._memories["src"].value, y=self._memories["dst"].value, base=layer.base, rank=len(sizes),
                            size=(ctypes.c_long * MAX_DIMS)(*sizes), stride=(ctypes.c_long * MAX_DIMS)(*strides))
         self._function = ctypes.cast(layer.library.kiln_relayout, ctypes.c_void_p).value
 

@@ -4,13 +4,17 @@
       ->  y = Relayout(x, dims, perm, shape)       y = x.reshape(dims).permute(perm).reshape(shape)
       ->  y = Reshape(x, shape)                     when perm moves nothing (a Transpose of a size-1 dim)
 
+A Reshape into or out of a 4-D shape whose NHWC memory (a segment's 4-D layout) differs from row-major is a
+Relayout too, of an identity perm (Swin's [N, H*W, C] <-> [N, H, W, C] around its shifted windows): as a
+copy in the segment's layouts it is a member, where the Reshape was a step of its own.
+
 Every such chain moves x's elements by one strided walk: the pass runs the chain on an index table
 (arange over x's shape) and reads dims and perm off the result (kiln/ops/relayout.py strided_form);
 a chain whose table no strided walk gives is left alone. MobileViT's unfold and fold are five nodes each
 ([1, C, H, W] -> [4, H*W/4, C] and back): unfused, each Transpose is a step on torch that splits the
 CPU's native segment in two; fused, one copy kernel inside it (kiln/kernels/cpu/relayout.py).
-Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (Reshapes alone move
-no byte), float32 values of static shapes, and each inner value read only by the next node.
+Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (or a 4-D end as above),
+float32 values of static shapes, and each inner value read only by the next node.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ def _chain(node: ir.Node) -> list[ir.Node] | None:
         chain.insert(0, before)
 
 
+def _keeps_order(size: list[int]) -> bool:
+    """Whether a value of this size has one memory order row-major and in a native segment (4-D: NHWC)."""
+    return len(size) != 4 or size[2] * size[3] == 1 or size[1] == 1
+
+
 def _table(chain: list[ir.Node], shape: list[int]) -> np.ndarray | str:
     """The chain run on arange over its input's shape, or why it cannot be."""
     table = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
@@ -71,10 +80,13 @@ def _table(chain: list[ir.Node], shape: list[int]) -> np.ndarray | str:
 
 def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
     chain = _chain(node)
-    if chain is None or not any(n.op_type == "Transpose" for n in chain):
+    if chain is None:
         return False
     x = chain[0].inputs[0]
     shape, out = static_shape(x), static_shape(node.outputs[0])
+    relaid = shape is not None and out is not None and not (_keeps_order(shape) and _keeps_order(out))
+    if not any(n.op_type == "Transpose" for n in chain) and not relaid:
+        return False  # Reshapes alone: a view, and inside a segment an alias
     if shape is None or out is None:
         report.refuse(RULE, node, "the chain's input or output shape is not static")
         return False
@@ -92,7 +104,7 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, "no strided walk of the input gives the chain's result")
         return False
     dims, perm = found
-    if perm == sorted(perm):  # the chain moves no element: one Reshape (a view; inside a segment, an alias)
+    if perm == sorted(perm) and not relaid:  # the chain moves no element: one Reshape (a view; in a segment, an alias)
         graph = node.graph
         target = new_initializer(graph, f"{node.name}_shape", np.array(out, dtype=np.int64))
         reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")

@@ -5,9 +5,9 @@ native-segment members:
                             inputs broadcast, constants baked into the plan
     cpu.concat.native       Concat of float32 tensors along any axis
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
-    cpu.concat.nhwc         Concat of 4-D images along channels as a segment lays them out (NHWC: rows of
-                            channels), between convolutions (MobileViT's fusion of its input and its
-                            transformer's output)
+    cpu.concat.nhwc         Concat of 4-D values along any axis as a segment lays them out (NHWC), between
+                            convolutions (MobileViT's fusion of its input and its transformer's output) and
+                            in Swin's shifted windows
 
 Why: their default runs each program line as a torch call (an allocation and, past torch's grain, a
 parallel region each) and splits the native segment around it; a DCN recommender's cross layers,
@@ -88,8 +88,8 @@ def _concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     rank, axis = len(inputs[0].shape), int(_attr(step, "axis", 0))
     if rank == 0 or not -rank <= axis < rank:
         return f"axis {axis} of a rank-{rank} tensor"
-    if rank == 4 and axis in (1, -3):  # timed as a member here it would take the credit of one, and it is not
-        return "4-D images along channels: cpu.concat.nhwc runs those inside a segment"
+    if rank == 4:  # timed as a member here it would take the credit of one, and it is not
+        return "4-D values: cpu.concat.nhwc runs those inside a segment"
     try:
         kernels.Concat([m.shape for m in inputs], axis)
     except ValueError as e:
@@ -125,26 +125,30 @@ def _nhwc_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
     if any(m.constant for m in inputs):
         return "a constant input (folded or left to the default)"
     shapes = [tuple(m.shape) for m in inputs]
-    if any(len(s) != 4 for s in shapes) or int(_attr(step, "axis", 0)) not in (1, -3):
-        return "only 4-D images concatenated along channels (axis 1)"
-    if any(s[0] != shapes[0][0] or s[2:] != shapes[0][2:] for s in shapes):
-        return f"images {[list(s) for s in shapes]} differ off the channel axis"
+    axis = int(_attr(step, "axis", 0))
+    if any(len(s) != 4 for s in shapes) or not -4 <= axis < 4:
+        return "only 4-D values"
+    axis %= 4
+    if any(s[:axis] != shapes[0][:axis] or s[axis + 1:] != shapes[0][axis + 1:] for s in shapes):
+        return f"values {[list(s) for s in shapes]} differ off axis {axis}"
     return True
+
+
+_IN_MEMORY = (0, 3, 1, 2)  # where each axis of [N, C, H, W] lies in its NHWC memory [N, H, W, C]
 
 
 def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     sizes = [tuple(size) for _, size in sorted((int(k), size) for k, size in step.tactic_config["input_sizes"])]
-    n, _, h, w = sizes[0]
-    output_size = (n, sum(s[1] for s in sizes), h, w)
-    # NHWC memory: each image pixel's channels are a row, so the channel concat is a concat of rows [N*H*W, C_k]
-    kernel = kernels.Concat([(n * h * w, s[1]) for s in sizes], 1)
+    axis = int(_attr(step, "axis", 0)) % 4
+    output_size = tuple(sum(s[axis] for s in sizes) if d == axis else sizes[0][d] for d in range(4))
+    # NHWC memory: the concat of the row-major [N, H, W, C] views along the axis's place there (channels: rows)
+    kernel = kernels.Concat([(s[0], s[2], s[3], s[1]) for s in sizes], _IN_MEMORY[axis])
 
     def launch(ctx, *xs, **_attributes):
         if [tuple(x.shape) for x in xs] != sizes:
-            return torch.cat(xs, dim=1)  # another size than the tuned one: torch's own
-        rows = {k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, -1) for k, x in enumerate(xs)}
-        y = kernel(rows)  # [N*H*W, sum C] = NHWC memory
-        return y.reshape(n, h, w, -1).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
+            return torch.cat(xs, dim=axis)  # another size than the tuned one: torch's own
+        y = kernel({k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1) for k, x in enumerate(xs)})
+        return y.permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
 
     launch.native = NativeStep(sizes[0], output_size, lambda _accumulate: kernel,
                                reads={k: (size, _F32) for k, size in enumerate(sizes)}, channels_last=True)
@@ -155,7 +159,8 @@ register(Tactic(
     name="cpu.concat.nhwc", op_type="Concat", domain="", device="cpu", dtypes=(_F32,),
     supports=_nhwc_concat_supports, configure=sizes_config, prepare=_nhwc_concat_prepare, layout="channels_last",
     available=transformer_kernels.available, native=True,
-    description="Concat of float32 NHWC images along channels in kiln's C (rows of channels), a native-segment member",
+    description="Concat of float32 4-D values along any axis as a segment lays them out (NHWC) in kiln's C, a "
+                "native-segment member",
 ))
 
 
