@@ -304,3 +304,26 @@ def test_slice_kernel_matches_torch(starts, ends, axes, steps):
     rows = relayout.Relayout((12, 35), lambda t: t[3:9:2, 4:30], "slice")  # 2-D: row-major
     y = torch.randn(12, 35)
     torch.testing.assert_close(rows(y), y[3:9:2, 4:30], rtol=0, atol=0)
+
+
+def test_a_classifier_heads_mean_without_keepdims_stays_in_the_segment():
+    """MobileViT's head: ReduceMean over H, W with keepdims=0 into a Gemm; [N, C] is the NHWC [N, C, 1, 1]'s bytes."""
+    rng = np.random.default_rng(5)
+    inits = {"w0": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+             "axes": np.array([2, 3], np.int64), "wf": rng.standard_normal((8, 4)).astype(np.float32) * 0.3,
+             "bf": rng.standard_normal(4).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=0, name="mean"),
+             helper.make_node("MatMul", ["m", "wf"], ["l"], name="classifier"),
+             helper.make_node("Add", ["l", "bf"], ["y"], name="classifier_bias")]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.gap", "cpu.gemm.kiln_packed"])
+    assert [s.tactic for s in engine.plan.program.steps] == ["cpu.conv.onednn_direct", "cpu.gap.onednn.ReduceMean",
+                                                             "cpu.gemm.kiln_packed"]
+    assert len(engine.program.run_steps) == 1 and isinstance(engine.program.run_steps[0].fn, Segment)
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((2, 3, 6, 5)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
