@@ -23,6 +23,7 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     quantization,
     quantized,
     reduction,
+    relayout,
     resize,
     rnn,
     sequence,

@@ -77,7 +77,7 @@ def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtyp
     """(size, dtype, layout) a member reads its input `role` in."""
     if native.reads is not None:
         size, dtype = native.reads[role]
-        return tuple(size), dtype, "rows"
+        return tuple(size), dtype, "nhwc" if native.channels_last and len(size) == 4 else "rows"
     size = tuple(native.input_size if role == "src" else native.output_size)
     return size, torch.float32, "nhwc" if len(size) == 4 else "rows"
 
@@ -498,7 +498,7 @@ def _entry_key(values: tuple, dtypes: list[torch.dtype]) -> tuple | None:
 def _form(native: NativeStep) -> tuple:
     """What of a member's NativeStep shapes a segment's structure, whatever its sizes."""
     return (native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads),
-            len(native.more_outputs))
+            len(native.more_outputs), native.channels_last)
 
 
 def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int]

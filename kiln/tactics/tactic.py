@@ -117,7 +117,7 @@ class NativeStep:
     A layer of kiln's own C kernels (kiln/kernels/cpu/transformer.py) may read several step inputs
     in any dtype, row-major: `reads` = {step input index: (size, dtype)}; then `primitive(False)` has
     `bind_reads(dst, {index: address})`, `at` takes {index: size} (every read's size), and its
-    output (of `output_dtype`) is row-major whatever its rank.
+    output (of `output_dtype`) is row-major whatever its rank (4-D NHWC with `channels_last`).
     """
 
     input_size: tuple[int, ...]  # of the activation input (step input 0); 4-D: NHWC in memory
@@ -134,10 +134,14 @@ class NativeStep:
     # kiln's own kernels only: the step's outputs past the first, (size, dtype) each, row-major; bound as
     # roles "dst1", "dst2"... (a pre-LN LayerNorm's sum x + residual)
     more_outputs: tuple[tuple[tuple[int, ...], torch.dtype], ...] = ()
+    # kiln's own kernels only: its 4-D reads and output are NHWC in memory, as oneDNN's layers lay them out
+    # (a channel Concat between convolutions), not row-major
+    channels_last: bool = False
 
     @property
     def output_strides(self) -> tuple[int, ...]:
-        return native_strides(self.output_size) if self.reads is None else row_major_strides(self.output_size)
+        return native_strides(self.output_size) if self.reads is None or self.channels_last \
+            else row_major_strides(self.output_size)
 
 
 class resizable:

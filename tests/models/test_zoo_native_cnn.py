@@ -45,17 +45,19 @@ def test_whole_network_is_one_native_segment_and_matches_onnxruntime(name, block
 
 
 def test_convnext_keeps_its_native_layers_and_matches_onnxruntime(monkeypatch):
-    """ConvNeXt's residual Add of two [N, C, H, W] values and its channel LayerNorms on [N, H, W, C]: kiln's C
-    kernels take them, but not inside a segment, whose 4-D values are NHWC in memory (inside one, the engine
-    was 0.036 off although each layer was exact alone, and the build's check reverted 30 layers to their
-    defaults). With the native tactics given the win, nothing is reverted and the engine matches onnxruntime."""
+    """ConvNeXt's residual Add of two [N, C, H, W] values and its channel LayerNorms: kiln's C kernels take them
+    (a segment's 4-D values are NHWC in memory: an Add reading them row-major inside one made the engine 0.036
+    off although each layer was exact alone, and the build's check reverted 30 layers; now the Add is
+    cpu.add.nhwc, which reads them as NHWC, and the LayerNorms run on [N, H*W, C] rows after
+    flatten_channels_last_runs). With the native tactics given the win, nothing is reverted and the engine
+    matches onnxruntime."""
     monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
     exported = zoo.export("convnext_tiny")
     engine = kiln.build(str(exported.path), timing_cache=None)
     tactics = engine.plan.header["tactics"]
     assert not tactics.get("reverted_layers"), list(tactics.get("reverted_layers", {}))
     chosen = [layer.get("tactic") for layer in tactics["layers"].values()]
-    assert "cpu.add.native" in chosen and "cpu.layernormalization.native" in chosen
+    assert "cpu.add.nhwc" in chosen and "cpu.layernormalization.native" in chosen
     session = onnxruntime_session(exported.path)
     names = [o.name for o in session.get_outputs()]
     for seed in (1, 2):
@@ -63,3 +65,29 @@ def test_convnext_keeps_its_native_layers_and_matches_onnxruntime(monkeypatch):
         got = engine.run(feeds)
         for name, want in zip(names, session.run(None, feeds)):
             assert_fp32_close(got[name], want, f"convnext_tiny {name}")
+
+
+TRANSFORMER_CNN = ["cpu.conv.onednn_direct", "cpu.relayout.native", "cpu.slice.native", "cpu.concat.nhwc",
+                   "cpu.add.nhwc", "cpu.layernorm.native", "cpu.layernormalization.native", "cpu.attention.native",
+                   "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.gap", "cpu.alias"]
+
+
+@pytest.mark.slow  # a build of each network with the search: 20-60 s on 2 shared cores
+@pytest.mark.parametrize("name", ["mobilevit_tiny", "convnext_tiny"])
+def test_mobilevit_and_convnext_are_one_native_segment_and_match_onnxruntime(name, monkeypatch):
+    """MobileViT's unfold/fold and ConvNeXt's channels-last blocks as kiln::Relayout members (issue 11)."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+    exported = zoo.export(name)
+    engine = kiln.build(str(exported.path), tactics=TRANSFORMER_CNN)
+    ops = [s.op_type for s in engine.plan.program.steps]
+    assert "Transpose" not in ops and "Relayout" in ops
+    run_steps = engine.program.run_steps
+    assert len(run_steps) == 1 and isinstance(run_steps[0].fn, Segment), \
+        [(s.ctx.name, s.ctx.op_type) for s in run_steps if not isinstance(s.fn, Segment)]
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    for seed in (1, 2):
+        feeds = zoo.random_inputs(name, exported, seed=seed)
+        got = engine.run(feeds)
+        for n, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[n], want, f"{name} {n} (seed {seed})")

@@ -380,6 +380,19 @@ def qdq_add(requantized: bool = False):
     return model(nodes, [value("a", [2, 4]), value("b", [2, 4])], [value("y", [2, 4])], i1 + i2)
 
 
+def transpose_of_a_dynamic_batch():
+    """A Transpose whose batch is symbolic: a Relayout's attributes would hold one size only."""
+    return model([node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], [value("x", ["N", 3, 4, 5])],
+                 [value("y", ["N", 4, 5, 3])])
+
+
+def channels_last_run_through_a_softmax():
+    """NCHW -> NHWC, a Softmax (not one of the ops the flattening knows), back: the run stays 4-D."""
+    return model([node("Transpose", ["x"], ["p"], perm=[0, 2, 3, 1]), node("Softmax", ["p"], ["s"], axis=-1),
+                  node("Transpose", ["s"], ["y"], perm=[0, 3, 1, 2])],
+                 [value("x", [1, 3, 4, 5])], [value("y", [1, 3, 4, 5])])
+
+
 CASES = {
     "gelu/one_plus_erf_read_twice": Case("fuse_gelu", gelu_whose_one_plus_erf_is_also_an_output,
                                          "not followed by ½·x·(1 + ·)"),
@@ -392,6 +405,9 @@ CASES = {
     "softmax/two_axes": Case("fuse_softmax", softmax_over_two_axes, "not over exactly one axis"),
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
+    "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "shape is not static"),
+    "channels_last_run/softmax": Case("flatten_channels_last_runs", channels_last_run_through_a_softmax,
+                                      "not an op over the last axis", before=["fuse_relayout"]),
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,
                                              "is read elsewhere too", before=["fuse_conv"]),
     "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),

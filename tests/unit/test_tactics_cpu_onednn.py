@@ -296,8 +296,11 @@ def test_global_average_matches_float64_mean(op):
     if op == "ReduceMean":  # axes that are not H, W: the candidate fails to prepare (the autotuner drops it)
         with pytest.raises(ValueError, match="spatial"):
             tactic.prepare(step, [None, torch.tensor([1, 2])], torch.device("cpu"))
-        step.attributes = {"keepdims": 0}
-        assert "keepdims" in tactic.check(step, metas)
+        step.attributes = {"keepdims": 0}  # a classifier head's mean: [N, C], the same bytes as [N, C, 1, 1]
+        assert tactic.check(step, metas) is True
+        launch = tactic.prepare(step, constants, torch.device("cpu"))
+        assert launch.native.output_size == (2, 40)
+        assert_close(launch(None, *inputs, **step.attributes), x.double().mean(dim=(2, 3)))
 
 
 # ---- the residual accumulated in place -----------------------------------------------------------

@@ -20,6 +20,7 @@ from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import remove_qdq_round_trips, sink_dequantize
+from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
@@ -54,8 +55,11 @@ RULES = [
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
     ("fuse_elementwise", fuse_elementwise),
+    ("fuse_relayout", fuse_relayout),  # last: the rules above match Transposes and Reshapes of their own
+    ("flatten_channels_last_runs", flatten_channels_last_runs),  # reads fuse_relayout's Relayouts
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
-             "fuse_packed_rotary", "fuse_split_swiglu"}
+             "fuse_packed_rotary", "fuse_split_swiglu",
+             "fuse_relayout", "flatten_channels_last_runs"}

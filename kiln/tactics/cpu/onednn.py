@@ -246,8 +246,6 @@ def _gap_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if x.shape is None or len(x.shape) != 4:
         return "only 4-D inputs"
     if step.op_type == "ReduceMean":
-        if not int(_attr(step, "keepdims", 1)):
-            return "keepdims=0"
         if "axes" in step.attributes and step.attributes["axes"] is not None:
             if sorted(a % 4 for a in step.attributes["axes"]) != [2, 3]:
                 return f"axes {step.attributes['axes']} are not the spatial axes"
@@ -261,13 +259,16 @@ def _prepare_gap(step: StepSpec, constants: list[Any], device: torch.device):
         axes = constants[1]
         if axes is None or sorted(int(a) % 4 for a in axes.tolist()) != [2, 3]:
             raise ValueError(f"ReduceMean axes {None if axes is None else axes.tolist()} are not the spatial axes")
+    # keepdims=0 (a classifier head's mean straight into its Gemm): [N, C] is the bytes of the NHWC [N, C, 1, 1]
+    squeezed = step.op_type == "ReduceMean" and not int(_attr(step, "keepdims", 1))
     return _shape_cached(step, lambda size: onednn_primitives.Pool2d(list(size), "avg_exclude_padding", list(size[2:]),
-                                                          [1, 1], [0, 0, 0, 0], [1, 1]))
+                                                          [1, 1], [0, 0, 0, 0], [1, 1]), squeezed)
 
 
-def _shape_cached(step: StepSpec, build):
+def _shape_cached(step: StepSpec, build, squeezed: bool = False):
     """launch(ctx, x, ...) running `build(x.shape)`'s primitive, built once per input shape
-    (the tuned one at load); a lock keeps two threads off one primitive's memory objects."""
+    (the tuned one at load); a lock keeps two threads off one primitive's memory objects.
+    squeezed: the output [N, C, 1, 1] handed out as [N, C] (the same bytes)."""
     tuned = tuple(step.tactic_config["input_size"])
     primitives = {tuned: build(tuned)}
     lock = threading.Lock()
@@ -276,13 +277,15 @@ def _shape_cached(step: StepSpec, build):
         x = x.contiguous(memory_format=_CL)  # [N, C, H, W]; free when already channels-last
         primitive = _built(primitives, tuple(x.shape), build, lambda key: key == tuned)
         with lock:
-            return primitive(x)  # [N, C, H', W'] channels-last
+            y = primitive(x)  # [N, C, H', W'] channels-last
+        return y.reshape(y.shape[:2]) if squeezed else y
 
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
         primitive = _built(primitives, size, build, lambda key: key == tuned)
-        return NativeStep(size, primitive.output_size, lambda _accumulate: primitive)
+        out = tuple(primitive.output_size)
+        return NativeStep(size, out[:2] if squeezed else out, lambda _accumulate: primitive)
 
     launch.native = native_at(tuned)
     return launch

@@ -1,0 +1,57 @@
+/* kiln::Relayout's copy, a member of native segments (kiln/runtime/native.py): compiled once by
+ * kiln/kernels/cpu/relayout.py through native_loop.build.
+ *
+ *   y[i] = x[base + sum_k digit_k(i) * stride[k]]     y contiguous, the digits of i in the mixed radix of size[]
+ *
+ * The plan's walk is over memory on both sides (a 4-D value of a segment is NHWC), dims merged where they
+ * can be, at most MAX_DIMS. An innermost dim of stride 1 is a memcpy of its run (MobileViT's unfold and
+ * fold, NHWC on the 4-D side: rows of channels); otherwise a strided gather. One thread: the copies this
+ * carries are a few hundred kilobytes to a few megabytes (tens of microseconds), less than a parallel
+ * region's barrier costs on a busy machine.
+ *
+ * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
+ */
+#include <string.h>
+
+#define MAX_DIMS 8
+
+typedef int (*get_handle_fn)(void *memory, void **handle);
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;                  /* dnnl_memory_t */
+    long base;                    /* where the walk starts in x (a Slice's first element), elements */
+    long rank;                    /* dims of the walk, 1..MAX_DIMS */
+    long size[MAX_DIMS];          /* outer to inner */
+    long stride[MAX_DIMS];        /* in x, elements */
+} relayout_plan;
+
+int kiln_relayout(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const relayout_plan *p = (const relayout_plan *)object;
+    const float *x = NULL;
+    float *y = NULL;
+    if (p->get_handle(p->x, (void **)&x) != 0 || x == NULL) return 2;
+    if (p->get_handle(p->y, (void **)&y) != 0 || y == NULL) return 2;
+    const long r = p->rank, inner = p->size[r - 1], step = p->stride[r - 1];
+    long rows = 1;
+    for (long k = 0; k < r - 1; ++k) rows *= p->size[k];
+    long digit[MAX_DIMS] = {0};
+    long offset = p->base;  /* of the current row in x */
+    for (long row = 0; row < rows; ++row) {
+        const float *src = x + offset;
+        float *dst = y + row * inner;
+        if (step == 1) {
+            memcpy(dst, src, sizeof(float) * (size_t)inner);
+        } else {
+            for (long i = 0; i < inner; ++i) dst[i] = src[i * step];
+        }
+        for (long k = r - 2; k >= 0; --k) {  /* the next row: the odometer of the outer dims */
+            offset += p->stride[k];
+            if (++digit[k] < p->size[k]) break;
+            offset -= p->stride[k] * p->size[k];
+            digit[k] = 0;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,186 @@
+"""kiln::Relayout and Slice in kiln's C (relayout.c): a permutation or a slice of elements as one strided copy,
+a native-segment member.
+
+Why: MobileViT's unfold and fold ([1, C, H, W] <-> [4, H*W/4, C], kiln/passes/fusion/relayout.py) ran as
+Transposes on torch, each a step that split the native segment around it (15 steps a run). Inside a
+segment a 4-D value is NHWC in memory, and there the unfold is rows of channels copied whole.
+
+A Relayout is one layer at one input size: the walk of x's memory that writes y's memory in order is
+found at build from an index table (kiln/ops/relayout.py strided_form) over both layouts, so the kernel
+needs nothing but sizes and strides. `bind(src, dst)` gives a segment its call on memory objects of its
+own, as oneDNN primitives do (kiln/kernels/cpu/onednn.py Bound), and `__call__` runs it on a tensor
+(4-D: channels-last in and out, as in a segment).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn
+from kiln.ops.relayout import TABLE_LIMIT, strided_form
+
+SOURCE = Path(__file__).with_name("relayout.c").read_text()
+MAX_DIMS = 8
+
+_LOADED: ctypes.CDLL | None = None
+_REASON: str | None = None
+_LOCK = threading.Lock()
+
+
+class _Plan(ctypes.Structure):  # relayout_plan in relayout.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("base", ctypes.c_long), ("rank", ctypes.c_long), ("size", ctypes.c_long * MAX_DIMS),
+                ("stride", ctypes.c_long * MAX_DIMS)]
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, then reused from kiln's cache), or None."""
+    global _LOADED, _REASON
+    with _LOCK:
+        if _LOADED is not None or _REASON is not None:
+            return _LOADED
+        if not onednn.available():
+            _REASON = "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"
+            return None
+        built = native_loop.build("relayout", SOURCE)
+        if isinstance(built, str):
+            _REASON = built
+            return None
+        try:
+            lib = ctypes.CDLL(str(built))
+            fn = lib.kiln_relayout
+            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        except (OSError, AttributeError) as e:
+            _REASON = f"{type(e).__name__}: {e}"
+            return None
+        _LOADED = lib
+        return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str | None:
+    """Why load() returned None (None when it did not)."""
+    return _REASON
+
+
+def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """A segment's memory strides of a value of this size: NHWC for 4-D, row-major otherwise."""
+    if len(size) == 4:
+        n, c, h, w = size
+        return (c * h * w, 1, w * c, c)
+    strides, step = [], 1
+    for d in reversed(size):
+        strides.append(step)
+        step *= d
+    return tuple(reversed(strides))
+
+
+def memory_walk(input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor]
+                ) -> tuple[int, list[tuple[int, int]], tuple[int, ...]]:
+    """(base, [(size, stride)] outer to inner, output size): the walk of x's memory (segment layout) from
+    element `base` that gives y's memory in order, y = move(x) (a view or copy of x's elements: a
+    Relayout's reshape-permute-reshape, a Slice)."""
+    numel = int(np.prod(input_size))
+    if numel > TABLE_LIMIT:
+        raise ValueError(f"{numel} elements: a walk of at most {TABLE_LIMIT}")
+    offsets = torch.as_strided(torch.arange(numel, dtype=torch.int64), input_size, _strides(input_size))
+    moved = move(offsets)  # y's elements' offsets in x's memory
+    output_size = tuple(moved.shape)
+    laid = torch.empty_strided(output_size, _strides(output_size), dtype=torch.int64)
+    laid.copy_(moved)  # y's memory order: walk its storage
+    flat = laid.as_strided((laid.numel(),), (1,)).numpy()
+    if flat.size == 0:
+        raise ValueError(f"an empty output {list(output_size)}")
+    base = int(flat.min())
+    form = strided_form(flat - base)
+    if form is None or int(flat[0]) != base:
+        raise ValueError(f"no strided walk of {list(input_size)} gives its {list(output_size)}")
+    if len(form) > MAX_DIMS:
+        raise ValueError(f"a walk of {len(form)} dims: the kernel takes {MAX_DIMS}")
+    return base, form, output_size
+
+
+def relayout_move(dims: list[int], perm: list[int], output_size: tuple[int, ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """kiln::Relayout's map: x.reshape(dims).permute(perm).reshape(output_size)."""
+    return lambda x: x.reshape(dims).permute(perm).reshape(output_size)
+
+
+class Relayout:
+    """y = move(x) on float32 values as a segment lays them out (4-D: NHWC), one strided walk of x's memory;
+    move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice."""
+
+    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor], what: str = "relayout"):
+        library = load()
+        if library is None:
+            raise onednn.OneDNNError(f"kiln's relayout kernel is not built: {reason()}")
+        self.input_size = tuple(input_size)
+        self.base, self.walk, self.output_size = memory_walk(self.input_size, move)
+        self.library = library
+        self.what = f"{what} {list(self.input_size)} -> {list(self.output_size)}"
+        self._lock = threading.Lock()
+        self._alone: _Bound | None = None
+
+    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
+        """The layer's call reading src, writing dst (each in a segment's layout)."""
+        if residual is not None:
+            raise ValueError("a relayout has no residual")
+        return _Bound(self, src, dst)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x of the built size (4-D: channels-last, else contiguous) -> a new y in the same convention."""
+        want = _strides(self.input_size)
+        if tuple(x.shape) != self.input_size or x.dtype != torch.float32:
+            raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)}")
+        laid_out = x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x.is_contiguous()
+        if not laid_out:  # (torch's test ignores the strides of size-1 dims, which address nothing)
+            x = torch.empty_strided(self.input_size, want, dtype=torch.float32).copy_(x)
+        y = torch.empty_strided(self.output_size, _strides(self.output_size), dtype=torch.float32)
+        with self._lock:
+            if self._alone is None:
+                self._alone = self.bind(0, 0)
+            bound = self._alone
+            bound.rebind("src", x.data_ptr())
+            bound.rebind("dst", y.data_ptr())
+            bound.run()
+        return y
+
+
+class _Bound:
+    """A Relayout's call for one segment (or its own per-call path)."""
+
+    def __init__(self, layer: Relayout, src: int, dst: int):
+        lib = onednn.load()
+        self.what = layer.what
+        self._layer = layer
+        handle_md = onednn.memory_desc([1], onednn.TAG_A)  # only the address of an operand matters
+        self._memories = {"src": onednn._memory(handle_md.value, src), "dst": onednn._memory(handle_md.value, dst)}
+        self._md = handle_md
+        sizes = [s for s, _ in layer.walk]
+        strides = [t for _, t in layer.walk]
+        self._plan = _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+                           x=self._memories["src"].value, y=self._memories["dst"].value, base=layer.base, rank=len(sizes),
+                           size=(ctypes.c_long * MAX_DIMS)(*sizes), stride=(ctypes.c_long * MAX_DIMS)(*strides))
+        self._function = ctypes.cast(layer.library.kiln_relayout, ctypes.c_void_p).value
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: str) -> int:
+        return self._memories[role].value
+
+    def rebind(self, role: str, address: int) -> None:
+        onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
+
+    def run(self) -> None:
+        status = self._layer.library.kiln_relayout(ctypes.addressof(self._plan), None, 0, None)
+        if status:
+            onednn._check(status, self.what)

@@ -1,0 +1,201 @@
+"""A chain of Reshapes and Transposes -> one kiln::Relayout.
+
+    t1 = Reshape(x, s1); t2 = Transpose(t1, p1); ...; y = Reshape(tk, sk)
+      ->  y = Relayout(x, dims, perm, shape)       y = x.reshape(dims).permute(perm).reshape(shape)
+      ->  y = Reshape(x, shape)                     when perm moves nothing (a Transpose of a size-1 dim)
+
+A Reshape into or out of a 4-D shape whose NHWC memory (a segment's 4-D layout) differs from row-major is a
+Relayout too, of an identity perm (Swin's [N, H*W, C] <-> [N, H, W, C] around its shifted windows): as a
+copy in the segment's layouts it is a member, where the Reshape was a step of its own.
+
+Every such chain moves x's elements by one strided walk: the pass runs the chain on an index table
+(arange over x's shape) and reads dims and perm off the result (kiln/ops/relayout.py strided_form);
+a chain whose table no strided walk gives is left alone. MobileViT's unfold and fold are five nodes each
+([1, C, H, W] -> [4, H*W/4, C] and back): unfused, each Transpose is a step on torch that splits the
+CPU's native segment in two; fused, one copy kernel inside it (kiln/kernels/cpu/relayout.py).
+Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (or a 4-D end as above),
+float32 values of static shapes, and each inner value read only by the next node.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from kiln.ops.relayout import TABLE_LIMIT, dims_and_perm, strided_form
+from kiln.passes._rewrite import (
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    is_op,
+    new_initializer,
+    only_user,
+    producer,
+    replace_with,
+    static_shape,
+)
+
+RULE = "fuse_relayout"
+MOVERS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _mover(node: ir.Node | None) -> bool:
+    return is_op(node, *MOVERS) and node.outputs[0].dtype == ir.DataType.FLOAT
+
+
+def _chain(node: ir.Node) -> list[ir.Node] | None:
+    """The chain of movers ending at `node` (its output read by something else than a mover), first to last."""
+    if not _mover(node):
+        return None
+    reader = only_user(node.outputs[0])
+    if _mover(reader):
+        return None  # not the end of its chain: the rule fires at the end
+    chain = [node]
+    while True:
+        before = producer(chain[0].inputs[0])
+        if not _mover(before) or only_user(before.outputs[0]) is not chain[0]:
+            return chain
+        chain.insert(0, before)
+
+
+def _keeps_order(size: list[int]) -> bool:
+    """Whether a value of this size has one memory order row-major and in a native segment (4-D: NHWC)."""
+    return len(size) != 4 or size[2] * size[3] == 1 or size[1] == 1
+
+
+def _table(chain: list[ir.Node], shape: list[int]) -> np.ndarray | str:
+    """The chain run on arange over its input's shape, or why it cannot be."""
+    table = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    for node in chain:
+        if node.op_type == "Transpose":
+            perm = attr(node, "perm")
+            table = table.transpose(perm if perm is not None else list(range(table.ndim))[::-1])
+        else:
+            out = static_shape(node.outputs[0])
+            if out is None:
+                return f"{node.name!r}'s output shape is not static"
+            table = table.reshape(out)
+    return table
+
+
+def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
+    chain = _chain(node)
+    if chain is None:
+        return False
+    x = chain[0].inputs[0]
+    shape, out = static_shape(x), static_shape(node.outputs[0])
+    relaid = shape is not None and out is not None and not (_keeps_order(shape) and _keeps_order(out))
+    if not any(n.op_type == "Transpose" for n in chain) and not relaid:
+        return False  # Reshapes alone: a view, and inside a segment an alias
+    if shape is None or out is None:
+        report.refuse(RULE, node, "the chain's input or output shape is not static")
+        return False
+    numel = int(np.prod(shape))
+    if numel == 0 or numel > TABLE_LIMIT:
+        report.refuse(RULE, node, f"{numel} elements: 1 to {TABLE_LIMIT} (the index table is built at build)")
+        return False
+    table = _table(chain, shape)
+    if isinstance(table, str):
+        report.refuse(RULE, node, table)
+        return False
+    form = strided_form(table)
+    found = dims_and_perm(form, numel) if form is not None else None
+    if found is None:
+        report.refuse(RULE, node, "no strided walk of the input gives the chain's result")
+        return False
+    dims, perm = found
+    if perm == sorted(perm) and not relaid:  # the chain moves no element: one Reshape (a view; in a segment, an alias)
+        graph = node.graph
+        target = new_initializer(graph, f"{node.name}_shape", np.array(out, dtype=np.int64))
+        reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
+        replace_with(chain, reshape, node.outputs[0], insert_before=chain[0])
+        return True
+    fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
+                    [ir.AttrInt64s("dims", dims), ir.AttrInt64s("perm", perm), ir.AttrInt64s("shape", out)],
+                    name=f"{node.name}_relayout")
+    replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
+    return True
+
+
+# ---- channels-last runs: the values between NCHW -> NHWC and back as [N, H*W, C] -------------------
+
+RULE_RUNS = "flatten_channels_last_runs"
+# ops that act on the last axis only, each reading the run's value as input 0 and constants besides
+_LAST_AXIS = {("", "LayerNormalization"), ("kiln", "LayerNorm"), ("kiln", "FusedGemm"), ("kiln", "Gelu")}
+
+
+def _moves_like(node: ir.Node, shape: list[int], perm: list[int]) -> bool:
+    """Whether Relayout `node` of an input of `shape` moves its elements as Transpose(perm) does."""
+    numel = int(np.prod(shape))
+    want = np.arange(numel).reshape(shape).transpose(perm).reshape(-1)
+    dims, order = attr(node, "dims", []), attr(node, "perm", [])
+    return bool(np.array_equal(np.arange(numel).reshape(dims).transpose(order).reshape(-1), want))
+
+
+def _run_from(start: ir.Node) -> tuple[list[ir.Node], list[ir.Node]] | str:
+    """(the nodes of the run after `start`, the Relayouts that end it), or why there is no such run."""
+    inner: list[ir.Node] = []
+    ends: list[ir.Node] = []
+    values = [start.outputs[0]]
+    while values:
+        value = values.pop()
+        if value.is_graph_output():
+            return f"{value.name!r} is a graph output"
+        for reader in dict.fromkeys(u.node for u in value.uses()):
+            if reader in inner or reader in ends:
+                continue
+            shape = static_shape(reader.inputs[0]) if reader.inputs[0] is value else None
+            if shape is None:
+                return f"{reader.name!r} reads the run's value other than as its first input"
+            if is_op(reader, "Relayout", domain=KILN_DOMAIN):
+                back = static_shape(reader.outputs[0])
+                if back != [shape[0], shape[3], shape[1], shape[2]] or not _moves_like(reader, shape, [0, 3, 1, 2]):
+                    return f"{reader.name!r} moves the run's value otherwise than back to NCHW"
+                ends.append(reader)
+                continue
+            if (reader.domain, reader.op_type) not in _LAST_AXIS:
+                return f"{reader.name!r} ({reader.op_type}) is not an op over the last axis"
+            if int(attr(reader, "axis", -1)) not in (-1, 3) or attr(reader, "residual_after_activation", 0):
+                return f"{reader.name!r} is over another axis than the last"
+            if any(v is not None and static_shape(v) is not None and len(static_shape(v)) > 2 and v is not value
+                   for v in reader.inputs) or any(v is not None and v is not value and v.const_value is None
+                                                  for v in reader.inputs):
+                return f"{reader.name!r} reads another value than the run's and constants of rank <= 2"
+            out = static_shape(reader.outputs[0])
+            if len(reader.outputs) != 1 or out is None or len(out) != 4 or out[:3] != shape[:3]:
+                return f"{reader.name!r}'s output is not [N, H, W, *] like its input"
+            inner.append(reader)
+            values.append(reader.outputs[0])
+    return inner, ends
+
+
+def flatten_channels_last_runs(node: ir.Node, report: PassReport) -> bool:
+    # R1 = Relayout(x [N, C, H, W] -> [N, H, W, C]); ops over the last axis; Relayout(-> [N, C', H, W])
+    #   -> every value from R1's output to the last op's as [N, H*W, *]
+    # ConvNeXt's blocks (permute, LayerNorm, two Linears, permute back): a segment keeps 4-D values NHWC in
+    # memory, which is exactly the row-major [N, H*W, C] the flattened run reads, so the two Relayouts are
+    # plain copies and LayerNorm and the GEMMs run as members over rows (a 4-D [N, H, W, C] value inside a
+    # segment would be laid out [N, W, C, H] and the run would leave it).
+    if not is_op(node, "Relayout", domain=KILN_DOMAIN):
+        return False
+    shape, out = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    if shape is None or len(shape) != 4 or out != [shape[0], shape[2], shape[3], shape[1]] \
+            or not _moves_like(node, shape, [0, 2, 3, 1]):
+        return False
+    found = _run_from(node)
+    if isinstance(found, str):
+        report.refuse(RULE_RUNS, node, found)
+        return False
+    inner, ends = found
+    if not ends:
+        report.refuse(RULE_RUNS, node, "the run does not end in a Relayout back to NCHW")
+        return False
+    n, h, w = out[0], out[1], out[2]
+    node.attributes["shape"] = ir.AttrInt64s("shape", [n, h * w, out[3]])
+    for value in [node.outputs[0], *(m.outputs[0] for m in inner)]:
+        last = static_shape(value)[3]
+        value.shape = ir.Shape([n, h * w, last])
+    for m in inner:
+        if "axis" in m.attributes:
+            m.attributes["axis"] = ir.AttrInt64("axis", -1)
+    return True

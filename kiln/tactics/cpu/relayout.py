@@ -1,0 +1,126 @@
+"""CPU tactic for kiln::Relayout on kiln's C copy (kiln/kernels/cpu/relayout.py), a native-segment member.
+
+    cpu.relayout.native   a chain of Reshapes/Transposes (kiln/passes/fusion/relayout.py) as one strided
+                          copy of float32 values as a segment lays them out (4-D: NHWC)
+    cpu.slice.native      a Slice of constant bounds, the same copy from another first element
+
+Why: MobileViT-S's unfold and fold ran as 15 torch steps a run, each splitting the native segment around
+its convolutions and transformer layers; here each is one call of the segment loop (rows of channels
+copied whole on the NHWC side). A kernel is bound per input size; a size the kernel cannot walk (its
+table not strided, or past TABLE_LIMIT elements) runs as a step of its own on torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.kernels.cpu import relayout
+from kiln.ops.registry import OpContext, lookup
+from kiln.ops.relayout import TABLE_LIMIT
+from kiln.plan.spec import StepSpec
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import attribute as _attr
+
+_F32 = torch.float32
+
+
+def _attributes(step: StepSpec) -> tuple[list[int], list[int], tuple[int, ...]]:
+    return ([int(d) for d in _attr(step, "dims", [])], [int(p) for p in _attr(step, "perm", [])],
+            tuple(int(s) for s in _attr(step, "shape", [])))
+
+
+def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not relayout.available():
+        return f"kiln's relayout kernel is not built: {relayout.reason()}"
+    x = inputs[0]
+    if x.shape is None or x.dtype != _F32:
+        return "only float32 inputs of known shapes"
+    numel = int(np.prod(x.shape))
+    if not 0 < numel <= TABLE_LIMIT:
+        return f"{numel} elements: 1 to {TABLE_LIMIT}"
+    dims, perm, shape = _attributes(step)
+    if int(np.prod(dims)) != numel or int(np.prod(shape)) != numel or sorted(perm) != list(range(len(dims))):
+        return f"dims {dims}, perm {perm} and shape {list(shape)} do not move the input's {numel} elements"
+    try:
+        relayout.memory_walk(tuple(x.shape), relayout.relayout_move(dims, perm, shape))
+    except ValueError as e:
+        return str(e)
+    return True
+
+
+def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {"input_size": list(inputs[0].shape)}
+
+
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    dims, perm, shape = _attributes(step)
+    tuned = tuple(step.tactic_config["input_size"])
+    kernel = relayout.Relayout(tuned, relayout.relayout_move(dims, perm, shape))  # at load
+
+    def launch(ctx, x, **_attributes):
+        if tuple(x.shape) != tuned:  # the attributes hold for the tuned size only: the op's own code says why not
+            return x.reshape(dims).permute(perm).reshape(shape)
+        return kernel(x)
+
+    launch.native = NativeStep(tuned, kernel.output_size, lambda _accumulate: kernel)
+    return launch
+
+
+register(Tactic(
+    name="cpu.relayout.native", op_type="Relayout", domain="kiln", device="cpu", dtypes=(_F32,),
+    supports=_supports, configure=_configure, prepare=_prepare, layout="channels_last",
+    available=relayout.available, native=True,
+    description="a Reshape/Transpose chain as one strided copy in kiln's C (4-D: NHWC), a native-segment member",
+))
+
+
+# ---- Slice -------------------------------------------------------------------------------------------
+
+def _slice_move(step: StepSpec, constants: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The Slice as a function of its data (the op's own code, its starts/ends/axes/steps constants)."""
+    op = lookup(step.op_type, step.domain).fn
+    ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
+                    num_inputs=len(step.inputs), num_outputs=1)
+    attributes = dict(step.attributes)
+    return lambda x: op(ctx, x, *constants[1:], **attributes)
+
+
+def _slice_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not relayout.available():
+        return f"kiln's relayout kernel is not built: {relayout.reason()}"
+    x = inputs[0]
+    if x.shape is None or x.dtype != _F32:
+        return "only float32 inputs of known shapes"
+    if any(m is not None and not m.constant for m in inputs[1:]):
+        return "starts, ends, axes or steps computed at run time"
+    numel = int(np.prod(x.shape))
+    if not 0 < numel <= TABLE_LIMIT:
+        return f"{numel} elements: 1 to {TABLE_LIMIT}"
+    return True
+
+
+def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
+    tuned = tuple(step.tactic_config["input_size"])
+    move = _slice_move(step, constants)
+    kernel = relayout.Relayout(tuned, move, "slice")  # at load; a slice no walk gives raises: the tactic fails its check
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        if tuple(x.shape) != tuned:  # the walk holds for the tuned size only
+            return move(x)
+        return kernel(x)
+
+    launch.native = NativeStep(tuned, kernel.output_size, lambda _accumulate: kernel)
+    return launch
+
+
+register(Tactic(
+    name="cpu.slice.native", op_type="Slice", domain="", device="cpu", dtypes=(_F32,),
+    supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
+    available=relayout.available, native=True,
+    description="Slice as one strided copy in kiln's C (4-D: NHWC), a native-segment member (Swin's shifted windows)",
+))

@@ -1,0 +1,329 @@
+"""Reshape/Transpose chains fused into kiln::Relayout and run by kiln's C copy inside native segments (issue 11).
+
+- The algebra (kiln/ops/relayout.py): strided_form / dims_and_perm recover random chains of reshapes and
+  transposes exactly, and say None for tables no strided walk gives.
+- The kernel (kiln/kernels/cpu/relayout.c) against torch's reshape/permute, 4-D values channels-last as in
+  a segment, on random inputs.
+- The rule (kiln/passes/fusion/relayout.py): MobileViT's unfold and fold (five nodes each) become one
+  Relayout each on CPU builds only; the engine equals onnxruntime on fresh inputs and runs the convolutions,
+  both relayouts and the GEMM between them as one native segment.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from kiln.builder import autotune
+from kiln.frontend import onnx as onnx_frontend
+from kiln.kernels.cpu import relayout
+from kiln.ops.relayout import dims_and_perm, strided_form
+from kiln.passes import PassOptions, PassReport, optimize
+from kiln.runtime.native import Segment
+
+pytestmark = pytest.mark.skipif(not relayout.available(), reason=f"kiln's relayout kernel: {relayout.reason()}")
+
+
+@pytest.fixture(autouse=True)
+def native_tactics_win(monkeypatch):
+    """These tests are about the kernel and the segments, not the tuner's choice on a loaded machine."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+
+
+def _random_chain(rng: np.random.Generator, shape: list[int]) -> tuple[np.ndarray, list]:
+    """arange over `shape` through 1-4 random reshapes (splitting / merging dims) and transposes."""
+    table = np.arange(int(np.prod(shape))).reshape(shape)
+    ops = []
+    for _ in range(rng.integers(1, 5)):
+        if rng.random() < 0.5:
+            perm = list(rng.permutation(table.ndim))
+            table = table.transpose(perm)
+            ops.append(("transpose", perm))
+        else:
+            new = []
+            for d in table.shape:  # split each dim that has a small factor, sometimes
+                f = next((f for f in (2, 3, 5) if d % f == 0 and d > f), None)
+                new += [f, d // f] if f is not None and rng.random() < 0.5 else [d]
+            if len(new) > 2 and rng.random() < 0.5:  # merge two neighbours
+                k = int(rng.integers(0, len(new) - 1))
+                new = new[:k] + [new[k] * new[k + 1]] + new[k + 2:]
+            table = table.reshape(new)
+            ops.append(("reshape", new))
+    return table, ops
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_strided_form_recovers_random_chains(seed):
+    rng = np.random.default_rng(seed)
+    shape = [int(d) for d in rng.choice([1, 2, 3, 4, 6, 10], size=int(rng.integers(2, 5)))]
+    table, ops = _random_chain(rng, shape)
+    form = strided_form(table)
+    assert form is not None, ops
+    dims, perm = dims_and_perm(form, table.size)
+    again = np.arange(table.size).reshape(dims).transpose(perm).reshape(table.shape)
+    np.testing.assert_array_equal(again, table)
+
+
+def test_strided_form_refuses_what_no_walk_gives():
+    assert strided_form(np.array([0, 2, 1, 3, 5, 4])) is None  # a swap inside the second row only
+    assert strided_form(np.array([1, 0])) is None  # a walk starts at its source's first element
+    assert strided_form(np.array([0, 1, 2, 3])) == [(4, 1)]  # merged: one dim
+
+
+@pytest.mark.parametrize("input_size, dims, perm, output_size", [
+    ((1, 24, 8, 6), [24, 4, 2, 3, 2], [2, 4, 1, 3, 0], (4, 12, 24)),  # MobileViT's unfold, patch 2x2
+    ((4, 12, 24), [2, 2, 4, 3, 24], [4, 2, 0, 3, 1], (1, 24, 8, 6)),  # its fold
+    ((2, 5, 3, 7), [2, 5, 3, 7], [0, 2, 3, 1], (2, 3, 7, 5)),  # NCHW -> NHWC as a 4-D value
+    ((6, 10), [6, 10], [1, 0], (10, 6)),  # a plain 2-D transpose: a strided gather
+    ((3, 4, 5), [3, 4, 5], [1, 0, 2], (4, 3, 5)),
+])
+def test_kernel_matches_torch(input_size, dims, perm, output_size):
+    layer = relayout.Relayout(input_size, relayout.relayout_move(dims, perm, output_size))
+    for seed in (1, 2):
+        x = torch.randn(input_size, generator=torch.Generator().manual_seed(seed))
+        want = x.reshape(dims).permute(perm).reshape(output_size)
+        given = x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+        got = layer(given)
+        assert got.shape == want.shape
+        if got.dim() == 4:
+            assert got.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # a copy: exact
+        torch.testing.assert_close(layer(x.contiguous()), want, rtol=0, atol=0)  # row-major 4-D: laid out first
+
+
+def unfold_fold_model(c: int = 24, h: int = 8, w: int = 6, d: int = 20, seed: int = 0) -> onnx.ModelProto:
+    """Conv -> MobileViT's unfold (as the HF exporter writes it) -> MatMul over channels -> fold -> Conv."""
+    rng = np.random.default_rng(seed)
+    ph = pw = 2
+    nh, nw = h // ph, w // pw
+    inits = {
+        "w0": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3,
+        "w1": rng.standard_normal((c, c)).astype(np.float32) * 0.2,
+        "w2": rng.standard_normal((d, c, 1, 1)).astype(np.float32) * 0.2,
+        "s1": np.array([c * nh, ph, nw, pw], np.int64), "s2": np.array([1, c, nh * nw, ph * pw], np.int64),
+        "s3": np.array([ph * pw, nh * nw, c], np.int64),
+        "t1": np.array([1, ph * pw, nh * nw, c], np.int64), "t2": np.array([c * nh, nw, ph, pw], np.int64),
+        "t3": np.array([1, c, h, w], np.int64),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv_in"),
+        helper.make_node("Reshape", ["f", "s1"], ["u1"], name="view"),
+        helper.make_node("Transpose", ["u1"], ["u2"], perm=[0, 2, 1, 3], name="transpose"),
+        helper.make_node("Reshape", ["u2", "s2"], ["u3"], name="unsafe_view"),
+        helper.make_node("Transpose", ["u3"], ["u4"], perm=[0, 3, 2, 1], name="transpose_1"),
+        helper.make_node("Reshape", ["u4", "s3"], ["patches"], name="view_1"),
+        helper.make_node("MatMul", ["patches", "w1"], ["mixed"], name="mix"),
+        helper.make_node("Reshape", ["mixed", "t1"], ["v1"], name="view_2"),
+        helper.make_node("Transpose", ["v1"], ["v2"], perm=[0, 3, 2, 1], name="transpose_2"),
+        helper.make_node("Reshape", ["v2", "t2"], ["v3"], name="unsafe_view_1"),
+        helper.make_node("Transpose", ["v3"], ["v4"], perm=[0, 2, 1, 3], name="transpose_3"),
+        helper.make_node("Reshape", ["v4", "t3"], ["folded"], name="view_3"),
+        helper.make_node("Conv", ["folded", "w2"], ["y"], name="conv_out"),
+    ]
+    graph = helper.make_graph(
+        nodes, "unfold_fold", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, d, h, w])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(model, data_prop=True)
+
+
+def _optimized(proto: onnx.ModelProto, cpu_rules: bool) -> tuple[list[tuple[str, str]], PassReport]:
+    report = PassReport()
+    model = optimize(onnx_frontend.load(proto), PassOptions(cpu_rules=cpu_rules), report)
+    return [(n.domain, n.op_type) for n in model.graph], report
+
+
+def test_rule_makes_unfold_and_fold_one_relayout_each_on_cpu_builds_only():
+    proto = unfold_fold_model()
+    nodes, report = _optimized(proto, cpu_rules=True)
+    assert report.fired.get("fuse_relayout") == 2
+    assert nodes == [("kiln", "FusedConv"), ("kiln", "Relayout"), ("kiln", "FusedGemm"), ("kiln", "Relayout"),
+                     ("kiln", "FusedConv")], nodes
+    nodes, report = _optimized(proto, cpu_rules=False)  # a CUDA build keeps the nodes
+    assert "fuse_relayout" not in report.fired and ("", "Transpose") in nodes
+
+
+def _onnxruntime(proto: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("c, h, w", [(24, 8, 6), (17, 4, 10)])
+def test_engine_matches_onnxruntime_with_unfold_and_fold_inside_one_segment(c, h, w):
+    proto = unfold_fold_model(c=c, h=h, w=w)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native",
+                                                            "cpu.gemm.onednn_direct", "cpu.gemm.kiln_packed"])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert tactics.count("cpu.relayout.native") == 2, tactics
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == 5, [len(s.members) for s in segments]
+    assert isinstance(engine.program.run_steps[0].fn, Segment)
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, 3, h, w)).astype(np.float32)
+        # fp32: the convolutions and the GEMM sum in other orders than onnxruntime's; the copies are exact
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_batch_keeps_its_transpose_and_runs_every_batch():
+    """Static shapes only: a Relayout's attributes hold one size, so a symbolic batch leaves the Transpose."""
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1], name="to_nhwc"),
+             helper.make_node("Relu", ["t"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "dynamic", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3, 4, 5])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    engine = kiln.build(proto.SerializeToString(), shapes={"x": [2, 5, 3, 4]})
+    assert "Relayout" not in [s.op_type for s in engine.plan.program.steps]
+    for batch in (2, 3):
+        x = np.random.default_rng(batch).standard_normal((batch, 5, 3, 4)).astype(np.float32)
+        np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
+
+
+def convnext_block_model(c: int = 12, h: int = 6, w: int = 5, seed: int = 0) -> onnx.ModelProto:
+    """ConvNeXt's block as exported: depthwise conv, permute to NHWC, LayerNorm, Linear, Gelu, Linear,
+    permute back, residual Add; then a 1x1 conv."""
+    rng = np.random.default_rng(seed)
+    inits = {
+        "wd": rng.standard_normal((c, 1, 7, 7)).astype(np.float32) * 0.2,
+        "g": (1 + 0.1 * rng.standard_normal(c)).astype(np.float32), "b": rng.standard_normal(c).astype(np.float32) * 0.1,
+        "w1": rng.standard_normal((c, 4 * c)).astype(np.float32) * 0.2,
+        "b1": rng.standard_normal(4 * c).astype(np.float32) * 0.1,
+        "w2": rng.standard_normal((4 * c, c)).astype(np.float32) * 0.2,
+        "wo": rng.standard_normal((5, c, 1, 1)).astype(np.float32) * 0.2,
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "wd"], ["d"], pads=[3, 3, 3, 3], group=c, name="dwconv"),
+        helper.make_node("Transpose", ["d"], ["p"], perm=[0, 2, 3, 1], name="permute"),
+        helper.make_node("LayerNormalization", ["p", "g", "b"], ["n"], axis=-1, epsilon=1e-6, name="layer_norm"),
+        helper.make_node("MatMul", ["n", "w1"], ["m1"], name="pwconv1"),
+        helper.make_node("Add", ["m1", "b1"], ["a1"], name="bias1"),
+        helper.make_node("Gelu", ["a1"], ["ge"], name="gelu"),
+        helper.make_node("MatMul", ["ge", "w2"], ["m2"], name="pwconv2"),
+        helper.make_node("Transpose", ["m2"], ["q"], perm=[0, 3, 1, 2], name="permute_back"),
+        helper.make_node("Add", ["x", "q"], ["r"], name="residual"),
+        helper.make_node("Conv", ["r", "wo"], ["y"], name="conv_out"),
+    ]
+    graph = helper.make_graph(
+        nodes, "convnext_block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, h, w])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 5, h, w])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_channels_last_run_is_flattened_to_rows():
+    model = optimize(onnx_frontend.load(convnext_block_model()), PassOptions(cpu_rules=True), report := PassReport())
+    assert report.fired.get("fuse_relayout") == 2 and report.fired.get("flatten_channels_last_runs") == 1
+    shapes = {n.op_type: list(n.outputs[0].shape) for n in model.graph}
+    assert shapes["LayerNormalization"] == [1, 30, 12] and shapes["FusedGemm"] == [1, 30, 12], shapes
+
+
+@pytest.mark.parametrize("c, h, w", [(12, 6, 5), (7, 3, 9)])
+def test_convnext_block_is_one_segment_and_matches_onnxruntime(c, h, w):
+    proto = convnext_block_model(c=c, h=h, w=w)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native",
+                                                            "cpu.layernormalization.native", "cpu.gemm.kiln_packed",
+                                                            "cpu.add.nhwc"])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert "" not in tactics and tactics.count("cpu.add.nhwc") == 1, tactics
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == len(tactics), [len(s.members) for s in segments]
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, c, h, w)).astype(np.float32)
+        # fp32: LayerNorm, the GEMMs and the convolutions sum in other orders than onnxruntime's
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+def test_a_chain_that_moves_no_element_becomes_one_reshape():
+    """An LSTM's output [S, 1, B, H] with its direction axis transposed away: a view, not a copy."""
+    s1 = numpy_helper.from_array(np.array([6, 4, 5], np.int64), "s1")
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2, 3], name="swap_direction"),
+             helper.make_node("Reshape", ["t", "s1"], ["r"], name="squeeze_direction"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "no_move", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [6, 1, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [6, 4, 5])], [s1])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    nodes, report = _optimized(proto, cpu_rules=True)
+    assert report.fired.get("fuse_relayout") == 1 and nodes == [("", "Reshape"), ("", "Relu")], nodes
+    engine = kiln.build(proto.SerializeToString())
+    x = np.random.default_rng(3).standard_normal((6, 1, 4, 5)).astype(np.float32)
+    np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
+
+
+def roll_model(axis: int, shift: int, c: int = 6, h: int = 7, w: int = 5, seed: int = 0) -> onnx.ModelProto:
+    """Conv, then torch.roll as the exporter writes it (two Slices and a Concat along `axis`), then a Conv."""
+    rng = np.random.default_rng(seed)
+    size = (1, c, h, w)[axis]
+    inits = {"w0": rng.standard_normal((c, 3, 3, 3)).astype(np.float32) * 0.3,
+             "w1": rng.standard_normal((4, c, 3, 3)).astype(np.float32) * 0.2,
+             "ax": np.array([axis], np.int64), "s0": np.array([size - shift], np.int64),
+             "e0": np.array([size], np.int64), "s1": np.array([0], np.int64), "e1": np.array([size - shift], np.int64)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv_in"),
+             helper.make_node("Slice", ["f", "s0", "e0", "ax"], ["tail"], name="slice_tail"),
+             helper.make_node("Slice", ["f", "s1", "e1", "ax"], ["head"], name="slice_head"),
+             helper.make_node("Concat", ["tail", "head"], ["rolled"], axis=axis, name="roll"),
+             helper.make_node("Conv", ["rolled", "w1"], ["y"], pads=[1, 1, 1, 1], name="conv_out")]
+    graph = helper.make_graph(nodes, "roll", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, h, w])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, h, w])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+
+
+@pytest.mark.parametrize("axis, shift", [(2, 3), (3, 1), (1, 2)])
+def test_slices_and_concat_of_a_roll_run_inside_the_segment_and_match_onnxruntime(axis, shift):
+    proto = roll_model(axis, shift)
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.slice.native",
+                                                            "cpu.concat.nhwc"])
+    tactics = [s.tactic for s in engine.plan.program.steps]
+    assert tactics.count("cpu.slice.native") == 2 and tactics.count("cpu.concat.nhwc") == 1, tactics
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == 5, [len(s.members) for s in segments]
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((1, 3, 7, 5)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [([1], [4], [1], [1]), ([0, 1], [3, 5], [2, 3], [2, 2]),
+                                                       ([-3], [100], [-1], [1])])
+def test_slice_kernel_matches_torch(starts, ends, axes, steps):
+    from kiln.ops.tensor import slice_
+    from kiln.ops.registry import OpContext
+    ctx = OpContext(name="s", op_type="Slice", domain="", opset=18, num_inputs=5, num_outputs=1)
+    bounds = [torch.tensor(v) for v in (starts, ends, axes, steps)]
+    move = lambda x: slice_(ctx, x, *bounds)  # noqa: E731
+    x = torch.randn(2, 6, 5, 7, generator=torch.Generator().manual_seed(4))
+    layer = relayout.Relayout(tuple(x.shape), move, "slice")
+    torch.testing.assert_close(layer(x.contiguous(memory_format=torch.channels_last)), move(x), rtol=0, atol=0)
+    rows = relayout.Relayout((12, 35), lambda t: t[3:9:2, 4:30], "slice")  # 2-D: row-major
+    y = torch.randn(12, 35)
+    torch.testing.assert_close(rows(y), y[3:9:2, 4:30], rtol=0, atol=0)
+
+
+def test_a_classifier_heads_mean_without_keepdims_stays_in_the_segment():
+    """MobileViT's head: ReduceMean over H, W with keepdims=0 into a Gemm; [N, C] is the NHWC [N, C, 1, 1]'s bytes."""
+    rng = np.random.default_rng(5)
+    inits = {"w0": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+             "axes": np.array([2, 3], np.int64), "wf": rng.standard_normal((8, 4)).astype(np.float32) * 0.3,
+             "bf": rng.standard_normal(4).astype(np.float32)}
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["f"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("ReduceMean", ["f", "axes"], ["m"], keepdims=0, name="mean"),
+             helper.make_node("MatMul", ["m", "wf"], ["l"], name="classifier"),
+             helper.make_node("Add", ["l", "bf"], ["y"], name="classifier_bias")]
+    graph = helper.make_graph(nodes, "head", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 6, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.gap", "cpu.gemm.kiln_packed"])
+    assert [s.tactic for s in engine.plan.program.steps] == ["cpu.conv.onednn_direct", "cpu.gap.onednn.ReduceMean",
+                                                             "cpu.gemm.kiln_packed"]
+    assert len(engine.program.run_steps) == 1 and isinstance(engine.program.run_steps[0].fn, Segment)
+    for seed in (1, 2):
+        x = np.random.default_rng(seed).standard_normal((2, 3, 6, 5)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
