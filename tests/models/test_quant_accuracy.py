@@ -3,9 +3,9 @@ computed as the quantized kernels would, on this CPU).
 
 MobileNetV2 (ImageNet weights) calibrated on a third of 112 crops and flips of scikit-image's
 photographs (kiln.quant.data.photo_variants) and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
-embeddings against FP32 by cosine. The issue's targets (MobileNetV2 INT8 >= 97%, FP8 >= 98%; MiniLM
-cosine >= 0.99) are not met yet: each test asserts what kiln measured (bench/quant_accuracy.py) and says by
-how much it falls short; the measured agreement is printed either way.
+embeddings against FP32 by cosine. MiniLM's target (cosine >= 0.99, minmax or mse ranges) is met and asserted;
+MobileNetV2's (INT8 >= 97%, FP8 >= 98%) are not yet: those tests assert what kiln measured
+(bench/quant_accuracy.py) and say by how much it falls short; the measured numbers are printed either way.
 """
 
 from __future__ import annotations
@@ -85,35 +85,61 @@ def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
     assert len(int8.plan.header["quantization"]["quantized"]) == 53  # 52 convolutions and the classifier
 
 
-@pytest.mark.slow  # the sensitivity analysis runs the model ~40 times: minutes on 2 cores
-def test_minilm_int8_embeddings_keep_their_direction(capsys):
+def _minilm():
     from kiln.zoo import sentence
 
     exported = zoo.export("minilm")
-    sentences = sentence.SENTENCES
-    batches = [sentence.tokenize([s], 32) for s in sentences]
+    batches = [sentence.tokenize([s], 32) for s in sentence.SENTENCES]
     batches = [{k: np.repeat(v, 8, axis=0) for k, v in b.items()} for b in batches]  # the export's batch of 8
-    fp32 = kiln.build(str(exported.path))
-    plain = kiln.build(str(exported.path), precision="int8", quantization="emulate", calibration=batches[:4],
+    return str(exported.path), batches
+
+
+def _embedding_cosines(engine, fp32, batches) -> list[float]:
+    """Cosine of each sentence's embedding (the export's "div_1": mean pooling over the attention mask, L2
+    norm, what sentence-transformers returns) to fp32's. Not the token states ("layer_norm_12"): their
+    padding positions are masked out of the embedding (comparing them gave 0.912 where the embedding has 0.959)."""
+    out = []
+    for feeds in batches:
+        a, b = fp32.run(feeds)["div_1"][0], engine.run(feeds)["div_1"][0]
+        out.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return out
+
+
+@pytest.mark.slow  # ~20 s at load 3 on 2 cores (the fp32 export and two int8 builds)
+@pytest.mark.parametrize("calibrator", ["minmax", "mse"])
+def test_minilm_int8_sentence_embeddings_meet_cosine_0_99(calibrator, capsys):
+    """The issue's target, every MatMul with a weight int8 (36), 4 sentences calibrate, all 8 judged. Measured
+    2026-12-02 (h-quant3): worst cosine 0.9904 minmax, 0.9907 mse; before the Gelu outputs were uint8 with a
+    zero point (kiln/quant/qdq.py, `lows`) 0.977 minmax; percentile 0.956 (99.99% clips the residual stream's
+    outlier channels), entropy 0.75: neither meets it."""
+    path, batches = _minilm()
+    fp32 = kiln.build(path)
+    engine = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
+                        calibrator=calibrator)
+    q = engine.plan.header["quantization"]
+    assert len(q["quantized"]) == 36 and not q["kept_float"]
+    assert sum(v < 0 for v in q["lows"].values()) >= 6  # the six FFN down projections' Gelu inputs at least
+    cosines = _embedding_cosines(engine, fp32, batches)
+    with capsys.disabled():
+        print(f"\nMiniLM int8 {calibrator}: worst sentence-embedding cosine to fp32 {min(cosines):.4f}, "
+              f"mean {np.mean(cosines):.4f}")
+    assert min(cosines) >= 0.99
+
+
+@pytest.mark.slow  # the sensitivity analysis runs the model ~40 times: minutes on 2 cores
+def test_minilm_int8_with_an_accuracy_target_is_no_worse(capsys):
+    path, batches = _minilm()
+    fp32 = kiln.build(path)
+    plain = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
                        calibrator="percentile")
-    mixed = kiln.build(str(exported.path), precision="int8", quantization="emulate", calibration=batches[:4],
+    mixed = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
                        calibrator="percentile", accuracy_target=0.05)
-
-    def cosines(engine) -> list[float]:
-        out = []
-        for feeds in batches:
-            a = next(iter(fp32.run(feeds).values())).reshape(8, -1)[0]
-            b = next(iter(engine.run(feeds).values())).reshape(8, -1)[0]
-            out.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
-        return out
-
-    c_plain, c_mixed = min(cosines(plain)), min(cosines(mixed))
+    c_plain, c_mixed = min(_embedding_cosines(plain, fp32, batches)), min(_embedding_cosines(mixed, fp32, batches))
     kept = len(mixed.plan.header["quantization"]["kept_float"])
     with capsys.disabled():
-        print(f"\nMiniLM int8: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} with "
-              f"--accuracy-target 0.05 ({kept} layer(s) kept float)")
-    # measured 2026-12-02: every layer int8 0.9116 (bench/quant_accuracy.py --minilm); the issue's target 0.99 is
-    # NOT met (0.078 short): per-tensor activations lose the residual stream's outlier channels, and SmoothQuant
-    # cannot reach these post-LN inputs (the residual Add reads them too; docs/quantization.md)
-    assert c_plain >= 0.911
+        print(f"\nMiniLM int8 percentile: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} "
+              f"with --accuracy-target 0.05 ({kept} layer(s) kept float)")
+    # measured 2026-12-02 (h-quant3): every layer int8 0.9558 (percentile clips the outlier channels: minmax and
+    # mse meet 0.99, the test above)
+    assert c_plain >= 0.95
     assert c_mixed >= c_plain - 0.01  # keeping the most sensitive layers float does not make it worse
