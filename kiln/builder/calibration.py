@@ -227,7 +227,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say, unsigned=unsigned, weight_max=weight_max,
-                                                  channel_means=channel_means, lows=lows)
+                                                  lows=lows)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,

@@ -58,7 +58,8 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
                         channel_means: dict[str, np.ndarray] | None = None,
                         lows: dict[str, float] | None = None) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max: as the build's
-    qdq.insert will quantize (channel_means, lows: its bias correction and zero points)."""
+    qdq.insert will quantize (lows: its zero points). channel_means (bias correction) is for a caller that
+    switches no layer off: a switched-off layer would keep its corrected bias with its float weight."""
     originals = {t.node.name: t.weight.const_value.numpy().copy() for t in qdq.targets(model.graph, exclude)}
     trial = _copy(model)
     skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
