@@ -88,6 +88,7 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                    channel_max: dict[str, np.ndarray] | None = None,
                    per_channel_depthwise: bool = True, unsigned: bool = False,
                    channel_means: dict[str, np.ndarray] | None = None,
+                   lows: dict[str, float] | None = None,
                    extra: set[str] = frozenset()) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
     the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
@@ -95,7 +96,9 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     unsigned: int8 activations that cannot be negative will be uint8 (qdq.insert's `unsigned`), which the
     entropy calibrator's search must know.
     channel_means: when given (bias correction), filled with each activation's mean per channel, measured
-    on the same batches (left empty when the ranges come from the cache: then no correction). smoothquant / channel_max:
+    on the same batches (left empty when the ranges come from the cache: then no correction). lows: when given
+    (unsigned int8), filled with each per-tensor activation's smallest value (qdq.insert's `lows`; from the cache
+    when it holds them). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
     # extra: other activations to measure (the residual Adds' inputs, kiln/quant/residual.py)
     needed = {t.activation.name for t in qdq.targets(model.graph, exclude)} | set(extra)
@@ -105,6 +108,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
         say(f"calibration: {len(needed)} ranges from the cache {cache_path}")
         if channel_means is not None:
             channel_means.update(calibration_cache.load_channel_mean(cache_path))
+        if lows is not None:
+            lows.update(calibration_cache.load_low(cache_path))
         return cached, {"calibrator": calibrator, "cache": cache_path, "from_cache": True, "tensors": len(needed)}
     why_not_cached = calibration_cache.mismatch(cache_path, calibrator, dtype, smoothquant)
     if source is None:
@@ -114,19 +119,24 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     # a non-negative activation quantized to uint8 is one-sided: its histogram of |x| maps onto all 256 codes
     one_sided = {t.activation.name for t in qdq.targets(model.graph, exclude)
                  if unsigned and dtype == "int8" and qdq.non_negative(t.activation)}
-    observers = {name: calibrators.PerChannel(calibrator, name in one_sided) if name in per_channel
-                 else calibrators.make(calibrator, name in one_sided) for name in needed}
+    fp8 = dtype == "fp8"
+    observers = {name: calibrators.PerChannel(calibrator, name in one_sided, fp8) if name in per_channel
+                 else calibrators.make(calibrator, name in one_sided, fp8) for name in needed}
     means = {}
     if channel_means is not None:  # the axis a layer reduces: a Conv's channels, a Gemm/MatMul's last axis
         means = {t.activation.name: calibrators.ChannelMean(1 if t.node.op_type == "Conv" else -1)
                  for t in qdq.targets(model.graph, exclude)}
-    watched = {name: calibrators.Together(obs, means[name]) if name in means else obs
+    low_seen = {name: calibrators.Low() for name in needed - per_channel} if lows is not None else {}
+    watched = {name: calibrators.Together(obs, *[o[name] for o in (means, low_seen) if name in o])
                for name, obs in observers.items()}
     count = _observe(model, source, watched, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
     ranges = {name: obs.amax() for name, obs in observers.items()}
     if channel_means is not None:
         channel_means.update({name: m.value() for name, m in means.items()})
-    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max, channel_means)
+    if lows is not None:
+        lows.update({name: o.value() for name, o in low_seen.items() if o.value() is not None})
+    calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max, channel_means,
+                           lows)
     return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path,
                     "per_channel": len(per_channel)}
 
@@ -198,12 +208,14 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     adds = residual.plan(model.graph, exclude) if kernels else []
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
+    # int8: the activations' smallest values, so that a mostly non-negative one (a Gelu's) is uint8 with a zero point
+    lows: dict[str, float] | None = {} if unsigned else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
                                     per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
-                                    channel_means=channel_means, extra=residual.activations(adds))
+                                    channel_means=channel_means, lows=lows, extra=residual.activations(adds))
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -218,12 +230,13 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     weight_max = 64.0 if kernels and not has_int8_dot_product() else None
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude, say, unsigned=unsigned, weight_max=weight_max)
+                                                  exclude, say, unsigned=unsigned, weight_max=weight_max,
+                                                  lows=lows)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
-                         channel_means=channel_means)
+                         channel_means=channel_means, lows=lows)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
@@ -237,6 +250,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    # what the correction was formed from: a refit forms it again from the new weights with these
                    # (kiln/builder/refit.py), as it keeps the ranges
                    "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
+                   "lows": {k: float(v) for k, v in sorted((lows or {}).items())},
                    **({"smoothquant": smoothing} if smoothing is not None else {})}
 
 

@@ -29,7 +29,7 @@ class BuildConfig:
     # the others stay float, said in the header) or "emulate" (quantize every Conv/Gemm/MatMul and run
     # it as its kernel would compute, in float: accuracy studies on any machine)
     calibration: Any = None
-    calibrator: str = "entropy"  # minmax | percentile | entropy (kiln/quant/calibrators.py)
+    calibrator: str = "entropy"  # minmax | percentile | entropy | mse (kiln/quant/calibrators.py)
     calibration_cache: str | None = None
     calibration_preprocessing: str = "imagenet"
     quantization: str = "auto"

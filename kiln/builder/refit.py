@@ -296,7 +296,8 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
         cache = os.path.join(folder, "ranges.json")
         calibration_cache.save(cache, config.calibrator, config.precision, ranges,
                                int((built.get("calibration") or {}).get("batches", 0)),
-                               channel_mean={k: np.asarray(v, np.float64) for k, v in channel_means.items()})
+                               channel_mean={k: np.asarray(v, np.float64) for k, v in channel_means.items()},
+                               low={k: float(v) for k, v in (built.get("lows") or {}).items()})
         kept = dataclasses.replace(config, calibration=None, calibration_cache=cache, accuracy_target=None,
                                    layer_precision=pinned)
         try:

@@ -55,13 +55,15 @@ def _error(got: list[Any], want: list[Any]) -> float:
 def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, batches: list[dict[str, np.ndarray]],
                         target: float, exclude: set[str], say: Callable[[str], None], *, unsigned: bool = False,
                         weight_max: float | None = None,
-                        channel_means: dict[str, np.ndarray] | None = None) -> tuple[set[str], dict]:
+                        channel_means: dict[str, np.ndarray] | None = None,
+                        lows: dict[str, float] | None = None) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max: as the build's
-    qdq.insert will quantize."""
+    qdq.insert will quantize (lows: its zero points). channel_means (bias correction) is for a caller that
+    switches no layer off: a switched-off layer would keep its corrected bias with its float weight."""
     originals = {t.node.name: t.weight.const_value.numpy().copy() for t in qdq.targets(model.graph, exclude)}
     trial = _copy(model)
     skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
-                         channel_means=channel_means)
+                         channel_means=channel_means, lows=lows)
     layers = [name for name in originals if name not in skipped]
     program, weights, inputs, _ = lower(trial)  # no folding: every Q/DQ is a step that can be switched
     spec_index = {s.name: i for i, s in enumerate(program.steps)}

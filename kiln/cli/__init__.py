@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="builder precision (default fp32)")
     p.add_argument("--calib", metavar="DIR", help="calibration data for --int8/--fp8: a folder of .npy/.npz batches "
                                                   "or of images (see --calib-preprocessing)")
-    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile"],
+    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile", "mse"],
                    help="how a tensor's range is chosen from its calibration values (default entropy)")
     p.add_argument("--calib-cache", metavar="FILE.json", help="measured ranges: read when it covers the model, "
                                                               "else written (a rebuild skips the data)")
@@ -150,7 +150,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="compare every intermediate value and rank the layers by error relative to their scale "
                         "(which layers an int8/fp8 engine loses the most in)")
     p.add_argument("--calib", metavar="DIR", help="calibration data for --precision int8/fp8 (emulated)")
-    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile"])
+    p.add_argument("--calibrator", default="entropy", choices=["entropy", "minmax", "percentile", "mse"])
     p.add_argument("--rtol", type=float, help="relative tolerance (default by precision)")
     p.add_argument("--atol", type=float, help="absolute tolerance (default by precision)")
     p.add_argument("--inputs", metavar="IN.npz", help="input arrays by name (default: random)")

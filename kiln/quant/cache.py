@@ -1,7 +1,7 @@
 """The calibration cache: measured ranges on disk, so a rebuild skips the calibration data (TensorRT's
 calibration cache). One JSON file: the calibrator, the quantized dtype, the SmoothQuant strength (null
 when off), {tensor name: amax} (a list, one per channel, for a depthwise convolution's input) and, with SmoothQuant, {tensor name: [max |x| per channel]} of the
-unsmoothed model, and with bias correction {tensor name: [mean per channel]} (what the smoothing factors are formed from). A cache made with another calibrator, dtype
+unsmoothed model, with bias correction {tensor name: [mean per channel]}, for int8 {tensor name: its smallest value} (zero points) (what the smoothing factors are formed from). A cache made with another calibrator, dtype
 or SmoothQuant alpha, or missing a tensor the model quantizes, is not used, and `mismatch` says why."""
 
 from __future__ import annotations
@@ -70,9 +70,15 @@ def load_channel_mean(path: str | os.PathLike | None) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, np.float64) for k, v in (doc.get("channel_mean") or {}).items()}
 
 
+def load_low(path: str | os.PathLike | None) -> dict[str, float]:
+    """The cached smallest values of the quantized layers' inputs (uint8 zero points), {} when none."""
+    doc = _read(path) or {}
+    return {k: float(v) for k, v in (doc.get("low") or {}).items()}
+
+
 def save(path: str | os.PathLike | None, calibrator: str, dtype: str, ranges: dict[str, float],
          batches: int, smoothquant: float | None = None, channel_max: dict[str, np.ndarray] | None = None,
-         channel_mean: dict[str, np.ndarray] | None = None) -> None:
+         channel_mean: dict[str, np.ndarray] | None = None, low: dict[str, float] | None = None) -> None:
     if not path:
         return
     path = Path(path)
@@ -83,6 +89,8 @@ def save(path: str | os.PathLike | None, calibrator: str, dtype: str, ranges: di
         doc["channel_max"] = {k: [float(x) for x in v] for k, v in sorted(channel_max.items())}
     if channel_mean:
         doc["channel_mean"] = {k: [float(x) for x in v] for k, v in sorted(channel_mean.items())}
+    if low:
+        doc["low"] = {k: float(v) for k, v in sorted(low.items())}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(doc, f, indent=1)

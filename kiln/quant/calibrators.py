@@ -3,6 +3,7 @@ quantization covers, symmetric around 0 as TensorRT quantizes activations.
 
     minmax       amax = max |x| seen: nothing clipped, coarse steps when there are outliers
     percentile   amax = the p-th percentile of |x| (99.99 by default): the rare outliers clipped
+    mse          the amax with the smallest squared error of the quantized values (clipping + rounding)
     entropy      TensorRT's: the amax whose quantized distribution is closest (KL divergence) to the
                  observed one, over a histogram of |x| (2048 bins, 128 levels: int8's positive half; 256
                  for a one-sided activation quantized to uint8 over [0, amax], `one_sided`)
@@ -131,6 +132,46 @@ class Entropy(Histogram):
         return float((best + 0.5) * self.width)
 
 
+class MSE(Histogram):
+    """The amax whose quantization of the observed values has the smallest mean squared error, clipping
+    and rounding together (TensorRT ModelOpt's "mse" calibrator), over the histogram of |x|: each bin's
+    values taken at its centre, quantized to `levels` uniform steps over [0, amax] (int8: 127; uint8 over
+    [0, amax]: 255) or, fp8, to E4M3's grid scaled so that 448 lands on amax. The candidates are the
+    upper edges of the bins from 1/64 of the observed maximum up to it (128 of them, evenly spaced)."""
+
+    name = "mse"
+    CANDIDATES = 128
+
+    def __init__(self, levels: int = LEVELS - 1, fp8: bool = False):
+        super().__init__()
+        self.levels, self.fp8 = levels, fp8
+
+    def amax(self) -> float:
+        counts = self.counts
+        if counts.sum() == 0:
+            return 0.0
+        nonzero = np.nonzero(counts)[0]
+        last = int(nonzero[-1]) + 1  # the bins up to the largest value seen
+        used = nonzero[nonzero < last]
+        centres = (used + 0.5) * self.width
+        weights = counts[used]
+        first = max(1, last // 64)
+        candidates = np.unique(np.linspace(first, last, self.CANDIDATES).round().astype(np.int64))
+        amaxes = candidates * self.width  # [K]
+        x = centres[None, :] / amaxes[:, None]  # [K, bins] in units of amax
+        if self.fp8:
+            import ml_dtypes
+            scaled = np.minimum(x * FP8_MAX, FP8_MAX).astype(np.float32)
+            q = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) / FP8_MAX
+        else:
+            q = np.minimum(np.round(x * self.levels), self.levels) / self.levels
+        errors = (((x - q) * amaxes[:, None]) ** 2 * weights[None, :]).sum(1)
+        return float(amaxes[int(np.argmin(errors))])
+
+
+FP8_MAX = 448.0
+
+
 def _smooth(d: np.ndarray, eps: float = 1e-4) -> np.ndarray:
     """A distribution with eps moved onto each empty bin from the non-empty ones (MXNet/TVM's smoothing)."""
     zeros = d == 0
@@ -151,16 +192,19 @@ def _kl(p: np.ndarray, q: np.ndarray) -> float:
     return float(np.sum(p[mask] * np.log(p[mask] / q[mask])))
 
 
-CALIBRATORS = {"minmax": MinMax, "percentile": Percentile, "entropy": Entropy}
+CALIBRATORS = {"minmax": MinMax, "percentile": Percentile, "entropy": Entropy, "mse": MSE}
 
 
-def make(name: str, one_sided: bool = False) -> Calibrator:
+def make(name: str, one_sided: bool = False, fp8: bool = False) -> Calibrator:
     """The calibrator `name`; one_sided: the activation is quantized to uint8 over [0, amax] (entropy's KL
-    search then compares against 256 levels, not int8's 128: TensorRT's 128 assumes a symmetric grid)."""
+    search then compares against 256 levels, not int8's 128: TensorRT's 128 assumes a symmetric grid;
+    mse's against 255 steps, not 127); fp8: to E4M3 (mse's error is measured on that grid)."""
     if name not in CALIBRATORS:
         raise ValueError(f"no calibrator {name!r}; kiln has {sorted(CALIBRATORS)}")
     if name == "entropy":
         return Entropy(ONE_SIDED_LEVELS if one_sided else LEVELS)
+    if name == "mse":
+        return MSE(ONE_SIDED_LEVELS - 1 if one_sided else LEVELS - 1, fp8)
     return CALIBRATORS[name]()
 
 
@@ -180,11 +224,11 @@ class PerChannel:
 
     name = "per-channel"
 
-    def __init__(self, calibrator: str, one_sided: bool = False):
+    def __init__(self, calibrator: str, one_sided: bool = False, fp8: bool = False):
         self.whole = make(calibrator, one_sided) if calibrator == "entropy" else None  # the error names them
         if calibrator not in CALIBRATORS:
             make(calibrator)
-        self.calibrator = calibrator
+        self.calibrator, self.one_sided, self.fp8 = calibrator, one_sided, fp8
         self.counts: np.ndarray | None = None  # [C, BINS] (percentile)
         self.width: np.ndarray | None = None  # [C]
         self.top: np.ndarray | None = None  # [C] maxima
@@ -200,7 +244,7 @@ class PerChannel:
         self.top = top if self.top is None else np.maximum(self.top, top)
         if self.whole is not None:
             self.whole.observe(values)
-        if self.calibrator != "percentile":
+        if self.calibrator not in ("percentile", "mse"):
             return
         if self.counts is None:
             self.counts = np.zeros((channels, BINS), np.float64)
@@ -225,7 +269,7 @@ class PerChannel:
             return np.minimum(self.top, self.whole.amax())
         out = []
         for counts, width in zip(self.counts, self.width):
-            one = make(self.calibrator)
+            one = make(self.calibrator, self.one_sided, self.fp8)
             one.counts, one.width = counts, float(width)
             out.append(one.amax())
         return np.array(out, np.float64)
@@ -250,6 +294,24 @@ class ChannelMean:
 
     def value(self) -> np.ndarray:
         return np.zeros(0) if self._sum is None else (self._sum / self._count).numpy()
+
+
+class Low:
+    """The smallest value a tensor took (signed) over every calibration batch: with the range's amax, an
+    activation that is mostly non-negative (a Gelu's output, >= -0.17; an average of ReLU outputs, >= 0)
+    quantizes to uint8 over [low, amax] with a zero point instead of int8 over [-amax, amax]
+    (kiln/quant/qdq.py's insert, `lows`)."""
+
+    def __init__(self):
+        self._min: float | None = None
+
+    def observe(self, x: torch.Tensor) -> None:
+        if x.numel():
+            low = float(x.detach().min())
+            self._min = low if self._min is None else min(self._min, low)
+
+    def value(self) -> float | None:
+        return self._min
 
 
 class Together:

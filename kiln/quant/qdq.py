@@ -33,6 +33,7 @@ from kiln.errors import KilnError
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # float8e4m3fn
+ASYMMETRIC = 0.5  # int8: an activation whose negative side reaches at most this fraction of amax is uint8 + zero point
 
 
 @dataclass(frozen=True)
@@ -105,9 +106,9 @@ def _clip_max(value: ir.Value) -> float | None:
     return None if high is None else float(high.numpy().reshape(-1)[0])
 
 
-def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = ()) -> ir.Value:
+def _zero_point(name: str, dtype: str, shape: tuple[int, ...] = (), value: int = 0) -> ir.Value:
     if dtype in ("int8", "uint8"):
-        tensor = ir.tensor(np.zeros(shape, np.int8 if dtype == "int8" else np.uint8), name=name)
+        tensor = ir.tensor(np.full(shape, value, np.int8 if dtype == "int8" else np.uint8), name=name)
     else:
         tensor = ir.tensor(np.zeros(shape, ml_dtypes.float8_e4m3fn), name=name)
     return ir.Value(name=name, const_value=tensor)
@@ -133,7 +134,8 @@ def non_negative(value: ir.Value) -> bool:
 
 def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
            unsigned: bool = False, weight_max: float | None = None,
-           channel_means: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+           channel_means: dict[str, np.ndarray] | None = None,
+           lows: dict[str, float] | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -144,6 +146,16 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     array (one amax per channel, per_channel_activations) quantizes that activation along axis 1; a
     channel that was 0 on every batch gets the largest channel's scale (its values quantize to 0 either
     way). A range above a Clip's upper bound (a ReLU6's 6) is lowered to it: no value lies above.
+
+    lows ({activation: the smallest value it took on the calibration data}; int8 with unsigned only): a
+    per-tensor activation whose values are non-negative (an average of ReLU outputs) is uint8 over [0, amax]
+    too, and one whose negative side is short (-low <= ASYMMETRIC·amax, half; a Gelu's output, >= -0.17
+    against a positive range of several units) is uint8 over [low, amax] with a zero point, as onnxruntime's
+    QDQ activations are: 255 steps over [low, amax] instead of int8's 254 over [-amax, amax], whose negative
+    half a Gelu's output barely uses. Not for a roughly symmetric tensor: the gain is small there, and new
+    data below the calibrated minimum would be clipped where int8's -amax leaves room (a LayerNorm output's
+    error on fresh inputs grew so, tests/unit/test_smoothquant.py's block, at a threshold of 1). MiniLM's FFN down projections read Gelu: their input's rounding was
+    most of the embedding's error (bench/results/quant-cpu-2026-12-02.md, h-quant3).
 
     channel_means ({activation: its mean per channel on the calibration data}): bias correction (Nagel et
     al. 2019, "Data-Free Quantization", section 4.2). Rounding the weights shifts each output channel's
@@ -179,13 +191,22 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                 amax = np.minimum(amax, high)
             amax = np.where(amax > 0, amax, amax.max())  # a channel 0 throughout: any scale quantizes it to 0
             positive = unsigned and dtype == "int8" and non_negative(t.activation)
+            low = (lows or {}).get(t.activation.name) if unsigned and dtype == "int8" and amax.ndim == 0 else None
+            zero_point = 0
+            if low is not None and not positive and low >= 0:
+                positive = True
             steps = 255.0 if positive else qmax
             s = (amax / steps).astype(np.float32)
+            if low is not None and not positive and high is None and -low <= ASYMMETRIC * float(amax):
+                positive = True  # uint8 with a zero point over [low, amax]
+                s = np.asarray((float(amax) - low) / 255.0, np.float32)
+                zero_point = int(np.clip(np.round(-low / float(s)), 1, 255))
             if high is not None and high > 0:  # float32 rounding may not put the top step above the Clip's bound
                 s = np.where(s.astype(np.float64) * steps > high, np.nextafter(s, np.float32(0)), s)
             if amax.ndim == 0:
                 scale = _initializer(graph, _scalar(f"{base}_qscale", float(s)))
-                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype))
+                zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype,
+                                                       value=zero_point))
                 axis = {}
             else:
                 scale = _initializer(graph, ir.Value(name=f"{base}_qscale", const_value=ir.tensor(

@@ -3,9 +3,9 @@ computed as the quantized kernels would, on this CPU).
 
 MobileNetV2 (ImageNet weights) calibrated on a third of 112 crops and flips of scikit-image's
 photographs (kiln.quant.data.photo_variants) and judged on the rest: top-1 agreement with FP32. MiniLM (real weights): INT8 sentence
-embeddings against FP32 by cosine. The issue's targets (MobileNetV2 INT8 >= 97%, FP8 >= 98%; MiniLM
-cosine >= 0.99) are not met yet: each test asserts what kiln measured (bench/quant_accuracy.py) and says by
-how much it falls short; the measured agreement is printed either way.
+embeddings against FP32 by cosine. MiniLM's target (cosine >= 0.99, minmax or mse ranges) is met and asserted;
+MobileNetV2's (INT8 >= 97%, FP8 >= 98%) are not yet: those tests assert what kiln measured
+(bench/quant_accuracy.py) and say by how much it falls short; the measured numbers are printed either way.
 """
 
 from __future__ import annotations
@@ -41,7 +41,10 @@ def _agreement(engine, held_out, reference) -> float:
 # (float rounding of the float ops differs). fp8 54/74 (0.730), 70/74 (0.946, 41 float): the bench's numbers, not
 # re-measured through kiln.build before the deadline. The issue's targets are NOT met: int8 >= 0.97 (72/74; 1 image
 # short with mixed precision, 4 with every layer int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
-@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 68, 71), ("fp8", 54, 70)])
+# h-quant3 (2026-12-02 09:12): int8 67/74 every layer, 71 mixed: the classifier's input (a pool of ReLU6 outputs,
+# >= 0 on the data) is uint8 over [0, amax] now (twice int8's steps), and one image more flipped (74 images: one
+# image is 1.4 points; the set's closest top-1/top-2 margins are 0.005 of the logits' spread)
+@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 67, 71), ("fp8", 54, 70)])
 def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
@@ -60,14 +63,15 @@ def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count,
 @pytest.mark.slow
 def test_mobilenet_v2_entropy_int8_top1_agreement(mobilenet, capsys):
     """The entropy calibrator with per-channel depthwise inputs: 40/74 (0.541) when each channel ran its own KL
-    search, 66/74 (0.892) with the tensor's threshold capped per channel (bench/quant_accuracy.py, 2026-12-02)."""
+    search, 66/74 (0.892) with the tensor's threshold capped per channel (bench/quant_accuracy.py, 2026-12-02);
+    65/74 (0.878) since the classifier's input is uint8 (h-quant3; one image fewer, as with percentile)."""
     path, calibration, held_out, reference = mobilenet
     engine = kiln.build(path, precision="int8", quantization="emulate", calibration=calibration,
                         calibrator="entropy")
     agreement = _agreement(engine, held_out, reference)
     with capsys.disabled():
         print(f"\nMobileNetV2 int8 entropy: top-1 agreement {agreement:.3f} on {len(held_out)} held-out images")
-    assert round(agreement * len(held_out)) >= 66
+    assert round(agreement * len(held_out)) >= 65
 
 
 def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
@@ -85,35 +89,61 @@ def test_mobilenet_v2_int8_keeps_its_top1_on_the_cat():
     assert len(int8.plan.header["quantization"]["quantized"]) == 53  # 52 convolutions and the classifier
 
 
-@pytest.mark.slow  # the sensitivity analysis runs the model ~40 times: minutes on 2 cores
-def test_minilm_int8_embeddings_keep_their_direction(capsys):
+def _minilm():
     from kiln.zoo import sentence
 
     exported = zoo.export("minilm")
-    sentences = sentence.SENTENCES
-    batches = [sentence.tokenize([s], 32) for s in sentences]
+    batches = [sentence.tokenize([s], 32) for s in sentence.SENTENCES]
     batches = [{k: np.repeat(v, 8, axis=0) for k, v in b.items()} for b in batches]  # the export's batch of 8
-    fp32 = kiln.build(str(exported.path))
-    plain = kiln.build(str(exported.path), precision="int8", quantization="emulate", calibration=batches[:4],
+    return str(exported.path), batches
+
+
+def _embedding_cosines(engine, fp32, batches) -> list[float]:
+    """Cosine of each sentence's embedding (the export's "div_1": mean pooling over the attention mask, L2
+    norm, what sentence-transformers returns) to fp32's. Not the token states ("layer_norm_12"): their
+    padding positions are masked out of the embedding (comparing them gave 0.912 where the embedding has 0.959)."""
+    out = []
+    for feeds in batches:
+        a, b = fp32.run(feeds)["div_1"][0], engine.run(feeds)["div_1"][0]
+        out.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
+    return out
+
+
+@pytest.mark.slow  # ~20 s at load 3 on 2 cores (the fp32 export and two int8 builds)
+@pytest.mark.parametrize("calibrator", ["minmax", "mse"])
+def test_minilm_int8_sentence_embeddings_meet_cosine_0_99(calibrator, capsys):
+    """The issue's target, every MatMul with a weight int8 (36), 4 sentences calibrate, all 8 judged. Measured
+    2026-12-02 (h-quant3): worst cosine 0.9904 minmax, 0.9907 mse; before the Gelu outputs were uint8 with a
+    zero point (kiln/quant/qdq.py, `lows`) 0.977 minmax; percentile 0.956 (99.99% clips the residual stream's
+    outlier channels), entropy 0.75: neither meets it."""
+    path, batches = _minilm()
+    fp32 = kiln.build(path)
+    engine = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
+                        calibrator=calibrator)
+    q = engine.plan.header["quantization"]
+    assert len(q["quantized"]) == 36 and not q["kept_float"]
+    assert sum(v < 0 for v in q["lows"].values()) >= 6  # the six FFN down projections' Gelu inputs at least
+    cosines = _embedding_cosines(engine, fp32, batches)
+    with capsys.disabled():
+        print(f"\nMiniLM int8 {calibrator}: worst sentence-embedding cosine to fp32 {min(cosines):.4f}, "
+              f"mean {np.mean(cosines):.4f}")
+    assert min(cosines) >= 0.99
+
+
+@pytest.mark.slow  # the sensitivity analysis runs the model ~40 times: minutes on 2 cores
+def test_minilm_int8_with_an_accuracy_target_is_no_worse(capsys):
+    path, batches = _minilm()
+    fp32 = kiln.build(path)
+    plain = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
                        calibrator="percentile")
-    mixed = kiln.build(str(exported.path), precision="int8", quantization="emulate", calibration=batches[:4],
+    mixed = kiln.build(path, precision="int8", quantization="emulate", calibration=batches[:4],
                        calibrator="percentile", accuracy_target=0.05)
-
-    def cosines(engine) -> list[float]:
-        out = []
-        for feeds in batches:
-            a = next(iter(fp32.run(feeds).values())).reshape(8, -1)[0]
-            b = next(iter(engine.run(feeds).values())).reshape(8, -1)[0]
-            out.append(float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b))))
-        return out
-
-    c_plain, c_mixed = min(cosines(plain)), min(cosines(mixed))
+    c_plain, c_mixed = min(_embedding_cosines(plain, fp32, batches)), min(_embedding_cosines(mixed, fp32, batches))
     kept = len(mixed.plan.header["quantization"]["kept_float"])
     with capsys.disabled():
-        print(f"\nMiniLM int8: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} with "
-              f"--accuracy-target 0.05 ({kept} layer(s) kept float)")
-    # measured 2026-12-02: every layer int8 0.9116 (bench/quant_accuracy.py --minilm); the issue's target 0.99 is
-    # NOT met (0.078 short): per-tensor activations lose the residual stream's outlier channels, and SmoothQuant
-    # cannot reach these post-LN inputs (the residual Add reads them too; docs/quantization.md)
-    assert c_plain >= 0.911
+        print(f"\nMiniLM int8 percentile: worst cosine to fp32 {c_plain:.4f} every layer quantized, {c_mixed:.4f} "
+              f"with --accuracy-target 0.05 ({kept} layer(s) kept float)")
+    # measured 2026-12-02 (h-quant3): every layer int8 0.9558 (percentile clips the outlier channels: minmax and
+    # mse meet 0.99, the test above)
+    assert c_plain >= 0.95
     assert c_mixed >= c_plain - 0.01  # keeping the most sensitive layers float does not make it worse
