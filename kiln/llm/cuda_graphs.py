@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from kiln.llm.attention import AttentionMetadata
-from kiln.llm.models.layers import FUSED
 from kiln.llm.sampling import Sampler
 
 log = logging.getLogger("kiln.llm")
@@ -88,9 +87,6 @@ class DecodeGraphs:
                                  num_decodes=b, backend="triton", max_seq_len=self.max_seq_len)
         hidden = self.model(self.ints[0, :b], self.ints[1, :b], self.kv_caches, meta)
         logits = self.model.compute_logits(hidden)
-        if FUSED and logits.dim() == 2 and logits.stride(-1) == 1:
-            from kiln.llm.kernels.fused import argmax_rows  # one program a row (torch's: one block for a row)
-            return logits, argmax_rows(logits)
         return logits, logits.argmax(dim=-1)
 
     def _sample(self, b: int) -> torch.Tensor:

@@ -12,8 +12,7 @@ pytest.importorskip("triton")
 
 from kiln.llm.attention import write_kv  # noqa: E402
 from kiln.llm.config import RopeConfig  # noqa: E402
-from kiln.llm.kernels.fused import (  # noqa: E402
-    add_rms_norm, argmax_rows, fp8_quantize_rows, rms_norm, rope_kv_write, silu_mul)
+from kiln.llm.kernels.fused import add_rms_norm, fp8_quantize_rows, rms_norm, rope_kv_write, silu_mul  # noqa: E402
 from kiln.llm.models.layers import RMSNorm, Rotary  # noqa: E402
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
@@ -81,18 +80,3 @@ def test_fp8_rows_match_the_reference_quantization():
     assert mismatch < 1e-3  # a division rounded once differently may move a value by one E4M3 step
     torch.testing.assert_close(q.float(), expected.float(), atol=0, rtol=0.07)
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, vocab", [(1, 9000), (3, 4096), (2, 100)])
-def test_argmax_rows_is_torch_argmax_ties_included(dtype, rows, vocab):
-    g = torch.Generator().manual_seed(rows * vocab)
-    x = torch.randn((rows, vocab), generator=g).to(dtype)
-    top = x.float().max() + 1
-    x[0, vocab // 2] = top  # a maximum in a later tile than ...
-    x[0, vocab - 1] = top   # ... an equal one after it: the first index wins
-    if rows > 1:
-        x[1, :] = 0.5       # a whole row of ties: index 0
-    got = argmax_rows(x.to(DEVICE)).cpu()
-    assert got.dtype == torch.int64
-    assert torch.equal(got, x.argmax(dim=-1))
-    assert got[0] == vocab // 2

@@ -10,7 +10,6 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
   and v written into their cache slots, one program per token (half-split RoPE, cos/sin tables in fp32).
 - silu_mul: SwiGLU's silu(gate)·up from the fused [T, 2·I] projection, silu rounded before the product.
 - fp8_quantize_rows: per-token E4M3 activations and their scales for torch._scaled_mm (one program a row).
-- argmax_rows: greedy decoding's argmax over the vocabulary, one program streaming each row.
 """
 
 from __future__ import annotations
@@ -161,33 +160,3 @@ def fp8_quantize_rows(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Te
                                         BLOCK=min(2048, triton.next_power_of_2(x.shape[1])))
     return q, scale
 
-
-@triton.jit
-def _argmax_rows_kernel(x_ptr, out_ptr, N, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)
-    best_index = tl.sum(tl.zeros([BLOCK], tl.int64), 0)
-    for start in range(0, N, BLOCK):
-        ok = start + cols < N
-        x = tl.load(x_ptr + row * stride_x + start + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        top = tl.max(x, 0)
-        at = tl.argmax(x, 0, tie_break_left=True)
-        better = top > best  # strictly: an equal value later in the row keeps the first index, as torch.argmax
-        best_index = tl.where(better, start + at.to(tl.int64), best_index)
-        best = tl.where(better, top, best)
-    tl.store(out_ptr + row, best_index)
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) of a [R, V] tensor (the first index of the maximum), one program a row.
-
-    torch's own reduction gives a single row to one block: 28 us for a 128,256-token vocabulary at batch 1 on
-    the H200 (a 4.8 ms decode step's 0.6%); here one program streams the row in 4,096-wide tiles (its time on
-    the H200 not yet isolated: bench/llm_profile.py --top 20 lists it).
-    A row of -inf only, or of NaN, gives index 0 (greedy rows never hold either: the logits are finite)."""
-    assert x.dim() == 2 and x.stride(-1) == 1, "argmax_rows wants a row-major [R, V] tensor"
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    if x.shape[0]:
-        _argmax_rows_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=4096, num_warps=8)
-    return out
