@@ -450,6 +450,10 @@ class ExecutionContext:
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)
 
 
+_NUMPY_OWN = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                              np.uint32, np.uint64, np.float16, np.float32, np.float64))
+
+
 def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
     """(dtype, shape) of each input, in binding order, when every feed is a C-contiguous writable
     numpy array and there is no other feed; else None."""
@@ -458,8 +462,8 @@ def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
     key = []
     for name in names:
         a = feeds.get(name)
-        if type(a) is not np.ndarray or not a.flags.c_contiguous or not a.flags.writeable or a.dtype.kind not in "biuf":
-            return None  # bfloat16 and float8 arrays (ml_dtypes, kind 'V') take the general path's conversion
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or not a.flags.writeable or a.dtype not in _NUMPY_OWN:
+            return None  # bfloat16 and float8 arrays (ml_dtypes' types) take the general path's conversion
         key.append((a.dtype, a.shape))
     return tuple(key)
 
