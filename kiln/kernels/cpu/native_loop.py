@@ -21,6 +21,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,54 @@ FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O2",))
 
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
+
+
+class KernelLibrary:
+    """One of kiln's C kernel files (se.c, relayout.c, transformer.c): compiled by `build` on first use, loaded
+    once per process (thread-safe). `load()` gives the library or None, and `reason()` then says why; each name
+    in `functions` is bound as int f(plan, handles, count, args), the calling convention a native segment
+    uses. `requires`: (a check, what to say when it fails) made before building; `setup(lib)`: after binding."""
+
+    def __init__(self, stem: str, source: str, functions: Sequence[str],
+                 requires: tuple[Callable[[], bool], str] | None = None,
+                 setup: Callable[[ctypes.CDLL], None] | None = None):
+        self.stem, self.source, self.functions, self.requires, self.setup = stem, source, tuple(functions), requires, setup
+        self._loaded: ctypes.CDLL | None = None
+        self._reason: str | None = None
+        self._lock = threading.Lock()
+
+    def load(self) -> ctypes.CDLL | None:
+        """The compiled kernels (built on first use, then reused from kiln's cache), or None."""
+        with self._lock:
+            if self._loaded is not None or self._reason is not None:
+                return self._loaded
+            if self.requires is not None and not self.requires[0]():
+                self._reason = self.requires[1]
+                return None
+            built = build(self.stem, self.source)
+            if isinstance(built, str):
+                self._reason = built
+                return None
+            try:
+                lib = ctypes.CDLL(str(built))
+                for name in self.functions:
+                    fn = getattr(lib, name)
+                    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                                             ctypes.c_void_p]
+            except (OSError, AttributeError) as e:
+                self._reason = f"{type(e).__name__}: {e}"
+                return None
+            if self.setup is not None:
+                self.setup(lib)
+            self._loaded = lib
+            return lib
+
+    def available(self) -> bool:
+        return self.load() is not None
+
+    def reason(self) -> str | None:
+        """Why load() returned None (None when it did not)."""
+        return self._reason
 
 
 def _cache_dir() -> Path:

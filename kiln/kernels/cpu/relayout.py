@@ -28,9 +28,6 @@ from kiln.ops.relayout import TABLE_LIMIT, strided_form
 SOURCE = Path(__file__).with_name("relayout.c").read_text()
 MAX_DIMS = 8
 
-_LOADED: ctypes.CDLL | None = None
-_REASON: str | None = None
-_LOCK = threading.Lock()
 
 
 class _Plan(ctypes.Structure):  # relayout_plan in relayout.c
@@ -39,37 +36,9 @@ class _Plan(ctypes.Structure):  # relayout_plan in relayout.c
                 ("stride", ctypes.c_long * MAX_DIMS)]
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, then reused from kiln's cache), or None."""
-    global _LOADED, _REASON
-    with _LOCK:
-        if _LOADED is not None or _REASON is not None:
-            return _LOADED
-        if not onednn.available():
-            _REASON = "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"
-            return None
-        built = native_loop.build("relayout", SOURCE)
-        if isinstance(built, str):
-            _REASON = built
-            return None
-        try:
-            lib = ctypes.CDLL(str(built))
-            fn = lib.kiln_relayout
-            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        except (OSError, AttributeError) as e:
-            _REASON = f"{type(e).__name__}: {e}"
-            return None
-        _LOADED = lib
-        return lib
-
-
-def available() -> bool:
-    return load() is not None
-
-
-def reason() -> str | None:
-    """Why load() returned None (None when it did not)."""
-    return _REASON
+_LIBRARY = native_loop.KernelLibrary("relayout", SOURCE, ["kiln_relayout"],
+                                    requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"))
+load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the library, built on first use
 
 
 def _strides(size: tuple[int, ...]) -> tuple[int, ...]:

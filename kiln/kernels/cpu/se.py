@@ -31,9 +31,6 @@ ACTIVATIONS = {"": 0, "Relu": 1, "SiLU": 2, "HardSwish": 3, "Clip": 4, "LeakyRel
 GATES = ("Sigmoid", "HardSigmoid")
 PARALLEL_ELEMENTS = 1 << 14  # below this many input elements one thread: a parallel region costs ~2-5 µs
 
-_LOADED: ctypes.CDLL | None = None
-_REASON: str | None = None
-_LOCK = threading.Lock()
 
 
 class _Plan(ctypes.Structure):  # se_plan in se.c
@@ -46,37 +43,9 @@ class _Plan(ctypes.Structure):  # se_plan in se.c
                 ("gate_beta", ctypes.c_float), ("threads", ctypes.c_int)]
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernel (built on first use, then reused from kiln's cache), or None."""
-    global _LOADED, _REASON
-    with _LOCK:
-        if _LOADED is not None or _REASON is not None:
-            return _LOADED
-        if not onednn.available():
-            _REASON = "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"
-            return None
-        built = native_loop.build("se", SOURCE)
-        if isinstance(built, str):
-            _REASON = built
-            return None
-        try:
-            lib = ctypes.CDLL(str(built))
-            fn = lib.kiln_squeeze_excite
-            fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-        except (OSError, AttributeError) as e:
-            _REASON = f"{type(e).__name__}: {e}"
-            return None
-        _LOADED = lib
-        return lib
-
-
-def available() -> bool:
-    return load() is not None
-
-
-def reason() -> str | None:
-    """Why load() returned None (None when it did not)."""
-    return _REASON
+_LIBRARY = native_loop.KernelLibrary("se", SOURCE, ["kiln_squeeze_excite"],
+                                    requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"))
+load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the library, built on first use
 
 
 def _vector(v: torch.Tensor | None) -> torch.Tensor | None:

@@ -34,9 +34,6 @@ SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
               "kiln_rotary", "kiln_elementwise", "kiln_concat")
 
-_LOADED: ctypes.CDLL | None = None
-_REASON: str | None = None
-_LOCK = threading.Lock()
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 
 # elements below which LayerNorm and Add stay on one thread (~1 ms of work): a parallel region costs a few
@@ -44,41 +41,15 @@ _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is
 PARALLEL_ELEMENTS = 1 << 20
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels (built on first use, then reused from kiln's cache), or None."""
-    global _LOADED, _REASON
-    with _LOCK:
-        if _LOADED is not None or _REASON is not None:
-            return _LOADED
-        if not onednn.available():
-            _REASON = "libdnnl.so.3 cannot be loaded (the kernels' operands are oneDNN memory objects)"
-            return None
-        built = native_loop.build("transformer", SOURCE)
-        if isinstance(built, str):
-            _REASON = built
-            return None
-        try:
-            lib = ctypes.CDLL(str(built))
-            for name in _FUNCTIONS:
-                fn = getattr(lib, name)
-                fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                                                         ctypes.c_void_p]
-        except (OSError, AttributeError) as e:
-            _REASON = f"{type(e).__name__}: {e}"
-            return None
-        # attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's
-        ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
-        _LOADED = lib
-        return lib
+def _share_the_pool(lib: ctypes.CDLL) -> None:
+    """attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's."""
+    ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()
 
 
-def available() -> bool:
-    return load() is not None
-
-
-def reason() -> str | None:
-    """Why load() returned None (None when it did not)."""
-    return _REASON
+_LIBRARY = native_loop.KernelLibrary(
+    "transformer", SOURCE, _FUNCTIONS, setup=_share_the_pool,
+    requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernels' operands are oneDNN memory objects)"))
+load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the kernels, built on first use
 
 
 def _handle_md() -> Any:
