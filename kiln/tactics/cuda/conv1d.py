@@ -24,9 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.fused import _epilogue
-from kiln.ops.nn import _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.library import _epilogue_args
+from kiln.tactics.cuda.conv import _geometry as _conv_geometry
+from kiln.tactics.cuda.conv import _output_size
+from kiln.tactics.cuda.library import _broadcasts_to, _epilogue_args
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -35,11 +36,9 @@ from kiln.tactics.tactic import tensor_input as _input
 MIN_TAPS = 16
 
 
-def _geometry(step: StepSpec, length_shape: tuple[int, ...], taps: int) -> tuple[int, int, int, int]:
-    """(stride, dilation, pad_begin, pad_end) of the layer for an input of shape length_shape, auto_pad resolved."""
-    strides, dilations, pads = _conv_params(torch.empty(length_shape, device="meta"), [taps],
-                                            _attr(step, "auto_pad", "NOTSET"), _attr(step, "dilations", None),
-                                            _attr(step, "pads", None), _attr(step, "strides", None))
+def _geometry(step: StepSpec, shape: tuple[int, ...], taps: int) -> tuple[int, int, int, int]:
+    """(stride, dilation, pad_begin, pad_end) of the layer for an input of this shape, auto_pad resolved."""
+    strides, dilations, pads = _conv_geometry(step, torch.empty(shape, device="meta"), [taps])
     return int(strides[0]), int(dilations[0]), int(pads[0]), int(pads[1])
 
 
@@ -63,12 +62,12 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if b is not None and (b.dtype != x.dtype or b.shape is None or len(b.shape) != 1 or b.shape[0] != cout):
         return f"bias is not one {x.dtype} value per output channel ({cout})"
     stride, dilation, begin, end = _geometry(step, tuple(x.shape), taps)
-    out = (x.shape[2] + begin + end - dilation * (taps - 1) - 1) // stride + 1
+    out = _output_size(x.shape[2], taps, stride, begin, end, dilation)
     if out <= 0:
         return "the kernel does not fit the padded input"
-    if residual is not None and residual.shape is not None:
-        if len(residual.shape) > 3 or any(r not in (1, o) for r, o in zip(residual.shape[::-1], (out, cout, x.shape[0]))):
-            return f"residual of shape {list(residual.shape)} does not broadcast to the output {[x.shape[0], cout, out]}"
+    if residual is not None and residual.shape is not None and not _broadcasts_to(tuple(residual.shape),
+                                                                                  (x.shape[0], cout, out)):
+        return f"residual of shape {list(residual.shape)} does not broadcast to the output {[x.shape[0], cout, out]}"
     return True
 
 
