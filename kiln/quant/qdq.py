@@ -213,18 +213,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                     s, name=f"{base}_qscale")))
                 zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype, amax.shape))
                 axis = {"axis": 1}
-            q = ir.node("QuantizeLinear", [t.activation, scale, zero], attributes=axis, name=f"{base}_quantize",
-                        num_outputs=1)
-            q.outputs[0].name = f"{base}_q"
-            q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
-            q.outputs[0].shape = t.activation.shape
-            d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], attributes=axis, name=f"{base}_dequantize",
-                        num_outputs=1)
-            d.outputs[0].name = f"{base}_dq"
-            d.outputs[0].dtype = t.activation.dtype
-            d.outputs[0].shape = t.activation.shape
-            graph.insert_before(t.node, [q, d])
-            dq = pairs[t.activation.name] = d.outputs[0]
+            dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
         t.node.replace_input_with(0, dq)
         weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax)
         mean = (channel_means or {}).get(t.activation.name)
@@ -234,6 +223,24 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
     return skipped
+
+
+def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale: ir.Value, zero: ir.Value,
+                        axis: dict | None = None) -> ir.Value:
+    """DQ(Q(value)) with these scale and zero point (initializers), inserted before `before`: the dequantized
+    value, named after `value` (<name>_q, <name>_dq)."""
+    base, axis = value.name, axis or {}
+    q = ir.node("QuantizeLinear", [value, scale, zero], attributes=axis, name=f"{base}_quantize", num_outputs=1)
+    q.outputs[0].name = f"{base}_q"
+    q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
+    q.outputs[0].shape = value.shape
+    d = ir.node("DequantizeLinear", [q.outputs[0], scale, zero], attributes=axis, name=f"{base}_dequantize",
+                num_outputs=1)
+    d.outputs[0].name = f"{base}_dq"
+    d.outputs[0].dtype = value.dtype
+    d.outputs[0].shape = value.shape
+    graph.insert_before(before, [q, d])
+    return d.outputs[0]
 
 
 def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir.Value:

@@ -79,16 +79,7 @@ def _new_pair(graph: ir.Graph, node: ir.Node, value: ir.Value, amax: float, unsi
     base = value.name
     s = qdq._initializer(graph, qdq._scalar(f"{base}_qscale", float(scale)))
     z = qdq._initializer(graph, qdq._zero_point(f"{base}_qzero", "uint8" if positive else "int8"))
-    q = ir.node("QuantizeLinear", [value, s, z], name=f"{base}_quantize", num_outputs=1)
-    q.outputs[0].name = f"{base}_q"
-    q.outputs[0].type = ir.TensorType(z.const_value.dtype)
-    q.outputs[0].shape = value.shape
-    d = ir.node("DequantizeLinear", [q.outputs[0], s, z], name=f"{base}_dequantize", num_outputs=1)
-    d.outputs[0].name = f"{base}_dq"
-    d.outputs[0].dtype = value.dtype
-    d.outputs[0].shape = value.shape
-    graph.insert_before(node, [q, d])
-    return d.outputs[0]
+    return qdq.quantize_dequantize(graph, node, value, s, z)
 
 
 def insert(model: ir.Model, adds: list[ir.Node], ranges: dict, unsigned: bool) -> list[str]:
