@@ -25,7 +25,7 @@ import torch
 from kiln.llm.config import LLMError, ModelConfig
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
 from kiln.llm.model_runner import ModelRunner
-from kiln.llm.models import build_model
+from kiln.llm.models import build_model, default_dtype
 from kiln.llm.request import Request
 from kiln.llm.scheduler import ScheduledRequest
 from kiln.llm.weights import iterate_weights
@@ -54,13 +54,8 @@ class DraftModel:
         if config.max_position_embeddings < max_model_len:
             raise LLMError(f"speculative_model {self.path.name}: max_position_embeddings "
                            f"{config.max_position_embeddings} is shorter than max_model_len {max_model_len}")
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                self.model = build_model(config, max_model_len)
-        finally:
-            torch.set_default_dtype(previous)
+        with torch.device(device), default_dtype(dtype):
+            self.model = build_model(config, max_model_len)
         self.model.load_weights(iterate_weights(self.path), source=str(self.path))
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
         num_blocks = spec.blocks_for_budget(kv_cache_bytes)

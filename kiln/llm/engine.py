@@ -11,7 +11,6 @@ and sizes the KV cache from the budget the user gives (EngineConfig.kv_cache_mem
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import time
@@ -25,7 +24,7 @@ from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, LLMError, ModelConfig, parse_bytes
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
 from kiln.llm.model_runner import ModelRunner, TokenLogprobs
-from kiln.llm.models import build_model
+from kiln.llm.models import build_model, default_dtype
 from kiln.llm.models.layers import ColumnLinear, RowLinear, materialize_weight
 from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kiln.llm.parallel import SINGLE, TensorParallel
@@ -59,15 +58,6 @@ def resolve_dtype(name: str | torch.dtype, checkpoint: str | None, device: torch
         raise LLMError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16")
     return DTYPES[name]
 
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
 
 
 @torch.no_grad()
@@ -139,7 +129,7 @@ class LLMEngine:
                 raise LLMError(f"{self.path}: pre-quantized {self.model_config.model_type} checkpoints are not "
                                "supported (Llama, Mistral and Qwen2 are)")
         started = time.perf_counter()
-        with torch.device(self.device), _default_dtype(self.dtype):
+        with torch.device(self.device), default_dtype(self.dtype):
             self.model = build_model(self.model_config, self.max_model_len, tp)
         if config.load_format == "dummy":
             _dummy_weights(self.model, config.seed)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
 from torch import nn
 
 from kiln.llm.config import ModelConfig
@@ -16,3 +19,14 @@ def build_model(config: ModelConfig, max_position: int, tp: TensorParallel = SIN
     """An empty model (weights to load) on the current default device and dtype."""
     model = MODELS[config.family](config, tp, max_position)
     return model.requires_grad_(False).eval()
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` inside the block (build_model makes its parameters in it)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
