@@ -61,11 +61,14 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     dims, perm, shape = _attributes(step)
     tuned = tuple(step.tactic_config["input_size"])
     kernel = relayout.Relayout(tuned, relayout.relayout_move(dims, perm, shape))  # at load
+    # the attributes hold for the tuned size only: at another, the op's own code says why not
+    return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape))
 
-    def launch(ctx, x, **_attributes):
-        if tuple(x.shape) != tuned:  # the attributes hold for the tuned size only: the op's own code says why not
-            return x.reshape(dims).permute(perm).reshape(shape)
-        return kernel(x)
+
+def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor]):
+    """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other."""
+    def launch(ctx, x, *_inputs, **_attributes):
+        return kernel(x) if tuple(x.shape) == tuned else other_sizes(x)
 
     launch.native = NativeStep(tuned, kernel.output_size, lambda _accumulate: kernel)
     return launch
@@ -108,14 +111,7 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = tuple(step.tactic_config["input_size"])
     move = _slice_move(step, constants)
     kernel = relayout.Relayout(tuned, move, "slice")  # at load; a slice no walk gives raises: the tactic fails its check
-
-    def launch(ctx, x, *_inputs, **_attributes):
-        if tuple(x.shape) != tuned:  # the walk holds for the tuned size only
-            return move(x)
-        return kernel(x)
-
-    launch.native = NativeStep(tuned, kernel.output_size, lambda _accumulate: kernel)
-    return launch
+    return _launch(tuned, kernel, move)  # the walk holds for the tuned size only
 
 
 register(Tactic(
