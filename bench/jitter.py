@@ -10,6 +10,7 @@ BERT-base 1 x 128 with its attention mask), after a warm-up, p50 / p99 / p99.9 a
 - run, no gc: the same with Python's garbage collector off (gc.freeze() after warm-up, gc.disable())
 - host:       perf_counter around run + synchronize: what a caller waiting on the result sees
 - host, no gc: the same with the collector off
+- execute (bound): set_tensor_address once, then context.execute() (one graph launch a call), CUDA events and host
 
 Prints a table last and writes it under --out.
 """
@@ -79,6 +80,14 @@ def measure(name: str, calls: int) -> list[tuple]:
     rows = [(desc, "replay", *stats(events(entry.graph.replay, calls))),
             (desc, "run", *stats(events(lambda: ctx.run(feeds), calls))),
             (desc, "host", *stats(host(lambda: ctx.run(feeds), calls)))]
+    bound = engine.create_execution_context()  # TensorRT's way: tensors bound once, then execute()
+    for n, t in feeds.items():
+        bound.set_tensor_address(n, t)
+    for _ in range(100):
+        bound.execute()
+    torch.cuda.synchronize()
+    rows += [(desc, "execute (bound)", *stats(events(bound.execute, calls))),
+             (desc, "execute (bound), host", *stats(host(bound.execute, calls)))]
     gc.collect()
     gc.freeze()
     gc.disable()

@@ -208,6 +208,103 @@ class ExecutionContext:
             and not engine.internal_dtype and self.buckets is None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
             else None
+        self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
+        self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
+
+    def set_tensor_address(self, name: str, tensor: torch.Tensor) -> None:
+        """Bind a caller-owned tensor to an input or an output, as TensorRT's setTensorAddress does: execute()
+        reads the inputs from and writes the outputs into the bound tensors, which must stay alive and in place
+        (bind again to change one). Checked here: the binding exists, the dtype is the binding's, the shape fits
+        the binding's fixed dims, the tensor is contiguous and on the engine's device."""
+        bindings = {b.name: b for b in (*self.engine.inputs, *self.engine.outputs)}
+        binding = bindings.get(name)
+        if binding is None:
+            raise BindingError(f"no input or output named {name!r}; the engine's inputs are {self.engine.input_names}, "
+                               f"its outputs {self.engine.output_names}")
+        if type(tensor) is not torch.Tensor:
+            raise BindingError(f"{name!r}: set_tensor_address takes a torch.Tensor, given {type(tensor).__name__}")
+        given = _given_dtype(tensor)
+        if binding.dtype and given != binding.dtype:
+            raise BindingError(f"{name!r}: expected dtype {binding.dtype}, given {given} (shape {list(tensor.shape)})")
+        if binding.shape is not None and (len(binding.shape) != tensor.dim() or any(
+                isinstance(want, int) and want != got for want, got in zip(binding.shape, tensor.shape))):
+            raise BindingError(f"{name!r}: expected shape {binding.describe()}, given {list(tensor.shape)}")
+        problems = [p.outside({name: tuple(tensor.shape)}) for p in self.engine.profiles]
+        if problems and all(problems):
+            raise BindingError(f"{name!r}: shape {list(tensor.shape)} is outside every optimization profile: "
+                               + "; ".join(problems))
+        if tensor.device.type != self.engine.device.type:
+            raise BindingError(f"{name!r}: the engine runs on {self.engine.device.type}, the tensor is on {tensor.device}")
+        if not tensor.is_contiguous():
+            raise BindingError(f"{name!r}: a bound tensor must be contiguous")
+        self._bound[name] = tensor
+        self._io_graph = None  # captured over the old addresses
+
+    def execute(self) -> dict[str, torch.Tensor]:
+        """Run on the bound tensors (set_tensor_address): every input must be bound; outputs that are bound are
+        written there, the others come back as this context's buffers, overwritten by its next run. On the GPU the
+        call is enqueued on the current stream, as run() is. A fixed-shape CUDA engine with CUDA graphs runs the
+        whole call (input casts, network, output copies) as one captured graph, built at the first execute():
+        a call is then one graph launch, with no Python per layer or per binding (a control loop's worst call
+        is the GPU's own)."""
+        graph = self._io_graph
+        if graph is not None:
+            graph[0].replay()
+            return graph[1]
+        missing = [n for n in self.engine.input_names if n not in self._bound]
+        if missing:
+            raise BindingError(f"execute(): input(s) {missing} not bound; bind each with set_tensor_address(name, tensor)")
+        feeds = {n: self._bound[n] for n in self.engine.input_names}
+        if self._cuda_static is not None:
+            captured = self._capture_io_graph(feeds)
+            if captured is not None:
+                self._io_graph = captured
+                captured[0].replay()
+                return captured[1]
+        results = self.run(feeds)
+        outputs = {}
+        for name, value in results.items():
+            bound = self._bound.get(name)
+            if bound is None:
+                outputs[name] = value
+                continue
+            value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+            if tuple(value.shape) != tuple(bound.shape):
+                raise BindingError(f"output {name!r}: the run produced shape {list(value.shape)}, the bound tensor "
+                                   f"is {list(bound.shape)}")
+            bound.copy_(value)
+            outputs[name] = bound
+        return outputs
+
+    def _capture_io_graph(self, feeds: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]] | None:
+        """One CUDA graph of the whole call over the bound tensors: each input cast into the network's dtype,
+        the network (replaying the shape values its ordinary graph recorded), each output copied (cast) into its
+        bound tensor or into a context-owned one. It shares the ordinary graph's memory pool: the two are never
+        replayed at once and neither keeps a freed block's contents between replays. None when the ordinary
+        graph is not captured (a layer that syncs): execute() then runs the general path."""
+        for _ in range(2):  # the first run records the shapes and warms up, the second captures (GraphRunner)
+            self.run(feeds)
+        names, _, key, outputs = self._cuda_static
+        entry = self.runner.entries.get(key)
+        if entry is None or entry.graph is None:
+            return None
+        targets = {}
+        for (name, dtype), static in zip(outputs, entry.static_outputs):
+            bound = self._bound.get(name)
+            targets[name] = bound if bound is not None else torch.empty(
+                static.shape, dtype=dtype or static.dtype, device=self.engine.device)
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=entry.graph.pool(), stream=stream):
+                args = [feeds[n].to(d) for n, (_, d) in zip(names, key)]
+                results = self.engine.program.run(args, plan=entry.plan)
+                for (name, _), r in zip(outputs, results):
+                    targets[name].copy_(r)
+        torch.cuda.current_stream().wait_stream(stream)
+        return graph, targets
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}

@@ -110,3 +110,36 @@ def test_engine_for_another_gpu_is_refused(models, tmp_path):
     engine_file.save(plan, target)
     with pytest.raises(kiln.EngineFormatError, match="Imaginary"):
         kiln.load(target)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_execute_on_bound_tensors_is_one_graph(models, name):
+    """set_tensor_address + execute(): the whole call (input cast, network, output copy) captured as one graph
+    over the caller's tensors; in-place changes of a bound input are seen, a rebind recaptures."""
+    path, make_args = models[name]
+    engine = kiln.build(path, device="cuda", precision="fp16")
+    ctx = engine.create_execution_context()
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    x = make_args()[0].cuda()
+    y = torch.full(tuple(engine.outputs[0].shape), float("nan"), device="cuda")
+    ctx.set_tensor_address("x", x)
+    ctx.set_tensor_address("y", y)
+    for _ in range(3):
+        x.copy_(make_args()[0])
+        assert ctx.execute()["y"] is y
+        torch.cuda.synchronize()
+        np.testing.assert_allclose(y.cpu().numpy(), sess.run(None, {"x": x.cpu().numpy()})[0], rtol=2e-2, atol=2e-2)
+    assert ctx._io_graph is not None
+    x2 = make_args()[0].cuda()
+    ctx.set_tensor_address("x", x2)  # a new address: captured again
+    assert ctx._io_graph is None
+    got = ctx.execute()["y"]
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(got.cpu().numpy(), sess.run(None, {"x": x2.cpu().numpy()})[0], rtol=2e-2, atol=2e-2)
+    # and run() on the same context still answers right after the whole-call graph shared its pool
+    x3 = make_args()[0]
+    np.testing.assert_allclose(ctx.run({"x": x3.cuda()})["y"].float().cpu().numpy(),
+                               sess.run(None, {"x": x3.numpy()})[0], rtol=2e-2, atol=2e-2)
+    assert ctx.execute()["y"] is y
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(y.cpu().numpy(), sess.run(None, {"x": x2.cpu().numpy()})[0], rtol=2e-2, atol=2e-2)

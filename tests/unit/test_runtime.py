@@ -179,3 +179,44 @@ def test_dispatch_overhead_runs_and_keeps_the_engine_intact(engine, model):
     per_layer = profiler.dispatch_overhead(engine.program, [torch.from_numpy(x)], repeats=3)
     assert per_layer is not None and per_layer >= 0
     np.testing.assert_allclose(engine.run({"x": x})["y"], _reference(model, x), rtol=RTOL, atol=ATOL)
+
+
+# --- bound tensors: set_tensor_address / execute (TensorRT's setTensorAddress + enqueueV3) ---
+
+def test_execute_reads_and_writes_bound_tensors(model, engine):
+    ctx = engine.create_execution_context()
+    x = torch.from_numpy(_x(16))
+    y = torch.full((16, 8), float("nan"))
+    ctx.set_tensor_address("x", x)
+    ctx.set_tensor_address("y", y)
+    for _ in range(3):  # the bound input's contents change in place between calls
+        x.copy_(torch.from_numpy(_x(16)))
+        out = ctx.execute()
+        assert out["y"] is y
+        np.testing.assert_allclose(y.numpy(), _reference(model, x.numpy()), rtol=1e-5, atol=1e-5)
+
+
+def test_execute_without_bound_output_returns_the_contexts_own(model, engine):
+    ctx = engine.create_execution_context()
+    x = torch.from_numpy(_x(16))
+    ctx.set_tensor_address("x", x)
+    got = ctx.execute()["y"]
+    np.testing.assert_allclose(np.asarray(got), _reference(model, x.numpy()), rtol=1e-5, atol=1e-5)
+
+
+def test_set_tensor_address_names_what_is_wrong(engine):
+    ctx = engine.create_execution_context()
+    with pytest.raises(kiln.BindingError, match="no input or output named 'z'.*inputs are \\['x'\\]"):
+        ctx.set_tensor_address("z", torch.zeros(16, 8))
+    with pytest.raises(kiln.BindingError, match="'x': expected dtype float, given double"):
+        ctx.set_tensor_address("x", torch.zeros(16, 8, dtype=torch.float64))
+    with pytest.raises(kiln.BindingError, match="'x': expected shape .*given \\[4, 9\\]"):
+        ctx.set_tensor_address("x", torch.zeros(4, 9))
+    with pytest.raises(kiln.BindingError, match="'x': shape \\[65, 8\\] is outside every optimization profile"):
+        ctx.set_tensor_address("x", torch.zeros(65, 8))
+    with pytest.raises(kiln.BindingError, match="contiguous"):
+        ctx.set_tensor_address("x", torch.zeros(8, 16).t())
+    with pytest.raises(kiln.BindingError, match="takes a torch.Tensor"):
+        ctx.set_tensor_address("x", np.zeros((16, 8), np.float32))
+    with pytest.raises(kiln.BindingError, match="input\\(s\\) \\['x'\\] not bound"):
+        ctx.execute()
