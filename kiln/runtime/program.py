@@ -25,7 +25,7 @@ from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.host import ShapePlan, on_device, outputs_of, place, upload
 from kiln.runtime.native import segments
-from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps
+from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
 from kiln.tactics.registry import launch_for
@@ -155,11 +155,20 @@ class Program:
         for i, v in template_values.items():
             self.template[i] = v
         # On the CPU a new signature's shape values come from one generated function (kiln/runtime/shape_function.py)
-        # instead of their steps through the op dispatch; None where they cannot be computed ahead of the loop
+        # instead of their steps through the op dispatch: those computable from the input shapes alone; the loop
+        # then runs `first_steps` (the others stay where they stand)
         self.shape_function: ShapeFunction | None = None
-        if shape_steps and not on_cuda:
-            self.shape_function = compile_shape_steps(self.steps, sorted(shape_steps), self.template,
-                                                      self.input_slots, self.plan_slots)
+        self.first_steps = self.run_steps
+        ahead = computable_ahead(self.steps, sorted(shape_steps), self.template, self.input_slots) if not on_cuda else []
+        if ahead:
+            computed = {id(self.steps[i]) for i in ahead}
+            first_steps = [s for s in self.run_steps if id(s) not in computed]
+            written = {s for i in ahead for s in self.steps[i].outputs if s >= 0}
+            read_later = {s for step in first_steps for s in step.inputs} | set(self.output_slots)
+            self.shape_function = compile_shape_steps(self.steps, ahead, self.template, self.input_slots,
+                                                      sorted(written & read_later))
+            if self.shape_function is not None:
+                self.first_steps = first_steps
 
     def with_kernels(self, wrap: Callable[[int, Any], Any], keep_values: bool = False) -> Program:
         """A copy whose step i calls `wrap(i, kernel)` instead of its kernel (for tracing, timing,
@@ -199,7 +208,7 @@ class Program:
             elif signature is not None and self.shape_function is not None:
                 try:
                     self.shape_function(env)  # writes env only once every value is computed
-                    steps = self.lean_steps
+                    steps = self.first_steps
                 except Exception:  # noqa: BLE001  the steps one by one: they name a failing layer
                     pass
         for step in steps:

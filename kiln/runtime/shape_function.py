@@ -224,11 +224,24 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
     return None
 
 
+def computable_ahead(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int]) -> list[int]:
+    """Those of the shape-only steps `order` whose values follow from the inputs' shapes and constants alone.
+    The others read a layer's output (a Shape of a Reshape's result in an exported Llama, and what follows
+    from it): the loop computes them where they stand, once per signature, as before."""
+    known = set(input_slots) | {s for s, v in enumerate(template) if v is not None}
+    ahead = []
+    for i in order:
+        step = steps[i]
+        if all(s < 0 or s in known for s in step.inputs):
+            ahead.append(i)
+            known.update(s for s in step.outputs if s >= 0)
+    return ahead
+
+
 def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
                         slots: list[int]) -> ShapeFunction | None:
-    """The steps `order` (indices into `steps`, in order) as one function of the inputs' shapes, writing the
-    values of `slots`; None when a step reads a value computed outside them (a Shape of a layer's output:
-    such a program computes its shape values in its loop, as before)."""
+    """The steps `order` (indices into `steps`, in order; computable_ahead's) as one function of the inputs'
+    shapes, writing the values of `slots`; None when a step reads a value none of them computes."""
     w = _Writer()
     w.lines.append("def shape_values(env):")
     body_start = len(w.lines)
@@ -244,7 +257,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                 continue
             if s not in w.values:
                 if template[s] is None:
-                    return None  # computed by a step outside the shape steps
+                    return None  # computed by a step outside `order`
                 value = template[s]
                 dims = _constant_dims(value)
                 tensor = w.object("c", value)
