@@ -27,7 +27,9 @@ from typing import Any
 
 import torch
 
+from kiln.ops._util import norm_axis
 from kiln.ops.generators import arange_int64
+from kiln.ops.indexing import gather, gather_elements
 from kiln.ops.tensor import expand_to, reshape_to, slice_ints, squeeze_axes, unsqueeze_axes
 from kiln.runtime.step import BoundStep
 
@@ -56,6 +58,7 @@ class _Value:
     tensor: str | None = None  # a variable holding its tensor form, once made
     constant: Any = None  # a constant's dims, read at load (its axes, starts...)
     length: int | None = None  # of "ints": its length when the graph says it (a Shape's start:end), else None
+    nonneg: bool = False  # of "tensor": every element an integer >= 0 (a constant's position ids, an arange)
 
 
 def _only(dims: tuple) -> int:
@@ -91,6 +94,34 @@ def _arith(op: str, a: Any, b: Any) -> Any:
     return tuple(_int64(f(a[i if len(a) > 1 else 0], b[i if len(b) > 1 else 0])) for i in range(n))
 
 
+def _gather_nonneg(ctx: Any, data: Any, indices: Any, axis: int) -> Any:
+    """ONNX Gather by int64 indices known >= 0 (a constant's, an arange's, views of them): the op's tensor path
+    (kiln/ops/indexing.py) without its negative-index normalization (three ops that change nothing here); any
+    other case through the op itself. An index past the axis fails in index_select, as in the op."""
+    if not isinstance(data, torch.Tensor) or not isinstance(indices, torch.Tensor) or indices.dim() == 0 \
+            or indices.dtype != torch.int64:
+        return gather(ctx, data, indices, axis=axis)
+    axis = norm_axis(axis, data.ndim)
+    out = data.index_select(axis, indices.reshape(-1))
+    return out.reshape(data.shape[:axis] + indices.shape + data.shape[axis + 1:])
+
+
+def _gather_elements_nonneg(ctx: Any, data: Any, indices: Any, axis: int) -> Any:
+    """ONNX GatherElements by int64 indices known >= 0, as _gather_nonneg."""
+    if not isinstance(data, torch.Tensor) or not isinstance(indices, torch.Tensor) or indices.dtype != torch.int64:
+        return gather_elements(ctx, data, indices, axis=axis)
+    return torch.gather(data, norm_axis(axis, data.ndim), indices)
+
+
+def _nonnegative(value: Any) -> bool:
+    """Every element of an integer CPU tensor >= 0 (checked once, at load)."""
+    return (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dtype in _INTEGERS
+            and value.numel() > 0 and bool((value >= 0).all()))
+
+
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
 def _tensor(dims: Any) -> torch.Tensor:
     return torch.tensor(dims, dtype=torch.int64)
 
@@ -99,7 +130,7 @@ def _one(result: Any) -> Any:
     return result[0] if isinstance(result, tuple) else result
 
 
-_HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_one": _one,
+_HELPERS = {"_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg, "_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_one": _one,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
             "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64}
 
@@ -156,10 +187,19 @@ def _host_ints(w: _Writer, values: list[_Value | None], first: int) -> list[str]
     return found
 
 
-def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str, Any]
-          ) -> tuple[str, str] | tuple[str, str, int | None] | None:
-    """(expression, kind[, length]) computing the step's one output without the op dispatch, or None: a
-    direct call."""
+@dataclass
+class _Out:
+    """What an emitter computes: the expression and the value's kind, its length when known ("ints"), and
+    whether every element is known >= 0 (an index that needs no negative-index normalization)."""
+
+    expr: str
+    kind: str
+    length: int | None = None
+    nonneg: bool = False
+
+
+def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str, Any]) -> _Out | None:
+    """The step's one output without the op dispatch, or None: a direct call of its implementation."""
     op = step.ctx.op_type if step.ctx.domain in ("", "ai.onnx") else None
     x = ins[0] if ins else None
     if x is None:
@@ -169,58 +209,61 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
         index = f"{int(start)}:{'' if end is None else int(end)}"
         dims = {"tensor": f"{x.var}.shape", "ints": f"(len({x.var}),)", "int": "()"}[x.kind]
         length = int(end) - int(start) if end is not None and 0 <= int(start) < int(end) else None
-        return f"tuple({dims}[{index}])", "ints", length  # length: at most, when the rank is short
+        return _Out(f"tuple({dims}[{index}])", "ints", length)  # length: at most, when the rank is short
     if op == "Size" and len(ins) == 1:
-        return {"tensor": f"{x.var}.numel()", "ints": f"len({x.var})", "int": "1"}[x.kind], "int"
+        return _Out({"tensor": f"{x.var}.numel()", "ints": f"len({x.var})", "int": "1"}[x.kind], "int")
     if op == "Identity":
-        return x.var, x.kind
+        return _Out(x.var, x.kind, x.length, x.nonneg)
     if op == "Cast" and x.kind != "tensor" and attrs.get("to") == _INT64:
-        return x.var, x.kind
+        return _Out(x.var, x.kind, x.length)
     if op == "Squeeze" and len(ins) == 1 and "axes" not in attrs and x.kind == "ints" and x.length == 1:
-        return f"_only({x.var})", "int"  # every axis of size 1: a shape's one dim (else _only raises)
+        return _Out(f"_only({x.var})", "int")  # every axis of size 1: a shape's one dim (else _only raises)
     if op in ("Squeeze", "Unsqueeze") and "axes" not in attrs:
         axes = _host_ints(w, ins, 1)
         if axes is None or len(ins) != 2 or ins[1] is None:
             return None
         first_axis = ins[1].constant in ((0,), (-1,))  # a constant's axes, read at load
         if op == "Squeeze" and x.kind == "ints" and first_axis:
-            return f"_only({x.var})", "int"
+            return _Out(f"_only({x.var})", "int")
         if op == "Unsqueeze" and x.kind == "int" and first_axis:
-            return f"({x.var},)", "ints", 1
+            return _Out(f"({x.var},)", "ints", 1)
         if x.kind == "tensor":
             fn = "_squeeze_axes" if op == "Squeeze" else "_unsqueeze_axes"
-            return f"{fn}({x.var}, {axes[0]})", "tensor"
+            return _Out(f"{fn}({x.var}, {axes[0]})", "tensor", nonneg=x.nonneg)
         return None
     if op == "Concat" and ins and all(v is not None and v.kind == "ints" for v in ins) and \
             attrs.get("axis") in (0, -1):
         lengths = [v.length for v in ins]
-        return "(" + "".join(f"*{v.var}, " for v in ins) + ")", "ints", \
-            None if None in lengths else sum(lengths)
-    if op == "Gather" and x.kind == "ints" and len(ins) == 2 and ins[1] is not None and \
-            attrs.get("axis", 0) in (0, -1):
-        i = ins[1]
+        return _Out("(" + "".join(f"*{v.var}, " for v in ins) + ")", "ints", None if None in lengths else sum(lengths))
+    i = ins[1] if len(ins) == 2 else None
+    if op == "Gather" and x.kind == "ints" and i is not None and attrs.get("axis", 0) in (0, -1):
         if i.kind == "int":
-            return f"_at({x.var}, {i.var})", "int"
+            return _Out(f"_at({x.var}, {i.var})", "int")
         if i.kind == "ints":
-            return f"tuple(_at({x.var}, i) for i in {i.var})", "ints"
+            return _Out(f"tuple(_at({x.var}, i) for i in {i.var})", "ints", i.length)
         return None
-    if op in ("Add", "Sub", "Mul") and len(ins) == 2 and ins[1] is not None and \
-            x.kind != "tensor" and ins[1].kind != "tensor":
-        kind = "int" if x.kind == ins[1].kind == "int" else "ints"
-        return f"_arith({op!r}, {x.var}, {ins[1].var})", kind
+    if op in ("Add", "Sub", "Mul") and i is not None and x.kind != "tensor" and i.kind != "tensor":
+        return _Out(f"_arith({op!r}, {x.var}, {i.var})", "int" if x.kind == i.kind == "int" else "ints")
     if op == "Range" and len(ins) == 3 and all(v is not None and v.kind == "int" for v in ins):
-        return f"_arange_int64({x.var}, {ins[1].var}, {ins[2].var})", "tensor"
+        start, delta = x.constant, ins[2].constant
+        counts_up = start is not None and delta is not None and start >= 0 and delta > 0  # start, start + delta...
+        return _Out(f"_arange_int64({x.var}, {ins[1].var}, {ins[2].var})", "tensor", nonneg=counts_up)
     if x.kind != "tensor":
         return None
-    if op == "Expand" and len(ins) == 2 and ins[1] is not None and ins[1].kind == "ints":
-        return f"_expand_to({x.var}, {ins[1].var})", "tensor"
-    if op == "Reshape" and len(ins) == 2 and ins[1] is not None and ins[1].kind == "ints" and "shape" not in attrs:
-        return f"_reshape_to({x.var}, list({ins[1].var}), {int(attrs.get('allowzero', 0))})", "tensor"
+    if op == "Expand" and i is not None and i.kind == "ints":
+        return _Out(f"_expand_to({x.var}, {i.var})", "tensor", nonneg=x.nonneg)
+    if op == "Reshape" and i is not None and i.kind == "ints" and "shape" not in attrs:
+        return _Out(f"_reshape_to({x.var}, list({i.var}), {int(attrs.get('allowzero', 0))})", "tensor",
+                    nonneg=x.nonneg)
     if op == "Slice" and 3 <= len(ins) <= 5 and "starts" not in attrs:
         host = _host_ints(w, ins + [None] * (5 - len(ins)), 1)
         if host is None or "None" in host[:2]:
             return None
-        return f"_slice_ints({x.var}, {', '.join(host)}, {step.ctx.name!r})", "tensor"
+        return _Out(f"_slice_ints({x.var}, {', '.join(host)}, {step.ctx.name!r})", "tensor", nonneg=x.nonneg)
+    if op in ("Gather", "GatherElements") and i is not None and i.kind == "tensor" and i.nonneg:
+        fn = "_gather_nonneg" if op == "Gather" else "_gather_elements_nonneg"
+        ctx = w.object("ctx", step.ctx)
+        return _Out(f"{fn}({ctx}, {x.var}, {i.var}, {int(attrs.get('axis', 0))})", "tensor", nonneg=x.nonneg)
     return None
 
 
@@ -263,16 +306,16 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                 tensor = w.object("c", value)
                 w.values[s] = _Value(repr(dims[1]), dims[0], tensor, dims[1],
                                      len(dims[1]) if dims[0] == "ints" else None) if dims else \
-                    _Value(tensor, "tensor", tensor)
+                    _Value(tensor, "tensor", tensor, nonneg=_nonnegative(value))
             ins.append(w.values[s])
         emitted = _emit(w, step, ins, step.attributes) if len(step.outputs) == 1 else None
         if emitted is not None:
             var = w.name("v")
-            w.lines.append(f"{var} = {emitted[0]}")
+            w.lines.append(f"{var} = {emitted.expr}")
             out = step.outputs[0]
             if out >= 0:
-                w.values[out] = _Value(var, emitted[1], var if emitted[1] == "tensor" else None,
-                                       length=emitted[2] if len(emitted) > 2 else None)
+                w.values[out] = _Value(var, emitted.kind, var if emitted.kind == "tensor" else None,
+                                       length=emitted.length, nonneg=emitted.nonneg)
             continue
         # a direct call of the step's implementation on tensors
         fn, ctx = w.object("f", step.fn), w.object("ctx", step.ctx)

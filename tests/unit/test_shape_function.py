@@ -88,10 +88,23 @@ def _shape_model() -> bytes:
         helper.make_node("Reshape", ["x", "mn"], ["xt"]),  # [m, n]: a data step reading a shape value
         helper.make_node("Add", ["xt", "r_colf"], ["y4"]),
         helper.make_node("Add", ["mn_plus", "size"], ["dims"]),
+        # gathers by indices known >= 0 (an arange, a constant's) and by a negative one (the op's own path)
+        helper.make_node("Constant", [], ["table"], value=helper.make_tensor(
+            "table", TensorProto.FLOAT, [20, 3], np.random.default_rng(0).standard_normal(60).tolist())),
+        helper.make_node("Constant", [], ["ids"], value=helper.make_tensor("ids", TensorProto.INT64, [1, 30],
+                                                                           list(range(29, -1, -1)))),
+        helper.make_node("Gather", ["table", "r"], ["rows"], axis=0),  # [m, 3]
+        helper.make_node("Gather", ["table", "idx"], ["last_first"], axis=0),  # rows -1 and 0
+        helper.make_node("Unsqueeze", ["r", "ax0"], ["r_row"]),
+        helper.make_node("GatherElements", ["ids", "r_row"], ["picked"], axis=1),  # [1, m]
+        helper.make_node("Cast", ["picked"], ["pickedf"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["rows", "ax0"], ["row_sums"], keepdims=0),
+        helper.make_node("Add", ["row_sums", "last_first"], ["y5"]),  # [3] + [2, 3]
+        helper.make_node("Add", ["y3", "pickedf"], ["y6"]),
     ]
     graph = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
-                               for name in ("y1", "y3", "y4", "tail")]
+                               for name in ("y1", "y3", "y4", "y5", "y6", "tail")]
                               + [helper.make_tensor_value_info("dims", TensorProto.INT64, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
@@ -110,9 +123,10 @@ def test_the_shape_arithmetic_is_one_generated_function_without_the_dispatch_whe
     assert program.shape_function is not None
     source = program.shape_function.source
     for emitted in ("_only(", "_at(", "_arith(", "_arange_int64(", "_expand_to(", "_unsqueeze_axes(",
-                    "_squeeze_axes(", "_slice_ints(", "_reshape_to("):
+                    "_squeeze_axes(", "_slice_ints(", "_reshape_to(", "_gather_nonneg(", "_gather_elements_nonneg("):
         assert emitted in source, f"{emitted} not generated:\n{source}"
-    assert source.count("ctx") >= 1  # ConstantOfShape (and the float casts): their implementation, called as is
+    assert source.count("_one(") >= 1  # ConstantOfShape (and the float casts): their implementation, called as is
+    assert source.count("_gather_nonneg(") == 1  # the gather by a negative constant index keeps the op's path
 
 
 def test_the_generated_function_gives_what_the_steps_give_at_random_shapes(shapes):
