@@ -159,7 +159,7 @@ class Program:
         # then runs `first_steps` (the others stay where they stand)
         self.shape_function: ShapeFunction | None = None
         self.first_steps = self.run_steps
-        ahead = computable_ahead(self.steps, sorted(shape_steps), self.template, self.input_slots) if not on_cuda else []
+        ahead = [] if on_cuda else computable_ahead(self.steps, sorted(shape_steps), self.template, self.input_slots)
         if ahead:
             computed = {id(self.steps[i]) for i in ahead}
             first_steps = [s for s in self.run_steps if id(s) not in computed]

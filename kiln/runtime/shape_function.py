@@ -11,6 +11,8 @@ segment's run has cooled the caches. Here the steps become straight-line code, g
 - constant axes, starts and steps are read once, at load; the ops taking them call the op's own code on
   Python ints (kiln/ops/tensor.py reshape_to, slice_ints, squeeze_axes, unsqueeze_axes, expand_to,
   kiln/ops/generators.py arange_int64), so a value is computed as the step computes it;
+- a Gather or GatherElements by indices known >= 0 (a constant's position ids, an arange, views of them)
+  skips the op's negative-index normalization;
 - any other step is a direct call of its implementation, its dims made tensors just before;
 - only values a later step reads leave the function (as tensors: what the steps would have stored).
 
@@ -130,7 +132,8 @@ def _one(result: Any) -> Any:
     return result[0] if isinstance(result, tuple) else result
 
 
-_HELPERS = {"_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg, "_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_one": _one,
+_HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_one": _one,
+            "_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
             "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64}
 
@@ -267,7 +270,8 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
     return None
 
 
-def computable_ahead(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int]) -> list[int]:
+def computable_ahead(steps: list[BoundStep], order: list[int], template: list[Any],
+                     input_slots: list[int]) -> list[int]:
     """Those of the shape-only steps `order` whose values follow from the inputs' shapes and constants alone.
     The others read a layer's output (a Shape of a Reshape's result in an exported Llama, and what follows
     from it): the loop computes them where they stand, once per signature, as before."""
