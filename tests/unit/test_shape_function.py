@@ -42,6 +42,7 @@ def _assert_same_shape_values(program, inputs: list[torch.Tensor]) -> None:
         assert type(got) is type(want), (s, type(got), type(want))
         assert got.dtype == want.dtype and got.shape == want.shape, (s, got.dtype, want.dtype, got.shape, want.shape)
         assert torch.equal(got, want), (s, got, want)  # integers and gathered rows: exact
+        assert got.stride() == want.stride(), (s, got.stride(), want.stride())  # a segment reads them as laid out
 
 
 def _shape_model() -> bytes:
