@@ -165,8 +165,9 @@ class Program:
             first_steps = [s for s in self.run_steps if id(s) not in computed]
             written = {s for i in ahead for s in self.steps[i].outputs if s >= 0}
             read_later = {s for step in first_steps for s in step.inputs} | set(self.output_slots)
+            pinned = {i for i in ahead if spec.steps[i].precision == "fp32"}  # their kernels cast (pinned_fp32)
             self.shape_function = compile_shape_steps(self.steps, ahead, self.template, self.input_slots,
-                                                      sorted(written & read_later))
+                                                      sorted(written & read_later), pinned)
             if self.shape_function is not None:
                 self.first_steps = first_steps
 

@@ -286,9 +286,11 @@ def computable_ahead(steps: list[BoundStep], order: list[int], template: list[An
 
 
 def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list[Any], input_slots: list[int],
-                        slots: list[int]) -> ShapeFunction | None:
+                        slots: list[int], calls: set[int] = frozenset()) -> ShapeFunction | None:
     """The steps `order` (indices into `steps`, in order; computable_ahead's) as one function of the inputs'
-    shapes, writing the values of `slots`; None when a step reads a value none of them computes."""
+    shapes, writing the values of `slots`; None when a step reads a value none of them computes. `calls`:
+    steps made direct calls of their kernel whatever their op (a layer pinned to fp32 in a half-precision
+    engine: its kernel casts around the op)."""
     w = _Writer()
     w.lines.append("def shape_values(env):")
     body_start = len(w.lines)
@@ -312,7 +314,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                                      len(dims[1]) if dims[0] == "ints" else None) if dims else \
                     _Value(tensor, "tensor", tensor, nonneg=_nonnegative(value))
             ins.append(w.values[s])
-        emitted = _emit(w, step, ins, step.attributes) if len(step.outputs) == 1 else None
+        emitted = _emit(w, step, ins, step.attributes) if len(step.outputs) == 1 and i not in calls else None
         if emitted is not None:
             var = w.name("v")
             w.lines.append(f"{var} = {emitted.expr}")

@@ -13,6 +13,7 @@ from onnx import TensorProto, helper
 import kiln
 from kiln import zoo
 from kiln.errors import ExecutionError
+from kiln.runtime.shape_function import compile_shape_steps, computable_ahead
 from kiln.runtime.step import call_step
 
 
@@ -248,3 +249,28 @@ def test_an_exported_encoders_first_calls_match_onnxruntime(bert):
         real = mask.astype(bool)
         # fp32 through 2 encoder layers, kiln's GEMMs and attention against onnxruntime's: ~1e-6 apart
         np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_pinned_to_fp32_is_called_through_its_kernel(shapes):
+    """In a half-precision engine a layer pinned to fp32 runs inside pinned_fp32's casts: the generated
+    function calls that kernel rather than the op's code on ints."""
+    engine, _ = shapes
+    program = engine.program
+    spec = program.spec
+    ahead = computable_ahead(program.steps, sorted(program.shape_steps), program.template, program.input_slots)
+    expand = next(i for i in ahead if spec.steps[i].op_type == "Expand")
+    function = compile_shape_steps(program.steps, ahead, program.template, program.input_slots,
+                                   program.shape_function.slots, {expand})
+    assert "_expand_to(" not in function.source and "_expand_to(" in program.shape_function.source
+    rng = np.random.default_rng()
+    for _ in range(5):
+        x = torch.from_numpy(rng.standard_normal((int(rng.integers(1, 10)), int(rng.integers(1, 18))),
+                                                 dtype=np.float32))
+        envs = []
+        for fn in (function, program.shape_function):
+            env = list(program.template)
+            env[program.input_slots[0]] = x
+            fn(env)
+            envs.append(env)
+        for s in function.slots:
+            assert torch.equal(envs[0][s], envs[1][s])
