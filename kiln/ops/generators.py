@@ -60,14 +60,20 @@ def constant_of_shape(ctx, shape, *, value=None):
 def range_(ctx, start, limit, delta):
     s, lim, d = scalar(start), scalar(limit), scalar(delta)
     if isinstance(s, int) and isinstance(lim, int) and isinstance(d, int):
-        n = max(-((s - lim) // d), 0)  # exact ceil((limit - start) / delta) for integers
         if start.dtype == torch.int64:  # exact in int64: one call (an exported encoder's arange, per new shape)
-            return torch.arange(s, s + n * d, d, dtype=torch.int64, device=start.device)
+            return arange_int64(s, lim, d, start.device)
+        n = max(-((s - lim) // d), 0)  # exact ceil((limit - start) / delta) for integers
     else:
         n = max(math.ceil((lim - s) / d), 0)
     # start + i * delta in the input type, as ONNX defines it (not a float accumulation).
     steps = torch.arange(n, device=start.device, dtype=torch.int64).to(start.dtype)
     return start.reshape(()) + steps * delta.reshape(())
+
+
+def arange_int64(start: int, limit: int, delta: int, device: Any = None) -> torch.Tensor:
+    """ONNX Range on int64 scalars given as Python ints (kiln/runtime/shape_function.py keeps dims as ints)."""
+    n = max(-((start - limit) // delta), 0)  # exact ceil((limit - start) / delta) for integers
+    return torch.arange(start, start + n * delta, delta, dtype=torch.int64, device=device)
 
 
 @register("EyeLike")

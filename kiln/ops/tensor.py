@@ -29,6 +29,11 @@ def identity(ctx, x):
 def reshape(ctx, data, shape_input=None, *, allowzero=0, shape=None, consumed_inputs=None):
     # Reshape-1 took the shape as an attribute; from 5 on it is an input.
     target = ints(shape_input) if shape_input is not None else list(shape or [])
+    return reshape_to(data, target, allowzero)
+
+
+def reshape_to(data, target: list[int], allowzero: int = 0):
+    """Reshape on Python ints (kiln/runtime/shape_function.py calls it with dims it keeps as ints)."""
     in_shape = _shape(data)
     if not allowzero:
         target = [in_shape[i] if d == 0 else d for i, d in enumerate(target)]
@@ -94,13 +99,19 @@ def slice_(ctx, data, starts_input=None, ends_input=None, axes_input=None, steps
         steps = ints(steps_input) or None
     else:
         starts, ends, steps = list(starts), list(ends), None
+    return slice_ints(data, starts, ends, axes, steps, ctx.name)
+
+
+def slice_ints(data, starts: list[int], ends: list[int], axes: list[int] | None, steps: list[int] | None,
+               name: str = ""):
+    """Slice on Python ints (axes, steps: None or [] for the defaults)."""
     rank = data.ndim
     axes = [norm_axis(a, rank) for a in axes] if axes else list(range(len(starts)))
     steps = steps or [1] * len(starts)
     out = data
     for start, end, axis, step in zip(starts, ends, axes, steps):
         if step == 0:
-            raise ValueError(f"Slice {ctx.name!r}: step 0 on axis {axis}")
+            raise ValueError(f"Slice {name!r}: step 0 on axis {axis}")
         dim = out.shape[axis]
         start, end = _slice_bounds(start, end, step, dim)
         if step > 0:
@@ -117,7 +128,11 @@ def slice_(ctx, data, starts_input=None, ends_input=None, axes_input=None, steps
 
 @register("Squeeze")
 def squeeze(ctx, x, axes_input=None, *, axes=None):
-    axes = ints(axes_input) if axes_input is not None else list(axes or [])
+    return squeeze_axes(x, ints(axes_input) if axes_input is not None else list(axes or []))
+
+
+def squeeze_axes(x, axes: list[int]):
+    """Squeeze on Python ints ([]: every axis of size 1)."""
     if not axes:
         axes = [i for i, d in enumerate(x.shape) if d == 1]
     axes = sorted({norm_axis(a, x.ndim) for a in axes})
@@ -127,7 +142,11 @@ def squeeze(ctx, x, axes_input=None, *, axes=None):
 
 @register("Unsqueeze")
 def unsqueeze(ctx, x, axes_input=None, *, axes=None):
-    axes = ints(axes_input) if axes_input is not None else list(axes or [])
+    return unsqueeze_axes(x, ints(axes_input) if axes_input is not None else list(axes or []))
+
+
+def unsqueeze_axes(x, axes: list[int]):
+    """Unsqueeze on Python ints."""
     rank = x.ndim + len(axes)
     axes = sorted(norm_axis(a, rank) for a in axes)
     shape = list(x.shape)
@@ -145,7 +164,12 @@ def flatten(ctx, x, *, axis=1):
 
 @register("Expand")
 def expand(ctx, x, shape):
-    out = broadcast_sizes(tuple(x.shape), tuple(ints(shape)))
+    return expand_to(x, tuple(ints(shape)))
+
+
+def expand_to(x, shape: tuple[int, ...]):
+    """Expand on Python ints."""
+    out = broadcast_sizes(tuple(x.shape), shape)
     if isinstance(x, torch.Tensor):
         return x.expand(out)
     return np.broadcast_to(x, out).copy()

@@ -25,6 +25,7 @@ from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.host import ShapePlan, on_device, outputs_of, place, upload
 from kiln.runtime.native import segments
+from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32
 from kiln.tactics.registry import launch_for
@@ -140,6 +141,10 @@ class Program:
         # the loop once a signature's shape values are known: without the steps that compute them
         computed_once = {id(self.steps[i]) for i in shape_steps}
         self.lean_steps = [s for s in self.run_steps if id(s) not in computed_once]
+        # what a signature's plan keeps: the shape values a later step reads (or the program returns)
+        shape_slots = set(self.shape_slots)
+        self.plan_slots = sorted({s for step in self.lean_steps for s in step.inputs if s in shape_slots}
+                                 | (shape_slots & set(self.output_slots)))
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
         self.shape_plan_bytes = 0  # what the remembered shape values hold (an encoder's position and token-type
         # embeddings are shape-only: [batch, seq, hidden] floats per signature)
@@ -149,6 +154,22 @@ class Program:
         self.template = [None] * self.num_slots
         for i, v in template_values.items():
             self.template[i] = v
+        # On the CPU a new signature's shape values come from one generated function (kiln/runtime/shape_function.py)
+        # instead of their steps through the op dispatch: those computable from the input shapes alone; the loop
+        # then runs `first_steps` (the others stay where they stand)
+        self.shape_function: ShapeFunction | None = None
+        self.first_steps = self.run_steps
+        ahead = [] if on_cuda else computable_ahead(self.steps, sorted(shape_steps), self.template, self.input_slots)
+        if ahead:
+            computed = {id(self.steps[i]) for i in ahead}
+            first_steps = [s for s in self.run_steps if id(s) not in computed]
+            written = {s for i in ahead for s in self.steps[i].outputs if s >= 0}
+            read_later = {s for step in first_steps for s in step.inputs} | set(self.output_slots)
+            pinned = {i for i in ahead if spec.steps[i].precision == "fp32"}  # their kernels cast (pinned_fp32)
+            self.shape_function = compile_shape_steps(self.steps, ahead, self.template, self.input_slots,
+                                                      sorted(written & read_later), pinned)
+            if self.shape_function is not None:
+                self.first_steps = first_steps
 
     def with_kernels(self, wrap: Callable[[int, Any], Any], keep_values: bool = False) -> Program:
         """A copy whose step i calls `wrap(i, kernel)` instead of its kernel (for tracing, timing,
@@ -185,6 +206,12 @@ class Program:
                     env[s] = v
                 steps = self.lean_steps
                 signature = None
+            elif signature is not None and self.shape_function is not None:
+                try:
+                    self.shape_function(env)  # writes env only once every value is computed
+                    steps = self.first_steps
+                except Exception:  # noqa: BLE001  the steps one by one: they name a failing layer
+                    pass
         for step in steps:
             args = [env[s] if s >= 0 else None for s in step.inputs]
             result = call_step(step.fn, step.ctx, args, step.attributes)
@@ -200,7 +227,7 @@ class Program:
             for s in step.free:
                 env[s] = None
         if signature is not None:
-            self._remember(signature, [(s, env[s]) for s in self.shape_slots])
+            self._remember(signature, [(s, env[s]) for s in self.plan_slots])
         return [env[s] for s in self.output_slots]
 
     def _remember(self, signature: tuple, values: list[tuple[int, Any]]) -> None:

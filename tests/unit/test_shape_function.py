@@ -1,0 +1,276 @@
+"""The shape-only steps as one generated function (kiln/runtime/shape_function.py): at fresh random input
+shapes it gives exactly what the steps give one by one, first calls match onnxruntime, and a shape at
+which a step fails names that layer as the steps do."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper
+
+import kiln
+from kiln import zoo
+from kiln.errors import ExecutionError
+from kiln.runtime.shape_function import compile_shape_steps, computable_ahead
+from kiln.runtime.step import call_step
+
+
+def _step_by_step(program, inputs: list[torch.Tensor]) -> list:
+    """Every layer through the op dispatch (or its tactic's launch), in order, nothing freed: the oracle."""
+    env = list(program.template)
+    for s, v in zip(program.input_slots, inputs):
+        env[s] = v
+    for step in program.steps:
+        result = call_step(step.fn, step.ctx, [env[s] if s >= 0 else None for s in step.inputs], step.attributes)
+        outs = [result[0] if isinstance(result, tuple) else result] if len(step.outputs) == 1 else list(result)
+        for s, v in zip(step.outputs, outs):
+            if s >= 0:
+                env[s] = v
+    return env
+
+
+def _assert_same_shape_values(program, inputs: list[torch.Tensor]) -> None:
+    expected = _step_by_step(program, inputs)
+    env = list(program.template)
+    for s, v in zip(program.input_slots, inputs):
+        env[s] = v
+    program.shape_function(env)
+    assert program.shape_function.slots, "no shape value is read after the shape steps"
+    for s in program.shape_function.slots:
+        got, want = env[s], expected[s]
+        assert type(got) is type(want), (s, type(got), type(want))
+        assert got.dtype == want.dtype and got.shape == want.shape, (s, got.dtype, want.dtype, got.shape, want.shape)
+        assert torch.equal(got, want), (s, got, want)  # integers and gathered rows: exact
+        assert got.stride() == want.stride(), (s, got.stride(), want.stride())  # a segment reads them as laid out
+
+
+def _shape_model() -> bytes:
+    """Shape arithmetic of every kind the generator emits (dims as ints, constants' axes read at load, the ops'
+    own code on ints) and one it calls as is (ConstantOfShape), feeding data steps and outputs."""
+    def const(name, values):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64,
+                                                                                  [len(values)], values))
+
+    def scalar(name, value):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value]))
+
+    nodes = [
+        const("ax0", [0]), const("ax2", [2]), const("ax02", [0, 2]), scalar("one", 1), scalar("zero", 0),
+        scalar("two", 2), const("idx", [-1, 0]), const("neg3", [-3]), const("big", [2**62]), const("col", [-1, 1]),
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Shape", ["x"], ["s0"], start=0, end=1),
+        helper.make_node("Squeeze", ["s0"], ["n"]),  # no axes: every axis of size 1
+        helper.make_node("Squeeze", ["s0", "ax0"], ["n2"]),
+        helper.make_node("Gather", ["s", "one"], ["m"], axis=0),
+        helper.make_node("Gather", ["s", "idx"], ["mn"], axis=0),  # [m, n], a negative index
+        helper.make_node("Size", ["x"], ["size"]),
+        helper.make_node("Mul", ["m", "two"], ["m2"]),
+        helper.make_node("Sub", ["m2", "m"], ["m_again"]),
+        helper.make_node("Add", ["m_again", "zero"], ["m3"]),
+        helper.make_node("Add", ["mn", "one"], ["mn_plus"]),  # 1-D + 0-D
+        helper.make_node("Unsqueeze", ["m3", "ax0"], ["m_1d"]),
+        helper.make_node("Add", ["n", "n2"], ["n_twice"]),
+        helper.make_node("Sub", ["n_twice", "n2"], ["n_back"]),
+        helper.make_node("Unsqueeze", ["n_back", "ax0"], ["n_1d"]),
+        helper.make_node("Concat", ["n_1d", "m_1d"], ["nm"], axis=0),
+        helper.make_node("Cast", ["nm"], ["nm64"], to=TensorProto.INT64),
+        helper.make_node("Range", ["zero", "m3", "one"], ["r"]),
+        helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+        helper.make_node("Expand", ["rf", "nm64"], ["grid"]),
+        helper.make_node("Unsqueeze", ["rf", "ax02"], ["rf3"]),  # [1, m, 1]
+        helper.make_node("Squeeze", ["rf3", "ax2"], ["rf2"]),  # [1, m]
+        helper.make_node("Slice", ["rf", "neg3", "big", "ax0"], ["tail"]),  # the last 3 (fewer when m < 3)
+        helper.make_node("Reshape", ["r", "col"], ["r_col"]),  # [m, 1]
+        helper.make_node("Cast", ["r_col"], ["r_colf"], to=TensorProto.FLOAT),
+        helper.make_node("ConstantOfShape", ["nm"], ["ones"],
+                         value=helper.make_tensor("v", TensorProto.FLOAT, [1], [1.5])),
+        helper.make_node("Add", ["x", "grid"], ["y1"]),
+        helper.make_node("Mul", ["x", "ones"], ["y2"]),
+        helper.make_node("Add", ["y2", "rf2"], ["y3"]),
+        helper.make_node("Reshape", ["x", "mn"], ["xt"]),  # [m, n]: a data step reading a shape value
+        helper.make_node("Add", ["xt", "r_colf"], ["y4"]),
+        helper.make_node("Add", ["mn_plus", "size"], ["dims"]),
+        # gathers by indices known >= 0 (an arange, a constant's) and by a negative one (the op's own path)
+        helper.make_node("Constant", [], ["table"], value=helper.make_tensor(
+            "table", TensorProto.FLOAT, [20, 3], np.random.default_rng(0).standard_normal(60).tolist())),
+        helper.make_node("Constant", [], ["ids"], value=helper.make_tensor("ids", TensorProto.INT64, [1, 30],
+                                                                           list(range(29, -1, -1)))),
+        helper.make_node("Gather", ["table", "r"], ["rows"], axis=0),  # [m, 3]
+        helper.make_node("Gather", ["table", "idx"], ["last_first"], axis=0),  # rows -1 and 0
+        helper.make_node("Unsqueeze", ["r", "ax0"], ["r_row"]),
+        helper.make_node("GatherElements", ["ids", "r_row"], ["picked"], axis=1),  # [1, m]
+        helper.make_node("Cast", ["picked"], ["pickedf"], to=TensorProto.FLOAT),
+        helper.make_node("ReduceSum", ["rows", "ax0"], ["row_sums"], keepdims=0),
+        helper.make_node("Add", ["row_sums", "last_first"], ["y5"]),  # [3] + [2, 3]
+        helper.make_node("Add", ["y3", "pickedf"], ["y6"]),
+    ]
+    graph = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+                               for name in ("y1", "y3", "y4", "y5", "y6", "tail")]
+                              + [helper.make_tensor_value_info("dims", TensorProto.INT64, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shapes") / "shapes.onnx"
+    path.write_bytes(_shape_model())
+    engine = kiln.build(str(path), profiles=[{"x": "1x1,4x8,9x17"}])
+    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def test_the_shape_arithmetic_is_one_generated_function_without_the_dispatch_where_it_can(shapes):
+    engine, _ = shapes
+    program = engine.program
+    assert program.shape_function is not None
+    source = program.shape_function.source
+    for emitted in ("_only(", "_at(", "_arith(", "_arange_int64(", "_expand_to(", "_unsqueeze_axes(",
+                    "_squeeze_axes(", "_slice_ints(", "_reshape_to(", "_gather_nonneg(", "_gather_elements_nonneg("):
+        assert emitted in source, f"{emitted} not generated:\n{source}"
+    assert source.count("_one(") >= 1  # ConstantOfShape (and the float casts): their implementation, called as is
+    assert source.count("_gather_nonneg(") == 1  # the gather by a negative constant index keeps the op's path
+
+
+def test_the_generated_function_gives_what_the_steps_give_at_random_shapes(shapes):
+    engine, _ = shapes
+    rng = np.random.default_rng()
+    for _ in range(25):
+        n, m = int(rng.integers(1, 10)), int(rng.integers(1, 18))
+        _assert_same_shape_values(engine.program, [torch.from_numpy(rng.standard_normal((n, m), dtype=np.float32))])
+
+
+def test_first_calls_at_fresh_shapes_match_onnxruntime(shapes):
+    engine, session = shapes
+    rng = np.random.default_rng()
+    seen = set()
+    for _ in range(20):
+        n, m = int(rng.integers(1, 10)), int(rng.integers(1, 18))
+        first = (n, m) not in seen
+        seen.add((n, m))
+        x = rng.standard_normal((n, m), dtype=np.float32)
+        got = engine.run({"x": x})
+        want = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+        for name, value in want.items():
+            assert got[name].shape == value.shape, (name, n, m, first)
+            if value.dtype == np.int64:
+                np.testing.assert_array_equal(got[name], value)
+            else:
+                np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6)  # one add or mul of floats
+
+
+def _failing_model() -> bytes:
+    """r = range(m) reshaped to [2, -1]: fine at an even m, a failing Reshape at an odd one."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             helper.make_node("Squeeze", ["s"], ["m"]),
+             helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.INT64, [], [0])),
+             helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", TensorProto.INT64, [], [1])),
+             helper.make_node("Constant", [], ["halves"],
+                              value=helper.make_tensor("h", TensorProto.INT64, [2], [2, -1])),
+             helper.make_node("Range", ["zero", "m", "one"], ["r"]),
+             helper.make_node("Reshape", ["r", "halves"], ["pairs"], name="the_pairs"),
+             helper.make_node("Cast", ["pairs"], ["pf"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["x"], ["total"], keepdims=1),
+             helper.make_node("Add", ["pf", "total"], ["y"])]
+    graph = helper.make_graph(nodes, "halves", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "m"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_a_shape_at_which_a_step_fails_names_its_layer(tmp_path):
+    path = tmp_path / "halves.onnx"
+    path.write_bytes(_failing_model())
+    engine = kiln.build(str(path), profiles=[{"x": "1x2,1x8,1x16"}])
+    assert engine.program.shape_function is not None
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng().standard_normal((1, 6), dtype=np.float32)
+    np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-6, atol=1e-5)
+    with pytest.raises(ExecutionError, match="the_pairs"):
+        engine.run({"x": np.ones((1, 7), np.float32)})
+
+
+@pytest.fixture(scope="module")
+def bert():
+    exported = zoo.export("bert_tiny", dynamic=True)
+    return exported, kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,8x64"}])
+
+
+def test_an_exported_encoders_shape_values_match_the_steps_at_random_shapes(bert):
+    _, engine = bert
+    program = engine.program
+    assert program.shape_function is not None
+    assert "_arange_int64(" in program.shape_function.source  # the mask's index grids from dims kept as ints
+    rng = np.random.default_rng()
+    for _ in range(20):
+        b, s = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+        ids = torch.from_numpy(rng.integers(0, 1000, (b, s), dtype=np.int64))
+        mask = torch.from_numpy((rng.random((b, s)) < 0.8).astype(np.int64))
+        _assert_same_shape_values(program, [ids, mask])
+
+
+@pytest.mark.parametrize("name", ["gpt2_tiny", "llama_tiny"])
+def test_decoders_shape_values_match_the_steps_and_first_calls_match_onnxruntime(name):
+    """GPT-2's shape values all follow from the input shapes; Llama's include a Shape of a layer's output,
+    which the loop computes where it stands (the function computes the others)."""
+    exported = zoo.export(name, batch=2, seq=8, dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x8,4x16"}])
+    program = engine.program
+    assert program.shape_function is not None
+    if name == "llama_tiny":
+        assert len(program.first_steps) > len(program.lean_steps)  # late shape steps run in the loop
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    for _ in range(6):
+        b, s = int(rng.integers(1, 5)), int(rng.integers(1, 17))
+        feeds = {"input_ids": rng.integers(0, 100, (b, s), dtype=np.int64),
+                 "attention_mask": np.ones((b, s), np.int64)}
+        feeds = {n: feeds[n] for n in engine.input_names}
+        _assert_same_shape_values(program, [torch.from_numpy(feeds[n]) for n in engine.input_names])
+        got = next(iter(engine.run(feeds).values()))
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)  # fp32 logits, ~1e-6 apart
+
+
+def test_an_exported_encoders_first_calls_match_onnxruntime(bert):
+    exported, engine = bert
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    for _ in range(12):
+        b, s = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+        if any(key[0][0] == (b, s) for key in engine.program.shape_plans):
+            continue  # a first call only
+        ids = rng.integers(0, 1000, (b, s), dtype=np.int64)
+        mask = np.ones((b, s), np.int64)
+        for row in range(b):
+            mask[row, rng.integers(max(1, s // 2), s + 1):] = 0
+        feeds = {"input_ids": ids, "attention_mask": mask}
+        got = next(iter(engine.run(feeds).values()))
+        want = session.run(None, feeds)[0]
+        real = mask.astype(bool)
+        # fp32 through 2 encoder layers, kiln's GEMMs and attention against onnxruntime's: ~1e-6 apart
+        np.testing.assert_allclose(got[real], want[real], rtol=1e-4, atol=1e-4)
+
+
+def test_a_layer_pinned_to_fp32_is_called_through_its_kernel(shapes):
+    """In a half-precision engine a layer pinned to fp32 runs inside pinned_fp32's casts: the generated
+    function calls that kernel rather than the op's code on ints."""
+    engine, _ = shapes
+    program = engine.program
+    spec = program.spec
+    ahead = computable_ahead(program.steps, sorted(program.shape_steps), program.template, program.input_slots)
+    expand = next(i for i in ahead if spec.steps[i].op_type == "Expand")
+    function = compile_shape_steps(program.steps, ahead, program.template, program.input_slots,
+                                   program.shape_function.slots, {expand})
+    assert "_expand_to(" not in function.source and "_expand_to(" in program.shape_function.source
+    rng = np.random.default_rng()
+    for _ in range(5):
+        x = torch.from_numpy(rng.standard_normal((int(rng.integers(1, 10)), int(rng.integers(1, 18))),
+                                                 dtype=np.float32))
+        envs = []
+        for fn in (function, program.shape_function):
+            env = list(program.template)
+            env[program.input_slots[0]] = x
+            fn(env)
+            envs.append(env)
+        for s in function.slots:
+            assert torch.equal(envs[0][s], envs[1][s])
