@@ -62,7 +62,8 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("N", ctypes.c_long), ("I", ctypes.c_long), ("H", ctypes.c_long), ("kernel", ctypes.c_int),
                 ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
-                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
+                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
+                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -220,10 +221,10 @@ class RecurrentDirection:
                          yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
                          peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
-                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
-                         reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
-                         linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
-                         generic=self._generic, act=self._acts, clip=self._clip)
+                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
+                         threads=0, reverse=int(reverse), batch_major=int(batch_major),
+                         gates=self.gates, linear_before_reset=self._linear_before_reset,
+                         input_forget=self._input_forget, generic=self._generic, act=self._acts, clip=self._clip)
             status = self._function(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
@@ -322,9 +323,9 @@ class LanesLSTMDirection:
                          yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
                          lengths=address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
-                         H=self.hidden, kernel=self.kernel.index, threads=0, reverse=int(reverse),
-                         batch_major=int(batch_major), gates=4, linear_before_reset=0, input_forget=0, generic=0,
-                         act=(_Act * 3)(), clip=0.0)
+                         H=self.hidden, kernel=self.kernel.index, threads=0,
+                         reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
+                         input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
             status = self._lib.kiln_lstm_lanes(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln lane LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
