@@ -110,7 +110,7 @@ static inline __attribute__((always_inline)) lanes_v lanes_clamp(lanes_v x, floa
         const float *b = p->bias + t * R;                                                                    \
         _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) acc[r] = (lanes_v){0} + b[r];                   \
         const float *w = p->packed_w + t * I * R, *x = c->xt + s * I * LANES;                                \
-        for (long k = 0; k < I; ++k) {                                                                       \
+        _Pragma("GCC unroll 4") for (long k = 0; k < I; ++k) {                                              \
             lanes_v xv;                                                                                      \
             memcpy(&xv, x + k * LANES, sizeof xv);                                                           \
             _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) acc[r] += w[k * R + r] * xv;                \
@@ -120,7 +120,7 @@ static inline __attribute__((always_inline)) lanes_v lanes_clamp(lanes_v x, floa
         float *h_next = c->h + (s + 1) * units * LANES;                                                      \
         if (s > 0 || p->h0 != NULL) {                                                                        \
             const float *rw = p->packed_r + t * H * R;                                                       \
-            for (long k = 0; k < H; ++k) {                                                                   \
+            _Pragma("GCC unroll 4") for (long k = 0; k < H; ++k) {                                          \
                 lanes_v hv;                                                                                  \
                 memcpy(&hv, h_prev + k * LANES, sizeof hv);                                                  \
                 _Pragma("GCC unroll 32") for (int r = 0; r < R; ++r) acc[r] += rw[k * R + r] * hv;           \
