@@ -3,6 +3,9 @@
     cpu.rnn.native    ONNX RNN
     cpu.gru.native    ONNX GRU, linear_before_reset 0 (ONNX's default, which torch's kernels cannot run) and 1
     cpu.lstm.native   ONNX LSTM, peepholes and input_forget included
+    cpu.lstm.lanes    ONNX LSTM with the default activations (no clip, peepholes, input_forget): the batch (<= 8)
+                      in the vector lanes, the input projection and the cell inside each step's tile
+                      (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop. The builder times the two.
 
 Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
 of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
