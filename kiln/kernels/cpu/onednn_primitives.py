@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import hugepages
-from kiln.kernels.cpu.openmp_threads import one_thread
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
@@ -54,11 +53,6 @@ from kiln.kernels.cpu.onednn import (
     memory_desc,
     packed_weight,
 )
-
-# Up to this many multiply-adds (~15 us on one core) a convolution is created for one thread: a parallel
-# region's fork and join cost a few microseconds on an idle machine, and on a loaded one its end waits out
-# any team thread the OS descheduled (openmp_threads.py)
-SINGLE_THREAD_MACS = 1 << 20
 
 # ---- activation memory -------------------------------------------------------------------------
 
@@ -166,17 +160,14 @@ class Conv2d:
                 f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
             return pd
 
-        # a convolution of few multiply-adds is created for one thread (openmp_threads.py says why)
-        self.macs = n * o * oh * ow * i_per_group * kh * kw
-        with one_thread(self.macs <= SINGLE_THREAD_MACS):
-            pd = descriptor()
-            if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
-                while _implementation(pd) != prefer:
-                    if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
-                        lib.lib.dnnl_primitive_desc_destroy(pd)
-                        pd = descriptor()  # not there: oneDNN's own first choice
-                        break
-            self._pd, self._prim = _primitive(pd, "convolution")
+        pd = descriptor()
+        if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+            while _implementation(pd) != prefer:
+                if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                    lib.lib.dnnl_primitive_desc_destroy(pd)
+                    pd = descriptor()  # not there: oneDNN's own first choice
+                    break
+        self._pd, self._prim = _primitive(pd, "convolution")
         self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
