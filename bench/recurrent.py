@@ -2,12 +2,15 @@
 
     python bench/recurrent.py                    # every model, 2 threads, 5 rounds
     python bench/recurrent.py --models lstm --rounds 3 --no-write
+    python bench/recurrent.py --models lstm --threads 1 --clock cpu   # CPU time of the calling thread
 
 Each model is a torch recurrent body over [batch, time, features] with a linear head on the last
 step (a sensor forecaster), exported with torch.onnx.export(dynamo=True) (one ONNX LSTM/GRU node
 per layer). Every runtime gets the same input and the same thread count; they are timed in
 interleaved rounds of blocks (kiln, onnxruntime, torch eager, kiln, ...), so a shared machine's
-drift lands on all three alike. Prints a table with the CPU model and writes
+drift lands on all three alike. `--clock cpu` (one thread only: every runtime then computes on the calling
+thread) times each call by that thread's CPU time, which other work on a shared machine does not inflate
+by preempting it. Prints a table with the CPU model and writes
 bench/results/recurrent-<date>.md (appended when it exists).
 """
 
@@ -79,6 +82,26 @@ MODELS = {
 }
 
 
+def cpu_time_samples(fn, *, iterations: int, warmup: int, budget_s: float, min_runs: int = 10) -> list[float]:
+    """time_samples' loop on the calling thread's CPU clock (ms per call)."""
+    for _ in range(warmup):
+        fn()
+    samples: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(samples) < iterations and (len(samples) < min_runs or time.perf_counter() < deadline):
+        start = time.thread_time()
+        fn()
+        samples.append((time.thread_time() - start) * 1e3)
+    return samples
+
+
+def recurrent_tactics(engine) -> str:
+    """The tactic the build picked for each recurrent layer ('cpu.lstm.lanes x2')."""
+    picked = [layer.get("tactic", "") for layer in engine.plan.header.get("tactics", {}).get("layers", {}).values()
+              if str(layer.get("tactic", "")).startswith(("cpu.lstm", "cpu.gru", "cpu.rnn"))]
+    return ", ".join(f"{t} x{picked.count(t)}" for t in sorted(set(picked))) or "none"
+
+
 def runners(model: Model, threads: int, folder: Path) -> tuple[dict, float, np.ndarray]:
     """(runner per peer, kiln build seconds, the input), every output checked against onnxruntime's."""
     torch.manual_seed(0)
@@ -91,6 +114,7 @@ def runners(model: Model, threads: int, folder: Path) -> tuple[dict, float, np.n
     start = time.perf_counter()
     engine = kiln.build(path)
     build_s = time.perf_counter() - start
+    print(f"  {model.label:<15} kiln's recurrent tactics: {recurrent_tactics(engine)}", flush=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -119,7 +143,8 @@ def time_model(model: Model, args, folder: Path) -> tuple[dict[str, float], list
         medians = {}
         for peer in PEERS:  # blocks, not alternating calls: onnxruntime's spinning workers would take the cores
             quiet = wait_for_quiet(args.quiet_wait) and quiet
-            block = time_samples(peers[peer], iterations=args.iterations, warmup=args.warmup,
+            timer = cpu_time_samples if args.clock == "cpu" else time_samples
+            block = timer(peers[peer], iterations=args.iterations, warmup=args.warmup,
                                  budget_s=args.budget / args.rounds / len(PEERS), min_runs=5)
             samples[peer] += block
             medians[peer] = float(np.median(block))
@@ -154,10 +179,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before each block")
     parser.add_argument("--budget", type=float, default=30.0, help="seconds of timed blocks per model at most")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: the calling thread's CPU time per call (with --threads 1 only)")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="before each block, wait up to this many seconds for the machine to go idle (a shared "
                              "CPU); 0: do not wait")
     args = parser.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures the calling thread: use it with --threads 1")
 
     now = datetime.datetime.now(datetime.timezone.utc)
     versions = {p: importlib.metadata.version(p) for p in ("torch", "onnxruntime", "onnx")}
@@ -192,6 +221,7 @@ def main() -> None:
         *warning,
         f"- device: {cpu_name()} ({platform.machine()}), {args.threads} thread(s) for every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
+        f"- clock: {'CPU time of the calling thread' if args.clock == 'cpu' else 'wall'}\n"
         f"- fp32, latency in ms: median over {args.rounds} interleaved rounds of blocks (kiln, onnxruntime, "
         f"torch eager, kiln, ...), each block up to {args.iterations} runs after {args.warmup} warm-up runs; "
         "'by round': kiln / onnxruntime of each round's block medians (their median is the figure least "

@@ -12,18 +12,18 @@
  * before the next step's start (every item reads all of h), the GRU with linear_before_reset=0 has two
  * stages a step (its candidate multiplies r ⊙ h, all of it, by R_h).
  *
- * Threads (run_stages): the calling thread publishes each stage and every thread claims the stage's items
- * from an atomic counter; a stage ends when its items are done, not when every thread has arrived. Where
- * an OpenMP barrier a step waited for a thread the OS had descheduled (on a 2-core VM shared with other
- * work: a whole time slice a step, measured 400 ms a call where 1 ms was the norm), a thread that has not
- * woken up yet claims nothing and holds no one up: the others take its items. One the OS preempted while
- * it held an item does hold the stage up: when the caller's thread has waited STALL_NS for a stage, it
- * finishes the call alone (the others leave at the next stage) and says so in plan.stalled; the next call
- * tries every thread again. (Running the next calls on one thread after a stall was tried and dropped: on
- * this shared VM it kept a layer at one thread's speed, 1.36 ms where two ran 0.72 ms, long after the
- * contention had gone.) Measured on a quiet moment of the 2-core EPYC, a 128-unit LSTM layer (batch 8,
- * 96 steps) runs 0.72 ms here against 0.70 ms on the OpenMP barrier a step it replaced: no faster when
- * nothing competes for the cores.
+ * Threads (run_stages): one participant per thread, on kiln_parallel_for (pool.c, or OpenMP's loop where
+ * the pool is off); each participant waits for the previous stage's items to be done, whoever holds them,
+ * then claims the stage's items from an atomic counter. No thread leads: a thread the OS has not scheduled
+ * yet claims nothing and holds no one up (the others take its items), one that starts late joins at the
+ * running stage, and on the pool the call does not wait at its end for a worker that never started. (The
+ * loop this replaced had the caller publish each stage inside an OpenMP region: a descheduled caller held
+ * the others up, and the region's end waited for every thread. A 128-unit LSTM layer, batch 8, 96 steps,
+ * 2 threads at load ~4.3 on the 2-vCPU EPYC: 23.4 -> 8.1 ms (lanes) and 24.0 -> 9.9 ms (rows), onnxruntime
+ * 12.1 / 15.8 ms in the same rounds: bench/results/recurrent-2026-12-02-lstm.md.) One the OS preempted
+ * while it held an item does hold the stage up: when a thread has waited STALL_NS for a stage, it finishes
+ * the call alone (the others leave at their next stage) and says so in plan.stalled; the next call tries
+ * every thread again. plan.waited_ns and loop_ns say how long the threads waited for each other.
  *
  *   RNN   h = f(g)                                                        (bias Wb + Rb in xw)
  *   GRU   z = f(g_z), r = f(g_r)                                          (ONNX gate order z, r, h)
@@ -71,6 +71,8 @@ typedef struct {
     recurrent_act act[3];  /* the spec's f, g, h (RNN: f; GRU: f, g; LSTM: f, g, h) */
     float clip;            /* > 0: gate pre-activations clamped to [-clip, clip] */
     int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
+    long waited_ns;        /* out: the longest time one thread spent waiting for another's items */
+    long loop_ns;          /* out: the loop over time, start to end */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {
@@ -253,50 +255,63 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
-/* Stages 0 .. stages-1 in order, each `items` calls of fn, claimed by whichever thread is free; the
-   caller's thread publishes stage k once stage k-1 is done. Returns when every stage is done; 1 when the
-   caller's thread went on alone after a stall (the file's comment). */
-static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
-    long *claimed = c->s.counters, *done = claimed + stages;
-    memset(claimed, 0, (size_t)(2 * stages) * sizeof(long));
-    long published = 0;
-    int alone = 0;
-    #pragma omp parallel num_threads(threads) if (threads > 1 && items > 1)
-    {
-        int leader = 1;
-#ifdef _OPENMP
-        leader = omp_get_thread_num() == 0;
-#endif
-        for (long k = 0; k < stages; ++k) {
-            long spins = 0;
-            if (leader) {
-                if (k > 0 && __atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
-                    const long start = now_ns();
-                    while (__atomic_load_n(&done[k - 1], __ATOMIC_ACQUIRE) < items) {
-                        spin_pause(&spins);
-                        if (!alone && spins % 256 == 0 && now_ns() - start > STALL_NS)
-                            __atomic_store_n(&alone, 1, __ATOMIC_RELAXED);
-                    }
-                }
-                __atomic_store_n(&published, k + 1, __ATOMIC_RELEASE);
-            } else {
-                while (__atomic_load_n(&published, __ATOMIC_ACQUIRE) <= k && !__atomic_load_n(&alone, __ATOMIC_RELAXED))
-                    spin_pause(&spins);
-                if (__atomic_load_n(&alone, __ATOMIC_RELAXED)) break;
+/* One run_stages call: its counters and what its threads measured. */
+typedef struct {
+    const loop_ctx *c;
+    long stages, items;
+    item_fn fn;
+    long *claimed, *done;
+    int alone;             /* -1, or the participant that waited out a stall: the others leave at the next stage */
+    long waited_ns;        /* the longest total any participant spent waiting for another's items */
+} stages_run;
+
+/* One thread's part: stage by stage, wait for the previous stage's items (whoever holds them), then claim
+   items until none is left. Stages whose items are all claimed are passed over, so a thread that starts
+   late (a pool worker woken after the caller began) joins at the running stage. */
+static void stage_participant(void *ctx, long id) {
+    stages_run *r = (stages_run *)ctx;
+    long waited = 0;
+    for (long k = 0; k < r->stages; ++k) {
+        if (__atomic_load_n(&r->claimed[k], __ATOMIC_RELAXED) >= r->items) continue;
+        if (k > 0 && __atomic_load_n(&r->done[k - 1], __ATOMIC_ACQUIRE) < r->items) {
+            const long start = now_ns();
+            long spins = 0, now = start;
+            while (__atomic_load_n(&r->done[k - 1], __ATOMIC_ACQUIRE) < r->items) {
+                spin_pause(&spins);
+                if (spins % 256 == 0) now = now_ns();
+                if (now - start > STALL_NS && __atomic_load_n(&r->alone, __ATOMIC_RELAXED) < 0)
+                    __atomic_store_n(&r->alone, (int)id, __ATOMIC_RELAXED);
             }
-            for (;;) {
-                const long item = __atomic_fetch_add(&claimed[k], 1, __ATOMIC_RELAXED);
-                if (item >= items) break;
-                fn(c, k, item);
-                __atomic_fetch_add(&done[k], 1, __ATOMIC_RELEASE);
-            }
+            waited += now_ns() - start;
         }
-        if (leader) {
-            long spins = 0;
-            while (__atomic_load_n(&done[stages - 1], __ATOMIC_ACQUIRE) < items) spin_pause(&spins);
+        const int alone = __atomic_load_n(&r->alone, __ATOMIC_RELAXED);
+        if (alone >= 0 && alone != id) break;
+        for (;;) {
+            const long item = __atomic_fetch_add(&r->claimed[k], 1, __ATOMIC_RELAXED);
+            if (item >= r->items) break;
+            r->fn(r->c, k, item);
+            __atomic_fetch_add(&r->done[k], 1, __ATOMIC_RELEASE);
         }
     }
-    return alone;
+    long seen = __atomic_load_n(&r->waited_ns, __ATOMIC_RELAXED);
+    while (waited > seen && !__atomic_compare_exchange_n(&r->waited_ns, &seen, waited, 0, __ATOMIC_RELAXED,
+                                                         __ATOMIC_RELAXED)) {
+    }
+}
+
+/* Stages 0 .. stages-1 in order, each `items` calls of fn, claimed by whichever thread is free: one
+   participant per thread on kiln_parallel_for (pool.c: a worker that has not started when the caller is
+   done is not waited for; OpenMP's loop where the pool is off). Returns when every stage is done; 1 when a
+   thread waited out a stall and the others left (the file's comment). Sets plan.waited_ns and loop_ns. */
+static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
+    stages_run r = {c, stages, items, fn, c->s.counters, c->s.counters + stages, -1, 0};
+    memset(r.claimed, 0, (size_t)(2 * stages) * sizeof(long));
+    const long start = now_ns();
+    kiln_parallel_for(threads > 1 && items > 1 ? threads : 1, threads, stage_participant, &r);
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)c->p;
+    p->waited_ns = r.waited_ns;
+    p->loop_ns = now_ns() - start;
+    return r.alone >= 0;
 }
 
 #pragma GCC push_options

@@ -27,7 +27,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, hugepages
 
 _HERE = Path(__file__).parent
-SOURCE = "\n".join([gemm_native.SOURCE, (_HERE / "recurrent.c").read_text(), (_HERE / "lstm.c").read_text()])
+SOURCE = "\n".join([gemm_native.SOURCE, *((_HERE / name).read_text() for name in ("recurrent.c", "lstm.c", "lstm_lanes.c"))])
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}  # gate blocks of W's rows, in ONNX's order (GRU z r h, LSTM i o f c)
 # ONNX activation name (lower case) -> recurrent.c's RACT_* code
@@ -62,7 +62,8 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("N", ctypes.c_long), ("I", ctypes.c_long), ("H", ctypes.c_long), ("kernel", ctypes.c_int),
                 ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
-                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int)]
+                ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
+                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -87,6 +88,16 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         lib.kiln_recurrent_scratch_floats.restype = ctypes.c_long
         lib.kiln_recurrent_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long,
                                                       ctypes.c_long, ctypes.c_int]
+        lib.kiln_lstm_lanes.restype = ctypes.c_int
+        lib.kiln_lstm_lanes.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.kiln_lstm_lanes_kernel_name.restype = ctypes.c_char_p
+        lib.kiln_lstm_lanes_packed_floats.restype = ctypes.c_long
+        lib.kiln_lstm_lanes_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        lib.kiln_lstm_lanes_pack.restype = None
+        lib.kiln_lstm_lanes_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        lib.kiln_lstm_lanes_scratch_floats.restype = ctypes.c_long
+        lib.kiln_lstm_lanes_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long]
         _LOADED[test_kernels] = lib
         return lib
 
@@ -210,10 +221,111 @@ class RecurrentDirection:
                          yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
                          peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
-                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
-                         reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
-                         linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
-                         generic=self._generic, act=self._acts, clip=self._clip)
+                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
+                         threads=0, reverse=int(reverse), batch_major=int(batch_major),
+                         gates=self.gates, linear_before_reset=self._linear_before_reset,
+                         input_forget=self._input_forget, generic=self._generic, act=self._acts, clip=self._clip)
             status = self._function(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+
+
+@dataclass(frozen=True)
+class LanesKernel:
+    """One of lstm_lanes.c's tiles: `units` hidden units (4·units gate rows) by LANES batch rows."""
+
+    index: int
+    name: str
+    supported: bool
+    test_only: bool
+
+
+def lanes_kernels(test_kernels: bool = False) -> list[LanesKernel]:
+    """lstm_lanes.c's tiles in kiln's order of preference (AVX-512, AVX2, portable)."""
+    lib = load(test_kernels)
+    if lib is None:
+        return []
+    return [LanesKernel(i, lib.kiln_lstm_lanes_kernel_name(i).decode(), bool(lib.kiln_lstm_lanes_kernel_supported(i)),
+                        bool(lib.kiln_lstm_lanes_kernel_test_only(i)))
+            for i in range(lib.kiln_lstm_lanes_kernel_count())]
+
+
+def lanes_batch() -> int:
+    """The most batch rows lstm_lanes.c runs (its vector lanes)."""
+    lib = load()
+    return 0 if lib is None else int(lib.kiln_lstm_lanes_batch())
+
+
+class LanesLSTMDirection:
+    """One direction of an ONNX LSTM with the default activations (no clip, peepholes or input_forget) on
+    lstm_lanes.c: the batch (up to lanes_batch() rows) in the vector lanes, the input projection inside the
+    loop. W [4H, I], R [4H, H], B [8H] or None are packed once per tile of hidden units. run() takes what
+    RecurrentDirection.run takes; a batch past the lanes is a ValueError (the caller runs the row loop)."""
+
+    def __init__(self, w: torch.Tensor, r: torch.Tensor, b: torch.Tensor | None, *,
+                 kernel: LanesKernel | None = None):
+        test_kernels = kernel is not None and kernel.test_only
+        lib = load(test_kernels)
+        if lib is None:
+            raise RuntimeError(f"kiln's recurrent layers are not built: {reason(test_kernels)}")
+        self._lib, self.cell = lib, "LSTM"
+        self.kernel = kernel or next(k for k in lanes_kernels() if k.supported and not k.test_only)
+        if not self.kernel.supported:
+            raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
+        self.hidden, self.inputs, self.gates = int(r.shape[1]), int(w.shape[1]), 4
+        self.lanes = int(lib.kiln_lstm_lanes_batch())
+        hidden = self.hidden
+        folded = torch.zeros(4 * hidden) if b is None else \
+            b.detach().to(torch.float32).reshape(2, 4 * hidden).sum(0)  # Wb + Rb: [4H]
+        self._w, self._bias = self._pack(w, self.inputs, folded)
+        self._r, _ = self._pack(r, hidden, None)
+        self._scratch: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def _pack(self, m: torch.Tensor, k: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        floats = self._lib.kiln_lstm_lanes_packed_floats(self.kernel.index, self.hidden, k)
+        m = m.detach().to(torch.float32).reshape(4 * self.hidden, k).contiguous()
+        packed = hugepages.empty(floats)
+        out_bias = None if bias is None else torch.empty(floats // k)  # [tiles, 4·UT]
+        self._lib.kiln_lstm_lanes_pack(self.kernel.index, m.data_ptr(), self.hidden, k, packed.data_ptr(),
+                                       None if bias is None else bias.contiguous().data_ptr(),
+                                       None if out_bias is None else out_bias.data_ptr())
+        return packed, out_bias
+
+    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
+            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
+            lengths: torch.Tensor | None = None) -> None:
+        batch, steps = (x.shape[0], x.shape[1]) if batch_major else (x.shape[1], x.shape[0])
+        if batch > self.lanes:
+            raise ValueError(f"batch {batch} is past the {self.lanes} lanes of kiln's lane LSTM")
+        if y is not None:
+            y_ts, y_ns = (y.stride(1), y.stride(0)) if batch_major else (y.stride(0), y.stride(1))
+        else:
+            y_ts = y_ns = 0
+        states = [s for s in (h0, c0, yh, yc) if s is not None]
+        state_ns = states[0].stride(0) if states else 0
+        if any(s.stride(0) != state_ns for s in states):
+            raise ValueError("the LSTM's initial and final states must share one row stride")
+        if lengths is not None and (lengths.dtype != torch.int32 or not lengths.is_contiguous()):
+            raise ValueError("lengths must be a contiguous int32 tensor")
+
+        def address(t: torch.Tensor | None) -> int | None:
+            return None if t is None else t.data_ptr()
+
+        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
+            scratch = self._scratch.get(steps)
+            if scratch is None:
+                if len(self._scratch) > 4:
+                    self._scratch.pop(next(iter(self._scratch)))
+                scratch = self._scratch[steps] = torch.empty(self._lib.kiln_lstm_lanes_scratch_floats(
+                    self.kernel.index, steps, self.inputs, self.hidden))
+            plan = _Plan(x=x.data_ptr(), y=address(y), y_ts=y_ts, y_ns=y_ns, h0=address(h0), c0=address(c0),
+                         yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
+                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
+                         lengths=address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
+                         H=self.hidden, kernel=self.kernel.index, threads=0,
+                         reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
+                         input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
+            status = self._lib.kiln_lstm_lanes(ctypes.byref(plan), None, 0, None)
+        if status:
+            raise RuntimeError(f"kiln lane LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")

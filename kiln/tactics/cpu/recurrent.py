@@ -3,6 +3,9 @@
     cpu.rnn.native    ONNX RNN
     cpu.gru.native    ONNX GRU, linear_before_reset 0 (ONNX's default, which torch's kernels cannot run) and 1
     cpu.lstm.native   ONNX LSTM, peepholes and input_forget included
+    cpu.lstm.lanes    ONNX LSTM with the default activations (no clip, peepholes, input_forget): the batch (<= 8)
+                      in the vector lanes, the input projection and the cell inside each step's tile
+                      (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop. The builder times the two.
 
 Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
 of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
@@ -97,7 +100,8 @@ def _supporter(cell: str):
     return supports
 
 
-def _preparer(cell: str):
+def _preparer(cell: str, lanes: bool = False):
+    """`lanes`: the LSTM on lstm_lanes.c up to its batch (the row loop, built on first use, past it)."""
     op = lookup(cell, "").fn
     has_c = cell == "LSTM"
 
@@ -108,19 +112,27 @@ def _preparer(cell: str):
         directions = _directions(step)
         clip = _attr(step, "clip", None)
         per_direction = _activations(cell, step)
-        layers = [recurrent.RecurrentDirection(
-            cell, W[d], R[d], None if B is None else B[d], peepholes=None if P is None else P[d],
-            linear_before_reset=bool(int(_attr(step, "linear_before_reset", 0))),
-            input_forget=bool(int(_attr(step, "input_forget", 0))), activations=per_direction[d],
-            clip=None if clip is None else float(clip)) for d in range(directions)]
-        hidden = layers[0].hidden
+
+        def row_layers() -> list[recurrent.RecurrentDirection]:
+            return [recurrent.RecurrentDirection(
+                cell, W[d], R[d], None if B is None else B[d], peepholes=None if P is None else P[d],
+                linear_before_reset=bool(int(_attr(step, "linear_before_reset", 0))),
+                input_forget=bool(int(_attr(step, "input_forget", 0))), activations=per_direction[d],
+                clip=None if clip is None else float(clip)) for d in range(directions)]
+
+        rows: list[recurrent.RecurrentDirection] = [] if lanes else row_layers()
+        lane_layers = [recurrent.LanesLSTMDirection(W[d], R[d], None if B is None else B[d])
+                       for d in range(directions)] if lanes else []
+        lane_batch = lane_layers[0].lanes if lanes else 0
+        hidden = (lane_layers or rows)[0].hidden
+        inputs = (lane_layers or rows)[0].inputs
         reverse_only = _attr(step, "direction", "forward") == "reverse"
         batch_major = bool(int(_attr(step, "layout", 0)))
 
         def launch(ctx, X, W_=None, R_=None, B_=None, sequence_lens=None, initial_h=None, *rest, **attributes):
             initial_c = rest[0] if has_c and rest else None
             fallback = (X, W_, R_, B_, sequence_lens, initial_h, *rest)
-            if X.dtype != torch.float32 or X.dim() != 3 or X.shape[2] != layers[0].inputs or X.numel() == 0:
+            if X.dtype != torch.float32 or X.dim() != 3 or X.shape[2] != inputs or X.numel() == 0:
                 return op(ctx, *fallback, **attributes)  # what this loop does not run: the op's path (and its errors)
             batch, steps = (X.shape[0], X.shape[1]) if batch_major else (X.shape[1], X.shape[0])
             state_size = (batch, directions, hidden) if batch_major else (directions, batch, hidden)
@@ -140,6 +152,9 @@ def _preparer(cell: str):
                 Y = X.new_empty((steps, directions, batch, hidden))  # [S, D, N, H]
             finals = [X.new_empty(state_size) for _ in range(2 if has_c else 1)]  # [D, N, H] | [N, D, H]
             states = [None if s is None else s.to(torch.float32).contiguous() for s in (initial_h, initial_c)]
+            layers = lane_layers if batch <= lane_batch else rows
+            if not layers:
+                layers = rows[:] = row_layers()  # a batch past the lanes: the row loop, packed once
             for d, layer in enumerate(layers):
                 def state(s):  # direction d's [N, H] (a strided view in layout 1)
                     return None if s is None else (s[:, d] if batch_major else s[d])
@@ -161,3 +176,27 @@ for _cell in ("RNN", "GRU", "LSTM"):
         description=f"{_cell} as kiln's C loop: input projection as one GEMM, recurrent GEMM + cell per unit "
                     "block and step",
     ))
+
+
+def _supports_lanes(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """cpu.lstm.native's conditions, and what lstm_lanes.c computes: the default activations, no clip,
+    peepholes or input_forget. Any batch: past the lanes (recurrent.lanes_batch()) a call runs the row loop,
+    so a profile's whole range stays on this tactic (the builder checks its ends)."""
+    answer = _supporter("LSTM")(step, inputs)
+    if answer is not True:
+        return answer
+    if any(a != recurrent.Activation(n.lower()) for acts in _activations("LSTM", step)
+           for a, n in zip(acts, _SPEC_DEFAULTS["LSTM"])):
+        return "activations other than the defaults (Sigmoid, Tanh, Tanh): cpu.lstm.native runs them"
+    if _attr(step, "clip", None) is not None or int(_attr(step, "input_forget", 0)) \
+            or tensor_input(inputs, _PEEPHOLES) is not None:
+        return "clip, input_forget or peepholes: cpu.lstm.native runs them"
+    return True
+
+
+register(Tactic(
+    name="cpu.lstm.lanes", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
+    supports=_supports_lanes, prepare=_preparer("LSTM", lanes=True), available=recurrent.available,
+    description="LSTM as kiln's C loop with the batch (<= 8) in the vector lanes: input projection and cell "
+                "inside each step's tile",
+))
