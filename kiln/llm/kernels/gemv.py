@@ -1,0 +1,222 @@
+"""Decode GEMV / skinny GEMM in Triton: y[M, N] = x[M, K] · W[N, K]ᵀ for the few rows of a decode step
+(M = 1..16), with W in bf16/fp16, FP8 E4M3 or INT8 (one fp32 scale per output channel). Weight-only: an
+8-bit W is dequantized in registers (E4M3 and |q| <= 127 are exact in bf16 and fp16) and products accumulate
+in fp32, the per-channel scale multiplies the sum once. A decode step is bound by the bytes of W it reads,
+so the kernel is built to stream W: BLOCK_N x BLOCK_K tiles of contiguous rows (16-byte vector loads),
+several warps, num_stages of software pipelining, and split-K when N alone gives too few programs.
+
+Three ways to multiply a tile (GemvConfig.variant):
+  dot       x [16, BLOCK_K] (rows past M are zeros) · Wᵀ [BLOCK_K, BLOCK_N] on tensor cores;
+  dot_swap  W [BLOCK_N, BLOCK_K] · xᵀ [BLOCK_K, 16] (W is the MMA's first operand, the "swap AB" of
+            small-M GEMMs), the [BLOCK_N, 16] result stored transposed;
+  fma       one program per row: W tile times the row broadcast, accumulated elementwise in fp32 over K,
+            reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2).
+
+Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N] and a second small
+kernel adds them in the order s = 0..S-1, then scales, adds the bias and rounds. No atomics.
+
+Batch invariance: a row's result depends on K, the weights and the config, never on M or the other rows.
+dot/dot_swap always compute 16 rows (zeros past M) whose MMAs accumulate each output along K in the same
+order; fma runs each row in its own program. So for one config, row 0 is bit-identical at M = 1 and M = 8
+(tests/llm/test_gemv_kernel.py checks it); different configs may round differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # decode rows the dot variants compute per program (tl.dot needs >= 16)
+VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    variant: str = "dot"  # dot | dot_swap | fma (module docstring)
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1  # K split over this many programs per N tile (1: no second pass)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"GemvConfig.variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        for name in ("block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
+        if self.variant != "fma" and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"GemvConfig {self.name}: tl.dot needs block_n and block_k >= 16")
+
+    @property
+    def name(self) -> str:
+        return (f"{self.variant} n{self.block_n} k{self.block_k} s{self.split_k} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages")}
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_k, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr, stride_ym,
+              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    # acc: [rows, BLOCK_N] fp32
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT:  # fp32 partial sums of this K split: workspace [S, M, N]
+        tl.store(part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=ok)
+    else:
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                 stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)  # the K split
+    pid_m = tl.program_id(2)  # fma: the row; dot, dot_swap: the block of BLOCK_M rows
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    if VARIANT == 2:  # fma: this program's one row; products summed per lane along K, across lanes at the end
+        offs_m = pid_m + tl.arange(0, 1)
+        m_ok = offs_m < M
+        x_row = x_ptr + pid_m * stride_xm
+        lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_row + offs_k)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_row + offs_k, mask=k_ok, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            lanes += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(lanes, axis=1)[None, :]  # [1, BLOCK_N]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+        if VARIANT == 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:  # fp32 activations: exact fp32 products (no TF32)
+                w = w.to(tl.float32)
+                if VARIANT == 0:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc_t += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:  # 8-bit weights widened to the activations' dtype: exact (E4M3, |q| <= 127)
+                if w.dtype.is_int():  # int8 -> fp32 -> bf16 (Triton's interpreter casts int -> bf16 wrongly)
+                    w = w.to(tl.float32)
+                w = w.to(x.dtype)
+                if VARIANT == 0:
+                    acc = tl.dot(x, tl.trans(w), acc)
+                else:
+                    acc_t = tl.dot(w, tl.trans(x), acc_t)
+        if VARIANT == 1:
+            acc = tl.trans(acc_t)
+    _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_k, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr, stride_ym,
+              HAS_SCALE, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLITS: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):  # always s = 0, 1, ...: the same sum whatever M is
+        acc += tl.load(part_ptr + (s * M + row) * N + offs_n, mask=n_ok, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def split_length(k: int, config: GemvConfig) -> int:
+    """Inputs per K split: a multiple of block_k, so every split but the last is whole tiles."""
+    per = -(-k // config.split_k)
+    return -(-per // config.block_k) * config.block_k
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         config: GemvConfig = GemvConfig()) -> torch.Tensor:
+    """x: [..., K] (bf16, fp16 or fp32); weight: [N, K] in x's dtype, float8_e4m3fn or int8 (row-major);
+    scale: [N] fp32 per output channel (8-bit weights), bias: [N] -> [..., N] in x's dtype."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight {list(weight.shape)} (strides {weight.stride()}) is not a row-major "
+                         f"[N, {k}] matrix for x {list(x.shape)}")
+    if weight.dtype in (torch.float8_e4m3fn, torch.int8) and scale is None:
+        raise ValueError(f"gemv: a {weight.dtype} weight needs its per-channel scale")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    length = split_length(k, config)
+    splits = -(-k // length)
+    even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
+    rows = m if config.variant == "fma" else -(-m // MAX_ROWS)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    dummy = y  # an unused pointer argument (HAS_SCALE / HAS_BIAS off)
+    _gemv_kernel[(triton.cdiv(n, config.block_n), splits, rows)](
+        x2, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, y, part,
+        m, n, k, length, x2.stride(0), weight.stride(0), y.stride(0),
+        VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_reduce_kernel[(triton.cdiv(n, block), m)](
+            part, scale if scale is not None else dummy, bias if bias is not None else dummy, y, m, n, y.stride(0),
+            SPLITS=splits, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvConfig]:
+    """The configs a tuner times for an [N, K] weight (bench/gemv.py sweeps them all; the engine a short list).
+    Split-K only where N alone gives fewer than ~2 programs per SM of a large GPU (132 on the H200)."""
+    wide = weight_dtype in (torch.float8_e4m3fn, torch.int8)  # 1-byte weights: twice the K per 16-byte load
+    configs = []
+    for variant, block_n, block_k, warps in (
+            ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
+            ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
+            ("fma", 8, 256, 4), ("fma", 16, 256, 4), ("fma", 4, 512, 4)):
+        if wide:
+            block_k *= 2
+        for stages in (3, 4) if variant != "fma" else (1, 3):
+            tiles = -(-n // block_n)
+            for split in (1, 2, 4, 8):
+                if split > 1 and (tiles * split > 1024 or k // split < block_k):
+                    continue
+                configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages))
+    return configs
