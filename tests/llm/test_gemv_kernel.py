@@ -1,0 +1,125 @@
+"""The decode GEMV (kiln/llm/kernels/gemv.py) against torch in fp64 on the dequantized weights, under
+TRITON_INTERPRET=1 at small shapes: every variant, weight dtype (bf16, FP8 E4M3, INT8 per channel), split-K
+on and off, decode rows 1..16, ragged N and K; and batch invariance (row 0 the same bits at M = 1 and 8)."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kiln.llm.kernels.gemv import GemvConfig, candidate_configs, gemv, split_length  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter fixes tests/kernels applies (bf16 tl.dot)
+    from tests.kernels.conftest import _fix_interpreter_bf16_dot, _fix_interpreter_scalar_index
+
+    _fix_interpreter_bf16_dot()
+    _fix_interpreter_scalar_index()
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+WEIGHTS = ("bf16", "fp8", "int8")
+
+
+def weight(n: int, k: int, kind: str, act: torch.dtype, g: torch.Generator):
+    """(stored weight, per-channel scale or None, its fp64 value) for a random [n, k] weight."""
+    w = torch.randn((n, k), generator=g) * 0.1
+    if kind == "bf16":
+        q = w.to(act)
+        return q.to(DEVICE), None, q.double()
+    if kind == "int8":
+        scale = w.abs().amax(dim=1) / 127.0
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    else:
+        scale = w.abs().amax(dim=1) / 448.0
+        q = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    return q.to(DEVICE), scale.to(DEVICE), q.double() * scale.double()[:, None]
+
+
+def check(got: torch.Tensor, ref: torch.Tensor, act: torch.dtype) -> None:
+    if act == torch.float32:  # fp32 products and sums in another order over K <= 200
+        torch.testing.assert_close(got.double(), ref, atol=1e-5, rtol=1e-5)
+    else:  # one bf16 step (2^-7 relative): GPU rounds to nearest, the interpreter's cast truncates
+        torch.testing.assert_close(got.double(), ref, atol=1e-3, rtol=2**-7)
+
+
+CONFIGS = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot", 32, 64, 3, 4, 2),
+           GemvConfig("dot_swap", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 32, 2, 4, 1),
+           GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("kind", WEIGHTS)
+@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (5, 37, 200), (16, 64, 64)])
+def test_gemv_matches_torch(config, kind, m, n, k):
+    g = torch.Generator().manual_seed(hash((config.name, kind, m, n, k)) % 2**31)
+    act = torch.bfloat16
+    q, scale, ref_w = weight(n, k, kind, act, g)
+    x = torch.randn((m, k), generator=g).to(act)
+    bias = torch.randn(n, generator=g).to(act) if m == 5 else None
+    got = gemv(x.to(DEVICE), q, scale, None if bias is None else bias.to(DEVICE), config)
+    assert got.shape == (m, n) and got.dtype == act
+    ref = x.double() @ ref_w.T + (0 if bias is None else bias.double())
+    check(got.cpu(), ref, act)
+
+
+@pytest.mark.parametrize("config", CONFIGS[::2], ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("kind", ("fp8", "int8"))
+def test_fp32_activations_are_exact_products(config, kind):
+    g = torch.Generator().manual_seed(11)
+    q, scale, ref_w = weight(40, 136, kind, torch.float32, g)
+    x = torch.randn((3, 136), generator=g)
+    check(gemv(x.to(DEVICE), q, scale, None, config).cpu(), x.double() @ ref_w.T, torch.float32)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_row_zero_is_the_same_bits_at_every_batch_size(config, kind):
+    """Batch invariance: what a request's row computes never depends on the rows beside it."""
+    g = torch.Generator().manual_seed(7)
+    q, scale, _ = weight(37, 200, kind, torch.bfloat16, g)
+    x = torch.randn((8, 200), generator=g).to(torch.bfloat16).to(DEVICE)
+    alone = gemv(x[:1], q, scale, None, config)
+    for m in (2, 8):
+        batch = gemv(x[:m], q, scale, None, config)
+        assert torch.equal(batch[:1], alone), f"M={m}: row 0 differs from M=1"
+    other = torch.cat([x[:1], torch.randn((7, 200), generator=g).to(torch.bfloat16).to(DEVICE)])
+    assert torch.equal(gemv(other, q, scale, None, config)[:1], alone)
+
+
+def test_leading_dimensions_and_strided_rows():
+    g = torch.Generator().manual_seed(3)
+    q, scale, ref_w = weight(24, 64, "int8", torch.bfloat16, g)
+    x = torch.randn((2, 3, 128), generator=g).to(torch.bfloat16)[..., :64]  # rows 128 apart
+    got = gemv(x.to(DEVICE), q, scale, None, CONFIGS[0])
+    assert got.shape == (2, 3, 24)
+    check(got.cpu(), x.double() @ ref_w.T, torch.bfloat16)
+
+
+def test_bad_weights_are_refused():
+    x = torch.randn((1, 64), device=DEVICE)
+    with pytest.raises(ValueError, match="row-major"):
+        gemv(x, torch.randn((64, 24), device=DEVICE).t(), None)
+    with pytest.raises(ValueError, match="row-major"):
+        gemv(x, torch.randn((24, 32), device=DEVICE), None)
+    with pytest.raises(ValueError, match="scale"):
+        gemv(x, torch.zeros((24, 64), dtype=torch.int8, device=DEVICE), None)
+
+
+def test_configs():
+    assert split_length(4096, GemvConfig("dot", 32, 256, 3)) == 1536  # ceil(4096 / 3) rounded up to whole tiles
+    assert split_length(200, GemvConfig("dot", 16, 32, 1)) == 224
+    with pytest.raises(ValueError, match="power of two"):
+        GemvConfig("dot", 24)
+    with pytest.raises(ValueError, match="variant"):
+        GemvConfig("wmma")
+    with pytest.raises(ValueError, match="tl.dot"):
+        GemvConfig("dot", 8)
+    bf16, int8 = candidate_configs(4096, 4096, torch.bfloat16), candidate_configs(4096, 4096, torch.int8)
+    assert len(bf16) == len(set(bf16)) > 20
+    assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma"} and any(c.split_k > 1 for c in bf16)
+    # 1-byte weights: twice the K per tile (16-byte loads of 16 values)
+    assert sorted(c.block_k for c in int8) == sorted(2 * c.block_k for c in bf16)
+    # many output tiles: no split-K past ~1024 programs
+    assert all(c.split_k == 1 or c.split_k * -(-28672 // c.block_n) <= 1024
+               for c in candidate_configs(28672, 4096, torch.bfloat16))
