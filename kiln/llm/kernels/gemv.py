@@ -202,6 +202,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     return y.reshape(*x.shape[:-1], n)
 
 
+class DecodeGemv:
+    """A linear layer's decode plan (kiln/llm/decode_gemv.py chooses it): rows bucket -> the config this GEMV
+    runs at, or None where the layer's own path (cuBLAS) was faster. Rows past the last bucket: None."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, plan: dict[int, GemvConfig | None]):
+        self.weight, self.scale = weight, scale  # the layer's own tensors, not copies
+        self.plan = dict(sorted(plan.items()))
+
+    def config_for(self, rows: int) -> GemvConfig | None:
+        for bucket, config in self.plan.items():
+            if rows <= bucket:
+                return config
+        return None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x·Wᵀ (+ bias) by the GEMV, or None when x's rows are the layer's own path's."""
+        config = self.config_for(x.numel() // x.shape[-1])
+        return None if config is None else gemv(x, self.weight, self.scale, bias, config)
+
+
 def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvConfig]:
     """The configs a tuner times for an [N, K] weight (bench/gemv.py sweeps them all; the engine a short list).
     Split-K only where N alone gives fewer than ~2 programs per SM of a large GPU (132 on the H200)."""
