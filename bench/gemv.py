@@ -10,7 +10,8 @@ bf16 F.linear on the same shape (the bf16 weight), and for fp8 the model's path 
 activations from kiln's fused kernel + torch._scaled_mm), for int8 kiln's previous weight-only Triton GEMM
 (kiln/llm/kernels/quant_gemm.py). Every kernel's output is first checked against torch in fp32 on the
 dequantized weights (|y - ref| <= 1e-2·|ref| + 2e-3·max|ref|: bf16 output rounding is 2^-9 relative, the rest
-is fp32 sums in another order); a config that fails is reported and never timed.
+is fp32 sums in another order: kiln.llm.decode_gemv.gemv_error, the engine's check); a config that fails is
+reported and never timed.
 
 Timing: each measurement is one CUDA graph of 24 back-to-back calls that rotate over copies of the weight
 (at least 150 MB together, three times the H200's 50 MB L2, so the weights come from HBM), replayed 7 times
@@ -53,7 +54,9 @@ if TINY:  # before triton is imported: kernels run under the interpreter on the 
     _fix_interpreter_bf16_dot()
     _fix_interpreter_scalar_index()
 
+from kiln.llm.decode_gemv import gemv_error, graph_time  # noqa: E402
 from kiln.llm.kernels.gemv import GemvConfig, candidate_configs, gemv  # noqa: E402
+from kiln.llm.quantization import FP8Weight, Int8Weight  # noqa: E402
 
 # (projection, K, N) per model: fused q|k|v, o, fused gate|up, down
 MODELS = {
@@ -64,7 +67,6 @@ MODELS = {
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
 L2_BYTES = 50 * 2**20
 LAUNCHES, REPLAYS = 24, 7
-RTOL, ATOL_OF_MAX = 1e-2, 2e-3
 DEVICE = "cpu" if TINY else "cuda"
 
 
@@ -92,56 +94,25 @@ class Log:
 
 
 def quantize(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """bf16 master weight -> (stored weight, per-channel fp32 scale or None), as kiln/llm/quantization.py."""
+    """bf16 master weight -> (stored weight, per-channel fp32 scale or None): kiln/llm/quantization.py's."""
     if dtype == torch.bfloat16:
         return w, None
-    wf = w.float()
-    if dtype == torch.int8:
-        scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        return torch.round(wf / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
-    scale = wf.abs().amax(dim=1).clamp(min=1e-12) / 448.0
-    return (wf / scale[:, None]).to(torch.float8_e4m3fn), scale
+    module = (Int8Weight if dtype == torch.int8 else FP8Weight).quantize(w)
+    return module.q, module.scale
 
 
 def dequantized(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return q.float() if scale is None else q.float() * scale[:, None]
 
 
-def close(got: torch.Tensor, ref: torch.Tensor) -> str | None:
-    """None when got matches the fp32 reference within bf16 output rounding, else what is off."""
-    err = (got.float() - ref).abs()
-    bound = RTOL * ref.abs() + ATOL_OF_MAX * ref.abs().max()
-    if not torch.isfinite(got.float()).all() or (err > bound).any():
-        i = int((err - bound).argmax())
-        return f"max |err| {err.max().item():.3g} (at {i}: got {got.reshape(-1)[i].item():.5g}, " \
-               f"ref {ref.reshape(-1)[i].item():.5g})"
-    return None
-
-
 def time_calls(calls: list) -> float:
-    """Microseconds per call: one CUDA graph of LAUNCHES calls (rotating over `calls`), median replay."""
+    """Microseconds per call: kiln.llm.decode_gemv's CUDA-graph timer (the engine's), LAUNCHES calls rotating
+    over `calls`, median of REPLAYS replays. On the CPU: one call's wall time (checks the script only)."""
     if DEVICE == "cpu":
         started = time.perf_counter()
         calls[0]()
         return (time.perf_counter() - started) * 1e6
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(LAUNCHES):
-            calls[i % len(calls)]()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(REPLAYS):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
-    del graph
-    return statistics.median(times)
+    return graph_time(calls, LAUNCHES, REPLAYS)
 
 
 class Problem:
@@ -194,7 +165,7 @@ def measure(problem: Problem, m: int, configs: list[GemvConfig], log: Log, failu
            "configs": {}, "peers": {}}
     for name, calls in peers(problem, x).items():
         try:
-            bad = close(calls[0](), ref if name != "cuBLAS bf16" or problem.dtype_name == "bf16" else
+            bad = gemv_error(calls[0](), ref if name != "cuBLAS bf16" or problem.dtype_name == "bf16" else
                         x.float() @ problem.bf16_weights[0].float().T)
             row["peers"][name] = time_calls(calls) if bad is None else None
             if bad:
@@ -205,7 +176,7 @@ def measure(problem: Problem, m: int, configs: list[GemvConfig], log: Log, failu
     for config in configs:
         calls = [lambda w=w, c=config: gemv(x, w, problem.scale, None, c) for w in problem.weights]
         try:
-            bad = close(calls[0](), ref)
+            bad = gemv_error(calls[0](), ref)
         except Exception as error:  # a config that does not compile (shared memory) is reported, not timed
             failures.append(f"{problem.name} M={m} {problem.dtype_name} {config.name}: "
                             f"{type(error).__name__}: {str(error)[:200]}")

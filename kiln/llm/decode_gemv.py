@@ -133,24 +133,25 @@ def library_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, layer.weight) if layer.quantized is None else layer.quantized(x)
 
 
-def graph_time(calls: list[Callable[[], object]]) -> float:
-    """Microseconds per call on CUDA: LAUNCHES calls rotating over `calls` in one CUDA graph, median replay."""
+def graph_time(calls: list[Callable[[], object]], launches: int = LAUNCHES, replays: int = REPLAYS) -> float:
+    """Microseconds per call on CUDA: `launches` calls rotating over `calls` in one CUDA graph, median of
+    `replays` replays (CUDA events)."""
     for call in calls:
         call()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(LAUNCHES):
+        for i in range(launches):
             calls[i % len(calls)]()
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAUNCHES)
+        times.append(start.elapsed_time(end) * 1e3 / launches)
     return statistics.median(times)
 
 

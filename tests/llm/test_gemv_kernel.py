@@ -123,3 +123,27 @@ def test_configs():
     # many output tiles: no split-K past ~1024 programs
     assert all(c.split_k == 1 or c.split_k * -(-28672 // c.block_n) <= 1024
                for c in candidate_configs(28672, 4096, torch.bfloat16))
+
+
+def test_the_benchmark_runs_on_the_cpu(tmp_path):
+    """bench/gemv.py --tiny: every kiln config checked and timed under the interpreter, the table and the JSON
+    written under $OUT (what the GPU run writes, at tiny shapes)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(root / "bench" / "gemv.py"), "--tiny", "--dtypes", "bf16", "int8"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "gemv.json").read_text())
+    assert {(r["shape"], r["m"], r["dtype"]) for r in doc["rows"]} == {
+        (s, m, d) for s in ("a", "b") for m in (1, 3) for d in ("bf16", "int8")}
+    assert all(len(r["configs"]) == 6 and r["best"] in r["configs"] for r in doc["rows"])  # all 6 passed
+    assert all(r["peers"]["cuBLAS bf16"] is not None for r in doc["rows"])
+    # under the interpreter only the old int8 GEMM is off (its int8 -> bf16 cast; right on the GPU)
+    assert all("old Triton int8" in f for f in doc["failures"])
+    table = (tmp_path / "gemv.md").read_text()
+    assert table.count("| a | 96x48 |") == 4 and "best config" in table
