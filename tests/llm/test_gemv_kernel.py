@@ -147,3 +147,17 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path):
     assert all("old Triton int8" in f for f in doc["failures"])
     table = (tmp_path / "gemv.md").read_text()
     assert table.count("| a | 96x48 |") == 4 and "best config" in table
+
+
+def test_the_kernel_compiles_for_sm90_with_vector_loads():
+    """The real compiler (no GPU): every variant and weight dtype lowers to 16-byte (8 for 1-byte weights in
+    dot_swap) pipelined loads, not scalar ones (tests/llm/gemv_compile_sm90.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.llm.gemv_compile_sm90"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.count("ok  ") == 9

@@ -78,7 +78,7 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_k, M, N, scale_ptr, bias_ptr,
         tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.jit(do_not_specialize=["M", "K_SPLIT"])
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                  stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
