@@ -22,16 +22,16 @@ from kiln.llm.kernels import gemv as kernels  # noqa: E402
 from tests.kernels.compile_sm90 import SHARED_MEMORY_LIMIT, compile_kernel  # noqa: E402
 
 WEIGHTS = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}
-ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "N", "K", "K_SPLIT", "stride_xm",
+ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "K_SPLIT", "stride_xm",
            "stride_wn", "stride_ym")
 
 
-def compile_config(config: kernels.GemvConfig, weight: str, split: bool):
+def compile_config(config: kernels.GemvConfig, weight: str):
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHTS[weight], "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
-             "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32",
+             "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32",
              "stride_wn": "i32", "stride_ym": "i32"}
     constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
-                      SPLIT=split, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
+                      SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
                       BLOCK_K=config.block_k)
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
@@ -59,13 +59,13 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str
 def main() -> int:
     failed = 0
     cases = [kernels.GemvConfig("dot", 16, 256, 1, 4, 4), kernels.GemvConfig("dot_swap", 64, 128, 2, 4, 3),
-             kernels.GemvConfig("fma", 8, 256, 1, 4, 1)]
+             kernels.GemvConfig("fma", 8, 256, 2, 4, 1, "last"), kernels.GemvConfig("dot", 32, 256, 4, 4, 3, "last")]
     for weight in WEIGHTS:
         for config in cases:
             if weight != "bf16":  # 1-byte weights: tiles twice as deep (candidate_configs does the same)
                 config = kernels.GemvConfig(config.variant, config.block_n, 2 * config.block_k, config.split_k,
-                                            config.num_warps, config.num_stages)
-            compiled = compile_config(config, weight, split=config.split_k > 1)
+                                            config.num_warps, config.num_stages, config.split_reduce)
+            compiled = compile_config(config, weight)
             problems = load_problems(config, weight, compiled.asm["ptx"])
             if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
                 problems.append(f"{compiled.metadata.shared} bytes of shared memory")

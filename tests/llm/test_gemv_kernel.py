@@ -44,8 +44,8 @@ def check(got: torch.Tensor, ref: torch.Tensor, act: torch.dtype) -> None:
 
 
 CONFIGS = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot", 32, 64, 3, 4, 2),
-           GemvConfig("dot_swap", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 32, 2, 4, 1),
-           GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1)]
+           GemvConfig("dot_swap", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last"),
+           GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1, "last")]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name.replace(" ", "-"))
@@ -115,11 +115,14 @@ def test_configs():
         GemvConfig("wmma")
     with pytest.raises(ValueError, match="tl.dot"):
         GemvConfig("dot", 8)
+    with pytest.raises(ValueError, match="split_reduce"):
+        GemvConfig("dot", split_k=2, split_reduce="atomic")
     bf16, int8 = candidate_configs(4096, 4096, torch.bfloat16), candidate_configs(4096, 4096, torch.int8)
     assert len(bf16) == len(set(bf16)) > 20
     assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma"} and any(c.split_k > 1 for c in bf16)
     # 1-byte weights: twice the K per tile (16-byte loads of 16 values)
     assert sorted(c.block_k for c in int8) == sorted(2 * c.block_k for c in bf16)
+    assert {c.split_reduce for c in bf16 if c.split_k > 1} == {"kernel", "last"}
     # many output tiles: no split-K past ~1024 programs
     assert all(c.split_k == 1 or c.split_k * -(-28672 // c.block_n) <= 1024
                for c in candidate_configs(28672, 4096, torch.bfloat16))
@@ -160,4 +163,20 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
     done = subprocess.run([sys.executable, "-m", "tests.llm.gemv_compile_sm90"], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 9
+    assert done.stdout.count("ok  ") == 12
+
+
+def test_last_arrival_split_leaves_its_counters_zero():
+    """split_reduce="last": the same bits as the second-kernel reduction (same order of the partial sums), and
+    every tile's arrival counter back at zero for the next launch (a CUDA graph replays the same buffer)."""
+    from kiln.llm.kernels import gemv as kernels
+
+    g = torch.Generator().manual_seed(5)
+    q, scale, _ = weight(37, 200, "fp8", torch.bfloat16, g)
+    x = torch.randn((3, 200), generator=g).to(torch.bfloat16).to(DEVICE)
+    for variant, block_n in (("dot", 16), ("fma", 8)):
+        two_pass = gemv(x, q, scale, None, GemvConfig(variant, block_n, 32, 3, 4, 1, "kernel"))
+        for _ in range(2):
+            last = gemv(x, q, scale, None, GemvConfig(variant, block_n, 32, 3, 4, 1, "last"))
+            assert torch.equal(last, two_pass)
+            assert not kernels._locks(x.device, 1).any()

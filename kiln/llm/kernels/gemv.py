@@ -12,8 +12,10 @@ Three ways to multiply a tile (GemvConfig.variant):
   fma       one program per row: W tile times the row broadcast, accumulated elementwise in fp32 over K,
             reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2).
 
-Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N] and a second small
-kernel adds them in the order s = 0..S-1, then scales, adds the bias and rounds. No atomics.
+Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N]; then either a second
+small kernel (split_reduce="kernel") or the last program of each tile to arrive (split_reduce="last": an atomic
+counter per tile, one launch fewer) adds them in the order s = 0..S-1, scales, adds the bias and rounds. The
+atomics only count arrivals; no value is added atomically, so the sum's order never varies.
 
 Batch invariance: a row's result depends on K, the weights and the config, never on M or the other rows.
 dot/dot_swap always compute 16 rows (zeros past M) whose MMAs accumulate each output along K in the same
@@ -38,9 +40,12 @@ class GemvConfig:
     variant: str = "dot"  # dot | dot_swap | fma (module docstring)
     block_n: int = 32
     block_k: int = 256
-    split_k: int = 1  # K split over this many programs per N tile (1: no second pass)
+    split_k: int = 1  # K split over this many programs per N tile
     num_warps: int = 4
     num_stages: int = 3
+    # split_k > 1: who adds the partial sums: "kernel" (a second small kernel) or "last" (the last program of
+    # each tile to arrive, counted by an atomic: one launch); both add them in the order s = 0..S-1
+    split_reduce: str = "kernel"
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -49,6 +54,8 @@ class GemvConfig:
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
+        if self.split_reduce not in ("kernel", "last"):
+            raise ValueError(f"GemvConfig.split_reduce {self.split_reduce!r}: expected kernel or last")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
         if self.variant != "fma" and (self.block_n < 16 or self.block_k < 16):
@@ -56,30 +63,51 @@ class GemvConfig:
 
     @property
     def name(self) -> str:
-        return (f"{self.variant} n{self.block_n} k{self.block_k} s{self.split_k} "
+        last = "L" if self.split_k > 1 and self.split_reduce == "last" else ""
+        return (f"{self.variant} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
                 f"w{self.num_warps} st{self.num_stages}")
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages")}
+        return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages",
+                                              "split_reduce")}
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_k, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr, stride_ym,
-              HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+def _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+              lock_ptr, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
     # acc: [rows, BLOCK_N] fp32
     ok = m_ok[:, None] & n_ok[None, :]
-    if SPLIT:  # fp32 partial sums of this K split: workspace [S, M, N]
-        tl.store(part_ptr + (pid_k * M + offs_m)[:, None] * N + offs_n[None, :], acc, mask=ok)
-    else:
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-        if HAS_BIAS:
-            acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    if SPLIT == 0:
+        _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE, HAS_BIAS)
+    else:  # fp32 partial sums of this K split: workspace [S, M, N]
+        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts + pid_k * M * N, acc, mask=ok)
+        if SPLIT == 2:  # the last split of this tile to arrive adds all S partials, in the order s = 0..S-1
+            tl.debug_barrier()  # every thread's partials stored before the release below (CUTLASS's semaphore)
+            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == tl.num_programs(1) - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, tl.num_programs(1)):
+                    total += tl.load(parts + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                _scale_bias_store(total, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE,
+                                  HAS_BIAS)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                  stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -140,8 +168,8 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, K_
                     acc_t = tl.dot(w, tl.trans(x), acc_t)
         if VARIANT == 1:
             acc = tl.trans(acc_t)
-    _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_k, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr, stride_ym,
-              HAS_SCALE, HAS_BIAS, SPLIT)
+    _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+              lock_ptr, stride_ym, HAS_SCALE, HAS_BIAS, SPLIT)
 
 
 @triton.jit
@@ -158,6 +186,23 @@ def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, 
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """The arrival counters of split_reduce="last", one per output tile: zeros, and every launch leaves them
+    zero again (the last program resets its tile's). One buffer per device, shared by every launch in
+    stream order. Allocated outside CUDA-graph capture: the first call of a config is a warm-up that runs
+    eagerly (the engine's graph capture, bench/gemv.py and the tuner all call before they capture)."""
+    found = _LOCKS.get(device)
+    if found is None or found.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: split_reduce='last' needs its counters allocated before CUDA-graph capture; "
+                               "call it once eagerly first")
+        found = _LOCKS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+    return found
 
 
 def split_length(k: int, config: GemvConfig) -> int:
@@ -186,15 +231,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     splits = -(-k // length)
     even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
     rows = m if config.variant == "fma" else -(-m // MAX_ROWS)
+    tiles = triton.cdiv(n, config.block_n)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    last = splits > 1 and config.split_reduce == "last"
+    lock = _locks(x.device, rows * tiles) if last else y
     dummy = y  # an unused pointer argument (HAS_SCALE / HAS_BIAS off)
-    _gemv_kernel[(triton.cdiv(n, config.block_n), splits, rows)](
-        x2, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, y, part,
+    _gemv_kernel[(tiles, splits, rows)](
+        x2, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, y, part, lock,
         m, n, k, length, x2.stride(0), weight.stride(0), y.stride(0),
-        VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        SPLIT=0 if splits == 1 else 2 if last else 1,
         EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits > 1:
+    if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
             part, scale if scale is not None else dummy, bias if bias is not None else dummy, y, m, n, y.stride(0),
@@ -238,5 +287,6 @@ def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvCon
             for split in (1, 2, 4, 8):
                 if split > 1 and (tiles * split > 1024 or k // split < block_k):
                     continue
-                configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages))
+                for reduce in ("kernel", "last") if split > 1 else ("kernel",):
+                    configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, reduce))
     return configs
