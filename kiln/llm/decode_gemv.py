@@ -1,6 +1,6 @@
-"""Which kernel multiplies a decode step's few rows by each linear layer's weight: the layer's own path
-(cuBLAS's F.linear for bf16/fp16; FP8: per-token E4M3 activations + torch._scaled_mm; INT8: the weight-only
-GEMM of kernels/quant_gemm.py) or kiln's decode GEMV (kernels/gemv.py). Chosen per (weight shape, weight
+"""Which kernel multiplies a decode step's few rows by each linear layer's weight and the LM head's: the layer's
+own path (cuBLAS's F.linear for bf16/fp16; FP8: per-token E4M3 activations + torch._scaled_mm; INT8: the
+weight-only GEMM of kernels/quant_gemm.py) or kiln's decode GEMV (kernels/gemv.py). Chosen per (weight shape, weight
 dtype, activation dtype, rows bucket) by timing both on the device at engine start, not by a rule, the way
 the builder's tactic search picks a layer's kernel; the timings are cached (in the process, and in a
 TimingCache file when one is given) under a key that holds the device, the versions and the candidates.
@@ -33,7 +33,7 @@ from torch import nn
 from kiln.builder.timing_cache import TimingCache, environment, signature_key
 from kiln.llm.config import LLMError
 from kiln.llm.kernels.gemv import DecodeGemv, GemvConfig
-from kiln.llm.models.layers import ColumnLinear, RowLinear
+from kiln.llm.models.layers import ColumnLinear, RowLinear, VocabEmbedding
 from kiln.llm.quantization import FP8Weight, Int8Weight
 
 log = logging.getLogger("kiln.llm")
@@ -46,13 +46,16 @@ LAUNCHES, REPLAYS = 24, 5
 _PROCESS_CACHE: dict[str, dict] = {}  # signature key -> timings, for every engine this process starts
 
 # the configs the engine times per weight element size (bytes): the best of bench/gemv.py's sweeps on the H200
+# (before the first H200 sweep: one of each kind, to be replaced by the sweep's winners)
 ENGINE_CONFIGS: dict[int, list[GemvConfig]] = {
     2: [GemvConfig("dot", 16, 256, 1, 4, 4), GemvConfig("dot", 32, 256, 1, 4, 3),
-        GemvConfig("dot", 16, 256, 2, 4, 4), GemvConfig("dot_swap", 64, 128, 1, 4, 4),
-        GemvConfig("dot_swap", 64, 256, 2, 4, 3), GemvConfig("fma", 8, 256, 1, 4, 1)],
+        GemvConfig("dot", 16, 256, 2, 4, 4, "last"), GemvConfig("dot_swap", 64, 128, 1, 4, 4),
+        GemvConfig("dot_swap", 64, 128, 2, 4, 3, "last"), GemvConfig("fma", 8, 256, 1, 4, 1),
+        GemvConfig("fma", 8, 256, 2, 4, 1, "last")],
     1: [GemvConfig("dot", 16, 512, 1, 4, 4), GemvConfig("dot", 32, 512, 1, 4, 3),
-        GemvConfig("dot", 16, 512, 2, 4, 4), GemvConfig("dot_swap", 64, 256, 1, 4, 4),
-        GemvConfig("dot_swap", 64, 512, 2, 4, 3), GemvConfig("fma", 8, 512, 1, 4, 1)],
+        GemvConfig("dot", 16, 512, 2, 4, 4, "last"), GemvConfig("dot_swap", 64, 256, 1, 4, 4),
+        GemvConfig("dot_swap", 64, 256, 2, 4, 3, "last"), GemvConfig("fma", 8, 512, 1, 4, 1),
+        GemvConfig("fma", 8, 512, 2, 4, 1, "last")],
 }
 
 
@@ -115,8 +118,11 @@ def decide(timings: dict[int, dict[str, float | None]], configs: dict[str, GemvC
 
 
 def operand(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight [N, K] as the GEMV reads it, per-channel scale) of a linear layer, or None when the GEMV does not
-    take its weight (int4, group-wise 8-bit, a layer without a weight)."""
+    """(weight [N, K] as the GEMV reads it, per-channel scale) of a linear layer or the LM head, or None when the
+    GEMV does not take its weight (int4, group-wise 8-bit, a layer without a weight)."""
+    if isinstance(layer, VocabEmbedding):
+        w = layer.weight
+        return (w.data, None) if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else None
     if not isinstance(layer, (ColumnLinear, RowLinear)):
         return None
     if layer.quantized is None:
@@ -130,7 +136,17 @@ def operand(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None
 
 def library_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The layer's own x·Wᵀ (no bias, no all-reduce): what the GEMV replaces."""
-    return F.linear(x, layer.weight) if layer.quantized is None else layer.quantized(x)
+    if isinstance(layer, VocabEmbedding) or layer.quantized is None:
+        return F.linear(x, layer.weight)
+    return layer.quantized(x)
+
+
+def lm_head(model: nn.Module) -> nn.Module | None:
+    """The VocabEmbedding whose logits the model computes: its lm_head, or the tied input embedding."""
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        return head
+    return next((m for m in model.modules() if isinstance(m, VocabEmbedding)), None)
 
 
 def graph_time(calls: list[Callable[[], object]], launches: int = LAUNCHES, replays: int = REPLAYS) -> float:
@@ -165,6 +181,18 @@ def gemv_error(got: torch.Tensor, ref: torch.Tensor) -> str | None:
     return f"max |error| {err.max().item():.3g} against torch fp32"
 
 
+def reference_product(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+                      rows: int = 8192) -> torch.Tensor:
+    """x·dequant(W)ᵀ in fp32 torch, `rows` output features at a time (an LM head in fp32 is 2 GB at once)."""
+    parts = []
+    for start in range(0, weight.shape[0], rows):
+        w = weight[start:start + rows].float()
+        if scale is not None:
+            w = w * scale[start:start + rows, None]
+        parts.append(x.float() @ w.T)
+    return torch.cat(parts, dim=-1)
+
+
 class GemvTuner:
     """Times each weight shape's candidates once per rows bucket and gives its layers a DecodeGemv plan.
     `measure(shape, bucket, name, calls) -> us` is graph_time on CUDA; tests pass fake timings."""
@@ -185,7 +213,10 @@ class GemvTuner:
         cap = next(b for b in ROW_BUCKETS if b >= min(max_rows, ROW_BUCKETS[-1]))
         buckets = [b for b in ROW_BUCKETS if b <= cap]
         groups: dict[GemvShape, list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]]] = {}
+        head = lm_head(model)
         for layer in model.modules():
+            if isinstance(layer, VocabEmbedding) and layer is not head:
+                continue  # an input embedding that is not also the LM head multiplies nothing
             found = operand(layer)
             if found is None:
                 continue
@@ -223,7 +254,7 @@ class GemvTuner:
 
         layer0, w0, scale0 = members[0]
         x = torch.randn((bucket, shape.k), device=w0.device).to(getattr(torch, shape.act_dtype))
-        reference = x.float() @ (w0.float() if scale0 is None else w0.float() * scale0[:, None]).T
+        reference = reference_product(x, w0, scale0)
         timings: dict[str, float | None] = {
             LIBRARY: self.measure(shape, bucket, LIBRARY, [lambda m=m: library_product(m, x) for m, _, _ in members])}
         for name, config in configs.items():

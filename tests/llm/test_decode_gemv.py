@@ -122,10 +122,12 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
         timer = FakeTimer()
         decisions = GemvTuner("auto", measure=timer, candidates=lambda shape, size: [A, B]).tune(
             model, torch.float32, max_rows=2)
-        # llama's 4 projection shapes (q|k|v, o, gate|up, down), each timed at buckets 1 and 2
-        assert len(decisions) == 4 and timer.calls == 4 * 2 * 3
+        # llama's 4 projection shapes (q|k|v, o, gate|up, down) and the LM head, each timed at buckets 1 and 2
+        assert len(decisions) == 5 and timer.calls == 5 * 2 * 3
         assert all(d.plan == {1: A, 2: None} for d in decisions)
-        assert all(d.shape.weight_dtype == ("int8" if method else "float32") for d in decisions)
+        head = decisions[-1].shape
+        assert (head.n, head.k, head.weight_dtype) == (320, 64, "float32")  # the LM head stays unquantized
+        assert all(d.shape.weight_dtype == ("int8" if method else "float32") for d in decisions[:-1])
         seen = counting(monkeypatch)
         assert greedy(llama_llm, [prompts[0]]) == before[:1]  # one row a decode step: the GEMV
         decode_rows = {m for m, _, _ in seen}
@@ -135,7 +137,7 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
         assert not seen
         # a second tuning of the same shapes on this machine times nothing
         GemvTuner("auto", measure=timer, candidates=lambda shape, size: [A, B]).tune(model, torch.float32, 2)
-        assert timer.calls == 4 * 2 * 3
+        assert timer.calls == 5 * 2 * 3
     finally:
         for m in model.modules():
             if hasattr(m, "decode_gemv"):

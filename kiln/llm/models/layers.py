@@ -125,6 +125,7 @@ class VocabEmbedding(nn.Module):
         self.rows = math.ceil(vocab_size / tp.size)
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
+        self.decode_gemv = None  # as ColumnLinear's, for the logits of the LM head
 
     def load(self, kind: str, tensor: torch.Tensor) -> None:
         if tensor.shape[0] != self.vocab_size or tensor.shape[1:] != self.weight.shape[1:]:
@@ -142,7 +143,10 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden·Eᵀ over this rank's rows, gathered over ranks: [R, H] -> [R, vocab] (fp32)."""
-        local = F.linear(hidden, self.weight if weight is None else weight).float()
+        local = self.decode_gemv(hidden) if self.decode_gemv is not None and weight is None else None
+        if local is None:
+            local = F.linear(hidden, self.weight if weight is None else weight)
+        local = local.float()
         return self.tp.all_gather_last(local)[..., :self.vocab_size]
 
 
