@@ -24,6 +24,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
 
 A, B = GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("fma", 8, 32, 2, 4, 1)
+# the model tests run a CPU engine whose layers launch the GEMV: under the interpreter only
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="a CPU model's GEMV launches need TRITON_INTERPRET=1")
 CONFIGS = {A.name: A, B.name: B}
 
 
@@ -55,6 +58,7 @@ def test_triton_mode_runs_one_config_at_every_bucket():
         decide(timings, CONFIGS, "triton")
 
 
+@interpreted
 def test_a_plan_maps_rows_to_buckets():
     plan = DecodeGemv(torch.zeros(4, 4), None, {8: B, 1: A, 2: None})
     assert [plan.config_for(m) for m in (1, 2, 3, 8, 9, 64)] == [A, None, B, B, None, None]
@@ -110,6 +114,7 @@ def counting(monkeypatch):
     return seen
 
 
+@interpreted
 @pytest.mark.parametrize("method", [None, "int8"])
 def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, method):
     model = llama_llm.engine.model
@@ -148,6 +153,7 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
                     m.weight, m.quantized = saved[name]
 
 
+@interpreted
 def test_a_config_that_fails_its_check_is_never_timed_nor_chosen(llama_llm, monkeypatch):
     real = gemv_kernels.gemv
 
@@ -173,6 +179,7 @@ def test_a_config_that_fails_its_check_is_never_timed_nor_chosen(llama_llm, monk
                 m.decode_gemv = None
 
 
+@interpreted
 def test_timings_persist_in_a_timing_cache_file(llama_llm, tmp_path):
     path = tmp_path / "gemv.json"
     model = llama_llm.engine.model
