@@ -279,10 +279,12 @@ def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvCon
     for variant, block_n, block_k, warps in (
             ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
             ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
-            ("fma", 8, 256, 4), ("fma", 16, 256, 4), ("fma", 4, 512, 4)):
+            ("fma", 8, 256, 4), ("fma", 16, 256, 4), ("fma", 4, 512, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8)):
         if wide:
             block_k *= 2
-        for stages in (3, 4) if variant != "fma" else (1, 3):
+        # fma has no tl.dot: Triton's pipeliner leaves its loop alone (sm_90 PTX: the same code at any
+        # num_stages), so one stage; its loads in flight come from block_k and the programs per SM
+        for stages in (3, 4) if variant != "fma" else (1,):
             tiles = -(-n // block_n)
             for split in (1, 2, 4, 8):
                 if split > 1 and (tiles * split > 1024 or k // split < block_k):
