@@ -164,14 +164,25 @@ def peers(problem: Problem, x: torch.Tensor) -> dict[str, list]:
     return found
 
 
+def peer_reference(problem: Problem, name: str, x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """What a peer computes, in fp32: cuBLAS bf16 multiplies the bf16 master weight; the fp8 scaled_mm path
+    multiplies per-token E4M3 activations (kernels/fused.py's fp8_quantize_rows: s = max|x| / 448 per row)."""
+    if name == "cuBLAS bf16" and problem.dtype_name != "bf16":
+        return x.float() @ problem.bf16_weights[0].float().T
+    if name == "scaled_mm path":
+        x_scale = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+        x_q = (x.float() / x_scale).to(torch.float8_e4m3fn).float() * x_scale
+        return x_q @ problem.reference_weight.T
+    return ref
+
+
 def measure(problem: Problem, m: int, configs: list[GemvConfig], log: Log, failures: list) -> dict:
     x, ref = problem.inputs(m)
     row = {"shape": problem.name, "k": problem.k, "n": problem.n, "m": m, "dtype": problem.dtype_name,
            "configs": {}, "peers": {}}
     for name, calls in peers(problem, x).items():
         try:
-            bad = gemv_error(calls[0](), ref if name != "cuBLAS bf16" or problem.dtype_name == "bf16" else
-                        x.float() @ problem.bf16_weights[0].float().T)
+            bad = gemv_error(calls[0](), peer_reference(problem, name, x, ref))
             row["peers"][name] = time_calls(calls) if bad is None else None
             if bad:
                 failures.append(f"{problem.name} M={m} {problem.dtype_name} {name}: WRONG {bad}")
@@ -189,7 +200,12 @@ def measure(problem: Problem, m: int, configs: list[GemvConfig], log: Log, failu
         if bad:
             failures.append(f"{problem.name} M={m} {problem.dtype_name} {config.name}: WRONG {bad}")
             continue
-        row["configs"][config.name] = time_calls(calls)
+        us = time_calls(calls)
+        bad = gemv_error(calls[-1](), ref)  # again after the replays: split-K's arrival counters still right
+        if bad:
+            failures.append(f"{problem.name} M={m} {problem.dtype_name} {config.name}: WRONG after timing {bad}")
+            continue
+        row["configs"][config.name] = us
     best = min(row["configs"], key=row["configs"].get, default=None)
     row["best"] = best
     if best:
@@ -248,6 +264,27 @@ def table(rows: list[dict]) -> list[str]:
                      f"{'' if peer_us is None else f'{peer_us:.2f}'} | "
                      f"{'' if peer_us is None else f'{peer_us / us:.2f}x'} |")
     return lines
+
+
+def shortlist(rows: list[dict], configs: dict[str, GemvConfig], size: int = 8) -> dict[str, list[GemvConfig]]:
+    """Per weight element size ("2": bf16, "1": fp8 and int8), the configs the engine should time
+    (kiln/llm/decode_gemv.py ENGINE_CONFIGS): every problem's winner, then the best by geometric-mean
+    slowdown against each problem's best over the fully swept rows, up to `size`."""
+    found = {}
+    for element, dtypes in (("2", {"bf16"}), ("1", {"fp8", "int8"})):
+        mine = [r for r in rows if r["dtype"] in dtypes and r["best"]]
+        winners = list(dict.fromkeys(r["best"] for r in mine))
+        logs: dict[str, list[float]] = {}
+        full = [r for r in mine if not r.get("budget_cut") and len(r["configs"]) > 1]
+        for r in full:
+            best = min(r["configs"].values())
+            for name, us in r["configs"].items():
+                logs.setdefault(name, []).append(math.log(us / best))
+        complete = [n for n, v in logs.items() if len(v) == max(map(len, logs.values()))]
+        ranked = sorted(complete, key=lambda n: statistics.fmean(logs[n]))
+        names = list(dict.fromkeys(winners + ranked))[:max(size, min(len(winners), 12))]
+        found[element] = [configs[n] for n in names if n in configs]
+    return found
 
 
 def main() -> int:
@@ -329,16 +366,26 @@ def main() -> int:
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
     rows.sort(key=lambda r: (r["dtype"], r["shape"], r["k"], r["m"]))
+    every = {c.name: c for name, k, n in shapes for d in args.dtypes for c in configs_for(k, n, d)}
+    engine = shortlist(rows, every)
     lines = [header, "", f"x bf16, W as listed (per-channel scales), y bf16; TB/s = (W + scales + x + y bytes) / time; "
              f"{LAUNCHES} calls per CUDA graph rotating weight copies >= 150 MB, median of {REPLAYS} replays", ""]
     lines += table(rows)
     lines += ["", f"{len(failures)} configs or peers failed a check or did not run:"] + [f"- {f}" for f in failures[:60]]
     lines += [f"- ... and {len(failures) - 60} more" if len(failures) > 60 else ""]
+    lines += ["", "engine shortlist (kiln/llm/decode_gemv.py ENGINE_CONFIGS: winners first, then by geometric-mean "
+              "slowdown):"]
+    for element, found in engine.items():
+        lines.append(f"    {element}: [" + ", ".join(
+            f'GemvConfig("{c.variant}", {c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}'
+            + (', "last")' if c.split_k > 1 and c.split_reduce == "last" else ")") for c in found) + "],")
     lines.append(f"total {time.perf_counter() - started:.0f} s")
     log("\n".join(lines))
     if out:
         (out / "gemv.md").write_text("\n".join(lines) + "\n")
-        (out / "gemv.json").write_text(json.dumps({"header": header, "rows": rows, "failures": failures}, indent=1))
+        (out / "gemv.json").write_text(json.dumps({
+            "header": header, "rows": rows, "failures": failures,
+            "shortlist": {e: [c.to_dict() for c in found] for e, found in engine.items()}}, indent=1))
     return 0
 
 

@@ -121,11 +121,12 @@ def test_configs():
     assert len(bf16) == len(set(bf16)) > 20
     assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma"} and any(c.split_k > 1 for c in bf16)
     # 1-byte weights: twice the K per tile (16-byte loads of 16 values)
-    assert sorted(c.block_k for c in int8) == sorted(2 * c.block_k for c in bf16)
+    assert {(c.variant, c.block_n, c.block_k) for c in int8} == {(c.variant, c.block_n, 2 * c.block_k) for c in bf16}
     assert {c.split_reduce for c in bf16 if c.split_k > 1} == {"kernel", "last"}
-    # many output tiles: no split-K past ~1024 programs
-    assert all(c.split_k == 1 or c.split_k * -(-28672 // c.block_n) <= 1024
+    # many output tiles: no split-K past MAX_PROGRAMS programs
+    assert all(c.split_k == 1 or c.split_k * -(-28672 // c.block_n) <= 4096
                for c in candidate_configs(28672, 4096, torch.bfloat16))
+    assert {c.split_reduce for c in bf16 if c.split_k > 2} == {"last"}
 
 
 def test_the_benchmark_runs_on_the_cpu(tmp_path):
@@ -148,6 +149,7 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path):
     assert all(r["peers"]["cuBLAS bf16"] is not None for r in doc["rows"])
     # under the interpreter only the old int8 GEMM is off (its int8 -> bf16 cast; right on the GPU)
     assert all("old Triton int8" in f for f in doc["failures"])
+    assert set(doc["shortlist"]) == {"2", "1"} and all(GemvConfig(**c) for c in doc["shortlist"]["2"])
     table = (tmp_path / "gemv.md").read_text()
     assert table.count("| a | 96x48 |") == 4 and "best config" in table
 

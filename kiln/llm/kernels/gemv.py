@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 16  # decode rows the dot variants compute per program (tl.dot needs >= 16)
+MAX_PROGRAMS = 4096  # split-K candidates keep the grid at most this large (132 SMs on the H200)
 VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2}
 
 
@@ -273,22 +274,23 @@ class DecodeGemv:
 
 def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvConfig]:
     """The configs a tuner times for an [N, K] weight (bench/gemv.py sweeps them all; the engine a short list).
-    Split-K only where N alone gives fewer than ~2 programs per SM of a large GPU (132 on the H200)."""
+    Split-K while the grid stays under MAX_PROGRAMS: a second-kernel reduction only for 2 splits (its extra
+    launch costs ~2-3 us in a graph), the last-arrival one for every split count."""
     wide = weight_dtype in (torch.float8_e4m3fn, torch.int8)  # 1-byte weights: twice the K per 16-byte load
     configs = []
     for variant, block_n, block_k, warps in (
             ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
             ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
-            ("fma", 8, 256, 4), ("fma", 16, 256, 4), ("fma", 4, 512, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8)):
+            ("fma", 4, 512, 4), ("fma", 8, 256, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 2, 1024, 4)):
         if wide:
             block_k *= 2
         # fma has no tl.dot: Triton's pipeliner leaves its loop alone (sm_90 PTX: the same code at any
         # num_stages), so one stage; its loads in flight come from block_k and the programs per SM
         for stages in (3, 4) if variant != "fma" else (1,):
             tiles = -(-n // block_n)
-            for split in (1, 2, 4, 8):
-                if split > 1 and (tiles * split > 1024 or k // split < block_k):
+            for split in (1, 2, 4, 8, 16):
+                if split > 1 and (tiles * split > MAX_PROGRAMS or k // split < block_k):
                     continue
-                for reduce in ("kernel", "last") if split > 1 else ("kernel",):
+                for reduce in ("kernel", "last") if split == 2 else ("last",) if split > 2 else ("kernel",):
                     configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, reduce))
     return configs
