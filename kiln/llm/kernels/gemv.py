@@ -281,7 +281,8 @@ def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvCon
     for variant, block_n, block_k, warps in (
             ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
             ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
-            ("fma", 4, 512, 4), ("fma", 8, 256, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 2, 1024, 4)):
+            ("fma", 4, 512, 4), ("fma", 8, 256, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 2, 1024, 4),
+            ("fma", 4, 1024, 4), ("fma", 8, 1024, 8)):
         if wide:
             block_k *= 2
         # fma has no tl.dot: Triton's pipeliner leaves its loop alone (sm_90 PTX: the same code at any
