@@ -213,7 +213,8 @@ class EngineConfig:
     # faster at engine start, per weight shape and rows bucket) | cublas | triton (kiln/llm/decode_gemv.py);
     # the default comes from the KILN_LLM_GEMV environment variable, else auto
     gemv: str = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV", "auto"))
-    gemv_timing_cache: str | None = None  # a JSON file that keeps those timings across processes
+    # a JSON file (kiln's TimingCache) that keeps those timings across processes; default KILN_LLM_GEMV_CACHE
+    gemv_timing_cache: str | None = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV_CACHE") or None)
 
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)

@@ -71,6 +71,10 @@ def test_config_switch(monkeypatch):
     assert EngineConfig(gemv="cublas").gemv == "cublas"  # the engine argument wins over the environment
     monkeypatch.delenv("KILN_LLM_GEMV")
     assert EngineConfig().gemv == "auto"
+    monkeypatch.setenv("KILN_LLM_GEMV_CACHE", "/tmp/kiln-gemv.json")
+    assert EngineConfig().gemv_timing_cache == "/tmp/kiln-gemv.json"
+    monkeypatch.delenv("KILN_LLM_GEMV_CACHE")
+    assert EngineConfig().gemv_timing_cache is None
     with pytest.raises(LLMError, match="expected auto, cublas or triton"):
         EngineConfig(gemv="cutlass").check()
     with pytest.raises(LLMError, match="gemv 'fast'"):
