@@ -376,9 +376,7 @@ def main() -> int:
     lines += ["", "engine shortlist (kiln/llm/decode_gemv.py ENGINE_CONFIGS: winners first, then by geometric-mean "
               "slowdown):"]
     for element, found in engine.items():
-        lines.append(f"    {element}: [" + ", ".join(
-            f'GemvConfig("{c.variant}", {c.block_n}, {c.block_k}, {c.split_k}, {c.num_warps}, {c.num_stages}'
-            + (', "last")' if c.split_k > 1 and c.split_reduce == "last" else ")") for c in found) + "],")
+        lines.append(f"    {element}: [" + ",\n        ".join(f"GemvConfig(**{c.to_dict()})" for c in found) + "],")
     lines.append(f"total {time.perf_counter() - started:.0f} s")
     log("\n".join(lines))
     if out:

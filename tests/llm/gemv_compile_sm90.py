@@ -6,7 +6,7 @@ loads (what an offset of unknown alignment gives: K_SPLIT unspecialized did that
 
 Per variant and weight dtype, launched as the runtime specializes it (pointers, N, K, K_SPLIT and strides
 multiples of 16): the loop's loads are cp.async of >= 8 bytes (dot, dot_swap: 16 for bf16 weights) or
-ld.global.v4 (fma), never a scalar global load of 1 or 2 bytes. Exits non-zero and says which otherwise.
+ld.global.v4 (fma, fma_rows), never a scalar global load of 1 or 2 bytes. Exits non-zero and says which otherwise.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def compile_config(config: kernels.GemvConfig, weight: str):
              "stride_wn": "i32", "stride_ym": "i32"}
     constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
                       SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
-                      BLOCK_K=config.block_k)
+                      BLOCK_K=config.block_k, FMA_ROWS=config.rows)
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
     return compile_kernel(fn, types, constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages},
@@ -45,7 +45,7 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str
     scalar = re.findall(r"ld\.global(?:\.\w+)*\.(?:b8|b16|u8|s8|u16)\s", ptx)
     if scalar:
         problems.append(f"{len(scalar)} scalar 1-2 byte global loads")
-    if config.variant == "fma":
+    if config.variant in ("fma", "fma_rows"):
         if "ld.global.v4" not in ptx and "ld.global.nc.v4" not in ptx:
             problems.append("no 16-byte ld.global.v4")
     else:
@@ -59,12 +59,13 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str
 def main() -> int:
     failed = 0
     cases = [kernels.GemvConfig("dot", 16, 256, 1, 4, 4), kernels.GemvConfig("dot_swap", 64, 128, 2, 4, 3),
-             kernels.GemvConfig("fma", 8, 256, 2, 4, 1, "last"), kernels.GemvConfig("dot", 32, 256, 4, 4, 3, "last")]
+             kernels.GemvConfig("fma", 8, 256, 2, 4, 1, "last"), kernels.GemvConfig("dot", 32, 256, 4, 4, 3, "last"),
+             kernels.GemvConfig("fma_rows", 4, 512, 2, 4, 1, "last", rows=4)]
     for weight in WEIGHTS:
         for config in cases:
             if weight != "bf16":  # 1-byte weights: tiles twice as deep (candidate_configs does the same)
                 config = kernels.GemvConfig(config.variant, config.block_n, 2 * config.block_k, config.split_k,
-                                            config.num_warps, config.num_stages, config.split_reduce)
+                                            config.num_warps, config.num_stages, config.split_reduce, config.rows)
             compiled = compile_config(config, weight)
             problems = load_problems(config, weight, compiled.asm["ptx"])
             if compiled.metadata.shared > SHARED_MEMORY_LIMIT:

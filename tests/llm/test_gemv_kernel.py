@@ -45,7 +45,8 @@ def check(got: torch.Tensor, ref: torch.Tensor, act: torch.dtype) -> None:
 
 CONFIGS = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot", 32, 64, 3, 4, 2),
            GemvConfig("dot_swap", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last"),
-           GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1, "last")]
+           GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1, "last"),
+           GemvConfig("fma_rows", 8, 32, 1, 4, 1, rows=4), GemvConfig("fma_rows", 4, 64, 2, 4, 1, "last", rows=2)]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name.replace(" ", "-"))
@@ -115,11 +116,15 @@ def test_configs():
         GemvConfig("wmma")
     with pytest.raises(ValueError, match="tl.dot"):
         GemvConfig("dot", 8)
+    with pytest.raises(ValueError, match="rows > 1"):
+        GemvConfig("fma", rows=4)
+    with pytest.raises(ValueError, match="rows > 1"):
+        GemvConfig("fma_rows", 8, 32)
     with pytest.raises(ValueError, match="split_reduce"):
         GemvConfig("dot", split_k=2, split_reduce="atomic")
     bf16, int8 = candidate_configs(4096, 4096, torch.bfloat16), candidate_configs(4096, 4096, torch.int8)
     assert len(bf16) == len(set(bf16)) > 20
-    assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma"} and any(c.split_k > 1 for c in bf16)
+    assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma", "fma_rows"} and any(c.split_k > 1 for c in bf16)
     # 1-byte weights: twice the K per tile (16-byte loads of 16 values)
     assert {(c.variant, c.block_n, c.block_k) for c in int8} == {(c.variant, c.block_n, 2 * c.block_k) for c in bf16}
     assert {c.split_reduce for c in bf16 if c.split_k > 1} == {"kernel", "last"}
@@ -165,7 +170,7 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
     done = subprocess.run([sys.executable, "-m", "tests.llm.gemv_compile_sm90"], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 12
+    assert done.stdout.count("ok  ") == 15
 
 
 def test_last_arrival_split_leaves_its_counters_zero():

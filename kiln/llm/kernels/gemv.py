@@ -10,7 +10,8 @@ Three ways to multiply a tile (GemvConfig.variant):
   dot_swap  W [BLOCK_N, BLOCK_K] · xᵀ [BLOCK_K, 16] (W is the MMA's first operand, the "swap AB" of
             small-M GEMMs), the [BLOCK_N, 16] result stored transposed;
   fma       one program per row: W tile times the row broadcast, accumulated elementwise in fp32 over K,
-            reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2).
+            reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2);
+  fma_rows  the same over `rows` rows per program (zeros past M): W read once for them.
 
 Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N]; then either a second
 small kernel (split_reduce="kernel") or the last program of each tile to arrive (split_reduce="last": an atomic
@@ -19,7 +20,7 @@ atomics only count arrivals; no value is added atomically, so the sum's order ne
 
 Batch invariance: a row's result depends on K, the weights and the config, never on M or the other rows.
 dot/dot_swap always compute 16 rows (zeros past M) whose MMAs accumulate each output along K in the same
-order; fma runs each row in its own program. So for one config, row 0 is bit-identical at M = 1 and M = 8
+order; fma runs each row in its own program; fma_rows always `rows` rows (zeros past M). So for one config, row 0 is bit-identical at M = 1 and M = 8
 (tests/llm/test_gemv_kernel.py checks it); different configs may round differently.
 """
 
@@ -33,12 +34,12 @@ import triton.language as tl
 
 MAX_ROWS = 16  # decode rows the dot variants compute per program (tl.dot needs >= 16)
 MAX_PROGRAMS = 4096  # split-K candidates keep the grid at most this large (132 SMs on the H200)
-VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2}
+VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2, "fma_rows": 3}
 
 
 @dataclass(frozen=True)
 class GemvConfig:
-    variant: str = "dot"  # dot | dot_swap | fma (module docstring)
+    variant: str = "dot"  # dot | dot_swap | fma | fma_rows (module docstring)
     block_n: int = 32
     block_k: int = 256
     split_k: int = 1  # K split over this many programs per N tile
@@ -47,11 +48,12 @@ class GemvConfig:
     # split_k > 1: who adds the partial sums: "kernel" (a second small kernel) or "last" (the last program of
     # each tile to arrive, counted by an atomic: one launch); both add them in the order s = 0..S-1
     split_reduce: str = "kernel"
+    rows: int = 1  # fma_rows: rows per program (a power of two); the other variants: 1
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"GemvConfig.variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
-        for name in ("block_n", "block_k", "num_warps"):
+        for name in ("block_n", "block_k", "num_warps", "rows"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
@@ -59,18 +61,21 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.split_reduce {self.split_reduce!r}: expected kernel or last")
         if self.split_k < 1 or self.num_stages < 1:
             raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
-        if self.variant != "fma" and (self.block_n < 16 or self.block_k < 16):
+        if (self.rows > 1) != (self.variant == "fma_rows"):
+            raise ValueError(f"GemvConfig {self.name}: rows > 1 is fma_rows' (and fma_rows needs rows > 1)")
+        if self.variant in ("dot", "dot_swap") and (self.block_n < 16 or self.block_k < 16):
             raise ValueError(f"GemvConfig {self.name}: tl.dot needs block_n and block_k >= 16")
 
     @property
     def name(self) -> str:
         last = "L" if self.split_k > 1 and self.split_reduce == "last" else ""
-        return (f"{self.variant} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
+        rows = f" r{self.rows}" if self.rows > 1 else ""
+        return (f"{self.variant}{rows} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
                 f"w{self.num_warps} st{self.num_stages}")
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                              "split_reduce")}
+                                              "split_reduce", "rows")}
 
 
 @triton.jit
@@ -111,10 +116,10 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
                  stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)  # the K split
-    pid_m = tl.program_id(2)  # fma: the row; dot, dot_swap: the block of BLOCK_M rows
+    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_begin = pid_k * K_SPLIT
@@ -136,6 +141,22 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             lanes += w.to(tl.float32) * x.to(tl.float32)[None, :]
         acc = tl.sum(lanes, axis=1)[None, :]  # [1, BLOCK_N]
+    elif VARIANT == 3:  # fma_rows: fma over FMA_ROWS rows at once (rows past M are zeros): W read once for them
+        offs_m = pid_m * FMA_ROWS + tl.arange(0, FMA_ROWS)
+        m_ok = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [FMA_ROWS, 1]
+        lanes3 = tl.zeros([FMA_ROWS, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            lanes3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        acc = tl.sum(lanes3, axis=2)  # [FMA_ROWS, BLOCK_N]
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = offs_m < M
@@ -231,7 +252,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     length = split_length(k, config)
     splits = -(-k // length)
     even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
-    rows = m if config.variant == "fma" else -(-m // MAX_ROWS)
+    rows = m if config.variant == "fma" else -(-m // (config.rows if config.variant == "fma_rows" else MAX_ROWS))
     tiles = triton.cdiv(n, config.block_n)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     last = splits > 1 and config.split_reduce == "last"
@@ -243,7 +264,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         SPLIT=0 if splits == 1 else 2 if last else 1,
         EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_K=config.block_k, FMA_ROWS=config.rows, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
@@ -278,20 +299,23 @@ def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvCon
     launch costs ~2-3 us in a graph), the last-arrival one for every split count."""
     wide = weight_dtype in (torch.float8_e4m3fn, torch.int8)  # 1-byte weights: twice the K per 16-byte load
     configs = []
-    for variant, block_n, block_k, warps in (
+    for tile in (
             ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
             ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
             ("fma", 4, 512, 4), ("fma", 8, 256, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 2, 1024, 4),
-            ("fma", 4, 1024, 4), ("fma", 8, 1024, 8)):
+            ("fma", 4, 1024, 4), ("fma", 8, 1024, 8), ("fma_rows", 4, 512, 4, 2), ("fma_rows", 4, 512, 4, 4),
+            ("fma_rows", 8, 256, 4, 4)):
+        variant, block_n, block_k, warps = tile[:4]
+        rows = tile[4] if len(tile) > 4 else 1
         if wide:
             block_k *= 2
         # fma has no tl.dot: Triton's pipeliner leaves its loop alone (sm_90 PTX: the same code at any
         # num_stages), so one stage; its loads in flight come from block_k and the programs per SM
-        for stages in (3, 4) if variant != "fma" else (1,):
+        for stages in (3, 4) if variant in ("dot", "dot_swap") else (1,):
             tiles = -(-n // block_n)
             for split in (1, 2, 4, 8, 16):
                 if split > 1 and (tiles * split > MAX_PROGRAMS or k // split < block_k):
                     continue
                 for reduce in ("kernel", "last") if split == 2 else ("last",) if split > 2 else ("kernel",):
-                    configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, reduce))
+                    configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, reduce, rows))
     return configs
