@@ -204,7 +204,7 @@ class GemvTuner:
         self.mode = resolve_mode(mode)
         self.cache = cache
         self.measure = measure or (lambda shape, bucket, name, calls: graph_time(calls))
-        self.candidates = candidates or (lambda shape, element_size: ENGINE_CONFIGS[element_size])
+        self.candidates = candidates or (lambda shape, element_size: ENGINE_CONFIGS.get(element_size, []))
 
     def tune(self, model: nn.Module, act_dtype: torch.dtype, max_rows: int = ROW_BUCKETS[-1]) -> list[GemvDecision]:
         """Attach a DecodeGemv to every linear layer the GEMV can take (none in cublas mode); x in act_dtype,
@@ -229,6 +229,8 @@ class GemvTuner:
         decisions = []
         for shape, members in groups.items():
             configs = {c.name: c for c in self.candidates(shape, members[0][1].element_size())}
+            if not configs:  # no GEMV for this weight's element size (fp32): its own path, nothing to time
+                continue
             key = signature_key({"what": "kiln.llm decode gemv", "shape": vars(shape), "buckets": buckets,
                                  "candidates": sorted(configs), "environment": environment(members[0][1].device)})
             cached = self.cache.get(key) if self.cache is not None else _PROCESS_CACHE.get(key)
