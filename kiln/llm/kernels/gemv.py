@@ -5,7 +5,7 @@ in fp32, the per-channel scale multiplies the sum once. A decode step is bound b
 so the kernel is built to stream W: BLOCK_N x BLOCK_K tiles of contiguous rows (16-byte vector loads),
 several warps, num_stages of software pipelining, and split-K when N alone gives too few programs.
 
-Three ways to multiply a tile (GemvConfig.variant):
+Four ways to multiply a tile (GemvConfig.variant):
   dot       x [16, BLOCK_K] (rows past M are zeros) · Wᵀ [BLOCK_K, BLOCK_N] on tensor cores;
   dot_swap  W [BLOCK_N, BLOCK_K] · xᵀ [BLOCK_K, 16] (W is the MMA's first operand, the "swap AB" of
             small-M GEMMs), the [BLOCK_N, 16] result stored transposed;
@@ -20,8 +20,9 @@ atomics only count arrivals; no value is added atomically, so the sum's order ne
 
 Batch invariance: a row's result depends on K, the weights and the config, never on M or the other rows.
 dot/dot_swap always compute 16 rows (zeros past M) whose MMAs accumulate each output along K in the same
-order; fma runs each row in its own program; fma_rows always `rows` rows (zeros past M). So for one config, row 0 is bit-identical at M = 1 and M = 8
-(tests/llm/test_gemv_kernel.py checks it); different configs may round differently.
+order; fma runs each row in its own program; fma_rows always `rows` rows (zeros past M). So for one config,
+row 0 is bit-identical at M = 1 and M = 8 (tests/llm/test_gemv_kernel.py checks it); different configs may
+round differently.
 """
 
 from __future__ import annotations
@@ -248,9 +249,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     length = split_length(k, config)
     splits = -(-k // length)
+    if max(splits * m * n, m * x2.stride(0), n * weight.stride(0)) >= 2**31:
+        raise ValueError(f"gemv: {m} x {k} x {n} (split {splits}) is past int32 offsets: it is for decode rows, "
+                         "use a GEMM")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
     rows = m if config.variant == "fma" else -(-m // (config.rows if config.variant == "fma_rows" else MAX_ROWS))
     tiles = triton.cdiv(n, config.block_n)
