@@ -132,7 +132,7 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
         decisions = GemvTuner("auto", measure=timer, candidates=lambda shape, size: [A, B]).tune(
             model, torch.float32, max_rows=2)
         # llama's 4 projection shapes (q|k|v, o, gate|up, down) and the LM head, each timed at buckets 1 and 2
-        assert len(decisions) == 5 and timer.calls == 5 * 2 * 3
+        assert len(decisions) == 5 and timer.calls == 5 * 2 * 4  # the library before and after the configs
         assert all(d.plan == {1: A, 2: None} for d in decisions)
         head = decisions[-1].shape
         assert (head.n, head.k, head.weight_dtype) == (320, 64, "float32")  # the LM head stays unquantized
@@ -146,7 +146,7 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
         assert not seen
         # a second tuning of the same shapes on this machine times nothing
         GemvTuner("auto", measure=timer, candidates=lambda shape, size: [A, B]).tune(model, torch.float32, 2)
-        assert timer.calls == 5 * 2 * 3
+        assert timer.calls == 5 * 2 * 4
     finally:
         for m in model.modules():
             if hasattr(m, "decode_gemv"):
@@ -208,3 +208,22 @@ def test_timings_persist_in_a_timing_cache_file(llama_llm, tmp_path):
 def test_cublas_mode_attaches_nothing(llama_llm):
     assert GemvTuner("cublas").tune(llama_llm.engine.model, torch.float32) == []
     assert all(getattr(m, "decode_gemv", None) is None for m in llama_llm.engine.model.modules())
+
+
+@interpreted
+def test_the_library_is_timed_before_and_after_the_configs(llama_llm):
+    """A clock that drifts (the library slow at first, fast later) must not hand the choice to the GEMV."""
+    library_times = iter([10.0, 5.0] * 5)
+
+    def measure(shape, bucket, name, calls):
+        return next(library_times) if name == LIBRARY else 7.0
+
+    model = llama_llm.engine.model
+    try:
+        decisions = GemvTuner("auto", measure=measure, candidates=lambda shape, size: [A]).tune(
+            model, torch.float32, max_rows=1)
+        assert all(d.plan == {1: None} and d.timings[1][LIBRARY] == 5.0 for d in decisions)
+    finally:
+        for m in model.modules():
+            if hasattr(m, "decode_gemv"):
+                m.decode_gemv = None
