@@ -187,3 +187,15 @@ def test_last_arrival_split_leaves_its_counters_zero():
             last = gemv(x, q, scale, None, GemvConfig(variant, block_n, 32, 3, 4, 1, "last"))
             assert torch.equal(last, two_pass)
             assert not kernels._locks(x.device, 1).any()
+
+
+def test_a_grown_counter_buffer_keeps_the_old_one_alive():
+    """A CUDA graph captured with the smaller buffer still writes to it: growing must not free it."""
+    from kiln.llm.kernels import gemv as kernels
+
+    device = torch.device(DEVICE)
+    before = kernels._locks(device, 1)
+    grown = kernels._locks(device, before.numel() + 1)
+    assert grown.numel() > before.numel() and not grown.any()
+    assert any(t is before for t in kernels._OUTGROWN)
+    assert kernels._locks(device, 1) is grown

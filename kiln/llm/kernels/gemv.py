@@ -212,6 +212,7 @@ def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, 
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: a captured CUDA graph may still point at them
 
 
 def _locks(device: torch.device, count: int) -> torch.Tensor:
@@ -224,6 +225,8 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("gemv: split_reduce='last' needs its counters allocated before CUDA-graph capture; "
                                "call it once eagerly first")
+        if found is not None:
+            _OUTGROWN.append(found)
         found = _LOCKS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return found
 
