@@ -48,16 +48,25 @@ LAUNCHES, REPLAYS = 24, 5
 _PROCESS_CACHE: dict[str, dict] = {}  # signature key -> timings, for every engine this process starts
 
 # the configs the engine times per weight element size (bytes): the best of bench/gemv.py's sweeps on the H200
-# (before the H200 sweep of the fixed kernel: a spread of kinds, to be replaced by that sweep's shortlist)
+# the shortlist of bench/gemv.py's H200 sweep (2026-12-02 12:28 UTC): every problem's winner, then
+# the best by geometric-mean slowdown against each problem's best
 ENGINE_CONFIGS: dict[int, list[GemvConfig]] = {
-    2: [GemvConfig("fma", 4, 1024, 1, 4, 1), GemvConfig("fma", 4, 512, 2, 4, 1, "last"),
-        GemvConfig("fma", 2, 1024, 1, 4, 1), GemvConfig("fma_rows", 4, 512, 1, 4, 1, rows=4),
-        GemvConfig("dot", 16, 256, 2, 4, 4, "last"), GemvConfig("dot", 64, 128, 4, 4, 3, "last"),
+    2: [GemvConfig("fma", 4, 1024, 1, 4, 1),
+        GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last"),
+        GemvConfig("fma", 2, 1024, 1, 4, 1),
+        GemvConfig("dot_swap", 128, 128, 1, 8, 3),
+        GemvConfig("dot_swap", 64, 128, 1, 4, 3),
+        GemvConfig("dot_swap", 64, 128, 2, 4, 4, "last"),
+        GemvConfig("dot_swap", 64, 256, 1, 4, 4),
         GemvConfig("dot_swap", 64, 128, 1, 4, 4)],
-    1: [GemvConfig("fma", 4, 2048, 1, 4, 1), GemvConfig("fma", 4, 1024, 2, 4, 1, "last"),
-        GemvConfig("fma", 2, 2048, 1, 4, 1), GemvConfig("fma_rows", 4, 1024, 1, 4, 1, rows=4),
-        GemvConfig("dot", 16, 512, 2, 4, 4, "last"), GemvConfig("dot", 64, 256, 4, 4, 3, "last"),
-        GemvConfig("dot_swap", 64, 256, 1, 4, 4)],
+    1: [GemvConfig("fma", 8, 1024, 1, 4, 1),
+        GemvConfig("dot", 64, 256, 8, 4, 3, "last"),
+        GemvConfig("fma", 8, 512, 1, 4, 1),
+        GemvConfig("dot", 64, 256, 2, 4, 3, "last"),
+        GemvConfig("dot", 64, 256, 4, 4, 4, "last"),
+        GemvConfig("dot", 64, 256, 4, 4, 3, "last"),
+        GemvConfig("dot", 64, 256, 1, 4, 3),
+        GemvConfig("fma", 2, 2048, 1, 4, 1)],
 }
 
 
