@@ -24,6 +24,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _fix_interpreter_scalar_index()
 
 A, B = GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("fma", 8, 32, 2, 4, 1)
+C = GemvConfig("dot_swap", 16, 32, 1, 4, 1)
 # the model tests run a CPU engine whose layers launch the GEMV: under the interpreter only
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="a CPU model's GEMV launches need TRITON_INTERPRET=1")
@@ -158,10 +159,12 @@ def test_a_model_with_plans_generates_the_same_tokens(llama_llm, monkeypatch, me
 
 
 @interpreted
-def test_a_config_that_fails_its_check_is_never_timed_nor_chosen(llama_llm, monkeypatch):
+def test_a_config_that_fails_its_check_or_does_not_run_is_never_timed_nor_chosen(llama_llm, monkeypatch):
     real = gemv_kernels.gemv
 
     def wrong_b(x, weight, scale=None, bias=None, config=A):
+        if config == C:
+            raise RuntimeError("out of resources: shared memory")  # as Triton says when a config does not fit
         y = real(x, weight, scale, bias, config)
         return y * 1.01 if config == B else y
 
@@ -170,13 +173,13 @@ def test_a_config_that_fails_its_check_is_never_timed_nor_chosen(llama_llm, monk
 
     def measure(shape, bucket, name, calls):
         timed.append(name)
-        return {LIBRARY: 10.0, A.name: 9.0, B.name: 1.0}[name]  # B would win if it were right
+        return {LIBRARY: 10.0, A.name: 9.0, B.name: 1.0, C.name: 1.0}[name]  # B or C would win if they ran right
 
     try:
-        decisions = GemvTuner("auto", measure=measure, candidates=lambda shape, size: [A, B]).tune(
+        decisions = GemvTuner("auto", measure=measure, candidates=lambda shape, size: [A, B, C]).tune(
             llama_llm.engine.model, torch.float32, max_rows=1)
-        assert B.name not in timed and all(d.plan == {1: A} for d in decisions)
-        assert all(d.timings[1][B.name] is None for d in decisions)
+        assert B.name not in timed and C.name not in timed and all(d.plan == {1: A} for d in decisions)
+        assert all(d.timings[1][B.name] is None and d.timings[1][C.name] is None for d in decisions)
     finally:
         for m in llama_llm.engine.model.modules():
             if hasattr(m, "decode_gemv"):
