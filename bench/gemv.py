@@ -10,8 +10,9 @@ bf16 F.linear on the same shape (the bf16 weight), and for fp8 the model's path 
 activations from kiln's fused kernel + torch._scaled_mm), for int8 kiln's previous weight-only Triton GEMM
 (kiln/llm/kernels/quant_gemm.py). Every kernel's output is first checked against torch in fp32 on the
 dequantized weights (|y - ref| <= 1e-2·|ref| + 2e-3·max|ref|: bf16 output rounding is 2^-9 relative, the rest
-is fp32 sums in another order: kiln.llm.decode_gemv.gemv_error, the engine's check); a config that fails is
-reported and never timed.
+is fp32 sums in another order: kiln.llm.decode_gemv.gemv_error, the engine's check; the scaled_mm path
+against its own per-token-quantized activations); a config that fails is reported and never timed, and each
+config is checked again after its timing replays (split-K's arrival counters).
 
 Timing: each measurement is one CUDA graph of 24 back-to-back calls that rotate over copies of the weight
 (at least 150 MB together, three times the H200's 50 MB L2, so the weights come from HBM), replayed 7 times
@@ -20,8 +21,9 @@ Sweep: every candidate config at M = 1 and 16, the 6 best of those at the other 
 of timing, only each problem's best so far (rows marked budget_cut in the JSON). Before timing, the configs
 are compiled by --workers processes at once (they fill Triton's on-disk cache).
 
-Prints a table (best config per problem, its us and TB/s, the peers' us, speed-ups) and writes it with every
-config's timing to $OUT/gemv.md, $OUT/gemv.json and the log to $OUT/gemv.log when OUT is set.
+Prints a table (best config per problem, its us and TB/s, the peers' us, speed-ups) and the engine shortlist
+(kiln/llm/decode_gemv.py ENGINE_CONFIGS: every problem's winner, then by geometric-mean slowdown), and writes
+them with every config's timing to $OUT/gemv.md, $OUT/gemv.json and the log to $OUT/gemv.log when OUT is set.
 `--tiny` runs on the CPU under Triton's interpreter at tiny shapes (checks the script; times nothing real).
 """
 
