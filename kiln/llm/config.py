@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,12 @@ class EngineConfig:
     # decode steps replayed as CUDA graphs per batch-size bucket; auto: on for CUDA + triton on one GPU
     cuda_graphs: bool | str = "auto"
     load_format: str = "safetensors"  # safetensors | dummy (random weights, for benchmarks: no checkpoint read)
+    # decode rows (<= 16) through the linear layers on CUDA: auto (cuBLAS or kiln's Triton GEMV, whichever timed
+    # faster at engine start, per weight shape and rows bucket) | cublas | triton (kiln/llm/decode_gemv.py);
+    # the default comes from the KILN_LLM_GEMV environment variable, else auto
+    gemv: str = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV", "auto"))
+    # a JSON file (kiln's TimingCache) that keeps those timings across processes; default KILN_LLM_GEMV_CACHE
+    gemv_timing_cache: str | None = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV_CACHE") or None)
 
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
@@ -233,6 +240,8 @@ class EngineConfig:
             raise LLMError(f"kv_cache_dtype {self.kv_cache_dtype!r}: expected auto or fp8")
         if self.cuda_graphs not in (True, False, "auto"):
             raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
+        if self.gemv not in ("auto", "cublas", "triton"):
+            raise LLMError(f"gemv {self.gemv!r} (or KILN_LLM_GEMV): expected auto, cublas or triton")
         if self.load_format not in ("safetensors", "dummy"):
             raise LLMError(f"load_format {self.load_format!r}: expected safetensors or dummy")
 

@@ -141,6 +141,15 @@ class LLMEngine:
             self.model.load_weights(iterate_weights(self.path), source=str(self.path))
         if config.quantization:
             quantize_model(self.model, config.quantization, config.quantization_group_size)
+        self.gemv_decisions = []  # kiln/llm/decode_gemv.py: which kernel each weight shape's decode rows run
+        if self.device.type == "cuda" and config.gemv != "cublas":
+            from kiln.builder.timing_cache import TimingCache
+            from kiln.llm.decode_gemv import GemvTuner  # here: CPU runs never import triton
+
+            tuned = time.perf_counter()
+            cache = TimingCache(config.gemv_timing_cache) if config.gemv_timing_cache else None
+            self.gemv_decisions = GemvTuner(config.gemv, cache).tune(self.model, self.dtype, config.max_num_seqs)
+            log.info("kiln llm: decode GEMVs (%s) chosen in %.1f s", config.gemv, time.perf_counter() - tuned)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
                            self.model_config.head_dim, config.block_size, self.kv_dtype)

@@ -12,7 +12,9 @@ multiplies through a small module (`layer.quantized`); embeddings, norms and the
     not quantize to it.)
 
 On the CPU the weight is dequantized, then multiplied (the reference); on CUDA int8 and int4 go through
-the Triton weight-only GEMM (kernels/quant_gemm.py), which dequantizes tiles in registers. Checkpoints
+the Triton weight-only GEMM (kernels/quant_gemm.py), which dequantizes tiles in registers. A decode step's
+rows may instead run the weight-only decode GEMV (kernels/gemv.py) on fp8 and int8 weights, where timing at
+engine start found it faster (kiln/llm/decode_gemv.py). Checkpoints
 already quantized (AutoAWQ, GPTQ, compressed-tensors: kiln/llm/prequantized) load into the same modules with
 their own values, scales and zero points (attach_checkpoint_weights), nothing re-rounded.
 """

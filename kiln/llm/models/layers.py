@@ -40,6 +40,7 @@ class ColumnLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None  # set by kiln/llm/quantization.py (the weight is then None)
         self.checkpoint_parts: dict[int, QuantizedTensor] = {}  # pre-quantized parts, until they are attached
+        self.decode_gemv = None  # kernels/gemv.py's DecodeGemv where kiln/llm/decode_gemv.py chose it for decode rows
 
     def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor, part: int = 0) -> None:
         """Load this rank's slice of the checkpoint's full `kind` ("weight" or "bias") of one fused part."""
@@ -61,6 +62,10 @@ class ColumnLinear(nn.Module):
         target.copy_(source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode_gemv is not None:
+            y = self.decode_gemv(x, self.bias)  # None: these rows run the layer's own path
+            if y is not None:
+                return y
         if self.quantized is None:
             return F.linear(x, self.weight, self.bias)
         y = self.quantized(x)
@@ -81,6 +86,7 @@ class RowLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.quantized: nn.Module | None = None
         self.checkpoint_parts: dict[int, QuantizedTensor] = {}
+        self.decode_gemv = None  # as ColumnLinear's
 
     def load(self, kind: str, tensor: torch.Tensor | QuantizedTensor) -> None:
         full = [self.weight.shape[0]] + ([self.in_features] if kind == "weight" else [])
@@ -95,7 +101,10 @@ class RowLinear(nn.Module):
         getattr(self, kind).data.copy_(tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight) if self.quantized is None else self.quantized(x))
+        y = self.decode_gemv(x) if self.decode_gemv is not None else None
+        if y is None:
+            y = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -116,6 +125,7 @@ class VocabEmbedding(nn.Module):
         self.rows = math.ceil(vocab_size / tp.size)
         self.start = tp.rank * self.rows
         self.weight = nn.Parameter(torch.zeros(self.rows, hidden_size), requires_grad=False)
+        self.decode_gemv = None  # as ColumnLinear's, for the logits of the LM head
 
     def load(self, kind: str, tensor: torch.Tensor) -> None:
         if tensor.shape[0] != self.vocab_size or tensor.shape[1:] != self.weight.shape[1:]:
@@ -133,7 +143,10 @@ class VocabEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """hidden·Eᵀ over this rank's rows, gathered over ranks: [R, H] -> [R, vocab] (fp32)."""
-        local = F.linear(hidden, self.weight if weight is None else weight).float()
+        local = self.decode_gemv(hidden) if self.decode_gemv is not None and weight is None else None
+        if local is None:
+            local = F.linear(hidden, self.weight if weight is None else weight)
+        local = local.float()
         return self.tp.all_gather_last(local)[..., :self.vocab_size]
 
 

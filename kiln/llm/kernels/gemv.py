@@ -1,0 +1,328 @@
+"""Decode GEMV / skinny GEMM in Triton: y[M, N] = x[M, K] · W[N, K]ᵀ for the few rows of a decode step
+(M = 1..16), with W in bf16/fp16, FP8 E4M3 or INT8 (one fp32 scale per output channel). Weight-only: an
+8-bit W is dequantized in registers (E4M3 and |q| <= 127 are exact in bf16 and fp16) and products accumulate
+in fp32, the per-channel scale multiplies the sum once. A decode step is bound by the bytes of W it reads,
+so the kernel is built to stream W: BLOCK_N x BLOCK_K tiles of contiguous rows (16-byte vector loads),
+several warps, num_stages of software pipelining, and split-K when N alone gives too few programs.
+
+Four ways to multiply a tile (GemvConfig.variant):
+  dot       x [16, BLOCK_K] (rows past M are zeros) · Wᵀ [BLOCK_K, BLOCK_N] on tensor cores;
+  dot_swap  W [BLOCK_N, BLOCK_K] · xᵀ [BLOCK_K, 16] (W is the MMA's first operand, the "swap AB" of
+            small-M GEMMs), the [BLOCK_N, 16] result stored transposed;
+  fma       one program per row: W tile times the row broadcast, accumulated elementwise in fp32 over K,
+            reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2);
+  fma_rows  the same over `rows` rows per program (zeros past M): W read once for them.
+
+Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N]; then either a second
+small kernel (split_reduce="kernel") or the last program of each tile to arrive (split_reduce="last": an atomic
+counter per tile, one launch fewer) adds them in the order s = 0..S-1, scales, adds the bias and rounds. The
+atomics only count arrivals; no value is added atomically, so the sum's order never varies.
+
+Batch invariance: a row's result depends on K, the weights and the config, never on M or the other rows.
+dot/dot_swap always compute 16 rows (zeros past M) whose MMAs accumulate each output along K in the same
+order; fma runs each row in its own program; fma_rows always `rows` rows (zeros past M). So for one config,
+row 0 is bit-identical at M = 1 and M = 8 (tests/llm/test_gemv_kernel.py checks it); different configs may
+round differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 16  # decode rows the dot variants compute per program (tl.dot needs >= 16)
+MAX_PROGRAMS = 4096  # split-K candidates keep the grid at most this large (132 SMs on the H200)
+VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2, "fma_rows": 3}
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    variant: str = "dot"  # dot | dot_swap | fma | fma_rows (module docstring)
+    block_n: int = 32
+    block_k: int = 256
+    split_k: int = 1  # K split over this many programs per N tile
+    num_warps: int = 4
+    num_stages: int = 3
+    # split_k > 1: who adds the partial sums: "kernel" (a second small kernel) or "last" (the last program of
+    # each tile to arrive, counted by an atomic: one launch); both add them in the order s = 0..S-1
+    split_reduce: str = "kernel"
+    rows: int = 1  # fma_rows: rows per program (a power of two); the other variants: 1
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"GemvConfig.variant {self.variant!r}: expected one of {', '.join(VARIANTS)}")
+        for name in ("block_n", "block_k", "num_warps", "rows"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
+        if self.split_reduce not in ("kernel", "last"):
+            raise ValueError(f"GemvConfig.split_reduce {self.split_reduce!r}: expected kernel or last")
+        if self.split_k < 1 or self.num_stages < 1:
+            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
+        if (self.rows > 1) != (self.variant == "fma_rows"):
+            raise ValueError(f"GemvConfig {self.name}: rows > 1 is fma_rows' (and fma_rows needs rows > 1)")
+        if self.variant in ("dot", "dot_swap") and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"GemvConfig {self.name}: tl.dot needs block_n and block_k >= 16")
+
+    @property
+    def name(self) -> str:
+        last = "L" if self.split_k > 1 and self.split_reduce == "last" else ""
+        rows = f" r{self.rows}" if self.rows > 1 else ""
+        return (f"{self.variant}{rows} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
+                f"w{self.num_warps} st{self.num_stages}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages",
+                                              "split_reduce", "rows")}
+
+
+@triton.jit
+def _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+              lock_ptr, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    # acc: [rows, BLOCK_N] fp32
+    ok = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 0:
+        _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE, HAS_BIAS)
+    else:  # fp32 partial sums of this K split: workspace [S, M, N]
+        parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(parts + pid_k * M * N, acc, mask=ok)
+        if SPLIT == 2:  # the last split of this tile to arrive adds all S partials, in the order s = 0..S-1
+            tl.debug_barrier()  # every thread's partials stored before the release below (CUTLASS's semaphore)
+            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+            tl.debug_barrier()
+            if arrived == tl.num_programs(1) - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, tl.num_programs(1)):
+                    total += tl.load(parts + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
+                _scale_bias_store(total, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE,
+                                  HAS_BIAS)
+                tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
+                 stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)  # the K split
+    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
+    if VARIANT == 2:  # fma: this program's one row; products summed per lane along K, across lanes at the end
+        offs_m = pid_m + tl.arange(0, 1)
+        m_ok = offs_m < M
+        x_row = x_ptr + pid_m * stride_xm
+        lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_row + offs_k)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_row + offs_k, mask=k_ok, other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            lanes += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc = tl.sum(lanes, axis=1)[None, :]  # [1, BLOCK_N]
+    elif VARIANT == 3:  # fma_rows: fma over FMA_ROWS rows at once (rows past M are zeros): W read once for them
+        offs_m = pid_m * FMA_ROWS + tl.arange(0, FMA_ROWS)
+        m_ok = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [FMA_ROWS, 1]
+        lanes3 = tl.zeros([FMA_ROWS, BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            lanes3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        acc = tl.sum(lanes3, axis=2)  # [FMA_ROWS, BLOCK_N]
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < M
+        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+        if VARIANT == 0:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(k_begin, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            if EVEN:
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :])
+            else:
+                k_ok = offs_k < k_end
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:  # fp32 activations: exact fp32 products (no TF32)
+                w = w.to(tl.float32)
+                if VARIANT == 0:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc_t += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:  # 8-bit weights widened to the activations' dtype: exact (E4M3, |q| <= 127)
+                if w.dtype.is_int():  # int8 -> fp32 -> bf16 (Triton's interpreter casts int -> bf16 wrongly)
+                    w = w.to(tl.float32)
+                w = w.to(x.dtype)
+                if VARIANT == 0:
+                    acc = tl.dot(x, tl.trans(w), acc)
+                else:
+                    acc_t = tl.dot(w, tl.trans(x), acc_t)
+        if VARIANT == 1:
+            acc = tl.trans(acc_t)
+    _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+              lock_ptr, stride_ym, HAS_SCALE, HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLITS: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(1)
+    offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):  # always s = 0, 1, ...: the same sum whatever M is
+        acc += tl.load(part_ptr + (s * M + row) * N + offs_n, mask=n_ok, other=0.0)
+    if HAS_SCALE:
+        acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: a captured CUDA graph may still point at them
+
+
+def _locks(device: torch.device, count: int) -> torch.Tensor:
+    """The arrival counters of split_reduce="last", one per output tile: zeros, and every launch leaves them
+    zero again (the last program resets its tile's). One buffer per device, shared by every launch in
+    stream order. Allocated outside CUDA-graph capture: the first call of a config is a warm-up that runs
+    eagerly (the engine's graph capture, bench/gemv.py and the tuner all call before they capture)."""
+    found = _LOCKS.get(device)
+    if found is None or found.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: split_reduce='last' needs its counters allocated before CUDA-graph capture; "
+                               "call it once eagerly first")
+        if found is not None:
+            _OUTGROWN.append(found)
+        found = _LOCKS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
+    return found
+
+
+def split_length(k: int, config: GemvConfig) -> int:
+    """Inputs per K split: a multiple of block_k, so every split but the last is whole tiles."""
+    per = -(-k // config.split_k)
+    return -(-per // config.block_k) * config.block_k
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+         config: GemvConfig = GemvConfig()) -> torch.Tensor:
+    """x: [..., K] (bf16, fp16 or fp32); weight: [N, K] in x's dtype, float8_e4m3fn or int8 (row-major);
+    scale: [N] fp32 per output channel (8-bit weights), bias: [N] -> [..., N] in x's dtype."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    if weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"gemv: weight {list(weight.shape)} (strides {weight.stride()}) is not a row-major "
+                         f"[N, {k}] matrix for x {list(x.shape)}")
+    if weight.dtype in (torch.float8_e4m3fn, torch.int8) and scale is None:
+        raise ValueError(f"gemv: a {weight.dtype} weight needs its per-channel scale")
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    length = split_length(k, config)
+    splits = -(-k // length)
+    if max(splits * m * n, m * x2.stride(0), n * weight.stride(0)) >= 2**31:
+        raise ValueError(f"gemv: {m} x {k} x {n} (split {splits}) is past int32 offsets: it is for decode rows, "
+                         "use a GEMM")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
+    rows = m if config.variant == "fma" else -(-m // (config.rows if config.variant == "fma_rows" else MAX_ROWS))
+    tiles = triton.cdiv(n, config.block_n)
+    part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
+    last = splits > 1 and config.split_reduce == "last"
+    lock = _locks(x.device, rows * tiles) if last else y
+    dummy = y  # an unused pointer argument (HAS_SCALE / HAS_BIAS off)
+    _gemv_kernel[(tiles, splits, rows)](
+        x2, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, y, part, lock,
+        m, n, k, length, x2.stride(0), weight.stride(0), y.stride(0),
+        VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
+        SPLIT=0 if splits == 1 else 2 if last else 1,
+        EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, FMA_ROWS=config.rows, num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1 and not last:
+        block = min(1024, triton.next_power_of_2(n))
+        _split_reduce_kernel[(triton.cdiv(n, block), m)](
+            part, scale if scale is not None else dummy, bias if bias is not None else dummy, y, m, n, y.stride(0),
+            SPLITS=splits, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y.reshape(*x.shape[:-1], n)
+
+
+class DecodeGemv:
+    """A linear layer's decode plan (kiln/llm/decode_gemv.py chooses it): rows bucket -> the config this GEMV
+    runs at, or None where the layer's own path (cuBLAS) was faster. Rows past the last bucket: None."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None, plan: dict[int, GemvConfig | None]):
+        self.weight, self.scale = weight, scale  # the layer's own tensors, not copies
+        self.plan = dict(sorted(plan.items()))
+
+    def config_for(self, rows: int) -> GemvConfig | None:
+        for bucket, config in self.plan.items():
+            if rows <= bucket:
+                return config
+        return None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x·Wᵀ (+ bias) by the GEMV, or None when x's rows are the layer's own path's."""
+        config = self.config_for(x.numel() // x.shape[-1])
+        return None if config is None else gemv(x, self.weight, self.scale, bias, config)
+
+
+def candidate_configs(n: int, k: int, weight_dtype: torch.dtype) -> list[GemvConfig]:
+    """The configs a tuner times for an [N, K] weight (bench/gemv.py sweeps them all; the engine a short list).
+    Split-K while the grid stays under MAX_PROGRAMS: a second-kernel reduction only for 2 splits (its extra
+    launch costs ~2-3 us in a graph), the last-arrival one for every split count."""
+    wide = weight_dtype in (torch.float8_e4m3fn, torch.int8)  # 1-byte weights: twice the K per 16-byte load
+    configs = []
+    for tile in (
+            ("dot", 16, 256, 4), ("dot", 32, 256, 4), ("dot", 64, 128, 4), ("dot", 16, 512, 4),
+            ("dot_swap", 64, 128, 4), ("dot_swap", 64, 256, 4), ("dot_swap", 128, 128, 8),
+            ("fma", 4, 512, 4), ("fma", 8, 256, 4), ("fma", 8, 512, 4), ("fma", 16, 512, 8), ("fma", 2, 1024, 4),
+            ("fma", 4, 1024, 4), ("fma", 8, 1024, 8), ("fma_rows", 4, 512, 4, 2), ("fma_rows", 4, 512, 4, 4),
+            ("fma_rows", 8, 256, 4, 4)):
+        variant, block_n, block_k, warps = tile[:4]
+        rows = tile[4] if len(tile) > 4 else 1
+        if wide:
+            block_k *= 2
+        # fma has no tl.dot: Triton's pipeliner leaves its loop alone (sm_90 PTX: the same code at any
+        # num_stages), so one stage; its loads in flight come from block_k and the programs per SM
+        for stages in (3, 4) if variant in ("dot", "dot_swap") else (1,):
+            tiles = -(-n // block_n)
+            for split in (1, 2, 4, 8, 16):
+                if split > 1 and (tiles * split > MAX_PROGRAMS or k // split < block_k):
+                    continue
+                for reduce in ("kernel", "last") if split == 2 else ("last",) if split > 2 else ("kernel",):
+                    configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, reduce, rows))
+    return configs

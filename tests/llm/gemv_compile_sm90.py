@@ -1,0 +1,80 @@
+"""The decode GEMV (kiln/llm/kernels/gemv.py) through Triton's real compiler to sm_90 PTX, no GPU needed, and
+what its loads became: a GEMV is only as fast as its loads, and the interpreter cannot tell 2-byte scalar
+loads (what an offset of unknown alignment gives: K_SPLIT unspecialized did that) from 16-byte vectors.
+
+    python -m tests.llm.gemv_compile_sm90      (without TRITON_INTERPRET; tests/llm/test_gemv_kernel.py runs it)
+
+Per variant and weight dtype, launched as the runtime specializes it (pointers, N, K, K_SPLIT and strides
+multiples of 16): the loop's loads are cp.async of >= 8 bytes (dot, dot_swap: 16 for bf16 weights) or
+ld.global.v4 (fma, fma_rows), never a scalar global load of 1 or 2 bytes. Exits non-zero and says which otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+if os.environ.get("TRITON_INTERPRET", "0") != "0":
+    sys.exit("gemv_compile_sm90 needs the real compiler: unset TRITON_INTERPRET")
+
+from kiln.llm.kernels import gemv as kernels  # noqa: E402
+from tests.kernels.compile_sm90 import SHARED_MEMORY_LIMIT, compile_kernel  # noqa: E402
+
+WEIGHTS = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}
+ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "K_SPLIT", "stride_xm",
+           "stride_wn", "stride_ym")
+
+
+def compile_config(config: kernels.GemvConfig, weight: str):
+    types = {"x_ptr": "*bf16", "w_ptr": WEIGHTS[weight], "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+             "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32",
+             "stride_wn": "i32", "stride_ym": "i32"}
+    constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
+                      SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
+                      BLOCK_K=config.block_k, FMA_ROWS=config.rows)
+    fn = kernels._gemv_kernel
+    unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
+    return compile_kernel(fn, types, constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages},
+                          divisible=tuple(name for name in ALIGNED if name not in unspecialized))
+
+
+def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str]:
+    problems = []
+    copies = [int(size, 16) for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?, 0x([0-9a-f]+)", ptx)]
+    scalar = re.findall(r"ld\.global(?:\.\w+)*\.(?:b8|b16|u8|s8|u16)\s", ptx)
+    if scalar:
+        problems.append(f"{len(scalar)} scalar 1-2 byte global loads")
+    if config.variant in ("fma", "fma_rows"):
+        if "ld.global.v4" not in ptx and "ld.global.nc.v4" not in ptx:
+            problems.append("no 16-byte ld.global.v4")
+    else:
+        if not copies:
+            problems.append("no cp.async: the loop is not pipelined")
+        elif min(copies) < 8 or (weight == "bf16" and min(copies) < 16):
+            problems.append(f"cp.async of {sorted(set(copies))} bytes")
+    return problems
+
+
+def main() -> int:
+    failed = 0
+    cases = [kernels.GemvConfig("dot", 16, 256, 1, 4, 4), kernels.GemvConfig("dot_swap", 64, 128, 2, 4, 3),
+             kernels.GemvConfig("fma", 8, 256, 2, 4, 1, "last"), kernels.GemvConfig("dot", 32, 256, 4, 4, 3, "last"),
+             kernels.GemvConfig("fma_rows", 4, 512, 2, 4, 1, "last", rows=4)]
+    for weight in WEIGHTS:
+        for config in cases:
+            if weight != "bf16":  # 1-byte weights: tiles twice as deep (candidate_configs does the same)
+                config = kernels.GemvConfig(config.variant, config.block_n, 2 * config.block_k, config.split_k,
+                                            config.num_warps, config.num_stages, config.split_reduce, config.rows)
+            compiled = compile_config(config, weight)
+            problems = load_problems(config, weight, compiled.asm["ptx"])
+            if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
+                problems.append(f"{compiled.metadata.shared} bytes of shared memory")
+            failed += bool(problems)
+            print(f"{'FAIL' if problems else 'ok  '} {weight:4s} {config.name}: shared {compiled.metadata.shared} B"
+                  + (f": {'; '.join(problems)}" if problems else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
