@@ -94,6 +94,27 @@ def _given_dtype(value: Any) -> str | None:
     return None
 
 
+def _check_value(label: str, binding: Binding, value: Any, symbols: dict[str, tuple[int, str]] | None = None) -> None:
+    """A tensor's dtype, rank and fixed dims against its binding, as BindingErrors naming `label`; with `symbols`
+    (symbol -> (size, input name) seen so far), also that a symbolic dim agrees with the other inputs'."""
+    given = _given_dtype(value)
+    if binding.dtype and given != binding.dtype:
+        raise BindingError(f"{label}: expected dtype {binding.dtype}, given {given} (shape {list(value.shape)})")
+    if binding.shape is None:
+        return
+    shape = list(value.shape)
+    if len(shape) != len(binding.shape):
+        raise BindingError(f"{label}: expected rank {len(binding.shape)} shape {binding.describe()}, given shape {shape}")
+    for axis, (want, got) in enumerate(zip(binding.shape, shape)):
+        if isinstance(want, int) and want != got:
+            raise BindingError(f"{label}: expected shape {binding.describe()}, given {shape} (axis {axis} must be {want})")
+        if isinstance(want, str) and symbols is not None:
+            seen = symbols.setdefault(want, (got, label))
+            if seen[0] != got:
+                raise BindingError(f"{label}: dimension {want!r} (axis {axis}) is {got}, but {seen[1]} gave it as "
+                                   f"{seen[0]}")
+
+
 # Engine.refit's weight derivation (kiln/builder/refit.py), installed by the `kiln` facade.
 REFIT: Any = None
 
@@ -216,27 +237,27 @@ class ExecutionContext:
         reads the inputs from and writes the outputs into the bound tensors, which must stay alive and in place
         (bind again to change one). Checked here: the binding exists, the dtype is the binding's, the shape fits
         the binding's fixed dims, the tensor is contiguous and on the engine's device."""
-        bindings = {b.name: b for b in (*self.engine.inputs, *self.engine.outputs)}
-        binding = bindings.get(name)
+        binding = next((b for b in self.engine.inputs if b.name == name), None)
+        label = f"input {name!r}"
+        if binding is None:
+            binding = next((b for b in self.engine.outputs if b.name == name), None)
+            label = f"output {name!r}"
         if binding is None:
             raise BindingError(f"no input or output named {name!r}; the engine's inputs are {self.engine.input_names}, "
                                f"its outputs {self.engine.output_names}")
+        if binding.kind != "tensor":
+            raise BindingError(f"{label} is a {binding.kind}, not a tensor: run() takes and returns it")
         if type(tensor) is not torch.Tensor:
-            raise BindingError(f"{name!r}: set_tensor_address takes a torch.Tensor, given {type(tensor).__name__}")
-        given = _given_dtype(tensor)
-        if binding.dtype and given != binding.dtype:
-            raise BindingError(f"{name!r}: expected dtype {binding.dtype}, given {given} (shape {list(tensor.shape)})")
-        if binding.shape is not None and (len(binding.shape) != tensor.dim() or any(
-                isinstance(want, int) and want != got for want, got in zip(binding.shape, tensor.shape))):
-            raise BindingError(f"{name!r}: expected shape {binding.describe()}, given {list(tensor.shape)}")
+            raise BindingError(f"{label}: set_tensor_address takes a torch.Tensor, given {type(tensor).__name__}")
+        _check_value(label, binding, tensor)
         problems = [p.outside({name: tuple(tensor.shape)}) for p in self.engine.profiles]
         if problems and all(problems):
-            raise BindingError(f"{name!r}: shape {list(tensor.shape)} is outside every optimization profile: "
+            raise BindingError(f"{label}: shape {list(tensor.shape)} is outside every optimization profile: "
                                + "; ".join(problems))
         if tensor.device.type != self.engine.device.type:
-            raise BindingError(f"{name!r}: the engine runs on {self.engine.device.type}, the tensor is on {tensor.device}")
+            raise BindingError(f"{label}: the engine runs on {self.engine.device.type}, the tensor is on {tensor.device}")
         if not tensor.is_contiguous():
-            raise BindingError(f"{name!r}: a bound tensor must be contiguous")
+            raise BindingError(f"{label}: a bound tensor must be contiguous")
         self._bound[name] = tensor
         self._io_graph = None  # captured over the old addresses
 
@@ -268,7 +289,6 @@ class ExecutionContext:
             if bound is None:
                 outputs[name] = value
                 continue
-            value = value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
             if tuple(value.shape) != tuple(bound.shape):
                 raise BindingError(f"output {name!r}: the run produced shape {list(value.shape)}, the bound tensor "
                                    f"is {list(bound.shape)}")
@@ -325,33 +345,7 @@ class ExecutionContext:
             if not isinstance(value, (np.ndarray, torch.Tensor)):
                 value = np.asarray(value)
                 feeds[name] = value
-            given = _given_dtype(value)
-            if binding.dtype and given != binding.dtype:
-                raise BindingError(
-                    f"input {name!r}: expected dtype {binding.dtype}, given {given} "
-                    f"(shape {list(value.shape)})"
-                )
-            if binding.shape is None:
-                continue
-            shape = list(value.shape)
-            if len(shape) != len(binding.shape):
-                raise BindingError(
-                    f"input {name!r}: expected rank {len(binding.shape)} shape {binding.describe()}, "
-                    f"given shape {shape}"
-                )
-            for axis, (want, got) in enumerate(zip(binding.shape, shape)):
-                if isinstance(want, int) and want != got:
-                    raise BindingError(
-                        f"input {name!r}: expected shape {binding.describe()}, given {shape} "
-                        f"(axis {axis} must be {want})"
-                    )
-                if isinstance(want, str):
-                    seen = symbols.setdefault(want, (got, name))
-                    if seen[0] != got:
-                        raise BindingError(
-                            f"input {name!r}: dimension {want!r} (axis {axis}) is {got}, but input "
-                            f"{seen[1]!r} gave it as {seen[0]}"
-                        )
+            _check_value(f"input {name!r}", binding, value, symbols)
         if self.engine.profiles:
             self.profile = self._select_profile(feeds)
 
