@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,6 +112,37 @@ def available() -> bool:
     return load() is not None
 
 
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _geometry(cell: str, x: torch.Tensor, y: torch.Tensor | None, states: tuple, lengths: torch.Tensor | None,
+              batch_major: bool) -> tuple[int, int, int, int, int]:
+    """(steps, batch, y's step and batch strides, the states' shared row stride) of a run's operands, checked."""
+    steps, batch = (x.shape[1], x.shape[0]) if batch_major else (x.shape[0], x.shape[1])
+    if y is not None:
+        y_ts, y_ns = (y.stride(1), y.stride(0)) if batch_major else (y.stride(0), y.stride(1))
+    else:
+        y_ts = y_ns = 0
+    given = [s for s in states if s is not None]
+    state_ns = given[0].stride(0) if given else 0
+    if any(s.stride(0) != state_ns for s in given):
+        raise ValueError(f"the {cell}'s initial and final states must share one row stride")
+    if lengths is not None and (lengths.dtype != torch.int32 or not lengths.is_contiguous()):
+        raise ValueError("lengths must be a contiguous int32 tensor")
+    return steps, batch, y_ts, y_ns, state_ns
+
+
+def _scratch(cache: dict, key: Any, floats: Callable[[], int]) -> torch.Tensor:
+    """A layer's scratch for one run geometry, the oldest of more than five dropped (caller holds the lock)."""
+    scratch = cache.get(key)
+    if scratch is None:
+        if len(cache) > 4:
+            cache.pop(next(iter(cache)))
+        scratch = cache[key] = torch.empty(floats())
+    return scratch
+
+
 class RecurrentDirection:
     """One direction of an ONNX RNN / GRU / LSTM layer: W [G·H, I], R [G·H, H] (ONNX's gate order), B [2·G·H]
     or None, P [3·H] (LSTM peepholes i, o, f) or None, packed once with the gate rows of each NR-unit block
@@ -191,36 +224,14 @@ class RecurrentDirection:
         whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
         contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
         [0, S] (checked by the caller), or None."""
-        if batch_major:
-            batch, steps = x.shape[0], x.shape[1]
-        else:
-            steps, batch = x.shape[0], x.shape[1]
-        if y is not None:
-            y_ts, y_ns = (y.stride(1), y.stride(0)) if batch_major else (y.stride(0), y.stride(1))
-        else:
-            y_ts = y_ns = 0
-        states = [s for s in (h0, c0, yh, yc) if s is not None]
-        state_ns = states[0].stride(0) if states else 0
-        if any(s.stride(0) != state_ns for s in states):
-            raise ValueError(f"the {self.cell}'s initial and final states must share one row stride")
-        if lengths is not None and (lengths.dtype != torch.int32 or not lengths.is_contiguous()):
-            raise ValueError("lengths must be a contiguous int32 tensor")
-
-        def address(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
+        steps, batch, y_ts, y_ns, state_ns = _geometry(self.cell, x, y, (h0, c0, yh, yc), lengths, batch_major)
         with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
-            key = (steps, batch)
-            scratch = self._scratch.get(key)
-            if scratch is None:
-                if len(self._scratch) > 4:
-                    self._scratch.pop(next(iter(self._scratch)))
-                scratch = self._scratch[key] = torch.empty(self._lib.kiln_recurrent_scratch_floats(
-                    self.kernel.index, steps, batch, self.inputs, self.hidden, self.gates))
-            plan = _Plan(x=x.data_ptr(), y=address(y), y_ts=y_ts, y_ns=y_ns, h0=address(h0), c0=address(c0),
-                         yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
-                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=address(self._bias_rh),
-                         peepholes=address(self._peepholes), lengths=address(lengths), scratch=scratch.data_ptr(),
+            scratch = _scratch(self._scratch, (steps, batch), lambda: self._lib.kiln_recurrent_scratch_floats(
+                self.kernel.index, steps, batch, self.inputs, self.hidden, self.gates))
+            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
+                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
+                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=_address(self._bias_rh),
+                         peepholes=_address(self._peepholes), lengths=_address(lengths), scratch=scratch.data_ptr(),
                          S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
                          threads=0, reverse=int(reverse), batch_major=int(batch_major),
                          gates=self.gates, linear_before_reset=self._linear_before_reset,
@@ -295,34 +306,17 @@ class LanesLSTMDirection:
     def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
             yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
             lengths: torch.Tensor | None = None) -> None:
-        batch, steps = (x.shape[0], x.shape[1]) if batch_major else (x.shape[1], x.shape[0])
+        batch = x.shape[0] if batch_major else x.shape[1]
         if batch > self.lanes:
             raise ValueError(f"batch {batch} is past the {self.lanes} lanes of kiln's lane LSTM")
-        if y is not None:
-            y_ts, y_ns = (y.stride(1), y.stride(0)) if batch_major else (y.stride(0), y.stride(1))
-        else:
-            y_ts = y_ns = 0
-        states = [s for s in (h0, c0, yh, yc) if s is not None]
-        state_ns = states[0].stride(0) if states else 0
-        if any(s.stride(0) != state_ns for s in states):
-            raise ValueError("the LSTM's initial and final states must share one row stride")
-        if lengths is not None and (lengths.dtype != torch.int32 or not lengths.is_contiguous()):
-            raise ValueError("lengths must be a contiguous int32 tensor")
-
-        def address(t: torch.Tensor | None) -> int | None:
-            return None if t is None else t.data_ptr()
-
+        steps, batch, y_ts, y_ns, state_ns = _geometry("LSTM", x, y, (h0, c0, yh, yc), lengths, batch_major)
         with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
-            scratch = self._scratch.get(steps)
-            if scratch is None:
-                if len(self._scratch) > 4:
-                    self._scratch.pop(next(iter(self._scratch)))
-                scratch = self._scratch[steps] = torch.empty(self._lib.kiln_lstm_lanes_scratch_floats(
-                    self.kernel.index, steps, self.inputs, self.hidden))
-            plan = _Plan(x=x.data_ptr(), y=address(y), y_ts=y_ts, y_ns=y_ns, h0=address(h0), c0=address(c0),
-                         yh=address(yh), yc=address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
+            scratch = _scratch(self._scratch, steps, lambda: self._lib.kiln_lstm_lanes_scratch_floats(
+                self.kernel.index, steps, self.inputs, self.hidden))
+            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
+                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
                          packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
-                         lengths=address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
+                         lengths=_address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
                          H=self.hidden, kernel=self.kernel.index, threads=0,
                          reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
                          input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
