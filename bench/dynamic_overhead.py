@@ -16,9 +16,7 @@ import cProfile
 import io
 import os
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,18 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 
-
-def wall(fn, calls: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(1000 * (time.perf_counter() - t))
-    return statistics.median(out)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from large_shapes import timed  # noqa: E402  bench/large_shapes.py
 
 
 def main() -> None:
@@ -66,9 +54,9 @@ def main() -> None:
             feeds = {"input_ids": torch.from_numpy(rng.integers(0, model.vocab_size, (b, s))).cuda(),
                      "attention_mask": torch.from_numpy(mask).cuda()}
             first = first or feeds
-            run = wall(lambda: ctx.run(feeds))
+            run = timed(lambda: ctx.run(feeds), calls=50, warmup=5)
             entry = next(reversed(ctx.runner.entries.values()))  # the most recently used: this shape's bucket
-            replay = wall(entry.graph.replay) if entry.graph is not None else float("nan")
+            replay = timed(entry.graph.replay, calls=50, warmup=5) if entry.graph is not None else float("nan")
             lines.append(f"| {b}x{s} | {run:.3f} | {replay:.3f} | {run - replay:.3f} |")
             print(lines[-1], flush=True)
         prof = cProfile.Profile()

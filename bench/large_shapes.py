@@ -43,8 +43,9 @@ def family(name: str) -> str:
     return "other"
 
 
-def timed(fn, calls: int = 20) -> float:
-    for _ in range(3):
+def timed(fn, calls: int = 20, warmup: int = 3) -> float:
+    """Median wall ms of `calls` synchronized calls after `warmup` untimed ones."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     out = []
