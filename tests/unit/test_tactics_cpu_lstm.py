@@ -59,6 +59,16 @@ def oracle(values, attrs, hidden):
     return outputs
 
 
+def runs_match_onnxruntime(built, values, attrs, rng, shape, bias, initial, label):
+    """Two runs of `built` with fresh activations and states (the same weights), every output against onnxruntime."""
+    for run in range(2):
+        fresh = inputs(rng, bias=bias, initial=initial, **shape)
+        feeds = {k: v for k, v in fresh.items() if k in ("X", "initial_h", "initial_c")}
+        got = built.run(feeds)
+        for name, want in zip(["Y", "Y_h", "Y_c"], oracle({**values, **feeds}, attrs, shape["hidden"])):
+            assert_close(got[name], want, TOLERANCE, f"{label} run {run} {name}")
+
+
 def engine(values, attrs, hidden, monkeypatch, sequence_lens: bool = False):
     """The node with W, R, B as engine constants, built with cpu.lstm.native made the fastest."""
     feeds = {k: v for k, v in values.items() if k in ("X", "initial_h", "initial_c")}
@@ -85,12 +95,7 @@ def test_lstm_native_matches_onnxruntime(direction, layout, hidden, batch, bias,
     values = inputs(rng, bias=bias, initial=initial, **shape)
     built, _ = engine(values, attrs, hidden, monkeypatch)
     assert built.plan.program.steps[0].tactic == NAME
-    for run in range(2):  # fresh activations and states each run, the same weights
-        fresh = inputs(rng, bias=bias, initial=initial, **shape)
-        feeds = {k: v for k, v in fresh.items() if k in ("X", "initial_h", "initial_c")}
-        got = built.run(feeds)
-        for name, want in zip(["Y", "Y_h", "Y_c"], oracle({**values, **feeds}, attrs, hidden)):
-            assert_close(got[name], want, TOLERANCE, f"{direction} layout {layout} run {run} {name}")
+    runs_match_onnxruntime(built, values, attrs, rng, shape, bias, initial, f"{direction} layout {layout}")
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])

@@ -24,7 +24,7 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 from tests.unit.oracle import assert_close, case_rng, one_node_model
-from tests.unit.test_tactics_cpu_lstm import inputs, node, oracle
+from tests.unit.test_tactics_cpu_lstm import inputs, node, oracle, runs_match_onnxruntime
 
 NAME = "cpu.lstm.lanes"
 TOLERANCE = {np.dtype(np.float32): (1e-5, 2e-6)}
@@ -68,12 +68,7 @@ def test_lanes_matches_onnxruntime(direction, layout, hidden, batch, bias, initi
     values = inputs(rng, bias=bias, initial=initial, **shape)
     built, _ = engine(values, attrs, hidden, monkeypatch)
     assert built.plan.program.steps[0].tactic == NAME
-    for run in range(2):  # fresh activations and states each run, the same weights
-        fresh = inputs(rng, bias=bias, initial=initial, **shape)
-        feeds = {k: v for k, v in fresh.items() if k in ("X", "initial_h", "initial_c")}
-        got = built.run(feeds)
-        for name, want in zip(["Y", "Y_h", "Y_c"], oracle({**values, **feeds}, attrs, hidden)):
-            assert_close(got[name], want, TOLERANCE, f"{direction} layout {layout} run {run} {name}")
+    runs_match_onnxruntime(built, values, attrs, rng, shape, bias, initial, f"{direction} layout {layout}")
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
