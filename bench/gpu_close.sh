@@ -3,11 +3,7 @@
 # (engines, dynamic shapes, tactics), the LLM decode at batch 1/8/64 and its kernel table, and the GPU INT8
 # engine row that earlier calls could not finish. Carry [".whl"]. Logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/kiln-close}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-close
 {
 stage "CUDA engines and dynamic shapes on this tree"
 timeout 130 python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_dynamic.py -q -p no:cacheprovider -rf \

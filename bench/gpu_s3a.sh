@@ -2,11 +2,8 @@
 # Device call 1 of 2026-12-02 (third session): where kiln's time goes at the stream's large shapes beside
 # torch.compile (bench/large_shapes.py), and batch-1 jitter (bench/jitter.py). Carry [".whl"]. Logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/kiln-s3a}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD)}
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-s3a
+export KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD)}
 {
 stage "large shapes: kiln vs torch eager / torch.compile dynamic, kernel tables"
 timeout 300 python3 bench/large_shapes.py --shapes 32x512,24x384,17x300,16x256,8x128 --out "$OUT" 2>&1 \

@@ -3,11 +3,7 @@
 # HEAD, untracked here), the LLM decode with the GEMV choice on (auto) vs cuBLAS, and the host share of a
 # profiled CUDA engine's call (bench/dynamic_overhead.py, main). Carry [".whl"]. Logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/kiln-s3b}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-s3b
 ROOT=$PWD
 {
 stage "decode GEMV sweep (h-gemv $(cat snap-gemv/COMMIT))"

@@ -3,11 +3,7 @@
 # tests, the LLM's GPU tests with the decode GEMV choice, and Llama-3-8B decode bf16 / fp8 / int8 weights at
 # batch 1 and 8. Carry [".whl"]. Logs in $OUT.
 set -u
-OUT=${OUT:-/tmp/kiln-s3c}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-for w in .whl/*.whl; do [ -e "$w" ] && pip install -q --no-deps --target /tmp/carried "$w" 2>/dev/null; done
-[ -d /tmp/carried ] && export PYTHONPATH=/tmp/carried
-stage() { echo "== $(date +%T) $*"; }
+. "$(dirname "$0")/device_env.sh" kiln-s3c
 {
 stage "CUDA engines, bound tensors, dynamic shapes"
 timeout 110 python3 -m pytest tests/gpu/test_cuda_engine.py tests/gpu/test_dynamic.py -q -p no:cacheprovider -rf 2>&1 | tail -4
