@@ -5,8 +5,7 @@ packed GEMM, the transformer/attention C kernels, the recurrent loops.
 
 A layer whose native tactic is unavailable runs its default (registered) implementation: a zoo table's
 "N default" tactics on one machine and not on another starts here. Also prints the OpenMP runtimes mapped
-into the process (torch's CUDA wheels vendor a renamed libgomp, which libdnnl cannot share:
-kiln/kernels/cpu/onednn.py).
+into the process (libdnnl must share torch's: kiln/kernels/cpu/onednn.py).
 """
 
 from __future__ import annotations
@@ -27,8 +26,7 @@ def main() -> None:
     flags = cpu_features.flags()
     print(f"torch {torch.__version__}; avx2={'avx2' in flags} avx512f={'avx512f' in flags} "
           f"amx_tile={'amx_tile' in flags}")
-    print("KILN_DNNL_LIBRARY:", os.environ.get("KILN_DNNL_LIBRARY", "(unset)"),
-          "KILN_DNNL_SECOND_OPENMP:", os.environ.get("KILN_DNNL_SECOND_OPENMP", "(unset)"))
+    print("KILN_DNNL_LIBRARY:", os.environ.get("KILN_DNNL_LIBRARY", "(unset)"))
     try:
         library = onednn.load()
         print(f"onednn       available=True version={library.version}")

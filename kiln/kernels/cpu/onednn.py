@@ -17,11 +17,6 @@ loaded, so oneDNN and torch share one OpenMP thread pool and `torch.set_num_thre
 both. The wheel has no headers: the enum values below were read from oneDNN 3.2's public
 headers (include/oneapi/dnnl/dnnl_types.h, dnnl_common_types.h); they are part of the v3 ABI,
 and `load()` refuses a library whose major version is not 3.
-
-Where torch's libgomp is renamed (the CUDA wheels vendor `libgomp-<hash>.so.1`), libdnnl's dependency
-resolves to the system's libgomp instead: a second OpenMP pool beside torch's, so `load()` refuses it
-and the layers that need oneDNN run their default implementations. `KILN_DNNL_SECOND_OPENMP=1` loads it
-anyway (two pools that may spin against each other; bench/cpu_native_diag.py says which case a machine is).
 """
 
 from __future__ import annotations
@@ -162,7 +157,7 @@ def load() -> _Library:
             problems.append(f"{path}: oneDNN {version}, the enum values here are oneDNN 3's")
             continue
         runtimes = _openmp_runtimes()
-        if len(runtimes) > 1 and os.environ.get("KILN_DNNL_SECOND_OPENMP") != "1":
+        if len(runtimes) > 1:
             # torch's libgomp renamed (CUDA wheels vendor it as libgomp-<hash>.so.1): libdnnl brought
             # a second OpenMP pool whose spinning threads would fight torch's for the same cores.
             problems.append(f"{path}: its OpenMP runtime is not torch's ({', '.join(runtimes)})")
