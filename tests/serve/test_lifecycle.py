@@ -254,7 +254,7 @@ def test_listening_sockets_say_tcp():
     written as headers then body waited ~40 ms for the client's delayed ACK."""
     import socket
 
-    from kiln.serve.server import _listen
+    from kiln.serve.frontdoors import listen as _listen
 
     sock = _listen("127.0.0.1", 0)
     try:
