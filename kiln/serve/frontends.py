@@ -59,6 +59,7 @@ class Frontend:
     process: asyncio.subprocess.Process
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # its ports are open
     writer: asyncio.StreamWriter | None = None  # its connection, once it said Hello
+    answered: int = 0  # its infer calls answered (how the kernel spread the connections)
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -192,7 +193,9 @@ class FrontendPool:
             reply = Reply(call.id, error=error_of(e))
         else:
             reply = Reply(call.id, value)
-        if call.method in ("load", "unload"):
+        if call.method == "infer":
+            frontend.answered += 1
+        elif call.method in ("load", "unload"):
             self._broadcast()  # before the reply: the caller's next request sees the new model table
         self._reply(frontend, reply)
 

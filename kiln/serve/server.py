@@ -88,7 +88,7 @@ class Server:
         self.core = ServerCore(self.repository, self.options.max_queue_size)
         self.metrics = MetricsExporter(lambda: [v.stats for v in self.core.ready_versions()])
         self._doors = Frontdoors(self.options)
-        self._frontends: FrontendPool | None = None
+        self.frontends: FrontendPool | None = None
         self._switch_interval = False  # this server set it (restored when the last server stops)
         self.stopped = asyncio.Event()
 
@@ -99,8 +99,8 @@ class Server:
             self._switch_interval = True
         await self.core.start(o.load_models)
         if o.frontends > 0:
-            self._frontends = FrontendPool(self.core, self.metrics, o)
-            self.ports.http, self.ports.grpc = await self._frontends.start()
+            self.frontends = FrontendPool(self.core, self.metrics, o)
+            self.ports.http, self.ports.grpc = await self.frontends.start()
         else:
             self.ports.http, self.ports.grpc = await self._doors.serve(self.core, self.metrics)
         self.ports.metrics = await self._doors.serve_metrics(self.metrics)
@@ -109,8 +109,8 @@ class Server:
         """Graceful: not ready from now; frontends stop taking connections and finish what they
         hold; batchers run everything queued; then the instances' threads stop. Front-end processes
         stop first (the engine serves what they forward until they are gone)."""
-        if self._frontends is not None:
-            await self._frontends.stop()
+        if self.frontends is not None:
+            await self.frontends.stop()
         self.core.accepting = False
         await self._doors.stop()
         await self.core.close()
