@@ -19,7 +19,18 @@ import sys
 from kiln.serve.core import InferRequest, InferResponse, ModelEntry, ServerCore
 from kiln.serve.errors import Unavailable
 from kiln.serve.frontdoors import Frontdoors
-from kiln.serve.ipc import Call, Hello, Reply, Start, View, raise_error, read_message, write_message
+from kiln.serve.ipc import (
+    Call,
+    Hello,
+    InferAnswer,
+    InferCall,
+    Reply,
+    Start,
+    View,
+    raise_error,
+    read_message,
+    write_message,
+)
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.repository import ModelRepository
 from kiln.serve.server import run
@@ -56,10 +67,10 @@ class RemoteCore(ServerCore):
         try:
             while True:
                 message = await read_message(self._reader)
-                if type(message) is Reply:
-                    self._settle(message)
-                else:
+                if type(message) is View:
                     self.apply(message)
+                else:
+                    self._settle(message)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             log.warning("front end %d: the engine's connection closed (%s)", os.getpid(), type(e).__name__)
         self.accepting = False
@@ -69,10 +80,13 @@ class RemoteCore(ServerCore):
                 future.set_exception(Unavailable("the server's engine process is gone"))
         self._pending.clear()
 
-    def _settle(self, reply: Reply) -> None:
+    def _settle(self, reply: Reply | InferAnswer) -> None:
         future = self._pending.pop(reply.id, None)
         if future is None or future.done():
             return  # its caller gave up (a cancelled request)
+        if type(reply) is InferAnswer:
+            future.set_result(reply.response)
+            return
         if reply.error is not None:
             try:
                 raise_error(reply.error)
@@ -82,13 +96,17 @@ class RemoteCore(ServerCore):
         future.set_result(reply.value)
 
     async def call(self, method: str, *args):
+        """The engine's answer to ServerCore.`method`(*args) (its error raised here as the engine raised it)."""
+        return await self._send(lambda call_id: Call(call_id, method, args))
+
+    async def _send(self, message_with_id):
         if self.lost.is_set():
             raise Unavailable("the server's engine process is gone")
         self._next_id += 1
         call_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        write_message(self._writer, Call(call_id, method, args))
+        write_message(self._writer, message_with_id(call_id))
         try:
             return await future
         except asyncio.CancelledError:  # the client gave up: the engine's reply will find no one waiting
@@ -100,7 +118,7 @@ class RemoteCore(ServerCore):
             raise Unavailable("the server is shutting down")
         if model is None:
             self.model(request.model, request.version)  # unknown or unavailable: 404/503 without a round trip
-        return await self.call("infer", request)
+        return await self._send(lambda call_id: InferCall(call_id, request))
 
     async def statistics_json(self, name: str = "", version: str = "") -> list[dict]:
         return await self.call("statistics", name, version)

@@ -29,11 +29,13 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kiln.serve.core import InferRequest, ServerCore
+from kiln.serve.core import ServerCore
 from kiln.serve.ipc import (
     Call,
     EntryView,
     Hello,
+    InferAnswer,
+    InferCall,
     Reply,
     Start,
     VersionView,
@@ -177,33 +179,39 @@ class FrontendPool:
         finally:
             writer.close()
 
-    def _dispatch(self, frontend: Frontend, call: Call) -> None:
+    def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
+        if type(call) is InferCall:
+            task = asyncio.ensure_future(self._infer(frontend, call))
+        else:
+            task = asyncio.ensure_future(self._answer(frontend, call))
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    async def _infer(self, frontend: Frontend, call: InferCall) -> None:
+        try:
+            answer = InferAnswer(call.id, await self.core.infer(call.request))
+        except Exception as e:  # noqa: BLE001 - answered to the front end (its status code kept)
+            answer = Reply(call.id, error=error_of(e))
+        frontend.answered += 1
+        self._reply(frontend, answer)
+
+    async def _answer(self, frontend: Frontend, call: Call) -> None:
         if call.method == "serving":
             frontend.serving.set()
             self._reply(frontend, Reply(call.id))
             return
-        task = asyncio.ensure_future(self._answer(frontend, call))
-        self._calls.add(task)
-        task.add_done_callback(self._calls.discard)
-
-    async def _answer(self, frontend: Frontend, call: Call) -> None:
         try:
             value = await self._run(call)
         except Exception as e:  # noqa: BLE001 - answered to the front end (its status code kept)
             reply = Reply(call.id, error=error_of(e))
         else:
             reply = Reply(call.id, value)
-        if call.method == "infer":
-            frontend.answered += 1
-        elif call.method in ("load", "unload"):
+        if call.method in ("load", "unload"):
             self._broadcast()  # before the reply: the caller's next request sees the new model table
         self._reply(frontend, reply)
 
     async def _run(self, call: Call):
         core = self.core
-        if call.method == "infer":
-            request: InferRequest = call.args[0]
-            return await core.infer(request)
         if call.method == "statistics":
             return await core.statistics_json(*call.args)
         if call.method == "metrics":
@@ -215,7 +223,7 @@ class FrontendPool:
         raise ValueError(f"a front end called {call.method!r}, which the engine does not answer")
 
     @staticmethod
-    def _reply(frontend: Frontend, reply: Reply) -> None:
+    def _reply(frontend: Frontend, reply: Reply | InferAnswer) -> None:
         writer = frontend.writer
         if writer is not None and not writer.is_closing():
             write_message(writer, reply)

@@ -228,12 +228,67 @@ def test_a_killed_front_end_is_replaced_and_the_other_serves(repository, engine_
             assert client.is_server_ready()
             client.close()
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not (pool.frontends[0] is not victim and pool.frontends[0].serving.is_set()):
+        def replaced() -> bool:
+            return pool.frontends[0] is not victim and pool.frontends[0].serving.is_set()
+
+        while time.monotonic() < deadline and not replaced():
             time.sleep(0.1)
-        assert pool.frontends[0] is not victim and pool.frontends[0].serving.is_set(), "no front end replaced it"
+        assert replaced(), "no front end replaced it"
         assert victim.process.returncode == -signal.SIGKILL
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
         _check_mlp(grpc.infer("mlp", _mlp_input(grpcclient, x)), x, engine_of("mlp", "2"))
         grpc.close()
     finally:
         thread.stop()
+
+
+def test_the_wire_gives_back_every_tensor_as_sent():
+    """ipc's frames over a real socket: plain dtypes flat, bfloat16 and BYTES (objects) pickled whole,
+    a non-contiguous array, an empty one; requests and answers alike, errors with their class."""
+    import asyncio
+    import socket
+
+    import ml_dtypes
+
+    from kiln.serve.core import InferRequest, InferResponse
+    from kiln.serve.errors import QueueFull, ServeError
+    from kiln.serve.ipc import InferAnswer, InferCall, Reply, error_of, raise_error, read_message, write_message
+
+    generator = rng()
+    plain = {"f": generator.standard_normal((3, 4)).astype(np.float32), "h": np.ones((2, 2), np.float16),
+             "i": generator.integers(-9, 9, (5,)), "b": np.array([[True, False]]), "u": np.zeros((0, 4), np.uint8),
+             "t": generator.standard_normal((4, 3)).T}  # not contiguous
+    odd = {"bf": np.ones((2, 3), ml_dtypes.bfloat16), "s": np.array([b"ab", b""], dtype=object)}
+    messages = [InferCall(1, InferRequest("m", "2", "r1", plain, ["y"], 500)),
+                InferCall(2, InferRequest("m", "", "", odd)),
+                InferAnswer(3, InferResponse("m", "2", "r1", list(plain.items()))),
+                InferAnswer(4, InferResponse("m", "2", "", list(odd.items()))),
+                Reply(5, error=error_of(QueueFull("full"))), Reply(6, error=error_of(KeyError("x")))]
+
+    async def round_trip() -> list:
+        a, b = socket.socketpair()
+        _, writer = await asyncio.open_connection(sock=a)
+        reader, _ = await asyncio.open_connection(sock=b)
+        for m in messages:
+            write_message(writer, m)
+        received = [await read_message(reader) for _ in messages]
+        writer.close()
+        return received
+
+    received = asyncio.run(round_trip())
+    for sent, got in zip(messages[:4], received[:4]):
+        assert type(got) is type(sent) and got.id == sent.id
+        mine = sent.request if isinstance(sent, InferCall) else sent.response
+        theirs = got.request if isinstance(got, InferCall) else got.response
+        assert (theirs.model, theirs.version, theirs.id) == (mine.model, mine.version, mine.id)
+        pairs = zip(mine.inputs.items(), theirs.inputs.items()) if isinstance(sent, InferCall) else \
+            zip(mine.outputs, theirs.outputs)
+        for (name, array), (name2, array2) in pairs:
+            assert name == name2 and array2.dtype == array.dtype and array2.shape == array.shape
+            np.testing.assert_array_equal(array2, array)
+    assert received[0].request.outputs == ["y"] and received[0].request.timeout_us == 500
+    with pytest.raises(QueueFull, match="full"):
+        raise_error(received[4].error)
+    with pytest.raises(ServeError, match="internal error: KeyError") as caught:
+        raise_error(received[5].error)
+    assert type(caught.value) is ServeError
