@@ -21,6 +21,7 @@ from kiln.serve.errors import Unavailable
 from kiln.serve.frontdoors import Frontdoors
 from kiln.serve.ipc import (
     Call,
+    Connection,
     Hello,
     InferAnswer,
     InferCall,
@@ -28,8 +29,6 @@ from kiln.serve.ipc import (
     Start,
     View,
     raise_error,
-    read_message,
-    write_message,
 )
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.repository import ModelRepository
@@ -42,11 +41,9 @@ class RemoteCore(ServerCore):
     """ServerCore's frontend interface (what the HTTP and gRPC servers call) over the engine's connection:
     health, metadata, config and the index from the engine's View; the rest are Calls."""
 
-    def __init__(self, repository: ModelRepository, view: View, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter):
+    def __init__(self, repository: ModelRepository, view: View, connection: Connection):
         super().__init__(repository)
-        self._reader = reader
-        self._writer = writer
+        self._connection = connection
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
         self._engine_ready = False
@@ -62,17 +59,16 @@ class RemoteCore(ServerCore):
         self._engine_ready = view.ready
         self.models = {e.name: ModelEntry(e.name, e.state, e.reason, dict(e.versions)) for e in view.entries}
 
-    async def read(self) -> None:
-        """Views and Replies from the engine, until its connection closes: then every call waiting fails (503)."""
-        try:
-            while True:
-                message = await read_message(self._reader)
-                if type(message) is View:
-                    self.apply(message)
-                else:
-                    self._settle(message)
-        except (asyncio.IncompleteReadError, ConnectionError) as e:
-            log.warning("front end %d: the engine's connection closed (%s)", os.getpid(), type(e).__name__)
+    def received(self, message: View | Reply | InferAnswer) -> None:
+        if type(message) is View:
+            self.apply(message)
+        else:
+            self._settle(message)
+
+    def connection_lost(self, connection: Connection) -> None:
+        """The engine's connection closed: every call waiting fails (503) and the front end stops."""
+        if self.accepting:  # not at this front end's own stop
+            log.warning("front end %d: the engine's connection closed", os.getpid())
         self.accepting = False
         self.lost.set()
         for future in self._pending.values():
@@ -106,7 +102,7 @@ class RemoteCore(ServerCore):
         call_id = self._next_id
         future = asyncio.get_running_loop().create_future()
         self._pending[call_id] = future
-        write_message(self._writer, message_with_id(call_id))
+        self._connection.send(message_with_id(call_id))
         try:
             return await future
         except asyncio.CancelledError:  # the client gave up: the engine's reply will find no one waiting
@@ -144,13 +140,35 @@ class RemoteMetrics(MetricsExporter):
         return await self.core.call("metrics")
 
 
+async def _connect(socket_path: str) -> tuple[Connection, Start, list]:
+    """The engine's connection, its Start, and any messages that came with it (handed to the core once made)."""
+    loop = asyncio.get_running_loop()
+    first = loop.create_future()
+    early: list = []
+
+    def received(message) -> None:
+        if first.done():
+            early.append(message)
+        else:
+            first.set_result(message)
+
+    def lost(_connection: Connection) -> None:
+        if not first.done():
+            first.set_exception(ConnectionError("the engine closed the connection before it said what to serve"))
+
+    connection = Connection(received, lost)
+    await loop.create_unix_connection(lambda: connection, socket_path)
+    connection.send(Hello(os.getpid()))
+    return connection, await first, early
+
+
 async def serve(socket_path: str) -> None:
-    reader, writer = await asyncio.open_unix_connection(socket_path)
-    write_message(writer, Hello(os.getpid()))
-    start: Start = await read_message(reader)
+    connection, start, early = await _connect(socket_path)
     logging.basicConfig(level=start.options.log_level.upper(), format="kiln serve (front end): %(message)s")
-    core = RemoteCore(start.repository, start.view, reader, writer)
-    reading = asyncio.ensure_future(core.read())
+    core = RemoteCore(start.repository, start.view, connection)
+    connection.on_message, connection.on_lost = core.received, core.connection_lost
+    for message in early:
+        core.received(message)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -162,8 +180,7 @@ async def serve(socket_path: str) -> None:
     await asyncio.wait([asyncio.ensure_future(stop.wait()), lost], return_when=asyncio.FIRST_COMPLETED)
     core.accepting = False
     await doors.stop()
-    writer.close()
-    reading.cancel()
+    connection.close()
 
 
 def main() -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 from kiln.serve.core import ServerCore
 from kiln.serve.ipc import (
     Call,
+    Connection,
     EntryView,
     Hello,
     InferAnswer,
@@ -41,8 +42,6 @@ from kiln.serve.ipc import (
     VersionView,
     View,
     error_of,
-    read_message,
-    write_message,
 )
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.options import ServeOptions
@@ -60,7 +59,7 @@ class Frontend:
     slot: int
     process: asyncio.subprocess.Process
     serving: asyncio.Event = field(default_factory=asyncio.Event)  # its ports are open
-    writer: asyncio.StreamWriter | None = None  # its connection, once it said Hello
+    connection: Connection | None = None  # once it said Hello
     answered: int = 0  # its infer calls answered (how the kernel spread the connections)
 
 
@@ -95,6 +94,7 @@ class FrontendPool:
         self._reserved: list[socket.socket] = []
         self._folder = ""
         self._listener: asyncio.AbstractServer | None = None
+        self._linked: dict[Connection, Frontend] = {}
         self._watchers: set[asyncio.Task] = set()
         self._calls: set[asyncio.Task] = set()
         self._stopping = False
@@ -117,7 +117,7 @@ class FrontendPool:
         self._child_options = replace(o, http_port=http, grpc_port=grpc, metrics_port=None, frontends=0,
                                       switch_interval_us=None)
         self._folder = tempfile.mkdtemp(prefix="kiln-serve-")
-        self._listener = await asyncio.start_unix_server(self._connected, self.socket_path)
+        self._listener = await asyncio.get_running_loop().create_unix_server(self._new_connection, self.socket_path)
         for slot in range(o.frontends):
             self.frontends.append(await self._spawn(slot))
         try:
@@ -162,22 +162,32 @@ class FrontendPool:
 
     # ---- a front end's connection -------------------------------------------------------------
 
-    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            hello = await read_message(reader)
-            frontend = next((f for f in self.frontends if isinstance(hello, Hello) and f.process.pid == hello.pid),
-                            None)
-            if frontend is None:
-                log.warning("kiln serve: a connection to the engine socket that is not a front end's; closed")
-                return
-            frontend.writer = writer
-            write_message(writer, Start(self._child_options, self.core.repository, self._view()))
-            while True:
-                self._dispatch(frontend, await read_message(reader))
-        except (asyncio.IncompleteReadError, ConnectionError) as e:  # its watcher replaces it; its replies drop
-            log.info("a front end's connection to the engine closed (%s)", type(e).__name__)
-        finally:
-            writer.close()
+    def _new_connection(self) -> Connection:
+        connection = Connection(None, self._lost)
+        connection.on_message = lambda message: self._received(connection, message)
+        return connection
+
+    def _received(self, connection: Connection, message) -> None:
+        frontend = self._linked.get(connection)
+        if frontend is not None:
+            self._dispatch(frontend, message)
+            return
+        frontend = next((f for f in self.frontends if type(message) is Hello and f.process.pid == message.pid), None)
+        if frontend is None:
+            log.warning("a connection to the engine socket that is not a front end's (%r first); closed",
+                        type(message).__name__)
+            connection.close()
+            return
+        self._linked[connection] = frontend
+        frontend.connection = connection
+        connection.send(Start(self._child_options, self.core.repository, self._view()))
+
+    def _lost(self, connection: Connection) -> None:
+        """A front end's connection closed: its process is gone or going (its watcher replaces it); replies
+        still due to it are dropped."""
+        frontend = self._linked.pop(connection, None)
+        if frontend is not None:
+            log.info("front-end process %d's connection to the engine closed", frontend.slot)
 
     def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
         if type(call) is InferCall:
@@ -224,9 +234,8 @@ class FrontendPool:
 
     @staticmethod
     def _reply(frontend: Frontend, reply: Reply | InferAnswer) -> None:
-        writer = frontend.writer
-        if writer is not None and not writer.is_closing():
-            write_message(writer, reply)
+        if frontend.connection is not None:
+            frontend.connection.send(reply)
 
     def _view(self) -> View:
         return view_of(self.core, self.core.ready and not self._stopping)
@@ -234,8 +243,8 @@ class FrontendPool:
     def _broadcast(self) -> None:
         view = self._view()
         for frontend in self.frontends:
-            if frontend.writer is not None and not frontend.writer.is_closing():
-                write_message(frontend.writer, view)
+            if frontend.connection is not None:
+                frontend.connection.send(view)
 
     # ---- shutdown -----------------------------------------------------------------------------
 

@@ -169,8 +169,8 @@ def _unflatten(fields: tuple, buffers: list[memoryview]):
     return InferAnswer(call_id, InferResponse(model, version, response_id, tensors))
 
 
-def write_message(writer: asyncio.StreamWriter, message) -> None:
-    """Queue one frame on the connection (no drain: the frames in flight are bounded by the requests in flight)."""
+def encode(message) -> list:
+    """One message as a frame's parts (bytes and memoryviews of the tensors), ready for writelines."""
     flat = _flatten(message)
     if flat is not None:
         data = pickle.dumps(flat[0], protocol=5)
@@ -180,17 +180,87 @@ def write_message(writer: asyncio.StreamWriter, message) -> None:
         data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
         views = [b.raw() for b in buffers]
     head = _HEAD.pack(len(data), len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
-    writer.writelines([head, data, *views])
+    return [head, data, *views]
 
 
-async def read_message(reader: asyncio.StreamReader):
-    """The next frame's message (raises asyncio.IncompleteReadError at the end of the connection)."""
-    size, count = _HEAD.unpack(await reader.readexactly(_HEAD.size))
-    sizes = struct.unpack(f"<{count}Q", await reader.readexactly(8 * count)) if count else ()
-    body = memoryview(await reader.readexactly(size + sum(sizes)))
-    buffers, offset = [], size
-    for n in sizes:
-        buffers.append(body[offset:offset + n])
+def _frame_size(data: memoryview, offset: int) -> int | None:
+    """The size of the frame starting at `offset`, or None while its header is incomplete."""
+    if len(data) - offset < _HEAD.size:
+        return None
+    size, count = _HEAD.unpack_from(data, offset)
+    if len(data) - offset < _HEAD.size + 8 * count:
+        return None
+    return _HEAD.size + 8 * count + size + sum(struct.unpack_from(f"<{count}Q", data, offset + _HEAD.size))
+
+
+def decode(frame: memoryview):
+    """A frame's message; its tensors are read-only views into `frame`."""
+    size, count = _HEAD.unpack_from(frame, 0)
+    start = _HEAD.size + 8 * count
+    buffers, offset = [], start + size
+    for n in struct.unpack_from(f"<{count}Q", frame, _HEAD.size):
+        buffers.append(frame[offset:offset + n])
         offset += n
-    message = pickle.loads(body[:size], buffers=buffers)
+    message = pickle.loads(frame[start:start + size], buffers=buffers)
     return _unflatten(message, buffers) if type(message) is tuple else message
+
+
+class Connection(asyncio.Protocol):
+    """One end of the Unix socket: every complete frame received goes to `on_message` as its message, in
+    order, from the loop's read callback (no coroutine per read); send() queues a frame and the frames
+    sent in one loop turn leave in one write (a batch's answers, a busy front end's requests)."""
+
+    def __init__(self, on_message, on_lost=None):
+        self.on_message = on_message
+        self.on_lost = on_lost  # called with the connection once it closes
+        self.transport: asyncio.Transport | None = None
+        self._partial: list[bytes] = []  # the start of a frame not complete yet
+        self._partial_bytes = 0
+        self._partial_need = 0  # its size once its header is known (0: not yet)
+        self._outgoing: list = []
+        self.closed = False
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self._partial:
+            self._partial.append(data)
+            self._partial_bytes += len(data)
+            if self._partial_bytes < self._partial_need:
+                return
+            data = b"".join(self._partial)
+            self._partial, self._partial_bytes, self._partial_need = [], 0, 0
+        view, offset = memoryview(data), 0
+        while True:
+            need = _frame_size(view, offset)
+            if need is None or len(view) - offset < need:
+                break
+            self.on_message(decode(view[offset:offset + need]))
+            offset += need
+        if offset < len(data):
+            self._partial = [data[offset:]]
+            self._partial_bytes = len(data) - offset
+            self._partial_need = need or 0
+
+    def connection_lost(self, exc) -> None:
+        self.closed = True
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    def send(self, message) -> None:
+        """Queue a message (dropped once the connection has closed: nobody is left to read it)."""
+        if self.closed or self.transport is None:
+            return
+        if not self._outgoing:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outgoing += encode(message)
+
+    def _flush(self) -> None:
+        parts, self._outgoing = self._outgoing, []
+        if not self.closed and not self.transport.is_closing():
+            self.transport.writelines(parts)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

@@ -243,16 +243,13 @@ def test_a_killed_front_end_is_replaced_and_the_other_serves(repository, engine_
 
 
 def test_the_wire_gives_back_every_tensor_as_sent():
-    """ipc's frames over a real socket: plain dtypes flat, bfloat16 and BYTES (objects) pickled whole,
-    a non-contiguous array, an empty one; requests and answers alike, errors with their class."""
-    import asyncio
-    import socket
-
+    """ipc's frames, received in pieces of every size: plain dtypes flat, bfloat16 and BYTES (objects) pickled
+    whole, a non-contiguous array, an empty one; requests and answers alike, errors with their class."""
     import ml_dtypes
 
     from kiln.serve.core import InferRequest, InferResponse
     from kiln.serve.errors import QueueFull, ServeError
-    from kiln.serve.ipc import InferAnswer, InferCall, Reply, error_of, raise_error, read_message, write_message
+    from kiln.serve.ipc import Connection, InferAnswer, InferCall, Reply, encode, error_of, raise_error
 
     generator = rng()
     plain = {"f": generator.standard_normal((3, 4)).astype(np.float32), "h": np.ones((2, 2), np.float16),
@@ -265,17 +262,13 @@ def test_the_wire_gives_back_every_tensor_as_sent():
                 InferAnswer(4, InferResponse("m", "2", "", list(odd.items()))),
                 Reply(5, error=error_of(QueueFull("full"))), Reply(6, error=error_of(KeyError("x")))]
 
-    async def round_trip() -> list:
-        a, b = socket.socketpair()
-        _, writer = await asyncio.open_connection(sock=a)
-        reader, _ = await asyncio.open_connection(sock=b)
-        for m in messages:
-            write_message(writer, m)
-        received = [await read_message(reader) for _ in messages]
-        writer.close()
-        return received
-
-    received = asyncio.run(round_trip())
+    stream = b"".join(bytes(part) for m in messages for part in encode(m))
+    received: list = []
+    connection = Connection(received.append)
+    cuts = sorted(int(c) for c in generator.integers(0, len(stream), 40))
+    for start, end in zip([0, *cuts], [*cuts, len(stream)]):
+        connection.data_received(stream[start:end])  # as the socket hands it over: any piece, empty ones too
+    assert len(received) == len(messages)
     for sent, got in zip(messages[:4], received[:4]):
         assert type(got) is type(sent) and got.id == sent.id
         mine = sent.request if isinstance(sent, InferCall) else sent.response
