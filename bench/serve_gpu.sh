@@ -89,7 +89,7 @@ timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
 echo "pytest exit $?"
 if [ "${FRONTENDS:-0}" != "0" ]; then
   stage "tests/serve/test_frontends.py"
-  timeout 240 python3 -m pytest -q -x tests/serve/test_frontends.py 2>&1
+  timeout 150 python3 -m pytest -q -x tests/serve/test_frontends.py 2>&1
   echo "pytest exit $?"
 fi
 
