@@ -152,7 +152,11 @@ class FrontendPool:
     async def _watch(self, frontend: Frontend) -> None:
         """Replace a front end that dies while the server runs (its requests in flight are lost with it)."""
         code = await frontend.process.wait()
-        if self._stopping or not frontend.serving.is_set():
+        if self._stopping:
+            return
+        if not frontend.serving.is_set():  # at start, start() says so; a replacement that fails is not retried
+            log.warning("front-end process %d exited with %s before it served; not started again (its error is "
+                        "on stderr above)", frontend.slot, code)
             return
         log.warning("front-end process %d (pid %d) exited with %s; starting another", frontend.slot,
                     frontend.process.pid, code)
