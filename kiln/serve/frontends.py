@@ -194,10 +194,11 @@ class FrontendPool:
             log.info("front-end process %d's connection to the engine closed", frontend.slot)
 
     def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
+        loop = asyncio.get_running_loop()  # create_task, not ensure_future: its checks showed in py-spy's samples
         if type(call) is InferCall:
-            task = asyncio.ensure_future(self._infer(frontend, call))
+            task = loop.create_task(self._infer(frontend, call))
         else:
-            task = asyncio.ensure_future(self._answer(frontend, call))
+            task = loop.create_task(self._answer(frontend, call))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
