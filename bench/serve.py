@@ -4,6 +4,7 @@
     python bench/serve.py                                   # empty model + MobileNetV2, CPU, c = 1 8 32 64
     python bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
         --processes 4 --out $OUT                           # the H200 run (bench/serve_gpu.sh)
+    python bench/serve.py --models empty --frontends 0 2    # kiln serve in one process, then with 2 front ends
 
 For each model and batching mode, one `kiln serve` subprocess on 127.0.0.1 (free ports) serves a
 repository written for the run; this process drives it with kiln.serve.perf (tritonclient's asyncio
@@ -17,7 +18,9 @@ concurrency: requests/s with batching over without, and whether p99 <= max queue
 Prints the tables and appends them to bench/results/serve-<date>.md (or writes --out DIR/serve.md)
 with the machine, the commit (KILN_COMMIT when set) and the versions. The load generator shares the
 machine (--processes N: N client processes): on a small one its CPU time lowers every number; read
-them as lower bounds.
+them as lower bounds. "server CPU us/req" is the CPU time (user + system, /proc) of the server's
+processes (the engine process and its front ends) over the measured window per request answered:
+what a request costs the server whatever else runs on the machine.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ class Row:
     model: str
     batching: str
     protocol: str
+    frontends: int
     result: PerfResult
     server_us: float  # mean arrival -> answer inside the server
     engine_us: float  # mean engine time per request (its batch's compute)
     rows_per_call: float
     call_ms: float  # mean engine call (one batch's compute)
+    cpu_us: float  # the server processes' CPU time per request answered
 
 
 def _empty_onnx(path: Path) -> None:
@@ -124,10 +129,10 @@ def _write_repository(root: Path, name: str, engine: Path, batching: bool, args)
     (root / name / "config.pbtxt").write_text(_config(batching, args.max_batch, args.delay_us, args.instances))
 
 
-def _start(root: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+def _start(root: Path, frontends: int) -> tuple[subprocess.Popen, dict[str, int]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "kiln", "serve", str(root), "--http-port", "0", "--grpc-port", "0",
-         "--metrics-port", "-1", "--max-queue-size", "4096"],
+         "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
@@ -142,18 +147,38 @@ def _start(root: Path) -> tuple[subprocess.Popen, dict[str, int]]:
     raise RuntimeError("kiln serve did not start:\n" + "".join(lines))
 
 
-def _server_view(port: int, model: str) -> dict:
+def _server_view(port: int, model: str, pid: int) -> dict:
+    """The model's statistics, and the server's CPU seconds so far (key "cpu_s")."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=30) as answer:
-        return json.loads(answer.read())["model_stats"][0]
+        view = json.loads(answer.read())["model_stats"][0]
+    return {**view, "cpu_s": process_tree_cpu_s(pid)}
 
 
-def _delta(after: dict, before: dict) -> tuple[float, float, float, float]:
-    """Per request: server time and engine time (us); requests per engine call; mean engine call (ms)."""
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its children (kiln serve's front ends), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(entry) == pid or int(fields[1]) == pid:  # fields[1]: the parent's pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _delta(after: dict, before: dict) -> tuple[float, float, float, float, float]:
+    """Per request: server time and engine time (us); requests per engine call; mean engine call (ms);
+    server CPU time (us)."""
     nan = float("nan")
     a, b = after["inference_stats"], before["inference_stats"]
     requests = a["success"]["count"] - b["success"]["count"]
     if not requests:
-        return nan, nan, nan, nan
+        return nan, nan, nan, nan, nan
     server = (a["success"]["ns"] - b["success"]["ns"]) / requests / 1000
     engine = (a["compute_infer"]["ns"] - b["compute_infer"]["ns"]) / requests / 1000
     calls = after["execution_count"] - before["execution_count"]
@@ -162,7 +187,8 @@ def _delta(after: dict, before: dict) -> tuple[float, float, float, float]:
         return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
 
     call_ms = (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan
-    return server, engine, requests / calls if calls else nan, call_ms
+    cpu = (after["cpu_s"] - before["cpu_s"]) / requests * 1e6
+    return server, engine, requests / calls if calls else nan, call_ms, cpu
 
 
 def run(args, report) -> list[Row]:
@@ -188,27 +214,30 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            process, ports = _start(root)
-            try:
-                for batching in modes:
-                    for protocol in args.protocols:
-                        try:
-                            rows += _measure(model, batching, protocol, ports, pool, args, rows, report)
-                        except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
-                            print(f"{model} batching {batching} over {protocol}: failed: {type(e).__name__}: {e}",
-                                  flush=True)
-            finally:
-                process.terminate()
-                process.wait(60)
+            for frontends in args.frontends:
+                process, ports = _start(root, frontends)
+                try:
+                    for batching in modes:
+                        for protocol in args.protocols:
+                            try:
+                                rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
+                                                 args, rows, report)
+                            except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
+                                print(f"{model} batching {batching} over {protocol}, {frontends} front ends: "
+                                      f"failed: {type(e).__name__}: {e}", flush=True)
+                finally:
+                    process.terminate()
+                    process.wait(60)
             shutil.rmtree(root)
     if pool is not None:
         pool.shutdown()
     return rows
 
 
-def _measure(model: str, batching: bool, protocol: str, ports: dict[str, int], pool, args, done: list[Row],
-             report) -> list[Row]:
+def _measure(model: str, batching: bool, protocol: str, frontends: int, server: tuple[int, dict[str, int]], pool,
+             args, done: list[Row], report) -> list[Row]:
     """One sweep over the concurrency levels; the server's statistics read around each measured window."""
+    pid, ports = server
     port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
     served = _served_name(model, batching)
     shapes = {"input_ids": [args.seq], "attention_mask": [args.seq]} if model.startswith("bert") else {}
@@ -218,47 +247,51 @@ def _measure(model: str, batching: bool, protocol: str, ports: dict[str, int], p
     rows = []
 
     def on_result(result: PerfResult) -> None:
-        server_us, engine_us, per_call, call_ms = _delta(views[-1], views[-2])
-        row = Row(model, "on" if batching else "off", protocol, result, server_us, engine_us, per_call, call_ms)
+        server_us, engine_us, per_call, call_ms, cpu_us = _delta(views[-1], views[-2])
+        row = Row(model, "on" if batching else "off", protocol, frontends, result, server_us, engine_us, per_call,
+                  call_ms, cpu_us)
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
 
-    asyncio.run(sweep(options, on_result, hook=lambda _: views.append(_server_view(ports["HTTP"], served)),
+    asyncio.run(sweep(options, on_result, hook=lambda _: views.append(_server_view(ports["HTTP"], served, pid)),
                       executor=pool))
     return rows
 
 
-HEADER = ("| model | batching | protocol | concurrency | infer/s | p50 ms | p90 ms | p99 ms | server us/req "
-          "| engine us/req | requests/call | call ms | errors |")
+HEADER = ("| model | batching | protocol | front ends | concurrency | infer/s | p50 ms | p90 ms | p99 ms "
+          "| server us/req | engine us/req | requests/call | call ms | server CPU us/req | errors |")
 
 
 def _format(row: Row) -> str:
     r = row.result
-    return (f"| {row.model} | {row.batching} | {row.protocol} | {r.concurrency} | {r.throughput:.0f} "
-            f"| {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} | {r.percentile(99) / 1000:.2f} "
-            f"| {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} | {row.call_ms:.2f} "
-            f"| {r.errors} |")
+    return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {r.concurrency} "
+            f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
+            f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} "
+            f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {r.errors} |")
 
 
 def summary(rows: list[Row], delay_us: int) -> list[str]:
     """Per model and protocol at the highest concurrency measured in both modes: the issue's targets."""
-    lines = ["| model | protocol | concurrency | infer/s batching on | off | on / off | p99 ms (on) "
-             "| delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | protocol | front ends | concurrency | infer/s batching on | off | on / off | p99 ms (on) "
+             "| delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r.model for r in rows):
         for protocol in dict.fromkeys(r.protocol for r in rows):
-            on = {r.result.concurrency: r for r in rows if (r.model, r.protocol, r.batching) == (model, protocol, "on")}
-            off = {r.result.concurrency: r for r in rows if (r.model, r.protocol, r.batching) == (model, protocol, "off")}
-            both = sorted(set(on) & set(off))
-            if not both:
-                continue
-            c = both[-1]
-            a, b = on[c], off[c]
-            bound = delay_us / 1000 + 2 * a.call_ms
-            p99 = a.result.percentile(99) / 1000
-            ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
-            lines.append(f"| {model} | {protocol} | {c} | {a.result.throughput:.0f} | {b.result.throughput:.0f} "
-                         f"| {ratio:.2f}x | {p99:.2f} | {bound:.2f} | {'yes' if p99 <= bound else 'no'} |")
+            for frontends in dict.fromkeys(r.frontends for r in rows):
+                mine = [r for r in rows if (r.model, r.protocol, r.frontends) == (model, protocol, frontends)]
+                on = {r.result.concurrency: r for r in mine if r.batching == "on"}
+                off = {r.result.concurrency: r for r in mine if r.batching == "off"}
+                both = sorted(set(on) & set(off))
+                if not both:
+                    continue
+                c = both[-1]
+                a, b = on[c], off[c]
+                bound = delay_us / 1000 + 2 * a.call_ms
+                p99 = a.result.percentile(99) / 1000
+                ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
+                lines.append(f"| {model} | {protocol} | {frontends} | {c} | {a.result.throughput:.0f} "
+                             f"| {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
+                             f"| {'yes' if p99 <= bound else 'no'} |")
     return lines
 
 
@@ -284,7 +317,8 @@ def _machine(args) -> str:
             f"end), commit {commit.strip()}, kiln {kiln.__version__}, python {platform.python_version()}, "
             f"grpcio {grpc.__version__}, uvicorn {uvicorn.__version__}; window {args.window} s, max_batch_size "
             f"{args.max_batch}, max_queue_delay {args.delay_us} us, {args.instances} instance(s), {args.precision}, "
-            f"{args.processes} client process(es)")
+            f"{args.processes} client process(es), one connection per client; kiln serve --frontends "
+            f"{' / '.join(map(str, args.frontends))}")
 
 
 def main() -> None:
@@ -303,6 +337,8 @@ def main() -> None:
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per level")
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
+    parser.add_argument("--frontends", type=int, nargs="+", default=[0],
+                        help="kiln serve --frontends values, one server each, measured one after the other (default 0)")
     parser.add_argument("--random-weights", action="store_true",
                         help="MobileNetV2 with random weights (no weights package needed; the same speed)")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")

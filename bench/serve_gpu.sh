@@ -19,6 +19,10 @@
 # 3. bench/serve.py on cuda: MobileNetV2 (random weights: the ImageNet ones come from a package) and
 #    BERT-base (seq 128), fp16 engines, 2 instances, batching on/off, concurrency 1 8 32 64, gRPC and
 #    HTTP binary, 4 client processes; its tables in $OUT/serve.md (rewritten after every row)
+#    Options by environment: SERVE_MODELS (default "mobilenet_v2 bert_base"), SERVE_CONCURRENCY (default
+#    "1 8 32 64"), SERVE_BENCH_S (the bench's timeout, default 450), FRONTENDS (kiln serve --frontends values,
+#    one server each, e.g. "0 2 4"; default 0). With FRONTENDS other than 0, stage 2 also runs
+#    tests/serve/test_frontends.py (front-end processes on this host's grpcio and Python).
 # Each stage runs under its own timeout; the log is $OUT/serve_gpu.log.
 set -u
 if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPython 3.12, --no-deps (each need listed)
@@ -83,11 +87,16 @@ print('fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'grpcio', 
 stage "tests/serve gpu-marked"
 timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
 echo "pytest exit $?"
+if [ "${FRONTENDS:-0}" != "0" ]; then
+  stage "tests/serve/test_frontends.py"
+  timeout 150 python3 -m pytest -q -x tests/serve/test_frontends.py 2>&1
+  echo "pytest exit $?"
+fi
 
 stage "bench/serve.py on cuda"
-timeout "${SERVE_BENCH_S:-450}" python3 bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 \
-  --instances 2 --processes 4 --random-weights --concurrency ${SERVE_CONCURRENCY:-1 8 32 64} --window 1.0 --warmup 0.5 \
-  --out "$OUT" 2>&1
+timeout "${SERVE_BENCH_S:-450}" python3 bench/serve.py --models ${SERVE_MODELS:-mobilenet_v2 bert_base} --device cuda \
+  --precision fp16 --instances 2 --processes 4 --random-weights --concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
+  --frontends ${FRONTENDS:-0} --window 1.0 --warmup 0.5 --out "$OUT" 2>&1
 echo "bench exit $?"
 stage "done"
 } 2>&1 | tee "$OUT/serve_gpu.log"

@@ -4,15 +4,18 @@ the server's side as CPU time per request, thread by thread, read from /proc.
     python bench/serve_overhead.py                           # this checkout, concurrency 1 and 64
     python bench/serve_overhead.py --trees /tmp/before . --rounds 3   # interleaved: A B A B A B
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
+    python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
 
 A `kiln serve` subprocess (one per tree and round, 127.0.0.1, free ports) serves the empty model with
 dynamic batching on (no queue delay). The client is a bare grpc stub with the request serialized
 once: at concurrency 1 one blocking stub call after another, at concurrency N one grpc.aio channel
-with N tasks in a client subprocess. The server's CPU time over the measured requests (utime +
+with N tasks in a client subprocess, each on a channel (connection) of its own. The server's CPU time over the measured requests (utime +
 stime of each of its threads, before and after) divided by their count is what kiln serve and
 grpc cost per request, whatever else runs on the machine; wall-clock numbers (p50, requests/s)
 are printed too but on a shared machine they move with its load. CPU time per request is the
-number to compare between trees, in interleaved rounds.
+number to compare between trees, in interleaved rounds. With --frontends the server's CPU time is its
+processes' (the engine's and its front ends'), shown whole and split: the engine process, of it its
+event loop thread, and the front ends together.
 """
 
 from __future__ import annotations
@@ -50,10 +53,10 @@ kiln.build({str(root / 'e.onnx')!r}).save({str(version / 'model.kiln')!r})
     (root / "empty" / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
 
 
-def _start(python: str, tree: Path, repo: Path, profile: str | None) -> tuple[subprocess.Popen, int]:
+def _start(python: str, tree: Path, repo: Path, profile: str | None, frontends: int) -> tuple[subprocess.Popen, int]:
     command = [python] + (["-m", "cProfile", "-o", profile] if profile else []) + [
         "-m", "kiln", "serve", str(repo), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1",
-        "--max-queue-size", "4096"]
+        "--max-queue-size", "4096"] + (["--frontends", str(frontends)] if frontends else [])
     process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
     port, lines = None, []
@@ -68,16 +71,25 @@ def _start(python: str, tree: Path, repo: Path, profile: str | None) -> tuple[su
     raise RuntimeError("kiln serve did not start:\n" + "".join(lines))
 
 
-def _cpu(pid: int) -> dict[int, float]:
-    """Seconds of CPU (user + system) per thread of a process."""
+def _stat(path: str) -> list[str] | None:
+    """/proc's stat fields past the command name (None: gone meanwhile)."""
+    try:
+        with open(path) as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _cpu(pid: int) -> dict[tuple[int, int], float]:
+    """Seconds of CPU (user + system) per (process, thread) of a process and its children (front ends)."""
+    pids = [pid] + [int(e) for e in os.listdir("/proc") if e.isdigit() and (_stat(f"/proc/{e}/stat") or [0, 0])[1]
+                    == str(pid)]
     out = {}
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[int(task)] = (int(fields[11]) + int(fields[12])) / TICK
+    for p in pids:
+        for task in os.listdir(f"/proc/{p}/task"):
+            fields = _stat(f"/proc/{p}/task/{task}/stat")
+            if fields is not None:
+                out[p, int(task)] = (int(fields[11]) + int(fields[12])) / TICK
     return out
 
 
@@ -95,22 +107,26 @@ _CLIENT = r"""
 import asyncio, sys, time, grpc
 port, concurrency, seconds, payload = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), bytes.fromhex(sys.argv[4])
 async def main():
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
-                                   request_serializer=None, response_deserializer=None)
-        counts = [0]; lat = []
-        stop = time.perf_counter() + seconds
-        async def worker():
-            while time.perf_counter() < stop:
-                t = time.perf_counter(); await call(payload); lat.append(time.perf_counter() - t); counts[0] += 1
-        for _ in range(2):  # warm-up: connections and first calls
-            await call(payload)
-        print("go", flush=True); sys.stdin.readline()
-        stop = time.perf_counter() + seconds
-        t0 = time.perf_counter()
-        await asyncio.gather(*[worker() for _ in range(concurrency)])
-        lat.sort()
-        print(counts[0], time.perf_counter() - t0, lat[len(lat) // 2], lat[int(len(lat) * 0.99)], flush=True)
+    # a connection per worker (its own subchannel pool): with front-end processes, the kernel spreads connections
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(concurrency)]
+    calls = [c.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                           response_deserializer=None) for c in channels]
+    counts = [0]; lat = []
+    stop = time.perf_counter() + seconds
+    async def worker(call):
+        while time.perf_counter() < stop:
+            t = time.perf_counter(); await call(payload); lat.append(time.perf_counter() - t); counts[0] += 1
+    for call in calls:  # warm-up: connections and first calls
+        await call(payload)
+    print("go", flush=True); sys.stdin.readline()
+    stop = time.perf_counter() + seconds
+    t0 = time.perf_counter()
+    await asyncio.gather(*[worker(call) for call in calls])
+    lat.sort()
+    print(counts[0], time.perf_counter() - t0, lat[len(lat) // 2], lat[int(len(lat) * 0.99)], flush=True)
+    for c in channels:
+        await c.close()
 asyncio.run(main())
 """
 
@@ -151,10 +167,12 @@ def _measure(process: subprocess.Popen, port: int, concurrency: int, requests: i
         count, wall, p50, p99 = int(count), float(wall), float(p50), float(p99)
     threads = sorted(((after[t] - before.get(t, 0.0)) * 1e6 / count, t) for t in after)
     threads.reverse()
-    main = next(us for us, t in threads if t == process.pid)
+    main = next(us for us, t in threads if t == (process.pid, process.pid))
+    engine = sum(us for us, (p, _) in threads if p == process.pid)
     return {"count": count, "rate": count / wall, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
-            "server_us": sum(us for us, _ in threads), "loop_us": main,
-            "others_us": [round(us) for us, t in threads if t != process.pid and us >= 1][:4]}
+            "server_us": sum(us for us, _ in threads), "loop_us": main, "engine_us": engine,
+            "frontends_us": sum(us for us, (p, _) in threads if p != process.pid),
+            "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
 def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int]) -> None:
@@ -197,6 +215,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)], help="kiln checkouts to compare, interleaved")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--frontends", type=int, nargs="+", default=[0], help="kiln serve --frontends values to compare")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--requests", type=int, default=3000, help="sequential requests at concurrency 1")
     parser.add_argument("--seconds", type=float, default=3.0, help="window at higher concurrency")
@@ -217,31 +236,35 @@ def main() -> None:
         for k, tree in enumerate(args.trees):
             repos[tree] = Path(tmp) / f"repo{k}"
             _write_repository(repos[tree], python, Path(tree).resolve())
-        print("| round | tree | concurrency | requests | req/s | p50 us | p99 us | server CPU us/req | loop thread "
-              "| other threads |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print("| round | tree | front ends | concurrency | requests | req/s | p50 us | p99 us | server CPU us/req "
+              "| engine process | its loop thread | its other threads | front ends |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for r in range(args.rounds):
-            for tree in args.trees:
-                process, port = _start(python, Path(tree).resolve(), repos[tree], args.profile)
+            for tree, frontends in [(t, n) for t in args.trees for n in args.frontends]:
+                process, port = _start(python, Path(tree).resolve(), repos[tree], args.profile, frontends)
                 try:
                     for c in args.concurrency:
                         m = _measure(process, port, c, args.requests, args.seconds, python)
-                        rows.append((tree, c, m))
-                        print(f"| {r} | {tree} | {c} | {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} "
-                              f"| {m['p99_us']:.0f} | {m['server_us']:.0f} | {m['loop_us']:.0f} | {m['others_us']} |",
-                              flush=True)
+                        rows.append(((tree, frontends), c, m))
+                        print(f"| {r} | {tree} | {frontends} | {c} | {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} "
+                              f"| {m['p99_us']:.0f} | {m['server_us']:.0f} | {m['engine_us']:.0f} | {m['loop_us']:.0f} "
+                              f"| {m['others_us']} | {m['frontends_us']:.0f} |", flush=True)
                 finally:
                     process.terminate()
                     process.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
     if args.rounds > 1:
-        print("\nmedians over rounds: | tree | concurrency | req/s | p50 us | server CPU us/req | loop thread us/req |")
-        for tree in args.trees:
+        print("\nmedians over rounds: | tree | front ends | concurrency | req/s | p50 us | server CPU us/req "
+              "| engine process us/req | its loop thread us/req | front ends us/req |")
+        for tree, frontends in [(t, n) for t in args.trees for n in args.frontends]:
             for c in args.concurrency:
-                ms = [m for t, cc, m in rows if t == tree and cc == c]
-                print(f"| {tree} | {c} | {statistics.median(m['rate'] for m in ms):.0f} "
+                ms = [m for t, cc, m in rows if t == (tree, frontends) and cc == c]
+                print(f"| {tree} | {frontends} | {c} | {statistics.median(m['rate'] for m in ms):.0f} "
                       f"| {statistics.median(m['p50_us'] for m in ms):.0f} "
                       f"| {statistics.median(m['server_us'] for m in ms):.0f} "
-                      f"| {statistics.median(m['loop_us'] for m in ms):.0f} |")
+                      f"| {statistics.median(m['engine_us'] for m in ms):.0f} "
+                      f"| {statistics.median(m['loop_us'] for m in ms):.0f} "
+                      f"| {statistics.median(m['frontends_us'] for m in ms):.0f} |")
 
 
 if __name__ == "__main__":

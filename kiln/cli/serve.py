@@ -44,6 +44,9 @@ def add_parser(verbs) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--frontends", type=int, default=0, metavar="N",
+                   help="run HTTP and gRPC in N front-end processes on the same ports, sending the tensors to this "
+                        "process's batchers (past one event loop; docs/serving.md); default 0: all in this process")
     ray = p.add_argument_group("Ray Serve (--ray: the models as Ray Serve deployments across a Ray cluster; "
                                "HTTP only, on Ray Serve's proxy; needs the ray extra)")
     ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: one deployment per model")
@@ -91,7 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=port(args.http_port), grpc_port=port(args.grpc_port), metrics_port=port(args.metrics_port),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends)
+    if args.frontends < 0:
+        raise KilnError(f"--frontends {args.frontends}: give 0 (one process) or more front-end processes")
     logging.basicConfig(level=args.log_level.upper(), format="kiln serve: %(message)s")
 
     def started(server: Server) -> None:
@@ -120,6 +125,8 @@ def _serve_ray(args: argparse.Namespace) -> int:
     except ImportError as e:
         raise KilnError(f"kiln serve --ray needs the ray and serve extras ({e.name} is missing): "
                         "pip install 'kiln[serve,ray]'") from None
+    if args.frontends:
+        raise KilnError("--frontends is for kiln serve's own server; under --ray, Ray Serve's proxies are the front ends")
     if args.grpc_port not in (None, -1) or args.metrics_port not in (None, -1):
         raise KilnError("--ray serves HTTP only (Ray Serve's proxy): drop --grpc-port/--metrics-port; Ray exports "
                         "its own metrics")

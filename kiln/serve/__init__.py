@@ -15,6 +15,9 @@ names. `tritonclient` works against it unchanged. docs/serving.md is the user's 
     grpc_server.py the gRPC frontend
     stats.py, metrics.py   Triton's statistics and Prometheus metrics
     server.py      the process: frontends + core on one event loop; graceful shutdown
+    options.py     ServeOptions; frontdoors.py: the HTTP, gRPC and metrics ports of a process
+    frontends.py, frontend_process.py, ipc.py   --frontends N: HTTP and gRPC in N processes, the
+                   batchers in this one, requests and answers over a Unix socket
     perf.py        the load generator behind `kiln perf` (perf_analyzer-like)
 
 Requires the `serve` extra (fastapi, uvicorn, grpcio, tritonclient's protocol stubs).

@@ -158,6 +158,10 @@ class ServerCore:
             return [v.stats for _, v in sorted(self.models[name].versions.items(), key=lambda kv: int(kv[0]))]
         return [v.stats for entry in self.models.values() for v in entry.versions.values()]
 
+    async def statistics_json(self, name: str = "", version: str = "") -> list[dict]:
+        """statistics() as the routes answer it (a front-end process's core asks the engine's)."""
+        return [s.to_json() for s in self.statistics(name, version)]
+
     def ready_versions(self) -> list[ModelVersion]:
         return [v for entry in self.models.values() for v in entry.versions.values()]
 

@@ -197,8 +197,8 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_answers_errors
     async def ModelStatistics(self, request, context):
         message = pb.ModelStatisticsResponse()
-        for stats in self.core.statistics(request.name, request.version):
-            json_format.ParseDict(stats.to_json(), message.model_stats.add())
+        for stats in await self.core.statistics_json(request.name, request.version):
+            json_format.ParseDict(stats, message.model_stats.add())
         return message
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
@@ -308,11 +308,14 @@ def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
-def grpc_server(core: ServerCore, host: str, port: int, max_message_bytes: int) -> tuple[grpc.aio.Server, int]:
-    """The server with the servicer added and its port bound (0: a free one); not started."""
+def grpc_server(core: ServerCore, host: str, port: int, max_message_bytes: int,
+                reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
+    """The server with the servicer added and its port bound (0: a free one); not started. `reuse_port`:
+    SO_REUSEPORT, for front-end processes sharing the port (off otherwise: a second server on a port in use
+    is an error, not a silent share)."""
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1),
-                                      ("grpc.so_reuseport", 0)])
+                                      ("grpc.so_reuseport", int(reuse_port))])
     add_servicer(InferenceServicer(core), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

@@ -130,18 +130,18 @@ def http_app(core: ServerCore, metrics: MetricsExporter, max_request_bytes: int 
 
     @app.get("/metrics", responses=openapi.TEXT)
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await metrics.scrape(), media_type=CONTENT_TYPE)
 
     # ---- statistics (before /v2/models/{m}: "stats" is not a model name here, as in Triton) ----
 
     @app.get("/v2/models/stats", responses=openapi.OBJECT)
     async def all_stats() -> Response:
-        return _json({"model_stats": [s.to_json() for s in core.statistics()]})
+        return _json({"model_stats": await core.statistics_json()})
 
     @app.get("/v2/models/{model_name}/stats", responses=openapi.OBJECT)
     @app.get("/v2/models/{model_name}/versions/{model_version}/stats", responses=openapi.OBJECT)
     async def model_stats(model_name: str, model_version: str = "") -> Response:
-        return _json({"model_stats": [s.to_json() for s in core.statistics(model_name, model_version)]})
+        return _json({"model_stats": await core.statistics_json(model_name, model_version)})
 
     # ---- models -------------------------------------------------------------------------------
 

@@ -69,6 +69,10 @@ class MetricsExporter:
         self.versions = versions
         self._cpu_last: tuple[int, int] | None = None
 
+    async def scrape(self) -> bytes:
+        """render()'s text, as the /metrics routes ask for it (a front-end process's exporter asks the engine's)."""
+        return self.render()
+
     def render(self) -> bytes:
         stats = self.versions()
         lines: list[str] = []

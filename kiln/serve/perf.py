@@ -6,7 +6,9 @@ The clients are tritonclient's asyncio clients on one event loop in this process
 generator itself costs one core at most: on a small machine, run it where the server is not,
 or read its numbers as a lower bound), or, with `processes` > 1, spread over that many worker
 processes measuring the same wall-clock window (a fast server outruns one Python client loop).
-Inputs are random, shaped from the model's metadata.
+Inputs are random, shaped from the model's metadata. Every client has its own connection (gRPC
+channels too: grpc shares one connection between a process's channels to a target unless told not
+to), so a server's connections, and a `kiln serve --frontends N`'s processes, see the whole load.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kiln.errors import KilnError
+
+
+# a connection of its own per gRPC client (its own subchannel pool), with tritonclient's message size limits
+GRPC_CHANNEL_ARGS = [("grpc.max_send_message_length", 2**31 - 1), ("grpc.max_receive_message_length", 2**31 - 1),
+                     ("grpc.use_local_subchannel_pool", 1)]
 
 
 @dataclass
@@ -80,7 +87,10 @@ class _Client:
         else:
             import tritonclient.grpc.aio as client_module
         self.module = client_module
-        self.client = client_module.InferenceServerClient(options.address)
+        if options.protocol == "http":
+            self.client = client_module.InferenceServerClient(options.address)
+        else:
+            self.client = client_module.InferenceServerClient(options.address, channel_args=GRPC_CHANNEL_ARGS)
         for tensor in metadata["inputs"]:
             shape = list(tensor["shape"])
             if batched:

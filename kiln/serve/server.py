@@ -1,5 +1,6 @@
 """The server: one event loop running the HTTP frontend (uvicorn), the gRPC frontend (grpc.aio),
-the metrics endpoint and every model's batcher, over one ServerCore.
+the metrics endpoint and every model's batcher, over one ServerCore; or, with `frontends` N, the
+metrics endpoint and the batchers here and HTTP and gRPC in N front-end processes (kiln/serve/frontends.py).
 
     server = Server(ServeOptions(repository="models/"))
     await server.start()      # loads the models, binds the ports (0: free ones; see server.ports)
@@ -12,28 +13,19 @@ one on the main thread until SIGINT/SIGTERM. Everything binds 127.0.0.1 unless t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
-import socket
 import sys
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import uvicorn
-from fastapi import FastAPI
-from fastapi.responses import Response
-
-from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE, ServerCore
-from kiln.serve.grpc_server import grpc_server
-from kiln.serve.http_fast import InferFastPath
-from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES, http_app
-from kiln.serve.metrics import CONTENT_TYPE, MetricsExporter
-from kiln.serve.repository import ModelRepository
+from kiln.serve.core import ServerCore
+from kiln.serve.frontdoors import Frontdoors
+from kiln.serve.frontends import FrontendPool
+from kiln.serve.metrics import MetricsExporter
+from kiln.serve.options import ServeOptions, repository_of
 
 log = logging.getLogger("kiln.serve")
-SWITCH_INTERVAL_US = 200
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -80,58 +72,6 @@ _SWITCH = _SwitchInterval()
 
 
 @dataclass
-class ServeOptions:
-    repository: str | Path | None = None  # a model repository folder
-    model: str | Path | None = None  # or one .onnx/.kiln file
-    model_name: str | None = None  # the single model's name (default: the file's stem)
-    host: str = "127.0.0.1"
-    http_port: int | None = 8000  # None: no HTTP; 0: a free port
-    grpc_port: int | None = 8001
-    metrics_port: int | None = 8002  # /metrics is also on the HTTP port
-    load_models: list[str] | None = None  # explicit model control: load only these at start ([]: none)
-    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # per model, where its config sets none
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    shutdown_timeout: float = 30.0  # seconds for requests in flight to finish at shutdown
-    log_level: str = "warning"
-    # Python's GIL switch interval while serving (None: leave Python's 5 ms). An instance's thread gives the
-    # GIL up inside its engine call (a stream sync, a copy, a native segment) and then waits for it behind
-    # the event loop, which parses requests without pause under load: up to one interval per give-up. On the
-    # H200 (commit 6c09b4d) MobileNetV2 calls of 14 requests took 12.7 ms for ~1 ms of GPU work; a thread
-    # with four 0.2-ms GIL-free waits beside a busy one took 22-48 ms at 5 ms, 2.4-3.6 ms at 200 us.
-    switch_interval_us: int | None = SWITCH_INTERVAL_US
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its signal handlers: the Server owns shutdown (it drains the batchers too)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
-    # a response written as headers then body waits ~40 ms for the client's delayed ACK (Nagle)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
-def _metrics_app(metrics: MetricsExporter) -> FastAPI:
-    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
-
-
-@dataclass
 class Ports:
     http: int | None = None
     grpc: int | None = None
@@ -144,15 +84,11 @@ class Server:
     ports: Ports = field(default_factory=Ports)
 
     def __post_init__(self):
-        o = self.options
-        if (o.repository is None) == (o.model is None):
-            raise ValueError("serve a model repository or one model file (one of repository=, model=)")
-        self.repository = (ModelRepository(o.repository) if o.repository is not None
-                           else ModelRepository.single(o.model, o.model_name))
-        self.core = ServerCore(self.repository, o.max_queue_size)
+        self.repository = repository_of(self.options)
+        self.core = ServerCore(self.repository, self.options.max_queue_size)
         self.metrics = MetricsExporter(lambda: [v.stats for v in self.core.ready_versions()])
-        self._uvicorns: list[tuple[_Uvicorn, asyncio.Task]] = []
-        self._grpc = None
+        self._doors = Frontdoors(self.options)
+        self.frontends: FrontendPool | None = None
         self._switch_interval = False  # this server set it (restored when the last server stops)
         self.stopped = asyncio.Event()
 
@@ -162,43 +98,21 @@ class Server:
             _SWITCH.enter(o.switch_interval_us)
             self._switch_interval = True
         await self.core.start(o.load_models)
-        if o.http_port is not None:
-            app = http_app(self.core, self.metrics, o.max_request_bytes)
-            self.ports.http = await self._start_http(InferFastPath(app, self.core, o.max_request_bytes), o.http_port)
-        if o.metrics_port is not None:
-            self.ports.metrics = await self._start_http(_metrics_app(self.metrics), o.metrics_port)
-        if o.grpc_port is not None:
-            self._grpc, self.ports.grpc = grpc_server(self.core, o.host, o.grpc_port, o.max_request_bytes)
-            await self._grpc.start()
-
-    async def _start_http(self, app, port: int) -> int:
-        sock = _listen(self.options.host, port)
-        config = uvicorn.Config(app, log_level=self.options.log_level, access_log=False, lifespan="off", proxy_headers=False,
-                                timeout_graceful_shutdown=self.options.shutdown_timeout, timeout_keep_alive=30,
-                                h11_max_incomplete_event_size=1 << 20)
-        server = _Uvicorn(config)
-        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
-        while not server.started:
-            if task.done():
-                task.result()  # raises what stopped it
-                raise OSError(f"the HTTP server on port {port} stopped while starting")
-            await asyncio.sleep(0.01)
-        self._uvicorns.append((server, task))
-        return sock.getsockname()[1]
+        if o.frontends > 0:
+            self.frontends = FrontendPool(self.core, self.metrics, o)
+            self.ports.http, self.ports.grpc = await self.frontends.start()
+        else:
+            self.ports.http, self.ports.grpc = await self._doors.serve(self.core, self.metrics)
+        self.ports.metrics = await self._doors.serve_metrics(self.metrics)
 
     async def stop(self) -> None:
         """Graceful: not ready from now; frontends stop taking connections and finish what they
-        hold; batchers run everything queued; then the instances' threads stop."""
+        hold; batchers run everything queued; then the instances' threads stop. Front-end processes
+        stop first (the engine serves what they forward until they are gone)."""
+        if self.frontends is not None:
+            await self.frontends.stop()
         self.core.accepting = False
-        grace = self.options.shutdown_timeout
-        stops = []
-        for server, task in self._uvicorns:
-            server.should_exit = True
-            stops.append(task)
-        if self._grpc is not None:
-            stops.append(asyncio.ensure_future(self._grpc.stop(grace)))
-        if stops:
-            await asyncio.gather(*stops, return_exceptions=True)
+        await self._doors.stop()
         await self.core.close()
         if self._switch_interval:
             _SWITCH.leave()

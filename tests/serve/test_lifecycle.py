@@ -210,12 +210,14 @@ dynamic_batching { preferred_batch_size: [4] max_queue_delay_microseconds: 50000
 """
 
 
-def test_sigterm_answers_every_request_in_flight(tmp_path, engines, repository):
-    """Three requests wait (a 5 s queue delay holds them) when kiln serve gets SIGTERM: all answered."""
+@pytest.mark.parametrize("frontends", ["0", "2"])
+def test_sigterm_answers_every_request_in_flight(tmp_path, engines, repository, frontends):
+    """Three requests wait (a 5 s queue delay holds them) when kiln serve gets SIGTERM: all answered
+    (with 2 front-end processes too: they finish what they forwarded before the engine stops)."""
     (tmp_path / "slowq" / "1").mkdir(parents=True)
     (tmp_path / "slowq" / "1" / "model.kiln").write_bytes((engines / "slow.kiln").read_bytes())
     (tmp_path / "slowq" / "config.pbtxt").write_text(SLOW_QUEUE)
-    process, ports = _start_cli(tmp_path)
+    process, ports = _start_cli(tmp_path, "--frontends", frontends)
     try:
         statuses: list[int] = []
         threads = [threading.Thread(target=lambda: statuses.append(
@@ -254,7 +256,7 @@ def test_listening_sockets_say_tcp():
     written as headers then body waited ~40 ms for the client's delayed ACK."""
     import socket
 
-    from kiln.serve.server import _listen
+    from kiln.serve.frontdoors import listen as _listen
 
     sock = _listen("127.0.0.1", 0)
     try:

@@ -1,0 +1,110 @@
+"""A kiln serve process's ports: HTTP (uvicorn; infer on the fast path ahead of FastAPI), gRPC (grpc.aio)
+and the metrics port, over one core, started together and stopped gracefully together.
+
+The engine process runs them over its ServerCore (`frontends` 0), or only the metrics port while
+front-end processes (kiln/serve/frontends.py) run HTTP and gRPC over their RemoteCores, each binding
+the same ports with SO_REUSEPORT: the kernel spreads the connections over them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+from kiln.serve.core import ServerCore
+from kiln.serve.grpc_server import grpc_server
+from kiln.serve.http_fast import InferFastPath
+from kiln.serve.http_server import http_app
+from kiln.serve.metrics import CONTENT_TYPE, MetricsExporter
+from kiln.serve.options import ServeOptions
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: the Server owns shutdown (it drains the batchers too)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def listen(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket; `reuse_port`: SO_REUSEPORT, so other front-end processes can listen on the port too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without it
+    # a response written as headers then body waits ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def _metrics_app(metrics: MetricsExporter) -> FastAPI:
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(await metrics.scrape(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class Frontdoors:
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        self._uvicorns: list[tuple[_Uvicorn, asyncio.Task]] = []
+        self._grpc = None
+
+    async def serve(self, core: ServerCore, metrics: MetricsExporter,
+                    reuse_port: bool = False) -> tuple[int | None, int | None]:
+        """HTTP and gRPC over `core`, where the options ask for them; the ports bound (HTTP, gRPC)."""
+        o = self.options
+        http = grpc = None
+        if o.http_port is not None:
+            app = http_app(core, metrics, o.max_request_bytes)
+            http = await self.start_http(InferFastPath(app, core, o.max_request_bytes), o.http_port, reuse_port)
+        if o.grpc_port is not None:
+            self._grpc, grpc = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port)
+            await self._grpc.start()
+        return http, grpc
+
+    async def serve_metrics(self, metrics: MetricsExporter) -> int | None:
+        if self.options.metrics_port is None:
+            return None
+        return await self.start_http(_metrics_app(metrics), self.options.metrics_port)
+
+    async def start_http(self, app, port: int, reuse_port: bool = False) -> int:
+        o = self.options
+        sock = listen(o.host, port, reuse_port)
+        config = uvicorn.Config(app, log_level=o.log_level, access_log=False, lifespan="off", proxy_headers=False,
+                                timeout_graceful_shutdown=o.shutdown_timeout, timeout_keep_alive=30,
+                                h11_max_incomplete_event_size=1 << 20)
+        server = _Uvicorn(config)
+        task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                task.result()  # raises what stopped it
+                raise OSError(f"the HTTP server on port {port} stopped while starting")
+            await asyncio.sleep(0.01)
+        self._uvicorns.append((server, task))
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        """No new connections; what the servers hold finishes (within the options' shutdown_timeout)."""
+        stops = []
+        for server, task in self._uvicorns:
+            server.should_exit = True
+            stops.append(task)
+        if self._grpc is not None:
+            stops.append(asyncio.ensure_future(self._grpc.stop(self.options.shutdown_timeout)))
+        if stops:
+            await asyncio.gather(*stops, return_exceptions=True)
+        self._uvicorns, self._grpc = [], None

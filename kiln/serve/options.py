@@ -1,0 +1,48 @@
+"""What a kiln serve server is asked to do (ServeOptions): the engine process reads all of it, each
+front-end process (`frontends`) its ports, host and limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE
+from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES
+from kiln.serve.repository import ModelRepository
+
+SWITCH_INTERVAL_US = 200
+
+
+@dataclass
+class ServeOptions:
+    repository: str | Path | None = None  # a model repository folder
+    model: str | Path | None = None  # or one .onnx/.kiln file
+    model_name: str | None = None  # the single model's name (default: the file's stem)
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000  # None: no HTTP; 0: a free port
+    grpc_port: int | None = 8001
+    metrics_port: int | None = 8002  # /metrics is also on the HTTP port
+    load_models: list[str] | None = None  # explicit model control: load only these at start ([]: none)
+    max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # per model, where its config sets none
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    shutdown_timeout: float = 30.0  # seconds for requests in flight to finish at shutdown
+    log_level: str = "warning"
+    # Python's GIL switch interval while serving (None: leave Python's 5 ms). An instance's thread gives the
+    # GIL up inside its engine call (a stream sync, a copy, a native segment) and then waits for it behind
+    # the event loop, which parses requests without pause under load: up to one interval per give-up. On the
+    # H200 (commit 6c09b4d) MobileNetV2 calls of 14 requests took 12.7 ms for ~1 ms of GPU work; a thread
+    # with four 0.2-ms GIL-free waits beside a busy one took 22-48 ms at 5 ms, 2.4-3.6 ms at 200 us.
+    switch_interval_us: int | None = SWITCH_INTERVAL_US
+    # front-end processes (kiln/serve/frontends.py): 0 serves HTTP and gRPC on this process's event loop; N runs
+    # them in N processes on the same ports (SO_REUSEPORT), which decode and encode and send the tensors here,
+    # where the models, batchers and instances stay (one CUDA context). Past one event loop's ~1 ms per request.
+    frontends: int = 0
+
+
+def repository_of(options: ServeOptions) -> ModelRepository:
+    """The model repository the options name: a folder, or one model file."""
+    if (options.repository is None) == (options.model is None):
+        raise ValueError("serve a model repository or one model file (one of repository=, model=)")
+    if options.repository is not None:
+        return ModelRepository(options.repository)
+    return ModelRepository.single(options.model, options.model_name)
