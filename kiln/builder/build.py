@@ -24,6 +24,7 @@ from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
+from kiln.passes.remove_padding import REMOVE_PADDING
 from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
 from kiln.quant.smoothquant import check_alpha
@@ -132,7 +133,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("optimizing")
     graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify,
                                         unsigned_activations=config.device == "cpu",
-                                        cpu_rules=config.device == "cpu", refittable=config.refittable))
+                                        cpu_rules=config.device == "cpu", refittable=config.refittable,
+                                        remove_padding=config.remove_padding))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied
@@ -198,6 +200,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                         for node in graph.graph for v in node.outputs},
         "tactics": tactics,
         "quantization": quantization,
+        "remove_padding": graph.meta.get(REMOVE_PADDING),  # what runs on the real tokens only (None: off)
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
     engine = Engine(EnginePlan(header=header, program=program, weights=weights))

@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.plan.spec import Binding, Profile
+from kiln.plan.spec import MASK_NAMES, Binding, Profile
 
 SEQUENCE_FLOOR = 16
 HALF_STEP_FROM = 128  # sequences: a 1.5x step between powers of two from here
 QUARTER_STEPS_FROM = 256  # sequences: steps of a quarter of the power of two from here
-MASK_NAMES = ("attention_mask", "mask", "input_mask")
 MAX_CHUNKS = 4  # a split batch runs as at most this many replays
 CHUNK_OVERHEAD_MS = 0.02  # per extra replay: slicing, padding and the outputs' copy
 SPLIT_MARGIN = 0.05  # split only when the chunks' measured time is this much below the padded run's

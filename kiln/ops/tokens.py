@@ -1,0 +1,72 @@
+"""Padding-free encoders: kiln-domain ops that pack a batch's real tokens and scatter them back.
+
+A padding mask m [B, S] (nonzero: a real token) selects T = Σ(m ≠ 0) of the B·S positions. Its
+token index is the flat positions of those tokens in row-major order,
+
+    index = [b·S + s for b in 0..B-1 for s in 0..S-1 if m[b, s] ≠ 0]        # [T], int64
+    cu_seqlens = [0, n_0, n_0 + n_1, ..., T],  n_b = Σ_s (m[b, s] ≠ 0)      # [B + 1], int32
+
+so row b's tokens are index[cu_seqlens[b] : cu_seqlens[b + 1]], in their order along the sequence
+(any pattern: right or left padding, holes). Per-token layers run on [T, ...] instead of
+[B, S, ...]; attention, the one layer that mixes tokens, runs per row over that row's tokens
+(kiln/passes/remove_padding.py builds the region; kiln/tactics/cuda/attention.py has the varlen
+flash tactic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.fused import attention
+from kiln.ops.registry import register
+
+
+@register("TokenIndex", domain="kiln")
+def token_index(ctx, mask):
+    """mask [B, S] -> (index [T] int64, cu_seqlens [B + 1] int32): the real tokens' flat positions and
+    each row's start in the packed order (the module docstring's definitions). On CUDA the nonzero
+    synchronizes once with the host (T is data)."""
+    keep = mask != 0  # [B, S]
+    index = keep.reshape(-1).nonzero().reshape(-1)  # [T]
+    counts = keep.sum(dim=1, dtype=torch.int32)  # [B]
+    cu_seqlens = torch.zeros(keep.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    return index, cu_seqlens
+
+
+@register("PackTokens", domain="kiln")
+def pack_tokens(ctx, x, index):
+    """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order."""
+    return x.flatten(0, 1).index_select(0, index)
+
+
+@register("UnpackTokens", domain="kiln")
+def unpack_tokens(ctx, y, index, mask):
+    """y [T, ...] -> [B, S, ...] (B, S: mask's shape) with y's rows at `index` and zeros at padding."""
+    batch, seq = mask.shape
+    out = y.new_zeros((batch * seq, *y.shape[1:]))
+    out.index_copy_(0, index, y)
+    return out.unflatten(0, (batch, seq))
+
+
+def additive_padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, S] -> [B, 1, 1, S]: 0 for a real key, -inf for padding (every query of a row sees its row's
+    real keys only)."""
+    hidden = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+    return hidden[:, None, None, :]
+
+
+@register("PackedAttention", domain="kiln")
+def packed_attention(ctx, q, k, v, mask, index, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
+                     out_perm=None, gqa=0, q_num_heads=0, kv_num_heads=0, qkv_split=None, out_merge_heads=0):
+    """kiln::Attention over packed tokens: q, k, v [T, ...] are what Attention reads as [B, S, ...] with the
+    batch and sequence axes flattened to the real tokens (the layout attributes are Attention's, for the
+    unpacked tensors); a query sees its own row's real tokens only; the output is packed [T, ...] too.
+    Reference: scatter q/k/v to [B, S, ...] (zeros at padding), Attention with the padding mask as an additive
+    mask, gather the real tokens back. `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
+    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, index, mask) for x in (q, k, v))
+    out = attention(ctx, q4, k4, v4, additive_padding_mask(mask, q.dtype), scale=scale, q_perm=q_perm,
+                    k_perm=k_perm, v_perm=v_perm, out_perm=out_perm, gqa=gqa, nan_to_zero=1,
+                    q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, qkv_split=qkv_split,
+                    out_merge_heads=out_merge_heads)  # [B, S, ...]; a row of padding only: 0, not NaN
+    return pack_tokens(ctx, out, index)  # [T, ...]
