@@ -138,6 +138,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied
+    if REMOVE_PADDING in graph.meta:  # the token bucket's input is fed by the runtime, never by a user
+        inputs = [b for b in inputs if b.name != graph.meta[REMOVE_PADDING]["bucket_input"]]
     io_casts: dict[str, str] = {}
     if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.

@@ -9,8 +9,9 @@ token index is the flat positions of those tokens in row-major order,
 so row b's tokens are index[cu_seqlens[b] : cu_seqlens[b + 1]], in their order along the sequence
 (any pattern: right or left padding, holes). Per-token layers run on [T, ...] instead of
 [B, S, ...]; attention, the one layer that mixes tokens, runs per row over that row's tokens
-(kiln/passes/remove_padding.py builds the region; kiln/tactics/cuda/attention.py has the varlen
-flash tactic).
+(kiln/passes/remove_padding.py builds the region; kiln/tactics/cuda/packed_attention.py has the
+varlen flash tactic). A run may carry T' ≥ T rows (a token bucket, so CUDA graphs replay): the
+dummy rows past T are computed like any other and never scattered out.
 """
 
 from __future__ import annotations
@@ -22,16 +23,28 @@ from kiln.ops.registry import register
 
 
 @register("TokenIndex", domain="kiln")
-def token_index(ctx, mask):
-    """mask [B, S] -> (index [T] int64, cu_seqlens [B + 1] int32): the real tokens' flat positions and
-    each row's start in the packed order (the module docstring's definitions). On CUDA the nonzero
-    synchronizes once with the host (T is data)."""
-    keep = mask != 0  # [B, S]
-    index = keep.reshape(-1).nonzero().reshape(-1)  # [T]
-    counts = keep.sum(dim=1, dtype=torch.int32)  # [B]
-    cu_seqlens = torch.zeros(keep.shape[0] + 1, dtype=torch.int32, device=mask.device)
+def token_index(ctx, mask, bucket=None):
+    """mask [B, S] -> (index [T'], scatter [T'], cu_seqlens [B + 1] int32): the real tokens' flat positions (the
+    module docstring's definitions), twice, and each row's start in the packed order.
+
+    Without `bucket`, T' = T (on CUDA the nonzero synchronizes once with the host: T is data). With it, T' is
+    bucket.shape[0] ≥ T (the runtime's token bucket, kiln/runtime/buckets.py; only its shape is read): no
+    sync, so a CUDA graph per bucket replays any mask with at most T' tokens. The T' - T rows past the real
+    ones are dummies: `index` (what PackTokens gathers) points them at position 0, `scatter` (where
+    UnpackTokens writes) at B·S, a row it drops; no sequence of cu_seqlens holds them."""
+    keep = (mask != 0).reshape(-1)  # [B·S]
+    counts = keep.reshape(mask.shape).sum(dim=1, dtype=torch.int32)  # [B]
+    cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
-    return index, cu_seqlens
+    if bucket is None:
+        index = keep.nonzero().reshape(-1)  # [T]
+        return index, index, cu_seqlens
+    size, positions = bucket.shape[0], keep.numel()
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, size)  # a real token's packed row; padding: slot T'
+    flat = torch.arange(positions, device=mask.device)
+    index = torch.zeros(size + 1, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    scatter = torch.full((size + 1,), positions, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    return index[:size], scatter[:size], cu_seqlens
 
 
 @register("PackTokens", domain="kiln")
@@ -41,12 +54,13 @@ def pack_tokens(ctx, x, index):
 
 
 @register("UnpackTokens", domain="kiln")
-def unpack_tokens(ctx, y, index, mask):
-    """y [T, ...] -> [B, S, ...] (B, S: mask's shape) with y's rows at `index` and zeros at padding."""
+def unpack_tokens(ctx, y, scatter, mask):
+    """y [T, ...] -> [B, S, ...] (B, S: mask's shape): row t of y at flat position scatter[t], zeros at padding;
+    a dummy row's position B·S is dropped."""
     batch, seq = mask.shape
-    out = y.new_zeros((batch * seq, *y.shape[1:]))
-    out.index_copy_(0, index, y)
-    return out.unflatten(0, (batch, seq))
+    out = y.new_zeros((batch * seq + 1, *y.shape[1:]))
+    out.index_copy_(0, scatter, y)
+    return out[:-1].unflatten(0, (batch, seq))
 
 
 def additive_padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -57,14 +71,15 @@ def additive_padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 @register("PackedAttention", domain="kiln")
-def packed_attention(ctx, q, k, v, mask, index, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
+def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
                      out_perm=None, gqa=0, q_num_heads=0, kv_num_heads=0, qkv_split=None, out_merge_heads=0):
     """kiln::Attention over packed tokens: q, k, v [T, ...] are what Attention reads as [B, S, ...] with the
     batch and sequence axes flattened to the real tokens (the layout attributes are Attention's, for the
     unpacked tensors); a query sees its own row's real tokens only; the output is packed [T, ...] too.
     Reference: scatter q/k/v to [B, S, ...] (zeros at padding), Attention with the padding mask as an additive
-    mask, gather the real tokens back. `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
-    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, index, mask) for x in (q, k, v))
+    mask, gather the real tokens back (TokenIndex's `index` and `scatter`; a dummy row gathers position 0).
+    `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
+    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, scatter, mask) for x in (q, k, v))
     out = attention(ctx, q4, k4, v4, additive_padding_mask(mask, q.dtype), scale=scale, q_perm=q_perm,
                     k_perm=k_perm, v_perm=v_perm, out_perm=out_perm, gqa=gqa, nan_to_zero=1,
                     q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, qkv_split=qkv_split,

@@ -4,10 +4,14 @@ As TensorRT's BERT varlen plugins and FasterTransformer do. With a padding mask 
 named like `attention_mask`, integer or bool, nonzero: a real token), every layer of an encoder except
 attention acts on each token alone, so the hidden state may be packed to [T, ...] (T = Σ(m ≠ 0)):
 
-    index, cu_seqlens = TokenIndex(m)                  # kiln/ops/tokens.py
-    x_T = PackTokens(x, index)                         # [B, S, ...] -> [T, ...], where the region starts
-    ... per-token layers on [T, ...]; Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, cu_seqlens)
-    y = UnpackTokens(y_T, index, m)                    # [T, ...] -> [B, S, ...], zeros at padding
+    index, scatter, cu_seqlens = TokenIndex(m, bucket)  # kiln/ops/tokens.py
+    x_T = PackTokens(x, index)                          # [B, S, ...] -> [T, ...], where the region starts
+    ... per-token layers on [T, ...]; Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, scatter, cu_seqlens)
+    y = UnpackTokens(y_T, scatter, m)                   # [T, ...] -> [B, S, ...], zeros at padding
+
+`bucket` is a graph input the pass adds (TOKEN_BUCKET, [token_bucket] uint8) that is no engine binding: the
+runtime feeds it, shaped [T'] for a token bucket T' ≥ T, when it pads shapes to buckets (CUDA graphs), so the
+packed shapes of a run are the bucket's; without it (the builder's runs, a CPU context) T' = T.
 
 The contract:
 
@@ -42,6 +46,7 @@ from kiln.plan.spec import MASK_NAMES
 
 REMOVE_PADDING = "kiln.remove_padding"  # model.meta key: the PaddingRemoval's JSON, for the engine header
 TOKENS = "tokens"  # the packed axis' symbol: T, the number of real tokens of a run
+TOKEN_BUCKET = "kiln_token_bucket"  # the graph input whose shape [T'] is a run's token bucket (read for its shape)
 MASKED = -1e30  # an additive mask entry at or below this hides its key (as kiln/passes/fusion/attention.py)
 
 _UNARY = frozenset({"Relu", "Gelu", "Tanh", "Sigmoid", "Erf", "Exp", "Log", "Sqrt", "Neg", "Abs", "Reciprocal",
@@ -64,6 +69,7 @@ class PaddingRemoval:
     """What the rewrite did (the engine header's `remove_padding`, shown by `kiln inspect`)."""
 
     mask: str  # the padding mask input
+    bucket_input: str  # the program input the runtime feeds a token bucket's shape through (no binding)
     layers: int  # layers that run on the packed tokens
     attentions: int  # of them, attentions over packed tokens
     packed: list[str] = field(default_factory=list)  # values packed where the region starts
@@ -358,10 +364,11 @@ def _repack_attributes(node: ir.Node, rank: int) -> None:
         node.attributes[name] = ir.AttrInt64(name, attr(node, name) - 1)
 
 
-def _packed_attention(node: ir.Node, mask: ir.Value, index: ir.Value, cu_seqlens: ir.Value) -> ir.Node:
-    """Attention(q, k, v, M) -> PackedAttention(q, k, v, m, index, cu_seqlens), q/k/v and output packed."""
+def _packed_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: ir.Value,
+                      cu_seqlens: ir.Value) -> ir.Node:
+    """Attention(q, k, v, M) -> PackedAttention(q, k, v, m, index, scatter, cu_seqlens), q/k/v and output packed."""
     attributes = [a for name, a in node.attributes.items() if name not in ("nan_to_zero", "is_causal")]
-    packed = ir.Node(KILN_DOMAIN, "PackedAttention", [*node.inputs[:3], mask, index, cu_seqlens], attributes,
+    packed = ir.Node(KILN_DOMAIN, "PackedAttention", [*node.inputs[:3], mask, index, scatter, cu_seqlens], attributes,
                      name=f"{node.name}_packed")
     out, old = packed.outputs[0], node.outputs[0]
     out.type, out.shape = old.type, old.shape  # packed already: [T, ...]
@@ -396,12 +403,16 @@ def remove_padding(model: ir.Model) -> PaddingRemoval:
     # Decided: from here on the graph changes.
     nodes = [n for n in graph if id(n) in region]
     inside = {id(v) for n in nodes for v in n.outputs}
-    tokens = _new_node(graph, nodes[0], "TokenIndex", [mask], "remove_padding_token_index", outputs=2)
-    index, cu_seqlens = tokens.outputs
-    index.name, index.type, index.shape = "remove_padding_index", ir.TensorType(ir.DataType.INT64), ir.Shape([TOKENS])
-    cu_seqlens.name, cu_seqlens.type = "remove_padding_cu_seqlens", ir.TensorType(ir.DataType.INT32)
+    bucket = ir.Value(name=TOKEN_BUCKET, shape=ir.Shape([TOKENS]), type=ir.TensorType(ir.DataType.UINT8))
+    graph.inputs.append(bucket)
+    tokens = _new_node(graph, nodes[0], "TokenIndex", [mask, bucket], "remove_padding_token_index", outputs=3)
+    index, scatter, cu_seqlens = tokens.outputs
+    for value, name, dtype in ((index, "index", ir.DataType.INT64), (scatter, "scatter", ir.DataType.INT64),
+                               (cu_seqlens, "cu_seqlens", ir.DataType.INT32)):
+        value.name, value.type = f"remove_padding_{name}", ir.TensorType(dtype)
+    index.shape, scatter.shape = ir.Shape([TOKENS]), ir.Shape([TOKENS])
     packed: dict[int, ir.Value] = {}
-    report = PaddingRemoval(mask.name, len(nodes), len(attentions))
+    report = PaddingRemoval(mask.name, TOKEN_BUCKET, len(nodes), len(attentions))
     for node in nodes:
         rank = len(node.outputs[0].shape)
         for i, value in enumerate(node.inputs):
@@ -422,21 +433,21 @@ def remove_padding(model: ir.Model) -> PaddingRemoval:
             out.shape = _packed_shape(out)
     for node in attentions:
         del region[id(node)]
-        new = _packed_attention(node, mask, index, cu_seqlens)
+        new = _packed_attention(node, mask, index, scatter, cu_seqlens)
         region[id(new)] = new
     leaving = [v for n in graph if id(n) in region for v in n.outputs
                if v.is_graph_output() or any(id(u) not in region for u in consumers(v))]
     for value in leaving:
         report.unpacked.append(value.name)
-        _unpack(graph, value, index, mask, region)
+        _unpack(graph, value, scatter, mask, region)
     common.TopologicalSortPass()(model)
     return report
 
 
-def _unpack(graph: ir.Graph, value: ir.Value, index: ir.Value, mask: ir.Value, region: dict[int, ir.Node]) -> None:
+def _unpack(graph: ir.Graph, value: ir.Value, scatter: ir.Value, mask: ir.Value, region: dict[int, ir.Node]) -> None:
     """value [T, ...] scattered back to [B, S, ...] for the layers outside the region and the graph outputs."""
     outside = [u for u in consumers(value) if id(u) not in region]
-    node = ir.Node(KILN_DOMAIN, "UnpackTokens", [value, index, mask], name=f"{value.name}_unpack")
+    node = ir.Node(KILN_DOMAIN, "UnpackTokens", [value, scatter, mask], name=f"{value.name}_unpack")
     out = node.outputs[0]
     out.type, out.shape = value.type, ir.Shape([*mask.shape, *value.shape[1:]])
     graph.insert_after(value.producer(), node)

@@ -52,16 +52,7 @@ class Buckets:
         """The buckets of `symbol` inside [low, high]: powers of two from the floor (sequences with
         a 1.5x step from HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM), and high."""
         floor = max(self.symbols[symbol], 1)
-        sequence = floor > 1
-        ladder, size = [], floor
-        while size < high:
-            ladder.append(size)
-            if sequence and size >= QUARTER_STEPS_FROM:
-                ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
-            elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
-                ladder.append(size * 3 // 2)
-            size *= 2
-        return [s for s in ladder if s >= low] + [high]
+        return [s for s in _ladder(floor, high, sequence=floor > 1) if s >= low] + [high]
 
     def bucket(self, symbol: str, value: int, low: int, high: int) -> int:
         return next(s for s in self.sizes(symbol, low, high) if s >= value)
@@ -149,6 +140,33 @@ class Buckets:
                 y = y[tuple(index)]
             cropped.append(y)
         return cropped
+
+
+def _ladder(floor: int, high: int, sequence: bool) -> list[int]:
+    """Bucket sizes below `high`: powers of two from `floor`; a sequence's with a 1.5x step from
+    HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM."""
+    ladder, size = [], floor
+    while size < high:
+        ladder.append(size)
+        if sequence and size >= QUARTER_STEPS_FROM:
+            ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
+        elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
+            ladder.append(size * 3 // 2)
+        size *= 2
+    return ladder
+
+
+def token_bucket(tokens: int, most: int) -> int:
+    """The packed rows a padding-free run computes for `tokens` real ones (kiln/passes/remove_padding.py): the
+    sequence ladder from SEQUENCE_FLOOR (at most 1.25x dummy rows from 256 on), capped at `most` (= B·S)."""
+    return next((s for s in _ladder(SEQUENCE_FLOOR, most, sequence=True) if s >= tokens), most)
+
+
+def token_carrier(mask: torch.Tensor) -> torch.Tensor:
+    """The token bucket input of a padding-free program for this (bucket-padded) mask: a [T'] tensor read for its
+    shape only. Counting the real tokens of a CUDA mask is the run's one synchronization with the host."""
+    tokens = int(torch.count_nonzero(mask))
+    return torch.empty(token_bucket(tokens, mask.numel()), dtype=torch.uint8, device=mask.device)
 
 
 def plan_buckets(inputs: list[Binding], outputs: list[Binding], pad_dims: list[str] | None = None) -> Buckets | None:

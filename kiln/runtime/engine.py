@@ -17,7 +17,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import plan_buckets
+from kiln.runtime.buckets import plan_buckets, token_carrier
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
@@ -221,6 +221,8 @@ class ExecutionContext:
             buckets = self.runner is not None and self.runner.use_graphs
         pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
+        # a padding-free engine whose shapes are bucketed packs to a token bucket too (one graph per bucket)
+        self._token_mask = _token_mask_position(engine) if self.buckets is not None else None
         self._static = _static_signature(engine)
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
@@ -424,7 +426,7 @@ class ExecutionContext:
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self.buckets.pad(args, targets)
+                    args = self._with_tokens(self.buckets.pad(args, targets))
                     captured = self.runner.stats.captures if self.runner is not None else 0
                     results = self._run_program(args)
                     if self.runner is not None and self.runner.stats.captures != captured:
@@ -444,6 +446,11 @@ class ExecutionContext:
     def _run_program(self, args: list[Any]) -> list[Any]:
         return self.runner.run(args) if self.runner is not None else self.engine.program.run(args)
 
+    def _with_tokens(self, args: list[Any]) -> list[Any]:
+        """A padding-free engine's program inputs with the token bucket of this run's mask appended (its last
+        program input, kiln/passes/remove_padding.py); other engines' as they are."""
+        return args if self._token_mask is None else [*args, token_carrier(args[self._token_mask])]
+
     def _run_chunks(self, args: list[Any], targets: dict[str, tuple[int, int]],
                     chunks: list[tuple[int, int]]) -> list[Any]:
         """The batch's rows as bucket-sized chunks, one padded run each, every chunk's outputs copied
@@ -457,7 +464,7 @@ class ExecutionContext:
         for rows, bucket in chunks:
             chunk = [x.narrow(0, start, rows) if c else x for x, c in zip(args, carries)]
             sizes = {**targets, batch: (rows, bucket)}
-            results = self.buckets.crop(self._run_program(self.buckets.pad(chunk, sizes)), sizes)
+            results = self.buckets.crop(self._run_program(self._with_tokens(self.buckets.pad(chunk, sizes))), sizes)
             if not outputs:
                 outputs = [r.new_empty((real, *r.shape[1:])) for r in results]
             for out, r in zip(outputs, results):
@@ -592,6 +599,20 @@ def _static_signature(engine: Engine) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _token_mask_position(engine: Engine) -> int | None:
+    """The padding mask's position among a padding-free engine's inputs (None for other engines); its program
+    takes one input more, last: the token bucket (kiln/passes/remove_padding.py)."""
+    removal = engine.plan.header.get("remove_padding")
+    if not removal:
+        return None
+    program_inputs = engine.plan.program.inputs
+    if not program_inputs or program_inputs[-1] != removal["bucket_input"] or removal["mask"] not in engine.input_names:
+        raise EngineFormatError(f"a padding-free engine's program must take the token bucket "
+                                f"{removal['bucket_input']!r} last and the mask {removal['mask']!r} as an input; "
+                                f"its inputs are {program_inputs}: rebuild it")
+    return engine.input_names.index(removal["mask"])
 
 
 def _whole_segment(engine: Engine):

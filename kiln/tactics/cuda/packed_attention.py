@@ -1,0 +1,89 @@
+"""kiln::PackedAttention on CUDA: varlen flash attention over the real tokens (kiln/ops/tokens.py).
+
+q, k, v arrive packed, [T, ...] (T: the real tokens of a padding-free run, kiln/passes/remove_padding.py),
+row b's tokens at [cu_seqlens[b], cu_seqlens[b + 1]). FlashAttention-2's varlen kernel takes exactly that:
+per sequence, softmax(q·kᵀ·scale)·v over its own tokens, no mask tensor and no padding computed. Rows past
+cu_seqlens[-1] (dummy rows of a token bucket) are not written; they are never scattered out.
+The longest sequence is bounded by the mask's width S (a host int: no sync, so the layer can be captured in a
+CUDA graph); the kernel skips the query blocks past each sequence's own length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kiln.plan.spec import StepSpec
+from kiln.tactics.registry import register
+from kiln.tactics.tactic import InputMeta, Tactic, attribute
+
+_HALF = (torch.float16, torch.bfloat16)
+_HEADS_LAYOUT = [0, 2, 1, 3]  # [B, S, H, D] -> [B, H, S, D]: the only 4-D layout a packed [T, H, D] can come from
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A packed [T, H·D] (with `heads`) or [T, H, D] input as [T, H, D] (a view)."""
+    return x.unflatten(-1, (heads, -1)) if x.dim() == 2 else x
+
+
+def packed_qkv(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+               attributes: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three [T, H, D] views of PackedAttention's packed inputs (qkv_split: q holds q|k|v side by side)."""
+    split = attributes.get("qkv_split")
+    if split:
+        q, k, v = torch.split(q, list(split), dim=-1)  # [T, Wq], [T, Wk], [T, Wv]
+    return (_heads(q, attributes.get("q_num_heads") or 0), _heads(k, attributes.get("kv_num_heads") or 0),
+            _heads(v, attributes.get("kv_num_heads") or 0))
+
+
+def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    for name in ("q_perm", "k_perm", "v_perm", "out_perm"):
+        perm = attribute(step, name, None)
+        if perm is not None and list(perm) != _HEADS_LAYOUT:
+            return f"{name} {list(perm)}: varlen flash reads and writes [T, H, D] (permutation {_HEADS_LAYOUT})"
+    split = attribute(step, "qkv_split", None)
+    q = inputs[0].shape
+    if q is None or len(q) not in (2, 3):
+        return "q is not packed [T, H·D] or [T, H, D]"
+    if len(q) == 2 and not attribute(step, "q_num_heads", 0):
+        return "a 2-D q without q_num_heads"
+    width = split[0] if split else q[-1]
+    head_dim = width // attribute(step, "q_num_heads", 1) if len(q) == 2 else q[-1]
+    if head_dim % 8 or head_dim > 256:
+        return f"head dim {head_dim}: flash attention takes multiples of 8 up to 256"
+    return True
+
+
+def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                 scale: float) -> torch.Tensor:
+    """q [T, H, D], k/v [T, Hkv, D], cu_seqlens [B + 1] int32 -> [T, H, Dv]: per sequence b, softmax(q·kᵀ·scale)·v
+    over its tokens [cu_seqlens[b], cu_seqlens[b + 1]); `longest` bounds every sequence's length."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, longest, longest, 0.0, False,
+                                                   False, scale=scale)[0]
+
+
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    def launch(ctx, q, k, v, mask, index, scatter, cu_seqlens, **attributes):
+        q3, k3, v3 = packed_qkv(q, k, v, attributes)  # [T, H, D], [T, Hkv, D] x2
+        q3, k3, v3 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q3, k3, v3))
+        longest = mask.shape[1]  # an upper bound of every row's tokens, known on the host
+        if q3.shape[0] == 0:  # no real token in the whole batch
+            out = q3.new_zeros((0, q3.shape[1], v3.shape[-1]))
+        else:
+            out = flash_varlen(q3, k3, v3, cu_seqlens, longest, attributes.get("scale", 1.0))  # [T, H, Dv]
+        return out.flatten(-2) if attributes.get("out_merge_heads") else out
+
+    return launch
+
+
+def _flash_available() -> bool:
+    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+register(Tactic(
+    name="cuda.packed_attention.flash_varlen", op_type="PackedAttention", domain="kiln", device="cuda",
+    dtypes=_HALF, supports=_supports, prepare=_prepare, available=_flash_available,
+    description="FlashAttention-2 varlen (torch.ops.aten._flash_attention_forward with cumulative sequence "
+                "lengths): each sequence's real tokens only, no mask, no padding",
+))
