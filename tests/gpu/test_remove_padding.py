@@ -49,6 +49,7 @@ def test_varlen_flash_matches_the_reference(batch, seq, heads, head_dim, kind):
         qkv = torch.randn(index.shape[0], 3 * heads * head_dim, device="cuda", dtype=torch.float16)  # [T', 3·H·D]
         step = StepSpec("PackedAttention", "attention", ["qkv", "", "", "m", "i", "s", "c"], ["o"], attrs,
                         domain="kiln")
+        registry.load_device("cuda")
         tactic = registry.get("cuda.packed_attention.flash_varlen")
         metas = [InputMeta.of(x, False) for x in (qkv, None, None, mask, index, scatter, cu_seqlens)]
         assert tactic.check(step, metas) is True
