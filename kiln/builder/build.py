@@ -134,7 +134,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify,
                                         unsigned_activations=config.device == "cpu",
                                         cpu_rules=config.device == "cpu", refittable=config.refittable,
-                                        remove_padding=config.remove_padding))
+                                        remove_padding=config.remove_padding,
+                                        padded_attention=config.device == "cpu"))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied

@@ -46,6 +46,9 @@ class PassOptions:
     # an encoder's per-token layers on its real tokens only, outputs at padding positions zero (opt-in;
     # kiln/passes/remove_padding.py): refused with the reason when the model cannot
     remove_padding: bool = False
+    # ... with each attention on q/k/v scattered back to [batch, seq] (the CPU's native attention) instead of
+    # PackedAttention over the packed tokens (CUDA's varlen flash)
+    padded_attention: bool = False
 
 
 def _verifier(options: PassOptions):
@@ -107,7 +110,7 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
         eliminate_dead_code(model, report)
     if options.remove_padding:
         # Opt-in, and it changes outputs at padding positions (zeros): the padding tokens are not computed at all.
-        model.meta[REMOVE_PADDING] = remove_padding(model).to_json()
+        model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention).to_json()
         eliminate_dead_code(model, report)  # the attention mask's [B, 1, S, S] subgraph
         check(model, "remove_padding")
     # Steps run in list order: keep it topological after the rewrites.

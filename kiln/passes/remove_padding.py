@@ -7,6 +7,8 @@ attention acts on each token alone, so the hidden state may be packed to [T, ...
     index, scatter, cu_seqlens = TokenIndex(m, bucket)  # kiln/ops/tokens.py
     x_T = PackTokens(x, index)                          # [B, S, ...] -> [T, ...], where the region starts
     ... per-token layers on [T, ...]; Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, scatter, cu_seqlens)
+        (or, `padded_attention` (the CPU): PackTokens(Attention(UnpackTokens(q_T), ..., M(m)), index), the
+        device's native attention on q/k/v scattered back, memory ops only around it)
     y = UnpackTokens(y_T, scatter, m)                   # [T, ...] -> [B, S, ...], zeros at padding
 
 `bucket` is a graph input the pass adds (TOKEN_BUCKET, [token_bucket] uint8) that is no engine binding: the
@@ -71,7 +73,8 @@ class PaddingRemoval:
     mask: str  # the padding mask input
     bucket_input: str  # the program input the runtime feeds a token bucket's shape through (no binding)
     layers: int  # layers that run on the packed tokens
-    attentions: int  # of them, attentions over packed tokens
+    attentions: int  # of them, attentions
+    attention: str  # "packed": PackedAttention over the real tokens; "padded": Attention on q/k/v scattered back
     packed: list[str] = field(default_factory=list)  # values packed where the region starts
     unpacked: list[str] = field(default_factory=list)  # values scattered back to [B, S, ...]
 
@@ -380,6 +383,33 @@ def _packed_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: i
     return packed
 
 
+def _padded_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: ir.Value) -> list[ir.Node]:
+    """Attention(q_T, k_T, v_T, M) -> PackTokens(Attention(UnpackTokens(q_T), ..., M), index): the attention as it
+    was, on q/k/v scattered back to [B, S, ...] (zeros at padding, hidden by M), its output gathered to [T, ...]:
+    the device's own attention kernel runs (the CPU's native one); memory ops only around it. Returns the nodes
+    that now stand where the attention stood."""
+    graph, added = node.graph, []
+    for i, value in enumerate(node.inputs[:3]):
+        if value is None:
+            continue
+        unpack = _new_node(graph, node, "UnpackTokens", [value, scatter, mask], f"{node.name}_unpack_{i}")
+        unpack.outputs[0].type, unpack.outputs[0].shape = value.type, ir.Shape([*mask.shape, *value.shape[1:]])
+        node.replace_input_with(i, unpack.outputs[0])
+        added.append(unpack)
+    out = node.outputs[0]
+    pack = ir.Node(KILN_DOMAIN, "PackTokens", [out, index], name=f"{node.name}_pack")
+    packed = pack.outputs[0]
+    packed.type, packed.shape = out.type, out.shape  # packed already: [T, ...]
+    out.shape = ir.Shape([*mask.shape, *out.shape[1:]])
+    graph.insert_after(node, pack)
+    name = out.name
+    for use in list(out.uses()):
+        if use.node is not pack:
+            use.node.replace_input_with(use.idx, packed)
+    out.name, packed.name = f"{name}__padded", name
+    return [*added, node, pack]
+
+
 def _new_node(graph: ir.Graph, before: ir.Node, op_type: str, inputs: list[ir.Value], name: str,
               outputs: int = 1) -> ir.Node:
     node = ir.Node(KILN_DOMAIN, op_type, inputs, num_outputs=outputs, name=name)
@@ -387,9 +417,11 @@ def _new_node(graph: ir.Graph, before: ir.Node, op_type: str, inputs: list[ir.Va
     return node
 
 
-def remove_padding(model: ir.Model) -> PaddingRemoval:
+def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRemoval:
     """Rewrite the model's encoder to run on its real tokens (the module docstring's contract), or raise
-    PaddingRefused naming the input or layer that prevents it; the graph is unchanged when it refuses."""
+    PaddingRefused naming the input or layer that prevents it; the graph is unchanged when it refuses.
+    `padded_attention`: each attention runs as it was on q/k/v scattered back to [B, S, ...] (`_padded_attention`:
+    the CPU's native attention kernel) instead of PackedAttention (CUDA: varlen flash)."""
     graph = model.graph
     mask = padding_mask_input(graph)
     if mask is None:
@@ -412,7 +444,8 @@ def remove_padding(model: ir.Model) -> PaddingRemoval:
         value.name, value.type = f"remove_padding_{name}", ir.TensorType(dtype)
     index.shape, scatter.shape = ir.Shape([TOKENS]), ir.Shape([TOKENS])
     packed: dict[int, ir.Value] = {}
-    report = PaddingRemoval(mask.name, TOKEN_BUCKET, len(nodes), len(attentions))
+    report = PaddingRemoval(mask.name, TOKEN_BUCKET, len(nodes), len(attentions),
+                            "padded" if padded_attention else "packed")
     for node in nodes:
         rank = len(node.outputs[0].shape)
         for i, value in enumerate(node.inputs):
@@ -433,8 +466,11 @@ def remove_padding(model: ir.Model) -> PaddingRemoval:
             out.shape = _packed_shape(out)
     for node in attentions:
         del region[id(node)]
-        new = _packed_attention(node, mask, index, scatter, cu_seqlens)
-        region[id(new)] = new
+        if padded_attention:
+            region.update((id(n), n) for n in _padded_attention(node, mask, index, scatter))
+        else:
+            new = _packed_attention(node, mask, index, scatter, cu_seqlens)
+            region[id(new)] = new
     leaving = [v for n in graph if id(n) in region for v in n.outputs
                if v.is_graph_output() or any(id(u) not in region for u in consumers(v))]
     for value in leaving:

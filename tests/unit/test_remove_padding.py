@@ -131,22 +131,42 @@ def bert():
     return exported, engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
-def test_the_rewrite_packs_every_layer_after_the_embeddings(bert):
+@pytest.fixture(scope="module")
+def bert_packed(bert):
+    """The CUDA form (PackedAttention) built for the CPU: the graph optimized with packed attention, then
+    built as it is (opt_level 0 runs no pass again; the header still says what the rewrite did)."""
+    exported, _, _ = bert
+    graph = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
+    return kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+
+
+def _ops(engine) -> list[str]:
+    return [s.op_type for s in engine.plan.program.steps]
+
+
+def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_packed):
     _, engine, _ = bert
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
-                       "packed": ["layer_norm"], "unpacked": ["layer_norm_4"]}
-    ops = [s.op_type for s in engine.plan.program.steps]
-    assert ops.count("PackedAttention") == 2 and "Attention" not in ops
-    assert ops.count("TokenIndex") == ops.count("PackTokens") == ops.count("UnpackTokens") == 1
-    assert "Where" not in ops  # the [B, 1, S, S] mask's subgraph is gone
+                       "attention": "padded", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"]}
+    # the CPU: each attention on q|k|v scattered back, its output gathered again (the native attention kernel)
+    ops = _ops(engine)
+    assert ops.count("Attention") == 2 and "PackedAttention" not in ops
+    assert ops.count("TokenIndex") == 1 and ops.count("PackTokens") == 1 + 2 and ops.count("UnpackTokens") == 1 + 2
     assert [b.name for b in engine.inputs] == ["input_ids", "attention_mask"]  # the bucket is no binding
     assert engine.plan.program.inputs[-1] == "kiln_token_bucket"
+    # CUDA's form: PackedAttention over the packed tokens, the [B, 1, S, S] mask's subgraph gone
+    assert bert_packed.plan.header["remove_padding"]["attention"] == "packed"
+    ops = _ops(bert_packed)
+    assert ops.count("PackedAttention") == 2 and "Attention" not in ops and "Where" not in ops
+    assert ops.count("TokenIndex") == ops.count("PackTokens") == ops.count("UnpackTokens") == 1
 
 
+@pytest.mark.parametrize("form", ["padded", "packed"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "token-buckets"])
-def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, buckets):
+def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, form, buckets):
     _, engine, session = bert
+    engine = engine if form == "padded" else bert_packed
     context = engine.create_execution_context(buckets=buckets)  # buckets: padded shapes, T' >= T packed rows
     rng = np.random.default_rng(3)
     # (4, 37) twice: one input shape, two token counts (what a shape's cached plans and bindings must not keep)
