@@ -10,6 +10,7 @@ CUDA graph); the kernel skips the query blocks past each sequence's own length.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -63,7 +64,16 @@ def flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: 
                                                    False, scale=scale)[0]
 
 
-def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                scale: float) -> torch.Tensor:
+    """flash_varlen's contract through torch.nn.attention.varlen (its backend picks FlashAttention or cuDNN)."""
+    from torch.nn.attention import varlen  # a torch module, imported when the tactic runs (not in every torch)
+
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}  # a keyword older torch versions lack
+    return varlen.varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **gqa)
+
+
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kernel: str = "flash_varlen"):
     def launch(ctx, q, k, v, mask, index, scatter, cu_seqlens, **attributes):
         q3, k3, v3 = packed_qkv(q, k, v, attributes)  # [T, H, D], [T, Hkv, D] x2
         q3, k3, v3 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q3, k3, v3))
@@ -71,14 +81,22 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         if q3.shape[0] == 0:  # no real token in the whole batch
             out = q3.new_zeros((0, q3.shape[1], v3.shape[-1]))
         else:
-            out = flash_varlen(q3, k3, v3, cu_seqlens, longest, attributes.get("scale", 1.0))  # [T, H, Dv]
+            out = KERNELS[kernel](q3, k3, v3, cu_seqlens, longest, attributes.get("scale", 1.0))  # [T, H, Dv]
         return out.flatten(-2) if attributes.get("out_merge_heads") else out
 
     return launch
 
 
+# by name, looked up at each call (tests/unit/test_remove_padding.py stands a CPU version in for flash_varlen)
+KERNELS = {"flash_varlen": lambda *args: flash_varlen(*args), "varlen_attn": lambda *args: varlen_attn(*args)}
+
+
 def _flash_available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+
+
+def _varlen_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 register(Tactic(
@@ -86,4 +104,11 @@ register(Tactic(
     dtypes=_HALF, supports=_supports, prepare=_prepare, available=_flash_available,
     description="FlashAttention-2 varlen (torch.ops.aten._flash_attention_forward with cumulative sequence "
                 "lengths): each sequence's real tokens only, no mask, no padding",
+))
+register(Tactic(
+    name="cuda.packed_attention.varlen_attn", op_type="PackedAttention", domain="kiln", device="cuda",
+    dtypes=_HALF, supports=_supports, available=_varlen_available,
+    prepare=lambda step, constants, device: _prepare(step, constants, device, "varlen_attn"),
+    description="torch.nn.attention.varlen.varlen_attn (FlashAttention or cuDNN, as torch picks): the same "
+                "contract as flash_varlen",
 ))
