@@ -223,6 +223,8 @@ class ExecutionContext:
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
         # a padding-free engine whose shapes are bucketed packs to a token bucket too (one graph per bucket)
         self._token_mask = _token_mask_position(engine) if self.buckets is not None else None
+        if self._token_mask is not None:
+            self.buckets.batch = None  # padded rows hold no real token: they cost nothing, so a batch never splits
         self._static = _static_signature(engine)
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
