@@ -99,9 +99,11 @@ def build(path: str, device: str, profile: str, remove_padding: bool, log) -> ki
     engine = kiln.build(path, device=device, precision="fp16" if device == "cuda" else "fp32",
                         profiles=[{"input_ids": profile}], remove_padding=remove_padding)
     removal = engine.plan.header.get("remove_padding")
-    chosen = {s.tactic for s in engine.plan.program.steps if s.op_type == "PackedAttention"}
+    chosen = sorted({s.tactic or "default" for s in engine.plan.program.steps
+                     if s.op_type in ("Attention", "PackedAttention")})
     log(f"built {'padding-free' if remove_padding else 'plain'} engine in {time.perf_counter() - t:.1f} s"
-        + (f": {removal['layers']} layers packed, attention tactic(s) {sorted(chosen) or ['default']}" if removal else ""))
+        + (f": {removal['layers']} layers packed, {removal['attention']} attention" if removal else "")
+        + f", attention tactic(s) {chosen}")
     return engine
 
 
