@@ -238,3 +238,24 @@ def test_the_cli_builds_padding_free_and_inspect_says_so(bert, tmp_path, capsys)
     assert main(["build", str(zoo.export("gpt2_tiny", dynamic=True).path), "-o", str(tmp_path / "g.kiln"),
                  "--remove-padding"]) == 1
     assert "no padding mask input" in capsys.readouterr().err
+
+
+def test_a_padding_free_engine_refits(bert, tmp_path):
+    # the refit derives weights through the same passes as the build, the rewrite included
+    exported, _, _ = bert
+    model = onnx.load(str(exported.path))
+    rng = np.random.default_rng(5)
+    for tensor in model.graph.initializer:
+        array = onnx.numpy_helper.to_array(tensor)
+        if array.dtype == np.float32 and array.ndim == 2:  # the weight matrices (each its own)
+            tensor.CopyFrom(onnx.numpy_helper.from_array(array * rng.uniform(0.8, 1.2, array.shape).astype(np.float32),
+                                                         tensor.name))
+    onnx.save(model, str(tmp_path / "new.onnx"))
+    engine = kiln.build(str(exported.path), remove_padding=True, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+    engine.refit(str(tmp_path / "new.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "new.onnx"), providers=["CPUExecutionProvider"])
+    mask = _mask(rng, 3, 21, "left")
+    feeds = {"input_ids": rng.integers(0, 1024, (3, 21), dtype=np.int64), "attention_mask": mask}
+    keep = mask != 0
+    np.testing.assert_allclose(engine.run(feeds)["layer_norm_4"][keep], session.run(None, feeds)[0][keep],
+                               rtol=RTOL, atol=ATOL)
