@@ -156,16 +156,31 @@ def _ladder(floor: int, high: int, sequence: bool) -> list[int]:
     return ladder
 
 
+TOKEN_EIGHTHS_FROM = 1024  # token buckets: steps of an eighth of the power of two from here
+
+
 def token_bucket(tokens: int, most: int) -> int:
-    """The packed rows a padding-free run computes for `tokens` real ones (kiln/passes/remove_padding.py): the
-    sequence ladder from SEQUENCE_FLOOR (at most 1.25x dummy rows from 256 on), capped at `most` (= B·S)."""
-    return next((s for s in _ladder(SEQUENCE_FLOOR, most, sequence=True) if s >= tokens), most)
+    """The packed rows a padding-free run computes for `tokens` real ones (kiln/passes/remove_padding.py): powers
+    of two from SEQUENCE_FLOOR, a 1.5x step from HALF_STEP_FROM, quarter steps from QUARTER_STEPS_FROM and eighth
+    steps from TOKEN_EIGHTHS_FROM
+    (every packed row costs the GEMMs a row: at most 1.125x dummy rows where they cost most), capped at `most`
+    (= B·S). A bucket is one CUDA graph per padded batch x sequence: finer steps would capture more of them."""
+    size = SEQUENCE_FLOOR
+    while size < most:
+        parts = 8 if size >= TOKEN_EIGHTHS_FROM else 4 if size >= QUARTER_STEPS_FROM else 2 if size >= HALF_STEP_FROM \
+            else 1
+        for k in range(parts):
+            if (bucket := size + k * size // parts) >= tokens:
+                return min(bucket, most)
+        size *= 2
+    return most
 
 
-def token_carrier(mask: torch.Tensor) -> torch.Tensor:
+def token_carrier(mask: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
     """The token bucket input of a padding-free program for this (bucket-padded) mask: a [T'] tensor read for its
-    shape only. Counting the real tokens of a CUDA mask is the run's one synchronization with the host."""
-    tokens = int(torch.count_nonzero(mask))
+    shape only. `tokens`: the real tokens when the caller counted them on the host (a numpy mask); else they are
+    counted here, which for a CUDA mask is the run's one synchronization with the host."""
+    tokens = int(torch.count_nonzero(mask)) if tokens is None else tokens
     return torch.empty(token_bucket(tokens, mask.numel()), dtype=torch.uint8, device=mask.device)
 
 

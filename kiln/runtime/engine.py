@@ -428,7 +428,8 @@ class ExecutionContext:
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self._with_tokens(self.buckets.pad(args, targets))
+                    args = self._with_tokens(self.buckets.pad(args, targets), _host_tokens(feeds, self._token_mask,
+                                                                                            self.engine.input_names))
                     captured = self.runner.stats.captures if self.runner is not None else 0
                     results = self._run_program(args)
                     if self.runner is not None and self.runner.stats.captures != captured:
@@ -448,10 +449,11 @@ class ExecutionContext:
     def _run_program(self, args: list[Any]) -> list[Any]:
         return self.runner.run(args) if self.runner is not None else self.engine.program.run(args)
 
-    def _with_tokens(self, args: list[Any]) -> list[Any]:
+    def _with_tokens(self, args: list[Any], tokens: int | None = None) -> list[Any]:
         """A padding-free engine's program inputs with the token bucket of this run's mask appended (its last
-        program input, kiln/passes/remove_padding.py); other engines' as they are."""
-        return args if self._token_mask is None else [*args, token_carrier(args[self._token_mask])]
+        program input, kiln/passes/remove_padding.py); other engines' as they are. `tokens`: the mask's real
+        tokens if counted on the host already."""
+        return args if self._token_mask is None else [*args, token_carrier(args[self._token_mask], tokens)]
 
     def _run_chunks(self, args: list[Any], targets: dict[str, tuple[int, int]],
                     chunks: list[tuple[int, int]]) -> list[Any]:
@@ -601,6 +603,12 @@ def _static_signature(engine: Engine) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _host_tokens(feeds: dict[str, Any], mask: int | None, names: list[str]) -> int | None:
+    """The real tokens of a padding mask fed as a host array, counted there (no device sync); else None."""
+    value = feeds.get(names[mask]) if mask is not None else None
+    return int(np.count_nonzero(value)) if isinstance(value, np.ndarray) else None
 
 
 def _token_mask_position(engine: Engine) -> int | None:

@@ -20,6 +20,7 @@ from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_t
 from kiln.passes import PassOptions, optimize
 from kiln.passes.remove_padding import PaddingRefused
 from kiln.plan.spec import StepSpec
+from kiln.runtime.buckets import token_bucket
 from kiln.tactics import registry
 from kiln.tactics.cuda import packed_attention as cuda_packed
 from kiln.tactics.tactic import InputMeta
@@ -179,6 +180,18 @@ def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, fo
         keep = mask != 0
         np.testing.assert_allclose(got[keep], want[keep], rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq} {kind}")
         assert not got[~keep].any(), f"{batch}x{seq} {kind}: outputs at padding positions must be zero"
+        # a numpy mask's tokens are counted on the host, a tensor's by torch (CUDA: the run's one sync): the same run
+        tensors = context.run({name: torch.from_numpy(value) for name, value in feeds.items()})["layer_norm_4"]
+        np.testing.assert_array_equal(tensors.numpy(), got)
+
+
+def test_token_buckets_waste_at_most_an_eighth_where_rows_cost_most():
+    assert [token_bucket(t, 16384) for t in (0, 17, 129, 200, 300, 810, 1030, 12450, 16000)] == \
+        [16, 32, 192, 256, 320, 896, 1152, 13312, 16384]
+    assert token_bucket(119, 128) == 128 and token_bucket(5, 8) == 8  # never past B·S
+    for tokens in range(1, 20000, 37):
+        bucket = token_bucket(tokens, 1 << 15)
+        assert tokens <= bucket <= max(16, 2 * tokens) and (tokens < 1024 or bucket <= 1.125 * tokens)
 
 
 def test_a_saved_engine_keeps_the_flag(bert, tmp_path):
