@@ -31,6 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from large_shapes import family  # noqa: E402  bench/large_shapes.py: kernel name -> family (gemm, attention...)
+
 # fp16 storage through 12 layers against torch's own fp16 run: both round differently at every layer; the
 # hidden state is LayerNorm'd (O(1) values), the plain engine's error measured beside it shows the baseline.
 TOLERANCE_FP16 = 6e-2
@@ -86,6 +89,44 @@ def cpu_ms(fn, calls: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def kernel_ms(fn, calls: int = 5) -> dict[str, tuple[float, float]]:
+    """GPU ms and launches per call of each kernel fn runs (torch.profiler, `calls` calls after 3 warm-up ones)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0.0, 0.0])
+            entry[0] += event.device_time_total / calls / 1000
+            entry[1] += 1 / calls
+    return {name: (ms, n) for name, (ms, n) in kernels.items()}
+
+
+def kernel_comparison(label: str, plain: dict, free: dict, top: int = 8) -> list[str]:
+    """Kernel families side by side (plain vs padding-free GPU ms per call), then the kernels whose time differs
+    most: where the padding-free engine's time goes that the plain one's does not."""
+    rows = [f"\n{label}: GPU kernel ms per call, plain {sum(v[0] for v in plain.values()):.3f}, padding-free "
+            f"{sum(v[0] for v in free.values()):.3f}", "| family | plain ms | padding-free ms |", "|---|---|---|"]
+    families = sorted({family(n) for n in [*plain, *free]})
+    for fam in families:
+        p = sum(ms for n, (ms, _) in plain.items() if family(n) == fam)
+        f = sum(ms for n, (ms, _) in free.items() if family(n) == fam)
+        rows.append(f"| {fam} | {p:.3f} | {f:.3f} |")
+    rows += ["| kernel (largest differences) | plain ms (launches) | padding-free ms (launches) |", "|---|---|---|"]
+    names = sorted({*plain, *free}, key=lambda n: -abs(free.get(n, (0, 0))[0] - plain.get(n, (0, 0))[0]))
+    for name in names[:top]:
+        (p, pn), (f, fn) = plain.get(name, (0.0, 0)), free.get(name, (0.0, 0))
+        rows.append(f"| {name[:90]} | {p:.3f} ({pn:.0f}) | {f:.3f} ({fn:.0f}) |")
+    return rows
+
+
 def real_error(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
     """(max abs error at real tokens, max abs value at padding positions)."""
     keep = mask != 0
@@ -118,6 +159,8 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
     module = zoo.torch_model(args.model).cuda().half().eval()
     compiled = None if args.no_compile else torch.compile(module, dynamic=True)
     rng = np.random.default_rng(0)
+    big = max(shapes, key=lambda bs: bs[0] * bs[1])
+    profiled = {(8, 128, "right"), (*big, "full"), (*big, "right")}  # the kernel tables: small, no padding, padded
     rows = ["| shape | mask | padding | kiln ms | kiln padding-free ms | torch eager ms | torch.compile ms | "
             "best torch / padding-free | kiln / padding-free | max err real (plain, free) vs torch fp16 | "
             "max at padding | ok |",
@@ -146,6 +189,11 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
                         f"{best / f:.2f}x | {k / f:.2f}x | {base_err:.2e}, {err:.2e} | {pad:.1e} | "
                         f"{'ok' if ok else 'FAIL'} |")
             log(rows[-1])
+            if plain_ctx is not None and args.kernels and (b, s, kind) in profiled:
+                table = kernel_comparison(f"{b}x{s} {kind}", kernel_ms(lambda: plain_ctx.run(feeds)),
+                                          kernel_ms(lambda: packed_ctx.run(feeds)))
+                rows += table
+                log("\n".join(table))
     stats = packed_ctx.runner.stats
     rows.append(f"\npadding-free context: {stats.captures} graphs captured, {stats.replays} replays, "
                 f"{stats.eager_runs} eager runs" + "".join(f"\n  eager: {r}" for r in set(stats.eager_reasons.values())))
@@ -192,6 +240,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="timed calls per peer and case (median)")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--skip-plain", action="store_true", help="leave the engine without remove_padding out")
+    ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                    help="CUDA: kernel tables of both engines at 8x128 and at the largest shape (full and right masks)")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="folder for remove-padding.md")
     args = ap.parse_args()
     cuda = args.device == "cuda"
