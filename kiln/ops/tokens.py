@@ -12,6 +12,10 @@ so row b's tokens are index[cu_seqlens[b] : cu_seqlens[b + 1]], in their order a
 (kiln/passes/remove_padding.py builds the region; kiln/tactics/cuda/packed_attention.py has the
 varlen flash tactic). A run may carry T' ≥ T rows (a token bucket, so CUDA graphs replay): the
 dummy rows past T are computed like any other and never scattered out.
+
+T' = B·S is the identity packing: every position is a row, in place (index = scatter = 0..B·S-1), so packing
+and unpacking are views and attention masks the padding keys as the unpacked model does. The runtime asks for
+it where packing would not pay (kiln/runtime/buckets.py token_bucket), and a mask without padding is one.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ def token_index(ctx, mask, bucket=None):
     bucket.shape[0] ≥ T (the runtime's token bucket, kiln/runtime/buckets.py; only its shape is read): no
     sync, so a CUDA graph per bucket replays any mask with at most T' tokens. The T' - T rows past the real
     ones are dummies: `index` (what PackTokens gathers) points them at position 0, `scatter` (where
-    UnpackTokens writes) at B·S, a row it drops; no sequence of cu_seqlens holds them."""
+    UnpackTokens writes) at B·S, a row it drops; no sequence of cu_seqlens holds them. A bucket of B·S rows is
+    the identity packing (the module docstring): index = scatter = 0..B·S-1, row b's span its S positions."""
     keep = (mask != 0).reshape(-1)  # [B·S]
+    if bucket is not None and bucket.shape[0] == keep.numel():
+        index = torch.arange(keep.numel(), device=mask.device)
+        return index, index, torch.arange(0, keep.numel() + 1, mask.shape[1], dtype=torch.int32, device=mask.device)
     counts = keep.reshape(mask.shape).sum(dim=1, dtype=torch.int32)  # [B]
     cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
@@ -49,15 +57,21 @@ def token_index(ctx, mask, bucket=None):
 
 @register("PackTokens", domain="kiln")
 def pack_tokens(ctx, x, index):
-    """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order."""
-    return x.flatten(0, 1).index_select(0, index)
+    """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order (B·S of them: the
+    identity packing, a view)."""
+    rows = x.flatten(0, 1)
+    return rows if index.shape[0] == rows.shape[0] else rows.index_select(0, index)
 
 
 @register("UnpackTokens", domain="kiln")
-def unpack_tokens(ctx, y, scatter, mask):
+def unpack_tokens(ctx, y, scatter, mask, *, zero_padding=1):
     """y [T, ...] -> [B, S, ...] (B, S: mask's shape): row t of y at flat position scatter[t], zeros at padding;
-    a dummy row's position B·S is dropped."""
+    a dummy row's position B·S is dropped. From the identity packing (T = B·S) a view of y, with its padding
+    rows zeroed unless `zero_padding` = 0 (an attention's q/k/v: its mask hides those keys already)."""
     batch, seq = mask.shape
+    if y.shape[0] == batch * seq:
+        out = y.unflatten(0, (batch, seq))  # [B, S, ...]
+        return out.masked_fill((mask == 0).reshape(batch, seq, *[1] * (y.dim() - 1)), 0) if zero_padding else out
     out = y.new_zeros((batch * seq + 1, *y.shape[1:]))
     out.index_copy_(0, scatter, y)
     return out[:-1].unflatten(0, (batch, seq))
@@ -79,7 +93,7 @@ def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.
     Reference: scatter q/k/v to [B, S, ...] (zeros at padding), Attention with the padding mask as an additive
     mask, gather the real tokens back (TokenIndex's `index` and `scatter`; a dummy row gathers position 0).
     `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
-    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, scatter, mask) for x in (q, k, v))
+    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, scatter, mask, zero_padding=0) for x in (q, k, v))
     out = attention(ctx, q4, k4, v4, additive_padding_mask(mask, q.dtype), scale=scale, q_perm=q_perm,
                     k_perm=k_perm, v_perm=v_perm, out_perm=out_perm, gqa=gqa, nan_to_zero=1,
                     q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, qkv_split=qkv_split,

@@ -393,6 +393,7 @@ def _padded_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: i
         if value is None:
             continue
         unpack = _new_node(graph, node, "UnpackTokens", [value, scatter, mask], f"{node.name}_unpack_{i}")
+        unpack.attributes["zero_padding"] = ir.AttrInt64("zero_padding", 0)  # the attention's mask hides them
         unpack.outputs[0].type, unpack.outputs[0].shape = value.type, ir.Shape([*mask.shape, *value.shape[1:]])
         node.replace_input_with(i, unpack.outputs[0])
         added.append(unpack)

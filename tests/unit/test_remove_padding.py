@@ -20,7 +20,7 @@ from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_t
 from kiln.passes import PassOptions, optimize
 from kiln.passes.remove_padding import PaddingRefused
 from kiln.plan.spec import StepSpec
-from kiln.runtime.buckets import token_bucket
+from kiln.runtime.buckets import packed_rows, token_bucket
 from kiln.tactics import registry
 from kiln.tactics.cuda import packed_attention as cuda_packed
 from kiln.tactics.tactic import InputMeta
@@ -163,12 +163,14 @@ def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_packed):
     assert ops.count("TokenIndex") == ops.count("PackTokens") == ops.count("UnpackTokens") == 1
 
 
+@pytest.mark.parametrize("packing", ["always", "never"])  # "auto" runs these small shapes as "never" does
 @pytest.mark.parametrize("form", ["padded", "packed"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "token-buckets"])
-def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, form, buckets):
+def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, form, buckets, packing):
     _, engine, session = bert
     engine = engine if form == "padded" else bert_packed
-    context = engine.create_execution_context(buckets=buckets)  # buckets: padded shapes, T' >= T packed rows
+    # buckets: padded shapes, T' >= T packed rows; packing "never": every position a row (the identity packing)
+    context = engine.create_execution_context(buckets=buckets, packing=packing)
     rng = np.random.default_rng(3)
     # (4, 37) twice: one input shape, two token counts (what a shape's cached plans and bindings must not keep)
     for batch, seq, kind in [(3, 16, "right"), (4, 37, "left"), (4, 37, "holes"), (4, 48, "holes"), (2, 9, "ones"),
@@ -183,6 +185,23 @@ def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, fo
         # a numpy mask's tokens are counted on the host, a tensor's by torch (CUDA: the run's one sync): the same run
         tensors = context.run({name: torch.from_numpy(value) for name, value in feeds.items()})["layer_norm_4"]
         np.testing.assert_array_equal(tensors.numpy(), got)
+
+
+def test_packing_is_chosen_where_it_pays(bert):
+    def rows(real: int, batch: int, seq: int, packing: str = "auto", bucketed: bool = True) -> int:
+        mask = torch.zeros(batch, seq, dtype=torch.int64)
+        mask.view(-1)[:real] = 1
+        return packed_rows(mask, None, bucketed, packing)
+
+    assert rows(600, 8, 128) == 1024  # 1K positions, bucket 640 saves 37% (under 45%): every position
+    assert rows(500, 8, 128) == 512 and rows(500, 8, 128, bucketed=False) == 500
+    assert rows(12450, 32, 512) == 13312  # 16K positions saving 19%: packed
+    assert rows(15500, 32, 512) == 16384  # ... saving 5% (after the bucket): every position
+    assert rows(15500, 32, 512, "always") == 16384 and rows(15000, 32, 512, "always") == 15360  # buckets
+    assert rows(10, 4, 64) == 256 and rows(10, 4, 64, "always") == 16  # too few positions for "auto"
+    assert rows(10, 4, 64, "never") == 256
+    with pytest.raises(ValueError, match="packing='sometimes'"):
+        bert[1].create_execution_context(packing="sometimes")
 
 
 def test_token_buckets_waste_at_most_an_eighth_where_rows_cost_most():

@@ -3,7 +3,9 @@
 q, k, v arrive packed, [T, ...] (T: the real tokens of a padding-free run, kiln/passes/remove_padding.py),
 row b's tokens at [cu_seqlens[b], cu_seqlens[b + 1]). FlashAttention-2's varlen kernel takes exactly that:
 per sequence, softmax(q·kᵀ·scale)·v over its own tokens, no mask tensor and no padding computed. Rows past
-cu_seqlens[-1] (dummy rows of a token bucket) are not written; they are never scattered out.
+cu_seqlens[-1] (dummy rows of a token bucket) are not written; they are never scattered out. The identity
+packing (T = B·S: every position a row, where packing would not pay) runs kiln's Triton flash kernel with the
+padding mask instead, as the plain engine's attention does.
 The longest sequence is bounded by the mask's width S (a host int: no sync, so the layer can be captured in a
 CUDA graph); the kernel skips the query blocks past each sequence's own length.
 """
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.attention import attention_views, output_buffer
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, attribute
 
@@ -73,8 +76,24 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
     return varlen.varlen_attn(q, k, v, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **gqa)
 
 
+def identity_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, mask: torch.Tensor,
+                       attributes: dict[str, Any]) -> torch.Tensor:
+    """The identity packing (every position a row, kiln/ops/tokens.py): attention on [B, S, ...] views of the rows,
+    the padding keys hidden by the mask, in kiln's Triton flash kernel (the plain engine's attention); out [B·S, ...]."""
+    kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")
+    rows = mask.shape
+    q4, k4, v4 = attention_views(*(None if x is None else x.unflatten(0, rows) for x in (q, k, v)), attributes)
+    buffer, out = output_buffer(q4, v4, attributes.get("out_perm"))
+    kernels.flash_attention(q4, k4, v4, (mask != 0)[:, None, None, :], scale=attributes.get("scale", 1.0),
+                            nan_to_zero=True, out=out, config=kernels.AttentionConfig(128, 64, num_warps=4, num_stages=3))
+    result = buffer.flatten(-2) if attributes.get("out_merge_heads") else buffer  # [B, S, ...]
+    return result.flatten(0, 1)
+
+
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kernel: str = "flash_varlen"):
     def launch(ctx, q, k, v, mask, index, scatter, cu_seqlens, **attributes):
+        if q.shape[0] == mask.numel():  # the identity packing: padding keys to hide, no sequence to split
+            return identity_attention(q, k, v, mask, attributes)
         q3, k3, v3 = packed_qkv(q, k, v, attributes)  # [T, H, D], [T, Hkv, D] x2
         q3, k3, v3 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q3, k3, v3))
         longest = mask.shape[1]  # an upper bound of every row's tokens, known on the host
