@@ -63,13 +63,19 @@ def test_varlen_tactics_match_the_reference(name, batch, seq, heads, head_dim, k
         torch.testing.assert_close(got[:real].float(), want[:real], atol=ATTENTION_ATOL, rtol=0)
 
 
-def test_a_padding_free_engine_matches_torch_at_real_tokens_and_replays_graphs():
+@pytest.fixture(scope="module")
+def bert_free():
     exported = zoo.export("bert_tiny", dynamic=True)
-    engine = kiln.build(str(exported.path), device="cuda", precision="fp16", remove_padding=True,
-                        profiles=[{"input_ids": "1x1,4x64,8x128"}])
+    return kiln.build(str(exported.path), device="cuda", precision="fp16", remove_padding=True,
+                      profiles=[{"input_ids": "1x1,4x64,8x128"}])
+
+
+@pytest.mark.parametrize("packing", ["always", "never", "auto"])  # packed rows; every position; the rule's choice
+def test_a_padding_free_engine_matches_torch_at_real_tokens_and_replays_graphs(bert_free, packing):
+    engine = bert_free
     assert engine.plan.header["remove_padding"]["attentions"] == 2
     module = zoo.torch_model("bert_tiny").cuda().float().eval()
-    ctx = engine.create_execution_context()
+    ctx = engine.create_execution_context(packing=packing)
     rng = np.random.default_rng(0)
     for batch, seq, kind in [(4, 64, "right"), (4, 64, "right"), (8, 100, "left"), (1, 128, "right"),
                              (4, 64, "right"), (3, 33, "left")]:
