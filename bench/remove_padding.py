@@ -203,7 +203,8 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
     for label, context in (("padding-free", packed_ctx), ("always packed", always_ctx)):
         stats = context.runner.stats
         rows.append(f"\n{label} context: {stats.captures} graphs captured, {stats.replays} replays, "
-                    f"{stats.eager_runs} eager runs" + "".join(f"\n  eager: {r}" for r in set(stats.eager_reasons.values())))
+                    f"{stats.eager_runs} eager runs"
+                    + "".join(f"\n  eager: {r}" for r in set(stats.eager_reasons.values())))
     return rows
 
 

@@ -85,12 +85,13 @@ def additive_padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 @register("PackedAttention", domain="kiln")
-def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
-                     out_perm=None, gqa=0, q_num_heads=0, kv_num_heads=0, qkv_split=None, out_merge_heads=0):
+def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None,
+                     v_perm=None, out_perm=None, gqa=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
+                     out_merge_heads=0):
     """kiln::Attention over packed tokens: q, k, v [T, ...] are what Attention reads as [B, S, ...] with the
     batch and sequence axes flattened to the real tokens (the layout attributes are Attention's, for the
     unpacked tensors); a query sees its own row's real tokens only; the output is packed [T, ...] too.
-    Reference: scatter q/k/v to [B, S, ...] (zeros at padding), Attention with the padding mask as an additive
+    Reference: scatter q/k/v to [B, S, ...] (their padding keys hidden), Attention with the padding mask as an additive
     mask, gather the real tokens back (TokenIndex's `index` and `scatter`; a dummy row gathers position 0).
     `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
     q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, scatter, mask, zero_padding=0) for x in (q, k, v))

@@ -6,7 +6,8 @@ attention acts on each token alone, so the hidden state may be packed to [T, ...
 
     index, scatter, cu_seqlens = TokenIndex(m, bucket)  # kiln/ops/tokens.py
     x_T = PackTokens(x, index)                          # [B, S, ...] -> [T, ...], where the region starts
-    ... per-token layers on [T, ...]; Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, scatter, cu_seqlens)
+    ... per-token layers on [T, ...]
+    Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, scatter, cu_seqlens)
         (or, `padded_attention` (the CPU): PackTokens(Attention(UnpackTokens(q_T), ..., M(m)), index), the
         device's native attention on q/k/v scattered back, memory ops only around it)
     y = UnpackTokens(y_T, scatter, m)                   # [T, ...] -> [B, S, ...], zeros at padding
@@ -324,7 +325,8 @@ def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
         for node in list(region.values()):
             for i, value in enumerate(node.inputs):
                 before = value.producer() if value is not None and not (_is_attention(node) and i == 3) else None
-                if before is None or id(before) in region or _is_attention(before) or not is_token_value(value, batch, seq):
+                if before is None or id(before) in region or _is_attention(before) \
+                        or not is_token_value(value, batch, seq):
                     continue
                 if any(v.is_graph_output() or any(id(u) not in region for u in consumers(v)) for v in before.outputs):
                     continue

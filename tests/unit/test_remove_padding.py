@@ -262,7 +262,8 @@ def test_without_fusions_there_is_no_attention_to_pack_around(bert):
 def test_the_cli_builds_padding_free_and_inspect_says_so(bert, tmp_path, capsys):
     exported, _, _ = bert
     out = tmp_path / "bert.kiln"
-    assert main(["build", str(exported.path), "-o", str(out), "--remove-padding", "--profile", "input_ids:1x1,2x8,2x16"]) == 0
+    assert main(["build", str(exported.path), "-o", str(out), "--remove-padding",
+                 "--profile", "input_ids:1x1,2x8,2x16"]) == 0
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())

@@ -78,14 +78,15 @@ def varlen_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: t
 
 def identity_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, mask: torch.Tensor,
                        attributes: dict[str, Any]) -> torch.Tensor:
-    """The identity packing (every position a row, kiln/ops/tokens.py): attention on [B, S, ...] views of the rows,
-    the padding keys hidden by the mask, in kiln's Triton flash kernel (the plain engine's attention); out [B·S, ...]."""
+    """The identity packing (every position a row, kiln/ops/tokens.py): attention on [B, S, ...] views of the
+    rows, the padding keys hidden by the mask, in kiln's Triton flash kernel (the plain engine's); out [B·S, ...]."""
     kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")
     rows = mask.shape
     q4, k4, v4 = attention_views(*(None if x is None else x.unflatten(0, rows) for x in (q, k, v)), attributes)
     buffer, out = output_buffer(q4, v4, attributes.get("out_perm"))
+    config = kernels.AttentionConfig(128, 64, num_warps=4, num_stages=3)  # the first of the tactics' tile list
     kernels.flash_attention(q4, k4, v4, (mask != 0)[:, None, None, :], scale=attributes.get("scale", 1.0),
-                            nan_to_zero=True, out=out, config=kernels.AttentionConfig(128, 64, num_warps=4, num_stages=3))
+                            nan_to_zero=True, out=out, config=config)
     result = buffer.flatten(-2) if attributes.get("out_merge_heads") else buffer  # [B, S, ...]
     return result.flatten(0, 1)
 
