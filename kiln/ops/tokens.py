@@ -36,11 +36,14 @@ def token_index(ctx, mask, bucket=None):
     sync, so a CUDA graph per bucket replays any mask with at most T' tokens. The T' - T rows past the real
     ones are dummies: `index` (what PackTokens gathers) points them at position 0, `scatter` (where
     UnpackTokens writes) at B·S, a row it drops; no sequence of cu_seqlens holds them. A bucket of B·S rows is
-    the identity packing (the module docstring): index = scatter = 0..B·S-1, row b's span its S positions."""
+    the identity packing (the module docstring): index = scatter = 0..B·S-1, and cu_seqlens has B + 2 entries,
+    0, S, 2S, ..., B·S and B·S again: its length says that the rows hold padding an attention must hide (B + 1
+    entries: every row a real token, as a mask without padding packs exactly to the same rows)."""
     keep = (mask != 0).reshape(-1)  # [B·S]
     if bucket is not None and bucket.shape[0] == keep.numel():
         index = torch.arange(keep.numel(), device=mask.device)
-        return index, index, torch.arange(0, keep.numel() + 1, mask.shape[1], dtype=torch.int32, device=mask.device)
+        spans = torch.arange(0, keep.numel() + mask.shape[1] + 1, mask.shape[1], dtype=torch.int32, device=mask.device)
+        return index, index, spans.clamp_(max=keep.numel())  # [B + 2]: 0, S, ..., B·S, B·S
     counts = keep.reshape(mask.shape).sum(dim=1, dtype=torch.int32)  # [B]
     cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
     torch.cumsum(counts, dim=0, dtype=torch.int32, out=cu_seqlens[1:])

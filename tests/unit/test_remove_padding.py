@@ -69,6 +69,12 @@ def test_token_index_packs_the_real_tokens_in_row_major_order(kind):
     packed = pack_tokens(CTX, x, index)  # [T', 5]
     assert packed.shape == (len(real) + 7, 5)
     torch.testing.assert_close(unpack_tokens(CTX, packed, scatter, m), x * m[..., None], rtol=0, atol=0)
+    # B·S rows: the identity packing, views in place; B + 2 cu_seqlens entries say its rows hold padding
+    index, scatter, cu_seqlens = token_index(CTX, m, torch.empty(mask.size, dtype=torch.uint8))
+    assert torch.equal(index, torch.arange(mask.size)) and cu_seqlens.tolist() == [0, 9, 18, 27, 36, 36]
+    packed = pack_tokens(CTX, x, index)
+    assert packed.data_ptr() == x.data_ptr()
+    torch.testing.assert_close(unpack_tokens(CTX, packed, scatter, m), x * m[..., None], rtol=0, atol=0)
 
 
 def test_packed_attention_is_per_sequence_attention_over_real_tokens():

@@ -4,8 +4,10 @@ q, k, v arrive packed, [T, ...] (T: the real tokens of a padding-free run, kiln/
 row b's tokens at [cu_seqlens[b], cu_seqlens[b + 1]). FlashAttention-2's varlen kernel takes exactly that:
 per sequence, softmax(q·kᵀ·scale)·v over its own tokens, no mask tensor and no padding computed. Rows past
 cu_seqlens[-1] (dummy rows of a token bucket) are not written; they are never scattered out. The identity
-packing (T = B·S: every position a row, where packing would not pay) runs kiln's Triton flash kernel with the
-padding mask instead, as the plain engine's attention does.
+packing of a padded mask (T = B·S: every position a row, where packing would not pay; TokenIndex marks it by
+B + 2 cu_seqlens entries) runs kiln's Triton flash kernel with the padding mask instead, as the plain engine's
+attention does. (A mask without padding packs to the same rows with B + 1 entries: varlen, as the builder's
+all-ones example inputs time it.)
 The longest sequence is bounded by the mask's width S (a host int: no sync, so the layer can be captured in a
 CUDA graph); the kernel skips the query blocks past each sequence's own length.
 """
@@ -93,7 +95,7 @@ def identity_attention(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor 
 
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kernel: str = "flash_varlen"):
     def launch(ctx, q, k, v, mask, index, scatter, cu_seqlens, **attributes):
-        if q.shape[0] == mask.numel():  # the identity packing: padding keys to hide, no sequence to split
+        if cu_seqlens.shape[0] == mask.shape[0] + 2:  # the identity packing of a padded mask: keys to hide
             return identity_attention(q, k, v, mask, attributes)
         q3, k3, v3 = packed_qkv(q, k, v, attributes)  # [T, H, D], [T, Hkv, D] x2
         q3, k3, v3 = (x if x.stride(-1) == 1 else x.contiguous() for x in (q3, k3, v3))
