@@ -21,10 +21,13 @@ import torch
 
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.attention import attention_views, output_buffer
+from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, attribute
 
 _HALF = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128  # kiln's Triton flash kernel's (kiln/kernels/cuda/triton/attention.py), which the identity
+# packing runs; at 128 its 128x64 tiles of 3 stages fit sm_90's shared memory with a padding mask's key vector
 _HEADS_LAYOUT = [0, 2, 1, 3]  # [B, S, H, D] -> [B, H, S, D]: the only 4-D layout a packed [T, H, D] can come from
 
 
@@ -56,8 +59,9 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "a 2-D q without q_num_heads"
     width = split[0] if split else q[-1]
     head_dim = width // attribute(step, "q_num_heads", 1) if len(q) == 2 else q[-1]
-    if head_dim % 8 or head_dim > 256:
-        return f"head dim {head_dim}: flash attention takes multiples of 8 up to 256"
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head dim {head_dim}: flash attention takes multiples of 8, and kiln's Triton kernel (the identity " \
+               f"packing's) up to {MAX_HEAD_DIM}"
     return True
 
 
@@ -114,11 +118,12 @@ KERNELS = {"flash_varlen": lambda *args: flash_varlen(*args), "varlen_attn": lam
 
 
 def _flash_available() -> bool:
-    return torch.cuda.is_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
+    return torch.cuda.is_available() and triton_available() and hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 def _varlen_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    return torch.cuda.is_available() and triton_available() \
+        and importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 register(Tactic(
