@@ -24,6 +24,7 @@ from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
+from kiln.passes.remove_padding import REMOVE_PADDING
 from kiln.plan.memory import plan_arena
 from kiln.plan.spec import FORMAT_VERSION, EnginePlan
 from kiln.quant.smoothquant import check_alpha
@@ -107,6 +108,20 @@ def _source_info(model: object, graph: ir.Model) -> dict:
     return {"path": None, "name": graph.graph.name or None}
 
 
+def pass_options(config: BuildConfig) -> PassOptions:
+    """The optimizer's options for a build (and for a refit, which derives weights as the build did)."""
+    cpu = config.device == "cpu"
+    return PassOptions(opt_level=config.opt_level, verify=config.verify, unsigned_activations=cpu, cpu_rules=cpu,
+                       refittable=config.refittable, remove_padding=config.remove_padding, padded_attention=cpu)
+
+
+def user_inputs(graph: ir.Model, inputs: list) -> list:
+    """The engine's input bindings: the lowered graph's inputs less a padding-free engine's token bucket, which
+    the runtime feeds (kiln/passes/remove_padding.py)."""
+    removal = graph.meta.get(REMOVE_PADDING)
+    return inputs if removal is None else [b for b in inputs if b.name != removal["bucket_input"]]
+
+
 def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | None = None,
           progress: Progress | None = None) -> Engine:
     config = config or BuildConfig()
@@ -130,12 +145,11 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         storage = "fp16" if config.device == "cuda" else "fp32"
     # Optimize: restructure the graph so fewer, cheaper steps run.
     say("optimizing")
-    graph = optimize(graph, PassOptions(opt_level=config.opt_level, verify=config.verify,
-                                        unsigned_activations=config.device == "cpu",
-                                        cpu_rules=config.device == "cpu", refittable=config.refittable))
+    graph = optimize(graph, pass_options(config))
     # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
     say("lowering")
     program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied
+    inputs = user_inputs(graph, inputs)
     io_casts: dict[str, str] = {}
     if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
@@ -198,6 +212,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
                         for node in graph.graph for v in node.outputs},
         "tactics": tactics,
         "quantization": quantization,
+        "remove_padding": graph.meta.get(REMOVE_PADDING),  # what runs on the real tokens only (None: off)
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
     engine = Engine(EnginePlan(header=header, program=program, weights=weights))

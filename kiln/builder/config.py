@@ -48,6 +48,9 @@ class BuildConfig:
     # weights that a refit can replace by any others (kiln refit): none stored once for being equal to
     # another, so an engine built from a freshly initialised model takes trained weights (TensorRT's REFIT)
     refittable: bool = False
+    # padding-free encoder (kiln/passes/remove_padding.py): the layers after the padding mask's attention run on
+    # the real tokens only; outputs at padding positions are zeros (not what the model computes there)
+    remove_padding: bool = False
     verbose: bool = False
     verify: bool = False  # run the IR verifier between passes (tests set KILN_VERIFY=1)
 

@@ -40,7 +40,7 @@ import datetime
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ import onnx_ir as ir
 import safetensors.torch
 import torch
 
+from kiln.builder.build import pass_options, user_inputs
 from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import lower
@@ -57,7 +58,7 @@ from kiln.builder.precision import lower_precision
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
-from kiln.passes import PassOptions, optimize
+from kiln.passes import optimize
 from kiln.quant import cache as calibration_cache
 from kiln.runtime.engine import Engine
 from kiln.version import __version__
@@ -341,9 +342,9 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
         requantized = _requantize(model, config, header.get("quantization") or {}, recalibrate)
         model = requantized.model
         storage = "fp16" if config.device == "cuda" else "fp32"
-    graph = optimize(model, PassOptions(opt_level=config.opt_level, unsigned_activations=config.device == "cpu",
-                                        cpu_rules=config.device == "cpu", refittable=config.refittable))
+    graph = optimize(model, replace(pass_options(config), verify=False))
     program, derived, inputs, outputs = lower(graph)
+    inputs = user_inputs(graph, inputs)
     if storage in ("fp16", "bf16"):
         lower_precision(program, derived, storage, set(config.layer_precision))
     built_spec, new_spec = _structure(engine.plan.program.to_json()), _structure(program.to_json())

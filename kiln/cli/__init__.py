@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--refittable", action="store_true",
                    help="keep every weight refittable (kiln refit): none stored once for being equal to another, "
                         "so an engine built from freshly initialised weights takes trained ones")
+    p.add_argument("--remove-padding", action="store_true",
+                   help="padding-free encoder: the layers after the attention_mask's attention run on the real "
+                        "tokens only; outputs at padding positions are zeros (refused, with the reason, when the "
+                        "model has no padding mask or a layer there mixes tokens)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each build stage and its time")
     p.set_defaults(func=cmd_build)
 

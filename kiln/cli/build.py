@@ -9,7 +9,7 @@ from pathlib import Path
 
 import kiln
 from kiln.cli.common import console, fmt_bytes, make_inputs, parse_profile, parse_shapes, text
-from kiln.cli.inspect import tactics_summary, whole_engine_check
+from kiln.cli.inspect import padding_summary, tactics_summary, whole_engine_check
 from kiln.errors import KilnError
 from kiln.plan.spec import EnginePlan
 from kiln.runtime.rss import PeakMemory
@@ -46,6 +46,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "accuracy_target": args.accuracy_target,
         "smoothquant": args.smoothquant,
         "refittable": args.refittable,
+        "remove_padding": args.remove_padding,
     }
     err = console(stderr=True)
     t0 = time.perf_counter()
@@ -159,6 +160,7 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose
         ("outputs", ", ".join(f"{b.name}: {b.describe()}" for b in plan.outputs)),
         *[(f"profile {k}", f"{p.describe()}  ({p.source})") for k, p in enumerate(plan.profiles)],
         *_quantization_rows(header.get("quantization") or {}),
+        *[("remove padding", line) for line in [padding_summary(header)] if line],
         ("weights", fmt_bytes(header.get("weights_bytes"))),
         ("activations", activations),
         ("device", header.get("device", {}).get("name", "?")),

@@ -125,6 +125,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                         f"{fmt_bytes(memory.get('naive_bytes'))}"
                         + (f"; {len(memory['unknown'])} value(s) of unknown size" if memory.get("unknown") else "")),
     ]
+    if (padding := padding_summary(header)) is not None:
+        rows.append(("remove padding", padding))
     tactics = header.get("tactics") or {}
     if tactics:
         summary = tactics_summary(tactics)
@@ -190,6 +192,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         _print_why_not(out, args.why_not if args.why_not != "source" else source.get("path"),
                        cpu=plan.header.get("device", {}).get("type", "cpu") == "cpu")
     return 0
+
+
+def padding_summary(header: dict) -> str | None:
+    """What runs padding-free (kiln/passes/remove_padding.py), or None for an engine built without it."""
+    removal = header.get("remove_padding")
+    if not removal:
+        return None
+    return (f"on: {removal['layers']} layer(s) ({removal['attentions']} attention(s)) run on the real tokens of "
+            f"{removal['mask']!r}; packed {', '.join(removal['packed'])}; unpacked {', '.join(removal['unpacked'])} "
+            "(zeros at padding positions)")
 
 
 def tactics_summary(tactics: dict) -> str:

@@ -30,4 +30,5 @@ from kiln.ops import (  # noqa: F401  (imported for their registrations)
     signal,
     tensor,
     text,
+    tokens,
 )

@@ -24,6 +24,7 @@ from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.fold import fold_constants
 from kiln.passes.fusion.qdq_propagate import RULE_UNSIGNED, use_unsigned_activations
 from kiln.passes.noop import remove_noops
+from kiln.passes.remove_padding import REMOVE_PADDING, remove_padding
 
 
 @dataclass
@@ -42,6 +43,12 @@ class PassOptions:
     # equal (a freshly initialised model's LayerNorm weights and zero biases would be stored once, and
     # trained weights, no longer equal, would not fit the engine)
     refittable: bool = False
+    # an encoder's per-token layers on its real tokens only, outputs at padding positions zero (opt-in;
+    # kiln/passes/remove_padding.py): refused with the reason when the model cannot
+    remove_padding: bool = False
+    # ... with each attention on q/k/v scattered back to [batch, seq] (the CPU's native attention) instead of
+    # PackedAttention over the packed tokens (CUDA's varlen flash)
+    padded_attention: bool = False
 
 
 def _verifier(options: PassOptions):
@@ -101,6 +108,11 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
                 eliminate_dead_code(model, report)
             check(model, name)
         eliminate_dead_code(model, report)
+    if options.remove_padding:
+        # Opt-in, and it changes outputs at padding positions (zeros): the padding tokens are not computed at all.
+        model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention).to_json()
+        eliminate_dead_code(model, report)  # the attention mask's [B, 1, S, S] subgraph
+        check(model, "remove_padding")
     # Steps run in list order: keep it topological after the rewrites.
     common.TopologicalSortPass()(model)
     check(model, "the pipeline", require_order=True)

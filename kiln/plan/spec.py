@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FORMAT_VERSION = 1
+# an input named like one of these, integer or bool [batch, seq], is a padding mask (nonzero: a real token):
+# the runtime pads the sequence it covers (kiln/runtime/buckets.py), remove_padding packs its real tokens
+MASK_NAMES = ("attention_mask", "mask", "input_mask")
 
 
 @dataclass

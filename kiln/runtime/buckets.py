@@ -26,12 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.plan.spec import Binding, Profile
+from kiln.plan.spec import MASK_NAMES, Binding, Profile
 
 SEQUENCE_FLOOR = 16
 HALF_STEP_FROM = 128  # sequences: a 1.5x step between powers of two from here
 QUARTER_STEPS_FROM = 256  # sequences: steps of a quarter of the power of two from here
-MASK_NAMES = ("attention_mask", "mask", "input_mask")
 MAX_CHUNKS = 4  # a split batch runs as at most this many replays
 CHUNK_OVERHEAD_MS = 0.02  # per extra replay: slicing, padding and the outputs' copy
 SPLIT_MARGIN = 0.05  # split only when the chunks' measured time is this much below the padded run's
@@ -53,16 +52,7 @@ class Buckets:
         """The buckets of `symbol` inside [low, high]: powers of two from the floor (sequences with
         a 1.5x step from HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM), and high."""
         floor = max(self.symbols[symbol], 1)
-        sequence = floor > 1
-        ladder, size = [], floor
-        while size < high:
-            ladder.append(size)
-            if sequence and size >= QUARTER_STEPS_FROM:
-                ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
-            elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
-                ladder.append(size * 3 // 2)
-            size *= 2
-        return [s for s in ladder if s >= low] + [high]
+        return [s for s in _ladder(floor, high, sequence=floor > 1) if s >= low] + [high]
 
     def bucket(self, symbol: str, value: int, low: int, high: int) -> int:
         return next(s for s in self.sizes(symbol, low, high) if s >= value)
@@ -150,6 +140,73 @@ class Buckets:
                 y = y[tuple(index)]
             cropped.append(y)
         return cropped
+
+
+def _ladder(floor: int, high: int, sequence: bool) -> list[int]:
+    """Bucket sizes below `high`: powers of two from `floor`; a sequence's with a 1.5x step from
+    HALF_STEP_FROM and quarter steps from QUARTER_STEPS_FROM."""
+    ladder, size = [], floor
+    while size < high:
+        ladder.append(size)
+        if sequence and size >= QUARTER_STEPS_FROM:
+            ladder += [size + k * size // 4 for k in (1, 2, 3) if size + k * size // 4 < high]
+        elif sequence and size >= HALF_STEP_FROM and size * 3 // 2 < high:
+            ladder.append(size * 3 // 2)
+        size *= 2
+    return ladder
+
+
+TOKEN_EIGHTHS_FROM = 1024  # token buckets: steps of an eighth of the power of two from here
+# Packing pays where the rows it saves outweigh what it adds (the token index, the gathers, the varlen attention):
+# (positions B·S at least, the fraction of them a packed run must save). Below the smallest, and below the
+# fraction, a run takes the identity packing (kiln/ops/tokens.py), the plain engine's computation. Measured on the
+# H200 (BERT-base fp16, bench/remove_padding.py at 18a3d98): packed runs saving 12-25% of 1K-4K positions were
+# 4-20% slower than the plain engine, 15% of 16K positions 7% faster, 59% of 16K 1.9x faster.
+PACK_MIN_SAVING = ((16384, 0.10), (4096, 0.30), (1024, 0.45))
+PACKING = ("auto", "always", "never")  # an execution context's choice: the rule above, pack whenever a row is saved,
+# or the identity packing always
+
+
+def token_bucket(tokens: int, most: int) -> int:
+    """The packed rows a padding-free run computes for `tokens` real ones (kiln/passes/remove_padding.py): powers
+    of two from SEQUENCE_FLOOR, a 1.5x step from HALF_STEP_FROM, quarter steps from QUARTER_STEPS_FROM and eighth
+    steps from TOKEN_EIGHTHS_FROM (every packed row costs the GEMMs a row: at most 1.125x dummy rows where they
+    cost most), capped at `most` (= B·S). A bucket is one CUDA graph per padded batch x sequence: finer steps
+    would capture more of them."""
+    size = SEQUENCE_FLOOR
+    while size < most:
+        parts = 8 if size >= TOKEN_EIGHTHS_FROM else 4 if size >= QUARTER_STEPS_FROM else 2 if size >= HALF_STEP_FROM \
+            else 1
+        for k in range(parts):
+            if (bucket := size + k * size // parts) >= tokens:
+                return min(bucket, most)
+        size *= 2
+    return most
+
+
+def _saving_needed(positions: int) -> float | None:
+    """The fraction of `positions` a packed run must save to be run packed (PACK_MIN_SAVING); None: never."""
+    return next((saving for least, saving in PACK_MIN_SAVING if positions >= least), None)
+
+
+def packed_rows(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto") -> int:
+    """The rows a padding-free run packs this (bucket-padded) mask to: its real tokens (`bucketed`: their token
+    bucket), or B·S, the identity packing, where packing would not pay (`packing` "auto": PACK_MIN_SAVING) or is
+    not wanted ("never"). `tokens`: the real tokens when the caller counted them on the host (a numpy mask); else
+    counted here, which for a CUDA mask is the run's one synchronization with the host (not taken where the
+    positions alone decide: "never", or "auto" below PACK_MIN_SAVING's smallest)."""
+    positions = mask.numel()
+    need = _saving_needed(positions) if packing == "auto" else 0.0
+    if packing == "never" or need is None:
+        return positions
+    tokens = int(torch.count_nonzero(mask)) if tokens is None else tokens
+    rows = token_bucket(tokens, positions) if bucketed else tokens
+    return rows if positions - rows >= need * positions and rows < positions else positions
+
+
+def token_carrier(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto") -> torch.Tensor:
+    """The token bucket input of a padding-free program: a [packed_rows(...)] tensor, read for its shape only."""
+    return torch.empty(packed_rows(mask, tokens, bucketed, packing), dtype=torch.uint8, device=mask.device)
 
 
 def plan_buckets(inputs: list[Binding], outputs: list[Binding], pad_dims: list[str] | None = None) -> Buckets | None:

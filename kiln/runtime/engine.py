@@ -17,7 +17,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import plan_buckets
+from kiln.runtime.buckets import PACKING, plan_buckets, token_carrier
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
@@ -205,11 +205,16 @@ class ExecutionContext:
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
     def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
-                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET):
+                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto"):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
-        there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU)."""
+        there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
+        padding-free engine: "auto" packs a run's real tokens where that pays (buckets.PACK_MIN_SAVING), "always"
+        wherever a row is saved, "never" runs every position (the identity packing: the plain computation)."""
+        if packing not in PACKING:
+            raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
+        self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
         if engine.device.type == "cuda":
@@ -221,14 +226,18 @@ class ExecutionContext:
             buckets = self.runner is not None and self.runner.use_graphs
         pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
-        self._static = _static_signature(engine)
+        # a padding-free engine: each run says how many rows it packs (a token bucket where shapes are bucketed)
+        self._token_mask = _token_mask_position(engine)
+        if self._token_mask is not None and self.buckets is not None:
+            self.buckets.batch = None  # padded rows hold no real token: they cost nothing, so a batch never splits
+        self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again)
         self._checked: dict[tuple, int] | None = {} if self._static is None and self.runner is None \
             and not engine.internal_dtype and self.buckets is None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
-            else None
+            and self._token_mask is None else None
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
 
@@ -424,14 +433,14 @@ class ExecutionContext:
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self.buckets.pad(args, targets)
+                    args = self._with_tokens(self.buckets.pad(args, targets), self._host_tokens(feeds))
                     captured = self.runner.stats.captures if self.runner is not None else 0
                     results = self._run_program(args)
                     if self.runner is not None and self.runner.stats.captures != captured:
                         self.buckets.learn(targets, self.runner.replay_ms(args))  # timed at its capture
                     results = self.buckets.crop(results, targets)
             else:
-                results = self._run_program(args)
+                results = self._run_program(self._with_tokens(args, self._host_tokens(feeds)))
         if internal:
             results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
                        else r for r, b in zip(results, self.engine.outputs)]
@@ -443,6 +452,19 @@ class ExecutionContext:
 
     def _run_program(self, args: list[Any]) -> list[Any]:
         return self.runner.run(args) if self.runner is not None else self.engine.program.run(args)
+
+    def _with_tokens(self, args: list[Any], tokens: int | None = None) -> list[Any]:
+        """A padding-free engine's program inputs with the rows this run packs to appended (the token bucket, its
+        last program input, kiln/passes/remove_padding.py); other engines' as they are. `tokens`: the mask's real
+        tokens if counted on the host already."""
+        if self._token_mask is None:
+            return args
+        return [*args, token_carrier(args[self._token_mask], tokens, self.buckets is not None, self.packing)]
+
+    def _host_tokens(self, feeds: dict[str, Any]) -> int | None:
+        """The real tokens of a padding mask fed as a host array, counted there (no device sync); else None."""
+        value = feeds.get(self.engine.input_names[self._token_mask]) if self._token_mask is not None else None
+        return int(np.count_nonzero(value)) if isinstance(value, np.ndarray) else None
 
     def _run_chunks(self, args: list[Any], targets: dict[str, tuple[int, int]],
                     chunks: list[tuple[int, int]]) -> list[Any]:
@@ -457,7 +479,7 @@ class ExecutionContext:
         for rows, bucket in chunks:
             chunk = [x.narrow(0, start, rows) if c else x for x, c in zip(args, carries)]
             sizes = {**targets, batch: (rows, bucket)}
-            results = self.buckets.crop(self._run_program(self.buckets.pad(chunk, sizes)), sizes)
+            results = self.buckets.crop(self._run_program(self._with_tokens(self.buckets.pad(chunk, sizes))), sizes)
             if not outputs:
                 outputs = [r.new_empty((real, *r.shape[1:])) for r in results]
             for out, r in zip(outputs, results):
@@ -481,7 +503,7 @@ class ExecutionContext:
             if len(self._checked) < CHECKED_SIGNATURES:
                 self._checked[key] = profile
         self.profile = profile
-        args = [torch.from_numpy(feeds[n]) for n in names]
+        args = self._with_tokens([torch.from_numpy(feeds[n]) for n in names], self._host_tokens(feeds))
         with torch.inference_mode():
             results = self.engine.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
@@ -592,6 +614,20 @@ def _static_signature(engine: Engine) -> tuple | None:
             return None
         signature.append((np.dtype(dt.numpy), tuple(b.shape)))
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _token_mask_position(engine: Engine) -> int | None:
+    """The padding mask's position among a padding-free engine's inputs (None for other engines); its program
+    takes one input more, last: the token bucket (kiln/passes/remove_padding.py)."""
+    removal = engine.plan.header.get("remove_padding")
+    if not removal:
+        return None
+    program_inputs = engine.plan.program.inputs
+    if not program_inputs or program_inputs[-1] != removal["bucket_input"] or removal["mask"] not in engine.input_names:
+        raise EngineFormatError(f"a padding-free engine's program must take the token bucket "
+                                f"{removal['bucket_input']!r} last and the mask {removal['mask']!r} as an input; "
+                                f"its inputs are {program_inputs}: rebuild it")
+    return engine.input_names.index(removal["mask"])
 
 
 def _whole_segment(engine: Engine):

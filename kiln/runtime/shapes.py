@@ -37,7 +37,8 @@ HOST_INPUTS: dict[str, frozenset[int]] = {op: frozenset(inputs) for op, inputs i
 
 # Ops whose output shapes come from the data itself.
 DATA_DEPENDENT_SHAPES = {"NonZero", "Unique", "NonMaxSuppression", "Compress", "StringSplit", "If", "Loop", "Scan",
-                         "TfIdfVectorizer", "StringNormalizer"}
+                         "TfIdfVectorizer", "StringNormalizer",
+                         "TokenIndex"}  # kiln's: a padding mask's real tokens (kiln/ops/tokens.py)
 
 
 def shape_only_steps(spec: ProgramSpec) -> tuple[set[int], set[str]]:

@@ -2,6 +2,7 @@
 
     library.py     cuBLAS/cuBLASLt GEMMs, cuDNN convolutions, SDPA backends, Triton elementwise/norms
     attention.py   kiln's Triton flash attention
+    packed_attention.py  kiln::PackedAttention (padding-free encoders) on varlen flash attention
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
     conv1d.py      long-kernel 1-D convolution as one batched GEMM; InstanceNormalization on group_norm
@@ -18,6 +19,7 @@ when a tactic using it is prepared.
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.attention  # noqa: F401
+import kiln.tactics.cuda.packed_attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
 import kiln.tactics.cuda.rotary  # noqa: F401
 import kiln.tactics.cuda.embedding  # noqa: F401

@@ -64,7 +64,7 @@ def attention_views(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     return q, k, v  # q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv]
 
 
-def _output_buffer(q: torch.Tensor, v: torch.Tensor, out_perm: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+def output_buffer(q: torch.Tensor, v: torch.Tensor, out_perm: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the op's output before out_merge_heads, contiguous; the same memory as a [B, H, S, Dv] view).
 
     The kernel writes the [B, H, S, Dv] view; with out_perm = [0, 2, 1, 3] the buffer is the
@@ -154,7 +154,7 @@ def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_sta
 
         def launch(ctx, q, k=None, v=None, mask=None, **attributes):
             q4, k4, v4 = attention_views(q, k, v, attributes)  # [B, H, S, D] views of the inputs' memory
-            buffer, out = _output_buffer(q4, v4, _attr(attributes, "out_perm", None))
+            buffer, out = output_buffer(q4, v4, _attr(attributes, "out_perm", None))
             kernels.flash_attention(q4, k4, v4, mask, scale=attributes.get("scale", 1.0),
                                     is_causal=bool(_attr(attributes, "is_causal", 0)),
                                     nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=config)

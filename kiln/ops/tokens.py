@@ -1,0 +1,105 @@
+"""Padding-free encoders: kiln-domain ops that pack a batch's real tokens and scatter them back.
+
+A padding mask m [B, S] (nonzero: a real token) selects T = Σ(m ≠ 0) of the B·S positions. Its
+token index is the flat positions of those tokens in row-major order,
+
+    index = [b·S + s for b in 0..B-1 for s in 0..S-1 if m[b, s] ≠ 0]        # [T], int64
+    cu_seqlens = [0, n_0, n_0 + n_1, ..., T],  n_b = Σ_s (m[b, s] ≠ 0)      # [B + 1], int32
+
+so row b's tokens are index[cu_seqlens[b] : cu_seqlens[b + 1]], in their order along the sequence
+(any pattern: right or left padding, holes). Per-token layers run on [T, ...] instead of
+[B, S, ...]; attention, the one layer that mixes tokens, runs per row over that row's tokens
+(kiln/passes/remove_padding.py builds the region; kiln/tactics/cuda/packed_attention.py has the
+varlen flash tactic). A run may carry T' ≥ T rows (a token bucket, so CUDA graphs replay): the
+dummy rows past T are computed like any other and never scattered out.
+
+T' = B·S is the identity packing: every position is a row, in place (index = scatter = 0..B·S-1), so packing
+and unpacking are views and attention masks the padding keys as the unpacked model does. The runtime asks for
+it where packing would not pay (kiln/runtime/buckets.py token_bucket), and a mask without padding is one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.ops.fused import attention
+from kiln.ops.registry import register
+
+
+@register("TokenIndex", domain="kiln")
+def token_index(ctx, mask, bucket=None):
+    """mask [B, S] -> (index [T'], scatter [T'], cu_seqlens [B + 1] int32): the real tokens' flat positions (the
+    module docstring's definitions), twice, and each row's start in the packed order.
+
+    Without `bucket`, T' = T (on CUDA the nonzero synchronizes once with the host: T is data). With it, T' is
+    bucket.shape[0] ≥ T (the runtime's token bucket, kiln/runtime/buckets.py; only its shape is read): no
+    sync, so a CUDA graph per bucket replays any mask with at most T' tokens. The T' - T rows past the real
+    ones are dummies: `index` (what PackTokens gathers) points them at position 0, `scatter` (where
+    UnpackTokens writes) at B·S, a row it drops; no sequence of cu_seqlens holds them. A bucket of B·S rows is
+    the identity packing (the module docstring): index = scatter = 0..B·S-1, and cu_seqlens has B + 2 entries,
+    0, S, 2S, ..., B·S and B·S again: its length says that the rows hold padding an attention must hide (B + 1
+    entries: every row a real token, as a mask without padding packs exactly to the same rows)."""
+    keep = (mask != 0).reshape(-1)  # [B·S]
+    if bucket is not None and bucket.shape[0] == keep.numel():
+        index = torch.arange(keep.numel(), device=mask.device)
+        spans = torch.arange(0, keep.numel() + mask.shape[1] + 1, mask.shape[1], dtype=torch.int32, device=mask.device)
+        return index, index, spans.clamp_(max=keep.numel())  # [B + 2]: 0, S, ..., B·S, B·S
+    counts = keep.reshape(mask.shape).sum(dim=1, dtype=torch.int32)  # [B]
+    cu_seqlens = torch.zeros(mask.shape[0] + 1, dtype=torch.int32, device=mask.device)
+    torch.cumsum(counts, dim=0, dtype=torch.int32, out=cu_seqlens[1:])
+    if bucket is None:
+        index = keep.nonzero().reshape(-1)  # [T]
+        return index, index, cu_seqlens
+    size, positions = bucket.shape[0], keep.numel()
+    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, size)  # a real token's packed row; padding: slot T'
+    flat = torch.arange(positions, device=mask.device)
+    index = torch.zeros(size + 1, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    scatter = torch.full((size + 1,), positions, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    return index[:size], scatter[:size], cu_seqlens
+
+
+@register("PackTokens", domain="kiln")
+def pack_tokens(ctx, x, index):
+    """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order (B·S of them: the
+    identity packing, a view)."""
+    rows = x.flatten(0, 1)
+    return rows if index.shape[0] == rows.shape[0] else rows.index_select(0, index)
+
+
+@register("UnpackTokens", domain="kiln")
+def unpack_tokens(ctx, y, scatter, mask, *, zero_padding=1):
+    """y [T, ...] -> [B, S, ...] (B, S: mask's shape): row t of y at flat position scatter[t], zeros at padding;
+    a dummy row's position B·S is dropped. From the identity packing (T = B·S) a view of y, with its padding
+    rows zeroed unless `zero_padding` = 0 (an attention's q/k/v: its mask hides those keys already)."""
+    batch, seq = mask.shape
+    if y.shape[0] == batch * seq:
+        out = y.unflatten(0, (batch, seq))  # [B, S, ...]
+        return out.masked_fill((mask == 0).reshape(batch, seq, *[1] * (y.dim() - 1)), 0) if zero_padding else out
+    out = y.new_zeros((batch * seq + 1, *y.shape[1:]))
+    out.index_copy_(0, scatter, y)
+    return out[:-1].unflatten(0, (batch, seq))
+
+
+def additive_padding_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mask [B, S] -> [B, 1, 1, S]: 0 for a real key, -inf for padding (every query of a row sees its row's
+    real keys only)."""
+    hidden = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask == 0, float("-inf"))
+    return hidden[:, None, None, :]
+
+
+@register("PackedAttention", domain="kiln")
+def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.0, q_perm=None, k_perm=None,
+                     v_perm=None, out_perm=None, gqa=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
+                     out_merge_heads=0):
+    """kiln::Attention over packed tokens: q, k, v [T, ...] are what Attention reads as [B, S, ...] with the
+    batch and sequence axes flattened to the real tokens (the layout attributes are Attention's, for the
+    unpacked tensors); a query sees its own row's real tokens only; the output is packed [T, ...] too.
+    Reference: scatter q/k/v to [B, S, ...] (their padding keys hidden), Attention with the padding mask as an additive
+    mask, gather the real tokens back (TokenIndex's `index` and `scatter`; a dummy row gathers position 0).
+    `cu_seqlens` is for the varlen kernels (the CUDA tactic)."""
+    q4, k4, v4 = (None if x is None else unpack_tokens(ctx, x, scatter, mask, zero_padding=0) for x in (q, k, v))
+    out = attention(ctx, q4, k4, v4, additive_padding_mask(mask, q.dtype), scale=scale, q_perm=q_perm,
+                    k_perm=k_perm, v_perm=v_perm, out_perm=out_perm, gqa=gqa, nan_to_zero=1,
+                    q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, qkv_split=qkv_split,
+                    out_merge_heads=out_merge_heads)  # [B, S, ...]; a row of padding only: 0, not NaN
+    return pack_tokens(ctx, out, index)  # [T, ...]

@@ -1,0 +1,92 @@
+"""Padding-free encoders on CUDA (kiln/passes/remove_padding.py): the varlen flash tactic of PackedAttention
+against the op's reference, and a padding-free bert_tiny engine (fp16, CUDA graphs over token buckets) against
+torch fp32 at its real tokens, with zeros at padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.ops.registry import OpContext
+from kiln.ops.tokens import packed_attention, token_index
+from kiln.plan.spec import StepSpec
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+FP16_ATOL = 2e-2  # fp16 storage, fp32 accumulation: BERT's LayerNorm'd hidden states (|x| <= ~5)
+ATTENTION_ATOL = 5e-3  # one fp16 attention: the softmax-weighted mean of fp16 values, two summation orders
+
+
+def _mask(rng, batch: int, seq: int, kind: str) -> torch.Tensor:
+    mask = np.zeros((batch, seq), np.int64)
+    for row in range(batch):
+        n = rng.integers(1, seq + 1)
+        if kind == "left":
+            mask[row, seq - n:] = 1
+        else:
+            mask[row, :n] = 1
+    if batch > 2:
+        mask[1] = 0  # a row of padding only
+    return torch.from_numpy(mask).cuda()
+
+
+@pytest.mark.parametrize("name", ["cuda.packed_attention.flash_varlen", "cuda.packed_attention.varlen_attn"])
+@pytest.mark.parametrize("batch,seq,heads,head_dim,kind", [(3, 40, 4, 64, "right"), (4, 130, 2, 32, "left"),
+                                                           (1, 17, 12, 64, "right")])
+def test_varlen_tactics_match_the_reference(name, batch, seq, heads, head_dim, kind):
+    rng = np.random.default_rng(batch * seq)
+    mask = _mask(rng, batch, seq, kind)
+    attrs = {"scale": head_dim ** -0.5, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3],
+             "out_perm": [0, 2, 1, 3], "q_num_heads": heads, "kv_num_heads": heads,
+             "qkv_split": [heads * head_dim] * 3, "out_merge_heads": 1}
+    ctx = OpContext("attention", "PackedAttention", "kiln", num_inputs=7)
+    for bucket in (None, torch.empty(int(mask.count_nonzero()) + 5, dtype=torch.uint8, device="cuda")):
+        index, scatter, cu_seqlens = token_index(ctx, mask, bucket)
+        qkv = torch.randn(index.shape[0], 3 * heads * head_dim, device="cuda", dtype=torch.float16)  # [T', 3·H·D]
+        step = StepSpec("PackedAttention", "attention", ["qkv", "", "", "m", "i", "s", "c"], ["o"], attrs,
+                        domain="kiln")
+        registry.load_device("cuda")
+        tactic = registry.get(name)
+        if not tactic.available():
+            pytest.skip(f"{name} is not in torch {torch.__version__}")
+        metas = [InputMeta.of(x, False) for x in (qkv, None, None, mask, index, scatter, cu_seqlens)]
+        assert tactic.check(step, metas) is True
+        launch = tactic.prepare(step, [None] * 7, torch.device("cuda"))
+        got = launch(ctx, qkv, None, None, mask, index, scatter, cu_seqlens, **attrs)
+        want = packed_attention(ctx, qkv.float(), None, None, mask, index, scatter, cu_seqlens, **attrs)
+        real = int(mask.count_nonzero())  # rows past it are a bucket's dummies: never read
+        torch.testing.assert_close(got[:real].float(), want[:real], atol=ATTENTION_ATOL, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def bert_free():
+    exported = zoo.export("bert_tiny", dynamic=True)
+    return kiln.build(str(exported.path), device="cuda", precision="fp16", remove_padding=True,
+                      profiles=[{"input_ids": "1x1,4x64,8x128"}])
+
+
+@pytest.mark.parametrize("packing", ["always", "never", "auto"])  # packed rows; every position; the rule's choice
+def test_a_padding_free_engine_matches_torch_at_real_tokens_and_replays_graphs(bert_free, packing):
+    engine = bert_free
+    assert engine.plan.header["remove_padding"]["attentions"] == 2
+    module = zoo.torch_model("bert_tiny").cuda().float().eval()
+    ctx = engine.create_execution_context(packing=packing)
+    rng = np.random.default_rng(0)
+    for batch, seq, kind in [(4, 64, "right"), (4, 64, "right"), (8, 100, "left"), (1, 128, "right"),
+                             (4, 64, "right"), (3, 33, "left")]:
+        mask = _mask(rng, batch, seq, kind)
+        feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (batch, seq))).cuda(), "attention_mask": mask}
+        for _ in range(3):  # eager, capture, replay
+            got = next(iter(ctx.run(feeds).values())).float()
+        with torch.inference_mode():
+            want = module(**feeds).float()
+        keep = mask != 0
+        torch.testing.assert_close(got[keep], want[keep], atol=FP16_ATOL, rtol=0)
+        assert not got[~keep].any(), "outputs at padding positions must be zero"
+    stats = ctx.runner.stats
+    assert stats.captures >= 1 and stats.replays >= 1, (stats, stats.eager_reasons)
