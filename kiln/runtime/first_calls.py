@@ -138,24 +138,22 @@ class FirstCalls:
             return None
         work = _product(sizes)
         budget = statistics.median(self.bind_ms) if self.bind_ms else BIND_MS
+        fixed = self._unpaddable(args)
         best, best_extra = None, budget
         plans = self.program.shape_plans
         for host_sizes, host in group.items():
-            if host_sizes == sizes or any(h < n for h, n in zip(host_sizes, sizes)):
+            if host_sizes == sizes or any(h < n for h, n in zip(host_sizes, sizes)) \
+                    or any(host_sizes[j] != sizes[j] for j in fixed):
                 continue
             extra = host.ms * (1.0 - work / host.work)
             if extra < best_extra and (plans is None or host.signature in plans):
                 best, best_extra = host, extra
-        if best is not None and not self._sequence_padding_exact(args, sizes, best.sizes):
-            return None
         return best
 
-    def _sequence_padding_exact(self, args: list[Any], sizes: tuple[int, ...], host_sizes: tuple[int, ...]) -> bool:
-        """False when a mask padded along its sequence has a row with no real token (it would attend to the pads)."""
-        for k, j in self._masks:  # (input, index of its sequence symbol)
-            if host_sizes[j] != sizes[j] and not bool(args[k].any(dim=1).all()):
-                return False
-        return True
+    def _unpaddable(self, args: list[Any]) -> list[int]:
+        """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
+        no real token (it would attend to the pads)."""
+        return [j for k, j in self._masks if not bool(args[k].any(dim=1).all())]
 
     def _sizes(self, signature: tuple) -> tuple[int, ...]:
         return tuple(signature[k][0][axis] for k, axis in self._carriers)
