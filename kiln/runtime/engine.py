@@ -363,33 +363,28 @@ class ExecutionContext:
     def warm_up(self, profile: int = 0) -> int:
         """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
         stream of requests meets no first call: on CUDA each run captures its graph. Returns the
-        number of runs. Without buckets: one run at the profile's opt shape. With padded first calls
-        (kiln/runtime/first_calls.py), also two shapes near the profile's min run twice each, not counted:
-        what binding a new shape costs, measured, before a request has to choose between binding and padding."""
+        number of runs. Without buckets: one run at the profile's opt shape. With padded first calls on the CPU
+        (kiln/runtime/first_calls.py), two runs at every bucket: each is then bound, a host a new shape may run padded
+        in (within 2x along each padded dim), its time and what binding it cost measured."""
         plan = self.engine.profiles[profile] if self.engine.profiles else None
         if plan is None:
             return 0
         symbols: dict[str, list[int]] = {}
-        ranges: dict[str, tuple[int, int]] = {}  # symbol -> (min, max)
+        ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
         for b in self.engine.inputs:
             r = plan.inputs.get(b.name)
             for axis, d in enumerate(b.shape or []):
                 if isinstance(d, str) and r is not None and d not in symbols:
-                    ranges[d] = (r.min[axis], r.max[axis])
-                    if self.buckets is not None and d in self.buckets.symbols:
-                        symbols[d] = self.buckets.sizes(d, r.min[axis], r.max[axis])
+                    if ladder is not None and d in ladder.symbols:
+                        symbols[d] = ladder.sizes(d, r.min[axis], r.max[axis])
                     else:
                         symbols[d] = [r.opt[axis]]
         runs = 0
         for values in itertools.product(*symbols.values()):
-            self.run(self._warm_up_feeds(plan, dict(zip(symbols, values))))
-            runs += 1
-        if self._first_calls is not None and not self._first_calls.bind_ms:
-            for step in (0, 1):
-                feeds = self._warm_up_feeds(plan, {d: min(low + step, high) for d, (low, high) in ranges.items()})
-                self.run(feeds)  # binds this shape (unless padded: then the second binds and the third measures)
+            feeds = self._warm_up_feeds(plan, dict(zip(symbols, values)))
+            for _ in range(2 if self._first_calls is not None else 1):  # ascending: never padded in an earlier one
                 self.run(feeds)
-                self.run(feeds)
+                runs += 1
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         return runs

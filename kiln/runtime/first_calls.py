@@ -33,8 +33,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+from kiln.ir import dtypes
 from kiln.plan.spec import Binding
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
@@ -57,6 +59,49 @@ class BoundShape:
     runs: int = 1
 
 
+class Hosts:
+    """The bound shapes of one group (equal but for the padded dims), with their sizes as one array: finding the
+    host of a new shape is a few numpy calls whatever their number (a Python loop took ~1 µs a bound shape)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[BoundShape] = []
+        self._sizes: np.ndarray | None = None  # [len(shapes), symbols], made on demand
+        self._work: np.ndarray | None = None
+
+    def add(self, shape: BoundShape) -> None:
+        self.shapes.append(shape)
+        self._sizes = self._work = None
+
+    def remove(self, shape: BoundShape) -> None:
+        self.shapes.remove(shape)
+        self._sizes = self._work = None
+
+    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any) -> BoundShape | None:
+        """The shape of least estimated extra (t * (1 - work / its work)) below `budget` that holds `sizes` (>= along
+        each padded dim, equal along the `fixed` ones, not equal along all), its shape plan kept; else None."""
+        if not self.shapes:
+            return None
+        if self._sizes is None:
+            self._sizes = np.array([h.sizes for h in self.shapes], np.int64)
+            self._work = np.array([h.work for h in self.shapes], np.float64)
+        want = np.array(sizes, np.int64)
+        holds = (self._sizes >= want).all(axis=1) & (self._sizes != want).any(axis=1)
+        if fixed:
+            holds &= (self._sizes[:, fixed] == want[fixed]).all(axis=1)
+        candidates = np.flatnonzero(holds)
+        if candidates.size == 0:
+            return None
+        ms = np.array([self.shapes[i].ms for i in candidates])
+        extra = ms * (1.0 - _product(sizes) / self._work[candidates])
+        for k in np.argsort(extra, kind="stable"):
+            if extra[k] >= budget:
+                return None
+            host = self.shapes[candidates[k]]
+            if plans is None or host.signature in plans:
+                return host
+        return None
+
+
 class FirstCalls:
     """Runs a CPU Program, each call at a shape the program has not bound padded inside one it has, when that
     costs less than binding (the module's docstring). Shared by an engine's contexts."""
@@ -69,12 +114,14 @@ class FirstCalls:
         carriers = {symbol: (k, axis) for k, pads in reversed(list(enumerate(buckets.pads))) for axis, symbol in pads}
         self._carriers = [carriers[s] for s in self.symbols]
         self._padded_axes = [{axis for axis, _ in pads} for pads in buckets.pads]
+        self._pads = [[(axis, self.symbols.index(symbol)) for axis, symbol in pads] for pads in buckets.pads]
+        self._crops = [[(axis, self.symbols.index(symbol)) for axis, symbol in crops] for crops in buckets.crops]
         # the masks: a row they empty must not be padded along the sequence (the docstring's exactness)
         self._masks = [(k, self.symbols.index(symbol)) for k, (b, pads) in enumerate(zip(inputs, buckets.pads))
                        if any(m in b.name.lower() for m in MASK_NAMES) and len(b.shape or ()) == 2
                        for axis, symbol in pads if axis == 1]
         self.bound: OrderedDict[tuple, BoundShape] = OrderedDict()  # signature -> its bound shape, least recent first
-        self._groups: dict[tuple, dict[tuple[int, ...], BoundShape]] = {}  # _group(signature) -> sizes -> bound
+        self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
         self._seen: dict[tuple, int] = {}  # unbound signature -> calls so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
         self.padded_runs = 0
@@ -120,40 +167,29 @@ class FirstCalls:
     def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape) -> list[Any]:
         """The program at `host`'s size, the inputs zero-padded along the padded dims, the outputs cropped back
         (each a contiguous copy, as a run at the call's own size returns it)."""
-        targets = {s: (real, padded) for s, real, padded in zip(self.symbols, sizes, host.sizes)}
+        padded = [_padded(x, axes, host.sizes) for x, axes in zip(args, self._pads)]
         t0 = time.perf_counter_ns()
-        results = self.program.run(self.buckets.pad(args, targets))
+        results = self.program.run(padded)
         ms = (time.perf_counter_ns() - t0) / 1e6
         with self._lock:
             self.padded_runs += 1
             host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
-        return [r.contiguous() if isinstance(r, torch.Tensor) else r for r in self.buckets.crop(results, targets)]
+        return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
     def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...]) -> BoundShape | None:
         """The bound shape to run this new one padded in (least extra, below binding's cost), or None."""
-        group = self._groups.get(_group(signature, self._padded_axes))
-        if not group:
+        hosts = self._groups.get(_group(signature, self._padded_axes))
+        if hosts is None:
             return None
-        work = _product(sizes)
         budget = statistics.median(self.bind_ms) if self.bind_ms else BIND_MS
-        fixed = self._unpaddable(args)
-        best, best_extra = None, budget
-        plans = self.program.shape_plans
-        for host_sizes, host in group.items():
-            if host_sizes == sizes or any(h < n for h, n in zip(host_sizes, sizes)) \
-                    or any(host_sizes[j] != sizes[j] for j in fixed):
-                continue
-            extra = host.ms * (1.0 - work / host.work)
-            if extra < best_extra and (plans is None or host.signature in plans):
-                best, best_extra = host, extra
-        return best
+        return hosts.cheapest(sizes, self._unpaddable(args), budget, self.program.shape_plans)
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
         no real token (it would attend to the pads)."""
-        return [j for k, j in self._masks if not bool(args[k].any(dim=1).all())]
+        return [j for k, j in self._masks if not _every_row_kept(args[k])]
 
     def _sizes(self, signature: tuple) -> tuple[int, ...]:
         return tuple(signature[k][0][axis] for k, axis in self._carriers)
@@ -163,11 +199,43 @@ class FirstCalls:
         program's shape plans and segment views go."""
         shape.work = _product(shape.sizes)
         self.bound[shape.signature] = shape
-        self._groups.setdefault(_group(shape.signature, self._padded_axes), {})[shape.sizes] = shape
+        self._groups.setdefault(_group(shape.signature, self._padded_axes), Hosts()).add(shape)
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
-            group = self._groups[_group(old.signature, self._padded_axes)]
-            del group[old.sizes]
+            self._groups[_group(old.signature, self._padded_axes)].remove(old)
+
+
+def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:
+    """x zero-padded at the end of each (axis, symbol index) to `sizes`: through numpy where the dtype has one
+    (a third of torch's indexing time for a BERT's ids), else torch."""
+    shape = list(x.shape)
+    for axis, j in axes:
+        shape[axis] = sizes[j]
+    if shape == list(x.shape):
+        return x
+    if x.dtype in dtypes.NUMPY_REAL and not x.requires_grad:
+        out = np.zeros(shape, x.numpy().dtype)
+        out[tuple(slice(0, d) for d in x.shape)] = x.numpy()
+        return torch.from_numpy(out)
+    out = x.new_zeros(shape)
+    out[tuple(slice(0, d) for d in x.shape)] = x
+    return out
+
+
+def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any:
+    """y cut back to `sizes` along each (axis, symbol index): a contiguous copy, as a run at those sizes gives."""
+    if not axes or not isinstance(y, torch.Tensor):
+        return y
+    for axis, j in axes:
+        if y.shape[axis] != sizes[j]:
+            y = y.narrow(axis, 0, sizes[j])
+    return y.contiguous()
+
+
+def _every_row_kept(mask: torch.Tensor) -> bool:
+    """Whether each row of a [batch, seq] mask (int or bool, buckets.py's rule) keeps a token; through numpy, in
+    half torch's time."""
+    return bool(mask.numpy().any(axis=1).all())
 
 
 def _group(signature: tuple, padded_axes: list[set[int]]) -> tuple:

@@ -141,12 +141,15 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(bert):
     np.testing.assert_allclose(got, session.run(None, again)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_warm_up_measures_binding_and_the_switch_turns_padding_off(bert, monkeypatch):
+def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(bert, monkeypatch):
     engine, _ = bert
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
-    assert context.warm_up() == 1  # the opt shape; the binding measurement's runs are not counted
-    assert len(engine.first_calls.bind_ms) >= 1 and all(ms >= 0 for ms in engine.first_calls.bind_ms)
+    assert context.warm_up() == 2 * 3 * 3  # the buckets twice each: bound (hosts), timed, binding measured
+    bound = {shape.sizes for shape in engine.first_calls.bound.values()}
+    assert {(b, s) for b in (1, 2, 4) for s in (16, 32, 48)} <= bound
+    assert all(shape.runs == 2 for shape in engine.first_calls.bound.values())
+    assert len(engine.first_calls.bind_ms) == first_calls.BIND_SAMPLES and min(engine.first_calls.bind_ms) >= 0
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
