@@ -183,8 +183,10 @@ class FirstCalls:
         hosts = self._groups.get(_group(signature, self._padded_axes))
         if hosts is None:
             return None
-        budget = statistics.median(self.bind_ms) if self.bind_ms else BIND_MS
-        return hosts.cheapest(sizes, self._unpaddable(args), budget, self.program.shape_plans)
+        fixed = self._unpaddable(args)
+        with self._lock:  # another context's run may be adding or evicting a bound shape
+            budget = statistics.median(self.bind_ms) if self.bind_ms else BIND_MS
+            return hosts.cheapest(sizes, fixed, budget, self.program.shape_plans)
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
