@@ -109,7 +109,7 @@ def main() -> None:
               f"{extra2['kiln']:.0f}, {extra2['onnxruntime']:.0f} | {repeats['kiln'] / repeats['onnxruntime']:.2f} |")
     if context._first_calls is not None:
         print(f"\nkiln first calls run padded: {context._first_calls.padded_runs} of {args.requests}; binding measured "
-              f"{', '.join(f'{ms:.2f}' for ms in context._first_calls.bind_ms)} ms (wall)")
+              f"{', '.join(f'{ms:.2f}' for ms in context._first_calls.bind_ms)} ms (thread CPU)")
 
     program = engine.program
 

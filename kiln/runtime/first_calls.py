@@ -14,8 +14,10 @@ the build declares):
                a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
 
 The new shape is bound (run at its own size) at its BIND_AFTER-th call: a shape that repeats runs exactly from
-then on, one met once never binds. Times are wall clock (perf_counter) of the program's run; a shape's time is the
-least seen (the run's cost without a loaded machine's delays).
+then on, one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
+a loaded machine's preemption is left out, which wall clock put into binding's measured cost (a difference of two
+calls) but not into a shape's time (the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of
+CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
 
 Exactness (never a different result, only a different summation order in the GEMMs' and attention's tails: the
 padded and unpadded runs agree to fp32 rounding, tests/unit/test_first_calls.py): rows of a batch never meet;
@@ -148,9 +150,9 @@ class FirstCalls:
 
     def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         results = self.program.run(args)
-        ms = (time.perf_counter_ns() - t0) / 1e6
+        ms = (time.thread_time_ns() - t0) / 1e6
         with self._lock:
             if known is None:
                 self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
@@ -168,9 +170,9 @@ class FirstCalls:
         """The program at `host`'s size, the inputs zero-padded along the padded dims, the outputs cropped back
         (each a contiguous copy, as a run at the call's own size returns it)."""
         padded = [_padded(x, axes, host.sizes) for x, axes in zip(args, self._pads)]
-        t0 = time.perf_counter_ns()
+        t0 = time.thread_time_ns()
         results = self.program.run(padded)
-        ms = (time.perf_counter_ns() - t0) / 1e6
+        ms = (time.thread_time_ns() - t0) / 1e6
         with self._lock:
             self.padded_runs += 1
             host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
