@@ -6,8 +6,10 @@ numpy in -> numpy out; torch in -> torch out. Several contexts share one engine'
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -364,8 +366,10 @@ class ExecutionContext:
         """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
         stream of requests meets no first call: on CUDA each run captures its graph. Returns the
         number of runs. Without buckets: one run at the profile's opt shape. With padded first calls on the CPU
-        (kiln/runtime/first_calls.py), two runs at every bucket: each is then bound, a host a new shape may run padded
-        in (within 2x along each padded dim), its time and what binding it cost measured."""
+        (kiln/runtime/first_calls.py), two runs at each bucket, smallest work first: each is then bound, a host a new
+        shape may run padded in (within 2x along each padded dim), its time and what binding it cost measured; up to
+        the first bucket whose run takes longer than HOSTS_UP_TO times binding (padding in a larger one would cost
+        more than binding: BERT-base's buckets past ~2 x 32 at one thread)."""
         plan = self.engine.profiles[profile] if self.engine.profiles else None
         if plan is None:
             return 0
@@ -379,14 +383,29 @@ class ExecutionContext:
                         symbols[d] = ladder.sizes(d, r.min[axis], r.max[axis])
                     else:
                         symbols[d] = [r.opt[axis]]
-        runs = 0
-        for values in itertools.product(*symbols.values()):
-            feeds = self._warm_up_feeds(plan, dict(zip(symbols, values)))
-            for _ in range(2 if self._first_calls is not None else 1):  # ascending: never padded in an earlier one
-                self.run(feeds)
-                runs += 1
+        shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
+        if self._first_calls is None:
+            for sizes in shapes:
+                self.run(self._warm_up_feeds(plan, sizes))
+            runs = len(shapes)
+        else:
+            runs = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
+        return runs
+
+    def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
+        """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
+        one's repeat takes longer than HOSTS_UP_TO times binding. Returns the number of runs."""
+        runs = 0
+        for sizes in shapes:
+            feeds = self._warm_up_feeds(plan, sizes)
+            self.run(feeds)
+            start = time.thread_time_ns()
+            self.run(feeds)
+            runs += 2
+            if (time.thread_time_ns() - start) / 1e6 > HOSTS_UP_TO * self._first_calls.budget_ms():
+                break
         return runs
 
     def _warm_up_feeds(self, plan: Profile, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -559,6 +578,8 @@ class ExecutionContext:
             results = self.engine.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
 
+
+HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
 
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)
 

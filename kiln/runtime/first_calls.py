@@ -187,8 +187,12 @@ class FirstCalls:
             return None
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
-            budget = statistics.median(self.bind_ms) if self.bind_ms else BIND_MS
-            return hosts.cheapest(sizes, fixed, budget, self.program.shape_plans)
+            return hosts.cheapest(sizes, fixed, self.budget_ms(), self.program.shape_plans)
+
+    def budget_ms(self) -> float:
+        """What binding a new shape costs: the median measured, BIND_MS until one is."""
+        samples = list(self.bind_ms)  # one C call: no other thread's append in between
+        return statistics.median(samples) if samples else BIND_MS
 
     def _unpaddable(self, args: list[Any]) -> list[int]:
         """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of

@@ -12,6 +12,7 @@ import torch
 
 import kiln
 from kiln import zoo
+from kiln.runtime import engine as kiln_engine
 from kiln.runtime import first_calls
 
 # Padded and unpadded runs differ only in the GEMMs' and attention's summation order over other shapes (fp32):
@@ -145,6 +146,7 @@ def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding
     engine, _ = bert
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every bucket, however long its run on a loaded machine
     assert context.warm_up() == 2 * 3 * 3  # the buckets twice each: bound (hosts), timed, binding measured
     bound = {shape.sizes for shape in engine.first_calls.bound.values()}
     assert {(b, s) for b in (1, 2, 4) for s in (16, 32, 48)} <= bound
@@ -153,3 +155,11 @@ def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
+
+
+def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(bert, monkeypatch):
+    engine, _ = bert
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest bucket only
+    assert engine.create_execution_context().warm_up() == 2
+    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 16)]
