@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--max-seq", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (kiln and onnxruntime)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", help="a saved engine of the model (else built here with the stream's profile)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
     ap.add_argument("--no-split", action="store_true",
                     help="CUDA: pad a batch to its bucket as one run, never split it into bucket-sized chunks")
@@ -106,10 +107,13 @@ def main() -> None:
     requests = stream(args.requests, args.max_batch, args.max_seq, model.vocab_size, args.seed)
     profile = {"input_ids": f"1x1,{min(8, args.max_batch)}x{min(128, args.max_seq)},{args.max_batch}x{args.max_seq}"}
     t0 = time.perf_counter()
-    engine = kiln.build(str(exported.path), device=args.device, precision="fp16" if cuda else "fp32",
-                        profiles=[profile])
+    if args.engine:  # built before (an A/B of runtime switches then compares one engine's tactics)
+        engine = kiln.load(args.engine)
+    else:
+        engine = kiln.build(str(exported.path), device=args.device, precision="fp16" if cuda else "fp32",
+                            profiles=[profile])
     build_s = time.perf_counter() - t0
-    log(f"kiln build {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}")
+    log(f"kiln {'load' if args.engine else 'build'} {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}")
     context = engine.create_execution_context()
     if args.no_split and context.buckets is not None:
         context.buckets.batch = None  # every run padded whole to its bucket (the behaviour before splitting)
@@ -238,7 +242,10 @@ def main() -> None:
             f"{(torch.cuda.max_memory_allocated() - memory_before) / 2**20:.0f} MiB above the start")
         for signature, reason in list(g.eager_reasons.items())[:3]:
             log(f"  eager {signature}: {reason}")
-    log(f"kiln build {build_s:.1f} s; buckets: {sorted(context.buckets.symbols) if context.buckets else 'off'}")
+    padding = context._first_calls if not cuda else None  # kiln/runtime/first_calls.py (KILN_PAD_FIRST_CALLS=0: off)
+    log(f"kiln {'load' if args.engine else 'build'} {build_s:.1f} s; buckets: "
+        f"{sorted(context.buckets.symbols) if context.buckets else 'off'}; padded first calls: "
+        + (f"{padding.padded_runs} runs" if padding is not None else "off"))
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"dynamic-{args.device}-{datetime.date.today().isoformat()}.md", "a") as f:

@@ -7,12 +7,15 @@
 bench/dynamic.py's stream (random batch x sequence, padding masks). Per request: onnxruntime, then kiln, at a shape
 neither has seen (which of them first alternates per request), then --repeats more of each. Times are CPU time
 of the calling thread (time.thread_time: a loaded machine's preemption is left out, its cache sharing is not; with
-2 threads the workers' time is not in it) and wall.
+2 threads the workers' time is not in it) and wall. A "repeat" is the median of calls 3 and later at a shape: kiln
+runs a new shape's first call padded inside a bound one where it can (kiln/runtime/first_calls.py) and binds the
+shape at its second call, so the second call's extra is reported too. KILN_PAD_FIRST_CALLS=0: no padding (A/B).
 
 Then where a kiln first call's extra time goes: the stream again with everything kept, dropping before each
 request's first call (a) nothing kept, (b) its shape plan only (the shape-only steps run again), (c) its segment
 views only (every member of every native segment is bound again at the new sizes), (d) nothing: extra = that call
-- the median repeat, median over the stream.
+- the median repeat, median over the stream. These rows time the binding path: the shapes are bound once already,
+so the padding runs each at its own size.
 """
 
 from __future__ import annotations
@@ -44,9 +47,11 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--max-seq", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="calls after the first at each shape (at least 2)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.repeats < 2:
+        ap.error("--repeats: at least 2 (the second call at a shape may bind it; later calls are the repeats)")
     torch.set_num_threads(args.threads)
     import onnxruntime as ort
 
@@ -72,6 +77,7 @@ def main() -> None:
         return (time.thread_time_ns() - c0) / 1e3, (time.perf_counter_ns() - w0) / 1e3
 
     first: dict[str, list] = {n: [] for n in runners}
+    second: dict[str, list] = {n: [] for n in runners}
     repeat: dict[str, list] = {n: [] for n in runners}
     for k, r in enumerate(requests):
         order = list(runners.items())[::-1 if k % 2 else 1]  # who meets the shape first alternates
@@ -82,22 +88,28 @@ def main() -> None:
             for name, run in order:
                 again[name].append(timed(run, r))
         for name in runners:
-            repeat[name].append(tuple(statistics.median(t[i] for t in again[name]) for i in (0, 1)))
+            second[name].append(again[name][0])
+            repeat[name].append(tuple(statistics.median(t[i] for t in again[name][1:]) for i in (0, 1)))
 
     print(f"# first calls at new shapes: {args.model}, cpu ({_cpu_name()}), commit {commit()}, "
           f"{args.threads} thread(s), {args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average {os.getloadavg()[0]:.1f}, padded first calls "
+          f"{'on' if context._first_calls is not None else 'off'}")
     print("\n| clock | kiln first calls / onnxruntime's (stream) | per request median, worst | first-call extra "
-          "kiln, onnxruntime (median µs) | repeats kiln / onnxruntime |")
-    print("|---|---|---|---|---|")
+          "kiln, onnxruntime (median µs) | second-call extra kiln, onnxruntime (median µs) | repeats kiln / onnxruntime |")
+    print("|---|---|---|---|---|---|")
     for i, clock in ((0, "thread CPU"), (1, "wall")):
         total = {n: sum(t[i] for t in first[n]) for n in runners}
         ratios = [k[i] / o[i] for k, o in zip(first["kiln"], first["onnxruntime"])]
         extra = {n: statistics.median(f[i] - p[i] for f, p in zip(first[n], repeat[n])) for n in runners}
+        extra2 = {n: statistics.median(f[i] - p[i] for f, p in zip(second[n], repeat[n])) for n in runners}
         repeats = {n: sum(t[i] for t in repeat[n]) for n in runners}
         print(f"| {clock} | {total['kiln'] / total['onnxruntime']:.2f} | {statistics.median(ratios):.2f}, "
               f"{max(ratios):.2f} | {extra['kiln']:.0f}, {extra['onnxruntime']:.0f} | "
-              f"{repeats['kiln'] / repeats['onnxruntime']:.2f} |")
+              f"{extra2['kiln']:.0f}, {extra2['onnxruntime']:.0f} | {repeats['kiln'] / repeats['onnxruntime']:.2f} |")
+    if context._first_calls is not None:
+        print(f"\nkiln first calls run padded: {context._first_calls.padded_runs} of {args.requests}; binding measured "
+              f"{', '.join(f'{ms:.2f}' for ms in context._first_calls.bind_ms)} ms (thread CPU)")
 
     program = engine.program
 

@@ -6,8 +6,10 @@ numpy in -> numpy out; torch in -> torch out. Several contexts share one engine'
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,7 @@ from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.buckets import PACKING, plan_buckets, token_carrier
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
+from kiln.runtime.first_calls import FirstCalls
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
@@ -138,6 +141,7 @@ class Engine:
         self.inputs: list[Binding] = plan.inputs
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
+        self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
     @property
@@ -193,6 +197,7 @@ class Engine:
         self.plan.weights.update(weights)
         placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
         self.program = Program(self.plan.program, placed, self.device)
+        self.first_calls = _first_calls(self)
         self._threads = threading.local()  # contexts of the old weights (bound segments, graphs) go
 
     def __repr__(self) -> str:
@@ -205,12 +210,16 @@ class ExecutionContext:
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
     def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
-                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto"):
+                 max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto",
+                 pad_first_calls: bool | None = None):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
         padding-free engine: "auto" packs a run's real tokens where that pays (buckets.PACK_MIN_SAVING), "always"
-        wherever a row is saved, "never" runs every position (the identity packing: the plain computation)."""
+        wherever a row is saved, "never" runs every position (the identity packing: the plain computation).
+        `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
+        one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
+        the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens)."""
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
@@ -237,6 +246,10 @@ class ExecutionContext:
         self._checked: dict[tuple, int] | None = {} if self._static is None and self.runner is None \
             and not engine.internal_dtype and self.buckets is None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
+            and self._token_mask is None else None
+        if pad_first_calls is None:
+            pad_first_calls = os.environ.get("KILN_PAD_FIRST_CALLS", "1") != "0"
+        self._first_calls = engine.first_calls if pad_first_calls and self.buckets is None and self.runner is None \
             and self._token_mask is None else None
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
@@ -361,35 +374,60 @@ class ExecutionContext:
     def warm_up(self, profile: int = 0) -> int:
         """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
         stream of requests meets no first call: on CUDA each run captures its graph. Returns the
-        number of runs. Without buckets: one run at the profile's opt shape."""
+        number of runs. Without buckets: one run at the profile's opt shape. With padded first calls on the CPU
+        (kiln/runtime/first_calls.py), two runs at each bucket, smallest work first: each is then bound, a host a new
+        shape may run padded in (within 2x along each padded dim), its time and what binding it cost measured; up to
+        the first bucket whose run takes longer than HOSTS_UP_TO times binding (padding in a larger one would cost
+        more than binding: BERT-base's buckets past ~2 x 32 at one thread)."""
         plan = self.engine.profiles[profile] if self.engine.profiles else None
         if plan is None:
             return 0
         symbols: dict[str, list[int]] = {}
+        ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
         for b in self.engine.inputs:
             r = plan.inputs.get(b.name)
             for axis, d in enumerate(b.shape or []):
                 if isinstance(d, str) and r is not None and d not in symbols:
-                    if self.buckets is not None and d in self.buckets.symbols:
-                        symbols[d] = self.buckets.sizes(d, r.min[axis], r.max[axis])
+                    if ladder is not None and d in ladder.symbols:
+                        symbols[d] = ladder.sizes(d, r.min[axis], r.max[axis])
                     else:
                         symbols[d] = [r.opt[axis]]
-        runs = 0
-        for values in itertools.product(*symbols.values()):
-            sizes = dict(zip(symbols, values))
-            feeds = {}
-            for b in self.engine.inputs:
-                r = plan.inputs.get(b.name)
-                shape = [sizes[d] if isinstance(d, str) and d in sizes else (r.opt[axis] if r else d)
-                         for axis, d in enumerate(b.shape or [])]
-                dt = dtypes.BY_NAME[b.dtype or "float"].torch
-                fill = 1 if "mask" in b.name.lower() else 0  # a mask keeps every token: no empty row
-                feeds[b.name] = torch.full(shape, fill, dtype=dt, device=self.engine.device)
-            self.run(feeds)
-            runs += 1
+        shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
+        if self._first_calls is None:
+            for sizes in shapes:
+                self.run(self._warm_up_feeds(plan, sizes))
+            runs = len(shapes)
+        else:
+            runs = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         return runs
+
+    def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
+        """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
+        one's repeat takes longer than HOSTS_UP_TO times binding. Returns the number of runs."""
+        runs = 0
+        for sizes in shapes:
+            feeds = self._warm_up_feeds(plan, sizes)
+            self.run(feeds)
+            start = time.thread_time_ns()
+            self.run(feeds)
+            runs += 2
+            if (time.thread_time_ns() - start) / 1e6 > HOSTS_UP_TO * self._first_calls.budget_ms():
+                break
+        return runs
+
+    def _warm_up_feeds(self, plan: Profile, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
+        """Inputs of the symbols' `sizes` (other dims at the profile's opt): zeros, masks of ones."""
+        feeds = {}
+        for b in self.engine.inputs:
+            r = plan.inputs.get(b.name)
+            shape = [sizes[d] if isinstance(d, str) and d in sizes else (r.opt[axis] if r else d)
+                     for axis, d in enumerate(b.shape or [])]
+            dt = dtypes.BY_NAME[b.dtype or "float"].torch
+            fill = 1 if "mask" in b.name.lower() else 0  # a mask keeps every token: no empty row
+            feeds[b.name] = torch.full(shape, fill, dtype=dt, device=self.engine.device)
+        return feeds
 
     def _select_profile(self, feeds: dict[str, Any]) -> int:
         """The first optimization profile holding every input's shape, or an error naming them all."""
@@ -451,7 +489,11 @@ class ExecutionContext:
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
 
     def _run_program(self, args: list[Any]) -> list[Any]:
-        return self.runner.run(args) if self.runner is not None else self.engine.program.run(args)
+        if self.runner is not None:
+            return self.runner.run(args)
+        if self._first_calls is not None:
+            return self._first_calls.run(args)
+        return self.engine.program.run(args)
 
     def _with_tokens(self, args: list[Any], tokens: int | None = None) -> list[Any]:
         """A padding-free engine's program inputs with the rows this run packs to appended (the token bucket, its
@@ -505,9 +547,8 @@ class ExecutionContext:
         self.profile = profile
         args = self._with_tokens([torch.from_numpy(feeds[n]) for n in names], self._host_tokens(feeds))
         with torch.inference_mode():
-            results = self.engine.program.run(args)
+            results = self._run_program(args)
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
-
 
     def _replay_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CUDA engine of fixed shapes, fed CUDA tensors of exactly its bindings, whose graph is
@@ -559,6 +600,8 @@ class ExecutionContext:
             results = self.engine.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
 
+
+HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
 
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)
 
@@ -640,6 +683,17 @@ def _whole_segment(engine: Engine):
     if segment.entries != program.input_slots or segment.exits != program.output_slots:
         return None
     return segment
+
+
+def _first_calls(engine: Engine) -> FirstCalls | None:
+    """The padding of first calls for a CPU engine of dynamic shapes whose first calls bind something (shape values,
+    native segments) and that has dims where padding is exact; else None."""
+    program = engine.program
+    if engine.device.type != "cpu" or not engine.profiles or (not program.segments and program.shape_plans is None):
+        return None
+    pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
+    buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims)
+    return FirstCalls(program, buckets, engine.inputs) if buckets is not None else None
 
 
 def load(path: str | os.PathLike) -> Engine:

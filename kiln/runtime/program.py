@@ -194,7 +194,7 @@ class Program:
                 env[s] = outer[name]
         steps, signature = self.run_steps, None
         if self.shape_plans is not None:  # this signature's shape values, when known: their steps are skipped
-            signature = _signature(inputs)
+            signature = input_signature(inputs)
             known = None
             if signature is not None:
                 with self._plans_lock:  # contexts of one engine share its Program: one thread at a time here
@@ -339,7 +339,7 @@ def _constant_key(value: Any) -> Any:
     return id(value)
 
 
-def _signature(inputs: list[Any]) -> tuple | None:
+def input_signature(inputs: list[Any]) -> tuple | None:
     """The input shapes and dtypes, as a key; None when an input is not a tensor."""
     key = []
     for v in inputs:

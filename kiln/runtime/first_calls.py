@@ -1,0 +1,247 @@
+"""A CPU program's first call at a new input shape, run padded inside a shape it has already bound (issue 10).
+
+A first call at a new input-shape signature computes that signature's shape values (kiln/runtime/shape_function.py)
+and binds every native segment at the new sizes (kiln/runtime/native.py): on bert_tiny ~2.6 ms of a first call's
+~2.9 ms extra (1 thread), where a repeat costs 0.07-4 ms. A shape already run keeps both (its shape plan and its
+segment views), so a new shape may instead run padded inside it and be cropped back, where padding is exact
+(kiln/runtime/buckets.py's rule, shared with CUDA's buckets: the batch; a sequence a padding mask covers; the dims
+the build declares):
+
+    host       a bound signature equal to the new one except along the padded dims, and >= it along each of them
+    extra      t_host * (1 - work_new / work_host), work = the product of the padded dims: the padded run's extra time
+               if a run's time were proportional to its work (an overestimate where a run has a fixed cost)
+    choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
+               a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
+
+The new shape is bound (run at its own size) at its BIND_AFTER-th call: a shape that repeats runs exactly from
+then on, one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
+a loaded machine's preemption is left out, which wall clock put into binding's measured cost (a difference of two
+calls) but not into a shape's time (the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of
+CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
+
+Exactness (never a different result, only a different summation order in the GEMMs' and attention's tails: the
+padded and unpadded runs agree to fp32 rounding, tests/unit/test_first_calls.py): rows of a batch never meet;
+tokens a mask zeroes are never attended to, as long as each row keeps one real token. A row the mask empties
+attends to every key alike (BERT's additive mask of the dtype's minimum), so the padded keys would change it: such
+a run is not padded along the sequence.
+"""
+
+from __future__ import annotations
+
+import operator
+import statistics
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.ir import dtypes
+from kiln.plan.spec import Binding
+from kiln.runtime.buckets import MASK_NAMES, Buckets
+from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
+
+BIND_AFTER = 2  # the call at a new shape that binds it (run at its own size): the second
+BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
+BIND_SAMPLES = 9  # measured binding costs kept (their median is the budget)
+SEEN_SHAPES = 4096  # unbound shapes whose calls are counted (then the count starts over)
+
+
+@dataclass
+class BoundShape:
+    """A signature run at its own size (so bound): its padded dims' sizes, their product, its times."""
+
+    signature: tuple
+    sizes: tuple[int, ...]  # the padded symbols' sizes, in FirstCalls.symbols' order
+    work: int
+    first_ms: float  # its first exact run (the binding included)
+    ms: float  # its least run time since (the first's until it repeats)
+    runs: int = 1
+
+
+class Hosts:
+    """The bound shapes of one group (equal but for the padded dims). A plain loop: after a run has streamed the
+    caches full of activations, numpy's calls over these sizes took twice the loop's time (670 against 340 µs of
+    a first call, bert_tiny, load 9)."""
+
+    def __init__(self) -> None:
+        self.shapes: list[BoundShape] = []
+
+    def add(self, shape: BoundShape) -> None:
+        self.shapes.append(shape)
+
+    def remove(self, shape: BoundShape) -> None:
+        self.shapes.remove(shape)
+
+    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any) -> BoundShape | None:
+        """The shape of least estimated extra (t * (1 - work / its work)) below `budget` that holds `sizes` (>= along
+        each padded dim, equal along the `fixed` ones, not equal along all), its shape plan kept; else None."""
+        work = _product(sizes)
+        best, best_extra = None, budget
+        for host in self.shapes:
+            held = host.sizes
+            if held == sizes or not all(map(operator.ge, held, sizes)) \
+                    or (fixed and any(held[j] != sizes[j] for j in fixed)):
+                continue
+            extra = host.ms * (1.0 - work / host.work)
+            if extra < best_extra and (plans is None or host.signature in plans):
+                best, best_extra = host, extra
+        return best
+
+
+class FirstCalls:
+    """Runs a CPU Program, each call at a shape the program has not bound padded inside one it has, when that
+    costs less than binding (the module's docstring). Shared by an engine's contexts."""
+
+    def __init__(self, program: Program, buckets: Buckets, inputs: list[Binding]):
+        self.program = program
+        self.buckets = buckets
+        self.symbols = list(buckets.symbols)
+        # where each padded symbol is read: its first carrier (input, axis); the engine checked the others agree
+        carriers = {symbol: (k, axis) for k, pads in reversed(list(enumerate(buckets.pads))) for axis, symbol in pads}
+        self._carriers = [carriers[s] for s in self.symbols]
+        self._padded_axes = [{axis for axis, _ in pads} for pads in buckets.pads]
+        self._pads = [[(axis, self.symbols.index(symbol)) for axis, symbol in pads] for pads in buckets.pads]
+        self._crops = [[(axis, self.symbols.index(symbol)) for axis, symbol in crops] for crops in buckets.crops]
+        # the masks: a row they empty must not be padded along the sequence (the docstring's exactness)
+        self._masks = [(k, self.symbols.index(symbol)) for k, (b, pads) in enumerate(zip(inputs, buckets.pads))
+                       if any(m in b.name.lower() for m in MASK_NAMES) and len(b.shape or ()) == 2
+                       for axis, symbol in pads if axis == 1]
+        self.bound: OrderedDict[tuple, BoundShape] = OrderedDict()  # signature -> its bound shape, least recent first
+        self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
+        self._seen: dict[tuple, int] = {}  # unbound signature -> calls so far
+        self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
+        self.padded_runs = 0
+        self._lock = threading.Lock()
+
+    def run(self, args: list[Any]) -> list[Any]:
+        signature = input_signature(args)
+        if signature is None:
+            return self.program.run(args)
+        known = self.bound.get(signature)
+        if known is not None:
+            return self._run_exact(args, signature, known)
+        calls = self._seen.get(signature, 0) + 1
+        if calls < BIND_AFTER:
+            sizes = self._sizes(signature)
+            host = self._host(args, signature, sizes)
+            if host is not None:
+                if len(self._seen) >= SEEN_SHAPES:
+                    self._seen.clear()
+                self._seen[signature] = calls
+                return self._run_padded(args, sizes, host)
+        self._seen.pop(signature, None)
+        return self._run_exact(args, signature, None)
+
+    def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
+        """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
+        t0 = time.thread_time_ns()
+        results = self.program.run(args)
+        ms = (time.thread_time_ns() - t0) / 1e6
+        with self._lock:
+            if known is None:
+                self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
+            else:
+                self.bound.move_to_end(signature)
+                if known.runs == 1:  # its first repeat: what binding it cost
+                    self.bind_ms.append(max(known.first_ms - ms, 0.0))
+                    known.ms = ms
+                else:
+                    known.ms = min(known.ms, ms)
+                known.runs += 1
+        return results
+
+    def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape) -> list[Any]:
+        """The program at `host`'s size, the inputs zero-padded along the padded dims, the outputs cropped back
+        (each a contiguous copy, as a run at the call's own size returns it)."""
+        padded = [_padded(x, axes, host.sizes) for x, axes in zip(args, self._pads)]
+        t0 = time.thread_time_ns()
+        results = self.program.run(padded)
+        ms = (time.thread_time_ns() - t0) / 1e6
+        with self._lock:
+            self.padded_runs += 1
+            host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
+            if host.signature in self.bound:
+                self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
+        return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
+
+    def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...]) -> BoundShape | None:
+        """The bound shape to run this new one padded in (least extra, below binding's cost), or None."""
+        hosts = self._groups.get(_group(signature, self._padded_axes))
+        if hosts is None:
+            return None
+        fixed = self._unpaddable(args)
+        with self._lock:  # another context's run may be adding or evicting a bound shape
+            return hosts.cheapest(sizes, fixed, self.budget_ms(), self.program.shape_plans)
+
+    def budget_ms(self) -> float:
+        """What binding a new shape costs: the median measured, BIND_MS until one is."""
+        samples = list(self.bind_ms)  # one C call: no other thread's append in between
+        return statistics.median(samples) if samples else BIND_MS
+
+    def _unpaddable(self, args: list[Any]) -> list[int]:
+        """The padded symbols (by index) this call may not be padded along: the sequence of a mask with a row of
+        no real token (it would attend to the pads)."""
+        return [j for k, j in self._masks if not _every_row_kept(args[k])]
+
+    def _sizes(self, signature: tuple) -> tuple[int, ...]:
+        return tuple(signature[k][0][axis] for k, axis in self._carriers)
+
+    def _add(self, shape: BoundShape) -> None:
+        """Record a bound shape (the caller holds the lock); the least recently used out past SHAPE_PLANS, as the
+        program's shape plans and segment views go."""
+        shape.work = _product(shape.sizes)
+        self.bound[shape.signature] = shape
+        self._groups.setdefault(_group(shape.signature, self._padded_axes), Hosts()).add(shape)
+        while len(self.bound) > SHAPE_PLANS:
+            _, old = self.bound.popitem(last=False)
+            self._groups[_group(old.signature, self._padded_axes)].remove(old)
+
+
+def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:
+    """x zero-padded at the end of each (axis, symbol index) to `sizes`: through numpy where the dtype has one
+    (a third of torch's indexing time for a BERT's ids), else torch."""
+    shape = list(x.shape)
+    for axis, j in axes:
+        shape[axis] = sizes[j]
+    if shape == list(x.shape):
+        return x
+    if x.dtype in dtypes.NUMPY_REAL and not x.requires_grad:
+        out = np.zeros(shape, x.numpy().dtype)
+        out[tuple(slice(0, d) for d in x.shape)] = x.numpy()
+        return torch.from_numpy(out)
+    out = x.new_zeros(shape)
+    out[tuple(slice(0, d) for d in x.shape)] = x
+    return out
+
+
+def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any:
+    """y cut back to `sizes` along each (axis, symbol index): a contiguous copy, as a run at those sizes gives."""
+    if not axes or not isinstance(y, torch.Tensor):
+        return y
+    for axis, j in axes:
+        if y.shape[axis] != sizes[j]:
+            y = y.narrow(axis, 0, sizes[j])
+    return y.contiguous()
+
+
+def _every_row_kept(mask: torch.Tensor) -> bool:
+    """Whether each row of a [batch, seq] mask (int or bool, buckets.py's rule) keeps a token; through numpy, in
+    half torch's time."""
+    return bool(mask.numpy().any(axis=1).all())
+
+
+def _group(signature: tuple, padded_axes: list[set[int]]) -> tuple:
+    """The signature with its padded dims left out: the shapes that may host one another."""
+    return tuple((tuple(None if axis in axes else d for axis, d in enumerate(shape)), dtype)
+                 for (shape, dtype), axes in zip(signature, padded_axes))
+
+
+def _product(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for d in sizes:
+        n *= d
+    return max(n, 1)

@@ -1,0 +1,165 @@
+"""First calls at new shapes on the CPU, run padded inside a bound shape (kiln/runtime/first_calls.py): padded runs
+give the unpadded result and onnxruntime's at fresh random shapes, a shape binds at its second call, a host is
+chosen by its estimated extra against the binding budget, and a mask row with no real token is never padded
+along the sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.runtime import engine as kiln_engine
+from kiln.runtime import first_calls
+
+# Padded and unpadded runs differ only in the GEMMs' and attention's summation order over other shapes (fp32):
+# well inside 1e-5 of the scale of BERT's LayerNorm'd outputs (test_buckets.py's tolerance)
+RTOL, ATOL = 1e-5, 2e-5
+ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers
+
+
+@pytest.fixture(scope="module")
+def bert():
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return engine, session
+
+
+def _feeds(rng, batch, seq, empty_row=None):
+    mask = np.ones((batch, seq), np.int64)
+    for row in range(batch):
+        mask[row, rng.integers(1, seq + 1):] = 0
+    if empty_row is not None:
+        mask[empty_row] = 0
+    return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+def _fresh(engine):
+    """A context whose engine's padding starts over (nothing bound it knows of), with a budget that pads any call
+    that has a host."""
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    engine.first_calls.bind_ms.append(1e6)
+    return engine.create_execution_context()
+
+
+def test_padded_first_calls_give_the_unpadded_result_and_onnxruntimes(bert):
+    engine, session = bert
+    context = _fresh(engine)
+    plain = engine.create_execution_context(pad_first_calls=False)
+    assert plain._first_calls is None and context._first_calls is engine.first_calls
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))  # the host: bound at the profile's max
+    padding = engine.first_calls
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 48))) for _ in range(8)} | {(1, 1), (3, 47)}
+    for batch, seq in sorted(shapes):
+        feeds = _feeds(rng, batch, seq)
+        before = padding.padded_runs
+        got = next(iter(context.run(feeds).values()))
+        assert padding.padded_runs == before + 1, f"batch {batch} x seq {seq} was not padded"
+        assert got.shape == (batch, seq, 64) and got.flags.c_contiguous  # cropped back, as a run at its size
+        np.testing.assert_allclose(got, next(iter(plain.run(feeds).values())), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"padded vs unpadded, batch {batch} x seq {seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"padded vs onnxruntime, batch {batch} x seq {seq}")
+
+
+def test_torch_inputs_are_padded_and_come_back_as_torch(bert):
+    engine, session = bert
+    context = _fresh(engine)
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))
+    batch, seq = int(rng.integers(1, 4)), int(rng.integers(2, 47))
+    feeds = _feeds(rng, batch, seq)
+    got = next(iter(context.run({k: torch.from_numpy(v) for k, v in feeds.items()}).values()))
+    assert engine.first_calls.padded_runs == 1 and isinstance(got, torch.Tensor) and got.shape == (batch, seq, 64)
+    np.testing.assert_allclose(got.numpy(), session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_a_shape_binds_at_its_second_call(bert):
+    engine, _ = bert
+    context = _fresh(engine)
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))
+    feeds = _feeds(rng, 2, int(rng.integers(2, 40)))
+    signature = ((feeds["input_ids"].shape, torch.int64),) * 2
+    context.run(feeds)
+    assert padding.padded_runs == 1 and signature not in padding.bound
+    context.run(feeds)  # the second call: at its own size, which binds it
+    assert padding.padded_runs == 1 and signature in padding.bound and signature in engine.program.shape_plans
+    context.run(feeds)  # the third: its repeat, which measures what binding cost
+    assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == 2
+
+
+def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(bert):
+    engine, _ = bert
+    context = _fresh(engine)
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    for batch, seq in ((4, 48), (2, 40), (4, 20)):
+        feeds = _feeds(rng, batch, seq)
+        context.run(feeds)
+        context.run(feeds)  # bound by now, padded or not the first time
+    padding.bound[((4, 48), torch.int64), ((4, 48), torch.int64)].ms = 4.0
+    padding.bound[((2, 40), torch.int64), ((2, 40), torch.int64)].ms = 1.0
+    padding.bound[((4, 20), torch.int64), ((4, 20), torch.int64)].ms = 1.0
+    feeds = _feeds(rng, 2, 18)
+    args = [torch.from_numpy(feeds[n]) for n in engine.input_names]
+    signature = ((2, 18), torch.int64), ((2, 18), torch.int64)
+    # extra = t_host * (1 - 36 / work_host): 4x48 3.25 ms, 2x40 0.55 ms, 4x20 0.55 ms -> the first of least
+    assert padding._host(args, signature, (2, 18)).sizes in {(2, 40), (4, 20)}
+    padding.bound[((4, 20), torch.int64), ((4, 20), torch.int64)].ms = 0.5  # extra 0.275 ms
+    assert padding._host(args, signature, (2, 18)).sizes == (4, 20)
+    padding.bind_ms.clear()
+    padding.bind_ms.append(0.2)  # binding cheaper than any host's extra: none
+    assert padding._host(args, signature, (2, 18)) is None
+    assert padding._host(args, (((5, 18), torch.int64),) * 2, (5, 18)) is None  # no bound shape holds 5 rows
+
+
+def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(bert):
+    """Such a row attends to every key alike (BERT's additive mask of the dtype's minimum): padded keys would
+    join in. Without the guard the padded result differs from onnxruntime's by ~1.6e-2 (measured), 160x the tolerance."""
+    engine, session = bert
+    context = _fresh(engine)
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))
+    seq = int(rng.integers(2, 40))
+    feeds = _feeds(rng, 2, seq, empty_row=1)
+    got = next(iter(context.run(feeds).values()))
+    assert engine.first_calls.padded_runs == 0
+    np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    host = _feeds(rng, 4, seq + 1)
+    context.run(host)
+    context.run(host)  # bound: a host of another batch and the same sequence, padded along the batch only
+    padded = engine.first_calls.padded_runs
+    again = _feeds(rng, 3, seq + 1, empty_row=0)
+    got = next(iter(context.run(again).values()))
+    assert engine.first_calls.padded_runs == padded + 1
+    np.testing.assert_allclose(got, session.run(None, again)[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(bert, monkeypatch):
+    engine, _ = bert
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    context = engine.create_execution_context()
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every bucket, however long its run on a loaded machine
+    assert context.warm_up() == 2 * 3 * 3  # the buckets twice each: bound (hosts), timed, binding measured
+    bound = {shape.sizes for shape in engine.first_calls.bound.values()}
+    assert {(b, s) for b in (1, 2, 4) for s in (16, 32, 48)} <= bound
+    assert all(shape.runs == 2 for shape in engine.first_calls.bound.values())
+    assert len(engine.first_calls.bind_ms) == first_calls.BIND_SAMPLES and min(engine.first_calls.bind_ms) >= 0
+    monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
+    assert engine.create_execution_context()._first_calls is None
+    assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
+
+
+def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(bert, monkeypatch):
+    engine, _ = bert
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest bucket only
+    assert engine.create_execution_context().warm_up() == 2
+    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 16)]
