@@ -143,3 +143,28 @@ def test_fused_decode_layers_generate_transformers_greedy_tokens(hf_models, monk
     assert seen.count((1, True, False, True)) == 3 * layers  # gate_up + SwiGLU
     assert seen.count((1, False, True, False)) == 3 * 2 * layers  # o, down
     assert len(seen) == 3 * 4 * layers
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_fused_bf16_logits_within_bf16_error_of_fp32_on_cuda(hf_models, name):
+    """decode_fusion="on" with the engine's real candidates: 12 rows (a bucket <= 16) run the fused layers;
+    their logits are within the error transformers' own bf16 run makes against fp32."""
+    from kiln.llm.request import Request
+    from kiln.llm.scheduler import ScheduledRequest
+
+    folder, hf = hf_models(name)
+    prompt = list(range(5, 17))
+    with torch.no_grad():
+        reference = hf.float()(torch.tensor([prompt])).logits[0]
+        hf_bf16 = hf.to("cuda", torch.bfloat16)(torch.tensor([prompt], device="cuda")).logits[0].float().cpu()
+        hf.to("cpu", torch.float32)
+    llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", block_size=16, max_num_seqs=16,
+              decode_fusion="on", cuda_graphs=False)
+    assert llm.engine.model.decode_fusion.configs_for(len(prompt)) is not None
+    runner = llm.engine.runner
+    inputs = runner.prepare([ScheduledRequest(Request("r", prompt), prompt, 0, [1, 2, 3, 4])])
+    inputs.logit_rows = torch.arange(len(prompt), device="cuda")
+    kiln_bf16 = runner.forward(inputs).cpu()
+    assert (kiln_bf16 - reference).abs().max() <= 2 * (hf_bf16 - reference).abs().max() + 1e-2
