@@ -229,7 +229,7 @@ def _tile_product(x_ptr, w_rows, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin, k
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "eps"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
 def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, M, N, K, K_SPLIT,
                  eps, stride_xm, stride_wn, stride_ym, stride_rm, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
