@@ -1,6 +1,6 @@
 """The decode GEMV's fusions (kiln/llm/kernels/gemv.py: norm, residual, swiglu) against torch in fp64 on the
 dequantized weights, under TRITON_INTERPRET=1 at small shapes: RMSNorm folded into the product, the residual
-add in the epilogue, SwiGLU over matching gate and up columns; every variant, bf16 and FP8 weights, ragged
+add in the epilogue, SwiGLU over matching gate and up columns, RoPE and the KV cache write after q|k|v; every variant, bf16 and FP8 weights, ragged
 shapes; the same bits run to run, and row 0 the same bits at M = 1 and 8 (batch invariance)."""
 
 import os
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from kiln.llm.kernels.fused import add_rms_norm  # noqa: E402
-from kiln.llm.kernels.gemv import GemvConfig, gemv  # noqa: E402
+from kiln.llm.kernels.fused import add_rms_norm, rope_kv_write  # noqa: E402
+from kiln.llm.kernels.gemv import GemvConfig, RopeKV, gemv  # noqa: E402
 from tests.llm.test_gemv_kernel import DEVICE, weight  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1":
@@ -125,3 +125,42 @@ def test_fusions_refuse_what_they_cannot_do():
         gemv(x, w, config=WHOLE_K[0], swiglu=True, residual=torch.zeros((1, 16), dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="residual"):
         gemv(x, w, config=WHOLE_K[0], residual=torch.zeros((1, 16), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("config", WHOLE_K, ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("cache", ("bf16", "fp8"))
+def test_rope_and_cache_write_in_the_epilogue(config, cache):
+    """The same bits as the unfused pair at the same config: the GEMV's qkv, then fused.rope_kv_write."""
+    g = torch.Generator().manual_seed(hash(("rope", config.name, cache)) % 2**31)
+    heads, kv_heads, dim, m, k = 4, 2, 16, 3, 64
+    q_w, _, _ = weight((heads + 2 * kv_heads) * dim, k, "bf16", torch.bfloat16, g)
+    x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(DEVICE)
+    norm = (1 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16).to(DEVICE)
+    bias = torch.randn((heads + 2 * kv_heads) * dim, generator=g).to(torch.bfloat16).to(DEVICE)
+    freqs = torch.arange(32.0)[:, None] * (1.0 / 10000 ** (torch.arange(0, dim, 2) / dim))[None, :]
+    cos, sin = freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
+    positions = torch.tensor([3, 17, 30]).to(DEVICE)
+    slots = torch.tensor([5, 0, 9]).to(DEVICE)
+    dtype = torch.float8_e4m3fn if cache == "fp8" else torch.bfloat16
+
+    def caches():
+        return (torch.zeros((2, 8, kv_heads, dim), device=DEVICE).to(dtype),
+                torch.zeros((2, 8, kv_heads, dim), device=DEVICE).to(dtype))
+
+    k_fused, v_fused = caches()
+    q = gemv(x, q_w, None, bias, config, norm=norm, eps=EPS,
+             rope=RopeKV(positions, slots, cos, sin, k_fused, v_fused, heads, kv_heads, dim))
+    k_pair, v_pair = caches()
+    qkv = gemv(x, q_w, None, bias, config, norm=norm, eps=EPS)
+    q_pair = rope_kv_write(qkv, positions, slots, cos, sin, k_pair, v_pair, heads, kv_heads, dim)
+    assert q.shape == (m, heads * dim)
+    assert torch.equal(q.view(m, heads, dim), q_pair)
+    assert torch.equal(k_fused.view(torch.uint8), k_pair.view(torch.uint8))
+    assert torch.equal(v_fused.view(torch.uint8), v_pair.view(torch.uint8))
+    assert k_fused.float().abs().sum() > 0 and v_fused.float().abs().sum() > 0  # the slots were written
+    # and against torch: rotate-half RoPE of the fp64 reference projection
+    ref = (rms_norm(x.cpu(), norm.cpu()) @ q_w.double().cpu().T + bias.double().cpu()).view(m, -1, dim)
+    c, s_ = cos.cpu().double()[positions.cpu()][:, None, :], sin.cpu().double()[positions.cpu()][:, None, :]
+    x1, x2 = ref[..., :dim // 2], ref[..., dim // 2:]
+    rotated = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+    check(q.view(m, heads, dim), rotated[:, :heads], roundings=4)
