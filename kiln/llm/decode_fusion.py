@@ -2,9 +2,10 @@
 at engine start by timing, per rows bucket, against the layer's unfused kernels.
 
 Unfused, a decode layer on CUDA is 9 launches: qkv, RoPE + cache write, attention, o, add + norm, gate_up,
-silu·up, down, add + norm (GEMVs or cuBLAS as kiln/llm/decode_gemv.py chose). Fused it is 6:
+silu·up, down, add + norm (GEMVs or cuBLAS as kiln/llm/decode_gemv.py chose). Fused it is 6 (5 with RoPE):
 
-    qkv     = rmsnorm(x)·Wqkvᵀ                   (input norm folded into the GEMV)
+    qkv     = rmsnorm(x)·Wqkvᵀ                   (input norm folded into the GEMV; and where it times faster
+                                                  than the pair, RoPE and the KV cache write in its epilogue)
     x       = x + attend(qkv)·Woᵀ                 (residual add in the o GEMV's epilogue)
     act     = swiglu(rmsnorm(x)·Wgate_upᵀ)        (post-attention norm folded in, silu(gate)·up stored)
     x       = x + act·Wdownᵀ                      (residual add in the down GEMV's epilogue)
@@ -12,8 +13,9 @@ silu·up, down, add + norm (GEMVs or cuBLAS as kiln/llm/decode_gemv.py chose). F
 and the next layer's qkv reads that x. The residual stream x is the only thing carried between layers (no
 normed copy), and the model's final norm runs once after the last layer.
 
-Per bucket, each of the four fused GEMVs' candidate configs is checked against torch in fp32 and timed; then one
-layer's projections (attention, RoPE and the cache write are the same both ways and left out) are timed fused
+Per bucket, each of the four fused GEMVs' candidate configs is checked against torch in fp32 and timed, and the
+q|k|v GEMV with RoPE against the best q|k|v one plus rope_kv_write; then one layer's projections with RoPE and
+the cache write (attention is the same both ways and left out) are timed fused
 at the best configs against the unfused kernels, each as a CUDA graph rotating over every layer. The fused layer
 is used for that bucket only when it is at least MARGIN faster (mode auto); "on" uses it wherever all four
 fused GEMVs passed their check; "off" never (EngineConfig.decode_fusion, default KILN_LLM_FUSE, else auto).
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +35,8 @@ from torch import nn
 from kiln.llm.config import LLMError
 from kiln.llm.decode_gemv import ENGINE_CONFIGS, ROW_BUCKETS, graph_time, operand, reference_product
 from kiln.llm.kernels import gemv as gemv_kernels
-from kiln.llm.kernels.fused import silu_mul
-from kiln.llm.kernels.gemv import GemvConfig
+from kiln.llm.kernels.fused import rope_kv_write, silu_mul
+from kiln.llm.kernels.gemv import GemvConfig, RopeKV
 from kiln.llm.models.layers import ColumnLinear, RMSNorm, RowLinear
 from kiln.llm.models.llama import LlamaForCausalLM, LlamaLayer
 
@@ -43,7 +45,7 @@ log = logging.getLogger("kiln.llm")
 MODES = {"auto": "auto", "on": "on", "off": "off", "1": "on", "0": "off"}
 MARGIN = 0.02  # auto: the fused layer must be 2% faster than the unfused one (timing noise)
 ROLES = ("qkv", "o", "gate_up", "down")
-WHOLE_K = ("qkv", "gate_up")  # norm and swiglu need the whole of K in one program: split_k 1
+WHOLE_K = ("qkv", "gate_up", "qkv_rope")  # norm, swiglu and rope need the whole of K in one program: split_k 1
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class FusedLayerConfigs:
     o: GemvConfig  # + residual
     gate_up: GemvConfig  # post-attention norm folded in, SwiGLU epilogue
     down: GemvConfig  # + residual
+    rope: bool = False  # the qkv GEMV also applies RoPE and writes k and v into the cache
 
 
 @dataclass
@@ -70,6 +73,7 @@ class FusionDecision:
         if self.configs is None:
             return f"M<={self.bucket}: unfused{times}"
         names = ", ".join(f"{role} {getattr(self.configs, role).name}" for role in ROLES)
+        names += " (qkv with RoPE + cache write)" if self.configs.rope else ""
         return f"M<={self.bucket}: fused{times}: {names}"
 
 
@@ -93,6 +97,16 @@ class DecodeFusion:
         weight, scale = operand(linear)
         return gemv_kernels.gemv(x, weight, scale, linear.bias, config, norm=norm.weight, eps=norm.eps,
                                  swiglu=swiglu)
+
+    @staticmethod
+    def normed_rope(attn: nn.Module, norm: RMSNorm, x: torch.Tensor, config: GemvConfig, positions: torch.Tensor,
+                    kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> q [T, Hq, D] of rmsnorm(x)·Wqkvᵀ + b rotated; k rotated and v written into kv_cache's slots."""
+        weight, scale = operand(attn.qkv_proj)
+        rope = RopeKV(positions, slot_mapping, attn.rotary.cos, attn.rotary.sin, kv_cache[0], kv_cache[1],
+                      attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        q = gemv_kernels.gemv(x, weight, scale, attn.qkv_proj.bias, config, norm=norm.weight, eps=norm.eps, rope=rope)
+        return q.view(x.shape[0], attn.num_heads, attn.head_dim)
 
     @staticmethod
     def residual(linear: RowLinear, x: torch.Tensor, residual: torch.Tensor, config: GemvConfig) -> torch.Tensor:
@@ -125,7 +139,7 @@ def refusal(model: nn.Module, act_dtype: torch.dtype) -> str | None:
 
 def projections(layer: LlamaLayer) -> dict[str, nn.Module]:
     return {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate_up": layer.mlp.gate_up_proj,
-            "down": layer.mlp.down_proj}
+            "down": layer.mlp.down_proj, "qkv_rope": layer.self_attn.qkv_proj}
 
 
 @dataclass
@@ -135,14 +149,22 @@ class LayerInputs:
     x: torch.Tensor  # [rows, hidden]: the residual stream
     attended: torch.Tensor  # [rows, Hq·D]: the attention output o reads
     act: torch.Tensor  # [rows, intermediate]: what down reads
+    positions: torch.Tensor  # [rows]: RoPE's
+    slots: torch.Tensor  # [rows]: row t's k and v go to slot t
+    kv_cache: tuple[torch.Tensor, torch.Tensor]  # [1, rows, Hkv, D] each
 
 
 def layer_inputs(model: LlamaForCausalLM, rows: int, dtype: torch.dtype, device: torch.device) -> LayerInputs:
     layer = model.layers[0]
+    attn = layer.self_attn
     width = {name: operand(linear)[0].shape[1] for name, linear in projections(layer).items()}
+    cache = (1, rows, attn.num_kv_heads, attn.head_dim)
     return LayerInputs(x=torch.randn((rows, width["qkv"]), device=device).to(dtype),
                        attended=torch.randn((rows, width["o"]), device=device).to(dtype),
-                       act=torch.randn((rows, width["down"]), device=device).to(dtype))
+                       act=torch.randn((rows, width["down"]), device=device).to(dtype),
+                       positions=torch.arange(rows, device=device) * 7 + 3, slots=torch.arange(rows, device=device),
+                       kv_cache=(torch.zeros(cache, device=device, dtype=dtype),
+                                 torch.zeros(cache, device=device, dtype=dtype)))
 
 
 def fused_call(role: str, layer: LlamaLayer, inputs: LayerInputs, config: GemvConfig) -> Callable[[], torch.Tensor]:
@@ -150,6 +172,9 @@ def fused_call(role: str, layer: LlamaLayer, inputs: LayerInputs, config: GemvCo
     p = projections(layer)
     if role == "qkv":
         return lambda: DecodeFusion.normed(p["qkv"], layer.input_layernorm, inputs.x, config)
+    if role == "qkv_rope":
+        return lambda: DecodeFusion.normed_rope(layer.self_attn, layer.input_layernorm, inputs.x, config,
+                                                inputs.positions, inputs.kv_cache, inputs.slots)
     if role == "gate_up":
         return lambda: DecodeFusion.normed(p["gate_up"], layer.post_attention_layernorm, inputs.x, config, True)
     source = inputs.attended if role == "o" else inputs.act
@@ -162,16 +187,35 @@ def fused_reference(role: str, layer: LlamaLayer, inputs: LayerInputs) -> torch.
     weight, scale = operand(linear)
     bias = 0 if linear.bias is None else linear.bias.float()
     if role in WHOLE_K:
-        norm = layer.input_layernorm if role == "qkv" else layer.post_attention_layernorm
+        norm = layer.post_attention_layernorm if role == "gate_up" else layer.input_layernorm
         x = inputs.x.float()
         h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.float()
         y = reference_product(h, weight, scale) + bias
         if role == "qkv":
             return y
+        if role == "qkv_rope":
+            return rotated_qkv(layer.self_attn, y, inputs.positions)
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
     source = inputs.attended if role == "o" else inputs.act
     return inputs.x.float() + reference_product(source, weight, scale) + bias
+
+
+def rotated_qkv(attn: nn.Module, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[T, (Hq + 2·Hkv)·D] fp32 -> the same with q and k rotated (rotate-half RoPE at `positions`)."""
+    heads = qkv.view(qkv.shape[0], -1, attn.head_dim)  # [T, Hq + 2·Hkv, D]
+    cos, sin = attn.rotary.cos[positions][:, None, :], attn.rotary.sin[positions][:, None, :]
+    first, second = heads.chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+    rotary_heads = attn.num_heads + attn.num_kv_heads
+    return torch.cat((rotated[:, :rotary_heads], heads[:, rotary_heads:]), dim=1).reshape(qkv.shape)
+
+
+def rope_outputs(attn: nn.Module, q: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+    """What normed_rope computed, laid out as q|k|v [T, (Hq + 2·Hkv)·D]: q, and k and v read from the cache."""
+    rows = q.shape[0]
+    k, v = (cache[0, :rows].reshape(rows, -1) for cache in inputs.kv_cache)  # slot t holds row t
+    return torch.cat((q.reshape(rows, -1), k, v), dim=-1)
 
 
 def fused_error(got: torch.Tensor, ref: torch.Tensor) -> str | None:
@@ -191,7 +235,8 @@ def unfused_layer(layer: LlamaLayer, next_norm: RMSNorm, inputs: LayerInputs) ->
     attn, mlp = layer.self_attn, layer.mlp
 
     def run():
-        attn.qkv_proj(inputs.x)  # its input norm is the previous layer's last add + norm
+        qkv = attn.qkv_proj(inputs.x)  # its input norm is the previous layer's last add + norm
+        rope_write(attn, qkv, inputs)
         x, h = layer.post_attention_layernorm.add_forward(inputs.x, attn.o_proj(inputs.attended))
         silu_mul(mlp.gate_up_proj(h))
         return next_norm.add_forward(x, mlp.down_proj(inputs.act))
@@ -201,13 +246,27 @@ def unfused_layer(layer: LlamaLayer, next_norm: RMSNorm, inputs: LayerInputs) ->
 
 def fused_layer(layer: LlamaLayer, inputs: LayerInputs, configs: FusedLayerConfigs) -> Callable[[], object]:
     """One layer's projections as LlamaLayer.fused_forward runs them."""
-    calls = [fused_call(role, layer, inputs, getattr(configs, role)) for role in ROLES]
+    if configs.rope:
+        qkv = fused_call("qkv_rope", layer, inputs, configs.qkv)
+    else:
+        project = fused_call("qkv", layer, inputs, configs.qkv)
+
+        def qkv():
+            rope_write(layer.self_attn, project(), inputs)
+
+    calls = [qkv] + [fused_call(role, layer, inputs, getattr(configs, role)) for role in ROLES[1:]]
 
     def run():
         for call in calls:
             call()
 
     return run
+
+
+def rope_write(attn: nn.Module, qkv: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+    """The unfused RoPE + cache write (kernels/fused.py) of a projected qkv."""
+    return rope_kv_write(qkv, inputs.positions, inputs.slots, attn.rotary.cos, attn.rotary.sin,
+                         inputs.kv_cache[0], inputs.kv_cache[1], attn.num_heads, attn.num_kv_heads, attn.head_dim)
 
 
 class FusionTuner:
@@ -250,6 +309,9 @@ class FusionTuner:
                 return decision
             best[role] = min(usable, key=lambda name: (usable[name], name))
         configs = FusedLayerConfigs(**{role: self._configs(role, layers)[best[role]] for role in ROLES})
+        rope = self._rope_config(layers, inputs, decision, best["qkv"])
+        if rope is not None:
+            configs = replace(configs, qkv=rope, rope=True)
         if self.mode == "on":
             decision.configs = configs
             return decision
@@ -262,13 +324,35 @@ class FusionTuner:
             decision.configs = configs
         return decision
 
+    def _rope_config(self, layers: list[LlamaLayer], inputs: LayerInputs, decision: FusionDecision,
+                     qkv_name: str) -> GemvConfig | None:
+        """The q|k|v GEMV config with RoPE and the cache write, where it is faster than the best q|k|v GEMV
+        (`qkv_name`) and rope_kv_write after it (MARGIN faster in auto; any that passes its check in on)."""
+        decision.kernels["qkv_rope"] = timings = self._time_role("qkv_rope", layers, inputs)
+        usable = {name: us for name, us in timings.items() if us is not None}
+        if not usable:
+            return None
+        best = min(usable, key=lambda name: (usable[name], name))
+        if self.mode != "on":
+            project = self._configs("qkv", layers)[qkv_name]
+            pair_us = self.measure(inputs.x.shape[0], "qkv + rope_kv_write", [
+                lambda layer=layer: rope_write(layer.self_attn, fused_call("qkv", layer, inputs, project)(), inputs)
+                for layer in layers])
+            decision.kernels["qkv + rope_kv_write"] = {qkv_name: pair_us}
+            if usable[best] >= pair_us * (1 - MARGIN):
+                return None
+        return self._configs("qkv_rope", layers)[best]
+
     def _time_role(self, role: str, layers: list[LlamaLayer], inputs: LayerInputs) -> dict[str, float | None]:
         """Each candidate config's time for one fused projection (None where it is off or does not run)."""
         reference = fused_reference(role, layers[0], inputs)
         timings: dict[str, float | None] = {}
         for config in self._configs(role, layers).values():
             try:
-                error = fused_error(fused_call(role, layers[0], inputs, config)(), reference)
+                got = fused_call(role, layers[0], inputs, config)()
+                if role == "qkv_rope":
+                    got = rope_outputs(layers[0].self_attn, got, inputs)
+                error = fused_error(got, reference)
             except Exception as failure:  # e.g. a config past this GPU's shared memory
                 error = f"{type(failure).__name__}: {str(failure)[:200]}"
             if error is not None:
@@ -279,7 +363,6 @@ class FusionTuner:
             timings[config.name] = self.measure(inputs.x.shape[0], f"{role} {config.name}",
                                                 [fused_call(role, layer, inputs, config) for layer in layers])
         return timings
-
 
     def _configs(self, role: str, layers: list[LlamaLayer]) -> dict[str, GemvConfig]:
         """name -> config of the candidates for `role`'s weight (split_k 1 where the fusion needs the whole K)."""

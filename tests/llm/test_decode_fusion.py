@@ -32,7 +32,8 @@ SPLIT = GemvConfig("fma", 32, 32, 2, 4, 1, "last")  # o and down only: the norm 
 
 
 class FakeTimer:
-    """The fused layer wins at 1 row and loses at 2; per projection A beats B, SPLIT beats both."""
+    """The fused layer wins at 1 row and loses at 2; per projection A beats B, SPLIT beats both; q|k|v with RoPE
+    (3 us at A) beats q|k|v + rope_kv_write at 1 row, not at 2."""
 
     def __init__(self):
         self.names = []
@@ -40,7 +41,8 @@ class FakeTimer:
     def __call__(self, bucket, name, calls):
         assert calls and all(callable(c) for c in calls)
         self.names.append((bucket, name))
-        layer = {1: {"fused layer": 8.0, "unfused layer": 10.0}, 2: {"fused layer": 9.9, "unfused layer": 10.0}}
+        layer = {1: {"fused layer": 8.0, "unfused layer": 10.0, "qkv + rope_kv_write": 5.0},
+                 2: {"fused layer": 9.9, "unfused layer": 10.0, "qkv + rope_kv_write": 3.0}}
         if name in layer[bucket]:
             return layer[bucket][name]
         return {A.name: 3.0, B.name: 4.0, SPLIT.name: 2.0}[name.split(" ", 1)[1]]
@@ -67,21 +69,24 @@ def test_auto_fuses_the_buckets_where_the_fused_layer_is_faster(unfused_after):
     timer = FakeTimer()
     decisions = FusionTuner("auto", measure=timer, candidates=candidates).tune(model, torch.float32, max_rows=2)
     assert [d.bucket for d in decisions] == [1, 2]
-    assert decisions[0].configs == FusedLayerConfigs(qkv=A, o=SPLIT, gate_up=A, down=SPLIT)
+    assert decisions[0].configs == FusedLayerConfigs(qkv=A, o=SPLIT, gate_up=A, down=SPLIT, rope=True)
     assert decisions[1].configs is None  # 1% faster: inside the margin
     assert decisions[1].kernels["qkv"] == {A.name: 3.0, B.name: 4.0}  # SPLIT never tried where K is whole
+    assert decisions[1].kernels["qkv_rope"] == {A.name: 3.0, B.name: 4.0}
+    assert decisions[1].kernels["qkv + rope_kv_write"] == {A.name: 3.0}  # RoPE fused: not faster at 2 rows
     assert model.decode_fusion.plan == {1: decisions[0].configs, 2: None}
     assert model.decode_fusion.configs_for(1) == decisions[0].configs
     assert model.decode_fusion.configs_for(2) is None and model.decode_fusion.configs_for(3) is None
-    # per bucket: 2 + 3 + 2 + 3 candidates, then the layer both ways
-    assert len(timer.names) == 2 * (10 + 2) and (1, "unfused layer") in timer.names
+    # per bucket: 2 + 3 + 2 + 3 candidates, 2 with RoPE and the pair they replace, then the layer both ways
+    assert len(timer.names) == 2 * (10 + 3 + 2) and (1, "unfused layer") in timer.names
 
 
 def test_on_fuses_every_bucket_without_timing_the_layer_and_off_times_nothing(unfused_after):
     model = unfused_after
     timer = FakeTimer()
     decisions = FusionTuner("1", measure=timer, candidates=candidates).tune(model, torch.float32, max_rows=1)
-    assert decisions[0].configs is not None and all("layer" not in n for _, n in timer.names)
+    assert decisions[0].configs == FusedLayerConfigs(qkv=A, o=SPLIT, gate_up=A, down=SPLIT, rope=True)
+    assert all("layer" not in n and "+" not in n for _, n in timer.names)
     model.decode_fusion = None
     assert FusionTuner("off", measure=timer, candidates=candidates).tune(model, torch.float32) == []
     assert model.decode_fusion is None
@@ -102,7 +107,8 @@ def test_a_candidate_off_against_torch_is_never_used(unfused_after, monkeypatch)
     monkeypatch.setattr(gemv_kernels, "gemv", off_for_a)
     decisions = FusionTuner("auto", measure=FakeTimer(), candidates=candidates).tune(model, torch.float32, 1)
     assert decisions[0].kernels["gate_up"][A.name] is None
-    assert decisions[0].configs == FusedLayerConfigs(qkv=B, o=SPLIT, gate_up=B, down=SPLIT)
+    assert decisions[0].kernels["qkv_rope"][A.name] is None
+    assert decisions[0].configs == FusedLayerConfigs(qkv=B, o=SPLIT, gate_up=B, down=SPLIT, rope=True)
 
 
 def test_models_it_cannot_fuse_are_left_alone(hf_models):
@@ -113,13 +119,13 @@ def test_models_it_cannot_fuse_are_left_alone(hf_models):
 
 
 def recording(monkeypatch):
-    """The fusions each GEMV launch asked for: (rows, norm?, residual?, swiglu)."""
+    """The fusions each GEMV launch asked for: (rows, norm?, residual?, swiglu, rope?)."""
     seen = []
     real = gemv_kernels.gemv
 
     def wrapped(x, weight, scale=None, bias=None, config=A, **fusions):
         seen.append((x.shape[0], fusions.get("norm") is not None, fusions.get("residual") is not None,
-                     fusions.get("swiglu", False)))
+                     fusions.get("swiglu", False), fusions.get("rope") is not None))
         return real(x, weight, scale, bias, config, **fusions)
 
     monkeypatch.setattr(gemv_kernels, "gemv", wrapped)
@@ -127,12 +133,13 @@ def recording(monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("name,config", [("llama", A), ("qwen2", B)])  # qwen2: q/k/v bias through the norm GEMV
-def test_fused_decode_layers_generate_transformers_greedy_tokens(hf_models, monkeypatch, name, config):
+@pytest.mark.parametrize("name,config,rope", [("llama", A, False), ("llama", B, True), ("qwen2", A, True)])
+def test_fused_decode_layers_generate_transformers_greedy_tokens(hf_models, monkeypatch, name, config, rope):
+    """qwen2: q/k/v bias through the norm (and RoPE) GEMV."""
     folder, hf = hf_models(name)
     llm = LLM(folder, kv_cache_memory="4MiB", max_num_seqs=2)
     model = llm.engine.model
-    model.decode_fusion = DecodeFusion({1: FusedLayerConfigs(config, SPLIT, config, config)})
+    model.decode_fusion = DecodeFusion({1: FusedLayerConfigs(config, SPLIT, config, config, rope)})
     seen = recording(monkeypatch)
     prompt = [5, 9, 14, 3, 77]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
@@ -140,9 +147,9 @@ def test_fused_decode_layers_generate_transformers_greedy_tokens(hf_models, monk
     assert tokens == hf_greedy(hf, prompt, 4)[0]
     layers = model.config.num_layers
     # 3 decode steps (the first token comes from the prefill, unfused): 4 fused GEMVs a layer
-    assert seen.count((1, True, False, False)) == 3 * layers  # qkv
-    assert seen.count((1, True, False, True)) == 3 * layers  # gate_up + SwiGLU
-    assert seen.count((1, False, True, False)) == 3 * 2 * layers  # o, down
+    assert seen.count((1, True, False, False, rope)) == 3 * layers  # qkv
+    assert seen.count((1, True, False, True, False)) == 3 * layers  # gate_up + SwiGLU
+    assert seen.count((1, False, True, False, False)) == 3 * 2 * layers  # o, down
     assert len(seen) == 3 * 4 * layers
 
 
