@@ -9,10 +9,11 @@ the fusions off, auto (engine start's choice) and on.
    (max relative error), the fastest fused one, against the unfused pair it replaces, whose product is the
    faster of cuBLAS and the plain GEMV's best config:
      qkv      rmsnorm folded in       vs qkv                   (its norm is the previous add + norm)
+     qkv_rope norm, RoPE + cache write vs qkv, rope_kv_write    (checked on q against torch's rotate-half)
      o        + residual              vs o, add + norm
      gate_up  norm folded, + SwiGLU   vs gate_up, silu·up
      down     + residual              vs down, add + norm
-   The four rows' sums are one layer's projections both ways.
+   The sums of qkv (or qkv_rope), o, gate_up and down are one layer's projections both ways.
 2. End to end (random weights, load_format="dummy", CUDA graphs): per mode the engine's fusion decisions,
    then per batch size the decode step's graph replay (ms, CUDA events), decode tok/s (wall clock) and the
    fraction of the bytes-read roofline (--bandwidth TB/s).
@@ -38,8 +39,8 @@ from llm import PRESETS, write_checkpoint  # noqa: E402  bench/llm.py
 from kiln.llm import LLM, SamplingParams  # noqa: E402
 from kiln.llm.decode_fusion import WHOLE_K, engine_candidates  # noqa: E402
 from kiln.llm.decode_gemv import graph_time  # noqa: E402
-from kiln.llm.kernels.fused import add_rms_norm, silu_mul  # noqa: E402
-from kiln.llm.kernels.gemv import gemv  # noqa: E402
+from kiln.llm.kernels.fused import add_rms_norm, rope_kv_write, silu_mul  # noqa: E402
+from kiln.llm.kernels.gemv import RopeKV, gemv  # noqa: E402
 from kiln.llm.quantization import weight_bytes  # noqa: E402
 
 EPS = 1e-5
@@ -51,12 +52,25 @@ def shapes(preset: str) -> dict[str, tuple[int, int]]:
     hidden, inter = p["hidden_size"], p["intermediate_size"]
     head = hidden // p["num_attention_heads"]
     qkv = (p["num_attention_heads"] + 2 * p["num_key_value_heads"]) * head
-    return {"qkv": (qkv, hidden), "o": (hidden, p["num_attention_heads"] * head), "gate_up": (2 * inter, hidden),
+    return {"qkv": (qkv, hidden), "qkv_rope": (qkv, hidden), "o": (hidden, p["num_attention_heads"] * head), "gate_up": (2 * inter, hidden),
             "down": (hidden, inter)}
 
 
-def reference(role: str, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The fused kernel's maths in fp32 torch."""
+def rope_target(preset: str, rows: int, device: str) -> RopeKV:
+    """RoPE tables (theta 500000) and a one-block cache of `rows` slots for the preset's heads."""
+    p = PRESETS[preset]
+    dim = p["hidden_size"] // p["num_attention_heads"]
+    freqs = torch.arange(4096.0)[:, None] * (1.0 / 500000 ** (torch.arange(0, dim, 2) / dim))[None, :]
+    cache = (1, rows, p["num_key_value_heads"], dim)
+    return RopeKV(torch.arange(rows, device=device) * 131 + 7, torch.arange(rows, device=device),
+                  freqs.cos().to(device), freqs.sin().to(device), torch.zeros(cache, device=device, dtype=torch.bfloat16),
+                  torch.zeros(cache, device=device, dtype=torch.bfloat16), p["num_attention_heads"],
+                  p["num_key_value_heads"], dim)
+
+
+def reference(role: str, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, residual: torch.Tensor,
+              rope: RopeKV) -> torch.Tensor:
+    """The fused kernel's maths in fp32 torch (qkv_rope: the rotated q)."""
     x = x.float()
     if role in WHOLE_K:
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * g.float()
@@ -64,22 +78,32 @@ def reference(role: str, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor, resi
     if role == "gate_up":
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if role == "qkv_rope":
+        q = y[:, :rope.num_heads * rope.head_dim].view(y.shape[0], rope.num_heads, rope.head_dim)
+        cos, sin = rope.cos[rope.positions][:, None, :], rope.sin[rope.positions][:, None, :]
+        first, second = q.chunk(2, dim=-1)
+        return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).view(y.shape[0], -1)
     return y if role == "qkv" else residual.float() + y
 
 
-def fused(role: str, x, w, g, residual, config):
+def fused(role: str, x, w, g, residual, rope, config):
     if role in WHOLE_K:
-        return gemv(x, w, None, None, config, norm=g, eps=EPS, swiglu=role == "gate_up")
+        return gemv(x, w, None, None, config, norm=g, eps=EPS, swiglu=role == "gate_up",
+                    rope=rope if role == "qkv_rope" else None)
     return gemv(x, w, None, None, config, residual=residual)
 
 
-def unfused(role: str, x, w, g, residual, product):
+def unfused(role: str, x, w, g, residual, rope, product):
     """The kernels the fused one replaces; product(x, w) is cuBLAS or a plain GEMV config."""
     y = product(x, w)
     if role == "gate_up":
         return silu_mul(y)
     if role in ("o", "down"):
         return add_rms_norm(residual, y, g, EPS)
+    if role == "qkv_rope":
+        r = rope
+        return rope_kv_write(y, r.positions, r.slot_mapping, r.cos, r.sin, r.k_cache, r.v_cache, r.num_heads,
+                             r.num_kv_heads, r.head_dim)
     return y
 
 
@@ -98,34 +122,38 @@ def kernel_table(args) -> None:
                 g = (1 + 0.1 * torch.randn(k, device=args.device)).to(torch.bfloat16)
                 residual = torch.randn((rows, width), device=args.device, dtype=torch.bfloat16)
                 g_out = (1 + 0.1 * torch.randn(width, device=args.device)).to(torch.bfloat16)
-                ref = reference(role, x, weights[0], g, residual)
+                rope = rope_target(args.preset, rows, args.device)
+                ref = reference(role, x, weights[0], g, residual, rope)
                 ok, worst, times = 0, 0.0, {}
                 candidates = [c for c in engine_candidates(role, 2) if role not in WHOLE_K or c.split_k == 1]
                 for config in candidates:
                     try:
-                        got = fused(role, x, weights[0], g, residual, config).float()
+                        got = fused(role, x, weights[0], g, residual, rope, config).float()
                         err = ((got - ref).abs().max() / ref.abs().max()).item()
-                        again = fused(role, x, weights[0], g, residual, config)
+                        again = fused(role, x, weights[0], g, residual, rope, config)
                         if err > 2e-2 or not torch.equal(again.float(), got):
                             print(f"  {role} rows {rows} {config.name}: OFF (rel err {err:.3g}, deterministic "
                                   f"{torch.equal(again.float(), got)})")
                             continue
                         ok += 1
                         worst = max(worst, err)
-                        times[config.name] = graph_time([lambda w=w, c=config: fused(role, x, w, g, residual, c)
+                        times[config.name] = graph_time([lambda w=w, c=config: fused(role, x, w, g, residual, rope, c)
                                                          for w in weights])
                     except Exception as failure:  # one config that does not run: the others go on
                         print(f"  {role} rows {rows} {config.name}: {type(failure).__name__}: {str(failure)[:200]}")
-                cublas = graph_time([lambda w=w: unfused(role, x, w, g_out, residual, F.linear) for w in weights])
-                plain = {c.name: graph_time([lambda w=w, c=c: unfused(role, x, w, g_out, residual,
+                cublas = graph_time([lambda w=w: unfused(role, x, w, g_out, residual, rope, F.linear)
+                                     for w in weights])
+                plain = {c.name: graph_time([lambda w=w, c=c: unfused(role, x, w, g_out, residual, rope,
                                                                       lambda a, b: gemv(a, b, config=c))
                                              for w in weights]) for c in engine_candidates(role, 2)}
                 best_plain = min(plain.values())
                 best = min(times, key=times.get) if times else None
                 fused_us = times[best] if best else float("nan")
-                totals.setdefault(rows, [0.0, 0.0])
-                totals[rows][0] += fused_us
-                totals[rows][1] += min(cublas, best_plain)
+                for with_rope in (False, True):  # the layer with qkv, or with qkv_rope
+                    if role != ("qkv" if with_rope else "qkv_rope"):
+                        total = totals.setdefault((rows, with_rope), [0.0, 0.0])
+                        total[0] += fused_us
+                        total[1] += min(cublas, best_plain)
                 print(f"| {role} {n}x{k} | {rows} | {ok}/{len(candidates)} | {worst:.2e} | {best} | {fused_us:.1f} | "
                       f"{cublas:.1f} | {best_plain:.1f} | {fused_us / min(cublas, best_plain):.3f} |")
             except Exception:
@@ -133,8 +161,10 @@ def kernel_table(args) -> None:
         del weights
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    for rows, (f, u) in totals.items():
-        print(f"| layer (sum; unfused: each pair's best) | {rows} | | | | {f:.1f} | {u:.1f} | {u:.1f} | {f / u:.3f} |")
+    for (rows, with_rope), (f, u) in totals.items():
+        what = "with RoPE + cache write" if with_rope else "qkv, o, gate_up, down"
+        print(f"| layer sum ({what}; unfused: each pair's best) | {rows} | | | | {f:.1f} | {u:.1f} | {u:.1f} | "
+              f"{f / u:.3f} |")
 
 
 def end_to_end(args) -> None:

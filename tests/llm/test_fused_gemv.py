@@ -128,11 +128,11 @@ def test_fusions_refuse_what_they_cannot_do():
 
 
 @pytest.mark.parametrize("config", WHOLE_K, ids=lambda c: c.name.replace(" ", "-"))
-@pytest.mark.parametrize("cache", ("bf16", "fp8"))
-def test_rope_and_cache_write_in_the_epilogue(config, cache):
+@pytest.mark.parametrize("cache,kv_heads", (("bf16", 1), ("fp8", 2)))
+def test_rope_and_cache_write_in_the_epilogue(config, cache, kv_heads):
     """The same bits as the unfused pair at the same config: the GEMV's qkv, then fused.rope_kv_write."""
     g = torch.Generator().manual_seed(hash(("rope", config.name, cache)) % 2**31)
-    heads, kv_heads, dim, m, k = 4, 2, 16, 3, 64
+    heads, dim, m, k = 4, 16, 3, 64
     q_w, _, _ = weight((heads + 2 * kv_heads) * dim, k, "bf16", torch.bfloat16, g)
     x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(DEVICE)
     norm = (1 + 0.5 * torch.randn(k, generator=g)).to(torch.bfloat16).to(DEVICE)

@@ -448,7 +448,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
             part, given(scale), given(bias), y, given(res2), m, n, y.stride(0),
             0 if res2 is None else res2.stride(0), SPLITS=splits, HAS_SCALE=scale is not None,
             HAS_BIAS=bias is not None, RESIDUAL=res2 is not None, BLOCK=block, num_warps=4)
-    return y.reshape(*x.shape[:-1], n)
+    return y.reshape(*x.shape[:-1], y.shape[1])
 
 
 class DecodeGemv:
