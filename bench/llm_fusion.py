@@ -52,7 +52,8 @@ def shapes(preset: str) -> dict[str, tuple[int, int]]:
     hidden, inter = p["hidden_size"], p["intermediate_size"]
     head = hidden // p["num_attention_heads"]
     qkv = (p["num_attention_heads"] + 2 * p["num_key_value_heads"]) * head
-    return {"qkv": (qkv, hidden), "qkv_rope": (qkv, hidden), "o": (hidden, p["num_attention_heads"] * head), "gate_up": (2 * inter, hidden),
+    return {"qkv": (qkv, hidden), "qkv_rope": (qkv, hidden), "o": (hidden, p["num_attention_heads"] * head),
+            "gate_up": (2 * inter, hidden),
             "down": (hidden, inter)}
 
 
@@ -62,9 +63,9 @@ def rope_target(preset: str, rows: int, device: str) -> RopeKV:
     dim = p["hidden_size"] // p["num_attention_heads"]
     freqs = torch.arange(4096.0)[:, None] * (1.0 / 500000 ** (torch.arange(0, dim, 2) / dim))[None, :]
     cache = (1, rows, p["num_key_value_heads"], dim)
+    k_cache, v_cache = (torch.zeros(cache, device=device, dtype=torch.bfloat16) for _ in range(2))
     return RopeKV(torch.arange(rows, device=device) * 131 + 7, torch.arange(rows, device=device),
-                  freqs.cos().to(device), freqs.sin().to(device), torch.zeros(cache, device=device, dtype=torch.bfloat16),
-                  torch.zeros(cache, device=device, dtype=torch.bfloat16), p["num_attention_heads"],
+                  freqs.cos().to(device), freqs.sin().to(device), k_cache, v_cache, p["num_attention_heads"],
                   p["num_key_value_heads"], dim)
 
 
@@ -182,7 +183,8 @@ def end_to_end(args) -> None:
                 for decision in llm.engine.fusion_decisions:
                     print(f"  {decision.describe()}")
                 model = llm.engine.model
-                read = weight_bytes(model) - model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+                embedding = model.embed_tokens.weight
+                read = weight_bytes(model) - embedding.numel() * embedding.element_size()
                 floor_ms = read / (args.bandwidth * 1e12) * 1e3
                 vocab = llm.engine.model_config.vocab_size
                 generator = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""A Llama decode layer's small kernels fused into its GEMVs (kernels/gemv.py's norm, residual and swiglu), chosen
+"""A Llama decode layer's small kernels fused into its GEMVs (kernels/gemv.py's norm, residual, swiglu, rope), chosen
 at engine start by timing, per rows bucket, against the layer's unfused kernels.
 
 Unfused, a decode layer on CUDA is 9 launches: qkv, RoPE + cache write, attention, o, add + norm, gate_up,
@@ -15,10 +15,10 @@ normed copy), and the model's final norm runs once after the last layer.
 
 Per bucket, each of the four fused GEMVs' candidate configs is checked against torch in fp32 and timed, and the
 q|k|v GEMV with RoPE against the best q|k|v one plus rope_kv_write; then one layer's projections with RoPE and
-the cache write (attention is the same both ways and left out) are timed fused
-at the best configs against the unfused kernels, each as a CUDA graph rotating over every layer. The fused layer
-is used for that bucket only when it is at least MARGIN faster (mode auto); "on" uses it wherever all four
-fused GEMVs passed their check; "off" never (EngineConfig.decode_fusion, default KILN_LLM_FUSE, else auto).
+the cache write (attention is the same both ways and left out) are timed fused at the best configs against the
+unfused kernels, each as a CUDA graph rotating over every layer. The fused layer is used for that bucket only
+when it is at least MARGIN faster (mode auto); "on" uses it wherever all four fused GEMVs passed their check;
+"off" never (EngineConfig.decode_fusion, default KILN_LLM_FUSE, else auto).
 Llama-family models (Llama, Mistral, Qwen2) on one GPU, weights in bf16/fp16/fp32 or per-channel FP8/INT8.
 """
 
@@ -101,7 +101,7 @@ class DecodeFusion:
     @staticmethod
     def normed_rope(attn: nn.Module, norm: RMSNorm, x: torch.Tensor, config: GemvConfig, positions: torch.Tensor,
                     kv_cache: tuple[torch.Tensor, torch.Tensor], slot_mapping: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> q [T, Hq, D] of rmsnorm(x)·Wqkvᵀ + b rotated; k rotated and v written into kv_cache's slots."""
+        """x [T, K] -> q [T, Hq, D]: rmsnorm(x)·Wqkvᵀ + b's q rotated; k rotated and v written into the slots."""
         weight, scale = operand(attn.qkv_proj)
         rope = RopeKV(positions, slot_mapping, attn.rotary.cos, attn.rotary.sin, kv_cache[0], kv_cache[1],
                       attn.num_heads, attn.num_kv_heads, attn.head_dim)

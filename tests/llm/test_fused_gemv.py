@@ -1,7 +1,8 @@
-"""The decode GEMV's fusions (kiln/llm/kernels/gemv.py: norm, residual, swiglu) against torch in fp64 on the
-dequantized weights, under TRITON_INTERPRET=1 at small shapes: RMSNorm folded into the product, the residual
-add in the epilogue, SwiGLU over matching gate and up columns, RoPE and the KV cache write after q|k|v; every variant, bf16 and FP8 weights, ragged
-shapes; the same bits run to run, and row 0 the same bits at M = 1 and 8 (batch invariance)."""
+"""The decode GEMV's fusions (kiln/llm/kernels/gemv.py: norm, residual, swiglu, rope) against torch in fp64 on
+the dequantized weights, under TRITON_INTERPRET=1 at small shapes: RMSNorm folded into the product, the residual
+add in the epilogue, SwiGLU over matching gate and up columns, RoPE and the KV cache write after q|k|v; every
+variant, bf16 and FP8 weights, ragged shapes; the same bits run to run, and row 0 the same bits at M = 1 and 8
+(batch invariance)."""
 
 import os
 

@@ -412,7 +412,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         x2 = x2.contiguous()
     m = x2.shape[0]
     if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n or residual.dtype != x.dtype):
-        raise ValueError(f"gemv: residual {list(residual.shape)} {residual.dtype} for an output of [{m}, {n}] {x.dtype}")
+        raise ValueError(f"gemv: residual {list(residual.shape)} {residual.dtype} for an output of [{m}, {n}] "
+                         f"{x.dtype}")
     res2 = residual.reshape(m, n) if residual is not None else None
     length = split_length(k, config)
     splits = -(-k // length)
