@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes on the GPU: kiln.llm's captured decode graph, kernel by kernel.
 
     python bench/llm_profile.py [--preset llama3-8b] [--dtype bfloat16] [--quantization fp8] [--batch 1]
-                                [--gemv auto|cublas|triton]
+                                [--gemv auto|cublas|triton] [--fuse auto|on|off]
 
 Random weights made on the device (load_format="dummy"). After a short generate (which captures the decode
 graphs), the batch's forward graph is replayed under torch.profiler (CUPTI traces the kernels inside a graph
@@ -39,15 +39,20 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--gemv", default=None, choices=["auto", "cublas", "triton"],
                         help="decode GEMVs: EngineConfig.gemv (default: KILN_LLM_GEMV, else auto)")
+    parser.add_argument("--fuse", default=None, choices=["auto", "on", "off"],
+                        help="decode layers' fused GEMVs: EngineConfig.decode_fusion (default: KILN_LLM_FUSE, else auto)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         write_checkpoint(args.preset, getattr(torch, args.dtype), folder, weights=False)
         llm = LLM(folder, dtype=args.dtype, kv_cache_memory="2GiB", max_num_seqs=max(args.batch, 1),
                   quantization=args.quantization, device="cuda", cuda_graphs=True, load_format="dummy",
-                  **({"gemv": args.gemv} if args.gemv else {}))
+                  **({"gemv": args.gemv} if args.gemv else {}), **({"decode_fusion": args.fuse} if args.fuse else {}))
         print(f"decode GEMVs: {llm.engine.config.gemv}")
         for decision in llm.engine.gemv_decisions:
+            print(f"  {decision.describe()}")
+        print(f"decode fusion: {llm.engine.config.decode_fusion}")
+        for decision in llm.engine.fusion_decisions:
             print(f"  {decision.describe()}")
         vocab = llm.engine.model_config.vocab_size
         prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(args.batch)]

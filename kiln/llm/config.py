@@ -215,6 +215,10 @@ class EngineConfig:
     gemv: str = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV", "auto"))
     # a JSON file (kiln's TimingCache) that keeps those timings across processes; default KILN_LLM_GEMV_CACHE
     gemv_timing_cache: str | None = field(default_factory=lambda: os.environ.get("KILN_LLM_GEMV_CACHE") or None)
+    # decode rows (<= 16) of a Llama-family model on one GPU with each layer's norms, residual adds and SwiGLU fused
+    # into its GEMVs: auto (per rows bucket where that timed faster at engine start) | on | off
+    # (kiln/llm/decode_fusion.py); the default comes from KILN_LLM_FUSE (auto, on/1, off/0), else auto
+    decode_fusion: str = field(default_factory=lambda: os.environ.get("KILN_LLM_FUSE", "auto"))
 
     def kv_cache_bytes(self) -> int:
         return parse_bytes(self.kv_cache_memory)
@@ -242,6 +246,8 @@ class EngineConfig:
             raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
         if self.gemv not in ("auto", "cublas", "triton"):
             raise LLMError(f"gemv {self.gemv!r} (or KILN_LLM_GEMV): expected auto, cublas or triton")
+        if self.decode_fusion not in ("auto", "on", "off", "1", "0"):
+            raise LLMError(f"decode_fusion {self.decode_fusion!r} (or KILN_LLM_FUSE): expected auto, on (1) or off (0)")
         if self.load_format not in ("safetensors", "dummy"):
             raise LLMError(f"load_format {self.load_format!r}: expected safetensors or dummy")
 

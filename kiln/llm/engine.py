@@ -150,6 +150,13 @@ class LLMEngine:
             cache = TimingCache(config.gemv_timing_cache) if config.gemv_timing_cache else None
             self.gemv_decisions = GemvTuner(config.gemv, cache).tune(self.model, self.dtype, config.max_num_seqs)
             log.info("kiln llm: decode GEMVs (%s) chosen in %.1f s", config.gemv, time.perf_counter() - tuned)
+        self.fusion_decisions = []  # kiln/llm/decode_fusion.py: per rows bucket, fused decode layers or not
+        if self.device.type == "cuda":
+            from kiln.llm.decode_fusion import FusionTuner  # here: CPU runs never import triton
+
+            tuned = time.perf_counter()
+            self.fusion_decisions = FusionTuner(config.decode_fusion).tune(self.model, self.dtype, config.max_num_seqs)
+            log.info("kiln llm: decode fusion (%s) chosen in %.1f s", config.decode_fusion, time.perf_counter() - tuned)
         self.kv_dtype = torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else self.dtype
         spec = KVCacheSpec(self.model_config.num_layers, self.model_config.num_kv_heads // tp.size,
                            self.model_config.head_dim, config.block_size, self.kv_dtype)

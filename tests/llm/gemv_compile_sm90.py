@@ -22,28 +22,39 @@ from kiln.llm.kernels import gemv as kernels  # noqa: E402
 from tests.kernels.compile_sm90 import SHARED_MEMORY_LIMIT, compile_kernel  # noqa: E402
 
 WEIGHTS = {"bf16": "*bf16", "fp8": "*fp8e4nv", "int8": "*i8"}
-ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "lock_ptr", "N", "K", "K_SPLIT", "stride_xm",
-           "stride_wn", "stride_ym")
+ALIGNED = ("x_ptr", "w_ptr", "scale_ptr", "bias_ptr", "y_ptr", "part_ptr", "lock_ptr", "norm_ptr", "res_ptr", "pos_ptr",
+           "slot_ptr", "cos_ptr", "sin_ptr", "k_cache", "v_cache", "N", "K", "K_SPLIT", "stride_xm", "stride_wn",
+           "stride_ym", "stride_rm", "stride_kslot", "stride_vslot")
+FUSIONS = {"": {}, "norm": {"NORM": True}, "norm+swiglu": {"NORM": True, "SWIGLU": True},
+           "residual": {"RESIDUAL": True},
+           "norm+rope": {"NORM": True, "ROPE": True, "HQ": 32, "HKV": 8, "HALF": 64}}  # Llama-3-8B's heads
 
 
-def compile_config(config: kernels.GemvConfig, weight: str):
+def compile_config(config: kernels.GemvConfig, weight: str, fusion: str = ""):
     types = {"x_ptr": "*bf16", "w_ptr": WEIGHTS[weight], "scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
              "part_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32", "stride_xm": "i32",
-             "stride_wn": "i32", "stride_ym": "i32"}
+             "stride_wn": "i32", "stride_ym": "i32", "norm_ptr": "*bf16", "res_ptr": "*bf16", "eps": "fp32", "stride_rm": "i32",
+             "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_cache": "*bf16",
+             "v_cache": "*bf16", "stride_kslot": "i32", "stride_vslot": "i32"}
     constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
                       SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
-                      BLOCK_K=config.block_k, FMA_ROWS=config.rows)
+                      BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=False, RESIDUAL=False, SWIGLU=False,
+                      ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False)
+    constexprs |= FUSIONS[fusion]
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
     return compile_kernel(fn, types, constexprs, {"num_warps": config.num_warps, "num_stages": config.num_stages},
                           divisible=tuple(name for name in ALIGNED if name not in unspecialized))
 
 
-def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str]:
+def load_problems(config: kernels.GemvConfig, weight: str, ptx: str, fused: bool = False) -> list[str]:
+    """fused: a few narrow loads are the fusions' own (the residual's [rows, BLOCK_N] tile in the epilogue, the
+    norm weight's BLOCK_K slice in an MMA layout: one or two values a thread, loaded or copied); the weight
+    stream is still checked."""
     problems = []
     copies = [int(size, 16) for size in re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*?, 0x([0-9a-f]+)", ptx)]
     scalar = re.findall(r"ld\.global(?:\.\w+)*\.(?:b8|b16|u8|s8|u16)\s", ptx)
-    if scalar:
+    if len(scalar) > (2 if fused else 0):
         problems.append(f"{len(scalar)} scalar 1-2 byte global loads")
     if config.variant in ("fma", "fma_rows"):
         if "ld.global.v4" not in ptx and "ld.global.nc.v4" not in ptx:
@@ -51,7 +62,9 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str) -> list[str
     else:
         if not copies:
             problems.append("no cp.async: the loop is not pipelined")
-        elif min(copies) < 8 or (weight == "bf16" and min(copies) < 16):
+        elif fused and max(copies) < 16:  # the weight stream's; the norm weight's slice may be copied narrower
+            problems.append(f"cp.async of {sorted(set(copies))} bytes")
+        elif not fused and (min(copies) < 8 or (weight == "bf16" and min(copies) < 16)):
             problems.append(f"cp.async of {sorted(set(copies))} bytes")
     return problems
 
@@ -73,6 +86,21 @@ def main() -> int:
             failed += bool(problems)
             print(f"{'FAIL' if problems else 'ok  '} {weight:4s} {config.name}: shared {compiled.metadata.shared} B"
                   + (f": {'; '.join(problems)}" if problems else ""), flush=True)
+    # the decode layer's fusions (bf16 weights): the same vector loads with the norm, SwiGLU and residual code
+    for fusion, config in (("norm", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
+                           ("norm+swiglu", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
+                           ("norm+swiglu", kernels.GemvConfig("dot_swap", 64, 128, 1, 4, 3)),
+                           ("residual", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
+                           ("residual", kernels.GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last")),
+                           ("norm+rope", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
+                           ("norm+rope", kernels.GemvConfig("dot_swap", 64, 256, 1, 4, 4))):
+        compiled = compile_config(config, "bf16", fusion)
+        problems = load_problems(config, "bf16", compiled.asm["ptx"], fused=True)
+        if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
+            problems.append(f"{compiled.metadata.shared} bytes of shared memory")
+        failed += bool(problems)
+        print(f"{'FAIL' if problems else 'ok  '} bf16 {fusion} {config.name}: shared {compiled.metadata.shared} B"
+              + (f": {'; '.join(problems)}" if problems else ""), flush=True)
     return 1 if failed else 0
 
 

@@ -79,23 +79,99 @@ class GemvConfig:
                                               "split_reduce", "rows")}
 
 
+@dataclass
+class RopeKV:
+    """gemv's rope fusion: where the q|k|v projection's RoPE (half-split, fp32 cos/sin tables [P, D/2]) and KV
+    cache write go (kernels/fused.py rope_kv_write's contract): caches [blocks, block_size, Hkv, D]."""
+
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @triton.jit
-def _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym,
-                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _scaled(acc, offs_n, n_ok, scale_ptr, bias_ptr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # acc: [rows, BLOCK_N] fp32 -> acc·scale + bias (columns offs_n), fp32
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    return acc
+
+
+@triton.jit
+def _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, res_ptr, stride_ym, stride_rm,
+                      HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    y = _scaled(acc, offs_n, n_ok, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(y_ptr.dtype.element_ty)
+    if RESIDUAL:  # residual + (x·Wᵀ rounded to the output dtype), summed in fp32: add_rms_norm's rounding
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :], mask=ok, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=ok)
+
+
+@triton.jit
+def _swiglu_store(gate, up, offs_m, offs_n, ok, n_ok, N, scale_ptr, bias_ptr, y_ptr, stride_ym,
+                  HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # gate, up: [rows, BLOCK_N] fp32 sums of output columns offs_n and N + offs_n; each rounded to the output dtype
+    # as the GEMV would store it, silu rounded before the product (fused.silu_mul's rounding)
+    dtype = y_ptr.dtype.element_ty
+    g = _scaled(gate, offs_n, n_ok, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    u = _scaled(up, N + offs_n, n_ok, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], (silu * u).to(dtype), mask=ok)
+
+
+@triton.jit
+def _rope_kv_store(a, b, offs_m, m_ok, n_ok, head, first, scale_ptr, bias_ptr, y_ptr, stride_ym, pos_ptr, slot_ptr,
+                   cos_ptr, sin_ptr, k_cache, v_cache, stride_kslot, stride_vslot, HAS_SCALE: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                   FP8_CACHE: tl.constexpr):
+    # a, b: [rows, BLOCK_N] fp32 sums of W rows `first` and first + HALF (the two halves of a head's pair i);
+    # rounded to the output dtype as the GEMV stores qkv, then fused.rope_kv_write's maths: q rotated into
+    # y [M, Hq·2·HALF], k rotated (rounded, then saturated for an FP8 cache) and v into their cache slots
+    dtype = y_ptr.dtype.element_ty
+    a = _scaled(a, first, n_ok, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    b = _scaled(b, first + HALF, n_ok, scale_ptr, bias_ptr, HAS_SCALE, HAS_BIAS).to(dtype).to(tl.float32)
+    ok = m_ok[:, None] & n_ok[None, :]
+    i = first - head * (2 * HALF)  # the pair within the head
+    pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0)
+    cos = tl.load(cos_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * HALF + i[None, :], mask=ok, other=0.0)
+    rotated_a, rotated_b = a * cos - b * sin, b * cos + a * sin
+    is_q = ok & (head < HQ)[None, :]
+    q_dst = y_ptr + offs_m[:, None] * stride_ym + first[None, :]
+    tl.store(q_dst, rotated_a.to(dtype), mask=is_q)
+    tl.store(q_dst + HALF, rotated_b.to(dtype), mask=is_q)
+    slot = tl.load(slot_ptr + offs_m, mask=m_ok, other=0)
+    k_a, k_b = rotated_a.to(dtype).to(tl.float32), rotated_b.to(dtype).to(tl.float32)
+    if FP8_CACHE:  # an FP8 E4M3 cache (unit scale): saturate at its largest finite value, as the torch write does
+        k_a, k_b = tl.clamp(k_a, -448.0, 448.0), tl.clamp(k_b, -448.0, 448.0)
+        a, b = tl.clamp(a, -448.0, 448.0), tl.clamp(b, -448.0, 448.0)
+    is_k = ok & ((head >= HQ) & (head < HQ + HKV))[None, :]
+    k_dst = k_cache + slot[:, None] * stride_kslot + (first - HQ * 2 * HALF)[None, :]
+    tl.store(k_dst, k_a.to(k_cache.dtype.element_ty), mask=is_k)
+    tl.store(k_dst + HALF, k_b.to(k_cache.dtype.element_ty), mask=is_k)
+    is_v = ok & (head >= HQ + HKV)[None, :]
+    v_dst = v_cache + slot[:, None] * stride_vslot + (first - (HQ + HKV) * 2 * HALF)[None, :]
+    tl.store(v_dst, a.to(v_cache.dtype.element_ty), mask=is_v)
+    tl.store(v_dst + HALF, b.to(v_cache.dtype.element_ty), mask=is_v)
 
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
-              lock_ptr, stride_ym, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+              lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+              SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
     # acc: [rows, BLOCK_N] fp32
     ok = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 0:
-        _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE, HAS_BIAS)
+        _scale_bias_store(acc, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, res_ptr, stride_ym, stride_rm,
+                          HAS_SCALE, HAS_BIAS, RESIDUAL)
     else:  # fp32 partial sums of this K split: workspace [S, M, N]
         parts = part_ptr + offs_m[:, None] * N + offs_n[None, :]
         tl.store(parts + pid_k * M * N, acc, mask=ok)
@@ -108,29 +184,23 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_
                 total = tl.zeros_like(acc)
                 for s in range(0, tl.num_programs(1)):
                     total += tl.load(parts + s * M * N, mask=ok, other=0.0, cache_modifier=".cg")
-                _scale_bias_store(total, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, stride_ym, HAS_SCALE,
-                                  HAS_BIAS)
+                _scale_bias_store(total, offs_m, offs_n, ok, n_ok, scale_ptr, bias_ptr, y_ptr, res_ptr, stride_ym,
+                                  stride_rm, HAS_SCALE, HAS_BIAS, RESIDUAL)
                 tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
-@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn,
-                 stride_ym, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)  # the K split
-    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    k_begin = pid_k * K_SPLIT
-    k_end = tl.minimum(k_begin + K_SPLIT, K)
-    w_rows = w_ptr + offs_n[:, None] * stride_wn  # [BLOCK_N, 1]
-    if VARIANT == 2:  # fma: this program's one row; products summed per lane along K, across lanes at the end
-        offs_m = pid_m + tl.arange(0, 1)
-        m_ok = offs_m < M
+@triton.jit
+def _tile_product(x_ptr, w_rows, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin, k_end, K, eps, stride_xm,
+                  VARIANT: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr):
+    """[rows, BLOCK_N] fp32: rows offs_m of x times the W rows at w_rows ([BLOCK_N, 1] pointers) over K in
+    [k_begin, k_end). NORM: x·g (g at norm_ptr) multiplies W and each row's sum is scaled by its
+    rstd = 1 / sqrt(mean(x²) + eps), mean(x²) summed from the same loads (so NORM needs the whole of K in
+    one program): rmsnorm(x)·Wᵀ = rstd · (x·g)·Wᵀ."""
+    if VARIANT == 2:  # fma: one row (pid_m); products summed per lane along K, across lanes at the end
         x_row = x_ptr + pid_m * stride_xm
         lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
@@ -140,13 +210,18 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M
                 k_ok = offs_k < k_end
                 x = tl.load(x_row + offs_k, mask=k_ok, other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            lanes += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            x = x.to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(norm_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
+            lanes += w.to(tl.float32) * x[None, :]
         acc = tl.sum(lanes, axis=1)[None, :]  # [1, BLOCK_N]
+        if NORM:
+            acc = acc * (1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps))
     elif VARIANT == 3:  # fma_rows: fma over FMA_ROWS rows at once (rows past M are zeros): W read once for them
-        offs_m = pid_m * FMA_ROWS + tl.arange(0, FMA_ROWS)
-        m_ok = offs_m < M
         x_rows = x_ptr + offs_m[:, None] * stride_xm  # [FMA_ROWS, 1]
         lanes3 = tl.zeros([FMA_ROWS, BLOCK_N, BLOCK_K], tl.float32)
+        squares = tl.zeros([FMA_ROWS, BLOCK_K], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
@@ -156,16 +231,21 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M
                 k_ok = offs_k < k_end
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            lanes3 += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            x = x.to(tl.float32)  # [FMA_ROWS, BLOCK_K]
+            if NORM:
+                squares += x * x
+                x = x * tl.load(norm_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)[None, :]
+            lanes3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
         acc = tl.sum(lanes3, axis=2)  # [FMA_ROWS, BLOCK_N]
-    else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < M
+        if NORM:
+            acc = acc * (1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps))[:, None]
+    else:  # dot, dot_swap: BLOCK_M rows (zeros past M) on tensor cores
         x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
         if VARIANT == 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
             acc_t = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             if EVEN:
@@ -175,6 +255,11 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M
                 k_ok = offs_k < k_end
                 x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if NORM:  # x·g rounded to x's dtype: the MMA's operand
+                xf = x.to(tl.float32)
+                squares += xf * xf
+                g = tl.load(norm_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
+                x = (xf * g[None, :]).to(x.dtype)
             if IEEE:  # fp32 activations: exact fp32 products (no TF32)
                 w = w.to(tl.float32)
                 if VARIANT == 0:
@@ -191,13 +276,62 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, M
                     acc_t = tl.dot(w, tl.trans(x), acc_t)
         if VARIANT == 1:
             acc = tl.trans(acc_t)
-    _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
-              lock_ptr, stride_ym, HAS_SCALE, HAS_BIAS, SPLIT)
+        if NORM:
+            acc = acc * (1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps))[:, None]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
+                 cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+                 stride_kslot, stride_vslot, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)  # the K split
+    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    k_begin = pid_k * K_SPLIT
+    k_end = tl.minimum(k_begin + K_SPLIT, K)
+    if VARIANT == 2:
+        offs_m = pid_m + tl.arange(0, 1)
+    elif VARIANT == 3:
+        offs_m = pid_m * FMA_ROWS + tl.arange(0, FMA_ROWS)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    if ROPE:  # N counts head-pairs: column j is pair i = j % HALF of head j // HALF, W rows `first` and + HALF
+        head = offs_n // HALF
+        first = head * (2 * HALF) + offs_n % HALF
+        a = _tile_product(x_ptr, w_ptr + first[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin,
+                          k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS)
+        b = _tile_product(x_ptr, w_ptr + (first + HALF)[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok,
+                          k_begin, k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                          FMA_ROWS)
+        _rope_kv_store(a, b, offs_m, m_ok, n_ok, head, first, scale_ptr, bias_ptr, y_ptr, stride_ym, pos_ptr,
+                       slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, stride_kslot, stride_vslot, HAS_SCALE, HAS_BIAS,
+                       HQ, HKV, HALF, FP8_CACHE)
+    else:
+        acc = _tile_product(x_ptr, w_ptr + offs_n[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin,
+                            k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS)
+        if SWIGLU:  # W is [gate; up], 2·N rows: this program's up columns are rows N + offs_n; no split
+            up = _tile_product(x_ptr, w_ptr + (N + offs_n)[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok,
+                               k_begin, k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+                               FMA_ROWS)
+            _swiglu_store(acc, up, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], n_ok, N, scale_ptr, bias_ptr, y_ptr,
+                          stride_ym, HAS_SCALE, HAS_BIAS)
+        else:
+            _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr,
+                      part_ptr, lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE, HAS_BIAS, SPLIT, RESIDUAL)
 
 
 @triton.jit
-def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, SPLITS: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, res_ptr, M, N, stride_ym, stride_rm,
+                         SPLITS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(1)
     offs_n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     n_ok = offs_n < N
@@ -208,7 +342,11 @@ def _split_reduce_kernel(part_ptr, scale_ptr, bias_ptr, y_ptr, M, N, stride_ym, 
         acc = acc * tl.load(scale_ptr + offs_n, mask=n_ok, other=0.0)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_ok)
+    y = acc.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:
+        r = tl.load(res_ptr + row * stride_rm + offs_n, mask=n_ok, other=0.0)
+        y = (r.to(tl.float32) + y.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_ym + offs_n, y, mask=n_ok)
 
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -238,46 +376,80 @@ def split_length(k: int, config: GemvConfig) -> int:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-         config: GemvConfig = GemvConfig()) -> torch.Tensor:
+         config: GemvConfig = GemvConfig(), *, norm: torch.Tensor | None = None, eps: float = 0.0,
+         residual: torch.Tensor | None = None, swiglu: bool = False, rope: RopeKV | None = None) -> torch.Tensor:
     """x: [..., K] (bf16, fp16 or fp32); weight: [N, K] in x's dtype, float8_e4m3fn or int8 (row-major);
-    scale: [N] fp32 per output channel (8-bit weights), bias: [N] -> [..., N] in x's dtype."""
+    scale: [N] fp32 per output channel (8-bit weights), bias: [N] -> y [..., N] in x's dtype, y = x·Wᵀ + b.
+
+    The decode layer's neighbours fused in (the three compose):
+      norm [K]: RMSNorm of x first, y = rmsnorm(x)·Wᵀ + b = rstd·(x·norm)·Wᵀ + b, rstd = 1/sqrt(mean(x²) + eps)
+                computed in the same pass over x (so the whole of K in one program: split_k 1);
+      residual [..., N]: y = residual + (x·Wᵀ + b), the product rounded to x's dtype first (add_rms_norm's sum);
+      swiglu: W holds [gate; up] (2·I rows, scale and bias likewise), y [..., I] = silu(gate)·up, each program
+              computing matching gate and up columns (split_k 1; no residual);
+      rope: W is q|k|v ((Hq + 2·Hkv)·D rows); each program computes both halves of its heads' RoPE pairs and
+              stores fused.rope_kv_write's results: y [..., Hq·D] the rotated q, k and v into the cache's slots
+              (split_k 1; no residual, no swiglu)."""
     k = x.shape[-1]
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if swiglu or rope is not None else weight.shape[0]  # rope: head-pairs
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: weight {list(weight.shape)} (strides {weight.stride()}) is not a row-major "
                          f"[N, {k}] matrix for x {list(x.shape)}")
     if weight.dtype in (torch.float8_e4m3fn, torch.int8) and scale is None:
         raise ValueError(f"gemv: a {weight.dtype} weight needs its per-channel scale")
+    if (norm is not None or swiglu) and config.split_k != 1:
+        raise ValueError(f"gemv: config {config.name} splits K; norm and swiglu need split_k 1")
+    if swiglu and (weight.shape[0] % 2 or residual is not None):
+        raise ValueError(f"gemv: swiglu needs an even [2·I, K] weight (got {list(weight.shape)}) and no residual")
+    if rope is not None and (swiglu or residual is not None or config.split_k != 1
+                             or weight.shape[0] != (rope.num_heads + 2 * rope.num_kv_heads) * rope.head_dim):
+        raise ValueError(f"gemv: rope needs a q|k|v weight of {rope.num_heads}+2x{rope.num_kv_heads} heads of "
+                         f"{rope.head_dim} (got {list(weight.shape)}), split_k 1, no swiglu and no residual")
+    if norm is not None and norm.shape != (k,):
+        raise ValueError(f"gemv: norm weight {list(norm.shape)} for x of {k} features")
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
+    if residual is not None and (residual.shape[-1] != n or residual.numel() != m * n or residual.dtype != x.dtype):
+        raise ValueError(f"gemv: residual {list(residual.shape)} {residual.dtype} for an output of [{m}, {n}] "
+                         f"{x.dtype}")
+    res2 = residual.reshape(m, n) if residual is not None else None
     length = split_length(k, config)
     splits = -(-k // length)
-    if max(splits * m * n, m * x2.stride(0), n * weight.stride(0)) >= 2**31:
+    if max(splits * m * n, m * x2.stride(0), weight.shape[0] * weight.stride(0)) >= 2**31:
         raise ValueError(f"gemv: {m} x {k} x {n} (split {splits}) is past int32 offsets: it is for decode rows, "
                          "use a GEMM")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, rope.num_heads * rope.head_dim if rope is not None else n), dtype=x.dtype, device=x.device)
     even = k % config.block_k == 0 and length % config.block_k == 0 and n % config.block_n == 0
     rows = m if config.variant == "fma" else -(-m // (config.rows if config.variant == "fma_rows" else MAX_ROWS))
     tiles = triton.cdiv(n, config.block_n)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else y
     last = splits > 1 and config.split_reduce == "last"
     lock = _locks(x.device, rows * tiles) if last else y
-    dummy = y  # an unused pointer argument (HAS_SCALE / HAS_BIAS off)
+
+    def given(t: torch.Tensor | None) -> torch.Tensor:  # an unused pointer argument (its flag off) points at y
+        return y if t is None else t
+
+    r = rope or RopeKV(y, y, y, y, y, y, 1, 1, 2)  # unused pointers when rope is off
     _gemv_kernel[(tiles, splits, rows)](
-        x2, weight, scale if scale is not None else dummy, bias if bias is not None else dummy, y, part, lock,
-        m, n, k, length, x2.stride(0), weight.stride(0), y.stride(0),
+        x2, weight, given(scale), given(bias), y, part, lock, given(norm), given(res2), r.positions, r.slot_mapping,
+        r.cos, r.sin, r.k_cache, r.v_cache,
+        m, n, k, length, eps, x2.stride(0), weight.stride(0), y.stride(0), 0 if res2 is None else res2.stride(0),
+        r.k_cache.stride(1) if rope is not None else 0, r.v_cache.stride(1) if rope is not None else 0,
         VARIANT=VARIANTS[config.variant], HAS_SCALE=scale is not None, HAS_BIAS=bias is not None,
         SPLIT=0 if splits == 1 else 2 if last else 1,
         EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, FMA_ROWS=config.rows, num_warps=config.num_warps, num_stages=config.num_stages)
+        BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=norm is not None, RESIDUAL=res2 is not None,
+        SWIGLU=swiglu, ROPE=rope is not None, HQ=r.num_heads, HKV=r.num_kv_heads, HALF=r.head_dim // 2,
+        FP8_CACHE=r.k_cache.dtype == torch.float8_e4m3fn, num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
-            part, scale if scale is not None else dummy, bias if bias is not None else dummy, y, m, n, y.stride(0),
-            SPLITS=splits, HAS_SCALE=scale is not None, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
-    return y.reshape(*x.shape[:-1], n)
+            part, given(scale), given(bias), y, given(res2), m, n, y.stride(0),
+            0 if res2 is None else res2.stride(0), SPLITS=splits, HAS_SCALE=scale is not None,
+            HAS_BIAS=bias is not None, RESIDUAL=res2 is not None, BLOCK=block, num_warps=4)
+    return y.reshape(*x.shape[:-1], y.shape[1])
 
 
 class DecodeGemv:

@@ -37,19 +37,33 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens, d = x.shape[0], self.head_dim
-        if layers.FUSED and x.is_cuda:  # RoPE and the cache writes in one kernel
+        """x: [T, hidden] normed -> [T, hidden]."""
+        return self.o_proj(self.attend(self.qkv_proj(x), positions, kv_cache, meta))
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, (Hq + 2·Hkv)·D] projected -> RoPE, k and v into the cache, attention: [T, Hq·D]."""
+        return self.attention(self.rope_and_cache(qkv, positions, kv_cache, meta), kv_cache, meta)
+
+    def rope_and_cache(self, qkv: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: [T, (Hq + 2·Hkv)·D] -> rotated q [T, Hq, D]; rotated k and v written into the cache."""
+        num_tokens, d = qkv.shape[0], self.head_dim
+        if layers.FUSED and qkv.is_cuda:  # RoPE and the cache writes in one kernel
             from kiln.llm.kernels.fused import rope_kv_write  # here: a CPU run never imports triton
-            q = rope_kv_write(self.qkv_proj(x), positions, meta.slot_mapping, self.rotary.cos, self.rotary.sin,
-                              kv_cache[0], kv_cache[1], self.num_heads, self.num_kv_heads, d)
-            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
-            return self.o_proj(out.reshape(num_tokens, self.num_heads * d))
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+            return rope_kv_write(qkv, positions, meta.slot_mapping, self.rotary.cos, self.rotary.sin,
+                                 kv_cache[0], kv_cache[1], self.num_heads, self.num_kv_heads, d)
+        q, k, v = qkv.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         q, k = self.rotary(positions, q.view(num_tokens, self.num_heads, d), k.view(num_tokens, self.num_kv_heads, d))
         v = v.view(num_tokens, self.num_kv_heads, d)  # q: [T, Hq, D]; k, v: [T, Hkv, D]
         write_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        return q
+
+    def attention(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                  meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D] rotated, this step's k and v in the cache -> [T, Hq·D]."""
         out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * d))
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
 
 class LlamaMLP(nn.Module):
@@ -83,6 +97,21 @@ class LlamaLayer(nn.Module):
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, positions, kv_cache, meta))
         return next_norm.add_forward(x, self.mlp(h))
 
+    def fused_forward(self, x, positions, kv_cache, meta, fusion, configs):
+        """x: the residual stream [T, hidden] -> the next one, in the four GEMVs of kiln/llm/decode_fusion.py
+        (`fusion`, at `configs`): each norm folded into the projection after it, each residual add into the
+        projection before it, SwiGLU into gate_up, and where configs.rope, RoPE and the cache write into qkv."""
+        attn, mlp = self.self_attn, self.mlp
+        if configs.rope:  # RoPE and the cache write in the q|k|v GEMV's epilogue too
+            q = fusion.normed_rope(attn, self.input_layernorm, x, configs.qkv, positions, kv_cache, meta.slot_mapping)
+            attended = attn.attention(q, kv_cache, meta)
+        else:
+            qkv = fusion.normed(attn.qkv_proj, self.input_layernorm, x, configs.qkv)
+            attended = attn.attend(qkv, positions, kv_cache, meta)
+        x = fusion.residual(attn.o_proj, attended, x, configs.o)
+        act = fusion.normed(mlp.gate_up_proj, self.post_attention_layernorm, x, configs.gate_up, swiglu=True)
+        return fusion.residual(mlp.down_proj, act, x, configs.down)
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel, max_position: int):
@@ -93,11 +122,17 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaLayer(config, tp, rotary, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.decode_fusion = None  # kiln/llm/decode_fusion.py's DecodeFusion where engine start chose it
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """token_ids, positions: [T] -> final hidden states [T, hidden]."""
         x = self.embed_tokens(token_ids)
+        configs = self.decode_fusion.configs_for(x.shape[0]) if self.decode_fusion is not None else None
+        if configs is not None:  # decode rows with the small kernels fused into the GEMVs
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer.fused_forward(x, positions, kv_cache, meta, self.decode_fusion, configs)
+            return self.norm(x)
         h = self.layers[0].input_layernorm(x)
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms):
