@@ -14,8 +14,10 @@ timeout 100 python3 -m pytest tests/gpu/test_remove_padding.py -q -p no:cachepro
 stage "padding-free encoders: bench/remove_padding.py (BERT-base fp16)"
 timeout 220 python3 bench/remove_padding.py --out "$OUT" --calls 15 2>&1 | grep "^| \|^#\|built\|graphs\|rror" | head -60
 stage "fused decode layers: compiled kernel tests"
-TRITON_INTERPRET=0 timeout 75 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rfE \
-  tests/llm/test_fused_gemv.py tests/llm/test_decode_fusion.py 2>&1 | tail -4
+TRITON_INTERPRET=0 timeout 60 python3 -m pytest -q -p no:cacheprovider -n 0 -o addopts="" -rfE \
+  tests/llm/test_fused_gemv.py 2>&1 | tail -3
+TRITON_INTERPRET=0 timeout 45 python3 -m pytest -q -p no:cacheprovider -n 0 -m gpu -o addopts="" -rfE \
+  tests/llm/test_decode_fusion.py 2>&1 | tail -3
 stage "fused decode layers: llama3-8b bf16 decode, fusion off / auto, batch 1 and 8"
 timeout 170 python3 bench/llm_fusion.py --skip-kernels --batch 1 8 --modes off auto 2>&1 | grep -v Warn | tail -24
 stage done
