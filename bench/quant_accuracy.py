@@ -62,8 +62,9 @@ def runner(model, config: BuildConfig | None, output: int = 0):
     return call, info
 
 
-def mobilenet(dtypes_: list[str], calibrators: list[str], accuracy_target: float | None, **options) -> list[dict]:
-    images = photo_variants()
+def mobilenet(dtypes_: list[str], calibrators: list[str], accuracy_target: float | None, per_photo: int = 7,
+              **options) -> list[dict]:
+    images = photo_variants(per_photo)
     calibration = [{"pixel_values": v} for v in images[::3]]
     held_out = [v for i, v in enumerate(images) if i % 3]
     path = str(zoo.mobilenet_v2())
@@ -80,7 +81,10 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], accuracy_target: float
             agreement = float(np.mean([a == b for a, b in zip(got, reference)]))
             row = {"model": "MobileNetV2", "dtype": dtype, "calibrator": calibrator, "agreement": agreement,
                    "held_out": len(held_out), "calibration": len(calibration),
+                   "agree": int(sum(a == b for a, b in zip(got, reference))),
                    "kept_float": len(info.get("kept_float") or {}), "quantized": len(info.get("quantized") or []),
+                   "accuracy": {k: v for k, v in (info.get("accuracy") or {}).items()
+                                if k in ("top1", "top1_all_quantized", "error", "met", "measured")},
                    "seconds": time.perf_counter() - start, "options": options}
             print(row, flush=True)
             rows.append(row)
@@ -114,13 +118,18 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["int8", "fp8"])
     parser.add_argument("--calibrators", nargs="+", default=["percentile", "entropy", "minmax", "mse"])
     parser.add_argument("--accuracy-target", type=float, default=None)
+    parser.add_argument("--accuracy-metric", choices=["error", "top1"], default="error")
+    parser.add_argument("--per-photo", type=int, default=7,
+                        help="photo_variants(per_photo): 7 gives 112 images (74 held out), 21 gives 336 (224)")
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-bias-correction", action="store_true")
     parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
     args = parser.parse_args()
     options = {"bias_correction": not args.no_bias_correction, "per_channel_depthwise": not args.per_tensor_depthwise}
-    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, **options)
+    if args.accuracy_target is not None:
+        options["accuracy_metric"] = args.accuracy_metric
+    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.per_photo, **options)
     if args.minilm:
         rows += [minilm(c, **options) for c in args.calibrators]
     if args.no_write:
@@ -131,7 +140,7 @@ def main() -> None:
              f"- device: {cpu_name()} ({platform.machine()}); commit {commit()}; torch {torch.__version__}\n",
              "| model | dtype | calibrator | options | result | kept float |", "|---|---|---|---|---|---|"]
     for r in rows:
-        result = (f"top-1 {r['agreement']:.3f} of {r['held_out']} held out" if "agreement" in r
+        result = (f"top-1 {r['agree']}/{r['held_out']} ({r['agreement']:.3f}) held out" if "agreement" in r
                   else f"cosine min {r['cosine_min']:.4f}, mean {r['cosine_mean']:.4f}")
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
         target = f", accuracy_target={args.accuracy_target}" if args.accuracy_target and "agreement" in r else ""
