@@ -137,6 +137,11 @@ def output_error(got: list[list[Any]], want: list[list[Any]]) -> float:
 
 def _logits(outputs: list[list[Any]]) -> torch.Tensor:
     """The first output of every batch as rows of class scores: [rows, classes] float64."""
+    first = outputs[0][0]
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.dim() == 0 or first.shape[-1] < 2:
+        shape = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        raise KilnError(f"accuracy metric top1 reads the model's first output as class scores on its last axis; "
+                        f"it is {shape}: use accuracy_metric='error'")
     return torch.cat([batch[0].double().reshape(-1, batch[0].shape[-1]) for batch in outputs])
 
 

@@ -137,3 +137,11 @@ def test_a_top1_target_keeps_the_fewest_of_the_most_sensitive_layers_float(net):
     assert kept == set(order[:len(kept)]) and "mid" in kept
     assert record["measured"][str(len(kept) - 1)] < target  # one layer fewer does not reach it
     assert expected_top1(switched.outputs(set(LAYERS) - kept), switched.reference) == pytest.approx(record["top1"])
+
+
+def test_top1_on_an_output_without_classes_says_so():
+    from kiln.errors import KilnError
+
+    one = [[torch.zeros(1, 1)]]
+    with pytest.raises(KilnError, match=r"class scores on its last axis; it is \[1, 1\]"):
+        expected_top1(one, one)
