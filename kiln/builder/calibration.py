@@ -30,6 +30,7 @@ from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
 EVALUATION_BATCHES = 4  # the first calibration batches also judge an accuracy target
+TOP1_BATCHES = 64  # ... a top-1 target (accuracy_metric "top1"): up to this many
 
 
 def _observe(model: ir.Model, source: Any, observers: dict, *, preprocessing: str, say: Callable[[str], None],
@@ -195,11 +196,12 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     evaluation: list = []
     alpha = smoothquant.check_alpha(config.smoothquant)
     channel_max, smoothing = None, None
+    if (alpha is not None or config.accuracy_metric == "top1") and isinstance(config.calibration, Iterator):
+        # read twice: statistics, then ranges of the smoothed model; ranges, then a top-1 target's TOP1_BATCHES
+        config = dataclasses.replace(config, calibration=list(data.batches(
+            config.calibration, [v.name for v in model.graph.inputs],
+            preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
     if alpha is not None:
-        if isinstance(config.calibration, Iterator):  # read twice: statistics, then ranges of the smoothed model
-            config = dataclasses.replace(config, calibration=list(data.batches(
-                config.calibration, [v.name for v in model.graph.inputs],
-                preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
         channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
     # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
     # int8 kernels read (and CUDA's take), so what "emulate" measures too
@@ -219,19 +221,20 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
-        # Mixed precision: the most sensitive layers stay float until the output error meets the target.
-        if not evaluation:
+        # Mixed precision: the most sensitive layers stay float until the output error meets the target; a top-1
+        # share is judged on more inputs (one input in four is 25 points)
+        wanted = TOP1_BATCHES if config.accuracy_metric == "top1" else EVALUATION_BATCHES
+        if len(evaluation) < wanted and config.calibration is not None:
             evaluation = list(data.batches(config.calibration, [v.name for v in model.graph.inputs],
-                                           preprocessing=config.calibration_preprocessing,
-                                           limit=EVALUATION_BATCHES)) if config.calibration is not None else []
+                                           preprocessing=config.calibration_preprocessing, limit=wanted))
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if kernels and not has_int8_dot_product() else None
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude, say, unsigned=unsigned, weight_max=weight_max,
-                                                  lows=lows)
+                                                  exclude, say, metric=config.accuracy_metric, unsigned=unsigned,
+                                                  weight_max=weight_max, channel_means=channel_means, lows=lows)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too

@@ -36,6 +36,9 @@ class BuildConfig:
     # the largest output error (relative to the output's scale, on the first calibration batches) an
     # emulated int8/fp8 engine may have: the most sensitive layers stay float until it is met
     accuracy_target: float | None = None
+    # what the target bounds (kiln/builder/sensitivity.py): "error", the largest output error relative to the
+    # output's scale; "top1" (classifiers), the share of calibration inputs whose top-1 class stays fp32's (0.97)
+    accuracy_metric: str = "error"
     # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
     # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
     per_channel_depthwise: bool = True

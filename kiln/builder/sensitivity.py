@@ -1,16 +1,29 @@
 """Mixed precision on purpose: which quantized layers to keep in float so the engine meets an accuracy
-target (`--accuracy-target`, the largest output error allowed, relative to the output's scale).
+target (`--accuracy-target`), measured on the evaluation batches (calibration data) against the float model.
 
-    1. every candidate layer quantized: if the output error on the evaluation batches is within the
-       target, done;
+metric "error" (the default): the target is the largest output error, max |error| / max |output|.
+
+    1. every candidate layer quantized: if the error is within the target, done;
     2. each layer's sensitivity: the output error when it alone is quantized;
     3. the most sensitive layers go back to float one by one, the error re-measured each time, until
-       the target is met (the fewest layers in float, most sensitive first).
+       the target is met.
+
+metric "top1" (a classifier: the first output's last axis holds class scores): the target is the share of
+inputs whose top-1 class must stay fp32's, estimated smoothly (expected_top1: the error as noise against each
+input's top-1 margin). The largest error is the wrong thing to bound there: after one rounding flips, a
+quantized network's error is a new draw of noise on every input (bench/results/quant-accuracy-2026-12-02b.md),
+and whether a top-1 survives depends on that noise against the input's margin, not on the worst logit.
+
+    1. every candidate layer quantized: if the expected agreement reaches the target, done;
+    2. each layer's sensitivity: the softmax KL divergence from fp32 when it alone is quantized (what moves
+       competing classes' probabilities, that is the top-1 margins, weighs; a large error on a class nobody
+       picks does not);
+    3. the fewest of the most sensitive layers kept float that reach the target, by bisection over how many.
 
 One program serves every measurement: the model with every layer's Q/DQ, lowered without folding, run
 with each layer's quantization switched on or off (a switched-off layer's Q/DQ pass values through and
-its weight is the float one). A Q/DQ pair shared by several layers (one tensor read by two convolutions)
-is on while any of them is.
+its weight and bias are the float ones). A Q/DQ pair shared by several layers (one tensor read by two
+convolutions) is on while any of them is.
 """
 
 from __future__ import annotations
@@ -24,82 +37,176 @@ import onnx_ir as ir
 import torch
 
 from kiln.builder.lower import lower
+from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.quant import qdq
 from kiln.runtime.program import Program
 
+METRICS = ("error", "top1")  # what --accuracy-target bounds: choose_float_layers
+RANK_BATCHES = 8  # "top1": layers are ranked on the evaluation inputs of the lowest top-1 margins
+
 
 @dataclass
 class Switches:
-    """The steps of one layer's quantization in the lowered program."""
+    """The steps of one layer's quantization in the lowered program, and what runs when it is off."""
 
     activation: tuple[int, int]  # (QuantizeLinear step, DequantizeLinear step) of its input
     weight: int  # DequantizeLinear step of its weight
     float_weight: torch.Tensor
+    layer: int  # the layer's own step (Conv/Gemm/MatMul)
+    float_bias: torch.Tensor | None  # its bias before bias correction (zeros where it had none); None: no bias
 
 
 def _copy(model: ir.Model) -> ir.Model:
     return ir.from_proto(ir.to_proto(model))
 
 
-def _error(got: list[Any], want: list[Any]) -> float:
+class SwitchedModel:
+    """The model with every target layer's Q/DQ (as qdq.insert makes them for the build), lowered once,
+    runnable with any subset of its layers quantized: `outputs(quantized)`. Off, a layer reads its input
+    unrounded, its float weight and its uncorrected bias: the float layer exactly."""
+
+    def __init__(self, model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str],
+                 batches: list[dict[str, np.ndarray]], *, unsigned: bool = False, weight_max: float | None = None,
+                 channel_means: dict[str, np.ndarray] | None = None, lows: dict[str, float] | None = None):
+        targets = {t.node.name: t for t in qdq.targets(model.graph, exclude)}
+        originals = {name: t.weight.const_value.numpy().copy() for name, t in targets.items()}
+        biases = {name: _bias(t.node) for name, t in targets.items()}
+        trial = _copy(model)
+        skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
+                             channel_means=channel_means, lows=lows)
+        self.layers = [name for name in originals if name not in skipped]
+        program, weights, inputs, _ = lower(trial)  # no folding: every Q/DQ is a step that can be switched
+        index = {s.name: i for i, s in enumerate(program.steps)}
+        nodes = {n.name: n for n in trial.graph}
+        self.switches: dict[str, Switches] = {}
+        for name in self.layers:
+            act = nodes[name].inputs[0].producer()  # the activation's DequantizeLinear
+            quant = act.inputs[0].producer()
+            bias = _bias(nodes[name])  # corrected, or the original; a corrected layer without one got one
+            float_bias = None if bias is None else biases[name] if biases[name] is not None else np.zeros_like(bias)
+            self.switches[name] = Switches((index[quant.name], index[act.name]), index[f"{name}_weight_dequantize"],
+                                           torch.from_numpy(originals[name]), index[name],
+                                           None if float_bias is None else torch.from_numpy(float_bias.copy()))
+        self.runner = Program(program, weights)
+        self.feeds = [[dtypes.numpy_to_torch(np.ascontiguousarray(b[i.name])) for i in inputs] for b in batches]
+        with torch.inference_mode():
+            self.reference = [Program(*lower(_copy(model))[:2]).run(f) for f in self.feeds]
+
+    def outputs(self, quantized: set[str], batches: list[int] | None = None) -> list[list[Any]]:
+        """Per batch (those of index in `batches`; None: all), the model's outputs with exactly the layers in
+        `quantized` quantized."""
+        on_pairs = {self.switches[n].activation for n in quantized}
+        off_steps = {i for s in self.switches.values() if s.activation not in on_pairs for i in s.activation}
+        off = [s for n, s in self.switches.items() if n not in quantized]
+        float_weights = {s.weight: s.float_weight for s in off}
+        float_biases = {s.layer: s.float_bias for s in off if s.float_bias is not None}
+
+        def wrap(i: int, fn):
+            if i in off_steps:
+                return lambda ctx, x, *rest, **attrs: x  # the value passes through in float
+            if i in float_weights:
+                return lambda ctx, *args, **attrs: float_weights[i]
+            if i in float_biases:
+                return lambda ctx, x, w, b, *rest, **attrs: fn(ctx, x, w, float_biases[i], *rest, **attrs)
+            return fn
+
+        switched = self.runner.with_kernels(wrap)
+        with torch.inference_mode():
+            return [switched.run(self.feeds[k]) for k in (range(len(self.feeds)) if batches is None else batches)]
+
+
+def _bias(node: ir.Node) -> np.ndarray | None:
+    """A Conv/Gemm's constant bias (input 2), or None."""
+    if len(node.inputs) < 3 or node.inputs[2] is None or node.inputs[2].const_value is None:
+        return None
+    return node.inputs[2].const_value.numpy()
+
+
+def output_error(got: list[list[Any]], want: list[list[Any]]) -> float:
+    """max over batches and float outputs of max |got - want| / max |want|."""
     worst = 0.0
-    for g, w in zip(got, want):
-        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
-            continue
-        scale = float(w.abs().max()) or 1.0
-        worst = max(worst, float((g.float() - w.float()).abs().max()) / scale)
+    for got_batch, want_batch in zip(got, want):
+        for g, w in zip(got_batch, want_batch):
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+                continue
+            scale = float(w.abs().max()) or 1.0
+            worst = max(worst, float((g.float() - w.float()).abs().max()) / scale)
     return worst
 
 
+def _logits(outputs: list[list[Any]]) -> torch.Tensor:
+    """The first output of every batch as rows of class scores: [rows, classes] float64."""
+    first = outputs[0][0]
+    if not isinstance(first, torch.Tensor) or not first.is_floating_point() or first.dim() == 0 or first.shape[-1] < 2:
+        shape = list(first.shape) if isinstance(first, torch.Tensor) else type(first).__name__
+        raise KilnError(f"accuracy metric top1 reads the model's first output as class scores on its last axis; "
+                        f"it is {shape}: use accuracy_metric='error'")
+    return torch.cat([batch[0].double().reshape(-1, batch[0].shape[-1]) for batch in outputs])
+
+
+def lowest_margins(outputs: list[list[Any]], count: int) -> list[int]:
+    """The `count` batches whose first row's top-1 margin, relative to its scores' spread, is smallest."""
+    def margin(batch: list[Any]) -> float:
+        row = batch[0].double().reshape(-1)
+        top2 = row.topk(2).values
+        return float((top2[0] - top2[1]) / ((row.max() - row.min()) or 1.0))
+    return sorted(range(len(outputs)), key=lambda k: margin(outputs[k]))[:count]
+
+
+def softmax_kl(got: list[list[Any]], want: list[list[Any]]) -> float:
+    """Mean over rows of KL(softmax(want) || softmax(got)) of the first output's last axis (class scores): how
+    far the quantized class distribution moved, most where classes compete (a low top-1 margin)."""
+    p, q = torch.log_softmax(_logits(want), -1), torch.log_softmax(_logits(got), -1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def expected_top1(got: list[list[Any]], want: list[list[Any]]) -> float:
+    """The expected share of rows whose top-1 class stays the reference's, treating the quantized scores'
+    error d = got - want as noise of its measured spread (one flipped rounding reshuffles every later rounding,
+    so the error one set of inputs happens to get is one draw): with the reference's top-1 margin m = want[t] -
+    want[r] (t its top-1, r its runner-up) and σ = std(d) over the classes, d[t] - d[r] ~ N(0, 2σ²) and
+
+        P(top-1 kept) = Φ(m / (√2·σ))
+
+    A smooth count: one realisation's agreement on a few dozen inputs moves by whole inputs with any
+    perturbation, this moves with the noise level and the margins it meets."""
+    reference = _logits(want)
+    top2 = reference.topk(2, dim=-1).values
+    margin = top2[:, 0] - top2[:, 1]
+    sigma = (_logits(got) - reference).std(-1)
+    kept = torch.where(sigma > 0, torch.special.ndtr(margin / (np.sqrt(2.0) * sigma.clamp_min(1e-30))),
+                       torch.ones_like(margin))
+    return float(kept.mean())
+
+
 def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, batches: list[dict[str, np.ndarray]],
-                        target: float, exclude: set[str], say: Callable[[str], None], *, unsigned: bool = False,
-                        weight_max: float | None = None,
+                        target: float, exclude: set[str], say: Callable[[str], None], *, metric: str = "error",
+                        unsigned: bool = False, weight_max: float | None = None,
                         channel_means: dict[str, np.ndarray] | None = None,
                         lows: dict[str, float] | None = None) -> tuple[set[str], dict]:
-    """(layer names to keep in float, the record for the header); unsigned, weight_max: as the build's
-    qdq.insert will quantize (lows: its zero points). channel_means (bias correction) is for a caller that
-    switches no layer off: a switched-off layer would keep its corrected bias with its float weight."""
-    originals = {t.node.name: t.weight.const_value.numpy().copy() for t in qdq.targets(model.graph, exclude)}
-    trial = _copy(model)
-    skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
-                         channel_means=channel_means, lows=lows)
-    layers = [name for name in originals if name not in skipped]
-    program, weights, inputs, _ = lower(trial)  # no folding: every Q/DQ is a step that can be switched
-    spec_index = {s.name: i for i, s in enumerate(program.steps)}
-    switches: dict[str, Switches] = {}
-    for name in layers:
-        base_w = f"{name}_weight_dequantize"
-        node = next(n for n in trial.graph if n.name == name)
-        act = node.inputs[0].producer()  # the activation's DequantizeLinear
-        quant = act.inputs[0].producer()
-        switches[name] = Switches((spec_index[quant.name], spec_index[act.name]), spec_index[base_w],
-                                  torch.from_numpy(originals[name]))
-    reference_program = Program(*lower(_copy(model))[:2])
-    runner = Program(program, weights)
-    feeds = [[dtypes.numpy_to_torch(np.ascontiguousarray(b[i.name])) for i in inputs] for b in batches]
-    with torch.inference_mode():
-        reference = [reference_program.run(f) for f in feeds]
+    """(layer names to keep in float, the record for the header); unsigned, weight_max, channel_means (bias
+    correction), lows: as the build's qdq.insert will quantize. metric (METRICS): "error", the target is the
+    largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
+    batches whose top-1 class is fp32's (expected_top1), layers ranked by softmax_kl."""
+    if metric not in METRICS:
+        raise KilnError(f"accuracy metric {metric!r}: kiln knows {list(METRICS)}")
+    switched = SwitchedModel(model, ranges, dtype, exclude, batches, unsigned=unsigned, weight_max=weight_max,
+                             channel_means=channel_means, lows=lows)
+    if metric == "top1":
+        return _fewest_for_top1(switched, target, say)
+    return _greedy_for_error(switched, target, say)
 
+
+def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str], None]) -> tuple[set[str], dict]:
+    """Each layer's sensitivity is the output error with it alone quantized; the most sensitive go float one by
+    one, the error re-measured each time, until it is within the target."""
     def error(quantized: set[str]) -> float:
-        on_pairs = {switches[n].activation for n in quantized}
-        off_q = {s.activation[0] for n, s in switches.items() if s.activation not in on_pairs}
-        off_dq = {s.activation[1] for n, s in switches.items() if s.activation not in on_pairs}
-        off_w = {s.weight: s.float_weight for n, s in switches.items() if n not in quantized}
+        return output_error(switched.outputs(quantized), switched.reference)
 
-        def wrap(i: int, fn):
-            if i in off_q or i in off_dq:
-                return lambda ctx, x, *rest, **attrs: x  # the value passes through in float
-            if i in off_w:
-                return lambda ctx, *args, **attrs: off_w[i]
-            return fn
-
-        switched = runner.with_kernels(wrap)
-        with torch.inference_mode():
-            return max(_error(switched.run(f), r) for f, r in zip(feeds, reference))
-
+    layers = switched.layers
     all_on = error(set(layers))
-    record: dict[str, Any] = {"target": target, "error_all_quantized": all_on}
+    record: dict[str, Any] = {"metric": "error", "target": target, "error_all_quantized": all_on}
     if all_on <= target:
         say(f"accuracy: every layer quantized gives {all_on:.3g} <= target {target:g}")
         return set(), {**record, "error": all_on, "kept_float": {}}
@@ -118,4 +225,39 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
         say(f"accuracy: {name} kept float -> error {current:.3g}")
     record.update({"error": current, "kept_float": kept, "met": current <= target,
                    "sensitivity": {k: round(v, 6) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}})
+    return set(kept), record
+
+
+def _fewest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str], None]) -> tuple[set[str], dict]:
+    """Layers ranked by softmax_kl with each alone quantized (on the RANK_BATCHES inputs of the lowest top-1
+    margins: 53 layers x 8 runs instead of x 38 for MobileNetV2; a layer's effect on a top-1 shows where the
+    classes are close); the fewest of the top of that ranking kept float
+    for expected_top1 >= target, found by bisection over how many (the agreement grows as layers go float, up
+    to 1 with all of them: log2(layers) measurements instead of one per layer kept)."""
+    def agreement(quantized: set[str]) -> float:
+        return expected_top1(switched.outputs(quantized), switched.reference)
+
+    layers = switched.layers
+    all_on = agreement(set(layers))
+    record: dict[str, Any] = {"metric": "top1", "target": target, "top1_all_quantized": round(all_on, 6)}
+    if all_on >= target:
+        say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s >= target {target:g}")
+        return set(), {**record, "top1": all_on, "kept_float": {}}
+    say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s < target {target:g}: "
+        "measuring each layer")
+    closest = lowest_margins(switched.reference, RANK_BATCHES)  # the inputs whose top-1 a layer can flip
+    reference = [switched.reference[k] for k in closest]
+    sensitivity = {name: softmax_kl(switched.outputs({name}, closest), reference) for name in layers}
+    order = sorted(layers, key=lambda n: -sensitivity[n])
+    measured = {0: all_on, len(order): 1.0}  # every layer float: the reference itself
+    low, high = 0, len(order)  # agreement(low) < target <= agreement(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        measured[middle] = agreement(set(order[middle:]))
+        say(f"accuracy: the {middle} most sensitive layer(s) float -> expected top-1 {measured[middle]:.4f}")
+        low, high = (low, middle) if measured[middle] >= target else (middle, high)
+    kept = {name: f"sensitivity {sensitivity[name]:.3g} (softmax KL with it alone quantized)" for name in order[:high]}
+    record.update({"top1": measured[high], "kept_float": kept, "met": measured[high] >= target,
+                   "measured": {str(k): round(v, 6) for k, v in sorted(measured.items())},
+                   "sensitivity": {k: round(v, 8) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}})
     return set(kept), record

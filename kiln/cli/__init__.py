@@ -75,9 +75,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: quantize the layers an int8/fp8 kernel of the device runs (none yet: they stay "
                         "float, said in the build summary); emulate: quantize every Conv/Gemm/MatMul and compute "
                         "as its kernel would, to measure int8/fp8 accuracy on any machine")
-    p.add_argument("--accuracy-target", type=float, metavar="ERR",
-                   help="largest output error of an --int8/--fp8 engine, relative to the output's scale on the "
-                        "calibration data (e.g. 0.02): the most sensitive layers stay float until it is met")
+    p.add_argument("--accuracy-target", type=float, metavar="T",
+                   help="with --int8/--fp8, measured on the calibration data: the largest output error relative to "
+                        "the output's scale (e.g. 0.02), or with --accuracy-metric top1 the share of inputs whose "
+                        "top-1 class stays fp32's (e.g. 0.97); the fewest most sensitive layers stay float to meet it")
+    p.add_argument("--accuracy-metric", choices=["error", "top1"], default="error",
+                   help="what --accuracy-target bounds: error (default) or top1 (classifiers; layers ranked by "
+                        "their softmax KL divergence from fp32)")
     p.add_argument("--smoothquant", type=float, metavar="ALPHA",
                    help="with --int8/--fp8: SmoothQuant, move activation outliers into the weights with strength "
                         "ALPHA in [0, 1] (0.5 is usual) for MatMul/Gemm inputs fed by a LayerNorm or a MatMul/Gemm; "

@@ -44,6 +44,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "calibration_preprocessing": args.calib_preprocessing,
         "quantization": args.quantization,
         "accuracy_target": args.accuracy_target,
+        "accuracy_metric": args.accuracy_metric,
         "smoothquant": args.smoothquant,
         "refittable": args.refittable,
         "remove_padding": args.remove_padding,
@@ -123,7 +124,11 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
                              f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
     rows += _precision_row(q.get("layers") or {})
     accuracy = q.get("accuracy") or {}
-    if accuracy:
+    if accuracy.get("metric") == "top1":
+        rows.append(("accuracy", f"expected top-1 agreement {accuracy['top1']:.4f} (target {accuracy['target']:g}; "
+                                 f"every layer quantized: {accuracy['top1_all_quantized']:.4f})"
+                                 + ("" if accuracy.get("met", True) else ": NOT met")))
+    elif accuracy:
         rows.append(("accuracy", f"output error {accuracy['error']:.3g} (target {accuracy['target']:g}; every "
                                  f"layer quantized: {accuracy['error_all_quantized']:.3g})"
                                  + ("" if accuracy.get("met", True) else ": NOT met")))

@@ -156,6 +156,41 @@ def trace(program: Program, inputs: list[Any]) -> dict[str, Any]:
     return recorded
 
 
+def replay(program: Program, reference: dict[str, np.ndarray], inputs: list[Any]) -> dict[str, tuple[Any, Any]]:
+    """Run `program` with every step fed the reference's values of its inputs (by value name, where the
+    reference has them, cast to what the step was given: an int8 reference becomes uint8 + 128 where kiln
+    made that activation unsigned, exactly), so that each layer is judged alone, free of what its
+    predecessors' rounding made of its inputs. {value: (kiln's output, the reference's, in kiln's dtype)}
+    for every step output the reference also has."""
+    got: dict[str, tuple[Any, Any]] = {}
+    specs = program.spec.steps
+
+    def as_given(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        if value.dtype == np.int8 and like.dtype == torch.uint8:  # kiln's unsigned activations (qdq_propagate)
+            value = (value.astype(np.int16) + 128).astype(np.uint8)
+        return dtypes.numpy_to_torch(np.ascontiguousarray(value)).to(like.device)
+
+    def feed(i: int, fn):
+        spec = specs[i]
+
+        def call(ctx, *args, **kw):
+            args = [as_given(reference[n], a) if n in reference and isinstance(a, torch.Tensor) and
+                    n not in program.spec.constants else a for n, a in zip(spec.inputs, args)] + \
+                list(args[len(spec.inputs):])
+            result = fn(ctx, *args, **kw)
+            values = [result] if len(spec.outputs) == 1 and not isinstance(result, tuple) else list(result)
+            for n, v in zip(spec.outputs, values):
+                if n in reference and isinstance(v, torch.Tensor):
+                    got[n] = (v, as_given(reference[n], v))
+            return result
+
+        return call
+
+    with torch.inference_mode():
+        program.with_kernels(feed, keep_values=True).run(inputs)
+    return got
+
+
 def _all_outputs_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """The same model with every typed intermediate value of the main graph as an extra output."""
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)

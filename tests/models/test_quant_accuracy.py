@@ -36,28 +36,34 @@ def _agreement(engine, held_out, reference) -> float:
 
 @pytest.mark.slow
 # What kiln reaches on this set (74 held out; percentile, per-channel depthwise inputs, bias correction), as held-out
-# image counts, measured 2026-12-02: int8 through kiln.build (this test) 68/74 (0.919) every layer, 71/74 (0.959) at
-# --accuracy-target 0.05 (15 layers float); bench/quant_accuracy.py's reference-interpreter path gives 67 and 70
-# (float rounding of the float ops differs). fp8 54/74 (0.730), 70/74 (0.946, 41 float): the bench's numbers, not
-# re-measured through kiln.build before the deadline. The issue's targets are NOT met: int8 >= 0.97 (72/74; 1 image
-# short with mixed precision, 4 with every layer int8), fp8 >= 0.98 (73/74; 3 short, 19 with every layer fp8)
-# h-quant3 (2026-12-02 09:12): int8 67/74 every layer, 71 mixed: the classifier's input (a pool of ReLU6 outputs,
-# >= 0 on the data) is uint8 over [0, amax] now (twice int8's steps), and one image more flipped (74 images: one
-# image is 1.4 points; the set's closest top-1/top-2 margins are 0.005 of the logits' spread)
-@pytest.mark.parametrize("dtype, plain_count, mixed_count", [("int8", 67, 71), ("fp8", 54, 70)])
-def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, mixed_count, capsys):
+# image counts. Every layer quantized: int8 68/74 through kiln.build (this test), 67 in bench/quant_accuracy.py's
+# reference-interpreter path; fp8 54/74 (bench). Mixed precision to the issue's targets as a top-1 share of the
+# calibration images (accuracy_metric "top1", kiln/builder/sensitivity.py), measured in the bench's path at b037988
+# (h-q8, bench/results/quant-accuracy-2026-12-02b.md): int8 at 0.97 71/74 with 21 of 53 layers float, fp8 at 0.98
+# 72/74 with 52 float. The issue's targets are NOT met on the held-out set: int8 >= 0.97 (72/74), fp8 >= 0.98 (73/74).
+# Which low-margin images keep their top-1 is a draw that any change of the float arithmetic redraws (kiln vs
+# onnxruntime on one Q/DQ graph: 4-12% of max |logit| apart end to end, bit-identical layer by layer): the mixed
+# counts allow one image below the bench's for kiln.build's kernels. Through kiln.build (this test, 16:03 UTC,
+# AVX2, load 1-4): int8 69/74 every layer, 70/74 at 0.97 with 20 float (the analysis too is a draw: 20 here, 21 in
+# the bench); fp8 55/74 every layer, 72/74 at 0.98 with 52 float.
+@pytest.mark.parametrize("dtype, plain_count, target, mixed_count, most_float",
+                         [("int8", 67, 0.97, 70, 26), ("fp8", 54, 0.98, 71, 53)])
+def test_mobilenet_v2_top1_agreement(mobilenet, dtype, plain_count, target, mixed_count, most_float, capsys):
     path, calibration, held_out, reference = mobilenet
     plain = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
                        calibrator="percentile")
     mixed = kiln.build(path, precision=dtype, quantization="emulate", calibration=calibration,
-                       calibrator="percentile", accuracy_target=0.05)
+                       calibrator="percentile", accuracy_target=target, accuracy_metric="top1")
     a_plain, a_mixed = _agreement(plain, held_out, reference), _agreement(mixed, held_out, reference)
-    kept = len(mixed.plan.header["quantization"]["kept_float"])
+    quantization = mixed.plan.header["quantization"]
+    kept = len(quantization["kept_float"])
     with capsys.disabled():
         print(f"\nMobileNetV2 {dtype}: top-1 agreement {a_plain:.3f} every layer quantized, {a_mixed:.3f} with "
-              f"--accuracy-target 0.05 ({kept} layer(s) kept float), on {len(held_out)} held-out images")
+              f"a top-1 target of {target} ({kept} layer(s) kept float), on {len(held_out)} held-out images")
     assert round(a_plain * len(held_out)) >= plain_count
+    assert quantization["accuracy"]["metric"] == "top1" and quantization["accuracy"]["met"]
     assert round(a_mixed * len(held_out)) >= mixed_count
+    assert kept <= most_float
 
 
 @pytest.mark.slow

@@ -309,6 +309,24 @@ def test_cli_builds_an_emulated_int8_engine_from_a_folder(tmp_path, capsys):
     assert "int8 (emulated): 3 layer(s) quantized, 0 kept float; ranges by minmax from 3 batch(es)" in text
 
 
+def test_cli_builds_to_a_top1_target(tmp_path, capsys):
+    """--accuracy-metric top1 reaches the build and its summary (this net's top-1 margins are wide against its
+    int8 noise: every layer stays int8 even at a target of 1; tests/unit/test_quant_sensitivity.py has a net
+    where they do not)."""
+    data = tmp_path / "calib"
+    data.mkdir()
+    for k, batch in enumerate(_batches(3)):
+        np.save(data / f"b{k}.npy", batch["x"])
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes(_cnn())
+    assert main(["build", str(model), "-o", str(tmp_path / "cnn.kiln"), "--int8", "--calib", str(data),
+                 "--quantization", "emulate", "--calibrator", "minmax", "--accuracy-metric", "top1",
+                 "--accuracy-target", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "3 layer(s) quantized, 0 kept float" in text
+    assert "expected top-1 agreement 1.0000 (target 1; every layer quantized: 1.0000)" in text
+
+
 def test_compare_per_layer_names_the_layers_an_int8_engine_loses_the_most_in(tmp_path, capsys):
     data = tmp_path / "calib"
     data.mkdir()
