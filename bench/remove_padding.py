@@ -33,6 +33,7 @@ from kiln import zoo  # noqa: E402
 from kiln.runtime.buckets import packed_rows  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import time_cuda  # noqa: E402  bench/gpu.py: CUDA-event times of single calls
 from large_shapes import family  # noqa: E402  bench/large_shapes.py: kernel name -> family (gemm, attention...)
 
 # fp16 storage through 12 layers against torch's own fp16 run: both round differently at every layer; the
@@ -64,18 +65,7 @@ def cases(shapes: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
 
 def gpu_ms(fn, calls: int, warmup: int = 3) -> float:
     """Median GPU ms of one call between CUDA events, after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_cuda(fn, warmup=warmup, iters=calls))
 
 
 def cpu_ms(fn, calls: int, warmup: int = 2) -> float:
