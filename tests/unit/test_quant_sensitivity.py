@@ -88,7 +88,9 @@ def test_each_layers_softmax_kl_is_onnxruntimes_with_that_layer_alone_quantized(
     assert max(oracle, key=oracle.get) == max(sensitivity, key=sensitivity.get) == "mid", oracle
 
 
-def test_a_switched_off_layer_is_the_float_layer_bias_correction_included(net):
+def _switched(net):
+    """The net unfused, its int8 minmax ranges (unsigned activations, per-channel means and lows) and its
+    SwitchedModel: (model, batches, ranges, means, lows, switched)."""
     proto, batches = net
     model = optimize(ir.from_proto(proto), PassOptions(fusions=False))
     means, lows = {}, {}
@@ -96,6 +98,11 @@ def test_a_switched_off_layer_is_the_float_layer_bias_correction_included(net):
                                preprocessing="imagenet", say=lambda _m: None, unsigned=True, channel_means=means,
                                lows=lows)
     switched = SwitchedModel(model, ranges, "int8", set(), batches, unsigned=True, channel_means=means, lows=lows)
+    return model, batches, ranges, means, lows, switched
+
+
+def test_a_switched_off_layer_is_the_float_layer_bias_correction_included(net):
+    *_, switched = _switched(net)
     assert sorted(switched.layers) == sorted(LAYERS)
     assert all(s.float_bias is not None for s in switched.switches.values())  # corrected: each has a bias now
     for got, want in zip(switched.outputs(set()), switched.reference):
@@ -121,13 +128,7 @@ def test_expected_top1_is_the_monte_carlo_share_under_gaussian_noise():
 
 
 def test_a_top1_target_keeps_the_fewest_of_the_most_sensitive_layers_float(net):
-    proto, batches = net
-    model = optimize(ir.from_proto(proto), PassOptions(fusions=False))
-    means, lows = {}, {}
-    ranges, _ = measure_ranges(model, batches, "minmax", "int8", exclude=set(), cache_path=None,
-                               preprocessing="imagenet", say=lambda _m: None, unsigned=True, channel_means=means,
-                               lows=lows)
-    switched = SwitchedModel(model, ranges, "int8", set(), batches, unsigned=True, channel_means=means, lows=lows)
+    model, batches, ranges, means, lows, switched = _switched(net)
     all_on = expected_top1(switched.outputs(set(LAYERS)), switched.reference)
     target = (1.0 + all_on) / 2  # between every layer quantized and every layer float
     kept, record = choose_float_layers(model, ranges, "int8", batches, target, set(), lambda _m: None,
