@@ -4,7 +4,10 @@ are chosen (made deterministic here: see native_first), mask preparation include
 and match onnxruntime at fresh random shapes inside their profile with real padding masks (left,
 right, none, a row with no token). Tolerance: fp32 through 2 layers of 64-wide sums, 1e-4 absolute
 on LayerNorm outputs of O(1); padded vs unpadded runs of kiln itself agree to 1e-5 on real tokens (the
-same kernels, another row count: only the GEMM's blocking may reorder sums)."""
+same kernels, another row count: only the GEMM's blocking may reorder sums).
+
+Contexts run with pad_first_calls=False: these tests are of binding at a new shape itself (a first call
+run padded in a bound shape, timed against binding, is tests/unit/test_first_calls.py's)."""
 
 from __future__ import annotations
 
@@ -84,7 +87,7 @@ def test_the_encoder_is_one_native_segment_mask_included(bert):
 @pytest.mark.parametrize("kind", ["right", "left", "mixed", "none"])
 def test_random_shapes_with_padding_match_onnxruntime(bert, kind):
     engine, session = bert
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     for _ in range(4):
         b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
         mask = padded_mask(b, s, kind) if kind != "none" else np.ones((b, s), np.int64)
@@ -113,7 +116,7 @@ def test_padding_never_changes_the_real_tokens(bert):
 
 def test_the_same_shape_again_takes_the_checked_path_and_stays_right(bert):
     engine, session = bert
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     x = feeds(3, 17, padded_mask(3, 17, "mixed"))
     first = next(iter(context.run(x).values()))
     assert context._checked, "the checked signature was not remembered"
@@ -136,7 +139,7 @@ def test_other_shapes_are_views_over_one_growing_template(bert, monkeypatch):
     run_view = native._Resized._run_bound
     monkeypatch.setattr(native._Resized, "_run_bound", lambda view, values: ran.append((view, values))
                         or run_view(view, values))
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     shapes = [(1, 5), (2, 9), (6, 80), (3, 33), (1, 80), (5, 2), (4, 61)]
     for b, s in shapes:
         x = feeds(b, s, padded_mask(b, s, "mixed"))

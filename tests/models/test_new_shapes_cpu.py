@@ -5,7 +5,10 @@ ops' own implementations, and every per-shape cache stays within its bound over 
 
 Shapes are drawn afresh each run. Tolerance: fp32 through 2 encoder layers of 64-wide sums, 1e-4 absolute
 and relative on LayerNorm outputs of O(1) (test_encoder_native.py's); oneDNN's and kiln's GEMM block the
-same sums differently, so a layer's two paths agree to fp32 rounding, not bit for bit."""
+same sums differently, so a layer's two paths agree to fp32 rounding, not bit for bit.
+
+Contexts run with pad_first_calls=False: these tests are of binding at a new shape itself (a first call
+run padded in a bound shape, timed against binding, is tests/unit/test_first_calls.py's)."""
 
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ def test_fresh_shapes_match_onnxruntime_without_a_primitive_per_shape(bert, monk
     make = onednn_primitives.InnerProduct.__init__
     monkeypatch.setattr(onednn_primitives.InnerProduct, "__init__",
                         lambda self, w, b, rows, *a, **k: created.append(rows) or make(self, w, b, rows, *a, **k))
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     shapes = fresh_shapes(12)
     for b, s in shapes:
         x = request(b, s)
@@ -104,7 +107,7 @@ def test_the_tuned_shape_after_other_shapes_is_still_right(bert):
     """The template grows on kiln's GEMM (other rows), then the tuned shape's view replans nothing of it:
     its oneDNN members are bound anew over the grown template's memory."""
     engine, session = bert
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     for b, s in [(6, 80), *fresh_shapes(3), (2, 16), (1, 1)]:
         x = request(b, s)
         got = next(iter(context.run(x).values()))
@@ -151,7 +154,7 @@ def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypa
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL, rtol=RTOL, err_msg=f"{rows} rows")
     assert created == [41]
     _, session = bert
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     for bs, s in ((1, 37), (3, 29)):  # 37 rows: kiln's GEMM; 87 rows: oneDNN primitives, bound in the view
         x = request(bs, s)
         got = next(iter(context.run(x).values()))
@@ -198,7 +201,7 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
         program._plan_sizes.clear()
         program.shape_plan_bytes = 0
     segment.resized.clear()
-    context = engine.create_execution_context()
+    context = engine.create_execution_context(pad_first_calls=False)
     shapes = fresh_shapes(40)
     stream = shapes + shapes[:5]  # the first ones again, long evicted
     for k, (b, s) in enumerate(stream):
