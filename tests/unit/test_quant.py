@@ -295,13 +295,19 @@ def test_calibration_errors_are_clear(options, message):
         kiln.build(_cnn(), precision="int8", **options)
 
 
-def test_cli_builds_an_emulated_int8_engine_from_a_folder(tmp_path, capsys):
+def _cli_inputs(tmp_path):
+    """The small CNN as an .onnx file and a folder of three .npy calibration batches: (model, folder)."""
     data = tmp_path / "calib"
     data.mkdir()
     for k, batch in enumerate(_batches(3)):
         np.save(data / f"b{k}.npy", batch["x"])
     model = tmp_path / "cnn.onnx"
     model.write_bytes(_cnn())
+    return model, data
+
+
+def test_cli_builds_an_emulated_int8_engine_from_a_folder(tmp_path, capsys):
+    model, data = _cli_inputs(tmp_path)
     out = tmp_path / "cnn.kiln"
     assert main(["build", str(model), "-o", str(out), "--int8", "--calib", str(data), "--quantization", "emulate",
                  "--calibrator", "minmax"]) == 0
@@ -313,12 +319,7 @@ def test_cli_builds_to_a_top1_target(tmp_path, capsys):
     """--accuracy-metric top1 reaches the build and its summary (this net's top-1 margins are wide against its
     int8 noise: every layer stays int8 even at a target of 1; tests/unit/test_quant_sensitivity.py has a net
     where they do not)."""
-    data = tmp_path / "calib"
-    data.mkdir()
-    for k, batch in enumerate(_batches(3)):
-        np.save(data / f"b{k}.npy", batch["x"])
-    model = tmp_path / "cnn.onnx"
-    model.write_bytes(_cnn())
+    model, data = _cli_inputs(tmp_path)
     assert main(["build", str(model), "-o", str(tmp_path / "cnn.kiln"), "--int8", "--calib", str(data),
                  "--quantization", "emulate", "--calibrator", "minmax", "--accuracy-metric", "top1",
                  "--accuracy-target", "1"]) == 0
