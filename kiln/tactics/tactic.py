@@ -21,6 +21,7 @@ a segment does (no Python path per call); the autotuner times that instead of th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,17 @@ def tensor_input(inputs: list[InputMeta], i: int) -> InputMeta | None:
     return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
 
 
+def _why_unavailable(available: Callable[[], bool]) -> str | None:
+    """What the library behind an `available` check says of itself: kiln's C kernel libraries and oneDNN keep a
+    `reason()` beside `available()` (a bound KernelLibrary method, or a module function)."""
+    owner = getattr(available, "__self__", None) or sys.modules.get(getattr(available, "__module__", ""))
+    reason = getattr(owner, "reason", None)
+    try:
+        return reason() if callable(reason) else None
+    except Exception:  # noqa: BLE001 - a diagnostic must not fail the check it explains
+        return None
+
+
 @dataclass(frozen=True)
 class Tactic:
     """One candidate implementation of `domain::op_type` on `device`.
@@ -87,7 +99,8 @@ class Tactic:
     def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         """True when this tactic may run `step` with these inputs, else the reason it may not."""
         if not self.available():
-            return f"{self.name} is not available in this torch build"
+            why = _why_unavailable(self.available)
+            return f"{self.name} is not available here" + (f": {why}" if why else " (not in this torch build)")
         first = inputs[0] if inputs else None
         if first is None or first.dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)

@@ -432,3 +432,20 @@ def test_onednn_graph_conv_runs_other_sizes_and_leaves_the_fusion_switch_alone()
     assert torch.jit.onednn_fusion_enabled() == was
     other = rand(2, 8, 6, 6, generator=g)  # not the compiled size: the plan's guard falls back, same result
     assert_close(launch(ctx, other, w, b), fused_conv(ctx, other, w, b, **attrs))
+
+
+def test_unavailable_tactic_says_why():
+    """A tactic whose library did not load names the library's own reason, not a generic one."""
+    from kiln.kernels.cpu import native_loop
+    from kiln.tactics.tactic import Tactic
+
+    library = native_loop.KernelLibrary("never", "", (), requires=(lambda: False, "libfoo.so cannot be loaded"))
+    tactic = Tactic(name="cpu.test.never", op_type="Relu", domain="", device="cpu", dtypes=(torch.float32,),
+                    supports=lambda step, inputs: True, prepare=lambda step, params, device: None,
+                    available=library.available)
+    assert tactic.check(None, []) == "cpu.test.never is not available here: libfoo.so cannot be loaded"
+    plain = Tactic(name="cpu.test.plain", op_type="Relu", domain="", device="cpu", dtypes=(torch.float32,),
+                   supports=lambda step, inputs: True, prepare=lambda step, params, device: None,
+                   available=lambda: False)
+    assert tactic.check(None, []) != plain.check(None, [])
+    assert plain.check(None, []) == "cpu.test.plain is not available here (not in this torch build)"

@@ -194,6 +194,15 @@ def available() -> bool:
     return True
 
 
+def reason() -> str | None:
+    """Why the library is unavailable (None when it loads)."""
+    try:
+        load()
+    except OneDNNError as e:
+        return str(e)
+    return None
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         raise OneDNNError(f"{what}: {_STATUS.get(status, f'status {status}')}")
