@@ -449,3 +449,11 @@ def test_unavailable_tactic_says_why():
                    available=lambda: False)
     assert tactic.check(None, []) != plain.check(None, [])
     assert plain.check(None, []) == "cpu.test.plain is not available here (not in this torch build)"
+
+
+def test_library_requirement_reason_is_computed_when_it_fails():
+    """A kernel library's requirement may say why it failed from the requirement's own state (oneDNN's error)."""
+    from kiln.kernels.cpu import native_loop
+
+    library = native_loop.KernelLibrary("never2", "", (), requires=(lambda: False, lambda: "oneDNN said: no engine"))
+    assert library.load() is None and library.reason() == "oneDNN said: no engine"

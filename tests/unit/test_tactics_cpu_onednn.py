@@ -353,6 +353,8 @@ def test_a_second_openmp_runtime_makes_the_library_unavailable(monkeypatch):
     monkeypatch.setattr(onednn, "_LOAD_ERROR", None)
     monkeypatch.setattr(onednn, "_openmp_runtimes", lambda: ["/torch/lib/libgomp-a34b3233.so.1",
                                                              "/usr/lib/x86_64-linux-gnu/libgomp.so.1"])
+    monkeypatch.setattr(onednn, "_openmp_file", lambda lib: "/usr/lib/x86_64-linux-gnu/libgomp.so.1"
+                        if "dnnl" in str(lib._name) else "/torch/lib/libgomp-a34b3233.so.1")
     assert not onednn.available()
     with pytest.raises(onednn.OneDNNError, match="OpenMP runtime is not torch's"):
         onednn.load()
@@ -454,3 +456,25 @@ def test_a_preferred_kernel_is_used_when_onednn_has_it_else_its_first_choice():
         conv = onednn_primitives.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer=kernel)
         assert conv.implementation in (kernel, default.implementation)
         assert_close(conv(x), want)
+
+
+def test_another_openmp_runtime_beside_torchs_leaves_the_library_available(tmp_path):
+    """A second OpenMP runtime mapped by some other library (transformers' or onnxruntime's dependencies on a CUDA
+    image) does not matter while libdnnl's OpenMP calls land in torch's runtime: the library stays available (the
+    H200 host ran BERT-base's 43 LayerNorm/attention layers on default code for this). In a fresh process: a copy of
+    torch's libgomp under another name is loaded first, then the library."""
+    if onednn.reason() is not None:
+        pytest.skip(f"oneDNN is unavailable here: {onednn.reason()}")
+    import shutil
+    import subprocess
+    import sys
+
+    runtime = next(f for f in onednn._openmp_runtimes() if "libgomp" in f)
+    copy = tmp_path / "libgomp-other.so.1"
+    shutil.copy(runtime, copy)
+    script = (f"import ctypes, torch; ctypes.CDLL({str(copy)!r}); from kiln.kernels.cpu import onednn; "
+              "print(len(onednn._openmp_runtimes()), onednn.reason())")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    count, reason = out.stdout.split(maxsplit=1)
+    assert int(count) == 2, out.stdout  # the copy is mapped beside torch's
+    assert reason.strip() == "None", out.stdout

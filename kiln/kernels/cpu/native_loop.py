@@ -38,10 +38,11 @@ class KernelLibrary:
     """One of kiln's C kernel files (se.c, relayout.c, transformer.c): compiled by `build` on first use, loaded
     once per process (thread-safe). `load()` gives the library or None, and `reason()` then says why; each name
     in `functions` is bound as int f(plan, handles, count, args), the calling convention a native segment
-    uses. `requires`: (a check, what to say when it fails) made before building; `setup(lib)`: after binding."""
+    uses. `requires`: (a check, what to say when it fails or a function saying it) made before building;
+    `setup(lib)`: after binding."""
 
     def __init__(self, stem: str, source: str, functions: Sequence[str],
-                 requires: tuple[Callable[[], bool], str] | None = None,
+                 requires: tuple[Callable[[], bool], str | Callable[[], str]] | None = None,
                  setup: Callable[[ctypes.CDLL], None] | None = None):
         self.stem, self.source, self.functions, self.requires, self.setup = stem, source, tuple(functions), requires, setup
         self._loaded: ctypes.CDLL | None = None
@@ -54,7 +55,8 @@ class KernelLibrary:
             if self._loaded is not None or self._reason is not None:
                 return self._loaded
             if self.requires is not None and not self.requires[0]():
-                self._reason = self.requires[1]
+                why = self.requires[1]
+                self._reason = why() if callable(why) else why
                 return None
             built = build(self.stem, self.source)
             if isinstance(built, str):

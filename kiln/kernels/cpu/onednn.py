@@ -157,7 +157,7 @@ def load() -> _Library:
             problems.append(f"{path}: oneDNN {version}, the enum values here are oneDNN 3's")
             continue
         runtimes = _openmp_runtimes()
-        if len(runtimes) > 1:
+        if len(runtimes) > 1 and not _shares_torchs_openmp(lib):
             # torch's libgomp renamed (CUDA wheels vendor it as libgomp-<hash>.so.1): libdnnl brought
             # a second OpenMP pool whose spinning threads would fight torch's for the same cores.
             problems.append(f"{path}: its OpenMP runtime is not torch's ({', '.join(runtimes)})")
@@ -174,6 +174,35 @@ def load() -> _Library:
     _LOAD_ERROR = "libdnnl.so.3 not found or not usable (pip install onednn-cpu-gomp)" + \
         (": " + "; ".join(problems) if problems else "")
     raise OneDNNError(_LOAD_ERROR)
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+def _openmp_file(lib: ctypes.CDLL) -> str | None:
+    """The file of the OpenMP runtime `lib` calls: dlsym on a library's handle searches it and then its
+    dependencies, the order its own calls resolve in; dladdr names the file the symbol lives in."""
+    try:
+        address = ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p).value
+        info = _DlInfo()
+        if not ctypes.CDLL(None).dladdr(ctypes.c_void_p(address), ctypes.byref(info)) or not info.dli_fname:
+            return None
+        return os.path.realpath(info.dli_fname.decode())
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _shares_torchs_openmp(lib: ctypes.CDLL) -> bool:
+    """Whether libdnnl's OpenMP calls land in the runtime torch's own do, though other runtimes are mapped too
+    (a library imported beside kiln, e.g. by transformers or onnxruntime, brought its own copy)."""
+    try:
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    except OSError:
+        return False
+    ours, torchs = _openmp_file(lib), _openmp_file(torch_cpu)
+    return ours is not None and ours == torchs
 
 
 def _openmp_runtimes() -> list[str]:

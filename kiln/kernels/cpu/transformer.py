@@ -48,7 +48,8 @@ def _share_the_pool(lib: ctypes.CDLL) -> None:
 
 _LIBRARY = native_loop.KernelLibrary(
     "transformer", SOURCE, _FUNCTIONS, setup=_share_the_pool,
-    requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernels' operands are oneDNN memory objects)"))
+    requires=(onednn.available,
+              lambda: f"the kernels' operands are oneDNN memory objects, and oneDNN is unavailable: {onednn.reason()}"))
 load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the kernels, built on first use
 
 
