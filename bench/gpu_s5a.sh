@@ -22,5 +22,10 @@ for model, layers in records.items():
         if not str(r.get("tactic", "")).startswith("cpu.") or "attention" in layer or "norm" in layer:
             print(model, layer, r.get("tactic"), r.get("time_ms"), json.dumps(r.get("candidates"))[:600])
 PY
+if [ -n "${ZOO_MODELS:-}" ]; then
+  stage "zoo at 2 threads: $ZOO_MODELS"
+  timeout ${ZOO_TIMEOUT:-150} python3 bench/zoo.py --models $ZOO_MODELS --threads 2 --rounds 3 --budget 8 --timing-cache "" \
+    --no-write 2>&1 | grep "^| \|tactics\|rror\|geometric" | tail -8
+fi
 stage done
 } 2>&1 | tee "$OUT/s5a.log"
