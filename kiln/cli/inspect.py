@@ -201,7 +201,17 @@ def padding_summary(header: dict) -> str | None:
         return None
     return (f"on: {removal['layers']} layer(s) ({removal['attentions']} attention(s)) run on the real tokens of "
             f"{removal['mask']!r}; packed {', '.join(removal['packed'])}; unpacked {', '.join(removal['unpacked'])} "
-            "(zeros at padding positions)")
+            "(zeros at padding positions)" + _both_programs(removal))
+
+
+def _both_programs(removal: dict) -> str:
+    """Whether the engine holds the plain program too (kiln/builder/padding_free.py), and where each was tuned."""
+    if not removal.get("plain_program"):
+        return "; one program: a run that does not pack runs every position as a packed row (the identity packing)"
+    tuned = removal.get("tuned_at") or {}
+    at = f", tuned at {tuned['tokens']} packed rows" if tuned else ""
+    return (f"; the engine holds both programs on one set of weights: packed ({removal['layers']} layers packed{at}) "
+            f"for runs that pack, plain ({removal['plain_program']} steps, tuned as a plain build) for runs that do not")
 
 
 def tactics_summary(tactics: dict) -> str:
