@@ -126,25 +126,41 @@ def real_error(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> tuple[flo
     return err, pad
 
 
-def build(path: str, device: str, profile: str, remove_padding: bool, log) -> kiln.Engine:
+def build(path: str, device: str, profile: str, remove_padding: bool, log, timing_cache: str | None = None) -> kiln.Engine:
+    """One engine; both with one timing cache (the plain one first): the padding-free engine's plain program is
+    then given the plain engine's tactics (kiln/builder/padding_free.py), and is that engine where it runs."""
     t = time.perf_counter()
     engine = kiln.build(path, device=device, precision="fp16" if device == "cuda" else "fp32",
-                        profiles=[{"input_ids": profile}], remove_padding=remove_padding)
+                        profiles=[{"input_ids": profile}], remove_padding=remove_padding, timing_cache=timing_cache)
     removal = engine.plan.header.get("remove_padding")
     chosen = sorted({s.tactic or "default" for s in engine.plan.program.steps
                      if s.op_type in ("Attention", "PackedAttention")})
+    tuned = (removal or {}).get("tuned_at")
     log(f"built {'padding-free' if remove_padding else 'plain'} engine in {time.perf_counter() - t:.1f} s"
         + (f": {removal['layers']} layers packed, {removal['attention']} attention" if removal else "")
+        + (f", plain program of {removal['plain_program']} steps" if removal and removal.get("plain_program") else "")
+        + (f", packed program tuned at {tuned['tokens']} rows ({tuned['mask']} mask)" if tuned else "")
         + f", attention tactic(s) {chosen}")
     return engine
+
+
+def same_at_real(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> str:
+    """"bitwise" when a and b agree to the bit at the real tokens, else their max abs difference there."""
+    keep = mask != 0
+    if np.array_equal(a[keep], b[keep]):
+        return "bitwise"
+    return f"{np.abs(a[keep].astype(np.float32) - b[keep].astype(np.float32)).max():.1e}"
 
 
 def run_cuda(args, exported, shapes, log) -> list[str]:
     model = zoo.get(args.model)
     max_b, max_s = max(b for b, _ in shapes), max(s for _, s in shapes)
     profile = f"1x1,8x128,{max(32, max_b)}x{max(512, max_s)}"
-    plain = None if args.skip_plain else build(str(exported.path), "cuda", profile, False, log)
-    packed = build(str(exported.path), "cuda", profile, True, log)
+    cache = str(Path(args.out or "/tmp", "remove-padding-timing.json"))
+    if os.path.exists(cache):
+        os.remove(cache)  # this run's own: the plain build's timings, then the padding-free build's cache hits
+    plain = None if args.skip_plain else build(str(exported.path), "cuda", profile, False, log, cache)
+    packed = build(str(exported.path), "cuda", profile, True, log, cache)
     plain_ctx = plain.create_execution_context() if plain is not None else None
     packed_ctx = packed.create_execution_context()  # packing "auto": where it pays (runtime/buckets.py)
     always_ctx = packed.create_execution_context(packing="always")  # every run packed: what packing costs
@@ -155,8 +171,8 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
     profiled = {(8, 128, "right"), (*big, "full"), (*big, "right")}  # the kernel tables: small, no padding, padded
     rows = ["| shape | mask | padding | packed rows (auto) | kiln ms | kiln padding-free ms | ... always packed ms | "
             "torch eager ms | torch.compile ms | best torch / padding-free | kiln / padding-free | "
-            "max err real (plain, free, always) vs torch fp16 | max at padding | ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "max err real (plain, free, always) vs torch fp16 | padding-free vs plain at real tokens | max at padding | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     log(rows[0])
     with torch.inference_mode():
         for b, s, kind in cases(shapes):
@@ -169,10 +185,11 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
             always = next(iter(always_ctx.run(feeds).values())).float().cpu().numpy()
             always_err, always_pad = real_error(always, want, mask)
             rows_auto = packed_rows(feeds["attention_mask"], None, True)  # before the buckets' padding of B and S
-            base_err = float("nan")
+            base_err, same = float("nan"), "-"
             if plain_ctx is not None:
                 base = next(iter(plain_ctx.run(feeds).values())).float().cpu().numpy()
                 base_err = real_error(base, want, mask)[0]
+                same = same_at_real(got, base, mask)
             ok = max(err, always_err) <= TOLERANCE_FP16 and pad == always_pad == 0.0
             k = gpu_ms(lambda: plain_ctx.run(feeds), args.calls) if plain_ctx is not None else float("nan")
             f = gpu_ms(lambda: packed_ctx.run(feeds), args.calls)
@@ -182,7 +199,7 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
             best = min(e, c) if compiled is not None else e
             rows.append(f"| {b}x{s} | {kind} | {1 - mask.mean():.0%} | {rows_auto} of {b * s} | {k:.3f} | {f:.3f} | "
                         f"{a:.3f} | {e:.3f} | {c:.3f} | {best / f:.2f}x | {k / f:.2f}x | "
-                        f"{base_err:.2e}, {err:.2e}, {always_err:.2e} | {max(pad, always_pad):.1e} | "
+                        f"{base_err:.2e}, {err:.2e}, {always_err:.2e} | {same} | {max(pad, always_pad):.1e} | "
                         f"{'ok' if ok else 'FAIL'} |")
             log(rows[-1])
             if plain_ctx is not None and args.kernels and (b, s, kind) in profiled:
