@@ -489,7 +489,9 @@ class ExecutionContext:
                     results = self._run_program(args, rows)
                     if rows is None and self.runner is not None and self.runner.stats.captures != captured:
                         # timed at its capture
-                        self.buckets.learn(targets, self.runner.replay_ms(args, self.engine.plain_program))
+                        plain = self.engine.plain_program if self._token_mask is not None else None
+                        self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
+                                           else self.runner.replay_ms(args, plain))
                     results = self.buckets.crop(results, targets)
             else:
                 results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
@@ -512,7 +514,7 @@ class ExecutionContext:
         elif self._token_mask is not None:
             program = self.engine.plain_program
         if self.runner is not None:
-            return self.runner.run(args, program)
+            return self.runner.run(args) if program is None else self.runner.run(args, program)
         if program is not None:
             return program.run(args)
         if self._first_calls is not None:
