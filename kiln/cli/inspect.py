@@ -134,6 +134,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if cache.get("path"):
             summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
         rows.append(("tactics", summary))
+        if header.get("plain_tactics"):  # a padding-free engine's plain program (kiln/builder/padding_free.py)
+            rows.append(("plain program tactics", tactics_summary(header["plain_tactics"])))
         layouts = layout_conversions(plan)
         if layouts["layers"]:
             rows.append(("layout", f"{layouts['layers']} layer(s) run channels-last; {layouts['conversions']} "

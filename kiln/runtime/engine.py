@@ -228,7 +228,9 @@ class ExecutionContext:
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
         padding-free engine: "auto" packs a run's real tokens where that pays (buckets.PACK_MIN_SAVING), "always"
-        wherever a row is saved, "never" runs every position (the identity packing: the plain computation).
+        wherever a row is saved, "never" runs every position. A run that does not pack runs the engine's plain
+        program (the plain engine's, kiln/builder/padding_free.py; its graphs in the same cache), or, in an engine
+        without one, the packed program with every position a row (the identity packing).
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
         one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
         the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens)."""

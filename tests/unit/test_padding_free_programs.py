@@ -150,6 +150,7 @@ def test_inspect_says_the_engine_holds_both(engines, tmp_path, capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "the engine holds both programs on one set of weights" in text
     assert f"tuned at {free.plan.header['remove_padding']['tuned_at']['tokens']} packed rows" in text
+    assert "plain program tactics" in text and "layer(s) tuned" in text
 
 
 def test_the_packed_program_is_tuned_on_a_run_that_saves_just_enough():
