@@ -10,7 +10,6 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import PACK_MIN_SAVING, PACKING, packed_rows, plan_buckets
+from kiln.runtime.buckets import PACKING, packed_rows, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.first_calls import FirstCalls
 from kiln.runtime.host import HOST_MAX_NUMEL
@@ -268,7 +267,6 @@ class ExecutionContext:
             and self._token_mask is None else None
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
-        self._pinned_count: torch.Tensor | None = None  # a CUDA mask's token count lands here (_count_tokens)
 
     def set_tensor_address(self, name: str, tensor: torch.Tensor) -> None:
         """Bind a caller-owned tensor to an input or an output, as TensorRT's setTensorAddress does: execute()
@@ -475,7 +473,7 @@ class ExecutionContext:
             feeds = dict(zip(self.engine.input_names, feeds))
         else:
             feeds = dict(feeds)
-        tokens = self._count_tokens(feeds)  # a CUDA mask's: started now, read once the run needs it
+        tokens = self._count_tokens(feeds)  # a host mask's real tokens (a CUDA mask's: counted if needed)
         self._check(feeds)
         as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
         args = self.engine.program_inputs(feeds)
@@ -526,7 +524,7 @@ class ExecutionContext:
             return self._first_calls.run(args)
         return self.engine.program.run(args)
 
-    def _packed_rows(self, args: list[Any], tokens: int | _TokenCount | None = None,
+    def _packed_rows(self, args: list[Any], tokens: int | None = None,
                      targets: dict[str, tuple[int, int]] | None = None) -> int | None:
         """For a padding-free engine, the rows this run packs its tokens to (their token bucket where shapes are
         bucketed: `targets`, the buckets the run pads to), or None where it runs the plain program: where the run
@@ -542,36 +540,25 @@ class ExecutionContext:
             for axis, symbol in self.buckets.pads[self._token_mask]:
                 shape[axis] = targets[symbol][1]
             positions = math.prod(shape)
-        if isinstance(tokens, _TokenCount):
-            tokens = tokens.value()
         rows = packed_rows(mask, tokens, self.buckets is not None, self.packing, positions)
         return None if rows == positions and self.engine.plain_program is not None else rows
 
-    def _count_tokens(self, feeds: dict[str, Any]) -> int | _TokenCount | None:
-        """A padding-free engine's real tokens: a host array's or a CPU tensor's counted here; a CUDA mask's counted
-        on the device and copied back asynchronously (_TokenCount), so the run's host work (checks, buckets) goes
-        on meanwhile instead of waiting for it at the packing decision: the run's one synchronization with the
-        host, which alone cost a run that does not pack ~70 µs on the H200 (bench/results/padding-free-plain-
-        2026-12-02.md). None: not wanted (another engine, "never", a mask too small to pack and not bucketed), or a
-        mask that is no tensor (the checks will say)."""
+    def _count_tokens(self, feeds: dict[str, Any]) -> int | None:
+        """A padding-free engine's real tokens where they are on the host (a numpy mask, a CPU tensor): counted
+        here, no device sync. A CUDA mask's: None, counted by packed_rows where the decision needs them (a run of
+        PACK_MIN_SAVING's positions or more): the run's one synchronization with the host, ~70 µs of a run on the
+        H200. Counting it asynchronously (a non-blocking copy into pinned memory, an event read at the decision)
+        was measured slower still (bench/results/padding-free-plain-2026-12-02.md, run 2): the host work between
+        the count and the decision is shorter than the round trip, and the copy and the event cost host time of
+        their own, which a run of a CUDA graph adds to its latency as it is."""
         if self._token_mask is None or self.packing == "never":
             return None
         value = feeds.get(self.engine.input_names[self._token_mask])
         if isinstance(value, np.ndarray):
             return int(np.count_nonzero(value))
-        if not isinstance(value, torch.Tensor) or value.dim() != 2:
-            return None
-        if not value.is_cuda:
-            return int(torch.count_nonzero(value))
-        if self.packing == "auto" and value.numel() < PACK_MIN_SAVING[-1][0] and self.buckets is None:
-            return None  # never packed: the positions alone decide
-        if self._pinned_count is None:
-            self._pinned_count = torch.empty((), dtype=torch.int64, pin_memory=True)
-        with torch.inference_mode():
-            self._pinned_count.copy_(torch.count_nonzero(value), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _TokenCount(self._pinned_count, done)
+        if isinstance(value, torch.Tensor) and not value.is_cuda and self.engine.device.type == "cuda":
+            return int(torch.count_nonzero(value))  # on its way to the device: counted where it is
+        return None
 
     def _host_tokens(self, feeds: dict[str, Any]) -> int | None:
         """The real tokens of a padding mask fed as a host array, counted there (no device sync); else None."""
@@ -669,18 +656,6 @@ class ExecutionContext:
         with torch.inference_mode():
             results = self.engine.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
-
-
-@dataclass
-class _TokenCount:
-    """A CUDA mask's real tokens on their way to the host: `host` (pinned) holds them once `done` has passed."""
-
-    host: torch.Tensor
-    done: Any  # torch.cuda.Event
-
-    def value(self) -> int:
-        self.done.synchronize()
-        return int(self.host)
 
 
 HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
