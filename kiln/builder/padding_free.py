@@ -66,7 +66,7 @@ def value_shapes(graph: ir.Model) -> dict[str, list | None]:
 
 def optimize_and_lower(model: ir.Model, options: PassOptions, copy_weights: bool = True) -> tuple[ir.Model, Lowered]:
     """The optimized graph and its lowering; with options.remove_padding, both programs (the module docstring)."""
-    if not options.remove_padding:
+    if not options.remove_padding or options.opt_level == 0:  # level 0 runs the model as it is (no rewrite either)
         graph = optimize(model, options)
         program, weights, inputs, outputs = lower(graph, copy_weights)
         return graph, Lowered(program, weights, user_inputs(graph, inputs), outputs)
