@@ -9,8 +9,9 @@ drawn uniformly in [S/2, S] (seed 0: ~25% padding), and at the largest shape als
 random stream's), no padding at all (the cost of packing), and left padding with one row all padding.
 
 CUDA: GPU time per call by CUDA events around the call (the padding-free run's one host sync, counting the real
-tokens, included), median of --calls after warm-up (its bucket's graph captured), for kiln, kiln padding-free,
-torch eager fp16 and torch.compile(dynamic=True); correctness: the padding-free engine's outputs at real tokens
+tokens, included), median of --calls after warm-up (its bucket's graph captured), for kiln, kiln padding-free (auto,
+always packed, never packed: the plain program without counting tokens; the kiln engines timed call by call in
+turn), torch eager fp16 and torch.compile(dynamic=True); correctness: the padding-free engine's outputs at real tokens
 against torch fp16 (max abs error, tolerance TOLERANCE_FP16) and zeros at padding. CPU: process time per call
 (median), kiln, kiln padding-free and onnxruntime (fp32, the oracle; tolerance TOLERANCE_FP32).
 """
@@ -66,6 +67,21 @@ def cases(shapes: list[tuple[int, int]]) -> list[tuple[int, int, str]]:
 def gpu_ms(fn, calls: int, warmup: int = 3) -> float:
     """Median GPU ms of one call between CUDA events, after `warmup` calls."""
     return statistics.median(time_cuda(fn, warmup=warmup, iters=calls))
+
+
+def interleaved_gpu_ms(fns: dict[str, object], calls: int, warmup: int = 3) -> dict[str, float]:
+    """Median ms of one call of each fn between CUDA events (synchronized after each), the fns taking turns call by
+    call: a drift of the GPU's clocks over the run (a sustained load at 32x512) hits them alike, where timed one
+    after the other the first would be timed at the highest clocks."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            times[name] += time_cuda(fn, warmup=0, iters=1)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def cpu_ms(fn, calls: int, warmup: int = 2) -> float:
@@ -126,37 +142,54 @@ def real_error(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> tuple[flo
     return err, pad
 
 
-def build(path: str, device: str, profile: str, remove_padding: bool, log) -> kiln.Engine:
+def build(path: str, device: str, profile: str, remove_padding: bool, log, timing_cache: str | None = None) -> kiln.Engine:
+    """One engine; both with one timing cache (the plain one first): the padding-free engine's plain program is
+    then given the plain engine's tactics (kiln/builder/padding_free.py), and is that engine where it runs."""
     t = time.perf_counter()
     engine = kiln.build(path, device=device, precision="fp16" if device == "cuda" else "fp32",
-                        profiles=[{"input_ids": profile}], remove_padding=remove_padding)
+                        profiles=[{"input_ids": profile}], remove_padding=remove_padding, timing_cache=timing_cache)
     removal = engine.plan.header.get("remove_padding")
     chosen = sorted({s.tactic or "default" for s in engine.plan.program.steps
                      if s.op_type in ("Attention", "PackedAttention")})
+    tuned = (removal or {}).get("tuned_at")
     log(f"built {'padding-free' if remove_padding else 'plain'} engine in {time.perf_counter() - t:.1f} s"
         + (f": {removal['layers']} layers packed, {removal['attention']} attention" if removal else "")
+        + (f", plain program of {removal['plain_program']} steps" if removal and removal.get("plain_program") else "")
+        + (f", packed program tuned at {tuned['tokens']} rows ({tuned['mask']} mask)" if tuned else "")
         + f", attention tactic(s) {chosen}")
     return engine
+
+
+def same_at_real(a: np.ndarray, b: np.ndarray, mask: np.ndarray) -> str:
+    """"bitwise" when a and b agree to the bit at the real tokens, else their max abs difference there."""
+    keep = mask != 0
+    if np.array_equal(a[keep], b[keep]):
+        return "bitwise"
+    return f"{np.abs(a[keep].astype(np.float32) - b[keep].astype(np.float32)).max():.1e}"
 
 
 def run_cuda(args, exported, shapes, log) -> list[str]:
     model = zoo.get(args.model)
     max_b, max_s = max(b for b, _ in shapes), max(s for _, s in shapes)
     profile = f"1x1,8x128,{max(32, max_b)}x{max(512, max_s)}"
-    plain = None if args.skip_plain else build(str(exported.path), "cuda", profile, False, log)
-    packed = build(str(exported.path), "cuda", profile, True, log)
+    cache = str(Path(args.out or "/tmp", "remove-padding-timing.json"))
+    if os.path.exists(cache):
+        os.remove(cache)  # this run's own: the plain build's timings, then the padding-free build's cache hits
+    plain = None if args.skip_plain else build(str(exported.path), "cuda", profile, False, log, cache)
+    packed = build(str(exported.path), "cuda", profile, True, log, cache)
     plain_ctx = plain.create_execution_context() if plain is not None else None
     packed_ctx = packed.create_execution_context()  # packing "auto": where it pays (runtime/buckets.py)
     always_ctx = packed.create_execution_context(packing="always")  # every run packed: what packing costs
+    never_ctx = packed.create_execution_context(packing="never")  # the plain program always: no token count
     module = zoo.torch_model(args.model).cuda().half().eval()
     compiled = None if args.no_compile else torch.compile(module, dynamic=True)
     rng = np.random.default_rng(0)
     big = max(shapes, key=lambda bs: bs[0] * bs[1])
     profiled = {(8, 128, "right"), (*big, "full"), (*big, "right")}  # the kernel tables: small, no padding, padded
     rows = ["| shape | mask | padding | packed rows (auto) | kiln ms | kiln padding-free ms | ... always packed ms | "
-            "torch eager ms | torch.compile ms | best torch / padding-free | kiln / padding-free | "
-            "max err real (plain, free, always) vs torch fp16 | max at padding | ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "... never packed ms | torch eager ms | torch.compile ms | best torch / padding-free | kiln / padding-free | "
+            "max err real (plain, free, always) vs torch fp16 | padding-free vs plain at real tokens | max at padding | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     log(rows[0])
     with torch.inference_mode():
         for b, s, kind in cases(shapes):
@@ -169,28 +202,32 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
             always = next(iter(always_ctx.run(feeds).values())).float().cpu().numpy()
             always_err, always_pad = real_error(always, want, mask)
             rows_auto = packed_rows(feeds["attention_mask"], None, True)  # before the buckets' padding of B and S
-            base_err = float("nan")
+            base_err, same = float("nan"), "-"
             if plain_ctx is not None:
                 base = next(iter(plain_ctx.run(feeds).values())).float().cpu().numpy()
                 base_err = real_error(base, want, mask)[0]
+                same = same_at_real(got, base, mask)
             ok = max(err, always_err) <= TOLERANCE_FP16 and pad == always_pad == 0.0
-            k = gpu_ms(lambda: plain_ctx.run(feeds), args.calls) if plain_ctx is not None else float("nan")
-            f = gpu_ms(lambda: packed_ctx.run(feeds), args.calls)
-            a = gpu_ms(lambda: always_ctx.run(feeds), args.calls)
+            peers = {"free": lambda: packed_ctx.run(feeds), "always": lambda: always_ctx.run(feeds),
+                     "never": lambda: never_ctx.run(feeds)}
+            if plain_ctx is not None:
+                peers["plain"] = lambda: plain_ctx.run(feeds)
+            timed = interleaved_gpu_ms(peers, args.calls)  # the kiln peers call by call in turn
+            k, f, a, n = timed.get("plain", float("nan")), timed["free"], timed["always"], timed["never"]
             e = gpu_ms(lambda: module(**feeds), args.calls)
             c = gpu_ms(lambda: compiled(**feeds), args.calls) if compiled is not None else float("nan")
             best = min(e, c) if compiled is not None else e
             rows.append(f"| {b}x{s} | {kind} | {1 - mask.mean():.0%} | {rows_auto} of {b * s} | {k:.3f} | {f:.3f} | "
-                        f"{a:.3f} | {e:.3f} | {c:.3f} | {best / f:.2f}x | {k / f:.2f}x | "
-                        f"{base_err:.2e}, {err:.2e}, {always_err:.2e} | {max(pad, always_pad):.1e} | "
+                        f"{a:.3f} | {n:.3f} | {e:.3f} | {c:.3f} | {best / f:.2f}x | {k / f:.2f}x | "
+                        f"{base_err:.2e}, {err:.2e}, {always_err:.2e} | {same} | {max(pad, always_pad):.1e} | "
                         f"{'ok' if ok else 'FAIL'} |")
             log(rows[-1])
             if plain_ctx is not None and args.kernels and (b, s, kind) in profiled:
-                table = kernel_comparison(f"{b}x{s} {kind}, always packed", kernel_ms(lambda: plain_ctx.run(feeds)),
-                                          kernel_ms(lambda: always_ctx.run(feeds)))
+                table = kernel_comparison(f"{b}x{s} {kind}, padding-free (auto)", kernel_ms(lambda: plain_ctx.run(feeds)),
+                                          kernel_ms(lambda: packed_ctx.run(feeds)))
                 rows += table
                 log("\n".join(table))
-    for label, context in (("padding-free", packed_ctx), ("always packed", always_ctx)):
+    for label, context in (("padding-free", packed_ctx), ("always packed", always_ctx), ("never packed", never_ctx)):
         stats = context.runner.stats
         rows.append(f"\n{label} context: {stats.captures} graphs captured, {stats.replays} replays, "
                     f"{stats.eager_runs} eager runs"

@@ -429,10 +429,13 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
              io_casts: dict[str, str] | None = None,
-             other_shapes: dict[str, dict[str, list[int]]] | None = None) -> dict[str, Any]:
+             other_shapes: dict[str, dict[str, list[int]]] | None = None,
+             examples: list[Any] | None = None) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
     `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
-    also timed (_choose_over)."""
+    also timed (_choose_over). `examples`: the program's inputs at the tuning point when they are not
+    example_inputs(inputs, shapes) (a padding-free program's mask of fewer tokens and its token bucket,
+    kiln/builder/padding_free.py); cast at the boundary as those are."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
@@ -442,10 +445,11 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         return {"skipped": "no layer has more than its default implementation on this device"}
     placed = {k: place_weight(v, device) for k, v in weights.items()}
     try:
-        examples = [v.to(device) for v in example_inputs(inputs, shapes)]
+        examples = [v.to(device) for v in (example_inputs(inputs, shapes) if examples is None else examples)]
         # A half-precision engine takes its float inputs cast at the boundary (runtime/engine.py).
         casts = {k: dtypes.BY_NAME[v].torch for k, v in (io_casts or {}).items()}
-        examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)]
+        examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(examples, inputs)] \
+            + examples[len(inputs):]
         reference_program = Program(program, placed, device)
         points = [(label, point) for label, point in (other_shapes or {}).items()
                   if {**shapes, **point} != shapes]  # the opt shape itself is no other point

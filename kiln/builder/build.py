@@ -12,21 +12,21 @@ from pathlib import Path
 import onnx_ir as ir
 import torch
 
-from kiln.builder.autotune import autotune
+from kiln.builder.autotune import autotune, example_inputs
 from kiln.builder.calibration import quantize, summarize
 from kiln.builder.config import BuildConfig
-from kiln.builder.lower import lower, value_dtype_name
-from kiln.builder.precision import lower_precision
+from kiln.builder.lower import value_dtype_name
+from kiln.builder.padding_free import Lowered, lower_precision_of, optimize_and_lower, packed_examples, value_shapes
 from kiln.builder.profile_check import check_at_profile_ends
 from kiln.builder.profiles import resolve as resolve_profiles
 from kiln.builder.profiles import shapes_at
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
-from kiln.passes import PassOptions, optimize
+from kiln.passes import PassOptions
 from kiln.passes.remove_padding import REMOVE_PADDING
 from kiln.plan.memory import plan_arena
-from kiln.plan.spec import FORMAT_VERSION, EnginePlan
+from kiln.plan.spec import FORMAT_VERSION, EnginePlan, Profile, ProgramSpec
 from kiln.quant.smoothquant import check_alpha
 from kiln.runtime.engine import Engine, place_weight
 from kiln.runtime.rss import PeakMemory, return_free_memory
@@ -115,11 +115,24 @@ def pass_options(config: BuildConfig) -> PassOptions:
                        refittable=config.refittable, remove_padding=config.remove_padding, padded_attention=cpu)
 
 
-def user_inputs(graph: ir.Model, inputs: list) -> list:
-    """The engine's input bindings: the lowered graph's inputs less a padding-free engine's token bucket, which
-    the runtime feeds (kiln/passes/remove_padding.py)."""
-    removal = graph.meta.get(REMOVE_PADDING)
-    return inputs if removal is None else [b for b in inputs if b.name != removal["bucket_input"]]
+def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torch.device, profiles: list[Profile],
+          tuning_shapes: dict[str, list[int]], other_shapes: dict | None, io_casts: dict[str, str],
+          shapes_of_values: dict[str, list | None], say: Progress, examples: list | None = None) -> dict:
+    """Tactic search for one program (the tuner's header record), and each choice checked at every profile's ends:
+    a tactic that refuses or errs there goes back to the default."""
+    tactics = autotune(spec, lowered.weights, lowered.inputs, device=device, opt_level=config.opt_level,
+                       shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
+                       runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes,
+                       examples=examples)
+    return_free_memory()  # the search's records and candidates are gone: before the engine packs its weights
+    if profiles and "layers" in tactics:
+        say("checking tactics at the profiles' ends")
+        placed = {k: place_weight(v, device) for k, v in lowered.weights.items()}
+        checks = check_at_profile_ends(spec, placed, lowered.inputs, profiles, device, io_casts, shapes_of_values,
+                                       tuning_shapes)
+        if checks:
+            tactics["profiles"] = checks
+    return tactics
 
 
 def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | None = None,
@@ -143,24 +156,21 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         # quantization explicit (Q/DQ); the layers no quantized kernel runs stay in float storage.
         graph, quantization = quantize(graph, config, say)
         storage = "fp16" if config.device == "cuda" else "fp32"
-    # Optimize: restructure the graph so fewer, cheaper steps run.
-    say("optimizing")
-    graph = optimize(graph, pass_options(config))
-    # Lower: one step per node, weights out of the graph, subgraphs as nested programs.
-    say("lowering")
-    program, weights, inputs, outputs = lower(graph, copy_weights=isinstance(model, ir.Model))  # a caller's graph is copied
-    inputs = user_inputs(graph, inputs)
+    # Optimize: restructure the graph so fewer, cheaper steps run; lower: one step per node, weights out of the
+    # graph, subgraphs as nested programs (padding-free: the plain program too, on the same weights).
+    say("optimizing and lowering")
+    graph, lowered = optimize_and_lower(graph, pass_options(config), copy_weights=isinstance(model, ir.Model))
+    program, weights, inputs, outputs = lowered.program, lowered.weights, lowered.inputs, lowered.outputs
     io_casts: dict[str, str] = {}
     if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
         say(f"lowering precision to {storage}")
-        io_casts = lower_precision(program, weights, storage, set(config.layer_precision))
+        io_casts = lower_precision_of(lowered, storage, set(config.layer_precision))
     # Profiles: the shapes each input may take (the user's, else kiln's default for symbolic dims);
     # tactics are tuned at the first profile's opt shape.
     profiles = resolve_profiles(config.profiles, inputs, graph.graph, config.shapes)
     tuning_shapes = {**(shapes_at(profiles[0], "opt") if profiles else {}), **config.shapes}
-    value_shapes = {v.name: None if v.shape is None else [d if isinstance(d, int) else d.value for d in v.shape]
-                    for node in graph.graph for v in node.outputs}
+    shapes_of_values = value_shapes(graph)
     if not isinstance(model, ir.Model):  # the graph is the build's own: its weights are now the engine's copies
         _release_weights(graph)
     return_free_memory()
@@ -176,18 +186,24 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         mid = {name: [max(1, round(math.sqrt(a * b))) for a, b in zip(low[name], tuning_shapes.get(name, low[name]))]
                for name in low}
         other_shapes = {"mid": mid, "min": low}
-    tactics = autotune(program, weights, inputs, device=device, opt_level=config.opt_level,
-                       shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
-                       runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes)
-    return_free_memory()  # the search's records and candidates are gone: before the engine packs its weights
-    # ... and valid at every profile's ends: a tactic that refuses or errs there goes back to the default.
-    if profiles and "layers" in tactics:
-        say("checking tactics at the profiles' ends")
-        placed = {k: place_weight(v, device) for k, v in weights.items()}
-        checks = check_at_profile_ends(program, placed, inputs, profiles, device, io_casts, value_shapes,
-                                       tuning_shapes)
-        if checks:
-            tactics["profiles"] = checks
+    plain_tactics = None
+    if lowered.plain is not None:
+        # A padding-free engine's plain program, tuned as the plain build tunes it: where a run does not pack,
+        # the engine is the plain engine.
+        say("tactics of the plain program (runs that do not pack their tokens)")
+        plain_tactics = _tune(lowered.plain, lowered, config, device, profiles, tuning_shapes, other_shapes,
+                              io_casts, lowered.plain_value_shapes, say)
+        # ... and its packed program where it runs: on the rows of a packed run, not at the opt shape's B·S
+        mask = graph.meta[REMOVE_PADDING]["mask"]
+        examples, tokens = packed_examples(example_inputs(inputs, tuning_shapes), inputs, mask)
+        shape = list(next(e for e, b in zip(examples, inputs) if b.name == mask).shape)
+        graph.meta[REMOVE_PADDING]["tuned_at"] = {"mask": shape, "tokens": tokens}
+        say(f"tactics of the packed program at {tokens} packed token rows (a {shape[0]}x{shape[1]} mask that saves "
+            "just enough to pack: kiln/builder/padding_free.py tuning_tokens)")
+    else:
+        examples = None
+    tactics = _tune(program, lowered, config, device, profiles, tuning_shapes,
+                    other_shapes if examples is None else None, io_casts, shapes_of_values, say, examples)
     if quantization.get("mode") == "kernels" or any(s.op_type in ("QConv", "QGemm") for s in program.steps):
         # what each quantized layer runs in, and why (int8 where its kernel was faster and exact)
         quantization["layers"] = summarize(program, tactics, quantization.get("smoothquant"))
@@ -208,14 +224,16 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         "outputs": [b.to_json() for b in outputs],
         "memory": {k: v for k, v in memory.items() if k != "offsets"},
         "io_casts": io_casts,
-        "value_types": {v.name: {"dtype": value_dtype_name(v), "shape": value_shapes[v.name]}
+        "value_types": {v.name: {"dtype": value_dtype_name(v), "shape": shapes_of_values[v.name]}
                         for node in graph.graph for v in node.outputs},
         "tactics": tactics,
         "quantization": quantization,
         "remove_padding": graph.meta.get(REMOVE_PADDING),  # what runs on the real tokens only (None: off)
+        # a padding-free engine's plain program (runs that do not pack): what the tuner chose for it
+        **({"plain_tactics": plain_tactics} if lowered.plain is not None else {}),
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
-    engine = Engine(EnginePlan(header=header, program=program, weights=weights))
+    engine = Engine(EnginePlan(header=header, program=program, weights=weights, plain=lowered.plain))
     # Peak RSS growth over the whole build, the engine's load (its layers' packed weights) included.
     header["build_memory"] = {"peak_rss_delta_bytes": memory_at_start.delta(), "measured_by": memory_at_start.method,
                               "model_weight_bytes": model_weight_bytes}

@@ -79,6 +79,10 @@ class Lowering:
         self.by_content: dict[tuple, str] = {}  # _content_key -> the key of the stored weight
         self.model = model
         self.share = shares_weights(model.graph)  # a refittable build keeps equal weights apart
+        # a second lowering of the same graph rewritten (a padding-free engine's packed program after its plain one):
+        # an initializer of a name stored already, with the same bytes, is that weight (kiln/builder/padding_free.py)
+        self.reuse_names = False
+        self.keys_by_name: dict[str, list[str]] = {}
 
     def _weight_key(self, name: str) -> str:
         key, n = name, 1
@@ -90,6 +94,10 @@ class Lowering:
     def store(self, name: str, tensor: ir.TensorProtocol) -> str:
         """The weights key holding `tensor`: a new one, or the key of an identical large weight."""
         weight = tensor_to_runtime(tensor, copy=self.copy_weights)
+        if self.reuse_names:
+            for key in self.keys_by_name.get(name, []):
+                if _same_bytes(self.weights[key], weight):
+                    return key
         content = _content_key(weight) if self.share else None
         if content is not None and (key := self.by_content.get(content)) is not None:
             stored = self.weights[key]
@@ -98,6 +106,7 @@ class Lowering:
                 return key
         key = self._weight_key(name)
         self.weights[key] = weight
+        self.keys_by_name.setdefault(name, []).append(key)
         if content is not None:
             self.by_content.setdefault(content, key)
         return key
@@ -182,11 +191,24 @@ def _free_names(graph: ir.Graph) -> list[str]:
     return free
 
 
+def _same_bytes(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+            a.detach().contiguous().reshape(-1).view(torch.uint8), b.detach().contiguous().reshape(-1).view(torch.uint8))
+    return type(a) is type(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None) and \
+        getattr(a, "shape", None) == getattr(b, "shape", None) and bool((a == b).all())
+
+
+def bindings(model: ir.Model, program: ProgramSpec) -> tuple[list[Binding], list[Binding]]:
+    """The engine's input and output bindings of a lowered graph."""
+    inputs = [binding_of(v) for v in model.graph.inputs if v.name in program.inputs]
+    return inputs, [binding_of(v) for v in model.graph.outputs]
+
+
 def lower(model: ir.Model, copy_weights: bool = True) -> tuple[ProgramSpec, dict[str, Any], list[Binding], list[Binding]]:
     """`copy_weights=False`: the engine's weights share the graph's arrays where they can (a graph the build
     made itself, never the caller's: one copy of the weights instead of two while both live)."""
     lowering = Lowering(model, copy_weights)
     program = lowering.graph(model.graph)
-    inputs = [binding_of(v) for v in model.graph.inputs if v.name in program.inputs]
-    outputs = [binding_of(v) for v in model.graph.outputs]
+    inputs, outputs = bindings(model, program)
     return program, lowering.weights, inputs, outputs

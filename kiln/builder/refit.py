@@ -50,15 +50,13 @@ import onnx_ir as ir
 import safetensors.torch
 import torch
 
-from kiln.builder.build import pass_options, user_inputs
+from kiln.builder.build import pass_options
 from kiln.builder.calibration import quantize
 from kiln.builder.config import BuildConfig
-from kiln.builder.lower import lower
-from kiln.builder.precision import lower_precision
+from kiln.builder.padding_free import lower_precision_of, optimize_and_lower
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
-from kiln.passes import optimize
 from kiln.quant import cache as calibration_cache
 from kiln.runtime.engine import Engine
 from kiln.version import __version__
@@ -342,12 +340,16 @@ def derive_weights(engine: Engine, weights: WeightsSource, onnx: str | os.PathLi
         requantized = _requantize(model, config, header.get("quantization") or {}, recalibrate)
         model = requantized.model
         storage = "fp16" if config.device == "cuda" else "fp32"
-    graph = optimize(model, replace(pass_options(config), verify=False))
-    program, derived, inputs, outputs = lower(graph)
-    inputs = user_inputs(graph, inputs)
+    graph, lowered = optimize_and_lower(model, replace(pass_options(config), verify=False))
+    program, derived, inputs, outputs = lowered.program, lowered.weights, lowered.inputs, lowered.outputs
     if storage in ("fp16", "bf16"):
-        lower_precision(program, derived, storage, set(config.layer_precision))
+        lower_precision_of(lowered, storage, set(config.layer_precision))
     built_spec, new_spec = _structure(engine.plan.program.to_json()), _structure(program.to_json())
+    if (engine.plan.plain is None) != (lowered.plain is None):
+        raise RefitError("the engine " + ("carries" if engine.plan.plain is not None else "does not carry")
+                         + " a plain program beside its padding-free one, these weights' build would not: rebuild it")
+    if lowered.plain is not None and built_spec == new_spec:  # a padding-free engine's plain program too
+        built_spec, new_spec = _structure(engine.plan.plain.to_json()), _structure(lowered.plain.to_json())
     same_io = [b.to_json() for b in inputs] == header["inputs"] and [b.to_json() for b in outputs] == header["outputs"]
     if built_spec != new_spec or not same_io:
         version = header.get("kiln_version")

@@ -179,6 +179,8 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose
     if tactics:  # what the tuner chose, and what its whole-engine check reverted and why
         rows.append(("tactics", tactics_summary(tactics)))
         rows += [("", line) for line in whole_engine_check(tactics)]
+    if header.get("plain_tactics"):  # a padding-free engine's plain program (kiln/builder/padding_free.py)
+        rows.append(("plain program tactics", tactics_summary(header["plain_tactics"])))
     for key, value in rows:
         table.add_row(key, text(value))
     console().print(table)

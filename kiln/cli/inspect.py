@@ -134,6 +134,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if cache.get("path"):
             summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
         rows.append(("tactics", summary))
+        if header.get("plain_tactics"):  # a padding-free engine's plain program (kiln/builder/padding_free.py)
+            rows.append(("plain program tactics", tactics_summary(header["plain_tactics"])))
         layouts = layout_conversions(plan)
         if layouts["layers"]:
             rows.append(("layout", f"{layouts['layers']} layer(s) run channels-last; {layouts['conversions']} "
@@ -201,7 +203,17 @@ def padding_summary(header: dict) -> str | None:
         return None
     return (f"on: {removal['layers']} layer(s) ({removal['attentions']} attention(s)) run on the real tokens of "
             f"{removal['mask']!r}; packed {', '.join(removal['packed'])}; unpacked {', '.join(removal['unpacked'])} "
-            "(zeros at padding positions)")
+            "(zeros at padding positions)" + _both_programs(removal))
+
+
+def _both_programs(removal: dict) -> str:
+    """Whether the engine holds the plain program too (kiln/builder/padding_free.py), and where each was tuned."""
+    if not removal.get("plain_program"):
+        return "; one program: a run that does not pack runs every position as a packed row (the identity packing)"
+    tuned = removal.get("tuned_at") or {}
+    at = f", tuned at {tuned['tokens']} packed rows" if tuned else ""
+    return (f"; the engine holds both programs on one set of weights: packed ({removal['layers']} layers packed{at}) "
+            f"for runs that pack, plain ({removal['plain_program']} steps, tuned as a plain build) for runs that do not")
 
 
 def tactics_summary(tactics: dict) -> str:

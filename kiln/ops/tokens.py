@@ -103,3 +103,12 @@ def packed_attention(ctx, q, k, v, mask, index, scatter, cu_seqlens, *, scale=1.
                     q_num_heads=q_num_heads, kv_num_heads=kv_num_heads, qkv_split=qkv_split,
                     out_merge_heads=out_merge_heads)  # [B, S, ...]; a row of padding only: 0, not NaN
     return pack_tokens(ctx, out, index)  # [T, ...]
+
+
+@register("ZeroPadding", domain="kiln")
+def zero_padding(ctx, y, mask):
+    """y [B, S, ...] with its padding positions (mask = 0) zeroed: what UnpackTokens hands out from the identity
+    packing. A padding-free engine's plain program (kiln/builder/padding_free.py) ends in one per output, so the
+    engine's outputs are zero at padding whichever program ran."""
+    batch, seq = mask.shape
+    return y.masked_fill((mask == 0).reshape(batch, seq, *[1] * (y.dim() - 2)), 0)

@@ -109,14 +109,26 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
             check(model, name)
         eliminate_dead_code(model, report)
     if options.remove_padding:
-        # Opt-in, and it changes outputs at padding positions (zeros): the padding tokens are not computed at all.
-        model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention).to_json()
-        eliminate_dead_code(model, report)  # the attention mask's [B, 1, S, S] subgraph
-        check(model, "remove_padding")
+        pack_real_tokens(model, options, report)
     # Steps run in list order: keep it topological after the rewrites.
     common.TopologicalSortPass()(model)
     check(model, "the pipeline", require_order=True)
     model.meta["kiln.pass_report"] = report
+    return model
+
+
+def pack_real_tokens(model: ir.Model, options: PassOptions, report: PassReport | None = None) -> ir.Model:
+    """The pipeline's last rewrite on its own: `optimize(model, options)` is `optimize` without remove_padding, then
+    this. The builder lowers the graph in between: a padding-free engine also carries the plain program
+    (kiln/builder/padding_free.py)."""
+    report = report if report is not None else PassReport()
+    check = _verifier(options)
+    # Opt-in, and it changes outputs at padding positions (zeros): the padding tokens are not computed at all.
+    model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention).to_json()
+    eliminate_dead_code(model, report)  # the attention mask's [B, 1, S, S] subgraph
+    check(model, "remove_padding")
+    common.TopologicalSortPass()(model)
+    check(model, "the pipeline", require_order=True)
     return model
 
 

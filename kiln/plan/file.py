@@ -5,7 +5,8 @@ Layout (little-endian):
     magic          8 bytes  b"KILNENG\\0"
     format version u32
     reserved       u32
-    header length  u64      then the header, UTF-8 JSON (the plan's header + program)
+    header length  u64      then the header, UTF-8 JSON (the plan's header + program, and a padding-free
+                            engine's plain program: both read the one weights section)
     padding        to a 64-byte boundary
     weights        safetensors blob (its own u64 length + JSON + data), mmapped on load
     digest         32 bytes BLAKE2b of everything above
@@ -142,6 +143,8 @@ def save(plan: EnginePlan, path: str | os.PathLike) -> None:
     path = Path(path)
     blob, notes = _pack_weights(plan.weights)
     doc = {"header": plan.header, "program": plan.program.to_json(), "weight_notes": notes}
+    if plan.plain is not None:
+        doc["plain_program"] = plan.plain.to_json()
     header = json.dumps(doc, separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(header))
     pad = b"\0" * (-(len(prefix) + len(header)) % _ALIGN)
@@ -193,8 +196,9 @@ def load(path: str | os.PathLike) -> EnginePlan:
         weights = _unpack_weights(mm, blob_start, body_end, doc.get("weight_notes", {}))
         mapped = MappedWeights(mm, blob_start, body_end)
         mapped.release()  # the checksum read every page; each comes back when (and if) a layer reads it
+        plain = ProgramSpec.from_json(doc["plain_program"]) if "plain_program" in doc else None
         return EnginePlan(header=doc["header"], program=ProgramSpec.from_json(doc["program"]), weights=weights,
-                          mapped=mapped)
+                          plain=plain, mapped=mapped)
     except (KeyError, TypeError, ValueError, AttributeError, struct.error) as e:
         raise EngineFormatError(
             f"{path}: the engine's header or weights table is not laid out as this kiln writes them "

@@ -96,6 +96,9 @@ class EnginePlan:
     header: dict[str, Any]
     program: ProgramSpec
     weights: dict[str, Any] = field(default_factory=dict)
+    # a padding-free engine's plain program: the same model without remove_padding, on the same weights (keys of
+    # `weights`), tuned as a plain build tunes it; the runtime runs it where a run would not pack its tokens
+    plain: ProgramSpec | None = None
     # the loaded file's weight bytes (kiln/plan/file.py MappedWeights) when the weights are views of them
     mapped: Any = field(default=None, repr=False, compare=False)
 

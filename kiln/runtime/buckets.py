@@ -184,29 +184,26 @@ def token_bucket(tokens: int, most: int) -> int:
     return most
 
 
-def _saving_needed(positions: int) -> float | None:
+def saving_needed(positions: int) -> float | None:
     """The fraction of `positions` a packed run must save to be run packed (PACK_MIN_SAVING); None: never."""
     return next((saving for least, saving in PACK_MIN_SAVING if positions >= least), None)
 
 
-def packed_rows(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto") -> int:
-    """The rows a padding-free run packs this (bucket-padded) mask to: its real tokens (`bucketed`: their token
-    bucket), or B·S, the identity packing, where packing would not pay (`packing` "auto": PACK_MIN_SAVING) or is
-    not wanted ("never"). `tokens`: the real tokens when the caller counted them on the host (a numpy mask); else
-    counted here, which for a CUDA mask is the run's one synchronization with the host (not taken where the
-    positions alone decide: "never", or "auto" below PACK_MIN_SAVING's smallest)."""
-    positions = mask.numel()
-    need = _saving_needed(positions) if packing == "auto" else 0.0
+def packed_rows(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto",
+                positions: int | None = None) -> int:
+    """The rows a padding-free run packs this mask to: its real tokens (`bucketed`: their token bucket), or B·S, the
+    identity packing, where packing would not pay (`packing` "auto": PACK_MIN_SAVING) or is not wanted ("never").
+    `tokens`: the real tokens when the caller counted them on the host (a numpy mask); else counted here, which for
+    a CUDA mask is the run's one synchronization with the host (not taken where the positions alone decide:
+    "never", or "auto" below PACK_MIN_SAVING's smallest). `positions`: B·S of the mask as the run pads it to its
+    buckets, when it is not padded yet (its padding adds no token)."""
+    positions = mask.numel() if positions is None else positions
+    need = saving_needed(positions) if packing == "auto" else 0.0
     if packing == "never" or need is None:
         return positions
     tokens = int(torch.count_nonzero(mask)) if tokens is None else tokens
     rows = token_bucket(tokens, positions) if bucketed else tokens
     return rows if positions - rows >= need * positions and rows < positions else positions
-
-
-def token_carrier(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto") -> torch.Tensor:
-    """The token bucket input of a padding-free program: a [packed_rows(...)] tensor, read for its shape only."""
-    return torch.empty(packed_rows(mask, tokens, bucketed, packing), dtype=torch.uint8, device=mask.device)
 
 
 def plan_buckets(inputs: list[Binding], outputs: list[Binding], pad_dims: list[str] | None = None) -> Buckets | None:

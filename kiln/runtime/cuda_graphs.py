@@ -67,26 +67,29 @@ class GraphRunner:
         self.stats = GraphStats()
 
     @staticmethod
-    def _key(inputs: list[Any]) -> tuple | None:
-        key = []
+    def _key(inputs: list[Any], other: bool = False) -> tuple | None:
+        key = [("other program",)] if other else []
         for v in inputs:
             if not isinstance(v, torch.Tensor):
                 return None
             key.append((tuple(v.shape), v.dtype))
         return tuple(key)
 
-    def run(self, inputs: list[Any]) -> list[Any]:
-        key = self._key(inputs)
+    def run(self, inputs: list[Any], program: Program | None = None) -> list[Any]:
+        """`program`: another program of the engine than the runner's own (a padding-free engine's plain one,
+        kiln/runtime/engine.py); its graphs share this cache, its bounds and its stats."""
+        program = program or self.program
+        key = self._key(inputs, program is not self.program)
         if key is None:  # sequences/optionals: no shape signature, run eagerly
             self.stats.eager_runs += 1
-            return self.program.run(inputs)
+            return program.run(inputs)
         entry = self.entries.get(key)
         if entry is None:
-            return self._first_run(key, inputs)
+            return self._first_run(key, inputs, program)
         self.entries.move_to_end(key)
         if entry.graph is None:  # graphs off, or this signature cannot be captured (entry.reason)
             self.stats.eager_runs += 1
-            return self.program.run(inputs, plan=entry.plan)
+            return program.run(inputs, plan=entry.plan)
         for dst, src in zip(entry.static_inputs, inputs):
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
@@ -94,14 +97,14 @@ class GraphRunner:
         self.stats.replays += 1
         return entry.static_outputs
 
-    def replay_ms(self, inputs: list[Any]) -> float | None:
+    def replay_ms(self, inputs: list[Any], program: Program | None = None) -> float | None:
         """The measured time of one replay of the graph captured for these inputs' shapes, if any."""
-        entry = self.entries.get(self._key(inputs))
+        entry = self.entries.get(self._key(inputs, program is not None and program is not self.program))
         return entry.ms if entry is not None and entry.graph is not None else None
 
-    def _first_run(self, key: tuple, inputs: list[Any]) -> list[Any]:
+    def _first_run(self, key: tuple, inputs: list[Any], program: Program) -> list[Any]:
         plan = ShapePlan()
-        outputs = self.program.run(inputs, plan=plan)  # eager; records host values, warms up kernels
+        outputs = program.run(inputs, plan=plan)  # eager; records host values, warms up kernels
         self.stats.eager_runs += 1
         plan.recording = False
         entry = _Captured(None, plan, [], [], reason="CUDA graphs disabled")
@@ -116,7 +119,7 @@ class GraphRunner:
             # A second eager run that may not synchronize with the host: if any layer does
             # (data-dependent shapes: NonZero, Unique, a Loop on data...), capture is impossible.
             with host_sync_is_an_error(), torch.cuda.stream(stream):
-                self.program.run(static_inputs, plan=plan)
+                program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
             # the error names the layer (call_step): "layer 'x' (Op) failed: ..."; bench shows it
             entry.reason = f"a layer synchronizes with the host: {str(e).splitlines()[0][:300]}"
@@ -126,7 +129,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                static_outputs = self.program.run(static_inputs, plan=plan)
+                static_outputs = program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001
             entry.reason = f"capture failed ({type(e).__name__}: {str(e)[:120]})"
             self.stats.eager_reasons[str(key)] = entry.reason

@@ -19,7 +19,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import PACKING, plan_buckets, token_carrier
+from kiln.runtime.buckets import PACKING, packed_rows, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.first_calls import FirstCalls
 from kiln.runtime.host import HOST_MAX_NUMEL
@@ -129,9 +129,7 @@ class Engine:
         self.plan = plan
         self.device = _check_device(plan.header)
         weights = {k: place_weight(v, self.device, mapped=plan.mapped is not None) for k, v in plan.weights.items()}
-        # a loaded file's weight pages leave memory as each layer's copy is packed (or moved to the GPU)
-        self.program = Program(plan.program, weights, self.device,
-                               after_packing=plan.mapped.release if plan.mapped is not None else None)
+        self._make_programs(weights)
         # Reduced-precision engines keep float32 bindings; values are cast at the boundary.
         casts = plan.header.get("io_casts", {})
         self.internal_dtype = {n: dtypes.BY_NAME[casts[n]].torch for n in casts}
@@ -143,6 +141,18 @@ class Engine:
         self.profiles: list[Profile] = plan.profiles
         self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
+
+    def _make_programs(self, weights: dict[str, Any]) -> None:
+        """The program, and a padding-free engine's plain program (run where a run would not pack its tokens)
+        on the same weights: on the CPU a layer of each that reads the same weights with the same tactic and
+        configuration shares one prepared (packed) launch. A loaded file's weight pages leave memory as each
+        layer's copy is packed (or moved to the GPU)."""
+        release = self.plan.mapped.release if self.plan.mapped is not None else None
+        launches: dict[tuple, Any] = {}
+        self.program = Program(self.plan.program, weights, self.device, after_packing=release,
+                               shared_launches=launches)
+        self.plain_program = None if self.plan.plain is None else Program(
+            self.plan.plain, weights, self.device, after_packing=release, shared_launches=launches)
 
     @property
     def input_names(self) -> list[str]:
@@ -196,14 +206,15 @@ class Engine:
                                    + f", given {given}")
         self.plan.weights.update(weights)
         placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
-        self.program = Program(self.plan.program, placed, self.device)
+        self._make_programs(placed)
         self.first_calls = _first_calls(self)
         self._threads = threading.local()  # contexts of the old weights (bound segments, graphs) go
 
     def __repr__(self) -> str:
         ins = ", ".join(f"{b.name}: {b.describe()}" for b in self.inputs)
         outs = ", ".join(f"{b.name}: {b.describe()}" for b in self.outputs)
-        return f"<kiln.Engine {len(self.plan.program.steps)} layers on {self.device}; ({ins}) -> ({outs})>"
+        plain = "" if self.plan.plain is None else f" (and a plain program of {len(self.plan.plain.steps)})"
+        return f"<kiln.Engine {len(self.plan.program.steps)} layers{plain} on {self.device}; ({ins}) -> ({outs})>"
 
 
 class ExecutionContext:
@@ -216,7 +227,9 @@ class ExecutionContext:
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
         padding-free engine: "auto" packs a run's real tokens where that pays (buckets.PACK_MIN_SAVING), "always"
-        wherever a row is saved, "never" runs every position (the identity packing: the plain computation).
+        wherever a row is saved, "never" runs every position. A run that does not pack runs the engine's plain
+        program (the plain engine's, kiln/builder/padding_free.py; its graphs in the same cache), or, in an engine
+        without one, the packed program with every position a row (the identity packing).
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
         one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
         the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens)."""
@@ -237,8 +250,9 @@ class ExecutionContext:
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
         # a padding-free engine: each run says how many rows it packs (a token bucket where shapes are bucketed)
         self._token_mask = _token_mask_position(engine)
-        if self._token_mask is not None and self.buckets is not None:
+        if self._token_mask is not None and self.buckets is not None and engine.plain_program is None:
             self.buckets.batch = None  # padded rows hold no real token: they cost nothing, so a batch never splits
+        # (with a plain program, a run that does not pack may split its batch as the plain engine's would)
         self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
@@ -459,6 +473,7 @@ class ExecutionContext:
             feeds = dict(zip(self.engine.input_names, feeds))
         else:
             feeds = dict(feeds)
+        tokens = self._count_tokens(feeds)  # a host mask's real tokens (a CUDA mask's: counted if needed)
         self._check(feeds)
         as_torch = any(isinstance(v, torch.Tensor) for v in feeds.values())
         args = self.engine.program_inputs(feeds)
@@ -467,18 +482,22 @@ class ExecutionContext:
             targets = None
             if self.buckets is not None:  # padded up to the run's buckets, cropped back after
                 targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names)
-                chunks = self.buckets.split(targets)
+                rows = self._packed_rows(args, tokens, targets)
+                chunks = self.buckets.split(targets) if rows is None else None  # a packed run is one
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self._with_tokens(self.buckets.pad(args, targets), self._host_tokens(feeds))
+                    args = self.buckets.pad(args, targets)
                     captured = self.runner.stats.captures if self.runner is not None else 0
-                    results = self._run_program(args)
-                    if self.runner is not None and self.runner.stats.captures != captured:
-                        self.buckets.learn(targets, self.runner.replay_ms(args))  # timed at its capture
+                    results = self._run_program(args, rows)
+                    if rows is None and self.runner is not None and self.runner.stats.captures != captured:
+                        # timed at its capture
+                        plain = self.engine.plain_program if self._token_mask is not None else None
+                        self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
+                                           else self.runner.replay_ms(args, plain))
                     results = self.buckets.crop(results, targets)
             else:
-                results = self._run_program(self._with_tokens(args, self._host_tokens(feeds)))
+                results = self._run_program(args, self._packed_rows(args, tokens))
         if internal:
             results = [r.to(dtypes.BY_NAME[b.dtype].torch) if b.dtype in internal and isinstance(r, torch.Tensor)
                        else r for r, b in zip(results, self.engine.outputs)]
@@ -488,20 +507,58 @@ class ExecutionContext:
                 self._checked[key] = self.profile
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
 
-    def _run_program(self, args: list[Any]) -> list[Any]:
+    def _run_program(self, args: list[Any], rows: int | None = None) -> list[Any]:
+        """Run the engine's program on `args`; for a padding-free engine (_packed_rows), `rows` packed rows: its
+        packed program, the token bucket of that many rows appended (its last input, kiln/passes/remove_padding.py),
+        or None: its plain program."""
+        program = None
+        if rows is not None:
+            args = [*args, torch.empty(rows, dtype=torch.uint8, device=args[self._token_mask].device)]
+        elif self._token_mask is not None:
+            program = self.engine.plain_program
         if self.runner is not None:
-            return self.runner.run(args)
+            return self.runner.run(args) if program is None else self.runner.run(args, program)
+        if program is not None:
+            return program.run(args)
         if self._first_calls is not None:
             return self._first_calls.run(args)
         return self.engine.program.run(args)
 
-    def _with_tokens(self, args: list[Any], tokens: int | None = None) -> list[Any]:
-        """A padding-free engine's program inputs with the rows this run packs to appended (the token bucket, its
-        last program input, kiln/passes/remove_padding.py); other engines' as they are. `tokens`: the mask's real
-        tokens if counted on the host already."""
+    def _packed_rows(self, args: list[Any], tokens: int | None = None,
+                     targets: dict[str, tuple[int, int]] | None = None) -> int | None:
+        """For a padding-free engine, the rows this run packs its tokens to (their token bucket where shapes are
+        bucketed: `targets`, the buckets the run pads to), or None where it runs the plain program: where the run
+        would take the identity packing (every position a row: packing does not pay, kiln/runtime/buckets.py
+        packed_rows) and the engine carries that program (kiln/builder/padding_free.py). None for other engines.
+        `tokens`: the mask's real tokens if counted on the host already."""
         if self._token_mask is None:
-            return args
-        return [*args, token_carrier(args[self._token_mask], tokens, self.buckets is not None, self.packing)]
+            return None
+        mask = args[self._token_mask]
+        positions = mask.numel()
+        if targets is not None:
+            shape = list(mask.shape)
+            for axis, symbol in self.buckets.pads[self._token_mask]:
+                shape[axis] = targets[symbol][1]
+            positions = math.prod(shape)
+        rows = packed_rows(mask, tokens, self.buckets is not None, self.packing, positions)
+        return None if rows == positions and self.engine.plain_program is not None else rows
+
+    def _count_tokens(self, feeds: dict[str, Any]) -> int | None:
+        """A padding-free engine's real tokens where they are on the host (a numpy mask, a CPU tensor): counted
+        here, no device sync. A CUDA mask's: None, counted by packed_rows where the decision needs them (a run of
+        PACK_MIN_SAVING's positions or more): the run's one synchronization with the host, ~70 µs of a run on the
+        H200. Counting it asynchronously (a non-blocking copy into pinned memory, an event read at the decision)
+        was measured slower still (bench/results/padding-free-plain-2026-12-02.md, run 2): the host work between
+        the count and the decision is shorter than the round trip, and the copy and the event cost host time of
+        their own, which a run of a CUDA graph adds to its latency as it is."""
+        if self._token_mask is None or self.packing == "never":
+            return None
+        value = feeds.get(self.engine.input_names[self._token_mask])
+        if isinstance(value, np.ndarray):
+            return int(np.count_nonzero(value))
+        if isinstance(value, torch.Tensor) and not value.is_cuda and self.engine.device.type == "cuda":
+            return int(torch.count_nonzero(value))  # on its way to the device: counted where it is
+        return None
 
     def _host_tokens(self, feeds: dict[str, Any]) -> int | None:
         """The real tokens of a padding mask fed as a host array, counted there (no device sync); else None."""
@@ -521,7 +578,7 @@ class ExecutionContext:
         for rows, bucket in chunks:
             chunk = [x.narrow(0, start, rows) if c else x for x, c in zip(args, carries)]
             sizes = {**targets, batch: (rows, bucket)}
-            results = self.buckets.crop(self._run_program(self._with_tokens(self.buckets.pad(chunk, sizes))), sizes)
+            results = self.buckets.crop(self._run_program(self.buckets.pad(chunk, sizes)), sizes)  # plain runs
             if not outputs:
                 outputs = [r.new_empty((real, *r.shape[1:])) for r in results]
             for out, r in zip(outputs, results):
@@ -545,9 +602,9 @@ class ExecutionContext:
             if len(self._checked) < CHECKED_SIGNATURES:
                 self._checked[key] = profile
         self.profile = profile
-        args = self._with_tokens([torch.from_numpy(feeds[n]) for n in names], self._host_tokens(feeds))
+        args = [torch.from_numpy(feeds[n]) for n in names]
         with torch.inference_mode():
-            results = self._run_program(args)
+            results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
 
     def _replay_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:

@@ -51,9 +51,11 @@ class Program:
     """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
 
     def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None,
-                 after_packing: Callable[[], None] | None = None):
+                 after_packing: Callable[[], None] | None = None, shared_launches: dict[tuple, Any] | None = None):
         """`after_packing`: called after each layer's tactic is prepared (its weights packed), and once at
-        the end: a loaded engine file lets go of the pages its weights were packed from."""
+        the end: a loaded engine file lets go of the pages its weights were packed from. `shared_launches`:
+        prepared launches another program of the same engine made (a padding-free engine's plain and packed
+        programs), shared as this program's own layers share them (shared_launch_key)."""
         self.spec = spec
         self.device = device  # None or cpu: plain loop; cuda: host/device split (kiln/runtime/host.py)
         slots: dict[str, int] = {}
@@ -85,7 +87,7 @@ class Program:
         self.steps = []
         # Layers that read the same weights with the same tactic and configuration (ALBERT's 12 layers of
         # one layer's weights) share one prepared launch: its packed weights exist once, not once per layer.
-        shared_launches: dict[tuple, Any] = {}
+        shared_launches = {} if shared_launches is None else shared_launches
         on_cuda = device is not None and getattr(device, "type", "cpu") != "cpu"
         for i, step in enumerate(spec.steps):
             op = lookup(step.op_type, step.domain)

@@ -90,3 +90,62 @@ def test_a_padding_free_engine_matches_torch_at_real_tokens_and_replays_graphs(b
         assert not got[~keep].any(), "outputs at padding positions must be zero"
     stats = ctx.runner.stats
     assert stats.captures >= 1 and stats.replays >= 1, (stats, stats.eager_reasons)
+
+
+@pytest.fixture(scope="module")
+def bert_pair(tmp_path_factory):
+    """(plain engine, padding-free engine) of one profile, built with one timing cache: the padding-free engine's
+    plain program gets the plain build's tactics (kiln/builder/padding_free.py)."""
+    exported = zoo.export("bert_tiny", dynamic=True)
+    cache = str(tmp_path_factory.mktemp("timing") / "cache.json")
+    options = dict(device="cuda", precision="fp16", profiles=[{"input_ids": "1x1,4x64,16x128"}], timing_cache=cache)
+    return kiln.build(str(exported.path), **options), kiln.build(str(exported.path), remove_padding=True, **options)
+
+
+def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
+    plain, free = bert_pair
+    assert [s.to_json() for s in free.plan.plain.steps[:-1]] == [s.to_json() for s in plain.plan.program.steps]
+    reference, context = plain.create_execution_context(), free.create_execution_context()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a run that does not pack ran the packed program")
+
+    monkeypatch.setattr(free.program, "run", refuse)
+    rng = np.random.default_rng(1)
+    # under 1024 positions "auto" never packs; 16 x 128 with a few padded positions saves too little
+    for batch, seq, kind in [(4, 64, "right"), (1, 128, "left"), (3, 33, "right"), (16, 128, "full")]:
+        mask = _mask(rng, batch, seq, kind) if kind != "full" else torch.ones(batch, seq, dtype=torch.int64).cuda()
+        if kind == "full":
+            mask[0, 100:] = 0
+        feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (batch, seq))).cuda(), "attention_mask": mask}
+        for _ in range(3):  # eager, capture, replay: each context its own graphs
+            want = next(iter(reference.run(feeds).values())).clone()
+            got = next(iter(context.run(feeds).values())).clone()
+        keep = mask != 0
+        assert torch.equal(got[keep], want[keep]), f"{batch}x{seq} {kind}: max diff {(got - want)[keep].abs().max()}"
+        assert not got[~keep].any()
+    assert context.runner.stats.replays >= 1, context.runner.stats.eager_reasons
+
+
+def test_where_it_packs_the_packed_program_runs(bert_pair, monkeypatch):
+    _, free = bert_pair
+    module = zoo.torch_model("bert_tiny").cuda().float().eval()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a run that packs ran the plain program")
+
+    monkeypatch.setattr(free.plain_program, "run", refuse)
+    context = free.create_execution_context()
+    rng = np.random.default_rng(2)
+    mask = torch.zeros(16, 128, dtype=torch.int64)
+    for row in range(16):
+        mask[row, :rng.integers(1, 40)] = 1  # ~85% padding of 2048 positions: packed
+    mask = mask.cuda()
+    feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (16, 128))).cuda(), "attention_mask": mask}
+    for _ in range(3):
+        got = next(iter(context.run(feeds).values())).float()
+    with torch.inference_mode():
+        want = module(**feeds).float()
+    keep = mask != 0
+    torch.testing.assert_close(got[keep], want[keep], atol=FP16_ATOL, rtol=0)
+    assert not got[~keep].any()

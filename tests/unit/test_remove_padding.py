@@ -155,7 +155,8 @@ def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_packed):
     _, engine, _ = bert
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
-                       "attention": "padded", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"]}
+                       "attention": "padded", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"],
+                       "plain_program": 48, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
     # the CPU: each attention on q|k|v scattered back, its output gathered again (the native attention kernel)
     ops = _ops(engine)
     assert ops.count("Attention") == 2 and "PackedAttention" not in ops
@@ -274,6 +275,7 @@ def test_the_cli_builds_padding_free_and_inspect_says_so(bert, tmp_path, capsys)
     assert main(["inspect", str(out)]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "remove padding on: 14 layer(s) (2 attention(s)) run on the real tokens of 'attention_mask'" in text
+    assert "the engine holds both programs on one set of weights" in text
     assert main(["build", str(zoo.export("gpt2_tiny", dynamic=True).path), "-o", str(tmp_path / "g.kiln"),
                  "--remove-padding"]) == 1
     assert "no padding mask input" in capsys.readouterr().err
@@ -296,5 +298,7 @@ def test_a_padding_free_engine_refits(bert, tmp_path):
     mask = _mask(rng, 3, 21, "left")
     feeds = {"input_ids": rng.integers(0, 1024, (3, 21), dtype=np.int64), "attention_mask": mask}
     keep = mask != 0
-    np.testing.assert_allclose(engine.run(feeds)["layer_norm_4"][keep], session.run(None, feeds)[0][keep],
-                               rtol=RTOL, atol=ATOL)
+    want = session.run(None, feeds)[0][keep]
+    np.testing.assert_allclose(engine.run(feeds)["layer_norm_4"][keep], want, rtol=RTOL, atol=ATOL)  # plain program
+    packed = engine.create_execution_context(packing="always").run(feeds)["layer_norm_4"]  # ... and the packed one
+    np.testing.assert_allclose(packed[keep], want, rtol=RTOL, atol=ATOL)

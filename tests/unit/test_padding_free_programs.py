@@ -1,0 +1,167 @@
+"""A padding-free engine carries the plain program too (kiln/builder/padding_free.py): where a run does not pack
+its tokens it is the plain engine (same steps and tactics, outputs equal to the bit at real tokens, zeros at
+padding), where it packs it still matches onnxruntime; one set of weights in the file and in memory; save/load,
+refit and inspect keep both programs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.builder.padding_free import tuning_mask, tuning_tokens
+from kiln.cli import main
+from kiln.runtime.buckets import PACK_MIN_SAVING, packed_rows
+
+PROFILE = [{"input_ids": "1x1,2x16,16x128"}]  # up to 2048 positions: "auto" packs a run there that saves 45%
+# fp32 against onnxruntime: the packed GEMMs and attention sum in another order over other row counts
+RTOL, ATOL = 1e-5, 2e-5
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(model path, plain engine, padding-free engine, onnxruntime): both built with one timing cache, so the
+    plain program's layers are given the plain build's tactics (a timing on this shared CPU would not repeat)."""
+    exported = zoo.export("bert_tiny", dynamic=True)
+    cache = str(tmp_path_factory.mktemp("timing") / "cache.json")
+    plain = kiln.build(str(exported.path), profiles=PROFILE, timing_cache=cache)
+    log: list[str] = []
+    free = kiln.build(str(exported.path), profiles=PROFILE, timing_cache=cache, remove_padding=True,
+                      progress=log.append)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return exported.path, plain, free, session, log
+
+
+def _feeds(rng: np.random.Generator, batch: int, seq: int, kind: str, fill: float = 1.0) -> dict[str, np.ndarray]:
+    """right / left padding with each row's real length in [1, fill·S]; ones: no padding."""
+    mask = np.zeros((batch, seq), np.int64)
+    for row in range(batch):
+        n = int(rng.integers(1, max(2, int(fill * seq)) + 1)) if kind != "ones" else seq
+        if kind == "left":
+            mask[row, seq - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+def _refuse(monkeypatch, program) -> None:
+    """Make a program fail if it runs (for this test): which of the two a run takes is then seen."""
+    def run(*_args, **_kwargs):
+        raise AssertionError("this program must not run here")
+    monkeypatch.setattr(program, "run", run)
+
+
+def test_the_plain_program_is_the_plain_build(engines):
+    _, plain, free, _, log = engines
+    assert free.plan.plain is not None and plain.plan.plain is None
+    steps = [s.to_json() for s in free.plan.plain.steps]
+    # the plain build's steps, tactics and their configurations included, then one masked fill per output
+    assert steps[:-1] == [s.to_json() for s in plain.plan.program.steps]
+    assert steps[-1]["op_type"] == "ZeroPadding" and steps[-1]["inputs"] == ["layer_norm_4", "attention_mask"]
+    assert free.plan.plain.inputs == plain.plan.program.inputs
+    assert free.plan.header["plain_tactics"]["layers"].keys() == plain.plan.header["tactics"]["layers"].keys()
+    # the packed program was tuned on packed rows: 2-D GEMM inputs of the token count the build log names
+    tuned = free.plan.header["remove_padding"]["tuned_at"]
+    assert tuned == {"mask": [2, 16], "tokens": tuning_tokens(32)}
+    assert any(f"at {tuned['tokens']} packed token rows" in line for line in log)
+    sizes = {tuple(s.tactic_config["input_size"]) for s in free.plan.program.steps
+             if s.op_type == "FusedGemm" and "input_size" in s.tactic_config}
+    assert sizes and all(size[0] == tuned["tokens"] and len(size) == 2 for size in sizes), sizes
+
+
+@pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
+def test_where_it_does_not_pack_it_is_the_plain_engine_to_the_bit(engines, buckets, monkeypatch):
+    _, plain, free, _, _ = engines
+    reference = plain.create_execution_context(buckets=buckets, pad_first_calls=False)
+    context = free.create_execution_context(buckets=buckets)
+    _refuse(monkeypatch, free.program)  # every run below is one "auto" does not pack: the plain program's
+    rng = np.random.default_rng(11)
+    for batch, seq, kind in [(1, 13, "right"), (3, 16, "left"), (4, 48, "right"), (2, 9, "ones"), (16, 128, "ones"),
+                             (16, 120, "right")]:
+        feeds = _feeds(rng, batch, seq, kind, fill=1.0 if kind == "ones" else 0.9)
+        mask = feeds["attention_mask"]
+        if (batch, seq) == (16, 120):  # 1920 positions (2048 in buckets) with few padded: packing would save too little
+            mask[:, :int(0.7 * seq)] = 1
+        want = reference.run(feeds)["layer_norm_4"]
+        got = context.run(feeds)["layer_norm_4"]
+        keep = mask != 0
+        np.testing.assert_array_equal(got[keep], want[keep], err_msg=f"{batch}x{seq} {kind}")
+        assert not got[~keep].any(), f"{batch}x{seq} {kind}: outputs at padding positions must be zero"
+        if kind == "ones":
+            np.testing.assert_array_equal(got, want)
+
+
+def test_where_it_packs_it_matches_onnxruntime(engines, monkeypatch):
+    _, _, free, session, _ = engines
+    context = free.create_execution_context()
+    _refuse(monkeypatch, free.plain_program)  # these runs save more than half of 1200+ positions: "auto" packs them
+    rng = np.random.default_rng(12)
+    for batch, seq, kind in [(16, 128, "right"), (12, 100, "left"), (11, 128, "right")]:
+        feeds = _feeds(rng, batch, seq, kind, fill=0.5)
+        mask = feeds["attention_mask"]
+        assert packed_rows(torch.from_numpy(mask), None, False) < mask.size  # it does pack
+        got = context.run(feeds)["layer_norm_4"]
+        want = session.run(None, feeds)[0]
+        keep = mask != 0
+        np.testing.assert_allclose(got[keep], want[keep], rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq} {kind}")
+        assert not got[~keep].any()
+
+
+def test_one_set_of_weights_in_the_file_and_in_memory(engines, tmp_path):
+    _, plain, free, _, _ = engines
+    plain.save(tmp_path / "plain.kiln")
+    free.save(tmp_path / "free.kiln")
+    # the plain program's JSON is the one addition: the weights are stored once
+    assert os.path.getsize(tmp_path / "free.kiln") < 1.1 * os.path.getsize(tmp_path / "plain.kiln")
+    assert free.plan.header["weights_bytes"] <= 1.01 * plain.plan.header["weights_bytes"]
+    # ... and in memory: a weight both programs read is one tensor object in both (Program numbers the constants
+    # first, in the spec's order)
+    plain_slots = {name: s for s, name in enumerate(free.plan.plain.constants)}
+    packed_slots = {free.plan.program.constants[name]: s for s, name in enumerate(free.plan.program.constants)}
+    shared = 0
+    for name, key in free.plan.plain.constants.items():
+        if key in packed_slots:
+            assert free.plain_program.template[plain_slots[name]] is free.program.template[packed_slots[key]], name
+            shared += 1
+    assert shared >= 0.9 * len(free.plan.plain.constants)
+
+
+def test_save_and_load_keep_both_programs(engines, tmp_path):
+    _, _, free, _, _ = engines
+    free.save(tmp_path / "free.kiln")
+    loaded = kiln.load(tmp_path / "free.kiln")
+    assert loaded.plan.plain is not None
+    assert loaded.plan.plain.to_json() == free.plan.plain.to_json()
+    rng = np.random.default_rng(13)
+    for batch, seq, fill in [(3, 20, 0.9), (16, 128, 0.5)]:  # the plain program, then the packed one
+        feeds = _feeds(rng, batch, seq, "right", fill)
+        np.testing.assert_array_equal(loaded.run(feeds)["layer_norm_4"], free.run(feeds)["layer_norm_4"])
+
+
+def test_inspect_says_the_engine_holds_both(engines, tmp_path, capsys):
+    _, _, free, _, _ = engines
+    free.save(tmp_path / "free.kiln")
+    assert main(["inspect", str(tmp_path / "free.kiln")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the engine holds both programs on one set of weights" in text
+    assert f"tuned at {free.plan.header['remove_padding']['tuned_at']['tokens']} packed rows" in text
+    assert "plain program tactics" in text and "layer(s) tuned" in text
+
+
+def test_the_packed_program_is_tuned_on_a_run_that_saves_just_enough():
+    for positions, want in ((32, 16), (1024, 512), (4096, 2816), (16384, 14336), (20480, 18432)):
+        tokens = tuning_tokens(positions)
+        assert tokens == want, positions
+        mask = torch.zeros(positions, dtype=torch.int64)
+        mask[:tokens] = 1
+        if positions >= PACK_MIN_SAVING[-1][0]:  # a run of that many tokens packs, to exactly that token bucket
+            assert packed_rows(mask.reshape(1, -1), None, bucketed=True) == tokens
+            mask[:tokens + 1] = 1  # ... and the next bucket up saves too little to pack
+            assert packed_rows(mask.reshape(1, -1), None, bucketed=True) == positions
+    mask = tuning_mask(3, 10, 17, torch.int64)
+    assert int(mask.sum()) == 17 and mask.sum(1).tolist() == [6, 6, 5] and mask[:, 0].all()
