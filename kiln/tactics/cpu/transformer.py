@@ -366,7 +366,7 @@ def _expanded_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, 
     return tuple(out)
 
 
-def _attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
+def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
     """Everything kernels.Attention needs at these sizes, or why not."""
     found = _head_views(attrs, sizes)
     if isinstance(found, str):
@@ -414,7 +414,7 @@ def _attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         if k in sizes and inputs[k].dtype != _F32:
             return f"input {k} is {inputs[k].dtype}: only float32"
     mask_dtype = inputs[3].dtype if 3 in sizes else None
-    found = _attention_plan(_attention_attributes(step), sizes, mask_dtype)
+    found = attention_plan(_attention_attributes(step), sizes, mask_dtype)
     return found if isinstance(found, str) else True
 
 
@@ -440,7 +440,7 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
             if found is not None:
                 _SHARED_ATTENTION.move_to_end(key)
                 return found
-        plan = _attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+        plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
         if isinstance(plan, str):
             raise ValueError(f"attention at {sizes}: {plan}")
         found = kernels.Attention(**plan)
