@@ -139,11 +139,12 @@ def bert():
 
 
 @pytest.fixture(scope="module")
-def bert_packed(bert):
-    """The CUDA form (PackedAttention) built for the CPU: the graph optimized with packed attention, then
-    built as it is (opt_level 0 runs no pass again; the header still says what the rewrite did)."""
+def bert_padded(bert):
+    """The padded form (each attention on q/k/v scattered back) built for the CPU: the graph optimized so, then
+    built as it is (opt_level 0 runs no pass again, every layer its torch form; the header still says what the
+    rewrite did)."""
     exported, _, _ = bert
-    graph = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
+    graph = _optimized(str(exported.path), remove_padding=True, cpu_rules=True, padded_attention=True)
     return kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
 
 
@@ -151,30 +152,44 @@ def _ops(engine) -> list[str]:
     return [s.op_type for s in engine.plan.program.steps]
 
 
-def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_packed):
+def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_padded):
     _, engine, _ = bert
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
-                       "attention": "padded", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"]}
-    # the CPU: each attention on q|k|v scattered back, its output gathered again (the native attention kernel)
+                       "attention": "packed", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"]}
+    # PackedAttention over the packed tokens (on the CPU kiln's varlen C kernel), the [B, 1, S, S] mask's subgraph gone
     ops = _ops(engine)
-    assert ops.count("Attention") == 2 and "PackedAttention" not in ops
-    assert ops.count("TokenIndex") == 1 and ops.count("PackTokens") == 1 + 2 and ops.count("UnpackTokens") == 1 + 2
-    assert [b.name for b in engine.inputs] == ["input_ids", "attention_mask"]  # the bucket is no binding
-    assert engine.plan.program.inputs[-1] == "kiln_token_bucket"
-    # CUDA's form: PackedAttention over the packed tokens, the [B, 1, S, S] mask's subgraph gone
-    assert bert_packed.plan.header["remove_padding"]["attention"] == "packed"
-    ops = _ops(bert_packed)
     assert ops.count("PackedAttention") == 2 and "Attention" not in ops and "Where" not in ops
     assert ops.count("TokenIndex") == ops.count("PackTokens") == ops.count("UnpackTokens") == 1
+    assert [b.name for b in engine.inputs] == ["input_ids", "attention_mask"]  # the bucket is no binding
+    assert engine.plan.program.inputs[-1] == "kiln_token_bucket"
+    # the padded form: each attention on q|k|v scattered back, its output gathered again
+    assert bert_padded.plan.header["remove_padding"]["attention"] == "padded"
+    ops = _ops(bert_padded)
+    assert ops.count("Attention") == 2 and "PackedAttention" not in ops
+    assert ops.count("TokenIndex") == 1 and ops.count("PackTokens") == 1 + 2 and ops.count("UnpackTokens") == 1 + 2
+
+
+def test_the_cpu_runs_the_padding_free_encoder_as_one_native_segment(bert):
+    # the token ops and the packed attention are kiln's C kernels: from the embeddings to the unpacked output one
+    # segment, as the plain engine's encoder (before them: four segments and a dozen torch steps between)
+    _, engine, _ = bert
+    tactics = {s.op_type: s.tactic for s in engine.plan.program.steps if s.domain == "kiln"}
+    assert tactics["TokenIndex"] == "cpu.tokenindex.native" and tactics["PackTokens"] == "cpu.packtokens.native"
+    assert tactics["UnpackTokens"] == "cpu.unpacktokens.native"
+    assert tactics["PackedAttention"] == "cpu.packed_attention.native"
+    segments = engine.program.segments
+    assert len(segments) == 1
+    members = {m.ctx.name for m in segments[0].members}
+    assert {s.name for s in engine.plan.program.steps if s.domain == "kiln"} <= members
 
 
 @pytest.mark.parametrize("packing", ["always", "never"])  # "auto" runs these small shapes as "never" does
 @pytest.mark.parametrize("form", ["padded", "packed"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "token-buckets"])
-def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, form, buckets, packing):
+def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_padded, form, buckets, packing):
     _, engine, session = bert
-    engine = engine if form == "padded" else bert_packed
+    engine = engine if form == "packed" else bert_padded
     # buckets: padded shapes, T' >= T packed rows; packing "never": every position a row (the identity packing)
     context = engine.create_execution_context(buckets=buckets, packing=packing)
     rng = np.random.default_rng(3)

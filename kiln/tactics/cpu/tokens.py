@@ -222,6 +222,18 @@ def _packed_attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool 
     return found if isinstance(found, str) else True
 
 
+def _packed_attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    """sizes_config, cu_seqlens at B·S rows as the runtime has them: the identity packing's B + 2 entries (the
+    builder's runs feed a mask of ones and no bucket, whose cu_seqlens has B + 1: tuned so, this layer's sizes
+    would not chain with the native TokenIndex's and a segment would end here)."""
+    config = sizes_config(step, inputs)
+    sizes = {k: size for k, size in config["input_sizes"]}
+    if 0 in sizes and 3 in sizes and 6 in sizes and sizes[0][0] == sizes[3][0] * sizes[3][1] \
+            and sizes[6] == [sizes[3][0] + 1]:
+        config["input_sizes"] = [[k, [sizes[3][0] + 2] if k == 6 else size] for k, size in config["input_sizes"]]
+    return config
+
+
 def _packed_attention_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     attrs = dict(step.attributes)
 
@@ -239,7 +251,7 @@ def _packed_attention_prepare(step: StepSpec, constants: list[Any], device: torc
 
 register(Tactic(
     name="cpu.packed_attention.native", op_type="PackedAttention", domain="kiln", device="cpu", dtypes=(_F32,),
-    supports=_packed_attention_supports, configure=sizes_config, prepare=_packed_attention_prepare,
+    supports=_packed_attention_supports, configure=_packed_attention_configure, prepare=_packed_attention_prepare,
     available=transformer_kernels.available, native=True,
     description="attention over packed rows per sequence (varlen, cu_seqlens) in kiln's C, the identity packing "
                 "with its padding keys hidden, a native-segment member",
