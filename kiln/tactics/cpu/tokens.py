@@ -184,7 +184,9 @@ def packed_attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...
         return "no padding mask or cu_seqlens"
     batch, seq = sizes[3]
     rows = sizes[0][0]
-    plan = attention_plan(attrs, {k: (1, *sizes[k]) for k in (0, 1, 2) if k in sizes}, None)
+    # strides do not depend on the row count: planned at one row at least (a mask of padding only packs to none,
+    # and a view of no rows has no strides to give)
+    plan = attention_plan(attrs, {k: (1, max(rows, 1), *sizes[k][1:]) for k in (0, 1, 2) if k in sizes}, None)
     if isinstance(plan, str):
         return plan
     if plan["causal"]:
@@ -199,7 +201,7 @@ def packed_attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...
         plan[name] = (source, offset, (seq * position if identity else 0, head, position))
     _, head, position = plan["out_strides"]
     plan["out_strides"] = (seq * position if identity else 0, head, position)
-    plan["output_size"] = tuple(plan["output_size"][1:])  # [1, T', ...] -> [T', ...]
+    plan["output_size"] = (rows, *plan["output_size"][2:])  # [1, T', ...] -> [T', ...]
     plan["nan_to_zero"] = True  # a row of padding only: 0 (the identity packing), as the reference
     if identity:
         plan["mask"] = ("keys", (seq, 0, 0, 1))
