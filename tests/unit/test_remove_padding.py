@@ -20,7 +20,7 @@ from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_t
 from kiln.passes import PassOptions, optimize
 from kiln.passes.remove_padding import PaddingRefused
 from kiln.plan.spec import StepSpec
-from kiln.runtime.buckets import packed_rows, token_bucket
+from kiln.runtime.buckets import PACKING_RULES, packed_rows, packing_rule, token_bucket
 from kiln.tactics import registry
 from kiln.tactics.cuda import packed_attention as cuda_packed
 from kiln.tactics.tactic import InputMeta
@@ -212,7 +212,7 @@ def test_packing_is_chosen_where_it_pays(bert):
     def rows(real: int, batch: int, seq: int, packing: str = "auto", bucketed: bool = True) -> int:
         mask = torch.zeros(batch, seq, dtype=torch.int64)
         mask.view(-1)[:real] = 1
-        return packed_rows(mask, None, bucketed, packing)
+        return packed_rows(mask, None, bucketed, packing, rule=PACKING_RULES["cuda"])  # the H200's numbers
 
     assert rows(600, 8, 128) == 1024  # 1K positions, bucket 640 saves 37% (under 45%): every position
     assert rows(500, 8, 128) == 512 and rows(500, 8, 128, bucketed=False) == 500
@@ -223,6 +223,23 @@ def test_packing_is_chosen_where_it_pays(bert):
     assert rows(10, 4, 64, "never") == 256
     with pytest.raises(ValueError, match="packing='sometimes'"):
         bert[1].create_execution_context(packing="sometimes")
+
+
+def test_the_cpu_packs_any_saving_into_eighth_step_buckets():
+    # the CPU's rule (a CPU mask's): packed wherever its token bucket saves a row, whether or not the context
+    # buckets shapes; the rows always a bucket of eighth steps, so a stream of masks binds few segment views
+    def rows(real: int, batch: int, seq: int, packing: str = "auto") -> int:
+        mask = torch.zeros(batch, seq, dtype=torch.int64)
+        mask.view(-1)[:real] = 1
+        return packed_rows(mask, None, False, packing)
+
+    assert packing_rule(torch.device("cpu")) is PACKING_RULES["cpu"]
+    assert rows(60, 1, 64) == 60 and rows(61, 1, 64) == 64  # 64 of 64: the identity packing
+    assert rows(10, 4, 64) == 16 and rows(17, 4, 64) == 18 and rows(600, 8, 128) == 640  # from 16 rows up
+    assert rows(600, 8, 128, "never") == 1024 and rows(1000, 8, 128, "always") == 1024
+    for tokens in range(1, 4096, 7):
+        bucket = rows(tokens, 8, 512)
+        assert tokens <= bucket <= max(16, 1.125 * tokens)
 
 
 def test_token_buckets_waste_at_most_an_eighth_where_rows_cost_most():
