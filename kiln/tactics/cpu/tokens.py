@@ -22,7 +22,7 @@ import torch
 from kiln.kernels.cpu import tokens as kernels
 from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.transformer import attention_plan, prepared_native, sizes_config
+from kiln.tactics.cpu.transformer import attention_plan, prepared_native, shared_attention, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -238,15 +238,19 @@ def _packed_attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict
 
 def _packed_attention_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     attrs = dict(step.attributes)
+    described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
 
     def reads(sizes):
         return {**{k: _F32 for k in (0, 1, 2) if k in sizes}, 3: torch.int64, 6: torch.int32}
 
     def build(sizes):
-        plan = packed_attention_plan(attrs, sizes)
-        if isinstance(plan, str):
-            raise ValueError(f"packed attention at {sizes}: {plan}")
-        return transformer_kernels.Attention(**plan)
+        def make():
+            plan = packed_attention_plan(attrs, sizes)
+            if isinstance(plan, str):
+                raise ValueError(f"packed attention at {sizes}: {plan}")
+            return transformer_kernels.Attention(**plan)
+
+        return shared_attention(("packed", described, tuple(sorted(sizes.items()))), make)
 
     return prepared_native(step, reads, build)
 
