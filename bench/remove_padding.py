@@ -211,17 +211,19 @@ def right_padded(batch: int, seq: int, fraction: float) -> np.ndarray:
     return (np.arange(seq)[None, :] < np.maximum(lengths, 0)[:, None]).astype(np.int64)
 
 
-def interleaved_cpu_ms(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    """Median process-CPU ms of one call of each, in interleaved rounds (a burst of other processes' load hits
-    every peer alike; process time leaves out what other processes take)."""
+def interleaved_cpu_ms(fns: dict[str, Callable[[], Any]], rounds: int, clock: str = "process") -> dict[str, float]:
+    """Median ms of one call of each, in interleaved rounds (a burst of other processes' load hits every peer
+    alike). "process": this process' CPU time (leaves out what other processes take, counts what its threads
+    spin: an OpenMP pool waiting after a oneDNN GEMM); "wall": elapsed time."""
+    now = time.process_time if clock == "process" else time.perf_counter
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t = time.process_time()
+            t = now()
             fn()
-            times[name].append(1000 * (time.process_time() - t))
+            times[name].append(1000 * (now() - t))
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -251,11 +253,15 @@ def run_cpu(args, exported, shapes, log) -> list[str]:
     packed = build(str(exported.path), "cpu", profile, True, log)
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
+    # in one process beside kiln: onnxruntime's pool threads spinning after a run took the CPUs from kiln's next
+    # calls (bert_tiny 8x128: kiln 30 ms per call in the rounds, 8.6 ms alone)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
     contexts = {"kiln": plain.create_execution_context(),
                 **{f"free {p}": packed.create_execution_context(packing=p) for p in ("auto", "always", "never")}}
     rng = np.random.default_rng(0)
-    rows = ["| shape | padding | packed rows (auto) | kiln ms | free auto ms | free always ms | free never (identity) ms "
+    rows = [f"{args.clock} ms per call, median of {args.calls} interleaved rounds", "",
+            "| shape | padding | packed rows (auto) | kiln ms | free auto ms | free always ms | free never (identity) ms "
             "| onnxruntime ms | kiln / free auto | ort / free auto | max err real vs onnxruntime | max at padding | "
             "ok | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     log(rows[0])
@@ -271,7 +277,7 @@ def run_cpu(args, exported, shapes, log) -> list[str]:
             ok = err <= TOLERANCE_FP32 and pad == 0.0
             fns = {n: (lambda c=c: c.run(feeds)) for n, c in contexts.items()}
             fns["onnxruntime"] = lambda: session.run(None, feeds)
-            ms = interleaved_cpu_ms(fns, args.calls)
+            ms = interleaved_cpu_ms(fns, args.calls, args.clock)
             auto_rows = packed_rows(torch.from_numpy(mask), None, False)
             rows.append(f"| {b}x{s} | {1 - mask.mean():.0%} | {auto_rows} of {b * s} | {ms['kiln']:.3f} | "
                         f"{ms['free auto']:.3f} | {ms['free always']:.3f} | {ms['free never']:.3f} | "
@@ -295,6 +301,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="zoo encoder (default: bert_base on cuda, bert_tiny on cpu)")
     ap.add_argument("--shapes", default=None, help="BxS,... (default: 1x128,8x128,32x128,8x512,32x512 on cuda)")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per peer and case (median; CPU: rounds)")
+    ap.add_argument("--clock", default="process", choices=["process", "wall"], help="CPU: what a call's ms are")
     ap.add_argument("--padding", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.06, 0.25, 0.5],
                     help="CPU: fractions of padding positions per shape (right padding)")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
