@@ -170,7 +170,7 @@ static void pv_tile(const float *p, long tp, long t, const float *chunks, long c
 
 /* One (batch, head), its query rows [first, last) of keys [0, T); the sequence starts at row `start` of
    q/k/v/out (varlen; else 0 and batch b at b times the batch strides). work: kᵀ blocks [tp / KB][D][KB],
-   scores [QB][tp], a dump row [Dv], v's chunks [ceil(Dv / KB)][T][KB]. */
+   scores [QB][tp], a dump row [Dv], v's chunks [ceil(Dv / KB)][T][KB], a key padding mask as an additive row [T]. */
 static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
                            const void *mask, float *out, long b, long h, long first, long last, long T, long start,
                            float *work) {
@@ -181,6 +181,11 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     const float *vb = v + batch * p->vs[0] + start * p->vs[2] + hk * p->vs[1];
     float *ob = out + batch * p->os[0] + start * p->os[2] + h * p->os[1];
     float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
+    float *keys = vpacked + T * ((Dv + KB - 1) / KB * KB);
+    if (p->mask_kind == 3) {  /* the key padding mask, once per head as an additive row: the vector path below */
+        const int64_t *m = (const int64_t *)mask + b * p->ms[0] + h * p->ms[1];
+        for (long j = 0; j < T; ++j) keys[j] = m[j * p->ms[3]] ? 0.0f : -INFINITY;
+    }
     /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it; the last
        chunk zero-padded past Dv (MobileViT-S's heads of 36 dims: the 4 past 32 one at a time, strided, took
        twice the vector part's instructions) */
@@ -239,12 +244,8 @@ static void attention_head(const attention_plan *p, const float *q, const float 
                     s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
                     max = s[j] > max ? s[j] : max;
                 }
-            } else if (p->mask_kind == 3) {
-                const int64_t *m = (const int64_t *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2];
-                for (long j = 0; j < t; ++j) {
-                    s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
-                    max = s[j] > max ? s[j] : max;
-                }
+            } else if (p->mask_kind == 3) {  /* hidden keys: -inf added, so exp gives 0 */
+                max = scale_add_max(s, t, scale, keys);
             } else {
                 max = scale_add_max(s, t, scale, NULL);
             }
@@ -290,7 +291,7 @@ static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
     const attention_plan *p = l->p;
     const long tp = (p->T + KB - 1) / KB * KB;
-    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB));
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB) + p->T);
     if (work == NULL) {
         __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
         return;
