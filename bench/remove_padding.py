@@ -12,8 +12,11 @@ CUDA: GPU time per call by CUDA events around the call (the padding-free run's o
 tokens, included), median of --calls after warm-up (its bucket's graph captured), for kiln, kiln padding-free (auto,
 always packed, never packed: the plain program without counting tokens; the kiln engines timed call by call in
 turn), torch eager fp16 and torch.compile(dynamic=True); correctness: the padding-free engine's outputs at real tokens
-against torch fp16 (max abs error, tolerance TOLERANCE_FP16) and zeros at padding. CPU: process time per call
-(median), kiln, kiln padding-free and onnxruntime (fp32, the oracle; tolerance TOLERANCE_FP32).
+against torch fp16 (max abs error, tolerance TOLERANCE_FP16) and zeros at padding. CPU: per shape, right padding of
+--padding fractions of the positions; process time per call (median of interleaved rounds) of kiln, kiln
+padding-free with packing "auto", "always" and "never" (the identity packing) and onnxruntime (fp32, the oracle;
+tolerance TOLERANCE_FP32); then the wall time of a call at a token count not run before (a view of the native
+segment bound at its rows) against the same call again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -235,7 +240,48 @@ def run_cuda(args, exported, shapes, log) -> list[str]:
     return rows
 
 
+def right_padded(batch: int, seq: int, fraction: float) -> np.ndarray:
+    """[batch, seq] int64 mask with round(fraction · B·S) padding positions at the rows' ends, spread evenly."""
+    lengths = np.full(batch, seq)
+    for k in range(int(round(fraction * batch * seq))):
+        lengths[k % batch] -= 1
+    return (np.arange(seq)[None, :] < np.maximum(lengths, 0)[:, None]).astype(np.int64)
+
+
+def interleaved_cpu_ms(fns: dict[str, Callable[[], Any]], rounds: int, clock: str = "process") -> dict[str, float]:
+    """Median ms of one call of each, in interleaved rounds (a burst of other processes' load hits every peer
+    alike). "process": this process' CPU time (leaves out what other processes take, counts what its threads
+    spin: an OpenMP pool waiting after a oneDNN GEMM); "wall": elapsed time."""
+    now = time.process_time if clock == "process" else time.perf_counter
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t = now()
+            fn()
+            times[name].append(1000 * (now() - t))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def fresh_tokens_ms(context, ids: np.ndarray, calls: int) -> tuple[float, float]:
+    """(wall ms of a call at a real-token count the context has not run yet, of the same call again), medians:
+    a new token count binds the native segment at its packed rows (kiln/runtime/native.py views)."""
+    batch, seq = ids.shape
+    fresh, again = [], []
+    for pad in range(1, calls + 1):
+        feeds = {"input_ids": ids, "attention_mask": right_padded(batch, seq, 0.0)}
+        feeds["attention_mask"].reshape(-1)[-pad:] = 0
+        for out in (fresh, again):
+            t = time.perf_counter()
+            context.run(feeds)
+            out.append(1000 * (time.perf_counter() - t))
+    return statistics.median(fresh), statistics.median(again)
+
+
 def run_cpu(args, exported, shapes, log) -> list[str]:
+    """Per shape and padding fraction: kiln plain, padding-free ("auto", "always" packed, "never": the identity
+    packing) and onnxruntime, process ms per call in interleaved rounds; then what a new token count costs."""
     import onnxruntime as ort
 
     max_b, max_s = max(b for b, _ in shapes), max(s for _, s in shapes)
@@ -244,28 +290,44 @@ def run_cpu(args, exported, shapes, log) -> list[str]:
     packed = build(str(exported.path), "cpu", profile, True, log)
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
+    # in one process beside kiln: onnxruntime's pool threads spinning after a run took the CPUs from kiln's next
+    # calls (bert_tiny 8x128: kiln 30 ms per call in the rounds, 8.6 ms alone)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    contexts = {"kiln": plain.create_execution_context(),
+                **{f"free {p}": packed.create_execution_context(packing=p) for p in ("auto", "always", "never")}}
     rng = np.random.default_rng(0)
-    always = packed.create_execution_context(packing="always")  # every run packed: what packing costs
-    rows = ["| shape | mask | padding | kiln ms | kiln padding-free ms | ... always packed ms | onnxruntime ms | "
-            "kiln / padding-free | max err real (free, always) vs onnxruntime | max at padding | ok |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [f"{args.clock} ms per call, median of {args.calls} interleaved rounds", "",
+            "| shape | padding | packed rows (auto) | kiln ms | free auto ms | free always ms | free never (identity) ms "
+            "| onnxruntime ms | kiln / free auto | ort / free auto | max err real vs onnxruntime | max at padding | "
+            "ok | load |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     log(rows[0])
     vocab = zoo.get(args.model).vocab_size
-    for b, s, kind in cases(shapes):
-        mask = masks(b, s, kind, rng)
-        feeds = {"input_ids": rng.integers(0, vocab, (b, s), dtype=np.int64), "attention_mask": mask}
-        want = session.run(None, feeds)[0]
-        err, pad = real_error(next(iter(packed.run(feeds).values())), want, mask)
-        always_err, always_pad = real_error(next(iter(always.run(feeds).values())), want, mask)
-        ok = max(err, always_err) <= TOLERANCE_FP32 and pad == always_pad == 0.0
-        k = cpu_ms(lambda: plain.run(feeds), args.calls)
-        f = cpu_ms(lambda: packed.run(feeds), args.calls)
-        a = cpu_ms(lambda: always.run(feeds), args.calls)
-        o = cpu_ms(lambda: session.run(None, feeds), args.calls)
-        rows.append(f"| {b}x{s} | {kind} | {1 - mask.mean():.0%} | {k:.3f} | {f:.3f} | {a:.3f} | {o:.3f} | "
-                    f"{k / f:.2f}x | {err:.2e}, {always_err:.2e} | {max(pad, always_pad):.1e} | "
-                    f"{'ok' if ok else 'FAIL'} |")
+    for b, s in shapes:
+        for fraction in args.padding:
+            mask = right_padded(b, s, fraction)
+            feeds = {"input_ids": rng.integers(0, vocab, (b, s), dtype=np.int64), "attention_mask": mask}
+            want = session.run(None, feeds)[0]
+            errors = [real_error(next(iter(c.run(feeds).values())), want, mask) for n, c in contexts.items()
+                      if n != "kiln"]
+            err, pad = max(e for e, _ in errors), max(p for _, p in errors)
+            ok = err <= TOLERANCE_FP32 and pad == 0.0
+            fns = {n: (lambda c=c: c.run(feeds)) for n, c in contexts.items()}
+            fns["onnxruntime"] = lambda: session.run(None, feeds)
+            ms = interleaved_cpu_ms(fns, args.calls, args.clock)
+            auto_rows = packed_rows(torch.from_numpy(mask), None, False)
+            rows.append(f"| {b}x{s} | {1 - mask.mean():.0%} | {auto_rows} of {b * s} | {ms['kiln']:.3f} | "
+                        f"{ms['free auto']:.3f} | {ms['free always']:.3f} | {ms['free never']:.3f} | "
+                        f"{ms['onnxruntime']:.3f} | {ms['kiln'] / ms['free auto']:.2f}x | "
+                        f"{ms['onnxruntime'] / ms['free auto']:.2f}x | {err:.2e} | {pad:.1e} | "
+                        f"{'ok' if ok else 'FAIL'} | {open('/proc/loadavg').read().split()[0]} |")
+            log(rows[-1])
+    rows += ["", "A new real-token count (packing \"always\", right padding of 1, 2, ... positions): wall ms per call",
+             "", "| shape | first call at its token count | the same call again |", "|---|---|---|"]
+    always = packed.create_execution_context(packing="always")
+    for b, s in shapes:
+        fresh, again = fresh_tokens_ms(always, rng.integers(0, vocab, (b, s), dtype=np.int64), min(args.calls, 10))
+        rows.append(f"| {b}x{s} | {fresh:.3f} | {again:.3f} |")
         log(rows[-1])
     return rows
 
@@ -275,7 +337,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--model", default=None, help="zoo encoder (default: bert_base on cuda, bert_tiny on cpu)")
     ap.add_argument("--shapes", default=None, help="BxS,... (default: 1x128,8x128,32x128,8x512,32x512 on cuda)")
-    ap.add_argument("--calls", type=int, default=20, help="timed calls per peer and case (median)")
+    ap.add_argument("--calls", type=int, default=20, help="timed calls per peer and case (median; CPU: rounds)")
+    ap.add_argument("--clock", default="process", choices=["process", "wall"], help="CPU: what a call's ms are")
+    ap.add_argument("--padding", type=lambda v: [float(x) for x in v.split(",")], default=[0.0, 0.06, 0.25, 0.5],
+                    help="CPU: fractions of padding positions per shape (right padding)")
     ap.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     ap.add_argument("--skip-plain", action="store_true", help="leave the engine without remove_padding out")
     ap.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -284,7 +349,7 @@ def main() -> None:
     args = ap.parse_args()
     cuda = args.device == "cuda"
     args.model = args.model or ("bert_base" if cuda else "bert_tiny")
-    default = "1x128,8x128,32x128,8x512,32x512" if cuda else "1x16,4x32,8x48"
+    default = "1x128,8x128,32x128,8x512,32x512" if cuda else "1x64,4x128,8x128"
     shapes = [tuple(int(x) for x in s.split("x")) for s in (args.shapes or default).split(",")]
     machine = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads, load " \
         + open("/proc/loadavg").read().split()[0]

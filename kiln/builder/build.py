@@ -111,8 +111,9 @@ def _source_info(model: object, graph: ir.Model) -> dict:
 def pass_options(config: BuildConfig) -> PassOptions:
     """The optimizer's options for a build (and for a refit, which derives weights as the build did)."""
     cpu = config.device == "cpu"
+    # remove_padding: PackedAttention on every device (the CPU's is kiln's varlen C attention, a segment member)
     return PassOptions(opt_level=config.opt_level, verify=config.verify, unsigned_activations=cpu, cpu_rules=cpu,
-                       refittable=config.refittable, remove_padding=config.remove_padding, padded_attention=cpu)
+                       refittable=config.refittable, remove_padding=config.remove_padding)
 
 
 def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torch.device, profiles: list[Profile],

@@ -46,8 +46,9 @@ class PassOptions:
     # an encoder's per-token layers on its real tokens only, outputs at padding positions zero (opt-in;
     # kiln/passes/remove_padding.py): refused with the reason when the model cannot
     remove_padding: bool = False
-    # ... with each attention on q/k/v scattered back to [batch, seq] (the CPU's native attention) instead of
-    # PackedAttention over the packed tokens (CUDA's varlen flash)
+    # ... with each attention on q/k/v scattered back to [batch, seq] (a device's padded attention kernel) instead
+    # of PackedAttention over the packed tokens (the builder's choice on every device: CUDA's varlen flash, the
+    # CPU's varlen C kernel; on the CPU the padded form measured up to 1.8x slower, bench/results/remove-padding-*)
     padded_attention: bool = False
 
 

@@ -8,8 +8,9 @@ attention acts on each token alone, so the hidden state may be packed to [T, ...
     x_T = PackTokens(x, index)                          # [B, S, ...] -> [T, ...], where the region starts
     ... per-token layers on [T, ...]
     Attention(q, k, v, M(m)) -> PackedAttention(q_T, k_T, v_T, m, index, scatter, cu_seqlens)
-        (or, `padded_attention` (the CPU): PackTokens(Attention(UnpackTokens(q_T), ..., M(m)), index), the
-        device's native attention on q/k/v scattered back, memory ops only around it)
+        (or, `padded_attention`: PackTokens(Attention(UnpackTokens(q_T), ..., M(m)), index), a device's padded
+        attention on q/k/v scattered back, memory ops only around it; the builder takes PackedAttention on every
+        device: CUDA's varlen flash, the CPU's varlen C kernel)
     y = UnpackTokens(y_T, scatter, m)                   # [T, ...] -> [B, S, ...], zeros at padding
 
 `bucket` is a graph input the pass adds (TOKEN_BUCKET, [token_bucket] uint8) that is no engine binding: the
@@ -388,7 +389,7 @@ def _packed_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: i
 def _padded_attention(node: ir.Node, mask: ir.Value, index: ir.Value, scatter: ir.Value) -> list[ir.Node]:
     """Attention(q_T, k_T, v_T, M) -> PackTokens(Attention(UnpackTokens(q_T), ..., M), index): the attention as it
     was, on q/k/v scattered back to [B, S, ...] (zeros at padding, hidden by M), its output gathered to [T, ...]:
-    the device's own attention kernel runs (the CPU's native one); memory ops only around it. Returns the nodes
+    the device's own attention kernel runs; memory ops only around it. Returns the nodes
     that now stand where the attention stood."""
     graph, added = node.graph, []
     for i, value in enumerate(node.inputs[:3]):
@@ -423,8 +424,8 @@ def _new_node(graph: ir.Graph, before: ir.Node, op_type: str, inputs: list[ir.Va
 def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRemoval:
     """Rewrite the model's encoder to run on its real tokens (the module docstring's contract), or raise
     PaddingRefused naming the input or layer that prevents it; the graph is unchanged when it refuses.
-    `padded_attention`: each attention runs as it was on q/k/v scattered back to [B, S, ...] (`_padded_attention`:
-    the CPU's native attention kernel) instead of PackedAttention (CUDA: varlen flash)."""
+    `padded_attention`: each attention runs as it was on q/k/v scattered back to [B, S, ...] (`_padded_attention`)
+    instead of PackedAttention (CUDA: varlen flash; CPU: kiln's varlen C attention)."""
     graph = model.graph
     mask = padding_mask_input(graph)
     if mask is None:

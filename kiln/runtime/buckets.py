@@ -157,25 +157,53 @@ def _ladder(floor: int, high: int, sequence: bool) -> list[int]:
 
 
 TOKEN_EIGHTHS_FROM = 1024  # token buckets: steps of an eighth of the power of two from here
-# Packing pays where the rows it saves outweigh what it adds (the token index, the gathers, the varlen attention):
-# (positions B·S at least, the fraction of them a packed run must save). Below the smallest, and below the
-# fraction, a run takes the identity packing (kiln/ops/tokens.py), the plain engine's computation. Measured on the
-# H200 (BERT-base fp16, bench/remove_padding.py at 18a3d98): packed runs saving 12-25% of 1K-4K positions were
-# 4-20% slower than the plain engine, 15% of 16K positions 7% faster, 59% of 16K 1.9x faster.
-PACK_MIN_SAVING = ((16384, 0.10), (4096, 0.30), (1024, 0.45))
+
+
+@dataclass(frozen=True)
+class PackingRule:
+    """Where a device's padding-free runs pack their real tokens (kiln/ops/tokens.py) and to how many rows.
+
+    min_saving: (positions B·S at least, the fraction of them a packed run must save); below the smallest, and
+    below the fraction, a run takes the identity packing (every position a row: the plain engine's computation).
+    eighths_from: token buckets step by an eighth of the power of two from here (token_bucket).
+    always_bucketed: a run's rows are its token bucket even where the context does not bucket shapes."""
+
+    min_saving: tuple[tuple[int, float], ...]
+    eighths_from: int = TOKEN_EIGHTHS_FROM
+    always_bucketed: bool = False
+
+
+PACKING_RULES = {
+    # H200 (BERT-base fp16, bench/remove_padding.py at 18a3d98): packed runs saving 12-25% of 1K-4K positions were
+    # 4-20% slower than the plain engine, 15% of 16K positions 7% faster, 59% of 16K 1.9x faster. Its rows are
+    # bucketed where CUDA graphs bucket shapes.
+    "cuda": PackingRule(((16384, 0.10), (4096, 0.30), (1024, 0.45))),
+    # CPU (AMD EPYC 2 vCPUs, bert_tiny fp32 at 1x64, 4x128, 8x128; bench/results/remove-padding-cpu-2026-12-02.md):
+    # packed runs were as fast or faster than the identity packing at every padding measured (6% to 50%; the
+    # copies around the GEMMs are alike, the attention is varlen), so any row saved packs. The rows are always a
+    # token bucket of eighth steps (at most 1/8 dummy rows): each new row count binds the native segment at its
+    # sizes (a view: ~1-5 ms for bert_tiny), so a stream of masks binds at most 8 per power of two.
+    "cpu": PackingRule(((1, 0.0),), eighths_from=SEQUENCE_FLOOR, always_bucketed=True),
+}
+PACK_MIN_SAVING = PACKING_RULES["cuda"].min_saving  # the H200's (kept by name: what `packing="auto"` says it follows)
 PACKING = ("auto", "always", "never")  # an execution context's choice: the rule above, pack whenever a row is saved,
 # or the identity packing always
 
 
-def token_bucket(tokens: int, most: int) -> int:
+def packing_rule(device: torch.device) -> PackingRule:
+    """The device's rule (CUDA's for another accelerator: its numbers are the only ones measured there)."""
+    return PACKING_RULES.get(device.type, PACKING_RULES["cuda"])
+
+
+def token_bucket(tokens: int, most: int, eighths_from: int = TOKEN_EIGHTHS_FROM) -> int:
     """The packed rows a padding-free run computes for `tokens` real ones (kiln/passes/remove_padding.py): powers
     of two from SEQUENCE_FLOOR, a 1.5x step from HALF_STEP_FROM, quarter steps from QUARTER_STEPS_FROM and eighth
-    steps from TOKEN_EIGHTHS_FROM (every packed row costs the GEMMs a row: at most 1.125x dummy rows where they
+    steps from `eighths_from` (every packed row costs the GEMMs a row: at most 1.125x dummy rows where they
     cost most), capped at `most` (= B·S). A bucket is one CUDA graph per padded batch x sequence: finer steps
     would capture more of them."""
     size = SEQUENCE_FLOOR
     while size < most:
-        parts = 8 if size >= TOKEN_EIGHTHS_FROM else 4 if size >= QUARTER_STEPS_FROM else 2 if size >= HALF_STEP_FROM \
+        parts = 8 if size >= eighths_from else 4 if size >= QUARTER_STEPS_FROM else 2 if size >= HALF_STEP_FROM \
             else 1
         for k in range(parts):
             if (bucket := size + k * size // parts) >= tokens:
@@ -184,25 +212,29 @@ def token_bucket(tokens: int, most: int) -> int:
     return most
 
 
-def saving_needed(positions: int) -> float | None:
-    """The fraction of `positions` a packed run must save to be run packed (PACK_MIN_SAVING); None: never."""
-    return next((saving for least, saving in PACK_MIN_SAVING if positions >= least), None)
+def saving_needed(positions: int, rule: PackingRule | None = None) -> float | None:
+    """The fraction of `positions` a packed run must save to be run packed (the rule's min_saving, CUDA's unless
+    given); None: never."""
+    rule = rule or PACKING_RULES["cuda"]
+    return next((saving for least, saving in rule.min_saving if positions >= least), None)
 
 
 def packed_rows(mask: torch.Tensor, tokens: int | None, bucketed: bool, packing: str = "auto",
-                positions: int | None = None) -> int:
-    """The rows a padding-free run packs this mask to: its real tokens (`bucketed`: their token bucket), or B·S, the
-    identity packing, where packing would not pay (`packing` "auto": PACK_MIN_SAVING) or is not wanted ("never").
-    `tokens`: the real tokens when the caller counted them on the host (a numpy mask); else counted here, which for
-    a CUDA mask is the run's one synchronization with the host (not taken where the positions alone decide:
-    "never", or "auto" below PACK_MIN_SAVING's smallest). `positions`: B·S of the mask as the run pads it to its
-    buckets, when it is not padded yet (its padding adds no token)."""
+                positions: int | None = None, rule: PackingRule | None = None) -> int:
+    """The rows a padding-free run packs this mask to: its real tokens (`bucketed`, or the rule's always_bucketed:
+    their token bucket), or B·S, the identity packing, where packing would not pay (`packing` "auto": the mask's
+    device's PackingRule, or `rule`) or is not wanted ("never"). `tokens`: the real tokens when the caller counted
+    them on the host (a numpy mask); else counted here, which for a CUDA mask is the run's one synchronization with
+    the host (not taken where the positions alone decide: "never", or "auto" below the rule's smallest).
+    `positions`: B·S of the mask as the run pads it to its buckets, when it is not padded yet (its padding adds no
+    token)."""
+    rule = rule or packing_rule(mask.device)
     positions = mask.numel() if positions is None else positions
-    need = saving_needed(positions) if packing == "auto" else 0.0
+    need = saving_needed(positions, rule) if packing == "auto" else 0.0
     if packing == "never" or need is None:
         return positions
     tokens = int(torch.count_nonzero(mask)) if tokens is None else tokens
-    rows = token_bucket(tokens, positions) if bucketed else tokens
+    rows = token_bucket(tokens, positions, rule.eighths_from) if bucketed or rule.always_bucketed else tokens
     return rows if positions - rows >= need * positions and rows < positions else positions
 
 

@@ -49,7 +49,8 @@ RESIZED = 8  # segments bound for other input sizes than the tuned one, per segm
 VIEWS = 256  # sizes kept as views over a template's memory (_Resized: plans only), per segment
 
 
-_NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.bool: np.dtype(np.bool_)}
+_NUMPY = {torch.float32: np.dtype(np.float32), torch.int64: np.dtype(np.int64), torch.int32: np.dtype(np.int32),
+          torch.uint8: np.dtype(np.uint8), torch.bool: np.dtype(np.bool_)}
 
 
 def reads_of(m: BoundStep, native: NativeStep) -> list[tuple[int, Any]]:

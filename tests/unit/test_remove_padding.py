@@ -20,7 +20,7 @@ from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_t
 from kiln.passes import PassOptions, optimize
 from kiln.passes.remove_padding import PaddingRefused
 from kiln.plan.spec import StepSpec
-from kiln.runtime.buckets import packed_rows, token_bucket
+from kiln.runtime.buckets import PACKING_RULES, packed_rows, packing_rule, token_bucket
 from kiln.tactics import registry
 from kiln.tactics.cuda import packed_attention as cuda_packed
 from kiln.tactics.tactic import InputMeta
@@ -139,11 +139,12 @@ def bert():
 
 
 @pytest.fixture(scope="module")
-def bert_packed(bert):
-    """The CUDA form (PackedAttention) built for the CPU: the graph optimized with packed attention, then
-    built as it is (opt_level 0 runs no pass again; the header still says what the rewrite did)."""
+def bert_padded(bert):
+    """The padded form (each attention on q/k/v scattered back) built for the CPU: the graph optimized so, then
+    built as it is (opt_level 0 runs no pass again, every layer its torch form; the header still says what the
+    rewrite did)."""
     exported, _, _ = bert
-    graph = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
+    graph = _optimized(str(exported.path), remove_padding=True, cpu_rules=True, padded_attention=True)
     return kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
 
 
@@ -151,31 +152,45 @@ def _ops(engine) -> list[str]:
     return [s.op_type for s in engine.plan.program.steps]
 
 
-def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_packed):
+def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_padded):
     _, engine, _ = bert
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
-                       "attention": "padded", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"],
+                       "attention": "packed", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"],
                        "plain_program": 48, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
-    # the CPU: each attention on q|k|v scattered back, its output gathered again (the native attention kernel)
+    # PackedAttention over the packed tokens (on the CPU kiln's varlen C kernel), the [B, 1, S, S] mask's subgraph gone
     ops = _ops(engine)
-    assert ops.count("Attention") == 2 and "PackedAttention" not in ops
-    assert ops.count("TokenIndex") == 1 and ops.count("PackTokens") == 1 + 2 and ops.count("UnpackTokens") == 1 + 2
-    assert [b.name for b in engine.inputs] == ["input_ids", "attention_mask"]  # the bucket is no binding
-    assert engine.plan.program.inputs[-1] == "kiln_token_bucket"
-    # CUDA's form: PackedAttention over the packed tokens, the [B, 1, S, S] mask's subgraph gone
-    assert bert_packed.plan.header["remove_padding"]["attention"] == "packed"
-    ops = _ops(bert_packed)
     assert ops.count("PackedAttention") == 2 and "Attention" not in ops and "Where" not in ops
     assert ops.count("TokenIndex") == ops.count("PackTokens") == ops.count("UnpackTokens") == 1
+    assert [b.name for b in engine.inputs] == ["input_ids", "attention_mask"]  # the bucket is no binding
+    assert engine.plan.program.inputs[-1] == "kiln_token_bucket"
+    # the padded form: each attention on q|k|v scattered back, its output gathered again
+    assert bert_padded.plan.header["remove_padding"]["attention"] == "padded"
+    ops = _ops(bert_padded)
+    assert ops.count("Attention") == 2 and "PackedAttention" not in ops
+    assert ops.count("TokenIndex") == 1 and ops.count("PackTokens") == 1 + 2 and ops.count("UnpackTokens") == 1 + 2
+
+
+def test_the_cpu_runs_the_padding_free_encoder_as_one_native_segment(bert):
+    # the token ops and the packed attention are kiln's C kernels: from the embeddings to the unpacked output one
+    # segment, as the plain engine's encoder (before them: four segments and a dozen torch steps between)
+    _, engine, _ = bert
+    tactics = {s.op_type: s.tactic for s in engine.plan.program.steps if s.domain == "kiln"}
+    assert tactics["TokenIndex"] == "cpu.tokenindex.native" and tactics["PackTokens"] == "cpu.packtokens.native"
+    assert tactics["UnpackTokens"] == "cpu.unpacktokens.native"
+    assert tactics["PackedAttention"] == "cpu.packed_attention.native"
+    segments = engine.program.segments
+    assert len(segments) == 1
+    members = {m.ctx.name for m in segments[0].members}
+    assert {s.name for s in engine.plan.program.steps if s.domain == "kiln"} <= members
 
 
 @pytest.mark.parametrize("packing", ["always", "never"])  # "auto" runs these small shapes as "never" does
 @pytest.mark.parametrize("form", ["padded", "packed"])
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "token-buckets"])
-def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_packed, form, buckets, packing):
+def test_real_tokens_match_onnxruntime_and_padding_is_zero(bert, bert_padded, form, buckets, packing):
     _, engine, session = bert
-    engine = engine if form == "padded" else bert_packed
+    engine = engine if form == "packed" else bert_padded
     # buckets: padded shapes, T' >= T packed rows; packing "never": every position a row (the identity packing)
     context = engine.create_execution_context(buckets=buckets, packing=packing)
     rng = np.random.default_rng(3)
@@ -198,7 +213,7 @@ def test_packing_is_chosen_where_it_pays(bert):
     def rows(real: int, batch: int, seq: int, packing: str = "auto", bucketed: bool = True) -> int:
         mask = torch.zeros(batch, seq, dtype=torch.int64)
         mask.view(-1)[:real] = 1
-        return packed_rows(mask, None, bucketed, packing)
+        return packed_rows(mask, None, bucketed, packing, rule=PACKING_RULES["cuda"])  # the H200's numbers
 
     assert rows(600, 8, 128) == 1024  # 1K positions, bucket 640 saves 37% (under 45%): every position
     assert rows(500, 8, 128) == 512 and rows(500, 8, 128, bucketed=False) == 500
@@ -209,6 +224,23 @@ def test_packing_is_chosen_where_it_pays(bert):
     assert rows(10, 4, 64, "never") == 256
     with pytest.raises(ValueError, match="packing='sometimes'"):
         bert[1].create_execution_context(packing="sometimes")
+
+
+def test_the_cpu_packs_any_saving_into_eighth_step_buckets():
+    # the CPU's rule (a CPU mask's): packed wherever its token bucket saves a row, whether or not the context
+    # buckets shapes; the rows always a bucket of eighth steps, so a stream of masks binds few segment views
+    def rows(real: int, batch: int, seq: int, packing: str = "auto") -> int:
+        mask = torch.zeros(batch, seq, dtype=torch.int64)
+        mask.view(-1)[:real] = 1
+        return packed_rows(mask, None, False, packing)
+
+    assert packing_rule(torch.device("cpu")) is PACKING_RULES["cpu"]
+    assert rows(60, 1, 64) == 60 and rows(61, 1, 64) == 64  # 64 of 64: the identity packing
+    assert rows(10, 4, 64) == 16 and rows(17, 4, 64) == 18 and rows(600, 8, 128) == 640  # from 16 rows up
+    assert rows(600, 8, 128, "never") == 1024 and rows(1000, 8, 128, "always") == 1024
+    for tokens in range(1, 4096, 7):
+        bucket = rows(tokens, 8, 512)
+        assert tokens <= bucket <= max(16, 1.125 * tokens)
 
 
 def test_token_buckets_waste_at_most_an_eighth_where_rows_cost_most():

@@ -350,7 +350,7 @@ def _torch_views(attrs, sizes):
 def test_the_attention_plan_has_torch_s_view_geometry_at_every_size():
     """The plan is index arithmetic (it runs per layer at every new input size): its offsets and strides,
     size-1 axes included, are those of the views torch makes, over fresh random sizes and layouts."""
-    from kiln.tactics.cpu.transformer import _attention_plan
+    from kiln.tactics.cpu.transformer import attention_plan
 
     for _ in range(300):
         b, s, tt, h, d = (int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 9)),
@@ -373,7 +373,7 @@ def test_the_attention_plan_has_torch_s_view_geometry_at_every_size():
             full = [b, h, s, tt]
             sizes[3] = tuple(x if rng.random() < 0.5 else 1 for x in full)[int(rng.integers(0, 4)):] or (tt,)
             mask_dtype = torch.float32 if rng.random() < 0.5 else torch.bool
-        plan = _attention_plan(attrs, sizes, mask_dtype)
+        plan = attention_plan(attrs, sizes, mask_dtype)
         assert isinstance(plan, dict), plan
         views, mask, out = _torch_views(attrs, sizes)
         assert (plan["q"], plan["k"], plan["v"]) == (views["q"], views["k"], views["v"]), (attrs, sizes)

@@ -1,5 +1,8 @@
 /* kiln_attention: softmax(q kᵀ scale + mask) v per (batch, head), q/k/v/out at any strides with a contiguous
- * last axis; additive or boolean mask at any broadcast strides; causal. Compiled as one unit with
+ * last axis; additive or boolean mask at any broadcast strides, or a key padding mask (int64 [B, T]: nonzero,
+ * a real key); causal. Varlen (a padding-free encoder's packed rows, kiln/ops/tokens.py PackedAttention):
+ * sequence b is the rows cu_seqlens[b] .. cu_seqlens[b + 1] of q/k/v/out (its start times the position
+ * stride; the batch strides unused), S = T = the longest a sequence may be. Compiled as one unit with
  * transformer.c, after it (kiln/kernels/cpu/transformer.py SOURCE): it uses that file's includes,
  * handle_of, max_threads and the plan conventions described there.
  */
@@ -17,6 +20,8 @@ typedef struct {
     int causal;       /* query i sees keys 0..i */
     int nan_to_zero;  /* a row that sees no key gives 0 (else NaN, as softmax of -inf everywhere) */
     float scale;
+    void *cu;         /* dnnl_memory_t of cu_seqlens, int32 [B + 1], for varlen; else NULL */
+    long rows;        /* varlen: the packed rows q/k/v/out hold (cu_seqlens[B] <= rows) */
 } attention_plan;
 
 #define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
@@ -163,17 +168,24 @@ static void pv_tile(const float *p, long tp, long t, const float *chunks, long c
         }
 }
 
-/* One (batch, head), its query rows [first, last). work: kᵀ blocks [tp / KB][D][KB], scores [QB][tp], a dump
-   row [Dv], v's chunks [ceil(Dv / KB)][T][KB]. */
+/* One (batch, head), its query rows [first, last) of keys [0, T); the sequence starts at row `start` of
+   q/k/v/out (varlen; else 0 and batch b at b times the batch strides). work: kᵀ blocks [tp / KB][D][KB],
+   scores [QB][tp], a dump row [Dv], v's chunks [ceil(Dv / KB)][T][KB], a key padding mask as an additive row [T]. */
 static void attention_head(const attention_plan *p, const float *q, const float *k, const float *v,
-                           const void *mask, float *out, long b, long h, long first, long last, float *work) {
-    const long S = last, T = p->T, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
-    const long hk = h / (p->H / p->Hkv);
-    const float *qb = q + b * p->qs[0] + h * p->qs[1];
-    const float *kb = k + b * p->ks[0] + hk * p->ks[1];
-    const float *vb = v + b * p->vs[0] + hk * p->vs[1];
-    float *ob = out + b * p->os[0] + h * p->os[1];
+                           const void *mask, float *out, long b, long h, long first, long last, long T, long start,
+                           float *work) {
+    const long S = last, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
+    const long hk = h / (p->H / p->Hkv), batch = p->cu ? 0 : b;  /* varlen: the start row places the sequence */
+    const float *qb = q + batch * p->qs[0] + start * p->qs[2] + h * p->qs[1];
+    const float *kb = k + batch * p->ks[0] + start * p->ks[2] + hk * p->ks[1];
+    const float *vb = v + batch * p->vs[0] + start * p->vs[2] + hk * p->vs[1];
+    float *ob = out + batch * p->os[0] + start * p->os[2] + h * p->os[1];
     float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
+    float *keys = vpacked + T * ((Dv + KB - 1) / KB * KB);
+    if (p->mask_kind == 3) {  /* the key padding mask, once per head as an additive row: the vector path below */
+        const int64_t *m = (const int64_t *)mask + b * p->ms[0] + h * p->ms[1];
+        for (long j = 0; j < T; ++j) keys[j] = m[j * p->ms[3]] ? 0.0f : -INFINITY;
+    }
     /* v as chunks of KB dims, each a contiguous [T][KB] stream, when enough query tiles read it; the last
        chunk zero-padded past Dv (MobileViT-S's heads of 36 dims: the 4 past 32 one at a time, strided, took
        twice the vector part's instructions) */
@@ -232,6 +244,8 @@ static void attention_head(const attention_plan *p, const float *q, const float 
                     s[j] = m[j * p->ms[3]] ? s[j] * scale : -INFINITY;
                     max = s[j] > max ? s[j] : max;
                 }
+            } else if (p->mask_kind == 3) {  /* hidden keys: -inf added, so exp gives 0 */
+                max = scale_add_max(s, t, scale, keys);
             } else {
                 max = scale_add_max(s, t, scale, NULL);
             }
@@ -268,6 +282,7 @@ typedef struct {
     const void *mask;
     float *out;
     long chunks, rows;  /* runs of query rows per head, rows per run (a multiple of QB) */
+    const int32_t *cu;  /* varlen: cu_seqlens [B + 1]; else NULL */
     int failed;
 } attention_loop;
 
@@ -276,15 +291,17 @@ static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
     const attention_plan *p = l->p;
     const long tp = (p->T + KB - 1) / KB * KB;
-    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB));
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB) + p->T);
     if (work == NULL) {
         __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
         return;
     }
-    const long bh = item / l->chunks, first = (item % l->chunks) * l->rows;
-    const long last = first + l->rows < p->S ? first + l->rows : p->S;
+    const long bh = item / l->chunks, first = (item % l->chunks) * l->rows, b = bh / p->H;
+    const long start = l->cu ? l->cu[b] : 0, length = l->cu ? l->cu[b + 1] - start : p->S;
+    const long last = first + l->rows < length ? first + l->rows : length;
     if (first < last)
-        attention_head(p, l->q, l->k, l->v, l->mask, l->out, bh / p->H, bh % p->H, first, last, work);
+        attention_head(p, l->q, l->k, l->v, l->mask, l->out, b, bh % p->H, first, last, l->cu ? length : p->T,
+                       start, work);
 }
 
 int kiln_attention(void *object, void *stream, int nargs, const void *args) {
@@ -295,12 +312,22 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     const float *v = (const float *)handle_of(p->get_handle, p->v);
     float *out = (float *)handle_of(p->get_handle, p->out);
     const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
-    if (!q || !k || !v || !out || (p->mask_kind && !mask)) return 2;
+    const int32_t *cu = p->cu ? (const int32_t *)handle_of(p->get_handle, p->cu) : NULL;
+    if (!q || !k || !v || !out || (p->mask_kind && !mask) || (p->cu && !cu)) return 2;
     q += p->q_off; k += p->k_off; v += p->v_off;
     const long heads = p->B * p->H;
+    long pairs = p->B * p->S * p->T;  /* (query, key) pairs of a head */
+    if (cu) {  /* varlen: each sequence's own, checked against the rows there are */
+        pairs = 0;
+        for (long b = 0; b < p->B; ++b) {
+            const long n = (long)cu[b + 1] - cu[b];
+            if (cu[b] < 0 || n < 0 || n > p->S || cu[b + 1] > p->rows) return 2;
+            pairs += n * n;
+        }
+    }
     /* one thread below ~4M multiply-adds (~0.1 ms): a parallel loop's end waits out any descheduled
        thread of a loaded machine, which costs more than small work gains */
-    const int parallel = heads * p->S * p->T * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
+    const int parallel = pairs * p->H * (p->D + p->Dv) > (4L << 20) && (heads > 1 || p->S > 8 * QB);
     const int threads = parallel ? max_threads() : 1;
     /* work items: (batch, head, a run of query rows). Heads alone leave threads idle when they do not divide
        evenly (YOLOS's 3 heads on 2 threads: one thread does 2 heads, the other 1) and give a thread slowed by
@@ -312,7 +339,7 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
         chunks = want < most ? want : most;
         if (chunks < 1) chunks = 1;
     }
-    attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, 0};
+    attention_loop l = {p, q, k, v, mask, out, chunks, ((p->S + chunks - 1) / chunks + QB - 1) / QB * QB, cu, 0};
     const long items = heads * chunks;
     parallel_items(items, threads, attention_item, &l);
     return l.failed ? 1 : 0;  /* 1: oneDNN's "out of memory" */

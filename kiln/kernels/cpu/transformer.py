@@ -30,9 +30,10 @@ from kiln.ops._util import broadcast_sizes
 
 # one compilation unit: attention.c uses transformer.c's helpers
 SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
-                   for name in ("transformer.c", "attention.c", "elementwise.c"))
+                   for name in ("transformer.c", "attention.c", "elementwise.c", "tokens.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
-              "kiln_rotary", "kiln_elementwise", "kiln_concat")
+              "kiln_rotary", "kiln_elementwise", "kiln_concat", "kiln_token_index", "kiln_pack_rows",
+              "kiln_unpack_rows")
 
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 
@@ -89,7 +90,7 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("T", ctypes.c_long), ("D", ctypes.c_long), ("Dv", ctypes.c_long),
                 ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
                 ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("cu", ctypes.c_void_p), ("rows", ctypes.c_long)]
 
 
 class _RotaryPlan(ctypes.Structure):  # rotary_plan
@@ -329,27 +330,33 @@ class Attention(NativeKernel):
     """softmax(q kᵀ scale + mask) v for every (batch, head). q, k, v (and the output) are given as
     (step input, element offset, strides of batch, head, position) over [B, H, S, D] views with a
     contiguous last axis; q, k and v may be one input (a packed qkv). The mask: None, or (kind
-    "add" | "bool", strides of batch, head, query, key; 0 where it broadcasts)."""
+    "add" | "bool" | "keys" (int64, nonzero: a real key), strides of batch, head, query, key; 0 where it
+    broadcasts). `varlen`: (step input of cu_seqlens, the packed rows): sequence b is rows cu_seqlens[b] ..
+    cu_seqlens[b + 1] of q/k/v/out (kiln/ops/tokens.py PackedAttention), S = T its longest."""
 
     PLAN, FUNCTION = _AttentionPlan, "kiln_attention"
 
     def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
                  v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
-                 mask: tuple[str, tuple[int, ...]] | None, scale: float, causal: bool, nan_to_zero: bool):
+                 mask: tuple[str, tuple[int, ...]] | None, scale: float, causal: bool, nan_to_zero: bool,
+                 mask_input: int = 3, varlen: tuple[int, int] | None = None):
         super().__init__(f"attention B={dims['B']} H={dims['H']} S={dims['S']} T={dims['T']} D={dims['D']}")
         self.output_size = tuple(output_size)
         roles: dict[Any, list[str]] = {"dst": ["out"]}
         for name, (index, _, _) in (("q", q), ("k", k), ("v", v)):
             roles.setdefault(index, []).append(name)
         if mask is not None:
-            roles[3] = ["mask"]
+            roles[mask_input] = ["mask"]
+        if varlen is not None:
+            roles[varlen[0]] = ["cu"]
         self.roles = {role: tuple(names) for role, names in roles.items()}
         self.fields = dict(q_off=q[1], k_off=k[1], v_off=v[1], **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T",
                                                                                           "D", "Dv")},
                            qs=_LONG3(*q[2]), ks=_LONG3(*k[2]), vs=_LONG3(*v[2]), os=_LONG3(*out_strides),
                            ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
-                           mask_kind={None: 0, "add": 1, "bool": 2}[mask[0] if mask is not None else None],
-                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale))
+                           mask_kind={None: 0, "add": 1, "bool": 2, "keys": 3}[mask[0] if mask is not None else None],
+                           causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
+                           rows=int(varlen[1]) if varlen is not None else 0)
 
 
 # the dtypes broadcast_plan's casts read (src_type)

@@ -11,6 +11,7 @@
                    projection + one loop over time
     rotary.py      ... and for kiln::Rotary (a decoder's rotary embedding, packed q|k|v included)
     elementwise.py kiln::Elementwise programs and Concat in kiln's C, native-segment members
+    tokens.py      a padding-free encoder's TokenIndex, PackTokens, UnpackTokens and PackedAttention (varlen)
     relayout.py    kiln::Relayout (a Reshape/Transpose chain) as one strided copy in kiln's C, a segment member
     squeeze_excite.py  kiln::SqueezeExcite (EfficientNet/MobileNetV3/RegNetY blocks) in kiln's C, a segment member
 """
@@ -27,3 +28,4 @@ import kiln.tactics.cpu.rotary  # noqa: F401
 import kiln.tactics.cpu.squeeze_excite  # noqa: F401
 import kiln.tactics.cpu.recurrent  # noqa: F401
 import kiln.tactics.cpu.relayout  # noqa: F401
+import kiln.tactics.cpu.tokens  # noqa: F401

@@ -366,7 +366,7 @@ def _expanded_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, 
     return tuple(out)
 
 
-def _attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
+def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
     """Everything kernels.Attention needs at these sizes, or why not."""
     found = _head_views(attrs, sizes)
     if isinstance(found, str):
@@ -414,7 +414,7 @@ def _attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         if k in sizes and inputs[k].dtype != _F32:
             return f"input {k} is {inputs[k].dtype}: only float32"
     mask_dtype = inputs[3].dtype if 3 in sizes else None
-    found = _attention_plan(_attention_attributes(step), sizes, mask_dtype)
+    found = attention_plan(_attention_attributes(step), sizes, mask_dtype)
     return found if isinstance(found, str) else True
 
 
@@ -432,23 +432,13 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
     described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
 
     def build(sizes):
-        # an encoder's attention layers have one configuration: at a new input size the first builds the
-        # kernel (it holds no weights) and the others take it
-        key = (described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None)
-        with _SHARED_LOCK:
-            found = _SHARED_ATTENTION.get(key)
-            if found is not None:
-                _SHARED_ATTENTION.move_to_end(key)
-                return found
-        plan = _attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
-        if isinstance(plan, str):
-            raise ValueError(f"attention at {sizes}: {plan}")
-        found = kernels.Attention(**plan)
-        with _SHARED_LOCK:
-            _SHARED_ATTENTION[key] = found
-            while len(_SHARED_ATTENTION) > _SHARED_KEPT:
-                _SHARED_ATTENTION.popitem(last=False)
-        return found
+        def make():
+            plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+            if isinstance(plan, str):
+                raise ValueError(f"attention at {sizes}: {plan}")
+            return kernels.Attention(**plan)
+
+        return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None), make)
 
     return prepared_native(step, reads, build)
 
@@ -458,6 +448,23 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 _SHARED_ATTENTION: OrderedDict[tuple, kernels.Attention] = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 _SHARED_KEPT = 64
+
+
+def shared_attention(key: tuple, make: Callable[[], kernels.Attention]) -> kernels.Attention:
+    """The attention kernel of `key` (a layer's configuration and input sizes), made once: an encoder's attention
+    layers have one configuration, so at a new input size the first makes the kernel (~0.1-0.7 ms: it holds no
+    weights) and the others take it."""
+    with _SHARED_LOCK:
+        found = _SHARED_ATTENTION.get(key)
+        if found is not None:
+            _SHARED_ATTENTION.move_to_end(key)
+            return found
+    found = make()
+    with _SHARED_LOCK:
+        _SHARED_ATTENTION[key] = found
+        while len(_SHARED_ATTENTION) > _SHARED_KEPT:
+            _SHARED_ATTENTION.popitem(last=False)
+    return found
 
 
 def _attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
