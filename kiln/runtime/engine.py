@@ -226,8 +226,8 @@ class ExecutionContext:
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
-        padding-free engine: "auto" packs a run's real tokens where that pays (the device's buckets.PACKING_RULES), "always"
-        wherever a row is saved, "never" runs every position. A run that does not pack runs the engine's plain
+        padding-free engine: "auto" packs a run's real tokens where that pays (the device's
+        buckets.PACKING_RULES), "always" wherever a row is saved, "never" runs every position. A run that does not pack runs the engine's plain
         program (the plain engine's, kiln/builder/padding_free.py; its graphs in the same cache), or, in an engine
         without one, the packed program with every position a row (the identity packing).
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
