@@ -39,7 +39,8 @@ def compile_config(config: kernels.GemvConfig, weight: str, fusion: str = ""):
     constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
                       SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
                       BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=False, RESIDUAL=False, SWIGLU=False,
-                      ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False)
+                      ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False, PREFETCH=config.prefetch,
+                      W_CACHE=kernels.W_CACHE[config.w_cache], PDL=config.pdl)
     constexprs |= FUSIONS[fusion]
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
