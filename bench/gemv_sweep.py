@@ -10,7 +10,7 @@ bandwidth), then the decode step with the engine choosing among the winners. One
    rotating weight copies > 3x the L2, median of 7 replays); GB/s and % of the copy ceiling. The knobs the
    variants add to today's tiles (kiln/llm/kernels/gemv.py GemvConfig): pf (W one tile ahead in registers),
    cg / evict_first (the weight stream's cache hint), pdl (programmatic dependent launch: the next GEMV's first
-   W tile is read while this one drains). Every variant at M = 1; at M > 1 the multi-row ones and M = 1's best.
+   W tile is read while this one drains), pN (a persistent grid of N programs per SM). Every variant at M = 1; at M > 1 the multi-row ones and M = 1's best.
 3. End to end (bench/llm_fusion.py's measurement: decode graph replay ms, bytes-read roofline at 4.3 TB/s):
    the engine's shortlist (decode_gemv.ENGINE_CONFIGS, which decode_fusion's tuner also reads) replaced by the
    sweep's, the fused forms compiled in parallel first, decode_fusion=auto (the engine times and picks at
@@ -67,6 +67,10 @@ def sweep_configs(n: int, k: int, m: int, tiny: bool = False) -> list[GemvConfig
         for block_n, block_k, warps in FMA_TILES:
             for pf, cache, pdl in FMA_KNOBS:
                 configs.append(GemvConfig("fma", block_n, block_k, 1, warps, 1, prefetch=pf, w_cache=cache, pdl=pdl))
+        for block_n, block_k, warps in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 8)):  # persistent grids
+            for per_sm in (8, 16):
+                configs.append(GemvConfig("fma", block_n, block_k, 1, warps, 1, prefetch=True, pdl=True,
+                                          persistent=per_sm))
         if k >= 8192:  # down: 14336 deep, 1024-2048 programs: split-K evens out the last wave
             for block_n, block_k, warps in ((4, 1024, 4), (8, 1024, 8), (8, 512, 4)):
                 for split in (2, 4):
@@ -84,6 +88,8 @@ def sweep_configs(n: int, k: int, m: int, tiny: bool = False) -> list[GemvConfig
         for pdl in (False, True):
             configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages,
                                       "last" if split > 1 else "kernel", pdl=pdl))
+    for variant, block_n, block_k, split, warps, stages in DOT_TILES[:2]:  # one or two resident per SM
+        configs.append(GemvConfig(variant, block_n, block_k, split, warps, stages, pdl=True, persistent=1))
     return configs
 
 
@@ -134,7 +140,8 @@ def sweep(args, log, failures: list) -> list[dict]:
 
 def plain(name: str) -> bool:
     """A config without the new knobs (what the engine could pick before)."""
-    return not any(flag in name.split() for flag in ("pf", "cg", "evict_first", "pdl"))
+    return not any(flag in ("pf", "cg", "evict_first", "pdl") or flag[0] == "p" and flag[1:].isdigit()
+                   for flag in name.split())
 
 
 def table(rows: list[dict], ceiling: dict[str, float]) -> list[str]:

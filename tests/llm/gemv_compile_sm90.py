@@ -40,7 +40,8 @@ def compile_config(config: kernels.GemvConfig, weight: str, fusion: str = ""):
                       SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
                       BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=False, RESIDUAL=False, SWIGLU=False,
                       ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False, PREFETCH=config.prefetch,
-                      W_CACHE=kernels.W_CACHE[config.w_cache], PDL=config.pdl)
+                      W_CACHE=kernels.W_CACHE[config.w_cache], PDL=config.pdl,
+                      PERSISTENT=config.persistent > 0)
     constexprs |= FUSIONS[fusion]
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
@@ -113,7 +114,9 @@ def main() -> int:
                            ("norm+rope", kernels.GemvConfig("fma_rows", 4, 512, 1, 4, 1, rows=4, prefetch=True,
                                                             pdl=True)),
                            ("residual", kernels.GemvConfig("fma", 4, 1024, 2, 4, 1, "last", prefetch=True, pdl=True)),
-                           ("residual", kernels.GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last", pdl=True))):
+                           ("residual", kernels.GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last", pdl=True)),
+                           ("norm+swiglu", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True, pdl=True,
+                                                              persistent=4))):
         compiled = compile_config(config, "bf16", fusion)
         problems = load_problems(config, "bf16", compiled.asm["ptx"], fused=bool(fusion))
         if compiled.metadata.shared > SHARED_MEMORY_LIMIT:

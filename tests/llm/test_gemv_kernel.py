@@ -51,7 +51,10 @@ CONFIGS = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot", 32, 64, 3, 4, 2
 KNOBS = [GemvConfig("fma", 8, 32, 1, 4, 1, prefetch=True), GemvConfig("fma", 4, 64, 3, 4, 1, "last", prefetch=True,
                                                                        w_cache="evict_first", pdl=True),
          GemvConfig("fma_rows", 4, 32, 1, 4, 1, rows=4, prefetch=True, w_cache="cg", pdl=True),
-         GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last", w_cache="evict_first", pdl=True)]
+         GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last", w_cache="evict_first", pdl=True),
+         # a persistent grid (4 programs on the interpreter's 4 "SMs"), split-K's counters indexed by tile
+         GemvConfig("fma", 4, 32, 2, 4, 1, "last", prefetch=True, pdl=True, persistent=1),
+         GemvConfig("dot_swap", 16, 32, 1, 4, 1, persistent=2)]
 CONFIGS += KNOBS
 
 
@@ -97,14 +100,15 @@ def test_row_zero_is_the_same_bits_at_every_batch_size(config, kind):
 @pytest.mark.parametrize("config", KNOBS, ids=lambda c: c.name.replace(" ", "-"))
 @pytest.mark.parametrize("m,n,k", [(1, 48, 96), (5, 37, 200)])
 def test_knobs_change_no_bits(config, m, n, k):
-    """prefetch, w_cache and pdl move loads and launches, never a sum: the same bits as the config without them
+    """prefetch, w_cache, pdl and a persistent grid move loads and launches, never a sum: the same bits as the
+    config without them
     (K ragged at 200: prefetch's load past the split's end masked off)."""
     from dataclasses import replace
 
     g = torch.Generator().manual_seed(17)
     q, scale, _ = weight(n, k, "fp8", torch.bfloat16, g)
     x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(DEVICE)
-    plain = replace(config, prefetch=False, w_cache="", pdl=False)
+    plain = replace(config, prefetch=False, w_cache="", pdl=False, persistent=0)
     assert torch.equal(gemv(x, q, scale, None, config), gemv(x, q, scale, None, plain))
 
 
@@ -231,7 +235,7 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
     done = subprocess.run([sys.executable, "-m", "tests.llm.gemv_compile_sm90"], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 28
+    assert done.stdout.count("ok  ") == 29
 
 
 def test_last_arrival_split_leaves_its_counters_zero():

@@ -60,6 +60,9 @@ class GemvConfig:
     # programmatic dependent launch (sm_90+): this GEMV is placed while the previous kernel drains and reads
     # its first W tile (prefetch) before waiting for it; a kernel launched after it may start likewise
     pdl: bool = False
+    # > 0: a persistent grid of this many programs per SM (split-K and row blocks included), each looping over
+    # output tiles; 0: one program per tile
+    persistent: int = 0
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -70,8 +73,8 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
         if self.split_reduce not in ("kernel", "last"):
             raise ValueError(f"GemvConfig.split_reduce {self.split_reduce!r}: expected kernel or last")
-        if self.split_k < 1 or self.num_stages < 1:
-            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
+        if self.split_k < 1 or self.num_stages < 1 or self.persistent < 0:
+            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1, persistent >= 0")
         if (self.rows > 1) != (self.variant == "fma_rows"):
             raise ValueError(f"GemvConfig {self.name}: rows > 1 is fma_rows' (and fma_rows needs rows > 1)")
         if self.variant in ("dot", "dot_swap") and (self.block_n < 16 or self.block_k < 16):
@@ -87,13 +90,15 @@ class GemvConfig:
         last = "L" if self.split_k > 1 and self.split_reduce == "last" else ""
         rows = f" r{self.rows}" if self.rows > 1 else ""
         extras = "".join(f" {flag}" for flag, on in (("pf", self.prefetch), (self.w_cache, self.w_cache),
-                                                      ("pdl", self.pdl)) if on)
+                                                      ("pdl", self.pdl), (f"p{self.persistent}", self.persistent))
+                         if on)
         return (f"{self.variant}{rows} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
                 f"w{self.num_warps} st{self.num_stages}{extras}")
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                              "split_reduce", "rows", "prefetch", "w_cache", "pdl")}
+                                              "split_reduce", "rows", "prefetch", "w_cache", "pdl",
+                                              "persistent")}
 
 
 @dataclass
@@ -181,7 +186,7 @@ def _rope_kv_store(a, b, offs_m, m_ok, n_ok, head, first, scale_ptr, bias_ptr, y
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, tiles, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
               lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
               SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
     # acc: [rows, BLOCK_N] fp32
@@ -194,7 +199,7 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_
         tl.store(parts + pid_k * M * N, acc, mask=ok)
         if SPLIT == 2:  # the last split of this tile to arrive adds all S partials, in the order s = 0..S-1
             tl.debug_barrier()  # every thread's partials stored before the release below (CUTLASS's semaphore)
-            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+            lock = lock_ptr + pid_m * tiles + pid_n
             arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
             if arrived == tl.num_programs(1) - 1:
@@ -311,20 +316,16 @@ def _tile_product(x_ptr, w_rows, norm_ptr, offs_m, m_ok, n_ok, k_begin, k_end, K
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
-                 cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-                 stride_kslot, stride_vslot, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
-                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
-                 PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the next kernel may start as this grid's last programs are placed: its W prefetch hides our tail
-        tl.extra.cuda.gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)  # the K split
-    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+@triton.jit
+def _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr,
+               res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm,
+               stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT: tl.constexpr,
+               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               FMA_ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+               ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+               PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr):
+    """Output tile pid_n (of `tiles`), K split pid_k, row block pid_m: its product, fusions and store."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_begin = pid_k * K_SPLIT
@@ -359,8 +360,37 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, n
             _swiglu_store(acc, up, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], n_ok, N, scale_ptr, bias_ptr, y_ptr,
                           stride_ym, HAS_SCALE, HAS_BIAS)
         else:
-            _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr,
+            _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, tiles, M, N, scale_ptr, bias_ptr, y_ptr,
                       part_ptr, lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE, HAS_BIAS, SPLIT, RESIDUAL)
+
+
+
+
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
+                 cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+                 stride_kslot, stride_vslot, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+                 PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr, PERSISTENT: tl.constexpr):
+    if PDL:  # the next kernel may start as this grid's last programs are placed: its W prefetch hides our tail
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_k = tl.program_id(1)  # the K split
+    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+    tiles = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:  # a fixed grid of a few programs per SM, each taking every num_programs-th output tile
+        for pid_n in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
+               cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+               stride_kslot, stride_vslot, VARIANT, HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+               FMA_ROWS, NORM, RESIDUAL, SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
+    else:
+        _gemv_tile(tl.program_id(0), pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
+               cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+               stride_kslot, stride_vslot, VARIANT, HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
+               FMA_ROWS, NORM, RESIDUAL, SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
 
 
 @triton.jit
@@ -402,6 +432,18 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
             _OUTGROWN.append(found)
         found = _LOCKS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return found
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's size); 4 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def split_length(k: int, config: GemvConfig) -> int:
@@ -468,7 +510,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
 
     r = rope or RopeKV(y, y, y, y, y, y, 1, 1, 2)  # unused pointers when rope is off
     pdl = config.pdl and x.device.type == "cuda" and not INTERPRETED  # the interpreter runs launches in order
-    _gemv_kernel[(tiles, splits, rows)](
+    programs = tiles if not config.persistent else min(tiles, max(1, config.persistent * _sm_count(x.device)
+                                                                 // (splits * rows)))
+    _gemv_kernel[(programs, splits, rows)](
         x2, weight, given(scale), given(bias), y, part, lock, given(norm), given(res2), r.positions, r.slot_mapping,
         r.cos, r.sin, r.k_cache, r.v_cache,
         m, n, k, length, eps, x2.stride(0), weight.stride(0), y.stride(0), 0 if res2 is None else res2.stride(0),
@@ -479,7 +523,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=norm is not None, RESIDUAL=res2 is not None,
         SWIGLU=swiglu, ROPE=rope is not None, HQ=r.num_heads, HKV=r.num_kv_heads, HALF=r.head_dim // 2,
         FP8_CACHE=r.k_cache.dtype == torch.float8_e4m3fn, PREFETCH=config.prefetch, W_CACHE=W_CACHE[config.w_cache],
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+        PDL=pdl, PERSISTENT=config.persistent > 0, num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
