@@ -94,20 +94,21 @@ def sweep_configs(n: int, k: int, m: int, tiny: bool = False) -> list[GemvConfig
 
 
 def ceilings(log) -> dict[str, float]:
-    """TB/s of a 2 GiB copy (bytes read + written) and of a read-only sum: what a streaming kernel can reach."""
-    if bench_gemv.DEVICE == "cpu":
-        return {"copy": float("nan"), "read": float("nan")}
-    src = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    """TB/s of a 2 GiB copy (bytes read + written) and of a read-only sum: what a streaming kernel can reach
+    (bench/gemv.py's timer; on the CPU 4 MiB, which checks the code and measures nothing)."""
+    device = bench_gemv.DEVICE
+    src = torch.randn(2**30 if device == "cuda" else 2**21, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    out = torch.empty((), device="cuda", dtype=torch.float32)
+    out = torch.empty((), device=device, dtype=torch.float32)
     nbytes = src.numel() * src.element_size()
-    copy_us = graph_time([lambda: dst.copy_(src)], 8, 5)
-    read_us = graph_time([lambda: torch.sum(src, dtype=torch.float32, out=out)], 8, 5)
+    copy_us = bench_gemv.time_calls([lambda: dst.copy_(src)])
+    read_us = bench_gemv.time_calls([lambda: torch.sum(src, dim=0, dtype=torch.float32, out=out)])
     found = {"copy": 2 * nbytes / (copy_us * 1e-6) / 1e12, "read": nbytes / (read_us * 1e-6) / 1e12}
-    log(f"ceiling: copy {found['copy']:.3f} TB/s ({copy_us:.0f} us for 2 x 2 GiB), read-only sum "
-        f"{found['read']:.3f} TB/s")
+    log(f"ceiling: copy {found['copy']:.3f} TB/s ({copy_us:.0f} us for 2 x {nbytes / 2**30:.3g} GiB), read-only sum "
+        f"{found['read']:.3f} TB/s ({read_us:.0f} us)")
     del src, dst
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return found
 
 
@@ -192,41 +193,48 @@ def knobs_name(knobs) -> str:
 
 
 def compile_fused(configs: list[GemvConfig], workers: int, log) -> None:
-    """Each shortlisted config's fused forms (norm, norm+swiglu, norm+rope, residual) compiled in parallel before
-    the engine starts (its tuner would compile them one by one)."""
+    """Each shortlisted config's fused forms (norm, norm+rope, norm+swiglu, residual) compiled in parallel before
+    the engine starts (its tuner would compile them one by one). workers 0: in this process at tiny sizes."""
     import multiprocessing
 
     jobs = [c.to_dict() for c in configs]
     started = time.perf_counter()
-    with multiprocessing.get_context("spawn").Pool(max(1, min(workers, len(jobs)))) as pool:
-        errors = [e for part in pool.map(_compile_fused_worker, [jobs[i::workers] for i in range(workers)]) for e in part]
+    if workers == 0:
+        errors = _compile_fused_worker(jobs, tiny=True)
+    else:
+        with multiprocessing.get_context("spawn").Pool(max(1, min(workers, len(jobs)))) as pool:
+            errors = [e for part in pool.map(_compile_fused_worker, [jobs[i::workers] for i in range(workers)])
+                      for e in part]
     log(f"compiled the fused forms of {len(jobs)} configs in {time.perf_counter() - started:.1f} s; "
         f"{len(errors)} failed: {errors[:4]}")
 
 
-def _compile_fused_worker(jobs: list[dict]) -> list[str]:
+def _compile_fused_worker(jobs: list[dict], tiny: bool = False) -> list[str]:
+    """Runs each config's fused forms once at Llama-3-8B's sizes (Triton's on-disk cache keeps the binaries)."""
     from kiln.llm.kernels.gemv import RopeKV
 
     errors = []
-    hidden, inter, heads, kv_heads, dim = 4096, 14336, 32, 8, 128
-    x = torch.zeros((1, hidden), device="cuda", dtype=torch.bfloat16)
-    g = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
+    device = bench_gemv.DEVICE if tiny else "cuda"
+    hidden, inter, heads, kv_heads, dim = (64, 96, 4, 2, 16) if tiny else (4096, 14336, 32, 8, 128)
+    x = torch.zeros((1, hidden), device=device, dtype=torch.bfloat16)
+    g = torch.ones(hidden, device=device, dtype=torch.bfloat16)
     for job in jobs:
         config = GemvConfig(**job)
         try:
             if config.split_k == 1:
-                qkv = torch.zeros(((heads + 2 * kv_heads) * dim, hidden), device="cuda", dtype=torch.bfloat16)
+                qkv = torch.zeros(((heads + 2 * kv_heads) * dim, hidden), device=device, dtype=torch.bfloat16)
                 gemv(x, qkv, None, None, config, norm=g, eps=1e-5)
-                cache = torch.zeros((1, 1, kv_heads, dim), device="cuda", dtype=torch.bfloat16)
-                table = torch.zeros((8, dim // 2), device="cuda")
-                pos = torch.zeros(1, device="cuda", dtype=torch.int64)
+                cache = torch.zeros((1, 1, kv_heads, dim), device=device, dtype=torch.bfloat16)
+                table = torch.zeros((8, dim // 2), device=device)
+                pos = torch.zeros(1, device=device, dtype=torch.int64)
                 gemv(x, qkv, None, None, config, norm=g, eps=1e-5,
                      rope=RopeKV(pos, pos, table, table, cache, cache.clone(), heads, kv_heads, dim))
-                gemv(x, torch.zeros((2 * inter, hidden), device="cuda", dtype=torch.bfloat16), None, None, config,
+                gemv(x, torch.zeros((2 * inter, hidden), device=device, dtype=torch.bfloat16), None, None, config,
                      norm=g, eps=1e-5, swiglu=True)
-            gemv(x, torch.zeros((hidden, hidden), device="cuda", dtype=torch.bfloat16), None, None, config,
+            gemv(x, torch.zeros((hidden, hidden), device=device, dtype=torch.bfloat16), None, None, config,
                  residual=x)
-            torch.cuda.synchronize()
+            if device == "cuda":
+                torch.cuda.synchronize()
         except Exception as error:
             errors.append(f"{config.name}: {type(error).__name__}: {str(error)[:160]}")
     return errors
@@ -296,6 +304,8 @@ def main() -> int:
         (out / "gemv_sweep.json").write_text(json.dumps({"header": header, "ceiling": ceiling, "rows": rows,
                                                          "failures": failures,
                                                          "shortlist": [c.to_dict() for c in engine]}, indent=1))
+    if args.tiny:  # the CPU check of what runs before the end to end
+        compile_fused(engine, 0, log)
     if not args.skip_e2e:
         compile_fused(engine, args.workers, log)
         end_to_end(engine, "the sweep's", log)
