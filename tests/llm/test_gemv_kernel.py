@@ -224,6 +224,28 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path):
     assert table.count("| a | 96x48 |") == 4 and "best config" in table
 
 
+@pytest.mark.slow
+def test_the_sweep_runs_on_the_cpu(tmp_path):
+    """bench/gemv_sweep.py --tiny: every stage before the end to end (ceilings, sweep, tables, shortlist, the
+    fused forms) under the interpreter; each variant checked against torch, all passing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(root / "bench" / "gemv_sweep.py"), "--tiny"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "gemv_sweep.json").read_text())
+    assert {(r["shape"], r["m"]) for r in doc["rows"]} == {(s, m) for s in ("a", "b") for m in (1, 3)}
+    assert not doc["failures"] and all(len(r["configs"]) == 7 for r in doc["rows"])
+    assert set(doc["ceiling"]) == {"copy", "read"} and doc["shortlist"]
+    assert "compiled the fused forms of" in done.stdout and "0 failed" in done.stdout
+    assert "| a | 96x48 | 1 |" in (tmp_path / "gemv_sweep.md").read_text()
+
+
 def test_the_kernel_compiles_for_sm90_with_vector_loads():
     """The real compiler (no GPU): every variant and weight dtype lowers to 16-byte (8 for 1-byte weights in
     dot_swap) pipelined loads, not scalar ones (tests/llm/gemv_compile_sm90.py)."""
