@@ -72,8 +72,12 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str, fused: bool
         wait = ptx.find("griddepcontrol.wait")
         if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
             problems.append("pdl without griddepcontrol.wait / launch_dependents")
-        elif config.prefetch and not re.search(r"ld\.global[.\w:]*\.v4", ptx[:wait]):
-            problems.append("prefetch's first W tile is not loaded before griddepcontrol.wait")
+        else:  # before the wait only W may be read (the previous kernel may still write x, the residual...)
+            early = re.findall(r"(?:cp\.async|ld\.global)[^;]*", ptx[:wait])
+            if config.prefetch and not early:
+                problems.append("prefetch's first W tile is not loaded before griddepcontrol.wait")
+            if any(not config.prefetch or not re.match(r"ld\.global[.\w:]*\.v4", load) for load in early):
+                problems.append(f"{len(early)} loads before griddepcontrol.wait that are not the W prefetch")
     if config.w_cache == "cg" and "ld.global.cg.v4" not in ptx:
         problems.append("w_cache cg without ld.global.cg.v4")
     if config.w_cache == "evict_first" and "evict_first" not in ptx:
