@@ -13,6 +13,16 @@ Four ways to multiply a tile (GemvConfig.variant):
             reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2);
   fma_rows  the same over `rows` rows per program (zeros past M): W read once for them.
 
+Knobs on any variant (measured on the H200 by bench/gemv_sweep.py, bench/results/gemv-2026-12-02b.md):
+  pdl         programmatic dependent launch (sm_90): launched while the previous kernel drains; nothing but W is
+              read before gdc_wait (W no kernel writes), and gdc_launch_dependents at the start lets the next
+              PDL GEMV do the same: 1-6% per GEMV in a chain of them;
+  prefetch    fma, fma_rows: W one tile ahead in registers (so the first tile is in flight across the wait);
+              alone it is 0-13% slower (registers), with pdl up to 5% faster on the small projections;
+  w_cache     the weight stream's load hint (.cg / evict_first): no measurable effect;
+  persistent  N programs per SM looping over output tiles: 1-15% slower than one program per tile here.
+Each is a config field, so the engine's timing at start decides, never a rule.
+
 Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N]; then either a second
 small kernel (split_reduce="kernel") or the last program of each tile to arrive (split_reduce="last": an atomic
 counter per tile, one launch fewer) adds them in the order s = 0..S-1, scales, adds the bias and rounds. The
