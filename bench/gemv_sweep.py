@@ -10,7 +10,8 @@ bandwidth), then the decode step with the engine choosing among the winners. One
    rotating weight copies > 3x the L2, median of 7 replays); GB/s and % of the copy ceiling. The knobs the
    variants add to today's tiles (kiln/llm/kernels/gemv.py GemvConfig): pf (W one tile ahead in registers),
    cg / evict_first (the weight stream's cache hint), pdl (programmatic dependent launch: the next GEMV's first
-   W tile is read while this one drains), pN (a persistent grid of N programs per SM). Every variant at M = 1; at M > 1 the multi-row ones and M = 1's best.
+   W tile is read while this one drains), pN (a persistent grid of N programs per SM). Every variant at M = 1;
+   at M > 1 the multi-row ones and M = 1's best.
 3. End to end (bench/llm_fusion.py's measurement: decode graph replay ms, bytes-read roofline at 4.3 TB/s):
    the engine's shortlist (decode_gemv.ENGINE_CONFIGS, which decode_fusion's tuner also reads) replaced by the
    sweep's, the fused forms compiled in parallel first, decode_fusion=auto (the engine times and picks at
@@ -160,7 +161,8 @@ def table(rows: list[dict], ceiling: dict[str, float]) -> list[str]:
         lines.append(f"| {r['shape']} | {r['k']}x{r['n']} | {r['m']} | {r['best']} | {us:.2f} | {gb_s:.0f} | "
                      f"{gb_s / 1e3 / ceiling['copy']:.1%} | {gb_s / 1e3 / ceiling['read']:.1%} | {old_best or ''} | "
                      f"{'' if old_best is None else f'{old[old_best]:.2f}'} | "
-                     f"{'' if cublas is None else f'{cublas:.2f}'} | {'' if cublas is None else f'{cublas / us:.2f}x'} |")
+                     f"{'' if cublas is None else f'{cublas:.2f}'} | "
+                     f"{'' if cublas is None else f'{cublas / us:.2f}x'} |")
     return lines
 
 

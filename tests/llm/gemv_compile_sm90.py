@@ -126,7 +126,8 @@ def main() -> int:
         if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
             problems.append(f"{compiled.metadata.shared} bytes of shared memory")
         failed += bool(problems)
-        print(f"{'FAIL' if problems else 'ok  '} bf16 {fusion or 'plain'} {config.name}: shared {compiled.metadata.shared} B"
+        print(f"{'FAIL' if problems else 'ok  '} bf16 {fusion or 'plain'} {config.name}: "
+              f"shared {compiled.metadata.shared} B"
               + (f": {'; '.join(problems)}" if problems else ""), flush=True)
     return 1 if failed else 0
 

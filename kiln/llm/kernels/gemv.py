@@ -392,15 +392,17 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, n
     tiles = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:  # a fixed grid of a few programs per SM, each taking every num_programs-th output tile
         for pid_n in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
-               cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-               stride_kslot, stride_vslot, VARIANT, HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-               FMA_ROWS, NORM, RESIDUAL, SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
+            _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
+                       norm_ptr, res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT,
+                       eps, stride_xm, stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT,
+                       HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS, NORM, RESIDUAL,
+                       SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
     else:
-        _gemv_tile(tl.program_id(0), pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
-               cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-               stride_kslot, stride_vslot, VARIANT, HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-               FMA_ROWS, NORM, RESIDUAL, SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
+        _gemv_tile(tl.program_id(0), pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr,
+                   lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K,
+                   K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT,
+                   HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS, NORM, RESIDUAL,
+                   SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
 
 
 @triton.jit
@@ -533,7 +535,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=norm is not None, RESIDUAL=res2 is not None,
         SWIGLU=swiglu, ROPE=rope is not None, HQ=r.num_heads, HKV=r.num_kv_heads, HALF=r.head_dim // 2,
         FP8_CACHE=r.k_cache.dtype == torch.float8_e4m3fn, PREFETCH=config.prefetch, W_CACHE=W_CACHE[config.w_cache],
-        PDL=pdl, PERSISTENT=config.persistent > 0, num_warps=config.num_warps, num_stages=config.num_stages, **({"launch_pdl": True} if pdl else {}))
+        PDL=pdl, PERSISTENT=config.persistent > 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
