@@ -47,18 +47,20 @@ MARGIN = 0.05  # auto: the GEMV is chosen when it is at least 5% faster than the
 LAUNCHES, REPLAYS = 24, 5
 _PROCESS_CACHE: dict[str, dict] = {}  # signature key -> timings, for every engine this process starts
 
-# the configs the engine times per weight element size (bytes): the best of bench/gemv.py's sweeps on the H200
-# the shortlist of bench/gemv.py's H200 sweep (2026-12-02 12:28 UTC): every problem's winner, then
-# the best by geometric-mean slowdown against each problem's best
+# the configs the engine times per weight element size (bytes), chosen among by timing at engine start.
+# 2 (bf16/fp16): the shortlist of bench/gemv_sweep.py's H200 sweep (2026-12-02 23:02 UTC, commit e282542:
+# bench/results/gemv-2026-12-02b.md): every (shape, rows) winner at Llama-3-8B's shapes, then by geometric-mean
+# slowdown; pdl = programmatic dependent launch, pf = W prefetched a tile ahead. 1 (FP8/INT8): bench/gemv.py's
+# sweep of 12:28 UTC (no pdl variants timed for 1-byte weights yet)
 ENGINE_CONFIGS: dict[int, list[GemvConfig]] = {
-    2: [GemvConfig("fma", 4, 1024, 1, 4, 1),
-        GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last"),
-        GemvConfig("fma", 2, 1024, 1, 4, 1),
-        GemvConfig("dot_swap", 128, 128, 1, 8, 3),
-        GemvConfig("dot_swap", 64, 128, 1, 4, 3),
-        GemvConfig("dot_swap", 64, 128, 2, 4, 4, "last"),
+    2: [GemvConfig("fma", 8, 512, 1, 4, 1, pdl=True),
         GemvConfig("dot_swap", 64, 256, 1, 4, 4),
-        GemvConfig("dot_swap", 64, 128, 1, 4, 4)],
+        GemvConfig("fma", 4, 512, 1, 4, 1, prefetch=True, pdl=True),
+        GemvConfig("dot_swap", 64, 256, 1, 4, 4, pdl=True),
+        GemvConfig("dot", 64, 256, 1, 4, 3, pdl=True),
+        GemvConfig("dot_swap", 128, 128, 1, 8, 3),
+        GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last", pdl=True),
+        GemvConfig("dot_swap", 128, 128, 1, 8, 3, pdl=True)],
     1: [GemvConfig("fma", 8, 1024, 1, 4, 1),
         GemvConfig("dot", 64, 256, 8, 4, 3, "last"),
         GemvConfig("fma", 8, 512, 1, 4, 1),

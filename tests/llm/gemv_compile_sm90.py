@@ -39,7 +39,9 @@ def compile_config(config: kernels.GemvConfig, weight: str, fusion: str = ""):
     constexprs = dict(VARIANT=kernels.VARIANTS[config.variant], HAS_SCALE=weight != "bf16", HAS_BIAS=False,
                       SPLIT=0 if config.split_k == 1 else 2 if config.split_reduce == "last" else 1, EVEN=True, IEEE=False, BLOCK_M=kernels.MAX_ROWS, BLOCK_N=config.block_n,
                       BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=False, RESIDUAL=False, SWIGLU=False,
-                      ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False)
+                      ROPE=False, HQ=1, HKV=1, HALF=1, FP8_CACHE=False, PREFETCH=config.prefetch,
+                      W_CACHE=kernels.W_CACHE[config.w_cache], PDL=config.pdl,
+                      PERSISTENT=config.persistent > 0)
     constexprs |= FUSIONS[fusion]
     fn = kernels._gemv_kernel
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
@@ -66,6 +68,20 @@ def load_problems(config: kernels.GemvConfig, weight: str, ptx: str, fused: bool
             problems.append(f"cp.async of {sorted(set(copies))} bytes")
         elif not fused and (min(copies) < 8 or (weight == "bf16" and min(copies) < 16)):
             problems.append(f"cp.async of {sorted(set(copies))} bytes")
+    if config.pdl:  # grid dependency control, and prefetch's first W tile read before the wait
+        wait = ptx.find("griddepcontrol.wait")
+        if wait < 0 or "griddepcontrol.launch_dependents" not in ptx:
+            problems.append("pdl without griddepcontrol.wait / launch_dependents")
+        else:  # before the wait only W may be read (the previous kernel may still write x, the residual...)
+            early = re.findall(r"(?:cp\.async|ld\.global)[^;]*", ptx[:wait])
+            if config.prefetch and not early:
+                problems.append("prefetch's first W tile is not loaded before griddepcontrol.wait")
+            if any(not config.prefetch or not re.match(r"ld\.global[.\w:]*\.v4", load) for load in early):
+                problems.append(f"{len(early)} loads before griddepcontrol.wait that are not the W prefetch")
+    if config.w_cache == "cg" and "ld.global.cg.v4" not in ptx:
+        problems.append("w_cache cg without ld.global.cg.v4")
+    if config.w_cache == "evict_first" and "evict_first" not in ptx:
+        problems.append("w_cache evict_first without an L1::evict_first load")
     return problems
 
 
@@ -93,13 +109,25 @@ def main() -> int:
                            ("residual", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
                            ("residual", kernels.GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last")),
                            ("norm+rope", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1)),
-                           ("norm+rope", kernels.GemvConfig("dot_swap", 64, 256, 1, 4, 4))):
+                           ("norm+rope", kernels.GemvConfig("dot_swap", 64, 256, 1, 4, 4)),
+                           # the knobs: prefetch, cache hints, programmatic dependent launch
+                           ("", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True, pdl=True)),
+                           ("", kernels.GemvConfig("fma", 2, 1024, 1, 4, 1, prefetch=True, w_cache="cg")),
+                           ("norm+swiglu", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True,
+                                                              w_cache="evict_first", pdl=True)),
+                           ("norm+rope", kernels.GemvConfig("fma_rows", 4, 512, 1, 4, 1, rows=4, prefetch=True,
+                                                            pdl=True)),
+                           ("residual", kernels.GemvConfig("fma", 4, 1024, 2, 4, 1, "last", prefetch=True, pdl=True)),
+                           ("residual", kernels.GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last", pdl=True)),
+                           ("norm+swiglu", kernels.GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True, pdl=True,
+                                                              persistent=4))):
         compiled = compile_config(config, "bf16", fusion)
-        problems = load_problems(config, "bf16", compiled.asm["ptx"], fused=True)
+        problems = load_problems(config, "bf16", compiled.asm["ptx"], fused=bool(fusion))
         if compiled.metadata.shared > SHARED_MEMORY_LIMIT:
             problems.append(f"{compiled.metadata.shared} bytes of shared memory")
         failed += bool(problems)
-        print(f"{'FAIL' if problems else 'ok  '} bf16 {fusion} {config.name}: shared {compiled.metadata.shared} B"
+        print(f"{'FAIL' if problems else 'ok  '} bf16 {fusion or 'plain'} {config.name}: "
+              f"shared {compiled.metadata.shared} B"
               + (f": {'; '.join(problems)}" if problems else ""), flush=True)
     return 1 if failed else 0
 

@@ -24,8 +24,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 EPS = 1e-5
 WHOLE_K = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 64, 1, 4, 1),
-           GemvConfig("fma", 8, 64, 1, 4, 1), GemvConfig("fma_rows", 4, 32, 1, 4, 1, rows=4)]
-SPLIT = [GemvConfig("dot_swap", 32, 32, 3, 4, 1, "last"), GemvConfig("fma", 8, 32, 2, 4, 1, "kernel")]
+           GemvConfig("fma", 8, 64, 1, 4, 1), GemvConfig("fma_rows", 4, 32, 1, 4, 1, rows=4),
+           # the knobs (kernels/gemv.py GemvConfig: prefetch, w_cache, pdl) under every fusion
+           GemvConfig("fma", 8, 64, 1, 4, 1, prefetch=True, w_cache="evict_first", pdl=True),
+           GemvConfig("fma_rows", 4, 32, 1, 4, 1, rows=2, prefetch=True, pdl=True)]
+SPLIT = [GemvConfig("dot_swap", 32, 32, 3, 4, 1, "last"), GemvConfig("fma", 8, 32, 2, 4, 1, "kernel"),
+         GemvConfig("fma", 8, 32, 3, 4, 1, "last", prefetch=True, pdl=True)]
 
 
 def rms_norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

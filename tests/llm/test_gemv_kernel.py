@@ -47,6 +47,15 @@ CONFIGS = [GemvConfig("dot", 16, 32, 1, 4, 1), GemvConfig("dot", 32, 64, 3, 4, 2
            GemvConfig("dot_swap", 16, 32, 1, 4, 1), GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last"),
            GemvConfig("fma", 8, 32, 1, 4, 1), GemvConfig("fma", 4, 64, 3, 4, 1, "last"),
            GemvConfig("fma_rows", 8, 32, 1, 4, 1, rows=4), GemvConfig("fma_rows", 4, 64, 2, 4, 1, "last", rows=2)]
+# the knobs (prefetch, the weight stream's cache hint, programmatic dependent launch: on a GPU only)
+KNOBS = [GemvConfig("fma", 8, 32, 1, 4, 1, prefetch=True), GemvConfig("fma", 4, 64, 3, 4, 1, "last", prefetch=True,
+                                                                       w_cache="evict_first", pdl=True),
+         GemvConfig("fma_rows", 4, 32, 1, 4, 1, rows=4, prefetch=True, w_cache="cg", pdl=True),
+         GemvConfig("dot_swap", 32, 32, 2, 4, 1, "last", w_cache="evict_first", pdl=True),
+         # a persistent grid (4 programs on the interpreter's 4 "SMs"), split-K's counters indexed by tile
+         GemvConfig("fma", 4, 32, 2, 4, 1, "last", prefetch=True, pdl=True, persistent=1),
+         GemvConfig("dot_swap", 16, 32, 1, 4, 1, persistent=2)]
+CONFIGS += KNOBS
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name.replace(" ", "-"))
@@ -88,6 +97,55 @@ def test_row_zero_is_the_same_bits_at_every_batch_size(config, kind):
     assert torch.equal(gemv(other, q, scale, None, config)[:1], alone)
 
 
+@pytest.mark.parametrize("config", KNOBS, ids=lambda c: c.name.replace(" ", "-"))
+@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (5, 37, 200)])
+def test_knobs_change_no_bits(config, m, n, k):
+    """prefetch, w_cache, pdl and a persistent grid move loads and launches, never a sum: the same bits as the
+    config without them
+    (K ragged at 200: prefetch's load past the split's end masked off)."""
+    from dataclasses import replace
+
+    g = torch.Generator().manual_seed(17)
+    q, scale, _ = weight(n, k, "fp8", torch.bfloat16, g)
+    x = torch.randn((m, k), generator=g).to(torch.bfloat16).to(DEVICE)
+    plain = replace(config, prefetch=False, w_cache="", pdl=False, persistent=0)
+    assert torch.equal(gemv(x, q, scale, None, config), gemv(x, q, scale, None, plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch needs a GPU (sm_90)")
+def test_pdl_chain_in_a_cuda_graph_waits_for_each_previous_output():
+    """Six GEMVs in a CUDA graph, each reading the one before's output (x and the residual): launched with PDL
+    (the next one placed early, reading W ahead) they give the bits of the same chain without PDL. A missing
+    gdc_wait would read a half-written x."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    g = torch.Generator().manual_seed(23)
+    weights = [weight(2048, 2048, "bf16", torch.bfloat16, g)[0] for _ in range(6)]
+    x0 = torch.randn((1, 2048), generator=g).to(torch.bfloat16).to(DEVICE)
+
+    def chain(config):
+        h = x0
+        for w in weights:
+            h = gemv(h, w, None, None, config, residual=h)
+        return h
+
+    for config in (GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True, pdl=True),
+                   GemvConfig("dot_swap", 64, 256, 2, 4, 4, "last", pdl=True)):
+        from dataclasses import replace
+
+        expected = chain(replace(config, pdl=False))
+        chain(config)  # eager first: compiles, and allocates split-K's counters outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(config)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected), config.name
+
+
 def test_leading_dimensions_and_strided_rows():
     g = torch.Generator().manual_seed(3)
     q, scale, ref_w = weight(24, 64, "int8", torch.bfloat16, g)
@@ -122,6 +180,13 @@ def test_configs():
         GemvConfig("fma_rows", 8, 32)
     with pytest.raises(ValueError, match="split_reduce"):
         GemvConfig("dot", split_k=2, split_reduce="atomic")
+    with pytest.raises(ValueError, match="prefetch"):
+        GemvConfig("dot", prefetch=True)
+    with pytest.raises(ValueError, match="w_cache"):
+        GemvConfig("fma", 8, w_cache=".cs")
+    assert GemvConfig("fma", 4, 1024, 1, 4, 1, prefetch=True, w_cache="cg", pdl=True).name == \
+        "fma n4 k1024 s1 w4 st1 pf cg pdl"
+    assert GemvConfig("fma", 4, 1024, 1, 4, 1).name == "fma n4 k1024 s1 w4 st1"  # the engine's cached names
     bf16, int8 = candidate_configs(4096, 4096, torch.bfloat16), candidate_configs(4096, 4096, torch.int8)
     assert len(bf16) == len(set(bf16)) > 20
     assert {c.variant for c in bf16} == {"dot", "dot_swap", "fma", "fma_rows"} and any(c.split_k > 1 for c in bf16)
@@ -159,6 +224,28 @@ def test_the_benchmark_runs_on_the_cpu(tmp_path):
     assert table.count("| a | 96x48 |") == 4 and "best config" in table
 
 
+@pytest.mark.slow
+def test_the_sweep_runs_on_the_cpu(tmp_path):
+    """bench/gemv_sweep.py --tiny: every stage before the end to end (ceilings, sweep, tables, shortlist, the
+    fused forms) under the interpreter; each variant checked against torch, all passing."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(root / "bench" / "gemv_sweep.py"), "--tiny"], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    doc = json.loads((tmp_path / "gemv_sweep.json").read_text())
+    assert {(r["shape"], r["m"]) for r in doc["rows"]} == {(s, m) for s in ("a", "b") for m in (1, 3)}
+    assert not doc["failures"] and all(len(r["configs"]) == 7 for r in doc["rows"])
+    assert set(doc["ceiling"]) == {"copy", "read"} and doc["shortlist"]
+    assert "compiled the fused forms of" in done.stdout and "0 failed" in done.stdout
+    assert "| a | 96x48 | 1 |" in (tmp_path / "gemv_sweep.md").read_text()
+
+
 def test_the_kernel_compiles_for_sm90_with_vector_loads():
     """The real compiler (no GPU): every variant and weight dtype lowers to 16-byte (8 for 1-byte weights in
     dot_swap) pipelined loads, not scalar ones (tests/llm/gemv_compile_sm90.py)."""
@@ -170,7 +257,7 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
     done = subprocess.run([sys.executable, "-m", "tests.llm.gemv_compile_sm90"], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 22
+    assert done.stdout.count("ok  ") == 29
 
 
 def test_last_arrival_split_leaves_its_counters_zero():

@@ -13,6 +13,16 @@ Four ways to multiply a tile (GemvConfig.variant):
             reduced across BLOCK_K once at the end (CUDA cores; W is re-read per row, from L2);
   fma_rows  the same over `rows` rows per program (zeros past M): W read once for them.
 
+Knobs on any variant (measured on the H200 by bench/gemv_sweep.py, bench/results/gemv-2026-12-02b.md):
+  pdl         programmatic dependent launch (sm_90): launched while the previous kernel drains; nothing but W is
+              read before gdc_wait (W no kernel writes), and gdc_launch_dependents at the start lets the next
+              PDL GEMV do the same: 1-6% per GEMV in a chain of them;
+  prefetch    fma, fma_rows: W one tile ahead in registers (so the first tile is in flight across the wait);
+              alone it is 0-13% slower (registers), with pdl up to 5% faster on the small projections;
+  w_cache     the weight stream's load hint (.cg / evict_first): no measurable effect;
+  persistent  N programs per SM looping over output tiles: 1-15% slower than one program per tile here.
+Each is a config field, so the engine's timing at start decides, never a rule.
+
 Split-K is deterministic: split s writes its fp32 partial sums to a workspace [S, M, N]; then either a second
 small kernel (split_reduce="kernel") or the last program of each tile to arrive (split_reduce="last": an atomic
 counter per tile, one launch fewer) adds them in the order s = 0..S-1, scales, adds the bias and rounds. The
@@ -27,6 +37,7 @@ round differently.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +47,8 @@ import triton.language as tl
 MAX_ROWS = 16  # decode rows the dot variants compute per program (tl.dot needs >= 16)
 MAX_PROGRAMS = 4096  # split-K candidates keep the grid at most this large (132 SMs on the H200)
 VARIANTS = {"dot": 0, "dot_swap": 1, "fma": 2, "fma_rows": 3}
+W_CACHE = {"": 0, "cg": 1, "evict_first": 2}  # GemvConfig.w_cache -> the kernel's W_CACHE
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no grid dependency control under the interpreter
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,16 @@ class GemvConfig:
     # each tile to arrive, counted by an atomic: one launch); both add them in the order s = 0..S-1
     split_reduce: str = "kernel"
     rows: int = 1  # fma_rows: rows per program (a power of two); the other variants: 1
+    # fma, fma_rows: the next W tile loaded into registers before this one is multiplied (the pipelining Triton
+    # gives tl.dot loops by num_stages and not these)
+    prefetch: bool = False
+    w_cache: str = ""  # the weight stream's load hint: "" (default), "cg" (L2 only) or "evict_first"
+    # programmatic dependent launch (sm_90+): this GEMV is placed while the previous kernel drains and reads
+    # its first W tile (prefetch) before waiting for it; a kernel launched after it may start likewise
+    pdl: bool = False
+    # > 0: a persistent grid of this many programs per SM (split-K and row blocks included), each looping over
+    # output tiles; 0: one program per tile
+    persistent: int = 0
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -60,23 +83,32 @@ class GemvConfig:
                 raise ValueError(f"GemvConfig.{name} {value}: expected a power of two")
         if self.split_reduce not in ("kernel", "last"):
             raise ValueError(f"GemvConfig.split_reduce {self.split_reduce!r}: expected kernel or last")
-        if self.split_k < 1 or self.num_stages < 1:
-            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1")
+        if self.split_k < 1 or self.num_stages < 1 or self.persistent < 0:
+            raise ValueError(f"GemvConfig {self.name}: split_k and num_stages must be >= 1, persistent >= 0")
         if (self.rows > 1) != (self.variant == "fma_rows"):
             raise ValueError(f"GemvConfig {self.name}: rows > 1 is fma_rows' (and fma_rows needs rows > 1)")
         if self.variant in ("dot", "dot_swap") and (self.block_n < 16 or self.block_k < 16):
             raise ValueError(f"GemvConfig {self.name}: tl.dot needs block_n and block_k >= 16")
+        if self.prefetch and self.variant not in ("fma", "fma_rows"):
+            raise ValueError(f"GemvConfig {self.name}: prefetch is fma's and fma_rows' (tl.dot loops are pipelined "
+                             "by num_stages)")
+        if self.w_cache not in W_CACHE:
+            raise ValueError(f"GemvConfig.w_cache {self.w_cache!r}: expected one of {', '.join(map(repr, W_CACHE))}")
 
     @property
     def name(self) -> str:
         last = "L" if self.split_k > 1 and self.split_reduce == "last" else ""
         rows = f" r{self.rows}" if self.rows > 1 else ""
+        extras = "".join(f" {flag}" for flag, on in (("pf", self.prefetch), (self.w_cache, self.w_cache),
+                                                      ("pdl", self.pdl), (f"p{self.persistent}", self.persistent))
+                         if on)
         return (f"{self.variant}{rows} n{self.block_n} k{self.block_k} s{self.split_k}{last} "
-                f"w{self.num_warps} st{self.num_stages}")
+                f"w{self.num_warps} st{self.num_stages}{extras}")
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("variant", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                              "split_reduce", "rows")}
+                                              "split_reduce", "rows", "prefetch", "w_cache", "pdl",
+                                              "persistent")}
 
 
 @dataclass
@@ -164,7 +196,7 @@ def _rope_kv_store(a, b, offs_m, m_ok, n_ok, head, first, scale_ptr, bias_ptr, y
 
 
 @triton.jit
-def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
+def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, tiles, M, N, scale_ptr, bias_ptr, y_ptr, part_ptr,
               lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
               SPLIT: tl.constexpr, RESIDUAL: tl.constexpr):
     # acc: [rows, BLOCK_N] fp32
@@ -177,7 +209,7 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_
         tl.store(parts + pid_k * M * N, acc, mask=ok)
         if SPLIT == 2:  # the last split of this tile to arrive adds all S partials, in the order s = 0..S-1
             tl.debug_barrier()  # every thread's partials stored before the release below (CUTLASS's semaphore)
-            lock = lock_ptr + pid_m * tl.num_programs(0) + pid_n
+            lock = lock_ptr + pid_m * tiles + pid_n
             arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
             tl.debug_barrier()
             if arrived == tl.num_programs(1) - 1:
@@ -190,57 +222,75 @@ def _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_
 
 
 @triton.jit
-def _tile_product(x_ptr, w_rows, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin, k_end, K, eps, stride_xm,
+def _load_x(x_rows, offs_k, m_ok, k_end, EVEN: tl.constexpr):
+    """x [rows, BLOCK_K] at columns offs_k of the rows at x_rows ([rows, 1] pointers): zeros past M, and past
+    k_end unless EVEN (K in whole tiles)."""
+    if EVEN:
+        return tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+    return tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & (offs_k < k_end)[None, :], other=0.0)
+
+
+@triton.jit
+def _load_w(w_rows, offs_k, n_ok, k_end, EVEN: tl.constexpr, W_CACHE: tl.constexpr, AHEAD: tl.constexpr):
+    """W [BLOCK_N, BLOCK_K] at columns offs_k of the rows at w_rows ([BLOCK_N, 1] pointers). EVEN (N and K in
+    whole tiles): no mask, unless AHEAD (prefetch's load one tile past the split's end: masked off whole; k_end a
+    multiple of 16 keeps the mask uniform over each 16-byte vector). Not EVEN: zeros past N and k_end.
+    W_CACHE 1: .cg (L2 only), 2: evict_first (each weight byte is read once a step: keep the caches for x)."""
+    ptrs = w_rows + offs_k[None, :]
+    if EVEN and not AHEAD:
+        if W_CACHE == 1:
+            return tl.load(ptrs, cache_modifier=".cg")
+        elif W_CACHE == 2:
+            return tl.load(ptrs, eviction_policy="evict_first")
+        return tl.load(ptrs)
+    if EVEN:
+        mask = (offs_k < k_end)[None, :]
+    else:
+        mask = n_ok[:, None] & (offs_k < k_end)[None, :]
+    if W_CACHE == 1:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    elif W_CACHE == 2:
+        return tl.load(ptrs, mask=mask, other=0.0, eviction_policy="evict_first")
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _tile_product(x_ptr, w_rows, norm_ptr, offs_m, m_ok, n_ok, k_begin, k_end, K, eps, stride_xm,
                   VARIANT: tl.constexpr, NORM: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
+                  PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr):
     """[rows, BLOCK_N] fp32: rows offs_m of x times the W rows at w_rows ([BLOCK_N, 1] pointers) over K in
     [k_begin, k_end). NORM: x·g (g at norm_ptr) multiplies W and each row's sum is scaled by its
     rstd = 1 / sqrt(mean(x²) + eps), mean(x²) summed from the same loads (so NORM needs the whole of K in
-    one program): rmsnorm(x)·Wᵀ = rstd · (x·g)·Wᵀ."""
-    if VARIANT == 2:  # fma: one row (pid_m); products summed per lane along K, across lanes at the end
-        x_row = x_ptr + pid_m * stride_xm
-        lanes = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        squares = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                x = tl.load(x_row + offs_k)
-                w = tl.load(w_rows + offs_k[None, :])
-            else:
-                k_ok = offs_k < k_end
-                x = tl.load(x_row + offs_k, mask=k_ok, other=0.0)
-                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = x.to(tl.float32)
-            if NORM:
-                squares += x * x
-                x = x * tl.load(norm_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)
-            lanes += w.to(tl.float32) * x[None, :]
-        acc = tl.sum(lanes, axis=1)[None, :]  # [1, BLOCK_N]
-        if NORM:
-            acc = acc * (1.0 / tl.sqrt(tl.sum(squares, axis=0) / K + eps))
-    elif VARIANT == 3:  # fma_rows: fma over FMA_ROWS rows at once (rows past M are zeros): W read once for them
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [FMA_ROWS, 1]
-        lanes3 = tl.zeros([FMA_ROWS, BLOCK_N, BLOCK_K], tl.float32)
+    one program): rmsnorm(x)·Wᵀ = rstd · (x·g)·Wᵀ.
+    PDL: nothing the previous kernel may write (x, the norm weight's neighbours, outputs) is touched before
+    gdc_wait; only W, which no kernel writes, is read ahead of it (PREFETCH's first tile)."""
+    x_rows = x_ptr + offs_m[:, None] * stride_xm  # [rows, 1]; fma: rows = 1
+    if VARIANT >= 2:  # fma, fma_rows: products summed per lane along K, across lanes at the end (CUDA cores)
+        if PREFETCH:  # W one tile ahead in registers: Triton's pipeliner leaves a loop without tl.dot alone
+            w_next = _load_w(w_rows, k_begin + tl.arange(0, BLOCK_K), n_ok, k_end, EVEN, W_CACHE, False)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        lanes = tl.zeros([FMA_ROWS, BLOCK_N, BLOCK_K], tl.float32)
         squares = tl.zeros([FMA_ROWS, BLOCK_K], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_rows + offs_k[None, :])
+            if PREFETCH:
+                w = w_next
+                w_next = _load_w(w_rows, offs_k + BLOCK_K, n_ok, k_end, EVEN, W_CACHE, True)
             else:
-                k_ok = offs_k < k_end
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            x = x.to(tl.float32)  # [FMA_ROWS, BLOCK_K]
+                w = _load_w(w_rows, offs_k, n_ok, k_end, EVEN, W_CACHE, False)
+            x = _load_x(x_rows, offs_k, m_ok, k_end, EVEN).to(tl.float32)  # [rows, BLOCK_K]
             if NORM:
                 squares += x * x
                 x = x * tl.load(norm_ptr + offs_k, mask=offs_k < k_end, other=0.0).to(tl.float32)[None, :]
-            lanes3 += w.to(tl.float32)[None, :, :] * x[:, None, :]
-        acc = tl.sum(lanes3, axis=2)  # [FMA_ROWS, BLOCK_N]
+            lanes += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        acc = tl.sum(lanes, axis=2)  # [rows, BLOCK_N]
         if NORM:
             acc = acc * (1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps))[:, None]
     else:  # dot, dot_swap: BLOCK_M rows (zeros past M) on tensor cores
-        x_rows = x_ptr + offs_m[:, None] * stride_xm  # [BLOCK_M, 1]
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         if VARIANT == 0:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         else:
@@ -248,13 +298,8 @@ def _tile_product(x_ptr, w_rows, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin, k
         squares = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
         for k0 in range(k_begin, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN:
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None], other=0.0)
-                w = tl.load(w_rows + offs_k[None, :])
-            else:
-                k_ok = offs_k < k_end
-                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = _load_x(x_rows, offs_k, m_ok, k_end, EVEN)
+            w = _load_w(w_rows, offs_k, n_ok, k_end, EVEN, W_CACHE, False)
             if NORM:  # x·g rounded to x's dtype: the MMA's operand
                 xf = x.to(tl.float32)
                 squares += xf * xf
@@ -281,17 +326,16 @@ def _tile_product(x_ptr, w_rows, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin, k
     return acc
 
 
-@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
-def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
-                 cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
-                 stride_kslot, stride_vslot, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
-                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)  # the K split
-    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+@triton.jit
+def _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr,
+               res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm,
+               stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT: tl.constexpr,
+               HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               FMA_ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr,
+               ROPE: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+               PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr):
+    """Output tile pid_n (of `tiles`), K split pid_k, row block pid_m: its product, fusions and store."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     k_begin = pid_k * K_SPLIT
@@ -306,26 +350,59 @@ def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, n
     if ROPE:  # N counts head-pairs: column j is pair i = j % HALF of head j // HALF, W rows `first` and + HALF
         head = offs_n // HALF
         first = head * (2 * HALF) + offs_n % HALF
-        a = _tile_product(x_ptr, w_ptr + first[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin,
-                          k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS)
-        b = _tile_product(x_ptr, w_ptr + (first + HALF)[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok,
+        a = _tile_product(x_ptr, w_ptr + first[:, None] * stride_wn, norm_ptr, offs_m, m_ok, n_ok, k_begin,
+                          k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS,
+                          PREFETCH, W_CACHE, PDL)
+        b = _tile_product(x_ptr, w_ptr + (first + HALF)[:, None] * stride_wn, norm_ptr, offs_m, m_ok, n_ok,
                           k_begin, k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                          FMA_ROWS)
+                          FMA_ROWS, PREFETCH, W_CACHE, PDL)
         _rope_kv_store(a, b, offs_m, m_ok, n_ok, head, first, scale_ptr, bias_ptr, y_ptr, stride_ym, pos_ptr,
                        slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, stride_kslot, stride_vslot, HAS_SCALE, HAS_BIAS,
                        HQ, HKV, HALF, FP8_CACHE)
     else:
-        acc = _tile_product(x_ptr, w_ptr + offs_n[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok, k_begin,
-                            k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS)
+        acc = _tile_product(x_ptr, w_ptr + offs_n[:, None] * stride_wn, norm_ptr, offs_m, m_ok, n_ok, k_begin,
+                            k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS,
+                            PREFETCH, W_CACHE, PDL)
         if SWIGLU:  # W is [gate; up], 2·N rows: this program's up columns are rows N + offs_n; no split
-            up = _tile_product(x_ptr, w_ptr + (N + offs_n)[:, None] * stride_wn, norm_ptr, pid_m, offs_m, m_ok, n_ok,
+            up = _tile_product(x_ptr, w_ptr + (N + offs_n)[:, None] * stride_wn, norm_ptr, offs_m, m_ok, n_ok,
                                k_begin, k_end, K, eps, stride_xm, VARIANT, NORM, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K,
-                               FMA_ROWS)
+                               FMA_ROWS, PREFETCH, W_CACHE, PDL)
             _swiglu_store(acc, up, offs_m, offs_n, m_ok[:, None] & n_ok[None, :], n_ok, N, scale_ptr, bias_ptr, y_ptr,
                           stride_ym, HAS_SCALE, HAS_BIAS)
         else:
-            _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, M, N, scale_ptr, bias_ptr, y_ptr,
+            _epilogue(acc, offs_m, offs_n, m_ok, n_ok, pid_n, pid_k, pid_m, tiles, M, N, scale_ptr, bias_ptr, y_ptr,
                       part_ptr, lock_ptr, res_ptr, stride_ym, stride_rm, HAS_SCALE, HAS_BIAS, SPLIT, RESIDUAL)
+
+
+
+
+@triton.jit(do_not_specialize=["M"])  # K_SPLIT: a multiple of BLOCK_K, so 16-byte aligned
+def _gemv_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr,
+                 cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm,
+                 stride_kslot, stride_vslot, VARIANT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FMA_ROWS: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, SWIGLU: tl.constexpr, ROPE: tl.constexpr,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, FP8_CACHE: tl.constexpr,
+                 PREFETCH: tl.constexpr, W_CACHE: tl.constexpr, PDL: tl.constexpr, PERSISTENT: tl.constexpr):
+    if PDL:  # the next kernel may start as this grid's last programs are placed: its W prefetch hides our tail
+        tl.extra.cuda.gdc_launch_dependents()
+    pid_k = tl.program_id(1)  # the K split
+    pid_m = tl.program_id(2)  # fma: the row; fma_rows: the block of FMA_ROWS rows; dot, dot_swap: of BLOCK_M
+    tiles = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:  # a fixed grid of a few programs per SM, each taking every num_programs-th output tile
+        for pid_n in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            _gemv_tile(pid_n, pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr, lock_ptr,
+                       norm_ptr, res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K, K_SPLIT,
+                       eps, stride_xm, stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT,
+                       HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS, NORM, RESIDUAL,
+                       SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
+    else:
+        _gemv_tile(tl.program_id(0), pid_k, pid_m, tiles, x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, part_ptr,
+                   lock_ptr, norm_ptr, res_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache, v_cache, M, N, K,
+                   K_SPLIT, eps, stride_xm, stride_wn, stride_ym, stride_rm, stride_kslot, stride_vslot, VARIANT,
+                   HAS_SCALE, HAS_BIAS, SPLIT, EVEN, IEEE, BLOCK_M, BLOCK_N, BLOCK_K, FMA_ROWS, NORM, RESIDUAL,
+                   SWIGLU, ROPE, HQ, HKV, HALF, FP8_CACHE, PREFETCH, W_CACHE, PDL)
 
 
 @triton.jit
@@ -367,6 +444,18 @@ def _locks(device: torch.device, count: int) -> torch.Tensor:
             _OUTGROWN.append(found)
         found = _LOCKS[device] = torch.zeros(max(count, 1 << 16), dtype=torch.int32, device=device)
     return found
+
+
+_SM_COUNTS: dict[torch.device, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a persistent grid's size); 4 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    if device not in _SM_COUNTS:
+        _SM_COUNTS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNTS[device]
 
 
 def split_length(k: int, config: GemvConfig) -> int:
@@ -432,7 +521,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         return y if t is None else t
 
     r = rope or RopeKV(y, y, y, y, y, y, 1, 1, 2)  # unused pointers when rope is off
-    _gemv_kernel[(tiles, splits, rows)](
+    pdl = config.pdl and x.device.type == "cuda" and not INTERPRETED  # the interpreter runs launches in order
+    programs = tiles if not config.persistent else min(tiles, max(1, config.persistent * _sm_count(x.device)
+                                                                 // (splits * rows)))
+    _gemv_kernel[(programs, splits, rows)](
         x2, weight, given(scale), given(bias), y, part, lock, given(norm), given(res2), r.positions, r.slot_mapping,
         r.cos, r.sin, r.k_cache, r.v_cache,
         m, n, k, length, eps, x2.stride(0), weight.stride(0), y.stride(0), 0 if res2 is None else res2.stride(0),
@@ -442,7 +534,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = Non
         EVEN=even, IEEE=x.dtype == torch.float32, BLOCK_M=MAX_ROWS, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, FMA_ROWS=config.rows, NORM=norm is not None, RESIDUAL=res2 is not None,
         SWIGLU=swiglu, ROPE=rope is not None, HQ=r.num_heads, HKV=r.num_kv_heads, HALF=r.head_dim // 2,
-        FP8_CACHE=r.k_cache.dtype == torch.float8_e4m3fn, num_warps=config.num_warps, num_stages=config.num_stages)
+        FP8_CACHE=r.k_cache.dtype == torch.float8_e4m3fn, PREFETCH=config.prefetch, W_CACHE=W_CACHE[config.w_cache],
+        PDL=pdl, PERSISTENT=config.persistent > 0, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl else {}))
     if splits > 1 and not last:
         block = min(1024, triton.next_power_of_2(n))
         _split_reduce_kernel[(triton.cdiv(n, block), m)](
