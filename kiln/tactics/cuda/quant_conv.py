@@ -97,13 +97,16 @@ def _igemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w)  # [Cout, KH·KW·Cin], K-major: once per layer
         epilogue = layer.integer_epilogue()
+        if config.prescaled and epilogue.out_kind != 0:  # a quantized output: y_scale folded into the scale
+            epilogue = epilogue.prescale()
         x_zero = layer.x_zero
+        padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
 
         def launch(ctx, x, *_inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, list(kernel))  # host arithmetic on x's shape
             x = x.contiguous(memory_format=_CL)  # no copy when it already is NHWC (as it was timed)
             return qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
-                                 pads=tuple(pads), dilations=tuple(dilations), config=config)
+                                 pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding)
 
         return launch
 
