@@ -59,7 +59,7 @@ def cases():
                  "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
                  "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ints}
         constexprs = {"KH": taps, "KW": taps, "LOOP": loop, "EVEN_K": loop != "flat", "FP8": fp8,
-                      "FP8_PRECISE": True, "PRESCALED": loop == "gemm", "X_UNSIGNED": x == "uint8", "HAS_BIAS": True, "ACTIVATION": "Relu",
+                      "FP8_PRECISE": True, "PRESCALED": loop == "gemm", "MMA_F16": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True, "ACTIVATION": "Relu",
                       "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
                       "QMAX": 255 if out == "uint8" else 127, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n,
                       "BLOCK_K": c.block_k, "GROUP_M": c.group_m}

@@ -53,6 +53,7 @@ class QConvConfig:
     num_stages: int = 3
     fp8_precise: bool = True  # FP8: promote the tensor cores' partial sums to fp32 every K step
     prescaled: bool = False  # the caller folds y_scale into the scale (Epilogue.prescale): a multiply per output
+    mma_f16: bool = False  # int8 layers on fp16 tensor cores, fp32 accumulator (pack_weight(w, fp16=True))
 
     @property
     def name(self) -> str:
@@ -62,7 +63,7 @@ class QConvConfig:
     def label(self) -> str:
         """The name with everything else that makes a different kernel (tactic names, sweep tables)."""
         return f"{self.name}w{self.num_warps}s{self.num_stages}" + ("" if self.fp8_precise else "f") + \
-            ("p" if self.prescaled else "")
+            ("p" if self.prescaled else "") + ("h" if self.mma_f16 else "")
 
 
 QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on the by-tap loop
@@ -76,9 +77,10 @@ QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on
 
 @triton.jit
 def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr,
-              BLOCK_K: tl.constexpr):
+              MMA_F16: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc += a @ b on the tensor cores: int8 x int8 -> int32 (triton 3.6 wants out_dtype with an int
-    accumulator), or e4m3 x e4m3 -> fp32, promoted to a CUDA-core fp32 add every K step when precise."""
+    accumulator), e4m3 x e4m3 -> fp32 (promoted to a CUDA-core fp32 add every K step when precise), or
+    int8 x (int8 values in fp16) -> fp32 with MMA_F16."""
     if FP8:
         if FP8_PRECISE:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
@@ -87,7 +89,12 @@ def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNE
     else:
         if X_UNSIGNED:
             a = (a ^ 0x80).to(tl.int8, bitcast=True)  # x − 128: its zero point moved with it (fold_zero_point)
-        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        if MMA_F16:
+            # Triton keeps only fp32-accumulator wgmma in flight across iterations (an int32 one is waited
+            # for at once): x converted in registers, w packed as fp16, products exact, sums exact below 2^24
+            acc = tl.dot(a.to(tl.float16), b, acc)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
     return acc
 
 
@@ -97,7 +104,8 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
                   SH, SW, PT, PL, DH, DW, y_scale, y_zero, alpha, beta,
                   KH: tl.constexpr, KW: tl.constexpr, LOOP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr,
-                  ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                  MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                  QMAX: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels: [BM]
@@ -108,7 +116,7 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     pixel = tl.minimum(rm, M - 1)
     K = KH * KW * Cin
     w_cols = w_ptr + tl.minimum(rn, Cout - 1).to(tl.int64) * K  # [BN]: row co of the packed [Cout, K] weight
-    if FP8:
+    if FP8 or MMA_F16:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
@@ -123,7 +131,7 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
             else:  # a channel tail: zeros in both operands add nothing
                 a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
                 b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
-            acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, BLOCK_K)
+            acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
     else:
         ow = pixel % Wo
         oh = (pixel // Wo) % Ho
@@ -143,7 +151,7 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
                 a_ptrs = tl.where(inside, x_rows[:, None] + ih * sxh + iw * sxw, pad_rows[:, None]) + c[None, :]
                 a = tl.load(a_ptrs, mask=(kk < K)[None, :], other=0.0 if FP8 else 0)
                 b = tl.load(w_cols[None, :] + kk[:, None], mask=(kk < K)[:, None], other=0.0 if FP8 else 0)
-                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, BLOCK_K)
+                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
         else:
             # one loop over (tap, channel block), so that the pipeline runs across taps; the row masks of
             # a tap are a [BM] vector, folded into the row pointers (padded rows point at the zero point)
@@ -165,7 +173,7 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
                 else:
                     a = tl.load(a_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
                     b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
-                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, BLOCK_K)
+                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
 
     col_ok = rn < Cout
     scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
@@ -181,13 +189,17 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
+def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
     """[Cout, Cin, KH, KW] -> [Cout, KH·KW·Cin] contiguous (K-major): column (r·KW + s)·Cin + c is the
-    kernel's K index. Once per layer, at prepare."""
+    kernel's K index. fp16: an int8 weight's values as fp16 (exact), for QConvConfig.mma_f16. Once per
+    layer, at prepare."""
     if w.dim() != 4:
         raise ValueError(f"triton qconv2d: weight must be [Cout, Cin, KH, KW], got {tuple(w.shape)}")
+    if fp16 and w.dtype != torch.int8:
+        raise TypeError(f"triton qconv2d: only int8 weights run on fp16 tensor cores, got {w.dtype}")
     cout, cin, kh, kw = w.shape
-    return w.permute(0, 2, 3, 1).reshape(cout, kh * kw * cin).contiguous()
+    packed = w.permute(0, 2, 3, 1).reshape(cout, kh * kw * cin)
+    return (packed.to(torch.float16) if fp16 else packed).contiguous()
 
 
 def output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
@@ -220,11 +232,16 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype.
     """
     fp8 = x.dtype == torch.float8_e4m3fn
-    if x.dtype not in QUANTIZED_INPUTS or w_packed.dtype != (torch.float8_e4m3fn if fp8 else torch.int8):
-        raise TypeError(f"triton qconv2d: x int8/uint8 with w int8, or both float8e4m3fn; got {x.dtype}, "
-                        f"{w_packed.dtype}")
     if x.dim() != 4:
         raise ValueError(f"triton qconv2d: x must be [N, C, H, W], got {tuple(x.shape)}")
+    if config is None:
+        config = next((c for c in QCONV_CONFIGS if c.block_m <= max(x.shape[0] * x.shape[2] * x.shape[3], 16) and
+                       c.block_n <= max(w_packed.shape[0], 16)), QCONV_CONFIGS[-1])
+    mma_f16 = config.mma_f16 and not fp8
+    w_dtype = torch.float8_e4m3fn if fp8 else torch.float16 if mma_f16 else torch.int8
+    if x.dtype not in QUANTIZED_INPUTS or w_packed.dtype != w_dtype:
+        raise TypeError(f"triton qconv2d: x int8/uint8 with w int8 (fp16 with config.mma_f16), or both "
+                        f"float8e4m3fn; got {x.dtype}, {w_packed.dtype}")
     kh, kw = kernel
     n, cin, h, wd = x.shape
     if w_packed.dim() != 2 or w_packed.shape[1] != kh * kw * cin or not w_packed.is_contiguous():
@@ -232,7 +249,7 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
                          f"contiguous [Cout, {kh * kw * cin}], got {tuple(w_packed.shape)}")
     cout = w_packed.shape[0]
     epilogue.check(cout)
-    if epilogue.bias is not None and epilogue.bias.dtype != (torch.float32 if fp8 else torch.int32):
+    if epilogue.bias is not None and epilogue.bias.dtype != (torch.float32 if fp8 else torch.int32):  # int32 with mma_f16 too
         raise TypeError(f"triton qconv2d: the bias of an {'fp8' if fp8 else 'int8'} layer is "
                         f"{'float32' if fp8 else 'int32'}, got {epilogue.bias.dtype}")
     if padding is None:
@@ -248,9 +265,6 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     m = n * ho * wo
     if out.numel() == 0:
         return out
-    if config is None:
-        config = next((c for c in QCONV_CONFIGS if c.block_m <= max(m, 16) and c.block_n <= max(cout, 16)),
-                      QCONV_CONFIGS[-1])
     x = x.contiguous(memory_format=torch.channels_last)  # no copy when it is NHWC already
     loop = loop_of(kernel, strides, pads, cin, config.block_k)
     even_k = (kh * kw * cin if loop == "flat" else cin) % config.block_k == 0
@@ -263,7 +277,6 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
         float(epilogue.alpha), float(epilogue.beta),
         KH=kh, KW=kw, LOOP=loop, EVEN_K=even_k, FP8=fp8, FP8_PRECISE=config.fp8_precise,
         X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None, PRESCALED=epilogue.prescaled,
-        ACTIVATION=epilogue.activation,
-        OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
