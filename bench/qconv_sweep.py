@@ -95,27 +95,26 @@ RESNET50 = [  # torchvision / HF ResNet-50 v1.5 (stride on the 3x3); conv3 and t
 
 
 def _configs():
+    """Run 2 (after the H200 run of 2026-12-02 22:49): every config prescaled (the IEEE division in the
+    epilogue made the same tile 1.5-3x slower), two stages for the short-K layers (more CTAs per SM)."""
     from kiln.kernels.cuda.triton.qconv import QConvConfig as C
 
-    int8 = [C(128, 128, 64, num_warps=4, num_stages=4), C(128, 128, 64, num_warps=8, num_stages=4),
-            C(128, 128, 128, num_warps=8, num_stages=3), C(128, 256, 64, num_warps=8, num_stages=4),
-            C(128, 256, 128, num_warps=8, num_stages=3), C(256, 128, 64, num_warps=8, num_stages=4),
-            C(256, 128, 128, num_warps=8, num_stages=3), C(128, 64, 128, num_warps=4, num_stages=4),
-            C(128, 64, 64, num_warps=4, num_stages=4), C(128, 128, 256, num_warps=8, num_stages=3),
-            C(128, 128, 128, num_warps=8, num_stages=3, prescaled=True),
-            C(128, 256, 128, num_warps=8, num_stages=3, prescaled=True),
+    def p(*tile, **options):
+        return C(*tile, prescaled=True, **options)
+
+    int8 = [p(128, 64, 64, num_warps=4, num_stages=2), p(128, 64, 64, num_warps=4, num_stages=4),
+            p(256, 64, 64, num_warps=8, num_stages=3), p(128, 128, 64, num_warps=4, num_stages=2),
+            p(128, 128, 64, num_warps=8, num_stages=3), p(128, 128, 128, num_warps=8, num_stages=3),
+            p(128, 256, 64, num_warps=8, num_stages=2), p(128, 256, 128, num_warps=8, num_stages=3),
+            p(128, 256, 128, num_warps=8, num_stages=4), p(256, 128, 128, num_warps=8, num_stages=3),
             # int8 storage, fp16 tensor cores: the only way Triton keeps the wgmma of an int8 layer in flight
-            C(128, 128, 64, num_warps=8, num_stages=4, mma_f16=True),
-            C(128, 256, 64, num_warps=8, num_stages=3, mma_f16=True),
-            C(128, 128, 64, num_warps=4, num_stages=4, mma_f16=True, prescaled=True),
-            C(128, 256, 64, num_warps=8, num_stages=3, mma_f16=True, prescaled=True),
-            C(256, 128, 64, num_warps=8, num_stages=3, mma_f16=True, prescaled=True)]
-    fp8 = [C(128, 128, 64, num_warps=8, num_stages=4), C(128, 128, 128, num_warps=8, num_stages=3),
-           C(128, 256, 64, num_warps=8, num_stages=4), C(128, 256, 128, num_warps=8, num_stages=3),
-           C(256, 128, 128, num_warps=8, num_stages=3), C(128, 64, 128, num_warps=4, num_stages=4),
-           C(128, 128, 128, num_warps=8, num_stages=3, fp8_precise=False),
-           C(128, 256, 128, num_warps=8, num_stages=3, fp8_precise=False),
-           C(128, 128, 128, num_warps=8, num_stages=3, prescaled=True)]
+            p(128, 128, 64, num_warps=4, num_stages=4, mma_f16=True), p(128, 256, 64, num_warps=8, num_stages=3, mma_f16=True),
+            p(128, 64, 64, num_warps=4, num_stages=3, mma_f16=True)]
+    fp8 = [p(128, 64, 64, num_warps=4, num_stages=3), p(128, 128, 64, num_warps=4, num_stages=2),
+           p(128, 128, 128, num_warps=8, num_stages=3), p(128, 256, 128, num_warps=8, num_stages=3),
+           p(256, 128, 128, num_warps=8, num_stages=3),
+           p(128, 256, 128, num_warps=8, num_stages=3, fp8_precise=False),
+           p(128, 128, 128, num_warps=8, num_stages=3, fp8_precise=False)]
     return int8, fp8
 
 
@@ -221,9 +220,29 @@ def _ordinal(t: torch.Tensor) -> torch.Tensor:
     return torch.where(code >= 128, -magnitude, magnitude)
 
 
-def steps_off(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float]:
+def steps_off(got: torch.Tensor, want: torch.Tensor) -> tuple[int, float, float]:
+    """(most grid steps apart, fraction of outputs off, largest |got − want| / max |want|)."""
     d = (_ordinal(got) - _ordinal(want)).abs()
-    return int(d.max()), float((d > 0).float().mean())
+    error = (got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)
+    return int(d.max()), float((d > 0).float().mean()), float(error)
+
+
+# FP8: Hopper's tensor cores add a K step's products with ~14 bits, so an output near 0 (where E4M3's
+# spacing is 2^-9) can be many grid steps from the float64 reference while |error| stays ~1e-4 of the
+# layer's largest output (run 1: up to 22 steps, <= 0.5% of outputs). An FP8 output passes within one
+# step, or within FP8_NOISE of the largest |output|.
+FP8_NOISE = 1e-3
+
+
+def passes(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, dict]:
+    worst, fraction, error = steps_off(got, want)
+    if got.dtype == FP8:
+        far = (_ordinal(got) - _ordinal(want)).abs() > 1
+        noise = FP8_NOISE * float(want.double().abs().max())
+        ok = bool(((got.double() - want.double()).abs()[far] <= noise).all()) and fraction <= 0.01
+    else:
+        ok = worst <= 1 and fraction <= 0.01
+    return ok, {"max_steps": worst, "off": fraction, "max_rel_error": error}
 
 
 def runner(family: str, config, layer: Layer):
@@ -276,8 +295,8 @@ def check_job(job: tuple[str, int, str, list[ConvShape], str, int]) -> list[dict
         try:
             layer = make_layer(shape, batch, family == "fp8", device, seed=1)
             got = runner(family, config, layer)()
-            worst, fraction = steps_off(got, reference(layer))
-            row |= {"max_steps": worst, "off": fraction, "ok": worst <= 1 and fraction <= 0.01}
+            ok, numbers = passes(got, reference(layer))
+            row |= numbers | {"ok": ok}
         except Exception as e:  # a config that does not compile or launch is reported, not timed
             row |= {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
         row["check_s"] = round(time.perf_counter() - start, 2)
@@ -320,7 +339,7 @@ def run_checks(jobs: list[tuple], workers: int, deadline: float, log) -> list[di
     for row in rows:
         if not row["ok"]:
             log(f"  check failed: {row['shape']} {row['family']} {row['config']}: "
-                f"{row.get('error') or (row['max_steps'], row['off'])}")
+                f"{row.get('error') or (row['max_steps'], row['off'], row['max_rel_error'])}")
     return rows
 
 
@@ -438,6 +457,12 @@ def main() -> None:
     log(f"phase 1: {len(jobs)} check jobs on {workers} workers")
     checks = run_checks(jobs, workers, start + args.check_budget, log)
     passed = {(r["shape"], r["family"], r["config"]) for r in checks if r["ok"]}
+    for family, config in sorted({(r["family"], r["config"]) for r in checks}):
+        rows = [r for r in checks if (r["family"], r["config"]) == (family, config) and "off" in r]
+        if rows:
+            log(f"  accuracy {family} {config}: up to {max(r['max_steps'] for r in rows)} steps on <= "
+                f"{max(r['off'] for r in rows):.2%} of the outputs, |error| <= "
+                f"{max(r['max_rel_error'] for r in rows):.1e} of the largest; {sum(r['ok'] for r in rows)}/{len(rows)} pass")
     log(f"phase 1 done: {len(passed)}/{len(checks)} variants passed")
     results = sweep(shapes, families, passed, batch, device, start + args.budget, args.dry_run, log)
     text = table(results)

@@ -34,8 +34,8 @@ def test_the_tactics_are_registered_for_their_ops():
                      ("cuda.qconv.dequantized_fp32", "QConv"), ("cuda.qadd.triton", "QAdd"), ("cuda.qadd.torch", "QAdd")):
         assert cuda[name].op_type == op and cuda[name].domain == "kiln"
     default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
-    assert "cuda.qconv.triton_igemm.256x128x64w8s4" not in default  # the widest tile from opt_level 3
-    assert {"cuda.qconv.dequantized", TRITON_CONV} <= default
+    assert TRITON_CONV not in default and TRITON_CONV in cuda  # the batch-1 tile from opt_level 3
+    assert {"cuda.qconv.dequantized", "cuda.qconv.triton_igemm.128x256x128w8s3"} <= default
 
 
 # ---- QGemm -------------------------------------------------------------------------------------------
@@ -146,7 +146,7 @@ def test_qconv_refusals():
     assert "group 24" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=24, cout=24, group=24))
     assert "not 4-D" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=16, cout=72, size=(11,)))
     assert "mostly padding" in refusal(TRITON_CONV, conv_layer(I8, I8, cout=8))
-    assert "mostly padding" in refusal("cuda.qconv.triton_igemm.256x128x64w8s4", conv_layer(I8, I8))
+    assert "mostly padding" in refusal("cuda.qconv.triton_igemm.256x128x128w8s3", conv_layer(I8, I8))
 
 
 
@@ -159,11 +159,11 @@ def _first_tile(flag: str, x_dtype: torch.dtype | None = None) -> str:
                 (x_dtype is None or (not (tile.mma_f16 and fp8) and not (tile.fp8_fast_accumulation and not fp8))))
 
 
-@pytest.mark.parametrize("flag, cases", [("mma_f16", [(I8, I8), (U8, U8)]), ("prescaled", [(I8, I8), (FP8, FP8)]),
-                                         ("fp8_fast_accumulation", [(FP8, FP8)])])
+@pytest.mark.parametrize("flag, cases", [("mma_f16", [(I8, I8), (U8, U8), (I8, F32)]),
+                                         ("fp8_fast_accumulation", [(FP8, FP8), (FP8, F32)])])
 def test_qconv_triton_options_match_the_reference(flag, cases):
-    """The registered configs with an option (int8 on fp16 tensor cores, y_scale folded into the scale,
-    FP8 fast accumulation) on ResNet-like layers their 128-wide tiles fill: 3x3 with 64 input channels,
+    """The registered configs with an option (int8 on fp16 tensor cores, FP8 fast accumulation; every
+    config folds y_scale into the scale of a quantized output) on ResNet-like layers their 128-wide tiles fill: 3x3 with 64 input channels,
     1x1 with 128 (the GEMM loop)."""
     for x_dtype, out in cases:
         name = _first_tile(flag, x_dtype)
@@ -178,8 +178,7 @@ def test_qconv_triton_options_refuse_the_other_family():
     assert "int8 layers" in refusal(_first_tile("mma_f16"), conv_layer(FP8, FP8, cin=64, cout=128, size=(12, 12)))
     assert "FP8 option" in refusal(_first_tile("fp8_fast_accumulation"),
                                    conv_layer(I8, I8, cin=128, cout=128, size=(12, 12)))
-    assert "no y_scale" in refusal(_first_tile("prescaled"), conv_layer(I8, F32, cin=128, cout=128, size=(12, 12)))
-    assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3.prescaled",
+    assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
                                            conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
 
 # ---- QAdd --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, check_layer, kernels, output_dtype, triton_available
+from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -72,13 +72,11 @@ class IgemmTile:
     num_warps: int
     num_stages: int
     mma_f16: bool = False  # int8 layers on fp16 tensor cores (fp32 accumulator: wgmma kept in flight)
-    prescaled: bool = False  # y_scale folded into the per-channel scale: a multiply per output, not a division
     fp8_fast_accumulation: bool = False  # FP8: Hopper's own accumulation, no fp32 promotion every K step
 
     @property
     def name(self) -> str:
-        flags = [f for f, on in (("int8_on_fp16", self.mma_f16), ("prescaled", self.prescaled),
-                                 ("fp8_fast_acc", self.fp8_fast_accumulation)) if on]
+        flags = [f for f, on in (("int8_on_fp16", self.mma_f16), ("fp8_fast_acc", self.fp8_fast_accumulation)) if on]
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
         return "cuda.qconv.triton_igemm." + ".".join([tile, *flags])
 
@@ -91,8 +89,6 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
         return "fp16 tensor cores are for int8 layers (FP8 layers have their own)"
     if tile.fp8_fast_accumulation and not fp8:
         return "fast accumulation is an FP8 option"
-    if tile.prescaled and output_dtype(step, inputs) not in QUANTIZED:
-        return "a float output has no y_scale to fold into the scale"
     kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
     if kernel != list(w.shape[2:]):
         return f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}"
@@ -129,12 +125,15 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         qconv = kernels("qconv")
         config = qconv.QConvConfig(tile.block_m, tile.block_n, tile.block_k, num_warps=tile.num_warps,
                                    num_stages=tile.num_stages, fp8_precise=not tile.fp8_fast_accumulation,
-                                   prescaled=tile.prescaled, mma_f16=tile.mma_f16)
+                                   mma_f16=tile.mma_f16)
         layer = QuantizedLayer.of(step, constants, device)
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
         epilogue = layer.integer_epilogue()
-        if tile.prescaled:
+        if epilogue.out_kind != 0:
+            # y_scale folded into the per-channel scale: a multiply per output where the division took
+            # ~10 instructions (the same tile ran 1.5-3x slower with it on the H200, bench/results/
+            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows
             epilogue = epilogue.prescale()
         x_zero = layer.x_zero
         padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
@@ -148,30 +147,32 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         return launch
 
     extras = "".join(f", {what}" for what, on in (("int8 on fp16 tensor cores (fp32 accumulator)", tile.mma_f16),
-                                                  ("y_scale folded into the scale", tile.prescaled),
                                                   ("FP8 fast accumulation", tile.fp8_fast_accumulation)) if on)
     return Tactic(
         name=tile.name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
         prepare=prepare, layout="channels_last", level=level, available=triton_available,
         description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {tile.block_m}x{tile.block_n}x{tile.block_k} "
                     f"tiles, {tile.num_warps} warps, {tile.num_stages} stages{extras}; zero point / bias / scale / "
-                    "Relu / requantization fused in the epilogue",
+                    "Relu / requantization (y_scale folded into the scale) fused in the epilogue",
     )
 
 
-# The configs the autotuner times, and the opt level each is tried from. Each compiles a kernel per layer
-# kind (1x1 GEMM, 3x3 taps, stride, flat stem, epilogue). PROVISIONAL until bench/qconv_sweep.py's H200 run.
+# The configs the autotuner times, and the opt level each is tried from; each compiles a kernel per layer
+# kind (1x1 GEMM, 3x3 taps, stride, flat stem, epilogue). From bench/qconv_sweep.py on the H200
+# (bench/results/qconv-2026-12-02.md): 128x256x128 was the fastest on 14 of ResNet-50's 22 conv shapes,
+# 128x128x128 on 3, int8 on fp16 tensor cores on 1x1 64->256 @56, 128x64 on the 64-channel layers.
 IGEMM_TILES = (
-    (IgemmTile(128, 128, 64, 8, 4), 2),
-    (IgemmTile(128, 128, 64, 8, 4, mma_f16=True, prescaled=True), 2),
-    (IgemmTile(128, 256, 64, 8, 3, mma_f16=True, prescaled=True), 2),
-    (IgemmTile(128, 128, 128, 8, 3, prescaled=True), 2),
-    (IgemmTile(128, 64, 64, 4, 4), 2),
-    (IgemmTile(64, 64, 64, 4, 4), 2),  # small batches: the 7x7 and 14x14 stages at batch 1
-    (IgemmTile(256, 128, 64, 8, 4), 3),
-    (IgemmTile(128, 256, 128, 8, 3, prescaled=True), 3),
-    (IgemmTile(256, 128, 64, 8, 3, mma_f16=True, prescaled=True), 3),
+    (IgemmTile(128, 256, 128, 8, 3), 2),
+    (IgemmTile(128, 128, 128, 8, 3), 2),
+    (IgemmTile(128, 64, 64, 4, 3), 2),
+    (IgemmTile(128, 128, 64, 4, 4, mma_f16=True), 2),
+    (IgemmTile(64, 64, 64, 4, 4), 3),  # small batches: the 7x7 and 14x14 stages at batch 1
+    (IgemmTile(128, 128, 64, 4, 2), 3),  # short K (64-256): two stages, more CTAs per SM
+    (IgemmTile(128, 256, 64, 8, 2), 3),
+    (IgemmTile(256, 128, 128, 8, 3), 3),
+    (IgemmTile(128, 256, 64, 8, 3, mma_f16=True), 3),
     (IgemmTile(128, 128, 128, 8, 3, fp8_fast_accumulation=True), 3),
+    (IgemmTile(128, 256, 128, 8, 3, fp8_fast_accumulation=True), 3),
 )
 for _tile, _level in IGEMM_TILES:
     register(_igemm_tactic(_tile, level=_level))
