@@ -109,12 +109,17 @@ def _configs():
             p(128, 256, 128, num_warps=8, num_stages=4), p(256, 128, 128, num_warps=8, num_stages=3),
             # int8 storage, fp16 tensor cores: the only way Triton keeps the wgmma of an int8 layer in flight
             p(128, 128, 64, num_warps=4, num_stages=4, mma_f16=True), p(128, 256, 64, num_warps=8, num_stages=3, mma_f16=True),
-            p(128, 64, 64, num_warps=4, num_stages=3, mma_f16=True)]
+            p(128, 64, 64, num_warps=4, num_stages=3, mma_f16=True),
+            # 1x1 layers only: a fixed number of programs per SM walking the tiles (short K: loads of the
+            # next tile overlap this tile's epilogue)
+            p(128, 128, 64, num_warps=4, num_stages=3, persistent=2), p(128, 256, 64, num_warps=8, num_stages=3, persistent=1),
+            p(128, 64, 64, num_warps=4, num_stages=3, persistent=3), p(128, 128, 128, num_warps=8, num_stages=3, persistent=1)]
     fp8 = [p(128, 64, 64, num_warps=4, num_stages=3), p(128, 128, 64, num_warps=4, num_stages=2),
            p(128, 128, 128, num_warps=8, num_stages=3), p(128, 256, 128, num_warps=8, num_stages=3),
            p(256, 128, 128, num_warps=8, num_stages=3),
            p(128, 256, 128, num_warps=8, num_stages=3, fp8_precise=False),
-           p(128, 128, 128, num_warps=8, num_stages=3, fp8_precise=False)]
+           p(128, 128, 128, num_warps=8, num_stages=3, fp8_precise=False),
+           p(128, 128, 64, num_warps=4, num_stages=3, persistent=2)]
     return int8, fp8
 
 
@@ -134,7 +139,7 @@ def variants() -> dict[str, list]:
     if SHRINK == 1:
         return found
     return {family: [dataclasses.replace(c, block_m=max(16, c.block_m // SHRINK), block_n=max(16, c.block_n // SHRINK),
-                                         block_k=max(16, c.block_k // SHRINK), group_m=2) for c in configs[-4:]]
+                                         block_k=max(16, c.block_k // SHRINK), group_m=2) for c in configs[-5:]]
             for family, configs in found.items()}
 
 
@@ -149,6 +154,8 @@ def fits(shape: ConvShape, config) -> bool:
     except for the stem, whose 3 channels only the flat loop takes."""
     if config.block_n > max(shape.cout, 16):
         return False
+    if getattr(config, "persistent", 0) and shape.kind != "gemm":
+        return False  # the persistent loop is the 1x1 GEMM's only
     return shape.cin < 16 or config.block_k <= shape.cin
 
 
@@ -446,7 +453,8 @@ def main() -> None:
             sys.exit("--dry-run runs the kernels under the interpreter: set TRITON_INTERPRET=1")
         global SHRINK
         SHRINK = 4
-        shapes = [shapes[2].scaled(2), shapes[3].scaled(2), shapes[5].scaled(2), shapes[9].scaled(4), STEM.scaled(8)]
+        tiny = [RESNET50[i].scaled(2) for i in (2, 3, 5)] + [RESNET50[9].scaled(4), STEM.scaled(8)]
+        shapes = [t for t in tiny if not args.shapes or any(p in t.name for p in args.shapes.split(","))]
         device, batch, check_batch, workers = "cpu", 1, 1, 1
     else:
         import triton

@@ -187,7 +187,8 @@ CONV_LOOPS = {  # (cin, cout, size, kernel, stride, pad): which loop qconv2d tak
     "flat 7x7 stride 2": (3, 16, 9, 7, 2, 3),
 }
 CONV_OPTIONS = {"plain": {}, "prescaled": dict(prescaled=True), "fp16 tensor cores": dict(mma_f16=True),
-                "fp8 fast accumulation": dict(fp8_precise=False)}
+                "fp8 fast accumulation": dict(fp8_precise=False),
+                "persistent": dict(persistent=1, prescaled=True)}  # the 1x1 GEMM: 4 programs over the tiles
 
 
 @pytest.mark.parametrize("option", list(CONV_OPTIONS))

@@ -160,7 +160,8 @@ def _first_tile(flag: str, x_dtype: torch.dtype | None = None) -> str:
 
 
 @pytest.mark.parametrize("flag, cases", [("mma_f16", [(I8, I8), (U8, U8), (I8, F32)]),
-                                         ("fp8_fast_accumulation", [(FP8, FP8), (FP8, F32)])])
+                                         ("fp8_fast_accumulation", [(FP8, FP8), (FP8, F32)]),
+                                         ("persistent", [(I8, I8), (FP8, FP8)])])
 def test_qconv_triton_options_match_the_reference(flag, cases):
     """The registered configs with an option (int8 on fp16 tensor cores, FP8 fast accumulation; every
     config folds y_scale into the scale of a quantized output) on ResNet-like layers their 128-wide tiles fill: 3x3 with 64 input channels,
@@ -168,7 +169,7 @@ def test_qconv_triton_options_match_the_reference(flag, cases):
     for x_dtype, out in cases:
         name = _first_tile(flag, x_dtype)
         for geometry in (dict(cin=64, kernel=3), dict(cin=128, kernel=1, pads=[0, 0, 0, 0])):
-            if "x128w" in name and geometry["cin"] == 64:
+            if ("x128w" in name and geometry["cin"] == 64) or ("persistent" in name and geometry["kernel"] != 1):
                 continue  # 128-wide K steps refuse 64 channels (test_qconv_triton_options_refuse_the_other_family)
             layer = conv_layer(x_dtype, out, cout=128, size=(12, 12), seed=6, **geometry)
             check_tactic(name, layer, what=f"{x_dtype} {geometry}")
@@ -178,6 +179,7 @@ def test_qconv_triton_options_refuse_the_other_family():
     assert "int8 layers" in refusal(_first_tile("mma_f16"), conv_layer(FP8, FP8, cin=64, cout=128, size=(12, 12)))
     assert "FP8 option" in refusal(_first_tile("fp8_fast_accumulation"),
                                    conv_layer(I8, I8, cin=128, cout=128, size=(12, 12)))
+    assert "1x1 stride-1" in refusal(_first_tile("persistent"), conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
     assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
                                            conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
 

@@ -73,10 +73,12 @@ class IgemmTile:
     num_stages: int
     mma_f16: bool = False  # int8 layers on fp16 tensor cores (fp32 accumulator: wgmma kept in flight)
     fp8_fast_accumulation: bool = False  # FP8: Hopper's own accumulation, no fp32 promotion every K step
+    persistent: int = 0  # 1x1 stride-1 layers: that many programs per SM walking the tiles
 
     @property
     def name(self) -> str:
-        flags = [f for f, on in (("int8_on_fp16", self.mma_f16), ("fp8_fast_acc", self.fp8_fast_accumulation)) if on]
+        flags = [f for f, on in (("int8_on_fp16", self.mma_f16), ("fp8_fast_acc", self.fp8_fast_accumulation),
+                                 (f"persistent{self.persistent}", self.persistent)) if on]
         tile = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
         return "cuda.qconv.triton_igemm." + ".".join([tile, *flags])
 
@@ -93,6 +95,8 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
     if kernel != list(w.shape[2:]):
         return f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}"
     strides, dilations, pads = _geometry(step, torch.empty(x.shape, device="meta"), kernel)
+    if tile.persistent and (kernel != [1, 1] or list(strides) != [1, 1] or any(pads)):
+        return "the persistent loop is the 1x1 stride-1 GEMM's (other layers run the tiled kernel)"
     ho = _output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
     wo = _output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
     if ho <= 0 or wo <= 0:
@@ -125,7 +129,7 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         qconv = kernels("qconv")
         config = qconv.QConvConfig(tile.block_m, tile.block_n, tile.block_k, num_warps=tile.num_warps,
                                    num_stages=tile.num_stages, fp8_precise=not tile.fp8_fast_accumulation,
-                                   mma_f16=tile.mma_f16)
+                                   mma_f16=tile.mma_f16, persistent=tile.persistent)
         layer = QuantizedLayer.of(step, constants, device)
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
@@ -147,7 +151,9 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         return launch
 
     extras = "".join(f", {what}" for what, on in (("int8 on fp16 tensor cores (fp32 accumulator)", tile.mma_f16),
-                                                  ("FP8 fast accumulation", tile.fp8_fast_accumulation)) if on)
+                                                  ("FP8 fast accumulation", tile.fp8_fast_accumulation),
+                                                  (f"{tile.persistent} persistent programs per SM", tile.persistent))
+                     if on)
     return Tactic(
         name=tile.name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
         prepare=prepare, layout="channels_last", level=level, available=triton_available,
@@ -173,6 +179,7 @@ IGEMM_TILES = (
     (IgemmTile(128, 256, 64, 8, 3, mma_f16=True), 3),
     (IgemmTile(128, 128, 128, 8, 3, fp8_fast_accumulation=True), 3),
     (IgemmTile(128, 256, 128, 8, 3, fp8_fast_accumulation=True), 3),
+    (IgemmTile(128, 128, 64, 4, 3, persistent=2), 3),  # short-K 1x1 layers: next tile's loads under this epilogue
 )
 for _tile, _level in IGEMM_TILES:
     register(_igemm_tactic(_tile, level=_level))

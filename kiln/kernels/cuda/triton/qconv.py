@@ -54,6 +54,7 @@ class QConvConfig:
     fp8_precise: bool = True  # FP8: promote the tensor cores' partial sums to fp32 every K step
     prescaled: bool = False  # the caller folds y_scale into the scale (Epilogue.prescale): a multiply per output
     mma_f16: bool = False  # int8 layers on fp16 tensor cores, fp32 accumulator (pack_weight(w, fp16=True))
+    persistent: int = 0  # > 0: the 1x1 GEMM loop as that many programs per SM walking the tiles
 
     @property
     def name(self) -> str:
@@ -63,7 +64,8 @@ class QConvConfig:
     def label(self) -> str:
         """The name with everything else that makes a different kernel (tactic names, sweep tables)."""
         return f"{self.name}w{self.num_warps}s{self.num_stages}" + ("" if self.fp8_precise else "f") + \
-            ("p" if self.prescaled else "") + ("h" if self.mma_f16 else "")
+            ("p" if self.prescaled else "") + ("h" if self.mma_f16 else "") + \
+            (f"P{self.persistent}" if self.persistent else "")
 
 
 QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on the by-tap loop
@@ -189,6 +191,52 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, Cout, Cin, sxw,
+                                  y_scale, y_zero, alpha, beta, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                                  FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  PRESCALED: tl.constexpr, MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr,
+                                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """The "gemm" loop with a fixed number of programs walking the tiles: for short K (a 1x1 layer over
+    64-512 channels) each tile is one or a few K steps, and a flattened loop lets the next tile's loads
+    overlap this tile's epilogue, where one program per tile waits for its own loads each time."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(Cout, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
+        tile_m, tile_n = dm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64) * sxw  # [BM]
+        w_cols = w_ptr + tl.minimum(rn, Cout - 1).to(tl.int64) * Cin  # [BN]
+        if FP8 or MMA_F16:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for c0 in range(0, Cin, BLOCK_K):
+            c = c0 + rk
+            if EVEN_K:
+                a = tl.load(x_rows[:, None] + c[None, :])
+                b = tl.load(w_cols[None, :] + c[:, None])
+            else:
+                a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
+                b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
+            acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
+        col_ok = rn < Cout
+        scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0 if FP8 else 0)[None, :]
+        else:
+            bias = scale  # not read
+        if PRESCALED:
+            y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+        else:
+            y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+        offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
+
+
 def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
     """[Cout, Cin, KH, KW] -> [Cout, KH·KW·Cin] contiguous (K-major): column (r·KW + s)·Cin + c is the
     kernel's K index. fp16: an int8 weight's values as fp16 (exact), for QConvConfig.mma_f16. Once per
@@ -269,9 +317,21 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     loop = loop_of(kernel, strides, pads, cin, config.block_k)
     even_k = (kh * kw * cin if loop == "flat" else cin) % config.block_k == 0
     qmin, qmax = epilogue.qrange
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n),)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n)
+    bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
+    if loop == "gemm" and config.persistent:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        _qconv_gemm_persistent_kernel[(min(tiles, sms * config.persistent),)](
+            x, w_packed, bias, epilogue.scale, out, m, cout, cin, x.stride(3), float(epilogue.y_scale),
+            float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), EVEN_K=even_k, FP8=fp8,
+            FP8_PRECISE=config.fp8_precise, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
+            PRESCALED=epilogue.prescaled, MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
+            QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+        return out
+    grid = (tiles,)
     _qconv_kernel[grid](
-        x, padding, w_packed, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out,
+        x, padding, w_packed, bias, epilogue.scale, out,
         m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(2), x.stride(3),
         sh, sw, pt, pl, dh, dw, float(epilogue.y_scale), float(epilogue.y_zero),
         float(epilogue.alpha), float(epilogue.beta),
