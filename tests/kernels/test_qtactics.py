@@ -34,8 +34,8 @@ def test_the_tactics_are_registered_for_their_ops():
                      ("cuda.qconv.dequantized_fp32", "QConv"), ("cuda.qadd.triton", "QAdd"), ("cuda.qadd.torch", "QAdd")):
         assert cuda[name].op_type == op and cuda[name].domain == "kiln"
     default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
-    assert TRITON_CONV not in default and TRITON_CONV in cuda  # the batch-1 tile from opt_level 3
-    assert {"cuda.qconv.dequantized", "cuda.qconv.triton_igemm.128x256x128w8s3"} <= default
+    assert "cuda.qconv.triton_igemm.256x128x128w8s3" not in default  # a wider tile from opt_level 3
+    assert {"cuda.qconv.dequantized", TRITON_CONV, "cuda.qconv.triton_igemm.128x256x128w8s3"} <= default
 
 
 # ---- QGemm -------------------------------------------------------------------------------------------
@@ -179,6 +179,7 @@ def test_qconv_triton_options_refuse_the_other_family():
     assert "int8 layers" in refusal(_first_tile("mma_f16"), conv_layer(FP8, FP8, cin=64, cout=128, size=(12, 12)))
     assert "FP8 option" in refusal(_first_tile("fp8_fast_accumulation"),
                                    conv_layer(I8, I8, cin=128, cout=128, size=(12, 12)))
+    assert "fill the GPU" in refusal(TRITON_CONV, conv_layer(I8, I8, n=64, cin=64, cout=128, size=(32, 32)))
     assert "1x1 stride-1" in refusal(_first_tile("persistent"), conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
     assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
                                            conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))

@@ -104,6 +104,8 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
     rows = x.shape[0] * ho * wo
     if _padded_tile(tile.block_m, rows):
         return f"{tile.block_m}-pixel tiles for {rows} output pixels: mostly padding"
+    if tile.block_m < 128 and (rows // 128) * max(1, w.shape[0] // 128) >= 512:
+        return f"{rows} output pixels fill the GPU with 128-row tiles (the 64-row tile is for small batches)"
     if _padded_tile(tile.block_n, w.shape[0]):
         return f"{tile.block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
     if x.shape[1] % 64 == 0 and tile.block_k > x.shape[1]:  # the configs of 64-wide K steps run its channel loop
@@ -172,7 +174,7 @@ IGEMM_TILES = (
     (IgemmTile(128, 128, 128, 8, 3), 2),
     (IgemmTile(128, 64, 64, 4, 3), 2),
     (IgemmTile(128, 128, 64, 4, 4, mma_f16=True), 2),
-    (IgemmTile(64, 64, 64, 4, 4), 3),  # small batches: the 7x7 and 14x14 stages at batch 1
+    (IgemmTile(64, 64, 64, 4, 4), 2),  # small batches (refused where 128-row tiles fill the GPU)
     (IgemmTile(128, 128, 64, 4, 2), 3),  # short K (64-256): two stages, more CTAs per SM
     (IgemmTile(128, 256, 64, 8, 2), 3),
     (IgemmTile(256, 128, 128, 8, 3), 3),
