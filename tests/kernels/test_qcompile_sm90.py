@@ -73,6 +73,18 @@ def cases():
         yield (f"qconv {x} -> {out} {taps}x{taps} {loop} {config}{' fp16 mma' if f16 else ''}", qconv._qconv_kernel, types,
                constexprs, {"num_warps": c.num_warps, "num_stages": c.num_stages}, divisible, wgmma, True)
 
+    for x, wgmma in (("int8", WGMMA_INT8.format(128)), ("fp8", WGMMA_FP8.format(128))):  # the persistent 1x1 GEMM
+        fp8 = x == "fp8"
+        types = {"x_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype[x]}", "bias_ptr": "*fp32" if fp8 else "*i32",
+                 "scale_ptr": "*fp32", "out_ptr": f"*{dtype[x]}", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32",
+                 "beta": "fp32"} | {n: "i32" for n in ("M", "Cout", "Cin", "sxw")}
+        constexprs = {"EVEN_K": True, "FP8": fp8, "FP8_PRECISE": True, "X_UNSIGNED": False, "HAS_BIAS": True,
+                      "PRESCALED": True, "MMA_F16": False, "ACTIVATION": "Relu", "OUT": out_kind[x], "QMIN": -128,
+                      "QMAX": 127, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}
+        yield (f"qconv {x} -> {x} 1x1 persistent gemm 128x128x64", qconv._qconv_gemm_persistent_kernel, types,
+               constexprs, {"num_warps": 4, "num_stages": 3},
+               ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "Cout", "Cin", "sxw"), wgmma, True)
+
     block = {"BLOCK": qelementwise.BLOCK}
     for acc, out in (("i32", "int8"), ("fp32", "fp8")):
         types = {"acc_ptr": f"*{dtype[acc]}", "bias_ptr": f"*{dtype[acc]}", "scale_ptr": "*fp32",
