@@ -34,7 +34,7 @@ def test_the_tactics_are_registered_for_their_ops():
                      ("cuda.qconv.dequantized_fp32", "QConv"), ("cuda.qadd.triton", "QAdd"), ("cuda.qadd.torch", "QAdd")):
         assert cuda[name].op_type == op and cuda[name].domain == "kiln"
     default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
-    assert "cuda.qconv.triton_igemm.256x128x128w8s3" not in default  # a wider tile from opt_level 3
+    assert "cuda.qconv.triton_igemm.128x256x64w8s2" not in default  # a short-K tile from opt_level 3
     assert {"cuda.qconv.dequantized", TRITON_CONV, "cuda.qconv.triton_igemm.128x256x128w8s3"} <= default
 
 
