@@ -174,3 +174,75 @@ def test_kernels_name_what_is_wrong():
     with pytest.raises(ValueError, match="rank 5"):
         qadd(torch.zeros(1, 1, 1, 1, 2, dtype=torch.int8), 1.0, 0, torch.zeros(2, dtype=torch.int8), 1.0, 0,
              out_dtype=torch.int8)
+
+
+# ---- the convolution's loops and options (kiln/kernels/cuda/triton/qconv.py) --------------------------
+
+CONV_LOOPS = {  # (cin, cout, size, kernel, stride, pad): which loop qconv2d takes with 16-wide K steps
+    "gemm 1x1": (32, 24, 5, 1, 1, 0),                 # x as [N·H·W, Cin]; 24 columns: a column tail
+    "gemm channel tail": (40, 16, 4, 1, 1, 0),        # Cin 40 = 2·16 + 8: masked K step
+    "taps 3x3 pad 1": (32, 16, 6, 3, 1, 1),           # padded taps read the zero-point row
+    "taps 3x3 stride 2 tail": (24, 16, 7, 3, 2, 1),   # Cin 24: masked K steps; 16 rows, 2 tiles of 16 + tail
+    "taps 1x1 stride 2": (16, 32, 7, 1, 2, 0),
+    "flat 7x7 stride 2": (3, 16, 9, 7, 2, 3),
+}
+CONV_OPTIONS = {"plain": {}, "prescaled": dict(prescaled=True), "fp16 tensor cores": dict(mma_f16=True),
+                "fp8 fast accumulation": dict(fp8_precise=False),
+                "persistent": dict(persistent=1, prescaled=True)}  # the 1x1 GEMM: 4 programs over the tiles
+
+
+@pytest.mark.parametrize("option", list(CONV_OPTIONS))
+@pytest.mark.parametrize("loop", list(CONV_LOOPS))
+def test_qconv_loops_match_torch_within_one_step(loop, option):
+    """Every loop with every option, int8 / uint8 (zero points far from 0, so a padded tap that read 0
+    instead of z would be off by z·Σw) and FP8, against a float64 torch convolution: at most one
+    quantization step apart, on at most 1% of the outputs (near-ties of the prescaled multiply)."""
+    from kiln.kernels.cuda.triton.qconv import loop_of
+
+    cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
+    config = QConvConfig(16, 16, 16, group_m=2, **CONV_OPTIONS[option])
+    assert loop_of((k, k), (stride, stride), (pad,) * 4, cin, 16) == loop.split()[0]
+    gen = torch.Generator().manual_seed(hash((loop, option)) % 2**31)
+    for x_dtype, x_zero in ((torch.int8, -100), (torch.uint8, 200), (FP8, 0)):
+        if x_dtype == FP8:
+            x = (torch.randn(2, cin, size, size, generator=gen) * 2).to(FP8)
+            w = (torch.randn(cout, cin, k, k, generator=gen) * 0.5).to(FP8)
+            bias, out, y_scale = torch.randn(cout, generator=gen) * 4, FP8, 0.25
+            kernel_bias = bias
+        else:
+            lo, hi = (-128, 128) if x_dtype == torch.int8 else (0, 256)
+            x = torch.randint(lo, hi, (2, cin, size, size), generator=gen).to(x_dtype)
+            w = torch.randint(-127, 128, (cout, cin, k, k), generator=gen, dtype=torch.int8)
+            bias = torch.randint(-900, 900, (cout,), generator=gen, dtype=torch.int32)
+            out, y_scale = torch.int8, 0.37 * (cin * k * k) ** 0.5
+            kernel_bias = fold_zero_point(w, bias, x_zero, x_dtype)
+        scale = torch.rand(cout, generator=gen) * 0.02 + 0.01
+        ep = Epilogue(scale, kernel_bias, out, y_scale=y_scale, y_zero=0.0 if out == FP8 else -3.0, activation="Relu")
+        acc = torch.nn.functional.conv2d(x.double() - x_zero, w.double(), stride=stride, padding=pad)
+        v = ((acc + bias.double().view(1, -1, 1, 1)) * scale.double().view(1, -1, 1, 1)).relu() / y_scale
+        if out == FP8:
+            want = v.clamp(-448, 448).float().to(FP8)
+        else:
+            want = (torch.round(v) - 3).clamp(-128, 127).to(torch.int8)
+        fp16_weight = config.mma_f16 and x_dtype != FP8
+        y = qconv2d(x.contiguous(memory_format=torch.channels_last), pack_weight(w, fp16=fp16_weight), (k, k),
+                    ep.prescale() if config.prescaled else ep, x_zero=x_zero, strides=(stride, stride),
+                    pads=(pad,) * 4, config=config)
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        got, ref = (y.view(torch.uint8).int(), want.view(torch.uint8).int()) if out == FP8 else (y.int(), want.int())
+        if out == FP8:  # E4M3 codes in value order: adjacent values one apart
+            got, ref = (torch.where(t >= 128, -(t & 0x7F), t & 0x7F) for t in (got, ref))
+        off = (got - ref).abs()
+        assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 0.01, (x_dtype, int(off.max()),
+                                                                                 float((off > 0).float().mean()))
+
+
+def test_qconv_refuses_a_wrong_padding_row_and_weight_dtype():
+    x = torch.zeros(1, 16, 4, 4, dtype=torch.int8)
+    ep = Epilogue(torch.ones(16), None, torch.int8)
+    with pytest.raises(ValueError, match="padding must be padding_row"):
+        qconv2d(x, pack_weight(torch.zeros(16, 16, 3, 3, dtype=torch.int8)), (3, 3), ep,
+                padding=torch.zeros(8, dtype=torch.int8))
+    with pytest.raises(TypeError, match="fp16 with config.mma_f16"):
+        qconv2d(x, pack_weight(torch.zeros(16, 16, 1, 1, dtype=torch.int8)), (1, 1), ep,
+                config=QConvConfig(16, 16, 16, mma_f16=True))

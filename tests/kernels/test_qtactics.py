@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpr
 I8, U8 = torch.int8, torch.uint8
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 TRITON_GEMM = "cuda.qgemm.triton.16x64x128"  # the tile the small test shapes fill (M = 40, N = 80)
-TRITON_CONV = "cuda.qconv.triton_igemm.64x64x64"
+TRITON_CONV = "cuda.qconv.triton_igemm.64x64x64w4s4"
 
 
 def test_the_tactics_are_registered_for_their_ops():
@@ -34,8 +34,8 @@ def test_the_tactics_are_registered_for_their_ops():
                      ("cuda.qconv.dequantized_fp32", "QConv"), ("cuda.qadd.triton", "QAdd"), ("cuda.qadd.torch", "QAdd")):
         assert cuda[name].op_type == op and cuda[name].domain == "kiln"
     default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
-    assert "cuda.qconv.triton_igemm.256x128x64" not in default  # the widest tile from opt_level 3
-    assert {"cuda.qconv.dequantized", TRITON_CONV} <= default
+    assert "cuda.qconv.triton_igemm.128x256x64w8s2" not in default  # a short-K tile from opt_level 3
+    assert {"cuda.qconv.dequantized", TRITON_CONV, "cuda.qconv.triton_igemm.128x256x128w8s3"} <= default
 
 
 # ---- QGemm -------------------------------------------------------------------------------------------
@@ -146,8 +146,43 @@ def test_qconv_refusals():
     assert "group 24" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=24, cout=24, group=24))
     assert "not 4-D" in refusal(TRITON_CONV, conv_layer(I8, I8, cin=16, cout=72, size=(11,)))
     assert "mostly padding" in refusal(TRITON_CONV, conv_layer(I8, I8, cout=8))
-    assert "mostly padding" in refusal("cuda.qconv.triton_igemm.256x128x64", conv_layer(I8, I8))
+    assert "mostly padding" in refusal("cuda.qconv.triton_igemm.256x128x128w8s3", conv_layer(I8, I8))
 
+
+
+def _first_tile(flag: str, x_dtype: torch.dtype | None = None) -> str:
+    """The first registered config with the option that takes x_dtype's family (any, when None)."""
+    from kiln.tactics.cuda.quant_conv import IGEMM_TILES
+
+    fp8 = x_dtype == FP8
+    return next(tile.name for tile, _ in IGEMM_TILES if getattr(tile, flag) and
+                (x_dtype is None or (not (tile.mma_f16 and fp8) and not (tile.fp8_fast_accumulation and not fp8))))
+
+
+@pytest.mark.parametrize("flag, cases", [("mma_f16", [(I8, I8), (U8, U8), (I8, F32)]),
+                                         ("fp8_fast_accumulation", [(FP8, FP8), (FP8, F32)]),
+                                         ("persistent", [(I8, I8), (FP8, FP8)])])
+def test_qconv_triton_options_match_the_reference(flag, cases):
+    """The registered configs with an option (int8 on fp16 tensor cores, FP8 fast accumulation; every
+    config folds y_scale into the scale of a quantized output) on ResNet-like layers their 128-wide tiles fill: 3x3 with 64 input channels,
+    1x1 with 128 (the GEMM loop)."""
+    for x_dtype, out in cases:
+        name = _first_tile(flag, x_dtype)
+        for geometry in (dict(cin=64, kernel=3), dict(cin=128, kernel=1, pads=[0, 0, 0, 0])):
+            if ("x128w" in name and geometry["cin"] == 64) or ("persistent" in name and geometry["kernel"] != 1):
+                continue  # 128-wide K steps refuse 64 channels (test_qconv_triton_options_refuse_the_other_family)
+            layer = conv_layer(x_dtype, out, cout=128, size=(12, 12), seed=6, **geometry)
+            check_tactic(name, layer, what=f"{x_dtype} {geometry}")
+
+
+def test_qconv_triton_options_refuse_the_other_family():
+    assert "int8 layers" in refusal(_first_tile("mma_f16"), conv_layer(FP8, FP8, cin=64, cout=128, size=(12, 12)))
+    assert "FP8 option" in refusal(_first_tile("fp8_fast_accumulation"),
+                                   conv_layer(I8, I8, cin=128, cout=128, size=(12, 12)))
+    assert "fill the GPU" in refusal(TRITON_CONV, conv_layer(I8, I8, n=64, cin=64, cout=128, size=(32, 32)))
+    assert "1x1 stride-1" in refusal(_first_tile("persistent"), conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
+    assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
+                                           conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
 
 # ---- QAdd --------------------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ host arithmetic on shapes only, and run inside captured CUDA graphs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.quant_common import QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
+from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -61,9 +62,58 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return True
 
 
-def _igemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int) -> Tactic:
-    name = f"cuda.qconv.triton_igemm.{block_m}x{block_n}x{block_k}"
+@dataclass(frozen=True)
+class IgemmTile:
+    """One config of the Triton kernel (its QConvConfig, built at prepare: the kernel module imports triton)."""
 
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    mma_f16: bool = False  # int8 layers on fp16 tensor cores (fp32 accumulator: wgmma kept in flight)
+    fp8_fast_accumulation: bool = False  # FP8: Hopper's own accumulation, no fp32 promotion every K step
+    persistent: int = 0  # 1x1 stride-1 layers: that many programs per SM walking the tiles
+
+    @property
+    def name(self) -> str:
+        flags = [f for f, on in (("int8_on_fp16", self.mma_f16), ("fp8_fast_acc", self.fp8_fast_accumulation),
+                                 (f"persistent{self.persistent}", self.persistent)) if on]
+        tile = f"{self.block_m}x{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
+        return "cuda.qconv.triton_igemm." + ".".join([tile, *flags])
+
+
+def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> str | None:
+    """Why this config is no candidate for the layer (None: it is)."""
+    x, w = inputs[0], inputs[3]
+    fp8 = x.dtype == FP8
+    if tile.mma_f16 and fp8:
+        return "fp16 tensor cores are for int8 layers (FP8 layers have their own)"
+    if tile.fp8_fast_accumulation and not fp8:
+        return "fast accumulation is an FP8 option"
+    kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
+    if kernel != list(w.shape[2:]):
+        return f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}"
+    strides, dilations, pads = _geometry(step, torch.empty(x.shape, device="meta"), kernel)
+    if tile.persistent and (kernel != [1, 1] or list(strides) != [1, 1] or any(pads)):
+        return "the persistent loop is the 1x1 stride-1 GEMM's (other layers run the tiled kernel)"
+    ho = _output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
+    wo = _output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
+    if ho <= 0 or wo <= 0:
+        return "the kernel does not fit the padded input"
+    rows = x.shape[0] * ho * wo
+    if _padded_tile(tile.block_m, rows):
+        return f"{tile.block_m}-pixel tiles for {rows} output pixels: mostly padding"
+    if tile.block_m < 128 and (rows // 128) * max(1, w.shape[0] // 128) >= 512:
+        return f"{rows} output pixels fill the GPU with 128-row tiles (the 64-row tile is for small batches)"
+    if _padded_tile(tile.block_n, w.shape[0]):
+        return f"{tile.block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
+    if x.shape[1] % 64 == 0 and tile.block_k > x.shape[1]:  # the configs of 64-wide K steps run its channel loop
+        return f"{tile.block_k}-wide K steps over {x.shape[1]} input channels: the per-element K loop"
+    return None
+
+
+def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         common = check_layer(step, inputs, 4)
         if common is not True:
@@ -75,52 +125,69 @@ def _igemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_
             return f"group {_attr(step, 'group', 1)}: the implicit GEMM reduces over all input channels"
         if x.shape[1] != w.shape[1]:
             return f"x has {x.shape[1]} channels, the weight takes {w.shape[1]}"
-        kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
-        if kernel != list(w.shape[2:]):
-            return f"kernel_shape {kernel} differs from the weight's {list(w.shape[2:])}"
-        strides, dilations, pads = _geometry(step, torch.empty(x.shape, device="meta"), kernel)
-        ho = _output_size(x.shape[2], kernel[0], strides[0], pads[0], pads[2], dilations[0])
-        wo = _output_size(x.shape[3], kernel[1], strides[1], pads[1], pads[3], dilations[1])
-        if ho <= 0 or wo <= 0:
-            return "the kernel does not fit the padded input"
-        rows = x.shape[0] * ho * wo
-        if _padded_tile(block_m, rows):
-            return f"{block_m}-pixel tiles for {rows} output pixels: mostly padding"
-        if _padded_tile(block_n, w.shape[0]):
-            return f"{block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
-        return True
+        return _igemm_refusal(tile, step, inputs) or True
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qconv = kernels("qconv")
-        config = qconv.QConvConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
+        config = qconv.QConvConfig(tile.block_m, tile.block_n, tile.block_k, num_warps=tile.num_warps,
+                                   num_stages=tile.num_stages, fp8_precise=not tile.fp8_fast_accumulation,
+                                   mma_f16=tile.mma_f16, persistent=tile.persistent)
         layer = QuantizedLayer.of(step, constants, device)
         kernel = tuple(int(k) for k in layer.w.shape[2:])
-        w_packed = qconv.pack_weight(layer.w)  # [Cout, KH·KW·Cin], K-major: once per layer
+        w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
         epilogue = layer.integer_epilogue()
+        if epilogue.out_kind != 0:
+            # y_scale folded into the per-channel scale: a multiply per output where the division took
+            # ~10 instructions (the same tile ran 1.5-3x slower with it on the H200, bench/results/
+            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows
+            epilogue = epilogue.prescale()
         x_zero = layer.x_zero
+        padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
 
         def launch(ctx, x, *_inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, list(kernel))  # host arithmetic on x's shape
             x = x.contiguous(memory_format=_CL)  # no copy when it already is NHWC (as it was timed)
             return qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
-                                 pads=tuple(pads), dilations=tuple(dilations), config=config)
+                                 pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding)
 
         return launch
 
+    extras = "".join(f", {what}" for what, on in (("int8 on fp16 tensor cores (fp32 accumulator)", tile.mma_f16),
+                                                  ("FP8 fast accumulation", tile.fp8_fast_accumulation),
+                                                  (f"{tile.persistent} persistent programs per SM", tile.persistent))
+                     if on)
     return Tactic(
-        name=name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
+        name=tile.name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
         prepare=prepare, layout="channels_last", level=level, available=triton_available,
-        description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {block_m}x{block_n}x{block_k} tiles, "
-                    f"{num_warps} warps, {num_stages} stages, zero point / bias / scale / Relu / requantization "
-                    "fused in the epilogue",
+        description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {tile.block_m}x{tile.block_n}x{tile.block_k} "
+                    f"tiles, {tile.num_warps} warps, {tile.num_stages} stages{extras}; zero point / bias / scale / "
+                    "Relu / requantization (y_scale folded into the scale) fused in the epilogue",
     )
 
 
-# (block_m, block_n, block_k, warps, stages) -> the opt level it is tried from. Each config compiles a kernel
-# per layer kind (taps, flat K, epilogue): three at default builds, the rest from opt_level 3.
-for _config, _level in (((128, 128, 64, 8, 4), 2), ((128, 64, 64, 4, 4), 2), ((64, 64, 64, 4, 4), 2),
-                        ((256, 128, 64, 8, 4), 3), ((128, 128, 128, 8, 3), 3)):
-    register(_igemm_tactic(*_config, level=_level))
+# The configs the autotuner times, and the opt level each is tried from; each compiles a kernel per layer
+# kind (1x1 GEMM, 3x3 taps, stride, flat stem, epilogue). Opt level 2: the four that a greedy pick over
+# bench/qconv_sweep.py's second H200 run (bench/results/qconv-2026-12-02.md) needs for ResNet-50's 22 conv
+# shapes at batch 256 (4.46 ms summed with all four, 4.44 with all 17 configs swept), and the small-batch tile.
+IGEMM_TILES = (
+    (IgemmTile(128, 64, 64, 4, 4), 2),  # the 64-channel layers and short-K 1x1s at 56x56 / 28x28
+    (IgemmTile(256, 128, 128, 8, 3), 2),  # 3x3 128->128
+    (IgemmTile(128, 256, 128, 8, 3), 2),  # the 14x14 and 7x7 stages
+    (IgemmTile(128, 128, 128, 8, 3), 2),
+    (IgemmTile(64, 64, 64, 4, 4), 2),  # small batches (refused where 128-row tiles fill the GPU)
+    (IgemmTile(128, 128, 64, 4, 3, persistent=2), 3),  # short-K 1x1 layers: next tile's loads under this epilogue
+    (IgemmTile(128, 128, 64, 4, 4, mma_f16=True), 3),
+    (IgemmTile(128, 256, 64, 8, 3, mma_f16=True), 3),
+    (IgemmTile(128, 128, 64, 4, 2), 3),  # short K (64-256): two stages, more CTAs per SM
+    (IgemmTile(128, 256, 64, 8, 2), 3),
+    (IgemmTile(128, 256, 128, 8, 4), 3),
+    # FP8 fast accumulation: faster on some 1x1 layers, but beyond the noise bound on 5 of 18 layers
+    # (run 2: up to 60 grid steps on 1.4% of the outputs): opt level 3 only, and checked at build like all
+    (IgemmTile(128, 128, 128, 8, 3, fp8_fast_accumulation=True), 3),
+    (IgemmTile(128, 256, 128, 8, 3, fp8_fast_accumulation=True), 3),
+)
+for _tile, _level in IGEMM_TILES:
+    register(_igemm_tactic(_tile, level=_level))
 
 
 # ---- the float layer ---------------------------------------------------------------------------------

@@ -4,17 +4,28 @@
     acc[n, co, oh, ow] = Σ_{r,s,c} (x[n, c, oh·SH − PT + r·DH, ow·SW − PL + s·DW] − x_zero)·w[co, c, r, s]
     y = requantize((acc + bias[co])·scale[co])                          kiln/kernels/cuda/triton/qmath.py
 
-The structure is kiln's float implicit-GEMM convolution (kiln/kernels/cuda/triton/conv.py: rows
-M = N·Ho·Wo output pixels of an NHWC x, columns Cout, reduction K = KH·KW·Cin; a flat (tap, channel
-block) loop, or per-element K decomposition when Cin < BLOCK_K), with three differences:
+Rows M = N·Ho·Wo output pixels of a dense NHWC x, columns Cout, reduction K = KH·KW·Cin, in one of
+three loops (`loop_of`):
 
-  - operands are int8 (uint8 x shifted by −128 in registers) with an int32 accumulator, or
-    float8e4m3fn with an fp32 one (partial sums promoted to fp32 every K step, as in qgemm.py);
+  - "gemm": a 1x1, stride-1, unpadded convolution is x viewed as [N·H·W, Cin] times wᵀ: no index math;
+  - "taps": one loop over (tap, channel block) steps, so that the software pipeline runs across taps;
+    a tap's bounds are one [BM] vector per step;
+  - "flat": K decomposed per element, for Cin below BLOCK_K (the 7x7 stem's 3 channels).
+
+What makes it fast on Hopper (sm_90, measured in bench/qconv_sweep.py): no load in the loop has a row
+or column mask or a non-zero `other`. A masked load whose `other` is x's zero point cannot be a
+zero-filling cp.async, so Triton copied each A tile through registers (select, store back to shared
+memory) and waited for every wgmma before the next (seen in the sm_90 PTX of the previous kernel).
+Instead, padded taps point at `padding`, a row of Cin zero points (`padding_row`): (z − z)·w = 0, as
+the reference's zero padding of the real values; tail rows and columns read the last pixel/channel and
+are not stored.
+
+  - operands are int8 (uint8 x flipped to x − 128 in registers) with an int32 accumulator, or
+    float8e4m3fn with an fp32 one (partial sums promoted every K step when `fp8_precise`, as qgemm.py);
   - the weight is packed K-major, [Cout, KH·KW·Cin] (`pack_weight`): the layout wgmma reads 8-bit
     B operands in;
   - x's zero point is not subtracted per element: the caller folds −z·Σw into the int32 bias
-    (qgemm.fold_zero_point), and padding lanes read z itself (`pad`), so that a padded tap adds
-    (z − z)·w = 0 as the reference's zero padding of the real values does.
+    (qgemm.fold_zero_point).
 
 Output: [N, Cout, Ho, Wo] with channels-last strides, in the epilogue's dtype.
 """
@@ -40,10 +51,21 @@ class QConvConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    fp8_precise: bool = True  # FP8: promote the tensor cores' partial sums to fp32 every K step
+    prescaled: bool = False  # the caller folds y_scale into the scale (Epilogue.prescale): a multiply per output
+    mma_f16: bool = False  # int8 layers on fp16 tensor cores, fp32 accumulator (pack_weight(w, fp16=True))
+    persistent: int = 0  # > 0: the 1x1 GEMM loop as that many programs per SM walking the tiles
 
     @property
     def name(self) -> str:
         return f"{self.block_m}x{self.block_n}x{self.block_k}"
+
+    @property
+    def label(self) -> str:
+        """The name with everything else that makes a different kernel (tactic names, sweep tables)."""
+        return f"{self.name}w{self.num_warps}s{self.num_stages}" + ("" if self.fp8_precise else "f") + \
+            ("p" if self.prescaled else "") + ("h" if self.mma_f16 else "") + \
+            (f"P{self.persistent}" if self.persistent else "")
 
 
 QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on the by-tap loop
@@ -56,111 +78,218 @@ QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on
 
 
 @triton.jit
-def _qconv_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
-                  M, Cout, Cin, H, W, Ho, Wo, sxn, sxc, sxh, sxw,
-                  SH, SW, PT, PL, DH, DW, pad, y_scale, y_zero, alpha, beta,
-                  KH: tl.constexpr, KW: tl.constexpr, FLAT_K: tl.constexpr, FP8: tl.constexpr,
-                  X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
-                  QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr,
+              MMA_F16: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += a @ b on the tensor cores: int8 x int8 -> int32 (triton 3.6 wants out_dtype with an int
+    accumulator), e4m3 x e4m3 -> fp32 (promoted to a CUDA-core fp32 add every K step when precise), or
+    int8 x (int8 values in fp16) -> fp32 with MMA_F16."""
+    if FP8:
+        if FP8_PRECISE:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc)  # Hopper's own accumulation (~14 bits of the fp32 sum, as cuBLASLt's fast mode)
+    else:
+        if X_UNSIGNED:
+            a = (a ^ 0x80).to(tl.int8, bitcast=True)  # x − 128: its zero point moved with it (fold_zero_point)
+        if MMA_F16:
+            # Triton keeps only fp32-accumulator wgmma in flight across iterations (an int32 one is waited
+            # for at once): x converted in registers, w packed as fp16, products exact, sums exact below 2^24
+            acc = tl.dot(a.to(tl.float16), b, acc)
+        else:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    return acc
+
+
+@triton.jit
+def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
+                  M, Cout, Cin, H, W, Ho, Wo, sxn, sxh, sxw,
+                  SH, SW, PT, PL, DH, DW, y_scale, y_zero, alpha, beta,
+                  KH: tl.constexpr, KW: tl.constexpr, LOOP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                  FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr,
+                  MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                  QMAX: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels: [BM]
     rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channels: [BN]
     rk = tl.arange(0, BLOCK_K)  # [BK]
-    row_ok = rm < M
-    col_ok = rn < Cout
-    ow = rm % Wo
-    oh = (rm // Wo) % Ho
-    nb = rm // (Wo * Ho)
-    ih0 = oh * SH - PT  # [BM]
-    iw0 = ow * SW - PL
-    x_rows = x_ptr + nb.to(tl.int64) * sxn  # [BM]
+    # Tail rows and columns read the last pixel / channel (their results are not stored): the loads in
+    # the loop need no row or column mask, so the copies stay 16-byte cp.async into shared memory.
+    pixel = tl.minimum(rm, M - 1)
     K = KH * KW * Cin
-    w_cols = w_ptr + rn.to(tl.int64) * K  # [BN]: row co of the packed [Cout, K] weight
-    if FP8:
+    w_cols = w_ptr + tl.minimum(rn, Cout - 1).to(tl.int64) * K  # [BN]: row co of the packed [Cout, K] weight
+    if FP8 or MMA_F16:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        pad_value = 0.0  # float8's zero point is 0
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-        pad_value = pad  # x's own zero point: a padded tap contributes (z - z)·w = 0
-    if FLAT_K:
-        # K index k = (r·KW + s)·Cin + c decomposed per element: small Cin packs several taps per tile
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk  # [BK]
-            k_ok = kk < K
-            c = kk % Cin
-            tap = kk // Cin
-            ih = ih0[:, None] + ((tap // KW) * DH)[None, :]  # [BM, BK]
-            iw = iw0[:, None] + ((tap % KW) * DW)[None, :]
-            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            a = tl.load(x_rows[:, None] + ih * sxh + iw * sxw + c[None, :] * sxc,
-                        mask=row_ok[:, None] & k_ok[None, :] & inside, other=pad_value)
-            b = tl.load(w_cols[None, :] + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0 if FP8 else 0)
-            if FP8:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                if X_UNSIGNED:
-                    a = (a.to(tl.int32) - 128).to(tl.int8)
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    if LOOP == "gemm":
+        # 1x1, stride 1, no padding, dense NHWC x: the convolution is x[N·H·W, Cin] @ wᵀ
+        x_rows = x_ptr + pixel.to(tl.int64) * sxw  # [BM]
+        for c0 in range(0, Cin, BLOCK_K):
+            c = c0 + rk  # [BK]
+            if EVEN_K:
+                a = tl.load(x_rows[:, None] + c[None, :])
+                b = tl.load(w_cols[None, :] + c[:, None])
+            else:  # a channel tail: zeros in both operands add nothing
+                a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
+                b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
+            acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
     else:
-        c_blocks = tl.cdiv(Cin, BLOCK_K)
-        for step in range(0, KH * KW * c_blocks):
-            tap = step // c_blocks
-            c = (step % c_blocks) * BLOCK_K + rk  # [BK] input channels of this step
-            ih = ih0 + (tap // KW) * DH  # [BM]
-            iw = iw0 + (tap % KW) * DW
-            inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-            c_ok = c < Cin
-            a = tl.load((x_rows + ih * sxh + iw * sxw)[:, None] + c[None, :] * sxc,
-                        mask=(row_ok & inside)[:, None] & c_ok[None, :], other=pad_value)
-            b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None], mask=c_ok[:, None] & col_ok[None, :],
-                        other=0.0 if FP8 else 0)
-            if FP8:
-                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-            else:
-                if X_UNSIGNED:
-                    a = (a.to(tl.int32) - 128).to(tl.int8)
-                acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        ow = pixel % Wo
+        oh = (pixel // Wo) % Ho
+        ih0 = oh * SH - PT  # [BM]
+        iw0 = ow * SW - PL
+        x_rows = x_ptr + (pixel // (Wo * Ho)).to(tl.int64) * sxn  # [BM]
+        pad_rows = pad_ptr + tl.zeros_like(ih0)  # [BM]: a padded tap reads x's zero point from here
+        if LOOP == "flat":
+            # K index k = (r·KW + s)·Cin + c decomposed per element: small Cin (the stem) packs several taps per step
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + rk  # [BK]
+                c = kk % Cin
+                tap = kk // Cin
+                ih = ih0[:, None] + ((tap // KW) * DH)[None, :]  # [BM, BK]
+                iw = iw0[:, None] + ((tap % KW) * DW)[None, :]
+                inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                a_ptrs = tl.where(inside, x_rows[:, None] + ih * sxh + iw * sxw, pad_rows[:, None]) + c[None, :]
+                a = tl.load(a_ptrs, mask=(kk < K)[None, :], other=0.0 if FP8 else 0)
+                b = tl.load(w_cols[None, :] + kk[:, None], mask=(kk < K)[:, None], other=0.0 if FP8 else 0)
+                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
+        else:
+            # one loop over (tap, channel block), so that the pipeline runs across taps; the row masks of
+            # a tap are a [BM] vector, folded into the row pointers (padded rows point at the zero point)
+            c_blocks = tl.cdiv(Cin, BLOCK_K)
+            for step in range(0, KH * KW * c_blocks):
+                tap = step // c_blocks
+                r = tap // KW
+                c = (step - tap * c_blocks) * BLOCK_K + rk  # [BK] input channels of this step
+                ih = ih0 + r * DH  # [BM]
+                iw = iw0 + (tap - r * KW) * DW
+                inside = (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+                a_rows = tl.where(inside, x_rows + ih * sxh + iw * sxw, pad_rows)
+                if EVEN_K:
+                    # Cin a multiple of BLOCK_K (>= 16): every row starts 16-byte aligned, which the compiler
+                    # cannot see through the select; without the hint the A copies are single bytes
+                    a_rows = tl.multiple_of(a_rows, 16)
+                    a = tl.load(a_rows[:, None] + c[None, :])
+                    b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None])
+                else:
+                    a = tl.load(a_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
+                    b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
+                acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
 
+    col_ok = rn < Cout
     scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0)[None, :]
+        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0 if FP8 else 0)[None, :]
     else:
         bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    if PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
+        y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    else:
+        y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
     offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
 
 
-def pack_weight(w: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, Cout, Cin, sxw,
+                                  y_scale, y_zero, alpha, beta, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+                                  FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  PRESCALED: tl.constexpr, MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr,
+                                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """The "gemm" loop with a fixed number of programs walking the tiles: for short K (a 1x1 layer over
+    64-512 channels) each tile is one or a few K steps, and a flattened loop lets the next tile's loads
+    overlap this tile's epilogue, where one program per tile waits for its own loads each time."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(Cout, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)  # [BK]
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0), flatten=True):
+        tile_m, tile_n = dm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+        rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+        rn = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        x_rows = x_ptr + tl.minimum(rm, M - 1).to(tl.int64) * sxw  # [BM]
+        w_cols = w_ptr + tl.minimum(rn, Cout - 1).to(tl.int64) * Cin  # [BN]
+        if FP8 or MMA_F16:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for c0 in range(0, Cin, BLOCK_K):
+            c = c0 + rk
+            if EVEN_K:
+                a = tl.load(x_rows[:, None] + c[None, :])
+                b = tl.load(w_cols[None, :] + c[:, None])
+            else:
+                a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
+                b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
+            acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
+        col_ok = rn < Cout
+        scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0 if FP8 else 0)[None, :]
+        else:
+            bias = scale  # not read
+        if PRESCALED:
+            y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+        else:
+            y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+        offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
+
+
+def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
     """[Cout, Cin, KH, KW] -> [Cout, KH·KW·Cin] contiguous (K-major): column (r·KW + s)·Cin + c is the
-    kernel's K index. Once per layer, at prepare."""
+    kernel's K index. fp16: an int8 weight's values as fp16 (exact), for QConvConfig.mma_f16. Once per
+    layer, at prepare."""
     if w.dim() != 4:
         raise ValueError(f"triton qconv2d: weight must be [Cout, Cin, KH, KW], got {tuple(w.shape)}")
+    if fp16 and w.dtype != torch.int8:
+        raise TypeError(f"triton qconv2d: only int8 weights run on fp16 tensor cores, got {w.dtype}")
     cout, cin, kh, kw = w.shape
-    return w.permute(0, 2, 3, 1).reshape(cout, kh * kw * cin).contiguous()
+    packed = w.permute(0, 2, 3, 1).reshape(cout, kh * kw * cin)
+    return (packed.to(torch.float16) if fp16 else packed).contiguous()
 
 
 def output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
     return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
 
 
+def padding_row(x_dtype: torch.dtype, x_zero: int, cin: int, device: torch.device | str) -> torch.Tensor:
+    """Cin copies of x's zero point in x's dtype: what a padded tap reads (once per layer, at prepare)."""
+    return torch.full((max(cin, 1),), x_zero, dtype=torch.float32, device=device).to(x_dtype)
+
+
+def loop_of(kernel: tuple[int, int], strides: tuple[int, int], pads: tuple[int, int, int, int], cin: int,
+            block_k: int) -> str:
+    """The kernel's reduction loop for a layer (the module docstring says what each does)."""
+    if tuple(kernel) == (1, 1) and tuple(strides) == (1, 1) and not any(pads):
+        return "gemm"
+    return "flat" if cin < block_k else "taps"
+
+
 def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], epilogue: Epilogue, *,
             x_zero: int = 0, strides: tuple[int, int] = (1, 1), pads: tuple[int, int, int, int] = (0, 0, 0, 0),
-            dilations: tuple[int, int] = (1, 1), config: QConvConfig | None = None) -> torch.Tensor:
+            dilations: tuple[int, int] = (1, 1), config: QConvConfig | None = None,
+            padding: torch.Tensor | None = None) -> torch.Tensor:
     """requantize(conv2d(x − x_zero, w)), groups 1, NHWC out.
 
-    x: [N, Cin, H, W] int8/uint8 (w int8) or float8e4m3fn (w float8e4m3fn), any strides (NHWC reads
-    coalesce); w_packed: pack_weight(w); x_zero: x's zero point (what padding reads; the correction
+    x: [N, Cin, H, W] int8/uint8 (w int8) or float8e4m3fn (w float8e4m3fn); read as dense NHWC (a copy
+    when it is not); w_packed: pack_weight(w); x_zero: x's zero point (what padding reads; the correction
     for the rest is in epilogue.bias, qgemm.fold_zero_point); pads in ONNX order (top, left, bottom,
-    right). Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype.
+    right); padding: padding_row(x.dtype, x_zero, Cin) made once by the caller (else made here).
+    Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype.
     """
     fp8 = x.dtype == torch.float8_e4m3fn
-    if x.dtype not in QUANTIZED_INPUTS or w_packed.dtype != (torch.float8_e4m3fn if fp8 else torch.int8):
-        raise TypeError(f"triton qconv2d: x int8/uint8 with w int8, or both float8e4m3fn; got {x.dtype}, "
-                        f"{w_packed.dtype}")
     if x.dim() != 4:
         raise ValueError(f"triton qconv2d: x must be [N, C, H, W], got {tuple(x.shape)}")
+    if config is None:
+        config = next((c for c in QCONV_CONFIGS if c.block_m <= max(x.shape[0] * x.shape[2] * x.shape[3], 16) and
+                       c.block_n <= max(w_packed.shape[0], 16)), QCONV_CONFIGS[-1])
+    mma_f16 = config.mma_f16 and not fp8
+    w_dtype = torch.float8_e4m3fn if fp8 else torch.float16 if mma_f16 else torch.int8
+    if x.dtype not in QUANTIZED_INPUTS or w_packed.dtype != w_dtype:
+        raise TypeError(f"triton qconv2d: x int8/uint8 with w int8 (fp16 with config.mma_f16), or both "
+                        f"float8e4m3fn; got {x.dtype}, {w_packed.dtype}")
     kh, kw = kernel
     n, cin, h, wd = x.shape
     if w_packed.dim() != 2 or w_packed.shape[1] != kh * kw * cin or not w_packed.is_contiguous():
@@ -168,9 +297,14 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
                          f"contiguous [Cout, {kh * kw * cin}], got {tuple(w_packed.shape)}")
     cout = w_packed.shape[0]
     epilogue.check(cout)
-    if epilogue.bias is not None and epilogue.bias.dtype != (torch.float32 if fp8 else torch.int32):
+    if epilogue.bias is not None and epilogue.bias.dtype != (torch.float32 if fp8 else torch.int32):  # int32 with mma_f16 too
         raise TypeError(f"triton qconv2d: the bias of an {'fp8' if fp8 else 'int8'} layer is "
                         f"{'float32' if fp8 else 'int32'}, got {epilogue.bias.dtype}")
+    if padding is None:
+        padding = padding_row(x.dtype, x_zero, cin, x.device)
+    elif padding.dtype != x.dtype or padding.numel() < cin:
+        raise ValueError(f"triton qconv2d: padding must be padding_row({x.dtype}, x_zero, {cin}), got "
+                         f"{padding.dtype}[{padding.numel()}]")
     (sh, sw), (pt, pl, pb, pr), (dh, dw) = strides, pads, dilations
     ho, wo = output_size(h, kh, sh, pt, pb, dh), output_size(wd, kw, sw, pl, pr, dw)
     if ho <= 0 or wo <= 0:
@@ -179,18 +313,30 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     m = n * ho * wo
     if out.numel() == 0:
         return out
-    if config is None:
-        config = next((c for c in QCONV_CONFIGS if c.block_m <= max(m, 16) and c.block_n <= max(cout, 16)),
-                      QCONV_CONFIGS[-1])
+    x = x.contiguous(memory_format=torch.channels_last)  # no copy when it is NHWC already
+    loop = loop_of(kernel, strides, pads, cin, config.block_k)
+    even_k = (kh * kw * cin if loop == "flat" else cin) % config.block_k == 0
     qmin, qmax = epilogue.qrange
-    grid = (triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n),)
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n)
+    bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
+    if loop == "gemm" and config.persistent:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        _qconv_gemm_persistent_kernel[(min(tiles, sms * config.persistent),)](
+            x, w_packed, bias, epilogue.scale, out, m, cout, cin, x.stride(3), float(epilogue.y_scale),
+            float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), EVEN_K=even_k, FP8=fp8,
+            FP8_PRECISE=config.fp8_precise, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
+            PRESCALED=epilogue.prescaled, MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
+            QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+        return out
+    grid = (tiles,)
     _qconv_kernel[grid](
-        x, w_packed, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out,
-        m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(1), x.stride(2), x.stride(3),
-        sh, sw, pt, pl, dh, dw, int(x_zero), float(epilogue.y_scale), float(epilogue.y_zero),
+        x, padding, w_packed, bias, epilogue.scale, out,
+        m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(2), x.stride(3),
+        sh, sw, pt, pl, dh, dw, float(epilogue.y_scale), float(epilogue.y_zero),
         float(epilogue.alpha), float(epilogue.beta),
-        KH=kh, KW=kw, FLAT_K=cin < config.block_k, FP8=fp8, X_UNSIGNED=x.dtype == torch.uint8,
-        HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
-        QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        KH=kh, KW=kw, LOOP=loop, EVEN_K=even_k, FP8=fp8, FP8_PRECISE=config.fp8_precise,
+        X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None, PRESCALED=epilogue.prescaled,
+        MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -21,6 +21,7 @@ The tile config is a tactic parameter (kiln/tactics/cuda/quant_gemm.py), timed b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,21 @@ class Epilogue:
     @property
     def qrange(self) -> tuple[int, int]:
         return INT_RANGE.get(self.out_dtype, (0, 0))
+
+    @property
+    def prescaled(self) -> bool:
+        """scale and the Clip bounds already divided by y_scale (`prescale`): y_scale is 1."""
+        return self.y_scale == 1.0 and self.out_kind != qmath.OUT_FLOAT
+
+    def prescale(self) -> Epilogue:
+        """The same layer with y_scale folded into the per-channel scale (in float64, rounded once to
+        fp32) and the Clip bounds, for kernels that multiply instead of dividing (qmath.finish_prescaled).
+        Quantized outputs only: a float output has no y_scale."""
+        if self.out_kind == qmath.OUT_FLOAT:
+            raise ValueError("quantized epilogue: a float output has no y_scale to fold into the scale")
+        y_scale = float(self.y_scale)
+        return dataclasses.replace(self, scale=(self.scale.double() / y_scale).float(), y_scale=1.0,
+                                   alpha=self.alpha / y_scale, beta=self.beta / y_scale)
 
     def check(self, channels: int) -> None:
         if self.activation not in ("", "Relu", "Clip"):

@@ -51,6 +51,18 @@ def round_to_e4m3(v):
 
 
 @triton.jit
+def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """v = r / y_scale as the output: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value (OUT_FP8)."""
+    if OUT == 1:
+        # beyond 2^22 the rounding trick rounds to a coarser grid, but such v saturate anyway (and ±inf
+        # stay ±inf): no bound is needed before it (two instructions per output in every quantized layer)
+        v = tl.minimum(tl.maximum(round_half_even(v) + y_zero, QMIN * 1.0), QMAX * 1.0)
+    elif OUT == 2:
+        v = round_to_e4m3(v)
+    return v
+
+
+@triton.jit
 def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
                QMIN: tl.constexpr, QMAX: tl.constexpr):
     """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
@@ -59,13 +71,8 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
         r = dm.relu(r)
     elif ACTIVATION == "Clip":  # alpha = min, beta = max
         r = tl.minimum(tl.maximum(r, alpha), beta)
-    if OUT == 1:
-        v = dm.div(r, y_scale)
-        # bounded first so that the rounding trick's |v| < 2^22 holds; saturation is unchanged by it
-        v = tl.minimum(tl.maximum(v, QMIN - 1.0 - y_zero), QMAX + 1.0 - y_zero)
-        r = tl.minimum(tl.maximum(round_half_even(v) + y_zero, QMIN * 1.0), QMAX * 1.0)
-    elif OUT == 2:
-        r = round_to_e4m3(dm.div(r, y_scale))
+    if OUT != 0:
+        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX)
     return r
 
 
@@ -82,3 +89,23 @@ def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexp
             acc = acc.to(tl.float32) + bias.to(tl.float32)
     r = acc.to(tl.float32) * scale
     return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+
+
+@triton.jit
+def finish_prescaled(acc, bias, multiplier, y_zero, alpha, beta, HAS_BIAS: tl.constexpr,
+                     ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """finish() of an Epilogue.prescaled() epilogue: y_scale is folded into the per-channel multiplier
+    (scale / y_scale) and the Clip bounds on the host, so each output costs one multiply where finish()
+    has an IEEE division (~10 instructions: it dominates layers with a short K). The value can differ
+    from finish()'s by one step where r / y_scale lies within fp32 rounding of a tie."""
+    if HAS_BIAS:
+        if acc.dtype == tl.int32:
+            acc = acc + bias
+        else:
+            acc = acc.to(tl.float32) + bias.to(tl.float32)
+    v = acc.to(tl.float32) * multiplier
+    if ACTIVATION == "Relu":
+        v = dm.relu(v)
+    elif ACTIVATION == "Clip":
+        v = tl.minimum(tl.maximum(v, alpha), beta)
+    return quantize_value(v, y_zero, OUT, QMIN, QMAX)
