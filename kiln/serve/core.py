@@ -31,12 +31,13 @@ from kiln.serve.errors import (
     Unavailable,
 )
 from kiln.serve.repository import LoadedVersion, ModelRepository
+from kiln.serve.shared_memory import SharedMemoryRegistry
 from kiln.serve.stats import ModelStats
 from kiln.version import __version__
 
 SERVER_NAME = "kiln"
 EXTENSIONS = ["classification", "model_repository", "model_repository(unload_dependents)", "schedule_policy",
-              "model_configuration", "statistics", "binary_tensor_data", "parameters"]
+              "model_configuration", "statistics", "binary_tensor_data", "parameters", "system_shared_memory"]
 DEFAULT_MAX_QUEUE_SIZE = 1024
 
 
@@ -102,6 +103,7 @@ class ServerCore:
         self.models: dict[str, ModelEntry] = {}
         self.accepting = True  # False from the start of a shutdown on
         self.started = False
+        self.shared_memory = SharedMemoryRegistry()  # the frontends read inputs from and write outputs into it
 
     # ---- health and metadata ------------------------------------------------------------------
 
@@ -206,6 +208,17 @@ class ServerCore:
         model.stats.record_request(True, time.monotonic_ns() - arrival, pending.queue_ns)
         names = request.outputs if request.outputs is not None else model.output_names
         return InferResponse(model.name, model.version, request.id, [(n, outputs[n]) for n in names])
+
+    # ---- system shared memory (a front-end process's core asks the engine's, which tells every front end) ----
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.shared_memory.register(name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        self.shared_memory.unregister(name)
+
+    def system_shared_memory_status(self, name: str = "") -> list[dict]:
+        return [r.to_json() for r in self.shared_memory.status(name)]
 
     # ---- the repository -----------------------------------------------------------------------
 

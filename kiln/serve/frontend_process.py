@@ -58,6 +58,7 @@ class RemoteCore(ServerCore):
     def apply(self, view: View) -> None:
         self._engine_ready = view.ready
         self.models = {e.name: ModelEntry(e.name, e.state, e.reason, dict(e.versions)) for e in view.entries}
+        self.shared_memory.apply(view.regions)
 
     def received(self, message: View | Reply | InferAnswer) -> None:
         if type(message) is View:
@@ -124,6 +125,12 @@ class RemoteCore(ServerCore):
 
     async def unload(self, name: str) -> None:
         await self.call("unload", name)
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self.call("register_system_shared_memory", name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        await self.call("unregister_system_shared_memory", name)
 
     async def close(self) -> None:
         self.accepting = False

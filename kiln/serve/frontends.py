@@ -10,9 +10,11 @@ batchers here merge the requests of every front end.
     engine process: ServerCore, batchers, instances, /metrics port, this FrontendPool
         └─ Unix socket ─ front end k: uvicorn + grpc.aio on the shared ports, RemoteCore
 
-Health, metadata, config and the repository index are answered by each front end from a View of the
-engine's model table, sent at start and after every load and unload; statistics, /metrics on the
-HTTP port, infer, load and unload are forwarded. A front end that dies (killed, crashed) loses the
+Health, metadata, config, the repository index and the shared-memory status are answered by each front
+end from a View of the engine's model table and shared-memory regions, sent at start and after every
+load, unload, register and unregister; statistics, /metrics on the HTTP port, infer, load, unload,
+register and unregister are forwarded. A front end maps the registered regions itself: it reads
+inputs from them and writes outputs into them (the tensors cross the engine's socket as any others). A front end that dies (killed, crashed) loses the
 requests it held; the others serve on and the pool starts another in its place. stop(): the front
 ends stop taking connections and finish what they hold (the engine answers all of it), then exit.
 """
@@ -50,6 +52,7 @@ log = logging.getLogger("kiln.serve")
 _KILN_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the kiln package, for the children
 START_TIMEOUT_S = 300.0  # a front end imports kiln (torch): seconds on a loaded machine
 RESTART_PAUSE_S = 1.0  # between a front end's death and its replacement
+_CHANGES_VIEW = ("load", "unload", "register_system_shared_memory", "unregister_system_shared_memory")
 
 
 @dataclass
@@ -82,7 +85,7 @@ def view_of(core: ServerCore, ready: bool) -> View:
             described = {k: x for k, x in v.metadata([]).items() if k != "versions"}
             versions[number] = VersionView(v.name, v.version, v.config, described)
         entries.append(EntryView(entry.name, entry.state, entry.reason, versions))
-    return View(ready, entries)
+    return View(ready, entries, list(core.shared_memory.regions.values()))
 
 
 class FrontendPool:
@@ -221,8 +224,8 @@ class FrontendPool:
             reply = Reply(call.id, error=error_of(e))
         else:
             reply = Reply(call.id, value)
-        if call.method in ("load", "unload"):
-            self._broadcast()  # before the reply: the caller's next request sees the new model table
+        if call.method in _CHANGES_VIEW:
+            self._broadcast()  # before the reply: the caller's next request sees the new table, through any front end
         self._reply(frontend, reply)
 
     async def _run(self, call: Call):
@@ -235,6 +238,10 @@ class FrontendPool:
             return await core.load(*call.args)
         if call.method == "unload":
             return await core.unload(*call.args)
+        if call.method == "register_system_shared_memory":
+            return await core.register_system_shared_memory(*call.args)
+        if call.method == "unregister_system_shared_memory":
+            return await core.unregister_system_shared_memory(*call.args)
         raise ValueError(f"a front end called {call.method!r}, which the engine does not answer")
 
     @staticmethod

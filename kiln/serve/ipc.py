@@ -31,6 +31,7 @@ from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import ServeError
 from kiln.serve.options import ServeOptions
 from kiln.serve.repository import ModelRepository
+from kiln.serve.shared_memory import Region
 
 _HEAD = struct.Struct("<II")
 
@@ -96,10 +97,12 @@ class EntryView:
 
 @dataclass
 class View:
-    """The engine's model table and readiness, sent to every front end whenever either changes."""
+    """The engine's model table, readiness and shared-memory regions, sent to every front end whenever one
+    changes (a region registered through one front end serves requests through any)."""
 
     ready: bool
     entries: list[EntryView]
+    regions: list[Region] = field(default_factory=list)
 
 
 @dataclass

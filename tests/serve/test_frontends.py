@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from conftest import options, rng
+from test_shared_memory import infer_mlp_in_shared_memory, regions  # noqa: F401 - regions: a fixture
 from tritonclient.utils import InferenceServerException
 
 from kiln.serve import ServerThread
@@ -188,6 +190,42 @@ def test_concurrent_clients_each_get_their_own_answers(served, http, engine_of):
     served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
     assert sum(served_by) == CLIENTS * REQUESTS and min(served_by) > 0, served_by  # 2^-15: all on one by chance
     assert http.is_server_ready()
+
+
+def test_shared_memory_registered_through_one_front_end_serves_through_both(served, regions, engine_of):
+    """Regions are the engine's: registered over gRPC, used over 12 HTTP connections (both front ends, by the
+    answered counts) and gRPC; unregistered over HTTP, gone for every front end."""
+    engine = engine_of("mlp", "2")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports.grpc}")
+    answered_before = [f.answered for f in served.frontends.frontends]
+    try:
+        infer_mlp_in_shared_memory(grpc, regions, engine)
+        x = rng().standard_normal((2, 8)).astype(np.float32)
+        key, handle = regions(x.nbytes)
+        shm.set_shared_memory_region(handle, [x])
+        grpc.register_system_shared_memory("both", key, x.nbytes)
+        clients = [httpclient.InferenceServerClient(f"127.0.0.1:{served.ports.http}") for _ in range(12)]
+        for c in clients:
+            assert "both" in {r["name"] for r in c.get_system_shared_memory_status()}
+            tensor = httpclient.InferInput("x", [2, 8], "FP32")
+            tensor.set_shared_memory("both", x.nbytes)
+            _check_mlp(c.infer("mlp", [tensor]), x, engine)
+        served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
+        assert min(served_by) > 0, served_by  # 2^-11: every connection on one front end by chance
+        clients[0].unregister_system_shared_memory("both")
+        for c in clients:
+            tensor = httpclient.InferInput("x", [2, 8], "FP32")
+            tensor.set_shared_memory("both", x.nbytes)
+            with pytest.raises(InferenceServerException, match="no system shared memory region 'both'") as caught:
+                c.infer("mlp", [tensor])
+            assert caught.value.status() == "400"
+            c.close()
+        last = httpclient.InferenceServerClient(f"127.0.0.1:{served.ports.http}")
+        infer_mlp_in_shared_memory(last, regions, engine)
+        last.close()
+    finally:
+        grpc.unregister_system_shared_memory()
+        grpc.close()
 
 
 def test_load_unload_through_one_front_end_seen_by_both(repository):
