@@ -22,6 +22,7 @@ ends stop taking connections and finish what they hold (the engine answers all o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kiln.serve.core import ServerCore
+from kiln.serve.core import InferResponse, ServerCore
 from kiln.serve.ipc import (
     Call,
     Connection,
@@ -100,6 +101,8 @@ class FrontendPool:
         self._linked: dict[Connection, Frontend] = {}
         self._watchers: set[asyncio.Task] = set()
         self._calls: set[asyncio.Task] = set()
+        self._in_flight = 0  # infer calls queued and not answered yet (stop() waits for them)
+        self._idle: asyncio.Event | None = None
         self._stopping = False
         self._child_options: ServeOptions | None = None
 
@@ -197,21 +200,25 @@ class FrontendPool:
             log.info("front-end process %d's connection to the engine closed", frontend.slot)
 
     def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
-        loop = asyncio.get_running_loop()  # create_task, not ensure_future: its checks showed in py-spy's samples
-        if type(call) is InferCall:
-            task = loop.create_task(self._infer(frontend, call))
-        else:
-            task = loop.create_task(self._answer(frontend, call))
+        if type(call) is InferCall:  # queued now, answered from its future's callback (ServerCore.infer_soon)
+            self._in_flight += 1
+            self.core.infer_soon(call.request, functools.partial(self._infer_answered, frontend, call.id))
+            return
+        # create_task, not ensure_future: its checks showed in py-spy's samples
+        task = asyncio.get_running_loop().create_task(self._answer(frontend, call))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _infer(self, frontend: Frontend, call: InferCall) -> None:
-        try:
-            answer = InferAnswer(call.id, await self.core.infer(call.request))
-        except Exception as e:  # noqa: BLE001 - answered to the front end (its status code kept)
-            answer = Reply(call.id, error=error_of(e))
+    def _infer_answered(self, frontend: Frontend, call_id: int, outcome: InferResponse | Exception) -> None:
+        if isinstance(outcome, Exception):
+            answer = Reply(call_id, error=error_of(outcome))  # its status code kept
+        else:
+            answer = InferAnswer(call_id, outcome)
         frontend.answered += 1
         self._reply(frontend, answer)
+        self._in_flight -= 1
+        if not self._in_flight and self._idle is not None:
+            self._idle.set()
 
     async def _answer(self, frontend: Frontend, call: Call) -> None:
         if call.method == "serving":
@@ -280,6 +287,9 @@ class FrontendPool:
             task.cancel()
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
         if self._listener is not None:
             self._listener.close()
         for sock in self._reserved:

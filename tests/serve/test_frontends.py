@@ -17,6 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from conftest import options, rng
+from test_lifecycle import test_request_timeout_in_the_queue as request_timeout_in_the_queue
 from test_shared_memory import infer_mlp_in_shared_memory, regions  # noqa: F401 - regions: a fixture
 from tritonclient.utils import InferenceServerException
 
@@ -226,6 +227,12 @@ def test_shared_memory_registered_through_one_front_end_serves_through_both(serv
     finally:
         grpc.unregister_system_shared_memory()
         grpc.close()
+
+
+def test_request_timeout_in_the_queue(served):
+    """The engine process answers front ends' requests from callbacks (ServerCore.infer_soon): a timeout that
+    passes in the queue is still a 503 with Retry-After, and the request behind which it waited a 200."""
+    request_timeout_in_the_queue(served)
 
 
 def test_load_unload_through_one_front_end_seen_by_both(repository):
