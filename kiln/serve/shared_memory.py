@@ -12,6 +12,10 @@ response carries its name, datatype and shape without data. Every mistake is an 
 naming the region and the tensor: an unknown region, a window outside the region, a byte size that
 does not fit the tensor, a key that is not a shared-memory object.
 
+Like Triton's, the extension trusts its clients with the server's shared-memory objects: a client that
+can reach the port can register any object under /dev/shm the server's user may open (the key is one
+name there, never a path), so serve it to local, trusted clients.
+
 The registry holds a mapping per region, opened on first use (a front-end process of `--frontends N`
 learns the regions from the engine's View and maps them itself; kiln/serve/frontends.py). Each use
 checks the object's current size first: a client that shrinks its object after registering would
@@ -200,10 +204,10 @@ class SharedMemoryRegistry:
 def tensor_place(parameters: dict, tensor: str) -> TensorPlace | None:
     """A tensor's shared-memory parameters (plain values: HTTP's JSON, gRPC's unpacked), or None without them."""
     region = parameters.get("shared_memory_region")
-    if region is None:
-        extra = [k for k in PARAMETERS if k in parameters]
-        if extra:
-            raise InvalidRequest(f"tensor {tensor!r}: {extra} given without shared_memory_region")
+    if region is None:  # every request's path: two lookups
+        if "shared_memory_byte_size" in parameters or "shared_memory_offset" in parameters:
+            raise InvalidRequest(f"tensor {tensor!r}: {[k for k in PARAMETERS if k in parameters]} given without "
+                                 "shared_memory_region")
         return None
     if not isinstance(region, str) or not region:
         raise InvalidRequest(f"tensor {tensor!r}: shared_memory_region must be a region's name, given {region!r}")
