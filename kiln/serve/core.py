@@ -77,6 +77,7 @@ class ModelVersion:
         self.output_names = [t.name for t in self.config.outputs]
         batching = self.config.dynamic_batching
         self.default_timeout_us = batching.default_timeout_microseconds if batching else 0
+        self.valid_shapes: dict[tuple, tuple[int, Signature]] = {}  # _validate_quickly's answers by input shapes
 
     def metadata(self, versions: list[str]) -> dict:
         mbs = self.config.max_batch_size
@@ -376,18 +377,38 @@ def validate(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.n
 
 def _validate_quickly(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.ndarray], int, Signature] | None:
     """validate()'s answer for a request that passes every check (the common case), in few steps;
-    None for anything else: _validate then says what is wrong, or answers the rarer valid cases."""
+    None for anything else: _validate then says what is wrong, or answers the rarer valid cases.
+    The shape checks' answer is remembered per combination of input shapes (model.valid_shapes): a
+    server sees few, and a request then costs a dtype check and a dict lookup per input."""
     given = request.inputs
     specs = model.input_specs
     if request.outputs is not None or len(given) != len(specs):
         return None
-    batching = model.config.max_batch_size > 0
-    inputs, rows, signature = {}, 1, []
-    for k, (name, dtype, dims) in enumerate(specs):
+    inputs, shapes = {}, []
+    for name, dtype, _ in specs:
         array = given.get(name)
-        if array is None or array.dtype != dtype:
+        if array is None or (array.dtype is not dtype and array.dtype != dtype):
             return None
-        shape = array.shape
+        inputs[name] = array
+        shapes.append(array.shape)
+    shapes = tuple(shapes)
+    found = model.valid_shapes.get(shapes)
+    if found is None:
+        found = _batch_of(shapes, model)
+        if found is None:
+            return None
+        if len(model.valid_shapes) >= 1024:
+            model.valid_shapes.clear()
+        model.valid_shapes[shapes] = found
+    return inputs, found[0], found[1]
+
+
+def _batch_of(shapes: tuple[tuple[int, ...], ...], model: ModelVersion) -> tuple[int, Signature] | None:
+    """The rows and signature of a request whose inputs have these shapes (in config order), or None when
+    the shapes do not fit the config's dims, its max batch or the engine's profiles."""
+    batching = model.config.max_batch_size > 0
+    rows, signature = 1, []
+    for k, ((_, _, dims), shape) in enumerate(zip(model.input_specs, shapes)):
         if batching:
             if k == 0:
                 rows = shape[0] if shape else 0
@@ -396,14 +417,13 @@ def _validate_quickly(request: InferRequest, model: ModelVersion) -> tuple[dict[
             shape = shape[1:]
         if len(shape) != len(dims) or any(w != d and w != -1 for w, d in zip(dims, shape)):
             return None
-        inputs[name] = array
         signature.append(shape)
     if batching and not 1 <= rows <= model.config.max_batch_size:
         return None
     signature = tuple(signature)
     if model.batcher.shapes.padded(signature, rows) is None:
         return None
-    return inputs, rows, signature
+    return rows, signature
 
 
 def _validate(request: InferRequest, model: ModelVersion) -> tuple[dict[str, np.ndarray], int, Signature]:
