@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_overhead import _write_repository  # noqa: E402 - the same empty model, built by the tree under test
 
 _CHILD = r"""
 import asyncio, os, sys, time
@@ -79,22 +81,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-def _write_repository(root: Path, python: str, tree: Path) -> None:
-    version = root / "empty" / "1"
-    version.mkdir(parents=True)
-    script = f"""
-import onnx, kiln
-from onnx import TensorProto, helper
-g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "empty",
-                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
-onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), {str(root / 'e.onnx')!r})
-kiln.build({str(root / 'e.onnx')!r}).save({str(version / 'model.kiln')!r})
-"""
-    subprocess.run([python, "-c", script], cwd=tree, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
-    (root / "empty" / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
 
 
 def main() -> None:
