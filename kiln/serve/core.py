@@ -207,6 +207,7 @@ class ServerCore:
             if not self.accepting:
                 raise Unavailable("the server is shutting down")
             model = self.model(request.model, request.version)
+            self.shared_memory.read_shared(request.inputs)  # a front end's inputs left in shared memory
         except ServeError as e:
             answer(e)
             return

@@ -32,6 +32,7 @@ from kiln.serve.ipc import (
 )
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.repository import ModelRepository
+from kiln.serve.shared_memory import ForwardingRegistry
 from kiln.serve.server import run
 
 log = logging.getLogger("kiln.serve")
@@ -43,6 +44,7 @@ class RemoteCore(ServerCore):
 
     def __init__(self, repository: ModelRepository, view: View, connection: Connection):
         super().__init__(repository)
+        self.shared_memory = ForwardingRegistry()  # inputs in shared memory go to the engine as regions, not bytes
         self._connection = connection
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0

@@ -31,7 +31,7 @@ from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import ServeError
 from kiln.serve.options import ServeOptions
 from kiln.serve.repository import ModelRepository
-from kiln.serve.shared_memory import Region
+from kiln.serve.shared_memory import Region, SharedTensor
 
 _HEAD = struct.Struct("<II")
 
@@ -138,6 +138,8 @@ def _flat_tensors(tensors) -> tuple[list, list[memoryview]] | None:
     """(name, dtype code, shape) per array and their bytes; None when an array has no plain dtype code."""
     specs, views = [], []
     for name, array in tensors:
+        if type(array) is SharedTensor:  # an input left in shared memory: the message pickled whole (no bytes)
+            return None
         dtype = array.dtype
         if dtype.kind not in "biuf":  # objects (BYTES), ml_dtypes' bfloat16 ("V"): pickled whole
             return None

@@ -102,9 +102,7 @@ class _Mapping:
     def window(self, place: TensorPlace, tensor: str) -> memoryview:
         """The tensor's bytes inside the region, checked against the region and the object's size now."""
         region = self.region
-        if place.offset + place.byte_size > region.byte_size:
-            raise InvalidRequest(f"tensor {tensor!r}: shared_memory_offset {place.offset} + shared_memory_byte_size "
-                                 f"{place.byte_size} runs past the {region.byte_size} bytes of region {region.name!r}")
+        _check_inside(region, place, tensor)
         start = region.offset + place.offset
         if self.memory is None:
             return memoryview(b"")
@@ -112,6 +110,30 @@ class _Mapping:
             raise InvalidRequest(f"shared memory region {region.name!r}: its key {region.key!r} is now smaller "
                                  "than the registered region; register it again")
         return memoryview(self.memory)[start:start + place.byte_size]
+
+
+def _check_inside(region: Region, place: TensorPlace, tensor: str) -> None:
+    if place.offset + place.byte_size > region.byte_size:
+        raise InvalidRequest(f"tensor {tensor!r}: shared_memory_offset {place.offset} + shared_memory_byte_size "
+                             f"{place.byte_size} runs past the {region.byte_size} bytes of region {region.name!r}")
+
+
+def _check_input_size(place: TensorPlace, datatype: datatypes.Datatype, shape: list[int], tensor: str) -> None:
+    count = datatypes.element_count(shape, tensor)
+    if datatype.v2 != "BYTES" and place.byte_size != count * datatype.numpy.itemsize:
+        raise InvalidRequest(f"input {tensor!r}: shared_memory_byte_size {place.byte_size}, but shape {shape} of "
+                             f"{datatype.v2} is {count * datatype.numpy.itemsize} bytes")
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """An input left in its region: what a front end of `--frontends N` sends the engine instead of its bytes.
+    The engine maps the region itself (it registered it) and reads the tensor there, so an input in shared
+    memory never crosses the engine's socket."""
+
+    place: TensorPlace
+    datatype: str  # the protocol's name: "FP32"
+    shape: tuple[int, ...]
 
 
 class SharedMemoryRegistry:
@@ -158,14 +180,16 @@ class SharedMemoryRegistry:
         self._mapped = {n: m for n, m in self._mapped.items() if fresh.get(n) == m.region}
         self.regions = fresh
 
+    def _region(self, place: TensorPlace, tensor: str) -> Region:
+        region = self.regions.get(place.region)
+        if region is None:
+            raise InvalidRequest(f"tensor {tensor!r}: no system shared memory region {place.region!r} is registered")
+        return region
+
     def _mapping(self, place: TensorPlace, tensor: str) -> _Mapping:
         mapping = self._mapped.get(place.region)
         if mapping is None:
-            region = self.regions.get(place.region)
-            if region is None:
-                raise InvalidRequest(f"tensor {tensor!r}: no system shared memory region {place.region!r} is "
-                                     "registered")
-            mapping = self._mapped[place.region] = _Mapping(region)
+            mapping = self._mapped[place.region] = _Mapping(self._region(place, tensor))
         return mapping
 
     # ---- tensors ------------------------------------------------------------------------------
@@ -176,10 +200,7 @@ class SharedMemoryRegistry:
 
     def read(self, place: TensorPlace, datatype: datatypes.Datatype, shape: list[int], tensor: str) -> np.ndarray:
         """An input from its region: a read-only view (engines may write their inputs; the batcher copies)."""
-        count = datatypes.element_count(shape, tensor)
-        if datatype.v2 != "BYTES" and place.byte_size != count * datatype.numpy.itemsize:
-            raise InvalidRequest(f"input {tensor!r}: shared_memory_byte_size {place.byte_size}, but shape {shape} of "
-                                 f"{datatype.v2} is {count * datatype.numpy.itemsize} bytes")
+        _check_input_size(place, datatype, shape, tensor)
         window = self._mapping(place, tensor).window(place, tensor).toreadonly()
         return datatypes.from_bytes(window, datatype, shape, tensor)
 
@@ -199,6 +220,23 @@ class SharedMemoryRegistry:
         elif size:
             np.frombuffer(window, array.dtype, array.size).reshape(array.shape)[...] = array
         return size
+
+
+    def read_shared(self, inputs: dict) -> None:
+        """Replace each SharedTensor among a request's inputs (a front end's) by its array, read here."""
+        for name, value in inputs.items():
+            if type(value) is SharedTensor:
+                inputs[name] = self.read(value.place, datatypes.BY_V2[value.datatype], list(value.shape), name)
+
+
+class ForwardingRegistry(SharedMemoryRegistry):
+    """A front end's registry (`--frontends N`): an input is checked against its registered region and handed on
+    as a SharedTensor for the engine to read; outputs are written here, as in one process."""
+
+    def read(self, place: TensorPlace, datatype: datatypes.Datatype, shape: list[int], tensor: str) -> SharedTensor:
+        _check_input_size(place, datatype, shape, tensor)
+        _check_inside(self._region(place, tensor), place, tensor)
+        return SharedTensor(place, datatype.v2, tuple(shape))
 
 
 def tensor_place(parameters: dict, tensor: str) -> TensorPlace | None:

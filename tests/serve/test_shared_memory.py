@@ -223,3 +223,38 @@ def test_inputs_are_read_only_views_and_outputs_land_at_their_offset(regions):
     registry.unregister("r")
     with pytest.raises(InvalidRequest, match="no system shared memory region 'r'"):
         registry.check(TensorPlace("r", 0, 4), "x")
+
+
+def test_a_front_end_hands_inputs_on_as_regions_and_the_engine_reads_them(regions):
+    """`--frontends N`: the front end's registry (regions from the engine's View, none mapped) checks an input
+    and hands on a SharedTensor; it crosses the engine's socket without its bytes; the engine reads it."""
+    from kiln.serve.core import InferRequest
+    from kiln.serve.ipc import Connection, InferCall, encode_all
+    from kiln.serve.shared_memory import ForwardingRegistry, SharedTensor
+
+    key, handle = regions(8192)
+    x = rng().standard_normal((16, 64)).astype(np.float32)  # 4 KB
+    shm.set_shared_memory_region(handle, [x], offset=32)
+    engine = SharedMemoryRegistry()
+    engine.register("r", key, 32, 4096 + 32)
+    front = ForwardingRegistry()
+    front.apply(engine.status())
+    fp32 = datatypes.BY_V2["FP32"]
+    shared = front.read(TensorPlace("r", 0, 4096), fp32, [16, 64], "x")
+    assert shared == SharedTensor(TensorPlace("r", 0, 4096), "FP32", (16, 64)) and not front._mapped
+    with pytest.raises(InvalidRequest, match="no system shared memory region 'q'"):
+        front.read(TensorPlace("q", 0, 64), fp32, [2, 8], "x")
+    with pytest.raises(InvalidRequest, match="runs past the 4128 bytes of region 'r'"):
+        front.read(TensorPlace("r", 64, 4096), fp32, [16, 64], "x")
+    with pytest.raises(InvalidRequest, match="is 64 bytes"):
+        front.read(TensorPlace("r", 0, 60), fp32, [2, 8], "x")
+
+    other = rng().integers(0, 9, (2, 3))
+    parts = encode_all([InferCall(1, InferRequest("m", "", "", {"x": shared, "i": other}))])
+    assert sum(len(p) for p in parts) < 2048  # the region's 4 KB are not in the frame
+    received = []
+    Connection(received.append).data_received(b"".join(bytes(p) for p in parts))
+    inputs = received[0].request.inputs
+    engine.read_shared(inputs)
+    np.testing.assert_array_equal(inputs["x"], x)
+    np.testing.assert_array_equal(inputs["i"], other)
