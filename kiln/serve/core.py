@@ -32,7 +32,7 @@ from kiln.serve.errors import (
     Unavailable,
 )
 from kiln.serve.repository import LoadedVersion, ModelRepository
-from kiln.serve.shared_memory import SharedMemoryRegistry
+from kiln.serve.shared_memory import SharedMemoryRegistry, TensorPlace
 from kiln.serve.stats import ModelStats
 from kiln.version import __version__
 
@@ -50,6 +50,9 @@ class InferRequest:
     inputs: dict[str, np.ndarray] = field(default_factory=dict)  # in the client's order
     outputs: list[str] | None = None  # requested outputs; None: all, in the model's order
     timeout_us: int | None = None
+    # outputs for the engine process to write into shared memory (a front end's request; in one process the
+    # frontend writes them as it encodes the response)
+    output_places: dict[str, TensorPlace] | None = None
 
 
 @dataclass
@@ -227,8 +230,15 @@ class ServerCore:
             error = Unavailable("the request was cancelled") if future.cancelled() else future.exception()
             if error is not None:
                 answer(_failed(model, arrival, pending, error))
-            else:
-                answer(_answered(request, model, arrival, pending, future.result()))
+                return
+            response = _answered(request, model, arrival, pending, future.result())
+            if request.output_places:
+                try:
+                    self.shared_memory.write_outputs(response.outputs, request.output_places)
+                except ServeError as e:
+                    answer(e)
+                    return
+            answer(response)
 
         pending.future.add_done_callback(settled)
 

@@ -27,7 +27,14 @@ from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
 from kiln.serve.grpc_wire import WireRequest, parse_infer_request
 from kiln.serve.http_codec import OutputOptions, classify
-from kiln.serve.shared_memory import CUDA_NOT_SUPPORTED, SharedMemoryRegistry, TensorPlace, output_parameters, tensor_place
+from kiln.serve.shared_memory import (
+    CUDA_NOT_SUPPORTED,
+    SharedMemoryRegistry,
+    SharedTensor,
+    TensorPlace,
+    output_parameters,
+    tensor_place,
+)
 
 log = logging.getLogger("kiln.serve")
 SERVICE = "inference.GRPCInferenceService"
@@ -164,7 +171,7 @@ def decode_request(request: pb.ModelInferRequest, shared_memory: SharedMemoryReg
                 options.classification[o.name] = k
             outputs.append(o.name)
     return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
-                        outputs=outputs, timeout_us=timeout or None), options
+                        outputs=outputs, timeout_us=timeout or None, output_places=options.engine_places()), options
 
 
 _Output = pb.ModelInferResponse.InferOutputTensor
@@ -179,6 +186,11 @@ def encode_response(response: InferResponse, options: OutputOptions | None, batc
                     shared_memory: SharedMemoryRegistry) -> pb.ModelInferResponse:
     tensors, contents = [], []
     for name, array in response.outputs:
+        if type(array) is SharedTensor:  # the engine process wrote it into its region
+            parameters = _output_parameters(options.places[name], array.place.byte_size)
+            tensors.append(_Output(name=name, datatype=array.datatype, shape=array.shape, parameters=parameters))
+            contents.append(b"")
+            continue
         if options and name in options.classification:
             array = classify(array, options.classification[name], batched)
         place = options.places.get(name) if options else None

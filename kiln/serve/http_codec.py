@@ -19,7 +19,7 @@ import numpy as np
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import InvalidRequest
-from kiln.serve.shared_memory import SharedMemoryRegistry, TensorPlace, output_parameters, tensor_place
+from kiln.serve.shared_memory import SharedMemoryRegistry, SharedTensor, TensorPlace, output_parameters, tensor_place
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
@@ -35,6 +35,11 @@ class OutputOptions:
 
     def is_binary(self, name: str) -> bool:
         return self.binary.get(name, self.binary_default)
+
+    def engine_places(self) -> dict[str, TensorPlace] | None:
+        """The outputs the engine may write into shared memory itself (not those classified first)."""
+        places = {n: p for n, p in self.places.items() if n not in self.classification}
+        return places or None
 
 
 def _object(value: object, what: str) -> dict:
@@ -149,7 +154,7 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
                 options.classification[name] = _int(out_params["classification"], f"output {name!r} classification")
             outputs.append(name)
     request = InferRequest(model=model, version=version, id=request_id, inputs=inputs, outputs=outputs,
-                           timeout_us=timeout)
+                           timeout_us=timeout, output_places=options.engine_places())
     return request, options
 
 
@@ -169,6 +174,10 @@ def encode_response(response: InferResponse, options: OutputOptions, batched: bo
     """The response body, and the JSON header's length when binary outputs follow it."""
     outputs, chunks = [], []
     for name, array in response.outputs:
+        if type(array) is SharedTensor:  # the engine process wrote it into its region
+            outputs.append({"name": name, "datatype": array.datatype, "shape": list(array.shape),
+                            "parameters": output_parameters(options.places[name], array.place.byte_size)})
+            continue
         if name in options.classification:
             array = classify(array, options.classification[name], batched)
         entry = {"name": name, "datatype": datatypes.of_array(array).v2, "shape": list(array.shape)}

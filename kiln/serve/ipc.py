@@ -153,6 +153,8 @@ def _flat_tensors(tensors) -> tuple[list, list[memoryview]] | None:
 def _flatten(message) -> tuple[tuple, list[memoryview]] | None:
     if type(message) is InferCall:
         r = message.request
+        if r.output_places:  # outputs into shared memory: pickled whole (the flat tuple has no room for them)
+            return None
         flat = _flat_tensors(r.inputs.items())
         if flat is not None:
             return (_CALL, message.id, r.model, r.version, r.id, r.outputs, r.timeout_us, flat[0]), flat[1]

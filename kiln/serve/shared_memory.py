@@ -127,9 +127,9 @@ def _check_input_size(place: TensorPlace, datatype: datatypes.Datatype, shape: l
 
 @dataclass(frozen=True)
 class SharedTensor:
-    """An input left in its region: what a front end of `--frontends N` sends the engine instead of its bytes.
-    The engine maps the region itself (it registered it) and reads the tensor there, so an input in shared
-    memory never crosses the engine's socket."""
+    """A tensor left in its region, between a front end of `--frontends N` and the engine: an input the front end
+    hands on instead of its bytes (the engine maps the region itself and reads it there), an output the engine
+    wrote there (place.byte_size: the bytes written). Either way its bytes never cross the engine's socket."""
 
     place: TensorPlace
     datatype: str  # the protocol's name: "FP32"
@@ -222,6 +222,16 @@ class SharedMemoryRegistry:
         return size
 
 
+    def write_outputs(self, outputs: list[tuple[str, np.ndarray]], places: dict[str, TensorPlace]) -> None:
+        """Write the outputs that have a place into it, each replaced in `outputs` by a SharedTensor saying where
+        and how many bytes (what a front end answers the client without the bytes crossing its socket)."""
+        for k, (name, array) in enumerate(outputs):
+            place = places.get(name)
+            if place is not None:
+                written = self.write(place, array, name)
+                outputs[k] = (name, SharedTensor(TensorPlace(place.region, place.offset, written),
+                                                 datatypes.of_array(array).v2, tuple(array.shape)))
+
     def read_shared(self, inputs: dict) -> None:
         """Replace each SharedTensor among a request's inputs (a front end's) by its array, read here."""
         for name, value in inputs.items():
@@ -231,12 +241,16 @@ class SharedMemoryRegistry:
 
 class ForwardingRegistry(SharedMemoryRegistry):
     """A front end's registry (`--frontends N`): an input is checked against its registered region and handed on
-    as a SharedTensor for the engine to read; outputs are written here, as in one process."""
+    as a SharedTensor for the engine to read; an output's place goes to the engine, which writes it (one asked
+    for with classification is written here, after the front end classifies it)."""
 
     def read(self, place: TensorPlace, datatype: datatypes.Datatype, shape: list[int], tensor: str) -> SharedTensor:
         _check_input_size(place, datatype, shape, tensor)
-        _check_inside(self._region(place, tensor), place, tensor)
+        self.check(place, tensor)
         return SharedTensor(place, datatype.v2, tuple(shape))
+
+    def check(self, place: TensorPlace, tensor: str) -> None:
+        _check_inside(self._region(place, tensor), place, tensor)  # no mapping: the engine writes the outputs
 
 
 def tensor_place(parameters: dict, tensor: str) -> TensorPlace | None:

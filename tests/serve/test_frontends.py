@@ -213,6 +213,13 @@ def test_shared_memory_registered_through_one_front_end_serves_through_both(serv
             _check_mlp(c.infer("mlp", [tensor]), x, engine)
         served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
         assert min(served_by) > 0, served_by  # 2^-11: every connection on one front end by chance
+        small = httpclient.InferRequestedOutput("z")  # the engine writes outputs: its error comes back a 400
+        small.set_shared_memory("both", 32)
+        tensor = httpclient.InferInput("x", [2, 8], "FP32")
+        tensor.set_shared_memory("both", x.nbytes)
+        with pytest.raises(InferenceServerException, match="too small for its 64 bytes") as caught:
+            clients[0].infer("mlp", [tensor], outputs=[small])
+        assert caught.value.status() == "400"
         clients[0].unregister_system_shared_memory("both")
         for c in clients:
             tensor = httpclient.InferInput("x", [2, 8], "FP32")
