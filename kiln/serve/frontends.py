@@ -13,8 +13,9 @@ batchers here merge the requests of every front end.
 Health, metadata, config, the repository index and the shared-memory status are answered by each front
 end from a View of the engine's model table and shared-memory regions, sent at start and after every
 load, unload, register and unregister; statistics, /metrics on the HTTP port, infer, load, unload,
-register and unregister are forwarded. A front end maps the registered regions itself: it reads
-inputs from them and writes outputs into them (the tensors cross the engine's socket as any others). A front end that dies (killed, crashed) loses the
+register and unregister are forwarded. A request's shared-memory tensors are checked by the front end
+against the regions and handed on as regions (kiln/serve/shared_memory.py's SharedTensor): the engine
+reads the inputs and writes the outputs in its own mappings, and their bytes never cross the socket. A front end that dies (killed, crashed) loses the
 requests it held; the others serve on and the pool starts another in its place. stop(): the front
 ends stop taking connections and finish what they hold (the engine answers all of it), then exit.
 """

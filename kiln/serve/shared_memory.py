@@ -16,8 +16,9 @@ Like Triton's, the extension trusts its clients with the server's shared-memory 
 can reach the port can register any object under /dev/shm the server's user may open (the key is one
 name there, never a path), so serve it to local, trusted clients.
 
-The registry holds a mapping per region, opened on first use (a front-end process of `--frontends N`
-learns the regions from the engine's View and maps them itself; kiln/serve/frontends.py). Each use
+The registry holds a mapping per region, opened on first use. A front-end process of `--frontends N`
+learns the regions from the engine's View and hands a request's tensors in shared memory on to the engine
+as regions (ForwardingRegistry, SharedTensor): the engine reads and writes them itself. Each use
 checks the object's current size first: a client that shrinks its object after registering would
 otherwise crash the server with SIGBUS on the next read.
 """
