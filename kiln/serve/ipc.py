@@ -13,7 +13,9 @@ Replies and InferAnswers; Start once, answering Hello.
 InferCall and InferAnswer, one per request, are pickled as a tuple of plain values (names, dtype
 strings, shapes) and rebuilt here: pickling the dataclasses and arrays themselves cost ~4x the time
 (78 against 21 us a request both ways on the 2-core VM), on the engine's loop, which every front end
-shares. One holding an array of objects (BYTES) or of a dtype without a plain code is pickled whole.
+shares. One holding an array of objects (BYTES) or of a dtype without a plain code, a tensor left in
+shared memory (SharedTensor) or outputs for the engine to write there is pickled whole. A loop turn's
+runs of flat InferCalls / InferAnswers share one frame (encode_all).
 """
 
 from __future__ import annotations
