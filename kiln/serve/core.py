@@ -231,14 +231,14 @@ class ServerCore:
             if error is not None:
                 answer(_failed(model, arrival, pending, error))
                 return
-            response = _answered(request, model, arrival, pending, future.result())
-            if request.output_places:
+            outputs = future.result()
+            if request.output_places:  # written before the request counts as a success: a write can fail
                 try:
-                    self.shared_memory.write_outputs(response.outputs, request.output_places)
+                    outputs = self.shared_memory.write_outputs(outputs, request.output_places)
                 except ServeError as e:
-                    answer(e)
+                    answer(_failed(model, arrival, pending, e))
                     return
-            answer(response)
+            answer(_answered(request, model, arrival, pending, outputs))
 
         pending.future.add_done_callback(settled)
 

@@ -223,15 +223,17 @@ class SharedMemoryRegistry:
         return size
 
 
-    def write_outputs(self, outputs: list[tuple[str, np.ndarray]], places: dict[str, TensorPlace]) -> None:
-        """Write the outputs that have a place into it, each replaced in `outputs` by a SharedTensor saying where
-        and how many bytes (what a front end answers the client without the bytes crossing its socket)."""
-        for k, (name, array) in enumerate(outputs):
-            place = places.get(name)
-            if place is not None:
+    def write_outputs(self, outputs: dict[str, np.ndarray], places: dict[str, TensorPlace]) -> dict:
+        """The outputs that have a place written into it; returned with each of those replaced by a SharedTensor
+        saying where and how many bytes (what a front end answers without the bytes crossing its socket)."""
+        done = dict(outputs)
+        for name, place in places.items():
+            array = outputs.get(name)
+            if array is not None:
                 written = self.write(place, array, name)
-                outputs[k] = (name, SharedTensor(TensorPlace(place.region, place.offset, written),
-                                                 datatypes.of_array(array).v2, tuple(array.shape)))
+                done[name] = SharedTensor(TensorPlace(place.region, place.offset, written),
+                                          datatypes.of_array(array).v2, tuple(array.shape))
+        return done
 
     def read_shared(self, inputs: dict) -> None:
         """Replace each SharedTensor among a request's inputs (a front end's) by its array, read here."""

@@ -261,9 +261,9 @@ def test_a_front_end_hands_inputs_on_as_regions_and_the_engine_reads_them(region
 
     # outputs: the engine writes the placed ones and answers where, the others travel as before
     y = 3 * x
-    outputs = [("y", y), ("i1", other + 1)]
-    engine.write_outputs(outputs, {"y": TensorPlace("r", 0, 4096)})  # over the input: the region is the client's
-    assert outputs[0] == ("y", SharedTensor(TensorPlace("r", 0, 4096), "FP32", (16, 64))) and outputs[1][0] == "i1"
+    outputs = engine.write_outputs({"y": y, "i1": other + 1}, {"y": TensorPlace("r", 0, 4096)})  # over the input
+    assert outputs["y"] == SharedTensor(TensorPlace("r", 0, 4096), "FP32", (16, 64))
+    np.testing.assert_array_equal(outputs["i1"], other + 1)
     np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.float32, [16, 64], offset=32), y)
     with pytest.raises(InvalidRequest, match="too small for its 4096 bytes"):
-        engine.write_outputs([("y", y)], {"y": TensorPlace("r", 0, 64)})
+        engine.write_outputs({"y": y}, {"y": TensorPlace("r", 0, 64)})
