@@ -26,6 +26,13 @@ class PayloadTooLarge(InvalidRequest):
     http_status = 413
 
 
+class NotSupported(ServeError):
+    """A protocol extension kiln serve does not implement (CUDA shared memory): a 4xx, the client's to avoid."""
+
+    http_status = 400
+    grpc_code = "UNIMPLEMENTED"
+
+
 class NotFound(ServeError):
     """Unknown model or version."""
 

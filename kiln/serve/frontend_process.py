@@ -32,6 +32,7 @@ from kiln.serve.ipc import (
 )
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.repository import ModelRepository
+from kiln.serve.shared_memory import ForwardingRegistry
 from kiln.serve.server import run
 
 log = logging.getLogger("kiln.serve")
@@ -43,6 +44,7 @@ class RemoteCore(ServerCore):
 
     def __init__(self, repository: ModelRepository, view: View, connection: Connection):
         super().__init__(repository)
+        self.shared_memory = ForwardingRegistry()  # inputs in shared memory go to the engine as regions, not bytes
         self._connection = connection
         self._pending: dict[int, asyncio.Future] = {}
         self._next_id = 0
@@ -58,6 +60,7 @@ class RemoteCore(ServerCore):
     def apply(self, view: View) -> None:
         self._engine_ready = view.ready
         self.models = {e.name: ModelEntry(e.name, e.state, e.reason, dict(e.versions)) for e in view.entries}
+        self.shared_memory.apply(view.regions)
 
     def received(self, message: View | Reply | InferAnswer) -> None:
         if type(message) is View:
@@ -124,6 +127,12 @@ class RemoteCore(ServerCore):
 
     async def unload(self, name: str) -> None:
         await self.call("unload", name)
+
+    async def register_system_shared_memory(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self.call("register_system_shared_memory", name, key, offset, byte_size)
+
+    async def unregister_system_shared_memory(self, name: str = "") -> None:
+        await self.call("unregister_system_shared_memory", name)
 
     async def close(self) -> None:
         self.accepting = False

@@ -10,9 +10,12 @@ batchers here merge the requests of every front end.
     engine process: ServerCore, batchers, instances, /metrics port, this FrontendPool
         └─ Unix socket ─ front end k: uvicorn + grpc.aio on the shared ports, RemoteCore
 
-Health, metadata, config and the repository index are answered by each front end from a View of the
-engine's model table, sent at start and after every load and unload; statistics, /metrics on the
-HTTP port, infer, load and unload are forwarded. A front end that dies (killed, crashed) loses the
+Health, metadata, config, the repository index and the shared-memory status are answered by each front
+end from a View of the engine's model table and shared-memory regions, sent at start and after every
+load, unload, register and unregister; statistics, /metrics on the HTTP port, infer, load, unload,
+register and unregister are forwarded. A request's shared-memory tensors are checked by the front end
+against the regions and handed on as regions (kiln/serve/shared_memory.py's SharedTensor): the engine
+reads the inputs and writes the outputs in its own mappings, and their bytes never cross the socket. A front end that dies (killed, crashed) loses the
 requests it held; the others serve on and the pool starts another in its place. stop(): the front
 ends stop taking connections and finish what they hold (the engine answers all of it), then exit.
 """
@@ -20,6 +23,7 @@ ends stop taking connections and finish what they hold (the engine answers all o
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -29,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kiln.serve.core import ServerCore
+from kiln.serve.core import InferResponse, ServerCore
 from kiln.serve.ipc import (
     Call,
     Connection,
@@ -50,6 +54,7 @@ log = logging.getLogger("kiln.serve")
 _KILN_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the kiln package, for the children
 START_TIMEOUT_S = 300.0  # a front end imports kiln (torch): seconds on a loaded machine
 RESTART_PAUSE_S = 1.0  # between a front end's death and its replacement
+_CHANGES_VIEW = ("load", "unload", "register_system_shared_memory", "unregister_system_shared_memory")
 
 
 @dataclass
@@ -82,7 +87,7 @@ def view_of(core: ServerCore, ready: bool) -> View:
             described = {k: x for k, x in v.metadata([]).items() if k != "versions"}
             versions[number] = VersionView(v.name, v.version, v.config, described)
         entries.append(EntryView(entry.name, entry.state, entry.reason, versions))
-    return View(ready, entries)
+    return View(ready, entries, list(core.shared_memory.regions.values()))
 
 
 class FrontendPool:
@@ -97,6 +102,8 @@ class FrontendPool:
         self._linked: dict[Connection, Frontend] = {}
         self._watchers: set[asyncio.Task] = set()
         self._calls: set[asyncio.Task] = set()
+        self._in_flight = 0  # infer calls queued and not answered yet (stop() waits for them)
+        self._idle: asyncio.Event | None = None
         self._stopping = False
         self._child_options: ServeOptions | None = None
 
@@ -194,21 +201,25 @@ class FrontendPool:
             log.info("front-end process %d's connection to the engine closed", frontend.slot)
 
     def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
-        loop = asyncio.get_running_loop()  # create_task, not ensure_future: its checks showed in py-spy's samples
-        if type(call) is InferCall:
-            task = loop.create_task(self._infer(frontend, call))
-        else:
-            task = loop.create_task(self._answer(frontend, call))
+        if type(call) is InferCall:  # queued now, answered from its future's callback (ServerCore.infer_soon)
+            self._in_flight += 1
+            self.core.infer_soon(call.request, functools.partial(self._infer_answered, frontend, call.id))
+            return
+        # create_task, not ensure_future: its checks showed in py-spy's samples
+        task = asyncio.get_running_loop().create_task(self._answer(frontend, call))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    async def _infer(self, frontend: Frontend, call: InferCall) -> None:
-        try:
-            answer = InferAnswer(call.id, await self.core.infer(call.request))
-        except Exception as e:  # noqa: BLE001 - answered to the front end (its status code kept)
-            answer = Reply(call.id, error=error_of(e))
+    def _infer_answered(self, frontend: Frontend, call_id: int, outcome: InferResponse | Exception) -> None:
+        if isinstance(outcome, Exception):
+            answer = Reply(call_id, error=error_of(outcome))  # its status code kept
+        else:
+            answer = InferAnswer(call_id, outcome)
         frontend.answered += 1
         self._reply(frontend, answer)
+        self._in_flight -= 1
+        if not self._in_flight and self._idle is not None:
+            self._idle.set()
 
     async def _answer(self, frontend: Frontend, call: Call) -> None:
         if call.method == "serving":
@@ -221,8 +232,8 @@ class FrontendPool:
             reply = Reply(call.id, error=error_of(e))
         else:
             reply = Reply(call.id, value)
-        if call.method in ("load", "unload"):
-            self._broadcast()  # before the reply: the caller's next request sees the new model table
+        if call.method in _CHANGES_VIEW:
+            self._broadcast()  # before the reply: the caller's next request sees the new table, through any front end
         self._reply(frontend, reply)
 
     async def _run(self, call: Call):
@@ -235,6 +246,10 @@ class FrontendPool:
             return await core.load(*call.args)
         if call.method == "unload":
             return await core.unload(*call.args)
+        if call.method == "register_system_shared_memory":
+            return await core.register_system_shared_memory(*call.args)
+        if call.method == "unregister_system_shared_memory":
+            return await core.unregister_system_shared_memory(*call.args)
         raise ValueError(f"a front end called {call.method!r}, which the engine does not answer")
 
     @staticmethod
@@ -273,6 +288,9 @@ class FrontendPool:
             task.cancel()
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
+        if self._in_flight:
+            self._idle = asyncio.Event()
+            await self._idle.wait()
         if self._listener is not None:
             self._listener.close()
         for sock in self._reserved:

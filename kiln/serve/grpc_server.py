@@ -4,8 +4,9 @@ The messages and the servicer base class are the ones tritonclient ships (its se
 service_pb2_grpc, generated from Triton's own protocol files), so field numbers are Triton's and
 `tritonclient.grpc` works unchanged. Implemented: ServerLive, ServerReady, ModelReady,
 ServerMetadata, ModelMetadata, ModelInfer, ModelStreamInfer, ModelConfig, ModelStatistics,
-RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload; the shared-memory, trace and log
-calls answer UNIMPLEMENTED (the base class's answer). Errors map as the HTTP ones do
+RepositoryIndex, RepositoryModelLoad, RepositoryModelUnload, SystemSharedMemoryStatus/Register/
+Unregister; CUDA shared memory answers UNIMPLEMENTED with a reason, the trace and log calls
+UNIMPLEMENTED (the base class's answer). Errors map as the HTTP ones do
 (kiln/serve/errors.py: INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE, ...).
 """
 
@@ -23,9 +24,17 @@ from tritonclient.grpc import service_pb2_grpc
 
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
-from kiln.serve.errors import InvalidRequest, ServeError
+from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
 from kiln.serve.grpc_wire import WireRequest, parse_infer_request
-from kiln.serve.http_codec import classify
+from kiln.serve.http_codec import OutputOptions, classify
+from kiln.serve.shared_memory import (
+    CUDA_NOT_SUPPORTED,
+    SharedMemoryRegistry,
+    SharedTensor,
+    TensorPlace,
+    output_parameters,
+    tensor_place,
+)
 
 log = logging.getLogger("kiln.serve")
 SERVICE = "inference.GRPCInferenceService"
@@ -83,16 +92,32 @@ def _decode_quickly(request: pb.ModelInferRequest, raw) -> InferRequest | None:
     return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs)
 
 
-def decode_request(request: pb.ModelInferRequest, raw=None) -> tuple[InferRequest, dict[str, int]]:
+def _values(parameters) -> dict:
+    """InferParameter messages as plain values (what shared_memory.tensor_place reads)."""
+    values = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        if choice is not None:
+            values[key] = getattr(parameter, choice)
+    return values
+
+
+def decode_request(request: pb.ModelInferRequest, shared_memory: SharedMemoryRegistry,
+                   raw=None) -> tuple[InferRequest, OutputOptions]:
     raw = request.raw_input_contents if raw is None else raw
     quick = _decode_quickly(request, raw)
     if quick is not None:
-        return quick, {}
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidRequest(f"{len(raw)} raw_input_contents for {len(request.inputs)} inputs: send every input's "
-                             "data raw, or every input's in contents")
+        return quick, OutputOptions()
+    # inputs in shared memory have no raw_input_contents (tritonclient sends none for them): the others take
+    # theirs in order
+    places = [tensor_place(_values(t.parameters), t.name) if t.parameters else None for t in request.inputs]
+    sent = sum(place is None for place in places)
+    if raw and len(raw) != sent:
+        raise InvalidRequest(f"{len(raw)} raw_input_contents for {sent} inputs not in shared memory: send every "
+                             "input's data raw, or every input's in contents")
+    raw_data = iter(raw)
     inputs: dict[str, np.ndarray] = {}
-    for k, tensor in enumerate(request.inputs):
+    for k, (tensor, place) in enumerate(zip(request.inputs, places)):
         name = tensor.name
         if not name:
             raise InvalidRequest(f"inputs[{k}] needs a name")
@@ -100,10 +125,11 @@ def decode_request(request: pb.ModelInferRequest, raw=None) -> tuple[InferReques
             raise InvalidRequest(f"input {name!r} is given twice")
         datatype = datatypes.from_v2(tensor.datatype, name)
         shape = list(tensor.shape)
-        if tensor.parameters and any(key.startswith("shared_memory") for key in tensor.parameters):
-            raise InvalidRequest(f"input {name!r}: shared memory is not supported by kiln serve; send the data")
+        if place is not None:
+            inputs[name] = shared_memory.read(place, datatype, shape, name)
+            continue
         if raw:
-            inputs[name] = datatypes.from_bytes(raw[k], datatype, shape, name)  # checks the shape
+            inputs[name] = datatypes.from_bytes(next(raw_data), datatype, shape, name)  # checks the shape
             continue
         field_name = _CONTENTS.get(datatype.v2)
         if field_name is None:
@@ -129,31 +155,51 @@ def decode_request(request: pb.ModelInferRequest, raw=None) -> tuple[InferReques
         timeout = request.parameters["timeout"].int64_param
         if timeout < 0:
             raise InvalidRequest("parameter 'timeout' must be >= 0 microseconds")
-    outputs, classification = None, {}
+    outputs, options = None, OutputOptions()
     if request.outputs:
         outputs = []
         for o in request.outputs:
-            if any(key.startswith("shared_memory") for key in o.parameters):
-                raise InvalidRequest(f"output {o.name!r}: shared memory is not supported by kiln serve")
-            if "classification" in o.parameters:
-                k = o.parameters["classification"].int64_param
-                if k < 0:
-                    raise InvalidRequest(f"output {o.name!r}: classification must be >= 0")
-                classification[o.name] = k
+            values = _values(o.parameters)
+            place = tensor_place(values, o.name)
+            if place is not None:
+                shared_memory.check(place, o.name)  # an unknown region or window: refused before the model runs
+                options.places[o.name] = place
+            if "classification" in values:
+                k = values["classification"]
+                if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                    raise InvalidRequest(f"output {o.name!r}: classification must be an integer >= 0")
+                options.classification[o.name] = k
             outputs.append(o.name)
     return InferRequest(model=request.model_name, version=request.model_version, id=request.id, inputs=inputs,
-                        outputs=outputs, timeout_us=timeout or None), classification
+                        outputs=outputs, timeout_us=timeout or None, output_places=options.engine_places()), options
 
 
 _Output = pb.ModelInferResponse.InferOutputTensor
 
 
-def encode_response(response: InferResponse, classification: dict[str, int] | None,
-                    batched: bool) -> pb.ModelInferResponse:
+def _output_parameters(place: TensorPlace, written: int) -> dict[str, pb.InferParameter]:
+    return {key: pb.InferParameter(string_param=value) if isinstance(value, str) else pb.InferParameter(int64_param=value)
+            for key, value in output_parameters(place, written).items()}
+
+
+def encode_response(response: InferResponse, options: OutputOptions | None, batched: bool,
+                    shared_memory: SharedMemoryRegistry) -> pb.ModelInferResponse:
     tensors, contents = [], []
     for name, array in response.outputs:
-        if classification and name in classification:
-            array = classify(array, classification[name], batched)
+        if type(array) is SharedTensor:  # the engine process wrote it into its region
+            parameters = _output_parameters(options.places[name], array.place.byte_size)
+            tensors.append(_Output(name=name, datatype=array.datatype, shape=array.shape, parameters=parameters))
+            contents.append(b"")
+            continue
+        if options and name in options.classification:
+            array = classify(array, options.classification[name], batched)
+        place = options.places.get(name) if options else None
+        if place is not None:  # empty contents keep every later output's raw_output_contents at its index
+            parameters = _output_parameters(place, shared_memory.write(place, array, name))
+            tensors.append(_Output(name=name, datatype=datatypes.of_array(array).v2, shape=array.shape,
+                                   parameters=parameters))
+            contents.append(b"")
+            continue
         tensors.append(_Output(name=name, datatype=datatypes.of_array(array).v2, shape=array.shape))
         contents.append(datatypes.to_bytes(array))
     # one constructor call: the outputs and their bytes given whole (not added one field at a time)
@@ -203,9 +249,9 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
         model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
-        infer_request, classification = decode_request(request)
+        infer_request, options = decode_request(request, self.core.shared_memory)
         response = await self.core.infer(infer_request, model)
-        return encode_response(response, classification, model.config.max_batch_size > 0)
+        return encode_response(response, options, model.config.max_batch_size > 0, self.core.shared_memory)
 
     async def ModelInfer(self, request, context):
         """`request`: a WireRequest (kiln serve's deserializer, kiln/serve/grpc_wire.py) or a ModelInferRequest.
@@ -219,11 +265,11 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raw = request.raw_input_contents
             model = self.core.model(request.model_name, request.model_version)  # NOT_FOUND before decoding
             infer_request = _decode_quickly(request, raw)
-            classification = None
+            options = None
             if infer_request is None:
-                infer_request, classification = decode_request(request, raw)
+                infer_request, options = decode_request(request, self.core.shared_memory, raw)
             response = await self.core.infer(infer_request, model)
-            return encode_response(response, classification, model.config.max_batch_size > 0)
+            return encode_response(response, options, model.config.max_batch_size > 0, self.core.shared_memory)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as e:  # noqa: BLE001 - answered to the client (_abort)
@@ -257,6 +303,39 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
                 yield item
         finally:
             reader.cancel()
+
+    # ---- system shared memory (kiln/serve/shared_memory.py); CUDA shared memory: not supported ----
+
+    @_answers_errors
+    async def SystemSharedMemoryStatus(self, request, context):
+        message = pb.SystemSharedMemoryStatusResponse()
+        for region in self.core.system_shared_memory_status(request.name):
+            message.regions[region["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return message
+
+    @_answers_errors
+    async def SystemSharedMemoryRegister(self, request, context):
+        await self.core.register_system_shared_memory(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @_answers_errors
+    async def SystemSharedMemoryUnregister(self, request, context):
+        await self.core.unregister_system_shared_memory(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @_answers_errors
+    async def CudaSharedMemoryStatus(self, request, context):
+        if request.name:
+            raise NotSupported(CUDA_NOT_SUPPORTED)
+        return pb.CudaSharedMemoryStatusResponse()  # none can be registered
+
+    @_answers_errors
+    async def CudaSharedMemoryRegister(self, request, context):
+        raise NotSupported(CUDA_NOT_SUPPORTED)
+
+    @_answers_errors
+    async def CudaSharedMemoryUnregister(self, request, context):
+        raise NotSupported(CUDA_NOT_SUPPORTED)
 
     @_answers_errors
     async def RepositoryIndex(self, request, context):

@@ -19,20 +19,27 @@ import numpy as np
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import InvalidRequest
+from kiln.serve.shared_memory import SharedMemoryRegistry, SharedTensor, TensorPlace, output_parameters, tensor_place
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
 @dataclass
 class OutputOptions:
-    """How the client wants each output back: binary or JSON, and top-k classification."""
+    """How the client wants each output back: binary or JSON, top-k classification, or into shared memory."""
 
     binary_default: bool = False
     binary: dict[str, bool] = field(default_factory=dict)
     classification: dict[str, int] = field(default_factory=dict)
+    places: dict[str, TensorPlace] = field(default_factory=dict)
 
     def is_binary(self, name: str) -> bool:
         return self.binary.get(name, self.binary_default)
+
+    def engine_places(self) -> dict[str, TensorPlace] | None:
+        """The outputs the engine may write into shared memory itself (not those classified first)."""
+        places = {n: p for n, p in self.places.items() if n not in self.classification}
+        return places or None
 
 
 def _object(value: object, what: str) -> dict:
@@ -61,7 +68,8 @@ def parse_json_header(data: bytes | memoryview) -> dict:
     return _object(header, "the request")
 
 
-def decode_request(body: bytes, header_length: str | None, model: str, version: str) -> tuple[InferRequest, OutputOptions]:
+def decode_request(body: bytes, header_length: str | None, model: str, version: str,
+                   shared_memory: SharedMemoryRegistry) -> tuple[InferRequest, OutputOptions]:
     if header_length is not None:
         try:
             length = int(header_length)
@@ -101,10 +109,13 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
         datatypes.element_count(shape, name)
         datatype = datatypes.from_v2(item.get("datatype"), name)
         tensor_params = _object(item.get("parameters", {}), f"input {name!r} 'parameters'")
-        if any(key.startswith("shared_memory") for key in tensor_params):
-            raise InvalidRequest(f"input {name!r}: shared memory is not supported by kiln serve; send the data")
+        place = tensor_place(tensor_params, name)
         size = tensor_params.get("binary_data_size")
-        if size is not None:
+        if place is not None:
+            if size is not None or "data" in item:
+                raise InvalidRequest(f"input {name!r} names a shared memory region and carries data too; send one")
+            inputs[name] = shared_memory.read(place, datatype, shape, name)
+        elif size is not None:
             size = _int(size, f"input {name!r} binary_data_size")
             if "data" in item:
                 raise InvalidRequest(f"input {name!r} has both binary_data_size and JSON 'data'; send one")
@@ -133,15 +144,17 @@ def decode_request(body: bytes, header_length: str | None, model: str, version: 
             if not isinstance(name, str) or not name:
                 raise InvalidRequest(f"outputs[{k}] needs a 'name' string")
             out_params = _object(item.get("parameters", {}), f"output {name!r} 'parameters'")
-            if any(key.startswith("shared_memory") for key in out_params):
-                raise InvalidRequest(f"output {name!r}: shared memory is not supported by kiln serve")
+            place = tensor_place(out_params, name)
+            if place is not None:
+                shared_memory.check(place, name)  # an unknown region or window: refused before the model runs
+                options.places[name] = place
             if "binary_data" in out_params:
                 options.binary[name] = _bool(out_params["binary_data"], f"output {name!r} binary_data")
             if "classification" in out_params:
                 options.classification[name] = _int(out_params["classification"], f"output {name!r} classification")
             outputs.append(name)
     request = InferRequest(model=model, version=version, id=request_id, inputs=inputs, outputs=outputs,
-                           timeout_us=timeout)
+                           timeout_us=timeout, output_places=options.engine_places())
     return request, options
 
 
@@ -156,14 +169,22 @@ def classify(array: np.ndarray, k: int, batched: bool) -> np.ndarray:
     return out if batched else out.reshape(k)
 
 
-def encode_response(response: InferResponse, options: OutputOptions, batched: bool) -> tuple[bytes, int | None]:
+def encode_response(response: InferResponse, options: OutputOptions, batched: bool,
+                    shared_memory: SharedMemoryRegistry) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary outputs follow it."""
     outputs, chunks = [], []
     for name, array in response.outputs:
+        if type(array) is SharedTensor:  # the engine process wrote it into its region
+            outputs.append({"name": name, "datatype": array.datatype, "shape": list(array.shape),
+                            "parameters": output_parameters(options.places[name], array.place.byte_size)})
+            continue
         if name in options.classification:
             array = classify(array, options.classification[name], batched)
         entry = {"name": name, "datatype": datatypes.of_array(array).v2, "shape": list(array.shape)}
-        if options.is_binary(name):
+        place = options.places.get(name)
+        if place is not None:
+            entry["parameters"] = output_parameters(place, shared_memory.write(place, array, name))
+        elif options.is_binary(name):
             data = datatypes.to_bytes(array)
             entry["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)

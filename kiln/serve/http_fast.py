@@ -78,9 +78,10 @@ class InferFastPath:
         if encoding:
             body = inflate(body, encoding, self.limit)
         model = self.core.model(model_name, model_version)  # an unknown model is a 404 before the body is parsed
-        infer_request, options = decode_request(body, header_length, model_name, model_version)
+        shared_memory = self.core.shared_memory
+        infer_request, options = decode_request(body, header_length, model_name, model_version, shared_memory)
         response = await self.core.infer(infer_request, model)
-        return encode_response(response, options, model.config.max_batch_size > 0)
+        return encode_response(response, options, model.config.max_batch_size > 0, shared_memory)
 
     async def _body(self, receive) -> bytes:
         message = await receive()

@@ -9,6 +9,10 @@
     POST /v2/models/{m}[/versions/{v}]/infer                 JSON and binary tensors
     POST /v2/repository/index                                {"ready": bool} optional
     POST /v2/repository/models/{m}/load | /unload            {"parameters": {"config": "<json>"}} optional
+    GET  /v2/systemsharedmemory[/region/{r}]/status          registered regions (kiln/serve/shared_memory.py)
+    POST /v2/systemsharedmemory/region/{r}/register          {"key": "/name", "offset": 0, "byte_size": n}
+    POST /v2/systemsharedmemory[/region/{r}]/unregister      one region, or all
+    *    /v2/cudasharedmemory/...                            400 not supported (the status lists none)
     GET  /metrics                                            Prometheus text (also on --metrics-port)
 
 Every error answers {"error": "..."}: 400 malformed, 404 unknown model/version or route, 413 too
@@ -30,7 +34,7 @@ from starlette.exceptions import HTTPException
 
 from kiln.serve import openapi
 from kiln.serve.core import ServerCore
-from kiln.serve.errors import InvalidRequest, PayloadTooLarge, ServeError
+from kiln.serve.errors import InvalidRequest, NotSupported, PayloadTooLarge, ServeError
 from kiln.serve.http_codec import (
     HEADER_LENGTH,
     decode_request,
@@ -38,6 +42,7 @@ from kiln.serve.http_codec import (
     parse_json_header,
 )
 from kiln.serve.metrics import CONTENT_TYPE, MetricsExporter
+from kiln.serve.shared_memory import CUDA_NOT_SUPPORTED
 
 log = logging.getLogger("kiln.serve")
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
@@ -166,13 +171,48 @@ def http_app(core: ServerCore, metrics: MetricsExporter, max_request_bytes: int 
     async def infer(request: Request, model_name: str, model_version: str = "") -> Response:
         body = await read_body(request, max_request_bytes)
         core.model(model_name, model_version)  # an unknown model is a 404 before the body is parsed
-        infer_request, options = decode_request(body, request.headers.get(HEADER_LENGTH), model_name, model_version)
+        infer_request, options = decode_request(body, request.headers.get(HEADER_LENGTH), model_name, model_version,
+                                                core.shared_memory)
         response = await core.infer(infer_request)
         batched = core.model(model_name, response.version).config.max_batch_size > 0
-        payload, header_length = encode_response(response, options, batched)
+        payload, header_length = encode_response(response, options, batched, core.shared_memory)
         if header_length is None:
             return Response(payload, media_type="application/json")
         return Response(payload, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
+
+    # ---- system shared memory (Triton's extension; CUDA shared memory answers "not supported") -------
+
+    @app.get("/v2/systemsharedmemory/status", responses=openapi.ARRAY)
+    @app.get("/v2/systemsharedmemory/region/{region_name}/status", responses=openapi.ARRAY)
+    async def shared_memory_status(region_name: str = "") -> Response:
+        return _json(core.system_shared_memory_status(region_name))
+
+    @app.post("/v2/systemsharedmemory/region/{region_name}/register", openapi_extra=openapi.REGISTER,
+              responses=openapi.EMPTY)
+    async def shared_memory_register(request: Request, region_name: str) -> Response:
+        body = await _optional_object(request, max_request_bytes)
+        await core.register_system_shared_memory(region_name, body.get("key"), body.get("offset", 0),
+                                                 body.get("byte_size"))
+        return Response(status_code=200)
+
+    @app.post("/v2/systemsharedmemory/unregister", responses=openapi.EMPTY)
+    @app.post("/v2/systemsharedmemory/region/{region_name}/unregister", responses=openapi.EMPTY)
+    async def shared_memory_unregister(region_name: str = "") -> Response:
+        await core.unregister_system_shared_memory(region_name)
+        return Response(status_code=200)
+
+    @app.get("/v2/cudasharedmemory/status", responses=openapi.ARRAY)
+    @app.get("/v2/cudasharedmemory/region/{region_name}/status", responses=openapi.ARRAY)
+    async def cuda_shared_memory_status(region_name: str = "") -> Response:
+        if region_name:
+            raise NotSupported(CUDA_NOT_SUPPORTED)
+        return _json([])  # none can be registered
+
+    @app.post("/v2/cudasharedmemory/region/{region_name}/register", responses=openapi.EMPTY)
+    @app.post("/v2/cudasharedmemory/unregister", responses=openapi.EMPTY)
+    @app.post("/v2/cudasharedmemory/region/{region_name}/unregister", responses=openapi.EMPTY)
+    async def cuda_shared_memory(region_name: str = "") -> Response:
+        raise NotSupported(CUDA_NOT_SUPPORTED)
 
     # ---- repository ---------------------------------------------------------------------------
 

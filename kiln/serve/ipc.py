@@ -13,7 +13,9 @@ Replies and InferAnswers; Start once, answering Hello.
 InferCall and InferAnswer, one per request, are pickled as a tuple of plain values (names, dtype
 strings, shapes) and rebuilt here: pickling the dataclasses and arrays themselves cost ~4x the time
 (78 against 21 us a request both ways on the 2-core VM), on the engine's loop, which every front end
-shares. One holding an array of objects (BYTES) or of a dtype without a plain code is pickled whole.
+shares. One holding an array of objects (BYTES) or of a dtype without a plain code, a tensor left in
+shared memory (SharedTensor) or outputs for the engine to write there is pickled whole. A loop turn's
+runs of flat InferCalls / InferAnswers share one frame (encode_all).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from kiln.serve.core import InferRequest, InferResponse
 from kiln.serve.errors import ServeError
 from kiln.serve.options import ServeOptions
 from kiln.serve.repository import ModelRepository
+from kiln.serve.shared_memory import Region, SharedTensor
 
 _HEAD = struct.Struct("<II")
 
@@ -96,10 +99,12 @@ class EntryView:
 
 @dataclass
 class View:
-    """The engine's model table and readiness, sent to every front end whenever either changes."""
+    """The engine's model table, readiness and shared-memory regions, sent to every front end whenever one
+    changes (a region registered through one front end serves requests through any)."""
 
     ready: bool
     entries: list[EntryView]
+    regions: list[Region] = field(default_factory=list)
 
 
 @dataclass
@@ -128,13 +133,15 @@ def raise_error(error: tuple[str, str]) -> None:
     raise kind(message)
 
 
-_CALL, _ANSWER = 0, 1  # the first field of a flat InferCall / InferAnswer
+_CALL, _ANSWER, _MANY = 0, 1, 2  # the first field of a flat InferCall / InferAnswer / run of them
 
 
 def _flat_tensors(tensors) -> tuple[list, list[memoryview]] | None:
     """(name, dtype code, shape) per array and their bytes; None when an array has no plain dtype code."""
     specs, views = [], []
     for name, array in tensors:
+        if type(array) is SharedTensor:  # an input left in shared memory: the message pickled whole (no bytes)
+            return None
         dtype = array.dtype
         if dtype.kind not in "biuf":  # objects (BYTES), ml_dtypes' bfloat16 ("V"): pickled whole
             return None
@@ -148,6 +155,8 @@ def _flat_tensors(tensors) -> tuple[list, list[memoryview]] | None:
 def _flatten(message) -> tuple[tuple, list[memoryview]] | None:
     if type(message) is InferCall:
         r = message.request
+        if r.output_places:  # outputs into shared memory: pickled whole (the flat tuple has no room for them)
+            return None
         flat = _flat_tensors(r.inputs.items())
         if flat is not None:
             return (_CALL, message.id, r.model, r.version, r.id, r.outputs, r.timeout_us, flat[0]), flat[1]
@@ -173,12 +182,38 @@ def encode(message) -> list:
     """One message as a frame's parts (bytes and memoryviews of the tensors), ready for writelines."""
     flat = _flatten(message)
     if flat is not None:
-        data = pickle.dumps(flat[0], protocol=5)
-        views = flat[1]
-    else:
-        buffers: list[pickle.PickleBuffer] = []
-        data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
-        views = [b.raw() for b in buffers]
+        return _frame(pickle.dumps(flat[0], protocol=5), flat[1])
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    return _frame(data, [b.raw() for b in buffers])
+
+
+def encode_all(messages: list) -> list:
+    """Messages in order as frames' parts, each run of InferCalls / InferAnswers in one frame: one pickle and
+    one header for the run (a merged batch's answers, a busy front end's requests), not one per request."""
+    parts: list = []
+    run: list[tuple] = []
+    views: list[memoryview] = []
+
+    def close_run() -> None:
+        if run:
+            parts.extend(_frame(pickle.dumps(run[0] if len(run) == 1 else (_MANY, run), protocol=5), views))
+            run.clear()
+            views.clear()
+
+    for message in messages:
+        flat = _flatten(message)
+        if flat is None:
+            close_run()
+            parts.extend(encode(message))
+        else:
+            run.append(flat[0])
+            views.extend(flat[1])
+    close_run()
+    return parts
+
+
+def _frame(data: bytes, views: list[memoryview]) -> list:
     head = _HEAD.pack(len(data), len(views)) + struct.pack(f"<{len(views)}Q", *(v.nbytes for v in views))
     return [head, data, *views]
 
@@ -194,7 +229,7 @@ def _frame_size(data: memoryview, offset: int) -> int | None:
 
 
 def decode(frame: memoryview):
-    """A frame's message; its tensors are read-only views into `frame`."""
+    """A frame's message (a list of them for encode_all's runs); tensors are read-only views into `frame`."""
     size, count = _HEAD.unpack_from(frame, 0)
     start = _HEAD.size + 8 * count
     buffers, offset = [], start + size
@@ -202,13 +237,22 @@ def decode(frame: memoryview):
         buffers.append(frame[offset:offset + n])
         offset += n
     message = pickle.loads(frame[start:start + size], buffers=buffers)
-    return _unflatten(message, buffers) if type(message) is tuple else message
+    if type(message) is not tuple:
+        return message
+    if message[0] != _MANY:
+        return _unflatten(message, buffers)
+    messages, first = [], 0
+    for fields in message[1]:  # each takes as many buffers as it has tensors
+        last = first + len(fields[-1])
+        messages.append(_unflatten(fields, buffers[first:last]))
+        first = last
+    return messages
 
 
 class Connection(asyncio.Protocol):
-    """One end of the Unix socket: every complete frame received goes to `on_message` as its message, in
-    order, from the loop's read callback (no coroutine per read); send() queues a frame and the frames
-    sent in one loop turn leave in one write (a batch's answers, a busy front end's requests)."""
+    """One end of the Unix socket: every complete frame received goes to `on_message` as its message(s), in
+    order, from the loop's read callback (no coroutine per read); send() queues a message and the messages
+    sent in one loop turn leave in one write, their infer calls and answers in one frame (encode_all)."""
 
     def __init__(self, on_message, on_lost=None):
         self.on_message = on_message
@@ -217,7 +261,7 @@ class Connection(asyncio.Protocol):
         self._partial: list[bytes] = []  # the start of a frame not complete yet
         self._partial_bytes = 0
         self._partial_need = 0  # its size once its header is known (0: not yet)
-        self._outgoing: list = []
+        self._outgoing: list = []  # messages sent this loop turn
         self.closed = False
 
     def connection_made(self, transport) -> None:
@@ -236,7 +280,12 @@ class Connection(asyncio.Protocol):
             need = _frame_size(view, offset)
             if need is None or len(view) - offset < need:
                 break
-            self.on_message(decode(view[offset:offset + need]))
+            message = decode(view[offset:offset + need])
+            if type(message) is list:
+                for one in message:
+                    self.on_message(one)
+            else:
+                self.on_message(message)
             offset += need
         if offset < len(data):
             self._partial = [data[offset:]]
@@ -254,12 +303,12 @@ class Connection(asyncio.Protocol):
             return
         if not self._outgoing:
             asyncio.get_running_loop().call_soon(self._flush)
-        self._outgoing += encode(message)
+        self._outgoing.append(message)
 
     def _flush(self) -> None:
-        parts, self._outgoing = self._outgoing, []
+        messages, self._outgoing = self._outgoing, []
         if not self.closed and not self.transport.is_closing():
-            self.transport.writelines(parts)
+            self.transport.writelines(encode_all(messages))
 
     def close(self) -> None:
         if self.transport is not None:

@@ -59,3 +59,6 @@ INDEX = _body({"type": "object", "properties": {"ready": {"type": "boolean"}}}, 
 LOAD = _body({"type": "object", "properties": {"parameters": {
     "type": "object", "properties": {"config": {"type": "string"}}, "additionalProperties": True}}}, False)
 UNLOAD = _body({"type": "object", "properties": {"parameters": _PARAMETERS}}, False)
+REGISTER = _body({"type": "object", "required": ["key", "byte_size"], "properties": {
+    "key": {"type": "string"}, "offset": {"type": "integer", "minimum": 0},
+    "byte_size": {"type": "integer", "minimum": 0}}}, True)

@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
 from conftest import options, rng
+from test_lifecycle import test_request_timeout_in_the_queue as request_timeout_in_the_queue
+from test_shared_memory import infer_mlp_in_shared_memory, regions  # noqa: F401 - regions: a fixture
 from tritonclient.utils import InferenceServerException
 
 from kiln.serve import ServerThread
@@ -190,6 +193,55 @@ def test_concurrent_clients_each_get_their_own_answers(served, http, engine_of):
     assert http.is_server_ready()
 
 
+def test_shared_memory_registered_through_one_front_end_serves_through_both(served, regions, engine_of):
+    """Regions are the engine's: registered over gRPC, used over 12 HTTP connections (both front ends, by the
+    answered counts) and gRPC; unregistered over HTTP, gone for every front end."""
+    engine = engine_of("mlp", "2")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{served.ports.grpc}")
+    answered_before = [f.answered for f in served.frontends.frontends]
+    try:
+        infer_mlp_in_shared_memory(grpc, regions, engine)
+        x = rng().standard_normal((2, 8)).astype(np.float32)
+        key, handle = regions(x.nbytes)
+        shm.set_shared_memory_region(handle, [x])
+        grpc.register_system_shared_memory("both", key, x.nbytes)
+        clients = [httpclient.InferenceServerClient(f"127.0.0.1:{served.ports.http}") for _ in range(12)]
+        for c in clients:
+            assert "both" in {r["name"] for r in c.get_system_shared_memory_status()}
+            tensor = httpclient.InferInput("x", [2, 8], "FP32")
+            tensor.set_shared_memory("both", x.nbytes)
+            _check_mlp(c.infer("mlp", [tensor]), x, engine)
+        served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
+        assert min(served_by) > 0, served_by  # 2^-11: every connection on one front end by chance
+        small = httpclient.InferRequestedOutput("z")  # the engine writes outputs: its error comes back a 400
+        small.set_shared_memory("both", 32)
+        tensor = httpclient.InferInput("x", [2, 8], "FP32")
+        tensor.set_shared_memory("both", x.nbytes)
+        with pytest.raises(InferenceServerException, match="too small for its 64 bytes") as caught:
+            clients[0].infer("mlp", [tensor], outputs=[small])
+        assert caught.value.status() == "400"
+        clients[0].unregister_system_shared_memory("both")
+        for c in clients:
+            tensor = httpclient.InferInput("x", [2, 8], "FP32")
+            tensor.set_shared_memory("both", x.nbytes)
+            with pytest.raises(InferenceServerException, match="no system shared memory region 'both'") as caught:
+                c.infer("mlp", [tensor])
+            assert caught.value.status() == "400"
+            c.close()
+        last = httpclient.InferenceServerClient(f"127.0.0.1:{served.ports.http}")
+        infer_mlp_in_shared_memory(last, regions, engine)
+        last.close()
+    finally:
+        grpc.unregister_system_shared_memory()
+        grpc.close()
+
+
+def test_request_timeout_in_the_queue(served):
+    """The engine process answers front ends' requests from callbacks (ServerCore.infer_soon): a timeout that
+    passes in the queue is still a 503 with Retry-After, and the request behind which it waited a 200."""
+    request_timeout_in_the_queue(served)
+
+
 def test_load_unload_through_one_front_end_seen_by_both(repository):
     thread = ServerThread(options(repository, frontends=2, load_models=[]))
     server = thread.start()
@@ -248,8 +300,8 @@ def test_the_wire_gives_back_every_tensor_as_sent():
     import ml_dtypes
 
     from kiln.serve.core import InferRequest, InferResponse
-    from kiln.serve.errors import QueueFull, ServeError
-    from kiln.serve.ipc import Connection, InferAnswer, InferCall, Reply, encode, error_of, raise_error
+    from kiln.serve.errors import QueueFull
+    from kiln.serve.ipc import InferAnswer, InferCall, Reply, encode, encode_all, error_of
 
     generator = rng()
     plain = {"f": generator.standard_normal((3, 4)).astype(np.float32), "h": np.ones((2, 2), np.float16),
@@ -262,14 +314,29 @@ def test_the_wire_gives_back_every_tensor_as_sent():
                 InferAnswer(4, InferResponse("m", "2", "", list(odd.items()))),
                 Reply(5, error=error_of(QueueFull("full"))), Reply(6, error=error_of(KeyError("x")))]
 
-    stream = b"".join(bytes(part) for m in messages for part in encode(m))
+    check_the_wire(messages, b"".join(bytes(part) for m in messages for part in encode(m)))
+    # runs of infer calls and answers in one frame each (encode_all), the others between them in order
+    messages = messages[:1] + messages + [InferCall(7, InferRequest("m", "1", "r7", dict(list(plain.items())[:2])))]
+    check_the_wire(messages, b"".join(bytes(part) for part in encode_all(messages)))
+    frames = len([p for p in encode_all(messages) if isinstance(p, bytes)]) // 2  # a head and a pickle each
+    assert frames == 7  # calls 1 and 1 together; call 2 and answer 4 (bfloat16, BYTES) pickled whole; 3; 5; 6; 7
+
+
+def check_the_wire(messages: list, stream: bytes) -> None:
+    from kiln.serve.errors import QueueFull, ServeError
+    from kiln.serve.ipc import Connection, InferCall, raise_error
+
+    generator = rng()
     received: list = []
     connection = Connection(received.append)
     cuts = sorted(int(c) for c in generator.integers(0, len(stream), 40))
     for start, end in zip([0, *cuts], [*cuts, len(stream)]):
         connection.data_received(stream[start:end])  # as the socket hands it over: any piece, empty ones too
-    assert len(received) == len(messages)
-    for sent, got in zip(messages[:4], received[:4]):
+    assert [type(m) for m in received] == [type(m) for m in messages]
+    assert [m.id for m in received] == [m.id for m in messages]
+    for sent, got in zip(messages, received):
+        if not hasattr(sent, "request") and not hasattr(sent, "response"):
+            continue
         assert type(got) is type(sent) and got.id == sent.id
         mine = sent.request if isinstance(sent, InferCall) else sent.response
         theirs = got.request if isinstance(got, InferCall) else got.response
@@ -280,8 +347,9 @@ def test_the_wire_gives_back_every_tensor_as_sent():
             assert name == name2 and array2.dtype == array.dtype and array2.shape == array.shape
             np.testing.assert_array_equal(array2, array)
     assert received[0].request.outputs == ["y"] and received[0].request.timeout_us == 500
+    errors = [m for m in received if m.id in (5, 6)]
     with pytest.raises(QueueFull, match="full"):
-        raise_error(received[4].error)
+        raise_error(errors[0].error)
     with pytest.raises(ServeError, match="internal error: KeyError") as caught:
-        raise_error(received[5].error)
+        raise_error(errors[1].error)
     assert type(caught.value) is ServeError

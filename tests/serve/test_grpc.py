@@ -151,5 +151,5 @@ def test_wrong_raw_byte_size_is_invalid_argument(server):
 
 def test_unimplemented_calls_say_so(grpc):
     with pytest.raises(InferenceServerException) as caught:
-        grpc.get_system_shared_memory_status()
+        grpc.get_trace_settings()
     assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
