@@ -14,13 +14,14 @@ reads and writes are ordinary torch tensors: only the weights live in oneDNN's b
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import hugepages
+from kiln.kernels.cpu import gemm_native, hugepages
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
@@ -49,10 +50,33 @@ from kiln.kernels.cpu.onednn import (
     _implementation,
     _memory,
     _primitive,
+    creating_with_threads,
     load,
     memory_desc,
     packed_weight,
 )
+
+# ---- threads -----------------------------------------------------------------------------------
+
+# A layer whose activations (input or output) hold fewer floats than this runs on one thread where the
+# machine is busy: 1 MiB each side, EfficientNet-B0 from its 28x28 stage on. Every parallel region is a
+# fork and a join, and on a machine whose cores run other work the join waits out the time slice of a
+# descheduled thread: on a 2-vCPU Xeon at load ~4.5 each of B0's ~65 layers took ~0.4 ms more at 2
+# threads than at 1, where most take 0.05-0.3 ms of work (bench/results/efficientnet-cpu-2026-12-02.md).
+SERIAL_ELEMENTS = 1 << 18
+
+
+@functools.cache
+def _busy() -> bool:
+    # the rule (and the KILN_POOL override) by which kiln's own C loops leave OpenMP for kiln's pool,
+    # decided once so that a build and the engines it loads agree
+    return gemm_native.kiln_pool_wanted()
+
+
+def threads_for(elements: int) -> int | None:
+    """1 for a layer of at most `elements` floats per activation on a busy machine; None: OpenMP's count."""
+    return 1 if elements < SERIAL_ELEMENTS and _busy() else None
+
 
 # ---- activation memory -------------------------------------------------------------------------
 
@@ -160,14 +184,16 @@ class Conv2d:
                 f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
             return pd
 
-        pd = descriptor()
-        if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
-            while _implementation(pd) != prefer:
-                if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
-                    lib.lib.dnnl_primitive_desc_destroy(pd)
-                    pd = descriptor()  # not there: oneDNN's own first choice
-                    break
-        self._pd, self._prim = _primitive(pd, "convolution")
+        self.threads = threads_for(max(n * c * h * wd, n * o * oh * ow))  # None: OpenMP's count
+        with creating_with_threads(self.threads):
+            pd = descriptor()
+            if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+                while _implementation(pd) != prefer:
+                    if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                        lib.lib.dnnl_primitive_desc_destroy(pd)
+                        pd = descriptor()  # not there: oneDNN's own first choice
+                        break
+            self._pd, self._prim = _primitive(pd, "convolution")
         self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
@@ -266,11 +292,13 @@ class Pool2d:
         src_md = memory_desc([n, c, h, w], TAG_ACDB)
         dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
         pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
-            _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
-            f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
-        self._pd, self._prim = _primitive(pd, "pooling")
+        self.threads = threads_for(n * c * h * w)  # None: OpenMP's count
+        with creating_with_threads(self.threads):
+            _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
+                _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]),
+                None), f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+            self._pd, self._prim = _primitive(pd, "pooling")
         info = ctypes.c_char_p()
         lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
         self.implementation = (info.value or b"?").decode()
