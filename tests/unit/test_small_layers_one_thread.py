@@ -35,11 +35,13 @@ def busy(monkeypatch):
 
 
 def test_only_small_layers_go_serial_and_only_when_busy(monkeypatch):
+    threads_for = onednn_primitives.threads_for
     small, large = onednn_primitives.SERIAL_ELEMENTS - 1, onednn_primitives.SERIAL_ELEMENTS
+    light, heavy = onednn_primitives.SERIAL_MACS - 1, onednn_primitives.SERIAL_MACS
     monkeypatch.setattr(onednn_primitives, "_busy", lambda: True)
-    assert onednn_primitives.threads_for(small) == 1 and onednn_primitives.threads_for(large) is None
+    assert threads_for(small, light) == 1 and threads_for(large, light) is None and threads_for(small, heavy) is None
     monkeypatch.setattr(onednn_primitives, "_busy", lambda: False)
-    assert onednn_primitives.threads_for(small) is None
+    assert threads_for(small, light) is None
 
 
 def test_the_count_is_restored_and_other_threads_keep_theirs():
@@ -76,11 +78,19 @@ def test_serial_convolutions_match_torch(busy, channels, size, kernel, groups, a
 
 
 def test_a_large_convolution_keeps_openmps_threads(busy):
-    x = torch.randn(1, 32, 112, 112).contiguous(memory_format=torch.channels_last)  # 401,408 floats
-    w = torch.randn(32, 1, 3, 3)
-    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [1, 1], [1] * 4, [1, 1], 32, None, False, False)
+    x = torch.randn(1, 96, 112, 112).contiguous(memory_format=torch.channels_last)  # 1.2M floats (B0's expand)
+    w = torch.randn(96, 1, 3, 3)
+    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [1, 1], [1] * 4, [1, 1], 96, None, False, False)
     assert conv.threads is None
-    np.testing.assert_allclose(conv(x).numpy(), F.conv2d(x, w, padding=1, groups=32).numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(conv(x).numpy(), F.conv2d(x, w, padding=1, groups=96).numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_heavy_convolution_keeps_openmps_threads(busy):
+    x = torch.randn(1, 512, 7, 7).contiguous(memory_format=torch.channels_last)  # ResNet-50's last 3x3: 116M MACs
+    w = torch.randn(512, 512, 3, 3) * 0.05
+    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [1, 1], [1] * 4, [1, 1], 1, None, False, False)
+    assert conv.threads is None
+    np.testing.assert_allclose(conv(x).numpy(), F.conv2d(x, w, padding=1).numpy(), rtol=RTOL, atol=ATOL)
 
 
 def test_serial_global_pool_matches_torch(busy):

@@ -58,12 +58,16 @@ from kiln.kernels.cpu.onednn import (
 
 # ---- threads -----------------------------------------------------------------------------------
 
-# A layer whose activations (input or output) hold fewer floats than this runs on one thread where the
-# machine is busy: 1 MiB each side, EfficientNet-B0 from its 28x28 stage on. Every parallel region is a
+# A layer whose activations (input and output) hold fewer floats than SERIAL_ELEMENTS and whose work is
+# under SERIAL_MACS multiply-adds runs on one thread where the machine is busy. Every parallel region is a
 # fork and a join, and on a machine whose cores run other work the join waits out the time slice of a
-# descheduled thread: on a 2-vCPU Xeon at load ~4.5 each of B0's ~65 layers took ~0.4 ms more at 2
-# threads than at 1, where most take 0.05-0.3 ms of work (bench/results/efficientnet-cpu-2026-12-02.md).
-SERIAL_ELEMENTS = 1 << 18
+# descheduled thread: on a 2-vCPU Xeon at load 2-5 each of EfficientNet-B0's ~65 layers took ~0.4 ms more
+# at 2 threads than at 1, where most take 0.05-0.5 ms of work. With these bounds every B0 layer but its three
+# at 112x112 (1.2M floats) goes serial (B0 at 2 threads, load ~2: 1.51x onnxruntime's latency -> 0.69x;
+# bench/results/efficientnet-cpu-2026-12-02.md), and ResNet-50's convolutions (51M MACs and up) keep
+# both threads: there the work is worth the wait.
+SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
+SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
 
 
 @functools.cache
@@ -73,9 +77,10 @@ def _busy() -> bool:
     return gemm_native.kiln_pool_wanted()
 
 
-def threads_for(elements: int) -> int | None:
-    """1 for a layer of at most `elements` floats per activation on a busy machine; None: OpenMP's count."""
-    return 1 if elements < SERIAL_ELEMENTS and _busy() else None
+def threads_for(elements: int, macs: int = 0) -> int | None:
+    """1 for a layer of fewer than SERIAL_ELEMENTS floats per activation and SERIAL_MACS multiply-adds on a busy
+    machine; None: OpenMP's count."""
+    return 1 if elements < SERIAL_ELEMENTS and macs < SERIAL_MACS and _busy() else None
 
 
 # ---- activation memory -------------------------------------------------------------------------
@@ -184,7 +189,8 @@ class Conv2d:
                 f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
             return pd
 
-        self.threads = threads_for(max(n * c * h * wd, n * o * oh * ow))  # None: OpenMP's count
+        macs = n * o * oh * ow * i_per_group * kh * kw
+        self.threads = threads_for(max(n * c * h * wd, n * o * oh * ow), macs)  # None: OpenMP's count
         with creating_with_threads(self.threads):
             pd = descriptor()
             if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
@@ -292,7 +298,7 @@ class Pool2d:
         src_md = memory_desc([n, c, h, w], TAG_ACDB)
         dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
         pd = ctypes.c_void_p()
-        self.threads = threads_for(n * c * h * w)  # None: OpenMP's count
+        self.threads = threads_for(n * c * h * w, n * c * oh * ow * kernel[0] * kernel[1])  # None: OpenMP's
         with creating_with_threads(self.threads):
             _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
                 ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
