@@ -1,12 +1,12 @@
-"""Small oneDNN layers and squeeze-excitation blocks on one thread where the machine is busy (issue 11).
+"""Small oneDNN layers and squeeze-excitation blocks on one thread where the machine is saturated (issue 11).
 
-On a busy machine (kiln_pool_wanted's rule: KILN_POOL, else the load average as the kernels load) a
-convolution or pooling whose activations hold fewer than SERIAL_ELEMENTS floats is created with OpenMP's
-count at 1 (onednn.creating_with_threads), so oneDNN runs it in the calling thread with no parallel region
-to wait on; the SE kernel takes the same decision. These tests force the decision either way and check:
-the rule, that the count is restored (and is the calling thread's only), the serial primitives against
-torch on fresh inputs, and EfficientNet against onnxruntime built that way. Speed: bench/results/
-efficientnet-cpu-2026-12-02.md, never asserted here.
+On a saturated machine (small_layers_serial: KILN_SERIAL_SMALL_LAYERS, else a 1-min load average of one
+per CPU as the kernels load) a convolution or pooling whose activations hold fewer than SERIAL_ELEMENTS
+floats and whose work is under SERIAL_MACS is created with OpenMP's count at 1 (onednn.creating_with_threads),
+so oneDNN runs it in the calling thread with no parallel region to wait on; the SE kernel takes the same
+decision. These tests force the decision either way and check: the rule, that the count is restored (and
+is the calling thread's only), the serial primitives against torch on fresh inputs, and EfficientNet
+against onnxruntime built that way. Speed: bench/results/efficientnet-cpu-2026-12-02.md, never asserted.
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ def test_only_small_layers_go_serial_and_only_when_busy(monkeypatch):
     assert threads_for(small, light) == 1 and threads_for(large, light) is None and threads_for(small, heavy) is None
     monkeypatch.setattr(onednn_primitives, "_busy", lambda: False)
     assert threads_for(small, light) is None
+
+
+def test_saturated_is_one_load_per_cpu_and_the_user_decides():
+    serial = onednn_primitives.small_layers_serial
+    assert serial({}, load=1.4, cpus=2) is False  # cores free at the moment often enough: OpenMP's count
+    assert serial({}, load=2.0, cpus=2) is True
+    assert serial({"KILN_SERIAL_SMALL_LAYERS": "1"}, load=0.0, cpus=2) is True
+    assert serial({"KILN_SERIAL_SMALL_LAYERS": "0"}, load=9.0, cpus=2) is False
 
 
 def test_the_count_is_restored_and_other_threads_keep_theirs():

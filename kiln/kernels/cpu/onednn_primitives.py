@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, hugepages
+from kiln.kernels.cpu import hugepages
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
@@ -59,27 +60,42 @@ from kiln.kernels.cpu.onednn import (
 # ---- threads -----------------------------------------------------------------------------------
 
 # A layer whose activations (input and output) hold fewer floats than SERIAL_ELEMENTS and whose work is
-# under SERIAL_MACS multiply-adds runs on one thread where the machine is busy. Every parallel region is a
-# fork and a join, and on a machine whose cores run other work the join waits out the time slice of a
-# descheduled thread: on a 2-vCPU Xeon at load 2-5 each of EfficientNet-B0's ~65 layers took ~0.4 ms more
-# at 2 threads than at 1, where most take 0.05-0.5 ms of work. With these bounds every B0 layer but its three
-# at 112x112 (1.2M floats) goes serial (B0 at 2 threads, load ~2: 1.51x onnxruntime's latency -> 0.69x;
-# bench/results/efficientnet-cpu-2026-12-02.md), and ResNet-50's convolutions (51M MACs and up) keep
-# both threads: there the work is worth the wait.
+# under SERIAL_MACS multiply-adds runs on one thread where the machine is saturated. Every parallel region
+# is a fork and a join, and where the cores run other work the join waits out the time slice of a
+# descheduled thread: on a 2-vCPU Xeon at load ~4 each of EfficientNet-B0's ~65 layers took ~0.4 ms more at
+# 2 threads than at 1, where most take 0.05-0.5 ms of work. With these bounds every B0 layer but its three
+# at 112x112 (1.2M floats) goes serial, and ResNet-50's convolutions (51M MACs and up) keep both threads.
+# Measured (bench/results/efficientnet-cpu-2026-12-02.md, B0 at 2 threads, kiln / onnxruntime): load ~4:
+# 1.60 -> 0.77; but at load ~1.4, with the cores free at the moment, 1.05 -> 1.57. So only from a load
+# average of one per CPU (SATURATED), not kiln_pool_wanted's half: the 1-min average lags the moment.
 SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
 SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
+SATURATED = 1.0  # 1-min load average per CPU from which small layers go serial
+
+
+def small_layers_serial(environ: dict[str, str] | None = None, load: float | None = None,
+                        cpus: int | None = None) -> bool:
+    """Whether small layers run on one thread: KILN_SERIAL_SMALL_LAYERS=1 / 0 decides; else where the 1-min load
+    average is at least SATURATED per CPU as the kernels load."""
+    environ = os.environ if environ is None else environ
+    if "KILN_SERIAL_SMALL_LAYERS" in environ:
+        return environ["KILN_SERIAL_SMALL_LAYERS"] != "0"
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return False
+    return load >= SATURATED * max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
 
 
 @functools.cache
 def _busy() -> bool:
-    # the rule (and the KILN_POOL override) by which kiln's own C loops leave OpenMP for kiln's pool,
-    # decided once so that a build and the engines it loads agree
-    return gemm_native.kiln_pool_wanted()
+    return small_layers_serial()  # decided once, so that a build and the engines it loads agree
 
 
 def threads_for(elements: int, macs: int = 0) -> int | None:
-    """1 for a layer of fewer than SERIAL_ELEMENTS floats per activation and SERIAL_MACS multiply-adds on a busy
-    machine; None: OpenMP's count."""
+    """1 for a layer of fewer than SERIAL_ELEMENTS floats per activation and SERIAL_MACS multiply-adds on a
+    saturated machine; None: OpenMP's count."""
     return 1 if elements < SERIAL_ELEMENTS and macs < SERIAL_MACS and _busy() else None
 
 

@@ -118,7 +118,7 @@ class _Bound:
         self._md = handle_md
         s = layer.shape
         elements = s["N"] * s["HW"] * s["C"]
-        # one thread for a small map, and on a busy machine for what oneDNN's layers around it run on one
+        # one thread for a small map, and on a saturated machine as the oneDNN layers around it (threads_for)
         threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS else 1
         threads = onednn_primitives.threads_for(elements) or threads
         self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
