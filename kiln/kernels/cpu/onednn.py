@@ -21,10 +21,12 @@ and `load()` refuses a library whose major version is not 3.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +232,40 @@ def reason() -> str | None:
     except OneDNNError as e:
         return str(e)
     return None
+
+
+@contextlib.contextmanager
+def creating_with_threads(threads: int | None) -> Iterator[None]:
+    """oneDNN primitives created inside run on at most `threads` threads (None: OpenMP's count, unchanged).
+
+    A oneDNN kernel fixes its thread count when its descriptor is created (the count is part of oneDNN's
+    primitive-cache key) and then forks that many whatever the count at execution: one created at 1 runs
+    in the calling thread, no parallel region. The count is OpenMP's per-thread setting, changed through
+    libdnnl's own OpenMP symbols (torch's libgomp, load() checks) and restored on the way out: other
+    threads, torch's included, never see it.
+    """
+    openmp = _openmp_threads(load().lib)
+    if threads is None or openmp is None:  # a libdnnl without OpenMP (TBB, threadpool): its own count
+        yield
+        return
+    get_max, set_count = openmp
+    before = get_max()
+    set_count(max(1, min(threads, before)))
+    try:
+        yield
+    finally:
+        set_count(before)
+
+
+def _openmp_threads(lib: ctypes.CDLL):
+    """(omp_get_max_threads, omp_set_num_threads) as libdnnl's calls resolve them, or None without OpenMP."""
+    try:
+        get_max, set_count = lib.omp_get_max_threads, lib.omp_set_num_threads
+    except AttributeError:
+        return None
+    get_max.restype, get_max.argtypes = ctypes.c_int, []
+    set_count.restype, set_count.argtypes = None, [ctypes.c_int]
+    return get_max, set_count
 
 
 def _check(status: int, what: str) -> None:

@@ -14,6 +14,8 @@ reads and writes are ordinary torch tensors: only the weights live in oneDNN's b
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -49,10 +51,53 @@ from kiln.kernels.cpu.onednn import (
     _implementation,
     _memory,
     _primitive,
+    creating_with_threads,
     load,
     memory_desc,
     packed_weight,
 )
+
+# ---- threads -----------------------------------------------------------------------------------
+
+# A layer whose activations (input and output) hold fewer floats than SERIAL_ELEMENTS and whose work is
+# under SERIAL_MACS multiply-adds runs on one thread where the machine is saturated. Every parallel region
+# is a fork and a join, and where the cores run other work the join waits out the time slice of a
+# descheduled thread: on a 2-vCPU Xeon at load ~4 each of EfficientNet-B0's ~65 layers took ~0.4 ms more at
+# 2 threads than at 1, where most take 0.05-0.5 ms of work. With these bounds every B0 layer but its three
+# at 112x112 (1.2M floats) goes serial, and ResNet-50's convolutions (51M MACs and up) keep both threads.
+# Measured (bench/results/efficientnet-cpu-2026-12-02.md, B0 at 2 threads, kiln / onnxruntime): load ~4:
+# 1.60 -> 0.77; but at load ~1.4, with the cores free at the moment, 1.05 -> 1.57. So only from a load
+# average of one per CPU (SATURATED), not kiln_pool_wanted's half: the 1-min average lags the moment.
+SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
+SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
+SATURATED = 1.0  # 1-min load average per CPU from which small layers go serial
+
+
+def small_layers_serial(environ: dict[str, str] | None = None, load: float | None = None,
+                        cpus: int | None = None) -> bool:
+    """Whether small layers run on one thread: KILN_SERIAL_SMALL_LAYERS=1 / 0 decides; else where the 1-min load
+    average is at least SATURATED per CPU as the kernels load."""
+    environ = os.environ if environ is None else environ
+    if "KILN_SERIAL_SMALL_LAYERS" in environ:
+        return environ["KILN_SERIAL_SMALL_LAYERS"] != "0"
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return False
+    return load >= SATURATED * max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
+
+
+@functools.cache
+def _busy() -> bool:
+    return small_layers_serial()  # decided once, so that a build and the engines it loads agree
+
+
+def threads_for(elements: int, macs: int = 0) -> int | None:
+    """1 for a layer of fewer than SERIAL_ELEMENTS floats per activation and SERIAL_MACS multiply-adds on a
+    saturated machine; None: OpenMP's count."""
+    return 1 if elements < SERIAL_ELEMENTS and macs < SERIAL_MACS and _busy() else None
+
 
 # ---- activation memory -------------------------------------------------------------------------
 
@@ -160,14 +205,17 @@ class Conv2d:
                 f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
             return pd
 
-        pd = descriptor()
-        if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
-            while _implementation(pd) != prefer:
-                if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
-                    lib.lib.dnnl_primitive_desc_destroy(pd)
-                    pd = descriptor()  # not there: oneDNN's own first choice
-                    break
-        self._pd, self._prim = _primitive(pd, "convolution")
+        macs = n * o * oh * ow * i_per_group * kh * kw
+        self.threads = threads_for(max(n * c * h * wd, n * o * oh * ow), macs)  # None: OpenMP's count
+        with creating_with_threads(self.threads):
+            pd = descriptor()
+            if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+                while _implementation(pd) != prefer:
+                    if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                        lib.lib.dnnl_primitive_desc_destroy(pd)
+                        pd = descriptor()  # not there: oneDNN's own first choice
+                        break
+            self._pd, self._prim = _primitive(pd, "convolution")
         self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
@@ -266,11 +314,13 @@ class Pool2d:
         src_md = memory_desc([n, c, h, w], TAG_ACDB)
         dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
         pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
-            ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
-            _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]), None),
-            f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
-        self._pd, self._prim = _primitive(pd, "pooling")
+        self.threads = threads_for(n * c * h * w, n * c * oh * ow * kernel[0] * kernel[1])  # None: OpenMP's
+        with creating_with_threads(self.threads):
+            _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
+                _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]),
+                None), f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+            self._pd, self._prim = _primitive(pd, "pooling")
         info = ctypes.c_char_p()
         lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
         self.implementation = (info.value or b"?").decode()

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu import native_loop, onednn, onednn_primitives
 
 SOURCE = Path(__file__).with_name("se.c").read_text()
 
@@ -117,7 +117,10 @@ class _Bound:
         self._memories = {"src": onednn._memory(handle_md.value, src), "dst": onednn._memory(handle_md.value, dst)}
         self._md = handle_md
         s = layer.shape
-        threads = torch.get_num_threads() if s["N"] * s["HW"] * s["C"] >= PARALLEL_ELEMENTS else 1
+        elements = s["N"] * s["HW"] * s["C"]
+        # one thread for a small map, and on a saturated machine as the oneDNN layers around it (threads_for)
+        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS else 1
+        threads = onednn_primitives.threads_for(elements) or threads
         self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
         self._block = torch.empty(max(threads, 1) * s["C"], dtype=torch.float32)
         self._gate = torch.empty(s["N"] * s["C"], dtype=torch.float32)
