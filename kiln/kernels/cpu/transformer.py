@@ -295,6 +295,25 @@ class LayerNorm(NativeKernel):
                            residual_rows=_rows(residual_size) if residual_size is not None else rows,
                            rms=int(rms))
 
+    def at_size(self, size: tuple[int, ...], residual_size: tuple[int, ...] | None = None) -> LayerNorm:
+        """The same norm (weights, epsilon, residual or not) at another input size: a copy with its size fields
+        anew, without the weights' checks and conversion (a segment binds every norm at each new input size)."""
+        size = tuple(size)
+        if not size or int(size[-1]) != self.fields["n"]:
+            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
+        if residual_size is not None and not repeats_over_rows(residual_size, size):
+            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        other = object.__new__(LayerNorm)
+        other.__dict__.update(self.__dict__)
+        rows = _rows(size)
+        other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
+        other.input_size = other.output_size = size
+        other.more_outputs = ((size, torch.float32),) if self.more_outputs else ()
+        other.fields = {**self.fields, "rows": rows,
+                        "residual_rows": _rows(residual_size) if residual_size is not None else rows}
+        other._alone, other._lock = None, threading.Lock()
+        return other
+
 
 class Add(NativeKernel):
     """y = a + b, the smaller operand's rows repeating over the larger's (reads step inputs 0 and 1)."""

@@ -174,8 +174,15 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def reads(sizes):
         return {k: _F32 for k in (0, 3) if k in sizes}
 
-    return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3),
-                                                                        keep_sum=keep_sum), max_rank=3)
+    first: list[kernels.LayerNorm] = []  # the first size's kernel: others are copies at their sizes (at_size)
+
+    def build(sizes):
+        if first:
+            return first[0].at_size(sizes[0], sizes.get(3))
+        first.append(kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3), keep_sum=keep_sum))
+        return first[0]
+
+    return prepared_native(step, reads, build, max_rank=3)
 
 
 register(Tactic(
