@@ -203,6 +203,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.observer = observer  # (event, fields): "first_token", "token", "finished" (server metrics)
         self._ids = itertools.count()
+        self._never_scheduled: set[str] = set()  # request ids without a first_scheduled_time yet
         log.info("kiln llm: %s (%s) on %s in %s, %d KV blocks of %d tokens (%.2f GiB), loaded in %.1f s",
                  self.path.name, self.model_config.model_type, self.device, self.dtype, num_blocks, config.block_size,
                  num_blocks * spec.bytes_per_block / 2**30, time.perf_counter() - started)
@@ -239,6 +240,7 @@ class LLMEngine:
         self.states[request_id] = _State(request, prompt if isinstance(prompt, str) else None, detokenizer,
                                          RequestMetrics(request.arrival_time), stream=stream,
                                          logprobs=[] if params.logprobs is not None else None)
+        self._never_scheduled.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -265,10 +267,12 @@ class LLMEngine:
         if scheduled.empty:
             return []
         now = time.monotonic()
-        for item in scheduled.scheduled:
-            state = self.states[item.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
+        if self._never_scheduled:  # no loop over the batch once every request has run
+            for item in scheduled.scheduled:
+                request_id = item.request.request_id
+                if request_id in self._never_scheduled:
+                    self._never_scheduled.discard(request_id)
+                    self.states[request_id].metrics.first_scheduled_time = now
         result = self.runner.execute(scheduled)
         self.stats.draft_tokens += result.num_draft_tokens
         self.stats.accepted_draft_tokens += result.num_accepted_drafts
@@ -355,6 +359,7 @@ class LLMEngine:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _forget(self, request_id: str, reason: str | None) -> None:
+        self._never_scheduled.discard(request_id)
         if self.states.pop(request_id, None) is not None and reason is not None:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.runner.sampler.forget(request_id)
