@@ -112,8 +112,16 @@ class BlockManager:
         """Blocks for `num_new_tokens` more tokens of `request` (draft tokens included), after its
         `computed_blocks` prefix hits when it is being admitted. Returns the newly taken blocks, or None
         (and changes nothing) when too few are free."""
+        held = self.request_blocks.get(request.request_id)
+        if held is not None and not computed_blocks:  # a running request: most steps fit in the blocks it holds
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(held) * self.block_size:
+                if self.enable_prefix_caching and min(end, request.num_tokens) // self.block_size > \
+                        self.num_hashed.get(request.request_id, 0):
+                    self._register_full_blocks(request, held, min(end, request.num_tokens) // self.block_size)
+                return []
         computed_blocks = computed_blocks or []
-        held = self.request_blocks.get(request.request_id, [])
+        held = held if held is not None else []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
         num_needed = max(total_blocks - len(held) - len(computed_blocks), 0)

@@ -57,6 +57,7 @@ class DecodeGraphs:
         pin = device.type == "cuda"
         self.host_ints = torch.zeros((4, n), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots, seq lens
         self.host_tables = torch.zeros((n, self.width), dtype=torch.int32, pin_memory=pin)
+        self.table_rows: list[list[int]] = [[0] for _ in range(n)]  # the blocks each host_tables row holds
         self.ints = torch.zeros((4, n), dtype=torch.int64, device=device)
         self.ints[3] = 1
         self.tables = torch.zeros((n, self.width), dtype=torch.int32, device=device)
@@ -136,24 +137,43 @@ class DecodeGraphs:
         end.synchronize()
         return start.elapsed_time(end) / repeats
 
+    def stage(self, items) -> int:
+        """Fill the host staging buffers for the step's decode requests (ScheduledRequest, one token each) and
+        return the bucket. Block-table rows are kept between steps: a row whose blocks still begin with what it
+        holds gets only its new blocks (one every block_size steps), so a steady batch writes almost nothing.
+        Columns past a row's own blocks may hold another request's old ids: the decode kernel reads a row only
+        up to its sequence length, and padding rows keep column 0 the null block."""
+        n = len(items)
+        b = self.bucket(n)
+        ints, tables, size = self.host_ints.numpy(), self.host_tables.numpy(), self.block_size
+        rows = self.table_rows
+        for i, item in enumerate(items):
+            blocks, held = item.block_ids, rows[i]
+            if blocks != held:
+                if blocks[:len(held)] == held:
+                    tables[i, len(held):len(blocks)] = blocks[len(held):]
+                else:
+                    tables[i, :len(blocks)] = blocks
+                rows[i] = list(blocks)
+        for i in range(n, b):  # padding: token 0 at position 0 in slot 0 of the null block, one key
+            if rows[i] != [0]:
+                tables[i, 0] = 0
+                rows[i] = [0]
+        positions = np.fromiter((item.start_position for item in items), np.int64, n)
+        ints[0, :n] = np.fromiter((item.token_ids[0] for item in items), np.int64, n)
+        ints[1, :n] = positions
+        ints[2, :n] = tables[np.arange(n), positions // size].astype(np.int64) * size + positions % size
+        ints[3, :n] = positions + 1
+        ints[:, n:b] = 0
+        ints[3, n:b] = 1
+        return b
+
     def run(self, items, sampling: dict[str, np.ndarray] | None) -> tuple[int, torch.Tensor]:
         """items: the step's decode requests (ScheduledRequest, one token each). Replays the bucket's forward
         and, with `sampling` (Sampler.params_tensors of the rows), its sampling graph. Returns (bucket,
         token ids [bucket] on the device: greedy when sampling is None)."""
         n = len(items)
-        b = self.bucket(n)
-        ints, tables, size = self.host_ints.numpy(), self.host_tables.numpy(), self.block_size
-        ints[:, :b] = 0
-        ints[3, :b] = 1  # padding rows: token 0 at position 0 in slot 0 of the null block, one key
-        tables[:b] = 0
-        for i, item in enumerate(items):
-            pos = item.start_position
-            blocks = item.block_ids
-            ints[0, i] = item.token_ids[0]
-            ints[1, i] = pos
-            ints[2, i] = blocks[pos // size] * size + pos % size
-            ints[3, i] = pos + 1
-            tables[i, :len(blocks)] = blocks
+        b = self.stage(items)
         self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
         self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
         self.seq_lens[:b].copy_(self.ints[3, :b])

@@ -96,8 +96,11 @@ class _State:
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
     text: str = ""
+    stream: bool = True  # an output every step it has tokens (else only when it finishes: LLM.generate)
     sent_text: int = 0
-    sent_tokens: int = 0
+    sent_tokens: int = 0  # output tokens sent in RequestOutputs
+    num_counted: int = 0  # output tokens counted in the stats and metrics
+    num_detokenized: int = 0  # output tokens given to the detokenizer
     logprobs: list[TokenLogprobs] | None = None
     sent_logprobs: int = 0
 
@@ -200,6 +203,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.observer = observer  # (event, fields): "first_token", "token", "finished" (server metrics)
         self._ids = itertools.count()
+        self._never_scheduled: set[str] = set()  # request ids without a first_scheduled_time yet
         log.info("kiln llm: %s (%s) on %s in %s, %d KV blocks of %d tokens (%.2f GiB), loaded in %.1f s",
                  self.path.name, self.model_config.model_type, self.device, self.dtype, num_blocks, config.block_size,
                  num_blocks * spec.bytes_per_block / 2**30, time.perf_counter() - started)
@@ -215,7 +219,10 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, stream: bool = True) -> str:
+        """stream=False: step() gives this request's RequestOutput once, when it finishes, its text decoded then
+        in one piece (unless stop strings need the text every step); building an output every step costs the
+        host ~4 us a request, which at batch 256 is a tenth of a decode step's GPU time."""
         params = params or self.default_sampling_params()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -231,8 +238,9 @@ class LLMEngine:
         detokenizer = (IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
                        if params.detokenize and self.tokenizer is not None else None)
         self.states[request_id] = _State(request, prompt if isinstance(prompt, str) else None, detokenizer,
-                                         RequestMetrics(request.arrival_time),
+                                         RequestMetrics(request.arrival_time), stream=stream,
                                          logprobs=[] if params.logprobs is not None else None)
+        self._never_scheduled.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -259,40 +267,51 @@ class LLMEngine:
         if scheduled.empty:
             return []
         now = time.monotonic()
-        for item in scheduled.scheduled:
-            state = self.states[item.request_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
+        if self._never_scheduled:  # no loop over the batch once every request has run
+            for item in scheduled.scheduled:
+                request_id = item.request.request_id
+                if request_id in self._never_scheduled:
+                    self._never_scheduled.discard(request_id)
+                    self.states[request_id].metrics.first_scheduled_time = now
         result = self.runner.execute(scheduled)
         self.stats.draft_tokens += result.num_draft_tokens
         self.stats.accepted_draft_tokens += result.num_accepted_drafts
         self.scheduler.update(scheduled, result.sampled)
         outputs = []
         now = time.monotonic()
+        states, sampled, logprobs = self.states, result.sampled, result.logprobs
         for item in scheduled.scheduled:
-            tokens = result.sampled.get(item.request_id)
-            if tokens:
-                outputs.append(self._process(self.states[item.request_id], tokens,
-                                             result.logprobs.get(item.request_id), now))
+            request_id = item.request.request_id
+            if sampled.get(request_id):
+                output = self._process(states[request_id], logprobs.get(request_id), now)
+                if output is not None:
+                    outputs.append(output)
         if self.config.speculative_ngram or self.draft is not None:
             self._propose_drafts()
         return outputs
 
-    def _process(self, state: _State, tokens: list[int], logprobs: list[TokenLogprobs] | None,
-                 now: float) -> RequestOutput:
+    def _process(self, state: _State, logprobs: list[TokenLogprobs] | None, now: float) -> RequestOutput | None:
+        """Count the step's tokens; the request's RequestOutput, or None while a request that is not streamed
+        runs on (it gets one when it finishes)."""
         request, params, metrics = state.request, state.request.params, state.metrics
-        kept = request.output_token_ids[state.sent_tokens:]  # the update may have dropped tokens after a stop
-        self.stats.generation_tokens += len(kept)
+        num_output = len(request.token_ids) - len(request.prompt_token_ids)
+        num_new = num_output - state.num_counted  # the update may have dropped tokens after a stop
+        state.num_counted = num_output
+        self.stats.generation_tokens += num_new
         if metrics.first_token_time is None:
             metrics.first_token_time = now
             self.stats.prompt_tokens += request.num_prompt_tokens
             self._observe("first_token", ttft=now - metrics.arrival_time)
-        elif kept:
-            self._observe("token", itl=now - metrics.last_token_time, count=len(kept))
+        elif num_new and self.observer is not None:
+            self._observe("token", itl=now - metrics.last_token_time, count=num_new)
         metrics.last_token_time = now
         if state.logprobs is not None and logprobs:
-            state.logprobs.extend(logprobs[:len(kept)])
+            state.logprobs.extend(logprobs[:num_new])
+        if not (state.stream or params.stop or request.status.finished):
+            return None
         if state.detokenizer is not None:
+            kept = request.output_token_ids[state.num_detokenized:]
+            state.num_detokenized = num_output
             checked = len(state.text)
             state.text += state.detokenizer.add(kept)
             if request.status.finished:
@@ -300,6 +319,8 @@ class LLMEngine:
             if params.stop and request.num_output_tokens >= params.min_tokens:
                 self._check_stop_strings(state, checked)
         finished = request.status.finished
+        if not (state.stream or finished):
+            return None
         hold = 0 if finished or not params.stop else max(len(s) for s in params.stop) - 1
         visible = state.text[:max(len(state.text) - hold, state.sent_text)]
         delta_text, state.sent_text = visible[state.sent_text:], len(visible)
@@ -338,6 +359,7 @@ class LLMEngine:
             self.scheduler.finish(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _forget(self, request_id: str, reason: str | None) -> None:
+        self._never_scheduled.discard(request_id)
         if self.states.pop(request_id, None) is not None and reason is not None:
             self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         self.runner.sampler.forget(request_id)

@@ -58,7 +58,7 @@ class LLM:
         return self.engine.tokenizer
 
     def _submit(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None,
-                call: int) -> list[list[str]]:
+                call: int, stream: bool) -> list[list[str]]:
         if params is None or isinstance(params, SamplingParams):
             params = [params or self.engine.default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
@@ -70,7 +70,8 @@ class LLM:
                 for j in range(p.n):  # n samples of one prompt: n requests (the prefix cache shares the prompt)
                     child = p if p.n == 1 and j == 0 else dataclasses.replace(
                         p, n=1, seed=None if p.seed is None else p.seed + j)
-                    ids[-1].append(self.engine.add_request(prompt, child, request_id=f"llm-{call}-{i}-{j}"))
+                    ids[-1].append(self.engine.add_request(prompt, child, request_id=f"llm-{call}-{i}-{j}",
+                                                           stream=stream))
         except Exception:
             for request_id in itertools.chain.from_iterable(ids):
                 self.engine.abort(request_id)
@@ -81,7 +82,7 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt (n samples in its outputs)."""
         prompts = _as_list(prompts)
-        ids = self._submit(prompts, params, next(self._calls))
+        ids = self._submit(prompts, params, next(self._calls), stream=False)  # outputs only at the end
         final: dict[str, RequestOutput] = {}
         wanted = set(itertools.chain.from_iterable(ids))
         try:
@@ -104,7 +105,7 @@ class LLM:
         """Yield each request's output every step it produced text (delta_text / delta_token_ids);
         closing the iterator early cancels what is left."""
         prompts = _as_list(prompts)
-        ids = self._submit(prompts, params, next(self._calls))
+        ids = self._submit(prompts, params, next(self._calls), stream=True)
         live = set(itertools.chain.from_iterable(ids))
         try:
             while live:

@@ -184,16 +184,24 @@ class ModelRunner:
         """A pure-decode step: replay the bucket's graphs; sample eagerly from the graph's logits only when a
         request needs penalties (its history) or log-probabilities."""
         self.num_graph_steps += 1
-        params = [s.request.params for s in scheduled]
-        ids = [s.request_id for s in scheduled]
-        positions = [s.start_position + 1 for s in scheduled]
+        requests = [s.request for s in scheduled]
+        params = [r.params for r in requests]
+        distinct = {id(p): p for p in params}.values()  # a batch often shares one SamplingParams
         n = len(scheduled)
-        if any(p.needs_penalties for p in params):
+        if any(p.needs_penalties for p in distinct):
             bucket, _ = self.graphs.run(scheduled, None)
-            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n], positions)
-        sampling = None if all(p.greedy for p in params) else self.sampler.params_tensors(params, ids, positions)
+            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n], self._next_positions(scheduled))
+        ids = [r.request_id for r in requests]
+        sampling = None if all(p.greedy for p in distinct) else self.sampler.params_tensors(
+            params, ids, self._next_positions(scheduled))
         bucket, tokens = self.graphs.run(scheduled, sampling)
         token_ids = tokens[:n].tolist()
-        if any(p.logprobs is not None for p in params):
-            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n], positions, token_ids)
+        if any(p.logprobs is not None for p in distinct):
+            return self._finish(scheduled, scheduled, self.graphs.logits[bucket][:n],
+                                self._next_positions(scheduled), token_ids)
         return StepResult(sampled={i: [t] for i, t in zip(ids, token_ids)})
+
+    @staticmethod
+    def _next_positions(scheduled: list[ScheduledRequest]) -> list[int]:
+        """The position of the token each decode row chooses."""
+        return [s.start_position + 1 for s in scheduled]

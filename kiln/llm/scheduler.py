@@ -31,7 +31,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: what the model runner needs, and nothing it would have to look up."""
 
@@ -106,10 +106,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         blocks = self.block_manager
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_drafts = len(request.spec_token_ids)
-            num_new = min(request.num_tokens + num_drafts - request.num_computed_tokens, budget)
+        running = self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_new = min(len(request.token_ids) + len(request.spec_token_ids) - request.num_computed_tokens, budget)
             while blocks.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
@@ -144,11 +144,14 @@ class Scheduler:
 
     def _slice(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        known = request.token_ids[start:start + num_new]
-        drafts = request.spec_token_ids[:num_new - len(known)] if len(known) < num_new else []
-        return ScheduledRequest(request=request, token_ids=known + drafts, start_position=start,
-                                block_ids=list(self.block_manager.block_ids(request.request_id)),
-                                num_draft_tokens=len(drafts), sample=start + len(known) == request.num_tokens)
+        token_ids = request.token_ids
+        known = token_ids[start:start + num_new]
+        sample = start + len(known) == len(token_ids)
+        num_drafts = num_new - len(known)
+        if num_drafts:
+            known += request.spec_token_ids[:num_drafts]
+        return ScheduledRequest(request, known, start, self.block_manager.block_ids(request.request_id)[:],
+                                num_drafts, sample)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)
@@ -165,16 +168,18 @@ class Scheduler:
         `sampled[id]` lists the tokens a request accepted this step: one, or with drafts the accepted
         drafts and then the model's own next token."""
         finished = []
+        running = RequestStatus.RUNNING
         for item in output.scheduled:
             request = item.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # finished while the step ran (cancelled)
-            tokens = sampled.get(request.request_id, []) if item.sample else []
+            tokens = sampled.get(request.request_id, ()) if item.sample else ()
             num_rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else item.num_draft_tokens
             request.num_computed_tokens += len(item.token_ids) - num_rejected
-            request.spec_token_ids = []
+            if request.spec_token_ids:
+                request.spec_token_ids = []
             for token in tokens:
-                request.append_token(token)
+                request.token_ids.append(token)
                 status = self._stop_status(request, token)
                 if status is not None:
                     self.finish(request.request_id, status)
@@ -184,15 +189,17 @@ class Scheduler:
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params
-        if request.num_output_tokens >= params.min_tokens:
+        num_tokens = len(request.token_ids)
+        num_output = num_tokens - len(request.prompt_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 request.stop_reason = None  # OpenAI: finish_reason "stop", no stop_reason for EOS
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

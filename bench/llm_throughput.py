@@ -1,0 +1,161 @@
+"""Offline throughput, 128-token prompts and 128-token outputs, at large batches: kiln.llm trees side by side.
+
+    python bench/llm_throughput.py --trees .cache/llmtp-base . --batch 64 128 256 --configs bf16 fp8 fp8-kv8
+
+Issue 15's throughput target: 128 prompt + 128 output tokens with FP8 on one H200 (TensorRT-LLM's record:
+27,911 output tok/s). A Llama-3-8B-shaped model with random weights made on the GPU (load_format="dummy", the
+same seed in every tree, so the trees run the same weights). Each (tree, config) runs in its own process: one
+engine with max_num_seqs = the largest batch and a token budget that admits a whole batch's prompts in one
+step; then per batch a warm-up and one timed LLM.generate of `batch` prompts (random ids, greedy, ignore EOS,
+exactly 128 tokens each, no detokenization). Configs: bf16 (weights and KV cache), fp8 (E4M3 weights, bf16 KV),
+fp8-kv8 (E4M3 weights and KV cache). Decode GEMV tuning and decode-layer fusion are off (they apply to <= 16
+rows only; off saves start-up time).
+
+Reported per run: output tok/s (batch x 128 / wall time of generate: TensorRT-LLM's measure), total tok/s
+(prompt + output), TTFT (the batch's last first token), decode step wall ms (the time after the last first token /
+127 steps), the decode graph's replay time (CUDA events, at the end's sequence lengths) and the difference:
+the host's time per step not hidden under the GPU's. Trees must produce the same tokens (greedy, the same
+weights): the script compares a digest of every run's tokens across trees and says MISMATCH if not.
+Processes run in priority order within a time budget (--budget seconds); what does not fit is listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_CHILD = r"""
+import hashlib, json, sys, tempfile, time
+from pathlib import Path
+import torch, transformers
+from kiln.llm import LLM, SamplingParams
+
+a = json.loads(sys.argv[1])
+config_name, batches, input_len, output_len = a["config"], a["batch"], a["input_len"], a["output_len"]
+SHAPES = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+          "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512)}  # tiny: a dry run of this script on the CPU
+folder = Path(tempfile.mkdtemp())
+config = transformers.LlamaConfig(**SHAPES[a["preset"]], max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                                  tie_word_embeddings=False)
+config.dtype = torch.bfloat16
+config.save_pretrained(folder)
+options = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+largest = max(batches)
+started = time.perf_counter()
+llm = LLM(folder, dtype=a["dtype"], device=a["device"], load_format="dummy", seed=0, kv_cache_memory=a["kv_cache_memory"],
+          max_num_seqs=largest, max_num_batched_tokens=max(input_len * largest, 2048), max_model_len=a["max_model_len"],
+          gemv="cublas", decode_fusion="off", **options[config_name])
+sync = torch.cuda.synchronize if a["device"] == "cuda" else lambda: None
+load_s = time.perf_counter() - started
+vocab = config.vocab_size
+generator = torch.Generator().manual_seed(0)
+params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
+llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(largest)],
+             SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))  # compile, warm up
+for batch in batches:
+    prompts = [torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)]
+    sync()
+    steps_before = llm.engine.runner.num_graph_steps
+    start_wall, start_mono = time.perf_counter(), time.monotonic()
+    outs = llm.generate(prompts, params)
+    sync()
+    end_mono = time.monotonic()
+    elapsed = time.perf_counter() - start_wall
+    first = max(o.metrics.first_token_time for o in outs)
+    graphs = llm.engine.runner.graphs
+    replay_ms = graphs.time_replay(batch) if graphs is not None else float("nan")
+    tokens = [o.outputs[0].token_ids for o in outs]
+    assert all(len(t) == output_len for t in tokens), [len(t) for t in tokens]
+    decode_step_ms = (end_mono - first) / (output_len - 1) * 1e3
+    print(json.dumps({"config": config_name, "batch": batch, "load_s": load_s, "elapsed_s": elapsed,
+                      "output_tok_s": batch * output_len / elapsed,
+                      "total_tok_s": batch * (input_len + output_len) / elapsed,
+                      "ttft_ms": (first - start_mono) * 1e3, "decode_step_ms": decode_step_ms,
+                      "replay_ms": replay_ms, "host_ms": decode_step_ms - replay_ms,
+                      "graph_steps": llm.engine.runner.num_graph_steps - steps_before,
+                      "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}), flush=True)
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--trees", nargs="+", default=[str(ROOT)], help="first: the baseline")
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--configs", nargs="+", default=["bf16", "fp8", "fp8-kv8"], choices=["bf16", "fp8", "fp8-kv8"])
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--preset", default="llama3-8b", choices=["llama3-8b", "tiny"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--kv-cache-memory", default="16GiB")
+    parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
+    parser.add_argument("--per-run", type=float, default=40.0, help="seconds one process is expected to take")
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = parser.parse_args()
+    trees = [Path(t).resolve() for t in args.trees]
+    deadline = time.monotonic() + args.budget
+    rows, skipped = [], []
+    for config in args.configs:
+        for tree in reversed(trees):  # the tree under test first: if time runs out, its numbers exist
+            left = deadline - time.monotonic()
+            if left < args.per_run:
+                skipped.append(f"{tree.name} {config}")
+                continue
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            started = time.monotonic()
+            try:
+                child = {"config": config, "batch": args.batch, "input_len": args.input_len,
+                         "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
+                         "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+                out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
+                                     text=True, cwd=tree, timeout=left)
+            except subprocess.TimeoutExpired as e:
+                print(f"{tree.name} {config}: timed out after {left:.0f} s", flush=True)
+                out = subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", e.stderr or "")
+                out.stdout = out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout
+                out.stderr = out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr
+            (Path(args.out) / f"{tree.name}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
+            for line in out.stdout.splitlines():
+                if line.startswith("{"):
+                    rows.append({"tree": tree.name, **json.loads(line)})
+                    print(rows[-1], flush=True)
+            if out.returncode:
+                print(f"{tree.name} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
+            print(f"{tree.name} {config}: {time.monotonic() - started:.0f} s", flush=True)
+    (Path(args.out) / "throughput.json").write_text(json.dumps(rows, indent=1))
+    digests = {}
+    for r in rows:
+        digests.setdefault((r["config"], r["batch"]), set()).add(r["digest"])
+    print(f"\n{torch_versions()}; input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
+    print("| tree | config | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | graph replay ms "
+          "| host ms/step not hidden | load s | tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != trees[0].name)):
+        same = "same" if len(digests[(r["config"], r["batch"])]) == 1 else "MISMATCH"
+        print(f"| {r['tree']} | {r['config']} | {r['batch']} | {r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | "
+              f"{r['ttft_ms']:.0f} | {r['decode_step_ms']:.2f} | {r['replay_ms']:.2f} | {r['host_ms']:.2f} | "
+              f"{r['load_s']:.0f} | {same} |")
+    if skipped:
+        print("skipped (time budget): " + ", ".join(skipped))
+    return 0
+
+
+def torch_versions() -> str:
+    out = subprocess.run([sys.executable, "-c", "import torch, triton; print(torch.__version__, triton.__version__, "
+                          "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no cuda')"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or out.stderr.strip()[-200:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
