@@ -5,7 +5,7 @@
     python bench/serve_frontend_cost.py --models image --frontends 4 --clients raw triton --processes 4
 
 Models: "empty" is y = Identity(x), FP32 [1, 4] (16 bytes each way: per-request overhead alone);
-"image" is y = ReduceMean(x, axes 2, 3), x FP16 [1, 3, 224, 224] (MobileNetV2's request on the wire, 301 KB in,
+"image" is y = x[:, :, 0, 0], x FP16 [1, 3, 224, 224] (MobileNetV2's request on the wire, 301 KB in,
 6 bytes out), so the front ends move the bytes the H200 run moved while the engine costs ~nothing.
 
 Clients (each in its own process(es), closed loop, one connection per concurrent worker):
@@ -48,10 +48,13 @@ if name == "empty":
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])
 else:
-    nodes = [helper.make_node("ReduceMean", ["x"], ["y"], axes=[2, 3], keepdims=0)]
+    # y = x[:, :, 0, 0]: the engine reads 6 bytes of each request's 301 KB
+    nodes = [helper.make_node("Gather", ["x", "zero"], ["x0"], axis=2), helper.make_node("Gather", ["x0", "zero"],
+                                                                                          ["y"], axis=2)]
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 3, 224, 224])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 3])
-g = helper.make_graph(nodes, name, [x], [y])
+zero = [helper.make_tensor("zero", TensorProto.INT64, [], [0])] if name == "image" else []
+g = helper.make_graph(nodes, name, [x], [y], initializer=zero)
 onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), folder + "/m.onnx")
 kiln.build(folder + "/m.onnx").save(folder + "/1/model.kiln")
 """
@@ -68,9 +71,10 @@ def write_repository(root: Path, models: list[str]) -> None:
         (folder / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
 
 
-def start_server(repo: Path, frontends: int) -> tuple[subprocess.Popen, int, int]:
+def start_server(repo: Path, frontends: int, staging_mib: int) -> tuple[subprocess.Popen, int, int]:
     command = [sys.executable, "-m", "kiln", "serve", str(repo), "--http-port", "0", "--grpc-port", "0",
-               "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends)]
+               "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends),
+               "--staging-mib", str(staging_mib)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
@@ -305,19 +309,23 @@ def main() -> None:
     parser.add_argument("--clients", nargs="+", default=["raw", "triton"])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--processes", type=int, default=1, help="client processes")
+    parser.add_argument("--staging-mib", type=int, nargs="+", default=[256],
+                        help="kiln serve --staging-mib values, each a server of its own (0: tensors over the socket)")
+    parser.add_argument("--rounds", type=int, default=1, help="the servers again, interleaved (A B A B)")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--profile", type=float, default=0.0, help="seconds of py-spy per row (0: none)")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"# {os.cpu_count()} CPUs, load {load:.1f} at start; concurrency {args.concurrency}, "
           f"{args.processes} client process(es), {args.seconds} s windows\n")
-    print("| model | front ends | protocol | client | req/s | p50 ms | server CPU us/req | engine process "
-          "| front ends | client CPU us/req |\n|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("| model | front ends | staging MiB | protocol | client | req/s | p50 ms | server CPU us/req | engine process "
+          "| front ends | client CPU us/req |\n|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     profiles = []
     with tempfile.TemporaryDirectory(prefix="kiln-fe-") as tmp:
         write_repository(Path(tmp), args.models)
-        for frontends in args.frontends:
-            server, http, grpc = start_server(Path(tmp), frontends)
+        servers = [(n, mib) for n in args.frontends for mib in (args.staging_mib if n else [0])]
+        for frontends, mib in servers * args.rounds:
+            server, http, grpc = start_server(Path(tmp), frontends, mib)
             try:
                 for model in args.models:
                     for protocol in args.protocols:
@@ -326,17 +334,18 @@ def main() -> None:
                             spy = args.profile if kind == "raw" else 0.0
                             m = measure(server, port, protocol, kind, model, args.concurrency, args.processes,
                                         max(args.seconds, spy + 1.0) if spy else args.seconds, spy)
-                            print(f"| {model} | {frontends} | {protocol} | {kind} | {m['rate']:.0f} "
+                            print(f"| {model} | {frontends} | {mib} | {protocol} | {kind} | {m['rate']:.0f} "
                                   f"| {m['p50_us'] / 1e3:.2f} | {m['engine_us'] + m['frontends_us']:.0f} "
                                   f"| {m['engine_us']:.0f} | {m['frontends_us']:.0f} | {m['client_us']:.0f} |",
                                   flush=True)
                             if "stages" in m:
-                                profiles.append((model, frontends, protocol, m["stages"]))
+                                profiles.append((model, f"{frontends} front ends, staging {mib} MiB", protocol,
+                                                 m["stages"]))
             finally:
                 server.terminate()
                 server.wait(30)
     for model, frontends, protocol, stages in profiles:
-        print(f"\n### py-spy, {model}, {frontends} front ends, {protocol}, raw client: CPU us per request by stage\n")
+        print(f"\n### py-spy, {model}, {frontends}, {protocol}, raw client: CPU us per request by stage\n")
         print("| process | stage | us/req |\n|---|---|---|")
         for (role, stage), us in sorted(stages.items(), key=lambda kv: (kv[0][0], -kv[1])):
             if us >= 1:
