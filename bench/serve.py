@@ -386,9 +386,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
     parser.add_argument("--frontends", type=int, nargs="+", default=[0],
                         help="kiln serve --frontends values, one server each, measured one after the other (default 0)")
-    parser.add_argument("--staging-mib", type=int, nargs="+", default=[256],
+    parser.add_argument("--staging-mib", type=int, nargs="+", default=[64],
                         help="with front ends: kiln serve --staging-mib values, a server each (0: tensors over the "
-                             "engine's socket; default 256)")
+                             "engine's socket; default 64)")
     parser.add_argument("--random-weights", action="store_true",
                         help="MobileNetV2 with random weights (no weights package needed; the same speed)")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")

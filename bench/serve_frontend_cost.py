@@ -309,7 +309,7 @@ def main() -> None:
     parser.add_argument("--clients", nargs="+", default=["raw", "triton"])
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--processes", type=int, default=1, help="client processes")
-    parser.add_argument("--staging-mib", type=int, nargs="+", default=[256],
+    parser.add_argument("--staging-mib", type=int, nargs="+", default=[64],
                         help="kiln serve --staging-mib values, each a server of its own (0: tensors over the socket)")
     parser.add_argument("--rounds", type=int, default=1, help="the servers again, interleaved (A B A B)")
     parser.add_argument("--seconds", type=float, default=3.0)

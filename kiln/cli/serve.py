@@ -44,9 +44,9 @@ def add_parser(verbs) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--staging-mib", type=int, default=256, metavar="MIB",
+    p.add_argument("--staging-mib", type=int, default=64, metavar="MIB",
                    help="with --frontends: MiB of shared memory per front end through which large input tensors "
-                        "reach the engine process (0: over its socket) (default 256)")
+                        "reach the engine process (0: over its socket) (default 64)")
     p.add_argument("--frontends", type=int, default=0, metavar="N",
                    help="run HTTP and gRPC in N front-end processes on the same ports, sending the tensors to this "
                         "process's batchers (past one event loop; docs/serving.md); default 0: all in this process")

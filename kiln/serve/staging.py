@@ -32,7 +32,8 @@ import numpy as np
 from kiln.serve.shared_memory import SHM_FOLDER
 
 STAGE_MIN_BYTES = 64 << 10  # smaller tensors cost less over the socket than a slot's bookkeeping
-ARENA_BYTES = 256 << 20  # per front end: ~850 MobileNet-sized requests in flight
+ARENA_BYTES = 64 << 20  # per front end: ~200 MobileNet-sized requests in flight
+_MIN_ARENA_BYTES = 1 << 20
 _ALIGN = 64
 
 
@@ -45,6 +46,19 @@ class Staged:
     shape: tuple[int, ...]
 
 
+def arena_bytes(wanted: int, frontends: int) -> int:
+    """The arena each of `frontends` front ends gets: `wanted`, or less where /dev/shm has less than half its free
+    space for them all (a container's /dev/shm is often 64 MB); 0 (no staging) where that is below 1 MiB each."""
+    try:
+        stats = os.statvfs(SHM_FOLDER)
+    except OSError:
+        return 0
+    room = stats.f_bavail * stats.f_frsize // 2 // max(1, frontends) // _ALIGN * _ALIGN
+    if wanted <= room:
+        return wanted
+    return room if room >= _MIN_ARENA_BYTES else 0
+
+
 class StagingArena:
     """A front end's side: its shared-memory object, slots taken per infer call and given back per answer."""
 
@@ -53,10 +67,14 @@ class StagingArena:
         self.byte_size = byte_size
         fd = os.open(os.path.join(SHM_FOLDER, self.key), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.ftruncate(fd, byte_size)
+            # every page taken now: a full /dev/shm is an OSError here, not a SIGBUS at the first write past it
+            os.posix_fallocate(fd, 0, byte_size)
             self._memory = mmap.mmap(fd, byte_size)
-        finally:
+        except OSError:
             os.close(fd)
+            self.unlink()
+            raise
+        os.close(fd)
         self._bytes = np.frombuffer(self._memory, np.uint8)
         self._head = 0  # the next free byte
         self._slots: deque[list] = deque()  # [start, end, call id, given back], oldest first

@@ -97,3 +97,22 @@ def test_only_kiln_staging_objects_are_mapped():
         StagingView("some-client-object", 4096)
     with pytest.raises(ValueError, match="not one of kiln serve's"):
         StagingView("kiln-staging-1/../x", 4096)
+
+
+def test_arenas_shrink_to_what_dev_shm_holds(monkeypatch):
+    """Half of /dev/shm's free space shared by the front ends at most (a container's is often 64 MB); below 1 MiB
+    each, no staging (the tensors go over the socket)."""
+    import os
+    from types import SimpleNamespace
+
+    from kiln.serve.staging import arena_bytes
+
+    free = {"bytes": 64 << 20}
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free["bytes"] // 4096, f_frsize=4096))
+    assert arena_bytes(64 << 20, 1) == 32 << 20
+    assert arena_bytes(64 << 20, 4) == 8 << 20
+    assert arena_bytes(4 << 20, 2) == 4 << 20
+    assert arena_bytes(64 << 20, 40) == 0
+    assert arena_bytes(16 << 10, 40) == 16 << 10  # what was asked for fits: small arenas are no error
+    free["bytes"] = 1 << 40
+    assert arena_bytes(64 << 20, 8) == 64 << 20
