@@ -179,11 +179,20 @@ def busy_s(server: int) -> dict[str, list[float]]:
             got = _cpu_of(f"/proc/{entry}/stat")
             if got is not None and got[0] == server:
                 out["front end"].append(got[1])
-            elif got is not None and got[0] == me:
+            elif got is not None and got[0] == me and _is_pool_worker(entry):
                 out["client"].append(got[1])
     if not out["client"]:
         out["client"] = [time.process_time()]
     return out
+
+
+def _is_pool_worker(pid: str) -> bool:
+    """A client process of the pool (not multiprocessing's resource tracker, also a child of this one)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
 
 
 def _busy(after: dict, before: dict) -> dict[str, float]:
