@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +65,8 @@ class Row:
     rows_per_call: float
     call_ms: float  # mean engine call (one batch's compute)
     cpu_us: float  # the server processes' CPU time per request answered
+    staging_mib: int = 0  # kiln serve --staging-mib (front ends' shared-memory arenas; 0: tensors over the socket)
+    busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
 
 
 def _empty_onnx(path: Path) -> None:
@@ -129,10 +132,11 @@ def _write_repository(root: Path, name: str, engine: Path, batching: bool, args)
     (root / name / "config.pbtxt").write_text(_config(batching, args.max_batch, args.delay_us, args.instances))
 
 
-def _start(root: Path, frontends: int) -> tuple[subprocess.Popen, dict[str, int]]:
+def _start(root: Path, frontends: int, staging_mib: int = 0) -> tuple[subprocess.Popen, dict[str, int]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "kiln", "serve", str(root), "--http-port", "0", "--grpc-port", "0",
-         "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends)],
+         "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends),
+         "--staging-mib", str(staging_mib)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
@@ -151,7 +155,55 @@ def _server_view(port: int, model: str, pid: int) -> dict:
     """The model's statistics, and the server's CPU seconds so far (key "cpu_s")."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/models/{model}/stats", timeout=30) as answer:
         view = json.loads(answer.read())["model_stats"][0]
-    return {**view, "cpu_s": process_tree_cpu_s(pid)}
+    return {**view, "cpu_s": process_tree_cpu_s(pid), "time_s": time.perf_counter(), "busy_s": busy_s(pid)}
+
+
+def _cpu_of(path: str) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds) of /proc/PID/stat or /proc/PID/task/TID/stat; None when gone."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_s(server: int) -> dict[str, list[float]]:
+    """CPU seconds so far of: the engine's event loop thread, the engine process, each front end, and each client
+    process (this one's other children: the pool's workers; this process itself when it has none)."""
+    me = os.getpid()
+    out = {"loop": [(_cpu_of(f"/proc/{server}/task/{server}/stat") or (0, 0.0))[1]],
+           "engine": [(_cpu_of(f"/proc/{server}/stat") or (0, 0.0))[1]], "front end": [], "client": []}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != server:
+            got = _cpu_of(f"/proc/{entry}/stat")
+            if got is not None and got[0] == server:
+                out["front end"].append(got[1])
+            elif got is not None and got[0] == me and _is_pool_worker(entry):
+                out["client"].append(got[1])
+    if not out["client"]:
+        out["client"] = [time.process_time()]
+    return out
+
+
+def _is_pool_worker(pid: str) -> bool:
+    """A client process of the pool (not multiprocessing's resource tracker, also a child of this one)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"spawn_main" in f.read()
+    except OSError:
+        return False
+
+
+def _busy(after: dict, before: dict) -> dict[str, float]:
+    """% of one core over the window: the loop thread, the engine process, the mean front end and client."""
+    seconds = after["time_s"] - before["time_s"]
+    out = {}
+    for key, now in after["busy_s"].items():
+        then = before["busy_s"][key]
+        if now and len(now) == len(then):
+            out[key] = 100 * (sum(now) - sum(then)) / len(now) / seconds
+    return out
 
 
 def process_tree_cpu_s(pid: int) -> float:
@@ -214,14 +266,14 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            for frontends in args.frontends:
-                process, ports = _start(root, frontends)
+            for frontends, mib in [(n, m) for n in args.frontends for m in (args.staging_mib if n else [0])]:
+                process, ports = _start(root, frontends, mib)
                 try:
                     for batching in modes:
                         for protocol in args.protocols:
                             try:
                                 rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
-                                                 args, rows, report)
+                                                 args, rows, report, mib)
                             except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
                                 print(f"{model} batching {batching} over {protocol}, {frontends} front ends: "
                                       f"failed: {type(e).__name__}: {e}", flush=True)
@@ -235,7 +287,7 @@ def run(args, report) -> list[Row]:
 
 
 def _measure(model: str, batching: bool, protocol: str, frontends: int, server: tuple[int, dict[str, int]], pool,
-             args, done: list[Row], report) -> list[Row]:
+             args, done: list[Row], report, staging_mib: int = 0) -> list[Row]:
     """One sweep over the concurrency levels; the server's statistics read around each measured window."""
     pid, ports = server
     port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
@@ -249,7 +301,7 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     def on_result(result: PerfResult) -> None:
         server_us, engine_us, per_call, call_ms, cpu_us = _delta(views[-1], views[-2])
         row = Row(model, "on" if batching else "off", protocol, frontends, result, server_us, engine_us, per_call,
-                  call_ms, cpu_us)
+                  call_ms, cpu_us, staging_mib, _busy(views[-1], views[-2]))
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
@@ -259,26 +311,30 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     return rows
 
 
-HEADER = ("| model | batching | protocol | front ends | concurrency | infer/s | p50 ms | p90 ms | p99 ms "
-          "| server us/req | engine us/req | requests/call | call ms | server CPU us/req | errors |")
+HEADER = ("| model | batching | protocol | front ends | staging MiB | concurrency | infer/s | p50 ms | p90 ms | p99 ms "
+          "| server us/req | engine us/req | requests/call | call ms | server CPU us/req | engine loop %core "
+          "| engine process %core | per front end %core | per client process %core | errors |")
 
 
 def _format(row: Row) -> str:
     r = row.result
-    return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {r.concurrency} "
+    busy = row.busy or {}
+    cores = " | ".join(f"{busy[k]:.0f}" if k in busy else "-" for k in ("loop", "engine", "front end", "client"))
+    return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
             f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} "
-            f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {r.errors} |")
+            f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {cores} | {r.errors} |")
 
 
 def summary(rows: list[Row], delay_us: int) -> list[str]:
     """Per model and protocol at the highest concurrency measured in both modes: the issue's targets."""
-    lines = ["| model | protocol | front ends | concurrency | infer/s batching on | off | on / off | p99 ms (on) "
-             "| delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | protocol | front ends | staging MiB | concurrency | infer/s batching on | off | on / off "
+             "| p99 ms (on) | delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r.model for r in rows):
         for protocol in dict.fromkeys(r.protocol for r in rows):
-            for frontends in dict.fromkeys(r.frontends for r in rows):
-                mine = [r for r in rows if (r.model, r.protocol, r.frontends) == (model, protocol, frontends)]
+            for frontends, mib in dict.fromkeys((r.frontends, r.staging_mib) for r in rows):
+                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib)
+                        == (model, protocol, frontends, mib)]
                 on = {r.result.concurrency: r for r in mine if r.batching == "on"}
                 off = {r.result.concurrency: r for r in mine if r.batching == "off"}
                 both = sorted(set(on) & set(off))
@@ -289,7 +345,7 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
                 bound = delay_us / 1000 + 2 * a.call_ms
                 p99 = a.result.percentile(99) / 1000
                 ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
-                lines.append(f"| {model} | {protocol} | {frontends} | {c} | {a.result.throughput:.0f} "
+                lines.append(f"| {model} | {protocol} | {frontends} | {mib} | {c} | {a.result.throughput:.0f} "
                              f"| {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
                              f"| {'yes' if p99 <= bound else 'no'} |")
     return lines
@@ -339,6 +395,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
     parser.add_argument("--frontends", type=int, nargs="+", default=[0],
                         help="kiln serve --frontends values, one server each, measured one after the other (default 0)")
+    parser.add_argument("--staging-mib", type=int, nargs="+", default=[64],
+                        help="with front ends: kiln serve --staging-mib values, a server each (0: tensors over the "
+                             "engine's socket; default 64)")
     parser.add_argument("--random-weights", action="store_true",
                         help="MobileNetV2 with random weights (no weights package needed; the same speed)")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")

@@ -44,6 +44,9 @@ def add_parser(verbs) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--staging-mib", type=int, default=64, metavar="MIB",
+                   help="with --frontends: MiB of shared memory per front end through which large input tensors "
+                        "reach the engine process (0: over its socket) (default 64)")
     p.add_argument("--frontends", type=int, default=0, metavar="N",
                    help="run HTTP and gRPC in N front-end processes on the same ports, sending the tensors to this "
                         "process's batchers (past one event loop; docs/serving.md); default 0: all in this process")
@@ -94,7 +97,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         http_port=port(args.http_port), grpc_port=port(args.grpc_port), metrics_port=port(args.metrics_port),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends)
+        shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,
+        staging_bytes=args.staging_mib << 20)
+    if args.staging_mib < 0:
+        raise KilnError(f"--staging-mib {args.staging_mib}: give 0 (no staging) or more MiB")
     if args.frontends < 0:
         raise KilnError(f"--frontends {args.frontends}: give 0 (one process) or more front-end processes")
     logging.basicConfig(level=args.log_level.upper(), format="kiln serve: %(message)s")

@@ -15,6 +15,9 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
+
+import numpy as np
 
 from kiln.serve.core import InferRequest, InferResponse, ModelEntry, ServerCore
 from kiln.serve.errors import Unavailable
@@ -26,6 +29,7 @@ from kiln.serve.ipc import (
     InferAnswer,
     InferCall,
     Reply,
+    StagingOffer,
     Start,
     View,
     raise_error,
@@ -34,6 +38,7 @@ from kiln.serve.metrics import MetricsExporter
 from kiln.serve.repository import ModelRepository
 from kiln.serve.shared_memory import ForwardingRegistry
 from kiln.serve.server import run
+from kiln.serve.staging import StagingArena
 
 log = logging.getLogger("kiln.serve")
 
@@ -52,6 +57,25 @@ class RemoteCore(ServerCore):
         self.apply(view)
         self.started = True
         self.lost = asyncio.Event()  # the engine's connection closed
+        self.staging: StagingArena | None = None  # once the engine mapped it
+        self.staging_min_bytes = 0  # tensors this large or larger go through it
+
+    async def offer_staging(self, byte_size: int, min_bytes: int) -> None:
+        """A staging arena for large input tensors, used once the engine has mapped it (else: none, and the
+        tensors go over the socket)."""
+        try:
+            arena = StagingArena(byte_size)
+        except OSError as e:
+            log.warning("front end %d: no staging arena (%s); tensors go over the engine's socket", os.getpid(), e)
+            return
+        try:
+            await self._send(lambda call_id: StagingOffer(call_id, arena.key, byte_size))
+        except Exception as e:  # noqa: BLE001 - the engine said why (and logged it): serve without
+            log.warning("front end %d: the engine did not map the staging arena (%s)", os.getpid(), e)
+            return
+        finally:
+            arena.unlink()  # mapped on both sides, or not used: the name is not needed any more
+        self.staging, self.staging_min_bytes = arena, min_bytes
 
     @property
     def ready(self) -> bool:
@@ -80,6 +104,8 @@ class RemoteCore(ServerCore):
         self._pending.clear()
 
     def _settle(self, reply: Reply | InferAnswer) -> None:
+        if self.staging is not None:
+            self.staging.release(reply.id)  # whoever waits or not: the engine copied the call's tensors out
         future = self._pending.pop(reply.id, None)
         if future is None or future.done():
             return  # its caller gave up (a cancelled request)
@@ -117,7 +143,22 @@ class RemoteCore(ServerCore):
             raise Unavailable("the server is shutting down")
         if model is None:
             self.model(request.model, request.version)  # unknown or unavailable: 404/503 without a round trip
-        return await self._send(lambda call_id: InferCall(call_id, request))
+        return await self._send(lambda call_id: InferCall(call_id, self._staged(call_id, request)))
+
+    def _staged(self, call_id: int, request: InferRequest) -> InferRequest:
+        """The request with its large plain tensors put in the staging arena (those that fit)."""
+        arena = self.staging
+        if arena is None:
+            return request
+        inputs = None
+        for name, array in request.inputs.items():
+            if type(array) is np.ndarray and array.nbytes >= self.staging_min_bytes and array.dtype.kind in "biuf":
+                staged = arena.put(call_id, array)
+                if staged is not None:
+                    if inputs is None:
+                        inputs = dict(request.inputs)
+                    inputs[name] = staged
+        return request if inputs is None else replace(request, inputs=inputs)
 
     async def statistics_json(self, name: str = "", version: str = "") -> list[dict]:
         return await self.call("statistics", name, version)
@@ -183,6 +224,8 @@ async def serve(socket_path: str) -> None:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # the engine decides (it sends SIGTERM)
     doors = Frontdoors(start.options)
+    if start.options.staging_bytes:
+        await core.offer_staging(start.options.staging_bytes, start.options.staging_min_bytes)
     await doors.serve(core, RemoteMetrics(core), reuse_port=True)
     await core.call("serving")
     lost = asyncio.ensure_future(core.lost.wait())

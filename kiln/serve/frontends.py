@@ -42,6 +42,7 @@ from kiln.serve.ipc import (
     InferAnswer,
     InferCall,
     Reply,
+    StagingOffer,
     Start,
     VersionView,
     View,
@@ -49,6 +50,7 @@ from kiln.serve.ipc import (
 )
 from kiln.serve.metrics import MetricsExporter
 from kiln.serve.options import ServeOptions
+from kiln.serve.staging import StagingView, arena_bytes
 
 log = logging.getLogger("kiln.serve")
 _KILN_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the kiln package, for the children
@@ -121,8 +123,13 @@ class FrontendPool:
         if o.grpc_port is not None:
             self._reserved.append(reserve_port(o.host, o.grpc_port))
             grpc = self._reserved[-1].getsockname()[1]
+        staging = arena_bytes(o.staging_bytes, o.frontends) if o.staging_bytes else 0
+        if staging < o.staging_bytes:
+            log.warning("staging arenas of %d bytes per front end, not %d: /dev/shm has too little free space for "
+                        "%d front ends%s", staging, o.staging_bytes, o.frontends, " (tensors go over the socket)"
+                        if not staging else "")
         self._child_options = replace(o, http_port=http, grpc_port=grpc, metrics_port=None, frontends=0,
-                                      switch_interval_us=None)
+                                      switch_interval_us=None, staging_bytes=staging)
         self._folder = tempfile.mkdtemp(prefix="kiln-serve-")
         self._listener = await asyncio.get_running_loop().create_unix_server(self._new_connection, self.socket_path)
         for slot in range(o.frontends):
@@ -200,7 +207,10 @@ class FrontendPool:
         if frontend is not None:
             log.info("front-end process %d's connection to the engine closed", frontend.slot)
 
-    def _dispatch(self, frontend: Frontend, call: Call | InferCall) -> None:
+    def _dispatch(self, frontend: Frontend, call: Call | InferCall | StagingOffer) -> None:
+        if type(call) is StagingOffer:
+            self._map_staging(frontend, call)
+            return
         if type(call) is InferCall:  # queued now, answered from its future's callback (ServerCore.infer_soon)
             self._in_flight += 1
             self.core.infer_soon(call.request, functools.partial(self._infer_answered, frontend, call.id))
@@ -209,6 +219,20 @@ class FrontendPool:
         task = asyncio.get_running_loop().create_task(self._answer(frontend, call))
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
+
+    def _map_staging(self, frontend: Frontend, offer: StagingOffer) -> None:
+        """The front end's staging arena mapped: its frames may name tensors there from now on."""
+        try:
+            if offer.byte_size > self._child_options.staging_bytes:
+                raise ValueError(f"a staging arena of {offer.byte_size} bytes, past the "
+                                 f"{self._child_options.staging_bytes} offered")
+            frontend.connection.staging = StagingView(offer.key, offer.byte_size)
+        except (OSError, ValueError) as e:
+            log.warning("front-end process %d's staging arena not mapped (its tensors go over the socket): %s",
+                        frontend.slot, e)
+            self._reply(frontend, Reply(offer.id, error=error_of(e)))
+            return
+        self._reply(frontend, Reply(offer.id))
 
     def _infer_answered(self, frontend: Frontend, call_id: int, outcome: InferResponse | Exception) -> None:
         if isinstance(outcome, Exception):

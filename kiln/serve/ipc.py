@@ -10,6 +10,10 @@ into the received frame. Front end -> engine: Hello, then Calls and InferCalls; 
 Views (the model table a front end answers health, metadata and config from without a round trip),
 Replies and InferAnswers; Start once, answering Hello.
 
+A front end's large input tensors go through its staging arena (kiln/serve/staging.py) where the engine
+accepted one: the frame names (offset, dtype, shape) and the engine copies them out of its mapping as it
+decodes, their bytes never on the socket.
+
 InferCall and InferAnswer, one per request, are pickled as a tuple of plain values (names, dtype
 strings, shapes) and rebuilt here: pickling the dataclasses and arrays themselves cost ~4x the time
 (78 against 21 us a request both ways on the 2-core VM), on the engine's loop, which every front end
@@ -34,6 +38,7 @@ from kiln.serve.errors import ServeError
 from kiln.serve.options import ServeOptions
 from kiln.serve.repository import ModelRepository
 from kiln.serve.shared_memory import Region, SharedTensor
+from kiln.serve.staging import Staged, StagingView
 
 _HEAD = struct.Struct("<II")
 
@@ -43,6 +48,15 @@ class Hello:
     """A front end's first message: who it is, so the engine can tell its connection and process apart."""
 
     pid: int
+
+
+@dataclass
+class StagingOffer:
+    """A front end's staging arena (kiln/serve/staging.py), offered once it has Start; Reply(id) when mapped."""
+
+    id: int
+    key: str
+    byte_size: int
 
 
 @dataclass
@@ -137,9 +151,13 @@ _CALL, _ANSWER, _MANY = 0, 1, 2  # the first field of a flat InferCall / InferAn
 
 
 def _flat_tensors(tensors) -> tuple[list, list[memoryview]] | None:
-    """(name, dtype code, shape) per array and their bytes; None when an array has no plain dtype code."""
+    """(name, dtype code, shape) per array and their bytes ((name, dtype code, shape, offset) for one staged, with
+    no bytes); None when an array has no plain dtype code."""
     specs, views = [], []
     for name, array in tensors:
+        if type(array) is Staged:
+            specs.append((name, array.dtype.str, array.shape, array.offset))
+            continue
         if type(array) is SharedTensor:  # an input left in shared memory: the message pickled whole (no bytes)
             return None
         dtype = array.dtype
@@ -168,9 +186,16 @@ def _flatten(message) -> tuple[tuple, list[memoryview]] | None:
     return None
 
 
-def _unflatten(fields: tuple, buffers: list[memoryview]):
-    tensors = [(name, np.frombuffer(data, dtype).reshape(shape))  # read-only views into the frame
-               for (name, dtype, shape), data in zip(fields[-1], buffers)]
+def _unflatten(fields: tuple, buffers: list[memoryview], staging: StagingView | None):
+    tensors, next_buffer = [], 0
+    for spec in fields[-1]:
+        if len(spec) == 4:  # staged: copied out of the sender's arena now (it reuses the slot once answered)
+            if staging is None:
+                raise ValueError(f"a frame names a staged tensor {spec[0]!r}, but no staging arena was mapped")
+            tensors.append((spec[0], staging.take(spec[3], spec[1], spec[2])))
+        else:  # a read-only view into the frame
+            tensors.append((spec[0], np.frombuffer(buffers[next_buffer], spec[1]).reshape(spec[2])))
+            next_buffer += 1
     if fields[0] == _CALL:
         _, call_id, model, version, request_id, outputs, timeout_us, _ = fields
         return InferCall(call_id, InferRequest(model, version, request_id, dict(tensors), outputs, timeout_us))
@@ -228,8 +253,21 @@ def _frame_size(data: memoryview, offset: int) -> int | None:
     return _HEAD.size + 8 * count + size + sum(struct.unpack_from(f"<{count}Q", data, offset + _HEAD.size))
 
 
-def decode(frame: memoryview):
-    """A frame's message (a list of them for encode_all's runs); tensors are read-only views into `frame`."""
+def _take_staged(inputs: dict, staging: StagingView | None) -> None:
+    for name, value in inputs.items():
+        if type(value) is Staged:
+            if staging is None:
+                raise ValueError(f"a frame names a staged tensor {name!r}, but no staging arena was mapped")
+            inputs[name] = staging.take(value.offset, value.dtype, value.shape)
+
+
+def _buffer_count(fields: tuple) -> int:
+    return sum(len(spec) == 3 for spec in fields[-1])
+
+
+def decode(frame: memoryview, staging: StagingView | None = None):
+    """A frame's message (a list of them for encode_all's runs); tensors are read-only views into `frame`, or
+    arrays copied out of `staging` (the sender's arena) where the frame names them there."""
     size, count = _HEAD.unpack_from(frame, 0)
     start = _HEAD.size + 8 * count
     buffers, offset = [], start + size
@@ -237,14 +275,16 @@ def decode(frame: memoryview):
         buffers.append(frame[offset:offset + n])
         offset += n
     message = pickle.loads(frame[start:start + size], buffers=buffers)
+    if type(message) is InferCall:  # pickled whole (shared-memory outputs, BYTES): its staged inputs copied out
+        _take_staged(message.request.inputs, staging)
     if type(message) is not tuple:
         return message
     if message[0] != _MANY:
-        return _unflatten(message, buffers)
+        return _unflatten(message, buffers, staging)
     messages, first = [], 0
-    for fields in message[1]:  # each takes as many buffers as it has tensors
-        last = first + len(fields[-1])
-        messages.append(_unflatten(fields, buffers[first:last]))
+    for fields in message[1]:  # each takes as many buffers as it has tensors sent in the frame
+        last = first + _buffer_count(fields)
+        messages.append(_unflatten(fields, buffers[first:last], staging))
         first = last
     return messages
 
@@ -263,6 +303,7 @@ class Connection(asyncio.Protocol):
         self._partial_need = 0  # its size once its header is known (0: not yet)
         self._outgoing: list = []  # messages sent this loop turn
         self.closed = False
+        self.staging: StagingView | None = None  # the peer's staging arena, once mapped
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -280,7 +321,7 @@ class Connection(asyncio.Protocol):
             need = _frame_size(view, offset)
             if need is None or len(view) - offset < need:
                 break
-            message = decode(view[offset:offset + need])
+            message = decode(view[offset:offset + need], self.staging)
             if type(message) is list:
                 for one in message:
                     self.on_message(one)

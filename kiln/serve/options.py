@@ -9,6 +9,7 @@ from pathlib import Path
 from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE
 from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES
 from kiln.serve.repository import ModelRepository
+from kiln.serve.staging import ARENA_BYTES, STAGE_MIN_BYTES
 
 SWITCH_INTERVAL_US = 200
 
@@ -37,6 +38,10 @@ class ServeOptions:
     # them in N processes on the same ports (SO_REUSEPORT), which decode and encode and send the tensors here,
     # where the models, batchers and instances stay (one CUDA context). Past one event loop's ~1 ms per request.
     frontends: int = 0
+    # per front end, bytes of shared memory its input tensors of staging_min_bytes or more reach the engine through
+    # (kiln/serve/staging.py), not the engine's socket; 0: every tensor over the socket
+    staging_bytes: int = ARENA_BYTES
+    staging_min_bytes: int = STAGE_MIN_BYTES
 
 
 def repository_of(options: ServeOptions) -> ModelRepository:

@@ -144,6 +144,10 @@ def test_bad_requests_keep_their_status_and_the_server_serves(served, http, grpc
 def test_concurrent_clients_each_get_their_own_answers(served, http, engine_of):
     """16 clients (half HTTP binary/JSON, half gRPC) x 20 requests, mixed models and 1..4 rows, at once:
     each answer is its own request's; both front ends took connections; the engine merged their requests."""
+    concurrent_clients(served, http, engine_of)
+
+
+def concurrent_clients(served, http, engine_of) -> None:
     engine = engine_of("mlp", "2")
     before = http.get_inference_statistics("mlp")["model_stats"][0]
     answered_before = [f.answered for f in served.frontends.frontends]
@@ -191,6 +195,56 @@ def test_concurrent_clients_each_get_their_own_answers(served, http, engine_of):
     served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
     assert sum(served_by) == CLIENTS * REQUESTS and min(served_by) > 0, served_by  # 2^-15: all on one by chance
     assert http.is_server_ready()
+
+
+@pytest.fixture(scope="module")
+def staged(repository):
+    """Front ends whose every input tensor goes through a 16 KiB staging arena: the ring wraps and fills."""
+    thread = ServerThread(options(repository, frontends=2, staging_bytes=16 << 10, staging_min_bytes=1))
+    server = thread.start()
+    yield server
+    thread.stop()
+
+
+def _staged_taken(server) -> int:
+    return sum(f.connection.staging.taken for f in server.frontends.frontends)
+
+
+def test_staged_tensors_each_get_their_own_answers(staged, engine_of):
+    """The concurrent clients of the socket path, every input through the front ends' arenas (16 x 24 inputs,
+    more bytes than the arenas hold: slots are given back and taken again)."""
+    taken = _staged_taken(staged)
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{staged.ports.http}")
+    try:
+        concurrent_clients(staged, client, engine_of)
+    finally:
+        client.close()
+    assert _staged_taken(staged) - taken == CLIENTS * (REQUESTS // 5 * 4 + REQUESTS // 5 * 2)
+
+
+def test_staged_bad_requests_keep_their_status(staged, engine_of):
+    """A staged tensor of the wrong shape is the engine's 400 / INVALID_ARGUMENT as over the socket, 100 times
+    over (more than the arenas hold: the error answers give the slots back), and the server serves on."""
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{staged.ports.http}")
+    grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{staged.ports.grpc}")
+    try:
+        taken = _staged_taken(staged)
+        bad = np.ones((4, 5), np.float32)  # mlp wants [batch, 8]
+        for _ in range(50):
+            with pytest.raises(InferenceServerException, match="shape") as caught:
+                http.infer("mlp", _mlp_input(httpclient, bad))
+            assert caught.value.status() == "400"
+            with pytest.raises(InferenceServerException, match="shape") as caught:
+                grpc.infer("mlp", _mlp_input(grpcclient, bad))
+            assert caught.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert _staged_taken(staged) - taken == 100
+        good = rng().standard_normal((3, 8)).astype(np.float32)
+        _check_mlp(grpc.infer("mlp", _mlp_input(grpcclient, good)), good, engine_of("mlp", "2"))
+        _check_mlp(http.infer("mlp", _mlp_input(httpclient, good, binary=False)), good, engine_of("mlp", "2"))
+        assert _staged_taken(staged) - taken == 102
+    finally:
+        http.close()
+        grpc.close()
 
 
 def test_shared_memory_registered_through_one_front_end_serves_through_both(served, regions, engine_of):
