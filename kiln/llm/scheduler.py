@@ -179,7 +179,7 @@ class Scheduler:
             if request.spec_token_ids:
                 request.spec_token_ids = []
             for token in tokens:
-                request.token_ids.append(token)
+                request.append_token(token)
                 status = self._stop_status(request, token)
                 if status is not None:
                     self.finish(request.request_id, status)
