@@ -1,0 +1,92 @@
+"""Which of two bound forms of a native segment runs next, chosen by their recent measured times.
+
+A segment's small layers are bound twice (kiln/kernels/cpu/onednn_primitives.py): on OpenMP's thread count
+("parallel") and in the calling thread ("serial"). Which is faster depends on the machine at the moment:
+on free cores the parallel form wins (EfficientNet-B0 at 2 threads: 10 vs 14 ms), on cores other work
+holds it loses 2x (every parallel region's join waits out a descheduled thread's slice: 64 vs 31 ms;
+bench/results/efficientnet-cpu-2026-12-02.md). A load average decided it once per process and lagged the
+moment; this follows it run by run:
+
+- each form's estimate is the median of its last WINDOW run times (one slow run, a preemption, moves nothing);
+- the form with the lower estimate runs; every EXPLORE_EVERY runs the other one runs once, so its estimate
+  follows the machine too; a probe faster than the incumbent's estimate is probed again at once (two of three
+  decide), so a change of load is followed within a probe interval plus two runs;
+- the first WARMUP runs of each form are not counted (first-touch pages, cold caches and code).
+
+Pure bookkeeping over (form, seconds): no torch, no clock of its own (the caller times the run), so its logic
+is tested with made-up times (tests/unit/test_form_choice.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import median
+
+PARALLEL, SERIAL = "parallel", "serial"
+WINDOW = 3  # run times per form the estimate is the median of
+EXPLORE_EVERY = 16  # runs between probes of the form not chosen: ~1/16 of runs pay the worse form
+WARMUP = 1  # first runs of each form not counted
+
+
+@dataclass
+class FormChooser:
+    """choose() -> the form to run; record(form, seconds) after it ran. Not thread-safe: the segment's lock
+    serializes its runs."""
+
+    forms: tuple[str, ...] = (PARALLEL, SERIAL)
+    explore_every: int = EXPLORE_EVERY
+    window: int = WINDOW
+    warmup: int = WARMUP
+    runs: dict[str, int] = field(default_factory=dict)  # form -> runs made (warm-up included): what a bench reports
+    _times: dict[str, deque] = field(default_factory=dict)
+    _since_probe: int = 0
+    _challenger: str | None = None  # a form whose last probe beat the incumbent: probed again at once
+
+    def __post_init__(self):
+        if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0:
+            raise ValueError(f"FormChooser: two forms, explore_every >= 2, window >= 1, warmup >= 0; got "
+                             f"{self.forms}, {self.explore_every}, {self.window}, {self.warmup}")
+        self.runs = {f: 0 for f in self.forms}
+        self._times = {f: deque(maxlen=self.window) for f in self.forms}
+
+    def estimate(self, form: str) -> float | None:
+        """Median of the form's last counted run times (seconds); None before its first."""
+        times = self._times[form]
+        return median(times) if times else None
+
+    def best(self) -> str:
+        """The form with the lower estimate (the first form on a tie or before both are measured)."""
+        a, b = self.forms
+        ea, eb = self.estimate(a), self.estimate(b)
+        return b if ea is not None and eb is not None and eb < ea else a
+
+    def choose(self) -> str:
+        for form in self.forms:  # each form measured before any is preferred
+            if not self._times[form]:
+                return form
+        best = self.best()
+        if self._challenger is not None and self._challenger != best:
+            return self._challenger
+        if self._since_probe + 1 >= self.explore_every:
+            return self._other(best)
+        return best
+
+    def record(self, form: str, seconds: float) -> None:
+        if form not in self._times:
+            raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
+        self.runs[form] += 1
+        if self.runs[form] <= self.warmup:
+            return
+        measured = all(self._times[f] for f in self.forms)
+        incumbent = self.best()
+        if measured and form != incumbent:  # a probe: again at once when it beat the incumbent's estimate
+            self._challenger = form if seconds < self.estimate(incumbent) else None
+            self._since_probe = 0
+        elif measured:  # the interval counts from when both forms have an estimate
+            self._since_probe += 1
+        self._times[form].append(seconds)
+
+    def _other(self, form: str) -> str:
+        a, b = self.forms
+        return b if form == a else a
