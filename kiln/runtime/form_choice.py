@@ -11,6 +11,9 @@ moment; this follows it run by run:
 - the form with the lower estimate runs; every EXPLORE_EVERY runs the other one runs once, so its estimate
   follows the machine too; a probe faster than the incumbent's estimate is probed again at once (two of three
   decide), so a change of load is followed within a probe interval plus two runs;
+- where the other form is much slower, it is probed less often: the interval grows so that probes cost at most
+  PROBE_COST of the run time (B0 on busy cores, parallel 212 ms against serial 88: a probe every 48 runs, not
+  every 16, which cost 9%), up to LONGEST_INTERVAL runs (so freed cores are noticed within 64 runs);
 - the first WARMUP runs of each form are not counted (first-touch pages, cold caches and code).
 
 Pure bookkeeping over (form, seconds): no torch, no clock of its own (the caller times the run), so its logic
@@ -19,6 +22,7 @@ is tested with made-up times (tests/unit/test_form_choice.py).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
@@ -27,6 +31,10 @@ PARALLEL, SERIAL = "parallel", "serial"
 WINDOW = 3  # run times per form the estimate is the median of
 EXPLORE_EVERY = 16  # runs between probes of the form not chosen: ~1/16 of runs pay the worse form
 WARMUP = 1  # first runs of each form not counted
+PROBE_COST = 0.03  # the share of run time probes of a slower form may cost
+# runs between probes at most, however slow the other form: its estimate is as old as the last probe, and when
+# the load drops the incumbent speeds up first (the ratio grows: serial 31 -> 14 ms against parallel's busy 64)
+LONGEST_INTERVAL = 64
 
 
 @dataclass
@@ -38,15 +46,19 @@ class FormChooser:
     explore_every: int = EXPLORE_EVERY
     window: int = WINDOW
     warmup: int = WARMUP
+    probe_cost: float = PROBE_COST
+    longest_interval: int = LONGEST_INTERVAL
     runs: dict[str, int] = field(default_factory=dict)  # form -> runs made (warm-up included): what a bench reports
     _times: dict[str, deque] = field(default_factory=dict)
     _since_probe: int = 0
     _challenger: str | None = None  # a form whose last probe beat the incumbent: probed again at once
 
     def __post_init__(self):
-        if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0:
-            raise ValueError(f"FormChooser: two forms, explore_every >= 2, window >= 1, warmup >= 0; got "
-                             f"{self.forms}, {self.explore_every}, {self.window}, {self.warmup}")
+        if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0 \
+                or self.probe_cost <= 0 or self.longest_interval < self.explore_every:
+            raise ValueError(f"FormChooser: two forms, explore_every >= 2, window >= 1, warmup >= 0, probe_cost > 0, "
+                             f"longest_interval >= explore_every; got {self.forms}, {self.explore_every}, {self.window}, "
+                             f"{self.warmup}, {self.probe_cost}, {self.longest_interval}")
         self.runs = {f: 0 for f in self.forms}
         self._times = {f: deque(maxlen=self.window) for f in self.forms}
 
@@ -68,9 +80,19 @@ class FormChooser:
         best = self.best()
         if self._challenger is not None and self._challenger != best:
             return self._challenger
-        if self._since_probe + 1 >= self.explore_every:
+        if self._since_probe + 1 >= self.interval():
             return self._other(best)
         return best
+
+    def interval(self) -> int:
+        """Runs between probes of the form not chosen: EXPLORE_EVERY, longer where its estimate is so much
+        slower that probing it that often would cost more than probe_cost of the run time."""
+        best = self.best()
+        fast, slow = self.estimate(best), self.estimate(self._other(best))
+        if fast is None or slow is None or fast <= 0:
+            return self.explore_every
+        wanted = math.ceil((slow / fast - 1) / self.probe_cost)  # (slow - fast) / interval <= probe_cost * fast
+        return max(self.explore_every, min(wanted, self.longest_interval))
 
     def record(self, form: str, seconds: float) -> None:
         if form not in self._times:

@@ -35,13 +35,21 @@ def test_a_slow_first_run_is_not_counted():
     assert chooser.estimate(PARALLEL) == 10.0
 
 
-@pytest.mark.parametrize("times, best", [(QUIET, PARALLEL), (BUSY, SERIAL)])
-def test_the_faster_form_runs_and_the_other_once_every_explore_every(times, best):
-    chooser = FormChooser(explore_every=16)
-    chosen = _drive(chooser, times, 4 + 160)[4:]
+# QUIET: serial 1.4x parallel, probes every 16 runs cost 2.5%; BUSY: parallel 2.06x serial, probes every 16 would
+# cost 6.6%, so every ceil(1.06 / 0.03) = 36
+@pytest.mark.parametrize("times, best, interval", [(QUIET, PARALLEL, 16), (BUSY, SERIAL, 36)])
+def test_the_faster_form_runs_and_the_other_once_an_interval(times, best, interval):
+    chooser = FormChooser(explore_every=16, probe_cost=0.03)
+    chosen = _drive(chooser, times, 4 + 10 * interval)[4:]
     other = [i for i, form in enumerate(chosen) if form != best]
-    assert len(other) == 10  # one probe in each 16 runs
-    assert all(b - a == 16 for a, b in zip(other, other[1:]))
+    assert chooser.interval() == interval
+    assert len(other) == 10 and all(b - a == interval for a, b in zip(other, other[1:]))
+
+
+def test_the_interval_is_capped():
+    chooser = FormChooser(explore_every=16, probe_cost=0.03, longest_interval=100)
+    _drive(chooser, {PARALLEL: 1.0, SERIAL: 50.0}, 10)
+    assert chooser.interval() == 100
 
 
 def test_a_busy_machine_is_followed_within_a_few_runs():
@@ -58,9 +66,10 @@ def test_freed_cores_are_followed_within_a_probe_interval():
     chooser = FormChooser(explore_every=16)
     _drive(chooser, BUSY, 40)
     assert chooser.best() == SERIAL
-    chosen = _drive(chooser, QUIET, 60)
-    first = chosen.index(PARALLEL)  # the next probe
-    assert first < 16
+    chosen = _drive(chooser, QUIET, 100)
+    # serial now at 14 against parallel's busy 64: the interval is at its longest (64) until the next probe
+    first = chosen.index(PARALLEL)
+    assert first < 64
     # the probe beat serial's estimate (10 < 14): probed again at once, two of three quiet times decide
     assert chosen[first + 1] == PARALLEL and chooser.estimate(PARALLEL) == 10.0
     assert chosen[first + 2:].count(SERIAL) <= 3  # from then on only probes
@@ -75,7 +84,7 @@ def test_one_slow_run_moves_nothing():
 
 
 def test_a_probe_slower_than_the_incumbent_waits_a_full_interval():
-    chooser = FormChooser(explore_every=8)
+    chooser = FormChooser(explore_every=8, probe_cost=1.0)  # the interval never longer than explore_every
     chosen = _drive(chooser, QUIET, 4 + 24)[4:]
     probes = [i for i, form in enumerate(chosen) if form == SERIAL]
     assert probes == [7, 15, 23]
@@ -86,5 +95,7 @@ def test_bad_arguments_are_refused():
         FormChooser(forms=(PARALLEL,))
     with pytest.raises(ValueError, match="explore_every"):
         FormChooser(explore_every=1)
+    with pytest.raises(ValueError, match="probe_cost"):
+        FormChooser(probe_cost=0.0)
     with pytest.raises(ValueError, match="unknown form 'gpu'"):
         FormChooser().record("gpu", 1.0)
