@@ -5,7 +5,7 @@
 One process per model: the engine is built once (this checkout, 2 threads) and loaded with
 KILN_SERIAL_SMALL_LAYERS=0 ("parallel": every layer on OpenMP's count), =1 ("serial": small layers on one
 thread) and unset ("measured": both forms bound, each segment runs the one its recent run times favour,
-kiln/runtime/form_choice.py). Before this change kiln was "parallel" or "serial" per process, by the 1-min load
+kiln/kernels/cpu/form_choice.py). Before this change kiln was "parallel" or "serial" per process, by the 1-min load
 average as it loaded (>= 1 per CPU: serial). Each phase runs blocks of --block runs of each peer, interleaved
 (parallel, serial, measured, onnxruntime, parallel, ...), --rounds rounds; a "busy" phase first starts --busy
 processes that spin (bounded: they stop with the phase or after --busy-limit seconds), as the other jobs of a

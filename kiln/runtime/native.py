@@ -42,7 +42,7 @@ import torch
 
 from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.plan.memory import Interval, place
-from kiln.runtime.form_choice import PARALLEL, SERIAL, FormChooser
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
@@ -226,7 +226,7 @@ class Segment:
                 staged.append((self.bound[i].memory(role), ("exit", j)))
         reorders = [c for _, b, _ in self._staged for c in b.calls()]
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
-        # the forms a run may take (kiln/runtime/form_choice.py): small layers on OpenMP's count, and, where
+        # the forms a run may take (kiln/kernels/cpu/form_choice.py): small layers on OpenMP's count, and, where
         # some have one (onednn_primitives.thread_forms), on one thread
         forms = {PARALLEL: self._calls}
         serial = serial_calls(self.bound)

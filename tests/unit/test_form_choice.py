@@ -1,4 +1,4 @@
-"""The choice between a native segment's parallel and serial forms (kiln/runtime/form_choice.py), on made-up
+"""The choice between a native segment's parallel and serial forms (kiln/kernels/cpu/form_choice.py), on made-up
 run times: which form runs first, that the faster runs, how often the other is probed, how fast a change of
 load is followed, and that one slow run changes nothing. Times in ms-like units; no clock, no torch."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.runtime.form_choice import PARALLEL, SERIAL, FormChooser
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 
 QUIET = {PARALLEL: 10.0, SERIAL: 14.0}  # EfficientNet-B0, 2 threads, free cores (ms)
 BUSY = {PARALLEL: 64.0, SERIAL: 31.0}  # the same on cores other work holds

@@ -16,12 +16,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from kiln.kernels.cpu import hugepages
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
@@ -64,12 +66,12 @@ from kiln.kernels.cpu.onednn import (
 # descheduled thread: on a 2-vCPU Xeon at load ~4 each of EfficientNet-B0's ~65 layers took ~0.4 ms more at
 # 2 threads than at 1, where most take 0.05-0.5 ms of work; on free cores the same layers are 25-55% faster
 # on two threads (bench/results/efficientnet-cpu-2026-12-02.md). Which form a native segment runs is chosen
-# per run from their measured times (kiln/runtime/form_choice.py), not from a load average that lags the
+# per run from their measured times (kiln/kernels/cpu/form_choice.py), not from a load average that lags the
 # moment. With these bounds every B0 layer but its three at 112x112 (1.2M floats) is small, and ResNet-50's
 # convolutions (51M MACs and up) are not.
 SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
 SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
-MEASURED, SERIAL, PARALLEL = "measured", "serial", "parallel"
+MEASURED = "measured"
 
 
 def small_layers_mode(environ: dict[str, str] | None = None) -> str:
@@ -151,6 +153,30 @@ class _Arena:
 _storage_users = torch._C._storage_Use_Count
 _ARENA = _Arena()
 storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu/onednn.py)
+
+
+class _PerCallForms:
+    """A small layer's per-call path (outside native segments: one layer at a time, the tuner's timings) runs its
+    faster form by recent times, as a segment does: a layer timed alone on busy cores then costs what it will cost
+    in a segment. The caller's lock (the tactic's, kiln/tactics/cpu/onednn.py) serializes calls."""
+
+    __slots__ = ("serial", "chooser")
+
+    def __init__(self, serial: tuple | None):
+        self.serial = _value(serial)
+        self.chooser = FormChooser() if serial is not None else None
+
+
+def _execute(forms: _PerCallForms, execute, prim: int, stream, nargs: int, args) -> int:
+    """dnnl_primitive_execute of the layer's parallel form `prim` or its serial one, as its chooser says, timed."""
+    chooser = forms.chooser
+    if chooser is None:
+        return execute(prim, stream, nargs, args)
+    form = chooser.choose()
+    start = time.perf_counter()
+    status = execute(prim if form == PARALLEL else forms.serial, stream, nargs, args)
+    chooser.record(form, time.perf_counter() - start)
+    return status
 
 
 def _value(made: tuple | None) -> int | None:
@@ -265,6 +291,7 @@ class Conv2d:
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value,
                       self._r_mem.value if residual and not residual_in_place else None)
+        self._forms = _PerCallForms(self._serial)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound): built with residual_in_place, dst is the residual's
@@ -290,7 +317,7 @@ class Conv2d:
         set_handle(dst, y.data_ptr())
         if res is not None:
             set_handle(res, residual.data_ptr())
-        status = execute(prim, stream, self._nargs, self._args)
+        status = _execute(self._forms, execute, prim, stream, self._nargs, self._args)
         if status:
             _check(status, "convolution")
         return y
@@ -302,7 +329,7 @@ class Conv2d:
         set_handle, execute, prim, stream, src, dst, _ = self._call
         set_handle(src, x.data_ptr())
         set_handle(dst, residual.data_ptr())
-        status = execute(prim, stream, self._nargs, self._args)
+        status = _execute(self._forms, execute, prim, stream, self._nargs, self._args)
         if status:
             _check(status, "convolution")
         return residual
@@ -352,6 +379,7 @@ class Pool2d:
         self._out_strides = (oh * ow * c, 1, ow * c, c)
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value)
+        self._forms = _PerCallForms(self._serial)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound)."""
@@ -365,7 +393,7 @@ class Pool2d:
         y = _ARENA.empty(self._out_shape, self._out_strides)
         set_handle(src, x.data_ptr())
         set_handle(dst, y.data_ptr())
-        status = execute(prim, stream, 2, self._args)
+        status = _execute(self._forms, execute, prim, stream, 2, self._args)
         if status:
             _check(status, "pooling")
         return y

@@ -5,7 +5,8 @@ A segment's small layers are bound twice (kiln/kernels/cpu/onednn_primitives.py)
 on free cores the parallel form wins (EfficientNet-B0 at 2 threads: 10 vs 14 ms), on cores other work
 holds it loses 2x (every parallel region's join waits out a descheduled thread's slice: 64 vs 31 ms;
 bench/results/efficientnet-cpu-2026-12-02.md). A load average decided it once per process and lagged the
-moment; this follows it run by run:
+moment; this follows it run by run (each segment, and each small layer's per-call path outside segments, which
+is also what the tuner times):
 
 - each form's estimate is the median of its last WINDOW run times (one slow run, a preemption, moves nothing);
 - the form with the lower estimate runs; every EXPLORE_EVERY runs the other one runs once, so its estimate
@@ -25,7 +26,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import median
 
 PARALLEL, SERIAL = "parallel", "serial"
 WINDOW = 3  # run times per form the estimate is the median of
@@ -39,8 +39,8 @@ LONGEST_INTERVAL = 64
 
 @dataclass
 class FormChooser:
-    """choose() -> the form to run; record(form, seconds) after it ran. Not thread-safe: the segment's lock
-    serializes its runs."""
+    """choose() -> the form to run; record(form, seconds) after it ran. Not thread-safe: the segment's lock (or a
+    layer's, on its per-call path) serializes its runs."""
 
     forms: tuple[str, ...] = (PARALLEL, SERIAL)
     explore_every: int = EXPLORE_EVERY
@@ -52,6 +52,9 @@ class FormChooser:
     _times: dict[str, deque] = field(default_factory=dict)
     _since_probe: int = 0
     _challenger: str | None = None  # a form whose last probe beat the incumbent: probed again at once
+    _best: str = PARALLEL
+    _interval: int = EXPLORE_EVERY
+    _next: str = PARALLEL
 
     def __post_init__(self):
         if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0 \
@@ -61,54 +64,58 @@ class FormChooser:
                              f"{self.warmup}, {self.probe_cost}, {self.longest_interval}")
         self.runs = {f: 0 for f in self.forms}
         self._times = {f: deque(maxlen=self.window) for f in self.forms}
+        self._best = self._next = self.forms[0]
+        self._interval = self.explore_every
+
+    def choose(self) -> str:
+        """The form to run now (decided when the last run was recorded: a per-call layer of 10 µs can afford it)."""
+        return self._next
+
+    def record(self, form: str, seconds: float) -> None:
+        """`form` ran in `seconds`."""
+        times = self._times.get(form)
+        if times is None:
+            raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
+        self.runs[form] += 1
+        if self.runs[form] > self.warmup:
+            measured = all(self._times.values())
+            if measured and form != self._best:  # a probe: again at once when it beat the incumbent's estimate
+                self._challenger = form if seconds < self.estimate(self._best) else None
+                self._since_probe = 0
+            elif measured:  # the interval counts from when both forms have an estimate
+                self._since_probe += 1
+            times.append(seconds)
+        self._decide()
 
     def estimate(self, form: str) -> float | None:
         """Median of the form's last counted run times (seconds); None before its first."""
-        times = self._times[form]
-        return median(times) if times else None
+        times = sorted(self._times[form])
+        return times[len(times) // 2] if times else None
 
     def best(self) -> str:
         """The form with the lower estimate (the first form on a tie or before both are measured)."""
-        a, b = self.forms
-        ea, eb = self.estimate(a), self.estimate(b)
-        return b if ea is not None and eb is not None and eb < ea else a
-
-    def choose(self) -> str:
-        for form in self.forms:  # each form measured before any is preferred
-            if not self._times[form]:
-                return form
-        best = self.best()
-        if self._challenger is not None and self._challenger != best:
-            return self._challenger
-        if self._since_probe + 1 >= self.interval():
-            return self._other(best)
-        return best
+        return self._best
 
     def interval(self) -> int:
         """Runs between probes of the form not chosen: EXPLORE_EVERY, longer where its estimate is so much
         slower that probing it that often would cost more than probe_cost of the run time."""
-        best = self.best()
-        fast, slow = self.estimate(best), self.estimate(self._other(best))
-        if fast is None or slow is None or fast <= 0:
-            return self.explore_every
-        wanted = math.ceil((slow / fast - 1) / self.probe_cost)  # (slow - fast) / interval <= probe_cost * fast
-        return max(self.explore_every, min(wanted, self.longest_interval))
+        return self._interval
 
-    def record(self, form: str, seconds: float) -> None:
-        if form not in self._times:
-            raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
-        self.runs[form] += 1
-        if self.runs[form] <= self.warmup:
-            return
-        measured = all(self._times[f] for f in self.forms)
-        incumbent = self.best()
-        if measured and form != incumbent:  # a probe: again at once when it beat the incumbent's estimate
-            self._challenger = form if seconds < self.estimate(incumbent) else None
-            self._since_probe = 0
-        elif measured:  # the interval counts from when both forms have an estimate
-            self._since_probe += 1
-        self._times[form].append(seconds)
-
-    def _other(self, form: str) -> str:
+    def _decide(self) -> None:
+        for form in self.forms:  # each form measured before any is preferred
+            if not self._times[form]:
+                self._next = form
+                return
         a, b = self.forms
-        return b if form == a else a
+        ea, eb = self.estimate(a), self.estimate(b)
+        best, other, fast, slow = (b, a, eb, ea) if eb < ea else (a, b, ea, eb)
+        self._best = best
+        # probes every interval runs cost (slow - fast) / interval of the time: at most probe_cost of fast
+        wanted = math.ceil((slow / fast - 1) / self.probe_cost) if fast > 0 else self.explore_every
+        self._interval = max(self.explore_every, min(wanted, self.longest_interval))
+        if self._challenger is not None and self._challenger != best:
+            self._next = self._challenger
+        elif self._since_probe + 1 >= self._interval:
+            self._next = other
+        else:
+            self._next = best
