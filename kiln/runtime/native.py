@@ -41,8 +41,8 @@ import numpy as np
 import torch
 
 from kiln.kernels.cpu import hugepages, native_loop, onednn
-from kiln.plan.memory import Interval, place
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
+from kiln.plan.memory import Interval, place
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
 
