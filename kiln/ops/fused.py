@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.nn import _conv_params, _pad_spatial
+from kiln.ops.nn import _conv_params, _pad_spatial, convolution
 from kiln.ops.registry import register
-
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _activate_(y: torch.Tensor, activation: str, alpha: float, beta: float) -> torch.Tensor:
@@ -66,9 +64,9 @@ def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations
     kernel = list(kernel_shape) if kernel_shape else list(w.shape[2:])
     strides, dilations, pads = _conv_params(x, kernel, auto_pad, dilations, pads, strides)
     if pads[:n] == pads[n:]:  # symmetric: let the convolution pad, no copy of x
-        y = _CONV[n](x, w, b, stride=strides, padding=pads[:n], dilation=dilations, groups=group)
+        y = convolution(x, w, b, stride=strides, padding=pads[:n], dilation=dilations, groups=group)
     else:
-        y = _CONV[n](_pad_spatial(x, pads[:n], pads[n:]), w, b, stride=strides, dilation=dilations, groups=group)
+        y = convolution(_pad_spatial(x, pads[:n], pads[n:]), w, b, stride=strides, dilation=dilations, groups=group)
     return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
 
 

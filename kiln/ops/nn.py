@@ -55,14 +55,30 @@ def _pad_spatial(x: torch.Tensor, begin, end, value=0.0) -> torch.Tensor:
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+# torch's oneDNN bf16 convolution is wrong on AVX-512/AMX Xeons (torch 2.13's oneDNN, measured 2026-12-03)
+# when a group has few input channels: every output off by ~100% of its magnitude (2.6 on outputs of max 2.6
+# against float64) for 2..14 channels per group (even counts) and kernels 8..64 wide, 1-D, 2-D (any
+# height) and 3-D, grouped or not; 1 channel (depthwise), 16 and more, and fp16 are right. Such layers
+# are computed in fp32 and rounded once (2-2.7x the time of the wrong bf16 kernel; few channels, few FLOPs).
+BF16_WRONG_BELOW_CHANNELS = 16
+
+
+def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, **geometry) -> torch.Tensor:
+    """F.conv{1,2,3}d(x, w, b, **geometry) by x's spatial rank, in fp32 where torch's bf16 CPU kernel is wrong
+    (BF16_WRONG_BELOW_CHANNELS); geometry: stride, padding, dilation, groups."""
+    n = x.dim() - 2
+    if n not in _CONV:
+        raise NotImplementedError(f"Conv over {n} spatial dims: kiln supports 1 to 3")
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu" and 1 < w.shape[1] < BF16_WRONG_BELOW_CHANNELS:
+        y = _CONV[n](x.float(), w.float(), None if b is None else b.float(), **geometry)  # fp32 accumulation
+        return y.to(torch.bfloat16)
+    return _CONV[n](x, w, b, **geometry)
 
 
 def _conv(x, w, b, strides, dilations, pads, group):
     n = x.dim() - 2
     x = _pad_spatial(x, pads[:n], pads[n:])
-    if n in _CONV:
-        return _CONV[n](x, w, b, stride=strides, dilation=dilations, groups=group)
-    raise NotImplementedError(f"Conv over {n} spatial dims: kiln supports 1 to 3")
+    return convolution(x, w, b, stride=strides, dilation=dilations, groups=group)
 
 
 @register("Conv")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +41,7 @@ import numpy as np
 import torch
 
 from kiln.kernels.cpu import hugepages, native_loop, onednn
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
@@ -222,11 +224,20 @@ class Segment:
             for i, role in self.per_call.get(g, ()):
                 plain.append((self.bound[i].memory(role), ("exit", j)))
                 staged.append((self.bound[i].memory(role), ("exit", j)))
-        staged_calls = [c for _, b, _ in self._staged for c in b.calls()] + self._calls
+        reorders = [c for _, b, _ in self._staged for c in b.calls()]
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
-        self._variants = {False: (plain, self._calls, self._names)}
-        if self._staged:  # only a segment reading NCHW images has the reordering variant
-            self._variants[True] = (staged, staged_calls, staged_names)
+        # the forms a run may take (kiln/kernels/cpu/form_choice.py): small layers on OpenMP's count, and, where
+        # some have one (onednn_primitives.thread_forms), on one thread
+        forms = {PARALLEL: self._calls}
+        serial = serial_calls(self.bound)
+        if serial is not None:
+            forms[SERIAL] = serial
+        self.chooser = FormChooser() if serial is not None else None
+        self._variants = {}  # (staged, form) -> (bindings, calls, names)
+        for form, calls in forms.items():
+            self._variants[False, form] = (plain, calls, self._names)
+            if self._staged:  # only a segment reading NCHW images has the reordering variant
+                self._variants[True, form] = (staged, reorders + calls, staged_names)
         # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
         loop = native_loop.load()
         self._set_handle = lib.lib.dnnl_memory_set_data_handle
@@ -264,11 +275,22 @@ class Segment:
                 len(calls), objects, nargs, args, ctypes.c_int(-1))
 
     def _run(self, entry_addresses: list[int], exit_addresses: list[int], staged: bool) -> None:
-        """Point the run's inputs and outputs, run every layer (the caller holds the lock)."""
+        """Point the run's inputs and outputs, run every layer in the form the chooser picks, timed for it
+        (the caller holds the lock)."""
         sources = {"entry": entry_addresses, "exit": exit_addresses}
-        bindings, calls, names = self._variants[staged]
+        chooser = self.chooser
+        if chooser is None:
+            self._run_form(sources, staged, PARALLEL)
+            return
+        form = chooser.choose()
+        start = time.perf_counter()
+        self._run_form(sources, staged, form)
+        chooser.record(form, time.perf_counter() - start)
+
+    def _run_form(self, sources: dict[str, list[int]], staged: bool, form: str) -> None:
+        bindings, calls, names = self._variants[staged, form]
         if self._c is not None:
-            _run_loop(self._c[staged], self._stream, sources, names)
+            _run_loop(self._c[staged, form], self._stream, sources, names)
             return
         for memory, src in bindings:
             self._set_handle(memory, src if isinstance(src, int) else sources[src[0]][src[1]])
@@ -627,6 +649,17 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     return (result, made) if made else (steps, [])
 
 
+def serial_calls(bound: list[Any]) -> list | None:
+    """The calls of bound members with each small layer in its serial form (a Bound's serial_calls), the others
+    as they are; None when no member has a serial form."""
+    calls, any_serial = [], False
+    for b in bound:
+        serial = b.serial_calls() if hasattr(b, "serial_calls") else None
+        any_serial |= serial is not None
+        calls += serial if serial is not None else b.calls()
+    return calls if any_serial else None
+
+
 def _replanned(bound: Any, primitive: Any) -> Any | None:
     """`bound` (a template's call of kiln's own kernel) replanned for `primitive`, or None when the member is
     another kind of call at these sizes (a oneDNN layer: its tuned row count on oneDNN, the others on
@@ -664,18 +697,24 @@ class _Resized:
         self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
                                                                                natives)
+        forms = {PARALLEL: calls}
+        serial = serial_calls(bound)
+        if serial is not None:
+            forms[SERIAL] = serial
+        self.chooser = FormChooser() if serial is not None else None  # this size's own times
         if not anew and len(calls) == len(template._calls):
             # every call replanned on the template's memory objects: its bindings and names hold, and only the
             # calls' arrays are new (the common case: a transformer's members are all kiln's own kernels)
             self._names = template._names
-            self._c = _c_loop_over(template._c[False], calls, template._calls)
+            self._c = {form: _c_loop_over(template._c[False, PARALLEL], c, template._calls) for form, c in forms.items()}
             return
         bindings = []
         for k, s in enumerate(self.entries):
             bindings += [(bound[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
         for j, g in enumerate(template.exit_groups):
             bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
-        self._c = template._c_loop(native_loop.load(), bindings, calls)
+        loop = native_loop.load()
+        self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
         self._names = [template.members[k].ctx.name for b, k in zip(bound, template._bound_members)
                        for _ in b.calls()]
 
@@ -688,5 +727,10 @@ class _Resized:
             entries.append(v if laid_out else (v.contiguous(memory_format=_CL) if layout == "nhwc" else v.contiguous()))
         sources = {"entry": [v.data_ptr() for v in entries], "exit": [v.data_ptr() for v in exits]}
         with template._lock:
-            _run_loop(self._c, template._stream, sources, self._names)
+            chooser = self.chooser
+            form = chooser.choose() if chooser is not None else PARALLEL
+            start = time.perf_counter()
+            _run_loop(self._c[form], template._stream, sources, self._names)
+            if chooser is not None:
+                chooser.record(form, time.perf_counter() - start)
         return tuple(exits) if len(exits) != 1 else exits[0]

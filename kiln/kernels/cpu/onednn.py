@@ -343,7 +343,9 @@ class Bound:
     """
 
     def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
-                 fixed: list[tuple[int, _Handle]], what: str, owner: object):
+                 fixed: list[tuple[int, _Handle]], what: str, owner: object, serial_primitive: int | None = None):
+        """`serial_primitive`: the same layer created on one thread, taking the same arguments (its owner keeps it):
+        the serial form a segment may run instead (serial_calls)."""
         self.what = what
         self._owner = owner  # the primitive object: it owns the primitive and the fixed memories
         self._memories = {role: _memory(md, address) for role, (_, md, address) in roles.items()}
@@ -351,6 +353,7 @@ class Bound:
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
         self.primitive = primitive
+        self.serial_primitive = serial_primitive
 
     def rebind(self, role: str, address: int) -> None:
         _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
@@ -359,6 +362,12 @@ class Bound:
         """What a run makes of it: [(function, object, nargs, args)], function None meaning
         dnnl_primitive_execute on this primitive (kiln/kernels/cpu/segment_loop.c)."""
         return [(None, self.primitive, self.nargs, ctypes.cast(self.args, ctypes.c_void_p).value)]
+
+    def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
+        """calls() of the serial form on the same memory objects, or None without one."""
+        if self.serial_primitive is None:
+            return None
+        return [(None, self.serial_primitive, self.nargs, ctypes.cast(self.args, ctypes.c_void_p).value)]
 
     def memory(self, role: str) -> int:
         """The dnnl_memory_t of a role (its address is what a run points elsewhere)."""

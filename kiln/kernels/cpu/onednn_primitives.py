@@ -14,15 +14,16 @@ reads and writes are ordinary torch tensors: only the weights live in oneDNN's b
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
 from kiln.kernels.cpu import hugepages
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.kernels.cpu.onednn import (
     ARG_BIAS,
     ARG_DST,
@@ -60,43 +61,43 @@ from kiln.kernels.cpu.onednn import (
 # ---- threads -----------------------------------------------------------------------------------
 
 # A layer whose activations (input and output) hold fewer floats than SERIAL_ELEMENTS and whose work is
-# under SERIAL_MACS multiply-adds runs on one thread where the machine is saturated. Every parallel region
-# is a fork and a join, and where the cores run other work the join waits out the time slice of a
+# under SERIAL_MACS multiply-adds is "small": bound twice, on OpenMP's count and on one thread. Every parallel
+# region is a fork and a join, and where the cores run other work the join waits out the time slice of a
 # descheduled thread: on a 2-vCPU Xeon at load ~4 each of EfficientNet-B0's ~65 layers took ~0.4 ms more at
-# 2 threads than at 1, where most take 0.05-0.5 ms of work. With these bounds every B0 layer but its three
-# at 112x112 (1.2M floats) goes serial, and ResNet-50's convolutions (51M MACs and up) keep both threads.
-# Measured (bench/results/efficientnet-cpu-2026-12-02.md, B0 at 2 threads, kiln / onnxruntime): load ~4:
-# 1.60 -> 0.77; but at load ~1.4, with the cores free at the moment, 1.05 -> 1.57. So only from a load
-# average of one per CPU (SATURATED), not kiln_pool_wanted's half: the 1-min average lags the moment.
+# 2 threads than at 1, where most take 0.05-0.5 ms of work; on free cores the same layers are 25-55% faster
+# on two threads (bench/results/efficientnet-cpu-2026-12-02.md). Which form a native segment runs is chosen
+# per run from their measured times (kiln/kernels/cpu/form_choice.py), not from a load average that lags the
+# moment. With these bounds every B0 layer but its three at 112x112 (1.2M floats) is small, and ResNet-50's
+# convolutions (51M MACs and up) are not.
 SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
 SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
-SATURATED = 1.0  # 1-min load average per CPU from which small layers go serial
+MEASURED = "measured"
 
 
-def small_layers_serial(environ: dict[str, str] | None = None, load: float | None = None,
-                        cpus: int | None = None) -> bool:
-    """Whether small layers run on one thread: KILN_SERIAL_SMALL_LAYERS=1 / 0 decides; else where the 1-min load
-    average is at least SATURATED per CPU as the kernels load."""
+def small_layers_mode(environ: dict[str, str] | None = None) -> str:
+    """How small layers run: KILN_SERIAL_SMALL_LAYERS=1 on one thread, =0 on OpenMP's count, unset both
+    forms bound and the faster measured per run (MEASURED)."""
     environ = os.environ if environ is None else environ
     if "KILN_SERIAL_SMALL_LAYERS" in environ:
-        return environ["KILN_SERIAL_SMALL_LAYERS"] != "0"
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            return False
-    return load >= SATURATED * max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
+        return SERIAL if environ["KILN_SERIAL_SMALL_LAYERS"] != "0" else PARALLEL
+    return MEASURED
 
 
-@functools.cache
-def _busy() -> bool:
-    return small_layers_serial()  # decided once, so that a build and the engines it loads agree
+def small(elements: int, macs: int = 0) -> bool:
+    """Whether a layer of `elements` floats per activation and `macs` multiply-adds is small enough to be worth
+    a serial form."""
+    return elements < SERIAL_ELEMENTS and macs < SERIAL_MACS
 
 
-def threads_for(elements: int, macs: int = 0) -> int | None:
-    """1 for a layer of fewer than SERIAL_ELEMENTS floats per activation and SERIAL_MACS multiply-adds on a
-    saturated machine; None: OpenMP's count."""
-    return 1 if elements < SERIAL_ELEMENTS and macs < SERIAL_MACS and _busy() else None
+def thread_forms(elements: int, macs: int = 0, mode: str | None = None) -> tuple[int | None, ...]:
+    """The thread counts a layer is built at, its per-call form first (None: OpenMP's count): (None, 1) for a
+    small layer in MEASURED mode on more than one thread, (1,) for one forced serial, else (None,)."""
+    mode = small_layers_mode() if mode is None else mode
+    if not small(elements, macs) or mode == PARALLEL:
+        return (None,)
+    if mode == SERIAL:
+        return (1,)
+    return (None, 1) if torch.get_num_threads() > 1 else (None,)
 
 
 # ---- activation memory -------------------------------------------------------------------------
@@ -154,6 +155,35 @@ _ARENA = _Arena()
 storage_users = _ARENA.users  # what the residual-in-place check asks (kiln/tactics/cpu/onednn.py)
 
 
+class _PerCallForms:
+    """A small layer's per-call path (outside native segments: one layer at a time, the tuner's timings) runs its
+    faster form by recent times, as a segment does: a layer timed alone on busy cores then costs what it will cost
+    in a segment. The caller's lock (the tactic's, kiln/tactics/cpu/onednn.py) serializes calls."""
+
+    __slots__ = ("serial", "chooser")
+
+    def __init__(self, serial: tuple | None):
+        self.serial = _value(serial)
+        self.chooser = FormChooser() if serial is not None else None
+
+
+def _execute(forms: _PerCallForms, execute, prim: int, stream, nargs: int, args) -> int:
+    """dnnl_primitive_execute of the layer's parallel form `prim` or its serial one, as its chooser says, timed."""
+    chooser = forms.chooser
+    if chooser is None:
+        return execute(prim, stream, nargs, args)
+    form = chooser.choose()
+    start = time.perf_counter()
+    status = execute(prim if form == PARALLEL else forms.serial, stream, nargs, args)
+    chooser.record(form, time.perf_counter() - start)
+    return status
+
+
+def _value(made: tuple | None) -> int | None:
+    """The primitive handle of a (descriptor, primitive) pair, or None."""
+    return None if made is None else made[1].value
+
+
 def _out_size(size: int, kernel: int, stride: int, dilation: int, pad_l: int, pad_r: int) -> int:
     return (size + pad_l + pad_r - dilation * (kernel - 1) - 1) // stride + 1
 
@@ -205,17 +235,22 @@ class Conv2d:
                 f"convolution {list(input_size)} * {list(w.shape)} stride {stride} pads {pads} groups {groups}")
             return pd
 
+        def created(threads: int | None) -> tuple:
+            with creating_with_threads(threads):
+                pd = descriptor()
+                if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
+                    while _implementation(pd) != prefer:
+                        if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
+                            lib.lib.dnnl_primitive_desc_destroy(pd)
+                            pd = descriptor()  # not there: oneDNN's own first choice
+                            break
+                return _primitive(pd, "convolution")
+
         macs = n * o * oh * ow * i_per_group * kh * kw
-        self.threads = threads_for(max(n * c * h * wd, n * o * oh * ow), macs)  # None: OpenMP's count
-        with creating_with_threads(self.threads):
-            pd = descriptor()
-            if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
-                while _implementation(pd) != prefer:
-                    if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
-                        lib.lib.dnnl_primitive_desc_destroy(pd)
-                        pd = descriptor()  # not there: oneDNN's own first choice
-                        break
-            self._pd, self._prim = _primitive(pd, "convolution")
+        forms = thread_forms(max(n * c * h * wd, n * o * oh * ow), macs)
+        self.threads = forms[0]  # the per-call path's; None: OpenMP's count
+        self._pd, self._prim = created(self.threads)
+        pd = self._pd.value
         self.implementation = _implementation(pd)
 
         # the weight, once, in the layout the kernel chose (or another primitive's copy of it, when
@@ -228,6 +263,11 @@ class Conv2d:
         else:
             self._weight, _ = packed_weight(pd, w_user, w)  # kept alive: the primitive reads it
         self._w_md = w_md  # owned by the primitive descriptor, which this object keeps
+        # the serial form (thread_forms): the same arguments, so only when its kernel wants the weight as laid out
+        self._serial = created(1) if len(forms) > 1 else None
+        if self._serial is not None and not lib.lib.dnnl_memory_desc_equal(
+                lib.lib.dnnl_primitive_desc_query_md(self._serial[0].value, QUERY_WEIGHTS_MD, 0), w_md):
+            self._serial = None
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
 
         # memory objects whose data handles are swapped per call
@@ -251,6 +291,7 @@ class Conv2d:
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value,
                       self._r_mem.value if residual and not residual_in_place else None)
+        self._forms = _PerCallForms(self._serial)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound): built with residual_in_place, dst is the residual's
@@ -261,7 +302,7 @@ class Conv2d:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
         what = f"convolution {list(self.input_size)} -> {list(self.output_size)}"
-        return Bound(self._prim.value, roles, fixed, what, self)
+        return Bound(self._prim.value, roles, fixed, what, self, _value(self._serial))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
@@ -276,7 +317,7 @@ class Conv2d:
         set_handle(dst, y.data_ptr())
         if res is not None:
             set_handle(res, residual.data_ptr())
-        status = execute(prim, stream, self._nargs, self._args)
+        status = _execute(self._forms, execute, prim, stream, self._nargs, self._args)
         if status:
             _check(status, "convolution")
         return y
@@ -288,7 +329,7 @@ class Conv2d:
         set_handle, execute, prim, stream, src, dst, _ = self._call
         set_handle(src, x.data_ptr())
         set_handle(dst, residual.data_ptr())
-        status = execute(prim, stream, self._nargs, self._args)
+        status = _execute(self._forms, execute, prim, stream, self._nargs, self._args)
         if status:
             _check(status, "convolution")
         return residual
@@ -313,14 +354,21 @@ class Pool2d:
         self.input_size, self.output_size = (n, c, h, w), (n, c, oh, ow)
         src_md = memory_desc([n, c, h, w], TAG_ACDB)
         dst_md = memory_desc([n, c, oh, ow], TAG_ACDB)
-        pd = ctypes.c_void_p()
-        self.threads = threads_for(n * c * h * w, n * c * oh * ow * kernel[0] * kernel[1])  # None: OpenMP's
-        with creating_with_threads(self.threads):
-            _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
-                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
-                _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]), _dims(pads[2:]),
-                None), f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
-            self._pd, self._prim = _primitive(pd, "pooling")
+
+        def created(threads: int | None) -> tuple:
+            pd = ctypes.c_void_p()
+            with creating_with_threads(threads):
+                _check(lib.lib.dnnl_pooling_forward_primitive_desc_create(
+                    ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, POOLING[kind], src_md.value, dst_md.value,
+                    _dims(stride), _dims(kernel), _dims([d - 1 for d in dilation]), _dims(pads[:2]),
+                    _dims(pads[2:]), None), f"{kind} pooling {list(input_size)} kernel {kernel} stride {stride} pads {pads}")
+                return _primitive(pd, "pooling")
+
+        forms = thread_forms(n * c * h * w, n * c * oh * ow * kernel[0] * kernel[1])
+        self.threads = forms[0]  # the per-call path's; None: OpenMP's count
+        self._pd, self._prim = created(self.threads)
+        self._serial = created(1) if len(forms) > 1 else None  # the serial form: same arguments, no weights
+        pd = self._pd.value
         info = ctypes.c_char_p()
         lib.lib.dnnl_primitive_desc_query(pd, QUERY_IMPL_INFO_STR, 0, ctypes.byref(info))
         self.implementation = (info.value or b"?").decode()
@@ -331,11 +379,13 @@ class Pool2d:
         self._out_strides = (oh * ow * c, 1, ow * c, c)
         self._call = (lib.lib.dnnl_memory_set_data_handle, lib.lib.dnnl_primitive_execute, self._prim.value,
                       lib.stream, self._src.value, self._dst.value)
+        self._forms = _PerCallForms(self._serial)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound)."""
         roles = {"src": (ARG_SRC, self._mds[0].value, src), "dst": (ARG_DST, self._mds[1].value, dst)}
-        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}", self)
+        return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}", self,
+                     _value(self._serial))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
@@ -343,7 +393,7 @@ class Pool2d:
         y = _ARENA.empty(self._out_shape, self._out_strides)
         set_handle(src, x.data_ptr())
         set_handle(dst, y.data_ptr())
-        status = execute(prim, stream, 2, self._args)
+        status = _execute(self._forms, execute, prim, stream, 2, self._args)
         if status:
             _check(status, "pooling")
         return y

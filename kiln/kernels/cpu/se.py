@@ -118,22 +118,34 @@ class _Bound:
         self._md = handle_md
         s = layer.shape
         elements = s["N"] * s["HW"] * s["C"]
-        # one thread for a small map, and on a saturated machine as the oneDNN layers around it (threads_for)
-        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS else 1
-        threads = onednn_primitives.threads_for(elements) or threads
+        # one thread for a small map; a map the oneDNN layers around it call small has a serial form as they
+        # do (onednn_primitives.thread_forms), the scratch shared: the two forms never run at once
+        forms = onednn_primitives.thread_forms(elements)
+        threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
         self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
         self._block = torch.empty(max(threads, 1) * s["C"], dtype=torch.float32)
         self._gate = torch.empty(s["N"] * s["C"], dtype=torch.float32)
         self._hidden = torch.empty(s["N"] * s["R"], dtype=torch.float32)
-        self._plan = _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
-                           x=self._memories["src"].value, y=self._memories["dst"].value, **layer.weights,
-                           partial=self._partial.data_ptr(), block=self._block.data_ptr(),
-                           gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(), **s, **layer.epilogue,
-                           threads=threads)
+
+        def plan(count: int) -> _Plan:
+            return _Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+                         x=self._memories["src"].value, y=self._memories["dst"].value, **layer.weights,
+                         partial=self._partial.data_ptr(), block=self._block.data_ptr(),
+                         gate=self._gate.data_ptr(), hidden=self._hidden.data_ptr(), **s, **layer.epilogue,
+                         threads=count)
+
+        self._plan = plan(threads)
+        self._serial_plan = plan(1) if threads > 1 and len(forms) > 1 else None
         self._function = ctypes.cast(layer.library.kiln_squeeze_excite, ctypes.c_void_p).value
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
+        """calls() of the serial form (the same scratch, one thread), or None without one."""
+        if self._serial_plan is None:
+            return None
+        return [(self._function, ctypes.addressof(self._serial_plan), 0, 0)]
 
     def memory(self, role: str) -> int:
         return self._memories[role].value

@@ -1,0 +1,121 @@
+"""Which of two bound forms of a native segment runs next, chosen by their recent measured times.
+
+A segment's small layers are bound twice (kiln/kernels/cpu/onednn_primitives.py): on OpenMP's thread count
+("parallel") and in the calling thread ("serial"). Which is faster depends on the machine at the moment:
+on free cores the parallel form wins (EfficientNet-B0 at 2 threads: 10 vs 14 ms), on cores other work
+holds it loses 2x (every parallel region's join waits out a descheduled thread's slice: 64 vs 31 ms;
+bench/results/efficientnet-cpu-2026-12-02.md). A load average decided it once per process and lagged the
+moment; this follows it run by run (each segment, and each small layer's per-call path outside segments, which
+is also what the tuner times):
+
+- each form's estimate is the median of its last WINDOW run times (one slow run, a preemption, moves nothing);
+- the form with the lower estimate runs; every EXPLORE_EVERY runs the other one runs once, so its estimate
+  follows the machine too; a probe faster than the incumbent's estimate is probed again at once (two of three
+  decide), so a change of load is followed within a probe interval plus two runs;
+- where the other form is much slower, it is probed less often: the interval grows so that probes cost at most
+  PROBE_COST of the run time (B0 on busy cores, parallel 212 ms against serial 88: a probe every 48 runs, not
+  every 16, which cost 9%), up to LONGEST_INTERVAL runs (so freed cores are noticed within 64 runs);
+- the first WARMUP runs of each form are not counted (first-touch pages, cold caches and code).
+
+Pure bookkeeping over (form, seconds): no torch, no clock of its own (the caller times the run), so its logic
+is tested with made-up times (tests/unit/test_form_choice.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+PARALLEL, SERIAL = "parallel", "serial"
+WINDOW = 3  # run times per form the estimate is the median of
+EXPLORE_EVERY = 16  # runs between probes of the form not chosen: ~1/16 of runs pay the worse form
+WARMUP = 1  # first runs of each form not counted
+PROBE_COST = 0.03  # the share of run time probes of a slower form may cost
+# runs between probes at most, however slow the other form: its estimate is as old as the last probe, and when
+# the load drops the incumbent speeds up first (the ratio grows: serial 31 -> 14 ms against parallel's busy 64)
+LONGEST_INTERVAL = 64
+
+
+@dataclass
+class FormChooser:
+    """choose() -> the form to run; record(form, seconds) after it ran. Not thread-safe: the segment's lock (or a
+    layer's, on its per-call path) serializes its runs."""
+
+    forms: tuple[str, ...] = (PARALLEL, SERIAL)
+    explore_every: int = EXPLORE_EVERY
+    window: int = WINDOW
+    warmup: int = WARMUP
+    probe_cost: float = PROBE_COST
+    longest_interval: int = LONGEST_INTERVAL
+    runs: dict[str, int] = field(default_factory=dict)  # form -> runs made (warm-up included): what a bench reports
+    _times: dict[str, deque] = field(default_factory=dict)
+    _since_probe: int = 0
+    _challenger: str | None = None  # a form whose last probe beat the incumbent: probed again at once
+    _best: str = PARALLEL
+    _interval: int = EXPLORE_EVERY
+    _next: str = PARALLEL
+
+    def __post_init__(self):
+        if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0 \
+                or self.probe_cost <= 0 or self.longest_interval < self.explore_every:
+            raise ValueError(f"FormChooser: two forms, explore_every >= 2, window >= 1, warmup >= 0, probe_cost > 0, "
+                             f"longest_interval >= explore_every; got {self.forms}, {self.explore_every}, {self.window}, "
+                             f"{self.warmup}, {self.probe_cost}, {self.longest_interval}")
+        self.runs = {f: 0 for f in self.forms}
+        self._times = {f: deque(maxlen=self.window) for f in self.forms}
+        self._best = self._next = self.forms[0]
+        self._interval = self.explore_every
+
+    def choose(self) -> str:
+        """The form to run now (decided when the last run was recorded: a per-call layer of 10 µs can afford it)."""
+        return self._next
+
+    def record(self, form: str, seconds: float) -> None:
+        """`form` ran in `seconds`."""
+        times = self._times.get(form)
+        if times is None:
+            raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
+        self.runs[form] += 1
+        if self.runs[form] > self.warmup:
+            measured = all(self._times.values())
+            if measured and form != self._best:  # a probe: again at once when it beat the incumbent's estimate
+                self._challenger = form if seconds < self.estimate(self._best) else None
+                self._since_probe = 0
+            elif measured:  # the interval counts from when both forms have an estimate
+                self._since_probe += 1
+            times.append(seconds)
+        self._decide()
+
+    def estimate(self, form: str) -> float | None:
+        """Median of the form's last counted run times (seconds); None before its first."""
+        times = sorted(self._times[form])
+        return times[len(times) // 2] if times else None
+
+    def best(self) -> str:
+        """The form with the lower estimate (the first form on a tie or before both are measured)."""
+        return self._best
+
+    def interval(self) -> int:
+        """Runs between probes of the form not chosen: EXPLORE_EVERY, longer where its estimate is so much
+        slower that probing it that often would cost more than probe_cost of the run time."""
+        return self._interval
+
+    def _decide(self) -> None:
+        for form in self.forms:  # each form measured before any is preferred
+            if not self._times[form]:
+                self._next = form
+                return
+        a, b = self.forms
+        ea, eb = self.estimate(a), self.estimate(b)
+        best, other, fast, slow = (b, a, eb, ea) if eb < ea else (a, b, ea, eb)
+        self._best = best
+        # probes every interval runs cost (slow - fast) / interval of the time: at most probe_cost of fast
+        wanted = math.ceil((slow / fast - 1) / self.probe_cost) if fast > 0 else self.explore_every
+        self._interval = max(self.explore_every, min(wanted, self.longest_interval))
+        if self._challenger is not None and self._challenger != best:
+            self._next = self._challenger
+        elif self._since_probe + 1 >= self._interval:
+            self._next = other
+        else:
+            self._next = best

@@ -1,0 +1,101 @@
+"""The choice between a native segment's parallel and serial forms (kiln/kernels/cpu/form_choice.py), on made-up
+run times: which form runs first, that the faster runs, how often the other is probed, how fast a change of
+load is followed, and that one slow run changes nothing. Times in ms-like units; no clock, no torch."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
+
+QUIET = {PARALLEL: 10.0, SERIAL: 14.0}  # EfficientNet-B0, 2 threads, free cores (ms)
+BUSY = {PARALLEL: 64.0, SERIAL: 31.0}  # the same on cores other work holds
+
+
+def _drive(chooser: FormChooser, times, runs: int) -> list[str]:
+    """`runs` runs, each taking times[form] (a dict, or a function of (run index, form))."""
+    chosen = []
+    for i in range(runs):
+        form = chooser.choose()
+        chooser.record(form, times(i, form) if callable(times) else times[form])
+        chosen.append(form)
+    return chosen
+
+
+def test_each_form_is_measured_first_its_warm_up_not_counted():
+    chooser = FormChooser(warmup=1)
+    assert _drive(chooser, QUIET, 4) == [PARALLEL, PARALLEL, SERIAL, SERIAL]
+    assert chooser.estimate(PARALLEL) == 10.0 and chooser.estimate(SERIAL) == 14.0
+    assert chooser.runs == {PARALLEL: 2, SERIAL: 2}
+
+
+def test_a_slow_first_run_is_not_counted():
+    chooser = FormChooser(warmup=1)
+    _drive(chooser, lambda i, form: 500.0 if i == 0 else QUIET[form], 4)  # page faults on the first run
+    assert chooser.estimate(PARALLEL) == 10.0
+
+
+# QUIET: serial 1.4x parallel, probes every 16 runs cost 2.5%; BUSY: parallel 2.06x serial, probes every 16 would
+# cost 6.6%, so every ceil(1.06 / 0.03) = 36
+@pytest.mark.parametrize("times, best, interval", [(QUIET, PARALLEL, 16), (BUSY, SERIAL, 36)])
+def test_the_faster_form_runs_and_the_other_once_an_interval(times, best, interval):
+    chooser = FormChooser(explore_every=16, probe_cost=0.03)
+    chosen = _drive(chooser, times, 4 + 10 * interval)[4:]
+    other = [i for i, form in enumerate(chosen) if form != best]
+    assert chooser.interval() == interval
+    assert len(other) == 10 and all(b - a == interval for a, b in zip(other, other[1:]))
+
+
+def test_the_interval_is_capped():
+    chooser = FormChooser(explore_every=16, probe_cost=0.03, longest_interval=100)
+    _drive(chooser, {PARALLEL: 1.0, SERIAL: 50.0}, 10)
+    assert chooser.interval() == 100
+
+
+def test_a_busy_machine_is_followed_within_a_few_runs():
+    chooser = FormChooser(explore_every=16)
+    _drive(chooser, QUIET, 40)
+    assert chooser.best() == PARALLEL
+    chosen = _drive(chooser, BUSY, 40)
+    # the incumbent's median turns after two slow runs; then serial's quiet estimate (14) is the lower
+    assert chosen[:2] == [PARALLEL, PARALLEL] and chosen[2] == SERIAL
+    assert chosen[2:].count(PARALLEL) <= 3  # from then on only probes
+
+
+def test_freed_cores_are_followed_within_a_probe_interval():
+    chooser = FormChooser(explore_every=16)
+    _drive(chooser, BUSY, 40)
+    assert chooser.best() == SERIAL
+    chosen = _drive(chooser, QUIET, 100)
+    # serial now at 14 against parallel's busy 64: the interval is at its longest (64) until the next probe
+    first = chosen.index(PARALLEL)
+    assert first < 64
+    # the probe beat serial's estimate (10 < 14): probed again at once, two of three quiet times decide
+    assert chosen[first + 1] == PARALLEL and chooser.estimate(PARALLEL) == 10.0
+    assert chosen[first + 2:].count(SERIAL) <= 3  # from then on only probes
+
+
+def test_one_slow_run_moves_nothing():
+    chooser = FormChooser(explore_every=16)
+    _drive(chooser, QUIET, 20)
+    chosen = _drive(chooser, lambda i, form: 90.0 if i == 3 else QUIET[form], 12)  # a preemption
+    assert chosen.count(SERIAL) <= 1 and chooser.best() == PARALLEL  # at most the interval's probe
+    assert chooser.estimate(PARALLEL) == 10.0
+
+
+def test_a_probe_slower_than_the_incumbent_waits_a_full_interval():
+    chooser = FormChooser(explore_every=8, probe_cost=1.0)  # the interval never longer than explore_every
+    chosen = _drive(chooser, QUIET, 4 + 24)[4:]
+    probes = [i for i, form in enumerate(chosen) if form == SERIAL]
+    assert probes == [7, 15, 23]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="two forms"):
+        FormChooser(forms=(PARALLEL,))
+    with pytest.raises(ValueError, match="explore_every"):
+        FormChooser(explore_every=1)
+    with pytest.raises(ValueError, match="probe_cost"):
+        FormChooser(probe_cost=0.0)
+    with pytest.raises(ValueError, match="unknown form 'gpu'"):
+        FormChooser().record("gpu", 1.0)
