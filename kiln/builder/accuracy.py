@@ -251,8 +251,11 @@ def float32_run(default: Program, inputs: list[Any]) -> list[Any]:
 # scale), those flips cascade whatever the kernels, so the engine cannot be judged finer than the default
 # engine's own cascade: measured by running it again with every float input scaled by 1 + 2^-20 (a few
 # float32 ulps, far below a quantization step: it moves only values within that of a tie, as another
-# rounding does). A wrong kernel (a misread layout, a wrong scale) is off by the output's whole scale.
+# rounding does). A wrong kernel (a misread layout, a wrong scale) is off by the output's whole scale: so
+# the drift counts up to a quarter of the output's scale (allowed at most 2 x 1/4 + 10% of it), whatever
+# the network's chaos; beyond, the engine is judged as at that drift.
 INPUT_NUDGE = 2.0 ** -20
+DRIFT_CAP = 0.25
 
 
 def quantized_drift(default: Program, default_outputs: list[Any], inputs: list[Any]) -> list[float] | None:
@@ -263,8 +266,14 @@ def quantized_drift(default: Program, default_outputs: list[Any], inputs: list[A
         return None
     with torch.inference_mode():
         outputs = default.run(nudged)
-    drift = [output_error(o, d) for o, d in zip(outputs, default_outputs)]
-    return [d if math.isfinite(d) else 0.0 for d in drift]  # a nudge that overflows says nothing of rounding
+    drift = []
+    for got, want in zip(outputs, default_outputs):
+        error = output_error(got, want)
+        if not math.isfinite(error):  # a nudge that overflows says nothing of rounding
+            error = 0.0
+        floating = isinstance(want, torch.Tensor) and want.is_floating_point()
+        drift.append(min(error, DRIFT_CAP * (_scale(want) if floating else 1.0)))  # integers: a fraction
+    return drift
 
 
 @dataclasses.dataclass
