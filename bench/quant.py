@@ -2,6 +2,7 @@
 
     python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
+    python bench/quant.py --models bert_base --batch 8     # every model at batch 8
 
 Per model (kiln.zoo; MobileNetV2 has its real ImageNet weights, ResNet-50 and BERT-base random ones):
 
@@ -91,7 +92,9 @@ def photographs(count: int, seed: int) -> list[np.ndarray]:
 def inputs_for(exported: zoo.Export, count: int, seed: int) -> list[dict[str, np.ndarray]]:
     example = exported.inputs()
     if "pixel_values" in example:
-        return [{"pixel_values": v} for v in photographs(count, seed)]
+        batch = example["pixel_values"].shape[0]
+        crops = photographs(count * batch, seed)
+        return [{"pixel_values": np.concatenate(crops[i * batch:(i + 1) * batch])} for i in range(count)]
     rng = np.random.default_rng(seed)
     feeds = []
     for _ in range(count):
@@ -159,8 +162,8 @@ def run_model(name: str, args) -> Row:
     import torch
 
     label, seq = MODELS[name]
-    row = Row(label, name)
-    exported = zoo.export(name, batch=1, seq=seq) if seq else zoo.export(name, batch=1)
+    row = Row(label if args.batch == 1 else f"{label} batch {args.batch}", name)
+    exported = zoo.export(name, batch=args.batch, seq=seq) if seq else zoo.export(name, batch=args.batch)
     text = seq is not None
     torch.set_num_threads(args.threads)
     calibration = inputs_for(exported, args.calibration, seed=1)
@@ -283,6 +286,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20, help="runs per block at most")
     parser.add_argument("--warmup", type=int, default=3)
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"- device: {cpu_name()} ({platform.machine()}; {cpu_features.describe()}), {args.threads} thread(s) for "
         "every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- batch 1 (BERT-base: seq 128); latency in ms, median of every run of {args.rounds} interleaved rounds "
+        f"- batch {args.batch} (BERT-base: seq 128); latency in ms, median of every run of {args.rounds} interleaved rounds "
         f"of blocks ({args.warmup} warm-up runs, then up to {args.iterations} runs or {args.budget:.0f} s); "
         "ratios: overall median, then per round",
         f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, on "
