@@ -2,6 +2,7 @@
 
     python bench/quant.py                         # ResNet-50, MobileNetV2 (batch 1), BERT-base (seq 128)
     python bench/quant.py --models mobilenet_v2 --rounds 3 --no-write
+    python bench/quant.py --models bert_base --batch 8     # every model at batch 8
 
 Per model (kiln.zoo; MobileNetV2 has its real ImageNet weights, ResNet-50 and BERT-base random ones):
 
@@ -52,6 +53,7 @@ from kiln.quant.data import imagenet  # noqa: E402
 from kiln.zoo.timing import time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}  # thread: one thread's CPU time (--threads 1)
 PEERS = ("kiln fp32", "kiln int8", "kiln int8 (ORT QDQ)", "onnxruntime fp32", "onnxruntime int8")
 MODELS = {"resnet50": ("ResNet-50", None), "mobilenet_v2": ("MobileNetV2", None), "bert_base": ("BERT-base", 128)}
 PHOTOS = ["astronaut", "chelsea", "coffee", "rocket", "cat", "camera", "hubble_deep_field", "immunohistochemistry",
@@ -91,7 +93,9 @@ def photographs(count: int, seed: int) -> list[np.ndarray]:
 def inputs_for(exported: zoo.Export, count: int, seed: int) -> list[dict[str, np.ndarray]]:
     example = exported.inputs()
     if "pixel_values" in example:
-        return [{"pixel_values": v} for v in photographs(count, seed)]
+        batch = example["pixel_values"].shape[0]
+        crops = photographs(count * batch, seed)
+        return [{"pixel_values": np.concatenate(crops[i * batch:(i + 1) * batch])} for i in range(count)]
     rng = np.random.default_rng(seed)
     feeds = []
     for _ in range(count):
@@ -159,8 +163,8 @@ def run_model(name: str, args) -> Row:
     import torch
 
     label, seq = MODELS[name]
-    row = Row(label, name)
-    exported = zoo.export(name, batch=1, seq=seq) if seq else zoo.export(name, batch=1)
+    row = Row(label if args.batch == 1 else f"{label} batch {args.batch}", name)
+    exported = zoo.export(name, batch=args.batch, seq=seq) if seq else zoo.export(name, batch=args.batch)
     text = seq is not None
     torch.set_num_threads(args.threads)
     calibration = inputs_for(exported, args.calibration, seed=1)
@@ -195,7 +199,7 @@ def run_model(name: str, args) -> Row:
         for peer in PEERS:
             row.busy.append(cpu_busy(0.5))
             block = time_samples(lambda: runs[peer](feeds), iterations=args.iterations, warmup=args.warmup,
-                                 budget_s=args.budget, min_runs=5)
+                                 budget_s=args.budget, min_runs=5, clock=CLOCKS[args.clock])
             row.samples[peer] += block
             medians[peer] = float(np.median(block))
         row.by_round.append(medians)
@@ -283,6 +287,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="thread: CPU time of the calling thread, for --threads 1 on a loaded machine")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20, help="runs per block at most")
     parser.add_argument("--warmup", type=int, default=3)
@@ -294,6 +301,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread counts the calling thread only: give --threads 1 (the other threads' work "
+                     "would not be counted)")
 
     load_before = os.getloadavg()[0]
     print(f"kiln {kiln.__version__} INT8 CPU benchmark: {cpu_name()} ({cpu_features.describe()}), {args.threads} "
@@ -341,7 +351,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"- device: {cpu_name()} ({platform.machine()}; {cpu_features.describe()}), {args.threads} thread(s) for "
         "every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- batch 1 (BERT-base: seq 128); latency in ms, median of every run of {args.rounds} interleaved rounds "
+        f"- batch {args.batch} (BERT-base: seq 128); latency in ms ({args.clock} clock), median of every run of {args.rounds} interleaved rounds "
         f"of blocks ({args.warmup} warm-up runs, then up to {args.iterations} runs or {args.budget:.0f} s); "
         "ratios: overall median, then per round",
         f"- machine load (1-min load average) {load_before:.2f} before, {load_after:.2f} after, on "
