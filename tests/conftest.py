@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,3 +29,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         f"failed {counts['failed'] + counts['error']} of {run} run; excluded {counts['skipped']} "
         "(each listed with its reason in tests/conformance/excluded.py)"
     )
+
+
+@pytest.fixture(scope="module")
+def dynamic_bert_tiny():
+    """bert_tiny exported with symbolic batch and sequence, built with profile 1x1..4x32..4x48, and an onnxruntime
+    session of the same file: (engine, session) for tests/unit's binding and first-call tests. One per module:
+    tests change the engine's first-call state."""
+    import onnxruntime as ort
+
+    import kiln
+    from kiln import zoo
+
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return engine, session

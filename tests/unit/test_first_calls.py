@@ -6,12 +6,9 @@ along the sequence."""
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
-import kiln
-from kiln import zoo
 from kiln.runtime import engine as kiln_engine
 from kiln.runtime import first_calls
 
@@ -19,14 +16,6 @@ from kiln.runtime import first_calls
 # well inside 1e-5 of the scale of BERT's LayerNorm'd outputs (test_buckets.py's tolerance)
 RTOL, ATOL = 1e-5, 2e-5
 ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers
-
-
-@pytest.fixture(scope="module")
-def bert():
-    exported = zoo.export("bert_tiny", dynamic=True)
-    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
-    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    return engine, session
 
 
 def _feeds(rng, batch, seq, empty_row=None):
@@ -46,8 +35,8 @@ def _fresh(engine):
     return engine.create_execution_context()
 
 
-def test_padded_first_calls_give_the_unpadded_result_and_onnxruntimes(bert):
-    engine, session = bert
+def test_padded_first_calls_give_the_unpadded_result_and_onnxruntimes(dynamic_bert_tiny):
+    engine, session = dynamic_bert_tiny
     context = _fresh(engine)
     plain = engine.create_execution_context(pad_first_calls=False)
     assert plain._first_calls is None and context._first_calls is engine.first_calls
@@ -67,8 +56,8 @@ def test_padded_first_calls_give_the_unpadded_result_and_onnxruntimes(bert):
                                    err_msg=f"padded vs onnxruntime, batch {batch} x seq {seq}")
 
 
-def test_torch_inputs_are_padded_and_come_back_as_torch(bert):
-    engine, session = bert
+def test_torch_inputs_are_padded_and_come_back_as_torch(dynamic_bert_tiny):
+    engine, session = dynamic_bert_tiny
     context = _fresh(engine)
     rng = np.random.default_rng()
     context.run(_feeds(rng, 4, 48))
@@ -79,8 +68,8 @@ def test_torch_inputs_are_padded_and_come_back_as_torch(bert):
     np.testing.assert_allclose(got.numpy(), session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_a_shape_binds_at_its_second_call(bert):
-    engine, _ = bert
+def test_a_shape_binds_at_its_second_call(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
     padding = engine.first_calls
     rng = np.random.default_rng()
@@ -95,8 +84,8 @@ def test_a_shape_binds_at_its_second_call(bert):
     assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == 2
 
 
-def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(bert):
-    engine, _ = bert
+def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
     padding = engine.first_calls
     rng = np.random.default_rng()
@@ -120,10 +109,10 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(bert):
     assert padding._host(args, (((5, 18), torch.int64),) * 2, (5, 18)) is None  # no bound shape holds 5 rows
 
 
-def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(bert):
+def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynamic_bert_tiny):
     """Such a row attends to every key alike (BERT's additive mask of the dtype's minimum): padded keys would
     join in. Without the guard the padded result differs from onnxruntime's by ~1.6e-2 (measured), 160x the tolerance."""
-    engine, session = bert
+    engine, session = dynamic_bert_tiny
     context = _fresh(engine)
     rng = np.random.default_rng()
     context.run(_feeds(rng, 4, 48))
@@ -142,8 +131,8 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(bert):
     np.testing.assert_allclose(got, session.run(None, again)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(bert, monkeypatch):
-    engine, _ = bert
+def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny, monkeypatch):
+    engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
     monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every bucket, however long its run on a loaded machine
@@ -157,8 +146,8 @@ def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
 
 
-def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(bert, monkeypatch):
-    engine, _ = bert
+def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
+    engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest bucket only
     assert engine.create_execution_context().warm_up() == 2

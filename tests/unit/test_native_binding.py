@@ -5,25 +5,14 @@ derived from another size's (LayerNorm.at_size) computes what one built at that 
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
-import kiln
-from kiln import zoo
 from kiln.kernels.cpu import transformer as kernels
 
 ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="kiln's transformer kernels are not built")
-
-
-@pytest.fixture(scope="module")
-def bert():
-    exported = zoo.export("bert_tiny", dynamic=True)
-    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
-    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    return engine, session
 
 
 def _feeds(rng, batch, seq):
@@ -37,8 +26,8 @@ def _bound_views(engine) -> int:
     return sum(other is not None for s in engine.program.segments for other in s.resized.values())
 
 
-def test_fresh_shapes_bind_and_match_onnxruntime(bert):
-    engine, session = bert
+def test_fresh_shapes_bind_and_match_onnxruntime(dynamic_bert_tiny):
+    engine, session = dynamic_bert_tiny
     context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds (none run padded)
     rng = np.random.default_rng()
     shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(12)} | {(1, 1), (4, 48), (3, 47)}
@@ -52,8 +41,8 @@ def test_fresh_shapes_bind_and_match_onnxruntime(bert):
     assert not [k for s in engine.program.segments for k, other in s.resized.items() if other is None]
 
 
-def test_a_second_binding_at_the_same_sizes_reuses_the_kernels(bert):
-    engine, session = bert
+def test_a_second_binding_at_the_same_sizes_reuses_the_kernels(dynamic_bert_tiny):
+    engine, session = dynamic_bert_tiny
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng()
     feeds = _feeds(rng, int(rng.integers(1, 5)), int(rng.integers(2, 49)))
