@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -293,6 +294,14 @@ def memory_desc(dims: list[int], tag: int) -> _Handle:
     _check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), F32, tag),
            f"memory desc {dims} tag {tag}")
     return _Handle(md, "dnnl_memory_desc_destroy")
+
+
+@functools.lru_cache(maxsize=1024)
+def row_major_desc(dims: tuple[int, ...]) -> _Handle:
+    """The float32 row-major descriptor of `dims` (1-D or 2-D), one per size for the process: every layer of a
+    transformer at a row count reads the same few (making them is ~10 µs each of ctypes here), and oneDNN copies
+    a descriptor into each memory object or primitive descriptor made from it."""
+    return memory_desc(list(dims), TAG_A if len(dims) == 1 else TAG_AB)
 
 
 def _memory(md: ctypes.c_void_p | int, handle: int | None) -> _Handle:
