@@ -47,6 +47,7 @@ from kiln.kernels.cpu.onednn import (
     _primitive,
     load,
     memory_desc,
+    row_major_desc,
 )
 
 
@@ -121,13 +122,14 @@ class Matmul:
 
 class MatmulRows:
     """A Matmul at one row count: what a native segment binds (`bind` -> Bound) and the per-layer path calls,
-    as InnerProduct offers them. Making one creates two memory descriptors; no primitive."""
+    as InnerProduct offers them. Making one creates no primitive, and its two descriptors are shared by every
+    layer at this row count (row_major_desc)."""
 
     def __init__(self, layer: Matmul, rows: int):
         self.layer = layer
         self.input_size, self.output_size = (rows, layer.k), (rows, layer.n)
         self.implementation = layer.implementation
-        self._mds = (memory_desc([rows, layer.k], TAG_AB), memory_desc([rows, layer.n], TAG_AB))
+        self._mds = (row_major_desc((rows, layer.k)), row_major_desc((rows, layer.n)))  # shared by every layer
         self._per_call: Bound | None = None
         self._lock = threading.Lock()
 
