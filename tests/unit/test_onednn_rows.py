@@ -167,11 +167,13 @@ def test_a_row_count_bound_twice_reuses_its_layer(one_thread):
     assert runtime.rows(333).layer is runtime.rows(1).layer
 
 
-def test_on_two_threads_only_the_fewest_rows_take_the_runtime_matmul():
+def test_on_two_threads_only_the_fewest_rows_of_large_layers_take_the_runtime_matmul():
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        runtime = onednn_tactics.RuntimeRows(torch.randn(N, K), None, None)
+        small = onednn_tactics.RuntimeRows(torch.randn(N, K), None, None)
+        large = onednn_tactics.RuntimeRows(torch.randn(4 * N, K), None, None)  # past RUNTIME_ROWS_PARALLEL_WEIGHT
     finally:
         torch.set_num_threads(before)
-    assert runtime.takes(1) and runtime.takes(2) and not runtime.takes(512)
+    assert not small.takes(1) and not small.takes(512)
+    assert large.takes(1) and large.takes(2) and not large.takes(3) and not large.takes(512)

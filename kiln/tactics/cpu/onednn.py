@@ -409,13 +409,15 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
 # layers of one shape: 7.5 ms of binding BERT-base at a new shape). On oneDNN 3.2 that matmul is `gemm:jit:f32`,
 # measured against the brgemm inner product at BERT-base's four layer shapes (bench/onednn_rows.py; table in
 # bench/results/first-calls-2026-12-03.md), matmul / inner product per call:
-#   M 1-2: 0.87-1.07 at 1 thread, 0.95-1.10 at 2 (the 768x768 layer, 30-50 µs at 2 threads: 1.5-1.75);
-#   M 4-64: 1.1-2.4 at both thread counts (the jit GEMM packs the weight per call: most of the work at few rows);
+#   M 1-2:    0.87-1.07 at 1 thread; at 2, 0.95-1.10 on the 1.8-2.4 M-weight layers but 1.5-1.75 on 768x768
+#             (27-32 µs against 47-48: the brgemm splits a small layer over both threads, the jit GEMM does not);
+#   M 4-128:  1.03-2.4 at either thread count (the jit GEMM packs the weight per call: most of the work at few rows);
 #   M 256-512: 0.78-1.05 at 1 thread, 0.96-1.23 at 2.
 # A row count bound is usually run many times and the primitive is created once, so the matmul takes only the
-# row counts where it is as fast: at most RUNTIME_ROWS_AT_MOST, and from RUNTIME_ROWS_FROM_SERIAL when the layer's
-# primitives run on one thread.
+# row counts where it was as fast: at most RUNTIME_ROWS_AT_MOST (on several threads, only layers of at least
+# RUNTIME_ROWS_PARALLEL_WEIGHT weights), and from RUNTIME_ROWS_FROM_SERIAL when its primitives run on one thread.
 RUNTIME_ROWS_AT_MOST = 2
+RUNTIME_ROWS_PARALLEL_WEIGHT = 1 << 20
 RUNTIME_ROWS_FROM_SERIAL = 256
 
 
@@ -428,11 +430,12 @@ class RuntimeRows:
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, eltwise: onednn.Eltwise | None):
         self._layer = onednn_matmul.Matmul(w, b, eltwise)
         self._serial = torch.get_num_threads() == 1  # the primitive runs on the count it was created at
+        self._few_rows = self._serial or w.numel() >= RUNTIME_ROWS_PARALLEL_WEIGHT
         self._rows: dict[int, onednn_matmul.MatmulRows] = {}
         self._lock = threading.Lock()
 
     def takes(self, rows: int) -> bool:
-        return rows <= RUNTIME_ROWS_AT_MOST or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
+        return (self._few_rows and rows <= RUNTIME_ROWS_AT_MOST) or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
 
     def rows(self, rows: int) -> onednn_matmul.MatmulRows:
         with self._lock:
