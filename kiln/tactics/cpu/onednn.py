@@ -34,7 +34,9 @@ The tactics are optional: `available()` is false when libdnnl.so.3 (the `onednn-
 cannot be loaded, or when it would bring its own OpenMP runtime next to torch's; an engine that
 names them then runs the ops' registered implementations.
 A primitive is built for the input size the layer was tuned at (tactic_config["input_size"]);
-another input size (dynamic batch) builds and caches one more primitive on first sight.
+another input size (dynamic batch) builds and caches one more primitive on first sight. A large linear layer
+(cpu.gemm.onednn_direct) binds other row counts without a new primitive where that measured as fast: on one
+matmul primitive with a runtime row count made at load (RuntimeRows below, kiln/kernels/cpu/onednn_matmul.py).
 """
 
 from __future__ import annotations
