@@ -190,6 +190,14 @@ def test_a_row_count_bound_twice_reuses_its_layer(one_thread):
     assert runtime.rows(333).layer is runtime.rows(1).layer
 
 
+def test_a_library_without_the_runtime_matmul_leaves_every_row_count_on_inner_products(monkeypatch):
+    def refuse(*_args):
+        raise onednn.OneDNNError("matmul with a runtime M: unimplemented")
+
+    monkeypatch.setattr(onednn_matmul, "_runtime_primitive", refuse)
+    assert onednn_tactics.runtime_rows(torch.randn(N, K), None, None) is None
+
+
 def test_on_two_threads_only_the_fewest_rows_of_large_layers_take_the_runtime_matmul():
     before = torch.get_num_threads()
     torch.set_num_threads(2)

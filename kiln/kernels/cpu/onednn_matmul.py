@@ -1,17 +1,18 @@
 """A linear layer as oneDNN's matmul with a runtime row count: one primitive serves every M.
 
-oneDNN's inner product (onednn_primitives.InnerProduct) is created and JIT-compiled for one row count, ~1 ms a
-primitive here: a BERT-base bound at a new (batch, sequence) created four (one per distinct layer shape, shared by
-its 72 layers) and spent 7.5 ms of its ~14 ms of binding on them (bench/results/first-calls-2026-12-02c.md).
+oneDNN's inner product (onednn_primitives.InnerProduct) is created and JIT-compiled for one row count, ~0.5-1 ms
+a primitive here: a BERT-base bound at a new (batch, sequence) created one per distinct layer shape (shared by its
+36 oneDNN layers) and spent 7.5 ms of its ~14 ms of binding on its oneDNN layers
+(bench/results/first-calls-2026-12-02c.md).
 oneDNN 3's matmul takes M as DNNL_RUNTIME_DIM_VAL: the primitive is created once, when the engine loads, and a
 row count is then only two memory descriptors and a few memory objects of that size (tens of µs).
 
 The kernel is another one. On oneDNN 3.2 only `gemm:jit:f32` takes a runtime M (its brgemm matmul does not), and
 it reads the weight where it lies: ONNX's [N, K] row-major is matmul's [K, N] in tag `ba`, so the layer keeps no
 packed copy. Measured against the fixed-M brgemm inner product at BERT-base's shapes (bench/onednn_rows.py,
-bench/results/first-calls-2026-12-03.md): as fast at one row and from ~128 rows, 1.3-3x slower at 2-64 rows,
-where the jit GEMM's per-call packing of the weight is most of the work. kiln/tactics/cpu/onednn.py picks it
-only where it measured as fast (RUNTIME_ROWS there).
+bench/results/first-calls-2026-12-03.md): as fast at 1-2 rows and, on one thread, from ~256; 1.1-2.4x slower at
+4-128 rows, where the jit GEMM's per-call packing of the weight is most of the work. kiln/tactics/cpu/onednn.py
+picks it only where it measured as fast (RUNTIME_ROWS_* there).
 
 No residual: a binary post-op's operand cannot have a runtime dimension (oneDNN 3.2 refuses it: "invalid
 arguments"), and a sum post-op would need the residual copied into the output first, a call of its own in a
@@ -77,7 +78,7 @@ def _runtime_primitive(shape: _Shape) -> _RuntimePrimitive:
     """The matmul [M, K] x [K, N] ('ba': ONNX's [N, K]) -> [M, N] for any M, the activation as a post-op.
 
     A primitive holds no weights (they are execution arguments), so every layer of one _Shape shares it:
-    BERT-base's 72 linear layers need four."""
+    BERT-base's 36 oneDNN linear layers need three."""
     lib = load()
     src_md = memory_desc([RUNTIME_DIM, shape.k], TAG_AB)
     dst_md = memory_desc([RUNTIME_DIM, shape.n], TAG_AB)

@@ -49,6 +49,7 @@ from kiln.kernels.cpu.onednn import (
     _dims,
     _epilogue_attr,
     _ExecArg,
+    _Handle,
     _implementation,
     _memory,
     _primitive,
@@ -357,8 +358,8 @@ class Pool2d:
 class _Made:
     """A created inner-product primitive and what every layer sharing it reads of it."""
 
-    pd: Any  # _Handle
-    primitive: Any  # _Handle
+    pd: _Handle
+    primitive: _Handle
     residual_index: int  # the residual's post-op index (-1: none)
     implementation: str
 

@@ -344,7 +344,7 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     """The inner product at the tuned row count; other row counts (a profile's other shapes) on kiln's
     packed GEMM (other_rows), which needs no primitive per row count, else on the runtime-M matmul where it
-    measured as fast (runtime_rows), else on an inner product made for them."""
+    measured as fast (RuntimeRows), else on an inner product made for them."""
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
     eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
@@ -365,7 +365,7 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     n = int(w.shape[0])
     packed = other_rows(step, w, b, with_residual)
     # the runtime-M matmul was measured on large layers (BERT-base's 0.6-2.4 M weights); small ones: kiln's GEMM
-    runtime = RuntimeRows(w, b, eltwise) if w.numel() > OTHER_ROWS_WEIGHT and not with_residual else None
+    runtime = runtime_rows(w, b, eltwise) if w.numel() > OTHER_ROWS_WEIGHT and not with_residual else None
 
     def on_kiln_gemm(rows: int) -> bool:
         return packed is not None and rows != rows_of(tuned) and packed.takes(rows)
@@ -413,7 +413,7 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
 # bench/results/first-calls-2026-12-03.md), matmul / inner product per call:
 #   M 1-2:    0.87-1.07 at 1 thread; at 2, 0.95-1.10 on the 1.8-2.4 M-weight layers but 1.5-1.75 on 768x768
 #             (27-32 µs against 47-48: the brgemm splits a small layer over both threads, the jit GEMM does not);
-#   M 4-128:  1.03-2.4 at either thread count (the jit GEMM packs the weight per call: most of the work at few rows);
+#   M 4-128:  0.98-2.4, mostly 1.1-2 (the jit GEMM packs the weight per call: most of the work at few rows);
 #   M 256-512: 0.78-1.05 at 1 thread, 0.96-1.23 at 2.
 # A row count bound is usually run many times and the primitive is created once, so the matmul takes only the
 # row counts where it was as fast: at most RUNTIME_ROWS_AT_MOST (on several threads, only layers of at least
@@ -426,8 +426,8 @@ RUNTIME_ROWS_FROM_SERIAL = 256
 class RuntimeRows:
     """A large oneDNN linear layer at the row counts where a runtime-M matmul is as fast as an inner product
     made for them (RUNTIME_ROWS_*): its primitive is made once, here (shared by the layers of one shape,
-    onednn_matmul), and a row count costs two memory descriptors. It reads the layer's weight where it lies,
-    [N, K]: no other copy."""
+    onednn_matmul), and a row count creates none (its descriptors are shared per size too). It reads the layer's
+    weight where it lies, [N, K]: no other copy."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, eltwise: onednn.Eltwise | None):
         self._layer = onednn_matmul.Matmul(w, b, eltwise)
@@ -447,6 +447,15 @@ class RuntimeRows:
                     self._rows.pop(next(iter(self._rows)))
                 found = self._rows[rows] = self._layer.rows(rows)
             return found
+
+
+def runtime_rows(w: torch.Tensor, b: torch.Tensor | None, eltwise: onednn.Eltwise | None) -> RuntimeRows | None:
+    """RuntimeRows for the layer, or None where this oneDNN makes no runtime-M matmul of it (then every other row
+    count gets an inner product made for it, as before)."""
+    try:
+        return RuntimeRows(w, b, eltwise)
+    except onednn.OneDNNError:
+        return None
 
 
 # Which other row counts of a oneDNN linear layer run on kiln's GEMM (OtherRows): creating and JIT-compiling
