@@ -9,7 +9,8 @@ is then `dnnl_memory_set_data_handle` on the activations plus `dnnl_primitive_ex
 This module is the binding: the library and its engine and stream, memory descriptors and
 objects, weights reordered once into the layout a kernel chose, the epilogue as post-ops,
 `Bound` (a primitive's arguments at fixed addresses, what a native segment runs) and `Reorder`.
-The layers built on it: onednn_primitives.py (Conv2d, Pool2d, InnerProduct), winograd.py.
+The layers built on it: onednn_primitives.py (Conv2d, Pool2d, InnerProduct), onednn_matmul.py (Matmul,
+one primitive for every row count), winograd.py.
 
 The library is the `onednn-cpu-gomp` wheel's libdnnl.so.3 (oneDNN 3.x built on GNU OpenMP),
 loaded after torch: its libgomp dependency resolves by SONAME to the libgomp torch already
@@ -24,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -36,7 +38,8 @@ from kiln.kernels.cpu import hugepages
 
 # ---- enum values of the oneDNN v3 C API (dnnl_types.h, dnnl_common_types.h) -------------------
 F32 = 3  # dnnl_f32
-TAG_ANY, TAG_A, TAG_AB, TAG_ABC, TAG_ABCD, TAG_ABCDE, TAG_ACDB = 1, 2, 3, 4, 5, 6, 22  # dnnl_format_tag_t
+TAG_ANY, TAG_A, TAG_AB, TAG_ABC, TAG_ABCD, TAG_ABCDE, TAG_BA, TAG_ACDB = 1, 2, 3, 4, 5, 6, 14, 22  # dnnl_format_tag_t
+RUNTIME_DIM = -(1 << 63)  # DNNL_RUNTIME_DIM_VAL: a size given per execution by the memory objects (matmul only)
 FORWARD_INFERENCE = 96  # dnnl_prop_kind_t
 CONVOLUTION_DIRECT = 0x1  # dnnl_alg_kind_t
 ELTWISE = {"relu": 0x20, "tanh": 0x21, "linear": 0x26, "hardsigmoid": 0x28, "logistic": 0x29,
@@ -291,6 +294,14 @@ def memory_desc(dims: list[int], tag: int) -> _Handle:
     _check(lib.dnnl_memory_desc_create_with_tag(ctypes.byref(md), len(dims), _dims(dims), F32, tag),
            f"memory desc {dims} tag {tag}")
     return _Handle(md, "dnnl_memory_desc_destroy")
+
+
+@functools.lru_cache(maxsize=1024)
+def row_major_desc(dims: tuple[int, ...]) -> _Handle:
+    """The float32 row-major descriptor of `dims` (1-D or 2-D), one per size for the process: every layer of a
+    transformer at a row count reads the same few (making them is ~10 µs each of ctypes here), and oneDNN copies
+    a descriptor into each memory object or primitive descriptor made from it."""
+    return memory_desc(list(dims), TAG_A if len(dims) == 1 else TAG_AB)
 
 
 def _memory(md: ctypes.c_void_p | int, handle: int | None) -> _Handle:

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from kiln.kernels.cpu.onednn import (
     _dims,
     _epilogue_attr,
     _ExecArg,
+    _Handle,
     _implementation,
     _memory,
     _primitive,
@@ -56,6 +58,7 @@ from kiln.kernels.cpu.onednn import (
     load,
     memory_desc,
     packed_weight,
+    row_major_desc,
 )
 
 # ---- threads -----------------------------------------------------------------------------------
@@ -401,6 +404,16 @@ class Pool2d:
 
 # ---- linear layers -----------------------------------------------------------------------------
 
+@dataclass
+class _Made:
+    """A created inner-product primitive and what every layer sharing it reads of it."""
+
+    pd: _Handle
+    primitive: _Handle
+    residual_index: int  # the residual's post-op index (-1: none)
+    implementation: str
+
+
 class _PrimitiveCache:
     """Inner-product primitives by (rows, shapes, epilogue) and weight layout, least recently used out: a
     BERT-base at a new sequence length needs 4 new primitives, not one per each of its 48 GEMMs. A
@@ -408,10 +421,10 @@ class _PrimitiveCache:
 
     def __init__(self, size: int):
         self.size = size
-        self._entries: OrderedDict[tuple, list[tuple[Any, tuple]]] = OrderedDict()
+        self._entries: OrderedDict[tuple, list[tuple[Any, _Made]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def find(self, key: tuple, weights_md) -> tuple | None:
+    def find(self, key: tuple, weights_md) -> _Made | None:
         equal = load().lib.dnnl_memory_desc_equal
         with self._lock:
             for md, made in self._entries.get(key, ()):
@@ -420,9 +433,9 @@ class _PrimitiveCache:
                     return made
         return None
 
-    def add(self, key: tuple, weights_md, made: tuple) -> None:
+    def add(self, key: tuple, made: _Made) -> None:
         # the descriptor is the primitive's own weights md: it lives as long as `made` does
-        own = load().lib.dnnl_primitive_desc_query_md(made[0].value, QUERY_WEIGHTS_MD, 0)
+        own = load().lib.dnnl_primitive_desc_query_md(made.pd.value, QUERY_WEIGHTS_MD, 0)
         with self._lock:
             self._entries.setdefault(key, []).append((own, made))
             self._entries.move_to_end(key)
@@ -433,61 +446,69 @@ class _PrimitiveCache:
 _SHARED_PRIMITIVES = _PrimitiveCache(256)
 
 
+def _inner_product(rows: int, n: int, k: int, eltwise: Eltwise | None, residual: bool, residual_after_activation: bool,
+                   bias: bool, weights_md) -> _Made | None:
+    """The inner product [rows, k] x [n, k]ᵀ created for weights laid out as weights_md (None when oneDNN has no
+    kernel for that layout at these rows)."""
+    lib = load()
+    src_md, dst_md = row_major_desc((rows, k)), row_major_desc((rows, n))
+    attr_h, residual_index = _epilogue_attr(eltwise, residual, residual_after_activation, False, dst_md)
+    pd = ctypes.c_void_p()
+    status = lib.lib.dnnl_inner_product_forward_primitive_desc_create(
+        ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, weights_md,
+        row_major_desc((n,)).value if bias else None, dst_md.value, attr_h.value)
+    if status != 0:
+        return None
+    pd_h, primitive = _primitive(pd, "inner product")
+    return _Made(pd_h, primitive, residual_index, _implementation(pd))
+
+
 class InnerProduct:
     """y = act(x @ Wᵀ + b [+ r]) [+ r] for x [M, K] row-major: oneDNN's inner product, the weight
     [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, rows: int, eltwise: Eltwise | None,
                  residual: bool, residual_after_activation: bool, weight_from: InnerProduct | None = None):
-        """`weight_from`: the same layer at another row count; its packed weight is taken as it is when
-        oneDNN has a kernel for that layout at these rows (no second copy, no reorder: a BERT-base at a
-        new sequence length binds its 48 GEMMs in milliseconds instead of re-packing 340 MB)."""
+        """`weight_from`: the same layer at another row count; its packed weight (and bias, and their memory
+        objects) are taken as they are when oneDNN has a kernel for that layout at these rows (no second copy, no
+        reorder: a BERT-base at a new sequence length binds its 48 GEMMs in milliseconds instead of re-packing
+        340 MB). Then a layer whose primitive another layer of its shape made costs a cache look-up and two
+        memory objects: the descriptors are shared too (row_major_desc), and the per-call path's own arguments
+        are made on its first call (a native segment binds its own)."""
         lib = load()
         self._lib = lib
         n, k = w.shape
         self.input_size, self.output_size = (rows, k), (rows, n)
         self.residual = residual
-        src_md, dst_md = memory_desc([rows, k], TAG_AB), memory_desc([rows, n], TAG_AB)
-        w_any, w_user = memory_desc([n, k], TAG_ANY), memory_desc([n, k], TAG_AB)
-        b_md = memory_desc([n], TAG_A) if b is not None else None
-        attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation, False, dst_md)
-
-        def create(weights_md) -> ctypes.c_void_p | None:
-            pd = ctypes.c_void_p()
-            status = lib.lib.dnnl_inner_product_forward_primitive_desc_create(
-                ctypes.byref(pd), lib.engine, FORWARD_INFERENCE, src_md.value, weights_md,
-                b_md.value if b_md is not None else None, dst_md.value, attr_h.value)
-            return pd if status == 0 else None
-
         shared = weight_from._weight_md if weight_from is not None else None
         # the layers of a transformer share shapes: one primitive per (rows, shapes, epilogue, weight layout)
         key = (rows, n, k, eltwise, residual, residual_after_activation, b is not None)
         made = _SHARED_PRIMITIVES.find(key, shared) if shared is not None else None
-        if made is None:
-            pd = create(shared) if shared is not None else None
-            if pd is None:
-                shared = None
-                pd = create(w_any.value)
-                if pd is None:
-                    _check(3, f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
-            made = _primitive(pd, "inner product")
-            if shared is not None:
-                _SHARED_PRIMITIVES.add(key, shared, made)
-        self._pd, self._prim = made
-        pd = self._pd.value
-        self.implementation = _implementation(pd)
+        if made is None and shared is not None:
+            made = _inner_product(rows, n, k, eltwise, residual, residual_after_activation, b is not None, shared)
+            if made is not None:
+                _SHARED_PRIMITIVES.add(key, made)
+        if made is None:  # no other row count's weight to share, or a kernel wanting another layout
+            shared = None
+            w_any = memory_desc([n, k], TAG_ANY)
+            made = _inner_product(rows, n, k, eltwise, residual, residual_after_activation, b is not None, w_any.value)
+            if made is None:
+                _check(3, f"inner product [{rows}, {k}] x [{n}, {k}]ᵀ")
+        self._made = made
+        self._residual_index = made.residual_index
+        self.implementation = made.implementation
         if shared is not None:
-            self._weight, w_md = weight_from._weight, shared
+            self._weight, self._weight_md, self._bias = weight_from._weight, shared, weight_from._bias
+            self._w_mem, self._b_mem = weight_from._w_mem, weight_from._b_mem
+            self._weight_owner = weight_from  # keeps the md's owner alive
         else:
-            self._weight, w_md = packed_weight(pd, w_user, w)
-        self._weight_md = w_md
-        self._weight_owner = weight_from if shared is not None else None  # keeps the md's owner alive
-        self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
-        self._w_mem = _memory(w_md, self._weight.data_ptr())
-        self._b_mem = _memory(b_md.value, self._bias.data_ptr()) if b is not None else None
-        self._mds = (src_md, dst_md, w_any, b_md, w_user)
-        self._per_call = self.bind(0, 0, 0 if residual else None)
-        self._per_call._owner = None  # ours: its reference back to us made every inner product a cycle
+            self._weight, self._weight_md = packed_weight(made.pd.value, memory_desc([n, k], TAG_AB), w)
+            self._bias = None if b is None else b.detach().to(torch.float32).contiguous()
+            self._w_mem = _memory(self._weight_md, self._weight.data_ptr())
+            self._b_mem = _memory(row_major_desc((n,)).value, self._bias.data_ptr()) if b is not None else None
+            self._weight_owner = None
+        self._mds = (row_major_desc((rows, k)), row_major_desc((rows, n)))  # kept: the memories' descriptors
+        self._per_call: Bound | None = None
         self._lock = threading.Lock()
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
@@ -498,13 +519,16 @@ class InnerProduct:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._b_mem is not None else [])
         what = f"inner product {list(self.input_size)} -> {list(self.output_size)}"
-        return Bound(self._prim.value, roles, fixed, what, self)
+        return Bound(self._made.primitive.value, roles, fixed, what, self)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] contiguous float32 of the built size -> y [M, N] (a new tensor)."""
         y = torch.empty(self.output_size, dtype=torch.float32)
-        bound = self._per_call
         with self._lock:
+            if self._per_call is None:
+                self._per_call = self.bind(0, 0, 0 if self.residual else None)
+                self._per_call._owner = None  # ours: its reference back to us would make every inner product a cycle
+            bound = self._per_call
             bound.rebind("src", x.data_ptr())
             bound.rebind("dst", y.data_ptr())
             if residual is not None:

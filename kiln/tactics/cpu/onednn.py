@@ -34,7 +34,9 @@ The tactics are optional: `available()` is false when libdnnl.so.3 (the `onednn-
 cannot be loaded, or when it would bring its own OpenMP runtime next to torch's; an engine that
 names them then runs the ops' registered implementations.
 A primitive is built for the input size the layer was tuned at (tactic_config["input_size"]);
-another input size (dynamic batch) builds and caches one more primitive on first sight.
+another input size (dynamic batch) builds and caches one more primitive on first sight. A large linear layer
+(cpu.gemm.onednn_direct) binds other row counts without a new primitive where that measured as fast: on one
+matmul primitive with a runtime row count made at load (RuntimeRows below, kiln/kernels/cpu/onednn_matmul.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, onednn, onednn_primitives
+from kiln.kernels.cpu import gemm_native, onednn, onednn_matmul, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -341,7 +343,8 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     """The inner product at the tuned row count; other row counts (a profile's other shapes) on kiln's
-    packed GEMM (other_rows), which needs no primitive per row count."""
+    packed GEMM (other_rows), which needs no primitive per row count, else on the runtime-M matmul where it
+    measured as fast (RuntimeRows), else on an inner product made for them."""
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
     eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
@@ -361,19 +364,30 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
     primitives[rows_of(tuned)] = build(rows_of(tuned))
     n = int(w.shape[0])
     packed = other_rows(step, w, b, with_residual)
+    # the runtime-M matmul was measured on large layers (BERT-base's 0.6-2.4 M weights); small ones: kiln's GEMM
+    runtime = runtime_rows(w, b, eltwise) if w.numel() > OTHER_ROWS_WEIGHT and not with_residual else None
 
     def on_kiln_gemm(rows: int) -> bool:
         return packed is not None and rows != rows_of(tuned) and packed.takes(rows)
+
+    def on_runtime_matmul(rows: int) -> bool:
+        return runtime is not None and rows != rows_of(tuned) and runtime.takes(rows)
+
+    def layer_at(rows: int) -> onednn_primitives.InnerProduct | onednn_matmul.MatmulRows:
+        if on_runtime_matmul(rows):
+            return runtime.rows(rows)
+        return _built(primitives, rows, build, lambda r: r == rows_of(tuned))  # another row count: once
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         lead = x.shape[:-1]
         rows = rows_of(tuple(x.shape))
         if on_kiln_gemm(rows):
             return packed.linear()(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
-        primitive = _built(primitives, rows, build, lambda r: r == rows_of(tuned))  # another row count: once
-        y = primitive(x.reshape(rows, x.shape[-1]).contiguous(),  # x: [..., K] -> rows [M, K]
-                      residual.reshape(rows, n).contiguous() if residual is not None else None)
-        return y.reshape(*lead, n)  # [..., N]
+        layer = layer_at(rows)
+        x_rows = x.reshape(rows, x.shape[-1]).contiguous()  # x: [..., K] -> rows [M, K]
+        if residual is None:
+            return layer(x_rows).reshape(*lead, n)  # [..., N]
+        return layer(x_rows, residual.reshape(rows, n).contiguous()).reshape(*lead, n)
 
     @resizable
 
@@ -384,12 +398,64 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, lambda _accumulate: bound,
                               residual_input=3 if with_residual else None)
-        primitive = _built(primitives, rows_of(size), build, lambda r: r == rows_of(tuned))
-        return NativeStep(size, (*size[:-1], n), lambda _accumulate: primitive,
+        layer = layer_at(rows_of(size))
+        return NativeStep(size, (*size[:-1], n), lambda _accumulate: layer,
                           residual_input=3 if with_residual else None)
 
     launch.native = native_at(tuned)
     return launch
+
+
+# Which other row counts of a large oneDNN linear layer run on one matmul primitive with a runtime row count
+# (kiln/kernels/cpu/onednn_matmul.py) rather than an inner product created for them (~0.5-2 ms each, shared by the
+# layers of one shape: 7.5 ms of binding BERT-base at a new shape). On oneDNN 3.2 that matmul is `gemm:jit:f32`,
+# measured against the brgemm inner product at BERT-base's four layer shapes (bench/onednn_rows.py; table in
+# bench/results/first-calls-2026-12-03.md), matmul / inner product per call:
+#   M 1-2:    0.87-1.07 at 1 thread; at 2, 0.95-1.10 on the 1.8-2.4 M-weight layers but 1.5-1.75 on 768x768
+#             (27-32 µs against 47-48: the brgemm splits a small layer over both threads, the jit GEMM does not);
+#   M 4-128:  0.98-2.4, mostly 1.1-2 (the jit GEMM packs the weight per call: most of the work at few rows);
+#   M 256-512: 0.78-1.05 at 1 thread, 0.96-1.23 at 2.
+# A row count bound is usually run many times and the primitive is created once, so the matmul takes only the
+# row counts where it was as fast: at most RUNTIME_ROWS_AT_MOST (on several threads, only layers of at least
+# RUNTIME_ROWS_PARALLEL_WEIGHT weights), and from RUNTIME_ROWS_FROM_SERIAL when its primitives run on one thread.
+RUNTIME_ROWS_AT_MOST = 2
+RUNTIME_ROWS_PARALLEL_WEIGHT = 1 << 20
+RUNTIME_ROWS_FROM_SERIAL = 256
+
+
+class RuntimeRows:
+    """A large oneDNN linear layer at the row counts where a runtime-M matmul is as fast as an inner product
+    made for them (RUNTIME_ROWS_*): its primitive is made once, here (shared by the layers of one shape,
+    onednn_matmul), and a row count creates none (its descriptors are shared per size too). It reads the layer's
+    weight where it lies, [N, K]: no other copy."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, eltwise: onednn.Eltwise | None):
+        self._layer = onednn_matmul.Matmul(w, b, eltwise)
+        self._serial = torch.get_num_threads() == 1  # the primitive runs on the count it was created at
+        self._few_rows = self._serial or w.numel() >= RUNTIME_ROWS_PARALLEL_WEIGHT
+        self._rows: dict[int, onednn_matmul.MatmulRows] = {}
+        self._lock = threading.Lock()
+
+    def takes(self, rows: int) -> bool:
+        return (self._few_rows and rows <= RUNTIME_ROWS_AT_MOST) or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
+
+    def rows(self, rows: int) -> onednn_matmul.MatmulRows:
+        with self._lock:
+            found = self._rows.get(rows)
+            if found is None:
+                if len(self._rows) >= _CACHED_SHAPES * 8:  # two descriptors each; the oldest out
+                    self._rows.pop(next(iter(self._rows)))
+                found = self._rows[rows] = self._layer.rows(rows)
+            return found
+
+
+def runtime_rows(w: torch.Tensor, b: torch.Tensor | None, eltwise: onednn.Eltwise | None) -> RuntimeRows | None:
+    """RuntimeRows for the layer, or None where this oneDNN makes no runtime-M matmul of it (then every other row
+    count gets an inner product made for it, as before)."""
+    try:
+        return RuntimeRows(w, b, eltwise)
+    except onednn.OneDNNError:
+        return None
 
 
 # Which other row counts of a oneDNN linear layer run on kiln's GEMM (OtherRows): creating and JIT-compiling
