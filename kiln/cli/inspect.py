@@ -276,7 +276,7 @@ def _print_why_not(out, model_path: str | None, cpu: bool = True) -> None:
     from kiln.frontend import onnx as onnx_frontend
     from kiln.passes import PassOptions, why_not
 
-    reasons = why_not(onnx_frontend.load(model_path), PassOptions(cpu_rules=cpu))
+    reasons = why_not(onnx_frontend.load(model_path), PassOptions(cpu_rules=cpu, cuda_rules=not cpu))
     out.print(f"\nfusions that did not fire ({len(reasons)}):")
     for line in reasons:
         out.print(f"  - {text(line)}")

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kiln.kernels.cuda.triton import qmath  # noqa: E402
-from kiln.kernels.cuda.triton.qconv import QConvConfig, pack_weight, qconv2d  # noqa: E402
+from kiln.kernels.cuda.triton.qconv import QConvConfig, ResidualAdd, pack_weight, qconv2d  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import dequantize, qadd, requantize  # noqa: E402
 from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, fold_zero_point, qgemm  # noqa: E402
 
@@ -235,6 +235,68 @@ def test_qconv_loops_match_torch_within_one_step(loop, option):
         off = (got - ref).abs()
         assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 0.01, (x_dtype, int(off.max()),
                                                                                  float((off > 0).float().mean()))
+
+
+RESIDUAL_OPTIONS = {"plain": {}, "prescaled": dict(prescaled=True), "fp16 tensor cores": dict(mma_f16=True),
+                    "persistent": dict(persistent=1, prescaled=True)}
+
+
+@pytest.mark.parametrize("option", list(RESIDUAL_OPTIONS))
+@pytest.mark.parametrize("loop", ["gemm 1x1", "taps 3x3 stride 2 tail", "flat 7x7 stride 2"])
+def test_qconv_residual_epilogue_matches_float64_within_one_step(loop, option):
+    """kiln::QConv with a residual (kiln/ops/quantized.py): the layer's own 8-bit result c, plus the residual
+    tile, Relu, requantized to the sum's dtype, against float64 torch. The scales keep s_c <= s_y, so a
+    near-tie of c (one step) moves the sum by at most one step; at most 1% of outputs one step off."""
+    cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
+    config = QConvConfig(16, 16, 16, group_m=2, **RESIDUAL_OPTIONS[option])
+    gen = torch.Generator().manual_seed(hash(("residual", loop, option)) % 2**31)
+    for x_dtype, x_zero, conv_dtype, res_dtype, out_dtype in ((torch.int8, -100, torch.int8, torch.uint8, torch.uint8),
+                                                             (torch.uint8, 200, torch.uint8, torch.int8, torch.int8)):
+        lo, hi = (-128, 128) if x_dtype == torch.int8 else (0, 256)
+        x = torch.randint(lo, hi, (2, cin, size, size), generator=gen).to(x_dtype)
+        w = torch.randint(-127, 128, (cout, cin, k, k), generator=gen, dtype=torch.int8)
+        bias = torch.randint(-900, 900, (cout,), generator=gen, dtype=torch.int32)
+        scale = torch.rand(cout, generator=gen) * 0.02 + 0.01
+        c_scale, c_zero = 0.37 * (cin * k * k) ** 0.5, (-3.0 if conv_dtype == torch.int8 else 120.0)
+        r_scale, r_zero = c_scale * 0.8, (10.0 if res_dtype == torch.uint8 else -5.0)
+        y_scale, y_zero = c_scale * 1.3, (0.0 if out_dtype == torch.uint8 else -20.0)
+        ho = (size + 2 * pad - k) // stride + 1
+        rlo, rhi = (0, 256) if res_dtype == torch.uint8 else (-128, 128)
+        res = torch.randint(rlo, rhi, (2, cout, ho, ho), generator=gen).to(res_dtype)
+        # float64 reference: c as the unfused QConv writes it, then QAdd's arithmetic
+        acc = torch.nn.functional.conv2d(x.double() - x_zero, w.double(), stride=stride, padding=pad)
+        r_c = (acc + bias.double().view(1, -1, 1, 1)) * scale.double().view(1, -1, 1, 1)
+        clo, chi = (-128, 127) if conv_dtype == torch.int8 else (0, 255)
+        c = (torch.round(r_c / c_scale) + c_zero).clamp(clo, chi)
+        r = ((c - c_zero) * c_scale + (res.double() - r_zero) * r_scale).relu()
+        olo, ohi = (-128, 127) if out_dtype == torch.int8 else (0, 255)
+        want = (torch.round(r / y_scale) + y_zero).clamp(olo, ohi).int()
+        ep = Epilogue(scale, fold_zero_point(w, bias, x_zero, x_dtype), conv_dtype, y_scale=c_scale, y_zero=c_zero)
+        add = ResidualAdd(c_scale, c_zero, r_scale, r_zero, out_dtype, y_scale, y_zero, activation="Relu")
+        if config.prescaled:
+            ep, add = ep.prescale(), add.prescale()
+        y = qconv2d(x.contiguous(memory_format=torch.channels_last), pack_weight(w, fp16=config.mma_f16), (k, k), ep,
+                    x_zero=x_zero, strides=(stride, stride), pads=(pad,) * 4, config=config,
+                    residual=res.contiguous(memory_format=torch.channels_last), residual_add=add)
+        assert y.dtype == out_dtype and y.is_contiguous(memory_format=torch.channels_last)
+        assert float((want > olo).float().mean()) > 0.3  # the Relu and the saturation do not decide everything
+        off = (y.int() - want).abs()
+        assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 0.01, (x_dtype, int(off.max()),
+                                                                                 float((off > 0).float().mean()))
+
+
+def test_qconv_residual_is_checked():
+    x = torch.zeros(1, 16, 4, 4, dtype=torch.int8)
+    w = pack_weight(torch.zeros(16, 16, 1, 1, dtype=torch.int8))
+    ep = Epilogue(torch.ones(16), None, torch.int8)
+    add = ResidualAdd(1.0, 0.0, 1.0, 0.0, torch.int8, 1.0, 0.0)
+    with pytest.raises(ValueError, match="come together"):
+        qconv2d(x, w, (1, 1), ep, residual=torch.zeros(1, 16, 4, 4, dtype=torch.int8))
+    with pytest.raises(ValueError, match="the output's"):
+        qconv2d(x, w, (1, 1), ep, residual=torch.zeros(1, 16, 4, 2, dtype=torch.int8), residual_add=add)
+    with pytest.raises(TypeError, match="int8/uint8 result"):
+        qconv2d(x, w, (1, 1), Epilogue(torch.ones(16), None, torch.float32),
+                residual=torch.zeros(1, 16, 4, 4, dtype=torch.int8), residual_add=add)
 
 
 def test_qconv_refuses_a_wrong_padding_row_and_weight_dtype():

@@ -28,10 +28,16 @@ are not stored.
     (qgemm.fold_zero_point).
 
 Output: [N, Cout, Ho, Wo] with channels-last strides, in the epilogue's dtype.
+
+With a residual (kiln::QConv inputs 9-13, `ResidualAdd`): the epilogue rounds to the layer's own 8-bit
+result c as above, then loads the residual tile (dense NHWC, the output's offsets), and writes
+requantize(act((c − z_c)·s_c + (res − z_r)·s_r)) in the sum's dtype: kiln::QAdd on the tile, so the
+8-bit c never goes to memory and the add's separate read-read-write pass is gone.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +46,7 @@ import triton.language as tl
 
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import qmath
-from kiln.kernels.cuda.triton.qgemm import QUANTIZED_INPUTS, Epilogue
+from kiln.kernels.cuda.triton.qgemm import INT_RANGE, QUANTIZED_INPUTS, Epilogue
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,76 @@ QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on
 )
 
 
+@dataclass(frozen=True)
+class ResidualAdd:
+    """What the epilogue adds after the layer's own 8-bit result c (Epilogue: int8/uint8 out), fixed at
+    prepare: c's scale/zero point (a), the residual's (b), the sum's output and activation."""
+
+    a_scale: float
+    a_zero: float
+    b_scale: float
+    b_zero: float
+    out_dtype: torch.dtype  # int8 / uint8
+    y_scale: float
+    y_zero: float
+    activation: str = ""  # "" | "Relu"
+    prescaled: bool = False  # a_scale, b_scale divided by y_scale on the host (y_scale is then 1)
+
+    def prescale(self) -> ResidualAdd:
+        """s_c / y_scale and s_r / y_scale in float64, rounded once to fp32: a multiply per output where
+        the division costs ~10 instructions (qmath.add_residual)."""
+        if self.prescaled:
+            return self
+        y = float(self.y_scale)
+        return dataclasses.replace(self, a_scale=float(torch.tensor(self.a_scale / y, dtype=torch.float32)),
+                                   b_scale=float(torch.tensor(self.b_scale / y, dtype=torch.float32)),
+                                   y_scale=1.0, prescaled=True)
+
+    @property
+    def qrange(self) -> tuple[int, int]:
+        return INT_RANGE[self.out_dtype]
+
+    def check(self, epilogue: Epilogue, out_shape: tuple[int, ...], residual: torch.Tensor) -> None:
+        if epilogue.out_dtype not in INT_RANGE or self.out_dtype not in INT_RANGE:
+            raise TypeError(f"triton qconv2d: a residual add takes the layer's int8/uint8 result to an int8/uint8 "
+                            f"sum, got {epilogue.out_dtype} -> {self.out_dtype}")
+        if self.activation not in ("", "Relu") or epilogue.activation != "":
+            raise ValueError(f"triton qconv2d: with a residual the layer has no activation of its own and the sum "
+                             f"Relu or none, got {epilogue.activation!r}, {self.activation!r}")
+        if tuple(residual.shape) != tuple(out_shape) or residual.dtype not in INT_RANGE:
+            raise ValueError(f"triton qconv2d: the residual must be int8/uint8 {list(out_shape)} (the output's "
+                             f"shape), got {residual.dtype}{list(residual.shape)}")
+
+
+def _residual_args(residual_add: ResidualAdd | None) -> dict:
+    """The kernels' residual parameters (placeholders when there is none: RESIDUAL = 0 reads none)."""
+    if residual_add is None:
+        return dict(RESIDUAL=0, R_ACTIVATION="", R_QMIN=0, R_QMAX=0)
+    qmin, qmax = residual_add.qrange
+    return dict(RESIDUAL=2 if residual_add.prescaled else 1, R_ACTIVATION=residual_add.activation, R_QMIN=qmin,
+                R_QMAX=qmax)
+
+
+def _residual_values(residual_add: ResidualAdd | None) -> tuple[float, ...]:
+    r = residual_add
+    return (0.0,) * 6 if r is None else (float(r.a_scale), float(r.a_zero), float(r.b_scale), float(r.b_zero),
+                                         float(r.y_scale), float(r.y_zero))
+
+
+@triton.jit
+def _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
+                RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr):
+    """y [BM, BN] (the epilogue's values) to the NHWC output; with RESIDUAL (1: IEEE division, 2: prescaled)
+    the residual tile at the same offsets added first (qmath.add_residual)."""
+    offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
+    mask = (rm < M)[:, None] & (rn < Cout)[None, :]
+    if RESIDUAL != 0:
+        res = tl.load(res_ptr + offs, mask=mask, other=0).to(tl.float32)
+        y = qmath.add_residual(y, res, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero, RESIDUAL == 2,
+                               R_ACTIVATION, 1, R_QMIN, R_QMAX)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr,
               MMA_F16: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -101,13 +177,15 @@ def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNE
 
 
 @triton.jit
-def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
+def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr,
                   M, Cout, Cin, H, W, Ho, Wo, sxn, sxh, sxw,
                   SH, SW, PT, PL, DH, DW, y_scale, y_zero, alpha, beta,
+                  ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
                   KH: tl.constexpr, KW: tl.constexpr, LOOP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr,
                   MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
-                  QMAX: tl.constexpr,
+                  QMAX: tl.constexpr, RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr,
+                  R_QMAX: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels: [BM]
@@ -187,17 +265,19 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
         y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
     else:
         y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-    offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
+    _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
+                RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
 
 
 @triton.jit
-def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, Cout, Cin, sxw,
-                                  y_scale, y_zero, alpha, beta, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, M, Cout, Cin, sxw,
+                                  y_scale, y_zero, alpha, beta, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale,
+                                  ry_zero, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   PRESCALED: tl.constexpr, MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr,
-                                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
-                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                                  RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr,
+                                  R_QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """The "gemm" loop with a fixed number of programs walking the tiles: for short K (a 1x1 layer over
     64-512 channels) each tile is one or a few K steps, and a flattened loop lets the next tile's loads
     overlap this tile's epilogue, where one program per tile waits for its own loads each time."""
@@ -233,8 +313,8 @@ def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M,
             y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
         else:
             y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-        offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & col_ok[None, :])
+        _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
+                    RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
 
 
 def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
@@ -270,14 +350,16 @@ def loop_of(kernel: tuple[int, int], strides: tuple[int, int], pads: tuple[int, 
 def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], epilogue: Epilogue, *,
             x_zero: int = 0, strides: tuple[int, int] = (1, 1), pads: tuple[int, int, int, int] = (0, 0, 0, 0),
             dilations: tuple[int, int] = (1, 1), config: QConvConfig | None = None,
-            padding: torch.Tensor | None = None) -> torch.Tensor:
+            padding: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+            residual_add: ResidualAdd | None = None) -> torch.Tensor:
     """requantize(conv2d(x − x_zero, w)), groups 1, NHWC out.
 
     x: [N, Cin, H, W] int8/uint8 (w int8) or float8e4m3fn (w float8e4m3fn); read as dense NHWC (a copy
     when it is not); w_packed: pack_weight(w); x_zero: x's zero point (what padding reads; the correction
     for the rest is in epilogue.bias, qgemm.fold_zero_point); pads in ONNX order (top, left, bottom,
-    right); padding: padding_row(x.dtype, x_zero, Cin) made once by the caller (else made here).
-    Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype.
+    right); padding: padding_row(x.dtype, x_zero, Cin) made once by the caller (else made here);
+    residual [N, Cout, Ho, Wo] int8/uint8 with residual_add: the sum (ResidualAdd) is what is written.
+    Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype (residual_add.out_dtype).
     """
     fp8 = x.dtype == torch.float8_e4m3fn
     if x.dim() != 4:
@@ -309,7 +391,14 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     ho, wo = output_size(h, kh, sh, pt, pb, dh), output_size(wd, kw, sw, pl, pr, dw)
     if ho <= 0 or wo <= 0:
         raise ValueError(f"triton qconv2d: a {kh}x{kw} kernel (dilation {dh}x{dw}) does not fit a padded {h}x{wd} input")
-    out = torch.empty((n, ho, wo, cout), dtype=epilogue.out_dtype, device=x.device).permute(0, 3, 1, 2)
+    if (residual is None) != (residual_add is None):
+        raise ValueError("triton qconv2d: a residual and its residual_add come together")
+    out_dtype = epilogue.out_dtype
+    if residual is not None:
+        residual_add.check(epilogue, (n, cout, ho, wo), residual)
+        residual = residual.contiguous(memory_format=torch.channels_last)  # the output's offsets: no copy if NHWC
+        out_dtype = residual_add.out_dtype
+    out = torch.empty((n, ho, wo, cout), dtype=out_dtype, device=x.device).permute(0, 3, 1, 2)
     m = n * ho * wo
     if out.numel() == 0:
         return out
@@ -319,24 +408,27 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     qmin, qmax = epilogue.qrange
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n)
     bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
+    res = residual if residual is not None else out  # not read without a residual
+    residual_args, residual_values = _residual_args(residual_add), _residual_values(residual_add)
     if loop == "gemm" and config.persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         _qconv_gemm_persistent_kernel[(min(tiles, sms * config.persistent),)](
-            x, w_packed, bias, epilogue.scale, out, m, cout, cin, x.stride(3), float(epilogue.y_scale),
-            float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), EVEN_K=even_k, FP8=fp8,
+            x, w_packed, bias, epilogue.scale, out, res, m, cout, cin, x.stride(3), float(epilogue.y_scale),
+            float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), *residual_values, EVEN_K=even_k, FP8=fp8,
             FP8_PRECISE=config.fp8_precise, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
             PRESCALED=epilogue.prescaled, MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
-            QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
+            QMIN=qmin, QMAX=qmax, **residual_args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
         return out
     grid = (tiles,)
     _qconv_kernel[grid](
-        x, padding, w_packed, bias, epilogue.scale, out,
+        x, padding, w_packed, bias, epilogue.scale, out, res,
         m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(2), x.stride(3),
         sh, sw, pt, pl, dh, dw, float(epilogue.y_scale), float(epilogue.y_zero),
-        float(epilogue.alpha), float(epilogue.beta),
+        float(epilogue.alpha), float(epilogue.beta), *residual_values,
         KH=kh, KW=kw, LOOP=loop, EVEN_K=even_k, FP8=fp8, FP8_PRECISE=config.fp8_precise,
         X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None, PRESCALED=epilogue.prescaled,
-        MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax,
+        **residual_args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

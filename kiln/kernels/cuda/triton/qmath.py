@@ -109,3 +109,18 @@ def finish_prescaled(acc, bias, multiplier, y_zero, alpha, beta, HAS_BIAS: tl.co
     elif ACTIVATION == "Clip":
         v = tl.minimum(tl.maximum(v, alpha), beta)
     return quantize_value(v, y_zero, OUT, QMIN, QMAX)
+
+
+@triton.jit
+def add_residual(c, res, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, PRESCALED: tl.constexpr,
+                 ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """A layer's 8-bit result c (fp32, whole numbers) plus an 8-bit residual, activation, requantization:
+    kiln::QAdd's arithmetic on the tile (qelementwise._qadd_kernel: r = (c − z_c)·s_c + (res − z_r)·s_r,
+    r / y_scale an IEEE division). PRESCALED: a_scale, b_scale are s_c / y_scale, s_r / y_scale (Residual.
+    prescale): a multiply each, no division; one step off at near-ties, as the contract allows."""
+    r = (c - a_zero) * a_scale + (res - b_zero) * b_scale  # c − z, res − z exact: 8-bit values in fp32
+    if PRESCALED:
+        if ACTIVATION == "Relu":
+            r = dm.relu(r)
+        return quantize_value(r, y_zero, OUT, QMIN, QMAX)
+    return requantize(r, y_scale, y_zero, 0.0, 0.0, ACTIVATION, OUT, QMIN, QMAX)
