@@ -47,7 +47,7 @@ class Layer:
 
     @property
     def constant(self) -> set[int]:
-        return set(range(1, len(self.args))) - ({3} if self.op_type == "QAdd" else set())
+        return set(range(1, len(self.args))) - ({3} if self.op_type == "QAdd" else {9})  # QConv's residual: 9
 
     @property
     def ctx(self) -> OpContext:
@@ -159,6 +159,23 @@ def conv_layer(x_dtype: torch.dtype, out: torch.dtype, *, n: int = 2, cin: int =
                   "activation": activation, "alpha": alpha, "beta": beta, "output_dtype": 1}
     layer = Layer("QConv", [x, torch.tensor(0.02), x_zero, w, w_scale, w_zero, None, None, b], attributes)
     return _output(layer, out)
+
+
+def residual_layer(conv: Layer, residual: torch.dtype, out: torch.dtype, *, seed: int = 0) -> Layer:
+    """A QConv with a residual (kiln/ops/quantized.py, inputs 9-13) from `conv` (an int8/uint8 output, no
+    activation): its output quantization becomes the convolution's own (conv_scale), the residual a random
+    8-bit tensor of the output's shape at 0.9x that scale, the sum quantized at 1.7x (no simple ratio: ties
+    stay rare; about as wide as the sum's range) with Relu."""
+    gen = torch.Generator().manual_seed(seed)
+    c_scale, c_zero = conv.args[6], conv.args[7]
+    shape = conv.reference().shape
+    r, r_zero = _activations(tuple(shape), residual, gen)
+    r_scale = torch.tensor(float(c_scale) * 0.9, dtype=torch.float32)
+    y_scale = torch.tensor(float(c_scale) * 1.7, dtype=torch.float32)
+    y_zero = torch.tensor(-5 if out == torch.int8 else 2, dtype=out)
+    bias = conv.args[8] if len(conv.args) > 8 else None
+    args = conv.args[:6] + [y_scale, y_zero, bias, r, r_scale, r_zero, c_scale, c_zero]
+    return dataclasses.replace(conv, args=args, attributes={**conv.attributes, "activation": "Relu"})
 
 
 def add_layer(a_dtype: torch.dtype, b_dtype: torch.dtype, out: torch.dtype, *, shape=(2, 24, 5, 6), b_shape=None,

@@ -9,6 +9,8 @@ The same checks run on the H200 at ResNet-50 / BERT shapes in tests/gpu/test_qua
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ pytest.importorskip("triton")
 
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
-from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, run_tactic  # noqa: E402
+from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, residual_layer, \
+    run_tactic  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -183,6 +186,46 @@ def test_qconv_triton_options_refuse_the_other_family():
     assert "1x1 stride-1" in refusal(_first_tile("persistent"), conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
     assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
                                            conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
+
+# ---- QConv with a residual (the QAdd fused into its epilogue) ----------------------------------------
+
+RESIDUAL_CASES = {  # x, the convolution's own output, residual, sum
+    "int8": (I8, I8, I8, I8), "uint8 -> uint8 sum": (U8, U8, U8, U8), "int8 conv, uint8 residual": (U8, I8, U8, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+@pytest.mark.parametrize("name", [TRITON_CONV, "cuda.qconv.dequantized", "cuda.qconv.dequantized_fp32"])
+def test_qconv_with_a_residual_matches_the_reference(name, case):
+    """Every CUDA tactic of QConv takes the residual (fusion.CUDA_RULES relies on it): within one step of
+    the reference (the convolution's own rounding, then QAdd's arithmetic)."""
+    x_dtype, conv_out, res, out = RESIDUAL_CASES[case]
+    layer = residual_layer(conv_layer(x_dtype, conv_out, activation="", seed=7), res, out, seed=8)
+    want = layer.reference()
+    assert want.dtype == out and float((want.int() > (0 if out == U8 else -5)).float().mean()) > 0.3
+    got = check_tactic(name, layer, what=case)
+    assert got.dtype == out
+
+
+@pytest.mark.parametrize("flag", ["mma_f16", "persistent"])
+def test_qconv_triton_options_with_a_residual(flag):
+    name = _first_tile(flag, I8)
+    for geometry in (dict(cin=64, kernel=3), dict(cin=128, kernel=1, pads=[0, 0, 0, 0])):
+        if ("x128w" in name and geometry["cin"] == 64) or ("persistent" in name and geometry["kernel"] != 1):
+            continue
+        conv = conv_layer(U8, I8, cout=128, size=(12, 12), activation="", seed=9, **geometry)
+        check_tactic(name, residual_layer(conv, U8, U8, seed=10), what=f"{flag} {geometry}")
+
+
+def test_qconv_residual_refusals():
+    layer = residual_layer(conv_layer(U8, U8, activation=""), U8, U8)
+    for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):
+        assert "residual" in refusal(name, layer)
+    fp8 = residual_layer(conv_layer(FP8, I8, activation=""), U8, U8)
+    assert "FP8" in refusal(TRITON_CONV, fp8)
+    clip = dataclasses.replace(layer, attributes={**layer.attributes, "activation": "Clip"})
+    assert "Relu or none" in refusal(TRITON_CONV, clip)
+
 
 # ---- QAdd --------------------------------------------------------------------------------------------
 

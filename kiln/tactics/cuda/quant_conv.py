@@ -10,6 +10,10 @@
     cuda.qconv.dequantized_fp32          the same in fp32 with TF32 off, for layers whose values fp16 cannot
                                          hold to one output step (large scales, wide sums)
 
+A QConv with a residual (inputs 9-13, made on CUDA builds by kiln/passes/fusion/qdq_residual.py) runs on
+every tactic here: the Triton kernel adds it in its epilogue; the dequantized ones write the convolution's
+own 8-bit result and run the QAdd kernel on it (two passes, the unfused arithmetic).
+
 All are timed by the autotuner against the op's reference and each other (issue 12's H200 numbers:
 no 8-bit convolution is assumed faster than FP16). layout "channels_last": timed on NHWC input, the
 layout its neighbours hand it; outputs are NHWC. Every parameter is read at prepare: launches do
@@ -26,7 +30,8 @@ import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
+from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, Residual, check_layer, check_residual, \
+    kernels, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -56,6 +61,11 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     common = check_layer(step, inputs, len(x.shape))
     if common is not True:
         return common
+    residual = check_residual(step, inputs)
+    if residual is not True:
+        return residual
+    if len(inputs) > 9 and inputs[9].shape is not None and len(x.shape) != 4:
+        return "a residual add of a convolution other than 2-D (the QAdd kernel walks 4-D)"
     w, groups = inputs[3], int(_attr(step, "group", 1))
     if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
         return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
@@ -118,6 +128,9 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         common = check_layer(step, inputs, 4)
         if common is not True:
             return common
+        residual = check_residual(step, inputs)
+        if residual is not True:
+            return residual
         x, w = inputs[0], inputs[3]
         if len(x.shape) != 4:
             return "only 2-D convolutions (4-D input)"
@@ -133,22 +146,28 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
                                    num_stages=tile.num_stages, fp8_precise=not tile.fp8_fast_accumulation,
                                    mma_f16=tile.mma_f16, persistent=tile.persistent)
         layer = QuantizedLayer.of(step, constants, device)
+        residual = Residual.of(constants)
+        residual_add = None if residual is None else residual.add(layer)
+        if residual is not None:  # the epilogue writes the convolution's own result, then adds (qconv.ResidualAdd)
+            layer = residual.convolution(layer)
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
         epilogue = layer.integer_epilogue()
         if epilogue.out_kind != 0:
             # y_scale folded into the per-channel scale: a multiply per output where the division took
             # ~10 instructions (the same tile ran 1.5-3x slower with it on the H200, bench/results/
-            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows
+            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows. The residual add too.
             epilogue = epilogue.prescale()
+            residual_add = None if residual_add is None else residual_add.prescale()
         x_zero = layer.x_zero
         padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
 
-        def launch(ctx, x, *_inputs, **_attributes):
+        def launch(ctx, x, *inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, list(kernel))  # host arithmetic on x's shape
             x = x.contiguous(memory_format=_CL)  # no copy when it already is NHWC (as it was timed)
             return qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
-                                 pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding)
+                                 pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding,
+                                 residual=None if residual_add is None else inputs[8], residual_add=residual_add)
 
         return launch
 
@@ -161,7 +180,7 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         prepare=prepare, layout="channels_last", level=level, available=triton_available,
         description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {tile.block_m}x{tile.block_n}x{tile.block_k} "
                     f"tiles, {tile.num_warps} warps, {tile.num_stages} stages{extras}; zero point / bias / scale / "
-                    "Relu / requantization (y_scale folded into the scale) fused in the epilogue",
+                    "Relu / requantization (y_scale folded into the scale) and a residual add fused in the epilogue",
     )
 
 
@@ -196,6 +215,10 @@ def _dequantized(dtype: torch.dtype):
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qelementwise = kernels("qelementwise")
         layer = QuantizedLayer.of(step, constants, device)
+        residual = Residual.of(constants)
+        sum_layer = layer
+        if residual is not None:  # the convolution's own 8-bit result first, then the QAdd kernel
+            layer = residual.convolution(layer)
         w_real = layer.real_weight(dtype)  # [O, C/g, *k]
         if w_real.dim() == 4:
             w_real = w_real.contiguous(memory_format=_CL)
@@ -204,7 +227,16 @@ def _dequantized(dtype: torch.dtype):
         groups = int(_attr(step, "group", 1))
         x_scale, x_zero = layer.x_scale, layer.x_zero
 
-        def launch(ctx, x, *_inputs, **_attributes):
+        def add(c: torch.Tensor, inputs: tuple) -> torch.Tensor:
+            """c + the residual (inputs[8]), QAdd's arithmetic in one Triton pass (when there is one)."""
+            if residual is None:
+                return c
+            return qelementwise.qadd(c, residual.conv_scale, residual.conv_zero, inputs[8], residual.residual_scale,
+                                     residual.residual_zero, out_dtype=sum_layer.out_dtype,
+                                     y_scale=sum_layer.y_scale, y_zero=sum_layer.y_zero,
+                                     activation=sum_layer.activation)
+
+        def launch(ctx, x, *inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, kernel)
             if x.dim() == 4:
                 x = x.contiguous(memory_format=_CL)
@@ -215,7 +247,7 @@ def _dequantized(dtype: torch.dtype):
                     _conv(xf, w_real, None, strides, dilations, pads, groups)
             else:
                 acc = _conv(xf, w_real, None, strides, dilations, pads, groups)  # zero padding: real 0
-            return qelementwise.requantize(acc, epilogue, 1)
+            return add(qelementwise.requantize(acc, epilogue, 1), inputs)
 
         if dtype != torch.float32:
             return launch
