@@ -137,6 +137,42 @@ def test_qgemm_tactics_at_batch_1(x_dtype):
     assert not _failures(results), _failures(results)
 
 
+@pytest.mark.parametrize("layer", ["1x1 64->256 56", "1x1 1024->2048/2 14"])
+def test_qconv_with_a_residual_at_resnet50_shapes(layer):
+    """The residual QAdd fused into the convolution (ResNet's conv3 + shortcut, kiln/passes/fusion/
+    qdq_residual.py): every CUDA tactic takes it, within one step of the reference, and the Triton epilogue
+    is among them."""
+    from tests.kernels.qlayers import residual_layer
+    for x_dtype, conv_out, res, out in ((U8, I8, U8, U8), (I8, I8, I8, I8)):
+        conv = _conv(layer, x_dtype, conv_out)
+        conv.attributes["activation"] = ""
+        results = _check_all(residual_layer(conv, res, out), "QConv")
+        print(layer, x_dtype, results)
+        assert not _failures(results), _failures(results)
+        assert any(r == "ok" and "triton_igemm" in n for n, r in results.items()), results
+        assert results.get("cuda.qconv.dequantized") == "ok", results
+
+
+def test_qconv_with_a_residual_replays_in_a_cuda_graph():
+    """The residual is read at replay time (a new residual, same storage: the replay adds the new one)."""
+    from kiln.tactics import registry
+    from tests.kernels.qlayers import residual_layer
+    conv = _conv("1x1 64->256 56", U8, I8)
+    conv.attributes["activation"] = ""
+    layer = residual_layer(conv, U8, U8).to(CUDA)
+    for name in [n for n in _quant_tactics("QConv") if registry.get(n).check(layer.step, layer.metas()) is True]:
+        tactic = registry.get(name)
+        launch = prepared(name, layer, CUDA)
+        args = [tactic.to_layout(a) for a in layer.args]
+        graph, out = capture(lambda: launch(layer.ctx, *args, **layer.attributes))
+        args[9].copy_(torch.randint_like(args[9], 0, 256))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = launch(layer.ctx, *args, **layer.attributes)
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{name}: the replay differs from an eager launch"
+
+
 def test_qadd_tactics_on_a_resnet_residual():
     from tests.kernels.qlayers import add_layer
     for a, out in ((I8, I8), (FP8, FP8), (U8, U8)):
