@@ -78,10 +78,9 @@ def fuse_quantized_residual(node: ir.Node, report: PassReport) -> bool:
         conv = node.inputs[index].producer() if node.inputs[index] is not None else None
         if conv is None or not is_op(conv, "QConv", domain=KILN_DOMAIN):
             continue
-        if only_user(conv.outputs[0]) is not node or node.inputs[0] is node.inputs[3]:
-            reasons.append("the convolution's output has other readers")
-            continue
         reason = _refusal(conv, node, index)
+        if reason is None and (only_user(conv.outputs[0]) is not node or node.inputs[0] is node.inputs[3]):
+            reason = "the convolution's output has other readers (it must still be written)"
         if reason is not None:
             reasons.append(reason)
             continue
