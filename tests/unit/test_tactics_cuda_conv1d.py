@@ -44,7 +44,10 @@ def test_epilogue_activation_and_residual():
 def test_half_precision():
     x, w = torch.randn(1, 32, 40).to(torch.bfloat16), (torch.randn(32, 8, 24) * 0.05).to(torch.bfloat16)
     step = make_step("FusedConv", "kiln", 2, group=4, kernel_shape=[24], pads=[12, 12])
-    run_against_reference(CONV, step, [x, w], {1})
+    # the reference op is torch's conv1d: on AVX-512/AMX Xeons its oneDNN bf16 grouped convolution is wrong (2.6 off
+    # on outputs of max 2.6 against float64; 0.004 without oneDNN), so the reference runs on torch's native kernel
+    with torch.backends.mkldnn.flags(enabled=False):
+        run_against_reference(CONV, step, [x, w], {1})
 
 
 def test_refusals():

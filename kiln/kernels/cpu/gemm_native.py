@@ -37,6 +37,9 @@ _REASON: dict[bool, str] = {}
 _LOAD_LOCK = threading.Lock()
 
 
+_NO_SCRATCH = torch.empty(0)  # a plan's scratch when its path needs none
+
+
 class _Plan(ctypes.Structure):  # kiln_gemm_plan in gemm.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p),
                 ("residual", ctypes.c_void_p), ("packed_w", ctypes.c_void_p), ("bias", ctypes.c_void_p),
@@ -230,6 +233,7 @@ class PackedLinear:
         self.pack_m = NEVER if pack_m is None else pack_m
         self.implementation = f"kiln packed GEMM, {self.kernel.name}"
         self._call_plans: dict[int, tuple[_Plan, torch.Tensor]] = {}
+        self._plan_constants: dict | None = None
         self._lock = threading.Lock()
 
     def plan(self, rows: int, scratch: torch.Tensor | None = None) -> tuple[_Plan, torch.Tensor]:
@@ -240,11 +244,16 @@ class PackedLinear:
         packed_a = -(-packed_a // 16) * 16  # C starts 64-byte aligned
         c = rows * self.gemm_n if self.swiglu and rows > self.small_m else 0
         if scratch is None or scratch.numel() < packed_a + c:
-            scratch = hugepages.empty(packed_a + c) if packed_a + c else torch.empty(0)
-        plan = _Plan(packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
-                     scratch=scratch.data_ptr(), M=rows, K=self.k, N=self.gemm_n, kernel=self.kernel.index,
-                     threads=1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0, small_m=self.small_m, pack_m=self.pack_m, out_n=self.n,
-                     c_scratch=scratch.data_ptr() + 4 * packed_a if c else None, **self._epilogue)
+            scratch = hugepages.empty(packed_a + c) if packed_a + c else _NO_SCRATCH
+        constants = self._plan_constants
+        if constants is None:  # the fields no row count changes, read once (a segment replans at every new size)
+            constants = self._plan_constants = dict(
+                packed_w=self._w.data_ptr(), bias=self._bias.data_ptr() if self._bias is not None else None,
+                K=self.k, N=self.gemm_n, kernel=self.kernel.index, small_m=self.small_m, pack_m=self.pack_m,
+                out_n=self.n, **self._epilogue)
+        base = scratch.data_ptr() if scratch is not _NO_SCRATCH else 0
+        plan = _Plan(scratch=base, M=rows, threads=1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0,
+                     c_scratch=base + 4 * packed_a if c else None, **constants)
         return plan, scratch
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,

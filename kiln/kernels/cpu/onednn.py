@@ -218,11 +218,7 @@ def _openmp_runtimes() -> list[str]:
 
 
 def available() -> bool:
-    try:
-        load()
-    except OneDNNError:
-        return False
-    return True
+    return reason() is None
 
 
 def reason() -> str | None:

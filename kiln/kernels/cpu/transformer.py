@@ -17,6 +17,7 @@ are then unavailable and the layers run their registered implementations).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import threading
 import weakref
@@ -102,6 +103,13 @@ class _RotaryPlan(ctypes.Structure):  # rotary_plan
 
 MAX_DIMS = 6  # MAXD in transformer.c
 _LONGD = ctypes.c_long * MAX_DIMS
+
+
+def _longs(array_type: type[ctypes.Array], values: Any) -> ctypes.Array:
+    """A ctypes array of C longs (flat, or nested: `values` row after row) in one copy: a kernel's plan is
+    rebuilt for every new input size a segment binds, and ctypes' element-wise constructor cost ~2.5 µs an
+    array (a broadcast plan's 3 x 6 strides ~12 µs), from_buffer_copy of an array.array ~1."""
+    return array_type.from_buffer_copy(array.array("l", values))
 
 
 class _BroadcastPlan(ctypes.Structure):  # broadcast_plan
@@ -287,6 +295,25 @@ class LayerNorm(NativeKernel):
                            residual_rows=_rows(residual_size) if residual_size is not None else rows,
                            rms=int(rms))
 
+    def at_size(self, size: tuple[int, ...], residual_size: tuple[int, ...] | None = None) -> LayerNorm:
+        """The same norm (weights, epsilon, residual or not) at another input size: a copy with its size fields
+        anew, without the weights' checks and conversion (a segment binds every norm at each new input size)."""
+        size = tuple(size)
+        if not size or int(size[-1]) != self.fields["n"]:
+            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
+        if residual_size is not None and not repeats_over_rows(residual_size, size):
+            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        other = object.__new__(LayerNorm)
+        other.__dict__.update(self.__dict__)
+        rows = _rows(size)
+        other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
+        other.input_size = other.output_size = size
+        other.more_outputs = ((size, torch.float32),) if self.more_outputs else ()
+        other.fields = {**self.fields, "rows": rows,
+                        "residual_rows": _rows(residual_size) if residual_size is not None else rows}
+        other._alone, other._lock = None, threading.Lock()
+        return other
+
 
 class Add(NativeKernel):
     """y = a + b, the smaller operand's rows repeating over the larger's (reads step inputs 0 and 1)."""
@@ -316,7 +343,7 @@ class GatherRows(NativeKernel):
 
     def __init__(self, table: torch.Tensor, ids_size: tuple[int, ...]):
         super().__init__(f"gather rows of {list(table.shape)} by {list(ids_size)}")
-        self._table = table.detach().to(torch.float32).contiguous()
+        self._table = table if _prepared_table(table) else table.detach().to(torch.float32).contiguous()
         vocab, n = self._table.shape
         self.output_size = (*ids_size, int(n))
         count = 1
@@ -324,6 +351,11 @@ class GatherRows(NativeKernel):
             count *= d
         self.roles = {1: ("ids",), "dst": ("y",)}
         self.fields = dict(table=self._table.data_ptr(), count=count, vocab=int(vocab), n=int(n))
+
+
+def _prepared_table(table: torch.Tensor) -> bool:
+    """Whether a table is already as GatherRows reads it (the tactic converts it once, not per input size)."""
+    return table.dtype == torch.float32 and not table.requires_grad and table.is_contiguous()
 
 
 class Attention(NativeKernel):
@@ -352,8 +384,8 @@ class Attention(NativeKernel):
         self.roles = {role: tuple(names) for role, names in roles.items()}
         self.fields = dict(q_off=q[1], k_off=k[1], v_off=v[1], **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T",
                                                                                           "D", "Dv")},
-                           qs=_LONG3(*q[2]), ks=_LONG3(*k[2]), vs=_LONG3(*v[2]), os=_LONG3(*out_strides),
-                           ms=_LONG4(*(mask[1] if mask is not None else (0, 0, 0, 0))),
+                           qs=_longs(_LONG3, q[2]), ks=_longs(_LONG3, k[2]), vs=_longs(_LONG3, v[2]),
+                           os=_longs(_LONG3, out_strides), ms=_longs(_LONG4, mask[1] if mask is not None else (0, 0, 0, 0)),
                            mask_kind={None: 0, "add": 1, "bool": 2, "keys": 3}[mask[0] if mask is not None else None],
                            causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
                            rows=int(varlen[1]) if varlen is not None else 0)
@@ -375,6 +407,9 @@ def broadcast_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, 
     return tuple(reversed(strides))
 
 
+_BROADCAST_ROLES = {n: {k: (f"in_{k}",) for k in range(n)} | {"dst": ("out",)} for n in (1, 2, 3)}
+
+
 class Broadcast(NativeKernel):
     """An elementwise op over broadcast operands, the output row-major: "cast_bool" (x != 0),
     "cast_float", "and", "or" (bool), "where" (bool condition, float32 branches). Reads step inputs
@@ -390,9 +425,9 @@ class Broadcast(NativeKernel):
         self.output_size = out
         self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
         dims = (1,) * (MAX_DIMS - len(out)) + out
-        strides = [broadcast_strides(s, dims) for s in sizes] + [(0,) * MAX_DIMS] * (3 - len(sizes))
-        self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
-        self.fields = dict(dims=_LONGD(*dims), strides=(_LONGD * 3)(*[_LONGD(*s) for s in strides]), op=_OPS[op],
+        strides = [d for s in sizes for d in broadcast_strides(s, dims)] + [0] * (MAX_DIMS * (3 - len(sizes)))
+        self.roles = _BROADCAST_ROLES[len(sizes)]
+        self.fields = dict(dims=_longs(_LONGD, dims), strides=_longs(_LONGD * 3, strides), op=_OPS[op],
                            src_type=SOURCE_TYPES[source])
 
 
@@ -413,8 +448,8 @@ class GatherND(NativeKernel):
         count = _numel(tuple(indices_size[:-1]) + (1,)) if len(indices_size) > 1 else 1
         self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
         self.fields = dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
-                           element=torch.empty((), dtype=data_dtype).element_size(),
-                           dims=_LONGD(*(list(data_size[:m]) + [1] * (MAX_DIMS - m))))
+                           element=data_dtype.itemsize,
+                           dims=_longs(_LONGD, list(data_size[:m]) + [1] * (MAX_DIMS - m)))
 
 
 class Rotary(NativeKernel):

@@ -37,7 +37,10 @@ from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
-_KEPT = 16  # kernels kept per layer for input sizes met at run time (least recently used out)
+# kernels kept per layer for input sizes met at run time (least recently used out): as many as a segment keeps
+# views (kiln/runtime/native.py VIEWS), so that a size a segment has bound once is never built again while its
+# view lives (a kernel is its plan fields: a few hundred bytes)
+_KEPT = 256
 
 
 def sizes_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
@@ -57,16 +60,22 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
     engine 0.036 off while the layer was exact alone, and the build reverted 30 layers)."""
     built: OrderedDict[tuple, kernels.NativeKernel] = OrderedDict()
+    steps: dict[tuple, NativeStep] = {}  # the NativeStep of each kept kernel, by the same key
+    lock = threading.Lock()  # an engine's contexts may bind one layer at once
 
     def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
         key = tuple(sorted(sizes.items()))
-        found = built.get(key)
-        if found is None:
-            found = built[key] = build(sizes)
+        with lock:
+            found = built.get(key)
+            if found is not None:
+                built.move_to_end(key)
+                return found
+        found = build(sizes)
+        with lock:
+            built[key] = found
             while len(built) > _KEPT:
-                built.popitem(last=False)
-        else:
-            built.move_to_end(key)
+                old, _ = built.popitem(last=False)
+                steps.pop(old, None)
         return found
 
     def launch(ctx, *inputs, **_attributes):
@@ -83,13 +92,21 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
+        key = tuple(sorted(sizes.items()))
+        step_ = steps.get(key)
+        if step_ is not None and key in built:  # a size bound before: its kernel and step as they were
+            return step_
         if max_rank is not None and any(len(v) > max_rank for v in sizes.values()):
             raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
         found = kernel(sizes)
         first = min(sizes)
-        return NativeStep(sizes[first], found.output_size, lambda _accumulate: found,
-                          reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
-                          more_outputs=found.more_outputs)
+        step_ = NativeStep(sizes[first], found.output_size, lambda _accumulate: found,
+                           reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
+                           more_outputs=found.more_outputs)
+        with lock:
+            if key in built:
+                steps[key] = step_
+        return step_
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
@@ -157,8 +174,15 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def reads(sizes):
         return {k: _F32 for k in (0, 3) if k in sizes}
 
-    return prepared_native(step, reads, lambda sizes: kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3),
-                                                                        keep_sum=keep_sum), max_rank=3)
+    first: list[kernels.LayerNorm] = []  # the first size's kernel: others are copies at their sizes (at_size)
+
+    def build(sizes):
+        if first:
+            return first[0].at_size(sizes[0], sizes.get(3))
+        first.append(kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3), keep_sum=keep_sum))
+        return first[0]
+
+    return prepared_native(step, reads, build, max_rank=3)
 
 
 register(Tactic(
@@ -244,7 +268,7 @@ def _gather_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
-    table = constants[0]
+    table = constants[0].detach().to(_F32).contiguous()  # converted once, not per input size
     return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
 
 

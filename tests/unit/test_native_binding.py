@@ -1,0 +1,94 @@
+"""Binding a native segment at a new input size (issue 10: a first call costs little more than a repeat): every
+fresh shape binds and matches onnxruntime, a size bound once reuses its kernels when bound again, and a kernel
+derived from another size's (LayerNorm.at_size) computes what one built at that size does."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln import zoo
+from kiln.kernels.cpu import transformer as kernels
+
+ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kiln's transformer kernels are not built")
+
+
+@pytest.fixture(scope="module")
+def bert():
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}])
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    return engine, session
+
+
+def _feeds(rng, batch, seq):
+    mask = np.ones((batch, seq), np.int64)
+    for row in range(batch):
+        mask[row, rng.integers(1, seq + 1):] = 0
+    return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+def _bound_views(engine) -> int:
+    return sum(other is not None for s in engine.program.segments for other in s.resized.values())
+
+
+def test_fresh_shapes_bind_and_match_onnxruntime(bert):
+    engine, session = bert
+    context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds (none run padded)
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(12)} | {(1, 1), (4, 48), (3, 47)}
+    for batch, seq in sorted(shapes, key=lambda _: rng.random()):
+        feeds = _feeds(rng, batch, seq)
+        got = context.run(feeds)
+        want = session.run(None, feeds)
+        for g, w in zip(got.values(), want):
+            np.testing.assert_allclose(g, w, rtol=ORT_TOL, atol=ORT_TOL, err_msg=f"{batch}x{seq}")
+    assert _bound_views(engine) >= len(shapes - {(4, 32)}), "a shape ran without a bound segment view"
+    assert not [k for s in engine.program.segments for k, other in s.resized.items() if other is None]
+
+
+def test_a_second_binding_at_the_same_sizes_reuses_the_kernels(bert):
+    engine, session = bert
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    feeds = _feeds(rng, int(rng.integers(1, 5)), int(rng.integers(2, 49)))
+    first = context.run(feeds)
+    segment = next(s for s in engine.program.segments if s.resized)
+    key, view = next(reversed(segment.resized.items()))
+    kernels_before = [n.primitive(False) for n in segment._natives_at(key).natives]
+    segment.resized.clear()  # the view is gone: the next call binds these sizes again
+    again = context.run(feeds)
+    assert key in segment.resized and segment.resized[key] is not view
+    kernels_after = [n.primitive(False) for n in segment._natives_at(key).natives]
+    assert all(a is b for a, b in zip(kernels_before, kernels_after) if isinstance(a, kernels.NativeKernel)), \
+        "a kernel at sizes bound before was built again"
+    for a, b, w in zip(first.values(), again.values(), session.run(None, feeds)):
+        np.testing.assert_array_equal(a, b)  # the same kernels on the same sizes: bit for bit
+        np.testing.assert_allclose(b, w, rtol=ORT_TOL, atol=ORT_TOL)
+
+
+@pytest.mark.parametrize("keep_sum", [False, True])
+def test_layer_norm_at_another_size_is_the_kernel_built_there(keep_sum):
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    n = 48
+    scale, bias = torch.randn(n), torch.randn(n)
+    template = kernels.LayerNorm((4, 32, n), scale, bias, 1e-5, (1, 32, n), keep_sum=keep_sum)
+    for size, residual in (((3, 7, n), (1, 7, n)), ((1, 1, n), (1, 1, n)), ((5, 40, n), (5, 40, n))):
+        derived = template.at_size(size, residual)
+        built = kernels.LayerNorm(size, scale, bias, 1e-5, residual, keep_sum=keep_sum)
+        assert derived.fields == built.fields and derived.output_size == built.output_size
+        assert derived.more_outputs == built.more_outputs
+        x, r = torch.randn(size), torch.randn(residual)
+        got, want = derived({0: x, 3: r}), built({0: x, 3: r})
+        got, want = (got, want) if keep_sum else ((got,), (want,))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)  # one kernel, one plan: bit for bit
+        reference = torch.nn.functional.layer_norm(x + r, (n,), scale, bias, 1e-5)
+        torch.testing.assert_close(got[0], reference, rtol=1e-5, atol=1e-5)  # fp32 mean/var in another order
+    with pytest.raises(ValueError):
+        template.at_size((2, 3, n + 1), (1, 3, n + 1))
