@@ -279,9 +279,7 @@ class LayerNorm(NativeKernel):
                  epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False,
                  keep_sum: bool = False):
         super().__init__(f"{'rms' if rms else 'layer'} norm {list(size)}")
-        n, rows = int(size[-1]), _rows(size)
-        if residual_size is not None and not repeats_over_rows(residual_size, size):
-            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        n, sized = int(size[-1]), self._size_fields(size, residual_size)
         self.input_size = self.output_size = tuple(size)
         self._scale, self._bias = vector(scale), vector(bias)
         for w in (self._scale, self._bias):
@@ -291,9 +289,16 @@ class LayerNorm(NativeKernel):
         self.more_outputs = ((self.output_size, torch.float32),) if keep_sum else ()
         self.fields = dict(scale=self._scale.data_ptr() if self._scale is not None else None,
                            bias=self._bias.data_ptr() if self._bias is not None else None,
-                           rows=rows, n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)),
-                           residual_rows=_rows(residual_size) if residual_size is not None else rows,
-                           rms=int(rms))
+                           n=n, epsilon=float(epsilon), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)), rms=int(rms),
+                           **sized)
+
+    @staticmethod
+    def _size_fields(size: tuple[int, ...], residual_size: tuple[int, ...] | None) -> dict[str, int]:
+        """The plan fields that follow the input size (rows, residual rows), the residual checked against it."""
+        if residual_size is not None and not repeats_over_rows(residual_size, size):
+            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        rows = _rows(size)
+        return dict(rows=rows, residual_rows=_rows(residual_size) if residual_size is not None else rows)
 
     def at_size(self, size: tuple[int, ...], residual_size: tuple[int, ...] | None = None) -> LayerNorm:
         """The same norm (weights, epsilon, residual or not) at another input size: a copy with its size fields
@@ -301,16 +306,13 @@ class LayerNorm(NativeKernel):
         size = tuple(size)
         if not size or int(size[-1]) != self.fields["n"]:
             raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
-        if residual_size is not None and not repeats_over_rows(residual_size, size):
-            raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
+        sized = self._size_fields(size, residual_size)
         other = object.__new__(LayerNorm)
         other.__dict__.update(self.__dict__)
-        rows = _rows(size)
         other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
         other.input_size = other.output_size = size
         other.more_outputs = ((size, torch.float32),) if self.more_outputs else ()
-        other.fields = {**self.fields, "rows": rows,
-                        "residual_rows": _rows(residual_size) if residual_size is not None else rows}
+        other.fields = {**self.fields, **sized}
         other._alone, other._lock = None, threading.Lock()
         return other
 
@@ -343,7 +345,7 @@ class GatherRows(NativeKernel):
 
     def __init__(self, table: torch.Tensor, ids_size: tuple[int, ...]):
         super().__init__(f"gather rows of {list(table.shape)} by {list(ids_size)}")
-        self._table = table if _prepared_table(table) else table.detach().to(torch.float32).contiguous()
+        self._table = table.detach().to(torch.float32).contiguous()  # no copy of a table already so (the tactic's)
         vocab, n = self._table.shape
         self.output_size = (*ids_size, int(n))
         count = 1
@@ -351,11 +353,6 @@ class GatherRows(NativeKernel):
             count *= d
         self.roles = {1: ("ids",), "dst": ("y",)}
         self.fields = dict(table=self._table.data_ptr(), count=count, vocab=int(vocab), n=int(n))
-
-
-def _prepared_table(table: torch.Tensor) -> bool:
-    """Whether a table is already as GatherRows reads it (the tactic converts it once, not per input size)."""
-    return table.dtype == torch.float32 and not table.requires_grad and table.is_contiguous()
 
 
 class Attention(NativeKernel):

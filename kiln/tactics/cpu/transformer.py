@@ -59,24 +59,27 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     max_rank: inputs of a higher rank run as a step of their own, never inside a segment (a segment's 4-D
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
     engine 0.036 off while the layer was exact alone, and the build reverted 30 layers)."""
-    built: OrderedDict[tuple, kernels.NativeKernel] = OrderedDict()
-    steps: dict[tuple, NativeStep] = {}  # the NativeStep of each kept kernel, by the same key
+    # each size's kernel and, once a segment has bound it there, its NativeStep; least recently used first
+    kept: OrderedDict[tuple, list] = OrderedDict()
     lock = threading.Lock()  # an engine's contexts may bind one layer at once
 
-    def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
+    def entry(sizes: dict[int, tuple[int, ...]]) -> list:
+        """[kernel, NativeStep or None] for `sizes`, built on first use."""
         key = tuple(sorted(sizes.items()))
         with lock:
-            found = built.get(key)
+            found = kept.get(key)
             if found is not None:
-                built.move_to_end(key)
+                kept.move_to_end(key)
                 return found
-        found = build(sizes)
+        found = [build(sizes), None]
         with lock:
-            built[key] = found
-            while len(built) > _KEPT:
-                old, _ = built.popitem(last=False)
-                steps.pop(old, None)
+            kept[key] = found
+            while len(kept) > _KEPT:
+                kept.popitem(last=False)
         return found
+
+    def kernel(sizes: dict[int, tuple[int, ...]]) -> kernels.NativeKernel:
+        return entry(sizes)[0]
 
     def launch(ctx, *inputs, **_attributes):
         tensors = {k: v for k, v in enumerate(inputs) if isinstance(v, torch.Tensor)}
@@ -92,21 +95,15 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
-        key = tuple(sorted(sizes.items()))
-        step_ = steps.get(key)
-        if step_ is not None and key in built:  # a size bound before: its kernel and step as they were
-            return step_
         if max_rank is not None and any(len(v) > max_rank for v in sizes.values()):
             raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
-        found = kernel(sizes)
-        first = min(sizes)
-        step_ = NativeStep(sizes[first], found.output_size, lambda _accumulate: found,
-                           reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=found.output_dtype,
-                           more_outputs=found.more_outputs)
-        with lock:
-            if key in built:
-                steps[key] = step_
-        return step_
+        found = entry(sizes)
+        if found[1] is None:  # a size bound before keeps its kernel and step as they were
+            kernel_, first = found[0], min(sizes)
+            found[1] = NativeStep(sizes[first], kernel_.output_size, lambda _accumulate: kernel_,
+                                  reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=kernel_.output_dtype,
+                                  more_outputs=kernel_.more_outputs)
+        return found[1]
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
