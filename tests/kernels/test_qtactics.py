@@ -217,6 +217,23 @@ def test_qconv_triton_options_with_a_residual(flag):
         check_tactic(name, residual_layer(conv, U8, U8, seed=10), what=f"{flag} {geometry}")
 
 
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+def test_qconv_triton_with_a_residual_is_exact_at_near_ties(case):
+    """The Triton epilogue with a residual equals the reference bit for bit where c sits on near-ties and
+    the sum's scale is 0.45x c's (ResNet-50's blocks on the H200: a step of c was two of the sum, and the
+    builder rejected every candidate). The tactic's tables come from the layer's own x_scale·w_scale."""
+    x_dtype, conv_out, res, out = RESIDUAL_CASES[case]
+    conv = conv_layer(x_dtype, conv_out, activation="", cin=128, cout=128, size=(12, 12), kernel=1, pads=[0] * 4,
+                      seed=11)
+    conv.args[3] = (conv.args[3].to(torch.int32) % 3 - 1).to(torch.int8)  # small sums: ties every 2^k-th
+    layer = residual_layer(conv, res, out, seed=12, sum_scale=0.45, near_ties=True)
+    want = layer.reference()
+    for name in (TRITON_CONV, _first_tile("persistent"), _first_tile("mma_f16", I8)):
+        got = run_tactic(name, layer)
+        off = (got.int() - want.int()).abs()
+        assert int(off.max()) == 0, f"{name} {case}: {int(off.max())} steps off on {float((off > 0).float().mean()):.2%}"
+
+
 def test_qconv_residual_refusals():
     layer = residual_layer(conv_layer(U8, U8, activation=""), U8, U8)
     for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):

@@ -148,7 +148,7 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         layer = QuantizedLayer.of(step, constants, device)
         residual = Residual.of(constants)
         residual_add = None if residual is None else residual.add(layer)
-        if residual is not None:  # the epilogue writes the convolution's own result, then adds (qconv.ResidualAdd)
+        if residual is not None:  # the epilogue writes the convolution's own result, then adds (qresidual.ResidualAdd)
             layer = residual.convolution(layer)
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
@@ -156,9 +156,9 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
         if epilogue.out_kind != 0:
             # y_scale folded into the per-channel scale: a multiply per output where the division took
             # ~10 instructions (the same tile ran 1.5-3x slower with it on the H200, bench/results/
-            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows. The residual add too.
+            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows (with a residual: exact,
+            # near-ties read qresidual's tables)
             epilogue = epilogue.prescale()
-            residual_add = None if residual_add is None else residual_add.prescale()
         x_zero = layer.x_zero
         padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
 

@@ -29,15 +29,15 @@ are not stored.
 
 Output: [N, Cout, Ho, Wo] with channels-last strides, in the epilogue's dtype.
 
-With a residual (kiln::QConv inputs 9-13, `ResidualAdd`): the epilogue rounds to the layer's own 8-bit
-result c as above, then loads the residual tile (dense NHWC, the output's offsets), and writes
-requantize(act((c − z_c)·s_c + (res − z_r)·s_r)) in the sum's dtype: kiln::QAdd on the tile, so the
-8-bit c never goes to memory and the add's separate read-read-write pass is gone.
+With a residual (kiln::QConv inputs 9-13, qresidual.ResidualAdd): the epilogue rounds to the layer's own
+8-bit result c, loads the residual tile (dense NHWC, the output's offsets) and writes
+requantize(act((c − z_c)·s_c + (res − z_r)·s_r)) in the sum's dtype: kiln::QConv -> kiln::QAdd on the
+tile, equal to the reference at every element (near-ties read qresidual's exact tables), so the 8-bit c
+never goes to memory and the add's separate read-read-write pass is gone.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,7 @@ import triton.language as tl
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import qmath
 from kiln.kernels.cuda.triton.qgemm import INT_RANGE, QUANTIZED_INPUTS, Epilogue
+from kiln.kernels.cuda.triton.qresidual import ResidualAdd
 
 
 @dataclass(frozen=True)
@@ -83,73 +84,53 @@ QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on
 )
 
 
-@dataclass(frozen=True)
-class ResidualAdd:
-    """What the epilogue adds after the layer's own 8-bit result c (Epilogue: int8/uint8 out), fixed at
-    prepare: c's scale/zero point (a), the residual's (b), the sum's output and activation."""
-
-    a_scale: float
-    a_zero: float
-    b_scale: float
-    b_zero: float
-    out_dtype: torch.dtype  # int8 / uint8
-    y_scale: float
-    y_zero: float
-    activation: str = ""  # "" | "Relu"
-    prescaled: bool = False  # a_scale, b_scale divided by y_scale on the host (y_scale is then 1)
-
-    def prescale(self) -> ResidualAdd:
-        """s_c / y_scale and s_r / y_scale in float64, rounded once to fp32: a multiply per output where
-        the division costs ~10 instructions (qmath.add_residual)."""
-        if self.prescaled:
-            return self
-        y = float(self.y_scale)
-        return dataclasses.replace(self, a_scale=float(torch.tensor(self.a_scale / y, dtype=torch.float32)),
-                                   b_scale=float(torch.tensor(self.b_scale / y, dtype=torch.float32)),
-                                   y_scale=1.0, prescaled=True)
-
-    @property
-    def qrange(self) -> tuple[int, int]:
-        return INT_RANGE[self.out_dtype]
-
-    def check(self, epilogue: Epilogue, out_shape: tuple[int, ...], residual: torch.Tensor) -> None:
-        if epilogue.out_dtype not in INT_RANGE or self.out_dtype not in INT_RANGE:
-            raise TypeError(f"triton qconv2d: a residual add takes the layer's int8/uint8 result to an int8/uint8 "
-                            f"sum, got {epilogue.out_dtype} -> {self.out_dtype}")
-        if self.activation not in ("", "Relu") or epilogue.activation != "":
-            raise ValueError(f"triton qconv2d: with a residual the layer has no activation of its own and the sum "
-                             f"Relu or none, got {epilogue.activation!r}, {self.activation!r}")
-        if tuple(residual.shape) != tuple(out_shape) or residual.dtype not in INT_RANGE:
-            raise ValueError(f"triton qconv2d: the residual must be int8/uint8 {list(out_shape)} (the output's "
-                             f"shape), got {residual.dtype}{list(residual.shape)}")
-
-
 def _residual_args(residual_add: ResidualAdd | None) -> dict:
-    """The kernels' residual parameters (placeholders when there is none: RESIDUAL = 0 reads none)."""
+    """The kernels' residual constexprs (placeholders when there is none: RESIDUAL = False reads none)."""
     if residual_add is None:
-        return dict(RESIDUAL=0, R_ACTIVATION="", R_QMIN=0, R_QMAX=0)
+        return dict(RESIDUAL=False, R_ACTIVATION="", R_QMIN=0, R_QMAX=0, A_MIN=0, B_MIN=0)
     qmin, qmax = residual_add.qrange
-    return dict(RESIDUAL=2 if residual_add.prescaled else 1, R_ACTIVATION=residual_add.activation, R_QMIN=qmin,
-                R_QMAX=qmax)
+    return dict(RESIDUAL=True, R_ACTIVATION=residual_add.activation, R_QMIN=qmin, R_QMAX=qmax,
+                A_MIN=INT_RANGE[residual_add.a_dtype][0], B_MIN=INT_RANGE[residual_add.b_dtype][0])
 
 
 def _residual_values(residual_add: ResidualAdd | None) -> tuple[float, ...]:
+    """a_multiplier, a_zero, b_multiplier, b_zero, y_zero of the sum (ResidualAdd.multipliers)."""
     r = residual_add
-    return (0.0,) * 6 if r is None else (float(r.a_scale), float(r.a_zero), float(r.b_scale), float(r.b_zero),
-                                         float(r.y_scale), float(r.y_zero))
+    if r is None:
+        return (0.0,) * 5
+    a, b = r.multipliers
+    return a, float(r.a_zero), b, float(r.b_zero), float(r.y_zero)
 
 
 @triton.jit
-def _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
-                RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr):
-    """y [BM, BN] (the epilogue's values) to the NHWC output; with RESIDUAL (1: IEEE division, 2: prescaled)
-    the residual tile at the same offsets added first (qmath.add_residual)."""
+def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, thresholds_ptr, sums_ptr,
+              y_scale, y_zero, alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
+              FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr, ACTIVATION: tl.constexpr,
+              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, RESIDUAL: tl.constexpr,
+              R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr, A_MIN: tl.constexpr,
+              B_MIN: tl.constexpr):
+    """acc [BM, BN] of output pixels rm, channels rn to the NHWC output: bias, per-channel scale, activation,
+    the output's quantization (qmath.finish / finish_prescaled); with RESIDUAL, the layer's own 8-bit result
+    exactly (qmath.exact_integer_result), the residual tile at the same offsets added and the sum requantized
+    (qmath.add_residual). Rows past M and columns past Cout are computed from clamped reads, not stored."""
+    col_ok = (rn < Cout)[None, :]  # [1, BN]
+    scale = tl.load(scale_ptr + rn[None, :], mask=col_ok, other=0.0)  # [1, BN]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rn[None, :], mask=col_ok, other=0.0 if FP8 else 0)
+    else:
+        bias = scale  # not read
     offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
-    mask = (rm < M)[:, None] & (rn < Cout)[None, :]
-    if RESIDUAL != 0:
+    mask = (rm < M)[:, None] & col_ok
+    if RESIDUAL:
+        c = qmath.exact_integer_result(acc, bias, scale, y_scale, y_zero, thresholds_ptr, rn, col_ok, HAS_BIAS,
+                                       PRESCALED, QMIN, QMAX)
         res = tl.load(res_ptr + offs, mask=mask, other=0).to(tl.float32)
-        y = qmath.add_residual(y, res, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero, RESIDUAL == 2,
-                               R_ACTIVATION, 1, R_QMIN, R_QMAX)
+        y = qmath.add_residual(c, res, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, sums_ptr,
+                               R_ACTIVATION, A_MIN, B_MIN, R_QMIN, R_QMAX)
+    elif PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
+        y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    else:
+        y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -177,15 +158,15 @@ def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNE
 
 
 @triton.jit
-def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr,
+def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, thresholds_ptr, sums_ptr,
                   M, Cout, Cin, H, W, Ho, Wo, sxn, sxh, sxw,
                   SH, SW, PT, PL, DH, DW, y_scale, y_zero, alpha, beta,
-                  ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
+                  ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
                   KH: tl.constexpr, KW: tl.constexpr, LOOP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr,
                   MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
                   QMAX: tl.constexpr, RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr,
-                  R_QMAX: tl.constexpr,
+                  R_QMAX: tl.constexpr, A_MIN: tl.constexpr, B_MIN: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixels: [BM]
@@ -255,29 +236,20 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr,
                     b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
                 acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
 
-    col_ok = rn < Cout
-    scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0 if FP8 else 0)[None, :]
-    else:
-        bias = scale  # not read
-    if PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
-        y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-    else:
-        y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-    _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
-                RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
+    _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, thresholds_ptr, sums_ptr, y_scale, y_zero,
+              alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8, HAS_BIAS, PRESCALED,
+              ACTIVATION, OUT, QMIN, QMAX, RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX, A_MIN, B_MIN)
 
 
 @triton.jit
-def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, M, Cout, Cin, sxw,
-                                  y_scale, y_zero, alpha, beta, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale,
-                                  ry_zero, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, thresholds_ptr, sums_ptr,
+                                  M, Cout, Cin, sxw, y_scale, y_zero, alpha, beta, ra_multiplier, ra_zero,
+                                  rb_multiplier, rb_zero, ry_zero, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   PRESCALED: tl.constexpr, MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr,
                                   OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                                   RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr,
-                                  R_QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                                  R_QMAX: tl.constexpr, A_MIN: tl.constexpr, B_MIN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """The "gemm" loop with a fixed number of programs walking the tiles: for short K (a 1x1 layer over
     64-512 channels) each tile is one or a few K steps, and a flattened loop lets the next tile's loads
     overlap this tile's epilogue, where one program per tile waits for its own loads each time."""
@@ -303,18 +275,9 @@ def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, re
                 a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
                 b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
             acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
-        col_ok = rn < Cout
-        scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0 if FP8 else 0)[None, :]
-        else:
-            bias = scale  # not read
-        if PRESCALED:
-            y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-        else:
-            y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
-        _store_tile(out_ptr, res_ptr, y, rm, rn, M, Cout, ra_scale, ra_zero, rb_scale, rb_zero, ry_scale, ry_zero,
-                    RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
+        _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, thresholds_ptr, sums_ptr, y_scale,
+                  y_zero, alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8, HAS_BIAS,
+                  PRESCALED, ACTIVATION, OUT, QMIN, QMAX, RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX, A_MIN, B_MIN)
 
 
 def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
@@ -395,6 +358,8 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
         raise ValueError("triton qconv2d: a residual and its residual_add come together")
     out_dtype = epilogue.out_dtype
     if residual is not None:
+        if fp8:
+            raise TypeError("triton qconv2d: a residual add needs an int8 layer (exact integer sums), got float8e4m3fn x")
         residual_add.check(epilogue, (n, cout, ho, wo), residual)
         residual = residual.contiguous(memory_format=torch.channels_last)  # the output's offsets: no copy if NHWC
         out_dtype = residual_add.out_dtype
@@ -409,11 +374,12 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n)
     bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
     res = residual if residual is not None else out  # not read without a residual
+    thresholds, sums = (residual_add.thresholds, residual_add.sums) if residual is not None else (out, out)
     residual_args, residual_values = _residual_args(residual_add), _residual_values(residual_add)
     if loop == "gemm" and config.persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         _qconv_gemm_persistent_kernel[(min(tiles, sms * config.persistent),)](
-            x, w_packed, bias, epilogue.scale, out, res, m, cout, cin, x.stride(3), float(epilogue.y_scale),
+            x, w_packed, bias, epilogue.scale, out, res, thresholds, sums, m, cout, cin, x.stride(3), float(epilogue.y_scale),
             float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), *residual_values, EVEN_K=even_k, FP8=fp8,
             FP8_PRECISE=config.fp8_precise, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
             PRESCALED=epilogue.prescaled, MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
@@ -422,7 +388,7 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
         return out
     grid = (tiles,)
     _qconv_kernel[grid](
-        x, padding, w_packed, bias, epilogue.scale, out, res,
+        x, padding, w_packed, bias, epilogue.scale, out, res, thresholds, sums,
         m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(2), x.stride(3),
         sh, sw, pt, pl, dh, dw, float(epilogue.y_scale), float(epilogue.y_zero),
         float(epilogue.alpha), float(epilogue.beta), *residual_values,
