@@ -214,7 +214,6 @@ class Residual:
     conv_dtype: torch.dtype
     conv_scale: float
     conv_zero: float
-    residual_dtype: torch.dtype
     residual_scale: float
     residual_zero: float
 
@@ -228,7 +227,7 @@ class Residual:
             return float(t.reshape(-1)[0].to(torch.float32))
 
         return cls(conv_dtype=c_zero.dtype, conv_scale=number(c_scale), conv_zero=number(c_zero),
-                   residual_dtype=r_zero.dtype, residual_scale=number(r_scale), residual_zero=number(r_zero))
+                   residual_scale=number(r_scale), residual_zero=number(r_zero))
 
     def convolution(self, layer: QuantizedLayer) -> QuantizedLayer:
         """The layer without its add: writes the convolution's own 8-bit result, no activation."""
@@ -236,9 +235,11 @@ class Residual:
                                    activation="", alpha=0.0, beta=0.0)
 
     def add(self, layer: QuantizedLayer) -> Any:
-        """The kernel's qresidual.ResidualAdd: c (conv_*) + residual, the layer's activation and output, with
-        the tables that make it exact (the reference's rounding of c from x_scale·w_scale in float64)."""
-        add = kernels("qresidual").ResidualAdd(self.conv_scale, self.conv_zero, self.residual_scale,
-                                               self.residual_zero, layer.out_dtype, layer.y_scale, layer.y_zero,
-                                               activation=layer.activation)
-        return add.with_tables(layer.w_scale * layer.x_scale, self.conv_dtype, self.residual_dtype)
+        """The kernel's qresidual.ResidualAdd: c (conv_*) + residual, the layer's activation and output."""
+        return kernels("qresidual").ResidualAdd(self.conv_scale, self.conv_zero, self.residual_scale,
+                                                self.residual_zero, layer.out_dtype, layer.y_scale, layer.y_zero,
+                                                activation=layer.activation)
+
+    def exact(self, layer: QuantizedLayer) -> Any:
+        """qresidual.ExactRounding of c: x_scale·w_scale in float64 on the layer's device, c's own scale."""
+        return kernels("qresidual").ExactRounding((layer.w_scale * layer.x_scale).contiguous(), self.conv_scale)
