@@ -320,7 +320,8 @@ def _profile(engine, dev: dict) -> dict:
     for step in engine.plan.program.steps:
         if step.op_type == "QConv" and len([i for i in step.inputs if i]) > 9 and step.name in tuned_layers:
             candidates = tuned_layers[step.name]["candidates"]
-            times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items() if not isinstance(v, str)}
+            times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
+                     if not isinstance(v, str)}
             residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))

@@ -366,7 +366,8 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     out_dtype = epilogue.out_dtype
     if exact is not None:
         if fp8:
-            raise TypeError("triton qconv2d: exact rounding needs an int8 layer (exact integer sums), got float8e4m3fn x")
+            raise TypeError("triton qconv2d: exact rounding needs an int8 layer (exact integer sums), got "
+                            "float8e4m3fn x")
         exact.check(epilogue, cout, x.device)
     if residual is not None:
         if exact is None:
