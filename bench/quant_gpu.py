@@ -313,10 +313,20 @@ def _profile(engine, dev: dict) -> dict:
             if isinstance(note, str) and tactic.startswith("cuda.q"):
                 short = f"{tactic.rsplit('.', 1)[0] if 'triton' in tactic else tactic}: {note[:90]}"
                 notes[short] = notes.get(short, 0) + 1
+    # the QConvs with a fused residual (inputs 9-13): the tuner's times of the fused epilogue, the unfused pair
+    # (.then_qadd) and the rest, so that fused vs conv + QAdd is read per layer
+    tuned_layers = engine.plan.header.get("tactics", {}).get("layers", {})
+    residual = {}
+    for step in engine.plan.program.steps:
+        if step.op_type == "QConv" and len([i for i in step.inputs if i]) > 9 and step.name in tuned_layers:
+            candidates = tuned_layers[step.name]["candidates"]
+            times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
+                     if not isinstance(v, str)}
+            residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
                         for layer in slowest],
-            "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12]}
+            "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual}
 
 
 def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> dict:

@@ -9,7 +9,8 @@
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
        with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
        events over CUDA-graph replays, lower quartile of perf_counter on CPU (see measure) — and
-       keep the fastest;
+       keep the fastest; a layer whose every candidate was dropped by the check runs its default,
+       and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked); on the CPU, a profile's mid and min shapes are
        checked and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
@@ -425,6 +426,26 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
     )
 
 
+def fallback_reason(found: LayerTuning) -> str | None:
+    """Why a layer runs its default implementation although it has candidates, when none passed the
+    per-layer check (None otherwise: the default won on time, or nothing supported the layer). The default of
+    a fused or quantized layer is often its slow reference: a build that silently fell back cost ResNet-50
+    int8 12x on the H200 (bench/results/qadd-2026-12-03.md), so the build log and inspect say it."""
+    if found.tactic != DEFAULT:
+        return None
+    dropped = {name: note[len("rejected: "):] for name, note in found.candidates.items()
+               if isinstance(note, str) and note.startswith("rejected: ")}
+    timed = [name for name, ms in found.candidates.items() if name != DEFAULT and not isinstance(ms, str)]
+    if not dropped or timed:
+        return None
+    reasons: dict[str, list[str]] = {}
+    for name, why in dropped.items():
+        reasons.setdefault(why, []).append(name)
+    listed = "; ".join(f"{len(names)} x {why} (e.g. {names[0]})" for why, names in
+                       sorted(reasons.items(), key=lambda item: -len(item[1]))[:3])
+    return f"every candidate ({len(dropped)}) was rejected by the per-layer check against its reference: {listed}"
+
+
 def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
@@ -462,6 +483,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     cache = TimingCache(timing_cache)
     env = environment(device)
     layers: dict[str, dict[str, Any]] = {}
+    fallbacks: dict[str, str] = {}  # layer -> why it runs its default although it had candidates
     order = {i: n for n, i in enumerate(sorted(tunable))}
 
     def tune(i: int, record: _Recorded, others: dict[str, _Recorded]) -> None:
@@ -476,6 +498,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         layers[step.name] = found.to_json()
         say(f"tactics: {order[i] + 1}/{len(tunable)} {step.name}: {found.tactic}"
             + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
+        fallback = fallback_reason(found)
+        if fallback is not None:
+            fallbacks[step.name] = f"{step.op_type}: {fallback}"
+            say(f"tactics: WARNING layer {step.name} ({step.op_type}) runs its default implementation: {fallback}")
 
     def tune_now(i: int, record: _Recorded) -> None:
         try:
@@ -512,6 +538,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    if fallbacks:
+        record["fallback_layers"] = fallbacks
+        say(f"tactics: WARNING {len(fallbacks)} layer(s) run their default implementation because every candidate "
+            "was rejected by the per-layer check: " + ", ".join(fallbacks))
     if any(step.tactic for step in program.steps):
         # Tactics checked one by one can still go wrong together: judge the whole engine against the
         # error the default engine itself makes at this precision; revert only the layers to blame.

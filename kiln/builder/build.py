@@ -113,7 +113,7 @@ def pass_options(config: BuildConfig) -> PassOptions:
     cpu = config.device == "cpu"
     # remove_padding: PackedAttention on every device (the CPU's is kiln's varlen C attention, a segment member)
     return PassOptions(opt_level=config.opt_level, verify=config.verify, unsigned_activations=cpu, cpu_rules=cpu,
-                       refittable=config.refittable, remove_padding=config.remove_padding)
+                       cuda_rules=not cpu, refittable=config.refittable, remove_padding=config.remove_padding)
 
 
 def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torch.device, profiles: list[Profile],

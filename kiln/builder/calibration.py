@@ -285,6 +285,9 @@ def summarize(program, tactics: dict, smoothing: dict | None = None) -> dict[str
         elif isinstance(int8, (int, float)):
             found[step.name] = {"precision": "fp32", "tactic": chosen,
                                 "why": f"int8 kernel slower: {int8:.3f} ms vs {layer.get('time_ms', 0):.3f} ms"}
+        elif chosen == "default" and step.name in (tactics.get("fallback_layers") or {}):
+            found[step.name] = {"precision": "int8 (reference)", "tactic": chosen,
+                                "why": tactics["fallback_layers"][step.name]}
         else:
             found[step.name] = {"precision": "fp32" if chosen != "default" else "int8 (reference)",
                                 "tactic": chosen, "why": "no int8 kernel was timed for it"}

@@ -225,12 +225,17 @@ def tactics_summary(tactics: dict) -> str:
     reverted = tactics.get("reverted_layers") or {}
     if reverted:
         summary += f"; {len(reverted)} reverted to their default by the whole-engine check: " + ", ".join(reverted)
+    fallbacks = tactics.get("fallback_layers") or {}
+    if fallbacks:
+        summary += f"; {len(fallbacks)} on their default because every candidate failed its check: " + \
+            ", ".join(fallbacks)
     return summary
 
 
 def whole_engine_check(tactics: dict) -> list[str]:
     """What the tuned engine was judged against and how close it came (kiln/builder/accuracy.py), and
-    each layer the check reverted with why; `kiln build` prints the same lines."""
+    each layer the check reverted with why, and each layer on its default because every candidate failed the
+    per-layer check (autotune.fallback_reason); `kiln build` prints the same lines."""
     accuracy = tactics.get("accuracy") or {}
     lines = []
     if accuracy.get("outputs"):
@@ -244,6 +249,8 @@ def whole_engine_check(tactics: dict) -> list[str]:
         lines.append(f"tactics judged against {accuracy.get('reference')}: {outputs}")
     for layer, why in (tactics.get("reverted_layers") or {}).items():
         lines.append(f"layer {layer} runs its default (whole-engine check): {why}")
+    for layer, why in (tactics.get("fallback_layers") or {}).items():
+        lines.append(f"WARNING layer {layer} runs its default (per-layer check): {why}")
     return lines
 
 
@@ -276,7 +283,7 @@ def _print_why_not(out, model_path: str | None, cpu: bool = True) -> None:
     from kiln.frontend import onnx as onnx_frontend
     from kiln.passes import PassOptions, why_not
 
-    reasons = why_not(onnx_frontend.load(model_path), PassOptions(cpu_rules=cpu))
+    reasons = why_not(onnx_frontend.load(model_path), PassOptions(cpu_rules=cpu, cuda_rules=not cpu))
     out.print(f"\nfusions that did not fire ({len(reasons)}):")
     for line in reasons:
         out.print(f"  - {text(line)}")

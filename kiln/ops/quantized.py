@@ -5,7 +5,8 @@ between Q/DQ pairs), and what the INT8/FP8 kernels of every device implement (ki
 THE CONTRACT (docs/quantization.md says the same with the passes around it). Inputs follow ONNX's
 QLinearConv order, so a reader of ORT's QLinearConv/QLinearMatMul/QLinearAdd knows them already:
 
-    QConv (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
+    QConv (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias,
+           [residual, residual_scale, residual_zero_point, conv_scale, conv_zero_point])
     QGemm (x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point, bias)
     QAdd  (a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
 
@@ -35,6 +36,19 @@ The arithmetic every kernel implements (the reference below, in float64 where ex
     r       = act(r)                                                    Relu: max(r, 0); Clip: clamp(r, alpha, beta);
                                                                         Gelu (erf), GeluTanh: as kiln/ops/fused.py
     y       = saturate(round_half_even(r / y_scale) + y_zero_point)    or r itself (float output)
+
+QConv with a residual (inputs 9-13, all present; kiln/passes/fusion/qdq_residual.py makes it of
+QConv -> QAdd on CUDA builds): the unfused graph's arithmetic, its intermediate rounding included, so the
+fused layer equals QConv (8-bit output) followed by QAdd, and onnxruntime's QDQ graph as closely as they do:
+
+    c       = saturate(round_half_even(x_scale·w_scale[o]·(acc[o] + bias[o]) / conv_scale) + conv_zero_point)
+    r       = act(conv_scale·(c − conv_zero_point) + residual_scale·(residual − residual_zero_point))
+    y       = saturate(round_half_even(r / y_scale) + y_zero_point)
+
+    residual          8-bit, the output's shape (no broadcasting); its scale and zero point per tensor
+    conv_scale, conv_zero_point    the 8-bit tensor the convolution alone wrote before the fusion
+    activation        applies to the sum (ResNet's Relu after the Add); the convolution has none of its own
+    y_scale, y_zero_point          the sum's quantization (required)
 
 QAdd: r = act(a_scale·(a − a_zero_point) + b_scale·(b − b_zero_point)) (numpy broadcasting), then y as
 above. A kernel computing r in float32 (oneDNN's scales, fbgemm's requantization) may land one
@@ -100,10 +114,12 @@ def _channel_scale(x_scale: torch.Tensor, w_scale: torch.Tensor, rank: int, axis
 
 
 @register("QConv", domain="kiln")
-def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None, *,
+def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None, y_zero_point=None, bias=None,
+          residual=None, residual_scale=None, residual_zero_point=None, conv_scale=None, conv_zero_point=None, *,
           auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None, pads=None, strides=None,
           activation="", alpha=0.0, beta=0.0, output_dtype=1):
-    """Convolution of quantized x and w with int32 bias, activation and requantization (module docstring)."""
+    """Convolution of quantized x and w with int32 bias, activation and requantization (module docstring);
+    with a residual, the convolution's own 8-bit result plus the residual, then activation and requantization."""
     exact = _exact_dtype(x, x_zero_point, w, w_zero_point, w[0].numel())
     xf = _real(x, x_scale, x_zero_point, dtype=exact)  # [N, C, *spatial]
     wf = _real(w, w_scale, w_zero_point, axis=0, dtype=exact)  # [O, C/group, *kernel]
@@ -113,6 +129,16 @@ def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
     if bias is not None:
         acc = acc + bias.to(torch.float64).reshape(-1, *[1] * (acc.dim() - 2))
     r = acc * _channel_scale(x_scale, w_scale, acc.dim(), 1)  # [N, O, *spatial']
+    if residual is None:
+        return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
+    if conv_scale is None or y_scale is None or residual.shape != r.shape:
+        raise ValueError(f"QConv with a residual needs conv_scale/conv_zero_point, y_scale/y_zero_point and a "
+                         f"residual of the output's shape {list(r.shape)}; got residual {list(residual.shape)}, "
+                         f"conv_scale {'absent' if conv_scale is None else 'given'}, "
+                         f"y_scale {'absent' if y_scale is None else 'given'}")
+    c = _output(ctx, r, conv_scale, conv_zero_point, output_dtype)  # the convolution's own 8-bit result
+    r = _real(c, conv_scale, conv_zero_point) * conv_scale.to(torch.float64) + \
+        _real(residual, residual_scale, residual_zero_point) * residual_scale.to(torch.float64)
     return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
 
 

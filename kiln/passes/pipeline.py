@@ -39,6 +39,8 @@ class PassOptions:
     unsigned_activations: bool = False
     # rules whose fused op has a CPU kernel only (fusion.CPU_RULES: squeeze-and-excitation blocks)
     cpu_rules: bool = False
+    # rules whose fused op only CUDA's tactics run (fusion.CUDA_RULES: the residual add in a QConv's epilogue)
+    cuda_rules: bool = False
     # a refittable build (BuildConfig.refittable): weights are never shared because their values are
     # equal (a freshly initialised model's LayerNorm weights and zero biases would be stored once, and
     # trained weights, no longer equal, would not fit the engine)
@@ -102,6 +104,8 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
             check(model, RULE_UNSIGNED)
         for name, rule in fusion.RULES if options.fusions else ():
             if name in fusion.CPU_RULES and not options.cpu_rules:
+                continue
+            if name in fusion.CUDA_RULES and not options.cuda_rules:
                 continue
             if run_rule(model, name, rule, report):
                 # What a rewrite replaced is dead (a decomposed attention's shape arithmetic still reading

@@ -12,6 +12,7 @@ E4M3 grid: adjacent codes of one sign are one step apart.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ class Layer:
 
     @property
     def constant(self) -> set[int]:
-        return set(range(1, len(self.args))) - ({3} if self.op_type == "QAdd" else set())
+        return set(range(1, len(self.args))) - ({3} if self.op_type == "QAdd" else {9})  # QConv's residual: 9
 
     @property
     def ctx(self) -> OpContext:
@@ -159,6 +160,40 @@ def conv_layer(x_dtype: torch.dtype, out: torch.dtype, *, n: int = 2, cin: int =
                   "activation": activation, "alpha": alpha, "beta": beta, "output_dtype": 1}
     layer = Layer("QConv", [x, torch.tensor(0.02), x_zero, w, w_scale, w_zero, None, None, b], attributes)
     return _output(layer, out)
+
+
+def _near_tie_weight_scales(conv: Layer, gen: torch.Generator) -> torch.Tensor:
+    """w_scale [C] that puts x_scale·w_scale / c_scale at 2^-k·(1 + ε), |ε| <= 2^-23, k such that c keeps
+    about its range: every 2^k-th integer sum lies within a few fp32 ulps of a rounding tie of c."""
+    x_scale, w_scale, c_scale = float(conv.args[1]), conv.args[4].double().reshape(-1), float(conv.args[6])
+    real = dataclasses.replace(conv, args=conv.args[:6] + [None, None] + conv.args[8:],
+                               attributes={**conv.attributes, "output_dtype": 11}).reference()
+    sums = (real / (x_scale * w_scale).reshape((1, -1) + (1,) * (real.dim() - 2))).abs()  # |acc + bias|
+    k = max(1, round(math.log2(float(torch.quantile(sums.flatten().float(), 0.9)) / 100)))
+    eps = (torch.rand(w_scale.numel(), generator=gen, dtype=torch.float64) - 0.5) * 2.0**-22
+    return (c_scale * 2.0**-k / x_scale * (1 + eps)).float()
+
+
+def residual_layer(conv: Layer, residual: torch.dtype, out: torch.dtype, *, seed: int = 0, sum_scale: float = 1.7,
+                   near_ties: bool = False) -> Layer:
+    """A QConv with a residual (kiln/ops/quantized.py, inputs 9-13) from `conv` (an int8/uint8 output, no
+    activation): its output quantization becomes the convolution's own (conv_scale), the residual a random
+    8-bit tensor of the output's shape at 0.9x that scale, the sum quantized at sum_scale x (1.7: no simple
+    ratio, ties stay rare; about as wide as the sum's range) with Relu. near_ties: w_scale puts many of
+    c's values within fp32 rounding of a tie (_near_tie_weight_scales); with sum_scale < 1 (ResNet-50's
+    blocks) a step of c there is more than a step of the sum."""
+    gen = torch.Generator().manual_seed(seed)
+    if near_ties:
+        conv = dataclasses.replace(conv, args=conv.args[:4] + [_near_tie_weight_scales(conv, gen)] + conv.args[5:])
+    c_scale, c_zero = conv.args[6], conv.args[7]
+    shape = conv.reference().shape
+    r, r_zero = _activations(tuple(shape), residual, gen)
+    r_scale = torch.tensor(float(c_scale) * 0.9, dtype=torch.float32)
+    y_scale = torch.tensor(float(c_scale) * sum_scale, dtype=torch.float32)
+    y_zero = torch.tensor(-5 if out == torch.int8 else 2, dtype=out)
+    bias = conv.args[8] if len(conv.args) > 8 else None
+    args = conv.args[:6] + [y_scale, y_zero, bias, r, r_scale, r_zero, c_scale, c_zero]
+    return dataclasses.replace(conv, args=args, attributes={**conv.attributes, "activation": "Relu"})
 
 
 def add_layer(a_dtype: torch.dtype, b_dtype: torch.dtype, out: torch.dtype, *, shape=(2, 24, 5, 6), b_shape=None,

@@ -110,3 +110,81 @@ def test_qdq_engine_on_the_cuda_kernels_matches_onnxruntime(tmp_path, monkeypatc
         # grid (FP8: 1/8 of the value; the CPU engine lands there too). A wrong zero point or scale is far out.
         bound = 0.05 * np.abs(want).max() + (0.125 * np.abs(want) if activations == "fp8" else 0.0) + 1e-3
         assert (np.abs(got - want) <= bound).all(), (forced, got, want)
+
+
+def _fusing_the_residual(monkeypatch) -> None:
+    """CPU builds as a CUDA build makes its graph: with fusion.CUDA_RULES (the residual QAdd into its QConv)."""
+    import dataclasses
+
+    from kiln.builder import build as build_module
+
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(plain(config), cuda_rules=True))
+
+
+def _forced(engine, prefixes: tuple[str, ...]) -> list[str]:
+    """Every step with a candidate among `prefixes` that passed the autotuner's check forced onto it."""
+    layers = engine.plan.header["tactics"]["layers"]
+    forced = []
+    for step in engine.plan.program.steps:
+        candidates = layers.get(step.name, {}).get("candidates", {})
+        kernel = next((n for n in candidates if n.startswith(prefixes) and isinstance(candidates[n], float)), None)
+        if kernel is not None:
+            step.tactic, step.tactic_config = kernel, {}
+            forced.append(kernel)
+    return forced
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("activations", ["int8", "uint8"])
+def test_residual_add_in_the_conv_epilogue_is_the_unfused_engine_and_onnxruntime(tmp_path, monkeypatch, activations):
+    """relu(conv2(y) + y) as onnxruntime quantizes it: the CUDA build's graph has one QConv with the residual
+    and no QAdd. On the reference ops the fused engine is the unfused one bit for bit (the op keeps the
+    convolution's own rounding); on the Triton kernels (the add in the implicit GEMM's epilogue, and the
+    dequantized fallback) it matches the unfused engine and onnxruntime within the bound of the test above."""
+    cuda_tactics_on_cpu(monkeypatch, lambda name: name.startswith(QUANTIZED_CUDA))
+    path, feeds = _qdq_model(tmp_path, activations)
+    unfused = kiln.build(path, device="cpu", tactics=list(QUANTIZED_CUDA), tuning_runs=2)
+    _fusing_the_residual(monkeypatch)
+    fused = kiln.build(path, device="cpu", tactics=list(QUANTIZED_CUDA), tuning_runs=2)
+
+    def ops(engine) -> list[str]:
+        return [s.op_type for s in engine.plan.program.steps]
+
+    assert ops(unfused).count("QAdd") == 1 and "QAdd" not in ops(fused), (ops(unfused), ops(fused))
+    residual_steps = [s for s in fused.plan.program.steps if s.op_type == "QConv" and len(s.inputs) > 9]
+    qadd = next(s for s in unfused.plan.program.steps if s.op_type == "QAdd")
+    assert len(residual_steps) == 1  # the QAdd's activation (onnxruntime drops a Relu its Q's range clamps)
+    assert residual_steps[0].attributes.get("activation", "") == qadd.attributes.get("activation", "")
+    layers = fused.plan.header["tactics"]["layers"][residual_steps[0].name]["candidates"]
+    checked = {n for n, note in layers.items() if isinstance(note, float)}
+    # the autotuner's check (one step on the recorded inputs) passes the epilogue and the fallbacks
+    assert {"cuda.qconv.dequantized", "cuda.qconv.dequantized_fp32"} <= checked, layers
+    assert any(n.startswith("cuda.qconv.triton_igemm.") for n in checked), layers
+
+    # the reference ops (no tactic): bit for bit
+    reference = {}
+    for name, engine in (("unfused", unfused), ("fused", fused)):
+        plan = engine.plan
+        for step in plan.program.steps:
+            step.tactic, step.tactic_config = None, {}
+        reference[name] = kiln.Engine(plan)
+    for feed in feeds:
+        assert np.array_equal(reference["fused"].run(feed)["y"], reference["unfused"].run(feed)["y"])
+
+    session_options = ort.SessionOptions()
+    session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(path, session_options, providers=["CPUExecutionProvider"])
+    for kernel in ("cuda.qconv.triton_igemm.", "cuda.qconv.dequantized"):
+        plans = {}
+        for name, engine in (("unfused", unfused), ("fused", fused)):
+            forced = _forced(engine, (kernel, "cuda.qadd.triton"))
+            assert forced, name
+            plans[name] = kiln.Engine(engine.plan)
+        assert residual_steps[0].tactic.startswith(kernel)
+        for feed in feeds:
+            want = session.run(None, feed)[0]
+            got, unfused_got = plans["fused"].run(feed)["y"], plans["unfused"].run(feed)["y"]
+            bound = 0.05 * np.abs(want).max() + 1e-3  # as the test above: a near-tie moves the logits one step
+            assert (np.abs(got - want) <= bound).all(), (kernel, got, want)
+            assert (np.abs(got - unfused_got) <= bound).all(), (kernel, got, unfused_got)

@@ -19,6 +19,7 @@ from kiln.kernels.cuda.triton import qmath  # noqa: E402
 from kiln.kernels.cuda.triton.qconv import QConvConfig, pack_weight, qconv2d  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import dequantize, qadd, requantize  # noqa: E402
 from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, fold_zero_point, qgemm  # noqa: E402
+from kiln.kernels.cuda.triton.qresidual import ExactRounding, ResidualAdd  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -235,6 +236,119 @@ def test_qconv_loops_match_torch_within_one_step(loop, option):
         off = (got - ref).abs()
         assert int(off.max()) <= 1 and float((off > 0).float().mean()) <= 0.01, (x_dtype, int(off.max()),
                                                                                  float((off > 0).float().mean()))
+
+
+RESIDUAL_OPTIONS = {"plain": {}, "prescaled": dict(prescaled=True), "fp16 tensor cores": dict(mma_f16=True),
+                    "persistent": dict(persistent=1, prescaled=True)}
+
+
+def _f32(value: float) -> float:
+    return float(torch.tensor(value, dtype=torch.float32))
+
+
+def _channel_scales(cout: int, c_scale: float, ties: bool, gen: torch.Generator) -> torch.Tensor:
+    """x_scale·w_scale per channel in float64 (exact: a product of two fp32 numbers, not itself an fp32 one,
+    as in a real layer). With `ties`, w_scale puts the product at c_scale·2^-3·(1 + ε), |ε| <= 2^-23: every
+    8th integer sum lies within a few fp32 ulps of a rounding tie of c, where a float32 epilogue and the
+    reference (float64 product, float32 division) disagree a good part of the time."""
+    x_scale = _f32(0.0213)
+    if ties:
+        eps = (torch.rand(cout, generator=gen, dtype=torch.float64) - 0.5) * 2.0**-22
+        w_scale = (c_scale / 8 / x_scale * (1 + eps)).float()
+    else:
+        w_scale = (torch.rand(cout, generator=gen) * 0.02 + 0.01) / x_scale
+    return w_scale.double() * x_scale
+
+
+def _residual_reference(x, w, bias, x_zero, stride, pad, scale64, c, res, add, act: bool = True) -> torch.Tensor:
+    """kiln::QConv with a residual as its contract writes it (kiln/ops/quantized.py), in torch: float64
+    sums and products, each result rounded to float32 and divided in float32, round half to even."""
+    acc = torch.nn.functional.conv2d(x.double() - x_zero, w.double(), stride=stride, padding=pad)
+    r_c = (acc + bias.double().view(1, -1, 1, 1)) * scale64.view(1, -1, 1, 1)
+    c_dtype, c_scale, c_zero = c
+    clo, chi = (-128, 127) if c_dtype == torch.int8 else (0, 255)
+    c = (torch.round(r_c.float() / torch.tensor(c_scale)) + c_zero).clamp(clo, chi).double()
+    r = (c - c_zero) * c_scale + (res.double() - add.b_zero) * add.b_scale
+    r = r.relu() if act else r
+    olo, ohi = (-128, 127) if add.out_dtype == torch.int8 else (0, 255)
+    return (torch.round(r.float() / torch.tensor(add.y_scale)) + add.y_zero).clamp(olo, ohi).int()
+
+
+# (x, x_zero, c, residual, sum, regime): "random": random scales, s_c < s_y; "amplified": c on near-ties and
+# s_y = 0.45·s_c, so a step of c would be two or three of the sum; "c itself": c on near-ties, the sum at c's
+# own scale and zero point, the residual at its zero point and no activation, so the output is c
+RESIDUAL_REGIMES = ((torch.int8, -100, torch.int8, torch.uint8, torch.uint8, "random"),
+                    (torch.uint8, 200, torch.uint8, torch.int8, torch.int8, "random"),
+                    (torch.uint8, 130, torch.int8, torch.uint8, torch.uint8, "amplified"),
+                    (torch.int8, -7, torch.uint8, torch.int8, torch.uint8, "c itself"))
+
+
+@pytest.mark.parametrize("option", list(RESIDUAL_OPTIONS))
+@pytest.mark.parametrize("loop", ["gemm 1x1", "taps 3x3 stride 2 tail", "flat 7x7 stride 2"])
+def test_qconv_residual_epilogue_rounds_c_as_the_reference(loop, option):
+    """kiln::QConv with a residual: the layer's own 8-bit result c, plus the residual tile, Relu, requantized
+    to the sum's dtype, against the contract's arithmetic written in torch. c equals the reference's at every
+    element, near-ties included ("c itself": bit for bit), so the sum is within the one step the contract
+    allows at its own near-ties, also where s_c > s_y (the H200 build's ResNet-50 rejections, bench/results/
+    qadd-2026-12-03.md: two steps there before)."""
+    cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
+    config = QConvConfig(16, 16, 16, group_m=2, **RESIDUAL_OPTIONS[option])
+    gen = torch.Generator().manual_seed(hash(("residual", loop, option)) % 2**31)
+    for x_dtype, x_zero, conv_dtype, res_dtype, out_dtype, regime in RESIDUAL_REGIMES:
+        ties = regime != "random"
+        lo, hi = (-128, 128) if x_dtype == torch.int8 else (0, 256)
+        x = torch.randint(lo, hi, (2, cin, size, size), generator=gen).to(x_dtype)
+        w = torch.randint(-1 if ties else -127, 2 if ties else 128, (cout, cin, k, k), generator=gen,
+                          dtype=torch.int8)  # near-ties: small sums, so that c = sum / 8 spans the 8-bit range
+        bias = torch.randint(-300 if ties else -900, 300 if ties else 900, (cout,), generator=gen, dtype=torch.int32)
+        c_scale = _f32(0.37 * (cin * k * k) ** 0.5)
+        c_zero = -3.0 if conv_dtype == torch.int8 else 120.0
+        scale64 = _channel_scales(cout, c_scale, ties, gen)
+        r_scale, r_zero = _f32(c_scale * 0.8), (10.0 if res_dtype == torch.uint8 else -5.0)
+        y_scale = {"random": _f32(c_scale * 1.3), "amplified": _f32(c_scale * 0.45), "c itself": c_scale}[regime]
+        y_zero = c_zero if regime == "c itself" else 0.0 if out_dtype == torch.uint8 else -20.0
+        ho = (size + 2 * pad - k) // stride + 1
+        rlo, rhi = (0, 256) if res_dtype == torch.uint8 else (-128, 128)
+        res = torch.randint(rlo, rhi, (2, cout, ho, ho), generator=gen).to(res_dtype)
+        if regime == "c itself":
+            res = torch.full_like(res, int(r_zero))
+        activation = "" if regime == "c itself" else "Relu"
+        add = ResidualAdd(c_scale, c_zero, r_scale, r_zero, out_dtype, y_scale, y_zero, activation=activation)
+        want = _residual_reference(x, w, bias, x_zero, stride, pad, scale64, (conv_dtype, c_scale, c_zero), res, add,
+                                   act=activation == "Relu")
+        ep = Epilogue(scale64.float(), fold_zero_point(w, bias, x_zero, x_dtype), conv_dtype, y_scale=c_scale,
+                      y_zero=c_zero)
+        y = qconv2d(x.contiguous(memory_format=torch.channels_last), pack_weight(w, fp16=config.mma_f16), (k, k),
+                    ep.prescale() if config.prescaled else ep, x_zero=x_zero, strides=(stride, stride),
+                    pads=(pad,) * 4, config=config, residual=res.contiguous(memory_format=torch.channels_last),
+                    residual_add=add, exact=ExactRounding(scale64, c_scale))
+        assert y.dtype == out_dtype and y.is_contiguous(memory_format=torch.channels_last)
+        olo = -128 if out_dtype == torch.int8 else 0
+        assert float((want > olo).float().mean()) > 0.3  # the Relu and the saturation do not decide everything
+        off = (y.int() - want).abs()
+        allowed = 0 if regime == "c itself" else 1
+        assert int(off.max()) <= allowed and float((off > 0).float().mean()) <= 0.02, \
+            (regime, int(off.max()), float((off > 0).float().mean()))
+
+
+def test_qconv_residual_is_checked():
+    x = torch.zeros(1, 16, 4, 4, dtype=torch.int8)
+    w = pack_weight(torch.zeros(16, 16, 1, 1, dtype=torch.int8))
+    ep = Epilogue(torch.ones(16), None, torch.int8)
+    add = ResidualAdd(1.0, 0.0, 1.0, 0.0, torch.int8, 1.0, 0.0)
+    exact = ExactRounding(torch.ones(16, dtype=torch.float64), 1.0)
+    res = torch.zeros(1, 16, 4, 4, dtype=torch.int8)
+    with pytest.raises(ValueError, match="come together"):
+        qconv2d(x, w, (1, 1), ep, residual=res, exact=exact)
+    with pytest.raises(ValueError, match="rounded exactly"):
+        qconv2d(x, w, (1, 1), ep, residual=res, residual_add=add)
+    with pytest.raises(ValueError, match="the output's"):
+        qconv2d(x, w, (1, 1), ep, residual=torch.zeros(1, 16, 4, 2, dtype=torch.int8), residual_add=add, exact=exact)
+    with pytest.raises(ValueError, match="16 contiguous float64"):
+        qconv2d(x, w, (1, 1), ep, residual=res, residual_add=add, exact=ExactRounding(torch.ones(16), 1.0))
+    with pytest.raises(ValueError, match="int8/uint8 result with no activation"):
+        qconv2d(x, w, (1, 1), Epilogue(torch.ones(16), None, torch.float32), residual=res, residual_add=add,
+                exact=exact)
 
 
 def test_qconv_refuses_a_wrong_padding_row_and_weight_dtype():

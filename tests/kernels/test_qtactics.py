@@ -9,6 +9,8 @@ The same checks run on the H200 at ResNet-50 / BERT shapes in tests/gpu/test_qua
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,8 @@ pytest.importorskip("triton")
 
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
-from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, run_tactic  # noqa: E402
+from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, residual_layer, \
+    run_tactic  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -183,6 +186,71 @@ def test_qconv_triton_options_refuse_the_other_family():
     assert "1x1 stride-1" in refusal(_first_tile("persistent"), conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
     assert "per-element K loop" in refusal("cuda.qconv.triton_igemm.128x128x128w8s3",
                                            conv_layer(I8, I8, cin=64, cout=128, size=(12, 12)))
+
+# ---- QConv with a residual (the QAdd fused into its epilogue) ----------------------------------------
+
+RESIDUAL_CASES = {  # x, the convolution's own output, residual, sum
+    "int8": (I8, I8, I8, I8), "uint8 -> uint8 sum": (U8, U8, U8, U8), "int8 conv, uint8 residual": (U8, I8, U8, U8),
+}
+
+
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+@pytest.mark.parametrize("name", [TRITON_CONV, TRITON_CONV + ".then_qadd", "cuda.qconv.dequantized",
+                                  "cuda.qconv.dequantized_fp32"])
+def test_qconv_with_a_residual_matches_the_reference(name, case):
+    """Every CUDA tactic of QConv takes the residual (fusion.CUDA_RULES relies on it): within one step of
+    the reference (the convolution's own rounding, then QAdd's arithmetic)."""
+    x_dtype, conv_out, res, out = RESIDUAL_CASES[case]
+    layer = residual_layer(conv_layer(x_dtype, conv_out, activation="", seed=7), res, out, seed=8)
+    want = layer.reference()
+    assert want.dtype == out and float((want.int() > (0 if out == U8 else -5)).float().mean()) > 0.3
+    got = check_tactic(name, layer, what=case)
+    assert got.dtype == out
+
+
+@pytest.mark.parametrize("flag", ["mma_f16", "persistent"])
+def test_qconv_triton_options_with_a_residual(flag):
+    name = _first_tile(flag, I8)
+    for geometry in (dict(cin=64, kernel=3), dict(cin=128, kernel=1, pads=[0, 0, 0, 0])):
+        if ("x128w" in name and geometry["cin"] == 64) or ("persistent" in name and geometry["kernel"] != 1):
+            continue
+        conv = conv_layer(U8, I8, cout=128, size=(12, 12), activation="", seed=9, **geometry)
+        check_tactic(name, residual_layer(conv, U8, U8, seed=10), what=f"{flag} {geometry}")
+
+
+@pytest.mark.parametrize("case", list(RESIDUAL_CASES))
+def test_qconv_triton_with_a_residual_rounds_c_exactly_at_near_ties(case):
+    """The Triton tactics with a residual where c sits on near-ties (w_scale at 2^-k·(1 + ε)): with the sum
+    at 0.45x c's scale (ResNet-50's blocks on the H200: a step of c was two of the sum, and the builder
+    rejected every candidate) the sum is within one step; with the sum at c's own scale and zero point and
+    the residual at its zero point the output is c (Relu(c) on the GPU test's one kernel), equal to the
+    reference's bit for bit. The tactic's float64 channel scale is the layer's own x_scale·w_scale."""
+    x_dtype, conv_out, res, out = RESIDUAL_CASES[case]
+    conv = conv_layer(x_dtype, conv_out, activation="", cin=128, cout=128, size=(12, 12), kernel=1, pads=[0] * 4,
+                      seed=11)
+    conv.args[3] = (conv.args[3].to(torch.int32) % 3 - 1).to(torch.int8)  # small sums: ties every 2^k-th
+    amplified = residual_layer(conv, res, out, seed=12, sum_scale=0.45, near_ties=True)
+    c_itself = residual_layer(conv, res, conv_out, seed=12, near_ties=True)
+    c_itself.args[6:8] = c_itself.args[12:14]  # the sum at c's scale and zero point
+    c_itself.args[9] = torch.full_like(c_itself.args[9], int(c_itself.args[11]))
+    c_itself.attributes["activation"] = ""
+    for name in (TRITON_CONV, TRITON_CONV + ".then_qadd", _first_tile("persistent"), _first_tile("mma_f16", I8)):
+        for layer, allowed in ((amplified, 1), (c_itself, 0)):
+            off = (run_tactic(name, layer).int() - layer.reference().int()).abs()
+            assert int(off.max()) <= allowed and float((off > 0).float().mean()) <= 0.01, \
+                f"{name} {case}: {int(off.max())} steps off on {float((off > 0).float().mean()):.2%}"
+
+
+def test_qconv_residual_refusals():
+    layer = residual_layer(conv_layer(U8, U8, activation=""), U8, U8)
+    for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):
+        assert "residual" in refusal(name, layer)
+    fp8 = residual_layer(conv_layer(FP8, I8, activation=""), U8, U8)
+    assert "FP8" in refusal(TRITON_CONV, fp8)
+    assert "no residual" in refusal(TRITON_CONV + ".then_qadd", conv_layer(U8, U8))
+    clip = dataclasses.replace(layer, attributes={**layer.attributes, "activation": "Clip"})
+    assert "Relu or none" in refusal(TRITON_CONV, clip)
+
 
 # ---- QAdd --------------------------------------------------------------------------------------------
 

@@ -223,3 +223,32 @@ def test_where_the_default_overflows_in_half_precision_the_tuned_engine_is_judge
     assert y["default_error"] == "inf" and y["against"].startswith("the default engine")
     assert record["accuracy"]["tuned_engine"] == "accepted" and "reverted_layers" not in record
     assert chosen(engine)["matmul0"] == "cpu.test.gemm.plain"
+
+
+def test_a_layer_whose_every_candidate_fails_its_check_is_named_with_why(tmp_path, gemm_tactics, capsys):
+    """A layer left on its default because the per-layer check rejected every candidate (the H200's int8
+    ResNet-50: 16 fused residual layers on the reference, 12x slower, and nothing said so) is named with the
+    reasons in the build log, the header (fallback_layers), the quantization/inspect lines; a layer whose
+    candidate passed is not, and neither is one whose only candidate lost on time."""
+    gemm_tactics("cpu.test.gemm.one_percent_off", lambda ctx, *a, **k: fused_gemm(ctx, *a, **k) * 1.01,
+                 layers={"matmul1"})
+    gemm_tactics("cpu.test.gemm.plain", fused_gemm, layers={"matmul0"})
+    log: list[str] = []
+    engine = kiln.build(gemm_chain(tmp_path, 2), tactics=["cpu.test"], progress=log.append)
+    record = engine.plan.header["tactics"]
+    assert chosen(engine) == {"matmul0": "cpu.test.gemm.plain", "matmul1": ""}
+    assert list(record["fallback_layers"]) == ["matmul1"]
+    why = record["fallback_layers"]["matmul1"]
+    assert "every candidate (1) was rejected by the per-layer check" in why
+    assert "cpu.test.gemm.one_percent_off" in why and "max abs error" in why
+    assert any(line.startswith("tactics: WARNING layer matmul1 (FusedGemm) runs its default") for line in log)
+    path = tmp_path / "chain.kiln"
+    engine.save(path)
+    assert main(["inspect", str(path)]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "1 on their default because every candidate failed its check: matmul1" in shown
+    assert "WARNING layer matmul1 runs its default (per-layer check): FusedGemm: every candidate (1)" in shown
+
+    losing = autotune.LayerTuning(DEFAULT, 1.0, candidates={DEFAULT: 1.0, "cpu.test.gemm.plain": 2.0,
+                                                            "cpu.test.gemm.one_percent_off": "rejected: off"})
+    assert autotune.fallback_reason(losing) is None  # a candidate passed and lost on time: a choice, not a fallback

@@ -113,3 +113,62 @@ def test_the_quantized_engine_is_onnxruntime_on_the_qdq_graph_within_a_step(acti
         got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
         assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
         assert np.abs(want).max() > 10 * bound  # the comparison means something
+
+
+# ---- the residual QAdd into its QConv's epilogue (kiln/passes/fusion/qdq_residual.py, CUDA builds) -------------
+
+@pytest.mark.parametrize("activation_type", [U8, TensorProto.INT8], ids=["u8", "s8"])
+def test_a_cuda_build_moves_the_residual_add_into_the_convolution(activation_type):
+    model, _ = _qdq_model(activation_type)
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
+    steps = [(n.domain, n.op_type) for n in graph.graph]
+    assert steps == [("", "QuantizeLinear"), ("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv"),
+                     ("", "Reshape"), ("kiln", "QGemm")], steps
+    assert report.fired["fuse_quantized_add"] == 1 and report.fired["fuse_quantized_residual"] == 1
+    conv2 = list(graph.graph)[3]
+    inputs = list(conv2.inputs)
+    assert len(inputs) == 14 and inputs[9] is list(graph.graph)[2].outputs[0]  # the residual: the pooled tensor
+    # the sum's quantization is the layer's output; the convolution's own (c2) moved to conv_scale/zero point
+    assert inputs[6].const_value.numpy() == np.float32(0.07) and inputs[12].const_value.numpy() == np.float32(0.08)
+    assert inputs[10].const_value.numpy() == np.float32(0.05)
+    assert conv2.attributes["activation"].value == "Relu"
+    assert conv2.outputs[0].dtype == inputs[7].const_value.dtype
+
+
+def test_the_residual_stays_a_qadd_on_cpu_builds_and_where_the_convolution_has_other_readers():
+    model, _ = _qdq_model(U8)
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cpu_rules=True), report)
+    assert "QAdd" in [n.op_type for n in graph.graph] and "fuse_quantized_residual" not in report.fired
+    # the convolution's 8-bit result also a graph output: it must still be written, the add stays
+    model.graph.output.append(helper.make_tensor_value_info("c2_q", U8, None))
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
+    assert "QAdd" in [n.op_type for n in graph.graph]
+    assert any("fuse_quantized_residual" in line and "other readers" in line for line in report.refused), report.refused
+
+
+def test_the_fused_residual_on_the_reference_is_onnxruntime_within_a_step(monkeypatch):
+    """A CPU build with the CUDA rule (the fused QConv runs as the op's reference: the CPU tactics refuse the
+    residual) against onnxruntime on the Q/DQ graph, as the unfused engine above."""
+    import dataclasses
+
+    from kiln.builder import build as build_module
+
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(plain(config), cuda_rules=True))
+    model, inits = _qdq_model(U8, 64)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    engine = kiln.build(model.SerializeToString())
+    assert "QAdd" not in [s.op_type for s in engine.plan.program.steps]
+    w = inits["fc_wq"].astype(np.float64) * inits["fc_ws"]
+    bound = 4 * 0.07 * np.abs(w).max() + 1e-4
+    fresh = np.random.default_rng(11)
+    for _ in range(4):
+        x = fresh.standard_normal((1, 4, 8, 8), dtype=np.float32) * 2
+        got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
+        assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+        assert np.abs(want).max() > 10 * bound

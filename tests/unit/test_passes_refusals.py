@@ -361,6 +361,21 @@ def qdq_conv(weight_zero: int = 0):
     return model(nodes, [value("x", [1, 3, 6, 6])], [value("y", None)], inits)
 
 
+def qdq_conv_relu_residual():
+    """DQ(x) -> Conv -> Relu -> Q -> DQ -> + DQ(r) -> Q: the convolution's own Relu comes before the add (the
+    fused epilogue applies one activation, after it)."""
+    nodes, inits = _quantize("x", 0.05, "x", 128)
+    residual, r_inits = _quantize("r", 0.04, "r", 128)
+    conv, c_inits = _quantize("c", 0.06, "c")
+    inits += r_inits + c_inits + [("wq", rng.integers(-64, 65, (4, 3, 3, 3)).astype(np.int8)),
+                                  ("ws", np.full(4, 0.01, np.float32)), ("wz", np.zeros(4, np.int8)),
+                                  ("y_s", np.array(0.08, np.float32)), ("y_z", np.array(0, np.uint8))]
+    nodes += residual + [node("DequantizeLinear", ["wq", "ws", "wz"], ["w"], axis=0),
+                         node("Conv", ["x_dq", "w"], ["conv"], pads=[1, 1, 1, 1]), node("Relu", ["conv"], ["c"])]
+    nodes += conv + [node("Add", ["c_dq", "r_dq"], ["s"]), node("QuantizeLinear", ["s", "y_s", "y_z"], ["y"])]
+    return model(nodes, [value("x", [1, 3, 6, 6]), value("r", [1, 4, 6, 6])], [value("y", [1, 4, 6, 6], U8)], inits)
+
+
 def qdq_concat_of_two_scales():
     n1, i1 = _quantize("a", 0.05, "a")
     n2, i2 = _quantize("b", 0.07, "b")
@@ -457,6 +472,9 @@ CASES = {
     "quantized_layers/asymmetric_weight": Case("fuse_quantized_layers", lambda: qdq_conv(weight_zero=3),
                                                "zero point is not 0"),
     "quantized_add/sum_read_as_float": Case("fuse_quantized_add", qdq_add, "not quantized by one QuantizeLinear"),
+    "quantized_residual/conv_has_its_own_relu": Case("fuse_quantized_residual", qdq_conv_relu_residual,
+                                                      "its own activation", before=["fuse_quantized_layers",
+                                                                                    "fuse_quantized_add"]),
     "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.
     "qdq_round_trips/requantization": Case("remove_qdq_round_trips", lambda: qdq_add(requantized=True), None),

@@ -20,6 +20,7 @@ from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import remove_qdq_round_trips, sink_dequantize
+from kiln.passes.fusion.qdq_residual import fuse_quantized_residual
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
@@ -37,6 +38,7 @@ RULES = [
     ("remove_qdq_round_trips", remove_qdq_round_trips),  # Q(DQ(q)) = q
     ("fuse_quantized_layers", fuse_quantized_layer),  # after fuse_gelu (its Gelu absorbed), before fuse_conv/fuse_gemm
     ("fuse_quantized_add", fuse_quantized_add),
+    ("fuse_quantized_residual", fuse_quantized_residual),  # QConv -> QAdd: the add in the conv's epilogue
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("fuse_conv", fuse_conv),
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
@@ -63,3 +65,6 @@ RULES = [
 CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "fuse_packed_rotary", "fuse_split_swiglu",
              "fuse_relayout", "flatten_channels_last_runs"}
+# Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
+# it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
+CUDA_RULES = {"fuse_quantized_residual"}

@@ -32,6 +32,7 @@ from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
+from kiln.tactics.tactic import tensor_input as _input
 
 _CL = torch.channels_last
 _QUANTIZED = (torch.uint8, torch.int8)
@@ -102,7 +103,15 @@ def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list
     return pads, strides, dilations
 
 
+def _residual_refusal(inputs: list[InputMeta]) -> str | None:
+    """A QConv with a residual (inputs 9-13) is made for CUDA builds only (fusion.CUDA_RULES): oneDNN's
+    tactics here do not add it, so they refuse it (the reference op runs it)."""
+    return "a residual input: the add fused into the convolution is CUDA's" if _input(inputs, 9) is not None else None
+
+
 def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (refusal := _residual_refusal(inputs)) is not None:
+        return refusal
     common = _common(step, inputs, 4)
     if common is not True:
         return common
@@ -119,6 +128,8 @@ def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _qconv_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if (refusal := _residual_refusal(inputs)) is not None:
+        return refusal
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
     for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):

@@ -3,6 +3,7 @@
     check_layer(step, inputs, w_rank)   the contract's constants are constants, dtypes a kernel takes
     QuantizedLayer.of(step, constants)  the layer's parameters read once, at prepare, on the host
     integer_epilogue / real_epilogue    what the requantizing epilogue applies (kernels' qgemm.Epilogue)
+    check_residual / Residual.of        a QConv's residual add (inputs 9-13, fusion/qdq_residual.py)
 
 Every parameter of a quantized layer (scales, zero points, weights, bias) is a constant of the engine
 (the Q/DQ fusion makes them so), so a launch reads none of them from the device: no host sync, and
@@ -11,6 +12,7 @@ the epilogue's per-channel vectors are built once. Triton is imported at prepare
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -171,3 +173,73 @@ class QuantizedLayer:
         ones = torch.ones_like(self.w_scale, dtype=torch.float32)
         bias = None if self.bias is None else (self.bias.to(torch.float64) * self.w_scale * self.x_scale)
         return self.epilogue(ones, None if bias is None else bias.to(torch.float32))
+
+
+# ---- a QConv's residual add (kiln/ops/quantized.py: inputs 9-13) -------------------------------------
+
+INT8_OUTPUTS = (torch.int8, torch.uint8)
+
+
+def check_residual(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """What every CUDA tactic of a QConv with a residual needs (True also when there is none): the residual
+    int8/uint8 of the output's rank, its and the convolution's own quantization per-tensor constants, an
+    int8/uint8 sum with Relu or none."""
+    residual = _input(inputs, 9)
+    if residual is None:
+        return True
+    for i, name in ((10, "residual_scale"), (11, "residual_zero_point"), (12, "conv_scale"),
+                    (13, "conv_zero_point")):
+        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant or _numel(inputs[i].shape) != 1:
+            return f"{name} is not a per-tensor constant of the engine"
+    if residual.dtype not in INT8_OUTPUTS or inputs[11].dtype != residual.dtype:
+        return f"the residual is {name_of(residual.dtype)} (zero point {name_of(inputs[11].dtype)}), not int8/uint8"
+    if inputs[13].dtype not in INT8_OUTPUTS:
+        return f"the convolution's own result is {name_of(inputs[13].dtype)}, not int8/uint8"
+    if output_dtype(step, inputs) not in INT8_OUTPUTS:
+        return "the sum is not quantized to int8/uint8"
+    if _attr(step, "activation", "") not in ("", "Relu"):
+        return f"activation {_attr(step, 'activation', '')!r} after a residual add (Relu or none)"
+    if inputs[0].dtype == FP8:
+        return "an FP8 layer with a residual"
+    if len(residual.shape) != len(inputs[0].shape):
+        return f"the residual is {len(residual.shape)}-D, the layer's output {len(inputs[0].shape)}-D"
+    return True
+
+
+@dataclass(frozen=True)
+class Residual:
+    """A QConv's residual add as host numbers, read at prepare: the convolution's own 8-bit result (conv_*)
+    plus the residual (residual_*), then the layer's activation and output quantization (QuantizedLayer)."""
+
+    conv_dtype: torch.dtype
+    conv_scale: float
+    conv_zero: float
+    residual_scale: float
+    residual_zero: float
+
+    @classmethod
+    def of(cls, constants: list[Any]) -> Residual | None:
+        if len(constants) <= 13 or constants[10] is None:  # the residual (9) is an activation: not among them
+            return None
+        r_scale, r_zero, c_scale, c_zero = constants[10:14]
+
+        def number(t: torch.Tensor) -> float:
+            return float(t.reshape(-1)[0].to(torch.float32))
+
+        return cls(conv_dtype=c_zero.dtype, conv_scale=number(c_scale), conv_zero=number(c_zero),
+                   residual_scale=number(r_scale), residual_zero=number(r_zero))
+
+    def convolution(self, layer: QuantizedLayer) -> QuantizedLayer:
+        """The layer without its add: writes the convolution's own 8-bit result, no activation."""
+        return dataclasses.replace(layer, out_dtype=self.conv_dtype, y_scale=self.conv_scale, y_zero=self.conv_zero,
+                                   activation="", alpha=0.0, beta=0.0)
+
+    def add(self, layer: QuantizedLayer) -> Any:
+        """The kernel's qresidual.ResidualAdd: c (conv_*) + residual, the layer's activation and output."""
+        return kernels("qresidual").ResidualAdd(self.conv_scale, self.conv_zero, self.residual_scale,
+                                                self.residual_zero, layer.out_dtype, layer.y_scale, layer.y_zero,
+                                                activation=layer.activation)
+
+    def exact(self, layer: QuantizedLayer) -> Any:
+        """qresidual.ExactRounding of c: x_scale·w_scale in float64 on the layer's device, c's own scale."""
+        return kernels("qresidual").ExactRounding((layer.w_scale * layer.x_scale).contiguous(), self.conv_scale)

@@ -10,6 +10,13 @@
     cuda.qconv.dequantized_fp32          the same in fp32 with TF32 off, for layers whose values fp16 cannot
                                          hold to one output step (large scales, wide sums)
 
+A QConv with a residual (inputs 9-13, made on CUDA builds by kiln/passes/fusion/qdq_residual.py) runs on
+every tactic here: the Triton kernel adds it in its epilogue, or (cuda.qconv.triton_igemm.<tile>.then_qadd)
+writes the convolution's own 8-bit result and runs the QAdd kernel on it: the unfused pair, timed against
+the fused epilogue. Both round that result exactly as the reference (qresidual.py: the sum multiplies a
+step of it by conv_scale / y_scale); the dequantized tactics write it from a float convolution, within a
+step, and then the QAdd kernel: where conv_scale > y_scale the builder's check rejects them.
+
 All are timed by the autotuner against the op's reference and each other (issue 12's H200 numbers:
 no 8-bit convolution is assumed faster than FP16). layout "channels_last": timed on NHWC input, the
 layout its neighbours hand it; outputs are NHWC. Every parameter is read at prepare: launches do
@@ -26,7 +33,8 @@ import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, check_layer, kernels, triton_available
+from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, Residual, check_layer, check_residual, \
+    kernels, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -56,6 +64,11 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     common = check_layer(step, inputs, len(x.shape))
     if common is not True:
         return common
+    residual = check_residual(step, inputs)
+    if residual is not True:
+        return residual
+    if len(inputs) > 9 and inputs[9].shape is not None and len(x.shape) != 4:
+        return "a residual add of a convolution other than 2-D (the QAdd kernel walks 4-D)"
     w, groups = inputs[3], int(_attr(step, "group", 1))
     if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
         return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
@@ -113,11 +126,20 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
     return None
 
 
-def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
+def _igemm_tactic(tile: IgemmTile, level: int, then_qadd: bool = False) -> Tactic:
+    """The Triton implicit GEMM at `tile`; a residual add fused in its epilogue, or with `then_qadd` (layers
+    with a residual only) the convolution's own exact 8-bit result written and the QAdd kernel run on it:
+    the unfused pair as one candidate, timed against the fused one (the add's pass costs a read-read-write
+    of 8-bit tensors, the fused epilogue its instructions: which wins depends on the layer)."""
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         common = check_layer(step, inputs, 4)
         if common is not True:
             return common
+        residual = check_residual(step, inputs)
+        if residual is not True:
+            return residual
+        if then_qadd and (len(inputs) <= 9 or inputs[9].shape is None):
+            return "no residual: the plain tactic of this tile runs it"
         x, w = inputs[0], inputs[3]
         if len(x.shape) != 4:
             return "only 2-D convolutions (4-D input)"
@@ -133,22 +155,33 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
                                    num_stages=tile.num_stages, fp8_precise=not tile.fp8_fast_accumulation,
                                    mma_f16=tile.mma_f16, persistent=tile.persistent)
         layer = QuantizedLayer.of(step, constants, device)
+        residual = Residual.of(constants)
+        residual_add = exact = add_after = None
+        if residual is not None:  # the convolution's own result, rounded exactly (qresidual.py), then the add
+            residual_add, exact = residual.add(layer), residual.exact(layer)
+            add_after = _qadd_after(residual, layer) if then_qadd else None
+            layer = residual.convolution(layer)
+            residual_add = None if then_qadd else residual_add
         kernel = tuple(int(k) for k in layer.w.shape[2:])
         w_packed = qconv.pack_weight(layer.w, fp16=tile.mma_f16)  # [Cout, KH·KW·Cin], K-major: once per layer
         epilogue = layer.integer_epilogue()
         if epilogue.out_kind != 0:
             # y_scale folded into the per-channel scale: a multiply per output where the division took
             # ~10 instructions (the same tile ran 1.5-3x slower with it on the H200, bench/results/
-            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows
+            # qconv-2026-12-02.md); one step off at near-ties, as the contract allows (the exact rounding of
+            # a residual layer's own result keeps the multiply: qmath.exact_integer_result)
             epilogue = epilogue.prescale()
         x_zero = layer.x_zero
         padding = qconv.padding_row(layer.x_dtype, x_zero, int(layer.w.shape[1]), device)  # what padded taps read
 
-        def launch(ctx, x, *_inputs, **_attributes):
+        def launch(ctx, x, *inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, list(kernel))  # host arithmetic on x's shape
             x = x.contiguous(memory_format=_CL)  # no copy when it already is NHWC (as it was timed)
-            return qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
-                                 pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding)
+            y = qconv.qconv2d(x, w_packed, kernel, epilogue, x_zero=x_zero, strides=tuple(strides),
+                              pads=tuple(pads), dilations=tuple(dilations), config=config, padding=padding,
+                              residual=None if residual_add is None else inputs[8], residual_add=residual_add,
+                              exact=exact)
+            return y if add_after is None else add_after(y, inputs)
 
         return launch
 
@@ -156,13 +189,27 @@ def _igemm_tactic(tile: IgemmTile, level: int) -> Tactic:
                                                   ("FP8 fast accumulation", tile.fp8_fast_accumulation),
                                                   (f"{tile.persistent} persistent programs per SM", tile.persistent))
                      if on)
+    residual = "then the QAdd kernel on its exact 8-bit result (a residual layer unfused)" if then_qadd else \
+        "and a residual add fused in the epilogue"
     return Tactic(
-        name=tile.name, op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
-        prepare=prepare, layout="channels_last", level=level, available=triton_available,
+        name=tile.name + (".then_qadd" if then_qadd else ""), op_type="QConv", domain="kiln", device="cuda",
+        dtypes=QUANTIZED, supports=supports, prepare=prepare, layout="channels_last", level=level,
+        available=triton_available,
         description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {tile.block_m}x{tile.block_n}x{tile.block_k} "
                     f"tiles, {tile.num_warps} warps, {tile.num_stages} stages{extras}; zero point / bias / scale / "
-                    "Relu / requantization (y_scale folded into the scale) fused in the epilogue",
+                    f"Relu / requantization (y_scale folded into the scale) {residual}",
     )
+
+
+def _qadd_after(residual: Residual, sum_layer: QuantizedLayer):
+    """c + the residual (inputs[8]) after a convolution that wrote c: QAdd's arithmetic in one Triton pass."""
+    qelementwise = kernels("qelementwise")
+
+    def add(c: torch.Tensor, inputs: tuple) -> torch.Tensor:
+        return qelementwise.qadd(c, residual.conv_scale, residual.conv_zero, inputs[8], residual.residual_scale,
+                                 residual.residual_zero, out_dtype=sum_layer.out_dtype, y_scale=sum_layer.y_scale,
+                                 y_zero=sum_layer.y_zero, activation=sum_layer.activation)
+    return add
 
 
 # The configs the autotuner times, and the opt level each is tried from; each compiles a kernel per layer
@@ -188,6 +235,7 @@ IGEMM_TILES = (
 )
 for _tile, _level in IGEMM_TILES:
     register(_igemm_tactic(_tile, level=_level))
+    register(_igemm_tactic(_tile, level=max(_level, 2), then_qadd=True))
 
 
 # ---- the float layer ---------------------------------------------------------------------------------
@@ -196,6 +244,10 @@ def _dequantized(dtype: torch.dtype):
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qelementwise = kernels("qelementwise")
         layer = QuantizedLayer.of(step, constants, device)
+        residual = Residual.of(constants)
+        sum_layer = layer
+        if residual is not None:  # the convolution's own 8-bit result first, then the QAdd kernel
+            layer = residual.convolution(layer)
         w_real = layer.real_weight(dtype)  # [O, C/g, *k]
         if w_real.dim() == 4:
             w_real = w_real.contiguous(memory_format=_CL)
@@ -204,7 +256,12 @@ def _dequantized(dtype: torch.dtype):
         groups = int(_attr(step, "group", 1))
         x_scale, x_zero = layer.x_scale, layer.x_zero
 
-        def launch(ctx, x, *_inputs, **_attributes):
+        add_after = None if residual is None else _qadd_after(residual, sum_layer)
+
+        def add(c: torch.Tensor, inputs: tuple) -> torch.Tensor:
+            return c if add_after is None else add_after(c, inputs)
+
+        def launch(ctx, x, *inputs, **_attributes):
             strides, dilations, pads = _geometry(step, x, kernel)
             if x.dim() == 4:
                 x = x.contiguous(memory_format=_CL)
@@ -215,7 +272,7 @@ def _dequantized(dtype: torch.dtype):
                     _conv(xf, w_real, None, strides, dilations, pads, groups)
             else:
                 acc = _conv(xf, w_real, None, strides, dilations, pads, groups)  # zero padding: real 0
-            return qelementwise.requantize(acc, epilogue, 1)
+            return add(qelementwise.requantize(acc, epilogue, 1), inputs)
 
         if dtype != torch.float32:
             return launch
