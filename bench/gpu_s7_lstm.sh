@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Device call of 2026-12-03 (issue 11, h-lstm): the H200 host's own CPU (an AVX-512/AMX Xeon, quieter than the dev VM)
 # measures cpu.lstm.fused (kiln/kernels/cpu/lstm_fused.c) against kiln's other LSTM loops, onnxruntime and torch:
-# one layer at 1 thread (CPU time), the 2-layer forecasters at 1 thread (CPU time) and 2 threads (wall), and the zoo
-# rows lstm_forecaster and resnet50 at 2 threads. CPU only, no GPU used. Carry
-# [".whl/onednn_cpu_gomp-2023.2.0-py2.py3-none-manylinux1_x86_64.whl"]. About 200 s. Logs in $OUT.
+# one layer at 1 thread (CPU time), the 2-layer forecaster at 1 thread (CPU time), and the zoo rows lstm_forecaster
+# and resnet50 at 2 threads (wall). CPU only, no GPU used. Carry [".whl"] (the onednn-cpu-gomp
+# wheel). About 150-230 s (the first stage compiles kiln's C libraries into a fresh cache). Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-s7-lstm
 python3 -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('.whl/onednn_cpu_gomp-*.whl')[0]); [z.extract(n, '/tmp/dnnl') for n in z.namelist() if 'libdnnl.so.3' in n]"
@@ -11,14 +11,18 @@ export KILN_DNNL_LIBRARY=$(find /tmp/dnnl -name 'libdnnl.so.3' | head -1) KILN_C
 {
 stage "CPU"
 lscpu | grep -i "model name\|^CPU(s)\|L2\|flags" | cut -c1-300; uptime
-stage "one LSTM layer, 1 thread, CPU time (compiles kiln's C loops first)"
-timeout 75 python3 bench/lstm_layers.py --rounds 5 --runs 20 2>&1 | tail -20
-stage "2-layer LSTM / BiLSTM forecasters, 1 thread, CPU time"
-timeout 45 python3 bench/recurrent.py --models lstm,bilstm --threads 1 --clock cpu --rounds 5 --budget 8 --no-write 2>&1 | grep "^| \|tactics\|by round\|rror" | tail -8
-stage "the same, 2 threads, wall"
-timeout 45 python3 bench/recurrent.py --models lstm,bilstm --threads 2 --rounds 5 --budget 8 --no-write 2>&1 | grep "^| \|tactics\|by round\|rror" | tail -8
+stage "compile kiln's C libraries (GEMM, recurrent loops, relayout, segment loop)"
+timeout 60 python3 -c "
+from kiln.kernels.cpu import gemm_native, native_loop, recurrent, relayout, onednn
+print('onednn', onednn.available(), 'gemm', gemm_native.load() is not None, 'recurrent', recurrent.available(),
+      recurrent.reason(), 'relayout', relayout.available(), 'segment loop', native_loop.load() is not None)
+print([k.name for k in recurrent.fused_kernels() if k.supported])"
+stage "one LSTM layer, 1 thread, CPU time"
+timeout 35 python3 bench/lstm_layers.py --rounds 5 --runs 10 2>&1 | tail -20
+stage "2-layer LSTM forecaster, 1 thread, CPU time"
+timeout 35 python3 bench/recurrent.py --models lstm --threads 1 --clock cpu --rounds 5 --budget 6 --no-write 2>&1 | grep "^| \|tactics\|by round\|rror" | tail -5
 stage "zoo at 2 threads: lstm_forecaster, resnet50"
-timeout 75 python3 bench/zoo.py --models lstm_forecaster,resnet50 --threads 2 --rounds 3 --budget 8 --timing-cache "" \
+timeout 100 python3 bench/zoo.py --models lstm_forecaster,resnet50 --threads 2 --rounds 3 --budget 8 --timing-cache "" \
   --no-write 2>&1 | grep "^| \|tactics\|rror\|geometric" | tail -8
 stage done; uptime
 } 2>&1 | tee "$OUT/s7-lstm.log"
