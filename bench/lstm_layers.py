@@ -2,9 +2,11 @@
 
     python bench/lstm_layers.py                       # inputs 16 and 128, batch 8, 96 steps, 128 units, 1 thread
     python bench/lstm_layers.py --inputs 128 --batch 1 --rounds 7
+    python bench/lstm_layers.py --threads 2          # wall clock (each peer's pool on 2 threads)
 
 Every peer runs the same forward layer (W, R, B random, no initial state) on one thread, timed by the CPU
-time of the calling thread (time.thread_time: every peer computes on the calling thread at one thread), in
+time of the calling thread (time.thread_time: every peer computes on the calling thread at one thread; with
+--threads > 1 the wall clock, which other work on a shared machine inflates), in
 interleaved rounds of blocks (native, lanes..., fused..., torch, onnxruntime, native, ...), so a shared
 machine's drift lands on all alike; each output is checked against onnxruntime's first. Prints, per loop, the
 median over rounds, GFLOP/s (2·S·N·(I+H)·4H) and each round's ms.
@@ -29,27 +31,28 @@ from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
 
 
-def ort_layer(w: np.ndarray, r: np.ndarray, b: np.ndarray, steps: int, batch: int, hidden: int):
+def ort_layer(w: np.ndarray, r: np.ndarray, b: np.ndarray, steps: int, batch: int, hidden: int, threads: int):
     inputs = w.shape[2]
     graph = helper.make_graph(
         [helper.make_node("LSTM", ["X", "W", "R", "B"], ["Y"], hidden_size=hidden)], "lstm",
         [helper.make_tensor_value_info("X", TensorProto.FLOAT, [steps, batch, inputs])],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(a, n) for a, n in ((w, "W"), (r, "R"), (b, "B"))])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
+    # IR 10: what every onnxruntime of the last years reads (the device's takes up to 13, onnx writes 14 now)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)], ir_version=10)
     options = ort.SessionOptions()
-    options.intra_op_num_threads, options.inter_op_num_threads = 1, 1
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def cpu_ms(fn, runs: int) -> float:
+def median_ms(fn, runs: int, clock) -> float:
     for _ in range(3):
         fn()
     samples = []
     for _ in range(runs):
-        start = time.thread_time()
+        start = clock()
         fn()
-        samples.append(time.thread_time() - start)
+        samples.append(clock() - start)
     return float(np.median(samples)) * 1e3
 
 
@@ -61,7 +64,7 @@ def peers(inputs: int, args) -> tuple[dict, np.ndarray, dict]:
     r = (rng.standard_normal((1, 4 * hidden, hidden)) * 0.1).astype(np.float32)
     b = (rng.standard_normal((1, 8 * hidden)) * 0.1).astype(np.float32)
     x = rng.standard_normal((steps, batch, inputs)).astype(np.float32)
-    session = ort_layer(w, r, b, steps, batch, hidden)
+    session = ort_layer(w, r, b, steps, batch, hidden, args.threads)
     want = session.run(None, {"X": x})[0][:, 0]
     W, R, B, X = (torch.from_numpy(a) for a in (w, r, b, x))
     layers = {"native": recurrent.RecurrentDirection("LSTM", W[0], R[0], B[0])}
@@ -97,10 +100,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--runs", type=int, default=20, help="timed runs per block")
+    parser.add_argument("--threads", type=int, default=1, help="threads of every peer (past 1: wall clock)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    print(f"{cpu_name()} ({platform.machine()}), load {os.getloadavg()[0]:.2f}, 1 thread, CPU time of the "
-          f"calling thread, batch {args.batch}, {args.steps} steps, {args.hidden} units", flush=True)
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    print(f"{cpu_name()} ({platform.machine()}), load {os.getloadavg()[0]:.2f}, {args.threads} thread(s), "
+          f"{'CPU time of the calling thread' if args.threads == 1 else 'wall clock'}, batch {args.batch}, "
+          f"{args.steps} steps, {args.hidden} units", flush=True)
     for inputs in (int(i) for i in args.inputs.split(",")):
         run, want, outputs = peers(inputs, args)
         for name, fn in run.items():
@@ -113,7 +119,7 @@ def main() -> None:
         rounds = {name: [] for name in run}
         for _ in range(args.rounds):
             for name, fn in run.items():
-                rounds[name].append(cpu_ms(fn, args.runs))
+                rounds[name].append(median_ms(fn, args.runs, clock))
         flop = 2 * args.steps * args.batch * (inputs + args.hidden) * 4 * args.hidden
         for name, ms in rounds.items():
             median = float(np.median(ms))

@@ -19,8 +19,9 @@
  *
  * Layouts: W and R packed per block, side by side along K, [blocks][I + H][4·U] (column q·U + j of a
  * block: gate q of unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb). h ping-pongs between
- * two [N, H] buffers (a step reads all of the previous h), c is [N, H]. A work item is one block for one
- * group of rows; a step's items all finish before the next step's start (recurrent.c's run_stages).
+ * two [N, H] buffers (a step reads all of the previous h), c is [N, H]. A work item is one block for its
+ * row groups (some of them where a thread would otherwise get fewer than two items); a step's items all
+ * finish before the next step's start (recurrent.c's run_stages).
  * Rows past their length keep h and c and write zeros to Y; a reverse direction reads X backwards within
  * each row's length (recurrent.c).
  */
@@ -43,6 +44,7 @@ struct fused_ctx {
     const fused_kernel *kernel;
     float *h[2], *c;            /* h of even / odd steps' inputs [N, H]; c [N, H] */
     long blocks, groups;        /* unit blocks; row groups of a step (fused_group) */
+    long per_item;              /* row groups of one work item (fused_item) */
 };
 
 /* Where row n reads X at step `step` (reverse: backwards within its length; past it: any row, unused). */
@@ -252,12 +254,18 @@ static long fused_group(long n, long groups, long g, long *rows) {
     return g * base + (g < extra ? g : extra);
 }
 
+/* A work item: one block of units for `per_item` consecutive row groups, which read the same weights (the
+   second group's from L1 / L2) and whose tiles the core overlaps (one's cell with the next one's sums). */
 static void fused_item(const loop_ctx *lc, long step, long item) {
     const fused_ctx *c = (const fused_ctx *)lc;
-    const long block = item / c->groups;  /* consecutive items share a block's weights */
-    long rows;
-    const long row0 = fused_group(c->p->N, c->groups, item % c->groups, &rows);
-    c->kernel->rows[rows - 1](c, step, block, row0);
+    const long chunks = (c->groups + c->per_item - 1) / c->per_item;
+    const long block = item / chunks, first = item % chunks * c->per_item;
+    const long last = first + c->per_item < c->groups ? first + c->per_item : c->groups;
+    for (long g = first; g < last; ++g) {
+        long rows;
+        const long row0 = fused_group(c->p->N, c->groups, g, &rows);
+        c->kernel->rows[rows - 1](c, step, block, row0);
+    }
 }
 
 /* plan.packed_w: kiln_lstm_fused_pack's layout for plan.kernel (an index of FUSED_KERNELS), the bias after
@@ -280,11 +288,15 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     c.loop.s.counters = (long *)(((size_t)(c.c + N * H) + 63) & ~(size_t)63);
     c.blocks = fused_blocks(p->kernel, H);
     c.groups = (N + kernel->mr - 1) / kernel->mr;
+    /* whole blocks as items while there are two items a thread, else fewer groups an item */
+    const int threads = recurrent_threads(p);
+    const long splits = (2L * threads + c.blocks - 1) / c.blocks;
+    c.per_item = (c.groups + splits - 1) / splits;
     recurrent_scratch states = {0};
     states.h_a = c.h[0];
     states.c = c.c;
     load_states(p, &states);
-    p->stalled = run_stages(&c.loop, p->S, c.blocks * c.groups, recurrent_threads(p), fused_item);
+    p->stalled = run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
     store_states(p, c.h[p->S % 2], c.c);
     return 0;
 }
