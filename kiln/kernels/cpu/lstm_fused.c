@@ -68,51 +68,19 @@ static inline fused_v4 fused_min(fused_v4 a, fused_v4 b) { const fused_i4 m = a 
 static inline fused_v4 fused_max(fused_v4 a, fused_v4 b) { const fused_i4 m = a > b; return (fused_v4)((m & (fused_i4)a) | (~m & (fused_i4)b)); }
 static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
 
-/* gemm.c's exp_poly and tanh_rational (the scalar cell's) on a vector V of floats (VI: of ints), with the
-   ISA's min / max for the clamps and its reciprocal estimate plus one Newton step for the divisions
-   (RCP: 14 bits on AVX-512, 12 on AVX2; one step gives ~2 ulp): the cell costs as much as a third of the
-   step's FMAs at 8 rows x 128 units, and a vector division is the slowest of its operations. */
+/* σ and tanh: lstm_lanes.c's LSTM_VECTOR_MATH (gemm.c's exp_poly and tanh_rational on a vector) with the ISA's
+   min / max for the clamps and its reciprocal estimate plus one Newton step for the divisions (RCP: 14 bits on
+   AVX-512, 12 on AVX2; one step gives ~2 ulp): the cell costs as much as a third of the step's FMAs at 8 rows
+   x 128 units, and a vector division is the slowest of its operations. */
 #define FUSED_MATH(NAME, TARGET, V, VI, MIN, MAX, RCP)                                                       \
     static inline __attribute__((always_inline)) TARGET V NAME##_clamp(V x, float lo, float hi) {           \
         return (V)MIN(MAX(x, (V){0} + lo), (V){0} + hi);                                                     \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET V NAME##_recip(V d) {                               \
+    static inline __attribute__((always_inline)) TARGET V NAME##_div(V a, V d) {                            \
         const V r = (V)RCP(d);                                                                               \
-        return r * (2.0f - d * r);                                                                           \
+        return a * (r * (2.0f - d * r));                                                                     \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET V NAME##_exp(V x) {                                 \
-        x = NAME##_clamp(x, -87.0f, 88.0f);                                                                  \
-        const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                 \
-        const V r = x - n * 0.693359375f + n * 2.12194440e-4f;                                               \
-        V q = (V){0} + 1.9875691500e-4f;                                                                     \
-        q = q * r + 1.3981999507e-3f;                                                                        \
-        q = q * r + 8.3334519073e-3f;                                                                        \
-        q = q * r + 4.1665795894e-2f;                                                                        \
-        q = q * r + 1.6666665459e-1f;                                                                        \
-        q = q * r + 5.0000001201e-1f;                                                                        \
-        q = q * r * r + r + 1.0f;                                                                            \
-        const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;                                        \
-        return q * (V)bits;                                                                                  \
-    }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET V NAME##_sigmoid(V x) {                             \
-        return NAME##_recip(1.0f + NAME##_exp(-x));                                                          \
-    }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET V NAME##_tanh(V x) {                                \
-        x = NAME##_clamp(x, -9.0f, 9.0f);                                                                    \
-        const V x2 = x * x;                                                                                  \
-        V p = (V){0} - 2.76076847742355e-16f;                                                                \
-        p = p * x2 + 2.00018790482477e-13f;                                                                  \
-        p = p * x2 - 8.60467152213735e-11f;                                                                  \
-        p = p * x2 + 5.12229709037114e-08f;                                                                  \
-        p = p * x2 + 1.48572235717979e-05f;                                                                  \
-        p = p * x2 + 6.37261928875436e-04f;                                                                  \
-        p = p * x2 + 4.89352455891786e-03f;                                                                  \
-        V q = (V){0} + 1.19825839466702e-06f;                                                                \
-        q = q * x2 + 1.18534705686654e-04f;                                                                  \
-        q = q * x2 + 2.26843463243900e-03f;                                                                  \
-        q = q * x2 + 4.89352518554385e-03f;                                                                  \
-        return NAME##_clamp(x * p * NAME##_recip(q), -1.0f, 1.0f);                                           \
-    }
+    LSTM_VECTOR_MATH(NAME, TARGET, V, VI, NAME##_clamp, NAME##_div)
 
 /* One tile: M batch rows from row0, one block of U units; accumulation then the cell, per row. M is a
    constant in each instance, so the M·4 accumulators are registers. */
