@@ -14,47 +14,26 @@ bound covers fp32's own rounding over those steps (observed < 5e-7).
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 import torch
 
-import kiln
-from kiln.builder import autotune
 from kiln.kernels.cpu import recurrent
 from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
-from tests.unit.oracle import assert_close, case_rng, one_node_model
-from tests.unit.test_tactics_cpu_lstm import inputs, node, oracle, runs_match_onnxruntime
+from tests.unit.oracle import assert_close, case_rng
+from tests.unit.test_tactics_cpu_lstm import inputs, oracle, runs_match_onnxruntime
+from tests.unit.test_tactics_cpu_lstm_lanes import engine as lanes_engine
 
 NAME = "cpu.lstm.fused"
 TOLERANCE = {np.dtype(np.float32): (1e-5, 2e-6)}
 pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop is not built: {recurrent.reason()}")
 
 
-def engine(values, attrs, hidden, monkeypatch, *, sequence_lens: bool = False, dynamic_batch: bool = False):
-    """The node with W, R, B as engine constants, built with cpu.lstm.fused made the fastest."""
-    feeds = {k: v for k, v in values.items() if k in ("X", "initial_h", "initial_c")}
-    graph_values = dict(values)
-    if sequence_lens:
-        graph_values["sequence_lens"] = feeds["sequence_lens"] = np.full(values["X"].shape[1], 3, np.int32)
-    model = one_node_model(node(graph_values, attrs, hidden), feeds)
-    if dynamic_batch:  # layout 0: X [S, N, I], states [D, N, H]
-        for value in model.graph.input:
-            dims = value.type.tensor_type.shape.dim
-            dims[1 if value.name in ("X", "initial_h", "initial_c") else 0].dim_param = "N"
-    model.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in values.items()
-                                   if k in ("W", "R", "B"))
-    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {k: 0.0 if k == NAME else 1.0
-                                                                                for k in fns})
-    profiles = None
-    if dynamic_batch:  # tuned at 3 rows, valid up to 20
-        steps, _, features = values["X"].shape
-        d, hidden_ = values["initial_h"].shape[0], values["initial_h"].shape[2]
-        profiles = [{"X": f"{steps}x1x{features},{steps}x3x{features},{steps}x20x{features}",
-                     "initial_h": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x20x{hidden_}",
-                     "initial_c": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x20x{hidden_}"}]
-    return kiln.build(model, tactics=[NAME, "cpu.lstm.native"], timing_cache=None, profiles=profiles), feeds
+def engine(values, attrs, hidden, monkeypatch, **options):
+    """The node with W, R, B as engine constants, built with cpu.lstm.fused made the fastest (a dynamic batch
+    valid up to 20 rows)."""
+    return lanes_engine(values, attrs, hidden, monkeypatch, name=NAME, max_batch=20, **options)
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
