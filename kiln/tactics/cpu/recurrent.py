@@ -125,9 +125,11 @@ def _preparer(cell: str, loop: str = "rows"):
                 input_forget=bool(int(_attr(step, "input_forget", 0))), activations=per_direction[d],
                 clip=None if clip is None else float(clip)) for d in range(directions)]
 
-        rows: list = [] if lanes else \
-            [recurrent.FusedLSTMDirection(W[d], R[d], None if B is None else B[d]) for d in range(directions)] \
-            if fused else row_layers()
+        rows: list[recurrent.RecurrentDirection | recurrent.FusedLSTMDirection] = []  # lanes: built past the lanes
+        if fused:
+            rows = [recurrent.FusedLSTMDirection(W[d], R[d], None if B is None else B[d]) for d in range(directions)]
+        elif not lanes:
+            rows = row_layers()
         lane_layers = [recurrent.LanesLSTMDirection(W[d], R[d], None if B is None else B[d])
                        for d in range(directions)] if lanes else []
         lane_batch = lane_layers[0].lanes if lanes else 0
