@@ -1,4 +1,5 @@
-"""Removal of nodes that compute nothing at inference time, and of chains that cancel.
+"""Removal of nodes that compute nothing at inference time, of chains that cancel, and of work a pick makes
+unnecessary (a Transpose whose one reader selects a single index of it).
 
 Each rule returns True when it rewrote the graph; the comment on each gives the algebra.
 """
@@ -86,6 +87,29 @@ def collapse_transpose_chain(node: ir.Node, report: PassReport) -> bool:
     return True
 
 
+def gather_through_transpose(node: ir.Node, report: PassReport) -> bool:
+    # Gather(Transpose(x, p), i, axis=a), i a scalar -> Gather(x, i, axis=p[a]) when the axes left keep their order
+    # (a batch-first RNN's last step, out[:, -1] of Transpose(Y, [1, 0, 2]): one row picked, not [S, N, H] moved)
+    if not is_op(node, "Gather") or static_shape(node.inputs[1]) != []:
+        return False
+    transpose = producer(node.inputs[0], "Transpose")
+    perm = None if transpose is None else attr(transpose, "perm")
+    if perm is None:
+        return False
+    rank = len(perm)
+    axis = int(attr(node, "axis", 0))
+    axis = axis + rank if axis < 0 else axis
+    if not 0 <= axis < rank:
+        return False
+    left = [p for i, p in enumerate(perm) if i != axis]
+    if left != sorted(left):
+        report.refuse("gather_through_transpose", node, f"the axes left by the pick, {left}, change order")
+        return False
+    node.replace_input_with(0, transpose.inputs[0])
+    node.attributes["axis"] = ir.AttrInt64("axis", int(perm[axis]))
+    return True
+
+
 def remove_cast_round_trip(node: ir.Node, report: PassReport) -> bool:
     # Cast(x, to=type(x)) -> x;  Cast(Cast(x, wider), type(x)) -> x
     if not is_op(node, "Cast"):
@@ -109,6 +133,7 @@ NOOP_RULES = {
     "remove_zero_pad": remove_zero_pad,
     "collapse_reshape_chain": collapse_reshape_chain,
     "collapse_transpose_chain": collapse_transpose_chain,
+    "gather_through_transpose": gather_through_transpose,
     "remove_cast_round_trip": remove_cast_round_trip,
 }
 

@@ -79,9 +79,9 @@ def test_forecaster_matches_onnxruntime_and_runs_fused(name, tmp_path, monkeypat
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} run {run}")
         np.testing.assert_allclose(output, eager, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} vs torch")
-        # every layer one whole-sequence kernel: kiln's own loop (cpu.lstm.native / cpu.gru.native / cpu.lstm.lanes,
-        # the tuner's choice where it was faster) or torch's (run_fused), never the step-by-step path
-        loops = (f"cpu.{op.lower()}.native", "cpu.lstm.lanes")
+        # every layer one whole-sequence kernel: kiln's own loop (cpu.lstm.native / cpu.gru.native / cpu.lstm.lanes /
+        # cpu.lstm.fused, the tuner's choice where it was faster) or torch's (run_fused), never the step-by-step path
+        loops = (f"cpu.{op.lower()}.native", "cpu.lstm.lanes", "cpu.lstm.fused")
         native = sum(s.op_type == op and s.tactic in loops for s in engine.plan.program.steps)
         assert calls == [op] * (layers - native), f"{name}: fused calls {calls}, {native} native layer(s)"
 

@@ -97,6 +97,31 @@ def test_noops_identity_dropout_transpose_and_cast_chains_removed():
     assert_same_as_onnxruntime(proto, {"x": np.random.default_rng(2).standard_normal((2, 3, 4), np.float32)}, level=1)
 
 
+def test_a_pick_after_a_transpose_reads_the_untransposed_tensor():
+    """A batch-first RNN's last step, out[:, -1] of Transpose(Y, [1, 0, 2]), and a negative axis: the Gather
+    reads Y (axis 0) and the Transpose goes; a pick that leaves the other axes out of order is left alone."""
+    x = helper.make_tensor_value_info("x", F, [5, 3, 4])
+    outputs = [helper.make_tensor_value_info(n, F, None) for n in ("last", "middle", "kept")]
+    nodes = [
+        helper.make_node("Relu", ["x"], ["y"]),
+        helper.make_node("Transpose", ["y"], ["t"], perm=[1, 0, 2]),
+        helper.make_node("Gather", ["t", "minus_one"], ["g"], axis=1),  # [3, 5, 4] -> [3, 4]: step -1
+        helper.make_node("Relu", ["g"], ["last"]),
+        helper.make_node("Transpose", ["y"], ["u"], perm=[1, 0, 2]),
+        helper.make_node("Gather", ["u", "two"], ["middle"], axis=-3),  # [3, 5, 4] -> [5, 4]: row 2
+        helper.make_node("Transpose", ["y"], ["v"], perm=[2, 1, 0]),
+        helper.make_node("Gather", ["v", "two"], ["kept"], axis=1),  # [4, 5, 3] -> [4, 3]: x's axes 2, 0
+    ]
+    proto = make_model(nodes, [x], outputs, [("minus_one", np.array(-1, np.int64)), ("two", np.array(2, np.int64))])
+    model, report, ops = optimized(proto, level=1)
+    assert report.fired["gather_through_transpose"] == 2
+    assert ops == {"Relu": 2, "Gather": 3, "Transpose": 1}
+    axes = sorted(int(n.attributes["axis"].value) for n in model.graph if n.op_type == "Gather")
+    assert axes == [0, 1, 1]  # the two picks now on x's axes 0 and 1; the refused one unchanged
+    assert any("change order" in line for line in report.refused)
+    assert_same_as_onnxruntime(proto, {"x": np.random.default_rng(3).standard_normal((5, 3, 4), np.float32)}, level=1)
+
+
 def test_a_pad_of_zeros_is_removed_and_a_real_one_kept():
     """Swin pads its token grid to whole windows; at 224 px there is nothing to pad."""
     x = helper.make_tensor_value_info("x", F, [1, 4, 4, 3])

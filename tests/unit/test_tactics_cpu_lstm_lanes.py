@@ -31,8 +31,10 @@ TOLERANCE = {np.dtype(np.float32): (1e-5, 2e-6)}
 pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop is not built: {recurrent.reason()}")
 
 
-def engine(values, attrs, hidden, monkeypatch, *, sequence_lens: bool = False, dynamic_batch: bool = False):
-    """The node with W, R, B as engine constants, built with cpu.lstm.lanes made the fastest."""
+def engine(values, attrs, hidden, monkeypatch, *, sequence_lens: bool = False, dynamic_batch: bool = False,
+           name: str = NAME, max_batch: int = 12):
+    """The node with W, R, B as engine constants, built with `name` (cpu.lstm.lanes) made the fastest; a dynamic
+    batch is tuned at 3 rows and valid up to `max_batch`."""
     feeds = {k: v for k, v in values.items() if k in ("X", "initial_h", "initial_c")}
     graph_values = dict(values)
     if sequence_lens:
@@ -44,16 +46,17 @@ def engine(values, attrs, hidden, monkeypatch, *, sequence_lens: bool = False, d
             dims[1 if value.name in ("X", "initial_h", "initial_c") else 0].dim_param = "N"
     model.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in values.items()
                                    if k in ("W", "R", "B"))
-    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {k: 0.0 if k == NAME else 1.0
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {k: 0.0 if k == name else 1.0
                                                                                 for k in fns})
     profiles = None
-    if dynamic_batch:  # tuned at 3 rows, valid up to 12
+    if dynamic_batch:
         steps, _, features = values["X"].shape
         d, hidden_ = values["initial_h"].shape[0], values["initial_h"].shape[2]
-        profiles = [{"X": f"{steps}x1x{features},{steps}x3x{features},{steps}x12x{features}",
-                     "initial_h": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x12x{hidden_}",
-                     "initial_c": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x12x{hidden_}"}]
-    return kiln.build(model, tactics=[NAME, "cpu.lstm.native"], timing_cache=None, profiles=profiles), feeds
+        top = max_batch
+        profiles = [{"X": f"{steps}x1x{features},{steps}x3x{features},{steps}x{top}x{features}",
+                     "initial_h": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x{top}x{hidden_}",
+                     "initial_c": f"{d}x1x{hidden_},{d}x3x{hidden_},{d}x{top}x{hidden_}"}]
+    return kiln.build(model, tactics=[name, "cpu.lstm.native"], timing_cache=None, profiles=profiles), feeds
 
 
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])

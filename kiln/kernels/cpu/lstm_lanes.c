@@ -62,46 +62,50 @@ static inline __attribute__((always_inline)) lanes_v lanes_clamp(lanes_v x, floa
     return lanes_select(x > u, u, x);
 }
 
-/* gemm.c's exp_poly and tanh_rational (the scalar cell's and the GEMM epilogue's) on a vector: the same
-   operations in the same order, so both cells round alike. rint: the 1.5·2²³ trick (|x·log2 e| < 2²²). */
-#define LANES_MATH(NAME, TARGET)                                                                              \
-    static inline __attribute__((always_inline)) TARGET lanes_v NAME##_exp(lanes_v x) {                      \
-        x = lanes_clamp(x, -87.0f, 88.0f);                                                                   \
-        const lanes_v n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                           \
-        const lanes_v r = x - n * 0.693359375f + n * 2.12194440e-4f;                                         \
-        lanes_v q = (lanes_v){0} + 1.9875691500e-4f;                                                                \
+static inline __attribute__((always_inline)) lanes_v lanes_div(lanes_v a, lanes_v b) { return a / b; }
+
+/* gemm.c's exp_poly and tanh_rational (the scalar cell's and the GEMM epilogue's) on a vector V of floats (VI:
+   of ints), with the caller's CLAMP(x, lo, hi) and DIV(a, b): here and in lstm_fused.c. With a division and
+   select-based clamps (this file's), the same operations in the same order as the scalar forms, so both cells
+   round alike. rint: the 1.5·2²³ trick (|x·log2 e| < 2²²). */
+#define LSTM_VECTOR_MATH(NAME, TARGET, V, VI, CLAMP, DIV)                                                    \
+    static inline __attribute__((always_inline)) TARGET V NAME##_exp(V x) {                                 \
+        x = CLAMP(x, -87.0f, 88.0f);                                                                         \
+        const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                 \
+        const V r = x - n * 0.693359375f + n * 2.12194440e-4f;                                               \
+        V q = (V){0} + 1.9875691500e-4f;                                                                     \
         q = q * r + 1.3981999507e-3f;                                                                        \
         q = q * r + 8.3334519073e-3f;                                                                        \
         q = q * r + 4.1665795894e-2f;                                                                        \
         q = q * r + 1.6666665459e-1f;                                                                        \
         q = q * r + 5.0000001201e-1f;                                                                        \
         q = q * r * r + r + 1.0f;                                                                            \
-        const lanes_i bits = (__builtin_convertvector(n, lanes_i) + 127) << 23;                              \
-        return q * (lanes_v)bits;                                                                            \
+        const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;                                        \
+        return q * (V)bits;                                                                                  \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET lanes_v NAME##_sigmoid(lanes_v x) {                  \
-        return 1.0f / (1.0f + NAME##_exp(-x));                                                               \
+    static inline __attribute__((always_inline)) TARGET V NAME##_sigmoid(V x) {                             \
+        return DIV((V){0} + 1.0f, 1.0f + NAME##_exp(-x));                                                    \
     }                                                                                                        \
-    static inline __attribute__((always_inline)) TARGET lanes_v NAME##_tanh(lanes_v x) {                     \
-        x = lanes_clamp(x, -9.0f, 9.0f);                                                                     \
-        const lanes_v x2 = x * x;                                                                            \
-        lanes_v p = (lanes_v){0} - 2.76076847742355e-16f;                                                         \
+    static inline __attribute__((always_inline)) TARGET V NAME##_tanh(V x) {                                \
+        x = CLAMP(x, -9.0f, 9.0f);                                                                           \
+        const V x2 = x * x;                                                                                  \
+        V p = (V){0} - 2.76076847742355e-16f;                                                                \
         p = p * x2 + 2.00018790482477e-13f;                                                                  \
         p = p * x2 - 8.60467152213735e-11f;                                                                  \
         p = p * x2 + 5.12229709037114e-08f;                                                                  \
         p = p * x2 + 1.48572235717979e-05f;                                                                  \
         p = p * x2 + 6.37261928875436e-04f;                                                                  \
         p = p * x2 + 4.89352455891786e-03f;                                                                  \
-        lanes_v q = (lanes_v){0} + 1.19825839466702e-06f;                                                         \
+        V q = (V){0} + 1.19825839466702e-06f;                                                                \
         q = q * x2 + 1.18534705686654e-04f;                                                                  \
         q = q * x2 + 2.26843463243900e-03f;                                                                  \
         q = q * x2 + 4.89352518554385e-03f;                                                                  \
-        return lanes_clamp(x * p / q, -1.0f, 1.0f);                                                          \
+        return CLAMP(DIV(x * p, q), -1.0f, 1.0f);                                                            \
     }
 
 /* One tile at one step: the accumulation (UT·4 vectors in registers) and the cell of its UT units. */
 #define LANES_TILE(NAME, TARGET, UT)                                                                          \
-    LANES_MATH(NAME, TARGET)                                                                                 \
+    LSTM_VECTOR_MATH(NAME, TARGET, lanes_v, lanes_i, lanes_clamp, lanes_div)                                 \
     static TARGET void NAME##_tile(const lanes_ctx *c, long s, long t) {                                     \
         const kiln_recurrent_plan *p = c->p;                                                                 \
         const long I = p->I, H = p->H;                                                                       \

@@ -10,7 +10,11 @@ units, one barrier a step; the GRU with linear_before_reset=0 two). torch's kern
 ONNX's default GRU (linear_before_reset=0), other activations, clip or peepholes: kiln/ops/rnn.py runs
 those step by step in Python.
 
-The library is gemm.c, recurrent.c and lstm.c, compiled on first use as kiln's GEMM is
+lstm_lanes.c and lstm_fused.c are two more loops for the LSTM with the default activations (the batch in
+the vector lanes; the input projection, recurrent GEMM and cell of a step in one register tile); the
+builder times them against lstm.c's.
+
+The library is gemm.c, recurrent.c, lstm.c, lstm_lanes.c and lstm_fused.c, compiled on first use as kiln's GEMM is
 (kiln/kernels/cpu/native_loop.py: cached per source, CPU and flags); the microkernel is picked from
 cpuid when a layer is built (AVX-512, AVX2, portable).
 """
@@ -29,7 +33,8 @@ import torch
 from kiln.kernels.cpu import gemm_native, hugepages
 
 _HERE = Path(__file__).parent
-SOURCE = "\n".join([gemm_native.SOURCE, *((_HERE / name).read_text() for name in ("recurrent.c", "lstm.c", "lstm_lanes.c"))])
+SOURCE = "\n".join([gemm_native.SOURCE, *((_HERE / name).read_text()
+                                           for name in ("recurrent.c", "lstm.c", "lstm_lanes.c", "lstm_fused.c"))])
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}  # gate blocks of W's rows, in ONNX's order (GRU z r h, LSTM i o f c)
 # ONNX activation name (lower case) -> recurrent.c's RACT_* code
@@ -100,6 +105,16 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
                                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         lib.kiln_lstm_lanes_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_lanes_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long]
+        lib.kiln_lstm_fused.restype = ctypes.c_int
+        lib.kiln_lstm_fused.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+        lib.kiln_lstm_fused_kernel_name.restype = ctypes.c_char_p
+        lib.kiln_lstm_fused_packed_floats.restype = ctypes.c_long
+        lib.kiln_lstm_fused_packed_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        lib.kiln_lstm_fused_pack.restype = None
+        lib.kiln_lstm_fused_pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+        lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
+        lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
         _LOADED[test_kernels] = lib
         return lib
 
@@ -323,3 +338,76 @@ class LanesLSTMDirection:
             status = self._lib.kiln_lstm_lanes(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln lane LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+
+
+@dataclass(frozen=True)
+class FusedKernel:
+    """One of lstm_fused.c's tiles: a block of `units` hidden units (4 gate vectors) by up to `rows` batch rows."""
+
+    index: int
+    name: str
+    units: int
+    supported: bool
+    test_only: bool
+
+
+def fused_kernels(test_kernels: bool = False) -> list[FusedKernel]:
+    """lstm_fused.c's tiles in kiln's order of preference (AVX-512, AVX2, portable)."""
+    lib = load(test_kernels)
+    if lib is None:
+        return []
+    return [FusedKernel(i, lib.kiln_lstm_fused_kernel_name(i).decode(), int(lib.kiln_lstm_fused_kernel_units(i)),
+                        bool(lib.kiln_lstm_fused_kernel_supported(i)), bool(lib.kiln_lstm_fused_kernel_test_only(i)))
+            for i in range(lib.kiln_lstm_fused_kernel_count())]
+
+
+class FusedLSTMDirection:
+    """One direction of an ONNX LSTM with the default activations (no clip, peepholes or input_forget) on
+    lstm_fused.c: per step and block of hidden units, the input projection, the recurrent GEMM and the cell
+    in one register tile. W [4H, I], R [4H, H] are packed once side by side along K, B [8H] (or None) folded
+    to Wb + Rb after them. run() takes what RecurrentDirection.run takes, any batch."""
+
+    def __init__(self, w: torch.Tensor, r: torch.Tensor, b: torch.Tensor | None, *,
+                 kernel: FusedKernel | None = None):
+        test_kernels = kernel is not None and kernel.test_only
+        lib = load(test_kernels)
+        if lib is None:
+            raise RuntimeError(f"kiln's recurrent layers are not built: {reason(test_kernels)}")
+        self._lib, self.cell = lib, "LSTM"
+        self.kernel = kernel or next(k for k in fused_kernels() if k.supported and not k.test_only)
+        if not self.kernel.supported:
+            raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
+        self.hidden, self.inputs, self.gates = int(r.shape[1]), int(w.shape[1]), 4
+        hidden, inputs = self.hidden, self.inputs
+        if tuple(w.shape) != (4 * hidden, inputs) or tuple(r.shape) != (4 * hidden, hidden):
+            raise ValueError(f"LSTM W {list(w.shape)} / R {list(r.shape)} are not [4·H, I] / [4·H, H]")
+        folded = None if b is None else \
+            b.detach().to(torch.float32).reshape(2, 4 * hidden).sum(0).contiguous()  # Wb + Rb: [4H]
+        w = w.detach().to(torch.float32).contiguous()
+        r = r.detach().to(torch.float32).contiguous()
+        floats = lib.kiln_lstm_fused_packed_floats(self.kernel.index, hidden, inputs)
+        self._packed = hugepages.empty(floats)  # [blocks][I + H][4·U], then the bias [blocks][4·U]
+        lib.kiln_lstm_fused_pack(self.kernel.index, w.data_ptr(), r.data_ptr(), _address(folded), hidden, inputs,
+                                 self._packed.data_ptr())
+        blocks = -(-hidden // self.kernel.units)
+        self._bias = self._packed[blocks * (inputs + hidden) * 4 * self.kernel.units:]
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
+            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
+            lengths: torch.Tensor | None = None) -> None:
+        steps, batch, y_ts, y_ns, state_ns = _geometry("LSTM", x, y, (h0, c0, yh, yc), lengths, batch_major)
+        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
+            scratch = _scratch(self._scratch, (steps, batch), lambda: self._lib.kiln_lstm_fused_scratch_floats(
+                steps, batch, self.hidden))
+            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
+                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._packed.data_ptr(),
+                         packed_r=None, bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
+                         lengths=_address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
+                         H=self.hidden, kernel=self.kernel.index, threads=0,
+                         reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
+                         input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
+            status = self._lib.kiln_lstm_fused(ctypes.byref(plan), None, 0, None)
+        if status:
+            raise RuntimeError(f"kiln fused LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")

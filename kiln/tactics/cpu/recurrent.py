@@ -5,7 +5,10 @@
     cpu.lstm.native   ONNX LSTM, peepholes and input_forget included
     cpu.lstm.lanes    ONNX LSTM with the default activations (no clip, peepholes, input_forget): the batch (<= 8)
                       in the vector lanes, the input projection and the cell inside each step's tile
-                      (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop. The builder times the two.
+                      (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop.
+    cpu.lstm.fused    the same LSTMs, any batch: the batch in the rows, the four gates of a block of hidden
+                      units in one vector each, input projection, recurrent GEMM and cell in one register tile
+                      (lstm_fused.c). The builder times the three.
 
 Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
 of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
@@ -100,8 +103,10 @@ def _supporter(cell: str):
     return supports
 
 
-def _preparer(cell: str, lanes: bool = False):
-    """`lanes`: the LSTM on lstm_lanes.c up to its batch (the row loop, built on first use, past it)."""
+def _preparer(cell: str, loop: str = "rows"):
+    """`loop`: "rows" (recurrent.c / lstm.c), "lanes" (the LSTM on lstm_lanes.c up to its batch, the row loop,
+    built on first use, past it) or "fused" (the LSTM on lstm_fused.c, any batch)."""
+    lanes, fused = loop == "lanes", loop == "fused"
     op = lookup(cell, "").fn
     has_c = cell == "LSTM"
 
@@ -120,7 +125,11 @@ def _preparer(cell: str, lanes: bool = False):
                 input_forget=bool(int(_attr(step, "input_forget", 0))), activations=per_direction[d],
                 clip=None if clip is None else float(clip)) for d in range(directions)]
 
-        rows: list[recurrent.RecurrentDirection] = [] if lanes else row_layers()
+        rows: list[recurrent.RecurrentDirection | recurrent.FusedLSTMDirection] = []  # lanes: built past the lanes
+        if fused:
+            rows = [recurrent.FusedLSTMDirection(W[d], R[d], None if B is None else B[d]) for d in range(directions)]
+        elif not lanes:
+            rows = row_layers()
         lane_layers = [recurrent.LanesLSTMDirection(W[d], R[d], None if B is None else B[d])
                        for d in range(directions)] if lanes else []
         lane_batch = lane_layers[0].lanes if lanes else 0
@@ -178,10 +187,10 @@ for _cell in ("RNN", "GRU", "LSTM"):
     ))
 
 
-def _supports_lanes(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    """cpu.lstm.native's conditions, and what lstm_lanes.c computes: the default activations, no clip,
-    peepholes or input_forget. Any batch: past the lanes (recurrent.lanes_batch()) a call runs the row loop,
-    so a profile's whole range stays on this tactic (the builder checks its ends)."""
+def _supports_default_cell(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """cpu.lstm.native's conditions, and what lstm_lanes.c and lstm_fused.c compute: the default activations,
+    no clip, peepholes or input_forget. Any batch: past the lanes (recurrent.lanes_batch()) cpu.lstm.lanes runs
+    the row loop, so a profile's whole range stays on the tactic (the builder checks its ends)."""
     answer = _supporter("LSTM")(step, inputs)
     if answer is not True:
         return answer
@@ -196,7 +205,14 @@ def _supports_lanes(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 register(Tactic(
     name="cpu.lstm.lanes", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
-    supports=_supports_lanes, prepare=_preparer("LSTM", lanes=True), available=recurrent.available,
+    supports=_supports_default_cell, prepare=_preparer("LSTM", "lanes"), available=recurrent.available,
     description="LSTM as kiln's C loop with the batch (<= 8) in the vector lanes: input projection and cell "
                 "inside each step's tile",
+))
+
+register(Tactic(
+    name="cpu.lstm.fused", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
+    supports=_supports_default_cell, prepare=_preparer("LSTM", "fused"), available=recurrent.available,
+    description="LSTM as kiln's C loop with a step's input projection, recurrent GEMM and cell in one register "
+                "tile per block of hidden units (four gate vectors) and group of batch rows",
 ))

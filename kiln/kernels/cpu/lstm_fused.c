@@ -1,0 +1,270 @@
+/* One direction of an ONNX LSTM layer (the default activations, no clip, peepholes or input_forget) with
+ * the input projection, the recurrent GEMM and the cell of a step in one register tile: the batch in the
+ * rows, the four gates of a block of U hidden units in the columns (one vector each). Compiled after
+ * gemm.c, recurrent.c, lstm.c and lstm_lanes.c (kiln/kernels/cpu/recurrent.py), on recurrent.c's plan,
+ * sequence lengths, states and thread loop (run_stages).
+ *
+ *   per step s, per block of U units, per group of up to MR batch rows n:
+ *       acc[n][q] = b_q + Σ_k W_q[:, k]·x[n, k] + Σ_k R_q[:, k]·h[n, k]     q = i, o, f, c: U lanes each
+ *       i, o, f = σ(acc_i, acc_o, acc_f);  c = f ⊙ c + i ⊙ tanh(acc_c);  h = o ⊙ tanh(c);  Y = h
+ *
+ * Why: lstm.c (cpu.lstm.native) runs the input projection as a GEMM of its own over every step, whose
+ * output (S·N·4H floats, 1.5 MB at 96 steps, 8 rows, 128 units) is written and read back, its gate panels
+ * store their sums to that buffer and the cell reads them again row by row as scalar code the compiler
+ * vectorises at 256 bits. lstm_lanes.c puts the batch in 8-lane vectors, so an AVX-512 core runs it at
+ * half its FMA width. On an AVX-512 Xeon (one core, CPU time, batch 8, 96 steps, 128 units, I = 16)
+ * lstm.c's gate panels ran at ~82 GFLOP/s, but the cell loop took 0.8 ms and the input GEMM (K = 16)
+ * 0.45 ms of a 2.8 ms call. Here each FMA is a broadcast of x or h times a vector of U weights (16 on
+ * AVX-512), the sums never leave the registers, and the cell is vector code on them.
+ *
+ * Layouts: W and R packed per block, side by side along K, [blocks][I + H][4·U] (column q·U + j of a
+ * block: gate q of unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb). h ping-pongs between
+ * two [N, H] buffers (a step reads all of the previous h), c is [N, H]. A work item is one block for its
+ * row groups (some of them where a thread would otherwise get fewer than two items); a step's items all
+ * finish before the next step's start (recurrent.c's run_stages).
+ * Rows past their length keep h and c and write zeros to Y; a reverse direction reads X backwards within
+ * each row's length (recurrent.c).
+ */
+
+typedef struct fused_ctx fused_ctx;
+typedef void (*fused_rows_fn)(const fused_ctx *c, long step, long block, long row0);
+
+typedef struct {
+    const char *name;
+    int units;                  /* U: hidden units of a block (one vector) */
+    int mr;                     /* rows of the widest tile */
+    fused_rows_fn rows[8];      /* rows[m - 1]: a tile of m <= mr batch rows */
+    int (*supported)(void);
+    int test_only;
+} fused_kernel;
+
+struct fused_ctx {
+    loop_ctx loop;              /* first: run_stages hands it back to fused_item */
+    const kiln_recurrent_plan *p;
+    const fused_kernel *kernel;
+    float *h[2], *c;            /* h of even / odd steps' inputs [N, H]; c [N, H] */
+    long blocks, groups;        /* unit blocks; row groups of a step (fused_group) */
+    long per_item;              /* row groups of one work item (fused_item) */
+};
+
+/* Where row n reads X at step `step` (reverse: backwards within its length; past it: any row, unused). */
+static const float *fused_x_row(const kiln_recurrent_plan *p, long step, long n) {
+    const long length = length_of(p, n);
+    long t = step;
+    if (p->reverse) t = step < length ? length - 1 - step : step;
+    return p->x + row_of(p, t, n) * p->I;
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#pragma GCC push_options
+#pragma GCC optimize("no-trapping-math")
+
+typedef float fused_v4 __attribute__((vector_size(16)));
+typedef int fused_i4 __attribute__((vector_size(16)));
+static inline fused_v4 fused_min(fused_v4 a, fused_v4 b) { const fused_i4 m = a < b; return (fused_v4)((m & (fused_i4)a) | (~m & (fused_i4)b)); }
+static inline fused_v4 fused_max(fused_v4 a, fused_v4 b) { const fused_i4 m = a > b; return (fused_v4)((m & (fused_i4)a) | (~m & (fused_i4)b)); }
+static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
+
+/* σ and tanh: lstm_lanes.c's LSTM_VECTOR_MATH (gemm.c's exp_poly and tanh_rational on a vector) with the ISA's
+   min / max for the clamps and its reciprocal estimate plus one Newton step for the divisions (RCP: 14 bits on
+   AVX-512, 12 on AVX2; one step gives ~2 ulp): the cell costs as much as a third of the step's FMAs at 8 rows
+   x 128 units, and a vector division is the slowest of its operations. */
+#define FUSED_MATH(NAME, TARGET, V, VI, MIN, MAX, RCP)                                                       \
+    static inline __attribute__((always_inline)) TARGET V NAME##_clamp(V x, float lo, float hi) {           \
+        return (V)MIN(MAX(x, (V){0} + lo), (V){0} + hi);                                                     \
+    }                                                                                                        \
+    static inline __attribute__((always_inline)) TARGET V NAME##_div(V a, V d) {                            \
+        const V r = (V)RCP(d);                                                                               \
+        return a * (r * (2.0f - d * r));                                                                     \
+    }                                                                                                        \
+    LSTM_VECTOR_MATH(NAME, TARGET, V, VI, NAME##_clamp, NAME##_div)
+
+/* One tile: M batch rows from row0, one block of U units; accumulation then the cell, per row. M is a
+   constant in each instance, so the M·4 accumulators are registers. */
+#define FUSED_ROWS(NAME, TARGET, V, U, M)                                                                    \
+    static __attribute__((noinline)) TARGET void NAME##_rows##M(const fused_ctx *c, long step, long block,   \
+                                                                long row0) {                                 \
+        const kiln_recurrent_plan *p = c->p;                                                                 \
+        const long I = p->I, H = p->H;                                                                       \
+        const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);            \
+        V acc[M][4];                                                                                         \
+        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {                                                \
+            V bq;                                                                                            \
+            memcpy(&bq, b + q * (U), sizeof bq);                                                             \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][q] = bq;                            \
+        }                                                                                                    \
+        const float *x[M];                                                                                   \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
+        for (long k = 0; k < I; ++k) {                                                                       \
+            V wv[4];                                                                                         \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) memcpy(&wv[q], w + k * 4 * (U) + q * (U), sizeof(V)); \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float xs = x[i][k];  /* a scalar times a vector: the broadcast is the FMA's operand */ \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] += xs * wv[q];                 \
+            }                                                                                                \
+        }                                                                                                    \
+        const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
+        if (step > 0 || p->h0 != NULL) {                                                                     \
+            const float *r = w + I * 4 * (U);                                                                \
+            for (long k = 0; k < H; ++k) {                                                                   \
+                V wv[4];                                                                                     \
+                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) memcpy(&wv[q], r + k * 4 * (U) + q * (U), sizeof(V)); \
+                _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                      \
+                    const float hs = h_prev[i * H + k];                                                      \
+                    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] += hs * wv[q];             \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+        const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                    \
+        float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;                  \
+        /* the cell of every row first, branch-free and phase by phase (the gates of all rows, then c, then    \
+           h), so that the rows' independent chains of dependent operations are in flight together: row by  \
+           row, the cell ran 1.5x slower on the Xeon (latency-bound); then the stores */                      \
+        V c_old[M];                                                                                          \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
+            c_old[i] = (V){0};                                                                               \
+            if (width == (U)) memcpy(&c_old[i], cell + i * H, sizeof c_old[i]);                              \
+            else memcpy(&c_old[i], cell + i * H, (size_t)width * sizeof(float));                             \
+            _Pragma("GCC unroll 4") for (int q = 0; q < 3; ++q) acc[i][q] = NAME##_sigmoid(acc[i][q]);       \
+        }                                                                                                    \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][3] = NAME##_tanh(acc[i][3]);            \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
+            acc[i][2] = acc[i][2] * c_old[i] + acc[i][0] * acc[i][3];                     /* c = f c + i c̃ */ \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
+            acc[i][0] = acc[i][1] * NAME##_tanh(acc[i][2]);                               /* h = o tanh(c) */ \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
+            if (step >= length_of(p, row0 + i)) {                                                            \
+                hold_row(p, step, row0 + i, c->h[step % 2], c->h[(step + 1) % 2], j0, width);                \
+                continue;                                                                                    \
+            }                                                                                                \
+            float *y = y_row(p, step, row0 + i);                                                             \
+            if (width == (U)) {                                                                              \
+                memcpy(cell + i * H, &acc[i][2], sizeof acc[i][2]);                                          \
+                memcpy(h_next + i * H, &acc[i][0], sizeof acc[i][0]);                                        \
+                if (y != NULL) memcpy(y + j0, &acc[i][0], sizeof acc[i][0]);                                 \
+            } else {                                                                                         \
+                memcpy(cell + i * H, &acc[i][2], (size_t)width * sizeof(float));                             \
+                memcpy(h_next + i * H, &acc[i][0], (size_t)width * sizeof(float));                           \
+                if (y != NULL) memcpy(y + j0, &acc[i][0], (size_t)width * sizeof(float));                    \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+#define FUSED_KERNEL(NAME, TARGET, U, MIN, MAX, RCP)                                                       \
+    typedef float NAME##_v __attribute__((vector_size((U) * 4)));                                            \
+    typedef int NAME##_vi __attribute__((vector_size((U) * 4)));                                             \
+    FUSED_MATH(NAME, TARGET, NAME##_v, NAME##_vi, MIN, MAX, RCP)                                             \
+    FUSED_ROWS(NAME, TARGET, NAME##_v, U, 1) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 2)                        \
+    FUSED_ROWS(NAME, TARGET, NAME##_v, U, 3) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 4)                        \
+    FUSED_ROWS(NAME, TARGET, NAME##_v, U, 5) FUSED_ROWS(NAME, TARGET, NAME##_v, U, 6)
+
+#define FUSED_ROW_FNS(NAME) {NAME##_rows1, NAME##_rows2, NAME##_rows3, NAME##_rows4, NAME##_rows5, NAME##_rows6}
+
+#if defined(__x86_64__) || defined(__i386__)
+/* AVX-512: 6 rows x 4 gates = 24 zmm accumulators of 32; AVX2: 4 gates x 8 units, up to 3 rows (12 of 16) */
+FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512_rcp14_ps)
+FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
+#endif
+FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
+
+#pragma GCC pop_options
+
+static const fused_kernel FUSED_KERNELS[] = {
+#if defined(__x86_64__) || defined(__i386__)
+    {"avx512 16 units x 4 gates, 6 rows", 16, 6, FUSED_ROW_FNS(fused_avx512), has_avx512, 0},
+    {"avx2 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), has_avx2, 0},
+#endif
+    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), always, 0},
+};
+#define FUSED_KERNEL_COUNT ((int)(sizeof(FUSED_KERNELS) / sizeof(FUSED_KERNELS[0])))
+
+int kiln_lstm_fused_kernel_count(void) { return FUSED_KERNEL_COUNT; }
+const char *kiln_lstm_fused_kernel_name(int i) { return i >= 0 && i < FUSED_KERNEL_COUNT ? FUSED_KERNELS[i].name : NULL; }
+int kiln_lstm_fused_kernel_supported(int i) { return i >= 0 && i < FUSED_KERNEL_COUNT && FUSED_KERNELS[i].supported(); }
+int kiln_lstm_fused_kernel_test_only(int i) { return i >= 0 && i < FUSED_KERNEL_COUNT && FUSED_KERNELS[i].test_only; }
+int kiln_lstm_fused_kernel_units(int i) { return i >= 0 && i < FUSED_KERNEL_COUNT ? FUSED_KERNELS[i].units : 0; }
+
+static long fused_blocks(int kernel, long h) { return (h + FUSED_KERNELS[kernel].units - 1) / FUSED_KERNELS[kernel].units; }
+
+/* Floats of W [4H, I] and R [4H, H] packed side by side for `kernel`, and of the packed bias. */
+long kiln_lstm_fused_packed_floats(int kernel, long h, long i) {
+    return fused_blocks(kernel, h) * (i + h + 1) * 4 * FUSED_KERNELS[kernel].units;
+}
+
+/* out[b][k][q·U + j] = (k < I ? W[q·H + b·U + j][k] : R[q·H + b·U + j][k − I]), zeros past H; then the bias
+   [blocks][4·U] from `bias` [4H] (Wb + Rb, or NULL: zeros). */
+void kiln_lstm_fused_pack(int kernel, const float *w, const float *r, const float *bias, long h, long i, float *out) {
+    const long u = FUSED_KERNELS[kernel].units, blocks = fused_blocks(kernel, h), k_all = i + h, cols = 4 * u;
+    float *out_bias = out + blocks * k_all * cols;
+    for (long b = 0; b < blocks; ++b)
+        for (long q = 0; q < 4; ++q)
+            for (long j = 0; j < u; ++j) {
+                const long unit = b * u + j, col = q * u + j, row = q * h + unit;
+                for (long k = 0; k < k_all; ++k) {
+                    const float v = k < i ? w[row * i + k] : r[row * h + k - i];
+                    out[(b * k_all + k) * cols + col] = unit < h ? v : 0.0f;
+                }
+                out_bias[b * cols + col] = unit < h && bias ? bias[row] : 0.0f;
+            }
+}
+
+/* h [2][N, H], c [N, H], run_stages' counters (2 longs a step) */
+long kiln_lstm_fused_scratch_floats(long s, long n, long h) { return 3 * n * h + 4 * s + 64; }
+
+/* The batch in ceil(N / MR) groups of rows, as even as they go (8 rows of a 6-row tile: 4 + 4, not 6 + 2):
+   group g's first row and row count. */
+static long fused_group(long n, long groups, long g, long *rows) {
+    const long base = n / groups, extra = n % groups;
+    *rows = base + (g < extra);
+    return g * base + (g < extra ? g : extra);
+}
+
+/* A work item: one block of units for `per_item` consecutive row groups, which read the same weights (the
+   second group's from L1 / L2) and whose tiles the core overlaps (one's cell with the next one's sums). */
+static void fused_item(const loop_ctx *lc, long step, long item) {
+    const fused_ctx *c = (const fused_ctx *)lc;
+    const long chunks = (c->groups + c->per_item - 1) / c->per_item;
+    const long block = item / chunks, first = item % chunks * c->per_item;
+    const long last = first + c->per_item < c->groups ? first + c->per_item : c->groups;
+    for (long g = first; g < last; ++g) {
+        long rows;
+        const long row0 = fused_group(c->p->N, c->groups, g, &rows);
+        c->kernel->rows[rows - 1](c, step, block, row0);
+    }
+}
+
+/* plan.packed_w: kiln_lstm_fused_pack's layout for plan.kernel (an index of FUSED_KERNELS), the bias after
+   the weights (plan.bias points there). */
+int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    kiln_recurrent_plan *p = (kiln_recurrent_plan *)object;
+    if (p->kernel < 0 || p->kernel >= FUSED_KERNEL_COUNT || p->gates != 4 || p->generic) return 2;
+    if (p->S <= 0 || p->N <= 0) return 0;
+    const fused_kernel *kernel = &FUSED_KERNELS[p->kernel];
+    const long N = p->N, H = p->H;
+    fused_ctx c;
+    memset(&c, 0, sizeof c);
+    c.p = p;
+    c.kernel = kernel;
+    c.loop.p = p;
+    c.h[0] = p->scratch;
+    c.h[1] = c.h[0] + N * H;
+    c.c = c.h[1] + N * H;
+    c.loop.s.counters = (long *)(((size_t)(c.c + N * H) + 63) & ~(size_t)63);
+    c.blocks = fused_blocks(p->kernel, H);
+    c.groups = (N + kernel->mr - 1) / kernel->mr;
+    /* whole blocks as items while there are two items a thread, else fewer groups an item */
+    const int threads = recurrent_threads(p);
+    const long splits = (2L * threads + c.blocks - 1) / c.blocks;
+    c.per_item = (c.groups + splits - 1) / splits;
+    recurrent_scratch states = {0};
+    states.h_a = c.h[0];
+    states.c = c.c;
+    load_states(p, &states);
+    p->stalled = run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
+    store_states(p, c.h[p->S % 2], c.c);
+    return 0;
+}
