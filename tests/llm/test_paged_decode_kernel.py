@@ -100,3 +100,25 @@ def test_engine_with_the_triton_backend_generates_what_torch_does(hf_models):
                                                                                                        params)]
     llm = LLM(folder, kv_cache_memory="2MiB", block_size=4, attention_backend="triton", device=DEVICE)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_splits_past_a_request_are_neither_computed_nor_merged(monkeypatch):
+    """The split kernel skips splits past a request's keys and the merge reads only the ones that hold keys:
+    scratch buffers full of NaN (what an unwritten split would hold) change nothing, and the result is written
+    into the `out` rows it is given."""
+    q, k, v, tables, lens = case(3, 8, 2, 16, 4, [9, 70, 33])
+    expected = reference(q, k, v, tables, lens, 0.25)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = torch.full((5, 8, 16), 7.0, device=DEVICE)
+    got = paged_decode_attention(q, k, v, tables, lens, 0.25, max_seq_len=256, split_tokens=16, block_n=16,
+                                 out=out[1:4])
+    monkeypatch.undo()
+    assert got.data_ptr() == out[1:4].data_ptr()
+    torch.testing.assert_close(out[1:4], expected, atol=2e-5, rtol=1e-5)
+    assert (out[0] == 7).all() and (out[4] == 7).all()  # rows outside the slice untouched

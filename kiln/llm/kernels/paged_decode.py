@@ -46,6 +46,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
     # this request's split length: from its own length alone (batch invariance), a whole number of tiles
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)
     start = split * split_len
+    if start >= seq_len:  # past this request's keys: the merge reads only the splits that hold some
+        return
     end = tl.minimum(start + split_len, seq_len)
     lowest = tl.maximum(seq_len - window, 0)  # sliding window (2^30 when none): keys before it are masked
 
@@ -94,13 +96,18 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
 
 
 @triton.jit
-def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
-                         stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
+                         stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr):
     b = tl.program_id(0)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
+    # the splits that hold keys; the others wrote nothing. Read as (lse -inf, partial 0) they would weigh an exact
+    # 0 in the same sums, so masking them changes no bit
+    s_ok = (s < num_splits) & (s * split_len < seq_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
@@ -115,12 +122,15 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, s
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
-                           block_n: int = 32, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                           block_n: int = 32, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
-    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request."""
+    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps: the
+    split kernel's (a launch setting: no result depends on it). out: [B, Hq, D] to write into (e.g. rows of the
+    step's attention output: no copy after), else a new tensor."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -138,10 +148,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
-        PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits, IEEE=q.dtype == torch.float32)
-    out = torch.empty_like(q)
+        PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits, IEEE=q.dtype == torch.float32,
+        num_warps=num_warps)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"paged_decode_attention: out must be {list(q.shape)} {q.dtype} with contiguous head dims, "
+                         f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
     _merge_splits_kernel[(batch, num_heads)](
-        partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits))
+        partial, lse, out, seq_lens, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
     return out
