@@ -175,8 +175,8 @@ def gemm_table(model, rows_list: list[int]) -> None:
     say("\n### GEMMs alone (CUDA graph over the 32 layers' weights; us per call)")
     say("(err: max |error| / max |y| against fp32 on the unquantized x)")
     say("| projection | K x N | rows | fp8 quantize x | fp8 rowwise (engine) | fp8 rowwise fast-accum | "
-        "fp8 per-tensor | bf16 | engine TB/s | engine TFLOP/s |")
-    say("|---|---|---|---|---|---|---|---|---|---|")
+        "fp8 per-tensor | fp8 per-tensor fp32 out + scales pass | bf16 | engine TB/s | engine TFLOP/s |")
+    say("|---|---|---|---|---|---|---|---|---|---|---|")
     for p in PROJECTIONS:
         layers = projection_layers(model, p)
         fp8 = [layer.quantized for layer in layers]
@@ -203,11 +203,16 @@ def gemm_table(model, rows_list: list[int]) -> None:
                                                                  out_dtype=x.dtype, use_fast_accum=True) for w in fp8]),
                 "tensor": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
                                                                    out_dtype=x.dtype) for w in fp8]),
+                # unit scales, fp32 out, the row x channel scales in a second pass: rowwise's maths on cuBLASLt
+                "tensor32": graph_time([lambda w=w: (torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
+                                                                      out_dtype=torch.float32)
+                                                     * xs * w.scale[None, :]).to(x.dtype) for w in fp8]),
                 "bf16": graph_time([lambda w=w: F.linear(x, w) for w in bf16]),
             }
             us = times["rowwise"]
             say(f"| {p} | {k} x {n} | {rows} | {times['quant']:.1f} | {us:.1f} (err {errors[0]:.1e}) | "
-                f"{times['fast']:.1f} (err {errors[1]:.1e}) | {times['tensor']:.1f} | {times['bf16']:.1f} | "
+                f"{times['fast']:.1f} (err {errors[1]:.1e}) | {times['tensor']:.1f} | {times['tensor32']:.1f} | "
+                f"{times['bf16']:.1f} | "
                 f"{n * k / us / 1e6:.2f} | {2 * rows * n * k / us / 1e6:.0f} |")
         del bf16
         torch.cuda.empty_cache()
