@@ -14,12 +14,12 @@ CUDA graphs, decode GEMVs and fusion off: they cover <= 16 rows only, kiln/llm/d
    merge, quantize, o GEMM, add + norm, quantize, gate|up GEMM, SwiGLU, quantize, down GEMM, add + norm; the LM head
    after the last layer). Per label: GPU us per step, the kernel's name, bytes it must read and the rate reached.
 2. The GEMMs alone, each a CUDA graph of calls over the 32 layers' weights (reads from HBM, as in a step), at rows
-   64 / 256 / 1024: FP8 with per-token x per-channel scales (torch._scaled_mm rowwise: the engine's path), the same
-   with fast accumulation, FP8 with per-tensor scales, bf16 (F.linear on dequantized weights); and the engine's
-   FP8 activation quantization kernel.
+   64 / 256 / 512 / 1024: FP8 with per-token x per-channel scales (torch._scaled_mm rowwise: the engine's path),
+   FP8 with unit per-tensor scales (bf16 and fp32 out: what a consumer applying the scales itself would read),
+   bf16 (F.linear on dequantized weights); and the engine's FP8 activation quantization kernel.
 3. Paged decode attention alone at batch 1 / 64 / 256 / 1024 and ~192 keys, bf16 and FP8 KV, over 4 layers' caches:
    the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several split
-   lengths, tiles and warps; each checked against the torch reference on a few rows first.
+   lengths, tiles, warps and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
 Prints the tables (markdown) and writes them to $OUT/step_profile.md.
 """
 
@@ -172,11 +172,12 @@ def profile_replay(llm, batch: int, replays: int) -> None:
 # ---- 2. GEMMs alone ---------------------------------------------------------------------------------------------
 
 def gemm_table(model, rows_list: list[int]) -> None:
+    """FP8 projections alone: the engine's rowwise-scaled GEMM against cuBLAS's per-tensor FP8 GEMM with unit scales
+    (bf16 out, and fp32 out: what a consumer kernel that applies the row x channel scales itself would read)."""
     say("\n### GEMMs alone (CUDA graph over the 32 layers' weights; us per call)")
-    say("(err: max |error| / max |y| against fp32 on the unquantized x)")
-    say("| projection | K x N | rows | fp8 quantize x | fp8 rowwise (engine) | fp8 rowwise fast-accum | "
-        "fp8 per-tensor | fp8 per-tensor fp32 out + scales pass | bf16 | engine TB/s | engine TFLOP/s |")
-    say("|---|---|---|---|---|---|---|---|---|---|---|")
+    say("| projection | K x N | rows | fp8 quantize x | fp8 rowwise (engine) | fp8 per-tensor, bf16 out | "
+        "fp8 per-tensor, fp32 out | bf16 | engine TB/s | engine TFLOP/s |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
     for p in PROJECTIONS:
         layers = projection_layers(model, p)
         fp8 = [layer.quantized for layer in layers]
@@ -189,31 +190,20 @@ def gemm_table(model, rows_list: list[int]) -> None:
         for rows in rows_list:
             x = torch.randn((rows, k), device=fp8[0].q.device, dtype=torch.bfloat16)
             xq, xs = fp8_quantize_rows(x)
-            ref = x.float() @ (fp8[0].q.float() * fp8[0].scale[:, None]).T
-            errors = []
-            for fast in (False, True):  # against fp32 on the unquantized x: includes x's E4M3 rounding
-                got = torch._scaled_mm(xq, fp8[0].q.t(), scale_a=xs, scale_b=fp8[0].scale[None, :], out_dtype=x.dtype,
-                                       use_fast_accum=fast).float()
-                errors.append(((got - ref).abs().max() / ref.abs().max()).item())
             times = {
                 "quant": graph_time([lambda: fp8_quantize_rows(x)]),
                 "rowwise": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :],
                                                                     out_dtype=x.dtype) for w in fp8]),
-                "fast": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :],
-                                                                 out_dtype=x.dtype, use_fast_accum=True) for w in fp8]),
                 "tensor": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
                                                                    out_dtype=x.dtype) for w in fp8]),
-                # unit scales, fp32 out, the row x channel scales in a second pass: rowwise's maths on cuBLASLt
-                "tensor32": graph_time([lambda w=w: (torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
-                                                                      out_dtype=torch.float32)
-                                                     * xs * w.scale[None, :]).to(x.dtype) for w in fp8]),
+                "tensor32": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
+                                                                     out_dtype=torch.float32) for w in fp8]),
                 "bf16": graph_time([lambda w=w: F.linear(x, w) for w in bf16]),
             }
             us = times["rowwise"]
-            say(f"| {p} | {k} x {n} | {rows} | {times['quant']:.1f} | {us:.1f} (err {errors[0]:.1e}) | "
-                f"{times['fast']:.1f} (err {errors[1]:.1e}) | {times['tensor']:.1f} | {times['tensor32']:.1f} | "
-                f"{times['bf16']:.1f} | "
-                f"{n * k / us / 1e6:.2f} | {2 * rows * n * k / us / 1e6:.0f} |")
+            say(f"| {p} | {k} x {n} | {rows} | {times['quant']:.1f} | {us:.1f} | {times['tensor']:.1f} | "
+                f"{times['tensor32']:.1f} | {times['bf16']:.1f} | {n * k / us / 1e6:.2f} | "
+                f"{2 * rows * n * k / us / 1e6:.0f} |")
         del bf16
         torch.cuda.empty_cache()
 
@@ -256,14 +246,16 @@ def attention_cases(batch: int, keys: int, kv_dtype: torch.dtype, layers: int = 
     return q, caches, tables, lens
 
 
-VARIANTS = [  # name, split_tokens, block_n, num_warps ("base": the baseline tree's kernel, its defaults)
-    ("base s32 n32 w4", 32, 32, 4), ("s32 n32 w4", 32, 32, 4), ("s32 n32 w2", 32, 32, 2), ("s64 n32 w4", 64, 32, 4),
-    ("s64 n64 w4", 64, 64, 4), ("s128 n64 w4", 128, 64, 4), ("s256 n64 w4", 256, 64, 4)]
+VARIANTS = [  # name, split_tokens, block_n, num_warps, fp8_f16_dot ("base": the baseline tree's kernel, its defaults)
+    ("base (s32 n32)", 32, 32, 4, False), ("s32 n32", 32, 32, 4, False), ("s128 n64", 128, 64, 4, False),
+    ("s256 n64 (default)", 256, 64, 4, False), ("s256 n32", 256, 32, 4, False), ("s256 n128", 256, 128, 4, False),
+    ("s256 n64 w8", 256, 64, 8, False), ("s256 n64 f16", 256, 64, 4, True), ("s256 n32 f16", 256, 32, 4, True)]
 
 
 def attention_table(baseline, batches: list[int], keys: int) -> None:
     say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
-        "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s")
+        "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
+        "nN: block_n, w: num_warps (4 unless named), f16: fp8_f16_dot (FP8 cache only)")
     say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
     say("|---|---|" + "---|" * len(VARIANTS))
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
@@ -278,7 +270,10 @@ def attention_table(baseline, batches: list[int], keys: int) -> None:
             k0, v0 = caches[0]
             ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
             cells = []
-            for name, split, block_n, warps in VARIANTS:
+            for name, split, block_n, warps, f16 in VARIANTS:
+                if f16 and kv_dtype != torch.float8_e4m3fn:
+                    cells.append("")
+                    continue
                 if name.startswith("base"):
                     if baseline is None:
                         cells.append("-")
@@ -288,10 +283,10 @@ def attention_table(baseline, batches: list[int], keys: int) -> None:
                         return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
                                                                split_tokens=split, block_n=block_n)
                 else:
-                    def call(k, v, split=split, block_n=block_n, warps=warps):
+                    def call(k, v, split=split, block_n=block_n, warps=warps, f16=f16):
                         return paged_decode.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
                                                                    split_tokens=split, block_n=block_n,
-                                                                   num_warps=warps)
+                                                                   num_warps=warps, fp8_f16_dot=f16)
                 try:
                     got = call(k0, v0)[:rows].float()
                     err = (got - ref).abs().max().item()
@@ -354,7 +349,7 @@ def run_engine_parts(llm, args, started: float) -> None:
         if args.batch > 64:
             profile_replay(llm, 64, args.replays)
     if "gemm" in args.parts:
-        gemm_table(llm.engine.model, [64, 256, 1024])
+        gemm_table(llm.engine.model, [64, 256, 512, 1024])
         lm_head_time(llm.engine.model, args.batch)
     say(f"(after {time.perf_counter() - started:.0f} s)")
 
