@@ -46,7 +46,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                          MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
@@ -74,7 +74,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = (pos < end) & (pos >= lowest)
-        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0)
+        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 KV widened
@@ -117,7 +117,7 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, st
                          stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
                          MAX_SPLITS: tl.constexpr):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
