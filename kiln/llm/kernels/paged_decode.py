@@ -20,7 +20,9 @@ spread a batch-1 step over 6 programs per K/V head (5.9 us a layer against 9.1 w
 batch 256 they make 12k programs of one 32-key tile each plus an fp32 partial per split to write and merge:
 114 us a layer (1.8 TB/s of KV) against 67 us (3.0 TB/s) with one split, and at batch 1024 452 against 236.
 Decode throughput is made at large batches, so splits are at least 256 keys: a request of up to 256 keys is
-one program per K/V head and needs no merge; past that, at most MAX_SPLITS splits. The grid's split count only
+one program per K/V head and needs no merge; past that, at most MAX_SPLITS splits. Measured so (run 2, same
+page): 65 us a layer at batch 256 (3.1 TB/s), 232 at 1024; batch 1 8.8 (+3 us a layer, ~2% of its step); the
+FP8 Llama-3-8B step at batch 256 replays in 7.7 ms instead of 9.3 (bench/results/llm-throughput-2026-12-03.md). The grid's split count only
 needs to cover the longest request (MAX_SPLITS at most), so a CUDA graph captured for max_model_len replays for
 any batch and length.
 """
@@ -151,7 +153,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     split kernel's (a launch setting: no result depends on it). out: [B, Hq, D] to write into (e.g. rows of the
     step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
     products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
-    bounded by 65504) instead of bf16, whose widening from E4M3 takes more instructions on sm_90."""
+    bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
+    alone on the H200 (233 vs 256 us a layer at batch 1024); off until it has run in the engine."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
