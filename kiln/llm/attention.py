@@ -78,8 +78,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from kiln.llm.kernels.paged_prefill import paged_prefill_attention
         n = meta.num_decodes
         if n:
-            out[:n] = paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n],
-                                             meta.seq_lens_tensor[:n], scale, sliding_window, meta.max_seq_len)
+            paged_decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens_tensor[:n], scale,
+                                   sliding_window, meta.max_seq_len, out=out[:n])  # in place: no copy after
         if n < len(meta.query_lens):
             paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_tensor,
                                     meta.query_lens_tensor, meta.seq_lens_tensor, meta.prefill_tiles, scale,

@@ -47,8 +47,9 @@ def tables_for(seq_lens, page, num_blocks, g):
     return tables
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_decode_kernel_reads_an_fp8_cache(dtype, tol):
+@pytest.mark.parametrize("dtype,tol,f16_dot", [(torch.float32, 2e-5, False), (torch.bfloat16, 2e-2, False),
+                                               (torch.bfloat16, 2e-2, True)])
+def test_decode_kernel_reads_an_fp8_cache(dtype, tol, f16_dot):
     g = torch.Generator().manual_seed(1)
     seq_lens, heads, kv_heads, head_dim, page = [9, 70, 33], 8, 2, 32, 8
     k, v = caches(40, page, kv_heads, head_dim, g)
@@ -59,7 +60,7 @@ def test_decode_kernel_reads_an_fp8_cache(dtype, tol):
                              seq_lens=seq_lens, block_tables=tables, seq_lens_tensor=lens)
     expected = paged_attention(q.float(), k, v, meta, head_dim ** -0.5)  # the torch path widens the cache itself
     got = paged_decode_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), tables.to(DEVICE), lens.to(DEVICE),
-                                 head_dim ** -0.5, split_tokens=16, block_n=16)
+                                 head_dim ** -0.5, split_tokens=16, block_n=16, fp8_f16_dot=f16_dot)
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu().float(), expected, atol=tol, rtol=tol)
 

@@ -80,3 +80,18 @@ def test_fp8_rows_match_the_reference_quantization():
     assert mismatch < 1e-3  # a division rounded once differently may move a value by one E4M3 step
     torch.testing.assert_close(q.float(), expected.float(), atol=0, rtol=0.07)
 
+
+
+def test_row_offsets_are_64_bit_in_the_compiled_kernels():
+    """The real compiler (no GPU): the fused kernels and the paged decode kernels take the program's row into
+    addresses as a 64-bit value (tests/llm/offsets_compile_sm90.py): a 32-bit row * stride wrapped past 2^31 in a
+    262k-token prefill step on the H200 (illegal address) and read the wrong rows past 75k tokens."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.llm.offsets_compile_sm90"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.count("ok  ") == 6

@@ -100,3 +100,37 @@ def test_engine_with_the_triton_backend_generates_what_torch_does(hf_models):
                                                                                                        params)]
     llm = LLM(folder, kv_cache_memory="2MiB", block_size=4, attention_backend="triton", device=DEVICE)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
+def test_splits_past_a_request_are_neither_computed_nor_merged(monkeypatch):
+    """The split kernel skips splits past a request's keys and the merge reads only the ones that hold keys:
+    scratch buffers full of NaN (what an unwritten split would hold) change nothing, and the result is written
+    into the `out` rows it is given."""
+    q, k, v, tables, lens = case(3, 8, 2, 16, 4, [9, 70, 33])
+    expected = reference(q, k, v, tables, lens, 0.25)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = torch.full((5, 8, 16), 7.0, device=DEVICE)
+    got = paged_decode_attention(q, k, v, tables, lens, 0.25, max_seq_len=256, split_tokens=16, block_n=16,
+                                 out=out[1:4])
+    monkeypatch.undo()
+    assert got.data_ptr() == out[1:4].data_ptr()
+    torch.testing.assert_close(out[1:4], expected, atol=2e-5, rtol=1e-5)
+    assert (out[0] == 7).all() and (out[4] == 7).all()  # rows outside the slice untouched
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_default_splits_one_and_several_against_the_reference(kv_dtype):
+    """The engine's launch (256-key splits of 64-key tiles, page 16, a grid for a longer max_seq_len than any row):
+    rows of one split (written by the split kernel) and of several (merged) in one batch, bf16 and FP8 caches."""
+    seq_lens = [1, 63, 64, 65, 256, 257, 700]
+    q, k, v, tables, lens = case(len(seq_lens), 8, 2, 32, 16, seq_lens, dtype=torch.bfloat16, seed=3)
+    k, v = k.to(kv_dtype), v.to(kv_dtype)
+    got = paged_decode_attention(q, k, v, tables, lens, 32 ** -0.5, max_seq_len=2048)
+    # bf16 q, p rounded to bf16 before p·v: ~2^-8 relative
+    torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, 32 ** -0.5), atol=2e-2, rtol=2e-2)

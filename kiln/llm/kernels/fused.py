@@ -22,7 +22,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, N, eps, stride_x, stride_d, stride_o, stride_s,
                      HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: row * stride passes 2^31 in a large prefill step
     cols = tl.arange(0, BLOCK)
     ok = cols < N
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
@@ -65,7 +65,7 @@ def _rotate(x_ptr, heads, half, ok, cos, sin, HALF: tl.constexpr):
 def _rope_kv_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, q_ptr, k_cache, v_cache, stride_qkv, stride_q,
                     stride_kslot, stride_vslot, HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
                     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
     half = tl.arange(0, BLOCK_HALF)
@@ -117,7 +117,7 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: 75k rows x 28672 (Llama-3-8B's gate|up) pass 2^31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
@@ -138,7 +138,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
     top = tl.zeros([BLOCK], tl.float32)
     for c0 in range(0, N, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)

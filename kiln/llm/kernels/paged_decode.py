@@ -8,15 +8,23 @@ split in tiles of BLOCK_N tokens, finding each token's block through the block t
     m' = max(m, rowmax(s)),   p = e^(s - m'),   l = l·e^(m - m') + rowsum(p),   acc = acc·e^(m - m') + p·v
 
 It writes acc / l and the log-sum-exp m + log l per split; a second kernel merges the splits:
-out = Σ_i e^(lse_i - M) o_i / Σ_i e^(lse_i - M). GQA: the query heads sharing one K/V head are packed
-into the rows of one program (BLOCK_H ≥ 16 rows for tl.dot), so each K/V tile is read once per group.
+out = Σ_i e^(lse_i - M) o_i / Σ_i e^(lse_i - M). A request with one split writes its result directly (the merge
+of one split is that split, bit for bit) and the merge skips it; splits past a request's keys exit at once.
+GQA: the query heads sharing one K/V head are packed into the rows of one program (BLOCK_H ≥ 16 rows for
+tl.dot), so each K/V tile is read once per group.
 
 The split length is a function of the request's own length only, never of the batch or the grid: a
-request's result does not depend on what else is in the batch (splits past its keys contribute exact zeros).
-Short contexts get short splits, so a batch-1 step spreads its keys over up to MAX_SPLITS programs per K/V
-head instead of one: with a fixed 256-key split, a Llama-3-8B step at ~140 keys ran 8 busy programs and took
-9.2 us a layer on the H200. The grid's split count only needs to cover the longest request (MAX_SPLITS at
-most), so a CUDA graph captured for max_model_len replays for any batch and length.
+request's result does not depend on what else is in the batch. How short a split may be trades the two ends
+of the batch range (H200, Llama-3-8B heads, 192 keys, bench/llm_step_profile.py, 2026-12-03): 32-key splits
+spread a batch-1 step over 6 programs per K/V head (5.9 us a layer against 9.1 with one 256-key split), but at
+batch 256 they make 12k programs of one 32-key tile each plus an fp32 partial per split to write and merge:
+114 us a layer (1.8 TB/s of KV) against 67 us (3.0 TB/s) with one split, and at batch 1024 452 against 236.
+Decode throughput is made at large batches, so splits are at least 256 keys: a request of up to 256 keys is
+one program per K/V head and needs no merge; past that, at most MAX_SPLITS splits. Measured so (run 2, same
+page): 65 us a layer at batch 256 (3.1 TB/s), 232 at 1024; batch 1 8.8 (+3 us a layer, ~2% of its step); the
+FP8 Llama-3-8B step at batch 256 replays in 7.7 ms instead of 9.3 (bench/results/llm-throughput-2026-12-03.md). The grid's split count only
+needs to cover the longest request (MAX_SPLITS at most), so a CUDA graph captured for max_model_len replays for
+any batch and length.
 """
 
 from __future__ import annotations
@@ -27,25 +35,28 @@ import torch
 import triton
 import triton.language as tl
 
-MIN_SPLIT_TOKENS = 32  # keys per split at least
-MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of max(32, ceil(L / 16)) keys
+MIN_SPLIT_TOKENS = 256  # keys per split at least (see above: 32 is faster at batch 1, 2x slower at batch 256+)
+MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of max(256, ceil(L / 16)) keys
+TILE_TOKENS = 64  # keys per tile (BLOCK_N): the one timed with 256-key splits (4 loop trips a split, not 8)
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
 @triton.jit
-def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_ptr, lse_ptr, scale, window,
-                         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                         stride_tb, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partial_ptr, lse_ptr, out_ptr, scale,
+                         window, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                         stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr):
-    b = tl.program_id(0)
+                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     # this request's split length: from its own length alone (batch invariance), a whole number of tiles
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)
     start = split * split_len
+    if start >= seq_len:  # past this request's keys: the merge reads only the splits that hold some
+        return
     end = tl.minimum(start + split_len, seq_len)
     lowest = tl.maximum(seq_len - window, 0)  # sliding window (2^30 when none): keys before it are masked
 
@@ -56,6 +67,8 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if F16_DOT:  # an FP8 cache read as fp16 (one native conversion, exact); q scaled first, for fp16's range
+        q = (q.to(tl.float32) * scale).to(tl.float16)
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -63,7 +76,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = (pos < end) & (pos >= lowest)
-        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0)
+        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 KV widened
@@ -71,7 +84,9 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        if not F16_DOT:
+            s = s * scale
+        s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile: no NaN from -inf - -inf
         p = tl.exp(s - m_safe[:, None])
@@ -87,20 +102,33 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, out_pt
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    if split_len >= seq_len:
+        # the request's only split: its result is final (merging one split multiplies it by e^0 = 1 and divides
+        # by 1, so these are the merge's bits), written without the partial's round trip; the merge skips it
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        return
     lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :], out,
+    tl.store(partial_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
              mask=row_ok[:, None] & d_ok[None, :])
     tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, stride_ph, stride_ps, stride_lb,
-                         stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr):
-    b = tl.program_id(0)
+def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
+                         stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
+    if split_len >= seq_len:  # one split: the split kernel wrote the result
+        return
     s = tl.arange(0, BLOCK_S)
-    s_ok = s < num_splits
+    # the splits that hold keys; the others wrote nothing. Read as (lse -inf, partial 0) they would weigh an exact
+    # 0 in the same sums, so masking them changes no bit
+    s_ok = (s < num_splits) & (s * split_len < seq_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
@@ -115,12 +143,18 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, stride_pb, s
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
-                           block_n: int = 32, max_splits: int = MAX_SPLITS) -> torch.Tensor:
+                           block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                           out: torch.Tensor | None = None, fp8_f16_dot: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
-    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request."""
+    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps: the
+    split kernel's (a launch setting: no result depends on it). out: [B, Hq, D] to write into (e.g. rows of the
+    step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
+    products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
+    bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
+    alone on the H200 (233 vs 256 us a layer at batch 1024); off until it has run in the engine."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -129,19 +163,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = max(16, min(block_n, split_tokens))
     split_tokens = math.ceil(split_tokens / block_n) * block_n  # whole tiles, as the kernel rounds
     num_splits = max(1, min(max_splits, math.ceil(max_seq_len / split_tokens)))
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"paged_decode_attention: out must be {list(q.shape)} {q.dtype} with contiguous head dims, "
+                         f"got {list(out.shape)} {out.dtype} strides {out.stride()}")
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, scale, sliding_window or NO_WINDOW,
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, block_d),
-        PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits, IEEE=q.dtype == torch.float32)
-    out = torch.empty_like(q)
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+        out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
+    if num_splits == 1:  # every request fits one split: the split kernel wrote every result
+        return out
     _merge_splits_kernel[(batch, num_heads)](
-        partial, lse, out, num_splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
-        lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits))
+        partial, lse, out, seq_lens, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
     return out

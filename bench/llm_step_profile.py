@@ -1,0 +1,359 @@
+"""Where a large-batch decode step's time goes on the GPU, part by part, and what the parts could take instead.
+
+    python bench/llm_step_profile.py [--batch 256] [--quantization fp8] [--baseline .cache/llm2-base] --out $OUT
+
+Issue 15: an FP8 Llama-3-8B decode step at batch 256 replays in ~11 ms on the H200 where its bytes and FLOPs
+allow ~3-4 ms. One process, one engine (Llama-3-8B shape, random weights made on the device, FP8 weights, bf16 KV,
+CUDA graphs, decode GEMVs and fusion off: they cover <= 16 rows only, kiln/llm/decode_gemv.py ROW_BUCKETS):
+
+1. A generate of `batch` 128-token prompts for --decoded tokens leaves the decode graph's static inputs holding a
+   batch at ~128 + decoded keys (192 by default: the middle of a 128/128 run). The forward graphs of a few buckets
+   are replayed and timed (CUDA events), then the --batch bucket's under torch.profiler (CUPTI sees the kernels in
+   a replay). Each kernel is labelled by its role and, for GEMMs and FP8 activation quantization, by the projection
+   it serves (the order of a Llama layer's kernels: norm, quantize, qkv GEMM, rope + KV write, attention split and
+   merge, quantize, o GEMM, add + norm, quantize, gate|up GEMM, SwiGLU, quantize, down GEMM, add + norm; the LM head
+   after the last layer). Per label: GPU us per step, the kernel's name, bytes it must read and the rate reached.
+2. The GEMMs alone, each a CUDA graph of calls over the 32 layers' weights (reads from HBM, as in a step), at rows
+   64 / 256 / 512 / 1024: FP8 with per-token x per-channel scales (torch._scaled_mm rowwise: the engine's path),
+   FP8 with unit per-tensor scales (bf16 and fp32 out: what a consumer applying the scales itself would read),
+   bf16 (F.linear on dequantized weights); and the engine's FP8 activation quantization kernel.
+3. Paged decode attention alone at batch 1 / 64 / 256 / 1024 and ~192 keys, bf16 and FP8 KV, over 4 layers' caches:
+   the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several split
+   lengths, tiles, warps and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
+Prints the tables (markdown) and writes them to $OUT/step_profile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llm import write_checkpoint  # noqa: E402  bench/llm.py
+
+from kiln.llm import LLM, SamplingParams  # noqa: E402
+from kiln.llm.attention import AttentionMetadata, paged_attention  # noqa: E402
+from kiln.llm.decode_gemv import graph_time  # noqa: E402
+from kiln.llm.kernels import paged_decode  # noqa: E402
+from kiln.llm.kernels.fused import fp8_quantize_rows  # noqa: E402
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+HBM_TBS = 4.8  # H200 HBM3e peak
+FP8_TFLOPS, BF16_TFLOPS = 1979.0, 989.0  # H200 SXM dense peaks
+LINES: list[str] = []
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+    LINES.append(line)
+
+
+def projection_layers(model, name: str) -> list:
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        out.append({"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}[name])
+    return out
+
+
+# ---- 1. in situ -------------------------------------------------------------------------------------------------
+
+def role(name: str) -> str:
+    n = name.lower()
+    for key, label in (("_rms_norm", "rms norm (+ residual add)"), ("_fp8_rows", "fp8 quantize"),
+                       ("_rope_kv", "rope + kv write"), ("_decode_split", "attention: split kernel"),
+                       ("_merge_splits", "attention: merge kernel"), ("_silu_mul", "silu * up"),
+                       ("argmax", "argmax (greedy)"), ("embedding", "embedding"), ("index", "embedding")):
+        if key in n:
+            return label
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "xmma", "sm90_", "gemv", "scaled_mm", "f8f8", "splitk")):
+        return "gemm"
+    return "other"
+
+
+def label_kernels(names: list[str], num_layers: int) -> list[str]:
+    """Per kernel of one replay: its role, GEMMs and quantizations with the projection they serve (by the order
+    of a layer's kernels: a merge is followed by o, silu by down, a norm after o by gate_up, any other norm by qkv,
+    the norm after the last layer's down by the LM head)."""
+    labels, phase, last_gemm, layers_done = [], "qkv", None, 0
+    for name in names:
+        r = role(name)
+        if r.startswith("rms norm"):
+            phase = "gate_up" if last_gemm == "o" else ("lm_head" if layers_done == num_layers else "qkv")
+        elif r == "attention: merge kernel":
+            phase = "o"
+        elif r == "silu * up":
+            phase = "down"
+        if r == "gemm":
+            labels.append(f"gemm {phase}")
+            if phase == "down" and last_gemm != "down":
+                layers_done += 1
+            last_gemm = phase
+        elif r == "fp8 quantize":
+            labels.append(f"fp8 quantize ({phase} input)")
+        else:
+            labels.append(r)
+    return labels
+
+
+def kernel_events(prof) -> list:
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(events, key=lambda e: e.time_range.start)
+
+
+def profile_replay(llm, batch: int, replays: int) -> None:
+    engine = llm.engine
+    graphs, model = engine.runner.graphs, engine.model
+    bucket = graphs.bucket(batch)
+    graph = graphs.forward_graphs[bucket]
+    seq_lens = graphs.seq_lens[:bucket].tolist()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = kernel_events(prof)
+    per = len(events) // replays
+    if per * replays != len(events):
+        say(f"(profile: {len(events)} kernel events for {replays} replays: not a multiple; using the first {per})")
+    names = [e.name for e in events[:per]]
+    labels = label_kernels(names, len(model.layers))
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, set()])  # label -> calls, us, kernel names
+    for i, e in enumerate(events[:per * replays]):
+        entry = totals[labels[i % per]]
+        entry[0] += 1
+        entry[1] += e.time_range.elapsed_us()
+        entry[2].add(e.name)
+    step_ms = graphs.time_replay(batch, repeats=20)
+    kernel_ms = sum(v[1] for v in totals.values()) / replays / 1e3
+    say(f"\n### In situ: the batch-{batch} forward graph (bucket {bucket}), keys per row {min(seq_lens)}-"
+        f"{max(seq_lens)} (mean {sum(seq_lens) / len(seq_lens):.0f})")
+    say(f"replay {step_ms:.3f} ms (CUDA events); kernels {kernel_ms:.3f} ms in {per} launches; "
+        f"gaps {step_ms - kernel_ms:.3f} ms")
+    kv = engine.kv_caches[0][0]
+    kv_bytes = sum(seq_lens) * kv.shape[2] * kv.shape[3] * kv.element_size() * 2  # k and v, one layer
+    need = {}  # label -> (bytes read per call, flops per call)
+    for p in PROJECTIONS:
+        layer = projection_layers(model, p)[0]
+        w = layer.quantized.q if layer.quantized is not None else layer.weight
+        need[f"gemm {p}"] = (w.numel() * w.element_size(), 2 * bucket * w.numel())
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    need["gemm lm_head"] = (head.weight.numel() * head.weight.element_size(), 2 * bucket * head.weight.numel())
+    need["attention: split kernel"] = (kv_bytes, 0)
+    say("| part | calls / step | us / step | share | us / call | bytes read / call | TB/s | TFLOP/s | kernel |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    total_us = kernel_ms * 1e3
+    for label, (calls, us, kernels) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        calls_step, us_step = calls / replays, us / replays
+        per_call = us / calls
+        nbytes, flops = need.get(label, (0, 0))
+        rate = f"{nbytes / per_call / 1e6:.2f}" if nbytes else ""
+        tflops = f"{flops / per_call / 1e6:.0f}" if flops else ""
+        kernel = sorted(kernels, key=len)[0][:70] + (f" (+{len(kernels) - 1})" if len(kernels) > 1 else "")
+        say(f"| {label} | {calls_step:.0f} | {us_step:,.0f} | {us_step / total_us:.1%} | {per_call:.1f} | "
+            f"{nbytes / 1e6:,.1f} MB | {rate} | {tflops} | `{kernel}` |" if nbytes else
+            f"| {label} | {calls_step:.0f} | {us_step:,.0f} | {us_step / total_us:.1%} | {per_call:.1f} | | | | "
+            f"`{kernel}` |")
+    gemm_names = sorted({e.name for e, lab in zip(events[:per], labels) if lab.startswith("gemm")})
+    say("GEMM kernels in the step: " + "; ".join(n[:160] for n in gemm_names))
+
+
+# ---- 2. GEMMs alone ---------------------------------------------------------------------------------------------
+
+def gemm_table(model, rows_list: list[int]) -> None:
+    """FP8 projections alone: the engine's rowwise-scaled GEMM against cuBLAS's per-tensor FP8 GEMM with unit scales
+    (bf16 out, and fp32 out: what a consumer kernel that applies the row x channel scales itself would read)."""
+    say("\n### GEMMs alone (CUDA graph over the 32 layers' weights; us per call)")
+    say("| projection | K x N | rows | fp8 quantize x | fp8 rowwise (engine) | fp8 per-tensor, bf16 out | "
+        "fp8 per-tensor, fp32 out | bf16 | engine TB/s | engine TFLOP/s |")
+    say("|---|---|---|---|---|---|---|---|---|---|")
+    for p in PROJECTIONS:
+        layers = projection_layers(model, p)
+        fp8 = [layer.quantized for layer in layers]
+        if any(q is None or not hasattr(q, "scale") or q.q.dtype != torch.float8_e4m3fn for q in fp8):
+            say(f"| {p} | not FP8 weights: skipped |")
+            continue
+        n, k = fp8[0].q.shape
+        bf16 = [q.dequantize(torch.bfloat16) for q in fp8[:8]]  # 8 layers: > L2 each round, 14 GB less memory
+        one = torch.ones((), device=fp8[0].q.device)
+        for rows in rows_list:
+            x = torch.randn((rows, k), device=fp8[0].q.device, dtype=torch.bfloat16)
+            xq, xs = fp8_quantize_rows(x)
+            times = {
+                "quant": graph_time([lambda: fp8_quantize_rows(x)]),
+                "rowwise": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=xs, scale_b=w.scale[None, :],
+                                                                    out_dtype=x.dtype) for w in fp8]),
+                "tensor": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
+                                                                   out_dtype=x.dtype) for w in fp8]),
+                "tensor32": graph_time([lambda w=w: torch._scaled_mm(xq, w.q.t(), scale_a=one, scale_b=one,
+                                                                     out_dtype=torch.float32) for w in fp8]),
+                "bf16": graph_time([lambda w=w: F.linear(x, w) for w in bf16]),
+            }
+            us = times["rowwise"]
+            say(f"| {p} | {k} x {n} | {rows} | {times['quant']:.1f} | {us:.1f} | {times['tensor']:.1f} | "
+                f"{times['tensor32']:.1f} | {times['bf16']:.1f} | {n * k / us / 1e6:.2f} | "
+                f"{2 * rows * n * k / us / 1e6:.0f} |")
+        del bf16
+        torch.cuda.empty_cache()
+
+
+def lm_head_time(model, rows: int) -> None:
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    x = torch.randn((rows, head.weight.shape[1]), device=head.weight.device, dtype=torch.bfloat16)
+    us = graph_time([lambda: head.logits(x)])
+    lin = graph_time([lambda: F.linear(x, head.weight)])
+    arg = graph_time([lambda: head.logits(x).argmax(dim=-1)])
+    say(f"LM head at {rows} rows: logits (bf16 GEMM + fp32 copy) {us:.1f} us, the GEMM alone {lin:.1f} us, "
+        f"logits + argmax {arg:.1f} us ({head.weight.numel() * 2 / lin / 1e6:.2f} TB/s)")
+
+
+# ---- 3. paged decode attention alone ----------------------------------------------------------------------------
+
+def load_kernel_module(tree: Path):
+    path = tree / "kiln" / "llm" / "kernels" / "paged_decode.py"
+    spec = importlib.util.spec_from_file_location(f"baseline_paged_decode_{abs(hash(str(tree)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def attention_cases(batch: int, keys: int, kv_dtype: torch.dtype, layers: int = 4, heads: int = 32,
+                    kv_heads: int = 8, head_dim: int = 128, page: int = 16):
+    blocks = -(-keys // page)
+    num_blocks = batch * blocks + 1
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    caches = []
+    for _ in range(layers):
+        k = torch.randn((num_blocks, page, kv_heads, head_dim), device="cuda", generator=g).to(kv_dtype)
+        v = torch.randn((num_blocks, page, kv_heads, head_dim), device="cuda", generator=g).to(kv_dtype)
+        caches.append((k, v))
+    order = torch.randperm(num_blocks - 1, device="cuda", generator=g) + 1  # scattered, never the null block
+    tables = torch.zeros((batch, 512 // page), dtype=torch.int32, device="cuda")  # max_model_len 512's width
+    tables[:, :blocks] = order[:batch * blocks].view(batch, blocks).to(torch.int32)
+    lens = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    q = torch.randn((batch, heads, head_dim), device="cuda", generator=g).to(torch.bfloat16)
+    return q, caches, tables, lens
+
+
+VARIANTS = [  # name, split_tokens, block_n, num_warps, fp8_f16_dot ("base": the baseline tree's kernel, its defaults)
+    ("base (s32 n32)", 32, 32, 4, False), ("s32 n32", 32, 32, 4, False), ("s256 n64 (default)", 256, 64, 4, False),
+    ("s256 n32", 256, 32, 4, False), ("s256 n128", 256, 128, 4, False), ("s256 n64 f16", 256, 64, 4, True),
+    ("s256 n32 f16", 256, 32, 4, True)]
+
+
+def attention_table(baseline, batches: list[int], keys: int) -> None:
+    say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
+        "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
+        "nN: block_n, w: num_warps (4 unless named), f16: fp8_f16_dot (FP8 cache only)")
+    say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
+    say("|---|---|" + "---|" * len(VARIANTS))
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        for batch in batches:
+            q, caches, tables, lens = attention_cases(batch, keys, kv_dtype)
+            kv_bytes = batch * keys * 8 * 128 * 2 * caches[0][0].element_size()
+            # the reference on the first rows (torch SDPA over gathered blocks, fp32)
+            rows = min(batch, 4)
+            meta = AttentionMetadata(slot_mapping=torch.empty(0), query_start=list(range(rows)), query_lens=[1] * rows,
+                                     seq_lens=lens[:rows].tolist(), block_tables=tables[:rows],
+                                     seq_lens_tensor=lens[:rows])
+            k0, v0 = caches[0]
+            ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
+            cells = []
+            for name, split, block_n, warps, f16 in VARIANTS:
+                if f16 and kv_dtype != torch.float8_e4m3fn:
+                    cells.append("")
+                    continue
+                if name.startswith("base"):
+                    if baseline is None:
+                        cells.append("-")
+                        continue
+
+                    def call(k, v, split=split, block_n=block_n):
+                        return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
+                                                               split_tokens=split, block_n=block_n)
+                else:
+                    def call(k, v, split=split, block_n=block_n, warps=warps, f16=f16):
+                        return paged_decode.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
+                                                                   split_tokens=split, block_n=block_n,
+                                                                   num_warps=warps, fp8_f16_dot=f16)
+                try:
+                    got = call(k0, v0)[:rows].float()
+                    err = (got - ref).abs().max().item()
+                    if not err < 3e-2:  # bf16 q and p·v: ~2^-8 relative on values of ~1
+                        cells.append(f"OFF ({err:.2g})")
+                        continue
+                    us = graph_time([lambda k=k, v=v: call(k, v) for k, v in caches])
+                    cells.append(f"{us:.1f} ({kv_bytes / us / 1e6:.2f})")
+                except Exception as failure:  # a config past this GPU's shared memory: named, not fatal
+                    cells.append(f"fails: {type(failure).__name__}")
+            say(f"| {str(kv_dtype).removeprefix('torch.')} | {batch} | " + " | ".join(cells) + " |")
+            del caches, q
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="llama3-8b")
+    parser.add_argument("--quantization", default="fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--decoded", type=int, default=64, help="tokens generated before the profile (keys: 128 + it)")
+    parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--baseline", default=None, help="a tree whose kiln/ holds the baseline attention kernel")
+    parser.add_argument("--parts", nargs="+", default=["situ", "gemm", "attention"])
+    parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    say(f"## Decode step profile: {args.preset}, quantization {args.quantization}, kv {args.kv_cache_dtype}, "
+        f"batch {args.batch}; {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if "situ" in args.parts or "gemm" in args.parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_checkpoint(args.preset, torch.bfloat16, Path(tmp), weights=False)
+            llm = LLM(tmp, dtype="bfloat16", kv_cache_memory="10GiB", max_num_seqs=args.batch,
+                      max_num_batched_tokens=max(128 * args.batch, 2048), max_model_len=512,
+                      quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, device="cuda",
+                      cuda_graphs=True, load_format="dummy", gemv="cublas", decode_fusion="off")
+            run_engine_parts(llm, args, started)
+    if "attention" in args.parts:
+        baseline = load_kernel_module(Path(args.baseline)) if args.baseline else None
+        attention_table(baseline, args.attention_batches, 128 + args.decoded)
+    say(f"(done after {time.perf_counter() - started:.0f} s)")
+    Path(args.out, "step_profile.md").write_text("\n".join(LINES) + "\n")
+    return 0
+
+
+def run_engine_parts(llm, args, started: float) -> None:
+    """Parts 1 and 2 on the engine's own model."""
+    say(f"engine up in {time.perf_counter() - started:.0f} s; decode GEMVs and fusion off (they cover <= 16 "
+        "rows: a step of more rows always takes the layers' own path)")
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(args.batch)]
+    llm.generate(prompts, SamplingParams(max_tokens=args.decoded, temperature=0, ignore_eos=True,
+                                         detokenize=False))
+    graphs = llm.engine.runner.graphs
+    say("replay ms by bucket (keys ~" f"{128 + args.decoded}): " + ", ".join(
+        f"{b}: {graphs.time_replay(b):.2f}" for b in graphs.buckets if b >= 16))
+    if "situ" in args.parts:
+        profile_replay(llm, args.batch, args.replays)
+        if args.batch > 64:
+            profile_replay(llm, 64, args.replays)
+    if "gemm" in args.parts:
+        gemm_table(llm.engine.model, [64, 256, 512, 1024])
+        lm_head_time(llm.engine.model, args.batch)
+    say(f"(after {time.perf_counter() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
