@@ -170,3 +170,67 @@ int kiln_concat(void *object, void *stream, int nargs, const void *args) {
     }
     return 0;
 }
+
+/* ---- QuantizeLinear / DequantizeLinear per tensor ----------------------------------------------------- */
+
+/* Why: BERT's QDQ model (onnxruntime's quantize_static) quantizes or dequantizes every GEMM's input and output:
+ * ~170 such steps a run. As oneDNN reorders with scale attributes they took ~0.1 ms each at [128, 768]; this
+ * loop reads and writes each element once (the rounding in quantize_row, attention.c). Any layout: an
+ * elementwise map of a contiguous buffer. */
+typedef struct {
+    get_handle_fn get_handle;
+    void *src, *dst;
+    long n;           /* elements */
+    float q[4];       /* scale, zero point, qmin, qmax */
+    int quantize;     /* 1: y = saturate(round(x / scale) + zero) (8-bit); 0: y = (x - zero)·scale (float32) */
+    int is_signed;    /* the 8-bit side is int8, else uint8 */
+    long grain;       /* elements past which the chunks are shared among the threads */
+} quantize_plan;
+
+#define Q_ITEM 4096   /* elements a work item converts */
+
+typedef struct {
+    const quantize_plan *p;
+    const void *x;
+    void *y;
+} quantize_loop;
+
+static void quantize_item(void *loop, long item) {
+    const quantize_loop *l = (const quantize_loop *)loop;
+    const quantize_plan *p = l->p;
+    const long first = item * Q_ITEM, last = first + Q_ITEM < p->n ? first + Q_ITEM : p->n;
+    if (p->quantize) {
+        float r[EW_CHUNK] __attribute__((aligned(64)));
+        for (long c = first; c < last; c += EW_CHUNK) {
+            const long m = last - c < EW_CHUNK ? last - c : EW_CHUNK;
+            quantize_row((const float *)l->x + c, r, m, p->q, 0);  /* integral values in [qmin, qmax] */
+            if (p->is_signed) {
+                signed char *y = (signed char *)l->y + c;
+                for (long j = 0; j < m; ++j) y[j] = (signed char)(int)r[j];
+            } else {
+                unsigned char *y = (unsigned char *)l->y + c;
+                for (long j = 0; j < m; ++j) y[j] = (unsigned char)(int)r[j];
+            }
+        }
+    } else {
+        const float s = p->q[0], z = p->q[1];
+        float *y = (float *)l->y + first;
+        if (p->is_signed) {
+            const signed char *x = (const signed char *)l->x + first;
+            for (long j = 0; j < last - first; ++j) y[j] = ((float)x[j] - z) * s;
+        } else {
+            const unsigned char *x = (const unsigned char *)l->x + first;
+            for (long j = 0; j < last - first; ++j) y[j] = ((float)x[j] - z) * s;
+        }
+    }
+}
+
+int kiln_quantize(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const quantize_plan *p = (const quantize_plan *)object;
+    quantize_loop l = {p, handle_of(p->get_handle, p->src), handle_of(p->get_handle, p->dst)};
+    if (l.x == NULL || l.y == NULL) return 2;
+    const long items = (p->n + Q_ITEM - 1) / Q_ITEM;
+    parallel_items(items, p->n > p->grain ? max_threads() : 1, quantize_item, &l);
+    return 0;
+}
