@@ -156,3 +156,37 @@ def test_a_partly_quantized_attention_is_refused_by_the_c_kernel():
     sizes = {k: (1, 4, 2, 8) for k in (0, 1, 2)}
     found = attention_plan({"q_quant": [0.1, 0.0], "score_quant": [0.1, 0.0, 0.0, 255.0]}, sizes, None)
     assert isinstance(found, str) and "not all 8-bit" in found
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8], ids=["u8", "s8"])
+@pytest.mark.parametrize("shape", [(5,), (3, 7001), (2, 128, 96)])
+def test_native_quantize_and_dequantize_are_onnx_s(dtype, shape):
+    """cpu.quantize.native / cpu.dequantize.native against onnx.reference's QuantizeLinear/DequantizeLinear: exact,
+    ties (x / s at k + 1/2) included, saturation at both ends, in and outside a native segment's bound call."""
+    from onnx.reference import ReferenceEvaluator
+
+    from tests.unit.test_tactics_cpu_transformer import prepared, t
+
+    rng = np.random.default_rng(11)
+    scale, zero = np.array(0.0625, np.float32), np.array(3 if dtype == np.int8 else 131, dtype)
+    x = (rng.standard_normal(shape) * 6).astype(np.float32)
+    x.reshape(-1)[::7] = (rng.integers(-300, 300, x.size)[::7] + 0.5).astype(np.float32) * scale  # exact ties
+    x.reshape(-1)[1:3] = [100.0, -100.0]  # saturated
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q"]),
+             helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"])]
+    elem = TensorProto.UINT8 if dtype == np.uint8 else TensorProto.INT8
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", F, list(shape))],
+                              [helper.make_tensor_value_info("q", elem, list(shape)),
+                               helper.make_tensor_value_info("y", F, list(shape))],
+                              [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+    want_q, want_y = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
+        None, {"x": x})
+    for op, tactic, given, want in (("QuantizeLinear", "cpu.quantize.native", x, want_q),
+                                    ("DequantizeLinear", "cpu.dequantize.native", want_q, want_y)):
+        inputs = [t(given), t(scale), t(zero)]
+        launch, _, ctx = prepared(tactic, op, "", inputs, {}, {1, 2})
+        got = launch(ctx, *inputs)
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=op)
+        bound = launch.timed(*inputs)()[1][0]  # the plan a segment runs
+        np.testing.assert_array_equal(bound.numpy(), want, err_msg=f"{op} (bound)")
+    assert (want_q == np.iinfo(dtype).max).any() and (want_q == np.iinfo(dtype).min).any()  # both ends saturate
