@@ -190,3 +190,63 @@ def test_native_quantize_and_dequantize_are_onnx_s(dtype, shape):
         bound = launch.timed(*inputs)()[1][0]  # the plan a segment runs
         np.testing.assert_array_equal(bound.numpy(), want, err_msg=f"{op} (bound)")
     assert (want_q == np.iinfo(dtype).max).any() and (want_q == np.iinfo(dtype).min).any()  # both ends saturate
+
+
+class _Reader:
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self._items = iter(feeds)
+
+    def get_next(self):
+        return next(self._items, None)
+
+
+def _token_feeds(example: dict[str, np.ndarray], vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {}
+    for name, value in example.items():
+        if name == "input_ids":
+            feeds[name] = rng.integers(5, vocab, value.shape).astype(value.dtype)
+        elif name == "attention_mask":
+            mask = np.ones_like(value)
+            mask[-1, value.shape[-1] * 3 // 4:] = 0  # the last sequence padded
+            feeds[name] = mask
+        else:
+            feeds[name] = np.zeros_like(value)
+    return feeds
+
+
+@pytest.mark.parametrize("name, batch, seq, vocab", [
+    ("bert_tiny", 2, 16, 1000),
+    pytest.param("bert_base", 1, 128, 20000, marks=pytest.mark.slow),  # onnxruntime's calibration: ~2 minutes
+])
+def test_onnxruntime_s_qdq_bert_is_onnxruntime_within_a_step(tmp_path, name, batch, seq, vocab):
+    """onnxruntime's own QDQ model of an exported BERT (quantize_static as bench/quant.py makes it: MinMax, uint8
+    activations, per-channel int8 weights, MatMul only): each attention one kiln::Attention on the C kernel, the
+    whole engine within one step of the model's coarsest quantization of onnxruntime's outputs on fresh inputs."""
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    from kiln import zoo
+
+    exported = zoo.export(name, batch=batch, seq=seq)
+    example = exported.inputs()
+    rng = np.random.default_rng(5)
+    reader = type("Reader", (_Reader, CalibrationDataReader), {})([_token_feeds(example, vocab, rng) for _ in range(4)])
+    qdq = tmp_path / "qdq.onnx"
+    quantize_static(str(exported.path), str(qdq), reader, quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                    reduce_range=True, calibrate_method=CalibrationMethod.MinMax, op_types_to_quantize=["MatMul"])
+    engine = kiln.build(str(qdq))
+    steps = engine.plan.program.steps
+    layers = sum(1 for s in steps if s.op_type == "Attention")
+    assert layers >= 2 and all(s.tactic == "cpu.attention.native" for s in steps if s.op_type == "Attention")
+    assert not any(s.op_type in ("MatMul", "Softmax") for s in steps)
+    model = __import__("onnx").load(str(qdq))
+    coarsest = max(float(numpy_helper.to_array(i).reshape(-1)[0]) for i in model.graph.initializer
+                   if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1)
+    session = ort.InferenceSession(str(qdq), providers=["CPUExecutionProvider"])
+    for _ in range(2):
+        feeds = _token_feeds(example, vocab, rng)
+        want = session.run(None, feeds)[0]
+        got = np.asarray(engine.run(feeds)[session.get_outputs()[0].name])
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest or np.abs(got - want).max() < 1e-5  # the bound means something
