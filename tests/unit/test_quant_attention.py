@@ -250,3 +250,30 @@ def test_onnxruntime_s_qdq_bert_is_onnxruntime_within_a_step(tmp_path, name, bat
         got = np.asarray(engine.run(feeds)[session.get_outputs()[0].name])
         assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
         assert np.abs(want).max() > 10 * coarsest or np.abs(got - want).max() < 1e-5  # the bound means something
+
+
+def test_a_float_attention_keeps_its_head_merge_when_its_output_is_quantized():
+    """kiln's own PTQ quantizes the out projection's input, the attention's merged heads: the Q stays after the
+    head merge (hoist_quantize refuses to pass a MatMul's Transpose/Reshape), which the attention absorbs."""
+    inits = {"merged": np.array([B, S, H * D], np.int64), "s": np.array(0.05, np.float32),
+             "z": np.array(128, np.uint8)}
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"]),
+             helper.make_node("Softmax", ["scores"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"]),
+             helper.make_node("Transpose", ["o"], ["o_t"], perm=[0, 2, 1, 3]),
+             helper.make_node("Reshape", ["o_t", "merged"], ["merged_heads"]),
+             helper.make_node("QuantizeLinear", ["merged_heads", "s", "z"], ["mq"]),
+             helper.make_node("DequantizeLinear", ["mq", "s", "z"], ["y"])]
+    graph = helper.make_graph(nodes, "float_attention", [helper.make_tensor_value_info(n, F, [B, H, S, D])
+                                                         for n in "qkv"],
+                              [helper.make_tensor_value_info("y", F, [B, S, H * D])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    report = PassReport()
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    optimized = optimize(onnx_frontend.load(model.SerializeToString()),
+                         PassOptions(unsigned_activations=True, cpu_rules=True), report)
+    assert [n.op_type for n in optimized.graph] == ["Attention", "QuantizeLinear", "DequantizeLinear"]
+    attention = next(iter(optimized.graph))
+    assert attention.attributes["out_merge_heads"].value == 1 and "q_quant" not in attention.attributes
+    assert any("attention fusion takes them" in r for r in report.refused), report.refused

@@ -189,6 +189,12 @@ def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
         return False
     if any(v.uses() or v.is_graph_output() for v in mover.outputs[1:]):
         return False
+    origin = mover.inputs[0]
+    while is_op(producer(origin), *HOISTED_MOVERS):
+        origin = producer(origin).inputs[0]
+    if is_op(producer(origin), "MatMul"):  # attention's P·V and its head merge: fuse_attention absorbs them
+        report.refuse(RULE_HOIST, node, "the Reshape/Transpose follow a MatMul: the attention fusion takes them")
+        return False
     graph, x = node.graph, mover.inputs[0]
     new_nodes = []
     if mul is not None:
