@@ -74,6 +74,11 @@ BLAME_ROUNDS = 3  # blame-in-context runs before the search for compounding erro
 HALF = (torch.float16, torch.bfloat16)
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_STEPS = 1
+# a quantized attention's 8-bit output (kiln::Attention with out_quant, kiln/ops/fused.py): three roundings in
+# a row, each of which a float32 near-tie may send the other way (the scores, summed in another order; then
+# the probabilities of that row; then the output). Measured on onnxruntime's QDQ BERT-base (12 layers, 3
+# inputs): at most 1 step, on <= 3e-5 of the elements; the check allows one more for the chained roundings
+QUANTIZED_ATTENTION_STEPS = 2
 
 
 # ---- values ------------------------------------------------------------------------------------
@@ -164,6 +169,8 @@ def integer_steps(ctx) -> int:
         return 0
     if ctx.domain == "kiln" and ctx.op_type in QUANTIZED_LAYERS:
         return QUANTIZED_STEPS
+    if ctx.domain == "kiln" and ctx.op_type == "Attention":  # an integer output only when quantized
+        return QUANTIZED_ATTENTION_STEPS
     # a QuantizeLinear kernel may round x·(1/scale) + zero point (oneDNN's reorder): an exact tie, a step apart
     return QUANTIZED_STEPS if ctx.domain in ("", "ai.onnx") and ctx.op_type == "QuantizeLinear" else 0
 

@@ -144,7 +144,8 @@ def softmax(ctx, x, *, axis=-1):
 @register("Attention", domain="kiln")
 def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
               out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
-              out_merge_heads=0):
+              out_merge_heads=0, q_quant=None, k_quant=None, v_quant=None, score_quant=None, prob_quant=None,
+              out_quant=None):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
 
     `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
@@ -153,6 +154,13 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     Layout (absorbed Reshapes/Split, all views): `qkv_split` = [Wq, Wk, Wv]: q holds q, k and v
     side by side on its last axis; `q_num_heads` / `kv_num_heads`: a 3-D input [B, S, H·D] is
     first unflattened to [B, S, H, D]; `out_merge_heads`: the output's last two axes are merged.
+
+    Quantized attention (an explicitly quantized graph's Q/DQ absorbed, kiln/passes/fusion/attention.py), each
+    optional: `q_quant`/`k_quant`/`v_quant` = [scale, zero_point]: that input is 8-bit, read as (x - z)·s;
+    `score_quant`/`prob_quant` = [scale, zero_point, qmin, qmax]: the scores q·kᵀ·scale (before the mask) and
+    the probabilities (after the NaN guard) go through DQ(Q(·)), (clamp(round(x / s) + z, qmin, qmax) - z)·s,
+    round half to even as ONNX QuantizeLinear; `out_quant` = [scale, zero_point, qmin, qmax]: the output is
+    Q(out), 8-bit (uint8 when qmin = 0, else int8).
     """
     if qkv_split:
         q, k, v = torch.split(q, list(qkv_split), dim=-1)  # [B, S, Wq], [B, S, Wk], [B, S, Wv]
@@ -165,18 +173,57 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     q = q.permute(q_perm) if q_perm else q  # q: [B, H, S, D]
     k = k.permute(k_perm) if k_perm else k  # k: [B, Hkv, T, D]
     v = v.permute(v_perm) if v_perm else v  # v: [B, Hkv, T, D]
+    q, k, v = (_dequantized(x, p) for x, p in ((q, q_quant), (k, k_quant), (v, v_quant)))
     if mask is not None and mask.dtype != q.dtype and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     if gqa and k.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(repeat, dim=-3)
         v = v.repeat_interleave(repeat, dim=-3)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                         is_causal=bool(is_causal) and mask is None)  # [B, H, S, D]
+    if score_quant or prob_quant:
+        out = _fake_quantized_attention(q, k, v, mask, scale, bool(is_causal) and mask is None, nan_to_zero,
+                                        score_quant, prob_quant)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             is_causal=bool(is_causal) and mask is None)  # [B, H, S, D]
     if nan_to_zero:
         out = torch.nan_to_num_(out, nan=0.0) if not out.requires_grad else torch.nan_to_num(out, nan=0.0)
     out = out.permute(out_perm) if out_perm else out
-    return out.flatten(-2) if out_merge_heads else out
+    out = out.flatten(-2) if out_merge_heads else out
+    if out_quant:
+        s, z, low, high = out_quant
+        out = torch.clamp(torch.round(out / s) + z, low, high).to(torch.uint8 if low >= 0 else torch.int8)
+    return out
+
+
+def _dequantized(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
+    """(x - z)·s for an 8-bit input with quant = [s, z]; x itself otherwise."""
+    if not quant:
+        return x
+    return (x.float() - quant[1]) * quant[0]
+
+
+def _fake_quant(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
+    """DQ(Q(x)) = (clamp(round(x / s) + z, qmin, qmax) - z)·s for quant = [s, z, qmin, qmax] (round half to even)."""
+    if not quant:
+        return x
+    s, z, low, high = quant
+    return (torch.clamp(torch.round(x / s) + z, low, high) - z) * s
+
+
+def _fake_quantized_attention(q, k, v, mask, scale, causal, nan_to_zero, score_quant, prob_quant):
+    """softmax(DQ(Q(q·kᵀ·scale)) + mask), NaN guard, DQ(Q(·)), times v: an explicitly quantized graph's attention
+    with its score and probability quantization (q, k, v: [B, H, S|T, D], float)."""
+    scores = _fake_quant(torch.matmul(q, k.transpose(-1, -2)) * scale, score_quant)  # [B, H, S, T]
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    p = torch.softmax(scores, dim=-1)
+    if nan_to_zero:
+        p = torch.nan_to_num(p, nan=0.0)
+    return torch.matmul(_fake_quant(p, prob_quant), v)  # [B, H, S, Dv]
 
 
 @register("Rotary", domain="kiln")

@@ -293,6 +293,9 @@ def _masked_attentions(graph: ir.Graph, mask: ir.Value) -> list[ir.Node]:
              and id(n.inputs[3]) in dependent]
     if not found:
         raise PaddingRefused(f"no fused attention reads the padding mask {mask.name!r} (nothing to pack around)")
+    quantized = next((n for n in found if attr(n, "q_quant") or attr(n, "score_quant") or attr(n, "prob_quant")), None)
+    if quantized is not None:
+        raise PaddingRefused(f"the attention {quantized.name!r} is quantized: PackedAttention has no quantized form")
     for node in found:
         reason = _attention_reason(node, batch, seq) or _mask_reason(node.inputs[3], mask, graph)
         if reason is not None:

@@ -80,7 +80,9 @@ def test_the_qdq_graph_becomes_quantized_layers(activation_type):
     steps = [(n.domain, n.op_type) for n in graph.graph]
     assert steps == [("", "QuantizeLinear"), ("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv"), ("kiln", "QAdd"),
                      ("", "Reshape"), ("kiln", "QGemm")], steps
-    assert report.fired["sink_dequantize"] == 2 and report.fired["remove_qdq_round_trips"] == 2
+    # the DQ sinks below MaxPool; the Q after the Reshape rises above it (hoist_quantize: it runs first)
+    assert report.fired["sink_dequantize"] == 1 and report.fired["hoist_quantize"] == 1
+    assert report.fired["remove_qdq_round_trips"] == 2
     assert report.fired["fuse_quantized_layers"] == 3 and report.fired["fuse_quantized_add"] == 1
     if activation_type == TensorProto.INT8:  # every activation pair made uint8 (zero point + 128)
         assert report.fired["unsigned_activations"] == 6

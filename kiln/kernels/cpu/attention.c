@@ -22,6 +22,13 @@ typedef struct {
     float scale;
     void *cu;         /* dnnl_memory_t of cu_seqlens, int32 [B + 1], for varlen; else NULL */
     long rows;        /* varlen: the packed rows q/k/v/out hold (cu_seqlens[B] <= rows) */
+    /* An explicitly quantized graph's attention (kiln/ops/fused.py attention): q, k, v uint8, read as
+       (x - zero)·scale; the scores (before the mask) and the probabilities (after the NaN guard) through
+       DQ(Q(·)); the output written uint8. Quantizations: scale, zero point, qmin, qmax. */
+    int quantized;                            /* q, k, v are uint8 */
+    float q_quant[2], k_quant[2], v_quant[2]; /* scale, zero point */
+    int score_quant, prob_quant, out_quant;   /* each applied or not */
+    float score_q[4], prob_q[4], out_q[4];
 } attention_plan;
 
 #define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
@@ -49,6 +56,37 @@ static inline __m256 exp_le0(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
 }
 #endif
+
+/* r[j] = clamp(round(x[j] / s) + z, qmin, qmax) for j < n (round half to even, as ONNX QuantizeLinear), qp =
+   {s, z, qmin, qmax}; dequantized back, (r - z)·s, when `back`: DQ(Q(x)) */
+static void quantize_row(const float *x, float *r, long n, const float *qp, int back) {
+    long j = 0;
+#ifdef KILN_AVX2
+    const __m256 s = _mm256_set1_ps(qp[0]), z = _mm256_set1_ps(qp[1]), lo = _mm256_set1_ps(qp[2]),
+                 hi = _mm256_set1_ps(qp[3]);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm256_min_ps(_mm256_max_ps(_mm256_add_ps(v, z), lo), hi);
+        _mm256_storeu_ps(r + j, back ? _mm256_mul_ps(_mm256_sub_ps(v, z), s) : v);
+    }
+#endif
+    for (; j < n; ++j) {
+        float v = nearbyintf(x[j] / qp[0]) + qp[1];
+        v = v < qp[2] ? qp[2] : (v > qp[3] ? qp[3] : v);
+        r[j] = back ? (v - qp[1]) * qp[0] : v;
+    }
+}
+
+/* rows [first, last) of a uint8 [.., position, dim] head as float (x - z)·s, dst [position][n] */
+static void dequantize_rows(const unsigned char *x, long row_stride, long first, long last, long n, const float *qp,
+                            float *dst) {
+    const float s = qp[0], z = qp[1];
+    for (long i = first; i < last; ++i) {
+        const unsigned char *row = x + i * row_stride;
+        float *d = dst + i * n;
+        for (long j = 0; j < n; ++j) d[j] = ((float)row[j] - z) * s;
+    }
+}
 
 /* s[j] = s[j] * scale + m[j] (m NULL: no mask; additive float32, contiguous), returns max_j s[j] */
 static float scale_add_max(float *s, long t, float scale, const float *m) {
@@ -176,12 +214,29 @@ static void attention_head(const attention_plan *p, const float *q, const float 
                            float *work) {
     const long S = last, D = p->D, Dv = p->Dv, tp = (T + KB - 1) / KB * KB;
     const long hk = h / (p->H / p->Hkv), batch = p->cu ? 0 : b;  /* varlen: the start row places the sequence */
-    const float *qb = q + batch * p->qs[0] + start * p->qs[2] + h * p->qs[1];
-    const float *kb = k + batch * p->ks[0] + start * p->ks[2] + hk * p->ks[1];
-    const float *vb = v + batch * p->vs[0] + start * p->vs[2] + hk * p->vs[1];
-    float *ob = out + batch * p->os[0] + start * p->os[2] + h * p->os[1];
     float *kt = work, *scores = work + D * tp, *dump = scores + QB * tp, *vpacked = dump + Dv;
     float *keys = vpacked + T * ((Dv + KB - 1) / KB * KB);
+    long q_row = p->qs[2], k_row = p->ks[2], v_row = p->vs[2];
+    const float *qb, *kb, *vb;
+    if (p->quantized) {  /* this head's uint8 rows as float, (x - z)·s: [S][D], [T][D], [T][Dv] after `keys` */
+        float *qf = keys + T, *kf = qf + S * D, *vf = kf + T * D;
+        const unsigned char *q8 = (const unsigned char *)q + batch * p->qs[0] + start * p->qs[2] + h * p->qs[1];
+        const unsigned char *k8 = (const unsigned char *)k + batch * p->ks[0] + start * p->ks[2] + hk * p->ks[1];
+        const unsigned char *v8 = (const unsigned char *)v + batch * p->vs[0] + start * p->vs[2] + hk * p->vs[1];
+        dequantize_rows(q8, p->qs[2], first, S, D, p->q_quant, qf);
+        dequantize_rows(k8, p->ks[2], 0, T, D, p->k_quant, kf);
+        dequantize_rows(v8, p->vs[2], 0, T, Dv, p->v_quant, vf);
+        qb = qf, kb = kf, vb = vf, q_row = D, k_row = D, v_row = Dv;
+    } else {
+        qb = q + batch * p->qs[0] + start * p->qs[2] + h * p->qs[1];
+        kb = k + batch * p->ks[0] + start * p->ks[2] + hk * p->ks[1];
+        vb = v + batch * p->vs[0] + start * p->vs[2] + hk * p->vs[1];
+    }
+    /* a uint8 output: each tile's rows computed into `tile` [QB][Dv], then quantized to their place */
+    float *ob = p->out_quant ? NULL : out + batch * p->os[0] + start * p->os[2] + h * p->os[1];
+    unsigned char *ob8 = p->out_quant ? (unsigned char *)out + batch * p->os[0] + start * p->os[2] + h * p->os[1]
+                                      : NULL;
+    float *tile = p->quantized ? keys + T + S * D + T * D + T * Dv : dump;
     if (p->mask_kind == 3) {  /* the key padding mask, once per head as an additive row: the vector path below */
         const int64_t *m = (const int64_t *)mask + b * p->ms[0] + h * p->ms[1];
         for (long j = 0; j < T; ++j) keys[j] = m[j * p->ms[3]] ? 0.0f : -INFINITY;
@@ -190,14 +245,14 @@ static void attention_head(const attention_plan *p, const float *q, const float 
        chunk zero-padded past Dv (MobileViT-S's heads of 36 dims: the 4 past 32 one at a time, strided, took
        twice the vector part's instructions) */
     const float *chunks = vb;
-    long chunk_stride = KB, row_stride = p->vs[2], packed = Dv / KB * KB;
+    long chunk_stride = KB, row_stride = v_row, packed = Dv / KB * KB;
     if (S - first > QB) {
         const long nc = (Dv + KB - 1) / KB;
         for (long c = 0; c < nc; ++c) {
             const long n = Dv - c * KB < KB ? Dv - c * KB : KB;
             for (long j = 0; j < T; ++j) {
                 float *dst = vpacked + (c * T + j) * KB;
-                memcpy(dst, vb + j * p->vs[2] + c * KB, (size_t)n * sizeof(float));
+                memcpy(dst, vb + j * v_row + c * KB, (size_t)n * sizeof(float));
                 for (long d = n; d < KB; ++d) dst[d] = 0.0f;
             }
         }
@@ -209,20 +264,19 @@ static void attention_head(const attention_plan *p, const float *q, const float 
     for (long j = 0; j < tp; ++j) {  /* kᵀ in blocks of KB keys, zeros past the last */
         float *dst = kt + (j / KB) * D * KB + j % KB;
         if (j < T) {
-            const float *kj = kb + j * p->ks[2];
+            const float *kj = kb + j * k_row;
             for (long d = 0; d < D; ++d) dst[d * KB] = kj[d];
         } else {
             for (long d = 0; d < D; ++d) dst[d * KB] = 0.0f;
         }
     }
-    const float scale = p->scale;
     for (long i0 = first; i0 < S; i0 += QB) {
         const float *qrow[QB];
         float *orow[QB];
         for (int r = 0; r < QB; ++r) {
             long i = i0 + r < S ? i0 + r : S - 1;  /* past the last row: recompute it, write nowhere */
-            qrow[r] = qb + i * p->qs[2];
-            orow[r] = i0 + r < S ? ob + i * p->os[2] : dump;
+            qrow[r] = qb + i * q_row;
+            orow[r] = p->out_quant ? tile + r * Dv : (i0 + r < S ? ob + i * p->os[2] : dump);
         }
         /* the causal mask hides keys past the last row of the tile: compute no further */
         long tmax = p->causal ? (i0 + QB < T ? i0 + QB : T) : T;
@@ -232,7 +286,12 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             long i = i0 + r < S ? i0 + r : S - 1;
             float *s = scores + r * tp;
             long t = p->causal ? (i + 1 < T ? i + 1 : T) : T;
-            float max = -INFINITY;
+            float max = -INFINITY, scale = p->scale;
+            if (p->score_quant) {  /* DQ(Q(q kᵀ scale)), then the mask */
+                for (long j = 0; j < t; ++j) s[j] *= scale;
+                quantize_row(s, s, t, p->score_q, 1);
+                scale = 1.0f;
+            }
             if (p->mask_kind == 1 && p->ms[3] == 1) {
                 max = scale_add_max(s, t, scale, (const float *)mask + b * p->ms[0] + h * p->ms[1] + i * p->ms[2]);
             } else if (p->mask_kind == 1) {
@@ -257,9 +316,18 @@ static void attention_head(const attention_plan *p, const float *q, const float 
             }
             float inv = 1.0f / exp_shifted(s, t, max);
             for (long j = 0; j < t; ++j) s[j] *= inv;
+            if (p->prob_quant) quantize_row(s, s, t, p->prob_q, 1);  /* DQ(Q(P)) */
             for (long j = t; j < tpad; ++j) s[j] = 0.0f;
         }
-        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, packed, vb, p->vs[2], Dv, orow);
+        pv_tile(scores, tp, tmax, chunks, chunk_stride, row_stride, packed, vb, v_row, Dv, orow);
+        if (p->out_quant) {  /* Q(out) into the uint8 output */
+            for (int r = 0; r < QB && i0 + r < S; ++r) {
+                float *row = tile + r * Dv;
+                unsigned char *dst = ob8 + (i0 + r) * p->os[2];
+                quantize_row(row, row, Dv, p->out_q, 0);
+                for (long d = 0; d < Dv; ++d) dst[d] = (unsigned char)row[d];
+            }
+        }
     }
 }
 
@@ -291,7 +359,9 @@ static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
     const attention_plan *p = l->p;
     const long tp = (p->T + KB - 1) / KB * KB;
-    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB) + p->T);
+    /* kᵀ blocks, scores, a dump row, v's chunks, the key row; quantized: + q, k, v as float and a [QB][Dv] tile */
+    const long quantized = p->quantized ? p->S * p->D + p->T * (p->D + p->Dv) + QB * p->Dv : 0;
+    float *work = thread_work(p->D * tp + QB * tp + p->Dv + p->T * ((p->Dv + KB - 1) / KB * KB) + p->T + quantized);
     if (work == NULL) {
         __atomic_store_n(&l->failed, 1, __ATOMIC_RELAXED);
         return;
@@ -314,7 +384,13 @@ int kiln_attention(void *object, void *stream, int nargs, const void *args) {
     const void *mask = p->mask_kind ? handle_of(p->get_handle, p->mask) : NULL;
     const int32_t *cu = p->cu ? (const int32_t *)handle_of(p->get_handle, p->cu) : NULL;
     if (!q || !k || !v || !out || (p->mask_kind && !mask) || (p->cu && !cu)) return 2;
-    q += p->q_off; k += p->k_off; v += p->v_off;
+    if (p->quantized) {  /* uint8 elements: the offsets in bytes; attention_head reads them as uint8 */
+        q = (const float *)((const unsigned char *)q + p->q_off);
+        k = (const float *)((const unsigned char *)k + p->k_off);
+        v = (const float *)((const unsigned char *)v + p->v_off);
+    } else {
+        q += p->q_off; k += p->k_off; v += p->v_off;
+    }
     const long heads = p->B * p->H;
     long pairs = p->B * p->S * p->T;  /* (query, key) pairs of a head */
     if (cu) {  /* varlen: each sequence's own, checked against the rows there are */

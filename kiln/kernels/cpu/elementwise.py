@@ -101,6 +101,31 @@ class Elementwise(NativeKernel):
             lines=len(lines), code=code_array, grain=PARALLEL_ELEMENTS)
 
 
+class _QuantizePlan(ctypes.Structure):  # quantize_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("src", ctypes.c_void_p), ("dst", ctypes.c_void_p),
+                ("n", ctypes.c_long), ("q", ctypes.c_float * 4), ("quantize", ctypes.c_int),
+                ("is_signed", ctypes.c_int), ("grain", ctypes.c_long)]
+
+
+class Quantize(NativeKernel):
+    """QuantizeLinear (`quantize`: float32 -> 8-bit, saturate(round(x / scale) + zero), round half to even) or
+    DequantizeLinear (8-bit -> float32, (x - zero)·scale) per tensor, of step input 0 (contiguous, any size)."""
+
+    PLAN, FUNCTION = _QuantizePlan, "kiln_quantize"
+
+    def __init__(self, size: tuple[int, ...], quantize: bool, scale: float, zero: int, dtype: torch.dtype):
+        super().__init__(f"{'quantize' if quantize else 'dequantize'} {list(size)} ({dtype}, scale {scale:g}, "
+                         f"zero {zero})")
+        if dtype not in (torch.uint8, torch.int8):
+            raise ValueError(f"{self.what}: 8-bit types only")
+        info = torch.iinfo(dtype)
+        self.output_size = tuple(size)
+        self.output_dtype = dtype if quantize else torch.float32
+        self.roles = {0: ("src",), "dst": ("dst",)}
+        self.fields = dict(n=math.prod(size), q=(ctypes.c_float * 4)(scale, zero, info.min, info.max),
+                           quantize=int(quantize), is_signed=int(dtype == torch.int8), grain=PARALLEL_ELEMENTS)
+
+
 class Concat(NativeKernel):
     """y = Concat(inputs, axis) of float32 tensors (step inputs 0..k-1, row-major)."""
 

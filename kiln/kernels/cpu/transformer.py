@@ -34,7 +34,7 @@ SOURCE = "\n".join(Path(__file__).with_name(name).read_text()
                    for name in ("transformer.c", "attention.c", "elementwise.c", "tokens.c"))
 _FUNCTIONS = ("kiln_layer_norm", "kiln_add", "kiln_gather_rows", "kiln_attention", "kiln_broadcast", "kiln_gather_nd",
               "kiln_rotary", "kiln_elementwise", "kiln_concat", "kiln_token_index", "kiln_pack_rows",
-              "kiln_unpack_rows")
+              "kiln_unpack_rows", "kiln_quantize")
 
 _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is made with (only its address matters)
 
@@ -83,6 +83,9 @@ class _GatherPlan(ctypes.Structure):  # gather_plan
                 ("table", ctypes.c_void_p), ("count", ctypes.c_long), ("vocab", ctypes.c_long), ("n", ctypes.c_long)]
 
 
+_FLOAT2, _FLOAT4 = ctypes.c_float * 2, ctypes.c_float * 4
+
+
 class _AttentionPlan(ctypes.Structure):  # attention_plan
     _fields_ = [("get_handle", ctypes.c_void_p), ("q", ctypes.c_void_p), ("k", ctypes.c_void_p),
                 ("v", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("out", ctypes.c_void_p),
@@ -91,7 +94,10 @@ class _AttentionPlan(ctypes.Structure):  # attention_plan
                 ("T", ctypes.c_long), ("D", ctypes.c_long), ("Dv", ctypes.c_long),
                 ("qs", _LONG3), ("ks", _LONG3), ("vs", _LONG3), ("os", _LONG3), ("ms", _LONG4),
                 ("mask_kind", ctypes.c_int), ("causal", ctypes.c_int), ("nan_to_zero", ctypes.c_int),
-                ("scale", ctypes.c_float), ("cu", ctypes.c_void_p), ("rows", ctypes.c_long)]
+                ("scale", ctypes.c_float), ("cu", ctypes.c_void_p), ("rows", ctypes.c_long),
+                ("quantized", ctypes.c_int), ("q_quant", _FLOAT2), ("k_quant", _FLOAT2), ("v_quant", _FLOAT2),
+                ("score_quant", ctypes.c_int), ("prob_quant", ctypes.c_int), ("out_quant", ctypes.c_int),
+                ("score_q", _FLOAT4), ("prob_q", _FLOAT4), ("out_q", _FLOAT4)]
 
 
 class _RotaryPlan(ctypes.Structure):  # rotary_plan
@@ -368,7 +374,7 @@ class Attention(NativeKernel):
     def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
                  v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
                  mask: tuple[str, tuple[int, ...]] | None, scale: float, causal: bool, nan_to_zero: bool,
-                 mask_input: int = 3, varlen: tuple[int, int] | None = None):
+                 mask_input: int = 3, varlen: tuple[int, int] | None = None, quant: dict[str, list[float]] | None = None):
         super().__init__(f"attention B={dims['B']} H={dims['H']} S={dims['S']} T={dims['T']} D={dims['D']}")
         self.output_size = tuple(output_size)
         roles: dict[Any, list[str]] = {"dst": ["out"]}
@@ -385,7 +391,23 @@ class Attention(NativeKernel):
                            os=_longs(_LONG3, out_strides), ms=_longs(_LONG4, mask[1] if mask is not None else (0, 0, 0, 0)),
                            mask_kind={None: 0, "add": 1, "bool": 2, "keys": 3}[mask[0] if mask is not None else None],
                            causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
-                           rows=int(varlen[1]) if varlen is not None else 0)
+                           rows=int(varlen[1]) if varlen is not None else 0, **_quant_fields(quant or {}))
+        if quant and "out_quant" in quant:
+            self.output_dtype = torch.uint8
+
+
+def _quant_fields(quant: dict[str, list[float]]) -> dict[str, Any]:
+    """attention_plan's quantization fields from kiln::Attention's attributes (kiln/ops/fused.py attention):
+    q/k/v uint8 (all three or none), each of the scores, probabilities and output quantized or not."""
+    fields: dict[str, Any] = {"quantized": int("q_quant" in quant)}
+    for name in ("q_quant", "k_quant", "v_quant"):
+        if name in quant:
+            fields[name] = _FLOAT2(*quant[name][:2])
+    for name, field in (("score_quant", "score_q"), ("prob_quant", "prob_q"), ("out_quant", "out_q")):
+        fields[name] = int(name in quant)
+        if name in quant:
+            fields[field] = _FLOAT4(*quant[name][:4])
+    return fields
 
 
 # the dtypes broadcast_plan's casts read (src_type)

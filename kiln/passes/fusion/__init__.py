@@ -19,7 +19,7 @@ from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
-from kiln.passes.fusion.qdq_propagate import remove_qdq_round_trips, sink_dequantize
+from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
@@ -34,6 +34,7 @@ RULES = [
     ("fuse_layer_norm", fuse_layer_norm),
     ("fuse_rms_norm", fuse_rms_norm),
     ("fuse_softmax", fuse_softmax),
+    ("hoist_quantize", hoist_quantize),  # Q above attention's head split/merge (with its scale by c)
     ("sink_dequantize", sink_dequantize),  # the 8-bit tensor through MaxPool/Reshape/Concat...
     ("remove_qdq_round_trips", remove_qdq_round_trips),  # Q(DQ(q)) = q
     ("fuse_quantized_layers", fuse_quantized_layer),  # after fuse_gelu (its Gelu absorbed), before fuse_conv/fuse_gemm

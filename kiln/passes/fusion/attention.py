@@ -18,6 +18,17 @@ as permutations applied inside the op (views, no copies):
 
 The rule decides everything before it changes the graph, whether the mask is causal included
 (the mask's `constant` is computed off the graph); the mask it reads is built only then.
+
+An explicitly quantized attention (onnxruntime's QDQ BERT: every MatMul quantized, Q·Kᵀ and P·V included) is
+taken whole, its Q/DQ as attributes the kernel applies exactly where the graph does:
+
+    DQ(q8), DQ(k8ᵀ), DQ(v8)         -> q_quant, k_quant, v_quant: 8-bit inputs, (x - z)·s on load
+    MatMul -> Q -> DQ -> [+ M]      -> score_quant: the scores through DQ(Q(·)) before the mask
+    Softmax [-> NaN guard] -> Q -> DQ -> MatMul(·, V)    -> prob_quant
+    MatMul(P, V) -> Q               -> out_quant: the output written 8-bit
+
+Without this the attention ran as some twenty separate steps (two float MatMuls, six Q/DQ, Softmax, the mask
+Add, the NaN guard, head transposes of 8-bit tensors), most of them outside the CPU's native segments.
 """
 
 from __future__ import annotations
@@ -43,6 +54,7 @@ from kiln.passes._rewrite import (
     replace_with,
 )
 from kiln.passes.fusion.attention_mask import broadcast_constant, evaluate_on_constants
+from kiln.passes.fusion.qdq_propagate import INT8_TYPES, QParams, dequantized, qparams, quantized_type
 
 RULE = "fuse_attention"
 MASKED = -1e30  # an additive mask entry at or below this hides its key (exp underflows to 0 exactly)
@@ -76,6 +88,53 @@ def _absorb_transpose(value: ir.Value, perm: list[int] | None, nodes: list[ir.No
     p = attr(node, "perm")
     nodes.append(node)
     return node.inputs[0], p if perm is None else [p[i] for i in perm]
+
+
+def _quant(p: QParams, dtype: ir.DataType) -> list[float]:
+    """[scale, zero point, qmin, qmax] of a per-tensor 8-bit quantization."""
+    info = np.iinfo(dtype.numpy())
+    return [float(p.scale.reshape(())), float(p.zero_point.reshape(())), float(info.min), float(info.max)]
+
+
+def _dequantized_input(value: ir.Value) -> tuple[ir.Node, ir.Value, list[float]] | None:
+    """value = DQ(x8; s, z) per tensor, read only here: (the DQ, x8, [s, z])."""
+    found = dequantized(value)
+    if found is None or not only_user(value) or not found[1].per_tensor:
+        return None
+    dq, p = found
+    if quantized_type(dq.inputs[0]) not in INT8_TYPES:
+        return None
+    return dq, dq.inputs[0], _quant(p, quantized_type(dq.inputs[0]))[:2]
+
+
+def _output_quantize(value: ir.Value) -> tuple[ir.Node, list[float]] | None:
+    """The per-tensor 8-bit QuantizeLinear alone reading `value`: (it, [s, z, qmin, qmax])."""
+    q = only_user(value)
+    p = qparams(q) if is_op(q, "QuantizeLinear") and not value.is_graph_output() else None
+    if p is None or not p.per_tensor or attr(q, "saturate", 1) != 1:
+        return None
+    dtype = ir.DataType.from_numpy(p.zero_point.dtype)
+    return (q, _quant(p, dtype)) if dtype in INT8_TYPES else None
+
+
+def _fake_quant_after(value: ir.Value) -> tuple[list[ir.Node], ir.Value, list[float]] | None:
+    """value -> Q(s, z) -> DQ(s, z), each read once: ([Q, DQ], the DQ's output, [s, z, qmin, qmax])."""
+    found = _output_quantize(value)
+    dq = only_user(found[0].outputs[0]) if found is not None else None
+    if not is_op(dq, "DequantizeLinear") or dq.inputs[0] is not found[0].outputs[0]:
+        return None
+    inner = qparams(dq)
+    if inner is None or not inner.same(qparams(found[0])) or found[0].outputs[0].is_graph_output():
+        return None
+    return [found[0], dq], dq.outputs[0], found[1]
+
+
+def _fake_quant_before(value: ir.Value) -> tuple[list[ir.Node], ir.Value, list[float]] | None:
+    """value = DQ(Q(x; s, z); s, z), each read once: ([Q, DQ], x, [s, z, qmin, qmax])."""
+    q = producer(producer(value, "DequantizeLinear").inputs[0], "QuantizeLinear") \
+        if producer(value, "DequantizeLinear") is not None else None
+    found = _fake_quant_after(q.inputs[0]) if q is not None else None
+    return (found[0], q.inputs[0], found[2]) if found is not None and found[1] is value else None
 
 
 def _unrepeat_kv(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, bool]:
@@ -258,6 +317,10 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
                 and const_scalar(where.inputs[1]) == 0.0 and only_user(isnan.outputs[0]):
             nodes += [isnan, where]
             probs, nan_to_zero = where.outputs[0], 1
+    quant: dict[str, list[float]] = {}
+    if (found := _fake_quant_after(probs)) is not None:  # P -> Q -> DQ: the probabilities quantized
+        nodes += found[0]
+        probs, quant["prob_quant"] = found[1], found[2]
     pv = only_user(probs)
     if not is_op(pv, "MatMul") or pv.inputs[0] is not probs:
         report.refuse(RULE, node, "the softmax output does not feed exactly one MatMul with V")
@@ -285,6 +348,8 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     elif add is not None:
         for candidate in add.inputs:
             inner, _ = _strip_scale(candidate, [])
+            if (found := _fake_quant_before(inner)) is not None:  # the scores quantized before the mask
+                inner, _ = _strip_scale(found[1], [])
             if is_op(producer(inner), "MatMul") and only_user(candidate):
                 mask = _AddMask(other_input(add, candidate), outer_scale)
                 nodes.append(add)
@@ -293,6 +358,12 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         else:
             report.refuse(RULE, node, "the Add before Softmax has no Q·Kᵀ operand")
             return False
+    if (found := _fake_quant_before(scores)) is not None and only_user(scores):  # MatMul [·c] -> Q -> DQ
+        if outer_scale != 1.0 or producer(scores) is not found[0][1]:
+            report.refuse(RULE, node, "a scale between the quantized scores and the Softmax")
+            return False
+        nodes += found[0]
+        scores, quant["score_quant"] = found[1], found[2]
     scores, scale = _strip_scale(scores, nodes)
     scale *= outer_scale
     qk = producer(scores, "MatMul")
@@ -305,13 +376,23 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if _rank(q) != 4 or _rank(kt) != 4 or _rank(pv.inputs[1]) not in (4, None):
         report.refuse(RULE, node, "Q, Kᵀ and V are not all 4-D [B, H, S, D]")
         return False
+    v = pv.inputs[1]
+    inputs_8bit = [_dequantized_input(x) for x in (q, kt, v)]
+    if all(inputs_8bit):  # DQ(q8), DQ(k8ᵀ), DQ(v8): the kernel reads the 8-bit tensors (through their transposes)
+        for name, (dq, x8, params) in zip(("q_quant", "k_quant", "v_quant"), inputs_8bit):
+            nodes.append(dq)
+            quant[name] = params
+        (_, q, _), (_, kt, _), (_, v, _) = inputs_8bit
     k, k_perm, k_gqa = _key(kt, nodes)
-    v, v_perm, v_gqa = _value_input(pv.inputs[1], nodes)
+    v, v_perm, v_gqa = _value_input(v, nodes)
     if k_gqa != v_gqa:
         report.refuse(RULE, node, "K is repeated for grouped-query attention but V is not (or the reverse)")
         return False
     q, q_perm = _absorb_transpose(q, None, nodes)
     out, out_perm = pv.outputs[0], None
+    if "q_quant" in quant and (found := _output_quantize(out)) is not None:  # written 8-bit, as QLinearMatMul's
+        nodes.append(found[0])
+        out, quant["out_quant"] = found[0].outputs[0], found[1]
     tr = only_user(out)
     if is_op(tr, "Transpose") and attr(tr, "perm") is not None:
         nodes.append(tr)
@@ -327,6 +408,7 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     for name, perm in (("q_perm", q_perm), ("k_perm", k_perm), ("v_perm", v_perm), ("out_perm", out_perm)):
         if perm is not None and perm != [0, 1, 2, 3]:
             attrs.append(ir.AttrInt64s(name, perm))
+    attrs += [ir.AttrFloat32s(name, values) for name, values in quant.items()]
     inputs = [q, k, v] + ([mask.build(node)] if mask is not None else [])
     fused = ir.Node(KILN_DOMAIN, "Attention", inputs, attrs, name=pv.name)
     replace_with(nodes, fused, out)

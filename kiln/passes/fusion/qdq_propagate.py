@@ -10,6 +10,17 @@ quantize-dequantize round trips that change nothing disappear.
 So a quantized model's `DQ -> MaxPool -> Q -> DQ -> Conv` becomes `MaxPool(q) -> DQ -> Conv`, which
 kiln/passes/fusion/qdq_layers.py then turns into a MaxPool on the 8-bit tensor feeding a QConv.
 
+The other way, a QuantizeLinear rises above the head split/merge of attention (as onnxruntime's own QDQ
+propagation does), taking a scale by a scalar with it:
+
+    Q(op(x); s, z) = op(Q(x; s, z))                  op ∈ Reshape, Transpose (per-tensor s, z)
+    Q(op(x)·c; s, z) = op(Q(x·c; s, z))              c a scalar constant
+
+so `linear -> Reshape -> Transpose -> Mul(c) -> Q -> DQ -> MatMul` (an exported BERT's Q and Kᵀ) becomes
+`linear -> Mul(c) -> Q -> Reshape -> Transpose -> DQ -> MatMul`: the 8-bit tensor moves, the scale joins the
+bias Add in one elementwise step, and kiln/passes/fusion/attention.py finds the head transposes next to
+the attention it absorbs them into.
+
 `use_unsigned_activations` (CPU builds): an int8 activation pair becomes a uint8 one, exactly
 (Q(x; s, z, int8) + 128 = Q(x; s, z + 128, uint8): both clamp the same integer, shifted). On an
 AVX2 CPU without VNNI, oneDNN's int8 kernels are exact only for uint8 sources (signed sources
@@ -23,11 +34,25 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from kiln.passes._rewrite import PassReport, attr, bypass, const, consumers, is_op, new_initializer, producer
+from kiln.passes._rewrite import (
+    PassReport,
+    attr,
+    bypass,
+    const,
+    const_scalar,
+    consumers,
+    is_op,
+    new_initializer,
+    only_user,
+    other_input,
+    producer,
+)
 
 RULE_SINK = "sink_dequantize"
 RULE_PAIRS = "remove_qdq_round_trips"
 RULE_UNSIGNED = "unsigned_activations"
+RULE_HOIST = "hoist_quantize"
+HOISTED_MOVERS = ("Reshape", "Transpose")
 MOVERS = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze")
 INT8_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)
 
@@ -142,6 +167,56 @@ def sink_dequantize(node: ir.Node, report: PassReport) -> bool:
     graph.remove(node, safe=True)
     out.name = f"{name}__replaced"
     dq.outputs[0].name = name
+    return True
+
+
+def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
+    # Q(op(x)) -> op(Q(x)); Q(op(x)·c) -> op(Q(x·c))   op ∈ Reshape, Transpose; c a scalar constant
+    if not is_op(node, "QuantizeLinear"):
+        return False
+    params = qparams(node)
+    if params is None or not params.per_tensor or quantized_type(node.outputs[0]) not in INT8_TYPES:
+        return False
+    value, mul, factor = node.inputs[0], None, None
+    found = producer(value, "Mul")
+    if found is not None and only_user(value) is node:
+        factor = next((v for v in found.inputs if const_scalar(v) is not None and v.shape is not None
+                       and len(v.shape) == 0), None)
+        if factor is not None and other_input(found, factor) is not None:
+            mul, value = found, other_input(found, factor)
+    mover = producer(value)
+    if not is_op(mover, *HOISTED_MOVERS) or only_user(value) is not (mul or node) or value.is_graph_output():
+        return False
+    if any(v.uses() or v.is_graph_output() for v in mover.outputs[1:]):
+        return False
+    origin = mover.inputs[0]
+    while is_op(producer(origin), *HOISTED_MOVERS):
+        origin = producer(origin).inputs[0]
+    if is_op(producer(origin), "MatMul"):  # attention's P·V and its head merge: fuse_attention absorbs them
+        report.refuse(RULE_HOIST, node, "the Reshape/Transpose follow a MatMul: the attention fusion takes them")
+        return False
+    graph, x = node.graph, mover.inputs[0]
+    new_nodes = []
+    if mul is not None:
+        scaled = ir.node("Mul", [x, factor], name=f"{x.name}_scale", num_outputs=1)
+        scaled.outputs[0].type, scaled.outputs[0].shape = x.type, x.shape
+        scaled.outputs[0].name = f"{x.name}_scaled"
+        new_nodes.append(scaled)
+        x = scaled.outputs[0]
+    quantize = ir.Node(node.domain, "QuantizeLinear", [x, *node.inputs[1:]], list(node.attributes.values()),
+                       name=f"{x.name}_quantize", num_outputs=1)
+    quantize.outputs[0].type = node.outputs[0].type
+    quantize.outputs[0].shape = x.shape
+    quantize.outputs[0].name = f"{x.name}_q"
+    moved = ir.Node(mover.domain, mover.op_type, [quantize.outputs[0], *mover.inputs[1:]],
+                    list(mover.attributes.values()), name=f"{mover.name}_quantized", num_outputs=1)
+    moved.outputs[0].type, moved.outputs[0].shape = node.outputs[0].type, node.outputs[0].shape
+    graph.insert_before(mover, [*new_nodes, quantize, moved])
+    out, name = node.outputs[0], node.outputs[0].name
+    ir.convenience.replace_all_uses_with(out, moved.outputs[0], replace_graph_outputs=True)
+    graph.remove([node, *([mul] if mul is not None else []), mover], safe=True)
+    out.name = f"{name}__replaced"
+    moved.outputs[0].name = name
     return True
 
 

@@ -9,6 +9,8 @@
     cpu.qadd.torch     kiln::QAdd in float32 torch ops (any broadcast)
     cpu.pool.onednn_int8.MaxPool   MaxPool on 8-bit values (torch's uint8 max_pool2d fails on NHWC)
     cpu.quantize.onednn / cpu.dequantize.onednn   per-tensor Q / DQ as one scaled oneDNN reorder
+    cpu.quantize.native / cpu.dequantize.native   per-tensor Q / DQ of rank 1-3 in kiln's C (elementwise.c), a
+                       native-segment member: one pass, ONNX's rounding of x / s (BERT's QDQ model runs ~170)
 
 They refuse what their kernels would get wrong, with the reason (`kiln inspect`): signed sources
 (oneDNN shifts them and halves the weights on a CPU without VNNI: thousands of accumulator units
@@ -25,10 +27,13 @@ from typing import Any
 
 import torch
 
+from kiln.kernels.cpu import elementwise as elementwise_kernels
 from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives
+from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _pool_supports
+from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
 from kiln.tactics.tactic import attribute as _attr
@@ -594,4 +599,32 @@ for _op, _dtypes in (("QuantizeLinear", (torch.float32,)), ("DequantizeLinear", 
         device="cpu", dtypes=_dtypes, supports=_scaled_supports, configure=_scaled_configure,
         prepare=_prepare_scaled, layout="channels_last", available=onednn.available, native=True,
         description=f"{_op} per tensor as one oneDNN reorder with scale/zero-point attributes (NCHW -> NHWC too)",
+    ))
+
+
+def _native_scaled_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not transformer_kernels.available():
+        return f"kiln's C kernels are not built: {transformer_kernels.reason()}"
+    found = _scaled_supports(step, inputs) if onednn.available() else True
+    if isinstance(found, str):
+        return found
+    if len(inputs[0].shape) > 3:
+        return "rank 4: a segment's 4-D values are NHWC in memory (cpu.quantize.onednn lays them out)"
+    return True
+
+
+def _prepare_native_scaled(step: StepSpec, constants: list[Any], device: torch.device):
+    scale, zero = float(constants[1].reshape(-1)[0]), constants[2]
+    quantize = step.op_type == "QuantizeLinear"
+    source = torch.float32 if quantize else zero.dtype
+    return prepared_native(step, lambda sizes: {0: source}, lambda sizes: elementwise_kernels.Quantize(
+        sizes[0], quantize, scale, int(zero.reshape(-1)[0]), zero.dtype), max_rank=3)
+
+
+for _op, _dtypes in (("QuantizeLinear", (torch.float32,)), ("DequantizeLinear", _QUANTIZED)):
+    register(Tactic(
+        name=f"cpu.{'quantize' if _op == 'QuantizeLinear' else 'dequantize'}.native", op_type=_op, domain="",
+        device="cpu", dtypes=_dtypes, supports=_native_scaled_supports, configure=sizes_config,
+        prepare=_prepare_native_scaled, available=transformer_kernels.available, native=True,
+        description=f"{_op} per tensor in kiln's C (one pass, ONNX's rounding), a native-segment member",
     ))

@@ -418,9 +418,28 @@ def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mas
     scale = 1.0 / math.sqrt(dims["D"]) if scale is None else float(scale)
     causal = bool(attrs.get("is_causal")) and 3 not in sizes
     views = {name: view[:3] for name, view in found["views"].items()}
+    quant = {name: [float(x) for x in attrs[name]] for name in QUANT_ATTRIBUTES if attrs.get(name)}
+    if quant and not all(name in quant for name in ("q_quant", "k_quant", "v_quant")):
+        return "q, k and v are not all 8-bit (the kernel reads all three as uint8 or none)"
+    if "out_quant" in quant and "q_quant" not in quant:
+        return "an 8-bit output of float inputs"
+    for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant"):
+        if name in quant and quant[name][0] <= 0:
+            return f"{name} has scale {quant[name][0]}"
+        if name in quant and len(quant[name]) > 2 and (quant[name][2], quant[name][3]) != (0.0, 255.0):
+            return f"{name} quantizes to [{quant[name][2]:g}, {quant[name][3]:g}]: the kernel writes uint8"
     return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out_strides[:3]),
                 output_size=output_size, mask=mask, scale=scale, causal=causal,
-                nan_to_zero=bool(attrs.get("nan_to_zero")))
+                nan_to_zero=bool(attrs.get("nan_to_zero")), quant=quant or None)
+
+
+# kiln::Attention's quantization attributes (kiln/ops/fused.py attention): an explicitly quantized graph's
+QUANT_ATTRIBUTES = ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant")
+
+
+def _input_dtype(attrs: dict[str, Any]) -> torch.dtype:
+    """What q, k and v are: uint8 in a quantized attention."""
+    return torch.uint8 if attrs.get("q_quant") else _F32
 
 
 def _attention_attributes(step: StepSpec) -> dict[str, Any]:
@@ -431,11 +450,12 @@ def _attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not kernels.available():
         return f"kiln's transformer kernels are not built: {kernels.reason()}"
     sizes = {k: m.shape for k, m in enumerate(inputs[:4]) if m.shape is not None}
+    attrs = _attention_attributes(step)
     for k in (0, 1, 2):
-        if k in sizes and inputs[k].dtype != _F32:
-            return f"input {k} is {inputs[k].dtype}: only float32"
+        if k in sizes and inputs[k].dtype != _input_dtype(attrs):
+            return f"input {k} is {inputs[k].dtype}: only {_input_dtype(attrs)} here"
     mask_dtype = inputs[3].dtype if 3 in sizes else None
-    found = attention_plan(_attention_attributes(step), sizes, mask_dtype)
+    found = attention_plan(attrs, sizes, mask_dtype)
     return found if isinstance(found, str) else True
 
 
@@ -445,7 +465,7 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
     mask_dtype = torch.bool if step.tactic_config.get("mask_bool") else _F32
 
     def reads(sizes):
-        found = {k: _F32 for k in (0, 1, 2) if k in sizes}
+        found = {k: _input_dtype(attrs) for k in (0, 1, 2) if k in sizes}
         if 3 in sizes:
             found[3] = mask_dtype
         return found
@@ -496,7 +516,7 @@ def _attention_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, A
 
 
 register(Tactic(
-    name="cpu.attention.native", op_type="Attention", domain="kiln", device="cpu", dtypes=(_F32,),
+    name="cpu.attention.native", op_type="Attention", domain="kiln", device="cpu", dtypes=(_F32, torch.uint8),
     supports=_attention_supports, configure=_attention_configure, prepare=_attention_prepare,
     available=kernels.available, native=True,
     description="attention per (batch, head) in kiln's C (packed kᵀ, register tiles, vector exp), a native-segment "

@@ -87,6 +87,9 @@ def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
                      stages: int) -> bool | str:
     attributes = step.attributes
+    if any(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant",
+                                                      "out_quant")):
+        return "a quantized attention (8-bit inputs or quantized scores): this kernel has no such form"
     n_qkv = 1 if _attr(attributes, "qkv_split", None) else 3
     if any(i >= len(inputs) or inputs[i].shape is None for i in range(n_qkv)):
         return "q, k or v is not a tensor"

@@ -530,8 +530,13 @@ def _attention_layout(step: StepSpec, inputs: list[InputMeta]) -> tuple[torch.Te
     return q, k, v
 
 
+_QUANT_ATTRIBUTES = ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant")
+
+
 def _sdpa_supports(backend: str):
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        if any(_attr(step, name, None) for name in _QUANT_ATTRIBUTES):
+            return "a quantized attention (8-bit inputs or quantized scores): SDPA has no such form"
         if any(_input(inputs, i) is None for i in range(1 if _attr(step, "qkv_split", None) else 3)):
             return "q, k or v is not a tensor"
         try:
