@@ -395,6 +395,15 @@ def qdq_add(requantized: bool = False):
     return model(nodes, [value("a", [2, 4]), value("b", [2, 4])], [value("y", [2, 4])], i1 + i2)
 
 
+def quantize_after_a_head_merge():
+    """Q(Reshape(Transpose(a·b))): attention's P·V and its head merge, which the attention fusion absorbs whole."""
+    inits = [("y_s", np.array(0.05, np.float32)), ("y_z", np.array(128, np.uint8)),
+             ("merged", np.array([1, 4, 8], np.int64))]
+    nodes = [node("MatMul", ["p", "v"], ["pv"]), node("Transpose", ["pv"], ["heads"], perm=[0, 2, 1, 3]),
+             node("Reshape", ["heads", "merged"], ["m"]), node("QuantizeLinear", ["m", "y_s", "y_z"], ["y"])]
+    return model(nodes, [value("p", [1, 2, 4, 4]), value("v", [1, 2, 4, 4])], [value("y", [1, 4, 8], U8)], inits)
+
+
 def transpose_of_a_dynamic_batch():
     """A Transpose whose batch is symbolic: a Relayout's attributes would hold one size only."""
     return model([node("Transpose", ["x"], ["y"], perm=[0, 2, 3, 1])], [value("x", ["N", 3, 4, 5])],
@@ -475,6 +484,7 @@ CASES = {
     "quantized_residual/conv_has_its_own_relu": Case("fuse_quantized_residual", qdq_conv_relu_residual,
                                                       "its own activation", before=["fuse_quantized_layers",
                                                                                     "fuse_quantized_add"]),
+    "hoist_quantize/after_a_head_merge": Case("hoist_quantize", quantize_after_a_head_merge, "follow a MatMul"),
     "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.
     "qdq_round_trips/requantization": Case("remove_qdq_round_trips", lambda: qdq_add(requantized=True), None),
