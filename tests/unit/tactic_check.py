@@ -66,3 +66,26 @@ def tuned_candidates(engine) -> tuple[dict[str, float | str], set[str]]:
     tried = {name: note for layer in layers.values() for name, note in layer["candidates"].items()}
     assert not [f"{n}: {note}" for n, note in tried.items() if isinstance(note, str) and "rejected" in note]
     return tried, {n for n, note in tried.items() if isinstance(note, float)}
+
+
+def winning_test_tactics(monkeypatch, op_type: str, dtypes: tuple):
+    """For a fixture: yields add(name, launch, layers=None), which registers a CPU test tactic for kiln::`op_type`
+    (for the layers named, or all) that wins every timing (names start "cpu.test."); removed afterwards."""
+    from kiln.builder import autotune
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import Tactic
+
+    names = []
+
+    def add(name: str, launch, layers: set[str] | None = None):
+        registry.register(Tactic(
+            name=name, op_type=op_type, domain="kiln", device="cpu", dtypes=dtypes,
+            supports=lambda step, inputs: layers is None or step.name in layers or f"not layer {step.name}",
+            prepare=lambda step, constants, device: launch))
+        names.append(name)
+
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k.startswith("cpu.test.") else 1.0 for k in fns})
+    yield add
+    for name in names:
+        registry.unregister(name)

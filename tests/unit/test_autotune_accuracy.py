@@ -20,8 +20,8 @@ from kiln.builder import autotune
 from kiln.builder.accuracy import WHOLE_MODEL_TOLERANCE, mismatch, upcast
 from kiln.cli import main
 from kiln.ops.fused import fused_gemm
-from kiln.tactics import registry
-from kiln.tactics.tactic import DEFAULT, Tactic
+from kiln.tactics.tactic import DEFAULT
+from tests.unit.tactic_check import winning_test_tactics
 
 F32 = TensorProto.FLOAT
 WIDTH, ROWS = 16, 8
@@ -61,20 +61,7 @@ def gemm_chain(path, layers: int, *, gain: float = 1.0, activations: list[str] |
 def gemm_tactics(monkeypatch):
     """Register test tactics for kiln::FusedGemm (each for the layers named, or all); they win every
     timing. Removed afterwards."""
-    names = []
-
-    def add(name: str, launch, layers: set[str] | None = None):
-        registry.register(Tactic(
-            name=name, op_type="FusedGemm", domain="kiln", device="cpu", dtypes=(torch.float32, torch.float16),
-            supports=lambda step, inputs: layers is None or step.name in layers or f"not layer {step.name}",
-            prepare=lambda step, constants, device: launch))
-        names.append(name)
-
-    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
-        k: 0.0 if k.startswith("cpu.test.") else 1.0 for k in fns})
-    yield add
-    for name in names:
-        registry.unregister(name)
+    yield from winning_test_tactics(monkeypatch, "FusedGemm", (torch.float32, torch.float16))
 
 
 def row_major(x: torch.Tensor) -> torch.Tensor:

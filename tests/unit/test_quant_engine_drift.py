@@ -20,8 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.builder import autotune
 from kiln.ops.quantized import qgemm
-from kiln.tactics import registry
-from kiln.tactics.tactic import Tactic
+from tests.unit.tactic_check import winning_test_tactics
 
 ROWS, WIDTH, LAYERS, TIED = 16, 32, 16, 16
 X_SCALE, W_SCALE = 2.0 ** -4, 2.0 ** -6  # accumulator -> output step: 2^-6, a tie where acc = 32 mod 64
@@ -61,20 +60,7 @@ def rounds_ties_away(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_
 
 @pytest.fixture
 def qgemm_tactics(monkeypatch):
-    names = []
-
-    def add(name: str, launch, layers: set[str] | None = None):
-        registry.register(Tactic(
-            name=name, op_type="QGemm", domain="kiln", device="cpu", dtypes=(torch.uint8, torch.int8),
-            supports=lambda step, inputs: layers is None or step.name in layers or f"not layer {step.name}",
-            prepare=lambda step, constants, device: launch))
-        names.append(name)
-
-    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
-        k: 0.0 if k.startswith("cpu.test.") else 1.0 for k in fns})
-    yield add
-    for name in names:
-        registry.unregister(name)
+    yield from winning_test_tactics(monkeypatch, "QGemm", (torch.uint8, torch.int8))
 
 
 def on_ties(monkeypatch) -> torch.Tensor:
