@@ -36,6 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import _start  # noqa: E402 - bench/serve.py's server start (ports read from its log)
+from serve_overhead import _stat  # noqa: E402 - /proc stat fields
+
 TICK = os.sysconf("SC_CLK_TCK")
 SPY = str(Path(sys.executable).with_name("py-spy"))
 
@@ -69,32 +73,6 @@ def write_repository(root: Path, models: list[str]) -> None:
         subprocess.run([sys.executable, "-c", _MODEL, name, str(folder)], check=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
         (folder / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
-
-
-def start_server(repo: Path, frontends: int, staging_mib: int) -> tuple[subprocess.Popen, int, int]:
-    command = [sys.executable, "-m", "kiln", "serve", str(repo), "--http-port", "0", "--grpc-port", "0",
-               "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends),
-               "--staging-mib", str(staging_mib)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"})
-    ports, lines = {}, []
-    for line in process.stdout:
-        lines.append(line)
-        found = re.match(r"kiln serve: (HTTP|gRPC) on [^:]+:(\d+)", line)
-        if found:
-            ports[found.group(1)] = int(found.group(2))
-        if line.strip() == "kiln serve: ready":
-            return process, ports["HTTP"], ports["gRPC"]
-    process.kill()
-    raise RuntimeError("kiln serve did not start:\n" + "".join(lines))
-
-
-def _stat(path: str) -> list[str] | None:
-    try:
-        with open(path) as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
 
 
 def server_pids(pid: int) -> list[int]:
@@ -325,7 +303,8 @@ def main() -> None:
         write_repository(Path(tmp), args.models)
         servers = [(n, mib) for n in args.frontends for mib in (args.staging_mib if n else [0])]
         for frontends, mib in servers * args.rounds:
-            server, http, grpc = start_server(Path(tmp), frontends, mib)
+            server, ports = _start(Path(tmp), frontends, mib)
+            http, grpc = ports["HTTP"], ports["gRPC"]
             try:
                 for model in args.models:
                     for protocol in args.protocols:
