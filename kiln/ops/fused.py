@@ -191,8 +191,7 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     out = out.permute(out_perm) if out_perm else out
     out = out.flatten(-2) if out_merge_heads else out
     if out_quant:
-        s, z, low, high = out_quant
-        out = torch.clamp(torch.round(out / s) + z, low, high).to(torch.uint8 if low >= 0 else torch.int8)
+        out = _quantized(out, out_quant).to(torch.uint8 if out_quant[2] >= 0 else torch.int8)
     return out
 
 
@@ -203,12 +202,18 @@ def _dequantized(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
     return (x.float() - quant[1]) * quant[0]
 
 
+def _quantized(x: torch.Tensor, quant: list[float]) -> torch.Tensor:
+    """Q(x) = clamp(round(x / s) + z, qmin, qmax), integer-valued floats, for quant = [s, z, qmin, qmax] (round half
+    to even, as ONNX QuantizeLinear)."""
+    s, z, low, high = quant
+    return torch.clamp(torch.round(x / s) + z, low, high)
+
+
 def _fake_quant(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
-    """DQ(Q(x)) = (clamp(round(x / s) + z, qmin, qmax) - z)·s for quant = [s, z, qmin, qmax] (round half to even)."""
+    """DQ(Q(x)) = (Q(x) - z)·s for quant = [s, z, qmin, qmax]; x itself without one."""
     if not quant:
         return x
-    s, z, low, high = quant
-    return (torch.clamp(torch.round(x / s) + z, low, high) - z) * s
+    return (_quantized(x, quant) - quant[1]) * quant[0]
 
 
 def _fake_quantized_attention(q, k, v, mask, scale, causal, nan_to_zero, score_quant, prob_quant):
