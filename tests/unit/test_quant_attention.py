@@ -192,6 +192,27 @@ def test_native_quantize_and_dequantize_are_onnx_s(dtype, shape):
     assert (want_q == np.iinfo(dtype).max).any() and (want_q == np.iinfo(dtype).min).any()  # both ends saturate
 
 
+@pytest.mark.parametrize("onednn_loads", [True, False])
+def test_native_quantize_refuses_a_per_channel_scale_with_or_without_onednn(onednn_loads, monkeypatch):
+    """The per-tensor checks do not depend on oneDNN being there: a per-channel scale is refused either way."""
+    from kiln.kernels.cpu import onednn
+    from kiln.kernels.cpu import transformer as transformer_kernels
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+    from kiln.tactics.tactic import InputMeta
+
+    if not transformer_kernels.available():
+        pytest.skip("kiln's C kernels are not built")
+    monkeypatch.setattr(onednn, "available", lambda: onednn_loads)
+    step = StepSpec(name="q", op_type="QuantizeLinear", domain="", inputs=["x", "s", "z"], outputs=["y"])
+    zero = InputMeta((4,), torch.uint8, True)
+    per_channel = [InputMeta((2, 4, 8), torch.float32, False), InputMeta((4,), torch.float32, True), zero]
+    found = registry.get("cpu.quantize.native").supports(step, per_channel)
+    assert isinstance(found, str) and "per tensor" in found
+    per_tensor = [per_channel[0], InputMeta((), torch.float32, True), InputMeta((), torch.uint8, True)]
+    assert registry.get("cpu.quantize.native").supports(step, per_tensor) is True
+
+
 class _Reader:
     def __init__(self, feeds: list[dict[str, np.ndarray]]):
         self._items = iter(feeds)

@@ -537,6 +537,12 @@ register(Tactic(
 def _scaled_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
+    return _per_tensor_supports(step, inputs)
+
+
+def _per_tensor_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    """What both per-tensor Q/DQ kernels (oneDNN's scaled reorder, kiln's C) take: rank 1-4, one constant scale and
+    8-bit zero point, no blocks, saturating."""
     x = inputs[0]
     if x.shape is None or not 1 <= len(x.shape) <= 4:
         return "only tensors of rank 1 to 4"
@@ -605,7 +611,7 @@ for _op, _dtypes in (("QuantizeLinear", (torch.float32,)), ("DequantizeLinear", 
 def _native_scaled_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not transformer_kernels.available():
         return f"kiln's C kernels are not built: {transformer_kernels.reason()}"
-    found = _scaled_supports(step, inputs) if onednn.available() else True
+    found = _per_tensor_supports(step, inputs)
     if isinstance(found, str):
         return found
     if len(inputs[0].shape) > 3:
