@@ -423,11 +423,11 @@ def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mas
         return "q, k and v are not all 8-bit (the kernel reads all three as uint8 or none)"
     if "out_quant" in quant and "q_quant" not in quant:
         return "an 8-bit output of float inputs"
-    for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant"):
-        if name in quant and quant[name][0] <= 0:
-            return f"{name} has scale {quant[name][0]}"
-        if name in quant and len(quant[name]) > 2 and (quant[name][2], quant[name][3]) != (0.0, 255.0):
-            return f"{name} quantizes to [{quant[name][2]:g}, {quant[name][3]:g}]: the kernel writes uint8"
+    for name, q in quant.items():  # in QUANT_ATTRIBUTES' order
+        if q[0] <= 0:
+            return f"{name} has scale {q[0]}"
+        if len(q) > 2 and (q[2], q[3]) != (0.0, 255.0):
+            return f"{name} quantizes to [{q[2]:g}, {q[3]:g}]: the kernel writes uint8"
     return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out_strides[:3]),
                 output_size=output_size, mask=mask, scale=scale, causal=causal,
                 nan_to_zero=bool(attrs.get("nan_to_zero")), quant=quant or None)
