@@ -132,13 +132,18 @@ def _write_repository(root: Path, name: str, engine: Path, batching: bool, args)
     (root / name / "config.pbtxt").write_text(_config(batching, args.max_batch, args.delay_us, args.instances))
 
 
-def _start(root: Path, frontends: int, staging_mib: int = 0) -> tuple[subprocess.Popen, dict[str, int]]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "kiln", "serve", str(root), "--http-port", "0", "--grpc-port", "0",
-         "--metrics-port", "-1", "--max-queue-size", "4096", "--frontends", str(frontends),
-         "--staging-mib", str(staging_mib)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _start(root: Path, frontends: int, staging_mib: int | None = 0, *, tree: Path = ROOT, python: str = sys.executable,
+           profile: str | None = None) -> tuple[subprocess.Popen, dict[str, int]]:
+    """`kiln serve root` on free ports, once it says ready: the process and its ports by protocol ("HTTP", "gRPC").
+    `tree`: the checkout it runs from (an A/B run's other tree: flags at their defaults are left out, as an older
+    tree may not know them; `staging_mib` None: its default); `profile`: a cProfile output path."""
+    command = [python] + (["-m", "cProfile", "-o", profile] if profile else []) + [
+        "-m", "kiln", "serve", str(root), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1",
+        "--max-queue-size", "4096"]
+    command += (["--frontends", str(frontends)] if frontends else []) + \
+        (["--staging-mib", str(staging_mib)] if staging_mib is not None else [])
+    process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
     for line in process.stdout:
         lines.append(line)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -33,6 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import _start  # noqa: E402 - bench/serve.py's server start (ports read from its log)
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -51,24 +53,6 @@ kiln.build({str(root / 'e.onnx')!r}).save({str(version / 'model.kiln')!r})
 """
     subprocess.run([python, "-c", script], cwd=tree, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
     (root / "empty" / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
-
-
-def _start(python: str, tree: Path, repo: Path, profile: str | None, frontends: int) -> tuple[subprocess.Popen, int]:
-    command = [python] + (["-m", "cProfile", "-o", profile] if profile else []) + [
-        "-m", "kiln", "serve", str(repo), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1",
-        "--max-queue-size", "4096"] + (["--frontends", str(frontends)] if frontends else [])
-    process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
-    port, lines = None, []
-    for line in process.stdout:
-        lines.append(line)
-        found = re.match(r"kiln serve: gRPC on [^:]+:(\d+)", line)
-        if found:
-            port = int(found.group(1))
-        if line.strip() == "kiln serve: ready":
-            return process, port
-    process.kill()
-    raise RuntimeError("kiln serve did not start:\n" + "".join(lines))
 
 
 def _stat(path: str) -> list[str] | None:
@@ -241,7 +225,9 @@ def main() -> None:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for r in range(args.rounds):
             for tree, frontends in [(t, n) for t in args.trees for n in args.frontends]:
-                process, port = _start(python, Path(tree).resolve(), repos[tree], args.profile, frontends)
+                process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
+                                        profile=args.profile)
+                port = ports["gRPC"]
                 try:
                     for c in args.concurrency:
                         m = _measure(process, port, c, args.requests, args.seconds, python)
