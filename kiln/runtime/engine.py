@@ -21,7 +21,7 @@ from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.buckets import PACKING, packed_rows, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
-from kiln.runtime.first_calls import FirstCalls
+from kiln.runtime.first_calls import FirstCalls, primitives_ahead
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
@@ -140,6 +140,8 @@ class Engine:
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
         self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
+        if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
+            primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
     def _make_programs(self, weights: dict[str, Any]) -> None:

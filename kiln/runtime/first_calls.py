@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from kiln.ir import dtypes
-from kiln.plan.spec import Binding
+from kiln.kernels.cpu import onednn_ahead
+from kiln.plan.spec import Binding, Profile
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
@@ -199,6 +200,22 @@ class FirstCalls:
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
             self._groups[_group(old.signature, self._padded_axes)].remove(old)
+
+
+def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
+    """Start creating, on a background thread, the oneDNN inner products a first call at a new row count would
+    otherwise wait for (kiln/kernels/cpu/onednn_ahead.py): each linear layer's row counts up to the profiles'
+    largest shape (its tuned row count x the elements of the largest shape / the opt shape's: exact for the
+    token-wise layers of a transformer, an upper bound for the others). Returns how many were queued."""
+    if not onednn_ahead.enabled() or not profiles:
+        return 0
+    scale = 1.0
+    for profile in profiles:
+        for shapes in profile.inputs.values():
+            opt = _product(tuple(shapes.opt))
+            scale = max(scale, _product(tuple(shapes.max)) / opt)
+    layers = [step.fn.rows_ahead(scale) for step in program.steps if hasattr(step.fn, "rows_ahead")]
+    return onednn_ahead.AHEAD.schedule(layers, torch.get_num_threads()) if layers else 0
 
 
 def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:

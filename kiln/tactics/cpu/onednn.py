@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, onednn, onednn_matmul, onednn_primitives
+from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -402,7 +402,15 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         return NativeStep(size, (*size[:-1], n), lambda _accumulate: layer,
                           residual_input=3 if with_residual else None)
 
+    def rows_ahead(scale: float) -> tuple[onednn_primitives.InnerProduct, list[int]]:
+        """(the tuned inner product, the row counts up to AHEAD_ROWS and `scale` x the tuned one that would be bound
+        on an inner product made for them): what kiln/kernels/cpu/onednn_ahead.py creates before they are met."""
+        most = min(onednn_ahead.AHEAD_ROWS, math.ceil(rows_of(tuned) * scale))
+        return primitives[rows_of(tuned)], [r for r in range(1, most + 1) if r != rows_of(tuned)
+                                            and not on_kiln_gemm(r) and not on_runtime_matmul(r)]
+
     launch.native = native_at(tuned)
+    launch.rows_ahead = rows_ahead
     return launch
 
 

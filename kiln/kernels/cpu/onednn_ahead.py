@@ -1,0 +1,108 @@
+"""oneDNN inner products created ahead of the row counts a CPU engine's profile can reach, on one background thread
+(issue 10: a new shape's first call should cost no more than a repeat).
+
+A linear layer at a row count other than its tuned one runs on an inner product created and JIT-compiled for that
+row count (kiln/tactics/cpu/onednn.py): ~0.5-1.4 ms of thread CPU each, one per layer shape (shared by the layers
+of that shape: 3 for BERT-base), so a BERT-base first call at a new row count of 3-255 waited that long for them.
+The runtime-M matmul (one primitive for every row count, kiln/kernels/cpu/onednn_matmul.py) would spare the wait,
+but a whole BERT-base call on it is 1.26-1.69x slower at 4-64 rows (21-67 ms a call, in situ, 1 thread;
+bench/results/first-calls-2026-12-03.md): far more than the creation it saves. So the primitives are made before
+the row counts are met, smallest row count first, each shape interleaved, into the shared cache
+(onednn_primitives._SHARED_PRIMITIVES) where a layer bound at a new row count looks first. A row count met before
+the thread reached it is created by the binding thread, as before, and found made here.
+
+Thread safety: oneDNN's primitive creation is thread-safe and the shared cache takes its lock; the thread touches
+no layer's own state (only the cache). Its OpenMP count is the one the engine runs at (a kernel fixes its thread
+count at creation, onednn.creating_with_threads; OpenMP's count is per thread). ctypes releases the GIL in every
+oneDNN call, so the binding thread's Python waits at most the few µs of Python between two of them. The thread runs
+at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
+
+Cost: ~150 KB of JIT code and descriptors per primitive (measured: 250 BERT-base FFN primitives, +38 MiB RSS),
+so at most AHEAD_PRIMITIVES are made; KILN_ONEDNN_AHEAD=0 makes none.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Iterable
+
+from kiln.kernels.cpu.onednn import creating_with_threads
+from kiln.kernels.cpu.onednn_primitives import _SHARED_PRIMITIVES, InnerProduct, _shared_inner_product
+
+AHEAD_ROWS = 255  # the largest row count made ahead (past it a call's work makes creation a small share)
+AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # made ahead at most, per process: the cache keeps them all
+
+
+def enabled(environ: dict[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("KILN_ONEDNN_AHEAD", "1") != "0"
+
+
+class Ahead:
+    """One background thread creating inner products (layer shape, row count) in the order scheduled."""
+
+    def __init__(self, budget: int = AHEAD_PRIMITIVES):
+        self.budget = budget  # primitives still to schedule
+        self.made = 0  # created here (not found made)
+        self._queue: deque[tuple[InnerProduct, int, int]] = deque()  # (the shape's layer, rows, threads)
+        self._scheduled: set[tuple] = set()  # (shape, weight layout's tuned rows, rows, threads)
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, layers: Iterable[tuple[InnerProduct, Iterable[int]]], threads: int) -> int:
+        """Queue each (layer, row counts): one per layer shape (the layers of a shape share a primitive per row
+        count), the row counts of every shape interleaved smallest first, up to the budget. Returns how many."""
+        wanted: dict[int, list[InnerProduct]] = {}
+        with self._lock:
+            for layer, rows in layers:
+                for r in rows:
+                    key = (layer._epilogue, layer.input_size[0], r, threads)
+                    if key not in self._scheduled:
+                        self._scheduled.add(key)
+                        wanted.setdefault(r, []).append(layer)
+            queued = 0
+            for r in sorted(wanted):
+                for layer in wanted[r]:
+                    if self.budget <= 0:
+                        break
+                    self._queue.append((layer, r, threads))
+                    self.budget -= 1
+                    queued += 1
+            if self._queue and self._thread is None:
+                self._idle.clear()
+                self._thread = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
+                self._thread.start()
+        return queued
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every queued primitive is made (within `timeout` seconds)."""
+        return self._idle.wait(timeout)
+
+    def _work(self) -> None:
+        _lowest_priority()
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    self._idle.set()
+                    return
+                layer, rows, threads = self._queue.popleft()
+            with creating_with_threads(threads):
+                made_before = _SHARED_PRIMITIVES.find((rows, *layer._epilogue), layer._weight_md) is not None
+                if not made_before and _shared_inner_product(rows, layer._epilogue, layer._weight_md) is not None:
+                    self.made += 1
+
+
+def _lowest_priority() -> None:
+    """This thread at nice 19 (Linux: a thread's own priority; elsewhere left as it is)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+AHEAD = Ahead()
