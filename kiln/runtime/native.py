@@ -174,10 +174,13 @@ class Segment:
         self._bound_members: list[int] = []  # the member of each bound call
         self._calls = []
         self._names = []  # the layer each call belongs to
+        with onednn.shared_memories():  # one memory object per arena place and size (a view's too: _bind_sizes)
+            bound = [None if native.alias else _bind_member(m, native, accumulate[k], address)
+                     for k, (m, native) in enumerate(zip(members, natives))]
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:
                 continue
-            b, roles = _bind_member(m, native, accumulate[k], address)
+            b, roles = bound[k]
             for s, role in roles:
                 if s in produced and group[s] in exit_group:
                     self.per_call.setdefault(group[s], []).append((len(self.bound), role))
@@ -355,12 +358,13 @@ class Segment:
             self.resized.move_to_end(key)
             return self.resized[key]
         try:
-            at = self._natives_at(key)
-            segment = self._view(key, at) if self._views else None
-            if segment is None:
-                segment = Segment(self.members, self.read_after, self.constants, at.natives)
-                if segment.entries != self.entries or segment.exits != self.exits:
-                    raise ValueError("the segment's entries or exits changed")
+            with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
+                at = self._natives_at(key)
+                segment = self._view(key, at) if self._views else None
+                if segment is None:
+                    segment = Segment(self.members, self.read_after, self.constants, at.natives)
+                    if segment.entries != self.entries or segment.exits != self.exits:
+                        raise ValueError("the segment's entries or exits changed")
         except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
             segment = None
         self.resized[key] = segment
