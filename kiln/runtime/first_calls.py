@@ -203,9 +203,9 @@ class FirstCalls:
 
 
 def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
-    """Start creating, on a background thread, the oneDNN inner products a first call at a new row count would
-    otherwise wait for (kiln/kernels/cpu/onednn_ahead.py): each linear layer's row counts up to the profiles'
-    largest shape (its tuned row count x the elements of the largest shape / the opt shape's: exact for the
+    """Start making, on a background thread, what a first call at a new row count would otherwise wait for
+    (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
+    layer's row counts up to the profiles' largest shape (its tuned row count x the elements of the largest shape / the opt shape's: exact for the
     token-wise layers of a transformer, an upper bound for the others). Returns how many were queued."""
     if not onednn_ahead.enabled() or not profiles:
         return 0
@@ -214,8 +214,8 @@ def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
         for shapes in profile.inputs.values():
             opt = _product(tuple(shapes.opt))
             scale = max(scale, _product(tuple(shapes.max)) / opt)
-    layers = [step.fn.rows_ahead(scale) for step in program.steps if hasattr(step.fn, "rows_ahead")]
-    return onednn_ahead.AHEAD.schedule(layers, torch.get_num_threads()) if layers else 0
+    jobs = [job for step in program.steps if hasattr(step.fn, "ahead") for job in step.fn.ahead(scale)]
+    return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
 
 
 def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:

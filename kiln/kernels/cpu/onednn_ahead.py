@@ -11,6 +11,10 @@ the row counts are met, smallest row count first, each shape interleaved, into t
 (onednn_primitives._SHARED_PRIMITIVES) where a layer bound at a new row count looks first. A row count met before
 the thread reached it is created by the binding thread, as before, and found made here.
 
+The runtime-M matmul that takes 1-2 rows (and 256+ on one thread) JIT-compiles its GEMM kernels on its first
+execution, not at creation: BERT-base's first call at 1 or 2 rows ran 11-13 ms longer than the next new shape at
+those rows (in situ, twice). The thread runs it once at each such row count too (RuntimeRows.warm).
+
 Thread safety: oneDNN's primitive creation is thread-safe and the shared cache takes its lock; the thread touches
 no layer's own state (only the cache). Its OpenMP count is the one the engine runs at (a kernel fixes its thread
 count at creation, onednn.creating_with_threads; OpenMP's count is per thread). ctypes releases the GIL in every
@@ -26,13 +30,14 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from kiln.kernels.cpu.onednn import creating_with_threads
 from kiln.kernels.cpu.onednn_primitives import _SHARED_PRIMITIVES, InnerProduct, _shared_inner_product
 
 AHEAD_ROWS = 255  # the largest row count made ahead (past it a call's work makes creation a small share)
-AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # made ahead at most, per process: the cache keeps them all
+AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # jobs made ahead at most, per process: the cache keeps them all
 
 
 def enabled(environ: dict[str, str] | None = None) -> bool:
@@ -40,46 +45,63 @@ def enabled(environ: dict[str, str] | None = None) -> bool:
     return environ.get("KILN_ONEDNN_AHEAD", "1") != "0"
 
 
+@dataclass(frozen=True)
+class Job:
+    """One thing to make ahead: `make()` on the background thread; jobs of equal `key` are made once, `order`
+    (a row count) sorts them (smallest first)."""
+
+    key: tuple
+    order: int
+    make: Callable[[], bool]  # True: it made something (False: found made)
+
+
+def inner_product_jobs(layer: InnerProduct, rows: Iterable[int]) -> list[Job]:
+    """The inner products of `layer`'s shape and weight layout at each of `rows`, into the shared cache (one per
+    layer shape: the layers of a shape share them)."""
+    def make(r: int) -> Callable[[], bool]:
+        def run() -> bool:
+            if _SHARED_PRIMITIVES.find((r, *layer._epilogue), layer._weight_md) is not None:
+                return False
+            return _shared_inner_product(r, layer._epilogue, layer._weight_md) is not None
+        return run
+
+    return [Job(("inner product", layer._epilogue, layer.input_size[0], r), r, make(r)) for r in rows]
+
+
 class Ahead:
-    """One background thread creating inner products (layer shape, row count) in the order scheduled."""
+    """One background thread making Jobs (oneDNN primitives, a kernel's first run) in the order scheduled."""
 
     def __init__(self, budget: int = AHEAD_PRIMITIVES):
-        self.budget = budget  # primitives still to schedule
-        self.made = 0  # created here (not found made)
-        self._queue: deque[tuple[InnerProduct, int, int]] = deque()  # (the shape's layer, rows, threads)
-        self._scheduled: set[tuple] = set()  # (shape, weight layout's tuned rows, rows, threads)
+        self.budget = budget  # jobs still to schedule
+        self.made = 0  # jobs that made something (not found made)
+        self._queue: deque[tuple[Job, int]] = deque()  # (job, OpenMP threads)
+        self._scheduled: set[tuple] = set()  # (job key, threads)
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
         self._thread: threading.Thread | None = None
 
-    def schedule(self, layers: Iterable[tuple[InnerProduct, Iterable[int]]], threads: int) -> int:
-        """Queue each (layer, row counts): one per layer shape (the layers of a shape share a primitive per row
-        count), the row counts of every shape interleaved smallest first, up to the budget. Returns how many."""
-        wanted: dict[int, list[InnerProduct]] = {}
+    def schedule(self, jobs: Iterable[Job], threads: int) -> int:
+        """Queue the jobs not queued before at this thread count, smallest `order` first, up to the budget; they
+        are made on OpenMP's count `threads` (the engine's). Returns how many were queued."""
         with self._lock:
-            for layer, rows in layers:
-                for r in rows:
-                    key = (layer._epilogue, layer.input_size[0], r, threads)
-                    if key not in self._scheduled:
-                        self._scheduled.add(key)
-                        wanted.setdefault(r, []).append(layer)
-            queued = 0
-            for r in sorted(wanted):
-                for layer in wanted[r]:
-                    if self.budget <= 0:
-                        break
-                    self._queue.append((layer, r, threads))
-                    self.budget -= 1
-                    queued += 1
+            fresh = []
+            for job in jobs:
+                if (job.key, threads) not in self._scheduled:
+                    self._scheduled.add((job.key, threads))
+                    fresh.append(job)
+            fresh.sort(key=lambda job: job.order)  # stable: each row count's shapes in the order given
+            fresh = fresh[:max(self.budget, 0)]
+            self.budget -= len(fresh)
+            self._queue.extend((job, threads) for job in fresh)
             if self._queue and self._thread is None:
                 self._idle.clear()
                 self._thread = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
                 self._thread.start()
-        return queued
+        return len(fresh)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Whether every queued primitive is made (within `timeout` seconds)."""
+        """Whether every queued job is made (within `timeout` seconds)."""
         return self._idle.wait(timeout)
 
     def _work(self) -> None:
@@ -90,10 +112,9 @@ class Ahead:
                     self._thread = None
                     self._idle.set()
                     return
-                layer, rows, threads = self._queue.popleft()
+                job, threads = self._queue.popleft()
             with creating_with_threads(threads):
-                made_before = _SHARED_PRIMITIVES.find((rows, *layer._epilogue), layer._weight_md) is not None
-                if not made_before and _shared_inner_product(rows, layer._epilogue, layer._weight_md) is not None:
+                if job.make():
                     self.made += 1
 
 
