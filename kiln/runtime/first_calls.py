@@ -218,6 +218,11 @@ def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
     return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
 
 
+def primitives_made(timeout: float | None = None) -> bool:
+    """Whether everything primitives_ahead queued is made (waiting up to `timeout` seconds)."""
+    return onednn_ahead.AHEAD.wait(timeout)
+
+
 def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:
     """x zero-padded at the end of each (axis, symbol index) to `sizes`: through numpy where the dtype has one
     (a third of torch's indexing time for a BERT's ids), else torch."""
