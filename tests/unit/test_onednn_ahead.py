@@ -121,3 +121,19 @@ def test_a_segments_layers_share_memory_objects_at_one_place_and_size(built):
     assert view._bound[0].memory("dst") == view._bound[1].memory("src")
     x = np.random.default_rng().standard_normal((rows, K)).astype(np.float32)
     np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_stop_drops_what_is_queued_and_waits_for_the_job_in_hand():
+    ahead, started, release, log = onednn_ahead.Ahead(), threading.Event(), threading.Event(), []
+
+    def slow() -> bool:
+        started.set()
+        release.wait(10)
+        log.append("first")
+        return True
+
+    ahead.schedule([onednn_ahead.Job(("slow",), 0, slow)] + [_recording(log, ("b", r), r) for r in range(1, 5)], 1)
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    ahead.stop()
+    assert log == ["first"] and ahead.wait(0)

@@ -27,6 +27,7 @@ so at most AHEAD_PRIMITIVES are made; KILN_ONEDNN_AHEAD=0 makes none.
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from collections import deque
@@ -104,6 +105,13 @@ class Ahead:
         """Whether every queued job is made (within `timeout` seconds)."""
         return self._idle.wait(timeout)
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Drop what is queued and wait for the job in hand: at exit, so no creation is inside oneDNN while the
+        process tears the library down."""
+        with self._lock:
+            self._queue.clear()
+        self._idle.wait(timeout)
+
     def _work(self) -> None:
         _lowest_priority()
         while True:
@@ -127,3 +135,4 @@ def _lowest_priority() -> None:
 
 
 AHEAD = Ahead()
+atexit.register(AHEAD.stop)
