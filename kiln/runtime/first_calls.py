@@ -205,8 +205,9 @@ class FirstCalls:
 def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
     """Start making, on a background thread, what a first call at a new row count would otherwise wait for
     (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
-    layer's row counts up to the profiles' largest shape (its tuned row count x the elements of the largest shape / the opt shape's: exact for the
-    token-wise layers of a transformer, an upper bound for the others). Returns how many were queued."""
+    layer's row counts up to the profiles' largest shape, taken as its tuned row count x (the largest shape's
+    elements / the opt shape's): exact for a transformer's token-wise layers, an upper bound for the others.
+    Returns how many were queued."""
     if not onednn_ahead.enabled() or not profiles:
         return 0
     scale = 1.0

@@ -21,8 +21,9 @@ count at creation, onednn.creating_with_threads; OpenMP's count is per thread). 
 oneDNN call, so the binding thread's Python waits at most the few µs of Python between two of them. The thread runs
 at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
 
-Cost: ~150 KB of JIT code and descriptors per primitive (measured: 250 BERT-base FFN primitives, +38 MiB RSS),
-so at most AHEAD_PRIMITIVES are made; KILN_ONEDNN_AHEAD=0 makes none.
+Cost: ~150 KB of JIT code and descriptors per primitive (250 BERT-base FFN primitives: +38 MiB RSS; BERT-base's 768
+jobs: +108 MiB on a 642 MiB process, ~1.2 s on another core), so at most AHEAD_PRIMITIVES are made per process
+(an engine loaded after them gets what is left); KILN_ONEDNN_AHEAD=0 makes none.
 """
 
 from __future__ import annotations

@@ -493,7 +493,7 @@ class InnerProduct:
         n, k = w.shape
         self.input_size, self.output_size = (rows, k), (rows, n)
         self.residual = residual
-        self._epilogue = (n, k, eltwise, residual, residual_after_activation, b is not None)  # what rows_ahead makes
+        self._epilogue = (n, k, eltwise, residual, residual_after_activation, b is not None)  # onednn_ahead's too
         shared = weight_from._weight_md if weight_from is not None else None
         made = _shared_inner_product(rows, self._epilogue, shared) if shared is not None else None
         if made is None:  # no other row count's weight to share, or a kernel wanting another layout

@@ -451,8 +451,9 @@ class RuntimeRows:
         return (self._few_rows and rows <= RUNTIME_ROWS_AT_MOST) or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
 
     def warm_jobs(self, most: int) -> list[onednn_ahead.Job]:
-        """One run at 1 row, 2 rows and, up to `most`, at RUNTIME_ROWS_FROM_SERIAL, where this layer takes them: oneDNN's
-        jit GEMM compiles its kernels on a first execution (once per process), which a first call would pay."""
+        """One run at 1 row, 2 rows and, up to `most`, at RUNTIME_ROWS_FROM_SERIAL, where this layer takes them:
+        oneDNN's jit GEMM compiles its kernels on a first execution (once per process), which a first call would pay
+        (11-14 ms on BERT-base's first 1- or 2-row call)."""
         layer = self._layer
 
         def run(rows: int) -> Callable[[], bool]:
