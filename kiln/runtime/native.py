@@ -696,7 +696,8 @@ class _Resized:
                 replanned = _bind_member(template.members[k], native, template._accumulate[k], template._address)[0]
             bound.append(replanned)
         self._bound = bound  # owns what the calls point at
-        calls = [c for b in bound for c in b.calls()]
+        member_calls = [b.calls() for b in bound]
+        calls = [c for made in member_calls for c in made]
         forms = forms if forms is not None else _forms(template.members, natives)
         self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
@@ -719,8 +720,8 @@ class _Resized:
             bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
         self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
-        self._names = [template.members[k].ctx.name for b, k in zip(bound, template._bound_members)
-                       for _ in b.calls()]
+        self._names = [template.members[k].ctx.name for made, k in zip(member_calls, template._bound_members)
+                       for _ in made]
 
     def _run_bound(self, values: tuple) -> Any:
         template = self.template

@@ -401,13 +401,13 @@ class Bound:
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         """What a run makes of it: [(function, object, nargs, args)], function None meaning
         dnnl_primitive_execute on this primitive (kiln/kernels/cpu/segment_loop.c)."""
-        return [(None, self.primitive, self.nargs, ctypes.cast(self.args, ctypes.c_void_p).value)]
+        return [(None, self.primitive, self.nargs, ctypes.addressof(self.args))]
 
     def serial_calls(self) -> list[tuple[int | None, int, int, int]] | None:
         """calls() of the serial form on the same memory objects, or None without one."""
         if self.serial_primitive is None:
             return None
-        return [(None, self.serial_primitive, self.nargs, ctypes.cast(self.args, ctypes.c_void_p).value)]
+        return [(None, self.serial_primitive, self.nargs, ctypes.addressof(self.args))]
 
     def memory(self, role: str) -> int:
         """The dnnl_memory_t of a role (its address is what a run points elsewhere)."""
