@@ -67,7 +67,9 @@ def main() -> None:
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
     context = engine.create_execution_context()
-    context.warm_up()
+    start = time.perf_counter()
+    context.warm_up()  # on the CPU it waits for the primitives made ahead (kiln/kernels/cpu/onednn_ahead.py)
+    warm_s = time.perf_counter() - start
     requests = stream(args.requests, args.max_batch, args.max_seq, zoo.get(args.model).vocab_size, args.seed)
     runners = {"onnxruntime": lambda r: session.run(None, r), "kiln": context.run}
 
@@ -107,6 +109,11 @@ def main() -> None:
         print(f"| {clock} | {total['kiln'] / total['onnxruntime']:.2f} | {statistics.median(ratios):.2f}, "
               f"{max(ratios):.2f} | {extra['kiln']:.0f}, {extra['onnxruntime']:.0f} | "
               f"{extra2['kiln']:.0f}, {extra2['onnxruntime']:.0f} | {repeats['kiln'] / repeats['onnxruntime']:.2f} |")
+    try:
+        from kiln.kernels.cpu.onednn_ahead import AHEAD
+        print(f"\nmade ahead (background thread): {AHEAD.made}; warm_up {warm_s:.1f} s wall")
+    except ImportError:  # a tree from before it
+        print(f"\nwarm_up {warm_s:.1f} s wall")
     if context._first_calls is not None:
         print(f"\nkiln first calls run padded: {context._first_calls.padded_runs} of {args.requests}; binding measured "
               f"{', '.join(f'{ms:.2f}' for ms in context._first_calls.bind_ms)} ms (thread CPU)")

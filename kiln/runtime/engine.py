@@ -21,7 +21,7 @@ from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.buckets import PACKING, packed_rows, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
-from kiln.runtime.first_calls import FirstCalls
+from kiln.runtime.first_calls import FirstCalls, primitives_ahead, primitives_made
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
@@ -140,6 +140,8 @@ class Engine:
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
         self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
+        if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
+            primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
     def _make_programs(self, weights: dict[str, Any]) -> None:
@@ -392,7 +394,8 @@ class ExecutionContext:
         (kiln/runtime/first_calls.py), two runs at each bucket, smallest work first: each is then bound, a host a new
         shape may run padded in (within 2x along each padded dim), its time and what binding it cost measured; up to
         the first bucket whose run takes longer than HOSTS_UP_TO times binding (padding in a larger one would cost
-        more than binding: BERT-base's buckets past ~2 x 32 at one thread)."""
+        more than binding: BERT-base's buckets past ~2 x 32 at one thread). On the CPU it returns once the oneDNN
+        primitives of the profiles' row counts are made (BERT-base: ~1-1.5 s after load, on another thread)."""
         plan = self.engine.profiles[profile] if self.engine.profiles else None
         if plan is None:
             return 0
@@ -415,6 +418,8 @@ class ExecutionContext:
             runs = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())))
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
+        else:  # and what the background thread makes ahead of new row counts (first_calls.primitives_ahead)
+            primitives_made()
         return runs
 
     def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]]) -> int:

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from kiln.ir import dtypes
-from kiln.plan.spec import Binding
+from kiln.kernels.cpu import onednn_ahead
+from kiln.plan.spec import Binding, Profile
 from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
@@ -199,6 +200,28 @@ class FirstCalls:
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
             self._groups[_group(old.signature, self._padded_axes)].remove(old)
+
+
+def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
+    """Start making, on a background thread, what a first call at a new row count would otherwise wait for
+    (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
+    layer's row counts up to the profiles' largest shape, taken as its tuned row count x (the largest shape's
+    elements / the opt shape's): exact for a transformer's token-wise layers, an upper bound for the others.
+    Returns how many were queued."""
+    if not onednn_ahead.enabled() or not profiles:
+        return 0
+    scale = 1.0
+    for profile in profiles:
+        for shapes in profile.inputs.values():
+            opt = _product(tuple(shapes.opt))
+            scale = max(scale, _product(tuple(shapes.max)) / opt)
+    jobs = [job for step in program.steps if hasattr(step.fn, "ahead") for job in step.fn.ahead(scale)]
+    return onednn_ahead.AHEAD.schedule(jobs, torch.get_num_threads()) if jobs else 0
+
+
+def primitives_made(timeout: float | None = None) -> bool:
+    """Whether everything primitives_ahead queued is made (waiting up to `timeout` seconds)."""
+    return onednn_ahead.AHEAD.wait(timeout)
 
 
 def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> torch.Tensor:

@@ -174,10 +174,13 @@ class Segment:
         self._bound_members: list[int] = []  # the member of each bound call
         self._calls = []
         self._names = []  # the layer each call belongs to
+        with onednn.shared_memories():  # one memory object per arena place and size (a view's too: _bind_sizes)
+            bound = [None if native.alias else _bind_member(m, native, accumulate[k], address)
+                     for k, (m, native) in enumerate(zip(members, natives))]
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:
                 continue
-            b, roles = _bind_member(m, native, accumulate[k], address)
+            b, roles = bound[k]
             for s, role in roles:
                 if s in produced and group[s] in exit_group:
                     self.per_call.setdefault(group[s], []).append((len(self.bound), role))
@@ -355,12 +358,13 @@ class Segment:
             self.resized.move_to_end(key)
             return self.resized[key]
         try:
-            at = self._natives_at(key)
-            segment = self._view(key, at) if self._views else None
-            if segment is None:
-                segment = Segment(self.members, self.read_after, self.constants, at.natives)
-                if segment.entries != self.entries or segment.exits != self.exits:
-                    raise ValueError("the segment's entries or exits changed")
+            with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
+                at = self._natives_at(key)
+                segment = self._view(key, at) if self._views else None
+                if segment is None:
+                    segment = Segment(self.members, self.read_after, self.constants, at.natives)
+                    if segment.entries != self.entries or segment.exits != self.exits:
+                        raise ValueError("the segment's entries or exits changed")
         except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
             segment = None
         self.resized[key] = segment
@@ -692,7 +696,8 @@ class _Resized:
                 replanned = _bind_member(template.members[k], native, template._accumulate[k], template._address)[0]
             bound.append(replanned)
         self._bound = bound  # owns what the calls point at
-        calls = [c for b in bound for c in b.calls()]
+        member_calls = [b.calls() for b in bound]
+        calls = [c for made in member_calls for c in made]
         forms = forms if forms is not None else _forms(template.members, natives)
         self.exit_shapes = [forms[s] for s in self.exits]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
@@ -715,8 +720,8 @@ class _Resized:
             bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
         self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
-        self._names = [template.members[k].ctx.name for b, k in zip(bound, template._bound_members)
-                       for _ in b.calls()]
+        self._names = [template.members[k].ctx.name for made, k in zip(member_calls, template._bound_members)
+                       for _ in made]
 
     def _run_bound(self, values: tuple) -> Any:
         template = self.template

@@ -104,7 +104,8 @@ class Matmul:
             raise OneDNNError(f"matmul: weight [N, K] and bias [N] wanted, given {list(w.shape)} and "
                               f"{None if b is None else list(b.shape)}")
         self.n, self.k = (int(d) for d in w.shape)
-        self._made = _runtime_primitive(_Shape(self.n, self.k, eltwise, b is not None, torch.get_num_threads()))
+        self.shape = _Shape(self.n, self.k, eltwise, b is not None, torch.get_num_threads())
+        self._made = _runtime_primitive(self.shape)
         self.implementation = self._made.implementation
         self._weight = w.detach().to(torch.float32).contiguous()  # [N, K]: the primitive's [K, N] 'ba'
         self._bias = None if b is None else b.detach().to(torch.float32).contiguous()

@@ -443,7 +443,7 @@ class _PrimitiveCache:
                 self._entries.popitem(last=False)
 
 
-_SHARED_PRIMITIVES = _PrimitiveCache(256)
+_SHARED_PRIMITIVES = _PrimitiveCache(1024)  # 3 per row count for BERT-base: AHEAD_PRIMITIVES fit with room
 
 
 def _inner_product(rows: int, n: int, k: int, eltwise: Eltwise | None, residual: bool, residual_after_activation: bool,
@@ -463,6 +463,19 @@ def _inner_product(rows: int, n: int, k: int, eltwise: Eltwise | None, residual:
     return _Made(pd_h, primitive, residual_index, _implementation(pd))
 
 
+def _shared_inner_product(rows: int, epilogue: tuple, weights_md) -> _Made | None:
+    """The inner product at `rows` of a layer shape (`epilogue`: InnerProduct._epilogue) for weights laid out as
+    weights_md, from the shared cache or created into it; None when oneDNN has no kernel for that layout there.
+    The layers of a transformer share shapes: one primitive per (rows, shapes, epilogue, weight layout)."""
+    key = (rows, *epilogue)
+    made = _SHARED_PRIMITIVES.find(key, weights_md)
+    if made is None:
+        made = _inner_product(rows, *epilogue, weights_md)
+        if made is not None:
+            _SHARED_PRIMITIVES.add(key, made)
+    return made
+
+
 class InnerProduct:
     """y = act(x @ Wᵀ + b [+ r]) [+ r] for x [M, K] row-major: oneDNN's inner product, the weight
     [N, K] reordered once into the layout its kernel wants, the epilogue as post-ops."""
@@ -480,14 +493,9 @@ class InnerProduct:
         n, k = w.shape
         self.input_size, self.output_size = (rows, k), (rows, n)
         self.residual = residual
+        self._epilogue = (n, k, eltwise, residual, residual_after_activation, b is not None)  # onednn_ahead's too
         shared = weight_from._weight_md if weight_from is not None else None
-        # the layers of a transformer share shapes: one primitive per (rows, shapes, epilogue, weight layout)
-        key = (rows, n, k, eltwise, residual, residual_after_activation, b is not None)
-        made = _SHARED_PRIMITIVES.find(key, shared) if shared is not None else None
-        if made is None and shared is not None:
-            made = _inner_product(rows, n, k, eltwise, residual, residual_after_activation, b is not None, shared)
-            if made is not None:
-                _SHARED_PRIMITIVES.add(key, made)
+        made = _shared_inner_product(rows, self._epilogue, shared) if shared is not None else None
         if made is None:  # no other row count's weight to share, or a kernel wanting another layout
             shared = None
             w_any = memory_desc([n, k], TAG_ANY)

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, onednn, onednn_matmul, onednn_primitives
+from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, onednn_primitives
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -402,7 +402,18 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         return NativeStep(size, (*size[:-1], n), lambda _accumulate: layer,
                           residual_input=3 if with_residual else None)
 
+    def ahead(scale: float) -> list[onednn_ahead.Job]:
+        """What kiln/kernels/cpu/onednn_ahead.py makes before the row counts are met, up to AHEAD_ROWS and `scale` x
+        the tuned one: the inner products of the row counts bound on one, the runtime-M matmul's first runs."""
+        reach = math.ceil(rows_of(tuned) * scale)
+        most = min(onednn_ahead.AHEAD_ROWS, reach)
+        jobs = [] if runtime is None else runtime.warm_jobs(reach)
+        return jobs + onednn_ahead.inner_product_jobs(
+            primitives[rows_of(tuned)],
+            [r for r in range(1, most + 1) if r != rows_of(tuned) and not on_kiln_gemm(r) and not on_runtime_matmul(r)])
+
     launch.native = native_at(tuned)
+    launch.ahead = ahead
     return launch
 
 
@@ -438,6 +449,21 @@ class RuntimeRows:
 
     def takes(self, rows: int) -> bool:
         return (self._few_rows and rows <= RUNTIME_ROWS_AT_MOST) or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
+
+    def warm_jobs(self, most: int) -> list[onednn_ahead.Job]:
+        """One run at 1 row, 2 rows and, up to `most`, at RUNTIME_ROWS_FROM_SERIAL, where this layer takes them:
+        oneDNN's jit GEMM compiles its kernels on a first execution (once per process), which a first call would pay
+        (11-14 ms on BERT-base's first 1- or 2-row call)."""
+        layer = self._layer
+
+        def run(rows: int) -> Callable[[], bool]:
+            def first_run() -> bool:
+                layer.rows(rows)(torch.zeros(rows, layer.k))
+                return True
+            return first_run
+
+        return [onednn_ahead.Job(("runtime matmul", layer.shape, rows), 0, run(rows))
+                for rows in (1, 2, RUNTIME_ROWS_FROM_SERIAL) if rows <= max(most, 2) and self.takes(rows)]
 
     def rows(self, rows: int) -> onednn_matmul.MatmulRows:
         with self._lock:

@@ -1,0 +1,139 @@
+"""oneDNN inner products created ahead of the row counts a CPU engine's profile can reach, on one background thread
+(issue 10: a new shape's first call should cost no more than a repeat).
+
+A linear layer at a row count other than its tuned one runs on an inner product created and JIT-compiled for that
+row count (kiln/tactics/cpu/onednn.py): ~0.5-1.4 ms of thread CPU each, one per layer shape (shared by the layers
+of that shape: 3 for BERT-base), so a BERT-base first call at a new row count of 3-255 waited that long for them.
+The runtime-M matmul (one primitive for every row count, kiln/kernels/cpu/onednn_matmul.py) would spare the wait,
+but a whole BERT-base call on it is 1.26-1.69x slower at 4-64 rows (21-67 ms a call, in situ, 1 thread;
+bench/results/first-calls-2026-12-03.md): far more than the creation it saves. So the primitives are made before
+the row counts are met, smallest row count first, each shape interleaved, into the shared cache
+(onednn_primitives._SHARED_PRIMITIVES) where a layer bound at a new row count looks first. A row count met before
+the thread reached it is created by the binding thread, as before, and found made here.
+
+The runtime-M matmul that takes 1-2 rows (and 256+ on one thread) JIT-compiles its GEMM kernels on its first
+execution, not at creation: BERT-base's first call at 1 or 2 rows ran 11-13 ms longer than the next new shape at
+those rows (in situ, twice). The thread runs it once at each such row count too (RuntimeRows.warm).
+
+Thread safety: oneDNN's primitive creation is thread-safe and the shared cache takes its lock; the thread touches
+no layer's own state (only the cache). Its OpenMP count is the one the engine runs at (a kernel fixes its thread
+count at creation, onednn.creating_with_threads; OpenMP's count is per thread). ctypes releases the GIL in every
+oneDNN call, so the binding thread's Python waits at most the few µs of Python between two of them. The thread runs
+at the lowest priority (nice 19): on a machine without an idle core it takes what the engine's threads leave.
+
+Cost: ~150 KB of JIT code and descriptors per primitive (250 BERT-base FFN primitives: +38 MiB RSS; BERT-base's 768
+jobs: +108 MiB on a 642 MiB process, ~1.2 s on another core), so at most AHEAD_PRIMITIVES are made per process
+(an engine loaded after them gets what is left); KILN_ONEDNN_AHEAD=0 makes none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from kiln.kernels.cpu.onednn import creating_with_threads
+from kiln.kernels.cpu.onednn_primitives import _SHARED_PRIMITIVES, InnerProduct, _shared_inner_product
+
+AHEAD_ROWS = 255  # the largest row count made ahead (past it a call's work makes creation a small share)
+AHEAD_PRIMITIVES = 3 * _SHARED_PRIMITIVES.size // 4  # jobs made ahead at most, per process: the cache keeps them all
+
+
+def enabled(environ: dict[str, str] | None = None) -> bool:
+    environ = os.environ if environ is None else environ
+    return environ.get("KILN_ONEDNN_AHEAD", "1") != "0"
+
+
+@dataclass(frozen=True)
+class Job:
+    """One thing to make ahead: `make()` on the background thread; jobs of equal `key` are made once, `order`
+    (a row count) sorts them (smallest first)."""
+
+    key: tuple
+    order: int
+    make: Callable[[], bool]  # True: it made something (False: found made)
+
+
+def inner_product_jobs(layer: InnerProduct, rows: Iterable[int]) -> list[Job]:
+    """The inner products of `layer`'s shape and weight layout at each of `rows`, into the shared cache (one per
+    layer shape: the layers of a shape share them)."""
+    def make(r: int) -> Callable[[], bool]:
+        def run() -> bool:
+            if _SHARED_PRIMITIVES.find((r, *layer._epilogue), layer._weight_md) is not None:
+                return False
+            return _shared_inner_product(r, layer._epilogue, layer._weight_md) is not None
+        return run
+
+    return [Job(("inner product", layer._epilogue, layer.input_size[0], r), r, make(r)) for r in rows]
+
+
+class Ahead:
+    """One background thread making Jobs (oneDNN primitives, a kernel's first run) in the order scheduled."""
+
+    def __init__(self, budget: int = AHEAD_PRIMITIVES):
+        self.budget = budget  # jobs still to schedule
+        self.made = 0  # jobs that made something (not found made)
+        self._queue: deque[tuple[Job, int]] = deque()  # (job, OpenMP threads)
+        self._scheduled: set[tuple] = set()  # (job key, threads)
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, jobs: Iterable[Job], threads: int) -> int:
+        """Queue the jobs not queued before at this thread count, smallest `order` first, up to the budget; they
+        are made on OpenMP's count `threads` (the engine's). Returns how many were queued."""
+        with self._lock:
+            fresh = []
+            for job in jobs:
+                if (job.key, threads) not in self._scheduled:
+                    self._scheduled.add((job.key, threads))
+                    fresh.append(job)
+            fresh.sort(key=lambda job: job.order)  # stable: each row count's shapes in the order given
+            fresh = fresh[:max(self.budget, 0)]
+            self.budget -= len(fresh)
+            self._queue.extend((job, threads) for job in fresh)
+            if self._queue and self._thread is None:
+                self._idle.clear()
+                self._thread = threading.Thread(target=self._work, name="kiln-onednn-ahead", daemon=True)
+                self._thread.start()
+        return len(fresh)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether every queued job is made (within `timeout` seconds)."""
+        return self._idle.wait(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Drop what is queued and wait for the job in hand: at exit, so no creation is inside oneDNN while the
+        process tears the library down."""
+        with self._lock:
+            self._queue.clear()
+        self._idle.wait(timeout)
+
+    def _work(self) -> None:
+        _lowest_priority()
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    self._idle.set()
+                    return
+                job, threads = self._queue.popleft()
+            with creating_with_threads(threads):
+                if job.make():
+                    self.made += 1
+
+
+def _lowest_priority() -> None:
+    """This thread at nice 19 (Linux: a thread's own priority; elsewhere left as it is)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+
+
+AHEAD = Ahead()
+atexit.register(AHEAD.stop)

@@ -1,0 +1,139 @@
+"""What a CPU engine makes before a new shape's first call meets it (issue 10, kiln/kernels/cpu/onednn_ahead.py):
+the inner products of the profile's row counts on a background thread, on the engine's thread count, found made
+by the binding thread (which then creates none), results against onnxruntime; the queue's order, dedup and budget;
+and the memory objects a segment's layers share (onednn.shared_memories)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+import kiln
+from kiln.builder import autotune
+from kiln.kernels.cpu import onednn, onednn_ahead, onednn_primitives
+from kiln.runtime import first_calls
+
+from test_onednn_rows import ORT_TOL, K, _two_layers  # noqa: E402  (tests/unit is on the path)
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
+
+TUNED, MOST = 16, 40  # the profile's opt and max rows: made ahead up to 16 x (40 / 16) = 40
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(params=[False, True], ids=["no residual", "residual"])
+def built(request, one_thread, monkeypatch, tmp_path):
+    """The two oneDNN layers (the second with a residual or not) built at 16 rows, saved, loaded again in a native
+    segment: (engine, onnxruntime session)."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)  # the native tactic wins: this is about its row counts
+    model = _two_layers(request.param)
+    engine = kiln.build(model.SerializeToString(), profiles=[{"x": f"1x{K},{TUNED}x{K},{MOST}x{K}"}],
+                        tactics=["cpu.gemm.onednn_direct"])
+    engine.save(tmp_path / "two_layers.kiln")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return (kiln.load(tmp_path / "two_layers.kiln"),
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]))
+
+
+def test_a_new_row_count_finds_its_inner_products_made_and_matches_onnxruntime(built, monkeypatch):
+    engine, session = built
+    assert onednn_ahead.AHEAD.wait(timeout=120), "the background thread did not finish"
+    created = []
+    make = onednn_primitives._inner_product
+    monkeypatch.setattr(onednn_primitives, "_inner_product", lambda *a: created.append(a[0]) or make(*a))
+    rng = np.random.default_rng()
+    fresh = sorted({int(r) for r in rng.integers(3, MOST, size=6)} - {TUNED})
+    for rows in fresh + fresh[:2]:  # and two row counts again: bound once, reused
+        x = rng.standard_normal((rows, K)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=ORT_TOL,
+                                   atol=ORT_TOL, err_msg=f"{rows} rows")
+    assert created == [], f"inner products created while binding at {created} rows"  # none made ahead: fails
+
+
+def test_nothing_is_made_ahead_when_turned_off(built, monkeypatch):
+    engine, _session = built
+    monkeypatch.setenv("KILN_ONEDNN_AHEAD", "0")
+    assert first_calls.primitives_ahead(engine.program, engine.profiles) == 0
+
+
+def test_the_layers_offer_their_row_counts_up_to_the_profiles_reach(built):
+    """One thread: the layer without a residual runs 1-2 rows on the runtime-M matmul (its first runs are jobs),
+    3-40 on inner products; the one with a residual (no runtime-M path) every row count on inner products."""
+    engine, _session = built
+    gemms = [m.fn for seg in engine.program.segments for m in seg.members if m.ctx.op_type == "FusedGemm"]
+    assert len(gemms) == 2
+    for fn in gemms:
+        jobs = fn.ahead(MOST / TUNED)
+        rows = {job.key[-1] for job in jobs if job.key[0] == "inner product"}
+        warmed = {job.key[-1] for job in jobs if job.key[0] == "runtime matmul"}
+        residual = fn.native.residual_input is not None
+        assert warmed == (set() if residual else {1, 2})
+        assert rows == set(range(1 if residual else 3, MOST + 1)) - {TUNED}
+
+
+def _recording(log: list, key: tuple, order: int) -> onednn_ahead.Job:
+    return onednn_ahead.Job(key, order, lambda: log.append(key) or True)
+
+
+def test_jobs_run_smallest_first_once_each_within_the_budget():
+    ahead, log = onednn_ahead.Ahead(budget=4), []
+    assert ahead.schedule([_recording(log, ("a", r), r) for r in (9, 3, 5)], threads=1) == 3
+    assert ahead.schedule([_recording(log, ("a", 3), 3), _recording(log, ("b", 1), 1),
+                           _recording(log, ("b", 2), 2)], threads=1) == 1  # ("a", 3) again; then the budget
+    assert ahead.wait(timeout=30)
+    assert sorted(log[:3], key=lambda k: k[1]) == log[:3] == [("a", 3), ("a", 5), ("a", 9)]
+    assert log[3:] == [("b", 1)] and ahead.made == 4
+
+
+def test_jobs_run_on_the_thread_count_they_were_scheduled_at():
+    """oneDNN fixes a kernel's thread count at creation: the background thread creates at the engine's count."""
+    openmp = onednn._openmp_threads(onednn.load().lib)
+    if openmp is None:
+        pytest.skip("this libdnnl has no OpenMP")
+    seen = {}
+    job = onednn_ahead.Job(("threads",), 0, lambda: seen.update(count=openmp[0](), thread=threading.current_thread()))
+    ahead = onednn_ahead.Ahead()
+    ahead.schedule([job], threads=1)
+    assert ahead.wait(timeout=30)
+    assert seen["count"] == 1 and seen["thread"] is not threading.main_thread()
+
+
+def test_a_segments_layers_share_memory_objects_at_one_place_and_size(built):
+    engine, session = built
+    segment = engine.program.segments[0]
+    first, second = segment.bound  # fc1 writes the arena place fc2 reads, at one size: one memory object
+    assert first.memory("dst") == second.memory("src")
+    assert first.memory("src") not in (second.memory("src"), second.memory("dst"))  # the entry: its own
+    rows = int(np.random.default_rng().integers(3, MOST)) | 1
+    view = segment._bind_sizes(((rows, K),))
+    assert view._bound[0].memory("dst") == view._bound[1].memory("src")
+    x = np.random.default_rng().standard_normal((rows, K)).astype(np.float32)
+    np.testing.assert_allclose(engine.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_stop_drops_what_is_queued_and_waits_for_the_job_in_hand():
+    ahead, started, release, log = onednn_ahead.Ahead(), threading.Event(), threading.Event(), []
+
+    def slow() -> bool:
+        started.set()
+        release.wait(10)
+        log.append("first")
+        return True
+
+    ahead.schedule([onednn_ahead.Job(("slow",), 0, slow)] + [_recording(log, ("b", r), r) for r in range(1, 5)], 1)
+    assert started.wait(10)
+    threading.Timer(0.2, release.set).start()
+    ahead.stop()
+    assert log == ["first"] and ahead.wait(0)
