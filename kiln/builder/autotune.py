@@ -115,15 +115,24 @@ def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -
 
 # Other work shares the CPUs when its runnable tasks are at least this share of them (kiln/openmp.py's BUSY).
 BUSY_SHARE = 0.5
+# /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
+# waking for a moment on a quiet machine does not decide (it did for 2 of 10 layers in 5 quiet builds).
+RUNNABLE_READINGS = 5
 
 
-def runnable_tasks() -> int | None:
-    """Tasks runnable on the machine now, this reading one included (/proc/loadavg), or None off Linux."""
-    try:
-        with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
-    except (OSError, IndexError, ValueError):
-        return None
+def runnable_tasks(readings: int = RUNNABLE_READINGS) -> int | None:
+    """Tasks runnable on the machine, this reading one included: the median of `readings` of /proc/loadavg's
+    count, 1 ms apart; None off Linux."""
+    found = []
+    for i in range(readings):
+        if i:
+            time.sleep(0.001)
+        try:
+            with open("/proc/loadavg") as f:
+                found.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return None
+    return int(statistics.median(found))
 
 
 def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None,
@@ -141,7 +150,7 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
     several threads gain.
 
     Busy: tasks runnable beyond this process's `threads` (its OpenMP workers spin between calls) at least
-    BUSY_SHARE of the CPUs, from /proc/loadavg's count now or, without it, the 1-min load average."""
+    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average."""
     cpus = max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
     if runnable is None and load is None:
         runnable = runnable_tasks()
