@@ -9,7 +9,7 @@
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
        with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
        events over CUDA-graph replays, on the CPU the least of the rounds, of wall time or, where
-       other work shares the CPUs, of the process's CPU time (see measure and cpu_clock) — and
+       other work shares the CPUs, of the process's CPU time (see measure; kiln/builder/cpu_clock.py) — and
        keep the fastest; a layer whose every candidate was dropped by the check runs its default,
        and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
@@ -26,7 +26,6 @@ to the engine header for `kiln inspect`.
 from __future__ import annotations
 
 import dataclasses
-import os
 import statistics
 import time
 import weakref
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 
 from kiln.builder.accuracy import TOLERANCE, full_float32, half_dtype, integer_steps, mismatch, settle, upcast
+from kiln.builder.cpu_clock import PROCESS_CPU, WALL, cpu_clock
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
@@ -96,9 +96,6 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-WALL, PROCESS_CPU = "wall", "process cpu"  # the CPU's clocks (cpu_clock)
-
-
 def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -> float:
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -111,56 +108,6 @@ def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -
     start_s = read()
     fn()
     return (read() - start_s) * 1e3
-
-
-# Other work shares the CPUs when its runnable tasks are at least this share of them (kiln/openmp.py's BUSY).
-BUSY_SHARE = 0.5
-# /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
-# waking for a moment on a quiet machine does not decide (it did for 2 of 10 layers in 5 quiet builds).
-RUNNABLE_READINGS = 5
-
-
-def runnable_tasks(readings: int = RUNNABLE_READINGS) -> int | None:
-    """Tasks runnable on the machine, this reading one included: the median of `readings` of /proc/loadavg's
-    count, 1 ms apart; None off Linux."""
-    found = []
-    for i in range(readings):
-        if i:
-            time.sleep(0.001)
-        try:
-            with open("/proc/loadavg") as f:
-                found.append(int(f.read().split()[3].split("/")[0]))
-        except (OSError, IndexError, ValueError):
-            return None
-    return int(statistics.median(found))
-
-
-def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None,
-              load: float | None = None) -> str:
-    """The clock candidates are timed by on the CPU: WALL, or PROCESS_CPU where other work shares the CPUs.
-
-    Why: with other work runnable, a kernel of several threads waits at each of its barriers for a thread the
-    OS took off its core, and its wall time says more about the scheduler than about the kernel. Timed by
-    wall, an LSTM layer's three kiln loops ran 2-30 ms apart from build to build on a 2-vCPU VM with busy
-    loops beside (lower quartile of 10 rounds), and 3 of 5 builds took cpu.lstm.lanes where the quiet host's
-    pick, cpu.lstm.fused, is ~1.5x faster; the process's CPU time of the same calls (every thread's, waits
-    that sleep left out) stayed within ~30% (bench/results/zoo-cpu-avx2-2026-12-03.md). On a machine whose
-    cores are all busy the CPU time a kernel takes is also what its latency will be made of, so the kernel
-    that needs the least of it is the one to keep. On a quiet machine the wall clock, which counts what
-    several threads gain.
-
-    Busy: tasks runnable beyond this process's `threads` (its OpenMP workers spin between calls) at least
-    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average."""
-    cpus = max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
-    if runnable is None and load is None:
-        runnable = runnable_tasks()
-        if runnable is None:
-            try:
-                load = os.getloadavg()[0]
-            except OSError:
-                return WALL
-    others = (runnable if runnable is not None else load) - threads
-    return PROCESS_CPU if others >= BUSY_SHARE * cpus else WALL
 
 
 GRAPH_CALLS = 4  # calls per captured CUDA graph when timing a candidate: one replay, several kernels' worth

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from kiln.builder import autotune
+from kiln.builder import autotune, cpu_clock
 
 CPU = torch.device("cpu")
 
@@ -68,11 +68,11 @@ def test_each_round_starts_at_the_next_candidate():
     (None, 3.2, 2, 2, autotune.PROCESS_CPU),
 ])
 def test_the_clock_follows_the_tasks_runnable_beside_this_process(runnable, load, threads, cpus, clock):
-    assert autotune.cpu_clock(threads, cpus=cpus, runnable=runnable, load=load) == clock
+    assert cpu_clock.cpu_clock(threads, cpus=cpus, runnable=runnable, load=load) == clock
 
 
 def test_runnable_tasks_reads_this_machine():
-    found = autotune.runnable_tasks()
+    found = cpu_clock.runnable_tasks()
     assert found is None or found >= 1  # this reading process is running
 
 
