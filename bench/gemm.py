@@ -89,8 +89,10 @@ double kiln_fma_peak(int threads, long iters, int wide, int thread_clock) {
 
 
 def cpu_facts() -> tuple[str, float, int]:
-    """(model name, nominal GHz, FP32 FLOPs per cycle per core)."""
-    name, mhz, flags = "?", 0.0, set()
+    """(model name, nominal GHz, FP32 FLOPs per cycle per core at the ISA kiln uses: KILN_CPU_ISA=avx2 caps it)."""
+    from kiln.kernels.cpu import cpu_features
+
+    name, mhz = "?", 0.0
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = line.partition(":")
         key = key.strip()
@@ -98,10 +100,7 @@ def cpu_facts() -> tuple[str, float, int]:
             name = value.strip()
         elif key == "cpu MHz" and not mhz:
             mhz = float(value)
-        elif key == "flags" and not flags:
-            flags = set(value.split())
-    per_cycle = 64 if "avx512f" in flags else 32 if "fma" in flags else 16
-    return name, mhz / 1000, per_cycle
+    return name, mhz / 1000, cpu_features.fma_flops_per_cycle()
 
 
 def measured_peak(threads: int, per_cycle: int, thread_clock: bool) -> float | None:
@@ -130,17 +129,23 @@ def runners(m: int, k: int, n: int, threads: int) -> dict:
         packed, y = gemm_native.PackedLinear(w, b), torch.empty(m, n)
         out[KILN] = lambda: packed(x, out=y)  # into a buffer of its own, as into a native segment's arena
     out["torch F.linear (MKL)"] = lambda: F.linear(x, w, b)
-    if mkl_available():
-        from kiln.kernels.cpu.conv import post_op
+    from kiln.kernels.cpu.conv import post_op
 
-        none = post_op("", 0.0, 0.0)
+    none = post_op("", 0.0, 0.0)
+    if mkl_available():
         mkl = gemm.pack_linear_mkl(w, m)
         out["MKL packed GEMM (cpu.gemm.mkl)"] = lambda: gemm.linear_mkl(x, mkl, w, b, m, None, none, True)
+    if torch.backends.mkldnn.is_available():
+        packed_dnnl = gemm.pack_linear_onednn(w, m)
+        out["torch's oneDNN linear (cpu.gemm.onednn)"] = lambda: gemm.linear_onednn(x, packed_dnnl, b, None, none, True)
     if onednn.available():
+        from kiln.kernels.cpu.onednn_matmul import Matmul
         from kiln.kernels.cpu.onednn_primitives import InnerProduct
 
         ip = InnerProduct(w, b, m, None, False, True)
         out[f"oneDNN inner product (cpu.gemm.onednn_direct, {ip.implementation})"] = lambda: ip(x)
+        at_rows = Matmul(w, b, None).rows(m)  # the tactic takes it only at <= 2 or >= 256 rows (RUNTIME_ROWS_*)
+        out[f"oneDNN matmul, runtime M ({at_rows.implementation})"] = lambda: at_rows(x)
     try:
         import onnxruntime as ort
         from onnx import TensorProto, helper, numpy_helper
@@ -216,7 +221,13 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     from kiln.kernels.cpu import gemm_native
 
+    from kiln.kernels.cpu import cpu_features
+
     kernel = gemm_native.best_kernel().name if gemm_native.available() else "not built"
+    if cpu_features.isa_cap():  # onnxruntime has no such cap: MLAS still runs the CPU's widest kernels
+        name += (f" capped to {cpu_features.isa_cap()} (KILN_CPU_ISA; torch ATen {torch.backends.cpu.get_cpu_capability()},"
+                 f" MKL {os.environ.get('MKL_ENABLE_INSTRUCTIONS')}, oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA')};"
+                 " onnxruntime's MLAS uncapped)")
     head = [f"FP32 GEMM, {name}, {args.threads} threads; nominal peak {nominal:.0f} GFLOP/s ({ghz:.2f} GHz x "
             f"{per_cycle} FLOP/cycle/core), measured FMA peak "
             + (f"{measured:.0f} GFLOP/s" if measured else "n/a (no C compiler)")

@@ -16,6 +16,10 @@ from kiln.openmp import choose_wait_policy
 
 choose_wait_policy()  # before torch loads libgomp: a short spin on a busy machine (kiln/openmp.py)
 
+from kiln.kernels.cpu.cpu_features import cap_libraries  # noqa: E402
+
+cap_libraries()  # KILN_CPU_ISA=avx2: oneDNN, MKL and ATen capped too, before their first kernel (cpu_features.py)
+
 from kiln import errors  # noqa: E402
 from kiln.errors import (  # noqa: E402
     BindingError,

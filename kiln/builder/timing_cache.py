@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kiln.errors import KilnError
+from kiln.kernels.cpu import cpu_features
 from kiln.plan.spec import StepSpec
 from kiln.tactics.tactic import InputMeta
 from kiln.version import __version__
@@ -64,6 +65,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["device_name"] = cpu_name()
         env["capability"] = None
         env["driver"] = {"onednn": torch.backends.mkldnn.is_available(), "mkl": bool(torch._C.has_mkl)}
+        if (cap := cpu_features.isa_cap()) is not None:  # KILN_CPU_ISA: other kernels, other times
+            env["isa_cap"] = cap
     return env
 
 

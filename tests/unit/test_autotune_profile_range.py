@@ -47,12 +47,15 @@ def test_ties_go_to_the_default():
 
 @pytest.fixture
 def slow_when_small():
-    """A Relu tactic that sleeps 5 ms on inputs of fewer than 64 elements."""
+    """A Relu tactic that works 5 ms more on inputs of fewer than 64 elements: CPU time spun, not a sleep (on a
+    busy machine the tuner times the process's CPU time, which a sleep does not take: autotune.cpu_clock)."""
     name = "cpu.test.relu.slow_when_small"
 
     def launch(ctx, x):
         if x.numel() < 64:
-            time.sleep(0.005)
+            end = time.thread_time() + 0.005
+            while time.thread_time() < end:
+                pass
         return torch.relu(x)
 
     registry.register(Tactic(name=name, op_type="Relu", domain="", device="cpu", dtypes=(torch.float32,),
@@ -70,7 +73,7 @@ def test_a_profile_build_times_candidates_at_its_min_shape(tmp_path, slow_when_s
                         timing_cache=str(tmp_path / "cache.json"))
     found = engine.plan.header["tactics"]["layers"]["relu"]
     assert set(found["at"]) == {"mid", "min"} and set(found["at"]["min"]) == {DEFAULT, slow_when_small}
-    assert found["at"]["min"][slow_when_small] >= 4.0  # timed on the 1 x 32 input, where it sleeps
+    assert found["at"]["min"][slow_when_small] >= 4.0  # timed on the 1 x 32 input, where it spins
     assert found["at"]["mid"][slow_when_small] < 4.0  # 8 x 32, the geometric middle of 1 and 64: it does not
     assert found["candidates"][slow_when_small] < 4.0  # nor at the opt shape, 64 x 32
     assert found["tactic"] == DEFAULT

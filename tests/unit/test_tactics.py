@@ -350,7 +350,7 @@ def test_a_non_native_winner_is_timed_again_against_the_best_native_one(monkeypa
     its faster time, and the native GEMM wins. A native winner, or one with no native rival, is not re-timed."""
     again = []
 
-    def measure(fns, device, runs):
+    def measure(fns, device, runs, **_clocked):
         again.append(sorted(fns))
         return {"cpu.gemm.mkl": 3.0, "cpu.gemm.kiln_packed": 2.5}
 

@@ -165,7 +165,11 @@ KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
 KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
 KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
 #endif
+#ifdef KILN_MAX_ISA_AVX2  /* KILN_CPU_ISA=avx2 (kiln/kernels/cpu/cpu_features.py): run as an AVX2-only CPU */
+static int has_avx512(void) { return 0; }
+#else
 static int has_avx512(void) { __builtin_cpu_init(); return __builtin_cpu_supports("avx512f"); }
+#endif
 static int has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");

@@ -26,9 +26,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kiln.kernels.cpu import cpu_features
+
 SOURCE = (Path(__file__).with_name("segment_loop.c")).read_text()
 
 FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O2",))
+# KILN_CPU_ISA=avx2 (cpu_features.py): compiled for x86-64-v3 (AVX2 + FMA, no AVX-512 in any loop the
+# compiler vectorises), tuned for this CPU, and gemm.c's run-time dispatch told never to take an AVX-512 tile.
+AVX2_MARCH = ("-march=x86-64-v3", "-mtune=native")
+AVX2_DEFINE = "-DKILN_MAX_ISA_AVX2=1"
 
 _LOADED: ctypes.CDLL | None = None
 _REASON: str | None = None
@@ -100,6 +106,14 @@ def _cpu_identity() -> str:
         return platform.processor() or platform.machine()
 
 
+def compile_flags() -> tuple[tuple[str, ...], ...]:
+    """FLAGS (the compiler's options to try, best first) under the KILN_CPU_ISA cap."""
+    if cpu_features.isa_cap() != "avx2":
+        return FLAGS
+    return tuple(tuple(m for f in flags for m in (AVX2_MARCH if f == "-march=native" else (f,))) + (AVX2_DEFINE,)
+                 for flags in FLAGS)
+
+
 def find_compiler() -> str | None:
     """$CC, else the first of cc, gcc, clang on PATH."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -140,7 +154,8 @@ def build(stem: str, source: str) -> Path | str:
     """`source` compiled into a shared library in kiln's cache (once per source, CPU and flags): its
     path, or why it could not be built. Also compiles kiln's GEMM (kiln/kernels/cpu/gemm_native.py)."""
     # -march=native: the binary is for this CPU's instruction sets; the cache may be shared with others
-    digest = hashlib.sha256((source + _cpu_identity() + repr(FLAGS)).encode()).hexdigest()[:16]
+    options = compile_flags()
+    digest = hashlib.sha256((source + _cpu_identity() + repr(options)).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
@@ -152,7 +167,7 @@ def build(stem: str, source: str) -> Path | str:
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             code, built = Path(work) / f"{stem}.c", Path(work) / f"{stem}.so"
             code.write_text(source)
-            for flags in FLAGS:  # the best the compiler takes: without OpenMP the transforms run on one thread
+            for flags in options:  # the best the compiler takes: without OpenMP the transforms run on one thread
                 done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(code)],
                                       capture_output=True, text=True, timeout=120)
                 if done.returncode == 0:

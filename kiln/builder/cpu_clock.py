@@ -1,0 +1,62 @@
+"""Which clock the autotuner times CPU candidates by (kiln/builder/autotune.py: measure): the wall clock on a
+quiet machine, the process's CPU time where other work shares the CPUs."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+WALL, PROCESS_CPU = "wall", "process cpu"
+
+# Other work shares the CPUs when its runnable tasks are at least this share of them (kiln/openmp.py's BUSY).
+BUSY_SHARE = 0.5
+# /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
+# waking for a moment on a quiet machine does not decide (it did for 2 of 10 layers in 5 quiet builds).
+RUNNABLE_READINGS = 5
+
+
+def runnable_tasks(readings: int = RUNNABLE_READINGS) -> int | None:
+    """Tasks runnable on the machine, this reading one included: the median of `readings` of /proc/loadavg's
+    count, 1 ms apart; None off Linux."""
+    found = []
+    for i in range(readings):
+        if i:
+            time.sleep(0.001)
+        try:
+            with open("/proc/loadavg") as f:
+                found.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return None
+    return int(statistics.median(found))
+
+
+def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None,
+              load: float | None = None) -> str:
+    """The clock candidates are timed by on the CPU: WALL, or PROCESS_CPU where other work shares the CPUs.
+
+    Why: with other work runnable, a kernel of several threads waits at each of its barriers for a thread the
+    OS took off its core, and its wall time says more about the scheduler than about the kernel. Timed by
+    wall, an LSTM layer's three kiln loops ran 2-30 ms apart from build to build on a 2-vCPU VM with busy
+    loops beside (lower quartile of 10 rounds), and 3 of 5 builds took cpu.lstm.lanes where the quiet host's
+    pick, cpu.lstm.fused, is ~1.5x faster; the process's CPU time of the same calls (every thread's, waits
+    that sleep left out) stayed within ~30% (bench/results/zoo-cpu-avx2-2026-12-03.md). On a machine whose
+    cores are all busy the CPU time a kernel takes is also what its latency will be made of, so the kernel
+    that needs the least of it is the one to keep. On a quiet machine the wall clock, which counts what
+    several threads gain.
+
+    A wait that spins (libgomp's long spin, chosen as kiln is imported on a quiet machine) is CPU time too:
+    neither clock sees past it (bench/results/zoo-cpu-avx2-2026-12-03.md, "the failure left").
+
+    Busy: tasks runnable beyond this process's `threads` (its OpenMP workers spin between calls) at least
+    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average."""
+    cpus = max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
+    if runnable is None and load is None:
+        runnable = runnable_tasks()
+        if runnable is None:
+            try:
+                load = os.getloadavg()[0]
+            except OSError:
+                return WALL
+    others = (runnable if runnable is not None else load) - threads
+    return PROCESS_CPU if others >= BUSY_SHARE * cpus else WALL
