@@ -229,8 +229,9 @@ class ExecutionContext:
         padding-free engine: "auto" packs a run's real tokens where that pays (the device's
         buckets.PACKING_RULES; where CUDA graphs replay bucketed shapes, every run of 1K+ positions, at the
         profile's largest shape: buckets.graph_rows), "always" wherever a row is saved, "never" runs every position.
-        A run that does not pack runs the engine's plain program (the plain engine's, kiln/builder/padding_free.py; its graphs in the same cache), or, in an engine
-        without one, the packed program with every position a row (the identity packing).
+        A run that does not pack runs the engine's plain program (the plain engine's, kiln/builder/padding_free.py;
+        its graphs in the same cache), or, in an engine without one, the packed program with every position a row
+        (the identity packing).
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
         one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
         the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens).
