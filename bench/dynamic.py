@@ -42,6 +42,7 @@ from kiln import zoo  # noqa: E402
 from kiln.runtime.profiler import percentile  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+STARTED = time.perf_counter()
 
 
 def stream(requests: int, max_batch: int, max_seq: int, vocab: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -94,6 +95,9 @@ def main() -> None:
                          "masks with every row at least half real, ':full' none padded), the three runtimes timed in "
                          "turn, and the GEMM ceiling at the largest full-mask shape")
     ap.add_argument("--calls", type=int, default=15, help="per-shape table: timed calls per runtime")
+    ap.add_argument("--stream-deadline-s", type=float, default=0.0,
+                    help="stop the stream this many seconds after the script started (a device call's time limit); "
+                         "the requests run so far are reported")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the table and log here")
     ap.add_argument("--no-spin", action="store_true",
                     help="CPU: idle threads sleep instead of spinning, in both runtimes (OMP_WAIT_POLICY=PASSIVE for "
@@ -201,7 +205,12 @@ def main() -> None:
     memory_before = torch.cuda.memory_allocated() if cuda else 0
     captures_before = context.runner.stats.captures if cuda else 0
     with torch.inference_mode():
-        for r, shapes in zip(feeds, requests):
+        for done, (r, shapes) in enumerate(zip(feeds, requests)):
+            if args.stream_deadline_s and time.perf_counter() - STARTED > args.stream_deadline_s:
+                log(f"stream stopped at its deadline ({args.stream_deadline_s:.0f} s after the start): {done} of "
+                    f"{len(requests)} requests run")
+                requests, feeds = requests[:done], feeds[:done]
+                break
             key = shapes["input_ids"].shape
             for name, run in runners.items():
                 sync()
