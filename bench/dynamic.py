@@ -206,7 +206,7 @@ def main() -> None:
     captures_before = context.runner.stats.captures if cuda else 0
     with torch.inference_mode():
         for done, (r, shapes) in enumerate(zip(feeds, requests)):
-            if args.stream_deadline_s and time.perf_counter() - STARTED > args.stream_deadline_s:
+            if args.stream_deadline_s and done >= 10 and time.perf_counter() - STARTED > args.stream_deadline_s:
                 log(f"stream stopped at its deadline ({args.stream_deadline_s:.0f} s after the start): {done} of "
                     f"{len(requests)} requests run")
                 requests, feeds = requests[:done], feeds[:done]
@@ -232,7 +232,7 @@ def main() -> None:
     log("")
     log(f"# kiln at every shape: {args.model}, {args.device} ({device}), commit {commit()}, "
         f"{datetime.date.today().isoformat()}")
-    log(f"{args.requests} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
+    log(f"{len(requests)} requests, batch 1-{args.max_batch} x seq 1-{args.max_seq}, each with a padding mask; "
         f"{'fp16' if cuda else 'fp32, ' + str(args.threads) + ' threads'}; ms per request (wall, synchronized)"
         + ("" if cuda else f"; idle threads {'sleep (--no-spin)' if args.no_spin else _spin()}; load average "
            f"{load_before:.1f} before the stream, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)"))
