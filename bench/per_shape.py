@@ -37,8 +37,8 @@ def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, 
     peers = [n for n in names if n != "kiln"]
     log("")
     log(f"## Per shape: median of {calls} calls, runtimes timed in turn (wall ms, synchronized)")
-    header = ["| shape | mask | real tokens | " + " | ".join(f"{n} ms" for n in names) + " | fastest torch / kiln | 1.5x |",
-              "|---|---|---|" + "---|" * len(names) + "---|---|"]
+    header = ["| shape | mask | real tokens | " + " | ".join(f"{n} ms" for n in names)
+              + " | fastest torch / kiln | 1.5x |", "|---|---|---|" + "---|" * len(names) + "---|---|"]
     for line in header:
         log(line)
     ceiling_done = False
