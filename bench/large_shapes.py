@@ -57,7 +57,8 @@ def timed(fn, calls: int = 20, warmup: int = 3) -> float:
     return statistics.median(out)
 
 
-def kernel_table(fn, label: str, lines: list[str]) -> None:
+def kernel_table(fn, label: str, lines: list[str]) -> dict[str, float]:
+    """Appends `fn`'s GPU kernels per call by family and the top kernels to `lines`; returns ms per family."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -85,6 +86,7 @@ def kernel_table(fn, label: str, lines: list[str]) -> None:
     lines.append("|---|---|---|")
     for name, (ms, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:14]:
         lines.append(f"| {name[:110]} | {ms:.3f} | {n / 5:.0f} |")
+    return dict(fams)
 
 
 def main() -> None:

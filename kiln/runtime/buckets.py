@@ -18,6 +18,11 @@ costs compute, so a sequence also has a 1.5x step from 128 and quarter steps fro
 padded by up to 2x when splitting it costs less: its rows run as several bucket-sized chunks
 (25 = 16 + 8 + 1), each a graph replay, chosen by the replay times each bucket's capture measured
 (`split`). BERT with batch 1..32 x seq 1..512: 6 x 10 = 60 buckets.
+
+A padding-free engine (kiln/passes/remove_padding.py) computes only its packed rows, so padding the batch and the
+sequence costs it the few layers before the packing: where CUDA graphs replay, a run of 1K+ bucketed positions is
+padded to the profile's largest shape and packed to its token bucket (graph_rows), one graph per token bucket,
+and smaller runs take the plain program at their bucket: 32 + 30 + 1 = 63 graphs for 1..32 x 1..512.
 """
 
 from __future__ import annotations
@@ -57,8 +62,10 @@ class Buckets:
     def bucket(self, symbol: str, value: int, low: int, high: int) -> int:
         return next(s for s in self.sizes(symbol, low, high) if s >= value)
 
-    def targets(self, inputs: list[torch.Tensor], profile: Profile, names: list[str]) -> dict[str, tuple[int, int]]:
-        """symbol -> (real size, bucket size) for this run, inside `profile`'s range."""
+    def targets(self, inputs: list[torch.Tensor], profile: Profile, names: list[str],
+                widest: bool = False) -> dict[str, tuple[int, int]]:
+        """symbol -> (real size, bucket size) for this run, inside `profile`'s range; `widest`: the bucket is the
+        profile's largest size (a packed run's, graph_rows)."""
         out: dict[str, tuple[int, int]] = {}
         for k, pads in enumerate(self.pads):
             r = profile.inputs.get(names[k])
@@ -66,7 +73,7 @@ class Buckets:
                 if symbol in out or r is None:
                     continue
                 value = int(inputs[k].shape[axis])
-                out[symbol] = (value, self.bucket(symbol, value, r.min[axis], r.max[axis]))
+                out[symbol] = (value, r.max[axis] if widest else self.bucket(symbol, value, r.min[axis], r.max[axis]))
         return out
 
     def _rest(self, targets: dict[str, tuple[int, int]]) -> tuple:
@@ -166,18 +173,28 @@ class PackingRule:
     min_saving: (positions B·S at least, the fraction of them a packed run must save); below the smallest, and
     below the fraction, a run takes the identity packing (every position a row: the plain engine's computation).
     eighths_from: token buckets step by an eighth of the power of two from here (token_bucket).
-    always_bucketed: a run's rows are its token bucket even where the context does not bucket shapes."""
+    always_bucketed: a run's rows are its token bucket even where the context does not bucket shapes.
+    graphs_from: where a context replays CUDA graphs of bucketed shapes, a run whose bucketed B·S is at least this
+    always packs, padded to the profile's largest shape, into at least this many rows (graph_rows): its graph is
+    then one per token bucket, not one per padded batch x sequence x token bucket."""
 
     min_saving: tuple[tuple[int, float], ...]
     eighths_from: int = TOKEN_EIGHTHS_FROM
     always_bucketed: bool = False
+    graphs_from: int | None = None  # graph_rows: where a context replays CUDA graphs (None: the min_saving rule)
 
 
 PACKING_RULES = {
     # H200 (BERT-base fp16, bench/remove_padding.py at 18a3d98): packed runs saving 12-25% of 1K-4K positions were
     # 4-20% slower than the plain engine, 15% of 16K positions 7% faster, 59% of 16K 1.9x faster. Its rows are
     # bucketed where CUDA graphs bucket shapes.
-    "cuda": PackingRule(((16384, 0.10), (4096, 0.30), (1024, 0.45))),
+    # With CUDA graphs (graph_rows): bench/dynamic.py's stream (200 requests, 1-32 x 1-512, seed 0) meets 121
+    # distinct (batch bucket, sequence bucket, token bucket) signatures under the rule above, each a capture, past
+    # the 64-graph cache; packing every run of 1K+ positions at the profile's largest shape meets 45 (of 63 at
+    # most), and "always packed" was as fast as the rule's choice at every 1K+ shape measured
+    # (padding-free-plain-2026-12-02.md run 2: 8x128 0.781 vs 0.789 ms, 32x128 1.673 vs 1.824, 8x512 1.834 vs
+    # 1.990, 32x512 full 7.214 vs 7.242).
+    "cuda": PackingRule(((16384, 0.10), (4096, 0.30), (1024, 0.45)), graphs_from=1024),
     # CPU (AMD EPYC 2 vCPUs, bert_tiny fp32 at 1x64, 4x128, 8x128; bench/results/remove-padding-cpu-2026-12-02.md):
     # packed runs were as fast or faster than the identity packing at every padding measured (6% to 50%; the
     # copies around the GEMMs are alike, the attention is varlen), so any row saved packs. The rows are always a
@@ -210,6 +227,32 @@ def token_bucket(tokens: int, most: int, eighths_from: int = TOKEN_EIGHTHS_FROM)
                 return min(bucket, most)
         size *= 2
     return most
+
+
+def graph_rows(tokens: int, most: int, rule: PackingRule) -> int:
+    """The rows a graph-replaying run packs `tokens` real tokens to, its inputs padded to the profile's largest
+    shape of `most` positions (rule.graphs_from): their token bucket, at least graphs_from rows (below that a
+    GEMM's time hardly depends on its rows, and every bucket less is a graph less); `most` where the bucket
+    reaches it (the identity packing: the plain program at the largest shape). So the packed runs replay at most
+    one graph per token bucket from graphs_from to `most`: 33 for 1024 to 16384."""
+    return max(token_bucket(tokens, most, rule.eighths_from), min(rule.graphs_from, most))
+
+
+def graph_signatures(batches: list[int], sequences: list[int], most: int, rule: PackingRule) -> int:
+    """How many CUDA graphs a padding-free context that packs by graph_rows may hold at most: one plain graph per
+    batch x sequence bucket below rule.graphs_from positions, one packed graph per token bucket from graphs_from
+    below `most`, and the plain one at the largest shape."""
+    plain = sum(1 for b in batches for s in sequences if b * s < rule.graphs_from)
+    return plain + len(graph_token_buckets(most, rule)) + 1
+
+
+def graph_token_buckets(most: int, rule: PackingRule) -> list[int]:
+    """The token buckets graph_rows packs to below `most` (the rows each packed graph computes)."""
+    out, rows = [], min(rule.graphs_from, most)
+    while rows < most:
+        out.append(rows)
+        rows = token_bucket(rows + 1, most, rule.eighths_from)
+    return out
 
 
 def saving_needed(positions: int, rule: PackingRule | None = None) -> float | None:

@@ -19,7 +19,7 @@ from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
 from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
-from kiln.runtime.buckets import PACKING, packed_rows, plan_buckets
+from kiln.runtime.buckets import PACKING, graph_rows, graph_token_buckets, packed_rows, packing_rule, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.first_calls import FirstCalls, primitives_ahead, primitives_made
 from kiln.runtime.host import HOST_MAX_NUMEL
@@ -224,17 +224,20 @@ class ExecutionContext:
 
     def __init__(self, engine: Engine, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
                  max_graphs: int = MAX_GRAPHS, graph_memory_budget: int = MEMORY_BUDGET, packing: str = "auto",
-                 pad_first_calls: bool | None = None):
+                 pad_first_calls: bool | None = None, warm_up: bool = False):
         """`buckets`: pad dynamic dims to a few sizes where padding is exact (kiln/runtime/buckets.py);
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
         padding-free engine: "auto" packs a run's real tokens where that pays (the device's
-        buckets.PACKING_RULES), "always" wherever a row is saved, "never" runs every position. A run that does not pack runs the engine's plain
-        program (the plain engine's, kiln/builder/padding_free.py; its graphs in the same cache), or, in an engine
-        without one, the packed program with every position a row (the identity packing).
+        buckets.PACKING_RULES; where CUDA graphs replay bucketed shapes, every run of 1K+ positions, at the
+        profile's largest shape: buckets.graph_rows), "always" wherever a row is saved, "never" runs every position.
+        A run that does not pack runs the engine's plain program (the plain engine's, kiln/builder/padding_free.py;
+        its graphs in the same cache), or, in an engine without one, the packed program with every position a row
+        (the identity packing).
         `pad_first_calls`: on the CPU without buckets, run a call at a shape not yet bound padded inside a bound
         one where padding is exact and costs less than binding (kiln/runtime/first_calls.py); default on, off with
-        the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens)."""
+        the environment's KILN_PAD_FIRST_CALLS=0 (and for a padding-free engine, whose runs pack their tokens).
+        `warm_up`: run warm_up() before returning (at load, so a stream's first calls capture no graph)."""
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
@@ -255,6 +258,10 @@ class ExecutionContext:
         if self._token_mask is not None and self.buckets is not None and engine.plain_program is None:
             self.buckets.batch = None  # padded rows hold no real token: they cost nothing, so a batch never splits
         # (with a plain program, a run that does not pack may split its batch as the plain engine's would)
+        self._graph_packing = self._graph_packing_rule()
+        if self._graph_packing is not None:
+            self.buckets.batch = None  # a run of graphs_from positions packs (no row of padding costs a GEMM row);
+            # a smaller one costs the GPU about as much at its bucket as at its rows: no split either way
         self._static = _static_signature(engine) if self._token_mask is None else None
         self._whole_segment = _whole_segment(engine) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
@@ -269,6 +276,17 @@ class ExecutionContext:
             and self._token_mask is None else None
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
+        if warm_up:
+            self.warm_up()
+
+    def _graph_packing_rule(self):
+        """The device's PackingRule where its graph_rows apply: a padding-free engine whose runs replay CUDA graphs
+        of bucketed shapes, packing "auto" (kiln/runtime/buckets.py graph_rows); else None."""
+        rule = packing_rule(self.engine.device)
+        if self._token_mask is None or self.buckets is None or self.runner is None or not self.runner.use_graphs \
+                or self.packing != "auto" or rule.graphs_from is None:
+            return None
+        return rule
 
     def set_tensor_address(self, name: str, tensor: torch.Tensor) -> None:
         """Bind a caller-owned tensor to an input or an output, as TensorRT's setTensorAddress does: execute()
@@ -410,7 +428,9 @@ class ExecutionContext:
                     else:
                         symbols[d] = [r.opt[axis]]
         shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
-        if self._first_calls is None:
+        if self._graph_packing is not None:
+            runs = self._warm_up_graph_packing(plan, shapes)
+        elif self._first_calls is None:
             for sizes in shapes:
                 self.run(self._warm_up_feeds(plan, sizes))
             runs = len(shapes)
@@ -421,6 +441,26 @@ class ExecutionContext:
         else:  # and what the background thread makes ahead of new row counts (first_calls.primitives_ahead)
             primitives_made()
         return runs
+
+    def _warm_up_graph_packing(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
+        """Every graph a context packing by graph_rows replays: the plain program's at each bucket below
+        graphs_from positions, the packed program's at the profile's largest shape for each token bucket (a mask
+        of exactly that many real tokens), and the plain program's there (a mask of ones). Returns the runs."""
+        mask_name = self.engine.input_names[self._token_mask]
+        mask_symbols = [d for d in self.engine.inputs[self._token_mask].shape if isinstance(d, str)]
+        small = [sizes for sizes in shapes if math.prod(sizes.get(d, 1) for d in mask_symbols)
+                 < self._graph_packing.graphs_from]
+        for sizes in small:
+            self.run(self._warm_up_feeds(plan, sizes))
+        largest = self._warm_up_feeds(plan, {d: max(sizes[d] for sizes in shapes) for d in shapes[0]})
+        mask = largest[mask_name]
+        for rows in graph_token_buckets(mask.numel(), self._graph_packing):
+            mask.zero_()
+            mask.view(-1)[:rows] = 1  # exactly `rows` real tokens: their own token bucket
+            self.run(largest)
+        mask.fill_(1)
+        self.run(largest)
+        return len(small) + len(graph_token_buckets(mask.numel(), self._graph_packing)) + 1
 
     def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
         """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
@@ -487,7 +527,11 @@ class ExecutionContext:
             targets = None
             if self.buckets is not None:  # padded up to the run's buckets, cropped back after
                 targets = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names)
-                rows = self._packed_rows(args, tokens, targets)
+                packed = self._graph_packed(args, tokens, targets)
+                if packed is not None:  # the profile's largest shape, packed to a token bucket: one graph per bucket
+                    rows, targets = packed
+                else:
+                    rows = self._packed_rows(args, tokens, targets)
                 chunks = self.buckets.split(targets) if rows is None else None  # a packed run is one
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
@@ -539,14 +583,35 @@ class ExecutionContext:
         if self._token_mask is None:
             return None
         mask = args[self._token_mask]
-        positions = mask.numel()
-        if targets is not None:
-            shape = list(mask.shape)
-            for axis, symbol in self.buckets.pads[self._token_mask]:
-                shape[axis] = targets[symbol][1]
-            positions = math.prod(shape)
+        positions = mask.numel() if targets is None else self._positions(mask, targets)
         rows = packed_rows(mask, tokens, self.buckets is not None, self.packing, positions)
         return None if rows == positions and self.engine.plain_program is not None else rows
+
+    def _graph_packed(self, args: list[Any], tokens: int | None,
+                      targets: dict[str, tuple[int, int]]) -> tuple[int | None, dict[str, tuple[int, int]]] | None:
+        """graph_rows' choice for a run of a context that packs by it (_graph_packing): (the rows it packs to, or
+        None for the plain program; the targets it pads to). At least graphs_from bucketed positions: the rows of
+        its token bucket at the profile's largest shape (the plain program there where they would be every
+        position); below: the plain program at its bucket, no token count. None for other contexts, and below
+        graphs_from in an engine without a plain program (_packed_rows decides). Counting a CUDA mask's tokens is
+        the run's one synchronization with the host."""
+        rule = self._graph_packing
+        if rule is None:
+            return None
+        mask = args[self._token_mask]
+        if self._positions(mask, targets) < rule.graphs_from:
+            return (None, targets) if self.engine.plain_program is not None else None
+        widest = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names, widest=True)
+        most = self._positions(mask, widest)
+        rows = graph_rows(int(torch.count_nonzero(mask)) if tokens is None else tokens, most, rule)
+        return (None if rows == most and self.engine.plain_program is not None else rows), widest
+
+    def _positions(self, mask: torch.Tensor, targets: dict[str, tuple[int, int]]) -> int:
+        """B·S of the padding mask padded to `targets`."""
+        shape = list(mask.shape)
+        for axis, symbol in self.buckets.pads[self._token_mask]:
+            shape[axis] = targets[symbol][1]
+        return math.prod(shape)
 
     def _count_tokens(self, feeds: dict[str, Any]) -> int | None:
         """A padding-free engine's real tokens where they are on the host (a numpy mask, a CPU tensor): counted
