@@ -17,7 +17,7 @@ python3 bench/llm_throughput.py --trees . --batch 256 512 1024 --configs fp8-kv8
   --kv-cache-memory 36GiB --budget 70 --per-run 40 --out "$OUT/tp-kv8"
 stage "GPU tests: graphs + async (timeout 55 s)"
 timeout 55 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/llm/test_gpu_graphs.py \
-  -k "async or greedy_decode_equals_eager or penalties or bf16_decode or batch_invariance"
+  -k "async or greedy_decode_equals_eager or sampling_equals or penalties or bf16_decode or batch_invariance"
 stage "GPU tests: fused kernels on the GPU (timeout 25 s)"
 TRITON_INTERPRET=0 timeout 25 python3 -m pytest -q -rfE -p no:cacheprovider tests/llm/test_fused_kernels.py -k "not 64_bit"
 stage "step profile: batch 512 and 256 in situ + GEMMs alone (timeout 55 s)"

@@ -96,6 +96,7 @@ class DecodeGraphs:
         self.host_sources = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
         self.sources = torch.zeros(n, dtype=torch.int64, device=device)
         self.host_tokens = torch.zeros((2, n), dtype=torch.int64, pin_memory=pin)
+        self.host_sampling = {k: torch.zeros(n, dtype=v.dtype, pin_memory=pin) for k, v in self.sampling.items()}
         self.num_launches = 0
         self.staged_event = None  # recorded after the last launch's copies from the staging buffers
         self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -217,9 +218,10 @@ class DecodeGraphs:
         self.sample_graphs[b].replay()
         return b, self.sampled_ids[b]
 
-    def launch(self, items, previous: LaunchedDecode | None = None,
-               sources: list[int] | None = None) -> LaunchedDecode:
-        """Replay the greedy decode step of `items` without waiting for the GPU (async scheduling).
+    def launch(self, items, previous: LaunchedDecode | None = None, sources: list[int] | None = None,
+               sampling: dict[str, np.ndarray] | None = None) -> LaunchedDecode:
+        """Replay the decode step of `items` without waiting for the GPU (async scheduling): greedy, or with
+        `sampling` (Sampler.params_tensors of the rows) through the sampling graph.
 
         previous: the last launch, whose sampled ids are every row's input token: row i's is
         previous.tokens[sources[i]]."""
@@ -228,15 +230,21 @@ class DecodeGraphs:
         b = self.stage(items)
         if previous is not None:
             self.host_sources.numpy()[:n] = sources
+        for key, values in (sampling or {}).items():
+            self.host_sampling[key].numpy()[:n] = values
         self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
         self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        for key in sampling or ():
+            self.sampling[key][:n].copy_(self.host_sampling[key][:n], non_blocking=True)
         if previous is not None:
             self.sources[:n].copy_(self.host_sources[:n], non_blocking=True)
             torch.index_select(previous.tokens, 0, self.sources[:n], out=self.ints[0, :n])  # ids [n], on the device
         staged = self._record()
         self.seq_lens[:b].copy_(self.ints[3, :b])
         self.forward_graphs[b].replay()
-        tokens = self.greedy_ids[b]
+        if sampling is not None:
+            self.sample_graphs[b].replay()
+        tokens = self.greedy_ids[b] if sampling is None else self.sampled_ids[b]
         host = self.host_tokens[self.num_launches % 2, :n]
         self.num_launches += 1
         host.copy_(tokens[:n], non_blocking=True)

@@ -10,7 +10,7 @@ The tensors `prepare` builds are the step's only inputs, so with `cuda_graphs` a
 replays the graph captured for its batch-size bucket instead (kiln/llm/cuda_graphs.py), with the same
 values copied into static buffers; prefill and mixed steps run eagerly.
 
-`launch` runs a greedy decode step through the graphs without waiting for its tokens (async scheduling:
+`launch` runs a decode step through the graphs without waiting for its tokens (async scheduling:
 the engine plans the next step meanwhile); `LaunchedStep.result()` waits for them.
 """
 
@@ -55,7 +55,7 @@ class StepResult:
 
 @dataclass
 class LaunchedStep:
-    """A greedy decode step running on the device; its tokens are read back by `result()`."""
+    """A decode step running on the device; its tokens are read back by `result()`."""
 
     request_ids: list[str]  # batch order
     decode: object  # kiln.llm.cuda_graphs.LaunchedDecode (imported only where CUDA graphs run)
@@ -153,15 +153,15 @@ class ModelRunner:
         return self._finish(inputs.order, owners, logits, inputs.row_positions)
 
     def can_launch(self, scheduled: list[ScheduledRequest]) -> bool:
-        """Whether the step can run without waiting for its tokens: a greedy decode of every request through the
-        graphs, no penalties (they read the token history) and no log-probabilities (the graph's logits are
-        overwritten by the next replay)."""
+        """Whether the step can run without waiting for its tokens: a decode of every request through the graphs
+        (greedy or sampled on the device), no penalties (they read the token history) and no log-probabilities
+        (the graph's logits are overwritten by the next replay)."""
         if self.graphs is None or not scheduled or len(scheduled) > self.graphs.buckets[-1]:
             return False
         if not all(len(s.token_ids) == 1 and s.sample for s in scheduled):
             return False
         distinct = {id(s.request.params): s.request.params for s in scheduled}.values()
-        return all(p.greedy and not p.needs_penalties and p.logprobs is None for p in distinct)
+        return all(not p.needs_penalties and p.logprobs is None for p in distinct)
 
     @torch.inference_mode()
     def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None) -> LaunchedStep:
@@ -178,8 +178,11 @@ class ModelRunner:
                 raise RuntimeError("a step launched after another must take every row's token from it")
             rows = {request_id: row for row, request_id in enumerate(previous.request_ids)}
             sources = [rows[i] for i in ids]
+        params = [s.request.params for s in scheduled]
+        sampling = None if all(p.greedy for p in {id(p): p for p in params}.values()) else \
+            self.sampler.params_tensors(params, ids, self._next_positions(scheduled))
         self.num_graph_steps += 1
-        decode = self.graphs.launch(scheduled, previous.decode if previous is not None else None, sources)
+        decode = self.graphs.launch(scheduled, previous.decode if previous is not None else None, sources, sampling)
         return LaunchedStep(ids, decode)
 
     def _finish(self, order: list[ScheduledRequest], owners: list[ScheduledRequest], logits: torch.Tensor,

@@ -187,13 +187,26 @@ def test_batch_invariance_with_async_scheduling(llama, plain):
     assert_clean(llm.engine)
 
 
-def test_sampled_penalized_and_logprob_requests_take_the_waiting_path(llama):
-    """Steps that cannot run ahead (sampling, penalties, log-probabilities) run as before: same outputs as
-    the plain engine, no launches."""
+def test_sampled_requests_run_ahead_with_the_waiting_engines_tokens(llama):
+    """Sampling on the device (seeded, and seeded by the engine) runs ahead too: the same tokens as the plain
+    engine's, mixed with greedy rows in one batch."""
     folder, _ = llama
-    requests = [SamplingParams(max_tokens=8, temperature=0.8, seed=3),
-                SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),
-                SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)]
+    params = [SamplingParams(max_tokens=16, temperature=0.8, top_k=20, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=1.2, min_p=0.05, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)]
+    want = tokens(LLM(folder, block_size=4, max_model_len=64, seed=5).generate(PROMPTS[:4], params))
+    llm = async_llm(folder, seed=5)
+    assert tokens(llm.generate(PROMPTS[:4], params)) == want
+    assert llm.engine.runner.graphs.num_launches >= 14 and len({tuple(t) for t in want}) == 4
+
+
+def test_penalized_and_logprob_requests_take_the_waiting_path(llama):
+    """Steps that cannot run ahead (penalties read the history, log-probabilities the graph's logits) run as
+    before: the plain engine's outputs, no launches."""
+    folder, _ = llama
+    requests = [SamplingParams(max_tokens=8, temperature=0, repetition_penalty=1.3, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=0.7, seed=2, logprobs=2, ignore_eos=True)]
     reference = LLM(folder, block_size=4, max_model_len=64)
     llm = async_llm(folder)
     for params in requests:
