@@ -5,10 +5,10 @@
     scheduler.update(...)       append tokens, finish on EOS / stop tokens / length, free blocks
     _process(...)               incremental text, stop strings, log-probabilities -> RequestOutputs
 
-With async scheduling (on with CUDA graphs), a decode step (greedy or sampled on the device; not with penalties or
-log-probabilities) is launched and its tokens are read only
-in the next `step()`, after that step's own launch: the host schedules, stages and launches step n+1 while
-the GPU runs step n, then appends step n's tokens and builds its outputs while the GPU runs step n+1 (vLLM's
+With async scheduling (on with CUDA graphs), a decode step (greedy or sampled on the device; not with penalties
+or log-probabilities) is launched and its tokens are read only in the next `step()`, after that step's own
+launch: the host schedules, stages and launches step n+1 while the GPU runs step n, then appends step n's
+tokens and builds its outputs while the GPU runs step n+1 (vLLM's
 async scheduling, TensorRT-LLM's overlap scheduler). A request that ends on EOS at step n has one wasted row
 in step n+1; its output is dropped. The engine plans ahead only when the next step cannot admit or preempt
 (otherwise it first reads the launched step's tokens), so the scheduler sees tokens in flight only as
