@@ -224,3 +224,33 @@ def test_async_scheduling_refused_without_graphs(llama):
     with pytest.raises(LLMError, match="async_scheduling needs cuda_graphs"):
         LLM(llama[0], block_size=4, max_model_len=64, async_scheduling=True)
     assert LLM(llama[0], block_size=4, max_model_len=64).engine.async_scheduling is False
+
+
+def test_generate_and_stream_leave_the_startup_heap_out_of_gc_scans_and_put_it_back(llama):
+    """engine.static_heap: gc.freeze while LLM.generate / LLM.stream step the engine, unfrozen after; a freeze
+    someone else holds is neither doubled nor undone."""
+    import gc
+
+    folder, _ = llama
+    llm = LLM(folder, block_size=4, max_model_len=64)
+    seen = []
+    step = llm.engine.step
+
+    def watched():
+        seen.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = watched
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)
+    assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0
+    seen.clear()
+    list(llm.stream(PROMPTS[0], params))
+    assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        llm.generate(PROMPTS[:1], params)
+        assert gc.get_freeze_count() >= held
+    finally:
+        gc.unfreeze()
