@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.llm.attention import AttentionMetadata, prefill_tiles
+from kiln.llm.cuda_graphs import DecodeGraphs, LaunchedDecode
 from kiln.llm.sampling import Sampler
 from kiln.llm.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
@@ -58,7 +59,7 @@ class LaunchedStep:
     """A decode step running on the device; its tokens are read back by `result()`."""
 
     request_ids: list[str]  # batch order
-    decode: object  # kiln.llm.cuda_graphs.LaunchedDecode (imported only where CUDA graphs run)
+    decode: LaunchedDecode
 
     def result(self) -> StepResult:
         return StepResult(sampled={i: [t] for i, t in zip(self.request_ids, self.decode.token_ids())})
@@ -81,8 +82,6 @@ class ModelRunner:
         if cuda_graphs:
             if device.type != "cuda" or attention_backend != "triton" or max_model_len is None:
                 raise ValueError("CUDA graphs need a CUDA device, the triton attention backend and max_model_len")
-            from kiln.llm.cuda_graphs import DecodeGraphs  # here: CPU runs never touch torch.cuda graphs
-
             self.graphs = DecodeGraphs(model, kv_caches, self.sampler, block_size, max_model_len, max_num_seqs, device)
             self.graphs.capture()
 

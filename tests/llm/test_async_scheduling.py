@@ -249,8 +249,7 @@ def test_generate_and_stream_leave_the_startup_heap_out_of_gc_scans_and_put_it_b
     assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0
     gc.freeze()
     try:
-        held = gc.get_freeze_count()
         llm.generate(PROMPTS[:1], params)
-        assert gc.get_freeze_count() >= held
+        assert gc.get_freeze_count() > 0  # still the caller's (a frozen object freed meanwhile leaves the count)
     finally:
         gc.unfreeze()
