@@ -206,8 +206,7 @@ class DecodeGraphs:
         n = len(items)
         self._wait_staged()
         b = self.stage(items)
-        self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
-        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        self._copy_staged(b)
         self.seq_lens[:b].copy_(self.ints[3, :b])
         self.forward_graphs[b].replay()
         if sampling is None:
@@ -232,8 +231,7 @@ class DecodeGraphs:
             self.host_sources.numpy()[:n] = sources
         for key, values in (sampling or {}).items():
             self.host_sampling[key].numpy()[:n] = values
-        self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
-        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        self._copy_staged(b)
         for key in sampling or ():
             self.sampling[key][:n].copy_(self.host_sampling[key][:n], non_blocking=True)
         if previous is not None:
@@ -250,6 +248,13 @@ class DecodeGraphs:
         host.copy_(tokens[:n], non_blocking=True)
         self.staged_event = staged
         return LaunchedDecode(tokens, host, self._record())
+
+    def _copy_staged(self, b: int) -> None:
+        """The staged ids, positions, slots, lengths (all columns: [4, bucket] of [4, max] is strided, and torch
+        copies a strided pinned tensor through a pageable contiguous one, which CUDA may copy synchronously)
+        and the bucket's block-table rows, without waiting."""
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
 
     def _wait_staged(self) -> None:
         """The last launch's copies have read the pinned staging buffers (before they are filled again)."""
