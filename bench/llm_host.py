@@ -41,6 +41,7 @@ from kiln.llm.cuda_graphs import DecodeGraphs
 
 batch, input_len, output_len, max_model_len = (int(a) for a in sys.argv[1:5])
 stream = sys.argv[5] == "stream"
+overlap, device_us = sys.argv[6], int(sys.argv[7])
 torch.manual_seed(0)
 VOCAB = 32000
 
@@ -88,6 +89,42 @@ for b in graphs.buckets:
     graphs.forward_graphs[b] = NoReplay()
     graphs.greedy_ids[b] = torch.randint(3, VOCAB, (b,))
 runner.graphs = graphs
+if overlap != "default":
+    engine.async_scheduling = overlap == "on"
+
+class SimulatedDevice:
+    # a serial device: a decode step takes device_us from the later of its launch and the previous step's end
+    def __init__(self, us):
+        self.seconds, self.free_at = us / 1e6, 0.0
+    def submit(self):
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return self.free_at
+
+def wait_until(t):
+    while (left := t - time.perf_counter()) > 0:
+        time.sleep(left)
+
+class SimulatedEvent:
+    def __init__(self, t):
+        self.t = t
+    def synchronize(self):
+        wait_until(self.t)
+
+if device_us:
+    device = SimulatedDevice(device_us)
+    graph_run = graphs.run
+    def run_and_wait(items, sampling):  # the waiting engine reads the tokens at once: it waits for the step
+        out = graph_run(items, sampling)
+        wait_until(device.submit())
+        return out
+    graphs.run = run_and_wait
+    if hasattr(graphs, "launch"):
+        graph_launch = graphs.launch
+        def launch_later(items, previous=None, sources=None):  # tokens there when the step ends
+            out = graph_launch(items, previous, sources)
+            out.event = SimulatedEvent(device.submit())
+            return out
+        graphs.launch = launch_later
 profile = Profile()
 profile.wrap(engine.scheduler, "schedule", "schedule")
 profile.wrap(engine.scheduler, "update", "update")
@@ -110,16 +147,16 @@ def decode_steps(run):
                            **final_only)
     steps, finished, graph_steps = [], 0, runner.num_graph_steps
     while engine.has_unfinished():
-        decode = all(r.num_computed_tokens == r.num_tokens - 1 for r in engine.scheduler.running) and \
-            len(engine.scheduler.running) == batch
+        decode = all(r.num_computed_tokens >= r.num_prompt_tokens for r in engine.scheduler.running) and \
+            len(engine.scheduler.running) == batch  # (async scheduling: a token in flight is computed)
         profile.times.clear()
-        start = time.thread_time_ns()
+        start, start_wall = time.thread_time_ns(), time.perf_counter_ns()
         for out in engine.step():  # LLM.generate's loop
             if out.finished:
                 finished += 1
-        total = time.thread_time_ns() - start
+        total, wall = time.thread_time_ns() - start, time.perf_counter_ns() - start_wall
         if decode:
-            steps.append({**profile.times, "step": total})
+            steps.append({**profile.times, "step": total, "wall": wall})
     assert finished == batch, finished
     assert runner.num_graph_steps - graph_steps >= output_len - 2, runner.num_graph_steps
     return steps[2:]  # warm-up
@@ -129,16 +166,18 @@ profile.unwrap()
 plain = decode_steps("plain")
 result = {k: statistics.median(s.get(k, 0) for s in staged) / 1e3 for k in {k for s in staged for k in s}}
 result["step"] = statistics.median(s["step"] for s in plain) / 1e3
+result["wall"] = statistics.median(s["wall"] for s in plain) / 1e3
 print(json.dumps(result))
 """
 
-STAGES = ["schedule", "inputs", "runner", "sample", "update", "outputs", "step"]
+STAGES = ["schedule", "inputs", "runner", "sample", "update", "outputs", "step", "wall"]
 
 
-def run_child(tree: Path, batch: int, mode: str, args) -> dict[str, float]:
+def run_child(tree: Path, batch: int, mode: str, overlap: str, args) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", _CHILD, str(batch), str(args.input_len), str(args.output_len),
-                          str(args.max_model_len), mode], env=env, capture_output=True, text=True, cwd=tree)
+                          str(args.max_model_len), mode, overlap, str(args.device_us)], env=env, capture_output=True,
+                         text=True, cwd=tree)
     if out.returncode:
         raise SystemExit(f"{tree} batch {batch} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -155,22 +194,31 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", default=["stream", "generate"], choices=["stream", "generate"],
                         help="stream: an output per request per step (LLM.stream, the server); generate: outputs "
                              "only when requests finish (LLM.generate; trees without add_request(stream=) stream)")
+    parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
+                        help="async scheduling off / on (default: the tree's own; with the stub it is off)")
+    parser.add_argument("--device-us", type=int, default=0,
+                        help="a simulated serial device: each decode step takes this long from its launch (or the "
+                             "previous step's end); the waiting engine waits for it every step, async scheduling "
+                             "only when it reads the tokens. 'wall' then shows the host time not hidden")
     args = parser.parse_args()
     trees = [Path(t).resolve() for t in args.trees]
-    results: dict[tuple[Path, str, int], list[dict]] = {}
+    results: dict[tuple[Path, str, str, int], list[dict]] = {}
     for _ in range(args.rounds):
         for batch in args.batch:
             for mode in args.modes:
-                for tree in trees:
-                    results.setdefault((tree, mode, batch), []).append(run_child(tree, batch, mode, args))
+                for overlap in args.overlap:
+                    for tree in trees:
+                        results.setdefault((tree, mode, overlap, batch), []).append(
+                            run_child(tree, batch, mode, overlap, args))
     print(f"load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f}; us of thread CPU time per decode step "
-          f"(median), input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
-    print("| tree | outputs | batch | " + " | ".join(STAGES) + " | us/request |")
-    print("|---|---|---|" + "---|" * (len(STAGES) + 1))
-    for (tree, mode, batch), rows in sorted(results.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+          f"(median; wall: wall-clock us), input {args.input_len}, output {args.output_len}, max_model_len "
+          f"{args.max_model_len}, simulated device step {args.device_us} us")
+    print("| tree | outputs | async | batch | " + " | ".join(STAGES) + " | step us/request |")
+    print("|---|---|---|---|" + "---|" * (len(STAGES) + 1))
+    for (tree, mode, overlap, batch), rows in sorted(results.items(), key=lambda kv: (kv[0][3], kv[0][1])):
         cells = [statistics.median(r.get(s, 0.0) for r in rows) for s in STAGES]
-        print(f"| {tree.name} | {mode} | {batch} | " + " | ".join(f"{c:,.0f}" for c in cells)
-              + f" | {cells[-1] / batch:.2f} |")
+        print(f"| {tree.name} | {mode} | {overlap} | {batch} | " + " | ".join(f"{c:,.0f}" for c in cells)
+              + f" | {cells[STAGES.index('step')] / batch:.2f} |")
     return 0
 
 

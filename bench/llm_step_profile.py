@@ -310,8 +310,11 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--decoded", type=int, default=64, help="tokens generated before the profile (keys: 128 + it)")
     parser.add_argument("--replays", type=int, default=5)
+    parser.add_argument("--kv-cache-memory", default="10GiB", help="bf16 KV at batch 512 and 192 keys needs ~13 GB")
     parser.add_argument("--baseline", default=None, help="a tree whose kiln/ holds the baseline attention kernel")
     parser.add_argument("--parts", nargs="+", default=["situ", "gemm", "attention"])
+    parser.add_argument("--situ-batches", type=int, nargs="+", default=None,
+                        help="buckets profiled in situ (default: --batch, and 64 when it is larger)")
     parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64, 256, 1024])
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
@@ -321,7 +324,7 @@ def main() -> int:
     if "situ" in args.parts or "gemm" in args.parts:
         with tempfile.TemporaryDirectory() as tmp:
             write_checkpoint(args.preset, torch.bfloat16, Path(tmp), weights=False)
-            llm = LLM(tmp, dtype="bfloat16", kv_cache_memory="10GiB", max_num_seqs=args.batch,
+            llm = LLM(tmp, dtype="bfloat16", kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch,
                       max_num_batched_tokens=max(128 * args.batch, 2048), max_model_len=512,
                       quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, device="cuda",
                       cuda_graphs=True, load_format="dummy", gemv="cublas", decode_fusion="off")
@@ -346,9 +349,8 @@ def run_engine_parts(llm, args, started: float) -> None:
     say("replay ms by bucket (keys ~" f"{128 + args.decoded}): " + ", ".join(
         f"{b}: {graphs.time_replay(b):.2f}" for b in graphs.buckets if b >= 16))
     if "situ" in args.parts:
-        profile_replay(llm, args.batch, args.replays)
-        if args.batch > 64:
-            profile_replay(llm, 64, args.replays)
+        for batch in args.situ_batches or ([args.batch, 64] if args.batch > 64 else [args.batch]):
+            profile_replay(llm, batch, args.replays)
     if "gemm" in args.parts:
         gemm_table(llm.engine.model, [64, 256, 512, 1024])
         lm_head_time(llm.engine.model, args.batch)

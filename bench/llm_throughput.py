@@ -61,7 +61,11 @@ generator = torch.Generator().manual_seed(0)
 params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
 llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(largest)],
              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))  # compile, warm up
-for batch in batches:
+for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
+    if overlap != "default":  # async scheduling off / on in the same process: the same weights, A/B
+        llm.engine.async_scheduling = overlap == "on"
+    generator = torch.Generator().manual_seed(batch)  # each mode of a batch gets the same prompts,
+    llm.engine.block_manager.reset_prefix_cache()  # computed again (no prefix-cache hits from the mode before)
     prompts = [torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)]
     sync()
     steps_before = llm.engine.runner.num_graph_steps
@@ -76,7 +80,7 @@ for batch in batches:
     tokens = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == output_len for t in tokens), [len(t) for t in tokens]
     decode_step_ms = (end_mono - first) / (output_len - 1) * 1e3
-    print(json.dumps({"config": config_name, "batch": batch, "load_s": load_s, "elapsed_s": elapsed,
+    print(json.dumps({"config": config_name, "batch": batch, "overlap": overlap, "load_s": load_s, "elapsed_s": elapsed,
                       "output_tok_s": batch * output_len / elapsed,
                       "total_tok_s": batch * (input_len + output_len) / elapsed,
                       "ttft_ms": (first - start_mono) * 1e3, "decode_step_ms": decode_step_ms,
@@ -98,6 +102,8 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--kv-cache-memory", default="16GiB")
+    parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
+                        help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
     parser.add_argument("--per-run", type=float, default=40.0, help="seconds one process is expected to take")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -116,7 +122,8 @@ def main() -> int:
             try:
                 child = {"config": config, "batch": args.batch, "input_len": args.input_len,
                          "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
-                         "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory}
+                         "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+                         "overlap": args.overlap}
                 out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
                                      text=True, cwd=tree, timeout=left)
             except subprocess.TimeoutExpired as e:
@@ -137,12 +144,13 @@ def main() -> int:
     for r in rows:
         digests.setdefault((r["config"], r["batch"]), set()).add(r["digest"])
     print(f"\n{torch_versions()}; input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
-    print("| tree | config | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | graph replay ms "
-          "| host ms/step not hidden | load s | tokens |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| tree | config | async | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | "
+          "graph replay ms | host ms/step not hidden | load s | tokens |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != trees[0].name)):
         same = "same" if len(digests[(r["config"], r["batch"])]) == 1 else "MISMATCH"
-        print(f"| {r['tree']} | {r['config']} | {r['batch']} | {r['output_tok_s']:,.0f} | {r['total_tok_s']:,.0f} | "
+        print(f"| {r['tree']} | {r['config']} | {r.get('overlap', '')} | {r['batch']} | {r['output_tok_s']:,.0f} | "
+              f"{r['total_tok_s']:,.0f} | "
               f"{r['ttft_ms']:.0f} | {r['decode_step_ms']:.2f} | {r['replay_ms']:.2f} | {r['host_ms']:.2f} | "
               f"{r['load_s']:.0f} | {same} |")
     if skipped:

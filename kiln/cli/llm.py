@@ -47,6 +47,9 @@ def _engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-tokens", type=int, default=4, metavar="K",
                    help="draft tokens the --speculative-model proposes per step (default 4)")
     g.add_argument("--seed", type=int, help="seed of the sampler for requests without their own")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="wait for each decode step's tokens before planning the next (default: plan it while the "
+                        "GPU runs, with CUDA graphs)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -58,8 +61,8 @@ def _engine_config(args: argparse.Namespace):
                         enable_chunked_prefill=not args.no_chunked_prefill, attention_backend=args.attention_backend,
                         quantization=args.quantization, speculative_ngram=args.speculative_ngram,
                         speculative_model=args.speculative_model, speculative_tokens=args.speculative_tokens,
-                        kv_cache_dtype=args.kv_cache_dtype,
-                        seed=args.seed)
+                        kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
+                        async_scheduling=False if args.no_async_scheduling else "auto")
 
 
 def add_parser(verbs) -> None:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kiln.llm.engine import LLMEngine
+from kiln.llm.engine import LLMEngine, static_heap
 from kiln.llm.outputs import RequestOutput
 from kiln.llm.sampling_params import SamplingParams
 
@@ -84,6 +84,10 @@ class AsyncLLM:
 
     # -- the engine thread --------------------------------------------------------------------
     def _run(self) -> None:
+        with static_heap():  # the server's startup heap out of the collector's scans while it serves
+            self._loop()
+
+    def _loop(self) -> None:
         engine = self.engine
         while not self._stopping:
             self._wake.clear()

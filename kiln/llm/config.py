@@ -208,6 +208,9 @@ class EngineConfig:
     seed: int | None = None  # the global generator's seed, for requests without their own
     # decode steps replayed as CUDA graphs per batch-size bucket; auto: on for CUDA + triton on one GPU
     cuda_graphs: bool | str = "auto"
+    # plan step n+1 on the host while the GPU runs step n (greedy decode steps through the CUDA graphs; see
+    # kiln/llm/engine.py); auto: on with CUDA graphs unless drafts are proposed (they need the last tokens)
+    async_scheduling: bool | str = "auto"
     load_format: str = "safetensors"  # safetensors | dummy (random weights, for benchmarks: no checkpoint read)
     # decode rows (<= 16) through the linear layers on CUDA: auto (cuBLAS or kiln's Triton GEMV, whichever timed
     # faster at engine start, per weight shape and rows bucket) | cublas | triton (kiln/llm/decode_gemv.py);
@@ -244,6 +247,8 @@ class EngineConfig:
             raise LLMError(f"kv_cache_dtype {self.kv_cache_dtype!r}: expected auto or fp8")
         if self.cuda_graphs not in (True, False, "auto"):
             raise LLMError(f"cuda_graphs {self.cuda_graphs!r}: expected true, false or auto")
+        if self.async_scheduling not in (True, False, "auto"):
+            raise LLMError(f"async_scheduling {self.async_scheduling!r}: expected true, false or auto")
         if self.gemv not in ("auto", "cublas", "triton"):
             raise LLMError(f"gemv {self.gemv!r} (or KILN_LLM_GEMV): expected auto, cublas or triton")
         if self.decode_fusion not in ("auto", "on", "off", "1", "0"):

@@ -16,12 +16,20 @@ race of kiln/llm/sampling.py, with per-row seeds). They run the same torch code 
 and the decode kernel's grid is max_model_len's in both, so a replay gives the eager step's tokens.
 Steps with penalties or log-probabilities replay the forward, then sample eagerly from its logits.
 Prefill and mixed steps run eagerly. The pool's size is measured at capture (`memory_bytes`).
+
+`launch` is the replay for async scheduling: nothing waits for the GPU. The step's token ids for rows whose
+token the previous launch sampled are gathered on the device from that launch's output (the host never saw
+them); the sampled ids go back by an asynchronous copy into pinned memory (two slots: one step's tokens are
+read while the next step's copy is queued) and an event says when they are there. The host's staging buffers
+are pinned and copied without waiting, so before they are filled again the previous launch's copies must
+have been read: an event recorded after them is waited on (by then the GPU is a step past them).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,6 +38,22 @@ from kiln.llm.attention import AttentionMetadata
 from kiln.llm.sampling import Sampler
 
 log = logging.getLogger("kiln.llm")
+
+
+@dataclass
+class LaunchedDecode:
+    """A decode step replayed without waiting: its sampled ids on the device and, once `event` has passed, in
+    pinned host memory."""
+
+    tokens: torch.Tensor  # [bucket] int64 on the device: the next launch gathers its input ids from here
+    host: torch.Tensor  # [n] int64, pinned
+    event: torch.cuda.Event | None  # None on the CPU (the copy was synchronous)
+
+    def token_ids(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
 
 SAMPLING_FIELDS = ("temperature", "min_p", "top_k", "top_p", "greedy", "seed_lo", "seed_hi", "positions")
 
@@ -68,6 +92,13 @@ class DecodeGraphs:
         self.sampling["temperature"].fill_(1.0)
         self.sampling["top_k"].fill_(sampler.vocab_size)
         self.sampling["top_p"].fill_(1.0)
+        # async scheduling (launch): source rows of the previous launch's tokens, the sampled ids' way back
+        self.host_sources = torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+        self.sources = torch.zeros(n, dtype=torch.int64, device=device)
+        self.host_tokens = torch.zeros((2, n), dtype=torch.int64, pin_memory=pin)
+        self.host_sampling = {k: torch.zeros(n, dtype=v.dtype, pin_memory=pin) for k, v in self.sampling.items()}
+        self.num_launches = 0
+        self.staged_event = None  # recorded after the last launch's copies from the staging buffers
         self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sample_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -173,9 +204,9 @@ class DecodeGraphs:
         and, with `sampling` (Sampler.params_tensors of the rows), its sampling graph. Returns (bucket,
         token ids [bucket] on the device: greedy when sampling is None)."""
         n = len(items)
+        self._wait_staged()
         b = self.stage(items)
-        self.ints[:, :b].copy_(self.host_ints[:, :b], non_blocking=True)
-        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+        self._copy_staged(b)
         self.seq_lens[:b].copy_(self.ints[3, :b])
         self.forward_graphs[b].replay()
         if sampling is None:
@@ -185,3 +216,55 @@ class DecodeGraphs:
             target[:n].copy_(torch.from_numpy(values), non_blocking=False)
         self.sample_graphs[b].replay()
         return b, self.sampled_ids[b]
+
+    def launch(self, items, previous: LaunchedDecode | None = None, sources: list[int] | None = None,
+               sampling: dict[str, np.ndarray] | None = None) -> LaunchedDecode:
+        """Replay the decode step of `items` without waiting for the GPU (async scheduling): greedy, or with
+        `sampling` (Sampler.params_tensors of the rows) through the sampling graph.
+
+        previous: the last launch, whose sampled ids are every row's input token: row i's is
+        previous.tokens[sources[i]]."""
+        n = len(items)
+        self._wait_staged()
+        b = self.stage(items)
+        if previous is not None:
+            self.host_sources.numpy()[:n] = sources
+        for key, values in (sampling or {}).items():
+            self.host_sampling[key].numpy()[:n] = values
+        self._copy_staged(b)
+        for key in sampling or ():
+            self.sampling[key][:n].copy_(self.host_sampling[key][:n], non_blocking=True)
+        if previous is not None:
+            self.sources[:n].copy_(self.host_sources[:n], non_blocking=True)
+            torch.index_select(previous.tokens, 0, self.sources[:n], out=self.ints[0, :n])  # ids [n], on the device
+        staged = self._record()
+        self.seq_lens[:b].copy_(self.ints[3, :b])
+        self.forward_graphs[b].replay()
+        if sampling is not None:
+            self.sample_graphs[b].replay()
+        tokens = self.greedy_ids[b] if sampling is None else self.sampled_ids[b]
+        host = self.host_tokens[self.num_launches % 2, :n]
+        self.num_launches += 1
+        host.copy_(tokens[:n], non_blocking=True)
+        self.staged_event = staged
+        return LaunchedDecode(tokens, host, self._record())
+
+    def _copy_staged(self, b: int) -> None:
+        """The staged ids, positions, slots, lengths (all columns: [4, bucket] of [4, max] is strided, and torch
+        copies a strided pinned tensor through a pageable contiguous one, which CUDA may copy synchronously)
+        and the bucket's block-table rows, without waiting."""
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.tables[:b].copy_(self.host_tables[:b], non_blocking=True)
+
+    def _wait_staged(self) -> None:
+        """The last launch's copies have read the pinned staging buffers (before they are filled again)."""
+        if self.staged_event is not None:
+            self.staged_event.synchronize()
+            self.staged_event = None
+
+    def _record(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event

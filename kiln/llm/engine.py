@@ -5,16 +5,27 @@
     scheduler.update(...)       append tokens, finish on EOS / stop tokens / length, free blocks
     _process(...)               incremental text, stop strings, log-probabilities -> RequestOutputs
 
+With async scheduling (on with CUDA graphs), a decode step (greedy or sampled on the device; not with penalties
+or log-probabilities) is launched and its tokens are read only in the next `step()`, after that step's own
+launch: the host schedules, stages and launches step n+1 while the GPU runs step n, then appends step n's
+tokens and builds its outputs while the GPU runs step n+1 (vLLM's
+async scheduling, TensorRT-LLM's overlap scheduler). A request that ends on EOS at step n has one wasted row
+in step n+1; its output is dropped. The engine plans ahead only when the next step cannot admit or preempt
+(otherwise it first reads the launched step's tokens), so the scheduler sees tokens in flight only as
+decodes of running requests.
+
 Loading builds the model from config.json on the chosen device and dtype, reads the safetensors,
 and sizes the KV cache from the budget the user gives (EngineConfig.kv_cache_memory or num_kv_blocks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,7 +34,7 @@ import torch
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import EngineConfig, LLMError, ModelConfig, parse_bytes
 from kiln.llm.kv_cache import KVCacheSpec, allocate_kv_cache
-from kiln.llm.model_runner import ModelRunner, TokenLogprobs
+from kiln.llm.model_runner import LaunchedStep, ModelRunner, StepResult, TokenLogprobs
 from kiln.llm.models import build_model, default_dtype
 from kiln.llm.models.layers import ColumnLinear, RowLinear, materialize_weight
 from kiln.llm.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -32,7 +43,7 @@ from kiln.llm.prequantized import convert_weights, read_format
 from kiln.llm.quantization import attach_checkpoint_weights, quantize_model
 from kiln.llm.request import Request, RequestStatus
 from kiln.llm.sampling_params import SamplingParams
-from kiln.llm.scheduler import Scheduler, SchedulerConfig
+from kiln.llm.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kiln.llm.spec_decode import propose_ngram
 from kiln.llm.tokenizer import IncrementalDetokenizer, Tokenizer
 from kiln.llm.weights import iterate_weights
@@ -58,6 +69,25 @@ def resolve_dtype(name: str | torch.dtype, checkpoint: str | None, device: torch
         raise LLMError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16")
     return DTYPES[name]
 
+
+
+@contextlib.contextmanager
+def static_heap() -> Iterator[None]:
+    """Leave the objects alive now (the model's modules, the tokenizer, the caller's) out of the garbage
+    collector's scans until the block ends (gc.freeze; vLLM freezes its startup heap the same way). A loop of
+    engine steps allocates per request per step, so the oldest generation is collected every few dozen steps,
+    and each such collection scans every tracked object: ~0.3 s each on the 2-vCPU VM, 4 of them in one
+    128-token generate at batch 1024 (bench/llm_host.py's stub engine), a stall the GPU waits out even with
+    async scheduling. unfreeze puts them back at the end: nothing is kept for good. A freeze someone else
+    holds is left as it is."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @torch.no_grad()
@@ -183,6 +213,13 @@ class LLMEngine:
                                   self.model_config.vocab_size, config.attention_backend, config.seed,
                                   max_model_len=self.max_model_len, cuda_graphs=bool(graphs),
                                   max_num_seqs=config.max_num_seqs)
+        speculative = bool(config.speculative_ngram) or config.speculative_model is not None
+        if config.async_scheduling is True and (not graphs or speculative):
+            raise LLMError("async_scheduling needs cuda_graphs and no speculative decoding (drafts are proposed "
+                           "from the tokens of the step before)")
+        self.async_scheduling = bool(graphs) and not speculative if config.async_scheduling == "auto" \
+            else config.async_scheduling
+        self._launched: tuple[SchedulerOutput, LaunchedStep] | None = None  # a step whose tokens are unread
         self.draft = None
         if config.speculative_model is not None:
             if tp.size > 1:
@@ -262,10 +299,53 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One model step; returns the outputs of the requests it advanced. With async scheduling a launched
+        step's outputs come from the next call (so a call may return those of the step before)."""
+        launched, outputs = self._launched, []
+        if launched is not None and not self._can_plan_ahead():
+            self._launched = None  # read its tokens first; then this call runs the next step as usual
+            outputs = self._complete(*launched)
+            launched = None
         scheduled = self.scheduler.schedule()
         self.stats.num_preemptions += len(scheduled.preempted)
         if scheduled.empty:
-            return []
+            self._launched = None
+            return self._complete(*launched) if launched is not None else outputs
+        self._mark_scheduled(scheduled)
+        if self.async_scheduling and self.runner.can_launch(scheduled.scheduled):
+            step = self.runner.launch(scheduled.scheduled, launched[1] if launched is not None else None)
+            self.scheduler.launched(scheduled)
+            self._launched = (scheduled, step)
+            return outputs + self._complete(*launched) if launched is not None else outputs
+        if launched is not None:  # _can_plan_ahead promised a launchable step
+            raise RuntimeError("a step planned ahead of a launched one cannot be launched")
+        result = self.runner.execute(scheduled)
+        self.stats.draft_tokens += result.num_draft_tokens
+        self.stats.accepted_draft_tokens += result.num_accepted_drafts
+        self.scheduler.update(scheduled, result.sampled)
+        outputs += self._outputs(scheduled, result)
+        if self.config.speculative_ngram or self.draft is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _can_plan_ahead(self) -> bool:
+        """Whether the next step can be scheduled while the launched one's tokens are unread: no request can be
+        admitted (none waits) or preempted (a free block for each running request, each needing at most one),
+        and every running request has its token in flight, so the step is a decode of them all (launchable:
+        the launched step held the same requests)."""
+        scheduler = self.scheduler
+        running = scheduler.running
+        return (not scheduler.waiting and self.block_manager.num_free_blocks >= len(running)
+                and scheduler.config.max_num_batched_tokens >= len(running)
+                and all(r.num_inflight for r in running))
+
+    def _complete(self, scheduled: SchedulerOutput, launched: LaunchedStep) -> list[RequestOutput]:
+        """Read a launched step's tokens (waiting for the GPU if it is not done), append them, build outputs."""
+        result = launched.result()
+        self.scheduler.update(scheduled, result.sampled, launched=True)
+        return self._outputs(scheduled, result)
+
+    def _mark_scheduled(self, scheduled: SchedulerOutput) -> None:
         now = time.monotonic()
         if self._never_scheduled:  # no loop over the batch once every request has run
             for item in scheduled.scheduled:
@@ -273,21 +353,18 @@ class LLMEngine:
                 if request_id in self._never_scheduled:
                     self._never_scheduled.discard(request_id)
                     self.states[request_id].metrics.first_scheduled_time = now
-        result = self.runner.execute(scheduled)
-        self.stats.draft_tokens += result.num_draft_tokens
-        self.stats.accepted_draft_tokens += result.num_accepted_drafts
-        self.scheduler.update(scheduled, result.sampled)
+
+    def _outputs(self, scheduled: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         states, sampled, logprobs = self.states, result.sampled, result.logprobs
         for item in scheduled.scheduled:
             request_id = item.request.request_id
-            if sampled.get(request_id):
-                output = self._process(states[request_id], logprobs.get(request_id), now)
+            state = states.get(request_id)  # gone: finished before a launched step's tokens came back
+            if state is not None and sampled.get(request_id):
+                output = self._process(state, logprobs.get(request_id), now)
                 if output is not None:
                     outputs.append(output)
-        if self.config.speculative_ngram or self.draft is not None:
-            self._propose_drafts()
         return outputs
 
     def _process(self, state: _State, logprobs: list[TokenLogprobs] | None, now: float) -> RequestOutput | None:

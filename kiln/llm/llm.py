@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kiln.llm.config import EngineConfig, LLMError
-from kiln.llm.engine import LLMEngine
+from kiln.llm.engine import LLMEngine, static_heap
 from kiln.llm.outputs import RequestOutput
 from kiln.llm.sampling_params import SamplingParams
 from kiln.llm.tensor_parallel import TensorParallelGroup
@@ -86,10 +86,11 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         wanted = set(itertools.chain.from_iterable(ids))
         try:
-            while wanted - final.keys():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        final[out.request_id] = out
+            with static_heap():
+                while wanted - final.keys():
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            final[out.request_id] = out
         finally:
             for request_id in wanted - final.keys():
                 self.engine.abort(request_id)
@@ -108,12 +109,13 @@ class LLM:
         ids = self._submit(prompts, params, next(self._calls), stream=True)
         live = set(itertools.chain.from_iterable(ids))
         try:
-            while live:
-                for out in self.engine.step():
-                    if out.request_id in live:
-                        if out.finished:
-                            live.discard(out.request_id)
-                        yield out
+            with static_heap():
+                while live:
+                    for out in self.engine.step():
+                        if out.request_id in live:
+                            if out.finished:
+                                live.discard(out.request_id)
+                            yield out
         finally:
             for request_id in live:
                 self.engine.abort(request_id)

@@ -9,6 +9,9 @@ request state but the seeds it drew for requests without one.
 The tensors `prepare` builds are the step's only inputs, so with `cuda_graphs` a decode-only step
 replays the graph captured for its batch-size bucket instead (kiln/llm/cuda_graphs.py), with the same
 values copied into static buffers; prefill and mixed steps run eagerly.
+
+`launch` runs a decode step through the graphs without waiting for its tokens (async scheduling:
+the engine plans the next step meanwhile); `LaunchedStep.result()` waits for them.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import torch
 from torch import nn
 
 from kiln.llm.attention import AttentionMetadata, prefill_tiles
+from kiln.llm.cuda_graphs import DecodeGraphs, LaunchedDecode
 from kiln.llm.sampling import Sampler
-from kiln.llm.scheduler import ScheduledRequest, SchedulerOutput
+from kiln.llm.scheduler import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -50,6 +54,17 @@ class StepResult:
     num_accepted_drafts: int = 0
 
 
+@dataclass
+class LaunchedStep:
+    """A decode step running on the device; its tokens are read back by `result()`."""
+
+    request_ids: list[str]  # batch order
+    decode: LaunchedDecode
+
+    def result(self) -> StepResult:
+        return StepResult(sampled={i: [t] for i, t in zip(self.request_ids, self.decode.token_ids())})
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, vocab_size: int, attention_backend: str = "torch", seed: int | None = None,
@@ -67,8 +82,6 @@ class ModelRunner:
         if cuda_graphs:
             if device.type != "cuda" or attention_backend != "triton" or max_model_len is None:
                 raise ValueError("CUDA graphs need a CUDA device, the triton attention backend and max_model_len")
-            from kiln.llm.cuda_graphs import DecodeGraphs  # here: CPU runs never touch torch.cuda graphs
-
             self.graphs = DecodeGraphs(model, kv_caches, self.sampler, block_size, max_model_len, max_num_seqs, device)
             self.graphs.capture()
 
@@ -137,6 +150,39 @@ class ModelRunner:
         logits = self.forward(inputs)
         owners = [inputs.order[b] for b in inputs.row_owner]
         return self._finish(inputs.order, owners, logits, inputs.row_positions)
+
+    def can_launch(self, scheduled: list[ScheduledRequest]) -> bool:
+        """Whether the step can run without waiting for its tokens: a decode of every request through the graphs
+        (greedy or sampled on the device), no penalties (they read the token history) and no log-probabilities
+        (the graph's logits are overwritten by the next replay)."""
+        if self.graphs is None or not scheduled or len(scheduled) > self.graphs.buckets[-1]:
+            return False
+        if not all(len(s.token_ids) == 1 and s.sample for s in scheduled):
+            return False
+        distinct = {id(s.request.params): s.request.params for s in scheduled}.values()
+        return all(not p.needs_penalties and p.logprobs is None for p in distinct)
+
+    @torch.inference_mode()
+    def launch(self, scheduled: list[ScheduledRequest], previous: LaunchedStep | None) -> LaunchedStep:
+        """Replay the decode step without waiting for the GPU (can_launch must hold). Rows whose token is a
+        PLACEHOLDER take it from `previous` (the step launched before, still unread): either every row or none."""
+        ids = [s.request_id for s in scheduled]
+        waiting = [s.token_ids[0] == PLACEHOLDER for s in scheduled]
+        if previous is None:
+            if any(waiting):
+                raise RuntimeError("a decode row's token is still on the device, but no launched step holds it")
+            sources = None
+        else:
+            if not all(waiting):
+                raise RuntimeError("a step launched after another must take every row's token from it")
+            rows = {request_id: row for row, request_id in enumerate(previous.request_ids)}
+            sources = [rows[i] for i in ids]
+        params = [s.request.params for s in scheduled]
+        sampling = None if all(p.greedy for p in {id(p): p for p in params}.values()) else \
+            self.sampler.params_tensors(params, ids, self._next_positions(scheduled))
+        self.num_graph_steps += 1
+        decode = self.graphs.launch(scheduled, previous.decode if previous is not None else None, sources, sampling)
+        return LaunchedStep(ids, decode)
 
     def _finish(self, order: list[ScheduledRequest], owners: list[ScheduledRequest], logits: torch.Tensor,
                 positions: list[int], token_ids: list[int] | None = None) -> StepResult:

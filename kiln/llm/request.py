@@ -45,6 +45,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
     stop_reason: int | str | None = None  # the stop token id or string that finished it
     num_preemptions: int = 0
+    # tokens sampled by launched steps that the host has not read yet (async scheduling: at most one between
+    # engine steps, two while a step launches the next before reading the last); the scheduler gives them
+    # positions, the runner takes their ids from the device, update() appends them
+    num_inflight: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)

@@ -11,6 +11,14 @@ seats and blocks last. Prefill chunks and decodes share one step.
 
 `update` takes what the step sampled, appends it, and finishes requests that hit EOS, a stop token,
 max_tokens or the model's length; `finish` (stop strings, cancellation) frees a request's blocks at once.
+
+Async scheduling (the engine plans step n+1 while the GPU runs step n): `launched` records a step whose
+sampled tokens are still on the device: its tokens count as computed and each request holds one token in
+flight (`Request.num_inflight`). The next `schedule` gives that token its position and a PLACEHOLDER id (the
+runner takes the id from the device) and leaves out a request its in-flight token will finish by length;
+`update(..., launched=True)` then appends the tokens. A token in flight is never hashed into the prefix
+cache (only known tokens are), and the engine schedules ahead only when no request can be admitted or
+preempted, so neither ever meets a placeholder.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from dataclasses import dataclass, field
 from kiln.llm.block_manager import BlockManager
 from kiln.llm.config import LLMError
 from kiln.llm.request import Request, RequestStatus
+
+PLACEHOLDER = -1  # the id of a token sampled on the device and not yet read by the host
 
 
 @dataclass
@@ -109,7 +119,11 @@ class Scheduler:
         running = self.running
         while i < len(running) and budget > 0:
             request = running[i]
-            num_new = min(len(request.token_ids) + len(request.spec_token_ids) - request.num_computed_tokens, budget)
+            if request.num_inflight and self._finishes_by_length(request):
+                i += 1  # its token in flight ends it: no row for it
+                continue
+            num_new = min(len(request.token_ids) + request.num_inflight + len(request.spec_token_ids)
+                          - request.num_computed_tokens, budget)
             while blocks.allocate_slots(request, num_new) is None:
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim)
@@ -146,7 +160,11 @@ class Scheduler:
         start = request.num_computed_tokens
         token_ids = request.token_ids
         known = token_ids[start:start + num_new]
-        sample = start + len(known) == len(token_ids)
+        end = len(token_ids)
+        if request.num_inflight:  # the tokens in flight follow the known ones
+            end += request.num_inflight
+            known += [PLACEHOLDER] * (min(start + num_new, end) - max(start, len(token_ids)))
+        sample = start + len(known) == end
         num_drafts = num_new - len(known)
         if num_drafts:
             known += request.spec_token_ids[:num_drafts]
@@ -158,24 +176,39 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.num_inflight = 0  # recomputed from its known tokens (update skips a request not running)
         request.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- after the step -----------------------------------------------------------------------
-    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def launched(self, output: SchedulerOutput) -> None:
+        """The step runs with its sampled tokens left on the device (async scheduling): its tokens are computed,
+        and each request's next token is in flight until `update(output, sampled, launched=True)`."""
+        for item in output.scheduled:
+            if item.num_draft_tokens or not item.sample:
+                raise LLMError(f"request {item.request_id!r}: only decode steps without drafts run ahead")
+            request = item.request
+            request.num_computed_tokens += len(item.token_ids)
+            request.num_inflight += 1
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, list[int]], launched: bool = False) -> list[Request]:
         """Record what the step computed and sampled; returns the requests it finished (blocks freed).
 
         `sampled[id]` lists the tokens a request accepted this step: one, or with drafts the accepted
-        drafts and then the model's own next token."""
+        drafts and then the model's own next token. launched: `launched(output)` already counted the
+        computed tokens; the sampled ones leave flight."""
         finished = []
         running = RequestStatus.RUNNING
         for item in output.scheduled:
             request = item.request
             if request.status is not running:
-                continue  # finished while the step ran (cancelled)
+                continue  # finished while the step ran (cancelled, or ended by its token the step before)
             tokens = sampled.get(request.request_id, ()) if item.sample else ()
-            num_rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else item.num_draft_tokens
-            request.num_computed_tokens += len(item.token_ids) - num_rejected
+            if launched:
+                request.num_inflight -= 1
+            else:
+                num_rejected = item.num_draft_tokens - (len(tokens) - 1) if tokens else item.num_draft_tokens
+                request.num_computed_tokens += len(item.token_ids) - num_rejected
             if request.spec_token_ids:
                 request.spec_token_ids = []
             for token in tokens:
@@ -186,6 +219,13 @@ class Scheduler:
                     finished.append(request)
                     break
         return finished
+
+    def _finishes_by_length(self, request: Request) -> bool:
+        """Whether the tokens in flight end the request by max_tokens or the model's length (_stop_status's test)."""
+        num_tokens = len(request.token_ids) + request.num_inflight
+        max_tokens = request.params.max_tokens
+        return (max_tokens is not None and num_tokens - len(request.prompt_token_ids) >= max_tokens) or \
+            num_tokens >= self.config.max_model_len
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         params = request.params

@@ -1,7 +1,8 @@
 """CUDA graphs for decode (kiln/llm/cuda_graphs.py) on a CUDA device (skipped here): graphed decode
 gives the eager step's tokens (fp32 and bf16 greedy, seeded sampling, penalties and log-probabilities
 through the graph's logits, batches at and between buckets), decode logits within transformers' own
-bf16 error, and batch invariance with graphs on. Passed on the H200 on 2026-12-01 (commit 3717590)."""
+bf16 error, and batch invariance with graphs on. Passed on the H200 on 2026-12-01 (commit 3717590). Async
+scheduling (on by default with graphs) gives the tokens of the engine that waits for each step."""
 
 import pytest
 import torch
@@ -119,3 +120,26 @@ def test_draft_model_and_fp8_kv_on_cuda(hf_models, kv):
         drafted, _, outs = generate(folder, True, PROMPTS, params, kv_cache_dtype=kv, speculative_model=str(folder),
                                     speculative_tokens=3)
         assert drafted == plain
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_async_scheduling_gives_the_waiting_engines_tokens(hf_models, dtype):
+    """Steps launched ahead (the next step's input ids gathered on the device, tokens back by an async copy)
+    give the tokens of the engine that waits for each step, through requests stopping mid-batch on a token
+    (as on EOS: the step planned ahead has a wasted row) and by length at different steps."""
+    folder, _ = hf_models("llama")
+    full = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    waiting, _, _ = generate(folder, True, PROMPTS, full, dtype, async_scheduling=False)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[waiting[0][9]]),
+              SamplingParams(max_tokens=17, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[waiting[2][25]]),
+              full]
+    cut = [waiting[0][:waiting[0].index(waiting[0][9]) + 1], waiting[1][:17],
+           waiting[2][:waiting[2].index(waiting[2][25]) + 1], waiting[3]]
+    llm = LLM(folder, device="cuda", dtype=dtype, kv_cache_memory="64MiB", block_size=16, max_num_seqs=8, seed=11,
+              async_scheduling=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, full)] == waiting
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == cut
+    assert llm.engine.runner.graphs.num_launches >= 60
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks - 1

@@ -277,3 +277,42 @@ def test_random_workload_finishes_everything_and_frees_every_block():
         if made == 40 and not s.requests:
             break
     assert not s.requests and s.block_manager.num_free_blocks == 11
+
+
+def test_async_scheduling_plans_a_step_while_tokens_are_in_flight():
+    """launched(): the step's tokens count as computed and one token per request is in flight; the next
+    schedule gives it its position and a PLACEHOLDER id, allocates its block, hashes only known tokens, and
+    leaves out a request its in-flight token ends by length; update(launched=True) appends and finishes (a
+    request ended by a stop token has its row in the step planned meanwhile: that row's token is dropped)."""
+    from kiln.llm.scheduler import PLACEHOLDER
+
+    s = make(max_model_len=64)
+    a, b = req("a", range(10, 17), max_tokens=2), req("b", range(30, 33), max_tokens=10, stop_token_ids=[55])
+    c = req("c", range(60, 63), max_tokens=10)
+    for r in (a, b, c):
+        s.add(r)
+    run_step(s, tokens={"a": 20, "b": 40, "c": 70})  # prefill: a holds 8 tokens, b and c 4
+    first = s.schedule()
+    assert plan(first) == {"a": ([20], 7, [1, 2], True), "b": ([40], 3, [3], True), "c": ([70], 3, [4], True)}
+    s.launched(first)
+    assert (a.num_computed_tokens, a.num_inflight, b.num_computed_tokens, b.num_inflight) == (8, 1, 4, 1)
+    second = s.schedule()  # a's in-flight token is its last: no row; position 4 opens a block for b and c
+    assert plan(second) == {"b": ([PLACEHOLDER], 4, [3, 5], True), "c": ([PLACEHOLDER], 4, [4, 6], True)}
+    assert s.block_manager.num_hashed["b"] == 1  # block 3: b's 4 known tokens; the in-flight one is not hashed
+    s.launched(second)
+    assert b.num_inflight == 2 and b.token_ids == [30, 31, 32, 40] and PLACEHOLDER not in b.token_ids
+    finished = s.update(first, {"a": [21], "b": [55], "c": [71]}, launched=True)  # while `second` runs
+    assert finished == [a, b] and a.status == RequestStatus.FINISHED_LENGTH and a.token_ids[-2:] == [20, 21]
+    assert b.status == RequestStatus.FINISHED_STOPPED and b.token_ids == [30, 31, 32, 40, 55]
+    assert s.update(second, {"b": [77], "c": [72]}, launched=True) == [] and b.token_ids[-1] == 55  # wasted row
+    assert set(s.block_manager.request_blocks) == {"c"} and c.token_ids[-2:] == [71, 72] and c.num_inflight == 0
+    assert plan(s.schedule()) == {"c": ([72], 5, [4, 6], True)}  # out of flight: a plain decode row
+
+
+def test_launched_refuses_prefill_chunks_and_drafts():
+    s = make(max_tokens_per_step=4)
+    a = req("a", range(10, 17))
+    s.add(a)
+    out = s.schedule()  # a 4-token chunk of a 7-token prompt: nothing to sample
+    with pytest.raises(LLMError, match="only decode steps"):
+        s.launched(out)
