@@ -1,0 +1,78 @@
+"""The gated MLP's CUDA tactics (kiln/tactics/cuda/swiglu.py) on CPU tensors, Triton under TRITON_INTERPRET=1,
+against kiln::FusedGemm's registered implementation (itself tested against the two halves' formula and
+onnxruntime: tests/unit/test_passes_swiglu.py), and against float64 for the Triton kernel itself.
+The real sizes on the H200: tests/gpu/test_cuda_swiglu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tests.kernels.conftest  # noqa: F401  TRITON_INTERPRET=1 before triton loads (jit reads it); interpreter shims
+
+pytest.importorskip("triton")
+
+from tests.unit.tactic_check import make_step, reason, run_against_reference  # noqa: E402
+from tests.unit.test_tactics_cuda import needs_interpreter  # noqa: E402
+
+pytestmark = [needs_interpreter, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+CUBLAS = "cuda.gemm.swiglu.cublas_elementwise"
+TRITON = "cuda.gemm.swiglu.triton.16x64x64"
+
+
+def _swiglu_step(n_inputs: int):
+    return make_step("FusedGemm", "kiln", n_inputs, activation="SwiGLU", alpha=0.0, beta=0.0,
+                     residual_after_activation=1)
+
+
+def _layer(lead, k, h, dtype, bias=True, residual=False):
+    x = torch.randn(*lead, k).to(dtype)
+    w = (torch.randn(2 * h, k) / k ** 0.5).to(dtype)  # [2H, K] = [W_gate; W_up]
+    args = [x, w]
+    if bias or residual:
+        args.append(torch.randn(2 * h).to(dtype) if bias else None)
+    if residual:
+        args.append(torch.randn(*lead, h).to(dtype))
+    return args
+
+
+@pytest.mark.parametrize("name", [CUBLAS, TRITON])
+@pytest.mark.parametrize("bias, residual", [(True, False), (False, False), (True, True), (False, True)])
+def test_gated_mlp_against_the_op(name, bias, residual):
+    dtype = torch.float16 if name == TRITON else torch.float32  # the Triton GEMM tactics are fp16/bf16 ones
+    args = _layer((2, 5), 48, 40, dtype, bias, residual)  # H = 40: a partial 64-wide tile
+    got = run_against_reference(name, _swiglu_step(len(args)), args, {1, 2} if bias else {1})
+    assert got.shape == (2, 5, 40)
+
+
+def test_triton_kernel_against_float64_with_odd_sizes():
+    from kiln.kernels.cuda.triton import GemmConfig, swiglu_gemm
+
+    for lead, k, h in [((7,), 33, 16), ((3, 4), 16, 9), ((1,), 70, 65)]:  # K and H not multiples of the tiles
+        x, w, b = torch.randn(*lead, k), torch.randn(2 * h, k), torch.randn(2 * h)
+        r = torch.randn(*lead, h)
+        y = F.linear(x.double(), w.double(), b.double())
+        want = F.silu(y[..., :h]) * y[..., h:] + r.double()
+        got = swiglu_gemm(x, w, b, r, config=GemmConfig(16, 16, 16, num_warps=1, num_stages=1))
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # fp32 sums in another order
+
+
+def test_a_broadcast_residual_and_bf16():
+    args = _layer((3, 4), 32, 24, torch.bfloat16, bias=True)
+    args.append(torch.randn(24).to(torch.bfloat16))  # one residual row for every token
+    for name in (CUBLAS, TRITON):
+        run_against_reference(name, _swiglu_step(4), args, {1, 2})
+
+
+def test_refusals():
+    x, w = torch.randn(4, 32).half(), torch.randn(48, 32).half()
+    plain = make_step("FusedGemm", "kiln", 2, activation="Relu")
+    for name in (CUBLAS, TRITON):
+        assert "SwiGLU" in reason(name, plain, [x, w], {1})
+        assert "equal height" in reason(name, _swiglu_step(2), [x, torch.randn(47, 32).half()], {1})
+        assert "dtype" in reason(name, _swiglu_step(2), [x, w.float()], {1})
+        assert "broadcast" in reason(name, _swiglu_step(4), [x, w, None, torch.randn(4, 48).half()], {1})
+    wide = "cuda.gemm.swiglu.triton.128x64x64"
+    assert "padding" in reason(wide, _swiglu_step(2), [x, w], {1})  # 4 rows in 128-row tiles
