@@ -76,3 +76,44 @@ def test_refusals():
         assert "broadcast" in reason(name, _swiglu_step(4), [x, w, None, torch.randn(4, 48).half()], {1})
     wide = "cuda.gemm.swiglu.triton.128x64x64"
     assert "padding" in reason(wide, _swiglu_step(2), [x, w], {1})  # 4 rows in 128-row tiles
+
+
+def test_phi3_tiny_shaped_as_a_cuda_build_runs_the_fused_layers_and_matches_onnxruntime(monkeypatch):
+    """End to end: the graph a CUDA build makes of Phi-3 (pass options of device="cuda": its fused qkv's
+    Slices + two Rotary layers one packed Rotary, its merged gate|up + Split + gating one SwiGLU GEMM), the
+    CUDA tactics of those layers standing in as CPU ones (Triton under the interpreter), against onnxruntime."""
+    import dataclasses
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.builder.config import BuildConfig
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    cuda_options = build_module.pass_options(BuildConfig(device="cuda"))
+    monkeypatch.setattr(build_module, "pass_options",
+                        lambda config: dataclasses.replace(cuda_options, opt_level=config.opt_level))
+    fused = ["cuda.rotary.triton", CUBLAS]
+    cuda_tactics_on_cpu(monkeypatch, lambda name: name in fused)
+    exported = zoo.export("phi3_tiny")
+    engine = kiln.build(str(exported.path), tactics=fused)
+    steps = engine.plan.program.steps
+    assert not [s.op_type for s in steps if s.op_type in ("Slice", "Split")]
+    assert len([s for s in steps if s.op_type == "Rotary" and s.attributes.get("rotate_heads")]) == 2  # one a layer
+    assert len([s for s in steps if s.attributes.get("activation") == "SwiGLU"]) == 2
+    layers = engine.plan.header["tactics"]["layers"]
+    checked = {n for layer in layers.values() for n, note in layer["candidates"].items() if isinstance(note, float)}
+    assert set(fused) <= checked  # each passed the build's check against the op (then timed: the interpreter loses)
+    for s in steps:  # run them, whatever the interpreter's timing chose
+        if s.op_type == "Rotary" or s.attributes.get("activation") == "SwiGLU":
+            s.tactic, s.tactic_config = "cuda.rotary.triton" if s.op_type == "Rotary" else CUBLAS, {}
+    engine = kiln.Engine(engine.plan)
+    proto = onnx.load(str(exported.path))
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = zoo.random_inputs("phi3_tiny", exported, seed=5)
+    for out, want in zip(proto.graph.output, session.run(None, feeds)):
+        np.testing.assert_allclose(np.asarray(engine.run(feeds)[out.name]), want, rtol=1e-4, atol=1e-4)  # fp32
