@@ -21,6 +21,6 @@ wait $TESTS  # before the A/B: nothing else on the GPU while it times
 stage "gpu tests"
 grep -v "^$" "$OUT/gpu-tests.log" | tail -45
 stage "A/B"
-timeout 140 python3 bench/zoo_gpu_ab.py --cases "$CASES" --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/ab.log"
+timeout 125 python3 bench/zoo_gpu_ab.py --cases "$CASES" --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/ab.log"
 stage done
 } 2>&1 | tee "$OUT/run.log"
