@@ -2,6 +2,7 @@
 
     library.py     cuBLAS/cuBLASLt GEMMs, cuDNN convolutions, SDPA backends, Triton elementwise/norms
     swiglu.py      a gated MLP's gate|up GEMM (FusedGemm SwiGLU): cuBLAS + one gating kernel, or one Triton GEMM
+    norm_gemm.py   kiln::RMSNormGemm (a decoder's RMSNorm folded into the GEMM reading it)
     attention.py   kiln's Triton flash attention
     packed_attention.py  kiln::PackedAttention (padding-free encoders) on varlen flash attention
     pool.py        Triton NHWC pooling
@@ -20,6 +21,7 @@ when a tactic using it is prepared.
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.swiglu  # noqa: F401
+import kiln.tactics.cuda.norm_gemm  # noqa: F401
 import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.packed_attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401

@@ -37,7 +37,7 @@ def _kernels():
     return importlib.import_module("kiln.kernels.cuda.triton")
 
 
-def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+def swiglu_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if _attr(step, "activation", "") != "SwiGLU":
         return "not a SwiGLU layer (the library GEMM tactics take the others)"
     x, w, b, residual = inputs[0], _input(inputs, 1), _input(inputs, 2), _input(inputs, 3)
@@ -62,7 +62,7 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return True
 
 
-def _prepare_cublas_elementwise(step: StepSpec, constants: list[Any], device: torch.device):
+def prepare_cublas_elementwise(step: StepSpec, constants: list[Any], device: torch.device):
     kernels = _kernels()
     gate_only = kernels.compile_elementwise(_GATE, 2)
     gate_residual = kernels.compile_elementwise(_GATE_RESIDUAL, 3)
@@ -78,7 +78,7 @@ def _prepare_cublas_elementwise(step: StepSpec, constants: list[Any], device: to
 
 register(Tactic(
     name="cuda.gemm.swiglu.cublas_elementwise", op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_FLOAT,
-    supports=_supports, prepare=_prepare_cublas_elementwise, available=triton_available,
+    supports=swiglu_supports, prepare=prepare_cublas_elementwise, available=triton_available,
     description="cuBLAS gate|up GEMM, then silu(gate)·up (+ residual) as one Triton kernel over its halves",
 ))
 
@@ -87,7 +87,7 @@ def _triton_swiglu_tactic(block_m: int, block_n: int, block_k: int, num_warps: i
     name = f"cuda.gemm.swiglu.triton.{block_m}x{block_n}x{block_k}"
 
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-        common = _supports(step, inputs)
+        common = swiglu_supports(step, inputs)
         if common is not True:
             return common
         rows = math.prod(inputs[0].shape[:-1])
