@@ -6,8 +6,9 @@
 For each case kiln builds the zoo's fp32 ONNX export twice for CUDA fp16:
   main    as main builds it: fuse_packed_rotary and fuse_split_swiglu left to CPU builds, a causal mask computed
           from position comparisons not recognised (8 x 512: too large to fold), no RMSNorm folded into its GEMM
-          (fuse_rms_norm_into_gemm), and none of the tactics this branch adds (cuda.gemm.swiglu.*,
-          cuda.embedding_concat.triton, cuda.rms_norm_gemm.*)
+          (fuse_rms_norm_into_gemm), the last GEMM's half output cast to the fp32 binding (no output_float32),
+          and none of the tactics this branch adds (cuda.gemm.swiglu.*, cuda.embedding_concat.triton,
+          cuda.rms_norm_gemm.*)
   branch  this checkout as it is
 Both are checked against torch eager fp32 and timed in interleaved rounds (CUDA events around context.run, the
 way bench/zoo.py times kiln), beside the case's fastest PyTorch mode (bench/results/zoo-cuda-2026-12-02.md:
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kiln  # noqa: E402
 from gpu import time_cuda  # noqa: E402  bench/gpu.py
 from kiln import zoo  # noqa: E402
+from kiln.builder import build as build_module  # noqa: E402
 from kiln.passes import fusion  # noqa: E402
 from kiln.passes.fusion import attention_mask  # noqa: E402
 from kiln.runtime.profiler import profile_layers  # noqa: E402
@@ -64,9 +66,12 @@ def as_main():
     fusion.CPU_RULES |= NEW_RULES
     attention_mask._ELEMENTWISE = elementwise - COMPARISONS
     fusion.RULES = [(name, rule) for name, rule in rules if name not in BRANCH_ONLY_RULES]
+    float32_outputs = build_module.write_float32_outputs
+    build_module.write_float32_outputs = lambda *args, **kwargs: None  # main casts the half output at the boundary
     try:
         yield
     finally:
+        build_module.write_float32_outputs = float32_outputs
         fusion.CPU_RULES.clear()
         fusion.CPU_RULES.update(saved)
         attention_mask._ELEMENTWISE = elementwise

@@ -145,6 +145,12 @@ def cases() -> list[Case]:
         Case("RMSNormGemm SwiGLU Phi-3 small gate|up 1x128x512->2x1376",
              step("RMSNormGemm", "kiln", 2, epsilon=1e-5, activation="SwiGLU", residual_after_activation=1),
              lambda: [randn(1, 128, 512, scale=3), randn(2752, 512, scale=0.04)], frozenset({1})),
+        Case("FusedGemm LM head 8x512x512->32064 storing the fp32 output (output_float32)",  # kiln/builder/precision.py
+             step("FusedGemm", "kiln", 2, output_float32=1),
+             lambda: [randn(8, 512, 512), randn(32064, 512, scale=0.04)], frozenset({1})),
+        Case("RMSNormGemm LM head 8x512x512->32064 storing the fp32 output (output_float32)",
+             step("RMSNormGemm", "kiln", 2, epsilon=1e-5, output_float32=1),
+             lambda: [randn(8, 512, 512, scale=3), randn(32064, 512, scale=0.04)], frozenset({1})),
         Case("EmbeddingConcat DCN 256 rows, dense 13 + 26 fields x 100000 x 32",
              step("EmbeddingConcat", "kiln", 28, fields=[-1, *range(26)]),
              lambda: [torch.randint(-100000, 100000, (256, 26), device=DEVICE), randn(256, 13),

@@ -20,7 +20,9 @@ import torch
 
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda import swiglu
-from kiln.tactics.cuda.library import _TRITON_ACTIVATIONS, _gemm_rows, _gemm_supports, _prepare_gemm_addmm, triton_available
+from kiln.tactics.cuda.library import (
+    _TRITON_ACTIVATIONS, _gemm_rows, _gemm_supports, _prepare_gemm_addmm, mm_stores_float32, triton_available,
+)
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -70,7 +72,8 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
             return launch
         epilogue = {"activation": _attr(step, "activation", ""), "alpha": float(_attr(step, "alpha", 0.0)),
                     "beta": float(_attr(step, "beta", 0.0)),
-                    "residual_after_activation": bool(_attr(step, "residual_after_activation", 1))}
+                    "residual_after_activation": bool(_attr(step, "residual_after_activation", 1)),
+                    "out_dtype": torch.float32 if _attr(step, "output_float32", 0) else None}
 
         def launch(ctx, x, w, b=None, residual=None, **_attributes):
             return kernels.gemm(x, w, b, residual, config=config, rms_epsilon=epsilon, **epilogue)  # [..., N]
@@ -79,7 +82,7 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
 
     return Tactic(
         name=name, op_type="RMSNormGemm", domain="kiln", device="cuda", dtypes=_HALF, supports=supports,
-        prepare=prepare, level=level, available=triton_available,
+        prepare=prepare, level=level, available=triton_available, float32_output=not gated,
         description=f"Triton {'gate|up ' if gated else ''}GEMM, {block_m}x{block_n}x{block_k} tiles: each row's "
                     "Σ x² from the loaded x tiles, the row scaled by its RMS norm before the epilogue",
     )
@@ -89,6 +92,15 @@ for _config, _level in (((128, 128, 64, 8, 3), 2), ((64, 128, 32, 4, 4), 2), ((1
     register(_triton_tactic(*_config, level=_level, gated=False))
 for _config, _level in (((128, 64, 64, 8, 3), 2), ((64, 64, 64, 4, 3), 2), ((16, 64, 64, 2, 4), 2)):
     register(_triton_tactic(*_config, level=_level, gated=True))
+
+
+def _supports_norm_then_cublas(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if _attr(step, "output_float32", 0):
+        if _attr(step, "activation", "") == "SwiGLU":
+            return "a SwiGLU layer writing the fp32 output: its gating kernel stores the inputs' dtype"
+        if not mm_stores_float32():
+            return "this torch has no aten::mm.dtype: cuBLAS cannot store the fp32 output directly"
+    return _supports(step, inputs, None)
 
 
 def _prepare_norm_then_cublas(step: StepSpec, constants: list[Any], device: torch.device):
@@ -108,7 +120,7 @@ def _prepare_norm_then_cublas(step: StepSpec, constants: list[Any], device: torc
 
 register(Tactic(
     name="cuda.rms_norm_gemm.norm_then_cublas", op_type="RMSNormGemm", domain="kiln", device="cuda", dtypes=_FLOAT,
-    supports=lambda step, inputs: _supports(step, inputs, None), prepare=_prepare_norm_then_cublas,
-    available=triton_available,
+    supports=_supports_norm_then_cublas, prepare=_prepare_norm_then_cublas, available=triton_available,
+    float32_output=True,
     description="Triton RMSNorm kernel, then cuBLAS (addmm + epilogue, or the gate|up GEMM + one gating kernel)",
 ))

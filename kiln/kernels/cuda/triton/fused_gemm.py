@@ -86,7 +86,8 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, s
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          *, activation: str = "", alpha: float = 0.0, beta: float = 0.0, residual_after_activation: bool = True,
-         config: GemmConfig | None = None, allow_tf32: bool = False, rms_epsilon: float | None = None) -> torch.Tensor:
+         config: GemmConfig | None = None, allow_tf32: bool = False, rms_epsilon: float | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(x @ wᵀ + bias) + residual (or act(x @ wᵀ + bias + residual)), in x's dtype.
 
     x: [..., K]; w: [N, K] (any strides); bias: [N]; residual: broadcastable to [..., N].
@@ -94,6 +95,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
     largest whose tile the problem fills, a starting point only — time them). rms_epsilon: x RMS-normalised
     over K first (kiln::RMSNormGemm, the norm's scale folded into w): each row's Σ x² gathers from the x tiles
     the K loop loads anyway, and the finished row is scaled by 1 / sqrt(Σ x² / K + ε) before the bias.
+    out_dtype: the output's dtype (default x's); float32 stores the fp32 tile as it is (an engine's fp32 output).
     """
     if activation not in dm.ACTIVATIONS:
         raise ValueError(f"triton gemm: unknown activation {activation!r} (known: {dm.ACTIVATIONS})")
@@ -104,7 +106,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
         raise ValueError(f"triton gemm: x {tuple(x.shape)} @ wᵀ needs w as [N, {x.shape[-1]}], got {tuple(w.shape)}")
     n, k = w.shape
     lead = x.shape[:-1]
-    out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((*lead, n), dtype=out_dtype or x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     if k == 0:  # an empty sum: the epilogue alone (an empty row's norm is 0 / sqrt(ε) = 0 too)
