@@ -8,7 +8,7 @@ For each case kiln builds the zoo's fp32 ONNX export twice for CUDA fp16:
           from position comparisons not recognised (8 x 512: too large to fold), no RMSNorm folded into its GEMM
           (fuse_rms_norm_into_gemm), the last GEMM's half output cast to the fp32 binding (no output_float32),
           and none of the tactics this branch adds (cuda.gemm.swiglu.*, cuda.embedding_concat.triton,
-          cuda.rms_norm_gemm.*)
+          cuda.rms_norm_gemm.*, cuda.gemm.cublas_padded)
   branch  this checkout as it is
 Both are checked against torch eager fp32 and timed in interleaved rounds (CUDA events around context.run, the
 way bench/zoo.py times kiln), beside the case's fastest PyTorch mode (bench/results/zoo-cuda-2026-12-02.md:
@@ -49,7 +49,8 @@ CASES = {"dcn:256": "reduce-overhead", "phi3_small:1x128": "reduce-overhead", "p
 NEW_RULES = {"fuse_packed_rotary", "fuse_split_swiglu"}  # CPU-only on main
 BRANCH_ONLY_RULES = {"fuse_rms_norm_into_gemm"}  # not on main at all
 COMPARISONS = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}  # not seen through by main's broadcast_constant
-NEW_TACTICS = ("cuda.gemm.swiglu.", "cuda.embedding_concat.triton", "cuda.rms_norm_gemm.")
+NEW_TACTICS = ("cuda.gemm.swiglu.", "cuda.embedding_concat.triton", "cuda.rms_norm_gemm.",
+               "cuda.gemm.cublas_padded")
 
 
 def parse_case(case: str) -> tuple[str, int | None, int | None]:

@@ -151,6 +151,11 @@ def cases() -> list[Case]:
         Case("RMSNormGemm LM head 8x512x512->32064 storing the fp32 output (output_float32)",
              step("RMSNormGemm", "kiln", 2, epsilon=1e-5, output_float32=1),
              lambda: [randn(8, 512, 512, scale=3), randn(32064, 512, scale=0.04)], frozenset({1})),
+        Case("FusedGemm DCN cross layer 256x845->845 (K, N not multiples of 8)",  # kiln/tactics/cuda/gemm_padded.py
+             step("FusedGemm", "kiln", 3), lambda: [randn(256, 845), randn(845, 845, scale=0.03), randn(845)],
+             frozenset({1, 2})),
+        Case("FusedGemm DCN deep layer 256x845->1024 +ReLU", step("FusedGemm", "kiln", 3, activation="Relu"),
+             lambda: [randn(256, 845), randn(1024, 845, scale=0.03), randn(1024)], frozenset({1, 2})),
         Case("EmbeddingConcat DCN 256 rows, dense 13 + 26 fields x 100000 x 32",
              step("EmbeddingConcat", "kiln", 28, fields=[-1, *range(26)]),
              lambda: [torch.randint(-100000, 100000, (256, 26), device=DEVICE), randn(256, 13),
