@@ -35,4 +35,6 @@ def test_refusals():
     x = torch.randn(4, 32).half()
     assert "multiples of 8 already" in reason(NAME, _step(2), [x, torch.randn(48, 32).half()], {1})
     assert "at load" in reason(NAME, _step(2), [torch.randn(4, 30).half(), torch.randn(48, 30).half()], set())
+    unaligned = [torch.randn(4, 30).half(), torch.randn(48, 30).half(), torch.randn(48).half()]
+    assert "at load" in reason(NAME, _step(3), unaligned, {1})  # a bias computed at run time
     assert "GEMV" in reason(NAME, _step(2), [torch.randn(4, 30).half(), torch.randn(1, 30).half()], {1})

@@ -37,9 +37,9 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     common = _gemm_supports(step, inputs, None)
     if common is not True:
         return common
-    w = _input(inputs, 1)
-    if not w.constant:
-        return "the weight is computed at run time (it is padded once, at load)"
+    w, b = _input(inputs, 1), _input(inputs, 2)
+    if not w.constant or (b is not None and not b.constant):
+        return "the weight or bias is computed at run time (they are padded once, at load)"
     n, k = w.shape
     if n % ALIGN == 0 and k % ALIGN == 0:
         return "K and N are multiples of 8 already"
