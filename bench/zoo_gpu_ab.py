@@ -5,10 +5,9 @@
 
 For each case kiln builds the zoo's fp32 ONNX export twice for CUDA fp16:
   main    as main builds it: fuse_packed_rotary and fuse_split_swiglu left to CPU builds, a causal mask computed
-          from position comparisons not recognised (8 x 512: too large to fold), no RMSNorm folded into its GEMM
-          (fuse_rms_norm_into_gemm), the last GEMM's half output cast to the fp32 binding (no output_float32),
-          and none of the tactics this branch adds (cuda.gemm.swiglu.*, cuda.embedding_concat.triton,
-          cuda.rms_norm_gemm.*, cuda.gemm.cublas_padded)
+          from position comparisons not recognised (8 x 512: too large to fold), the last GEMM's half output cast
+          to the fp32 binding (no output_float32), and none of the tactics this branch adds (cuda.gemm.swiglu.*,
+          cuda.embedding_concat.triton, cuda.gemm.cublas_padded)
   branch  this checkout as it is
 Both are checked against torch eager fp32 and timed in interleaved rounds (CUDA events around context.run, the
 way bench/zoo.py times kiln), beside the case's fastest PyTorch mode (bench/results/zoo-cuda-2026-12-02.md:
@@ -47,10 +46,8 @@ from zoo import as_list, relative_error_torch, tensors  # noqa: E402  bench/zoo.
 CASES = {"dcn:256": "reduce-overhead", "phi3_small:1x128": "reduce-overhead", "phi3_small:8x512": "default",
          "qwen2_small:8x512": None}
 NEW_RULES = {"fuse_packed_rotary", "fuse_split_swiglu"}  # CPU-only on main
-BRANCH_ONLY_RULES = {"fuse_rms_norm_into_gemm"}  # not on main at all
 COMPARISONS = {"Less", "LessOrEqual", "Greater", "GreaterOrEqual"}  # not seen through by main's broadcast_constant
-NEW_TACTICS = ("cuda.gemm.swiglu.", "cuda.embedding_concat.triton", "cuda.rms_norm_gemm.",
-               "cuda.gemm.cublas_padded")
+NEW_TACTICS = ("cuda.gemm.swiglu.", "cuda.embedding_concat.triton", "cuda.gemm.cublas_padded")
 
 
 def parse_case(case: str) -> tuple[str, int | None, int | None]:
@@ -63,10 +60,9 @@ def parse_case(case: str) -> tuple[str, int | None, int | None]:
 def as_main():
     """Builds inside see main's rule set: the two rules CPU-only again, and a mask computed from position
     comparisons not seen through (attention_mask._ELEMENTWISE without them)."""
-    saved, elementwise, rules = set(fusion.CPU_RULES), attention_mask._ELEMENTWISE, fusion.RULES
+    saved, elementwise = set(fusion.CPU_RULES), attention_mask._ELEMENTWISE
     fusion.CPU_RULES |= NEW_RULES
     attention_mask._ELEMENTWISE = elementwise - COMPARISONS
-    fusion.RULES = [(name, rule) for name, rule in rules if name not in BRANCH_ONLY_RULES]
     float32_outputs = build_module.write_float32_outputs
     build_module.write_float32_outputs = lambda *args, **kwargs: None  # main casts the half output at the boundary
     try:
@@ -76,7 +72,6 @@ def as_main():
         fusion.CPU_RULES.clear()
         fusion.CPU_RULES.update(saved)
         attention_mask._ELEMENTWISE = elementwise
-        fusion.RULES = rules
 
 
 def main_tactics() -> list[str]:

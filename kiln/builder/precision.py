@@ -59,7 +59,7 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
 
 
 # Layers whose tactics can store their fp32 result from the fp32 accumulator (kiln::FusedGemm's output_float32).
-FLOAT32_WRITERS = {("kiln", "FusedGemm"), ("kiln", "RMSNormGemm")}
+FLOAT32_WRITERS = {("kiln", "FusedGemm")}
 
 
 def write_float32_outputs(program: ProgramSpec, precision: str, pinned: set[str] | None = None) -> None:

@@ -92,17 +92,6 @@ def fused_gemm(ctx, x, w, b=None, residual=None, *, activation="", alpha=0.0, be
     return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
 
 
-@register("RMSNormGemm", domain="kiln")
-def rms_norm_gemm(ctx, x, w, b=None, residual=None, *, epsilon=1e-6, activation="", alpha=0.0, beta=0.0,
-                  residual_after_activation=1, output_float32=0):
-    """FusedGemm of x RMS-normalised over its last axis: fused_gemm(x / sqrt(mean(x²) + ε), W', ...) with the
-    norm's scale γ folded into the weight, W' = W·diag(γ) (kiln/passes/fusion/rms_norm_gemm.py). Statistics
-    in fp32, as kiln::RMSNorm's; with output_float32 the normalised rows stay fp32 too."""
-    normed = rms_norm(ctx, x.float() if output_float32 else x, None, axis=-1, epsilon=epsilon)
-    return fused_gemm(ctx, normed, w, b, residual, activation=activation, alpha=alpha, beta=beta,
-                      residual_after_activation=residual_after_activation, output_float32=output_float32)
-
-
 @register("SqueezeExcite", domain="kiln")
 def squeeze_excite(ctx, x, w1, b1=None, w2=None, b2=None, *, activation="", alpha=0.0, beta=0.0, gate="Sigmoid",
                    gate_alpha=0.0, gate_beta=0.0):

@@ -136,21 +136,9 @@ def cases() -> list[Case]:
              step("FusedGemm", "kiln", 3, activation="SwiGLU", residual_after_activation=1),
              lambda: [randn(1, 128, 4096, dtype=BF16), randn(22016, 4096, dtype=BF16, scale=0.015),
                       randn(22016, dtype=BF16)], frozenset({1, 2})),
-        Case("RMSNormGemm Phi-3 small qkv 8x512x512->1536 (norm folded)",  # kiln/tactics/cuda/norm_gemm.py
-             step("RMSNormGemm", "kiln", 2, epsilon=1e-5, residual_after_activation=0),
-             lambda: [randn(8, 512, 512, scale=3), randn(1536, 512, scale=0.04)], frozenset({1})),
-        Case("RMSNormGemm Phi-3 small LM head 8x512x512->32064",
-             step("RMSNormGemm", "kiln", 2, epsilon=1e-5, residual_after_activation=0),
-             lambda: [randn(8, 512, 512, scale=3), randn(32064, 512, scale=0.04)], frozenset({1})),
-        Case("RMSNormGemm SwiGLU Phi-3 small gate|up 1x128x512->2x1376",
-             step("RMSNormGemm", "kiln", 2, epsilon=1e-5, activation="SwiGLU", residual_after_activation=1),
-             lambda: [randn(1, 128, 512, scale=3), randn(2752, 512, scale=0.04)], frozenset({1})),
         Case("FusedGemm LM head 8x512x512->32064 storing the fp32 output (output_float32)",  # kiln/builder/precision.py
              step("FusedGemm", "kiln", 2, output_float32=1),
              lambda: [randn(8, 512, 512), randn(32064, 512, scale=0.04)], frozenset({1})),
-        Case("RMSNormGemm LM head 8x512x512->32064 storing the fp32 output (output_float32)",
-             step("RMSNormGemm", "kiln", 2, epsilon=1e-5, output_float32=1),
-             lambda: [randn(8, 512, 512, scale=3), randn(32064, 512, scale=0.04)], frozenset({1})),
         Case("FusedGemm DCN cross layer 256x845->845 (K, N not multiples of 8)",  # kiln/tactics/cuda/gemm_padded.py
              step("FusedGemm", "kiln", 3), lambda: [randn(256, 845), randn(845, 845, scale=0.03), randn(845)],
              frozenset({1, 2})),

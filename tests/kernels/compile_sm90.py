@@ -92,15 +92,13 @@ def gemm_cases():
     for dtype, activation in (("fp16", "Gelu"), ("bf16", "Relu"), ("fp32", "")):
         for config in (fused_gemm.GEMM_CONFIGS[1], fused_gemm.GEMM_CONFIGS[-1]):
             types = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}", "res_ptr": f"*{dtype}",
-                     "out_ptr": f"*{dtype}", "alpha": "fp32", "beta": "fp32", "rms_eps": "fp32"}
+                     "out_ptr": f"*{dtype}", "alpha": "fp32", "beta": "fp32"}
             types |= {name: "i32" for name in ("M", "N", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk")}
-            for rms in (False, True) if dtype != "fp32" else (False,):  # kiln::RMSNormGemm: the row norm folded in
-                yield (f"gemm {dtype} {activation or 'none'} {config.block_m}x{config.block_n}x{config.block_k}"
-                       + (" rms" if rms else ""), fused_gemm._gemm_kernel, types,
-                       {"HAS_BIAS": True, "HAS_RES": True, "ACTIVATION": activation, "RES_AFTER": True,
-                        "HAS_RMS": rms, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
-                        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
-                        "GROUP_M": config.group_m})
+            yield (f"gemm {dtype} {activation or 'none'} {config.block_m}x{config.block_n}x{config.block_k}",
+                   fused_gemm._gemm_kernel, types,
+                   {"HAS_BIAS": True, "HAS_RES": True, "ACTIVATION": activation, "RES_AFTER": True,
+                    "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": config.block_m,
+                    "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m})
 
 
 def swiglu_gemm_cases():
@@ -111,13 +109,11 @@ def swiglu_gemm_cases():
                                           (128, 128, 64, 8, 3)):
             types = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "w_up_ptr", "bias_ptr", "res_ptr", "out_ptr")}
             types |= {name: "i32" for name in ("M", "H", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk")}
-            types["rms_eps"] = "fp32"
-            for rms in (False, True):
-                yield (f"swiglu_gemm {dtype} {bm}x{bn}x{bk}" + (" rms" if rms else ""), fused_gemm._swiglu_gemm_kernel,
-                       types, {"HAS_BIAS": True, "HAS_RES": True, "HAS_RMS": rms, "INPUT_PRECISION": "ieee",
-                               "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-                       {"options": {"num_warps": warps, "num_stages": stages},
-                        "divisible": ("x_ptr", "w_ptr", "w_up_ptr", "out_ptr", "K", "stride_xm", "stride_wn")})
+            yield (f"swiglu_gemm {dtype} {bm}x{bn}x{bk}", fused_gemm._swiglu_gemm_kernel, types,
+                   {"HAS_BIAS": True, "HAS_RES": True, "INPUT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
+                    "BLOCK_K": bk, "GROUP_M": 8},
+                   {"options": {"num_warps": warps, "num_stages": stages},
+                    "divisible": ("x_ptr", "w_ptr", "w_up_ptr", "out_ptr", "K", "stride_xm", "stride_wn")})
 
 
 def embedding_concat_cases():
@@ -226,8 +222,7 @@ CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases
 CASES["embedding_concat"] = embedding_concat_cases
-QUICK |= {"swiglu_gemm fp16 128x64x64", "swiglu_gemm bf16 16x64x64 rms", "embedding_concat fp16 ids i64",
-          "gemm fp16 Gelu 128x128x64 rms"}
+QUICK |= {"swiglu_gemm fp16 128x64x64", "swiglu_gemm bf16 16x64x64", "embedding_concat fp16 ids i64"}
 QUICK |= {"conv fp16 3x3 Relu +residual 128x128x64", "conv fp16 7x7 flat-K Relu 128x64x64",
           "conv bf16 1x1 GeluTanh +residual 128x128x64"}
 

@@ -50,14 +50,6 @@ def model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=opsets)
 
 
-def rms_norm_into_a_gemm_of_a_shared_weight() -> onnx.ModelProto:
-    """RMSNorm read by a GEMM whose weight another GEMM reads too (folding γ into it would store it twice)."""
-    nodes = [node("RMSNorm", ["x", "g"], ["n"], domain="kiln", axis=-1, epsilon=1e-5),
-             node("FusedGemm", ["n", "w"], ["y"], domain="kiln"), node("FusedGemm", ["x", "w"], ["z"], domain="kiln")]
-    return model(nodes, [value("x", [2, 8])], [value("y", [2, 6]), value("z", [2, 6])],
-                 [("g", randn(8)), ("w", randn(6, 8))])
-
-
 @dataclass
 class Case:
     """A graph the rule matches and refuses, and the words its reason must contain."""
@@ -457,8 +449,6 @@ CASES = {
                                     before=["fuse_gemm"]),
     "split_swiglu/uneven_split": Case("fuse_split_swiglu", merged_gated_mlp_split_unevenly,
                                       "does not halve the GEMM's last axis", before=["fuse_gemm"]),
-    "rms_norm_gemm/weight_shared": Case("fuse_rms_norm_into_gemm", rms_norm_into_a_gemm_of_a_shared_weight,
-                                        "not a 2-D constant of its own"),
     "parallel_gemm/weight_dtypes": Case("merge_parallel_gemms", parallel_gemms_of_two_dtypes,
                                         "differ in weight dtype"),
     "rotary/cos_of_another_tensor": Case("fuse_rotary", lambda: rotary(cos_of="z"), "x·cos of the same x"),

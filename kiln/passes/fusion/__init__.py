@@ -22,7 +22,6 @@ from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_lay
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
-from kiln.passes.fusion.rms_norm_gemm import fuse_rms_norm_into_gemm
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
@@ -51,7 +50,6 @@ RULES = [
     ("fuse_swiglu", fuse_swiglu),  # before merge_parallel_gemms: it would hide the up GEMM behind a Split
     ("fuse_split_swiglu", fuse_split_swiglu),  # a gate|up GEMM the model merged itself (Phi-3), then chunked
     ("merge_parallel_gemms", merge_parallel_gemms),
-    ("fuse_rms_norm_into_gemm", fuse_rms_norm_into_gemm),  # after the GEMMs are merged: one reader per norm
     ("fuse_rotary", fuse_rotary),
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
@@ -71,4 +69,4 @@ CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_p
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
-CUDA_RULES = {"fuse_quantized_residual", "fuse_rms_norm_into_gemm"}
+CUDA_RULES = {"fuse_quantized_residual"}

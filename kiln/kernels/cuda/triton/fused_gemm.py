@@ -47,8 +47,8 @@ GEMM_CONFIGS = (  # Hopper/Ampere-friendly tiles from Triton's matmul tutorial, 
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                 alpha, beta, rms_eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACTIVATION: tl.constexpr,
-                 RES_AFTER: tl.constexpr, HAS_RMS: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 alpha, beta, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACTIVATION: tl.constexpr,
+                 RES_AFTER: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -58,21 +58,15 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, s
     x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk  # [BM, BK]
     w_tile = w_ptr + rk[:, None] * stride_wk + rn[None, :].to(tl.int64) * stride_wn  # [BK, BN] = wᵀ tile
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)  # Σ x² of each row (HAS_RMS)
     for k in range(0, K, BLOCK_K):
         k_left = K - k
         a = tl.load(x_tile, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
         b = tl.load(w_tile, mask=(rk[:, None] < k_left) & (rn[None, :] < N), other=0.0)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        if HAS_RMS:
-            af = a.to(tl.float32)
-            squares += tl.sum(af * af, axis=1)
         x_tile += BLOCK_K * stride_xk
         w_tile += BLOCK_K * stride_wk
 
     # epilogue, on the fp32 tile in registers
-    if HAS_RMS:  # (x / rms(x))·W'ᵀ = (x·W'ᵀ) / rms(x): the row's norm as a scale of its finished sums
-        acc *= dm.reciprocal(dm.sqrt(squares / K + rms_eps))[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -86,15 +80,13 @@ def _gemm_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, stride_xm, s
 
 def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
          *, activation: str = "", alpha: float = 0.0, beta: float = 0.0, residual_after_activation: bool = True,
-         config: GemmConfig | None = None, allow_tf32: bool = False, rms_epsilon: float | None = None,
+         config: GemmConfig | None = None, allow_tf32: bool = False,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """act(x @ wᵀ + bias) + residual (or act(x @ wᵀ + bias + residual)), in x's dtype.
 
     x: [..., K]; w: [N, K] (any strides); bias: [N]; residual: broadcastable to [..., N].
     fp32 inputs multiply in full fp32 unless allow_tf32. config: one of GEMM_CONFIGS (default: the
-    largest whose tile the problem fills, a starting point only — time them). rms_epsilon: x RMS-normalised
-    over K first (kiln::RMSNormGemm, the norm's scale folded into w): each row's Σ x² gathers from the x tiles
-    the K loop loads anyway, and the finished row is scaled by 1 / sqrt(Σ x² / K + ε) before the bias.
+    largest whose tile the problem fills, a starting point only — time them).
     out_dtype: the output's dtype (default x's); float32 stores the fp32 tile as it is (an engine's fp32 output).
     """
     if activation not in dm.ACTIVATIONS:
@@ -109,7 +101,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
     out = torch.empty((*lead, n), dtype=out_dtype or x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    if k == 0:  # an empty sum: the epilogue alone (an empty row's norm is 0 / sqrt(ε) = 0 too)
+    if k == 0:  # an empty sum: the epilogue alone
         return bias_activation(out.zero_(), bias, residual, activation=activation, alpha=alpha, beta=beta,
                                residual_after_activation=residual_after_activation, inplace=True)
     x2 = x.reshape(-1, k)  # x2: [M, K]
@@ -128,9 +120,8 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
     _gemm_kernel[grid](
         x2, w, bias if bias is not None else x2, residual if residual is not None else x2, out, m, n, k,
         x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), float(alpha), float(beta),
-        float(rms_epsilon or 0.0), HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACTIVATION=activation,
-        RES_AFTER=bool(residual_after_activation), HAS_RMS=rms_epsilon is not None, INPUT_PRECISION=precision,
-        BLOCK_M=config.block_m,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACTIVATION=activation,
+        RES_AFTER=bool(residual_after_activation), INPUT_PRECISION=precision, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
@@ -138,8 +129,7 @@ def gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, res
 
 @triton.jit
 def _swiglu_gemm_kernel(x_ptr, w_ptr, w_up_ptr, bias_ptr, res_ptr, out_ptr, M, H, K, stride_xm, stride_xk, stride_wn,
-                        stride_wk, rms_eps, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_RMS: tl.constexpr,
-                        INPUT_PRECISION: tl.constexpr,
+                        stride_wk, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(H, BLOCK_N), GROUP_M)
 
@@ -151,25 +141,17 @@ def _swiglu_gemm_kernel(x_ptr, w_ptr, w_up_ptr, bias_ptr, res_ptr, out_ptr, M, H
     up_tile = w_up_ptr + rk[:, None] * stride_wk + rn[None, :].to(tl.int64) * stride_wn  # [BK, BN] = w_upᵀ tile
     gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    squares = tl.zeros([BLOCK_M], dtype=tl.float32)  # Σ x² of each row (HAS_RMS)
     for k in range(0, K, BLOCK_K):
         k_left = K - k
         a = tl.load(x_tile, mask=(rm[:, None] < M) & (rk[None, :] < k_left), other=0.0)
         w_mask = (rk[:, None] < k_left) & (rn[None, :] < H)
         gate = tl.dot(a, tl.load(gate_tile, mask=w_mask, other=0.0), gate, input_precision=INPUT_PRECISION)
         up = tl.dot(a, tl.load(up_tile, mask=w_mask, other=0.0), up, input_precision=INPUT_PRECISION)
-        if HAS_RMS:
-            af = a.to(tl.float32)
-            squares += tl.sum(af * af, axis=1)
         x_tile += BLOCK_K * stride_xk
         gate_tile += BLOCK_K * stride_wk
         up_tile += BLOCK_K * stride_wk
 
     # epilogue, on the two fp32 tiles in registers: silu(gate + b_gate) · (up + b_up) [+ residual]
-    if HAS_RMS:  # the row's RMS norm as a scale of its finished sums (see _gemm_kernel)
-        inv_rms = dm.reciprocal(dm.sqrt(squares / K + rms_eps))[:, None]
-        gate *= inv_rms
-        up *= inv_rms
     if HAS_BIAS:
         gate += tl.load(bias_ptr + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
         up += tl.load(bias_ptr + H + rn, mask=rn < H, other=0.0).to(tl.float32)[None, :]
@@ -183,13 +165,12 @@ def _swiglu_gemm_kernel(x_ptr, w_ptr, w_up_ptr, bias_ptr, res_ptr, out_ptr, M, H
 
 def swiglu_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None, *, config: GemmConfig | None = None,
-                allow_tf32: bool = False, rms_epsilon: float | None = None) -> torch.Tensor:
+                allow_tf32: bool = False) -> torch.Tensor:
     """silu(x @ w_gateᵀ + b_gate) · (x @ w_upᵀ + b_up) [+ residual]: kiln::FusedGemm's SwiGLU in one kernel.
 
     x: [..., K]; w: [2H, K] = [w_gate; w_up] (any strides); bias: [2H]; residual: broadcastable to [..., H].
     Each program accumulates the gate tile and the matching up tile side by side and stores only their
     gated product: the [..., 2H] GEMM output, which the unfused form writes and reads back, never exists.
-    rms_epsilon: x RMS-normalised over K first, as in `gemm`.
     """
     if x.dtype not in FLOAT_DTYPES or w.dtype != x.dtype:
         raise TypeError(f"triton swiglu_gemm: x and w must share a float16/bfloat16/float32 dtype, "
@@ -222,8 +203,7 @@ def swiglu_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
     precision = "tf32" if allow_tf32 and x.dtype == torch.float32 else "ieee"
     _swiglu_gemm_kernel[grid](
         x2, w, w[h:], bias if bias is not None else x2, residual if residual is not None else x2, out, m, h, k,
-        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), float(rms_epsilon or 0.0), HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, HAS_RMS=rms_epsilon is not None, INPUT_PRECISION=precision,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None, INPUT_PRECISION=precision, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out
