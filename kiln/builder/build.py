@@ -17,6 +17,7 @@ from kiln.builder.calibration import quantize, summarize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import value_dtype_name
 from kiln.builder.padding_free import Lowered, lower_precision_of, optimize_and_lower, packed_examples, value_shapes
+from kiln.builder.precision import write_float32_outputs
 from kiln.builder.profile_check import check_at_profile_ends
 from kiln.builder.profiles import resolve as resolve_profiles
 from kiln.builder.profiles import shapes_at
@@ -167,6 +168,10 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         # Precision: half-precision storage, fp32 accumulation inside the kernels.
         say(f"lowering precision to {storage}")
         io_casts = lower_precision_of(lowered, storage, set(config.layer_precision))
+        if config.device == "cuda":  # a GEMM making an fp32 output stores fp32 itself: no cast pass at the boundary
+            for lowered_program in (lowered.program, lowered.plain):
+                if lowered_program is not None:
+                    write_float32_outputs(lowered_program, storage, set(config.layer_precision))
     # Profiles: the shapes each input may take (the user's, else kiln's default for symbolic dims);
     # tactics are tuned at the first profile's opt shape.
     profiles = resolve_profiles(config.profiles, inputs, graph.graph, config.shapes)

@@ -72,13 +72,18 @@ def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations
 
 @register("FusedGemm", domain="kiln")
 def fused_gemm(ctx, x, w, b=None, residual=None, *, activation="", alpha=0.0, beta=0.0,
-               residual_after_activation=1):
+               residual_after_activation=1, output_float32=0):
     """x @ Wᵀ + b (W stored [N, K], pre-transposed at build, as torch.nn.functional.linear wants).
 
     activation "SwiGLU" (gate and up GEMMs of a gated MLP, W = [W_gate; W_up]) halves the last dim:
     y = silu(h[..., :H]) * h[..., H:], h = x @ Wᵀ + b, H = half of h's last dim; a residual, if any,
-    is added to y.
+    is added to y. output_float32 (a half-precision engine's layer writing its fp32 output, set by
+    kiln/builder/precision.py): the product and epilogue of the half inputs in fp32, stored fp32, where the
+    boundary would have cast the half result (a GEMM accumulates in fp32: its sums, not rounded to half).
     """
+    if output_float32:
+        x, w = x.float(), w.float()
+        b, residual = (None if t is None else t.float() for t in (b, residual))
     y = F.linear(x, w, b)  # x: [..., K], w: [N, K] -> y: [..., N]
     if activation == "SwiGLU":
         gate, up = y.chunk(2, dim=-1)  # [..., N/2] each, views of y

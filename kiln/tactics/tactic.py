@@ -95,12 +95,18 @@ class Tactic:
     native: bool = False  # its launch offers a NativeStep: it can run inside a native segment (runtime/native.py)
     available: Callable[[], bool] = field(default=lambda: True)  # the library is present in this torch
     description: str = ""
+    # it honours a GEMM's `output_float32` (kiln/builder/precision.py: the layer writing a half-precision engine's
+    # fp32 output stores fp32 itself, so the boundary has no cast pass); the others are refused such a layer
+    float32_output: bool = False
 
     def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         """True when this tactic may run `step` with these inputs, else the reason it may not."""
         if not self.available():
             why = _why_unavailable(self.available)
             return f"{self.name} is not available here" + (f": {why}" if why else " (not in this torch build)")
+        if step.attributes.get("output_float32") and not self.float32_output:
+            return (f"{self.name} stores its output in its inputs' dtype; this layer writes the engine's fp32 "
+                    "output itself (output_float32)")
         first = inputs[0] if inputs else None
         if first is None or first.dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)

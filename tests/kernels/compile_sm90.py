@@ -24,6 +24,7 @@ from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import elementwise, epilogue, fused_gemm, normalization
 from kiln.kernels.cuda.triton import pool
 from kiln.kernels.cuda.triton import conv
+from kiln.kernels.cuda.triton import embedding
 from kiln.tactics.cuda.attention import shared_memory_bound
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -98,6 +99,32 @@ def gemm_cases():
                    {"HAS_BIAS": True, "HAS_RES": True, "ACTIVATION": activation, "RES_AFTER": True,
                     "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "BLOCK_M": config.block_m,
                     "BLOCK_N": config.block_n, "BLOCK_K": config.block_k, "GROUP_M": config.group_m})
+
+
+def swiglu_gemm_cases():
+    """kiln/tactics/cuda/swiglu.py's configs: two accumulators per program (registers and shared memory twice a
+    plain tile's w share)."""
+    for dtype in ("fp16", "bf16"):
+        for bm, bn, bk, warps, stages in ((128, 64, 64, 8, 3), (64, 64, 64, 4, 3), (16, 64, 64, 2, 4),
+                                          (128, 128, 64, 8, 3)):
+            types = {name: f"*{dtype}" for name in ("x_ptr", "w_ptr", "w_up_ptr", "bias_ptr", "res_ptr", "out_ptr")}
+            types |= {name: "i32" for name in ("M", "H", "K", "stride_xm", "stride_xk", "stride_wn", "stride_wk")}
+            yield (f"swiglu_gemm {dtype} {bm}x{bn}x{bk}", fused_gemm._swiglu_gemm_kernel, types,
+                   {"HAS_BIAS": True, "HAS_RES": True, "INPUT_PRECISION": "ieee", "BLOCK_M": bm, "BLOCK_N": bn,
+                    "BLOCK_K": bk, "GROUP_M": 8},
+                   {"options": {"num_warps": warps, "num_stages": stages},
+                    "divisible": ("x_ptr", "w_ptr", "w_up_ptr", "out_ptr", "K", "stride_xm", "stride_wn")})
+
+
+def embedding_concat_cases():
+    for dtype in DTYPES:
+        for ids in ("i64", "i32"):
+            types = {"ids_ptr": f"*{ids}", "table_ptr": f"*{dtype}", "dense_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+            types |= {name: "*i64" for name in ("column_ptr", "offset_ptr", "vocab_ptr", "out_col_ptr")}
+            types |= {name: "i32" for name in ("N", "L", "D", "C", "dense_col", "stride_id_n", "stride_id_f",
+                                               "stride_dense_n", "stride_out_n")}
+            yield (f"embedding_concat {dtype} ids {ids}", embedding._embedding_concat_kernel, types,
+                   {"HAS_DENSE": True, "BLOCK_N": embedding.BLOCK_N, "BLOCK_D": 32, "BLOCK_C": 16})
 
 
 def pool_cases():
@@ -193,6 +220,9 @@ QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention bf16 128x128
           "attention fp16 64x64.w4s3 d80 bool-mask"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
+CASES["swiglu_gemm"] = swiglu_gemm_cases
+CASES["embedding_concat"] = embedding_concat_cases
+QUICK |= {"swiglu_gemm fp16 128x64x64", "swiglu_gemm bf16 16x64x64", "embedding_concat fp16 ids i64"}
 QUICK |= {"conv fp16 3x3 Relu +residual 128x128x64", "conv fp16 7x7 flat-K Relu 128x64x64",
           "conv bf16 1x1 GeluTanh +residual 128x128x64"}
 

@@ -319,3 +319,37 @@ def test_a_causal_mask_materialised_at_run_time_is_still_recognised(monkeypatch)
     assert node.attributes["is_causal"].value == 1
     assert len([v for v in node.inputs if v is not None]) == 1
     assert_same_as_onnxruntime(proto, feeds)
+
+
+def test_a_causal_mask_compared_from_positions_at_run_time_is_recognised(monkeypatch):
+    """transformers' sdpa mask at batch 8 x 512 (Phi-3, Qwen2 prefill), too large to fold:
+    Where(And(And(True, kv_idx <= q_idx), batch_idx == batch_idx), 0, min) over [B, 1, S, T] position grids."""
+    from kiln.passes import fold
+
+    monkeypatch.setattr(fold, "SIZE_LIMIT", 8)
+    b, s = 2, 6
+    proto, feeds = gpt2_attention(np.zeros((1, 1, s, s), np.float32))
+    kept = [t for t in proto.graph.initializer if t.name != "mask"]
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(kept)
+    positions = np.arange(s, dtype=np.int64)
+    batch = np.arange(b, dtype=np.int64)
+    grids = {"kv_idx": np.broadcast_to(positions[None, None, None, :], (b, 1, 1, s)).copy(),
+             "q_idx": np.broadcast_to(positions[None, None, :, None], (b, 1, s, 1)).copy(),
+             "b_row": np.broadcast_to(batch[:, None, None, None], (b, 1, s, 1)).copy(),
+             "b_col": np.broadcast_to(batch[:, None, None, None], (b, 1, 1, s)).copy(),
+             "ones": np.array(True), "zero": np.array(0.0, np.float32),
+             "low": np.array(np.finfo(np.float32).min, np.float32)}
+    from onnx import numpy_helper
+    proto.graph.initializer.extend(numpy_helper.from_array(v, k) for k, v in grids.items())
+    proto.graph.node.insert(0, helper.make_node("Where", ["keep", "zero", "low"], ["mask"]))
+    proto.graph.node.insert(0, helper.make_node("And", ["both", "same_batch"], ["keep"]))
+    proto.graph.node.insert(0, helper.make_node("Equal", ["b_row", "b_col"], ["same_batch"]))
+    proto.graph.node.insert(0, helper.make_node("And", ["ones", "le"], ["both"]))
+    proto.graph.node.insert(0, helper.make_node("LessOrEqual", ["kv_idx", "q_idx"], ["le"]))
+    model, report, ops = optimized(proto)
+    assert ops == {"kiln::Attention": 1}  # the mask's five steps are dead: the attention runs causal
+    node = model.graph.node(0)
+    assert node.attributes["is_causal"].value == 1
+    assert len([v for v in node.inputs if v is not None]) == 1
+    assert_same_as_onnxruntime(proto, feeds)

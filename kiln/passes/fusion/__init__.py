@@ -64,8 +64,9 @@ RULES = [
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
-             "fuse_packed_rotary", "fuse_split_swiglu",
              "fuse_relayout", "flatten_channels_last_runs"}
+# (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
+# the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
 CUDA_RULES = {"fuse_quantized_residual"}

@@ -34,8 +34,12 @@ RULE = "drop_empty_attention_mask"
 
 _MAX_DEPTH = 8
 # Elementwise ops a mask subgraph is made of: each commutes with broadcasting its inputs, so it may
-# be evaluated (by kiln's own op, as constant folding does) on the pre-broadcast constants.
-_ELEMENTWISE = frozenset({"Where", "Not", "And", "Or", "Equal", "Neg", "Add", "Sub", "Mul", "Cast"})
+# be evaluated (by kiln's own op, as constant folding does) on the pre-broadcast constants. The comparisons:
+# transformers' mask functions compare positions, kv_idx <= q_idx (LessOrEqual) for the causal triangle, and
+# at batch 8 x 512 the dynamo export's [8, 1, 512, 512] result is too large to fold (Phi-3, Qwen2 prefill):
+# without them the triangle went unrecognised and every layer's attention read a materialised mask.
+_ELEMENTWISE = frozenset({"Where", "Not", "And", "Or", "Equal", "Neg", "Add", "Sub", "Mul", "Cast",
+                          "Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 
 
 def broadcast_constant(value: ir.Value | None, depth: int = 0) -> np.ndarray | None:

@@ -12,7 +12,9 @@ The same numbers: qkv viewed as [B, S, H + 2·Hkv, D] rotates its first H + Hkv 
 with the cos/sin the two rotaries shared (one table for every head), and copies v's. Three steps of a
 Split's three outputs become one of one output, which a native segment can run (its members have one
 output each): the attention block of a Llama layer stays inside the segment loop.
-CPU only: measured there (kiln/tactics/cpu/rotary.py); the GPU runs what it was measured on.
+Both devices: the CPU's cpu.rotary.native and CUDA's cuda.rotary.triton rotate a packed q|k|v's first
+rotate_heads heads in one pass (on CUDA one kernel where the two Rotary layers were two), and the
+attention reads q, k and v as column views of the result (qkv_split).
 """
 
 from __future__ import annotations

@@ -14,8 +14,10 @@ Phi-3 exports the pair already merged (gate_up_proj, then chunk): `fuse_split_sw
     gate, up = Split(h, 2 equal halves, axis=-1), h = x·Wᵀ + b (a plain FusedGemm read only there)
     gate·sigmoid(gate)·up  ->  FusedGemm(x, W, b, activation="SwiGLU")
 
-W is already [W_gate; W_up]: the weight is reused as it is. CPU only (fusion.CPU_RULES): there kiln's
-GEMM gates the tiles (cpu.gemm.kiln_packed); no CUDA tactic does, and the GPU keeps what was measured there.
+W is already [W_gate; W_up]: the weight is reused as it is. Both devices: on the CPU kiln's GEMM gates
+the tiles (cpu.gemm.kiln_packed), on CUDA kiln/tactics/cuda/swiglu.py (one Triton GEMM with two
+accumulators, or cuBLAS and one gating kernel over the halves); the unfused form there was a GEMM, a Split
+and an Elementwise step per layer.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """CUDA tactics (loaded by kiln/tactics/registry.py for CUDA engines and CUDA builds only).
 
     library.py     cuBLAS/cuBLASLt GEMMs, cuDNN convolutions, SDPA backends, Triton elementwise/norms
+    gemm_padded.py a half GEMM of K or N not a multiple of 8 on zero-padded, aligned operands (cuBLAS)
+    swiglu.py      a gated MLP's gate|up GEMM (FusedGemm SwiGLU): cuBLAS + one gating kernel, or one Triton GEMM
     attention.py   kiln's Triton flash attention
     packed_attention.py  kiln::PackedAttention (padding-free encoders) on varlen flash attention
     pool.py        Triton NHWC pooling
@@ -18,6 +20,8 @@ when a tactic using it is prepared.
 
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cuda.library  # noqa: F401, I001
+import kiln.tactics.cuda.swiglu  # noqa: F401
+import kiln.tactics.cuda.gemm_padded  # noqa: F401
 import kiln.tactics.cuda.attention  # noqa: F401
 import kiln.tactics.cuda.packed_attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401

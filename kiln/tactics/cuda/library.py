@@ -318,6 +318,17 @@ def _prepare_gemm_addmm(step: StepSpec, constants: list[Any], device: torch.devi
     w = constants[1] if len(constants) > 1 else None
     zeros = torch.zeros(w.shape[0], dtype=w.dtype, device=device) if isinstance(w, torch.Tensor) else None
 
+    if _attr(step, "output_float32", 0):
+        def launch_float32(ctx, x, w, b=None, residual=None, **_attributes):
+            # cuBLAS's half GEMM storing its fp32 accumulator (aten::mm.dtype), the epilogue in fp32 after it
+            y2 = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)  # [M, N] fp32
+            if b is not None:
+                y2 += b.reshape(-1)
+            y = y2.view(*x.shape[:-1], w.shape[0])
+            return _epilogue(y, residual, activation, epilogue["alpha"], epilogue["beta"], after)
+
+        return launch_float32
+
     def launch(ctx, x, w, b=None, residual=None, **_attributes):
         x2 = x.reshape(-1, x.shape[-1])  # x2: [M, K]
         wt = w.t()  # [K, N], a view: cuBLAS reads it transposed
@@ -336,6 +347,17 @@ def _prepare_gemm_addmm(step: StepSpec, constants: list[Any], device: torch.devi
         return _epilogue(y, residual, act, epilogue["alpha"], epilogue["beta"], after)
 
     return launch
+
+
+def mm_stores_float32() -> bool:
+    """Whether this torch has aten::mm.dtype (a half GEMM storing fp32: CUDA, torch >= 2.8)."""
+    return "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _addmm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if _attr(step, "output_float32", 0) and not mm_stores_float32():
+        return "this torch has no aten::mm.dtype: cuBLAS cannot store the fp32 output directly"
+    return _gemm_supports(step, inputs, None)
 
 
 def _gemm_rows(inputs: list[InputMeta]) -> int:
@@ -358,15 +380,17 @@ def _triton_gemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int
         kernels = _kernels()
         config = kernels.GemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
         epilogue = _epilogue_args(step, 1)
+        out_dtype = torch.float32 if _attr(step, "output_float32", 0) else None
 
         def launch(ctx, x, w, b=None, residual=None, **_attributes):
-            return kernels.gemm(x, w, b, residual, config=config, **epilogue)  # [..., N], epilogue in registers
+            # [..., N], epilogue in registers
+            return kernels.gemm(x, w, b, residual, config=config, out_dtype=out_dtype, **epilogue)
 
         return launch
 
     return Tactic(
         name=name, op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_HALF, supports=supports,
-        prepare=prepare, level=level, available=triton_available,
+        prepare=prepare, level=level, available=triton_available, float32_output=True,
         description=f"Triton GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} stages, "
                     "bias/activation/residual applied to the tile before its one store",
     )
@@ -380,7 +404,7 @@ register(Tactic(
 ))
 register(Tactic(
     name="cuda.gemm.cublas_addmm_act", op_type="FusedGemm", domain="kiln", device="cuda", dtypes=_FLOAT,
-    supports=lambda step, inputs: _gemm_supports(step, inputs, None), prepare=_prepare_gemm_addmm,
+    supports=_addmm_supports, prepare=_prepare_gemm_addmm, float32_output=True,
     description="torch.addmm (bias in the GEMM); ReLU / tanh-GELU through torch._addmm_activation's cuBLASLt "
                 "epilogue; any other epilogue in place after it",
 ))
