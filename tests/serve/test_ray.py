@@ -90,10 +90,17 @@ def _start_cluster(attempts: int = 2) -> Cluster:
     raise AssertionError("unreachable")
 
 
+# The environment the cluster's processes inherit: loopback only; and Serve's proxy given a minute to come up
+# (its ready check waits 5 s, three misses in a row and the controller kills it: a fresh-clone CI on a 2-core
+# machine busy with other work once lost the whole module's setup that way, "the actor never ran")
+CLUSTER_ENV = {LOOPBACK: "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+               "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
 @pytest.fixture(scope="module")
 def cluster():
-    saved_env, saved_flag = os.environ.get(LOOPBACK), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[LOOPBACK] = "0"  # the nodes' processes inherit it
+    saved_env, saved_flag = {k: os.environ.get(k) for k in CLUSTER_ENV}, ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update(CLUSTER_ENV)  # the nodes' processes inherit it
     ray_constants.ENABLE_RAY_CLUSTER = False  # this process may have imported ray before
     local = None
     try:
@@ -110,10 +117,11 @@ def cluster():
             if local is not None:
                 local.shutdown()
             ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-            if saved_env is None:
-                os.environ.pop(LOOPBACK, None)
-            else:
-                os.environ[LOOPBACK] = saved_env
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _engine(engines: Path, name: str, build) -> Path:
