@@ -135,7 +135,7 @@ def non_negative(value: ir.Value) -> bool:
 def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
            unsigned: bool = False, weight_max: float | None = None,
            channel_means: dict[str, np.ndarray] | None = None,
-           lows: dict[str, float] | None = None) -> dict[str, str]:
+           lows: dict[str, float] | None = None, per_tensor_weights: bool = False) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -161,7 +161,11 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     al. 2019, "Data-Free Quantization", section 4.2). Rounding the weights shifts each output channel's
     mean by Σ (W_q - W)·E[x]; the layer's bias absorbs minus that, so the quantized layer's output has the
     float layer's mean (exact for 1x1 convolutions and GEMMs, off only at the padded border for larger
-    kernels)."""
+    kernels).
+
+    per_tensor_weights: one scale per weight (FP8 on CUDA): cuBLASLt's FP8 GEMM then applies x_scale·w_scale
+    itself and writes fp16 (row-wise scales write bfloat16 only). E4M3's 3-bit mantissa is relative, so a
+    channel 100x smaller than the largest still sits on normal values (4.5 of 448)."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -215,7 +219,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                 axis = {"axis": 1}
             dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
         t.node.replace_input_with(0, dq)
-        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax)
+        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, per_tensor_weights)
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
@@ -243,11 +247,11 @@ def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale
     return d.outputs[0]
 
 
-def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir.Value:
-    """DQ(W_q, s_w per output channel, 0): the weight stored quantized."""
+def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, per_tensor: bool = False) -> ir.Value:
+    """DQ(W_q, s_w per output channel (or one, per_tensor), 0): the weight stored quantized."""
     w = t.weight.const_value.numpy().astype(np.float32)
-    axes = tuple(a for a in range(w.ndim) if a != t.channel_axis)
-    amax = np.abs(w).max(axis=axes)  # one per output channel
+    axes = tuple(a for a in range(w.ndim) if a != t.channel_axis) if not per_tensor else None
+    amax = np.abs(w).max(axis=axes)  # one per output channel, or a scalar
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     shape = [1] * w.ndim
     shape[t.channel_axis] = -1
