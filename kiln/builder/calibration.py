@@ -165,6 +165,12 @@ def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
     return channel_max, record
 
 
+def per_tensor_fp8_weights(config) -> bool:
+    """FP8 weights on CUDA: one scale per weight, so that cuBLASLt's FP8 GEMM applies x_scale·w_scale itself and
+    writes fp16 (its row-wise scaling for per-channel scales writes bfloat16 only)."""
+    return config.precision == "fp8" and config.device == "cuda"
+
+
 def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Model, dict]:
     """The model with its quantized layers explicit (Q/DQ), and the header record of what was done.
 
@@ -234,7 +240,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
-    per_tensor_weights = dtype == "fp8" and config.device == "cuda"  # cuBLASLt's FP8 GEMM writes fp16 so
+    per_tensor_weights = per_tensor_fp8_weights(config)
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say, metric=config.accuracy_metric, unsigned=unsigned,

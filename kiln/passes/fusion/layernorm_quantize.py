@@ -19,8 +19,18 @@ import json
 
 import onnx_ir as ir
 
-from kiln.passes._rewrite import FUSED_FROM, KILN_DOMAIN, PassReport, attr, const, consumers, fused_from, is_op, \
-    replace_with
+from kiln.passes._rewrite import (
+    FUSED_FROM,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    consumers,
+    fused_from,
+    is_op,
+    replace_with,
+)
+from kiln.passes.fusion.qdq_propagate import quantized_type
 
 RULE = "fuse_layer_norm_quantize"
 QUANTIZED_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.INT8, ir.DataType.UINT8)
@@ -35,8 +45,8 @@ def _refusal(norm: ir.Node, quantize: ir.Node) -> str | None:
     scale, zero = const(quantize.inputs[1]), const(quantize.inputs[2])
     if scale is None or zero is None or scale.size != 1 or zero.size != 1:
         return "the quantization is not per tensor with constant scale and zero point"
-    if quantize.inputs[2].dtype not in QUANTIZED_TYPES:
-        return f"quantized to {quantize.inputs[2].dtype}: the kernel writes float8e4m3fn, int8 or uint8"
+    if quantized_type(quantize.inputs[2]) not in QUANTIZED_TYPES:
+        return f"quantized to {quantized_type(quantize.inputs[2])}: the kernel writes float8e4m3fn, int8 or uint8"
     if int(attr(quantize, "block_size", 0) or 0) or not int(attr(quantize, "saturate", 1)):
         return "blocked or non-saturating quantization"
     if float(scale.reshape(-1)[0]) <= 0:

@@ -23,7 +23,6 @@ from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_MAX_ROW = 8192  # qnorm.fits: the row is held in registers
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -39,8 +38,8 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         if p is not None and (p.dtype != x.dtype or math.prod(p.shape) != x.shape[-1]):
             return f"the {name} is not {x.shape[-1]} values of x's dtype"
     residual = _input(inputs, 3)
-    if residual is not None and (tuple(residual.shape) != tuple(x.shape) or residual.dtype != x.dtype):
-        return f"the residual {list(residual.shape)} is not of x's shape and dtype (no broadcasting)"
+    if residual is not None and (not kernels("qnorm").residual_broadcasts(residual.shape, x.shape) or residual.dtype != x.dtype):
+        return f"the residual {list(residual.shape)} is not x's {list(x.shape)} (or its trailing dims) in x's dtype"
     y_scale, y_zero = _input(inputs, 4), _input(inputs, 5)
     if y_scale is None or y_zero is None or not y_scale.constant or not y_zero.constant:
         return "the output scale and zero point are not constants of the engine"

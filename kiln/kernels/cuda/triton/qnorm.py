@@ -1,7 +1,7 @@
 """LayerNorm whose store quantizes (kiln::LayerNormQuantize): one pass over each row writes the 8-bit
 tensor the next quantized GEMMs read and, when asked, the float y for the residual path.
 
-    s   = x (+ residual, rounded to x's dtype as the unfused Add)
+    s   = x (+ residual, rounded to x's dtype as the unfused Add; the residual may repeat over leading dims)
     y   = (s − mean) / sqrt(var + eps) · γ + β        fp32 statistics, rounded to x's dtype
     y_q = saturate(round(y / y_scale) + y_zero)       int8 / uint8, or onto the E4M3 grid (qmath)
 
@@ -25,7 +25,7 @@ QUANTIZED_OUTPUTS = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
 @triton.jit
-def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, n, row_stride, r_row_stride, eps,
+def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, n, row_stride, r_row_stride, r_rows, eps,
                                 y_scale, y_zero, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                                 WRITE_Y: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
                                 BLOCK: tl.constexpr):
@@ -34,7 +34,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, n, row
     mask = cols < n
     x = tl.load(x_ptr + row * row_stride + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
     if HAS_R:
-        r = tl.load(r_ptr + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + (row % r_rows) * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(x_ptr.dtype.element_ty).to(tl.float32)
     xc = tl.where(mask, x - tl.sum(x, axis=0) / n, 0.0)
     rstd = 1.0 / tl.sqrt_rn(tl.sum(xc * xc, axis=0) / n + eps)
@@ -55,6 +55,15 @@ def fits(row: int) -> bool:
     return row <= MAX_ROW_BLOCK
 
 
+def residual_broadcasts(residual: tuple[int, ...] | list[int], x: tuple[int, ...] | list[int]) -> bool:
+    """Whether the residual is x's shape or x's trailing dims behind leading ones (BERT's position embeddings
+    [1, S, H] added to every sequence of [B, S, H]): its rows then repeat every residual.numel() / H rows of x."""
+    dims = list(residual)
+    while len(dims) > 1 and dims[0] == 1:
+        dims.pop(0)
+    return len(dims) <= len(x) and dims == list(x)[len(x) - len(dims):]
+
+
 def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                         y_scale: float, y_zero: float, out_dtype: torch.dtype, *, residual: torch.Tensor | None = None,
                         write_y: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,9 +72,9 @@ def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
         raise TypeError(f"triton layer_norm_quantize: x is float16/bfloat16/float32, got {x.dtype}")
     if out_dtype not in QUANTIZED_OUTPUTS:
         raise TypeError(f"triton layer_norm_quantize: the output is float8e4m3fn/int8/uint8, got {out_dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    if residual is not None and (not residual_broadcasts(residual.shape, x.shape) or residual.dtype != x.dtype):
         raise ValueError(f"triton layer_norm_quantize: the residual {residual.dtype}{list(residual.shape)} must have "
-                         f"x's dtype and shape {x.dtype}{list(x.shape)}")
+                         f"x's dtype and shape {x.dtype}{list(x.shape)} (or its trailing dims)")
     n = x.shape[-1] if x.dim() else 1
     if not fits(n):
         raise ValueError(f"triton layer_norm_quantize: rows of {n} elements; at most {MAX_ROW_BLOCK}")
@@ -81,7 +90,7 @@ def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
     out_kind = qmath.OUT_FP8 if out_dtype == torch.float8_e4m3fn else qmath.OUT_INT
     _layer_norm_quantize_kernel[(x2.shape[0],)](
         x2, w if w is not None else x2, b if b is not None else x2, r2, y if y is not None else q, q, n, x2.stride(0),
-        r2.stride(0), float(eps), float(y_scale), float(y_zero), HAS_W=w is not None, HAS_B=b is not None,
+        r2.stride(0), r2.shape[0], float(eps), float(y_scale), float(y_zero), HAS_W=w is not None, HAS_B=b is not None,
         HAS_R=residual is not None, WRITE_Y=write_y, OUT=out_kind, QMIN=qmin, QMAX=qmax, BLOCK=block,
         num_warps=warps)
     return q, y
