@@ -23,6 +23,7 @@ from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_ROW = 8192  # qnorm.fits: the row is held in registers
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
