@@ -1,4 +1,5 @@
-"""kiln::LayerNorm -> QuantizeLinear (per tensor) => one kiln::LayerNormQuantize writing the 8-bit tensor.
+"""kiln::LayerNorm (or ONNX LayerNormalization) -> QuantizeLinear (per tensor) => one kiln::LayerNormQuantize
+writing the 8-bit tensor.
 
     y = LayerNorm(x [+ residual])·γ + β;   y_q = QuantizeLinear(y, s, z)
         =>  y_q, [y] = LayerNormQuantize(x, γ, β, [residual], s, z)
@@ -39,7 +40,9 @@ QUANTIZED_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.INT8, ir.DataType.UINT8
 def _refusal(norm: ir.Node, quantize: ir.Node) -> str | None:
     """Why the QuantizeLinear cannot move into the LayerNorm's store (None: it can)."""
     if len(norm.outputs) != 1:
-        return "the LayerNorm also writes its residual sum"
+        return "the LayerNorm also writes its residual sum (or its mean / inverse deviation)"
+    if norm.domain == "" and int(attr(norm, "stash_type", 1)) != 1:
+        return "stash_type is not float32"
     if len(quantize.inputs) < 3 or quantize.inputs[2] is None:
         return "the QuantizeLinear has no zero point (its output type is implicit)"
     scale, zero = const(quantize.inputs[1]), const(quantize.inputs[2])
@@ -59,7 +62,7 @@ def fuse_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "QuantizeLinear"):
         return False
     norm = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if norm is None or not is_op(norm, "LayerNorm", domain=KILN_DOMAIN):
+    if not (is_op(norm, "LayerNorm", domain=KILN_DOMAIN) or is_op(norm, "LayerNormalization")):
         return False
     reason = _refusal(norm, node)
     if reason is not None:
