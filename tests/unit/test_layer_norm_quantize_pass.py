@@ -79,3 +79,55 @@ def test_the_fused_engine_is_the_unfused_one_on_the_reference_ops(tmp_path, monk
         want, got = engines[0].run(feed), engines[1].run(feed)
         for name in ("y", "y2"):
             assert np.array_equal(got[name], want[name]), name
+
+
+# ---- merge_parallel_gemms on kiln::QGemm: attention's Q, K, V projections of one fp8 input ---------------------
+
+def _qkv(shared_scale: bool) -> onnx.ModelProto:
+    """Q(x) -> DQ -> three MatMuls on DQ'd float8 weights (+ bias): what kiln's FP8 quantization writes."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(2)
+    nodes = [helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="xq"),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xdq"], name="xdq")]
+    inits = [numpy_helper.from_array(np.array(0.01, np.float32), "xs"),
+             helper.make_tensor("xz", F8, [], [0.0])]
+    outputs = []
+    for i, name in enumerate("qkv"):
+        w = rng.standard_normal((16, 8)).astype(np.float32)
+        scale = 0.004 if shared_scale else 0.004 * (i + 1)
+        wq = np.clip(w / scale, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        inits += [helper.make_tensor(f"w{name}", F8, [16, 8], wq.view(np.uint8).tobytes(), raw=True),
+                  numpy_helper.from_array(np.array(scale, np.float32), f"s{name}"),
+                  helper.make_tensor(f"z{name}", F8, [], [0.0]),
+                  numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), f"b{name}")]
+        nodes += [helper.make_node("DequantizeLinear", [f"w{name}", f"s{name}", f"z{name}"], [f"w{name}dq"],
+                                   name=f"w{name}dq"),
+                  helper.make_node("MatMul", ["xdq", f"w{name}dq"], [f"m{name}"], name=f"mm{name}"),
+                  helper.make_node("Add", [f"m{name}", f"b{name}"], [name], name=f"add{name}")]
+        outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 5, 8]))
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 16])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@pytest.mark.parametrize("shared_scale", [True, False], ids=["one weight scale", "three scales"])
+def test_quantized_gemms_of_one_input_merge_when_their_weight_scale_is_one(tmp_path, shared_scale):
+    import onnxruntime as ort
+
+    model = _qkv(shared_scale)
+    m = optimize(onnx_frontend.load(model), PassOptions())
+    gemms = [n for n in m.graph if n.op_type == "QGemm"]
+    assert m.meta["kiln.pass_report"].fired.get("merge_parallel_gemms", 0) == (1 if shared_scale else 0)
+    assert len(gemms) == (1 if shared_scale else 3)
+    path = str(tmp_path / "qkv.onnx")
+    onnx.save(model, path)
+    engine = kiln.build(path, device="cpu")
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    x = (np.random.default_rng(3).standard_normal((2, 5, 16)) * 0.5).astype(np.float32)
+    got, want = engine.run({"x": x}), dict(zip("qkv", session.run(None, {"x": x})))
+    for i, name in enumerate("qkv"):
+        # float outputs of exact fp8 products: fp32 rounding, and the bias kiln rounds to int32 at x_scale·w_scale
+        # (the QGemm contract, as QLinearMatMul's): half of that step
+        half_step = 0.5 * 0.01 * 0.004 * (1 if shared_scale else i + 1)
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=half_step + 1e-6)
