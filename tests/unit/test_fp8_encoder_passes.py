@@ -1,7 +1,13 @@
-"""fuse_layer_norm_quantize (kiln/passes/fusion/layernorm_quantize.py): a LayerNorm whose output a per-tensor
-QuantizeLinear reads becomes one kiln::LayerNormQuantize (CUDA builds). Structural: the rule fires once per such
-norm, no QuantizeLinear is left reading a norm, and the float y stays an output when something else reads it.
-Numerical: on the reference ops the fused engine is the unfused one bit for bit (the op is the pair)."""
+"""The graph side of the FP8 encoder (issue 12):
+
+- fuse_layer_norm_quantize (kiln/passes/fusion/layernorm_quantize.py): a LayerNorm whose output a per-tensor
+  QuantizeLinear reads becomes one kiln::LayerNormQuantize (CUDA builds). Structural: the rule fires once per
+  such norm, no QuantizeLinear is left reading a norm, the float y stays an output when something else reads it.
+  Numerical: on the reference ops the fused engine is the unfused one bit for bit (the op is the pair).
+- merge_parallel_gemms on kiln::QGemm (Q, K, V of one fp8 input with one weight scale): structural, and the
+  engine against onnxruntime on the same Q/DQ model.
+- half-precision storage: a quantized layer's float output is written in it (kiln/builder/precision.py).
+"""
 
 from __future__ import annotations
 
@@ -131,3 +137,19 @@ def test_quantized_gemms_of_one_input_merge_when_their_weight_scale_is_one(tmp_p
         # (the QGemm contract, as QLinearMatMul's): half of that step
         half_step = 0.5 * 0.01 * 0.004 * (1 if shared_scale else i + 1)
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=half_step + 1e-6)
+
+
+def test_half_precision_storage_writes_a_quantized_layers_float_output_in_half():
+    """An fp16 engine's QGemm with a float output wrote float32 (its output_dtype stayed 1): the next LayerNorm
+    then met fp32 x with fp16 γ (on the H200: "expected scalar type Float but found Half")."""
+    from kiln.builder.precision import lower_precision
+    from kiln.plan.spec import ProgramSpec, StepSpec
+
+    float_out = StepSpec(op_type="QGemm", name="g", inputs=["x", "xs", "xz", "w", "ws", "wz", "", "", "b"],
+                         outputs=["y"], attributes={"output_dtype": 1}, domain="kiln", output_dtypes=["float"])
+    quantized_out = StepSpec(op_type="QGemm", name="h", inputs=["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"],
+                             outputs=["z"], attributes={}, domain="kiln", output_dtypes=["float8e4m3fn"])
+    program = ProgramSpec(inputs=["x"], outputs=["y", "z"], steps=[float_out, quantized_out])
+    lower_precision(program, {}, "fp16")
+    assert float_out.attributes["output_dtype"] == 10 and float_out.output_dtypes == ["float16"]
+    assert quantized_out.output_dtypes == ["float8e4m3fn"]  # y_scale decides: the attribute is not read
