@@ -245,7 +245,10 @@ def layers_table(rows: list[dict]) -> list[str]:
 
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
-MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8")
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq")
+# kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
+# E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
+# writing fp8; the autotuner times each 8-bit layer against its fp16 form
 
 
 def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_types: list[str] | None) -> None:
@@ -310,7 +313,7 @@ def _profile(engine, dev: dict) -> dict:
     notes: dict[str, int] = {}
     for tuned in engine.plan.header.get("tactics", {}).get("layers", {}).values():
         for tactic, note in tuned.get("candidates", {}).items():
-            if isinstance(note, str) and tactic.startswith("cuda.q"):
+            if isinstance(note, str) and tactic.startswith(("cuda.q", "cuda.layer_norm_quantize")):
                 short = f"{tactic.rsplit('.', 1)[0] if 'triton' in tactic else tactic}: {note[:90]}"
                 notes[short] = notes.get(short, 0) + 1
     # the QConvs with a fused residual (inputs 9-13): the tuner's times of the fused epilogue, the unfused pair
@@ -323,10 +326,22 @@ def _profile(engine, dev: dict) -> dict:
             times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
                      if not isinstance(v, str)}
             residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
+    # the FP8 encoder's first block (LayerNormQuantize, q/k/v, attention output, LayerNormQuantize, FFN up + Gelu,
+    # FFN down): every candidate's time, so that scaled_mm_half / scaled_mm_direct / Triton / the fp16 layer
+    # (dequantized) are read side by side (the tuner's times repeat for the other blocks: same shapes)
+    encoder: dict[str, dict] = {}
+    for step in engine.plan.program.steps:
+        if step.op_type in ("QGemm", "LayerNormQuantize") and step.name in tuned_layers and len(encoder) < 8:
+            candidates = tuned_layers[step.name]["candidates"]
+            times = {k.removeprefix("cuda."): round(v, 4) for k, v in candidates.items() if not isinstance(v, str)}
+            activation = step.attributes.get("activation", "")
+            encoder[f"{step.op_type}{' ' + activation if activation else ''} {step.name[-20:]}"] = \
+                dict(sorted(times.items(), key=lambda t: t[1]))
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
                         for layer in slowest],
-            "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual}
+            "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual,
+            "encoder_layers_ms": encoder}
 
 
 def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> dict:
@@ -361,6 +376,10 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
              "profiles": [{k: [shape, shape, shape] for k, shape in shapes.items()}]}
     if mode == "kiln_fp16":
         engine = kiln.build(path, precision=HALF, **build)
+    elif mode == "kiln_fp8_ptq":
+        calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
+        # max calibration, as TensorRT's FP8 PTQ (ModelOpt) does: E4M3's range is wide, clipping buys little
+        engine = kiln.build(path, precision="fp8", calibration=calibration, calibrator="minmax", **build)
     else:
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
@@ -370,13 +389,16 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         engine = kiln.build(qdq, precision=HALF, **build)  # float layers between the 8-bit ones in fp16
     row["build_s"] = time.perf_counter() - start
     steps = engine.plan.program.steps
-    quantized = [s for s in steps if s.op_type in ("QConv", "QGemm", "QAdd")]
-    row["layers"] = f"{sum(s.tactic.startswith('cuda.q') for s in quantized)}/{len(quantized)} on 8-bit kernels"
+    quantized = [s for s in steps if s.op_type in ("QConv", "QGemm", "QAdd", "LayerNormQuantize")]
+    row["layers"] = f"{sum(s.tactic.startswith(('cuda.q', 'cuda.layer_norm_quantize')) for s in quantized)}/" \
+                    f"{len(quantized)} on 8-bit kernels"
     ctx = engine.create_execution_context()
     got = next(iter(ctx.run(dev).values()))
     row["accuracy"] = _accuracy(name, got, want)
     row["ms"] = _median_ms(lambda: ctx.run(dev))
     row["cuda_graphs"] = bool(getattr(getattr(ctx, "runner", None), "use_graphs", False))
+    if mode == "kiln_fp8_ptq":
+        row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
     if mode in ("kiln_int8", "kiln_fp8"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)

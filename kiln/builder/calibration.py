@@ -165,6 +165,12 @@ def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
     return channel_max, record
 
 
+def per_tensor_fp8_weights(config) -> bool:
+    """FP8 weights on CUDA: one scale per weight, so that cuBLASLt's FP8 GEMM applies x_scale·w_scale itself and
+    writes fp16 (its row-wise scaling for per-channel scales writes bfloat16 only)."""
+    return config.precision == "fp8" and config.device == "cuda"
+
+
 def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Model, dict]:
     """The model with its quantized layers explicit (Q/DQ), and the header record of what was done.
 
@@ -172,8 +178,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     where they cannot be negative; 7-bit weights on a CPU without VNNI, whose kernels would otherwise
     saturate); the optimizer fuses each into a kiln::QConv/QGemm and the autotuner times its int8 kernel
     against its float layer (dequantize, float kernel, quantize), so a layer runs int8 only where that
-    is faster; the header then says per layer what ran and why (`summarize`). "auto" on CUDA: no int8/FP8
-    kernel there yet, every layer stays float and the record says so. "emulate": quantize every
+    is faster; the header then says per layer what ran and why (`summarize`). "auto" on CUDA with fp8: the
+    same for the FP8 kernels (cuBLASLt's FP8 GEMM, Triton), weights per tensor (qdq.insert); int8 on CUDA:
+    no layer is quantized (cuBLASLt int8 is slower than fp16 at these shapes) and the record says so. "emulate": quantize every
     Conv/Gemm/MatMul and run it as its kernel would (quantized inputs, wide accumulation) on any
     device: the accuracy an INT8/FP8 deployment will have, measured here.
 
@@ -186,7 +193,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
     model = optimize(model, PassOptions(opt_level=config.opt_level, verify=config.verify, fusions=False))
     layers = [t.node.name for t in qdq.targets(model.graph, exclude)]
-    kernels = config.quantization == "auto" and config.device == "cpu" and dtype == "int8"
+    cpu_kernels = config.quantization == "auto" and config.device == "cpu" and dtype == "int8"
+    # CUDA's FP8 GEMMs (kiln/tactics/cuda/quant_gemm.py): every layer quantized, each timed against its fp16 layer
+    kernels = cpu_kernels or (config.quantization == "auto" and config.device == "cuda" and dtype == "fp8")
     if config.quantization == "auto" and not kernels:
         kept = "fp16" if config.device == "cuda" else "fp32"
         note = (f"{dtype}: no {dtype} kernel on {config.device} in this kiln yet; the {len(layers)} quantizable "
@@ -207,7 +216,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # int8 kernels read (and CUDA's take), so what "emulate" measures too
     unsigned = dtype == "int8"
     # the CPU's int8 kernels: post-activation residual Adds between quantized layers are quantized too
-    adds = residual.plan(model.graph, exclude) if kernels else []
+    adds = residual.plan(model.graph, exclude) if cpu_kernels else []
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     # int8: the activations' smallest values, so that a mostly non-negative one (a Gelu's) is uint8 with a zero point
@@ -230,7 +239,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         if not evaluation:
             raise KilnError("--accuracy-target measures the error on calibration data: give it (--calib)")
     # the int8 kernels of a CPU without VNNI: 7-bit weights (any two products with a uint8 activation fit int16)
-    weight_max = 64.0 if kernels and not has_int8_dot_product() else None
+    weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
+    per_tensor_weights = per_tensor_fp8_weights(config)
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say, metric=config.accuracy_metric, unsigned=unsigned,
@@ -239,13 +249,13 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
-                         channel_means=channel_means, lows=lows)
+                         channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
-                   "weights": f"{'7' if weight_max else '8'}-bit per channel"
+                   "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kiln.ops.quantized import QUANTIZED_LAYERS
 from kiln.plan.spec import ProgramSpec
 
 HALF = {"fp16": (torch.float16, "float16", 10), "bf16": (torch.bfloat16, "bfloat16", 16)}
@@ -49,6 +50,11 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
             continue
         if step.op_type == "Cast" and step.attributes.get("to") == FLOAT_ID:
             step.attributes["to"] = onnx_id
+        if step.domain == "kiln" and step.op_type in QUANTIZED_LAYERS and \
+                step.attributes.get("output_dtype", FLOAT_ID) == FLOAT_ID:
+            # a quantized layer's float output (no y_scale: a float reader) is written in the storage dtype: a
+            # float32 one would meet half-precision weights in its readers (a LayerNorm's γ)
+            step.attributes["output_dtype"] = onnx_id
         for attr in ("dtype",):
             if step.attributes.get(attr) == FLOAT_ID and step.op_type in (
                 "RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "EyeLike", "Multinomial"

@@ -58,15 +58,19 @@ that one step and no more.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kiln.ir import dtypes
 from kiln.ops.fused import _activate_
+from kiln.ops.fused import layer_norm as _layer_norm
 from kiln.ops.nn import _conv, _conv_params
 from kiln.ops.quantization import _param, quantize_linear
 from kiln.ops.registry import register
 
 QUANTIZED_LAYERS = ("QConv", "QGemm", "QAdd")
+LAYER_NORM_QUANTIZE_OPS = ("LayerNormQuantize",)
 
 
 def _real(q: torch.Tensor, scale: torch.Tensor, zero_point, axis: int = 0,
@@ -163,3 +167,13 @@ def qadd(ctx, a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale=None, 
     r = _real(a, a_scale, a_zero_point) * a_scale.to(torch.float64) + \
         _real(b, b_scale, b_zero_point) * b_scale.to(torch.float64)
     return _output(ctx, _activate(r, activation, alpha, beta), y_scale, y_zero_point, output_dtype)
+
+
+@register("LayerNormQuantize", domain="kiln")
+def layer_norm_quantize(ctx, x, scale=None, bias=None, residual=None, y_scale=None, y_zero_point=None, *, axis=-1,
+                        epsilon=1e-5):
+    """kiln::LayerNorm then a per-tensor QuantizeLinear of its output (kiln/passes/fusion/layernorm_quantize.py):
+    outputs (y_q, [y]); y in x's dtype is what is quantized, as the unfused QuantizeLinear reads it."""
+    y = _layer_norm(dataclasses.replace(ctx, num_outputs=1), x, scale, bias, residual, axis=axis, epsilon=epsilon)
+    y_q = quantize_linear(ctx, y, y_scale, y_zero_point)
+    return (y_q, y) if ctx.num_outputs == 2 else y_q

@@ -135,7 +135,7 @@ def non_negative(value: ir.Value) -> bool:
 def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
            unsigned: bool = False, weight_max: float | None = None,
            channel_means: dict[str, np.ndarray] | None = None,
-           lows: dict[str, float] | None = None) -> dict[str, str]:
+           lows: dict[str, float] | None = None, per_tensor_weights: bool = False) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -161,7 +161,13 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     al. 2019, "Data-Free Quantization", section 4.2). Rounding the weights shifts each output channel's
     mean by Σ (W_q - W)·E[x]; the layer's bias absorbs minus that, so the quantized layer's output has the
     float layer's mean (exact for 1x1 convolutions and GEMMs, off only at the padded border for larger
-    kernels)."""
+    kernels).
+
+    per_tensor_weights: one scale per weight (FP8 on CUDA): cuBLASLt's FP8 GEMM then applies x_scale·w_scale
+    itself and writes fp16 (row-wise scales write bfloat16 only). E4M3's 3-bit mantissa is relative, so a
+    channel 100x smaller than the largest still sits on normal values (4.5 of 448). The layers reading one
+    activation (attention's Q, K and V projections) share the scale of their largest weight, so that they
+    merge into one GEMM (kiln/passes/fusion/parallel_gemm.py)."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -169,6 +175,10 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     model.opset_imports[""] = max(model.opset_imports.get("", 13), 19 if dtype == "fp8" else 13)
     skipped: dict[str, str] = {}
     pairs: dict[str, ir.Value] = {}  # activation name -> its dequantized value
+    shared_amax: dict[str, float] = {}  # per_tensor_weights: activation name -> the largest |w| of its readers
+    for t in targets(graph, exclude) if per_tensor_weights else ():
+        w_max = float(np.abs(t.weight.const_value.numpy()).max(initial=0.0))
+        shared_amax[t.activation.name] = max(shared_amax.get(t.activation.name, 0.0), w_max)
     for t in targets(graph, exclude):
         amax = ranges.get(t.activation.name)
         if amax is None:
@@ -215,7 +225,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                 axis = {"axis": 1}
             dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
         t.node.replace_input_with(0, dq)
-        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax)
+        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name))
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
@@ -243,11 +253,12 @@ def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale
     return d.outputs[0]
 
 
-def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float) -> ir.Value:
-    """DQ(W_q, s_w per output channel, 0): the weight stored quantized."""
+def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tensor_amax: float | None = None) -> ir.Value:
+    """DQ(W_q, s_w per output channel, 0): the weight stored quantized; with `tensor_amax`, one scale
+    tensor_amax / qmax for the whole weight."""
     w = t.weight.const_value.numpy().astype(np.float32)
     axes = tuple(a for a in range(w.ndim) if a != t.channel_axis)
-    amax = np.abs(w).max(axis=axes)  # one per output channel
+    amax = np.abs(w).max(axis=axes) if tensor_amax is None else np.asarray(tensor_amax)  # per channel, or one
     scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
     shape = [1] * w.ndim
     shape[t.channel_axis] = -1

@@ -268,6 +268,8 @@ def accumulation_eps(name: str, layer: Layer, device: str = "cpu") -> float:
     fp8 = layer.args[0].dtype == FP8
     if name.endswith("dequantized") or name.endswith("dequantized.fp16"):
         return 2.0**-9  # fp16 x, w and r (2^-11 relative each), cuBLAS's reduced-precision fp16 reductions
+    if name.endswith("scaled_mm_half"):
+        return 2.0**-8  # the product written in bf16 (per-channel scales: 2^-9 relative) or fp16, then the pass
     if fp8 and device == "cuda":
         return 2.0**-12  # Hopper's FP8 tensor cores add a K step's products with ~14 bits (promoted per step)
     if fp8 or name.endswith("fp32"):

@@ -138,6 +138,33 @@ def cases():
                {"OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False,
                 "BLOCK": qelementwise.SAME_LAYOUT_BLOCK}, {"num_warps": 8}, ("x_ptr", "out_ptr", "numel"), None, True)
 
+    # the FP8 encoder (issue 12): the FFN up projection's Gelu before its fp8 store, in the GEMM and in
+    # scaled_mm_half's pass over cuBLASLt's fp16 product; the LayerNorm whose store writes fp8 (and fp16 y)
+    from kiln.kernels.cuda.triton import qnorm
+    c = {g.name: g for g in qgemm.QGEMM_CONFIGS}["128x256x128"]
+    types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "bias_ptr": "*fp32", "scale_ptr": "*fp32",
+             "out_ptr": "*fp8e4nv", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+    types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
+    yield ("qgemm fp8 -> fp8 Gelu 128x256x128", qgemm._qgemm_kernel, types,
+           {"FP8": True, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
+            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m},
+           {"num_warps": c.num_warps, "num_stages": c.num_stages},
+           ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
+           WGMMA_FP8.format(256), True)
+    types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "numel": "i32",
+             "inner": "i32", "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+    yield ("requantize fp16 -> fp8 Gelu", qelementwise._requantize_kernel, types,
+           {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "INDEX64": False} | block,
+           {"num_warps": 4}, ("acc_ptr", "out_ptr"), None, True)
+    for write_y in (True, False):
+        types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
+                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "eps": "fp32",
+                 "y_scale": "fp32", "y_zero": "fp32"}
+        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ''} 768", qnorm._layer_norm_quantize_kernel,
+               types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
+                       "QMAX": 0, "BLOCK": 1024}, {"num_warps": 4},
+               ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"), None, True)
+
 
 def main() -> None:
     from tests.kernels.compile_sm90 import SHARED_MEMORY_LIMIT, compile_kernel

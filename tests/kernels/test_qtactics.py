@@ -49,6 +49,7 @@ GEMM_CASES = [  # (tactic, x dtype, output dtype)
     *[("cuda.qgemm.int_mm", x, out) for x in (I8, U8) for out in (I8, U8, FP8, F32)],
     *[("cuda.qgemm.scaled_mm", FP8, out) for out in (I8, FP8, F32, BF16)],
     ("cuda.qgemm.scaled_mm_direct", FP8, BF16), ("cuda.qgemm.scaled_mm_direct", FP8, F32),
+    ("cuda.qgemm.scaled_mm_half", FP8, FP8), ("cuda.qgemm.scaled_mm_half", FP8, I8),
     *[("cuda.qgemm.dequantized", x, out) for x, out in ((I8, I8), (U8, FP8), (FP8, FP8))],
 ]
 
@@ -58,6 +59,15 @@ def test_qgemm_tactic_matches_the_reference(name, x_dtype, out):
     # the direct FP8 GEMM writes fp32 only with one weight scale (cuBLASLt's row-wise scaling writes bf16)
     layer = gemm_layer(x_dtype, out, per_channel=not (name.endswith("direct") and out == F32))
     check_tactic(name, layer)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor (fp16)", "per-channel (bf16)"])
+@pytest.mark.parametrize("activation", ["Gelu", "GeluTanh", "Clip"])
+@pytest.mark.parametrize("name", [TRITON_GEMM, "cuda.qgemm.scaled_mm_half", "cuda.qgemm.scaled_mm"])
+def test_fp8_gemm_with_an_activation_before_its_fp8_output(name, activation, per_channel):
+    """An FFN up projection: Gelu, then the quantization its fp8 output (the down projection's input) needs."""
+    layer = gemm_layer(FP8, FP8, per_channel=per_channel, activation=activation, seed=5)
+    check_tactic(name, layer, what=f"{activation} per_channel={per_channel}")
 
 
 @pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])
@@ -92,8 +102,8 @@ def test_qgemm_refusals():
     mixed.args[3] = mixed.args[3].to(torch.float32).to(FP8)  # int8 activations with FP8 weights
     assert "multiply int8 by int8" in refusal(TRITON_GEMM, mixed)
     clipped = gemm_layer(I8, I8)
-    clipped.attributes["activation"] = "Gelu"
-    assert "activation 'Gelu'" in refusal(TRITON_GEMM, clipped)
+    clipped.attributes["activation"] = "Sigmoid"  # Gelu is taken (an FFN's up projection)
+    assert "activation 'Sigmoid'" in refusal(TRITON_GEMM, clipped)
 
 
 def test_asymmetric_weights_are_refused_at_prepare():

@@ -376,6 +376,15 @@ def qdq_conv_relu_residual():
     return model(nodes, [value("x", [1, 3, 6, 6]), value("r", [1, 4, 6, 6])], [value("y", [1, 4, 6, 6], U8)], inits)
 
 
+def layer_norm_then_per_channel_quantize():
+    """LayerNormalization -> QuantizeLinear with one scale per channel: the fused store takes one per tensor."""
+    inits = [("g", np.ones(8, np.float32)), ("b", np.zeros(8, np.float32)),
+             ("s", np.full(8, 0.02, np.float32)), ("z", np.zeros(8, np.uint8))]
+    nodes = [node("LayerNormalization", ["x", "g", "b"], ["ln"], axis=-1),
+             node("QuantizeLinear", ["ln", "s", "z"], ["y"], axis=-1)]
+    return model(nodes, [value("x", [2, 8])], [value("y", [2, 8], U8)], inits)
+
+
 def qdq_concat_of_two_scales():
     n1, i1 = _quantize("a", 0.05, "a")
     n2, i2 = _quantize("b", 0.07, "b")
@@ -493,6 +502,8 @@ CASES = {
     "attention_mask_broadcast/mask_from_an_input": Case("attention_mask_broadcast", lambda: attention("add_input"),
                                                         None, before=["fuse_attention"]),
     "elementwise/intermediate_is_an_output": Case("fuse_elementwise", elementwise_chain_read_midway, None),
+    "layer_norm_quantize/per_channel": Case("fuse_layer_norm_quantize", layer_norm_then_per_channel_quantize,
+                                            "not per tensor"),
 }
 
 

@@ -16,6 +16,7 @@ from kiln.passes.fusion.gelu import fuse_gelu
 from kiln.passes.fusion.gemm import fuse_gemm
 from kiln.passes.fusion.global_pool import pool_as_global_mean
 from kiln.passes.fusion.layernorm import fuse_layer_norm
+from kiln.passes.fusion.layernorm_quantize import fuse_layer_norm_quantize
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
@@ -57,6 +58,7 @@ RULES = [
     ("drop_empty_attention_mask", drop_empty_attention_mask),
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
+    ("fuse_layer_norm_quantize", fuse_layer_norm_quantize),  # after the residual joins the norm: Q in its store
     ("fuse_elementwise", fuse_elementwise),
     ("fuse_relayout", fuse_relayout),  # last: the rules above match Transposes and Reshapes of their own
     ("flatten_channels_last_runs", flatten_channels_last_runs),  # reads fuse_relayout's Relayouts
@@ -69,4 +71,4 @@ CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_p
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
-CUDA_RULES = {"fuse_quantized_residual"}
+CUDA_RULES = {"fuse_quantized_residual", "fuse_layer_norm_quantize"}

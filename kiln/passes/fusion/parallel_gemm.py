@@ -6,6 +6,11 @@ The Q, K and V projections of attention read one normalised input: one larger GE
 one launch instead of three and uses the device better; the Split is views (no copy), and
 the attention absorbs it when Q, K and V go straight in (`absorb_attention_reshapes`).
 Only plain layers merge (no activation, no residual): the epilogues must be the same.
+
+kiln::QGemm layers (FP8/INT8, kiln/ops/quantized.py) merge the same way when they read one quantized x with
+one x_scale and zero point, write float of one dtype, and share one per-tensor weight scale (kiln's FP8
+quantization gives the weights of one input a common scale, kiln/quant/qdq.py): the int32 biases are at the
+same scale x_scale·w_scale, so weights and biases concatenate as they are.
 """
 
 from __future__ import annotations
@@ -33,7 +38,51 @@ def _plain(node: ir.Node, x: ir.Value) -> bool:
         and attr(node, "activation", "") == "" and const(node.inputs[1]) is not None
 
 
+def _plain_quantized(node: ir.Node, x: ir.Value, first: ir.Node) -> bool:
+    """A QGemm reading x as `first` does (same scale and zero point values), float output of the same type, no
+    activation, constant weight and one weight scale equal to `first`'s."""
+    if not is_op(node, "QGemm", domain=KILN_DOMAIN) or node.inputs[0] is not x:
+        return False
+    inputs = list(node.inputs) + [None] * (9 - len(node.inputs))
+    if inputs[6] is not None or inputs[7] is not None or attr(node, "activation", "") != "":
+        return False
+    if inputs[1] is not first.inputs[1] or inputs[2] is not first.inputs[2]:
+        return False
+    if attr(node, "output_dtype", 1) != attr(first, "output_dtype", 1):
+        return False
+    w, scale, zero = const(inputs[3]), const(inputs[4]), const(inputs[5])
+    first_scale = const(first.inputs[4])
+    return w is not None and scale is not None and zero is not None and scale.size == 1 and \
+        first_scale is not None and first_scale.size == 1 and float(scale.reshape(-1)[0]) == \
+        float(first_scale.reshape(-1)[0]) and not zero.any()
+
+
+def _merge_quantized(node: ir.Node, x: ir.Value) -> bool:
+    group = [n for n in dict.fromkeys(u.node for u in x.uses()) if _plain_quantized(n, x, node)]
+    if node not in group or group[0] is not node or len(group) < 2:
+        return False
+    weights = [const(n.inputs[3]) for n in group]
+    if len({(w.dtype, w.shape[1]) for w in weights}) != 1:
+        return False
+    widths = [w.shape[0] for w in weights]
+    biases = [const(n.inputs[8]) if len(n.inputs) > 8 and n.inputs[8] is not None else None for n in group]
+    if any(len(n.inputs) > 8 and n.inputs[8] is not None and b is None for n, b in zip(group, biases)):
+        return False  # a bias computed at run time
+    graph = node.graph
+    inputs = list(node.inputs[:3]) + [
+        new_initializer(graph, f"{node.inputs[3].name}_merged", np.concatenate(weights, axis=0)),
+        node.inputs[4], node.inputs[5], None, None]
+    inputs.append(None if all(b is None for b in biases) else new_initializer(
+        graph, f"{node.name}_bias_merged",
+        np.concatenate([np.zeros(n, np.int32) if b is None else b.reshape(n) for b, n in zip(biases, widths)])))
+    merged = ir.Node(KILN_DOMAIN, "QGemm", inputs, list(node.attributes.values()), name=f"{node.name}_merged")
+    _split_into(node, group, merged, widths)
+    return True
+
+
 def merge_parallel_gemms(node: ir.Node, report: PassReport) -> bool:
+    if is_op(node, "QGemm", domain=KILN_DOMAIN):
+        return _merge_quantized(node, node.inputs[0])
     if not is_op(node, "FusedGemm", domain=KILN_DOMAIN):
         return False
     x = node.inputs[0]
@@ -55,6 +104,13 @@ def merge_parallel_gemms(node: ir.Node, report: PassReport) -> bool:
                                for b, n in zip(biases, widths)])
         inputs.append(new_initializer(graph, f"{node.name}_bias_merged", bias.astype(weights[0].dtype)))
     merged = ir.Node(KILN_DOMAIN, "FusedGemm", inputs, list(node.attributes.values()), name=f"{node.name}_merged")
+    _split_into(node, group, merged, widths)
+    return True
+
+
+def _split_into(node: ir.Node, group: list[ir.Node], merged: ir.Node, widths: list[int]) -> None:
+    """`merged` in place of `group`, its output split back into theirs along the last axis."""
+    graph = node.graph
     record_absorbed(merged, group)
     out = merged.outputs[0]
     out.type = group[0].outputs[0].type
@@ -77,4 +133,3 @@ def merge_parallel_gemms(node: ir.Node, report: PassReport) -> bool:
         old.outputs[0].name = f"{name}__merged"
         new.name = name
     graph.remove(group, safe=True)
-    return True

@@ -12,7 +12,8 @@
     embedding.py   kiln::EmbeddingConcat from one stacked table
     cudnn.py       cuDNN graph API fused conv/matmul/norm (when nvidia-cudnn-frontend imports)
     quant_*.py     kiln::QGemm / QConv / QAdd: INT8/FP8 GEMMs and convolutions (Triton, cuBLASLt) and the
-                   float layer on dequantized values, with the requantizing epilogue fused
+                   float layer on dequantized values, with the requantizing epilogue fused;
+                   kiln::LayerNormQuantize (quant_norm.py): the norm's store writes the 8-bit tensor
 
 None of them imports triton or cuDNN's frontend at import time: a kernel's library is imported
 when a tactic using it is prepared.
@@ -34,3 +35,4 @@ import kiln.tactics.cuda.quant_gemm  # noqa: F401
 import kiln.tactics.cuda.quant_conv  # noqa: F401
 import kiln.tactics.cuda.quant_add  # noqa: F401
 import kiln.tactics.cuda.quant_linear  # noqa: F401
+import kiln.tactics.cuda.quant_norm  # noqa: F401

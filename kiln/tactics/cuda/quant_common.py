@@ -31,6 +31,7 @@ INT8_INPUTS = (torch.int8, torch.uint8)
 QUANTIZED = (torch.int8, torch.uint8, FP8)
 FLOAT_OUTPUTS = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}  # output_dtype (ONNX enum) -> torch
 ACTIVATIONS = ("", "Relu", "Clip")
+GEMM_ACTIVATIONS = ACTIVATIONS + ("Gelu", "GeluTanh")  # a QGemm's epilogue (no prescaled kernel there)
 _CONSTANTS = ((1, "x_scale"), (2, "x_zero_point"), (3, "w"), (4, "w_scale"), (5, "w_zero_point"))
 
 
@@ -62,8 +63,9 @@ def output_dtype(step: StepSpec, inputs: list[InputMeta]) -> torch.dtype | str:
     return FLOAT_OUTPUTS[kind]
 
 
-def check_layer(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
-    """What every CUDA kernel of a QConv (w_rank 4) / QGemm (w_rank 2) needs."""
+def check_layer(step: StepSpec, inputs: list[InputMeta], w_rank: int,
+                activations: tuple[str, ...] = ACTIVATIONS) -> bool | str:
+    """What every CUDA kernel of a QConv (w_rank 4) / QGemm (w_rank 2, GEMM_ACTIVATIONS) needs."""
     for i, name in _CONSTANTS:
         if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
             return f"{name} is not a constant of the engine"
@@ -86,7 +88,7 @@ def check_layer(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | 
     out = output_dtype(step, inputs)
     if isinstance(out, str):
         return out
-    if _attr(step, "activation", "") not in ACTIVATIONS:
+    if _attr(step, "activation", "") not in activations:
         return f"activation {_attr(step, 'activation', '')!r}"
     return True
 

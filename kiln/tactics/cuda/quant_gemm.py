@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.quant_common import (
     FP8,
+    GEMM_ACTIVATIONS,
     INT8_INPUTS,
     QUANTIZED,
     QuantizedLayer,
@@ -45,7 +46,7 @@ _INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA wants more than 16 rows: fewer ar
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    common = check_layer(step, inputs, 2)
+    common = check_layer(step, inputs, 2, GEMM_ACTIVATIONS)
     if common is not True:
         return common
     x, w = inputs[0], inputs[3]
@@ -235,6 +236,8 @@ def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device):
             y.relu_()
         elif activation == "Clip":
             y.clamp_(alpha, beta)
+        elif activation in ("Gelu", "GeluTanh"):
+            y = F.gelu(y, approximate="tanh" if activation == "GeluTanh" else "none")
         return y.reshape(*lead, n)
 
     return launch
@@ -244,7 +247,59 @@ register(Tactic(
     name="cuda.qgemm.scaled_mm_direct", op_type="QGemm", domain="kiln", device="cuda", dtypes=(FP8,),
     supports=_direct_supports, prepare=_prepare_direct, available=_scaled_mm_available,
     description="cuBLASLt FP8 GEMM with x_scale·w_scale (per tensor, or row-wise for bf16) and the bias in "
-                "cuBLASLt, the float output written by it; Relu/Clip in place",
+                "cuBLASLt, the float output written by it; Relu/Clip in place, Gelu in one torch pass",
+))
+
+
+# cuBLASLt writes x_scale·w_scale·Σ x·w in half precision (2 bytes per output where `scaled_mm` writes fp32's 4),
+# then one Triton pass adds the bias in fp32, applies the activation and quantizes: an FFN up projection's
+# Gelu -> fp8 output, which cuBLASLt's epilogue cannot write. fp16 (11 bits) where the weight scale is per tensor;
+# per channel, cuBLASLt's row-wise scaling writes bfloat16 only (8 bits: near a tie of the 3-bit E4M3 grid the
+# result may be one step off, which the builder's check allows). The half-precision product must not overflow:
+# prepare refuses a layer whose largest output (y_scale·448) is not far inside fp16's range.
+_HALF_LIMIT = 2.0**13
+
+
+def _half_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    common = _scaled_mm_supports(step, inputs)
+    if common is not True:
+        return common
+    if output_dtype(step, inputs) not in QUANTIZED:
+        return "a float output: cuda.qgemm.scaled_mm_direct writes it in one GEMM"
+    return True  # the fp16 range is checked at prepare, where y_scale's value is read
+
+
+def _prepare_half(step: StepSpec, constants: list[Any], device: torch.device):
+    requantize = kernels("qelementwise").requantize
+    layer = QuantizedLayer.of(step, constants, device)
+    w_t = layer.w.contiguous().t()  # [K, N] column-major
+    n = w_t.shape[1]
+    per_channel = constants[4].numel() > 1
+    if not per_channel and layer.y_scale * 448.0 > _HALF_LIMIT:
+        raise ValueError(f"{step.name}: y_scale {layer.y_scale:g}: outputs up to {layer.y_scale * 448:g} would "
+                         "overflow the fp16 product")
+    half = torch.bfloat16 if per_channel else torch.float16
+    scale_b = layer.channel_scale.reshape(1, n) if per_channel else layer.channel_scale[:1].reshape(())
+    ones = torch.ones(n, dtype=torch.float32, device=device)
+    real_bias = None if layer.bias is None else (layer.bias.to(torch.float64) * layer.w_scale * layer.x_scale)
+    epilogue = layer.epilogue(ones, None if real_bias is None else real_bias.to(torch.float32))
+    one = torch.ones((), dtype=torch.float32, device=device)
+
+    def launch(ctx, x, *_inputs, **_attributes):
+        lead = x.shape[:-1]
+        x2 = _flat(x)
+        scale_a = torch.ones((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if per_channel else one
+        product = torch._scaled_mm(x2, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=half)  # [M, N] real, no bias
+        return requantize(product, epilogue, -1).reshape(*lead, n)
+
+    return launch
+
+
+register(Tactic(
+    name="cuda.qgemm.scaled_mm_half", op_type="QGemm", domain="kiln", device="cuda", dtypes=(FP8,),
+    supports=_half_supports, prepare=_prepare_half, available=_scaled_mm_available,
+    description="cuBLASLt FP8 GEMM with x_scale·w_scale, fp16 (bf16 per channel) out, then bias (fp32) / "
+                "Relu / Clip / Gelu / quantization in one Triton pass: an 8-bit output after any activation",
 ))
 
 

@@ -34,6 +34,8 @@ from kiln.kernels.cuda.triton import qmath
 QUANTIZED_INPUTS = (torch.int8, torch.uint8, torch.float8_e4m3fn)
 OUTPUTS = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float32, torch.float16, torch.bfloat16)
 INT_RANGE = {torch.int8: (-128, 127), torch.uint8: (0, 255)}
+PRESCALED_ACTIVATIONS = ("", "Relu", "Clip")  # commute with a positive scale: y_scale may fold into the multiplier
+ACTIVATIONS = PRESCALED_ACTIVATIONS + ("Gelu", "GeluTanh")  # qmath.requantize's
 
 
 @dataclass(frozen=True)
@@ -94,13 +96,16 @@ class Epilogue:
         Quantized outputs only: a float output has no y_scale."""
         if self.out_kind == qmath.OUT_FLOAT:
             raise ValueError("quantized epilogue: a float output has no y_scale to fold into the scale")
+        if self.activation not in PRESCALED_ACTIVATIONS:
+            raise ValueError(f"quantized epilogue: {self.activation} does not commute with the output scale: "
+                             "it cannot be prescaled")
         y_scale = float(self.y_scale)
         return dataclasses.replace(self, scale=(self.scale.double() / y_scale).float(), y_scale=1.0,
                                    alpha=self.alpha / y_scale, beta=self.beta / y_scale)
 
     def check(self, channels: int) -> None:
-        if self.activation not in ("", "Relu", "Clip"):
-            raise ValueError(f"quantized epilogue: activation {self.activation!r} is not '', 'Relu' or 'Clip'")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"quantized epilogue: activation {self.activation!r} is not one of {ACTIVATIONS}")
         if self.out_dtype not in OUTPUTS:
             raise TypeError(f"quantized epilogue: output dtype {self.out_dtype} is not one of {OUTPUTS}")
         if self.scale.numel() != channels or self.scale.dtype != torch.float32:

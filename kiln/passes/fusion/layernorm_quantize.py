@@ -1,0 +1,94 @@
+"""kiln::LayerNorm (or ONNX LayerNormalization) -> QuantizeLinear (per tensor) => one kiln::LayerNormQuantize
+writing the 8-bit tensor.
+
+    y = LayerNorm(x [+ residual])·γ + β;   y_q = QuantizeLinear(y, s, z)
+        =>  y_q, [y] = LayerNormQuantize(x, γ, β, [residual], s, z)
+
+A transformer's quantized GEMMs (QKV, FFN up) read the LayerNorm's output quantized; the float y is
+still written when something else reads it (the next block's residual). The quantization happens on
+the row while it is in registers: no separate pass reads y back (24,576 x 768 fp16 per LayerNorm at
+BERT-base batch 64 x 384). y is rounded to its storage dtype before it is quantized, as the unfused Q
+reads it, so the fused op is the unfused pair exactly.
+
+CUDA builds only (fusion.CUDA_RULES): the op's CUDA tactic is the Triton LayerNorm with the quantizing
+store (kiln/tactics/cuda/layer_norm_quantize.py); on the CPU the pair stays as it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+
+from kiln.passes._rewrite import (
+    FUSED_FROM,
+    KILN_DOMAIN,
+    PassReport,
+    attr,
+    const,
+    consumers,
+    fused_from,
+    is_op,
+    replace_with,
+)
+from kiln.passes.fusion.qdq_propagate import quantized_type
+
+RULE = "fuse_layer_norm_quantize"
+QUANTIZED_TYPES = (ir.DataType.FLOAT8E4M3FN, ir.DataType.INT8, ir.DataType.UINT8)
+
+
+def _refusal(norm: ir.Node, quantize: ir.Node) -> str | None:
+    """Why the QuantizeLinear cannot move into the LayerNorm's store (None: it can)."""
+    if len(norm.outputs) != 1:
+        return "the LayerNorm also writes its residual sum (or its mean / inverse deviation)"
+    if norm.domain == "" and int(attr(norm, "stash_type", 1)) != 1:
+        return "stash_type is not float32"
+    if len(quantize.inputs) < 3 or quantize.inputs[2] is None:
+        return "the QuantizeLinear has no zero point (its output type is implicit)"
+    scale, zero = const(quantize.inputs[1]), const(quantize.inputs[2])
+    if scale is None or zero is None or scale.size != 1 or zero.size != 1:
+        return "the quantization is not per tensor with constant scale and zero point"
+    if quantized_type(quantize.inputs[2]) not in QUANTIZED_TYPES:
+        return f"quantized to {quantized_type(quantize.inputs[2])}: the kernel writes float8e4m3fn, int8 or uint8"
+    if int(attr(quantize, "block_size", 0) or 0) or not int(attr(quantize, "saturate", 1)):
+        return "blocked or non-saturating quantization"
+    if float(scale.reshape(-1)[0]) <= 0:
+        return "the scale is not positive"
+    return None
+
+
+def fuse_layer_norm_quantize(node: ir.Node, report: PassReport) -> bool:
+    """node: a QuantizeLinear whose input a kiln::LayerNorm writes."""
+    if not is_op(node, "QuantizeLinear"):
+        return False
+    norm = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if not (is_op(norm, "LayerNorm", domain=KILN_DOMAIN) or is_op(norm, "LayerNormalization")):
+        return False
+    reason = _refusal(norm, node)
+    if reason is not None:
+        report.refuse(RULE, node, reason)
+        return False
+    y = norm.outputs[0]
+    keep_float = y.is_graph_output() or consumers(y) != [node]
+    inputs = list(norm.inputs) + [None] * (4 - len(norm.inputs)) + [node.inputs[1], node.inputs[2]]
+    attributes = [ir.AttrInt64("axis", attr(norm, "axis", -1)), ir.AttrFloat32("epsilon", attr(norm, "epsilon", 1e-5))]
+    fused = ir.Node(KILN_DOMAIN, "LayerNormQuantize", inputs, attributes, num_outputs=2 if keep_float else 1,
+                    name=norm.name)
+    q = node.outputs[0]
+    absorbed = fused_from([norm, node])
+    if not keep_float:
+        replace_with([norm, node], fused, q, insert_before=norm)
+        fused.outputs[0].type = q.type
+        return True
+    # the float y goes on as output 1, under its own name, for its other readers
+    out_y = fused.outputs[1]
+    out_y.type, out_y.shape = y.type, y.shape
+    replace_with([node], fused, q, insert_before=norm)
+    fused.outputs[0].type = q.type
+    name = y.name
+    ir.convenience.replace_all_uses_with(y, out_y, replace_graph_outputs=True)
+    norm.graph.remove(norm, safe=True)
+    y.name = f"{name}__fused"
+    out_y.name = name
+    fused.metadata_props[FUSED_FROM] = json.dumps(absorbed)
+    return True
