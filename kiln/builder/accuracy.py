@@ -120,15 +120,18 @@ def float8_ordinal(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 0x80, -magnitude, magnitude)
 
 
-def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer_steps: int = 0) -> str | None:
+def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer_steps: int = 0,
+             float8_slack: float = 0.0) -> str | None:
     """None when `result` matches `reference` within the dtype's tolerance, else what differs.
-    `integer_steps`: how far integers may be (a quantized layer's output: QUANTIZED_STEPS)."""
+    `integer_steps`: how far integers may be (a quantized layer's output: QUANTIZED_STEPS). `float8_slack`: for a
+    layer whose values went through half precision (FLOAT8_HALF_SLACK), what an FP8 output may be off beyond
+    those steps, as a share of its largest |value|."""
     tolerance = tolerance or TOLERANCE
     if isinstance(reference, (tuple, list)):
         if not isinstance(result, (tuple, list)) or len(result) != len(reference):
             return f"gave {type(result).__name__} where the reference gives {len(reference)} values"
         for i, (r, e) in enumerate(zip(result, reference)):
-            problem = mismatch(r, e, tolerance, integer_steps)
+            problem = mismatch(r, e, tolerance, integer_steps, float8_slack)
             if problem:
                 return f"output {i}: {problem}"
         return None
@@ -147,7 +150,8 @@ def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer
         steps = int(apart.max()) if reference.numel() else 0
         if steps <= integer_steps:
             return None
-        if _float8_within_half_slack(result, reference, apart > integer_steps, integer_steps):
+        if float8_slack and _float8_within_slack(result, reference, apart > integer_steps, integer_steps,
+                                                 float8_slack):
             return None
         return f"float8 results differ by up to {steps} steps of their grid"
     if not reference.is_floating_point():
@@ -171,17 +175,17 @@ def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer
     return None
 
 
-def _float8_within_half_slack(result: torch.Tensor, reference: torch.Tensor, off: torch.Tensor,
-                              steps: int) -> bool:
-    """Whether every element more than `steps` steps off is within `steps` steps of its value plus
-    FLOAT8_HALF_SLACK of the largest |reference| (a half-precision rounding of the terms near a zero)."""
+def _float8_within_slack(result: torch.Tensor, reference: torch.Tensor, off: torch.Tensor, steps: int,
+                         slack: float) -> bool:
+    """Whether every element more than `steps` steps off is within `steps` steps of its value plus `slack` of the
+    largest |reference| (a half-precision rounding of the terms near a zero)."""
     want, got = reference.double(), result.double()
     if not torch.isfinite(want).all() or not torch.equal(torch.isfinite(got), torch.isfinite(want)):
         return False
     binade = torch.floor(torch.log2(want.abs().clamp(min=2.0**-6)))  # subnormals share the -6 binade's spacing
     step = torch.exp2(binade - 3)  # E4M3: 3 mantissa bits
-    slack = FLOAT8_HALF_SLACK * float(want.abs().max())
-    return bool(((got - want).abs()[off] <= (steps * step + slack)[off]).all())
+    allowed = slack * float(want.abs().max())
+    return bool(((got - want).abs()[off] <= (steps * step + allowed)[off]).all())
 
 
 def integer_steps(ctx) -> int:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kiln
-from kiln.builder.accuracy import float8_ordinal, mismatch
+from kiln.builder.accuracy import FLOAT8_HALF_SLACK, float8_ordinal, mismatch
 
 FP8 = torch.float8_e4m3fn
 
@@ -122,6 +122,20 @@ def test_a_float8_output_one_grid_step_off_passes_the_tactic_check_two_do_not():
     assert mismatch(one, reference) is not None  # outside a quantized layer: the float tolerance still holds
     nan = torch.tensor([float("nan"), 1.0, -1.0, 448.0, 0.015625, -3.5], dtype=FP8)
     assert "NaN" in mismatch(nan, reference, integer_steps=1)
+
+
+def test_a_layer_through_half_precision_may_be_off_near_zero_by_an_fp16_ulp_of_its_largest_value():
+    """accuracy.FLOAT8_HALF_SLACK (2^-10 of the largest |value|), which the tuner's checker gives a quantized
+    layer's tactics (a half input, or cuBLASLt's FP8 GEMM writing fp16 inside): near zero the float8 grid is finer
+    than fp16 was at the tensor's scale. A direct mismatch() gives none (above: two steps fail)."""
+    reference = torch.tensor([448.0, 0.015625, 1.0], dtype=FP8)
+    near_zero = torch.tensor([448.0, 0.0234375, 1.0], dtype=FP8)  # 4 steps off at 2^-6, 0.0078 < 448 * 2^-10
+    assert float8_ordinal(near_zero)[1] - float8_ordinal(reference)[1] == 4
+    assert "4 steps" in mismatch(near_zero, reference, integer_steps=1)
+    assert mismatch(near_zero, reference, integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is None
+    far = torch.tensor([448.0, 0.015625, 1.75], dtype=FP8)  # 0.75 off at 1.0: past a step and the slack (0.44)
+    assert "steps" in mismatch(far, reference, integer_steps=1, float8_slack=FLOAT8_HALF_SLACK)
+    assert mismatch((near_zero,), (reference,), integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is None
 
 
 @pytest.mark.parametrize("keep_activations", [False, True])
