@@ -10,26 +10,18 @@ import threading
 import numpy as np
 import onnxruntime as ort
 import pytest
-import torch
 
 import kiln
 from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_ahead, onednn_primitives
 from kiln.runtime import first_calls
 
-from test_onednn_rows import ORT_TOL, K, _two_layers  # noqa: E402  (tests/unit is on the path)
+from test_onednn_rows import ORT_TOL, K, _two_layers, one_thread  # noqa: E402, F401  (tests/unit is on the path;
+# one_thread: its fixture)
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
 
 TUNED, MOST = 16, 40  # the profile's opt and max rows: made ahead up to 16 x (40 / 16) = 40
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(params=[False, True], ids=["no residual", "residual"])

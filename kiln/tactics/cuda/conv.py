@@ -26,7 +26,7 @@ import torch
 
 from kiln.ops.nn import _conv_params
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.library import _conv_supports, _epilogue_args, _same_dtype, triton_available
+from kiln.tactics.cuda.library import _conv_supports, _epilogue_args, _same_dtype, padded_tile, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -51,11 +51,6 @@ _LEVELS = {
 def _conv() -> ModuleType:
     """kiln.kernels.cuda.triton.conv, imported on first use (it imports triton)."""
     return importlib.import_module("kiln.kernels.cuda.triton.conv")
-
-
-def _padded_tile(block: int, size: int) -> bool:
-    """A tile more than twice the next power of two above `size` is mostly padding (as the GEMM tactics judge)."""
-    return block > max(16, 1 << max(size - 1, 0).bit_length())
 
 
 def _output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
@@ -93,9 +88,9 @@ def _igemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_
         if ho <= 0 or wo <= 0:
             return "the kernel does not fit the padded input"
         rows = x.shape[0] * ho * wo
-        if _padded_tile(block_m, rows):
+        if padded_tile(block_m, rows):
             return f"{block_m}-pixel tiles for {rows} output pixels: mostly padding"
-        if _padded_tile(block_n, w.shape[0]):
+        if padded_tile(block_n, w.shape[0]):
             return f"{block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
         return True
 

@@ -360,6 +360,12 @@ def _addmm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return _gemm_supports(step, inputs, None)
 
 
+def padded_tile(block: int, size: int) -> bool:
+    """A tile more than twice the next power of two above `size` (and past 16) is mostly padding: the Triton
+    tactics of GEMMs, gated GEMMs, convolutions and their quantized forms refuse such a tile."""
+    return block > max(16, 1 << max(size - 1, 0).bit_length())
+
+
 def _gemm_rows(inputs: list[InputMeta]) -> int:
     return math.prod(inputs[0].shape[:-1])  # x: [..., K] -> M rows
 
@@ -372,7 +378,7 @@ def _triton_gemm_tactic(block_m: int, block_n: int, block_k: int, num_warps: int
         if common is not True:
             return common
         rows = _gemm_rows(inputs)
-        if block_m > max(16, 1 << max(rows - 1, 0).bit_length()):
+        if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
         return True
 

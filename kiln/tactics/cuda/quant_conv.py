@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import padded_tile
 from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, Residual, check_layer, check_residual, \
     kernels, triton_available
 from kiln.tactics.registry import register
@@ -50,10 +51,6 @@ def _geometry(step: StepSpec, x: Any, kernel: list[int]) -> tuple[list[int], lis
 
 def _output_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
     return (size + pad_begin + pad_end - dilation * (kernel - 1) - 1) // stride + 1
-
-
-def _padded_tile(block: int, size: int) -> bool:
-    return block > max(16, 1 << max(size - 1, 0).bit_length())
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -115,11 +112,11 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
     if ho <= 0 or wo <= 0:
         return "the kernel does not fit the padded input"
     rows = x.shape[0] * ho * wo
-    if _padded_tile(tile.block_m, rows):
+    if padded_tile(tile.block_m, rows):
         return f"{tile.block_m}-pixel tiles for {rows} output pixels: mostly padding"
     if tile.block_m < 128 and (rows // 128) * max(1, w.shape[0] // 128) >= 512:
         return f"{rows} output pixels fill the GPU with 128-row tiles (the 64-row tile is for small batches)"
-    if _padded_tile(tile.block_n, w.shape[0]):
+    if padded_tile(tile.block_n, w.shape[0]):
         return f"{tile.block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
     if x.shape[1] % 64 == 0 and tile.block_k > x.shape[1]:  # the configs of 64-wide K steps run its channel loop
         return f"{tile.block_k}-wide K steps over {x.shape[1]} input channels: the per-element K loop"

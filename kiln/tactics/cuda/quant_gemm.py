@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cuda.library import padded_tile
 from kiln.tactics.cuda.quant_common import (
     FP8,
     GEMM_ACTIVATIONS,
@@ -61,11 +62,6 @@ def _rows(inputs: list[InputMeta]) -> int:
     return math.prod(inputs[0].shape[:-1])  # x: [..., K] -> M rows
 
 
-def _padded_tile(block: int, size: int) -> bool:
-    """A tile more than twice the next power of two above `size` is mostly padding."""
-    return block > max(16, 1 << max(size - 1, 0).bit_length())
-
-
 def _flat(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] as a row-major [M, K] (no copy when it already is)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -82,9 +78,9 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
         if common is not True:
             return common
         rows, n = _rows(inputs), inputs[3].shape[0]
-        if _padded_tile(block_m, rows):
+        if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
-        if _padded_tile(block_n, n):
+        if padded_tile(block_n, n):
             return f"{block_n}-column tiles for {n} output columns: mostly padding"
         return True
 

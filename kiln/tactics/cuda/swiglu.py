@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cuda.library import triton_available
+from kiln.tactics.cuda.library import padded_tile, triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -91,7 +91,7 @@ def _triton_swiglu_tactic(block_m: int, block_n: int, block_k: int, num_warps: i
         if common is not True:
             return common
         rows = math.prod(inputs[0].shape[:-1])
-        if block_m > max(16, 1 << max(rows - 1, 0).bit_length()):
+        if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
         return True
 
