@@ -4,8 +4,9 @@ CPython's full collection scans every tracked object of the process and runs onc
 into the oldest generation since the last one exceed a quarter of those it kept then. Importing torch alone
 leaves ~166,000 tracked objects (77 ms per full pass, thread CPU, on the 2-vCPU VM; ~110 ms with a BERT-base
 engine loaded), and a loop that keeps a few hundred objects per step triggers one every few dozen steps: a
-CPU engine binding new input shapes keeps ~720 per shape (its segment views, kiln/runtime/native.py: 2 full
-passes of 134 ms in 120 new shapes, bench/results/first-calls-2026-12-03b.md); an LLM engine's steps allocate
+CPU engine binding new input shapes keeps ~720 per shape (BERT-base: its segment view, kiln/runtime/native.py,
+~345, and the layers' kernels at the new sizes; 2 full passes of 134 ms in 120 new shapes,
+bench/results/first-calls-2026-12-03b.md); an LLM engine's steps allocate
 per request (~0.3 s a pass in a 1024-request generate). gc.freeze moves everything alive now to a generation
 the collector never scans: only what the loop itself made is scanned (vLLM freezes its startup heap the same
 way). Nothing is kept for good: unfreeze at the end puts the objects back. A frozen object is still freed by
