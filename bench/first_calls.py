@@ -16,11 +16,16 @@ request's first call (a) nothing kept, (b) its shape plan only (the shape-only s
 views only (every member of every native segment is bound again at the new sizes), (d) nothing: extra = that call
 - the median repeat, median over the stream. These rows time the binding path: the shapes are bound once already,
 so the padding runs each at its own size.
+
+The garbage collector's passes during the stream are counted (a full pass scans the whole process: ~110 ms with
+BERT-base loaded); --static-heap runs the stream inside kiln.static_heap() (kiln/runtime/heap.py) to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import os
 import statistics
 import sys
@@ -39,6 +44,51 @@ from dynamic import _cpu_name, commit, stream  # noqa: E402
 from kiln import zoo  # noqa: E402
 
 
+class Collector:
+    """The garbage collector's passes while the block runs: count and thread CPU ms per generation."""
+
+    def __init__(self) -> None:
+        self.passes: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self._start = 0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.thread_time_ns()
+        else:
+            self.passes[info["generation"]].append((time.thread_time_ns() - self._start) / 1e6)
+
+    def __enter__(self) -> Collector:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def describe(self) -> str:
+        return "; ".join(f"generation {g}: {len(ms)} passes, {sum(ms):.1f} ms, longest {max(ms, default=0):.1f} ms"
+                         for g, ms in self.passes.items())
+
+
+def measure_stream(requests, runners, timed, repeats) -> tuple[dict, dict, dict]:
+    """Each request's first call (who meets the shape first alternates), then `repeats` more of each: (first,
+    second, repeat) per runner, the repeat the median of the calls after the second."""
+    first: dict[str, list] = {n: [] for n in runners}
+    second: dict[str, list] = {n: [] for n in runners}
+    repeat: dict[str, list] = {n: [] for n in runners}
+    for k, r in enumerate(requests):
+        order = list(runners.items())[::-1 if k % 2 else 1]  # who meets the shape first alternates
+        for name, run in order:
+            first[name].append(timed(run, r))
+        again: dict[str, list] = {n: [] for n in runners}
+        for _ in range(repeats):
+            for name, run in order:
+                again[name].append(timed(run, r))
+        for name in runners:
+            second[name].append(again[name][0])
+            repeat[name].append(tuple(statistics.median(t[i] for t in again[name][1:]) for i in (0, 1)))
+    return first, second, repeat
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bert_tiny")
@@ -49,6 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="calls after the first at each shape (at least 2)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--static-heap", action="store_true", help="the stream inside kiln.static_heap() (gc.freeze)")
     args = ap.parse_args()
     if args.repeats < 2:
         ap.error("--repeats: at least 2 (the second call at a shape may bind it; later calls are the repeats)")
@@ -78,25 +129,13 @@ def main() -> None:
         run(r)
         return (time.thread_time_ns() - c0) / 1e3, (time.perf_counter_ns() - w0) / 1e3
 
-    first: dict[str, list] = {n: [] for n in runners}
-    second: dict[str, list] = {n: [] for n in runners}
-    repeat: dict[str, list] = {n: [] for n in runners}
-    for k, r in enumerate(requests):
-        order = list(runners.items())[::-1 if k % 2 else 1]  # who meets the shape first alternates
-        for name, run in order:
-            first[name].append(timed(run, r))
-        again: dict[str, list] = {n: [] for n in runners}
-        for _ in range(args.repeats):
-            for name, run in order:
-                again[name].append(timed(run, r))
-        for name in runners:
-            second[name].append(again[name][0])
-            repeat[name].append(tuple(statistics.median(t[i] for t in again[name][1:]) for i in (0, 1)))
-
+    heap = kiln.static_heap() if args.static_heap else contextlib.nullcontext()
+    with Collector() as collector, heap:
+        first, second, repeat = measure_stream(requests, runners, timed, args.repeats)
     print(f"# first calls at new shapes: {args.model}, cpu ({_cpu_name()}), commit {commit()}, "
           f"{args.threads} thread(s), {args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq}, "
           f"load average {os.getloadavg()[0]:.1f}, padded first calls "
-          f"{'on' if context._first_calls is not None else 'off'}")
+          f"{'on' if context._first_calls is not None else 'off'}{', inside kiln.static_heap()' if args.static_heap else ''}")
     print("\n| clock | kiln first calls / onnxruntime's (stream) | per request median, worst | first-call extra "
           "kiln, onnxruntime (median µs) | second-call extra kiln, onnxruntime (median µs) | repeats kiln / onnxruntime |")
     print("|---|---|---|---|---|---|")
@@ -109,6 +148,7 @@ def main() -> None:
         print(f"| {clock} | {total['kiln'] / total['onnxruntime']:.2f} | {statistics.median(ratios):.2f}, "
               f"{max(ratios):.2f} | {extra['kiln']:.0f}, {extra['onnxruntime']:.0f} | "
               f"{extra2['kiln']:.0f}, {extra2['onnxruntime']:.0f} | {repeats['kiln'] / repeats['onnxruntime']:.2f} |")
+    print(f"\ngarbage collector during the stream (both runtimes): {collector.describe()}")
     try:
         from kiln.kernels.cpu.onednn_ahead import AHEAD
         print(f"\nmade ahead (background thread): {AHEAD.made}; warm_up {warm_s:.1f} s wall")

@@ -1,6 +1,8 @@
-"""Where batch-1 jitter comes from on the GPU: the same fixed-shape kiln engine timed five ways.
+"""Where batch-1 jitter comes from on the GPU: the same fixed-shape kiln engine timed five ways; on the CPU,
+kiln against onnxruntime at one shape.
 
     python bench/jitter.py [--models resnet50_b1,bert_b1] [--calls 3000] [--out DIR]
+    python bench/jitter.py --device cpu [--models bert_base:1x8,bert_tiny:1x16] [--calls 2000] [--engine PATH]
 
 A control loop cares about its worst call. For each model (bench/gpu.py's rows: ResNet-50 batch 1,
 BERT-base 1 x 128 with its attention mask), after a warm-up, p50 / p99 / p99.9 and p99/p50 of:
@@ -12,12 +14,19 @@ BERT-base 1 x 128 with its attention mask), after a warm-up, p50 / p99 / p99.9 a
 - host, no gc: the same with the collector off
 - execute (bound): set_tensor_address once, then context.execute() (one graph launch a call), CUDA events and host
 
+On the CPU (issue 10: p99/p50 over 2,000 calls at a fixed shape, kiln vs onnxruntime): a zoo encoder exported
+with symbolic batch and sequence, built with a profile (or --engine, a saved engine of it), run at one shape with
+its padding mask: context.run, the same inside kiln.static_heap() (kiln/runtime/heap.py: the startup heap out of
+the collector's full passes), and onnxruntime (same thread count), in alternating blocks of 100 calls so the
+machine's load falls on all alike. Wall and thread CPU time (a shared machine's preemption is in the first only).
+
 Prints a table last and writes it under --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -30,9 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dynamic import _cpu_name, commit  # noqa: E402  bench/dynamic.py
 from gpu import FirstOutput, make  # noqa: E402  bench/gpu.py
 
 import kiln  # noqa: E402
+
+BLOCK = 100  # calls of one runtime before the next runtime's (CPU)
 
 
 def events(fn, calls: int) -> list[float]:
@@ -103,12 +115,79 @@ def measure(name: str, calls: int) -> list[tuple]:
     return rows
 
 
+def measure_cpu(spec: str, calls: int, threads: int, engine_path: str | None) -> list[tuple]:
+    """(model shape, timed, clock, p50, p99, p99.9, p99/p50) rows for kiln, kiln in a static heap, onnxruntime."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from kiln import zoo
+
+    name, shape = spec.split(":")
+    batch, seq = (int(d) for d in shape.split("x"))
+    exported = zoo.export(name, batch=2, seq=16, dynamic=True)
+    engine = kiln.load(engine_path) if engine_path else kiln.build(
+        str(exported.path), device="cpu", precision="fp32", profiles=[{"input_ids": "1x1,8x64,8x128"}])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    mask = np.ones((batch, seq), np.int64)
+    mask[:, max(1, seq * 3 // 4):] = 0  # a padding mask as a tokenizer gives it
+    feeds = {"input_ids": rng.integers(0, zoo.get(name).vocab_size, (batch, seq), dtype=np.int64),
+             "attention_mask": mask}
+    context = engine.create_execution_context(warm_up=True)
+    want = session.run(None, feeds)[0]
+    got = context.run(feeds)[engine.output_names[0]]
+    error = float(np.abs(got - want).max())
+    if error > 1e-3:  # fp32 both sides: two implementations' rounding, 12 layers
+        raise SystemExit(f"{spec}: kiln differs from onnxruntime by {error:.2e}")
+    runners = {"kiln run": lambda: context.run(feeds), "kiln run, static_heap": lambda: context.run(feeds),
+               "onnxruntime": lambda: session.run(None, feeds)}
+    for run in runners.values():
+        for _ in range(20):
+            run()
+    times: dict[str, list[tuple[float, float]]] = {n: [] for n in runners}
+    for _ in range(-(-calls // BLOCK)):
+        for n, run in runners.items():
+            with kiln.static_heap() if "static_heap" in n else contextlib.nullcontext():
+                for _ in range(BLOCK):
+                    w, c = time.perf_counter_ns(), time.thread_time_ns()
+                    run()
+                    times[n].append(((time.perf_counter_ns() - w) / 1e6, (time.thread_time_ns() - c) / 1e6))
+    rows = []
+    for n, samples in times.items():
+        for i, clock in ((0, "wall"), (1, "thread CPU")):
+            rows.append((f"{name} {batch}x{seq}", n, clock, *stats([t[i] for t in samples[:calls]])))
+    print(f"{spec}: kiln vs onnxruntime max |diff| {error:.1e}", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default="resnet50_b1,bert_b1")
-    ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    ap.add_argument("--models", default=None, help="cuda: resnet50_b1,bert_b1; cpu: zoo model:BxS,...")
+    ap.add_argument("--calls", type=int, default=None, help="per timed way (cuda 3000, cpu 2000)")
+    ap.add_argument("--threads", type=int, default=1, help="cpu: kiln's and onnxruntime's threads")
+    ap.add_argument("--engine", help="cpu: a saved engine of the (one) model, else built with a profile")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+        calls = args.calls or 2000
+        rows = []
+        for spec in (args.models or "bert_base:1x8,bert_tiny:1x16").split(","):
+            rows += measure_cpu(spec, calls, args.threads, args.engine)
+        lines = [f"CPU {_cpu_name()}, {args.threads} thread(s), torch {torch.__version__}, commit {commit()}, "
+                 f"{calls} calls each, ms, load average {os.getloadavg()[0]:.1f} at the end",
+                 "| model | timed | clock | p50 | p99 | p99.9 | p99/p50 |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {d} | {w} | {c} | {a:.3f} | {b:.3f} | {e:.3f} | {r:.2f} |" for d, w, c, a, b, e, r in rows]
+        print("\n".join(lines))
+        if args.out:
+            Path(args.out, "jitter-cpu.md").write_text("\n".join(lines) + "\n")
+        return
+    args.models = args.models or "resnet50_b1,bert_b1"
+    args.calls = args.calls or 3000
     rows = []
     for name in args.models.split(","):
         rows += measure(name, args.calls)

@@ -31,6 +31,7 @@ from kiln.errors import (  # noqa: E402
 )
 from kiln.runtime import engine as _engine_module  # noqa: E402
 from kiln.runtime.engine import Engine, ExecutionContext, load  # noqa: E402
+from kiln.runtime.heap import static_heap  # noqa: E402
 from kiln.version import __version__  # noqa: E402
 
 if TYPE_CHECKING:
@@ -79,5 +80,5 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "BindingError", "Engine", "EngineFormatError", "EngineRebuildWarning", "ExecutionContext", "InferenceSession",
     "KilnError",
-    "ModelError", "UnsupportedModelError", "__version__", "build", "compile", "errors", "load",
+    "ModelError", "UnsupportedModelError", "__version__", "build", "compile", "errors", "load", "static_heap",
 ]

@@ -15,9 +15,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from kiln.llm.engine import LLMEngine, static_heap
+from kiln.llm.engine import LLMEngine
 from kiln.llm.outputs import RequestOutput
 from kiln.llm.sampling_params import SamplingParams
+from kiln.runtime.heap import static_heap
 
 log = logging.getLogger("kiln.llm")
 

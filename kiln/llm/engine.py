@@ -20,12 +20,10 @@ and sizes the KV cache from the budget the user gives (EngineConfig.kv_cache_mem
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,26 +66,6 @@ def resolve_dtype(name: str | torch.dtype, checkpoint: str | None, device: torch
     if name not in DTYPES:
         raise LLMError(f"dtype {name!r}: expected auto, float32, bfloat16 or float16")
     return DTYPES[name]
-
-
-
-@contextlib.contextmanager
-def static_heap() -> Iterator[None]:
-    """Leave the objects alive now (the model's modules, the tokenizer, the caller's) out of the garbage
-    collector's scans until the block ends (gc.freeze; vLLM freezes its startup heap the same way). A loop of
-    engine steps allocates per request per step, so the oldest generation is collected every few dozen steps,
-    and each such collection scans every tracked object: ~0.3 s each on the 2-vCPU VM, 4 of them in one
-    128-token generate at batch 1024 (bench/llm_host.py's stub engine), a stall the GPU waits out even with
-    async scheduling. unfreeze puts them back at the end: nothing is kept for good. A freeze someone else
-    holds is left as it is."""
-    if not gc.isenabled() or gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 @torch.no_grad()

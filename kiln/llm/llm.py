@@ -18,10 +18,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from kiln.llm.config import EngineConfig, LLMError
-from kiln.llm.engine import LLMEngine, static_heap
+from kiln.llm.engine import LLMEngine
 from kiln.llm.outputs import RequestOutput
 from kiln.llm.sampling_params import SamplingParams
 from kiln.llm.tensor_parallel import TensorParallelGroup
+from kiln.runtime.heap import static_heap
 
 Prompt = str | list[int]
 

@@ -227,7 +227,7 @@ def test_async_scheduling_refused_without_graphs(llama):
 
 
 def test_generate_and_stream_leave_the_startup_heap_out_of_gc_scans_and_put_it_back(llama):
-    """engine.static_heap: gc.freeze while LLM.generate / LLM.stream step the engine, unfrozen after; a freeze
+    """static_heap (kiln/runtime/heap.py): gc.freeze while LLM.generate / LLM.stream step the engine, unfrozen after; a freeze
     someone else holds is neither doubled nor undone."""
     import gc
 
