@@ -326,22 +326,28 @@ def _profile(engine, dev: dict) -> dict:
             times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
                      if not isinstance(v, str)}
             residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
-    # the FP8 encoder's first block (LayerNormQuantize, q/k/v, attention output, LayerNormQuantize, FFN up + Gelu,
-    # FFN down): every candidate's time, so that scaled_mm_half / scaled_mm_direct / Triton / the fp16 layer
-    # (dequantized) are read side by side (the tuner's times repeat for the other blocks: same shapes)
+    # the encoder's first block (fp16: the GEMMs; FP8: LayerNormQuantize, q/k/v, attention output, LayerNormQuantize,
+    # FFN up + Gelu, FFN down): every candidate's time or why it was dropped, and a revert by the whole-engine check,
+    # so that scaled_mm_half / scaled_mm_direct / Triton / cuBLAS / the default are read side by side (the tuner's
+    # times repeat for the other blocks: same shapes)
     encoder: dict[str, dict] = {}
     for step in engine.plan.program.steps:
-        if step.op_type in ("QGemm", "LayerNormQuantize") and step.name in tuned_layers and len(encoder) < 8:
-            candidates = tuned_layers[step.name]["candidates"]
-            times = {k.removeprefix("cuda."): round(v, 4) for k, v in candidates.items() if not isinstance(v, str)}
+        if step.op_type in ("QGemm", "LayerNormQuantize", "FusedGemm") and step.name in tuned_layers \
+                and len(encoder) < 8:
+            tuned = tuned_layers[step.name]
+            times = {k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:110]
+                     for k, v in tuned["candidates"].items()}
             activation = step.attributes.get("activation", "")
-            encoder[f"{step.op_type}{' ' + activation if activation else ''} {step.name[-20:]}"] = \
-                dict(sorted(times.items(), key=lambda t: t[1]))
+            encoder[f"{step.op_type}{' ' + activation if activation else ''} {step.name[-20:]}"] = {
+                "chosen": tuned["tactic"], **({"reverted": tuned["reverted"][:160]} if "reverted" in tuned else {}),
+                **dict(sorted(times.items(), key=lambda t: (isinstance(t[1], str), t[1])))}
+    header = engine.plan.header.get("tactics", {})
+    checks = {k: header[k] for k in ("skipped", "fallback_layers", "reverted_layers", "reverted", "accuracy") if k in header}
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
                         for layer in slowest],
             "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual,
-            "encoder_layers_ms": encoder}
+            "encoder_layers_ms": encoder, "tuner_checks": {k: str(v)[:600] for k, v in checks.items()}}
 
 
 def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> dict:
