@@ -409,7 +409,7 @@ def test_fp8_layer_norm_quantize_at_bert_shape():
     """kiln::LayerNormQuantize's CUDA tactic at BERT-base's hidden size (8 x 384 tokens, fp16, the residual joined)
     against the op's reference on the device, by the builder's own check (one E4M3 step, plus an fp16 ulp of the
     largest value where the fp16 y's rounding meets the finer fp8 grid near zero), and inside a CUDA graph."""
-    from kiln.builder.accuracy import mismatch
+    from kiln.builder.accuracy import FLOAT8_HALF_SLACK, mismatch
     from kiln.ops import quantized as qref
     from kiln.ops.registry import OpContext
     from kiln.plan.spec import StepSpec
@@ -431,10 +431,11 @@ def test_fp8_layer_norm_quantize_at_bert_shape():
     ctx = OpContext("ln", "LayerNormQuantize", "kiln", num_outputs=2)
     q, y = launch(ctx, *args)
     want_q, want_y = qref.layer_norm_quantize(ctx, *args, epsilon=1e-12)
-    assert mismatch(q, want_q, integer_steps=1) is None
+    # the slack the tuner's checker gives (f5ffefa moved it out of mismatch(): without it 4-5 steps near zero)
+    assert mismatch(q, want_q, integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is None
     assert mismatch(y.float(), want_y.float(), {torch.float32: (1e-2, 1e-3)}) is None
     assert mismatch(q, qref.layer_norm_quantize(ctx, *args[:4], y_scale * 1.1, y_zero, epsilon=1e-12)[0],
-                    integer_steps=1) is not None  # the check can fail: a scale 10% off
+                    integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is not None  # the check can fail: a scale 10% off
     capture(lambda: launch(ctx, *args))
 
 
