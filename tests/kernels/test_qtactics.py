@@ -49,7 +49,9 @@ GEMM_CASES = [  # (tactic, x dtype, output dtype)
     *[("cuda.qgemm.int_mm", x, out) for x in (I8, U8) for out in (I8, U8, FP8, F32)],
     *[("cuda.qgemm.scaled_mm", FP8, out) for out in (I8, FP8, F32, BF16)],
     ("cuda.qgemm.scaled_mm_direct", FP8, BF16), ("cuda.qgemm.scaled_mm_direct", FP8, F32),
+    ("cuda.qgemm.scaled_mm_direct.fast_accum", FP8, BF16), ("cuda.qgemm.scaled_mm_direct.fast_accum", FP8, F32),
     ("cuda.qgemm.scaled_mm_half", FP8, FP8), ("cuda.qgemm.scaled_mm_half", FP8, I8),
+    ("cuda.qgemm.scaled_mm_half.fast_accum", FP8, FP8),
     *[("cuda.qgemm.dequantized", x, out) for x, out in ((I8, I8), (U8, FP8), (FP8, FP8))],
 ]
 
@@ -57,7 +59,7 @@ GEMM_CASES = [  # (tactic, x dtype, output dtype)
 @pytest.mark.parametrize("name, x_dtype, out", GEMM_CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_qgemm_tactic_matches_the_reference(name, x_dtype, out):
     # the direct FP8 GEMM writes fp32 only with one weight scale (cuBLASLt's row-wise scaling writes bf16)
-    layer = gemm_layer(x_dtype, out, per_channel=not (name.endswith("direct") and out == F32))
+    layer = gemm_layer(x_dtype, out, per_channel=not ("scaled_mm_direct" in name and out == F32))
     check_tactic(name, layer)
 
 
