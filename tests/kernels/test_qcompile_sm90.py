@@ -151,11 +151,12 @@ def cases():
            {"num_warps": c.num_warps, "num_stages": c.num_stages},
            ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
            WGMMA_FP8.format(256), True)
-    types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "numel": "i32",
-             "inner": "i32", "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
-    yield ("requantize fp16 -> fp8 Gelu", qelementwise._requantize_kernel, types,
-           {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "INDEX64": False} | block,
-           {"num_warps": 4}, ("acc_ptr", "out_ptr"), None, True)
+    types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
+             "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+    yield ("requantize rows fp16 -> fp8 Gelu", qelementwise._requantize_rows_kernel, types,
+           {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "INDEX64": False,
+            "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
+           {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"), None, True)
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
                  "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "eps": "fp32",
