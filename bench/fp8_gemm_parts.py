@@ -30,7 +30,9 @@ TOKENS = 64 * 384
 # (name, K, N, activation)
 GEMMS = [("qkv 768->2304", 768, 2304, ""), ("attn-out 768->768", 768, 768, ""), ("ffn up 768->3072", 768, 3072, "Gelu"),
          ("ffn down 3072->768", 3072, 768, "")]
-TRITON_TILES = [(128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 128, 4, 4)]
+# (block_m, block_n, block_k, warps, stages, fast accumulation)
+TRITON_TILES = [(128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, False), (64, 128, 128, 4, 4, False),
+                (128, 128, 128, 8, 3, True), (128, 256, 128, 8, 3, True)]
 
 
 def rows_for(name: str, k: int, n: int, activation: str, triton: bool) -> list[tuple[str, float | str]]:
@@ -69,9 +71,10 @@ def rows_for(name: str, k: int, n: int, activation: str, triton: bool) -> list[t
     timed(f"requantize pass fp16 -> {activation or 'bias'} -> fp8", lambda: requantize(product, epilogue, -1))
     if triton:
         w8 = w.to(FP8)
-        for bm, bn, bk, warps, stages in TRITON_TILES:
-            config = QGemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages)
-            timed(f"triton fp8 GEMM {bm}x{bn}x{bk}w{warps}s{stages} -> {activation or 'bias'} -> fp8",
+        for bm, bn, bk, warps, stages, fast in TRITON_TILES:
+            config = QGemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, fast_accum=fast)
+            accum = "fast accum" if fast else "fp32 accum"
+            timed(f"triton fp8 GEMM {bm}x{bn}x{bk}w{warps}s{stages} -> {activation or 'bias'} -> fp8 ({accum})",
                   lambda config=config: qgemm(x8, w8, epilogue, config))
     return rows
 

@@ -39,8 +39,9 @@ def cases():
                  "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
                  "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
         types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-        constexprs = {"FP8": fp8, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True, "ACTIVATION": "Relu",
-                      "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128, "QMAX": 255 if out == "uint8" else 127,
+        constexprs = {"FP8": fp8, "FAST_ACCUM": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True,
+                      "ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
+                      "QMAX": 255 if out == "uint8" else 127,
                       "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
         divisible = ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn")
         yield (f"qgemm {x} -> {out} {config}", qgemm._qgemm_kernel, types, constexprs,
@@ -145,12 +146,14 @@ def cases():
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "bias_ptr": "*fp32", "scale_ptr": "*fp32",
              "out_ptr": "*fp8e4nv", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
     types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-    yield ("qgemm fp8 -> fp8 Gelu 128x256x128", qgemm._qgemm_kernel, types,
-           {"FP8": True, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
-            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m},
-           {"num_warps": c.num_warps, "num_stages": c.num_stages},
-           ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
-           WGMMA_FP8.format(256), True)
+    for fast_accum in (False, True):  # the tensor cores' own accumulation: no per-step fp32 adds
+        yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}", qgemm._qgemm_kernel, types,
+               {"FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
+                "OUT": 2, "QMIN": 0, "QMAX": 0, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                "GROUP_M": c.group_m},
+               {"num_warps": c.num_warps, "num_stages": c.num_stages},
+               ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
+               WGMMA_FP8.format(256), True)
     types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
              "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
     yield ("requantize rows fp16 -> fp8 Gelu", qelementwise._requantize_rows_kernel, types,

@@ -72,6 +72,16 @@ def test_fp8_gemm_with_an_activation_before_its_fp8_output(name, activation, per
     check_tactic(name, layer, what=f"{activation} per_channel={per_channel}")
 
 
+@pytest.mark.parametrize("out, activation", [(FP8, "Gelu"), (F16, "")], ids=["fp8 Gelu", "fp16"])
+@pytest.mark.parametrize("name", [f"cuda.qgemm.triton.{tile}.fast_accum" for tile in ("128x128x128", "128x256x128")])
+def test_triton_fp8_gemm_with_fast_accumulation(name, out, activation):
+    """The 128-row tiles with the tensor cores' own accumulation (the interpreter sums exactly: this checks the
+    wiring; the H200 case is tests/gpu/test_quant_cuda.py's); int8 layers are refused (their sums are exact)."""
+    layer = gemm_layer(FP8, out, lead=(70,), k=256, n=272, per_channel=out == FP8, activation=activation, seed=6)
+    check_tactic(name, layer, what=f"{out} {activation}")
+    assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(70,), k=256, n=272))
+
+
 @pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])
 @pytest.mark.parametrize("name", [TRITON_GEMM, "cuda.qgemm.int_mm"])
 def test_qgemm_variants(name, variant):

@@ -9,8 +9,9 @@
                                    bias in cuBLASLt, writing the float output itself; Relu/Clip in place
     cuda.qgemm.scaled_mm_half      cuBLASLt FP8 GEMM writing fp16 (bf16), then one Triton pass: bias, any
                                    activation (an FFN's Gelu) and the 8-bit output
-    <either>.fast_accum            the same with Hopper's fast FP8 accumulation (use_fast_accum): the tensor
-                                   cores sum the whole K in their ~14-bit adds, no fp32 promotion per step
+    <FP8 tactic>.fast_accum        the same with Hopper's fast FP8 accumulation (cuBLASLt's use_fast_accum,
+                                   Triton's sm_90 default): the tensor cores sum the whole K in their ~14-bit
+                                   adds, no fp32 promotion per step (Triton: the 128-row tiles)
     cuda.qgemm.dequantized         the float layer: x dequantized to fp16 in one pass, cuBLAS fp16 GEMM on
                                    the dequantized weight, then one Triton pass (bias in fp32, requantization)
 
@@ -75,13 +76,16 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 # ---- Triton ------------------------------------------------------------------------------------------
 
-def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int) -> Tactic:
-    name = f"cuda.qgemm.triton.{block_m}x{block_n}x{block_k}"
+def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int,
+                   fast_accum: bool = False) -> Tactic:
+    name = f"cuda.qgemm.triton.{block_m}x{block_n}x{block_k}" + (".fast_accum" if fast_accum else "")
 
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         common = _supports(step, inputs)
         if common is not True:
             return common
+        if fast_accum and inputs[0].dtype != FP8:
+            return f"{name_of(inputs[0].dtype)} activations: int8 sums are exact, fast accumulation is FP8's"
         rows, n = _rows(inputs), inputs[3].shape[0]
         if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
@@ -91,7 +95,8 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qgemm = kernels("qgemm")
-        config = qgemm.QGemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
+        config = qgemm.QGemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages,
+                                   fast_accum=fast_accum)
         layer = QuantizedLayer.of(step, constants, device)
         w = layer.w.contiguous()  # [N, K], K contiguous: wgmma's 8-bit B layout
         epilogue = layer.integer_epilogue()
@@ -105,14 +110,22 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
         name=name, op_type="QGemm", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
         prepare=prepare, level=level, available=triton_available,
         description=f"Triton int8/fp8 GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} "
-                    "stages, zero point / bias / scale / Relu / requantization on the tile before its one store",
+                    "stages, zero point / bias / scale / Relu / requantization on the tile before its one store"
+                    + _FAST_ACCUM[fast_accum],
     )
 
+
+# Fast accumulation is a candidate of its own, never assumed: the builder's check on the layer's real inputs
+# (one step of an 8-bit output, fp16's tolerance of a float one) decides whether its error is acceptable there.
+_FAST_ACCUM = {False: "", True: "; fast accumulation (the whole K in the tensor cores' ~14-bit adds)"}
 
 # (block_m, block_n, block_k, warps, stages) -> opt level: big-M tiles, a middle one, 16-row tiles for batch 1
 for _config, _level in (((128, 128, 128, 8, 3), 2), ((64, 128, 128, 4, 4), 2), ((16, 64, 128, 2, 4), 2),
                         ((128, 256, 128, 8, 3), 3)):
     register(_triton_tactic(*_config, level=_level))
+# FP8 with the tensor cores' accumulation: the large-M tiles (128x256 fits without the second accumulator)
+for _config in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3)):
+    register(_triton_tactic(*_config, level=2, fast_accum=True))
 
 
 # ---- cuBLASLt INT8 (torch._int_mm) -------------------------------------------------------------------
@@ -244,9 +257,6 @@ def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device, 
     return launch
 
 
-# Fast accumulation is a candidate of its own, never assumed: the builder's check on the layer's real inputs
-# (one step of an 8-bit output, fp16's tolerance of a float one) decides whether its error is acceptable there.
-_FAST_ACCUM = {False: "", True: "; fast accumulation (the whole K in the tensor cores' ~14-bit adds)"}
 for _fast, _note in _FAST_ACCUM.items():
     register(Tactic(
         name="cuda.qgemm.scaled_mm_direct" + (".fast_accum" if _fast else ""), op_type="QGemm", domain="kiln",
