@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Device call of 2026-12-03 (issue 12, h-fp8b, run 2), after run 1 found every FP8 GEMM with a float output rejected
 # by the tuner's check (fixed at 0cf52a4): BERT-base batch 64 x 384, kiln fp16 vs kiln's own FP8 engine with the
-# profile and the tuner's candidates of the first block (now with the .fast_accum cuBLASLt and Triton variants); BERT-base's
-# GEMMs in parts (bench/fp8_gemm_parts.py: cuBLAS fp16, cuBLASLt FP8 to each output dtype with and without fast
+# profile and the tuner's candidates of the first block (now with the .fast_accum cuBLASLt and Triton variants and
+# the tiled requantize pass); BERT-base's GEMMs in parts (bench/fp8_gemm_parts.py: cuBLAS fp16, cuBLASLt FP8 to each output dtype with and without fast
 # accumulation, the requantize pass, kiln's Triton FP8 tiles for the FFN up); then the FP8 GPU tests. No carry.
 # At most ~235 s (stage timeouts 140 + 45 + 50). Logs in $OUT.
 set -u
