@@ -1,7 +1,7 @@
 """Device functions of kiln's quantized kernels: the requantizing epilogue every INT8/FP8 layer ends in.
 
     r = (acc + bias[c]) · scale[c]         scale = x_scale·w_scale (kiln/ops/quantized.py)
-    r = act(r)                             Relu / Clip / Gelu (erf) / GeluTanh
+    r = act(r)                             Relu / Clip / Gelu (erf; to 1.5e-7 before an 8-bit output) / GeluTanh
     y = saturate(round_half_even(r / y_scale) + y_zero)      int8 / uint8 outputs
     y = e4m3(saturate(r / y_scale, ±448))                     float8e4m3fn outputs
     y = r                                                      float outputs
@@ -72,7 +72,7 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
     elif ACTIVATION == "Clip":  # alpha = min, beta = max
         r = tl.minimum(tl.maximum(r, alpha), beta)
     elif ACTIVATION == "Gelu":  # an FFN's up projection: its 8-bit output is the down projection's input
-        r = dm.gelu(r)
+        r = dm.gelu_for_8bit(r) if OUT != 0 else dm.gelu(r)
     elif ACTIVATION == "GeluTanh":
         r = dm.gelu_tanh(r)
     if OUT != 0:
