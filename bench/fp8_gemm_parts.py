@@ -1,6 +1,6 @@
 """BERT-base's GEMMs at 64 x 384 tokens on the GPU in parts: what each piece of an FP8 QGemm tactic costs (issue 12).
 
-    python3 bench/fp8_gemm_parts.py [--triton]
+    python3 bench/fp8_gemm_parts.py [--triton] [--gemms "ffn up"]
 
 Per GEMM (M = 24,576 rows): the fp16 layer through cuBLAS (addmm; the FFN up projection with cuBLASLt's GELU
 epilogue too), cuBLASLt's FP8 GEMM (torch._scaled_mm, per-tensor scales) writing fp16 / fp16 with the bias / bf16 /
@@ -82,10 +82,14 @@ def rows_for(name: str, k: int, n: int, activation: str, triton: bool) -> list[t
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--triton", action="store_true", help="also kiln's Triton FP8 GEMM tiles (compiles: ~+30 s)")
+    ap.add_argument("--gemms", default="", help="only the GEMMs whose names start so (comma-separated)")
     args = ap.parse_args()
     print(f"# BERT-base GEMMs at {TOKENS} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| GEMM | variant | ms | TFLOP/s |\n|---|---|---|---|")
+    wanted = [w for w in args.gemms.split(",") if w]
     for name, k, n, activation in GEMMS:
+        if wanted and not name.startswith(tuple(wanted)):
+            continue
         flops = 2.0 * TOKENS * k * n
         for label, ms in rows_for(name, k, n, activation, args.triton and bool(activation)):
             rate = f"{flops / ms / 1e9:,.0f}" if isinstance(ms, float) and "pass" not in label else ""
