@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 WGMMA_INT8, WGMMA_FP8 = "wgmma.mma_async.sync.aligned.m64n{}k32.s32.s8.s8", "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.e4m3"
 ROUNDING = "0f4B400000"  # 12582912.0 = 1.5·2^23 in PTX
+HARDWARE_E4M3 = "cvt.rn.satfinite.e4m3x2.f32"  # fp32 -> E4M3, nearest-even, saturating: qmath.round_to_e4m3's rule
 
 
 def cases():
@@ -156,10 +157,13 @@ def cases():
                WGMMA_FP8.format(256), True)
     types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
              "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
-    yield ("requantize rows fp16 -> fp8 Gelu", qelementwise._requantize_rows_kernel, types,
-           {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "INDEX64": False,
-            "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
-           {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"), None, True)
+    for hardware in (False, True):  # on the GPU the store's conversion rounds (cvt.rn.satfinite), not the arithmetic
+        yield (f"requantize rows fp16 -> fp8 Gelu{' (hardware e4m3)' if hardware else ''}",
+               qelementwise._requantize_rows_kernel, types,
+               {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
+                "INDEX64": False, "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
+               {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"),
+               HARDWARE_E4M3 if hardware else None, not hardware)
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
                  "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "eps": "fp32",
@@ -178,7 +182,7 @@ def main() -> None:
         compiled = compile_kernel(fn, types, constexprs, options, divisible)
         ptx = compiled.asm["ptx"]
         if wgmma is not None and wgmma not in ptx:
-            sys.exit(f"{name}: no {wgmma} in the PTX (not Hopper's 8-bit tensor-core path)")
+            sys.exit(f"{name}: no {wgmma} in the PTX (not the Hopper instruction the kernel is written for)")
         if rounds and ROUNDING not in ptx:
             sys.exit(f"{name}: the rounding constant {ROUNDING} is gone from the PTX (folded away?)")
         if compiled.metadata.shared > SHARED_MEMORY_LIMIT:

@@ -66,7 +66,8 @@ def _requantize_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, numel, inner, chan
 @triton.jit
 def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channels, y_scale, y_zero, alpha, beta,
                             HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
-                            QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                            QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """_requantize_kernel where the channel is the innermost dim in memory (a GEMM's [M, N], a channels-last conv):
     [BLOCK_R, BLOCK_C] tiles, so the tile's scale and bias are loaded once as [1, BLOCK_C] vectors, where the flat
     kernel finds each element's channel by an integer modulo and gathers its scale and bias."""
@@ -83,7 +84,8 @@ def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channel
         bias = tl.load(bias_ptr + c, mask=c_ok, other=0)[None, :]
     else:
         bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX,
+                     HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -119,7 +121,8 @@ def requantize(acc: torch.Tensor, epilogue: Epilogue, axis: int = -1) -> torch.T
             acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, rows, channels,
             float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
             HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
-            QMAX=qmax, INDEX64=numel + ROWS_TILE >= 2**31, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+            QMAX=qmax, HARDWARE_E4M3=acc.is_cuda, INDEX64=numel + ROWS_TILE >= 2**31, BLOCK_R=block_r,
+            BLOCK_C=block_c, num_warps=8)
         return out
     _requantize_kernel[(triton.cdiv(numel, BLOCK),)](
         acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, numel, inner,

@@ -51,20 +51,24 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """v = r / y_scale as the output: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value (OUT_FP8)."""
+def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                   HARDWARE_E4M3: tl.constexpr = False):
+    """v = r / y_scale as the output: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value (OUT_FP8).
+    HARDWARE_E4M3 (a kernel on the GPU, never the interpreter): v is left to the store's conversion, which sm_90
+    compiles to cvt.rn.satfinite.e4m3x2.f32 (nearest-even, saturating at ±448: round_to_e4m3 in one instruction
+    per two values, where the arithmetic takes ~15 per value)."""
     if OUT == 1:
         # beyond 2^22 the rounding trick rounds to a coarser grid, but such v saturate anyway (and ±inf
         # stay ±inf): no bound is needed before it (two instructions per output in every quantized layer)
         v = tl.minimum(tl.maximum(round_half_even(v) + y_zero, QMIN * 1.0), QMAX * 1.0)
-    elif OUT == 2:
+    elif OUT == 2 and not HARDWARE_E4M3:
         v = round_to_e4m3(v)
     return v
 
 
 @triton.jit
 def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
-               QMIN: tl.constexpr, QMAX: tl.constexpr):
+               QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
     (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is an IEEE division, as the reference's float32 one."""
     if ACTIVATION == "Relu":
@@ -76,13 +80,13 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
     elif ACTIVATION == "GeluTanh":
         r = dm.gelu_tanh(r)
     if OUT != 0:
-        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX)
+        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX, HARDWARE_E4M3)
     return r
 
 
 @triton.jit
 def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-           OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+           OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """The epilogue from the accumulator: int32 acc + int32 bias is exact (the zero-point correction
     folded into the bias); a float accumulator (FP8 products, a float layer's output) adds the bias
     in fp32. Then r = (acc + bias)·scale, the activation and the output's quantization."""
@@ -92,7 +96,7 @@ def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexp
         else:
             acc = acc.to(tl.float32) + bias.to(tl.float32)
     r = acc.to(tl.float32) * scale
-    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
 
 
 @triton.jit
