@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device call of 2026-12-03 (issue 12, h-fp8b, run 4, the lead's last combined call: <= 120 s): BERT-base batch
 # 64 x 384, kiln fp16 vs kiln's FP8 engine after run 2 (1.04x; its FFN up's Gelu -> fp8 pass, already the tiled
-# one, compute-bound at 0.195 ms): the cheaper Gelu before 8-bit outputs (1b44759); then the FFN up's parts
+# one, compute-bound at 0.195 ms): the cheaper Gelu before 8-bit outputs (1b44759) and the store rounding to E4M3
+# in hardware (38cf556); then the FFN up's parts
 # (bench/fp8_gemm_parts.py). No carry. Hard timeouts 100 + 12 s (run 2: both rows 86 s). Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-fp8b4
