@@ -137,7 +137,7 @@ def cases():
         yield (f"quantize {x} -> {out}", qelementwise._quantize_kernel,
                {"x_ptr": f"*{dtype[x]}", "out_ptr": f"*{dtype[out]}", "numel": "i32", "y_scale": "fp32",
                 "y_zero": "fp32"},
-               {"OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False,
+               {"OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "HARDWARE_E4M3": False, "INDEX64": False,
                 "BLOCK": qelementwise.SAME_LAYOUT_BLOCK}, {"num_warps": 8}, ("x_ptr", "out_ptr", "numel"), None, True)
 
     # the FP8 encoder (issue 12): the FFN up projection's Gelu before its fp8 store, in the GEMM and in
@@ -166,12 +166,16 @@ def cases():
                HARDWARE_E4M3 if hardware else None, not hardware)
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
-                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "eps": "fp32",
+                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "r_rows": "i32",
+                 "eps": "fp32",
                  "y_scale": "fp32", "y_zero": "fp32"}
-        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ''} 768", qnorm._layer_norm_quantize_kernel,
+        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
+        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
+               qnorm._layer_norm_quantize_kernel,
                types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
-                       "QMAX": 0, "BLOCK": 1024}, {"num_warps": 4},
-               ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"), None, True)
+                       "QMAX": 0, "HARDWARE_E4M3": not write_y, "BLOCK": 1024}, {"num_warps": 4},
+               ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),
+               None if write_y else HARDWARE_E4M3, write_y)
 
 
 def main() -> None:

@@ -159,14 +159,14 @@ def dequantize(x: torch.Tensor, scale: float, zero: float, dtype: torch.dtype) -
 
 @triton.jit
 def _quantize_kernel(x_ptr, out_ptr, numel, y_scale, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr,
-                     QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+                     QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if INDEX64:
         pid = pid.to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX)
+    y = qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -185,7 +185,7 @@ def quantize(x: torch.Tensor, scale: float, zero: float, out_dtype: torch.dtype)
         qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
         _quantize_kernel[(triton.cdiv(numel, SAME_LAYOUT_BLOCK),)](
             x, out, numel, float(scale), float(zero), OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax,
-            INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
+            HARDWARE_E4M3=x.is_cuda, INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
     return out
 
 
