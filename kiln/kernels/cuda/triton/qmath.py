@@ -11,7 +11,9 @@ interpreter (TRITON_INTERPRET=1, the CI path) rounds fp32 -> float8e4nv wrongly 
 that rounds up into the next binade gets the wrong exponent, subnormals flushed: measured on
 triton 3.9), and libdevice's rint does not exist there. So an fp8 result is first rounded onto the
 E4M3 grid here, after which the conversion is exact on the GPU and in the interpreter alike, and
-integer results are whole numbers in range before their (exact) conversion.
+integer results are whole numbers in range before their (exact) conversion. A kernel launched on the GPU may
+instead leave the fp8 rounding to its store (HARDWARE_E4M3: cvt.rn.satfinite, the same rule in one instruction;
+tests/gpu/test_quant_cuda.py compares the two bit for bit).
 """
 
 from __future__ import annotations
