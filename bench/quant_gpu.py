@@ -3,6 +3,7 @@
     python3 bench/quant_gpu.py [--sections layers,engines] [--engines resnet50_b256,bert_b64]
                                [--modes torch_fp16,kiln_fp16,kiln_int8,kiln_fp8] [--opt-level 2] [--quick]
                                [--row-timeout 540] [--out DIR] [--dry-run]
+    python3 bench/quant_gpu.py --show-profiles DIR/quant_gpu.log     (the engine rows' --profile, readable)
 
 layers:  every CUDA tactic of kiln::QConv / kiln::QGemm (kiln/tactics/cuda/quant_*.py) at ResNet-50 conv
          shapes (batch 256, NHWC) and BERT-base GEMM shapes (64 x 384 tokens), int8 and FP8, against the FP16
@@ -326,22 +327,29 @@ def _profile(engine, dev: dict) -> dict:
             times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
                      if not isinstance(v, str)}
             residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
-    # the FP8 encoder's first block (LayerNormQuantize, q/k/v, attention output, LayerNormQuantize, FFN up + Gelu,
-    # FFN down): every candidate's time, so that scaled_mm_half / scaled_mm_direct / Triton / the fp16 layer
-    # (dequantized) are read side by side (the tuner's times repeat for the other blocks: same shapes)
+    # the encoder's first block (fp16: the GEMMs; FP8: LayerNormQuantize, q/k/v, attention output, LayerNormQuantize,
+    # FFN up + Gelu, FFN down): every candidate's time or why it was dropped, and a revert by the whole-engine check,
+    # so that scaled_mm_half / scaled_mm_direct / Triton / cuBLAS / the default are read side by side (the tuner's
+    # times repeat for the other blocks: same shapes)
     encoder: dict[str, dict] = {}
     for step in engine.plan.program.steps:
-        if step.op_type in ("QGemm", "LayerNormQuantize") and step.name in tuned_layers and len(encoder) < 8:
-            candidates = tuned_layers[step.name]["candidates"]
-            times = {k.removeprefix("cuda."): round(v, 4) for k, v in candidates.items() if not isinstance(v, str)}
+        if step.op_type in ("QGemm", "LayerNormQuantize", "FusedGemm") and step.name in tuned_layers \
+                and len(encoder) < 8:
+            tuned = tuned_layers[step.name]
+            times = {k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:110]
+                     for k, v in tuned["candidates"].items()}
             activation = step.attributes.get("activation", "")
-            encoder[f"{step.op_type}{' ' + activation if activation else ''} {step.name[-20:]}"] = \
-                dict(sorted(times.items(), key=lambda t: t[1]))
+            encoder[f"{step.op_type}{' ' + activation if activation else ''} {step.name[-20:]}"] = {
+                "chosen": tuned["tactic"], **({"reverted": tuned["reverted"][:160]} if "reverted" in tuned else {}),
+                **dict(sorted(times.items(), key=lambda t: (isinstance(t[1], str), t[1])))}
+    header = engine.plan.header.get("tactics", {})
+    checks = {k: header[k] for k in ("skipped", "fallback_layers", "reverted_layers", "reverted", "accuracy")
+              if k in header}
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
                         for layer in slowest],
             "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual,
-            "encoder_layers_ms": encoder}
+            "encoder_layers_ms": encoder, "tuner_checks": {k: str(v)[:600] for k, v in checks.items()}}
 
 
 def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> dict:
@@ -460,6 +468,30 @@ def engines_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def show_profiles(log_path: str) -> None:
+    """Each engine row's profile from a quant_gpu.log (--profile), as the device scripts print it: eager ms per
+    (op, tactic), the tuner's candidates of the first block's layers, the whole-engine check, the 8-bit notes."""
+    import ast
+    import re
+
+    for line in open(log_path):
+        m = re.match(r"(\S+) (\S+): (\{.*\}) \(\d+ s\)$", line.strip())
+        if not m:
+            continue
+        row = ast.literal_eval(m.group(3))
+        profile = row.pop("profile", {})
+        print(f"-- {m.group(2)}: {json.dumps(row)[:600]}")
+        print(f"   eager total {profile.get('eager_ms_total')} ms; by (op, tactic): ms, layers")
+        for kind, ms, n in profile.get("by_kind", [])[:14]:
+            print(f"     {ms:8.3f} {n:4d}  {kind}")
+        for name, times in profile.get("encoder_layers_ms", {}).items():
+            print(f"   tuner {name}: {json.dumps(times)[:900]}")
+        for key, value in profile.get("tuner_checks", {}).items():
+            print(f"   {key}: {value}")
+        for note, count in profile.get("candidate_notes", [])[:6]:
+            print(f"   note x{count}: {note}")
+
+
 def dry_run() -> None:
     """Tiny layers and engines on the CPU (Triton under its interpreter): every path of this script runs."""
     global DEVICE, CONV_BATCH, TOKENS, CONVS, GEMMS, HALF
@@ -480,9 +512,13 @@ def main() -> None:
     ap.add_argument("--row-timeout", type=int, default=540, help="seconds per engine row (its own process)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--profile", action="store_true", help="engines: per-layer profile and the tuner's notes")
+    ap.add_argument("--show-profiles", metavar="LOG", help="print the engine rows' profiles of a quant_gpu.log")
     ap.add_argument("--engine-row", help=argparse.SUPPRESS)  # key:mode, run by bench_engines in a child
     ap.add_argument("--dry-run", action="store_true", help="on the CPU at tiny shapes: checks the script, times nothing")
     args = ap.parse_args()
+    if args.show_profiles:
+        show_profiles(args.show_profiles)
+        return
     if args.dry_run:
         dry_run()
     if args.engine_row:

@@ -265,7 +265,9 @@ def _checker(fn: Launch, ctx, record: _Recorded, attrs: dict) -> Callable[[Any],
         return lambda result: mismatch(result, record.output, integer_steps=steps, float8_slack=slack)
     try:
         with torch.inference_mode(), full_float32():
-            reference = fn(ctx, *[upcast(a) for a in record.args], **attrs)
+            # upcast again: an op whose output dtype is an attribute (a quantized layer's float output_dtype, made
+            # half by precision.py) still writes half from float32 inputs, and the candidate's result is upcast
+            reference = upcast(fn(ctx, *[upcast(a) for a in record.args], **attrs))
     except Exception:  # noqa: BLE001  an op with a half-only path: compare with its half output
         return lambda result: mismatch(result, record.output)
     tolerance = {**TOLERANCE, torch.float32: TOLERANCE[half]}

@@ -265,6 +265,10 @@ def accumulation_eps(name: str, layer: Layer, device: str = "cpu") -> float:
     """How much of Σ|terms| the tactic's own sums may be off by (Layer.noise)."""
     if name.startswith("cuda.qadd"):
         return 2.0**-22  # fp32 sum of two terms
+    if name.endswith(".fast_accum"):
+        # Hopper's fast FP8 accumulation: the whole K summed in the tensor cores' ~14-bit adds, one rounding of the
+        # running sum per 32-deep MMA step (DeepSeek-V3's report), on top of what the tactic itself rounds
+        return layer.reduction / 32 * 2.0**-14 + accumulation_eps(name.removesuffix(".fast_accum"), layer, device)
     fp8 = layer.args[0].dtype == FP8
     if name.endswith("dequantized") or name.endswith("dequantized.fp16"):
         return 2.0**-9  # fp16 x, w and r (2^-11 relative each), cuBLAS's reduced-precision fp16 reductions

@@ -17,7 +17,11 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kiln.builder.accuracy import FLOAT8_HALF_SLACK, mismatch  # noqa: E402
+from kiln.kernels.cuda.triton import device_math as dm  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import requantize  # noqa: E402
 from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, qgemm  # noqa: E402
 from kiln.kernels.cuda.triton.qnorm import layer_norm_quantize  # noqa: E402
@@ -141,6 +145,28 @@ def test_requantize_applies_gelu_to_a_half_product():
     r = torch.nn.functional.gelu(product.double() + bias.double())
     want = (r / 0.01).clamp(-448, 448).to(FP8)
     _close_on_the_grid(got, want, share=0.01)
+
+
+@triton.jit
+def _gelu_for_8bit_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(y_ptr + offs, dm.gelu_for_8bit(tl.load(x_ptr + offs, mask=mask, other=0.0)), mask=mask)
+
+
+def test_the_gelu_before_an_8bit_output_is_within_its_bound():
+    """device_math.gelu_for_8bit (Abramowitz & Stegun's erf, |error| <= 1.5e-7) against x·erfc(-x/√2)/2 in float64
+    (no cancellation in the negative tail): within 2e-7·max(1, |x|) everywhere, and relatively within 2e-3 down to
+    x = -5 (below it |gelu| < 1.5e-6: under half E4M3's smallest step at any scale the FFN's outputs take)."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.cat([torch.linspace(-10, 10, 20001), torch.randn(20000, generator=gen) * 3])
+    y = torch.empty_like(x)
+    _gelu_for_8bit_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    exact = x.double() * 0.5 * torch.special.erfc(-x.double() / 2**0.5)
+    error = (y.double() - exact).abs()
+    assert float((error / x.double().abs().clamp(min=1)).max()) <= 2e-7
+    tail = (x >= -5) & (x < 0)
+    assert float((error[tail] / exact[tail].abs()).max()) <= 2e-3
 
 
 def _qgemm_step(activation: str) -> StepSpec:

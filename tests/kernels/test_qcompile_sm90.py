@@ -21,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 WGMMA_INT8, WGMMA_FP8 = "wgmma.mma_async.sync.aligned.m64n{}k32.s32.s8.s8", "wgmma.mma_async.sync.aligned.m64n{}k32.f32.e4m3.e4m3"
 ROUNDING = "0f4B400000"  # 12582912.0 = 1.5·2^23 in PTX
+HARDWARE_E4M3 = "cvt.rn.satfinite.e4m3x2.f32"  # fp32 -> E4M3, nearest-even, saturating: qmath.round_to_e4m3's rule
 
 
 def cases():
@@ -39,8 +40,9 @@ def cases():
                  "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[out]}",
                  "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
         types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-        constexprs = {"FP8": fp8, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True, "ACTIVATION": "Relu",
-                      "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128, "QMAX": 255 if out == "uint8" else 127,
+        constexprs = {"FP8": fp8, "FAST_ACCUM": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True,
+                      "ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
+                      "QMAX": 255 if out == "uint8" else 127,
                       "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
         divisible = ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn")
         yield (f"qgemm {x} -> {out} {config}", qgemm._qgemm_kernel, types, constexprs,
@@ -135,7 +137,7 @@ def cases():
         yield (f"quantize {x} -> {out}", qelementwise._quantize_kernel,
                {"x_ptr": f"*{dtype[x]}", "out_ptr": f"*{dtype[out]}", "numel": "i32", "y_scale": "fp32",
                 "y_zero": "fp32"},
-               {"OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False,
+               {"OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "HARDWARE_E4M3": False, "INDEX64": False,
                 "BLOCK": qelementwise.SAME_LAYOUT_BLOCK}, {"num_warps": 8}, ("x_ptr", "out_ptr", "numel"), None, True)
 
     # the FP8 encoder (issue 12): the FFN up projection's Gelu before its fp8 store, in the GEMM and in
@@ -145,25 +147,35 @@ def cases():
     types = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "bias_ptr": "*fp32", "scale_ptr": "*fp32",
              "out_ptr": "*fp8e4nv", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
     types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
-    yield ("qgemm fp8 -> fp8 Gelu 128x256x128", qgemm._qgemm_kernel, types,
-           {"FP8": True, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
-            "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m},
-           {"num_warps": c.num_warps, "num_stages": c.num_stages},
-           ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
-           WGMMA_FP8.format(256), True)
-    types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "numel": "i32",
-             "inner": "i32", "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
-    yield ("requantize fp16 -> fp8 Gelu", qelementwise._requantize_kernel, types,
-           {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "INDEX64": False} | block,
-           {"num_warps": 4}, ("acc_ptr", "out_ptr"), None, True)
+    for fast_accum in (False, True):  # the tensor cores' own accumulation: no per-step fp32 adds
+        yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}", qgemm._qgemm_kernel, types,
+               {"FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
+                "OUT": 2, "QMIN": 0, "QMAX": 0, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                "GROUP_M": c.group_m},
+               {"num_warps": c.num_warps, "num_stages": c.num_stages},
+               ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
+               WGMMA_FP8.format(256), True)
+    types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
+             "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+    for hardware in (False, True):  # on the GPU the store's conversion rounds (cvt.rn.satfinite), not the arithmetic
+        yield (f"requantize rows fp16 -> fp8 Gelu{' (hardware e4m3)' if hardware else ''}",
+               qelementwise._requantize_rows_kernel, types,
+               {"HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": hardware,
+                "INDEX64": False, "BLOCK_R": qelementwise.ROWS_TILE // 256, "BLOCK_C": 256},
+               {"num_warps": 8}, ("acc_ptr", "bias_ptr", "scale_ptr", "out_ptr", "channels"),
+               HARDWARE_E4M3 if hardware else None, not hardware)
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
-                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "eps": "fp32",
+                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "r_rows": "i32",
+                 "eps": "fp32",
                  "y_scale": "fp32", "y_zero": "fp32"}
-        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ''} 768", qnorm._layer_norm_quantize_kernel,
+        # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
+        yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
+               qnorm._layer_norm_quantize_kernel,
                types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
-                       "QMAX": 0, "BLOCK": 1024}, {"num_warps": 4},
-               ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"), None, True)
+                       "QMAX": 0, "HARDWARE_E4M3": not write_y, "BLOCK": 1024}, {"num_warps": 4},
+               ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),
+               None if write_y else HARDWARE_E4M3, write_y)
 
 
 def main() -> None:
@@ -174,7 +186,7 @@ def main() -> None:
         compiled = compile_kernel(fn, types, constexprs, options, divisible)
         ptx = compiled.asm["ptx"]
         if wgmma is not None and wgmma not in ptx:
-            sys.exit(f"{name}: no {wgmma} in the PTX (not Hopper's 8-bit tensor-core path)")
+            sys.exit(f"{name}: no {wgmma} in the PTX (not the Hopper instruction the kernel is written for)")
         if rounds and ROUNDING not in ptx:
             sys.exit(f"{name}: the rounding constant {ROUNDING} is gone from the PTX (folded away?)")
         if compiled.metadata.shared > SHARED_MEMORY_LIMIT:

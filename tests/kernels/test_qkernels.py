@@ -133,6 +133,22 @@ def test_requantize_keeps_the_layout_and_runs_along_the_axis():
     torch.testing.assert_close(out, (half.float() + torch.linspace(-1, 1, 10)).clamp(-0.5, 0.5))
 
 
+@pytest.mark.parametrize("activation", ["Gelu", "Relu"])
+def test_requantize_rows_equal_the_flat_kernel(activation):
+    """The channel innermost (a GEMM's [M, N]) takes the tiled rows kernel, another layout the flat one (the channel
+    found per element): the same arithmetic, so the same bits, across several column tiles and a ragged last row
+    tile (N = 600 > 256, M = 37)."""
+    gen = torch.Generator().manual_seed(4)
+    product = (torch.randn(37, 600, generator=gen) * 3).to(torch.float16)
+    epilogue = Epilogue(torch.rand(600, generator=gen) + 0.5, torch.randn(600, generator=gen), FP8, y_scale=0.02,
+                        activation=activation)
+    rows = requantize(product, epilogue, -1)
+    column_major = product.t().contiguous().t()  # [M, N] with the channel outermost in memory
+    flat = requantize(column_major, epilogue, -1)
+    assert flat.stride() == column_major.stride() and rows.stride() == product.stride()
+    assert torch.equal(rows.view(torch.uint8), flat.contiguous().view(torch.uint8))
+
+
 def test_dequantize_is_exact_in_fp32_and_keeps_the_layout():
     x = torch.randint(0, 256, (2, 5, 4, 3), dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
     y = dequantize(x, 0.037, 129, torch.float32)

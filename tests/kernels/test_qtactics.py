@@ -49,7 +49,9 @@ GEMM_CASES = [  # (tactic, x dtype, output dtype)
     *[("cuda.qgemm.int_mm", x, out) for x in (I8, U8) for out in (I8, U8, FP8, F32)],
     *[("cuda.qgemm.scaled_mm", FP8, out) for out in (I8, FP8, F32, BF16)],
     ("cuda.qgemm.scaled_mm_direct", FP8, BF16), ("cuda.qgemm.scaled_mm_direct", FP8, F32),
+    ("cuda.qgemm.scaled_mm_direct.fast_accum", FP8, BF16), ("cuda.qgemm.scaled_mm_direct.fast_accum", FP8, F32),
     ("cuda.qgemm.scaled_mm_half", FP8, FP8), ("cuda.qgemm.scaled_mm_half", FP8, I8),
+    ("cuda.qgemm.scaled_mm_half.fast_accum", FP8, FP8),
     *[("cuda.qgemm.dequantized", x, out) for x, out in ((I8, I8), (U8, FP8), (FP8, FP8))],
 ]
 
@@ -57,7 +59,7 @@ GEMM_CASES = [  # (tactic, x dtype, output dtype)
 @pytest.mark.parametrize("name, x_dtype, out", GEMM_CASES, ids=lambda v: str(v).removeprefix("torch."))
 def test_qgemm_tactic_matches_the_reference(name, x_dtype, out):
     # the direct FP8 GEMM writes fp32 only with one weight scale (cuBLASLt's row-wise scaling writes bf16)
-    layer = gemm_layer(x_dtype, out, per_channel=not (name.endswith("direct") and out == F32))
+    layer = gemm_layer(x_dtype, out, per_channel=not ("scaled_mm_direct" in name and out == F32))
     check_tactic(name, layer)
 
 
@@ -68,6 +70,16 @@ def test_fp8_gemm_with_an_activation_before_its_fp8_output(name, activation, per
     """An FFN up projection: Gelu, then the quantization its fp8 output (the down projection's input) needs."""
     layer = gemm_layer(FP8, FP8, per_channel=per_channel, activation=activation, seed=5)
     check_tactic(name, layer, what=f"{activation} per_channel={per_channel}")
+
+
+@pytest.mark.parametrize("out, activation", [(FP8, "Gelu"), (F16, "")], ids=["fp8 Gelu", "fp16"])
+@pytest.mark.parametrize("name", [f"cuda.qgemm.triton.{tile}.fast_accum" for tile in ("128x128x128", "128x256x128")])
+def test_triton_fp8_gemm_with_fast_accumulation(name, out, activation):
+    """The 128-row tiles with the tensor cores' own accumulation (the interpreter sums exactly: this checks the
+    wiring; the H200 case is tests/gpu/test_quant_cuda.py's); int8 layers are refused (their sums are exact)."""
+    layer = gemm_layer(FP8, out, lead=(70,), k=256, n=272, per_channel=out == FP8, activation=activation, seed=6)
+    check_tactic(name, layer, what=f"{out} {activation}")
+    assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(70,), k=256, n=272))
 
 
 @pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])

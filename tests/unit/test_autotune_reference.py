@@ -36,3 +36,18 @@ def test_float32_layers_and_half_only_defaults_are_checked_against_the_recorded_
     record = _Recorded([xh, wh], half_only(None, xh, wh))
     check = _checker(half_only, None, record, {})
     assert check(xh * wh) is None and check(xh * wh + 1) is not None
+
+
+def test_a_layer_whose_output_dtype_is_an_attribute_is_checked_in_float32():
+    """A quantized layer's float output in a half engine (output_dtype 10, kiln/builder/precision.py) writes fp16 from
+    float32 inputs too: its fp32 reference and the candidate's result are compared as float32 (on the H200 every
+    FP8 GEMM with a float output was rejected for "gave float32, the reference float16" and ran its default)."""
+    def attribute_dtype(ctx, x, w, *, output_dtype=1):
+        return (x.float() * w.float()).to(torch.float16 if output_dtype == 10 else torch.float32)
+
+    x, w = torch.randn(64, dtype=torch.float16), torch.full((64,), 3.0, dtype=torch.float16)
+    record = _Recorded([x, w], attribute_dtype(None, x, w, output_dtype=10))
+    check = _checker(attribute_dtype, None, record, {"output_dtype": 10})
+    assert check(record.output) is None
+    problem = check(record.output + 0.5)
+    assert problem is not None and "max abs error" in problem

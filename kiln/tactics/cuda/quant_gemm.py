@@ -7,6 +7,11 @@
     cuda.qgemm.scaled_mm           cuBLASLt FP8 GEMM (torch._scaled_mm, unit scales, fp32 out), then one Triton pass
     cuda.qgemm.scaled_mm_direct    cuBLASLt FP8 GEMM with the scales (per tensor, or row-wise for bf16) and the
                                    bias in cuBLASLt, writing the float output itself; Relu/Clip in place
+    cuda.qgemm.scaled_mm_half      cuBLASLt FP8 GEMM writing fp16 (bf16), then one Triton pass: bias, any
+                                   activation (an FFN's Gelu) and the 8-bit output
+    <FP8 tactic>.fast_accum        the same with Hopper's fast FP8 accumulation (cuBLASLt's use_fast_accum,
+                                   Triton's sm_90 default): the tensor cores sum the whole K in their ~14-bit
+                                   adds, no fp32 promotion per step (Triton: the 128-row tiles)
     cuda.qgemm.dequantized         the float layer: x dequantized to fp16 in one pass, cuBLAS fp16 GEMM on
                                    the dequantized weight, then one Triton pass (bias in fp32, requantization)
 
@@ -21,6 +26,7 @@ prepare): every tactic runs inside a captured CUDA graph.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -70,13 +76,16 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 # ---- Triton ------------------------------------------------------------------------------------------
 
-def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int) -> Tactic:
-    name = f"cuda.qgemm.triton.{block_m}x{block_n}x{block_k}"
+def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int,
+                   fast_accum: bool = False) -> Tactic:
+    name = f"cuda.qgemm.triton.{block_m}x{block_n}x{block_k}" + (".fast_accum" if fast_accum else "")
 
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         common = _supports(step, inputs)
         if common is not True:
             return common
+        if fast_accum and inputs[0].dtype != FP8:
+            return f"{name_of(inputs[0].dtype)} activations: int8 sums are exact, fast accumulation is FP8's"
         rows, n = _rows(inputs), inputs[3].shape[0]
         if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
@@ -86,7 +95,8 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qgemm = kernels("qgemm")
-        config = qgemm.QGemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages)
+        config = qgemm.QGemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages,
+                                   fast_accum=fast_accum)
         layer = QuantizedLayer.of(step, constants, device)
         w = layer.w.contiguous()  # [N, K], K contiguous: wgmma's 8-bit B layout
         epilogue = layer.integer_epilogue()
@@ -100,14 +110,22 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
         name=name, op_type="QGemm", domain="kiln", device="cuda", dtypes=QUANTIZED, supports=supports,
         prepare=prepare, level=level, available=triton_available,
         description=f"Triton int8/fp8 GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} "
-                    "stages, zero point / bias / scale / Relu / requantization on the tile before its one store",
+                    "stages, zero point / bias / scale / Relu / requantization on the tile before its one store"
+                    + _FAST_ACCUM[fast_accum],
     )
 
+
+# Fast accumulation is a candidate of its own, never assumed: the builder's check on the layer's real inputs
+# (one step of an 8-bit output, fp16's tolerance of a float one) decides whether its error is acceptable there.
+_FAST_ACCUM = {False: "", True: "; fast accumulation (the whole K in the tensor cores' ~14-bit adds)"}
 
 # (block_m, block_n, block_k, warps, stages) -> opt level: big-M tiles, a middle one, 16-row tiles for batch 1
 for _config, _level in (((128, 128, 128, 8, 3), 2), ((64, 128, 128, 4, 4), 2), ((16, 64, 128, 2, 4), 2),
                         ((128, 256, 128, 8, 3), 3)):
     register(_triton_tactic(*_config, level=_level))
+# FP8 with the tensor cores' accumulation: the large-M tiles (128x256 fits without the second accumulator)
+for _config in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3)):
+    register(_triton_tactic(*_config, level=2, fast_accum=True))
 
 
 # ---- cuBLASLt INT8 (torch._int_mm) -------------------------------------------------------------------
@@ -207,7 +225,7 @@ def _direct_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return True
 
 
-def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device):
+def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device, fast_accum: bool = False):
     layer = QuantizedLayer.of(step, constants, device)
     w_t = layer.w.contiguous().t()
     n = w_t.shape[1]
@@ -225,7 +243,7 @@ def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device):
         x2 = _flat(x)
         scale_a = torch.ones((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if per_channel else one
         y = torch._scaled_mm(x2, w_t, scale_a=scale_a, scale_b=scale_b, bias=bias if bias_in_gemm else None,
-                             out_dtype=out)  # [M, N]: x_scale·w_scale·Σ x·w (+ bias)
+                             out_dtype=out, use_fast_accum=fast_accum)  # [M, N]: x_scale·w_scale·Σ x·w (+ bias)
         if bias is not None and not bias_in_gemm:
             y.add_(bias)
         if activation == "Relu":
@@ -239,12 +257,14 @@ def _prepare_direct(step: StepSpec, constants: list[Any], device: torch.device):
     return launch
 
 
-register(Tactic(
-    name="cuda.qgemm.scaled_mm_direct", op_type="QGemm", domain="kiln", device="cuda", dtypes=(FP8,),
-    supports=_direct_supports, prepare=_prepare_direct, available=_scaled_mm_available,
-    description="cuBLASLt FP8 GEMM with x_scale·w_scale (per tensor, or row-wise for bf16) and the bias in "
-                "cuBLASLt, the float output written by it; Relu/Clip in place, Gelu in one torch pass",
-))
+for _fast, _note in _FAST_ACCUM.items():
+    register(Tactic(
+        name="cuda.qgemm.scaled_mm_direct" + (".fast_accum" if _fast else ""), op_type="QGemm", domain="kiln",
+        device="cuda", dtypes=(FP8,), supports=_direct_supports, prepare=partial(_prepare_direct, fast_accum=_fast),
+        available=_scaled_mm_available,
+        description="cuBLASLt FP8 GEMM with x_scale·w_scale (per tensor, or row-wise for bf16) and the bias in "
+                    "cuBLASLt, the float output written by it; Relu/Clip in place, Gelu in one torch pass" + _note,
+    ))
 
 
 # cuBLASLt writes x_scale·w_scale·Σ x·w in half precision (2 bytes per output where `scaled_mm` writes fp32's 4),
@@ -265,7 +285,7 @@ def _half_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return True  # the fp16 range is checked at prepare, where y_scale's value is read
 
 
-def _prepare_half(step: StepSpec, constants: list[Any], device: torch.device):
+def _prepare_half(step: StepSpec, constants: list[Any], device: torch.device, fast_accum: bool = False):
     requantize = kernels("qelementwise").requantize
     layer = QuantizedLayer.of(step, constants, device)
     w_t = layer.w.contiguous().t()  # [K, N] column-major
@@ -285,18 +305,22 @@ def _prepare_half(step: StepSpec, constants: list[Any], device: torch.device):
         lead = x.shape[:-1]
         x2 = _flat(x)
         scale_a = torch.ones((x2.shape[0], 1), dtype=torch.float32, device=x2.device) if per_channel else one
-        product = torch._scaled_mm(x2, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=half)  # [M, N] real, no bias
+        product = torch._scaled_mm(x2, w_t, scale_a=scale_a, scale_b=scale_b, out_dtype=half,
+                                   use_fast_accum=fast_accum)  # [M, N] real, no bias
         return requantize(product, epilogue, -1).reshape(*lead, n)
 
     return launch
 
 
-register(Tactic(
-    name="cuda.qgemm.scaled_mm_half", op_type="QGemm", domain="kiln", device="cuda", dtypes=(FP8,),
-    supports=_half_supports, prepare=_prepare_half, available=_scaled_mm_available,
-    description="cuBLASLt FP8 GEMM with x_scale·w_scale, fp16 (bf16 per channel) out, then bias (fp32) / "
-                "Relu / Clip / Gelu / quantization in one Triton pass: an 8-bit output after any activation",
-))
+for _fast, _note in _FAST_ACCUM.items():
+    register(Tactic(
+        name="cuda.qgemm.scaled_mm_half" + (".fast_accum" if _fast else ""), op_type="QGemm", domain="kiln",
+        device="cuda", dtypes=(FP8,), supports=_half_supports, prepare=partial(_prepare_half, fast_accum=_fast),
+        available=_scaled_mm_available,
+        description="cuBLASLt FP8 GEMM with x_scale·w_scale, fp16 (bf16 per channel) out, then bias (fp32) / "
+                    "Relu / Clip / Gelu / quantization in one Triton pass: an 8-bit output after any activation"
+                    + _note,
+    ))
 
 
 # ---- the float layer ---------------------------------------------------------------------------------

@@ -57,6 +57,20 @@ def gelu(x):
 
 
 @triton.jit
+def gelu_for_8bit(x):
+    """x·Φ(x) with Φ from Abramowitz & Stegun 7.1.26 (|error of erf| <= 1.5e-7): for an 8-bit output, whose steps
+    are 2^-4 of the value (E4M3), where tl.math.erf takes ~37 PTX instructions per value and this ~14 (the
+    FFN up's Gelu -> fp8 pass over BERT-base's 24,576 x 3,072 product was compute-bound on the H200: 0.195 ms, a
+    bias-only pass ~0.1). With a = |x|/√2, t = 1/(1 + p·a): erfc(a) ≈ t·P(t)·e^(-a²), so Φ(-|x|) = erfc(a)/2
+    is formed without cancellation: the negative tail keeps its relative accuracy."""
+    a = tl.abs(x) * 0.7071067811865476  # 1/√2
+    t = 1.0 / (1.0 + 0.3275911 * a)  # an approximate division: its ~2 ulps are far below the formula's error
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    half_erfc = 0.5 * poly * tl.exp(-a * a)  # Φ(-|x|)
+    return x * tl.where(x < 0, half_erfc, 1.0 - half_erfc)
+
+
+@triton.jit
 def gelu_tanh(x):
     """½x(1 + tanh(√(2/π)(x + 0.044715x³)))."""
     return 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))  # √(2/π)

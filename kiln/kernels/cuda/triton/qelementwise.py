@@ -63,6 +63,35 @@ def _requantize_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, numel, inner, chan
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channels, y_scale, y_zero, alpha, beta,
+                            HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                            QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """_requantize_kernel where the channel is the innermost dim in memory (a GEMM's [M, N], a channels-last conv):
+    [BLOCK_R, BLOCK_C] tiles, so the tile's scale and bias are loaded once as [1, BLOCK_C] vectors, where the flat
+    kernel finds each element's channel by an integer modulo and gathers its scale and bias."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
+    if INDEX64:
+        r = r.to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BC]
+    c_ok = c < channels
+    mask = (r < rows)[:, None] & c_ok[None, :]
+    offs = r[:, None] * channels + c[None, :]  # [BR, BC]
+    acc = tl.load(acc_ptr + offs, mask=mask, other=0)
+    scale = tl.load(scale_ptr + c, mask=c_ok, other=0.0)[None, :]  # [1, BC]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + c, mask=c_ok, other=0)[None, :]
+    else:
+        bias = scale  # not read
+    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX,
+                     HARDWARE_E4M3)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+ROWS_TILE = 4096  # elements per program of the rows kernel (16 per thread at 8 warps: 16-byte loads of fp16)
+
+
 def requantize(acc: torch.Tensor, epilogue: Epilogue, axis: int = -1) -> torch.Tensor:
     """The layer's output from its accumulator `acc` (int32, or float), in acc's layout: bias and scale run
     along `axis` (-1 for a GEMM, 1 for a convolution). An int32 acc with an int32 bias adds them exactly."""
@@ -84,6 +113,17 @@ def requantize(acc: torch.Tensor, epilogue: Epilogue, axis: int = -1) -> torch.T
     for d in order[order.index(axis) + 1:] if acc.dim() else []:
         inner *= acc.shape[d]
     qmin, qmax = epilogue.qrange
+    if inner == 1:  # the channel innermost: rows of `channels` values
+        rows = numel // channels
+        block_c = min(triton.next_power_of_2(channels), 256)
+        block_r = max(ROWS_TILE // block_c, 1)
+        _requantize_rows_kernel[(triton.cdiv(rows, block_r), triton.cdiv(channels, block_c))](
+            acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, rows, channels,
+            float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
+            HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
+            QMAX=qmax, HARDWARE_E4M3=acc.is_cuda, INDEX64=numel + ROWS_TILE >= 2**31, BLOCK_R=block_r,
+            BLOCK_C=block_c, num_warps=8)
+        return out
     _requantize_kernel[(triton.cdiv(numel, BLOCK),)](
         acc, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, numel, inner,
         channels, float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta),
@@ -119,14 +159,14 @@ def dequantize(x: torch.Tensor, scale: float, zero: float, dtype: torch.dtype) -
 
 @triton.jit
 def _quantize_kernel(x_ptr, out_ptr, numel, y_scale, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr,
-                     QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+                     QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if INDEX64:
         pid = pid.to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX)
+    y = qmath.requantize(x, y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -145,7 +185,7 @@ def quantize(x: torch.Tensor, scale: float, zero: float, out_dtype: torch.dtype)
         qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
         _quantize_kernel[(triton.cdiv(numel, SAME_LAYOUT_BLOCK),)](
             x, out, numel, float(scale), float(zero), OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax,
-            INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
+            HARDWARE_E4M3=x.is_cuda, INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
     return out
 
 

@@ -14,7 +14,9 @@ with it): the tensor cores multiply int8 by int8 only.
 FP8 products are exact in fp32, but Hopper's tensor cores add them into the accumulator with fewer
 bits than fp32 (~14, as DeepSeek-V3's report measured); `max_num_imprecise_acc = BLOCK_K` makes
 Triton add each K step's partial sums into an fp32 accumulator with CUDA-core adds (its default on
-sm_90 is never), as cuBLASLt does without fast accumulation.
+sm_90 is never), as cuBLASLt does without fast accumulation. `QGemmConfig.fast_accum` leaves the whole K
+to the tensor cores (Triton's sm_90 default): no second accumulator, no adds per step; a tactic of its
+own, kept only where the builder's check passes on the layer.
 
 The tile config is a tactic parameter (kiln/tactics/cuda/quant_gemm.py), timed by the autotuner.
 """
@@ -46,6 +48,7 @@ class QGemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    fast_accum: bool = False  # FP8: the tensor cores' own accumulation over the whole K
 
     @property
     def name(self) -> str:
@@ -118,7 +121,8 @@ class Epilogue:
 @triton.jit
 def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                   y_scale, y_zero, alpha, beta,
-                  FP8: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                  FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  ACTIVATION: tl.constexpr,
                   OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -138,7 +142,10 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
         if FP8:
             a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+            if FAST_ACCUM:
+                acc = tl.dot(a, b, acc)
+            else:
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0)
             b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0)
@@ -203,8 +210,8 @@ def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmCon
     _qgemm_kernel[grid](
         x2, w, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, m, n, k,
         x2.stride(0), w.stride(0), float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha),
-        float(epilogue.beta), FP8=fp8, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
-        ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        float(epilogue.beta), FP8=fp8, FAST_ACCUM=fp8 and config.fast_accum, X_UNSIGNED=x.dtype == torch.uint8,
+        HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
+        QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out

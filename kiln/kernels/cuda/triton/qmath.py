@@ -1,7 +1,7 @@
 """Device functions of kiln's quantized kernels: the requantizing epilogue every INT8/FP8 layer ends in.
 
     r = (acc + bias[c]) · scale[c]         scale = x_scale·w_scale (kiln/ops/quantized.py)
-    r = act(r)                             Relu / Clip / Gelu (erf) / GeluTanh
+    r = act(r)                             Relu / Clip / Gelu (erf; to 1.5e-7 before an 8-bit output) / GeluTanh
     y = saturate(round_half_even(r / y_scale) + y_zero)      int8 / uint8 outputs
     y = e4m3(saturate(r / y_scale, ±448))                     float8e4m3fn outputs
     y = r                                                      float outputs
@@ -11,7 +11,9 @@ interpreter (TRITON_INTERPRET=1, the CI path) rounds fp32 -> float8e4nv wrongly 
 that rounds up into the next binade gets the wrong exponent, subnormals flushed: measured on
 triton 3.9), and libdevice's rint does not exist there. So an fp8 result is first rounded onto the
 E4M3 grid here, after which the conversion is exact on the GPU and in the interpreter alike, and
-integer results are whole numbers in range before their (exact) conversion.
+integer results are whole numbers in range before their (exact) conversion. A kernel launched on the GPU may
+instead leave the fp8 rounding to its store (HARDWARE_E4M3: cvt.rn.satfinite, the same rule in one instruction;
+tests/gpu/test_quant_cuda.py compares the two bit for bit).
 """
 
 from __future__ import annotations
@@ -51,20 +53,24 @@ def round_to_e4m3(v):
 
 
 @triton.jit
-def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """v = r / y_scale as the output: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value (OUT_FP8)."""
+def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                   HARDWARE_E4M3: tl.constexpr = False):
+    """v = r / y_scale as the output: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value (OUT_FP8).
+    HARDWARE_E4M3 (a kernel on the GPU, never the interpreter): v is left to the store's conversion, which sm_90
+    compiles to cvt.rn.satfinite.e4m3x2.f32 (nearest-even, saturating at ±448: round_to_e4m3 in one instruction
+    per two values, where the arithmetic takes ~15 per value)."""
     if OUT == 1:
         # beyond 2^22 the rounding trick rounds to a coarser grid, but such v saturate anyway (and ±inf
         # stay ±inf): no bound is needed before it (two instructions per output in every quantized layer)
         v = tl.minimum(tl.maximum(round_half_even(v) + y_zero, QMIN * 1.0), QMAX * 1.0)
-    elif OUT == 2:
+    elif OUT == 2 and not HARDWARE_E4M3:
         v = round_to_e4m3(v)
     return v
 
 
 @triton.jit
 def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
-               QMIN: tl.constexpr, QMAX: tl.constexpr):
+               QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
     (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is an IEEE division, as the reference's float32 one."""
     if ACTIVATION == "Relu":
@@ -72,17 +78,17 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
     elif ACTIVATION == "Clip":  # alpha = min, beta = max
         r = tl.minimum(tl.maximum(r, alpha), beta)
     elif ACTIVATION == "Gelu":  # an FFN's up projection: its 8-bit output is the down projection's input
-        r = dm.gelu(r)
+        r = dm.gelu_for_8bit(r) if OUT != 0 else dm.gelu(r)
     elif ACTIVATION == "GeluTanh":
         r = dm.gelu_tanh(r)
     if OUT != 0:
-        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX)
+        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX, HARDWARE_E4M3)
     return r
 
 
 @triton.jit
 def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-           OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
+           OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """The epilogue from the accumulator: int32 acc + int32 bias is exact (the zero-point correction
     folded into the bias); a float accumulator (FP8 products, a float layer's output) adds the bias
     in fp32. Then r = (acc + bias)·scale, the activation and the output's quantization."""
@@ -92,7 +98,7 @@ def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexp
         else:
             acc = acc.to(tl.float32) + bias.to(tl.float32)
     r = acc.to(tl.float32) * scale
-    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ QUANTIZED_OUTPUTS = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, n, row_stride, r_row_stride, r_rows, eps,
                                 y_scale, y_zero, HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_R: tl.constexpr,
                                 WRITE_Y: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                                BLOCK: tl.constexpr):
+                                HARDWARE_E4M3: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -46,7 +46,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, n, row
     y = y.to(x_ptr.dtype.element_ty)  # the stored y: what the unfused QuantizeLinear reads
     if WRITE_Y:
         tl.store(y_ptr + row * n + cols, y, mask=mask)
-    v = qmath.requantize(y.to(tl.float32), y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX)
+    v = qmath.requantize(y.to(tl.float32), y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(q_ptr + row * n + cols, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -91,6 +91,6 @@ def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
     _layer_norm_quantize_kernel[(x2.shape[0],)](
         x2, w if w is not None else x2, b if b is not None else x2, r2, y if y is not None else q, q, n, x2.stride(0),
         r2.stride(0), r2.shape[0], float(eps), float(y_scale), float(y_zero), HAS_W=w is not None, HAS_B=b is not None,
-        HAS_R=residual is not None, WRITE_Y=write_y, OUT=out_kind, QMIN=qmin, QMAX=qmax, BLOCK=block,
-        num_warps=warps)
+        HAS_R=residual is not None, WRITE_Y=write_y, OUT=out_kind, QMIN=qmin, QMAX=qmax,
+        HARDWARE_E4M3=x.is_cuda, BLOCK=block, num_warps=warps)  # on the GPU the fp8 store rounds (qmath)
     return q, y
