@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -246,19 +247,24 @@ def attention_cases(batch: int, keys: int, kv_dtype: torch.dtype, layers: int = 
     return q, caches, tables, lens
 
 
-VARIANTS = [  # name, split_tokens, block_n, num_warps, fp8_f16_dot ("base": the baseline tree's kernel, its defaults)
-    ("base (s32 n32)", 32, 32, 4, False), ("s32 n32", 32, 32, 4, False), ("s256 n64 (default)", 256, 64, 4, False),
-    ("s256 n32", 256, 32, 4, False), ("s256 n128", 256, 128, 4, False), ("s256 n64 f16", 256, 64, 4, True),
-    ("s256 n32 f16", 256, 32, 4, True)]
+VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot ("base": the baseline tree's kernel)
+    ("base", 256, 64, 4, 3, False), ("n64 w4 s3 (default)", 256, 64, 4, 3, False), ("n64 w4 s5", 256, 64, 4, 5, False),
+    ("n32 w4 s3", 256, 32, 4, 3, False), ("n32 w4 s5", 256, 32, 4, 5, False), ("n32 w2 s5", 256, 32, 2, 5, False),
+    ("n64 w8 s5", 256, 64, 8, 5, False), ("n64 w4 s3 f16", 256, 64, 4, 3, True), ("n64 w4 s5 f16", 256, 64, 4, 5, True),
+    ("n32 w4 s5 f16", 256, 32, 4, 5, True), ("n32 w2 s5 f16", 256, 32, 2, 5, True)]
 
 
-def attention_table(baseline, batches: list[int], keys: int) -> None:
+def attention_table(baseline, batches: list[int], keys: int, best_json: Path) -> None:
+    """Prints the table; writes the fastest variant per KV dtype (the sum of its times over `batches`) as the
+    launch settings paged_decode_attention takes to best_json (after each dtype: a timeout keeps the first)."""
     say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
         "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
-        "nN: block_n, w: num_warps (4 unless named), f16: fp8_f16_dot (FP8 cache only)")
+        "nN: block_n, wN: num_warps, sN: num_stages, f16: fp8_f16_dot (FP8 cache only)")
     say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
     say("|---|---|" + "---|" * len(VARIANTS))
+    best = {}
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        totals = defaultdict(float)
         for batch in batches:
             q, caches, tables, lens = attention_cases(batch, keys, kv_dtype)
             kv_bytes = batch * keys * 8 * 128 * 2 * caches[0][0].element_size()
@@ -270,36 +276,45 @@ def attention_table(baseline, batches: list[int], keys: int) -> None:
             k0, v0 = caches[0]
             ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
             cells = []
-            for name, split, block_n, warps, f16 in VARIANTS:
+            for name, split, block_n, warps, stages, f16 in VARIANTS:
                 if f16 and kv_dtype != torch.float8_e4m3fn:
                     cells.append("")
                     continue
-                if name.startswith("base"):
+                if name == "base":
                     if baseline is None:
                         cells.append("-")
                         continue
 
-                    def call(k, v, split=split, block_n=block_n):
-                        return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
-                                                               split_tokens=split, block_n=block_n)
+                    def call(k, v):
+                        return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512)
                 else:
-                    def call(k, v, split=split, block_n=block_n, warps=warps, f16=f16):
+                    def call(k, v, split=split, block_n=block_n, warps=warps, stages=stages, f16=f16):
                         return paged_decode.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
                                                                    split_tokens=split, block_n=block_n,
-                                                                   num_warps=warps, fp8_f16_dot=f16)
+                                                                   num_warps=warps, num_stages=stages, fp8_f16_dot=f16)
                 try:
                     got = call(k0, v0)[:rows].float()
                     err = (got - ref).abs().max().item()
                     if not err < 3e-2:  # bf16 q and p·v: ~2^-8 relative on values of ~1
                         cells.append(f"OFF ({err:.2g})")
+                        totals[name] = float("inf")
                         continue
                     us = graph_time([lambda k=k, v=v: call(k, v) for k, v in caches])
                     cells.append(f"{us:.1f} ({kv_bytes / us / 1e6:.2f})")
+                    totals[name] += us
                 except Exception as failure:  # a config past this GPU's shared memory: named, not fatal
                     cells.append(f"fails: {type(failure).__name__}")
+                    totals[name] = float("inf")
             say(f"| {str(kv_dtype).removeprefix('torch.')} | {batch} | " + " | ".join(cells) + " |")
             del caches, q
             torch.cuda.empty_cache()
+        name = min((n for n in totals if n != "base"), key=totals.get)
+        _, _, block_n, warps, stages, f16 = next(v for v in VARIANTS if v[0] == name)
+        best["fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"] = {
+            "name": name, "block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_f16_dot": f16}
+        say(f"fastest {kv_dtype}: {name} ({totals[name]:.1f} us over batches {batches}; default "
+            f"{totals['n64 w4 s3 (default)']:.1f})")
+        best_json.write_text(json.dumps(best))
 
 
 def main() -> int:
@@ -331,7 +346,8 @@ def main() -> int:
             run_engine_parts(llm, args, started)
     if "attention" in args.parts:
         baseline = load_kernel_module(Path(args.baseline)) if args.baseline else None
-        attention_table(baseline, args.attention_batches, 128 + args.decoded)
+        attention_table(baseline, args.attention_batches, 128 + args.decoded, Path(args.out,
+                                                                                   "decode_attention_best.json"))
     say(f"(done after {time.perf_counter() - started:.0f} s)")
     Path(args.out, "step_profile.md").write_text("\n".join(LINES) + "\n")
     return 0

@@ -144,13 +144,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
                            block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                           out: torch.Tensor | None = None, fp8_f16_dot: bool = False) -> torch.Tensor:
+                           out: torch.Tensor | None = None, fp8_f16_dot: bool = False,
+                           num_stages: int = 3) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
-    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps: the
-    split kernel's (a launch setting: no result depends on it). out: [B, Hq, D] to write into (e.g. rows of the
+    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps,
+    num_stages: the split kernel's (launch settings: no result depends on them; on sm_90 Triton keeps one K/V tile
+    in flight behind the one being computed from num_stages 5, none at 3: the block table's load comes first). out: [B, Hq, D] to write into (e.g. rows of the
     step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
     products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
     bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
@@ -178,7 +180,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
         F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
