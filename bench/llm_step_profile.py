@@ -18,8 +18,10 @@ CUDA graphs, decode GEMVs and fusion off: they cover <= 16 rows only, kiln/llm/d
    FP8 with unit per-tensor scales (bf16 and fp32 out: what a consumer applying the scales itself would read),
    bf16 (F.linear on dequantized weights); and the engine's FP8 activation quantization kernel.
 3. Paged decode attention alone at batch 1 / 64 / 256 / 1024 and ~192 keys, bf16 and FP8 KV, over 4 layers' caches:
-   the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several split
-   lengths, tiles, warps and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
+   the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several tiles,
+   warps, pipeline stages and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
+   The fastest per KV dtype goes to $OUT/decode_attention_best.json (llm_throughput.py --attention-json reads it).
+4. (--parts prefill) One prefill step of --batch 128-token prompts, eager as the engine runs it, kernel by kernel.
 Prints the tables (markdown) and writes them to $OUT/step_profile.md.
 """
 
@@ -73,6 +75,7 @@ def role(name: str) -> str:
     n = name.lower()
     for key, label in (("_rms_norm", "rms norm (+ residual add)"), ("_fp8_rows", "fp8 quantize"),
                        ("_rope_kv", "rope + kv write"), ("_decode_split", "attention: split kernel"),
+                       ("_prefill_kernel", "attention: prefill kernel"),
                        ("_merge_splits", "attention: merge kernel"), ("_silu_mul", "silu * up"),
                        ("argmax", "argmax (greedy)"), ("embedding", "embedding"), ("index", "embedding")):
         if key in n:
@@ -91,7 +94,7 @@ def label_kernels(names: list[str], num_layers: int) -> list[str]:
         r = role(name)
         if r.startswith("rms norm"):
             phase = "gate_up" if last_gemm == "o" else ("lm_head" if layers_done == num_layers else "qkv")
-        elif r == "attention: merge kernel":
+        elif r.startswith("attention"):
             phase = "o"
         elif r == "silu * up":
             phase = "down"
@@ -168,6 +171,50 @@ def profile_replay(llm, batch: int, replays: int) -> None:
             f"`{kernel}` |")
     gemm_names = sorted({e.name for e, lab in zip(events[:per], labels) if lab.startswith("gemm")})
     say("GEMM kernels in the step: " + "; ".join(n[:160] for n in gemm_names))
+
+
+def profile_prefill(llm, batch: int) -> None:
+    """One prefill step of `batch` 128-token prompts (eager, as the engine runs it: LLM.generate of one token),
+    kernel by kernel, and its wall time."""
+    engine, model = llm.engine, llm.engine.model
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate([torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)], params)  # compile, warm up
+    engine.block_manager.reset_prefix_cache()
+    prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    engine.block_manager.reset_prefix_cache()
+    prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = kernel_events(prof)
+    labels = label_kernels([e.name for e in events], len(model.layers))
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, set()])
+    for e, label in zip(events, labels):
+        totals[label][0] += 1
+        totals[label][1] += e.time_range.elapsed_us()
+        totals[label][2].add(e.name)
+    tokens = batch * 128
+    kernel_ms = sum(v[1] for v in totals.values()) / 1e3
+    say(f"\n### Prefill: {batch} prompts x 128 tokens = {tokens:,} tokens in one step (eager)")
+    say(f"wall {wall_ms:.1f} ms (LLM.generate of one token, unprofiled); kernels {kernel_ms:.1f} ms in {len(events)} "
+        f"launches")
+    flops = {}
+    for p in PROJECTIONS:
+        layer = projection_layers(model, p)[0]
+        w = layer.quantized.q if layer.quantized is not None else layer.weight
+        flops[f"gemm {p}"] = 2 * tokens * w.numel()
+    say("| part | calls | ms | share | TFLOP/s | kernel |")
+    say("|---|---|---|---|---|---|")
+    for label, (calls, us, kernels) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        rate = f"{flops[label] * calls / us / 1e6:.0f}" if label in flops else ""
+        kernel = sorted(kernels, key=len)[0][:70] + (f" (+{len(kernels) - 1})" if len(kernels) > 1 else "")
+        say(f"| {label} | {calls} | {us / 1e3:.2f} | {us / 1e3 / kernel_ms:.1%} | {rate} | `{kernel}` |")
 
 
 # ---- 2. GEMMs alone ---------------------------------------------------------------------------------------------
@@ -336,7 +383,7 @@ def main() -> int:
     started = time.perf_counter()
     say(f"## Decode step profile: {args.preset}, quantization {args.quantization}, kv {args.kv_cache_dtype}, "
         f"batch {args.batch}; {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if "situ" in args.parts or "gemm" in args.parts:
+    if {"situ", "gemm", "prefill"} & set(args.parts):
         with tempfile.TemporaryDirectory() as tmp:
             write_checkpoint(args.preset, torch.bfloat16, Path(tmp), weights=False)
             llm = LLM(tmp, dtype="bfloat16", kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch,
@@ -367,6 +414,8 @@ def run_engine_parts(llm, args, started: float) -> None:
     if "situ" in args.parts:
         for batch in args.situ_batches or ([args.batch, 64] if args.batch > 64 else [args.batch]):
             profile_replay(llm, batch, args.replays)
+    if "prefill" in args.parts:
+        profile_prefill(llm, args.batch)
     if "gemm" in args.parts:
         gemm_table(llm.engine.model, [64, 256, 512, 1024])
         lm_head_time(llm.engine.model, args.batch)
