@@ -3,7 +3,7 @@
 # kernels bit-equal to the two-kernel path (kernels alone, then an FP8 engine's prefill logits and graphed greedy
 # tokens), the FP8 perplexity test, the FP8-cache engine test. 2. Paged decode attention alone at batch 512/1024 and
 # 192 keys: launch variants (tile, warps, num_stages: Triton keeps a K/V tile in flight only from 5 on sm_90; fp16
-# products for an FP8 cache); the fastest per KV dtype goes to $OUT/decode_attention_best.json. 3. 128/128 offline
+# products for an FP8 cache; heads-first grid order); the fastest per KV dtype goes to $OUT/decode_attention_best.json. 3. 128/128 offline
 # throughput at batch 512, async on: FP8 + FP8 KV and FP8 (bf16 KV), each as unfused-fp8 (the baseline: main's
 # kernels), default (this branch: fused quantization) and attn (+ the fastest decode launch), one process each.
 # No carry. Logs in $OUT.
@@ -14,7 +14,7 @@ stage "device"
 nvidia-smi --query-gpu=name,driver_version,memory.used,clocks.sm --format=csv,noheader
 stage "GPU tests (timeout 50 s)"
 TRITON_INTERPRET=0 timeout 50 python3 -m pytest -q -rfE -p no:cacheprovider tests/llm/test_fused_kernels.py \
-  tests/llm/test_gpu.py -k "one_pass or fp8" -x
+  tests/llm/test_paged_decode_kernel.py tests/llm/test_gpu.py -k "one_pass or fp8 or launch_settings"
 stage "decode attention variants, batch 512 and 1024, 192 keys (timeout 55 s)"
 timeout 55 python3 bench/llm_step_profile.py --parts attention --attention-batches 512 1024 --out "$OUT"
 best="$OUT/decode_attention_best.json"

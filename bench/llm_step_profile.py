@@ -294,11 +294,14 @@ def attention_cases(batch: int, keys: int, kv_dtype: torch.dtype, layers: int = 
     return q, caches, tables, lens
 
 
-VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot ("base": the baseline tree's kernel)
-    ("base", 256, 64, 4, 3, False), ("n64 w4 s3 (default)", 256, 64, 4, 3, False), ("n64 w4 s5", 256, 64, 4, 5, False),
-    ("n32 w4 s3", 256, 32, 4, 3, False), ("n32 w4 s5", 256, 32, 4, 5, False), ("n32 w2 s5", 256, 32, 2, 5, False),
-    ("n64 w8 s5", 256, 64, 8, 5, False), ("n64 w4 s3 f16", 256, 64, 4, 3, True), ("n64 w4 s5 f16", 256, 64, 4, 5, True),
-    ("n32 w4 s5 f16", 256, 32, 4, 5, True), ("n32 w2 s5 f16", 256, 32, 2, 5, True)]
+VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot, heads_first ("base": --baseline's)
+    ("base", 256, 64, 4, 3, False, False), ("n64 w4 s3 (default)", 256, 64, 4, 3, False, False),
+    ("n64 w4 s5", 256, 64, 4, 5, False, False), ("n32 w4 s5", 256, 32, 4, 5, False, False),
+    ("n32 w2 s5", 256, 32, 2, 5, False, False), ("n64 w4 s3 hf", 256, 64, 4, 3, False, True),
+    ("n64 w4 s5 hf", 256, 64, 4, 5, False, True), ("n64 w4 s3 f16", 256, 64, 4, 3, True, False),
+    ("n64 w4 s5 f16", 256, 64, 4, 5, True, False), ("n32 w4 s5 f16", 256, 32, 4, 5, True, False),
+    ("n32 w2 s5 f16", 256, 32, 2, 5, True, False), ("n64 w4 s3 f16 hf", 256, 64, 4, 3, True, True),
+    ("n64 w4 s5 f16 hf", 256, 64, 4, 5, True, True)]
 
 
 def attention_table(baseline, batches: list[int], keys: int, best_json: Path) -> None:
@@ -306,7 +309,7 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
     launch settings paged_decode_attention takes to best_json (after each dtype: a timeout keeps the first)."""
     say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
         "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
-        "nN: block_n, wN: num_warps, sN: num_stages, f16: fp8_f16_dot (FP8 cache only)")
+        "nN: block_n, wN: num_warps, sN: num_stages, f16: fp8_f16_dot (FP8 cache only), hf: heads_first")
     say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
     say("|---|---|" + "---|" * len(VARIANTS))
     best = {}
@@ -323,7 +326,7 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
             k0, v0 = caches[0]
             ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
             cells = []
-            for name, split, block_n, warps, stages, f16 in VARIANTS:
+            for name, split, block_n, warps, stages, f16, heads_first in VARIANTS:
                 if f16 and kv_dtype != torch.float8_e4m3fn:
                     cells.append("")
                     continue
@@ -335,10 +338,12 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
                     def call(k, v):
                         return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512)
                 else:
-                    def call(k, v, split=split, block_n=block_n, warps=warps, stages=stages, f16=f16):
+                    def call(k, v, split=split, block_n=block_n, warps=warps, stages=stages, f16=f16,
+                             heads_first=heads_first):
                         return paged_decode.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
                                                                    split_tokens=split, block_n=block_n,
-                                                                   num_warps=warps, num_stages=stages, fp8_f16_dot=f16)
+                                                                   num_warps=warps, num_stages=stages, fp8_f16_dot=f16,
+                                                                   heads_first=heads_first)
                 try:
                     got = call(k0, v0)[:rows].float()
                     err = (got - ref).abs().max().item()
@@ -356,9 +361,10 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
             del caches, q
             torch.cuda.empty_cache()
         name = min((n for n in totals if n != "base"), key=totals.get)
-        _, _, block_n, warps, stages, f16 = next(v for v in VARIANTS if v[0] == name)
+        _, _, block_n, warps, stages, f16, heads_first = next(v for v in VARIANTS if v[0] == name)
         best["fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"] = {
-            "name": name, "block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_f16_dot": f16}
+            "name": name, "block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_f16_dot": f16,
+            "heads_first": heads_first}
         say(f"fastest {kv_dtype}: {name} ({totals[name]:.1f} us over batches {batches}; default "
             f"{totals['n64 w4 s3 (default)']:.1f})")
         best_json.write_text(json.dumps(best))

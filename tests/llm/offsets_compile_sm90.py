@@ -46,7 +46,7 @@ def cases():
     split |= {n: "i32" for n in paged_decode._decode_split_kernel.arg_names if n.startswith("stride")}
     yield "paged decode split", paged_decode._decode_split_kernel, split, dict(
         GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16, IEEE=False,
-        F16_DOT=False)
+        F16_DOT=False, HEADS_FIRST=False)
     merge = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "seq_lens": "*i32", "num_splits": "i32"}
     merge |= {n: "i32" for n in paged_decode._merge_splits_kernel.arg_names if n.startswith("stride")}
     yield "paged decode merge", paged_decode._merge_splits_kernel, merge, dict(

@@ -47,9 +47,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
                          stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
-    kv_head = tl.program_id(1)
+                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr,
+                         HEADS_FIRST: tl.constexpr):
+    if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's K/V heads run side by side, on the same pages
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+    else:
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     # this request's split length: from its own length alone (batch invariance), a whole number of tiles
@@ -145,15 +150,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
                            block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
                            out: torch.Tensor | None = None, fp8_f16_dot: bool = False,
-                           num_stages: int = 3) -> torch.Tensor:
+                           num_stages: int = 3, heads_first: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
     changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps,
-    num_stages: the split kernel's (launch settings: no result depends on them; on sm_90 Triton keeps one K/V tile
-    in flight behind the one being computed from num_stages 5, none at 3: the block table's load comes first). out: [B, Hq, D] to write into (e.g. rows of the
-    step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
+    num_stages, heads_first: launch settings of the split kernel, no result depends on them (on sm_90 Triton keeps
+    one K/V tile in flight behind the one being computed from num_stages 5, none at 3, the block table's load
+    coming first; heads_first orders the grid so a request's K/V heads, adjacent in each cache slot, run at once).
+    out: [B, Hq, D] to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
     products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
     bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
     alone on the H200 (233 vs 256 us a layer at batch 1024); off until it has run in the engine."""
@@ -173,7 +179,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -181,7 +188,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
+        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        HEADS_FIRST=heads_first)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
     _merge_splits_kernel[(batch, num_heads)](
