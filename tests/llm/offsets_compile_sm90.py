@@ -38,9 +38,9 @@ def cases():
     yield "silu_mul", fused._silu_mul_kernel, silu, {"BLOCK": 1024}
     silu_fp8 = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "N": "i32", "stride_x": "i32",
                 "stride_q": "i32"}
-    yield "silu_mul_fp8", fused._silu_mul_fp8_kernel, silu_fp8, {"FP8_MAX": 448.0, "BLOCK": 2048}
+    yield "silu_mul_fp8", fused._silu_mul_fp8_kernel, silu_fp8, {"FP8_MAX": 448.0, "BLOCK": 16384, "WHOLE_ROW": True}
     fp8 = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "N": "i32", "stride_x": "i32", "stride_q": "i32"}
-    yield "fp8_quantize_rows", fused._fp8_rows_kernel, fp8, {"FP8_MAX": 448.0, "BLOCK": 2048}
+    yield "fp8_quantize_rows", fused._fp8_rows_kernel, fp8, {"FP8_MAX": 448.0, "BLOCK": 2048, "WHOLE_ROW": False}
     split = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
              "partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32", "window": "i32"}
     split |= {n: "i32" for n in paged_decode._decode_split_kernel.arg_names if n.startswith("stride")}

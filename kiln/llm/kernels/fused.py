@@ -177,26 +177,47 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+WHOLE_ROW_MAX = 16384  # the per-token quantizers hold a row this wide in registers (16 warps): one read of it
+
+
+def _row_launch(n: int) -> dict:
+    """A per-token quantizer's tile: the whole row when it fits (read once), else 2048-wide chunks read twice
+    (once for the row's largest value, once to quantize)."""
+    block = triton.next_power_of_2(n)
+    if block <= WHOLE_ROW_MAX:
+        return dict(BLOCK=block, WHOLE_ROW=True, num_warps=max(4, min(16, block // 1024)))
+    return dict(BLOCK=2048, WHOLE_ROW=False, num_warps=4)
+
+
+@triton.jit
+def _silu_row(x_row, N, cols, dtype: tl.constexpr):
+    """silu(gate)·up of columns `cols` of a [2·N] gate|up row, rounded to dtype, in fp32 (0 past N)."""
+    gate = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+    up = tl.load(x_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return _silu(gate, up, dtype).to(tl.float32)
+
+
 @triton.jit
 def _silu_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """One row: silu(gate)·up rounded to x's dtype, quantized per token; the product is computed twice (once for
-    the row's largest value, once to store) and never written in bf16."""
+                         BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    """One row: silu(gate)·up rounded to x's dtype, quantized per token; never written in bf16."""
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
-    x_row = x_ptr + row * stride_x
-    top = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        gate = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        up = tl.load(x_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        top = tl.maximum(top, tl.abs(_silu(gate, up, x_ptr.dtype.element_ty).to(tl.float32)))
-    scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        gate = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        up = tl.load(x_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        act = _silu(gate, up, x_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + cols, (act / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    dtype = x_ptr.dtype.element_ty
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        act = _silu_row(x_row, N, cols, dtype)
+        scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(act), 0), FP8_MAX)
+        tl.store(q_row + cols, (act / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    else:  # the product computed twice: for the row's largest value, then to quantize
+        top = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, N, BLOCK):
+            top = tl.maximum(top, tl.abs(_silu_row(x_row, N, c0 + tl.arange(0, BLOCK), dtype)))
+        scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            act = _silu_row(x_row, N, cols, dtype)
+            tl.store(q_row + cols, (act / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
 
 
 def silu_mul_fp8(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,22 +228,30 @@ def silu_mul_fp8(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor,
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _silu_mul_fp8_kernel[(x.shape[0],)](x, q, scale, n, x.stride(0), q.stride(0), FP8_MAX=fp8_max,
-                                            BLOCK=min(2048, triton.next_power_of_2(n)))
+                                            **_row_launch(n))
     return q, scale
 
 
 @triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                     WHOLE_ROW: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
-    top = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)))
-    scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(x), 0), FP8_MAX)
+        tl.store(q_row + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    else:  # the row read twice: for its largest value, then to quantize
+        top = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            top = tl.maximum(top, tl.abs(tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)))
+        scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
 
 
 def fp8_quantize_rows(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,6 +260,6 @@ def fp8_quantize_rows(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Te
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _fp8_rows_kernel[(x.shape[0],)](x, q, scale, x.shape[1], x.stride(0), q.stride(0), FP8_MAX=fp8_max,
-                                        BLOCK=min(2048, triton.next_power_of_2(x.shape[1])))
+                                        **_row_launch(x.shape[1]))
     return q, scale
 
