@@ -126,7 +126,8 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
     rows, skipped = [], []
     best_attention = json.loads(Path(args.attention_json).read_text()) if args.attention_json else {}
-    for config, tree, variant in [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]:
+    runs = [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]
+    for index, (config, tree, variant) in enumerate(runs):  # a variant named twice runs twice (A/B/A/B)
         # the tree under test first: if time runs out, its numbers exist
         left = deadline - time.monotonic()
         if left < args.per_run:
@@ -151,7 +152,7 @@ def main() -> int:
             out.stdout = out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout
             out.stderr = out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr
         label = tree.name if variant == "default" else f"{tree.name} {variant}"
-        (Path(args.out) / f"{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
+        (Path(args.out) / f"{index}-{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
         for line in out.stdout.splitlines():
             if line.startswith("{"):
                 rows.append({"tree": label, "launch": launch, **json.loads(line)})
