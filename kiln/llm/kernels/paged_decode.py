@@ -37,7 +37,13 @@ import triton.language as tl
 
 MIN_SPLIT_TOKENS = 256  # keys per split at least (see above: 32 is faster at batch 1, 2x slower at batch 256+)
 MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of max(256, ceil(L / 16)) keys
-TILE_TOKENS = 64  # keys per tile (BLOCK_N): the one timed with 256-key splits (4 loop trips a split, not 8)
+# The split kernel's launch (H200, 192 keys, batch 512 + 1024, bench/llm_step_profile.py, llm4 run 1, 2026-12-03:
+# bench/results/llm-2026-12-03b.md): 32-key tiles with num_stages 5 (Triton then keeps the next K/V tile in flight
+# while one is computed; at 3 it waits for each) took 353.5 us where 64-key tiles at 3 stages took 380.5 (bf16 KV),
+# and with an FP8 cache and fp16 products 346.8 against 394.4. Grid order (heads first) and 64-key tiles at 5 stages
+# gained nothing; 2 warps lost.
+TILE_TOKENS = 32  # keys per tile (BLOCK_N)
+NUM_STAGES = 5
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
@@ -73,7 +79,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if F16_DOT:  # an FP8 cache read as fp16 (one native conversion, exact); q scaled first, for fp16's range
-        q = (q.to(tl.float32) * scale).to(tl.float16)
+        q = tl.clamp(q.to(tl.float32) * scale, -65504.0, 65504.0).to(tl.float16)  # saturated, never inf
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -149,20 +155,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
                            block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                           out: torch.Tensor | None = None, fp8_f16_dot: bool = False,
-                           num_stages: int = 3, heads_first: bool = False) -> torch.Tensor:
+                           out: torch.Tensor | None = None, fp8_f16_dot: bool = True,
+                           num_stages: int = NUM_STAGES, heads_first: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
-    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps,
-    num_stages, heads_first: launch settings of the split kernel, no result depends on them (on sm_90 Triton keeps
-    one K/V tile in flight behind the one being computed from num_stages 5, none at 3, the block table's load
-    coming first; heads_first orders the grid so a request's K/V heads, adjacent in each cache slot, run at once).
-    out: [B, Hq, D] to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
-    products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
-    bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
-    alone on the H200 (233 vs 256 us a layer at batch 1024); off until it has run in the engine."""
+    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; block_n, num_warps:
+    the split kernel's tile and warps (the result's bits may depend on them: fixed per engine, so no request's result
+    depends on the batch); num_stages, heads_first: launch settings that change no bit (on sm_90 Triton keeps one K/V
+    tile in flight behind the one being computed from num_stages 5, none at 3, the block table's load coming first;
+    heads_first orders the grid so a request's K/V heads, adjacent in each cache slot, run at once). out: [B, Hq, D]
+    to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an
+    FP8 cache and a bf16 q, the products in fp16 (q·scale saturated at fp16's ±65504, K, V and p rounded to fp16:
+    3 more mantissa bits than bf16) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90:
+    8-14% faster alone on the H200 (the default since llm4 run 1, where a 128/128 engine run at batch 512 took it)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
