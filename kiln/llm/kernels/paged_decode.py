@@ -127,11 +127,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr):
+                         stride_lb, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Program (request, K/V head) merges the splits of the GROUP query heads sharing that K/V head (one program per
+    query head made 16k programs a layer at batch 512 that mostly exit at once: 10.6 us a layer on the H200)."""
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
     if split_len >= seq_len:  # one split: the split kernel wrote the result
@@ -142,13 +144,15 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, st
     s_ok = (s < num_splits) & (s * split_len < seq_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
-    partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+        top = tl.max(lse, 0)
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
+        partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                          mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -199,8 +203,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         HEADS_FIRST=heads_first)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
-    _merge_splits_kernel[(batch, num_heads)](
+    _merge_splits_kernel[(batch, num_kv_heads)](
         partial, lse, out, seq_lens, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
     return out
