@@ -18,8 +18,10 @@ CUDA graphs, decode GEMVs and fusion off: they cover <= 16 rows only, kiln/llm/d
    FP8 with unit per-tensor scales (bf16 and fp32 out: what a consumer applying the scales itself would read),
    bf16 (F.linear on dequantized weights); and the engine's FP8 activation quantization kernel.
 3. Paged decode attention alone at batch 1 / 64 / 256 / 1024 and ~192 keys, bf16 and FP8 KV, over 4 layers' caches:
-   the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several split
-   lengths, tiles, warps and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
+   the baseline tree's kernel (--baseline: its kiln/ folder, if given) against this tree's, at several tiles,
+   warps, pipeline stages and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
+   The fastest per KV dtype goes to $OUT/decode_attention_best.json (llm_throughput.py --attention-json reads it).
+4. (--parts prefill) One prefill step of --batch 128-token prompts, eager as the engine runs it, kernel by kernel.
 Prints the tables (markdown) and writes them to $OUT/step_profile.md.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import sys
 import tempfile
@@ -72,6 +75,7 @@ def role(name: str) -> str:
     n = name.lower()
     for key, label in (("_rms_norm", "rms norm (+ residual add)"), ("_fp8_rows", "fp8 quantize"),
                        ("_rope_kv", "rope + kv write"), ("_decode_split", "attention: split kernel"),
+                       ("_prefill_kernel", "attention: prefill kernel"),
                        ("_merge_splits", "attention: merge kernel"), ("_silu_mul", "silu * up"),
                        ("argmax", "argmax (greedy)"), ("embedding", "embedding"), ("index", "embedding")):
         if key in n:
@@ -90,7 +94,7 @@ def label_kernels(names: list[str], num_layers: int) -> list[str]:
         r = role(name)
         if r.startswith("rms norm"):
             phase = "gate_up" if last_gemm == "o" else ("lm_head" if layers_done == num_layers else "qkv")
-        elif r == "attention: merge kernel":
+        elif r.startswith("attention"):
             phase = "o"
         elif r == "silu * up":
             phase = "down"
@@ -167,6 +171,50 @@ def profile_replay(llm, batch: int, replays: int) -> None:
             f"`{kernel}` |")
     gemm_names = sorted({e.name for e, lab in zip(events[:per], labels) if lab.startswith("gemm")})
     say("GEMM kernels in the step: " + "; ".join(n[:160] for n in gemm_names))
+
+
+def profile_prefill(llm, batch: int) -> None:
+    """One prefill step of `batch` 128-token prompts (eager, as the engine runs it: LLM.generate of one token),
+    kernel by kernel, and its wall time."""
+    engine, model = llm.engine, llm.engine.model
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate([torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)], params)  # compile, warm up
+    engine.block_manager.reset_prefix_cache()
+    prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)]
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    llm.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    engine.block_manager.reset_prefix_cache()
+    prompts = [torch.randint(3, vocab, (128,)).tolist() for _ in range(batch)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+    events = kernel_events(prof)
+    labels = label_kernels([e.name for e in events], len(model.layers))
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0, set()])
+    for e, label in zip(events, labels):
+        totals[label][0] += 1
+        totals[label][1] += e.time_range.elapsed_us()
+        totals[label][2].add(e.name)
+    tokens = batch * 128
+    kernel_ms = sum(v[1] for v in totals.values()) / 1e3
+    say(f"\n### Prefill: {batch} prompts x 128 tokens = {tokens:,} tokens in one step (eager)")
+    say(f"wall {wall_ms:.1f} ms (LLM.generate of one token, unprofiled); kernels {kernel_ms:.1f} ms in {len(events)} "
+        f"launches")
+    flops = {}
+    for p in PROJECTIONS:
+        layer = projection_layers(model, p)[0]
+        w = layer.quantized.q if layer.quantized is not None else layer.weight
+        flops[f"gemm {p}"] = 2 * tokens * w.numel()
+    say("| part | calls | ms | share | TFLOP/s | kernel |")
+    say("|---|---|---|---|---|---|")
+    for label, (calls, us, kernels) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+        rate = f"{flops[label] * calls / us / 1e6:.0f}" if label in flops else ""
+        kernel = sorted(kernels, key=len)[0][:70] + (f" (+{len(kernels) - 1})" if len(kernels) > 1 else "")
+        say(f"| {label} | {calls} | {us / 1e3:.2f} | {us / 1e3 / kernel_ms:.1%} | {rate} | `{kernel}` |")
 
 
 # ---- 2. GEMMs alone ---------------------------------------------------------------------------------------------
@@ -246,19 +294,27 @@ def attention_cases(batch: int, keys: int, kv_dtype: torch.dtype, layers: int = 
     return q, caches, tables, lens
 
 
-VARIANTS = [  # name, split_tokens, block_n, num_warps, fp8_f16_dot ("base": the baseline tree's kernel, its defaults)
-    ("base (s32 n32)", 32, 32, 4, False), ("s32 n32", 32, 32, 4, False), ("s256 n64 (default)", 256, 64, 4, False),
-    ("s256 n32", 256, 32, 4, False), ("s256 n128", 256, 128, 4, False), ("s256 n64 f16", 256, 64, 4, True),
-    ("s256 n32 f16", 256, 32, 4, True)]
+VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot, heads_first ("base": --baseline's)
+    ("base", 256, 64, 4, 3, False, False), ("n64 w4 s3 (main)", 256, 64, 4, 3, False, False),
+    ("n64 w4 s5", 256, 64, 4, 5, False, False), ("n32 w4 s5", 256, 32, 4, 5, False, False),
+    ("n32 w2 s5", 256, 32, 2, 5, False, False), ("n64 w4 s3 hf", 256, 64, 4, 3, False, True),
+    ("n64 w4 s5 hf", 256, 64, 4, 5, False, True), ("n64 w4 s3 f16", 256, 64, 4, 3, True, False),
+    ("n64 w4 s5 f16", 256, 64, 4, 5, True, False), ("n32 w4 s5 f16", 256, 32, 4, 5, True, False),
+    ("n32 w2 s5 f16", 256, 32, 2, 5, True, False), ("n64 w4 s3 f16 hf", 256, 64, 4, 3, True, True),
+    ("n64 w4 s5 f16 hf", 256, 64, 4, 5, True, True)]
 
 
-def attention_table(baseline, batches: list[int], keys: int) -> None:
+def attention_table(baseline, batches: list[int], keys: int, best_json: Path) -> None:
+    """Prints the table; writes the fastest variant per KV dtype (the sum of its times over `batches`) as the
+    launch settings paged_decode_attention takes to best_json (after each dtype: a timeout keeps the first)."""
     say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
         "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
-        "nN: block_n, w: num_warps (4 unless named), f16: fp8_f16_dot (FP8 cache only)")
+        "nN: block_n, wN: num_warps, sN: num_stages, f16: fp8_f16_dot (FP8 cache only), hf: heads_first")
     say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
     say("|---|---|" + "---|" * len(VARIANTS))
+    best = {}
     for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        totals = defaultdict(float)
         for batch in batches:
             q, caches, tables, lens = attention_cases(batch, keys, kv_dtype)
             kv_bytes = batch * keys * 8 * 128 * 2 * caches[0][0].element_size()
@@ -270,36 +326,48 @@ def attention_table(baseline, batches: list[int], keys: int) -> None:
             k0, v0 = caches[0]
             ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
             cells = []
-            for name, split, block_n, warps, f16 in VARIANTS:
+            for name, split, block_n, warps, stages, f16, heads_first in VARIANTS:
                 if f16 and kv_dtype != torch.float8_e4m3fn:
                     cells.append("")
                     continue
-                if name.startswith("base"):
+                if name == "base":
                     if baseline is None:
                         cells.append("-")
                         continue
 
-                    def call(k, v, split=split, block_n=block_n):
-                        return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
-                                                               split_tokens=split, block_n=block_n)
+                    def call(k, v):
+                        return baseline.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512)
                 else:
-                    def call(k, v, split=split, block_n=block_n, warps=warps, f16=f16):
+                    def call(k, v, split=split, block_n=block_n, warps=warps, stages=stages, f16=f16,
+                             heads_first=heads_first):
                         return paged_decode.paged_decode_attention(q, k, v, tables, lens, 128 ** -0.5, None, 512,
                                                                    split_tokens=split, block_n=block_n,
-                                                                   num_warps=warps, fp8_f16_dot=f16)
+                                                                   num_warps=warps, num_stages=stages, fp8_f16_dot=f16,
+                                                                   heads_first=heads_first)
                 try:
                     got = call(k0, v0)[:rows].float()
                     err = (got - ref).abs().max().item()
                     if not err < 3e-2:  # bf16 q and p·v: ~2^-8 relative on values of ~1
                         cells.append(f"OFF ({err:.2g})")
+                        totals[name] = float("inf")
                         continue
                     us = graph_time([lambda k=k, v=v: call(k, v) for k, v in caches])
                     cells.append(f"{us:.1f} ({kv_bytes / us / 1e6:.2f})")
+                    totals[name] += us
                 except Exception as failure:  # a config past this GPU's shared memory: named, not fatal
                     cells.append(f"fails: {type(failure).__name__}")
+                    totals[name] = float("inf")
             say(f"| {str(kv_dtype).removeprefix('torch.')} | {batch} | " + " | ".join(cells) + " |")
             del caches, q
             torch.cuda.empty_cache()
+        name = min((n for n in totals if n != "base"), key=totals.get)
+        _, _, block_n, warps, stages, f16, heads_first = next(v for v in VARIANTS if v[0] == name)
+        best["fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"] = {
+            "name": name, "block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_f16_dot": f16,
+            "heads_first": heads_first}
+        say(f"fastest {kv_dtype}: {name} ({totals[name]:.1f} us over batches {batches}; main's launch "
+            f"{totals['n64 w4 s3 (main)']:.1f})")
+        best_json.write_text(json.dumps(best))
 
 
 def main() -> int:
@@ -321,7 +389,7 @@ def main() -> int:
     started = time.perf_counter()
     say(f"## Decode step profile: {args.preset}, quantization {args.quantization}, kv {args.kv_cache_dtype}, "
         f"batch {args.batch}; {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if "situ" in args.parts or "gemm" in args.parts:
+    if {"situ", "gemm", "prefill"} & set(args.parts):
         with tempfile.TemporaryDirectory() as tmp:
             write_checkpoint(args.preset, torch.bfloat16, Path(tmp), weights=False)
             llm = LLM(tmp, dtype="bfloat16", kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.batch,
@@ -331,7 +399,8 @@ def main() -> int:
             run_engine_parts(llm, args, started)
     if "attention" in args.parts:
         baseline = load_kernel_module(Path(args.baseline)) if args.baseline else None
-        attention_table(baseline, args.attention_batches, 128 + args.decoded)
+        attention_table(baseline, args.attention_batches, 128 + args.decoded, Path(args.out,
+                                                                                   "decode_attention_best.json"))
     say(f"(done after {time.perf_counter() - started:.0f} s)")
     Path(args.out, "step_profile.md").write_text("\n".join(LINES) + "\n")
     return 0
@@ -351,6 +420,8 @@ def run_engine_parts(llm, args, started: float) -> None:
     if "situ" in args.parts:
         for batch in args.situ_batches or ([args.batch, 64] if args.batch > 64 else [args.batch]):
             profile_replay(llm, batch, args.replays)
+    if "prefill" in args.parts:
+        profile_prefill(llm, args.batch)
     if "gemm" in args.parts:
         gemm_table(llm.engine.model, [64, 256, 512, 1024])
         lm_head_time(llm.engine.model, args.batch)

@@ -38,6 +38,14 @@ import torch, transformers
 from kiln.llm import LLM, SamplingParams
 
 a = json.loads(sys.argv[1])
+if a["variant"] in ("unfused-fp8", "unfused-fp8+attn"):  # the A/B's baseline: FP8 GEMMs quantize their own input
+    from kiln.llm.models import layers
+    layers.takes_fp8_rows = lambda linear, rows: False
+if a["decode_attention"]:  # the decode kernel's launch settings for this run (the sweep's fastest)
+    import functools
+    from kiln.llm.kernels import paged_decode
+    paged_decode.paged_decode_attention = functools.partial(paged_decode.paged_decode_attention,
+                                                            **a["decode_attention"])
 config_name, batches, input_len, output_len = a["config"], a["batch"], a["input_len"], a["output_len"]
 SHAPES = {"llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                             num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
@@ -104,6 +112,12 @@ def main() -> int:
     parser.add_argument("--kv-cache-memory", default="16GiB")
     parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
+    parser.add_argument("--variants", nargs="+", default=["default"],
+                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn"],
+                        help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
+                             "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json")
+    parser.add_argument("--attention-json", default=None,
+                        help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
     parser.add_argument("--per-run", type=float, default=40.0, help="seconds one process is expected to take")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -111,44 +125,52 @@ def main() -> int:
     trees = [Path(t).resolve() for t in args.trees]
     deadline = time.monotonic() + args.budget
     rows, skipped = [], []
-    for config in args.configs:
-        for tree in reversed(trees):  # the tree under test first: if time runs out, its numbers exist
-            left = deadline - time.monotonic()
-            if left < args.per_run:
-                skipped.append(f"{tree.name} {config}")
-                continue
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            started = time.monotonic()
-            try:
-                child = {"config": config, "batch": args.batch, "input_len": args.input_len,
-                         "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
-                         "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                         "overlap": args.overlap}
-                out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
-                                     text=True, cwd=tree, timeout=left)
-            except subprocess.TimeoutExpired as e:
-                print(f"{tree.name} {config}: timed out after {left:.0f} s", flush=True)
-                out = subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", e.stderr or "")
-                out.stdout = out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout
-                out.stderr = out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr
-            (Path(args.out) / f"{tree.name}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
-            for line in out.stdout.splitlines():
-                if line.startswith("{"):
-                    rows.append({"tree": tree.name, **json.loads(line)})
-                    print(rows[-1], flush=True)
-            if out.returncode:
-                print(f"{tree.name} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
-            print(f"{tree.name} {config}: {time.monotonic() - started:.0f} s", flush=True)
+    best_attention = json.loads(Path(args.attention_json).read_text()) if args.attention_json else {}
+    runs = [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]
+    for index, (config, tree, variant) in enumerate(runs):  # a variant named twice runs twice (A/B/A/B)
+        # the tree under test first: if time runs out, its numbers exist
+        left = deadline - time.monotonic()
+        if left < args.per_run:
+            skipped.append(f"{tree.name} {config} {variant}")
+            continue
+        launch = None
+        if variant.endswith("attn"):
+            launch = {k: v for k, v in best_attention["fp8" if config == "fp8-kv8" else "bf16"].items()
+                      if k != "name"}
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        started = time.monotonic()
+        try:
+            child = {"config": config, "batch": args.batch, "input_len": args.input_len,
+                     "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
+                     "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
+                     "overlap": args.overlap, "variant": variant, "decode_attention": launch}
+            out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
+                                 text=True, cwd=tree, timeout=left)
+        except subprocess.TimeoutExpired as e:
+            print(f"{tree.name} {config} {variant}: timed out after {left:.0f} s", flush=True)
+            out = subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", e.stderr or "")
+            out.stdout = out.stdout.decode() if isinstance(out.stdout, bytes) else out.stdout
+            out.stderr = out.stderr.decode() if isinstance(out.stderr, bytes) else out.stderr
+        label = tree.name if variant == "default" else f"{tree.name} {variant}"
+        (Path(args.out) / f"{index}-{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                rows.append({"tree": label, "launch": launch, **json.loads(line)})
+                print(rows[-1], flush=True)
+        if out.returncode:
+            print(f"{label} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
+        print(f"{label} {config}: {time.monotonic() - started:.0f} s", flush=True)
     (Path(args.out) / "throughput.json").write_text(json.dumps(rows, indent=1))
-    digests = {}
-    for r in rows:
-        digests.setdefault((r["config"], r["batch"]), set()).add(r["digest"])
+    first_digest = {}  # (config, batch) -> the first row's tokens: the baseline's
+    baseline = trees[0].name if args.variants[0] == "default" else f"{trees[0].name} {args.variants[0]}"
+    for r in sorted(rows, key=lambda r: r["tree"] != baseline):
+        first_digest.setdefault((r["config"], r["batch"]), r["digest"])
     print(f"\n{torch_versions()}; input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
     print("| tree | config | async | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | "
           "graph replay ms | host ms/step not hidden | load s | tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != trees[0].name)):
-        same = "same" if len(digests[(r["config"], r["batch"])]) == 1 else "MISMATCH"
+    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != baseline)):
+        same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else f"differ ({r['digest'][:8]})"
         print(f"| {r['tree']} | {r['config']} | {r.get('overlap', '')} | {r['batch']} | {r['output_tok_s']:,.0f} | "
               f"{r['total_tok_s']:,.0f} | "
               f"{r['ttft_ms']:.0f} | {r['decode_step_ms']:.2f} | {r['replay_ms']:.2f} | {r['host_ms']:.2f} | "

@@ -51,7 +51,10 @@ class FP8Weight(nn.Module):
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | layers.FP8Rows) -> torch.Tensor:
+        if isinstance(x, layers.FP8Rows):  # quantized by the kernel that made them (layers.takes_fp8_rows)
+            return torch._scaled_mm(x.values, self.q.t(), scale_a=x.scale, scale_b=self.scale[None, :],
+                                    out_dtype=x.dtype)
         if self.use_scaled_mm:
             if layers.FUSED:
                 from kiln.llm.kernels.fused import fp8_quantize_rows  # one kernel for the per-token scales

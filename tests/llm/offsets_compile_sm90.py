@@ -23,9 +23,12 @@ from tests.kernels.compile_sm90 import compile_kernel  # noqa: E402
 
 
 def cases():
-    rows = {"x_ptr": "*bf16", "delta_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16", "N": "i32",
-            "eps": "fp32", "stride_x": "i32", "stride_d": "i32", "stride_o": "i32", "stride_s": "i32"}
-    yield "rms_norm", fused._rms_norm_kernel, rows, {"HAS_DELTA": True, "BLOCK": 4096}
+    rows = {"x_ptr": "*bf16", "delta_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+            "scale_ptr": "*bf16", "N": "i32", "eps": "fp32", "stride_x": "i32", "stride_d": "i32", "stride_o": "i32",
+            "stride_s": "i32"}
+    yield "rms_norm", fused._rms_norm_kernel, rows, {"HAS_DELTA": True, "FP8_MAX": 0.0, "BLOCK": 4096}
+    yield "rms_norm_fp8", fused._rms_norm_kernel, rows | {"out_ptr": "*fp8e4nv", "scale_ptr": "*fp32"}, {
+        "HAS_DELTA": True, "FP8_MAX": 448.0, "BLOCK": 4096}
     rope = {"qkv_ptr": "*bf16", "pos_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
             "q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "stride_qkv": "i32", "stride_q": "i32",
             "stride_kslot": "i32", "stride_vslot": "i32"}
@@ -33,18 +36,21 @@ def cases():
                                                          "BLOCK_HALF": 64, "FP8": False}
     silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": "i32", "stride_x": "i32", "stride_o": "i32"}
     yield "silu_mul", fused._silu_mul_kernel, silu, {"BLOCK": 1024}
+    silu_fp8 = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "N": "i32", "stride_x": "i32",
+                "stride_q": "i32"}
+    yield "silu_mul_fp8", fused._silu_mul_fp8_kernel, silu_fp8, {"FP8_MAX": 448.0, "BLOCK": 16384, "WHOLE_ROW": True}
     fp8 = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "N": "i32", "stride_x": "i32", "stride_q": "i32"}
-    yield "fp8_quantize_rows", fused._fp8_rows_kernel, fp8, {"FP8_MAX": 448.0, "BLOCK": 2048}
+    yield "fp8_quantize_rows", fused._fp8_rows_kernel, fp8, {"FP8_MAX": 448.0, "BLOCK": 2048, "WHOLE_ROW": False}
     split = {"q_ptr": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "block_tables": "*i32", "seq_lens": "*i32",
              "partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "scale": "fp32", "window": "i32"}
     split |= {n: "i32" for n in paged_decode._decode_split_kernel.arg_names if n.startswith("stride")}
     yield "paged decode split", paged_decode._decode_split_kernel, split, dict(
         GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE=16, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16, IEEE=False,
-        F16_DOT=False)
+        F16_DOT=False, HEADS_FIRST=False)
     merge = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "seq_lens": "*i32", "num_splits": "i32"}
     merge |= {n: "i32" for n in paged_decode._merge_splits_kernel.arg_names if n.startswith("stride")}
     yield "paged decode merge", paged_decode._merge_splits_kernel, merge, dict(
-        HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16)
+        GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16)
 
 
 def narrow_row_products(ptx: str) -> list[str]:

@@ -12,7 +12,8 @@ pytest.importorskip("triton")
 
 from kiln.llm.attention import write_kv  # noqa: E402
 from kiln.llm.config import RopeConfig  # noqa: E402
-from kiln.llm.kernels.fused import add_rms_norm, fp8_quantize_rows, rms_norm, rope_kv_write, silu_mul  # noqa: E402
+from kiln.llm.kernels.fused import (add_rms_norm, fp8_quantize_rows, rms_norm, rms_norm_fp8, rope_kv_write,  # noqa: E402
+                                    silu_mul, silu_mul_fp8)
 from kiln.llm.models.layers import RMSNorm, Rotary  # noqa: E402
 
 DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
@@ -81,6 +82,33 @@ def test_fp8_rows_match_the_reference_quantization():
     torch.testing.assert_close(q.float(), expected.float(), atol=0, rtol=0.07)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="float8 conversions: on the GPU only")
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_norm_quantized_in_one_pass_equals_the_two_kernels(with_delta):
+    """rms_norm_fp8 against add_rms_norm (or rms_norm) then fp8_quantize_rows: the same bits (the fused kernel
+    quantizes the bf16 row the norm would have stored, with the same fp32 arithmetic)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = (torch.randn((37, 4096), device="cuda", generator=g) * 3).to(torch.bfloat16)
+    delta = torch.randn((37, 4096), device="cuda", generator=g).to(torch.bfloat16)
+    weight = (1 + torch.randn(4096, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    total, normed = add_rms_norm(x, delta, weight, 1e-5) if with_delta else (x, rms_norm(x, weight, 1e-5))
+    q, scale = fp8_quantize_rows(normed)
+    got_total, got_q, got_scale = rms_norm_fp8(x, delta if with_delta else None, weight, 1e-5)
+    assert torch.equal(got_total, total)
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="float8 conversions: on the GPU only")
+@pytest.mark.parametrize("rows,width", [(5, 1500), (64, 14336), (3, 20000)])  # whole rows; two passes
+def test_silu_quantized_in_one_pass_equals_the_two_kernels(rows, width):
+    g = torch.Generator(device="cuda").manual_seed(width)
+    x = (torch.randn((rows, 2 * width), device="cuda", generator=g) * 2).to(torch.bfloat16)
+    q, scale = fp8_quantize_rows(silu_mul(x))
+    got_q, got_scale = silu_mul_fp8(x)
+    assert torch.equal(got_scale, scale)
+    assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
+
 
 def test_row_offsets_are_64_bit_in_the_compiled_kernels():
     """The real compiler (no GPU): the fused kernels and the paged decode kernels take the program's row into
@@ -94,4 +122,4 @@ def test_row_offsets_are_64_bit_in_the_compiled_kernels():
     done = subprocess.run([sys.executable, "-m", "tests.llm.offsets_compile_sm90"], env=env, capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 6
+    assert done.stdout.count("ok  ") == 8

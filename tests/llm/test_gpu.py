@@ -49,3 +49,33 @@ def test_fp8_scaled_mm_perplexity(hf_models):
     fp8 = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", quantization="fp8")
     assert fp8.engine.model.layers[0].self_attn.qkv_proj.quantized.use_scaled_mm
     assert abs(perplexity(fp8.engine, ids) / perplexity(base.engine, ids) - 1) < 0.05
+
+
+def test_fp8_rows_quantized_in_the_norm_and_swiglu_kernels_change_no_bit(hf_models, monkeypatch):
+    """FP8 GEMMs read rows the norm and SwiGLU kernels quantized in the same pass (layers.takes_fp8_rows): the
+    logits of a prefill and the greedy tokens of graphed decode steps are those of the GEMMs quantizing their
+    own bf16 input, bit for bit."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    from kiln.llm.models import layers
+
+    folder, _ = hf_models("llama")
+    prompt = list(range(5, 60))
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [prompt, list(range(7, 30)), [3, 4]]
+
+    def run():
+        # cuBLAS for decode rows too (no GEMV tuning, no decode-layer fusion): every step's GEMMs are FP8 GEMMs
+        llm = LLM(folder, dtype="bfloat16", device="cuda", kv_cache_memory="64MiB", block_size=16,
+                  quantization="fp8", gemv="cublas", decode_fusion="off")
+        runner = llm.engine.runner
+        inputs = runner.prepare([ScheduledRequest(Request("r", prompt), prompt, 0, [1, 2, 3, 4])])
+        inputs.logit_rows = torch.arange(len(prompt), device="cuda")
+        return llm, runner.forward(inputs), [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+    llm, fused_logits, fused_tokens = run()
+    assert layers.takes_fp8_rows(llm.engine.model.layers[0].mlp.down_proj, len(prompt))
+    monkeypatch.setattr(layers, "takes_fp8_rows", lambda linear, rows: False)
+    _, logits, tokens = run()
+    assert torch.equal(fused_logits, logits)
+    assert fused_tokens == tokens

@@ -10,6 +10,12 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
   and v written into their cache slots, one program per token (half-split RoPE, cos/sin tables in fp32).
 - silu_mul: SwiGLU's silu(gate)·up from the fused [T, 2·I] projection, silu rounded before the product.
 - fp8_quantize_rows: per-token E4M3 activations and their scales for torch._scaled_mm (one program a row).
+- rms_norm_fp8, silu_mul_fp8: the norm (after the residual add) and SwiGLU with the per-token E4M3 quantization
+  of their output in the same pass, where an FP8 GEMM is what reads it: the bf16 rows are never stored and read
+  back (a Llama-3-8B prefill of 65k tokens moves ~9 GB a layer less). The arithmetic is the two kernels' in a row,
+  and the GPU tests find the same bits (kernels alone; a small FP8 engine's logits and graphed tokens), but a
+  128/128 run of a random-weight Llama-3-8B at batch 512 (H200, llm4 runs 1-2) decoded other tokens than with the
+  two kernels: a difference not found yet (bench/results/llm-2026-12-03b.md).
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, N, eps, stride_x, stride_d, stride_o, stride_s,
-                     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, scale_ptr, N, eps, stride_x, stride_d, stride_o,
+                     stride_s, HAS_DELTA: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: row * stride passes 2^31 in a large prefill step
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -32,26 +38,58 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, N, eps, stride_x
         tl.store(sum_ptr + row * stride_s + cols, x, mask=ok)
     x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / N + eps)
-    y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    dtype = sum_ptr.dtype.element_ty  # x's dtype (sum_ptr is x itself without a delta): the model's rounding
+    y = (x * rstd).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+    normed = (w * y).to(dtype)
+    if FP8_MAX > 0:  # the consumer is an FP8 GEMM: the bf16 row quantized here, as fp8_quantize_rows would
+        normed = normed.to(tl.float32)
+        scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(normed), 0), FP8_MAX)
+        tl.store(out_ptr + row * stride_o + cols, (normed / scale).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, normed, mask=ok)
+
+
+@triton.jit
+def _fp8_scale(scale_ptr, top, FP8_MAX: tl.constexpr):
+    """A row's per-token E4M3 scale from its largest |value| (stored, and returned to divide by)."""
+    scale = tl.maximum(top, 1e-12) / FP8_MAX
+    tl.store(scale_ptr, scale)
+    return scale
+
+
+def _norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+          fp8_max: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(x + delta or x, the normed rows in x's dtype or E4M3 when fp8_max > 0, their fp32 scales [T, 1] or None)."""
+    fp8 = fp8_max > 0
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
+    total = torch.empty_like(x) if delta is not None else x
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device) if fp8 else None
+    if x.shape[0]:
+        _rms_norm_kernel[(x.shape[0],)](x, x if delta is None else delta, weight, out, total,
+                                        scale if fp8 else out, x.shape[1], eps, x.stride(0),
+                                        0 if delta is None else delta.stride(0), out.stride(0), total.stride(0),
+                                        HAS_DELTA=delta is not None, FP8_MAX=fp8_max,
+                                        BLOCK=triton.next_power_of_2(x.shape[1]))
+    return total, out, scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    _rms_norm_kernel[(x.shape[0],)](x, x, weight, out, out, x.shape[1], eps, x.stride(0), 0, out.stride(0), 0,
-                                    HAS_DELTA=False, BLOCK=triton.next_power_of_2(x.shape[1]))
-    return out
+    return _norm(x, None, weight, eps, 0.0)[1]
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)) in one pass."""
-    out, total = torch.empty_like(x), torch.empty_like(x)
-    _rms_norm_kernel[(x.shape[0],)](x, delta, weight, out, total, x.shape[1], eps, x.stride(0), delta.stride(0),
-                                    out.stride(0), total.stride(0), HAS_DELTA=True,
-                                    BLOCK=triton.next_power_of_2(x.shape[1]))
+    total, out, _ = _norm(x, delta, weight, eps, 0.0)
     return total, out
+
+
+def rms_norm_fp8(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x + delta (x when delta is None), and rms_norm of it quantized as fp8_quantize_rows would quantize the
+    bf16 rows rms_norm writes: E4M3 [T, N], fp32 scales [T, 1]) in one pass: the normed rows never go to memory."""
+    return _norm(x, delta, weight, eps, fp8_max)
 
 
 @triton.jit
@@ -116,14 +154,20 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, slot_mapping: torc
 
 
 @triton.jit
+def _silu(gate, up, dtype: tl.constexpr):
+    """silu(gate)·up in fp32 from fp32 halves, rounded as the torch code rounds: silu to dtype, then the product."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, N, stride_x, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets: 75k rows x 28672 (Llama-3-8B's gate|up) pass 2^31
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + N + cols, mask=ok, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (silu * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_o + cols, _silu(gate, up, out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -136,19 +180,81 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+WHOLE_ROW_MAX = 16384  # the per-token quantizers hold a row this wide in registers (16 warps): one read of it
+
+
+def _row_launch(n: int) -> dict:
+    """A per-token quantizer's tile: the whole row when it fits (read once), else 2048-wide chunks read twice
+    (once for the row's largest value, once to quantize)."""
+    block = triton.next_power_of_2(n)
+    if block <= WHOLE_ROW_MAX:
+        return dict(BLOCK=block, WHOLE_ROW=True, num_warps=max(4, min(16, block // 1024)))
+    return dict(BLOCK=2048, WHOLE_ROW=False, num_warps=4)
+
+
 @triton.jit
-def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_row(x_row, N, cols, dtype: tl.constexpr):
+    """silu(gate)·up of columns `cols` of a [2·N] gate|up row, rounded to dtype, in fp32 (0 past N)."""
+    gate = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+    up = tl.load(x_row + N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    return _silu(gate, up, dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr,
+                         BLOCK: tl.constexpr, WHOLE_ROW: tl.constexpr):
+    """One row: silu(gate)·up rounded to x's dtype, quantized per token; never written in bf16."""
     row = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
-    top = tl.zeros([BLOCK], tl.float32)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        top = tl.maximum(top, tl.abs(tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(top, 0), 1e-12) / FP8_MAX
-    tl.store(scale_ptr + row, scale)
-    for c0 in range(0, N, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    dtype = x_ptr.dtype.element_ty
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        act = _silu_row(x_row, N, cols, dtype)
+        scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(act), 0), FP8_MAX)
+        tl.store(q_row + cols, (act / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    else:  # the product computed twice: for the row's largest value, then to quantize
+        top = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, N, BLOCK):
+            top = tl.maximum(top, tl.abs(_silu_row(x_row, N, c0 + tl.arange(0, BLOCK), dtype)))
+        scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            act = _silu_row(x_row, N, cols, dtype)
+            tl.store(q_row + cols, (act / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+
+
+def silu_mul_fp8(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, 2·I] (gate then up) -> silu(gate)·up quantized per token as fp8_quantize_rows would quantize
+    silu_mul's output (E4M3 [T, I], fp32 scales [T, 1]), without writing that output."""
+    n = x.shape[1] // 2
+    q = torch.empty((x.shape[0], n), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        _silu_mul_fp8_kernel[(x.shape[0],)](x, q, scale, n, x.stride(0), q.stride(0), FP8_MAX=fp8_max,
+                                            **_row_launch(n))
+    return q, scale
+
+
+@triton.jit
+def _fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, N, stride_x, stride_q, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                     WHOLE_ROW: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # 64-bit offsets (a large prefill step's rows)
+    x_row, q_row = x_ptr + row * stride_x, q_ptr + row * stride_q
+    if WHOLE_ROW:
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+        scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(x), 0), FP8_MAX)
+        tl.store(q_row + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
+    else:  # the row read twice: for its largest value, then to quantize
+        top = tl.zeros([BLOCK], tl.float32)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            top = tl.maximum(top, tl.abs(tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)))
+        scale = _fp8_scale(scale_ptr + row, tl.max(top, 0), FP8_MAX)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(q_row + cols, (x / scale).to(q_ptr.dtype.element_ty), mask=cols < N)
 
 
 def fp8_quantize_rows(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +263,6 @@ def fp8_quantize_rows(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Te
     scale = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
     if x.shape[0]:
         _fp8_rows_kernel[(x.shape[0],)](x, q, scale, x.shape[1], x.stride(0), q.stride(0), FP8_MAX=fp8_max,
-                                        BLOCK=min(2048, triton.next_power_of_2(x.shape[1])))
+                                        **_row_launch(x.shape[1]))
     return q, scale
 

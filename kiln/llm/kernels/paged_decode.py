@@ -37,7 +37,13 @@ import triton.language as tl
 
 MIN_SPLIT_TOKENS = 256  # keys per split at least (see above: 32 is faster at batch 1, 2x slower at batch 256+)
 MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of max(256, ceil(L / 16)) keys
-TILE_TOKENS = 64  # keys per tile (BLOCK_N): the one timed with 256-key splits (4 loop trips a split, not 8)
+# The split kernel's launch (H200, 192 keys, batch 512 + 1024, bench/llm_step_profile.py, llm4 run 1, 2026-12-03:
+# bench/results/llm-2026-12-03b.md): 32-key tiles with num_stages 5 (Triton then keeps the next K/V tile in flight
+# while one is computed; at 3 it waits for each) took 353.5 us where 64-key tiles at 3 stages took 380.5 (bf16 KV),
+# and with an FP8 cache and fp16 products 346.8 against 394.4. Grid order (heads first) and 64-key tiles at 5 stages
+# gained nothing; 2 warps lost.
+TILE_TOKENS = 32  # keys per tile (BLOCK_N)
+NUM_STAGES = 5
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
@@ -47,9 +53,14 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
                          stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                          PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
-    kv_head = tl.program_id(1)
+                         MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr, F16_DOT: tl.constexpr,
+                         HEADS_FIRST: tl.constexpr):
+    if HEADS_FIRST:  # grid (kv heads, batch, splits): a request's K/V heads run side by side, on the same pages
+        kv_head = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+    else:
+        b = tl.program_id(0).to(tl.int64)  # 64-bit offsets throughout (large batches, large caches)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + b)
     # this request's split length: from its own length alone (batch invariance), a whole number of tiles
@@ -68,7 +79,7 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     if F16_DOT:  # an FP8 cache read as fp16 (one native conversion, exact); q scaled first, for fp16's range
-        q = (q.to(tl.float32) * scale).to(tl.float16)
+        q = tl.clamp(q.to(tl.float32) * scale, -65504.0, 65504.0).to(tl.float16)  # saturated, never inf
 
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -116,11 +127,13 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr):
+                         stride_lb, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Program (request, K/V head) merges the splits of the GROUP query heads sharing that K/V head (one program per
+    query head made 16k programs a layer at batch 512 that mostly exit at once: 10.6 us a layer on the H200)."""
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
     if split_len >= seq_len:  # one split: the split kernel wrote the result
@@ -131,30 +144,36 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, st
     s_ok = (s < num_splits) & (s * split_len < seq_len)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
-    partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    for g in tl.static_range(GROUP):
+        head = kv_head * GROUP + g
+        lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
+        top = tl.max(lse, 0)
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
+        partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
+                          mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
                            block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                           out: torch.Tensor | None = None, fp8_f16_dot: bool = False) -> torch.Tensor:
+                           out: torch.Tensor | None = None, fp8_f16_dot: bool = True,
+                           num_stages: int = NUM_STAGES, heads_first: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
-    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; num_warps: the
-    split kernel's (a launch setting: no result depends on it). out: [B, Hq, D] to write into (e.g. rows of the
-    step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an FP8 cache and a bf16 q, the
-    products in fp16 (q·scale, K, V and p rounded to fp16: 3 more mantissa bits than bf16, the range of q·scale
-    bounded by 65504) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90: 8-14% faster
-    alone on the H200 (233 vs 256 us a layer at batch 1024); off until it has run in the engine."""
+    changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; block_n, num_warps:
+    the split kernel's tile and warps (the result's bits may depend on them: fixed per engine, so no request's result
+    depends on the batch); num_stages, heads_first: launch settings that change no bit (on sm_90 Triton keeps one K/V
+    tile in flight behind the one being computed from num_stages 5, none at 3, the block table's load coming first;
+    heads_first orders the grid so a request's K/V heads, adjacent in each cache slot, run at once). out: [B, Hq, D]
+    to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an
+    FP8 cache and a bf16 q, the products in fp16 (q·scale saturated at fp16's ±65504, K, V and p rounded to fp16:
+    3 more mantissa bits than bf16) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90:
+    8-14% faster alone on the H200 (the default since llm4 run 1, where a 128/128 engine run at batch 512 took it)."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -171,19 +190,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
         out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16)
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        HEADS_FIRST=heads_first)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
-    _merge_splits_kernel[(batch, num_heads)](
+    _merge_splits_kernel[(batch, num_kv_heads)](
         partial, lse, out, seq_lens, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
     return out

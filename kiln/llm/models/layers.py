@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,24 @@ from kiln.llm.prequantized.tensor import QuantizedTensor
 
 # the fused Triton kernels (kiln/llm/kernels/fused.py) on CUDA; KILN_LLM_FUSED=0: the torch code everywhere
 FUSED = os.environ.get("KILN_LLM_FUSED", "1") != "0"
+
+
+@dataclass
+class FP8Rows:
+    """Activations already quantized per token for an FP8 GEMM (torch._scaled_mm) by the kernel that made them
+    (the norm before a projection, SwiGLU before down): E4M3 values [T, K], fp32 scales [T, 1], and the dtype the
+    rows had before (the GEMM's output dtype)."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def takes_fp8_rows(linear: ColumnLinear | RowLinear, rows: int) -> bool:
+    """Whether `linear` multiplies `rows` activation rows by torch._scaled_mm with per-token scales, so the kernel
+    making its input may hand it FP8Rows (quantized in the same pass) instead of bf16 rows it would quantize."""
+    fp8 = getattr(linear.quantized, "use_scaled_mm", False)  # an FP8Weight on a GPU with FP8 tensor cores
+    return FUSED and fp8 and (linear.decode_gemv is None or linear.decode_gemv.config_for(rows) is None)
 
 
 class ColumnLinear(nn.Module):
@@ -61,8 +80,8 @@ class ColumnLinear(nn.Module):
                              f"{list(tensor.shape)}")
         target.copy_(source)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.decode_gemv is not None:
+    def forward(self, x: torch.Tensor | FP8Rows) -> torch.Tensor:
+        if self.decode_gemv is not None and not isinstance(x, FP8Rows):
             y = self.decode_gemv(x, self.bias)  # None: these rows run the layer's own path
             if y is not None:
                 return y
@@ -100,8 +119,8 @@ class RowLinear(nn.Module):
             tensor = tensor[:, self.start:self.start + self.weight.shape[1]]
         getattr(self, kind).data.copy_(tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.decode_gemv(x) if self.decode_gemv is not None else None
+    def forward(self, x: torch.Tensor | FP8Rows) -> torch.Tensor:
+        y = self.decode_gemv(x) if self.decode_gemv is not None and not isinstance(x, FP8Rows) else None
         if y is None:
             y = F.linear(x, self.weight) if self.quantized is None else self.quantized(x)
         y = self.tp.all_reduce(y)
@@ -158,22 +177,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fp8: bool = False) -> torch.Tensor | FP8Rows:
+        """fp8: the reader is an FP8 GEMM (takes_fp8_rows): the rows come quantized, in the same pass on CUDA."""
         if FUSED and x.is_cuda and x.dim() == 2:
-            from kiln.llm.kernels.fused import rms_norm  # here: a CPU run never imports triton
+            from kiln.llm.kernels.fused import rms_norm, rms_norm_fp8  # here: a CPU run never imports triton
+            if fp8:
+                _, values, scale = rms_norm_fp8(x, None, self.weight, self.eps)
+                return FP8Rows(values, scale, x.dtype)
             return rms_norm(x, self.weight, self.eps)
+        if fp8:
+            raise LLMError("RMSNorm: FP8 rows are made by the fused CUDA kernel only (takes_fp8_rows says when)")
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on CUDA."""
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor,
+                    fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor | FP8Rows]:
+        """(x + delta, norm(x + delta)): the residual add and the next norm, one kernel on CUDA (fp8: as forward's)."""
         if FUSED and x.is_cuda and x.dim() == 2:
-            from kiln.llm.kernels.fused import add_rms_norm
+            from kiln.llm.kernels.fused import add_rms_norm, rms_norm_fp8
+            if fp8:
+                total, values, scale = rms_norm_fp8(x, delta, self.weight, self.eps)
+                return total, FP8Rows(values, scale, x.dtype)
             return add_rms_norm(x, delta, self.weight, self.eps)
         x = x + delta
-        return x, self.forward(x)
+        return x, self.forward(x, fp8)
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:

@@ -74,11 +74,14 @@ class LlamaMLP(nn.Module):
                                          f"{what}.gate_up")
         self.down_proj = RowLinear(config.intermediate_size, config.hidden_size, config.mlp_bias, tp, f"{what}.down")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if layers.FUSED and x.is_cuda:
-            from kiln.llm.kernels.fused import silu_mul
-            return self.down_proj(silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+    def forward(self, x: torch.Tensor | layers.FP8Rows) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if layers.FUSED and gate_up.is_cuda:
+            from kiln.llm.kernels.fused import silu_mul, silu_mul_fp8
+            if layers.takes_fp8_rows(self.down_proj, gate_up.shape[0]):  # SwiGLU and the quantization in one pass
+                return self.down_proj(layers.FP8Rows(*silu_mul_fp8(gate_up), gate_up.dtype))
+            return self.down_proj(silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # SwiGLU
 
 
@@ -91,11 +94,13 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = LlamaMLP(config, tp, what)
 
-    def forward(self, x, h, positions, kv_cache, meta, next_norm: RMSNorm):
+    def forward(self, x, h, positions, kv_cache, meta, next_norm: RMSNorm, next_fp8: bool = False):
         """x: the residual stream, h: this layer's normed input -> (x, the next norm of x): each residual add
-        is fused with the norm after it (one kernel on CUDA)."""
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, positions, kv_cache, meta))
-        return next_norm.add_forward(x, self.mlp(h))
+        is fused with the norm after it (one kernel on CUDA). Where an FP8 GEMM reads a norm's rows
+        (layers.takes_fp8_rows; next_fp8 for the next norm's reader) they come quantized from the norm's kernel."""
+        fp8 = layers.takes_fp8_rows(self.mlp.gate_up_proj, x.shape[0])
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, positions, kv_cache, meta), fp8)
+        return next_norm.add_forward(x, self.mlp(h), next_fp8)
 
     def fused_forward(self, x, positions, kv_cache, meta, fusion, configs):
         """x: the residual stream [T, hidden] -> the next one, in the four GEMVs of kiln/llm/decode_fusion.py
@@ -133,10 +138,13 @@ class LlamaForCausalLM(nn.Module):
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer.fused_forward(x, positions, kv_cache, meta, self.decode_fusion, configs)
             return self.norm(x)
-        h = self.layers[0].input_layernorm(x)
+        # each layer's input norm quantizes its rows where its q|k|v GEMM is FP8 (never the final norm: the LM head
+        # is bf16)
+        fp8 = [layers.takes_fp8_rows(layer.self_attn.qkv_proj, x.shape[0]) for layer in self.layers] + [False]
+        h = self.layers[0].input_layernorm(x, fp8[0])
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, norms):
-            x, h = layer(x, h, positions, kv_cache, meta, next_norm)
+        for layer, kv_cache, next_norm, next_fp8 in zip(self.layers, kv_caches, norms, fp8[1:]):
+            x, h = layer(x, h, positions, kv_cache, meta, next_norm, next_fp8)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
