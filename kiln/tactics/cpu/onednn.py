@@ -69,7 +69,7 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
             primitives.pop(next(k for k in primitives if not tuned(k)))
         found = primitives[key] = build(key)
     return found
-_DEPTHWISE_KERNEL = "jit_dw:avx512_core"
+_DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
 
 
 def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
@@ -143,8 +143,9 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
     # ResNet-50 that is ~1 ms of its 16 residual convolutions.
     in_place = with_residual and 3 in step.tactic_config.get("dying_inputs", ())
 
-    # Depthwise: oneDNN 3.2 picks its brgemm kernel first; its older direct kernel ran MobileNetV2's 17
-    # depthwise layers 2-3% faster (whole engine, interleaved A/B, two runs). Another CPU: the default.
+    # Depthwise: oneDNN 3.2 picks its brgemm kernel first; its older direct kernel, at whatever ISA, ran MobileNetV2's
+    # 17 depthwise layers 2-3% faster (whole engine, interleaved A/B, two runs) and EfficientNet-B0's 7 shapes 5-35%
+    # faster on a Zen 4 core with AVX-512 and under the AVX2 cap (bench/results/zoo-cpu-2026-12-03b.md).
     depthwise = groups > 1 and groups == w.shape[0] and w.shape[1] == 1
     prefer = _DEPTHWISE_KERNEL if depthwise else None
 
