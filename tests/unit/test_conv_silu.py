@@ -4,6 +4,8 @@
   depthwise 3x3 and 5x5 with stride 2, a dense 3x3 stem), small and large enough for two threads, per call.
 - The tactic in an engine: an EfficientNet block (1x1 expand + SiLU, depthwise + SiLU, SE, projection) built on
   it runs as one native segment and equals onnxruntime, at the built batch and at others.
+- EfficientNet (the zoo's tiny one) with every SiLU convolution on the tactic, each segment held in its parallel
+  and its serial form (tests/unit/test_small_layers_two_forms.py), equal to onnxruntime.
 - What it refuses: another activation, a residual.
 """
 
@@ -16,6 +18,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln import zoo
 from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_primitives, se
 from kiln.kernels.cpu.conv_silu import ConvSiLU
@@ -23,6 +26,8 @@ from kiln.plan.spec import StepSpec
 from kiln.runtime.native import Segment
 from kiln.tactics.registry import get
 from kiln.tactics.tactic import InputMeta
+from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
+from tests.unit.test_small_layers_two_forms import _Held
 from tests.unit.test_squeeze_excite import onnxruntime_run
 
 RTOL, ATOL = 1e-5, 1e-5  # fp32 sums of up to 144 products against float64; SiLU's exp ~2 ulp
@@ -120,6 +125,36 @@ def test_engine_runs_other_batch_sizes():
     for batch in (2, 3, 1):
         x = np.random.default_rng(batch).standard_normal((batch, 8, 10, 10)).astype(np.float32)
         np.testing.assert_allclose(engine.run({"x": x})["y"], onnxruntime_run(proto, {"x": x}), rtol=RTOL, atol=ATOL)
+
+
+def test_efficientnet_tiny_on_the_tactic_in_both_forms_matches_onnxruntime(monkeypatch):
+    monkeypatch.delenv("KILN_SERIAL_SMALL_LAYERS", raising=False)
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: a serial form would be the parallel one")
+    measure = autotune.measure
+
+    def favour(fns, device, *args, **kwargs):  # every SiLU convolution on the tactic, whatever the timings
+        times = measure(fns, device, *args, **kwargs)
+        if "cpu.conv.onednn_silu" in times:
+            times["cpu.conv.onednn_silu"] = min(times.values()) / 2
+        return times
+
+    monkeypatch.setattr(autotune, "measure", favour)
+    exported = zoo.export("efficientnet_tiny")
+    engine = kiln.build(str(exported.path))
+    assert sum(s.tactic == "cpu.conv.onednn_silu" for s in engine.plan.program.steps) >= 10
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    chosen = [s for s in engine.program.segments if s.chooser is not None]
+    assert chosen, "no segment has a serial form"
+    for form in ("parallel", "serial"):
+        for s in chosen:
+            s.chooser = _Held(form)
+        feeds = zoo.random_inputs("efficientnet_tiny", exported, seed=7)
+        got = engine.run(feeds)
+        for n, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[n], want, f"efficientnet_tiny {n} ({form} form)")
+        assert all(s.chooser.recorded == [form] for s in chosen)
 
 
 def _conv_step(activation: str, residual: bool) -> tuple[StepSpec, list[InputMeta]]:
