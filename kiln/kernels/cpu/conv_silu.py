@@ -1,10 +1,11 @@
 """A oneDNN convolution followed by kiln's SiLU in place (se.c's kiln_silu): y = silu(conv(x) + b).
 
-Why: oneDNN applies SiLU as its swish post-op, and on AVX2 that costs ~1.1 ns an output element on an AMD EPYC
-(Zen 4) core, against ~0.5 ns for se.c's loop over the written output: 1x1 16->96 at 112x112 (1.2M outputs)
-took 1.83 ms with the post-op and 0.50 ms without (EfficientNet-B0 has ~6M SiLU outputs a run;
-bench/results/zoo-cpu-2026-12-03b.md). With AVX-512 the post-op costs ~0.5 ns and the two are near: which one a
-layer runs is the autotuner's pick between cpu.conv.onednn_direct and cpu.conv.onednn_silu, timed on the machine.
+Why: oneDNN applies SiLU as its swish post-op, and on an AMD EPYC (Zen 4) core that costs 0.55-1.1 ns an output
+element with AVX2 and ~0.5 with AVX-512, against ~0.4-0.5 ns for se.c's loop over the written output, memory
+included: 1x1 16->96 at 112x112 (1.2M outputs, AVX-512) took 0.41 ms without the post-op, 0.99-1.23 with it and
+0.83 as the convolution and the loop (EfficientNet-B0 has ~6M SiLU outputs a run; bench/results/zoo-cpu-2026-12-03b.md).
+On small layers the two are near: which one a layer runs is the autotuner's pick between cpu.conv.onednn_direct and
+cpu.conv.onednn_silu, timed on the machine.
 
 ConvSiLU has the members a native segment binds (kiln/runtime/native.py): `bind` gives the convolution's Bound
 with one more call, kiln_silu over the convolution's own destination memory object, so a segment that points

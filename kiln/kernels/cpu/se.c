@@ -12,8 +12,8 @@
  * tensors through four primitives.
  *
  * kiln_silu: x = x·σ(x) in place, the SiLU of the convolutions around an SE block when it is cheaper here than
- * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on AVX2 that post-op costs ~1.1 ns an element on an
- * AMD EPYC core, this loop ~0.5 with its pass over memory.
+ * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on an AMD EPYC (Zen 4) core that post-op costs
+ * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop ~0.4-0.5 with its pass over memory.
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */

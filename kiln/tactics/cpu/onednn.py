@@ -3,6 +3,9 @@
     cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation
                              and residual as post-ops), created and JIT-compiled when the engine
                              loads, weight reordered into the kernel's blocked layout then
+    cpu.conv.onednn_silu     the same for a SiLU convolution without a residual, but the SiLU run by kiln's loop over
+                             the output (kiln/kernels/cpu/conv_silu.py) instead of oneDNN's swish post-op: on AVX2
+                             the post-op costs up to twice the loop; the autotuner picks per layer
     cpu.pool.onednn.<op>     MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
                              primitive on NHWC (torch's channels-last max_pool2d: ~3x slower)
     cpu.gap.onednn.<op>      GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
