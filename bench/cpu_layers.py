@@ -16,6 +16,14 @@ show the binary post-op's time, ~0.05-0.1 ms more each on ResNet-50 than inside 
 
     python bench/cpu_layers.py --wins resnet50,mobilenet_v2,bert_base,minilm
 
+    python bench/cpu_layers.py --model efficientnet_b0 --versus-ort
+
+--versus-ort puts onnxruntime's profile beside kiln's layers: the default build and an onnxruntime session
+(profiler on) run in interleaved blocks in one process, and each onnxruntime node's time is charged to the
+kiln layer that computes the same ONNX value (a fused Conv+QuickGelu to the kiln convolution whose output is
+the SiLU's, ReduceMean..Mul to the squeeze-excite; a relayout to the layer after it). Prints both per layer,
+their ratio and onnxruntime's op types.
+
 --wins builds each model once with every tactic (opt_level 5, the level-3 ones included) and no
 timing cache, so every candidate is timed on this machine, and tallies the autotuner's own record
 (the engine header's tactics.layers): per CPU tactic and model, the layers it was timed on, won
@@ -116,6 +124,100 @@ def onnxruntime_profile(path: Path, feeds: dict, threads: int, runs: int) -> tup
     return lower_quartile(whole), dict(per_type)
 
 
+def onnxruntime_node_values(path: Path, threads: int) -> dict[str, str]:
+    """onnxruntime's optimized node name -> the ONNX value of the original model it computes, for the nodes that
+    compute one: its NCHWc convolutions are named after their output (`getitem_nchwc`), its fusions after the
+    original node (`node_silu/QuickGeluFusion/`); relayouts and renamed intermediates are left out."""
+    import onnx
+    import onnxruntime as ort
+
+    produced = {node.name: node.output[0] for node in onnx.load(str(path), load_external_data=False).graph.node}
+    values = set(produced.values())
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.optimized_model_filepath = str(Path(folder) / "optimized.onnx")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath, load_external_data=False)
+    names = {}
+    for node in optimized.graph.node:
+        base = node.name.split("/")[0]
+        if base in produced:
+            names[node.name] = produced[base]
+        elif node.name.endswith("_nchwc") and node.name[:-len("_nchwc")] in values:
+            names[node.name] = node.name[:-len("_nchwc")]
+        elif node.output[0] in values:
+            names[node.name] = node.output[0]
+    return names
+
+
+def versus_onnxruntime(path: Path, engine: kiln.Engine, feeds: dict, threads: int, rounds: int,
+                       block: int = 5) -> list[tuple[float, float, list[str]]]:
+    """Per kiln step: (kiln lower-quartile ms, onnxruntime's ms for the nodes charged to it, their op types).
+    kiln and onnxruntime run in interleaved blocks of `block` runs; onnxruntime's per-node time is the lower
+    quartile over its runs of the node's summed kernel time in that run."""
+    import onnxruntime as ort
+    import torch
+
+    node_values = onnxruntime_node_values(path, threads)
+    step_of_value = {out: i for i, step in enumerate(engine.plan.program.steps) for out in step.outputs}
+    kiln_samples: list[list[float]] = [[] for _ in engine.program.steps]
+
+    def wrap(i, fn):
+        def call(ctx, *args, **kw):
+            t0 = time.perf_counter()
+            result = fn(ctx, *args, **kw)
+            kiln_samples[i].append(1e3 * (time.perf_counter() - t0))
+            return result
+        return call
+
+    timed = engine.program.with_kernels(wrap)
+    inputs = engine.program_inputs(feeds)
+    with tempfile.TemporaryDirectory() as folder:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(folder) / "ort")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        with torch.inference_mode():
+            for _ in range(3):
+                timed.run(inputs)
+                session.run(None, feeds)
+            for s in kiln_samples:
+                s.clear()
+            for _ in range(rounds):
+                for _ in range(block):
+                    timed.run(inputs)
+                for _ in range(block):
+                    session.run(None, feeds)
+        events = json.loads(Path(session.end_profiling()).read_text())
+    # one run's node events lie between two "model_run" events; the first 3 runs are the warm-up
+    runs: list[list[tuple[str, str, float]]] = []
+    for e in events:
+        if e.get("name") == "model_run":
+            runs.append([])
+        elif e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and runs:
+            runs[-1].append((e["name"][:-len("_kernel_time")], e["args"].get("op_name", "?"), e["dur"] / 1e3))
+    charged: list[list[list[float]]] = [[] for _ in engine.program.steps]  # step -> runs -> node times
+    op_types: list[set[str]] = [set() for _ in engine.program.steps]
+    for run in runs[3:]:
+        per_step = [0.0] * len(charged)
+        pending, pending_types = 0.0, set()
+        for name, op, ms in run:
+            pending += ms
+            pending_types.add(op)
+            step = step_of_value.get(node_values.get(name, ""))
+            if step is not None:
+                per_step[step] += pending
+                op_types[step] |= pending_types
+                pending, pending_types = 0.0, set()
+        per_step[-1] += pending
+        for step, ms in enumerate(per_step):
+            charged[step].append(ms)
+    return [(lower_quartile(k) if k else 0.0, lower_quartile(o) if o else 0.0, sorted(t))
+            for k, o, t in zip(kiln_samples, charged, op_types)]
+
+
 WIN_CASES = {"resnet50": {"batch": 1}, "mobilenet_v2": {"batch": 1},  # bench/cpu.py's shapes
              "bert_base": {"batch": 1, "seq": 128}, "minilm": {"batch": 8, "seq": 128}}
 
@@ -166,6 +268,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--sets", default=DEFAULT_SETS, help="tactic sets separated by ';', tactics by ','")
     parser.add_argument("--wins", default="", help="models (comma-separated): count the layers each tactic wins")
+    parser.add_argument("--versus-ort", action="store_true",
+                        help="kiln's default build beside onnxruntime's profile, layer by layer")
     parser.add_argument("--wins-json", default="", help="with --wins: also write the per-layer records here")
     args = parser.parse_args()
 
@@ -186,6 +290,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     exported = zoo.export(args.model, batch=args.batch)
     feeds = exported.inputs()
+    if args.versus_ort:
+        engine = kiln.build(str(exported.path))
+        rows = versus_onnxruntime(exported.path, engine, feeds, args.threads, args.rounds)
+        print(f"\n{args.model} batch {args.batch}, {args.threads} threads: per-layer lower-quartile ms, kiln and "
+              f"onnxruntime in interleaved blocks ({args.rounds} rounds; load average {os.getloadavg()[0]:.2f})")
+        print("    kiln | onnxruntime | kiln/ort | layer (kiln's tactic) | onnxruntime's nodes")
+        for step, (k, o, types) in zip(engine.plan.program.steps, rows):
+            ratio = f"{k / o:8.2f}" if o else "       -"
+            print(f"{k:8.4f} | {o:11.4f} | {ratio} | {describe(step)} ({step.tactic or 'default'}) | {'+'.join(types)}")
+        print(f"{sum(r[0] for r in rows):8.3f} | {sum(r[1] for r in rows):11.3f} | "
+              f"{sum(r[0] for r in rows) / sum(r[1] for r in rows):8.2f} | sum of layers")
+        return
     engines = {}
     for i, tactic_set in enumerate(args.sets.split(";")):
         tactics = [t for t in tactic_set.split(",") if t]

@@ -10,6 +10,7 @@ onnxruntime.
 from __future__ import annotations
 
 import dataclasses
+import platform
 
 import numpy as np
 import onnxruntime as ort
@@ -452,9 +453,10 @@ def test_a_preferred_kernel_is_used_when_onednn_has_it_else_its_first_choice():
     assert missing.implementation == default.implementation
     x = torch.randn(1, 16, 8, 8).contiguous(memory_format=torch.channels_last)
     want = F.conv2d(x.double(), w.double(), b.double(), 1, 1, 1, 16)
-    for kernel in ("jit_dw:avx512_core", default.implementation):
+    for kernel in ("jit_dw:", default.implementation):  # a prefix: the direct depthwise kernel at any ISA
         conv = onednn_primitives.Conv2d(w, b, [1, 16, 8, 8], [1, 1], [1] * 4, [1, 1], 16, None, False, False, prefer=kernel)
-        assert conv.implementation in (kernel, default.implementation)
+        assert conv.implementation.startswith(kernel) or (
+            conv.implementation == default.implementation and platform.machine() not in ("x86_64", "AMD64"))
         assert_close(conv(x), want)
 
 

@@ -205,6 +205,7 @@ class Conv2d:
                  pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
                  residual: bool, residual_after_activation: bool, residual_in_place: bool = False,
                  share_weight_with: Conv2d | None = None, prefer: str | None = None):
+        """`prefer`: the first of oneDNN's kernels whose name starts so ("jit_dw:"), when it offers one."""
         lib = load()
         self._lib = lib
         n, c, h, wd = input_size
@@ -242,7 +243,7 @@ class Conv2d:
             with creating_with_threads(threads):
                 pd = descriptor()
                 if prefer is not None:  # step through oneDNN's candidates to the preferred kernel, if it has it
-                    while _implementation(pd) != prefer:
+                    while not _implementation(pd).startswith(prefer):
                         if lib.lib.dnnl_primitive_desc_next_impl(pd) != 0:
                             lib.lib.dnnl_primitive_desc_destroy(pd)
                             pd = descriptor()  # not there: oneDNN's own first choice

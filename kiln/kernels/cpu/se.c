@@ -11,6 +11,10 @@
  * in the caches between the two passes) where the unfused graph read it three times and wrote two small
  * tensors through four primitives.
  *
+ * kiln_silu: x = x·σ(x) in place, the SiLU of the convolutions around an SE block when it is cheaper here than
+ * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on an AMD EPYC (Zen 4) core that post-op costs
+ * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop ~0.4-0.5 with its pass over memory.
+ *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
 #include <omp.h>
@@ -98,6 +102,29 @@ static void activate(float *v, long n, int kind, float alpha, float beta) {
 }
 
 #pragma GCC pop_options
+
+typedef struct {
+    get_handle_fn get_handle;
+    void *x;                      /* dnnl_memory_t: n floats, overwritten */
+    long n;
+    int threads;                  /* 1: no parallel region */
+} silu_plan;
+
+#define SILU_CHUNK 4096
+
+int kiln_silu(void *object, void *stream, int nargs, const void *args) {
+    (void)stream; (void)nargs; (void)args;
+    const silu_plan *p = (const silu_plan *)object;
+    float *x = NULL;
+    if (p->get_handle(p->x, (void **)&x) != 0 || x == NULL) return 2;
+    const long chunks = (p->n + SILU_CHUNK - 1) / SILU_CHUNK;
+    #pragma omp parallel for schedule(static) num_threads(p->threads) if (p->threads > 1)
+    for (long k = 0; k < chunks; ++k) {
+        const long lo = k * SILU_CHUNK;
+        activate(x + lo, p->n - lo < SILU_CHUNK ? p->n - lo : SILU_CHUNK, ACT_SILU, 0.0f, 0.0f);
+    }
+    return 0;
+}
 
 /* rows [lo, hi) of the flattened [N*HW, C] input summed into partial[n][c] (zeroed by the caller) */
 static void sum_rows(const se_plan *p, const float *x, long lo, long hi, double *partial, float *block) {

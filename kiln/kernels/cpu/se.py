@@ -43,7 +43,7 @@ class _Plan(ctypes.Structure):  # se_plan in se.c
                 ("gate_beta", ctypes.c_float), ("threads", ctypes.c_int)]
 
 
-_LIBRARY = native_loop.KernelLibrary("se", SOURCE, ["kiln_squeeze_excite"],
+_LIBRARY = native_loop.KernelLibrary("se", SOURCE, ["kiln_squeeze_excite", "kiln_silu"],
                                     requires=(onednn.available, "libdnnl.so.3 cannot be loaded (the kernel's operands are oneDNN memory objects)"))
 load, available, reason = _LIBRARY.load, _LIBRARY.available, _LIBRARY.reason  # the library, built on first use
 

@@ -3,6 +3,9 @@
     cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation
                              and residual as post-ops), created and JIT-compiled when the engine
                              loads, weight reordered into the kernel's blocked layout then
+    cpu.conv.onednn_silu     the same for a SiLU convolution without a residual, but the SiLU run by kiln's loop over
+                             the output (kiln/kernels/cpu/conv_silu.py) instead of oneDNN's swish post-op: on AVX2
+                             the post-op costs up to twice the loop; the autotuner picks per layer
     cpu.pool.onednn.<op>     MaxPool / AveragePool (ceil_mode 0, one output) as a oneDNN pooling
                              primitive on NHWC (torch's channels-last max_pool2d: ~3x slower)
     cpu.gap.onednn.<op>      GlobalAveragePool, and ReduceMean over H and W of a 4-D tensor (what
@@ -49,7 +52,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, onednn_primitives
+from kiln.kernels.cpu import conv_silu, gemm_native, onednn, onednn_ahead, onednn_matmul, onednn_primitives, se
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
@@ -69,7 +72,7 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
             primitives.pop(next(k for k in primitives if not tuned(k)))
         found = primitives[key] = build(key)
     return found
-_DEPTHWISE_KERNEL = "jit_dw:avx512_core"
+_DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
 
 
 def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
@@ -127,12 +130,15 @@ def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
     return {"input_size": list(inputs[0].shape), "residual": residual is not None and residual.shape is not None}
 
 
-def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_silu: bool = False):
+    """`kiln_silu`: the SiLU runs as se.c's loop after the convolution (conv_silu.ConvSiLU), not as oneDNN's
+    swish post-op."""
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
     pads, strides, dilations = _geometry(step, tuple(w.shape))
     groups = int(_attr(step, "group", 1))
-    eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
+    eltwise = None if kiln_silu else onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0),
+                                                         _attr(step, "beta", 0.0))
     after = bool(_attr(step, "residual_after_activation", 0))
     with_residual = bool(step.tactic_config.get("residual"))
     # The residual's value dies here (the runtime says so, kiln/runtime/program.py): the result may
@@ -140,14 +146,16 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     # ResNet-50 that is ~1 ms of its 16 residual convolutions.
     in_place = with_residual and 3 in step.tactic_config.get("dying_inputs", ())
 
-    # Depthwise: oneDNN 3.2 picks its brgemm kernel first; its older direct kernel ran MobileNetV2's 17
-    # depthwise layers 2-3% faster (whole engine, interleaved A/B, two runs). Another CPU: the default.
+    # Depthwise: oneDNN 3.2 picks its brgemm kernel first; its older direct kernel, at whatever ISA, ran MobileNetV2's
+    # 17 depthwise layers 2-3% faster (whole engine, interleaved A/B, two runs) and EfficientNet-B0's 7 shapes 5-35%
+    # faster on a Zen 4 core with AVX-512 and under the AVX2 cap (bench/results/zoo-cpu-2026-12-03b.md).
     depthwise = groups > 1 and groups == w.shape[0] and w.shape[1] == 1
     prefer = _DEPTHWISE_KERNEL if depthwise else None
 
     def build(input_size: tuple[int, ...], accumulate: bool, weight_of: onednn_primitives.Conv2d | None = None):
-        return onednn_primitives.Conv2d(w, b, list(input_size), strides, pads, dilations, groups, eltwise, with_residual, after,
-                             residual_in_place=accumulate, share_weight_with=weight_of, prefer=prefer)
+        conv = onednn_primitives.Conv2d(w, b, list(input_size), strides, pads, dilations, groups, eltwise, with_residual,
+                                        after, residual_in_place=accumulate, share_weight_with=weight_of, prefer=prefer)
+        return conv_silu.ConvSiLU(conv) if kiln_silu else conv
 
     tuned = tuple(step.tactic_config["input_size"])
     primitives = {(tuned, in_place): build(tuned, in_place)}  # at load: the tuned size's primitive and weight
@@ -161,7 +169,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def primitive(shape: tuple[int, ...], accumulate: bool) -> onednn_primitives.Conv2d:
         # another input size, or the binary variant a shared residual needs: built once
         return _built(primitives, (shape, accumulate),
-                      lambda key: build(shape, accumulate, primitives.get((shape, not accumulate))),
+                      lambda key: build(shape, accumulate, _conv(primitives.get((shape, not accumulate)))),
                       lambda key: key[0] == tuned)
 
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
@@ -196,6 +204,30 @@ register(Tactic(
     supports=_supports, configure=_configure, prepare=_prepare, layout="channels_last",
     available=onednn.available, native=True,
     description="oneDNN C API convolution primitive built at load, epilogue as post-ops, NHWC activations",
+))
+
+
+def _conv(built: onednn_primitives.Conv2d | conv_silu.ConvSiLU | None) -> onednn_primitives.Conv2d | None:
+    return built.conv if isinstance(built, conv_silu.ConvSiLU) else built
+
+
+def _supports_kiln_silu(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if _attr(step, "activation", "") != "SiLU":
+        return f"activation {_attr(step, 'activation', '')!r}: this tactic applies SiLU only"
+    if len(inputs) > 3 and inputs[3].shape is not None:
+        return "a residual: kiln's SiLU follows the convolution, not its residual add"
+    if not se.available():
+        return f"kiln's SiLU kernel is not built: {se.reason()}"
+    return _supports(step, inputs)
+
+
+register(Tactic(
+    name="cpu.conv.onednn_silu", op_type="FusedConv", domain="kiln", device="cpu", dtypes=(torch.float32,),
+    supports=_supports_kiln_silu, configure=_configure,
+    prepare=lambda step, constants, device: _prepare(step, constants, device, kiln_silu=True),
+    layout="channels_last", available=onednn.available, native=True,
+    description="cpu.conv.onednn_direct without its swish post-op, SiLU by kiln's loop over the output (se.c): "
+                "on AVX2 half the post-op's cost",
 ))
 
 
