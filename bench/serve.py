@@ -62,6 +62,8 @@ class Row:
     frontends: int
     result: PerfResult
     server_us: float  # mean arrival -> answer inside the server
+    queue_us: float  # of it: mean arrival -> its batch's start (waiting for an idle instance, and the loop)
+    merge_us: float  # the batch's merge (concatenation, padding) before its engine call
     engine_us: float  # mean engine time per request (its batch's compute)
     rows_per_call: float
     call_ms: float  # mean engine call (one batch's compute)
@@ -234,24 +236,28 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _delta(after: dict, before: dict) -> tuple[float, float, float, float, float]:
-    """Per request: server time and engine time (us); requests per engine call; mean engine call (ms);
-    server CPU time (us)."""
+def _delta(after: dict, before: dict) -> dict[str, float]:
+    """Row's server-side fields over the window: per request the server time, its queue, merge and engine shares (us)
+    and the server's CPU time (us); requests per engine call; the mean engine call (ms)."""
     nan = float("nan")
     a, b = after["inference_stats"], before["inference_stats"]
     requests = a["success"]["count"] - b["success"]["count"]
-    if not requests:
-        return nan, nan, nan, nan, nan
-    server = (a["success"]["ns"] - b["success"]["ns"]) / requests / 1000
-    engine = (a["compute_infer"]["ns"] - b["compute_infer"]["ns"]) / requests / 1000
     calls = after["execution_count"] - before["execution_count"]
+    if not requests:
+        return dict.fromkeys(("server_us", "queue_us", "merge_us", "engine_us", "rows_per_call", "call_ms", "cpu_us"),
+                             nan)
+
+    def per_request(key: str) -> float:
+        return (a[key]["ns"] - b[key]["ns"]) / requests / 1000
 
     def call_ns(view: dict) -> int:
         return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
 
-    call_ms = (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan
-    cpu = (after["cpu_s"] - before["cpu_s"]) / requests * 1e6
-    return server, engine, requests / calls if calls else nan, call_ms, cpu
+    return {"server_us": per_request("success"), "queue_us": per_request("queue"),
+            "merge_us": per_request("compute_input"), "engine_us": per_request("compute_infer"),
+            "rows_per_call": requests / calls if calls else nan,
+            "call_ms": (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan,
+            "cpu_us": (after["cpu_s"] - before["cpu_s"]) / requests * 1e6}
 
 
 def run(args, report) -> list[Row]:
@@ -311,9 +317,8 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     rows = []
 
     def on_result(result: PerfResult) -> None:
-        server_us, engine_us, per_call, call_ms, cpu_us = _delta(views[-1], views[-2])
-        row = Row(model, "on" if batching else "off", protocol, frontends, result, server_us, engine_us, per_call,
-                  call_ms, cpu_us, staging_mib, processes, _busy(views[-1], views[-2]))
+        row = Row(model, "on" if batching else "off", protocol, frontends, result, **_delta(views[-1], views[-2]),
+                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]))
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
@@ -325,7 +330,8 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
 
 HEADER = ("| model | batching | protocol | front ends | staging MiB | client processes | concurrency | infer/s "
           "| p50 ms | p90 ms | p99 ms "
-          "| server us/req | engine us/req | requests/call | call ms | server CPU us/req | engine loop %core "
+          "| server us/req | queue us/req | merge us/req | engine us/req | requests/call | call ms | server CPU us/req "
+          "| engine loop %core "
           "| engine process %core | per front end %core | per client process %core | errors |")
 
 
@@ -336,7 +342,8 @@ def _format(row: Row) -> str:
     return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {row.processes} "
             f"| {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
-            f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} "
+            f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.queue_us:.0f} | {row.merge_us:.0f} "
+            f"| {row.engine_us:.0f} | {row.rows_per_call:.1f} "
             f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {cores} | {r.errors} |")
 
 

@@ -24,6 +24,7 @@ tensor larger than a quarter of the ring) goes over the socket as before.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -158,7 +159,7 @@ class StagingView:
     def take(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         """The tensor at `offset`: a read-only view of the arena, valid until its call is answered."""
         dtype = np.dtype(dtype)
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        size = dtype.itemsize * math.prod(shape)  # Python ints: no overflow (np.prod: ~5 us of the loop's time)
         if offset < 0 or offset + size > self.byte_size:
             raise ValueError(f"a staged tensor at {offset} + {size} bytes runs past the {self.byte_size}-byte arena")
         self.taken += 1
