@@ -71,6 +71,7 @@ class Row:
     staging_mib: int = 0  # kiln serve --staging-mib (front ends' shared-memory arenas; 0: tensors over the socket)
     processes: int = 1  # client processes of the load generator
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
+    tree: str = ""  # the checkout serving (--trees: its folder's name; "" for this one alone)
 
 
 def _empty_onnx(path: Path) -> None:
@@ -146,8 +147,10 @@ def _start(root: Path, frontends: int, staging_mib: int | None = 0, *, tree: Pat
         "--max-queue-size", "4096"]
     command += (["--frontends", str(frontends)] if frontends else []) + \
         (["--staging-mib", str(staging_mib)] if staging_mib is not None else [])
+    # the tree first, the rest of PYTHONPATH kept (the device's serving wheels are installed there: bench/serve_gpu.sh)
+    path = os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
     for line in process.stdout:
         lines.append(line)
@@ -283,15 +286,16 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            for frontends, mib in [(n, m) for n in args.frontends for m in (args.staging_mib if n else [0])]:
-                process, ports = _start(root, frontends, mib)
+            servers = [(n, m, t) for n in args.frontends for m in (args.staging_mib if n else [0]) for t in args.trees]
+            for frontends, mib, tree in servers:
+                process, ports = _start(root, frontends, mib, tree=Path(tree))
                 try:
                     for processes in args.processes:
                         for batching in modes:
                             for protocol in args.protocols:
                                 try:
                                     rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
-                                                     args, rows, report, mib, processes)
+                                                     args, rows, report, mib, processes, _tree_label(tree, args))
                                 except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
                                     print(f"{model} batching {batching} over {protocol}, {frontends} front ends, "
                                           f"{processes} client processes: failed: {type(e).__name__}: {e}", flush=True)
@@ -304,8 +308,12 @@ def run(args, report) -> list[Row]:
     return rows
 
 
+def _tree_label(tree: str, args) -> str:
+    return Path(tree).resolve().name if len(args.trees) > 1 else ""
+
+
 def _measure(model: str, batching: bool, protocol: str, frontends: int, server: tuple[int, dict[str, int]], pool,
-             args, done: list[Row], report, staging_mib: int = 0, processes: int = 1) -> list[Row]:
+             args, done: list[Row], report, staging_mib: int = 0, processes: int = 1, tree: str = "") -> list[Row]:
     """One sweep over the concurrency levels; the server's statistics read around each measured window."""
     pid, ports = server
     port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
@@ -318,7 +326,7 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
 
     def on_result(result: PerfResult) -> None:
         row = Row(model, "on" if batching else "off", protocol, frontends, result, **_delta(views[-1], views[-2]),
-                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]))
+                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), tree=tree)
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
@@ -339,7 +347,7 @@ def _format(row: Row) -> str:
     r = row.result
     busy = row.busy or {}
     cores = " | ".join(f"{busy[k]:.0f}" if k in busy else "-" for k in ("loop", "engine", "front end", "client"))
-    return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {row.processes} "
+    return (f"| {row.model}{' @' + row.tree if row.tree else ''} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {row.processes} "
             f"| {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
             f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.queue_us:.0f} | {row.merge_us:.0f} "
@@ -353,9 +361,10 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
              "| off | on / off | p99 ms (on) | delay + 2 calls ms | p99 within |", "|---" * 12 + "|"]
     for model in dict.fromkeys(r.model for r in rows):
         for protocol in dict.fromkeys(r.protocol for r in rows):
-            for frontends, mib, processes in dict.fromkeys((r.frontends, r.staging_mib, r.processes) for r in rows):
-                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib, r.processes)
-                        == (model, protocol, frontends, mib, processes)]
+            for frontends, mib, processes, tree in dict.fromkeys((r.frontends, r.staging_mib, r.processes, r.tree)
+                                                                for r in rows):
+                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib, r.processes, r.tree)
+                        == (model, protocol, frontends, mib, processes, tree)]
                 on = {r.result.concurrency: r for r in mine if r.batching == "on"}
                 off = {r.result.concurrency: r for r in mine if r.batching == "off"}
                 both = sorted(set(on) & set(off))
@@ -366,7 +375,7 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
                 bound = delay_us / 1000 + 2 * a.call_ms
                 p99 = a.result.percentile(99) / 1000
                 ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
-                lines.append(f"| {model} | {protocol} | {frontends} | {mib} | {processes} | {c} "
+                lines.append(f"| {model}{' @' + tree if tree else ''} | {protocol} | {frontends} | {mib} | {processes} | {c} "
                              f"| {a.result.throughput:.0f} | {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
                              f"| {'yes' if p99 <= bound else 'no'} |")
     return lines
@@ -423,6 +432,9 @@ def main() -> None:
                              "engine's socket; default 64)")
     parser.add_argument("--random-weights", action="store_true",
                         help="MobileNetV2 with random weights (no weights package needed; the same speed)")
+    parser.add_argument("--trees", nargs="+", default=[str(ROOT)],
+                        help="kiln checkouts serving, a server each for every front-end setting (A/B in one run; rows "
+                             "say the folder's name after the model); the engines are built by this one")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()
