@@ -9,6 +9,8 @@
 # limit?), and per request its queue and merge times (where a request waits in the engine process). test_cuda.py is
 # skipped (no CUDA path changed; the front-end path is tested on the CPU): the bench's rows need the time. Rows in order
 # of need: this tree 4 then 8 client processes, then kiln-before; a run cut short by SERVE_BENCH_S keeps those done.
+# Run at 52f95cc (bench/results/serve-2026-12-03b.md): 200 s held the two builds, the first server and its first 4
+# rows only; the 8-process and kiln-before rows need a call of their own (SERVE_PROCESSES=8, or SERVE_TREES).
 #   (here, once)  bash bench/serve_gpu.sh --fetch      # wheels into .whl-serve/ (git-ignored)
 #   (device)      bash bench/gpu_serve5.sh             # run's carry: [".whl-serve"]; ~4 min; logs and serve.md in $OUT
 set -u
