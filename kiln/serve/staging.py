@@ -14,8 +14,9 @@ one copy an engine call needs, on the instance's thread.
 A slot is the call's until its answer arrives, so the engine answers a call only once nothing of it reads the
 slot any more: a request taken into a batch is answered when the batch returns, even where its timeout passed
 meanwhile (ServerCore.infer_soon; Triton's timeouts are the queue's too). Copying each tensor out as the frame
-was decoded cost the engine's event loop, which every front end shares, about half its time per request
-(a 301 KB copy and an allocation: bench/serve_engine_loop.py --model image).
+was decoded cost the engine's event loop, which every front end shares, 29-69% of its CPU time per request
+(a 301 KB copy and an allocation; 1 to 16 calls a read: bench/serve_engine_loop.py --model image); on the H200 the
+loop went from 73-83% of a core to 40% at 26-31% more requests/s (bench/results/serve-2026-12-03b.md).
 
 The arena is a ring: slots are taken at the head and come back in any order; the tail moves past the
 oldest slots once they are back. A tensor that does not fit (the ring full of requests in flight, or a
