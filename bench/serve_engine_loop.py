@@ -14,7 +14,8 @@ FP16 [1, 3, 224, 224] (MobileNetV2's request), its tensors in the front end's st
 instance's are. The numbers are the loop thread's CPU time (time.thread_time) per request over many such
 reads, and the whole process's (loop, instance thread): what the engine spends on a request whatever else
 runs on the machine, so trees compare on a loaded one. Each tree runs in its own subprocess, in rounds,
-interleaved.
+interleaved. (Since 2026-12-03 a read waits for its answers on an event; before, it polled the loop, whose turns
+counted too: numbers from before then, e.g. bench/results/serve-batching-cpu-2026-12-02.md, are higher.)
 """
 
 from __future__ import annotations
