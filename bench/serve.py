@@ -17,7 +17,8 @@ batch with batching on, at batch 1 without. After the table, per model and proto
 concurrency: requests/s with batching over without, and whether p99 <= max queue delay + 2 calls.
 Prints the tables and appends them to bench/results/serve-<date>.md (or writes --out DIR/serve.md)
 with the machine, the commit (KILN_COMMIT when set) and the versions. The load generator shares the
-machine (--processes N: N client processes): on a small one its CPU time lowers every number; read
+machine (--processes N: N client processes; several values: each row measured with each, so a row says
+whether the load generator held throughput): on a small one its CPU time lowers every number; read
 them as lower bounds. "server CPU us/req" is the CPU time (user + system, /proc) of the server's
 processes (the engine process and its front ends) over the measured window per request answered:
 what a request costs the server whatever else runs on the machine.
@@ -61,12 +62,16 @@ class Row:
     frontends: int
     result: PerfResult
     server_us: float  # mean arrival -> answer inside the server
+    queue_us: float  # of it: mean arrival -> its batch's start (waiting for an idle instance, and the loop)
+    merge_us: float  # the batch's merge (concatenation, padding) before its engine call
     engine_us: float  # mean engine time per request (its batch's compute)
     rows_per_call: float
     call_ms: float  # mean engine call (one batch's compute)
     cpu_us: float  # the server processes' CPU time per request answered
     staging_mib: int = 0  # kiln serve --staging-mib (front ends' shared-memory arenas; 0: tensors over the socket)
+    processes: int = 1  # client processes of the load generator
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
+    tree: str = ""  # the checkout serving (--trees: its folder's name; "" for this one alone)
 
 
 def _empty_onnx(path: Path) -> None:
@@ -142,8 +147,10 @@ def _start(root: Path, frontends: int, staging_mib: int | None = 0, *, tree: Pat
         "--max-queue-size", "4096"]
     command += (["--frontends", str(frontends)] if frontends else []) + \
         (["--staging-mib", str(staging_mib)] if staging_mib is not None else [])
+    # the tree first, the rest of PYTHONPATH kept (the device's serving wheels are installed there: bench/serve_gpu.sh)
+    path = os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
+                               env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
     ports, lines = {}, []
     for line in process.stdout:
         lines.append(line)
@@ -201,13 +208,17 @@ def _is_pool_worker(pid: str) -> bool:
 
 
 def _busy(after: dict, before: dict) -> dict[str, float]:
-    """% of one core over the window: the loop thread, the engine process, the mean front end and client."""
+    """% of one core over the window: the loop thread, the engine process, the mean front end and client (the
+    pool's workers that ran: a row measured with fewer client processes than the pool holds leaves some idle)."""
     seconds = after["time_s"] - before["time_s"]
     out = {}
     for key, now in after["busy_s"].items():
         then = before["busy_s"][key]
         if now and len(now) == len(then):
-            out[key] = 100 * (sum(now) - sum(then)) / len(now) / seconds
+            used = [a - b for a, b in zip(now, then)]
+            if key == "client":
+                used = [u for u in used if u > 0.01 * seconds] or used
+            out[key] = 100 * sum(used) / len(used) / seconds
     return out
 
 
@@ -228,24 +239,28 @@ def process_tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _delta(after: dict, before: dict) -> tuple[float, float, float, float, float]:
-    """Per request: server time and engine time (us); requests per engine call; mean engine call (ms);
-    server CPU time (us)."""
+def _delta(after: dict, before: dict) -> dict[str, float]:
+    """Row's server-side fields over the window: per request the server time, its queue, merge and engine shares (us)
+    and the server's CPU time (us); requests per engine call; the mean engine call (ms)."""
     nan = float("nan")
     a, b = after["inference_stats"], before["inference_stats"]
     requests = a["success"]["count"] - b["success"]["count"]
-    if not requests:
-        return nan, nan, nan, nan, nan
-    server = (a["success"]["ns"] - b["success"]["ns"]) / requests / 1000
-    engine = (a["compute_infer"]["ns"] - b["compute_infer"]["ns"]) / requests / 1000
     calls = after["execution_count"] - before["execution_count"]
+    if not requests:
+        return dict.fromkeys(("server_us", "queue_us", "merge_us", "engine_us", "rows_per_call", "call_ms", "cpu_us"),
+                             nan)
+
+    def per_request(key: str) -> float:
+        return (a[key]["ns"] - b[key]["ns"]) / requests / 1000
 
     def call_ns(view: dict) -> int:
         return sum(s["compute_infer"]["ns"] for s in view["batch_stats"])
 
-    call_ms = (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan
-    cpu = (after["cpu_s"] - before["cpu_s"]) / requests * 1e6
-    return server, engine, requests / calls if calls else nan, call_ms, cpu
+    return {"server_us": per_request("success"), "queue_us": per_request("queue"),
+            "merge_us": per_request("compute_input"), "engine_us": per_request("compute_infer"),
+            "rows_per_call": requests / calls if calls else nan,
+            "call_ms": (call_ns(after) - call_ns(before)) / calls / 1e6 if calls else nan,
+            "cpu_us": (after["cpu_s"] - before["cpu_s"]) / requests * 1e6}
 
 
 def run(args, report) -> list[Row]:
@@ -253,8 +268,8 @@ def run(args, report) -> list[Row]:
     measured one after the other; `report(rows)` after each row."""
     rows = []
     pool = None
-    if args.processes > 1:  # client processes, started once for the whole run
-        pool = ProcessPoolExecutor(args.processes, mp_context=multiprocessing.get_context("spawn"))
+    if max(args.processes) > 1:  # client processes, started once for the whole run
+        pool = ProcessPoolExecutor(max(args.processes), mp_context=multiprocessing.get_context("spawn"))
     modes = (True, False) if args.batching == "both" else (args.batching == "on",)
     with tempfile.TemporaryDirectory(prefix="kiln-bench-serve-") as tmp:
         tmp = Path(tmp)
@@ -271,17 +286,19 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            for frontends, mib in [(n, m) for n in args.frontends for m in (args.staging_mib if n else [0])]:
-                process, ports = _start(root, frontends, mib)
+            servers = [(n, m, t) for n in args.frontends for m in (args.staging_mib if n else [0]) for t in args.trees]
+            for frontends, mib, tree in servers:
+                process, ports = _start(root, frontends, mib, tree=Path(tree))
                 try:
-                    for batching in modes:
-                        for protocol in args.protocols:
-                            try:
-                                rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
-                                                 args, rows, report, mib)
-                            except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
-                                print(f"{model} batching {batching} over {protocol}, {frontends} front ends: "
-                                      f"failed: {type(e).__name__}: {e}", flush=True)
+                    for processes in args.processes:
+                        for batching in modes:
+                            for protocol in args.protocols:
+                                try:
+                                    rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
+                                                     args, rows, report, mib, processes, _tree_label(tree, args))
+                                except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
+                                    print(f"{model} batching {batching} over {protocol}, {frontends} front ends, "
+                                          f"{processes} client processes: failed: {type(e).__name__}: {e}", flush=True)
                 finally:
                     process.terminate()
                     process.wait(60)
@@ -291,8 +308,12 @@ def run(args, report) -> list[Row]:
     return rows
 
 
+def _tree_label(tree: str, args) -> str:
+    return Path(tree).resolve().name if len(args.trees) > 1 else ""
+
+
 def _measure(model: str, batching: bool, protocol: str, frontends: int, server: tuple[int, dict[str, int]], pool,
-             args, done: list[Row], report, staging_mib: int = 0) -> list[Row]:
+             args, done: list[Row], report, staging_mib: int = 0, processes: int = 1, tree: str = "") -> list[Row]:
     """One sweep over the concurrency levels; the server's statistics read around each measured window."""
     pid, ports = server
     port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
@@ -300,13 +321,12 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     shapes = {"input_ids": [args.seq], "attention_mask": [args.seq]} if model.startswith("bert") else {}
     views: list[dict] = []
     options = PerfOptions(model=served, url=f"127.0.0.1:{port}", protocol=protocol, concurrency=args.concurrency,
-                          shapes=shapes, warmup_s=args.warmup, window_s=args.window, processes=args.processes)
+                          shapes=shapes, warmup_s=args.warmup, window_s=args.window, processes=processes)
     rows = []
 
     def on_result(result: PerfResult) -> None:
-        server_us, engine_us, per_call, call_ms, cpu_us = _delta(views[-1], views[-2])
-        row = Row(model, "on" if batching else "off", protocol, frontends, result, server_us, engine_us, per_call,
-                  call_ms, cpu_us, staging_mib, _busy(views[-1], views[-2]))
+        row = Row(model, "on" if batching else "off", protocol, frontends, result, **_delta(views[-1], views[-2]),
+                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), tree=tree)
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
@@ -316,8 +336,10 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     return rows
 
 
-HEADER = ("| model | batching | protocol | front ends | staging MiB | concurrency | infer/s | p50 ms | p90 ms | p99 ms "
-          "| server us/req | engine us/req | requests/call | call ms | server CPU us/req | engine loop %core "
+HEADER = ("| model | batching | protocol | front ends | staging MiB | client processes | concurrency | infer/s "
+          "| p50 ms | p90 ms | p99 ms "
+          "| server us/req | queue us/req | merge us/req | engine us/req | requests/call | call ms | server CPU us/req "
+          "| engine loop %core "
           "| engine process %core | per front end %core | per client process %core | errors |")
 
 
@@ -325,21 +347,24 @@ def _format(row: Row) -> str:
     r = row.result
     busy = row.busy or {}
     cores = " | ".join(f"{busy[k]:.0f}" if k in busy else "-" for k in ("loop", "engine", "front end", "client"))
-    return (f"| {row.model} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {r.concurrency} "
+    return (f"| {row.model}{' @' + row.tree if row.tree else ''} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {row.processes} "
+            f"| {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
-            f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.engine_us:.0f} | {row.rows_per_call:.1f} "
+            f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.queue_us:.0f} | {row.merge_us:.0f} "
+            f"| {row.engine_us:.0f} | {row.rows_per_call:.1f} "
             f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {cores} | {r.errors} |")
 
 
 def summary(rows: list[Row], delay_us: int) -> list[str]:
     """Per model and protocol at the highest concurrency measured in both modes: the issue's targets."""
-    lines = ["| model | protocol | front ends | staging MiB | concurrency | infer/s batching on | off | on / off "
-             "| p99 ms (on) | delay + 2 calls ms | p99 within |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | protocol | front ends | staging MiB | client processes | concurrency | infer/s batching on "
+             "| off | on / off | p99 ms (on) | delay + 2 calls ms | p99 within |", "|---" * 12 + "|"]
     for model in dict.fromkeys(r.model for r in rows):
         for protocol in dict.fromkeys(r.protocol for r in rows):
-            for frontends, mib in dict.fromkeys((r.frontends, r.staging_mib) for r in rows):
-                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib)
-                        == (model, protocol, frontends, mib)]
+            for frontends, mib, processes, tree in dict.fromkeys((r.frontends, r.staging_mib, r.processes, r.tree)
+                                                                for r in rows):
+                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib, r.processes, r.tree)
+                        == (model, protocol, frontends, mib, processes, tree)]
                 on = {r.result.concurrency: r for r in mine if r.batching == "on"}
                 off = {r.result.concurrency: r for r in mine if r.batching == "off"}
                 both = sorted(set(on) & set(off))
@@ -350,8 +375,8 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
                 bound = delay_us / 1000 + 2 * a.call_ms
                 p99 = a.result.percentile(99) / 1000
                 ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
-                lines.append(f"| {model} | {protocol} | {frontends} | {mib} | {c} | {a.result.throughput:.0f} "
-                             f"| {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
+                lines.append(f"| {model}{' @' + tree if tree else ''} | {protocol} | {frontends} | {mib} | {processes} | {c} "
+                             f"| {a.result.throughput:.0f} | {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
                              f"| {'yes' if p99 <= bound else 'no'} |")
     return lines
 
@@ -378,7 +403,8 @@ def _machine(args) -> str:
             f"end), commit {commit.strip()}, kiln {kiln.__version__}, python {platform.python_version()}, "
             f"grpcio {grpc.__version__}, uvicorn {uvicorn.__version__}; window {args.window} s, max_batch_size "
             f"{args.max_batch}, max_queue_delay {args.delay_us} us, {args.instances} instance(s), {args.precision}, "
-            f"{args.processes} client process(es), one connection per client; kiln serve --frontends "
+            f"{' / '.join(map(str, args.processes))} client process(es), one connection per client; kiln serve "
+            f"--frontends "
             f"{' / '.join(map(str, args.frontends))}")
 
 
@@ -397,7 +423,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="BERT sequence length")
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per level")
     parser.add_argument("--warmup", type=float, default=1.0)
-    parser.add_argument("--processes", type=int, default=1, help="client processes (default 1)")
+    parser.add_argument("--processes", type=int, nargs="+", default=[1],
+                        help="client processes (default 1); several: every row measured with each")
     parser.add_argument("--frontends", type=int, nargs="+", default=[0],
                         help="kiln serve --frontends values, one server each, measured one after the other (default 0)")
     parser.add_argument("--staging-mib", type=int, nargs="+", default=[64],
@@ -405,6 +432,9 @@ def main() -> None:
                              "engine's socket; default 64)")
     parser.add_argument("--random-weights", action="store_true",
                         help="MobileNetV2 with random weights (no weights package needed; the same speed)")
+    parser.add_argument("--trees", nargs="+", default=[str(ROOT)],
+                        help="kiln checkouts serving, a server each for every front-end setting (A/B in one run; rows "
+                             "say the folder's name after the model); the engines are built by this one")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()

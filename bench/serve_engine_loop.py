@@ -3,14 +3,19 @@ to take a front end's infer calls off the socket, validate and batch them, run t
 
     python bench/serve_engine_loop.py                                   # this checkout
     python bench/serve_engine_loop.py --trees /tmp/before . --rounds 5  # interleaved: A B A B ...
+    python bench/serve_engine_loop.py --model image --group 1 16         # 301 KB images through a staging arena
 
 No sockets and no front-end processes: a FrontendPool (kiln/serve/frontends.py) of the tree under test gets
-one front end whose connection's transport only counts what is written, and `--group` infer calls for an
-empty model (y = Identity(x), FP32 [1, 4], dynamic batching, max batch 64) arrive in one read, framed as that
-tree's front end frames them; the loop runs until every one is answered. The number is the loop thread's
-CPU time (time.thread_time) per request over many such reads: what the engine's one loop spends on a
-request whatever else runs on the machine, so trees compare on a loaded one. Each tree runs in its own
-subprocess, in rounds, interleaved.
+one front end whose connection's transport only counts what is written, and `--group` infer calls arrive in
+one read, framed as that tree's front end frames them; the loop runs until every one is answered. Models
+(dynamic batching, max batch 64): "empty", y = Identity(x), FP32 [1, 4]; "image", y = x[:, :, 0, 0] with x
+FP16 [1, 3, 224, 224] (MobileNetV2's request), its tensors in the front end's staging arena as `kiln serve
+--frontends N` sends them (kiln/serve/staging.py), its engine calls on the instance's thread as a CUDA
+instance's are. The numbers are the loop thread's CPU time (time.thread_time) per request over many such
+reads, and the whole process's (loop, instance thread): what the engine spends on a request whatever else
+runs on the machine, so trees compare on a loaded one. Each tree runs in its own subprocess, in rounds,
+interleaved. (Since 2026-12-03 a read waits for its answers on an event; before, it polled the loop, whose turns
+counted too: numbers from before then, e.g. bench/results/serve-batching-cpu-2026-12-02.md, are higher.)
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_overhead import _write_repository  # noqa: E402 - the same empty model, built by the tree under test
+from serve_frontend_cost import _MODEL  # noqa: E402 - the same empty and image models, built by the tree under test
 
 _CHILD = r"""
 import asyncio, os, sys, time
@@ -37,7 +42,10 @@ from kiln.serve.metrics import MetricsExporter
 from kiln.serve.options import ServeOptions
 from kiln.serve.repository import ModelRepository
 
-repo, group, reads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+repo, model, group, reads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+if model == "image":  # engine calls on the instance's thread, as on CUDA (a CPU instance runs tiny ones inline)
+    from kiln.serve import instances
+    instances.INLINE_NS = 0
 
 class Transport:
     def __init__(self): self.bytes = 0
@@ -61,22 +69,41 @@ async def main():
     frontend = Frontend(0, None)
     frontend.connection = connection
     pool._linked[connection] = frontend
-    x = np.arange(4, dtype=np.float32).reshape(1, 4)
-    stream = frames([ipc.InferCall(k, InferRequest("empty", "", "", {"x": x})) for k in range(group)])
+    if model == "empty":
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        stream = frames([ipc.InferCall(k, InferRequest(model, "", "", {"x": x})) for k in range(group)])
+    else:  # the calls' images in a staging arena, at the offsets a front end puts them (each read the same)
+        from kiln.serve.staging import StagingArena, StagingView
+        x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float16)
+        arena = StagingArena(64 << 20)
+        connection.staging = StagingView(arena.key, arena.byte_size)
+        arena.unlink()
+        stream = frames([ipc.InferCall(k, InferRequest(model, "", "", {"x": arena.put(k, x)})) for k in range(group)])
+
+    waiting = []  # (answers to wait for, event) of the read in progress
+    sent = pool._reply
+
+    def reply(to, answer):  # wakes one_read at its last answer (no polling: the loop sleeps while instances run)
+        sent(to, answer)
+        if waiting and to.answered >= waiting[0][0]:
+            waiting.pop()[1].set()
+
+    pool._reply = reply
 
     async def one_read():
-        target = frontend.answered + group
+        answered = asyncio.Event()
+        waiting.append((frontend.answered + group, answered))
         connection.data_received(stream)
-        while frontend.answered < target:
-            await asyncio.sleep(0)
+        await answered.wait()
         await asyncio.sleep(0)  # the answers' flush
 
     for _ in range(50):  # warm-up: the instance goes inline after its first calls, as it does serving
         await one_read()
-    cpu = time.thread_time()
+    cpu, whole = time.thread_time(), time.process_time()
     for _ in range(reads):
         await one_read()
-    print((time.thread_time() - cpu) / (reads * group) * 1e6)
+    n = reads * group
+    print((time.thread_time() - cpu) / n * 1e6, (time.process_time() - whole) / n * 1e6)
     await core.close()
 
 asyncio.run(main())
@@ -86,6 +113,7 @@ asyncio.run(main())
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)], help="kiln checkouts to compare, interleaved")
+    parser.add_argument("--model", default="empty", choices=["empty", "image"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group", type=int, nargs="+", default=[1, 16, 64], help="infer calls per socket read")
     parser.add_argument("--requests", type=int, default=20000, help="requests per measurement")
@@ -96,21 +124,28 @@ def main() -> None:
         repos = {}
         for k, tree in enumerate(args.trees):
             repos[tree] = Path(tmp) / f"repo{k}"
-            _write_repository(repos[tree], python, Path(tree).resolve())
-        print("| round | tree | calls per read | engine loop CPU us/request |\n|---|---|---|---|", flush=True)
+            folder = repos[tree] / args.model
+            (folder / "1").mkdir(parents=True)
+            subprocess.run([python, "-c", _MODEL, args.model, str(folder)], cwd=tree, check=True,
+                           env={**os.environ, "PYTHONPATH": str(Path(tree).resolve())})
+            (folder / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
+        print("| round | tree | calls per read | engine loop CPU us/request | engine process |\n|---|---|---|---|---|",
+              flush=True)
         for r in range(args.rounds):
             for tree in args.trees:
                 for group in args.group:
                     reads = max(1, args.requests // group)
-                    out = subprocess.run([python, "-c", _CHILD, str(repos[tree]), str(group), str(reads)],
+                    out = subprocess.run([python, "-c", _CHILD, str(repos[tree]), args.model, str(group), str(reads)],
                                          cwd=tree, check=True, capture_output=True, text=True,
                                          env={**os.environ, "PYTHONPATH": str(Path(tree).resolve())})
-                    us = float(out.stdout.split()[-1])
-                    results.setdefault((tree, group), []).append(us)
-                    print(f"| {r} | {tree} | {group} | {us:.1f} |", flush=True)
-    print("\nmedians: | tree | calls per read | engine loop CPU us/request (min..max) |\n|---|---|---|")
+                    loop_us, process_us = map(float, out.stdout.split()[-2:])
+                    results.setdefault((tree, group), []).append((loop_us, process_us))
+                    print(f"| {r} | {tree} | {group} | {loop_us:.1f} | {process_us:.1f} |", flush=True)
+    print("\nmedians: | tree | calls per read | engine loop CPU us/request (min..max) | engine process |\n|---|---|---|---|")
     for (tree, group), values in results.items():
-        print(f"| {tree} | {group} | {statistics.median(values):.1f} ({min(values):.1f}..{max(values):.1f}) |")
+        loops, processes = [v[0] for v in values], [v[1] for v in values]
+        print(f"| {tree} | {group} | {statistics.median(loops):.1f} ({min(loops):.1f}..{max(loops):.1f}) "
+              f"| {statistics.median(processes):.1f} ({min(processes):.1f}..{max(processes):.1f}) |")
 
 
 if __name__ == "__main__":

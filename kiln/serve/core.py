@@ -204,7 +204,12 @@ class ServerCore:
         of one socket read are validated and queued in that read's callback (the batcher sees them together
         on its next dispatch) and answered from their futures' callbacks, with no task, coroutine or
         wait_for per request. With ipc's one frame per run of calls, the engine loop's CPU time per request
-        fell by about a third on the 2-core VM (bench/serve_engine_loop.py; this part alone ~15%)."""
+        fell by about a third on the 2-core VM (bench/serve_engine_loop.py; this part alone ~15%).
+
+        A request's timeout answers it at once while it is queued; once its batch has taken it, it is answered
+        when the batch returns (a timeout error if the deadline passed meanwhile), as Triton times out queued
+        requests only: its inputs may be views into the front end's staging arena (kiln/serve/staging.py),
+        whose slots the front end reuses once the call is answered."""
         arrival = time.monotonic_ns()
         pending = None
         try:
@@ -229,6 +234,8 @@ class ServerCore:
             if timer is not None:
                 timer.cancel()
             error = Unavailable("the request was cancelled") if future.cancelled() else future.exception()
+            if error is None and pending.deadline_ns is not None and time.monotonic_ns() >= pending.deadline_ns:
+                error = _timed_out(model, timeout)  # passed while its batch ran (_expire left it to finish)
             if error is not None:
                 answer(_failed(model, arrival, pending, error))
                 return
@@ -347,7 +354,9 @@ def _timed_out(model: ModelVersion, timeout: int | None) -> RequestTimeout:
 
 
 def _expire(model: ModelVersion, pending: Pending, timeout: int | None) -> None:
-    if not pending.future.done():  # the batcher skips it if still queued
+    """infer_soon's deadline: a queued request is answered now (the batcher drops it); one its batch has taken
+    (queue_ns set) is left to finish, and answered then."""
+    if pending.queue_ns is None and not pending.future.done():
         pending.future.set_exception(_timed_out(model, timeout))
 
 

@@ -105,7 +105,7 @@ class RemoteCore(ServerCore):
 
     def _settle(self, reply: Reply | InferAnswer) -> None:
         if self.staging is not None:
-            self.staging.release(reply.id)  # whoever waits or not: the engine copied the call's tensors out
+            self.staging.release(reply.id)  # whoever waits or not: the engine is done with the call's tensors
         future = self._pending.pop(reply.id, None)
         if future is None or future.done():
             return  # its caller gave up (a cancelled request)

@@ -11,8 +11,8 @@ Views (the model table a front end answers health, metadata and config from with
 Replies and InferAnswers; Start once, answering Hello.
 
 A front end's large input tensors go through its staging arena (kiln/serve/staging.py) where the engine
-accepted one: the frame names (offset, dtype, shape) and the engine copies them out of its mapping as it
-decodes, their bytes never on the socket.
+accepted one: the frame names (offset, dtype, shape) and the engine reads them in its mapping (read-only
+views, valid until the call is answered), their bytes never on the socket.
 
 InferCall and InferAnswer, one per request, are pickled as a tuple of plain values (names, dtype
 strings, shapes) and rebuilt here: pickling the dataclasses and arrays themselves cost ~4x the time
@@ -189,7 +189,7 @@ def _flatten(message) -> tuple[tuple, list[memoryview]] | None:
 def _unflatten(fields: tuple, buffers: list[memoryview], staging: StagingView | None):
     tensors, next_buffer = [], 0
     for spec in fields[-1]:
-        if len(spec) == 4:  # staged: copied out of the sender's arena now (it reuses the slot once answered)
+        if len(spec) == 4:  # staged: a view of the sender's arena (it reuses the slot once the call is answered)
             if staging is None:
                 raise ValueError(f"a frame names a staged tensor {spec[0]!r}, but no staging arena was mapped")
             tensors.append((spec[0], staging.take(spec[3], spec[1], spec[2])))
@@ -267,7 +267,7 @@ def _buffer_count(fields: tuple) -> int:
 
 def decode(frame: memoryview, staging: StagingView | None = None):
     """A frame's message (a list of them for encode_all's runs); tensors are read-only views into `frame`, or
-    arrays copied out of `staging` (the sender's arena) where the frame names them there."""
+    read-only views of `staging` (the sender's arena) where the frame names them there."""
     size, count = _HEAD.unpack_from(frame, 0)
     start = _HEAD.size + 8 * count
     buffers, offset = [], start + size
@@ -275,7 +275,7 @@ def decode(frame: memoryview, staging: StagingView | None = None):
         buffers.append(frame[offset:offset + n])
         offset += n
     message = pickle.loads(frame[start:start + size], buffers=buffers)
-    if type(message) is InferCall:  # pickled whole (shared-memory outputs, BYTES): its staged inputs copied out
+    if type(message) is InferCall:  # pickled whole (shared-memory outputs, BYTES): its staged inputs looked up
         _take_staged(message.request.inputs, staging)
     if type(message) is not tuple:
         return message

@@ -4,15 +4,19 @@ shared memory, not through the engine's Unix socket.
 A front end sending a 301 KB image over the socket pays a kernel copy and the partial writes of a full
 socket buffer (its loop woken for each); the engine, which every front end shares, pays a kernel copy, the
 joining of the frame's chunks and a wake-up per chunk. Through the arena the front end copies the tensor
-once into its own shared-memory object and sends (offset, dtype, shape); the engine copies it out of its
-mapping as it decodes the frame (one memcpy, no syscall) into an array of its own.
+once into its own shared-memory object and sends (offset, dtype, shape); the engine reads it where it lies,
+a read-only view of its mapping, and the batcher's merge (or an instance, for a call of its own) makes the
+one copy an engine call needs, on the instance's thread.
 
     front end: StagingArena.put(array) -> Staged(offset, ...)   ──InferCall──▶   engine: StagingView.take(...)
-               StagingArena.release(call)  ◀──InferAnswer / Reply──  (the engine's copy was made before it)
+               StagingArena.release(call)  ◀──InferAnswer / Reply──  (the engine is done with the slot by then)
 
-The engine copies at once, rather than reading the arena in place, because an answer can leave before a
-batch is done with its inputs (a request that times out while its batch is merged): the front end reuses a
-slot as soon as the call's answer arrives, so nothing of the engine may point into it by then.
+A slot is the call's until its answer arrives, so the engine answers a call only once nothing of it reads the
+slot any more: a request taken into a batch is answered when the batch returns, even where its timeout passed
+meanwhile (ServerCore.infer_soon; Triton's timeouts are the queue's too). Copying each tensor out as the frame
+was decoded cost the engine's event loop, which every front end shares, 29-69% of its CPU time per request
+(a 301 KB copy and an allocation; 1 to 16 calls a read: bench/serve_engine_loop.py --model image); on the H200 the
+loop went from 73-83% of a core to 40% at 26-31% more requests/s (bench/results/serve-2026-12-03b.md).
 
 The arena is a ring: slots are taken at the head and come back in any order; the tail moves past the
 oldest slots once they are back. A tensor that does not fit (the ring full of requests in flight, or a
@@ -21,6 +25,7 @@ tensor larger than a quarter of the ring) goes over the socket as before.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import secrets
@@ -100,7 +105,7 @@ class StagingArena:
         return Staged(start, array.dtype, tuple(array.shape))
 
     def release(self, call_id: int) -> None:
-        """Call `call_id` answered: its slots come back (the engine copied them out before answering)."""
+        """Call `call_id` answered: its slots come back (the engine answers once nothing of the call reads them)."""
         for slot in self._by_call.pop(call_id, ()):
             slot[3] = True
         while self._slots and self._slots[0][3]:
@@ -136,7 +141,7 @@ class StagingArena:
 
 
 class StagingView:
-    """The engine's side: one front end's arena mapped; tensors copied out as frames name them."""
+    """The engine's side: one front end's arena mapped; tensors read in place as frames name them."""
 
     def __init__(self, key: str, byte_size: int):
         if "/" in key or not key.startswith("kiln-staging-"):
@@ -150,13 +155,15 @@ class StagingView:
             os.close(fd)
         self._bytes = np.frombuffer(self._memory, np.uint8)
         self.byte_size = byte_size
-        self.taken = 0  # tensors copied out so far
+        self.taken = 0  # tensors taken so far
 
     def take(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor at `offset`, copied into an array of the engine's own (writable: no copy at merge)."""
+        """The tensor at `offset`: a read-only view of the arena, valid until its call is answered."""
         dtype = np.dtype(dtype)
-        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        size = dtype.itemsize * math.prod(shape)  # Python ints: no overflow (np.prod: ~5 us of the loop's time)
         if offset < 0 or offset + size > self.byte_size:
             raise ValueError(f"a staged tensor at {offset} + {size} bytes runs past the {self.byte_size}-byte arena")
         self.taken += 1
-        return self._bytes[offset:offset + size].view(dtype).reshape(shape).copy()
+        tensor = self._bytes[offset:offset + size].view(dtype).reshape(shape)
+        tensor.flags.writeable = False  # an engine that writes its inputs gets a copy (the batcher's rule)
+        return tensor

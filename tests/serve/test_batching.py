@@ -15,7 +15,8 @@ from onnx import TensorProto, helper, numpy_helper
 from serve_models import OPSET, mlp
 
 import kiln
-from kiln.serve.batcher import Batcher, BatchShapes
+from kiln.serve import batcher as batcher_module
+from kiln.serve.batcher import Batcher, BatchShapes, merge_rows
 from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
 from kiln.serve.stats import ModelStats
 
@@ -52,6 +53,32 @@ async def _run(batcher: Batcher, requests: list[np.ndarray], signature=None) -> 
         return await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)
     finally:
         await batcher.close()
+
+
+@pytest.mark.parametrize("held_bytes", [1 << 20, 64], ids=["held", "numpy"])
+def test_merge_rows_is_concatenate(monkeypatch, held_bytes):
+    """The batch merge, parts copied with the GIL held (up to HELD_COPY_BYTES) or by numpy (larger): exactly
+    np.concatenate's rows for every plain dtype, read-only parts (views of requests) included, into a writable
+    array of its own; other dtypes, shapes that differ and non-contiguous parts take np.concatenate itself."""
+    import ml_dtypes
+
+    monkeypatch.setattr(batcher_module, "HELD_COPY_BYTES", held_bytes)
+    generator = np.random.default_rng()
+    for dtype in (np.float16, np.float32, np.float64, np.int8, np.int32, np.int64, np.uint8, np.bool_):
+        parts = [(generator.standard_normal((int(generator.integers(0, 4)), 3, 5)) * 50).astype(dtype)
+                 for _ in range(6)]
+        parts[1].flags.writeable = False
+        merged = merge_rows(parts)
+        assert merged.dtype == dtype and merged.flags.writeable and merged.flags.c_contiguous
+        assert not any(np.shares_memory(merged, part) for part in parts)
+        np.testing.assert_array_equal(merged, np.concatenate(parts))
+    odd = [[np.ones((2, 3), ml_dtypes.bfloat16), np.zeros((1, 3), ml_dtypes.bfloat16)],
+           [np.array([[b"ab"], [b""]], dtype=object), np.array([[b"c"]], dtype=object)],
+           [generator.standard_normal((3, 4)).T.astype(np.float32), np.ones((1, 3), np.float32)]]
+    for parts in odd:
+        np.testing.assert_array_equal(merge_rows(parts), np.concatenate(parts))
+    with pytest.raises(ValueError):  # shapes past the batch axis that differ: numpy's error, never a wrong merge
+        merge_rows([np.ones((1, 3), np.float32), np.ones((1, 4), np.float32)])
 
 
 def test_queued_requests_merge_into_one_call_and_split_back(double_engine):

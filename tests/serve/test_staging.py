@@ -1,14 +1,18 @@
 """kiln/serve/staging.py: a front end's staging arena (a ring of slots given back in any order) and the wire
-that names its tensors (ipc frames with staged specs, decoded by the engine's Connection into its own arrays)."""
+that names its tensors (ipc frames with staged specs, decoded by the engine's Connection into views of the arena)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
 from conftest import rng
 
-from kiln.serve.core import InferRequest
+from kiln.serve.core import InferRequest, ServerCore
+from kiln.serve.errors import RequestTimeout
 from kiln.serve.ipc import Connection, InferCall, encode_all
+from kiln.serve.repository import ModelRepository
 from kiln.serve.shared_memory import TensorPlace
 from kiln.serve.staging import Staged, StagingArena, StagingView
 
@@ -52,10 +56,10 @@ def test_the_ring_keeps_every_live_slot_intact_and_gives_all_back(arena):
     assert arena.put(2, np.zeros(arena.byte_size // 4 + 1, np.uint8)) is None  # past a quarter: over the socket
 
 
-def test_staged_tensors_cross_the_wire_as_copies_of_their_own(arena):
-    """Staged and plain tensors in one run of calls, received in pieces: the staged ones are the engine's own
-    writable copies (the front end reuses the slot at once); a call pickled whole (outputs into shared memory)
-    has its staged inputs copied out too."""
+def test_staged_tensors_cross_the_wire_as_views_of_the_arena(arena):
+    """Staged and plain tensors in one run of calls, received in pieces: the staged ones are read-only views of
+    the arena, no copy (the slot is the call's until its answer: the engine answers once its batch is done), also
+    in a call pickled whole (outputs into shared memory)."""
     generator = rng()
     big = generator.standard_normal((2, 3, 16, 16)).astype(np.float16)
     ints = generator.integers(-9, 9, (4, 5)).astype(np.int64)
@@ -79,11 +83,45 @@ def test_staged_tensors_cross_the_wire_as_copies_of_their_own(arena):
     np.testing.assert_array_equal(third["x"], big)
     assert third["x"].dtype == np.float16 and third["i"].dtype == np.int64
     assert received[2].request.output_places == {"y": TensorPlace("r", 0, 8)}
+    assert not first["x"].flags.writeable and not third["i"].flags.writeable and connection.staging.taken == 3
     arena.release(1)
     arena.release(3)
-    arena.put(4, np.full(big.size * 4, 7, np.float16))  # the slots reused: the engine's copies keep their values
-    np.testing.assert_array_equal(first["x"], big)
-    assert first["x"].flags.writeable and connection.staging.taken == 3
+    arena.put(4, np.full(big.size * 4, 7, np.float16))  # the slots reused once answered: the views see it
+    assert (first["x"] == 7).all()
+
+
+def test_a_timeout_that_passes_while_its_batch_runs_is_answered_when_the_batch_returns(repository):
+    """The engine answers a front end's call only once nothing reads its inputs (they may be views of the front
+    end's arena, reused once answered): a request whose timeout passes in the queue is answered at once; one
+    whose timeout passes while its batch runs (the slow model, ~tens of ms a call) gets its timeout error when
+    the batch is done, not at its deadline."""
+
+    async def main() -> list[tuple[object, bool]]:
+        core = ServerCore(ModelRepository(repository))
+        await core.start(["slow"])
+        slow = core.model("slow")
+        x = rng().standard_normal((1, 4)).astype(np.float32)
+        answers: list[tuple[object, bool]] = []  # (outcome, the instance still running then), in answer order
+        done = asyncio.Event()
+
+        def answer(outcome) -> None:
+            answers.append((outcome, not slow.batcher.idle))
+            if len(answers) == 2:
+                done.set()
+
+        for request_id in ("runs", "queued"):  # the first runs at once (its batch); the second waits behind it
+            core.infer_soon(InferRequest("slow", id=request_id, inputs={"x": x}, timeout_us=1000),
+                            lambda outcome, request_id=request_id: answer((request_id, outcome)))
+            while slow.batcher.idle:  # dispatched on the loop's next turn
+                await asyncio.sleep(0)
+        await asyncio.wait_for(done.wait(), 60)
+        await core.close()
+        return answers
+
+    (first, first_busy), (second, second_busy) = asyncio.run(main())
+    assert first[0] == "queued" and first_busy  # at its deadline, while the batch ahead of it ran
+    assert second[0] == "runs" and not second_busy  # after its batch returned, not at its deadline
+    assert isinstance(first[1], RequestTimeout) and isinstance(second[1], RequestTimeout)
 
 
 def test_a_staged_tensor_without_a_mapped_arena_is_refused(arena):
