@@ -53,7 +53,8 @@ class Case:
     kv_heads: int
     seq: int
     head_dim: int
-    padding_mask: bool = False
+    mask: str = ""  # "key": an additive [B, 1, 1, S] padding mask; "query_key": the same as [B, 1, S, S], as
+    # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it
     causal: bool = False
     packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
     dtype: torch.dtype = torch.float16
@@ -65,7 +66,13 @@ class Case:
 
 
 CASES = [
-    Case("bert_mask", "BERT b64 h12 s384 d64 +[B,1,1,S] mask", 64, 12, 12, 384, 64, padding_mask=True),
+    Case("bert_mask", "BERT b64 h12 s384 d64 +[B,1,1,S] mask", 64, 12, 12, 384, 64, mask="key"),
+    # BERT-base in issue 10's stream: the plain program at the largest shape (a full mask) and at the opt shape
+    Case("bert512_qk", "BERT b32 h12 s512 d64 +[B,1,S,S] mask", 32, 12, 12, 512, 64, mask="query_key"),
+    Case("bert512_key", "BERT b32 h12 s512 d64 +[B,1,1,S] mask", 32, 12, 12, 512, 64, mask="key"),
+    Case("bert512", "BERT b32 h12 s512 d64", 32, 12, 12, 512, 64),
+    Case("bert128_qk", "BERT b8 h12 s128 d64 +[B,1,S,S] mask", 8, 12, 12, 128, 64, mask="query_key"),
+    Case("bert128_key", "BERT b8 h12 s128 d64 +[B,1,1,S] mask", 8, 12, 12, 128, 64, mask="key"),
     Case("bert", "BERT b64 h12 s384 d64", 64, 12, 12, 384, 64),
     Case("vit", "ViT-B/16 b64 h12 s197 d64", 64, 12, 12, 197, 64),
     Case("gpt2", "GPT-2 b8 h12 s512 d64 causal", 8, 12, 12, 512, 64, causal=True),
@@ -86,10 +93,15 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
         inputs = [torch.randn(b, s, (h + 2 * hkv) * d, device=device, generator=g).to(case.dtype), None, None]
     else:
         inputs = [torch.randn(b, s, n * d, device=device, generator=g).to(case.dtype) for n in (h, hkv, hkv)]
-    if case.padding_mask:  # each sequence padded from a random length on: -10000 on the padding keys
+    if case.mask:  # each sequence padded from a random length on, its padding keys hidden
         lengths = torch.randint(s // 2, s + 1, (b, 1, 1, 1), device=device, generator=g)
         keys = torch.arange(s, device=device).view(1, 1, 1, s)
-        inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))  # [B, 1, 1, S]
+        if case.mask == "key":  # -10000 on the padding keys: [B, 1, 1, S]
+            inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))
+        else:  # every query's row of it: [B, 1, S, S]
+            hidden = torch.where(keys < lengths, 0.0, torch.finfo(torch.float32).min).expand(b, 1, s, s)
+            inputs.append(hidden.to(case.dtype).contiguous())
+            attributes["nan_to_zero"] = 1
     step = StepSpec(op_type="Attention", name=case.key, inputs=[f"in{i}" for i in range(len(inputs))],
                     outputs=["out"], attributes=attributes, domain="kiln", opset=21)
     return step, inputs

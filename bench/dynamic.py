@@ -95,6 +95,8 @@ def main() -> None:
                          "masks with every row at least half real, ':full' none padded), the three runtimes timed in "
                          "turn, and the GEMM ceiling at the largest full-mask shape")
     ap.add_argument("--calls", type=int, default=15, help="per-shape table: timed calls per runtime")
+    ap.add_argument("--kernels-at", default="", help="per-shape table: shapes (as in --shapes) where kiln's GPU "
+                    "kernels are tabled beside its wall time")
     ap.add_argument("--stream-deadline-s", type=float, default=0.0,
                     help="stop the stream this many seconds after the script started (a device call's time limit); "
                          "the requests run so far are reported")
@@ -130,6 +132,11 @@ def main() -> None:
     log(f"kiln {'load' if args.engine else 'build'} {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}, "
         + (f"padding-free ({free['layers']} layers packed, plain program of {free.get('plain_program')} steps)"
            if free else "plain"))
+    for program in ("tactics", "plain_tactics"):  # what each attention kernel was chosen over, and where timed
+        layers = engine.plan.header.get(program, {}).get("layers", {})
+        tuned = next((t for t in layers.values() if any("attention" in k for k in t.get("candidates", {}))), None)
+        if tuned is not None:
+            log(f"{program} attention: {tuned['tactic']}; candidates {tuned['candidates']}; at {tuned.get('at')}")
     warm_up_s: dict[str, float] = {}
     t0 = time.perf_counter()
     context = engine.create_execution_context(warm_up=not args.no_warm_up)  # at load: the stream captures nothing
@@ -282,7 +289,8 @@ def main() -> None:
         + (f"{padding.padded_runs} runs" if padding is not None else "off"))
     if cuda and args.shapes:
         from per_shape import per_shape_table
-        per_shape_table(args.shapes, context, runners, model.vocab_size, args.calls, log)
+        per_shape_table(args.shapes, context, runners, model.vocab_size, args.calls, log,
+                        tuple(filter(None, args.kernels_at.split(","))))
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"dynamic-{args.device}-{datetime.date.today().isoformat()}.md", "a") as f:

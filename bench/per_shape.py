@@ -31,7 +31,10 @@ def _feeds(spec: str, vocab: int, rng: np.random.Generator) -> tuple[dict[str, t
              "attention_mask": torch.from_numpy(mask).cuda()}, kind or "half+")
 
 
-def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, log) -> None:
+def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, log,
+                    kernels_at: tuple[str, ...] = ()) -> None:
+    """`kernels_at`: shapes (as listed in `specs`) where kiln's GPU kernels are tabled beside its wall time: what
+    of a run is the GPU's and what the host's (a packed run's fixed cost at the profile's largest shape)."""
     rng = np.random.default_rng(1)
     names = list(runners)
     peers = [n for n in names if n != "kiln"]
@@ -61,6 +64,13 @@ def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, 
             log(f"| {spec.partition(':')[0]} | {kind} | {int(feeds['attention_mask'].sum())} | "
                 + " | ".join(f"{ms[n]:.3f}" for n in names) + f" | {ratio:.2f} ({best}) | "
                 f"{'met' if ratio >= TARGET else 'not met'} |")
+            if spec in kernels_at:
+                lines: list[str] = []
+                kernels = sum(kernel_table(lambda: context.run(feeds), f"kiln {spec}", lines).values())
+                for line in lines + [f"- kiln {spec}: {ms['kiln']:.3f} ms wall, {kernels:.3f} ms of GPU kernels", ""]:
+                    log(line)
+                for line in header:
+                    log(line)
             if kind == "full" and not ceiling_done:  # at the first full-mask shape (list the largest first)
                 _ceiling(feeds, ms, best, context, runners, log)  # now: a device call's time may end before the rows
                 ceiling_done = True
