@@ -487,6 +487,52 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
     return report
 
 
+def key_padding_mask(model: ir.Model) -> int:
+    """Every attention on the padding mask m reads it as a key mask made from m: [B, 1, 1, S], 0 at a real key and
+    float32's minimum at padding (a bool mask stays bool: m ≠ 0), in place of the mask the model computes — the
+    exported BERT's [B, 1, S, S], the same row for every query, as _masked_attentions checks. The same values once
+    broadcast, S times less mask to read: a key vector in kiln's flash kernel instead of a [BM, BN] tile per step.
+    For a padding-free engine's plain program (kiln/builder/padding_free.py), whose outputs are zero at padding
+    anyway: a fully padded row's queries may come out otherwise than from the model's mask (the minimum instead of
+    its value). Returns the attentions rewritten; 0 where the model has no such mask (the graph is unchanged)."""
+    graph = model.graph
+    mask = padding_mask_input(graph)
+    if mask is None:
+        return 0
+    try:
+        attentions = _masked_attentions(graph, mask)
+    except PaddingRefused:
+        return 0
+    batch, seq = (d.value for d in mask.shape)
+    first = attentions[0]
+    padding = ir.node("Equal", [mask, new_initializer(graph, "key_mask_zero", np.zeros((), mask.dtype.numpy()))],
+                      name="key_mask_padding")  # [B, S] bool
+    padding.outputs[0].type, padding.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([batch, seq])
+    graph.insert_before(first, padding)
+    axes = new_initializer(graph, "key_mask_axes", np.array([1, 2], np.int64))
+    made: dict[ir.DataType, ir.Value] = {}
+    for node in attentions:
+        dtype = node.inputs[3].dtype
+        if dtype not in made:
+            if dtype == ir.DataType.BOOL:  # True: a key attended
+                keys = ir.node("Not", [padding.outputs[0]], name="key_mask_real")
+            else:
+                hidden = new_initializer(graph, "key_mask_hidden", np.array(np.finfo(np.float32).min, dtype.numpy()))
+                keys = ir.node("Where", [padding.outputs[0], hidden,
+                                         new_initializer(graph, "key_mask_kept", np.zeros((), dtype.numpy()))],
+                               name=f"key_mask_{dtype.name.lower()}")
+            keys.outputs[0].type, keys.outputs[0].shape = ir.TensorType(dtype), ir.Shape([batch, seq])
+            unsqueeze = ir.node("Unsqueeze", [keys.outputs[0], axes], name=f"{keys.name}_rows")
+            key_mask = unsqueeze.outputs[0]
+            key_mask.name, key_mask.type = f"key_mask_{dtype.name.lower()}_b11s", ir.TensorType(dtype)
+            key_mask.shape = ir.Shape([batch, 1, 1, seq])  # [B, 1, 1, S]
+            graph.insert_before(first, [keys, unsqueeze])
+            made[dtype] = key_mask
+        node.replace_input_with(3, made[dtype])
+    common.RemoveUnusedNodesPass()(model)  # the model's own mask subgraph
+    return len(attentions)
+
+
 def _unpack(graph: ir.Graph, value: ir.Value, scatter: ir.Value, mask: ir.Value, region: dict[int, ir.Node]) -> None:
     """value [T, ...] scattered back to [B, S, ...] for the layers outside the region and the graph outputs."""
     outside = [u for u in consumers(value) if id(u) not in region]
