@@ -24,9 +24,10 @@ CUDA = buckets_module.PACKING_RULES["cuda"]
 PROFILE = [{"input_ids": "1x1,2x16,16x128"}]  # up to 2048 positions: "auto" packs a run there that saves 45%
 # fp32 against onnxruntime: the packed GEMMs and attention sum in another order over other row counts
 RTOL, ATOL = 1e-5, 2e-5
+# the ops that compute an exported BERT's [B, 1, S, S] attention mask
 MASK_OPS = {"Shape", "Squeeze", "Unsqueeze", "Concat", "Reshape", "Expand", "Range", "Cast", "Equal", "Less",
             "LessOrEqual", "GreaterOrEqual", "Greater", "And", "Or", "Not", "Where", "Slice", "Gather", "Mul", "Sub",
-            "Add", "Max", "GatherND", "ConstantOfShape"}  # ops that compute an exported BERT's [B, 1, S, S] attention mask
+            "Add", "Max", "GatherND", "ConstantOfShape"}
 
 
 @pytest.fixture(scope="module")
