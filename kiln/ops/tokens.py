@@ -63,9 +63,12 @@ def token_index(ctx, mask, bucket=None):
 
 
 @register("PackTokens", domain="kiln")
-def pack_tokens(ctx, x, index):
+def pack_tokens(ctx, x, index, *, broadcast=0):
     """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order (B·S of them: the
-    identity packing, a view)."""
+    identity packing, a view). `broadcast`: x is [1, S, ...], the same for every row of the batch (a position
+    embedding): token b·S + s reads x[0, s]."""
+    if broadcast:
+        return x[0].index_select(0, index % x.shape[1])
     rows = x.flatten(0, 1)
     return rows if index.shape[0] == rows.shape[0] else rows.index_select(0, index)
 

@@ -37,6 +37,7 @@ The contract:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +110,17 @@ def is_token_value(value: ir.Value | None, batch: str, seq: str) -> bool:
     return dims is not None and len(dims) >= 2 and dims[0] == batch and dims[1] == seq
 
 
+def is_sequence_value(value: ir.Value | None, seq: str) -> bool:
+    """value is [1, seq, ...]: one row per position of the sequence, the same for every row of the batch (BERT's
+    position embeddings). A second dim of min(P, seq) is seq: the slice of a table of P positions, which a longer
+    sequence could not run with."""
+    dims = _dims(value)
+    if dims is None or len(dims) < 2 or dims[0] != 1:
+        return False
+    return dims[1] == seq or re.fullmatch(rf"Min\(\d+, {re.escape(seq)}\)|Min\({re.escape(seq)}, \d+\)",
+                                          str(dims[1])) is not None
+
+
 def _broadcast_reason(value: ir.Value, rank: int) -> str | None:
     """None when `value` (not a token value) broadcasts over the trailing dims of a rank-`rank` token value
     only: rank ≤ rank - 2 once leading 1s are dropped (a constant's leading 1s are dropped by the rewrite)."""
@@ -131,14 +143,22 @@ def _trailing_axis(node: ir.Node, rank: int) -> bool:
     return (axis >= 2) if axis >= 0 else (axis >= -(rank - 2))
 
 
-def per_token_reason(node: ir.Node, batch: str, seq: str) -> str | None:
-    """None when the node acts on the trailing dims of its [batch, seq, ...] inputs only, else why not."""
+def per_token_reason(node: ir.Node, batch: str, seq: str, embeddings: bool = False) -> str | None:
+    """None when the node acts on the trailing dims of its [batch, seq, ...] inputs only, else why not.
+    `embeddings`: a lookup of token ids in a constant table (Gather on axis 0) is per-token too, and so is an
+    operand of one row per sequence position ([1, seq, ...], packed for each token's position)."""
     key = (node.domain, node.op_type)
     tokens = [v for v in node.inputs if is_token_value(v, batch, seq)]
     if not tokens:
         return "it reads no [batch, seq, ...] value"
     if any(not is_token_value(v, batch, seq) for v in node.outputs):
         return "an output is not [batch, seq, ...]"
+    if embeddings and key == ("", "Gather"):
+        table = const(node.inputs[0])
+        if attr(node, "axis", 0) != 0 or table is None or table.ndim != 2 or node.inputs[1] not in tokens \
+                or len(tokens[0].shape) != 2:
+            return "a Gather that is not a lookup of [batch, seq] ids in a constant table"
+        return None
     rank = len(tokens[0].shape)
     per_op = key in {("", op) for op in _UNARY | _BINARY} or key in {("kiln", op) for op in _KILN_PER_TOKEN} \
         or key in _TRAILING_AXIS
@@ -163,6 +183,8 @@ def per_token_reason(node: ir.Node, batch: str, seq: str) -> str | None:
         if key == ("kiln", "FusedGemm") and i == 1:  # the weight [N, K]: not a broadcast operand
             if const(value) is None:
                 return "a GEMM whose weight is not a constant"
+            continue
+        if embeddings and is_sequence_value(value, seq) and len(value.shape) == rank:
             continue
         if (reason := _broadcast_reason(value, rank)) is not None:
             return reason
@@ -321,8 +343,9 @@ def _downstream(attentions: list[ir.Node], batch: str, seq: str) -> dict[int, ir
     return region
 
 
-def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
-    """Add the per-token layers feeding the region that feed nothing else (the first QKV GEMM, ...)."""
+def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str, embeddings: bool) -> None:
+    """Add the per-token layers feeding the region that feed nothing else (the first QKV GEMM, ...; with
+    `embeddings`, back to the embedding lookups: per_token_reason)."""
     grown = True
     while grown:
         grown = False
@@ -334,7 +357,7 @@ def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
                     continue
                 if any(v.is_graph_output() or any(id(u) not in region for u in consumers(v)) for v in before.outputs):
                     continue
-                if per_token_reason(before, batch, seq) is None:
+                if per_token_reason(before, batch, seq, embeddings) is None:
                     region[id(before)] = before
                     grown = True
 
@@ -342,7 +365,8 @@ def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
 # ---------------------------------------------------------------- the rewrite
 
 
-_NOT_BROADCAST = {("kiln", "FusedGemm"): 1, ("", "MatMul"): 1, ("", "Reshape"): 1}  # weights and shapes
+_NOT_BROADCAST = {("kiln", "FusedGemm"): 1, ("", "MatMul"): 1, ("", "Reshape"): 1, ("", "Gather"): 0}  # weights,
+# shapes and tables
 
 
 def _packed_shape(value: ir.Value) -> ir.Shape:
@@ -424,11 +448,14 @@ def _new_node(graph: ir.Graph, before: ir.Node, op_type: str, inputs: list[ir.Va
     return node
 
 
-def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRemoval:
+def remove_padding(model: ir.Model, padded_attention: bool = False, embeddings: bool = False) -> PaddingRemoval:
     """Rewrite the model's encoder to run on its real tokens (the module docstring's contract), or raise
     PaddingRefused naming the input or layer that prevents it; the graph is unchanged when it refuses.
     `padded_attention`: each attention runs as it was on q/k/v scattered back to [B, S, ...] (`_padded_attention`)
-    instead of PackedAttention (CUDA: varlen flash; CPU: kiln's varlen C attention)."""
+    instead of PackedAttention (CUDA: varlen flash; CPU: kiln's varlen C attention). `embeddings`: the region starts
+    at the embedding lookups (their ids packed, not the embedded rows): a run padded to a larger shape than its own
+    (CUDA graphs of the profile's largest, kiln/runtime/buckets.py graph_rows) then embeds and normalizes only its
+    token bucket's rows."""
     graph = model.graph
     mask = padding_mask_input(graph)
     if mask is None:
@@ -438,7 +465,7 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
     batch, seq = (d.value for d in mask.shape)
     attentions = _masked_attentions(graph, mask)
     region = _downstream(attentions, batch, seq)
-    _extend_upstream(region, batch, seq)
+    _extend_upstream(region, batch, seq, embeddings)
     # Decided: from here on the graph changes.
     nodes = [n for n in graph if id(n) in region]
     inside = {id(v) for n in nodes for v in n.outputs}
@@ -458,9 +485,12 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
         for i, value in enumerate(node.inputs):
             if value is None or id(value) in inside or (_is_attention(node) and i == 3):
                 continue
-            if is_token_value(value, batch, seq):
+            sequence = embeddings and is_sequence_value(value, seq)
+            if is_token_value(value, batch, seq) or sequence:
                 if id(value) not in packed:
                     pack = _new_node(graph, node, "PackTokens", [value, index], f"{value.name}_pack")
+                    if sequence:  # [1, S, ...]: token b·S + s reads row s
+                        pack.attributes["broadcast"] = ir.AttrInt64("broadcast", 1)
                     pack.outputs[0].name = f"{value.name}_packed"
                     pack.outputs[0].type, pack.outputs[0].shape = value.type, _packed_shape(value)
                     packed[id(value)] = pack.outputs[0]

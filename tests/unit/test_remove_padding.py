@@ -270,6 +270,47 @@ def _optimized(model: onnx.ModelProto | str, **options):
     return optimize(onnx_frontend.load(model), PassOptions(**options))
 
 
+def test_on_cuda_the_region_starts_at_the_embedding_lookups(bert):
+    # CUDA's rules (no cpu_rules): the ids are packed, not the embedded rows, and the position embeddings ([1, S, D],
+    # one row per position) packed for each token's position; so a run padded to the profile's largest shape for its
+    # CUDA graph embeds and normalizes only its token bucket's rows. The CPU's rules start at the first LayerNorm.
+    exported, _, session = bert
+    graph = _optimized(str(exported.path), remove_padding=True)
+    removal = graph.meta["kiln.remove_padding"]
+    assert removal["packed"] == ["input_ids", "expand_1", "embedding_2"] and removal["layers"] == 18
+    packs = {n.inputs[0].name: n for n in graph.graph if n.op_type == "PackTokens"}
+    assert packs["embedding_2"].attributes["broadcast"].value == 1 and "broadcast" not in packs["input_ids"].attributes
+    lookups = [n for n in graph.graph if n.op_type == "Gather" and n.inputs[1].name.endswith("_packed")]
+    assert len(lookups) == 2  # word and token-type embeddings, on the packed ids
+    cpu = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
+    assert cpu.meta["kiln.remove_padding"]["packed"] == ["layer_norm"]
+    # numerically: that graph as an engine (each layer its torch form) against onnxruntime, packed (token buckets,
+    # their dummy rows included), every position a row, and the plain rule's choice; a fully padded row included
+    engine = kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+    rng = np.random.default_rng(6)
+    for batch, seq, kind in [(4, 37, "right"), (1, 48, "left"), (3, 5, "holes")]:
+        mask = _mask(rng, batch, seq, kind)
+        feeds = {"input_ids": rng.integers(0, 1024, (batch, seq)), "attention_mask": mask}
+        want = session.run(None, feeds)[0]
+        keep = mask != 0
+        for packing in ("auto", "always", "never"):
+            got = engine.create_execution_context(packing=packing).run(feeds)["layer_norm_4"]
+            np.testing.assert_allclose(got[keep], want[keep], rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq} {packing}")
+            assert not got[~keep].any()
+
+
+def test_a_broadcast_pack_reads_each_tokens_position():
+    x = torch.randn(1, 6, 3)  # [1, S, D]: one row per position
+    index = torch.tensor([0, 4, 7, 11, 0])  # flat b·S + s of a [2, 6] mask, a dummy row last
+    torch.testing.assert_close(pack_tokens(CTX, x, index, broadcast=1), x[0, [0, 4, 1, 5, 0]], rtol=0, atol=0)
+    step = StepSpec(op_type="PackTokens", name="p", inputs=["x", "index"], outputs=["y"], domain="kiln",
+                    attributes={"broadcast": 1})
+    native = registry.get("cpu.packtokens.native")  # gathers B·S rows of x: it refuses (where kiln's C is built)
+    if native.available():
+        assert "for every row of the batch" in str(native.check(step, [InputMeta.of(x, False),
+                                                                      InputMeta.of(index, False)]))
+
+
 def test_key_padding_mask_reads_the_padding_mask_as_one_row_per_batch(bert):
     exported, _, session = bert
     graph = _optimized(str(exported.path))
