@@ -22,7 +22,9 @@ The contract:
 - **Which layers.** The region is every layer downstream of an attention that reads the padding mask, up to
   the graph outputs (all of them must be per-token, or the model is refused: a layer mixing tokens after the
   last attention, a pooler, would see zeros where it saw the unpacked model's padding values), and, walking
-  back from it, the per-token layers that feed only the region (the first layer's QKV GEMM).
+  back from it, the per-token layers that feed only the region (the first layer's QKV GEMM; with `embeddings`, on
+  CUDA, back to the embedding lookups: their ids are packed, and a [1, seq, ...] position embedding is packed for
+  each token's position).
 - **Per-token** (`per_token_reason`): a layer acting on the trailing dims only — elementwise ops whose other
   operands broadcast over the last dims (constants, of rank ≤ rank - 2 once leading 1s are dropped), GEMMs
   with a constant weight, LayerNorm/RMSNorm/Softmax over a trailing axis, activations, Transpose and Reshape
