@@ -198,7 +198,8 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         # the engine is the plain engine. With CUDA graphs of bucketed shapes that is at small buckets and at the
         # profile's largest shape (a mask with next to no padding, kiln/runtime/buckets.py graph_rows), so there
         # it is timed at the max too: an attention kernel fast at the opt shape may lose there by more than it
-        # wins at opt (kiln's Triton flash vs cuDNN's at BERT-base 32x512, 1.24 vs 0.81 ms).
+        # wins at opt (at BERT-base 32x512 kiln's Triton flash took 1.24 ms with the mask, torch's cuDNN 0.81
+        # without one).
         plain_shapes = other_shapes
         if profiles and device.type == "cuda":
             plain_shapes = {"max": shapes_at(profiles[0], "max")}

@@ -520,8 +520,8 @@ def remove_padding(model: ir.Model, padded_attention: bool = False, embeddings: 
 
 
 def key_padding_mask(model: ir.Model) -> int:
-    """Every attention on the padding mask m reads it as a key mask made from m: [B, 1, 1, S], 0 at a real key and
-    float32's minimum at padding (a bool mask stays bool: m ≠ 0), in place of the mask the model computes — the
+    """Every attention on the padding mask m whose mask is additive (float) reads it as a key mask made from m:
+    [B, 1, 1, S], 0 at a real key and float32's minimum at padding, in place of the mask the model computes — the
     exported BERT's [B, 1, S, S], the same row for every query, as _masked_attentions checks. The same values once
     broadcast, S times less mask to read: a key vector in kiln's flash kernel instead of a [BM, BN] tile per step.
     For a padding-free engine's plain program (kiln/builder/padding_free.py), whose outputs are zero at padding
@@ -532,35 +532,28 @@ def key_padding_mask(model: ir.Model) -> int:
     if mask is None:
         return 0
     try:
-        attentions = _masked_attentions(graph, mask)
+        attentions = [n for n in _masked_attentions(graph, mask) if n.inputs[3].dtype.is_floating_point()]
     except PaddingRefused:
         return 0
+    if not attentions:
+        return 0
     batch, seq = (d.value for d in mask.shape)
-    first = attentions[0]
+    dtype = attentions[0].inputs[3].dtype
     padding = ir.node("Equal", [mask, new_initializer(graph, "key_mask_zero", np.zeros((), mask.dtype.numpy()))],
-                      name="key_mask_padding")  # [B, S] bool
+                      name="key_mask_padding")
     padding.outputs[0].type, padding.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([batch, seq])
-    graph.insert_before(first, padding)
-    axes = new_initializer(graph, "key_mask_axes", np.array([1, 2], np.int64))
-    made: dict[ir.DataType, ir.Value] = {}
+    keys = ir.node("Where", [padding.outputs[0],
+                             new_initializer(graph, "key_mask_hidden", np.array(np.finfo(np.float32).min,
+                                                                                  dtype.numpy())),
+                             new_initializer(graph, "key_mask_kept", np.zeros((), dtype.numpy()))], name="key_mask")
+    keys.outputs[0].type, keys.outputs[0].shape = ir.TensorType(dtype), ir.Shape([batch, seq])
+    rows = ir.node("Unsqueeze", [keys.outputs[0], new_initializer(graph, "key_mask_axes", np.array([1, 2], np.int64))],
+                   name="key_mask_rows")
+    key_mask = rows.outputs[0]
+    key_mask.name, key_mask.type, key_mask.shape = "key_mask", ir.TensorType(dtype), ir.Shape([batch, 1, 1, seq])
+    graph.insert_before(attentions[0], [padding, keys, rows])
     for node in attentions:
-        dtype = node.inputs[3].dtype
-        if dtype not in made:
-            if dtype == ir.DataType.BOOL:  # True: a key attended
-                keys = ir.node("Not", [padding.outputs[0]], name="key_mask_real")
-            else:
-                hidden = new_initializer(graph, "key_mask_hidden", np.array(np.finfo(np.float32).min, dtype.numpy()))
-                keys = ir.node("Where", [padding.outputs[0], hidden,
-                                         new_initializer(graph, "key_mask_kept", np.zeros((), dtype.numpy()))],
-                               name=f"key_mask_{dtype.name.lower()}")
-            keys.outputs[0].type, keys.outputs[0].shape = ir.TensorType(dtype), ir.Shape([batch, seq])
-            unsqueeze = ir.node("Unsqueeze", [keys.outputs[0], axes], name=f"{keys.name}_rows")
-            key_mask = unsqueeze.outputs[0]
-            key_mask.name, key_mask.type = f"key_mask_{dtype.name.lower()}_b11s", ir.TensorType(dtype)
-            key_mask.shape = ir.Shape([batch, 1, 1, seq])  # [B, 1, 1, S]
-            graph.insert_before(first, [keys, unsqueeze])
-            made[dtype] = key_mask
-        node.replace_input_with(3, made[dtype])
+        node.replace_input_with(3, key_mask)  # [B, 1, 1, S]
     common.RemoveUnusedNodesPass()(model)  # the model's own mask subgraph
     return len(attentions)
 

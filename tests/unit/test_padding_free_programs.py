@@ -74,7 +74,7 @@ def test_the_plain_program_is_the_plain_build(engines):
     attentions = [name for name, step in built.items() if step["op_type"] == "Attention"]
     assert len(attentions) == 2
     for name in attentions:
-        assert steps[name]["inputs"][3] == "key_mask_float_b11s" != built[name]["inputs"][3]
+        assert steps[name]["inputs"][3] == "key_mask" != built[name]["inputs"][3]
         assert {**steps[name], "inputs": None, "tactic_config": None} == \
             {**built[name], "inputs": None, "tactic_config": None}  # the same tactic, on the key mask's size:
         assert dict(steps[name]["tactic_config"]["input_sizes"])[3] == [2, 1, 1, 16]  # [B, 1, 1, S] at opt 2x16
@@ -87,7 +87,7 @@ def test_the_plain_program_is_the_plain_build(engines):
     assert added[-1]["inputs"] == ["layer_norm_4", "attention_mask"] and list(steps)[-1] == added[-1]["name"]
     assert free.plan.plain.inputs == plain.plan.program.inputs
     plain_tuned = free.plan.header["plain_tactics"]["layers"].keys()
-    assert plain_tuned - {"key_mask_float"} == plain.plan.header["tactics"]["layers"].keys() & steps.keys()
+    assert plain_tuned - {"key_mask"} == plain.plan.header["tactics"]["layers"].keys() & steps.keys()
     # the packed program was tuned on packed rows: 2-D GEMM inputs of the token count the build log names
     tuned = free.plan.header["remove_padding"]["tuned_at"]
     assert tuned == {"mask": [2, 16], "tokens": tuning_tokens(32)}
