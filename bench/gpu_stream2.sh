@@ -10,7 +10,8 @@
 #    tactic chosen for each program and every candidate's time (Triton configs, SDPA cuDNN/efficient, default) at
 #    8x128 and 32x512; the issue's 200-request stream (batch 1-32 x seq 1-512, padding masks) beside torch eager and
 #    torch.compile(dynamic=True); the per-shape table (8x128 runs plain at its bucket now; 16x128 is the smallest
-#    packed run, its GPU kernels tabled beside its wall time) and the full-mask ceiling's kernel tables.
+#    packed run; both with their GPU kernels tabled beside their wall time) and the full-mask ceiling's kernel tables.
+#    Run 2 (after run 1 at 146b23f): the plain program's key mask, the packed region from the embeddings on.
 # Logs in $OUT (stream2.log, dynamic-cuda.md).
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-stream2
@@ -21,7 +22,7 @@ timeout 90 python3 -m pytest tests/gpu/test_stream_packing.py tests/gpu/test_rem
   -p no:cacheprovider -rfE --tb=short 2>&1 | tail -30
 stage "stream: bench/dynamic.py (BERT-base fp16, padding-free)"
 timeout 205 python3 bench/dynamic.py --device cuda --calls 8 --stream-deadline-s 170 --out "$OUT" \
-  --shapes 32x512:full,32x512,24x384,17x300,16x128,8x128 --kernels-at 16x128 2>&1 \
+  --shapes 32x512:full,32x512,24x384,17x300,16x128,8x128 --kernels-at 8x128,16x128 2>&1 \
   | grep -v "Warning\|warn(" | tail -150
 stage done
 } 2>&1 | tee "$OUT/stream2.log"
