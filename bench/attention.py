@@ -7,7 +7,8 @@ and v as column slices of the QKV GEMM's [B, S, 3·H·D] output and write [B, S,
 [B, S, H·D] q/k/v (GQA, causal). Every candidate runs the whole layer, layout included, as the
 autotuner times it: each Triton tile config (the tactics cuda.attention.triton.*), kiln's default
 (the op: SDPA, torch's backend choice), each SDPA backend forced (the tactics cuda.attention.flash /
-.efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D].
+.efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D], and a
+padding-free engine's varlen flash attention on the layer's real tokens (no mask).
 
 Correctness first: each output against the op in fp32 (SDPA math) with the autotuner's tolerance for
 the storage dtype; any failure prints FAIL and the script exits 1 after the table. Timing: 20 calls
@@ -42,6 +43,7 @@ TRITON = "cuda.attention.triton."
 SDPA_COLUMNS = {"default": "default (op)", "flash": "cuda.attention.flash", "efficient": "cuda.attention.efficient",
                 "cudnn": "cuda.attention.cudnn", "math": "sdpa.math"}
 ALONE = "sdpa kernel alone, contiguous"
+VARLEN = "flash varlen on the real tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +128,19 @@ def contiguous_sdpa_call(case: Case, device: torch.device) -> Callable[[], torch
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
 
+def varlen_call(case: Case, step: StepSpec, inputs: list) -> Callable[[], torch.Tensor]:
+    """A padding-free engine's attention on the layer's real tokens (cuda.packed_attention.flash_varlen): q/k/v
+    gathered to [T, H, D], one sequence per row of the batch of its real length (S without a mask); no mask tensor."""
+    from kiln.tactics.cuda.packed_attention import flash_varlen, packed_qkv
+
+    b, s = case.batch, case.seq
+    real = inputs[3][:, 0, 0, :] == 0 if case.mask else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
+    q, k, v = packed_qkv(inputs[0].flatten(0, 1)[real.reshape(-1)], None, None, step.attributes)  # [T, H, D]
+    cu_seqlens = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(real.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
+    return lambda: flash_varlen(q, k, v, cu_seqlens, s, step.attributes["scale"])
+
+
 def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: torch.device):
     """name -> (call, note): every way to run the layer; a call of None is not supported (note says why)."""
     metas = [InputMeta.of(x, False) for x in inputs]
@@ -140,6 +155,9 @@ def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: t
         launch = tactic.prepare(dataclasses.replace(step, tactic=tactic.name), [None] * len(inputs), device)
         found[tactic.name] = ((lambda launch=launch: launch(None, *inputs, **step.attributes)), "")
     found["sdpa.math"] = (sdpa_backend_call("MATH", step, inputs), "")
+    if case.packed and not case.causal:
+        found[VARLEN] = (varlen_call(case, step, inputs), "the real tokens only, not checked here "
+                                                          "(tests/gpu/test_remove_padding.py checks it)")
     found[ALONE] = (contiguous_sdpa_call(case, device), "no layout work, not the layer")
     return found
 
@@ -159,7 +177,7 @@ def run_case(case: Case, configs: str, device: torch.device) -> tuple[dict[str, 
         try:
             with torch.inference_mode():
                 out = call()
-                if name != ALONE:
+                if name not in (ALONE, VARLEN):
                     problem = mismatch(out.float(), reference, tolerance)
                     if problem:
                         ok &= not ours

@@ -11,7 +11,9 @@
 #    8x128 and 32x512; the issue's 200-request stream (batch 1-32 x seq 1-512, padding masks) beside torch eager and
 #    torch.compile(dynamic=True); the per-shape table (8x128 runs plain at its bucket now; 16x128 is the smallest
 #    packed run; both with their GPU kernels tabled beside their wall time) and the full-mask ceiling's kernel tables.
-#    Run 2 (after run 1 at 146b23f): the plain program's key mask, the packed region from the embeddings on.
+#    Run 2 (after run 1 at 146b23f): the plain program's key mask, the packed region from the embeddings on; and
+#    bench/attention.py at 32x512 without a mask and with a key mask, with the varlen flash kernel on the real tokens
+#    (what a full mask would cost packed instead of plain).
 # Logs in $OUT (stream2.log, dynamic-cuda.md).
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-stream2
@@ -20,6 +22,9 @@ export KILN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 stage "GPU tests: a warmed-up stream on a padding-free engine; padding-free engines (commit $KILN_COMMIT)"
 timeout 90 python3 -m pytest tests/gpu/test_stream_packing.py tests/gpu/test_remove_padding.py -q \
   -p no:cacheprovider -rfE --tb=short 2>&1 | tail -30
+stage "attention at BERT-base 32x512: Triton / SDPA backends / varlen flash on the real tokens"
+timeout 20 python3 bench/attention.py --configs default --cases bert512,bert512_key 2>&1 \
+  | grep -v "Warning\|warn(" | tail -30
 stage "stream: bench/dynamic.py (BERT-base fp16, padding-free)"
 timeout 205 python3 bench/dynamic.py --device cuda --calls 8 --stream-deadline-s 170 --out "$OUT" \
   --shapes 32x512:full,32x512,24x384,17x300,16x128,8x128 --kernels-at 8x128,16x128 2>&1 \
