@@ -95,6 +95,8 @@ def main() -> None:
                          "masks with every row at least half real, ':full' none padded), the three runtimes timed in "
                          "turn, and the GEMM ceiling at the largest full-mask shape")
     ap.add_argument("--calls", type=int, default=15, help="per-shape table: timed calls per runtime")
+    ap.add_argument("--packing-ab", default="", help="shapes (as --shapes) where the stream context is timed beside "
+                    "one that never packs (the plain program at the run's bucket)")
     ap.add_argument("--kernels-at", default="", help="per-shape table: shapes (as in --shapes) where kiln's GPU "
                     "kernels are tabled beside its wall time")
     ap.add_argument("--stream-deadline-s", type=float, default=0.0,
@@ -291,6 +293,9 @@ def main() -> None:
         from per_shape import per_shape_table
         per_shape_table(args.shapes, context, runners, model.vocab_size, args.calls, log,
                         tuple(filter(None, args.kernels_at.split(","))))
+    if cuda and args.packing_ab:
+        from per_shape import packing_ab
+        packing_ab(args.packing_ab, engine, context, model.vocab_size, args.calls, log)
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"dynamic-{args.device}-{datetime.date.today().isoformat()}.md", "a") as f:

@@ -98,3 +98,32 @@ def _ceiling(feeds, ms, best, context, runners, log) -> None:
     log(f"- ratio now {ms[best] / ms['kiln']:.2f}x; with every kernel but the GEMMs free {ms[best] / gemm:.2f}x "
         f"(the bound for any engine on these cuBLAS GEMMs); with kiln's attention as it is and the rest free "
         f"{ms[best] / (gemm + attention):.2f}x")
+
+
+def packing_ab(specs: str, engine, context, vocab: int, calls: int, log) -> None:
+    """kiln's stream context (packing "auto": graph_rows) beside a context that never packs (the plain program at
+    the run's bucket), timed call by call in turn at each shape: what packing costs or saves there."""
+    plain = engine.create_execution_context(packing="never")
+    runners = {"kiln auto": context.run, "kiln never packs": plain.run}
+    rng = np.random.default_rng(2)
+    log("")
+    log(f"## Packing A/B: median of {calls} calls, in turn (wall ms, synchronized)")
+    log("| shape | mask | real tokens | kiln auto ms | kiln never packs ms | auto / never |")
+    log("|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for spec in specs.split(","):
+            feeds, kind = _feeds(spec, vocab, rng)
+            times: dict[str, list[float]] = {n: [] for n in runners}
+            for run in runners.values():  # first calls: the never-packing context captures its graph here
+                run(feeds)
+                run(feeds)
+            for _ in range(calls):
+                for name, run in runners.items():
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    run(feeds)
+                    torch.cuda.synchronize()
+                    times[name].append(1000 * (time.perf_counter() - t0))
+            ms = [statistics.median(t) for t in times.values()]
+            log(f"| {spec.partition(':')[0]} | {kind} | {int(feeds['attention_mask'].sum())} | {ms[0]:.3f} | "
+                f"{ms[1]:.3f} | {ms[0] / ms[1]:.2f} |")
