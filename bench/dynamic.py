@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", help="a saved engine of the model (else built here with the stream's profile)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
+    ap.add_argument("--reduce-overhead", action="store_true", help="CUDA: torch.compile(mode='reduce-overhead', "
+                    "dynamic=True) too (CUDA graphs recorded per shape)")
     ap.add_argument("--no-split", action="store_true",
                     help="CUDA: pad a batch to its bucket as one run, never split it into bucket-sized chunks")
     ap.add_argument("--no-warm-up", action="store_true",
@@ -163,6 +165,9 @@ def main() -> None:
         if not args.no_compile:
             compiled = torch.compile(module, dynamic=True)
             runners["torch.compile dynamic"] = lambda r: compiled(**r)
+        if args.reduce_overhead:
+            graphed = torch.compile(module, mode="reduce-overhead", dynamic=True)
+            runners["torch.compile reduce-overhead"] = lambda r: graphed(**r)
         feeds = device_requests
         reference32 = zoo.torch_model(args.model).cuda().float().eval()
     else:
@@ -196,15 +201,15 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if not args.no_warm_up:
-        if "torch.compile dynamic" in runners:
+        for name in [n for n in runners if n.startswith("torch.compile")]:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for b, s in ((1, 8), (args.max_batch, args.max_seq), (2, 33)):
                     ones = torch.ones(b, s, dtype=torch.int64, device="cuda")
-                    runners["torch.compile dynamic"]({"input_ids": ones, "attention_mask": ones})
+                    runners[name]({"input_ids": ones, "attention_mask": ones})
             sync()
-            warm_up_s["torch.compile dynamic"] = time.perf_counter() - t0
-            log(f"torch.compile dynamic warm-up: 3 shapes in {warm_up_s['torch.compile dynamic']:.1f} s")
+            warm_up_s[name] = time.perf_counter() - t0
+            log(f"{name} warm-up: 3 shapes in {warm_up_s[name]:.1f} s")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in runners}
     firsts: dict[str, list[float]] = {name: [] for name in runners}
