@@ -21,10 +21,9 @@ padded by up to 2x when splitting it costs less: its rows run as several bucket-
 
 A padding-free engine (kiln/passes/remove_padding.py) computes only its packed rows, so padding the batch and the
 sequence costs it the few layers before the packing: where CUDA graphs replay, a run of 2K+ bucketed positions is
-padded to the profile's largest shape and packed to its token bucket (graph_rows), one graph per token bucket
-(and one for masks past the last, all but free of padding), and smaller runs take the plain program at their
-bucket (a packed run pays the largest shape's fixed cost, which a run that small cannot save): 39 + 24 + 1 = 64
-graphs for 1..32 x 1..512.
+padded to the profile's largest shape and packed to its token bucket (graph_rows), one graph per token bucket,
+and smaller runs take the plain program at their bucket (a packed run pays the largest shape's fixed cost, which
+a run that small cannot save): 39 + 24 + 1 = 64 graphs for 1..32 x 1..512.
 """
 
 from __future__ import annotations
@@ -245,19 +244,16 @@ def token_bucket(tokens: int, most: int, eighths_from: int = TOKEN_EIGHTHS_FROM)
 def graph_rows(tokens: int, most: int, rule: PackingRule) -> int:
     """The rows a graph-replaying run packs `tokens` real tokens to, its inputs padded to the profile's largest
     shape of `most` positions (rule.graphs_from): their token bucket, at least rule.rows_from rows (below that a
-    GEMM's time hardly depends on its rows, and every bucket less is a graph less); past the last bucket below
-    `most`, most + 1: every real token a row and one dummy row, never the identity packing (T' = B·S), which would
-    attend with the padding mask (kiln/ops/tokens.py): a mask with no padding, or next to none, runs varlen
-    attention on its sequences with no mask at all. So the packed runs replay at most one graph per token bucket
-    from rows_from, and one past them: 25 for 1024 to 16384 on CUDA."""
-    rows = max(token_bucket(tokens, most, rule.graph_eighths_from), min(rule.rows_from, most))
-    return rows if rows < most else most + 1
+    GEMM's time hardly depends on its rows, and every bucket less is a graph less); `most` where the bucket
+    reaches it (the identity packing: the plain program at the largest shape). So the packed runs replay at most
+    one graph per token bucket from rows_from to `most`: 25 for 1024 to 16384 on CUDA."""
+    return max(token_bucket(tokens, most, rule.graph_eighths_from), min(rule.rows_from, most))
 
 
 def graph_signatures(batches: list[int], sequences: list[int], most: int, rule: PackingRule) -> int:
     """How many CUDA graphs a padding-free context that packs by graph_rows may hold at most: one plain graph per
     batch x sequence bucket below rule.graphs_from positions, one packed graph per token bucket from rule.rows_from
-    below `most`, and the packed one past them (most + 1 rows)."""
+    below `most`, and the plain one at the largest shape."""
     plain = sum(1 for b in batches for s in sequences if b * s < rule.graphs_from)
     return plain + len(graph_token_buckets(most, rule)) + 1
 

@@ -445,7 +445,7 @@ class ExecutionContext:
     def _warm_up_graph_packing(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
         """Every graph a context packing by graph_rows replays: the plain program's at each bucket below
         graphs_from positions, the packed program's at the profile's largest shape for each token bucket (a mask
-        of exactly that many real tokens) and past them (a mask of ones). Returns the runs."""
+        of exactly that many real tokens), and the plain program's there (a mask of ones). Returns the runs."""
         mask_name = self.engine.input_names[self._token_mask]
         mask_symbols = [d for d in self.engine.inputs[self._token_mask].shape if isinstance(d, str)]
         small = [sizes for sizes in shapes if math.prod(sizes.get(d, 1) for d in mask_symbols)
@@ -591,9 +591,10 @@ class ExecutionContext:
                       targets: dict[str, tuple[int, int]]) -> tuple[int | None, dict[str, tuple[int, int]]] | None:
         """graph_rows' choice for a run of a context that packs by it (_graph_packing): (the rows it packs to, or
         None for the plain program; the targets it pads to). At least graphs_from bucketed positions: the rows of
-        its token bucket at the profile's largest shape; below: the plain program at its bucket, no token count.
-        None for other contexts, and below graphs_from in an engine without a plain program (_packed_rows
-        decides). Counting a CUDA mask's tokens is the run's one synchronization with the host."""
+        its token bucket at the profile's largest shape (the plain program there where they would be every
+        position); below: the plain program at its bucket, no token count. None for other contexts, and below
+        graphs_from in an engine without a plain program (_packed_rows decides). Counting a CUDA mask's tokens is
+        the run's one synchronization with the host."""
         rule = self._graph_packing
         if rule is None:
             return None
@@ -602,7 +603,8 @@ class ExecutionContext:
             return (None, targets) if self.engine.plain_program is not None else None
         widest = self.buckets.targets(args, self.engine.profiles[self.profile], self.engine.input_names, widest=True)
         most = self._positions(mask, widest)
-        return graph_rows(int(torch.count_nonzero(mask)) if tokens is None else tokens, most, rule), widest
+        rows = graph_rows(int(torch.count_nonzero(mask)) if tokens is None else tokens, most, rule)
+        return (None if rows == most and self.engine.plain_program is not None else rows), widest
 
     def _positions(self, mask: torch.Tensor, targets: dict[str, tuple[int, int]]) -> int:
         """B·S of the padding mask padded to `targets`."""

@@ -119,9 +119,11 @@ def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
 
     monkeypatch.setattr(free.program, "run", refuse)
     rng = np.random.default_rng(1)
-    # under 2048 positions "auto" runs plain (16 x 128, the largest shape, packs: test_where_it_packs_...)
-    for batch, seq, kind in [(4, 64, "right"), (1, 128, "left"), (3, 33, "right"), (8, 128, "right")]:
-        mask = _mask(rng, batch, seq, kind)
+    # under 2048 positions "auto" runs plain; 16 x 128 with a few padded positions packs to every position: plain
+    for batch, seq, kind in [(4, 64, "right"), (1, 128, "left"), (3, 33, "right"), (16, 128, "full")]:
+        mask = _mask(rng, batch, seq, kind) if kind != "full" else torch.ones(batch, seq, dtype=torch.int64).cuda()
+        if kind == "full":
+            mask[0, 100:] = 0
         feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (batch, seq))).cuda(), "attention_mask": mask}
         for _ in range(3):  # eager, capture, replay: each context its own graphs
             want = next(iter(reference.run(feeds).values())).clone()
@@ -143,18 +145,15 @@ def test_where_it_packs_the_packed_program_runs(bert_pair, monkeypatch):
     monkeypatch.setattr(free.plain_program, "run", refuse)
     context = free.create_execution_context()
     rng = np.random.default_rng(2)
-    sparse = torch.zeros(16, 128, dtype=torch.int64)
+    mask = torch.zeros(16, 128, dtype=torch.int64)
     for row in range(16):
-        sparse[row, :rng.integers(1, 40)] = 1  # ~85% padding of 2048 positions: its token bucket
-    nearly_full = torch.ones(16, 128, dtype=torch.int64)
-    nearly_full[0, 100:] = 0  # past the last token bucket: 2049 rows, varlen attention with no mask
-    for mask in (sparse.cuda(), nearly_full.cuda(), torch.ones(16, 128, dtype=torch.int64).cuda()):
-        feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (16, 128))).cuda(), "attention_mask": mask}
-        for _ in range(3):
-            got = next(iter(context.run(feeds).values())).float()
-        with torch.inference_mode():
-            want = module(**feeds).float()
-        keep = mask != 0
-        torch.testing.assert_close(got[keep], want[keep], atol=FP16_ATOL, rtol=0)
-        assert not got[~keep].any()
+        mask[row, :rng.integers(1, 40)] = 1  # ~85% padding of 2048 positions: packed
+    mask = mask.cuda()
+    feeds = {"input_ids": torch.from_numpy(rng.integers(0, 1024, (16, 128))).cuda(), "attention_mask": mask}
+    for _ in range(3):
+        got = next(iter(context.run(feeds).values())).float()
+    with torch.inference_mode():
+        want = module(**feeds).float()
+    keep = mask != 0
+    torch.testing.assert_close(got[keep], want[keep], atol=FP16_ATOL, rtol=0)
     assert not got[~keep].any()

@@ -60,12 +60,12 @@ def _feeds(rng, batch: int, seq: int, real: float) -> dict[str, np.ndarray]:
 
 def test_graph_rows_are_token_buckets_from_the_floor():
     assert [graph_rows(t, 16384, CUDA) for t in (1, 300, 1024, 1025, 3757, 4097, 12511, 15360, 15361, 16384)] == \
-        [1024, 1024, 1024, 1280, 4096, 4608, 13312, 15360, 16385, 16385]  # past the last bucket: B·S + 1 rows
-    assert graph_rows(5, 512, CUDA) == 513  # a profile smaller than the floor: every position, and one dummy
+        [1024, 1024, 1024, 1280, 4096, 4608, 13312, 15360, 16384, 16384]
+    assert graph_rows(5, 512, CUDA) == 512  # a profile smaller than the floor: every position
     for tokens in range(1, 16385, 97):  # never fewer rows than tokens; above the floor at most a quarter more up
         rows = graph_rows(tokens, 16384, CUDA)  # to 4K rows, an eighth more past them
         assert tokens <= rows <= max(1024, (1.25 if tokens <= 4096 else 1.125) * tokens)
-        assert rows in graph_token_buckets(16384, CUDA) + [16385]
+        assert rows in graph_token_buckets(16384, CUDA) + [16384]
 
 
 def test_bert_base_stream_profile_holds_at_most_64_graphs():
@@ -76,8 +76,7 @@ def test_bert_base_stream_profile_holds_at_most_64_graphs():
     buckets_below = sum(1 for b in batches for s in sequences if b * s < 2048)
     assert len(graph_token_buckets(16384, CUDA)) == 24 and buckets_below == 39
     assert graph_signatures(batches, sequences, 16384, CUDA) == 64 <= MAX_GRAPHS  # nothing evicted
-    assert token_bucket(15361, 16384) == 16384 and graph_rows(15361, 16384, CUDA) == 16385  # packed, not the
-    # identity packing: every real token a row and one dummy (varlen attention, no mask)
+    assert token_bucket(15361, 16384) == 16384  # the identity packing's bucket: the plain program at 32x512
 
 
 def _bert_bindings():
@@ -92,11 +91,10 @@ def test_large_runs_pack_at_the_largest_shape_and_match_onnxruntime(engine_and_s
     seen = _spy(monkeypatch, context)
     rng = np.random.default_rng(21)
     # bucketed positions: 16x128 = 2048, 32x128 = 4096 (20 rows pad to 32), 16x64 = 1024 (9 rows pad to 16),
-    # 8x128 = 1024 with every position real (it packed at 32x128 before: issue 10's 8x128 regression); 32x128 with
-    # every position real packs past the last token bucket (4097 rows: no identity packing, no mask)
+    # 8x128 = 1024 with every position real (it packed at 32x128 before: issue 10's 8x128 regression)
     for batch, seq, real, want in [(16, 128, 0.6, "packed"), (20, 100, 0.9, "packed"), (9, 50, 0.9, "plain"),
                                    (8, 128, 1.0, "plain"), (4, 100, 0.9, "plain"),
-                                   (32, 128, 1.0, "packed"), (1, 7, 1.0, "plain")]:
+                                   (32, 128, 1.0, "plain at the largest"), (1, 7, 1.0, "plain")]:
         feeds = _feeds(rng, batch, seq, real)
         if real == 1.0:
             feeds["attention_mask"][:] = 1
@@ -110,6 +108,8 @@ def test_large_runs_pack_at_the_largest_shape_and_match_onnxruntime(engine_and_s
         if want == "packed":
             assert program == "packed" and shapes[0] == (32, 128), shapes  # padded to the largest shape
             assert rows == graph_rows(int(keep.sum()), 4096, CUDA) and rows >= CUDA.rows_from
+        elif want == "plain at the largest":
+            assert program == "plain" and shapes[0] == (32, 128)
         else:  # at its own bucket, however many of its positions are real
             b, s = context.buckets.bucket("batch", batch, 1, 32), context.buckets.bucket("seq", seq, 1, 128)
             assert program == "plain" and shapes[0] == (b, s) and b * s < CUDA.graphs_from
