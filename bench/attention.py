@@ -7,7 +7,8 @@ and v as column slices of the QKV GEMM's [B, S, 3·H·D] output and write [B, S,
 [B, S, H·D] q/k/v (GQA, causal). Every candidate runs the whole layer, layout included, as the
 autotuner times it: each Triton tile config (the tactics cuda.attention.triton.*), kiln's default
 (the op: SDPA, torch's backend choice), each SDPA backend forced (the tactics cuda.attention.flash /
-.efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D].
+.efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D], and a
+padding-free engine's varlen flash attention on the layer's real tokens (no mask).
 
 Correctness first: each output against the op in fp32 (SDPA math) with the autotuner's tolerance for
 the storage dtype; any failure prints FAIL and the script exits 1 after the table. Timing: 20 calls
@@ -42,6 +43,7 @@ TRITON = "cuda.attention.triton."
 SDPA_COLUMNS = {"default": "default (op)", "flash": "cuda.attention.flash", "efficient": "cuda.attention.efficient",
                 "cudnn": "cuda.attention.cudnn", "math": "sdpa.math"}
 ALONE = "sdpa kernel alone, contiguous"
+VARLEN = "flash varlen on the real tokens"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +55,8 @@ class Case:
     kv_heads: int
     seq: int
     head_dim: int
-    padding_mask: bool = False
+    mask: str = ""  # "key": an additive [B, 1, 1, S] padding mask; "query_key": the same as [B, 1, S, S], as
+    # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it
     causal: bool = False
     packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
     dtype: torch.dtype = torch.float16
@@ -65,7 +68,13 @@ class Case:
 
 
 CASES = [
-    Case("bert_mask", "BERT b64 h12 s384 d64 +[B,1,1,S] mask", 64, 12, 12, 384, 64, padding_mask=True),
+    Case("bert_mask", "BERT b64 h12 s384 d64 +[B,1,1,S] mask", 64, 12, 12, 384, 64, mask="key"),
+    # BERT-base in issue 10's stream: the plain program at the largest shape (a full mask) and at the opt shape
+    Case("bert512_qk", "BERT b32 h12 s512 d64 +[B,1,S,S] mask", 32, 12, 12, 512, 64, mask="query_key"),
+    Case("bert512_key", "BERT b32 h12 s512 d64 +[B,1,1,S] mask", 32, 12, 12, 512, 64, mask="key"),
+    Case("bert512", "BERT b32 h12 s512 d64", 32, 12, 12, 512, 64),
+    Case("bert128_qk", "BERT b8 h12 s128 d64 +[B,1,S,S] mask", 8, 12, 12, 128, 64, mask="query_key"),
+    Case("bert128_key", "BERT b8 h12 s128 d64 +[B,1,1,S] mask", 8, 12, 12, 128, 64, mask="key"),
     Case("bert", "BERT b64 h12 s384 d64", 64, 12, 12, 384, 64),
     Case("vit", "ViT-B/16 b64 h12 s197 d64", 64, 12, 12, 197, 64),
     Case("gpt2", "GPT-2 b8 h12 s512 d64 causal", 8, 12, 12, 512, 64, causal=True),
@@ -86,10 +95,15 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
         inputs = [torch.randn(b, s, (h + 2 * hkv) * d, device=device, generator=g).to(case.dtype), None, None]
     else:
         inputs = [torch.randn(b, s, n * d, device=device, generator=g).to(case.dtype) for n in (h, hkv, hkv)]
-    if case.padding_mask:  # each sequence padded from a random length on: -10000 on the padding keys
+    if case.mask:  # each sequence padded from a random length on, its padding keys hidden
         lengths = torch.randint(s // 2, s + 1, (b, 1, 1, 1), device=device, generator=g)
         keys = torch.arange(s, device=device).view(1, 1, 1, s)
-        inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))  # [B, 1, 1, S]
+        if case.mask == "key":  # -10000 on the padding keys: [B, 1, 1, S]
+            inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))
+        else:  # every query's row of it: [B, 1, S, S]
+            hidden = torch.where(keys < lengths, 0.0, torch.finfo(torch.float32).min).expand(b, 1, s, s)
+            inputs.append(hidden.to(case.dtype).contiguous())
+            attributes["nan_to_zero"] = 1
     step = StepSpec(op_type="Attention", name=case.key, inputs=[f"in{i}" for i in range(len(inputs))],
                     outputs=["out"], attributes=attributes, domain="kiln", opset=21)
     return step, inputs
@@ -114,6 +128,19 @@ def contiguous_sdpa_call(case: Case, device: torch.device) -> Callable[[], torch
     return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
 
 
+def varlen_call(case: Case, step: StepSpec, inputs: list) -> Callable[[], torch.Tensor]:
+    """A padding-free engine's attention on the layer's real tokens (cuda.packed_attention.flash_varlen): q/k/v
+    gathered to [T, H, D], one sequence per row of the batch of its real length (S without a mask); no mask tensor."""
+    from kiln.tactics.cuda.packed_attention import flash_varlen, packed_qkv
+
+    b, s = case.batch, case.seq
+    real = inputs[3][:, 0, 0, :] == 0 if case.mask else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
+    q, k, v = packed_qkv(inputs[0].flatten(0, 1)[real.reshape(-1)], None, None, step.attributes)  # [T, H, D]
+    cu_seqlens = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(real.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
+    return lambda: flash_varlen(q, k, v, cu_seqlens, s, step.attributes["scale"])
+
+
 def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: torch.device):
     """name -> (call, note): every way to run the layer; a call of None is not supported (note says why)."""
     metas = [InputMeta.of(x, False) for x in inputs]
@@ -128,6 +155,9 @@ def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: t
         launch = tactic.prepare(dataclasses.replace(step, tactic=tactic.name), [None] * len(inputs), device)
         found[tactic.name] = ((lambda launch=launch: launch(None, *inputs, **step.attributes)), "")
     found["sdpa.math"] = (sdpa_backend_call("MATH", step, inputs), "")
+    if case.packed and not case.causal:
+        found[VARLEN] = (varlen_call(case, step, inputs), "the real tokens only, not checked here "
+                                                          "(tests/gpu/test_remove_padding.py checks it)")
     found[ALONE] = (contiguous_sdpa_call(case, device), "no layout work, not the layer")
     return found
 
@@ -147,7 +177,7 @@ def run_case(case: Case, configs: str, device: torch.device) -> tuple[dict[str, 
         try:
             with torch.inference_mode():
                 out = call()
-                if name != ALONE:
+                if name not in (ALONE, VARLEN):
                     problem = mismatch(out.float(), reference, tolerance)
                     if problem:
                         ok &= not ours

@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", help="a saved engine of the model (else built here with the stream's profile)")
     ap.add_argument("--no-compile", action="store_true", help="CUDA: skip torch.compile(dynamic=True)")
+    ap.add_argument("--reduce-overhead", action="store_true", help="CUDA: torch.compile(mode='reduce-overhead', "
+                    "dynamic=True) too (CUDA graphs recorded per shape)")
     ap.add_argument("--no-split", action="store_true",
                     help="CUDA: pad a batch to its bucket as one run, never split it into bucket-sized chunks")
     ap.add_argument("--no-warm-up", action="store_true",
@@ -95,6 +97,10 @@ def main() -> None:
                          "masks with every row at least half real, ':full' none padded), the three runtimes timed in "
                          "turn, and the GEMM ceiling at the largest full-mask shape")
     ap.add_argument("--calls", type=int, default=15, help="per-shape table: timed calls per runtime")
+    ap.add_argument("--packing-ab", default="", help="shapes (as --shapes) where the stream context is timed beside "
+                    "one that never packs (the plain program at the run's bucket)")
+    ap.add_argument("--kernels-at", default="", help="per-shape table: shapes (as in --shapes) where kiln's GPU "
+                    "kernels are tabled beside its wall time")
     ap.add_argument("--stream-deadline-s", type=float, default=0.0,
                     help="stop the stream this many seconds after the script started (a device call's time limit); "
                          "the requests run so far are reported")
@@ -130,6 +136,11 @@ def main() -> None:
     log(f"kiln {'load' if args.engine else 'build'} {build_s:.1f} s, profile {engine.plan.profiles[0].describe()}, "
         + (f"padding-free ({free['layers']} layers packed, plain program of {free.get('plain_program')} steps)"
            if free else "plain"))
+    for program in ("tactics", "plain_tactics"):  # what each attention kernel was chosen over, and where timed
+        layers = engine.plan.header.get(program, {}).get("layers", {})
+        tuned = next((t for t in layers.values() if any("attention" in k for k in t.get("candidates", {}))), None)
+        if tuned is not None:
+            log(f"{program} attention: {tuned['tactic']}; candidates {tuned['candidates']}; at {tuned.get('at')}")
     warm_up_s: dict[str, float] = {}
     t0 = time.perf_counter()
     context = engine.create_execution_context(warm_up=not args.no_warm_up)  # at load: the stream captures nothing
@@ -154,6 +165,9 @@ def main() -> None:
         if not args.no_compile:
             compiled = torch.compile(module, dynamic=True)
             runners["torch.compile dynamic"] = lambda r: compiled(**r)
+        if args.reduce_overhead:
+            graphed = torch.compile(module, mode="reduce-overhead", dynamic=True)
+            runners["torch.compile reduce-overhead"] = lambda r: graphed(**r)
         feeds = device_requests
         reference32 = zoo.torch_model(args.model).cuda().float().eval()
     else:
@@ -187,15 +201,15 @@ def main() -> None:
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if not args.no_warm_up:
-        if "torch.compile dynamic" in runners:
+        for name in [n for n in runners if n.startswith("torch.compile")]:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 for b, s in ((1, 8), (args.max_batch, args.max_seq), (2, 33)):
                     ones = torch.ones(b, s, dtype=torch.int64, device="cuda")
-                    runners["torch.compile dynamic"]({"input_ids": ones, "attention_mask": ones})
+                    runners[name]({"input_ids": ones, "attention_mask": ones})
             sync()
-            warm_up_s["torch.compile dynamic"] = time.perf_counter() - t0
-            log(f"torch.compile dynamic warm-up: 3 shapes in {warm_up_s['torch.compile dynamic']:.1f} s")
+            warm_up_s[name] = time.perf_counter() - t0
+            log(f"{name} warm-up: 3 shapes in {warm_up_s[name]:.1f} s")
     load_before = os.getloadavg()[0]
     times: dict[str, list[float]] = {name: [] for name in runners}
     firsts: dict[str, list[float]] = {name: [] for name in runners}
@@ -282,7 +296,11 @@ def main() -> None:
         + (f"{padding.padded_runs} runs" if padding is not None else "off"))
     if cuda and args.shapes:
         from per_shape import per_shape_table
-        per_shape_table(args.shapes, context, runners, model.vocab_size, args.calls, log)
+        per_shape_table(args.shapes, context, runners, model.vocab_size, args.calls, log,
+                        tuple(filter(None, args.kernels_at.split(","))))
+    if cuda and args.packing_ab:
+        from per_shape import packing_ab
+        packing_ab(args.packing_ab, engine, context, model.vocab_size, args.calls, log)
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"dynamic-{args.device}-{datetime.date.today().isoformat()}.md", "a") as f:

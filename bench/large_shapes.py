@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 
-FAMILIES = [("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|_mm_|mm_kernel"),
-            ("attention", r"flash|fmha|attention|attn|sdpa|efficient"),
+FAMILIES = [("attention", r"flash|fmha|attention|attn|sdpa|efficient"),  # first: FlashAttention's kernels name cutlass
+            ("gemm", r"gemm|cutlass|sm90_xmma|nvjet|cublas|matmul|_mm_|mm_kernel"),
             ("norm", r"norm|layer_norm|welford|rms"),
             ("softmax", r"softmax"),
             ("copy", r"copy|memcpy|memset|cat|fill"),

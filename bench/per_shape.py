@@ -31,7 +31,10 @@ def _feeds(spec: str, vocab: int, rng: np.random.Generator) -> tuple[dict[str, t
              "attention_mask": torch.from_numpy(mask).cuda()}, kind or "half+")
 
 
-def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, log) -> None:
+def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, log,
+                    kernels_at: tuple[str, ...] = ()) -> None:
+    """`kernels_at`: shapes (as listed in `specs`) where kiln's GPU kernels are tabled beside its wall time: what
+    of a run is the GPU's and what the host's (a packed run's fixed cost at the profile's largest shape)."""
     rng = np.random.default_rng(1)
     names = list(runners)
     peers = [n for n in names if n != "kiln"]
@@ -61,6 +64,13 @@ def per_shape_table(specs: str, context, runners: dict, vocab: int, calls: int, 
             log(f"| {spec.partition(':')[0]} | {kind} | {int(feeds['attention_mask'].sum())} | "
                 + " | ".join(f"{ms[n]:.3f}" for n in names) + f" | {ratio:.2f} ({best}) | "
                 f"{'met' if ratio >= TARGET else 'not met'} |")
+            if spec in kernels_at:
+                lines: list[str] = []
+                kernels = sum(kernel_table(lambda: context.run(feeds), f"kiln {spec}", lines).values())
+                for line in lines + [f"- kiln {spec}: {ms['kiln']:.3f} ms wall, {kernels:.3f} ms of GPU kernels", ""]:
+                    log(line)
+                for line in header:
+                    log(line)
             if kind == "full" and not ceiling_done:  # at the first full-mask shape (list the largest first)
                 _ceiling(feeds, ms, best, context, runners, log)  # now: a device call's time may end before the rows
                 ceiling_done = True
@@ -88,3 +98,32 @@ def _ceiling(feeds, ms, best, context, runners, log) -> None:
     log(f"- ratio now {ms[best] / ms['kiln']:.2f}x; with every kernel but the GEMMs free {ms[best] / gemm:.2f}x "
         f"(the bound for any engine on these cuBLAS GEMMs); with kiln's attention as it is and the rest free "
         f"{ms[best] / (gemm + attention):.2f}x")
+
+
+def packing_ab(specs: str, engine, context, vocab: int, calls: int, log) -> None:
+    """kiln's stream context (packing "auto": graph_rows) beside a context that never packs (the plain program at
+    the run's bucket), timed call by call in turn at each shape: what packing costs or saves there."""
+    plain = engine.create_execution_context(packing="never")
+    runners = {"kiln auto": context.run, "kiln never packs": plain.run}
+    rng = np.random.default_rng(2)
+    log("")
+    log(f"## Packing A/B: median of {calls} calls, in turn (wall ms, synchronized)")
+    log("| shape | mask | real tokens | kiln auto ms | kiln never packs ms | auto / never |")
+    log("|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for spec in specs.split(","):
+            feeds, kind = _feeds(spec, vocab, rng)
+            times: dict[str, list[float]] = {n: [] for n in runners}
+            for run in runners.values():  # first calls: the never-packing context captures its graph here
+                run(feeds)
+                run(feeds)
+            for _ in range(calls):
+                for name, run in runners.items():
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    run(feeds)
+                    torch.cuda.synchronize()
+                    times[name].append(1000 * (time.perf_counter() - t0))
+            ms = [statistics.median(t) for t in times.values()]
+            log(f"| {spec.partition(':')[0]} | {kind} | {int(feeds['attention_mask'].sum())} | {ms[0]:.3f} | "
+                f"{ms[1]:.3f} | {ms[0] / ms[1]:.2f} |")

@@ -62,7 +62,7 @@ class LayerTuning:
     runner_up_ms: float | None = None
     candidates: dict[str, float | str] = dataclasses.field(default_factory=dict)  # ms, or why dropped
     cached: bool = False
-    at: dict[str, dict[str, float]] | None = None  # ms at the profile's other points ("mid", "min") timed too
+    at: dict[str, dict[str, float]] | None = None  # ms at the profile's other points timed too ("mid", "min"; "max")
     clock: str | None = None  # on the CPU, what the ms are: WALL, or PROCESS_CPU where other work shared the CPUs
 
     def to_json(self) -> dict[str, Any]:

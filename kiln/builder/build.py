@@ -195,9 +195,16 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     plain_tactics = None
     if lowered.plain is not None:
         # A padding-free engine's plain program, tuned as the plain build tunes it: where a run does not pack,
-        # the engine is the plain engine.
+        # the engine is the plain engine. With CUDA graphs of bucketed shapes that is at small buckets and at the
+        # profile's largest shape (a mask with next to no padding, kiln/runtime/buckets.py graph_rows), so there
+        # it is timed at the max too: an attention kernel fast at the opt shape may lose there by more than it
+        # wins at opt (at BERT-base 32x512 kiln's Triton flash took 1.24 ms with the mask, torch's cuDNN 0.81
+        # without one).
+        plain_shapes = other_shapes
+        if profiles and device.type == "cuda":
+            plain_shapes = {"max": shapes_at(profiles[0], "max")}
         say("tactics of the plain program (runs that do not pack their tokens)")
-        plain_tactics = _tune(lowered.plain, lowered, config, device, profiles, tuning_shapes, other_shapes,
+        plain_tactics = _tune(lowered.plain, lowered, config, device, profiles, tuning_shapes, plain_shapes,
                               io_casts, lowered.plain_value_shapes, say)
         # ... and its packed program where it runs: on the rows of a packed run, not at the opt shape's B·S
         mask = graph.meta[REMOVE_PADDING]["mask"]

@@ -14,6 +14,9 @@ So a padding-free engine carries the plain program too:
                                                                          is the plain program's weight: stored once)
     plain program + ZeroPadding per unpacked output                     (outputs are zero at padding either way)
 
+The plain program's attentions read the padding mask as a [B, 1, 1, S] key mask (remove_padding.key_padding_mask)
+rather than the exported model's [B, 1, S, S]: with outputs zero at padding, only values at padding can differ.
+
 Each program is tuned for the runs it gets: the plain one as a plain build tunes it (the profile's opt shape), the
 packed one at a representative token bucket (`tuning_tokens`), so its GEMMs are timed on the [T', K] rows they meet.
 The runtime runs the plain program wherever packed_rows(...) is B·S (kiln/runtime/engine.py).
@@ -33,7 +36,7 @@ from kiln.errors import KilnError
 from kiln.ir import dtypes
 from kiln.passes import PassOptions, optimize
 from kiln.passes.pipeline import pack_real_tokens
-from kiln.passes.remove_padding import REMOVE_PADDING
+from kiln.passes.remove_padding import REMOVE_PADDING, key_padding_mask
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 from kiln.runtime.buckets import PACK_MIN_SAVING, saving_needed, token_bucket
 
@@ -71,6 +74,7 @@ def optimize_and_lower(model: ir.Model, options: PassOptions, copy_weights: bool
         program, weights, inputs, outputs = lower(graph, copy_weights)
         return graph, Lowered(program, weights, user_inputs(graph, inputs), outputs)
     graph = optimize(model, replace(options, remove_padding=False))
+    key_padding_mask(graph)
     lowering = Lowering(graph, copy_weights)
     plain = lowering.graph(graph.graph)
     plain_inputs, plain_outputs = bindings(graph, plain)

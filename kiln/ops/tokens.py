@@ -51,17 +51,24 @@ def token_index(ctx, mask, bucket=None):
         index = keep.nonzero().reshape(-1)  # [T]
         return index, index, cu_seqlens
     size, positions = bucket.shape[0], keep.numel()
-    slot = torch.where(keep, torch.cumsum(keep, 0) - 1, size)  # a real token's packed row; padding: slot T'
+    real = torch.cumsum(keep, 0)  # [B·S]: real tokens up to each position, itself included
     flat = torch.arange(positions, device=mask.device)
-    index = torch.zeros(size + 1, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
-    scatter = torch.full((size + 1,), positions, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    # a real token's packed row; a padding position a slot of its own past the T' rows (dropped): one write per
+    # slot, where one shared slot took a write per padding position, serialized on a GPU (~16K of them in a run
+    # padded to BERT's 32x512 for packing, kiln/runtime/buckets.py graph_rows)
+    slot = torch.where(keep, real - 1, size + flat - real)
+    index = torch.zeros(size + positions, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
+    scatter = torch.full((size + positions,), positions, dtype=torch.int64, device=mask.device).scatter_(0, slot, flat)
     return index[:size], scatter[:size], cu_seqlens
 
 
 @register("PackTokens", domain="kiln")
-def pack_tokens(ctx, x, index):
+def pack_tokens(ctx, x, index, *, broadcast=0):
     """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order (B·S of them: the
-    identity packing, a view)."""
+    identity packing, a view). `broadcast`: x is [1, S, ...], the same for every row of the batch (a position
+    embedding): token b·S + s reads x[0, s]."""
+    if broadcast:
+        return x[0].index_select(0, index % x.shape[1])
     rows = x.flatten(0, 1)
     return rows if index.shape[0] == rows.shape[0] else rows.index_select(0, index)
 

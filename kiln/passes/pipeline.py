@@ -129,7 +129,10 @@ def pack_real_tokens(model: ir.Model, options: PassOptions, report: PassReport |
     report = report if report is not None else PassReport()
     check = _verifier(options)
     # Opt-in, and it changes outputs at padding positions (zeros): the padding tokens are not computed at all.
-    model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention).to_json()
+    # From the embeddings on CUDA; on the CPU packed ids and lookups would leave kiln's native segment (its PackTokens
+    # moves float32 rows), and the CPU pads no run beyond its own shape: not done there.
+    model.meta[REMOVE_PADDING] = remove_padding(model, options.padded_attention,
+                                                embeddings=not options.cpu_rules).to_json()
     eliminate_dead_code(model, report)  # the attention mask's [B, 1, S, S] subgraph
     check(model, "remove_padding")
     common.TopologicalSortPass()(model)

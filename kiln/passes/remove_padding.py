@@ -22,7 +22,9 @@ The contract:
 - **Which layers.** The region is every layer downstream of an attention that reads the padding mask, up to
   the graph outputs (all of them must be per-token, or the model is refused: a layer mixing tokens after the
   last attention, a pooler, would see zeros where it saw the unpacked model's padding values), and, walking
-  back from it, the per-token layers that feed only the region (the first layer's QKV GEMM).
+  back from it, the per-token layers that feed only the region (the first layer's QKV GEMM; with `embeddings`, on
+  CUDA, back to the embedding lookups: their ids are packed, and a [1, seq, ...] position embedding is packed for
+  each token's position).
 - **Per-token** (`per_token_reason`): a layer acting on the trailing dims only — elementwise ops whose other
   operands broadcast over the last dims (constants, of rank ≤ rank - 2 once leading 1s are dropped), GEMMs
   with a constant weight, LayerNorm/RMSNorm/Softmax over a trailing axis, activations, Transpose and Reshape
@@ -37,6 +39,7 @@ The contract:
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -109,6 +112,17 @@ def is_token_value(value: ir.Value | None, batch: str, seq: str) -> bool:
     return dims is not None and len(dims) >= 2 and dims[0] == batch and dims[1] == seq
 
 
+def is_sequence_value(value: ir.Value | None, seq: str) -> bool:
+    """value is [1, seq, ...]: one row per position of the sequence, the same for every row of the batch (BERT's
+    position embeddings). A second dim of min(P, seq) is seq: the slice of a table of P positions, which a longer
+    sequence could not run with."""
+    dims = _dims(value)
+    if dims is None or len(dims) < 2 or dims[0] != 1:
+        return False
+    return dims[1] == seq or re.fullmatch(rf"Min\(\d+, {re.escape(seq)}\)|Min\({re.escape(seq)}, \d+\)",
+                                          str(dims[1])) is not None
+
+
 def _broadcast_reason(value: ir.Value, rank: int) -> str | None:
     """None when `value` (not a token value) broadcasts over the trailing dims of a rank-`rank` token value
     only: rank ≤ rank - 2 once leading 1s are dropped (a constant's leading 1s are dropped by the rewrite)."""
@@ -131,14 +145,22 @@ def _trailing_axis(node: ir.Node, rank: int) -> bool:
     return (axis >= 2) if axis >= 0 else (axis >= -(rank - 2))
 
 
-def per_token_reason(node: ir.Node, batch: str, seq: str) -> str | None:
-    """None when the node acts on the trailing dims of its [batch, seq, ...] inputs only, else why not."""
+def per_token_reason(node: ir.Node, batch: str, seq: str, embeddings: bool = False) -> str | None:
+    """None when the node acts on the trailing dims of its [batch, seq, ...] inputs only, else why not.
+    `embeddings`: a lookup of token ids in a constant table (Gather on axis 0) is per-token too, and so is an
+    operand of one row per sequence position ([1, seq, ...], packed for each token's position)."""
     key = (node.domain, node.op_type)
     tokens = [v for v in node.inputs if is_token_value(v, batch, seq)]
     if not tokens:
         return "it reads no [batch, seq, ...] value"
     if any(not is_token_value(v, batch, seq) for v in node.outputs):
         return "an output is not [batch, seq, ...]"
+    if embeddings and key == ("", "Gather"):
+        table = const(node.inputs[0])
+        if attr(node, "axis", 0) != 0 or table is None or table.ndim != 2 or node.inputs[1] not in tokens \
+                or len(tokens[0].shape) != 2:
+            return "a Gather that is not a lookup of [batch, seq] ids in a constant table"
+        return None
     rank = len(tokens[0].shape)
     per_op = key in {("", op) for op in _UNARY | _BINARY} or key in {("kiln", op) for op in _KILN_PER_TOKEN} \
         or key in _TRAILING_AXIS
@@ -163,6 +185,8 @@ def per_token_reason(node: ir.Node, batch: str, seq: str) -> str | None:
         if key == ("kiln", "FusedGemm") and i == 1:  # the weight [N, K]: not a broadcast operand
             if const(value) is None:
                 return "a GEMM whose weight is not a constant"
+            continue
+        if embeddings and is_sequence_value(value, seq) and len(value.shape) == rank:
             continue
         if (reason := _broadcast_reason(value, rank)) is not None:
             return reason
@@ -321,8 +345,9 @@ def _downstream(attentions: list[ir.Node], batch: str, seq: str) -> dict[int, ir
     return region
 
 
-def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
-    """Add the per-token layers feeding the region that feed nothing else (the first QKV GEMM, ...)."""
+def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str, embeddings: bool) -> None:
+    """Add the per-token layers feeding the region that feed nothing else (the first QKV GEMM, ...; with
+    `embeddings`, back to the embedding lookups: per_token_reason)."""
     grown = True
     while grown:
         grown = False
@@ -334,7 +359,7 @@ def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
                     continue
                 if any(v.is_graph_output() or any(id(u) not in region for u in consumers(v)) for v in before.outputs):
                     continue
-                if per_token_reason(before, batch, seq) is None:
+                if per_token_reason(before, batch, seq, embeddings) is None:
                     region[id(before)] = before
                     grown = True
 
@@ -342,7 +367,8 @@ def _extend_upstream(region: dict[int, ir.Node], batch: str, seq: str) -> None:
 # ---------------------------------------------------------------- the rewrite
 
 
-_NOT_BROADCAST = {("kiln", "FusedGemm"): 1, ("", "MatMul"): 1, ("", "Reshape"): 1}  # weights and shapes
+_NOT_BROADCAST = {("kiln", "FusedGemm"): 1, ("", "MatMul"): 1, ("", "Reshape"): 1, ("", "Gather"): 0}  # weights,
+# shapes and tables
 
 
 def _packed_shape(value: ir.Value) -> ir.Shape:
@@ -424,11 +450,14 @@ def _new_node(graph: ir.Graph, before: ir.Node, op_type: str, inputs: list[ir.Va
     return node
 
 
-def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRemoval:
+def remove_padding(model: ir.Model, padded_attention: bool = False, embeddings: bool = False) -> PaddingRemoval:
     """Rewrite the model's encoder to run on its real tokens (the module docstring's contract), or raise
     PaddingRefused naming the input or layer that prevents it; the graph is unchanged when it refuses.
     `padded_attention`: each attention runs as it was on q/k/v scattered back to [B, S, ...] (`_padded_attention`)
-    instead of PackedAttention (CUDA: varlen flash; CPU: kiln's varlen C attention)."""
+    instead of PackedAttention (CUDA: varlen flash; CPU: kiln's varlen C attention). `embeddings`: the region starts
+    at the embedding lookups (their ids packed, not the embedded rows): a run padded to a larger shape than its own
+    (CUDA graphs of the profile's largest, kiln/runtime/buckets.py graph_rows) then embeds and normalizes only its
+    token bucket's rows."""
     graph = model.graph
     mask = padding_mask_input(graph)
     if mask is None:
@@ -438,7 +467,7 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
     batch, seq = (d.value for d in mask.shape)
     attentions = _masked_attentions(graph, mask)
     region = _downstream(attentions, batch, seq)
-    _extend_upstream(region, batch, seq)
+    _extend_upstream(region, batch, seq, embeddings)
     # Decided: from here on the graph changes.
     nodes = [n for n in graph if id(n) in region]
     inside = {id(v) for n in nodes for v in n.outputs}
@@ -458,9 +487,12 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
         for i, value in enumerate(node.inputs):
             if value is None or id(value) in inside or (_is_attention(node) and i == 3):
                 continue
-            if is_token_value(value, batch, seq):
+            sequence = embeddings and is_sequence_value(value, seq)
+            if is_token_value(value, batch, seq) or sequence:
                 if id(value) not in packed:
                     pack = _new_node(graph, node, "PackTokens", [value, index], f"{value.name}_pack")
+                    if sequence:  # [1, S, ...]: token b·S + s reads row s
+                        pack.attributes["broadcast"] = ir.AttrInt64("broadcast", 1)
                     pack.outputs[0].name = f"{value.name}_packed"
                     pack.outputs[0].type, pack.outputs[0].shape = value.type, _packed_shape(value)
                     packed[id(value)] = pack.outputs[0]
@@ -485,6 +517,45 @@ def remove_padding(model: ir.Model, padded_attention: bool = False) -> PaddingRe
         _unpack(graph, value, scatter, mask, region)
     common.TopologicalSortPass()(model)
     return report
+
+
+def key_padding_mask(model: ir.Model) -> int:
+    """Every attention on the padding mask m whose mask is additive (float) reads it as a key mask made from m:
+    [B, 1, 1, S], 0 at a real key and float32's minimum at padding, in place of the mask the model computes — the
+    exported BERT's [B, 1, S, S], the same row for every query, as _masked_attentions checks. The same values once
+    broadcast, S times less mask to read: a key vector in kiln's flash kernel instead of a [BM, BN] tile per step.
+    For a padding-free engine's plain program (kiln/builder/padding_free.py), whose outputs are zero at padding
+    anyway: a fully padded row's queries may come out otherwise than from the model's mask (the minimum instead of
+    its value). Returns the attentions rewritten; 0 where the model has no such mask (the graph is unchanged)."""
+    graph = model.graph
+    mask = padding_mask_input(graph)
+    if mask is None:
+        return 0
+    try:
+        attentions = [n for n in _masked_attentions(graph, mask) if n.inputs[3].dtype.is_floating_point()]
+    except PaddingRefused:
+        return 0
+    if not attentions:
+        return 0
+    batch, seq = (d.value for d in mask.shape)
+    dtype = attentions[0].inputs[3].dtype
+    padding = ir.node("Equal", [mask, new_initializer(graph, "key_mask_zero", np.zeros((), mask.dtype.numpy()))],
+                      name="key_mask_padding")
+    padding.outputs[0].type, padding.outputs[0].shape = ir.TensorType(ir.DataType.BOOL), ir.Shape([batch, seq])
+    keys = ir.node("Where", [padding.outputs[0],
+                             new_initializer(graph, "key_mask_hidden", np.array(np.finfo(np.float32).min,
+                                                                                  dtype.numpy())),
+                             new_initializer(graph, "key_mask_kept", np.zeros((), dtype.numpy()))], name="key_mask")
+    keys.outputs[0].type, keys.outputs[0].shape = ir.TensorType(dtype), ir.Shape([batch, seq])
+    rows = ir.node("Unsqueeze", [keys.outputs[0], new_initializer(graph, "key_mask_axes", np.array([1, 2], np.int64))],
+                   name="key_mask_rows")
+    key_mask = rows.outputs[0]
+    key_mask.name, key_mask.type, key_mask.shape = "key_mask", ir.TensorType(dtype), ir.Shape([batch, 1, 1, seq])
+    graph.insert_before(attentions[0], [padding, keys, rows])
+    for node in attentions:
+        node.replace_input_with(3, key_mask)  # [B, 1, 1, S]
+    common.RemoveUnusedNodesPass()(model)  # the model's own mask subgraph
+    return len(attentions)
 
 
 def _unpack(graph: ir.Graph, value: ir.Value, scatter: ir.Value, mask: ir.Value, region: dict[int, ir.Node]) -> None:

@@ -20,9 +20,10 @@ padded by up to 2x when splitting it costs less: its rows run as several bucket-
 (`split`). BERT with batch 1..32 x seq 1..512: 6 x 10 = 60 buckets.
 
 A padding-free engine (kiln/passes/remove_padding.py) computes only its packed rows, so padding the batch and the
-sequence costs it the few layers before the packing: where CUDA graphs replay, a run of 1K+ bucketed positions is
+sequence costs it the few layers before the packing: where CUDA graphs replay, a run of 2K+ bucketed positions is
 padded to the profile's largest shape and packed to its token bucket (graph_rows), one graph per token bucket,
-and smaller runs take the plain program at their bucket: 32 + 30 + 1 = 63 graphs for 1..32 x 1..512.
+and smaller runs take the plain program at their bucket (a packed run pays the largest shape's fixed cost, which
+a run that small cannot save): 39 + 24 + 1 = 64 graphs for 1..32 x 1..512.
 """
 
 from __future__ import annotations
@@ -175,13 +176,17 @@ class PackingRule:
     eighths_from: token buckets step by an eighth of the power of two from here (token_bucket).
     always_bucketed: a run's rows are its token bucket even where the context does not bucket shapes.
     graphs_from: where a context replays CUDA graphs of bucketed shapes, a run whose bucketed B·S is at least this
-    always packs, padded to the profile's largest shape, into at least this many rows (graph_rows): its graph is
-    then one per token bucket, not one per padded batch x sequence x token bucket."""
+    always packs, padded to the profile's largest shape, into at least rows_from rows (graph_rows): its graph is
+    then one per token bucket, not one per padded batch x sequence x token bucket. A smaller run takes the plain
+    program at its bucket. graph_eighths_from: eighths_from for those token buckets (fewer graphs where a GEMM's
+    time grows slowly with its rows)."""
 
     min_saving: tuple[tuple[int, float], ...]
     eighths_from: int = TOKEN_EIGHTHS_FROM
     always_bucketed: bool = False
     graphs_from: int | None = None  # graph_rows: where a context replays CUDA graphs (None: the min_saving rule)
+    rows_from: int = 0  # graph_rows: the fewest rows a packed graph computes
+    graph_eighths_from: int = TOKEN_EIGHTHS_FROM
 
 
 PACKING_RULES = {
@@ -194,7 +199,14 @@ PACKING_RULES = {
     # most), and "always packed" was as fast as the rule's choice at every 1K+ shape measured
     # (padding-free-plain-2026-12-02.md run 2: 8x128 0.781 vs 0.789 ms, 32x128 1.673 vs 1.824, 8x512 1.834 vs
     # 1.990, 32x512 full 7.214 vs 7.242).
-    "cuda": PackingRule(((16384, 0.10), (4096, 0.30), (1024, 0.45)), graphs_from=1024),
+    # A packed run pads to the profile's largest shape, which costs it a fixed amount: 8x128 took 1.385 ms packed
+    # at 32x512 where the plain program at its bucket took 0.79 (dynamic-cuda-2026-12-03.md), as much as the GEMMs
+    # of ~2K rows: a run of fewer bucketed positions cannot save it, so it runs plain at its bucket (graphs_from).
+    # Packed graphs compute at least 1K rows (below, a GEMM's time hardly depends on its rows), in quarter steps up
+    # to 4K rows and eighths above (graph_eighths_from): 39 plain buckets below 2K positions + 24 token buckets +
+    # the plain 32x512 = 64 graphs for 1..32 x 1..512, MAX_GRAPHS (kiln/runtime/cuda_graphs.py).
+    "cuda": PackingRule(((16384, 0.10), (4096, 0.30), (1024, 0.45)), graphs_from=2048, rows_from=1024,
+                        graph_eighths_from=4096),
     # CPU (AMD EPYC 2 vCPUs, bert_tiny fp32 at 1x64, 4x128, 8x128; bench/results/remove-padding-cpu-2026-12-02.md):
     # packed runs were as fast or faster than the identity packing at every padding measured (6% to 50%; the
     # copies around the GEMMs are alike, the attention is varlen), so any row saved packs. The rows are always a
@@ -231,16 +243,16 @@ def token_bucket(tokens: int, most: int, eighths_from: int = TOKEN_EIGHTHS_FROM)
 
 def graph_rows(tokens: int, most: int, rule: PackingRule) -> int:
     """The rows a graph-replaying run packs `tokens` real tokens to, its inputs padded to the profile's largest
-    shape of `most` positions (rule.graphs_from): their token bucket, at least graphs_from rows (below that a
+    shape of `most` positions (rule.graphs_from): their token bucket, at least rule.rows_from rows (below that a
     GEMM's time hardly depends on its rows, and every bucket less is a graph less); `most` where the bucket
     reaches it (the identity packing: the plain program at the largest shape). So the packed runs replay at most
-    one graph per token bucket from graphs_from to `most`: 33 for 1024 to 16384."""
-    return max(token_bucket(tokens, most, rule.eighths_from), min(rule.graphs_from, most))
+    one graph per token bucket from rows_from to `most`: 25 for 1024 to 16384 on CUDA."""
+    return max(token_bucket(tokens, most, rule.graph_eighths_from), min(rule.rows_from, most))
 
 
 def graph_signatures(batches: list[int], sequences: list[int], most: int, rule: PackingRule) -> int:
     """How many CUDA graphs a padding-free context that packs by graph_rows may hold at most: one plain graph per
-    batch x sequence bucket below rule.graphs_from positions, one packed graph per token bucket from graphs_from
+    batch x sequence bucket below rule.graphs_from positions, one packed graph per token bucket from rule.rows_from
     below `most`, and the plain one at the largest shape."""
     plain = sum(1 for b in batches for s in sequences if b * s < rule.graphs_from)
     return plain + len(graph_token_buckets(most, rule)) + 1
@@ -248,10 +260,10 @@ def graph_signatures(batches: list[int], sequences: list[int], most: int, rule: 
 
 def graph_token_buckets(most: int, rule: PackingRule) -> list[int]:
     """The token buckets graph_rows packs to below `most` (the rows each packed graph computes)."""
-    out, rows = [], min(rule.graphs_from, most)
+    out, rows = [], min(rule.rows_from, most)
     while rows < most:
         out.append(rows)
-        rows = token_bucket(rows + 1, most, rule.eighths_from)
+        rows = token_bucket(rows + 1, most, rule.graph_eighths_from)
     return out
 
 

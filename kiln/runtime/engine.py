@@ -229,7 +229,7 @@ class ExecutionContext:
         default on for CUDA graphs (a bounded number of graphs), off on the CPU (padding only costs
         there). `max_graphs`, `graph_memory_budget`: the CUDA graph cache's bounds (LRU). `packing`, for a
         padding-free engine: "auto" packs a run's real tokens where that pays (the device's
-        buckets.PACKING_RULES; where CUDA graphs replay bucketed shapes, every run of 1K+ positions, at the
+        buckets.PACKING_RULES; where CUDA graphs replay bucketed shapes, every run of 2K+ positions, at the
         profile's largest shape: buckets.graph_rows), "always" wherever a row is saved, "never" runs every position.
         A run that does not pack runs the engine's plain program (the plain engine's, kiln/builder/padding_free.py;
         its graphs in the same cache), or, in an engine without one, the packed program with every position a row

@@ -103,8 +103,15 @@ def bert_pair(tmp_path_factory):
 
 
 def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
+    # the plain engine's layers, but its attentions read a [B, 1, 1, S] key mask (remove_padding.key_padding_mask)
+    # and the program is tuned at the profile's max too (kiln/builder/build.py): other kernels may win, so the
+    # outputs match the plain engine's within fp16's error, not to the bit
     plain, free = bert_pair
-    assert [s.to_json() for s in free.plan.plain.steps[:-1]] == [s.to_json() for s in plain.plan.program.steps]
+    gemms = [s.name for s in plain.plan.program.steps if s.op_type == "FusedGemm"]
+    assert gemms and gemms == [s.name for s in free.plan.plain.steps if s.op_type == "FusedGemm"]
+    masks = [{s.inputs[3] for s in e.steps if s.op_type == "Attention"} for e in (free.plan.plain, plain.plan.program)]
+    assert len(masks[0]) == 1 and masks[0].isdisjoint(masks[1])
+    assert len(free.plan.plain.steps) < len(plain.plan.program.steps)  # the [B, 1, S, S] mask's subgraph: gone
     reference, context = plain.create_execution_context(), free.create_execution_context()
 
     def refuse(*_args, **_kwargs):
@@ -112,7 +119,7 @@ def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
 
     monkeypatch.setattr(free.program, "run", refuse)
     rng = np.random.default_rng(1)
-    # under 1024 positions "auto" never packs; 16 x 128 with a few padded positions saves too little
+    # under 2048 positions "auto" runs plain; 16 x 128 with a few padded positions packs to every position: plain
     for batch, seq, kind in [(4, 64, "right"), (1, 128, "left"), (3, 33, "right"), (16, 128, "full")]:
         mask = _mask(rng, batch, seq, kind) if kind != "full" else torch.ones(batch, seq, dtype=torch.int64).cuda()
         if kind == "full":
@@ -122,7 +129,8 @@ def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
             want = next(iter(reference.run(feeds).values())).clone()
             got = next(iter(context.run(feeds).values())).clone()
         keep = mask != 0
-        assert torch.equal(got[keep], want[keep]), f"{batch}x{seq} {kind}: max diff {(got - want)[keep].abs().max()}"
+        torch.testing.assert_close(got[keep].float(), want[keep].float(), atol=FP16_ATOL, rtol=0,
+                                   msg=f"{batch}x{seq} {kind}")
         assert not got[~keep].any()
     assert context.runner.stats.replays >= 1, context.runner.stats.eager_reasons
 

@@ -1,7 +1,7 @@
 """A padding-free engine carries the plain program too (kiln/builder/padding_free.py): where a run does not pack
-its tokens it is the plain engine (same steps and tactics, outputs equal to the bit at real tokens, zeros at
-padding), where it packs it still matches onnxruntime; one set of weights in the file and in memory; save/load,
-refit and inspect keep both programs."""
+its tokens it is the plain engine (same steps and tactics, the attention mask read as a key mask, outputs equal to
+the bit at real tokens, zeros at padding), where it packs it still matches onnxruntime; one set of weights in the
+file and in memory; save/load, refit and inspect keep both programs."""
 
 from __future__ import annotations
 
@@ -24,6 +24,10 @@ CUDA = buckets_module.PACKING_RULES["cuda"]
 PROFILE = [{"input_ids": "1x1,2x16,16x128"}]  # up to 2048 positions: "auto" packs a run there that saves 45%
 # fp32 against onnxruntime: the packed GEMMs and attention sum in another order over other row counts
 RTOL, ATOL = 1e-5, 2e-5
+# the ops that compute an exported BERT's [B, 1, S, S] attention mask
+MASK_OPS = {"Shape", "Squeeze", "Unsqueeze", "Concat", "Reshape", "Expand", "Range", "Cast", "Equal", "Less",
+            "LessOrEqual", "GreaterOrEqual", "Greater", "And", "Or", "Not", "Where", "Slice", "Gather", "Mul", "Sub",
+            "Add", "Max", "GatherND", "ConstantOfShape"}
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +66,28 @@ def _refuse(monkeypatch, program) -> None:
 def test_the_plain_program_is_the_plain_build(engines):
     _, plain, free, _, log = engines
     assert free.plan.plain is not None and plain.plan.plain is None
-    steps = [s.to_json() for s in free.plan.plain.steps]
-    # the plain build's steps, tactics and their configurations included, then one masked fill per output
-    assert steps[:-1] == [s.to_json() for s in plain.plan.program.steps]
-    assert steps[-1]["op_type"] == "ZeroPadding" and steps[-1]["inputs"] == ["layer_norm_4", "attention_mask"]
+    steps = {s.name: s.to_json() for s in free.plan.plain.steps}
+    built = {s.name: s.to_json() for s in plain.plan.program.steps}
+    # the plain build's steps, tactics and their configurations included, but for the attention mask: the attentions
+    # read a [B, 1, 1, S] key mask made from the input (remove_padding.key_padding_mask), the model's [B, 1, S, S]
+    # subgraph is gone; then one masked fill per output
+    attentions = [name for name, step in built.items() if step["op_type"] == "Attention"]
+    assert len(attentions) == 2
+    for name in attentions:
+        assert steps[name]["inputs"][3] == "key_mask" != built[name]["inputs"][3]
+        assert {**steps[name], "inputs": None, "tactic_config": None} == \
+            {**built[name], "inputs": None, "tactic_config": None}  # the same tactic, on the key mask's size:
+        assert dict(steps[name]["tactic_config"]["input_sizes"])[3] == [2, 1, 1, 16]  # [B, 1, 1, S] at opt 2x16
+    kept = [name for name in built if name in steps and name not in attentions]
+    assert [steps[name] for name in kept] == [built[name] for name in kept]
+    assert {built[name]["op_type"] for name in built if name not in steps} <= MASK_OPS  # only the mask's subgraph
+    assert {"FusedGemm", "LayerNorm", "Gather"} <= {built[name]["op_type"] for name in kept}
+    added = [step for name, step in steps.items() if name not in built]
+    assert [step["op_type"] for step in added] == ["Equal", "Where", "Unsqueeze", "ZeroPadding"]
+    assert added[-1]["inputs"] == ["layer_norm_4", "attention_mask"] and list(steps)[-1] == added[-1]["name"]
     assert free.plan.plain.inputs == plain.plan.program.inputs
-    assert free.plan.header["plain_tactics"]["layers"].keys() == plain.plan.header["tactics"]["layers"].keys()
+    plain_tuned = free.plan.header["plain_tactics"]["layers"].keys()
+    assert plain_tuned - {"key_mask"} == plain.plan.header["tactics"]["layers"].keys() & steps.keys()
     # the packed program was tuned on packed rows: 2-D GEMM inputs of the token count the build log names
     tuned = free.plan.header["remove_padding"]["tuned_at"]
     assert tuned == {"mask": [2, 16], "tokens": tuning_tokens(32)}

@@ -18,7 +18,7 @@ from kiln.frontend import onnx as onnx_frontend
 from kiln.ops.registry import OpContext
 from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_tokens
 from kiln.passes import PassOptions, optimize
-from kiln.passes.remove_padding import PaddingRefused
+from kiln.passes.remove_padding import PaddingRefused, key_padding_mask
 from kiln.plan.spec import StepSpec
 from kiln.runtime.buckets import PACKING_RULES, packed_rows, packing_rule, token_bucket
 from kiln.tactics import registry
@@ -157,7 +157,8 @@ def test_the_rewrite_packs_every_layer_after_the_embeddings(bert, bert_padded):
     removal = engine.plan.header["remove_padding"]
     assert removal == {"mask": "attention_mask", "bucket_input": "kiln_token_bucket", "layers": 14, "attentions": 2,
                        "attention": "packed", "packed": ["layer_norm"], "unpacked": ["layer_norm_4"],
-                       "plain_program": 48, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
+                       "plain_program": 29, "tuned_at": {"mask": [2, 16], "tokens": 16}}  # tests/unit/test_padding_free_programs.py
+    # (the plain program: 48 steps with the model's [B, 1, S, S] mask subgraph, 29 with the key mask, key_padding_mask)
     # PackedAttention over the packed tokens (on the CPU kiln's varlen C kernel), the [B, 1, S, S] mask's subgraph gone
     ops = _ops(engine)
     assert ops.count("PackedAttention") == 2 and "Attention" not in ops and "Where" not in ops
@@ -267,6 +268,75 @@ def test_a_saved_engine_keeps_the_flag(bert, tmp_path):
 
 def _optimized(model: onnx.ModelProto | str, **options):
     return optimize(onnx_frontend.load(model), PassOptions(**options))
+
+
+def test_on_cuda_the_region_starts_at_the_embedding_lookups(bert):
+    # CUDA's rules (no cpu_rules): the ids are packed, not the embedded rows, and the position embeddings ([1, S, D],
+    # one row per position) packed for each token's position; so a run padded to the profile's largest shape for its
+    # CUDA graph embeds and normalizes only its token bucket's rows. The CPU's rules start at the first LayerNorm.
+    exported, _, session = bert
+    graph = _optimized(str(exported.path), remove_padding=True)
+    removal = graph.meta["kiln.remove_padding"]
+    assert removal["packed"] == ["input_ids", "expand_1", "embedding_2"] and removal["layers"] == 18
+    packs = {n.inputs[0].name: n for n in graph.graph if n.op_type == "PackTokens"}
+    assert packs["embedding_2"].attributes["broadcast"].value == 1 and "broadcast" not in packs["input_ids"].attributes
+    lookups = [n for n in graph.graph if n.op_type == "Gather" and n.inputs[1].name.endswith("_packed")]
+    assert len(lookups) == 2  # word and token-type embeddings, on the packed ids
+    cpu = _optimized(str(exported.path), remove_padding=True, cpu_rules=True)
+    assert cpu.meta["kiln.remove_padding"]["packed"] == ["layer_norm"]
+    # numerically: that graph as an engine (each layer its torch form) against onnxruntime, packed (token buckets,
+    # their dummy rows included), every position a row, and the plain rule's choice; a fully padded row included
+    engine = kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+    rng = np.random.default_rng(6)
+    for batch, seq, kind in [(4, 37, "right"), (1, 48, "left"), (3, 5, "holes")]:
+        mask = _mask(rng, batch, seq, kind)
+        feeds = {"input_ids": rng.integers(0, 1024, (batch, seq)), "attention_mask": mask}
+        want = session.run(None, feeds)[0]
+        keep = mask != 0
+        for packing in ("auto", "always", "never"):
+            got = engine.create_execution_context(packing=packing).run(feeds)["layer_norm_4"]
+            np.testing.assert_allclose(got[keep], want[keep], rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq} {packing}")
+            assert not got[~keep].any()
+
+
+def test_a_broadcast_pack_reads_each_tokens_position():
+    x = torch.randn(1, 6, 3)  # [1, S, D]: one row per position
+    index = torch.tensor([0, 4, 7, 11, 0])  # flat b·S + s of a [2, 6] mask, a dummy row last
+    torch.testing.assert_close(pack_tokens(CTX, x, index, broadcast=1), x[0, [0, 4, 1, 5, 0]], rtol=0, atol=0)
+    step = StepSpec(op_type="PackTokens", name="p", inputs=["x", "index"], outputs=["y"], domain="kiln",
+                    attributes={"broadcast": 1})
+    native = registry.get("cpu.packtokens.native")  # gathers B·S rows of x: it refuses (where kiln's C is built)
+    if native.available():
+        assert "for every row of the batch" in str(native.check(step, [InputMeta.of(x, False),
+                                                                      InputMeta.of(index, False)]))
+
+
+def test_key_padding_mask_reads_the_padding_mask_as_one_row_per_batch(bert):
+    exported, _, session = bert
+    graph = _optimized(str(exported.path))
+    old = next(n.inputs[3].producer() for n in graph.graph if n.op_type == "Attention")  # [B, 1, S, S]
+    nodes = len(list(graph.graph))
+    assert key_padding_mask(graph) == 2
+    masks = {n.inputs[3] for n in graph.graph if n.op_type == "Attention"}
+    assert len(masks) == 1
+    key_mask = masks.pop()
+    assert [d if isinstance(d, int) else d.value for d in key_mask.shape] == ["batch", 1, 1, "seq"]
+    assert [n.op_type for n in graph.graph if n.name.startswith("key_mask")] == ["Equal", "Where", "Unsqueeze"]
+    assert old not in list(graph.graph) and len(list(graph.graph)) < nodes  # the model's mask subgraph: gone
+    # numerically: the engine of the rewritten graph (every layer its torch form) against onnxruntime, a fully padded
+    # row included (the key mask hides its every key: it still matches at real tokens, and holds no NaN)
+    engine = kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+    rng = np.random.default_rng(5)
+    mask = _mask(rng, 4, 37, "right")  # row 1: all padding
+    feeds = {"input_ids": rng.integers(0, 1024, (4, 37)), "attention_mask": mask}
+    got, want = engine.run(feeds)["layer_norm_4"], session.run(None, feeds)[0]
+    keep = mask != 0
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-5, atol=2e-5)
+    assert not np.isnan(got).any()
+    # a model without a padding mask: nothing to read, the graph unchanged
+    gpt2 = _optimized(str(zoo.export("gpt2_tiny", dynamic=True).path))
+    nodes = len(list(gpt2.graph))
+    assert key_padding_mask(gpt2) == 0 and len(list(gpt2.graph)) == nodes
 
 
 def test_a_model_without_a_padding_mask_is_refused():

@@ -132,6 +132,8 @@ def _pack_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     reason = _rows_reason(inputs[0], 2)
     if reason is None and (len(inputs) < 2 or inputs[1].dtype != torch.int64):
         reason = "the token index is not int64"
+    if reason is None and _attr(step, "broadcast", 0):
+        reason = "a [1, S, ...] operand read for every row of the batch: the kernel gathers the B·S rows of x"
     return reason or True
 
 
