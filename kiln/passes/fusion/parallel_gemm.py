@@ -61,20 +61,16 @@ def _merge_quantized(node: ir.Node, x: ir.Value) -> bool:
     group = [n for n in dict.fromkeys(u.node for u in x.uses()) if _plain_quantized(n, x, node)]
     if node not in group or group[0] is not node or len(group) < 2:
         return False
-    weights = [const(n.inputs[3]) for n in group]
-    if len({(w.dtype, w.shape[1]) for w in weights}) != 1:
+    if len({(w.dtype, w.shape[1]) for w in (const(n.inputs[3]) for n in group)}) != 1:
         return False
-    widths = [w.shape[0] for w in weights]
-    biases = [const(n.inputs[8]) if len(n.inputs) > 8 and n.inputs[8] is not None else None for n in group]
-    if any(len(n.inputs) > 8 and n.inputs[8] is not None and b is None for n, b in zip(group, biases)):
+    stacked = _stacked(group, weight_at=3, bias_at=8, bias_dtype=np.int32)
+    if stacked is None:
         return False  # a bias computed at run time
+    weight, widths, bias = stacked
     graph = node.graph
-    inputs = list(node.inputs[:3]) + [
-        new_initializer(graph, f"{node.inputs[3].name}_merged", np.concatenate(weights, axis=0)),
-        node.inputs[4], node.inputs[5], None, None]
-    inputs.append(None if all(b is None for b in biases) else new_initializer(
-        graph, f"{node.name}_bias_merged",
-        np.concatenate([np.zeros(n, np.int32) if b is None else b.reshape(n) for b, n in zip(biases, widths)])))
+    inputs = list(node.inputs[:3]) + [new_initializer(graph, f"{node.inputs[3].name}_merged", weight),
+                                      node.inputs[4], node.inputs[5], None, None]
+    inputs.append(None if bias is None else new_initializer(graph, f"{node.name}_bias_merged", bias))
     merged = ir.Node(KILN_DOMAIN, "QGemm", inputs, list(node.attributes.values()), name=f"{node.name}_merged")
     _split_into(node, group, merged, widths)
     return True
@@ -93,19 +89,35 @@ def merge_parallel_gemms(node: ir.Node, report: PassReport) -> bool:
     if len({(w.dtype, w.shape[1]) for w in weights}) != 1 or len({dtype_of(n.outputs[0]) for n in group}) != 1:
         report.refuse(RULE, node, "the GEMMs reading this input differ in weight dtype or input width")
         return False
-    widths = [w.shape[0] for w in weights]
-    biases = [const(n.inputs[2]) if len(n.inputs) > 2 and n.inputs[2] is not None else None for n in group]
-    if any(len(n.inputs) > 2 and n.inputs[2] is not None and b is None for n, b in zip(group, biases)):
+    stacked = _stacked(group, weight_at=1, bias_at=2, bias_dtype=weights[0].dtype)
+    if stacked is None:
         return False  # a bias computed at run time
+    weight, widths, bias = stacked
     graph = node.graph
-    inputs = [x, new_initializer(graph, f"{node.inputs[1].name}_merged", np.concatenate(weights, axis=0))]
-    if any(b is not None for b in biases):
-        bias = np.concatenate([np.zeros(n, weights[0].dtype) if b is None else b.reshape(n)
-                               for b, n in zip(biases, widths)])
-        inputs.append(new_initializer(graph, f"{node.name}_bias_merged", bias.astype(weights[0].dtype)))
+    inputs = [x, new_initializer(graph, f"{node.inputs[1].name}_merged", weight)]
+    if bias is not None:
+        inputs.append(new_initializer(graph, f"{node.name}_bias_merged", bias))
     merged = ir.Node(KILN_DOMAIN, "FusedGemm", inputs, list(node.attributes.values()), name=f"{node.name}_merged")
     _split_into(node, group, merged, widths)
     return True
+
+
+def _stacked(group: list[ir.Node], weight_at: int, bias_at: int,
+             bias_dtype: np.dtype) -> tuple[np.ndarray, list[int], np.ndarray | None] | None:
+    """The group's constant weights stacked along the output axis, each one's width, and their biases stacked the
+    same way in bias_dtype (zeros for a layer without one; None where no layer has one). None where a bias is
+    computed at run time."""
+    weights = [const(n.inputs[weight_at]) for n in group]
+    widths = [w.shape[0] for w in weights]
+    biases = []
+    for n, width in zip(group, widths):
+        value = n.inputs[bias_at] if len(n.inputs) > bias_at else None
+        bias = None if value is None else const(value)
+        if value is not None and bias is None:
+            return None
+        biases.append(np.zeros(width, bias_dtype) if bias is None else bias.reshape(width).astype(bias_dtype))
+    has_bias = any(len(n.inputs) > bias_at and n.inputs[bias_at] is not None for n in group)
+    return np.concatenate(weights, axis=0), widths, np.concatenate(biases) if has_bias else None
 
 
 def _split_into(node: ir.Node, group: list[ir.Node], merged: ir.Node, widths: list[int]) -> None:
