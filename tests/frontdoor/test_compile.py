@@ -16,7 +16,7 @@ from torch import nn
 
 import kiln
 import kiln.torch_backend
-from frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
+from tests.frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
 from kiln.frontend import torch as torch_frontend
 
 # float32: the same layers computed by kiln's kernels (BN folded into the conv, fused epilogues) and

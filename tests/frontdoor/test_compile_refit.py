@@ -12,7 +12,7 @@ from torch import nn
 
 import kiln
 import kiln.torch_backend
-from frontdoor.test_compile import Block
+from tests.frontdoor.test_compile import Block
 from kiln.builder.refit import RefitError
 
 # float32: the same layers computed by kiln's kernels (BN folded into the conv, fused epilogues) and by

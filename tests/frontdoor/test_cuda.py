@@ -14,11 +14,11 @@ import torch
 import kiln
 import kiln.compat as kort
 import kiln.torch_backend
-from frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
-from frontdoor.test_compile import Block, SmallCnn, WithCustomOp, _seeded
-from frontdoor.test_compile_models import FULL, compile_and_compare
-from frontdoor.test_inference_session import _mlp_model
-from frontdoor.test_refit import _model, _weights
+from tests.frontdoor import custom_ops  # noqa: F401  registers kilntest::scaled_relu
+from tests.frontdoor.test_compile import Block, SmallCnn, WithCustomOp, _seeded
+from tests.frontdoor.test_compile_models import FULL, compile_and_compare
+from tests.frontdoor.test_inference_session import _mlp_model
+from tests.frontdoor.test_refit import _model, _weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

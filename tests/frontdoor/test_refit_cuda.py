@@ -10,9 +10,9 @@ import torch
 
 import kiln
 import kiln.torch_backend
-from frontdoor.test_compile_refit import CASES, WithGain, _made, _tactics
-from frontdoor.test_cuda import exact_float32  # noqa: F401  autouse: no TF32 in torch's float32 reference
-from frontdoor.test_refit_int8 import NETS, _batches, _save
+from tests.frontdoor.test_compile_refit import CASES, WithGain, _made, _tactics
+from tests.frontdoor.test_cuda import exact_float32  # noqa: F401  autouse: no TF32 in torch's float32 reference
+from tests.frontdoor.test_refit_int8 import NETS, _batches, _save
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

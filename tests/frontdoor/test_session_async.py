@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 
 import kiln.compat as kort
-from frontdoor.test_inference_session import _mlp_model
+from tests.frontdoor.test_inference_session import _mlp_model
 
 
 class _Calls:
