@@ -13,12 +13,16 @@
  *
  * kiln_silu: x = x·σ(x) in place, the SiLU of the convolutions around an SE block when it is cheaper here than
  * oneDNN's swish post-op (kiln/kernels/cpu/conv_silu.py): on an AMD EPYC (Zen 4) core that post-op costs
- * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop ~0.4-0.5 with its pass over memory.
+ * 0.55-1.1 ns an element with AVX2, ~0.5 with AVX-512; this loop (silu below) ~0.25 with AVX-512 and ~0.35-0.5
+ * with AVX2, its pass over memory included (bench/se_kernels.py).
  *
  * Returns 0, or 2 (oneDNN's "invalid arguments") when an operand is not bound: the segment names the layer.
  */
 #include <omp.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
@@ -66,13 +70,66 @@ static inline float exp_poly(float x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(__AVX512F__)
+#define SILU_LANES 16
+#define SILU_MIN _mm512_min_ps
+#define SILU_MAX _mm512_max_ps
+#else
+#define SILU_LANES 8
+#define SILU_MIN _mm256_min_ps
+#define SILU_MAX _mm256_max_ps
+#endif
+typedef float silu_v __attribute__((vector_size(SILU_LANES * 4)));
+typedef int silu_vi __attribute__((vector_size(SILU_LANES * 4)));
+
+/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps with the ISA's min/max for the clamp (from exp_poly's
+   ternaries GCC made masked blends, and from others a second division) and a polynomial of degree 5,
+   not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's iteration; 1.7e-7 there in float).
+   SiLU's relative error against float64 stays under 2.5e-7 (4 ulp; exp_poly's loop: 1.7e-7) over
+   [-100, 100] (tests/unit/test_conv_silu.py), and a B0-sized pass costs ~0.23 ns an element with
+   AVX-512, ~0.33 with AVX2, on a Zen 4 core, against 0.35 and 0.53 for the scalar loop GCC vectorised. */
+static inline silu_v silu_vector(silu_v x) {
+    const silu_v z = (silu_v)SILU_MIN(SILU_MAX(-x, (silu_v){0} - 87.0f), (silu_v){0} + 88.0f);
+    const silu_v n = (z * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* rint: |z·log2 e| < 2^22 */
+    const silu_v r = z - n * 0.693359375f + n * 2.12194440e-4f;
+    silu_v p = (silu_v){0} + 8.3128601646e-3f;
+    p = p * r + 4.1889020096e-2f;
+    p = p * r + 1.6667110632e-1f;
+    p = p * r + 4.9999243235e-1f;
+    p = p * r * r + r + 1.0f;
+    const silu_vi bits = (__builtin_convertvector(n, silu_vi) + 127) << 23;
+    return x / (1.0f + p * (silu_v)bits);
+}
+
+static void silu(float *v, long n) {
+    long j = 0;
+    for (; j + SILU_LANES <= n; j += SILU_LANES) {
+        silu_v x;
+        memcpy(&x, v + j, sizeof x);
+        x = silu_vector(x);
+        memcpy(v + j, &x, sizeof x);
+    }
+    if (j < n) {  /* the tail in a zero-padded vector */
+        silu_v x = {0};
+        memcpy(&x, v + j, (size_t)(n - j) * sizeof(float));
+        x = silu_vector(x);
+        memcpy(v + j, &x, (size_t)(n - j) * sizeof(float));
+    }
+}
+#else
+static void silu(float *v, long n) {
+    for (long j = 0; j < n; ++j) v[j] = v[j] / (1.0f + exp_poly(-v[j]));
+}
+#endif
+
 static void activate(float *v, long n, int kind, float alpha, float beta) {
     switch (kind) {
     case ACT_RELU:
         for (long j = 0; j < n; ++j) v[j] = v[j] > 0.0f ? v[j] : 0.0f;
         break;
     case ACT_SILU:
-        for (long j = 0; j < n; ++j) v[j] = v[j] / (1.0f + exp_poly(-v[j]));
+        silu(v, n);
         break;
     case ACT_HARD_SWISH:  /* x·relu6(x + 3)/6 */
         for (long j = 0; j < n; ++j) {
@@ -121,7 +178,7 @@ int kiln_silu(void *object, void *stream, int nargs, const void *args) {
     #pragma omp parallel for schedule(static) num_threads(p->threads) if (p->threads > 1)
     for (long k = 0; k < chunks; ++k) {
         const long lo = k * SILU_CHUNK;
-        activate(x + lo, p->n - lo < SILU_CHUNK ? p->n - lo : SILU_CHUNK, ACT_SILU, 0.0f, 0.0f);
+        silu(x + lo, p->n - lo < SILU_CHUNK ? p->n - lo : SILU_CHUNK);
     }
     return 0;
 }
