@@ -5,7 +5,7 @@
  *
  * x and y are NHWC ([N, H*W, C] row-major: channels contiguous), the layout every 4-D activation has
  * inside a segment. One parallel region: each thread sums its own rows into partial sums per image (in
- * float over blocks of BLOCK rows, then in double: a 112x112 map is 12544 rows), one thread turns the
+ * float over BLOCK runs of rows, then in double: a 112x112 map is 12544 rows), one thread turns the
  * means into the gate (two GEMVs of at most a few hundred thousand multiply-adds), then every thread scales
  * its rows. Written this way the block reads x twice (a 1.6 MB map of EfficientNet-B0's first stage stays
  * in the caches between the two passes) where the unfused graph read it three times and wrote two small
@@ -35,7 +35,7 @@ typedef struct {
     const float *w1, *b1;         /* [R, C]; [R] or NULL */
     const float *w2t, *b2;        /* W2 transposed: [R, C]; [C] or NULL */
     double *partial;              /* [threads][N][C] */
-    float *block;                 /* [threads][C]: a block's float sums */
+    float *block;                 /* [threads][max(C, FLAT)]: a run's float sums, then the gate repeated */
     float *gate;                  /* [N][C] */
     float *hidden;                /* [N][R] */
     long N, HW, C, R;
@@ -183,22 +183,34 @@ int kiln_silu(void *object, void *stream, int nargs, const void *args) {
     return 0;
 }
 
-/* rows [lo, hi) of the flattened [N*HW, C] input summed into partial[n][c] (zeroed by the caller) */
-static void sum_rows(const se_plan *p, const float *x, long lo, long hi, double *partial, float *block) {
-    const long C = p->C, HW = p->HW;
+/* Both passes run over `rows_at_once(C)` rows at a time as one flat run of floats, the channel pattern
+   repeated: with a loop per row, B0's 32-channel map of 12544 rows paid a row's loop overhead for two vectors
+   of work (0.115 ms against 0.085 for torch's unfused mean and mul). The block scratch holds one such run:
+   [threads][max(C, FLAT)] floats (se.py allocates it so). */
+#define FLAT 512
+#define FLAT_ROOM(C) ((C) > FLAT ? (C) : FLAT)  /* a thread's block scratch */
+static long rows_at_once(long C) { return C >= FLAT ? 1 : FLAT / C; }
+
+/* rows [lo, hi) of the flattened [N*HW, C] input summed into partial[n][c] (zeroed by the caller): in float
+   over BLOCK runs of rows, then in double */
+static void sum_rows(const se_plan *p, const float *x, long lo, long hi, double *partial, float *restrict block) {
+    const long C = p->C, HW = p->HW, m = rows_at_once(C);
     long r = lo;
     while (r < hi) {
         const long n = r / HW;
         long end = (n + 1) * HW;
         if (end > hi) end = hi;
-        if (end > r + BLOCK) end = r + BLOCK;
-        memcpy(block, x + r * C, (size_t)C * sizeof(float));
-        for (long q = r + 1; q < end; ++q) {
-            const float *row = x + q * C;
-            for (long c = 0; c < C; ++c) block[c] += row[c];
+        if (end > r + BLOCK * m) end = r + BLOCK * m;
+        const long width = (end - r < m ? end - r : m) * C;
+        memset(block, 0, (size_t)width * sizeof(float));
+        for (long q = r; q < end; q += m) {
+            const float *run = x + q * C;
+            const long k_end = end - q < m ? (end - q) * C : width;
+            for (long k = 0; k < k_end; ++k) block[k] += run[k];
         }
         double *acc = partial + n * C;
-        for (long c = 0; c < C; ++c) acc[c] += block[c];
+        for (long k = 0; k < width; k += C)
+            for (long c = 0; c < C; ++c) acc[c] += block[k + c];
         r = end;
     }
 }
@@ -238,12 +250,21 @@ static void excite(const se_plan *p, int threads, long n) {
     activate(gate, C, p->gate_kind, p->gate_alpha, p->gate_beta);
 }
 
-static void scale_rows(const se_plan *p, const float *x, float *y, long lo, long hi) {
-    const long C = p->C, HW = p->HW;
-    for (long r = lo; r < hi; ++r) {
-        const float *g = p->gate + (r / HW) * C, *row = x + r * C;
-        float *out = y + r * C;
-        for (long c = 0; c < C; ++c) out[c] = row[c] * g[c];
+/* rows [lo, hi) scaled by their image's gate, repeated across the block scratch for flat runs of rows */
+static void scale_rows(const se_plan *p, const float *x, float *y, long lo, long hi, float *restrict pattern) {
+    const long C = p->C, HW = p->HW, m = rows_at_once(C);
+    long r = lo;
+    while (r < hi) {
+        const long n = r / HW;
+        const long end = (n + 1) * HW < hi ? (n + 1) * HW : hi;
+        for (long j = 0; j < m; ++j) memcpy(pattern + j * C, p->gate + n * C, (size_t)C * sizeof(float));
+        for (long q = r; q < end; q += m) {
+            const float *run = x + q * C;
+            float *out = y + q * C;  /* may be x: no restrict */
+            const long k_end = (end - q < m ? end - q : m) * C;
+            for (long k = 0; k < k_end; ++k) out[k] = run[k] * pattern[k];
+        }
+        r = end;
     }
 }
 
@@ -262,12 +283,12 @@ int kiln_squeeze_excite(void *object, void *stream, int nargs, const void *args)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const long lo = rows * t / nt, hi = rows * (t + 1) / nt;
-        sum_rows(p, x, lo, hi, p->partial + (long)t * p->N * p->C, p->block + (long)t * p->C);
+        sum_rows(p, x, lo, hi, p->partial + (long)t * p->N * p->C, p->block + (long)t * FLAT_ROOM(p->C));
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (long n = 0; n < p->N; ++n) excite(p, nt, n);
         /* the for's barrier: every gate is ready */
-        scale_rows(p, x, y, lo, hi);
+        scale_rows(p, x, y, lo, hi, p->block + (long)t * FLAT_ROOM(p->C));
     }
     return 0;
 }
