@@ -3,13 +3,16 @@ revision's se.c and against torch, one thread, interleaved.
 
     python bench/se_kernels.py                  # against main's se.c
     python bench/se_kernels.py --base HEAD~1 --rounds 9
+    python bench/se_kernels.py --engine b0.kiln --model efficientnet_b0   # a saved engine, whole runs
 
 Both se.c builds are compiled by kiln's own build (native_loop.build: -O3 -march=native, or the AVX2 flags
 under KILN_CPU_ISA=avx2) and called on the same tensors. Measure: CPU time of the calling thread
 (time.thread_time) of blocks of calls; each round times every variant once (interleaved); the table gives
 the least over rounds in µs per call and, for SiLU, ns per element. torch's peers: F.silu_ (in place), and
 for SE the unfused ops on channels-last tensors (mean, two 1x1 convolutions as linear layers, sigmoid, mul).
-Every variant's output is checked against torch in float64 first.
+Every variant's output is checked against torch in float64 first. With --engine, a saved engine of a zoo model
+is loaded twice, its kernels bound to one build of se.c each (the same layers and tactics otherwise), and timed
+whole against onnxruntime (one thread each, outputs checked against onnxruntime first).
 """
 
 from __future__ import annotations
@@ -21,9 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kiln  # noqa: E402
+from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import conv_silu, native_loop, onednn, se  # noqa: E402
 from kiln.kernels.cpu.cpu_features import isa, isa_cap  # noqa: E402
@@ -129,24 +136,55 @@ def se_rows(base: ctypes.CDLL, here: ctypes.CDLL, rounds: int) -> list[str]:
     return rows
 
 
+def engine_rows(model: str, path: str, base: ctypes.CDLL, here: ctypes.CDLL, rounds: int) -> list[str]:
+    exported = zoo.export(model)
+    feeds = exported.inputs()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)
+    calls = {}
+    saved = se.load
+    for name, library in (("base", base), ("here", here)):
+        se.load = lambda library=library: library  # the engine's SE and SiLU layers bind this build
+        try:
+            engine = kiln.load(path)
+        finally:
+            se.load = saved
+        got = engine.run(feeds)
+        error = max(float(np.max(np.abs(got[n] - w))) for n, w in zip(engine.output_names, want))
+        if error > 1e-4:
+            raise SystemExit(f"{path} on the {name} se.c: {error:.1e} from onnxruntime")
+        calls[name] = lambda engine=engine: engine.run(feeds)
+    calls["onnxruntime"] = lambda: session.run(None, feeds)
+    t = least_per_call(calls, rounds, target_s=0.5)
+    return [f"| {model} ({Path(path).name}) | {t['base'] * 1e3:.2f} | {t['here'] * 1e3:.2f} | "
+            f"{t['onnxruntime'] * 1e3:.2f} | {t['base'] / t['here']:.2f} |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", default="main", help="the revision whose se.c is the 'base' column")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--only", choices=("silu", "se"), help="one of the two tables")
+    parser.add_argument("--only", choices=("silu", "se", "engine"), help="one of the tables")
+    parser.add_argument("--engine", help="a saved engine of --model, timed whole")
+    parser.add_argument("--model", default="efficientnet_b0", help="the zoo model of --engine")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if not (onednn.available() and se.available()):
         raise SystemExit(f"kiln's SE kernel is unavailable: {se.reason()}")
     base, here = library_at(args.base), se.load()
     print(f"CPU: {cpu_name()}, ISA {isa()} (cap: {isa_cap()}), 1 thread, thread CPU time, least of {args.rounds} rounds")
-    if args.only != "se":
+    if args.only in (None, "silu"):
         print(f"\n| layer | {args.base}'s se.c µs (ns/element) | this tree's | torch F.silu_ | speed-up |\n"
               "|---|---|---|---|---|")
         print("\n".join(silu_rows(base, here, args.rounds)))
-    if args.only != "silu":
+    if args.only in (None, "se"):
         print(f"\n| layer | {args.base}'s se.c µs | this tree's | torch unfused | speed-up |\n|---|---|---|---|---|")
         print("\n".join(se_rows(base, here, args.rounds)))
+    if args.engine:
+        print(f"\n| model | {args.base}'s se.c ms | this tree's | onnxruntime | speed-up |\n|---|---|---|---|---|")
+        print("\n".join(engine_rows(args.model, args.engine, base, here, args.rounds)))
 
 
 if __name__ == "__main__":
