@@ -174,7 +174,8 @@ def main() -> None:
     if not (onednn.available() and se.available()):
         raise SystemExit(f"kiln's SE kernel is unavailable: {se.reason()}")
     base, here = library_at(args.base), se.load()
-    print(f"CPU: {cpu_name()}, ISA {isa()} (cap: {isa_cap()}), 1 thread, thread CPU time, least of {args.rounds} rounds")
+    print(f"CPU: {cpu_name()}, ISA {isa()} (cap: {isa_cap()}), 1 thread, thread CPU time, "
+          f"least of {args.rounds} rounds")
     if args.only in (None, "silu"):
         print(f"\n| layer | {args.base}'s se.c µs (ns/element) | this tree's | torch F.silu_ | speed-up |\n"
               "|---|---|---|---|---|")
