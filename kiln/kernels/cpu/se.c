@@ -83,12 +83,13 @@ static inline float exp_poly(float x) {
 typedef float silu_v __attribute__((vector_size(SILU_LANES * 4)));
 typedef int silu_vi __attribute__((vector_size(SILU_LANES * 4)));
 
-/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps with the ISA's min/max for the clamp (from exp_poly's
-   ternaries GCC made masked blends, and from others a second division) and a polynomial of degree 5,
-   not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's iteration; 1.7e-7 there in float).
-   SiLU's relative error against float64 stays under 2.5e-7 (4 ulp; exp_poly's loop: 1.7e-7) over
-   [-100, 100] (tests/unit/test_conv_silu.py), and a B0-sized pass costs ~0.23 ns an element with
-   AVX-512, ~0.33 with AVX2, on a Zen 4 core, against 0.35 and 0.53 for the scalar loop GCC vectorised. */
+/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps with the ISA's min/max for the clamp (GCC compiles
+   exp_poly's ternary clamp into compares and masked blends, and other select forms into a second division)
+   and a polynomial of degree 5, not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's
+   iteration; 1.7e-7 there in float). SiLU's relative error against float64 stays under 2.5e-7 (4 ulp;
+   exp_poly's loop: 1.7e-7) for x > -80 (below, e^-x is clamped at e^87 and SiLU is under 1e-33;
+   tests/unit/test_conv_silu.py). A pass over B0's maps costs 0.24-0.34 ns an element with AVX-512 and
+   0.35-0.50 with AVX2 on a Zen 4 core, against 0.36-0.46 and 0.56-0.79 for the scalar loop GCC vectorised. */
 static inline silu_v silu_vector(silu_v x) {
     const silu_v z = (silu_v)SILU_MIN(SILU_MAX(-x, (silu_v){0} - 87.0f), (silu_v){0} + 88.0f);
     const silu_v n = (z * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* rint: |z·log2 e| < 2^22 */
