@@ -7,9 +7,12 @@
 - EfficientNet (the zoo's tiny one) with every SiLU convolution on the tactic, each segment held in its parallel
   and its serial form (tests/unit/test_small_layers_two_forms.py), equal to onnxruntime.
 - What it refuses: another activation, a residual.
+- se.c's SiLU loop itself against float64 over [-100, 100], within 4 ulp.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import onnx
@@ -21,6 +24,7 @@ import kiln
 from kiln import zoo
 from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_primitives, se
+from kiln.kernels.cpu import conv_silu
 from kiln.kernels.cpu.conv_silu import ConvSiLU
 from kiln.plan.spec import StepSpec
 from kiln.runtime.native import Segment
@@ -70,6 +74,39 @@ def test_layer_matches_float64(c, o, image, k, stride, groups, threads):
             assert (want < -0.1).any()  # SiLU's negative side is exercised: a ReLU would fail
     finally:
         torch.set_num_threads(saved)
+
+
+def kiln_silu_in_place(x: torch.Tensor, threads: int) -> None:
+    """se.c's kiln_silu over a contiguous float32 tensor, as a segment calls it."""
+    lib = onednn.load()
+    md = onednn.memory_desc([1], onednn.TAG_A)
+    memory = onednn._memory(md.value, x.data_ptr())
+    plan = conv_silu._Plan(get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+                           x=memory.value, n=x.numel(), threads=threads)
+    assert se.load().kiln_silu(ctypes.addressof(plan), None, 0, None) == 0
+
+
+SILU_RTOL = 4e-7  # 4 ulp: the loop's exp polynomial (degree 5) is ~3 ulp, its division and scaling 1 more
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_kiln_silu_within_4_ulp_of_float64(threads):
+    # a dense sweep (every exponent range, both signs) and random values; 3·4096 + 13 elements and more: whole
+    # chunks, a partial chunk and a tail shorter than a vector
+    sweep = np.linspace(-100.0, 100.0, 3 * 4096 + 13 + 200_000, dtype=np.float32)
+    x = np.concatenate([sweep, np.random.default_rng(threads).standard_normal(4096 * 3 + 13).astype(np.float32) * 4])
+    got = torch.from_numpy(x.copy())
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kiln_silu_in_place(got, threads)
+    finally:
+        torch.set_num_threads(saved)
+    x64 = x.astype(np.float64)
+    want = x64 / (1.0 + np.exp(-x64))
+    normal = x64 > -80.0  # below, e^-x is clamped at e^87 (SiLU < 1e-33 there): absolute error only
+    np.testing.assert_allclose(got.numpy()[normal], want[normal], rtol=SILU_RTOL, atol=0)
+    np.testing.assert_allclose(got.numpy()[~normal], want[~normal], rtol=0, atol=1e-30)
 
 
 def efficientnet_block(c: int = 8, expand: int = 6, r: int = 4, batch: int | str = 2, image: int = 10) -> onnx.ModelProto:

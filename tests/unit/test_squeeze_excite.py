@@ -78,6 +78,10 @@ KERNEL_CASES = [
     (2, 24, 8, 4, 4, "LeakyRelu", 0.1, 0.0, "Sigmoid", 0.0, 0.0, True),
     (1, 40, 10, 6, 6, "", 0.0, 0.0, "Sigmoid", 0.0, 0.0, True),
     (1, 1152, 48, 7, 7, "SiLU", 0.0, 0.0, "Sigmoid", 0.0, 0.0, True),  # EfficientNet-B0's last blocks
+    # se.c's flat runs of 512 // C rows: 32 channels (16 rows a run) over 2337-row images, a partial run at each
+    # image's end and more than one float block (64 runs) per image; 600 channels (wider than a run)
+    (2, 32, 8, 57, 41, "SiLU", 0.0, 0.0, "Sigmoid", 0.0, 0.0, True),
+    (2, 600, 10, 5, 9, "SiLU", 0.0, 0.0, "Sigmoid", 0.0, 0.0, False),
 ]
 
 

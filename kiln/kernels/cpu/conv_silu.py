@@ -1,9 +1,10 @@
 """A oneDNN convolution followed by kiln's SiLU in place (se.c's kiln_silu): y = silu(conv(x) + b).
 
 Why: oneDNN applies SiLU as its swish post-op, and on an AMD EPYC (Zen 4) core that costs 0.55-1.1 ns an output
-element with AVX2 and ~0.5 with AVX-512, against ~0.4-0.5 ns for se.c's loop over the written output, memory
-included: 1x1 16->96 at 112x112 (1.2M outputs, AVX-512) took 0.41 ms without the post-op, 0.99-1.23 with it and
-0.83 as the convolution and the loop (EfficientNet-B0 has ~6M SiLU outputs a run; bench/results/zoo-cpu-2026-12-03b.md).
+element with AVX2 and ~0.5 with AVX-512, against ~0.25 ns (AVX-512) and ~0.35-0.5 (AVX2) for se.c's loop over the
+written output, memory included: 1x1 16->96 at 112x112 (1.2M outputs, AVX-512) took 0.41 ms without the post-op,
+0.99-1.23 with it and 0.83 as the convolution and the loop's earlier scalar form (0.36 ns an element). EfficientNet-B0
+has ~6M SiLU outputs a run (bench/results/zoo-cpu-2026-12-03b.md).
 On small layers the two are near: which one a layer runs is the autotuner's pick between cpu.conv.onednn_direct and
 cpu.conv.onednn_silu, timed on the machine.
 

@@ -29,6 +29,7 @@ SOURCE = Path(__file__).with_name("se.c").read_text()
 ACTIVATIONS = {"": 0, "Relu": 1, "SiLU": 2, "HardSwish": 3, "Clip": 4, "LeakyRelu": 5, "Sigmoid": 6,
                "HardSigmoid": 7}
 GATES = ("Sigmoid", "HardSigmoid")
+FLAT = 512  # se.c's FLAT: floats of a flat run of rows
 PARALLEL_ELEMENTS = 1 << 14  # below this many input elements one thread: a parallel region costs ~2-5 µs
 
 
@@ -123,7 +124,7 @@ class _Bound:
         forms = onednn_primitives.thread_forms(elements)
         threads = torch.get_num_threads() if elements >= PARALLEL_ELEMENTS and forms[0] is None else 1
         self._partial = torch.zeros(max(threads, 1) * s["N"] * s["C"], dtype=torch.float64)
-        self._block = torch.empty(max(threads, 1) * s["C"], dtype=torch.float32)
+        self._block = torch.empty(max(threads, 1) * max(s["C"], FLAT), dtype=torch.float32)
         self._gate = torch.empty(s["N"] * s["C"], dtype=torch.float32)
         self._hidden = torch.empty(s["N"] * s["R"], dtype=torch.float32)
 
