@@ -163,6 +163,21 @@ class NativeStep:
             else row_major_strides(self.output_size)
 
 
+class same_primitive:
+    """A NativeStep's `primitive` for a layer without an accumulating variant: `primitive` whatever
+    `accumulate`. One slotted object where a closure (`lambda _accumulate: x`) was three the garbage
+    collector tracks (function, cell, closure tuple); a segment binding a new input size keeps one per
+    member, and the full passes' frequency follows what new shapes keep (bench/results/first-calls-2026-12-03b.md)."""
+
+    __slots__ = ("_primitive",)
+
+    def __init__(self, primitive: Any):
+        self._primitive = primitive
+
+    def __call__(self, _accumulate: bool) -> Any:
+        return self._primitive
+
+
 class resizable:
     """Decorates a tactic's `native_at(size) -> NativeStep`: the step it returns gets `at` = this object,
     so the function need not name itself. A closure that passes itself as `at` is a reference cycle
