@@ -31,6 +31,7 @@ layers' own launch functions, as without segments.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -83,13 +84,6 @@ def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtyp
         return tuple(size), dtype, "nhwc" if native.channels_last and len(size) == 4 else "rows"
     size = tuple(native.input_size if role == "src" else native.output_size)
     return size, torch.float32, "nhwc" if len(size) == 4 else "rows"
-
-
-def _numel(size: tuple[int, ...]) -> int:
-    n = 1
-    for d in size:
-        n *= d
-    return n
 
 
 class Segment:
@@ -151,7 +145,7 @@ class Segment:
             g = group[s]
             if g in exit_group:
                 continue
-            size = _numel(forms[s][0]) * forms[s][2].itemsize
+            size = math.prod(forms[s][0]) * forms[s][2].itemsize
             end = last_read.get(s, k)
             iv = spans.get(g)
             if iv is None:
@@ -211,7 +205,7 @@ class Segment:
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
             if self.entry_layouts[k] == "nhwc":
-                buffer = hugepages.empty(_numel(size)).as_strided(size, native_strides(size))
+                buffer = hugepages.empty(math.prod(size)).as_strided(size, native_strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         # What a run points at its inputs and outputs: (memory object, source), the source an
@@ -409,7 +403,7 @@ class Segment:
         capacity = self._capacity
         for s, g in self._arena_slots:
             size, _strides, dtype = forms[s]
-            if _numel(size) * dtype.itemsize > capacity.get(g, -1):
+            if math.prod(size) * dtype.itemsize > capacity.get(g, -1):
                 return False
         return True
 
