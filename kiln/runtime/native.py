@@ -31,6 +31,7 @@ layers' own launch functions, as without segments.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -83,13 +84,6 @@ def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtyp
         return tuple(size), dtype, "nhwc" if native.channels_last and len(size) == 4 else "rows"
     size = tuple(native.input_size if role == "src" else native.output_size)
     return size, torch.float32, "nhwc" if len(size) == 4 else "rows"
-
-
-def _numel(size: tuple[int, ...]) -> int:
-    n = 1
-    for d in size:
-        n *= d
-    return n
 
 
 class Segment:
@@ -151,7 +145,7 @@ class Segment:
             g = group[s]
             if g in exit_group:
                 continue
-            size = _numel(forms[s][0]) * forms[s][2].itemsize
+            size = math.prod(forms[s][0]) * forms[s][2].itemsize
             end = last_read.get(s, k)
             iv = spans.get(g)
             if iv is None:
@@ -174,6 +168,8 @@ class Segment:
         self._bound_members: list[int] = []  # the member of each bound call
         self._calls = []
         self._names = []  # the layer each call belongs to
+        self._call_counts = []  # calls of each bound member: a view whose members make as many shares _names
+        member_calls = []
         with onednn.shared_memories():  # one memory object per arena place and size (a view's too: _bind_sizes)
             bound = [None if native.alias else _bind_member(m, native, accumulate[k], address)
                      for k, (m, native) in enumerate(zip(members, natives))]
@@ -191,6 +187,8 @@ class Segment:
             calls = b.calls()
             self._calls += calls
             self._names += [m.ctx.name] * len(calls)
+            self._call_counts.append(len(calls))
+            member_calls.append(calls)
         self.exit_groups = [group[s] for s in self.exits]
         self.exit_shapes = [forms[s] for s in self.exits]
         self._entry_readers = [consumers[s] for s in self.entries]
@@ -207,7 +205,7 @@ class Segment:
         self._staged = []  # (entry index, Bound of its reorder, its buffer)
         for k, size in enumerate(self.entry_sizes):
             if self.entry_layouts[k] == "nhwc":
-                buffer = hugepages.empty(_numel(size)).as_strided(size, native_strides(size))
+                buffer = hugepages.empty(math.prod(size)).as_strided(size, native_strides(size))
                 reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         # What a run points at its inputs and outputs: (memory object, source), the source an
@@ -232,7 +230,7 @@ class Segment:
         # the forms a run may take (kiln/kernels/cpu/form_choice.py): small layers on OpenMP's count, and, where
         # some have one (onednn_primitives.thread_forms), on one thread
         forms = {PARALLEL: self._calls}
-        serial = serial_calls(self.bound)
+        serial = serial_calls(self.bound, member_calls)
         if serial is not None:
             forms[SERIAL] = serial
         self.chooser = FormChooser() if serial is not None else None
@@ -405,7 +403,7 @@ class Segment:
         capacity = self._capacity
         for s, g in self._arena_slots:
             size, _strides, dtype = forms[s]
-            if _numel(size) * dtype.itemsize > capacity.get(g, -1):
+            if math.prod(size) * dtype.itemsize > capacity.get(g, -1):
                 return False
         return True
 
@@ -653,14 +651,14 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     return (result, made) if made else (steps, [])
 
 
-def serial_calls(bound: list[Any]) -> list | None:
-    """The calls of bound members with each small layer in its serial form (a Bound's serial_calls), the others
-    as they are; None when no member has a serial form."""
+def serial_calls(bound: list[Any], member_calls: list[list]) -> list | None:
+    """The calls of bound members (`member_calls`: each one's calls()) with each small layer in its serial form
+    (a Bound's serial_calls), the others as they are; None when no member has a serial form."""
     calls, any_serial = [], False
-    for b in bound:
+    for b, made in zip(bound, member_calls):
         serial = b.serial_calls() if hasattr(b, "serial_calls") else None
         any_serial |= serial is not None
-        calls += serial if serial is not None else b.calls()
+        calls += serial if serial is not None else made
     return calls if any_serial else None
 
 
@@ -703,7 +701,7 @@ class _Resized:
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
                                                                                natives)
         forms = {PARALLEL: calls}
-        serial = serial_calls(bound)
+        serial = serial_calls(bound, member_calls)
         if serial is not None:
             forms[SERIAL] = serial
         self.chooser = FormChooser() if serial is not None else None  # this size's own times
@@ -720,8 +718,9 @@ class _Resized:
             bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
         self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
-        self._names = [template.members[k].ctx.name for made, k in zip(member_calls, template._bound_members)
-                       for _ in made]
+        counts = [len(made) for made in member_calls]
+        self._names = template._names if counts == template._call_counts else \
+            [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
 
     def _run_bound(self, values: tuple) -> Any:
         template = self.template

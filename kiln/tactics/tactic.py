@@ -21,6 +21,7 @@ a segment does (no Python path per call); the autotuner times that instead of th
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,8 +160,22 @@ class NativeStep:
 
     @property
     def output_strides(self) -> tuple[int, ...]:
-        return native_strides(self.output_size) if self.reads is None or self.channels_last \
-            else row_major_strides(self.output_size)
+        return _output_strides(tuple(self.output_size), self.reads is None or self.channels_last)
+
+
+class same_primitive:
+    """A NativeStep's `primitive` for a layer without an accumulating variant: `primitive` whatever
+    `accumulate`. One slotted object where a closure (`lambda _accumulate: x`) was three the garbage
+    collector tracks (function, cell, closure tuple); a segment binding a new input size keeps one per
+    member, and the full passes' frequency follows what new shapes keep (bench/results/first-calls-2026-12-03b.md)."""
+
+    __slots__ = ("_primitive",)
+
+    def __init__(self, primitive: Any):
+        self._primitive = primitive
+
+    def __call__(self, _accumulate: bool) -> Any:
+        return self._primitive
 
 
 class resizable:
@@ -178,6 +193,13 @@ class resizable:
         step = self._native_at(size)
         step.at = self
         return step
+
+
+@functools.lru_cache(maxsize=1024)
+def _output_strides(size: tuple[int, ...], nhwc: bool) -> tuple[int, ...]:
+    """A NativeStep's output strides, by size: a segment binding a new input size asks for every member's, and
+    its members' outputs share a few sizes (a transformer's: [batch, sequence, hidden] and a handful more)."""
+    return native_strides(size) if nhwc else row_major_strides(size)
 
 
 def native_strides(size: tuple[int, ...]) -> tuple[int, ...]:

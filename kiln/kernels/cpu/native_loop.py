@@ -212,6 +212,8 @@ class Replanned:
     """A bound call's plan at other sizes on the same memory objects (those of `source`, the call
     bound at the template's sizes): (function, plan), and what the plan points at kept alive."""
 
+    __slots__ = ("_function", "_plan", "_source", "_keep", "__weakref__")  # a view over a segment keeps one a member
+
     def __init__(self, function: int, plan: ctypes.Structure, source: Any, *keep: Any):
         self._function, self._plan, self._source, self._keep = function, plan, source, keep
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import functools
 import threading
 import weakref
 from pathlib import Path
@@ -142,6 +143,13 @@ def _addresses(kernel: NativeKernel) -> tuple[int, int]:
     return found
 
 
+@functools.cache
+def _in_array(plan: type[ctypes.Structure]) -> type[ctypes.Array]:
+    """The array type of a plan's `in_` field (looked up once per plan class: every replan of a segment member
+    at a new input size builds one)."""
+    return dict(plan._fields_)["in_"]
+
+
 class KernelBound:
     """One layer's call on memory objects of its own (what a native segment runs); `rebind` points a
     role ("dst", or the index of the step input it reads) elsewhere for a call."""
@@ -170,7 +178,7 @@ class KernelBound:
                     else:
                         fields[name] = self._memories[role].value
         if slots:
-            length = dict(kernel.PLAN._fields_)["in_"]._length_  # 3 (broadcast), 8 (elementwise, concat)
+            length = _in_array(kernel.PLAN)._length_  # 3 (broadcast), 8 (elementwise, concat)
             fields["in_"] = tuple(slots.get(k) for k in range(length))
         return fields
 
@@ -179,7 +187,7 @@ class KernelBound:
         memory = self._memory_fields if kernel.roles == self._roles else self._memory_fields_of(kernel)
         fields = {**kernel.fields, **memory}
         if "in_" in fields:
-            fields["in_"] = dict(kernel.PLAN._fields_)["in_"](*fields["in_"])
+            fields["in_"] = _in_array(kernel.PLAN)(*fields["in_"])
         get_handle, function = _addresses(kernel)
         return kernel.PLAN(get_handle=get_handle, **fields), function
 

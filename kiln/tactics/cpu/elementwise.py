@@ -27,7 +27,7 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.broadcast import broadcast_input_shapes
 from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -150,7 +150,7 @@ def _nhwc_concat_prepare(step: StepSpec, constants: list[Any], device: torch.dev
         y = kernel({k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1) for k, x in enumerate(xs)})
         return y.permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
 
-    launch.native = NativeStep(sizes[0], output_size, lambda _accumulate: kernel,
+    launch.native = NativeStep(sizes[0], output_size, same_primitive(kernel),
                                reads={k: (size, _F32) for k, size in enumerate(sizes)}, channels_last=True)
     return launch
 
@@ -189,7 +189,7 @@ def _nhwc_add_prepare(step: StepSpec, constants: list[Any], device: torch.device
         rows = {k: x.contiguous(memory_format=_CL).permute(0, 2, 3, 1).reshape(n * h * w, c) for k, x in enumerate((a, b))}
         return kernel(rows).reshape(n, h, w, c).permute(0, 3, 1, 2)  # [N, C, H, W] channels-last
 
-    launch.native = NativeStep(size, size, lambda _accumulate: kernel, reads={0: (size, _F32), 1: (size, _F32)},
+    launch.native = NativeStep(size, size, same_primitive(kernel), reads={0: (size, _F32), 1: (size, _F32)},
                                channels_last=True)
     return launch
 

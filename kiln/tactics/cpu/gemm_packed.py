@@ -25,7 +25,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -86,7 +86,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         at_size = bound.get(rows)
         if at_size is None or at_size.input_size != size:
             at_size = bound[rows] = layer.rows(size)
-        return NativeStep(size, at_size.output_size, lambda _accumulate: at_size,
+        return NativeStep(size, at_size.output_size, same_primitive(at_size),
                           residual_input=3 if with_residual else None)
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,

@@ -56,7 +56,7 @@ from kiln.kernels.cpu import conv_silu, gemm_native, onednn, onednn_ahead, onedn
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -319,7 +319,7 @@ def _shape_cached(step: StepSpec, build, squeezed: bool = False):
     def native_at(size: tuple[int, ...]) -> NativeStep:
         primitive = _built(primitives, size, build, lambda key: key == tuned)
         out = tuple(primitive.output_size)
-        return NativeStep(size, out[:2] if squeezed else out, lambda _accumulate: primitive)
+        return NativeStep(size, out[:2] if squeezed else out, same_primitive(primitive))
 
     launch.native = native_at(tuned)
     return launch
@@ -428,10 +428,10 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
             raise ValueError(f"inner product built for [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
         if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
-            return NativeStep(size, bound.output_size, lambda _accumulate: bound,
+            return NativeStep(size, bound.output_size, same_primitive(bound),
                               residual_input=3 if with_residual else None)
         layer = layer_at(rows_of(size))
-        return NativeStep(size, (*size[:-1], n), lambda _accumulate: layer,
+        return NativeStep(size, (*size[:-1], n), same_primitive(layer),
                           residual_input=3 if with_residual else None)
 
     def ahead(scale: float) -> list[onednn_ahead.Job]:
@@ -686,7 +686,7 @@ def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
         conv = _built(primitives, size, build, lambda key: key == tuned)
-        return NativeStep(size, conv.output_size, lambda _accumulate: conv,
+        return NativeStep(size, conv.output_size, same_primitive(conv),
                           residual_input=3 if with_residual else None)
 
     launch.native = native_at(tuned)

@@ -35,7 +35,7 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
@@ -195,7 +195,7 @@ def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
     def native_at(size: tuple[int, ...]) -> NativeStep:  # inside a native segment (kiln/runtime/native.py)
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive,
+        return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
                           output_dtype=primitive.out_dtype)
 
     launch.native = native_at(tuned)
@@ -304,7 +304,7 @@ def _prepare_qgemm(step: StepSpec, constants: list[Any], device: torch.device):
             raise ValueError(f"int8 matmul over [..., {int(w.shape[1])}] rows of rank 2 or 3, given {list(size)}")
         with lock:
             primitive = _built(primitives, math.prod(size[:-1]), build, tuned)
-        return NativeStep(tuple(size), (*size[:-1], n), lambda _accumulate: primitive,
+        return NativeStep(tuple(size), (*size[:-1], n), same_primitive(primitive),
                           output_dtype=primitive.out_dtype)
 
     launch.native = native_at(tuple(step.tactic_config["input_size"]))
@@ -465,7 +465,7 @@ def _prepare_qadd_onednn(step: StepSpec, constants: list[Any], device: torch.dev
 
         def native_at(size: tuple[int, ...]) -> NativeStep:
             primitive = built(tuple(size), a_dtype, b_dtype)
-            return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, residual_input=3,
+            return NativeStep(tuple(size), tuple(size), same_primitive(primitive), residual_input=3,
                               output_dtype=out)
 
         launch.native = native_at(tuple(step.tactic_config["input_size"]))
@@ -513,7 +513,7 @@ def _prepare_max_pool(step: StepSpec, constants: list[Any], device: torch.device
     def native_at(size: tuple[int, ...]) -> NativeStep:
         with lock:
             primitive = _built(primitives, tuple(size), build, tuned)
-        return NativeStep(tuple(size), primitive.output_size, lambda _accumulate: primitive,
+        return NativeStep(tuple(size), primitive.output_size, same_primitive(primitive),
                           output_dtype=dtype)
 
     launch.native = native_at(tuned)
@@ -592,7 +592,7 @@ def _prepare_scaled(step: StepSpec, constants: list[Any], device: torch.device):
             primitive = primitives.get(key)
             if primitive is None:
                 primitive = primitives[key] = onednn_int8.ScaledReorder(list(size), src, dst, scale, z, len(size) == 4)
-        return NativeStep(tuple(size), tuple(size), lambda _accumulate: primitive, output_dtype=dst)
+        return NativeStep(tuple(size), tuple(size), same_primitive(primitive), output_dtype=dst)
 
     lock = threading.Lock()
     launch.native = native_at(tuple(step.tactic_config["input_size"]))

@@ -23,7 +23,7 @@ from kiln.ops.registry import OpContext, lookup
 from kiln.ops.relayout import TABLE_LIMIT
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -70,7 +70,7 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
     def launch(ctx, x, *_inputs, **_attributes):
         return kernel(x) if tuple(x.shape) == tuned else other_sizes(x)
 
-    launch.native = NativeStep(tuned, kernel.output_size, lambda _accumulate: kernel)
+    launch.native = NativeStep(tuned, kernel.output_size, same_primitive(kernel))
     return launch
 
 

@@ -18,7 +18,7 @@ import torch
 from kiln.kernels.cpu import se
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -80,7 +80,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
         found = kernel(tuple(size))
-        return NativeStep(tuple(size), found.output_size, lambda _accumulate: found)
+        return NativeStep(tuple(size), found.output_size, same_primitive(found))
 
     launch.native = native_at(tuned)
     return launch

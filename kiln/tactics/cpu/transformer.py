@@ -33,7 +33,7 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -100,7 +100,7 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         found = entry(sizes)
         if found[1] is None:  # a size bound before keeps its kernel and step as they were
             kernel_, first = found[0], min(sizes)
-            found[1] = NativeStep(sizes[first], kernel_.output_size, lambda _accumulate: kernel_,
+            found[1] = NativeStep(sizes[first], kernel_.output_size, same_primitive(kernel_),
                                   reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=kernel_.output_dtype,
                                   more_outputs=kernel_.more_outputs)
         return found[1]

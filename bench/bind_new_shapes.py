@@ -1,0 +1,84 @@
+"""Binding a native segment at input sizes it has not seen (issue 10's first-call cost), without the rest of a call.
+
+    python bench/bind_new_shapes.py --engine /tmp/bert_base.kiln         # BERT-base: b 1-2 x s 3-62, 120 new shapes
+
+An engine of a BERT-like model (inputs input_ids and attention_mask, symbolic batch and sequence) runs a stream of
+shapes it has never bound, padding of first calls off, so each call binds its shape: Segment._bind_sizes (every
+member's NativeStep at the new sizes, `_natives_at`, then the view over the template, `_Resized`) is timed in
+the calling thread's CPU time. Also the objects the garbage collector tracks that each new shape leaves behind
+(views, the layers' per-size kernels): what makes its full passes come more often. For an A/B, run it from each
+tree in turn (interleaved) and compare the least and the lower quartile: on a shared machine the medians move
+more between runs than the change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first call
+
+import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from kiln.runtime import native  # noqa: E402
+
+
+def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -> None:
+    """Wrap owner.name to append each call's thread CPU time (µs) to `into` (only_new: only keys not bound yet)."""
+    original = getattr(owner, name)
+
+    def timed(self, *args):
+        if only_new and args[0] in self.resized:
+            return original(self, *args)
+        start = time.thread_time_ns()
+        result = original(self, *args)
+        into.append((time.thread_time_ns() - start) / 1e3)
+        return result
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
+    ap.add_argument("--max-batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, nargs=2, default=(3, 63), help="sequence lengths [from, to)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    engine = kiln.load(args.engine)
+    context = engine.create_execution_context()
+    context.warm_up()
+    times: dict[str, list[float]] = {"_bind_sizes": [], "  _natives_at": [], "  _Resized": []}
+    _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
+    _timing(native.Segment, "_natives_at", times["  _natives_at"])
+    _timing(native._Resized, "__init__", times["  _Resized"])
+    rng = np.random.default_rng(args.seed)
+    shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
+    gc.collect()
+    tracked = len(gc.get_objects())
+    for batch, seq in shapes:
+        context.run({"input_ids": rng.integers(0, 1000, (batch, seq)),
+                     "attention_mask": np.ones((batch, seq), np.int64)})
+    gc.collect()
+    kept = (len(gc.get_objects()) - tracked) / len(shapes)
+    print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, 1 thread, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"objects tracked by the garbage collector kept per new shape: {kept:.0f}\n")
+    print("| thread CPU, µs | calls | median | lower quartile | least |\n|---|---|---|---|---|")
+    for name, found in times.items():
+        found.sort()
+        print(f"| {name} | {len(found)} | {statistics.median(found):.0f} | {found[len(found) // 4]:.0f} | "
+              f"{found[0]:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
