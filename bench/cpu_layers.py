@@ -66,6 +66,18 @@ def describe(step) -> str:
         (" +res" if len(step.inputs) > 3 and step.inputs[3] else "")
 
 
+def _timing(store: list[list[float]]):
+    """A wrapper for Program.with_kernels: each call of step i appends its wall time in ms to store[i]."""
+    def wrap(i, fn):
+        def call(ctx, *args, **kw):
+            t0 = time.perf_counter()
+            result = fn(ctx, *args, **kw)
+            store[i].append(1e3 * (time.perf_counter() - t0))
+            return result
+        return call
+    return wrap
+
+
 def time_engines(engines: dict[str, kiln.Engine], feeds: dict, rounds: int) -> dict[str, list[float]]:
     """label -> per-step lower-quartile ms, the engines run in interleaved rounds."""
     import torch
@@ -73,14 +85,7 @@ def time_engines(engines: dict[str, kiln.Engine], feeds: dict, rounds: int) -> d
     samples = {label: [[] for _ in e.program.steps] for label, e in engines.items()}
     timed = {}
     for label, engine in engines.items():
-        def wrap(i, fn, store=samples[label]):
-            def call(ctx, *args, **kw):
-                t0 = time.perf_counter()
-                result = fn(ctx, *args, **kw)
-                store[i].append(1e3 * (time.perf_counter() - t0))
-                return result
-            return call
-        timed[label] = engine.program.with_kernels(wrap)
+        timed[label] = engine.program.with_kernels(_timing(samples[label]))
     inputs = {label: engine.program_inputs(feeds) for label, engine in engines.items()}
     with torch.inference_mode():
         for label, program in timed.items():  # warm-up, then drop its samples
@@ -163,15 +168,7 @@ def versus_onnxruntime(path: Path, engine: kiln.Engine, feeds: dict, threads: in
     step_of_value = {out: i for i, step in enumerate(engine.plan.program.steps) for out in step.outputs}
     kiln_samples: list[list[float]] = [[] for _ in engine.program.steps]
 
-    def wrap(i, fn):
-        def call(ctx, *args, **kw):
-            t0 = time.perf_counter()
-            result = fn(ctx, *args, **kw)
-            kiln_samples[i].append(1e3 * (time.perf_counter() - t0))
-            return result
-        return call
-
-    timed = engine.program.with_kernels(wrap)
+    timed = engine.program.with_kernels(_timing(kiln_samples))
     inputs = engine.program_inputs(feeds)
     with tempfile.TemporaryDirectory() as folder:
         options = ort.SessionOptions()

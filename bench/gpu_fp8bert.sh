@@ -12,23 +12,7 @@ stage "GPU"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu
 stage "engines: bert_b64 kiln_fp16, kiln_fp8_ptq (--profile)"
 timeout 190 python3 bench/quant_gpu.py --sections engines --engines bert_b64 --modes kiln_fp16,kiln_fp8_ptq \
   --row-timeout 140 --profile --out "$OUT/engines" 2>&1 | grep -v "^bert_b64 kiln" | tail -8
-python3 - "$OUT/engines/quant_gpu.log" <<'PY'
-import ast, json, re, sys
-for line in open(sys.argv[1]):
-    m = re.match(r"(\S+) (\S+): (\{.*\}) \(\d+ s\)$", line.strip())
-    if not m:
-        continue
-    row = ast.literal_eval(m.group(3))
-    profile = row.pop("profile", {})
-    print(f"-- {m.group(2)}: {json.dumps(row)[:600]}")
-    print(f"   eager total {profile.get('eager_ms_total')} ms; by (op, tactic): ms, layers")
-    for kind, ms, n in profile.get("by_kind", [])[:14]:
-        print(f"     {ms:8.3f} {n:4d}  {kind}")
-    for name, times in profile.get("encoder_layers_ms", {}).items():
-        print(f"   tuner {name}: {json.dumps(times)[:400]}")
-    for note, count in profile.get("candidate_notes", [])[:6]:
-        print(f"   note x{count}: {note}")
-PY
+python3 bench/quant_gpu.py --show-profiles "$OUT/engines/quant_gpu.log"
 stage "GPU tests (new)"
 timeout 50 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_quant_cuda.py \
   -k "fp8_layer_norm_quantize or fp8_ffn_up or fp8_encoder_engine" 2>&1 | tail -12
