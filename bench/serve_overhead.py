@@ -145,40 +145,56 @@ def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, m
             "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
-def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int]) -> None:
-    """kiln's own share, without grpc: the servicer's ModelInfer path (decode, validate, batch, run,
-    split, encode) called on an event loop with the request already parsed; CPU time of the loop
-    thread (time.thread_time) and of the whole process per request."""
+class _Registry:
+    """Stands in for a grpc server: keeps the method handlers kiln serve registers."""
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        self.handlers = handlers
+
+
+def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model: str) -> None:
+    """kiln's own share, without grpc's transport: the ModelInfer handler as kiln serve registers it (the request's
+    deserializer, the handler, the response's serializer) called on kiln serve's event loop with the request's
+    bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
     sys.path.insert(0, str(tree))
-    from tritonclient.grpc import service_pb2 as pb
-
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer
+    from kiln.serve.grpc_server import InferenceServicer, add_servicer
     from kiln.serve.repository import ModelRepository
+    from kiln.serve.server import run as run_on_serve_loop
 
-    request = pb.ModelInferRequest.FromString(grpc_request_bytes("empty"))
+    data = grpc_request_bytes(model)
 
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        servicer = InferenceServicer(core)
+        registry = _Registry()
+        add_servicer(InferenceServicer(core), registry)
+        handler = registry.handlers["ModelInfer"]
+        parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
+
+        async def one() -> bytes:
+            return serialize(await infer(parse(data), None))
+
         for c in concurrency:
             for _ in range(300):
-                await servicer._infer(request)
+                await one()
             n = requests - requests % c
             loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
             for _ in range(n // c):
                 if c == 1:
-                    await servicer._infer(request)
+                    await one()
                 else:
-                    await asyncio.gather(*[servicer._infer(request) for _ in range(c)])
+                    await asyncio.gather(*[one() for _ in range(c)])
             loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
-            print(f"| inproc {tree} | {c} | {n} | {n / (t1 - t0):.0f} | wall {(t1 - t0) / n * 1e6:.1f} us/req "
+            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} | wall {(t1 - t0) / n * 1e6:.1f} us/req "
                   f"| loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req | process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
                   flush=True)
         await core.close()
 
-    asyncio.run(run())
+    run_on_serve_loop(run())
 
 
 MODELS = {"on": "empty", "off": "empty_alone"}
@@ -206,7 +222,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
             tree = Path(args.trees[0]).resolve()
             _write_repository(Path(tmp), sys.executable, tree)
-            _inproc(tree, Path(tmp), args.requests, args.concurrency)
+            for batching in args.batching:
+                _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
     python = sys.executable
     servers = [(t, n) for t in args.trees for n in args.frontends] + ([("floor", 0)] if args.floor else [])
