@@ -2,7 +2,7 @@
 from the server's side as CPU time per request, thread by thread, read from /proc, and from the client's
 (latency p50/p99, requests/s, the client's own CPU per request).
 
-    python bench/serve_overhead.py --floor                   # this checkout, gRPC and HTTP, raw and tritonclient
+    python bench/serve_overhead.py --floor grpcio h2         # this checkout, gRPC and HTTP, raw and tritonclient
     python bench/serve_overhead.py --trees /tmp/before . --rounds 3   # interleaved: A B A B A B
     python bench/serve_overhead.py --batching on off         # the model with and without dynamic batching
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
@@ -13,8 +13,10 @@ A `kiln serve` subprocess (one per tree and round, 127.0.0.1, free ports) serves
 dynamic batching on (no queue delay) and off. Each row's load is a client subprocess
 (bench/serve_overhead_client.py): raw (a bare grpc stub sending the request serialized once; hand-written
 HTTP/1.1 with the binary tensor extension) or tritonclient, one blocking call after another at
-concurrency 1, N clients on one event loop at N, each on a connection of its own. `--floor` adds a bare
-grpc.aio server answering a constant: what gRPC in Python costs before kiln does anything. The server's
+concurrency 1, N clients on one event loop at N, each on a connection of its own. `--floor` adds bare
+gRPC servers answering a constant: grpc.aio's (what gRPC in Python costs before kiln does anything) and
+bench/serve_h2_floor.py's (HTTP/2 on uvloop's protocol callbacks, nothing decoded: what a transport of
+kiln's own would start from). The server's
 CPU time over the measured requests (utime + stime of each of its threads, before and after) divided by
 their count is what kiln serve and grpc cost per request, whatever else runs on the machine; wall-clock
 numbers (p50, requests/s) are printed too but on a shared machine (client and server on its cores) they
@@ -111,10 +113,13 @@ uvloop.run(main())
 """
 
 
-def _start_floor(python: str) -> tuple[subprocess.Popen, dict[str, int]]:
-    """The protocol's floor: a bare grpc.aio server (uvloop, as kiln serve's) answering every ModelInfer with
-    the same serialized response, nothing decoded or run."""
-    process = subprocess.Popen([python, "-c", _FLOOR], stdout=subprocess.PIPE, text=True)
+FLOORS = {"grpcio": ["-c", _FLOOR], "h2": [str(ROOT / "bench" / "serve_h2_floor.py")]}
+
+
+def _start_floor(python: str, kind: str) -> tuple[subprocess.Popen, dict[str, int]]:
+    """A floor: a bare gRPC server (uvloop, as kiln serve's) answering every ModelInfer with the same serialized
+    response, nothing decoded or run: grpc.aio's, or bench/serve_h2_floor.py's HTTP/2 on uvloop's callbacks."""
+    process = subprocess.Popen([python, *FLOORS[kind]], stdout=subprocess.PIPE, text=True)
     return process, {"gRPC": int(process.stdout.readline().rsplit(":", 1)[1])}
 
 
@@ -209,8 +214,9 @@ def main() -> None:
     parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "tritonclient"])
     parser.add_argument("--batching", nargs="+", default=["on"], choices=list(MODELS),
                         help="the model's dynamic batching (off: each request its own engine call)")
-    parser.add_argument("--floor", action="store_true", help="also a bare grpc.aio server answering a constant "
-                        "(what gRPC itself costs)")
+    parser.add_argument("--floor", nargs="*", default=[], choices=list(FLOORS),
+                        help="also bare gRPC servers answering a constant: grpcio (grpc.aio: what gRPC in Python costs "
+                        "before kiln does anything), h2 (bench/serve_h2_floor.py: HTTP/2 on uvloop's callbacks)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
     parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
@@ -226,7 +232,7 @@ def main() -> None:
                 _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
     python = sys.executable
-    servers = [(t, n) for t in args.trees for n in args.frontends] + ([("floor", 0)] if args.floor else [])
+    servers = [(t, n) for t in args.trees for n in args.frontends] + [(f"floor {kind}", 0) for kind in args.floor]
     loads = [(p, c, b) for p in args.protocols for c in args.clients for b in args.batching]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
@@ -240,14 +246,14 @@ def main() -> None:
               "| client CPU us/req |\n" + "|---" * 17 + "|", flush=True)
         for r in range(args.rounds):
             for tree, frontends in servers:
-                if tree == "floor":
-                    process, ports = _start_floor(python)
+                if tree.startswith("floor "):
+                    process, ports = _start_floor(python, tree.split()[1])
                 else:
                     process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
                                             profile=args.profile)
                 try:
                     for protocol, client, batching in loads:
-                        if tree == "floor" and (protocol != "grpc" or batching != "on"):
+                        if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"):
                             continue
                         for c in args.concurrency:
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
