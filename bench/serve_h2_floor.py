@@ -1,7 +1,10 @@
 """What a gRPC transport written on uvloop's protocol callbacks (as uvicorn's HTTP/1.1 is) would cost: a
-bare HTTP/2 server answering every gRPC call with the same ModelInferResponse, nothing decoded.
+bare HTTP/2 server answering every gRPC call with the same ModelInferResponse, nothing decoded; or, given
+a model repository, every call answered by kiln serve's own ModelInfer handler (its deserializer, handler
+and serializer, over a ServerCore of the repository: decode, validate, batch, run, encode).
 
-    python bench/serve_h2_floor.py        # prints "kiln serve: gRPC on 127.0.0.1:PORT", serves until killed
+    python bench/serve_h2_floor.py                 # prints "kiln serve: gRPC on 127.0.0.1:PORT", serves until killed
+    python bench/serve_h2_floor.py --repository R  # every call is a ModelInfer of R's models, through kiln
 
 bench/serve_overhead.py --floor grpcio h2 sets it beside a bare grpc.aio server answering the same constant:
 the difference is grpcio's own cost per request (its Cython server, completion queue, poller thread and
@@ -17,8 +20,11 @@ the answer is HEADERS (:status 200, content-type), DATA, and trailers (grpc-stat
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import struct
+import sys
+from pathlib import Path
 
 import uvloop
 from tritonclient.grpc import service_pb2 as pb
@@ -45,11 +51,20 @@ def _answer() -> bytes:
     return struct.pack(">BI", 0, len(data)) + data
 
 
+def _frames(stream: int, message: bytes) -> bytes:
+    """A gRPC answer: headers, the message, trailers."""
+    return b"".join((frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS),
+                     frame(DATA, 0, stream, struct.pack(">BI", 0, len(message)) + message),
+                     frame(HEADERS, END_HEADERS | END_STREAM, stream, TRAILERS)))
+
+
 class Http2Floor(asyncio.Protocol):
     answer = _answer()
+    handler = None  # with a repository: kiln serve's ModelInfer method handler
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        self.requests: dict[int, bytes] = {}  # stream -> its request's bytes so far (gRPC's 5-byte prefix first)
         self.buffer = b""
         self.preface = False
         self.unacknowledged = 0  # request bytes received since the last connection WINDOW_UPDATE
@@ -78,9 +93,14 @@ class Http2Floor(asyncio.Protocol):
             pos = payload_at + length
             if kind == DATA:
                 self.unacknowledged += length
-                if flags & END_STREAM:
+                data = self.requests.pop(stream, b"") + buffer[payload_at:pos]
+                if not flags & END_STREAM:
+                    self.requests[stream] = data
+                elif self.handler is None:
                     out += (frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS), frame(DATA, 0, stream, self.answer),
                             frame(HEADERS, END_HEADERS | END_STREAM, stream, TRAILERS))
+                else:
+                    self._infer(stream, data[5:])
             elif kind == SETTINGS and not flags & ACK:
                 out.append(frame(SETTINGS, ACK, 0))
             elif kind == PING and not flags & ACK:
@@ -97,11 +117,32 @@ class Http2Floor(asyncio.Protocol):
             self.transport.write(b"".join(out))
 
 
-async def main() -> None:
+    def _infer(self, stream: int, request: bytes) -> None:
+        """kiln's handler as grpc.aio runs it (a task per call), its answer written when it returns."""
+        handler = self.handler
+        task = asyncio.get_running_loop().create_task(handler.unary_unary(handler.request_deserializer(request), None))
+        task.add_done_callback(lambda done: self.transport.write(_frames(stream, handler.response_serializer(
+            done.result()))))
+
+
+async def main(repository: str | None) -> None:
+    if repository is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from kiln.serve.core import ServerCore
+        from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
+        from kiln.serve.repository import ModelRepository
+
+        core = ServerCore(ModelRepository(repository))
+        await core.start()
+        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
+        add_servicer(InferenceServicer(core), registered)
+        Http2Floor.handler = registered.handlers["ModelInfer"]
     server = await asyncio.get_running_loop().create_server(Http2Floor, "127.0.0.1", 0)
     print(f"kiln serve: gRPC on 127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()
 
 
 if __name__ == "__main__":
-    uvloop.run(main())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repository", help="answer through kiln serve's ModelInfer over this model repository")
+    uvloop.run(main(parser.parse_args().repository))

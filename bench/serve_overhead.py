@@ -2,7 +2,7 @@
 from the server's side as CPU time per request, thread by thread, read from /proc, and from the client's
 (latency p50/p99, requests/s, the client's own CPU per request).
 
-    python bench/serve_overhead.py --floor grpcio h2         # this checkout, gRPC and HTTP, raw and tritonclient
+    python bench/serve_overhead.py --floor grpcio h2 h2-kiln # this checkout, gRPC and HTTP, raw and tritonclient
     python bench/serve_overhead.py --trees /tmp/before . --rounds 3   # interleaved: A B A B A B
     python bench/serve_overhead.py --batching on off         # the model with and without dynamic batching
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
@@ -16,7 +16,8 @@ HTTP/1.1 with the binary tensor extension) or tritonclient, one blocking call af
 concurrency 1, N clients on one event loop at N, each on a connection of its own. `--floor` adds bare
 gRPC servers answering a constant: grpc.aio's (what gRPC in Python costs before kiln does anything) and
 bench/serve_h2_floor.py's (HTTP/2 on uvloop's protocol callbacks, nothing decoded: what a transport of
-kiln's own would start from). The server's
+kiln's own would start from); h2-kiln is that HTTP/2 experiment answering through kiln serve's ModelInfer
+handler (decode, validate, batch, run, encode): kiln's path without grpcio. The server's
 CPU time over the measured requests (utime + stime of each of its threads, before and after) divided by
 their count is what kiln serve and grpc cost per request, whatever else runs on the machine; wall-clock
 numbers (p50, requests/s) are printed too but on a shared machine (client and server on its cores) they
@@ -113,13 +114,16 @@ uvloop.run(main())
 """
 
 
-FLOORS = {"grpcio": ["-c", _FLOOR], "h2": [str(ROOT / "bench" / "serve_h2_floor.py")]}
+FLOORS = {"grpcio": ["-c", _FLOOR], "h2": [str(ROOT / "bench" / "serve_h2_floor.py")],
+          "h2-kiln": [str(ROOT / "bench" / "serve_h2_floor.py"), "--repository"]}
 
 
-def _start_floor(python: str, kind: str) -> tuple[subprocess.Popen, dict[str, int]]:
+def _start_floor(python: str, kind: str, repository: Path) -> tuple[subprocess.Popen, dict[str, int]]:
     """A floor: a bare gRPC server (uvloop, as kiln serve's) answering every ModelInfer with the same serialized
-    response, nothing decoded or run: grpc.aio's, or bench/serve_h2_floor.py's HTTP/2 on uvloop's callbacks."""
-    process = subprocess.Popen([python, *FLOORS[kind]], stdout=subprocess.PIPE, text=True)
+    response, nothing decoded or run: grpc.aio's, or bench/serve_h2_floor.py's HTTP/2 on uvloop's callbacks; or
+    (h2-kiln) that HTTP/2 answering through kiln serve's ModelInfer handler (this checkout's) over `repository`."""
+    command = [python, *FLOORS[kind]] + ([str(repository)] if kind == "h2-kiln" else [])
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     return process, {"gRPC": int(process.stdout.readline().rsplit(":", 1)[1])}
 
 
@@ -150,23 +154,13 @@ def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, m
             "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
-class _Registry:
-    """Stands in for a grpc server: keeps the method handlers kiln serve registers."""
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        pass
-
-    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
-        self.handlers = handlers
-
-
 def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model: str) -> None:
     """kiln's own share, without grpc's transport: the ModelInfer handler as kiln serve registers it (the request's
     deserializer, the handler, the response's serializer) called on kiln serve's event loop with the request's
     bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
     sys.path.insert(0, str(tree))
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer, add_servicer
+    from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
     from kiln.serve.repository import ModelRepository
     from kiln.serve.server import run as run_on_serve_loop
 
@@ -175,9 +169,9 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        registry = _Registry()
-        add_servicer(InferenceServicer(core), registry)
-        handler = registry.handlers["ModelInfer"]
+        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
+        add_servicer(InferenceServicer(core), registered)
+        handler = registered.handlers["ModelInfer"]
         parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
         async def one() -> bytes:
@@ -216,7 +210,8 @@ def main() -> None:
                         help="the model's dynamic batching (off: each request its own engine call)")
     parser.add_argument("--floor", nargs="*", default=[], choices=list(FLOORS),
                         help="also bare gRPC servers answering a constant: grpcio (grpc.aio: what gRPC in Python costs "
-                        "before kiln does anything), h2 (bench/serve_h2_floor.py: HTTP/2 on uvloop's callbacks)")
+                        "before kiln does anything), h2 (bench/serve_h2_floor.py: HTTP/2 on uvloop's callbacks); "
+                        "h2-kiln: that HTTP/2 answering through kiln serve's ModelInfer handler")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
     parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
@@ -247,13 +242,14 @@ def main() -> None:
         for r in range(args.rounds):
             for tree, frontends in servers:
                 if tree.startswith("floor "):
-                    process, ports = _start_floor(python, tree.split()[1])
+                    process, ports = _start_floor(python, tree.split()[1], repos[args.trees[0]])
                 else:
                     process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
                                             profile=args.profile)
                 try:
                     for protocol, client, batching in loads:
-                        if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"):
+                        if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"
+                                                          and tree != "floor h2-kiln"):
                             continue
                         for c in args.concurrency:
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
