@@ -93,7 +93,7 @@ def _cpu(pid: int) -> dict[tuple[int, int], float]:
 
 
 _FLOOR = r"""
-import sys, grpc, uvloop
+import grpc, uvloop
 from tritonclient.grpc import service_pb2 as pb
 answer = pb.ModelInferResponse(model_name="empty", model_version="1")
 answer.outputs.add(name="y", datatype="FP32", shape=[1, 4])
@@ -188,8 +188,9 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
                 else:
                     await asyncio.gather(*[one() for _ in range(c)])
             loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
-            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} | wall {(t1 - t0) / n * 1e6:.1f} us/req "
-                  f"| loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req | process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
+            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
+                  f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
+                  f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
                   flush=True)
         await core.close()
 

@@ -145,7 +145,8 @@ class ResponseEncoder:
         self._heads: dict[tuple[str, str], bytes] = {}  # fields 1 and 2: the model's name and version
         self._outputs: dict[tuple[str, str, tuple[int, ...]], bytes] = {}  # a field 5: one output's description
 
-    def encode(self, model: str, version: str, id: str, outputs: list[tuple[str, str, tuple[int, ...], bytes]]) -> bytes:
+    def encode(self, model: str, version: str, id: str,
+               outputs: list[tuple[str, str, tuple[int, ...], bytes]]) -> bytes:
         """`outputs`: (name, datatype, shape, raw bytes) of each, in the answer's order."""
         head = self._heads.get((model, version))
         if head is None:
