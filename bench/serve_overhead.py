@@ -1,27 +1,36 @@
-"""kiln serve's own overhead: an empty model (y = Identity(x), FP32 [1, 4]) over gRPC, measured from
-the server's side as CPU time per request, thread by thread, read from /proc.
+"""kiln serve's own overhead: an empty model (y = Identity(x), FP32 [1, 4]) over gRPC and HTTP, measured
+from the server's side as CPU time per request, thread by thread, read from /proc, and from the client's
+(latency p50/p99, requests/s, the client's own CPU per request).
 
-    python bench/serve_overhead.py                           # this checkout, concurrency 1 and 64
+    python bench/serve_overhead.py --floor grpcio h2 h2-kiln # this checkout, gRPC and HTTP, raw and tritonclient
     python bench/serve_overhead.py --trees /tmp/before . --rounds 3   # interleaved: A B A B A B
+    python bench/serve_overhead.py --batching on off         # the model with and without dynamic batching
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
     python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
+    python bench/serve_overhead.py --inproc                  # kiln's own path without grpc, in this process
 
 A `kiln serve` subprocess (one per tree and round, 127.0.0.1, free ports) serves the empty model with
-dynamic batching on (no queue delay). The client is a bare grpc stub with the request serialized
-once: at concurrency 1 one blocking stub call after another, at concurrency N one grpc.aio channel
-with N tasks in a client subprocess, each on a channel (connection) of its own. The server's CPU time over the measured requests (utime +
-stime of each of its threads, before and after) divided by their count is what kiln serve and
-grpc cost per request, whatever else runs on the machine; wall-clock numbers (p50, requests/s)
-are printed too but on a shared machine they move with its load. CPU time per request is the
-number to compare between trees, in interleaved rounds. With --frontends the server's CPU time is its
-processes' (the engine's and its front ends'), shown whole and split: the engine process, of it its
-event loop thread, and the front ends together.
+dynamic batching on (no queue delay) and off. Each row's load is a client subprocess
+(bench/serve_overhead_client.py): raw (a bare grpc stub sending the request serialized once; hand-written
+HTTP/1.1 with the binary tensor extension) or tritonclient, one blocking call after another at
+concurrency 1, N clients on one event loop at N, each on a connection of its own. `--floor` adds bare
+gRPC servers answering a constant: grpc.aio's (what gRPC in Python costs before kiln does anything) and
+bench/serve_h2_floor.py's (HTTP/2 on uvloop's protocol callbacks, nothing decoded: what a transport of
+kiln's own would start from); h2-kiln is that HTTP/2 experiment answering through kiln serve's ModelInfer
+handler (decode, validate, batch, run, encode): kiln's path without grpcio. The server's
+CPU time over the measured requests (utime + stime of each of its threads, before and after) divided by
+their count is what kiln serve and grpc cost per request, whatever else runs on the machine; wall-clock
+numbers (p50, requests/s) are printed too but on a shared machine (client and server on its cores) they
+move with its load. CPU time per request is the number to compare between trees, in interleaved rounds.
+With --frontends the server's CPU time is its processes' (the engine's and its front ends'), shown whole
+and split: the engine process, of it its event loop thread, and the front ends together.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -34,12 +43,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import _start  # noqa: E402 - bench/serve.py's server start (ports read from its log)
+from serve_overhead_client import grpc_request_bytes  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _write_repository(root: Path, python: str, tree: Path) -> None:
-    """The empty model's engine, built by the tree under test (so its engine format matches)."""
+    """The empty model's engine, built by the tree under test (so its engine format matches), served as "empty"
+    (dynamic batching on, no queue delay) and "empty_alone" (no dynamic batching: each request its own call)."""
     version = root / "empty" / "1"
     version.mkdir(parents=True)
     script = f"""
@@ -53,6 +64,10 @@ kiln.build({str(root / 'e.onnx')!r}).save({str(version / 'model.kiln')!r})
 """
     subprocess.run([python, "-c", script], cwd=tree, check=True, env={**os.environ, "PYTHONPATH": str(tree)})
     (root / "empty" / "config.pbtxt").write_text("max_batch_size: 64\ndynamic_batching { }\n")
+    alone = root / "empty_alone" / "1"
+    alone.mkdir(parents=True)
+    shutil.copy(version / "model.kiln", alone / "model.kiln")
+    (root / "empty_alone" / "config.pbtxt").write_text("max_batch_size: 64\n")
 
 
 def _stat(path: str) -> list[str] | None:
@@ -77,122 +92,112 @@ def _cpu(pid: int) -> dict[tuple[int, int], float]:
     return out
 
 
-def _request_bytes() -> bytes:
-    import numpy as np
-    from tritonclient.grpc import service_pb2 as pb
-
-    request = pb.ModelInferRequest(model_name="empty")
-    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
-    request.raw_input_contents.append(np.arange(4, dtype=np.float32).tobytes())
-    return request.SerializeToString()
-
-
-_CLIENT = r"""
-import asyncio, sys, time, grpc
-port, concurrency, seconds, payload = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), bytes.fromhex(sys.argv[4])
+_FLOOR = r"""
+import grpc, uvloop
+from tritonclient.grpc import service_pb2 as pb
+answer = pb.ModelInferResponse(model_name="empty", model_version="1")
+answer.outputs.add(name="y", datatype="FP32", shape=[1, 4])
+answer.raw_output_contents.append(bytes(16))
+answer = answer.SerializeToString()
+async def infer(request, context):
+    return answer
 async def main():
-    # a connection per worker (its own subchannel pool): with front-end processes, the kernel spreads connections
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1)])
-                for _ in range(concurrency)]
-    calls = [c.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
-                           response_deserializer=None) for c in channels]
-    counts = [0]; lat = []
-    stop = time.perf_counter() + seconds
-    async def worker(call):
-        while time.perf_counter() < stop:
-            t = time.perf_counter(); await call(payload); lat.append(time.perf_counter() - t); counts[0] += 1
-    for call in calls:  # warm-up: connections and first calls
-        await call(payload)
-    print("go", flush=True); sys.stdin.readline()
-    stop = time.perf_counter() + seconds
-    t0 = time.perf_counter()
-    await asyncio.gather(*[worker(call) for call in calls])
-    lat.sort()
-    print(counts[0], time.perf_counter() - t0, lat[len(lat) // 2], lat[int(len(lat) * 0.99)], flush=True)
-    for c in channels:
-        await c.close()
-asyncio.run(main())
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(infer)  # no (de)serializers: bytes in, bytes out
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "inference.GRPCInferenceService", {"ModelInfer": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"kiln serve: gRPC on 127.0.0.1:{port}", flush=True)
+    await server.wait_for_termination()
+uvloop.run(main())
 """
 
 
-def _measure(process: subprocess.Popen, port: int, concurrency: int, requests: int, seconds: float,
-             python: str) -> dict:
-    payload = _request_bytes()
-    if concurrency == 1:
-        import grpc
+FLOORS = {"grpcio": ["-c", _FLOOR], "h2": [str(ROOT / "bench" / "serve_h2_floor.py")],
+          "h2-kiln": [str(ROOT / "bench" / "serve_h2_floor.py"), "--repository"]}
 
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
-        for _ in range(200):
-            call(payload)
-        before = _cpu(process.pid)
-        latencies = []
-        t0 = time.perf_counter()
-        for _ in range(requests):
-            t = time.perf_counter()
-            call(payload)
-            latencies.append(time.perf_counter() - t)
-        wall = time.perf_counter() - t0
-        after = _cpu(process.pid)
-        channel.close()
-        count = requests
-        latencies.sort()
-        p50, p99 = latencies[len(latencies) // 2], latencies[int(len(latencies) * 0.99)]
-    else:
-        client = subprocess.Popen([python, "-c", _CLIENT, str(port), str(concurrency), str(seconds), payload.hex()],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert client.stdout.readline().strip() == "go"
-        before = _cpu(process.pid)
-        client.stdin.write("\n")
-        client.stdin.flush()
-        count, wall, p50, p99 = client.stdout.readline().split()
-        after = _cpu(process.pid)
-        client.wait(30)
-        count, wall, p50, p99 = int(count), float(wall), float(p50), float(p99)
+
+def _start_floor(python: str, kind: str, repository: Path) -> tuple[subprocess.Popen, dict[str, int]]:
+    """A floor: a bare gRPC server (uvloop, as kiln serve's) answering every ModelInfer with the same serialized
+    response, nothing decoded or run: grpc.aio's, or bench/serve_h2_floor.py's HTTP/2 on uvloop's callbacks; or
+    (h2-kiln) that HTTP/2 answering through kiln serve's ModelInfer handler (this checkout's) over `repository`."""
+    command = [python, *FLOORS[kind]] + ([str(repository)] if kind == "h2-kiln" else [])
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    return process, {"gRPC": int(process.stdout.readline().rsplit(":", 1)[1])}
+
+
+def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, model: str, concurrency: int,
+             seconds: float, python: str) -> dict:
+    """One row: the client process warms up, the server's threads' CPU time is read around its window."""
+    load = subprocess.Popen([python, str(ROOT / "bench" / "serve_overhead_client.py"), protocol, client, str(port),
+                             model, str(concurrency), str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    if load.stdout.readline().strip() != "go":
+        load.kill()
+        raise RuntimeError(f"the {protocol} {client} client did not start")
+    before = _cpu(process.pid)
+    load.stdin.write("\n")
+    load.stdin.flush()
+    result = json.loads(load.stdout.readline())
+    after = _cpu(process.pid)
+    load.wait(30)
+    count = result["requests"]
     threads = sorted(((after[t] - before.get(t, 0.0)) * 1e6 / count, t) for t in after)
     threads.reverse()
     main = next(us for us, t in threads if t == (process.pid, process.pid))
     engine = sum(us for us, (p, _) in threads if p == process.pid)
-    return {"count": count, "rate": count / wall, "p50_us": p50 * 1e6, "p99_us": p99 * 1e6,
+    return {"count": count, "rate": count / result["wall_s"], "p50_us": result["p50_s"] * 1e6,
+            "p99_us": result["p99_s"] * 1e6, "client_us": result["client_cpu_s"] * 1e6 / count,
             "server_us": sum(us for us, _ in threads), "loop_us": main, "engine_us": engine,
             "frontends_us": sum(us for us, (p, _) in threads if p != process.pid),
             "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
-def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int]) -> None:
-    """kiln's own share, without grpc: the servicer's ModelInfer path (decode, validate, batch, run,
-    split, encode) called on an event loop with the request already parsed; CPU time of the loop
-    thread (time.thread_time) and of the whole process per request."""
+def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model: str) -> None:
+    """kiln's own share, without grpc's transport: the ModelInfer handler as kiln serve registers it (the request's
+    deserializer, the handler, the response's serializer) called on kiln serve's event loop with the request's
+    bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
     sys.path.insert(0, str(tree))
-    from tritonclient.grpc import service_pb2 as pb
-
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer
+    from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
     from kiln.serve.repository import ModelRepository
+    from kiln.serve.server import run as run_on_serve_loop
 
-    request = pb.ModelInferRequest.FromString(_request_bytes())
+    data = grpc_request_bytes(model)
 
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        servicer = InferenceServicer(core)
+        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
+        add_servicer(InferenceServicer(core), registered)
+        handler = registered.handlers["ModelInfer"]
+        parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
+
+        async def one() -> bytes:
+            return serialize(await infer(parse(data), None))
+
         for c in concurrency:
             for _ in range(300):
-                await servicer._infer(request)
+                await one()
             n = requests - requests % c
             loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
             for _ in range(n // c):
                 if c == 1:
-                    await servicer._infer(request)
+                    await one()
                 else:
-                    await asyncio.gather(*[servicer._infer(request) for _ in range(c)])
+                    await asyncio.gather(*[one() for _ in range(c)])
             loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
-            print(f"| inproc {tree} | {c} | {n} | {n / (t1 - t0):.0f} | wall {(t1 - t0) / n * 1e6:.1f} us/req "
-                  f"| loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req | process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
+            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
+                  f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
+                  f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
                   flush=True)
         await core.close()
 
-    asyncio.run(run())
+    run_on_serve_loop(run())
+
+
+MODELS = {"on": "empty", "off": "empty_alone"}
 
 
 def main() -> None:
@@ -200,9 +205,17 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)], help="kiln checkouts to compare, interleaved")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--frontends", type=int, nargs="+", default=[0], help="kiln serve --frontends values to compare")
+    parser.add_argument("--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"])
+    parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "tritonclient"])
+    parser.add_argument("--batching", nargs="+", default=["on"], choices=list(MODELS),
+                        help="the model's dynamic batching (off: each request its own engine call)")
+    parser.add_argument("--floor", nargs="*", default=[], choices=list(FLOORS),
+                        help="also bare gRPC servers answering a constant: grpcio (grpc.aio: what gRPC in Python costs "
+                        "before kiln does anything), h2 (bench/serve_h2_floor.py: HTTP/2 on uvloop's callbacks); "
+                        "h2-kiln: that HTTP/2 answering through kiln serve's ModelInfer handler")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--requests", type=int, default=3000, help="sequential requests at concurrency 1")
-    parser.add_argument("--seconds", type=float, default=3.0, help="window at higher concurrency")
+    parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
+    parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
     parser.add_argument("--profile", help="cProfile the server's main thread into this file (one tree)")
     parser.add_argument("--inproc", action="store_true", help="kiln's own path without grpc, in this process "
                         "(one tree)")
@@ -211,46 +224,66 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
             tree = Path(args.trees[0]).resolve()
             _write_repository(Path(tmp), sys.executable, tree)
-            _inproc(tree, Path(tmp), args.requests, args.concurrency)
+            for batching in args.batching:
+                _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
     python = sys.executable
+    servers = [(t, n) for t in args.trees for n in args.frontends] + [(f"floor {kind}", 0) for kind in args.floor]
+    loads = [(p, c, b) for p in args.protocols for c in args.clients for b in args.batching]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
         repos = {}
         for k, tree in enumerate(args.trees):
             repos[tree] = Path(tmp) / f"repo{k}"
             _write_repository(repos[tree], python, Path(tree).resolve())
-        print("| round | tree | front ends | concurrency | requests | req/s | p50 us | p99 us | server CPU us/req "
-              "| engine process | its loop thread | its other threads | front ends |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+        print(f"CPU: {_cpu_model()}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
+        print("| round | server | front ends | protocol | client | batching | concurrency | requests | req/s | p50 us "
+              "| p99 us | server CPU us/req | engine process | its loop thread | its other threads | front ends "
+              "| client CPU us/req |\n" + "|---" * 17 + "|", flush=True)
         for r in range(args.rounds):
-            for tree, frontends in [(t, n) for t in args.trees for n in args.frontends]:
-                process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
-                                        profile=args.profile)
-                port = ports["gRPC"]
+            for tree, frontends in servers:
+                if tree.startswith("floor "):
+                    process, ports = _start_floor(python, tree.split()[1], repos[args.trees[0]])
+                else:
+                    process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
+                                            profile=args.profile)
                 try:
-                    for c in args.concurrency:
-                        m = _measure(process, port, c, args.requests, args.seconds, python)
-                        rows.append(((tree, frontends), c, m))
-                        print(f"| {r} | {tree} | {frontends} | {c} | {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} "
-                              f"| {m['p99_us']:.0f} | {m['server_us']:.0f} | {m['engine_us']:.0f} | {m['loop_us']:.0f} "
-                              f"| {m['others_us']} | {m['frontends_us']:.0f} |", flush=True)
+                    for protocol, client, batching in loads:
+                        if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"
+                                                          and tree != "floor h2-kiln"):
+                            continue
+                        for c in args.concurrency:
+                            m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
+                                         MODELS[batching], c, args.seconds, python)
+                            key = (tree, frontends, protocol, client, batching, c)
+                            rows.append((key, m))
+                            print(f"| {r} | {tree} | {frontends} | {protocol} | {client} | {batching} | {c} "
+                                  f"| {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} | {m['p99_us']:.0f} "
+                                  f"| {m['server_us']:.0f} | {m['engine_us']:.0f} | {m['loop_us']:.0f} "
+                                  f"| {m['others_us']} | {m['frontends_us']:.0f} | {m['client_us']:.0f} |", flush=True)
                 finally:
                     process.terminate()
                     process.wait(30)
+        print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
         shutil.rmtree(tmp, ignore_errors=True)
     if args.rounds > 1:
-        print("\nmedians over rounds: | tree | front ends | concurrency | req/s | p50 us | server CPU us/req "
-              "| engine process us/req | its loop thread us/req | front ends us/req |")
-        for tree, frontends in [(t, n) for t in args.trees for n in args.frontends]:
-            for c in args.concurrency:
-                ms = [m for t, cc, m in rows if t == (tree, frontends) and cc == c]
-                print(f"| {tree} | {frontends} | {c} | {statistics.median(m['rate'] for m in ms):.0f} "
-                      f"| {statistics.median(m['p50_us'] for m in ms):.0f} "
-                      f"| {statistics.median(m['server_us'] for m in ms):.0f} "
-                      f"| {statistics.median(m['engine_us'] for m in ms):.0f} "
-                      f"| {statistics.median(m['loop_us'] for m in ms):.0f} "
-                      f"| {statistics.median(m['frontends_us'] for m in ms):.0f} |")
+        print("\nmedians over rounds (CPU per request: least of rounds in brackets)\n"
+              "| server | front ends | protocol | client | batching | concurrency | req/s | p50 us | p99 us "
+              "| server CPU us/req | its loop thread | client CPU us/req |\n" + "|---" * 12 + "|")
+        for key in dict.fromkeys(k for k, _ in rows):
+            ms = [m for k, m in rows if k == key]
+            med = {f: statistics.median(m[f] for m in ms) for f in ms[0] if f != "others_us"}
+            low = {f: min(m[f] for m in ms) for f in ("server_us", "loop_us", "client_us")}
+            tree, frontends, protocol, client, batching, c = key
+            print(f"| {tree} | {frontends} | {protocol} | {client} | {batching} | {c} | {med['rate']:.0f} "
+                  f"| {med['p50_us']:.0f} | {med['p99_us']:.0f} | {med['server_us']:.0f} ({low['server_us']:.0f}) "
+                  f"| {med['loop_us']:.0f} ({low['loop_us']:.0f}) | {med['client_us']:.0f} ({low['client_us']:.0f}) |")
+
+
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    return f"{names[0]} x {len(names)}" if names else "unknown"
 
 
 if __name__ == "__main__":

@@ -203,7 +203,8 @@ class BatchResult:
 
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
-    the loop's next turn (so requests that arrive together are seen together); a dispatch hands
+    the loop's next turn (so requests that arrive together are seen together; a model without dynamic
+    batching, whose instance runs inline and has nothing queued, is dispatched at once); a dispatch hands
     batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
@@ -246,7 +247,12 @@ class Batcher:
             request.group, request.sizes = self.padding.group(inputs, signature)
         self.pending.append(request)
         self.stats.pending = len(self.pending)
-        self._schedule()
+        if not self.batching and len(self.pending) == 1 and self.idle and self.idle[-1].inline:
+            # nothing to merge it with and a tiny call: answered now, so the caller's await does not wait for
+            # the loop's next turns (the dispatch, then the future's callback)
+            self._dispatch()
+        else:
+            self._schedule()
         return request
 
     def _schedule(self) -> None:

@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2_grpc
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
-from kiln.serve.grpc_wire import WireRequest, parse_infer_request
+from kiln.serve.grpc_wire import ResponseEncoder, WireRequest, parse_infer_request
 from kiln.serve.http_codec import OutputOptions, classify
 from kiln.serve.shared_memory import (
     CUDA_NOT_SUPPORTED,
@@ -207,9 +207,15 @@ def encode_response(response: InferResponse, options: OutputOptions | None, batc
                                  outputs=tensors, raw_output_contents=contents)
 
 
+def serialize_response(response: pb.ModelInferResponse | bytes) -> bytes:
+    """ModelInfer's response_serializer: the answer's bytes (ResponseEncoder's), or the message's."""
+    return response if type(response) is bytes else response.SerializeToString()
+
+
 class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, core: ServerCore):
         self.core = core
+        self.responses = ResponseEncoder()
 
     @_answers_errors
     async def ServerLive(self, request, context):
@@ -269,6 +275,10 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             if infer_request is None:
                 infer_request, options = decode_request(request, self.core.shared_memory, raw)
             response = await self.core.infer(infer_request, model)
+            if options is None:  # the common answer (every output raw): its bytes, for serialize_response
+                return self.responses.encode(response.model, response.version, response.id, [
+                    (name, datatypes.of_array(array).v2, array.shape, datatypes.to_bytes(array))
+                    for name, array in response.outputs])
             return encode_response(response, options, model.config.max_batch_size > 0, self.core.shared_memory)
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
@@ -376,13 +386,14 @@ class _Handlers:
 
 def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     """The generated registration, with ModelInfer's request deserialized by parse_infer_request
-    (tensor bytes as views into the received message, not protobuf's copies)."""
+    (tensor bytes as views into the received message, not protobuf's copies) and its answer serialized by
+    serialize_response (the common answer arrives as bytes)."""
     caught = _Handlers()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
     handlers = caught.handlers
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
         servicer.ModelInfer, request_deserializer=parse_infer_request,
-        response_serializer=pb.ModelInferResponse.SerializeToString)
+        response_serializer=serialize_response)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 

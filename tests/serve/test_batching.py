@@ -18,6 +18,7 @@ import kiln
 from kiln.serve import batcher as batcher_module
 from kiln.serve.batcher import Batcher, BatchShapes, merge_rows
 from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
+from kiln.serve.instances import INLINE_AFTER
 from kiln.serve.stats import ModelStats
 
 
@@ -129,6 +130,32 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
     for x, out in zip(xs, asyncio.run(_run(Batcher(double_engine, config, stats, 64), xs))):
         np.testing.assert_array_equal(out["y"], 2 * x)
     assert stats.execution_count == 3
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_inline_call_without_dynamic_batching_is_answered_at_submit(double_engine, batching):
+    """Once its calls run inline, a model without dynamic batching answers a request inside submit (its
+    caller's await does not wait for the loop); with dynamic batching the request waits for the loop's
+    next turn, where requests that arrived with it join its call."""
+    config = _config(double_engine, "max_batch_size: 8" + ("\ndynamic_batching {}" if batching else ""))
+    generator = np.random.default_rng()
+
+    async def run() -> None:
+        batcher = Batcher(double_engine, config, ModelStats("m", "1"), 64)
+        batcher.start()
+        try:
+            for _ in range(INLINE_AFTER + 8):
+                inline = batcher.instances[0].inline
+                x = generator.standard_normal((2, 8)).astype(np.float32)
+                pending = batcher.submit({"x": x}, 2, ((8,),), None)
+                assert pending.future.done() == (inline and not batching)
+                out = await asyncio.wait_for(pending.future, 60)
+                np.testing.assert_array_equal(out["y"], 2 * x)
+            assert inline  # the tiny model's calls went inline
+        finally:
+            await batcher.close()
+
+    asyncio.run(run())
 
 
 def test_batches_below_the_profile_are_padded_and_cropped(padded_engine):

@@ -1,0 +1,209 @@
+"""bench/serve_overhead.py's load: one client process, closed loop, an empty model's request prepared once.
+
+    python bench/serve_overhead_client.py PROTOCOL CLIENT PORT MODEL CONCURRENCY SECONDS
+
+PROTOCOL grpc | http; CLIENT raw (gRPC: a bare grpc stub sending the serialized request; HTTP: HTTP/1.1
+keep-alive with the binary tensor extension, written by hand) or tritonclient (what users run: its
+blocking client at concurrency 1; at N, tritonclient.grpc.aio's clients on one event loop, or
+tritonclient.http's gevent clients). Every client has its own connection. The process warms up, prints
+"go", waits for a line on stdin, runs for SECONDS (concurrency 1: one call after another) and prints one
+JSON line: requests, wall seconds, p50 and p99 latency (s), and its own CPU seconds over the window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+import numpy as np
+
+X = np.arange(4, dtype=np.float32).reshape(1, 4)  # the empty model's input: x FP32 [1, 4]
+GRPC_METHOD = "/inference.GRPCInferenceService/ModelInfer"
+CHANNEL_ARGS = [("grpc.use_local_subchannel_pool", 1)]  # a connection per client
+
+
+def grpc_request_bytes(model: str) -> bytes:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model)
+    request.inputs.add(name="x", datatype="FP32", shape=list(X.shape))
+    request.raw_input_contents.append(X.tobytes())
+    return request.SerializeToString()
+
+
+def http_body(model: str) -> tuple[bytes, dict[str, str]]:
+    """The infer request's body (binary tensor extension: a JSON header, then the tensor's bytes) and headers."""
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(X.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": X.nbytes}}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    return header + X.tobytes(), {"Content-Type": "application/octet-stream",
+                                  "Inference-Header-Content-Length": str(len(header))}
+
+
+def http_request_bytes(model: str, port: int) -> bytes:
+    body, headers = http_body(model)
+    lines = [f"POST /v2/models/{model}/infer HTTP/1.1", f"Host: 127.0.0.1:{port}",
+             *(f"{k}: {v}" for k, v in headers.items()), f"Content-Length: {len(body)}"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class RawHttp:
+    """HTTP/1.1 keep-alive over asyncio streams: write the request, read the status line, headers and body."""
+
+    def __init__(self, port: int, request: bytes):
+        self.port, self.request = port, request
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+
+    async def __call__(self) -> None:
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace"))
+        length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+        await self.reader.readexactly(length)
+
+
+def _sync_call(protocol: str, client: str, port: int, model: str):
+    """A blocking call (concurrency 1)."""
+    if client == "raw" and protocol == "grpc":
+        import grpc
+
+        call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(GRPC_METHOD)
+        payload = grpc_request_bytes(model)
+        return lambda: call(payload)
+    if client == "raw":
+        import http.client
+
+        connection = http.client.HTTPConnection("127.0.0.1", port)
+        body, headers = http_body(model)
+
+        def call():
+            connection.request("POST", f"/v2/models/{model}/infer", body, headers)
+            answer = connection.getresponse()
+            answer.read()
+            if answer.status != 200:
+                raise RuntimeError(answer.status)
+        return call
+    if protocol == "grpc":
+        import tritonclient.grpc as triton
+    else:
+        import tritonclient.http as triton
+    address = f"127.0.0.1:{port}"
+    triton_client = triton.InferenceServerClient(address)
+    tensor = triton.InferInput("x", list(X.shape), "FP32")
+    tensor.set_data_from_numpy(X)
+    return lambda: triton_client.infer(model, [tensor])
+
+
+def _measure_sync(call, seconds: float) -> dict:
+    for _ in range(200):
+        call()
+    print("go", flush=True)
+    sys.stdin.readline()
+    latencies = []
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    stop = t0 + seconds
+    while (t := time.perf_counter()) < stop:
+        call()
+        latencies.append(time.perf_counter() - t)
+    return _result(latencies, time.perf_counter() - t0, time.process_time() - cpu0)
+
+
+async def _measure_async(protocol: str, client: str, port: int, model: str, concurrency: int, seconds: float) -> dict:
+    if protocol == "grpc" and client == "raw":
+        import grpc
+
+        payload = grpc_request_bytes(model)
+        channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_ARGS) for _ in range(concurrency)]
+        stubs = [c.unary_unary(GRPC_METHOD) for c in channels]
+        calls = [lambda stub=stub: stub(payload) for stub in stubs]
+        closers = [c.close for c in channels]
+    elif protocol == "http" and client == "raw":
+        request = http_request_bytes(model, port)
+        calls = [RawHttp(port, request) for _ in range(concurrency)]
+        for call in calls:
+            await call.open()
+        closers = []
+    else:  # tritonclient.grpc.aio
+        import tritonclient.grpc.aio as triton
+
+        clients = [triton.InferenceServerClient(f"127.0.0.1:{port}", channel_args=CHANNEL_ARGS)
+                   for _ in range(concurrency)]
+        tensor = triton.InferInput("x", list(X.shape), "FP32")
+        tensor.set_data_from_numpy(X)
+        calls = [lambda c=c: c.infer(model, [tensor]) for c in clients]
+        closers = [c.close for c in clients]
+    for call in calls:  # warm-up: connections and first calls
+        await call()
+    print("go", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    latencies = []
+    stop = [float("inf")]
+
+    async def worker(call) -> None:
+        while time.perf_counter() < stop[0]:
+            t = time.perf_counter()
+            await call()
+            latencies.append(time.perf_counter() - t)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    stop[0] = t0 + seconds
+    await asyncio.gather(*[worker(call) for call in calls])
+    result = _result(latencies, time.perf_counter() - t0, time.process_time() - cpu0)
+    for close in closers:
+        await close()
+    return result
+
+
+def _measure_gevent(port: int, model: str, concurrency: int, seconds: float) -> dict:
+    """tritonclient.http at concurrency N: its gevent client, N greenlets over a pool of N connections."""
+    import gevent
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(f"127.0.0.1:{port}", concurrency=concurrency)
+    tensor = triton.InferInput("x", list(X.shape), "FP32")
+    tensor.set_data_from_numpy(X)
+    gevent.joinall([gevent.spawn(client.infer, model, [tensor]) for _ in range(concurrency)])
+    print("go", flush=True)
+    sys.stdin.readline()
+    latencies = []
+    stop = time.perf_counter() + seconds
+
+    def worker() -> None:
+        while time.perf_counter() < stop:
+            t = time.perf_counter()
+            client.infer(model, [tensor])
+            latencies.append(time.perf_counter() - t)
+
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    stop = t0 + seconds
+    gevent.joinall([gevent.spawn(worker) for _ in range(concurrency)])
+    return _result(latencies, time.perf_counter() - t0, time.process_time() - cpu0)
+
+
+def _result(latencies: list[float], wall: float, cpu: float) -> dict:
+    latencies.sort()
+    return {"requests": len(latencies), "wall_s": wall, "p50_s": latencies[len(latencies) // 2],
+            "p99_s": latencies[int(len(latencies) * 0.99)], "client_cpu_s": cpu}
+
+
+def main() -> None:
+    protocol, client, port, model, concurrency, seconds = sys.argv[1:7]
+    port, concurrency, seconds = int(port), int(concurrency), float(seconds)
+    if concurrency == 1:
+        result = _measure_sync(_sync_call(protocol, client, port, model), seconds)
+    elif protocol == "http" and client == "tritonclient":
+        result = _measure_gevent(port, model, concurrency, seconds)
+    else:
+        import uvloop
+
+        result = uvloop.run(_measure_async(protocol, client, port, model, concurrency, seconds))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
