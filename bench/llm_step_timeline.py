@@ -1,0 +1,113 @@
+"""Where a large-batch 128/128 run's decode wall time goes: each decode graph replay timed on the GPU in place, and
+the GPU's idle time between replays set against what the host was doing.
+
+    python bench/llm_step_timeline.py [--batch 512] [--config fp8]
+
+llm_throughput.py reports the wall time per decode step and the replay time of the decode graph timed alone at the
+run's end (20 replays back to back); at batch 512 the first exceeded the second by 1.3-1.7 ms a step (llm4), read as
+host time not hidden under the GPU's. This run tells the two causes apart: CUDA events recorded around every replay
+(the engine's own launch path, async scheduling on) give each step's GPU time in place and the gap before it; a
+reference event maps GPU times onto the host clock, so a gap whose replay started as soon as the host launched it
+was the GPU waiting for the host. Same engine as llm_throughput.py's (Llama-3-8B shape, random weights made on
+the GPU, CUDA graphs, decode GEMVs and fusion off). Prints per-step percentiles and the slowest steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from kiln.llm import LLM, SamplingParams  # noqa: E402
+
+
+class TimedGraph:
+    """A captured graph whose replays record (host time of the call, GPU start event, GPU end event)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, log: list):
+        self.graph, self.log = graph, log
+
+    def replay(self) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        called = time.perf_counter()
+        start.record()
+        self.graph.replay()
+        end.record()
+        self.log.append((called, time.perf_counter(), start, end))
+
+
+def percentiles(values: list[float]) -> str:
+    q = statistics.quantiles(values, n=20)
+    return f"p50 {statistics.median(values):.3f}, p95 {q[-1]:.3f}, max {max(values):.3f}, sum {sum(values):.1f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--config", default="fp8", choices=["bf16", "fp8", "fp8-kv8"])
+    args = parser.parse_args()
+    import transformers
+
+    folder = Path(tempfile.mkdtemp())
+    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                             max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+                             tie_word_embeddings=False).save_pretrained(folder)
+    options = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
+    llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", seed=0, kv_cache_memory="36GiB",
+              max_num_seqs=args.batch, max_num_batched_tokens=args.input_len * args.batch, max_model_len=512,
+              gemv="cublas", decode_fusion="off", **options[args.config])
+    generator = torch.Generator().manual_seed(args.batch)
+    vocab = llm.engine.model.config.vocab_size
+    prompts = [torch.randint(3, vocab, (args.input_len,), generator=generator).tolist() for _ in range(args.batch)]
+    greedy = dict(temperature=0, ignore_eos=True, detokenize=False)
+    llm.generate(prompts, SamplingParams(max_tokens=4, **greedy))  # compile, warm up
+    llm.engine.block_manager.reset_prefix_cache()
+
+    graphs = llm.engine.runner.graphs
+    log: list = []
+    graphs.forward_graphs = {b: TimedGraph(g, log) for b, g in graphs.forward_graphs.items()}
+    reference = torch.cuda.Event(enable_timing=True)
+    reference.record()
+    torch.cuda.synchronize()
+    host_zero = time.perf_counter()  # the reference event's time on the host clock (within the sync's latency)
+    started = time.perf_counter()
+    llm.generate(prompts, SamplingParams(max_tokens=args.output_len, **greedy))
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+
+    def on_host(event: torch.cuda.Event) -> float:
+        return host_zero + reference.elapsed_time(event) / 1e3
+
+    replay = [s.elapsed_time(e) for _, _, s, e in log]
+    gaps = [(on_host(log[i][2]) - on_host(log[i - 1][3])) * 1e3 for i in range(1, len(log))]
+    # a replay that started within 0.2 ms of its launch call: the GPU had nothing queued (it waited for the host)
+    waited = [i for i in range(1, len(log)) if gaps[i - 1] > 0.05 and (on_host(log[i][2]) - log[i][0]) * 1e3 < 0.2]
+    lead = [(on_host(log[i][2]) - log[i][1]) * 1e3 for i in range(len(log))]  # how long a launch sat in the queue
+    first, last = on_host(log[0][2]), on_host(log[-1][3])
+    print(f"{torch.cuda.get_device_name()}, {args.config}, batch {args.batch}, {args.input_len}/{args.output_len}: "
+          f"generate {wall * 1e3:.0f} ms, {len(log)} decode replays from {(first - started) * 1e3:.0f} ms (the "
+          f"prefill before) to {(last - started) * 1e3:.0f} ms; per step {(last - first) * 1e3 / len(log):.3f} ms")
+    print(f"- GPU time of a replay in place (ms): {percentiles(replay)}")
+    print(f"- GPU idle between replays (ms): {percentiles(gaps)}")
+    print(f"- launch-to-start queue time (ms, < 0: started before the call returned): {percentiles(lead)}")
+    print(f"- replays the GPU waited for (gap > 0.05 ms, started < 0.2 ms after the launch call): {len(waited)}, "
+          f"{sum(gaps[i - 1] for i in waited):.1f} ms in all; steps {waited[:20]}")
+    slowest = sorted(range(len(replay)), key=lambda i: -replay[i])[:8]
+    print("- slowest replays (step: ms): " + ", ".join(f"{i}: {replay[i]:.2f}" for i in slowest))
+    print(f"- replay alone at the end (20 back to back): {graphs.time_replay(args.batch):.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
