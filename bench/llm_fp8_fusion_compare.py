@@ -61,7 +61,8 @@ def main() -> int:
     shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                  vocab_size=128256)
     if args.tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     vocab_size=512)
     transformers.LlamaConfig(**shape, num_hidden_layers=args.layers, rope_theta=500000.0, max_position_embeddings=4096,
                              bos_token_id=1, eos_token_id=2, tie_word_embeddings=False).save_pretrained(folder)
     llm = LLM(folder, dtype="bfloat16", device=args.device, load_format="dummy", seed=0, quantization="fp8",
