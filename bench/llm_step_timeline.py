@@ -19,6 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kiln.llm import LLM, SamplingParams  # noqa: E402
+from kiln.llm.cuda_graphs import LaunchedDecode  # noqa: E402
 
 
 class TimedGraph:
@@ -44,9 +46,30 @@ class TimedGraph:
         self.log.append((called, time.perf_counter(), start, end))
 
 
+def time_calls(owner, name: str, into: dict[str, list[float]]) -> None:
+    """Replace owner.name by a wrapper that appends each call's host seconds to into[name]."""
+    method = getattr(owner, name)
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into[name].append(time.perf_counter() - started)
+
+    setattr(owner, name, timed)
+
+
 def percentiles(values: list[float]) -> str:
     q = statistics.quantiles(values, n=20)
     return f"p50 {statistics.median(values):.3f}, p95 {q[-1]:.3f}, max {max(values):.3f}, sum {sum(values):.1f}"
+
+
+def _timed_read(read, decode: LaunchedDecode, waits: list[float]) -> list[int]:
+    started = time.perf_counter()
+    tokens = read(decode)
+    waits.append(time.perf_counter() - started)
+    return tokens
 
 
 def main() -> int:
@@ -74,9 +97,17 @@ def main() -> int:
     llm.generate(prompts, SamplingParams(max_tokens=4, **greedy))  # compile, warm up
     llm.engine.block_manager.reset_prefix_cache()
 
-    graphs = llm.engine.runner.graphs
+    engine = llm.engine
+    graphs = engine.runner.graphs
     log: list = []
     graphs.forward_graphs = {b: TimedGraph(g, log) for b, g in graphs.forward_graphs.items()}
+    host: dict[str, list[float]] = defaultdict(list)  # the host's share of a step, by part
+    for owner, name in ((engine, "step"), (engine.scheduler, "schedule"), (engine.runner, "launch"),
+                        (engine.scheduler, "update"), (engine, "_outputs")):
+        time_calls(owner, name, host)
+    waits = host["token wait"]  # LaunchedDecode.token_ids: the host waiting for a step's tokens
+    read_tokens = LaunchedDecode.token_ids
+    LaunchedDecode.token_ids = lambda self: _timed_read(read_tokens, self, waits)
     reference = torch.cuda.Event(enable_timing=True)
     reference.record()
     torch.cuda.synchronize()
@@ -105,6 +136,10 @@ def main() -> int:
           f"{sum(gaps[i - 1] for i in waited):.1f} ms in all; steps {waited[:20]}")
     slowest = sorted(range(len(replay)), key=lambda i: -replay[i])[:8]
     print("- slowest replays (step: ms): " + ", ".join(f"{i}: {replay[i]:.2f}" for i in slowest))
+    host["step"] = host["step"][1:]  # the first is the prefill, run eagerly
+    busy = [(sum(host[name]) - (sum(waits) if name == "step" else 0)) * 1e3 / len(log) for name in host]
+    print("- host ms per decode step (sum over the run / replays; step: the decode steps' engine.step calls "
+          "without the token wait): " + ", ".join(f"{name} {ms:.3f}" for name, ms in zip(host, busy)))
     print(f"- replay alone at the end (20 back to back): {graphs.time_replay(args.batch):.3f} ms")
     return 0
 
