@@ -25,7 +25,7 @@ python3 bench/llm_throughput.py --trees . --batch 512 --configs fp8 --variants d
   --kv-cache-memory 36GiB --budget $left --per-run 21 --out "$OUT/tp"
 stage "layer by layer, fused vs unfused, the E4M3 store at its own width (timeout 25 s)"
 mkdir -p /tmp/before && cp -r kiln /tmp/before/
-sed -i 's/fp8_cols = tl.max_contiguous(cols, 8)/fp8_cols = cols/' /tmp/before/kiln/llm/kernels/fused.py
+sed -i 's/fp8_cols = tl.max_contiguous(.*)$/fp8_cols = cols/' /tmp/before/kiln/llm/kernels/fused.py
 grep -c "fp8_cols = cols$" /tmp/before/kiln/llm/kernels/fused.py
 timeout 25 python3 bench/llm_fp8_fusion_compare.py --tree /tmp/before
 left=$((147 - SECONDS))

@@ -49,10 +49,10 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, scale_ptr, N, ep
     if FP8_MAX > 0:  # the consumer is an FP8 GEMM: the bf16 row quantized here, as fp8_quantize_rows would
         normed = normed.to(tl.float32)
         scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(normed), 0), FP8_MAX)
-        # E4M3 stored 8 to a vector, as the bf16 rows are stored: at its own 16 the compiler lays the whole row out
-        # 16 a thread, so the sum of squares above is added in another order than rms_norm adds it (see the module
-        # docstring); tests/llm/reduction_layout_sm90.py checks that both sum in one layout
-        fp8_cols = tl.max_contiguous(cols, 8)
+        # E4M3 stored as many to a vector as a 16-byte vector holds of the row's dtype (8 bf16): at its own 16 the
+        # compiler lays the whole row out 16 a thread, so the sum of squares above is added in another order than
+        # rms_norm adds it (see the module docstring); tests/llm/reduction_layout_sm90.py checks one layout for both
+        fp8_cols = tl.max_contiguous(cols, 128 // dtype.primitive_bitwidth)
         tl.store(out_ptr + row * stride_o + fp8_cols, (normed / scale).to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptr + row * stride_o + cols, normed, mask=ok)
