@@ -19,7 +19,8 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
   bit differed from rms_norm's in ~18% of rows and ~0.07% of rows quantized to another E4M3 byte (Llama-3-8B
   widths, an emulation of the two orders: bench/results/llm-2026-12-03c.md), enough to change a random
   Llama-3-8B's greedy tokens at batch 512 (H200, llm4 runs 1-2) though 37-row kernel tests found the same bits.
-  The E4M3 row is therefore stored 8 to a vector, and the layouts are checked at compile time.
+  The E4M3 row is therefore stored as many to a vector as the row's dtype is (8 bf16), and the layouts are checked
+  at compile time.
 """
 
 from __future__ import annotations
