@@ -20,7 +20,8 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
   widths, an emulation of the two orders: bench/results/llm-2026-12-03c.md), enough to change a random
   Llama-3-8B's greedy tokens at batch 512 (H200, llm4 runs 1-2) though 37-row kernel tests found the same bits.
   The E4M3 row is therefore stored as many to a vector as the row's dtype is (8 bf16), and the layouts are checked
-  at compile time.
+  at compile time; so the 8B run's tokens are the two kernels' (H200, llm5 run 1: every GEMM output of a 512 x 128
+  prefill and two decode steps bit-equal, and a 128/128 run's tokens).
 """
 
 from __future__ import annotations
