@@ -87,15 +87,16 @@ def test_fp8_rows_match_the_reference_quantization():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="float8 conversions: on the GPU only")
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_norm_quantized_in_one_pass_equals_the_two_kernels(with_delta):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the E4M3 store's vector follows the row's dtype
+def test_norm_quantized_in_one_pass_equals_the_two_kernels(with_delta, dtype):
     """rms_norm_fp8 against add_rms_norm (or rms_norm) then fp8_quantize_rows: the same bits (the fused kernel
-    quantizes the bf16 row the norm would have stored, with the same fp32 arithmetic in the same order). A prefill
-    step's 65,536 rows: a sum of squares added in another order changes the E4M3 row in only ~0.04-0.07% of rows
-    (bench/fp8_norm_sum_order.py), so 37 rows passed with the wrong order."""
+    quantizes the row the norm would have stored, with the same fp32 arithmetic in the same order). A prefill
+    step's 65,536 rows: a sum of squares added in another order changes a bf16 row's E4M3 values in only ~0.04-0.07%
+    of rows (bench/fp8_norm_sum_order.py), so 37 rows passed with the wrong order."""
     g = torch.Generator(device="cuda").manual_seed(7)
-    x = (torch.randn((65536, 4096), device="cuda", generator=g) * 3).to(torch.bfloat16)
-    delta = torch.randn((65536, 4096), device="cuda", generator=g).to(torch.bfloat16)
-    weight = (1 + torch.randn(4096, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    x = (torch.randn((65536, 4096), device="cuda", generator=g) * 3).to(dtype)
+    delta = torch.randn((65536, 4096), device="cuda", generator=g).to(dtype)
+    weight = (1 + torch.randn(4096, device="cuda", generator=g) * 0.1).to(dtype)
     total, normed = add_rms_norm(x, delta, weight, 1e-5) if with_delta else (x, rms_norm(x, weight, 1e-5))
     q, scale = fp8_quantize_rows(normed)
     got_total, got_q, got_scale = rms_norm_fp8(x, delta if with_delta else None, weight, 1e-5)
