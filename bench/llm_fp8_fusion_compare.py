@@ -2,6 +2,7 @@
 Llama-3-8B at a large batch, run eagerly in both modes on the same engine, the same weights and the same inputs.
 
     python bench/llm_fp8_fusion_compare.py [--tree PATH] [--batch 512] [--prompt-len 128] [--decode-steps 2]
+    python bench/llm_fp8_fusion_compare.py --preset tiny --device cpu --batch 4 --prompt-len 20   # a dry run
 
 fused: the norms (after the residual add) and SwiGLU quantize their output per token for the FP8 GEMM that reads it
 (kiln/llm/models/layers.py takes_fp8_rows); unfused: each FP8 GEMM quantizes its own bf16 input (fp8_quantize_rows).
@@ -42,29 +43,21 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--decode-steps", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="a 64-wide model: a dry run of this script on the CPU")
+    parser.add_argument("--preset", default="llama3-8b", help="bench/llm.py's (tiny: a dry run on the CPU)")
     args = parser.parse_args()
-    sys.path.insert(0, args.tree)
-    import transformers
-
+    sys.path.insert(0, args.tree)  # before anything imports kiln
     from kiln.llm import LLM
     from kiln.llm.models import layers
     from kiln.llm.request import Request
     from kiln.llm.scheduler import ScheduledRequest
+    from llm import write_checkpoint  # bench/llm.py (its kiln import finds the tree's, already loaded)
 
     device = torch.device(args.device)
     print(f"kiln from {Path(layers.__file__).parents[2]}; "
           f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}", flush=True)
     folder = Path(tempfile.mkdtemp())
-    shape = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-                 vocab_size=128256)
-    if args.tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     vocab_size=512)
-    transformers.LlamaConfig(**shape, num_hidden_layers=args.layers, rope_theta=500000.0, max_position_embeddings=4096,
-                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False).save_pretrained(folder)
+    write_checkpoint(args.preset, torch.bfloat16, folder, weights=False)
     llm = LLM(folder, dtype="bfloat16", device=args.device, load_format="dummy", seed=0, quantization="fp8",
               kv_cache_memory="16GiB", max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len,
               max_model_len=512, gemv="cublas", decode_fusion="off", cuda_graphs=False)

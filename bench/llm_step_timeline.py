@@ -24,8 +24,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from llm import write_checkpoint  # noqa: E402  bench/llm.py (it puts this checkout on the path)
 
 from kiln.llm import LLM, SamplingParams  # noqa: E402
 from kiln.llm.cuda_graphs import LaunchedDecode  # noqa: E402
@@ -79,13 +80,8 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--config", default="fp8", choices=["bf16", "fp8", "fp8-kv8"])
     args = parser.parse_args()
-    import transformers
-
     folder = Path(tempfile.mkdtemp())
-    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                             num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
-                             max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-                             tie_word_embeddings=False).save_pretrained(folder)
+    write_checkpoint("llama3-8b", torch.bfloat16, folder, weights=False)
     options = {"bf16": {}, "fp8": {"quantization": "fp8"}, "fp8-kv8": {"quantization": "fp8", "kv_cache_dtype": "fp8"}}
     llm = LLM(folder, dtype="bfloat16", device="cuda", load_format="dummy", seed=0, kv_cache_memory="36GiB",
               max_num_seqs=args.batch, max_num_batched_tokens=args.input_len * args.batch, max_model_len=512,
