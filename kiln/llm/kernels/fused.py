@@ -19,9 +19,9 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
   bit differed from rms_norm's in ~18% of rows and ~0.07% of rows quantized to another E4M3 byte (Llama-3-8B
   widths, an emulation of the two orders: bench/results/llm-2026-12-03c.md), enough to change a random
   Llama-3-8B's greedy tokens at batch 512 (H200, llm4 runs 1-2) though 37-row kernel tests found the same bits.
-  The E4M3 row is therefore stored as many to a vector as the row's dtype is (8 bf16), and the layouts are checked
-  at compile time; so the 8B run's tokens are the two kernels' (H200, llm5 run 1: every GEMM output of a 512 x 128
-  prefill and two decode steps bit-equal, and a 128/128 run's tokens).
+  The E4M3 row is therefore stored in vectors of as many values as 16 bytes of the row's dtype hold (8 for bf16),
+  and the layouts are checked at compile time; so the 8B run's tokens are the two kernels' (H200, llm5 run 1: every
+  GEMM output of a 512 x 128 prefill and two decode steps bit-equal, and a 128/128 run's tokens).
 """
 
 from __future__ import annotations
