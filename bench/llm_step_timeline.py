@@ -15,11 +15,13 @@ the GPU, CUDA graphs, decode GEMVs and fusion off). Prints per-step percentiles 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,8 +49,9 @@ class TimedGraph:
         self.log.append((called, time.perf_counter(), start, end))
 
 
-def time_calls(owner, name: str, into: dict[str, list[float]]) -> None:
-    """Replace owner.name by a wrapper that appends each call's host seconds to into[name]."""
+def time_calls(owner, name: str, calls: list, log: list) -> None:
+    """Replace owner.name by a wrapper that appends (name, replays launched when it returns, host seconds) to
+    `calls`."""
     method = getattr(owner, name)
 
     def timed(*args, **kwargs):
@@ -56,7 +59,7 @@ def time_calls(owner, name: str, into: dict[str, list[float]]) -> None:
         try:
             return method(*args, **kwargs)
         finally:
-            into[name].append(time.perf_counter() - started)
+            calls.append((name, len(log), time.perf_counter() - started))
 
     setattr(owner, name, timed)
 
@@ -66,11 +69,24 @@ def percentiles(values: list[float]) -> str:
     return f"p50 {statistics.median(values):.3f}, p95 {q[-1]:.3f}, max {max(values):.3f}, sum {sum(values):.1f}"
 
 
-def _timed_read(read, decode: LaunchedDecode, waits: list[float]) -> list[int]:
+def _timed_read(read, decode: LaunchedDecode, calls: list, log: list) -> list[int]:
     started = time.perf_counter()
     tokens = read(decode)
-    waits.append(time.perf_counter() - started)
+    calls.append(("token wait", len(log), time.perf_counter() - started))
     return tokens
+
+
+def _collections(log: list, into: list) -> Callable[[str, dict], None]:
+    """A gc callback that appends (replays so far, generation, ms) per full collection (generation 2)."""
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif info["generation"] == 2:
+            into.append((len(log), 2, (time.perf_counter() - started[0]) * 1e3))
+
+    return callback
 
 
 def main() -> int:
@@ -97,13 +113,14 @@ def main() -> int:
     graphs = engine.runner.graphs
     log: list = []
     graphs.forward_graphs = {b: TimedGraph(g, log) for b, g in graphs.forward_graphs.items()}
-    host: dict[str, list[float]] = defaultdict(list)  # the host's share of a step, by part
+    calls: list[tuple[str, int, float]] = []  # the host's share of a step, by part
     for owner, name in ((engine, "step"), (engine.scheduler, "schedule"), (engine.runner, "launch"),
                         (engine.scheduler, "update"), (engine, "_outputs")):
-        time_calls(owner, name, host)
-    waits = host["token wait"]  # LaunchedDecode.token_ids: the host waiting for a step's tokens
+        time_calls(owner, name, calls, log)
     read_tokens = LaunchedDecode.token_ids
-    LaunchedDecode.token_ids = lambda self: _timed_read(read_tokens, self, waits)
+    LaunchedDecode.token_ids = lambda self: _timed_read(read_tokens, self, calls, log)
+    full_collections: list[tuple[int, int, float]] = []
+    gc.callbacks.append(_collections(log, full_collections))
     reference = torch.cuda.Event(enable_timing=True)
     reference.record()
     torch.cuda.synchronize()
@@ -132,10 +149,17 @@ def main() -> int:
           f"{sum(gaps[i - 1] for i in waited):.1f} ms in all; steps {waited[:20]}")
     slowest = sorted(range(len(replay)), key=lambda i: -replay[i])[:8]
     print("- slowest replays (step: ms): " + ", ".join(f"{i}: {replay[i]:.2f}" for i in slowest))
-    host["step"] = host["step"][1:]  # the first is the prefill, run eagerly
-    busy = [(sum(host[name]) - (sum(waits) if name == "step" else 0)) * 1e3 / len(log) for name in host]
-    print("- host ms per decode step (sum over the run / replays; step: the decode steps' engine.step calls "
-          "without the token wait): " + ", ".join(f"{name} {ms:.3f}" for name, ms in zip(host, busy)))
+    decode_calls = [c for c in calls if c[1] > 0]  # from the first replay's launch on: the prefill's are before
+    host = defaultdict(float)
+    for name, _, seconds in decode_calls:
+        host[name] += seconds * 1e3 / len(log)
+    host["step"] -= host["token wait"]
+    print("- host ms per decode step (sums over the decode steps / replays; step: engine.step without the token "
+          "wait): " + ", ".join(f"{name} {ms:.3f}" for name, ms in host.items()))
+    longest = sorted((c for c in decode_calls if c[0] != "token wait"), key=lambda c: -c[2])[:8]
+    print("- longest host calls (part, replays launched when it returned, ms): "
+          + ", ".join(f"({name}, {at}, {seconds * 1e3:.1f})" for name, at, seconds in longest))
+    print(f"- full garbage collections in the run (replays launched by then, generation, ms): {full_collections}")
     print(f"- replay alone at the end (20 back to back): {graphs.time_replay(args.batch):.3f} ms")
     return 0
 
