@@ -3,6 +3,9 @@
 CPU, on the GPU with TRITON_INTERPRET=0."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,13 +87,16 @@ def test_fp8_rows_match_the_reference_quantization():
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="float8 conversions: on the GPU only")
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_norm_quantized_in_one_pass_equals_the_two_kernels(with_delta):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # the E4M3 store's vector follows the row's dtype
+def test_norm_quantized_in_one_pass_equals_the_two_kernels(with_delta, dtype):
     """rms_norm_fp8 against add_rms_norm (or rms_norm) then fp8_quantize_rows: the same bits (the fused kernel
-    quantizes the bf16 row the norm would have stored, with the same fp32 arithmetic)."""
+    quantizes the row the norm would have stored, with the same fp32 arithmetic in the same order). A prefill
+    step's 65,536 rows: a sum of squares added in another order changes a bf16 row's E4M3 values in only ~0.04-0.07%
+    of rows (bench/fp8_norm_sum_order.py), so 37 rows passed with the wrong order."""
     g = torch.Generator(device="cuda").manual_seed(7)
-    x = (torch.randn((37, 4096), device="cuda", generator=g) * 3).to(torch.bfloat16)
-    delta = torch.randn((37, 4096), device="cuda", generator=g).to(torch.bfloat16)
-    weight = (1 + torch.randn(4096, device="cuda", generator=g) * 0.1).to(torch.bfloat16)
+    x = (torch.randn((65536, 4096), device="cuda", generator=g) * 3).to(dtype)
+    delta = torch.randn((65536, 4096), device="cuda", generator=g).to(dtype)
+    weight = (1 + torch.randn(4096, device="cuda", generator=g) * 0.1).to(dtype)
     total, normed = add_rms_norm(x, delta, weight, 1e-5) if with_delta else (x, rms_norm(x, weight, 1e-5))
     q, scale = fp8_quantize_rows(normed)
     got_total, got_q, got_scale = rms_norm_fp8(x, delta if with_delta else None, weight, 1e-5)
@@ -110,16 +116,24 @@ def test_silu_quantized_in_one_pass_equals_the_two_kernels(rows, width):
     assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8))
 
 
+def _compile_check(module: str) -> str:
+    """Run one of the sm_90 compile checks (tests/llm/*_sm90.py) with the real compiler; its stdout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", module], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    return done.stdout
+
+
 def test_row_offsets_are_64_bit_in_the_compiled_kernels():
     """The real compiler (no GPU): the fused kernels and the paged decode kernels take the program's row into
     addresses as a 64-bit value (tests/llm/offsets_compile_sm90.py): a 32-bit row * stride wrapped past 2^31 in a
     262k-token prefill step on the H200 (illegal address) and read the wrong rows past 75k tokens."""
-    import subprocess
-    import sys
-    from pathlib import Path
+    assert _compile_check("tests.llm.offsets_compile_sm90").count("ok  ") == 8
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.llm.offsets_compile_sm90"], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    assert done.stdout.count("ok  ") == 8
+
+def test_norm_sums_squares_in_one_layout_with_and_without_fp8():
+    """The real compiler (no GPU): rms_norm_fp8 reduces a row's squares in the register layout rms_norm reduces
+    them in (tests/llm/reduction_layout_sm90.py), so it adds them in the same order: with the E4M3 store's own
+    16-wide vectors it did not, and the fused FP8 path of a random Llama-3-8B decoded other tokens (H200)."""
+    assert _compile_check("tests.llm.reduction_layout_sm90").count("ok  ") == 18

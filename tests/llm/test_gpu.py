@@ -79,3 +79,33 @@ def test_fp8_rows_quantized_in_the_norm_and_swiglu_kernels_change_no_bit(hf_mode
     _, logits, tokens = run()
     assert torch.equal(fused_logits, logits)
     assert fused_tokens == tokens
+
+
+def test_fp8_rows_change_no_bit_at_llama3_8b_width(tmp_path, monkeypatch):
+    """The same at Llama-3-8B's widths (4096 hidden, 14336 intermediate; 2 layers of random weights) over a
+    4,096-token prefill, every row's logits: rows this wide are where the order of a norm's sum of squares shows. The
+    FP8 norm once summed in another register layout than rms_norm (bench/results/llm-2026-12-03c.md): ~0.05% of
+    rows got another E4M3 row (bench/fp8_norm_sum_order.py), ~8 of this prefill's, which the test above (64 wide,
+    55 rows) never saw and a 512 x 128/128 run of the 8B model turned into other greedy tokens."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need compute capability 8.9+")
+    import transformers
+
+    from kiln.llm.models import layers
+
+    transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+                             num_key_value_heads=8, vocab_size=1024, max_position_embeddings=4096,
+                             tie_word_embeddings=False).save_pretrained(tmp_path)
+    llm = LLM(tmp_path, dtype="bfloat16", device="cuda", load_format="dummy", seed=0, quantization="fp8",
+              kv_cache_memory="1GiB", block_size=16, max_num_batched_tokens=4096, max_model_len=4096, gemv="cublas",
+              decode_fusion="off", cuda_graphs=False)
+    runner = llm.engine.runner
+    prompt = torch.randint(3, 1024, (4096,), generator=torch.Generator().manual_seed(0)).tolist()
+    inputs = runner.prepare([ScheduledRequest(Request("r", prompt), prompt, 0, list(range(1, 257)))])
+    inputs.logit_rows = torch.arange(len(prompt), device="cuda")
+    assert layers.takes_fp8_rows(llm.engine.model.layers[0].mlp.down_proj, len(prompt))
+    fused = runner.forward(inputs)
+    monkeypatch.setattr(layers, "takes_fp8_rows", lambda linear, rows: False)
+    unfused = runner.forward(inputs)
+    differing = (fused != unfused).any(-1).nonzero().flatten().tolist()
+    assert not differing, f"rows whose logits differ with the fused FP8 quantization: {differing[:20]}"

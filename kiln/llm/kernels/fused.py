@@ -13,9 +13,15 @@ the Llama layer's norms, RoPE, cache writes and SwiGLU were ~35 of them per laye
 - rms_norm_fp8, silu_mul_fp8: the norm (after the residual add) and SwiGLU with the per-token E4M3 quantization
   of their output in the same pass, where an FP8 GEMM is what reads it: the bf16 rows are never stored and read
   back (a Llama-3-8B prefill of 65k tokens moves ~9 GB a layer less). The arithmetic is the two kernels' in a row,
-  and the GPU tests find the same bits (kernels alone; a small FP8 engine's logits and graphed tokens), but a
-  128/128 run of a random-weight Llama-3-8B at batch 512 (H200, llm4 runs 1-2) decoded other tokens than with the
-  two kernels: a difference not found yet (bench/results/llm-2026-12-03b.md).
+  and so is its order: a row's sum of squares is a Triton reduction, whose order follows the register layout the
+  compiler picks for the whole row, and the compiler picks it from the widest vector the kernel's loads and
+  stores allow: 16 E4M3 values (16 bytes) where the bf16 kernel has 8. Summed in that other order, rstd's last
+  bit differed from rms_norm's in ~18% of rows and ~0.07% of rows quantized to another E4M3 byte (Llama-3-8B
+  widths, an emulation of the two orders: bench/results/llm-2026-12-03c.md), enough to change a random
+  Llama-3-8B's greedy tokens at batch 512 (H200, llm4 runs 1-2) though 37-row kernel tests found the same bits.
+  The E4M3 row is therefore stored in vectors of as many values as 16 bytes of the row's dtype hold (8 for bf16),
+  and the layouts are checked at compile time; so the 8B run's tokens are the two kernels' (H200, llm5 run 1: every
+  GEMM output of a 512 x 128 prefill and two decode steps bit-equal, and a 128/128 run's tokens).
 """
 
 from __future__ import annotations
@@ -45,7 +51,11 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, out_ptr, sum_ptr, scale_ptr, N, ep
     if FP8_MAX > 0:  # the consumer is an FP8 GEMM: the bf16 row quantized here, as fp8_quantize_rows would
         normed = normed.to(tl.float32)
         scale = _fp8_scale(scale_ptr + row, tl.max(tl.abs(normed), 0), FP8_MAX)
-        tl.store(out_ptr + row * stride_o + cols, (normed / scale).to(out_ptr.dtype.element_ty), mask=ok)
+        # E4M3 stored as many to a vector as a 16-byte vector holds of the row's dtype (8 bf16): at its own 16 the
+        # compiler lays the whole row out 16 a thread, so the sum of squares above is added in another order than
+        # rms_norm adds it (see the module docstring); tests/llm/reduction_layout_sm90.py checks one layout for both
+        fp8_cols = tl.max_contiguous(cols, 128 // dtype.primitive_bitwidth)
+        tl.store(out_ptr + row * stride_o + fp8_cols, (normed / scale).to(out_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(out_ptr + row * stride_o + cols, normed, mask=ok)
 
