@@ -82,6 +82,26 @@ def test_triton_fp8_gemm_with_fast_accumulation(name, out, activation):
     assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(70,), k=256, n=272))
 
 
+PERSISTENT = [f"cuda.qgemm.triton_persistent.{tile}" for tile in
+              ("128x256x128.fast_accum", "128x128x128.fast_accum", "128x256x128")]
+
+
+@pytest.mark.parametrize("out, activation", [(FP8, "Gelu"), (F16, ""), (I8, "Relu")], ids=["fp8 Gelu", "fp16", "int8"])
+@pytest.mark.parametrize("name", PERSISTENT)
+def test_persistent_fp8_gemm(name, out, activation):
+    """The persistent TMA kernel: more tiles than programs (the interpreter runs 4), M and N not multiples of the
+    tile (TMA clips the edge tiles' loads and stores), both epilogue halves, per-channel scales and a bias."""
+    layer = gemm_layer(FP8, out, lead=(3, 100), k=272, n=400, per_channel=True, activation=activation, seed=7)
+    check_tactic(name, layer, what=f"{out} {activation}")
+
+
+def test_persistent_fp8_gemm_refusals():
+    name = PERSISTENT[0]
+    assert "FP8 operands only" in refusal(PERSISTENT[2], gemm_layer(I8, I8, lead=(300,), k=256, n=272))
+    assert "multiples of 16" in refusal(name, gemm_layer(FP8, FP8, lead=(300,), k=256, n=280))
+    assert "half-precision" in refusal(name, gemm_layer(FP8, F32, lead=(300,), k=256, n=272))
+
+
 @pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])
 @pytest.mark.parametrize("name", [TRITON_GEMM, "cuda.qgemm.int_mm"])
 def test_qgemm_variants(name, variant):
