@@ -38,7 +38,7 @@ GEMMS = [("qkv 768->2304", 768, 2304, ""), ("attn-out 768->768", 768, 768, ""), 
 TRITON_TILES = [(128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, False), (64, 128, 128, 4, 4, False),
                 (128, 128, 128, 8, 3, True), (128, 256, 128, 8, 3, True)]
 PERSISTENT_TILES = [(128, 256, 128, 8, 3, True), (128, 256, 128, 8, 3, False), (128, 128, 128, 8, 4, True),
-                    (128, 128, 128, 4, 4, True), (128, 256, 64, 8, 4, True), (256, 128, 128, 8, 3, True)]
+                    (128, 256, 64, 8, 4, True)]
 
 
 def _e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -95,6 +95,10 @@ def rows_for(name: str, k: int, n: int, activation: str, triton: bool,
     epilogue = dataclasses.replace(epilogue, out_dtype=out, y_scale=0.02 if activation else 1.0)
     exact = x8.float() @ w8.float().t() + b.float()  # [M, N]: exact products, fp32 sums
     want = (torch.nn.functional.gelu(exact) / 0.02).clamp(-448, 448).to(FP8) if activation else None
+    if activation:  # the tactic the engine ran before (cuda.qgemm.scaled_mm_half.fast_accum), judged the same way
+        timed("cuBLASLt fp8 -> fp16 (fast accum), then the pass (scaled_mm_half.fast_accum)", lambda: requantize(
+            torch._scaled_mm(x8, w8t, scale_a=one, scale_b=one, out_dtype=torch.float16, use_fast_accum=True),
+            epilogue, -1), want)
     tiles = [(t, False) for t in TRITON_TILES if triton] + [(t, True) for t in PERSISTENT_TILES if persistent]
     for (bm, bn, bk, warps, stages, fast), persist in tiles:
         config = QGemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, fast_accum=fast, persistent=persist)
