@@ -4,7 +4,8 @@
                                    epilogue (zero point, bias, per-channel scale, Relu/Clip, requantization
                                    or float out) on the tile in registers: one read of x, one write of y
     cuda.qgemm.triton_persistent.* the same FP8 GEMM with one program per SM walking the tiles, TMA loads and
-                                   stores, the epilogue on half tiles: an FFN up's Gelu -> fp8 in the GEMM
+                                   stores, the epilogue on half tiles: an FFN up's Gelu -> fp8 in the GEMM (8-bit
+                                   outputs: a float one is cuBLASLt's, scaled_mm_direct)
     cuda.qgemm.int_mm              cuBLASLt int8 GEMM (torch._int_mm, int32 out), then one Triton pass
     cuda.qgemm.scaled_mm           cuBLASLt FP8 GEMM (torch._scaled_mm, unit scales, fp32 out), then one Triton pass
     cuda.qgemm.scaled_mm_direct    cuBLASLt FP8 GEMM with the scales (per tensor, or row-wise for bf16) and the
@@ -91,8 +92,10 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
             return f"{name_of(inputs[0].dtype)} activations: int8 sums are exact, fast accumulation is FP8's"
         if persistent:
             out = output_dtype(step, inputs)
-            refusal = out if isinstance(out, str) else \
-                kernels("qgemm").persistent_refusal(inputs[0].dtype, *inputs[3].shape[::-1], out)
+            if out not in QUANTIZED:  # (or the reason the output is not one)
+                return out if isinstance(out, str) else \
+                    "a float output: cuda.qgemm.scaled_mm_direct writes it from cuBLASLt's epilogue"
+            refusal = kernels("qgemm").persistent_refusal(inputs[0].dtype, *inputs[3].shape[::-1], out)
             if refusal:
                 return refusal
         rows, n = _rows(inputs), inputs[3].shape[0]
