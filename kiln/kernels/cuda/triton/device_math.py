@@ -23,7 +23,8 @@ def div_by_constant(a, b, inverse):
     reciprocal formed once on the host): q = a·inverse is within an ulp of a / b, r = a − q·b is exact in an fma,
     and q + r·inverse is then the correctly rounded quotient (Markstein's theorem; the final step of Itanium's
     division). Three fp32 instructions and a select where div_rn issues ~9 and a slow-path test; the select
-    keeps q when it is exact, so a −0 quotient stays −0. Not for quotients in the subnormal range."""
+    keeps q when it is exact, so a −0 quotient stays −0. Not for quotients in the subnormal range or beyond fp32's
+    (an overflowing q gives NaN here where the division gives inf): LayerNormQuantize's y / y_scale is neither."""
     q = a * inverse
     r = tl.fma(-q, b, a)
     return tl.where(r == 0.0, q, tl.fma(r, inverse, q))
