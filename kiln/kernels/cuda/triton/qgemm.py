@@ -164,13 +164,8 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
-    scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0)[None, :]
-    else:
-        bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX,
-                     HARDWARE_E4M3)
+    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
+                             OUT, QMIN, QMAX, HARDWARE_E4M3)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -182,14 +177,8 @@ def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_z
     """One [BLOCK_M, HALF_N] half of a persistent tile: the epilogue, then a TMA store (rows and columns past the
     output are clipped by the TMA unit)."""
     rn = off_n + tl.arange(0, HALF_N)  # [HN]
-    col_ok = rn < N
-    scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, HN]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0.0)[None, :]
-    else:
-        bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX,
-                     HARDWARE_E4M3)
+    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, rn < N, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
+                             OUT, QMIN, QMAX, HARDWARE_E4M3)
     y_desc.store([off_m, off_n], y.to(y_desc.dtype))
 
 

@@ -102,6 +102,20 @@ def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexp
 
 
 @triton.jit
+def finish_columns(acc, bias_ptr, scale_ptr, cols, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr,
+                   ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                   HARDWARE_E4M3: tl.constexpr = False):
+    """finish() of a [rows, C] tile whose channels are its columns `cols` [C]: their scale and bias read here once,
+    as [1, C] vectors (a GEMM's tile, the rows requantize pass)."""
+    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]  # [1, C]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0)[None, :]
+    else:
+        bias = scale  # not read
+    return finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+
+
+@triton.jit
 def finish_prescaled(acc, bias, multiplier, y_zero, alpha, beta, HAS_BIAS: tl.constexpr,
                      ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
     """finish() of an Epilogue.prescaled() epilogue: y_scale is folded into the per-channel multiplier
