@@ -109,6 +109,11 @@ def rows_for(name: str, k: int, n: int, activation: str, triton: bool,
         kind = ("persistent, warp-specialized" if specialize else "persistent") if persist else "triton"
         timed(f"{kind} fp8 GEMM {bm}x{bn}x{bk}w{warps}s{stages} -> {activation or 'bias'} -> {'fp8' if activation else 'fp16'}"
               f" ({accum})", lambda config=config: qgemm(x8, w8, epilogue, config), want)
+    if persistent and activation:  # the same GEMM and fp8 store without the Gelu: what the Gelu costs in the epilogue
+        config = QGemmConfig(*PERSISTENT_TILES[0][:3], num_warps=PERSISTENT_TILES[0][3],
+                             num_stages=PERSISTENT_TILES[0][4], fast_accum=True, persistent=True)
+        timed(f"persistent fp8 GEMM {config.name} -> bias -> fp8, no Gelu (fast accum)",
+              lambda: qgemm(x8, w8, dataclasses.replace(epilogue, activation=""), config))
     return rows
 
 
