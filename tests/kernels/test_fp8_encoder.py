@@ -173,11 +173,13 @@ def _div_by_constant_kernel(a_ptr, q_ptr, n, b, inverse, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("b", [6.0 / 448, 0.0123456, 3.0, 1.0 / 127, 0.5], ids=lambda b: f"{b:.4g}")
 def test_division_by_a_constant_is_ieee_division(b):
     """device_math.div_by_constant (the reciprocal and one fma correction) against torch's fp32 division, bit for bit:
-    random values over many binades, the constant's own multiples (exact quotients) and ±0 (the sign kept)."""
+    random values over many binades, the constant's own multiples (exact quotients), ±0 (the sign kept), ±inf and a
+    quotient past fp32's range (±inf, as the division)."""
     gen = torch.Generator().manual_seed(9)
     b32 = torch.tensor(b, dtype=torch.float32)
     a = torch.cat([torch.randn(1 << 16, generator=gen) * 2.0 ** torch.randint(-20, 20, (1 << 16,), generator=gen),
-                   b32 * torch.arange(-300, 300, dtype=torch.float32), torch.tensor([0.0, -0.0, 448.0, -1e30])])
+                   b32 * torch.arange(-300, 300, dtype=torch.float32),
+                   torch.tensor([0.0, -0.0, 448.0, -1e30, float("inf"), -float("inf"), 3e38, -3e38])])
     q = torch.empty_like(a)
     _div_by_constant_kernel[(triton.cdiv(a.numel(), 1024),)](a, q, a.numel(), float(b32), float(1.0 / b32), BLOCK=1024)
     want = a / b32

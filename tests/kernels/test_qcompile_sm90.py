@@ -176,7 +176,7 @@ def cases():
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
                  "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32", "r_row_stride": "i32",
-                 "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "inverse_y_scale": "fp32", "y_zero": "fp32"}
+                 "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32"}
         # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
         yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
                qnorm._layer_norm_quantize_kernel,

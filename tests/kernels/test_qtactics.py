@@ -82,8 +82,7 @@ def test_triton_fp8_gemm_with_fast_accumulation(name, out, activation):
     assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(70,), k=256, n=272))
 
 
-PERSISTENT = [f"cuda.qgemm.triton_persistent.{tile}" for tile in
-              ("128x256x128.fast_accum", "128x128x128.fast_accum", "128x256x128")]
+PERSISTENT = [f"cuda.qgemm.triton_persistent.{tile}.fast_accum" for tile in ("128x256x128", "128x128x128")]
 
 
 @pytest.mark.parametrize("out, activation", [(FP8, "Gelu"), (I8, "Relu")], ids=["fp8 Gelu", "int8"])
@@ -97,7 +96,7 @@ def test_persistent_fp8_gemm(name, out, activation):
 
 def test_persistent_fp8_gemm_kernel_writes_fp16():
     """The kernel's half-precision output (the tactic leaves float outputs to cuBLASLt), against the op's reference."""
-    from kiln.kernels.cuda.triton.qgemm import QGemmConfig, qgemm
+    from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, qgemm
     from kiln.tactics.cuda.quant_common import QuantizedLayer
 
     layer = gemm_layer(FP8, F16, lead=(300,), k=272, n=400, per_channel=True, activation="", seed=8)
@@ -111,11 +110,14 @@ def test_persistent_fp8_gemm_kernel_writes_fp16():
     with pytest.raises(ValueError, match="half-precision"):
         qgemm(layer.args[0], quantized.w.contiguous(),
               dataclasses.replace(quantized.integer_epilogue(), out_dtype=F32), config)
+    int8 = gemm_layer(I8, I8, lead=(300,), k=256, n=272)
+    with pytest.raises(ValueError, match="FP8 operands only"):
+        qgemm(int8.args[0], int8.args[3], Epilogue(torch.ones(272), None, I8), config)
 
 
 def test_persistent_fp8_gemm_refusals():
     name = PERSISTENT[0]
-    assert "FP8 operands only" in refusal(PERSISTENT[2], gemm_layer(I8, I8, lead=(300,), k=256, n=272))
+    assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(300,), k=256, n=272))
     assert "multiples of 16" in refusal(name, gemm_layer(FP8, FP8, lead=(300,), k=256, n=280))
     assert "scaled_mm_direct" in refusal(name, gemm_layer(FP8, F16, lead=(300,), k=256, n=272))
 

@@ -8,9 +8,7 @@ tensor the next quantized GEMMs read and, when asked, the float y for the residu
 y is quantized after its rounding to the storage dtype, as the QuantizeLinear it replaces reads it, so the
 fused op equals the unfused pair. One row per
 program, the whole row in registers: BERT's 768 (rows longer than MAX_ROW_BLOCK are refused by the tactic), or
-`RowsConfig.rows` rows per program ([ROWS, BLOCK] in registers; γ and β loaded once for them). The division by
-y_scale is formed from its reciprocal with one fma correction (device_math.div_by_constant): IEEE's quotient
-in a third of div_rn's instructions.
+`RowsConfig.rows` rows per program ([ROWS, BLOCK] in registers; γ and β loaded once for them).
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import qmath
 from kiln.kernels.cuda.triton.elementwise import FLOAT_DTYPES
 from kiln.kernels.cuda.triton.normalization import MAX_ROW_BLOCK, _block, _param, _rows
@@ -32,7 +29,7 @@ QUANTIZED_OUTPUTS = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 @triton.jit
 def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, rows, n, row_stride, r_row_stride, r_rows,
-                                eps, y_scale, inverse_y_scale, y_zero, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+                                eps, y_scale, y_zero, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
                                 HAS_R: tl.constexpr, WRITE_Y: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
                                 QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, ROWS: tl.constexpr,
                                 BLOCK: tl.constexpr):
@@ -56,9 +53,7 @@ def _layer_norm_quantize_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, q_ptr, rows, 
     offs = row[:, None] * n + cols[None, :]
     if WRITE_Y:
         tl.store(y_ptr + offs, y, mask=mask)
-    # y / y_scale rounded as the unfused QuantizeLinear's division, by the constant's reciprocal
-    v = qmath.quantize_value(dm.div_by_constant(y.to(tl.float32), y_scale, inverse_y_scale), y_zero, OUT, QMIN,
-                             QMAX, HARDWARE_E4M3)
+    v = qmath.requantize(y.to(tl.float32), y_scale, y_zero, 0.0, 0.0, "", OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -109,11 +104,10 @@ def layer_norm_quantize(x: torch.Tensor, weight: torch.Tensor | None, bias: torc
     config = config or RowsConfig(1, warps)
     qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
     out_kind = qmath.OUT_FP8 if out_dtype == torch.float8_e4m3fn else qmath.OUT_INT
-    y_scale32 = torch.tensor(y_scale, dtype=torch.float32)  # the QuantizeLinear's fp32 scale, its reciprocal in fp32
     rows = x2.shape[0]
     _layer_norm_quantize_kernel[(triton.cdiv(rows, config.rows),)](
         x2, w if w is not None else x2, b if b is not None else x2, r2, y if y is not None else q, q, rows, n,
-        x2.stride(0), r2.stride(0), r2.shape[0], float(eps), float(y_scale32), float(1.0 / y_scale32), float(y_zero),
+        x2.stride(0), r2.stride(0), r2.shape[0], float(eps), float(y_scale), float(y_zero),
         HAS_W=w is not None, HAS_B=b is not None, HAS_R=residual is not None, WRITE_Y=write_y, OUT=out_kind, QMIN=qmin,
         QMAX=qmax, HARDWARE_E4M3=x.is_cuda, ROWS=config.rows, BLOCK=block,  # on the GPU the fp8 store rounds (qmath)
         num_warps=config.num_warps)
