@@ -26,9 +26,11 @@ python3 bench/quant_gpu.py --show-profiles "$OUT/engines/quant_gpu.log" 2>/dev/n
   | cut -c1-700 | head -50
 T=$(left)
 if [ "$T" -gt 10 ]; then
-  stage "GPU tests (${T} s): hardware rounding, LayerNormQuantize tactics, FFN up tactics (per tensor)"
-  timeout "$T" python3 -m pytest -q -p no:cacheprovider --tb=line tests/gpu/test_quant_cuda.py \
-    -k "hardware_rounding or fp8_layer_norm_quantize or (fp8_ffn_up and per-tensor)" 2>&1 | grep -v "DEBUG\|^$" | tail -8
+  stage "GPU tests (${T} s): hardware rounding, LayerNormQuantize tactics, FFN up tactics (per tensor), then int8 GEMM
+  tactics at the FFN up's shape (qmath's new division in the int8 epilogues), as far as the time goes"
+  timeout "$T" python3 -m pytest -v -p no:cacheprovider --tb=line tests/gpu/test_quant_cuda.py \
+    -k "hardware_rounding or fp8_layer_norm_quantize or (fp8_ffn_up and per-tensor) or (qgemm_tactics_at_bert_shapes and ffn1 and int8)" \
+    2>&1 | grep "PASS\|FAIL\|Error\|passed\|failed" | cut -c1-300 | tail -16
 fi
 stage done
 } 2>&1 | tee "$OUT/fp8c2.log"
