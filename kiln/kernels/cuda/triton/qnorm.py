@@ -5,10 +5,12 @@ tensor the next quantized GEMMs read and, when asked, the float y for the residu
     y   = (s − mean) / sqrt(var + eps) · γ + β        fp32 statistics, rounded to x's dtype
     y_q = saturate(round(y / y_scale) + y_zero)       int8 / uint8, or onto the E4M3 grid (qmath)
 
-y is quantized after its rounding to the storage dtype, as the QuantizeLinear it replaces reads it, so the
-fused op equals the unfused pair. One row per
-program, the whole row in registers: BERT's 768 (rows longer than MAX_ROW_BLOCK are refused by the tactic), or
-`RowsConfig.rows` rows per program ([ROWS, BLOCK] in registers; γ and β loaded once for them).
+y is quantized after its rounding to the storage dtype, as the QuantizeLinear it replaces reads it, so y_q is
+that QuantizeLinear of the y written, bit for bit (y itself may differ from kiln's LayerNorm kernel in a last bit:
+the sums are taken in another order). One row per program, the whole row in registers: BERT's 768 (rows longer
+than MAX_ROW_BLOCK are refused by the tactic), or `RowsConfig.rows` rows per program ([ROWS, BLOCK] in registers;
+γ and β loaded once for them: 2 rows of 4 warps took 0.0365 ms at BERT-base 64 x 384 on the H200, one row 0.0383,
+kiln's fp16 LayerNorm 0.0301 for a byte less per element).
 """
 
 from __future__ import annotations
