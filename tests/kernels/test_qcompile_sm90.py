@@ -161,8 +161,7 @@ def cases():
              "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ("M", "N", "K")}
     yield ("qgemm persistent fp8 -> fp8 Gelu 128x256x128 fast accum", qgemm._qgemm_persistent_kernel, types,
            {"FAST_ACCUM": True, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
-            "HARDWARE_E4M3": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132,
-            "WARP_SPECIALIZE": False},
+            "HARDWARE_E4M3": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132},
            {"num_warps": 8, "num_stages": 3}, ("bias_ptr", "scale_ptr", "N", "K"), WGMMA_FP8.format(256), False)
     types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
              "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}

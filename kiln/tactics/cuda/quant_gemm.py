@@ -141,8 +141,8 @@ for _config, _level in (((128, 128, 128, 8, 3), 2), ((64, 128, 128, 4, 4), 2), (
 for _config in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3)):
     register(_triton_tactic(*_config, level=2, fast_accum=True))
 # FP8, persistent with TMA, fast accumulation: the large-M tiles, the 128-wide ones with a stage more (the shared
-# memory allows it). With fp32 accumulation it was slower still on the H200 (BERT's FFN up: 0.355 ms against 0.294;
-# cuBLASLt + the pass 0.235): not a candidate
+# memory allows it). BERT-base's FFN up on the H200 (bench/results/quant-gpu-2026-12-03c.md): 0.214 ms against
+# cuBLASLt + the pass 0.2125, a tie the tuner decides; with fp32 accumulation 0.06 ms slower: not a candidate
 for _config in ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4)):
     register(_triton_tactic(*_config, level=2, fast_accum=True, persistent=True))
 

@@ -57,7 +57,6 @@ class QGemmConfig:
     num_stages: int = 3
     fast_accum: bool = False  # FP8: the tensor cores' own accumulation over the whole K
     persistent: bool = False  # FP8: one program per SM over the tiles, TMA loads and stores
-    warp_specialize: bool = False  # persistent: producer/consumer warps (Triton's; the epilogue beside the MMAs)
 
     @property
     def name(self) -> str:
@@ -187,7 +186,7 @@ def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, 
                              FAST_ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                             GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
     """FP8 x [M, K] · w [N, K]ᵀ, K-major both (TMA tiles [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; a tile past
     M, N or K reads zeros), program p taking tiles p, p + PROGRAMS, ..."""
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -196,9 +195,7 @@ def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, 
     # the epilogue counts its own tile: with the loop flattened, the next tile's loads are issued before this
     # tile's epilogue runs (Triton's persistent matmul tutorial), and a separate counter keeps them independent
     epilogue_tile = tl.program_id(0) - PROGRAMS
-    # (Triton's persistent tutorial: Hopper's warp specialization does not take the flattened loop)
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=not WARP_SPECIALIZE,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
         tile_m, tile_n = dm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(k_steps):
@@ -279,8 +276,7 @@ def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmCon
             TensorDescriptor.from_tensor(x2, [config.block_m, config.block_k]),
             TensorDescriptor.from_tensor(w, [config.block_n, config.block_k]),
             TensorDescriptor.from_tensor(out.view(m, n), [config.block_m, config.block_n // 2]),
-            bias, epilogue.scale, m, n, k, *numbers, FAST_ACCUM=config.fast_accum, PROGRAMS=programs,
-            WARP_SPECIALIZE=config.warp_specialize, **common)
+            bias, epilogue.scale, m, n, k, *numbers, FAST_ACCUM=config.fast_accum, PROGRAMS=programs, **common)
         return out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _qgemm_kernel[grid](
