@@ -405,10 +405,14 @@ def test_quantize_dequantize_and_8bit_max_pool_at_resnet_shapes():
 
 # ---- the FP8 encoder (issue 12): LayerNorms writing fp8, the FFN up projection's Gelu before its fp8 output ------
 
-def test_fp8_layer_norm_quantize_at_bert_shape():
-    """kiln::LayerNormQuantize's CUDA tactic at BERT-base's hidden size (8 x 384 tokens, fp16, the residual joined)
+@pytest.mark.parametrize("name", ["cuda.layer_norm_quantize.triton", "cuda.layer_norm_quantize.triton.rows2w4",
+                                  "cuda.layer_norm_quantize.triton.rows4w8"])
+def test_fp8_layer_norm_quantize_at_bert_shape(name):
+    """kiln::LayerNormQuantize's CUDA tactics at BERT-base's hidden size (8 x 384 tokens, fp16, the residual joined)
     against the op's reference on the device, by the builder's own check (one E4M3 step, plus an fp16 ulp of the
-    largest value where the fp16 y's rounding meets the finer fp8 grid near zero), and inside a CUDA graph."""
+    largest value where the fp16 y's rounding meets the finer fp8 grid near zero), and inside a CUDA graph; q bit for
+    bit the QuantizeLinear pass of the kernel's own y (its division by the scale's reciprocal and an fma is IEEE's)."""
+    from kiln.kernels.cuda.triton.qelementwise import quantize
     from kiln.builder.accuracy import FLOAT8_HALF_SLACK, mismatch
     from kiln.ops import quantized as qref
     from kiln.ops.registry import OpContext
@@ -425,7 +429,7 @@ def test_fp8_layer_norm_quantize_at_bert_shape():
     args = [x, gamma, beta, residual, y_scale, y_zero]
     step = StepSpec(op_type="LayerNormQuantize", name="ln", inputs=["x", "g", "b", "r", "s", "z"],
                     outputs=["q", "y"], attributes={"epsilon": 1e-12}, domain="kiln")
-    tactic = registry.get("cuda.layer_norm_quantize.triton")
+    tactic = registry.get(name)
     assert tactic.check(step, [InputMeta.of(a, i in (1, 2, 4, 5)) for i, a in enumerate(args)]) is True
     launch = tactic.prepare(step, [None, gamma, beta, None, y_scale, y_zero], CUDA)
     ctx = OpContext("ln", "LayerNormQuantize", "kiln", num_outputs=2)
@@ -434,6 +438,7 @@ def test_fp8_layer_norm_quantize_at_bert_shape():
     # the slack the tuner's checker gives (f5ffefa moved it out of mismatch(): without it 4-5 steps near zero)
     assert mismatch(q, want_q, integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is None
     assert mismatch(y.float(), want_y.float(), {torch.float32: (1e-2, 1e-3)}) is None
+    assert torch.equal(q.view(torch.uint8), quantize(y, float(y_scale), 0.0, FP8).view(torch.uint8))
     assert mismatch(q, qref.layer_norm_quantize(ctx, *args[:4], y_scale * 1.1, y_zero, epsilon=1e-12)[0],
                     integer_steps=1, float8_slack=FLOAT8_HALF_SLACK) is not None  # the check can fail: a scale 10% off
     capture(lambda: launch(ctx, *args))
@@ -470,12 +475,14 @@ def test_the_fp8_stores_hardware_rounding_is_qmaths_rounding():
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
 def test_fp8_ffn_up_with_gelu_at_bert_shape(per_channel):
     """BERT-base's FFN up projection (768 -> 3072, 8 x 384 tokens) with Gelu and an fp8 output: every QGemm tactic
-    that takes it (scaled_mm_half, Triton, scaled_mm, dequantized) within one step of the reference."""
+    that takes it (scaled_mm_half, Triton and its persistent form, scaled_mm, dequantized) within one step of the
+    reference."""
     layer = gemm_layer(FP8, FP8, lead=(BATCH, 384), k=768, n=3072, per_channel=per_channel, activation="Gelu")
     results = _check_all(layer, "QGemm")
     print("ffn1 gelu", per_channel, results)
     assert not _failures(results), _failures(results)
     assert results.get("cuda.qgemm.scaled_mm_half") == "ok", results
+    assert results.get("cuda.qgemm.triton_persistent.128x256x128.fast_accum") == "ok", results  # Gelu in the GEMM
 
 
 def test_fp8_encoder_engine_on_cuda():

@@ -24,7 +24,7 @@ from kiln.builder.accuracy import FLOAT8_HALF_SLACK, mismatch  # noqa: E402
 from kiln.kernels.cuda.triton import device_math as dm  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import requantize  # noqa: E402
 from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, qgemm  # noqa: E402
-from kiln.kernels.cuda.triton.qnorm import layer_norm_quantize  # noqa: E402
+from kiln.kernels.cuda.triton.qnorm import RowsConfig, layer_norm_quantize  # noqa: E402
 from kiln.ops import quantized as qref  # noqa: E402
 from kiln.ops.registry import OpContext  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
@@ -101,6 +101,22 @@ def test_layer_norm_quantize_is_the_reference(out, x_dtype, residual):
     assert none is None and torch.equal(_steps_apart(q_only, q), torch.zeros_like(q, dtype=torch.int32))
 
 
+@pytest.mark.parametrize("config", [RowsConfig(2, 4), RowsConfig(4, 8), RowsConfig(8, 4)], ids=str)
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=str)
+def test_layer_norm_quantize_over_several_rows_per_program(config, out):
+    """R rows per program: bit for bit the one-row form (itself judged against the reference above), with a row count
+    that leaves the last program part empty and BERT's position embeddings repeating every 13 rows."""
+    torch.manual_seed(1)
+    x = (torch.randn(3, 13, 96) * 3 + 1).half()
+    r = torch.randn(1, 13, 96).half()
+    gamma, beta = (torch.rand(96) + 0.5).half(), (torch.randn(96) * 0.1).half()
+    y_scale, y_zero = (4.0 / 448, 0.0) if out == FP8 else (4.0 / 127, 3.0)
+    want_q, want_y = layer_norm_quantize(x, gamma, beta, 1e-5, y_scale, y_zero, out, residual=r)
+    q, y = layer_norm_quantize(x, gamma, beta, 1e-5, y_scale, y_zero, out, residual=r, config=config)
+    assert torch.equal(y, want_y)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 def test_layer_norm_quantize_refuses_what_it_cannot_do():
     x = torch.randn(4, 8)
     with pytest.raises(TypeError, match="float8e4m3fn/int8/uint8"):
@@ -145,6 +161,29 @@ def test_requantize_applies_gelu_to_a_half_product():
     r = torch.nn.functional.gelu(product.double() + bias.double())
     want = (r / 0.01).clamp(-448, 448).to(FP8)
     _close_on_the_grid(got, want, share=0.01)
+
+
+@triton.jit
+def _div_by_constant_kernel(a_ptr, q_ptr, n, b, inverse, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(q_ptr + offs, dm.div_by_constant(tl.load(a_ptr + offs, mask=mask, other=1.0), b, inverse), mask=mask)
+
+
+@pytest.mark.parametrize("b", [6.0 / 448, 0.0123456, 3.0, 1.0 / 127, 0.5], ids=lambda b: f"{b:.4g}")
+def test_division_by_a_constant_is_ieee_division(b):
+    """device_math.div_by_constant (the reciprocal and one fma correction) against torch's fp32 division, bit for bit:
+    random values over many binades, the constant's own multiples (exact quotients), ±0 (the sign kept), ±inf and a
+    quotient past fp32's range (±inf, as the division)."""
+    gen = torch.Generator().manual_seed(9)
+    b32 = torch.tensor(b, dtype=torch.float32)
+    a = torch.cat([torch.randn(1 << 16, generator=gen) * 2.0 ** torch.randint(-20, 20, (1 << 16,), generator=gen),
+                   b32 * torch.arange(-300, 300, dtype=torch.float32),
+                   torch.tensor([0.0, -0.0, 448.0, -1e30, float("inf"), -float("inf"), 3e38, -3e38])])
+    q = torch.empty_like(a)
+    _div_by_constant_kernel[(triton.cdiv(a.numel(), 1024),)](a, q, a.numel(), float(b32), float(1.0 / b32), BLOCK=1024)
+    want = a / b32
+    assert torch.equal(q.view(torch.int32), want.view(torch.int32)), int((q != want).sum())
 
 
 @triton.jit

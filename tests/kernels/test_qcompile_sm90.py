@@ -42,7 +42,7 @@ def cases():
         types |= {n: "i32" for n in ("M", "N", "K", "stride_xm", "stride_wn")}
         constexprs = {"FP8": fp8, "FAST_ACCUM": False, "X_UNSIGNED": x == "uint8", "HAS_BIAS": True,
                       "ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
-                      "QMAX": 255 if out == "uint8" else 127,
+                      "QMAX": 255 if out == "uint8" else 127, "HARDWARE_E4M3": False,
                       "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
         divisible = ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn")
         yield (f"qgemm {x} -> {out} {config}", qgemm._qgemm_kernel, types, constexprs,
@@ -150,11 +150,19 @@ def cases():
     for fast_accum in (False, True):  # the tensor cores' own accumulation: no per-step fp32 adds
         yield (f"qgemm fp8 -> fp8 Gelu 128x256x128{' fast accum' if fast_accum else ''}", qgemm._qgemm_kernel, types,
                {"FP8": True, "FAST_ACCUM": fast_accum, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Gelu",
-                "OUT": 2, "QMIN": 0, "QMAX": 0, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
+                "OUT": 2, "QMIN": 0, "QMAX": 0, "HARDWARE_E4M3": False, "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k,
                 "GROUP_M": c.group_m},
                {"num_warps": c.num_warps, "num_stages": c.num_stages},
                ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn"),
                WGMMA_FP8.format(256), True)
+    # the persistent form (TMA descriptors made on the host), the Gelu -> fp8 epilogue on half tiles
+    types = {"x_desc": "tensordesc<fp8e4nv[128, 128]>", "w_desc": "tensordesc<fp8e4nv[256, 128]>",
+             "y_desc": "tensordesc<fp8e4nv[128, 128]>", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "y_scale": "fp32",
+             "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ("M", "N", "K")}
+    yield ("qgemm persistent fp8 -> fp8 Gelu 128x256x128 fast accum", qgemm._qgemm_persistent_kernel, types,
+           {"FAST_ACCUM": True, "HAS_BIAS": True, "ACTIVATION": "Gelu", "OUT": 2, "QMIN": 0, "QMAX": 0,
+            "HARDWARE_E4M3": True, "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132},
+           {"num_warps": 8, "num_stages": 3}, ("bias_ptr", "scale_ptr", "N", "K"), WGMMA_FP8.format(256), False)
     types = {"acc_ptr": "*fp16", "bias_ptr": "*fp32", "scale_ptr": "*fp32", "out_ptr": "*fp8e4nv", "rows": "i32",
              "channels": "i32", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
     for hardware in (False, True):  # on the GPU the store's conversion rounds (cvt.rn.satfinite), not the arithmetic
@@ -166,14 +174,14 @@ def cases():
                HARDWARE_E4M3 if hardware else None, not hardware)
     for write_y in (True, False):
         types = {"x_ptr": "*fp16", "w_ptr": "*fp16", "b_ptr": "*fp16", "r_ptr": "*fp16", "y_ptr": "*fp16",
-                 "q_ptr": "*fp8e4nv", "n": "i32", "row_stride": "i32", "r_row_stride": "i32", "r_rows": "i32",
-                 "eps": "fp32",
-                 "y_scale": "fp32", "y_zero": "fp32"}
+                 "q_ptr": "*fp8e4nv", "rows": "i32", "n": "i32", "row_stride": "i32", "r_row_stride": "i32",
+                 "r_rows": "i32", "eps": "fp32", "y_scale": "fp32", "y_zero": "fp32"}
         # (the arithmetic E4M3 rounding with y, the store's cvt without: both forms compile)
         yield (f"layer_norm_quantize fp16 -> fp8{' + y' if write_y else ' (hardware e4m3)'} 768",
                qnorm._layer_norm_quantize_kernel,
                types, {"HAS_W": True, "HAS_B": True, "HAS_R": True, "WRITE_Y": write_y, "OUT": 2, "QMIN": 0,
-                       "QMAX": 0, "HARDWARE_E4M3": not write_y, "BLOCK": 1024}, {"num_warps": 4},
+                       "QMAX": 0, "HARDWARE_E4M3": not write_y, "ROWS": 1 if write_y else 4, "BLOCK": 1024},
+               {"num_warps": 4 if write_y else 8},
                ("x_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr", "q_ptr", "n", "row_stride", "r_row_stride"),
                None if write_y else HARDWARE_E4M3, write_y)
 

@@ -82,6 +82,46 @@ def test_triton_fp8_gemm_with_fast_accumulation(name, out, activation):
     assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(70,), k=256, n=272))
 
 
+PERSISTENT = [f"cuda.qgemm.triton_persistent.{tile}.fast_accum" for tile in ("128x256x128", "128x128x128")]
+
+
+@pytest.mark.parametrize("out, activation", [(FP8, "Gelu"), (I8, "Relu")], ids=["fp8 Gelu", "int8"])
+@pytest.mark.parametrize("name", PERSISTENT)
+def test_persistent_fp8_gemm(name, out, activation):
+    """The persistent TMA kernel: more tiles than programs (the interpreter runs 4), M and N not multiples of the
+    tile (TMA clips the edge tiles' loads and stores), both epilogue halves, per-channel scales and a bias."""
+    layer = gemm_layer(FP8, out, lead=(3, 100), k=272, n=400, per_channel=True, activation=activation, seed=7)
+    check_tactic(name, layer, what=f"{out} {activation}")
+
+
+def test_persistent_fp8_gemm_kernel_writes_fp16():
+    """The kernel's half-precision output (the tactic leaves float outputs to cuBLASLt), against the op's reference."""
+    from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, qgemm
+    from kiln.tactics.cuda.quant_common import QuantizedLayer
+
+    layer = gemm_layer(FP8, F16, lead=(300,), k=272, n=400, per_channel=True, activation="", seed=8)
+    constants = [a if i in layer.constant else None for i, a in enumerate(layer.args)]
+    quantized = QuantizedLayer.of(layer.step, constants, torch.device("cpu"))
+    config = QGemmConfig(128, 128, 128, persistent=True)
+    got = qgemm(layer.args[0], quantized.w.contiguous(), quantized.integer_epilogue(), config)
+    want = layer.reference()
+    # fp32 sums of exact products rounded once to fp16 (2^-11 relative): 4x that, and as much of the largest value
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="half-precision"):
+        qgemm(layer.args[0], quantized.w.contiguous(),
+              dataclasses.replace(quantized.integer_epilogue(), out_dtype=F32), config)
+    int8 = gemm_layer(I8, I8, lead=(300,), k=256, n=272)
+    with pytest.raises(ValueError, match="FP8 operands only"):
+        qgemm(int8.args[0], int8.args[3], Epilogue(torch.ones(272), None, I8), config)
+
+
+def test_persistent_fp8_gemm_refusals():
+    name = PERSISTENT[0]
+    assert "fast accumulation is FP8's" in refusal(name, gemm_layer(I8, I8, lead=(300,), k=256, n=272))
+    assert "multiples of 16" in refusal(name, gemm_layer(FP8, FP8, lead=(300,), k=256, n=280))
+    assert "scaled_mm_direct" in refusal(name, gemm_layer(FP8, F16, lead=(300,), k=256, n=272))
+
+
 @pytest.mark.parametrize("variant", ["per-tensor, no bias, Clip", "3-D x, no activation", "8 rows"])
 @pytest.mark.parametrize("name", [TRITON_GEMM, "cuda.qgemm.int_mm"])
 def test_qgemm_variants(name, variant):

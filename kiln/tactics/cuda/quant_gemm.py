@@ -3,6 +3,9 @@
     cuda.qgemm.triton.<BMxBNxBK>   Triton GEMM on int8 (int32 accumulator) or float8e4m3fn (fp32), the whole
                                    epilogue (zero point, bias, per-channel scale, Relu/Clip, requantization
                                    or float out) on the tile in registers: one read of x, one write of y
+    cuda.qgemm.triton_persistent.* the same FP8 GEMM with one program per SM walking the tiles, TMA loads and
+                                   stores, the epilogue on half tiles: an FFN up's Gelu -> fp8 in the GEMM (8-bit
+                                   outputs: a float one is cuBLASLt's, scaled_mm_direct)
     cuda.qgemm.int_mm              cuBLASLt int8 GEMM (torch._int_mm, int32 out), then one Triton pass
     cuda.qgemm.scaled_mm           cuBLASLt FP8 GEMM (torch._scaled_mm, unit scales, fp32 out), then one Triton pass
     cuda.qgemm.scaled_mm_direct    cuBLASLt FP8 GEMM with the scales (per tensor, or row-wise for bf16) and the
@@ -77,8 +80,9 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 # ---- Triton ------------------------------------------------------------------------------------------
 
 def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int, level: int,
-                   fast_accum: bool = False) -> Tactic:
-    name = f"cuda.qgemm.triton.{block_m}x{block_n}x{block_k}" + (".fast_accum" if fast_accum else "")
+                   fast_accum: bool = False, persistent: bool = False) -> Tactic:
+    kind = "triton_persistent" if persistent else "triton"
+    name = f"cuda.qgemm.{kind}.{block_m}x{block_n}x{block_k}" + (".fast_accum" if fast_accum else "")
 
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         common = _supports(step, inputs)
@@ -86,6 +90,14 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
             return common
         if fast_accum and inputs[0].dtype != FP8:
             return f"{name_of(inputs[0].dtype)} activations: int8 sums are exact, fast accumulation is FP8's"
+        if persistent:
+            out = output_dtype(step, inputs)
+            if out not in QUANTIZED:  # (or the reason the output is not one)
+                return out if isinstance(out, str) else \
+                    "a float output: cuda.qgemm.scaled_mm_direct writes it from cuBLASLt's epilogue"
+            refusal = kernels("qgemm").persistent_refusal(inputs[0].dtype, *inputs[3].shape[::-1], out)
+            if refusal:
+                return refusal
         rows, n = _rows(inputs), inputs[3].shape[0]
         if padded_tile(block_m, rows):
             return f"{block_m}-row tiles for {rows} rows: mostly padding"
@@ -96,7 +108,7 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         qgemm = kernels("qgemm")
         config = qgemm.QGemmConfig(block_m, block_n, block_k, num_warps=num_warps, num_stages=num_stages,
-                                   fast_accum=fast_accum)
+                                   fast_accum=fast_accum, persistent=persistent)
         layer = QuantizedLayer.of(step, constants, device)
         w = layer.w.contiguous()  # [N, K], K contiguous: wgmma's 8-bit B layout
         epilogue = layer.integer_epilogue()
@@ -111,13 +123,15 @@ def _triton_tactic(block_m: int, block_n: int, block_k: int, num_warps: int, num
         prepare=prepare, level=level, available=triton_available,
         description=f"Triton int8/fp8 GEMM, {block_m}x{block_n}x{block_k} tiles, {num_warps} warps, {num_stages} "
                     "stages, zero point / bias / scale / Relu / requantization on the tile before its one store"
-                    + _FAST_ACCUM[fast_accum],
+                    + _FAST_ACCUM[fast_accum] + _PERSISTENT[persistent],
     )
 
 
 # Fast accumulation is a candidate of its own, never assumed: the builder's check on the layer's real inputs
 # (one step of an 8-bit output, fp16's tolerance of a float one) decides whether its error is acceptable there.
 _FAST_ACCUM = {False: "", True: "; fast accumulation (the whole K in the tensor cores' ~14-bit adds)"}
+_PERSISTENT = {False: "", True: "; FP8, one program per SM over the tiles, TMA loads and stores, the epilogue on "
+                                "half tiles while the next tile's loads run (an FFN up's Gelu -> fp8 in the GEMM)"}
 
 # (block_m, block_n, block_k, warps, stages) -> opt level: big-M tiles, a middle one, 16-row tiles for batch 1
 for _config, _level in (((128, 128, 128, 8, 3), 2), ((64, 128, 128, 4, 4), 2), ((16, 64, 128, 2, 4), 2),
@@ -126,6 +140,11 @@ for _config, _level in (((128, 128, 128, 8, 3), 2), ((64, 128, 128, 4, 4), 2), (
 # FP8 with the tensor cores' accumulation: the large-M tiles (128x256 fits without the second accumulator)
 for _config in ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3)):
     register(_triton_tactic(*_config, level=2, fast_accum=True))
+# FP8, persistent with TMA, fast accumulation: the large-M tiles, the 128-wide ones with a stage more (the shared
+# memory allows it). BERT-base's FFN up on the H200 (bench/results/quant-gpu-2026-12-03c.md): 0.214 ms against
+# cuBLASLt + the pass 0.2125, a tie the tuner decides; with fp32 accumulation 0.06 ms slower: not a candidate
+for _config in ((128, 256, 128, 8, 3), (128, 128, 128, 8, 4)):
+    register(_triton_tactic(*_config, level=2, fast_accum=True, persistent=True))
 
 
 # ---- cuBLASLt INT8 (torch._int_mm) -------------------------------------------------------------------

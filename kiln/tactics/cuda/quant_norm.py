@@ -4,6 +4,8 @@ an FP8/INT8 GEMM writes the 8-bit tensor itself.
     cuda.layer_norm_quantize.triton   one row per program in registers (kiln/kernels/cuda/triton/qnorm.py):
                                       residual add, fp32 statistics, γ/β, y rounded to its dtype (written
                                       when the op has 2 outputs), then y / y_scale rounded and saturated
+    cuda.layer_norm_quantize.triton.rows<R>w<W>   the same kernel over R rows per program (γ, β read once for
+                                      them), W warps: fewer, larger programs, timed against the one-row form
 
 y_scale and the zero point are constants read at prepare: a launch does no host work but allocation.
 """
@@ -11,6 +13,7 @@ y_scale and the zero point are constants read at prepare: a launch does no host 
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,23 +58,30 @@ def _number(t: torch.Tensor) -> float:
     return float(t.reshape(-1)[0].to(torch.float32))
 
 
-def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
+def _prepare(step: StepSpec, constants: list[Any], device: torch.device, rows: int = 0, num_warps: int = 0):
     qnorm = kernels("qnorm")
     epsilon = float(_attr(step, "epsilon", 1e-5))
     y_scale, y_zero = _number(constants[4]), _number(constants[5])
     out = constants[5].dtype
+    config = qnorm.RowsConfig(rows, num_warps) if rows else None
 
     def launch(ctx, x, scale=None, bias=None, residual=None, *_quantization, **_attributes):
         q, y = qnorm.layer_norm_quantize(x, scale, bias, epsilon, y_scale, y_zero, out, residual=residual,
-                                         write_y=ctx.num_outputs == 2)
+                                         write_y=ctx.num_outputs == 2, config=config)
         return (q, y) if y is not None else q
 
     return launch
 
 
+_DESCRIPTION = ("(x + residual) -> LayerNorm -> per-tensor quantization in one pass over the row, the float y "
+                "written too when something else reads it")
 register(Tactic(
     name="cuda.layer_norm_quantize.triton", op_type="LayerNormQuantize", domain="kiln", device="cuda",
-    dtypes=_FLOATS, supports=_supports, prepare=_prepare, available=triton_available,
-    description="(x + residual) -> LayerNorm -> per-tensor quantization in one pass over the row, the float y "
-                "written too when something else reads it",
+    dtypes=_FLOATS, supports=_supports, prepare=_prepare, available=triton_available, description=_DESCRIPTION,
 ))
+for _rows, _warps in ((2, 4), (4, 8)):
+    register(Tactic(
+        name=f"cuda.layer_norm_quantize.triton.rows{_rows}w{_warps}", op_type="LayerNormQuantize", domain="kiln",
+        device="cuda", dtypes=_FLOATS, supports=_supports, prepare=partial(_prepare, rows=_rows, num_warps=_warps),
+        available=triton_available, description=f"{_DESCRIPTION}; {_rows} rows per program, {_warps} warps",
+    ))

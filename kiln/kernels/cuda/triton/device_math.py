@@ -18,6 +18,22 @@ def div(a, b):
 
 
 @triton.jit
+def div_by_constant(a, b, inverse):
+    """a / b rounded as IEEE's division, given inverse = 1/b correctly rounded (b the same for the whole program:
+    its reciprocal formed once): q = a·inverse is within an ulp of a / b, r = a − q·b is exact in an fma, and
+    q + r·inverse is then the correctly rounded quotient (Markstein's theorem; the last step of Itanium's
+    division). Per value an fmul, two fmas and two selects, and no MUFU.RCP: div_rn issues one per value (with
+    ~5 fmas and a slow-path test), and the special-function unit is the narrow one (16 results a cycle per SM on
+    Hopper against 128 fmas): an FFN up's Gelu -> fp8 already needs two there per value. Kept q where it is exact
+    (r = 0: a −0 quotient stays −0) or not finite (an overflow gives ±inf, as the division). Not for quotients in
+    the subnormal range, where q is not within an ulp (a quantized output rounds them to zero anyway)."""
+    q = a * inverse
+    r = tl.fma(-q, b, a)
+    corrected = tl.fma(r, inverse, q)
+    return tl.where((r == 0.0) | (corrected != corrected), q, corrected)
+
+
+@triton.jit
 def reciprocal(x):
     return tl.math.div_rn(1.0, x)
 

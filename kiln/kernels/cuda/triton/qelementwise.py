@@ -79,13 +79,8 @@ def _requantize_rows_kernel(acc_ptr, bias_ptr, scale_ptr, out_ptr, rows, channel
     mask = (r < rows)[:, None] & c_ok[None, :]
     offs = r[:, None] * channels + c[None, :]  # [BR, BC]
     acc = tl.load(acc_ptr + offs, mask=mask, other=0)
-    scale = tl.load(scale_ptr + c, mask=c_ok, other=0.0)[None, :]  # [1, BC]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + c, mask=c_ok, other=0)[None, :]
-    else:
-        bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX,
-                     HARDWARE_E4M3)
+    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, c, c_ok, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT,
+                             QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -18,6 +18,12 @@ sm_90 is never), as cuBLASLt does without fast accumulation. `QGemmConfig.fast_a
 to the tensor cores (Triton's sm_90 default): no second accumulator, no adds per step; a tactic of its
 own, kept only where the builder's check passes on the layer.
 
+`QGemmConfig.persistent` (FP8): one program per SM walks the output tiles (`_qgemm_persistent_kernel`), x and w
+read by TMA (host tensor descriptors) and the epilogue run on two [BLOCK_M, BLOCK_N/2] halves of the accumulator
+(half the registers live at once) whose 8-bit (or fp16) results the TMA writes back; the loop over tiles is
+flattened, so the next tile's loads are issued while this one's epilogue computes. The form cuBLASLt's FP8 GEMM
+cannot take: an FFN up projection's Gelu before its fp8 output, in the GEMM (issue 12).
+
 The tile config is a tactic parameter (kiln/tactics/cuda/quant_gemm.py), timed by the autotuner.
 """
 
@@ -29,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import qmath
@@ -49,6 +56,7 @@ class QGemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     fast_accum: bool = False  # FP8: the tensor cores' own accumulation over the whole K
+    persistent: bool = False  # FP8: one program per SM over the tiles, TMA loads and stores
 
     @property
     def name(self) -> str:
@@ -122,8 +130,8 @@ class Epilogue:
 def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
                   y_scale, y_zero, alpha, beta,
                   FP8: tl.constexpr, FAST_ACCUM: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  ACTIVATION: tl.constexpr,
-                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK_M: tl.constexpr,
+                  ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                  HARDWARE_E4M3: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rm = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
@@ -155,14 +163,57 @@ def _qgemm_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, M, N, K, stride_xm
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
-    scale = tl.load(scale_ptr + rn, mask=col_ok, other=0.0)[None, :]  # [1, BN]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=col_ok, other=0)[None, :]
-    else:
-        bias = scale  # not read
-    y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
+                             OUT, QMIN, QMAX, HARDWARE_E4M3)
     offs = rm[:, None].to(tl.int64) * N + rn[None, :]
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _finish_half(acc, y_desc, bias_ptr, scale_ptr, off_m, off_n, N, y_scale, y_zero, alpha, beta,
+                 HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
+                 QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, HALF_N: tl.constexpr):
+    """One [BLOCK_M, HALF_N] half of a persistent tile: the epilogue, then a TMA store (rows and columns past the
+    output are clipped by the TMA unit)."""
+    rn = off_n + tl.arange(0, HALF_N)  # [HN]
+    y = qmath.finish_columns(acc, bias_ptr, scale_ptr, rn, rn < N, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION,
+                             OUT, QMIN, QMAX, HARDWARE_E4M3)
+    y_desc.store([off_m, off_n], y.to(y_desc.dtype))
+
+
+@triton.jit
+def _qgemm_persistent_kernel(x_desc, w_desc, y_desc, bias_ptr, scale_ptr, M, N, K, y_scale, y_zero, alpha, beta,
+                             FAST_ACCUM: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                             OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr):
+    """FP8 x [M, K] · w [N, K]ᵀ, K-major both (TMA tiles [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]; a tile past
+    M, N or K reads zeros), program p taking tiles p, p + PROGRAMS, ..."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    # the epilogue counts its own tile: with the loop flattened, the next tile's loads are issued before this
+    # tile's epilogue runs (Triton's persistent matmul tutorial), and a separate counter keeps them independent
+    epilogue_tile = tl.program_id(0) - PROGRAMS
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        tile_m, tile_n = dm.grouped_tile(tile, tiles_m, tiles_n, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(k_steps):
+            a = x_desc.load([tile_m * BLOCK_M, k * BLOCK_K])  # [BM, BK]
+            b = w_desc.load([tile_n * BLOCK_N, k * BLOCK_K])  # [BN, BK]
+            if FAST_ACCUM:
+                acc = tl.dot(a, b.T, acc)
+            else:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+        epilogue_tile += PROGRAMS
+        tile_m, tile_n = dm.grouped_tile(epilogue_tile, tiles_m, tiles_n, GROUP_M)
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))  # [BM, BN/2, 2]
+        left, right = tl.split(halves)  # columns [0, BN/2) and [BN/2, BN) of the tile
+        _finish_half(left, y_desc, bias_ptr, scale_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N, N, y_scale, y_zero,
+                     alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3, BLOCK_N // 2)
+        _finish_half(right, y_desc, bias_ptr, scale_ptr, tile_m * BLOCK_M, tile_n * BLOCK_N + BLOCK_N // 2, N,
+                     y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3,
+                     BLOCK_N // 2)
 
 
 def fold_zero_point(w: torch.Tensor, bias: torch.Tensor | None, x_zero: int, x_dtype: torch.dtype) -> torch.Tensor:
@@ -183,6 +234,8 @@ def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmCon
     float8e4m3fn), w [N, K] K-contiguous -> [..., N] in epilogue.out_dtype.
 
     The zero point of x must already be folded into epilogue.bias (fold_zero_point); FP8 has none.
+    A `persistent` config takes FP8 with K and N multiples of 16 and an output of at most 2 bytes
+    (`persistent_refusal`).
     """
     fp8 = x.dtype == torch.float8_e4m3fn
     if x.dtype not in QUANTIZED_INPUTS or w.dtype != (torch.float8_e4m3fn if fp8 else torch.int8):
@@ -206,12 +259,45 @@ def qgemm(x: torch.Tensor, w: torch.Tensor, epilogue: Epilogue, config: QGemmCon
     if config is None:
         config = next((c for c in QGEMM_CONFIGS if c.block_m <= max(m, 16)), QGEMM_CONFIGS[-1])
     qmin, qmax = epilogue.qrange
+    common = dict(HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
+                  QMIN=qmin, QMAX=qmax, HARDWARE_E4M3=x.is_cuda,  # on the GPU the fp8 store rounds (qmath)
+                  BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
+                  num_warps=config.num_warps, num_stages=config.num_stages)
+    bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
+    numbers = (float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta))
+    if config.persistent:
+        refusal = persistent_refusal(x.dtype, k, n, epilogue.out_dtype)
+        if refusal:
+            raise ValueError(f"triton qgemm: {config.name} persistent: {refusal}")
+        if x2.data_ptr() % 16:
+            x2 = x2.clone()  # TMA reads from 16-byte aligned addresses
+        programs = min(_programs(x.device), triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
+        _qgemm_persistent_kernel[(programs,)](
+            TensorDescriptor.from_tensor(x2, [config.block_m, config.block_k]),
+            TensorDescriptor.from_tensor(w, [config.block_n, config.block_k]),
+            TensorDescriptor.from_tensor(out.view(m, n), [config.block_m, config.block_n // 2]),
+            bias, epilogue.scale, m, n, k, *numbers, FAST_ACCUM=config.fast_accum, PROGRAMS=programs, **common)
+        return out
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
     _qgemm_kernel[grid](
-        x2, w, epilogue.bias if epilogue.bias is not None else epilogue.scale, epilogue.scale, out, m, n, k,
-        x2.stride(0), w.stride(0), float(epilogue.y_scale), float(epilogue.y_zero), float(epilogue.alpha),
-        float(epilogue.beta), FP8=fp8, FAST_ACCUM=fp8 and config.fast_accum, X_UNSIGNED=x.dtype == torch.uint8,
-        HAS_BIAS=epilogue.bias is not None, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin,
-        QMAX=qmax, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        x2, w, bias, epilogue.scale, out, m, n, k, x2.stride(0), w.stride(0), *numbers, FP8=fp8,
+        FAST_ACCUM=fp8 and config.fast_accum, X_UNSIGNED=x.dtype == torch.uint8, **common)
     return out
+
+
+def persistent_refusal(x_dtype: torch.dtype, k: int, n: int, out_dtype: torch.dtype) -> str:
+    """Why the persistent (TMA) kernel cannot take the layer, or "": TMA needs 16-byte aligned rows."""
+    if x_dtype != torch.float8_e4m3fn:
+        return "FP8 operands only"
+    if k % 16 or n % 16:
+        return f"K = {k}, N = {n}: TMA needs both multiples of 16"
+    if out_dtype.itemsize > 2:
+        return f"a {out_dtype} output: the kernel writes 8-bit or half-precision tiles"
+    return ""
+
+
+def _programs(device: torch.device) -> int:
+    """One persistent program per SM (a few on the interpreter, where the device is the CPU)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -49,7 +49,9 @@ def round_to_e4m3(v):
     inverse = ((257 - biased) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e): biased 127 + 3 - (biased - 127)
     spacing = ((biased - 3) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
     q = tl.abs(round_half_even(v * inverse) * spacing)
-    return tl.where(bits < 0, -q, q)  # the sign of v, -0.0 included (as torch's conversion keeps it)
+    # v's sign bit on q, so a negative v that rounds to zero gives -0.0 as the store's conversion and torch's do
+    # (on the GPU `-q` compiles to 0 - q, which is +0.0 for q = 0: the H200 run of 2026-12-03c found 7 such values)
+    return (q.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -72,7 +74,8 @@ def quantize_value(v, y_zero, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.co
 def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr,
                QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
-    (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is an IEEE division, as the reference's float32 one."""
+    (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is rounded as the reference's float32 division
+    (device_math.div_by_constant)."""
     if ACTIVATION == "Relu":
         r = dm.relu(r)
     elif ACTIVATION == "Clip":  # alpha = min, beta = max
@@ -81,8 +84,9 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
         r = dm.gelu_for_8bit(r) if OUT != 0 else dm.gelu(r)
     elif ACTIVATION == "GeluTanh":
         r = dm.gelu_tanh(r)
-    if OUT != 0:
-        r = quantize_value(dm.div(r, y_scale), y_zero, OUT, QMIN, QMAX, HARDWARE_E4M3)
+    if OUT != 0:  # r / y_scale as IEEE's division, from y_scale's reciprocal (a scalar: once per program)
+        r = quantize_value(dm.div_by_constant(r, y_scale, dm.reciprocal(y_scale)), y_zero, OUT, QMIN, QMAX,
+                           HARDWARE_E4M3)
     return r
 
 
@@ -99,6 +103,20 @@ def finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexp
             acc = acc.to(tl.float32) + bias.to(tl.float32)
     r = acc.to(tl.float32) * scale
     return requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
+
+
+@triton.jit
+def finish_columns(acc, bias_ptr, scale_ptr, cols, col_ok, y_scale, y_zero, alpha, beta, HAS_BIAS: tl.constexpr,
+                   ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+                   HARDWARE_E4M3: tl.constexpr = False):
+    """finish() of a [rows, C] tile whose channels are its columns `cols` [C]: their scale and bias read here once,
+    as [1, C] vectors (a GEMM's tile, the rows requantize pass)."""
+    scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]  # [1, C]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=col_ok, other=0)[None, :]
+    else:
+        bias = scale  # not read
+    return finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX, HARDWARE_E4M3)
 
 
 @triton.jit
