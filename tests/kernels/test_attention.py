@@ -210,6 +210,22 @@ def test_key_lengths_without_a_mask_or_with_a_bool_one(mask):
     assert_close(out, reference(q, k, v, expected, scale=0.3), torch.float16)
 
 
+def test_only_rows_without_length_leave_the_others_as_they_were():
+    """The part cuDNN's padding mode leaves (kiln/tactics/cuda/cudnn_attention.py): batches of length -1 on their mask,
+    of length 0 zeros; the batches of a positive length keep what `out` held."""
+    torch.manual_seed(17)
+    q, k, v = randn(4, 2, 21, 32), randn(4, 2, 40, 32), randn(4, 2, 40, 32)
+    lengths = torch.tensor([40, -1, 0, 9], dtype=torch.int32)
+    mask = torch.where(torch.rand(4, 1, 1, 40) < 0.4, float("-inf"), 0.0).half()
+    out = torch.full((4, 2, 21, 32), 7.0, dtype=torch.float16)
+    flash_attention(q, k, v, mask, lengths, scale=0.3, out=out, config=SMALL, only_rows_without_length=True)
+    assert (out[[0, 3]] == 7.0).all()
+    assert_close(out[1:2], reference(q[1:2], k[1:2], v[1:2], mask[1:2], scale=0.3), torch.float16)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    with pytest.raises(ValueError, match="needs key_lengths"):
+        flash_attention(q, k, v, mask, scale=0.3, config=SMALL, only_rows_without_length=True)
+
+
 def test_refusals():
     q = randn(1, 2, 8, 32)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -322,6 +338,11 @@ def test_tactic_refusals_say_why():
     lengths = torch.zeros(1, dtype=torch.int32)
     assert "int32 [1]" in reason(make_step(5, scale=0.1), [q, q, q, None, lengths.long()])
     assert "is_causal" in reason(make_step(5, scale=0.1, is_causal=1), [q, q, q, None, lengths])
+    padded = registry.get("cuda.attention.cudnn_padded").supports  # cuDNN's padding mode, here without the library
+    assert "no key lengths" in padded(make_step(4, scale=0.1), metas([q, q, q, None]))
+    assert "equal dims" in padded(make_step(5, scale=0.1), metas([q, q, randn(1, 2, 16, 16), None, lengths]))
+    assert "is_causal" in padded(make_step(5, scale=0.1, is_causal=1), metas([q, q, q, None, lengths]))
+    assert padded(make_step(5, scale=0.1), metas([q, q, q, None, lengths])) is True
     assert registry.get("cuda.attention.triton.128x128.w8s3").check(make_step(3, scale=0.1), metas([wide] * 3))
 
 
