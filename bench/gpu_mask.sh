@@ -31,7 +31,8 @@ timeout 80 python3 bench/dynamic.py --device cuda --warm-compile-cache reduce-ov
 WARM_RO=$!
 stage "GPU tests"
 TRITON_INTERPRET=0 timeout 50 python3 -m pytest tests/gpu/test_triton_attention.py tests/gpu/test_remove_padding.py \
-  -k "key_lengths or cudnn_padding or padding_free or plain_engine or packed_program" -q -p no:cacheprovider -rfE --tb=short 2>&1 | tail -25
+  -k "key_lengths or padding_free or plain_engine or packed_program" -q -p no:cacheprovider -rfE --tb=short \
+  2>&1 | tail -25
 stage "attention per layer, BERT-base 32x512"
 timeout 35 python3 bench/attention.py --configs default \
   --cases bert512,bert512_full_key,bert512_full_lengths,bert512_lengths 2>&1 | grep -v "$FILTER" | tail -45

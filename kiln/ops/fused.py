@@ -147,8 +147,8 @@ def softmax(ctx, x, *, axis=-1):
 
 
 @register("Attention", domain="kiln")
-def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
-              out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
+def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0, q_perm=None, k_perm=None,
+              v_perm=None, out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
               out_merge_heads=0, q_quant=None, k_quant=None, v_quant=None, score_quant=None, prob_quant=None,
               out_quant=None):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).

@@ -91,7 +91,8 @@ def padding_mask(batch: int, seq: int) -> torch.Tensor:
     return padding
 
 
-@pytest.mark.parametrize("layer", ["bert_b32_s512_key_lengths", "bert_b64_s384_mask", "vit_b64_s197", "gpt2_b8_s512_causal", "bert_b1_s128",
+@pytest.mark.parametrize("layer", ["bert_b32_s512_key_lengths", "bert_b64_s384_mask", "vit_b64_s197",
+                                   "gpt2_b8_s512_causal", "bert_b1_s128",
                                    "llama_gqa_b4_s1024_causal_bf16"])
 def test_default_build_tactics_at_benchmark_layers(layer):
     torch.manual_seed(0)

@@ -89,7 +89,7 @@ def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
 
 
 def supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
-                     stages: int) -> bool | str:
+                    stages: int) -> bool | str:
     attributes = step.attributes
     if any(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant",
                                                       "out_quant")):

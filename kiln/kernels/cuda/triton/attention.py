@@ -167,8 +167,8 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
                             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                             MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                             HAS_KEY_LENGTHS: tl.constexpr, ROWS_WITHOUT_LENGTH: tl.constexpr,
-                            NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                            NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first so the short ones fill the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -237,8 +237,8 @@ def _extent(t: torch.Tensor, dims: tuple[int, ...]) -> int:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                    key_lengths: torch.Tensor | None = None, *, scale: float | None = None, is_causal: bool = False, nan_to_zero: bool = False,
-                    out: torch.Tensor | None = None, config: AttentionConfig | None = None,
+                    key_lengths: torch.Tensor | None = None, *, scale: float | None = None, is_causal: bool = False,
+                    nan_to_zero: bool = False, out: torch.Tensor | None = None, config: AttentionConfig | None = None,
                     only_rows_without_length: bool = False) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v in q's dtype (fp16/bf16), accumulated in fp32.
 
@@ -311,7 +311,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         s_len, t_len, heads // kv_heads, scale * LOG2E, float(torch.finfo(q.dtype).max),
         HEAD_DIM=d, HEAD_DIM_V=dv, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         MASK_ROWS=mask is not None and mask_strides[2] != 0 and s_len > 1, CAUSAL=bool(is_causal) and mask is None,
-        HAS_KEY_LENGTHS=key_lengths is not None, ROWS_WITHOUT_LENGTH=bool(only_rows_without_length), NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
+        HAS_KEY_LENGTHS=key_lengths is not None, ROWS_WITHOUT_LENGTH=bool(only_rows_without_length),
+        NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
         BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
