@@ -119,6 +119,7 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
             padding = (keys < lengths).view(b, s)
             inputs.append(torch.where(padding, 0.0, torch.finfo(torch.float32).min).to(case.dtype).view(b, 1, 1, s))
             inputs.append(key_lengths(None, padding))
+            attributes["nan_to_zero"] = 1  # as the plain program's attentions have it (the exported BERT's guard)
         else:  # every query's row of it: [B, 1, S, S]
             hidden = torch.where(keys < lengths, 0.0, torch.finfo(torch.float32).min).expand(b, 1, s, s)
             inputs.append(hidden.to(case.dtype).contiguous())
