@@ -63,7 +63,8 @@ class Case:
     head_dim: int
     mask: str = ""  # "key": an additive [B, 1, 1, S] padding mask; "query_key": the same as [B, 1, S, S], as
     # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it;
-    # "lengths": the key mask and its key lengths (kiln::KeyLengths), as a padding-free plain program reads it on CUDA
+    # "lengths": the key mask and its key lengths (kiln::KeyLengths), as a padding-free plain program reads it on CUDA;
+    # "lengths only": the key lengths without a mask tensor (what the Triton kernel's length path costs alone)
     full: bool = False  # a mask with no padding (every row real), as the plain program meets at the profile's max
     causal: bool = False
     packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
@@ -87,6 +88,8 @@ CASES = [
     Case("bert512_full_lengths", "BERT b32 h12 s512 d64 +key lengths, full", 32, 12, 12, 512, 64, mask="lengths",
          full=True),
     Case("bert512_lengths", "BERT b32 h12 s512 d64 +key lengths", 32, 12, 12, 512, 64, mask="lengths"),
+    Case("bert512_full_lengths_only", "BERT b32 h12 s512 d64 +key lengths, full, no mask tensor", 32, 12, 12, 512,
+         64, mask="lengths only", full=True),
     Case("bert128_lengths", "BERT b8 h12 s128 d64 +key lengths", 8, 12, 12, 128, 64, mask="lengths"),
     Case("bert128_qk", "BERT b8 h12 s128 d64 +[B,1,S,S] mask", 8, 12, 12, 128, 64, mask="query_key"),
     Case("bert128_key", "BERT b8 h12 s128 d64 +[B,1,1,S] mask", 8, 12, 12, 128, 64, mask="key"),
@@ -115,9 +118,10 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
         keys = torch.arange(s, device=device).view(1, 1, 1, s)
         if case.mask == "key":  # -10000 on the padding keys: [B, 1, 1, S]
             inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))
-        elif case.mask == "lengths":  # as kiln/passes/remove_padding.py key_padding_mask(key_lengths=True) feeds it
+        elif case.mask.startswith("lengths"):  # as remove_padding.key_padding_mask(key_lengths=True) feeds it
             padding = (keys < lengths).view(b, s)
-            inputs.append(torch.where(padding, 0.0, torch.finfo(torch.float32).min).to(case.dtype).view(b, 1, 1, s))
+            inputs.append(None if case.mask == "lengths only" else
+                          torch.where(padding, 0.0, torch.finfo(torch.float32).min).to(case.dtype).view(b, 1, 1, s))
             inputs.append(key_lengths(None, padding))
             attributes["nan_to_zero"] = 1  # as the plain program's attentions have it (the exported BERT's guard)
         else:  # every query's row of it: [B, 1, S, S]
@@ -154,7 +158,8 @@ def varlen_call(case: Case, step: StepSpec, inputs: list) -> Callable[[], torch.
     from kiln.tactics.cuda.packed_attention import flash_varlen, packed_qkv
 
     b, s = case.batch, case.seq
-    real = inputs[3][:, 0, 0, :] == 0 if case.mask else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
+    mask = inputs[3] if len(inputs) > 3 else None
+    real = mask[:, 0, 0, :] == 0 if mask is not None else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
     q, k, v = packed_qkv(inputs[0].flatten(0, 1)[real.reshape(-1)], None, None, step.attributes)  # [T, H, D]
     cu_seqlens = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(real.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
@@ -206,7 +211,7 @@ def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: t
         found[VARLEN] = (varlen_call(case, step, inputs), "the real tokens only, not checked here "
                                                           "(tests/gpu/test_remove_padding.py checks it)")
     found[ALONE] = (contiguous_sdpa_call(case, device), "no layout work, not the layer")
-    if case.mask == "lengths" or not case.mask:
+    if case.mask.startswith("lengths") or not case.mask:
         found[SDPA_COLUMNS["cudnn padded (key lengths)"]] = cudnn_padded_call(step, inputs)
     return found
 

@@ -27,7 +27,6 @@ from kiln.tactics.cuda.attention import attention_views, supports_layout
 from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
-from kiln.tactics.tactic import attribute as _attr
 
 _REST_TILE = (64, 64, 4, 3)  # the Triton kernel's tile (block_m, block_n, warps, stages) for the rows cuDNN leaves
 
@@ -74,14 +73,14 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         queries = torch.full((batch, 1, 1, 1), s_len, dtype=torch.int32, device=q4.device)  # every query computed
         out, _ = torch.ops.cudnn.sdpa_fwd(q4, k4, v4, float(attributes.get("scale", 1.0)), seq_len_q=queries,
                                           seq_len_kv=keys, return_lse=False)  # [B, H, S, Dv], laid out as q is
+        nan_to_zero = bool(attributes.get("nan_to_zero"))
         kernels.flash_attention(q4, k4, v4, mask, key_lengths, scale=attributes.get("scale", 1.0),
-                                nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=rest,
-                                only_rows_without_length=True)
-        if _attr(attributes, "nan_to_zero", 0):  # the op's torch.nan_to_num over cuDNN's rows as well
+                                nan_to_zero=nan_to_zero, out=out, config=rest, only_rows_without_length=True)
+        if nan_to_zero:  # the op's torch.nan_to_num over cuDNN's rows as well
             out = torch.nan_to_num(out, nan=0.0)
-        perm = _attr(attributes, "out_perm", None)
+        perm = attributes.get("out_perm")
         result = (out.permute(list(perm)) if perm else out).contiguous()  # a view where cuDNN laid it out so
-        return result.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else result
+        return result.flatten(-2) if attributes.get("out_merge_heads") else result
 
     return launch
 
