@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Second device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 30 + 30 + 85 s; background jobs
+# Second device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 40 + 30 + 85 s; background jobs
 # overlap the first two):   bash bench/gpu_mask2.sh
 # Call 1 (1a28ba2, gpu_mask.sh) ran the tests and the attention table; its bench/dynamic.py ran past its cap while
 # torch.compile compiled (two modes: ~48 s each even beside a cache-filling process) and printed no per-shape rows.
-# 1. The cuDNN padding-mode tactic's GPU test (fixed: it read its attributes as a step's).
+# 1. GPU tests of the key-length kernel again (its mask branch is now unpipelined, tl.range(num_stages=1): 120
+#    registers and 57,344 B of shared memory at 64x64, 4 blocks an SM as without a mask, where call 1's kernel
+#    took 140 and 58,368, 3 blocks) and of the cuDNN padding-mode tactic (fixed: it read its attributes as a step's).
 # 2. bench/attention.py at BERT-base 32x512: no mask; key lengths full (with the key mask, and without a mask tensor:
 #    the length path alone); key lengths half-padded; with cuda.attention.cudnn_padded beside the Triton tiles.
 # 3. bench/dynamic.py per shape (32x512 full, 32x512 half, 24x384): kiln vs torch eager and
@@ -20,8 +22,8 @@ print(zoo.export('bert_base', batch=2, seq=16, dynamic=True).path)" > "$OUT/expo
 EXPORT=$!
 timeout 75 python3 bench/dynamic.py --device cuda --warm-compile-cache reduce-overhead > "$OUT/warm-ro.log" 2>&1 &
 WARM_RO=$!
-stage "GPU test: cuda.attention.cudnn_padded"
-timeout 30 python3 -m pytest tests/gpu/test_triton_attention.py -k cudnn_padding -q -p no:cacheprovider -rfE \
+stage "GPU tests: key lengths (every tile, the default-build tactics at BERT 32x512, cuda.attention.cudnn_padded)"
+timeout 40 python3 -m pytest tests/gpu/test_triton_attention.py -k key_lengths -q -p no:cacheprovider -rfE \
   --tb=short 2>&1 | tail -15
 stage "attention per layer, BERT-base 32x512"
 timeout 30 python3 bench/attention.py --configs default \

@@ -180,8 +180,7 @@ def attention_cases():
         mask_bytes = (1 if flags.get("MASK_BOOL") else 2) if flags.get("HAS_MASK") else 0
         bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim, 2,
                                     mask_bytes if flags.get("MASK_ROWS") else 0,
-                                    0 if flags.get("MASK_ROWS") else mask_bytes,
-                                    flags.get("HAS_KEY_LENGTHS", False))  # what the tactic's supports() assumes
+                                    0 if flags.get("MASK_ROWS") else mask_bytes)  # what the tactic's supports() assumes
         yield (f"attention {dtype} {config.name} d{head_dim} {variant}", fn, types, constexprs,
                {"options": {"num_warps": config.num_warps, "num_stages": config.num_stages}, "divisible": divisible,
                 "shared_bound": bound})

@@ -31,18 +31,14 @@ _SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (H100/H200); a larger 
 
 
 def shared_memory_bound(block_m: int, block_n: int, stages: int, head_dim: int, head_dim_v: int, itemsize: int,
-                        mask_tile_itemsize: int = 0, mask_vector_itemsize: int = 0, key_lengths: bool = False) -> int:
+                        mask_tile_itemsize: int = 0, mask_vector_itemsize: int = 0) -> int:
     """An upper bound of the kernel's shared memory in bytes, as Triton lays it out on sm_90: the q tile
     once; per pipeline stage a k and a v tile, and a [BM, BN] mask tile (per-query masks) or a key vector
-    (padding masks, plus alignment). With key lengths the length path is a second key loop whose k/v stages
-    Triton does not always place over the first loop's (64x128 tiles: 139,520 B where the mask alone takes
-    74,752). tests/kernels/compile_sm90.py holds it against the compiler's figure."""
+    (padding masks, plus alignment). tests/kernels/compile_sm90.py holds it against the compiler's figure."""
     block_d, block_dv = (max(16, 1 << (d - 1).bit_length()) for d in (head_dim, head_dim_v))
-    key_value = block_n * (block_d + block_dv) * itemsize
-    per_stage = key_value + block_m * block_n * mask_tile_itemsize
+    per_stage = block_n * (block_d + block_dv) * itemsize + block_m * block_n * mask_tile_itemsize
     vector = stages * block_n * mask_vector_itemsize + 1024 if mask_vector_itemsize else 0
-    second_loop = stages * key_value if key_lengths else 0
-    return stages * per_stage + vector + second_loop + block_m * block_d * itemsize
+    return stages * per_stage + vector + block_m * block_d * itemsize
 
 
 def _attr(attributes: dict[str, Any], name: str, default: Any) -> Any:
@@ -150,8 +146,7 @@ def supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block
     extents.append(s_len * heads * dv)  # the output buffer, at most this far inside one slab
     if max(extents) >= 2**31:
         return "one (batch, head) slab spans more than 2^31 elements: the kernel indexes it in 32 bits"
-    shared = shared_memory_bound(block_m, block_n, stages, d, dv, q.element_size(), mask_tile, mask_vector,
-                                 lengths is not None)
+    shared = shared_memory_bound(block_m, block_n, stages, d, dv, q.element_size(), mask_tile, mask_vector)
     if shared > _SHARED_MEMORY_LIMIT:
         return f"~{shared} B of shared memory for these tiles at head dims {d}/{dv}: more than sm_90's " \
                f"{_SHARED_MEMORY_LIMIT}"

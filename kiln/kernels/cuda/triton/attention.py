@@ -72,13 +72,13 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                        MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                        CHECK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_DV: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, STAGES: tl.constexpr):
     """Key blocks [start, end) folded into (acc, l, m). CHECK_KEYS: test key < T; CAUSAL: key <= query."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM  # constant-folded when HEAD_DIM == BLOCK_D
     dv_ok = offs_dv < HEAD_DIM_V
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # offs_n: [BN]
         k_ptrs = k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # kᵀ tile: [BD, BN]
         v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd  # v tile: [BN, BDV]
@@ -137,8 +137,9 @@ def _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
                  stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
                  MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """Keys 0..T-1 folded into (acc, l, m): the blocks every query row of the tile sees in full, then the rest."""
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STAGES: tl.constexpr):
+    """Keys 0..T-1 folded into (acc, l, m): the blocks every query row of the tile sees in full, then the rest.
+    STAGES: the key loops' software pipeline depth; None: the launch's num_stages."""
     whole_blocks_end = (T // BLOCK_N) * BLOCK_N  # key blocks with no tail
     if CAUSAL:  # blocks whose last key is <= the tile's first query are seen in full by every row
         full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, whole_blocks_end)
@@ -149,11 +150,11 @@ def _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
     acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0, full_end,
                                        T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                        HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, False, False,
-                                       BLOCK_N, BLOCK_D, BLOCK_DV)
+                                       BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
     return _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, full_end, end, T,
                               stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                               HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
-                              BLOCK_N, BLOCK_D, BLOCK_DV)
+                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
 
 
 @triton.jit
@@ -198,24 +199,25 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m,
                                      tl.where(key_length < 0, T, 0), stride_kt, stride_kd, stride_vt, stride_vd,
                                      stride_ms, stride_mt, qk_scale, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL,
-                                     MASK_ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                                     MASK_ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None)
         row_ok = offs_m < tl.where(key_length <= 0, S, 0)  # a batch of a positive length: nothing stored
     elif HAS_KEY_LENGTHS:
         if key_length >= 0:  # the batch's keys are its first key_length: no mask read, no key past them visited
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m,
                                          tl.minimum(key_length, T), stride_kt, stride_kd, stride_vt, stride_vd,
                                          stride_ms, stride_mt, qk_scale, HEAD_DIM, HEAD_DIM_V, False, False, False,
-                                         False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
-        else:  # -1: the mask says which keys (not a prefix of them)
+                                         False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None)
+        else:  # -1: the mask says which keys (not a prefix of them). Unpipelined: its mask buffers and registers
+            # would lower the occupancy of the length path, the one that runs where the mask is a padding mask
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
                                          stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                          HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, BLOCK_M,
-                                         BLOCK_N, BLOCK_D, BLOCK_DV)
+                                         BLOCK_N, BLOCK_D, BLOCK_DV, 1)
     else:
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
                                      stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                      HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, BLOCK_M, BLOCK_N,
-                                     BLOCK_D, BLOCK_DV)
+                                     BLOCK_D, BLOCK_DV, None)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with every key masked: acc is 0, and so is its output
     out = acc * (1.0 / l_safe)[:, None]
