@@ -64,7 +64,8 @@ class Case:
     mask: str = ""  # "key": an additive [B, 1, 1, S] padding mask; "query_key": the same as [B, 1, S, S], as
     # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it;
     # "lengths": the key mask and its key lengths (kiln::KeyLengths), as a padding-free plain program reads it on CUDA;
-    # "lengths only": the key lengths without a mask tensor (what the Triton kernel's length path costs alone)
+    # "lengths only": the key lengths without a mask tensor (what the Triton kernel's length path costs alone);
+    # "lengths, left": left padding, a padded row's key length -1 (the kernel's mask branch)
     full: bool = False  # a mask with no padding (every row real), as the plain program meets at the profile's max
     causal: bool = False
     packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
@@ -88,6 +89,8 @@ CASES = [
     Case("bert512_full_lengths", "BERT b32 h12 s512 d64 +key lengths, full", 32, 12, 12, 512, 64, mask="lengths",
          full=True),
     Case("bert512_lengths", "BERT b32 h12 s512 d64 +key lengths", 32, 12, 12, 512, 64, mask="lengths"),
+    Case("bert512_left_lengths", "BERT b32 h12 s512 d64 +key lengths, left-padded", 32, 12, 12, 512, 64,
+         mask="lengths, left"),
     Case("bert512_full_lengths_only", "BERT b32 h12 s512 d64 +key lengths, full, no mask tensor", 32, 12, 12, 512,
          64, mask="lengths only", full=True),
     Case("bert128_lengths", "BERT b8 h12 s128 d64 +key lengths", 8, 12, 12, 128, 64, mask="lengths"),
@@ -119,7 +122,8 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
         if case.mask == "key":  # -10000 on the padding keys: [B, 1, 1, S]
             inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))
         elif case.mask.startswith("lengths"):  # as remove_padding.key_padding_mask(key_lengths=True) feeds it
-            padding = (keys < lengths).view(b, s)
+            real = keys >= s - lengths if case.mask == "lengths, left" else keys < lengths
+            padding = real.view(b, s)
             inputs.append(None if case.mask == "lengths only" else
                           torch.where(padding, 0.0, torch.finfo(torch.float32).min).to(case.dtype).view(b, 1, 1, s))
             inputs.append(key_lengths(None, padding))
