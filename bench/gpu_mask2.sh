@@ -27,8 +27,9 @@ timeout 40 python3 -m pytest tests/gpu/test_triton_attention.py -k key_lengths -
   --tb=short 2>&1 | tail -15
 stage "attention per layer, BERT-base 32x512"
 timeout 30 python3 bench/attention.py --configs default \
-  --cases bert512,bert512_full_lengths,bert512_full_lengths_only,bert512_lengths,bert512_left_lengths 2>&1 \
-  | grep -v "$FILTER" | tail -13
+  --cases bert512,bert512_full_lengths,bert512_full_lengths_only,bert512_lengths,bert512_key,bert512_left_lengths \
+  2>&1 \
+  | grep -v "$FILTER" | tail -14
 wait $EXPORT $WARM_RO
 for f in export warm-ro; do echo "[$f]"; grep -v "Warning\|warn(" "$OUT/$f.log" | tail -2; done
 stage "per shape: kiln vs torch eager / reduce-overhead"
