@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Second device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 40 + 30 + 85 s; background jobs
+# Second device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 40 + 35 + 80 s; background jobs
 # overlap the first two):   bash bench/gpu_mask2.sh
 # Call 1 (1a28ba2, gpu_mask.sh) ran the tests and the attention table; its bench/dynamic.py ran past its cap while
 # torch.compile compiled (two modes: ~48 s each even beside a cache-filling process) and printed no per-shape rows.
@@ -26,14 +26,14 @@ stage "GPU tests: key lengths (every tile, the default-build tactics at BERT 32x
 timeout 40 python3 -m pytest tests/gpu/test_triton_attention.py -k key_lengths -q -p no:cacheprovider -rfE \
   --tb=short 2>&1 | tail -15
 stage "attention per layer, BERT-base 32x512"
-timeout 30 python3 bench/attention.py --configs default \
+timeout 35 python3 bench/attention.py --configs default \
   --cases bert512,bert512_full_lengths,bert512_full_lengths_only,bert512_lengths,bert512_key,bert512_left_lengths \
   2>&1 \
   | grep -v "$FILTER" | tail -14
 wait $EXPORT $WARM_RO
 for f in export warm-ro; do echo "[$f]"; grep -v "Warning\|warn(" "$OUT/$f.log" | tail -2; done
 stage "per shape: kiln vs torch eager / reduce-overhead"
-timeout 85 python3 bench/dynamic.py --device cuda --no-compile --reduce-overhead --no-warm-up --requests 4 \
+timeout 80 python3 bench/dynamic.py --device cuda --no-compile --reduce-overhead --no-warm-up --requests 4 \
   --calls 6 --out "$OUT" --shapes 32x512:full,32x512,24x384 2>&1 | grep -v "$FILTER" | tail -45
 stage done
 } 2>&1 | tee "$OUT/mask2.log"
