@@ -10,8 +10,8 @@ autotuner times it: each Triton tile config (the tactics cuda.attention.triton.*
 .efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D], and a
 padding-free engine's varlen flash attention on the layer's real tokens (no mask). Where the layer has key lengths
 (a padding-free engine's plain program on CUDA: the key mask + kiln::KeyLengths), also cuDNN's own SDPA in its
-padding mode on those lengths (nvidia-cudnn-frontend's torch.ops.cudnn.sdpa_fwd, seq_len_kv, alone: prefix masks
-only), beside the tactic built on it (cuda.attention.cudnn_padded, which runs any mask).
+padding mode on those lengths (nvidia-cudnn-frontend's torch.ops.cudnn.sdpa_fwd, seq_len_kv; prefix masks only): a
+peer, measured slower than kiln's length path (bench/results/mask-2026-12-03.md), so no tactic.
 
 Correctness first: each output against the op in fp32 (SDPA math) with the autotuner's tolerance for
 the storage dtype; any failure prints FAIL and the script exits 1 after the table. Timing: 20 calls
@@ -47,7 +47,7 @@ HEADS_LAST = [0, 2, 1, 3]
 TRITON = "cuda.attention.triton."
 SDPA_COLUMNS = {"default": "default (op)", "flash": "cuda.attention.flash", "efficient": "cuda.attention.efficient",
                 "cudnn": "cuda.attention.cudnn", "math": "sdpa.math", "cudnn padded (key lengths)": "cudnn frontend "
-                "sdpa_fwd, seq_len_kv", "cudnn padded tactic": "cuda.attention.cudnn_padded"}
+                "sdpa_fwd, seq_len_kv"}
 ALONE = "sdpa kernel alone, contiguous"
 VARLEN = "flash varlen on the real tokens"
 

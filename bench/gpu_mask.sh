@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (A record of what its device call ran: cuda.attention.cudnn_padded was removed after call 2, slower than the
+# Triton kernel's length path; bench/results/mask-2026-12-03.md.)
 # Device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 50 + 35 + 63 s; the background jobs overlap):
 #   bash bench/gpu_mask.sh
 # New: the padding-free plain program's attentions read the mask's key lengths (kiln::KeyLengths, on the device):

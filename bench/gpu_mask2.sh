@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# (A record of what its device call ran: cuda.attention.cudnn_padded was removed after call 2, slower than the
+# Triton kernel's length path; bench/results/mask-2026-12-03.md.)
 # Second device call for issue 10's full-mask row (branch h-mask), <= 150 s (caps 40 + 35 + 80 s; background jobs
 # overlap the first two):   bash bench/gpu_mask2.sh
 # Call 1 (1a28ba2, gpu_mask.sh) ran the tests and the attention table; its bench/dynamic.py ran past its cap while

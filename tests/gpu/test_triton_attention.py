@@ -205,21 +205,3 @@ def test_key_lengths_at_every_tile_and_replayed_with_other_lengths(config):
         torch.cuda.synchronize()
     check(out, fp32_reference(q, k, v, other_key_mask, scale=0.125))
 
-
-def test_cudnn_padding_mode_tactic_with_key_lengths():
-    """cuda.attention.cudnn_padded (cuDNN's padding mode + the Triton kernel for the -1 and 0 batches) at BERT-base
-    32x512 with key lengths 1, S, 0, -1 and random, against the op in fp32; replayed in a CUDA graph, the same."""
-    tactic = registry.get("cuda.attention.cudnn_padded")
-    if not tactic.available():
-        pytest.skip("nvidia-cudnn-frontend with its torch op (cudnn.sdpa_torch) is not importable here")
-    torch.manual_seed(2)
-    s, args = make_layer("bert_b32_s512_key_lengths")
-    assert tactic.check(s, [InputMeta.of(a, False) for a in args]) is True
-    launch = tactic.prepare(dataclasses.replace(s, tactic=tactic.name), [None] * len(args), DEVICE)
-    with torch.inference_mode():
-        eager = launch(None, *args, **s.attributes)
-        replayed = graph_replay(lambda: launch(None, *args, **s.attributes))
-    problem = mismatch(eager.float(), reference(s, args), {torch.float32: TOLERANCE[torch.float16]})
-    assert problem is None, problem
-    assert torch.equal(eager, replayed) and eager.is_contiguous()
-    assert not eager[2].any(), "a batch of key length 0 attends to nothing: zeros"

@@ -149,7 +149,7 @@ def attention_cases():
     aligned pointers, other strides multiples of 16: the pipelined build that runs on the GPU) at
     head dim 64 (BERT, ViT, GPT-2), without and with a padding mask (one key vector per block), the padding mask
     with key lengths (both key loops, one per branch), and at 128 causal (Llama); a per-query bool mask with
-    nan_to_zero at a padded head dim (80 -> 128 lanes); the rows cuDNN's padding mode leaves (64x64 tiles)."""
+    nan_to_zero at a padded head dim (80 -> 128 lanes)."""
     fn = attention._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")  # 1: Triton makes them constants
     ints = {name: "i32" for name in fn.arg_names
@@ -157,13 +157,11 @@ def attention_cases():
     divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
     variants = {"plain": {}, "causal": {"CAUSAL": True}, "padding-mask": {"HAS_MASK": True},
                 "key-lengths": {"HAS_MASK": True, "HAS_KEY_LENGTHS": True},
-                "rows-without-length": {"HAS_MASK": True, "HAS_KEY_LENGTHS": True, "ROWS_WITHOUT_LENGTH": True},
                 "bool-mask": {"HAS_MASK": True, "MASK_BOOL": True, "MASK_ROWS": True, "NAN_TO_ZERO": True}}
     cases = [(config, dtype, head_dim, variant) for config in attention.ATTENTION_CONFIGS
              for dtype, head_dim, variant in (("fp16", 64, "plain"), ("fp16", 64, "padding-mask"),
                                               ("fp16", 64, "key-lengths"), ("bf16", 128, "causal"))]
     cases += [(config, "fp16", 80, "bool-mask") for config in attention.ATTENTION_CONFIGS[2:4]]
-    cases += [(attention.ATTENTION_CONFIGS[2], "fp16", 64, "rows-without-length")]  # cuDNN's padding mode's helper
     for config, dtype, head_dim, variant in cases:
         flags = variants[variant]
         types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
@@ -172,10 +170,8 @@ def attention_cases():
                  "out_max": "fp32"} | ints
         block_d = attention._block_dim(head_dim)
         constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "HAS_MASK": False, "MASK_BOOL": False,
-                      "MASK_ROWS": False, "CAUSAL": False, "HAS_KEY_LENGTHS": False, "ROWS_WITHOUT_LENGTH": False,
-                      "NAN_TO_ZERO": False,
-                      "BLOCK_M": config.block_m,
-                      "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d}
+                      "MASK_ROWS": False, "CAUSAL": False, "HAS_KEY_LENGTHS": False, "NAN_TO_ZERO": False,
+                      "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d}
         constexprs |= flags | dict.fromkeys(unit, 1)
         mask_bytes = (1 if flags.get("MASK_BOOL") else 2) if flags.get("HAS_MASK") else 0
         bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim, 2,
@@ -224,7 +220,7 @@ CASES = {"elementwise": elementwise_cases, "normalization": normalization_cases,
          "gemm": gemm_cases}
 CASES["attention"] = attention_cases
 QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention fp16 128x64.w4s3 d64 key-lengths",
-          "attention fp16 64x64.w4s3 d64 rows-without-length", "attention bf16 128x128.w8s3 d128 causal",
+          "attention bf16 128x128.w8s3 d128 causal",
           "attention fp16 64x64.w4s3 d80 bool-mask"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases

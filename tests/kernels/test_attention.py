@@ -210,22 +210,6 @@ def test_key_lengths_without_a_mask_or_with_a_bool_one(mask):
     assert_close(out, reference(q, k, v, expected, scale=0.3), torch.float16)
 
 
-def test_only_rows_without_length_leave_the_others_as_they_were():
-    """The part cuDNN's padding mode leaves (kiln/tactics/cuda/cudnn_attention.py): batches of length -1 on their mask,
-    of length 0 zeros; the batches of a positive length keep what `out` held."""
-    torch.manual_seed(17)
-    q, k, v = randn(4, 2, 21, 32), randn(4, 2, 40, 32), randn(4, 2, 40, 32)
-    lengths = torch.tensor([40, -1, 0, 9], dtype=torch.int32)
-    mask = torch.where(torch.rand(4, 1, 1, 40) < 0.4, float("-inf"), 0.0).half()
-    out = torch.full((4, 2, 21, 32), 7.0, dtype=torch.float16)
-    flash_attention(q, k, v, mask, lengths, scale=0.3, out=out, config=SMALL, only_rows_without_length=True)
-    assert (out[[0, 3]] == 7.0).all()
-    assert_close(out[1:2], reference(q[1:2], k[1:2], v[1:2], mask[1:2], scale=0.3), torch.float16)
-    assert torch.equal(out[2], torch.zeros_like(out[2]))
-    with pytest.raises(ValueError, match="needs key_lengths"):
-        flash_attention(q, k, v, mask, scale=0.3, config=SMALL, only_rows_without_length=True)
-
-
 def test_refusals():
     q = randn(1, 2, 8, 32)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -301,38 +285,6 @@ def test_tactic_with_key_lengths_from_the_padding_mask():
     run_against_the_op(TACTIC, step, [randn(b, s, 3 * h * d), None, None, mask, lengths])
 
 
-def test_cudnn_padding_mode_tactic_around_a_stand_in_for_cudnn(monkeypatch):
-    """cuda.attention.cudnn_padded's own work, on the CPU: the lengths it hands cuDNN (a batch of length -1 or 0 over
-    all its keys), the Triton kernel over those batches, nan_to_zero and the output layout, against kiln's op. cuDNN's
-    padding mode is stood in for by SDPA on the keys below seq_len_kv (its contract; the GPU test runs cuDNN)."""
-    from types import SimpleNamespace
-
-    import kiln.tactics.cuda.cudnn_attention as cudnn_attention
-    from kiln.ops.tokens import key_lengths
-
-    def sdpa_fwd(q, k, v, scale, *, seq_len_q, seq_len_kv, return_lse):
-        assert not return_lse and (seq_len_q == q.shape[2]).all() and (seq_len_kv > 0).all()
-        kept = torch.arange(k.shape[2]) < seq_len_kv  # [B, 1, 1, T]
-        out = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=kept,
-                                                               scale=scale)
-        return out.to(q.dtype), torch.empty(0)
-
-    monkeypatch.setattr(cudnn_attention, "import_cudnn", lambda: SimpleNamespace(sdpa_torch=None))
-    monkeypatch.setattr(torch.ops, "cudnn", SimpleNamespace(sdpa_fwd=sdpa_fwd), raising=False)
-    torch.manual_seed(18)
-    b, s, h, d = 4, 40, 2, 32
-    step = make_step(5, scale=d ** -0.5, qkv_split=[h * d] * 3, q_num_heads=h, kv_num_heads=h, q_perm=HEADS_LAST,
-                     k_perm=HEADS_LAST, v_perm=HEADS_LAST, out_perm=HEADS_LAST, out_merge_heads=1, nan_to_zero=1)
-    padding = torch.ones(b, s, dtype=torch.int64)
-    padding[0, 17:] = 0
-    padding[1] = torch.rand(s) < 0.6  # holes: -1, the Triton kernel on the mask
-    padding[2] = 0  # 0: zeros
-    mask = torch.where(padding == 0, torch.finfo(torch.float32).min, 0.0).half()[:, None, None, :]
-    out = run_against_the_op("cuda.attention.cudnn_padded", step,
-                             [randn(b, s, 3 * h * d), None, None, mask, key_lengths(None, padding)])
-    assert out.shape == (b, s, h * d) and not out[2].any()
-
-
 def test_tactic_gpt2_causal_heads_last_bf16():
     torch.manual_seed(11)
     step = make_step(3, scale=0.125, is_causal=1, q_num_heads=2, kv_num_heads=2, q_perm=HEADS_LAST,
@@ -370,11 +322,6 @@ def test_tactic_refusals_say_why():
     lengths = torch.zeros(1, dtype=torch.int32)
     assert "int32 [1]" in reason(make_step(5, scale=0.1), [q, q, q, None, lengths.long()])
     assert "is_causal" in reason(make_step(5, scale=0.1, is_causal=1), [q, q, q, None, lengths])
-    padded = registry.get("cuda.attention.cudnn_padded").supports  # cuDNN's padding mode, here without the library
-    assert "no key lengths" in padded(make_step(4, scale=0.1), metas([q, q, q, None]))
-    assert "equal dims" in padded(make_step(5, scale=0.1), metas([q, q, randn(1, 2, 16, 16), None, lengths]))
-    assert "is_causal" in padded(make_step(5, scale=0.1, is_causal=1), metas([q, q, q, None, lengths]))
-    assert padded(make_step(5, scale=0.1), metas([q, q, q, None, lengths])) is True
     assert registry.get("cuda.attention.triton.128x128.w8s3").check(make_step(3, scale=0.1), metas([wide] * 3))
 
 

@@ -4,7 +4,6 @@
     gemm_padded.py a half GEMM of K or N not a multiple of 8 on zero-padded, aligned operands (cuBLAS)
     swiglu.py      a gated MLP's gate|up GEMM (FusedGemm SwiGLU): cuBLAS + one gating kernel, or one Triton GEMM
     attention.py   kiln's Triton flash attention
-    cudnn_attention.py  attention with key lengths on cuDNN's padding mode (nvidia-cudnn-frontend's torch op)
     packed_attention.py  kiln::PackedAttention (padding-free encoders) on varlen flash attention
     pool.py        Triton NHWC pooling
     conv.py        Triton implicit-GEMM convolution
@@ -25,7 +24,6 @@ import kiln.tactics.cuda.library  # noqa: F401, I001
 import kiln.tactics.cuda.swiglu  # noqa: F401
 import kiln.tactics.cuda.gemm_padded  # noqa: F401
 import kiln.tactics.cuda.attention  # noqa: F401
-import kiln.tactics.cuda.cudnn_attention  # noqa: F401
 import kiln.tactics.cuda.packed_attention  # noqa: F401
 import kiln.tactics.cuda.pool  # noqa: F401
 import kiln.tactics.cuda.rotary  # noqa: F401

@@ -84,8 +84,8 @@ def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return sum((n - 1) * abs(s) for n, s in zip(shape[2:], strides[2:]))
 
 
-def supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
-                    stages: int) -> bool | str:
+def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
+                     stages: int) -> bool | str:
     attributes = step.attributes
     if any(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant",
                                                       "out_quant")):
@@ -155,7 +155,7 @@ def supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block
 
 def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-        return supports_layout(step, inputs, block_m, block_n, num_stages)
+        return _supports_layout(step, inputs, block_m, block_n, num_stages)
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")

@@ -167,9 +167,8 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
                             S, T, kv_group, qk_scale, out_max,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                             MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-                            HAS_KEY_LENGTHS: tl.constexpr, ROWS_WITHOUT_LENGTH: tl.constexpr,
-                            NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                            HAS_KEY_LENGTHS: tl.constexpr, NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first so the short ones fill the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -195,13 +194,6 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_KEY_LENGTHS:
         key_length = tl.load(key_lengths_ptr + batch)
-    if ROWS_WITHOUT_LENGTH:  # another kernel wrote the rows of a positive length: -1 rows on the mask, 0 rows zero
-        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m,
-                                     tl.where(key_length < 0, T, 0), stride_kt, stride_kd, stride_vt, stride_vd,
-                                     stride_ms, stride_mt, qk_scale, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL,
-                                     MASK_ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None)
-        row_ok = offs_m < tl.where(key_length <= 0, S, 0)  # a batch of a positive length: nothing stored
-    elif HAS_KEY_LENGTHS:
         if key_length >= 0:  # the batch's keys are its first key_length: no mask read, no key past them visited
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m,
                                          tl.minimum(key_length, T), stride_kt, stride_kd, stride_vt, stride_vd,
@@ -240,8 +232,8 @@ def _extent(t: torch.Tensor, dims: tuple[int, ...]) -> int:
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                     key_lengths: torch.Tensor | None = None, *, scale: float | None = None, is_causal: bool = False,
-                    nan_to_zero: bool = False, out: torch.Tensor | None = None, config: AttentionConfig | None = None,
-                    only_rows_without_length: bool = False) -> torch.Tensor:
+                    nan_to_zero: bool = False, out: torch.Tensor | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v in q's dtype (fp16/bf16), accumulated in fp32.
 
     q: [B, H, S, D]; k: [B or 1, Hkv, T, D]; v: [B or 1, Hkv, T, Dv], any strides, H a multiple of
@@ -252,8 +244,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     key_lengths: int32 [B], a padding mask's per-sequence length (kiln/ops/tokens.py `key_lengths`): where
     key_lengths[b] >= 0, batch b attends to its first key_lengths[b] keys and its mask is not read (the key loop
     stops there: a full mask costs what no mask costs); where it is negative, the mask applies. Not with is_causal.
-    only_rows_without_length: write only the batches whose key length is not positive (-1 on the mask, 0 as zeros)
-    into `out`, which another kernel filled for the rest (cuDNN's padding mode, kiln/tactics/cuda/cudnn_attention.py).
     """
     if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"flash_attention: q, k and v must share float16 or bfloat16, "
@@ -280,8 +270,6 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
                              f"{key_lengths.dtype}{tuple(key_lengths.shape)} on {key_lengths.device}")
         if is_causal:
             raise ValueError("flash_attention: key_lengths with is_causal: a causal mask is not a prefix of keys")
-    elif only_rows_without_length:
-        raise ValueError("flash_attention: only_rows_without_length needs key_lengths")
     if out.numel() == 0:
         return out
     if t_len == 0:  # no keys: every row is fully masked
@@ -313,8 +301,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         s_len, t_len, heads // kv_heads, scale * LOG2E, float(torch.finfo(q.dtype).max),
         HEAD_DIM=d, HEAD_DIM_V=dv, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         MASK_ROWS=mask is not None and mask_strides[2] != 0 and s_len > 1, CAUSAL=bool(is_causal) and mask is None,
-        HAS_KEY_LENGTHS=key_lengths is not None, ROWS_WITHOUT_LENGTH=bool(only_rows_without_length),
-        NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
+        HAS_KEY_LENGTHS=key_lengths is not None, NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
         BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
