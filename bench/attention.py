@@ -8,7 +8,10 @@ and v as column slices of the QKV GEMM's [B, S, 3·H·D] output and write [B, S,
 autotuner times it: each Triton tile config (the tactics cuda.attention.triton.*), kiln's default
 (the op: SDPA, torch's backend choice), each SDPA backend forced (the tactics cuda.attention.flash /
 .efficient / .cudnn, and math); plus, for scale, the SDPA kernel alone on contiguous [B, H, S, D], and a
-padding-free engine's varlen flash attention on the layer's real tokens (no mask).
+padding-free engine's varlen flash attention on the layer's real tokens (no mask). Where the layer has key lengths
+(a padding-free engine's plain program on CUDA: the key mask + kiln::KeyLengths), also cuDNN's own SDPA in its
+padding mode on those lengths (nvidia-cudnn-frontend's torch.ops.cudnn.sdpa_fwd, seq_len_kv; prefix masks only): a
+peer, measured slower than kiln's length path (bench/results/mask-2026-12-03.md), so no tactic.
 
 Correctness first: each output against the op in fp32 (SDPA math) with the autotuner's tolerance for
 the storage dtype; any failure prints FAIL and the script exits 1 after the table. Timing: 20 calls
@@ -32,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kiln.ops.fused import attention  # noqa: E402
+from kiln.ops.tokens import key_lengths  # noqa: E402
+from kiln.tactics.cuda.attention import attention_views  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.builder.autotune import TOLERANCE, mismatch  # noqa: E402
@@ -41,7 +46,8 @@ from gpu import graph_ms  # noqa: E402  bench/gpu.py
 HEADS_LAST = [0, 2, 1, 3]
 TRITON = "cuda.attention.triton."
 SDPA_COLUMNS = {"default": "default (op)", "flash": "cuda.attention.flash", "efficient": "cuda.attention.efficient",
-                "cudnn": "cuda.attention.cudnn", "math": "sdpa.math"}
+                "cudnn": "cuda.attention.cudnn", "math": "sdpa.math", "cudnn padded (key lengths)": "cudnn frontend "
+                "sdpa_fwd, seq_len_kv"}
 ALONE = "sdpa kernel alone, contiguous"
 VARLEN = "flash varlen on the real tokens"
 
@@ -56,7 +62,11 @@ class Case:
     seq: int
     head_dim: int
     mask: str = ""  # "key": an additive [B, 1, 1, S] padding mask; "query_key": the same as [B, 1, S, S], as
-    # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it
+    # transformers' exported BERT builds it (-3.4e38 where hidden: -inf in fp16), nan_to_zero as kiln fuses it;
+    # "lengths": the key mask and its key lengths (kiln::KeyLengths), as a padding-free plain program reads it on CUDA;
+    # "lengths only": the key lengths without a mask tensor (what the Triton kernel's length path costs alone);
+    # "lengths, left": left padding, a padded row's key length -1 (the kernel's mask branch)
+    full: bool = False  # a mask with no padding (every row real), as the plain program meets at the profile's max
     causal: bool = False
     packed: bool = True  # q/k/v as slices of one QKV GEMM output; else separate [B, S, H·D] tensors
     dtype: torch.dtype = torch.float16
@@ -73,6 +83,17 @@ CASES = [
     Case("bert512_qk", "BERT b32 h12 s512 d64 +[B,1,S,S] mask", 32, 12, 12, 512, 64, mask="query_key"),
     Case("bert512_key", "BERT b32 h12 s512 d64 +[B,1,1,S] mask", 32, 12, 12, 512, 64, mask="key"),
     Case("bert512", "BERT b32 h12 s512 d64", 32, 12, 12, 512, 64),
+    # a full mask, as the padding-free plain program runs it at 32x512: today's key mask, and with key lengths
+    Case("bert512_full_key", "BERT b32 h12 s512 d64 +[B,1,1,S] mask, full", 32, 12, 12, 512, 64, mask="key",
+         full=True),
+    Case("bert512_full_lengths", "BERT b32 h12 s512 d64 +key lengths, full", 32, 12, 12, 512, 64, mask="lengths",
+         full=True),
+    Case("bert512_lengths", "BERT b32 h12 s512 d64 +key lengths", 32, 12, 12, 512, 64, mask="lengths"),
+    Case("bert512_left_lengths", "BERT b32 h12 s512 d64 +key lengths, left-padded", 32, 12, 12, 512, 64,
+         mask="lengths, left"),
+    Case("bert512_full_lengths_only", "BERT b32 h12 s512 d64 +key lengths, full, no mask tensor", 32, 12, 12, 512,
+         64, mask="lengths only", full=True),
+    Case("bert128_lengths", "BERT b8 h12 s128 d64 +key lengths", 8, 12, 12, 128, 64, mask="lengths"),
     Case("bert128_qk", "BERT b8 h12 s128 d64 +[B,1,S,S] mask", 8, 12, 12, 128, 64, mask="query_key"),
     Case("bert128_key", "BERT b8 h12 s128 d64 +[B,1,1,S] mask", 8, 12, 12, 128, 64, mask="key"),
     Case("bert", "BERT b64 h12 s384 d64", 64, 12, 12, 384, 64),
@@ -96,10 +117,17 @@ def make_layer(case: Case, device: torch.device) -> tuple[StepSpec, list]:
     else:
         inputs = [torch.randn(b, s, n * d, device=device, generator=g).to(case.dtype) for n in (h, hkv, hkv)]
     if case.mask:  # each sequence padded from a random length on, its padding keys hidden
-        lengths = torch.randint(s // 2, s + 1, (b, 1, 1, 1), device=device, generator=g)
+        lengths = torch.randint(s if case.full else s // 2, s + 1, (b, 1, 1, 1), device=device, generator=g)
         keys = torch.arange(s, device=device).view(1, 1, 1, s)
         if case.mask == "key":  # -10000 on the padding keys: [B, 1, 1, S]
             inputs.append(torch.where(keys < lengths, 0.0, -10000.0).to(case.dtype))
+        elif case.mask.startswith("lengths"):  # as remove_padding.key_padding_mask(key_lengths=True) feeds it
+            real = keys >= s - lengths if case.mask == "lengths, left" else keys < lengths
+            padding = real.view(b, s)
+            inputs.append(None if case.mask == "lengths only" else
+                          torch.where(padding, 0.0, torch.finfo(torch.float32).min).to(case.dtype).view(b, 1, 1, s))
+            inputs.append(key_lengths(None, padding))
+            attributes["nan_to_zero"] = 1  # as the plain program's attentions have it (the exported BERT's guard)
         else:  # every query's row of it: [B, 1, S, S]
             hidden = torch.where(keys < lengths, 0.0, torch.finfo(torch.float32).min).expand(b, 1, s, s)
             inputs.append(hidden.to(case.dtype).contiguous())
@@ -134,11 +162,39 @@ def varlen_call(case: Case, step: StepSpec, inputs: list) -> Callable[[], torch.
     from kiln.tactics.cuda.packed_attention import flash_varlen, packed_qkv
 
     b, s = case.batch, case.seq
-    real = inputs[3][:, 0, 0, :] == 0 if case.mask else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
+    mask = inputs[3] if len(inputs) > 3 else None
+    real = mask[:, 0, 0, :] == 0 if mask is not None else torch.ones(b, s, dtype=torch.bool, device=inputs[0].device)
     q, k, v = packed_qkv(inputs[0].flatten(0, 1)[real.reshape(-1)], None, None, step.attributes)  # [T, H, D]
     cu_seqlens = torch.zeros(b + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(real.sum(1, dtype=torch.int32), 0, dtype=torch.int32, out=cu_seqlens[1:])
     return lambda: flash_varlen(q, k, v, cu_seqlens, s, step.attributes["scale"])
+
+
+def cudnn_padded_call(step: StepSpec, inputs: list) -> tuple[Callable[[], torch.Tensor] | None, str]:
+    """cuDNN's SDPA in its padding mode (every query, each batch's first key_lengths[b] keys; no mask read) on the
+    layer's strided q/k/v, through nvidia-cudnn-frontend's torch op; its output [B, H, S, D] laid out as q is
+    (heads-last memory: the [B, S, H·D] the next GEMM reads). Prefix masks only (key lengths >= 0)."""
+    try:
+        import cudnn
+        cudnn.sdpa_torch  # noqa: B018  registers torch.ops.cudnn.sdpa_fwd
+    except Exception as e:  # noqa: BLE001  the frontend is optional: say why it is not in the table
+        return None, f"nvidia-cudnn-frontend's torch op: {type(e).__name__}: {str(e)[:100]}"
+    q, k, v = attention_views(inputs[0], inputs[1], inputs[2], step.attributes)  # [B, H, S, D] views
+    batch, seq = q.shape[0], q.shape[2]
+    if len(inputs) > 4:
+        if (inputs[4] < 0).any():
+            return None, "a key length of -1 (not a prefix mask): the padding mode cannot run it"
+        lengths_kv = inputs[4].view(batch, 1, 1, 1)
+    else:
+        lengths_kv = torch.full((batch, 1, 1, 1), k.shape[2], dtype=torch.int32, device=q.device)
+    lengths_q = torch.full((batch, 1, 1, 1), seq, dtype=torch.int32, device=q.device)  # every query row computed
+
+    def call():
+        out, _ = torch.ops.cudnn.sdpa_fwd(q, k, v, step.attributes["scale"], seq_len_q=lengths_q,
+                                          seq_len_kv=lengths_kv, return_lse=False)
+        return out.permute(0, 2, 1, 3).flatten(-2)  # [B, S, H·D], as the layer's output
+
+    return call, ""
 
 
 def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: torch.device):
@@ -159,13 +215,16 @@ def candidates(case: Case, step: StepSpec, inputs: list, configs: str, device: t
         found[VARLEN] = (varlen_call(case, step, inputs), "the real tokens only, not checked here "
                                                           "(tests/gpu/test_remove_padding.py checks it)")
     found[ALONE] = (contiguous_sdpa_call(case, device), "no layout work, not the layer")
+    if case.mask.startswith("lengths") or not case.mask:
+        found[SDPA_COLUMNS["cudnn padded (key lengths)"]] = cudnn_padded_call(step, inputs)
     return found
 
 
 def run_case(case: Case, configs: str, device: torch.device) -> tuple[dict[str, tuple[float | None, str]], bool]:
     step, inputs = make_layer(case, device)
     with torch.inference_mode():  # the reference: the op in fp32, SDPA's math backend
-        reference = sdpa_backend_call("MATH", step, [x.float() if x is not None else None for x in inputs])()
+        reference = sdpa_backend_call("MATH", step, [x.float() if x is not None and x.is_floating_point() else x
+                                                     for x in inputs])()
     tolerance = {torch.float32: TOLERANCE[case.dtype]}  # the autotuner's bound for the storage dtype
     results: dict[str, tuple[float | None, str]] = {}
     ok = True

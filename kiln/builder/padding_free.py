@@ -16,6 +16,8 @@ So a padding-free engine carries the plain program too:
 
 The plain program's attentions read the padding mask as a [B, 1, 1, S] key mask (remove_padding.key_padding_mask)
 rather than the exported model's [B, 1, S, S]: with outputs zero at padding, only values at padding can differ.
+On CUDA they also read its per-sequence key lengths (kiln::KeyLengths, computed on the device): where a row's real
+tokens are a prefix, the flash kernel visits its first n keys and reads no mask.
 
 Each program is tuned for the runs it gets: the plain one as a plain build tunes it (the profile's opt shape), the
 packed one at a representative token bucket (`tuning_tokens`), so its GEMMs are timed on the [T', K] rows they meet.
@@ -74,7 +76,8 @@ def optimize_and_lower(model: ir.Model, options: PassOptions, copy_weights: bool
         program, weights, inputs, outputs = lower(graph, copy_weights)
         return graph, Lowered(program, weights, user_inputs(graph, inputs), outputs)
     graph = optimize(model, replace(options, remove_padding=False))
-    key_padding_mask(graph)
+    # on CUDA with the mask's lengths as well: Triton's flash kernel stops at each row's length, reading no mask
+    key_padding_mask(graph, key_lengths=options.cuda_rules)
     lowering = Lowering(graph, copy_weights)
     plain = lowering.graph(graph.graph)
     plain_inputs, plain_outputs = bindings(graph, plain)

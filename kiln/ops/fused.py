@@ -147,8 +147,8 @@ def softmax(ctx, x, *, axis=-1):
 
 
 @register("Attention", domain="kiln")
-def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_perm=None, v_perm=None,
-              out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
+def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0, q_perm=None, k_perm=None,
+              v_perm=None, out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
               out_merge_heads=0, q_quant=None, k_quant=None, v_quant=None, score_quant=None, prob_quant=None,
               out_quant=None):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
@@ -156,6 +156,8 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
     H_q / H_kv query heads. `nan_to_zero`: rows whose every key is masked give 0, not NaN.
     `is_causal`: query i sees keys 0..i (the top-left aligned lower triangle), no mask tensor.
+    `key_lengths` (int32 [B], kiln/ops/tokens.py `key_lengths`): where key_lengths[b] >= 0 batch b attends to its
+    first key_lengths[b] keys and its mask is ignored; where it is negative, the mask applies (not with is_causal).
     Layout (absorbed Reshapes/Split, all views): `qkv_split` = [Wq, Wk, Wv]: q holds q, k and v
     side by side on its last axis; `q_num_heads` / `kv_num_heads`: a 3-D input [B, S, H·D] is
     first unflattened to [B, S, H, D]; `out_merge_heads`: the output's last two axes are merged.
@@ -181,6 +183,8 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     q, k, v = (_dequantized(x, p) for x, p in ((q, q_quant), (k, k_quant), (v, v_quant)))
     if mask is not None and mask.dtype != q.dtype and mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
+    if key_lengths is not None:
+        mask = _key_length_mask(mask, key_lengths, k.shape[-2], bool(is_causal), q.dtype)
     if gqa and k.shape[-3] != q.shape[-3]:
         repeat = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(repeat, dim=-3)
@@ -198,6 +202,23 @@ def attention(ctx, q, k=None, v=None, mask=None, *, scale=1.0, q_perm=None, k_pe
     if out_quant:
         out = _quantized(out, out_quant).to(torch.uint8 if out_quant[2] >= 0 else torch.int8)
     return out
+
+
+def _key_length_mask(mask: torch.Tensor | None, key_lengths: torch.Tensor, keys: int, is_causal: bool,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The mask `attention` applies with key lengths: batch b's keys past key_lengths[b] hidden where that is >= 0,
+    the given mask (or none: every key) where it is negative. Bool where the mask is (or there is none), else
+    additive in `dtype`; broadcastable to [B, H, S, T]."""
+    if is_causal:
+        raise ValueError("attention: key_lengths with is_causal: a causal mask is not a prefix of the keys")
+    lengths = key_lengths.reshape(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    kept = torch.arange(keys, device=key_lengths.device) < lengths  # [B, 1, 1, T]
+    if mask is None or mask.dtype == torch.bool:
+        given = torch.ones((), dtype=torch.bool, device=kept.device) if mask is None else mask
+        return torch.where(lengths >= 0, kept, given)
+    hidden = torch.full((), float("-inf"), dtype=dtype, device=kept.device)
+    return torch.where(lengths >= 0, torch.where(kept, torch.zeros((), dtype=dtype, device=kept.device), hidden),
+                       mask)
 
 
 def _dequantized(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:

@@ -62,6 +62,18 @@ def token_index(ctx, mask, bucket=None):
     return index[:size], scatter[:size], cu_seqlens
 
 
+@register("KeyLengths", domain="kiln")
+def key_lengths(ctx, mask):
+    """mask [B, S] -> int32 [B]: n_b where row b's real tokens (m ≠ 0) are its first n_b positions (right padding,
+    no padding, or none at all: 0), -1 where they are not (left padding, holes). An attention given these lengths
+    (kiln/ops/fused.py `attention`) visits a prefix row's first n_b keys without reading its mask: the same keys
+    the mask keeps. Computed on the device, no sync: a CUDA graph replays it for any mask."""
+    keep = mask != 0  # [B, S]
+    counts = keep.sum(dim=1, dtype=torch.int32)  # [B]
+    prefix = (keep == (torch.arange(mask.shape[1], device=mask.device) < counts[:, None])).all(dim=1)
+    return torch.where(prefix, counts, -1)
+
+
 @register("PackTokens", domain="kiln")
 def pack_tokens(ctx, x, index, *, broadcast=0):
     """x [B, S, ...] -> x.flatten(0, 1)[index]: [T, ...], the real tokens in row-major order (B·S of them: the

@@ -519,14 +519,17 @@ def remove_padding(model: ir.Model, padded_attention: bool = False, embeddings: 
     return report
 
 
-def key_padding_mask(model: ir.Model) -> int:
+def key_padding_mask(model: ir.Model, key_lengths: bool = False) -> int:
     """Every attention on the padding mask m whose mask is additive (float) reads it as a key mask made from m:
     [B, 1, 1, S], 0 at a real key and float32's minimum at padding, in place of the mask the model computes — the
     exported BERT's [B, 1, S, S], the same row for every query, as _masked_attentions checks. The same values once
     broadcast, S times less mask to read: a key vector in kiln's flash kernel instead of a [BM, BN] tile per step.
     For a padding-free engine's plain program (kiln/builder/padding_free.py), whose outputs are zero at padding
     anyway: a fully padded row's queries may come out otherwise than from the model's mask (the minimum instead of
-    its value). Returns the attentions rewritten; 0 where the model has no such mask (the graph is unchanged)."""
+    its value). `key_lengths`: each attention also reads the mask's per-sequence lengths ([B] int32, kiln::KeyLengths,
+    -1 where a row's real tokens are not a prefix), with which CUDA's flash kernel stops each row's key loop at its
+    length and reads no mask (kiln/kernels/cuda/triton/attention.py). Returns the attentions rewritten; 0 where the
+    model has no such mask (the graph is unchanged)."""
     graph = model.graph
     mask = padding_mask_input(graph)
     if mask is None:
@@ -551,9 +554,18 @@ def key_padding_mask(model: ir.Model) -> int:
                    name="key_mask_rows")
     key_mask = rows.outputs[0]
     key_mask.name, key_mask.type, key_mask.shape = "key_mask", ir.TensorType(dtype), ir.Shape([batch, 1, 1, seq])
-    graph.insert_before(attentions[0], [padding, keys, rows])
+    added = [padding, keys, rows]
+    if key_lengths:
+        lengths = ir.node("KeyLengths", [mask], domain=KILN_DOMAIN, name="key_lengths")
+        lengths.outputs[0].name = "key_lengths"
+        lengths.outputs[0].type, lengths.outputs[0].shape = ir.TensorType(ir.DataType.INT32), ir.Shape([batch])
+        added.append(lengths)
+    graph.insert_before(attentions[0], added)
     for node in attentions:
         node.replace_input_with(3, key_mask)  # [B, 1, 1, S]
+        if key_lengths:
+            node.resize_inputs(5)
+            node.replace_input_with(4, lengths.outputs[0])  # [B]
     common.RemoveUnusedNodesPass()(model)  # the model's own mask subgraph
     return len(attentions)
 

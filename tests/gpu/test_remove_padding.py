@@ -112,6 +112,11 @@ def test_where_it_does_not_pack_it_is_the_plain_engine(bert_pair, monkeypatch):
     masks = [{s.inputs[3] for s in e.steps if s.op_type == "Attention"} for e in (free.plan.plain, plain.plan.program)]
     assert len(masks[0]) == 1 and masks[0].isdisjoint(masks[1])
     assert len(free.plan.plain.steps) < len(plain.plan.program.steps)  # the [B, 1, S, S] mask's subgraph: gone
+    # on CUDA they read the mask's key lengths too (kiln::KeyLengths): right padding takes the kernel's length path,
+    # left padding (a key length of -1) the mask path, both below
+    lengths = [s.outputs[0] for s in free.plan.plain.steps if s.op_type == "KeyLengths"]
+    assert len(lengths) == 1
+    assert all(s.inputs[4] == lengths[0] for s in free.plan.plain.steps if s.op_type == "Attention")
     reference, context = plain.create_execution_context(), free.create_execution_context()
 
     def refuse(*_args, **_kwargs):

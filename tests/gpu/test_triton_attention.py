@@ -24,11 +24,12 @@ pytestmark = [
 attention_kernels = pytest.importorskip("kiln.kernels.cuda.triton.attention", exc_type=ImportError)
 
 from kiln.ops.fused import attention  # noqa: E402
+from kiln.ops.tokens import key_lengths  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.builder.autotune import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
-from tests.gpu.common import graph_replay  # noqa: E402
+from tests.gpu.common import capture, graph_replay  # noqa: E402
 
 DEVICE = torch.device("cuda")
 HEADS_LAST = [0, 2, 1, 3]
@@ -63,6 +64,10 @@ def make_layer(name: str) -> tuple[StepSpec, list]:
         lengths = torch.randint(192, 385, (64, 1, 1, 1), device=DEVICE)
         padding = torch.where(torch.arange(384, device=DEVICE).view(1, 1, 1, 384) < lengths, 0.0, -10000.0)
         return step(4, scale=0.125, **packed), [randn(64, 384, 2304), None, None, padding.half()]
+    if name == "bert_b32_s512_key_lengths":  # the padding-free plain program on CUDA: key mask + KeyLengths
+        padding = padding_mask(32, 512)
+        key_mask = torch.where(padding == 0, torch.finfo(torch.float32).min, 0.0).half()[:, None, None, :]
+        return step(5, scale=0.125, **packed), [randn(32, 512, 2304), None, None, key_mask, key_lengths(None, padding)]
     if name == "vit_b64_s197":
         return step(3, scale=0.125, **packed), [randn(64, 197, 2304), None, None]
     if name == "gpt2_b8_s512_causal":
@@ -75,7 +80,19 @@ def make_layer(name: str) -> tuple[StepSpec, list]:
             [randn(4, 1024, n * 128, dtype=torch.bfloat16) for n in (32, 8, 8)])
 
 
-@pytest.mark.parametrize("layer", ["bert_b64_s384_mask", "vit_b64_s197", "gpt2_b8_s512_causal", "bert_b1_s128",
+def padding_mask(batch: int, seq: int) -> torch.Tensor:
+    """[B, S] int64: right padding from random lengths in [1, S], and rows of length 1, S, 0 (all padding) and one with
+    holes (its key length -1: the mask applies)."""
+    lengths = torch.randint(1, seq + 1, (batch, 1), device=DEVICE)
+    lengths[:3, 0] = torch.tensor([1, seq, 0])
+    padding = (torch.arange(seq, device=DEVICE) < lengths).long()
+    padding[3] = (torch.rand(seq, device=DEVICE) < 0.5).long()
+    padding[3, 0] = padding[3, -1] = 1  # real tokens at both ends: not a prefix
+    return padding
+
+
+@pytest.mark.parametrize("layer", ["bert_b32_s512_key_lengths", "bert_b64_s384_mask", "vit_b64_s197",
+                                   "gpt2_b8_s512_causal", "bert_b1_s128",
                                    "llama_gqa_b4_s1024_causal_bf16"])
 def test_default_build_tactics_at_benchmark_layers(layer):
     torch.manual_seed(0)
@@ -154,3 +171,37 @@ def test_many_batches_and_heads_use_every_grid_axis():
     q, k, v = randn(1024, 16, 40, 64), randn(1024, 4, 40, 64), randn(1024, 4, 40, 64)
     check(attention_kernels.flash_attention(q, k, v, scale=0.125, config=CONFIG),
           fp32_reference(q, k, v, scale=0.125))
+
+
+def masks_of(padding: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(key lengths, the key mask with NaN on every row that has a length (a kernel reading it would show it), the
+    key mask [B, 1, 1, S]: 0 at real keys, -inf at padding)."""
+    lengths = key_lengths(None, padding)
+    key_mask = torch.where(padding == 0, float("-inf"), 0.0).half()[:, None, None, :]
+    return lengths, torch.where(lengths[:, None, None, None] >= 0, float("nan"), key_mask), key_mask
+
+
+@pytest.mark.parametrize("config", attention_kernels.ATTENTION_CONFIGS, ids=lambda c: c.name)
+def test_key_lengths_at_every_tile_and_replayed_with_other_lengths(config):
+    """BERT-base 32x512 with key lengths (1, S, 0, -1 and random): each tile config against the fp32 reference on the
+    key mask; then one CUDA graph captured with these lengths replays other ones (and another mask) written into the
+    same tensors: nothing of them is read on the host."""
+    torch.manual_seed(1)
+    q, k, v = randn(32, 12, 512, 64), randn(32, 12, 512, 64), randn(32, 12, 512, 64)
+    padding = padding_mask(32, 512)
+    lengths, given, key_mask = masks_of(padding)
+    assert lengths[:4].tolist() == [1, 512, 0, -1]
+
+    def run():
+        return attention_kernels.flash_attention(q, k, v, given, lengths, scale=0.125, config=config)
+
+    with torch.inference_mode():
+        check(run(), fp32_reference(q, k, v, key_mask, scale=0.125))
+        graph, out = capture(run)
+        other_lengths, other_given, other_key_mask = masks_of(padding.flip(0))
+        lengths.copy_(other_lengths)
+        given.copy_(other_given)
+        graph.replay()
+        torch.cuda.synchronize()
+    check(out, fp32_reference(q, k, v, other_key_mask, scale=0.125))
+

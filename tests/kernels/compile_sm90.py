@@ -147,28 +147,31 @@ def pool_cases():
 def attention_cases():
     """Every tile config with the launch's warps and stages and its usual specialization (unit inner strides,
     aligned pointers, other strides multiples of 16: the pipelined build that runs on the GPU) at
-    head dim 64 (BERT, ViT, GPT-2), without and with a padding mask (one key vector per block), and at
-    128 causal (Llama); a per-query bool mask with nan_to_zero at a padded head dim (80 -> 128 lanes)."""
+    head dim 64 (BERT, ViT, GPT-2), without and with a padding mask (one key vector per block), the padding mask
+    with key lengths (both key loops, one per branch), and at 128 causal (Llama); a per-query bool mask with
+    nan_to_zero at a padded head dim (80 -> 128 lanes)."""
     fn = attention._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")  # 1: Triton makes them constants
     ints = {name: "i32" for name in fn.arg_names
             if (name.startswith("stride_") or name in ("S", "T", "kv_group")) and name not in unit}
     divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
     variants = {"plain": {}, "causal": {"CAUSAL": True}, "padding-mask": {"HAS_MASK": True},
+                "key-lengths": {"HAS_MASK": True, "HAS_KEY_LENGTHS": True},
                 "bool-mask": {"HAS_MASK": True, "MASK_BOOL": True, "MASK_ROWS": True, "NAN_TO_ZERO": True}}
     cases = [(config, dtype, head_dim, variant) for config in attention.ATTENTION_CONFIGS
              for dtype, head_dim, variant in (("fp16", 64, "plain"), ("fp16", 64, "padding-mask"),
-                                              ("bf16", 128, "causal"))]
+                                              ("fp16", 64, "key-lengths"), ("bf16", 128, "causal"))]
     cases += [(config, "fp16", 80, "bool-mask") for config in attention.ATTENTION_CONFIGS[2:4]]
     for config, dtype, head_dim, variant in cases:
         flags = variants[variant]
         types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-                 "mask_ptr": "*u8" if flags.get("MASK_BOOL") else f"*{dtype}", "qk_scale": "fp32",
+                 "mask_ptr": "*u8" if flags.get("MASK_BOOL") else f"*{dtype}", "key_lengths_ptr": "*i32",
+                 "qk_scale": "fp32",
                  "out_max": "fp32"} | ints
         block_d = attention._block_dim(head_dim)
         constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "HAS_MASK": False, "MASK_BOOL": False,
-                      "MASK_ROWS": False, "CAUSAL": False, "NAN_TO_ZERO": False, "BLOCK_M": config.block_m,
-                      "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d}
+                      "MASK_ROWS": False, "CAUSAL": False, "HAS_KEY_LENGTHS": False, "NAN_TO_ZERO": False,
+                      "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d}
         constexprs |= flags | dict.fromkeys(unit, 1)
         mask_bytes = (1 if flags.get("MASK_BOOL") else 2) if flags.get("HAS_MASK") else 0
         bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim, 2,
@@ -216,7 +219,8 @@ QUICK = {  # one representative per kernel and variant, for CI (the full list ta
 CASES = {"elementwise": elementwise_cases, "normalization": normalization_cases, "epilogue": epilogue_cases,
          "gemm": gemm_cases}
 CASES["attention"] = attention_cases
-QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention bf16 128x128.w8s3 d128 causal",
+QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention fp16 128x64.w4s3 d64 key-lengths",
+          "attention bf16 128x128.w8s3 d128 causal",
           "attention fp16 64x64.w4s3 d80 bool-mask"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases

@@ -175,6 +175,41 @@ def test_nan_to_zero_maps_nan_rows_to_zero():
     assert_close(cleaned, expected, torch.float16)
 
 
+def lengths_mask(lengths: torch.Tensor, keys: int) -> torch.Tensor:
+    """The bool [B, 1, 1, T] mask a row of length n >= 0 stands for: its first n keys."""
+    return (torch.arange(keys) < lengths.reshape(-1, 1, 1, 1))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("config", [SMALL, AttentionConfig(16, 32)], ids=lambda c: c.name)
+def test_key_lengths_visit_each_rows_first_keys_and_read_no_mask(dtype, config):
+    """Lengths 0 (every key hidden: 0 out), 1, a block edge, a tail, T and past T; and -1, where the mask applies.
+    The mask of a row with a length is garbage on purpose (NaN): a kernel that read it would show it."""
+    torch.manual_seed(14)
+    b, t = 7, 45
+    q, k, v = randn(b, 2, 37, 32, dtype=dtype), randn(b, 2, t, 32, dtype=dtype), randn(b, 2, t, 32, dtype=dtype)
+    lengths = torch.tensor([0, 1, 16, 33, t, -1, t + 5], dtype=torch.int32)
+    mask = torch.full((b, 1, 1, t), float("nan"))
+    mask[5] = torch.where(torch.rand(1, 1, t) < 0.5, -10000.0, 0.0)  # a row with holes: its mask says which keys
+    out = flash_attention(q, k, v, mask, lengths, scale=0.3, config=config)
+    expected = reference(q, k, v, torch.where(lengths_mask(lengths.clamp(max=t), t), 0.0, float("-inf")), scale=0.3)
+    expected[5] = reference(q[5:6], k[5:6], v[5:6], mask[5:6], scale=0.3)[0]
+    assert_close(out, expected, dtype)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+
+
+@pytest.mark.parametrize("mask", ["none", "bool"])
+def test_key_lengths_without_a_mask_or_with_a_bool_one(mask):
+    torch.manual_seed(15)
+    q, k, v = randn(3, 2, 20, 32), randn(3, 2, 50, 32), randn(3, 2, 50, 32)
+    lengths = torch.tensor([50, -1, 7], dtype=torch.int32)
+    allowed = torch.rand(3, 1, 20, 50) < 0.6 if mask == "bool" else None
+    out = flash_attention(q, k, v, allowed, lengths, scale=0.3, config=SMALL)
+    given = torch.ones(3, 1, 20, 50, dtype=torch.bool) if allowed is None else allowed
+    expected = torch.where(lengths.reshape(-1, 1, 1, 1) >= 0, lengths_mask(lengths, 50), given)
+    assert_close(out, reference(q, k, v, expected, scale=0.3), torch.float16)
+
+
 def test_refusals():
     q = randn(1, 2, 8, 32)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
@@ -187,6 +222,10 @@ def test_refusals():
         flash_attention(q, q, q, scale=-0.1)
     with pytest.raises(TypeError, match="bool or float"):
         flash_attention(q, q, q, torch.zeros(8, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"int32 \[1\]"):
+        flash_attention(q, q, q, None, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="is_causal"):
+        flash_attention(q, q, q, None, torch.zeros(1, dtype=torch.int32), is_causal=True)
 
 
 # ---- the tactics, as the autotuner checks them ------------------------------------------------------
@@ -227,6 +266,25 @@ def test_tactic_on_a_packed_qkv_gemm_output_with_merged_output_heads():
     assert out.shape == (b, s, h * d) and out.is_contiguous()
 
 
+def test_tactic_with_key_lengths_from_the_padding_mask():
+    """The padding-free plain program's BERT attention on CUDA: qkv_split, a [B, 1, 1, S] key mask and the mask's
+    lengths (kiln::KeyLengths) for right padding, a full row, holes (-1: the mask applies) and an empty row."""
+    from kiln.ops.tokens import key_lengths
+
+    torch.manual_seed(16)
+    b, s, h, d = 4, 40, 2, 32
+    step = make_step(5, scale=d ** -0.5, qkv_split=[h * d] * 3, q_num_heads=h, kv_num_heads=h, q_perm=HEADS_LAST,
+                     k_perm=HEADS_LAST, v_perm=HEADS_LAST, out_perm=HEADS_LAST, out_merge_heads=1)
+    padding = torch.ones(b, s, dtype=torch.int64)
+    padding[0, 23:] = 0
+    padding[2] = torch.rand(s) < 0.6
+    padding[3] = 0
+    lengths = key_lengths(None, padding)
+    assert lengths.tolist() == [23, s, -1, 0]
+    mask = torch.where(padding == 0, torch.finfo(torch.float32).min, 0.0).half()[:, None, None, :]  # -inf in fp16
+    run_against_the_op(TACTIC, step, [randn(b, s, 3 * h * d), None, None, mask, lengths])
+
+
 def test_tactic_gpt2_causal_heads_last_bf16():
     torch.manual_seed(11)
     step = make_step(3, scale=0.125, is_causal=1, q_num_heads=2, kv_num_heads=2, q_perm=HEADS_LAST,
@@ -261,6 +319,9 @@ def test_tactic_refusals_say_why():
     wide = randn(1, 2, 256, 128)  # a [B, H, S, T] mask tile per stage on top of 128-wide k/v tiles
     assert "shared memory" in reason(make_step(4, scale=0.1), [wide, wide, wide, torch.zeros(1, 2, 256, 256)],
                                      name="cuda.attention.triton.128x128.w8s3")
+    lengths = torch.zeros(1, dtype=torch.int32)
+    assert "int32 [1]" in reason(make_step(5, scale=0.1), [q, q, q, None, lengths.long()])
+    assert "is_causal" in reason(make_step(5, scale=0.1, is_causal=1), [q, q, q, None, lengths])
     assert registry.get("cuda.attention.triton.128x128.w8s3").check(make_step(3, scale=0.1), metas([wide] * 3))
 
 

@@ -16,7 +16,7 @@ from kiln import zoo
 from kiln.cli import main
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ops.registry import OpContext
-from kiln.ops.tokens import pack_tokens, packed_attention, token_index, unpack_tokens
+from kiln.ops.tokens import key_lengths, pack_tokens, packed_attention, token_index, unpack_tokens
 from kiln.passes import PassOptions, optimize
 from kiln.passes.remove_padding import PaddingRefused, key_padding_mask
 from kiln.plan.spec import StepSpec
@@ -75,6 +75,21 @@ def test_token_index_packs_the_real_tokens_in_row_major_order(kind):
     packed = pack_tokens(CTX, x, index)
     assert packed.data_ptr() == x.data_ptr()
     torch.testing.assert_close(unpack_tokens(CTX, packed, scatter, m), x * m[..., None], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes", "ones"])
+def test_key_lengths_are_a_prefix_rows_length_else_minus_one(kind):
+    """A row whose real tokens are its first n positions has length n (all padding: 0), any other row -1: checked
+    row by row in numpy (the position after the last real token is the count)."""
+    rng = np.random.default_rng(1)
+    mask = _mask(rng, 6, 11, kind)
+    expected = []
+    for row in mask != 0:
+        end = row.nonzero()[0].max() + 1 if row.any() else 0
+        expected.append(int(row.sum()) if row.sum() == end else -1)
+    got = key_lengths(CTX, torch.from_numpy(mask))
+    assert got.dtype == torch.int32 and got.tolist() == expected
+    assert (kind in ("right", "ones")) == (min(expected) >= 0)
 
 
 def test_packed_attention_is_per_sequence_attention_over_real_tokens():
@@ -337,6 +352,28 @@ def test_key_padding_mask_reads_the_padding_mask_as_one_row_per_batch(bert):
     gpt2 = _optimized(str(zoo.export("gpt2_tiny", dynamic=True).path))
     nodes = len(list(gpt2.graph))
     assert key_padding_mask(gpt2) == 0 and len(list(gpt2.graph)) == nodes
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes"])
+def test_key_lengths_beside_the_key_mask_keep_the_real_tokens(bert, kind):
+    """On CUDA (key_lengths=True) the attentions read the mask's lengths as well; the rewritten graph still matches
+    onnxruntime at real tokens for right padding (lengths used), left padding and holes (-1: the key mask applies),
+    a fully padded row included."""
+    exported, _, session = bert
+    graph = _optimized(str(exported.path))
+    assert key_padding_mask(graph, key_lengths=True) == 2
+    lengths = [n for n in graph.graph if n.op_type == "KeyLengths"]
+    assert len(lengths) == 1 and lengths[0].inputs[0].name == "attention_mask"
+    attentions = [n for n in graph.graph if n.op_type == "Attention"]
+    assert all(len(n.inputs) == 5 and n.inputs[4] is lengths[0].outputs[0] for n in attentions)
+    engine = kiln.build(graph, opt_level=0, profiles=[{"input_ids": "1x1,2x16,4x48"}])
+    rng = np.random.default_rng(6)
+    mask = _mask(rng, 4, 37, kind)  # row 1: all padding
+    feeds = {"input_ids": rng.integers(0, 1024, (4, 37)), "attention_mask": mask}
+    got, want = engine.run(feeds)["layer_norm_4"], session.run(None, feeds)[0]
+    keep = mask != 0
+    np.testing.assert_allclose(got[keep], want[keep], rtol=RTOL, atol=ATOL)
+    assert not np.isnan(got).any()
 
 
 def test_a_model_without_a_padding_mask_is_refused():

@@ -33,7 +33,7 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive, tensor_input
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -449,6 +449,8 @@ def _attention_attributes(step: StepSpec) -> dict[str, Any]:
 def _attention_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not kernels.available():
         return f"kiln's transformer kernels are not built: {kernels.reason()}"
+    if tensor_input(inputs, 4) is not None:
+        return "key lengths (kiln::KeyLengths): the kernel reads the mask only"
     sizes = {k: m.shape for k, m in enumerate(inputs[:4]) if m.shape is not None}
     attrs = _attention_attributes(step)
     for k in (0, 1, 2):

@@ -22,7 +22,7 @@ import torch
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
@@ -137,6 +137,12 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, bloc
             mask_tile = expanded.element_size()
         else:
             mask_vector = expanded.element_size()
+    lengths = tensor_input(inputs, 4)
+    if lengths is not None:
+        if lengths.dtype != torch.int32 or tuple(lengths.shape) != (batch,):
+            return f"key lengths {lengths.dtype}{list(lengths.shape)}: the kernel reads int32 [{batch}]"
+        if _attr(attributes, "is_causal", 0):
+            return "key lengths with is_causal: the op refuses it too"
     extents.append(s_len * heads * dv)  # the output buffer, at most this far inside one slab
     if max(extents) >= 2**31:
         return "one (batch, head) slab spans more than 2^31 elements: the kernel indexes it in 32 bits"
@@ -155,10 +161,10 @@ def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_sta
         kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")
         config = kernels.AttentionConfig(block_m, block_n, num_warps=num_warps, num_stages=num_stages)
 
-        def launch(ctx, q, k=None, v=None, mask=None, **attributes):
+        def launch(ctx, q, k=None, v=None, mask=None, key_lengths=None, **attributes):
             q4, k4, v4 = attention_views(q, k, v, attributes)  # [B, H, S, D] views of the inputs' memory
             buffer, out = output_buffer(q4, v4, _attr(attributes, "out_perm", None))
-            kernels.flash_attention(q4, k4, v4, mask, scale=attributes.get("scale", 1.0),
+            kernels.flash_attention(q4, k4, v4, mask, key_lengths, scale=attributes.get("scale", 1.0),
                                     is_causal=bool(_attr(attributes, "is_causal", 0)),
                                     nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=config)
             return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
@@ -170,7 +176,8 @@ def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_sta
         domain="kiln", device="cuda", dtypes=_HALF, supports=supports, prepare=prepare, level=level,
         available=triton_available,
         description=f"Triton flash attention, {block_m} queries x {block_n} keys per step, {num_warps} warps, "
-                    f"{num_stages} stages; strided q/k/v and output (no layout copies), mask/causal/GQA in-kernel",
+                    f"{num_stages} stages; strided q/k/v and output (no layout copies), mask/causal/GQA/key "
+                    "lengths in-kernel",
     )
 
 

@@ -18,6 +18,11 @@ Grouped-query attention maps query head h to key/value head h // (H / Hkv): no r
 Key blocks are visited in two loops: the blocks every query row of the tile sees in full (no
 causal or tail test per element), then the diagonal / tail blocks, which test each key.
 
+A padding mask that keeps a prefix of each sequence's keys is a length per sequence: given key
+lengths (int32 [B], kiln/ops/tokens.py `key_lengths`), a program whose length is n >= 0 walks keys
+0..n-1 only and never reads the mask (a full mask costs what no mask costs, a half-padded row half
+the work); a length of -1 (left padding, holes) takes the mask path. One branch per program.
+
 Semantics follow kiln/ops/fused.py `attention` (torch SDPA): a mask that is not bool is first
 rounded to q's dtype; causal is top-left aligned (query i sees keys 0..i); a row whose every
 key is masked gives 0, as torch's SDPA does, and nan_to_zero also maps NaN to 0 and ±inf to the
@@ -67,13 +72,13 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
                        HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                        MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                        CHECK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_DV: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, STAGES: tl.constexpr):
     """Key blocks [start, end) folded into (acc, l, m). CHECK_KEYS: test key < T; CAUSAL: key <= query."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM  # constant-folded when HEAD_DIM == BLOCK_D
     dv_ok = offs_dv < HEAD_DIM_V
-    for start_n in range(start, end, BLOCK_N):
+    for start_n in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)  # offs_n: [BN]
         k_ptrs = k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # kᵀ tile: [BD, BN]
         v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd  # v tile: [BN, BDV]
@@ -128,7 +133,32 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
 
 
 @triton.jit
-def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+def _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
+                 stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
+                 MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STAGES: tl.constexpr):
+    """Keys 0..T-1 folded into (acc, l, m): the blocks every query row of the tile sees in full, then the rest.
+    STAGES: the key loops' software pipeline depth; None: the launch's num_stages."""
+    whole_blocks_end = (T // BLOCK_N) * BLOCK_N  # key blocks with no tail
+    if CAUSAL:  # blocks whose last key is <= the tile's first query are seen in full by every row
+        full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, whole_blocks_end)
+        end = tl.minimum(T, start_m + BLOCK_M)
+    else:
+        full_end = whole_blocks_end
+        end = T
+    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0, full_end,
+                                       T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                                       HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, False, False,
+                                       BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+    return _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, full_end, end, T,
+                              stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                              HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
+                              BLOCK_N, BLOCK_D, BLOCK_DV, STAGES)
+
+
+@triton.jit
+def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_ptr,
                             stride_qb, stride_qh, stride_qs, stride_qd,
                             stride_kb, stride_kh, stride_kt, stride_kd,
                             stride_vb, stride_vh, stride_vt, stride_vd,
@@ -137,8 +167,8 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
                             S, T, kv_group, qk_scale, out_max,
                             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                             MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-                            NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                            HAS_KEY_LENGTHS: tl.constexpr, NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first so the short ones fill the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -162,21 +192,24 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    whole_blocks_end = (T // BLOCK_N) * BLOCK_N  # key blocks with no tail
-    if CAUSAL:  # blocks whose last key is <= the tile's first query are seen in full by every row
-        full_end = tl.minimum(((start_m + 1) // BLOCK_N) * BLOCK_N, whole_blocks_end)
-        end = tl.minimum(T, start_m + BLOCK_M)
+    if HAS_KEY_LENGTHS:
+        key_length = tl.load(key_lengths_ptr + batch)
+        if key_length >= 0:  # the batch's keys are its first key_length: no mask read, no key past them visited
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m,
+                                         tl.minimum(key_length, T), stride_kt, stride_kd, stride_vt, stride_vd,
+                                         stride_ms, stride_mt, qk_scale, HEAD_DIM, HEAD_DIM_V, False, False, False,
+                                         False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None)
+        else:  # -1: the mask says which keys (not a prefix of them). Unpipelined: its mask buffers and registers
+            # would lower the occupancy of the length path, the one that runs where the mask is a padding mask
+            acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
+                                         stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                                         HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, BLOCK_M,
+                                         BLOCK_N, BLOCK_D, BLOCK_DV, 1)
     else:
-        full_end = whole_blocks_end
-        end = T
-    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0, full_end,
-                                       T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
-                                       HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, False, False,
-                                       BLOCK_N, BLOCK_D, BLOCK_DV)
-    acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, full_end,
-                                       end, T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt,
-                                       qk_scale, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, True,
-                                       BLOCK_N, BLOCK_D, BLOCK_DV)
+        acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
+                                     stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
+                                     HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL, BLOCK_M, BLOCK_N,
+                                     BLOCK_D, BLOCK_DV, None)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with every key masked: acc is 0, and so is its output
     out = acc * (1.0 / l_safe)[:, None]
@@ -197,9 +230,10 @@ def _extent(t: torch.Tensor, dims: tuple[int, ...]) -> int:
     return sum((t.shape[d] - 1) * abs(t.stride(d)) for d in dims)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, *,
-                    scale: float | None = None, is_causal: bool = False, nan_to_zero: bool = False,
-                    out: torch.Tensor | None = None, config: AttentionConfig | None = None) -> torch.Tensor:
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                    key_lengths: torch.Tensor | None = None, *, scale: float | None = None, is_causal: bool = False,
+                    nan_to_zero: bool = False, out: torch.Tensor | None = None,
+                    config: AttentionConfig | None = None) -> torch.Tensor:
     """softmax(q·kᵀ·scale + mask)·v in q's dtype (fp16/bf16), accumulated in fp32.
 
     q: [B, H, S, D]; k: [B or 1, Hkv, T, D]; v: [B or 1, Hkv, T, Dv], any strides, H a multiple of
@@ -207,6 +241,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     [B, H, S, T]; is_causal (top-left aligned) applies only without a mask, as in the op. out: the
     [B, H, S, Dv] view to write into (e.g. a permuted view of a [B, S, H, Dv] buffer); allocated
     when None. scale: positive; None is 1/sqrt(D).
+    key_lengths: int32 [B], a padding mask's per-sequence length (kiln/ops/tokens.py `key_lengths`): where
+    key_lengths[b] >= 0, batch b attends to its first key_lengths[b] keys and its mask is not read (the key loop
+    stops there: a full mask costs what no mask costs); where it is negative, the mask applies. Not with is_causal.
     """
     if q.dtype not in HALF_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"flash_attention: q, k and v must share float16 or bfloat16, "
@@ -227,6 +264,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     elif out.shape != (batch, heads, s_len, dv) or out.dtype != q.dtype:
         raise ValueError(f"flash_attention: out is {out.dtype}{tuple(out.shape)}, "
                          f"expected {q.dtype}{(batch, heads, s_len, dv)}")
+    if key_lengths is not None:
+        if key_lengths.dtype != torch.int32 or key_lengths.shape != (batch,) or key_lengths.device != q.device:
+            raise ValueError(f"flash_attention: key_lengths must be int32 [{batch}] on {q.device}, got "
+                             f"{key_lengths.dtype}{tuple(key_lengths.shape)} on {key_lengths.device}")
+        if is_causal:
+            raise ValueError("flash_attention: key_lengths with is_causal: a causal mask is not a prefix of keys")
     if out.numel() == 0:
         return out
     if t_len == 0:  # no keys: every row is fully masked
@@ -253,12 +296,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     config = config or default_config(s_len)
     grid = (triton.cdiv(s_len, config.block_m), heads, batch)
     _flash_attention_kernel[grid](
-        q, k, v, mask if mask is not None else q, out,
+        q, k, v, mask if mask is not None else q, key_lengths if key_lengths is not None else q, out,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
         s_len, t_len, heads // kv_heads, scale * LOG2E, float(torch.finfo(q.dtype).max),
         HEAD_DIM=d, HEAD_DIM_V=dv, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
         MASK_ROWS=mask is not None and mask_strides[2] != 0 and s_len > 1, CAUSAL=bool(is_causal) and mask is None,
-        NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
+        HAS_KEY_LENGTHS=key_lengths is not None, NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=_block_dim(d),
         BLOCK_DV=_block_dim(dv), num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
