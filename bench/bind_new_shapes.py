@@ -9,6 +9,11 @@ the calling thread's CPU time. Also the objects the garbage collector tracks tha
 (views, the layers' per-size kernels): what makes its full passes come more often. For an A/B, run it from each
 tree in turn (interleaved) and compare the least and the lower quartile: on a shared machine the medians move
 more between runs than the change.
+
+    python bench/bind_new_shapes.py --engine E --path replan    # every view bound member by member (no _PlanRewrite)
+
+--path rewrite (the runtime's default) writes the plans of kiln's own kernels by arithmetic (_PlanRewrite); --path
+replan turns that off in this process, so the two ways run from one tree (interleave the runs).
 """
 
 from __future__ import annotations
@@ -52,15 +57,20 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=2)
     ap.add_argument("--seq", type=int, nargs=2, default=(3, 63), help="sequence lengths [from, to)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", choices=("rewrite", "replan"), default="rewrite")
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    if args.path == "replan":
+        native.Segment._rewritten = lambda self, key: None  # every view by _natives_at and _Resized.bound_at
     engine = kiln.load(args.engine)
     context = engine.create_execution_context()
     context.warm_up()
-    times: dict[str, list[float]] = {"_bind_sizes": [], "  _natives_at": [], "  _Resized": []}
+    times: dict[str, list[float]] = {"_bind_sizes": [], "  _rewritten": [], "  _natives_at": [], "  _view": []}
     _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
+    _timing(native.Segment, "_rewritten", times["  _rewritten"])
     _timing(native.Segment, "_natives_at", times["  _natives_at"])
-    _timing(native._Resized, "__init__", times["  _Resized"])
+    _timing(native.Segment, "_view", times["  _view"])
     rng = np.random.default_rng(args.seed)
     shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
     gc.collect()
@@ -70,11 +80,13 @@ def main() -> None:
                      "attention_mask": np.ones((batch, seq), np.int64)})
     gc.collect()
     kept = (len(gc.get_objects()) - tracked) / len(shapes)
-    print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, 1 thread, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, {args.threads} thread(s), "
+          f"--path {args.path}, load average {os.getloadavg()[0]:.1f}")
     print(f"objects tracked by the garbage collector kept per new shape: {kept:.0f}\n")
     print("| thread CPU, µs | calls | median | lower quartile | least |\n|---|---|---|---|---|")
     for name, found in times.items():
+        if not found:
+            continue
         found.sort()
         print(f"| {name} | {len(found)} | {statistics.median(found):.0f} | {found[len(found) // 4]:.0f} | "
               f"{found[0]:.0f} |")

@@ -157,10 +157,24 @@ class NativeStep:
     # kiln's own kernels only: its 4-D reads and output are NHWC in memory, as oneDNN's layers lay them out
     # (a channel Concat between convolutions), not row-major
     channels_last: bool = False
+    # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
+    # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
+    # template's plan (kiln/runtime/native.py _PlanRewrite); ValueError where `at` would refuse the sizes
+    plan_at: Callable[[Any], SizedPlan] | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
         return _output_strides(tuple(self.output_size), self.reads is None or self.channels_last)
+
+
+@dataclass(slots=True)
+class SizedPlan:
+    """A layer's plan at other input sizes, as NativeStep.plan_at gives it: the sizes of its outputs (the
+    first, then each of `more_outputs`), and the plan fields those sizes change (ints, or tuples of ints for
+    an array field), by the names of its ctypes plan's fields; every other field is the template's."""
+
+    output_sizes: tuple[tuple[int, ...], ...]
+    fields: dict[str, int | tuple[int, ...]]
 
 
 class same_primitive:

@@ -199,6 +199,11 @@ class KernelBound:
         plan, function = self._plan_for(kernel)
         return native_loop.Replanned(function, plan, self, kernel)
 
+    @property
+    def plan(self) -> ctypes.Structure:
+        """The plan this call runs (a native segment's view at other sizes copies it)."""
+        return self._plan
+
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
 
@@ -293,7 +298,7 @@ class LayerNorm(NativeKernel):
                  epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False,
                  keep_sum: bool = False):
         super().__init__(f"{'rms' if rms else 'layer'} norm {list(size)}")
-        n, sized = int(size[-1]), self._size_fields(size, residual_size)
+        n, sized = int(size[-1]), self.size_fields(size, residual_size)
         self.input_size = self.output_size = tuple(size)
         self._scale, self._bias = vector(scale), vector(bias)
         for w in (self._scale, self._bias):
@@ -307,20 +312,24 @@ class LayerNorm(NativeKernel):
                            **sized)
 
     @staticmethod
-    def _size_fields(size: tuple[int, ...], residual_size: tuple[int, ...] | None) -> dict[str, int]:
+    def size_fields(size: tuple[int, ...], residual_size: tuple[int, ...] | None) -> dict[str, int]:
         """The plan fields that follow the input size (rows, residual rows), the residual checked against it."""
         if residual_size is not None and not repeats_over_rows(residual_size, size):
             raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
         rows = _rows(size)
         return dict(rows=rows, residual_rows=_rows(residual_size) if residual_size is not None else rows)
 
+    def check_width(self, size: tuple[int, ...]) -> None:
+        """ValueError unless `size`'s rows are as wide as the norm's weights."""
+        if not size or int(size[-1]) != self.fields["n"]:
+            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
+
     def at_size(self, size: tuple[int, ...], residual_size: tuple[int, ...] | None = None) -> LayerNorm:
         """The same norm (weights, epsilon, residual or not) at another input size: a copy with its size fields
         anew, without the weights' checks and conversion (a segment binds every norm at each new input size)."""
         size = tuple(size)
-        if not size or int(size[-1]) != self.fields["n"]:
-            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
-        sized = self._size_fields(size, residual_size)
+        self.check_width(size)
+        sized = self.size_fields(size, residual_size)
         other = object.__new__(LayerNorm)
         other.__dict__.update(self.__dict__)
         other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
@@ -378,6 +387,8 @@ class Attention(NativeKernel):
     cu_seqlens[b + 1] of q/k/v/out (kiln/ops/tokens.py PackedAttention), S = T its longest."""
 
     PLAN, FUNCTION = _AttentionPlan, "kiln_attention"
+    # the plan fields that follow the input sizes (the others follow the layer's attributes alone)
+    SIZE_FIELDS = ("q_off", "k_off", "v_off", "B", "H", "Hkv", "S", "T", "D", "Dv", "qs", "ks", "vs", "os", "ms", "rows")
 
     def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
                  v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
@@ -402,6 +413,14 @@ class Attention(NativeKernel):
                            rows=int(varlen[1]) if varlen is not None else 0, **_quant_fields(quant or {}))
         if quant and "out_quant" in quant:
             self.output_dtype = torch.uint8
+        self._size_fields: dict[str, int | tuple[int, ...]] | None = None
+
+    def size_fields(self) -> dict[str, int | tuple[int, ...]]:
+        """SIZE_FIELDS' values (arrays as tuples), read once: the layers of one configuration share the kernel."""
+        if self._size_fields is None:
+            self._size_fields = {name: tuple(value) if isinstance(value, ctypes.Array) else value
+                                 for name, value in ((n, self.fields[n]) for n in self.SIZE_FIELDS)}
+        return self._size_fields
 
 
 def _quant_fields(quant: dict[str, list[float]]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -53,12 +53,15 @@ def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
 
 
 def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
-              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None):
+              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None,
+              plan_at: Callable[[dict[int, tuple[int, ...]]], SizedPlan] | None = None):
     """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
     launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes.
     max_rank: inputs of a higher rank run as a step of their own, never inside a segment (a segment's 4-D
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
-    engine 0.036 off while the layer was exact alone, and the build reverted 30 layers)."""
+    engine 0.036 off while the layer was exact alone, and the build reverted 30 layers).
+    `plan_at(sizes)`: the kernel's plan fields at `sizes` without building it (NativeStep.plan_at), where the
+    layer has such a rule."""
     # each size's kernel and, once a segment has bound it there, its NativeStep; least recently used first
     kept: OrderedDict[tuple, list] = OrderedDict()
     lock = threading.Lock()  # an engine's contexts may bind one layer at once
@@ -90,20 +93,30 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         sizes = {k: tuple(tensors[k].shape) for k in wanted}
         return kernel(sizes)({k: tensors[k].contiguous() for k in wanted})
 
-    @resizable
-
-    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+    def read_sizes(sizes: dict[int, tuple[int, ...]]) -> tuple[dict[int, torch.dtype], dict[int, tuple[int, ...]]]:
+        """The dtypes and sizes of the inputs the kernel reads, of the sizes a segment gives (ValueError: past
+        max_rank)."""
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
         if max_rank is not None and any(len(v) > max_rank for v in sizes.values()):
             raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
+        return dtypes, sizes
+
+    @resizable
+
+    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        dtypes, sizes = read_sizes(sizes)
         found = entry(sizes)
         if found[1] is None:  # a size bound before keeps its kernel and step as they were
             kernel_, first = found[0], min(sizes)
             found[1] = NativeStep(sizes[first], kernel_.output_size, same_primitive(kernel_),
                                   reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=kernel_.output_dtype,
-                                  more_outputs=kernel_.more_outputs)
+                                  more_outputs=kernel_.more_outputs,
+                                  plan_at=sized_plan if plan_at is not None else None)
         return found[1]
+
+    def sized_plan(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
+        return plan_at(read_sizes(sizes)[1])
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
@@ -179,7 +192,12 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         first.append(kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3), keep_sum=keep_sum))
         return first[0]
 
-    return prepared_native(step, reads, build, max_rank=3)
+    def plan_at(sizes):  # at_size's fields, without the copy
+        size = sizes[0]
+        first[0].check_width(size)
+        return SizedPlan((size, size) if keep_sum else (size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
+
+    return prepared_native(step, reads, build, max_rank=3, plan_at=plan_at)
 
 
 register(Tactic(
@@ -481,7 +499,11 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 
         return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None), make)
 
-    return prepared_native(step, reads, build)
+    def plan_at(sizes):  # the shared kernel's fields: one layer of the configuration makes it, the others read it
+        kernel = build(sizes)
+        return SizedPlan((kernel.output_size,), kernel.size_fields())
+
+    return prepared_native(step, reads, build, plan_at=plan_at)
 
 
 # attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel
