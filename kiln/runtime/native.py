@@ -704,7 +704,8 @@ class _PlanRewrite:
         call_of = {k: i for i, k in enumerate(template._bound_members)}
         image = bytearray()
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
-        # [(output j, slot)] of the values it writes, its plan's offset in a view's buffer and function, or None)
+        # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
+        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values a view's rules give, in member order
@@ -719,14 +720,16 @@ class _PlanRewrite:
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
-                self._members.append((None, at, reads, x, residual, outputs, None))
+                self._members.append((None, at, reads, x, residual, outputs, None, None, ()))
                 continue
             function, plan_bytes, fields = layout
             for offset, width in fields:
                 words[0 if width == 8 else 2].append((len(image) + offset) // width)
                 words[1 if width == 8 else 3].append(values)
                 values += 1
-            self._members.append((native.plan_at, at, reads, x, residual, outputs, (function, len(image))))
+            read = tuple(slot for _, slot in reads) if reads is not None else (x,)
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, (function, len(image)),
+                                  (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None), read))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         self._values = values
@@ -748,22 +751,27 @@ class _PlanRewrite:
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
+        worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         try:
-            for k, (rule, at, reads, x, residual, outputs, _placed) in enumerate(self._members):
-                arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
+            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read) in enumerate(self._members):
                 if rule is None:
-                    native = natives[k] = at(arg)
+                    native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
                     if _form(native) != template._structure[k]:
                         return None
                     written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
                 else:
-                    sized = rule(arg)
-                    written = sized.output_sizes
-                    for value in sized.fields.values():
-                        if type(value) is tuple:
-                            values.extend(value)
-                        else:
-                            values.append(value)
+                    found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
+                    if found is None:  # the first layer of its shape at these sizes
+                        sized = rule({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
+                        flat: list[int] = []
+                        for value in sized.fields.values():
+                            if type(value) is tuple:
+                                flat.extend(value)
+                            else:
+                                flat.append(value)
+                        found = worked[at_sizes] = (sized.output_sizes, flat)
+                    written = found[0]
+                    values += found[1]
                 if residual is not None and sizes[residual] != written[0]:
                     return None  # as _natives_at: the layers run one by one
                 for j, slot in outputs:

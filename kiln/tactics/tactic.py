@@ -159,8 +159,8 @@ class NativeStep:
     channels_last: bool = False
     # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
-    # template's plan (kiln/runtime/native.py _PlanRewrite); ValueError where `at` would refuse the sizes
-    plan_at: Callable[[Any], SizedPlan] | None = None
+    # template's plan (kiln/runtime/native.py _PlanRewrite)
+    plan_at: PlanRule | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
@@ -175,6 +175,20 @@ class SizedPlan:
 
     output_sizes: tuple[tuple[int, ...], ...]
     fields: dict[str, int | tuple[int, ...]]
+
+
+class PlanRule:
+    """NativeStep.plan_at: `rule(sizes) -> SizedPlan` (ValueError where `at` would refuse the sizes). Rules of equal
+    `key` give equal plans at equal sizes (the layers of one shape: BERT-base's 25 LayerNorms are 2 keys, its 48
+    GEMMs 4), so a view at new sizes works each out once."""
+
+    __slots__ = ("_rule", "key")
+
+    def __init__(self, rule: Callable[[Any], SizedPlan], key: tuple):
+        self._rule, self.key = rule, key
+
+    def __call__(self, sizes: Any) -> SizedPlan:
+        return self._rule(sizes)
 
 
 class same_primitive:

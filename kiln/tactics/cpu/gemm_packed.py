@@ -25,7 +25,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, SizedPlan, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -92,8 +92,11 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return NativeStep(size, at_size.output_size, same_primitive(at_size),
                           residual_input=3 if with_residual else None, plan_at=plan_at)
 
-    def plan_at(size: tuple[int, ...]) -> SizedPlan:  # native_at's sizes, without a BoundRows
+    def sized(size: tuple[int, ...]) -> SizedPlan:  # native_at's sizes, without a BoundRows
         return SizedPlan(((*size[:-1], layer.n),), layer.row_fields(rows_of(size)))
+
+    # row_fields follows these alone
+    plan_at = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu))
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
     # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments

@@ -33,7 +33,7 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, SizedPlan, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -54,14 +54,14 @@ def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
 
 def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
               build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None,
-              plan_at: Callable[[dict[int, tuple[int, ...]]], SizedPlan] | None = None):
+              plan_at: PlanRule | None = None):
     """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
     launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes.
     max_rank: inputs of a higher rank run as a step of their own, never inside a segment (a segment's 4-D
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
     engine 0.036 off while the layer was exact alone, and the build reverted 30 layers).
-    `plan_at(sizes)`: the kernel's plan fields at `sizes` without building it (NativeStep.plan_at), where the
-    layer has such a rule."""
+    `plan_at(sizes)`: the kernel's plan fields at `sizes` (those it reads) without building it, where the layer
+    has such a rule: NativeStep.plan_at gives it the sizes a segment gives `at`."""
     # each size's kernel and, once a segment has bound it there, its NativeStep; least recently used first
     kept: OrderedDict[tuple, list] = OrderedDict()
     lock = threading.Lock()  # an engine's contexts may bind one layer at once
@@ -112,11 +112,10 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
             found[1] = NativeStep(sizes[first], kernel_.output_size, same_primitive(kernel_),
                                   reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=kernel_.output_dtype,
                                   more_outputs=kernel_.more_outputs,
-                                  plan_at=sized_plan if plan_at is not None else None)
+                                  plan_at=sized_plan)
         return found[1]
 
-    def sized_plan(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
-        return plan_at(read_sizes(sizes)[1])
+    sized_plan = None if plan_at is None else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key)
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
@@ -192,12 +191,13 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         first.append(kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3), keep_sum=keep_sum))
         return first[0]
 
-    def plan_at(sizes):  # at_size's fields, without the copy
+    def sized(sizes):  # at_size's fields, without the copy
         size = sizes[0]
         first[0].check_width(size)
         return SizedPlan((size, size) if keep_sum else (size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
 
-    return prepared_native(step, reads, build, max_rank=3, plan_at=plan_at)
+    return prepared_native(step, reads, build, max_rank=3,
+                           plan_at=PlanRule(sized, ("layer_norm", _tuned_sizes(step)[0][-1], keep_sum)))
 
 
 register(Tactic(
@@ -499,11 +499,11 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 
         return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None), make)
 
-    def plan_at(sizes):  # the shared kernel's fields: one layer of the configuration makes it, the others read it
+    def sized(sizes):  # the shared kernel's fields: one layer of the configuration makes it, the others read it
         kernel = build(sizes)
         return SizedPlan((kernel.output_size,), kernel.size_fields())
 
-    return prepared_native(step, reads, build, plan_at=plan_at)
+    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype)))
 
 
 # attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel
