@@ -34,6 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kiln.runtime import native  # noqa: E402
+from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
+from kiln.tactics.tactic import PlanRule, resizable  # noqa: E402
 
 
 def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -> None:
@@ -51,6 +53,18 @@ def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -
     setattr(owner, name, timed)
 
 
+def _timed(function, into: list[float]):
+    """`function` appending each call's thread CPU time (µs) to `into`."""
+
+    def timed(*args):
+        start = time.thread_time_ns()
+        result = function(*args)
+        into.append((time.thread_time_ns() - start) / 1e3)
+        return result
+
+    return timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
@@ -66,23 +80,44 @@ def main() -> None:
     engine = kiln.load(args.engine)
     context = engine.create_execution_context()
     context.warm_up()
-    times: dict[str, list[float]] = {"_bind_sizes": [], "  _rewritten": [], "  _natives_at": [], "  _view": []}
+    times: dict[str, list[float]] = {"first call - its repeat": [], "shape values (ShapeFunction)": [],
+                                     "_bind_sizes": [], "  _rewritten": [], "    rules (once per layer shape)": [],
+                                     "    at() of members without a rule": [], "    _rebound (those members' calls)": [],
+                                     "  _natives_at": [], "  _view": []}
+    _timing(ShapeFunction, "__call__", times["shape values (ShapeFunction)"])
     _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
     _timing(native.Segment, "_rewritten", times["  _rewritten"])
     _timing(native.Segment, "_natives_at", times["  _natives_at"])
     _timing(native.Segment, "_view", times["  _view"])
+    per_call: dict[str, list[float]] = {"    rules (once per layer shape)": [], "    at() of members without a rule": [],
+                                        "    _rebound (those members' calls)": []}  # summed per new shape
+    if args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at and _view call at() and _rebound too)
+        _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
+        _timing(resizable, "__call__", per_call["    at() of members without a rule"])
+        native._rebound = _timed(native._rebound, per_call["    _rebound (those members' calls)"])
     rng = np.random.default_rng(args.seed)
     shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
     gc.collect()
     tracked = len(gc.get_objects())
     for batch, seq in shapes:
-        context.run({"input_ids": rng.integers(0, 1000, (batch, seq)),
-                     "attention_mask": np.ones((batch, seq), np.int64)})
+        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
+        calls = []
+        for _ in range(2):  # the first call at the shape (it binds), then a repeat
+            start = time.thread_time_ns()
+            context.run(feeds)
+            calls.append((time.thread_time_ns() - start) / 1e3)
+        times["first call - its repeat"].append(calls[0] - calls[1])
+        for name, found in per_call.items():
+            if found:
+                times[name].append(sum(found))
+                found.clear()
     gc.collect()
     kept = (len(gc.get_objects()) - tracked) / len(shapes)
     print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, {args.threads} thread(s), "
           f"--path {args.path}, load average {os.getloadavg()[0]:.1f}")
     print(f"objects tracked by the garbage collector kept per new shape: {kept:.0f}\n")
+    print("Rules, at() and _rebound are summed per new shape where marked; rows below _bind_sizes are its parts. "
+          "A repeat binds nothing: the first row is what a first call adds (noisy: it is a difference of two runs).\n")
     print("| thread CPU, µs | calls | median | lower quartile | least |\n|---|---|---|---|---|")
     for name, found in times.items():
         if not found:
