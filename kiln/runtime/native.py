@@ -696,7 +696,7 @@ class _PlanRewrite:
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
-    template plan's bytes at the template's sizes is bound the other way (tests/unit/test_plan_rewrite.py compares
+    template plan's bytes at the template's sizes is bound the other way (tests/unit/test_native_binding.py compares
     every rewritten plan with the replanned one, byte for byte, at fresh shapes)."""
 
     def __init__(self, template: Segment):
