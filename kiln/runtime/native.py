@@ -830,7 +830,9 @@ def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, 
         kind = kinds.get(name)
         if kind is None:
             return None
-        element, length = (kind._type_, kind._length_) if issubclass(kind, ctypes.Array) else (kind, 1)
+        element, length = kind, 1
+        while issubclass(element, ctypes.Array):  # an array, or an array of arrays (a broadcast's strides)
+            element, length = element._type_, length * element._length_
         items = value if isinstance(value, tuple) else (value,)
         if element not in _INTEGER_FIELDS or len(items) != length:
             return None

@@ -241,6 +241,15 @@ class NativeKernel:
         self._alone: KernelBound | None = None
         self._lock = threading.Lock()
 
+    def integer_fields(self) -> dict[str, int | tuple[int, ...]]:
+        """`fields` as plain ints (None: 0; an array, nested or not, as one flat tuple) where every field of PLAN is an
+        integer or an address: a native segment's view writes them into a copy of its template's plan
+        (NativeStep.plan_at). ValueError for a plan with other fields (a float would not be rewritten)."""
+        if not _integer_plan(self.PLAN):
+            raise ValueError(f"{self.what}: the plan has fields that are not integers")
+        return {name: tuple(_flat(value)) if isinstance(value, ctypes.Array) else (value or 0)
+                for name, value in self.fields.items()}
+
     def bind_reads(self, dst: int, reads: dict[int, int]) -> KernelBound:
         """The layer's call writing dst and reading each step input (by index) at its address."""
         return KernelBound(self, {"dst": dst, **reads})
@@ -262,6 +271,21 @@ class NativeKernel:
                 bound.rebind(k, v.data_ptr())
             bound.run()
         return tuple(ys) if len(ys) > 1 else ys[0]
+
+
+def _flat(array: ctypes.Array) -> list[int]:
+    return [x for item in array for x in _flat(item)] if isinstance(array._type_, type) and \
+        issubclass(array._type_, ctypes.Array) else list(array)
+
+
+@functools.cache
+def _integer_plan(plan: type[ctypes.Structure]) -> bool:
+    """Whether every field of a plan is a C integer or pointer (arrays of them included)."""
+    def integer(kind: Any) -> bool:
+        while isinstance(kind, type) and issubclass(kind, ctypes.Array):
+            kind = kind._type_
+        return kind in (ctypes.c_long, ctypes.c_int, ctypes.c_void_p)
+    return all(integer(kind) for _, kind in plan._fields_)
 
 
 def vector(w: torch.Tensor | None) -> torch.Tensor | None:

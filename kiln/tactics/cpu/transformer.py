@@ -61,7 +61,10 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
     engine 0.036 off while the layer was exact alone, and the build reverted 30 layers).
     `plan_at(sizes)`: the kernel's plan fields at `sizes` (those it reads) without building it, where the layer
-    has such a rule: NativeStep.plan_at gives it the sizes a segment gives `at`."""
+    has such a rule: NativeStep.plan_at gives it the sizes a segment gives `at`. Without one, NativeStep.plan_at
+    is the kernel built at the sizes (once, as `at` builds it) read as integers (NativeKernel.integer_fields: a
+    kernel whose plan holds only integers and addresses, reading its inputs in the roles it reads them at the
+    tuned sizes); the view still saves the NativeStep, the replanned plan and its Replanned."""
     # each size's kernel and, once a segment has bound it there, its NativeStep; least recently used first
     kept: OrderedDict[tuple, list] = OrderedDict()
     lock = threading.Lock()  # an engine's contexts may bind one layer at once
@@ -115,7 +118,15 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
                                   plan_at=sized_plan)
         return found[1]
 
-    sized_plan = None if plan_at is None else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key)
+    def from_kernel(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
+        kernel_ = entry(sizes)[0]
+        if kernel_.roles != tuned_roles:  # an Add's larger operand changed sides: other memory fields
+            raise ValueError(f"{kernel_.what}: reads its inputs in other roles than at the tuned sizes")
+        return SizedPlan((kernel_.output_size, *(size for size, _ in kernel_.more_outputs)), kernel_.integer_fields())
+
+    # the layer's own kernels are in its fields (a table's address): its key is its own
+    sized_plan = PlanRule(lambda sizes: from_kernel(read_sizes(sizes)[1]), ("layer", id(kept))) if plan_at is None \
+        else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key)
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
@@ -137,6 +148,7 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
 
     tuned = _tuned_sizes(step)
     if max_rank is None or all(len(v) <= max_rank for v in tuned.values()):
+        tuned_roles = kernel(read_sizes(tuned)[1]).roles
         launch.native = native_at(tuned)
         launch.timed = timed
     return launch
