@@ -73,6 +73,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", choices=("rewrite", "replan"), default="rewrite")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the rewrite's parts (their timers add to the total: leave off for an A/B)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.path == "replan":
@@ -91,7 +93,7 @@ def main() -> None:
     _timing(native.Segment, "_view", times["  _view"])
     per_call: dict[str, list[float]] = {"    rules (once per layer shape)": [], "    at() of members without a rule": [],
                                         "    _rebound (those members' calls)": []}  # summed per new shape
-    if args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at and _view call at() and _rebound too)
+    if args.parts and args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at, _view call them too)
         _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
         _timing(resizable, "__call__", per_call["    at() of members without a rule"])
         native._rebound = _timed(native._rebound, per_call["    _rebound (those members' calls)"])
