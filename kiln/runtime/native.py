@@ -871,7 +871,7 @@ class _Resized:
         objects of its own, which a run binds too; `owned`: what the calls point at that the view keeps alive."""
         self.template = template
         self.entries, self.exits = template.entries, template.exits
-        self._owned = owned
+        self._bound, self._owned = owners, owned  # each bound member's memory objects; what the view keeps alive
         calls = [c for made in member_calls for c in made]
         self.exit_shapes = exit_shapes
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = entry_forms
