@@ -82,17 +82,18 @@ def main() -> None:
     engine = kiln.load(args.engine)
     context = engine.create_execution_context()
     context.warm_up()
-    times: dict[str, list[float]] = {"first call - its repeat": [], "shape values (ShapeFunction)": [],
-                                     "_bind_sizes": [], "  _rewritten": [], "    rules (once per layer shape)": [],
-                                     "    at() of members without a rule": [], "    _rebound (those members' calls)": [],
-                                     "  _natives_at": [], "  _view": []}
+    rows = ("first call - its repeat", "shape values (ShapeFunction)", "_bind_sizes", "  _rewritten",
+            "    rules (once per layer shape)", "    at() of members without a rule",
+            "    _rebound (those members' calls)", "  _natives_at", "  _view")
+    times: dict[str, list[float]] = {name: [] for name in rows}
     _timing(ShapeFunction, "__call__", times["shape values (ShapeFunction)"])
     _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
     _timing(native.Segment, "_rewritten", times["  _rewritten"])
     _timing(native.Segment, "_natives_at", times["  _natives_at"])
     _timing(native.Segment, "_view", times["  _view"])
-    per_call: dict[str, list[float]] = {"    rules (once per layer shape)": [], "    at() of members without a rule": [],
-                                        "    _rebound (those members' calls)": []}  # summed per new shape
+    per_call: dict[str, list[float]] = {name: [] for name in ("    rules (once per layer shape)",  # summed per shape
+                                                              "    at() of members without a rule",
+                                                              "    _rebound (those members' calls)")}
     if args.parts and args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at, _view call them too)
         _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
         _timing(resizable, "__call__", per_call["    at() of members without a rule"])

@@ -23,9 +23,10 @@ view over a template segment (_Resized): the template's arena and memory plan, e
 size from its NativeStep (`at`) — kiln's own kernels only replan, oneDNN primitives bind anew to the
 template's addresses. A size the template's arena cannot hold grows the template to the largest sizes
 seen along each entry axis, so a stream of shapes binds a few templates, not one segment per shape.
-Views are kept (VIEWS per segment, least recently used out); a segment that reorders NCHW images at
-its head binds a segment of its own per size (RESIZED); a size a layer cannot bind runs through the
-layers' own launch functions, as without segments.
+A view's plans of kiln's own kernels are its template's with the fields that follow the sizes written
+over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per segment, least recently used
+out); a segment that reorders NCHW images at its head binds a segment of its own per size (RESIZED); a
+size a layer cannot bind runs through the layers' own launch functions, as without segments.
 """
 
 from __future__ import annotations
@@ -686,13 +687,14 @@ def _replanned(bound: Any, primitive: Any) -> Any | None:
 class _PlanRewrite:
     """A segment's views at other input sizes with the plans of kiln's own kernels written by arithmetic.
 
-    A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention) runs at new sizes a copy of its
-    template call's plan with the fields that follow the sizes (row counts, batch, sequence, strides) written
-    over: one buffer holds all of a view's such plans, written by two numpy stores, and no kernel, NativeStep,
-    plan or Replanned object is made per member. Binding BERT-base's 91 members member by member cost 2-3 ms of
-    Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md); the rules are a few
-    integer products a member. The other members (oneDNN primitives, kiln's other kernels) are bound at the new
-    sizes as _Resized.bound_at binds them.
+    A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm and attention by rules of their own, kiln's other
+    kernels by their kernel's integer fields) runs at new sizes a copy of its template call's plan with the fields
+    that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds all of a view's such
+    plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per member; rules of one
+    key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by member cost 2-3 ms of
+    Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md); rewritten, ~1.2-1.7 ms and
+    149 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives; quantized and
+    squeeze-excite layers) are bound at the new sizes as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
@@ -700,7 +702,8 @@ class _PlanRewrite:
     every rewritten plan with the replanned one, byte for byte, at fresh shapes)."""
 
     def __init__(self, template: Segment):
-        """The rewrite of `template`'s plans (which keeps it: holding the template back would be a reference cycle)."""
+        """The rewrite of `template`'s plans. It does not hold the template (the template holds it: a reference back
+        would be a cycle); view() is given it."""
         call_of = {k: i for i, k in enumerate(template._bound_members)}
         image = bytearray()
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
@@ -728,8 +731,9 @@ class _PlanRewrite:
                 words[1 if width == 8 else 3].append(values)
                 values += 1
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
-            self._members.append((native.plan_at, at, reads, x, residual, outputs, (function, len(image)),
-                                  (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None), read))
+            follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
+            placed = (function, len(image))
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         self._values = values
@@ -808,14 +812,12 @@ class _PlanRewrite:
                         ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts), owned)
 
 
-_INTEGER_FIELDS = (ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32)
-
-
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
     """(function, plan bytes, [(byte offset, width)] of each value its rule writes, in order) of a member whose plan
     a view rewrites, or None: no rule, not one plan of kiln's own, a field that is not an integer, or a rule that
     does not give back the template call's plan at its own sizes (`arg`)."""
-    if native.plan_at is None or not hasattr(bound, "plan") or hasattr(bound, "serial_calls") or len(bound.calls()) != 1:
+    if native.plan_at is None or not hasattr(bound, "plan") or hasattr(bound, "serial_calls") \
+            or len(bound.calls()) != 1:
         return None
     plan = bound.plan
     original = ctypes.string_at(ctypes.addressof(plan), ctypes.sizeof(plan))
@@ -830,13 +832,11 @@ def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, 
         kind = kinds.get(name)
         if kind is None:
             return None
-        element, length = kind, 1
-        while issubclass(element, ctypes.Array):  # an array, or an array of arrays (a broadcast's strides)
-            element, length = element._type_, length * element._length_
+        held = native_loop.integer_field(kind)  # an array of arrays: a broadcast's strides
         items = value if isinstance(value, tuple) else (value,)
-        if element not in _INTEGER_FIELDS or len(items) != length:
+        if held is None or len(items) != held[0]:
             return None
-        width, start = ctypes.sizeof(element), getattr(type(plan), name).offset
+        width, start = held[1], getattr(type(plan), name).offset
         for j, item in enumerate(items):
             offset = start + j * width
             fields.append((offset, width))

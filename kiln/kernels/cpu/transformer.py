@@ -280,12 +280,8 @@ def _flat(array: ctypes.Array) -> list[int]:
 
 @functools.cache
 def _integer_plan(plan: type[ctypes.Structure]) -> bool:
-    """Whether every field of a plan is a C integer or pointer (arrays of them included)."""
-    def integer(kind: Any) -> bool:
-        while isinstance(kind, type) and issubclass(kind, ctypes.Array):
-            kind = kind._type_
-        return kind in (ctypes.c_long, ctypes.c_int, ctypes.c_void_p)
-    return all(integer(kind) for _, kind in plan._fields_)
+    """Whether every field of a plan is a C integer or address (arrays of them included)."""
+    return all(native_loop.integer_field(kind) is not None for _, kind in plan._fields_)
 
 
 def vector(w: torch.Tensor | None) -> torch.Tensor | None:
@@ -412,7 +408,8 @@ class Attention(NativeKernel):
 
     PLAN, FUNCTION = _AttentionPlan, "kiln_attention"
     # the plan fields that follow the input sizes (the others follow the layer's attributes alone)
-    SIZE_FIELDS = ("q_off", "k_off", "v_off", "B", "H", "Hkv", "S", "T", "D", "Dv", "qs", "ks", "vs", "os", "ms", "rows")
+    SIZE_FIELDS = ("q_off", "k_off", "v_off", "B", "H", "Hkv", "S", "T", "D", "Dv", "qs", "ks", "vs", "os", "ms",
+                   "rows")
 
     def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
                  v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
