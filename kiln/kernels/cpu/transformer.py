@@ -407,9 +407,6 @@ class Attention(NativeKernel):
     cu_seqlens[b + 1] of q/k/v/out (kiln/ops/tokens.py PackedAttention), S = T its longest."""
 
     PLAN, FUNCTION = _AttentionPlan, "kiln_attention"
-    # the plan fields that follow the input sizes (the others follow the layer's attributes alone)
-    SIZE_FIELDS = ("q_off", "k_off", "v_off", "B", "H", "Hkv", "S", "T", "D", "Dv", "qs", "ks", "vs", "os", "ms",
-                   "rows")
 
     def __init__(self, dims: dict[str, int], q: tuple[int, int, tuple[int, ...]], k: tuple[int, int, tuple[int, ...]],
                  v: tuple[int, int, tuple[int, ...]], out_strides: tuple[int, ...], output_size: tuple[int, ...],
@@ -425,23 +422,28 @@ class Attention(NativeKernel):
         if varlen is not None:
             roles[varlen[0]] = ["cu"]
         self.roles = {role: tuple(names) for role, names in roles.items()}
-        self.fields = dict(q_off=q[1], k_off=k[1], v_off=v[1], **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T",
-                                                                                          "D", "Dv")},
-                           qs=_longs(_LONG3, q[2]), ks=_longs(_LONG3, k[2]), vs=_longs(_LONG3, v[2]),
-                           os=_longs(_LONG3, out_strides), ms=_longs(_LONG4, mask[1] if mask is not None else (0, 0, 0, 0)),
+        sized = self.size_fields(dims, q, k, v, out_strides, mask, varlen)
+        arrays = {"qs": _LONG3, "ks": _LONG3, "vs": _LONG3, "os": _LONG3, "ms": _LONG4}
+        self.fields = dict({name: _longs(arrays[name], value) if name in arrays else value
+                            for name, value in sized.items()},
                            mask_kind={None: 0, "add": 1, "bool": 2, "keys": 3}[mask[0] if mask is not None else None],
                            causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
-                           rows=int(varlen[1]) if varlen is not None else 0, **_quant_fields(quant or {}))
+                           **_quant_fields(quant or {}))
         if quant and "out_quant" in quant:
             self.output_dtype = torch.uint8
-        self._size_fields: dict[str, int | tuple[int, ...]] | None = None
 
-    def size_fields(self) -> dict[str, int | tuple[int, ...]]:
-        """SIZE_FIELDS' values (arrays as tuples), read once: the layers of one configuration share the kernel."""
-        if self._size_fields is None:
-            self._size_fields = {name: tuple(value) if isinstance(value, ctypes.Array) else value
-                                 for name, value in ((n, self.fields[n]) for n in self.SIZE_FIELDS)}
-        return self._size_fields
+    @staticmethod
+    def size_fields(dims: dict[str, int], q: tuple, k: tuple, v: tuple, out_strides: tuple[int, ...],
+                    mask: tuple[str, tuple[int, ...]] | None, varlen: tuple[int, int] | None = None, **_others
+                    ) -> dict[str, int | tuple[int, ...]]:
+        """The plan fields that follow the input sizes (arrays as tuples; the others follow the layer's attributes
+        alone), from the constructor's arguments: attention_plan's, with which a segment's view rewrites a template's
+        plan without a kernel."""
+        return dict(q_off=q[1], k_off=k[1], v_off=v[1],
+                    **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T", "D", "Dv")},
+                    qs=tuple(q[2]), ks=tuple(k[2]), vs=tuple(v[2]), os=tuple(out_strides),
+                    ms=tuple(mask[1]) if mask is not None else (0, 0, 0, 0),
+                    rows=int(varlen[1]) if varlen is not None else 0)
 
 
 def _quant_fields(quant: dict[str, list[float]]) -> dict[str, Any]:

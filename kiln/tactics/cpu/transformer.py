@@ -502,18 +502,19 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 
     described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
 
+    def planned(sizes):
+        plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+        if isinstance(plan, str):
+            raise ValueError(f"attention at {sizes}: {plan}")
+        return plan
+
     def build(sizes):
-        def make():
-            plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
-            if isinstance(plan, str):
-                raise ValueError(f"attention at {sizes}: {plan}")
-            return kernels.Attention(**plan)
+        return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None),
+                                lambda: kernels.Attention(**planned(sizes)))
 
-        return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None), make)
-
-    def sized(sizes):  # the shared kernel's fields: one layer of the configuration makes it, the others read it
-        kernel = build(sizes)
-        return SizedPlan((kernel.output_size,), kernel.size_fields())
+    def sized(sizes):  # the kernel's size fields without the kernel (the layers of a configuration share them)
+        plan = planned(sizes)
+        return SizedPlan((tuple(plan["output_size"]),), kernels.Attention.size_fields(**plan))
 
     return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype)))
 
