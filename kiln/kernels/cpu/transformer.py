@@ -488,16 +488,22 @@ class Broadcast(NativeKernel):
 
     def __init__(self, op: str, sizes: list[tuple[int, ...]], source: torch.dtype = torch.bool):
         super().__init__(f"{op} of {[list(s) for s in sizes]}")
+        self.output_size, sized = self.size_fields(sizes)
+        self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
+        self.roles = _BROADCAST_ROLES[len(sizes)]
+        self.fields = dict(dims=_longs(_LONGD, sized["dims"]), strides=_longs(_LONGD * 3, sized["strides"]),
+                           op=_OPS[op], src_type=SOURCE_TYPES[source])
+
+    @staticmethod
+    def size_fields(sizes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """The output size, and the plan fields that follow the operands' sizes (dims, every operand's strides:
+        flat tuples), without a kernel: a segment's view rewrites a template's plan with them."""
         out = broadcast_sizes(*[tuple(s) for s in sizes])
         if len(out) > MAX_DIMS:
             raise ValueError(f"{len(out)} dims: at most {MAX_DIMS}")
-        self.output_size = out
-        self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
         dims = (1,) * (MAX_DIMS - len(out)) + out
         strides = [d for s in sizes for d in broadcast_strides(s, dims)] + [0] * (MAX_DIMS * (3 - len(sizes)))
-        self.roles = _BROADCAST_ROLES[len(sizes)]
-        self.fields = dict(dims=_longs(_LONGD, dims), strides=_longs(_LONGD * 3, strides), op=_OPS[op],
-                           src_type=SOURCE_TYPES[source])
+        return out, {"dims": dims, "strides": tuple(strides)}
 
 
 class GatherND(NativeKernel):
