@@ -390,12 +390,17 @@ class GatherRows(NativeKernel):
         super().__init__(f"gather rows of {list(table.shape)} by {list(ids_size)}")
         self._table = table.detach().to(torch.float32).contiguous()  # no copy of a table already so (the tactic's)
         vocab, n = self._table.shape
-        self.output_size = (*ids_size, int(n))
+        self.output_size, sized = self.size_fields(ids_size, int(n))
+        self.roles = {1: ("ids",), "dst": ("y",)}
+        self.fields = dict(table=self._table.data_ptr(), vocab=int(vocab), n=int(n), **sized)
+
+    @staticmethod
+    def size_fields(ids_size: tuple[int, ...], n: int) -> tuple[tuple[int, ...], dict[str, int]]:
+        """The output size and the plan fields that follow the ids' size, without a kernel (a segment's view)."""
         count = 1
         for d in ids_size:
             count *= d
-        self.roles = {1: ("ids",), "dst": ("y",)}
-        self.fields = dict(table=self._table.data_ptr(), count=count, vocab=int(vocab), n=int(n))
+        return (*ids_size, n), {"count": count}
 
 
 class Attention(NativeKernel):
@@ -514,17 +519,23 @@ class GatherND(NativeKernel):
 
     def __init__(self, data_size: tuple[int, ...], data_dtype: torch.dtype, indices_size: tuple[int, ...]):
         super().__init__(f"gather_nd of {list(data_size)} by {list(indices_size)}")
+        self.output_size, sized = self.size_fields(data_size, indices_size)
+        self.output_dtype = data_dtype
+        self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
+        self.fields = dict(sized, element=data_dtype.itemsize, dims=_longs(_LONGD, sized["dims"]))
+
+    @staticmethod
+    def size_fields(data_size: tuple[int, ...], indices_size: tuple[int, ...]
+                    ) -> tuple[tuple[int, ...], dict[str, int | tuple[int, ...]]]:
+        """The output size and the plan fields that follow the sizes (dims as a tuple), without a kernel (a
+        segment's view)."""
         m = int(indices_size[-1])
         if not 1 <= m <= min(len(data_size), MAX_DIMS):
             raise ValueError(f"index tuples of {m} into a {len(data_size)}-D tensor")
         rest = tuple(data_size[m:])
-        self.output_size = (*indices_size[:-1], *rest)
-        self.output_dtype = data_dtype
         count = _numel(tuple(indices_size[:-1]) + (1,)) if len(indices_size) > 1 else 1
-        self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
-        self.fields = dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
-                           element=data_dtype.itemsize,
-                           dims=_longs(_LONGD, list(data_size[:m]) + [1] * (MAX_DIMS - m)))
+        return (*indices_size[:-1], *rest), dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
+                                                 dims=tuple(data_size[:m]) + (1,) * (MAX_DIMS - m))
 
 
 class Rotary(NativeKernel):

@@ -156,8 +156,13 @@ def _gather_nd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 def _gather_nd_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     dtype = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bool": torch.bool}[
         step.tactic_config["source"]]
+    def sized(sizes):  # the kernel's size fields without the kernel
+        out, fields = kernels.GatherND.size_fields(sizes[0], sizes[1])
+        return SizedPlan((out,), fields)
+
     return prepared_native(step, lambda sizes: {0: dtype, 1: torch.int64},
-                           lambda sizes: kernels.GatherND(sizes[0], dtype, sizes[1]))
+                           lambda sizes: kernels.GatherND(sizes[0], dtype, sizes[1]),
+                           plan_at=PlanRule(sized, ("gather_nd", dtype)))
 
 
 register(Tactic(

@@ -296,7 +296,14 @@ def _gather_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     table = constants[0].detach().to(_F32).contiguous()  # converted once, not per input size
-    return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
+    n = int(table.shape[1])
+
+    def sized(sizes):  # the kernel's size fields without the kernel
+        out, fields = kernels.GatherRows.size_fields(sizes[1], n)
+        return SizedPlan((out,), fields)
+
+    return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]),
+                           plan_at=PlanRule(sized, ("gather_rows", n)))
 
 
 register(Tactic(
