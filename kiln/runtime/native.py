@@ -688,13 +688,13 @@ class _PlanRewrite:
     """A segment's views at other input sizes with the plans of kiln's own kernels written by arithmetic.
 
     A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention, broadcasts and gathers by rules of
-    their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's plan with the fields
-    that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds all of a view's such
-    plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per member; rules of one
-    key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by member cost 2-3 ms of
-    Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md); rewritten, ~0.9-1.6 ms and
-    117 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives; quantized and
-    squeeze-excite layers) are bound at the new sizes as _Resized.bound_at binds them.
+    their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's
+    plan with the fields that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds
+    all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
+    member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
+    member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives,
+    kernels whose plans hold floats, squeeze-excite) are bound at the new sizes as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
