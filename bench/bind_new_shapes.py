@@ -9,6 +9,11 @@ the calling thread's CPU time. Also the objects the garbage collector tracks tha
 (views, the layers' per-size kernels): what makes its full passes come more often. For an A/B, run it from each
 tree in turn (interleaved) and compare the least and the lower quartile: on a shared machine the medians move
 more between runs than the change.
+
+    python bench/bind_new_shapes.py --engine E --path replan    # every view bound member by member (no _PlanRewrite)
+
+--path rewrite (the runtime's default) writes the plans of kiln's own kernels by arithmetic (_PlanRewrite); --path
+replan turns that off in this process, so the two ways run from one tree (interleave the runs).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kiln.runtime import native  # noqa: E402
+from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
+from kiln.tactics.tactic import PlanRule, resizable  # noqa: E402
 
 
 def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -> None:
@@ -46,35 +53,78 @@ def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -
     setattr(owner, name, timed)
 
 
+def _timed(function, into: list[float]):
+    """`function` appending each call's thread CPU time (µs) to `into`."""
+
+    def timed(*args):
+        start = time.thread_time_ns()
+        result = function(*args)
+        into.append((time.thread_time_ns() - start) / 1e3)
+        return result
+
+    return timed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
     ap.add_argument("--max-batch", type=int, default=2)
     ap.add_argument("--seq", type=int, nargs=2, default=(3, 63), help="sequence lengths [from, to)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--path", choices=("rewrite", "replan"), default="rewrite")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the rewrite's parts (their timers add to the total: leave off for an A/B)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
+    if args.path == "replan":
+        native.Segment._rewritten = lambda self, key: None  # every view by _natives_at and _Resized.bound_at
     engine = kiln.load(args.engine)
     context = engine.create_execution_context()
     context.warm_up()
-    times: dict[str, list[float]] = {"_bind_sizes": [], "  _natives_at": [], "  _Resized": []}
+    rows = ("first call - its repeat", "shape values (ShapeFunction)", "_bind_sizes", "  _rewritten",
+            "    rules (once per layer shape)", "    at() of members without a rule",
+            "    _rebound (those members' calls)", "  _natives_at", "  _view")
+    times: dict[str, list[float]] = {name: [] for name in rows}
+    _timing(ShapeFunction, "__call__", times["shape values (ShapeFunction)"])
     _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
+    _timing(native.Segment, "_rewritten", times["  _rewritten"])
     _timing(native.Segment, "_natives_at", times["  _natives_at"])
-    _timing(native._Resized, "__init__", times["  _Resized"])
+    _timing(native.Segment, "_view", times["  _view"])
+    per_call: dict[str, list[float]] = {name: [] for name in ("    rules (once per layer shape)",  # summed per shape
+                                                              "    at() of members without a rule",
+                                                              "    _rebound (those members' calls)")}
+    if args.parts and args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at, _view call them too)
+        _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
+        _timing(resizable, "__call__", per_call["    at() of members without a rule"])
+        native._rebound = _timed(native._rebound, per_call["    _rebound (those members' calls)"])
     rng = np.random.default_rng(args.seed)
     shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
     gc.collect()
     tracked = len(gc.get_objects())
     for batch, seq in shapes:
-        context.run({"input_ids": rng.integers(0, 1000, (batch, seq)),
-                     "attention_mask": np.ones((batch, seq), np.int64)})
+        feeds = {"input_ids": rng.integers(0, 1000, (batch, seq)), "attention_mask": np.ones((batch, seq), np.int64)}
+        calls = []
+        for _ in range(2):  # the first call at the shape (it binds), then a repeat
+            start = time.thread_time_ns()
+            context.run(feeds)
+            calls.append((time.thread_time_ns() - start) / 1e3)
+        times["first call - its repeat"].append(calls[0] - calls[1])
+        for name, found in per_call.items():
+            if found:
+                times[name].append(sum(found))
+                found.clear()
     gc.collect()
     kept = (len(gc.get_objects()) - tracked) / len(shapes)
-    print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, 1 thread, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, {args.threads} thread(s), "
+          f"--path {args.path}, load average {os.getloadavg()[0]:.1f}")
     print(f"objects tracked by the garbage collector kept per new shape: {kept:.0f}\n")
+    print("Rules, at() and _rebound are summed per new shape where marked; rows below _bind_sizes are its parts. "
+          "A repeat binds nothing: the first row is what a first call adds (noisy: it is a difference of two runs).\n")
     print("| thread CPU, µs | calls | median | lower quartile | least |\n|---|---|---|---|---|")
     for name, found in times.items():
+        if not found:
+            continue
         found.sort()
         print(f"| {name} | {len(found)} | {statistics.median(found):.0f} | {found[len(found) // 4]:.0f} | "
               f"{found[0]:.0f} |")

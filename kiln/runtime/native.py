@@ -23,9 +23,10 @@ view over a template segment (_Resized): the template's arena and memory plan, e
 size from its NativeStep (`at`) — kiln's own kernels only replan, oneDNN primitives bind anew to the
 template's addresses. A size the template's arena cannot hold grows the template to the largest sizes
 seen along each entry axis, so a stream of shapes binds a few templates, not one segment per shape.
-Views are kept (VIEWS per segment, least recently used out); a segment that reorders NCHW images at
-its head binds a segment of its own per size (RESIZED); a size a layer cannot bind runs through the
-layers' own launch functions, as without segments.
+A view's plans of kiln's own kernels are its template's with the fields that follow the sizes written
+over (_PlanRewrite: no per-member Python objects). Views are kept (VIEWS per segment, least recently used
+out); a segment that reorders NCHW images at its head binds a segment of its own per size (RESIZED); a
+size a layer cannot bind runs through the layers' own launch functions, as without segments.
 """
 
 from __future__ import annotations
@@ -262,6 +263,7 @@ class Segment:
         # `self`, which made every segment a reference cycle: a dead engine's arena, packed weights and
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
+        self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)
@@ -357,8 +359,10 @@ class Segment:
             return self.resized[key]
         try:
             with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
-                at = self._natives_at(key)
-                segment = self._view(key, at) if self._views else None
+                segment = self._rewritten(key) if self._views else None
+                if segment is None:
+                    at = self._natives_at(key)
+                    segment = self._view(key, at) if self._views else None
                 if segment is None:
                     segment = Segment(self.members, self.read_after, self.constants, at.natives)
                     if segment.entries != self.entries or segment.exits != self.exits:
@@ -370,13 +374,21 @@ class Segment:
             self.resized.popitem(last=False)
         return segment
 
+    def _rewritten(self, key: tuple) -> _Resized | None:
+        """These sizes as a view whose plans of kiln's own kernels are the template's rewritten (_PlanRewrite),
+        or None where the template's arena cannot hold them or a layer's rule refuses them."""
+        template = self._grown or self
+        if template._rewrite is None:
+            template._rewrite = _PlanRewrite(template)
+        return template._rewrite.view(template, key)
+
     def _view(self, key: tuple, wanted: _AtSizes) -> _Resized | None:
         """These sizes as a view over the template's memory: no binding, only the members' plans at
         them. A template too small for them grows to the largest sizes seen along each entry axis
         (so a stream of shapes binds a few templates, not one segment per shape)."""
         template = self._grown or self
         if template.fits(wanted.natives, wanted.forms):
-            return _Resized(template, wanted.natives, wanted.forms)
+            return _Resized.bound_at(template, wanted.natives, wanted.forms)
         grown = tuple(tuple(max(a, b) for a, b in zip(t, k)) if len(t) == len(k) else k
                       for t, k in zip(template.entry_sizes, key))
         for sizes in dict.fromkeys((grown, key)):
@@ -389,7 +401,7 @@ class Segment:
                     or not candidate.fits(wanted.natives, wanted.forms):
                 continue
             self._grown = candidate
-            return _Resized(candidate, wanted.natives, wanted.forms)
+            return _Resized.bound_at(candidate, wanted.natives, wanted.forms)
         return None
 
     def fits(self, natives: list[NativeStep], forms: dict[int, tuple] | None = None) -> bool:
@@ -672,36 +684,199 @@ def _replanned(bound: Any, primitive: Any) -> Any | None:
         return None
 
 
+class _PlanRewrite:
+    """A segment's views at other input sizes with the plans of kiln's own kernels written by arithmetic.
+
+    A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention, broadcasts and gathers by rules of
+    their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's
+    plan with the fields that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds
+    all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
+    member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
+    member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives,
+    kernels whose plans hold floats, squeeze-excite) are bound at the new sizes as _Resized.bound_at binds them.
+
+    Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
+    do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
+    template plan's bytes at the template's sizes is bound the other way (tests/unit/test_native_binding.py compares
+    every rewritten plan with the replanned one, byte for byte, at fresh shapes)."""
+
+    def __init__(self, template: Segment):
+        """The rewrite of `template`'s plans. It does not hold the template (the template holds it: a reference back
+        would be a cycle); view() is given it."""
+        call_of = {k: i for i, k in enumerate(template._bound_members)}
+        image = bytearray()
+        # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
+        # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
+        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads)
+        self._members: list[tuple] = []
+        words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
+        values = 0  # values a view's rules give, in member order
+        sizes = dict(zip(template.entries, template.entry_sizes))
+        for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
+            arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
+            outputs = [(0, m.outputs[0])] + [(j, m.outputs[j]) for j in range(1, 1 + len(native.more_outputs))
+                                             if j < len(m.outputs) and m.outputs[j] >= 0]
+            for slot, _role, size, _strides, _dtype in writes_of(m, native):
+                sizes[slot] = size
+            residual = m.inputs[native.residual_input] if native.residual_input is not None else None
+            call = call_of.get(k)
+            layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
+            if layout is None:
+                self._members.append((None, at, reads, x, residual, outputs, None, None, ()))
+                continue
+            function, plan_bytes, fields = layout
+            for offset, width in fields:
+                words[0 if width == 8 else 2].append((len(image) + offset) // width)
+                words[1 if width == 8 else 3].append(values)
+                values += 1
+            read = tuple(slot for _, slot in reads) if reads is not None else (x,)
+            follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
+            placed = (function, len(image))
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read))
+            image += plan_bytes + bytes(-len(plan_bytes) % 16)
+        self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
+        self._values = values
+        self._words = [np.array(w, np.intp) for w in words]
+        forms = _forms(template.members, template._natives)
+        self._arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
+        # each exit's dtype and strides rule (a NativeStep's output_strides: NHWC for a 4-D output of oneDNN's
+        # layers or a channels-last kernel, row-major otherwise and for outputs past the first)
+        nhwc = {m.outputs[0]: native.reads is None or native.channels_last
+                for m, native in zip(template.members, template._natives)}
+        self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
+
+    def view(self, template: Segment, key: tuple) -> _Resized | None:
+        """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
+        layer refuses them, the template's arena cannot hold them (Segment._view then grows it), or an entry's rank
+        differs from the template's."""
+        if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return None
+        sizes = dict(zip(template.entries, key))
+        values: list[int] = []  # what the rules write, in member order
+        natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
+        worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
+        try:
+            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read) in enumerate(self._members):
+                if rule is None:
+                    native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
+                    if _form(native) != template._structure[k]:
+                        return None
+                    written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
+                else:
+                    found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
+                    if found is None:  # the first layer of its shape at these sizes
+                        sized = rule({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
+                        flat: list[int] = []
+                        for value in sized.fields.values():
+                            if type(value) is tuple:
+                                flat.extend(value)
+                            else:
+                                flat.append(value)
+                        found = worked[at_sizes] = (sized.output_sizes, flat)
+                    written = found[0]
+                    values += found[1]
+                if residual is not None and sizes[residual] != written[0]:
+                    return None  # as _natives_at: the layers run one by one
+                for j, slot in outputs:
+                    sizes[slot] = written[j]
+        except ValueError:
+            return None
+        if len(values) != self._values:
+            return None
+        for s, itemsize, capacity in self._arena:
+            if math.prod(sizes[s]) * itemsize > capacity:
+                return None
+        buffer = self._image.copy()  # every rewritten plan, in one array the collector does not track
+        if values:
+            flat = np.array(values, np.int64)
+            where64, value64, where32, value32 = self._words
+            buffer[where64] = flat[value64]
+            buffer.view(np.int32)[where32] = flat[value32]
+        base = buffer.ctypes.data
+        owners, member_calls, owned, anew = [], [], [buffer], False
+        for b, k in zip(template.bound, template._bound_members):
+            placed = self._members[k][6]
+            if placed is not None:  # the copy points at the template call's memory objects
+                owners.append(b)
+                member_calls.append([(placed[0], base + placed[1], 0, 0)])
+                continue
+            owner, bound_anew = _rebound(template, b, k, natives[k])
+            anew |= bound_anew
+            owners.append(owner)
+            owned.append(owner)
+            member_calls.append(owner.calls())
+        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
+                       for s, dtype, nhwc in self._exits]
+        return _Resized(template, owners, member_calls, anew, exit_shapes,
+                        ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts), owned)
+
+
+def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
+    """(function, plan bytes, [(byte offset, width)] of each value its rule writes, in order) of a member whose plan
+    a view rewrites, or None: no rule, not one plan of kiln's own, a field that is not an integer, or a rule that
+    does not give back the template call's plan at its own sizes (`arg`)."""
+    if native.plan_at is None or not hasattr(bound, "plan") or hasattr(bound, "serial_calls") \
+            or len(bound.calls()) != 1:
+        return None
+    plan = bound.plan
+    original = ctypes.string_at(ctypes.addressof(plan), ctypes.sizeof(plan))
+    try:
+        sized = native.plan_at(arg)
+    except ValueError:
+        return None
+    kinds = dict(type(plan)._fields_)
+    fields: list[tuple[int, int]] = []
+    rewritten = bytearray(original)
+    for name, value in sized.fields.items():
+        kind = kinds.get(name)
+        if kind is None:
+            return None
+        held = native_loop.integer_field(kind)  # an array of arrays: a broadcast's strides
+        items = value if isinstance(value, tuple) else (value,)
+        if held is None or len(items) != held[0]:
+            return None
+        width, start = held[1], getattr(type(plan), name).offset
+        for j, item in enumerate(items):
+            offset = start + j * width
+            fields.append((offset, width))
+            rewritten[offset:offset + width] = int(item).to_bytes(width, "little", signed=True)
+    if bytes(rewritten) != original:
+        return None
+    return bound.calls()[0][0], original, fields
+
+
+def _rebound(template: Segment, bound: Any, k: int, native: NativeStep) -> tuple[Any, bool]:
+    """Member k's call at `native`'s sizes over the template's memory: its template call (`bound`) replanned, else
+    bound anew with memory objects of its own (a oneDNN primitive, made for its row count); True when anew."""
+    replanned = _replanned(bound, native.primitive(template._accumulate[k])) if hasattr(bound, "replan") else None
+    if replanned is not None:
+        return replanned, False
+    return _bind_member(template.members[k], native, template._accumulate[k], template._address)[0], True
+
+
 class _Resized:
     """A segment at other input sizes over its template's memory: the template's arena, each member
     at these sizes bound to the template's planned addresses. kiln's own kernels replan on the
-    template's memory objects (only their plan changes: tens of microseconds a layer); a oneDNN
-    primitive binds anew at these sizes. Building one skips the memory plan, the arena's pages and
-    the structure's analysis that a Segment of its own does (milliseconds for a transformer block).
-    The template's lock serializes runs: they share its arena and memory objects."""
+    template's memory objects (only their plan changes: tens of microseconds a layer, or none where
+    _PlanRewrite writes the plans of a view at once); a oneDNN primitive binds anew at these sizes.
+    Building one skips the memory plan, the arena's pages and the structure's analysis that a Segment
+    of its own does (milliseconds for a transformer block). The template's lock serializes runs: they
+    share its arena and memory objects."""
 
-    def __init__(self, template: Segment, natives: list[NativeStep], forms: dict[int, tuple] | None = None):
-        """`forms`: _forms(template.members, natives), when the caller has them."""
+    def __init__(self, template: Segment, owners: list[Any], member_calls: list[list], anew: bool,
+                 exit_shapes: list[tuple], entry_forms: tuple[list, list, list], owned: list[Any]):
+        """`owners`: the memory objects of each bound member's calls (a Bound, a Replanned, or the template's own
+        call, whose plan a rewritten copy runs); `member_calls`: their calls; `anew`: some member has memory
+        objects of its own, which a run binds too; `owned`: what the calls point at that the view keeps alive."""
         self.template = template
         self.entries, self.exits = template.entries, template.exits
-        bound = []
-        anew = False  # a member bound anew has memory objects of its own: the run binds them too
-        for b, k in zip(template.bound, template._bound_members):
-            native = natives[k]
-            replanned = _replanned(b, native.primitive(template._accumulate[k])) if hasattr(b, "replan") else None
-            if replanned is None:
-                anew = True
-                replanned = _bind_member(template.members[k], native, template._accumulate[k], template._address)[0]
-            bound.append(replanned)
-        self._bound = bound  # owns what the calls point at
-        member_calls = [b.calls() for b in bound]
+        self._bound, self._owned = owners, owned  # each bound member's memory objects; what the view keeps alive
         calls = [c for made in member_calls for c in made]
-        forms = forms if forms is not None else _forms(template.members, natives)
-        self.exit_shapes = [forms[s] for s in self.exits]
-        self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, template._entry_readers,
-                                                                               natives)
+        self.exit_shapes = exit_shapes
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = entry_forms
         forms = {PARALLEL: calls}
-        serial = serial_calls(bound, member_calls)
+        serial = serial_calls(owners, member_calls)
         if serial is not None:
             forms[SERIAL] = serial
         self.chooser = FormChooser() if serial is not None else None  # this size's own times
@@ -713,14 +888,29 @@ class _Resized:
             return
         bindings = []
         for k, s in enumerate(self.entries):
-            bindings += [(bound[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
+            bindings += [(owners[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
         for j, g in enumerate(template.exit_groups):
-            bindings += [(bound[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
+            bindings += [(owners[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
         self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
         counts = [len(made) for made in member_calls]
         self._names = template._names if counts == template._call_counts else \
             [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
+
+    @classmethod
+    def bound_at(cls, template: Segment, natives: list[NativeStep], forms: dict[int, tuple] | None = None
+                 ) -> _Resized:
+        """The view of every member at `natives`' sizes, each replanned or bound anew. `forms`:
+        _forms(template.members, natives), when the caller has them."""
+        owners = []
+        anew = False  # a member bound anew has memory objects of its own: the run binds them too
+        for b, k in zip(template.bound, template._bound_members):
+            owner, bound_anew = _rebound(template, b, k, natives[k])
+            anew |= bound_anew
+            owners.append(owner)
+        forms = forms if forms is not None else _forms(template.members, natives)
+        return cls(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
+                   _entry_forms(template.entries, template._entry_readers, natives), owners)
 
     def _run_bound(self, values: tuple) -> Any:
         template = self.template

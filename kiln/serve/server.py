@@ -19,6 +19,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
+from kiln.runtime.heap import static_heap
 from kiln.serve.core import ServerCore
 from kiln.serve.frontdoors import Frontdoors
 from kiln.serve.frontends import FrontendPool
@@ -120,15 +121,21 @@ class Server:
         self.stopped.set()
 
     async def serve_forever(self, on_started=None) -> None:
-        """Start, run until SIGINT/SIGTERM, stop gracefully (the main thread's way)."""
+        """Start, run until SIGINT/SIGTERM, stop gracefully (the main thread's way: `kiln serve`, which owns its
+        process). While it serves, the heap alive once the models are loaded (torch's modules, the engines) is
+        out of the garbage collector's full passes (kiln.static_heap): a CPU engine binding new input shapes
+        keeps a few hundred objects a shape, and each full pass scanned the whole process (~110 ms with BERT-base
+        loaded, bench/results/first-calls-2026-12-03b.md). A ServerThread inside someone else's process does not
+        freeze that process's heap."""
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await self.start()
-        if on_started is not None:
-            on_started(self)
-        await stop.wait()
+        with static_heap():
+            if on_started is not None:
+                on_started(self)
+            await stop.wait()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         await self.stop()

@@ -157,10 +157,38 @@ class NativeStep:
     # kiln's own kernels only: its 4-D reads and output are NHWC in memory, as oneDNN's layers lay them out
     # (a channel Concat between convolutions), not row-major
     channels_last: bool = False
+    # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
+    # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
+    # template's plan (kiln/runtime/native.py _PlanRewrite)
+    plan_at: PlanRule | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
         return _output_strides(tuple(self.output_size), self.reads is None or self.channels_last)
+
+
+@dataclass(slots=True)
+class SizedPlan:
+    """A layer's plan at other input sizes, as NativeStep.plan_at gives it: the sizes of its outputs (the
+    first, then each of `more_outputs`), and the plan fields those sizes change (ints, or tuples of ints for
+    an array field), by the names of its ctypes plan's fields; every other field is the template's."""
+
+    output_sizes: tuple[tuple[int, ...], ...]
+    fields: dict[str, int | tuple[int, ...]]
+
+
+class PlanRule:
+    """NativeStep.plan_at: `rule(sizes) -> SizedPlan` (ValueError where `at` would refuse the sizes). Rules of equal
+    `key` give equal plans at equal sizes (the layers of one shape: BERT-base's 25 LayerNorms are 1 key, its 36 kiln
+    GEMMs 3), so a view at new sizes works each out once."""
+
+    __slots__ = ("_rule", "key")
+
+    def __init__(self, rule: Callable[[Any], SizedPlan], key: tuple):
+        self._rule, self.key = rule, key
+
+    def __call__(self, sizes: Any) -> SizedPlan:
+        return self._rule(sizes)
 
 
 class same_primitive:

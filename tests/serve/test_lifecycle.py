@@ -5,6 +5,7 @@ flight. Every server binds 127.0.0.1 on free ports and is stopped by its test.""
 
 from __future__ import annotations
 
+import gc
 import http.client
 import json
 import os
@@ -23,7 +24,8 @@ import tritonclient.http as httpclient
 from conftest import options
 from tritonclient.utils import InferenceServerException
 
-from kiln.serve import ServerThread
+from kiln.serve import Server, ServerThread
+from kiln.serve.server import run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -263,3 +265,32 @@ def test_listening_sockets_say_tcp():
         assert sock.proto == socket.IPPROTO_TCP
     finally:
         sock.close()
+
+
+def test_kiln_serve_keeps_its_loaded_heap_out_of_the_collector_while_it_serves(repository):
+    """`kiln serve`'s loop (Server.serve_forever on the main thread) freezes the heap alive once its models are
+    loaded (kiln.static_heap: the collector's full passes skip it), answers requests so, and gives the heap back
+    when it stops; a ServerThread (someone else's process) freezes nothing."""
+    gc.collect()
+    assert gc.get_freeze_count() == 0
+    seen: dict[str, object] = {}
+
+    def ask(server: Server) -> None:  # a client on another thread, then SIGTERM as an operator sends it
+        try:
+            client = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}")
+            seen["frozen"] = gc.get_freeze_count()
+            seen["ready"] = client.is_server_ready() and client.is_model_ready("fixed")
+            client.close()
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    run(Server(options(repository)).serve_forever(lambda server: threading.Thread(target=ask, args=(server,)).start()))
+    assert seen["ready"]
+    assert seen["frozen"] > 1000, "the loaded heap was not frozen while serving"
+    assert gc.get_freeze_count() == 0, "the heap was not given back when the server stopped"
+    thread = ServerThread(options(repository))
+    thread.start()
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        thread.stop()

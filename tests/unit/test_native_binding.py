@@ -1,9 +1,13 @@
 """Binding a native segment at a new input size (issue 10: a first call costs little more than a repeat): every
 fresh shape binds and matches onnxruntime, a size bound once reuses its kernels when bound again, and a kernel
-derived from another size's (LayerNorm.at_size) computes what one built at that size does."""
+derived from another size's (LayerNorm.at_size) computes what one built at that size does. A view's plans of kiln's
+own kernels written by arithmetic (kiln/runtime/native.py _PlanRewrite) are byte for byte the plans replanning
+makes, run bit for bit as those, and a rule that does not give back its template's plan is not used."""
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import gc
 import weakref
 
@@ -11,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.kernels.cpu import gemm_native, native_loop
 from kiln.kernels.cpu import transformer as kernels
+from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.runtime import native
+from kiln.tactics.tactic import SizedPlan
 
 ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
 
@@ -81,7 +88,8 @@ def test_new_shapes_leave_no_garbage_for_the_collector_and_a_dropped_view_dies(d
             context.run(_feeds(rng, batch, seq))
         views = [v for s in engine.program.segments for v in s.resized.values() if isinstance(v, native._Resized)]
         assert views, "no shape bound a view"
-        alive = [weakref.ref(v) for v in views] + [weakref.ref(b) for v in views for b in v._bound]
+        alive = [weakref.ref(v) for v in views] + [weakref.ref(b) for v in views for b in v._owned
+                                                       if not isinstance(b, np.ndarray)]
         del views
         for segment in engine.program.segments:
             segment.resized.clear()
@@ -111,3 +119,99 @@ def test_layer_norm_at_another_size_is_the_kernel_built_there(keep_sum):
         torch.testing.assert_close(got[0], reference, rtol=1e-5, atol=1e-5)  # fp32 mean/var in another order
     with pytest.raises(ValueError):
         template.at_size((2, 3, n + 1), (1, 3, n + 1))
+
+
+def _segment(engine):
+    return max(engine.program.segments, key=lambda s: len(s.members))
+
+
+def _calls(view: native._Resized) -> list[tuple[int, int] | None]:
+    """(function, plan address) of each call of a view's loop; None for a oneDNN primitive's (it has arguments)."""
+    c = view._c[PARALLEL]
+    functions, objects, nargs = c[1], c[8], c[9]
+    return [None if nargs[i] else (functions[i], objects[i]) for i in range(c[7])]
+
+
+def test_rewritten_plans_are_the_replanned_plans_byte_for_byte(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    segment = _segment(engine)
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(10)} | {(1, 1), (4, 48)}
+    compared = 0
+    for batch, seq in sorted(shapes, key=lambda _: rng.random()):
+        context.run(_feeds(rng, batch, seq))  # binds (growing the template where it must)
+        key = next(reversed(segment.resized))
+        template = segment._grown or segment
+        rewritten = segment._rewritten(key)
+        assert rewritten is not None, f"{batch}x{seq}: not rewritten"
+        replanned = native._Resized.bound_at(template, segment._natives_at(key).natives)
+        assert rewritten.exit_shapes == replanned.exit_shapes
+        assert rewritten.entry_sizes == replanned.entry_sizes
+        sizes = [ctypes.sizeof(owner._plan) if isinstance(owner, native_loop.Replanned) else None
+                 for owner in replanned._owned]
+        ours, theirs = _calls(rewritten), _calls(replanned)
+        assert len(ours) == len(theirs) == len(sizes)
+        for i, (a, b, size) in enumerate(zip(ours, theirs, sizes)):
+            if size is None:  # bound anew (a oneDNN primitive): its own memory objects, compared by the outputs
+                continue
+            assert a[0] == b[0], f"{batch}x{seq}: call {i} runs another function"
+            assert ctypes.string_at(a[1], size) == ctypes.string_at(b[1], size), f"{batch}x{seq}: call {i}'s plan"
+            compared += 1
+    assert compared > 0, "no plan was compared"
+
+
+def test_rewritten_views_run_bit_for_bit_as_replanned_ones_and_match_onnxruntime(dynamic_bert_tiny, monkeypatch):
+    engine, session = dynamic_bert_tiny
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(6)} | {(1, 1), (3, 47)}
+    feeds = [_feeds(rng, batch, seq) for batch, seq in shapes]
+    rewritten = [context.run(f) for f in feeds]
+    for segment in engine.program.segments:
+        segment.resized.clear()
+    monkeypatch.setattr(native.Segment, "_rewritten", lambda self, key: None)  # member by member, as before
+    for f, ours in zip(feeds, rewritten):
+        theirs = context.run(f)
+        for a, b, w in zip(ours.values(), theirs.values(), session.run(None, f)):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, w, rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_a_rule_that_does_not_give_back_the_template_plan_is_not_used(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    segment = _segment(engine)
+    sizes = dict(zip(segment.entries, segment.entry_sizes))
+    for m, natives in zip(segment.members, segment._natives):  # the template's sizes, member by member
+        if natives.plan_at is not None and m in [segment.members[k] for k in segment._bound_members]:
+            break
+        for slot, _role, size, _strides, _dtype in native.writes_of(m, natives):
+            sizes[slot] = size
+    else:
+        pytest.fail("no member has a plan rule")
+    k = segment.members.index(m)
+    bound = segment.bound[segment._bound_members.index(k)]
+    at, reads, x = segment._resizers[k]
+    arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
+    assert native._plan_layout(natives, bound, arg) is not None
+
+    def off_by_one(sizes_):
+        sized = natives.plan_at(sizes_)
+        name, value = next((n, v) for n, v in sized.fields.items() if not isinstance(v, tuple))
+        return SizedPlan(sized.output_sizes, {**sized.fields, name: value + 1})
+
+    assert native._plan_layout(dataclasses.replace(natives, plan_at=off_by_one), bound, arg) is None
+
+
+@pytest.mark.skipif(not gemm_native.available(), reason="kiln's GEMM is not built")
+def test_gemm_row_fields_are_the_plan_fields_and_refuse_rows_that_need_scratch():
+    layer = gemm_native.PackedLinear(torch.randn(1024, 512), torch.randn(1024))  # 8+ rows: past PARALLEL_MACS
+    rows = [r for r in (1, 3, 7, 8, 9, 200, layer.small_m) if r <= layer.small_m]
+    for r in rows:
+        plan, _ = layer.plan(r)
+        assert layer.row_fields(r) == {"M": plan.M, "threads": plan.threads, "c_scratch": plan.c_scratch or 0}
+    assert {layer.row_fields(r)["threads"] for r in rows} == {0, 1}, "the rows do not cross PARALLEL_MACS"
+    swiglu = gemm_native.PackedLinear(torch.randn(64, 32), torch.randn(64), "SwiGLU")
+    assert swiglu.row_fields(swiglu.small_m)["M"] == swiglu.small_m
+    with pytest.raises(ValueError, match="needs scratch"):
+        swiglu.row_fields(swiglu.small_m + 1)  # SwiGLU's C before the gating: plan() makes it

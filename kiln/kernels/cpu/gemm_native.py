@@ -252,9 +252,21 @@ class PackedLinear:
                 K=self.k, N=self.gemm_n, kernel=self.kernel.index, small_m=self.small_m, pack_m=self.pack_m,
                 out_n=self.n, **self._epilogue)
         base = scratch.data_ptr() if scratch is not _NO_SCRATCH else 0
-        plan = _Plan(scratch=base, M=rows, threads=1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0,
-                     c_scratch=base + 4 * packed_a if c else None, **constants)
+        plan = _Plan(scratch=base, M=rows, threads=self._threads(rows), c_scratch=base + 4 * packed_a if c else None,
+                     **constants)
         return plan, scratch
+
+    def _threads(self, rows: int) -> int:
+        """The plan's `threads`: 1 (the calling thread alone) for a product too small to share out, else 0 (all)."""
+        return 1 if rows * self.gemm_n * self.k <= PARALLEL_MACS else 0
+
+    def row_fields(self, rows: int) -> dict[str, int]:
+        """The fields of plan(rows, scratch) that follow the row count, where that plan needs no scratch (A read in
+        place, no SwiGLU staging): what a native segment's view writes into a copy of its template's plan.
+        ValueError at row counts whose plan needs scratch (plan() makes those)."""
+        if rows > max(self.small_m, self.pack_m) or (self.swiglu and rows > self.small_m):
+            raise ValueError(f"kiln GEMM at {rows} rows needs scratch: plan() binds it")
+        return {"M": rows, "threads": self._threads(rows), "c_scratch": 0}
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -323,6 +335,11 @@ class GemmCall:
         self._plan.src, self._plan.dst = self._memories["src"].value, self._memories["dst"].value
         self._plan.residual = self._memories["residual"].value if residual is not None else None
         self._function = ctypes.cast(gemm._lib.kiln_gemm, ctypes.c_void_p).value
+
+    @property
+    def plan(self) -> _Plan:
+        """The plan this call runs (a native segment's view at other rows copies it)."""
+        return self._plan
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]

@@ -208,6 +208,18 @@ def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
     return status, failed.value
 
 
+def integer_field(kind: type) -> tuple[int, int] | None:
+    """(how many, bytes each) of the C integers or addresses a plan field of ctypes type `kind` holds (an array,
+    nested or not, holds its elements), or None when it holds anything else (a float): what a native segment's view
+    may write into a copy of a plan (kiln/runtime/native.py _PlanRewrite)."""
+    count = 1
+    while issubclass(kind, ctypes.Array):
+        kind, count = kind._type_, count * kind._length_
+    if kind not in (ctypes.c_long, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32):
+        return None
+    return count, ctypes.sizeof(kind)
+
+
 class Replanned:
     """A bound call's plan at other sizes on the same memory objects (those of `source`, the call
     bound at the template's sizes): (function, plan), and what the plan points at kept alive."""

@@ -199,6 +199,11 @@ class KernelBound:
         plan, function = self._plan_for(kernel)
         return native_loop.Replanned(function, plan, self, kernel)
 
+    @property
+    def plan(self) -> ctypes.Structure:
+        """The plan this call runs (a native segment's view at other sizes copies it)."""
+        return self._plan
+
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
 
@@ -236,6 +241,15 @@ class NativeKernel:
         self._alone: KernelBound | None = None
         self._lock = threading.Lock()
 
+    def integer_fields(self) -> dict[str, int | tuple[int, ...]]:
+        """`fields` as plain ints (None: 0; an array, nested or not, as one flat tuple) where every field of PLAN is an
+        integer or an address: a native segment's view writes them into a copy of its template's plan
+        (NativeStep.plan_at). ValueError for a plan with other fields (a float would not be rewritten)."""
+        if not _integer_plan(self.PLAN):
+            raise ValueError(f"{self.what}: the plan has fields that are not integers")
+        return {name: tuple(_flat(value)) if isinstance(value, ctypes.Array) else (value or 0)
+                for name, value in self.fields.items()}
+
     def bind_reads(self, dst: int, reads: dict[int, int]) -> KernelBound:
         """The layer's call writing dst and reading each step input (by index) at its address."""
         return KernelBound(self, {"dst": dst, **reads})
@@ -257,6 +271,17 @@ class NativeKernel:
                 bound.rebind(k, v.data_ptr())
             bound.run()
         return tuple(ys) if len(ys) > 1 else ys[0]
+
+
+def _flat(array: ctypes.Array) -> list[int]:
+    return [x for item in array for x in _flat(item)] if isinstance(array._type_, type) and \
+        issubclass(array._type_, ctypes.Array) else list(array)
+
+
+@functools.cache
+def _integer_plan(plan: type[ctypes.Structure]) -> bool:
+    """Whether every field of a plan is a C integer or address (arrays of them included)."""
+    return all(native_loop.integer_field(kind) is not None for _, kind in plan._fields_)
 
 
 def vector(w: torch.Tensor | None) -> torch.Tensor | None:
@@ -293,7 +318,7 @@ class LayerNorm(NativeKernel):
                  epsilon: float, residual_size: tuple[int, ...] | None = None, rms: bool = False,
                  keep_sum: bool = False):
         super().__init__(f"{'rms' if rms else 'layer'} norm {list(size)}")
-        n, sized = int(size[-1]), self._size_fields(size, residual_size)
+        n, sized = int(size[-1]), self.size_fields(size, residual_size)
         self.input_size = self.output_size = tuple(size)
         self._scale, self._bias = vector(scale), vector(bias)
         for w in (self._scale, self._bias):
@@ -307,20 +332,24 @@ class LayerNorm(NativeKernel):
                            **sized)
 
     @staticmethod
-    def _size_fields(size: tuple[int, ...], residual_size: tuple[int, ...] | None) -> dict[str, int]:
+    def size_fields(size: tuple[int, ...], residual_size: tuple[int, ...] | None) -> dict[str, int]:
         """The plan fields that follow the input size (rows, residual rows), the residual checked against it."""
         if residual_size is not None and not repeats_over_rows(residual_size, size):
             raise ValueError(f"residual {list(residual_size)} does not repeat over the rows of {list(size)}")
         rows = _rows(size)
         return dict(rows=rows, residual_rows=_rows(residual_size) if residual_size is not None else rows)
 
+    def check_width(self, size: tuple[int, ...]) -> None:
+        """ValueError unless `size`'s rows are as wide as the norm's weights."""
+        if not size or int(size[-1]) != self.fields["n"]:
+            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
+
     def at_size(self, size: tuple[int, ...], residual_size: tuple[int, ...] | None = None) -> LayerNorm:
         """The same norm (weights, epsilon, residual or not) at another input size: a copy with its size fields
         anew, without the weights' checks and conversion (a segment binds every norm at each new input size)."""
         size = tuple(size)
-        if not size or int(size[-1]) != self.fields["n"]:
-            raise ValueError(f"{self.what}: rows of {size[-1] if size else 0}, built for {self.fields['n']}")
-        sized = self._size_fields(size, residual_size)
+        self.check_width(size)
+        sized = self.size_fields(size, residual_size)
         other = object.__new__(LayerNorm)
         other.__dict__.update(self.__dict__)
         other.what = f"{self.what.split(' [', 1)[0]} {list(size)}"
@@ -361,12 +390,17 @@ class GatherRows(NativeKernel):
         super().__init__(f"gather rows of {list(table.shape)} by {list(ids_size)}")
         self._table = table.detach().to(torch.float32).contiguous()  # no copy of a table already so (the tactic's)
         vocab, n = self._table.shape
-        self.output_size = (*ids_size, int(n))
+        self.output_size, sized = self.size_fields(ids_size, int(n))
+        self.roles = {1: ("ids",), "dst": ("y",)}
+        self.fields = dict(table=self._table.data_ptr(), vocab=int(vocab), n=int(n), **sized)
+
+    @staticmethod
+    def size_fields(ids_size: tuple[int, ...], n: int) -> tuple[tuple[int, ...], dict[str, int]]:
+        """The output size and the plan fields that follow the ids' size, without a kernel (a segment's view)."""
         count = 1
         for d in ids_size:
             count *= d
-        self.roles = {1: ("ids",), "dst": ("y",)}
-        self.fields = dict(table=self._table.data_ptr(), count=count, vocab=int(vocab), n=int(n))
+        return (*ids_size, n), {"count": count}
 
 
 class Attention(NativeKernel):
@@ -393,15 +427,28 @@ class Attention(NativeKernel):
         if varlen is not None:
             roles[varlen[0]] = ["cu"]
         self.roles = {role: tuple(names) for role, names in roles.items()}
-        self.fields = dict(q_off=q[1], k_off=k[1], v_off=v[1], **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T",
-                                                                                          "D", "Dv")},
-                           qs=_longs(_LONG3, q[2]), ks=_longs(_LONG3, k[2]), vs=_longs(_LONG3, v[2]),
-                           os=_longs(_LONG3, out_strides), ms=_longs(_LONG4, mask[1] if mask is not None else (0, 0, 0, 0)),
+        sized = self.size_fields(dims, q, k, v, out_strides, mask, varlen)
+        arrays = {"qs": _LONG3, "ks": _LONG3, "vs": _LONG3, "os": _LONG3, "ms": _LONG4}
+        self.fields = dict({name: _longs(arrays[name], value) if name in arrays else value
+                            for name, value in sized.items()},
                            mask_kind={None: 0, "add": 1, "bool": 2, "keys": 3}[mask[0] if mask is not None else None],
                            causal=int(bool(causal)), nan_to_zero=int(bool(nan_to_zero)), scale=float(scale),
-                           rows=int(varlen[1]) if varlen is not None else 0, **_quant_fields(quant or {}))
+                           **_quant_fields(quant or {}))
         if quant and "out_quant" in quant:
             self.output_dtype = torch.uint8
+
+    @staticmethod
+    def size_fields(dims: dict[str, int], q: tuple, k: tuple, v: tuple, out_strides: tuple[int, ...],
+                    mask: tuple[str, tuple[int, ...]] | None, varlen: tuple[int, int] | None = None, **_others
+                    ) -> dict[str, int | tuple[int, ...]]:
+        """The plan fields that follow the input sizes (arrays as tuples; the others follow the layer's attributes
+        alone), from the constructor's arguments: attention_plan's, with which a segment's view rewrites a template's
+        plan without a kernel."""
+        return dict(q_off=q[1], k_off=k[1], v_off=v[1],
+                    **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T", "D", "Dv")},
+                    qs=tuple(q[2]), ks=tuple(k[2]), vs=tuple(v[2]), os=tuple(out_strides),
+                    ms=tuple(mask[1]) if mask is not None else (0, 0, 0, 0),
+                    rows=int(varlen[1]) if varlen is not None else 0)
 
 
 def _quant_fields(quant: dict[str, list[float]]) -> dict[str, Any]:
@@ -446,16 +493,22 @@ class Broadcast(NativeKernel):
 
     def __init__(self, op: str, sizes: list[tuple[int, ...]], source: torch.dtype = torch.bool):
         super().__init__(f"{op} of {[list(s) for s in sizes]}")
+        self.output_size, sized = self.size_fields(sizes)
+        self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
+        self.roles = _BROADCAST_ROLES[len(sizes)]
+        self.fields = dict(dims=_longs(_LONGD, sized["dims"]), strides=_longs(_LONGD * 3, sized["strides"]),
+                           op=_OPS[op], src_type=SOURCE_TYPES[source])
+
+    @staticmethod
+    def size_fields(sizes: list[tuple[int, ...]]) -> tuple[tuple[int, ...], dict[str, tuple[int, ...]]]:
+        """The output size, and the plan fields that follow the operands' sizes (dims, every operand's strides:
+        flat tuples), without a kernel: a segment's view rewrites a template's plan with them."""
         out = broadcast_sizes(*[tuple(s) for s in sizes])
         if len(out) > MAX_DIMS:
             raise ValueError(f"{len(out)} dims: at most {MAX_DIMS}")
-        self.output_size = out
-        self.output_dtype = torch.float32 if op in ("cast_float", "where") else torch.bool
         dims = (1,) * (MAX_DIMS - len(out)) + out
         strides = [d for s in sizes for d in broadcast_strides(s, dims)] + [0] * (MAX_DIMS * (3 - len(sizes)))
-        self.roles = _BROADCAST_ROLES[len(sizes)]
-        self.fields = dict(dims=_longs(_LONGD, dims), strides=_longs(_LONGD * 3, strides), op=_OPS[op],
-                           src_type=SOURCE_TYPES[source])
+        return out, {"dims": dims, "strides": tuple(strides)}
 
 
 class GatherND(NativeKernel):
@@ -466,17 +519,23 @@ class GatherND(NativeKernel):
 
     def __init__(self, data_size: tuple[int, ...], data_dtype: torch.dtype, indices_size: tuple[int, ...]):
         super().__init__(f"gather_nd of {list(data_size)} by {list(indices_size)}")
+        self.output_size, sized = self.size_fields(data_size, indices_size)
+        self.output_dtype = data_dtype
+        self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
+        self.fields = dict(sized, element=data_dtype.itemsize, dims=_longs(_LONGD, sized["dims"]))
+
+    @staticmethod
+    def size_fields(data_size: tuple[int, ...], indices_size: tuple[int, ...]
+                    ) -> tuple[tuple[int, ...], dict[str, int | tuple[int, ...]]]:
+        """The output size and the plan fields that follow the sizes (dims as a tuple), without a kernel (a
+        segment's view)."""
         m = int(indices_size[-1])
         if not 1 <= m <= min(len(data_size), MAX_DIMS):
             raise ValueError(f"index tuples of {m} into a {len(data_size)}-D tensor")
         rest = tuple(data_size[m:])
-        self.output_size = (*indices_size[:-1], *rest)
-        self.output_dtype = data_dtype
         count = _numel(tuple(indices_size[:-1]) + (1,)) if len(indices_size) > 1 else 1
-        self.roles = {0: ("data",), 1: ("indices",), "dst": ("out",)}
-        self.fields = dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
-                           element=data_dtype.itemsize,
-                           dims=_longs(_LONGD, list(data_size[:m]) + [1] * (MAX_DIMS - m)))
+        return (*indices_size[:-1], *rest), dict(count=count, m=m, rest=_numel(rest + (1,)) if rest else 1,
+                                                 dims=tuple(data_size[:m]) + (1,) * (MAX_DIMS - m))
 
 
 class Rotary(NativeKernel):

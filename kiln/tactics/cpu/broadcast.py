@@ -24,7 +24,7 @@ from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic
+from kiln.tactics.tactic import InputMeta, PlanRule, SizedPlan, Tactic
 from kiln.tactics.tactic import attribute as _attr
 
 _CAST_TO = {9: "cast_bool", 1: "cast_float"}  # ONNX TensorProto BOOL, FLOAT
@@ -60,11 +60,21 @@ def _cast_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     return shapes if isinstance(shapes, str) else True
 
 
+def _plan_rule(op: str, count: int, source: torch.dtype = torch.bool) -> PlanRule:
+    """A broadcast's plan at other sizes (NativeStep.plan_at): its dims and strides, without a kernel."""
+    def sized(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
+        out, fields = kernels.Broadcast.size_fields([sizes[k] for k in range(count)])
+        return SizedPlan((out,), fields)
+
+    return PlanRule(sized, ("broadcast", op, count, source))
+
+
 def _cast_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     op = _CAST_TO[int(_attr(step, "to", 0))]
     source = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bool": torch.bool}[
         step.tactic_config["source"]]
-    return prepared_native(step, lambda sizes: {0: source}, lambda sizes: kernels.Broadcast(op, [sizes[0]], source))
+    return prepared_native(step, lambda sizes: {0: source}, lambda sizes: kernels.Broadcast(op, [sizes[0]], source),
+                           plan_at=_plan_rule(op, 1, source))
 
 
 def _cast_configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
@@ -92,7 +102,7 @@ def _logical_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 def _logical_prepare(op: str):
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return prepared_native(step, lambda sizes: {0: torch.bool, 1: torch.bool},
-                               lambda sizes: kernels.Broadcast(op, [sizes[0], sizes[1]]))
+                               lambda sizes: kernels.Broadcast(op, [sizes[0], sizes[1]]), plan_at=_plan_rule(op, 2))
     return prepare
 
 
@@ -117,7 +127,8 @@ def _where_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _where_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     return prepared_native(step, lambda sizes: {0: torch.bool, 1: torch.float32, 2: torch.float32},
-                           lambda sizes: kernels.Broadcast("where", [sizes[0], sizes[1], sizes[2]]))
+                           lambda sizes: kernels.Broadcast("where", [sizes[0], sizes[1], sizes[2]]),
+                           plan_at=_plan_rule("where", 3))
 
 
 register(Tactic(
@@ -145,8 +156,13 @@ def _gather_nd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 def _gather_nd_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     dtype = {"int64": torch.int64, "int32": torch.int32, "float32": torch.float32, "bool": torch.bool}[
         step.tactic_config["source"]]
+    def sized(sizes):  # the kernel's size fields without the kernel
+        out, fields = kernels.GatherND.size_fields(sizes[0], sizes[1])
+        return SizedPlan((out,), fields)
+
     return prepared_native(step, lambda sizes: {0: dtype, 1: torch.int64},
-                           lambda sizes: kernels.GatherND(sizes[0], dtype, sizes[1]))
+                           lambda sizes: kernels.GatherND(sizes[0], dtype, sizes[1]),
+                           plan_at=PlanRule(sized, ("gather_nd", dtype)))
 
 
 register(Tactic(

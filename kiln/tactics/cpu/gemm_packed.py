@@ -25,7 +25,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -77,17 +77,26 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     def launch(ctx, x, w_=None, b_=None, residual=None, **_attributes):
         return layer(x, residual if with_residual else None)  # x: [..., K] -> [..., N]
 
+    def rows_of(size: tuple[int, ...]) -> int:
+        if len(size) not in (2, 3) or size[-1] != tuned[-1]:
+            raise ValueError(f"kiln GEMM takes [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
+        return math.prod(size[:-1])
+
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
-        if len(size) not in (2, 3) or size[-1] != tuned[-1]:
-            raise ValueError(f"kiln GEMM takes [..., {tuned[-1]}] inputs of rank 2 or 3, given {list(size)}")
-        rows = math.prod(size[:-1])
+        rows = rows_of(size)
         at_size = bound.get(rows)
         if at_size is None or at_size.input_size != size:
             at_size = bound[rows] = layer.rows(size)
         return NativeStep(size, at_size.output_size, same_primitive(at_size),
-                          residual_input=3 if with_residual else None)
+                          residual_input=3 if with_residual else None, plan_at=plan_at)
+
+    def sized(size: tuple[int, ...]) -> SizedPlan:  # native_at's sizes, without a BoundRows
+        return SizedPlan(((*size[:-1], layer.n),), layer.row_fields(rows_of(size)))
+
+    # row_fields follows these alone
+    plan_at = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu))
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
     # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments

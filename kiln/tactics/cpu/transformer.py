@@ -33,7 +33,8 @@ import torch
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive, tensor_input
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive,
+                                  tensor_input)
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -53,12 +54,18 @@ def _tuned_sizes(step: StepSpec) -> dict[int, tuple[int, ...]]:
 
 
 def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]], dict[int, torch.dtype]],
-              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None):
+              build: Callable[[dict[int, tuple[int, ...]]], kernels.NativeKernel], max_rank: int | None = None,
+              plan_at: PlanRule | None = None):
     """launch(ctx, *inputs) on the kernel for the inputs' sizes (built once per sizes), with
     launch.native at the tuned sizes; `reads(sizes)`: the step inputs the kernel reads and their dtypes.
     max_rank: inputs of a higher rank run as a step of their own, never inside a segment (a segment's 4-D
     values are NHWC in memory: ConvNeXt's residual Add of two [N, C, H, W] values inside one made the
-    engine 0.036 off while the layer was exact alone, and the build reverted 30 layers)."""
+    engine 0.036 off while the layer was exact alone, and the build reverted 30 layers).
+    `plan_at(sizes)`: the kernel's plan fields at `sizes` (those it reads) without building it, where the layer
+    has such a rule: NativeStep.plan_at gives it the sizes a segment gives `at`. Without one, NativeStep.plan_at
+    is the kernel built at the sizes (once, as `at` builds it) read as integers (NativeKernel.integer_fields: a
+    kernel whose plan holds only integers and addresses, reading its inputs in the roles it reads them at the
+    tuned sizes); the view still saves the NativeStep, the replanned plan and its Replanned."""
     # each size's kernel and, once a segment has bound it there, its NativeStep; least recently used first
     kept: OrderedDict[tuple, list] = OrderedDict()
     lock = threading.Lock()  # an engine's contexts may bind one layer at once
@@ -90,20 +97,37 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
         sizes = {k: tuple(tensors[k].shape) for k in wanted}
         return kernel(sizes)({k: tensors[k].contiguous() for k in wanted})
 
-    @resizable
-
-    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+    def read_sizes(sizes: dict[int, tuple[int, ...]]) -> tuple[dict[int, torch.dtype], dict[int, tuple[int, ...]]]:
+        """The dtypes and sizes of the inputs the kernel reads, of the sizes a segment gives (ValueError: past
+        max_rank)."""
         dtypes = reads(sizes)
         sizes = {k: tuple(sizes[k]) for k in dtypes}
         if max_rank is not None and any(len(v) > max_rank for v in sizes.values()):
             raise ValueError(f"inputs of rank {max_rank} at most in a native segment, given {list(sizes.values())}")
+        return dtypes, sizes
+
+    @resizable
+
+    def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+        dtypes, sizes = read_sizes(sizes)
         found = entry(sizes)
         if found[1] is None:  # a size bound before keeps its kernel and step as they were
             kernel_, first = found[0], min(sizes)
             found[1] = NativeStep(sizes[first], kernel_.output_size, same_primitive(kernel_),
                                   reads={k: (sizes[k], dtypes[k]) for k in sizes}, output_dtype=kernel_.output_dtype,
-                                  more_outputs=kernel_.more_outputs)
+                                  more_outputs=kernel_.more_outputs,
+                                  plan_at=sized_plan)
         return found[1]
+
+    def from_kernel(sizes: dict[int, tuple[int, ...]]) -> SizedPlan:
+        kernel_ = entry(sizes)[0]
+        if kernel_.roles != tuned_roles:  # an Add's larger operand changed sides: other memory fields
+            raise ValueError(f"{kernel_.what}: reads its inputs in other roles than at the tuned sizes")
+        return SizedPlan((kernel_.output_size, *(size for size, _ in kernel_.more_outputs)), kernel_.integer_fields())
+
+    # the layer's own kernels are in its fields (a table's address): its key is its own
+    sized_plan = PlanRule(lambda sizes: from_kernel(read_sizes(sizes)[1]), ("layer", id(kept))) if plan_at is None \
+        else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key)
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function
@@ -125,6 +149,7 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
 
     tuned = _tuned_sizes(step)
     if max_rank is None or all(len(v) <= max_rank for v in tuned.values()):
+        tuned_roles = kernel(read_sizes(tuned)[1]).roles
         launch.native = native_at(tuned)
         launch.timed = timed
     return launch
@@ -179,7 +204,13 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         first.append(kernels.LayerNorm(sizes[0], scale, bias, epsilon, sizes.get(3), keep_sum=keep_sum))
         return first[0]
 
-    return prepared_native(step, reads, build, max_rank=3)
+    def sized(sizes):  # at_size's fields, without the copy
+        size = sizes[0]
+        first[0].check_width(size)
+        return SizedPlan((size, size) if keep_sum else (size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
+
+    return prepared_native(step, reads, build, max_rank=3,
+                           plan_at=PlanRule(sized, ("layer_norm", _tuned_sizes(step)[0][-1], keep_sum)))
 
 
 register(Tactic(
@@ -266,7 +297,14 @@ def _gather_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
     table = constants[0].detach().to(_F32).contiguous()  # converted once, not per input size
-    return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]))
+    n = int(table.shape[1])
+
+    def sized(sizes):  # the kernel's size fields without the kernel
+        out, fields = kernels.GatherRows.size_fields(sizes[1], n)
+        return SizedPlan((out,), fields)
+
+    return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]),
+                           plan_at=PlanRule(sized, ("gather_rows", n)))
 
 
 register(Tactic(
@@ -474,16 +512,21 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 
     described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
 
+    def planned(sizes):
+        plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+        if isinstance(plan, str):
+            raise ValueError(f"attention at {sizes}: {plan}")
+        return plan
+
     def build(sizes):
-        def make():
-            plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
-            if isinstance(plan, str):
-                raise ValueError(f"attention at {sizes}: {plan}")
-            return kernels.Attention(**plan)
+        return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None),
+                                lambda: kernels.Attention(**planned(sizes)))
 
-        return shared_attention((described, tuple(sorted(sizes.items())), mask_dtype if 3 in sizes else None), make)
+    def sized(sizes):  # the kernel's size fields without the kernel (the layers of a configuration share them)
+        plan = planned(sizes)
+        return SizedPlan((tuple(plan["output_size"]),), kernels.Attention.size_fields(**plan))
 
-    return prepared_native(step, reads, build)
+    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype)))
 
 
 # attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel
