@@ -56,8 +56,8 @@ def onednn_exec(run) -> list[tuple[str, float]]:
         try:
             lib.dnnl_set_verbose(1)
             run()
-            lib.dnnl_set_verbose(0)
         finally:
+            lib.dnnl_set_verbose(0)
             os.dup2(saved, 1)
             os.close(saved)
         capture.seek(0)
