@@ -13,7 +13,10 @@ residual input reuses the pair its convolution reader already has), so the optim
 An Add qualifies when both inputs are float activations, a Relu is its only reader, and every reader of
 the Relu's output is a layer being quantized (reading it as its activation) or another qualifying Add: the
 sum is then rounded to 8 bits for its readers anyway, and quantizing the Add adds one rounding of each
-input. Adds without a Relu (MobileNetV2's linear bottlenecks, a transformer's residual stream feeding a
+input. The network's last block qualifies too when a global average pool is the Relu's only reader: its
+sum gets a Q/DQ pair of its own (calibrated) and the pool averages the 8-bit values, as in onnxruntime's
+QDQ ResNet; otherwise the last stage's three Adds stay float (each Add's Relu feeds the next Add) and its
+convolutions write float32 (measured on a Zen 4 EPYC, 1 thread: bench/results/quant-cpu-epyc-2026-12-03.md). Adds without a Relu (MobileNetV2's linear bottlenecks, a transformer's residual stream feeding a
 LayerNorm) stay float: there the rounding costs accuracy the speed does not buy back.
 """
 
@@ -29,6 +32,17 @@ FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 def _activation(value: ir.Value | None) -> bool:
     return value is not None and value.const_value is None and value.dtype in FLOATS
+
+
+POOLS = ("GlobalAveragePool", "ReduceMean")
+
+
+def _pool_reader(add: ir.Node) -> ir.Node | None:
+    """The global average pool that is the only reader of this Add's Relu, if it is."""
+    readers = add.outputs[0].uses()[0][0].outputs[0].uses()
+    if len(readers) == 1 and readers[0][0].op_type in POOLS and readers[0][1] == 0:
+        return readers[0][0]
+    return None
 
 
 def plan(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[ir.Node]:
@@ -47,8 +61,8 @@ def plan(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[ir.Node]:
         changed = False
         for node, tail in list(candidates.items()):
             readers = tail.uses()
-            fine = tail not in outputs and bool(readers) and all(
-                (u in layers and index == 0) or u in candidates for u, index in readers)
+            fine = tail not in outputs and bool(readers) and (_pool_reader(node) is not None or all(
+                (u in layers and index == 0) or u in candidates for u, index in readers))
             if not fine:
                 del candidates[node]
                 changed = True
@@ -56,8 +70,9 @@ def plan(graph: ir.Graph, exclude: set[str] = frozenset()) -> list[ir.Node]:
 
 
 def activations(adds: list[ir.Node]) -> set[str]:
-    """The tensors whose ranges the calibration must measure for these Adds."""
-    return {v.name for node in adds for v in node.inputs}
+    """The tensors whose ranges the calibration must measure for these Adds (and a pooled Relu's output)."""
+    pooled = {pool.inputs[0].name for pool in map(_pool_reader, adds) if pool is not None}
+    return {v.name for node in adds for v in node.inputs} | pooled
 
 
 def _existing_pair(value: ir.Value) -> ir.Value | None:
@@ -88,11 +103,15 @@ def insert(model: ir.Model, adds: list[ir.Node], ranges: dict, unsigned: bool) -
     graph = model.graph
     done = []
     for node in adds:
-        amaxes = [np.asarray(ranges.get(v.name, np.nan), np.float64) for v in node.inputs]
+        pool = _pool_reader(node)
+        values = list(node.inputs) + ([pool.inputs[0]] if pool is not None else [])
+        amaxes = [np.asarray(ranges.get(v.name, np.nan), np.float64) for v in values]
         if any(a.ndim != 0 or not np.isfinite(a) or a <= 0 for a in amaxes):
             continue
         for i, (value, amax) in enumerate(zip(list(node.inputs), amaxes)):
             dq = _existing_pair(value) or _new_pair(graph, node, value, float(amax), unsigned)
             node.replace_input_with(i, dq)
+        if pool is not None:
+            pool.replace_input_with(0, _new_pair(graph, pool, pool.inputs[0], float(amaxes[-1]), unsigned))
         done.append(node.name)
     return done

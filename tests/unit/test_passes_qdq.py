@@ -80,8 +80,8 @@ def test_the_qdq_graph_becomes_quantized_layers(activation_type):
     steps = [(n.domain, n.op_type) for n in graph.graph]
     assert steps == [("", "QuantizeLinear"), ("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv"), ("kiln", "QAdd"),
                      ("", "Reshape"), ("kiln", "QGemm")], steps
-    # the DQ sinks below MaxPool; the Q after the Reshape rises above it (hoist_quantize: it runs first)
-    assert report.fired["sink_dequantize"] == 1 and report.fired["hoist_quantize"] == 1
+    # the Qs after MaxPool and the Reshape rise above them (hoist_quantize runs before sink_dequantize)
+    assert report.fired["hoist_quantize"] == 2 and "sink_dequantize" not in report.fired
     assert report.fired["remove_qdq_round_trips"] == 2
     assert report.fired["fuse_quantized_layers"] == 3 and report.fired["fuse_quantized_add"] == 1
     if activation_type == TensorProto.INT8:  # every activation pair made uint8 (zero point + 128)
@@ -115,6 +115,59 @@ def test_the_quantized_engine_is_onnxruntime_on_the_qdq_graph_within_a_step(acti
         got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
         assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
         assert np.abs(want).max() > 10 * bound  # the comparison means something
+
+
+def _float_stem_model():
+    """A ResNet stem as kiln's own calibration writes it: the pool is no quantized layer, so its output
+    is quantized for the next convolution and the stem's convolution reads the quantized input."""
+    def const(name: str, value: np.ndarray) -> str:
+        inits[name] = value
+        return name
+
+    inits: dict[str, np.ndarray] = {}
+    nodes = [helper.make_node("QuantizeLinear", ["x", const("xs", np.float32(0.03)), const("xz", np.uint8(128))],
+                              ["xq"]),
+             helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"])]
+    for tag, shape in (("c1", (8, 3, 3, 3)), ("c2", (6, 8, 3, 3))):
+        inits[f"{tag}_wq"] = rng.integers(-64, 65, shape).astype(np.int8)
+        nodes.append(helper.make_node("DequantizeLinear", [f"{tag}_wq", const(f"{tag}_ws", rng.uniform(
+            0.002, 0.01, shape[0]).astype(np.float32)), const(f"{tag}_wz", np.zeros(shape[0], np.int8))],
+            [f"{tag}_w"], axis=0))
+        const(f"{tag}_b", rng.standard_normal(shape[0]).astype(np.float32) * 0.1)
+    nodes += [helper.make_node("Conv", ["xd", "c1_w", "c1_b"], ["c1"], pads=[1, 1, 1, 1]),
+              helper.make_node("Relu", ["c1"], ["r1"]),
+              helper.make_node("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]),
+              helper.make_node("QuantizeLinear", ["p", const("ps", np.float32(0.02)), const("pz", np.uint8(0))],
+                               ["pq"]),
+              helper.make_node("DequantizeLinear", ["pq", "ps", "pz"], ["pd"]),
+              helper.make_node("Conv", ["pd", "c2_w", "c2_b"], ["y"], pads=[1, 1, 1, 1])]
+    graph = helper.make_graph(nodes, "stem", [helper.make_tensor_value_info("x", F, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info("y", F, [1, 6, 8, 8])],
+                              [numpy_helper.from_array(np.asarray(v), k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), inits
+
+
+def test_the_quantize_after_a_float_maxpool_rises_into_the_convolution_before_it():
+    # Q(MaxPool(x)) = MaxPool(Q(x)) (Q is non-decreasing): the stem's QConv writes uint8, the pool runs on it
+    model, inits = _float_stem_model()
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(unsigned_activations=True), report)
+    nodes = list(graph.graph)
+    assert [(n.domain, n.op_type) for n in nodes] == [("", "QuantizeLinear"), ("kiln", "QConv"), ("", "MaxPool"),
+                                                      ("kiln", "QConv")], nodes
+    assert report.fired["hoist_quantize"] == 1
+    assert nodes[1].outputs[0].dtype == TensorProto.UINT8 and nodes[2].outputs[0].dtype == TensorProto.UINT8
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    engine = kiln.build(model.SerializeToString())
+    bound = 4 * 0.02 * np.abs(inits["c2_wq"] * inits["c2_ws"][:, None, None, None]).max() + 1e-4  # a few flips
+    fresh = np.random.default_rng(12)
+    for _ in range(4):
+        x = fresh.standard_normal((1, 3, 16, 16), dtype=np.float32) * 2
+        got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
+        assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+        assert np.abs(want).max() > 10 * bound
 
 
 # ---- the residual QAdd into its QConv's epilogue (kiln/passes/fusion/qdq_residual.py, CUDA builds) -------------

@@ -14,9 +14,10 @@ from kiln.frontend import onnx as onnx_frontend
 from kiln.quant import residual
 
 
-def _resnet(relu_after_add: bool = True, seed: int = 0) -> bytes:
+def _resnet(relu_after_add: bool = True, seed: int = 0, pooled_sum: bool = False) -> bytes:
     """stem conv -> relu -> [conv -> relu -> conv] + x -> (relu) -> conv -> relu -> [conv -> relu -> conv] + y
-    -> (relu) -> global pool -> gemm: two residual blocks, the second's sum feeding only the pool."""
+    -> (relu) -> conv -> global pool -> gemm: two residual blocks; `pooled_sum`: without the last conv, the
+    second block's sum feeding only the pool (a ResNet's last block)."""
     rng = np.random.default_rng(seed)
 
     def w(name, *shape, scale=0.25):
@@ -39,9 +40,12 @@ def _resnet(relu_after_add: bool = True, seed: int = 0) -> bytes:
              helper.make_node("Add", ["cd", "y1"], ["s2"], name="add2"),
              helper.make_node(act, ["s2"], ["y2"], name="after2"),
              helper.make_node("Conv", ["y2", "we"], ["ce"], name="conv_e", **pads),
-             helper.make_node("GlobalAveragePool", ["ce"], ["p"], name="pool"),
+             helper.make_node("GlobalAveragePool", ["y2" if pooled_sum else "ce"], ["p"], name="pool"),
              helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
              helper.make_node("Gemm", ["f", "wf", "bf"], ["out"], name="fc", transB=1)]
+    if pooled_sum:
+        nodes = [n for n in nodes if n.name != "conv_e"]
+        inits = [i for i in inits if i.name != "we"]
     graph = helper.make_graph(nodes, "resnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
                               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 5])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]).SerializeToString()
@@ -71,6 +75,23 @@ def test_an_int8_resnet_block_runs_qconv_and_qadd_and_matches_onnxruntime():
     assert q["residual_adds"] == ["add1", "add2"]
     ops = [s.op_type for s in engine.plan.program.steps]
     assert ops.count("QAdd") == 2 and "Add" not in ops and "Elementwise" not in ops
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    for feeds in _batches(4, seed=9):
+        want = session.run(None, feeds)[0]
+        got = engine.run(feeds)["out"]
+        assert np.abs(got - want).max() < 0.08 * np.abs(want).max() + 1e-3, (got, want)
+
+
+def test_the_last_blocks_sum_read_by_the_global_pool_is_quantized_too():
+    # the pool averages the 8-bit sum (its own calibrated pair): both Adds run as QAdd, nothing float between
+    model = _resnet(pooled_sum=True)
+    graph = onnx_frontend.load(model).graph
+    assert [n.name for n in residual.plan(graph)] == ["add1", "add2"]
+    assert residual.activations(residual.plan(graph)) == {"cb", "r0", "cd", "y1", "y2"}
+    engine = kiln.build(model, precision="int8", calibration=_batches(8, seed=1), calibrator="minmax")
+    assert engine.plan.header["quantization"]["residual_adds"] == ["add1", "add2"]
+    ops = [s.op_type for s in engine.plan.program.steps]
+    assert ops.count("QAdd") == 2 and "Add" not in ops and "Elementwise" not in ops, ops
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     for feeds in _batches(4, seed=9):
         want = session.run(None, feeds)[0]

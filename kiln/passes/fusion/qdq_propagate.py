@@ -11,15 +11,19 @@ So a quantized model's `DQ -> MaxPool -> Q -> DQ -> Conv` becomes `MaxPool(q) ->
 kiln/passes/fusion/qdq_layers.py then turns into a MaxPool on the 8-bit tensor feeding a QConv.
 
 The other way, a QuantizeLinear rises above the head split/merge of attention (as onnxruntime's own QDQ
-propagation does), taking a scale by a scalar with it:
+propagation does), taking a scale by a scalar with it, and above a MaxPool:
 
-    Q(op(x); s, z) = op(Q(x; s, z))                  op ∈ Reshape, Transpose (per-tensor s, z)
-    Q(op(x)·c; s, z) = op(Q(x·c; s, z))              c a scalar constant
+    Q(op(x); s, z) = op(Q(x; s, z))                  op ∈ Reshape, Transpose, MaxPool (per-tensor s, z;
+                                                     MaxPool because Q is non-decreasing)
+    Q(op(x)·c; s, z) = op(Q(x·c; s, z))              c a scalar constant (> 0 for MaxPool)
 
 so `linear -> Reshape -> Transpose -> Mul(c) -> Q -> DQ -> MatMul` (an exported BERT's Q and Kᵀ) becomes
 `linear -> Mul(c) -> Q -> Reshape -> Transpose -> DQ -> MatMul`: the 8-bit tensor moves, the scale joins the
 bias Add in one elementwise step, and kiln/passes/fusion/attention.py finds the head transposes next to
 the attention it absorbs them into.
+A ResNet stem calibrated by kiln (`Conv -> Relu -> MaxPool -> Q -> DQ -> Conv`: the pool is no quantized
+layer) becomes `Conv -> Relu -> Q -> MaxPool -> DQ -> Conv`: the stem's QConv writes 8 bits (a quarter of
+the bytes of its 112x112x64 float output) and the pool runs on them, as in onnxruntime's QDQ model.
 
 `use_unsigned_activations` (CPU builds): an int8 activation pair becomes a uint8 one, exactly
 (Q(x; s, z, int8) + 128 = Q(x; s, z + 128, uint8): both clamp the same integer, shifted). On an
@@ -52,7 +56,7 @@ RULE_SINK = "sink_dequantize"
 RULE_PAIRS = "remove_qdq_round_trips"
 RULE_UNSIGNED = "unsigned_activations"
 RULE_HOIST = "hoist_quantize"
-HOISTED_MOVERS = ("Reshape", "Transpose")
+HOISTED_MOVERS = ("Reshape", "Transpose", "MaxPool")
 MOVERS = ("MaxPool", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze")
 INT8_TYPES = (ir.DataType.INT8, ir.DataType.UINT8)
 
@@ -171,7 +175,7 @@ def sink_dequantize(node: ir.Node, report: PassReport) -> bool:
 
 
 def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
-    # Q(op(x)) -> op(Q(x)); Q(op(x)·c) -> op(Q(x·c))   op ∈ Reshape, Transpose; c a scalar constant
+    # Q(op(x)) -> op(Q(x)); Q(op(x)·c) -> op(Q(x·c))   op ∈ Reshape, Transpose, MaxPool; c a scalar constant
     if not is_op(node, "QuantizeLinear"):
         return False
     params = qparams(node)
@@ -189,6 +193,8 @@ def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
         return False
     if any(v.uses() or v.is_graph_output() for v in mover.outputs[1:]):
         return False
+    if mover.op_type == "MaxPool" and mul is not None and not const_scalar(factor) > 0:
+        return False  # max(x)·c = max(x·c) only for c > 0
     origin = mover.inputs[0]
     while is_op(producer(origin), *HOISTED_MOVERS):
         origin = producer(origin).inputs[0]
