@@ -8,8 +8,8 @@ builds on a quiet Zen 4), while what a user gets is the engine. Per thread count
 and one on the op's own implementation (torch's kernel), each the first tuned engine's plan with its LSTM steps'
 tactic replaced, `--builds` engines as kiln.build tunes them (timing cache off) and onnxruntime's session run the same input in interleaved rounds: each
 round a block per runner (warm-up, then `--runs` calls), starting at the next runner each round. Reported per
-runner: the least and the median of its rounds' block medians (wall clock), and the ratio to onnxruntime's of
-the same statistic. The 1-min load average is printed before and after.
+runner: the least and the median of its rounds' block medians (at one thread the calling thread's CPU time, every
+runtime computing on it; at more the wall clock), and the ratio to onnxruntime's of the same statistic. The 1-min load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ def engines(path: Path, builds: int) -> dict[str, object]:
             **tuned}
 
 
-def block_median(fn, runs: int, warmup: int) -> float:
+def block_median(fn, runs: int, warmup: int, clock) -> float:
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(runs):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples) * 1e3
 
 
@@ -95,12 +95,16 @@ def measure(threads: int, args) -> list[str]:
         runners[label] = lambda engine=engine: engine.run(feeds)
     rounds: dict[str, list[float]] = {k: [] for k in runners}
     order = list(runners.items())
+    # one thread: every runtime computes on the calling thread, whose CPU time leaves out the waits for a core
+    clock = time.thread_time if threads == 1 else time.perf_counter
     for r in range(args.rounds):
         shift = r % len(order)
         for label, fn in order[shift:] + order[:shift]:
-            rounds[label].append(block_median(fn, args.runs, args.warmup))
+            rounds[label].append(block_median(fn, args.runs, args.warmup, clock))
     ort_least, ort_median = min(rounds["onnxruntime"]), statistics.median(rounds["onnxruntime"])
-    lines = [f"\n{threads} thread(s), {args.rounds} rounds of {args.runs} calls, 1-min load now {os.getloadavg()[0]:.2f}",
+    lines = [f"\n{threads} thread(s), {args.rounds} rounds of {args.runs} calls, "
+             f"{'CPU time of the calling thread' if threads == 1 else 'wall clock'}, "
+             f"1-min load now {os.getloadavg()[0]:.2f}",
              "| runner | least ms | median ms | least / ort | median / ort | LSTM tactics [tuner's ms per candidate] |",
              "|---|---|---|---|---|---|"]
     for label, values in rounds.items():
