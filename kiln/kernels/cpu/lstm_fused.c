@@ -103,7 +103,7 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
     float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;
 
 /* acc[i][q] = bias_q + Σ_k x_i[k]·W[k][q] + Σ_k h_i[k]·R[k][q] for G gate vectors: q = 0, 1 from panel A, q = 2, 3
-   from panel B (each [I + H][2·U], kiln_lstm_fused_pack's) */
+   from panel B (each [I + H][2·U], kiln_lstm_fused_pack's; G = 2 reads panel A only) */
 #define FUSED_SUMS(V, U, M, G, PANEL_A, PANEL_B, BIAS)                                                       \
     _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) {                                                  \
         V bq;                                                                                                \
@@ -331,8 +331,9 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     c.blocks = fused_blocks(p->kernel, H);
     /* a batch past the one-pass tile's rows: the two-pass tile's, where the kernel has one */
     const int two_pass = kernel->pairs_mr > 0 && N > kernel->mr;
+    const long group_rows = two_pass ? kernel->pairs_mr : kernel->mr;
     c.tiles = two_pass ? kernel->pairs : kernel->rows;
-    c.groups = (N + (two_pass ? kernel->pairs_mr : kernel->mr) - 1) / (two_pass ? kernel->pairs_mr : kernel->mr);
+    c.groups = (N + group_rows - 1) / group_rows;
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
     const int threads = recurrent_threads(p);
     const long splits = (2L * threads + c.blocks - 1) / c.blocks;
