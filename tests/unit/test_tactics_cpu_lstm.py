@@ -129,7 +129,8 @@ def test_lstm_kernels_match_onnxruntime(tactic, direction, layout, hidden, batch
     runs_match_onnxruntime(built, values, attrs, rng, shape, bias, initial, f"{tactic} {direction} layout {layout}")
 
 
-# per batch, lengths given at run time: 9 rows run cpu.lstm.fused's two-pass tile on AVX-512 and cpu.lstm.lanes's row loop
+# per batch, lengths given at run time: 9 rows run cpu.lstm.fused's two-pass tile on AVX-512 and cpu.lstm.lanes's
+# row loop
 LENGTHS = {5: ([6, 3, 0, 1, 5], [2, 2, 2, 2, 2]), 9: ([6, 3, 0, 1, 5, 6, 2, 0, 4], [2] * 9)}
 
 
