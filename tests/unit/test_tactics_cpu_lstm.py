@@ -106,7 +106,8 @@ def engine(values, attrs, hidden, monkeypatch, *, name: str = NAME, sequence_len
 
 # Each kernel's (hidden, batch) cases: its tiles full, a partial one, and H below a tile / several row groups.
 # cpu.lstm.native: unit blocks of 16 (one full, a partial, 3 blocks), batches past its row tile; cpu.lstm.lanes:
-# the batch in the vector lanes (up to 8); cpu.lstm.fused: AVX-512 blocks of 16 units, row groups of 2-6.
+# the batch in the vector lanes (up to 8); cpu.lstm.fused: AVX-512 blocks of 16 units, row groups of 1-6 (past 6
+# rows the two-pass tile's groups of up to 8: 13 = 7 + 6).
 KERNEL_CASES = [(NAME, 16, 4), (NAME, 20, 9), (NAME, 40, 8),
                 ("cpu.lstm.lanes", 16, 4), ("cpu.lstm.lanes", 37, 8), ("cpu.lstm.lanes", 7, 1),
                 ("cpu.lstm.fused", 32, 4), ("cpu.lstm.fused", 37, 13), ("cpu.lstm.fused", 7, 1)]
@@ -128,18 +129,24 @@ def test_lstm_kernels_match_onnxruntime(tactic, direction, layout, hidden, batch
     runs_match_onnxruntime(built, values, attrs, rng, shape, bias, initial, f"{tactic} {direction} layout {layout}")
 
 
+# per batch, lengths given at run time: 9 rows run cpu.lstm.fused's two-pass tile on AVX-512 and cpu.lstm.lanes's
+# row loop
+LENGTHS = {5: ([6, 3, 0, 1, 5], [2, 2, 2, 2, 2]), 9: ([6, 3, 0, 1, 5, 6, 2, 0, 4], [2] * 9)}
+
+
 @pytest.mark.parametrize("tactic", KERNELS)
 @pytest.mark.parametrize("direction", ["forward", "reverse", "bidirectional"])
-def test_sequence_lens_at_run_time(tactic, direction, monkeypatch):
+@pytest.mark.parametrize("batch", sorted(LENGTHS))
+def test_sequence_lens_at_run_time(tactic, direction, batch, monkeypatch):
     """Per-row lengths given at run time (0 and full among them): Y zero past each length, each row's state
     kept past it; Y_h / Y_c the state at the length (zeros for length 0, onnxruntime's answer)."""
-    rng = case_rng(f"{tactic}-lens-{direction}")
+    rng = case_rng(f"{tactic}-lens-{direction}-{batch}")
     directions = 2 if direction == "bidirectional" else 1
-    values = inputs(rng, steps=6, batch=5, features=4, hidden=20, directions=directions, layout=0, bias=True,
+    values = inputs(rng, steps=6, batch=batch, features=4, hidden=20, directions=directions, layout=0, bias=True,
                     initial=True)
     built, feeds = engine(values, {"direction": direction}, 20, monkeypatch, name=tactic, sequence_lens=True)
     assert built.plan.program.steps[0].tactic == tactic
-    for lengths in ([6, 3, 0, 1, 5], [2, 2, 2, 2, 2]):
+    for lengths in LENGTHS[batch]:
         feeds["sequence_lens"] = np.array(lengths, np.int32)
         got = built.run(feeds)
         want = oracle({**values, "sequence_lens": feeds["sequence_lens"]}, {"direction": direction}, 20)

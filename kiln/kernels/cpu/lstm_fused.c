@@ -17,8 +17,12 @@
  * 0.45 ms of a 2.8 ms call. Here each FMA is a broadcast of x or h times a vector of U weights (16 on
  * AVX-512), the sums never leave the registers, and the cell is vector code on them.
  *
- * Layouts: W and R packed per block, side by side along K, [blocks][I + H][4·U] (column q·U + j of a
- * block: gate q of unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb). h ping-pongs between
+ * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and on AVX-512, for a batch past
+ * its 6 rows, the gates in two passes of two for up to 8 rows (FUSED_PAIRS: each weight read once a step).
+ *
+ * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
+ * gates i, c̃, panel B f, o; column slot·U + j: unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb,
+ * slots i, c̃, f, o). h ping-pongs between
  * two [N, H] buffers (a step reads all of the previous h), c is [N, H]. A work item is one block for its
  * row groups (some of them where a thread would otherwise get fewer than two items); a step's items all
  * finish before the next step's start (recurrent.c's run_stages).
@@ -32,8 +36,10 @@ typedef void (*fused_rows_fn)(const fused_ctx *c, long step, long block, long ro
 typedef struct {
     const char *name;
     int units;                  /* U: hidden units of a block (one vector) */
-    int mr;                     /* rows of the widest tile */
-    fused_rows_fn rows[8];      /* rows[m - 1]: a tile of m <= mr batch rows */
+    int mr;                     /* rows of the widest one-pass tile */
+    fused_rows_fn rows[8];      /* rows[m - 1]: a one-pass tile of m <= mr batch rows (FUSED_ROWS) */
+    int pairs_mr;               /* rows of the widest two-pass tile, or 0: none */
+    fused_rows_fn pairs[8];     /* pairs[m - 1]: a two-pass tile of m <= pairs_mr rows (FUSED_PAIRS) */
     int (*supported)(void);
     int test_only;
 } fused_kernel;
@@ -42,6 +48,7 @@ struct fused_ctx {
     loop_ctx loop;              /* first: run_stages hands it back to fused_item */
     const kiln_recurrent_plan *p;
     const fused_kernel *kernel;
+    const fused_rows_fn *tiles; /* the kernel's rows or pairs: tiles[m - 1] runs m rows */
     float *h[2], *c;            /* h of even / odd steps' inputs [N, H]; c [N, H] */
     long blocks, groups;        /* unit blocks; row groups of a step (fused_group) */
     long per_item;              /* row groups of one work item (fused_item) */
@@ -82,75 +89,125 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
     }                                                                                                        \
     LSTM_VECTOR_MATH(NAME, TARGET, V, VI, NAME##_clamp, NAME##_div)
 
-/* One tile: M batch rows from row0, one block of U units; accumulation then the cell, per row. M is a
-   constant in each instance, so the M·4 accumulators are registers. */
+/* What both tiles below declare first: the block's panels and bias, the rows' X and h, where the block's
+   units go. */
+#define FUSED_PROLOGUE(U, M)                                                                                 \
+    const kiln_recurrent_plan *p = c->p;                                                                     \
+    const long I = p->I, H = p->H;                                                                           \
+    const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);                \
+    const float *x[M];                                                                                       \
+    _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);             \
+    const float *h_prev = c->h[step % 2] + row0 * H;                                                         \
+    const int recurrent = step > 0 || p->h0 != NULL;                                                         \
+    const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                        \
+    float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;
+
+/* acc[i][q] = bias_q + Σ_k x_i[k]·W[k][q] + Σ_k h_i[k]·R[k][q] for G gate vectors: q = 0, 1 from panel A, q = 2, 3
+   from panel B (each [I + H][2·U], kiln_lstm_fused_pack's; G = 2 reads panel A only) */
+#define FUSED_SUMS(V, U, M, G, PANEL_A, PANEL_B, BIAS)                                                       \
+    _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) {                                                  \
+        V bq;                                                                                                \
+        memcpy(&bq, (BIAS) + q * (U), sizeof bq);                                                            \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][q] = bq;                                \
+    }                                                                                                        \
+    for (long k = 0; k < I; ++k) {                                                                           \
+        V wv[G];                                                                                             \
+        _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q)                                                \
+            memcpy(&wv[q], (q < 2 ? (PANEL_A) : (PANEL_B)) + k * 2 * (U) + q % 2 * (U), sizeof(V));         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
+            const float xs = x[i][k];  /* a scalar times a vector: the broadcast is the FMA's operand */     \
+            _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) acc[i][q] += xs * wv[q];                   \
+        }                                                                                                    \
+    }                                                                                                        \
+    if (recurrent) {                                                                                         \
+        for (long k = I; k < I + H; ++k) {                                                                   \
+            V wv[G];                                                                                         \
+            _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q)                                            \
+                memcpy(&wv[q], (q < 2 ? (PANEL_A) : (PANEL_B)) + k * 2 * (U) + q % 2 * (U), sizeof(V));     \
+            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
+                const float hs = h_prev[i * H + k - I];                                                      \
+                _Pragma("GCC unroll 4") for (int q = 0; q < (G); ++q) acc[i][q] += hs * wv[q];               \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+/* c_old[i]: the rows' cell state of the block's units (zeros past H) */
+#define FUSED_C_OLD(V, U, M)                                                                                 \
+    V c_old[M];                                                                                              \
+    _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                                  \
+        c_old[i] = (V){0};                                                                                   \
+        if (width == (U)) memcpy(&c_old[i], cell + i * H, sizeof c_old[i]);                                  \
+        else memcpy(&c_old[i], cell + i * H, (size_t)width * sizeof(float));                                 \
+    }
+
+/* The rows' new c and h of the block's units to the state and Y (a row past its length holds its state) */
+#define FUSED_STORE(U, M, C_NEW, H_NEW)                                                                      \
+    _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                                  \
+        if (step >= length_of(p, row0 + i)) {                                                                \
+            hold_row(p, step, row0 + i, c->h[step % 2], c->h[(step + 1) % 2], j0, width);                    \
+            continue;                                                                                        \
+        }                                                                                                    \
+        float *y = y_row(p, step, row0 + i);                                                                 \
+        const size_t bytes = (size_t)width * sizeof(float);                                                  \
+        if (width == (U)) {                                                                                  \
+            memcpy(cell + i * H, &(C_NEW), sizeof(C_NEW));                                                   \
+            memcpy(h_next + i * H, &(H_NEW), sizeof(H_NEW));                                                 \
+            if (y != NULL) memcpy(y + j0, &(H_NEW), sizeof(H_NEW));                                          \
+        } else {                                                                                             \
+            memcpy(cell + i * H, &(C_NEW), bytes);                                                           \
+            memcpy(h_next + i * H, &(H_NEW), bytes);                                                         \
+            if (y != NULL) memcpy(y + j0, &(H_NEW), bytes);                                                  \
+        }                                                                                                    \
+    }
+
+/* One tile: M batch rows from row0, one block of U units, the four gates in one pass over K (slots i, c̃ of
+   panel A, f, o of panel B). M is a constant in each instance, so the M·4 accumulators are registers. */
 #define FUSED_ROWS(NAME, TARGET, V, U, M)                                                                    \
     static __attribute__((noinline)) TARGET void NAME##_rows##M(const fused_ctx *c, long step, long block,   \
                                                                 long row0) {                                 \
-        const kiln_recurrent_plan *p = c->p;                                                                 \
-        const long I = p->I, H = p->H;                                                                       \
-        const float *w = p->packed_w + block * (I + H) * 4 * (U), *b = p->bias + block * 4 * (U);            \
+        FUSED_PROLOGUE(U, M)                                                                                 \
         V acc[M][4];                                                                                         \
-        _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {                                                \
-            V bq;                                                                                            \
-            memcpy(&bq, b + q * (U), sizeof bq);                                                             \
-            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][q] = bq;                            \
-        }                                                                                                    \
-        const float *x[M];                                                                                   \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) x[i] = fused_x_row(p, step, row0 + i);         \
-        for (long k = 0; k < I; ++k) {                                                                       \
-            V wv[4];                                                                                         \
-            _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) memcpy(&wv[q], w + k * 4 * (U) + q * (U), sizeof(V)); \
-            _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                          \
-                const float xs = x[i][k];  /* a scalar times a vector: the broadcast is the FMA's operand */ \
-                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] += xs * wv[q];                 \
-            }                                                                                                \
-        }                                                                                                    \
-        const float *h_prev = c->h[step % 2] + row0 * H;                                                     \
-        if (step > 0 || p->h0 != NULL) {                                                                     \
-            const float *r = w + I * 4 * (U);                                                                \
-            for (long k = 0; k < H; ++k) {                                                                   \
-                V wv[4];                                                                                     \
-                _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) memcpy(&wv[q], r + k * 4 * (U) + q * (U), sizeof(V)); \
-                _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                      \
-                    const float hs = h_prev[i * H + k];                                                      \
-                    _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) acc[i][q] += hs * wv[q];             \
-                }                                                                                            \
-            }                                                                                                \
-        }                                                                                                    \
-        const long j0 = block * (U), width = H - j0 < (U) ? H - j0 : (U);                                    \
-        float *h_next = c->h[(step + 1) % 2] + row0 * H + j0, *cell = c->c + row0 * H + j0;                  \
+        FUSED_SUMS(V, U, M, 4, w, w + (I + H) * 2 * (U), b)                                                  \
         /* the cell of every row first, branch-free and phase by phase (the gates of all rows, then c, then    \
            h), so that the rows' independent chains of dependent operations are in flight together: row by  \
            row, the cell ran 1.5x slower on the Xeon (latency-bound); then the stores */                      \
-        V c_old[M];                                                                                          \
+        FUSED_C_OLD(V, U, M)                                                                                 \
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
-            c_old[i] = (V){0};                                                                               \
-            if (width == (U)) memcpy(&c_old[i], cell + i * H, sizeof c_old[i]);                              \
-            else memcpy(&c_old[i], cell + i * H, (size_t)width * sizeof(float));                             \
-            _Pragma("GCC unroll 4") for (int q = 0; q < 3; ++q) acc[i][q] = NAME##_sigmoid(acc[i][q]);       \
+            acc[i][0] = NAME##_sigmoid(acc[i][0]);                                                           \
+            acc[i][2] = NAME##_sigmoid(acc[i][2]);                                                           \
+            acc[i][3] = NAME##_sigmoid(acc[i][3]);                                                           \
         }                                                                                                    \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][3] = NAME##_tanh(acc[i][3]);            \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][1] = NAME##_tanh(acc[i][1]);            \
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
-            acc[i][2] = acc[i][2] * c_old[i] + acc[i][0] * acc[i][3];                     /* c = f c + i c̃ */ \
+            acc[i][2] = acc[i][2] * c_old[i] + acc[i][0] * acc[i][1];                     /* c = f c + i c̃ */ \
         _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
-            acc[i][0] = acc[i][1] * NAME##_tanh(acc[i][2]);                               /* h = o tanh(c) */ \
-        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) {                                              \
-            if (step >= length_of(p, row0 + i)) {                                                            \
-                hold_row(p, step, row0 + i, c->h[step % 2], c->h[(step + 1) % 2], j0, width);                \
-                continue;                                                                                    \
-            }                                                                                                \
-            float *y = y_row(p, step, row0 + i);                                                             \
-            if (width == (U)) {                                                                              \
-                memcpy(cell + i * H, &acc[i][2], sizeof acc[i][2]);                                          \
-                memcpy(h_next + i * H, &acc[i][0], sizeof acc[i][0]);                                        \
-                if (y != NULL) memcpy(y + j0, &acc[i][0], sizeof acc[i][0]);                                 \
-            } else {                                                                                         \
-                memcpy(cell + i * H, &acc[i][2], (size_t)width * sizeof(float));                             \
-                memcpy(h_next + i * H, &acc[i][0], (size_t)width * sizeof(float));                           \
-                if (y != NULL) memcpy(y + j0, &acc[i][0], (size_t)width * sizeof(float));                    \
-            }                                                                                                \
-        }                                                                                                    \
+            acc[i][0] = acc[i][3] * NAME##_tanh(acc[i][2]);                               /* h = o tanh(c) */ \
+        FUSED_STORE(U, M, acc[i][2], acc[i][0])                                                              \
+    }
+
+/* One tile of M <= 8 rows in two passes over K of two gates each: (i, c̃), whose i ⊙ c̃ waits in ig, then
+   (f, o) of panel B and the cell. Why: 8 rows x 4 gates do not fit in the registers, and as two tiles of 4 rows
+   (FUSED_ROWS at batch 8) each reads the block's 64 KB of weights (I = H = 128), twice a step from L2: on the
+   Zen 4 EPYC a 4-row tile ran at ~70% of the FMA peak, a 6-row one at ~93%, this one at ~93% for 8 rows
+   (bench/results/lstm-epyc-2026-12-03.md). Here a step reads each weight once. With fewer rows its 2 to 8
+   accumulators wait on the FMA latency: FUSED_ROWS runs the batches that fit its tile. */
+#define FUSED_PAIRS(NAME, TARGET, V, U, M)                                                                   \
+    static __attribute__((noinline)) TARGET void NAME##_pairs##M(const fused_ctx *c, long step, long block,  \
+                                                                 long row0) {                                \
+        FUSED_PROLOGUE(U, M)                                                                                 \
+        V acc[M][2], ig[M];                                                                                  \
+        FUSED_SUMS(V, U, M, 2, w, w, b)                                                                      \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) acc[i][0] = NAME##_sigmoid(acc[i][0]);         \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i) ig[i] = acc[i][0] * NAME##_tanh(acc[i][1]);    \
+        FUSED_SUMS(V, U, M, 2, w + (I + H) * 2 * (U), w, b + 2 * (U))                                        \
+        FUSED_C_OLD(V, U, M)                                                                                 \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
+            _Pragma("GCC unroll 2") for (int q = 0; q < 2; ++q) acc[i][q] = NAME##_sigmoid(acc[i][q]);       \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
+            acc[i][0] = acc[i][0] * c_old[i] + ig[i];                                     /* c = f c + i c̃ */ \
+        _Pragma("GCC unroll 8") for (int i = 0; i < (M); ++i)                                                \
+            ig[i] = acc[i][1] * NAME##_tanh(acc[i][0]);                                   /* h = o tanh(c) */ \
+        FUSED_STORE(U, M, acc[i][0], ig[i])                                                                  \
     }
 
 #define FUSED_KERNEL(NAME, TARGET, U, MIN, MAX, RCP)                                                       \
@@ -163,9 +220,21 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
 
 #define FUSED_ROW_FNS(NAME) {NAME##_rows1, NAME##_rows2, NAME##_rows3, NAME##_rows4, NAME##_rows5, NAME##_rows6}
 
+/* the two-pass tiles of a FUSED_KERNEL's vector type and math, up to 8 rows */
+#define FUSED_PAIRS_KERNEL(NAME, TARGET, U)                                                                  \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 1) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 2)                      \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 3) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 4)                      \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 5) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 6)                      \
+    FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 7) FUSED_PAIRS(NAME, TARGET, NAME##_v, U, 8)
+
+#define FUSED_PAIR_FNS(NAME)                                                                                 \
+    {NAME##_pairs1, NAME##_pairs2, NAME##_pairs3, NAME##_pairs4, NAME##_pairs5, NAME##_pairs6, NAME##_pairs7,  \
+     NAME##_pairs8}
+
 #if defined(__x86_64__) || defined(__i386__)
 /* AVX-512: 6 rows x 4 gates = 24 zmm accumulators of 32; AVX2: 4 gates x 8 units, up to 3 rows (12 of 16) */
 FUSED_KERNEL(fused_avx512, KILN_AVX512, 16, _mm512_min_ps, _mm512_max_ps, _mm512_rcp14_ps)
+FUSED_PAIRS_KERNEL(fused_avx512, KILN_AVX512, 16)  /* 8 rows x 2 gates = 16 zmm accumulators */
 FUSED_KERNEL(fused_avx2, KILN_AVX2, 8, _mm256_min_ps, _mm256_max_ps, _mm256_rcp_ps)
 #endif
 FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
@@ -174,10 +243,11 @@ FUSED_KERNEL(fused_generic, , 4, fused_min, fused_max, fused_rcp)
 
 static const fused_kernel FUSED_KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
-    {"avx512 16 units x 4 gates, 6 rows", 16, 6, FUSED_ROW_FNS(fused_avx512), has_avx512, 0},
-    {"avx2 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), has_avx2, 0},
+    {"avx512 16 units x 4 gates, 6 rows; 2+2 gates, 8 rows", 16, 6, FUSED_ROW_FNS(fused_avx512),
+     8, FUSED_PAIR_FNS(fused_avx512), has_avx512, 0},
+    {"avx2 8 units x 4 gates, 3 rows", 8, 3, FUSED_ROW_FNS(fused_avx2), 0, {0}, has_avx2, 0},
 #endif
-    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), always, 0},
+    {"generic 4 units x 4 gates, 4 rows", 4, 4, FUSED_ROW_FNS(fused_generic), 0, {0}, always, 0},
 };
 #define FUSED_KERNEL_COUNT ((int)(sizeof(FUSED_KERNELS) / sizeof(FUSED_KERNELS[0])))
 
@@ -194,20 +264,24 @@ long kiln_lstm_fused_packed_floats(int kernel, long h, long i) {
     return fused_blocks(kernel, h) * (i + h + 1) * 4 * FUSED_KERNELS[kernel].units;
 }
 
-/* out[b][k][q·U + j] = (k < I ? W[q·H + b·U + j][k] : R[q·H + b·U + j][k − I]), zeros past H; then the bias
-   [blocks][4·U] from `bias` [4H] (Wb + Rb, or NULL: zeros). */
+/* out[b][panel][k][slot·U + j] = (k < I ? W[g·H + b·U + j][k] : R[g·H + b·U + j][k − I]), zeros past H, for
+   ONNX gate g (i, o, f, c) = panel A's slots (i, c̃), panel B's (f, o); then the bias [blocks][4·U] in the slots'
+   order (i, c̃, f, o) from `bias` [4H] (Wb + Rb, or NULL: zeros). Both tiles read this layout: the one-pass
+   tile both panels at once, the two-pass tile one after the other. */
 void kiln_lstm_fused_pack(int kernel, const float *w, const float *r, const float *bias, long h, long i, float *out) {
-    const long u = FUSED_KERNELS[kernel].units, blocks = fused_blocks(kernel, h), k_all = i + h, cols = 4 * u;
-    float *out_bias = out + blocks * k_all * cols;
+    static const int GATE_OF_SLOT[4] = {0, 3, 2, 1};
+    const long u = FUSED_KERNELS[kernel].units, blocks = fused_blocks(kernel, h), k_all = i + h;
+    float *out_bias = out + blocks * k_all * 4 * u;
     for (long b = 0; b < blocks; ++b)
-        for (long q = 0; q < 4; ++q)
+        for (long slot = 0; slot < 4; ++slot)
             for (long j = 0; j < u; ++j) {
-                const long unit = b * u + j, col = q * u + j, row = q * h + unit;
+                const long unit = b * u + j, row = GATE_OF_SLOT[slot] * h + unit;
+                float *panel = out + (2 * b + slot / 2) * k_all * 2 * u + slot % 2 * u + j;
                 for (long k = 0; k < k_all; ++k) {
                     const float v = k < i ? w[row * i + k] : r[row * h + k - i];
-                    out[(b * k_all + k) * cols + col] = unit < h ? v : 0.0f;
+                    panel[k * 2 * u] = unit < h ? v : 0.0f;
                 }
-                out_bias[b * cols + col] = unit < h && bias ? bias[row] : 0.0f;
+                out_bias[b * 4 * u + slot * u + j] = unit < h && bias ? bias[row] : 0.0f;
             }
 }
 
@@ -232,7 +306,7 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
     for (long g = first; g < last; ++g) {
         long rows;
         const long row0 = fused_group(c->p->N, c->groups, g, &rows);
-        c->kernel->rows[rows - 1](c, step, block, row0);
+        c->tiles[rows - 1](c, step, block, row0);
     }
 }
 
@@ -255,7 +329,11 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     c.c = c.h[1] + N * H;
     c.loop.s.counters = (long *)(((size_t)(c.c + N * H) + 63) & ~(size_t)63);
     c.blocks = fused_blocks(p->kernel, H);
-    c.groups = (N + kernel->mr - 1) / kernel->mr;
+    /* a batch past the one-pass tile's rows: the two-pass tile's, where the kernel has one */
+    const int two_pass = kernel->pairs_mr > 0 && N > kernel->mr;
+    const long group_rows = two_pass ? kernel->pairs_mr : kernel->mr;
+    c.tiles = two_pass ? kernel->pairs : kernel->rows;
+    c.groups = (N + group_rows - 1) / group_rows;
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
     const int threads = recurrent_threads(p);
     const long splits = (2L * threads + c.blocks - 1) / c.blocks;

@@ -386,7 +386,7 @@ class FusedLSTMDirection:
         w = w.detach().to(torch.float32).contiguous()
         r = r.detach().to(torch.float32).contiguous()
         floats = lib.kiln_lstm_fused_packed_floats(self.kernel.index, hidden, inputs)
-        self._packed = hugepages.empty(floats)  # [blocks][I + H][4·U], then the bias [blocks][4·U]
+        self._packed = hugepages.empty(floats)  # [blocks][2][I + H][2·U], then the bias [blocks][4·U]
         lib.kiln_lstm_fused_pack(self.kernel.index, w.data_ptr(), r.data_ptr(), _address(folded), hidden, inputs,
                                  self._packed.data_ptr())
         blocks = -(-hidden // self.kernel.units)

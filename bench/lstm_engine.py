@@ -1,0 +1,137 @@
+"""The zoo's LSTM forecaster as whole engines, each LSTM kernel pinned, beside the tuner's own pick and onnxruntime.
+
+    python bench/lstm_engine.py                      # 1 and 2 threads, 7 rounds
+    python bench/lstm_engine.py --threads 2 --rounds 9 --builds 3
+
+Why: the tuner times each LSTM layer alone (bench/results/zoo-cpu-epyc-2026-12-03.md: its pick drifted between
+builds on a quiet Zen 4), while what a user gets is the engine. Per thread count, one engine per LSTM kernel and one
+on the op's own implementation (torch's kernel), each the first tuned engine's plan with its LSTM steps' tactic
+replaced, `--builds` engines as kiln.build tunes them (timing cache off) and onnxruntime's session run the same input
+in interleaved rounds: each round a block per runner (warm-up, then `--runs` calls), starting at the next runner each
+round. Reported per runner: the least and the median of its rounds' block medians (at one thread the calling
+thread's CPU time, every runtime computing on it; at more the wall clock), the ratio to onnxruntime's of the same
+statistic, and the 1-min load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their first kernel)
+from kiln import zoo  # noqa: E402
+from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.runtime.engine import Engine  # noqa: E402
+
+LSTM_KERNELS = ("cpu.lstm.fused", "cpu.lstm.lanes", "cpu.lstm.native")
+
+
+def lstm_picks(engine) -> str:
+    """The tactic of each LSTM layer, and the tuner's times of its candidates (ms, as the tuner measured)."""
+    steps = {s.name: s.op_type for s in engine.plan.program.steps}
+    parts = []
+    for name, found in engine.plan.header["tactics"]["layers"].items():
+        if steps.get(name) != "LSTM":
+            continue
+        timed = {k.removeprefix("cpu.lstm."): v for k, v in found["candidates"].items() if isinstance(v, float)}
+        parts.append(f"{found['tactic'].removeprefix('cpu.lstm.')} ["
+                     + ", ".join(f"{k} {v:.3f}" for k, v in sorted(timed.items(), key=lambda kv: kv[1])) + "]")
+    return "; ".join(parts)
+
+
+def pinned(engine, tactic: str):
+    """`engine` with every LSTM step on `tactic` ("" : the op's own implementation, torch's kernel), the other
+    steps as tuned: one engine per kernel that differs from the others in the LSTMs only."""
+    steps = [dataclasses.replace(s, tactic=tactic, tactic_config={}) if s.op_type == "LSTM" else s
+             for s in engine.plan.program.steps]
+    program = dataclasses.replace(engine.plan.program, steps=steps)
+    return Engine(dataclasses.replace(engine.plan, program=program))
+
+
+def engines(path: Path, builds: int) -> dict[str, object]:
+    tuned = {f"tuned {b + 1}": kiln.build(str(path), timing_cache=None) for b in range(builds)}
+    first = next(iter(tuned.values()))
+    return {**{k.removeprefix("cpu."): pinned(first, k) for k in LSTM_KERNELS}, "torch (default)": pinned(first, ""),
+            **tuned}
+
+
+def block_median(fn, runs: int, warmup: int, clock) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(runs):
+        start = clock()
+        fn()
+        samples.append(clock() - start)
+    return statistics.median(samples) * 1e3
+
+
+def measure(threads: int, args) -> list[str]:
+    import onnxruntime as ort
+    import torch
+
+    torch.set_num_threads(threads)  # before the builds: tactics are tuned at the thread count they run with
+    exported = zoo.export("lstm_forecaster")
+    feeds = exported.inputs()
+    built = engines(exported.path, args.builds)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)[0]
+    runners = {"onnxruntime": lambda: session.run(None, feeds)}
+    for label, engine in built.items():
+        got = engine.run(feeds)[engine.output_names[0]]
+        error = float(np.abs(np.asarray(got) - want).max())
+        if error > 1e-4:
+            raise SystemExit(f"{label}: output differs from onnxruntime's by {error:.2e}")
+        runners[label] = lambda engine=engine: engine.run(feeds)
+    rounds: dict[str, list[float]] = {k: [] for k in runners}
+    order = list(runners.items())
+    # one thread: every runtime computes on the calling thread, whose CPU time leaves out the waits for a core
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    for r in range(args.rounds):
+        shift = r % len(order)
+        for label, fn in order[shift:] + order[:shift]:
+            rounds[label].append(block_median(fn, args.runs, args.warmup, clock))
+    ort_least, ort_median = min(rounds["onnxruntime"]), statistics.median(rounds["onnxruntime"])
+    lines = [f"\n{threads} thread(s), {args.rounds} rounds of {args.runs} calls, "
+             f"{'CPU time of the calling thread' if threads == 1 else 'wall clock'}, "
+             f"1-min load now {os.getloadavg()[0]:.2f}",
+             "| runner | least ms | median ms | least / ort | median / ort | LSTM tactics [tuner's ms per candidate] |",
+             "|---|---|---|---|---|---|"]
+    for label, values in rounds.items():
+        picks = lstm_picks(built[label]) if label.startswith("tuned") else ""
+        lines.append(f"| {label} | {min(values):.3f} | {statistics.median(values):.3f} | "
+                     f"{min(values) / ort_least:.2f} | {statistics.median(values) / ort_median:.2f} | {picks} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--runs", type=int, default=30, help="timed calls per block")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--builds", type=int, default=2, help="engines built with every tactic allowed (the tuner's pick)")
+    args = ap.parse_args()
+    import onnxruntime as ort
+    import torch
+
+    print(f"# LSTM forecaster (zoo lstm_forecaster, x 8x96x16), {cpu_name()} ({platform.machine()}), "
+          f"kiln at {os.popen('git rev-parse --short HEAD').read().strip()}, torch {torch.__version__}, "
+          f"onnxruntime {ort.__version__}; 1-min load before {os.getloadavg()[0]:.2f}", flush=True)
+    for threads in (int(t) for t in args.threads.split(",")):
+        print("\n".join(measure(threads, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
