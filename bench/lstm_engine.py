@@ -31,6 +31,7 @@ import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their 
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.runtime.engine import Engine  # noqa: E402
+from lstm_layers import median_ms  # noqa: E402  (bench/ is on sys.path: a script's folder)
 
 LSTM_KERNELS = ("cpu.lstm.fused", "cpu.lstm.lanes", "cpu.lstm.native")
 
@@ -64,17 +65,6 @@ def engines(path: Path, builds: int) -> dict[str, object]:
             **tuned}
 
 
-def block_median(fn, runs: int, warmup: int, clock) -> float:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(runs):
-        start = clock()
-        fn()
-        samples.append(clock() - start)
-    return statistics.median(samples) * 1e3
-
-
 def measure(threads: int, args) -> list[str]:
     import onnxruntime as ort
     import torch
@@ -101,7 +91,7 @@ def measure(threads: int, args) -> list[str]:
     for r in range(args.rounds):
         shift = r % len(order)
         for label, fn in order[shift:] + order[:shift]:
-            rounds[label].append(block_median(fn, args.runs, args.warmup, clock))
+            rounds[label].append(median_ms(fn, args.runs, clock, args.warmup))
     ort_least, ort_median = min(rounds["onnxruntime"]), statistics.median(rounds["onnxruntime"])
     lines = [f"\n{threads} thread(s), {args.rounds} rounds of {args.runs} calls, "
              f"{'CPU time of the calling thread' if threads == 1 else 'wall clock'}, "

@@ -45,8 +45,8 @@ def ort_layer(w: np.ndarray, r: np.ndarray, b: np.ndarray, steps: int, batch: in
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def median_ms(fn, runs: int, clock) -> float:
-    for _ in range(3):
+def median_ms(fn, runs: int, clock, warmup: int = 3) -> float:
+    for _ in range(warmup):
         fn()
     samples = []
     for _ in range(runs):
