@@ -9,6 +9,11 @@ instead (0-27% on CNNs, ~1.4x on a stream of small transformer requests: a sleep
 every layer). So: a short spin when the machine is busy as kiln is imported (1-min load average at least
 half its CPUs), unless the user chose a policy, and only before torch is loaded
 (bench/results/cpu-2026-12-01.md). No torch import here.
+
+How short: 100 iterations, not 10,000. On the busy 2-vCPU EPYC at 2 threads, 10,000 still let MobileNetV2's
+engines run 2-5x slower than with 100 or 0 (int8: one oneDNN call per layer, each ~0.5 ms instead of tens
+of microseconds; ResNet-50 fp32 108 -> 71 ms), and 100 was as fast as 0 (bench/results/
+quant-cpu-epyc-2026-12-03.md, "2 threads: the spin").
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import sys
 from collections.abc import MutableMapping
 
-SHORT_SPIN = "10000"  # GOMP_SPINCOUNT when busy
+SHORT_SPIN = "100"  # GOMP_SPINCOUNT when busy
 BUSY = 0.5  # load average per CPU from which the machine counts as busy
 POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
