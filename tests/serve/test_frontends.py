@@ -143,7 +143,7 @@ def test_bad_requests_keep_their_status_and_the_server_serves(served, http, grpc
 
 def test_concurrent_clients_each_get_their_own_answers(served, http, engine_of):
     """16 clients (half HTTP binary/JSON, half gRPC) x 20 requests, mixed models and 1..4 rows, at once:
-    each answer is its own request's; both front ends took connections; the engine merged their requests."""
+    each answer is its own request's, every one through a front end; the engine merged their requests."""
     concurrent_clients(served, http, engine_of)
 
 
@@ -193,7 +193,9 @@ def concurrent_clients(served, http, engine_of) -> None:
     assert requests == sum(mlp_requests)
     assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
     served_by = [f.answered - b for f, b in zip(served.frontends.frontends, answered_before)]
-    assert sum(served_by) == CLIENTS * REQUESTS and min(served_by) > 0, served_by  # 2^-15: all on one by chance
+    # every answer came through a front end; which one is the kernel's SO_REUSEPORT choice per connection, not kiln's
+    # (a fresh-clone CI at 837251d saw all 16 on one: [320, 0]), so the split is not asserted
+    assert sum(served_by) == CLIENTS * REQUESTS, served_by
     assert http.is_server_ready()
 
 
