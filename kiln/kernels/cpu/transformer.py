@@ -397,10 +397,7 @@ class GatherRows(NativeKernel):
     @staticmethod
     def size_fields(ids_size: tuple[int, ...], n: int) -> tuple[tuple[int, ...], dict[str, int]]:
         """The output size and the plan fields that follow the ids' size, without a kernel (a segment's view)."""
-        count = 1
-        for d in ids_size:
-            count *= d
-        return (*ids_size, n), {"count": count}
+        return (*ids_size, n), {"count": _numel(tuple(ids_size))}
 
 
 class Attention(NativeKernel):

@@ -123,7 +123,7 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, bloc
     if block_m > 64 and s_len <= 64:
         return f"{block_m}-row tiles for {s_len} queries: mostly padding"
     extents = [_extent(tuple(t.shape), t.stride()) for t in (q, k, v)]
-    mask = inputs[3] if len(inputs) > 3 and inputs[3].shape is not None else None
+    mask = tensor_input(inputs, 3)
     mask_tile = mask_vector = 0
     if mask is not None:
         if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
