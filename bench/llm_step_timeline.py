@@ -68,6 +68,23 @@ def time_calls(owner, name: str, calls: list, log: list) -> None:
     setattr(owner, name, timed)
 
 
+def time_forwards(runner, into: list) -> None:
+    """Replace runner.forward (the eager steps: the prefill) by one that appends (host time of the call, GPU start
+    event, GPU end event) to `into`."""
+    forward = runner.forward
+
+    def timed(inputs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        called = time.perf_counter()
+        start.record()
+        logits = forward(inputs)
+        end.record()
+        into.append((called, start, end))
+        return logits
+
+    runner.forward = timed
+
+
 def percentiles(values: list[float]) -> str:
     q = statistics.quantiles(values, n=20)
     return f"p50 {statistics.median(values):.3f}, p95 {q[-1]:.3f}, max {max(values):.3f}, sum {sum(values):.1f}"
@@ -212,6 +229,8 @@ def main() -> int:
     for owner, name in ((engine, "step"), (engine.scheduler, "schedule"), (engine.runner, "launch"),
                         (engine.scheduler, "update"), (engine, "_outputs")):
         time_calls(owner, name, calls, log)
+    eager: list = []  # the prefill's forward
+    time_forwards(engine.runner, eager)
     read_tokens = LaunchedDecode.token_ids
     LaunchedDecode.token_ids = lambda self: _timed_read(read_tokens, self, calls, log)
     # faulthandler writes to the file's descriptor until the run ends
@@ -248,6 +267,10 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}, {args.config}, batch {args.batch}, {args.input_len}/{args.output_len}: "
           f"generate {wall * 1e3:.0f} ms, {len(log)} decode replays from {(first - started) * 1e3:.0f} ms (the "
           f"prefill before) to {(last - started) * 1e3:.0f} ms; per step {(last - first) * 1e3 / len(log):.3f} ms")
+    for called, start, end in eager:
+        print(f"- eager step (the prefill): called {(called - started) * 1e3:.1f} ms after generate began (the host's "
+              f"admission and inputs), GPU {start.elapsed_time(end):.1f} ms from {(on_host(start) - started) * 1e3:.1f}"
+              f" ms; its end to the first replay's start {(first - on_host(end)) * 1e3:.2f} ms")
     print(f"- GPU time of a replay in place (ms): {percentiles(replay)}")
     print(f"- GPU idle between replays (ms): {percentiles(gaps)}")
     print(f"- launch-to-start queue time (ms, < 0: started before the call returned): {percentiles(lead)}")
