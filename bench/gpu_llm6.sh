@@ -7,8 +7,8 @@
 #    dumping every thread's stack while a decode step runs past 60 ms (the stall's line). No nvidia-smi running
 #    (llm5 polled it through the run: one suspect fewer).
 # 2. 128/128 at batch 512: default / gc-off (one process each).
-# 3. With the time left: paged decode attention alone at batch 512, 192 keys, FP8 then bf16 caches: the engine's launch
-#    (32-key tiles, 4 warps, 5 stages) against a split's keys in one or two tiles of 128-256 with 8 warps (more of a
+# 3. With the time left: paged decode attention alone at batch 512 (and 1: bigger tiles must not lose there), 192
+#    keys, FP8 then bf16 caches: the engine's launch (32-key tiles, 4 warps, 5 stages) against a split's keys in one or two tiles of 128-256 with 8 warps (more of a
 #    request's K/V in flight per program; llm4 found the kernel latency-bound at 3-4 programs an SM).
 # No carry. Logs in $OUT.
 set -u
@@ -28,8 +28,8 @@ mkdir -p "$OUT/tp"
 python3 bench/llm_throughput.py --trees . --batch 512 --configs fp8 --variants default gc-off \
   --kv-cache-memory 36GiB --budget 40 --per-run 18 --out "$OUT/tp"
 left=$((146 - SECONDS))
-stage "decode attention alone, batch 512, 192 keys: bigger tiles, 8 warps (timeout $left s)"
-timeout $left python3 bench/llm_step_profile.py --parts attention --attention-batches 512 --out "$OUT" \
+stage "decode attention alone, batch 512 then 1, 192 keys: bigger tiles, 8 warps (timeout $left s)"
+timeout $left python3 bench/llm_step_profile.py --parts attention --attention-batches 512 1 --out "$OUT" \
   --fp8-variants "n32 w4 s5 f16" "n128 w8 s2 f16" "n256 w8 s1 f16" "n128 w8 s3 f16" "n64 w8 s4 f16" "n256 w8 s2 f16" \
   --bf16-variants "n32 w4 s5" "n128 w8 s2" "n256 w8 s1" "n128 w8 s3"
 stage "done after $SECONDS s"
