@@ -8,8 +8,9 @@
 #    (llm5 polled it through the run: one suspect fewer).
 # 2. 128/128 at batch 512: default / gc-off (one process each).
 # 3. With the time left: paged decode attention alone at batch 512 (and 1: bigger tiles must not lose there), 192
-#    keys, FP8 then bf16 caches: the engine's launch (32-key tiles, 4 warps, 5 stages) against a split's keys in one or two tiles of 128-256 with 8 warps (more of a
-#    request's K/V in flight per program; llm4 found the kernel latency-bound at 3-4 programs an SM).
+#    keys, FP8 then bf16 caches: the engine's launch (32-key tiles, 4 warps, 5 stages) against a split's keys in one
+#    or two tiles of 128-256 with 8 warps (more of a request's K/V in flight per program; llm4 found the kernel
+#    latency-bound at 3-4 programs an SM).
 # No carry. Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-llm6
