@@ -72,6 +72,9 @@ llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist(
 if a["variant"] == "gc-off":  # the timed runs without automatic garbage collection (the collector's A/B)
     import gc
     gc.disable()
+if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
+    from kiln.runtime import heap
+    heap.INTERPRETER_FROZEN = -1
 for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
     if overlap != "default":  # async scheduling off / on in the same process: the same weights, A/B
         llm.engine.async_scheduling = overlap == "on"
@@ -116,10 +119,11 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
-                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off"],
+                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
                              "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
-                             "gc-off: automatic garbage collection disabled after the warm-up")
+                             "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
+                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
