@@ -41,6 +41,9 @@ a = json.loads(sys.argv[1])
 if a["variant"] in ("unfused-fp8", "unfused-fp8+attn"):  # the A/B's baseline: FP8 GEMMs quantize their own input
     from kiln.llm.models import layers
     layers.takes_fp8_rows = lambda linear, rows: False
+if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
+    from kiln.runtime import heap
+    heap.INTERPRETER_FROZEN = -1
 if a["decode_attention"]:  # the decode kernel's launch settings for this run (the sweep's fastest)
     import functools
     from kiln.llm.kernels import paged_decode
@@ -72,9 +75,6 @@ llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist(
 if a["variant"] == "gc-off":  # the timed runs without automatic garbage collection (the collector's A/B)
     import gc
     gc.disable()
-if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
-    from kiln.runtime import heap
-    heap.INTERPRETER_FROZEN = -1
 for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
     if overlap != "default":  # async scheduling off / on in the same process: the same weights, A/B
         llm.engine.async_scheduling = overlap == "on"
