@@ -83,8 +83,8 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt (n samples in its outputs)."""
         prompts = _as_list(prompts)
-        # the heap frozen from the requests' admission to the outputs: the block given back before a generate made
-        # the collector due for a full pass, which admitting a large batch would otherwise run (kiln/runtime/heap.py)
+        # frozen from the requests' admission to the outputs: after an earlier block the collector is due for a full
+        # pass, which admitting a large batch outside the freeze would run over the whole heap (kiln/runtime/heap.py)
         with static_heap():
             ids = self._submit(prompts, params, next(self._calls), stream=False)  # outputs only at the end
             final: dict[str, RequestOutput] = {}

@@ -11,7 +11,9 @@ per request (~0.3 s a pass in a 1024-request generate). gc.freeze moves everythi
 the collector never scans: only what the loop itself made is scanned (vLLM freezes its startup heap the same
 way). Nothing is kept for good: unfreeze at the end puts the objects back. A frozen object is still freed by
 its reference count; only a reference cycle made before the freeze and dropped inside the block waits for the
-end of the block.
+end of the block. Ending a block leaves the collector due for a full pass soon (it counts as long-lived only what
+its last pass, inside the block, kept), so a loop's setup belongs inside the block too (LLM.generate admits its
+requests there).
 
 A freeze someone else holds is left as it is, and it is told apart by its size, not by a nonzero count: CPython
 3.12's collector moves the immortal objects it meets (the startup modules' 375 deep-frozen constant tuples) into
