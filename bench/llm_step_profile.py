@@ -301,19 +301,29 @@ VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot,
     ("n64 w4 s5 hf", 256, 64, 4, 5, False, True), ("n64 w4 s3 f16", 256, 64, 4, 3, True, False),
     ("n64 w4 s5 f16", 256, 64, 4, 5, True, False), ("n32 w4 s5 f16", 256, 32, 4, 5, True, False),
     ("n32 w2 s5 f16", 256, 32, 2, 5, True, False), ("n64 w4 s3 f16 hf", 256, 64, 4, 3, True, True),
-    ("n64 w4 s5 f16 hf", 256, 64, 4, 5, True, True)]
+    ("n64 w4 s5 f16 hf", 256, 64, 4, 5, True, True),
+    # more of a request's keys in flight per program (llm6): a split's 192-256 keys in one or two tiles, 8 warps
+    ("n64 w8 s4", 256, 64, 8, 4, False, False), ("n128 w8 s2", 256, 128, 8, 2, False, False),
+    ("n128 w8 s3", 256, 128, 8, 3, False, False), ("n256 w8 s1", 256, 256, 8, 1, False, False),
+    ("n256 w8 s2", 256, 256, 8, 2, False, False), ("n64 w8 s4 f16", 256, 64, 8, 4, True, False),
+    ("n128 w8 s2 f16", 256, 128, 8, 2, True, False), ("n128 w8 s3 f16", 256, 128, 8, 3, True, False),
+    ("n256 w8 s1 f16", 256, 256, 8, 1, True, False), ("n256 w8 s2 f16", 256, 256, 8, 2, True, False)]
 
 
-def attention_table(baseline, batches: list[int], keys: int, best_json: Path) -> None:
+def attention_table(baseline, batches: list[int], keys: int, best_json: Path,
+                    selected: dict[str, list[str] | None]) -> None:
     """Prints the table; writes the fastest variant per KV dtype (the sum of its times over `batches`) as the
-    launch settings paged_decode_attention takes to best_json (after each dtype: a timeout keeps the first)."""
+    launch settings paged_decode_attention takes to best_json (after each dtype: a timeout keeps the first).
+    selected: per KV dtype ("bf16", "fp8") the variant names to run, None for all."""
     say(f"\n### Paged decode attention alone: {keys} keys a row, 32 q heads / 8 kv heads x 128, page 16, grid for "
         "max_model_len 512; us per layer (CUDA graph over 4 layers' caches), effective KV TB/s. sN: split_tokens, "
         "nN: block_n, wN: num_warps, sN: num_stages, f16: fp8_f16_dot (FP8 cache only), hf: heads_first")
-    say("| kv | batch | " + " | ".join(v[0] for v in VARIANTS) + " |")
-    say("|---|---|" + "---|" * len(VARIANTS))
+    columns = [v for v in VARIANTS if any(v[0] in (names or [v[0]]) for names in selected.values())]
+    say("| kv | batch | " + " | ".join(v[0] for v in columns) + " |")
+    say("|---|---|" + "---|" * len(columns))
     best = {}
-    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+    for kv_dtype in (torch.float8_e4m3fn, torch.bfloat16):  # FP8 first: its kernel is furthest from the bandwidth
+        kv_name = "fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"
         totals = defaultdict(float)
         for batch in batches:
             q, caches, tables, lens = attention_cases(batch, keys, kv_dtype)
@@ -326,8 +336,8 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
             k0, v0 = caches[0]
             ref = paged_attention(q[:rows].float(), k0.float(), v0.float(), meta, 128 ** -0.5)
             cells = []
-            for name, split, block_n, warps, stages, f16, heads_first in VARIANTS:
-                if f16 and kv_dtype != torch.float8_e4m3fn:
+            for name, split, block_n, warps, stages, f16, heads_first in columns:
+                if (f16 and kv_dtype != torch.float8_e4m3fn) or name not in (selected[kv_name] or [name]):
                     cells.append("")
                     continue
                 if name == "base":
@@ -362,11 +372,10 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path) ->
             torch.cuda.empty_cache()
         name = min((n for n in totals if n != "base"), key=totals.get)
         _, _, block_n, warps, stages, f16, heads_first = next(v for v in VARIANTS if v[0] == name)
-        best["fp8" if kv_dtype == torch.float8_e4m3fn else "bf16"] = {
+        best[kv_name] = {
             "name": name, "block_n": block_n, "num_warps": warps, "num_stages": stages, "fp8_f16_dot": f16,
             "heads_first": heads_first}
-        say(f"fastest {kv_dtype}: {name} ({totals[name]:.1f} us over batches {batches}; main's launch "
-            f"{totals['n64 w4 s3 (main)']:.1f})")
+        say(f"fastest {kv_dtype}: {name} ({totals[name]:.1f} us over batches {batches})")
         best_json.write_text(json.dumps(best))
 
 
@@ -384,6 +393,9 @@ def main() -> int:
     parser.add_argument("--situ-batches", type=int, nargs="+", default=None,
                         help="buckets profiled in situ (default: --batch, and 64 when it is larger)")
     parser.add_argument("--attention-batches", type=int, nargs="+", default=[1, 64, 256, 1024])
+    parser.add_argument("--bf16-variants", nargs="+", default=None,
+                        help="the attention variants (VARIANTS' names) run on the bf16 cache (default: all)")
+    parser.add_argument("--fp8-variants", nargs="+", default=None, help="and on the FP8 cache (default: all)")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
     started = time.perf_counter()
@@ -399,8 +411,9 @@ def main() -> int:
             run_engine_parts(llm, args, started)
     if "attention" in args.parts:
         baseline = load_kernel_module(Path(args.baseline)) if args.baseline else None
-        attention_table(baseline, args.attention_batches, 128 + args.decoded, Path(args.out,
-                                                                                   "decode_attention_best.json"))
+        attention_table(baseline, args.attention_batches, 128 + args.decoded,
+                        Path(args.out, "decode_attention_best.json"), {"bf16": args.bf16_variants,
+                                                                       "fp8": args.fp8_variants})
     say(f"(done after {time.perf_counter() - started:.0f} s)")
     Path(args.out, "step_profile.md").write_text("\n".join(LINES) + "\n")
     return 0

@@ -41,6 +41,9 @@ a = json.loads(sys.argv[1])
 if a["variant"] in ("unfused-fp8", "unfused-fp8+attn"):  # the A/B's baseline: FP8 GEMMs quantize their own input
     from kiln.llm.models import layers
     layers.takes_fp8_rows = lambda linear, rows: False
+if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
+    from kiln.runtime import heap
+    heap.INTERPRETER_FROZEN = -1
 if a["decode_attention"]:  # the decode kernel's launch settings for this run (the sweep's fastest)
     import functools
     from kiln.llm.kernels import paged_decode
@@ -69,6 +72,9 @@ generator = torch.Generator().manual_seed(0)
 params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, detokenize=False)
 llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(largest)],
              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False))  # compile, warm up
+if a["variant"] == "gc-off":  # the timed runs without automatic garbage collection (the collector's A/B)
+    import gc
+    gc.disable()
 for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
     if overlap != "default":  # async scheduling off / on in the same process: the same weights, A/B
         llm.engine.async_scheduling = overlap == "on"
@@ -113,9 +119,11 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
-                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn"],
+                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
-                             "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json")
+                             "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
+                             "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
+                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")

@@ -83,23 +83,25 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt (n samples in its outputs)."""
         prompts = _as_list(prompts)
-        ids = self._submit(prompts, params, next(self._calls), stream=False)  # outputs only at the end
-        final: dict[str, RequestOutput] = {}
-        wanted = set(itertools.chain.from_iterable(ids))
-        try:
-            with static_heap():
+        # frozen from the requests' admission to the outputs: after an earlier block the collector is due for a full
+        # pass, which admitting a large batch outside the freeze would run over the whole heap (kiln/runtime/heap.py)
+        with static_heap():
+            ids = self._submit(prompts, params, next(self._calls), stream=False)  # outputs only at the end
+            final: dict[str, RequestOutput] = {}
+            wanted = set(itertools.chain.from_iterable(ids))
+            try:
                 while wanted - final.keys():
                     for out in self.engine.step():
                         if out.finished and out.request_id in wanted:
                             final[out.request_id] = out
-        finally:
-            for request_id in wanted - final.keys():
-                self.engine.abort(request_id)
-        results = []
-        for group in ids:
-            first = final[group[0]]
-            outputs = [dataclasses.replace(final[r].outputs[0], index=j) for j, r in enumerate(group)]
-            results.append(dataclasses.replace(first, request_id=group[0].rsplit("-", 1)[0], outputs=outputs))
+            finally:
+                for request_id in wanted - final.keys():
+                    self.engine.abort(request_id)
+            results = []
+            for group in ids:
+                first = final[group[0]]
+                outputs = [dataclasses.replace(final[r].outputs[0], index=j) for j, r in enumerate(group)]
+                results.append(dataclasses.replace(first, request_id=group[0].rsplit("-", 1)[0], outputs=outputs))
         return results
 
     def stream(self, prompts: Prompt | Sequence[Prompt],
@@ -107,19 +109,19 @@ class LLM:
         """Yield each request's output every step it produced text (delta_text / delta_token_ids);
         closing the iterator early cancels what is left."""
         prompts = _as_list(prompts)
-        ids = self._submit(prompts, params, next(self._calls), stream=True)
-        live = set(itertools.chain.from_iterable(ids))
-        try:
-            with static_heap():
+        with static_heap():  # from the admission on, as generate
+            ids = self._submit(prompts, params, next(self._calls), stream=True)
+            live = set(itertools.chain.from_iterable(ids))
+            try:
                 while live:
                     for out in self.engine.step():
                         if out.request_id in live:
                             if out.finished:
                                 live.discard(out.request_id)
                             yield out
-        finally:
-            for request_id in live:
-                self.engine.abort(request_id)
+            finally:
+                for request_id in live:
+                    self.engine.abort(request_id)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              **template_options) -> list[RequestOutput]:

@@ -14,6 +14,7 @@ from kiln.llm import LLM, SamplingParams
 from kiln.llm.attention import AttentionMetadata
 from kiln.llm.cuda_graphs import DecodeGraphs
 from kiln.llm.scheduler import PLACEHOLDER
+from kiln.runtime.heap import INTERPRETER_FROZEN  # CPython 3.12 freezes a few hundred objects by itself
 from tests.llm.conftest import hf_greedy
 
 PROMPTS = ["Hello world, hello", "The quick brown fox jumps over the lazy dog. The quick brown",
@@ -227,29 +228,33 @@ def test_async_scheduling_refused_without_graphs(llama):
 
 
 def test_generate_and_stream_leave_the_startup_heap_out_of_gc_scans_and_put_it_back(llama):
-    """static_heap (kiln/runtime/heap.py): gc.freeze while LLM.generate / LLM.stream step the engine, unfrozen after; a freeze
-    someone else holds is neither doubled nor undone."""
+    """static_heap (kiln/runtime/heap.py): gc.freeze while LLM.generate / LLM.stream admit their requests and step the
+    engine, unfrozen after; a freeze someone else holds is neither doubled nor undone."""
     import gc
 
     folder, _ = llama
     llm = LLM(folder, block_size=4, max_model_len=64)
     seen = []
-    step = llm.engine.step
+    step, add_request = llm.engine.step, llm.engine.add_request
 
     def watched():
         seen.append(gc.get_freeze_count())
         return step()
 
-    llm.engine.step = watched
+    def admitted(*args, **kwargs):  # a full collection here would scan the heap the block before gave back
+        seen.append(gc.get_freeze_count())
+        return add_request(*args, **kwargs)
+
+    llm.engine.step, llm.engine.add_request = watched, admitted
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     llm.generate(PROMPTS[:2], params)
-    assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0
+    assert seen and all(count > INTERPRETER_FROZEN for count in seen) and gc.get_freeze_count() <= INTERPRETER_FROZEN
     seen.clear()
     list(llm.stream(PROMPTS[0], params))
-    assert seen and all(count > 0 for count in seen) and gc.get_freeze_count() == 0
+    assert seen and all(count > INTERPRETER_FROZEN for count in seen) and gc.get_freeze_count() <= INTERPRETER_FROZEN
     gc.freeze()
     try:
         llm.generate(PROMPTS[:1], params)
-        assert gc.get_freeze_count() > 0  # still the caller's (a frozen object freed meanwhile leaves the count)
+        assert gc.get_freeze_count() > INTERPRETER_FROZEN  # still the caller's
     finally:
         gc.unfreeze()

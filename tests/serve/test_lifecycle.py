@@ -24,6 +24,7 @@ import tritonclient.http as httpclient
 from conftest import options
 from tritonclient.utils import InferenceServerException
 
+from kiln.runtime.heap import INTERPRETER_FROZEN
 from kiln.serve import Server, ServerThread
 from kiln.serve.server import run
 
@@ -272,7 +273,7 @@ def test_kiln_serve_keeps_its_loaded_heap_out_of_the_collector_while_it_serves(r
     loaded (kiln.static_heap: the collector's full passes skip it), answers requests so, and gives the heap back
     when it stops; a ServerThread (someone else's process) freezes nothing."""
     gc.collect()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() <= INTERPRETER_FROZEN
     seen: dict[str, object] = {}
 
     def ask(server: Server) -> None:  # a client on another thread, then SIGTERM as an operator sends it
@@ -287,10 +288,10 @@ def test_kiln_serve_keeps_its_loaded_heap_out_of_the_collector_while_it_serves(r
     run(Server(options(repository)).serve_forever(lambda server: threading.Thread(target=ask, args=(server,)).start()))
     assert seen["ready"]
     assert seen["frozen"] > 1000, "the loaded heap was not frozen while serving"
-    assert gc.get_freeze_count() == 0, "the heap was not given back when the server stopped"
+    assert gc.get_freeze_count() <= INTERPRETER_FROZEN, "the heap was not given back when the server stopped"
     thread = ServerThread(options(repository))
     thread.start()
     try:
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() <= INTERPRETER_FROZEN
     finally:
         thread.stop()
