@@ -52,8 +52,8 @@ def lstm_picks(engine) -> str:
 def pinned(engine, tactic: str):
     """`engine` with every LSTM step on `tactic` ("" : the op's own implementation, torch's kernel), the other
     steps as tuned: one engine per kernel that differs from the others in the LSTMs only."""
-    steps = [dataclasses.replace(s, tactic=tactic, tactic_config={}) if s.op_type == "LSTM" else s
-             for s in engine.plan.program.steps]
+    steps = [dataclasses.replace(s, tactic=tactic, tactic_config=s.tactic_config if tactic else {})
+             if s.op_type == "LSTM" else s for s in engine.plan.program.steps]  # kiln's LSTM tactics share a config
     program = dataclasses.replace(engine.plan.program, steps=steps)
     return Engine(dataclasses.replace(engine.plan, program=program))
 

@@ -553,3 +553,46 @@ int kiln_gru(void *object, void *stream, int nargs, const void *args) {
     store_states(p, h_prev_of(&c, p->S), NULL);
     return 0;
 }
+
+/* ---- a layer as a member of a native segment ------------------------------------------------------- */
+
+typedef int (*recurrent_loop_fn)(void *object, void *stream, int nargs, const void *args);
+
+/* One ONNX RNN / GRU / LSTM layer (every direction) inside a native segment (kiln/runtime/native.py): its
+   operands are oneDNN memory objects whose addresses are read at each call, as the segment points its
+   entries and exits per run; everything else is in the directions' plans, made when the layer was bound. */
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;               /* dnnl_memory_t: X (row-major, as the plans' layout says), Y or NULL */
+    void *h0, *c0;             /* dnnl_memory_t of initial states the segment computes, or NULL: the plans' own */
+    void *yh, *yc;             /* dnnl_memory_t of the final states, or NULL: not asked for */
+    kiln_recurrent_plan *plans;  /* [directions] */
+    recurrent_loop_fn loop;    /* kiln_rnn, kiln_gru, kiln_lstm, kiln_lstm_lanes or kiln_lstm_fused */
+    long directions;
+    long y_direction, state_direction;  /* floats from one direction's Y / state to the next's */
+} recurrent_member_plan;
+
+static float *member_operand(const recurrent_member_plan *m, void *memory, long offset, int *missing) {
+    void *h = NULL;
+    if (memory == NULL) return NULL;
+    if (m->get_handle(memory, &h) != 0 || h == NULL) *missing = 1;
+    return h == NULL ? NULL : (float *)h + offset;
+}
+
+int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
+    const recurrent_member_plan *m = (const recurrent_member_plan *)object;
+    for (long d = 0; d < m->directions; ++d) {
+        kiln_recurrent_plan *p = &m->plans[d];
+        int missing = 0;
+        p->x = member_operand(m, m->x, 0, &missing);
+        p->y = member_operand(m, m->y, d * m->y_direction, &missing);
+        if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
+        if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
+        p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
+        p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
+        if (missing || p->x == NULL) return 2;  /* an operand not bound: the segment names the layer */
+        const int status = m->loop(p, stream, nargs, args);
+        if (status) return status;
+    }
+    return 0;
+}
