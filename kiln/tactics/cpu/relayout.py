@@ -116,17 +116,13 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     return _launch(tuned, kernel, move)  # the walk holds for the tuned size only
 
 
-register(Tactic(
-    name="cpu.slice.native", op_type="Slice", domain="", device="cpu", dtypes=(_F32,),
-    supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
-    available=relayout.available, native=True,
-    description="Slice as one strided copy in kiln's C (4-D: NHWC), a native-segment member (Swin's shifted windows)",
-))
-
-register(Tactic(
-    name="cpu.gather.slice", op_type="Gather", domain="", device="cpu", dtypes=(_F32,),
-    supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
-    available=relayout.available, native=True,
-    description="Gather by constant indices as one strided copy in kiln's C (4-D: NHWC), a native-segment member "
-                "(a forecaster's last time step)",
-))
+# a Slice of constant bounds and a Gather by constant indices: one walk of the data either way
+for _op, _name, _example in (("Slice", "cpu.slice.native", "Swin's shifted windows"),
+                             ("Gather", "cpu.gather.slice", "a forecaster's last time step")):
+    register(Tactic(
+        name=_name, op_type=_op, domain="", device="cpu", dtypes=(_F32,),
+        supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
+        available=relayout.available, native=True,
+        description=f"{_op} by constants as one strided copy in kiln's C (4-D: NHWC), a native-segment member "
+                    f"({_example})",
+    ))
