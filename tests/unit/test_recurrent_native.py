@@ -3,9 +3,10 @@ and a Gather by constant indices as a strided copy (cpu.gather.slice), against o
 
 The model is what an exported forecaster holds around its recurrent layer: X -> layer -> Reshape (drops the
 direction axis: an alias) -> Gather of the last time step, Y_h (and Y_c) read after it. Each case asserts that the
-layer ran inside the segment (or, where Y has two directions, that it stayed a step of its own), and compares every
-output on fresh inputs: random weights, initial states absent, constants of the engine or graph inputs, forward and
-reverse, each of kiln's LSTM loops and both GRU forms; a dynamic batch binds the segment at other sizes.
+layer ran inside the segment (or, with two directions or sequence_lens, that it stayed a step of its own), and
+compares every output on fresh inputs: random weights, initial states absent, constants of the engine or graph
+inputs, forward and reverse, each of kiln's LSTM loops and both GRU forms; a dynamic batch binds the segment at
+other sizes.
 
 Tolerance (fp32): as tests/unit/test_tactics_cpu_lstm.py's: kiln's GEMM and the oracles sum each gate's products in
 their own orders, σ / tanh are rational approximations (~1e-7), and the recurrence carries each step's rounding into
@@ -49,17 +50,20 @@ def states(rng, cell: str, directions: int, batch: int) -> dict[str, np.ndarray]
 
 
 def forecaster(cell: str, attrs: dict, direction: str, initial: str, constants: dict[str, np.ndarray],
-               batch: int | str = BATCH) -> onnx.ModelProto:
+               batch: int | str = BATCH, lengths: bool = False) -> onnx.ModelProto:
     """X [S, N, I] -> cell -> Y [S, D, N, H] -> Reshape [S, N, D·H] (D = 1: an alias) -> Gather(-1) -> last [N, D·H];
-    Y_h (, Y_c) outputs too. `initial`: "none", "constant" (initializers) or "input" (graph inputs)."""
+    Y_h (, Y_c) outputs too. `initial`: "none", "constant" (initializers) or "input" (graph inputs); `lengths`:
+    sequence_lens an int32 graph input."""
     directions = 2 if direction == "bidirectional" else 1
     state_names = ["initial_h", "initial_c"] if cell == "LSTM" else ["initial_h"]
-    names = ["X", "W", "R", "B", ""] + (state_names if initial != "none" else [])
+    names = ["X", "W", "R", "B", "sequence_lens" if lengths else ""] + (state_names if initial != "none" else [])
     finals = ["Y_h", "Y_c"] if cell == "LSTM" else ["Y_h"]
     nodes = [helper.make_node(cell, names, ["Y", *finals], hidden_size=HIDDEN, direction=direction, **attrs),
              helper.make_node("Reshape", ["Y", "shape"], ["Y_rows"]),
              helper.make_node("Gather", ["Y_rows", "last_step"], ["last"], axis=0)]
     inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, [STEPS, batch, FEATURES])]
+    if lengths:
+        inputs.append(helper.make_tensor_value_info("sequence_lens", TensorProto.INT32, [batch]))
     if initial == "input":
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [directions, batch, HIDDEN])
                    for n in state_names]
@@ -82,12 +86,13 @@ def segment_members(engine) -> list[str]:
     return [m.ctx.name for segment in engine.program.segments for m in segment.members]
 
 
-def check_runs(engine, model: onnx.ModelProto, feeds_of, label: str) -> None:
-    """Two runs on fresh inputs, every output against onnxruntime and onnx.reference."""
+def check_runs(engine, model: onnx.ModelProto, feeds_of, label: str,
+               oracles: tuple[str, ...] = ("ort", "ref")) -> None:
+    """Two runs on fresh inputs, every output against each oracle (onnxruntime, onnx.reference)."""
     for run in range(2):
         feeds = feeds_of(run)
         got = engine.run(dict(feeds))
-        for oracle in ("ort", "ref"):
+        for oracle in oracles:
             for output, want in zip(model.graph.output, run_oracle(model, feeds, oracle)):
                 assert_close(got[output.name], want, TOLERANCE, f"{label} run {run} {output.name} vs {oracle}")
 
@@ -113,17 +118,29 @@ def test_recurrent_layer_runs_inside_the_segment(cell, tactic, attrs, direction,
     check_runs(engine, model, feeds, f"{tactic} {attrs} {direction} initial {initial}")
 
 
+@pytest.mark.parametrize("why", ["bidirectional", "sequence_lens"])
 @pytest.mark.parametrize("cell, tactic, attrs", [LAYERS[2], LAYERS[3]])
-def test_two_directions_stay_a_step_of_their_own(cell, tactic, attrs, monkeypatch):
-    """Y [S, 2, N, H] is 4-D in another memory order than the segment's NHWC layers read: the layer is not offered
-    to the segment (its launch runs it) and the answers are the same."""
-    rng = case_rng(f"bidirectional-{cell}-{attrs}")
-    model = forecaster(cell, attrs, "bidirectional", "input", weights(rng, cell, 2))
+def test_what_stays_a_step_of_its_own(cell, tactic, attrs, why, monkeypatch):
+    """Two directions (Y [S, 2, N, H] is 4-D in another memory order than the segment's NHWC layers read) and lengths
+    given at run time (the launch checks them) are not offered to the segment: the layer's launch runs it, with the
+    same answers (rows of length 0 and of full length among them)."""
+    rng = case_rng(f"{why}-{cell}-{attrs}")
+    direction = "bidirectional" if why == "bidirectional" else "forward"
+    directions = 2 if why == "bidirectional" else 1
+    lengths = why == "sequence_lens"
+    model = forecaster(cell, attrs, direction, "input", weights(rng, cell, directions), lengths=lengths)
     engine = build(model, [tactic, "cpu.alias.Reshape", "cpu.gather.slice"], monkeypatch)
     layer = next(s for s in engine.plan.program.steps if s.op_type == cell)
     assert layer.tactic == tactic and layer.name not in segment_members(engine)
-    check_runs(engine, model, lambda run: {"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32)}
-               | states(rng, cell, 2, BATCH), f"bidirectional {tactic}")
+
+    def feeds(run: int) -> dict[str, np.ndarray]:
+        fresh = {"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32)}
+        if lengths:
+            fresh["sequence_lens"] = np.array([STEPS, 0, 3, 1, STEPS - run], np.int32)
+        return fresh | states(rng, cell, directions, BATCH)
+
+    # onnx.reference's recurrent ops run every row the whole sequence (sequence_lens unread): onnxruntime only there
+    check_runs(engine, model, feeds, f"{why} {tactic}", ("ort",) if lengths else ("ort", "ref"))
 
 
 @pytest.mark.parametrize("tactic", ["cpu.lstm.fused", "cpu.lstm.lanes"])
