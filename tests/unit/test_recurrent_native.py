@@ -15,6 +15,8 @@ the next: atol 2e-6 on outputs of order 1 over 7 steps.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import onnx
 import pytest
@@ -159,6 +161,37 @@ def test_other_batches_bind_the_layer_anew(tactic, monkeypatch):
         got = engine.run(dict(feeds))
         for output, want in zip(model.graph.output, run_oracle(model, feeds, "ort")):
             assert_close(got[output.name], want, TOLERANCE, f"{tactic} batch {batch} {output.name}")
+
+
+def test_saved_engine_runs_the_segment_from_several_contexts(tmp_path, monkeypatch):
+    """An engine saved and loaded binds the layer into its segment again (from the step's config), and contexts on
+    three threads share it: each bound call's scratch is its segment's, whose lock the runs take in turn."""
+    rng = case_rng("contexts")
+    model = forecaster("LSTM", {}, "forward", "input", weights(rng, "LSTM", 1))
+    engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice"], monkeypatch)
+    engine.save(str(tmp_path / "forecaster.kiln"))
+    loaded = kiln.load(str(tmp_path / "forecaster.kiln"))
+    assert next(s.name for s in loaded.plan.program.steps if s.op_type == "LSTM") in segment_members(loaded)
+    cases = [{"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32)} | states(rng, "LSTM", 1, BATCH)
+             for _ in range(6)]
+    wants = [run_oracle(model, feeds, "ort") for feeds in cases]
+    failures: list[str] = []
+
+    def worker(offset: int) -> None:
+        context = loaded.create_execution_context()
+        for k in range(offset, offset + 40):
+            feeds = cases[k % len(cases)]
+            got = context.run(dict(feeds))
+            for output, want in zip(model.graph.output, wants[k % len(cases)]):
+                if not np.allclose(got[output.name], want, rtol=1e-5, atol=2e-6):  # TOLERANCE's float32 entry
+                    failures.append(f"context {offset} case {k % len(cases)} {output.name}")
+
+    threads = [threading.Thread(target=worker, args=(offset,)) for offset in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures[:5]
 
 
 @pytest.mark.parametrize("indices, axis", [(np.array(-1), 0), (np.array(2), 1), (np.array([0, 2, 4]), 1),
