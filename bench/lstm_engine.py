@@ -120,12 +120,16 @@ def measure(threads: int, args) -> list[str]:
              f"{'CPU time of the calling thread' if threads == 1 else 'wall clock'}"
              f"{', SCHED_FIFO' if args.realtime else ''}, "
              f"1-min load now {os.getloadavg()[0]:.2f}",
-             "| runner | least ms | median ms | least / ort | median / ort | LSTM tactics [tuner's ms per candidate] |",
-             "|---|---|---|---|---|---|"]
+             "| runner | least ms | median ms | least / ort | median / ort | steps a run | "
+             "LSTM tactics [tuner's ms per candidate] |",
+             "|---|---|---|---|---|---|---|"]
     for label, values in rounds.items():
         picks = lstm_picks(built[label]) if label.startswith("tuned") else ""
+        # the program's steps a run: a native segment (kiln/runtime/native.py) is one
+        steps = len(built[label].program.run_steps) if label in built else ""
         lines.append(f"| {label} | {min(values):.3f} | {statistics.median(values):.3f} | "
-                     f"{min(values) / ort_least:.2f} | {statistics.median(values) / ort_median:.2f} | {picks} |")
+                     f"{min(values) / ort_least:.2f} | {statistics.median(values) / ort_median:.2f} | {steps} | "
+                     f"{picks} |")
     return lines
 
 
