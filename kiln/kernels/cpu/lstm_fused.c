@@ -285,8 +285,8 @@ void kiln_lstm_fused_pack(int kernel, const float *w, const float *r, const floa
             }
 }
 
-/* h [2][N, H], c [N, H], run_stages' counters (2 longs a step) */
-long kiln_lstm_fused_scratch_floats(long s, long n, long h) { return 3 * n * h + 4 * s + 64; }
+/* h [2][N, H], c [N, H] */
+long kiln_lstm_fused_scratch_floats(long s, long n, long h) { (void)s; return 3 * n * h; }
 
 /* The batch in ceil(N / MR) groups of rows, as even as they go (8 rows of a 6-row tile: 4 + 4, not 6 + 2):
    group g's first row and row count. */
@@ -327,7 +327,6 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     c.h[0] = p->scratch;
     c.h[1] = c.h[0] + N * H;
     c.c = c.h[1] + N * H;
-    c.loop.s.counters = (long *)(((size_t)(c.c + N * H) + 63) & ~(size_t)63);
     c.blocks = fused_blocks(p->kernel, H);
     /* a batch past the one-pass tile's rows: the two-pass tile's, where the kernel has one */
     const int two_pass = kernel->pairs_mr > 0 && N > kernel->mr;

@@ -197,10 +197,10 @@ void kiln_lstm_lanes_pack(int kernel, const float *w, long h, long k, float *out
             }
 }
 
-/* xᵀ [S][I][8], hᵀ [S + 1][tiles·UT][8], cᵀ [tiles·UT][8], run_stages' counters (2 longs a step) */
+/* xᵀ [S][I][8], hᵀ [S + 1][tiles·UT][8], cᵀ [tiles·UT][8] */
 long kiln_lstm_lanes_scratch_floats(int kernel, long s, long i, long h) {
     const long units = lanes_tiles(kernel, h) * LANES_KERNELS[kernel].units;
-    return s * i * LANES + (s + 2) * units * LANES + 4 * s + 64;
+    return s * i * LANES + (s + 2) * units * LANES;
 }
 
 typedef struct {
@@ -235,7 +235,6 @@ int kiln_lstm_lanes(void *object, void *stream, int nargs, const void *args) {
     c->h = c->xt + S * I * LANES;
     c->c = c->h + (S + 1) * units * LANES;
     l.loop.p = p;
-    l.loop.s.counters = (long *)(((size_t)(c->c + units * LANES) + 63) & ~(size_t)63);
     for (int n = 0; n < LANES; ++n) c->lengths[n] = n < N ? (int)length_of(p, n) : (int)S;
     /* xᵀ in step order: step s of row n reads X at time s, or length−1−s reversed (past the length: s) */
     for (long s = 0; s < S; ++s) {

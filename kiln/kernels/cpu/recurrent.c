@@ -14,8 +14,9 @@
  *
  * Threads (run_stages): one participant per thread, on kiln_parallel_for (pool.c, or OpenMP's loop where
  * the pool is off); each participant waits for the previous stage's items to be done, whoever holds them,
- * then claims the stage's items from an atomic counter. No thread leads: a thread the OS has not scheduled
- * yet claims nothing and holds no one up (the others take its items), one that starts late joins at the
+ * then runs its own slice of the stage's items (the same slice every step), claimed from a counter of its own;
+ * one kept waiting takes the others' unclaimed items. No thread leads: a thread the OS has not scheduled
+ * yet holds no one up (the others take its items), one that starts late joins at the
  * running stage, and on the pool the call does not wait at its end for a worker that never started. (The
  * loop this replaced had the caller publish each stage inside an OpenMP region: a descheduled caller held
  * the others up, and the region's end waited for every thread. A 128-unit LSTM layer, batch 8, 96 steps,
@@ -82,16 +83,14 @@ static long recurrent_gate_columns(int kernel, long h, int gates) {
 
 long kiln_recurrent_gate_columns(int kernel, long h, int gates) { return recurrent_gate_columns(kernel, h, gates); }
 
-/* xw [S·N, G], h_a, h_b, c, rh [N, H], the GRU's h·R_hᵀ [N, G/3], the length-reversed X [S·N, I], and
-   run_stages' counters (2 longs per stage, 2 stages a step at most) */
+/* xw [S·N, G], h_a, h_b, c, rh [N, H], the GRU's h·R_hᵀ [N, G/3], the length-reversed X [S·N, I] */
 long kiln_recurrent_scratch_floats(int kernel, long s, long n, long i, long h, int gates) {
     const long g = recurrent_gate_columns(kernel, h, gates);
-    return s * n * g + 4 * n * h + n * g + s * n * i + 8 * s + 64;
+    return s * n * g + 4 * n * h + n * g + s * n * i;
 }
 
 typedef struct {
     float *xw, *h_a, *h_b, *c, *rh, *hr, *x;
-    long *counters;
 } recurrent_scratch;
 
 static recurrent_scratch scratch_of(const kiln_recurrent_plan *p, long G) {
@@ -104,7 +103,6 @@ static recurrent_scratch scratch_of(const kiln_recurrent_plan *p, long G) {
     s.rh = s.c + N * H;
     s.hr = s.rh + N * H;
     s.x = s.hr + N * G;
-    s.counters = (long *)(((size_t)(s.x + p->S * N * p->I) + 63) & ~(size_t)63);
     return s;
 }
 
@@ -255,54 +253,122 @@ static long now_ns(void) {
     return t.tv_sec * 1000000000L + t.tv_nsec;
 }
 
+/* A participant's counters, each on a cache line of its own, written by that participant alone but for a
+   steal: the items of its slice claimed (counted over every stage: its slice of stage k is the k-th run of
+   `slice` claims), and the items it finished, its own or stolen (over every stage too). */
+typedef struct { _Alignas(64) long claimed; } stage_claims;
+typedef struct { _Alignas(64) long finished; } stage_finished;
+
 /* One run_stages call: its counters and what its threads measured. */
 typedef struct {
     const loop_ctx *c;
     long stages, items;
+    int participants;
     item_fn fn;
-    long *claimed, *done;
+    stage_claims *claims;
+    stage_finished *finished;
     int alone;             /* -1, or the participant that waited out a stall: the others leave at the next stage */
     long waited_ns;        /* the longest total any participant spent waiting for another's items */
 } stages_run;
 
-/* One thread's part: stage by stage, wait for the previous stage's items (whoever holds them), then claim
-   items until none is left. Stages whose items are all claimed are passed over, so a thread that starts
-   late (a pool worker woken after the caller began) joins at the running stage. */
-static void stage_participant(void *ctx, long id) {
+static long slice_start(const stages_run *r, long q) { return r->items * q / r->participants; }
+
+/* An unclaimed item of participant q's slice of stage k, now claimed, or -1: none left (or stage k is over, and
+   the caller's view of the running stage stale: a claim never reaches into another stage's items). */
+static long claim_item(stages_run *r, int q, long k) {
+    const long first = slice_start(r, q), slice = slice_start(r, q + 1) - first;
+    long seen = __atomic_load_n(&r->claims[q].claimed, __ATOMIC_RELAXED);
+    while (seen < (k + 1) * slice)
+        if (__atomic_compare_exchange_n(&r->claims[q].claimed, &seen, seen + 1, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return first + seen - k * slice;
+    return -1;
+}
+
+/* Items finished by everyone: stage k is over when they reach (k + 1)·items (no item of a stage is claimed
+   before the previous stage is over). */
+static long items_finished(const stages_run *r) {
+    long sum = 0;
+    for (int q = 0; q < r->participants; ++q) sum += __atomic_load_n(&r->finished[q].finished, __ATOMIC_ACQUIRE);
+    return sum;
+}
+
+/* What participant id finished, published: once a slice, not per item (the others poll the line while they
+   wait, and each store would take it back from their caches). */
+static void publish(stages_run *r, int id, long finished) {
+    __atomic_store_n(&r->finished[id].finished, finished, __ATOMIC_RELEASE);
+}
+
+/* Run one unclaimed item of stage k from another participant's slice; 0 when none is left. */
+static int steal_item(stages_run *r, int id, long k, long *finished) {
+    for (int j = 1; j < r->participants; ++j) {
+        const int q = (id + j) % r->participants;
+        const long item = claim_item(r, q, k);
+        if (item >= 0) {
+            r->fn(r->c, k, item);
+            publish(r, id, ++*finished);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+#define STEAL_NS 3000L  /* 2-3 items of a 128-unit LSTM: a participant this late is not merely a little slower */
+
+/* One thread's part: stage by stage, its own slice of the stage's items (participant p: items
+   [p·items/P, (p+1)·items/P), the same units every step, so their weights stay in its core's caches), then a
+   wait for the others' slices. Each participant claims from a counter of its own and publishes what it
+   finished on another: a step costs a barrier's one exchange of cache lines between cores, not a contended
+   atomic per item (bench/results/lstm-epyc-2026-12-04.md). A participant that has waited STEAL_NS claims the
+   others' unclaimed items (one descheduled or not started yet holds no one up), and after a stage in which it
+   stole, it steals at once. One that starts late finds its slices claimed and joins at the running stage. */
+static void stage_participant(void *ctx, long id_) {
     stages_run *r = (stages_run *)ctx;
-    long waited = 0;
+    const int id = (int)id_;
+    long waited = 0, finished = 0;
+    int eager = 0;  /* it stole in the last stage: its partners are behind, steal without waiting */
+    int left = 0;   /* it left for another participant that waited out a stall */
     for (long k = 0; k < r->stages; ++k) {
-        if (__atomic_load_n(&r->claimed[k], __ATOMIC_RELAXED) >= r->items) continue;
-        if (k > 0 && __atomic_load_n(&r->done[k - 1], __ATOMIC_ACQUIRE) < r->items) {
+        if (k > 0 && items_finished(r) < k * r->items) {
             const long start = now_ns();
             long spins = 0, now = start;
-            while (__atomic_load_n(&r->done[k - 1], __ATOMIC_ACQUIRE) < r->items) {
+            int stole = 0;
+            while (items_finished(r) < k * r->items) {
+                const int alone = __atomic_load_n(&r->alone, __ATOMIC_RELAXED);
+                if ((eager || alone == id || now - start > STEAL_NS) && steal_item(r, id, k - 1, &finished)) {
+                    stole = 1;
+                    continue;
+                }
                 spin_pause(&spins);
-                if (spins % 256 == 0) now = now_ns();
-                if (now - start > STALL_NS && __atomic_load_n(&r->alone, __ATOMIC_RELAXED) < 0)
-                    __atomic_store_n(&r->alone, (int)id, __ATOMIC_RELAXED);
+                if (spins % 64 == 0) now = now_ns();
+                if (now - start > STALL_NS && alone < 0)
+                    __atomic_store_n(&r->alone, id, __ATOMIC_RELAXED);
             }
+            eager = stole;
             waited += now_ns() - start;
         }
         const int alone = __atomic_load_n(&r->alone, __ATOMIC_RELAXED);
-        if (alone >= 0 && alone != id) break;
-        for (;;) {
-            const long item = __atomic_fetch_add(&r->claimed[k], 1, __ATOMIC_RELAXED);
-            if (item >= r->items) break;
-            r->fn(r->c, k, item);
-            __atomic_fetch_add(&r->done[k], 1, __ATOMIC_RELEASE);
+        if (alone >= 0 && alone != id) {
+            left = 1;
+            break;
         }
+        const long before = finished;
+        for (long item; (item = claim_item(r, id, k)) >= 0; ++finished) r->fn(r->c, k, item);
+        if (finished > before) publish(r, id, finished);
     }
+    /* the last stage's unclaimed items: no later stage waits for them (one that left for a stall claims none) */
+    if (!left && r->stages > 0)
+        while (steal_item(r, id, r->stages - 1, &finished)) {
+        }
     long seen = __atomic_load_n(&r->waited_ns, __ATOMIC_RELAXED);
     while (waited > seen && !__atomic_compare_exchange_n(&r->waited_ns, &seen, waited, 0, __ATOMIC_RELAXED,
                                                          __ATOMIC_RELAXED)) {
     }
 }
 
-/* Stages 0 .. stages-1 in order, each `items` calls of fn, claimed by whichever thread is free: one
-   participant per thread on kiln_parallel_for (pool.c: a worker that has not started when the caller is
-   done is not waited for; OpenMP's loop where the pool is off). Returns when every stage is done; 1 when a
-   thread waited out a stall and the others left (the file's comment). Sets plan.waited_ns and loop_ns. */
+/* Stages 0 .. stages-1 in order, each `items` calls of fn, one participant per thread on kiln_parallel_for
+   (pool.c: a worker that has not started when the caller is done is not waited for; OpenMP's loop where the
+   pool is off). Returns when every stage is done; 1 when a thread waited out a stall and the others left (the
+   file's comment). Sets plan.waited_ns and loop_ns. */
 static int run_stages(const loop_ctx *c, long stages, long items, int threads, item_fn fn) {
     kiln_recurrent_plan *p = (kiln_recurrent_plan *)c->p;
     const long start = now_ns();
@@ -316,9 +382,13 @@ static int run_stages(const loop_ctx *c, long stages, long items, int threads, i
         p->loop_ns = now_ns() - start;
         return 0;
     }
-    stages_run r = {c, stages, items, fn, c->s.counters, c->s.counters + stages, -1, 0};
-    memset(r.claimed, 0, (size_t)(2 * stages) * sizeof(long));
-    kiln_parallel_for(threads, threads, stage_participant, &r);
+    const int participants = threads < items ? threads : (int)items;
+    stage_claims claims[participants];
+    stage_finished finished[participants];
+    memset(claims, 0, sizeof claims);
+    memset(finished, 0, sizeof finished);
+    stages_run r = {c, stages, items, participants, fn, claims, finished, -1, 0};
+    kiln_parallel_for(participants, participants, stage_participant, &r);
     p->waited_ns = r.waited_ns;
     p->loop_ns = now_ns() - start;
     return r.alone >= 0;
@@ -481,5 +551,48 @@ int kiln_gru(void *object, void *stream, int nargs, const void *args) {
     p->stalled =
         run_stages(&c, p->S * phases, G / (3 * c.nr), threads, phases == 1 ? gru_item : gru_reset_item);
     store_states(p, h_prev_of(&c, p->S), NULL);
+    return 0;
+}
+
+/* ---- a layer as a member of a native segment ------------------------------------------------------- */
+
+typedef int (*recurrent_loop_fn)(void *object, void *stream, int nargs, const void *args);
+
+/* One ONNX RNN / GRU / LSTM layer (every direction) inside a native segment (kiln/runtime/native.py): its
+   operands are oneDNN memory objects whose addresses are read at each call, as the segment points its
+   entries and exits per run; everything else is in the directions' plans, made when the layer was bound. */
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;               /* dnnl_memory_t: X (row-major, as the plans' layout says), Y or NULL */
+    void *h0, *c0;             /* dnnl_memory_t of initial states the segment computes, or NULL: the plans' own */
+    void *yh, *yc;             /* dnnl_memory_t of the final states, or NULL: not asked for */
+    kiln_recurrent_plan *plans;  /* [directions] */
+    recurrent_loop_fn loop;    /* kiln_rnn, kiln_gru, kiln_lstm, kiln_lstm_lanes or kiln_lstm_fused */
+    long directions;
+    long y_direction, state_direction;  /* floats from one direction's Y / state to the next's */
+} recurrent_member_plan;
+
+static float *member_operand(const recurrent_member_plan *m, void *memory, long offset, int *missing) {
+    void *h = NULL;
+    if (memory == NULL) return NULL;
+    if (m->get_handle(memory, &h) != 0 || h == NULL) *missing = 1;
+    return h == NULL ? NULL : (float *)h + offset;
+}
+
+int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
+    const recurrent_member_plan *m = (const recurrent_member_plan *)object;
+    for (long d = 0; d < m->directions; ++d) {
+        kiln_recurrent_plan *p = &m->plans[d];
+        int missing = 0;
+        p->x = member_operand(m, m->x, 0, &missing);
+        p->y = member_operand(m, m->y, d * m->y_direction, &missing);
+        if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
+        if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
+        p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
+        p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
+        if (missing || p->x == NULL) return 2;  /* an operand not bound: the segment names the layer */
+        const int status = m->loop(p, stream, nargs, args);
+        if (status) return status;
+    }
     return 0;
 }

@@ -14,6 +14,11 @@ lstm_lanes.c and lstm_fused.c are two more loops for the LSTM with the default a
 the vector lanes; the input projection, recurrent GEMM and cell of a step in one register tile); the
 builder times them against lstm.c's.
 
+Inside a native segment (kiln/runtime/native.py) a layer is a RecurrentLayer: one call of the segment loop into
+kiln_recurrent_member, which reads its operands from oneDNN memory objects and runs each direction's loop, so that
+the reshapes, the last-step Gather and the head around it run without Python (an LSTM launched from Python cost
+~24 us above its kernel, and split the segment around it).
+
 The library is gemm.c, recurrent.c, lstm.c, lstm_lanes.c and lstm_fused.c, compiled on first use as kiln's GEMM is
 (kiln/kernels/cpu/native_loop.py: cached per source, CPU and flags); the microkernel is picked from
 cpuid when a layer is built (AVX-512, AVX2, portable).
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import gemm_native, hugepages
+from kiln.kernels.cpu import gemm_native, hugepages, onednn
 
 _HERE = Path(__file__).parent
 SOURCE = "\n".join([gemm_native.SOURCE, *((_HERE / name).read_text()
@@ -115,6 +120,8 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
                                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
+        lib.kiln_recurrent_member.restype = ctypes.c_int
+        lib.kiln_recurrent_member.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         _LOADED[test_kernels] = lib
         return lib
 
@@ -158,7 +165,44 @@ def _scratch(cache: dict, key: Any, floats: Callable[[], int]) -> torch.Tensor:
     return scratch
 
 
-class RecurrentDirection:
+class _Direction:
+    """What the loops' directions share: a run on tensors, and the plan a native segment's member runs
+    (RecurrentLayer). Subclasses set `cell`, `what`, `hidden`, `inputs`, `_function` (their loop in the library),
+    `_scratch` and `_lock`, and say how much scratch a run takes and which plan fields are theirs."""
+
+    cell: str
+    what: str
+    hidden: int
+    inputs: int
+
+    def scratch_floats(self, steps: int, batch: int) -> int:
+        raise NotImplementedError
+
+    def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
+        """The loop's plan over `scratch` at these sizes; its operands (x, y, states, lengths) and their strides are
+        the caller's to set."""
+        raise NotImplementedError
+
+    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
+            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
+            lengths: torch.Tensor | None = None) -> None:
+        """x: contiguous [S, N, I] (or [N, S, I] batch_major); y: where h of (t, n) goes, a [S, N, H] view
+        whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
+        contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
+        [0, S] (checked by the caller), or None."""
+        steps, batch, y_ts, y_ns, state_ns = _geometry(self.cell, x, y, (h0, c0, yh, yc), lengths, batch_major)
+        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
+            scratch = _scratch(self._scratch, (steps, batch), lambda: self.scratch_floats(steps, batch))
+            plan = self.plan(steps, batch, reverse=reverse, batch_major=batch_major, scratch=scratch)
+            plan.x, plan.y, plan.y_ts, plan.y_ns, plan.state_ns = x.data_ptr(), _address(y), y_ts, y_ns, state_ns
+            plan.h0, plan.c0, plan.yh, plan.yc = _address(h0), _address(c0), _address(yh), _address(yc)
+            plan.lengths = _address(lengths)
+            status = self._function(ctypes.byref(plan), None, 0, None)
+        if status:
+            raise RuntimeError(f"kiln {self.what} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+
+
+class RecurrentDirection(_Direction):
     """One direction of an ONNX RNN / GRU / LSTM layer: W [G·H, I], R [G·H, H] (ONNX's gate order), B [2·G·H]
     or None, P [3·H] (LSTM peepholes i, o, f) or None, packed once with the gate rows of each NR-unit block
     side by side (recurrent.c). `activations`: the spec's f, g(, h) for this direction (None: the defaults);
@@ -224,6 +268,7 @@ class RecurrentDirection:
                                                 or any(a.alpha or a.beta for a in names) or clip is not None
                                                 or peepholes is not None or bool(input_forget)))
         self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
+        self.what = cell
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
@@ -232,28 +277,17 @@ class RecurrentDirection:
         self._lib.kiln_gemm_pack_w(self.kernel.index, m.data_ptr(), n, k, packed.data_ptr())
         return packed
 
-    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
-            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
-            lengths: torch.Tensor | None = None) -> None:
-        """x: contiguous [S, N, I] (or [N, S, I] batch_major); y: where h of (t, n) goes, a [S, N, H] view
-        whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
-        contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
-        [0, S] (checked by the caller), or None."""
-        steps, batch, y_ts, y_ns, state_ns = _geometry(self.cell, x, y, (h0, c0, yh, yc), lengths, batch_major)
-        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
-            scratch = _scratch(self._scratch, (steps, batch), lambda: self._lib.kiln_recurrent_scratch_floats(
-                self.kernel.index, steps, batch, self.inputs, self.hidden, self.gates))
-            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
-                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
-                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=_address(self._bias_rh),
-                         peepholes=_address(self._peepholes), lengths=_address(lengths), scratch=scratch.data_ptr(),
-                         S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index,
-                         threads=0, reverse=int(reverse), batch_major=int(batch_major),
-                         gates=self.gates, linear_before_reset=self._linear_before_reset,
-                         input_forget=self._input_forget, generic=self._generic, act=self._acts, clip=self._clip)
-            status = self._function(ctypes.byref(plan), None, 0, None)
-        if status:
-            raise RuntimeError(f"kiln {self.cell} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+    def scratch_floats(self, steps: int, batch: int) -> int:
+        return self._lib.kiln_recurrent_scratch_floats(self.kernel.index, steps, batch, self.inputs, self.hidden,
+                                                       self.gates)
+
+    def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
+        return _Plan(packed_w=self._w.data_ptr(), packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(),
+                     bias_rh=_address(self._bias_rh), peepholes=_address(self._peepholes), scratch=scratch.data_ptr(),
+                     S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
+                     reverse=int(reverse), batch_major=int(batch_major), gates=self.gates,
+                     linear_before_reset=self._linear_before_reset, input_forget=self._input_forget,
+                     generic=self._generic, act=self._acts, clip=self._clip)
 
 
 @dataclass(frozen=True)
@@ -282,7 +316,7 @@ def lanes_batch() -> int:
     return 0 if lib is None else int(lib.kiln_lstm_lanes_batch())
 
 
-class LanesLSTMDirection:
+class LanesLSTMDirection(_Direction):
     """One direction of an ONNX LSTM with the default activations (no clip, peepholes or input_forget) on
     lstm_lanes.c: the batch (up to lanes_batch() rows) in the vector lanes, the input projection inside the
     loop. W [4H, I], R [4H, H], B [8H] or None are packed once per tile of hidden units. run() takes what
@@ -305,7 +339,8 @@ class LanesLSTMDirection:
             b.detach().to(torch.float32).reshape(2, 4 * hidden).sum(0)  # Wb + Rb: [4H]
         self._w, self._bias = self._pack(w, self.inputs, folded)
         self._r, _ = self._pack(r, hidden, None)
-        self._scratch: dict[int, torch.Tensor] = {}
+        self._function, self.what = lib.kiln_lstm_lanes, "lane LSTM"
+        self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def _pack(self, m: torch.Tensor, k: int, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -318,26 +353,15 @@ class LanesLSTMDirection:
                                        None if out_bias is None else out_bias.data_ptr())
         return packed, out_bias
 
-    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
-            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
-            lengths: torch.Tensor | None = None) -> None:
-        batch = x.shape[0] if batch_major else x.shape[1]
+    def scratch_floats(self, steps: int, batch: int) -> int:
+        return self._lib.kiln_lstm_lanes_scratch_floats(self.kernel.index, steps, self.inputs, self.hidden)
+
+    def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
         if batch > self.lanes:
             raise ValueError(f"batch {batch} is past the {self.lanes} lanes of kiln's lane LSTM")
-        steps, batch, y_ts, y_ns, state_ns = _geometry("LSTM", x, y, (h0, c0, yh, yc), lengths, batch_major)
-        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
-            scratch = _scratch(self._scratch, steps, lambda: self._lib.kiln_lstm_lanes_scratch_floats(
-                self.kernel.index, steps, self.inputs, self.hidden))
-            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
-                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._w.data_ptr(),
-                         packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
-                         lengths=_address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
-                         H=self.hidden, kernel=self.kernel.index, threads=0,
-                         reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
-                         input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
-            status = self._lib.kiln_lstm_lanes(ctypes.byref(plan), None, 0, None)
-        if status:
-            raise RuntimeError(f"kiln lane LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+        return _Plan(packed_w=self._w.data_ptr(), packed_r=self._r.data_ptr(), bias=self._bias.data_ptr(),
+                     scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs, H=self.hidden,
+                     kernel=self.kernel.index, threads=0, reverse=int(reverse), batch_major=int(batch_major), gates=4)
 
 
 @dataclass(frozen=True)
@@ -361,7 +385,7 @@ def fused_kernels(test_kernels: bool = False) -> list[FusedKernel]:
             for i in range(lib.kiln_lstm_fused_kernel_count())]
 
 
-class FusedLSTMDirection:
+class FusedLSTMDirection(_Direction):
     """One direction of an ONNX LSTM with the default activations (no clip, peepholes or input_forget) on
     lstm_fused.c: per step and block of hidden units, the input projection, the recurrent GEMM and the cell
     in one register tile. W [4H, I], R [4H, H] are packed once side by side along K, B [8H] (or None) folded
@@ -391,23 +415,108 @@ class FusedLSTMDirection:
                                  self._packed.data_ptr())
         blocks = -(-hidden // self.kernel.units)
         self._bias = self._packed[blocks * (inputs + hidden) * 4 * self.kernel.units:]
+        self._function, self.what = lib.kiln_lstm_fused, "fused LSTM"
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
         self._lock = threading.Lock()
 
-    def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
-            yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
-            lengths: torch.Tensor | None = None) -> None:
-        steps, batch, y_ts, y_ns, state_ns = _geometry("LSTM", x, y, (h0, c0, yh, yc), lengths, batch_major)
-        with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
-            scratch = _scratch(self._scratch, (steps, batch), lambda: self._lib.kiln_lstm_fused_scratch_floats(
-                steps, batch, self.hidden))
-            plan = _Plan(x=x.data_ptr(), y=_address(y), y_ts=y_ts, y_ns=y_ns, h0=_address(h0), c0=_address(c0),
-                         yh=_address(yh), yc=_address(yc), state_ns=state_ns, packed_w=self._packed.data_ptr(),
-                         packed_r=None, bias=self._bias.data_ptr(), bias_rh=None, peepholes=None,
-                         lengths=_address(lengths), scratch=scratch.data_ptr(), S=steps, N=batch, I=self.inputs,
-                         H=self.hidden, kernel=self.kernel.index, threads=0,
-                         reverse=int(reverse), batch_major=int(batch_major), gates=4, linear_before_reset=0,
-                         input_forget=0, generic=0, act=(_Act * 3)(), clip=0.0)
-            status = self._lib.kiln_lstm_fused(ctypes.byref(plan), None, 0, None)
+    def scratch_floats(self, steps: int, batch: int) -> int:
+        return self._lib.kiln_lstm_fused_scratch_floats(steps, batch, self.hidden)
+
+    def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
+        return _Plan(packed_w=self._packed.data_ptr(), bias=self._bias.data_ptr(), scratch=scratch.data_ptr(),
+                     S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
+                     reverse=int(reverse), batch_major=int(batch_major), gates=4)
+
+
+class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent.c
+    _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
+                ("h0", ctypes.c_void_p), ("c0", ctypes.c_void_p), ("yh", ctypes.c_void_p), ("yc", ctypes.c_void_p),
+                ("plans", ctypes.c_void_p), ("loop", ctypes.c_void_p), ("directions", ctypes.c_long),
+                ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long)]
+
+
+# the step inputs a layer reads as a native segment's member, by ONNX input index, and its outputs' roles past Y
+X_INPUT, INITIAL_H, INITIAL_C = 0, 5, 6
+FINAL_ROLES = ("dst1", "dst2")  # Y_h, Y_c
+
+
+class RecurrentLayer:
+    """An ONNX RNN / GRU / LSTM layer (every direction) at fixed sizes, as a member of a native segment
+    (kiln/runtime/native.py) runs it: one call into kiln_recurrent_member, which reads X, Y, the initial states the
+    segment computes and the final states from oneDNN memory objects, so the segment points them per run as it
+    does for every other member, and runs each direction's loop on a plan made at bind time.
+
+    `directions`: one loop per direction (ONNX's order: forward, then reverse); `steps`, `batch`: X's sizes;
+    `initial`: the initial h and c when they are constants of the engine (contiguous [D, N, H], or [N, D, H]
+    batch_major), else None (zeros, or read as the step inputs INITIAL_H, INITIAL_C where bind_reads is given
+    them); `finals`: the final states it may write (1 RNN / GRU, 2 LSTM)."""
+
+    def __init__(self, directions: list[_Direction], steps: int, batch: int, *, batch_major: bool, reverse_only: bool,
+                 initial: tuple[torch.Tensor | None, torch.Tensor | None], finals: int):
+        count = len(directions)
+        hidden, inputs = directions[0].hidden, directions[0].inputs
+        self.directions, self.steps, self.batch = directions, steps, batch
+        self.batch_major, self.reverse_only, self.initial = batch_major, reverse_only, initial
+        self.what = f"{directions[0].cell} [{steps}, {batch}, {inputs}] -> {hidden}"
+        self.input_size = (batch, steps, inputs) if batch_major else (steps, batch, inputs)
+        self.output_size = (batch, steps, count, hidden) if batch_major else (steps, count, batch, hidden)  # Y
+        self.state_size = (batch, count, hidden) if batch_major else (count, batch, hidden)
+        self.more_outputs = ((self.state_size, torch.float32),) * finals
+        # floats from one direction's Y / state to the next's, and the strides of a direction's rows in them
+        self.y_direction, self.state_direction = (hidden, hidden) if batch_major else (batch * hidden, batch * hidden)
+        self.y_ts, self.y_ns = (count * hidden, steps * count * hidden) if batch_major else \
+            (count * batch * hidden, hidden)
+        self.state_ns = count * hidden if batch_major else hidden
+        self._lib = load()
+
+    def bind_reads(self, dst: int, reads: dict[object, int]) -> RecurrentCall:
+        """The layer's call writing Y at dst and reading each role (X_INPUT, INITIAL_H, INITIAL_C; "dst1", "dst2":
+        the final states) at its address (0: pointed per run)."""
+        return RecurrentCall(self, {"dst": dst, **reads})
+
+
+class RecurrentCall:
+    """One bound call of a RecurrentLayer: its memory objects, plans and scratch (each call its own: a segment's
+    lock serializes the runs of its calls, and two segments never share one)."""
+
+    def __init__(self, layer: RecurrentLayer, addresses: dict[object, int]):
+        lib = onednn.load()
+        self.what = layer.what
+        self._md = onednn.memory_desc([1], onednn.TAG_A)  # only the handle matters to kiln_recurrent_member
+        self._memories = {role: onednn._memory(self._md.value, address) for role, address in addresses.items()}
+        steps, batch = layer.steps, layer.batch
+        self._scratch = [torch.empty(d.scratch_floats(steps, batch)) for d in layer.directions]
+        plans = []
+        for k, (direction, scratch) in enumerate(zip(layer.directions, self._scratch)):
+            plan = direction.plan(steps, batch, reverse=layer.reverse_only or k == 1, batch_major=layer.batch_major,
+                                  scratch=scratch)
+            plan.y_ts, plan.y_ns, plan.state_ns = layer.y_ts, layer.y_ns, layer.state_ns
+            plan.h0, plan.c0 = (None if s is None else s.data_ptr() + 4 * k * layer.state_direction
+                                for s in layer.initial)
+            plans.append(plan)
+        self._plans = (_Plan * len(plans))(*plans)
+        self._layer = layer  # the constant initial states and the packed weights the plans point at
+
+        def memory(role: object) -> int | None:
+            found = self._memories.get(role)
+            return None if found is None else found.value
+
+        self._plan = _MemberPlan(
+            get_handle=ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value,
+            x=memory(X_INPUT), y=memory("dst"), h0=memory(INITIAL_H), c0=memory(INITIAL_C), yh=memory(FINAL_ROLES[0]),
+            yc=memory(FINAL_ROLES[1]), plans=ctypes.addressof(self._plans),
+            loop=ctypes.cast(layer.directions[0]._function, ctypes.c_void_p).value, directions=len(plans),
+            y_direction=layer.y_direction, state_direction=layer.state_direction)
+        self._function = ctypes.cast(layer._lib.kiln_recurrent_member, ctypes.c_void_p).value
+
+    def calls(self) -> list[tuple[int | None, int, int, int]]:
+        return [(self._function, ctypes.addressof(self._plan), 0, 0)]
+
+    def memory(self, role: object) -> int:
+        return self._memories[role].value
+
+    def run(self) -> None:
+        """The call on the addresses its memory objects hold (a segment's loop makes it; this is for tests)."""
+        status = self._layer._lib.kiln_recurrent_member(ctypes.addressof(self._plan), None, 0, None)
         if status:
-            raise RuntimeError(f"kiln fused LSTM [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+            raise RuntimeError(f"kiln {self.what} failed ({status})")

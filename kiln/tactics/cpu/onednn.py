@@ -591,7 +591,7 @@ def _alias_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x = inputs[0]
     if x.shape is None or x.dtype != torch.float32:
         return "the input's shape is not known, or it is not float32"
-    if not _keeps_order(tuple(x.shape)):
+    if not keeps_order(tuple(x.shape)):
         return "a 4-D input is channels-last in a segment: only [N, C, 1, 1] or [N, 1, H, W] keep their order"
     if step.op_type == "Reshape" and (len(inputs) < 2 or not inputs[1].constant):
         return "the target shape is not a constant of the engine"
@@ -609,7 +609,7 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
 
     def native_at(in_size: tuple[int, ...]) -> NativeStep:
         out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
-        if not _keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
+        if not keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
             raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
         return NativeStep(in_size, out, None, alias=True)
 
@@ -623,7 +623,7 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
     return launch
 
 
-def _keeps_order(size: tuple[int, ...]) -> bool:
+def keeps_order(size: tuple[int, ...]) -> bool:
     """Whether a value of this size has the same memory order row-major and as a segment lays it out."""
     return len(size) != 4 or size[2] * size[3] == 1 or size[1] == 1
 

@@ -16,6 +16,10 @@ W and R are packed once at load; a call is the input projection of every step as
 loop over time in C (recurrent GEMM + cell per block of hidden units, one barrier a step; the GRU with
 linear_before_reset=0 two).
 
+Inside a native segment each is one call (kiln/kernels/cpu/recurrent.py RecurrentLayer) where sequence_lens is
+absent and Y keeps its order as a segment lays 4-D values out (one direction in layout 0): the initial states
+constants of the engine or values the graph computes. Two directions, or layout 1, run as a step of their own.
+
 What they leave to the op's own implementation (kiln/ops/rnn.py): W, R, B or P computed by the graph
 rather than constants of the engine, other dtypes than float32, the Softplus activation, and at run time
 an empty X, malformed states or sequence_lens (the op's path raises its errors for those).
@@ -27,12 +31,13 @@ from typing import Any
 
 import torch
 
-from kiln.kernels.cpu import recurrent
+from kiln.kernels.cpu import onednn, recurrent
 from kiln.ops.registry import lookup
 from kiln.ops.rnn import activation_names, activation_parameters
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.onednn import keeps_order
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive, tensor_input
 from kiln.tactics.tactic import attribute as _attr
 
 _INITIAL_H, _LENGTHS, _PEEPHOLES = 5, 4, 7  # ONNX input indices (LSTM: initial_c 6, P 7)
@@ -103,6 +108,24 @@ def _supporter(cell: str):
     return supports
 
 
+def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    """X's size at the build shape: the layer's call inside a native segment is bound at it."""
+    return {"x_size": list(inputs[0].shape)} if inputs[0].shape is not None else {}
+
+
+def _native_reason(step: StepSpec) -> str | None:
+    """Why the layer cannot be a native segment's member (None: it can). A member is bound at its sizes with
+    every operand but X and the states the graph computes fixed: sequence_lens must be absent (given at run time,
+    the launch checks it)."""
+    if not onednn.available():
+        return f"a segment's operands are oneDNN memory objects, and oneDNN is unavailable: {onednn.reason()}"
+    if len(step.tactic_config.get("x_size", ())) != 3:
+        return "X's size at the build shape is not in the step's config"
+    if len(step.inputs) > _LENGTHS and step.inputs[_LENGTHS]:
+        return "sequence_lens is given"
+    return None
+
+
 def _preparer(cell: str, loop: str = "rows"):
     """`loop`: "rows" (recurrent.c / lstm.c), "lanes" (the LSTM on lstm_lanes.c up to its batch, the row loop,
     built on first use, past it) or "fused" (the LSTM on lstm_fused.c, any batch)."""
@@ -138,6 +161,13 @@ def _preparer(cell: str, loop: str = "rows"):
         reverse_only = _attr(step, "direction", "forward") == "reverse"
         batch_major = bool(int(_attr(step, "layout", 0)))
 
+        def directions_for(batch: int) -> list:
+            if batch <= lane_batch:
+                return lane_layers
+            if not rows:  # a batch past the lanes: the row loop, packed once
+                rows[:] = row_layers()
+            return rows
+
         def launch(ctx, X, W_=None, R_=None, B_=None, sequence_lens=None, initial_h=None, *rest, **attributes):
             initial_c = rest[0] if has_c and rest else None
             fallback = (X, W_, R_, B_, sequence_lens, initial_h, *rest)
@@ -161,10 +191,7 @@ def _preparer(cell: str, loop: str = "rows"):
                 Y = X.new_empty((steps, directions, batch, hidden))  # [S, D, N, H]
             finals = [X.new_empty(state_size) for _ in range(2 if has_c else 1)]  # [D, N, H] | [N, D, H]
             states = [None if s is None else s.to(torch.float32).contiguous() for s in (initial_h, initial_c)]
-            layers = lane_layers if batch <= lane_batch else rows
-            if not layers:
-                layers = rows[:] = row_layers()  # a batch past the lanes: the row loop, packed once
-            for d, layer in enumerate(layers):
+            for d, layer in enumerate(directions_for(batch)):
                 def state(s):  # direction d's [N, H] (a strided view in layout 1)
                     return None if s is None else (s[:, d] if batch_major else s[d])
                 y = Y[:, :, d] if batch_major else Y[:, d]
@@ -173,6 +200,39 @@ def _preparer(cell: str, loop: str = "rows"):
                           batch_major=batch_major, lengths=lengths)
             return (Y, *finals)
 
+        @resizable
+
+        def native_at(sizes: dict[int, tuple[int, ...]]) -> NativeStep:
+            """The layer at X's size `sizes[0]` (and the states', where the graph computes them), as a segment
+            binds it."""
+            x_size = tuple(sizes[recurrent.X_INPUT])
+            if len(x_size) != 3 or x_size[2] != inputs or min(x_size) < 1:
+                raise ValueError(f"X {list(x_size)} is not [S, N, {inputs}] (layout {int(batch_major)})")
+            batch, steps = (x_size[0], x_size[1]) if batch_major else (x_size[1], x_size[0])
+            layer = recurrent.RecurrentLayer(directions_for(batch), steps, batch, batch_major=batch_major,
+                                             reverse_only=reverse_only, initial=initial, finals=2 if has_c else 1)
+            if not keeps_order(layer.output_size):
+                raise ValueError(f"Y {list(layer.output_size)} is 4-D in another order than a segment's NHWC layers "
+                                 "read it")
+            if any(s is not None and tuple(s.shape) != layer.state_size for s in initial):
+                raise ValueError(f"the constant initial states are not {list(layer.state_size)}")
+            reads = {recurrent.X_INPUT: (x_size, torch.float32)}
+            reads.update({k: (layer.state_size, torch.float32) for k in state_inputs})
+            return NativeStep(x_size, layer.output_size, same_primitive(layer), reads=reads,
+                              more_outputs=layer.more_outputs)
+
+        # the initial states: constants of the engine (bound into the layer), or values the graph computes (read)
+        state_indices = (_INITIAL_H, _INITIAL_H + 1) if has_c else (_INITIAL_H,)
+        constant_states = [constants[k] if k < len(constants) else None for k in state_indices]
+        state_inputs = [k for k, c in zip(state_indices, constant_states)
+                        if k < len(step.inputs) and step.inputs[k] and c is None]
+        initial = tuple(None if c is None else c.to(torch.float32).contiguous() for c in constant_states)
+        initial += (None,) * (2 - len(initial))
+        if _native_reason(step) is None:
+            try:
+                launch.native = native_at({recurrent.X_INPUT: tuple(step.tactic_config["x_size"])})
+            except ValueError:  # Y of two directions, or states of another size: a step of its own
+                pass
         return launch
 
     return prepare
@@ -181,7 +241,8 @@ def _preparer(cell: str, loop: str = "rows"):
 for _cell in ("RNN", "GRU", "LSTM"):
     register(Tactic(
         name=f"cpu.{_cell.lower()}.native", op_type=_cell, domain="", device="cpu", dtypes=(torch.float32,),
-        supports=_supporter(_cell), prepare=_preparer(_cell), available=recurrent.available,
+        supports=_supporter(_cell), configure=_configure, prepare=_preparer(_cell), available=recurrent.available,
+        native=True,
         description=f"{_cell} as kiln's C loop: input projection as one GEMM, recurrent GEMM + cell per unit "
                     "block and step",
     ))
@@ -205,14 +266,16 @@ def _supports_default_cell(step: StepSpec, inputs: list[InputMeta]) -> bool | st
 
 register(Tactic(
     name="cpu.lstm.lanes", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
-    supports=_supports_default_cell, prepare=_preparer("LSTM", "lanes"), available=recurrent.available,
+    supports=_supports_default_cell, configure=_configure, prepare=_preparer("LSTM", "lanes"),
+    available=recurrent.available, native=True,
     description="LSTM as kiln's C loop with the batch (<= 8) in the vector lanes: input projection and cell "
                 "inside each step's tile",
 ))
 
 register(Tactic(
     name="cpu.lstm.fused", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
-    supports=_supports_default_cell, prepare=_preparer("LSTM", "fused"), available=recurrent.available,
+    supports=_supports_default_cell, configure=_configure, prepare=_preparer("LSTM", "fused"),
+    available=recurrent.available, native=True,
     description="LSTM as kiln's C loop with a step's input projection, recurrent GEMM and cell in one register "
                 "tile per block of hidden units (four gate vectors) and group of batch rows",
 ))

@@ -3,6 +3,8 @@
     cpu.relayout.native   a chain of Reshapes/Transposes (kiln/passes/fusion/relayout.py) as one strided
                           copy of float32 values as a segment lays them out (4-D: NHWC)
     cpu.slice.native      a Slice of constant bounds, the same copy from another first element
+    cpu.gather.slice      a Gather of an activation by constant indices that step evenly (a recurrent net's
+                          last time step, x[:, -1]): the same copy
 
 Why: MobileViT-S's unfold and fold ran as 15 torch steps a run, each splitting the native segment around
 its convolutions and transformer layers; here each is one call of the segment loop (rows of channels
@@ -85,7 +87,7 @@ register(Tactic(
 # ---- Slice -------------------------------------------------------------------------------------------
 
 def _slice_move(step: StepSpec, constants: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The Slice as a function of its data (the op's own code, its starts/ends/axes/steps constants)."""
+    """The Slice (or Gather) as a function of its data (the op's own code, its constant bounds or indices)."""
     op = lookup(step.op_type, step.domain).fn
     ctx = OpContext(name=step.name, op_type=step.op_type, domain=step.domain, opset=step.opset,
                     num_inputs=len(step.inputs), num_outputs=1)
@@ -100,7 +102,7 @@ def _slice_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if x.shape is None or x.dtype != _F32:
         return "only float32 inputs of known shapes"
     if any(m is not None and not m.constant for m in inputs[1:]):
-        return "starts, ends, axes or steps computed at run time"
+        return "an input besides the data is computed at run time (a Slice's bounds, a Gather's indices)"
     numel = int(np.prod(x.shape))
     if not 0 < numel <= TABLE_LIMIT:
         return f"{numel} elements: 1 to {TABLE_LIMIT}"
@@ -114,9 +116,13 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     return _launch(tuned, kernel, move)  # the walk holds for the tuned size only
 
 
-register(Tactic(
-    name="cpu.slice.native", op_type="Slice", domain="", device="cpu", dtypes=(_F32,),
-    supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
-    available=relayout.available, native=True,
-    description="Slice as one strided copy in kiln's C (4-D: NHWC), a native-segment member (Swin's shifted windows)",
-))
+# a Slice of constant bounds and a Gather by constant indices: one walk of the data either way
+for _op, _name, _example in (("Slice", "cpu.slice.native", "Swin's shifted windows"),
+                             ("Gather", "cpu.gather.slice", "a forecaster's last time step")):
+    register(Tactic(
+        name=_name, op_type=_op, domain="", device="cpu", dtypes=(_F32,),
+        supports=_slice_supports, configure=_configure, prepare=_prepare_slice, layout="channels_last",
+        available=relayout.available, native=True,
+        description=f"{_op} by constants as one strided copy in kiln's C (4-D: NHWC), a native-segment member "
+                    f"({_example})",
+    ))
