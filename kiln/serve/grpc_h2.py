@@ -1,0 +1,814 @@
+"""kiln serve's own gRPC transport: HTTP/2 (RFC 9113) on the event loop's protocol callbacks, as uvicorn's
+HTTP/1.1 is, serving the method handlers grpcio's server is given (grpc_server.method_handlers: the same
+deserializers, servicer methods and serializers). grpc.aio spends ~300-450 us of server CPU on a call
+answered with a constant (its Cython server, completion queue, poller thread and several loop wake-ups);
+this transport ~20-45 (bench/results/serve-overhead-2026-12-03.md, serve-grpc-2026-12-04.md).
+
+    server = GrpcServer(method_handlers(InferenceServicer(core)), max_message_bytes)
+    await server.start(sock)       # a listening socket (frontdoors.listen)
+    await server.stop(grace)       # GOAWAY on every connection; streams in flight finish within `grace` s
+
+HTTP/2 in brief: the client opens with a 24-byte preface and SETTINGS; every frame is a 9-byte header
+(24-bit length, type, flags, 31-bit stream id) and its payload. A gRPC call is one client-opened stream:
+HEADERS (:path /package.Service/Method, grpc-timeout, ...; HPACK-compressed against a per-connection
+dynamic table), DATA carrying messages (each a 5-byte prefix: compressed flag, 32-bit length), the last
+frame with END_STREAM; the answer is HEADERS (:status 200), DATA, and trailers (grpc-status, grpc-message)
+with END_STREAM, or the trailers alone for an error. DATA is flow-controlled per stream and per
+connection: a sender may send what the receiver's windows allow, and the receiver gives them back with
+WINDOW_UPDATE. Faults of the peer are connection errors (GOAWAY with a code, then close) or stream errors
+(RST_STREAM); a fault of a call (bad message, unknown method) is a gRPC status in its trailers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import grpc
+import hpack
+
+log = logging.getLogger("kiln.serve")
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
+# error codes (RFC 9113 section 7)
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
+STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
+ENHANCE_YOUR_CALM = 0xB
+# SETTINGS parameters
+HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x1, 0x2, 0x3, 0x4, 0x5
+MAX_WINDOW = (1 << 31) - 1
+DEFAULT_WINDOW = 65535
+DEFAULT_FRAME_SIZE = 16384
+
+# what this server asks of its clients
+STREAM_WINDOW = 1 << 22  # bytes a client may send on a stream before a WINDOW_UPDATE
+CONNECTION_WINDOW = 1 << 24
+RECEIVE_FRAME_SIZE = 1 << 20  # larger DATA frames: fewer passes through data_received for large tensors
+MAX_STREAMS = 1024  # concurrent calls per connection (past it: REFUSED_STREAM; clients queue)
+MAX_HEADER_BLOCK = 1 << 16  # bytes of one header block, CONTINUATIONs included (past it: ENHANCE_YOUR_CALM)
+HEADER_CACHE_SIZE = 64
+
+_FRAME = struct.Struct(">HBBBI")  # the frame header: the 24-bit length as 16 + 8 bits, type, flags, stream id
+_SETTING = struct.Struct(">HI")
+_WORD = struct.Struct(">I")
+_GOAWAY = struct.Struct(">II")
+_MESSAGE_PREFIX = struct.Struct(">BI")  # gRPC's: compressed flag, length
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return _FRAME.pack(n >> 8, n & 0xFF, kind, flags, stream) + payload
+
+
+def _integer(value: int) -> bytes:
+    """HPACK's integer with a 7-bit prefix (RFC 7541 section 5.1), the H bit clear: a plain string's length."""
+    if value < 0x7F:
+        return bytes((value,))
+    out = [0x7F]
+    value -= 0x7F
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, plain strings: nothing enters the client's
+    dynamic table, so every block this server writes decodes alike whatever was written before."""
+    return b"\x00" + _integer(len(name)) + name + _integer(len(value)) + value
+
+
+def percent_encode(message: str) -> bytes:
+    """grpc-message's encoding (gRPC's PROTOCOL-HTTP2.md): UTF-8, then every byte outside 0x20-0x7E, and %, as %XX."""
+    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
+
+
+RESPONSE_HEADERS = b"\x88" + _literal(b"content-type", b"application/grpc")  # 0x88: static entry 8, :status 200
+OK_TRAILERS = _literal(b"grpc-status", b"0")
+TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
+
+
+class ConnectionFault(Exception):
+    """The peer broke HTTP/2: the connection ends with GOAWAY(code)."""
+
+    def __init__(self, code: int, reason: str):
+        super().__init__(reason)
+        self.code = code
+
+
+class CallFailed(Exception):
+    """A call ends with this gRPC status before its handler runs (unknown method, malformed message, ...)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+class RequestHead:
+    """What a call's request headers say that the transport acts on; decoded once per distinct header block."""
+
+    __slots__ = ("path", "timeout", "encoding", "error")
+
+    def __init__(self, headers: list[tuple[bytes, bytes]]):
+        self.path = self.encoding = None
+        self.timeout: float | None = None
+        self.error: CallFailed | None = None
+        method = content_type = None
+        for name, value in headers:
+            if name == b":path":
+                self.path = value.decode("latin-1")
+            elif name == b":method":
+                method = value
+            elif name == b"content-type":
+                content_type = value
+            elif name == b"grpc-timeout":
+                self.timeout = _timeout(value)
+                if self.timeout is None:
+                    self.error = CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {value!r}")
+            elif name == b"grpc-encoding" and value != b"identity":
+                self.encoding = value.decode("latin-1")
+        if method != b"POST" or self.path is None:
+            self.error = CallFailed(grpc.StatusCode.UNIMPLEMENTED, "a gRPC call is a POST with a :path")
+        elif content_type is None or not content_type.startswith(b"application/grpc"):
+            self.error = CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"content-type {content_type!r} is not gRPC's")
+
+
+def _timeout(value: bytes) -> float | None:
+    """grpc-timeout: up to 8 digits and a unit (H M S m u n), in seconds; None when malformed."""
+    digits = value[:-1]
+    if not 1 <= len(digits) <= 8 or not digits.isdigit() or value[-1] not in TIMEOUT_UNITS:
+        return None
+    return int(digits) * TIMEOUT_UNITS[value[-1]]
+
+
+class Call:
+    """One gRPC call, one HTTP/2 stream: its request as it arrives, its handler's task, its answer's bytes
+    waiting for send windows. It is also the context the servicer's methods get: of grpc.aio's
+    ServicerContext, the part kiln's servicer and the generated base class use (abort, set_trailing_metadata;
+    set_code, set_details)."""
+
+    __slots__ = ("connection", "id", "handler", "head", "chunks", "held", "messages", "requests", "receive_window",
+                 "received", "remote_closed", "send_window", "outbox", "sent", "headers_sent", "finished", "task",
+                 "timer", "code", "details", "trailing")
+
+    def __init__(self, connection: GrpcConnection, stream_id: int, handler, head: RequestHead):
+        self.connection = connection
+        self.id = stream_id
+        self.handler = handler
+        self.head = head
+        self.chunks: list[bytes] = []  # request bytes not yet cut into messages
+        self.held = 0
+        self.messages: list[bytes] = []  # a unary call's message, until END_STREAM
+        self.requests: asyncio.Queue | None = asyncio.Queue() if handler and handler.request_streaming else None
+        self.receive_window = STREAM_WINDOW
+        self.received = 0  # bytes received since this stream's last WINDOW_UPDATE
+        self.remote_closed = False
+        self.send_window = connection.peer_window
+        self.outbox = b""  # DATA not yet sent for want of window: outbox[sent:]
+        self.sent = 0
+        self.headers_sent = False
+        self.finished = False  # its trailers are written (or waiting in outbox's wake), or it was reset
+        self.task: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+        self.trailing: tuple = ()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
+        self.code, self.details = code, details
+        if trailing_metadata:
+            self.trailing = tuple(trailing_metadata)
+        raise grpc.aio.AbortError()
+
+    def set_trailing_metadata(self, trailing_metadata) -> None:
+        self.trailing = tuple(trailing_metadata)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def cut_messages(self, limit: int) -> list[bytes]:
+        """The complete messages among the bytes received so far; CallFailed for one over `limit` bytes or
+        compressed (no grpc-encoding is supported), told from its prefix before its body arrives."""
+        out = []
+        while self.held >= 5:
+            if len(self.chunks[0]) < 5:
+                self.chunks = [b"".join(self.chunks)]
+            compressed, size = _MESSAGE_PREFIX.unpack_from(self.chunks[0])
+            if compressed:
+                raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"compressed messages (grpc-encoding "
+                                 f"{self.head.encoding}) are not supported: send them uncompressed")
+            if size > limit:
+                raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"received message larger than max ({size} vs. {limit})")
+            if self.held < 5 + size:
+                break
+            whole = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+            out.append(whole[5:5 + size])
+            rest = whole[5 + size:]
+            self.chunks = [rest] if rest else []
+            self.held = len(rest)
+        return out
+
+
+class _Requests:
+    """A streaming call's requests as the servicer iterates them: messages deserialized as they arrive."""
+
+    def __init__(self, call: Call):
+        self.call = call
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self.call.requests.get()
+        if message is None:
+            raise StopAsyncIteration
+        return message
+
+
+class GrpcConnection(asyncio.Protocol):
+    def __init__(self, server: GrpcServer):
+        self.server = server
+        self.handlers = server.handlers
+        self.limit = server.max_message_bytes
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.preface = False
+        self.out: list[bytes] = []
+        self.receiving = False  # inside data_received: what it writes goes out at its end, in one write
+        self.flush_pending = False
+        self.calls: dict[int, Call] = {}
+        self.last_stream = 0  # the highest stream id the client opened
+        self.continuing: tuple[int, int, list[bytes], int] | None = None  # a header block awaiting CONTINUATION
+        self.decoder = hpack.Decoder()
+        self.heads: dict[bytes, RequestHead] = {}  # header block -> its RequestHead, while the dynamic table stands
+        self.receive_window = CONNECTION_WINDOW
+        self.received = 0  # bytes received since the connection's last WINDOW_UPDATE
+        self.send_window = DEFAULT_WINDOW
+        self.peer_window = DEFAULT_WINDOW  # the client's SETTINGS_INITIAL_WINDOW_SIZE: each new stream's send window
+        self.peer_frame_size = DEFAULT_FRAME_SIZE
+        self.blocked: dict[int, Call] = {}  # calls with DATA waiting for a window, in order
+        self.closing = False  # GOAWAY sent or received: no new streams, closed once the last call ends
+        self.dispatch = {DATA: self._data, HEADERS: self._headers, PRIORITY: self._priority,
+                         RST_STREAM: self._reset_by_peer, SETTINGS: self._settings, PUSH_PROMISE: self._push_promise,
+                         PING: self._ping, GOAWAY: self._goaway, WINDOW_UPDATE: self._window_update,
+                         CONTINUATION: self._continuation}
+
+    # ---- the socket ----
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.connections.add(self)
+        settings = b"".join(_SETTING.pack(k, v) for k, v in (
+            (ENABLE_PUSH, 0), (MAX_CONCURRENT_STREAMS, MAX_STREAMS), (INITIAL_WINDOW_SIZE, STREAM_WINDOW),
+            (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE)))
+        transport.write(frame(SETTINGS, 0, 0, settings) +
+                        frame(WINDOW_UPDATE, 0, 0, _WORD.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        for call in list(self.calls.values()):
+            self._drop(call)
+        self.server.connection_closed(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.receiving = True
+        try:
+            self._receive(self.buffer + data if self.buffer else data)
+        except ConnectionFault as fault:
+            self.close(fault.code, str(fault))
+        except Exception as e:  # noqa: BLE001 - a fault of this server: this connection ends, the others go on
+            log.exception("gRPC connection: internal error", exc_info=e)
+            self.close(INTERNAL_ERROR, "internal error")
+        finally:
+            self.receiving = False
+            self._flush()
+
+    def _receive(self, buffer: bytes) -> None:
+        if not self.preface:
+            if len(buffer) < len(PREFACE):
+                if not PREFACE.startswith(buffer):
+                    raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+                self.buffer = buffer
+                return
+            if not buffer.startswith(PREFACE):
+                raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
+            buffer = buffer[len(PREFACE):]
+            self.preface = True
+        pos, end = 0, len(buffer)
+        while end - pos >= 9 and self.transport is not None:
+            high, low, kind, flags, stream = _FRAME.unpack_from(buffer, pos)
+            length = high << 8 | low
+            if length > RECEIVE_FRAME_SIZE:
+                raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {RECEIVE_FRAME_SIZE})")
+            if end - pos < 9 + length:
+                break
+            payload = buffer[pos + 9:pos + 9 + length]
+            pos += 9 + length
+            stream &= 0x7FFFFFFF
+            if self.continuing is not None and kind != CONTINUATION:
+                raise ConnectionFault(PROTOCOL_ERROR, "a header block interrupted before its END_HEADERS")
+            handle = self.dispatch.get(kind)
+            if handle is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
+                handle(flags, stream, payload)
+        self.buffer = buffer[pos:]
+        if self.received >= CONNECTION_WINDOW // 2:
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, _WORD.pack(self.received)))
+            self.receive_window += self.received
+            self.received = 0
+
+    def write(self, data: bytes) -> None:
+        """Out with the next flush: at the end of data_received, or at the loop's next turn (answers finished
+        together leave in one write)."""
+        self.out.append(data)
+        if not self.receiving and not self.flush_pending:
+            self.flush_pending = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_pending = False
+        if self.out and self.transport is not None:
+            self.transport.write(b"".join(self.out))
+        self.out = []
+        if self.closing and not self.calls and self.transport is not None:
+            self.transport.close()
+
+    def close(self, code: int, reason: str = "") -> None:
+        """GOAWAY(code) and close: a connection error, or the end of a graceful close (NO_ERROR)."""
+        if self.transport is None:
+            return
+        self.out.append(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_stream, code) + reason.encode()[:256]))
+        self.transport.write(b"".join(self.out))
+        self.out = []
+        self.transport.close()
+        self.transport = None
+        for call in list(self.calls.values()):
+            self._drop(call)
+
+    def shut(self) -> None:
+        """Graceful: GOAWAY naming the last stream taken; the calls open finish, then the connection closes."""
+        if self.transport is None or self.closing:
+            return
+        self.closing = True
+        self.write(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_stream, NO_ERROR)))
+
+    # ---- frames ----
+
+    def _headers(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream == 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "HEADERS on stream 0")
+        block = _unpad(flags, payload)
+        if flags & PRIORITY_FLAG:
+            if len(block) < 5:
+                raise ConnectionFault(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
+            block = block[5:]
+        if flags & END_HEADERS:
+            self._header_block(stream, flags, block)
+        else:
+            self.continuing = (stream, flags, [block], len(block))
+
+    def _continuation(self, flags: int, stream: int, payload: bytes) -> None:
+        if self.continuing is None:
+            raise ConnectionFault(PROTOCOL_ERROR, "CONTINUATION without a header block to continue")
+        first, first_flags, blocks, size = self.continuing
+        if stream != first:
+            raise ConnectionFault(PROTOCOL_ERROR, f"CONTINUATION on stream {stream} in stream {first}'s header block")
+        size += len(payload)
+        if size > MAX_HEADER_BLOCK:
+            raise ConnectionFault(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_BLOCK} bytes")
+        blocks.append(payload)
+        self.continuing = (first, first_flags, blocks, size)
+        if flags & END_HEADERS:
+            self.continuing = None
+            self._header_block(stream, first_flags, b"".join(blocks))
+
+    def _decode(self, block: bytes) -> RequestHead:
+        """The block's RequestHead. A block decoded before is looked up, not decoded again, while the dynamic
+        table is the one it was decoded against: only blocks that left the table as they found it (nothing
+        added, evicted or resized) are kept, and any block that changes the table empties the cache, so a
+        block found in it would decode to the same headers and change nothing."""
+        head = self.heads.get(block)
+        if head is not None:
+            return head
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        size, first, maxsize = len(entries), entries[0] if entries else None, table.maxsize
+        try:
+            headers = self.decoder.decode(block, raw=True)
+        except hpack.HPACKError as e:
+            raise ConnectionFault(COMPRESSION_ERROR, f"header block: {e}") from None
+        head = RequestHead(headers)
+        # an entry added is a new tuple at the front; evictions and resizes change the length or the size
+        if len(entries) == size and table.maxsize == maxsize and (entries[0] if entries else None) is first:
+            if len(self.heads) >= HEADER_CACHE_SIZE:
+                self.heads.clear()
+            self.heads[block] = head
+        else:
+            self.heads.clear()
+        return head
+
+    def _header_block(self, stream: int, flags: int, block: bytes) -> None:
+        head = self._decode(block)  # always: the dynamic table must follow every block
+        call = self.calls.get(stream)
+        if call is not None:  # trailers from the client: only to end its stream
+            if not flags & END_STREAM:
+                self._reset(call, PROTOCOL_ERROR)
+                return
+            self._end_of_request(call)
+            return
+        if stream % 2 == 0 or stream <= self.last_stream:
+            raise ConnectionFault(PROTOCOL_ERROR, f"HEADERS opening stream {stream} (after {self.last_stream})")
+        if self.closing:
+            self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))  # past the GOAWAY: retry elsewhere
+            return
+        self.last_stream = stream
+        if len(self.calls) >= MAX_STREAMS:
+            self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))
+            return
+        handler = self.handlers.get(head.path)
+        call = Call(self, stream, handler, head)
+        self.calls[stream] = call
+        if flags & END_STREAM:
+            call.remote_closed = True
+        if head.error is not None:
+            self._fail(call, head.error)
+        elif handler is None:
+            self._fail(call, CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.path}"))
+        else:
+            if head.timeout is not None:
+                call.timer = asyncio.get_running_loop().call_later(head.timeout, self._deadline, call)
+            if call.requests is not None:
+                call.task = asyncio.get_running_loop().create_task(self._stream_call(call))
+                call.task.add_done_callback(lambda task: self._task_done(call, task))
+            if call.remote_closed:
+                self._end_of_request(call)
+
+    def _data(self, flags: int, stream: int, payload: bytes) -> None:
+        size = len(payload)
+        if size > self.receive_window:
+            raise ConnectionFault(FLOW_CONTROL_ERROR, "DATA past the connection's window")
+        self.receive_window -= size
+        self.received += size
+        call = self.calls.get(stream)
+        if call is None:
+            if stream == 0 or stream > self.last_stream:
+                raise ConnectionFault(PROTOCOL_ERROR, f"DATA on stream {stream}, never opened")
+            return  # a stream this server ended (reset or answered early): ignored, its bytes counted above
+        if call.remote_closed:
+            self._reset(call, STREAM_CLOSED)
+            return
+        if size > call.receive_window:
+            self._reset(call, FLOW_CONTROL_ERROR)
+            return
+        call.receive_window -= size
+        data = _unpad(flags, payload)
+        if call.finished:  # answered early (an error) while the client still sends: its bytes are dropped
+            pass
+        elif data:
+            call.chunks.append(data)
+            call.held += len(data)
+            try:
+                messages = call.cut_messages(self.limit)
+            except CallFailed as failure:
+                self._fail(call, failure)
+                return
+            for message in messages:
+                self._message(call, message)
+        if flags & END_STREAM:
+            self._end_of_request(call)
+        elif not call.finished:
+            call.received += size
+            if call.received >= STREAM_WINDOW // 2:
+                self.write(frame(WINDOW_UPDATE, 0, stream, _WORD.pack(call.received)))
+                call.receive_window += call.received
+                call.received = 0
+
+    def _message(self, call: Call, message: bytes) -> None:
+        if call.requests is None:
+            if call.messages:
+                self._fail(call, CallFailed(grpc.StatusCode.UNIMPLEMENTED, "a unary call with more than one request"))
+                return
+            call.messages.append(message)
+            return
+        try:
+            request = call.handler.request_deserializer(message)
+        except Exception as e:  # noqa: BLE001 - the client's message: answered as its call's status
+            self._fail(call, _unparsable(call, e))
+            return
+        call.requests.put_nowait(request)
+
+    def _end_of_request(self, call: Call) -> None:
+        call.remote_closed = True
+        if call.finished:
+            self._forget(call)
+            return
+        if call.held:
+            self._fail(call, CallFailed(grpc.StatusCode.INTERNAL, f"the request ended inside a message "
+                                                                  f"({call.held} bytes of it)"))
+            return
+        if call.requests is not None:
+            call.requests.put_nowait(None)
+            return
+        if not call.messages:
+            self._fail(call, CallFailed(grpc.StatusCode.UNIMPLEMENTED, "a unary call without its request"))
+            return
+        handler = call.handler
+        try:
+            request = handler.request_deserializer(call.messages.pop())
+        except Exception as e:  # noqa: BLE001 - the client's message: answered as its call's status
+            self._fail(call, _unparsable(call, e))
+            return
+        try:
+            answer = handler.unary_unary(request, call)
+        except Exception as e:  # noqa: BLE001 - a plain function's failure (the base class's "not implemented")
+            self._answer(call, None, e)
+            return
+        if not asyncio.iscoroutine(answer):
+            self._answer(call, answer, None)
+            return
+        call.task = asyncio.get_running_loop().create_task(answer)
+        call.task.add_done_callback(lambda task: self._task_done(call, task))
+
+    def _settings(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream != 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise ConnectionFault(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise ConnectionFault(FRAME_SIZE_ERROR, f"SETTINGS of {len(payload)} bytes (a multiple of 6)")
+        for at in range(0, len(payload), 6):
+            key, value = _SETTING.unpack_from(payload, at)
+            if key == INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ConnectionFault(FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
+                delta, self.peer_window = value - self.peer_window, value
+                for call in self.calls.values():
+                    call.send_window += delta
+            elif key == MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME_SIZE <= value <= (1 << 24) - 1:
+                    raise ConnectionFault(PROTOCOL_ERROR, f"SETTINGS_MAX_FRAME_SIZE {value}")
+                self.peer_frame_size = value
+            elif key == ENABLE_PUSH and value > 1:
+                raise ConnectionFault(PROTOCOL_ERROR, f"SETTINGS_ENABLE_PUSH {value}")
+            # HEADER_TABLE_SIZE: this server never indexes what it sends; the rest are advice
+        self.write(frame(SETTINGS, ACK, 0))
+        self._send_blocked()
+
+    def _window_update(self, flags: int, stream: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "WINDOW_UPDATE of other than 4 bytes")
+        increment = _WORD.unpack(payload)[0] & 0x7FFFFFFF
+        if stream == 0:
+            if increment == 0:
+                raise ConnectionFault(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
+            self.send_window += increment
+            if self.send_window > MAX_WINDOW:
+                raise ConnectionFault(FLOW_CONTROL_ERROR, "the connection's window past 2^31-1")
+            self._send_blocked()
+            return
+        call = self.calls.get(stream)
+        if call is None:
+            if stream > self.last_stream:
+                raise ConnectionFault(PROTOCOL_ERROR, f"WINDOW_UPDATE on stream {stream}, never opened")
+            return
+        if increment == 0:
+            self._reset(call, PROTOCOL_ERROR)
+            return
+        call.send_window += increment
+        if call.send_window > MAX_WINDOW:
+            self._reset(call, FLOW_CONTROL_ERROR)
+            return
+        if call.outbox:
+            self._send(call)
+
+    def _ping(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream != 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "PING on a stream")
+        if len(payload) != 8:
+            raise ConnectionFault(FRAME_SIZE_ERROR, "PING of other than 8 bytes")
+        if not flags & ACK:
+            self.write(frame(PING, ACK, 0, payload))
+
+    def _goaway(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream != 0:
+            raise ConnectionFault(PROTOCOL_ERROR, "GOAWAY on a stream")
+        self.closing = True  # the client opens no more streams; the ones open are answered
+
+    def _reset_by_peer(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream == 0 or len(payload) != 4:
+            raise ConnectionFault(PROTOCOL_ERROR if stream == 0 else FRAME_SIZE_ERROR, "malformed RST_STREAM")
+        if stream > self.last_stream:
+            raise ConnectionFault(PROTOCOL_ERROR, f"RST_STREAM on stream {stream}, never opened")
+        call = self.calls.get(stream)
+        if call is not None:
+            self._drop(call)
+
+    def _priority(self, flags: int, stream: int, payload: bytes) -> None:
+        if stream == 0 or len(payload) != 5:
+            raise ConnectionFault(PROTOCOL_ERROR if stream == 0 else FRAME_SIZE_ERROR, "malformed PRIORITY")
+
+    def _push_promise(self, flags: int, stream: int, payload: bytes) -> None:
+        raise ConnectionFault(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+
+    # ---- answers ----
+
+    def _task_done(self, call: Call, task: asyncio.Task) -> None:
+        if not call.finished and not task.cancelled():
+            error = task.exception()
+            self._answer(call, None if error else task.result(), error)
+
+    def _answer(self, call: Call, result, error: BaseException | None) -> None:
+        """The handler returned (its answer, for a unary call; the end of its stream of answers) or failed."""
+        if error is None:
+            if call.requests is None:
+                try:
+                    self._send_message(call, call.handler.response_serializer(result))
+                except Exception as e:  # noqa: BLE001 - the call's status
+                    log.exception("gRPC %s: serializing the answer", call.head.path, exc_info=e)
+                    call.code, call.details = grpc.StatusCode.INTERNAL, f"serializing the answer: {e}"
+        elif call.code is grpc.StatusCode.OK:  # failed with no status set (abort, set_code): a fault of the server
+            log.exception("gRPC %s: internal error", call.head.path, exc_info=error)
+            call.code, call.details = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        self._end(call)
+
+    async def _stream_call(self, call: Call) -> None:
+        handler = call.handler
+        async for response in handler.stream_stream(_Requests(call), call):
+            self._send_message(call, handler.response_serializer(response))
+
+    def _send_message(self, call: Call, body: bytes) -> None:
+        if call.finished:
+            return
+        if not call.headers_sent:
+            self._header_frames(call.id, RESPONSE_HEADERS, end_stream=False)
+            call.headers_sent = True
+        message = _MESSAGE_PREFIX.pack(0, len(body)) + body
+        call.outbox = call.outbox[call.sent:] + message if call.outbox else message
+        call.sent = 0
+        self._send(call)
+
+    def _send(self, call: Call) -> None:
+        """As much of the call's outbox as the windows let go, then its trailers once it is empty and ended."""
+        outbox, sent = call.outbox, call.sent
+        view = memoryview(outbox)  # frames cut from it without copying the rest each time
+        while sent < len(outbox):
+            n = min(len(outbox) - sent, call.send_window, self.send_window, self.peer_frame_size)
+            if n <= 0:
+                break
+            self.write(frame(DATA, 0, call.id, view[sent:sent + n]))
+            sent += n
+            call.send_window -= n
+            self.send_window -= n
+        if sent < len(outbox):
+            call.sent = sent
+            self.blocked[call.id] = call
+            return
+        call.outbox, call.sent = b"", 0
+        self.blocked.pop(call.id, None)
+        if call.finished:
+            self._trailers(call)
+
+    def _send_blocked(self) -> None:
+        for call in list(self.blocked.values()):
+            if self.send_window <= 0:
+                return
+            self._send(call)
+
+    def _end(self, call: Call) -> None:
+        """The call's status is known: trailers after its DATA (now, or once the windows let that go)."""
+        call.finished = True
+        if call.timer is not None:
+            call.timer.cancel()
+        if not call.outbox:
+            self._trailers(call)
+
+    def _trailers(self, call: Call) -> None:
+        block = _literal(b"grpc-status", b"%d" % call.code.value[0]) if call.code is not grpc.StatusCode.OK \
+            else OK_TRAILERS
+        if call.details:
+            block += _literal(b"grpc-message", percent_encode(call.details))
+        for key, value in call.trailing:
+            block += _literal(key.encode("latin-1"), value if isinstance(value, bytes) else value.encode())
+        if not call.headers_sent:  # trailers only
+            block = RESPONSE_HEADERS + block
+        self._header_frames(call.id, block, end_stream=True)
+        if call.remote_closed:
+            self._forget(call)
+        else:  # answered before the request ended: the client need send no more
+            self.write(frame(RST_STREAM, 0, call.id, _WORD.pack(NO_ERROR)))
+            self._forget(call)
+
+    def _header_frames(self, stream: int, block: bytes, end_stream: bool) -> None:
+        """HEADERS, and CONTINUATIONs for a block larger than the client's frame size."""
+        size = self.peer_frame_size
+        flags = END_STREAM if end_stream else 0
+        if len(block) <= size:
+            self.write(frame(HEADERS, flags | END_HEADERS, stream, block))
+            return
+        pieces = [block[at:at + size] for at in range(0, len(block), size)]
+        self.write(frame(HEADERS, flags, stream, pieces[0]))
+        for piece in pieces[1:-1]:
+            self.write(frame(CONTINUATION, 0, stream, piece))
+        self.write(frame(CONTINUATION, END_HEADERS, stream, pieces[-1]))
+
+    def _fail(self, call: Call, failure: CallFailed) -> None:
+        """The call ends with this status now; its handler, if running, is cancelled."""
+        if call.finished:
+            return
+        call.code, call.details = failure.code, str(failure)
+        call.outbox, call.sent = b"", 0  # the status replaces an answer not yet sent
+        if call.task is not None:
+            call.task.cancel()
+        self._end(call)
+
+    def _deadline(self, call: Call) -> None:
+        call.timer = None
+        self._fail(call, CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def _reset(self, call: Call, code: int) -> None:
+        """A stream error: RST_STREAM(code), the call dropped."""
+        self.write(frame(RST_STREAM, 0, call.id, _WORD.pack(code)))
+        self._drop(call)
+
+    def _drop(self, call: Call) -> None:
+        """The call ends unanswered (reset by either side, or the connection is gone)."""
+        call.finished = True
+        if call.task is not None:
+            call.task.cancel()
+        if call.timer is not None:
+            call.timer.cancel()
+        self._forget(call)
+
+    def _forget(self, call: Call) -> None:
+        self.calls.pop(call.id, None)
+        self.blocked.pop(call.id, None)
+        if self.closing and not self.calls:
+            self.write(b"")  # the flush closes the connection
+
+
+def _unpad(flags: int, payload: bytes) -> bytes:
+    if not flags & PADDED:
+        return payload
+    if not payload or payload[0] >= len(payload):
+        raise ConnectionFault(PROTOCOL_ERROR, "padding as long as the frame")
+    return payload[1:len(payload) - payload[0]]
+
+
+def _unparsable(call: Call, e: Exception) -> CallFailed:
+    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request of {call.head.path}: "
+                                                        f"{type(e).__name__}: {e}")
+
+
+class GrpcServer:
+    """Serves `handlers` (grpc's RpcMethodHandler per method name, as grpc_server.method_handlers makes them) of
+    `service` over HTTP/2: the unary and the bidirectional-streaming calls (what GRPCInferenceService has)."""
+
+    def __init__(self, service: str, handlers: dict, max_message_bytes: int):
+        for name, handler in handlers.items():
+            if handler.request_streaming != handler.response_streaming:
+                raise ValueError(f"{service}/{name}: only unary and bidirectional-streaming calls are served")
+        self.handlers = {f"/{service}/{name}": handler for name, handler in handlers.items()}
+        self.max_message_bytes = max_message_bytes
+        self.connections: set[GrpcConnection] = set()
+        self._server: asyncio.Server | None = None
+        self._idle = asyncio.Event()
+
+    async def start(self, sock) -> None:
+        self._server = await asyncio.get_running_loop().create_server(self._connection, sock=sock)
+
+    def _connection(self) -> GrpcConnection:
+        return GrpcConnection(self)
+
+    def connection_closed(self, connection: GrpcConnection) -> None:
+        self.connections.discard(connection)
+        if not self.connections:
+            self._idle.set()
+
+    async def stop(self, grace: float | None) -> None:
+        """No new connections; GOAWAY on each open one, whose calls finish within `grace` seconds (then they
+        are cut)."""
+        if self._server is None:
+            return
+        self._server.close()
+        if self.connections:
+            self._idle.clear()
+            for connection in list(self.connections):
+                connection.shut()
+            try:
+                await asyncio.wait_for(self._idle.wait(), grace)
+            except TimeoutError:
+                for connection in list(self.connections):
+                    connection.close(NO_ERROR, "shutdown: the grace period is over")
+        await self._server.wait_closed()
+        self._server = None
+
