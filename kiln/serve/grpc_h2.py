@@ -247,6 +247,7 @@ class GrpcConnection(asyncio.Protocol):
         self.flush_pending = False
         self.calls: dict[int, Call] = {}
         self.last_stream = 0  # the highest stream id the client opened
+        self.last_taken = 0  # the highest it opened that this server took (not refused after its GOAWAY)
         self.continuing: tuple[int, int, list[bytes], int] | None = None  # a header block awaiting CONTINUATION
         self.decoder = hpack.Decoder()
         self.heads: dict[bytes, RequestHead] = {}  # header block -> its RequestHead, while the dynamic table stands
@@ -345,7 +346,7 @@ class GrpcConnection(asyncio.Protocol):
         """GOAWAY(code) and close: a connection error, or the end of a graceful close (NO_ERROR)."""
         if self.transport is None:
             return
-        self.out.append(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_stream, code) + reason.encode()[:256]))
+        self.out.append(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_taken, code) + reason.encode()[:256]))
         self.transport.write(b"".join(self.out))
         self.out = []
         self.transport.close()
@@ -358,7 +359,7 @@ class GrpcConnection(asyncio.Protocol):
         if self.transport is None or self.closing:
             return
         self.closing = True
-        self.write(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_stream, NO_ERROR)))
+        self.write(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_taken, NO_ERROR)))
 
     # ---- frames ----
 
@@ -426,10 +427,11 @@ class GrpcConnection(asyncio.Protocol):
             return
         if stream % 2 == 0 or stream <= self.last_stream:
             raise ConnectionFault(PROTOCOL_ERROR, f"HEADERS opening stream {stream} (after {self.last_stream})")
+        self.last_stream = stream
         if self.closing:
             self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))  # past the GOAWAY: retry elsewhere
             return
-        self.last_stream = stream
+        self.last_taken = stream
         if len(self.calls) >= MAX_STREAMS:
             self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))
             return
