@@ -51,8 +51,9 @@ def grpc_transport(request) -> str:
 
 @pytest.fixture(scope="session")
 def grpc_server(repository, grpc_transport):
-    """A server of the repository over gRPC only, on `grpc_transport`."""
-    thread = ServerThread(options(repository, http_port=None, metrics_port=None, grpc_transport=grpc_transport))
+    """A server of the repository with its gRPC on `grpc_transport` (and HTTP: tests checking one protocol's
+    calls through the other)."""
+    thread = ServerThread(options(repository, metrics_port=None, grpc_transport=grpc_transport))
     running = thread.start()
     yield running
     thread.stop()
