@@ -2,11 +2,15 @@
 HTTP/1.1 is, serving the method handlers grpcio's server is given (grpc_server.method_handlers: the same
 deserializers, servicer methods and serializers). grpc.aio spends ~300-450 us of server CPU on a call
 answered with a constant (its Cython server, completion queue, poller thread and several loop wake-ups);
-this transport ~20-45 (bench/results/serve-overhead-2026-12-03.md, serve-grpc-2026-12-04.md).
+kiln serve's whole ModelInfer of an empty model costs ~70 us over this transport at concurrency 64, ~510 over
+grpc.aio (bench/results/serve-grpc-2026-12-04.md).
 
-    server = GrpcServer(method_handlers(InferenceServicer(core)), max_message_bytes)
+    server = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), max_message_bytes)
     await server.start(sock)       # a listening socket (frontdoors.listen)
     await server.stop(grace)       # GOAWAY on every connection; streams in flight finish within `grace` s
+
+Frames and header blocks are written by kiln/serve/h2_frames.py; a call's state and the context its
+servicer method gets are kiln/serve/grpc_call.py's Call. Request headers are decoded by the hpack library.
 
 HTTP/2 in brief: the client opens with a 24-byte preface and SETTINGS; every frame is a 9-byte header
 (24-bit length, type, flags, 31-bit stream id) and its payload. A gRPC call is one client-opened stream:
@@ -23,26 +27,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 
 import grpc
 import hpack
 
-log = logging.getLogger("kiln.serve")
+from kiln.serve.grpc_call import MESSAGE_PREFIX, Call, CallFailed, RequestHead, Requests, unparsable
+from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
+                                  ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
+                                  FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE, INTERNAL_ERROR,
+                                  MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR, OK_TRAILERS, PING,
+                                  PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
+                                  RESPONSE_HEADERS, RST_STREAM, SETTING, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE, WORD,
+                                  ConnectionFault, frame, literal, percent_encode, unpad)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS, PADDED, PRIORITY_FLAG = 0x4, 0x8, 0x20
-# error codes (RFC 9113 section 7)
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
-ENHANCE_YOUR_CALM = 0xB
-# SETTINGS parameters
-HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x1, 0x2, 0x3, 0x4, 0x5
-MAX_WINDOW = (1 << 31) - 1
-DEFAULT_WINDOW = 65535
-DEFAULT_FRAME_SIZE = 16384
+log = logging.getLogger("kiln.serve")
 
 # what this server asks of its clients
 STREAM_WINDOW = 1 << 22  # bytes a client may send on a stream before a WINDOW_UPDATE
@@ -51,187 +49,6 @@ RECEIVE_FRAME_SIZE = 1 << 20  # larger DATA frames: fewer passes through data_re
 MAX_STREAMS = 1024  # concurrent calls per connection (past it: REFUSED_STREAM; clients queue)
 MAX_HEADER_BLOCK = 1 << 16  # bytes of one header block, CONTINUATIONs included (past it: ENHANCE_YOUR_CALM)
 HEADER_CACHE_SIZE = 64
-
-_FRAME = struct.Struct(">HBBBI")  # the frame header: the 24-bit length as 16 + 8 bits, type, flags, stream id
-_SETTING = struct.Struct(">HI")
-_WORD = struct.Struct(">I")
-_GOAWAY = struct.Struct(">II")
-_MESSAGE_PREFIX = struct.Struct(">BI")  # gRPC's: compressed flag, length
-
-
-def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _FRAME.pack(n >> 8, n & 0xFF, kind, flags, stream) + payload
-
-
-def _integer(value: int) -> bytes:
-    """HPACK's integer with a 7-bit prefix (RFC 7541 section 5.1), the H bit clear: a plain string's length."""
-    if value < 0x7F:
-        return bytes((value,))
-    out = [0x7F]
-    value -= 0x7F
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header field as a literal without indexing, new name, plain strings: nothing enters the client's
-    dynamic table, so every block this server writes decodes alike whatever was written before."""
-    return b"\x00" + _integer(len(name)) + name + _integer(len(value)) + value
-
-
-def percent_encode(message: str) -> bytes:
-    """grpc-message's encoding (gRPC's PROTOCOL-HTTP2.md): UTF-8, then every byte outside 0x20-0x7E, and %, as %XX."""
-    return b"".join(bytes((b,)) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in message.encode())
-
-
-RESPONSE_HEADERS = b"\x88" + _literal(b"content-type", b"application/grpc")  # 0x88: static entry 8, :status 200
-OK_TRAILERS = _literal(b"grpc-status", b"0")
-TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
-
-
-class ConnectionFault(Exception):
-    """The peer broke HTTP/2: the connection ends with GOAWAY(code)."""
-
-    def __init__(self, code: int, reason: str):
-        super().__init__(reason)
-        self.code = code
-
-
-class CallFailed(Exception):
-    """A call ends with this gRPC status before its handler runs (unknown method, malformed message, ...)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str):
-        super().__init__(details)
-        self.code = code
-
-
-class RequestHead:
-    """What a call's request headers say that the transport acts on; decoded once per distinct header block."""
-
-    __slots__ = ("path", "timeout", "encoding", "error")
-
-    def __init__(self, headers: list[tuple[bytes, bytes]]):
-        self.path = self.encoding = None
-        self.timeout: float | None = None
-        self.error: CallFailed | None = None
-        method = content_type = None
-        for name, value in headers:
-            if name == b":path":
-                self.path = value.decode("latin-1")
-            elif name == b":method":
-                method = value
-            elif name == b"content-type":
-                content_type = value
-            elif name == b"grpc-timeout":
-                self.timeout = _timeout(value)
-                if self.timeout is None:
-                    self.error = CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {value!r}")
-            elif name == b"grpc-encoding" and value != b"identity":
-                self.encoding = value.decode("latin-1")
-        if method != b"POST" or self.path is None:
-            self.error = CallFailed(grpc.StatusCode.UNIMPLEMENTED, "a gRPC call is a POST with a :path")
-        elif content_type is None or not content_type.startswith(b"application/grpc"):
-            self.error = CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"content-type {content_type!r} is not gRPC's")
-
-
-def _timeout(value: bytes) -> float | None:
-    """grpc-timeout: up to 8 digits and a unit (H M S m u n), in seconds; None when malformed."""
-    digits = value[:-1]
-    if not 1 <= len(digits) <= 8 or not digits.isdigit() or value[-1] not in TIMEOUT_UNITS:
-        return None
-    return int(digits) * TIMEOUT_UNITS[value[-1]]
-
-
-class Call:
-    """One gRPC call, one HTTP/2 stream: its request as it arrives, its handler's task, its answer's bytes
-    waiting for send windows. It is also the context the servicer's methods get: of grpc.aio's
-    ServicerContext, the part kiln's servicer and the generated base class use (abort, set_trailing_metadata;
-    set_code, set_details)."""
-
-    __slots__ = ("connection", "id", "handler", "head", "chunks", "held", "messages", "requests", "receive_window",
-                 "received", "remote_closed", "send_window", "outbox", "sent", "headers_sent", "finished", "task",
-                 "timer", "code", "details", "trailing")
-
-    def __init__(self, connection: GrpcConnection, stream_id: int, handler, head: RequestHead):
-        self.connection = connection
-        self.id = stream_id
-        self.handler = handler
-        self.head = head
-        self.chunks: list[bytes] = []  # request bytes not yet cut into messages
-        self.held = 0
-        self.messages: list[bytes] = []  # a unary call's message, until END_STREAM
-        self.requests: asyncio.Queue | None = asyncio.Queue() if handler and handler.request_streaming else None
-        self.receive_window = STREAM_WINDOW
-        self.received = 0  # bytes received since this stream's last WINDOW_UPDATE
-        self.remote_closed = False
-        self.send_window = connection.peer_window
-        self.outbox = b""  # DATA not yet sent for want of window: outbox[sent:]
-        self.sent = 0
-        self.headers_sent = False
-        self.finished = False  # its trailers are written (or waiting in outbox's wake), or it was reset
-        self.task: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = None
-        self.code = grpc.StatusCode.OK
-        self.details = ""
-        self.trailing: tuple = ()
-
-    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
-        self.code, self.details = code, details
-        if trailing_metadata:
-            self.trailing = tuple(trailing_metadata)
-        raise grpc.aio.AbortError()
-
-    def set_trailing_metadata(self, trailing_metadata) -> None:
-        self.trailing = tuple(trailing_metadata)
-
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.details = details
-
-    def cut_messages(self, limit: int) -> list[bytes]:
-        """The complete messages among the bytes received so far; CallFailed for one over `limit` bytes or
-        compressed (no grpc-encoding is supported), told from its prefix before its body arrives."""
-        out = []
-        while self.held >= 5:
-            if len(self.chunks[0]) < 5:
-                self.chunks = [b"".join(self.chunks)]
-            compressed, size = _MESSAGE_PREFIX.unpack_from(self.chunks[0])
-            if compressed:
-                raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"compressed messages (grpc-encoding "
-                                 f"{self.head.encoding}) are not supported: send them uncompressed")
-            if size > limit:
-                raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                 f"received message larger than max ({size} vs. {limit})")
-            if self.held < 5 + size:
-                break
-            whole = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-            out.append(whole[5:5 + size])
-            rest = whole[5 + size:]
-            self.chunks = [rest] if rest else []
-            self.held = len(rest)
-        return out
-
-
-class _Requests:
-    """A streaming call's requests as the servicer iterates them: messages deserialized as they arrive."""
-
-    def __init__(self, call: Call):
-        self.call = call
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        message = await self.call.requests.get()
-        if message is None:
-            raise StopAsyncIteration
-        return message
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -268,11 +85,11 @@ class GrpcConnection(asyncio.Protocol):
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.server.connections.add(self)
-        settings = b"".join(_SETTING.pack(k, v) for k, v in (
+        settings = b"".join(SETTING.pack(k, v) for k, v in (
             (ENABLE_PUSH, 0), (MAX_CONCURRENT_STREAMS, MAX_STREAMS), (INITIAL_WINDOW_SIZE, STREAM_WINDOW),
             (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE)))
         transport.write(frame(SETTINGS, 0, 0, settings) +
-                        frame(WINDOW_UPDATE, 0, 0, _WORD.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
+                        frame(WINDOW_UPDATE, 0, 0, WORD.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
 
     def connection_lost(self, exc) -> None:
         self.transport = None
@@ -306,7 +123,7 @@ class GrpcConnection(asyncio.Protocol):
             self.preface = True
         pos, end = 0, len(buffer)
         while end - pos >= 9 and self.transport is not None:
-            high, low, kind, flags, stream = _FRAME.unpack_from(buffer, pos)
+            high, low, kind, flags, stream = FRAME.unpack_from(buffer, pos)
             length = high << 8 | low
             if length > RECEIVE_FRAME_SIZE:
                 raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {RECEIVE_FRAME_SIZE})")
@@ -322,7 +139,7 @@ class GrpcConnection(asyncio.Protocol):
                 handle(flags, stream, payload)
         self.buffer = buffer[pos:]
         if self.received >= CONNECTION_WINDOW // 2:
-            self.out.append(frame(WINDOW_UPDATE, 0, 0, _WORD.pack(self.received)))
+            self.out.append(frame(WINDOW_UPDATE, 0, 0, WORD.pack(self.received)))
             self.receive_window += self.received
             self.received = 0
 
@@ -346,7 +163,7 @@ class GrpcConnection(asyncio.Protocol):
         """GOAWAY(code) and close: a connection error, or the end of a graceful close (NO_ERROR)."""
         if self.transport is None:
             return
-        self.out.append(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_taken, code) + reason.encode()[:256]))
+        self.out.append(frame(GOAWAY, 0, 0, GOAWAY_PAYLOAD.pack(self.last_taken, code) + reason.encode()[:256]))
         self.transport.write(b"".join(self.out))
         self.out = []
         self.transport.close()
@@ -359,14 +176,14 @@ class GrpcConnection(asyncio.Protocol):
         if self.transport is None or self.closing:
             return
         self.closing = True
-        self.write(frame(GOAWAY, 0, 0, _GOAWAY.pack(self.last_taken, NO_ERROR)))
+        self.write(frame(GOAWAY, 0, 0, GOAWAY_PAYLOAD.pack(self.last_taken, NO_ERROR)))
 
     # ---- frames ----
 
     def _headers(self, flags: int, stream: int, payload: bytes) -> None:
         if stream == 0:
             raise ConnectionFault(PROTOCOL_ERROR, "HEADERS on stream 0")
-        block = _unpad(flags, payload)
+        block = unpad(flags, payload)
         if flags & PRIORITY_FLAG:
             if len(block) < 5:
                 raise ConnectionFault(FRAME_SIZE_ERROR, "HEADERS too short for its priority")
@@ -429,14 +246,14 @@ class GrpcConnection(asyncio.Protocol):
             raise ConnectionFault(PROTOCOL_ERROR, f"HEADERS opening stream {stream} (after {self.last_stream})")
         self.last_stream = stream
         if self.closing:
-            self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))  # past the GOAWAY: retry elsewhere
+            self.write(frame(RST_STREAM, 0, stream, WORD.pack(REFUSED_STREAM)))  # past the GOAWAY: retry elsewhere
             return
         self.last_taken = stream
         if len(self.calls) >= MAX_STREAMS:
-            self.write(frame(RST_STREAM, 0, stream, _WORD.pack(REFUSED_STREAM)))
+            self.write(frame(RST_STREAM, 0, stream, WORD.pack(REFUSED_STREAM)))
             return
         handler = self.handlers.get(head.path)
-        call = Call(self, stream, handler, head)
+        call = Call(stream, handler, head, STREAM_WINDOW, self.peer_window)
         self.calls[stream] = call
         if flags & END_STREAM:
             call.remote_closed = True
@@ -471,7 +288,7 @@ class GrpcConnection(asyncio.Protocol):
             self._reset(call, FLOW_CONTROL_ERROR)
             return
         call.receive_window -= size
-        data = _unpad(flags, payload)
+        data = unpad(flags, payload)
         if call.finished:  # answered early (an error) while the client still sends: its bytes are dropped
             pass
         elif data:
@@ -489,7 +306,7 @@ class GrpcConnection(asyncio.Protocol):
         elif not call.finished:
             call.received += size
             if call.received >= STREAM_WINDOW // 2:
-                self.write(frame(WINDOW_UPDATE, 0, stream, _WORD.pack(call.received)))
+                self.write(frame(WINDOW_UPDATE, 0, stream, WORD.pack(call.received)))
                 call.receive_window += call.received
                 call.received = 0
 
@@ -503,7 +320,7 @@ class GrpcConnection(asyncio.Protocol):
         try:
             request = call.handler.request_deserializer(message)
         except Exception as e:  # noqa: BLE001 - the client's message: answered as its call's status
-            self._fail(call, _unparsable(call, e))
+            self._fail(call, unparsable(call, e))
             return
         call.requests.put_nowait(request)
 
@@ -526,7 +343,7 @@ class GrpcConnection(asyncio.Protocol):
         try:
             request = handler.request_deserializer(call.messages.pop())
         except Exception as e:  # noqa: BLE001 - the client's message: answered as its call's status
-            self._fail(call, _unparsable(call, e))
+            self._fail(call, unparsable(call, e))
             return
         try:
             answer = handler.unary_unary(request, call)
@@ -549,7 +366,7 @@ class GrpcConnection(asyncio.Protocol):
         if len(payload) % 6:
             raise ConnectionFault(FRAME_SIZE_ERROR, f"SETTINGS of {len(payload)} bytes (a multiple of 6)")
         for at in range(0, len(payload), 6):
-            key, value = _SETTING.unpack_from(payload, at)
+            key, value = SETTING.unpack_from(payload, at)
             if key == INITIAL_WINDOW_SIZE:
                 if value > MAX_WINDOW:
                     raise ConnectionFault(FLOW_CONTROL_ERROR, f"SETTINGS_INITIAL_WINDOW_SIZE {value}")
@@ -569,7 +386,7 @@ class GrpcConnection(asyncio.Protocol):
     def _window_update(self, flags: int, stream: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise ConnectionFault(FRAME_SIZE_ERROR, "WINDOW_UPDATE of other than 4 bytes")
-        increment = _WORD.unpack(payload)[0] & 0x7FFFFFFF
+        increment = WORD.unpack(payload)[0] & 0x7FFFFFFF
         if stream == 0:
             if increment == 0:
                 raise ConnectionFault(PROTOCOL_ERROR, "WINDOW_UPDATE of 0 on the connection")
@@ -645,7 +462,7 @@ class GrpcConnection(asyncio.Protocol):
 
     async def _stream_call(self, call: Call) -> None:
         handler = call.handler
-        async for response in handler.stream_stream(_Requests(call), call):
+        async for response in handler.stream_stream(Requests(call), call):
             self._send_message(call, handler.response_serializer(response))
 
     def _send_message(self, call: Call, body: bytes) -> None:
@@ -654,7 +471,7 @@ class GrpcConnection(asyncio.Protocol):
         if not call.headers_sent:
             self._header_frames(call.id, RESPONSE_HEADERS, end_stream=False)
             call.headers_sent = True
-        message = _MESSAGE_PREFIX.pack(0, len(body)) + body
+        message = MESSAGE_PREFIX.pack(0, len(body)) + body
         call.outbox = call.outbox[call.sent:] + message if call.outbox else message
         call.sent = 0
         self._send(call)
@@ -695,19 +512,19 @@ class GrpcConnection(asyncio.Protocol):
             self._trailers(call)
 
     def _trailers(self, call: Call) -> None:
-        block = _literal(b"grpc-status", b"%d" % call.code.value[0]) if call.code is not grpc.StatusCode.OK \
+        block = literal(b"grpc-status", b"%d" % call.code.value[0]) if call.code is not grpc.StatusCode.OK \
             else OK_TRAILERS
         if call.details:
-            block += _literal(b"grpc-message", percent_encode(call.details))
+            block += literal(b"grpc-message", percent_encode(call.details))
         for key, value in call.trailing:
-            block += _literal(key.encode("latin-1"), value if isinstance(value, bytes) else value.encode())
+            block += literal(key.encode("latin-1"), value if isinstance(value, bytes) else value.encode())
         if not call.headers_sent:  # trailers only
             block = RESPONSE_HEADERS + block
         self._header_frames(call.id, block, end_stream=True)
         if call.remote_closed:
             self._forget(call)
         else:  # answered before the request ended: the client need send no more
-            self.write(frame(RST_STREAM, 0, call.id, _WORD.pack(NO_ERROR)))
+            self.write(frame(RST_STREAM, 0, call.id, WORD.pack(NO_ERROR)))
             self._forget(call)
 
     def _header_frames(self, stream: int, block: bytes, end_stream: bool) -> None:
@@ -739,7 +556,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _reset(self, call: Call, code: int) -> None:
         """A stream error: RST_STREAM(code), the call dropped."""
-        self.write(frame(RST_STREAM, 0, call.id, _WORD.pack(code)))
+        self.write(frame(RST_STREAM, 0, call.id, WORD.pack(code)))
         self._drop(call)
 
     def _drop(self, call: Call) -> None:
@@ -756,19 +573,6 @@ class GrpcConnection(asyncio.Protocol):
         self.blocked.pop(call.id, None)
         if self.closing and not self.calls:
             self.write(b"")  # the flush closes the connection
-
-
-def _unpad(flags: int, payload: bytes) -> bytes:
-    if not flags & PADDED:
-        return payload
-    if not payload or payload[0] >= len(payload):
-        raise ConnectionFault(PROTOCOL_ERROR, "padding as long as the frame")
-    return payload[1:len(payload) - payload[0]]
-
-
-def _unparsable(call: Call, e: Exception) -> CallFailed:
-    return CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"cannot parse the request of {call.head.path}: "
-                                                        f"{type(e).__name__}: {e}")
 
 
 class GrpcServer:

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from kiln.serve import ServerThread
-from kiln.serve.grpc_h2 import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, INITIAL_WINDOW_SIZE,
-                                PING, PREFACE, REFUSED_STREAM, RST_STREAM, SETTINGS, WINDOW_UPDATE, frame,
-                                percent_encode)
+from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
+                                  INITIAL_WINDOW_SIZE, PING, PREFACE, REFUSED_STREAM, RST_STREAM, SETTINGS,
+                                  WINDOW_UPDATE, frame, percent_encode)
 
 LIMIT = 1 << 20  # the servers' max_request_bytes here
 
