@@ -161,7 +161,7 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
     sys.path.insert(0, str(tree))
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
+    from kiln.serve.grpc_server import InferenceServicer, method_handlers
     from kiln.serve.repository import ModelRepository
     from kiln.serve.server import run as run_on_serve_loop
 
@@ -170,9 +170,7 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
-        add_servicer(InferenceServicer(core), registered)
-        handler = registered.handlers["ModelInfer"]
+        handler = method_handlers(InferenceServicer(core))["ModelInfer"]  # what both transports serve
         parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
         async def one() -> bytes:
