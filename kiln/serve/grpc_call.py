@@ -68,9 +68,9 @@ class Call:
     ServicerContext, the part kiln's servicer and the generated base class use (abort, set_trailing_metadata;
     set_code, set_details)."""
 
-    __slots__ = ("id", "handler", "head", "chunks", "held", "messages", "requests", "receive_window",
-                 "received", "remote_closed", "send_window", "outbox", "sent", "headers_sent", "finished", "task",
-                 "timer", "code", "details", "trailing")
+    __slots__ = ("id", "handler", "head", "chunks", "held", "messages", "requests", "receive_window", "received",
+                 "remote_closed", "send_window", "outbox", "sent", "headers_sent", "finished", "task", "timer",
+                 "code", "details", "trailing")
 
     def __init__(self, stream_id: int, handler, head: RequestHead, receive_window: int, send_window: int):
         self.id = stream_id
@@ -93,6 +93,10 @@ class Call:
         self.code = grpc.StatusCode.OK
         self.details = ""
         self.trailing: tuple = ()
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: tuple = ()) -> None:
         self.code, self.details = code, details

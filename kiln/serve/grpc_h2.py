@@ -34,11 +34,11 @@ import hpack
 from kiln.serve.grpc_call import MESSAGE_PREFIX, Call, CallFailed, RequestHead, Requests, unparsable
 from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
                                   ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
-                                  FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE, INTERNAL_ERROR,
-                                  MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR, OK_TRAILERS, PING,
-                                  PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, REFUSED_STREAM,
-                                  RESPONSE_HEADERS, RST_STREAM, SETTING, SETTINGS, STREAM_CLOSED, WINDOW_UPDATE, WORD,
-                                  ConnectionFault, frame, literal, percent_encode, unpad)
+                                  FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
+                                  INTERNAL_ERROR, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR,
+                                  OK_TRAILERS, PING, PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE,
+                                  REFUSED_STREAM, RESPONSE_HEADERS, RST_STREAM, SETTING, SETTINGS, STREAM_CLOSED,
+                                  WINDOW_UPDATE, WORD, ConnectionFault, frame, literal, percent_encode, unpad)
 
 log = logging.getLogger("kiln.serve")
 
@@ -90,6 +90,15 @@ class GrpcConnection(asyncio.Protocol):
             (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE)))
         transport.write(frame(SETTINGS, 0, 0, settings) +
                         frame(WINDOW_UPDATE, 0, 0, WORD.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
+
+    def pause_writing(self) -> None:
+        """The socket's send buffer is full (a client not reading its answers): its requests wait too."""
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None:
+            self.transport.resume_reading()
 
     def connection_lost(self, exc) -> None:
         self.transport = None
@@ -546,8 +555,7 @@ class GrpcConnection(asyncio.Protocol):
             return
         call.code, call.details = failure.code, str(failure)
         call.outbox, call.sent = b"", 0  # the status replaces an answer not yet sent
-        if call.task is not None:
-            call.task.cancel()
+        call.cancel()
         self._end(call)
 
     def _deadline(self, call: Call) -> None:
@@ -562,8 +570,7 @@ class GrpcConnection(asyncio.Protocol):
     def _drop(self, call: Call) -> None:
         """The call ends unanswered (reset by either side, or the connection is gone)."""
         call.finished = True
-        if call.task is not None:
-            call.task.cancel()
+        call.cancel()
         if call.timer is not None:
             call.timer.cancel()
         self._forget(call)

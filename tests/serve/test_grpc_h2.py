@@ -89,7 +89,8 @@ class RawClient:
         answer = Answer()
         while True:
             got = self.read_frame(timeout)
-            assert got is not None, f"stream {stream} unanswered; frames seen: {[(f[:3], f[3][:80]) for f in self.seen]}"
+            seen = [(f[:3], f[3][:80]) for f in self.seen]
+            assert got is not None, f"stream {stream} unanswered; frames seen: {seen}"
             kind, flags, at, payload = got
             if kind == SETTINGS and not flags & ACK:
                 self.send(frame(SETTINGS, ACK, 0))
