@@ -335,8 +335,41 @@ def test_graceful_shutdown_finishes_calls_in_flight(repository):
 # ---- fuzz: raw frames and bytes; no crash, other connections served, the server still ready ----
 
 _FRAME_TYPES = st.integers(0, 12)  # the ten of RFC 9113 and unknown ones
-_frames = st.lists(st.tuples(_FRAME_TYPES, st.integers(0, 255), st.sampled_from([0, 1, 2, 3, 5, 2**31 - 1]),
-                             st.binary(max_size=64)), max_size=8)
+_STREAMS = st.sampled_from([0, 1, 2, 3, 5, 2**31 - 1])
+_random_frames = st.lists(st.tuples(_FRAME_TYPES, st.integers(0, 255), _STREAMS, st.binary(max_size=64)), max_size=8)
+# frames a client could plausibly send inside a started call: its DATA cut anywhere, window updates, settings,
+# resets and pings with values at the edges
+_WORDS = st.sampled_from([0, 1, 1000, 65535, 2**31 - 1, 2**31, 2**32 - 1])
+_call_frames = st.lists(st.one_of(
+    st.tuples(st.just(DATA), st.sampled_from([0, END_STREAM, 0x8, 0x9]), st.sampled_from([1, 3]), st.integers(0, 200)),
+    st.tuples(st.just(WINDOW_UPDATE), st.just(0), st.sampled_from([0, 1, 3]), _WORDS),
+    st.tuples(st.just(SETTINGS), st.sampled_from([0, ACK]), st.just(0),
+              st.lists(st.tuples(st.integers(0, 8), _WORDS), max_size=3)),
+    st.tuples(st.just(RST_STREAM), st.just(0), st.sampled_from([1, 3, 5]), _WORDS),
+    st.tuples(st.just(PING), st.sampled_from([0, ACK]), st.just(0), st.binary(min_size=7, max_size=9)),
+), max_size=10)
+
+
+def _call_session(frames: list, request: bytes) -> bytes:
+    """A started ModelInfer on stream 1, then the frames drawn: DATA carries the next cut of the request's bytes
+    (padded when flag 0x8 is drawn), the other frames their drawn values."""
+    client = hpack.Encoder()
+    block = client.encode([(":method", "POST"), (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                           ("content-type", "application/grpc")])
+    data, sent = PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block), 0
+    for kind, flags, stream, value in frames:
+        if kind == DATA:
+            piece = request[sent:sent + value]
+            sent += len(piece)
+            payload = bytes((3,)) + piece + b"\0\0\0" if flags & 0x8 else piece
+        elif kind == SETTINGS:
+            payload = b"".join(struct.pack(">HI", key, word & 0xFFFFFFFF) for key, word in value)
+        elif kind == PING:
+            payload = value
+        else:
+            payload = struct.pack(">I", value & 0xFFFFFFFF)
+        data += frame(kind, flags, stream, payload)
+    return data
 
 
 @pytest.fixture(scope="module")
@@ -348,37 +381,60 @@ def bystander(h2_server):
     client.close()
 
 
-@given(prefix=st.booleans(), frames=_frames, tail=st.binary(max_size=64), good_headers=st.booleans())
-@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
-def test_fuzzed_frames_leave_the_server_serving(h2_server, bystander, engine_of, caplog, prefix, frames, tail,
-                                                good_headers):
-    """A connection fed random frames (valid headers among them, or not) and bytes, while another connection
-    stays open: the second is answered afterwards, the server ready, and nothing was a fault of the server
-    (the transport logs those as errors)."""
-    port = h2_server.ports.grpc
+def _still_serving(port: int, bystander: RawClient, engine, caplog) -> None:
+    x = np.random.default_rng().standard_normal((1, 8)).astype(np.float32)
+    stream = bystander.next_stream
+    bystander.next_stream += 2
+    bystander.call(stream, "ModelInfer", _mlp_request(x))
+    _check_mlp(bystander.answer(stream), x, engine)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    assert client.is_server_ready()
+    client.close()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+
+
+def _feed(port: int, data: bytes) -> None:
+    """Sends the bytes on a connection of their own and reads what comes back until the server closes it or
+    goes quiet."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        data = PREFACE if prefix else b""
-        encoder = hpack.Encoder()
-        for kind, flags, stream, payload in frames:
-            if kind == HEADERS and good_headers:
-                payload = encoder.encode([(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerLive"),
-                                          ("content-type", "application/grpc")])
-            data += frame(kind, flags, stream, payload)
         try:
-            sock.sendall(data + tail)
+            sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
             sock.settimeout(2)
             while sock.recv(1 << 16):
                 pass
         except OSError:  # reset by the server: an answer too
             pass
-    x = np.random.default_rng().standard_normal((1, 8)).astype(np.float32)
-    stream = bystander.next_stream
-    bystander.next_stream += 2
-    bystander.call(stream, "ModelInfer", _mlp_request(x))
-    _check_mlp(bystander.answer(stream), x, engine_of("mlp", "2"))
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-    assert client.is_server_ready()
-    client.close()
-    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
 
+
+FUZZ = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck),
+                database=None)
+
+
+@given(prefix=st.booleans(), frames=_random_frames, tail=st.binary(max_size=64), good_headers=st.booleans())
+@FUZZ
+def test_fuzzed_frames_leave_the_server_serving(h2_server, bystander, engine_of, caplog, prefix, frames, tail,
+                                                good_headers):
+    """A connection fed random frames (valid headers among them, or not) and bytes, while another connection
+    stays open: the second is answered afterwards, the server ready, and nothing was a fault of the server
+    (the transport logs those as errors)."""
+    data = PREFACE if prefix else b""
+    encoder = hpack.Encoder()
+    for kind, flags, stream, payload in frames:
+        if kind == HEADERS and good_headers:
+            payload = encoder.encode([(":method", "POST"), (":path", "/inference.GRPCInferenceService/ServerLive"),
+                                      ("content-type", "application/grpc")])
+        data += frame(kind, flags, stream, payload)
+    _feed(h2_server.ports.grpc, data + tail)
+    _still_serving(h2_server.ports.grpc, bystander, engine_of("mlp", "2"), caplog)
+
+
+@given(frames=_call_frames)
+@FUZZ
+def test_fuzzed_calls_leave_the_server_serving(h2_server, bystander, engine_of, caplog, frames):
+    """A started call fed its request in random cuts among window updates, settings, resets and pings with
+    values at the edges of what HTTP/2 allows."""
+    x = np.ones((2, 8), np.float32)
+    request = _mlp_request(x)
+    _feed(h2_server.ports.grpc, _call_session(frames, struct.pack(">BI", 0, len(request)) + request))
+    _still_serving(h2_server.ports.grpc, bystander, engine_of("mlp", "2"), caplog)
