@@ -57,7 +57,9 @@ class GrpcConnection(asyncio.Protocol):
         self.handlers = server.handlers
         self.limit = server.max_message_bytes
         self.transport: asyncio.Transport | None = None
-        self.buffer = b""
+        self.held: list[bytes] = []  # received bytes not yet a whole frame, joined once they are
+        self.held_size = 0
+        self.needed = 0  # bytes the first held frame needs (0: not known yet, a header short)
         self.preface = False
         self.out: list[bytes] = []
         self.receiving = False  # inside data_received: what it writes goes out at its end, in one write
@@ -107,9 +109,16 @@ class GrpcConnection(asyncio.Protocol):
         self.server.connection_closed(self)
 
     def data_received(self, data: bytes) -> None:
+        if self.held:  # a large frame arrives over many reads: its pieces are joined once, not at every read
+            self.held.append(data)
+            self.held_size += len(data)
+            if self.held_size < self.needed:
+                return
+            data = b"".join(self.held)
+            self.held, self.held_size = [], 0
         self.receiving = True
         try:
-            self._receive(self.buffer + data if self.buffer else data)
+            self._receive(data)
         except ConnectionFault as fault:
             self.close(fault.code, str(fault))
         except Exception as e:  # noqa: BLE001 - a fault of this server: this connection ends, the others go on
@@ -124,7 +133,7 @@ class GrpcConnection(asyncio.Protocol):
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(buffer):
                     raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-                self.buffer = buffer
+                self.held, self.held_size, self.needed = [buffer], len(buffer), len(PREFACE)
                 return
             if not buffer.startswith(PREFACE):
                 raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
@@ -137,6 +146,7 @@ class GrpcConnection(asyncio.Protocol):
             if length > RECEIVE_FRAME_SIZE:
                 raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {RECEIVE_FRAME_SIZE})")
             if end - pos < 9 + length:
+                self.needed = 9 + length
                 break
             payload = buffer[pos + 9:pos + 9 + length]
             pos += 9 + length
@@ -146,7 +156,11 @@ class GrpcConnection(asyncio.Protocol):
             handle = self.dispatch.get(kind)
             if handle is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
                 handle(flags, stream, payload)
-        self.buffer = buffer[pos:]
+        if pos < end:
+            rest = buffer[pos:]
+            if end - pos < 9:
+                self.needed = 9
+            self.held, self.held_size = [rest], len(rest)
         if self.received >= CONNECTION_WINDOW // 2:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, WORD.pack(self.received)))
             self.receive_window += self.received

@@ -5,6 +5,7 @@ raw frames and bytes after which the server still serves. Every answer is checke
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import struct
 import threading
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from tritonclient.grpc import service_pb2 as pb
 
 from kiln.serve import ServerThread
+from kiln.serve.grpc_h2 import GrpcConnection, GrpcServer
 from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS,
                                   INITIAL_WINDOW_SIZE, PING, PREFACE, REFUSED_STREAM, RST_STREAM, SETTINGS,
                                   WINDOW_UPDATE, frame, percent_encode)
@@ -299,6 +301,61 @@ def test_reset_stream_drops_the_call_and_others_are_answered(h2_server, engine_o
         assert not [f for f in client.seen if f[2] == 1 and f[0] in (HEADERS, DATA)]
     finally:
         client.close()
+
+
+class _Transport(asyncio.Transport):
+    """Collects what a connection writes (GrpcConnection driven by hand, no socket, no loop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = b""
+
+    def write(self, data) -> None:
+        self.sent += bytes(data)
+
+    def close(self) -> None:
+        pass
+
+
+def _parse_frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    frames = []
+    while data:
+        length = int.from_bytes(data[:3], "big")
+        frames.append((data[3], data[4], int.from_bytes(data[5:9], "big"), data[9:9 + length]))
+        data = data[9 + length:]
+    return frames
+
+
+@pytest.mark.parametrize("cut", ["one byte a read", "three reads", "whole"])
+def test_frames_cut_anywhere_across_reads(cut):
+    """The connection's bytes in reads cut anywhere (inside the preface, a frame header, a 60 KB DATA frame) give
+    the same answer: a handler answering its request reversed, on a server of its own."""
+    import grpc as grpc_lib
+
+    server = GrpcServer("test.Echo", {"Reverse": grpc_lib.unary_unary_rpc_method_handler(
+        lambda request, context: request[::-1], request_deserializer=bytes, response_serializer=bytes)}, 1 << 20)
+    connection = GrpcConnection(server)
+    transport = _Transport()
+    connection.connection_made(transport)
+    message = np.random.default_rng().bytes(60_000)
+    block = hpack.Encoder().encode([(":method", "POST"), (":path", "/test.Echo/Reverse"),
+                                    ("content-type", "application/grpc")])
+    data = (PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block) +
+            frame(DATA, END_STREAM, 1, struct.pack(">BI", 0, len(message)) + message))
+    if cut == "one byte a read":
+        reads = [data[k:k + 1] for k in range(len(data))]
+    elif cut == "three reads":
+        reads = [data[:30], data[30:5000], data[5000:]]
+    else:
+        reads = [data]
+    for read in reads:
+        connection.data_received(read)
+    frames = _parse_frames(transport.sent)
+    answer = b"".join(payload for kind, _, stream, payload in frames if kind == DATA and stream == 1)
+    assert answer == struct.pack(">BI", 0, len(message)) + message[::-1]
+    trailers = [payload for kind, flags, stream, payload in frames if kind == HEADERS and flags & END_STREAM]
+    assert dict(hpack.Decoder().decode(trailers[0], raw=True))[b"grpc-status"] == b"0"
+    assert not [f for f in frames if f[0] == GOAWAY]
 
 
 def test_grpc_message_is_percent_encoded():
