@@ -11,6 +11,7 @@ the difference is grpcio's own cost per request (its Cython server, completion q
 tasks), the part of kiln serve's gRPC overhead no change inside kiln reaches. An experiment, not a server:
 it reads no header (HPACK's dynamic table is never tracked: any stream gets the answer), applies no flow
 control to its own sends (answers are far below the initial window), and stops at the first bad frame.
+kiln serve's own transport, which does all of that, is kiln/serve/grpc_h2.py (`kiln serve --grpc-transport kiln`).
 
 HTTP/2 (RFC 9113): a connection starts with the client's 24-byte preface; a frame is a 9-byte header
 (24-bit length, type, flags, 31-bit stream id) and its payload. gRPC over it: the request is a HEADERS frame
@@ -129,14 +130,12 @@ async def main(repository: str | None) -> None:
     if repository is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from kiln.serve.core import ServerCore
-        from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
+        from kiln.serve.grpc_server import InferenceServicer, method_handlers
         from kiln.serve.repository import ModelRepository
 
         core = ServerCore(ModelRepository(repository))
         await core.start()
-        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
-        add_servicer(InferenceServicer(core), registered)
-        Http2Floor.handler = registered.handlers["ModelInfer"]
+        Http2Floor.handler = method_handlers(InferenceServicer(core))["ModelInfer"]
     server = await asyncio.get_running_loop().create_server(Http2Floor, "127.0.0.1", 0)
     print(f"kiln serve: gRPC on 127.0.0.1:{server.sockets[0].getsockname()[1]}", flush=True)
     await server.serve_forever()

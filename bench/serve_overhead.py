@@ -7,6 +7,7 @@ from the server's side as CPU time per request, thread by thread, read from /pro
     python bench/serve_overhead.py --batching on off         # the model with and without dynamic batching
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
     python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
+    python bench/serve_overhead.py --grpc-transports kiln grpcio --protocols grpc --rounds 3   # interleaved
     python bench/serve_overhead.py --inproc                  # kiln's own path without grpc, in this process
 
 A `kiln serve` subprocess (one per tree and round, 127.0.0.1, free ports) serves the empty model with
@@ -160,7 +161,7 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
     sys.path.insert(0, str(tree))
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer, _Handlers, add_servicer
+    from kiln.serve.grpc_server import InferenceServicer, method_handlers
     from kiln.serve.repository import ModelRepository
     from kiln.serve.server import run as run_on_serve_loop
 
@@ -169,9 +170,7 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        registered = _Handlers()  # stands in for a grpc server: keeps the handlers kiln serve registers
-        add_servicer(InferenceServicer(core), registered)
-        handler = registered.handlers["ModelInfer"]
+        handler = method_handlers(InferenceServicer(core))["ModelInfer"]  # what both transports serve
         parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
 
         async def one() -> bytes:
@@ -205,6 +204,8 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)], help="kiln checkouts to compare, interleaved")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--frontends", type=int, nargs="+", default=[0], help="kiln serve --frontends values to compare")
+    parser.add_argument("--grpc-transports", nargs="+", default=[None], choices=["kiln", "grpcio"],
+                        help="kiln serve --grpc-transport values to compare (default: the tree's default)")
     parser.add_argument("--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"])
     parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "tritonclient"])
     parser.add_argument("--batching", nargs="+", default=["on"], choices=list(MODELS),
@@ -228,7 +229,8 @@ def main() -> None:
                 _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
     python = sys.executable
-    servers = [(t, n) for t in args.trees for n in args.frontends] + [(f"floor {kind}", 0) for kind in args.floor]
+    servers = [(t, n, g) for t in args.trees for n in args.frontends for g in args.grpc_transports] + \
+        [(f"floor {kind}", 0, None) for kind in args.floor]
     loads = [(p, c, b) for p in args.protocols for c in args.clients for b in args.batching]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
@@ -241,12 +243,12 @@ def main() -> None:
               "| p99 us | server CPU us/req | engine process | its loop thread | its other threads | front ends "
               "| client CPU us/req |\n" + "|---" * 17 + "|", flush=True)
         for r in range(args.rounds):
-            for tree, frontends in servers:
+            for tree, frontends, transport in servers:
                 if tree.startswith("floor "):
                     process, ports = _start_floor(python, tree.split()[1], repos[args.trees[0]])
                 else:
                     process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
-                                            profile=args.profile)
+                                            profile=args.profile, grpc_transport=transport)
                 try:
                     for protocol, client, batching in loads:
                         if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"
@@ -255,9 +257,10 @@ def main() -> None:
                         for c in args.concurrency:
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
                                          MODELS[batching], c, args.seconds, python)
-                            key = (tree, frontends, protocol, client, batching, c)
+                            name = tree if transport is None else f"{tree} (gRPC transport {transport})"
+                            key = (name, frontends, protocol, client, batching, c)
                             rows.append((key, m))
-                            print(f"| {r} | {tree} | {frontends} | {protocol} | {client} | {batching} | {c} "
+                            print(f"| {r} | {name} | {frontends} | {protocol} | {client} | {batching} | {c} "
                                   f"| {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} | {m['p99_us']:.0f} "
                                   f"| {m['server_us']:.0f} | {m['engine_us']:.0f} | {m['loop_us']:.0f} "
                                   f"| {m['others_us']} | {m['frontends_us']:.0f} | {m['client_us']:.0f} |", flush=True)

@@ -31,6 +31,9 @@ def add_parser(verbs) -> None:
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 serves every interface)")
     p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; 0: a free one; -1: none)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: a free one; -1: none)")
+    p.add_argument("--grpc-transport", choices=["kiln", "grpcio"], default="kiln",
+                   help="kiln: kiln's own HTTP/2 transport on the event loop (default; ~5x less server CPU a call); "
+                        "grpcio: grpc.aio's server; both serve the same calls")
     p.add_argument("--metrics-port", type=int,
                    help="Prometheus /metrics port (default 8002; -1: only on the HTTP port)")
     p.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
@@ -95,6 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         repository=args.repository, model=args.model, model_name=args.name, host=args.host,
         http_port=port(args.http_port), grpc_port=port(args.grpc_port), metrics_port=port(args.metrics_port),
+        grpc_transport=args.grpc_transport,
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,

@@ -3,7 +3,8 @@
     kiln serve MODEL_REPOSITORY          # <repo>/<model>/<version>/model.kiln | model.onnx
     kiln serve --model model.onnx        # one model, its config inferred from the engine
 
-HTTP (KServe v2 + Triton's extensions, FastAPI), gRPC (Triton's GRPCInferenceService, grpc.aio),
+HTTP (KServe v2 + Triton's extensions, FastAPI), gRPC (Triton's GRPCInferenceService; kiln's own HTTP/2
+transport, or grpc.aio),
 dynamic batching over several execution contexts per engine, Prometheus /metrics with Triton's
 names. `tritonclient` works against it unchanged. docs/serving.md is the user's guide.
 
@@ -12,7 +13,8 @@ names. `tritonclient` works against it unchanged. docs/serving.md is the user's 
     batcher.py     per model: bounded queue, dynamic batching, instances (execution contexts)
     core.py        models and their states, validation, inference: what both frontends call
     http_codec.py, http_server.py, openapi.py   the HTTP frontend
-    grpc_server.py the gRPC frontend
+    grpc_server.py the gRPC frontend: the servicer and its method handlers, grpc.aio's server
+    grpc_h2.py, grpc_call.py, h2_frames.py   kiln's own gRPC transport (HTTP/2 on the event loop), the default
     stats.py, metrics.py   Triton's statistics and Prometheus metrics
     server.py      the process: frontends + core on one event loop; graceful shutdown
     options.py     ServeOptions; frontdoors.py: the HTTP, gRPC and metrics ports of a process
@@ -20,7 +22,7 @@ names. `tritonclient` works against it unchanged. docs/serving.md is the user's 
                    batchers in this one, requests and answers over a Unix socket
     perf.py        the load generator behind `kiln perf` (perf_analyzer-like)
 
-Requires the `serve` extra (fastapi, uvicorn, grpcio, tritonclient's protocol stubs).
+Requires the `serve` extra (fastapi, uvicorn, grpcio, hpack, tritonclient's protocol stubs).
 """
 
 from kiln.serve.server import ServeOptions, Server, ServerThread

@@ -1,5 +1,5 @@
-"""A kiln serve process's ports: HTTP (uvicorn; infer on the fast path ahead of FastAPI), gRPC (grpc.aio)
-and the metrics port, over one core, started together and stopped gracefully together.
+"""A kiln serve process's ports: HTTP (uvicorn; infer on the fast path ahead of FastAPI), gRPC (kiln's own
+HTTP/2 transport, kiln/serve/grpc_h2.py, or grpc.aio: options.grpc_transport) and the metrics port, over one core, started together and stopped gracefully together.
 
 The engine process runs them over its ServerCore (`frontends` 0), or only the metrics port while
 front-end processes (kiln/serve/frontends.py) run HTTP and gRPC over their RemoteCores, each binding
@@ -17,7 +17,8 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 from kiln.serve.core import ServerCore
-from kiln.serve.grpc_server import grpc_server
+from kiln.serve.grpc_h2 import GrpcServer
+from kiln.serve.grpc_server import SERVICE, InferenceServicer, grpc_server, method_handlers
 from kiln.serve.http_fast import InferFastPath
 from kiln.serve.http_server import http_app
 from kiln.serve.metrics import CONTENT_TYPE, MetricsExporter
@@ -72,9 +73,21 @@ class Frontdoors:
             app = http_app(core, metrics, o.max_request_bytes)
             http = await self.start_http(InferFastPath(app, core, o.max_request_bytes), o.http_port, reuse_port)
         if o.grpc_port is not None:
-            self._grpc, grpc = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port)
-            await self._grpc.start()
+            grpc = await self.start_grpc(core, reuse_port)
         return http, grpc
+
+    async def start_grpc(self, core: ServerCore, reuse_port: bool) -> int:
+        o = self.options
+        if o.grpc_transport == "kiln":
+            sock = listen(o.host, o.grpc_port, reuse_port)
+            self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes)
+            await self._grpc.start(sock)
+            return sock.getsockname()[1]
+        if o.grpc_transport != "grpcio":
+            raise ValueError(f"grpc_transport {o.grpc_transport!r}: 'kiln' (kiln's own HTTP/2) or 'grpcio'")
+        self._grpc, port = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port)
+        await self._grpc.start()
+        return port
 
     async def serve_metrics(self, metrics: MetricsExporter) -> int | None:
         if self.options.metrics_port is None:

@@ -8,7 +8,8 @@ a Unix socket (kiln/serve/ipc.py: tensors out of band, no pickling copy) and enc
 batchers here merge the requests of every front end.
 
     engine process: ServerCore, batchers, instances, /metrics port, this FrontendPool
-        └─ Unix socket ─ front end k: uvicorn + grpc.aio on the shared ports, RemoteCore
+        └─ Unix socket ─ front end k: uvicorn + gRPC (kiln/serve/grpc_h2.py or grpc.aio) on the shared ports,
+                         RemoteCore
 
 Health, metadata, config, the repository index and the shared-memory status are answered by each front
 end from a View of the engine's model table and shared-memory regions, sent at start and after every

@@ -384,16 +384,22 @@ class _Handlers:
         self.handlers = dict(handlers)
 
 
-def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
-    """The generated registration, with ModelInfer's request deserialized by parse_infer_request
-    (tensor bytes as views into the received message, not protobuf's copies) and its answer serialized by
-    serialize_response (the common answer arrives as bytes)."""
+def method_handlers(servicer: InferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated registration's handler per method name, with ModelInfer's request deserialized by
+    parse_infer_request (tensor bytes as views into the received message, not protobuf's copies) and its
+    answer serialized by serialize_response (the common answer arrives as bytes). Both transports serve
+    this table: grpcio's server (add_servicer) and kiln's own (kiln/serve/grpc_h2.py)."""
     caught = _Handlers()
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, caught)
     handlers = caught.handlers
     handlers["ModelInfer"] = grpc.unary_unary_rpc_method_handler(
         servicer.ModelInfer, request_deserializer=parse_infer_request,
         response_serializer=serialize_response)
+    return handlers
+
+
+def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
+    handlers = method_handlers(servicer)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)
 

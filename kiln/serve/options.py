@@ -22,6 +22,9 @@ class ServeOptions:
     host: str = "127.0.0.1"
     http_port: int | None = 8000  # None: no HTTP; 0: a free port
     grpc_port: int | None = 8001
+    # "kiln": kiln's own HTTP/2 transport on the event loop (kiln/serve/grpc_h2.py; ~5x less server CPU a call);
+    # "grpcio": grpc.aio's server. Both serve the same method handlers (grpc_server.method_handlers).
+    grpc_transport: str = "kiln"
     metrics_port: int | None = 8002  # /metrics is also on the HTTP port
     load_models: list[str] | None = None  # explicit model control: load only these at start ([]: none)
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # per model, where its config sets none

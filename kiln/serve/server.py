@@ -1,4 +1,5 @@
-"""The server: one event loop running the HTTP frontend (uvicorn), the gRPC frontend (grpc.aio),
+"""The server: one event loop running the HTTP frontend (uvicorn), the gRPC frontend (kiln's own HTTP/2
+transport, kiln/serve/grpc_h2.py, or grpc.aio),
 the metrics endpoint and every model's batcher, over one ServerCore; or, with `frontends` N, the
 metrics endpoint and the batchers here and HTTP and gRPC in N front-end processes (kiln/serve/frontends.py).
 
@@ -30,8 +31,8 @@ log = logging.getLogger("kiln.serve")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's loop where it is installed (uvicorn's standard extra brings it), else asyncio's: grpc.aio
-    and the batcher's callbacks run on it, and on a 2-core VM uvloop took about a quarter off the
+    """uvloop's loop where it is installed (uvicorn's standard extra brings it), else asyncio's: the gRPC
+    transport and the batcher's callbacks run on it, and on a 2-core VM uvloop took about a quarter off the
     server's CPU time per gRPC request (bench/serve_overhead.py)."""
     try:
         import uvloop

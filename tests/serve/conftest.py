@@ -43,6 +43,22 @@ def server(repository):
     thread.stop()
 
 
+@pytest.fixture(scope="session", params=["kiln", "grpcio"])
+def grpc_transport(request) -> str:
+    """Each gRPC test runs over both transports: kiln's own HTTP/2 (kiln/serve/grpc_h2.py) and grpc.aio."""
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def grpc_server(repository, grpc_transport):
+    """A server of the repository with its gRPC on `grpc_transport` (and HTTP: tests checking one protocol's
+    calls through the other)."""
+    thread = ServerThread(options(repository, metrics_port=None, grpc_transport=grpc_transport))
+    running = thread.start()
+    yield running
+    thread.stop()
+
+
 @pytest.fixture
 def http(server):
     import tritonclient.http as httpclient
@@ -54,10 +70,10 @@ def http(server):
 
 
 @pytest.fixture
-def grpc(server):
+def grpc(grpc_server):
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.grpc}")
     yield client
     client.close()
 

@@ -248,8 +248,10 @@ def test_config_default_batching_is_inferred(double_engine):
 CLIENTS, REQUESTS = 16, 20
 
 
-def test_concurrent_clients_each_get_their_own_rows(server, http, engine_of):
+def test_concurrent_clients_each_get_their_own_rows(grpc_server, engine_of):
     """16 clients (half HTTP binary/JSON, half gRPC) x 20 requests of 1..4 rows, all at once."""
+    server = grpc_server
+    http = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}", network_timeout=60)
     engine = engine_of("mlp", "2")
     before = http.get_inference_statistics("mlp")["model_stats"][0]
     failures: list[str] = []
@@ -295,3 +297,4 @@ def test_concurrent_clients_each_get_their_own_rows(server, http, engine_of):
     assert after["inference_count"] - before["inference_count"] == sum(rows_sent)
     assert after["execution_count"] - before["execution_count"] < requests  # some requests shared a call
     assert http.is_server_ready()
+    http.close()

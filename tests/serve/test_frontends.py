@@ -27,8 +27,8 @@ CLIENTS, REQUESTS = 16, 20
 
 
 @pytest.fixture(scope="module")
-def served(repository):
-    thread = ServerThread(options(repository, frontends=2))
+def served(repository, grpc_transport):
+    thread = ServerThread(options(repository, frontends=2, grpc_transport=grpc_transport))
     server = thread.start()
     yield server
     thread.stop()
@@ -200,9 +200,10 @@ def concurrent_clients(served, http, engine_of) -> None:
 
 
 @pytest.fixture(scope="module")
-def staged(repository):
+def staged(repository, grpc_transport):
     """Front ends whose every input tensor goes through a 16 KiB staging arena: the ring wraps and fills."""
-    thread = ServerThread(options(repository, frontends=2, staging_bytes=16 << 10, staging_min_bytes=1))
+    thread = ServerThread(options(repository, frontends=2, staging_bytes=16 << 10, staging_min_bytes=1,
+                                  grpc_transport=grpc_transport))
     server = thread.start()
     yield server
     thread.stop()
@@ -298,8 +299,8 @@ def test_request_timeout_in_the_queue(served):
     request_timeout_in_the_queue(served)
 
 
-def test_load_unload_through_one_front_end_seen_by_both(repository):
-    thread = ServerThread(options(repository, frontends=2, load_models=[]))
+def test_load_unload_through_one_front_end_seen_by_both(repository, grpc_transport):
+    thread = ServerThread(options(repository, frontends=2, load_models=[], grpc_transport=grpc_transport))
     server = thread.start()
     try:
         clients = [httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}", concurrency=1)
@@ -319,8 +320,8 @@ def test_load_unload_through_one_front_end_seen_by_both(repository):
         thread.stop()
 
 
-def test_a_killed_front_end_is_replaced_and_the_other_serves(repository, engine_of):
-    thread = ServerThread(options(repository, frontends=2))
+def test_a_killed_front_end_is_replaced_and_the_other_serves(repository, engine_of, grpc_transport):
+    thread = ServerThread(options(repository, frontends=2, grpc_transport=grpc_transport))
     server = thread.start()
     try:
         pool = server.frontends

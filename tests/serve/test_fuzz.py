@@ -93,8 +93,18 @@ def infer_requests(draw) -> service_pb2.ModelInferRequest:
     return request
 
 
-def test_grpc_never_answers_internal(fuzz_server):
-    channel = grpc_lib.insecure_channel(f"127.0.0.1:{fuzz_server.ports.grpc}")
+@pytest.fixture(scope="module")
+def grpc_fuzz_server(repository, grpc_transport):
+    thread = ServerThread(options(repository, http_port=None, metrics_port=None, max_request_bytes=1 << 20,
+                                  grpc_transport=grpc_transport))
+    server = thread.start()
+    yield server
+    assert server.core.ready
+    thread.stop()
+
+
+def test_grpc_never_answers_internal(grpc_fuzz_server):
+    channel = grpc_lib.insecure_channel(f"127.0.0.1:{grpc_fuzz_server.ports.grpc}")
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
     @given(infer_requests())

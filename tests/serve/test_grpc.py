@@ -66,9 +66,9 @@ def test_infer_fp16_bf16_and_int64(grpc, engine_of):
     np.testing.assert_array_equal(fixed.as_numpy("i1"), i + 1)
 
 
-def test_infer_with_typed_contents(server):
+def test_infer_with_typed_contents(grpc_server):
     """A request with its data in InferTensorContents (not raw bytes), as other clients send it."""
-    channel = grpc_lib.insecure_channel(f"127.0.0.1:{server.ports.grpc}")
+    channel = grpc_lib.insecure_channel(f"127.0.0.1:{grpc_server.ports.grpc}")
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     request = service_pb2.ModelInferRequest(model_name="fixed")
     a = request.inputs.add(name="a", datatype="FP32", shape=[2, 3])
@@ -136,8 +136,8 @@ def test_errors_have_grpc_codes(grpc, call, code):
     assert grpc.is_server_ready()
 
 
-def test_wrong_raw_byte_size_is_invalid_argument(server):
-    channel = grpc_lib.insecure_channel(f"127.0.0.1:{server.ports.grpc}")
+def test_wrong_raw_byte_size_is_invalid_argument(grpc_server):
+    channel = grpc_lib.insecure_channel(f"127.0.0.1:{grpc_server.ports.grpc}")
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     request = service_pb2.ModelInferRequest(model_name="mlp")
     request.inputs.add(name="x", datatype="FP32", shape=[1, 8])

@@ -97,11 +97,11 @@ def test_response_encoder_writes_what_protobuf_writes():
         assert encoder.encode(model, version, request_id, outputs) == expected.SerializeToString()
 
 
-def test_arrays_are_views_of_the_request(server):
+def test_arrays_are_views_of_the_request(grpc_server):
     """Over gRPC: the answer is right for tensors of every length class (the views decode as the bytes)."""
     import tritonclient.grpc as grpcclient
 
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.grpc}")
     try:
         for rows in (1, 3, 16):
             x = rng().standard_normal((rows, 8)).astype(np.float32)
@@ -113,10 +113,10 @@ def test_arrays_are_views_of_the_request(server):
         client.close()
 
 
-def test_malformed_message_is_invalid_argument(server):
+def test_malformed_message_is_invalid_argument(grpc_server):
     import grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{server.ports.grpc}") as channel:
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_server.ports.grpc}") as channel:
         call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
         with pytest.raises(grpc.RpcError) as e:
             call(b"\x3a\xff\xff\xff\x0f", timeout=30)  # raw_input_contents of 4 GB that is not there

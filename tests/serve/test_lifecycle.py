@@ -48,9 +48,10 @@ def _slow_request(rows: int = 1, **parameters) -> dict:
 
 
 @pytest.fixture
-def explicit_server(repository):
+def explicit_server(repository, grpc_transport):
     """Explicit model control: nothing loaded at start; a 64 KiB body limit."""
-    thread = ServerThread(options(repository, load_models=[], max_request_bytes=64 << 10))
+    thread = ServerThread(options(repository, load_models=[], max_request_bytes=64 << 10,
+                                  grpc_transport=grpc_transport))
     server = thread.start()
     yield server
     thread.stop()
@@ -139,7 +140,8 @@ def test_queue_overflow_answers_429_and_recovers(server):
     client.close()
 
 
-def test_grpc_overflow_is_resource_exhausted(server):
+def test_grpc_overflow_is_resource_exhausted(grpc_server):
+    server = grpc_server
     codes: list[str] = []
     start = threading.Barrier(8)
 

@@ -10,8 +10,8 @@ from kiln.cli import main
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_sweep(server, tmp_path, capsys, protocol):
-    port = server.ports.http if protocol == "http" else server.ports.grpc
+def test_perf_sweep(grpc_server, tmp_path, capsys, protocol):
+    port = grpc_server.ports.http if protocol == "http" else grpc_server.ports.grpc
     out, png = tmp_path / "perf.json", tmp_path / "perf.png"
     code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "1", "4",
                  "-b", "2", "--measurement-interval", "300", "--warmup", "0.1", "--max-requests", "200",
@@ -31,9 +31,9 @@ def test_perf_reports_an_unknown_model(server, capsys):
     assert "unknown model 'nope'" in capsys.readouterr().err
 
 
-def test_perf_spreads_clients_over_processes(server, capsys):
+def test_perf_spreads_clients_over_processes(grpc_server, capsys):
     """--processes 2: each level's clients split over two worker processes measuring one window."""
-    code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{server.ports.grpc}", "-i", "grpc", "--concurrency", "1", "4",
+    code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{grpc_server.ports.grpc}", "-i", "grpc", "--concurrency", "1", "4",
                  "--processes", "2", "--measurement-interval", "500", "--warmup", "0.2"])
     assert code == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]

@@ -93,7 +93,7 @@ def test_config_and_engine_disagreements_are_named(text, message):
         complete(parse_pbtxt(text, "config.pbtxt"), engine, "m")
 
 
-def test_bert_tiny_served_from_one_onnx_file(tmp_path):
+def test_bert_tiny_served_from_one_onnx_file(tmp_path, grpc_transport):
     """`kiln serve --model bert.onnx`: the config is inferred (batch 1..64, seq -1), the engine is built
     on first load; mixed batch and sequence sizes from concurrent gRPC clients, each answer checked
     against the engine run directly on that request alone."""
@@ -102,7 +102,7 @@ def test_bert_tiny_served_from_one_onnx_file(tmp_path):
     exported = zoo.export("bert_tiny", dynamic=True)
     path = tmp_path / "bert.onnx"
     shutil.copy(exported.path, path)
-    thread = ServerThread(options(None, model=path, http_port=None, metrics_port=None))
+    thread = ServerThread(options(None, model=path, http_port=None, metrics_port=None, grpc_transport=grpc_transport))
     server = thread.start()
     try:
         assert (tmp_path / "bert.kiln").exists()

@@ -57,11 +57,11 @@ def _status(client, name: str = "") -> dict:
 
 
 @pytest.fixture(params=["http", "grpc"])
-def client(request, server):
+def client(request, grpc_server):
     if request.param == "http":
-        c = httpclient.InferenceServerClient(f"127.0.0.1:{server.ports.http}", network_timeout=60)
+        c = httpclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.http}", network_timeout=60)
     else:
-        c = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_server.ports.grpc}")
     yield c
     c.unregister_system_shared_memory()
     c.close()
