@@ -708,7 +708,8 @@ class _PlanRewrite:
         image = bytearray()
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
-        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads)
+        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
+        # a oneDNN layer's (NativeStep.bound_at, its src, dst and residual addresses) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values a view's rules give, in member order
@@ -723,7 +724,11 @@ class _PlanRewrite:
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
-                self._members.append((None, at, reads, x, residual, outputs, None, None, ()))
+                address = template._address
+                bind = None if native.bound_at is None else (
+                    native.bound_at, address.get(x, 0), address.get(m.outputs[0], 0),
+                    None if residual is None else address.get(residual, 0))  # as _bind_member binds it
+                self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
                 continue
             function, plan_bytes, fields = layout
             for offset, width in fields:
@@ -733,7 +738,7 @@ class _PlanRewrite:
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
-            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read))
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read, None))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         self._values = values
@@ -755,14 +760,21 @@ class _PlanRewrite:
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
+        bound: dict[int, Any] = {}  # the oneDNN members bound by NativeStep.bound_at (no NativeStep made)
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         try:
-            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read) in enumerate(self._members):
+            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read, bind) in enumerate(self._members):
                 if rule is None:
-                    native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
-                    if _form(native) != template._structure[k]:
-                        return None
-                    written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
+                    done = None if bind is None else bind[0](sizes[x], *bind[1:])
+                    if done is not None:  # the layer's form is its template's (an inner product, as bound there)
+                        bound[k] = done.bound
+                        written = (done.output_size,)
+                    else:
+                        native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None
+                                                 else sizes[x])
+                        if _form(native) != template._structure[k]:
+                            return None
+                        written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
                 else:
                     found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
                     if found is None:  # the first layer of its shape at these sizes
@@ -801,7 +813,7 @@ class _PlanRewrite:
                 owners.append(b)
                 member_calls.append([(placed[0], base + placed[1], 0, 0)])
                 continue
-            owner, bound_anew = _rebound(template, b, k, natives[k])
+            owner, bound_anew = (bound[k], True) if k in bound else _rebound(template, b, k, natives[k])
             anew |= bound_anew
             owners.append(owner)
             owned.append(owner)
