@@ -702,8 +702,10 @@ class _PlanRewrite:
     all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
     member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
     member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
-    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives,
-    kernels whose plans hold floats, squeeze-excite) are bound at the new sizes as _Resized.bound_at binds them.
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product binds its layer
+    shape's primitive at the new rows on its own packed weight (NativeStep.bound_at: one Bound, no NativeStep or
+    InnerProduct; bench/results/first-call-2026-12-04.md). The other members (kernels whose plans hold floats,
+    squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
