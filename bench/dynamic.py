@@ -108,6 +108,8 @@ def main() -> None:
     ap.add_argument("--stream-deadline-s", type=float, default=0.0,
                     help="stop the stream this many seconds after the script started (a device call's time limit); "
                          "the requests run so far are reported")
+    ap.add_argument("--per-request", action="store_true", help="also table every request: its shape, each runtime's "
+                    "time and kiln / fastest peer")
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write the table and log here")
     ap.add_argument("--no-spin", action="store_true",
                     help="CPU: idle threads sleep instead of spinning, in both runtimes (OMP_WAIT_POLICY=PASSIVE for "
@@ -285,6 +287,14 @@ def main() -> None:
     worst = sorted(range(len(ratios)), key=lambda i: -ratios[i])[:5]
     log("  worst requests: " + ", ".join(f"#{i} {list(requests[i]['input_ids'].shape)} {ratios[i]:.2f}"
                                          for i in worst))
+    if args.per_request:
+        log("")
+        log("| request | batch x seq | real tokens | " + " | ".join(f"{name} ms" for name in runners)
+            + " | kiln / fastest |")
+        log("|---|---|---|" + "---|" * len(runners) + "---|")
+        for i, r in enumerate(requests):
+            log(f"| #{i} | {'x'.join(map(str, r['input_ids'].shape))} | {int(r['attention_mask'].sum())} | "
+                + " | ".join(f"{times[name][i]:.1f}" for name in runners) + f" | {ratios[i]:.2f} |")
     if cuda:
         g = context.runner.stats
         log(f"CUDA graphs: {g.captures} captured, {g.replays} replays, {g.evictions} evicted, {g.eager_runs} eager "

@@ -191,6 +191,7 @@ class Segment:
             self._call_counts.append(len(calls))
             member_calls.append(calls)
         self.exit_groups = [group[s] for s in self.exits]
+        self._per_call_bound = {i for uses in self.per_call.values() for i, _ in uses}  # bound calls a run points
         self.exit_shapes = [forms[s] for s in self.exits]
         self._entry_readers = [consumers[s] for s in self.entries]
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = _entry_forms(self.entries, self._entry_readers,
@@ -497,13 +498,21 @@ def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
     """A segment's compiled-loop arrays (`c`: Segment._c_loop's, for `template_calls`) with other calls on the
     same memory objects: its bindings kept, an addresses array of its own (written per run, under the template's
     lock). Calls of the template's functions without arguments (replanned kernels: only the plan is new) share
-    the template's functions, nargs and args arrays (the loop only reads them)."""
+    the template's functions, nargs and args arrays (the loop only reads them); calls that differ (members bound
+    anew) are written into copies of them."""
     run, functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, nargs, args, _ = c
-    if len(calls) == len(template_calls) and all(f == t[0] and n == 0 == t[2] and a == 0 == t[3] for (f, _, n, a), t
-                                                 in zip(calls, template_calls)):
-        objects = (ctypes.c_void_p * max(len(calls), 1))(*[o for _, o, _, _ in calls])
-    else:
+    if len(calls) != len(template_calls):
         functions, objects, nargs, args = native_loop.call_arrays(calls)
+    else:
+        objects = (ctypes.c_void_p * max(len(calls), 1))(*[o for _, o, _, _ in calls])
+        differ = [i for i, ((f, _, n, a), t) in enumerate(zip(calls, template_calls))
+                  if f != t[0] or n != t[2] or a != t[3]]
+        if differ:  # members bound anew (a oneDNN primitive's arguments): the template's arrays copied, those set
+            functions, nargs, args = (type(array).from_buffer_copy(array) for array in (functions, nargs, args))
+            execute = native_loop.execute_function()
+            for i in differ:
+                f, _, nargs[i], args[i] = calls[i]
+                functions[i] = f or execute
     return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, len(calls),
             objects, nargs, args, ctypes.c_int(-1))
 
@@ -693,8 +702,10 @@ class _PlanRewrite:
     all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
     member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
     member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
-    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). The other members (oneDNN primitives,
-    kernels whose plans hold floats, squeeze-excite) are bound at the new sizes as _Resized.bound_at binds them.
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product binds its layer
+    shape's primitive at the new rows on its own packed weight (NativeStep.bound_at: one Bound, no NativeStep or
+    InnerProduct; bench/results/first-call-2026-12-04.md). The other members (kernels whose plans hold floats,
+    squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
@@ -708,7 +719,8 @@ class _PlanRewrite:
         image = bytearray()
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
-        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads)
+        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
+        # a oneDNN layer's (NativeStep.bound_at, its src, dst and residual addresses) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values a view's rules give, in member order
@@ -723,7 +735,11 @@ class _PlanRewrite:
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
-                self._members.append((None, at, reads, x, residual, outputs, None, None, ()))
+                address = template._address
+                bind = None if native.bound_at is None else (
+                    native.bound_at, address.get(x, 0), address.get(m.outputs[0], 0),
+                    None if residual is None else address.get(residual, 0))  # as _bind_member binds it
+                self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
                 continue
             function, plan_bytes, fields = layout
             for offset, width in fields:
@@ -733,7 +749,7 @@ class _PlanRewrite:
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
-            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read))
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read, None))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         self._values = values
@@ -755,14 +771,21 @@ class _PlanRewrite:
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
+        bound: dict[int, Any] = {}  # the oneDNN members bound by NativeStep.bound_at (no NativeStep made)
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         try:
-            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read) in enumerate(self._members):
+            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read, bind) in enumerate(self._members):
                 if rule is None:
-                    native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
-                    if _form(native) != template._structure[k]:
-                        return None
-                    written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
+                    done = None if bind is None else bind[0](sizes[x], *bind[1:])
+                    if done is not None:  # the layer's form is its template's (an inner product, as bound there)
+                        bound[k] = done.bound
+                        written = (done.output_size,)
+                    else:
+                        native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None
+                                                 else sizes[x])
+                        if _form(native) != template._structure[k]:
+                            return None
+                        written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
                 else:
                     found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
                     if found is None:  # the first layer of its shape at these sizes
@@ -794,15 +817,16 @@ class _PlanRewrite:
             buffer[where64] = flat[value64]
             buffer.view(np.int32)[where32] = flat[value32]
         base = buffer.ctypes.data
-        owners, member_calls, owned, anew = [], [], [buffer], False
+        owners, member_calls, owned, anew = [], [], [buffer], set()
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
                 owners.append(b)
                 member_calls.append([(placed[0], base + placed[1], 0, 0)])
                 continue
-            owner, bound_anew = _rebound(template, b, k, natives[k])
-            anew |= bound_anew
+            owner, bound_anew = (bound[k], True) if k in bound else _rebound(template, b, k, natives[k])
+            if bound_anew:
+                anew.add(len(owners))
             owners.append(owner)
             owned.append(owner)
             member_calls.append(owner.calls())
@@ -864,11 +888,12 @@ class _Resized:
     of its own does (milliseconds for a transformer block). The template's lock serializes runs: they
     share its arena and memory objects."""
 
-    def __init__(self, template: Segment, owners: list[Any], member_calls: list[list], anew: bool,
+    def __init__(self, template: Segment, owners: list[Any], member_calls: list[list], anew: set[int],
                  exit_shapes: list[tuple], entry_forms: tuple[list, list, list], owned: list[Any]):
         """`owners`: the memory objects of each bound member's calls (a Bound, a Replanned, or the template's own
-        call, whose plan a rewritten copy runs); `member_calls`: their calls; `anew`: some member has memory
-        objects of its own, which a run binds too; `owned`: what the calls point at that the view keeps alive."""
+        call, whose plan a rewritten copy runs); `member_calls`: their calls; `anew`: the owners (indices) with memory
+        objects of their own, which a run binds where they are entries or exits; `owned`: what the calls point at
+        that the view keeps alive."""
         self.template = template
         self.entries, self.exits = template.entries, template.exits
         self._bound, self._owned = owners, owned  # each bound member's memory objects; what the view keeps alive
@@ -880,10 +905,13 @@ class _Resized:
         if serial is not None:
             forms[SERIAL] = serial
         self.chooser = FormChooser() if serial is not None else None  # this size's own times
-        if not anew and len(calls) == len(template._calls):
-            # every call replanned on the template's memory objects: its bindings and names hold, and only the
-            # calls' arrays are new (the common case: a transformer's members are all kiln's own kernels)
-            self._names = template._names
+        counts = [len(made) for made in member_calls]
+        self._names = template._names if counts == template._call_counts else \
+            [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
+        if not anew & template._per_call_bound and len(calls) == len(template._calls):
+            # what a run points at its entries and exits are the template's memory objects (members bound anew,
+            # with memory objects of their own, read and write only the arena): its bindings hold, and only the
+            # calls' arrays are new (the common case: a transformer's interior GEMMs on oneDNN)
             self._c = {form: _c_loop_over(template._c[False, PARALLEL], c, template._calls) for form, c in forms.items()}
             return
         bindings = []
@@ -893,9 +921,6 @@ class _Resized:
             bindings += [(owners[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
         self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
-        counts = [len(made) for made in member_calls]
-        self._names = template._names if counts == template._call_counts else \
-            [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
 
     @classmethod
     def bound_at(cls, template: Segment, natives: list[NativeStep], forms: dict[int, tuple] | None = None
@@ -903,10 +928,11 @@ class _Resized:
         """The view of every member at `natives`' sizes, each replanned or bound anew. `forms`:
         _forms(template.members, natives), when the caller has them."""
         owners = []
-        anew = False  # a member bound anew has memory objects of its own: the run binds them too
+        anew = set()  # members bound anew have memory objects of their own: a run binds those it points at
         for b, k in zip(template.bound, template._bound_members):
             owner, bound_anew = _rebound(template, b, k, natives[k])
-            anew |= bound_anew
+            if bound_anew:
+                anew.add(len(owners))
             owners.append(owner)
         forms = forms if forms is not None else _forms(template.members, natives)
         return cls(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],

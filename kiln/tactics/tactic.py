@@ -161,6 +161,10 @@ class NativeStep:
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
     # template's plan (kiln/runtime/native.py _PlanRewrite)
     plan_at: PlanRule | None = None
+    # oneDNN's inner products only: the layer at other input sizes bound at fixed addresses with no NativeStep or
+    # primitive object of its own (a segment's view, _PlanRewrite): bound_at(size, src, dst, residual) -> BoundAt,
+    # or None where `at` would put those sizes on another kernel or weight layout (then `at` binds them)
+    bound_at: Callable[[tuple[int, ...], int, int, int | None], BoundAt | None] | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
@@ -175,6 +179,15 @@ class SizedPlan:
 
     output_sizes: tuple[tuple[int, ...], ...]
     fields: dict[str, int | tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class BoundAt:
+    """A layer bound at other input sizes by NativeStep.bound_at: its output's size and its call's memory objects
+    (a Bound, kiln/kernels/cpu/onednn.py)."""
+
+    output_size: tuple[int, ...]
+    bound: Any
 
 
 class PlanRule:

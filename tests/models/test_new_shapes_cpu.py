@@ -88,10 +88,10 @@ def test_the_linear_layers_are_on_onednn_inside_one_segment(bert):
 
 def test_fresh_shapes_match_onnxruntime_without_a_primitive_per_shape(bert, monkeypatch):
     engine, session = bert
-    created = []
-    make = onednn_primitives.InnerProduct.__init__
-    monkeypatch.setattr(onednn_primitives.InnerProduct, "__init__",
-                        lambda self, w, b, rows, *a, **k: created.append(rows) or make(self, w, b, rows, *a, **k))
+    created = []  # row counts an inner product was made (or found made) for: an InnerProduct's, or a view's layer's
+    shared = onednn_primitives._shared_inner_product
+    monkeypatch.setattr(onednn_primitives, "_shared_inner_product",
+                        lambda rows, *a: created.append(rows) or shared(rows, *a))
     context = engine.create_execution_context(pad_first_calls=False)
     shapes = fresh_shapes(12)
     for b, s in shapes:
@@ -147,10 +147,10 @@ def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypa
     per_row = w.numel()
     reference = lookup("FusedGemm", "kiln").fn
     monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 40 * per_row)  # from 40 rows on: oneDNN
-    created = []
-    make = onednn_primitives.InnerProduct.__init__
-    monkeypatch.setattr(onednn_primitives.InnerProduct, "__init__",
-                        lambda self, w, b, rows, *a, **k: created.append(rows) or make(self, w, b, rows, *a, **k))
+    created = []  # row counts an inner product was made (or found made) for: an InnerProduct's, or a view's layer's
+    shared = onednn_primitives._shared_inner_product
+    monkeypatch.setattr(onednn_primitives, "_shared_inner_product",
+                        lambda rows, *a: created.append(rows) or shared(rows, *a))
     for rows in (39, 41):
         x = torch.randn(rows, w.shape[1])  # x: [M, K]
         got = step.fn(step.ctx, x, *constants[1:], **step.attributes)
@@ -221,3 +221,31 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
             real = x["attention_mask"].astype(bool)
             np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL,
                                        err_msg=f"#{k} {b}x{s}")
+
+
+def test_onednn_layers_of_a_new_shape_bind_on_the_shared_primitive_bit_for_bit(bert, monkeypatch):
+    """A view at a new shape binds its oneDNN inner products by NativeStep.bound_at (the primitive the layer shape
+    shares at those rows, on the layer's packed weight: no InnerProduct or NativeStep of their own): bit for bit
+    what the views bound member by member run (_rewritten off: each layer's `at`), and onnxruntime's answer."""
+    engine, session = bert
+    monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
+    rows_bound = []
+    bound_at = onednn_primitives.InnerProduct.bound_at
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "bound_at",
+                        lambda self, rows, *a: rows_bound.append(rows) or bound_at(self, rows, *a))
+    (segment,) = engine.program.segments
+    segment.resized.clear()
+    context = engine.create_execution_context(pad_first_calls=False)
+    context.run(request(6, 80))  # the template grows to the profile's largest: the fresh shapes' views fit in it
+    shapes = fresh_shapes(8)
+    feeds = [request(b, s) for b, s in shapes]
+    ours = [next(iter(context.run(x).values())) for x in feeds]
+    # (6 x 80 rows too: its view over the template was tried before the template grew)
+    assert rows_bound and set(rows_bound) <= {b * s for b, s in [*shapes, (6, 80)]}, rows_bound
+    assert all(isinstance(segment.resized[key], native._Resized) for key in list(segment.resized)[1:])
+    segment.resized.clear()
+    monkeypatch.setattr(native.Segment, "_rewritten", lambda self, key: None)  # member by member, as before
+    for (b, s), x, got in zip(shapes, feeds, ours):
+        np.testing.assert_array_equal(got, next(iter(context.run(x).values())), err_msg=f"{b}x{s}")
+        real = x["attention_mask"].astype(bool)
+        np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")

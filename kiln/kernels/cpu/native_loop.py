@@ -180,12 +180,17 @@ def build(stem: str, source: str) -> Path | str:
     return target
 
 
+def execute_function() -> int:
+    """The address of dnnl_primitive_execute: the function of a call given as None (a oneDNN primitive's)."""
+    from kiln.kernels.cpu import onednn
+
+    return ctypes.cast(onednn.load().lib.dnnl_primitive_execute, ctypes.c_void_p).value
+
+
 def call_arrays(calls: list[tuple[int | None, int, int, int]]) -> tuple[ctypes.Array, ...]:
     """The loop's (functions, objects, nargs, args) arrays for `calls` [(function or None for
     dnnl_primitive_execute, object, nargs, args)]."""
-    from kiln.kernels.cpu import onednn
-
-    execute = ctypes.cast(onednn.load().lib.dnnl_primitive_execute, ctypes.c_void_p).value
+    execute = execute_function()
     count = len(calls)
     return ((ctypes.c_void_p * count)(*[f or execute for f, _, _, _ in calls]),
             (ctypes.c_void_p * count)(*[o for _, o, _, _ in calls]),

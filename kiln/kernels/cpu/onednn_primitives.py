@@ -522,13 +522,33 @@ class InnerProduct:
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound)."""
-        src_md, dst_md = self._mds[0], self._mds[1]
+        return self._bound(self._made, self.input_size[0], self._mds, src, dst, residual, self)
+
+    def bound_at(self, rows: int, src: int, dst: int, residual: int | None = None) -> Bound | None:
+        """This layer at another row count bound at fixed addresses with no InnerProduct of its own: the primitive
+        its layer shape shares at `rows` (made ahead by kiln/kernels/cpu/onednn_ahead.py, else created here) on
+        this layer's packed weight. A native segment's view at a new shape binds its oneDNN layers so (an
+        InnerProduct, a NativeStep and their Bound per layer were ~35 µs of Python each, BERT-base's 12: ~0.4 ms a
+        new shape). None where oneDNN wants another weight layout at `rows`: an InnerProduct of its own packs one."""
+        made = _shared_inner_product(rows, self._epilogue, self._weight_md)
+        if made is None:
+            return None
+        n, k = self._epilogue[:2]
+        mds = (row_major_desc((rows, k)), row_major_desc((rows, n)))
+        # the owner keeps the primitive (the shared cache may drop it), this layer's weight and the descriptors
+        # that key the memory objects shared in this binding (onednn.shared_memories)
+        return self._bound(made, rows, mds, src, dst, residual, (self, made, mds))
+
+    def _bound(self, made: _Made, rows: int, mds: tuple[_Handle, _Handle], src: int, dst: int, residual: int | None,
+               owner: object) -> Bound:
+        """`made`'s arguments at fixed addresses: src and dst (and a residual) of `rows` rows, descriptors `mds`."""
+        src_md, dst_md = mds
         roles = {"src": (ARG_SRC, src_md.value, src), "dst": (ARG_DST, dst_md.value, dst)}
         if self.residual:
-            roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
+            roles["residual"] = (ARG_POST_OP(made.residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._b_mem is not None else [])
-        what = f"inner product {list(self.input_size)} -> {list(self.output_size)}"
-        return Bound(self._made.primitive.value, roles, fixed, what, self)
+        n, k = self._epilogue[:2]
+        return Bound(made.primitive.value, roles, fixed, f"inner product {[rows, k]} -> {[rows, n]}", owner)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] contiguous float32 of the built size -> y [M, N] (a new tensor)."""

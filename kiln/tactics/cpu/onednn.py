@@ -56,7 +56,7 @@ from kiln.kernels.cpu import conv_silu, gemm_native, onednn, onednn_ahead, onedn
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import BoundAt, InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -429,10 +429,21 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, same_primitive(bound),
-                              residual_input=3 if with_residual else None)
+                              residual_input=3 if with_residual else None, bound_at=bound_at)
         layer = layer_at(rows_of(size))
         return NativeStep(size, (*size[:-1], n), same_primitive(layer),
-                          residual_input=3 if with_residual else None)
+                          residual_input=3 if with_residual else None, bound_at=bound_at)
+
+    def bound_at(size: tuple[int, ...], src: int, dst: int, residual: int | None) -> BoundAt | None:
+        """native_at(size)'s layer bound at these addresses (NativeStep.bound_at), where it is an inner product on
+        the tuned layer's packed weight; None where native_at takes another kernel or another weight layout."""
+        rows = rows_of(size)
+        if len(size) not in (2, 3) or size[-1] != tuned[-1] or on_kiln_gemm(rows) or on_runtime_matmul(rows):
+            return None
+        made = primitives.get(rows)  # the tuned row count's own, or one built for a row count before
+        bound = made.bind(src, dst, residual) if made is not None else \
+            primitives[rows_of(tuned)].bound_at(rows, src, dst, residual)
+        return None if bound is None else BoundAt((*size[:-1], n), bound)
 
     def ahead(scale: float) -> list[onednn_ahead.Job]:
         """What kiln/kernels/cpu/onednn_ahead.py makes before the row counts are met, up to AHEAD_ROWS and `scale` x
