@@ -19,8 +19,9 @@ The stream runs `passes` times in each mode (as is; inside kiln.static_heap(); t
 interleaved pass by pass. A request's steady cost is the least wall time it took in any pass: its shape's own cost.
 The tail then splits into the shapes' (p99/p50 of the steady costs: what a jitter-free kiln would show) and the
 jitter's (p99 of wall / steady). `--ceiling`: at 32x512 with a full mask, kiln's and torch eager's kernels and the
-bound on the ratio the GEMMs leave (bench/per_shape.py), and the four BERT-base GEMMs at 16,384 rows timed the
-ways kiln and torch call cuBLAS. Prints the tables last; writes them under --out.
+bound on the ratio the GEMMs leave (bench/per_shape.py); kiln's kernels in a packed run at 24x384; the four
+BERT-base GEMMs at 16,384 rows timed the ways kiln and torch call cuBLAS. Prints the tables last; writes them
+under --out.
 """
 
 from __future__ import annotations
@@ -298,8 +299,8 @@ def main() -> None:
     if cuda and args.ceiling:
         from per_shape import per_shape_table
         module = zoo.torch_model(args.model).cuda().half().eval()
-        per_shape_table("32x512:full", context, {"kiln": context.run, "torch eager": lambda r: module(**r)},
-                        model.vocab_size, 6, log)
+        per_shape_table("32x512:full,24x384", context, {"kiln": context.run, "torch eager": lambda r: module(**r)},
+                        model.vocab_size, 6, log, kernels_at=("24x384",))  # 24x384: a packed run's kernels
         gemm_table(log)
     if args.out:
         Path(args.out, "stream-timeline.md").write_text("\n".join(lines) + "\n")
