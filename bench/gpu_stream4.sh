@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call for issue 10 on the H200 (branch h-stream), <= 150 s (caps 72 + 75 s):
+# Device call for issue 10 on the H200 (branch h-stream), <= 150 s (caps 75 + 70 s):
 #   bash bench/gpu_stream4.sh
 # 1. bench/stream_timeline.py --ceiling: BERT-base fp16 padding-free (profile 1x1,8x128,32x512, warmed up at load;
 #    7 requests checked against torch fp32 at real tokens: the runs padded by F.pad now, plain and packed),
@@ -21,9 +21,9 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 SMI=$!
 {
 stage "stream timeline (commit $KILN_COMMIT)"
-timeout 72 python3 bench/stream_timeline.py --passes 3 --ceiling --out "$OUT" 2>&1 | grep -v "$FILTER" | tail -120
+timeout 75 python3 bench/stream_timeline.py --passes 3 --ceiling --out "$OUT" 2>&1 | grep -v "$FILTER" | tail -120
 stage "batch-1 jitter"
-timeout 75 python3 bench/jitter.py --calls 2000 --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tail -45
+timeout 70 python3 bench/jitter.py --calls 2000 --out "$OUT" 2>&1 | grep -v "Warning\|warn(" | tail -70
 kill $SMI 2>/dev/null
 stage "SM clock (MHz) over the call: min / median / max; throttle reasons seen"
 python3 - "$OUT/clocks.csv" <<'PY'

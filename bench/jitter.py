@@ -215,17 +215,16 @@ def main() -> None:
         return
     args.models = args.models or "resnet50_b1,bert_b1"
     args.calls = args.calls or 3000
-    rows = []
-    for name in args.models.split(","):
-        rows += measure(name, args.calls)
-        torch.cuda.empty_cache()
     lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}, {args.calls} calls "
              f"each, in interleaved blocks of {BLOCK}, ms",
              "| model | timed | clock | p50 | p99 | p99.9 | p99/p50 |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {d} | {w} | {c} | {a:.3f} | {b:.3f} | {e:.3f} | {r:.2f} |" for d, w, c, a, b, e, r in rows]
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out, "jitter.md").write_text("\n".join(lines) + "\n")
+    for name in args.models.split(","):  # each model's rows written as it finishes (a device call's time limit)
+        lines += [f"| {d} | {w} | {c} | {a:.3f} | {b:.3f} | {e:.3f} | {r:.2f} |"
+                  for d, w, c, a, b, e, r in measure(name, args.calls)]
+        torch.cuda.empty_cache()
+        print("\n".join(lines), flush=True)
+        if args.out:
+            Path(args.out, "jitter.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
