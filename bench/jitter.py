@@ -5,7 +5,7 @@ kiln against onnxruntime at one shape.
     python bench/jitter.py --device cpu [--models bert_base:1x8,bert_tiny:1x16] [--calls 2000] [--engine PATH]
 
 A control loop cares about its worst call. For each model (bench/gpu.py's rows: ResNet-50 batch 1,
-BERT-base 1 x 128 with its attention mask), after a warm-up, six ways timed in interleaved blocks of 100 calls (a
+BERT-base 1 x 128 with its attention mask), after a warm-up, seven ways timed in interleaved blocks of 100 calls (a
 drift of the GPU's clocks or of the host lands on all alike), each call on two clocks: CUDA events around it (the
 GPU's timeline, idle included) and the host's until the result is synchronized (what a caller waiting on it sees):
 
@@ -14,6 +14,7 @@ GPU's timeline, idle included) and the host's until the result is synchronized (
 - run, static_heap:   inside kiln.static_heap() (the startup heap out of the collector's passes)
 - run, gc off:        the collector off
 - run, thread pinned: the calling thread held on one core (no migration)
+- run, after gc.collect(): a full collection before each block (the load's survivors out of the young generations)
 - execute (bound):    set_tensor_address once, then context.execute() (one graph launch a call)
 
 For each way the calls above its device p99 are set beside the host's time to enqueue them (until the call
@@ -79,6 +80,14 @@ def _gc_off():
         gc.enable()
 
 
+@contextlib.contextmanager
+def _collected():
+    """A full collection before the block: what a serving process's load left in the young generations (objects
+    that survived a young pass but were never promoted) goes to the oldest, which young passes do not scan."""
+    gc.collect()
+    yield
+
+
 def timed(fn, calls: int, within) -> list[tuple[float, float, float]]:
     """(device ms between CUDA events around the call, host ms until the call returns, host ms until the result
     is synchronized) per call."""
@@ -122,7 +131,8 @@ def measure(name: str, calls: int) -> list[tuple]:
     run = lambda: ctx.run(feeds)  # noqa: E731
     ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run": (run, contextlib.nullcontext),
             "run, static_heap": (run, kiln.static_heap), "run, gc off": (run, _gc_off),
-            "run, thread pinned": (run, _pinned), "execute (bound)": (bound.execute, contextlib.nullcontext)}
+            "run, thread pinned": (run, _pinned), "run, after gc.collect()": (run, _collected),
+            "execute (bound)": (bound.execute, contextlib.nullcontext)}
     samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
     for _ in range(-(-calls // BLOCK)):
         for way, (fn, within) in ways.items():
