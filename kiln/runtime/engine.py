@@ -760,8 +760,9 @@ _NUMPY_OWN = frozenset(np.dtype(t) for t in (np.bool_, np.int8, np.int16, np.int
 @dataclass(frozen=True)
 class _BucketedRun:
     """What a bucketed context derives from a signature of input shapes, remembered per signature: a run of known
-    shapes skips the binding checks and the bucket arithmetic (host time before the replay, which a CUDA run's GPU
-    waits for: ~0.15-0.2 ms of Python a call on the H200's host, bench/results/stream-2026-12-04.md)."""
+    shapes skips the binding checks and the bucket arithmetic: host work before the replay, which a CUDA run's GPU
+    waits for (BERT-base's stream on the H200: the GPU idle 0.14-0.23 ms a call before, 0.11-0.16 after, medians;
+    bench/results/stream-2026-12-04.md)."""
     profile: int
     targets: dict[str, tuple[int, int]]  # symbol -> (real size, bucket size)
     positions: int = 0  # graph packing (_graph_packing): B·S of the mask padded to `targets`
