@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import gc
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynamic import commit, stream  # noqa: E402  bench/dynamic.py (imports kiln before torch)
+from gpu import graph_ms  # noqa: E402  bench/gpu.py
 
 import torch  # noqa: E402
 
@@ -162,31 +162,9 @@ def gemm_table(log) -> None:
             if "gelu" in way and "FFN1" not in name:
                 cells.append("-")
                 continue
-            ms = _graph_ms(lambda: fn(x, w, b))
+            ms = graph_ms(lambda: fn(x, w, b))
             cells.append(f"{ms:.4f} ({2 * m * w.shape[0] * w.shape[1] / ms / 1e9:.0f})")
         log(f"| {name} | " + " | ".join(cells) + " |")
-
-
-def _graph_ms(fn, calls: int = 20, replays: int = 10) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return statistics.median(times)
 
 
 def main() -> None:
