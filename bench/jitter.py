@@ -5,14 +5,20 @@ kiln against onnxruntime at one shape.
     python bench/jitter.py --device cpu [--models bert_base:1x8,bert_tiny:1x16] [--calls 2000] [--engine PATH]
 
 A control loop cares about its worst call. For each model (bench/gpu.py's rows: ResNet-50 batch 1,
-BERT-base 1 x 128 with its attention mask), after a warm-up, p50 / p99 / p99.9 and p99/p50 of:
+BERT-base 1 x 128 with its attention mask), after a warm-up, seven ways timed in interleaved blocks of 100 calls (a
+drift of the GPU's clocks or of the host lands on all alike), each call on two clocks: CUDA events around it (the
+GPU's timeline, idle included) and the host's until the result is synchronized (what a caller waiting on it sees):
 
-- replay:     the captured CUDA graph alone (graph.replay() between CUDA events): the GPU's own spread
-- run:        context.run(feeds) between CUDA events, as bench/gpu.py measures it
-- run, no gc: the same with Python's garbage collector off (gc.freeze() after warm-up, gc.disable())
-- host:       perf_counter around run + synchronize: what a caller waiting on the result sees
-- host, no gc: the same with the collector off
-- execute (bound): set_tensor_address once, then context.execute() (one graph launch a call), CUDA events and host
+- replay:             the captured CUDA graph alone: the GPU's own spread
+- run:                context.run(feeds), as bench/gpu.py measures it
+- run, static_heap:   inside kiln.static_heap() (the startup heap out of the collector's passes)
+- run, gc off:        the collector off
+- run, thread pinned: the calling thread held on one core (no migration)
+- run, after gc.collect(): a full collection before each block (the load's survivors out of the young generations)
+- execute (bound):    set_tensor_address once, then context.execute() (one graph launch a call)
+
+For each way the calls above its device p99 are set beside the host's time to enqueue them (until the call
+returns): where the slow calls were late on the host, the host made them slow.
 
 On the CPU (issue 10: p99/p50 over 2,000 calls at a fixed shape, kiln vs onnxruntime): a zoo encoder exported
 with symbolic batch and sequence, built with a profile (or --engine, a saved engine of it), run at one shape with
@@ -44,29 +50,7 @@ from gpu import FirstOutput, make  # noqa: E402  bench/gpu.py
 
 import kiln  # noqa: E402
 
-BLOCK = 100  # calls of one runtime before the next runtime's (CPU)
-
-
-def events(fn, calls: int) -> list[float]:
-    out = []
-    for _ in range(calls):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
-def host(fn, calls: int) -> list[float]:
-    out = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t) * 1e3)
-    return out
+BLOCK = 100  # calls of one way (runtime) before the next one's
 
 
 def stats(xs: list[float]) -> tuple[float, float, float, float]:
@@ -75,7 +59,56 @@ def stats(xs: list[float]) -> tuple[float, float, float, float]:
     return p50, p99, p999, p99 / p50
 
 
+@contextlib.contextmanager
+def _pinned():
+    """The calling thread on one core for the block (the last it may use: core 0 takes most interrupts): no
+    migration between cores."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {max(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+@contextlib.contextmanager
+def _gc_off():
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def _collected():
+    """A full collection before the block: what a serving process's load left in the young generations (objects
+    that survived a young pass but were never promoted) goes to the oldest, which young passes do not scan."""
+    gc.collect()
+    yield
+
+
+def timed(fn, calls: int, within) -> list[tuple[float, float, float]]:
+    """(device ms between CUDA events around the call, host ms until the call returns, host ms until the result
+    is synchronized) per call."""
+    out = []
+    with within():
+        for _ in range(calls):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            a.record()
+            fn()
+            t1 = time.perf_counter()
+            b.record()
+            b.synchronize()
+            t2 = time.perf_counter()
+            out.append((a.elapsed_time(b), 1000 * (t1 - t0), 1000 * (t2 - t0)))
+    return out
+
+
 def measure(name: str, calls: int) -> list[tuple]:
+    """Rows (model, timed, clock, p50, p99, p99.9, p99/p50) of every way, timed in interleaved blocks of BLOCK calls
+    (a clock's drift lands on all alike), and a line per way on its slow calls: was the host late with them?"""
     module, inputs, desc = make(name)
     module = FirstOutput(module).eval()
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,29 +122,33 @@ def measure(name: str, calls: int) -> list[tuple]:
         ctx.run(feeds)
     torch.cuda.synchronize()
     entry = next(e for e in ctx.runner.entries.values() if e.graph is not None)
-    rows = [(desc, "replay", *stats(events(entry.graph.replay, calls))),
-            (desc, "run", *stats(events(lambda: ctx.run(feeds), calls))),
-            (desc, "host", *stats(host(lambda: ctx.run(feeds), calls)))]
     bound = engine.create_execution_context()  # TensorRT's way: tensors bound once, then execute()
     for n, t in feeds.items():
         bound.set_tensor_address(n, t)
     for _ in range(100):
         bound.execute()
     torch.cuda.synchronize()
-    rows += [(desc, "execute (bound)", *stats(events(bound.execute, calls))),
-             (desc, "execute (bound), host", *stats(host(bound.execute, calls)))]
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        rows.append((desc, "run, no gc", *stats(events(lambda: ctx.run(feeds), calls))))
-        rows.append((desc, "host, no gc", *stats(host(lambda: ctx.run(feeds), calls))))
-    finally:
-        gc.enable()
-        gc.unfreeze()
-    for r in rows:
-        print(r, flush=True)
-    print(f"{desc}: median run {statistics.median(events(lambda: ctx.run(feeds), 200)):.3f} ms", flush=True)
+    run = lambda: ctx.run(feeds)  # noqa: E731
+    ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run": (run, contextlib.nullcontext),
+            "run, static_heap": (run, kiln.static_heap), "run, gc off": (run, _gc_off),
+            "run, thread pinned": (run, _pinned), "run, after gc.collect()": (run, _collected),
+            "execute (bound)": (bound.execute, contextlib.nullcontext)}
+    samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
+    for _ in range(-(-calls // BLOCK)):
+        for way, (fn, within) in ways.items():
+            samples[way] += timed(fn, BLOCK, within)
+    rows = []
+    for way, got in samples.items():
+        got = got[:calls]
+        device, enqueue, host = ([g[i] for g in got] for i in range(3))
+        rows.append((desc, way, "device (events)", *stats(device)))
+        rows.append((desc, way, "host (until synced)", *stats(host)))
+        slow = [e for d, e, _ in got if d > stats(device)[1]]
+        late = stats(enqueue)[1]
+        print(f"{desc} {way}: enqueue p50 {stats(enqueue)[0]:.3f} p99 {late:.3f} ms; the {len(slow)} calls above the "
+              f"device p99: enqueue median {statistics.median(slow) if slow else float('nan'):.3f} ms, "
+              f"{sum(e > late for e in slow)} of them above the enqueue p99", flush=True)
+    print(f"{desc}: median run {statistics.median(d for d, _, _ in samples['run']):.3f} ms", flush=True)
     return rows
 
 
@@ -188,16 +225,16 @@ def main() -> None:
         return
     args.models = args.models or "resnet50_b1,bert_b1"
     args.calls = args.calls or 3000
-    rows = []
-    for name in args.models.split(","):
-        rows += measure(name, args.calls)
+    lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, commit {commit()}, {args.calls} calls "
+             f"each, in interleaved blocks of {BLOCK}, ms",
+             "| model | timed | clock | p50 | p99 | p99.9 | p99/p50 |", "|---|---|---|---|---|---|---|"]
+    for name in args.models.split(","):  # each model's rows written as it finishes (a device call's time limit)
+        lines += [f"| {d} | {w} | {c} | {a:.3f} | {b:.3f} | {e:.3f} | {r:.2f} |"
+                  for d, w, c, a, b, e, r in measure(name, args.calls)]
         torch.cuda.empty_cache()
-    lines = [f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, {args.calls} calls each, ms",
-             "| model | timed | p50 | p99 | p99.9 | p99/p50 |", "|---|---|---|---|---|---|"]
-    lines += [f"| {d} | {w} | {a:.3f} | {b:.3f} | {c:.3f} | {r:.2f} |" for d, w, a, b, c, r in rows]
-    print("\n".join(lines))
-    if args.out:
-        Path(args.out, "jitter.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+        if args.out:
+            Path(args.out, "jitter.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

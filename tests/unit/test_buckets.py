@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 import pytest
+import torch
 
 import kiln
 from kiln import zoo
@@ -75,6 +76,24 @@ def test_a_batch_splits_where_the_measured_replays_say_it_costs_less():
 def test_no_split_where_an_output_does_not_carry_the_batch():
     inputs = [Binding("x", "float", ["batch", 8])]
     assert plan_buckets(inputs, [Binding("y", "float", ["batch", 8]), Binding("n", "float", [1])]).batch is None
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.float16, torch.float32])
+def test_pad_puts_the_input_in_the_leading_corner_and_zeros_elsewhere(dtype):
+    # one padded symbol on axis 0, one on axis 1, a fixed dim between them on the third input; fresh values
+    buckets = plan_buckets([Binding("input_ids", "int64", ["batch", "seq"]), Binding("attention_mask", "int64",
+                                                                                   ["batch", "seq"]),
+                            Binding("x", "float", ["batch", "seq", 3])], [Binding("y", "float", ["batch", "seq"])])
+    rng = np.random.default_rng()
+    batch, seq = int(rng.integers(1, 5)), int(rng.integers(1, 40))
+    targets = {"batch": (batch, 4), "seq": (seq, 48)}
+    inputs = [torch.from_numpy(rng.integers(-5, 6, shape)).to(dtype) for shape in ((batch, seq),) * 2 + ((batch, seq, 3),)]
+    for x, got in zip(inputs, buckets.pad(inputs, targets)):
+        want = torch.zeros((4, 48, *x.shape[2:]), dtype=dtype)  # the definition: zeros, the input at [:b, :s]
+        want[:batch, :seq] = x
+        assert got.dtype == dtype and torch.equal(got, want)
+    same = buckets.pad(inputs, {"batch": (batch, batch), "seq": (seq, seq)})
+    assert all(a is b for a, b in zip(same, inputs))  # at its bucket already: the input itself, no copy
 
 
 def test_padding_never_changes_a_result(bert):

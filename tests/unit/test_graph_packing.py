@@ -136,3 +136,30 @@ def test_a_stream_after_warm_up_meets_only_warmed_up_signatures(engine_and_sessi
     met = set(seen)
     assert met <= warmed, met - warmed
     assert {program for program, _, _ in met} == {"packed", "plain"}
+
+
+def test_runs_of_known_tensor_shapes_decide_as_the_first_run_did(engine_and_session, monkeypatch):
+    # torch tensors in: a context remembers what a signature's shapes decide (profile, buckets, positions); a
+    # second run of the shapes takes the remembered decision, its own tokens counted: same program, rows, outputs
+    free, session = engine_and_session
+    context = _graph_context(free)
+    seen = _spy(monkeypatch, context)
+    rng = np.random.default_rng()
+    for batch, seq in [(16, 128), (20, 100), (9, 50), (32, 128), (int(rng.integers(1, 33)), int(rng.integers(1, 129)))]:
+        first = _feeds(rng, batch, seq, 0.9)
+        second = _feeds(rng, batch, seq, 0.5)  # same shapes, other tokens: its own token bucket
+        for feeds in (first, second):
+            tensors = {n: torch.from_numpy(a) for n, a in feeds.items()}
+            got = context.run(tensors)["layer_norm_4"].numpy()
+            keep = feeds["attention_mask"] != 0
+            np.testing.assert_allclose(got[keep], session.run(None, feeds)[0][keep], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"{batch}x{seq}")
+            fresh = _graph_context(free)  # the decision a context that never met these shapes takes
+            fresh_seen = _spy(monkeypatch, fresh)
+            fresh.run(tensors)
+            assert seen[-1] == fresh_seen[-1], f"{batch}x{seq}"
+    wrong = {"input_ids": torch.zeros(16, 128, dtype=torch.int32), "attention_mask": torch.ones(16, 128, dtype=torch.int64)}
+    with pytest.raises(kiln.BindingError, match="input_ids"):  # a known shape in another dtype: checked
+        context.run(wrong)
+    with pytest.raises(kiln.BindingError, match="outside every optimization profile"):
+        context.run({"input_ids": torch.zeros(33, 8, dtype=torch.int64), "attention_mask": torch.ones(33, 8, dtype=torch.int64)})
