@@ -4,10 +4,10 @@ engine's 11.1 eager, 0.52 ms each at 56x56, where moving the bytes takes ~0.15 m
     python3 bench/qadd_parts.py [--out DIR]
 
 At ResNet-50's four residual shapes (batch 256, NHWC, int8 and FP8 E4M3): the floor (torch's int8 add: the
-same two reads and one write, no arithmetic), kiln's QAdd kernel as the engine runs it, and variants of its
-arithmetic, each first compared with kiln's reference op (kiln/ops/quantized.py) on the same data: more than
-one step off, or off on more than 0.1% of the outputs, marks the row WRONG. ms per call: 20 calls in one CUDA
-graph, median of 10 replays (bench/gpu.py).
+same two reads and one write, no arithmetic), kiln's QAdd kernel as the engine runs it, and the kernel before
+this branch (its arithmetic copied here), each first compared with kiln's reference op (kiln/ops/quantized.py) on
+the same data: more than one step off, or one step off on more than 1% of the outputs (near-ties only may be),
+marks the row WRONG. ms per call: 20 calls in one CUDA graph, median of 10 replays (bench/gpu.py).
 """
 
 from __future__ import annotations
@@ -34,21 +34,27 @@ A_SCALE, A_ZERO, B_SCALE, B_ZERO, Y_SCALE, Y_ZERO = 0.031, -3.0, 0.047, 5.0, 0.0
 
 
 @triton.jit
-def _qadd_multipliers_kernel(a_ptr, b_ptr, out_ptr, numel, a_multiplier, a_zero, b_multiplier, b_zero, y_zero,
-                             OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """The variant: s / y_scale folded into one multiplier per input (no division), Relu, the store's rounding."""
+def _qadd_before_kernel(a_ptr, b_ptr, out_ptr, numel, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero,
+                        OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """kiln's same-layout QAdd kernel before this branch (main at c18c90c: HARDWARE_E4M3 False): loads converted
+    by cvt, r in real units, qmath.requantize's IEEE division by y_scale, fp8 rounded in arithmetic."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)
     b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
-    v = dm_relu((a - a_zero) * a_multiplier + (b - b_zero) * b_multiplier)
-    y = qmath.quantize_value(v, y_zero, OUT, QMIN, QMAX, True)
+    r = (a - a_zero) * a_scale + (b - b_zero) * b_scale
+    y = qmath.requantize(r, y_scale, y_zero, 0.0, 0.0, "Relu", OUT, QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def dm_relu(x):
-    return tl.where(x < 0, 0.0, x)
+def _before(a, b, dtype, za, zb, zy, hardware_e4m3):
+    out = torch.empty_like(a, dtype=dtype)
+    qmin, qmax = (-128, 127) if dtype == torch.int8 else (0, 0)
+    _qadd_before_kernel[(triton.cdiv(a.numel(), 4096),)](
+        a, b, out, a.numel(), A_SCALE, za, B_SCALE, zb, Y_SCALE, zy, OUT=1 if dtype == torch.int8 else 2, QMIN=qmin,
+        QMAX=qmax, HARDWARE_E4M3=hardware_e4m3, BLOCK=4096, num_warps=8)
+    return out
 
 
 def main() -> None:
@@ -81,8 +87,10 @@ def main() -> None:
                 "floor: torch int8 add": lambda: torch.add(a.view(torch.int8), b.view(torch.int8)),
                 "kiln qadd (engine)": lambda: qelementwise.qadd(a, A_SCALE, za, b, B_SCALE, zb, out_dtype=dtype,
                                                                 y_scale=Y_SCALE, y_zero=zy, activation="Relu"),
-                "multipliers, no division": lambda: _multipliers(a, b, dtype, za, zb, zy),
+                "before (main's kernel)": lambda: _before(a, b, dtype, za, zb, zy, False),
             }
+            if dtype == FP8:  # main's kernel with the store's rounding (this branch's first commit)
+                variants["before, the store rounding fp8"] = lambda: _before(a, b, dtype, za, zb, zy, True)
             for what, fn in variants.items():
                 try:
                     got = fn()
@@ -101,16 +109,6 @@ def main() -> None:
     Path(args.out, "qadd_parts.md").write_text(table + "\n")
 
 
-def _multipliers(a, b, dtype, za, zb, zy):
-    out = torch.empty_like(a, dtype=dtype)
-    numel = a.numel()
-    qmin, qmax = (-128, 127) if dtype == torch.int8 else (0, 0)
-    _qadd_multipliers_kernel[(triton.cdiv(numel, 4096),)](
-        a, b, out, numel, A_SCALE / Y_SCALE, za, B_SCALE / Y_SCALE, zb, zy, OUT=1 if dtype == torch.int8 else 2,
-        QMIN=qmin, QMAX=qmax, BLOCK=4096, num_warps=8)
-    return out
-
-
 def _check(got: torch.Tensor, want: torch.Tensor) -> str:
     g, w = got.double(), want.double()
     if want.dtype == FP8:
@@ -119,7 +117,7 @@ def _check(got: torch.Tensor, want: torch.Tensor) -> str:
         unit = torch.ones(())
     diff = (g - w).abs()
     worst, share = float((diff / unit).max()), float((diff > 0).double().mean())
-    ok = worst <= 1.0 + 1e-9 and share <= 1e-3
+    ok = worst <= 1.0 + 1e-9 and share <= 1e-2
     return f"{'ok' if ok else 'WRONG'}: {share:.4%} off, up to {worst:.2g} steps"
 
 
