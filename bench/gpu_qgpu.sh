@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # h-qgpu's device call (issue 12: ResNet-50 INT8/FP8 on the H200). (0) GPU tests of the QAdd kernel and the residual
 # QConv tactics; (1) where a residual QAdd's time goes (bench/qadd_parts.py: the floor, kiln's kernel, the kernel
-# before, each checked against kiln's reference op) and the stem's parts (bench/stem_parts.py: cuDNN's fp16 conv by
-# layout and algorithm search, the dequantize/requantize passes); whether an FP8 conv's c, rounded from fp32 sums, lets a
-# fused residual pass the builder's check (bench/fp8_residual_rounding.py); (2) ResNet-50 batch 256 engines with per-layer
-# profiles: which QConvs fall back to the dequantized tactic (every candidate's time or why it was dropped) and the
-# per-layer gaps vs fp16 when it runs (bench/quant_gpu.py --profile). MODES (default kiln_int8: ~150 s in all);
-# MODES=kiln_fp16,kiln_int8,kiln_fp8 for the comparison: ~300 s. No carry.
+# before, each checked against kiln's reference op); whether an FP8 conv's c, rounded from fp32 sums, lets a fused
+# residual pass the builder's check (bench/fp8_residual_rounding.py); the stem's parts (bench/stem_parts.py: cuDNN's
+# fp16 conv by layout and algorithm search, the dequantize/requantize passes); (2) ResNet-50 batch 256 engines with
+# per-layer profiles: which QConvs fall back to the dequantized tactic (every candidate's time or why it was
+# dropped) and the per-layer gaps vs fp16 when it runs (bench/quant_gpu.py --profile). MODES (default kiln_int8:
+# ~170 s in all); MODES=kiln_fp16,kiln_int8,kiln_fp8 for the comparison: ~320 s. No carry.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-qgpu
 {
