@@ -8,15 +8,17 @@
 #   PARTS=1 bash bench/gpu_qgpu.sh  (1) first: where a residual QAdd's time goes (bench/qadd_parts.py), whether an FP8
 #                                   conv's c lets a fused residual pass the builder's check (bench/fp8_residual_rounding
 #                                   .py), the stem's parts (bench/stem_parts.py): +90 s
-# MODES picks the engines (default kiln_fp16,kiln_int8,kiln_fp8). No carry.
+# MODES picks the engines (default kiln_fp16,kiln_int8,kiln_fp8); TESTS=0 skips the tests. No carry.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-qgpu
 {
 stage "GPU"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+if [ "${TESTS:-1}" = 1 ]; then
 stage "GPU tests: QAdd and the residual QConv tactics against the reference, CUDA-graph replays, the tuner's timing"
 timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short tests/gpu/test_quant_cuda.py tests/gpu/test_cuda_tactics.py \
   -k "qadd_tactics_on_a_resnet_residual or (replays and qadd) or hardware_rounding or qconv_with_a_residual or measure_times" \
   2>&1 | grep -v "DEBUG\|^$" | tail -12
+fi
 if [ "${PARTS:-0}" = 1 ]; then
   stage "QAdd parts"
   timeout 35 python3 bench/qadd_parts.py --out "$OUT" 2>&1 | grep "^|"
