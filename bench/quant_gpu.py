@@ -246,10 +246,14 @@ def layers_table(rows: list[dict]) -> list[str]:
 
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
-MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq")
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused")
 # kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
 # E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
 # writing fp8; the autotuner times each 8-bit layer against its fp16 form
+# kiln_int8_unfused: kiln_int8 built without fuse_quantized_residual (an experiment of this script, not a build
+# option): each residual QAdd its own step after a plain QConv, each checked alone. The fused layer's check makes
+# its convolution round c exactly (qmath.exact_integer_result) where the unfused QConv may be a step off at a
+# near-tie: this row says what that exactness costs against the QAdd pass the fusion saves
 
 
 def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_types: list[str] | None) -> None:
@@ -401,6 +405,10 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         # max calibration, as TensorRT's FP8 PTQ (ModelOpt) does: E4M3's range is wide, clipping buys little
         engine = kiln.build(path, precision="fp8", calibration=calibration, calibrator="minmax", **build)
     else:
+        if mode == "kiln_int8_unfused":  # this process builds one engine: the rule list is changed for it alone
+            from kiln.passes import fusion
+            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES
+                            if rule_name != "fuse_quantized_residual"]
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
         # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
@@ -419,7 +427,7 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
     row["cuda_graphs"] = bool(getattr(getattr(ctx, "runner", None), "use_graphs", False))
     if mode == "kiln_fp8_ptq":
         row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
-    if mode in ("kiln_int8", "kiln_fp8"):
+    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)
         except Exception as e:  # noqa: BLE001  a comparison that cannot run is a note in the row
