@@ -508,7 +508,8 @@ def layer_gaps(rows: list[dict], top: int = 12) -> list[str]:
                 gaps.append((ms - base, name, op, tactic, ms, base_tactic, base))
             total, base_total = sum(g[4] for g in gaps), sum(ms for _, ms in fp16.values())
             lines += [f"### {workload}: {mode} vs kiln_fp16 per layer (eager ms; {mode} {total:.2f}, fp16 "
-                      f"{base_total:.2f})", "", f"| layer | op | {mode} tactic | ms | fp16 tactic | fp16 ms | loss ms |",
+                      f"{base_total:.2f})", "",
+                      f"| layer | op | {mode} tactic | ms | fp16 tactic | fp16 ms | loss ms |",
                       "|---|---|---|---|---|---|---|"]
             for loss, name, op, tactic, ms, base_tactic, base in sorted(gaps, key=lambda g: -g[0])[:top]:
                 lines.append(f"| {name[-28:]} | {op} | {(tactic or 'default').removeprefix('cuda.')} | {ms:.3f} | "

@@ -124,9 +124,9 @@ def _graph_replays(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], 
     it makes the engine run eagerly, so its eager time is the honest one. (Until 2026-12-04 one such
     candidate sent every candidate of the layer to eager timing: a quantized layer's reference default
     reads its zero point on the host, so every INT8/FP8 layer was tuned on eager times, where a Triton
-    launch's host work counted: ResNet-50's 3x3 64->64 @56 QConv took 0.41 ms on the Triton kernel against 0.39 on
-    cuDNN's dequantized form, where CUDA graphs timed them at 0.128 and 0.290: bench/results/qconv-2026-12-02.md,
-    quant-gpu-2026-12-04.md.)
+    launch's host work counted: ResNet-50's 3x3 64->64 @56 QConvs ran cuDNN's dequantized form, 0.39 ms eager
+    against the Triton kernel's 0.41, where graphs time them at ~0.29 and ~0.13; the INT8 engine went from 8.43
+    to 7.75 ms with this alone: bench/results/quant-gpu-2026-12-04.md.)
     """
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -211,10 +211,11 @@ def add_quantized(a, b, a_multiplier, a_zero, b_multiplier, b_zero, y_zero, alph
                   OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """kiln::QAdd's arithmetic on two 8-bit values (fp32 whole numbers or E4M3 values): r = (a − z_a)·s_a +
     (b − z_b)·s_b, act(r), requantized, with the multipliers s / y_scale (and the Clip bounds / y_scale) formed
-    on the host: a multiply per term and no division, where requantize() divides (~7 instructions a value: the
-    QAdd pass is arithmetic-bound at ResNet-50's residual sizes). One step off where the sum lies within fp32
-    rounding of a tie, as the contract allows every quantized kernel. A float output (OUT_FLOAT) passes
-    s_a, s_b and writes act(r)."""
+    on the host: a multiply per term and no division, where requantize() divides; int8/uint8 out by the bits
+    (to_integer). The QAdd pass at ResNet-50's residual sizes was arithmetic-bound: with these, at the copy floor
+    for FP8, within 15-18% of it for int8 (H200, bench/results/quant-gpu-2026-12-04.md). One step off where the
+    sum lies within fp32 rounding of a tie, as the contract allows every quantized kernel. A float output
+    (OUT_FLOAT) passes s_a, s_b and writes act(r)."""
     v = (a - a_zero) * a_multiplier + (b - b_zero) * b_multiplier  # a − z, b − z exact: 8-bit values in fp32
     if ACTIVATION == "Relu":
         v = dm.relu(v)
