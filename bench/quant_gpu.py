@@ -246,10 +246,14 @@ def layers_table(rows: list[dict]) -> list[str]:
 
 ENGINES = {"resnet50_b256": ("resnet50", 256, None), "bert_b64": ("bert_base", 64, 384)}
 HALF = "fp16"  # kiln's float precision around the 8-bit layers
-MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq")
+MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "kiln_int8_unfused")
 # kiln_fp8_ptq: kiln's own FP8 post-training quantization (kiln.build(precision="fp8", calibration=...)): per-tensor
 # E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
 # writing fp8; the autotuner times each 8-bit layer against its fp16 form
+# kiln_int8_unfused: kiln_int8 built without fuse_quantized_residual (an experiment of this script, not a build
+# option): each residual QAdd its own step after a plain QConv, each checked alone. The fused layer's check makes
+# its convolution round c exactly (qmath.exact_integer_result) where the unfused QConv may be a step off at a
+# near-tie: this row says what that exactness costs against the QAdd pass the fusion saves
 
 
 def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_types: list[str] | None) -> None:
@@ -345,7 +349,19 @@ def _profile(engine, dev: dict) -> dict:
     header = engine.plan.header.get("tactics", {})
     checks = {k: header[k] for k in ("skipped", "fallback_layers", "reverted_layers", "reverted", "accuracy")
               if k in header}
+    # the 8-bit layers on a float or default tactic: every candidate's time or why it was dropped (issue 12's
+    # "4 QConv on the dequantized fallback": which layers, and why no 8-bit kernel was kept)
+    fallbacks = {}
+    for step in engine.plan.program.steps:
+        if step.op_type in ("QConv", "QGemm", "QAdd") and step.name in tuned_layers and \
+                not step.tactic.startswith(("cuda.qconv.triton", "cuda.qgemm.triton", "cuda.qgemm.scaled",
+                                            "cuda.qadd.triton")):
+            fallbacks[step.name] = {"chosen": step.tactic, **{
+                k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:140]
+                for k, v in tuned_layers[step.name]["candidates"].items()}}
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
+            "layers": [(layer["name"], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 4))
+                       for layer in layers], "fallbacks": fallbacks,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
                         for layer in slowest],
             "candidate_notes": sorted(notes.items(), key=lambda t: -t[1])[:12], "residual_layers_ms": residual,
@@ -389,6 +405,10 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
         # max calibration, as TensorRT's FP8 PTQ (ModelOpt) does: E4M3's range is wide, clipping buys little
         engine = kiln.build(path, precision="fp8", calibration=calibration, calibrator="minmax", **build)
     else:
+        if mode == "kiln_int8_unfused":  # this process builds one engine: the rule list is changed for it alone
+            from kiln.passes import fusion
+            fusion.RULES = [(rule_name, rule) for rule_name, rule in fusion.RULES
+                            if rule_name != "fuse_quantized_residual"]
         calibration = [make_inputs(zoo.get(name), batch=8, seq=seq or 0, seed=s) for s in (1, 2)]
         qdq = os.path.join(tempfile.mkdtemp(), "qdq.onnx")
         # a transformer's GEMMs only: its Adds/Muls of masks give onnxruntime's FP8 histograms degenerate ranges
@@ -407,7 +427,7 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
     row["cuda_graphs"] = bool(getattr(getattr(ctx, "runner", None), "use_graphs", False))
     if mode == "kiln_fp8_ptq":
         row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
-    if mode in ("kiln_int8", "kiln_fp8"):
+    if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)
         except Exception as e:  # noqa: BLE001  a comparison that cannot run is a note in the row
@@ -468,19 +488,60 @@ def engines_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def show_profiles(log_path: str) -> None:
-    """Each engine row's profile from a quant_gpu.log (--profile), as the device scripts print it: eager ms per
-    (op, tactic), the tuner's candidates of the first block's layers, the whole-engine check, the 8-bit notes."""
+def layer_gaps(rows: list[dict], top: int = 12) -> list[str]:
+    """Per layer, each 8-bit engine against kiln fp16 (the --profile rows' eager ms, joined by layer name: the
+    frontend names a convolution alike in every engine), largest loss first: where the next gap is. A layer of
+    one engine only (a QAdd left unfused, a Q/DQ pass) is its own row, its loss its whole time."""
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        mine = {r["mode"]: r["profile"]["layers"] for r in rows if r["workload"] == workload and "layers" in
+                r.get("profile", {})}
+        if "kiln_fp16" not in mine:
+            continue
+        fp16 = {name: (tactic, ms) for name, _, tactic, ms in mine["kiln_fp16"]}
+        for mode, layers in mine.items():
+            if mode == "kiln_fp16":
+                continue
+            gaps = []
+            for name, op, tactic, ms in layers:
+                base_tactic, base = fp16.get(name, ("(none: not a layer of its own in fp16)", 0.0))
+                gaps.append((ms - base, name, op, tactic, ms, base_tactic, base))
+            total, base_total = sum(g[4] for g in gaps), sum(ms for _, ms in fp16.values())
+            lines += [f"### {workload}: {mode} vs kiln_fp16 per layer (eager ms; {mode} {total:.2f}, fp16 "
+                      f"{base_total:.2f})", "",
+                      f"| layer | op | {mode} tactic | ms | fp16 tactic | fp16 ms | loss ms |",
+                      "|---|---|---|---|---|---|---|"]
+            for loss, name, op, tactic, ms, base_tactic, base in sorted(gaps, key=lambda g: -g[0])[:top]:
+                lines.append(f"| {name[-28:]} | {op} | {(tactic or 'default').removeprefix('cuda.')} | {ms:.3f} | "
+                             f"{base_tactic.removeprefix('cuda.')} | {base:.3f} | {loss:+.3f} |")
+            by_op: dict[str, list[float]] = {}
+            for loss, _, op, *_ in gaps:
+                by_op.setdefault(op, []).append(loss)
+            lines += ["", "loss by op: " + ", ".join(f"{op} {sum(v):+.2f} ms ({len(v)})" for op, v in
+                                                     sorted(by_op.items(), key=lambda kv: -sum(kv[1]))), ""]
+    return lines
+
+
+def _log_rows(log_path: str) -> list[dict]:
+    """The engine rows of a quant_gpu.log (bench_engines' lines)."""
     import ast
     import re
 
+    rows = []
     for line in open(log_path):
         m = re.match(r"(\S+) (\S+): (\{.*\}) \(\d+ s\)$", line.strip())
-        if not m:
-            continue
-        row = ast.literal_eval(m.group(3))
-        profile = row.pop("profile", {})
-        print(f"-- {m.group(2)}: {json.dumps(row)[:600]}")
+        if m:
+            rows.append(ast.literal_eval(m.group(3)))
+    return rows
+
+
+def show_profiles(log_path: str) -> None:
+    """Each engine row's profile from a quant_gpu.log (--profile), as the device scripts print it: eager ms per
+    (op, tactic), the tuner's candidates of the first block's layers, the whole-engine check, the 8-bit notes."""
+    rows = _log_rows(log_path)
+    for row in rows:
+        profile = row.get("profile", {})
+        print(f"-- {row['mode']}: {json.dumps({k: v for k, v in row.items() if k != 'profile'})[:600]}")
         print(f"   eager total {profile.get('eager_ms_total')} ms; by (op, tactic): ms, layers")
         for kind, ms, n in profile.get("by_kind", [])[:14]:
             print(f"     {ms:8.3f} {n:4d}  {kind}")
@@ -490,6 +551,9 @@ def show_profiles(log_path: str) -> None:
             print(f"   {key}: {value}")
         for note, count in profile.get("candidate_notes", [])[:6]:
             print(f"   note x{count}: {note}")
+        for name, candidates in profile.get("fallbacks", {}).items():
+            print(f"   not on an 8-bit kernel: {name}: {json.dumps(candidates)[:1200]}")
+    print("\n".join(layer_gaps(rows)))
 
 
 def dry_run() -> None:
@@ -556,6 +620,8 @@ def main() -> None:
                              args.opt_level, log, args.profile)
         lines += ["## engines (median ms per batch, CUDA events; int8/fp8 from onnxruntime QDQ models)", ""]
         lines += engines_table(rows)
+        if args.profile:
+            lines += ["", "## where the 8-bit engines lose, per layer", ""] + layer_gaps(rows)
     table = "\n".join(lines)
     print("\n" + table)
     with open(os.path.join(args.out, "quant_gpu.md"), "w") as f:

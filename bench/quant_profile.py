@@ -8,6 +8,13 @@ the per-step profile (median ms of eager runs, summed by op type and tactic) and
 mode (`dnnl_set_verbose(1)`: every executed primitive with its implementation, e.g. `brgconv:avx512_core_vnni`,
 and its time), summed by primitive kind and implementation; for onnxruntime int8, its own profiler's node times
 summed by op type. What the issue-12 CPU targets are missed by shows here, not in an end-to-end latency.
+
+    python bench/quant_profile.py --gpu-log DIR/quant_gpu.log
+
+The GPU engines' per-layer profiles are taken on the device by `bench/quant_gpu.py --profile` (its engine rows,
+each in its own process, in DIR/quant_gpu.log); this prints them as per-layer tables against kiln fp16, the
+largest loss first (quant_gpu.layer_gaps), and the 8-bit layers left on a float tactic with every candidate's
+time or why it was dropped.
 """
 
 from __future__ import annotations
@@ -79,7 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--peers", default="kiln int8,kiln int8 (ORT QDQ)")
     parser.add_argument("--calibrator", default="entropy")
+    parser.add_argument("--gpu-log", help="a quant_gpu.log of GPU engine rows taken with --profile: print their "
+                                          "per-layer gaps vs kiln fp16 and exit")
     args = parser.parse_args(argv)
+    if args.gpu_log:
+        import quant_gpu  # bench/quant_gpu.py
+        quant_gpu.show_profiles(args.gpu_log)
+        return
     import onnxruntime as ort
     import torch
 

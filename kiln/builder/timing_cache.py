@@ -61,6 +61,9 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["device_name"] = torch.cuda.get_device_name(index)
         env["capability"] = list(torch.cuda.get_device_capability(index))
         env["driver"] = {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+        # how autotune.measure times (2026-12-04: a candidate that syncs no longer sends the others to eager
+        # timing): entries timed the old way, every INT8/FP8 layer's among them, are not read
+        env["timing"] = "cuda graphs; a syncing candidate eagerly, alone"
     else:
         env["device_name"] = cpu_name()
         env["capability"] = None

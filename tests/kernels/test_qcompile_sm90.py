@@ -124,15 +124,16 @@ def cases():
         types = {"a_ptr": f"*{dtype[x]}", "b_ptr": f"*{dtype[x]}", "out_ptr": f"*{dtype[out]}"}
         types |= {n: "i32" for n in ("numel", "size1", "size2", "size3", "sa0", "sa1", "sa2", "sa3", "sb0", "sb1",
                                      "sb2", "sb3")}
-        types |= {n: "fp32" for n in ("a_scale", "a_zero", "b_scale", "b_zero", "y_scale", "y_zero", "alpha", "beta")}
+        types |= {n: "fp32" for n in ("a_multiplier", "a_zero", "b_multiplier", "b_zero", "y_zero", "alpha", "beta")}
         yield (f"qadd {x} -> {out}", qelementwise._qadd_kernel, types,
-               {"ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False} | block,
-               {"num_warps": 4}, ("a_ptr", "b_ptr", "out_ptr"), None, True)
+               {"ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "HARDWARE_E4M3": out == "fp8",
+                "INDEX64": False} | block, {"num_warps": 4}, ("a_ptr", "b_ptr", "out_ptr"),
+               HARDWARE_E4M3 if out == "fp8" else None, out != "fp8")
         same = {n: t for n, t in types.items() if not n.startswith(("size", "sa", "sb"))}
         yield (f"qadd {x} -> {out} one layout", qelementwise._qadd_same_layout_kernel, same,
-               {"ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "INDEX64": False,
-                "BLOCK": qelementwise.SAME_LAYOUT_BLOCK}, {"num_warps": 8}, ("a_ptr", "b_ptr", "out_ptr", "numel"),
-               None, True)
+               {"ACTIVATION": "Relu", "OUT": out_kind[out], "QMIN": -128, "QMAX": 127, "HARDWARE_E4M3": out == "fp8",
+                "INDEX64": False, "BLOCK": qelementwise.SAME_LAYOUT_BLOCK}, {"num_warps": 8},
+               ("a_ptr", "b_ptr", "out_ptr", "numel"), HARDWARE_E4M3 if out == "fp8" else None, out != "fp8")
     for x, out in (("fp32", "int8"), ("fp16", "fp8")):
         yield (f"quantize {x} -> {out}", qelementwise._quantize_kernel,
                {"x_ptr": f"*{dtype[x]}", "out_ptr": f"*{dtype[out]}", "numel": "i32", "y_scale": "fp32",

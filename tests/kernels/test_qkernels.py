@@ -170,6 +170,24 @@ def test_qadd_broadcasts_in_any_layout():
 
 # ---- wrong calls -------------------------------------------------------------------------------------
 
+def test_qadd_rounds_ties_to_even_and_saturates_by_the_bits():
+    """qmath.to_float / to_integer (the QAdd pass's conversions by the bits, no cvt): every 8-bit input, sums at
+    exact half-integers in y's units (ties to even, with an odd zero point added after the rounding, as the
+    reference), and sums far beyond the range on both sides: bit for bit the reference's."""
+    from kiln.ops.quantized import qadd as reference
+
+    for dtype, zero in ((torch.int8, 3), (torch.uint8, 131)):
+        a = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).reshape(1, 4, 8, 8)
+        b = torch.flip(a, (3,))
+        for a_scale, b_scale in ((0.5, 0.0), (0.5, 1.0), (1000.0, 0.25), (-1000.0, 0.5)):
+            want = reference(None, a, torch.tensor(a_scale), torch.tensor(7, dtype=dtype), b, torch.tensor(b_scale),
+                             torch.tensor(-2 if dtype == torch.int8 else 2, dtype=dtype), torch.tensor(1.0),
+                             torch.tensor(zero, dtype=dtype))
+            got = qadd(a, a_scale, 7, b, b_scale, -2 if dtype == torch.int8 else 2, out_dtype=dtype, y_scale=1.0,
+                       y_zero=zero)
+            assert torch.equal(got, want), (dtype, a_scale, b_scale, int((got != want).sum()))
+
+
 def test_kernels_name_what_is_wrong():
     x, w = torch.zeros(4, 16, dtype=torch.int8), torch.zeros(8, 16, dtype=torch.int8)
     ep = Epilogue(torch.ones(8), None, torch.int8)

@@ -113,7 +113,7 @@ def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale
     """acc [BM, BN] of output pixels rm, channels rn to the NHWC output: bias, per-channel scale, activation,
     the output's quantization (qmath.finish / finish_prescaled); with EXACT the 8-bit result rounded as the
     reference does (qmath.exact_integer_result), and with RESIDUAL then the residual tile at the same offsets
-    added and the sum requantized (qmath.add_residual). Rows past M and columns past Cout are computed from
+    added and the sum requantized (qmath.add_quantized). Rows past M and columns past Cout are computed from
     clamped reads, not stored."""
     col_ok = (rn < Cout)[None, :]  # [1, BN]
     scale = tl.load(scale_ptr + rn[None, :], mask=col_ok, other=0.0)  # [1, BN]
@@ -128,8 +128,8 @@ def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale
                                        HAS_BIAS, PRESCALED, QMIN, QMAX)
         if RESIDUAL:
             res = tl.load(res_ptr + offs, mask=mask, other=0).to(tl.float32)
-            y = qmath.add_residual(y, res, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, R_ACTIVATION,
-                                   R_QMIN, R_QMAX)
+            y = qmath.add_quantized(y, res, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, 0.0, 0.0,
+                                    R_ACTIVATION, 1, R_QMIN, R_QMAX)
     elif PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
         y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
     else:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kiln.kernels.cuda.triton import qmath
 from kiln.kernels.cuda.triton.qgemm import INT_RANGE, OUTPUTS, QUANTIZED_INPUTS, Epilogue
+from kiln.kernels.cuda.triton.qresidual import float32
 
 BLOCK = 1024
 SAME_LAYOUT_BLOCK = 4096  # 16 elements per thread at 8 warps: 16-byte loads of 8-bit values
@@ -186,9 +187,9 @@ def quantize(x: torch.Tensor, scale: float, zero: float, out_dtype: torch.dtype)
 
 @triton.jit
 def _qadd_kernel(a_ptr, b_ptr, out_ptr, numel, size1, size2, size3, sa0, sa1, sa2, sa3, sb0, sb1, sb2, sb3,
-                 a_scale, a_zero, b_scale, b_zero, y_scale, y_zero, alpha, beta,
+                 a_multiplier, a_zero, b_multiplier, b_zero, y_zero, alpha, beta,
                  ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                 INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+                 HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     if INDEX64:
         pid = pid.to(tl.int64)
@@ -201,17 +202,18 @@ def _qadd_kernel(a_ptr, b_ptr, out_ptr, numel, size1, size2, size3, sa0, sa1, sa
     i1 = rest % size1
     i0 = rest // size1
     # masked-off lanes are never stored
-    a = tl.load(a_ptr + i0 * sa0 + i1 * sa1 + i2 * sa2 + i3 * sa3, mask=mask).to(tl.float32)
-    b = tl.load(b_ptr + i0 * sb0 + i1 * sb1 + i2 * sb2 + i3 * sb3, mask=mask).to(tl.float32)
-    r = (a - a_zero) * a_scale + (b - b_zero) * b_scale  # a − z exact: 8-bit values in fp32
-    y = qmath.requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    a = qmath.to_float(tl.load(a_ptr + i0 * sa0 + i1 * sa1 + i2 * sa2 + i3 * sa3, mask=mask))
+    b = qmath.to_float(tl.load(b_ptr + i0 * sb0 + i1 * sb1 + i2 * sb2 + i3 * sb3, mask=mask))
+    y = qmath.add_quantized(a, b, a_multiplier, a_zero, b_multiplier, b_zero, y_zero, alpha, beta, ACTIVATION, OUT,
+                            QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _qadd_same_layout_kernel(a_ptr, b_ptr, out_ptr, numel, a_scale, a_zero, b_scale, b_zero, y_scale, y_zero,
+def _qadd_same_layout_kernel(a_ptr, b_ptr, out_ptr, numel, a_multiplier, a_zero, b_multiplier, b_zero, y_zero,
                              alpha, beta, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
-                             QMAX: tl.constexpr, INDEX64: tl.constexpr, BLOCK: tl.constexpr):
+                             QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr, INDEX64: tl.constexpr,
+                             BLOCK: tl.constexpr):
     """a, b and out dense with one shape and one set of strides (a residual Add of two NHWC tensors): the
     same flat offset in all three, so the 8-bit loads and stores vectorise (the 4-D walk's index arithmetic
     hides their contiguity from the compiler: measured at ~400 GB/s on the H200)."""
@@ -220,12 +222,11 @@ def _qadd_same_layout_kernel(a_ptr, b_ptr, out_ptr, numel, a_scale, a_zero, b_sc
         pid = pid.to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)  # masked-off lanes are never stored
-    b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
-    r = (a - a_zero) * a_scale + (b - b_zero) * b_scale
-    y = qmath.requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION, OUT, QMIN, QMAX)
+    a = qmath.to_float(tl.load(a_ptr + offs, mask=mask))  # masked-off lanes are never stored
+    b = qmath.to_float(tl.load(b_ptr + offs, mask=mask))
+    y = qmath.add_quantized(a, b, a_multiplier, a_zero, b_multiplier, b_zero, y_zero, alpha, beta, ACTIVATION, OUT,
+                            QMIN, QMAX, HARDWARE_E4M3)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
 
 
 def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scale: float, b_zero: float, *,
@@ -250,11 +251,15 @@ def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scal
     if numel == 0:
         return out
     qmin, qmax = INT_RANGE.get(out_dtype, (0, 0))
+    # qmath.add_quantized's multipliers: s / y_scale (fp32 of the fp32 quotient) and the Clip bounds in y's units
+    y = float32(y_scale) if out_dtype in QUANTIZED_INPUTS else 1.0
+    values = (float32(float32(a_scale) / y), float(a_zero), float32(float32(b_scale) / y), float(b_zero),
+              float(y_zero), float(alpha) / y, float(beta) / y)
+    options = dict(ACTIVATION=activation, OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax, HARDWARE_E4M3=a.is_cuda)
     if a.shape == b.shape == out.shape and a.stride() == b.stride() == out.stride():  # out dense: a is too
         _qadd_same_layout_kernel[(triton.cdiv(numel, SAME_LAYOUT_BLOCK),)](
-            a, b, out, numel, float(a_scale), float(a_zero), float(b_scale), float(b_zero), float(y_scale),
-            float(y_zero), float(alpha), float(beta), ACTIVATION=activation, OUT=_out_kind(out_dtype), QMIN=qmin,
-            QMAX=qmax, INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK, num_warps=8)
+            a, b, out, numel, *values, **options, INDEX64=numel + SAME_LAYOUT_BLOCK >= 2**31, BLOCK=SAME_LAYOUT_BLOCK,
+            num_warps=8)
         return out
     order = _memory_order(out) if out.dim() else []
     a_e, b_e = a.expand(shape), b.expand(shape)  # views: broadcast dims have stride 0
@@ -263,7 +268,6 @@ def qadd(a: torch.Tensor, a_scale: float, a_zero: float, b: torch.Tensor, b_scal
     sa = [0] * pad + [a_e.stride(d) for d in order]
     sb = [0] * pad + [b_e.stride(d) for d in order]
     _qadd_kernel[(triton.cdiv(numel, BLOCK),)](
-        a_e, b_e, out, numel, sizes[1], sizes[2], sizes[3], *sa, *sb, float(a_scale), float(a_zero), float(b_scale),
-        float(b_zero), float(y_scale), float(y_zero), float(alpha), float(beta), ACTIVATION=activation,
-        OUT=_out_kind(out_dtype), QMIN=qmin, QMAX=qmax, INDEX64=numel + BLOCK >= 2**31, BLOCK=BLOCK, num_warps=4)
+        a_e, b_e, out, numel, sizes[1], sizes[2], sizes[3], *sa, *sb, *values, **options,
+        INDEX64=numel + BLOCK >= 2**31, BLOCK=BLOCK, num_warps=4)
     return out

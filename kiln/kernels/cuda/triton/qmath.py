@@ -187,13 +187,42 @@ def exact_integer_result(acc, bias, scale, y_scale, y_zero, scale64_ptr, rn, col
 
 
 @triton.jit
-def add_residual(c, res, a_multiplier, a_zero, b_multiplier, b_zero, y_zero, ACTIVATION: tl.constexpr,
-                 QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """A layer's 8-bit result c plus an 8-bit residual (fp32 whole numbers), activation, requantization:
-    kiln::QAdd's arithmetic (r = (c − z_c)·s_c + (res − z_r)·s_r, y = round(act(r) / y_scale) + z_y) with
-    the multipliers s / y_scale in fp32: a multiply per term, no division; one step off where the sum lies
-    within fp32 rounding of a tie, as the contract allows every quantized kernel (c itself is exact)."""
-    v = (c - a_zero) * a_multiplier + (res - b_zero) * b_multiplier  # c − z, res − z exact: 8-bit values in fp32
+def to_float(x):
+    """An 8-bit load as fp32. int8/uint8 by the bits, not a conversion: 0x4B400000 + x is the fp32 1.5·2^23 + x,
+    the integer add and one fp32 subtraction exact, on the full-rate pipes, where cvt.rn.f32.s16 issues on
+    the conversion unit (a quarter of the rate on Hopper: an elementwise pass over 8-bit tensors does 2-3 a
+    value)."""
+    if x.dtype == tl.int8 or x.dtype == tl.uint8:
+        return (x.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    return x.to(tl.float32)
+
+
+@triton.jit
+def to_integer(v, y_zero, QMIN: tl.constexpr, QMAX: tl.constexpr):
+    """quantize_value's integer output as an int32, by the bits: v clamped to [QMIN − z, QMAX − z] (whole
+    bounds: clamping before rounding is clamping after), rounded half to even by the 1.5·2^23 add, whose
+    low bits are then round(v) in two's complement: no fp32 -> int conversion (the conversion unit's)."""
+    v = tl.minimum(tl.maximum(v, QMIN - y_zero), QMAX - y_zero)
+    return (v + 12582912.0).to(tl.int32, bitcast=True) + (tl.cast(y_zero, tl.int32) - 0x4B400000)
+
+
+@triton.jit
+def add_quantized(a, b, a_multiplier, a_zero, b_multiplier, b_zero, y_zero, alpha, beta, ACTIVATION: tl.constexpr,
+                  OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
+    """kiln::QAdd's arithmetic on two 8-bit values (fp32 whole numbers or E4M3 values): r = (a − z_a)·s_a +
+    (b − z_b)·s_b, act(r), requantized, with the multipliers s / y_scale (and the Clip bounds / y_scale) formed
+    on the host: a multiply per term and no division, where requantize() divides; int8/uint8 out by the bits
+    (to_integer). The QAdd pass at ResNet-50's residual sizes was arithmetic-bound: with these, at the copy floor
+    for FP8, within 15-18% of it for int8 (H200, bench/results/quant-gpu-2026-12-04.md). One step off where the
+    sum lies within fp32 rounding of a tie, as the contract allows every quantized kernel. A float output
+    (OUT_FLOAT) passes s_a, s_b and writes act(r)."""
+    v = (a - a_zero) * a_multiplier + (b - b_zero) * b_multiplier  # a − z, b − z exact: 8-bit values in fp32
     if ACTIVATION == "Relu":
         v = dm.relu(v)
-    return quantize_value(v, y_zero, 1, QMIN, QMAX)
+    elif ACTIVATION == "Clip":  # alpha = min, beta = max (divided by y_scale for a quantized output)
+        v = tl.minimum(tl.maximum(v, alpha), beta)
+    if OUT == 1:
+        y = to_integer(v, y_zero, QMIN, QMAX)
+    else:
+        y = quantize_value(v, y_zero, OUT, QMIN, QMAX, HARDWARE_E4M3)
+    return y
