@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq", type=int, default=384)
     parser.add_argument("--half-padded", action="store_true", help="key lengths from S/2 to S, not all S")
-    parser.add_argument("--configs", default="all", choices=("all", "default"))
+    parser.add_argument("--configs", default="all", choices=("all", "default", "one"),
+                        help="tiles: all, the default build's three, or the first only")
     args = parser.parse_args()
     device = torch.device("cuda")
     b, s = args.batch, args.seq
@@ -153,7 +154,7 @@ def main() -> None:
     def dequantized(out: torch.Tensor, scales: Float8Scales) -> torch.Tensor:
         return out.float() * scales.out if out.dtype == FP8_DTYPE else out.float()
 
-    configs = ATTENTION_CONFIGS if args.configs == "all" else ATTENTION_CONFIGS[:3]
+    configs = {"all": ATTENTION_CONFIGS, "default": ATTENTION_CONFIGS[:3], "one": ATTENTION_CONFIGS[:1]}[args.configs]
     rows: list[tuple[str, Callable[[], torch.Tensor] | str, Float8Scales | None]] = []
     for config in configs:
         rows.append((f"kiln fp16 {config.name}", kiln(q, k, v, config, None, buffer16), None))
