@@ -12,7 +12,7 @@ Rows:
 - kiln FP8 (flash_attention's Float8Scales): E4M3 q/k/v slices of an E4M3 QKV output (what a QKV GEMM writing
   E4M3 in its epilogue hands over), the output fp16 or E4M3 (what the attention-out GEMM reads); fp16 q/k/v
   quantized as they are loaded (no QKV change); E4M3 with v stored transposed ([B, H, D, T] memory: the layout
-  Hopper's E4M3 wgmma wants for p·v);
+  Hopper's E4M3 wgmma wants for p·v); q·kᵀ alone in E4M3 from fp16 q/k (p·v in fp16: cuda.attention.triton_fp8qk);
 - cuDNN's FP8 SDPA (nvidia-cudnn-frontend's graph sdpa_fp8) on the E4M3 slices, E4M3 out: a peer.
 
 Accuracy: each output against torch in fp32 on the fp16 inputs (the layer's exact result; the FP8 rows' input
@@ -170,9 +170,13 @@ def main() -> None:
                      kiln(q8, k8, v8_transposed, config, fp8, buffer16), fp8))
         rows.append((f"kiln FP8 E4M3, v transposed -> E4M3 {config.name}",
                      kiln(q8, k8, v8_transposed, config, fp8_out, buffer8), fp8_out))
-    # the form an FP8 engine's attention has today (fp16 QKV GEMM output): run 1 measured it slowest (0.172 ms)
+    # the forms an FP8 engine's attention can take today (fp16 QKV GEMM output): all E4M3 (run 1: slowest, 0.172 ms),
+    # q·kᵀ alone in E4M3 (p·v in fp16, v as it is)
     rows.append((f"kiln FP8 fp16 in (quantized on load) -> fp16 {configs[0].name}",
                  kiln(q, k, v, configs[0], fp8, buffer16), fp8))
+    for config in configs:
+        rows.append((f"kiln FP8 q·kᵀ only, fp16 in (q, k quantized on load), p·v fp16 {config.name}",
+                     kiln(q, k, v, config, Float8Scales(fp8.q, fp8.k, 1.0, pv=False), buffer16), None))
     rows.append(("cuDNN SDPA FP8 E4M3 -> E4M3, no mask (all keys)", cudnn_fp8_sdpa([q8, k8, v8], fp8_out, scale),
                  fp8_out))
 

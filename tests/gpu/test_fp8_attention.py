@@ -55,6 +55,20 @@ def test_bert_layer_within_the_rounding_bound(config):
     assert torch.equal(again, out.permute(0, 2, 1, 3))
 
 
+@pytest.mark.parametrize("config", ATTENTION_CONFIGS, ids=lambda c: c.name)
+def test_qk_alone_in_e4m3_on_bert_layer(config):
+    """fp16 q/k/v, q·kᵀ in E4M3, p·v in fp16 (cuda.attention.triton_fp8qk): the exact attention of the rounded q and
+    k within the fp16 kernel's tolerance."""
+    q8, k8, _, fp8, lengths = bert_layer(8, 384, seed=2)
+    q, k = (t.float() * s for t, s in ((q8, fp8.q), (k8, fp8.k)))
+    v = torch.randn(8, HEADS, 384, HEAD_DIM, device=DEVICE).half()
+    keep = torch.arange(384, device=DEVICE) < lengths.view(-1, 1, 1, 1)
+    out = flash_attention(q.half(), k.half(), v, None, lengths, scale=0.125, config=config,
+                          fp8=Float8Scales(fp8.q, fp8.k, 1.0, pv=False))
+    expected = exact(q8, k8, v, Float8Scales(fp8.q, fp8.k, 1.0), 0.125, keep)
+    close(out, expected, 2e-3 * (1 + expected.abs().max().item()))
+
+
 @pytest.mark.parametrize("config", [c for c in ATTENTION_CONFIGS if c.block_n >= 64], ids=lambda c: c.name)
 def test_one_key_block_rounds_p_as_the_reference_on_the_hardware(config):
     """64 keys, one block: the hardware's E4M3 rounding of p' against torch's; E4M3 outputs within one step."""

@@ -164,12 +164,14 @@ def attention_cases():
              for dtype, head_dim, variant in (("fp16", 64, "plain"), ("fp16", 64, "padding-mask"),
                                               ("fp16", 64, "key-lengths"), ("bf16", 128, "causal"))]
     cases += [(config, "fp16", 80, "bool-mask") for config in attention.ATTENTION_CONFIGS[2:4]]
-    variants |= {"fp8 key-lengths": variants["key-lengths"] | {"FP8": True, "HARDWARE_E4M3": True}}
+    variants |= {"fp8 key-lengths": variants["key-lengths"] | {"FP8": True, "HARDWARE_E4M3": True, "PV_FP8": True},
+                 "fp8qk key-lengths": variants["key-lengths"] | {"FP8": True, "HARDWARE_E4M3": True}}
     cases += [(config, dtype, 64, "fp8 key-lengths") for config in attention.ATTENTION_CONFIGS
               for dtype in ("fp8e4nv", "fp8e4nv>fp8e4nv", "fp16>fp16")]  # q/k/v dtype > output dtype
+    cases += [(config, "fp16", 64, "fp8qk key-lengths") for config in attention.ATTENTION_CONFIGS[:3]]
     for config, dtype, head_dim, variant in cases:
         flags = variants[variant]
-        dtype, out_dtype = dtype.split(">") if ">" in dtype else (dtype, "fp16" if flags.get("FP8") else dtype)
+        dtype, out_dtype = dtype.split(">") if ">" in dtype else (dtype, "fp16" if flags.get("PV_FP8") else dtype)
         types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{out_dtype}",
                  "mask_ptr": "*u8" if flags.get("MASK_BOOL") else "*fp16" if flags.get("FP8") else f"*{dtype}",
                  "key_lengths_ptr": "*i32"}
@@ -179,7 +181,7 @@ def attention_cases():
         constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "HAS_MASK": False, "MASK_BOOL": False,
                       "MASK_ROWS": False, "CAUSAL": False, "HAS_KEY_LENGTHS": False, "NAN_TO_ZERO": False,
                       "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
-                      "FP8": False, "HARDWARE_E4M3": False}
+                      "FP8": False, "HARDWARE_E4M3": False, "PV_FP8": False}
         constexprs |= flags | dict.fromkeys(unit, 1)
         mask_bytes = (1 if flags.get("MASK_BOOL") else 2) if flags.get("HAS_MASK") else 0
         bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim,
@@ -188,7 +190,7 @@ def attention_cases():
         name = f"attention {dtype}{'>' + out_dtype if out_dtype != dtype else ''} {config.name} d{head_dim} {variant}"
         yield (name, fn, types, constexprs,
                {"options": {"num_warps": config.num_warps, "num_stages": config.num_stages}, "divisible": divisible,
-                "shared_bound": bound, "ptx_contains": ("wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3",)
+                "shared_bound": bound, "ptx_contains": ("f32.e4m3.e4m3",)
                 if flags.get("FP8") else ()})
 
 
@@ -232,7 +234,7 @@ CASES["attention"] = attention_cases
 QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention fp16 128x64.w4s3 d64 key-lengths",
           "attention bf16 128x128.w8s3 d128 causal",
           "attention fp16 64x64.w4s3 d80 bool-mask", "attention fp8e4nv>fp16 128x64.w4s3 d64 fp8 key-lengths",
-          "attention fp8e4nv 128x64.w4s3 d64 fp8 key-lengths"}
+          "attention fp8e4nv 128x64.w4s3 d64 fp8 key-lengths", "attention fp16 128x64.w4s3 d64 fp8qk key-lengths"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases

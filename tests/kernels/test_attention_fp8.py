@@ -99,6 +99,20 @@ def test_half_inputs_are_quantized_as_they_are_loaded():
     assert torch.equal(out, flash_attention(q8, k8, v8, scale=0.25, config=SMALL, fp8=fp8))
 
 
+def test_qk_alone_in_e4m3_keeps_p_v_in_fp16():
+    """Float8Scales.pv False: q and k on the E4M3 grid, v as given (fp16), the probabilities fp16: the exact attention
+    of the rounded q and k within the fp16 kernel's tolerance (tests/kernels/test_attention.py: 2e-3)."""
+    q, k, _, fp8 = inputs(2, 2, 37, 45, 32, seed=7)
+    v = (torch.randn(2, 2, 45, 32) * 2).half()
+    out = flash_attention(q, k, v, scale=0.2, config=SMALL, fp8=Float8Scales(fp8.q, fp8.k, 1.0, pv=False))
+    assert out.dtype == torch.float16
+    unit_v = Float8Scales(fp8.q, fp8.k, 1.0)
+    expected = exact(q, k, v, unit_v, 0.2)
+    close(out, expected, 2e-3 * (1 + expected.abs().max().item()))
+    with pytest.raises(TypeError, match="float16 or bfloat16 v"):
+        flash_attention(q, k, quantized(v.float(), 0.02), fp8=Float8Scales(fp8.q, fp8.k, 0.02, pv=False))
+
+
 def test_key_lengths_and_a_padding_mask():
     """Rows with a length read keys 0..n-1 only (their mask is NaN on purpose); -1 takes the additive mask."""
     q, k, v, fp8 = inputs(4, 2, 29, 40, 32, seed=3)

@@ -20,6 +20,7 @@ from tests.unit import tactic_check  # noqa: E402
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
 FP8_TACTIC = "cuda.attention.triton_fp8.64x32.w4s2"
+QK_TACTIC = "cuda.attention.triton_fp8qk.64x32.w4s2"
 HALF_TACTIC = "cuda.attention.triton.64x32.w4s2"
 HEADS_LAST = [0, 2, 1, 3]
 CPU = torch.device("cpu")
@@ -55,7 +56,7 @@ def launched(name: str, step, args):
 def test_fp8_tactic_passes_its_check_and_the_exact_tactic_ignores_the_scale():
     step, args = bert_layer()
     op = lookup("Attention", "kiln").fn
-    check = fp8_checker(op, context(step, args), args, step.attributes)
+    check = fp8_checker(True)(op, context(step, args), args, step.attributes)
     assert check(launched(FP8_TACTIC, step, args)) is None
     tactic_check.run_against_reference(HALF_TACTIC, step, args)  # fp8_scale changes nothing the op computes
 
@@ -67,7 +68,7 @@ def test_the_check_fails_kernels_that_scale_wrong():
     from kiln.tactics.cuda.attention import attention_views, output_buffer
 
     step, args = bert_layer(fp8_scale=0.02)
-    check = fp8_checker(lookup("Attention", "kiln").fn, context(step, args), args, step.attributes)
+    check = fp8_checker(True)(lookup("Attention", "kiln").fn, context(step, args), args, step.attributes)
     q, k, v = attention_views(args[0], None, None, step.attributes)
     for scales in (Float8Scales(0.02, 0.02, 0.022), Float8Scales(0.02, 0.024, 0.02)):
         buffer, out = output_buffer(q, v, HEADS_LAST)
@@ -95,6 +96,16 @@ def test_the_autotuner_keeps_the_fp8_tactic_by_its_own_check(monkeypatch):
     assert found.tactic == FP8_TACTIC, found.candidates
     assert set(found.candidates) >= {FP8_TACTIC, HALF_TACTIC}
     assert not any(isinstance(n, str) and "rejected" in n for n in found.candidates.values()), found.candidates
+
+
+def test_the_qk_form_rounds_q_and_k_only_and_passes_its_tighter_check():
+    """q·kᵀ in E4M3, p·v in fp16: judged with fp16's rounding of the probabilities (2^-10 of Σ p·|v|), which the
+    full form's result (v and p in E4M3 too) does not meet."""
+    step, args = bert_layer()
+    op = lookup("Attention", "kiln").fn
+    qk_check = fp8_checker(False)(op, context(step, args), args, step.attributes)
+    assert qk_check(launched(QK_TACTIC, step, args)) is None
+    assert "beyond the FP8 bound" in qk_check(launched(FP8_TACTIC, step, args))
 
 
 def test_fp8_tactic_refuses_an_attention_without_a_scale():

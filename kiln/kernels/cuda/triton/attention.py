@@ -30,6 +30,8 @@ fixed scale 1/448 (P_SCALE): p' = 448·2^(s - m') = 2^(s - (m' - log2 448)), so 
 scales them and p' <= 448 uses E4M3's whole range (p <= 1 as is would leave its top eight binades empty and
 flush every p < 2^-9 to zero). The row sum l is taken over p' before its rounding, so the 448 cancels in
 acc / l, and s_v (over the output's scale, for an E4M3 output) is one multiply per row at the end.
+Float8Scales.pv False keeps p·v in v's half dtype (q·kᵀ alone in E4M3): Hopper's E4M3 wgmma reads its B operand
+K-major, so p·v in E4M3 wants v stored keys-contiguous, which a QKV GEMM's [B, S, 3·H·D] output is not.
 
 Semantics follow kiln/ops/fused.py `attention` (torch SDPA): a mask that is not bool is first
 rounded to q's dtype; causal is top-left aligned (query i sees keys 0..i); a row whose every
@@ -71,11 +73,12 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class Float8Scales:
     """E4M3 attention: the per-tensor scales of q, k and v (x = x8·scale) and of an E4M3 output (None: the output
-    is float16/bfloat16)."""
+    is float16/bfloat16); `pv`: whether p·v runs in E4M3 as well as q·kᵀ."""
     q: float
     k: float
     v: float
     out: float | None = None
+    pv: bool = True  # p·v in E4M3 too; False: q·kᵀ only, p·v in v's float16/bfloat16 (v unscaled, s_v unused)
 
     def __post_init__(self):
         for name in ("q", "k", "v", "out"):
@@ -113,9 +116,11 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
                        v_inverse, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
                        MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                        CHECK_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_DV: tl.constexpr, STAGES: tl.constexpr, HARDWARE_E4M3: tl.constexpr):
+                       BLOCK_DV: tl.constexpr, STAGES: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                       PV_FP8: tl.constexpr):
     """Key blocks [start, end) folded into (acc, l, m). CHECK_KEYS: test key < T; CAUSAL: key <= query.
-    An E4M3 q (FP8 products): k and v put on the grid at 1 / k_inverse and 1 / v_inverse as they are loaded."""
+    An E4M3 q (FP8 products): k put on the grid at 1 / k_inverse as it is loaded; PV_FP8: v too (at 1 / v_inverse)
+    and the probabilities, else p·v in v's half dtype."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d < HEAD_DIM  # constant-folded when HEAD_DIM == BLOCK_D
@@ -133,6 +138,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
             v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         if q.dtype == tl.float8e4nv:
             k = _to_e4m3(k, k_inverse, HARDWARE_E4M3)
+        if PV_FP8:
             v = _to_e4m3(v, v_inverse, HARDWARE_E4M3)
         qk = tl.dot(q, k)  # qk: [BM, BN] fp32, not yet scaled
         if HAS_MASK:
@@ -168,7 +174,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
             m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_new_safe = m_new
-        if q.dtype == tl.float8e4nv:  # p' = p / P_SCALE = 2^(s - (m' - log2 448)): E4M3's whole range
+        if PV_FP8:  # p' = p / P_SCALE = 2^(s - (m' - log2 448)): E4M3's whole range
             m_shift = m_new_safe - 8.807354922057604
         else:
             m_shift = m_new_safe
@@ -178,7 +184,7 @@ def _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask
             p = tl.math.exp2(qk * qk_scale - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)  # rescales what was accumulated under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)
-        if q.dtype == tl.float8e4nv:
+        if PV_FP8:
             p = _to_e4m3(p, 1.0, HARDWARE_E4M3)
         else:
             p = p.to(v.dtype)
@@ -192,7 +198,8 @@ def _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
                  stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale, k_inverse, v_inverse,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr,
                  MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STAGES: tl.constexpr, HARDWARE_E4M3: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, STAGES: tl.constexpr, HARDWARE_E4M3: tl.constexpr,
+                 PV_FP8: tl.constexpr):
     """Keys 0..T-1 folded into (acc, l, m): the blocks every query row of the tile sees in full, then the rest.
     STAGES: the key loops' software pipeline depth; None: the launch's num_stages."""
     whole_blocks_end = (T // BLOCK_N) * BLOCK_N  # key blocks with no tail
@@ -205,11 +212,11 @@ def _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows,
     acc, l_i, m_i = _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, 0, full_end,
                                        T, stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                        k_inverse, v_inverse, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                       False, False, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HARDWARE_E4M3)
+                                       False, False, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HARDWARE_E4M3, PV_FP8)
     return _attend_key_blocks(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, full_end, end, T,
                               stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                               k_inverse, v_inverse, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS, CAUSAL,
-                              True, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HARDWARE_E4M3)
+                              True, BLOCK_N, BLOCK_D, BLOCK_DV, STAGES, HARDWARE_E4M3, PV_FP8)
 
 
 @triton.jit
@@ -224,9 +231,9 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
                             MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                             HAS_KEY_LENGTHS: tl.constexpr, NAN_TO_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                            FP8: tl.constexpr, HARDWARE_E4M3: tl.constexpr):
-    """FP8: E4M3 products (q, k, v put on the grid at 1 / *_inverse where they are not E4M3 already); out_scale
-    multiplies the output (1, or s_v over an E4M3 output's scale)."""
+                            FP8: tl.constexpr, HARDWARE_E4M3: tl.constexpr, PV_FP8: tl.constexpr):
+    """FP8: q·kᵀ in E4M3 (q, k put on the grid at 1 / *_inverse where they are not E4M3 already), PV_FP8: p·v too;
+    out_scale multiplies the output (1, or s_v, over an E4M3 output's scale)."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the last query tiles see the most keys: start them first so the short ones fill the tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -259,18 +266,18 @@ def _flash_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, key_lengths_ptr, out_
                                          tl.minimum(key_length, T), stride_kt, stride_kd, stride_vt, stride_vd,
                                          stride_ms, stride_mt, qk_scale, k_inverse, v_inverse, HEAD_DIM, HEAD_DIM_V,
                                          False, False, False, False, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None,
-                                         HARDWARE_E4M3)
+                                         HARDWARE_E4M3, PV_FP8)
         else:  # -1: the mask says which keys (not a prefix of them). Unpipelined: its mask buffers and registers
             # would lower the occupancy of the length path, the one that runs where the mask is a padding mask
             acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
                                          stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                          k_inverse, v_inverse, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                         CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HARDWARE_E4M3)
+                                         CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HARDWARE_E4M3, PV_FP8)
     else:
         acc, l_i, m_i = _attend_keys(acc, l_i, m_i, q, k_base, v_base, mask_base, offs_m, mask_rows, start_m, T,
                                      stride_kt, stride_kd, stride_vt, stride_vd, stride_ms, stride_mt, qk_scale,
                                      k_inverse, v_inverse, HEAD_DIM, HEAD_DIM_V, HAS_MASK, MASK_BOOL, MASK_ROWS,
-                                     CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None, HARDWARE_E4M3)
+                                     CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, None, HARDWARE_E4M3, PV_FP8)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # a row with every key masked: acc is 0, and so is its output
     out = acc * (out_scale / l_safe)[:, None]
@@ -316,6 +323,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if fp8 is not None and any(t.dtype not in (FP8_DTYPE, *HALF_DTYPES) for t in (q, k, v)):
         raise TypeError(f"flash_attention: FP8 attention reads float8_e4m3fn, float16 or bfloat16 q, k and v, "
                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if fp8 is not None and not fp8.pv and v.dtype not in HALF_DTYPES:
+        raise TypeError(f"flash_attention: p·v in half precision (Float8Scales.pv False) reads a float16 or "
+                        f"bfloat16 v, got {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"flash_attention: q, k, v must be [B, H, S, D], got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -332,7 +342,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     elif fp8.out is not None:
         out_dtypes = (FP8_DTYPE,)
     else:
-        out_dtypes = (q.dtype,) if q.dtype in HALF_DTYPES else HALF_DTYPES
+        out_dtypes = next(((t.dtype,) for t in (v, q) if t.dtype in HALF_DTYPES), HALF_DTYPES)
     if out is None:
         out = torch.empty((batch, heads, s_len, dv), dtype=out_dtypes[0], device=q.device)
     elif out.shape != (batch, heads, s_len, dv) or out.dtype not in out_dtypes:
@@ -371,7 +381,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     if fp8 is not None:  # x = x8·s: s_q·s_k scales the scores, s_v (over the output's scale) the output
         qk_scale *= fp8.q * fp8.k
         inverses = (1.0 / fp8.q, 1.0 / fp8.k, 1.0 / fp8.v)
-        out_scale = fp8.v / fp8.out if fp8.out is not None else fp8.v
+        out_scale = (fp8.v if fp8.pv else 1.0) / (fp8.out if fp8.out is not None else 1.0)
     config = config or default_config(s_len)
     grid = (triton.cdiv(s_len, config.block_m), heads, batch)
     _flash_attention_kernel[grid](
@@ -382,7 +392,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         MASK_ROWS=mask is not None and mask_strides[2] != 0 and s_len > 1, CAUSAL=bool(is_causal) and mask is None,
         HAS_KEY_LENGTHS=key_lengths is not None, NAN_TO_ZERO=bool(nan_to_zero), BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), FP8=fp8 is not None,
-        HARDWARE_E4M3=fp8 is not None and q.is_cuda, num_warps=config.num_warps, num_stages=config.num_stages)
+        HARDWARE_E4M3=fp8 is not None and q.is_cuda, PV_FP8=fp8 is not None and fp8.pv, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     return out
 
 
