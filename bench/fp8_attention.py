@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--half-padded", action="store_true", help="key lengths from S/2 to S, not all S")
     parser.add_argument("--configs", default="all", choices=("all", "default", "one"),
                         help="tiles: all, the default build's three, or the first only")
+    parser.add_argument("--rows", default="", help="only the rows whose names contain one of these (comma-separated)")
     args = parser.parse_args()
     device = torch.device("cuda")
     b, s = args.batch, args.seq
@@ -180,6 +181,8 @@ def main() -> None:
     rows.append(("cuDNN SDPA FP8 E4M3 -> E4M3, no mask (all keys)", cudnn_fp8_sdpa([q8, k8, v8], fp8_out, scale),
                  fp8_out))
 
+    wanted = [w for w in args.rows.split(",") if w]
+    rows = [row for row in rows if not wanted or any(w in row[0] for w in wanted)]
     print(f"BERT-base attention, batch {b}, seq {s}, 12 heads, d 64, key lengths {lengths.min().item()}.."
           f"{lengths.max().item()}; scales q {fp8.q:.4g} k {fp8.k:.4g} v {fp8.v:.4g} out {out_scale:.4g}")
     table = ["| layer | ms | TFLOP/s | error vs fp32: max / mean (relative) |", "|---|---|---|---|"]

