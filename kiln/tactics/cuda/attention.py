@@ -251,10 +251,10 @@ for _block_m, _block_n, _warps, _stages, _level in ((128, 64, 4, 3, 2), (128, 12
                                                     (128, 32, 4, 2, 3), (64, 32, 4, 2, 3), (64, 128, 4, 2, 3),
                                                     (128, 64, 8, 2, 3)):
     register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
-    # FP8 from opt_level 3 only: an FP8 engine's attention reads the fp16 QKV GEMM output, and putting it on the E4M3
-    # grid as it is loaded took 0.172 ms against the fp16 kernel's 0.096 (BERT-base 64 x 384, H200,
+    # All-E4M3 from opt_level 3 only: an FP8 engine's attention reads the fp16 QKV GEMM output, and putting it on the
+    # E4M3 grid as it is loaded took 0.172 ms against the fp16 kernel's 0.090-0.096 (BERT-base 64 x 384, H200,
     # bench/results/quant-gpu-2026-12-04b.md); E4M3 products pay only on E4M3 q, k and a v stored keys-contiguous
-    # (0.082 ms), which no QKV GEMM of kiln writes yet
+    # (0.072 ms writing E4M3), which no QKV GEMM of kiln writes yet
     register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, max(_level, 3), fp8="pv"))
     # q·kᵀ alone in E4M3 (p·v in fp16, v as the QKV GEMM wrote it): timed in default builds
     register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, _level, fp8="qk"))
