@@ -40,6 +40,10 @@ TRITON_TILES = [(128, 128, 128, 8, 3, False), (128, 256, 128, 8, 3, False), (64,
 # the tactics' two (h-fp8c run 1 on the H200: fp32 accumulation 0.355 ms against 0.294 fast; Triton's producer/consumer
 # warp specialization on the first 0.294, as without it)
 PERSISTENT_TILES = [(128, 256, 128, 8, 3, True), (128, 128, 128, 8, 4, True)]
+# --sweep (h-fp8att): the persistent kernel's main loop toward cuBLASLt's (K = 768 is only 6 steps of 128: a deeper
+# pipeline of shorter K steps, wider M tiles, 4-warp tiles)
+SWEEP_TILES = [(128, 256, 64, 8, 4, True), (128, 256, 64, 8, 6, True), (256, 128, 64, 8, 4, True),
+               (256, 128, 128, 8, 3, True), (128, 128, 64, 4, 6, True), (128, 256, 128, 8, 4, True)]
 
 
 def _e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -53,7 +57,7 @@ def _e4m3_steps(got: torch.Tensor, want: torch.Tensor) -> str:
 
 
 def rows_for(name: str, k: int, n: int, activation: str, triton: bool,
-             persistent: bool) -> list[tuple[str, float | str, str]]:
+             persistent: bool, sweep: bool = False) -> list[tuple[str, float | str, str]]:
     from kiln.kernels.cuda.triton.qelementwise import requantize
     from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, qgemm
 
@@ -101,6 +105,7 @@ def rows_for(name: str, k: int, n: int, activation: str, triton: bool,
             torch._scaled_mm(x8, w8t, scale_a=one, scale_b=one, out_dtype=torch.float16, use_fast_accum=True),
             epilogue, -1), want)
     tiles = [(t, False) for t in TRITON_TILES if triton] + [(t, True) for t in PERSISTENT_TILES if persistent]
+    tiles += [(t, True) for t in SWEEP_TILES if sweep]
     for (bm, bn, bk, warps, stages, fast), persist in tiles:
         config = QGemmConfig(bm, bn, bk, num_warps=warps, num_stages=stages, fast_accum=fast, persistent=persist)
         accum = "fast accum" if fast else "fp32 accum"
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true", help="also kiln's Triton FP8 GEMM tiles (compiles: ~+30 s)")
     ap.add_argument("--persistent", action="store_true", help="also the persistent TMA kernel's tiles, every GEMM")
     ap.add_argument("--gemms", default="", help="only the GEMMs whose names start so (comma-separated)")
+    ap.add_argument("--sweep", action="store_true", help="also SWEEP_TILES of the persistent kernel")
     args = ap.parse_args()
     print(f"# BERT-base GEMMs at {TOKENS} tokens, {torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| GEMM | variant | ms | TFLOP/s | E4M3 steps vs torch fp32 |\n|---|---|---|---|---|")
@@ -128,7 +134,8 @@ def main() -> None:
         if wanted and not name.startswith(tuple(wanted)):
             continue
         flops = 2.0 * TOKENS * k * n
-        for label, ms, steps in rows_for(name, k, n, activation, args.triton and bool(activation), args.persistent):
+        for label, ms, steps in rows_for(name, k, n, activation, args.triton and bool(activation),
+                                         args.persistent or args.sweep, args.sweep):
             rate = f"{flops / ms / 1e9:,.0f}" if isinstance(ms, float) and "pass" not in label else ""
             print(f"| {name} | {label} | {ms if isinstance(ms, str) else f'{ms:.4f}'} | {rate} | {steps} |", flush=True)
 

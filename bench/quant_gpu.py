@@ -331,14 +331,15 @@ def _profile(engine, dev: dict) -> dict:
             times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
                      if not isinstance(v, str)}
             residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
-    # the encoder's first block (fp16: the GEMMs; FP8: LayerNormQuantize, q/k/v, attention output, LayerNormQuantize,
+    # the encoder's first block (fp16: the GEMMs and the attention; FP8: LayerNormQuantize, q/k/v, the attention (its
+    # E4M3 tactics beside the fp16 ones, kiln/quant/attention.py), attention output, LayerNormQuantize,
     # FFN up + Gelu, FFN down): every candidate's time or why it was dropped, and a revert by the whole-engine check,
     # so that scaled_mm_half / scaled_mm_direct / Triton / cuBLAS / the default are read side by side (the tuner's
     # times repeat for the other blocks: same shapes)
     encoder: dict[str, dict] = {}
     for step in engine.plan.program.steps:
-        if step.op_type in ("QGemm", "LayerNormQuantize", "FusedGemm") and step.name in tuned_layers \
-                and len(encoder) < 8:
+        if step.op_type in ("QGemm", "LayerNormQuantize", "FusedGemm", "Attention") and step.name in tuned_layers \
+                and len(encoder) < 9:
             tuned = tuned_layers[step.name]
             times = {k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:110]
                      for k, v in tuned["candidates"].items()}
@@ -427,6 +428,8 @@ def engine_row(key: str, mode: str, opt_level: int, profile: bool = False) -> di
     row["cuda_graphs"] = bool(getattr(getattr(ctx, "runner", None), "use_graphs", False))
     if mode == "kiln_fp8_ptq":
         row["standalone_quantize_steps"] = sum(s.op_type == "QuantizeLinear" for s in steps)
+        row["attention_fp8"] = f"{sum(s.tactic.startswith('cuda.attention.triton_fp8') for s in steps)}/" \
+                               f"{sum(s.op_type == 'Attention' for s in steps)} on E4M3 tactics"
     if mode in ("kiln_int8", "kiln_fp8", "kiln_int8_unfused"):
         try:
             row["vs_onnxruntime"] = _onnxruntime_agreement(name, qdq, feeds, got)

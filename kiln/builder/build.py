@@ -17,7 +17,7 @@ from kiln.builder.calibration import quantize, summarize
 from kiln.builder.config import BuildConfig
 from kiln.builder.lower import value_dtype_name
 from kiln.builder.padding_free import Lowered, lower_precision_of, optimize_and_lower, packed_examples, value_shapes
-from kiln.builder.precision import write_float32_outputs
+from kiln.builder.precision import allow_fp8_attention, write_float32_outputs
 from kiln.builder.profile_check import check_at_profile_ends
 from kiln.builder.profiles import resolve as resolve_profiles
 from kiln.builder.profiles import shapes_at
@@ -163,6 +163,10 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("optimizing and lowering")
     graph, lowered = optimize_and_lower(graph, pass_options(config), copy_weights=isinstance(model, ir.Model))
     program, weights, inputs, outputs = lowered.program, lowered.weights, lowered.inputs, lowered.outputs
+    if quantization.get("attention_fp8_scales"):
+        # FP8 attention: each measured attention may compute in E4M3 at its calibrated scale (a tactic choice)
+        quantization["attention_fp8_steps"] = [allow_fp8_attention(p, quantization["attention_fp8_scales"])
+                                               for p in (lowered.program, lowered.plain) if p is not None]
     io_casts: dict[str, str] = {}
     if storage in ("fp16", "bf16"):
         # Precision: half-precision storage, fp32 accumulation inside the kernels.

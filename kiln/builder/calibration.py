@@ -25,6 +25,7 @@ from kiln.kernels.cpu import cpu_features
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
+from kiln.quant import attention as fp8_attention
 from kiln.quant import calibrators, data, qdq, residual, smoothquant
 from kiln.runtime.program import Program
 
@@ -217,6 +218,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     unsigned = dtype == "int8"
     # the CPU's int8 kernels: post-activation residual Adds between quantized layers are quantized too
     adds = residual.plan(model.graph, exclude) if cpu_kernels else []
+    # FP8 on CUDA: each attention's q, kᵀ and v too, for the scale its E4M3 tactic may run at (kiln/quant/attention.py)
+    attentions = fp8_attention.find(model.graph) if per_tensor_fp8_weights(config) else []
     say(f"calibrating {len(layers)} layer(s) for {dtype} ({config.calibrator})")
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     # int8: the activations' smallest values, so that a mostly non-negative one (a Gelu's) is uint8 with a zero point
@@ -226,7 +229,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
                                     per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
-                                    channel_means=channel_means, lows=lows, extra=residual.activations(adds))
+                                    channel_means=channel_means, lows=lows,
+                                    extra=residual.activations(adds) | {n for a in attentions for n in a.activations})
     accuracy: dict = {}
     sensitive: set[str] = set()
     if config.accuracy_target is not None:
@@ -260,6 +264,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
                    "residual_adds": residual_adds,
+                   "attention_fp8_scales": fp8_attention.scales(attentions, ranges),
                    # what the correction was formed from: a refit forms it again from the new weights with these
                    # (kiln/builder/refit.py), as it keeps the ranges
                    "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},

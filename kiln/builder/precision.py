@@ -84,3 +84,15 @@ def write_float32_outputs(program: ProgramSpec, precision: str, pinned: set[str]
         if out in outputs and out not in read and step.output_dtypes[:1] == [half]:  # a float output made half
             step.attributes["output_float32"] = 1
             step.output_dtypes[0] = "float"
+
+
+def allow_fp8_attention(program: ProgramSpec, scales: dict[str, float]) -> int:
+    """Each kiln::Attention that kiln's FP8 calibration measured (kiln/quant/attention.py, keyed by the name the
+    fused step inherits) gets its E4M3 scale as `fp8_scale`: the E4M3 tactics may then run it, timed against the
+    fp16 ones. Returns how many steps got one."""
+    allowed = 0
+    for step in program.steps:
+        if step.domain == "kiln" and step.op_type == "Attention" and step.name in scales:
+            step.attributes["fp8_scale"] = scales[step.name]
+            allowed += 1
+    return allowed

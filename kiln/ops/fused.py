@@ -150,7 +150,7 @@ def softmax(ctx, x, *, axis=-1):
 def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0, q_perm=None, k_perm=None,
               v_perm=None, out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
               out_merge_heads=0, q_quant=None, k_quant=None, v_quant=None, score_quant=None, prob_quant=None,
-              out_quant=None):
+              out_quant=None, fp8_scale=None):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
 
     `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
@@ -168,6 +168,10 @@ def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0,
     the probabilities (after the NaN guard) go through DQ(Q(·)), (clamp(round(x / s) + z, qmin, qmax) - z)·s,
     round half to even as ONNX QuantizeLinear; `out_quant` = [scale, zero_point, qmin, qmax]: the output is
     Q(out), 8-bit (uint8 when qmin = 0, else int8).
+
+    `fp8_scale` (an FP8 engine's attention, kiln/quant/attention.py) changes nothing here: it allows a tactic to
+    compute with q, k and v on the E4M3 grid at that scale (and the probabilities in E4M3), checked against this
+    op on the rounded inputs (kiln/builder/autotune.py) and timed against the exact tactics.
     """
     if qkv_split:
         q, k, v = torch.split(q, list(qkv_split), dim=-1)  # [B, S, Wq], [B, S, Wk], [B, S, Wv]

@@ -99,6 +99,10 @@ class Tactic:
     # it honours a GEMM's `output_float32` (kiln/builder/precision.py: the layer writing a half-precision engine's
     # fp32 output stores fp32 itself, so the boundary has no cast pass); the others are refused such a layer
     float32_output: bool = False
+    # how the autotuner judges its output where its arithmetic is not the op's (cuda.attention.triton_fp8 rounds q,
+    # k and v to E4M3): (the op's launch, ctx, the recorded inputs, the attributes) -> a function of the tactic's
+    # output giving None when it passes, else what differs. None: the builder's check against the op
+    checker: Callable[[Launch, Any, list[Any], dict[str, Any]], Callable[[Any], str | None]] | None = None
 
     def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         """True when this tactic may run `step` with these inputs, else the reason it may not."""

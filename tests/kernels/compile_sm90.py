@@ -149,7 +149,9 @@ def attention_cases():
     aligned pointers, other strides multiples of 16: the pipelined build that runs on the GPU) at
     head dim 64 (BERT, ViT, GPT-2), without and with a padding mask (one key vector per block), the padding mask
     with key lengths (both key loops, one per branch), and at 128 causal (Llama); a per-query bool mask with
-    nan_to_zero at a padded head dim (80 -> 128 lanes)."""
+    nan_to_zero at a padded head dim (80 -> 128 lanes). FP8 (an FP8 engine's attention): E4M3 q/k/v with the
+    padding mask and key lengths, writing fp16 or E4M3, and fp16 q/k/v quantized as loaded; both products must be
+    E4M3 wgmma."""
     fn = attention._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")  # 1: Triton makes them constants
     ints = {name: "i32" for name in fn.arg_names
@@ -162,24 +164,34 @@ def attention_cases():
              for dtype, head_dim, variant in (("fp16", 64, "plain"), ("fp16", 64, "padding-mask"),
                                               ("fp16", 64, "key-lengths"), ("bf16", 128, "causal"))]
     cases += [(config, "fp16", 80, "bool-mask") for config in attention.ATTENTION_CONFIGS[2:4]]
+    variants |= {"fp8 key-lengths": variants["key-lengths"] | {"FP8": True, "HARDWARE_E4M3": True, "PV_FP8": True},
+                 "fp8qk key-lengths": variants["key-lengths"] | {"FP8": True, "HARDWARE_E4M3": True}}
+    cases += [(config, dtype, 64, "fp8 key-lengths") for config in attention.ATTENTION_CONFIGS
+              for dtype in ("fp8e4nv", "fp8e4nv>fp8e4nv", "fp16>fp16")]  # q/k/v dtype > output dtype
+    cases += [(config, "fp16", 64, "fp8qk key-lengths") for config in attention.ATTENTION_CONFIGS[:3]]
     for config, dtype, head_dim, variant in cases:
         flags = variants[variant]
-        types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
-                 "mask_ptr": "*u8" if flags.get("MASK_BOOL") else f"*{dtype}", "key_lengths_ptr": "*i32",
-                 "qk_scale": "fp32",
-                 "out_max": "fp32"} | ints
+        dtype, out_dtype = dtype.split(">") if ">" in dtype else (dtype, "fp16" if flags.get("PV_FP8") else dtype)
+        types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{out_dtype}",
+                 "mask_ptr": "*u8" if flags.get("MASK_BOOL") else "*fp16" if flags.get("FP8") else f"*{dtype}",
+                 "key_lengths_ptr": "*i32"}
+        types |= dict.fromkeys(("qk_scale", "q_inverse", "k_inverse", "v_inverse", "out_scale", "out_max"), "fp32")
+        types |= ints
         block_d = attention._block_dim(head_dim)
         constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_V": head_dim, "HAS_MASK": False, "MASK_BOOL": False,
                       "MASK_ROWS": False, "CAUSAL": False, "HAS_KEY_LENGTHS": False, "NAN_TO_ZERO": False,
-                      "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d}
+                      "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_D": block_d, "BLOCK_DV": block_d,
+                      "FP8": False, "HARDWARE_E4M3": False, "PV_FP8": False}
         constexprs |= flags | dict.fromkeys(unit, 1)
         mask_bytes = (1 if flags.get("MASK_BOOL") else 2) if flags.get("HAS_MASK") else 0
-        bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim, 2,
-                                    mask_bytes if flags.get("MASK_ROWS") else 0,
+        bound = shared_memory_bound(config.block_m, config.block_n, config.num_stages, head_dim, head_dim,
+                                    1 if dtype == "fp8e4nv" else 2, mask_bytes if flags.get("MASK_ROWS") else 0,
                                     0 if flags.get("MASK_ROWS") else mask_bytes)  # what the tactic's supports() assumes
-        yield (f"attention {dtype} {config.name} d{head_dim} {variant}", fn, types, constexprs,
+        name = f"attention {dtype}{'>' + out_dtype if out_dtype != dtype else ''} {config.name} d{head_dim} {variant}"
+        yield (name, fn, types, constexprs,
                {"options": {"num_warps": config.num_warps, "num_stages": config.num_stages}, "divisible": divisible,
-                "shared_bound": bound})
+                "shared_bound": bound, "ptx_contains": ("f32.e4m3.e4m3",)
+                if flags.get("FP8") else ()})
 
 
 def conv_cases():
@@ -221,7 +233,8 @@ CASES = {"elementwise": elementwise_cases, "normalization": normalization_cases,
 CASES["attention"] = attention_cases
 QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention fp16 128x64.w4s3 d64 key-lengths",
           "attention bf16 128x128.w8s3 d128 causal",
-          "attention fp16 64x64.w4s3 d80 bool-mask"}
+          "attention fp16 64x64.w4s3 d80 bool-mask", "attention fp8e4nv>fp16 128x64.w4s3 d64 fp8 key-lengths",
+          "attention fp8e4nv 128x64.w4s3 d64 fp8 key-lengths", "attention fp16 128x64.w4s3 d64 fp8qk key-lengths"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases

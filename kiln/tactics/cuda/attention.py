@@ -1,11 +1,19 @@
 """kiln::Attention on CUDA through kiln's Triton flash-attention kernel, one tactic per tile config.
 
-    cuda.attention.triton.<BMxBN>.w<warps>s<stages>   kiln/kernels/cuda/triton/attention.py
+    cuda.attention.triton.<BMxBN>.w<warps>s<stages>       kiln/kernels/cuda/triton/attention.py
+    cuda.attention.triton_fp8.<BMxBN>.w<warps>s<stages>   the same kernel with E4M3 products (Float8Scales)
+    cuda.attention.triton_fp8qk.<BMxBN>.w<warps>s<stages> q·kᵀ in E4M3, p·v in fp16 (Float8Scales.pv False)
 
 The kernel reads q, k and v through their strides and writes the output in its final layout, so
 the layouts the optimizer absorbs into the op (qkv_split of one QKV GEMM output, [B, S, H·D]
 inputs with q/k/v_perm, out_perm + out_merge_heads) cost no copies, unlike SDPA, which needs a
 contiguous last axis and returns [B, H, S, D]. GQA is head-index arithmetic (no repeat_interleave).
+
+The FP8 tactics run an FP8 engine's attention (`fp8_scale`, set by kiln's FP8 calibration, kiln/quant/attention.py)
+with q, k and v put on the E4M3 grid at that scale as they are loaded, the probabilities at 1/448, the output
+fp16; the qk form rounds q and k alone and keeps p·v in fp16. A precision the op allows but does not compute, so
+each is judged (`fp8_checker`) against the op on the E4M3-rounded inputs, within the probabilities' rounding bound,
+and timed against the exact tactics (both forms from opt_level 3 only: see the registration below).
 
 Configs are separate tactics: the autotuner times them on the real shape and keeps the fastest
 (the three default ones at opt_level 2, the rest from 3), like the Triton GEMM tiles in cuda.py.
@@ -15,6 +23,7 @@ Triton is imported when a tactic is prepared, not here (a CPU-only kiln imports 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,12 +31,19 @@ import torch
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import triton_available
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, Tactic, tensor_input
+from kiln.tactics.tactic import InputMeta, Launch, Tactic, tensor_input
 
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
 _GRID_AXIS_LIMIT = 65535
 _SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (H100/H200); a larger tile fails at launch
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+# The probabilities' E4M3 rounding, relative: half a spacing of 3 mantissa bits. Each p carries at most this
+# error, so the output (a convex combination of v rows) is off by at most this share of max |v| from the op on
+# the same rounded q, k and v (kiln/kernels/cuda/triton/attention.py; tests/kernels/test_attention_fp8.py)
+_P_ROUNDING = 2.0 ** -4
+_HALF_TOLERANCE = 2e-3  # the fp16 output's own rounding and fp32 arithmetic, of max |reference|
 
 
 def shared_memory_bound(block_m: int, block_n: int, stages: int, head_dim: int, head_dim_v: int, itemsize: int,
@@ -153,31 +169,79 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, bloc
     return True
 
 
-def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+def on_e4m3_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x rounded onto the E4M3 grid at `scale` (saturating), in float32: what the FP8 kernel multiplies."""
+    return (x.float() * (1.0 / scale)).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8).float() * scale
+
+
+def fp8_checker(pv: bool) -> Callable[[Launch, Any, list[Any], dict[str, Any]], Callable[[Any], str | None]]:
+    """How an FP8 attention is judged: against the op in float32 on the inputs the kernel multiplies (q and k, and
+    v where p·v is E4M3 too (`pv`), rounded to E4M3 at fp8_scale), each output within the probabilities' rounding
+    (E4M3's, or fp16's without pv) of Σ_j p_j·|v_j| (the op run once more on |v|) plus the fp16 output's own
+    tolerance. A kernel that scales q·k or v wrong, or skips a key, is off by far more."""
+    p_rounding = _P_ROUNDING if pv else 2.0 ** -10  # half an E4M3 spacing; fp16's half ulp (2^-11), twice
+
+    def checker(reference: Launch, ctx, args: list[Any], attributes: dict[str, Any]) -> Callable[[Any], str | None]:
+        scale = float(attributes["fp8_scale"])
+        rounded = [a.float().clone() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+        q, k, v = attention_views(*(rounded + [None] * 3)[:3], attributes)  # views: rounded in place
+        for t in (q, k, v) if pv else (q, k):
+            t.copy_(on_e4m3_grid(t, scale))
+        magnitudes = [a.clone() if isinstance(a, torch.Tensor) and i < 3 else a for i, a in enumerate(rounded)]
+        attention_views(*(magnitudes + [None] * 3)[:3], attributes)[2].abs_()  # |v|, in place through the view
+        with torch.inference_mode():
+            want = reference(ctx, *rounded, **attributes).float()
+            bound = p_rounding * reference(ctx, *magnitudes, **attributes).float() \
+                + _HALF_TOLERANCE * want.abs().max().item()
+
+        def check(result: Any) -> str | None:
+            if not isinstance(result, torch.Tensor) or result.shape != want.shape:
+                return f"gave {getattr(result, 'shape', type(result).__name__)}, the op on E4M3 inputs " \
+                       f"{list(want.shape)}"
+            excess = ((result.float() - want).abs() - bound).max().item()
+            return None if excess <= 0 else \
+                f"{excess:.3g} beyond the FP8 bound (the op on E4M3 inputs, the probabilities' rounding)"
+
+        return check
+
+    return checker
+
+
+def _triton_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int,
+                             fp8: str = "") -> Tactic:
+    """fp8: "" (fp16/bf16 products), "pv" (q·kᵀ and p·v in E4M3), "qk" (q·kᵀ in E4M3, p·v in fp16/bf16)."""
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        if fp8 and not _attr(step.attributes, "fp8_scale", None):
+            return "no fp8_scale: not an FP8 engine's attention (kiln's FP8 calibration gives one)"
         return _supports_layout(step, inputs, block_m, block_n, num_stages)
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.attention")
         config = kernels.AttentionConfig(block_m, block_n, num_warps=num_warps, num_stages=num_stages)
+        scale = float(step.attributes["fp8_scale"]) if fp8 else None
+        scales = kernels.Float8Scales(scale, scale, scale, pv=fp8 == "pv") if fp8 else None
 
         def launch(ctx, q, k=None, v=None, mask=None, key_lengths=None, **attributes):
             q4, k4, v4 = attention_views(q, k, v, attributes)  # [B, H, S, D] views of the inputs' memory
             buffer, out = output_buffer(q4, v4, _attr(attributes, "out_perm", None))
             kernels.flash_attention(q4, k4, v4, mask, key_lengths, scale=attributes.get("scale", 1.0),
                                     is_causal=bool(_attr(attributes, "is_causal", 0)),
-                                    nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=config)
+                                    nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)), out=out, config=config,
+                                    fp8=scales)
             return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
 
         return launch
 
+    kind = {"": "triton", "pv": "triton_fp8", "qk": "triton_fp8qk"}[fp8]
+    products = {"": "", "pv": " with E4M3 products at the step's fp8_scale",
+                "qk": " with q·kᵀ in E4M3 at the step's fp8_scale"}[fp8]
     return Tactic(
-        name=f"cuda.attention.triton.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
+        name=f"cuda.attention.{kind}.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
         domain="kiln", device="cuda", dtypes=_HALF, supports=supports, prepare=prepare, level=level,
-        available=triton_available,
-        description=f"Triton flash attention, {block_m} queries x {block_n} keys per step, {num_warps} warps, "
-                    f"{num_stages} stages; strided q/k/v and output (no layout copies), mask/causal/GQA/key "
-                    "lengths in-kernel",
+        available=triton_available, checker=fp8_checker(fp8 == "pv") if fp8 else None,
+        description=f"Triton flash attention{products}, "
+                    f"{block_m} queries x {block_n} keys per step, {num_warps} warps, {num_stages} stages; strided "
+                    "q/k/v and output (no layout copies), mask/causal/GQA/key lengths in-kernel",
     )
 
 
@@ -187,3 +251,11 @@ for _block_m, _block_n, _warps, _stages, _level in ((128, 64, 4, 3, 2), (128, 12
                                                     (128, 32, 4, 2, 3), (64, 32, 4, 2, 3), (64, 128, 4, 2, 3),
                                                     (128, 64, 8, 2, 3)):
     register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
+    # All-E4M3 from opt_level 3 only: an FP8 engine's attention reads the fp16 QKV GEMM output, and putting it on the
+    # E4M3 grid as it is loaded took 0.172 ms against the fp16 kernel's 0.090-0.096 (BERT-base 64 x 384, H200,
+    # bench/results/quant-gpu-2026-12-04b.md); E4M3 products pay only on E4M3 q, k and a v stored keys-contiguous
+    # (0.072 ms writing E4M3), which no QKV GEMM of kiln writes yet
+    register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, max(_level, 3), fp8="pv"))
+    # q·kᵀ alone in E4M3 (p·v in fp16, v as the QKV GEMM wrote it): from opt_level 3 too, until a GPU run times it
+    # (it converts k as it is loaded, as the all-E4M3 form that lost does; bench/gpu_fp8att3.sh measures it)
+    register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, max(_level, 3), fp8="qk"))
