@@ -1,0 +1,79 @@
+"""prefill_attention="flash": a step's whole prompts through torch's flash attention (varlen, causal, GQA) with
+their K/V read back from the cache, against the torch reference over the same cache (bf16 and FP8 caches, decode
+rows first as the runner orders them). The kernel is CUDA-only: on the CPU the dispatch and the option's check
+run, the numerical test on the GPU (TRITON_INTERPRET=0)."""
+
+import os
+
+import pytest
+import torch
+
+from kiln.llm import attention
+from kiln.llm.attention import AttentionMetadata, paged_attention, write_kv
+from kiln.llm.config import EngineConfig, LLMError
+
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+
+
+def meta_for(cached: list[int], new: list[int], tables: torch.Tensor, page: int, device: str) -> AttentionMetadata:
+    """Requests with `cached` tokens already in their blocks and `new` rows this step (decodes first)."""
+    starts = [sum(new[:b]) for b in range(len(new))]
+    seq_lens = [c + n for c, n in zip(cached, new)]
+    slots = [int(tables[b, p // page]) * page + p % page for b in range(len(new)) for p in range(cached[b], seq_lens[b])]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), query_start=starts, query_lens=list(new),
+        seq_lens=seq_lens, block_tables=tables.to(device),
+        seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        num_decodes=sum(1 for n in new if n == 1), backend="triton", max_seq_len=512, prefill_kernel="flash",
+        query_start_tensor=torch.tensor(starts, dtype=torch.int32, device=device),
+        query_lens_tensor=torch.tensor(new, dtype=torch.int32, device=device),
+        prefill_tiles=attention.prefill_tiles(list(new), sum(1 for n in new if n == 1), torch.device(device)))
+
+
+def test_only_steps_of_whole_prompts_take_flash():
+    tables = torch.arange(1, 13, dtype=torch.int32).view(3, 4)
+    whole = meta_for([40, 0, 0], [1, 30, 7], tables, 16, "cpu")  # a decode, then two whole prompts
+    assert attention._whole_prompts(whole, None)
+    assert not attention._whole_prompts(whole, 8)  # a sliding window: the paged kernel
+    hit = meta_for([40, 0, 16], [1, 30, 7], tables, 16, "cpu")  # the last prompt after a prefix-cache hit
+    assert not attention._whole_prompts(hit, None)
+
+
+def test_the_option_is_checked():
+    with pytest.raises(LLMError, match="prefill_attention 'fast'"):
+        EngineConfig(prefill_attention="fast").check()
+    EngineConfig(prefill_attention="flash").check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash attention runs on CUDA only")
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_flash_prefill_matches_the_reference(kv_dtype):
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    # two decodes, a one-token prompt (a decode row to the runner: it sorts it among them), prompts of 128 and 37
+    cached, new = [70, 9, 0, 0, 0], [1, 1, 1, 128, 37]
+    num_blocks = 5 * 8 + 1
+    k_cache = torch.zeros((num_blocks, page, kv_heads, dim), dtype=kv_dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    tables = (torch.randperm(num_blocks - 1, generator=g)[:40] + 1).to(torch.int32).view(5, 8)
+    past = meta_for([0] * 5, cached, tables, page, DEVICE)  # the decodes' earlier keys
+    total = sum(cached)
+    write_kv(torch.randn((total, kv_heads, dim), generator=g).to(torch.bfloat16).to(DEVICE),
+             torch.randn((total, kv_heads, dim), generator=g).to(torch.bfloat16).to(DEVICE), k_cache, v_cache,
+             past.slot_mapping)
+    meta = meta_for(cached, new, tables, page, DEVICE)
+    rows = sum(new)
+    write_kv(torch.randn((rows, kv_heads, dim), generator=g).to(torch.bfloat16).to(DEVICE),
+             torch.randn((rows, kv_heads, dim), generator=g).to(torch.bfloat16).to(DEVICE), k_cache, v_cache,
+             meta.slot_mapping)
+    q = torch.randn((rows, heads, dim), generator=g).to(torch.bfloat16).to(DEVICE)
+    got = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    meta.backend = "torch"
+    expected = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    # bf16 q, K/V (E4M3 values are exact in bf16) and p before p·v: ~2^-8 relative on values of ~1
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+    meta.backend, meta.prefill_kernel = "triton", "triton"
+    paged = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)  # the paged kernel: the same to bf16 rounding
+    torch.testing.assert_close(got.float(), paged.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[:3], paged[:3])  # the decode rows took the decode kernel in both
