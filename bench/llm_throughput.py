@@ -44,6 +44,14 @@ if a["variant"] in ("unfused-fp8", "unfused-fp8+attn"):  # the A/B's baseline: F
 if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
     from kiln.runtime import heap
     heap.INTERPRETER_FROZEN = -1
+if a["variant"] in ("main-attn", "main-attn+flash"):  # FP8-KV attention as main ran it (before llm8): decode
+    import functools  # with 4 warps, the prefill kernel's products in bf16
+    from kiln.llm.kernels import paged_decode, paged_prefill
+    paged_decode.FP8_NUM_WARPS = 4
+    paged_prefill.paged_prefill_attention = functools.partial(paged_prefill.paged_prefill_attention, fp8_f16_dot=False)
+if a["variant"].endswith("flash"):  # whole prompts through torch's flash attention (prefill_attention="flash")
+    import os
+    os.environ["KILN_LLM_PREFILL"] = "flash"
 if a["decode_attention"]:  # the decode kernel's launch settings for this run (the sweep's fastest)
     import functools
     from kiln.llm.kernels import paged_decode
@@ -94,6 +102,8 @@ for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
     tokens = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == output_len for t in tokens), [len(t) for t in tokens]
     decode_step_ms = (end_mono - first) / (output_len - 1) * 1e3
+    if a["tokens_file"]:
+        Path(a["tokens_file"]).write_text(json.dumps(tokens))
     print(json.dumps({"config": config_name, "batch": batch, "overlap": overlap, "load_s": load_s, "elapsed_s": elapsed,
                       "output_tok_s": batch * output_len / elapsed,
                       "total_tok_s": batch * (input_len + output_len) / elapsed,
@@ -101,6 +111,16 @@ for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
                       "replay_ms": replay_ms, "host_ms": decode_step_ms - replay_ms,
                       "graph_steps": llm.engine.runner.num_graph_steps - steps_before,
                       "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}), flush=True)
+if a["profile"] and a["device"] == "cuda":  # where the time goes, kernel by kernel (bench/llm_step_profile.py)
+    sys.path.insert(0, "bench")
+    import llm_step_profile
+    batch = max(batches)
+    llm.engine.block_manager.reset_prefix_cache()
+    llm_step_profile.profile_prefill(llm, batch)
+    llm.engine.block_manager.reset_prefix_cache()
+    llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)],
+                 SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False))  # ~192 keys left
+    llm_step_profile.profile_replay(llm, batch, 3)
 """
 
 
@@ -119,11 +139,17 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
-                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen"],
+                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen",
+                                 "main-attn", "flash", "main-attn+flash"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
                              "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
                              "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
-                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12)")
+                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12); "
+                             "main-attn: FP8-KV attention launched as before llm8 (decode 4 warps, prefill bf16 "
+                             "products); flash: prefill_attention='flash' (whole prompts through flash attention)")
+    parser.add_argument("--profile", action="store_true",
+                        help="the first run of each (config, variant) also profiles one prefill step and one decode "
+                             "replay (~192 keys) kernel by kernel after its timed generate (tables printed)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
@@ -135,6 +161,7 @@ def main() -> int:
     rows, skipped = [], []
     best_attention = json.loads(Path(args.attention_json).read_text()) if args.attention_json else {}
     runs = [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]
+    profiled = set()
     for index, (config, tree, variant) in enumerate(runs):  # a variant named twice runs twice (A/B/A/B)
         # the tree under test first: if time runs out, its numbers exist
         left = deadline - time.monotonic()
@@ -142,7 +169,7 @@ def main() -> int:
             skipped.append(f"{tree.name} {config} {variant}")
             continue
         launch = None
-        if variant.endswith("attn"):
+        if variant in ("attn", "unfused-fp8+attn"):  # the --attention-json launch
             launch = {k: v for k, v in best_attention["fp8" if config == "fp8-kv8" else "bf16"].items()
                       if k != "name"}
         env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -151,7 +178,10 @@ def main() -> int:
             child = {"config": config, "batch": args.batch, "input_len": args.input_len,
                      "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
                      "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                     "overlap": args.overlap, "variant": variant, "decode_attention": launch}
+                     "overlap": args.overlap, "variant": variant, "decode_attention": launch,
+                     "tokens_file": str(Path(args.out) / f"tokens-{index}.json"),
+                     "profile": args.profile and (config, tree, variant) not in profiled}
+            profiled.add((config, tree, variant))
             out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
                                  text=True, cwd=tree, timeout=left)
         except subprocess.TimeoutExpired as e:
@@ -163,8 +193,10 @@ def main() -> int:
         (Path(args.out) / f"{index}-{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
         for line in out.stdout.splitlines():
             if line.startswith("{"):
-                rows.append({"tree": label, "launch": launch, **json.loads(line)})
+                rows.append({"tree": label, "launch": launch, "index": index, **json.loads(line)})
                 print(rows[-1], flush=True)
+            elif child["profile"] and (line.startswith(("|", "###", "replay ", "wall ")) and "|---" not in line):
+                print(line, flush=True)  # the profile's tables (markdown: no separator rows, to keep it short)
         if out.returncode:
             print(f"{label} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
         print(f"{label} {config}: {time.monotonic() - started:.0f} s", flush=True)
@@ -177,8 +209,12 @@ def main() -> int:
     print("| tree | config | async | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | "
           "graph replay ms | host ms/step not hidden | load s | tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    first_index = {}  # (config, batch) -> the baseline row's index: its tokens file
+    for r in sorted(rows, key=lambda r: r["tree"] != baseline):
+        first_index.setdefault((r["config"], r["batch"]), r["index"])
     for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != baseline)):
-        same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else f"differ ({r['digest'][:8]})"
+        same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else \
+            f"differ ({r['digest'][:8]}; {agreement(args.out, first_index[(r['config'], r['batch'])], r['index'])})"
         print(f"| {r['tree']} | {r['config']} | {r.get('overlap', '')} | {r['batch']} | {r['output_tok_s']:,.0f} | "
               f"{r['total_tok_s']:,.0f} | "
               f"{r['ttft_ms']:.0f} | {r['decode_step_ms']:.2f} | {r['replay_ms']:.2f} | {r['host_ms']:.2f} | "
@@ -186,6 +222,18 @@ def main() -> int:
     if skipped:
         print("skipped (time budget): " + ", ".join(skipped))
     return 0
+
+
+def agreement(out: str, base: int, index: int) -> str:
+    """How far two runs' greedy tokens agree: requests whose 128 tokens are all equal, and the median position of
+    a request's first different token (random weights make near-ties: one bit may flip a token, then the rest)."""
+    try:
+        a, b = (json.loads((Path(out) / f"tokens-{i}.json").read_text()) for i in (base, index))
+    except (OSError, ValueError):
+        return "tokens not saved"
+    firsts = sorted(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
+    equal = sum(s == t for s, t in zip(a, b))
+    return f"{equal}/{len(a)} requests equal, first difference median at token {firsts[len(firsts) // 2]}"
 
 
 def torch_versions() -> str:
