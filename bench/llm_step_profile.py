@@ -393,7 +393,7 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path,
 
 PREFILL_VARIANTS = [  # name, num_warps, block_n, num_stages, fp8_f16_dot ("w4 n32 s3": the engine's launch)
     ("w4 n32 s3", 4, 32, 3, True), ("w4 n32 s3 bf16-dot", 4, 32, 3, False), ("w8 n32 s3", 8, 32, 3, True),
-    ("w4 n64 s3", 4, 64, 3, True), ("w4 n32 s2", 4, 32, 2, True), ("w2 n32 s3", 2, 32, 3, True)]
+    ("w4 n64 s3", 4, 64, 3, True)]
 
 
 def event_ms(call, reps: int = 5) -> float:

@@ -111,16 +111,34 @@ for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
                       "replay_ms": replay_ms, "host_ms": decode_step_ms - replay_ms,
                       "graph_steps": llm.engine.runner.num_graph_steps - steps_before,
                       "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}), flush=True)
-if a["profile"] and a["device"] == "cuda":  # where the time goes, kernel by kernel (bench/llm_step_profile.py)
+if a["profile"] and a["device"] == "cuda":  # GPU us per kernel role (bench/llm_step_profile.py's labels)
     sys.path.insert(0, "bench")
-    import llm_step_profile
+    from collections import defaultdict
+    import llm_step_profile as sp
+
+    def parts(run, repeats=1):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            sync()
+        events = sp.kernel_events(prof)
+        totals = defaultdict(float)
+        for e, label in zip(events, sp.label_kernels([e.name for e in events], len(llm.engine.model.layers))):
+            totals[label] += e.time_range.elapsed_us() / repeats
+        return dict(totals)
+
     batch = max(batches)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
     llm.engine.block_manager.reset_prefix_cache()
-    llm_step_profile.profile_prefill(llm, batch)
+    prompts = [torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)]
+    print(json.dumps({"profile": "prefill", "parts": parts(lambda: llm.generate(prompts, one))}), flush=True)
     llm.engine.block_manager.reset_prefix_cache()
     llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)],
                  SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False))  # ~192 keys left
-    llm_step_profile.profile_replay(llm, batch, 3)
+    graphs = llm.engine.runner.graphs
+    graph = graphs.forward_graphs[graphs.bucket(batch)]
+    graph.replay()
+    sync()
+    print(json.dumps({"profile": "decode", "parts": parts(lambda: [graph.replay() for _ in range(3)], 3)}), flush=True)
 """
 
 
@@ -147,9 +165,11 @@ def main() -> int:
                              "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12); "
                              "main-attn: FP8-KV attention launched as before llm8 (decode 4 warps, prefill bf16 "
                              "products); flash: prefill_attention='flash' (whole prompts through flash attention)")
-    parser.add_argument("--profile", action="store_true",
-                        help="the first run of each (config, variant) also profiles one prefill step and one decode "
-                             "replay (~192 keys) kernel by kernel after its timed generate (tables printed)")
+    parser.add_argument("--runs", nargs="+", default=None,
+                        help="CONFIG:VARIANT in the order to run (instead of configs x variants; the last tree)")
+    parser.add_argument("--profile", nargs="*", default=[],
+                        help="CONFIG:VARIANT runs whose first process also profiles one prefill step and one decode "
+                             "replay (~192 keys) kernel by kernel after its timed generate (one table per step kind)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
@@ -161,7 +181,10 @@ def main() -> int:
     rows, skipped = [], []
     best_attention = json.loads(Path(args.attention_json).read_text()) if args.attention_json else {}
     runs = [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]
+    if args.runs:  # an explicit order (one tree): its first run of each config is that config's baseline
+        runs = [(r.split(":")[0], trees[-1], r.split(":")[1]) for r in args.runs]
     profiled = set()
+    profiles: dict[str, dict[str, dict[str, float]]] = {}  # prefill/decode -> run -> role -> us
     for index, (config, tree, variant) in enumerate(runs):  # a variant named twice runs twice (A/B/A/B)
         # the tree under test first: if time runs out, its numbers exist
         left = deadline - time.monotonic()
@@ -180,8 +203,8 @@ def main() -> int:
                      "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
                      "overlap": args.overlap, "variant": variant, "decode_attention": launch,
                      "tokens_file": str(Path(args.out) / f"tokens-{index}.json"),
-                     "profile": args.profile and (config, tree, variant) not in profiled}
-            profiled.add((config, tree, variant))
+                     "profile": f"{config}:{variant}" in args.profile and f"{config}:{variant}" not in profiled}
+            profiled.add(f"{config}:{variant}")
             out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
                                  text=True, cwd=tree, timeout=left)
         except subprocess.TimeoutExpired as e:
@@ -192,27 +215,42 @@ def main() -> int:
         label = tree.name if variant == "default" else f"{tree.name} {variant}"
         (Path(args.out) / f"{index}-{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
         for line in out.stdout.splitlines():
-            if line.startswith("{"):
+            if line.startswith('{"profile"'):
+                record = json.loads(line)
+                profiles.setdefault(record["profile"], {})[f"{label} {config}"] = record["parts"]
+            elif line.startswith("{"):
                 rows.append({"tree": label, "launch": launch, "index": index, **json.loads(line)})
-                print(rows[-1], flush=True)
-            elif child["profile"] and (line.startswith(("|", "###", "replay ", "wall ")) and "|---" not in line):
-                print(line, flush=True)  # the profile's tables (markdown: no separator rows, to keep it short)
+                r = rows[-1]
+                print(f"{label} {config} b{r['batch']}: {r['output_tok_s']:,.0f} tok/s, TTFT {r['ttft_ms']:.0f} ms, "
+                      f"step {r['decode_step_ms']:.2f} ms, replay {r['replay_ms']:.2f} ms, {r['digest'][:8]}", flush=True)
         if out.returncode:
             print(f"{label} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
         print(f"{label} {config}: {time.monotonic() - started:.0f} s", flush=True)
     (Path(args.out) / "throughput.json").write_text(json.dumps(rows, indent=1))
+    for step, runs_parts in profiles.items():  # one table per step kind: GPU ms (prefill) or us (decode) per role
+        unit, scale = ("ms", 1e-3) if step == "prefill" else ("us", 1.0)
+        names = list(runs_parts)
+        labels = sorted({k for p in runs_parts.values() for k in p}, key=lambda k: -max(p.get(k, 0) for p in
+                                                                                         runs_parts.values()))
+        print(f"\n{step} step, GPU {unit} by kernel role (decode: one replay, ~192 keys)")
+        print("| part | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for k in labels + ["total"]:
+            cells = [sum(p.values()) if k == "total" else p.get(k, 0.0) for p in runs_parts.values()]
+            print(f"| {k} | " + " | ".join(f"{c * scale:,.1f}" for c in cells) + " |")
     first_digest = {}  # (config, batch) -> the first row's tokens: the baseline's
     baseline = trees[0].name if args.variants[0] == "default" else f"{trees[0].name} {args.variants[0]}"
-    for r in sorted(rows, key=lambda r: r["tree"] != baseline):
+    if args.runs:
+        baseline = None  # rows in run order: each config's first row is its baseline
+    for r in sorted(rows, key=lambda r: baseline is not None and r["tree"] != baseline):
         first_digest.setdefault((r["config"], r["batch"]), r["digest"])
     print(f"\n{torch_versions()}; input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
     print("| tree | config | async | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | "
           "graph replay ms | host ms/step not hidden | load s | tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     first_index = {}  # (config, batch) -> the baseline row's index: its tokens file
-    for r in sorted(rows, key=lambda r: r["tree"] != baseline):
+    for r in sorted(rows, key=lambda r: baseline is not None and r["tree"] != baseline):
         first_index.setdefault((r["config"], r["batch"]), r["index"])
-    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != baseline)):
+    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], baseline is not None and r["tree"] != baseline)):
         same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else \
             f"differ ({r['digest'][:8]}; {agreement(args.out, first_index[(r['config'], r['batch'])], r['index'])})"
         print(f"| {r['tree']} | {r['config']} | {r.get('overlap', '')} | {r['batch']} | {r['output_tok_s']:,.0f} | "

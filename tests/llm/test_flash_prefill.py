@@ -77,3 +77,29 @@ def test_flash_prefill_matches_the_reference(kv_dtype):
     paged = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)  # the paged kernel: the same to bf16 rounding
     torch.testing.assert_close(got.float(), paged.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(got[:3], paged[:3])  # the decode rows took the decode kernel in both
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="flash attention runs on CUDA only")
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_an_engine_with_flash_prefill(hf_models, kv):
+    """bf16 engines (graphs, async) with prefill_attention flash and triton: the first token's log-probability (the
+    prefill's logits) within bf16 error of the paged kernel's, and a shared prompt's prefix-cache hit (the paged
+    kernel again) as well."""
+    from kiln.llm import LLM, SamplingParams
+
+    folder, _ = hf_models("llama")
+    prompts = ["Hello world", "Paged attention reads keys and values from blocks", "a",
+               "In-flight batching admits new requests every step; prefix caching computes a shared prompt once."]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for kernel in ("triton", "flash"):
+        llm = LLM(folder, device="cuda", dtype="bfloat16", kv_cache_memory="64MiB", block_size=16, max_num_seqs=8,
+                  seed=11, kv_cache_dtype=kv, prefill_attention=kernel)
+        assert llm.engine.runner.prefill_attention == kernel
+        outs[kernel] = [o.outputs[0] for o in llm.generate(prompts, params)]
+        outs[kernel] += [o.outputs[0] for o in llm.generate([prompts[3] + " Again."], params)]  # a prefix hit
+    for paged, flash in zip(outs["triton"], outs["flash"]):
+        # bf16 logits of a random tiny model: ~2^-8 relative; a near-tie may flip a later token, not the first
+        assert flash.token_ids[0] == paged.token_ids[0]
+        assert flash.logprobs[0].logprob == pytest.approx(paged.logprobs[0].logprob, abs=3e-2)
