@@ -15,9 +15,9 @@ set -u
 {
 stage "device, commit ${KILN_COMMIT:-?}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
-stage "GPU tests (timeout 40 s)"
-TRITON_INTERPRET=0 timeout 40 python3 -m pytest -x -q -rfE --tb=short -p no:cacheprovider tests/llm/test_flash_prefill.py \
-  tests/llm/test_fp8_kv.py tests/llm/test_paged_decode_kernel.py \
+stage "GPU tests (timeout 45 s)"
+TRITON_INTERPRET=0 timeout 45 python3 -m pytest -x -q -rfE --tb=short -p no:cacheprovider tests/llm/test_fp8_kv.py \
+  tests/llm/test_paged_decode_kernel.py tests/llm/test_flash_prefill.py \
   -k "flash or reads_an_fp8_cache or default_splits or launch_settings" 2>&1 | tail -25
 stage "kernels alone: prefill attention 512 x 128, decode attention b512 x 192 keys (timeout 30 s)"
 timeout 30 python3 bench/llm_step_profile.py --batch 512 --parts prefill-attention attention --attention-batches 512 \
