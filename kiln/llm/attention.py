@@ -36,6 +36,7 @@ class AttentionMetadata:
     # triton backend: whole prompts (no cached prefix) through "flash" (torch's flash attention, varlen) or the
     # paged "triton" prefill kernel; every other prefill row always takes the paged kernel
     prefill_kernel: str = "triton"
+    prefill_bounds: torch.Tensor | None = None  # flash: [prompts + 1] int32 row bounds, made by the first layer
     # triton backend only: the rest of the requests' rows in BLOCK_M tiles, for the prefill kernel
     query_start_tensor: torch.Tensor | None = None  # [B] int32
     query_lens_tensor: torch.Tensor | None = None  # [B] int32
@@ -98,8 +99,9 @@ def flash_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         k = k_cache.view(-1, heads, dim)[slots]  # [Tp, Hkv, D]
         v = v_cache.view(-1, heads, dim)[slots]
     lengths = meta.query_lens[n:]
-    bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(q.device, non_blocking=True)
-    longest = max(lengths)
+    if meta.prefill_bounds is None:  # once a step, not once a layer: a host-to-device copy
+        meta.prefill_bounds = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32).to(q.device)
+    bounds, longest = meta.prefill_bounds, max(lengths)
     result = torch.ops.aten._flash_attention_forward(q[first:first + rows], k, v, bounds, bounds, longest, longest,
                                                      0.0, True, False, scale=scale)[0]
     out[first:first + rows] = result  # [Tp, Hq, D]

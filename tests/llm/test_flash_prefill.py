@@ -45,6 +45,46 @@ def test_the_option_is_checked():
     EngineConfig(prefill_attention="flash").check()
 
 
+def varlen_causal(q, k, v, bounds_q, bounds_k, longest_q, longest_k, dropout, causal, debug, scale):
+    """A stand-in for aten._flash_attention_forward on the CPU (fp32 SDPA per sequence, GQA by repetition): what
+    the flash call is asked to compute, so the gather, the bounds and the rows written are checked here."""
+    assert causal and dropout == 0.0 and bounds_q.dtype == torch.int32 and torch.equal(bounds_q, bounds_k)
+    assert longest_q == longest_k == int((bounds_q[1:] - bounds_q[:-1]).max())
+    out = torch.empty_like(q)
+    group = q.shape[1] // k.shape[1]
+    for start, end in zip(bounds_q[:-1].tolist(), bounds_q[1:].tolist()):
+        qs, ks, vs = (x[start:end].transpose(0, 1).float() for x in (q, k, v))  # [H, S, D]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale).transpose(0, 1).to(q.dtype)
+    return out, None, None, None, None
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_flash_prefill_reads_the_prompts_back_from_the_cache(kv_dtype, monkeypatch):
+    """On the CPU, with flash replaced by varlen_causal: the prompts' K/V gathered from their slots (an FP8 cache's
+    bytes, widened), the bounds made once a step, only the prefill rows written."""
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", varlen_causal)
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, dim, page = 4, 2, 16, 4
+    cached, new = [9, 0, 0], [1, 11, 6]  # a decode, two whole prompts
+    tables = (torch.randperm(30, generator=g)[:15] + 1).to(torch.int32).view(3, 5)
+    k_cache = (torch.randn((31, page, kv_heads, dim), generator=g) * 2).to(kv_dtype)
+    v_cache = (torch.randn((31, page, kv_heads, dim), generator=g) * 2).to(kv_dtype)
+    meta = meta_for(cached, new, tables, page, "cpu")
+    q = torch.randn((sum(new), heads, dim), generator=g)
+    out = torch.full_like(q, 7.0)
+    attention.flash_prefill_attention(q, k_cache, v_cache, meta, dim ** -0.5, out)
+    bounds = meta.prefill_bounds
+    assert bounds.tolist() == [0, 11, 17]
+    attention.flash_prefill_attention(q, k_cache, v_cache, meta, dim ** -0.5, out)  # the next layer's call
+    assert meta.prefill_bounds is bounds
+    assert (out[0] == 7.0).all()  # the decode row is the decode kernel's
+    meta.backend = "torch"
+    expected = paged_attention(q, k_cache, v_cache, meta, dim ** -0.5)
+    torch.testing.assert_close(out[1:], expected[1:], atol=2e-5, rtol=1e-5)  # fp32: summation order only
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="flash attention runs on CUDA only")
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
