@@ -20,7 +20,7 @@ TRITON_INTERPRET=0 timeout 45 python3 -m pytest -x -q -rfE --tb=short -p no:cach
   tests/llm/test_paged_decode_kernel.py tests/llm/test_flash_prefill.py \
   -k "flash or reads_an_fp8_cache or default_splits" 2>&1 | tail -25
 stage "kernels alone: decode attention b512 x 192 keys, prefill attention 512 x 128 (timeout 38 s)"
-timeout 38 python3 bench/llm_step_profile.py --batch 512 --parts prefill-attention attention --attention-batches 512 \
+timeout 38 python3 bench/llm_step_profile.py --batch 512 --parts prefill-attention attention --attention-batches 512 1 \
   --decoded 64 --bf16-variants "n32 w4 s5" "n32 w2 s5" "n32 w1 s5" \
   --fp8-variants "n32 w4 s5 f16" "n32 w1 s5 f16" "n32 w1 s4 f16" "n32 w1 s3 f16" "n64 w1 s4 f16" "n16 w1 s6 f16" \
   --out "$OUT" 2>&1 | grep -v -E "UserWarning|_warn_once"
