@@ -6,9 +6,9 @@
 #    kernels on an FP8 cache, the decode kernel's default launch.
 # 2. Kernels alone: prefill attention of 512 x 128-token prompts (paged kernel launches, flash), decode attention
 #    at batch 512, 192 keys (4 / 2 / 1 warps).
-# 3. 128/128 at batch 512, one process each, in this order while the budget lasts: fp8-kv8 default (this branch) /
-#    fp8-kv8 main-attn (main's FP8-KV attention) / fp8 (bf16 KV: main's path) / fp8-kv8 flash / fp8 flash; the
-#    first three also profile one prefill step and one decode replay kernel by kernel (--profile).
+# 3. 128/128 at batch 512, one process each, in this order while the budget lasts: fp8-kv8 main-attn (main's FP8-KV
+#    attention) / fp8 (bf16 KV: main's path) / fp8-kv8 default (this branch) / fp8-kv8 flash / fp8 flash; the first
+#    two also profile one prefill step and one decode replay kernel by kernel (--profile: FP8 KV against bf16 KV).
 # No carry. Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-llm
@@ -25,10 +25,10 @@ timeout 38 python3 bench/llm_step_profile.py --batch 512 --parts prefill-attenti
   --fp8-variants "n32 w4 s5 f16" "n32 w1 s5 f16" "n32 w1 s4 f16" "n32 w1 s3 f16" "n64 w1 s4 f16" "n16 w1 s6 f16" \
   --out "$OUT" 2>&1 | grep -v -E "UserWarning|_warn_once"
 left=$((172 - SECONDS))
-stage "128/128 batch 512: fp8-kv8 default / main-attn, fp8 default (profiled), fp8-kv8 flash, fp8 flash (budget $left s)"
+stage "128/128 b512: fp8-kv8 main-attn, fp8 (profiled), fp8-kv8 default, fp8-kv8 flash, fp8 flash (budget $left s)"
 mkdir -p "$OUT/tp"
-python3 bench/llm_throughput.py --trees . --batch 512 --runs fp8-kv8:default fp8-kv8:main-attn fp8:default \
-  fp8-kv8:flash fp8:flash --profile fp8-kv8:default fp8-kv8:main-attn fp8:default --kv-cache-memory 36GiB \
+python3 bench/llm_throughput.py --trees . --batch 512 --runs fp8-kv8:main-attn fp8:default fp8-kv8:default \
+  fp8-kv8:flash fp8:flash --profile fp8-kv8:main-attn fp8:default --kv-cache-memory 36GiB \
   --budget $left --per-run 18 --out "$OUT/tp" 2>&1 | grep -v -E "UserWarning|_warn_once"
 stage "done after $SECONDS s"
 } 2>&1 | tee "$OUT/llm.log"
