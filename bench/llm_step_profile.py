@@ -22,6 +22,10 @@ CUDA graphs, decode GEMVs and fusion off: they cover <= 16 rows only, kiln/llm/d
    warps, pipeline stages and (FP8 cache) fp16 products; each checked against the torch reference on a few rows.
    The fastest per KV dtype goes to $OUT/decode_attention_best.json (llm_throughput.py --attention-json reads it).
 4. (--parts prefill) One prefill step of --batch 128-token prompts, eager as the engine runs it, kernel by kernel.
+5. (--parts prefill-attention) Prefill attention alone on one layer of --batch whole 128-token prompts, bf16 and FP8
+   caches: the paged kernel at a few launches (warps, key tile, stages; fp16 or bf16 products on an FP8 cache) and
+   prefill_attention="flash" (K/V gathered back from the cache, torch's varlen flash attention), against the torch
+   reference on 2 requests; ms per layer (CUDA events) and TFLOP/s over the causal half.
 Prints the tables (markdown) and writes them to $OUT/step_profile.md.
 """
 
@@ -76,6 +80,7 @@ def role(name: str) -> str:
     for key, label in (("_rms_norm", "rms norm (+ residual add)"), ("_fp8_rows", "fp8 quantize"),
                        ("_rope_kv", "rope + kv write"), ("_decode_split", "attention: split kernel"),
                        ("_prefill_kernel", "attention: prefill kernel"),
+                       ("flash_fwd", "attention: flash (prefill)"),
                        ("_merge_splits", "attention: merge kernel"), ("_silu_mul", "silu * up"),
                        ("argmax", "argmax (greedy)"), ("embedding", "embedding"), ("index", "embedding")):
         if key in n:
@@ -307,7 +312,13 @@ VARIANTS = [  # name, split_tokens, block_n, num_warps, num_stages, fp8_f16_dot,
     ("n128 w8 s3", 256, 128, 8, 3, False, False), ("n256 w8 s1", 256, 256, 8, 1, False, False),
     ("n256 w8 s2", 256, 256, 8, 2, False, False), ("n64 w8 s4 f16", 256, 64, 8, 4, True, False),
     ("n128 w8 s2 f16", 256, 128, 8, 2, True, False), ("n128 w8 s3 f16", 256, 128, 8, 3, True, False),
-    ("n256 w8 s1 f16", 256, 256, 8, 1, True, False), ("n256 w8 s2 f16", 256, 256, 8, 2, True, False)]
+    ("n256 w8 s1 f16", 256, 256, 8, 1, True, False), ("n256 w8 s2 f16", 256, 256, 8, 2, True, False),
+    # one warp a program (llm7: FP8 81 us at batch 512; the engine's FP8 launch since llm8), and neighbours
+    ("n32 w1 s5", 256, 32, 1, 5, False, False), ("n32 w1 s5 f16", 256, 32, 1, 5, True, False),
+    ("n32 w1 s4 f16", 256, 32, 1, 4, True, False), ("n32 w1 s6 f16", 256, 32, 1, 6, True, False),
+    ("n64 w1 s4 f16", 256, 64, 1, 4, True, False), ("n16 w1 s6 f16", 256, 16, 1, 6, True, False),
+    ("n64 w2 s5 f16", 256, 64, 2, 5, True, False), ("n32 w1 s5 f16 hf", 256, 32, 1, 5, True, True),
+    ("n32 w1 s3 f16", 256, 32, 1, 3, True, False), ("n32 w2 s4 f16", 256, 32, 2, 4, True, False)]
 
 
 def attention_table(baseline, batches: list[int], keys: int, best_json: Path,
@@ -379,6 +390,93 @@ def attention_table(baseline, batches: list[int], keys: int, best_json: Path,
         best_json.write_text(json.dumps(best))
 
 
+# ---- 5. prefill attention alone ---------------------------------------------------------------------------------
+
+PREFILL_VARIANTS = [  # name, num_warps, block_n, num_stages, fp8_f16_dot ("w4 n32 s3": the engine's launch)
+    ("w4 n32 s3", 4, 32, 3, True), ("w4 n32 s3 bf16-dot", 4, 32, 3, False), ("w8 n32 s3", 8, 32, 3, True),
+    ("w4 n64 s3", 4, 64, 3, True)]
+
+
+def event_ms(call, reps: int = 5) -> float:
+    """Median ms of eager calls (each ~1 ms: launch overhead is noise; the flash path copies its bounds from the
+    host, which a CUDA graph cannot capture)."""
+    call()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[reps // 2]
+
+
+def prefill_attention_table(batch: int, prompt: int = 128, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                            page: int = 16) -> None:
+    """One layer's prefill attention of `batch` whole prompts as the engine's prefill step calls it: the paged
+    kernel at each PREFILL_VARIANTS launch and the flash path; each checked against the torch reference on 2
+    requests (bf16 q, p: ~2^-8 relative on values of ~1)."""
+    from kiln.llm.attention import PREFILL_BLOCK_M, flash_prefill_attention, prefill_tiles, write_kv
+    from kiln.llm.kernels.paged_prefill import paged_prefill_attention
+
+    say(f"\n### Prefill attention alone: {batch} whole prompts x {prompt} tokens, {heads} q / {kv_heads} kv heads x "
+        f"{head_dim}, page {page}; ms per layer (TFLOP/s over the causal half); paged kernel: wN warps, nN keys a "
+        "tile, sN stages (FP8: fp16 products unless bf16-dot); flash: K/V gathered from the cache + varlen flash")
+    columns = [v[0] for v in PREFILL_VARIANTS] + ["flash"]
+    say("| kv | " + " | ".join(columns) + " |")
+    say("|---|" + "---|" * len(columns))
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    tokens = batch * prompt
+    flops = 4 * batch * heads * prompt * (prompt + 1) / 2 * head_dim
+    blocks = prompt // page
+    q = torch.randn((tokens, heads, head_dim), device="cuda", generator=g).to(torch.bfloat16)
+    k = torch.randn((tokens, kv_heads, head_dim), device="cuda", generator=g).to(torch.bfloat16)
+    v = torch.randn((tokens, kv_heads, head_dim), device="cuda", generator=g).to(torch.bfloat16)
+    order = (torch.randperm(batch * blocks, device="cuda", generator=g) + 1).to(torch.int32)  # never the null block
+    tables = order.view(batch, blocks)
+    slots = (tables.long()[:, :, None] * page + torch.arange(page, device="cuda")).reshape(-1)  # token -> slot
+    lens = torch.full((batch,), prompt, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, tokens, prompt, dtype=torch.int32, device="cuda")
+    tiles = prefill_tiles([prompt] * batch, 0, torch.device("cuda"))
+    for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        k_cache = torch.zeros((batch * blocks + 1, page, kv_heads, head_dim), device="cuda", dtype=kv_dtype)
+        v_cache = torch.zeros_like(k_cache)
+        write_kv(k, v, k_cache, v_cache, slots)
+        rows = 2
+        meta = AttentionMetadata(slot_mapping=slots, query_start=list(range(0, tokens, prompt)),
+                                 query_lens=[prompt] * batch, seq_lens=[prompt] * batch, block_tables=tables,
+                                 seq_lens_tensor=lens, backend="triton", prefill_kernel="flash",
+                                 query_start_tensor=starts, query_lens_tensor=lens, prefill_tiles=tiles)
+        ref_meta = AttentionMetadata(slot_mapping=torch.empty(0), query_start=[0, prompt], query_lens=[prompt] * rows,
+                                     seq_lens=[prompt] * rows, block_tables=tables[:rows], seq_lens_tensor=lens[:rows])
+        ref = paged_attention(q[:rows * prompt].float(), k_cache.float(), v_cache.float(), ref_meta, head_dim ** -0.5)
+        cells = []
+        calls = [lambda warps=w, block_n=n, stages=st, f16=f16: paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, lens, tiles, head_dim ** -0.5, block_m=PREFILL_BLOCK_M,
+            block_n=block_n, num_warps=warps, num_stages=stages, fp8_f16_dot=f16)
+            for _, w, n, st, f16 in PREFILL_VARIANTS]
+        out = torch.empty_like(q)
+        calls.append(lambda: flash_prefill_attention(q, k_cache, v_cache, meta, head_dim ** -0.5, out) or out)
+        for (name, *_), call in zip(PREFILL_VARIANTS + [("flash",)], calls):
+            if kv_dtype != torch.float8_e4m3fn and name.endswith("bf16-dot"):
+                cells.append("")
+                continue
+            try:
+                err = (call()[:rows * prompt].float() - ref).abs().max().item()
+                if not err < 3e-2:
+                    cells.append(f"OFF ({err:.2g})")
+                    continue
+                ms = event_ms(call)
+                cells.append(f"{ms:.3f} ({flops / ms / 1e9:.0f})")
+            except Exception as failure:  # a launch past this GPU's resources, or flash missing: named, not fatal
+                cells.append(f"fails: {type(failure).__name__}: {str(failure)[:60]}")
+        say(f"| {str(kv_dtype).removeprefix('torch.')} | " + " | ".join(cells) + " |")
+        del k_cache, v_cache
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="llama3-8b")
@@ -414,6 +512,8 @@ def main() -> int:
         attention_table(baseline, args.attention_batches, 128 + args.decoded,
                         Path(args.out, "decode_attention_best.json"), {"bf16": args.bf16_variants,
                                                                        "fp8": args.fp8_variants})
+    if "prefill-attention" in args.parts:  # after the decode sweep: a timeout cuts this one
+        prefill_attention_table(args.batch)
     say(f"(done after {time.perf_counter() - started:.0f} s)")
     Path(args.out, "step_profile.md").write_text("\n".join(LINES) + "\n")
     return 0

@@ -44,6 +44,14 @@ if a["variant"] in ("unfused-fp8", "unfused-fp8+attn"):  # the A/B's baseline: F
 if a["variant"] == "heap-unfrozen":  # static_heap freezing nothing: kiln before llm6 on CPython 3.12
     from kiln.runtime import heap
     heap.INTERPRETER_FROZEN = -1
+if a["variant"] in ("main-attn", "main-attn+flash"):  # FP8-KV attention as main ran it (before llm8): decode
+    import functools  # with 4 warps, the prefill kernel's products in bf16
+    from kiln.llm.kernels import paged_decode, paged_prefill
+    paged_decode.FP8_NUM_WARPS = 4
+    paged_prefill.paged_prefill_attention = functools.partial(paged_prefill.paged_prefill_attention, fp8_f16_dot=False)
+if a["variant"].endswith("flash"):  # whole prompts through torch's flash attention (prefill_attention="flash")
+    import os
+    os.environ["KILN_LLM_PREFILL"] = "flash"
 if a["decode_attention"]:  # the decode kernel's launch settings for this run (the sweep's fastest)
     import functools
     from kiln.llm.kernels import paged_decode
@@ -94,6 +102,8 @@ for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
     tokens = [o.outputs[0].token_ids for o in outs]
     assert all(len(t) == output_len for t in tokens), [len(t) for t in tokens]
     decode_step_ms = (end_mono - first) / (output_len - 1) * 1e3
+    if a["tokens_file"]:
+        Path(a["tokens_file"]).write_text(json.dumps(tokens))
     print(json.dumps({"config": config_name, "batch": batch, "overlap": overlap, "load_s": load_s, "elapsed_s": elapsed,
                       "output_tok_s": batch * output_len / elapsed,
                       "total_tok_s": batch * (input_len + output_len) / elapsed,
@@ -101,6 +111,34 @@ for batch, overlap in [(b, m) for b in batches for m in a["overlap"]]:
                       "replay_ms": replay_ms, "host_ms": decode_step_ms - replay_ms,
                       "graph_steps": llm.engine.runner.num_graph_steps - steps_before,
                       "digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]}), flush=True)
+if a["profile"] and a["device"] == "cuda":  # GPU us per kernel role (bench/llm_step_profile.py's labels)
+    sys.path.insert(0, "bench")
+    from collections import defaultdict
+    import llm_step_profile as sp
+
+    def parts(run, repeats=1):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run()
+            sync()
+        events = sp.kernel_events(prof)
+        totals = defaultdict(float)
+        for e, label in zip(events, sp.label_kernels([e.name for e in events], len(llm.engine.model.layers))):
+            totals[label] += e.time_range.elapsed_us() / repeats
+        return dict(totals)
+
+    batch = max(batches)
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False)
+    llm.engine.block_manager.reset_prefix_cache()
+    prompts = [torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)]
+    print(json.dumps({"profile": "prefill", "parts": parts(lambda: llm.generate(prompts, one))}), flush=True)
+    llm.engine.block_manager.reset_prefix_cache()
+    llm.generate([torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch)],
+                 SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, detokenize=False))  # ~192 keys left
+    graphs = llm.engine.runner.graphs
+    graph = graphs.forward_graphs[graphs.bucket(batch)]
+    graph.replay()
+    sync()
+    print(json.dumps({"profile": "decode", "parts": parts(lambda: [graph.replay() for _ in range(3)], 3)}), flush=True)
 """
 
 
@@ -119,11 +157,19 @@ def main() -> int:
     parser.add_argument("--overlap", nargs="+", default=["default"], choices=["default", "off", "on"],
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
-                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen"],
+                        choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen",
+                                 "main-attn", "flash", "main-attn+flash"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
                              "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
                              "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
-                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12)")
+                             "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12); "
+                             "main-attn: FP8-KV attention launched as before llm8 (decode 4 warps, prefill bf16 "
+                             "products); flash: prefill_attention='flash' (whole prompts through flash attention)")
+    parser.add_argument("--runs", nargs="+", default=None,
+                        help="CONFIG:VARIANT in the order to run (instead of configs x variants; the last tree)")
+    parser.add_argument("--profile", nargs="*", default=[],
+                        help="CONFIG:VARIANT runs whose first process also profiles one prefill step and one decode "
+                             "replay (~192 keys) kernel by kernel after its timed generate (one table per step kind)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
@@ -135,6 +181,10 @@ def main() -> int:
     rows, skipped = [], []
     best_attention = json.loads(Path(args.attention_json).read_text()) if args.attention_json else {}
     runs = [(c, t, v) for c in args.configs for t in reversed(trees) for v in args.variants]
+    if args.runs:  # an explicit order (one tree): its first run of each config is that config's baseline
+        runs = [(r.split(":")[0], trees[-1], r.split(":")[1]) for r in args.runs]
+    profiled = set()
+    profiles: dict[str, dict[str, dict[str, float]]] = {}  # prefill/decode -> run -> role -> us
     for index, (config, tree, variant) in enumerate(runs):  # a variant named twice runs twice (A/B/A/B)
         # the tree under test first: if time runs out, its numbers exist
         left = deadline - time.monotonic()
@@ -142,7 +192,7 @@ def main() -> int:
             skipped.append(f"{tree.name} {config} {variant}")
             continue
         launch = None
-        if variant.endswith("attn"):
+        if variant in ("attn", "unfused-fp8+attn"):  # the --attention-json launch
             launch = {k: v for k, v in best_attention["fp8" if config == "fp8-kv8" else "bf16"].items()
                       if k != "name"}
         env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -151,7 +201,10 @@ def main() -> int:
             child = {"config": config, "batch": args.batch, "input_len": args.input_len,
                      "output_len": args.output_len, "max_model_len": args.max_model_len, "preset": args.preset,
                      "device": args.device, "dtype": args.dtype, "kv_cache_memory": args.kv_cache_memory,
-                     "overlap": args.overlap, "variant": variant, "decode_attention": launch}
+                     "overlap": args.overlap, "variant": variant, "decode_attention": launch,
+                     "tokens_file": str(Path(args.out) / f"tokens-{index}.json"),
+                     "profile": f"{config}:{variant}" in args.profile and f"{config}:{variant}" not in profiled}
+            profiled.add(f"{config}:{variant}")
             out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(child)], env=env, capture_output=True,
                                  text=True, cwd=tree, timeout=left)
         except subprocess.TimeoutExpired as e:
@@ -162,23 +215,44 @@ def main() -> int:
         label = tree.name if variant == "default" else f"{tree.name} {variant}"
         (Path(args.out) / f"{index}-{label.replace(' ', '-')}-{config}.log").write_text(out.stdout + "\n" + out.stderr)
         for line in out.stdout.splitlines():
-            if line.startswith("{"):
-                rows.append({"tree": label, "launch": launch, **json.loads(line)})
-                print(rows[-1], flush=True)
+            if line.startswith('{"profile"'):
+                record = json.loads(line)
+                profiles.setdefault(record["profile"], {})[f"{label} {config}"] = record["parts"]
+            elif line.startswith("{"):
+                rows.append({"tree": label, "launch": launch, "index": index, **json.loads(line)})
+                r = rows[-1]
+                print(f"{label} {config} b{r['batch']}: {r['output_tok_s']:,.0f} tok/s, TTFT {r['ttft_ms']:.0f} ms, "
+                      f"step {r['decode_step_ms']:.2f} ms, replay {r['replay_ms']:.2f} ms, {r['digest'][:8]}", flush=True)
         if out.returncode:
             print(f"{label} {config}: exit {out.returncode}\n{out.stderr[-2500:]}", flush=True)
         print(f"{label} {config}: {time.monotonic() - started:.0f} s", flush=True)
     (Path(args.out) / "throughput.json").write_text(json.dumps(rows, indent=1))
+    for step, runs_parts in profiles.items():  # one table per step kind: GPU ms (prefill) or us (decode) per role
+        unit, scale = ("ms", 1e-3) if step == "prefill" else ("us", 1.0)
+        names = list(runs_parts)
+        labels = sorted({k for p in runs_parts.values() for k in p}, key=lambda k: -max(p.get(k, 0) for p in
+                                                                                         runs_parts.values()))
+        print(f"\n{step} step, GPU {unit} by kernel role (decode: one replay, ~192 keys)")
+        print("| part | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        for k in labels + ["total"]:
+            cells = [sum(p.values()) if k == "total" else p.get(k, 0.0) for p in runs_parts.values()]
+            print(f"| {k} | " + " | ".join(f"{c * scale:,.1f}" for c in cells) + " |")
     first_digest = {}  # (config, batch) -> the first row's tokens: the baseline's
     baseline = trees[0].name if args.variants[0] == "default" else f"{trees[0].name} {args.variants[0]}"
-    for r in sorted(rows, key=lambda r: r["tree"] != baseline):
+    if args.runs:
+        baseline = None  # rows in run order: each config's first row is its baseline
+    for r in sorted(rows, key=lambda r: baseline is not None and r["tree"] != baseline):
         first_digest.setdefault((r["config"], r["batch"]), r["digest"])
     print(f"\n{torch_versions()}; input {args.input_len}, output {args.output_len}, max_model_len {args.max_model_len}")
     print("| tree | config | async | batch | output tok/s | total tok/s | TTFT ms | decode step ms (wall) | "
           "graph replay ms | host ms/step not hidden | load s | tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], r["tree"] != baseline)):
-        same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else f"differ ({r['digest'][:8]})"
+    first_index = {}  # (config, batch) -> the baseline row's index: its tokens file
+    for r in sorted(rows, key=lambda r: baseline is not None and r["tree"] != baseline):
+        first_index.setdefault((r["config"], r["batch"]), r["index"])
+    for r in sorted(rows, key=lambda r: (r["config"], r["batch"], baseline is not None and r["tree"] != baseline)):
+        same = "same" if r["digest"] == first_digest[(r["config"], r["batch"])] else \
+            f"differ ({r['digest'][:8]}; {agreement(args.out, first_index[(r['config'], r['batch'])], r['index'])})"
         print(f"| {r['tree']} | {r['config']} | {r.get('overlap', '')} | {r['batch']} | {r['output_tok_s']:,.0f} | "
               f"{r['total_tok_s']:,.0f} | "
               f"{r['ttft_ms']:.0f} | {r['decode_step_ms']:.2f} | {r['replay_ms']:.2f} | {r['host_ms']:.2f} | "
@@ -186,6 +260,18 @@ def main() -> int:
     if skipped:
         print("skipped (time budget): " + ", ".join(skipped))
     return 0
+
+
+def agreement(out: str, base: int, index: int) -> str:
+    """How far two runs' greedy tokens agree: requests whose 128 tokens are all equal, and the median position of
+    a request's first different token (random weights make near-ties: one bit may flip a token, then the rest)."""
+    try:
+        a, b = (json.loads((Path(out) / f"tokens-{i}.json").read_text()) for i in (base, index))
+    except (OSError, ValueError):
+        return "tokens not saved"
+    firsts = sorted(next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), len(s)) for s, t in zip(a, b))
+    equal = sum(s == t for s, t in zip(a, b))
+    return f"{equal}/{len(a)} requests equal, first difference median at token {firsts[len(firsts) // 2]}"
 
 
 def torch_versions() -> str:

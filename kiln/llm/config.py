@@ -195,6 +195,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     attention_backend: str = "auto"  # torch (reference, any device) | triton (paged decode kernel) | auto
+    # with the triton backend, steps whose prefill requests are all whole prompts (no cached prefix, no sliding
+    # window): triton (the paged prefill kernel) | flash (torch's flash attention over variable-length prompts, K/V
+    # read back from the cache); the default comes from KILN_LLM_PREFILL, else triton
+    prefill_attention: str = field(default_factory=lambda: os.environ.get("KILN_LLM_PREFILL", "triton"))
     quantization: str | None = None  # fp8 | int8 | int4: quantize the projections' weights at load
     quantization_group_size: int = 128  # int4's group of input features
     speculative_ngram: int = 0  # draft tokens proposed per step by n-gram prompt lookup (0: off)
@@ -234,6 +238,9 @@ class EngineConfig:
                 raise LLMError(f"{name} must be positive, got {getattr(self, name)}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise LLMError(f"attention_backend {self.attention_backend!r}: expected auto, torch or triton")
+        if self.prefill_attention not in ("triton", "flash"):
+            raise LLMError(f"prefill_attention {self.prefill_attention!r} (or KILN_LLM_PREFILL): expected triton or "
+                           "flash")
         if self.quantization not in (None, "fp8", "int8", "int4"):
             raise LLMError(f"quantization {self.quantization!r}: expected fp8, int8 or int4 (or none)")
         if self.speculative_ngram < 0 or not 1 <= self.ngram_min <= self.ngram_max:

@@ -190,7 +190,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, config.block_size, self.device,
                                   self.model_config.vocab_size, config.attention_backend, config.seed,
                                   max_model_len=self.max_model_len, cuda_graphs=bool(graphs),
-                                  max_num_seqs=config.max_num_seqs)
+                                  max_num_seqs=config.max_num_seqs, prefill_attention=config.prefill_attention)
         speculative = bool(config.speculative_ngram) or config.speculative_model is not None
         if config.async_scheduling is True and (not graphs or speculative):
             raise LLMError("async_scheduling needs cuda_graphs and no speculative decoding (drafts are proposed "

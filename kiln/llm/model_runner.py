@@ -68,12 +68,14 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  device: torch.device, vocab_size: int, attention_backend: str = "torch", seed: int | None = None,
-                 max_model_len: int | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64):
+                 max_model_len: int | None = None, cuda_graphs: bool = False, max_num_seqs: int = 64,
+                 prefill_attention: str = "triton"):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.attention_backend = attention_backend
+        self.prefill_attention = prefill_attention  # triton | flash (whole prompts): kiln/llm/attention.py
         self.sampler = Sampler(vocab_size, device, seed)
         # the decode kernel's grid from max_model_len, not from the batch: the same bits eager or graphed
         self.max_seq_len = -(-max_model_len // block_size) * block_size if max_model_len else None
@@ -119,7 +121,7 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(self.device),
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
             num_decodes=sum(1 for n in query_lens if n == 1), backend=self.attention_backend,
-            max_seq_len=self.max_seq_len)
+            max_seq_len=self.max_seq_len, prefill_kernel=self.prefill_attention)
         if self.attention_backend == "triton":
             meta.query_start_tensor = torch.tensor(query_start, dtype=torch.int32, device=self.device)
             meta.query_lens_tensor = torch.tensor(query_lens, dtype=torch.int32, device=self.device)

@@ -44,6 +44,13 @@ MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of
 # gained nothing; 2 warps lost.
 TILE_TOKENS = 32  # keys per tile (BLOCK_N)
 NUM_STAGES = 5
+# Warps a program, by cache: 4 for a bf16/fp16 cache; 1 for an FP8 cache read as fp16 (fp8_f16_dot). With one
+# warp no tile's p and row sums are exchanged between warps and 4x more programs fit an SM: an FP8 cache at batch
+# 512 and 192 keys took 81 us a layer (2.49 TB/s of FP8 KV) against ~110 with 4 warps (H200, llm7's sweep,
+# 2026-12-04), where a bf16 cache takes 113: the FP8 cache's half bytes had bought nothing with 4 warps. The warps
+# change bits (the dot's accumulation order): fixed per cache dtype, so a request never depends on its batch.
+NUM_WARPS = 4
+FP8_NUM_WARPS = 1
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
@@ -158,7 +165,7 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, st
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
                            max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
-                           block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                           block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
                            out: torch.Tensor | None = None, fp8_f16_dot: bool = True,
                            num_stages: int = NUM_STAGES, heads_first: bool = False) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
@@ -167,7 +174,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     Returns [B, Hq, D] in q's dtype. max_seq_len sizes the grid (default: block_tables' capacity); it never
     changes a result. split_tokens: the shortest split; max_splits: the most splits of one request; block_n, num_warps:
     the split kernel's tile and warps (the result's bits may depend on them: fixed per engine, so no request's result
-    depends on the batch); num_stages, heads_first: launch settings that change no bit (on sm_90 Triton keeps one K/V
+    depends on the batch; default warps NUM_WARPS, or FP8_NUM_WARPS for an FP8 cache with fp16 products); num_stages, heads_first: launch settings that change no bit (on sm_90 Triton keeps one K/V
     tile in flight behind the one being computed from num_stages 5, none at 3, the block table's load coming first;
     heads_first orders the grid so a request's K/V heads, adjacent in each cache slot, run at once). out: [B, Hq, D]
     to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an
@@ -182,6 +189,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = max(16, min(block_n, split_tokens))
     split_tokens = math.ceil(split_tokens / block_n) * block_n  # whole tiles, as the kernel rounds
     num_splits = max(1, min(max_splits, math.ceil(max_seq_len / split_tokens)))
+    f16_dot = fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    if num_warps is None:
+        num_warps = FP8_NUM_WARPS if f16_dot else NUM_WARPS
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -199,8 +209,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
         IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
-        HEADS_FIRST=heads_first)
+        F16_DOT=f16_dot, HEADS_FIRST=heads_first)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
     _merge_splits_kernel[(batch, num_kv_heads)](

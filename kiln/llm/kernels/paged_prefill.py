@@ -23,7 +23,7 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
                     window, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                     stride_tb, stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    IEEE: tl.constexpr, F16_DOT: tl.constexpr):
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
@@ -40,6 +40,8 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if F16_DOT:  # an FP8 cache read as fp16 (one native conversion, exact); q scaled first, for fp16's range
+        q = tl.clamp(q.to(tl.float32) * scale, -65504.0, 65504.0).to(tl.float16)  # saturated, never inf
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -58,8 +60,10 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
+        if not F16_DOT:
+            s = s * scale
         visible = in_seq[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] > query_pos[:, None] - window)
-        s = tl.where(visible, s * scale, float("-inf"))
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - m_safe[:, None])
@@ -80,10 +84,14 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
                             tiles: torch.Tensor, scale: float, sliding_window: int | None = None,
-                            out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
-    """q: [T, Hq, D] (the step's flattened rows); k_cache, v_cache: [num_blocks, page, Hkv, D];
-    block_tables [B, max_blocks], query_start/query_lens/seq_lens [B] int32; tiles from
-    kiln.llm.attention.prefill_tiles (block_m rows each). Writes the tiles' rows of `out` (default: a new [T, Hq, D])."""
+                            out: torch.Tensor | None = None, block_m: int = 32, block_n: int = 32,
+                            fp8_f16_dot: bool = True, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """q: [T, Hq, D] (the step's flattened rows); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8
+    E4M3 (unit scale); block_tables [B, max_blocks], query_start/query_lens/seq_lens [B] int32; tiles from
+    kiln.llm.attention.prefill_tiles (block_m rows each). Writes the tiles' rows of `out` (default: a new [T, Hq, D]).
+    fp8_f16_dot: with an FP8 cache and a bf16 q, the products in fp16 as the decode kernel takes them (q·scale
+    saturated at fp16's ±65504; K, V and p rounded to fp16, 3 more mantissa bits than bf16): E4M3 widens to fp16 in
+    one conversion, to bf16 in two on sm_90. num_warps, num_stages: the launch (Triton's defaults, 4 and 3)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q) if out is None else out
@@ -94,5 +102,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32)
+        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        F16_DOT=fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages)
     return out
