@@ -42,19 +42,24 @@ def test_the_interpreters_own_frozen_objects_are_not_a_callers_freeze(monkeypatc
 
 
 def test_a_freeze_held_by_the_caller_or_a_disabled_collector_is_left_alone():
+    # Counts are compared with a margin, not for equality: a frozen object that dies (a background thread's, say)
+    # leaves the frozen generation (CI saw 24 fewer inside the block). A second freeze would take the 2,000 young
+    # objects made after the caller's; an unfreeze would drop the count to the interpreter's own.
     gc.freeze()
     try:
         held = gc.get_freeze_count()
         assert held > INTERPRETER_FROZEN
+        young = [_Node() for _ in range(2000)]
         with kiln.static_heap():
-            assert gc.get_freeze_count() == held
-        assert gc.get_freeze_count() == held  # not unfrozen by the block
+            assert gc.get_freeze_count() < held + len(young) // 2, "the block froze again"
+        assert gc.get_freeze_count() > held // 2  # not unfrozen by the block
     finally:
         gc.unfreeze()
+        del young
     gc.disable()
     try:
-        before = gc.get_freeze_count()
+        young = [_Node() for _ in range(2000)]
         with kiln.static_heap():
-            assert gc.get_freeze_count() == before
+            assert gc.get_freeze_count() < len(young) // 2, "a disabled collector's heap was frozen"
     finally:
         gc.enable()
