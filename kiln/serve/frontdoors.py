@@ -80,12 +80,12 @@ class Frontdoors:
         o = self.options
         if o.grpc_transport == "kiln":
             sock = listen(o.host, o.grpc_port, reuse_port)
-            self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes)
+            self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes, o.grpc)
             await self._grpc.start(sock)
             return sock.getsockname()[1]
         if o.grpc_transport != "grpcio":
             raise ValueError(f"grpc_transport {o.grpc_transport!r}: 'kiln' (kiln's own HTTP/2) or 'grpcio'")
-        self._grpc, port = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port)
+        self._grpc, port = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port, o.grpc)
         await self._grpc.start()
         return port
 
