@@ -287,7 +287,9 @@ def main() -> None:
                 try:
                     for protocol, client, batching in loads:
                         if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"
-                                                          and tree != "floor h2-kiln") or variant and protocol != "grpc":
+                                                          and tree != "floor h2-kiln"):
+                            continue
+                        if variant and protocol != "grpc":
                             continue
                         for c in args.concurrency:
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,

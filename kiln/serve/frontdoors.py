@@ -78,6 +78,7 @@ class Frontdoors:
 
     async def start_grpc(self, core: ServerCore, reuse_port: bool) -> int:
         o = self.options
+        o.grpc.check()  # GrpcOptionError (a ValueError) naming the flag, before a port is bound
         if o.grpc_transport == "kiln":
             sock = listen(o.host, o.grpc_port, reuse_port)
             self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes, o.grpc)

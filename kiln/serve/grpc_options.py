@@ -64,7 +64,8 @@ class GrpcOptions:
         """GrpcOptionError naming the first flag whose value cannot be served."""
         if self.infer_response_compression_level not in COMPRESSION_LEVELS:
             raise GrpcOptionError(f"{flag('infer_response_compression_level')} "
-                                  f"{self.infer_response_compression_level!r}: give one of {', '.join(COMPRESSION_LEVELS)}")
+                                  f"{self.infer_response_compression_level!r}: give one of "
+                                  f"{', '.join(COMPRESSION_LEVELS)}")
         for name, least in (("keepalive_time_ms", 1), ("keepalive_timeout_ms", 1),
                             ("http2_max_pings_without_data", 0), ("http2_min_recv_ping_interval_without_data_ms", 0),
                             ("http2_max_ping_strikes", 0)):
@@ -120,18 +121,29 @@ class GrpcOptions:
                                            require_client_auth=self.use_ssl_mutual)
 
     def channel_args(self) -> list[tuple[str, int]]:
-        """grpc.aio's server arguments for these options: what tritonserver's gRPC server sets from them, and
-        ping_timeout so that keepalive_timeout holds."""
-        return [("grpc.default_compression_level", GRPC_COMPRESSION_LEVEL[self.infer_response_compression_level]),
-                ("grpc.keepalive_time_ms", self.keepalive_time_ms),
-                ("grpc.keepalive_timeout_ms", self.keepalive_timeout_ms),
-                # gRPC core 1.85 closes a connection on an unanswered PING after ping_timeout (a minute), whatever
-                # keepalive_timeout says (measured: keepalive 0.2 s, timeout 0.5 s, still open 25 s later)
-                ("grpc.http2.ping_timeout_ms", self.keepalive_timeout_ms),
-                ("grpc.keepalive_permit_without_calls", int(self.keepalive_permit_without_calls)),
-                ("grpc.http2.max_pings_without_data", self.http2_max_pings_without_data),
-                ("grpc.http2.min_ping_interval_without_data_ms", self.http2_min_recv_ping_interval_without_data_ms),
-                ("grpc.http2.max_ping_strikes", self.http2_max_ping_strikes)]
+        """grpc.aio's server arguments for these options, as tritonserver's gRPC server sets them, and ping_timeout
+        so that keepalive_timeout holds; only those that differ from gRPC core's defaults (which are tritonserver's
+        defaults too), so that a server with default options is configured as one without."""
+        args = []
+        if self.infer_response_compression_level != "none":
+            level = GRPC_COMPRESSION_LEVEL[self.infer_response_compression_level]
+            args.append(("grpc.default_compression_level", level))
+        defaults = GrpcOptions()
+        for name, arg in (("keepalive_time_ms", "grpc.keepalive_time_ms"),
+                          ("keepalive_timeout_ms", "grpc.keepalive_timeout_ms"),
+                          ("keepalive_permit_without_calls", "grpc.keepalive_permit_without_calls"),
+                          ("http2_max_pings_without_data", "grpc.http2.max_pings_without_data"),
+                          ("http2_min_recv_ping_interval_without_data_ms",
+                           "grpc.http2.min_ping_interval_without_data_ms"),
+                          ("http2_max_ping_strikes", "grpc.http2.max_ping_strikes")):
+            value = getattr(self, name)
+            if value != getattr(defaults, name):
+                args.append((arg, int(value)))
+        if self.keepalive_timeout_ms != defaults.keepalive_timeout_ms:
+            # gRPC core 1.85 closes a connection on an unanswered PING after ping_timeout (a minute), whatever
+            # keepalive_timeout says (measured: keepalive 0.2 s, timeout 0.5 s, still open 25 s later)
+            args.append(("grpc.http2.ping_timeout_ms", self.keepalive_timeout_ms))
+        return args
 
 
 _FLAGS = {f.name: "--grpc-" + f.name.removesuffix("_ms").replace("_", "-") for f in fields(GrpcOptions)}

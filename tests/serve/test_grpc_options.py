@@ -27,7 +27,7 @@ from tritonclient.utils import InferenceServerException
 from kiln.cli import main as kiln_main
 from kiln.serve import ServerThread
 from kiln.serve.grpc_compression import accepted, compress, decompress, response_encoding
-from kiln.serve.grpc_options import GrpcOptions
+from kiln.serve.grpc_options import GrpcOptionError, GrpcOptions
 from kiln.serve.h2_frames import (ACK, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, GOAWAY, HEADERS, PING,
                                   SETTINGS, frame)
 from kiln.serve.h2_keepalive import Keepalive
@@ -55,7 +55,8 @@ def _certificates_with_cryptography(folder: Path) -> None:
     def certificate(subject: str, key, issuer_name, issuer_key, ca: bool, extensions=()):
         builder = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
                    .issuer_name(issuer_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
                    .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
         for extension in extensions:
             builder = builder.add_extension(extension, critical=False)
@@ -405,7 +406,8 @@ def test_ping_policy_counts_strikes_as_grpc_core_does():
     calls[0] = False  # idle without permit_without_calls: 2 hours between pings
     clock.now += 1000
     assert policy.ping_received() is False and policy.strikes == 2
-    unlimited = Keepalive(GrpcOptions(http2_max_ping_strikes=0), lambda payload: None, lambda: None, lambda: True, clock)
+    unlimited = Keepalive(GrpcOptions(http2_max_ping_strikes=0), lambda payload: None, lambda: None, lambda: True,
+                          clock)
     assert not any(unlimited.ping_received() for _ in range(50))
 
 
@@ -442,3 +444,12 @@ def test_unparsable_flag_values_are_usage_errors(flags, says, tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         kiln_main(["serve", str(tmp_path), *flags])
     assert exited.value.code == 2 and says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_server_refuses_bad_options_before_serving(repository, transport):
+    """Options built in code (not through the CLI) are checked too, before the gRPC port is bound."""
+    thread = ServerThread(options(repository, http_port=None, metrics_port=None, grpc_transport=transport,
+                                  load_models=[], grpc=GrpcOptions(http2_max_ping_strikes=-3)))
+    with pytest.raises(GrpcOptionError, match="--grpc-http2-max-ping-strikes -3"):
+        thread.start()
