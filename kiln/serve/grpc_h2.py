@@ -55,6 +55,9 @@ RECEIVE_FRAME_SIZE = 1 << 20  # larger DATA frames: fewer passes through data_re
 MAX_STREAMS = 1024  # concurrent calls per connection (past it: REFUSED_STREAM; clients queue)
 MAX_HEADER_BLOCK = 1 << 16  # bytes of one header block, CONTINUATIONs included (past it: ENHANCE_YOUR_CALM)
 HEADER_CACHE_SIZE = 64
+# unary answers this large are compressed on a thread (zlib lets the GIL go), not on the event loop: a 600 KB FP32
+# tensor takes 20-35 ms (bench/results/serve-grpc-2026-12-04c.md), all other connections waiting meanwhile
+COMPRESS_IN_THREAD_BYTES = 1 << 16
 # the response headers of a call whose answers are compressed, per grpc-encoding
 COMPRESSED_HEADERS = {encoding: RESPONSE_HEADERS + literal(b"grpc-encoding", encoding.encode())
                       for encoding in ("gzip", "deflate")}
@@ -506,13 +509,34 @@ class GrpcConnection(asyncio.Protocol):
         if error is None:
             if call.requests is None:
                 try:
-                    self._send_message(call, call.handler.response_serializer(result))
+                    body = call.handler.response_serializer(result)
                 except Exception as e:  # noqa: BLE001 - the call's status
                     log.exception("gRPC %s: serializing the answer", call.head.path, exc_info=e)
                     call.code, call.details = grpc.StatusCode.INTERNAL, f"serializing the answer: {e}"
+                else:
+                    encoding = call.head.response_encoding
+                    if encoding is not None and len(body) >= COMPRESS_IN_THREAD_BYTES:
+                        packing = asyncio.get_running_loop().run_in_executor(None, compress, body, encoding)
+                        packing.add_done_callback(lambda done: self._compressed(call, body, done))
+                        return
+                    self._send_message(call, body)
         elif call.code is grpc.StatusCode.OK:  # failed with no status set (abort, set_code): a fault of the server
             log.exception("gRPC %s: internal error", call.head.path, exc_info=error)
             call.code, call.details = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        self._end(call)
+
+    def _compressed(self, call: Call, body: bytes, done: asyncio.Future) -> None:
+        """A large unary answer back from its compression thread: sent, then its trailers; nothing when the call
+        ended meanwhile (reset, deadline passed, connection lost)."""
+        if call.finished or self.calls.get(call.id) is not call:
+            return
+        packed = body  # no smaller than body: sent uncompressed
+        if done.cancelled() or done.exception() is not None:  # the thread pool shut down, or a fault of zlib
+            log.warning("gRPC %s: compressing the answer failed (%s): sent uncompressed", call.head.path,
+                        "cancelled" if done.cancelled() else done.exception())
+        else:
+            packed = done.result()
+        self._send_message(call, body, packed)
         self._end(call)
 
     async def _stream_call(self, call: Call) -> None:
@@ -520,7 +544,9 @@ class GrpcConnection(asyncio.Protocol):
         async for response in handler.stream_stream(Requests(call), call):
             self._send_message(call, handler.response_serializer(response))
 
-    def _send_message(self, call: Call, body: bytes) -> None:
+    def _send_message(self, call: Call, body: bytes, packed: bytes | None = None) -> None:
+        """One message of the answer; `packed`: body already compressed with the call's encoding (None: done
+        here, when the call's answers are compressed)."""
         if call.finished:
             return
         encoding = call.head.response_encoding
@@ -528,7 +554,8 @@ class GrpcConnection(asyncio.Protocol):
             self._header_frames(call.id, RESPONSE_HEADERS if encoding is None else COMPRESSED_HEADERS[encoding],
                                 end_stream=False)
             call.headers_sent = True
-        packed = compress(body, encoding) if encoding is not None else None
+        if packed is None and encoding is not None:
+            packed = compress(body, encoding)
         if packed is not None and len(packed) < len(body):
             message = MESSAGE_PREFIX.pack(1, len(packed)) + packed
         else:  # uncompressed, or no smaller compressed (gRPC core sends those as they are, flag 0)

@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from kiln.cli import main as kiln_main
-from kiln.serve import ServerThread
+from kiln.serve import ServerThread, grpc_h2
 from kiln.serve.grpc_compression import accepted, compress, decompress, response_encoding
 from kiln.serve.grpc_options import GrpcOptionError, GrpcOptions
 from kiln.serve.h2_frames import (ACK, DATA, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, GOAWAY, HEADERS, PING,
@@ -229,10 +229,14 @@ def _raw_call(client: RawClient, stream: int, message: bytes, flag: int, metadat
     return client.answer(stream)
 
 
-def test_response_compressed_with_the_level_and_what_the_client_accepts(plain_server, engine_of):
+@pytest.mark.parametrize("where", ["on the event loop", "on a thread"])
+def test_response_compressed_with_the_level_and_what_the_client_accepts(plain_server, engine_of, where, monkeypatch):
     """Level low: gzip for a client accepting both (gRPC core's choice), deflate for one accepting only deflate,
     none for one accepting neither; a gzip request read as well. The rows repeat so that the answer compresses
-    (an answer that would not shrink goes uncompressed, as gRPC core sends it)."""
+    (an answer that would not shrink goes uncompressed, as gRPC core sends it). Kiln's transport compresses
+    large answers on a thread: here every answer, with the threshold at 0."""
+    if where == "on a thread":
+        monkeypatch.setattr(grpc_h2, "COMPRESS_IN_THREAD_BYTES", 0)
     client = RawClient(plain_server.ports.grpc)
     try:
         x = np.tile(_x(1), (16, 1))
