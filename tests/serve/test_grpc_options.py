@@ -457,3 +457,20 @@ def test_server_refuses_bad_options_before_serving(repository, transport):
                                   load_models=[], grpc=GrpcOptions(http2_max_ping_strikes=-3)))
     with pytest.raises(GrpcOptionError, match="--grpc-http2-max-ping-strikes -3"):
         thread.start()
+
+
+def test_front_end_processes_take_the_options(repository, certs, engine_of):
+    """With --frontends the options reach each front-end process (kiln's transport): TLS and compressed requests."""
+    thread = ServerThread(options(repository, http_port=None, metrics_port=None, frontends=1, load_models=["mlp"],
+                                  grpc=GrpcOptions(use_ssl=True, server_cert=str(certs / "server.crt"),
+                                                   server_key=str(certs / "server.key"))))
+    server = thread.start()
+    try:
+        client = _client(server, certs, client_cert=False)
+        try:
+            for compression in (None, "gzip"):
+                _check_infer(client, engine_of("mlp", "2"), compression)
+        finally:
+            client.close()
+    finally:
+        thread.stop()
