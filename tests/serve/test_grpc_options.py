@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import queue
 import struct
 import subprocess
 import time
@@ -169,11 +170,29 @@ def _client(server, certs: Path | None = None, client_cert: bool = True) -> grpc
 # ---- TLS ----
 
 def test_tls(tls_server, certs, engine_of):
+    """Unary calls (requests plain, gzip, deflate; answers deflate at level med) and a ModelStreamInfer stream
+    (its answers compressed too, on the event loop) over TLS."""
     client = _client(tls_server, certs, client_cert=False)
     try:
         assert client.is_server_live() and client.is_model_ready("mlp")
         for compression in (None, "gzip", "deflate"):
             _check_infer(client, engine_of("mlp", "2"), compression)
+        answers: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: answers.put((result, error)), compression_algorithm="gzip")
+        sent = {}
+        try:
+            for k in range(4):
+                x = np.tile(_x(1), (k + 1, 1))  # repeated rows: answers that compress
+                sent[str(k)] = x
+                tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+                tensor.set_data_from_numpy(x)
+                client.async_stream_infer("mlp", [tensor], request_id=str(k))
+            for _ in range(4):
+                result, error = answers.get(timeout=30)
+                assert error is None, error
+                np.testing.assert_array_equal(result.as_numpy("z"), 2 * sent[result.get_response().id])
+        finally:
+            client.stop_stream()
     finally:
         client.close()
     plain = _client(tls_server)  # a plaintext client gets no answer from a TLS port
