@@ -138,17 +138,18 @@ def _write_repository(root: Path, name: str, engine: Path, batching: bool, args)
 
 
 def _start(root: Path, frontends: int, staging_mib: int | None = 0, *, tree: Path = ROOT, python: str = sys.executable,
-           profile: str | None = None, grpc_transport: str | None = None) -> tuple[subprocess.Popen, dict[str, int]]:
+           profile: str | None = None, grpc_transport: str | None = None,
+           extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict[str, int]]:
     """`kiln serve root` on free ports, once it says ready: the process and its ports by protocol ("HTTP", "gRPC").
     `tree`: the checkout it runs from (an A/B run's other tree: flags at their defaults are left out, as an older
     tree may not know them; `staging_mib` None: its default); `profile`: a cProfile output path; `grpc_transport`:
-    kiln serve --grpc-transport (None: the tree's default)."""
+    kiln serve --grpc-transport (None: the tree's default); `extra`: more kiln serve flags."""
     command = [python] + (["-m", "cProfile", "-o", profile] if profile else []) + [
         "-m", "kiln", "serve", str(root), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "-1",
         "--max-queue-size", "4096"]
     command += (["--frontends", str(frontends)] if frontends else []) + \
         (["--staging-mib", str(staging_mib)] if staging_mib is not None else []) + \
-        (["--grpc-transport", grpc_transport] if grpc_transport is not None else [])
+        (["--grpc-transport", grpc_transport] if grpc_transport is not None else []) + list(extra)
     # the tree first, the rest of PYTHONPATH kept (the device's serving wheels are installed there: bench/serve_gpu.sh)
     path = os.pathsep.join([str(tree)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     process = subprocess.Popen(command, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -9,6 +9,8 @@ from the server's side as CPU time per request, thread by thread, read from /pro
     python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
     python bench/serve_overhead.py --grpc-transports kiln grpcio --protocols grpc --rounds 3   # interleaved
     python bench/serve_overhead.py --inproc                  # kiln's own path without grpc, in this process
+    python bench/serve_overhead.py --trees /work/main . --grpc-options tls gzip --protocols grpc --concurrency 1
+                                       # also the last tree with TLS (--grpc-use-ssl), with gzip both ways
 
 A `kiln serve` subprocess (one per tree and round, 127.0.0.1, free ports) serves the empty model with
 dynamic batching on (no queue delay) and off. Each row's load is a client subprocess
@@ -128,12 +130,36 @@ def _start_floor(python: str, kind: str, repository: Path) -> tuple[subprocess.P
     return process, {"gRPC": int(process.stdout.readline().rsplit(":", 1)[1])}
 
 
+# --grpc-options: kiln serve's flags for each, and the client's environment (bench/serve_overhead_client.py)
+def _grpc_options(variant: str, certs: Path) -> tuple[tuple[str, ...], dict[str, str]]:
+    if variant == "tls":
+        return (("--grpc-use-ssl", "--grpc-server-cert", str(certs / "server.crt"), "--grpc-server-key",
+                 str(certs / "server.key")), {"KILN_BENCH_GRPC_ROOT_CERT": str(certs / "ca.crt")})
+    if variant == "gzip":  # requests gzip-compressed by the client, answers by the server (level low: gzip)
+        return ("--grpc-infer-response-compression-level", "low"), {"KILN_BENCH_GRPC_COMPRESSION": "gzip"}
+    return (), {}
+
+
+def _write_certificates(folder: Path) -> None:
+    """A CA and a server certificate for 127.0.0.1 it signed (openssl's CLI)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
+        "-subj", "/CN=bench CA", "-keyout", "ca.key", "-out", "ca.crt")
+    (folder / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", "/CN=127.0.0.1",
+        "-keyout", "server.key", "-out", "server.csr")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+        "-extfile", "server.ext", "-out", "server.crt")
+
+
 def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, model: str, concurrency: int,
-             seconds: float, python: str) -> dict:
+             seconds: float, python: str, env: dict[str, str] | None = None) -> dict:
     """One row: the client process warms up, the server's threads' CPU time is read around its window."""
     load = subprocess.Popen([python, str(ROOT / "bench" / "serve_overhead_client.py"), protocol, client, str(port),
                              model, str(concurrency), str(seconds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+                            text=True, env={**os.environ, **(env or {})})
     if load.stdout.readline().strip() != "go":
         load.kill()
         raise RuntimeError(f"the {protocol} {client} client did not start")
@@ -214,6 +240,9 @@ def main() -> None:
                         help="also bare gRPC servers answering a constant: grpcio (grpc.aio: what gRPC in Python costs "
                         "before kiln does anything), h2 (bench/serve_h2_floor.py: HTTP/2 on uvloop's callbacks); "
                         "h2-kiln: that HTTP/2 answering through kiln serve's ModelInfer handler")
+    parser.add_argument("--grpc-options", nargs="*", default=[], choices=["tls", "gzip"],
+                        help="also the last tree's server with these gRPC options (gRPC rows only): tls "
+                        "(--grpc-use-ssl, a CA made here), gzip (requests and answers gzip-compressed)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
     parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
@@ -229,12 +258,17 @@ def main() -> None:
                 _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
     python = sys.executable
-    servers = [(t, n, g) for t in args.trees for n in args.frontends for g in args.grpc_transports] + \
-        [(f"floor {kind}", 0, None) for kind in args.floor]
+    servers = [(t, n, g, "") for t in args.trees for n in args.frontends for g in args.grpc_transports] + \
+        [(args.trees[-1], 0, g, variant) for variant in args.grpc_options for g in args.grpc_transports] + \
+        [(f"floor {kind}", 0, None, "") for kind in args.floor]
     loads = [(p, c, b) for p in args.protocols for c in args.clients for b in args.batching]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
         repos = {}
+        certs = Path(tmp) / "certs"
+        if "tls" in args.grpc_options:
+            certs.mkdir()
+            _write_certificates(certs)
         for k, tree in enumerate(args.trees):
             repos[tree] = Path(tmp) / f"repo{k}"
             _write_repository(repos[tree], python, Path(tree).resolve())
@@ -243,21 +277,25 @@ def main() -> None:
               "| p99 us | server CPU us/req | engine process | its loop thread | its other threads | front ends "
               "| client CPU us/req |\n" + "|---" * 17 + "|", flush=True)
         for r in range(args.rounds):
-            for tree, frontends, transport in servers:
+            for tree, frontends, transport, variant in servers:
+                flags, env = _grpc_options(variant, certs)
                 if tree.startswith("floor "):
                     process, ports = _start_floor(python, tree.split()[1], repos[args.trees[0]])
                 else:
                     process, ports = _start(repos[tree], frontends, None, tree=Path(tree).resolve(), python=python,
-                                            profile=args.profile, grpc_transport=transport)
+                                            profile=args.profile, grpc_transport=transport, extra=flags)
                 try:
                     for protocol, client, batching in loads:
                         if tree.startswith("floor ") and (protocol != "grpc" or batching != "on"
                                                           and tree != "floor h2-kiln"):
                             continue
+                        if variant and protocol != "grpc":
+                            continue
                         for c in args.concurrency:
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
-                                         MODELS[batching], c, args.seconds, python)
+                                         MODELS[batching], c, args.seconds, python, env)
                             name = tree if transport is None else f"{tree} (gRPC transport {transport})"
+                            name += f", {variant}" if variant else ""
                             key = (name, frontends, protocol, client, batching, c)
                             rows.append((key, m))
                             print(f"| {r} | {name} | {frontends} | {protocol} | {client} | {batching} | {c} "

@@ -8,12 +8,15 @@ blocking client at concurrency 1; at N, tritonclient.grpc.aio's clients on one e
 tritonclient.http's gevent clients). Every client has its own connection. The process warms up, prints
 "go", waits for a line on stdin, runs for SECONDS (concurrency 1: one call after another) and prints one
 JSON line: requests, wall seconds, p50 and p99 latency (s), and its own CPU seconds over the window.
+gRPC at concurrency 1 over TLS when KILN_BENCH_GRPC_ROOT_CERT names the CA's certificate, with requests
+compressed (and answers accepted compressed) when KILN_BENCH_GRPC_COMPRESSION names gzip or deflate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -69,10 +72,19 @@ class RawHttp:
 
 def _sync_call(protocol: str, client: str, port: int, model: str):
     """A blocking call (concurrency 1)."""
+    root_cert = os.environ.get("KILN_BENCH_GRPC_ROOT_CERT")
+    compression = os.environ.get("KILN_BENCH_GRPC_COMPRESSION")
     if client == "raw" and protocol == "grpc":
         import grpc
 
-        call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary(GRPC_METHOD)
+        algorithm = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}.get(compression)
+        if root_cert:
+            with open(root_cert, "rb") as f:
+                channel = grpc.secure_channel(f"127.0.0.1:{port}", grpc.ssl_channel_credentials(f.read()),
+                                              compression=algorithm)
+        else:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}", compression=algorithm)
+        call = channel.unary_unary(GRPC_METHOD)
         payload = grpc_request_bytes(model)
         return lambda: call(payload)
     if client == "raw":
@@ -93,9 +105,14 @@ def _sync_call(protocol: str, client: str, port: int, model: str):
     else:
         import tritonclient.http as triton
     address = f"127.0.0.1:{port}"
-    triton_client = triton.InferenceServerClient(address)
+    if protocol == "grpc" and root_cert:
+        triton_client = triton.InferenceServerClient(address, ssl=True, root_certificates=root_cert)
+    else:
+        triton_client = triton.InferenceServerClient(address)
     tensor = triton.InferInput("x", list(X.shape), "FP32")
     tensor.set_data_from_numpy(X)
+    if protocol == "grpc" and compression:
+        return lambda: triton_client.infer(model, [tensor], compression_algorithm=compression)
     return lambda: triton_client.infer(model, [tensor])
 
 

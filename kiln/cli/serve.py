@@ -2,6 +2,9 @@
 
     kiln serve MODEL_REPOSITORY [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
     kiln serve --model model.onnx|model.kiln [--name NAME]
+    kiln serve REPO --grpc-use-ssl --grpc-server-cert server.crt --grpc-server-key server.key \
+        [--grpc-use-ssl-mutual --grpc-root-cert ca.crt] [--grpc-infer-response-compression-level low] \
+        [--grpc-keepalive-time MS ...]      (tritonserver's gRPC flags: kiln/serve/grpc_options.py)
     kiln serve --ray MODEL_REPOSITORY [--ray-address ADDR] [--replicas N | --autoscale MIN-MAX]
 
 Prints one line per endpoint once it serves (the ports actually bound: 0 asks for free ones),
@@ -34,6 +37,7 @@ def add_parser(verbs) -> None:
     p.add_argument("--grpc-transport", choices=["kiln", "grpcio"], default="kiln",
                    help="kiln: kiln's own HTTP/2 transport on the event loop (default; ~5x less server CPU a call); "
                         "grpcio: grpc.aio's server; both serve the same calls")
+    _add_grpc_arguments(p)
     p.add_argument("--metrics-port", type=int,
                    help="Prometheus /metrics port (default 8002; -1: only on the HTTP port)")
     p.add_argument("--model-control-mode", choices=["none", "explicit"], default="none",
@@ -74,6 +78,68 @@ def add_parser(verbs) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _boolean(value: str) -> bool:
+    """tritonserver's boolean flag values (--grpc-use-ssl=true); the flag alone means true."""
+    lowered = value.lower()
+    if lowered in ("true", "1", "on", "yes"):
+        return True
+    if lowered in ("false", "0", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{value!r} is not a boolean: give true or false (or write the flag as "
+                                     "--flag=true, or after the model repository)")
+
+
+def _add_grpc_arguments(p: argparse.ArgumentParser) -> None:
+    """tritonserver's gRPC flags, with its names and defaults, for either --grpc-transport."""
+    g = p.add_argument_group("gRPC TLS, compression and keepalive (tritonserver's flags; both transports)")
+    for name, what in (("--grpc-use-ssl", "serve gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)"),
+                       ("--grpc-use-ssl-mutual", "mutual TLS: clients must show a certificate --grpc-root-cert "
+                                                 "signed (implies --grpc-use-ssl)")):
+        g.add_argument(name, type=_boolean, nargs="?", const=True, default=False, metavar="BOOL", help=what)
+    g.add_argument("--grpc-server-cert", metavar="PEM", help="the server's certificate (chain), PEM")
+    g.add_argument("--grpc-server-key", metavar="PEM", help="the server's private key, PEM")
+    g.add_argument("--grpc-root-cert", metavar="PEM", help="the CA certificate clients' certificates are checked "
+                                                          "against (mutual TLS), PEM")
+    g.add_argument("--grpc-infer-response-compression-level", choices=["none", "low", "med", "high"], default="none",
+                   help="compress inference responses for clients that accept it (gRPC's levels: low gzip, med/high "
+                        "deflate); compressed requests are read at any level (default none)")
+    for name, default, what in (
+            ("--grpc-keepalive-time", 7_200_000, "ms between the server's keepalive PINGs on a connection"),
+            ("--grpc-keepalive-timeout", 20_000, "ms a keepalive PING may wait for its ACK before the connection is "
+                                                 "closed"),
+            ("--grpc-http2-max-pings-without-data", 2, "keepalive PINGs the server sends between two data frames "
+                                                       "(0: no limit)"),
+            ("--grpc-http2-min-recv-ping-interval-without-data", 300_000, "ms a client must leave between PINGs "
+                                                                          "while no data is sent; sooner is a strike"),
+            ("--grpc-http2-max-ping-strikes", 2, "strikes before GOAWAY ENHANCE_YOUR_CALM too_many_pings (0: no "
+                                                 "limit)")):
+        g.add_argument(name, type=int, default=default, metavar="MS" if "time" in name or "interval" in name else "N",
+                       help=f"{what} (default {default})")
+    g.add_argument("--grpc-keepalive-permit-without-calls", type=_boolean, nargs="?", const=True, default=False,
+                   metavar="BOOL", help="send keepalive PINGs, and allow clients' PINGs, with no call open "
+                                        "(default false)")
+
+
+def _grpc_options(args: argparse.Namespace):
+    """The --grpc-* flags as GrpcOptions, checked: KilnError naming the flag that cannot be served."""
+    from kiln.serve.grpc_options import GrpcOptionError, GrpcOptions
+
+    options = GrpcOptions(
+        use_ssl=args.grpc_use_ssl, server_cert=args.grpc_server_cert, server_key=args.grpc_server_key,
+        root_cert=args.grpc_root_cert, use_ssl_mutual=args.grpc_use_ssl_mutual,
+        infer_response_compression_level=args.grpc_infer_response_compression_level,
+        keepalive_time_ms=args.grpc_keepalive_time, keepalive_timeout_ms=args.grpc_keepalive_timeout,
+        keepalive_permit_without_calls=args.grpc_keepalive_permit_without_calls,
+        http2_max_pings_without_data=args.grpc_http2_max_pings_without_data,
+        http2_min_recv_ping_interval_without_data_ms=args.grpc_http2_min_recv_ping_interval_without_data,
+        http2_max_ping_strikes=args.grpc_http2_max_ping_strikes)
+    try:
+        options.check()
+    except GrpcOptionError as e:
+        raise KilnError(str(e)) from None
+    return options
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from kiln.serve import ServeOptions, Server
@@ -98,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(
         repository=args.repository, model=args.model, model_name=args.name, host=args.host,
         http_port=port(args.http_port), grpc_port=port(args.grpc_port), metrics_port=port(args.metrics_port),
-        grpc_transport=args.grpc_transport,
+        grpc_transport=args.grpc_transport, grpc=_grpc_options(args),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,
@@ -137,6 +203,10 @@ def _serve_ray(args: argparse.Namespace) -> int:
                         "pip install 'kiln[serve,ray]'") from None
     if args.frontends:
         raise KilnError("--frontends is for kiln serve's own server; under --ray, Ray Serve's proxies are the front ends")
+    grpc_options = _grpc_options(args)
+    if grpc_options != type(grpc_options)():
+        raise KilnError("--ray serves HTTP only (Ray Serve's proxy): drop the --grpc-* TLS, compression and "
+                        "keepalive flags")
     if args.grpc_port not in (None, -1) or args.metrics_port not in (None, -1):
         raise KilnError("--ray serves HTTP only (Ray Serve's proxy): drop --grpc-port/--metrics-port; Ray exports "
                         "its own metrics")

@@ -78,14 +78,15 @@ class Frontdoors:
 
     async def start_grpc(self, core: ServerCore, reuse_port: bool) -> int:
         o = self.options
+        o.grpc.check()  # GrpcOptionError (a ValueError) naming the flag, before a port is bound
         if o.grpc_transport == "kiln":
             sock = listen(o.host, o.grpc_port, reuse_port)
-            self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes)
+            self._grpc = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), o.max_request_bytes, o.grpc)
             await self._grpc.start(sock)
             return sock.getsockname()[1]
         if o.grpc_transport != "grpcio":
             raise ValueError(f"grpc_transport {o.grpc_transport!r}: 'kiln' (kiln's own HTTP/2) or 'grpcio'")
-        self._grpc, port = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port)
+        self._grpc, port = grpc_server(core, o.host, o.grpc_port, o.max_request_bytes, reuse_port, o.grpc)
         await self._grpc.start()
         return port
 

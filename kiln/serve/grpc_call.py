@@ -13,6 +13,8 @@ import struct
 
 import grpc
 
+from kiln.serve.grpc_compression import WBITS, CompressionFailed, accepted, decompress, response_encoding
+
 MESSAGE_PREFIX = struct.Struct(">BI")  # gRPC's: compressed flag, length
 TIMEOUT_UNITS = {ord("H"): 3600.0, ord("M"): 60.0, ord("S"): 1.0, ord("m"): 1e-3, ord("u"): 1e-6, ord("n"): 1e-9}
 
@@ -26,15 +28,18 @@ class CallFailed(Exception):
 
 
 class RequestHead:
-    """What a call's request headers say that the transport acts on; decoded once per distinct header block."""
+    """What a call's request headers say that the transport acts on; decoded once per distinct header block.
+    `compression_level`: the server's --grpc-infer-response-compression-level, which with the client's
+    grpc-accept-encoding gives `response_encoding` (kiln/serve/grpc_compression.py)."""
 
-    __slots__ = ("path", "timeout", "encoding", "error")
+    __slots__ = ("path", "timeout", "encoding", "response_encoding", "error")
 
-    def __init__(self, headers: list[tuple[bytes, bytes]]):
-        self.path = self.encoding = None
+    def __init__(self, headers: list[tuple[bytes, bytes]], compression_level: str = "none"):
+        self.path = self.encoding = self.response_encoding = None
         self.timeout: float | None = None
         self.error: CallFailed | None = None
         method = content_type = None
+        accepts: tuple[str, ...] = ()
         for name, value in headers:
             if name == b":path":
                 self.path = value.decode("latin-1")
@@ -48,6 +53,13 @@ class RequestHead:
                     self.error = CallFailed(grpc.StatusCode.INVALID_ARGUMENT, f"malformed grpc-timeout {value!r}")
             elif name == b"grpc-encoding" and value != b"identity":
                 self.encoding = value.decode("latin-1")
+            elif name == b"grpc-accept-encoding":
+                accepts = accepted(value)
+        if compression_level != "none":
+            self.response_encoding = response_encoding(compression_level, accepts)
+        if self.encoding is not None and self.encoding not in WBITS:
+            self.error = CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {self.encoding!r} is not "
+                                    "supported: send gzip, deflate or identity")
         if method != b"POST" or self.path is None:
             self.error = CallFailed(grpc.StatusCode.UNIMPLEMENTED, "a gRPC call is a POST with a :path")
         elif content_type is None or not content_type.startswith(b"application/grpc"):
@@ -114,23 +126,30 @@ class Call:
         self.details = details
 
     def cut_messages(self, limit: int) -> list[bytes]:
-        """The complete messages among the bytes received so far; CallFailed for one over `limit` bytes or
-        compressed (no grpc-encoding is supported), told from its prefix before its body arrives."""
+        """The complete messages among the bytes received so far, decompressed; CallFailed for one over `limit`
+        bytes (told from its prefix before its body arrives, or while it is inflated), or compressed without a
+        grpc-encoding."""
         out = []
         while self.held >= 5:
             if len(self.chunks[0]) < 5:
                 self.chunks = [b"".join(self.chunks)]
             compressed, size = MESSAGE_PREFIX.unpack_from(self.chunks[0])
-            if compressed:
-                raise CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"compressed messages (grpc-encoding "
-                                 f"{self.head.encoding}) are not supported: send them uncompressed")
+            if compressed and self.head.encoding is None:
+                raise CallFailed(grpc.StatusCode.INTERNAL, "a message flagged compressed on a call without "
+                                 "grpc-encoding")
             if size > limit:
                 raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  f"received message larger than max ({size} vs. {limit})")
             if self.held < 5 + size:
                 break
             whole = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
-            out.append(whole[5:5 + size])
+            message = whole[5:5 + size]
+            if compressed:
+                try:
+                    message = decompress(message, self.head.encoding, limit)
+                except CompressionFailed as failure:
+                    raise CallFailed(failure.code, str(failure)) from None
+            out.append(message)
             rest = whole[5 + size:]
             self.chunks = [rest] if rest else []
             self.held = len(rest)

@@ -6,11 +6,14 @@ kiln serve's whole ModelInfer of an empty model costs ~70 us over this transport
 grpc.aio (bench/results/serve-grpc-2026-12-04.md).
 
     server = GrpcServer(SERVICE, method_handlers(InferenceServicer(core)), max_message_bytes)
-    await server.start(sock)       # a listening socket (frontdoors.listen)
+    await server.start(sock)       # a listening socket (frontdoors.listen); TLS when options.tls
     await server.stop(grace)       # GOAWAY on every connection; streams in flight finish within `grace` s
 
 Frames and header blocks are written by kiln/serve/h2_frames.py; a call's state and the context its
 servicer method gets are kiln/serve/grpc_call.py's Call. Request headers are decoded by the hpack library.
+The production options (kiln/serve/grpc_options.py, tritonserver's flags): TLS through asyncio's ssl transport
+(ALPN h2), message compression (kiln/serve/grpc_compression.py), keepalive pings and the policing of clients'
+pings (kiln/serve/h2_keepalive.py).
 
 HTTP/2 in brief: the client opens with a 24-byte preface and SETTINGS; every frame is a 9-byte header
 (24-bit length, type, flags, 31-bit stream id) and its payload. A gRPC call is one client-opened stream:
@@ -32,6 +35,8 @@ import grpc
 import hpack
 
 from kiln.serve.grpc_call import MESSAGE_PREFIX, Call, CallFailed, RequestHead, Requests, unparsable
+from kiln.serve.grpc_compression import ACCEPT_ENCODING, compress
+from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
                                   ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
                                   FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
@@ -39,6 +44,7 @@ from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DE
                                   OK_TRAILERS, PING, PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE,
                                   REFUSED_STREAM, RESPONSE_HEADERS, RST_STREAM, SETTING, SETTINGS, STREAM_CLOSED,
                                   WINDOW_UPDATE, WORD, ConnectionFault, frame, literal, percent_encode, unpad)
+from kiln.serve.h2_keepalive import Keepalive
 
 log = logging.getLogger("kiln.serve")
 
@@ -49,6 +55,12 @@ RECEIVE_FRAME_SIZE = 1 << 20  # larger DATA frames: fewer passes through data_re
 MAX_STREAMS = 1024  # concurrent calls per connection (past it: REFUSED_STREAM; clients queue)
 MAX_HEADER_BLOCK = 1 << 16  # bytes of one header block, CONTINUATIONs included (past it: ENHANCE_YOUR_CALM)
 HEADER_CACHE_SIZE = 64
+# unary answers this large are compressed on a thread (zlib lets the GIL go), not on the event loop: a 600 KB FP32
+# tensor takes 20-35 ms (bench/results/serve-grpc-2026-12-04c.md), all other connections waiting meanwhile
+COMPRESS_IN_THREAD_BYTES = 1 << 16
+# the response headers of a call whose answers are compressed, per grpc-encoding
+COMPRESSED_HEADERS = {encoding: RESPONSE_HEADERS + literal(b"grpc-encoding", encoding.encode())
+                      for encoding in ("gzip", "deflate")}
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -56,6 +68,8 @@ class GrpcConnection(asyncio.Protocol):
         self.server = server
         self.handlers = server.handlers
         self.limit = server.max_message_bytes
+        self.compression_level = server.options.infer_response_compression_level
+        self.keepalive = Keepalive(server.options, self._send_ping, self._keepalive_timed_out, self._has_calls)
         self.transport: asyncio.Transport | None = None
         self.held: list[bytes] = []  # received bytes not yet a whole frame, joined once they are
         self.held_size = 0
@@ -92,6 +106,7 @@ class GrpcConnection(asyncio.Protocol):
             (MAX_FRAME_SIZE, RECEIVE_FRAME_SIZE)))
         transport.write(frame(SETTINGS, 0, 0, settings) +
                         frame(WINDOW_UPDATE, 0, 0, WORD.pack(CONNECTION_WINDOW - DEFAULT_WINDOW)))
+        self.keepalive.start()
 
     def pause_writing(self) -> None:
         """The socket's send buffer is full (a client not reading its answers): its requests wait too."""
@@ -104,6 +119,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.transport = None
+        self.keepalive.stop()
         for call in list(self.calls.values()):
             self._drop(call)
         self.server.connection_closed(self)
@@ -246,7 +262,7 @@ class GrpcConnection(asyncio.Protocol):
             headers = self.decoder.decode(block, raw=True)
         except hpack.HPACKError as e:
             raise ConnectionFault(COMPRESSION_ERROR, f"header block: {e}") from None
-        head = RequestHead(headers)
+        head = RequestHead(headers, self.compression_level)
         # an entry added is a new tuple at the front; evictions and resizes change the length or the size
         if len(entries) == size and table.maxsize == maxsize and (entries[0] if entries else None) is first:
             if len(self.heads) >= HEADER_CACHE_SIZE:
@@ -281,6 +297,8 @@ class GrpcConnection(asyncio.Protocol):
         if flags & END_STREAM:
             call.remote_closed = True
         if head.error is not None:
+            if head.encoding is not None:  # gRPC's compression.md: say which encodings would do
+                call.trailing = (("grpc-accept-encoding", ACCEPT_ENCODING),)
             self._fail(call, head.error)
         elif handler is None:
             self._fail(call, CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.path}"))
@@ -438,8 +456,25 @@ class GrpcConnection(asyncio.Protocol):
             raise ConnectionFault(PROTOCOL_ERROR, "PING on a stream")
         if len(payload) != 8:
             raise ConnectionFault(FRAME_SIZE_ERROR, "PING of other than 8 bytes")
-        if not flags & ACK:
-            self.write(frame(PING, ACK, 0, payload))
+        if flags & ACK:
+            self.keepalive.ack_received(payload)
+            return
+        if self.keepalive.ping_received():
+            raise ConnectionFault(ENHANCE_YOUR_CALM, "too_many_pings")  # gRPC core's words, which clients look for
+        self.write(frame(PING, ACK, 0, payload))
+
+    def _has_calls(self) -> bool:
+        return bool(self.calls)
+
+    def _send_ping(self, payload: bytes) -> None:
+        self.write(frame(PING, 0, 0, payload))
+
+    def _keepalive_timed_out(self) -> None:
+        """Its PING went unanswered: the peer (or the path to it) is gone; what is buffered for it is dropped."""
+        transport = self.transport
+        self.close(NO_ERROR, "keepalive watchdog timeout")
+        if transport is not None:
+            transport.abort()
 
     def _goaway(self, flags: int, stream: int, payload: bytes) -> None:
         if stream != 0:
@@ -474,13 +509,34 @@ class GrpcConnection(asyncio.Protocol):
         if error is None:
             if call.requests is None:
                 try:
-                    self._send_message(call, call.handler.response_serializer(result))
+                    body = call.handler.response_serializer(result)
                 except Exception as e:  # noqa: BLE001 - the call's status
                     log.exception("gRPC %s: serializing the answer", call.head.path, exc_info=e)
                     call.code, call.details = grpc.StatusCode.INTERNAL, f"serializing the answer: {e}"
+                else:
+                    encoding = call.head.response_encoding
+                    if encoding is not None and len(body) >= COMPRESS_IN_THREAD_BYTES:
+                        packing = asyncio.get_running_loop().run_in_executor(None, compress, body, encoding)
+                        packing.add_done_callback(lambda done: self._compressed(call, body, done))
+                        return
+                    self._send_message(call, body)
         elif call.code is grpc.StatusCode.OK:  # failed with no status set (abort, set_code): a fault of the server
             log.exception("gRPC %s: internal error", call.head.path, exc_info=error)
             call.code, call.details = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
+        self._end(call)
+
+    def _compressed(self, call: Call, body: bytes, done: asyncio.Future) -> None:
+        """A large unary answer back from its compression thread: sent, then its trailers; nothing when the call
+        ended meanwhile (reset, deadline passed, connection lost)."""
+        if call.finished or self.calls.get(call.id) is not call:
+            return
+        packed = body  # no smaller than body: sent uncompressed
+        if done.cancelled() or done.exception() is not None:  # the thread pool shut down, or a fault of zlib
+            log.warning("gRPC %s: compressing the answer failed (%s): sent uncompressed", call.head.path,
+                        "cancelled" if done.cancelled() else done.exception())
+        else:
+            packed = done.result()
+        self._send_message(call, body, packed)
         self._end(call)
 
     async def _stream_call(self, call: Call) -> None:
@@ -488,13 +544,22 @@ class GrpcConnection(asyncio.Protocol):
         async for response in handler.stream_stream(Requests(call), call):
             self._send_message(call, handler.response_serializer(response))
 
-    def _send_message(self, call: Call, body: bytes) -> None:
+    def _send_message(self, call: Call, body: bytes, packed: bytes | None = None) -> None:
+        """One message of the answer; `packed`: body already compressed with the call's encoding (None: done
+        here, when the call's answers are compressed)."""
         if call.finished:
             return
+        encoding = call.head.response_encoding
         if not call.headers_sent:
-            self._header_frames(call.id, RESPONSE_HEADERS, end_stream=False)
+            self._header_frames(call.id, RESPONSE_HEADERS if encoding is None else COMPRESSED_HEADERS[encoding],
+                                end_stream=False)
             call.headers_sent = True
-        message = MESSAGE_PREFIX.pack(0, len(body)) + body
+        if packed is None and encoding is not None:
+            packed = compress(body, encoding)
+        if packed is not None and len(packed) < len(body):
+            message = MESSAGE_PREFIX.pack(1, len(packed)) + packed
+        else:  # uncompressed, or no smaller compressed (gRPC core sends those as they are, flag 0)
+            message = MESSAGE_PREFIX.pack(0, len(body)) + body
         call.outbox = call.outbox[call.sent:] + message if call.outbox else message
         call.sent = 0
         self._send(call)
@@ -511,6 +576,7 @@ class GrpcConnection(asyncio.Protocol):
             sent += n
             call.send_window -= n
             self.send_window -= n
+            self.keepalive.data_sent()
         if sent < len(outbox):
             call.sent = sent
             self.blocked[call.id] = call
@@ -552,6 +618,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _header_frames(self, stream: int, block: bytes, end_stream: bool) -> None:
         """HEADERS, and CONTINUATIONs for a block larger than the client's frame size."""
+        self.keepalive.data_sent()
         size = self.peer_frame_size
         flags = END_STREAM if end_stream else 0
         if len(block) <= size:
@@ -600,18 +667,20 @@ class GrpcServer:
     """Serves `handlers` (grpc's RpcMethodHandler per method name, as grpc_server.method_handlers makes them) of
     `service` over HTTP/2: the unary and the bidirectional-streaming calls (what GRPCInferenceService has)."""
 
-    def __init__(self, service: str, handlers: dict, max_message_bytes: int):
+    def __init__(self, service: str, handlers: dict, max_message_bytes: int, options: GrpcOptions | None = None):
         for name, handler in handlers.items():
             if handler.request_streaming != handler.response_streaming:
                 raise ValueError(f"{service}/{name}: only unary and bidirectional-streaming calls are served")
         self.handlers = {f"/{service}/{name}": handler for name, handler in handlers.items()}
         self.max_message_bytes = max_message_bytes
+        self.options = options or GrpcOptions()
+        self.ssl = self.options.ssl_context()  # None: plaintext (h2c)
         self.connections: set[GrpcConnection] = set()
         self._server: asyncio.Server | None = None
         self._idle = asyncio.Event()
 
     async def start(self, sock) -> None:
-        self._server = await asyncio.get_running_loop().create_server(self._connection, sock=sock)
+        self._server = await asyncio.get_running_loop().create_server(self._connection, sock=sock, ssl=self.ssl)
 
     def _connection(self) -> GrpcConnection:
         return GrpcConnection(self)

@@ -25,6 +25,7 @@ from tritonclient.grpc import service_pb2_grpc
 from kiln.serve import datatypes
 from kiln.serve.core import InferRequest, InferResponse, ServerCore
 from kiln.serve.errors import InvalidRequest, NotSupported, ServeError
+from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.grpc_wire import ResponseEncoder, WireRequest, parse_infer_request
 from kiln.serve.http_codec import OutputOptions, classify
 from kiln.serve.shared_memory import (
@@ -404,16 +405,22 @@ def add_servicer(servicer: InferenceServicer, server: grpc.aio.Server) -> None:
     server.add_registered_method_handlers(SERVICE, handlers)
 
 
-def grpc_server(core: ServerCore, host: str, port: int, max_message_bytes: int,
-                reuse_port: bool = False) -> tuple[grpc.aio.Server, int]:
+def grpc_server(core: ServerCore, host: str, port: int, max_message_bytes: int, reuse_port: bool = False,
+                options: GrpcOptions | None = None) -> tuple[grpc.aio.Server, int]:
     """The server with the servicer added and its port bound (0: a free one); not started. `reuse_port`:
     SO_REUSEPORT, for front-end processes sharing the port (off otherwise: a second server on a port in use
-    is an error, not a silent share)."""
+    is an error, not a silent share). `options`: TLS, compression and keepalive, as channel arguments and
+    credentials (GrpcOptions; the max message size bounds decompressed requests too)."""
+    options = options or GrpcOptions()
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
                                       ("grpc.max_send_message_length", -1),
-                                      ("grpc.so_reuseport", int(reuse_port))])
+                                      ("grpc.so_reuseport", int(reuse_port)), *options.channel_args()])
     add_servicer(InferenceServicer(core), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = options.server_credentials()
+    if credentials is None:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    else:
+        bound = server.add_secure_port(f"{host}:{port}", credentials)
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port} (in use?)")
     return server, bound

@@ -3,10 +3,11 @@ front-end process (`frontends`) its ports, host and limits."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE
+from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES
 from kiln.serve.repository import ModelRepository
 from kiln.serve.staging import ARENA_BYTES, STAGE_MIN_BYTES
@@ -25,6 +26,8 @@ class ServeOptions:
     # "kiln": kiln's own HTTP/2 transport on the event loop (kiln/serve/grpc_h2.py; ~5x less server CPU a call);
     # "grpcio": grpc.aio's server. Both serve the same method handlers (grpc_server.method_handlers).
     grpc_transport: str = "kiln"
+    # TLS, mutual TLS, response compression, keepalive: tritonserver's --grpc-* flags, on either transport
+    grpc: GrpcOptions = field(default_factory=GrpcOptions)
     metrics_port: int | None = 8002  # /metrics is also on the HTTP port
     load_models: list[str] | None = None  # explicit model control: load only these at start ([]: none)
     max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE  # per model, where its config sets none
