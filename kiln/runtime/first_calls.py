@@ -43,12 +43,16 @@ from kiln.ir import dtypes
 from kiln.kernels.cpu import onednn_ahead
 from kiln.plan.spec import Binding, Profile
 from kiln.runtime.buckets import MASK_NAMES, Buckets
+from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
 BIND_AFTER = 2  # the call at a new shape that binds it (run at its own size): the second
 BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
 BIND_SAMPLES = 9  # measured binding costs kept (their median is the budget)
 SEEN_SHAPES = 4096  # unbound shapes whose calls are counted (then the count starts over)
+EVERY_SIZE_TO = 4  # host_sizes: every size up to this one, then quarter steps of each power of two
+WARM_UP_HOSTS = SHAPE_PLANS * 3 // 4  # the most shapes a warm-up binds (the rest of the plans' room: the stream's)
+WARM_UP_S = 2.0  # ... and the most seconds (wall clock) it binds them for
 
 
 @dataclass
@@ -137,6 +141,44 @@ class FirstCalls:
         self._seen.pop(signature, None)
         return self._run_exact(args, signature, None)
 
+    def run_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns) -> list[np.ndarray] | None:
+        """`run`'s choice for numpy inputs (C-contiguous, of `signature`) through `direct` (kiln/runtime/direct_run.py):
+        a bound shape whose binding cost is measured (its repeat ran) run at its size, a new one padded in its host,
+        each as one call of the host's compiled loop; None where `run` would do something else (bind the shape,
+        measure a repeat) or the shape has no DirectRun: then the caller takes `run`."""
+        known = self.bound.get(signature)
+        if known is not None:
+            if known.runs < 2:
+                return None  # its first repeat measures what binding cost: `run`'s
+            record = direct.find(signature)
+            if record is None:
+                return None
+            with self._lock:
+                if signature in self.bound:
+                    self.bound.move_to_end(signature)
+            return record.run(arrays)
+        calls = self._seen.get(signature, 0) + 1
+        if calls >= BIND_AFTER:
+            return None
+        sizes = self._sizes(signature)
+        host = self._host(arrays, signature, sizes)
+        record = direct.find(host.signature) if host is not None else None
+        if record is None:
+            return None
+        if len(self._seen) >= SEEN_SHAPES:
+            self._seen.clear()
+        self._seen[signature] = calls
+        padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
+        t0 = time.thread_time_ns()
+        results = record.run(padded)
+        ms = (time.thread_time_ns() - t0) / 1e6
+        with self._lock:
+            self.padded_runs += 1
+            host.ms = min(host.ms, ms)
+            if host.signature in self.bound:
+                self.bound.move_to_end(host.signature)
+        return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
+
     def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
         t0 = time.thread_time_ns()
@@ -202,6 +244,21 @@ class FirstCalls:
             self._groups[_group(old.signature, self._padded_axes)].remove(old)
 
 
+def host_sizes(low: int, high: int) -> list[int]:
+    """The sizes a warm-up binds along a padded dim inside [low, high], hosts of the sizes between: every size up
+    to EVERY_SIZE_TO, then steps of a quarter of each power of two (4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, ...), and
+    `high`: a new size pads by at most 25% along each dim (at most 1.56x the work of a batch x sequence). CUDA's
+    buckets (kiln/runtime/buckets.py: powers of two, a sequence from 16) bound the graphs captured; on the CPU a
+    bound shape costs a view and a shape plan, and bert_tiny's small requests padded 2x-8x (6 x 2 run at 8 x 16)
+    took 3-5x onnxruntime's time."""
+    sizes, size = [], 1
+    while size < high:
+        if size >= low:
+            sizes.append(size)
+        size = size + 1 if size < EVERY_SIZE_TO else size + (1 << (size.bit_length() - 1)) // 4
+    return sizes + [high]
+
+
 def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
     """Start making, on a background thread, what a first call at a new row count would otherwise wait for
     (kiln/kernels/cpu/onednn_ahead.py: oneDNN inner products, the runtime-M matmul's first run): each linear
@@ -241,6 +298,29 @@ def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]
     return out
 
 
+def _padded_array(x: np.ndarray, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> np.ndarray:
+    """_padded for a numpy array."""
+    shape = list(x.shape)
+    for axis, j in axes:
+        shape[axis] = sizes[j]
+    if shape == list(x.shape):
+        return x
+    out = np.zeros(shape, x.dtype)
+    out[tuple(slice(0, d) for d in x.shape)] = x
+    return out
+
+
+def _cropped_array(y: np.ndarray, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> np.ndarray:
+    """_cropped for a numpy array: a C-contiguous copy where it is cut."""
+    if not axes:
+        return y
+    index = [slice(None)] * y.ndim
+    for axis, j in axes:
+        index[axis] = slice(0, sizes[j])
+    cut = y[tuple(index)]
+    return cut if cut.shape == y.shape else np.ascontiguousarray(cut)
+
+
 def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any:
     """y cut back to `sizes` along each (axis, symbol index): a contiguous copy, as a run at those sizes gives."""
     if not axes or not isinstance(y, torch.Tensor):
@@ -251,10 +331,10 @@ def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any
     return y.contiguous()
 
 
-def _every_row_kept(mask: torch.Tensor) -> bool:
+def _every_row_kept(mask: torch.Tensor | np.ndarray) -> bool:
     """Whether each row of a [batch, seq] mask (int or bool, buckets.py's rule) keeps a token; through numpy, in
     half torch's time."""
-    return bool(mask.numpy().any(axis=1).all())
+    return bool((mask.numpy() if isinstance(mask, torch.Tensor) else mask).any(axis=1).all())
 
 
 def _group(signature: tuple, padded_axes: list[set[int]]) -> tuple:

@@ -131,24 +131,58 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynami
     np.testing.assert_allclose(got, session.run(None, again)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny, monkeypatch):
+def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny,
+                                                                                       monkeypatch):
     engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
-    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every bucket, however long its run on a loaded machine
-    assert context.warm_up() == 2 * 3 * 3  # the buckets twice each: bound (hosts), timed, binding measured
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
+    batches, seqs = first_calls.host_sizes(1, 4), first_calls.host_sizes(1, 48)
+    assert batches == [1, 2, 3, 4] and seqs == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48]
+    shapes = len(batches) * len(seqs)
+    assert context.warm_up() == 2 * shapes  # each twice: bound (a host), timed, binding measured
     bound = {shape.sizes for shape in engine.first_calls.bound.values()}
-    assert {(b, s) for b in (1, 2, 4) for s in (16, 32, 48)} <= bound
+    assert {(b, s) for b in batches for s in seqs} == bound
     assert all(shape.runs == 2 for shape in engine.first_calls.bound.values())
     assert len(engine.first_calls.bind_ms) == first_calls.BIND_SAMPLES and min(engine.first_calls.bind_ms) >= 0
+    report = context.warmed_up
+    assert (report.runs, report.shapes, report.bound, report.stopped) == (2 * shapes, shapes, shapes,
+                                                                          "every shape run")
+    assert report.seconds > 0 and "72 bound" in report.describe()
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
 
 
-def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
+def test_warm_up_stops_at_the_first_shape_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
     engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
-    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest bucket only
-    assert engine.create_execution_context().warm_up() == 2
-    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 16)]
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest shape only
+    context = engine.create_execution_context()
+    assert context.warm_up() == 2
+    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 1)]
+    assert "HOSTS_UP_TO" in context.warmed_up.stopped
+
+
+def test_warm_up_is_bounded_in_shapes_and_in_time(dynamic_bert_tiny, monkeypatch):
+    engine, _ = dynamic_bert_tiny
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)
+    monkeypatch.setattr(kiln_engine, "WARM_UP_HOSTS", 5)
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    context = engine.create_execution_context()
+    assert context.warm_up() == 2 * 5 and len(engine.first_calls.bound) == 5
+    assert "WARM_UP_HOSTS" in context.warmed_up.stopped
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    context = engine.create_execution_context()
+    assert context.warm_up(seconds=0.0) == 0 and len(engine.first_calls.bound) == 0
+    assert context.warmed_up.stopped == "out of time"
+
+
+@pytest.mark.parametrize("low, high", [(1, 8), (1, 128), (3, 48), (1, 512), (7, 7), (1, 1), (5, 300), (9, 100)])
+def test_host_sizes_pad_at_most_a_quarter_along_a_dim(low, high):
+    sizes = first_calls.host_sizes(low, high)
+    assert sizes == sorted(set(sizes)) and sizes[0] >= low and sizes[-1] == high
+    assert [s for s in sizes if s <= first_calls.EVERY_SIZE_TO] == list(range(low, min(high, 4) + 1))
+    for size in range(low, high + 1):
+        host = next(s for s in sizes if s >= size)
+        assert host <= size * 1.25, f"{size} pads to {host}"
