@@ -487,7 +487,8 @@ class ExecutionContext:
 
     def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]], deadline: float) -> tuple[int, str]:
         """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
-        one's repeat takes longer than HOSTS_UP_TO times binding, WARM_UP_HOSTS are bound or the clock passes
+        one's repeat takes longer than HOSTS_UP_TO times binding (once BUDGET_FROM bindings are measured),
+        WARM_UP_HOSTS are bound or the clock passes
         `deadline` (perf_counter). Returns the number of runs and why it stopped."""
         runs = 0
         for k, sizes in enumerate(shapes):
@@ -500,7 +501,9 @@ class ExecutionContext:
             start = time.thread_time_ns()
             self.run(feeds)
             runs += 2
-            if (time.thread_time_ns() - start) / 1e6 > HOSTS_UP_TO * self._first_calls.budget_ms():
+            ms = (time.thread_time_ns() - start) / 1e6
+            measured = len(self._first_calls.bind_ms) >= BUDGET_FROM  # one sample may be 0: a repeat slower
+            if measured and ms > HOSTS_UP_TO * self._first_calls.budget_ms():  # than its first call
                 return runs, f"a run at {sizes} took over HOSTS_UP_TO x binding"
         return runs, "every shape run"
 
@@ -790,6 +793,7 @@ class ExecutionContext:
 
 
 HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
+BUDGET_FROM = 3  # ... binding's cost once this many are measured (their median)
 
 
 @dataclass(frozen=True)

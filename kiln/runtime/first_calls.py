@@ -13,8 +13,11 @@ the build declares):
     choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
                a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
 
-The new shape is bound (run at its own size) at its BIND_AFTER-th call: a shape that repeats runs exactly from
-then on, one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
+A new shape is bound (run at its own size) once its padded runs have cost, by that estimate, what binding would: a
+shape's call pads while its earlier padded calls' extra plus this one's stays below the budget (renting until the
+rent paid would buy: within 2x of the best choice made knowing the future). A shape that repeats binds after
+budget / extra calls (bert_tiny's 7 x 11 in 7 x 12, extra ~0.02 ms, budget ~0.8 ms: after ~35; at its second call
+before, which cost a stream's small requests 2-4x onnxruntime's time at that call), one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
 a loaded machine's preemption is left out, which wall clock put into binding's measured cost (a difference of two
 calls) but not into a shape's time (the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of
 CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
@@ -46,10 +49,9 @@ from kiln.runtime.buckets import MASK_NAMES, Buckets
 from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
-BIND_AFTER = 2  # the call at a new shape that binds it (run at its own size): the second
 BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
 BIND_SAMPLES = 9  # measured binding costs kept (their median is the budget)
-SEEN_SHAPES = 4096  # unbound shapes whose calls are counted (then the count starts over)
+SEEN_SHAPES = 4096  # unbound shapes whose padded runs' extra is counted (then the count starts over)
 EVERY_SIZE_TO = 4  # host_sizes: every size up to this one, then quarter steps of each power of two
 WARM_UP_HOSTS = SHAPE_PLANS * 3 // 4  # the most shapes a warm-up binds (the rest of the plans' room: the stream's)
 WARM_UP_S = 2.0  # ... and the most seconds (wall clock) it binds them for
@@ -81,9 +83,11 @@ class Hosts:
     def remove(self, shape: BoundShape) -> None:
         self.shapes.remove(shape)
 
-    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any) -> BoundShape | None:
+    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any
+                 ) -> tuple[BoundShape, float] | None:
         """The shape of least estimated extra (t * (1 - work / its work)) below `budget` that holds `sizes` (>= along
-        each padded dim, equal along the `fixed` ones, not equal along all), its shape plan kept; else None."""
+        each padded dim, equal along the `fixed` ones, not equal along all), its shape plan kept, and that extra; else
+        None."""
         work = _product(sizes)
         best, best_extra = None, budget
         for host in self.shapes:
@@ -94,7 +98,7 @@ class Hosts:
             extra = host.ms * (1.0 - work / host.work)
             if extra < best_extra and (plans is None or host.signature in plans):
                 best, best_extra = host, extra
-        return best
+        return (best, best_extra) if best is not None else None
 
 
 class FirstCalls:
@@ -117,7 +121,7 @@ class FirstCalls:
                        for axis, symbol in pads if axis == 1]
         self.bound: OrderedDict[tuple, BoundShape] = OrderedDict()  # signature -> its bound shape, least recent first
         self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
-        self._seen: dict[tuple, int] = {}  # unbound signature -> calls so far
+        self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
         self.padded_runs = 0
         self._lock = threading.Lock()
@@ -129,16 +133,11 @@ class FirstCalls:
         known = self.bound.get(signature)
         if known is not None:
             return self._run_exact(args, signature, known)
-        calls = self._seen.get(signature, 0) + 1
-        if calls < BIND_AFTER:
-            sizes = self._sizes(signature)
-            host = self._host(args, signature, sizes)
-            if host is not None:
-                if len(self._seen) >= SEEN_SHAPES:
-                    self._seen.clear()
-                self._seen[signature] = calls
-                return self._run_padded(args, sizes, host)
-        self._seen.pop(signature, None)
+        sizes = self._sizes(signature)
+        host = self._host(args, signature, sizes)
+        if host is not None:
+            return self._run_padded(args, sizes, host)
+        self._paid.pop(signature, None)
         return self._run_exact(args, signature, None)
 
     def run_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns) -> list[np.ndarray] | None:
@@ -157,17 +156,12 @@ class FirstCalls:
                 if signature in self.bound:
                     self.bound.move_to_end(signature)
             return record.run(arrays)
-        calls = self._seen.get(signature, 0) + 1
-        if calls >= BIND_AFTER:
-            return None
         sizes = self._sizes(signature)
-        host = self._host(arrays, signature, sizes)
+        host = self._host(arrays, signature, sizes, paying=False)
         record = direct.find(host.signature) if host is not None else None
         if record is None:
             return None
-        if len(self._seen) >= SEEN_SHAPES:
-            self._seen.clear()
-        self._seen[signature] = calls
+        self._pay(signature, host)
         padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
         t0 = time.thread_time_ns()
         results = record.run(padded)
@@ -211,14 +205,32 @@ class FirstCalls:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
         return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
-    def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...]) -> BoundShape | None:
-        """The bound shape to run this new one padded in (least extra, below binding's cost), or None."""
+    def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...], paying: bool = True
+              ) -> BoundShape | None:
+        """The bound shape to run this new one padded in (least extra, below binding's cost less what the shape's
+        padded runs have cost so far), or None. `paying`: its extra counted as paid (else the caller's _pay)."""
         hosts = self._groups.get(_group(signature, self._padded_axes))
         if hosts is None:
             return None
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
-            return hosts.cheapest(sizes, fixed, self.budget_ms(), self.program.shape_plans)
+            found = hosts.cheapest(sizes, fixed, self.budget_ms() - self._paid.get(signature, 0.0),
+                                   self.program.shape_plans)
+            if found is None:
+                return None
+            if paying:
+                self._paid_for(signature, found[1])
+            return found[0]
+
+    def _pay(self, signature: tuple, host: BoundShape) -> None:
+        """Count a padded run of `signature` in `host` as paid (its estimated extra)."""
+        with self._lock:
+            self._paid_for(signature, host.ms * (1.0 - _product(self._sizes(signature)) / host.work))
+
+    def _paid_for(self, signature: tuple, extra: float) -> None:
+        if len(self._paid) >= SEEN_SHAPES and signature not in self._paid:
+            self._paid.clear()
+        self._paid[signature] = self._paid.get(signature, 0.0) + extra
 
     def budget_ms(self) -> float:
         """What binding a new shape costs: the median measured, BIND_MS until one is."""
