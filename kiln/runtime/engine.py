@@ -488,8 +488,7 @@ class ExecutionContext:
     def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]], deadline: float) -> tuple[int, str]:
         """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
         one's repeat takes longer than HOSTS_UP_TO times binding (once BUDGET_FROM bindings are measured),
-        WARM_UP_HOSTS are bound or the clock passes
-        `deadline` (perf_counter). Returns the number of runs and why it stopped."""
+        WARM_UP_HOSTS are bound or the clock passes `deadline` (perf_counter). Returns the runs and why it stopped."""
         runs = 0
         for k, sizes in enumerate(shapes):
             if k >= WARM_UP_HOSTS:
