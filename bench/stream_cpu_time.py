@@ -15,6 +15,8 @@ with --ab's switch when given: NAME=VALUE an environment variable (e.g. KILN_DIR
 "before": the direct path off and the warm-up's hosts CUDA's buckets (powers of two, sequences from 16), as before
 kiln/runtime/direct_run.py and first_calls.host_sizes.
 Prints a table last (one row a round): requests above onnxruntime, the median / p90 / worst ratio, the totals.
+--hot 1x7,8x64: before the rounds, each shape bound and then called --calls times by kiln's direct path, kiln's
+general path (KILN_DIRECT_RUN=0) and onnxruntime, interleaved: median thread CPU µs a call.
 """
 
 from __future__ import annotations
@@ -100,6 +102,32 @@ def one_round(engine, session, requests, label: str, log) -> dict:
             "kiln_p50": statistics.median(kiln_ms), "ort_p50": statistics.median(ort_ms)}
 
 
+def hot_table(engine, session, shapes: str, calls: int, vocab: int, log) -> None:
+    """Bound shapes called repeatedly: kiln direct / kiln general / onnxruntime, median thread CPU µs."""
+    direct = engine.create_execution_context()
+    os.environ["KILN_DIRECT_RUN"] = "0"
+    general = engine.create_execution_context()
+    del os.environ["KILN_DIRECT_RUN"]
+    assert direct._direct is not None and general._direct is None, "the engine has no direct path"
+    rng = np.random.default_rng(1)
+    log("| shape | kiln direct µs | kiln general µs | onnxruntime µs | direct / onnxruntime |")
+    log("|---|---|---|---|---|")
+    for shape in shapes.split(","):
+        b, s = map(int, shape.split("x"))
+        feeds = {"input_ids": rng.integers(0, vocab, (b, s)), "attention_mask": np.ones((b, s), np.int64)}
+        runners = {"direct": direct.run, "general": general.run, "ort": lambda r: session.run(None, r)}
+        for run in runners.values():
+            for _ in range(3):  # bound, its binding measured, then direct
+                run(feeds)
+        got = {name: [] for name in runners}
+        for _ in range(calls):
+            for name, run in runners.items():
+                got[name].append(timed(run, feeds)[0] * 1e3)
+        med = {name: statistics.median(v) for name, v in got.items()}
+        log(f"| {shape} | {med['direct']:.0f} | {med['general']:.0f} | {med['ort']:.0f} | "
+            f"{med['direct'] / med['ort']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bert_tiny")
@@ -113,6 +141,8 @@ def main() -> None:
     ap.add_argument("--ab", default="", help="every other round: NAME=VALUE with this environment variable set, or "
                     "'before' (no direct path, CUDA's buckets as the warm-up's hosts)")
     ap.add_argument("--out", help="append the log and table to this file")
+    ap.add_argument("--hot", default="", help="bound shapes (e.g. 1x7,8x64) timed by path before the rounds")
+    ap.add_argument("--calls", type=int, default=200, help="--hot: calls per shape and path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import onnxruntime as ort
@@ -149,6 +179,8 @@ def main() -> None:
         if err > 1e-3:
             raise SystemExit(f"kiln differs from onnxruntime by {err:.3g} at request {k}: not timed")
     before = args.ab == "before"
+    if args.hot:
+        hot_table(engine, session, args.hot, args.calls, zoo.get(args.model).vocab_size, log)
     name, _, value = ("KILN_DIRECT_RUN=0" if before else args.ab).partition("=")
     rows = []
     for r in range(args.rounds):
