@@ -59,7 +59,8 @@ def one_round(engine, session, requests, label: str, log) -> dict:
     """A fresh context (the engine's padding state started over) warmed up, then the stream."""
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs) \
         if engine.first_calls is not None else None
-    engine.direct_runs = kiln_engine._direct_runs(engine)
+    if hasattr(kiln_engine, "_direct_runs"):  # (absent in a tree before it: the bench also runs from such a copy)
+        engine.direct_runs = kiln_engine._direct_runs(engine)
     for segment in engine.program.segments:  # the views of earlier rounds go (shape plans too): a fresh start
         segment.resized.clear()
     if engine.program.shape_plans is not None:
@@ -71,7 +72,9 @@ def one_round(engine, session, requests, label: str, log) -> dict:
     context.warm_up()
     warm_s, warm_cpu = time.perf_counter() - w0, time.thread_time() - c0
     bound = len(engine.first_calls.bound) if engine.first_calls is not None else 0
-    log(f"round {label}: {context.warmed_up.describe()}, {warm_cpu:.2f} s CPU")
+    report = getattr(context, "warmed_up", None)
+    log(f"round {label}: {report.describe() if report else f'warm-up {bound} shapes bound, {warm_s:.2f} s'}, "
+        f"{warm_cpu:.2f} s CPU")
     ratios, kiln_ms, ort_ms, kiln_wall, ort_wall = [], [], [], [], []
     padding = context._first_calls
     kinds: list[str] = []  # how kiln ran each request: at a bound shape, padded in one, or binding its own
