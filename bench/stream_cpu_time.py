@@ -150,7 +150,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     import onnxruntime as ort
 
-    host_sizes = kiln_engine.ExecutionContext._host_sizes
+    host_sizes = getattr(kiln_engine.ExecutionContext, "_host_sizes", None)
 
     lines: list[str] = []
 
