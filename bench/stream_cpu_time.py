@@ -89,6 +89,9 @@ def one_round(engine, session, requests, label: str, log) -> dict:
         ratios.append(kiln_ms[-1] / max(ort_ms[-1], 1e-6))
         kinds.append("bound" if before[1] else "padded" if padding.padded_runs > before[0] else "binds")
     padded = padding.padded_runs if padding is not None else 0
+    log(f"round {label}: above onnxruntime: " + ", ".join(
+        f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {kinds[i]} {ratios[i]:.2f} "
+        f"({kiln_ms[i]:.3f}/{ort_ms[i]:.3f})" for i in range(len(ratios)) if ratios[i] > 1))
     by_kind = {kind: [r for r, k in zip(ratios, kinds) if k == kind] for kind in ("bound", "padded", "binds")}
     log(f"round {label}: by path, requests (above onnxruntime, median ratio): " + ", ".join(
         f"{kind} {len(rs)} ({sum(r > 1 for r in rs)}, {statistics.median(rs) if rs else float('nan'):.2f})"
