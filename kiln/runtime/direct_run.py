@@ -11,8 +11,9 @@ loop.
 
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
 compares outputs bit for bit, and with onnxruntime). A record keeps its view, shape values and constants alive: the
-cache is cleared whenever the program lets a shape plan go or the segment a view (their LRU bounds then hold), and
-each run marks its signature used in both, as the general path does.
+cache is cleared whenever the program lets a shape plan go or the segment a view (their LRU bounds then hold), a
+record whose plan or view is no longer the one there goes (made again once the shape is bound again), and each run
+marks its signature used in both, as the general path does.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class DirectRun:
     outputs: tuple[int, ...]  # each program output's exit
     keep: tuple[Any, ...]  # what the fixed addresses point into
     view_key: tuple  # the segment's key of the view (its LRU)
+    plan: list  # the program's shape plan it was made from (its LRU)
 
     def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
         addresses = list(self.addresses)
@@ -101,20 +103,26 @@ class DirectRuns:
                 if len(self._records) >= DIRECT_RUNS:
                     self._records.clear()
                 self._records[signature] = record
-        if record is not None:
-            self._touch(signature, record)
+        if record is not None and not self._touch(signature, record):
+            with self._lock:  # its plan or view went another way (a cleared cache): made again once bound again
+                self._records.pop(signature, None)
+            return None
         return record
 
-    def _touch(self, signature: tuple, record: DirectRun) -> None:
-        """Mark the signature used where the general path would: its shape plan and its view (least recent out)."""
+    def _touch(self, signature: tuple, record: DirectRun) -> bool:
+        """Mark the signature used where the general path would: its shape plan and its view (least recent out).
+        False when either is no longer there."""
         program, segment = self.program, self.segment
         with program._plans_lock:
-            if signature in program.shape_plans:
-                program.shape_plans.move_to_end(signature)
+            if program.shape_plans.get(signature) is not record.plan:
+                return False
+            program.shape_plans.move_to_end(signature)
         if record.view is not segment:
             with segment._resize_lock:
-                if record.view_key in segment.resized:
-                    segment.resized.move_to_end(record.view_key)
+                if segment.resized.get(record.view_key) is not record.view:
+                    return False
+                segment.resized.move_to_end(record.view_key)
+        return True
 
     def _make(self, signature: tuple) -> DirectRun | None | object:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
@@ -160,7 +168,7 @@ class DirectRuns:
             if numpy_dtype is None or tuple(strides) != row_major_strides(tuple(size)):
                 return None
             exits.append((tuple(size), numpy_dtype))
-        return DirectRun(view, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key)
+        return DirectRun(view, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
 
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
