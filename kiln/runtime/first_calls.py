@@ -17,10 +17,10 @@ A new shape is bound (run at its own size) once its padded runs have cost, by th
 shape's call pads while its earlier padded calls' extra plus this one's stays below the budget (renting until the
 rent paid would buy: within 2x of the best choice made knowing the future). A shape that repeats binds after
 budget / extra calls (bert_tiny's 7 x 11 in 7 x 12, extra ~0.02 ms, budget ~0.8 ms: after ~35; at its second call
-before, which cost a stream's small requests 2-4x onnxruntime's time at that call), one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
-a loaded machine's preemption is left out, which wall clock put into binding's measured cost (a difference of two
-calls) but not into a shape's time (the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of
-CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
+before, which cost a stream's small requests 2-4x onnxruntime's time at that call), one met once never binds.
+Times are the calling thread's CPU time (time.thread_time) of the program's run: a loaded machine's preemption is
+left out, which wall clock put into binding's measured cost (a difference of two calls) but not into a shape's time
+(the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
 
 Exactness (never a different result, only a different summation order in the GEMMs' and attention's tails: the
 padded and unpadded runs agree to fp32 rounding, tests/unit/test_first_calls.py): rows of a batch never meet;

@@ -1,7 +1,7 @@
 """First calls at new shapes on the CPU, run padded inside a bound shape (kiln/runtime/first_calls.py): padded runs
 give the unpadded result and onnxruntime's at fresh random shapes, a shape binds once its padded runs have cost
-what binding would, a host is chosen by its estimated extra against the binding budget, and a mask row with no real token is never padded
-along the sequence."""
+what binding would, a host is chosen by its estimated extra against the binding budget, a mask row with no real
+token is never padded along the sequence, and the warm-up binds the host sizes, bounded and reported."""
 
 from __future__ import annotations
 
