@@ -13,6 +13,8 @@ the build declares):
     choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
                a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
 
+ExecutionContext.warm_up binds the hosts ahead (host_sizes: at most 25% padding along each dim, bounded); a call of
+numpy arrays at a bound shape, or padded in one, runs as one call of its segment's loop (kiln/runtime/direct_run.py).
 A new shape is bound (run at its own size) once its padded runs have cost, by that estimate, what binding would: a
 shape's call pads while its earlier padded calls' extra plus this one's stays below the budget (renting until the
 rent paid would buy: within 2x of the best choice made knowing the future). A shape that repeats binds after
@@ -20,7 +22,8 @@ budget / extra calls (bert_tiny's 7 x 11 in 7 x 12, extra ~0.02 ms, budget ~0.8 
 before, which cost a stream's small requests 2-4x onnxruntime's time at that call), one met once never binds.
 Times are the calling thread's CPU time (time.thread_time) of the program's run: a loaded machine's preemption is
 left out, which wall clock put into binding's measured cost (a difference of two calls) but not into a shape's time
-(the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
+(the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of CPU. With OpenMP's spinning waits
+(kiln's default) a caller waiting for its workers spends CPU time too.
 
 Exactness (never a different result, only a different summation order in the GEMMs' and attention's tails: the
 padded and unpadded runs agree to fp32 rounding, tests/unit/test_first_calls.py): rows of a batch never meet;
