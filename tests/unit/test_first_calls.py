@@ -120,6 +120,9 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_
     # extra = t_host * (1 - 36 / work_host): 4x48 3.25 ms, 2x40 0.55 ms, 4x20 0.55 ms -> the first of least
     assert padding._host(args, signature, (2, 18), paying=False).sizes in {(2, 40), (4, 20)}
     padding.bound[((4, 20), torch.int64), ((4, 20), torch.int64)].ms = 0.5  # extra 0.275 ms
+    assert padding._host(args, signature, (2, 18), paying=False).sizes in {(2, 40), (4, 20)}  # the choice made
+    for hosts in padding._groups.values():
+        hosts._least.clear()  # as a shape bound or let go does
     assert padding._host(args, signature, (2, 18), paying=False).sizes == (4, 20)
     padding.bind_ms.clear()
     padding.bind_ms.append(0.5)
@@ -129,6 +132,29 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_
     padding.bind_ms.append(0.2)  # binding cheaper than any host's extra: none
     assert padding._host(args, (((2, 17), torch.int64),) * 2, (2, 17)) is None
     assert padding._host(args, (((5, 18), torch.int64),) * 2, (5, 18)) is None  # no bound shape holds 5 rows
+
+
+def test_the_host_choice_is_remembered_until_a_shape_is_bound_or_let_go(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    context = _fresh(engine)
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    for batch, seq in ((4, 48), (2, 40)):
+        _bind(context, _feeds(rng, batch, seq))
+    big, small = (padding.bound[((b, s), torch.int64), ((b, s), torch.int64)] for b, s in ((4, 48), (2, 40)))
+    big.ms, small.ms = 4.0, 1.0
+    for hosts in padding._groups.values():
+        hosts._least.clear()
+    args = [torch.zeros(2, 18, dtype=torch.int64), torch.ones(2, 18, dtype=torch.int64)]
+    signature = ((2, 18), torch.int64), ((2, 18), torch.int64)
+    assert padding._host(args, signature, (2, 18), paying=False) is small
+    small.ms = 100.0  # measured later: the remembered choice stands, its extra from the new time
+    assert padding._host(args, signature, (2, 18), paying=False) is small
+    _bind(context, _feeds(rng, 2, 20))  # a shape bound: the choice is made again
+    assert padding._host(args, signature, (2, 18), paying=False).sizes == (2, 20)
+    padding.bind_ms.clear()
+    padding.bind_ms.append(1e-9)  # the least extra is over the budget: none
+    assert padding._host(args, signature, (2, 18), paying=False) is None
 
 
 def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynamic_bert_tiny):
