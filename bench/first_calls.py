@@ -9,7 +9,8 @@ neither has seen (which of them first alternates per request), then --repeats mo
 of the calling thread (time.thread_time: a loaded machine's preemption is left out, its cache sharing is not; with
 2 threads the workers' time is not in it) and wall. A "repeat" is the median of calls 3 and later at a shape: kiln
 runs a new shape's first call padded inside a bound one where it can (kiln/runtime/first_calls.py) and binds the
-shape at its second call, so the second call's extra is reported too. KILN_PAD_FIRST_CALLS=0: no padding (A/B).
+shape once its padded runs have cost what binding would (a later call, often never), so the second call's extra is
+reported too. KILN_PAD_FIRST_CALLS=0: no padding (A/B).
 
 Then where a kiln first call's extra time goes: the stream again with everything kept, dropping before each
 request's first call (a) nothing kept, (b) its shape plan only (the shape-only steps run again), (c) its segment
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--static-heap", action="store_true", help="the stream inside kiln.static_heap() (gc.freeze)")
     args = ap.parse_args()
     if args.repeats < 2:
-        ap.error("--repeats: at least 2 (the second call at a shape may bind it; later calls are the repeats)")
+        ap.error("--repeats: at least 2 (a later call at a shape may bind it; calls 3 and later are the repeats)")
     torch.set_num_threads(args.threads)
     import onnxruntime as ort
 

@@ -22,7 +22,8 @@ from kiln.plan import file as engine_file
 from kiln.plan.spec import Binding, EnginePlan, Profile
 from kiln.runtime.buckets import PACKING, graph_rows, graph_token_buckets, packed_rows, packing_rule, plan_buckets
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
-from kiln.runtime.first_calls import FirstCalls, primitives_ahead, primitives_made
+from kiln.runtime.direct_run import DirectRuns, torch_signature
+from kiln.runtime.first_calls import WARM_UP_HOSTS, WARM_UP_S, FirstCalls, host_sizes, primitives_ahead, primitives_made
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
 
@@ -141,6 +142,7 @@ class Engine:
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
         self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
+        self.direct_runs = _direct_runs(self)  # bound shapes of a one-segment program (kiln/runtime/direct_run.py)
         if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
             primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
@@ -211,6 +213,7 @@ class Engine:
         placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
         self._make_programs(placed)
         self.first_calls = _first_calls(self)
+        self.direct_runs = _direct_runs(self)
         self._threads = threading.local()  # contexts of the old weights (bound segments, graphs) go
 
     def __repr__(self) -> str:
@@ -275,9 +278,14 @@ class ExecutionContext:
             pad_first_calls = os.environ.get("KILN_PAD_FIRST_CALLS", "1") != "0"
         self._first_calls = engine.first_calls if pad_first_calls and self.buckets is None and self.runner is None \
             and self._token_mask is None else None
+        # numpy feeds of a bound shape of a one-segment program: one call of its compiled loop (direct_run.py); off
+        # with the environment's KILN_DIRECT_RUN=0
+        self._direct = engine.direct_runs if self._checked is not None and self._token_mask is None \
+            and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
+        self.warmed_up: WarmUp | None = None  # the last warm_up()'s report
         if warm_up:
             self.warm_up()
 
@@ -407,29 +415,35 @@ class ExecutionContext:
         if self.engine.profiles:
             self.profile = self._select_profile(feeds)
 
-    def warm_up(self, profile: int = 0) -> int:
+    def warm_up(self, profile: int = 0, seconds: float = WARM_UP_S) -> int:
         """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
         stream of requests meets no first call: on CUDA each run captures its graph. Returns the
         number of runs. Without buckets: one run at the profile's opt shape. With padded first calls on the CPU
-        (kiln/runtime/first_calls.py), two runs at each bucket, smallest work first: each is then bound, a host a new
-        shape may run padded in (within 2x along each padded dim), its time and what binding it cost measured; up to
-        the first bucket whose run takes longer than HOSTS_UP_TO times binding (padding in a larger one would cost
-        more than binding: BERT-base's buckets past ~2 x 32 at one thread). On the CPU it returns once the oneDNN
-        primitives of the profiles' row counts are made (BERT-base: ~1-1.5 s after load, on another thread)."""
+        (kiln/runtime/first_calls.py), two runs at each host size (first_calls.host_sizes: at most 25% padding
+        along each dim), smallest work first: each is then bound, a host a new shape may run padded in, its time and
+        what binding it cost measured; up to the first whose run takes longer than HOSTS_UP_TO times binding
+        (padding in a larger one would cost more than binding: BERT-base's past ~2 x 32 at one thread), at most
+        WARM_UP_HOSTS shapes and `seconds` of wall clock (bert_tiny's 192 shapes of 8 x 128: ~0.4-0.6 s).
+        `self.warmed_up` says what it did. On the CPU it returns once the oneDNN primitives of the profiles' row
+        counts are made (BERT-base: ~1-1.5 s after load, on another thread)."""
         plan = self.engine.profiles[profile] if self.engine.profiles else None
         if plan is None:
             return 0
+        start = time.perf_counter()
         symbols: dict[str, list[int]] = {}
         ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
+        hosts = self.buckets is None and self._first_calls is not None  # the CPU's ladder of hosts
         for b in self.engine.inputs:
             r = plan.inputs.get(b.name)
             for axis, d in enumerate(b.shape or []):
                 if isinstance(d, str) and r is not None and d not in symbols:
                     if ladder is not None and d in ladder.symbols:
-                        symbols[d] = ladder.sizes(d, r.min[axis], r.max[axis])
+                        symbols[d] = self._host_sizes(d, r.min[axis], r.max[axis]) if hosts \
+                            else ladder.sizes(d, r.min[axis], r.max[axis])
                     else:
                         symbols[d] = [r.opt[axis]]
         shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
+        stopped = "every shape run"
         if self._graph_packing is not None:
             runs = self._warm_up_graph_packing(plan, shapes)
         elif self._first_calls is None:
@@ -437,12 +451,19 @@ class ExecutionContext:
                 self.run(self._warm_up_feeds(plan, sizes))
             runs = len(shapes)
         else:
-            runs = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())))
+            runs, stopped = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())),
+                                             start + seconds)
         if self.engine.device.type == "cuda":
             torch.cuda.synchronize()
         else:  # and what the background thread makes ahead of new row counts (first_calls.primitives_ahead)
             primitives_made()
+        bound = len(self._first_calls.bound) if self._first_calls is not None else 0
+        self.warmed_up = WarmUp(runs, len(shapes), bound, time.perf_counter() - start, stopped)
         return runs
+
+    def _host_sizes(self, symbol: str, low: int, high: int) -> list[int]:
+        """The sizes of `symbol` a CPU warm-up binds as hosts of first calls (first_calls.host_sizes)."""
+        return host_sizes(low, high)
 
     def _warm_up_graph_packing(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
         """Every graph a context packing by graph_rows replays: the plain program's at each bucket below
@@ -464,19 +485,26 @@ class ExecutionContext:
         self.run(largest)
         return len(small) + len(graph_token_buckets(mask.numel(), self._graph_packing)) + 1
 
-    def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
+    def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]], deadline: float) -> tuple[int, str]:
         """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
-        one's repeat takes longer than HOSTS_UP_TO times binding. Returns the number of runs."""
+        one's repeat takes longer than HOSTS_UP_TO times binding (once BUDGET_FROM bindings are measured),
+        WARM_UP_HOSTS are bound or the clock passes `deadline` (perf_counter). Returns the runs and why it stopped."""
         runs = 0
-        for sizes in shapes:
+        for k, sizes in enumerate(shapes):
+            if k >= WARM_UP_HOSTS:
+                return runs, f"WARM_UP_HOSTS ({WARM_UP_HOSTS}) bound"
+            if time.perf_counter() > deadline:
+                return runs, "out of time"
             feeds = self._warm_up_feeds(plan, sizes)
             self.run(feeds)
             start = time.thread_time_ns()
             self.run(feeds)
             runs += 2
-            if (time.thread_time_ns() - start) / 1e6 > HOSTS_UP_TO * self._first_calls.budget_ms():
-                break
-        return runs
+            ms = (time.thread_time_ns() - start) / 1e6
+            measured = len(self._first_calls.bind_ms) >= BUDGET_FROM  # one sample may be 0: a repeat slower
+            if measured and ms > HOSTS_UP_TO * self._first_calls.budget_ms():  # than its first call
+                return runs, f"a run at {sizes} took over HOSTS_UP_TO x binding"
+        return runs, "every shape run"
 
     def _warm_up_feeds(self, plan: Profile, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
         """Inputs of the symbols' `sizes` (other dims at the profile's opt): zeros, masks of ones."""
@@ -692,10 +720,25 @@ class ExecutionContext:
             if len(self._checked) < CHECKED_SIGNATURES:
                 self._checked[key] = profile
         self.profile = profile
+        if self._direct is not None:
+            results = self._run_direct([feeds[n] for n in names])
+            if results is not None:
+                return {b.name: v for b, v in zip(self.engine.outputs, results)}
         args = [torch.from_numpy(feeds[n]) for n in names]
         with torch.inference_mode():
             results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
         return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
+
+    def _run_direct(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Checked numpy inputs of a bound shape (or, padding first calls, of a new one a bound shape hosts) as one
+        call of the segment's compiled loop (kiln/runtime/direct_run.py); None: the general path."""
+        signature = torch_signature(arrays)
+        if signature is None:
+            return None
+        if self._first_calls is not None:
+            return self._first_calls.run_direct(arrays, signature, self._direct)
+        record = self._direct.find(signature)
+        return record.run(arrays) if record is not None else None
 
     def _replay_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CUDA engine of fixed shapes, fed CUDA tensors of exactly its bindings, whose graph is
@@ -749,6 +792,23 @@ class ExecutionContext:
 
 
 HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
+BUDGET_FROM = 3  # ... binding's cost once this many are measured (their median)
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What ExecutionContext.warm_up did: runs, the shapes it could run (buckets or hosts), the shapes the engine
+    holds bound after it (padded first calls; 0 otherwise), seconds (wall clock) and why it stopped."""
+
+    runs: int
+    shapes: int
+    bound: int
+    seconds: float
+    stopped: str
+
+    def describe(self) -> str:
+        return (f"warm-up: {self.runs} runs of {self.shapes} shapes, {self.bound} bound, {self.seconds:.2f} s "
+                f"({self.stopped})")
 
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)
 
@@ -857,6 +917,14 @@ def _whole_segment(engine: Engine):
     if segment.entries != program.input_slots or segment.exits != program.output_slots:
         return None
     return segment
+
+
+def _direct_runs(engine: Engine) -> DirectRuns | None:
+    """A CPU engine's DirectRuns where its program is one native segment once its shape values are known, it runs
+    without boundary casts and is not padding-free; else None."""
+    if engine.device.type != "cpu" or engine.internal_dtype or engine.plan.header.get("remove_padding"):
+        return None
+    return DirectRuns.of(engine.program)
 
 
 def _first_calls(engine: Engine) -> FirstCalls | None:

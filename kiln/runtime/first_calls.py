@@ -13,11 +13,17 @@ the build declares):
     choice     the host of least extra, when that extra is below the cost of binding: a first exact call's time less
                a repeat's at the same shape (median of the last BIND_SAMPLES; BIND_MS until one is measured)
 
-The new shape is bound (run at its own size) at its BIND_AFTER-th call: a shape that repeats runs exactly from
-then on, one met once never binds. Times are the calling thread's CPU time (time.thread_time) of the program's run:
-a loaded machine's preemption is left out, which wall clock put into binding's measured cost (a difference of two
-calls) but not into a shape's time (the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of
-CPU. With OpenMP's spinning waits (kiln's default) a caller waiting for its workers spends CPU time too.
+ExecutionContext.warm_up binds the hosts ahead (host_sizes: at most 25% padding along each dim, bounded); a call of
+numpy arrays at a bound shape, or padded in one, runs as one call of its segment's loop (kiln/runtime/direct_run.py).
+A new shape is bound (run at its own size) once its padded runs have cost, by that estimate, what binding would: a
+shape's call pads while its earlier padded calls' extra plus this one's stays below the budget (renting until the
+rent paid would buy: within 2x of the best choice made knowing the future). A shape that repeats binds after
+budget / extra calls (bert_tiny's 7 x 11 in 7 x 12, extra ~0.02 ms, budget ~0.8 ms: after ~35; at its second call
+before, which cost a stream's small requests 2-4x onnxruntime's time at that call), one met once never binds.
+Times are the calling thread's CPU time (time.thread_time) of the program's run: a loaded machine's preemption is
+left out, which wall clock put into binding's measured cost (a difference of two calls) but not into a shape's time
+(the least seen): 7-18 ms of binding measured at load 9, against ~2.5 ms of CPU. With OpenMP's spinning waits
+(kiln's default) a caller waiting for its workers spends CPU time too.
 
 Exactness (never a different result, only a different summation order in the GEMMs' and attention's tails: the
 padded and unpadded runs agree to fp32 rounding, tests/unit/test_first_calls.py): rows of a batch never meet;
@@ -43,12 +49,15 @@ from kiln.ir import dtypes
 from kiln.kernels.cpu import onednn_ahead
 from kiln.plan.spec import Binding, Profile
 from kiln.runtime.buckets import MASK_NAMES, Buckets
+from kiln.runtime.direct_run import DirectRuns
 from kiln.runtime.program import SHAPE_PLANS, Program, input_signature
 
-BIND_AFTER = 2  # the call at a new shape that binds it (run at its own size): the second
 BIND_MS = 1.0  # the cost of binding a new shape until one is measured (bert_tiny's ~2.6 ms, BERT-base's more)
 BIND_SAMPLES = 9  # measured binding costs kept (their median is the budget)
-SEEN_SHAPES = 4096  # unbound shapes whose calls are counted (then the count starts over)
+SEEN_SHAPES = 4096  # unbound shapes whose padded runs' extra is counted (then the count starts over)
+EVERY_SIZE_TO = 4  # host_sizes: every size up to this one, then quarter steps of each power of two
+WARM_UP_HOSTS = SHAPE_PLANS * 3 // 4  # the most shapes a warm-up binds (the rest of the plans' room: the stream's)
+WARM_UP_S = 2.0  # ... and the most seconds (wall clock) it binds them for
 
 
 @dataclass
@@ -66,22 +75,41 @@ class BoundShape:
 class Hosts:
     """The bound shapes of one group (equal but for the padded dims). A plain loop: after a run has streamed the
     caches full of activations, numpy's calls over these sizes took twice the loop's time (670 against 340 µs of
-    a first call, bert_tiny, load 9)."""
+    a first call, bert_tiny, load 9). Its answer is remembered per (sizes, unpaddable dims) until a shape is added
+    or removed: over a warm-up's ~190 hosts the loop took ~35-40 µs a call (bert_tiny's small padded calls take
+    ~170). Host times measured in between (each host's least) refine the choice at the next add or removal."""
 
     def __init__(self) -> None:
         self.shapes: list[BoundShape] = []
+        self._least: dict[tuple, BoundShape | None] = {}  # (sizes, fixed) -> the host of least extra, any budget
 
     def add(self, shape: BoundShape) -> None:
         self.shapes.append(shape)
+        self._least.clear()
 
     def remove(self, shape: BoundShape) -> None:
         self.shapes.remove(shape)
+        self._least.clear()
 
-    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any) -> BoundShape | None:
-        """The shape of least estimated extra (t * (1 - work / its work)) below `budget` that holds `sizes` (>= along
-        each padded dim, equal along the `fixed` ones, not equal along all), its shape plan kept; else None."""
+    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any
+                 ) -> tuple[BoundShape, float] | None:
+        """The shape of least estimated extra (t * (1 - work / its work)) that holds `sizes` (>= along each padded
+        dim, equal along the `fixed` ones, not equal along all), its shape plan kept, and that extra, when the extra
+        is below `budget`; else None."""
+        key = (sizes, tuple(fixed))
+        host = self._least.get(key, _UNKNOWN)
+        if host is _UNKNOWN or (host is not None and plans is not None and host.signature not in plans):
+            if len(self._least) >= SEEN_SHAPES:
+                self._least.clear()
+            host = self._least[key] = self._search(sizes, fixed, plans)
+        if host is None:
+            return None
+        extra = host.ms * (1.0 - _product(sizes) / host.work)
+        return (host, extra) if extra < budget else None
+
+    def _search(self, sizes: tuple[int, ...], fixed: list[int], plans: Any) -> BoundShape | None:
         work = _product(sizes)
-        best, best_extra = None, budget
+        best, best_extra = None, float("inf")
         for host in self.shapes:
             held = host.sizes
             if held == sizes or not all(map(operator.ge, held, sizes)) \
@@ -91,6 +119,9 @@ class Hosts:
             if extra < best_extra and (plans is None or host.signature in plans):
                 best, best_extra = host, extra
         return best
+
+
+_UNKNOWN = object()  # Hosts._least: not searched yet
 
 
 class FirstCalls:
@@ -113,7 +144,7 @@ class FirstCalls:
                        for axis, symbol in pads if axis == 1]
         self.bound: OrderedDict[tuple, BoundShape] = OrderedDict()  # signature -> its bound shape, least recent first
         self._groups: dict[tuple, Hosts] = {}  # _group(signature) -> its bound shapes
-        self._seen: dict[tuple, int] = {}  # unbound signature -> calls so far
+        self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
         self.padded_runs = 0
         self._lock = threading.Lock()
@@ -125,17 +156,45 @@ class FirstCalls:
         known = self.bound.get(signature)
         if known is not None:
             return self._run_exact(args, signature, known)
-        calls = self._seen.get(signature, 0) + 1
-        if calls < BIND_AFTER:
-            sizes = self._sizes(signature)
-            host = self._host(args, signature, sizes)
-            if host is not None:
-                if len(self._seen) >= SEEN_SHAPES:
-                    self._seen.clear()
-                self._seen[signature] = calls
-                return self._run_padded(args, sizes, host)
-        self._seen.pop(signature, None)
+        sizes = self._sizes(signature)
+        host = self._host(args, signature, sizes)
+        if host is not None:
+            return self._run_padded(args, sizes, host)
+        self._paid.pop(signature, None)
         return self._run_exact(args, signature, None)
+
+    def run_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns) -> list[np.ndarray] | None:
+        """`run`'s choice for numpy inputs (C-contiguous, of `signature`) through `direct` (kiln/runtime/direct_run.py):
+        a bound shape whose binding cost is measured (its repeat ran) run at its size, a new one padded in its host,
+        each as one call of the host's compiled loop; None where `run` would do something else (bind the shape,
+        measure a repeat) or the shape has no DirectRun: then the caller takes `run`."""
+        known = self.bound.get(signature)
+        if known is not None:
+            if known.runs < 2:
+                return None  # its first repeat measures what binding cost: `run`'s
+            record = direct.find(signature)
+            if record is None:
+                return None
+            with self._lock:
+                if signature in self.bound:
+                    self.bound.move_to_end(signature)
+            return record.run(arrays)
+        sizes = self._sizes(signature)
+        host = self._host(arrays, signature, sizes, paying=False)
+        record = direct.find(host.signature) if host is not None else None
+        if record is None:
+            return None
+        self._pay(signature, host)
+        padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
+        t0 = time.thread_time_ns()
+        results = record.run(padded)
+        ms = (time.thread_time_ns() - t0) / 1e6
+        with self._lock:
+            self.padded_runs += 1
+            host.ms = min(host.ms, ms)
+            if host.signature in self.bound:
+                self.bound.move_to_end(host.signature)
+        return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
     def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""
@@ -169,14 +228,32 @@ class FirstCalls:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
         return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
 
-    def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...]) -> BoundShape | None:
-        """The bound shape to run this new one padded in (least extra, below binding's cost), or None."""
+    def _host(self, args: list[Any], signature: tuple, sizes: tuple[int, ...], paying: bool = True
+              ) -> BoundShape | None:
+        """The bound shape to run this new one padded in (least extra, below binding's cost less what the shape's
+        padded runs have cost so far), or None. `paying`: its extra counted as paid (else the caller's _pay)."""
         hosts = self._groups.get(_group(signature, self._padded_axes))
         if hosts is None:
             return None
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
-            return hosts.cheapest(sizes, fixed, self.budget_ms(), self.program.shape_plans)
+            found = hosts.cheapest(sizes, fixed, self.budget_ms() - self._paid.get(signature, 0.0),
+                                   self.program.shape_plans)
+            if found is None:
+                return None
+            if paying:
+                self._paid_for(signature, found[1])
+            return found[0]
+
+    def _pay(self, signature: tuple, host: BoundShape) -> None:
+        """Count a padded run of `signature` in `host` as paid (its estimated extra)."""
+        with self._lock:
+            self._paid_for(signature, host.ms * (1.0 - _product(self._sizes(signature)) / host.work))
+
+    def _paid_for(self, signature: tuple, extra: float) -> None:
+        if len(self._paid) >= SEEN_SHAPES and signature not in self._paid:
+            self._paid.clear()
+        self._paid[signature] = self._paid.get(signature, 0.0) + extra
 
     def budget_ms(self) -> float:
         """What binding a new shape costs: the median measured, BIND_MS until one is."""
@@ -200,6 +277,21 @@ class FirstCalls:
         while len(self.bound) > SHAPE_PLANS:
             _, old = self.bound.popitem(last=False)
             self._groups[_group(old.signature, self._padded_axes)].remove(old)
+
+
+def host_sizes(low: int, high: int) -> list[int]:
+    """The sizes a warm-up binds along a padded dim inside [low, high], hosts of the sizes between: every size up
+    to EVERY_SIZE_TO, then steps of a quarter of each power of two (4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, ...), and
+    `high`: a new size pads by at most 25% along each dim (at most 1.56x the work of a batch x sequence). CUDA's
+    buckets (kiln/runtime/buckets.py: powers of two, a sequence from 16) bound the graphs captured; on the CPU a
+    bound shape costs a view and a shape plan, and bert_tiny's small requests padded 2x-8x (6 x 2 run at 8 x 16)
+    took 3-5x onnxruntime's time."""
+    sizes, size = [], 1
+    while size < high:
+        if size >= low:
+            sizes.append(size)
+        size = size + 1 if size < EVERY_SIZE_TO else size + (1 << (size.bit_length() - 1)) // 4
+    return sizes + [high]
 
 
 def primitives_ahead(program: Program, profiles: list[Profile]) -> int:
@@ -241,6 +333,29 @@ def _padded(x: torch.Tensor, axes: list[tuple[int, int]], sizes: tuple[int, ...]
     return out
 
 
+def _padded_array(x: np.ndarray, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> np.ndarray:
+    """_padded for a numpy array."""
+    shape = list(x.shape)
+    for axis, j in axes:
+        shape[axis] = sizes[j]
+    if shape == list(x.shape):
+        return x
+    out = np.zeros(shape, x.dtype)
+    out[tuple(slice(0, d) for d in x.shape)] = x
+    return out
+
+
+def _cropped_array(y: np.ndarray, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> np.ndarray:
+    """_cropped for a numpy array: a C-contiguous copy where it is cut."""
+    if not axes:
+        return y
+    index = [slice(None)] * y.ndim
+    for axis, j in axes:
+        index[axis] = slice(0, sizes[j])
+    cut = y[tuple(index)]
+    return cut if cut.shape == y.shape else np.ascontiguousarray(cut)
+
+
 def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any:
     """y cut back to `sizes` along each (axis, symbol index): a contiguous copy, as a run at those sizes gives."""
     if not axes or not isinstance(y, torch.Tensor):
@@ -251,10 +366,10 @@ def _cropped(y: Any, axes: list[tuple[int, int]], sizes: tuple[int, ...]) -> Any
     return y.contiguous()
 
 
-def _every_row_kept(mask: torch.Tensor) -> bool:
+def _every_row_kept(mask: torch.Tensor | np.ndarray) -> bool:
     """Whether each row of a [batch, seq] mask (int or bool, buckets.py's rule) keeps a token; through numpy, in
     half torch's time."""
-    return bool(mask.numpy().any(axis=1).all())
+    return bool((mask.numpy() if isinstance(mask, torch.Tensor) else mask).any(axis=1).all())
 
 
 def _group(signature: tuple, padded_axes: list[set[int]]) -> tuple:

@@ -97,6 +97,7 @@ class Segment:
         self.read_after = read_after
         self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
         self.resized: OrderedDict[tuple, Segment | None] = OrderedDict()  # entry sizes -> that size's segment
+        self.view_evictions = 0  # sizes let go from `resized` so far (what holds on to them notices: direct_run.py)
         self._resize_lock = threading.Lock()
         natives = natives if natives is not None else [m.fn.native for m in members]
         produced: dict[int, int] = {}  # slot -> member that writes it
@@ -373,6 +374,7 @@ class Segment:
         self.resized[key] = segment
         while len(self.resized) > (VIEWS if self._views else RESIZED):
             self.resized.popitem(last=False)
+            self.view_evictions += 1
         return segment
 
     def _rewritten(self, key: tuple) -> _Resized | None:
@@ -444,6 +446,12 @@ class Segment:
                        else self._staging(k, v) for k, v in enumerate(values)]
             self._run([v.data_ptr() for v in entries], [v.data_ptr() for v in exits], staged)
         return tuple(exits) if len(exits) != 1 else exits[0]
+
+    def run_at(self, entry_addresses: list[int], exit_addresses: list[int]) -> None:
+        """One run on entries and exits at these addresses, laid out as planned (not a staged segment's NCHW
+        images): kiln/runtime/direct_run.py's."""
+        with self._lock:
+            self._run(entry_addresses, exit_addresses, False)
 
     def run_numpy(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
         """The whole program as this one segment, on C-contiguous float32 numpy arrays of the
@@ -939,13 +947,19 @@ class _Resized:
                    _entry_forms(template.entries, template._entry_readers, natives), owners)
 
     def _run_bound(self, values: tuple) -> Any:
-        template = self.template
         exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
         entries = []
         for v, layout in zip(values, self.entry_layouts):
             laid_out = v.is_contiguous(memory_format=_CL) if layout == "nhwc" else v.is_contiguous()
             entries.append(v if laid_out else (v.contiguous(memory_format=_CL) if layout == "nhwc" else v.contiguous()))
-        sources = {"entry": [v.data_ptr() for v in entries], "exit": [v.data_ptr() for v in exits]}
+        self.run_at([v.data_ptr() for v in entries], [v.data_ptr() for v in exits])
+        return tuple(exits) if len(exits) != 1 else exits[0]
+
+    def run_at(self, entry_addresses: list[int], exit_addresses: list[int]) -> None:
+        """One run on entries and exits at these addresses, each laid out as this view's entry_layouts and
+        exit_shapes say (the template's lock held: views share its arena and memory objects)."""
+        template = self.template
+        sources = {"entry": entry_addresses, "exit": exit_addresses}
         with template._lock:
             chooser = self.chooser
             form = chooser.choose() if chooser is not None else PARALLEL
@@ -953,4 +967,3 @@ class _Resized:
             _run_loop(self._c[form], template._stream, sources, self._names)
             if chooser is not None:
                 chooser.record(form, time.perf_counter() - start)
-        return tuple(exits) if len(exits) != 1 else exits[0]

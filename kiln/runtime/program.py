@@ -151,6 +151,7 @@ class Program:
         self.shape_plan_bytes = 0  # what the remembered shape values hold (an encoder's position and token-type
         # embeddings are shape-only: [batch, seq, hidden] floats per signature)
         self._plan_sizes: dict[tuple, int] = {}
+        self.plan_evictions = 0  # shape plans let go so far (what holds on to them notices: direct_run.py)
         self._plans_lock = threading.Lock()
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
@@ -246,6 +247,7 @@ class Program:
                                                  or self.shape_plan_bytes > SHAPE_PLAN_BYTES):
                 old, _ = self.shape_plans.popitem(last=False)
                 self.shape_plan_bytes -= self._plan_sizes.pop(old)
+                self.plan_evictions += 1
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
         """Host steps (every input a constant or shape-derived value) run on the CPU, once per input

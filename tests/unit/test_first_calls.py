@@ -1,7 +1,7 @@
 """First calls at new shapes on the CPU, run padded inside a bound shape (kiln/runtime/first_calls.py): padded runs
-give the unpadded result and onnxruntime's at fresh random shapes, a shape binds at its second call, a host is
-chosen by its estimated extra against the binding budget, and a mask row with no real token is never padded
-along the sequence."""
+give the unpadded result and onnxruntime's at fresh random shapes, a shape binds once its padded runs have cost
+what binding would, a host is chosen by its estimated extra against the binding budget, a mask row with no real
+token is never padded along the sequence, and the warm-up binds the host sizes, bounded and reported."""
 
 from __future__ import annotations
 
@@ -33,6 +33,18 @@ def _fresh(engine):
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     engine.first_calls.bind_ms.append(1e6)
     return engine.create_execution_context()
+
+
+def _bind(context, feeds):
+    """Run `feeds` at their own size (bound), whatever the budget, and once more (its binding measured)."""
+    padding = context._first_calls
+    budget = list(padding.bind_ms)
+    padding.bind_ms.clear()
+    padding.bind_ms.append(0.0)  # no host's extra is below it: run exactly
+    context.run(feeds)
+    context.run(feeds)
+    padding.bind_ms.clear()
+    padding.bind_ms.extend(budget)
 
 
 def test_padded_first_calls_give_the_unpadded_result_and_onnxruntimes(dynamic_bert_tiny):
@@ -68,19 +80,27 @@ def test_torch_inputs_are_padded_and_come_back_as_torch(dynamic_bert_tiny):
     np.testing.assert_allclose(got.numpy(), session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_a_shape_binds_at_its_second_call(dynamic_bert_tiny):
+def test_a_shape_binds_once_its_padded_runs_have_cost_what_binding_would(dynamic_bert_tiny):
     engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
     padding = engine.first_calls
     rng = np.random.default_rng()
     context.run(_feeds(rng, 4, 48))
-    feeds = _feeds(rng, 2, int(rng.integers(2, 40)))
+    host = padding.bound[((4, 48), torch.int64), ((4, 48), torch.int64)]
+    host.ms = 1e-3  # below any run's time: it stays the estimate's
+    seq = int(rng.integers(2, 40))
+    extra = host.ms * (1 - 2 * seq / (4 * 48))
+    padding.bind_ms.clear()
+    padding.bind_ms.append(2.5 * extra)  # two padded runs' extra are below it, three are not
+    feeds = _feeds(rng, 2, seq)
     signature = ((feeds["input_ids"].shape, torch.int64),) * 2
-    context.run(feeds)
-    assert padding.padded_runs == 1 and signature not in padding.bound
-    context.run(feeds)  # the second call: at its own size, which binds it
-    assert padding.padded_runs == 1 and signature in padding.bound and signature in engine.program.shape_plans
-    context.run(feeds)  # the third: its repeat, which measures what binding cost
+    for call in (1, 2):
+        context.run(feeds)
+        assert padding.padded_runs == call and signature not in padding.bound
+    context.run(feeds)  # the third: at its own size, which binds it
+    assert padding.padded_runs == 2 and signature in padding.bound and signature in engine.program.shape_plans
+    assert signature not in padding._paid
+    context.run(feeds)  # the fourth: its repeat, which measures what binding cost
     assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == 2
 
 
@@ -90,9 +110,7 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_
     padding = engine.first_calls
     rng = np.random.default_rng()
     for batch, seq in ((4, 48), (2, 40), (4, 20)):
-        feeds = _feeds(rng, batch, seq)
-        context.run(feeds)
-        context.run(feeds)  # bound by now, padded or not the first time
+        _bind(context, _feeds(rng, batch, seq))
     padding.bound[((4, 48), torch.int64), ((4, 48), torch.int64)].ms = 4.0
     padding.bound[((2, 40), torch.int64), ((2, 40), torch.int64)].ms = 1.0
     padding.bound[((4, 20), torch.int64), ((4, 20), torch.int64)].ms = 1.0
@@ -100,13 +118,43 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_
     args = [torch.from_numpy(feeds[n]) for n in engine.input_names]
     signature = ((2, 18), torch.int64), ((2, 18), torch.int64)
     # extra = t_host * (1 - 36 / work_host): 4x48 3.25 ms, 2x40 0.55 ms, 4x20 0.55 ms -> the first of least
-    assert padding._host(args, signature, (2, 18)).sizes in {(2, 40), (4, 20)}
+    assert padding._host(args, signature, (2, 18), paying=False).sizes in {(2, 40), (4, 20)}
     padding.bound[((4, 20), torch.int64), ((4, 20), torch.int64)].ms = 0.5  # extra 0.275 ms
-    assert padding._host(args, signature, (2, 18)).sizes == (4, 20)
+    assert padding._host(args, signature, (2, 18), paying=False).sizes in {(2, 40), (4, 20)}  # the choice made
+    for hosts in padding._groups.values():
+        hosts._least.clear()  # as a shape bound or let go does
+    assert padding._host(args, signature, (2, 18), paying=False).sizes == (4, 20)
+    padding.bind_ms.clear()
+    padding.bind_ms.append(0.5)
+    assert padding._host(args, signature, (2, 18)).sizes == (4, 20)  # paid: 0.275 ms of the 0.5
+    assert padding._host(args, signature, (2, 18)) is None  # the next 0.275 would pass it: bind
     padding.bind_ms.clear()
     padding.bind_ms.append(0.2)  # binding cheaper than any host's extra: none
-    assert padding._host(args, signature, (2, 18)) is None
+    assert padding._host(args, (((2, 17), torch.int64),) * 2, (2, 17)) is None
     assert padding._host(args, (((5, 18), torch.int64),) * 2, (5, 18)) is None  # no bound shape holds 5 rows
+
+
+def test_the_host_choice_is_remembered_until_a_shape_is_bound_or_let_go(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    context = _fresh(engine)
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    for batch, seq in ((4, 48), (2, 40)):
+        _bind(context, _feeds(rng, batch, seq))
+    big, small = (padding.bound[((b, s), torch.int64), ((b, s), torch.int64)] for b, s in ((4, 48), (2, 40)))
+    big.ms, small.ms = 4.0, 1.0
+    for hosts in padding._groups.values():
+        hosts._least.clear()
+    args = [torch.zeros(2, 18, dtype=torch.int64), torch.ones(2, 18, dtype=torch.int64)]
+    signature = ((2, 18), torch.int64), ((2, 18), torch.int64)
+    assert padding._host(args, signature, (2, 18), paying=False) is small
+    small.ms = 100.0  # measured later: the remembered choice stands, its extra from the new time
+    assert padding._host(args, signature, (2, 18), paying=False) is small
+    _bind(context, _feeds(rng, 2, 20))  # a shape bound: the choice is made again
+    assert padding._host(args, signature, (2, 18), paying=False).sizes == (2, 20)
+    padding.bind_ms.clear()
+    padding.bind_ms.append(1e-9)  # the least extra is over the budget: none
+    assert padding._host(args, signature, (2, 18), paying=False) is None
 
 
 def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynamic_bert_tiny):
@@ -121,9 +169,7 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynami
     got = next(iter(context.run(feeds).values()))
     assert engine.first_calls.padded_runs == 0
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
-    host = _feeds(rng, 4, seq + 1)
-    context.run(host)
-    context.run(host)  # bound: a host of another batch and the same sequence, padded along the batch only
+    _bind(context, _feeds(rng, 4, seq + 1))  # a host of another batch and the same sequence: padded along the batch
     padded = engine.first_calls.padded_runs
     again = _feeds(rng, 3, seq + 1, empty_row=0)
     got = next(iter(context.run(again).values()))
@@ -131,24 +177,58 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynami
     np.testing.assert_allclose(got, session.run(None, again)[0], rtol=ORT_TOL, atol=ORT_TOL)
 
 
-def test_warm_up_binds_the_buckets_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny, monkeypatch):
+def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny,
+                                                                                       monkeypatch):
     engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
-    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every bucket, however long its run on a loaded machine
-    assert context.warm_up() == 2 * 3 * 3  # the buckets twice each: bound (hosts), timed, binding measured
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
+    batches, seqs = first_calls.host_sizes(1, 4), first_calls.host_sizes(1, 48)
+    assert batches == [1, 2, 3, 4] and seqs == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48]
+    shapes = len(batches) * len(seqs)
+    assert context.warm_up() == 2 * shapes  # each twice: bound (a host), timed, binding measured
     bound = {shape.sizes for shape in engine.first_calls.bound.values()}
-    assert {(b, s) for b in (1, 2, 4) for s in (16, 32, 48)} <= bound
+    assert {(b, s) for b in batches for s in seqs} == bound
     assert all(shape.runs == 2 for shape in engine.first_calls.bound.values())
     assert len(engine.first_calls.bind_ms) == first_calls.BIND_SAMPLES and min(engine.first_calls.bind_ms) >= 0
+    report = context.warmed_up
+    assert (report.runs, report.shapes, report.bound, report.stopped) == (2 * shapes, shapes, shapes,
+                                                                          "every shape run")
+    assert report.seconds > 0 and "72 bound" in report.describe()
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
 
 
-def test_warm_up_stops_at_the_first_bucket_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
+def test_warm_up_stops_at_the_first_shape_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
     engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
-    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: the smallest bucket only
-    assert engine.create_execution_context().warm_up() == 2
-    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 16)]
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 0.0)  # any run costs more: as soon as binding is measured
+    context = engine.create_execution_context()
+    assert context.warm_up() == 2 * kiln_engine.BUDGET_FROM  # the smallest shapes, each binding measured
+    assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 1), (1, 2), (2, 1)]
+    assert "HOSTS_UP_TO" in context.warmed_up.stopped
+
+
+def test_warm_up_is_bounded_in_shapes_and_in_time(dynamic_bert_tiny, monkeypatch):
+    engine, _ = dynamic_bert_tiny
+    monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)
+    monkeypatch.setattr(kiln_engine, "WARM_UP_HOSTS", 5)
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    context = engine.create_execution_context()
+    assert context.warm_up() == 2 * 5 and len(engine.first_calls.bound) == 5
+    assert "WARM_UP_HOSTS" in context.warmed_up.stopped
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    context = engine.create_execution_context()
+    assert context.warm_up(seconds=0.0) == 0 and len(engine.first_calls.bound) == 0
+    assert context.warmed_up.stopped == "out of time"
+
+
+@pytest.mark.parametrize("low, high", [(1, 8), (1, 128), (3, 48), (1, 512), (7, 7), (1, 1), (5, 300), (9, 100)])
+def test_host_sizes_pad_at_most_a_quarter_along_a_dim(low, high):
+    sizes = first_calls.host_sizes(low, high)
+    assert sizes == sorted(set(sizes)) and sizes[0] >= low and sizes[-1] == high
+    assert [s for s in sizes if s <= first_calls.EVERY_SIZE_TO] == list(range(low, min(high, 4) + 1))
+    for size in range(low, high + 1):
+        host = next(s for s in sizes if s >= size)
+        assert host <= size * 1.25, f"{size} pads to {host}"

@@ -1,0 +1,229 @@
+"""Each request of a random stream timed on kiln and onnxruntime back to back, on the CPU: how many requests kiln
+takes longer than onnxruntime (issue 10's CPU target: kiln <= onnxruntime at every shape of the stream).
+
+    python bench/stream_cpu_time.py                                   # bert_tiny, 200 requests b 1-8 x s 1-128
+    python bench/stream_cpu_time.py --threads 2 --rounds 3 --engine /tmp/bert_tiny.kiln
+
+bench/dynamic.py's stream (random batch x sequence, each with a real padding mask), its requests in order, each
+run once by each runtime (which goes first alternates per request): most of kiln's calls are at a shape it has not
+bound (padded inside a bound one, kiln/runtime/first_calls.py, or bound then). A request's time is the calling
+thread's CPU time (time.thread_time: a loaded machine's preemption is left out; at 1 thread that is all the work;
+with 2 threads the workers' time is not in it, so the wall clock is reported too). kiln is warmed up first
+(ExecutionContext.warm_up: its bound shapes, time and count reported), onnxruntime by one call at the opt shape.
+--rounds: the stream again from a fresh context and engine padding state (engine loaded once), rounds interleaved
+with --ab's switch when given: NAME=VALUE an environment variable (e.g. KILN_DIRECT_RUN=0, read per context), or
+"before": the direct path off and the warm-up's hosts CUDA's buckets (powers of two, sequences from 16), as before
+kiln/runtime/direct_run.py and first_calls.host_sizes.
+Prints a table last (one row a round): requests above onnxruntime, the median / p90 / worst ratio, the totals.
+--hot 1x7,8x64: before the rounds, each shape bound and then called --calls times by kiln's direct path, kiln's
+general path (KILN_DIRECT_RUN=0) and onnxruntime, interleaved: median thread CPU µs a call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from dynamic import _cpu_name, commit, stream  # noqa: E402
+
+from kiln import zoo  # noqa: E402
+from kiln.runtime import engine as kiln_engine  # noqa: E402
+from kiln.runtime import first_calls  # noqa: E402
+
+
+def timed(run, feeds) -> tuple[float, float]:
+    """(thread CPU ms, wall ms) of one call."""
+    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+    run(feeds)
+    return (time.thread_time_ns() - c0) / 1e6, (time.perf_counter_ns() - w0) / 1e6
+
+
+def buckets_as_hosts(context, symbol: str, low: int, high: int) -> list[int]:
+    """The warm-up's hosts before first_calls.host_sizes: CUDA's buckets."""
+    return context._first_calls.buckets.sizes(symbol, low, high)
+
+
+def one_round(engine, session, requests, label: str, log) -> dict:
+    """A fresh context (the engine's padding state started over) warmed up, then the stream."""
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs) \
+        if engine.first_calls is not None else None
+    if hasattr(kiln_engine, "_direct_runs"):  # (absent in a tree before it: the bench also runs from such a copy)
+        engine.direct_runs = kiln_engine._direct_runs(engine)
+    for segment in engine.program.segments:  # the views of earlier rounds go (shape plans too): a fresh start
+        segment.resized.clear()
+    if engine.program.shape_plans is not None:
+        engine.program.shape_plans.clear()
+        engine.program._plan_sizes.clear()
+        engine.program.shape_plan_bytes = 0
+    context = engine.create_execution_context()
+    w0, c0 = time.perf_counter(), time.thread_time()
+    context.warm_up()
+    warm_s, warm_cpu = time.perf_counter() - w0, time.thread_time() - c0
+    bound = len(engine.first_calls.bound) if engine.first_calls is not None else 0
+    report = getattr(context, "warmed_up", None)
+    log(f"round {label}: {report.describe() if report else f'warm-up {bound} shapes bound, {warm_s:.2f} s'}, "
+        f"{warm_cpu:.2f} s CPU")
+    ratios, kiln_ms, ort_ms, kiln_wall, ort_wall = [], [], [], [], []
+    padding = context._first_calls
+    kinds: list[str] = []  # how kiln ran each request: at a bound shape, padded in one, or binding its own
+    for i, feeds in enumerate(requests):
+        signature = tuple((v.shape, torch.int64) for v in feeds.values())
+        before = (padding.padded_runs, signature in padding.bound) if padding is not None else (0, True)
+        pair = [("kiln", context.run), ("ort", lambda r: session.run(None, r))]
+        for name, run in (pair if i % 2 == 0 else pair[::-1]):
+            cpu, wall = timed(run, feeds)
+            (kiln_ms if name == "kiln" else ort_ms).append(cpu)
+            (kiln_wall if name == "kiln" else ort_wall).append(wall)
+        ratios.append(kiln_ms[-1] / max(ort_ms[-1], 1e-6))
+        kinds.append("bound" if before[1] else "padded" if padding.padded_runs > before[0] else "binds")
+    padded = padding.padded_runs if padding is not None else 0
+    log(f"round {label}: above onnxruntime: " + ", ".join(
+        f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {kinds[i]} {ratios[i]:.2f} "
+        f"({kiln_ms[i]:.3f}/{ort_ms[i]:.3f})" for i in range(len(ratios)) if ratios[i] > 1))
+    by_kind = {kind: [r for r, k in zip(ratios, kinds) if k == kind] for kind in ("bound", "padded", "binds")}
+    log(f"round {label}: by path, requests (above onnxruntime, median ratio): " + ", ".join(
+        f"{kind} {len(rs)} ({sum(r > 1 for r in rs)}, {statistics.median(rs) if rs else float('nan'):.2f})"
+        for kind, rs in by_kind.items()))
+    wall_ratios = [k / max(o, 1e-6) for k, o in zip(kiln_wall, ort_wall)]
+    worst = sorted(range(len(ratios)), key=lambda i: -ratios[i])[:5]
+    log(f"round {label}: padded runs in the stream {padded}; load {os.getloadavg()[0]:.1f}; worst: "
+        + ", ".join(f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {ratios[i]:.2f} "
+                    f"({kiln_ms[i]:.3f} / {ort_ms[i]:.3f} ms)" for i in worst))
+    return {"label": label, "above": sum(r > 1 for r in ratios), "n": len(ratios),
+            "median": statistics.median(ratios), "p90": float(np.percentile(ratios, 90)), "worst": max(ratios),
+            "kiln_total": sum(kiln_ms), "ort_total": sum(ort_ms), "wall_above": sum(r > 1 for r in wall_ratios),
+            "wall_median": statistics.median(wall_ratios), "warm_s": warm_s, "bound": bound,
+            "kiln_p50": statistics.median(kiln_ms), "ort_p50": statistics.median(ort_ms)}
+
+
+def hot_table(engine, session, shapes: str, calls: int, vocab: int, log) -> None:
+    """Bound shapes called repeatedly: kiln direct / kiln general / onnxruntime, median thread CPU µs."""
+    direct = engine.create_execution_context()
+    os.environ["KILN_DIRECT_RUN"] = "0"
+    general = engine.create_execution_context()
+    del os.environ["KILN_DIRECT_RUN"]
+    assert direct._direct is not None and general._direct is None, "the engine has no direct path"
+    rng = np.random.default_rng(1)
+    log("| shape | kiln direct µs | kiln general µs | onnxruntime µs | direct / onnxruntime |")
+    log("|---|---|---|---|---|")
+    for shape in shapes.split(","):
+        b, s = map(int, shape.split("x"))
+        feeds = {"input_ids": rng.integers(0, vocab, (b, s)), "attention_mask": np.ones((b, s), np.int64)}
+        runners = {"direct": direct.run, "general": general.run, "ort": lambda r: session.run(None, r)}
+        for run in runners.values():
+            for _ in range(3):  # bound, its binding measured, then direct
+                run(feeds)
+        got = {name: [] for name in runners}
+        for _ in range(calls):
+            for name, run in runners.items():
+                got[name].append(timed(run, feeds)[0] * 1e3)
+        med = {name: statistics.median(v) for name, v in got.items()}
+        log(f"| {shape} | {med['direct']:.0f} | {med['general']:.0f} | {med['ort']:.0f} | "
+            f"{med['direct'] / med['ort']:.2f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bert_tiny")
+    ap.add_argument("--engine", help="a saved engine of the model (else built with profile 1x1 / opt / max)")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-seq", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--ab", default="", help="every other round: NAME=VALUE with this environment variable set, or "
+                    "'before' (no direct path, CUDA's buckets as the warm-up's hosts)")
+    ap.add_argument("--out", help="append the log and table to this file")
+    ap.add_argument("--hot", default="", help="bound shapes (e.g. 1x7,8x64) timed by path before the rounds")
+    ap.add_argument("--calls", type=int, default=200, help="--hot: calls per shape and path")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    import onnxruntime as ort
+
+    host_sizes = getattr(kiln_engine.ExecutionContext, "_host_sizes", None)
+
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    exported = zoo.export(args.model, batch=2, seq=16, dynamic=True)
+    if args.engine:
+        engine = kiln.load(args.engine)
+    else:
+        opt = f"{min(8, args.max_batch)}x{min(128, args.max_seq)}"
+        profile = {"input_ids": f"1x1,{opt},{args.max_batch}x{args.max_seq}"}
+        engine = kiln.build(str(exported.path), device="cpu", precision="fp32", profiles=[profile])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = args.threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    requests = stream(args.requests, args.max_batch, args.max_seq, zoo.get(args.model).vocab_size, args.seed)
+    session.run(None, requests[0])
+    # correctness first: kiln against onnxruntime over real tokens at a few requests
+    check = engine.create_execution_context()
+    for k in range(0, len(requests), max(1, len(requests) // 4)):
+        got = next(iter(check.run(requests[k]).values()))
+        want = session.run(None, requests[k])[0]
+        real = requests[k]["attention_mask"].astype(bool)
+        err = float(np.abs(got[real] - want[real]).max())
+        log(f"request {k} {list(requests[k]['input_ids'].shape)}: max |kiln - onnxruntime| over real tokens {err:.3g}")
+        if err > 1e-3:
+            raise SystemExit(f"kiln differs from onnxruntime by {err:.3g} at request {k}: not timed")
+    before = args.ab == "before"
+    if args.hot:
+        hot_table(engine, session, args.hot, args.calls, zoo.get(args.model).vocab_size, log)
+    name, _, value = ("KILN_DIRECT_RUN=0" if before else args.ab).partition("=")
+    rows = []
+    for r in range(args.rounds):
+        switched = bool(name) and r % 2 == 1
+        saved = os.environ.get(name) if name else None
+        if switched:
+            os.environ[name] = value
+            if before:
+                kiln_engine.ExecutionContext._host_sizes = buckets_as_hosts
+        try:
+            rows.append(one_round(engine, session, requests, f"{r}{' ' + args.ab if switched else ''}", log))
+        finally:
+            if switched:
+                kiln_engine.ExecutionContext._host_sizes = host_sizes
+                if saved is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = saved
+    log("")
+    log(f"# kiln vs onnxruntime per request: {args.model}, {_cpu_name()}, commit {commit()}, "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    log(f"{args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq} (seed {args.seed}), {args.threads} "
+        f"thread(s) each runtime; thread CPU time per call (wall columns: wall clock); load average "
+        f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores, shared)")
+    log("")
+    log("| round | warm-up s (shapes bound) | above onnxruntime | median kiln/ort | p90 | worst | kiln p50 ms | "
+        "ort p50 ms | kiln / ort total | wall: above, median |")
+    log("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        log(f"| {row['label']} | {row['warm_s']:.2f} ({row['bound']}) | {row['above']} of {row['n']} | "
+            f"{row['median']:.2f} | {row['p90']:.2f} | {row['worst']:.2f} | {row['kiln_p50']:.3f} | "
+            f"{row['ort_p50']:.3f} | {row['kiln_total'] / row['ort_total']:.2f} | {row['wall_above']}, "
+            f"{row['wall_median']:.2f} |")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write("\n".join(lines) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""A bound input shape of a one-segment CPU program run as one call of its compiled loop: numpy in, numpy out.
+
+Once an input-shape signature's shape values are known (Program.shape_plans) an encoder's program is often a single
+native segment (kiln/runtime/native.py): bert_tiny's 21 members, BERT-base's 91. Its general run still goes
+through the context's checks, torch.from_numpy, FirstCalls' bookkeeping, Program.run's environment, the segment's
+entry key and view look-up and torch outputs: ~30 µs of Python a call in a hot loop (bert_tiny at 1 x 7: 74 µs a
+call, onnxruntime 97), more in situ after a run has streamed the caches full. A DirectRun is what those steps find
+for one signature, found once: the view bound at its sizes, the addresses of its fixed entries (shape values,
+constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
+loop.
+
+Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
+compares outputs bit for bit, and with onnxruntime). A record keeps its view, shape values and constants alive: the
+cache is cleared whenever the program lets a shape plan go or the segment a view (their LRU bounds then hold), a
+record whose plan or view is no longer the one there goes (made again once the shape is bound again), and each run
+marks its signature used in both, as the general path does.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.runtime.native import Segment
+from kiln.runtime.program import Program
+from kiln.tactics.tactic import row_major_strides
+
+DIRECT_RUNS = 512  # signatures whose records are kept (then the cache starts over): small objects each
+
+NUMPY_TO_TORCH = {np.dtype(t): torch.from_numpy(np.empty(0, t)).dtype for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.float16, np.float32, np.float64)}
+
+
+@dataclass(frozen=True)
+class DirectRun:
+    """One signature's run: `view` (the Segment or its _Resized at these sizes) called on entry addresses, the
+    inputs' written in at `moving` [(entry position, input index)], the others fixed in `addresses`."""
+
+    view: Any  # has run_at(entry_addresses, exit_addresses)
+    addresses: tuple[int, ...]  # every entry's address, the inputs' as 0
+    moving: tuple[tuple[int, int], ...]
+    exits: tuple[tuple[tuple[int, ...], np.dtype], ...]
+    outputs: tuple[int, ...]  # each program output's exit
+    keep: tuple[Any, ...]  # what the fixed addresses point into
+    view_key: tuple  # the segment's key of the view (its LRU)
+    plan: list  # the program's shape plan it was made from (its LRU)
+
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        addresses = list(self.addresses)
+        for position, k in self.moving:
+            addresses[position] = arrays[k].ctypes.data
+        exits = [np.empty(size, dtype) for size, dtype in self.exits]
+        self.view.run_at(addresses, [e.ctypes.data for e in exits])
+        return [exits[j] for j in self.outputs]
+
+
+class DirectRuns:
+    """The DirectRun of each bound signature of a program that is one native segment once its shape values are
+    known; shared by an engine's contexts."""
+
+    def __init__(self, program: Program, segment: Segment):
+        self.program = program
+        self.segment = segment
+        step = program.lean_steps[0]
+        self._entry_slots = list(step.inputs)
+        self._input_of = {slot: k for k, slot in enumerate(program.input_slots)}
+        exits = list(step.outputs)
+        self._outputs = tuple(exits.index(s) for s in program.output_slots)
+        self._records: dict[tuple, DirectRun | None] = {}
+        self._evictions = (program.plan_evictions, segment.view_evictions)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, program: Program) -> DirectRuns | None:
+        """The program's DirectRuns when, its shape values known, it is one native segment that reads its inputs
+        and writes every output (else None)."""
+        if program.shape_plans is None or len(program.lean_steps) != 1:
+            return None
+        step = program.lean_steps[0]
+        segment = step.fn
+        if not isinstance(segment, Segment) or segment._staged or not segment._views \
+                or not all(s in step.outputs for s in program.output_slots):
+            return None
+        return cls(program, segment)
+
+    def find(self, signature: tuple) -> DirectRun | None:
+        """The signature's record (made here when the program has bound it), or None: not bound, or not runnable
+        directly (another dtype or layout than the segment's, a size its layers run one by one)."""
+        if (self.program.plan_evictions, self.segment.view_evictions) != self._evictions:
+            with self._lock:  # something the records hold was let go: they go too (made again on demand)
+                self._records.clear()
+                self._evictions = (self.program.plan_evictions, self.segment.view_evictions)
+        record = self._records.get(signature, _UNBOUND)  # one look-up: another thread may clear the records
+        if record is _UNBOUND:
+            record = self._make(signature)
+            if record is _UNBOUND:
+                return None  # not bound yet (or no longer): asked again once it is
+            with self._lock:
+                if len(self._records) >= DIRECT_RUNS:
+                    self._records.clear()
+                self._records[signature] = record
+        if record is not None and not self._touch(signature, record):
+            with self._lock:  # its plan or view went another way (a cleared cache): made again once bound again
+                self._records.pop(signature, None)
+            return None
+        return record
+
+    def _touch(self, signature: tuple, record: DirectRun) -> bool:
+        """Mark the signature used where the general path would: its shape plan and its view (least recent out).
+        False when either is no longer there."""
+        program, segment = self.program, self.segment
+        with program._plans_lock:
+            if program.shape_plans.get(signature) is not record.plan:
+                return False
+            program.shape_plans.move_to_end(signature)
+        if record.view is not segment:
+            with segment._resize_lock:
+                if segment.resized.get(record.view_key) is not record.view:
+                    return False
+                segment.resized.move_to_end(record.view_key)
+        return True
+
+    def _make(self, signature: tuple) -> DirectRun | None | object:
+        """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
+        (or no longer) there."""
+        program, segment = self.program, self.segment
+        with program._plans_lock:
+            plan = program.shape_plans.get(signature)
+        if plan is None:
+            return _UNBOUND
+        known = dict(plan)
+        addresses, moving, keep, key = [], [], [], []
+        for position, (slot, dtype, layout) in enumerate(zip(self._entry_slots, segment.entry_dtypes,
+                                                            segment.entry_layouts)):
+            if layout != "rows":
+                return None
+            k = self._input_of.get(slot)
+            if k is not None:
+                shape, given = signature[k]
+                if given != dtype:
+                    return None
+                moving.append((position, k))
+                addresses.append(0)
+                key.append(tuple(shape))
+                continue
+            value = known.get(slot, program.template[slot])
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device.type != "cpu":
+                return None
+            value = value.contiguous()
+            keep.append(value)
+            addresses.append(value.data_ptr())
+            key.append(tuple(value.shape))
+        key = tuple(key)
+        if key == segment._planned_key:
+            view = segment
+        else:
+            with segment._resize_lock:
+                view = segment.resized.get(key, _UNBOUND)
+        if view is None or view is _UNBOUND:
+            return view  # None: a size its layers run one by one
+        exits = []
+        for size, strides, dtype in view.exit_shapes:
+            numpy_dtype = _NUMPY_OF.get(dtype)
+            if numpy_dtype is None or tuple(strides) != row_major_strides(tuple(size)):
+                return None
+            exits.append((tuple(size), numpy_dtype))
+        return DirectRun(view, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
+
+
+_NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}
+_UNBOUND = object()  # DirectRuns._make: a shape plan or view not there
+
+
+def torch_signature(arrays: list[np.ndarray]) -> tuple | None:
+    """The program's signature (kiln/runtime/program.py input_signature) of numpy inputs, or None (a dtype torch's
+    numpy bridge does not share)."""
+    key = []
+    for a in arrays:
+        dtype = NUMPY_TO_TORCH.get(a.dtype)
+        if dtype is None:
+            return None
+        key.append((a.shape, dtype))
+    return tuple(key)

@@ -1,0 +1,196 @@
+"""Bound shapes of a one-segment CPU program run as one call of its compiled loop, numpy in and out
+(kiln/runtime/direct_run.py): the same outputs as the general path bit for bit and onnxruntime's at fresh random
+shapes, padded first calls through it as the unpadded runs, records let go with what they hold, torch inputs and
+threads."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.runtime import direct_run, first_calls
+
+ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
+# Padded and unpadded runs differ only in the GEMMs' and attention's summation order over other shapes (fp32)
+RTOL, ATOL = 1e-5, 2e-5
+
+
+def _feeds(rng, batch, seq):
+    mask = np.ones((batch, seq), np.int64)
+    for row in range(batch):
+        mask[row, rng.integers(1, seq + 1):] = 0
+    return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """How many runs went through a DirectRun."""
+    calls = []
+    run = direct_run.DirectRun.run
+
+    def counting(self, arrays):
+        calls.append(tuple(a.shape for a in arrays))
+        return run(self, arrays)
+
+    monkeypatch.setattr(direct_run.DirectRun, "run", counting)
+    return calls
+
+
+def _fresh(engine, pad: bool = True, budget_ms: float = 1e6):
+    """A context over the engine's program with its padding and direct records started over (budget: by default
+    pad any call that has a host; 0: none, every new shape binds)."""
+    engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
+    engine.first_calls.budget_ms = lambda: budget_ms  # whatever binding is measured to cost
+    program = engine.program  # nothing bound: earlier tests' shapes are new again
+    with program._plans_lock:
+        program.shape_plans.clear()
+        program._plan_sizes.clear()
+        program.shape_plan_bytes = 0
+    for segment in program.segments:
+        with segment._resize_lock:
+            segment.resized.clear()
+    engine.direct_runs = direct_run.DirectRuns.of(engine.program)
+    return engine.create_execution_context(pad_first_calls=pad)
+
+
+def test_bert_tiny_once_its_shape_values_are_known_is_one_segment(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    assert engine.direct_runs is not None and engine.direct_runs.segment is engine.program.lean_steps[0].fn
+    assert engine.create_execution_context()._direct is engine.direct_runs
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_bound_shapes_run_directly_bit_for_bit_as_the_general_path_and_match_onnxruntime(dynamic_bert_tiny,
+                                                                                        counted, monkeypatch, pad):
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad, budget_ms=0.0)
+    monkeypatch.setenv("KILN_DIRECT_RUN", "0")
+    general = engine.create_execution_context(pad_first_calls=False)
+    assert general._direct is None
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(6)} | {(1, 1), (4, 48), (4, 32)}
+    for batch, seq in sorted(shapes):
+        feeds = _feeds(rng, batch, seq)
+        for _ in range(2):  # bound at the first call, its binding measured at the second
+            context.run(feeds)
+        before = len(counted)
+        got = next(iter(context.run(feeds).values()))
+        assert len(counted) == before + 1, f"{batch}x{seq} did not run directly"
+        assert isinstance(got, np.ndarray) and got.shape == (batch, seq, 64) and got.flags.c_contiguous
+        want = next(iter(general.run(feeds).values()))
+        np.testing.assert_array_equal(got, want, err_msg=f"direct vs general path, {batch}x{seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"direct vs onnxruntime, {batch}x{seq}")
+        again = _feeds(rng, batch, seq)  # other values at the same shape: the entries are this call's arrays
+        np.testing.assert_array_equal(next(iter(context.run(again).values())),
+                                      next(iter(general.run(again).values())))
+
+
+def test_padded_first_calls_run_directly_in_their_host_as_unpadded_runs_do(dynamic_bert_tiny, counted):
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine)
+    unpadded = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    context.run(_feeds(rng, 4, 48))  # bound, so a host with a DirectRun
+    padding = engine.first_calls
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 48))) for _ in range(6)} | {(1, 1), (3, 47)}
+    for batch, seq in sorted(shapes):
+        feeds = _feeds(rng, batch, seq)
+        padded_before, direct_before = padding.padded_runs, len(counted)
+        got = next(iter(context.run(feeds).values()))
+        assert padding.padded_runs == padded_before + 1 and len(counted) == direct_before + 1
+        assert counted[-1] == ((4, 48), (4, 48)), "not run at the host's size"
+        assert got.shape == (batch, seq, 64) and got.flags.c_contiguous
+        np.testing.assert_allclose(got, next(iter(unpadded.run(feeds).values())), rtol=RTOL, atol=ATOL,
+                                   err_msg=f"padded vs unpadded, {batch}x{seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"padded vs onnxruntime, {batch}x{seq}")
+
+
+def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dynamic_bert_tiny, counted):
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad=False)
+    rng = np.random.default_rng()
+    feeds = _feeds(rng, 3, int(rng.integers(2, 40)))
+    context.run(feeds)
+    context.run(feeds)
+    assert len(counted) == 1
+    direct = engine.direct_runs
+    signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
+    record = direct._records[signature]
+    # the program lets the shape plan go (its LRU): the records go, the shape runs the general path and binds again
+    program = engine.program
+    with program._plans_lock:
+        program.shape_plans.pop(signature)
+        program.shape_plan_bytes -= program._plan_sizes.pop(signature)
+        program.plan_evictions += 1
+    got = next(iter(context.run(feeds).values()))
+    assert len(counted) == 1 and signature not in direct._records and signature in program.shape_plans
+    np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    context.run(feeds)
+    assert len(counted) == 2 and direct._records[signature] is not record
+    # the segment lets a view go: the same
+    segment = direct.segment
+    with segment._resize_lock:
+        segment.resized.pop(direct._records[signature].view_key)
+        segment.view_evictions += 1
+    context.run(feeds)
+    assert len(counted) == 2
+    context.run(feeds)
+    assert len(counted) == 3
+    # the views cleared another way (no eviction counted): the record sees its view is not the segment's any more
+    with segment._resize_lock:
+        segment.resized.clear()
+    got = next(iter(context.run(feeds).values()))
+    assert len(counted) == 3 and signature not in direct._records
+    np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    context.run(feeds)
+    assert len(counted) == 4
+
+
+def test_a_direct_run_marks_its_shape_used_in_the_plans_and_views(dynamic_bert_tiny):
+    engine, _ = dynamic_bert_tiny
+    context = _fresh(engine, pad=False)
+    rng = np.random.default_rng()
+    first, second = _feeds(rng, 2, 9), _feeds(rng, 2, 11)
+    for feeds in (first, second, first, second):
+        context.run(feeds)
+    context.run(first)  # direct: first is now the most recently used
+    signature = direct_run.torch_signature([first["input_ids"], first["attention_mask"]])
+    assert next(reversed(engine.program.shape_plans)) == signature
+    assert next(reversed(engine.direct_runs.segment.resized)) == engine.direct_runs._records[signature].view_key
+
+
+def test_torch_inputs_and_threads(dynamic_bert_tiny, counted):
+    engine, session = dynamic_bert_tiny
+    _fresh(engine, budget_ms=0.0)  # every shape binds at its first call
+    rng = np.random.default_rng()
+    requests = [_feeds(rng, int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(4)]
+    warm = engine.create_execution_context()
+    for feeds in requests:
+        warm.run(feeds)
+        warm.run(feeds)  # its binding measured: direct from now on
+    want = [session.run(None, feeds)[0] for feeds in requests]
+    tensor_out = warm.run({k: torch.from_numpy(v) for k, v in requests[0].items()})
+    assert isinstance(next(iter(tensor_out.values())), torch.Tensor)  # torch in: the general path, torch out
+    errors = []
+
+    def worker(seed):
+        context = engine.create_execution_context()
+        order = np.random.default_rng(seed).permutation(len(requests))
+        for _ in range(10):
+            for k in order:
+                got = next(iter(context.run(requests[k]).values()))
+                if np.abs(got - want[k]).max() > ORT_TOL:
+                    errors.append((seed, k, float(np.abs(got - want[k]).max())))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(counted) == 3 * 10 * len(requests)
