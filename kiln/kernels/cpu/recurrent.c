@@ -570,7 +570,11 @@ typedef struct {
     recurrent_loop_fn loop;    /* kiln_rnn, kiln_gru, kiln_lstm, kiln_lstm_lanes or kiln_lstm_fused */
     long directions;
     long y_direction, state_direction;  /* floats from one direction's Y / state to the next's */
+    void *lengths;             /* dnnl_memory_t of sequence_lens (int32 [N]) the segment computes, or NULL: the
+                                  plans' own (constants of the engine, or none) */
 } recurrent_member_plan;
+
+#define KILN_RECURRENT_BAD_LENGTHS 1001  /* kiln/kernels/cpu/onednn.py _STATUS says it */
 
 static float *member_operand(const recurrent_member_plan *m, void *memory, long offset, int *missing) {
     void *h = NULL;
@@ -581,9 +585,23 @@ static float *member_operand(const recurrent_member_plan *m, void *memory, long 
 
 int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
     const recurrent_member_plan *m = (const recurrent_member_plan *)object;
+    const int *lengths = NULL;
+    if (m->lengths) {  /* checked here, where the segment runs without Python: each in [0, S]; all S: none */
+        void *h = NULL;
+        if (m->get_handle(m->lengths, &h) != 0 || h == NULL) return 2;
+        const long S = m->plans[0].S, N = m->plans[0].N;
+        int full = 1;
+        for (long n = 0; n < N; ++n) {
+            const int length = ((const int *)h)[n];
+            if (length < 0 || length > S) return KILN_RECURRENT_BAD_LENGTHS;
+            full &= length == S;
+        }
+        lengths = full ? NULL : (const int *)h;
+    }
     for (long d = 0; d < m->directions; ++d) {
         kiln_recurrent_plan *p = &m->plans[d];
         int missing = 0;
+        if (m->lengths) p->lengths = lengths;
         p->x = member_operand(m, m->x, 0, &missing);
         p->y = member_operand(m, m->y, d * m->y_direction, &missing);
         if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
