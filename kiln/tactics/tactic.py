@@ -162,7 +162,7 @@ class NativeStep:
     # (a channel Concat between convolutions), not row-major
     channels_last: bool = False
     # oneDNN's layers' form (reads None) only: its 4-D src is read row-major, as kiln's own kernels write 4-D values
-    # (a Reshape alias or a relayout after a recurrent layer's Y [S, D, N, H]), not NHWC
+    # (a relayout after a recurrent layer's Y [S, D, N, H]), not NHWC
     rows_input: bool = False
     # the same layer reading its 4-D src row-major (a NativeStep with rows_input), where that differs from this one:
     # a segment takes it for a member whose src another member wrote row-major (kiln/runtime/native.py segments)

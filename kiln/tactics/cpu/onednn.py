@@ -602,6 +602,8 @@ def _alias_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x = inputs[0]
     if x.shape is None or x.dtype != torch.float32:
         return "the input's shape is not known, or it is not float32"
+    if not keeps_order(tuple(x.shape)):
+        return "a 4-D input is channels-last in a segment: only [N, C, 1, 1] or [N, 1, H, W] keep their order"
     if step.op_type == "Reshape" and (len(inputs) < 2 or not inputs[1].constant):
         return "the target shape is not a constant of the engine"
     return True
@@ -620,9 +622,7 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
         out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
         if not keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
             raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
-        # a 4-D input whose order NHWC differs from row-major: a view only of a value written row-major (a recurrent
-        # layer's Y [N, S, D, H] -> [N, S, D·H]); the segment joins it only after such a writer
-        return NativeStep(in_size, out, None, alias=True, rows_input=not keeps_order(tuple(in_size)))
+        return NativeStep(in_size, out, None, alias=True)
 
     def launch(ctx, x, *inputs, **attrs):
         return op(ctx, x, *inputs, **attrs)
