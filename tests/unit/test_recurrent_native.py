@@ -20,6 +20,7 @@ import threading
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
@@ -266,6 +267,29 @@ def test_other_loops_run_two_directions_of_layout_1_with_lengths(cell, tactic, a
             layout_0_twin({}, feeds)[1]
 
     check_layouts(engine, model, twin_of, feeds, 1, f"bidirectional layout 1 {tactic} {attrs}", ("ort",))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_two_directions_on_one_and_two_threads(threads, monkeypatch):
+    """kiln_recurrent_member runs two directions one per thread at two threads (each loop in order), one after the
+    other at one: the same answers either way, lengths and initial states read at run time."""
+    rng = case_rng(f"threads-{threads}")
+    constants = weights(rng, "LSTM", 2)
+    model = exported_forecaster("LSTM", {}, "bidirectional", 0, "input", "input", constants, BATCH)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice", "cpu.relayout.native"],
+                       monkeypatch)
+        assert "node" in segment_members(engine)
+
+        def feeds(run: int) -> dict[str, np.ndarray]:
+            return {"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32),
+                    "sequence_lens": some_lengths(rng, BATCH)} | states(rng, "LSTM", 2, BATCH)
+
+        check_runs(engine, model, feeds, f"bidirectional at {threads} thread(s)", ("ort",))
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_lengths_past_the_sequence_are_an_error_naming_the_node(monkeypatch):

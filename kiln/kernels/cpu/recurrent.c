@@ -583,9 +583,39 @@ static float *member_operand(const recurrent_member_plan *m, void *memory, long 
     return h == NULL ? NULL : (float *)h + offset;
 }
 
+/* One direction of a member's run: its operands pointed from the memory objects, then its loop. */
+typedef struct {
+    const recurrent_member_plan *m;
+    const int *lengths;
+    int threads;              /* each direction's loop: 0 OpenMP's count, 1 in order on the calling thread */
+    int status[2];
+} member_run;
+
+static void member_direction(void *ctx, long d) {
+    member_run *r = (member_run *)ctx;
+    const recurrent_member_plan *m = r->m;
+    kiln_recurrent_plan *p = &m->plans[d];
+    int missing = 0;
+    if (m->lengths) p->lengths = r->lengths;
+    p->threads = r->threads;
+    p->x = member_operand(m, m->x, 0, &missing);
+    p->y = member_operand(m, m->y, d * m->y_direction, &missing);
+    if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
+    if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
+    p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
+    p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
+    /* an operand not bound: the segment names the layer */
+    r->status[d] = missing || p->x == NULL ? 2 : m->loop(p, NULL, 0, NULL);
+}
+
+/* A recurrent layer as a native segment's member. Two directions on two or three threads run one per thread, each
+   loop in order (a step of one direction is a few microseconds of work: two threads on it wait for each other
+   at every step's barrier, two directions never do); on one thread, or four and more, one after the other, each on
+   every thread. */
 int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
     const recurrent_member_plan *m = (const recurrent_member_plan *)object;
-    const int *lengths = NULL;
+    member_run r = {m, NULL, 0, {0, 0}};
+    (void)stream, (void)nargs, (void)args;
     if (m->lengths) {  /* checked here, where the segment runs without Python: each in [0, S]; all S: none */
         void *h = NULL;
         if (m->get_handle(m->lengths, &h) != 0 || h == NULL) return 2;
@@ -596,21 +626,17 @@ int kiln_recurrent_member(void *object, void *stream, int nargs, const void *arg
             if (length < 0 || length > S) return KILN_RECURRENT_BAD_LENGTHS;
             full &= length == S;
         }
-        lengths = full ? NULL : (const int *)h;
+        r.lengths = full ? NULL : (const int *)h;
     }
-    for (long d = 0; d < m->directions; ++d) {
-        kiln_recurrent_plan *p = &m->plans[d];
-        int missing = 0;
-        if (m->lengths) p->lengths = lengths;
-        p->x = member_operand(m, m->x, 0, &missing);
-        p->y = member_operand(m, m->y, d * m->y_direction, &missing);
-        if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
-        if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
-        p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
-        p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
-        if (missing || p->x == NULL) return 2;  /* an operand not bound: the segment names the layer */
-        const int status = m->loop(p, stream, nargs, args);
-        if (status) return status;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    if (m->directions == 2 && threads >= 2 && threads < 4) {
+        r.threads = 1;
+        kiln_parallel_for(2, 2, member_direction, &r);
+    } else {
+        for (long d = 0; d < m->directions && d < 2; ++d) member_direction(&r, d);
     }
-    return 0;
+    return r.status[0] ? r.status[0] : r.status[1];
 }
