@@ -25,6 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
+from kiln.cli.inspect import _native_segments
 from kiln.kernels.cpu import onednn, recurrent, relayout
 from tests.unit.oracle import assert_close, case_rng, run_oracle
 
@@ -292,9 +293,32 @@ def test_two_directions_on_one_and_two_threads(threads, monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_what_a_segment_cannot_read_stays_a_step_and_inspect_says_why(monkeypatch):
+    """sequence_lens as int64 (kiln's launch takes it; ONNX types it int32, which a segment reads): the layer runs as a
+    step of its own, kiln inspect names it and why, and the answers are onnxruntime's on the int32 twin."""
+    rng = case_rng("int64-lengths")
+    constants = weights(rng, "LSTM", 2)
+    model = exported_forecaster("LSTM", {}, "bidirectional", 0, "none", "input", constants, BATCH)
+    model.graph.input[1].type.tensor_type.elem_type = TensorProto.INT64
+    engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice", "cpu.relayout.native"],
+                   monkeypatch)
+    assert next(s.tactic for s in engine.plan.program.steps if s.op_type == "LSTM") == "cpu.lstm.fused"
+    assert "node" not in segment_members(engine)
+    assert "node (LSTM) not a member: sequence_lens is int64 at run time: a segment reads it as int32" \
+        in _native_segments(engine.plan)  # what kiln inspect says
+    twin = exported_forecaster("LSTM", {}, "bidirectional", 0, "none", "input", constants, BATCH)
+    for run in range(2):
+        feeds = {"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32),
+                 "sequence_lens": some_lengths(rng, BATCH)}
+        got = engine.run(feeds | {"sequence_lens": feeds["sequence_lens"].astype(np.int64)})
+        for output, want in zip(twin.graph.output, run_oracle(twin, feeds, "ort")):
+            assert_close(got[output.name], want, TOLERANCE, f"int64 lengths run {run} {output.name}")
+
+
 def test_lengths_past_the_sequence_are_an_error_naming_the_node(monkeypatch):
     """sequence_lens read at run time with a length past X's time axis (or negative): the segment's call checks them
-    and the error names the layer; a constant one is refused at load (the layer's own step then names it per run)."""
+    and the error names the layer; a constant one fails the tactic's check at build (the op's own code then names it
+    per run)."""
     rng = case_rng("bad-lengths")
     model = exported_forecaster("LSTM", {}, "bidirectional", 0, "none", "input", weights(rng, "LSTM", 2), BATCH)
     engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice", "cpu.relayout.native"],
