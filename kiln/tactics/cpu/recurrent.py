@@ -16,9 +16,12 @@ W and R are packed once at load; a call is the input projection of every step as
 loop over time in C (recurrent GEMM + cell per block of hidden units, one barrier a step; the GRU with
 linear_before_reset=0 two).
 
-Inside a native segment each is one call (kiln/kernels/cpu/recurrent.py RecurrentLayer) where sequence_lens is
-absent and Y keeps its order as a segment lays 4-D values out (one direction in layout 0): the initial states
-constants of the engine or values the graph computes. Two directions, or layout 1, run as a step of their own.
+Inside a native segment each is one call (kiln/kernels/cpu/recurrent.py RecurrentLayer): every direction and
+layout, the initial states and sequence_lens constants of the engine or values the graph computes (sequence_lens
+int32, checked by the call: a length outside [0, seq_length] is an error naming the layer). Y is written row-major
+([S, D, N, H], layout 1 [N, S, D, H]); a segment joins after it only the layers that read it so (kiln's relayout
+in its row-reading form, NativeStep.reading_rows, for the exporter's Transpose + Reshape). Two directions run one
+per thread at two threads. What stays a step of its own says why in `kiln inspect` (launch.not_native).
 
 What they leave to the op's own implementation (kiln/ops/rnn.py): W, R, B or P computed by the graph
 rather than constants of the engine, other dtypes than float32, the Softplus activation, and at run time
