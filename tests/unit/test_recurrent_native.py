@@ -270,6 +270,36 @@ def test_other_loops_run_two_directions_of_layout_1_with_lengths(cell, tactic, a
     check_layouts(engine, model, twin_of, feeds, 1, f"bidirectional layout 1 {tactic} {attrs}", ("ort",))
 
 
+ACTIVATIONS = [
+    ("LSTM", {"activations": ["HardSigmoid", "Elu", "Softsign", "Sigmoid", "ScaledTanh", "LeakyRelu"],
+              "activation_alpha": [0.3, 0.9, 0.0, 0.0, 0.8, 0.05], "activation_beta": [0.45, 0.0, 0.0, 0.0, 1.3, 0.0],
+              "clip": 2.5}),
+    ("GRU", {"activations": ["Sigmoid", "Affine", "HardSigmoid", "ThresholdedRelu"], "linear_before_reset": 0,
+             "activation_alpha": [0.0, 0.7, 0.25, 0.1], "activation_beta": [0.0, 0.1, 0.5, 0.0]}),
+    ("RNN", {"activations": ["Relu", "Tanh"], "clip": 1.5}),
+]
+
+
+@pytest.mark.parametrize("cell, attrs", ACTIVATIONS)
+def test_other_activations_per_direction_inside_the_segment(cell, attrs, monkeypatch):
+    """Activations of the spec other than the defaults, another set per direction, with their alpha / beta and
+    clip, bidirectional with lengths read at run time: the row loop (cpu.<cell>.native) as a segment member, against
+    onnxruntime."""
+    tactic = f"cpu.{cell.lower()}.native"
+    rng = case_rng(f"activations-{cell}")
+    constants = weights(rng, cell, 2)
+    model = exported_forecaster(cell, attrs, "bidirectional", 0, "input", "input", constants, BATCH)
+    engine = build(model, [tactic, "cpu.alias.Reshape", "cpu.gather.slice", "cpu.relayout.native"], monkeypatch)
+    assert next(s.tactic for s in engine.plan.program.steps if s.op_type == cell) == tactic
+    assert "node" in segment_members(engine)
+
+    def feeds(run: int) -> dict[str, np.ndarray]:
+        return {"X": rng.uniform(-1, 1, (STEPS, BATCH, FEATURES)).astype(np.float32),
+                "sequence_lens": some_lengths(rng, BATCH)} | states(rng, cell, 2, BATCH)
+
+    check_runs(engine, model, feeds, f"{cell} {attrs['activations']}", ("ort",))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_two_directions_on_one_and_two_threads(threads, monkeypatch):
     """kiln_recurrent_member runs two directions one per thread at two threads (each loop in order), one after the
