@@ -226,7 +226,8 @@ def _preparer(cell: str, loop: str = "rows"):
                 if int(lengths.min()) == steps:
                     lengths = None  # every sequence full
             # Y [S, D, N, H] (layout 1: [N, S, D, H]) is written row-major: the segment joins the layers that read it
-            # so (a Reshape's alias, a relayout's walk of row-major memory) and closes before the others
+            # so (a Reshape's alias where both orders agree, a relayout's walk of row-major memory) and closes before the
+            # others
             layer = recurrent.RecurrentLayer(directions_for(batch), steps, batch, batch_major=batch_major,
                                              reverse_only=reverse_only, initial=initial, finals=2 if has_c else 1,
                                              lengths=lengths)
