@@ -123,7 +123,7 @@ def test_recurrent_layer_runs_inside_the_segment(cell, tactic, attrs, direction,
 
 
 def exported_forecaster(cell: str, attrs: dict, direction: str, layout: int, initial: str, lengths: str,
-                        constants: dict[str, np.ndarray], batch: int) -> onnx.ModelProto:
+                        constants: dict[str, np.ndarray], batch: int | str) -> onnx.ModelProto:
     """What torch.onnx.export writes around a (bidirectional) layer: layout 0, X [S, N, I] -> Y [S, D, N, H] ->
     Transpose(0, 2, 1, 3) -> Reshape [S, N, D·H] -> Gather of the last step (axis 0); layout 1, X [N, S, I] ->
     Y [N, S, D, H] -> Reshape [N, S, D·H] -> Gather(axis 1). kiln's passes make the moves a Relayout, which must
@@ -140,11 +140,11 @@ def exported_forecaster(cell: str, attrs: dict, direction: str, layout: int, ini
         nodes += [helper.make_node("Transpose", ["Y"], ["Y_t"], perm=[0, 2, 1, 3]),
                   helper.make_node("Reshape", ["Y_t", "shape"], ["Y_rows"]),
                   helper.make_node("Gather", ["Y_rows", "last_step"], ["last"], axis=0)]
-        shape = [STEPS, batch, directions * HIDDEN]
+        shape = [STEPS, -1, directions * HIDDEN]
     else:
         nodes += [helper.make_node("Reshape", ["Y", "shape"], ["Y_rows"]),
                   helper.make_node("Gather", ["Y_rows", "last_step"], ["last"], axis=1)]
-        shape = [batch, STEPS, directions * HIDDEN]
+        shape = [-1, STEPS, directions * HIDDEN]
     x_shape = [STEPS, batch, FEATURES] if layout == 0 else [batch, STEPS, FEATURES]
     state_shape = [directions, batch, HIDDEN] if layout == 0 else [batch, directions, HIDDEN]
     inputs = [helper.make_tensor_value_info("X", TensorProto.FLOAT, x_shape)]
@@ -383,6 +383,27 @@ def test_other_batches_bind_the_layer_anew(tactic, monkeypatch):
         got = engine.run(dict(feeds))
         for output, want in zip(model.graph.output, run_oracle(model, feeds, "ort")):
             assert_close(got[output.name], want, TOLERANCE, f"{tactic} batch {batch} {output.name}")
+
+
+def test_bidirectional_segment_at_other_batches(monkeypatch):
+    """A dynamic batch with two directions, lengths and states read at run time, at several batches, with
+    onnxruntime's answers. (The Transpose + Reshape after Y stay torch steps here: kiln's relayout pass takes static
+    shapes only, so the layer is no segment member at a dynamic batch.)"""
+    rng = case_rng("bidirectional-batches")
+    constants = weights(rng, "LSTM", 2)
+    model = exported_forecaster("LSTM", {}, "bidirectional", 0, "input", "input", constants, "N")
+    shapes = {"X": f"{STEPS}x1x{FEATURES},{STEPS}x{BATCH}x{FEATURES},{STEPS}x12x{FEATURES}",
+              "sequence_lens": "1,5,12",
+              "initial_h": f"2x1x{HIDDEN},2x{BATCH}x{HIDDEN},2x12x{HIDDEN}",
+              "initial_c": f"2x1x{HIDDEN},2x{BATCH}x{HIDDEN},2x12x{HIDDEN}"}
+    engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice", "cpu.relayout.native"],
+                   monkeypatch, profiles=[shapes])
+    for batch in (3, BATCH, 12, 1, 3):
+        feeds = {"X": rng.uniform(-1, 1, (STEPS, batch, FEATURES)).astype(np.float32),
+                 "sequence_lens": some_lengths(rng, batch)} | states(rng, "LSTM", 2, batch)
+        got = engine.run(dict(feeds))
+        for output, want in zip(model.graph.output, run_oracle(model, feeds, "ort")):
+            assert_close(got[output.name], want, TOLERANCE, f"bidirectional batch {batch} {output.name}")
 
 
 def test_saved_engine_runs_the_segment_from_several_contexts(tmp_path, monkeypatch):
