@@ -6,7 +6,8 @@
 Both engines load the same plan (same tactics, same packed weights): "members" is kiln as built; "steps" loads it
 with the recurrent tactics refusing segment membership (kiln/tactics/cpu/recurrent.py _native_reason patched), as
 main ran two directions before issue 11's change: each layer a Python launch, the moves around it steps on torch or
-segments of their own. Timed in interleaved blocks (members, steps, onnxruntime, ...) with kiln / onnxruntime per
+segments of their own; "members, directions in turn" is the first engine with its two directions one after the other
+(recurrent.set_directions_apart(False)) instead of one per thread. Timed in interleaved blocks (members, steps, onnxruntime, ...) with kiln / onnxruntime per
 round; outputs checked against onnxruntime first. Prints a table.
 """
 
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kiln  # noqa: E402
 from cpu import commit  # noqa: E402  bench/cpu.py
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.kernels.cpu import recurrent  # noqa: E402
 from kiln.runtime.engine import Engine  # noqa: E402
 from kiln.tactics.cpu import recurrent as recurrent_tactics  # noqa: E402
 from kiln.zoo.export import export_module  # noqa: E402
@@ -66,8 +68,15 @@ def engines(name: str, folder: Path) -> tuple[dict, np.ndarray]:
     for engine in (members, steps):
         got = next(iter(engine.run(feeds).values()))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
-    return {"members": lambda: members.run(feeds), "steps": lambda: steps.run(feeds),
-            "onnxruntime": lambda: session.run(None, feeds)}, x
+    def in_turn():  # the same engine, its two directions one after the other
+        recurrent.set_directions_apart(False)
+        try:
+            return members.run(feeds)
+        finally:
+            recurrent.set_directions_apart(True)
+
+    return {"members": lambda: members.run(feeds), "members, directions in turn": in_turn,
+            "steps": lambda: steps.run(feeds), "onnxruntime": lambda: session.run(None, feeds)}, x
 
 
 def main() -> None:
@@ -104,17 +113,19 @@ def main() -> None:
                     samples[label] += block
                     medians[label] = float(np.median(block))
                 ratios.append((medians["members"] / medians["steps"], medians["members"] / medians["onnxruntime"],
-                               medians["steps"] / medians["onnxruntime"]))
+                               medians["steps"] / medians["onnxruntime"],
+                               medians["members"] / medians["members, directions in turn"]))
             ms = {k: float(np.median(v)) for k, v in samples.items()}
             rows.append((name, ms, ratios))
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    print("| model | members ms | steps ms | onnxruntime ms | members / steps by round | members / ort by round | "
-          "steps / ort by round |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | members ms | members, directions in turn ms | steps ms | onnxruntime ms | members / steps by round "
+          "| members / ort by round | steps / ort by round | members / in turn by round |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, ms, ratios in rows:
-        by = [", ".join(f"{r[k]:.2f}" for r in ratios) for k in range(3)]
+        by = [", ".join(f"{r[k]:.2f}" for r in ratios) for k in range(4)]
         print(f"| 2-layer {name}, batch {BATCH}, {STEPS} steps, {FEATURES} -> 2x{HIDDEN} | {ms['members']:.2f} | "
-              f"{ms['steps']:.2f} | {ms['onnxruntime']:.2f} | {by[0]} | {by[1]} | {by[2]} |")
+              f"{ms['members, directions in turn']:.2f} | {ms['steps']:.2f} | {ms['onnxruntime']:.2f} | {by[0]} | "
+              f"{by[1]} | {by[2]} | {by[3]} |")
 
 
 if __name__ == "__main__":

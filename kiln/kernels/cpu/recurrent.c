@@ -608,6 +608,9 @@ static void member_direction(void *ctx, long d) {
     r->status[d] = missing || p->x == NULL ? 2 : m->loop(p, NULL, 0, NULL);
 }
 
+/* 0: two directions always one after the other (bench/recurrent_members.py times both ways in one process) */
+int kiln_recurrent_directions_apart = 1;
+
 /* A recurrent layer as a native segment's member. Two directions on two or three threads run one per thread, each
    loop in order (a step of one direction is a few microseconds of work: two threads on it wait for each other
    at every step's barrier, two directions never do); on one thread, or four and more, one after the other, each on
@@ -632,7 +635,7 @@ int kiln_recurrent_member(void *object, void *stream, int nargs, const void *arg
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    if (m->directions == 2 && threads >= 2 && threads < 4) {
+    if (kiln_recurrent_directions_apart && m->directions == 2 && threads >= 2 && threads < 4) {
         r.threads = 1;
         kiln_parallel_for(2, 2, member_direction, &r);
     } else {

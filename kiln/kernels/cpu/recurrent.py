@@ -126,6 +126,14 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         return lib
 
 
+def set_directions_apart(apart: bool) -> None:
+    """Whether a segment member's two directions may run one per thread (recurrent.c kiln_recurrent_member; the
+    default). False: one after the other, as a benchmark's other side."""
+    lib = load()
+    if lib is not None:
+        ctypes.c_int.in_dll(lib, "kiln_recurrent_directions_apart").value = int(apart)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 
