@@ -7,8 +7,8 @@ Both engines load the same plan (same tactics, same packed weights): "members" i
 with the recurrent tactics refusing segment membership (kiln/tactics/cpu/recurrent.py _native_reason patched), as
 main ran two directions before issue 11's change: each layer a Python launch, the moves around it steps on torch or
 segments of their own; "members, directions in turn" is the first engine with its two directions one after the other
-(recurrent.set_directions_apart(False)) instead of one per thread. Timed in interleaved blocks (members, steps, onnxruntime, ...) with kiln / onnxruntime per
-round; outputs checked against onnxruntime first. Prints a table.
+(recurrent.set_directions_apart(False)) instead of one per thread. Timed in interleaved blocks (members, steps,
+onnxruntime, ...) with kiln / onnxruntime per round; outputs checked against onnxruntime first. Prints a table.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def main() -> None:
             ms = {k: float(np.median(v)) for k, v in samples.items()}
             rows.append((name, ms, ratios))
     print(f"\nload average after: {os.getloadavg()[0]:.2f}\n")
-    print("| model | members ms | members, directions in turn ms | steps ms | onnxruntime ms | members / steps by round "
-          "| members / ort by round | steps / ort by round | members / in turn by round |")
+    print("| model | members ms | members, directions in turn ms | steps ms | onnxruntime ms "
+          "| members / steps by round | members / ort by round | steps / ort by round | members / in turn by round |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, ms, ratios in rows:
         by = [", ".join(f"{r[k]:.2f}" for r in ratios) for k in range(4)]

@@ -481,8 +481,8 @@ class RecurrentLayer:
         self._lib = load()
 
     def bind_reads(self, dst: int, reads: dict[object, int]) -> RecurrentCall:
-        """The layer's call writing Y at dst and reading each role (X_INPUT, LENGTHS, INITIAL_H, INITIAL_C; "dst1", "dst2":
-        the final states) at its address (0: pointed per run)."""
+        """The layer's call writing Y at dst and reading each role (X_INPUT, LENGTHS, INITIAL_H, INITIAL_C; "dst1",
+        "dst2": the final states) at its address (0: pointed per run)."""
         return RecurrentCall(self, {"dst": dst, **reads})
 
 

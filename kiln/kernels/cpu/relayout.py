@@ -92,8 +92,8 @@ class Relayout:
     """y = move(x) on float32 values as a segment lays them out (4-D: NHWC), one strided walk of x's memory;
     move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice."""
 
-    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor], what: str = "relayout",
-                 rows_input: bool = False):
+    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor],
+                 what: str = "relayout", rows_input: bool = False):
         """`rows_input`: x's memory is row-major whatever its rank (a 4-D value kiln's own kernels wrote)."""
         library = load()
         if library is None:
