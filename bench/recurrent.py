@@ -114,7 +114,10 @@ def runners(model: Model, threads: int, folder: Path) -> tuple[dict, float, np.n
     start = time.perf_counter()
     engine = kiln.build(path)
     build_s = time.perf_counter() - start
-    print(f"  {model.label:<15} kiln's recurrent tactics: {recurrent_tactics(engine)}", flush=True)
+    segments = engine.program.segments
+    print(f"  {model.label:<15} kiln's recurrent tactics: {recurrent_tactics(engine)}; native segments: "
+          f"{len(segments)} running {sum(len(s.members) for s in segments)} of {len(engine.plan.program.steps)} "
+          "steps", flush=True)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -179,6 +182,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs before each block")
     parser.add_argument("--budget", type=float, default=30.0, help="seconds of timed blocks per model at most")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    parser.add_argument("--out", help="results file name in bench/results (default recurrent-<date>.md)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: the calling thread's CPU time per call (with --threads 1 only)")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
@@ -206,7 +210,7 @@ def main() -> None:
     if args.no_write:
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"recurrent-{now:%Y-%m-%d}.md"
+    out = RESULTS / (args.out or f"recurrent-{now:%Y-%m-%d}.md")
     contended = max(load_before, load_after) > args.threads + 0.5
     warning = (["**Contended run**: other processes shared the CPU (see the load below); every latency is "
                 "inflated, torch's OpenMP threads (kiln, torch eager) far more than onnxruntime's pool, and "

@@ -88,6 +88,8 @@ ARCHITECTURES = [
     Architecture("Whisper encoder", "whisper_encoder_tiny", "whisper_base_encoder"),
     Architecture("Wav2Vec2", "wav2vec2_tiny", "wav2vec2_base"),
     Architecture("LSTM forecaster", "lstm_forecaster", "lstm_forecaster"),
+    Architecture("BiLSTM forecaster", "bilstm_forecaster", "bilstm_forecaster"),
+    Architecture("GRU forecaster", "gru_forecaster", "gru_forecaster"),
     Architecture("1D-CNN", "cnn1d", "cnn1d"),
     Architecture("DCN recommender", "dcn_tiny", "dcn"),
 ]

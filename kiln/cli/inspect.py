@@ -83,14 +83,18 @@ def _native_segments(plan) -> str:
     except Exception as e:  # noqa: BLE001  inspect reports; it does not fail on what it only describes
         return f"not loaded here ({type(e).__name__}: {str(e)[:120]})"
     segments = program.segments
+    # layers whose tactic could have offered them to a segment and says why it did not (a recurrent layer whose
+    # constant sequence_lens or states do not fit X, sequence_lens of another dtype than int32)
+    left_out = "".join(f"; {step.ctx.name} ({step.ctx.op_type}) not a member: {step.fn.not_native}"
+                       for step in program.steps if getattr(step.fn, "not_native", None))
     if not segments:
-        return "none (no run of two or more layers with bound-primitive tactics)"
+        return "none (no run of two or more layers with bound-primitive tactics)" + left_out
     layers = sum(len(s.members) for s in segments)
     buffers = sum(s.planned_bytes for s in segments)
     return (f"{len(segments)} segment(s) run {layers} of {len(program.steps)} layers as bound primitives; "
             f"their activations in {fmt_bytes(buffers)} of buffers reused by liveness "
             f"({sum(s.accumulated for s in segments)} residual(s) accumulated in place, "
-            f"{sum(s.aliased for s in segments)} reshape(s) as aliases)")
+            f"{sum(s.aliased for s in segments)} reshape(s) as aliases)" + left_out)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

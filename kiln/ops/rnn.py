@@ -94,6 +94,9 @@ def _run(ctx, cell, num_gates, X, W, R, B, sequence_lens, initial_states, *, dir
     lengths = None
     if sequence_lens is not None:
         lengths = sequence_lens.to(device=X.device, dtype=torch.int64).reshape(-1)
+        if lengths.numel() != batch or int(lengths.min()) < 0 or int(lengths.max()) > seq_len:
+            raise ValueError(f"{ctx.op_type} node {ctx.name!r}: sequence_lens must hold {batch} lengths in "
+                             f"[0, {seq_len}], given {lengths.tolist()}")
     states0 = []
     for s in initial_states:
         if s is not None and layout:

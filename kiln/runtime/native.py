@@ -84,7 +84,17 @@ def _expects(native: NativeStep, role: Any) -> tuple[tuple[int, ...], torch.dtyp
         size, dtype = native.reads[role]
         return tuple(size), dtype, "nhwc" if native.channels_last and len(size) == 4 else "rows"
     size = tuple(native.input_size if role == "src" else native.output_size)
-    return size, torch.float32, "nhwc" if len(size) == 4 else "rows"
+    return size, torch.float32, "nhwc" if len(size) == 4 and not (role == "src" and native.rows_input) else "rows"
+
+
+def _same_order(size: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
+    """Whether strides a and b lay a value of this size out in the same memory order (dims of size 1 address
+    nothing: [N, C, 1, 1] is the same NHWC and row-major)."""
+    return all(x == y for d, x, y in zip(size, a, b) if d != 1)
+
+
+def _layout_strides(size: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    return native_strides(size) if layout == "nhwc" else row_major_strides(size)
 
 
 class Segment:
@@ -552,7 +562,7 @@ def _entry_key(values: tuple, dtypes: list[torch.dtype]) -> tuple | None:
 def _form(native: NativeStep) -> tuple:
     """What of a member's NativeStep shapes a segment's structure, whatever its sizes."""
     return (native.alias, native.accumulate, native.residual_input, None if native.reads is None else sorted(native.reads),
-            len(native.more_outputs), native.channels_last)
+            len(native.more_outputs), native.channels_last, native.rows_input)
 
 
 def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int]
@@ -573,15 +583,44 @@ def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: di
     return b, [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
 
 
-def _joins(step: BoundStep, produced: dict[int, tuple[int, ...]]) -> bool:
-    """Every value step reads from the run (`produced`: slot -> size) is of the size it was built for
-    (a value from outside the run is checked per call)."""
-    native = step.fn.native
-    if native.reads is not None:
-        return all(tuple(produced[slot]) == tuple(native.reads[i][0]) for slot, i in reads_of(step, native)
-                   if slot in produced)
+def _joins(step: BoundStep, produced: dict[int, tuple[int, ...]], strides: dict[int, tuple[int, ...]] | None = None,
+           native: NativeStep | None = None) -> bool:
+    """Every value step reads from the run (`produced`: slot -> size) is of the size it was built for (a value from
+    outside the run is checked per call) and, where `strides` (slot -> the strides it is written in) is given, in the
+    memory order the step reads it in: a 4-D value kiln's own kernels write row-major (a recurrent layer's Y) is not
+    what oneDNN's layers read as NHWC."""
+    native = native or step.fn.native
+    for slot, role in reads_of(step, native):
+        if slot not in produced:
+            continue
+        size, dtype, layout = _expects(native, role)
+        if tuple(produced[slot]) != size:
+            return False
+        if strides is not None and not _same_order(size, strides[slot], _layout_strides(size, layout)):
+            return False
+    return True
+
+
+def _reading_rows(step: BoundStep, native: NativeStep, produced: dict[int, tuple[int, ...]],
+                  strides: dict[int, tuple[int, ...]]) -> tuple[BoundStep, NativeStep]:
+    """step with the form of its layer that reads its 4-D src row-major (NativeStep.reading_rows), where the run
+    wrote that src row-major and the layer offers the form; else step as it is."""
     x = step.inputs[0]
-    return x not in produced or tuple(produced[x]) == tuple(native.input_size)
+    if native.reads is not None or native.rows_input or native.reading_rows is None or x not in produced \
+            or _same_order(produced[x], strides[x], native_strides(produced[x])):
+        return step, native
+    try:
+        rows = native.reading_rows()
+    except ValueError:  # no such form at this size: the run closes before the layer, as for any layout mismatch
+        return step, native
+    fn = step.fn
+
+    def launch(ctx, *args, **attributes):  # the layer's own launch: outside a segment its layout does not matter
+        return fn(ctx, *args, **attributes)
+
+    launch.__dict__.update(fn.__dict__)
+    launch.native = rows
+    return replace(step, fn=launch), rows
 
 
 def _hoistable(pending: list[BoundStep], produced: dict[int, Any], read: set[int]) -> bool:
@@ -599,6 +638,7 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
     before the segment when they do not depend on it. `not_members`: indices of steps never made
     members (shape-only steps, which the program computes once per input-shape signature)."""
+    steps = list(steps)  # a member may take its row-reading form (_reading_rows)
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
         for s in step.inputs:
@@ -611,13 +651,14 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     hoisted: list[int] = []
     pending: list[int] = []
     produced: dict[int, tuple[int, ...]] = {}  # slot -> size, of the open run
+    strides: dict[int, tuple[int, ...]] = {}  # slot -> the strides it is written in, of the open run
     read: set[int] = set()  # slots the open run's members read
 
     def close() -> None:
-        nonlocal members, hoisted, pending, produced, read
+        nonlocal members, hoisted, pending, produced, strides, read
         if members:
             runs.append((members, hoisted))
-        members, hoisted, pending, produced, read = [], [], [], {}, set()
+        members, hoisted, pending, produced, strides, read = [], [], [], {}, {}, set()
 
     for i, step in enumerate(steps):
         native = getattr(step.fn, "native", None)
@@ -627,23 +668,31 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
             if members:
                 pending.append(i)
             continue
+        if members:
+            step, native = _reading_rows(step, native, produced, strides)
         if native.alias:  # only right after a member of the run, over a value of it that dies here
             x = step.inputs[0]
             if (members and not pending and members[-1] == i - 1 and steps[i - 1].outputs[0] == x
-                    and last_read.get(x) == i and x not in outputs and _joins(step, produced)):
+                    and last_read.get(x) == i and x not in outputs and _joins(step, produced, strides, native)):
                 members.append(i)
+                steps[i] = step
                 produced[step.outputs[0]] = tuple(native.output_size)  # an alias writes one value
+                # (an alias's 4-D output is one whose order row-major and NHWC is the same)
+                strides[step.outputs[0]] = row_major_strides(tuple(native.output_size))
             else:
                 close()
             continue
-        joins = bool(members) and _joins(step, produced) and \
+        joins = bool(members) and _joins(step, produced, strides, native) and \
             _hoistable([steps[k] for k in pending], produced, read)
         if not joins:
             close()
+            step, native = steps[i], steps[i].fn.native  # a run's first member reads from outside it
+        steps[i] = step
         hoisted += pending
         pending = []
         members.append(i)
-        produced.update({slot: size for slot, _role, size, _strides, _dtype in writes_of(step, native)})
+        for slot, _role, size, written, _dtype in writes_of(step, native):
+            produced[slot], strides[slot] = size, written
         read |= {slot for slot, _ in reads_of(step, native)}
     close()
     start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}

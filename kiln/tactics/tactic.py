@@ -161,6 +161,12 @@ class NativeStep:
     # kiln's own kernels only: its 4-D reads and output are NHWC in memory, as oneDNN's layers lay them out
     # (a channel Concat between convolutions), not row-major
     channels_last: bool = False
+    # oneDNN's layers' form (reads None) only: its 4-D src is read row-major, as kiln's own kernels write 4-D values
+    # (a relayout after a recurrent layer's Y [S, D, N, H]), not NHWC
+    rows_input: bool = False
+    # the same layer reading its 4-D src row-major (a NativeStep with rows_input), where that differs from this one:
+    # a segment takes it for a member whose src another member wrote row-major (kiln/runtime/native.py segments)
+    reading_rows: Callable[[], NativeStep] | None = None
     # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
     # template's plan (kiln/runtime/native.py _PlanRewrite)

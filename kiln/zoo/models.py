@@ -2,7 +2,8 @@
 
 Architectures come from `transformers` configs with random, seeded weights (no downloads), plus the
 two real-weight models (MobileNetV2 ImageNet, all-MiniLM-L6-v2) and plain-torch models no
-transformers class covers (sensor.py: an LSTM forecaster and a 1D-CNN; recommender.py: a DCN).
+transformers class covers (sensor.py: LSTM, bidirectional LSTM and GRU forecasters and a 1D-CNN; recommender.py: a
+DCN).
 Each full-size model has a small variant (few layers, narrow) that exports and runs in seconds for
 CI; the full sizes are marked slow.
 
@@ -343,6 +344,8 @@ _DETR_TINY = dict(backbone_config={"model_type": "resnet", "embedding_size": 16,
                   d_model=64, encoder_layers=1, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                   encoder_ffn_dim=128, decoder_ffn_dim=128, num_queries=10, num_labels=10, dropout=0.0)
 _LSTM_FORECASTER = dict(features=16, hidden=128, layers=2, horizon=1)
+_BILSTM_FORECASTER = dict(cell="LSTM", features=16, hidden=128, layers=2, horizon=1, bidirectional=True)
+_GRU_FORECASTER = dict(cell="GRU", features=16, hidden=128, layers=2, horizon=1)
 _TEMPORAL_CNN = dict(features=16, widths=[32, 64, 128], classes=6)
 _DCN = dict(dense=13, fields=26, vocab=100_000, dim=32, cross_layers=4, mlp=[1024, 1024, 512])
 _DCN_TINY = dict(dense=13, fields=26, vocab=1000, dim=8, cross_layers=2, mlp=[64, 32])
@@ -457,6 +460,10 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
           image_size=64),
     _torch("lstm_forecaster", "sensor", "2-layer LSTM forecaster, 16 readings -> 128 hidden, 96 steps",
            sensor.lstm_forecaster, _LSTM_FORECASTER, batch=8, seq=96, features=16),
+    _torch("bilstm_forecaster", "sensor", "2-layer bidirectional LSTM forecaster, 16 readings -> 2x128 hidden, 96 steps",
+           sensor.recurrent_forecaster, _BILSTM_FORECASTER, batch=8, seq=96, features=16),
+    _torch("gru_forecaster", "sensor", "2-layer GRU forecaster, 16 readings -> 128 hidden, 96 steps",
+           sensor.recurrent_forecaster, _GRU_FORECASTER, batch=8, seq=96, features=16),
     _torch("cnn1d", "sensor", "1D-CNN activity classifier: stem, strided and dilated residual blocks, 96 steps",
            sensor.temporal_cnn, _TEMPORAL_CNN, batch=8, seq=96, features=16),
     _torch("dcn", "recommender", "DCN-v2: 26 fields x 100k ids x 32, 4 cross layers, MLP 1024-1024-512",

@@ -1,5 +1,5 @@
-"""Sensor-data models written in plain torch (no transformers class fits): an LSTM forecaster and a
-1D-CNN, both over a window of readings `x: [batch, steps, features]`, as users write them.
+"""Sensor-data models written in plain torch (no transformers class fits): recurrent forecasters (LSTM, bidirectional
+LSTM, GRU) and a 1D-CNN, all over a window of readings `x: [batch, steps, features]`, as users write them.
 
 torch.onnx.export(dynamo=True) turns each nn.LSTM layer into an ONNX LSTM node and each Conv1d into a
 Conv with one spatial axis, so these exercise kiln's recurrent and 1D-convolution paths end to end.
@@ -21,6 +21,23 @@ class LSTMForecaster(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y, _ = self.lstm(x)  # y: [B, S, H]
+        return self.head(y[:, -1])  # [B, horizon]
+
+
+class RecurrentForecaster(nn.Module):
+    """A stacked recurrent body (nn.LSTM or nn.GRU, one or two directions) over the window and a linear head on the
+    last step. torch.onnx.export writes a bidirectional layer as one ONNX node whose Y [S, 2, N, H] a Transpose and a
+    Reshape turn into the next layer's [S, N, 2·H] input."""
+
+    def __init__(self, cell: str = "GRU", features: int = 16, hidden: int = 128, layers: int = 2, horizon: int = 1,
+                 bidirectional: bool = False):
+        super().__init__()
+        kind = {"LSTM": nn.LSTM, "GRU": nn.GRU}[cell]
+        self.body = kind(features, hidden, num_layers=layers, batch_first=True, bidirectional=bidirectional)
+        self.head = nn.Linear(hidden * (2 if bidirectional else 1), horizon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.body(x)  # y: [B, S, D·H]
         return self.head(y[:, -1])  # [B, horizon]
 
 
@@ -53,14 +70,16 @@ class TemporalCNN(nn.Module):
         return self.head(y.mean(dim=2))  # [B, classes]
 
 
-def init_like_keras(lstm: nn.LSTM, generator: torch.Generator) -> None:
+def init_like_keras(lstm: nn.LSTM | nn.GRU, generator: torch.Generator) -> None:
     """Keras' LSTM init (what many forecasters are trained from): Glorot-uniform input weights and
     orthogonal recurrent weights per gate, zero biases but 1 on the forget gate. torch's uniform(±1/sqrt(H))
     leaves the second layer's pre-activations ~0.04: its output is mostly biases, and the forecast
     moved by 0.02 between two input windows against 0.07 of offset."""
+    is_lstm = isinstance(lstm, nn.LSTM)
     with torch.no_grad():
         for name, weight in lstm.named_parameters():
-            gates = weight.chunk(4, dim=0)  # torch's gate order: input, forget, cell, output
+            # torch's gate order: LSTM input, forget, cell, output; GRU reset, update, new
+            gates = weight.chunk(4 if is_lstm else 3, dim=0)
             if name.startswith("weight_ih"):
                 for gate in gates:
                     nn.init.xavier_uniform_(gate, generator=generator)
@@ -69,7 +88,7 @@ def init_like_keras(lstm: nn.LSTM, generator: torch.Generator) -> None:
                     nn.init.orthogonal_(gate, generator=generator)
             else:
                 weight.zero_()
-                if name.startswith("bias_ih"):
+                if is_lstm and name.startswith("bias_ih"):
                     gates[1].fill_(1.0)
 
 
@@ -97,6 +116,14 @@ def lstm_forecaster(seed: int, **config) -> LSTMForecaster:
     torch.manual_seed(seed)
     model = LSTMForecaster(**config)
     init_like_keras(model.lstm, torch.Generator().manual_seed(seed))
+    return model.eval()
+
+
+def recurrent_forecaster(seed: int, **config) -> RecurrentForecaster:
+    """The zoo's bidirectional LSTM and GRU forecasters (Keras' init, as lstm_forecaster)."""
+    torch.manual_seed(seed)
+    model = RecurrentForecaster(**config)
+    init_like_keras(model.body, torch.Generator().manual_seed(seed))
     return model.eval()
 
 

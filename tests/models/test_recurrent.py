@@ -109,3 +109,29 @@ def test_gru_forecaster_in_kilns_loop_matches_onnxruntime(bidirectional, tmp_pat
         (want,) = session.run(None, {"x": x})
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"run {run}")
+
+
+@pytest.mark.parametrize("name, loop", [("bilstm_forecaster", "cpu.lstm.fused"), ("gru_forecaster", "cpu.gru.native"),
+                                        ("lstm_forecaster", "cpu.lstm.fused")])
+def test_zoo_forecaster_is_one_native_segment(name, loop, monkeypatch):
+    """The zoo's recurrent forecasters with kiln's loops picked: every step, the bidirectional layers and the moves
+    between them (a Relayout reading Y [S, 2, N, H] row-major) included, runs in one native segment, and the engine
+    answers as onnxruntime does on fresh windows."""
+    from kiln import zoo
+
+    exported = zoo.export(name)
+    monkeypatch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+        k: 0.0 if k == loop else 1.0 for k in fns})
+    engine = kiln.build(str(exported.path), timing_cache=None)
+    layers = [s for s in engine.plan.program.steps if s.op_type in ("LSTM", "GRU")]
+    assert len(layers) == 2 and all(s.tactic == loop for s in layers), [(s.name, s.tactic) for s in layers]
+    segments = engine.program.segments
+    assert len(segments) == 1 and len(segments[0].members) == len(engine.plan.program.steps), \
+        [[m.ctx.name for m in s.members] for s in segments]
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    for seed in (3, 4):
+        feeds = zoo.random_inputs(name, exported, seed=seed)
+        (output,) = engine.run(feeds).values()
+        (want,) = session.run(None, feeds)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} seed {seed}")

@@ -113,7 +113,10 @@ _SIGNATURES = {
 }
 
 _STATUS = {1: "out of memory", 2: "invalid arguments", 3: "unimplemented", 5: "runtime error",
-           6: "not required", 7: "invalid graph", 8: "invalid graph op", 9: "invalid shape", 10: "invalid data type"}
+           6: "not required", 7: "invalid graph", 8: "invalid graph op", 9: "invalid shape", 10: "invalid data type",
+           # kiln's own kernels inside a segment (kiln/kernels/cpu/recurrent.c kiln_recurrent_member)
+           1001: "sequence_lens holds a length outside [0, seq_length] (ONNX: no sequence is longer than X's time "
+                 "axis, none negative)"}
 
 
 class OneDNNError(RuntimeError):

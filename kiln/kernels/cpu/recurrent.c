@@ -570,7 +570,11 @@ typedef struct {
     recurrent_loop_fn loop;    /* kiln_rnn, kiln_gru, kiln_lstm, kiln_lstm_lanes or kiln_lstm_fused */
     long directions;
     long y_direction, state_direction;  /* floats from one direction's Y / state to the next's */
+    void *lengths;             /* dnnl_memory_t of sequence_lens (int32 [N]) the segment computes, or NULL: the
+                                  plans' own (constants of the engine, or none) */
 } recurrent_member_plan;
+
+#define KILN_RECURRENT_BAD_LENGTHS 1001  /* kiln/kernels/cpu/onednn.py _STATUS says it */
 
 static float *member_operand(const recurrent_member_plan *m, void *memory, long offset, int *missing) {
     void *h = NULL;
@@ -579,20 +583,63 @@ static float *member_operand(const recurrent_member_plan *m, void *memory, long 
     return h == NULL ? NULL : (float *)h + offset;
 }
 
+/* One direction of a member's run: its operands pointed from the memory objects, then its loop. */
+typedef struct {
+    const recurrent_member_plan *m;
+    const int *lengths;
+    int threads;              /* each direction's loop: 0 OpenMP's count, 1 in order on the calling thread */
+    int status[2];
+} member_run;
+
+static void member_direction(void *ctx, long d) {
+    member_run *r = (member_run *)ctx;
+    const recurrent_member_plan *m = r->m;
+    kiln_recurrent_plan *p = &m->plans[d];
+    int missing = 0;
+    if (m->lengths) p->lengths = r->lengths;
+    p->threads = r->threads;
+    p->x = member_operand(m, m->x, 0, &missing);
+    p->y = member_operand(m, m->y, d * m->y_direction, &missing);
+    if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
+    if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
+    p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
+    p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
+    /* an operand not bound: the segment names the layer */
+    r->status[d] = missing || p->x == NULL ? 2 : m->loop(p, NULL, 0, NULL);
+}
+
+/* 0: two directions always one after the other (bench/recurrent_members.py times both ways in one process) */
+int kiln_recurrent_directions_apart = 1;
+
+/* A recurrent layer as a native segment's member. Two directions on two or three threads run one per thread, each
+   loop in order (a step of one direction is a few microseconds of work: two threads on it wait for each other
+   at every step's barrier, two directions never do); on one thread, or four and more, one after the other, each on
+   every thread. */
 int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
     const recurrent_member_plan *m = (const recurrent_member_plan *)object;
-    for (long d = 0; d < m->directions; ++d) {
-        kiln_recurrent_plan *p = &m->plans[d];
-        int missing = 0;
-        p->x = member_operand(m, m->x, 0, &missing);
-        p->y = member_operand(m, m->y, d * m->y_direction, &missing);
-        if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
-        if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
-        p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
-        p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
-        if (missing || p->x == NULL) return 2;  /* an operand not bound: the segment names the layer */
-        const int status = m->loop(p, stream, nargs, args);
-        if (status) return status;
+    member_run r = {m, NULL, 0, {0, 0}};
+    (void)stream, (void)nargs, (void)args;
+    if (m->lengths) {  /* checked here, where the segment runs without Python: each in [0, S]; all S: none */
+        void *h = NULL;
+        if (m->get_handle(m->lengths, &h) != 0 || h == NULL) return 2;
+        const long S = m->plans[0].S, N = m->plans[0].N;
+        int full = 1;
+        for (long n = 0; n < N; ++n) {
+            const int length = ((const int *)h)[n];
+            if (length < 0 || length > S) return KILN_RECURRENT_BAD_LENGTHS;
+            full &= length == S;
+        }
+        r.lengths = full ? NULL : (const int *)h;
     }
-    return 0;
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    if (kiln_recurrent_directions_apart && m->directions == 2 && threads >= 2 && threads < 4) {
+        r.threads = 1;
+        kiln_parallel_for(2, 2, member_direction, &r);
+    } else {
+        for (long d = 0; d < m->directions && d < 2; ++d) member_direction(&r, d);
+    }
+    return r.status[0] ? r.status[0] : r.status[1];
 }

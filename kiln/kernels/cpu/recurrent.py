@@ -126,6 +126,14 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
         return lib
 
 
+def set_directions_apart(apart: bool) -> None:
+    """Whether a segment member's two directions may run one per thread (recurrent.c kiln_recurrent_member; the
+    default). False: one after the other, as a benchmark's other side."""
+    lib = load()
+    if lib is not None:
+        ctypes.c_int.in_dll(lib, "kiln_recurrent_directions_apart").value = int(apart)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 
@@ -432,11 +440,11 @@ class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("h0", ctypes.c_void_p), ("c0", ctypes.c_void_p), ("yh", ctypes.c_void_p), ("yc", ctypes.c_void_p),
                 ("plans", ctypes.c_void_p), ("loop", ctypes.c_void_p), ("directions", ctypes.c_long),
-                ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long)]
+                ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long), ("lengths", ctypes.c_void_p)]
 
 
 # the step inputs a layer reads as a native segment's member, by ONNX input index, and its outputs' roles past Y
-X_INPUT, INITIAL_H, INITIAL_C = 0, 5, 6
+X_INPUT, LENGTHS, INITIAL_H, INITIAL_C = 0, 4, 5, 6
 FINAL_ROLES = ("dst1", "dst2")  # Y_h, Y_c
 
 
@@ -449,14 +457,17 @@ class RecurrentLayer:
     `directions`: one loop per direction (ONNX's order: forward, then reverse); `steps`, `batch`: X's sizes;
     `initial`: the initial h and c when they are constants of the engine (contiguous [D, N, H], or [N, D, H]
     batch_major), else None (zeros, or read as the step inputs INITIAL_H, INITIAL_C where bind_reads is given
-    them); `finals`: the final states it may write (1 RNN / GRU, 2 LSTM)."""
+    them); `finals`: the final states it may write (1 RNN / GRU, 2 LSTM); `lengths`: sequence_lens when a constant
+    of the engine (contiguous int32 [N] in [0, steps], checked by the caller), else None (every row runs every step,
+    or read as the step input LENGTHS, int32 [N], where bind_reads is given it: kiln_recurrent_member checks it)."""
 
     def __init__(self, directions: list[_Direction], steps: int, batch: int, *, batch_major: bool, reverse_only: bool,
-                 initial: tuple[torch.Tensor | None, torch.Tensor | None], finals: int):
+                 initial: tuple[torch.Tensor | None, torch.Tensor | None], finals: int,
+                 lengths: torch.Tensor | None = None):
         count = len(directions)
         hidden, inputs = directions[0].hidden, directions[0].inputs
         self.directions, self.steps, self.batch = directions, steps, batch
-        self.batch_major, self.reverse_only, self.initial = batch_major, reverse_only, initial
+        self.batch_major, self.reverse_only, self.initial, self.lengths = batch_major, reverse_only, initial, lengths
         self.what = f"{directions[0].cell} [{steps}, {batch}, {inputs}] -> {hidden}"
         self.input_size = (batch, steps, inputs) if batch_major else (steps, batch, inputs)
         self.output_size = (batch, steps, count, hidden) if batch_major else (steps, count, batch, hidden)  # Y
@@ -470,8 +481,8 @@ class RecurrentLayer:
         self._lib = load()
 
     def bind_reads(self, dst: int, reads: dict[object, int]) -> RecurrentCall:
-        """The layer's call writing Y at dst and reading each role (X_INPUT, INITIAL_H, INITIAL_C; "dst1", "dst2":
-        the final states) at its address (0: pointed per run)."""
+        """The layer's call writing Y at dst and reading each role (X_INPUT, LENGTHS, INITIAL_H, INITIAL_C; "dst1",
+        "dst2": the final states) at its address (0: pointed per run)."""
         return RecurrentCall(self, {"dst": dst, **reads})
 
 
@@ -493,6 +504,7 @@ class RecurrentCall:
             plan.y_ts, plan.y_ns, plan.state_ns = layer.y_ts, layer.y_ns, layer.state_ns
             plan.h0, plan.c0 = (None if s is None else s.data_ptr() + 4 * k * layer.state_direction
                                 for s in layer.initial)
+            plan.lengths = _address(layer.lengths)
             plans.append(plan)
         self._plans = (_Plan * len(plans))(*plans)
         self._layer = layer  # the constant initial states and the packed weights the plans point at
@@ -506,7 +518,7 @@ class RecurrentCall:
             x=memory(X_INPUT), y=memory("dst"), h0=memory(INITIAL_H), c0=memory(INITIAL_C), yh=memory(FINAL_ROLES[0]),
             yc=memory(FINAL_ROLES[1]), plans=ctypes.addressof(self._plans),
             loop=ctypes.cast(layer.directions[0]._function, ctypes.c_void_p).value, directions=len(plans),
-            y_direction=layer.y_direction, state_direction=layer.state_direction)
+            y_direction=layer.y_direction, state_direction=layer.state_direction, lengths=memory(LENGTHS))
         self._function = ctypes.cast(layer._lib.kiln_recurrent_member, ctypes.c_void_p).value
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:

@@ -46,6 +46,10 @@ def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
     if len(size) == 4:
         n, c, h, w = size
         return (c * h * w, 1, w * c, c)
+    return _row_major(size)
+
+
+def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for d in reversed(size):
         strides.append(step)
@@ -53,15 +57,16 @@ def _strides(size: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def memory_walk(input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor]
+def memory_walk(input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor], rows_input: bool = False
                 ) -> tuple[int, list[tuple[int, int]], tuple[int, ...]]:
-    """(base, [(size, stride)] outer to inner, output size): the walk of x's memory (segment layout) from
-    element `base` that gives y's memory in order, y = move(x) (a view or copy of x's elements: a
-    Relayout's reshape-permute-reshape, a Slice)."""
+    """(base, [(size, stride)] outer to inner, output size): the walk of x's memory (segment layout; `rows_input`:
+    row-major whatever its rank, as kiln's own kernels write a 4-D value) from element `base` that gives y's memory
+    in order, y = move(x) (a view or copy of x's elements: a Relayout's reshape-permute-reshape, a Slice)."""
     numel = int(np.prod(input_size))
     if numel > TABLE_LIMIT:
         raise ValueError(f"{numel} elements: a walk of at most {TABLE_LIMIT}")
-    offsets = torch.as_strided(torch.arange(numel, dtype=torch.int64), input_size, _strides(input_size))
+    x_strides = _row_major(input_size) if rows_input else _strides(input_size)
+    offsets = torch.as_strided(torch.arange(numel, dtype=torch.int64), input_size, x_strides)
     moved = move(offsets)  # y's elements' offsets in x's memory
     output_size = tuple(moved.shape)
     laid = torch.empty_strided(output_size, _strides(output_size), dtype=torch.int64)
@@ -87,12 +92,14 @@ class Relayout:
     """y = move(x) on float32 values as a segment lays them out (4-D: NHWC), one strided walk of x's memory;
     move: kiln::Relayout's reshape-permute-reshape (relayout_move), or a Slice."""
 
-    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor], what: str = "relayout"):
+    def __init__(self, input_size: tuple[int, ...], move: Callable[[torch.Tensor], torch.Tensor],
+                 what: str = "relayout", rows_input: bool = False):
+        """`rows_input`: x's memory is row-major whatever its rank (a 4-D value kiln's own kernels wrote)."""
         library = load()
         if library is None:
             raise onednn.OneDNNError(f"kiln's relayout kernel is not built: {reason()}")
-        self.input_size = tuple(input_size)
-        self.base, self.walk, self.output_size = memory_walk(self.input_size, move)
+        self.input_size, self.rows_input = tuple(input_size), rows_input
+        self.base, self.walk, self.output_size = memory_walk(self.input_size, move, rows_input)
         self.library = library
         self.what = f"{what} {list(self.input_size)} -> {list(self.output_size)}"
         self._lock = threading.Lock()
@@ -106,10 +113,11 @@ class Relayout:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x of the built size (4-D: channels-last, else contiguous) -> a new y in the same convention."""
-        want = _strides(self.input_size)
+        want = _row_major(self.input_size) if self.rows_input else _strides(self.input_size)
         if tuple(x.shape) != self.input_size or x.dtype != torch.float32:
             raise ValueError(f"{self.what}: given {x.dtype} {list(x.shape)}")
-        laid_out = x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x.is_contiguous()
+        laid_out = x.is_contiguous(memory_format=torch.channels_last) if x.dim() == 4 and not self.rows_input \
+            else x.is_contiguous()
         if not laid_out:  # (torch's test ignores the strides of size-1 dims, which address nothing)
             x = torch.empty_strided(self.input_size, want, dtype=torch.float32).copy_(x)
         y = torch.empty_strided(self.output_size, _strides(self.output_size), dtype=torch.float32)

@@ -16,9 +16,12 @@ W and R are packed once at load; a call is the input projection of every step as
 loop over time in C (recurrent GEMM + cell per block of hidden units, one barrier a step; the GRU with
 linear_before_reset=0 two).
 
-Inside a native segment each is one call (kiln/kernels/cpu/recurrent.py RecurrentLayer) where sequence_lens is
-absent and Y keeps its order as a segment lays 4-D values out (one direction in layout 0): the initial states
-constants of the engine or values the graph computes. Two directions, or layout 1, run as a step of their own.
+Inside a native segment each is one call (kiln/kernels/cpu/recurrent.py RecurrentLayer): every direction and
+layout, the initial states and sequence_lens constants of the engine or values the graph computes (sequence_lens
+int32, checked by the call: a length outside [0, seq_length] is an error naming the layer). Y is written row-major
+([S, D, N, H], layout 1 [N, S, D, H]); a segment joins after it only the layers that read it so (kiln's relayout
+in its row-reading form, NativeStep.reading_rows, for the exporter's Transpose + Reshape). Two directions run one
+per thread at two threads. What stays a step of its own says why in `kiln inspect` (launch.not_native).
 
 What they leave to the op's own implementation (kiln/ops/rnn.py): W, R, B or P computed by the graph
 rather than constants of the engine, other dtypes than float32, the Softplus activation, and at run time
@@ -35,7 +38,6 @@ from kiln.kernels.cpu import onednn, recurrent
 from kiln.ops.registry import lookup
 from kiln.ops.rnn import activation_names, activation_parameters
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.onednn import keeps_order
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive, tensor_input
 from kiln.tactics.tactic import attribute as _attr
@@ -109,20 +111,27 @@ def _supporter(cell: str):
 
 
 def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
-    """X's size at the build shape: the layer's call inside a native segment is bound at it."""
-    return {"x_size": list(inputs[0].shape)} if inputs[0].shape is not None else {}
+    """X's size at the build shape: the layer's call inside a native segment is bound at it; and sequence_lens'
+    dtype when the graph computes it (a segment reads it as int32)."""
+    config: dict[str, Any] = {"x_size": list(inputs[0].shape)} if inputs[0].shape is not None else {}
+    lengths = tensor_input(inputs, _LENGTHS)
+    if lengths is not None and not lengths.constant:
+        config["lengths_dtype"] = str(lengths.dtype).removeprefix("torch.")
+    return config
 
 
-def _native_reason(step: StepSpec) -> str | None:
+def _native_reason(step: StepSpec, constants: list[Any]) -> str | None:
     """Why the layer cannot be a native segment's member (None: it can). A member is bound at its sizes with
-    every operand but X and the states the graph computes fixed: sequence_lens must be absent (given at run time,
-    the launch checks it)."""
+    every operand but X, sequence_lens and the states the graph computes fixed."""
     if not onednn.available():
         return f"a segment's operands are oneDNN memory objects, and oneDNN is unavailable: {onednn.reason()}"
     if len(step.tactic_config.get("x_size", ())) != 3:
         return "X's size at the build shape is not in the step's config"
-    if len(step.inputs) > _LENGTHS and step.inputs[_LENGTHS]:
-        return "sequence_lens is given"
+    constant_lengths = len(constants) > _LENGTHS and constants[_LENGTHS] is not None
+    if len(step.inputs) > _LENGTHS and step.inputs[_LENGTHS] and not constant_lengths \
+            and step.tactic_config.get("lengths_dtype") != "int32":
+        return (f"sequence_lens is {step.tactic_config.get('lengths_dtype', 'of a dtype not recorded')} at run time: "
+                "a segment reads it as int32 (the ONNX type)")
     return None
 
 
@@ -181,7 +190,7 @@ def _preparer(cell: str, loop: str = "rows"):
             if sequence_lens is not None:
                 lengths = sequence_lens.reshape(-1).to(device="cpu", dtype=torch.int32).contiguous()
                 if lengths.numel() != batch or int(lengths.min()) < 0 or int(lengths.max()) > steps:
-                    return op(ctx, *fallback, **attributes)
+                    return op(ctx, *fallback, **attributes)  # (its error names the node and the lengths)
                 if int(lengths.min()) == steps:
                     lengths = None  # every sequence full
             X = X.contiguous()  # [S, N, I] (layout 1: [N, S, I])
@@ -209,14 +218,24 @@ def _preparer(cell: str, loop: str = "rows"):
             if len(x_size) != 3 or x_size[2] != inputs or min(x_size) < 1:
                 raise ValueError(f"X {list(x_size)} is not [S, N, {inputs}] (layout {int(batch_major)})")
             batch, steps = (x_size[0], x_size[1]) if batch_major else (x_size[1], x_size[0])
+            lengths = constant_lengths
+            if lengths is not None:
+                if lengths.numel() != batch or int(lengths.min()) < 0 or int(lengths.max()) > steps:
+                    raise ValueError(f"the constant sequence_lens {lengths.tolist()} are not {batch} lengths in "
+                                     f"[0, {steps}]")
+                if int(lengths.min()) == steps:
+                    lengths = None  # every sequence full
+            # Y [S, D, N, H] (layout 1: [N, S, D, H]) is written row-major: the segment joins the layers that read it
+            # so (a Reshape's alias where both orders agree, a relayout's walk of row-major memory) and closes before the
+            # others
             layer = recurrent.RecurrentLayer(directions_for(batch), steps, batch, batch_major=batch_major,
-                                             reverse_only=reverse_only, initial=initial, finals=2 if has_c else 1)
-            if not keeps_order(layer.output_size):
-                raise ValueError(f"Y {list(layer.output_size)} is 4-D in another order than a segment's NHWC layers "
-                                 "read it")
+                                             reverse_only=reverse_only, initial=initial, finals=2 if has_c else 1,
+                                             lengths=lengths)
             if any(s is not None and tuple(s.shape) != layer.state_size for s in initial):
                 raise ValueError(f"the constant initial states are not {list(layer.state_size)}")
             reads = {recurrent.X_INPUT: (x_size, torch.float32)}
+            if lengths_input:
+                reads[recurrent.LENGTHS] = ((batch,), torch.int32)
             reads.update({k: (layer.state_size, torch.float32) for k in state_inputs})
             return NativeStep(x_size, layer.output_size, same_primitive(layer), reads=reads,
                               more_outputs=layer.more_outputs)
@@ -228,11 +247,16 @@ def _preparer(cell: str, loop: str = "rows"):
                         if k < len(step.inputs) and step.inputs[k] and c is None]
         initial = tuple(None if c is None else c.to(torch.float32).contiguous() for c in constant_states)
         initial += (None,) * (2 - len(initial))
-        if _native_reason(step) is None:
+        constant_lengths = constants[_LENGTHS] if len(constants) > _LENGTHS else None
+        if constant_lengths is not None:
+            constant_lengths = constant_lengths.reshape(-1).to(torch.int32).contiguous()
+        lengths_input = constant_lengths is None and len(step.inputs) > _LENGTHS and bool(step.inputs[_LENGTHS])
+        launch.not_native = _native_reason(step, constants)  # kiln inspect says it
+        if launch.not_native is None:
             try:
                 launch.native = native_at({recurrent.X_INPUT: tuple(step.tactic_config["x_size"])})
-            except ValueError:  # Y of two directions, or states of another size: a step of its own
-                pass
+            except ValueError as e:  # states or lengths of another size: a step of its own
+                launch.not_native = str(e)
         return launch
 
     return prepare

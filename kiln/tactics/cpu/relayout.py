@@ -62,17 +62,27 @@ def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     dims, perm, shape = _attributes(step)
     tuned = tuple(step.tactic_config["input_size"])
-    kernel = relayout.Relayout(tuned, relayout.relayout_move(dims, perm, shape))  # at load
+    move = relayout.relayout_move(dims, perm, shape)
+    kernel = relayout.Relayout(tuned, move)  # at load
     # the attributes hold for the tuned size only: at another, the op's own code says why not
-    return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape))
+    return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape), move)
 
 
-def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor]):
-    """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other."""
+def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor],
+            move: Callable[[torch.Tensor], torch.Tensor]):
+    """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other. A 4-D input whose
+    NHWC order differs from row-major offers the walk of its row-major memory too (NativeStep.reading_rows: after a
+    recurrent layer's Y [S, D, N, H], which kiln's loop writes row-major)."""
     def launch(ctx, x, *_inputs, **_attributes):
         return kernel(x) if tuple(x.shape) == tuned else other_sizes(x)
 
-    launch.native = NativeStep(tuned, kernel.output_size, same_primitive(kernel))
+    def reading_rows() -> NativeStep:  # ValueError: no strided walk of the row-major memory gives the output
+        rows = relayout.Relayout(tuned, move, kernel.what.split(" ")[0], rows_input=True)
+        return NativeStep(tuned, rows.output_size, same_primitive(rows), rows_input=True)
+
+    four_d_order = len(tuned) == 4 and tuned[1] != 1 and tuned[2] * tuned[3] != 1
+    launch.native = NativeStep(tuned, kernel.output_size, same_primitive(kernel),
+                               reading_rows=reading_rows if four_d_order else None)
     return launch
 
 
@@ -113,7 +123,7 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = tuple(step.tactic_config["input_size"])
     move = _slice_move(step, constants)
     kernel = relayout.Relayout(tuned, move, "slice")  # at load; a slice no walk gives raises: the tactic fails its check
-    return _launch(tuned, kernel, move)  # the walk holds for the tuned size only
+    return _launch(tuned, kernel, move, move)  # the walk holds for the tuned size only
 
 
 # a Slice of constant bounds and a Gather by constant indices: one walk of the data either way
