@@ -110,6 +110,31 @@ def time_rounds(peers: dict, rounds: int, iters: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in medians.items()}
 
 
+def table(rows: dict, peers: dict, args, device: str, commit: str, start: float) -> None:
+    """Times every peer built so far (interleaved rounds) and prints the table (and writes it under --out)."""
+    t = time.perf_counter()
+    ms = time_rounds(peers, args.rounds, args.iters)
+    print(f"timing {time.perf_counter() - t:.1f} s ({args.rounds} interleaved rounds x {args.iters} calls)")
+    lines = [f"{MODEL} {args.batch} x {args.seq} with a padding mask, {device}, commit {commit}: ms per batch "
+             f"(median of {args.rounds} interleaved rounds' medians), accuracy vs torch fp32", "",
+             "| peer | ms / batch | vs kiln fp16 | vs torch fp16 | token cos min | embedding cos min / mean | "
+             "max err / max | build s |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        if "error" in row:
+            lines.append(f"| {name} | {row['error']} ||||||| ")
+            continue
+        m = ms.get(name)
+        ratio = lambda base: f"{ms[base] / m:.2f}x" if m and ms.get(base) else "—"  # noqa: E731
+        lines.append(f"| {name} | {f'{m:.3f}' if m else '—'} | {ratio('kiln_fp16')} | {ratio('torch_fp16')} | "
+                     f"{row['token_cos_min']:.4f} | {row['emb_cos_min']:.5f} / {row['emb_cos_mean']:.5f} | "
+                     f"{row['max_err']:.3g} | {row['build_s']:.0f} |")
+    print("\n".join(lines))
+    print(f"total {time.perf_counter() - start:.0f} s")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "fp8_bert.md").write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     global DEVICE, HALF, MODEL
     ap = argparse.ArgumentParser()
@@ -188,32 +213,14 @@ def main() -> None:
             for line in tuner_times(engine, "QGemm", 4) + tuner_times(engine, "Attention", 1) + \
                     tuner_times(engine, "FusedGemm", 2):
                 print(f"  tuner {line}"[:600])
+            if name == "kiln_fp8" and name != args.engines.split(",")[-1]:  # the numbers that matter, before o3
+                table(rows, peers, args, device, commit, start)
         except Exception as e:  # noqa: BLE001  a failing engine is a row
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             print(f"{name}: FAILED {rows[name]['error']}")
             traceback.print_exc(limit=4)
 
-    t = time.perf_counter()
-    ms = time_rounds(peers, args.rounds, args.iters)
-    print(f"timing {time.perf_counter() - t:.1f} s ({args.rounds} interleaved rounds x {args.iters} calls)")
-    lines = [f"{MODEL} {args.batch} x {args.seq} with a padding mask, {device}, commit {commit}: ms per batch "
-             f"(median of {args.rounds} interleaved rounds' medians), accuracy vs torch fp32", "",
-             "| peer | ms / batch | vs kiln fp16 | vs torch fp16 | token cos min | embedding cos min / mean | "
-             "max err / max | build s |", "|---|---|---|---|---|---|---|---|"]
-    for name, row in rows.items():
-        if "error" in row:
-            lines.append(f"| {name} | {row['error']} ||||||| ")
-            continue
-        m = ms.get(name)
-        ratio = lambda base: f"{ms[base] / m:.2f}x" if m and ms.get(base) else "—"  # noqa: E731
-        lines.append(f"| {name} | {f'{m:.3f}' if m else '—'} | {ratio('kiln_fp16')} | {ratio('torch_fp16')} | "
-                     f"{row['token_cos_min']:.4f} | {row['emb_cos_min']:.5f} / {row['emb_cos_mean']:.5f} | "
-                     f"{row['max_err']:.3g} | {row['build_s']:.0f} |")
-    print("\n".join(lines))
-    print(f"total {time.perf_counter() - start:.0f} s")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "fp8_bert.md").write_text("\n".join(lines) + "\n")
+    table(rows, peers, args, device, commit, start)
 
 
 if __name__ == "__main__":
