@@ -5,7 +5,8 @@
 # 2. bench/fp8_bert.py: torch fp16, kiln fp16, kiln FP8 (opt 2), then kiln FP8 at opt 3 (FP8 attention tactics as
 #    candidates) in one process, interleaved timing, token and embedding cosines vs torch fp32; a table after the
 #    opt-2 FP8 engine and one at the end; builds share one timing cache; the opt-3 build only if it starts in time.
-# 3. In the time left: the FP8 FFN up with Gelu (GELU's tanh form before E4M3) on every QGemm tactic at BERT's shape,
+# 3. In the time left: bench/fp8_attention_chain.py (the QK + Vᵀ GEMM chain into FP8 attention, never timed right),
+#    then the FP8 FFN up with Gelu (GELU's tanh form before E4M3) on every QGemm tactic at BERT's shape,
 #    the store's rounding. Run by the session (H200, 2026-12-04 16:30-16:45): all of it passed / ran (results file).
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-fp8bert
@@ -21,6 +22,12 @@ T=$(( $(left) - 12 ))
 stage "engines (${T} s): bench/fp8_bert.py"
 timeout "$T" python3 bench/fp8_bert.py --budget $((T - 50)) --timing-cache "$OUT/timing.json" --out "$OUT" 2>&1 \
   | grep -v "Warning\|warn(" | cut -c1-700
+T=$(left)
+if [ "$T" -gt 25 ]; then
+  stage "attention block chains (${T} s, fixed E4M3 output scales): today's vs QK + swapped Vᵀ GEMMs + FP8 attention"
+  timeout "$((T - 10))" python3 bench/fp8_attention_chain.py 2>&1 | grep -v Warning | grep "^BERT\|^| \|refused\|Error" \
+    | cut -c1-200 | tail -19
+fi
 T=$(left)
 if [ "$T" -gt 8 ]; then
   stage "GPU tests (${T} s): FP8 FFN up with Gelu on every QGemm tactic, the store's rounding"
