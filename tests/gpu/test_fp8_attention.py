@@ -30,6 +30,7 @@ from tests.kernels.test_attention_fp8 import (  # noqa: E402
     exact,
     quantized,
     rounded_like_the_kernel,
+    scores,
 )
 
 DEVICE = torch.device("cuda")
@@ -77,11 +78,35 @@ def test_qk_alone_in_e4m3_on_bert_layer(config):
     close(out, expected, 2e-3 * (1 + expected.abs().max().item()))
 
 
+# Hopper's E4M3 q·kᵀ is not fp32 arithmetic: its wgmma accumulates with about 13 mantissa bits (DeepSeek-V3's report
+# of the H800; cuBLASLt's FP8 GEMM with and without fast accumulation alike). Measured on the H200, 2026-12-04
+# (bench/results/fp8-bert-2026-12-04c.md): on bert_layer's one head |q·k - exact| reached 1.7e-4 of Σ|q_i·k_i|
+# (33.5 in x8 units, scores to 1.9e5), so a p' near an E4M3 midpoint rounds to the neighbouring grid value: 1.9% of
+# the rows of bert_layer(4, 64) moved by one p step on every tile (0.49% of the outputs), where the fp32 noise of
+# exp2 alone explains ~0.1%. The kernel is right; the old test's claim (near ties at fp32's noise only) was not. The
+# exact claim is tested on scores that any accumulation gets exact; bert_layer's rows within a share (below).
+ACCUMULATED_ROW_SHARE = 0.05  # 1.9% measured; a kernel rounding p another way (no 448, p <= 1) is off in most rows
+
+
+def integer_scores_layer(batch: int, seq: int, seed: int):
+    """bert_layer's v with q and k small integers (|x8| <= 8, E4M3 exactly) at scale 1/4: every partial sum of q·k is
+    an integer below 2^12 in magnitude, exact with 13 mantissa bits, so the scores are the reference's (up to fp32's
+    rounding of the scale) and only the probabilities' rounding is left to compare. Scores ~N(0, 1.5²)."""
+    q, k, v, fp8, _ = bert_layer(batch, seq, seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed + 100)
+    qi, ki = (torch.randint(-8, 9, t.shape, device=DEVICE, generator=g).float().to(FP8_DTYPE) for t in (q, k))
+    return qi, ki, v, Float8Scales(0.25, 0.25, fp8.v)
+
+
+def rows_off(out: torch.Tensor, expected: torch.Tensor, atol: float) -> float:
+    return ((out.double() - expected).abs() > atol).any(-1).double().mean().item()
+
+
 @pytest.mark.parametrize("config", [c for c in ATTENTION_CONFIGS if c.block_n >= 64], ids=lambda c: c.name)
 def test_one_key_block_rounds_p_as_the_reference_on_the_hardware(config):
-    """64 keys, one block: the hardware's E4M3 rounding of p' against torch's (but for near-ties: TIE_SHARE); E4M3
-    outputs within one step but for those."""
-    q, k, v, fp8, _ = bert_layer(4, 64, seed=1)
+    """64 keys, one block, exact scores: the hardware's E4M3 rounding of p' against torch's (but for fp32 near-ties:
+    TIE_SHARE); E4M3 outputs within one step but for those."""
+    q, k, v, fp8 = integer_scores_layer(4, 64, seed=1)
     out = flash_attention(q, k, v, scale=0.125, config=config, fp8=fp8)
     v_max = (v.float() * fp8.v).abs().max().item()
     expected = rounded_like_the_kernel(q, k, v, fp8, 0.125)
@@ -90,4 +115,21 @@ def test_one_key_block_rounds_p_as_the_reference_on_the_hardware(config):
     out8 = flash_attention(q, k, v, scale=0.125, config=config, fp8=fp8_out)
     want = (expected / fp8_out.out).float().to(FP8_DTYPE)
     steps = (float8_ordinal(out8) - float8_ordinal(want)).abs()
-    assert (steps > 1).double().mean().item() <= TIE_SHARE
+    assert (steps > 1).double().mean().item() <= TIE_SHARE, f"{(steps > 1).double().mean().item():.2%} > 1 step"
+    # the test can fail: probabilities rounded without the 448 (p <= 1 on the grid) are off in most rows
+    unscaled = torch.softmax(scores(q, k, fp8, 0.125), -1).float().to(FP8_DTYPE).double() @ (v.double() * fp8.v)
+    assert rows_off(unscaled, expected, 2e-3 * v_max) > 0.5
+
+
+@pytest.mark.parametrize("config", [c for c in ATTENTION_CONFIGS if c.block_n >= 64], ids=lambda c: c.name)
+def test_one_key_block_on_bert_scores_off_in_few_rows(config):
+    """bert_layer's E4M3 q and k (scores to ~1.9e5 in x8 units): the rows whose p' the hardware's accumulation moved
+    across an E4M3 midpoint stay few (ACCUMULATED_ROW_SHARE), each within one p step."""
+    q, k, v, fp8, _ = bert_layer(4, 64, seed=1)
+    out = flash_attention(q, k, v, scale=0.125, config=config, fp8=fp8)
+    v_max = (v.float() * fp8.v).abs().max().item()
+    expected = rounded_like_the_kernel(q, k, v, fp8, 0.125)
+    share = rows_off(out, expected, 2e-3 * v_max)
+    assert share <= ACCUMULATED_ROW_SHARE, f"{share:.2%} of rows off by > {2e-3 * v_max:.3g}"
+    error = (out.double() - expected).abs().max().item()
+    assert error <= 2.0 ** -3 * v_max, f"max error {error:.3g} > one p step"

@@ -136,6 +136,22 @@ def test_minilm_int8_sentence_embeddings_meet_cosine_0_99(calibrator, capsys):
     assert min(cosines) >= 0.99
 
 
+@pytest.mark.slow  # ~50 s on 2 loaded cores (the fp32 export and an FP8 build)
+def test_minilm_fp8_sentence_embeddings_meet_cosine_0_99(capsys):
+    """kiln's own FP8 (per-tensor E4M3 weights and activations, max calibration: what the CUDA FP8 engine runs),
+    every MatMul with a weight E4M3 (36), attention in float (the E4M3 attention tactics are CUDA's; their share:
+    bench/fp8_attention_accuracy.py); the issue's bound for 8-bit sentence embeddings, all 8 sentences. Measured 2026-12-04 (h-fp8bert): worst cosine 0.9973, mean 0.9979."""
+    path, batches = _minilm()
+    fp32 = kiln.build(path)
+    engine = kiln.build(path, precision="fp8", quantization="emulate", calibration=batches[:4], calibrator="minmax")
+    q = engine.plan.header["quantization"]
+    assert len(q["quantized"]) == 36 and not q["kept_float"]
+    cosines = _embedding_cosines(engine, fp32, batches)
+    with capsys.disabled():
+        print(f"\nMiniLM fp8: worst sentence-embedding cosine to fp32 {min(cosines):.4f}, mean {np.mean(cosines):.4f}")
+    assert min(cosines) >= 0.99
+
+
 @pytest.mark.slow  # the sensitivity analysis runs the model ~40 times: minutes on 2 cores
 def test_minilm_int8_with_an_accuracy_target_is_no_worse(capsys):
     path, batches = _minilm()

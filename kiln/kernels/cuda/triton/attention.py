@@ -30,6 +30,9 @@ fixed scale 1/448 (P_SCALE): p' = 448·2^(s - m') = 2^(s - (m' - log2 448)), so 
 scales them and p' <= 448 uses E4M3's whole range (p <= 1 as is would leave its top eight binades empty and
 flush every p < 2^-9 to zero). The row sum l is taken over p' before its rounding, so the 448 cancels in
 acc / l, and s_v (over the output's scale, for an E4M3 output) is one multiply per row at the end.
+On Hopper the E4M3 products accumulate with ~13 mantissa bits inside the wgmma (not fp32): q·kᵀ was off by up to
+1.7e-4 of Σ|q_i·k_i| on the H200 (BERT-like scores, 2026-12-04), moving p by ~1e-3 relative, far under its E4M3
+rounding (2^-4), but enough to round a p' near a grid midpoint the other way than a float64 reference does.
 Float8Scales.pv False keeps p·v in v's half dtype (q·kᵀ alone in E4M3): Hopper's E4M3 wgmma reads its B operand
 K-major, so p·v in E4M3 wants v stored keys-contiguous, which a QKV GEMM's [B, S, 3·H·D] output is not.
 

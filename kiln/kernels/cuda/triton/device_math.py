@@ -74,8 +74,8 @@ def gelu(x):
 
 @triton.jit
 def gelu_for_8bit(x):
-    """x·Φ(x) with Φ from Abramowitz & Stegun 7.1.26 (|error of erf| <= 1.5e-7): for an 8-bit output, whose steps
-    are 2^-4 of the value (E4M3), where tl.math.erf takes ~37 PTX instructions per value and this ~14 (the
+    """x·Φ(x) with Φ from Abramowitz & Stegun 7.1.26 (|error of erf| <= 1.5e-7): for an int8 output (an E4M3
+    one takes gelu_tanh_scaled), where tl.math.erf takes ~37 PTX instructions per value and this ~14 (the
     FFN up's Gelu -> fp8 pass over BERT-base's 24,576 x 3,072 product was compute-bound on the H200: 0.195 ms, a
     bias-only pass ~0.1). With a = |x|/√2, t = 1/(1 + p·a): erfc(a) ≈ t·P(t)·e^(-a²), so Φ(-|x|) = erfc(a)/2
     is formed without cancellation: the negative tail keeps its relative accuracy."""
@@ -84,6 +84,20 @@ def gelu_for_8bit(x):
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     half_erfc = 0.5 * poly * tl.exp(-a * a)  # Φ(-|x|)
     return x * tl.where(x < 0, half_erfc, 1.0 - half_erfc)
+
+
+@triton.jit
+def gelu_tanh_scaled(x, multiplier):
+    """multiplier·gelu(x) by GELU's tanh form, ½x(1 + tanh(u)) = x·σ(2u) = x / (1 + 2^(-2u·log2 e)), u =
+    √(2/π)(x + 0.044715x³): for an E4M3 output (multiplier = 1/y_scale), whose grid is 2^-4 to 2^-3 of the value.
+    The form of cuBLASLt's GELU epilogue, which the fp16 engine's FFN up takes for the erf GELU (tactics/cuda/
+    library.py): at most 4.7e-4 from erf's (x = -2.70, where y = -0.0094), within the builder's FLOAT8_HALF_SLACK
+    (2^-10 of the largest output) of an FFN whose outputs reach 0.5. ~8 instructions a value where erf to 1.5e-7
+    (gelu_for_8bit) and IEEE's division by y_scale take ~22: BERT-base's FFN up (24,576 x 3,072) on the H200 was
+    bound by them, not by memory (the pass 0.107 ms against 0.053 to move its bytes). σ rather than tanh: 1 + tanh
+    cancels in the negative tail, 1 + e^(-2u) does not. e = inf (x below about -10) gives a signed zero."""
+    e = tl.exp2(x * (-2.302208198144325 + -0.1029432395800235 * x * x))  # 2^(-2u·log2 e)
+    return (x * multiplier) / (1.0 + e)  # an approximate division: its ~2 ulps are far below the form's error
 
 
 @triton.jit

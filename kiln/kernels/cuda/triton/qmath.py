@@ -1,7 +1,8 @@
 """Device functions of kiln's quantized kernels: the requantizing epilogue every INT8/FP8 layer ends in.
 
     r = (acc + bias[c]) · scale[c]         scale = x_scale·w_scale (kiln/ops/quantized.py)
-    r = act(r)                             Relu / Clip / Gelu (erf; to 1.5e-7 before an 8-bit output) / GeluTanh
+    r = act(r)                             Relu / Clip / Gelu (erf; to 1.5e-7 before an int8 output, the tanh
+                                           form before an E4M3 one: device_math.gelu_tanh_scaled) / GeluTanh
     y = saturate(round_half_even(r / y_scale) + y_zero)      int8 / uint8 outputs
     y = e4m3(saturate(r / y_scale, ±448))                     float8e4m3fn outputs
     y = r                                                      float outputs
@@ -75,13 +76,16 @@ def requantize(r, y_scale, y_zero, alpha, beta, ACTIVATION: tl.constexpr, OUT: t
                QMIN: tl.constexpr, QMAX: tl.constexpr, HARDWARE_E4M3: tl.constexpr = False):
     """act(r) as the layer's output in fp32: an integer of [QMIN, QMAX] (OUT_INT), an E4M3 grid value
     (OUT_FP8) or r itself (OUT_FLOAT). r / y_scale is rounded as the reference's float32 division
-    (device_math.div_by_constant)."""
+    (device_math.div_by_constant), except after a Gelu to E4M3: gelu(r)·(1 / y_scale) in one expression (its tanh
+    form's error is far above the division's rounding)."""
+    if ACTIVATION == "Gelu" and OUT == 2:  # an FFN's up projection writing the down projection's E4M3 input
+        return quantize_value(dm.gelu_tanh_scaled(r, dm.reciprocal(y_scale)), y_zero, OUT, QMIN, QMAX, HARDWARE_E4M3)
     if ACTIVATION == "Relu":
         r = dm.relu(r)
     elif ACTIVATION == "Clip":  # alpha = min, beta = max
         r = tl.minimum(tl.maximum(r, alpha), beta)
-    elif ACTIVATION == "Gelu":  # an FFN's up projection: its 8-bit output is the down projection's input
-        r = dm.gelu_for_8bit(r) if OUT != 0 else dm.gelu(r)
+    elif ACTIVATION == "Gelu":  # an FFN's up projection: its int8 output is the down projection's input
+        r = dm.gelu_for_8bit(r) if OUT == 1 else dm.gelu(r)
     elif ACTIVATION == "GeluTanh":
         r = dm.gelu_tanh(r)
     if OUT != 0:  # r / y_scale as IEEE's division, from y_scale's reciprocal (a scalar: once per program)
