@@ -25,6 +25,11 @@ from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
 from kiln.runtime.first_calls import FirstCalls, primitives_ahead, primitives_made
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
+from kiln.runtime.static_replay import StaticReplay
+
+# run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
+# GraphRunner.replay_padded): on with the environment's KILN_DIRECT_REPLAY=1 until measured on the GPU
+DIRECT_REPLAY_DEFAULT = "0"
 
 
 def _check_device(header: dict) -> torch.device:
@@ -245,11 +250,12 @@ class ExecutionContext:
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
+        self._direct_replay = os.environ.get("KILN_DIRECT_REPLAY", DIRECT_REPLAY_DEFAULT) == "1"
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
             self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs, max_graphs=max_graphs,
-                                      memory_budget=graph_memory_budget)
+                                      memory_budget=graph_memory_budget, plain_inputs=self._direct_replay)
         if buckets is None:
             buckets = self.runner is not None and self.runner.use_graphs
         pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
@@ -278,6 +284,8 @@ class ExecutionContext:
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
+        self._static_replay: StaticReplay | None = None  # run()'s path once a fixed-shape engine's graph is captured
+        self._token_buckets: dict[int, torch.Tensor] = {}  # a padding-free run's token bucket by rows (its shape)
         if warm_up:
             self.warm_up()
 
@@ -504,6 +512,10 @@ class ExecutionContext:
                            + "\n  ".join(problems) + "\nrebuild it with a --profile (profiles=[...]) that covers them")
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        if self._static_replay is not None and type(feeds) is dict:
+            done = self._static_replay(feeds)
+            if done is not None:
+                return done
         if self._static is not None and type(feeds) is dict:
             done = self._run_static(feeds)
             if done is not None:
@@ -547,14 +559,16 @@ class ExecutionContext:
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self.buckets.pad(args, targets)
-                    captured = self.runner.stats.captures if self.runner is not None else 0
-                    results = self._run_program(args, rows)
-                    if rows is None and self.runner is not None and self.runner.stats.captures != captured:
-                        # timed at its capture
-                        plain = self.engine.plain_program if self._token_mask is not None else None
-                        self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
-                                           else self.runner.replay_ms(args, plain))
+                    results = self._replay_padded(args, rows, targets) if self._direct_replay else None
+                    if results is None:  # padded, then run (the first runs at a bucket record and capture)
+                        args = self.buckets.pad(args, targets)
+                        captured = self.runner.stats.captures if self.runner is not None else 0
+                        results = self._run_program(args, rows)
+                        if rows is None and self.runner is not None and self.runner.stats.captures != captured:
+                            # timed at its capture
+                            plain = self.engine.plain_program if self._token_mask is not None else None
+                            self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
+                                               else self.runner.replay_ms(args, plain))
                     results = self.buckets.crop(results, targets)
             else:
                 results = self._run_program(args, self._packed_rows(args, tokens))
@@ -573,7 +587,7 @@ class ExecutionContext:
         or None: its plain program."""
         program = None
         if rows is not None:
-            args = [*args, torch.empty(rows, dtype=torch.uint8, device=args[self._token_mask].device)]
+            args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
         elif self._token_mask is not None:
             program = self.engine.plain_program
         if self.runner is not None:
@@ -583,6 +597,31 @@ class ExecutionContext:
         if self._first_calls is not None:
             return self._first_calls.run(args)
         return self.engine.program.run(args)
+
+    def _replay_padded(self, args: list[Any], rows: int | None,
+                       targets: dict[str, tuple[int, int]]) -> list[Any] | None:
+        """A bucketed run whose graph is captured: its inputs written straight into the graph's, zero-padded to their
+        buckets (GraphRunner.replay_padded), the program's as _run_program picks it; None where there is no such
+        graph (or no CUDA graphs), and the run pads and runs."""
+        if self.runner is None or not self.runner.use_graphs:
+            return None
+        shapes = self.buckets.padded_shapes(args, targets)
+        program = None
+        if rows is not None:
+            args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
+            shapes.append((rows,))
+        elif self._token_mask is not None:
+            program = self.engine.plain_program
+        return self.runner.replay_padded(args, shapes, program)
+
+    def _token_bucket(self, rows: int, device: torch.device) -> torch.Tensor:
+        """A padding-free program's last input: `rows` bytes, read for its shape alone, made once per row count."""
+        bucket = self._token_buckets.get(rows)
+        if bucket is None or bucket.device != device:
+            if len(self._token_buckets) >= CHECKED_SIGNATURES:
+                self._token_buckets.clear()
+            bucket = self._token_buckets[rows] = torch.empty(rows, dtype=torch.uint8, device=device)
+        return bucket
 
     def _packed_rows(self, args: list[Any], tokens: int | None = None,
                      targets: dict[str, tuple[int, int]] | None = None) -> int | None:
@@ -708,6 +747,10 @@ class ExecutionContext:
         entry = self.runner.entries.get(key)
         if entry is None or entry.graph is None:
             return None  # the general path checks, runs the first time and captures
+        if self._direct_replay:
+            self._static_replay = StaticReplay(names, signature, outputs, entry, self.runner.stats,
+                                               on_cuda=self.engine.device.type == "cuda")
+            return self._static_replay(feeds)
         values = []
         for name, (dtype, shape) in zip(names, signature):
             value = feeds.get(name)

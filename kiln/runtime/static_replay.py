@@ -1,0 +1,72 @@
+"""context.run's path for a fixed-shape CUDA engine whose graph is captured, fed CUDA tensors of exactly its bindings.
+
+A batch-1 call is ~0.4 ms of GPU time on the H200 (ResNet-50, BERT-base 1 x 128): the host's work before the replay
+is time the GPU waits, and its variation is much of a call's jitter (issue 10: p99/p50 <= 1.05 end to end). So the
+call does as little as a call can before the launch:
+
+- the checks of each input are attribute reads against what was remembered at the capture (dtype, shape, device);
+- the inputs go into the graph's own input tensors in one `torch._foreach_copy_` (one kernel for inputs of one
+  dtype, BERT's ids and mask; a boundary cast to fp16 is a copy of its own), from a list made once and filled in
+  place: nothing the collector tracks outlives a line before the replay (a `torch.Size` read for the shape check is
+  freed at once), so no collection is due there;
+- no `torch.inference_mode` is entered (~1-2 µs a call): the graph's input tensors are ordinary tensors
+  (GraphRunner(plain_inputs=True)), and a tensor that requires grad takes the general path;
+- after the launch, while the GPU runs: the stats, and outputs handed back in the user's dtype (fp16 -> fp32 casts
+  of a reduced-precision engine as ordinary tensors, not inference tensors a caller could not update in place).
+
+ExecutionContext makes one once its graph is captured (kiln/runtime/engine.py); anything the path does not take
+(another dtype or shape, a CPU tensor, an extra key, an evicted graph) returns None, and the general path checks,
+explains and runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class StaticReplay:
+    """The captured graph of a fixed-shape CUDA engine, run from a dict of CUDA tensors."""
+
+    def __init__(self, names: list[str], signature: list[tuple[torch.dtype, torch.Size]],
+                 outputs: list[tuple[str, torch.dtype | None]], entry: Any, stats: Any, on_cuda: bool = True):
+        """`signature`: the user's (dtype, shape) per input, in `names`' order; `outputs`: (name, the dtype each is
+        handed back in, None for the graph's own); `entry`: the GraphRunner's captured entry (kiln/runtime/
+        cuda_graphs.py _Captured) whose static inputs are ordinary tensors; `stats`: its GraphStats; `on_cuda`: the
+        device the inputs must be on (False: the CPU, where tests stand a graph in)."""
+        if any(t.is_inference() for t in entry.static_inputs):
+            raise ValueError("StaticReplay copies into the graph's inputs outside inference mode: capture them as "
+                             "ordinary tensors (GraphRunner(plain_inputs=True))")
+        self.checks = tuple((name, dtype, shape) for name, (dtype, shape) in zip(names, signature))
+        self.entry = entry
+        self.stats = stats
+        self.static_inputs = list(entry.static_inputs)
+        self.sources: list[torch.Tensor | None] = [None] * len(names)  # the call's inputs, filled in place
+        self.outputs = tuple((name, dtype, static) for (name, dtype), static in zip(outputs, entry.static_outputs))
+        self.replay = entry.graph.replay
+        self.on_cuda = on_cuda
+
+    def __call__(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
+        sources = self.sources
+        if len(feeds) != len(sources) or self.entry.graph is None:
+            return None
+        k = 0
+        for name, dtype, shape in self.checks:
+            value = feeds.get(name)
+            if type(value) is not torch.Tensor or value.dtype is not dtype or value.shape != shape \
+                    or value.is_cuda is not self.on_cuda or value.requires_grad:
+                sources[:] = [None] * len(sources)
+                return None
+            sources[k] = value
+            k += 1
+        if k == 1:
+            self.static_inputs[0].copy_(sources[0])
+        else:
+            torch._foreach_copy_(self.static_inputs, sources)
+        self.replay()
+        # the GPU runs the graph from here on
+        for i in range(k):
+            sources[i] = None  # no reference to a caller's tensor kept past the call
+        self.stats.replays += 1
+        return {name: static if dtype is None else static.to(dtype) for name, dtype, static in self.outputs}
