@@ -19,8 +19,8 @@ GPU's timeline, idle included) and the host's until the result is synchronized (
 
 --ways direct: the old run() path against the direct one (kiln/runtime/static_replay.py, KILN_DIRECT_REPLAY=1: one
 foreach copy into the graph's inputs, no inference mode entered, nothing the collector tracks made before the
-launch), two contexts of one engine in one process: replay, run (old), run (direct), run (direct) with the collector
-off, execute (bound).
+launch), two contexts of one engine in one process: replay, run (old), run (direct), each run with the collector off,
+execute (bound).
 
 For each way the calls above its device p99 are set beside the host's time to enqueue them (until the call
 returns): where the slow calls were late on the host, the host made them slow.
@@ -160,7 +160,8 @@ def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
             "execute (bound)": (bound.execute, contextlib.nullcontext)}
     if ways_set == "direct":
         ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run (old)": (run, contextlib.nullcontext),
-                "run (direct)": (run_direct, contextlib.nullcontext), "run (direct), gc off": (run_direct, _gc_off),
+                "run (direct)": (run_direct, contextlib.nullcontext), "run (old), gc off": (run, _gc_off),
+                "run (direct), gc off": (run_direct, _gc_off),
                 "execute (bound)": (bound.execute, contextlib.nullcontext)}
     samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
     for _ in range(-(-calls // BLOCK)):
@@ -177,7 +178,8 @@ def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
         print(f"{desc} {way}: enqueue p50 {stats(enqueue)[0]:.3f} p99 {late:.3f} ms; the {len(slow)} calls above the "
               f"device p99: enqueue median {statistics.median(slow) if slow else float('nan'):.3f} ms, "
               f"{sum(e > late for e in slow)} of them above the enqueue p99", flush=True)
-    print(f"{desc}: median run {statistics.median(d for d, _, _ in samples['run']):.3f} ms", flush=True)
+    first_run = next(w for w in ways if w.startswith("run"))
+    print(f"{desc}: median {first_run} {statistics.median(d for d, _, _ in samples[first_run]):.3f} ms", flush=True)
     return rows
 
 
