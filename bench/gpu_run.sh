@@ -14,11 +14,11 @@ export KILN_COMMIT=${KILN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || ec
 FILTER="Warning\|warn(\|torch.onnx\|return cls\|Evaluation failed\|^  warnings\|UserWarning\|DeprecationWarning"
 {
 stage "GPU (commit $KILN_COMMIT)"; nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
-stage "tests/gpu/test_direct_replay.py (cap 30 s)"
-timeout 30 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/gpu/test_direct_replay.py 2>&1 \
+stage "tests/gpu/test_direct_replay.py (cap 32 s)"
+timeout 32 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/gpu/test_direct_replay.py 2>&1 \
   | grep -v "$FILTER" | tail -25
-stage "static/bucket/stream GPU tests with KILN_DIRECT_REPLAY=1 (cap 30 s)"
-KILN_DIRECT_REPLAY=1 timeout 30 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/gpu/test_dynamic.py \
+stage "static/bucket/stream GPU tests with KILN_DIRECT_REPLAY=1 (cap 32 s)"
+KILN_DIRECT_REPLAY=1 timeout 32 python3 -m pytest -x -q -p no:cacheprovider --tb=short tests/gpu/test_dynamic.py \
   tests/gpu/test_stream_packing.py 2>&1 | grep -v "$FILTER" | tail -25
 stage "jitter: BERT-base 1x128 + mask, then ResNet-50 b1 (cap 80 s; each model's table printed as it finishes)"
 timeout 80 python3 bench/jitter.py --models bert_b1,resnet50_b1 --ways direct --calls 2000 2>&1 | grep -v "$FILTER" \
