@@ -55,12 +55,21 @@ class _StandInRunner(GraphRunner):
 
 
 def _graph_context(engine, direct: bool, **options):
-    """A CPU context that runs as a CUDA-graph context does (its runner, its fixed-shape path)."""
+    """A CPU context that runs as a CUDA-graph context does (its runner, its fixed-shape path); `filled` counts its
+    runs that replayed a graph with the inputs written straight into it (GraphRunner.replay_padded)."""
     context = engine.create_execution_context(**options)
     context._direct_replay = direct
     context.runner = _StandInRunner(engine.program, plain_inputs=direct)
     context._static = context._checked = context._first_calls = None  # the CPU's own paths
     context._cuda_static = _cuda_static_signature(engine)
+    context.filled = []
+    replay_padded = context.runner.replay_padded
+
+    def spy(inputs, shapes, program=None):
+        out = replay_padded(inputs, shapes, program)
+        context.filled.append(("plain" if program is not None else "packed", out is not None))
+        return out
+    context.runner.replay_padded = spy
     return context
 
 
@@ -180,8 +189,8 @@ def test_direct_bucketed_replays_equal_padded_ones_and_onnxruntime(bert):
         assert torch.equal(got, want), f"direct vs padded then copied, {batch}x{seq}"
         np.testing.assert_allclose(got.numpy(), session.run(None, {n: v.numpy() for n, v in feeds.items()})[0],
                                    rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq}")
-    assert direct.runner.stats.replays == padded.runner.stats.replays > 0
-    assert direct.runner.stats.captures == padded.runner.stats.captures
+    assert direct.runner.stats.replays == padded.runner.stats.replays == sum(hit for _, hit in direct.filled) > 0
+    assert direct.runner.stats.captures == padded.runner.stats.captures and not padded.filled
 
 
 def test_direct_replays_of_a_padding_free_engine_reuse_their_token_buckets():
@@ -204,6 +213,8 @@ def test_direct_replays_of_a_padding_free_engine_reuse_their_token_buckets():
         ref = session.run(None, {n: v.numpy() for n, v in feeds.items()})[0]
         np.testing.assert_allclose(got.numpy()[keep], ref[keep], rtol=RTOL, atol=ATOL, err_msg=f"{batch}x{seq}")
     direct = contexts[0]
-    assert direct.runner.stats.replays == contexts[1].runner.stats.replays > 0
+    assert direct.runner.stats.replays == contexts[1].runner.stats.replays == sum(hit for _, hit in direct.filled)
+    # every repeat replayed directly, the packed program's graphs (16x128) and the plain one's (9x50, 1x7)
+    assert {program for program, hit in direct.filled if hit} == {"packed", "plain"}
     buckets = direct._token_buckets
     assert buckets and all(t.shape == (rows,) and t.dtype == torch.uint8 for rows, t in buckets.items())
