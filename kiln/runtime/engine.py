@@ -748,6 +748,8 @@ class ExecutionContext:
         if entry is None or entry.graph is None:
             return None  # the general path checks, runs the first time and captures
         if self._direct_replay:
+            if self._static_replay is not None and self._static_replay.entry is entry:
+                return None  # it was asked first and declined these feeds: the general path checks and runs them
             self._static_replay = StaticReplay(names, signature, outputs, entry, self.runner.stats,
                                                on_cuda=self.engine.device.type == "cuda")
             return self._static_replay(feeds)

@@ -114,8 +114,15 @@ def test_static_replay_hands_anything_else_to_the_general_path(chain):
         context.run({"x": x, "z": x})
     want = context.run({"x": x.clone().requires_grad_()})["y"]  # the general path runs it, in inference mode
     assert torch.equal(context.run({"x": x})["y"], want)
-    context.runner.entries[next(iter(context.runner.entries))].graph = None  # evicted
+    assert context._static_replay is replay  # made once, not again for each call it declines
+    key = next(iter(context.runner.entries))
+    context.runner.entries.pop(key).graph = None  # evicted, as GraphRunner._evict does
     assert replay({"x": x}) is None
+    assert torch.equal(context.run({"x": x})["y"], want)  # the general path: runs and captures again
+    replays = context.runner.stats.replays
+    assert torch.equal(context.run({"x": x})["y"], want)  # a new StaticReplay over the new graph
+    assert context._static_replay is not replay and context._static_replay.entry is context.runner.entries[key]
+    assert context.runner.stats.replays == replays + 1
 
 
 def test_static_replay_copies_in_casts_out_and_keeps_nothing():
