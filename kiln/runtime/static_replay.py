@@ -44,12 +44,11 @@ class StaticReplay:
         self.static_inputs = list(entry.static_inputs)
         self.sources: list[torch.Tensor | None] = [None] * len(names)  # the call's inputs, filled in place
         self.outputs = tuple((name, dtype, static) for (name, dtype), static in zip(outputs, entry.static_outputs))
-        self.replay = entry.graph.replay
         self.on_cuda = on_cuda
 
     def __call__(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
-        sources = self.sources
-        if len(feeds) != len(sources) or self.entry.graph is None:
+        sources, graph = self.sources, self.entry.graph
+        if len(feeds) != len(sources) or graph is None:  # None: evicted (its memory is not held here)
             return None
         k = 0
         for name, dtype, shape in self.checks:
@@ -64,7 +63,7 @@ class StaticReplay:
             self.static_inputs[0].copy_(sources[0])
         else:
             torch._foreach_copy_(self.static_inputs, sources)
-        self.replay()
+        graph.replay()
         # the GPU runs the graph from here on
         for i in range(k):
             sources[i] = None  # no reference to a caller's tensor kept past the call
