@@ -20,7 +20,8 @@ GPU's timeline, idle included) and the host's until the result is synchronized (
 --ways direct: the old run() path against the direct one (kiln/runtime/static_replay.py, KILN_DIRECT_REPLAY=1: one
 foreach copy into the graph's inputs, no inference mode entered, nothing the collector tracks made before the
 launch), two contexts of one engine in one process: replay, run (old), run (direct), each run with the collector off,
-execute (bound).
+run (direct, inputs in graph) (KILN_REPLAY_CAPTURES_INPUTS=1: the same feeds each call, their copies captured at their
+addresses), execute (bound).
 
 For each way the calls above its device p99 are set beside the host's time to enqueue them (until the call
 returns): where the slow calls were late on the host, the host made them slow.
@@ -137,14 +138,21 @@ def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
         engine = kiln.build(path, device="cuda", precision="fp16")
     ctx = _context(engine, False if ways_set == "direct" else None)
     direct = _context(engine, True)
+    os.environ["KILN_REPLAY_CAPTURES_INPUTS"] = "1"  # a third: the inputs' copies captured at their addresses
+    in_graph = _context(engine, True)
+    os.environ.pop("KILN_REPLAY_CAPTURES_INPUTS")
     feeds = {n: t.cuda() for n, t in zip(names, inputs)}
     for _ in range(100):
         ctx.run(feeds)
         direct.run(feeds)
+        in_graph.run(feeds)
     torch.cuda.synchronize()
     old_out, new_out = (next(iter(c.run(feeds).values())).float() for c in (ctx, direct))
+    graph_out = next(iter(in_graph.run(feeds).values())).float()
     print(f"{name}: direct path {'taken' if direct._static_replay is not None else 'NOT taken'}; max |direct - old| "
-          f"{float((old_out - new_out).abs().max()):.2e}", flush=True)
+          f"{float((old_out - new_out).abs().max()):.2e}; inputs' graph "
+          f"{'captured' if getattr(in_graph._static_replay, 'inputs_graph', None) is not None else 'NOT captured'}, "
+          f"max |it - old| {float((old_out - graph_out).abs().max()):.2e}", flush=True)
     entry = next(e for e in ctx.runner.entries.values() if e.graph is not None)
     bound = engine.create_execution_context()  # TensorRT's way: tensors bound once, then execute()
     for n, t in feeds.items():
@@ -154,6 +162,7 @@ def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
     torch.cuda.synchronize()
     run = lambda: ctx.run(feeds)  # noqa: E731
     run_direct = lambda: direct.run(feeds)  # noqa: E731
+    run_in_graph = lambda: in_graph.run(feeds)  # noqa: E731
     ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run": (run, contextlib.nullcontext),
             "run, static_heap": (run, kiln.static_heap), "run, gc off": (run, _gc_off),
             "run, thread pinned": (run, _pinned), "run, after gc.collect()": (run, _collected),
@@ -162,6 +171,7 @@ def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
         ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run (old)": (run, contextlib.nullcontext),
                 "run (direct)": (run_direct, contextlib.nullcontext), "run (old), gc off": (run, _gc_off),
                 "run (direct), gc off": (run_direct, _gc_off),
+                "run (direct, inputs in graph)": (run_in_graph, contextlib.nullcontext),
                 "execute (bound)": (bound.execute, contextlib.nullcontext)}
     samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
     for _ in range(-(-calls // BLOCK)):

@@ -28,8 +28,10 @@ from kiln.runtime.program import Program
 from kiln.runtime.static_replay import StaticReplay
 
 # run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
-# GraphRunner.replay_padded): on with the environment's KILN_DIRECT_REPLAY=1 until measured on the GPU
-DIRECT_REPLAY_DEFAULT = "0"
+# GraphRunner.replay_padded; CUDA contexts): the environment's KILN_DIRECT_REPLAY=1 / 0 turns them on / off; unset,
+# they are on for every engine but a padding-free one, whose packed runs' direct fills are not yet run on the GPU (H200,
+# bench/results/stream-2026-12-04c.md: fixed-shape and bucketed engines' GPU tests pass with them; batch-1 p99/p50
+# 1.16 -> 1.09 BERT-base, 1.17 -> 1.07 ResNet-50 through run(), outputs bitwise the old path's)
 
 
 def _check_device(header: dict) -> torch.device:
@@ -250,7 +252,10 @@ class ExecutionContext:
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
-        self._direct_replay = os.environ.get("KILN_DIRECT_REPLAY", DIRECT_REPLAY_DEFAULT) == "1"
+        direct = os.environ.get("KILN_DIRECT_REPLAY")
+        self._inputs_in_graph = os.environ.get("KILN_REPLAY_CAPTURES_INPUTS") == "1"  # StaticReplay's capture_inputs
+        self._direct_replay = engine.device.type == "cuda" and (direct == "1" if direct is not None
+                                                                else _token_mask_position(engine) is None)
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
@@ -391,6 +396,29 @@ class ExecutionContext:
                     targets[name].copy_(r)
         torch.cuda.current_stream().wait_stream(stream)
         return graph, targets
+
+    def _capture_inputs(self, sources: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]] | None:
+        """StaticReplay's graph of a caller's inputs at their addresses (its capture_inputs): each input copied (cast)
+        from the caller's tensor into the network's dtype, then the network, on the ordinary graph's memory pool
+        (as _capture_io_graph's: never replayed at once). None where the ordinary graph is gone."""
+        names, _, key, _ = self._cuda_static
+        entry = self.runner.entries.get(key)
+        if entry is None or entry.graph is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=entry.graph.pool(), stream=stream):
+                    args = [source.to(dtype, copy=True) for source, (_, dtype) in zip(sources, key)]
+                    results = self.engine.program.run(args, plan=entry.plan)
+        except RuntimeError:  # the ordinary graph captured; this one failing leaves the call on the direct path
+            return None
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+        return graph, results
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -750,8 +778,9 @@ class ExecutionContext:
         if self._direct_replay:
             if self._static_replay is not None and self._static_replay.entry is entry:
                 return None  # it was asked first and declined these feeds: the general path checks and runs them
+            capture = self._capture_inputs if self._inputs_in_graph else None
             self._static_replay = StaticReplay(names, signature, outputs, entry, self.runner.stats,
-                                               on_cuda=self.engine.device.type == "cuda")
+                                               on_cuda=self.engine.device.type == "cuda", capture_inputs=capture)
             return self._static_replay(feeds)
         values = []
         for name, (dtype, shape) in zip(names, signature):

@@ -132,3 +132,27 @@ def test_a_padding_free_stream_replays_directly(monkeypatch, bert_module):
         assert not got[feeds["attention_mask"] == 0].any(), f"{batch}x{seq}: zeros at padding"
     assert direct.runner.stats.replays == old.runner.stats.replays > 0
     assert direct._token_buckets  # the token-bucket tensors, made once per row count
+
+
+def test_inputs_at_repeated_addresses_are_copied_inside_a_graph(monkeypatch, bert_module):
+    """KILN_REPLAY_CAPTURES_INPUTS=1: a caller writing into the same input tensors each call gets one launch a call
+    (the copies captured over its addresses); new values in place are read, other tensors take the direct path."""
+    exported = zoo.export("bert_tiny", batch=2, seq=32)
+    engine = kiln.build(str(exported.path), device="cuda", precision="fp16")
+    monkeypatch.setenv("KILN_REPLAY_CAPTURES_INPUTS", "1")
+    inputs_graph, old = _contexts(engine, monkeypatch)
+    rng = np.random.default_rng()
+    buffers = _feeds(rng, 2, 32)
+    for k in range(6):
+        for name, value in _feeds(rng, 2, 32).items():
+            buffers[name].copy_(value)  # the caller's own buffers, new values in place
+        got = next(iter(inputs_graph.run(buffers).values()))
+        want = next(iter(old.run({n: v.clone() for n, v in buffers.items()}).values()))
+        assert got.dtype == torch.float32 and not got.is_inference()
+        _check(got, want, bert_module, buffers, f"call {k}")
+    replay = inputs_graph._static_replay
+    assert replay is not None and replay.inputs_graph is not None and replay.captures_left == 3
+    other = _feeds(rng, 2, 32)  # other tensors: the direct path
+    _check(next(iter(inputs_graph.run(other).values())), next(iter(old.run(other).values())), bert_module, other,
+           "other tensors")
+    assert all(s is None for s in replay.sources)
