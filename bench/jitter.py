@@ -1,7 +1,7 @@
 """Where batch-1 jitter comes from on the GPU: the same fixed-shape kiln engine timed five ways; on the CPU,
 kiln against onnxruntime at one shape.
 
-    python bench/jitter.py [--models resnet50_b1,bert_b1] [--calls 3000] [--out DIR]
+    python bench/jitter.py [--models resnet50_b1,bert_b1] [--calls 3000] [--ways direct] [--out DIR]
     python bench/jitter.py --device cpu [--models bert_base:1x8,bert_tiny:1x16] [--calls 2000] [--engine PATH]
 
 A control loop cares about its worst call. For each model (bench/gpu.py's rows: ResNet-50 batch 1,
@@ -16,6 +16,12 @@ GPU's timeline, idle included) and the host's until the result is synchronized (
 - run, thread pinned: the calling thread held on one core (no migration)
 - run, after gc.collect(): a full collection before each block (the load's survivors out of the young generations)
 - execute (bound):    set_tensor_address once, then context.execute() (one graph launch a call)
+
+--ways direct: the old run() path against the direct one (kiln/runtime/static_replay.py, KILN_DIRECT_REPLAY=1: one
+foreach copy into the graph's inputs, no inference mode entered, nothing the collector tracks made before the
+launch), two contexts of one engine in one process: replay, run (old), run (direct), each run with the collector off,
+run (direct, inputs in graph) (KILN_REPLAY_CAPTURES_INPUTS=1: the same feeds each call, their copies captured at their
+addresses), execute (bound).
 
 For each way the calls above its device p99 are set beside the host's time to enqueue them (until the call
 returns): where the slow calls were late on the host, the host made them slow.
@@ -106,7 +112,21 @@ def timed(fn, calls: int, within) -> list[tuple[float, float, float]]:
     return out
 
 
-def measure(name: str, calls: int) -> list[tuple]:
+def _context(engine, direct: bool | None):
+    """A context of `engine`, its run() path the direct one or the old one (None: the environment's default)."""
+    before = os.environ.get("KILN_DIRECT_REPLAY")
+    if direct is not None:
+        os.environ["KILN_DIRECT_REPLAY"] = "1" if direct else "0"
+    try:
+        return engine.create_execution_context()
+    finally:
+        if before is None:
+            os.environ.pop("KILN_DIRECT_REPLAY", None)
+        else:
+            os.environ["KILN_DIRECT_REPLAY"] = before
+
+
+def measure(name: str, calls: int, ways_set: str = "all") -> list[tuple]:
     """Rows (model, timed, clock, p50, p99, p99.9, p99/p50) of every way, timed in interleaved blocks of BLOCK calls
     (a clock's drift lands on all alike), and a line per way on its slow calls: was the host late with them?"""
     module, inputs, desc = make(name)
@@ -116,11 +136,23 @@ def measure(name: str, calls: int) -> list[tuple]:
         names = ["x", "mask"][:len(inputs)]
         torch.onnx.export(module, inputs, path, dynamo=True, input_names=names, output_names=["y"])
         engine = kiln.build(path, device="cuda", precision="fp16")
-    ctx = engine.create_execution_context()
+    ctx = _context(engine, False if ways_set == "direct" else None)
+    direct = _context(engine, True)
+    os.environ["KILN_REPLAY_CAPTURES_INPUTS"] = "1"  # a third: the inputs' copies captured at their addresses
+    in_graph = _context(engine, True)
+    os.environ.pop("KILN_REPLAY_CAPTURES_INPUTS")
     feeds = {n: t.cuda() for n, t in zip(names, inputs)}
     for _ in range(100):
         ctx.run(feeds)
+        direct.run(feeds)
+        in_graph.run(feeds)
     torch.cuda.synchronize()
+    old_out, new_out = (next(iter(c.run(feeds).values())).float() for c in (ctx, direct))
+    graph_out = next(iter(in_graph.run(feeds).values())).float()
+    print(f"{name}: direct path {'taken' if direct._static_replay is not None else 'NOT taken'}; max |direct - old| "
+          f"{float((old_out - new_out).abs().max()):.2e}; inputs' graph "
+          f"{'captured' if getattr(in_graph._static_replay, 'inputs_graph', None) is not None else 'NOT captured'}, "
+          f"max |it - old| {float((old_out - graph_out).abs().max()):.2e}", flush=True)
     entry = next(e for e in ctx.runner.entries.values() if e.graph is not None)
     bound = engine.create_execution_context()  # TensorRT's way: tensors bound once, then execute()
     for n, t in feeds.items():
@@ -129,10 +161,18 @@ def measure(name: str, calls: int) -> list[tuple]:
         bound.execute()
     torch.cuda.synchronize()
     run = lambda: ctx.run(feeds)  # noqa: E731
+    run_direct = lambda: direct.run(feeds)  # noqa: E731
+    run_in_graph = lambda: in_graph.run(feeds)  # noqa: E731
     ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run": (run, contextlib.nullcontext),
             "run, static_heap": (run, kiln.static_heap), "run, gc off": (run, _gc_off),
             "run, thread pinned": (run, _pinned), "run, after gc.collect()": (run, _collected),
             "execute (bound)": (bound.execute, contextlib.nullcontext)}
+    if ways_set == "direct":
+        ways = {"replay": (entry.graph.replay, contextlib.nullcontext), "run (old)": (run, contextlib.nullcontext),
+                "run (direct)": (run_direct, contextlib.nullcontext), "run (old), gc off": (run, _gc_off),
+                "run (direct), gc off": (run_direct, _gc_off),
+                "run (direct, inputs in graph)": (run_in_graph, contextlib.nullcontext),
+                "execute (bound)": (bound.execute, contextlib.nullcontext)}
     samples: dict[str, list[tuple[float, float, float]]] = {w: [] for w in ways}
     for _ in range(-(-calls // BLOCK)):
         for way, (fn, within) in ways.items():
@@ -148,7 +188,8 @@ def measure(name: str, calls: int) -> list[tuple]:
         print(f"{desc} {way}: enqueue p50 {stats(enqueue)[0]:.3f} p99 {late:.3f} ms; the {len(slow)} calls above the "
               f"device p99: enqueue median {statistics.median(slow) if slow else float('nan'):.3f} ms, "
               f"{sum(e > late for e in slow)} of them above the enqueue p99", flush=True)
-    print(f"{desc}: median run {statistics.median(d for d, _, _ in samples['run']):.3f} ms", flush=True)
+    first_run = next(w for w in ways if w.startswith("run"))
+    print(f"{desc}: median {first_run} {statistics.median(d for d, _, _ in samples[first_run]):.3f} ms", flush=True)
     return rows
 
 
@@ -207,6 +248,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=None, help="per timed way (cuda 3000, cpu 2000)")
     ap.add_argument("--threads", type=int, default=1, help="cpu: kiln's and onnxruntime's threads")
     ap.add_argument("--engine", help="cpu: a saved engine of the (one) model, else built with a profile")
+    ap.add_argument("--ways", default="all", choices=["all", "direct"], help="cuda: the ways timed (module doc)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     if args.device == "cpu":
@@ -230,7 +272,7 @@ def main() -> None:
              "| model | timed | clock | p50 | p99 | p99.9 | p99/p50 |", "|---|---|---|---|---|---|---|"]
     for name in args.models.split(","):  # each model's rows written as it finishes (a device call's time limit)
         lines += [f"| {d} | {w} | {c} | {a:.3f} | {b:.3f} | {e:.3f} | {r:.2f} |"
-                  for d, w, c, a, b, e, r in measure(name, args.calls)]
+                  for d, w, c, a, b, e, r in measure(name, args.calls, args.ways)]
         torch.cuda.empty_cache()
         print("\n".join(lines), flush=True)
         if args.out:

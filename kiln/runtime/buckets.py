@@ -136,6 +136,16 @@ class Buckets:
             padded.append(F.pad(x, widths) if any(widths) else x)
         return padded
 
+    def padded_shapes(self, inputs: list[torch.Tensor], targets: dict[str, tuple[int, int]]) -> list[tuple[int, ...]]:
+        """The shape of each input as pad() would make it."""
+        shapes = []
+        for x, pads in zip(inputs, self.pads):
+            shape = list(x.shape)
+            for axis, symbol in pads:
+                shape[axis] = targets[symbol][1]
+            shapes.append(tuple(shape))
+        return shapes
+
     def crop(self, outputs: list, targets: dict[str, tuple[int, int]]) -> list:
         cropped = []
         for y, crops in zip(outputs, self.crops):
@@ -146,6 +156,14 @@ class Buckets:
                 y = y[tuple(index)]
             cropped.append(y)
         return cropped
+
+
+def pad_to(x: torch.Tensor, out: torch.Tensor) -> None:
+    """x written into `out`'s leading corner, zeros after it along every dim where `out` is larger: what pad() then
+    a copy into `out` give, without the padded tensor in between (a CUDA graph's static input, kiln/runtime/
+    cuda_graphs.py _Captured.fill)."""
+    out.zero_()
+    out[tuple(slice(0, n) for n in x.shape)].copy_(x)
 
 
 def _ladder(floor: int, high: int, sequence: bool) -> list[int]:

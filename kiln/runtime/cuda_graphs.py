@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kiln.runtime.buckets import pad_to
 from kiln.runtime.host import ShapePlan, host_sync_is_an_error
 from kiln.runtime.program import Program
 
@@ -32,6 +33,16 @@ class _Captured:
     reason: str = ""  # why this signature runs eagerly, when graph is None
     bytes: int = 0  # device memory the capture took
     ms: float | None = None  # one replay's time, measured after the capture (shape buckets' split costs)
+
+    def fill(self, inputs: list[torch.Tensor]) -> None:
+        """Each input into its static input, zero-padded where it is smaller (a run padded to a shape bucket): the
+        padded copy a run would make first is never made."""
+        for dst, src in zip(self.static_inputs, inputs):
+            if dst.shape == src.shape:
+                if dst.data_ptr() != src.data_ptr():
+                    dst.copy_(src)
+            else:
+                pad_to(src, dst)
 
 
 @dataclass
@@ -58,8 +69,11 @@ class GraphRunner:
     """
 
     def __init__(self, program: Program, use_graphs: bool = True, max_graphs: int = MAX_GRAPHS,
-                 memory_budget: int = MEMORY_BUDGET):
+                 memory_budget: int = MEMORY_BUDGET, plain_inputs: bool = False):
+        """`plain_inputs`: the graphs' input tensors are ordinary tensors, not inference tensors, so a caller may
+        copy into them outside torch.inference_mode (kiln/runtime/static_replay.py)."""
         self.program = program
+        self.plain_inputs = plain_inputs
         self.use_graphs = use_graphs
         self.max_graphs = max_graphs
         self.memory_budget = memory_budget
@@ -97,6 +111,24 @@ class GraphRunner:
         self.stats.replays += 1
         return entry.static_outputs
 
+    def replay_padded(self, inputs: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                      program: Program | None = None) -> list[Any] | None:
+        """The graph captured at `shapes` (the inputs' shapes padded to their buckets), replayed with each input
+        written straight into its static input, zero-padded (_Captured.fill); None where no graph is captured for
+        them (the caller pads and runs: the first runs at a shape record and capture). Same results as run() on the
+        padded inputs."""
+        key = [("other program",)] if program is not None and program is not self.program else []
+        key += [(shape, x.dtype) for shape, x in zip(shapes, inputs)]
+        key = tuple(key)
+        entry = self.entries.get(key)
+        if entry is None or entry.graph is None:
+            return None
+        self.entries.move_to_end(key)
+        entry.fill(inputs)
+        entry.graph.replay()
+        self.stats.replays += 1
+        return entry.static_outputs
+
     def replay_ms(self, inputs: list[Any], program: Program | None = None) -> float | None:
         """The measured time of one replay of the graph captured for these inputs' shapes, if any."""
         entry = self.entries.get(self._key(inputs, program is not None and program is not self.program))
@@ -112,7 +144,8 @@ class GraphRunner:
         if not self.use_graphs:
             return outputs
         free_before = torch.cuda.memory_allocated()
-        static_inputs = [t.clone() for t in inputs]
+        with torch.inference_mode(not self.plain_inputs):
+            static_inputs = [t.clone() for t in inputs]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:

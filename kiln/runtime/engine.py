@@ -26,6 +26,12 @@ from kiln.runtime.direct_run import DirectRuns, torch_signature
 from kiln.runtime.first_calls import WARM_UP_HOSTS, WARM_UP_S, FirstCalls, host_sizes, primitives_ahead, primitives_made
 from kiln.runtime.host import HOST_MAX_NUMEL
 from kiln.runtime.program import Program
+from kiln.runtime.static_replay import StaticReplay
+
+# run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
+# GraphRunner.replay_padded): on for CUDA contexts, off with the environment's KILN_DIRECT_REPLAY=0 (H200,
+# bench/results/stream-2026-12-04c.md: the GPU tests of fixed-shape, bucketed and padding-free engines pass with them;
+# batch-1 p99/p50 through run() 1.16 -> 1.09 BERT-base, 1.17 -> 1.07 ResNet-50, outputs bitwise the old path's)
 
 
 def _check_device(header: dict) -> torch.device:
@@ -248,11 +254,13 @@ class ExecutionContext:
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
+        self._direct_replay = engine.device.type == "cuda" and os.environ.get("KILN_DIRECT_REPLAY", "1") != "0"
+        self._inputs_in_graph = os.environ.get("KILN_REPLAY_CAPTURES_INPUTS") == "1"  # StaticReplay's capture_inputs
         if engine.device.type == "cuda":
             if use_cuda_graphs is None:
                 use_cuda_graphs = engine.plan.header.get("build_config", {}).get("cuda_graphs", True)
             self.runner = GraphRunner(engine.program, use_graphs=use_cuda_graphs, max_graphs=max_graphs,
-                                      memory_budget=graph_memory_budget)
+                                      memory_budget=graph_memory_budget, plain_inputs=self._direct_replay)
         if buckets is None:
             buckets = self.runner is not None and self.runner.use_graphs
         pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []
@@ -286,6 +294,8 @@ class ExecutionContext:
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
         self._io_graph: tuple[Any, dict[str, torch.Tensor]] | None = None  # execute()'s whole-call graph
         self.warmed_up: WarmUp | None = None  # the last warm_up()'s report
+        self._static_replay: StaticReplay | None = None  # run()'s path once a fixed-shape engine's graph is captured
+        self._token_buckets: dict[int, torch.Tensor] = {}  # a padding-free run's token bucket by rows (its shape)
         if warm_up:
             self.warm_up()
 
@@ -391,6 +401,29 @@ class ExecutionContext:
                     targets[name].copy_(r)
         torch.cuda.current_stream().wait_stream(stream)
         return graph, targets
+
+    def _capture_inputs(self, sources: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]] | None:
+        """StaticReplay's graph of a caller's inputs at their addresses (its capture_inputs): each input copied (cast)
+        from the caller's tensor into the network's dtype, then the network, on the ordinary graph's memory pool
+        (as _capture_io_graph's: never replayed at once). None where the ordinary graph is gone."""
+        names, _, key, _ = self._cuda_static
+        entry = self.runner.entries.get(key)
+        if entry is None or entry.graph is None:
+            return None
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                torch.cuda.synchronize()
+                with torch.cuda.graph(graph, pool=entry.graph.pool(), stream=stream):
+                    args = [source.to(dtype, copy=True) for source, (_, dtype) in zip(sources, key)]
+                    results = self.engine.program.run(args, plan=entry.plan)
+        except RuntimeError:  # the ordinary graph captured; this one failing leaves the call on the direct path
+            return None
+        finally:
+            torch.cuda.current_stream().wait_stream(stream)
+        return graph, results
 
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
@@ -532,6 +565,10 @@ class ExecutionContext:
                            + "\n  ".join(problems) + "\nrebuild it with a --profile (profiles=[...]) that covers them")
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
+        if self._static_replay is not None and type(feeds) is dict:
+            done = self._static_replay(feeds)
+            if done is not None:
+                return done
         if self._static is not None and type(feeds) is dict:
             done = self._run_static(feeds)
             if done is not None:
@@ -575,14 +612,16 @@ class ExecutionContext:
                 if chunks is not None:
                     results = self._run_chunks(args, targets, chunks)
                 else:
-                    args = self.buckets.pad(args, targets)
-                    captured = self.runner.stats.captures if self.runner is not None else 0
-                    results = self._run_program(args, rows)
-                    if rows is None and self.runner is not None and self.runner.stats.captures != captured:
-                        # timed at its capture
-                        plain = self.engine.plain_program if self._token_mask is not None else None
-                        self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
-                                           else self.runner.replay_ms(args, plain))
+                    results = self._replay_padded(args, rows, targets) if self._direct_replay else None
+                    if results is None:  # padded, then run (the first runs at a bucket record and capture)
+                        args = self.buckets.pad(args, targets)
+                        captured = self.runner.stats.captures if self.runner is not None else 0
+                        results = self._run_program(args, rows)
+                        if rows is None and self.runner is not None and self.runner.stats.captures != captured:
+                            # timed at its capture
+                            plain = self.engine.plain_program if self._token_mask is not None else None
+                            self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
+                                               else self.runner.replay_ms(args, plain))
                     results = self.buckets.crop(results, targets)
             else:
                 results = self._run_program(args, self._packed_rows(args, tokens))
@@ -601,7 +640,7 @@ class ExecutionContext:
         or None: its plain program."""
         program = None
         if rows is not None:
-            args = [*args, torch.empty(rows, dtype=torch.uint8, device=args[self._token_mask].device)]
+            args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
         elif self._token_mask is not None:
             program = self.engine.plain_program
         if self.runner is not None:
@@ -611,6 +650,31 @@ class ExecutionContext:
         if self._first_calls is not None:
             return self._first_calls.run(args)
         return self.engine.program.run(args)
+
+    def _replay_padded(self, args: list[Any], rows: int | None,
+                       targets: dict[str, tuple[int, int]]) -> list[Any] | None:
+        """A bucketed run whose graph is captured: its inputs written straight into the graph's, zero-padded to their
+        buckets (GraphRunner.replay_padded), the program's as _run_program picks it; None where there is no such
+        graph (or no CUDA graphs), and the run pads and runs."""
+        if self.runner is None or not self.runner.use_graphs:
+            return None
+        shapes = self.buckets.padded_shapes(args, targets)
+        program = None
+        if rows is not None:
+            args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
+            shapes.append((rows,))
+        elif self._token_mask is not None:
+            program = self.engine.plain_program
+        return self.runner.replay_padded(args, shapes, program)
+
+    def _token_bucket(self, rows: int, device: torch.device) -> torch.Tensor:
+        """A padding-free program's last input: `rows` bytes, read for its shape alone, made once per row count."""
+        bucket = self._token_buckets.get(rows)
+        if bucket is None or bucket.device != device:
+            if len(self._token_buckets) >= CHECKED_SIGNATURES:
+                self._token_buckets.clear()
+            bucket = self._token_buckets[rows] = torch.empty(rows, dtype=torch.uint8, device=device)
+        return bucket
 
     def _packed_rows(self, args: list[Any], tokens: int | None = None,
                      targets: dict[str, tuple[int, int]] | None = None) -> int | None:
@@ -751,6 +815,13 @@ class ExecutionContext:
         entry = self.runner.entries.get(key)
         if entry is None or entry.graph is None:
             return None  # the general path checks, runs the first time and captures
+        if self._direct_replay:
+            if self._static_replay is not None and self._static_replay.entry is entry:
+                return None  # it was asked first and declined these feeds: the general path checks and runs them
+            capture = self._capture_inputs if self._inputs_in_graph else None
+            self._static_replay = StaticReplay(names, signature, outputs, entry, self.runner.stats,
+                                               on_cuda=self.engine.device.type == "cuda", capture_inputs=capture)
+            return self._static_replay(feeds)
         values = []
         for name, (dtype, shape) in zip(names, signature):
             value = feeds.get(name)
