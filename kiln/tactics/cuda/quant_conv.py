@@ -36,6 +36,7 @@ from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import padded_tile
 from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, Residual, check_layer, check_residual, \
     kernels, triton_available
+from kiln.tactics.cuda.quant_residual_check import residual_layer_checker
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr
@@ -191,7 +192,7 @@ def _igemm_tactic(tile: IgemmTile, level: int, then_qadd: bool = False) -> Tacti
     return Tactic(
         name=tile.name + (".then_qadd" if then_qadd else ""), op_type="QConv", domain="kiln", device="cuda",
         dtypes=QUANTIZED, supports=supports, prepare=prepare, layout="channels_last", level=level,
-        available=triton_available,
+        available=triton_available, checker=residual_layer_checker,
         description=f"Triton int8/fp8 implicit-GEMM convolution (NHWC), {tile.block_m}x{tile.block_n}x{tile.block_k} "
                     f"tiles, {tile.num_warps} warps, {tile.num_stages} stages{extras}; zero point / bias / scale / "
                     f"Relu / requantization (y_scale folded into the scale) {residual}",
@@ -291,6 +292,7 @@ for _suffix, _dtype, _what in (("", torch.float16, "fp16"), ("_fp32", torch.floa
     register(Tactic(
         name=f"cuda.qconv.dequantized{_suffix}", op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED,
         supports=_supports, prepare=_dequantized(_dtype), layout="channels_last", available=triton_available,
+        checker=residual_layer_checker,
         description=f"the float layer in {_what}: x dequantized in one pass, cuDNN convolution on the dequantized "
                     "weight, bias (fp32) / Relu / requantization in one Triton pass",
     ))
