@@ -4,7 +4,6 @@ the unfused pair itself (c a step off, then the add's arithmetic) passes; a kern
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -111,4 +110,3 @@ def test_autotune_keeps_the_builder_s_check_where_the_checker_says_none():
     free = want.int() < 126
     assert check(torch.where(free, want.int() + 1, want.int()).to(I8)) is None
     assert check(torch.where(free, want.int() + 2, want.int()).to(I8)) is not None
-    assert dataclasses.is_dataclass(plain)
