@@ -94,6 +94,23 @@ def cases():
         yield (f"qconv {x} -> {out} {taps}x{taps} {loop} {config}{label}", qconv._qconv_kernel, types,
                constexprs, {"num_warps": c.num_warps, "num_stages": c.num_stages}, divisible, wgmma, True)
 
+    for x, wgmma in (("int8", WGMMA_INT8.format(64)), ("fp8", WGMMA_FP8.format(64))):  # the stem by space-to-depth
+        c = configs["128x64x64"]  # qstem.py: 4 tap rows (KH 4, KW 1) of 64 contiguous bytes, pixel stride 16
+        fp8 = x == "fp8"
+        types = {"x_ptr": f"*{dtype[x]}", "pad_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype[x]}",
+                 "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[x]}",
+                 "res_ptr": "*i8", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+        types |= {n: "i32" for n in ints} | {n: "fp32" for n in residual_values}
+        constexprs = {"KH": 4, "KW": 1, "LOOP": "taps", "EVEN_K": True, "FP8": fp8, "FP8_PRECISE": True,
+                      "PRESCALED": True, "MMA_F16": False, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Relu",
+                      "OUT": out_kind[x], "QMIN": -128, "QMAX": 127, "RESIDUAL": False, "R_ACTIVATION": "",
+                      "R_OUT": 0, "R_QMIN": 0, "R_QMAX": 0,
+                      "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
+        yield (f"qconv {x} -> {x} 7x7/2 stem space-to-depth 128x64x64", qconv._qconv_kernel, types, constexprs,
+               {"num_warps": 4, "num_stages": 4},
+               ("x_ptr", "pad_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "Cout", "Cin", "sxn", "sxh", "sxw"),
+               wgmma, True)
+
     for x, wgmma, residual in (("int8", WGMMA_INT8.format(128), 0), ("fp8", WGMMA_FP8.format(128), 0),
                                ("int8", WGMMA_INT8.format(128), 1)):  # the persistent 1x1 GEMM
         fp8 = x == "fp8"

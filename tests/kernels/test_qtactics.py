@@ -362,3 +362,37 @@ def test_qadd_mixed_layouts_and_rank_5():
     deep = add_layer(I8, I8, I8, shape=(2, 3, 4, 5, 6))
     assert "at most 4" in refusal("cuda.qadd.triton", deep)
     check_tactic("cuda.qadd.torch", deep, what="rank 5")
+
+
+# ---- the stem by space-to-depth (kiln/kernels/cuda/triton/qstem.py) --------------------------------------------
+
+STEM = TRITON_CONV + ".space_to_depth"
+STEM_CASES = {  # (x, out, size, kernel, pads, cin): ResNet's 7x7/2 pad 3; odd sizes and asymmetric pads; 8x8; 4 channels
+    "int8 7x7/2": (I8, I8, (20, 20), 7, [3, 3, 3, 3], 3), "uint8 7x7/2 odd": (U8, U8, (21, 19), 7, [3, 3, 3, 3], 3),
+    "fp8 7x7/2": (FP8, FP8, (20, 20), 7, [3, 3, 3, 3], 3), "int8 asymmetric pads": (I8, I8, (18, 18), 7, [2, 3, 4, 1], 3),
+    "int8 8x8 4 channels": (I8, U8, (16, 16), 8, [3, 3, 3, 3], 4),
+}
+
+
+@pytest.mark.parametrize("case", list(STEM_CASES))
+def test_qconv_stem_by_space_to_depth_matches_the_reference(case):
+    """The space-to-depth stem against the op's reference within one step; int8 sums are exact, so its output is
+    the plain kernel's (the per-element "flat" loop) bit for bit: the same products, only their order differs."""
+    x_dtype, out, size, kernel, pads, cin = STEM_CASES[case]
+    layer = conv_layer(x_dtype, out, n=2, cin=cin, cout=64, size=size, kernel=kernel, stride=2, pads=pads, seed=31)
+    got = check_tactic(STEM, layer, what=case)
+    if x_dtype != FP8:
+        plain = run_tactic(TRITON_CONV, layer)
+        assert torch.equal(got, plain), f"{case}: {int((got.int() - plain.int()).abs().max())} steps from the plain kernel"
+
+
+def test_qconv_stem_by_space_to_depth_refusals():
+    def stem(**kw):
+        base = dict(n=2, cin=3, cout=64, size=(20, 20), kernel=7, stride=2, pads=[3] * 4, seed=32)
+        return conv_layer(I8, I8, **{**base, **kw})
+    assert "stride 2" in refusal(STEM, stem(stride=1))
+    assert "at most 4" in refusal(STEM, stem(cin=5))
+    assert "tap row is 48 bytes" in refusal(STEM, stem(kernel=5, pads=[2] * 4))
+    assert "residual" in refusal(STEM, residual_layer(conv_layer(I8, I8, activation=""), I8, I8))
+    default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
+    assert STEM in default and "cuda.qconv.triton_igemm.128x64x64w4s4.space_to_depth" in default

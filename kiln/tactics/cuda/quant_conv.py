@@ -3,6 +3,9 @@
     cuda.qconv.triton_igemm.<BMxBNxBK>   Triton implicit-GEMM convolution of int8 (int32 accumulator) or
                                          float8e4m3fn (fp32) NHWC activations, 2-D, groups 1; zero point,
                                          bias, per-channel scale, Relu/Clip and requantization on the tile
+    cuda.qconv.triton_igemm.<tile>.space_to_depth
+                                         the same kernel on a stride-2 stem of <= 4 channels (ResNet's 7x7/2
+                                         on RGB) folded by space-to-depth into a dense 4x4/1 GEMM (qstem.py)
     cuda.qconv.dequantized               the float layer in fp16: x dequantized in one pass (channels-last),
                                          cuDNN fp16 convolution on the dequantized weight, one Triton pass
                                          for bias (fp32), activation and requantization. Any rank, any groups
@@ -233,6 +236,77 @@ IGEMM_TILES = (
 for _tile, _level in IGEMM_TILES:
     register(_igemm_tactic(_tile, level=_level))
     register(_igemm_tactic(_tile, level=max(_level, 2), then_qadd=True))
+
+
+# ---- the stem: a stride-2 convolution of <= 4 channels by space-to-depth (kiln/kernels/cuda/triton/qstem.py) ----
+
+_S2D_CHANNELS = 16  # qstem.CHANNELS: the folded pixel's bytes (qstem imports triton; this module may not)
+
+
+def _space_to_depth_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> str | None:
+    x, w = inputs[0], inputs[3]
+    kernel = list(_attr(step, "kernel_shape", w.shape[2:]))
+    strides, dilations, _ = _geometry(step, torch.empty(x.shape, device="meta"), kernel)
+    if list(strides) != [2, 2] or list(dilations) != [1, 1]:
+        return f"strides {list(strides)}, dilations {list(dilations)}: space-to-depth is for stride 2, dilation 1"
+    if kernel[0] != kernel[1]:
+        return f"a {kernel[0]}x{kernel[1]} kernel (square only)"
+    if 4 * x.shape[1] > _S2D_CHANNELS:
+        return f"{x.shape[1]} input channels: the space-to-depth stem takes at most 4 (the plain kernel runs more)"
+    row = -(-kernel[0] // 2) * _S2D_CHANNELS
+    if row != tile.block_k:
+        return f"a {kernel[0]}x{kernel[0]} kernel's tap row is {row} bytes, this tile's K step {tile.block_k}"
+    return _igemm_refusal(tile, step, inputs)
+
+
+def _space_to_depth_tactic(tile: IgemmTile, level: int) -> Tactic:
+    """The Triton implicit GEMM at `tile` on the space-to-depth input: a 7x7/2 stem on 3 channels as a 4x4/1
+    convolution whose K steps are 64 contiguous bytes (qstem.py), where the plain kernel gathers K element by
+    element ("flat" loop: 3.4-3.6 ms for ResNet-50's stem at batch 256 on the H200)."""
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        common = check_layer(step, inputs, 4)
+        if common is not True:
+            return common
+        if len(inputs) > 9 and inputs[9].shape is not None:
+            return "a residual add (the space-to-depth stem writes its own output only)"
+        x, w = inputs[0], inputs[3]
+        if len(x.shape) != 4 or int(_attr(step, "group", 1)) != 1 or x.shape[1] != w.shape[1]:
+            return "only 2-D convolutions of groups 1"
+        return _space_to_depth_refusal(tile, step, inputs) or True
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        qconv, qstem = kernels("qconv"), kernels("qstem")
+        config = qconv.QConvConfig(tile.block_m, tile.block_n, tile.block_k, num_warps=tile.num_warps,
+                                   num_stages=tile.num_stages)
+        layer = QuantizedLayer.of(step, constants, device)
+        kernel = int(layer.w.shape[2])
+        w_packed = qstem.pack_weight(layer.w)  # [Cout, T·T·16]
+        epilogue = layer.integer_epilogue()  # −z·Σw over the real weights: padded taps and channels hold z
+        if epilogue.out_kind != 0:
+            epilogue = epilogue.prescale()
+        padding = qconv.padding_row(layer.x_dtype, layer.x_zero, tile.block_k, device)
+
+        def launch(ctx, x, *inputs, **_attributes):
+            _, _, pads = _geometry(step, x, [kernel, kernel])
+            return qstem.qconv2d_space_to_depth(x, w_packed, kernel, epilogue, x_zero=layer.x_zero,
+                                                pads=tuple(pads), config=config, padding=padding)
+
+        return launch
+
+    return Tactic(
+        name=tile.name + ".space_to_depth", op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED,
+        supports=supports, prepare=prepare, layout="channels_last", level=level, available=triton_available,
+        checker=residual_layer_checker,
+        description=f"Triton int8/fp8 implicit-GEMM convolution of a stride-2 stem (<= 4 channels) on its "
+                    f"space-to-depth input (2x2 pixels folded into 16 channels: a k x k/2 kernel as ceil(k/2) "
+                    f"tap rows of 64 contiguous bytes), {tile.block_m}x{tile.block_n}x{tile.block_k} tiles, "
+                    f"{tile.num_warps} warps, {tile.num_stages} stages",
+    )
+
+
+for _tile, _level in IGEMM_TILES:
+    if _tile.block_k == 64 and not (_tile.mma_f16 or _tile.fp8_fast_accumulation or _tile.persistent):
+        register(_space_to_depth_tactic(_tile, level=_level))
 
 
 # ---- the float layer ---------------------------------------------------------------------------------
