@@ -16,11 +16,11 @@ stage "GPU, commit ${KILN_COMMIT:-?}"; nvidia-smi --query-gpu=name,clocks.sm,clo
 if [ "${TESTS:-1}" = 1 ]; then
 stage "GPU tests: the stem by space-to-depth, residual QConv tactics by their checker, replays, QAdd"
 timeout 45 python3 -m pytest -q -p no:cacheprovider --tb=short --maxfail=3 tests/gpu/test_quant_cuda.py \
-  -k "stem or residual" 2>&1 | grep -v "DEBUG\|^$" | cut -c1-400 | tail -25
+  -k "stem or residual" 2>&1 | grep -v "DEBUG\|^$" | cut -c1-300 | tail -15
 fi
 stage "engines: resnet50_b256 ${MODES:=kiln_int8,kiln_fp8,kiln_fp16} (--profile)"
 timeout 130 python3 bench/quant_gpu.py --sections engines --engines resnet50_b256 --modes "$MODES" \
   --row-timeout 60 --profile --out "$OUT/engines" 2>&1 | grep "^| resnet50\|^| workload"
-python3 bench/quant_gpu.py --show-profiles "$OUT/engines/quant_gpu.log" | cut -c1-1200 | head -90
+python3 bench/quant_gpu.py --show-profiles "$OUT/engines/quant_gpu.log" | cut -c1-700 | head -60
 stage done
 } 2>&1 | tee "$OUT/qgpu.log"

@@ -551,20 +551,28 @@ def show_profiles(log_path: str) -> None:
         profile = row.get("profile", {})
         print(f"-- {row['mode']}: {json.dumps({k: v for k, v in row.items() if k != 'profile'})[:600]}")
         print(f"   eager total {profile.get('eager_ms_total')} ms; by (op, tactic): ms, layers")
-        for kind, ms, n in profile.get("by_kind", [])[:14]:
+        for kind, ms, n in profile.get("by_kind", [])[:8]:
             print(f"     {ms:8.3f} {n:4d}  {kind}")
         for name, times in profile.get("encoder_layers_ms", {}).items():
             print(f"   tuner {name}: {json.dumps(times)[:900]}")
         for key, value in profile.get("tuner_checks", {}).items():
-            print(f"   {key}: {value}")
-        for note, count in profile.get("candidate_notes", [])[:6]:
+            print(f"   {key}: {value[:300]}")
+        for note, count in profile.get("candidate_notes", [])[:3]:
             print(f"   note x{count}: {note}")
         for name, candidates in profile.get("fallbacks", {}).items():
-            print(f"   not on an 8-bit kernel: {name}: {json.dumps(candidates)[:1200]}")
+            print(f"   not on an 8-bit kernel: {name}: {json.dumps(candidates)[:500]}")
         if profile.get("stem"):
-            print(f"   stem: {json.dumps(profile['stem'])[:900]}")
-        for name, times in profile.get("residual_layers_ms", {}).items():  # fused epilogue vs .then_qadd (the pair)
-            print(f"   residual {name}: {json.dumps(times)[:300]}")
+            print(f"   stem: {json.dumps(profile['stem'])[:500]}")
+        residual = profile.get("residual_layers_ms", {})
+        for name, times in list(residual.items())[:3]:  # fused epilogue vs .then_qadd (the unfused pair)
+            print(f"   residual {name}: {json.dumps(times)[:240]}")
+        if residual:  # per layer, the fastest fused candidate against the fastest unfused pair, summed
+            fused = [min((v for k, v in t.items() if "then_qadd" not in k and "dequantized" not in k), default=None)
+                     for t in residual.values()]
+            pair = [min((v for k, v in t.items() if "then_qadd" in k), default=None) for t in residual.values()]
+            both = [(f, p) for f, p in zip(fused, pair) if f is not None and p is not None]
+            print(f"   residual layers {len(residual)}: fused {sum(f for f, _ in both):.3f} ms vs conv + QAdd "
+                  f"{sum(p for _, p in both):.3f} ms (the tuner's times, {len(both)} layers with both in their top 4)")
     print("\n".join(layer_gaps(rows)))
 
 
