@@ -190,3 +190,14 @@ def test_residual_add_in_the_conv_epilogue_is_the_unfused_engine_and_onnxruntime
             bound = 0.05 * np.abs(want).max() + (0.125 * np.abs(want) if activations == "fp8" else 0.0) + 1e-3
             assert (np.abs(got - want) <= bound).all(), (kernel, got, want)
             assert (np.abs(got - unfused_got) <= bound).all(), (kernel, got, unfused_got)
+        # the whole-engine check's blame judges the fused layer by its tactic's rule too (accuracy.blame's
+        # checkers), on the inputs its neighbours give it
+        from kiln.builder import accuracy
+        from kiln.tactics import registry
+        tuned = plans["fused"]
+        index = next(i for i, s in enumerate(tuned.plan.program.steps) if s.name == residual_steps[0].name)
+        checker = registry.get(tuned.plan.program.steps[index].tactic).checker
+        for feed in feeds:
+            found = accuracy.blame(reference["fused"].program, tuned.program, {index}, tuned.program_inputs(feed),
+                                   {index: checker})
+            assert found[index].ratio <= 1, (kernel, found[index].problem)
