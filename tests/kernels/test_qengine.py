@@ -113,10 +113,14 @@ def test_qdq_engine_on_the_cuda_kernels_matches_onnxruntime(tmp_path, monkeypatc
 
 
 def _fusing_the_residual(monkeypatch) -> None:
-    """CPU builds as a CUDA build makes its graph: with fusion.CUDA_RULES (the residual QAdd into its QConv)."""
+    """CPU builds as a CUDA build makes its graph: with fusion.CUDA_RULES (the residual QAdd into its QConv), the FP8
+    one (an opt_level 3 rule) included."""
     import dataclasses
 
     from kiln.builder import build as build_module
+    from kiln.passes import fusion
+
+    monkeypatch.setattr(fusion, "LEVEL3_RULES", set())
 
     plain = build_module.pass_options
     monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(plain(config), cuda_rules=True))
