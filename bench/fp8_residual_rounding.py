@@ -3,8 +3,9 @@
 The fused layer's reference (kiln/ops/quantized.py, QConv inputs 9-13) rounds the convolution's own result c to
 E4M3 from an exact sum, then adds the residual and rounds again. A kernel's c comes from the tensor cores' fp32
 (and within a K step ~14-bit) sums: where c sits near an E4M3 tie it may round the other way, and one step of c
-(1/8 to 1/16 of its value) is s_c / s_y steps of the sum, more where the residual cancels c. The int8 fusion
-solved this by computing c exactly (qmath.exact_integer_result); an FP8 kernel cannot. This measures it on the
+(1/8 to 1/16 of its value) is s_c / s_y steps of the sum, more where the residual cancels c. (The int8 fusion
+then computed c exactly; since 2026-12-04c a fused layer is judged by the unfused pair's tolerance instead:
+kiln/tactics/cuda/quant_residual_check.py, and the FP8 add is fused.) This measures it on the
 H200: kiln's FP8 Triton convolution (the engine's tile) against the float64 reference at ResNet-50's 1x1
 64->256 @56 (batch 32), the share of c off and by how many steps, then the sum (residual at c's scale, the sum's
 scale s_c / 2 as ResNet's blocks have it finer) judged by the builder's own check (kiln/builder/accuracy.py).

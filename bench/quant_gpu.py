@@ -251,9 +251,9 @@ MODES = ("torch_fp16", "kiln_fp16", "kiln_int8", "kiln_fp8", "kiln_fp8_ptq", "ki
 # E4M3 weights, every GEMM a kiln::QGemm, LayerNorms writing fp8 (LayerNormQuantize), the FFN up projection's Gelu
 # writing fp8; the autotuner times each 8-bit layer against its fp16 form
 # kiln_int8_unfused: kiln_int8 built without fuse_quantized_residual (an experiment of this script, not a build
-# option): each residual QAdd its own step after a plain QConv, each checked alone. The fused layer's check makes
-# its convolution round c exactly (qmath.exact_integer_result) where the unfused QConv may be a step off at a
-# near-tie: this row says what that exactness costs against the QAdd pass the fusion saves
+# option): each residual QAdd its own step after a plain QConv, each checked alone (the fused layer is judged by
+# that pair's tolerance: kiln/tactics/cuda/quant_residual_check.py); per layer, the tuner's .then_qadd candidates
+# are the same pair inside the fused engine (residual_layers_ms)
 
 
 def _ort_qdq(fp32_path: str, out_path: str, feeds: list[dict], mode: str, op_types: list[str] | None) -> None:
@@ -360,7 +360,12 @@ def _profile(engine, dev: dict) -> dict:
             fallbacks[step.name] = {"chosen": step.tactic, **{
                 k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:140]
                 for k, v in tuned_layers[step.name]["candidates"].items()}}
-    return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds,
+    # the stem (the first QConv): every candidate's time or why it was dropped (the space-to-depth tactic's row)
+    first = next((s for s in engine.plan.program.steps if s.op_type == "QConv" and s.name in tuned_layers), None)
+    stem = {} if first is None else {"chosen": first.tactic, **{
+        k.removeprefix("cuda.qconv."): round(v, 4) if not isinstance(v, str) else v[:100]
+        for k, v in tuned_layers[first.name]["candidates"].items()}}
+    return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds, "stem": stem,
             "layers": [(layer["name"], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 4))
                        for layer in layers], "fallbacks": fallbacks,
             "slowest": [(layer["name"][-40:], layer["op_type"], layer["tactic"], round(float(layer["ms"]), 3))
@@ -546,16 +551,28 @@ def show_profiles(log_path: str) -> None:
         profile = row.get("profile", {})
         print(f"-- {row['mode']}: {json.dumps({k: v for k, v in row.items() if k != 'profile'})[:600]}")
         print(f"   eager total {profile.get('eager_ms_total')} ms; by (op, tactic): ms, layers")
-        for kind, ms, n in profile.get("by_kind", [])[:14]:
+        for kind, ms, n in profile.get("by_kind", [])[:8]:
             print(f"     {ms:8.3f} {n:4d}  {kind}")
         for name, times in profile.get("encoder_layers_ms", {}).items():
             print(f"   tuner {name}: {json.dumps(times)[:900]}")
         for key, value in profile.get("tuner_checks", {}).items():
-            print(f"   {key}: {value}")
-        for note, count in profile.get("candidate_notes", [])[:6]:
+            print(f"   {key}: {value[:300]}")
+        for note, count in profile.get("candidate_notes", [])[:3]:
             print(f"   note x{count}: {note}")
         for name, candidates in profile.get("fallbacks", {}).items():
-            print(f"   not on an 8-bit kernel: {name}: {json.dumps(candidates)[:1200]}")
+            print(f"   not on an 8-bit kernel: {name}: {json.dumps(candidates)[:500]}")
+        if profile.get("stem"):
+            print(f"   stem: {json.dumps(profile['stem'])[:500]}")
+        residual = profile.get("residual_layers_ms", {})
+        for name, times in list(residual.items())[:3]:  # fused epilogue vs .then_qadd (the unfused pair)
+            print(f"   residual {name}: {json.dumps(times)[:240]}")
+        if residual:  # per layer, the fastest fused candidate against the fastest unfused pair, summed
+            fused = [min((v for k, v in t.items() if "then_qadd" not in k and "dequantized" not in k), default=None)
+                     for t in residual.values()]
+            pair = [min((v for k, v in t.items() if "then_qadd" in k), default=None) for t in residual.values()]
+            both = [(f, p) for f, p in zip(fused, pair) if f is not None and p is not None]
+            print(f"   residual layers {len(residual)}: fused {sum(f for f, _ in both):.3f} ms vs conv + QAdd "
+                  f"{sum(p for _, p in both):.3f} ms (the tuner's times, {len(both)} layers with both in their top 4)")
     print("\n".join(layer_gaps(rows)))
 
 

@@ -46,6 +46,7 @@ from kiln.ops.quantized import LAYER_NORM_QUANTIZE_OPS, QUANTIZED_LAYERS
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.program import Program
 from kiln.runtime.step import BoundStep
+from kiln.tactics import registry
 
 Progress = Callable[[str], None]
 
@@ -444,11 +445,13 @@ def _judge_layer(index: int, result: Any, expected: Any, exact: Any | None, step
     return worst
 
 
-def blame(default: Program, tuned: Program, indices: set[int], inputs: list[Any]) -> dict[int, LayerBlame]:
+def blame(default: Program, tuned: Program, indices: set[int], inputs: list[Any],
+          checkers: dict[int, Callable[..., Any]] | None = None) -> dict[int, LayerBlame]:
     """Run `tuned` once; each layer in `indices` is judged against its default implementation on the
     inputs it is given in this engine (its neighbours' layouts, their rounding). A guilty layer's
     output is replaced by the default's, as if it were reverted, so the layers after it are judged
-    on what the engine will give them."""
+    on what the engine will give them. `checkers`: a layer's Tactic.checker, where its tactic judges it
+    its own way (as the autotuner did)."""
     found: dict[int, LayerBlame] = {}
 
     def judging(i: int, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -465,7 +468,14 @@ def blame(default: Program, tuned: Program, indices: set[int], inputs: list[Any]
             except Exception as e:  # noqa: BLE001  a tactic that fails here is guilty
                 found[i] = LayerBlame(i, math.inf, math.inf, 0.0, f"failed: {type(e).__name__}: {str(e)[:160]}")
                 return expected
-            found[i] = _judge_layer(i, result, expected, exact, integer_steps(step.ctx))
+            checker = (checkers or {}).get(i)
+            check = checker(step.fn, step.ctx, list(args), step.attributes) if checker is not None else None
+            if check is not None:
+                problem = check(result)
+                found[i] = LayerBlame(i, 0.0 if problem is None else math.inf, 0.0, 0.0,
+                                      problem or "within its tactic's own bound")
+            else:
+                found[i] = _judge_layer(i, result, expected, exact, integer_steps(step.ctx))
             return result if found[i].ratio <= 1 else expected
         return call
 
@@ -519,7 +529,9 @@ def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     blames: dict[int, LayerBlame] = {}
     for _ in range(BLAME_ROUNDS):
         tuned = {i for i, s in enumerate(spec.steps) if s.tactic}
-        blames = blame(default, Program(spec, weights, device), tuned, inputs)
+        checkers = {i: t.checker for i in tuned if (t := registry.get(spec.steps[i].tactic)) is not None
+                    and t.checker is not None}
+        blames = blame(default, Program(spec, weights, device), tuned, inputs, checkers)
         guilty = sorted(i for i, b in blames.items() if b.ratio > 1)
         if not guilty:
             break

@@ -333,7 +333,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
             launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
             for r, check in zip(points, checks):
                 if t.checker is not None:  # a tactic whose arithmetic is not the op's says how it is judged
-                    check = t.checker(fn, ctx, r.args, attrs)
+                    check = t.checker(fn, ctx, r.args, attrs) or check  # None: as every tactic
                 args = [t.to_layout(a) for a in r.args]
                 with torch.inference_mode():
                     problem = check(launch(ctx, *args, **attrs))

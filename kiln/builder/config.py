@@ -9,7 +9,8 @@ from typing import Any
 
 @dataclass
 class BuildConfig:
-    opt_level: int = 2  # 0: as is; 1: folding/cleanups; 2: + BN folding, fusions; 3-5: wider tactic search (kiln/passes/pipeline.py)
+    # 0: as is; 1: folding/cleanups; 2: + BN folding, fusions; 3-5: wider tactic search and fusion.LEVEL3_RULES
+    opt_level: int = 2  # (kiln/passes/pipeline.py)
     device: str = "cpu"
     precision: str = "fp32"  # fp32 | tf32 | fp16 | bf16 | int8 | fp8 | best
     shapes: dict[str, list[int]] = field(default_factory=dict)  # the shapes tactics are tuned at (a profile's opt)

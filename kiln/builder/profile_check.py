@@ -174,6 +174,8 @@ def _check_layer(program: ProgramSpec, weights: dict[str, Any], i: int, fn, ctx,
     if ok is not True:
         return f"unsupported: {ok}"
     check = _checker(fn, ctx, _Recorded(args, result), attrs)
+    if tactic.checker is not None:  # judged as the autotuner judged it (Tactic.checker)
+        check = tactic.checker(fn, ctx, args, attrs) or check
     try:
         launch = tactic.prepare(step, constants, device)
         with torch.inference_mode():

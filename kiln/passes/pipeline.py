@@ -107,6 +107,8 @@ def optimize(model: ir.Model, options: PassOptions | None = None, report: PassRe
                 continue
             if name in fusion.CUDA_RULES and not options.cuda_rules:
                 continue
+            if name in fusion.LEVEL3_RULES and options.opt_level < 3:
+                continue
             if run_rule(model, name, rule, report):
                 # What a rewrite replaced is dead (a decomposed attention's shape arithmetic still reading
                 # its key): gone before the next rule counts a value's readers.

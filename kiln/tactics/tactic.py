@@ -101,8 +101,9 @@ class Tactic:
     float32_output: bool = False
     # how the autotuner judges its output where its arithmetic is not the op's (cuda.attention.triton_fp8 rounds q,
     # k and v to E4M3): (the op's launch, ctx, the recorded inputs, the attributes) -> a function of the tactic's
-    # output giving None when it passes, else what differs. None: the builder's check against the op
-    checker: Callable[[Launch, Any, list[Any], dict[str, Any]], Callable[[Any], str | None]] | None = None
+    # output giving None when it passes, else what differs; or None for a layer it judges as every tactic is (the
+    # QConv tactics judge only a fused residual layer their way). None: the builder's check against the op
+    checker: Callable[[Launch, Any, list[Any], dict[str, Any]], Callable[[Any], str | None] | None] | None = None
 
     def check(self, step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         """True when this tactic may run `step` with these inputs, else the reason it may not."""

@@ -190,7 +190,7 @@ def residual_layer(conv: Layer, residual: torch.dtype, out: torch.dtype, *, seed
     r, r_zero = _activations(tuple(shape), residual, gen)
     r_scale = torch.tensor(float(c_scale) * 0.9, dtype=torch.float32)
     y_scale = torch.tensor(float(c_scale) * sum_scale, dtype=torch.float32)
-    y_zero = torch.tensor(-5 if out == torch.int8 else 2, dtype=out)
+    y_zero = torch.zeros((), dtype=FP8) if out == FP8 else torch.tensor(-5 if out == torch.int8 else 2, dtype=out)
     bias = conv.args[8] if len(conv.args) > 8 else None
     args = conv.args[:6] + [y_scale, y_zero, bias, r, r_scale, r_zero, c_scale, c_zero]
     return dataclasses.replace(conv, args=args, attributes={**conv.attributes, "activation": "Relu"})

@@ -51,10 +51,9 @@ def cases():
     configs = {c.name: c for c in qconv.QCONV_CONFIGS}
     ints = ("M", "Cout", "Cin", "H", "W", "Ho", "Wo", "sxn", "sxh", "sxw", "SH", "SW", "PT", "PL", "DH", "DW")
     wgmma_f16 = "wgmma.mma_async.sync.aligned.m64n{}k16.f32.f16.f16"
-    residual_values = ("rc_scale", "ra_multiplier", "ra_zero", "rb_multiplier", "rb_zero", "ry_zero")
-    residual_tables = {"scale64_ptr": "*fp64"}  # x_scale·w_scale per channel (qmath.exact_integer_result)
-    # residual: 0 none, 1 the add (qresidual.ResidualAdd; the sum uint8, Relu), 2 the exact result alone (the
-    # .then_qadd tactics); c exact (qmath.exact_integer_result), prescaled on the "gemm" loop, divided on others
+    residual_values = ("ra_multiplier", "ra_zero", "rb_multiplier", "rb_zero", "ry_zero")
+    # residual: 0 none, 1 the add (qresidual.ResidualAdd; the sum uint8 (E4M3 for FP8), Relu), 2 the layer's own
+    # result alone, no activation (the .then_qadd tactics); c prescaled on the "gemm" loop, divided on others
     for x, out, taps, loop, config, wgmma, f16, residual in (
             ("int8", "int8", 3, "taps", "128x128x64", WGMMA_INT8.format(128), False, 0),
             ("int8", "int8", 1, "gemm", "128x128x64", WGMMA_INT8.format(128), False, 0),
@@ -68,29 +67,49 @@ def cases():
             ("uint8", "int8", 1, "gemm", "128x128x128", WGMMA_INT8.format(128), False, 1),
             ("int8", "int8", 3, "taps", "128x128x64", WGMMA_INT8.format(128), False, 1),
             ("int8", "int8", 1, "gemm", "128x128x64", wgmma_f16.format(128), True, 1),
-            ("int8", "int8", 1, "gemm", "128x64x64", WGMMA_INT8.format(64), False, 2)):
+            ("int8", "int8", 1, "gemm", "128x64x64", WGMMA_INT8.format(64), False, 2),
+            ("fp8", "fp8", 1, "gemm", "128x128x128", WGMMA_FP8.format(128), False, 1),  # FP8 conv3 + add
+            ("fp8", "fp8", 3, "taps", "128x128x64", WGMMA_FP8.format(128), False, 1)):
         c = configs[config]
         fp8 = x == "fp8"
         w_type = "fp16" if f16 else "fp8" if fp8 else "int8"
         types = {"x_ptr": f"*{dtype[x]}", "pad_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype[w_type]}",
                  "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32",
-                 "out_ptr": f"*{dtype['uint8' if residual == 1 else out]}", "res_ptr": "*u8" if residual else "*i8",
+                 "out_ptr": f"*{dtype['uint8' if residual == 1 and not fp8 else out]}",
+                 "res_ptr": ("*fp8e4nv" if fp8 else "*u8") if residual else "*i8",
                  "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ints}
-        types |= residual_tables | {n: "fp32" for n in residual_values}
+        types |= {n: "fp32" for n in residual_values}
         constexprs = {"KH": taps, "KW": taps, "LOOP": loop, "EVEN_K": loop != "flat", "FP8": fp8,
                       "FP8_PRECISE": True, "PRESCALED": loop == "gemm", "MMA_F16": f16, "X_UNSIGNED": x == "uint8",
                       "HAS_BIAS": True, "ACTIVATION": "" if residual else "Relu",
                       "OUT": out_kind[out], "QMIN": 0 if out == "uint8" else -128,
-                      "QMAX": 255 if out == "uint8" else 127, "EXACT": bool(residual), "RESIDUAL": residual == 1,
-                      "R_ACTIVATION": "Relu" if residual == 1 else "", "R_QMIN": 0,
-                      "R_QMAX": 255 if residual == 1 else 0,
+                      "QMAX": 255 if out == "uint8" else 127, "RESIDUAL": residual == 1,
+                      "R_ACTIVATION": "Relu" if residual == 1 else "", "R_OUT": (2 if fp8 else 1) if residual == 1 else 0,
+                      "R_QMIN": 0, "R_QMAX": 255 if residual == 1 and not fp8 else 0,
                       "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
         divisible = ("x_ptr", "pad_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "res_ptr", "Cout", "sxn") + \
             (() if loop == "flat" else ("Cin", "sxh", "sxw"))
-        kind = {0: "", 1: " + residual", 2: " exact"}[residual]
+        kind = {0: "", 1: " + residual", 2: " c alone"}[residual]
         label = f"{' fp16 mma' if f16 else ''}{kind}{' (div)' if residual and loop != 'gemm' else ''}"
         yield (f"qconv {x} -> {out} {taps}x{taps} {loop} {config}{label}", qconv._qconv_kernel, types,
                constexprs, {"num_warps": c.num_warps, "num_stages": c.num_stages}, divisible, wgmma, True)
+
+    for x, wgmma in (("int8", WGMMA_INT8.format(64)), ("fp8", WGMMA_FP8.format(64))):  # the stem by space-to-depth
+        c = configs["128x64x64"]  # qstem.py: 4 tap rows (KH 4, KW 1) of 64 contiguous bytes, pixel stride 16
+        fp8 = x == "fp8"
+        types = {"x_ptr": f"*{dtype[x]}", "pad_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype[x]}",
+                 "bias_ptr": "*fp32" if fp8 else "*i32", "scale_ptr": "*fp32", "out_ptr": f"*{dtype[x]}",
+                 "res_ptr": "*i8", "y_scale": "fp32", "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"}
+        types |= {n: "i32" for n in ints} | {n: "fp32" for n in residual_values}
+        constexprs = {"KH": 4, "KW": 1, "LOOP": "taps", "EVEN_K": True, "FP8": fp8, "FP8_PRECISE": True,
+                      "PRESCALED": True, "MMA_F16": False, "X_UNSIGNED": False, "HAS_BIAS": True, "ACTIVATION": "Relu",
+                      "OUT": out_kind[x], "QMIN": -128, "QMAX": 127, "RESIDUAL": False, "R_ACTIVATION": "",
+                      "R_OUT": 0, "R_QMIN": 0, "R_QMAX": 0,
+                      "BLOCK_M": c.block_m, "BLOCK_N": c.block_n, "BLOCK_K": c.block_k, "GROUP_M": c.group_m}
+        yield (f"qconv {x} -> {x} 7x7/2 stem space-to-depth 128x64x64", qconv._qconv_kernel, types, constexprs,
+               {"num_warps": 4, "num_stages": 4},
+               ("x_ptr", "pad_ptr", "w_ptr", "bias_ptr", "scale_ptr", "out_ptr", "Cout", "Cin", "sxn", "sxh", "sxw"),
+               wgmma, True)
 
     for x, wgmma, residual in (("int8", WGMMA_INT8.format(128), 0), ("fp8", WGMMA_FP8.format(128), 0),
                                ("int8", WGMMA_INT8.format(128), 1)):  # the persistent 1x1 GEMM
@@ -98,12 +117,12 @@ def cases():
         types = {"x_ptr": f"*{dtype[x]}", "w_ptr": f"*{dtype[x]}", "bias_ptr": "*fp32" if fp8 else "*i32",
                  "scale_ptr": "*fp32", "out_ptr": f"*{dtype[x]}", "res_ptr": "*i8", "y_scale": "fp32",
                  "y_zero": "fp32", "alpha": "fp32", "beta": "fp32"} | {n: "i32" for n in ("M", "Cout", "Cin", "sxw")}
-        types |= residual_tables | {n: "fp32" for n in residual_values}
+        types |= {n: "fp32" for n in residual_values}
         constexprs = {"EVEN_K": True, "FP8": fp8, "FP8_PRECISE": True, "X_UNSIGNED": False, "HAS_BIAS": True,
                       "PRESCALED": True, "MMA_F16": False, "ACTIVATION": "" if residual else "Relu",
-                      "OUT": out_kind[x], "QMIN": -128, "QMAX": 127, "EXACT": bool(residual),
-                      "RESIDUAL": bool(residual),
-                      "R_ACTIVATION": "Relu" if residual else "", "R_QMIN": -128 if residual else 0,
+                      "OUT": out_kind[x], "QMIN": -128, "QMAX": 127, "RESIDUAL": bool(residual),
+                      "R_ACTIVATION": "Relu" if residual else "", "R_OUT": 1 if residual else 0,
+                      "R_QMIN": -128 if residual else 0,
                       "R_QMAX": 127 if residual else 0, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}
         yield (f"qconv {x} -> {x} 1x1 persistent gemm 128x128x64{' + residual' if residual else ''}",
                qconv._qconv_gemm_persistent_kernel, types, constexprs, {"num_warps": 4, "num_stages": 3},

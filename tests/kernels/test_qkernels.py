@@ -7,6 +7,8 @@ against the ops' reference in test_qtactics.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,7 +21,8 @@ from kiln.kernels.cuda.triton import qmath  # noqa: E402
 from kiln.kernels.cuda.triton.qconv import QConvConfig, pack_weight, qconv2d  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import dequantize, qadd, requantize  # noqa: E402
 from kiln.kernels.cuda.triton.qgemm import Epilogue, QGemmConfig, fold_zero_point, qgemm  # noqa: E402
-from kiln.kernels.cuda.triton.qresidual import ExactRounding, ResidualAdd  # noqa: E402
+from kiln.kernels.cuda.triton.qresidual import ResidualAdd  # noqa: E402
+from kiln.tactics.cuda.quant_residual_check import residual_steps  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates masked-off lanes
 
@@ -309,8 +312,8 @@ def _residual_reference(x, w, bias, x_zero, stride, pad, scale64, c, res, add, a
 
 
 # (x, x_zero, c, residual, sum, regime): "random": random scales, s_c < s_y; "amplified": c on near-ties and
-# s_y = 0.45·s_c, so a step of c would be two or three of the sum; "c itself": c on near-ties, the sum at c's
-# own scale and zero point, the residual at its zero point and no activation, so the output is c
+# s_y = 0.45·s_c, so a step of c is two or three of the sum; "c itself": c on near-ties, the sum at c's own
+# scale and zero point, the residual at its zero point and no activation, so the output is c
 RESIDUAL_REGIMES = ((torch.int8, -100, torch.int8, torch.uint8, torch.uint8, "random"),
                     (torch.uint8, 200, torch.uint8, torch.int8, torch.int8, "random"),
                     (torch.uint8, 130, torch.int8, torch.uint8, torch.uint8, "amplified"),
@@ -319,12 +322,11 @@ RESIDUAL_REGIMES = ((torch.int8, -100, torch.int8, torch.uint8, torch.uint8, "ra
 
 @pytest.mark.parametrize("option", list(RESIDUAL_OPTIONS))
 @pytest.mark.parametrize("loop", ["gemm 1x1", "taps 3x3 stride 2 tail", "flat 7x7 stride 2"])
-def test_qconv_residual_epilogue_rounds_c_as_the_reference(loop, option):
+def test_qconv_residual_epilogue_within_the_unfused_pair_s_tolerance(loop, option):
     """kiln::QConv with a residual: the layer's own 8-bit result c, plus the residual tile, Relu, requantized
-    to the sum's dtype, against the contract's arithmetic written in torch. c equals the reference's at every
-    element, near-ties included ("c itself": bit for bit), so the sum is within the one step the contract
-    allows at its own near-ties, also where s_c > s_y (the H200 build's ResNet-50 rejections, bench/results/
-    qadd-2026-12-03.md: two steps there before)."""
+    to the sum's dtype, against the contract's arithmetic written in torch: within the unfused pair's tolerance
+    (kiln/tactics/cuda/quant_residual_check.py: ceil(s_c / s_y) + 1 steps), "c itself" within c's one step;
+    off by a step only at near-ties (rare on random scales)."""
     cin, cout, size, k, stride, pad = CONV_LOOPS[loop]
     config = QConvConfig(16, 16, 16, group_m=2, **RESIDUAL_OPTIONS[option])
     gen = torch.Generator().manual_seed(hash(("residual", loop, option)) % 2**31)
@@ -355,13 +357,14 @@ def test_qconv_residual_epilogue_rounds_c_as_the_reference(loop, option):
         y = qconv2d(x.contiguous(memory_format=torch.channels_last), pack_weight(w, fp16=config.mma_f16), (k, k),
                     ep.prescale() if config.prescaled else ep, x_zero=x_zero, strides=(stride, stride),
                     pads=(pad,) * 4, config=config, residual=res.contiguous(memory_format=torch.channels_last),
-                    residual_add=add, exact=ExactRounding(scale64, c_scale))
+                    residual_add=add)
         assert y.dtype == out_dtype and y.is_contiguous(memory_format=torch.channels_last)
         olo = -128 if out_dtype == torch.int8 else 0
         assert float((want > olo).float().mean()) > 0.3  # the Relu and the saturation do not decide everything
         off = (y.int() - want).abs()
-        allowed = 0 if regime == "c itself" else 1
-        assert int(off.max()) <= allowed and float((off > 0).float().mean()) <= 0.02, \
+        allowed = 1 if regime == "c itself" else residual_steps(c_scale, y_scale)
+        rare = 0.02 if regime == "random" else 0.5  # near-ties by construction: c a step off on many of them
+        assert int(off.max()) <= allowed and float((off > 0).float().mean()) <= rare, \
             (regime, int(off.max()), float((off > 0).float().mean()))
 
 
@@ -370,19 +373,17 @@ def test_qconv_residual_is_checked():
     w = pack_weight(torch.zeros(16, 16, 1, 1, dtype=torch.int8))
     ep = Epilogue(torch.ones(16), None, torch.int8)
     add = ResidualAdd(1.0, 0.0, 1.0, 0.0, torch.int8, 1.0, 0.0)
-    exact = ExactRounding(torch.ones(16, dtype=torch.float64), 1.0)
     res = torch.zeros(1, 16, 4, 4, dtype=torch.int8)
     with pytest.raises(ValueError, match="come together"):
-        qconv2d(x, w, (1, 1), ep, residual=res, exact=exact)
-    with pytest.raises(ValueError, match="rounded exactly"):
-        qconv2d(x, w, (1, 1), ep, residual=res, residual_add=add)
+        qconv2d(x, w, (1, 1), ep, residual=res)
     with pytest.raises(ValueError, match="the output's"):
-        qconv2d(x, w, (1, 1), ep, residual=torch.zeros(1, 16, 4, 2, dtype=torch.int8), residual_add=add, exact=exact)
-    with pytest.raises(ValueError, match="16 contiguous float64"):
-        qconv2d(x, w, (1, 1), ep, residual=res, residual_add=add, exact=ExactRounding(torch.ones(16), 1.0))
-    with pytest.raises(ValueError, match="int8/uint8 result with no activation"):
-        qconv2d(x, w, (1, 1), Epilogue(torch.ones(16), None, torch.float32), residual=res, residual_add=add,
-                exact=exact)
+        qconv2d(x, w, (1, 1), ep, residual=torch.zeros(1, 16, 4, 2, dtype=torch.int8), residual_add=add)
+    with pytest.raises(TypeError, match="all int8/uint8 or all float8e4m3fn"):
+        qconv2d(x, w, (1, 1), Epilogue(torch.ones(16), None, torch.float32), residual=res, residual_add=add)
+    with pytest.raises(TypeError, match="all int8/uint8 or all float8e4m3fn"):
+        qconv2d(x, w, (1, 1), ep, residual=res.to(torch.float8_e4m3fn), residual_add=add)
+    with pytest.raises(ValueError, match="no activation of its own"):
+        qconv2d(x, w, (1, 1), dataclasses.replace(ep, activation="Relu"), residual=res, residual_add=add)
 
 
 def test_qconv_refuses_a_wrong_padding_row_and_weight_dtype():

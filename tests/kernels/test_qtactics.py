@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from kiln.ops.quantized import qconv  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.kernels.qlayers import FP8, add_layer, check_tactic, conv_layer, gemm_layer, refusal, residual_layer, \
@@ -281,12 +282,11 @@ def test_qconv_triton_options_with_a_residual(flag):
 
 
 @pytest.mark.parametrize("case", list(RESIDUAL_CASES))
-def test_qconv_triton_with_a_residual_rounds_c_exactly_at_near_ties(case):
+def test_qconv_triton_with_a_residual_at_near_ties_passes_the_unfused_pair_s_check(case):
     """The Triton tactics with a residual where c sits on near-ties (w_scale at 2^-k·(1 + ε)): with the sum
-    at 0.45x c's scale (ResNet-50's blocks on the H200: a step of c was two of the sum, and the builder
-    rejected every candidate) the sum is within one step; with the sum at c's own scale and zero point and
-    the residual at its zero point the output is c (Relu(c) on the GPU test's one kernel), equal to the
-    reference's bit for bit. The tactic's float64 channel scale is the layer's own x_scale·w_scale."""
+    at 0.45x c's scale (ResNet-50's blocks: a step of c is 2.2 of the sum) every tactic passes the fused
+    layer's check (Tactic.checker: the unfused pair's tolerance, ceil(s_c / s_y) + 1 steps); with the sum at
+    c's own scale and zero point and the residual at its zero point the output is c, within its one step."""
     x_dtype, conv_out, res, out = RESIDUAL_CASES[case]
     conv = conv_layer(x_dtype, conv_out, activation="", cin=128, cout=128, size=(12, 12), kernel=1, pads=[0] * 4,
                       seed=11)
@@ -297,10 +297,28 @@ def test_qconv_triton_with_a_residual_rounds_c_exactly_at_near_ties(case):
     c_itself.args[9] = torch.full_like(c_itself.args[9], int(c_itself.args[11]))
     c_itself.attributes["activation"] = ""
     for name in (TRITON_CONV, TRITON_CONV + ".then_qadd", _first_tile("persistent"), _first_tile("mma_f16", I8)):
-        for layer, allowed in ((amplified, 1), (c_itself, 0)):
-            off = (run_tactic(name, layer).int() - layer.reference().int()).abs()
-            assert int(off.max()) <= allowed and float((off > 0).float().mean()) <= 0.01, \
-                f"{name} {case}: {int(off.max())} steps off on {float((off > 0).float().mean()):.2%}"
+        tactic = registry.get(name)
+        got = run_tactic(name, amplified)
+        check = tactic.checker(qconv, amplified.ctx, amplified.args, amplified.attributes)
+        assert check is not None and check(got) is None, f"{name} {case}: {check(got)}"
+        off = (run_tactic(name, c_itself).int() - c_itself.reference().int()).abs()
+        assert int(off.max()) <= 1, f"{name} {case}: c {int(off.max())} steps off"
+
+
+@pytest.mark.parametrize("name", [TRITON_CONV, TRITON_CONV + ".then_qadd", "cuda.qconv.dequantized",
+                                  "cuda.qconv.dequantized_fp32"])
+def test_qconv_fp8_with_a_residual_passes_the_unfused_pair_s_check(name):
+    """An FP8 QConv with its residual add (E4M3 c, residual and sum; the sum at half c's scale, as ResNet-50's
+    blocks have it): every CUDA tactic within the per-element E4M3 bound of the unfused pair
+    (quant_residual_check.py); the same output with the residual's scale 15% off fails it."""
+    conv = conv_layer(FP8, FP8, activation="", cin=64, cout=64, size=(6, 6), seed=13)
+    layer = residual_layer(conv, FP8, FP8, seed=14, sum_scale=0.5)
+    got = run_tactic(name, layer)
+    assert got.dtype == FP8 and got.shape == layer.reference().shape
+    check = registry.get(name).checker(qconv, layer.ctx, layer.args, layer.attributes)
+    assert check is not None and check(got) is None, f"{name}: {check(got)}"
+    wrong = dataclasses.replace(layer, args=layer.args[:10] + [layer.args[10] * 1.15] + layer.args[11:])
+    assert check(run_tactic(name, wrong)) is not None
 
 
 def test_qconv_residual_refusals():
@@ -308,7 +326,7 @@ def test_qconv_residual_refusals():
     for name in ("cpu.qconv.onednn", "cpu.qconv.dequantized"):
         assert "residual" in refusal(name, layer)
     fp8 = residual_layer(conv_layer(FP8, I8, activation=""), U8, U8)
-    assert "FP8" in refusal(TRITON_CONV, fp8)
+    assert "float8e4m3fn throughout" in refusal(TRITON_CONV, fp8)
     assert "no residual" in refusal(TRITON_CONV + ".then_qadd", conv_layer(U8, U8))
     clip = dataclasses.replace(layer, attributes={**layer.attributes, "activation": "Clip"})
     assert "Relu or none" in refusal(TRITON_CONV, clip)
@@ -344,3 +362,37 @@ def test_qadd_mixed_layouts_and_rank_5():
     deep = add_layer(I8, I8, I8, shape=(2, 3, 4, 5, 6))
     assert "at most 4" in refusal("cuda.qadd.triton", deep)
     check_tactic("cuda.qadd.torch", deep, what="rank 5")
+
+
+# ---- the stem by space-to-depth (kiln/kernels/cuda/triton/qstem.py) --------------------------------------------
+
+STEM = TRITON_CONV + ".space_to_depth"
+STEM_CASES = {  # (x, out, size, kernel, pads, cin): ResNet's 7x7/2 pad 3; odd sizes and asymmetric pads; 8x8; 4 channels
+    "int8 7x7/2": (I8, I8, (20, 20), 7, [3, 3, 3, 3], 3), "uint8 7x7/2 odd": (U8, U8, (21, 19), 7, [3, 3, 3, 3], 3),
+    "fp8 7x7/2": (FP8, FP8, (20, 20), 7, [3, 3, 3, 3], 3), "int8 asymmetric pads": (I8, I8, (18, 18), 7, [2, 3, 4, 1], 3),
+    "int8 8x8 4 channels": (I8, U8, (16, 16), 8, [3, 3, 3, 3], 4),
+}
+
+
+@pytest.mark.parametrize("case", list(STEM_CASES))
+def test_qconv_stem_by_space_to_depth_matches_the_reference(case):
+    """The space-to-depth stem against the op's reference within one step; int8 sums are exact, so its output is
+    the plain kernel's (the per-element "flat" loop) bit for bit: the same products, only their order differs."""
+    x_dtype, out, size, kernel, pads, cin = STEM_CASES[case]
+    layer = conv_layer(x_dtype, out, n=2, cin=cin, cout=64, size=size, kernel=kernel, stride=2, pads=pads, seed=31)
+    got = check_tactic(STEM, layer, what=case)
+    if x_dtype != FP8:
+        plain = run_tactic(TRITON_CONV, layer)
+        assert torch.equal(got, plain), f"{case}: {int((got.int() - plain.int()).abs().max())} steps from the plain kernel"
+
+
+def test_qconv_stem_by_space_to_depth_refusals():
+    def stem(**kw):
+        base = dict(n=2, cin=3, cout=64, size=(20, 20), kernel=7, stride=2, pads=[3] * 4, seed=32)
+        return conv_layer(I8, I8, **{**base, **kw})
+    assert "stride 2" in refusal(STEM, stem(stride=1))
+    assert "at most 4" in refusal(STEM, stem(cin=5))
+    assert "tap row is 48 bytes" in refusal(STEM, stem(kernel=5, pads=[2] * 4))
+    assert "residual" in refusal(STEM, residual_layer(conv_layer(I8, I8, activation=""), I8, I8))
+    default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
+    assert STEM in default and "cuda.qconv.triton_igemm.128x64x64w4s4.space_to_depth" in default

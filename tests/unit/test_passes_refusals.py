@@ -493,6 +493,9 @@ CASES = {
     "quantized_residual/conv_has_its_own_relu": Case("fuse_quantized_residual", qdq_conv_relu_residual,
                                                       "its own activation", before=["fuse_quantized_layers",
                                                                                     "fuse_quantized_add"]),
+    # the FP8 rule (opt_level 3) passes over an integer layer in silence (fuse_quantized_residual's)
+    "quantized_residual_fp8/integer_layer": Case("fuse_quantized_residual_fp8", qdq_conv_relu_residual, None,
+                                                 before=["fuse_quantized_layers", "fuse_quantized_add"]),
     "hoist_quantize/after_a_head_merge": Case("hoist_quantize", quantize_after_a_head_merge, "follow a MatMul"),
     "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.

@@ -148,3 +148,32 @@ def test_the_fp8_engine_matches_onnxruntime_on_either_model(tmp_path, keep_activ
         want = _onnxruntime(path, feed)
         got = engine.run(feed)["y"]
         assert np.abs(got - want).max() <= 0.125 * np.abs(want).max() + 1e-3
+
+
+def test_a_cuda_build_fuses_the_fp8_residual_add_and_its_reference_is_the_unfused_engine(tmp_path, monkeypatch):
+    """fusion.CUDA_RULES on an FP8 graph (kiln/passes/fusion/qdq_residual.py, opt_level 3): the residual QAdd goes
+    into the expand QConv's epilogue (E4M3 c, residual and sum); on the reference ops (no tactic) the fused engine
+    is the unfused one bit for bit, as the op keeps the convolution's own rounding. At the default opt_level the
+    add stays, and the report says why."""
+    import dataclasses
+
+    from kiln.builder import build as build_module
+
+    _, path, feeds = _fp8_model(tmp_path, keep_activations=True)
+    unfused = kiln.build(path, device="cpu", shapes={"x": [2, 3, 16, 16]})
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(plain(config), cuda_rules=True))
+    default = kiln.build(path, device="cpu", shapes={"x": [2, 3, 16, 16]})
+    assert [s.op_type for s in default.plan.program.steps].count("QAdd") == 1
+    fused = kiln.build(path, device="cpu", shapes={"x": [2, 3, 16, 16]}, opt_level=3)
+    kinds = [s.op_type for s in fused.plan.program.steps]
+    assert "QAdd" not in kinds and [s.op_type for s in unfused.plan.program.steps].count("QAdd") == 1, kinds
+    residual = [s for s in fused.plan.program.steps if s.op_type == "QConv" and len(s.inputs) > 9]
+    assert len(residual) == 1 and residual[0].attributes.get("activation") == "Relu"
+    engines = []
+    for engine in (fused, unfused):
+        for step in engine.plan.program.steps:
+            step.tactic, step.tactic_config = None, {}
+        engines.append(kiln.Engine(engine.plan))
+    for feed in feeds:
+        assert np.array_equal(engines[0].run(feed)["y"], engines[1].run(feed)["y"])

@@ -21,7 +21,7 @@ from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
 from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
-from kiln.passes.fusion.qdq_residual import fuse_quantized_residual
+from kiln.passes.fusion.qdq_residual import fuse_quantized_residual, fuse_quantized_residual_fp8
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
 from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
@@ -41,6 +41,7 @@ RULES = [
     ("fuse_quantized_layers", fuse_quantized_layer),  # after fuse_gelu (its Gelu absorbed), before fuse_conv/fuse_gemm
     ("fuse_quantized_add", fuse_quantized_add),
     ("fuse_quantized_residual", fuse_quantized_residual),  # QConv -> QAdd: the add in the conv's epilogue
+    ("fuse_quantized_residual_fp8", fuse_quantized_residual_fp8),  # the same on E4M3 layers (opt_level 3)
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("fuse_conv", fuse_conv),
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
@@ -71,4 +72,6 @@ CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_p
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
-CUDA_RULES = {"fuse_quantized_residual", "fuse_layer_norm_quantize"}
+CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize"}
+# Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
+LEVEL3_RULES = {"fuse_quantized_residual_fp8"}

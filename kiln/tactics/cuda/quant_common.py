@@ -184,8 +184,8 @@ INT8_OUTPUTS = (torch.int8, torch.uint8)
 
 def check_residual(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     """What every CUDA tactic of a QConv with a residual needs (True also when there is none): the residual
-    int8/uint8 of the output's rank, its and the convolution's own quantization per-tensor constants, an
-    int8/uint8 sum with Relu or none."""
+    of the output's rank, its and the convolution's own quantization per-tensor constants, an 8-bit sum with
+    Relu or none; int8/uint8 throughout, or float8e4m3fn throughout for an FP8 layer."""
     residual = _input(inputs, 9)
     if residual is None:
         return True
@@ -193,16 +193,21 @@ def check_residual(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
                     (13, "conv_zero_point")):
         if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant or _numel(inputs[i].shape) != 1:
             return f"{name} is not a per-tensor constant of the engine"
-    if residual.dtype not in INT8_OUTPUTS or inputs[11].dtype != residual.dtype:
-        return f"the residual is {name_of(residual.dtype)} (zero point {name_of(inputs[11].dtype)}), not int8/uint8"
-    if inputs[13].dtype not in INT8_OUTPUTS:
-        return f"the convolution's own result is {name_of(inputs[13].dtype)}, not int8/uint8"
-    if output_dtype(step, inputs) not in INT8_OUTPUTS:
-        return "the sum is not quantized to int8/uint8"
+    if inputs[0].dtype == FP8:  # an FP8 layer: c, the residual and the sum all E4M3
+        kinds = {"the residual": residual.dtype, "its zero point": inputs[11].dtype,
+                 "the convolution's own result": inputs[13].dtype, "the sum": output_dtype(step, inputs)}
+        wrong = [f"{what} {name_of(k) if isinstance(k, torch.dtype) else k}" for what, k in kinds.items() if k != FP8]
+        if wrong:
+            return f"an FP8 layer's residual add takes float8e4m3fn throughout; {', '.join(wrong)}"
+    else:
+        if residual.dtype not in INT8_OUTPUTS or inputs[11].dtype != residual.dtype:
+            return f"the residual is {name_of(residual.dtype)} (zero point {name_of(inputs[11].dtype)}), not int8/uint8"
+        if inputs[13].dtype not in INT8_OUTPUTS:
+            return f"the convolution's own result is {name_of(inputs[13].dtype)}, not int8/uint8"
+        if output_dtype(step, inputs) not in INT8_OUTPUTS:
+            return "the sum is not quantized to int8/uint8"
     if _attr(step, "activation", "") not in ("", "Relu"):
         return f"activation {_attr(step, 'activation', '')!r} after a residual add (Relu or none)"
-    if inputs[0].dtype == FP8:
-        return "an FP8 layer with a residual"
     if len(residual.shape) != len(inputs[0].shape):
         return f"the residual is {len(residual.shape)}-D, the layer's output {len(inputs[0].shape)}-D"
     return True
@@ -241,7 +246,3 @@ class Residual:
         return kernels("qresidual").ResidualAdd(self.conv_scale, self.conv_zero, self.residual_scale,
                                                 self.residual_zero, layer.out_dtype, layer.y_scale, layer.y_zero,
                                                 activation=layer.activation)
-
-    def exact(self, layer: QuantizedLayer) -> Any:
-        """qresidual.ExactRounding of c: x_scale·w_scale in float64 on the layer's device, c's own scale."""
-        return kernels("qresidual").ExactRounding((layer.w_scale * layer.x_scale).contiguous(), self.conv_scale)

@@ -30,11 +30,11 @@ are not stored.
 Output: [N, Cout, Ho, Wo] with channels-last strides, in the epilogue's dtype.
 
 With a residual (kiln::QConv inputs 9-13, qresidual.ResidualAdd): the epilogue rounds to the layer's own
-8-bit result c, loads the residual tile (dense NHWC, the output's offsets) and writes
-requantize(act((c − z_c)·s_c + (res − z_r)·s_r)) in the sum's dtype: kiln::QConv -> kiln::QAdd on the
-tile: c equal to the reference's at every element (qmath.exact_integer_result), the sum within
-the one step the contract allows at its own near-ties; the 8-bit c never goes to memory and the add's
-separate read-read-write pass is gone.
+8-bit result c (int8/uint8 or E4M3, in fp32 as any output), loads the residual tile (dense NHWC, the output's
+offsets) and writes requantize(act((c − z_c)·s_c + (res − z_r)·s_r)) in the sum's dtype: kiln::QConv ->
+kiln::QAdd on the tile, each rounding within a step of the reference's (the unfused pair's tolerance,
+kiln/tactics/cuda/quant_residual_check.py); the 8-bit c never goes to memory and the add's separate
+read-read-write pass is gone.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import triton.language as tl
 from kiln.kernels.cuda.triton import device_math as dm
 from kiln.kernels.cuda.triton import qmath
 from kiln.kernels.cuda.triton.qgemm import INT_RANGE, QUANTIZED_INPUTS, Epilogue
-from kiln.kernels.cuda.triton.qresidual import ExactRounding, ResidualAdd
+from kiln.kernels.cuda.triton.qresidual import ResidualAdd
 
 
 @dataclass(frozen=True)
@@ -88,33 +88,32 @@ QCONV_CONFIGS = (  # largest first; BLOCK_K 64 keeps ResNet's Cin = 64 layers on
 def _residual_args(residual_add: ResidualAdd | None) -> dict:
     """The kernels' residual constexprs (placeholders when there is none: RESIDUAL = False reads none)."""
     if residual_add is None:
-        return dict(RESIDUAL=False, R_ACTIVATION="", R_QMIN=0, R_QMAX=0)
+        return dict(RESIDUAL=False, R_ACTIVATION="", R_OUT=0, R_QMIN=0, R_QMAX=0)
     qmin, qmax = residual_add.qrange
-    return dict(RESIDUAL=True, R_ACTIVATION=residual_add.activation, R_QMIN=qmin, R_QMAX=qmax)
+    return dict(RESIDUAL=True, R_ACTIVATION=residual_add.activation, R_OUT=residual_add.out_kind, R_QMIN=qmin,
+                R_QMAX=qmax)
 
 
-def _residual_values(exact: ExactRounding | None, residual_add: ResidualAdd | None) -> tuple[float, ...]:
-    """c's own scale (exact rounding), then the sum's a_multiplier, a_zero, b_multiplier, b_zero, y_zero
-    (ResidualAdd.multipliers); placeholders for what a launch does not have."""
-    c_scale = float(exact.y_scale) if exact is not None else 1.0
+def _residual_values(residual_add: ResidualAdd | None) -> tuple[float, ...]:
+    """The sum's a_multiplier, a_zero, b_multiplier, b_zero, y_zero (ResidualAdd.multipliers); placeholders
+    without a residual."""
     r = residual_add
     if r is None:
-        return (c_scale,) + (0.0,) * 5
+        return (0.0,) * 5
     a, b = r.multipliers
-    return c_scale, a, float(r.a_zero), b, float(r.b_zero), float(r.y_zero)
+    return a, float(r.a_zero), b, float(r.b_zero), float(r.y_zero)
 
 
 @triton.jit
-def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale64_ptr,
-              y_scale, y_zero, alpha, beta, rc_scale, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
+def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr,
+              y_scale, y_zero, alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
               FP8: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr, ACTIVATION: tl.constexpr,
-              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, EXACT: tl.constexpr,
-              RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr):
+              OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr, RESIDUAL: tl.constexpr,
+              R_ACTIVATION: tl.constexpr, R_OUT: tl.constexpr, R_QMIN: tl.constexpr, R_QMAX: tl.constexpr):
     """acc [BM, BN] of output pixels rm, channels rn to the NHWC output: bias, per-channel scale, activation,
-    the output's quantization (qmath.finish / finish_prescaled); with EXACT the 8-bit result rounded as the
-    reference does (qmath.exact_integer_result), and with RESIDUAL then the residual tile at the same offsets
-    added and the sum requantized (qmath.add_quantized). Rows past M and columns past Cout are computed from
-    clamped reads, not stored."""
+    the output's quantization (qmath.finish / finish_prescaled); with RESIDUAL that is the layer's own 8-bit
+    result c, and the residual tile at the same offsets is added and the sum requantized (qmath.add_quantized).
+    Rows past M and columns past Cout are computed from clamped reads, not stored."""
     col_ok = (rn < Cout)[None, :]  # [1, BN]
     scale = tl.load(scale_ptr + rn[None, :], mask=col_ok, other=0.0)  # [1, BN]
     if HAS_BIAS:
@@ -123,17 +122,14 @@ def _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale
         bias = scale  # not read
     offs = rm[:, None].to(tl.int64) * Cout + rn[None, :]  # NHWC: [M, Cout] row-major
     mask = (rm < M)[:, None] & col_ok
-    if EXACT:
-        y = qmath.exact_integer_result(acc, bias, scale, y_scale, y_zero, scale64_ptr, rn, col_ok, rc_scale,
-                                       HAS_BIAS, PRESCALED, QMIN, QMAX)
-        if RESIDUAL:
-            res = tl.load(res_ptr + offs, mask=mask, other=0).to(tl.float32)
-            y = qmath.add_quantized(y, res, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, 0.0, 0.0,
-                                    R_ACTIVATION, 1, R_QMIN, R_QMAX)
-    elif PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
+    if PRESCALED:  # y_scale is 1: scale is the multiplier scale / y_scale
         y = qmath.finish_prescaled(acc, bias, scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
     else:
         y = qmath.finish(acc, bias, scale, y_scale, y_zero, alpha, beta, HAS_BIAS, ACTIVATION, OUT, QMIN, QMAX)
+    if RESIDUAL:  # y is c: a whole number in range or an E4M3 grid value, in fp32
+        res = qmath.to_float(tl.load(res_ptr + offs, mask=mask, other=0.0 if FP8 else 0))  # FP8: E4M3 throughout
+        y = qmath.add_quantized(y, res, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, 0.0, 0.0,
+                                R_ACTIVATION, R_OUT, R_QMIN, R_QMAX)
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -161,14 +157,14 @@ def _dot_step(acc, a, b, FP8: tl.constexpr, FP8_PRECISE: tl.constexpr, X_UNSIGNE
 
 
 @triton.jit
-def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, scale64_ptr,
+def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr,
                   M, Cout, Cin, H, W, Ho, Wo, sxn, sxh, sxw,
                   SH, SW, PT, PL, DH, DW, y_scale, y_zero, alpha, beta,
-                  rc_scale, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
+                  ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero,
                   KH: tl.constexpr, KW: tl.constexpr, LOOP: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr,
                   MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr, OUT: tl.constexpr, QMIN: tl.constexpr,
-                  QMAX: tl.constexpr, EXACT: tl.constexpr, RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr,
+                  QMAX: tl.constexpr, RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_OUT: tl.constexpr,
                   R_QMIN: tl.constexpr, R_QMAX: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     tile_m, tile_n = dm.grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(Cout, BLOCK_N), GROUP_M)
@@ -239,19 +235,19 @@ def _qconv_kernel(x_ptr, pad_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, 
                     b = tl.load(w_cols[None, :] + (tap * Cin + c)[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
                 acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
 
-    _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale64_ptr, y_scale, y_zero,
-              alpha, beta, rc_scale, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8, HAS_BIAS,
-              PRESCALED, ACTIVATION, OUT, QMIN, QMAX, EXACT, RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
+    _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, y_scale, y_zero,
+              alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8, HAS_BIAS,
+              PRESCALED, ACTIVATION, OUT, QMIN, QMAX, RESIDUAL, R_ACTIVATION, R_OUT, R_QMIN, R_QMAX)
 
 
 @triton.jit
-def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr, scale64_ptr,
-                                  M, Cout, Cin, sxw, y_scale, y_zero, alpha, beta, rc_scale, ra_multiplier,
+def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, res_ptr,
+                                  M, Cout, Cin, sxw, y_scale, y_zero, alpha, beta, ra_multiplier,
                                   ra_zero, rb_multiplier, rb_zero, ry_zero, EVEN_K: tl.constexpr, FP8: tl.constexpr,
                                   FP8_PRECISE: tl.constexpr, X_UNSIGNED: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   PRESCALED: tl.constexpr, MMA_F16: tl.constexpr, ACTIVATION: tl.constexpr,
                                   OUT: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
-                                  EXACT: tl.constexpr, RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr,
+                                  RESIDUAL: tl.constexpr, R_ACTIVATION: tl.constexpr, R_OUT: tl.constexpr,
                                   R_QMIN: tl.constexpr,
                                   R_QMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -280,9 +276,9 @@ def _qconv_gemm_persistent_kernel(x_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr, re
                 a = tl.load(x_rows[:, None] + c[None, :], mask=(c < Cin)[None, :], other=0.0 if FP8 else 0)
                 b = tl.load(w_cols[None, :] + c[:, None], mask=(c < Cin)[:, None], other=0.0 if FP8 else 0)
             acc = _dot_step(acc, a, b, FP8, FP8_PRECISE, X_UNSIGNED, MMA_F16, BLOCK_K)
-        _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, scale64_ptr, y_scale,
-                  y_zero, alpha, beta, rc_scale, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8,
-                  HAS_BIAS, PRESCALED, ACTIVATION, OUT, QMIN, QMAX, EXACT, RESIDUAL, R_ACTIVATION, R_QMIN, R_QMAX)
+        _epilogue(acc, rm, rn, M, Cout, scale_ptr, bias_ptr, out_ptr, res_ptr, y_scale,
+                  y_zero, alpha, beta, ra_multiplier, ra_zero, rb_multiplier, rb_zero, ry_zero, FP8,
+                  HAS_BIAS, PRESCALED, ACTIVATION, OUT, QMIN, QMAX, RESIDUAL, R_ACTIVATION, R_OUT, R_QMIN, R_QMAX)
 
 
 def pack_weight(w: torch.Tensor, fp16: bool = False) -> torch.Tensor:
@@ -319,16 +315,15 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
             x_zero: int = 0, strides: tuple[int, int] = (1, 1), pads: tuple[int, int, int, int] = (0, 0, 0, 0),
             dilations: tuple[int, int] = (1, 1), config: QConvConfig | None = None,
             padding: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-            residual_add: ResidualAdd | None = None, exact: ExactRounding | None = None) -> torch.Tensor:
+            residual_add: ResidualAdd | None = None) -> torch.Tensor:
     """requantize(conv2d(x − x_zero, w)), groups 1, NHWC out.
 
     x: [N, Cin, H, W] int8/uint8 (w int8) or float8e4m3fn (w float8e4m3fn); read as dense NHWC (a copy
     when it is not); w_packed: pack_weight(w); x_zero: x's zero point (what padding reads; the correction
     for the rest is in epilogue.bias, qgemm.fold_zero_point); pads in ONNX order (top, left, bottom,
     right); padding: padding_row(x.dtype, x_zero, Cin) made once by the caller (else made here);
-    residual [N, Cout, Ho, Wo] int8/uint8 with residual_add: the sum (ResidualAdd) is what is written.
-    exact (required with a residual): the 8-bit result rounded as the reference does at every element
-    (qmath.exact_integer_result), not within one step.
+    residual [N, Cout, Ho, Wo] (int8/uint8, or float8e4m3fn for an FP8 layer) with residual_add: the epilogue
+    writes the layer's own result c, and the sum (ResidualAdd) is what is stored.
     Returns [N, Cout, Ho, Wo] with channels-last strides in epilogue.out_dtype (residual_add.out_dtype).
     """
     fp8 = x.dtype == torch.float8_e4m3fn
@@ -364,15 +359,7 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     if (residual is None) != (residual_add is None):
         raise ValueError("triton qconv2d: a residual and its residual_add come together")
     out_dtype = epilogue.out_dtype
-    if exact is not None:
-        if fp8:
-            raise TypeError("triton qconv2d: exact rounding needs an int8 layer (exact integer sums), got "
-                            "float8e4m3fn x")
-        exact.check(epilogue, cout, x.device)
     if residual is not None:
-        if exact is None:
-            raise ValueError("triton qconv2d: a residual add needs the layer's result rounded exactly (exact=): a "
-                             "step of it at a near-tie is s_c / y_scale steps of the sum")
         residual_add.check(epilogue, (n, cout, ho, wo), residual)
         residual = residual.contiguous(memory_format=torch.channels_last)  # the output's offsets: no copy if NHWC
         out_dtype = residual_add.out_dtype
@@ -387,27 +374,26 @@ def qconv2d(x: torch.Tensor, w_packed: torch.Tensor, kernel: tuple[int, int], ep
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(cout, config.block_n)
     bias = epilogue.bias if epilogue.bias is not None else epilogue.scale
     res = residual if residual is not None else out  # not read without a residual
-    scale64 = exact.channel_scale if exact is not None else out  # not read without exact rounding
-    residual_args, residual_values = _residual_args(residual_add), _residual_values(exact, residual_add)
+    residual_args, residual_values = _residual_args(residual_add), _residual_values(residual_add)
     if loop == "gemm" and config.persistent:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         _qconv_gemm_persistent_kernel[(min(tiles, sms * config.persistent),)](
-            x, w_packed, bias, epilogue.scale, out, res, scale64, m, cout, cin, x.stride(3), float(epilogue.y_scale),
+            x, w_packed, bias, epilogue.scale, out, res, m, cout, cin, x.stride(3), float(epilogue.y_scale),
             float(epilogue.y_zero), float(epilogue.alpha), float(epilogue.beta), *residual_values, EVEN_K=even_k, FP8=fp8,
             FP8_PRECISE=config.fp8_precise, X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None,
             PRESCALED=epilogue.prescaled, MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind,
-            QMIN=qmin, QMAX=qmax, EXACT=exact is not None, **residual_args, BLOCK_M=config.block_m,
+            QMIN=qmin, QMAX=qmax, **residual_args, BLOCK_M=config.block_m,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
         return out
     grid = (tiles,)
     _qconv_kernel[grid](
-        x, padding, w_packed, bias, epilogue.scale, out, res, scale64,
+        x, padding, w_packed, bias, epilogue.scale, out, res,
         m, cout, cin, h, wd, ho, wo, x.stride(0), x.stride(2), x.stride(3),
         sh, sw, pt, pl, dh, dw, float(epilogue.y_scale), float(epilogue.y_zero),
         float(epilogue.alpha), float(epilogue.beta), *residual_values,
         KH=kh, KW=kw, LOOP=loop, EVEN_K=even_k, FP8=fp8, FP8_PRECISE=config.fp8_precise,
         X_UNSIGNED=x.dtype == torch.uint8, HAS_BIAS=epilogue.bias is not None, PRESCALED=epilogue.prescaled,
         MMA_F16=mma_f16, ACTIVATION=epilogue.activation, OUT=epilogue.out_kind, QMIN=qmin, QMAX=qmax,
-        EXACT=exact is not None, **residual_args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        **residual_args, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GROUP_M=config.group_m, num_warps=config.num_warps, num_stages=config.num_stages)
     return out

@@ -143,53 +143,6 @@ def finish_prescaled(acc, bias, multiplier, y_zero, alpha, beta, HAS_BIAS: tl.co
     return quantize_value(v, y_zero, OUT, QMIN, QMAX)
 
 
-# How far finish()'s rounding may be from the reference's (float64 product, float32 division) in units of
-# the value: the fast path makes at most 4 float32 roundings and the reference 2 (6·2^-24 in all); 2^-21
-# leaves a margin. A tile with a value this close to a tie is computed again exactly (exact_integer_result).
-TIE_WINDOW = 2.0**-21
-
-
-@triton.jit
-def _reference_rounding(acc, bias, scale64_ptr, rn, col_ok, c_scale, HAS_BIAS: tl.constexpr):
-    """round_half_even(fp32(a·s64) / c_scale) as the reference computes it: a = acc + bias exact in float64,
-    s64 = x_scale·w_scale in float64 (exact), the product rounded to float64 then float32, an IEEE float32
-    division. Conversions to and from float64 issue at a quarter of the fp32 rate on Hopper: only tiles
-    with a near-tie come here."""
-    a = acc.to(tl.float64)
-    if HAS_BIAS:
-        a = a + bias.to(tl.float64)
-    s64 = tl.load(scale64_ptr + rn[None, :], mask=col_ok, other=0.0)  # [1, BN] float64
-    return round_half_even(dm.div((a * s64).to(tl.float32), c_scale))
-
-
-@triton.jit
-def exact_integer_result(acc, bias, scale, y_scale, y_zero, scale64_ptr, rn, col_ok, c_scale,
-                         HAS_BIAS: tl.constexpr, PRESCALED: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr):
-    """A layer's 8-bit result c, no activation, equal to the reference's at every element (kiln/ops/
-    quantized.py: round_half_even(fp32(a·s64) / c_scale) with a = acc + bias, s64 = x_scale·w_scale in
-    float64), where finish() may be one step off at a near-tie. A residual add after it multiplies that
-    step by c_scale / y_scale of the sum (ResNet-50's blocks: two steps, which no check allows).
-
-    finish()'s fast path, and a test per value that costs three instructions (|v − k| + TIE_WINDOW·|v|
-    reaches 0.5 only near a tie) reduced over the tile: a tile holding a near-tie (about one in four at
-    ResNet-50's sizes) computes c again the reference's way from acc (_reference_rounding). Only acc and
-    the fast c stay live across the branch: the registers of finish() (more spilled on the H200)."""
-    if HAS_BIAS:
-        if acc.dtype == tl.int32:
-            v = (acc + bias).to(tl.float32) * scale
-        else:
-            v = (acc + bias.to(tl.float32)) * scale  # int8 on fp16 tensor cores: whole numbers below 2^24
-    else:
-        v = acc.to(tl.float32) * scale
-    if not PRESCALED:
-        v = dm.div(v, y_scale)
-    k = round_half_even(v)
-    closest = tl.max(tl.abs(v - k) + tl.abs(v) * 4.76837158203125e-07)  # TIE_WINDOW (no globals in jit)
-    if closest >= 0.5:
-        k = _reference_rounding(acc, bias, scale64_ptr, rn, col_ok, c_scale, HAS_BIAS)
-    return tl.minimum(tl.maximum(k + y_zero, QMIN * 1.0), QMAX * 1.0)
-
-
 @triton.jit
 def to_float(x):
     """An 8-bit load as fp32. int8/uint8 by the bits, not a conversion: 0x4B400000 + x is the fp32 1.5·2^23 + x,
