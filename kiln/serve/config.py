@@ -16,8 +16,9 @@ its name, never silently dropped. What kiln serve reads:
                             (kiln build's --profile syntax), pad_dims; the batcher's pad_to_merge
                             and buckets (true/false, kiln/serve/batcher.py); warm_up: true | false |
                             SECONDS (a CPU instance binds the profile's shapes before the model is
-                            ready, for at most SECONDS; default: the server's --warm-up; Triton's
-                            model_warmup, sample requests, is not supported: kiln makes its own)
+                            ready, for at most SECONDS, "true": WARM_UP_DEFAULT; default: the server's
+                            --warm-up; "false" also skips a CUDA instance's graph captures at load;
+                            Triton's model_warmup, sample requests, is refused: kiln makes its own)
 
 A config that leaves out inputs and outputs is completed from the engine's bindings (Triton's
 auto-complete); with max_batch_size also 0, batching is inferred: an engine whose inputs and
