@@ -122,3 +122,11 @@ def test_server_default_off_and_bad(tmp_path, engines):
     core = ServerCore(ModelRepository(root), warm_up="soon")
     with pytest.raises(ModelLoadError, match=r"(?s)'seq'.*--warm-up 'soon'"):
         asyncio.run(core.load("seq"))
+
+
+def test_bad_warm_up_flag_is_named(tmp_path, capsys):
+    from kiln.cli import main as kiln_main
+
+    assert kiln_main(["serve", str(tmp_path), "--warm-up", "-2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kiln serve: error: ") and "--warm-up '-2'" in err, err
