@@ -282,7 +282,7 @@ def parse_warm_up(value: str, what: str) -> float | None:
     """A warm-up setting: "true"/"on" (the default cap, WARM_UP_DEFAULT seconds), "false"/"off"/"0" (None: no warm-up)
     or seconds > 0, the most a CPU instance's warm-up may take (ValueError naming `what` otherwise)."""
     text = value.strip().lower()
-    if text in ("true", "on", "yes", "1"):
+    if text in ("true", "on", "yes"):  # not "1": that is one second
         return float(WARM_UP_DEFAULT)
     if text in ("false", "off", "no", "0"):
         return None

@@ -23,8 +23,8 @@ signature run alone, and so does every run after the runtime evicted a graph.
 CPU warm-up: a CPU engine of dynamic shapes binds each new input shape (shape values, native segment
 views) at its first calls, or runs it padded in a bound one (kiln/runtime/first_calls.py). Made with
 `warm_up_s` seconds, a CPU instance binds the profile's host shapes (at most 25% padding per dim) before
-its model is ready, smallest work first, for at most that long: a request at a new shape then runs bound or
-padded, never binding. `warmed_up` (ExecutionContext.WarmUp) says what it did; the model's stats and the
+its model is ready, smallest work first, for at most that long: a request at a new shape that fits a bound host
+then runs padded in it (or bound), not binding; past the hosts the cap left unbound, shapes bind as before. `warmed_up` (ExecutionContext.WarmUp) says what it did; the model's stats and the
 log ("kiln.serve", info) report it.
 
 Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups and the loop's

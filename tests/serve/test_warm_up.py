@@ -108,7 +108,7 @@ def test_bad_warm_up_parameter_names_the_model(tmp_path, engines, value):
 
 def test_warm_up_values_and_model_warmup_refused():
     assert parse_warm_up("true", "x") == 0.5 and parse_warm_up("False", "x") is None
-    assert parse_warm_up("0", "x") is None and parse_warm_up("1.5", "x") == 1.5
+    assert parse_warm_up("0", "x") is None and parse_warm_up("1.5", "x") == 1.5 and parse_warm_up("1", "x") == 1.0
     with pytest.raises(ModelLoadError, match="model_warmup .*parameters"):
         parse_pbtxt('model_warmup [{ name: "w" batch_size: 1 }]', "seq/config.pbtxt")
 
