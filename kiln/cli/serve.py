@@ -47,6 +47,11 @@ def add_parser(verbs) -> None:
     p.add_argument("--max-queue-size", type=int, default=1024, metavar="N",
                    help="requests queued per model before 429 / RESOURCE_EXHAUSTED, where its config sets none "
                         "(default 1024)")
+    p.add_argument("--warm-up", default="0.5", metavar="true|false|SECONDS",
+                   help="CPU models: each instance binds its profile's input shapes at load, for at most SECONDS, "
+                        "before the model is ready, so no request pays a new shape's binding (a model's config "
+                        "overrides it: parameters warm_up) (default %(default)s s; true: that cap; bench/results/"
+                        "serve-warmup-2026-12-04c.md)")
     p.add_argument("--max-request-mb", type=float, default=64, metavar="MB", help="largest request body (default 64)")
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
@@ -150,6 +155,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise KilnError("give a model repository folder or --model FILE (one of them)")
     if args.model_control_mode == "none" and args.load_model:
         raise KilnError("--load-model needs --model-control-mode explicit")
+    from kiln.serve.config import parse_warm_up
+
+    try:
+        parse_warm_up(args.warm_up, "--warm-up")
+    except ValueError as e:
+        raise KilnError(str(e)) from None
 
     if args.ray:
         return _serve_ray(args)
@@ -167,6 +178,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_transport=args.grpc_transport, grpc=_grpc_options(args),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
+        warm_up=args.warm_up,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,
         staging_bytes=args.staging_mib << 20)
     if args.staging_mib < 0:

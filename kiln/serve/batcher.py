@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kiln import Engine
-from kiln.serve.config import ModelConfig
+from kiln.serve.config import WARM_UP_DEFAULT, ModelConfig, warm_up_seconds
 from kiln.serve.errors import QueueFull, RequestTimeout, Unavailable
 from kiln.serve.instances import Instance
 from kiln.serve.stats import ModelStats
@@ -209,7 +209,8 @@ class Batcher:
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
 
-    def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int):
+    def __init__(self, engine: Engine, config: ModelConfig, stats: ModelStats, max_queue_size: int,
+                 warm_up: str = WARM_UP_DEFAULT):
         self.config = config
         self.stats = stats
         self.shapes = BatchShapes(engine, config)
@@ -219,8 +220,12 @@ class Batcher:
         self.delay_ns = batching.max_queue_delay_microseconds * 1000 if batching else 0
         self.preferred = sorted(batching.preferred_batch_size) if batching else []
         self.max_queue_size = config.queue_bound or max_queue_size
-        self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish, _flag(config, "buckets"))
+        warm_up_s = warm_up_seconds(config, warm_up)  # the model's warm_up parameter, else the server's default
+        self.instances = [Instance(engine, config.name, k, self._run_batch, self._finish, _flag(config, "buckets"),
+                                   warm_up=warm_up_s is not None or "warm_up" not in config.parameters,
+                                   warm_up_s=warm_up_s)
                           for k in range(config.instance_count)]
+        stats.warm_up = [i.warmed_up for i in self.instances if i.warmed_up is not None]
         self.idle = list(reversed(self.instances))
         self.pending: deque[Pending] = deque()
         self.closing = False

@@ -14,7 +14,11 @@ its name, never silently dropped. What kiln serve reads:
     version_policy          latest { num_versions } (default 1) | all {} | specific { versions }
     parameters              build options for a model.onnx: precision, opt_level, profile
                             (kiln build's --profile syntax), pad_dims; the batcher's pad_to_merge
-                            and buckets (true/false, kiln/serve/batcher.py)
+                            and buckets (true/false, kiln/serve/batcher.py); warm_up: true | false |
+                            SECONDS (a CPU instance binds the profile's shapes before the model is
+                            ready, for at most SECONDS, "true": WARM_UP_DEFAULT; default: the server's
+                            --warm-up; "false" also skips a CUDA instance's graph captures at load;
+                            Triton's model_warmup, sample requests, is refused: kiln makes its own)
 
 A config that leaves out inputs and outputs is completed from the engine's bindings (Triton's
 auto-complete); with max_batch_size also 0, batching is inferred: an engine whose inputs and
@@ -24,6 +28,7 @@ outputs all start with one symbolic dim serves batches up to its profile's large
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,9 +44,12 @@ from kiln.serve.errors import ModelLoadError
 
 PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
 # parameters { key: ... }: build options for a model.onnx, and the batcher's own
-PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets"}
+PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up"}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
+# warm_up's default (ServeOptions.warm_up, `kiln serve --warm-up`): a CPU instance binds the profile's shapes for at
+# most this many seconds before its model is ready (bench/results/serve-warmup-2026-12-04c.md)
+WARM_UP_DEFAULT = "0.5"
 
 
 @dataclass
@@ -199,6 +207,9 @@ def read_model_config(folder: Path) -> ModelConfig | None:
 def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
     problems = [f"{name} is not supported by kiln serve; remove it" for name in UNSUPPORTED
                 if _is_set(message, name)]
+    if len(message.model_warmup):
+        problems.append("model_warmup (sample requests) is not supported by kiln serve; kiln warms a model up itself: "
+                        "parameters { key: \"warm_up\" value: { string_value: \"true\" | \"false\" | \"SECONDS\" } }")
     platform = message.platform or message.backend
     if platform not in PLATFORMS:
         problems.append(f"platform/backend {platform!r}: kiln serves {sorted(PLATFORMS - {''})} models")
@@ -253,6 +264,11 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
     unknown = sorted(set(parameters) - PARAMETERS)
     if unknown:
         problems.append(f"parameters {unknown} are not kiln's; it reads {sorted(PARAMETERS)}")
+    if "warm_up" in parameters:
+        try:
+            parse_warm_up(parameters["warm_up"], "parameter warm_up")
+        except ValueError as e:
+            problems.append(str(e))
     if problems:
         raise ModelLoadError(f"{where}:\n  " + "\n  ".join(problems))
     return ModelConfig(
@@ -260,6 +276,33 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
         outputs=tensors["output"], dynamic_batching=batching, instance_count=max(1, count or 1),
         instance_kind=next(iter(kinds), "KIND_AUTO"), version_policy=policy, parameters=parameters,
         platform="kiln")
+
+
+def parse_warm_up(value: str, what: str) -> float | None:
+    """A warm-up setting: "true"/"on" (the default cap, WARM_UP_DEFAULT seconds), "false"/"off"/"0" (None: no warm-up)
+    or seconds > 0, the most a CPU instance's warm-up may take (ValueError naming `what` otherwise)."""
+    text = value.strip().lower()
+    if text in ("true", "on", "yes"):  # not "1": that is one second
+        return float(WARM_UP_DEFAULT)
+    if text in ("false", "off", "no", "0"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{what} {value!r}: expected true, false or the most seconds a CPU instance's warm-up may "
+                         "take (a number > 0)")
+    return seconds
+
+
+def warm_up_seconds(config: ModelConfig, default: str = WARM_UP_DEFAULT) -> float | None:
+    """The model's warm-up cap in seconds (None: no warm-up): its warm_up parameter, else the server's default."""
+    value = config.parameters.get("warm_up", default)
+    try:
+        return parse_warm_up(value, "parameter warm_up" if "warm_up" in config.parameters else "the server's --warm-up")
+    except ValueError as e:
+        raise ModelLoadError(f"model {config.name!r}: {e}") from None
 
 
 def _is_set(message, name: str) -> bool:

@@ -21,7 +21,7 @@ import numpy as np
 from kiln import BindingError, Engine
 from kiln.serve import datatypes
 from kiln.serve.batcher import Batcher, Pending, Signature
-from kiln.serve.config import ModelConfig, parse_json
+from kiln.serve.config import WARM_UP_DEFAULT, ModelConfig, parse_json
 from kiln.serve.errors import (
     InvalidRequest,
     ModelLoadError,
@@ -102,9 +102,11 @@ class ModelEntry:
 
 
 class ServerCore:
-    def __init__(self, repository: ModelRepository, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE):
+    def __init__(self, repository: ModelRepository, max_queue_size: int = DEFAULT_MAX_QUEUE_SIZE,
+                 warm_up: str = WARM_UP_DEFAULT):
         self.repository = repository
         self.max_queue_size = max_queue_size
+        self.warm_up = warm_up  # CPU instances' warm-up where a model's config sets none (config.parse_warm_up)
         self.models: dict[str, ModelEntry] = {}
         self.accepting = True  # False from the start of a shutdown on
         self.started = False
@@ -309,8 +311,15 @@ class ServerCore:
             fresh = {}
             for v in loaded:
                 stats = ModelStats(v.name, v.version)
-                # off the loop: a CUDA instance captures its graphs as it is made
-                batcher = await asyncio.to_thread(Batcher, v.engine, v.config, stats, self.max_queue_size)
+                # off the loop: a CUDA instance captures its graphs as it is made, a CPU one binds shapes (warm-up);
+                # the version is ready only after
+                try:
+                    batcher = await asyncio.to_thread(Batcher, v.engine, v.config, stats, self.max_queue_size,
+                                                      self.warm_up)
+                except ServeError as e:
+                    if not entry.versions:
+                        entry.state, entry.reason = "UNAVAILABLE", str(e)
+                    raise
                 batcher.start()
                 fresh[v.version] = ModelVersion(v.name, v.version, v.engine, v.config, batcher, stats)
             old, entry.versions = entry.versions, fresh

@@ -251,7 +251,7 @@ class InferenceServicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelStatistics(self, request, context):
         message = pb.ModelStatisticsResponse()
         for stats in await self.core.statistics_json(request.name, request.version):
-            json_format.ParseDict(stats, message.model_stats.add())
+            json_format.ParseDict(stats, message.model_stats.add(), ignore_unknown_fields=True)  # kiln's warm_up
         return message
 
     async def _infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:

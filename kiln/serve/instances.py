@@ -20,6 +20,13 @@ covers every shape the engine takes (one profile, each dynamic dim bucketed or f
 captures nothing and every run is shared. Otherwise an instance's first two runs of an input
 signature run alone, and so does every run after the runtime evicted a graph.
 
+CPU warm-up: a CPU engine of dynamic shapes binds each new input shape (shape values, native segment
+views) at its first calls, or runs it padded in a bound one (kiln/runtime/first_calls.py). Made with
+`warm_up_s` seconds, a CPU instance binds the profile's host shapes (at most 25% padding per dim) before
+its model is ready, smallest work first, for at most that long: a request at a new shape that fits a bound host
+then runs padded in it (or bound), not binding; past the hosts the cap left unbound, shapes bind as before. `warmed_up` (ExecutionContext.WarmUp) says what it did; the model's stats and the
+log ("kiln.serve", info) report it.
+
 Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups and the loop's
 polling for the answer (tens of microseconds of CPU, far more wall time on a loaded machine), and the
 thread's Python competes with the event loop for the GIL. A CPU instance whose calls take less than
@@ -43,6 +50,7 @@ from typing import Any
 import torch
 
 from kiln import Engine
+from kiln.runtime.engine import WarmUp
 
 log = logging.getLogger("kiln.serve")
 
@@ -104,7 +112,7 @@ class Instance:
     """One execution context and the thread (and CUDA stream) that runs it."""
 
     def __init__(self, engine: Engine, name: str, index: int, run: Callable, finish: Callable,
-                 buckets: bool | None = None, warm_up: bool = True):
+                 buckets: bool | None = None, warm_up: bool = True, warm_up_s: float | None = None):
         self.index = index
         self.context = engine.create_execution_context(buckets=buckets)
         self.cuda = engine.device.type == "cuda"
@@ -116,8 +124,11 @@ class Instance:
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
+        self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
         if self.cuda and warm_up:
             self.warm_up()
+        elif not self.cuda and warm_up and warm_up_s is not None:
+            self.warm_up_cpu(name, warm_up_s)
         self.thread = threading.Thread(target=self._serve, name=f"kiln-{name}-{index}", daemon=True)
         self.thread.start()
 
@@ -138,6 +149,18 @@ class Instance:
                             self.index, type(e).__name__, str(e).splitlines()[0][:200])
             self.stream.synchronize()
         self._evictions = self.context.runner.stats.evictions if self.context.runner is not None else 0
+
+    def warm_up_cpu(self, name: str, seconds: float) -> None:
+        """CPU: bind the profile's host shapes now, for at most `seconds` (ExecutionContext.warm_up)."""
+        try:
+            self.context.warm_up(seconds=seconds)
+        except Exception as e:  # noqa: BLE001 - serving still works; first requests then bind
+            log.warning("model %r instance %d: warm-up failed (%s: %s); new shapes bind at their first requests",
+                        name, self.index, type(e).__name__, str(e).splitlines()[0][:200])
+            return
+        self.warmed_up = self.context.warmed_up
+        if self.warmed_up is not None:
+            log.info("model %r instance %d: %s", name, self.index, self.warmed_up.describe())
 
     def _covers_every_shape(self) -> bool:
         """Whether warm_up() ran every shape the engine takes: one profile, whose every dynamic dim is

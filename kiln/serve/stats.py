@@ -1,5 +1,8 @@
 """Per-model statistics in Triton's shape: the /stats endpoint, gRPC ModelStatistics and /metrics read them.
 
+kiln adds one key to Triton's: "warm_up", what each CPU instance's warm-up did at load (kiln/serve/instances.py;
+[] when none ran); gRPC's ModelStatistics has no field for it.
+
 Durations are cumulative nanoseconds with a count, as Triton keeps them: per request (success,
 fail, queue, and the compute phases of the batch each request ran in) and per batch size (one
 entry per engine call). Written from the event loop only, so no lock.
@@ -8,7 +11,9 @@ entry per engine call). Written from the event loop only, so no lock.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+
+from kiln.runtime.engine import WarmUp
 
 
 @dataclass
@@ -47,6 +52,7 @@ class ModelStats:
     batches: dict[int, BatchStats] = field(default_factory=dict)
     pending: int = 0  # requests queued now (a gauge)
     failures_by_reason: dict[str, int] = field(default_factory=dict)
+    warm_up: list[WarmUp] = field(default_factory=list)  # per CPU instance that warmed up at load
 
     def record_batch(self, batch_size: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         """One engine call over `requests` requests of `batch_size` rows in all."""
@@ -87,4 +93,5 @@ class ModelStats:
                 for size, b in sorted(self.batches.items())
             ],
             "memory_usage": [],
+            "warm_up": [{**asdict(w), "seconds": round(w.seconds, 4)} for w in self.warm_up],
         }

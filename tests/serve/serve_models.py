@@ -3,6 +3,8 @@
     mlp      x FP32 [batch, 8] -> y = Relu(x @ W) [batch, 4], z = 2x [batch, 8] (exact: shows which rows came back)
     half     h FP16 [batch, 4] -> h2 = 2h FP16; b BF16 [batch, 4] -> bf = float(b) + 1 FP32, bb = bf16(bf)
     fixed    a FP32 [2, 3] (no batch axis) -> a3 = 3a, i INT64 [2, 3] -> i1 = i + 1
+    seq      x FP32 [batch, seq, 8] -> y = Relu(Softmax(x @ W)) [batch, seq, 8] through Shape/Reshape (padded first
+             calls on the CPU: its own repository in test_warm_up.py, built with pad_dims batch, seq)
     slow     x FP32 [batch, 4] -> y: x + 0 * (a chain of 1024x1024 matmuls on a value x decides), ~tens of ms
     broken   a folder whose config names an input the engine does not have (fails to load; the others serve)
 """
@@ -58,6 +60,18 @@ def fixed() -> onnx.ModelProto:
         [_value("a", TensorProto.FLOAT, [2, 3]), _value("i", TensorProto.INT64, [2, 3])],
         [_value("a3", TensorProto.FLOAT, [2, 3]), _value("i1", TensorProto.INT64, [2, 3])],
         [numpy_helper.from_array(np.array(3, np.float32), "three"), numpy_helper.from_array(np.array(1, np.int64), "one")])
+
+
+SEQ_W = np.random.default_rng(15).standard_normal((8, 8)).astype(np.float32)
+
+
+def seq() -> onnx.ModelProto:
+    return _model(
+        [helper.make_node("MatMul", ["x", "W"], ["xw"]), helper.make_node("Softmax", ["xw"], ["p"], axis=-1),
+         helper.make_node("Shape", ["x"], ["shape"]), helper.make_node("Reshape", ["p", "rows"], ["flat"]),
+         helper.make_node("Relu", ["flat"], ["r"]), helper.make_node("Reshape", ["r", "shape"], ["y"])],
+        [_value("x", TensorProto.FLOAT, ["batch", "seq", 8])], [_value("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [numpy_helper.from_array(SEQ_W, "W"), numpy_helper.from_array(np.array([-1, 8], np.int64), "rows")])
 
 
 def slow(size: int = 1024, steps: int = 8) -> onnx.ModelProto:
