@@ -35,6 +35,7 @@ from kiln.passes._rewrite import (
     replace_with,
     static_shape,
 )
+from kiln.passes.fusion.symbolic_shapes import RECURRENT as _RECURRENT
 from kiln.passes.fusion.symbolic_shapes import symbolic_shape
 
 RULE = "fuse_relayout"
@@ -86,7 +87,7 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         return False
     x = chain[0].inputs[0]
     shape, out = static_shape(x), static_shape(node.outputs[0])
-    if shape is None and any(n.op_type == "Transpose" for n in chain):
+    if shape is None and any(n.op_type == "Transpose" for n in chain) and _around_recurrent(chain):
         return _fuse_at_symbolic_batch(chain, report)
     relaid = shape is not None and out is not None and not (_keeps_order(shape) and _keeps_order(out))
     if not any(n.op_type == "Transpose" for n in chain) and not relaid:
@@ -124,6 +125,14 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
 # ---- a chain over one symbolic dim (a dynamic batch) ------------------------------------------------
 
 PROBES = (3, 5)  # two sizes of the symbolic dim, both > 1: strided_form merges the same dims at either
+
+
+def _around_recurrent(chain: list[ir.Node]) -> bool:
+    """Whether the chain moves a recurrent layer's Y or X (the only chains fused at a symbolic dim so far: the
+    exporter's batch-first Transposes and bidirectional merges; other models' dynamic chains stay as they were)."""
+    reader = only_user(chain[-1].outputs[0])
+    return is_op(producer(chain[0].inputs[0]), *_RECURRENT) or (
+        is_op(reader, *_RECURRENT) and reader.inputs[0] is chain[-1].outputs[0])
 
 
 def _table_at(chain: list[ir.Node], shape: list[int], probe: int) -> np.ndarray | str:

@@ -25,7 +25,7 @@ from kiln.passes._rewrite import PassReport, attr, const, is_op, new_initializer
 RULE_STATES = "drop_zero_initial_states"
 RULE_RESHAPE = "constant_reshape_target"
 
-_RECURRENT = ("LSTM", "GRU", "RNN")
+RECURRENT = ("LSTM", "GRU", "RNN")
 _INITIAL_H = 5  # initial_h; LSTM's initial_c is 6
 # ops through which a zero tensor stays zeros (input 0 the data, the others shapes or bounds)
 _KEEPS_ZEROS = ("Expand", "Slice", "Reshape", "Unsqueeze", "Squeeze", "Transpose", "Identity", "Cast")
@@ -49,7 +49,7 @@ def _is_zeros(value: ir.Value | None) -> bool:
 
 def drop_zero_initial_states(node: ir.Node, report: PassReport) -> bool:
     # LSTM/GRU/RNN(.., initial_h = Expand(0, ..), initial_c = Slice(Expand(0, ..))) -> the same with them absent
-    if not is_op(node, *_RECURRENT):
+    if not is_op(node, *RECURRENT):
         return False
     states = range(_INITIAL_H, min(len(node.inputs), _INITIAL_H + (2 if node.op_type == "LSTM" else 1)))
     zeros = [k for k in states if node.inputs[k] is not None and const(node.inputs[k]) is None
@@ -86,7 +86,7 @@ def symbolic_shape(value: ir.Value | None, depth: int = 0) -> list[Dim] | None:
     node = producer(value)
     if dims is not None and None not in dims:
         return dims
-    if is_op(node, *_RECURRENT) and value is node.outputs[0]:
+    if is_op(node, *RECURRENT) and value is node.outputs[0]:
         return _recurrent_y(node, depth) or dims
     if is_op(node, "Transpose"):  # the input's dims permuted
         x = symbolic_shape(node.inputs[0], depth + 1)
