@@ -2,7 +2,8 @@
 
 torch.onnx.export with a dynamic batch writes a bidirectional layer's output merge as
 
-    t = Transpose(Y [S, 2, batch, H], (0, 2, 1, 3)); y = Reshape(t, Concat(Shape(t)[0], Shape(t)[1], Shape(t)[2] * Shape(t)[3]))
+    t = Transpose(Y [S, 2, batch, H], (0, 2, 1, 3))
+    y = Reshape(t, Concat(Shape(t)[0], Shape(t)[1], Shape(t)[2] * Shape(t)[3]))
 
 and its zero initial states as Slice(Expand(0, Concat(.., Shape(x)[0], ..))). At static shapes constant folding
 removes both; at a symbolic batch they stay, Shape(t) keeps t read twice and the Reshape's output shape is
