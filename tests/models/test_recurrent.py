@@ -135,3 +135,52 @@ def test_zoo_forecaster_is_one_native_segment(name, loop, monkeypatch):
         (want,) = session.run(None, feeds)
         scale = max(1.0, float(np.abs(want).max()))
         np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} seed {seed}")
+
+
+@pytest.fixture(scope="module", params=[("bilstm_forecaster", "cpu.lstm.fused"), ("gru_forecaster", "cpu.gru.native")],
+                ids=["bilstm_forecaster", "gru_forecaster"])
+def dynamic_forecaster(request, tmp_path_factory):
+    """The zoo's forecaster exported as users export it for serving (a symbolic batch), built with kiln's loop
+    picked, a profile of batches 1 to 32, and onnxruntime on the same file."""
+    from kiln import zoo
+
+    name, loop = request.param
+    folder = tmp_path_factory.mktemp(name)
+    x = np.random.default_rng(0).standard_normal((BATCH, STEPS, FEATURES)).astype(np.float32)
+    export_module(zoo.torch_model(name), {"x": x}, folder, dynamic_axes={0: "batch"})
+    path = str(folder / "model.onnx")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(autotune, "measure", lambda fns, device, runs=10, **_: {
+            k: 0.0 if k == loop else 1.0 for k in fns})
+        engine = kiln.build(path, timing_cache=None, profiles=[{"x": f"1x{STEPS}x{FEATURES},8x{STEPS}x{FEATURES},"
+                                                                      f"32x{STEPS}x{FEATURES}"}])
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return name, loop, engine, session
+
+
+def test_dynamic_batch_forecaster_is_one_segment_at_every_batch(dynamic_forecaster):
+    """At a symbolic batch the exporter's zero initial states, its Transpose + Reshape after each layer's Y (shape
+    arithmetic over Shape(t)) and the batch-first Transpose in front become what they are at static shapes
+    (kiln/passes/fusion/symbolic_shapes.py, relayout.py): every step, both recurrent layers included, is a member of
+    one native segment, which binds each fresh batch of the profile (a view, not the layers one by one) and
+    answers as onnxruntime does."""
+    name, loop, engine, session = dynamic_forecaster
+    steps = engine.plan.program.steps
+    layers = [s for s in steps if s.op_type in ("LSTM", "GRU")]
+    assert len(layers) == 2 and all(s.tactic == loop for s in layers), [(s.name, s.tactic) for s in layers]
+    (segment,) = engine.program.segments
+    members = [m.ctx.name for m in segment.members]
+    assert members == [s.name for s in steps], f"{name}: steps outside the segment: {members} of {steps}"
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    batches = [1, 32, *(int(b) for b in rng.choice(np.arange(2, 32), 3, replace=False))]
+    for batch in batches:
+        x = rng.standard_normal((batch, STEPS, FEATURES)).astype(np.float32)
+        (output,) = context.run({"x": x}).values()
+        (want,) = session.run(None, {"x": x})
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} batch {batch}")
+        bound = [key for key, view in segment.resized.items() if view is not None]
+        assert any(key[0][0] == batch for key in bound) or batch == BATCH, \
+            f"{name}: batch {batch} ran the layers one by one (the segment bound {bound}, refused " \
+            f"{[k for k, v in segment.resized.items() if v is None]})"

@@ -419,6 +419,26 @@ def transpose_of_a_dynamic_batch():
                  [value("y", ["N", 4, 5, 3])])
 
 
+def lstm_whose_initial_state_is_not_zeros():
+    """An LSTM whose initial_h is an Expand of 0.5 over a symbolic batch: not zeros, so it stays."""
+    inits = [("w", randn(1, 8, 3)), ("r", randn(1, 8, 2)), ("half", np.array([0.5], np.float32)),
+             ("lead", np.array([1], np.int64)), ("width", np.array([2], np.int64))]
+    nodes = [node("Shape", ["x"], ["sx"], start=1, end=2), node("Concat", ["lead", "sx", "width"], ["hs"], axis=0),
+             node("Expand", ["half", "hs"], ["h0"]), node("LSTM", ["x", "w", "r", "", "", "h0"], ["y"], hidden_size=2)]
+    return model(nodes, [value("x", [4, "N", 3])], [value("y", [4, 1, "N", 2])], inits)
+
+
+def reshape_to_two_computed_dims():
+    """Reshape(x [N, M, 4], [N·1, M·1, 4]): two dims of the target are products over symbols, one -1 at most."""
+    inits = [("one", np.array([1], np.int64)), ("s0", np.array([0], np.int64)), ("s1", np.array([1], np.int64)),
+             ("s2", np.array([2], np.int64)), ("s3", np.array([3], np.int64))]
+    nodes = [node("Shape", ["x"], ["sx"]), node("Slice", ["sx", "s0", "s1"], ["n"]),
+             node("Slice", ["sx", "s1", "s2"], ["m"]), node("Slice", ["sx", "s2", "s3"], ["c"]),
+             node("Mul", ["n", "one"], ["n1"]), node("Mul", ["m", "one"], ["m1"]),
+             node("Concat", ["n1", "m1", "c"], ["target"], axis=0), node("Reshape", ["x", "target"], ["y"])]
+    return model(nodes, [value("x", ["N", "M", 4])], [value("y", ["N", "M", 4])], inits)
+
+
 def channels_last_run_through_a_softmax():
     """NCHW -> NHWC, a Softmax (not one of the ops the flattening knows), back: the run stays 4-D."""
     return model([node("Transpose", ["x"], ["p"], perm=[0, 2, 3, 1]), node("Softmax", ["p"], ["s"], axis=-1),
@@ -439,6 +459,9 @@ CASES = {
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
     "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "shape is not static"),
+    "zero_initial_states/not_zeros": Case("drop_zero_initial_states", lstm_whose_initial_state_is_not_zeros, None),
+    "reshape_target/two_computed_dims": Case("constant_reshape_target", reshape_to_two_computed_dims,
+                                             "more than one dim of unknown size"),
     "channels_last_run/softmax": Case("flatten_channels_last_runs", channels_last_run_through_a_softmax,
                                       "not an op over the last axis", before=["fuse_relayout"]),
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,

@@ -327,3 +327,64 @@ def test_a_classifier_heads_mean_without_keepdims_stays_in_the_segment():
     for seed in (1, 2):
         x = np.random.default_rng(seed).standard_normal((2, 3, 6, 5)).astype(np.float32)
         np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-5, atol=1e-5)
+
+
+def bidirectional_lstm_at_a_symbolic_batch(seed: int = 0, hidden: int = 5, features: int = 3, steps: int = 7):
+    """A batch-first bidirectional LSTM as torch.onnx.export writes it with dynamic_axes on batch: the batch-first
+    Transpose, zero initial states Expand-ed to [2, N, H] from Shape(x), and Y's merge as Transpose(0, 2, 1, 3) +
+    Reshape by shape arithmetic over Shape(t)."""
+    rng = np.random.default_rng(seed)
+    inits = {"w": rng.standard_normal((2, 4 * hidden, features)).astype(np.float32) * 0.4,
+             "r": rng.standard_normal((2, 4 * hidden, hidden)).astype(np.float32) * 0.4,
+             "b": rng.standard_normal((2, 8 * hidden)).astype(np.float32) * 0.1,
+             "zero": np.zeros(1, np.float32), "two": np.array([2], np.int64), "h": np.array([hidden], np.int64),
+             "i0": np.array([0], np.int64), "i1": np.array([1], np.int64), "i2": np.array([2], np.int64),
+             "i3": np.array([3], np.int64), "i4": np.array([4], np.int64)}
+    nodes = [helper.make_node("Shape", ["x"], ["sx"], start=0, end=1, name="batch_of_x"),
+             helper.make_node("Concat", ["two", "sx", "h"], ["hs"], axis=0, name="state_shape"),
+             helper.make_node("Expand", ["zero", "hs"], ["zeros"], name="zeros"),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2], name="time_first"),
+             helper.make_node("LSTM", ["xt", "w", "r", "b", "", "zeros", "zeros"], ["y"], hidden_size=hidden,
+                              direction="bidirectional", name="lstm"),
+             helper.make_node("Transpose", ["y"], ["yt"], perm=[0, 2, 1, 3], name="directions_last"),
+             helper.make_node("Shape", ["yt"], ["sy"], name="shape_of_yt"),
+             *[helper.make_node("Slice", ["sy", f"i{k}", f"i{k + 1}"], [f"d{k}"], name=f"dim{k}") for k in range(4)],
+             helper.make_node("Mul", ["d2", "d3"], ["d23"], name="merged"),
+             helper.make_node("Concat", ["d0", "d1", "d23"], ["target"], axis=0, name="target"),
+             helper.make_node("Reshape", ["yt", "target"], ["out"], name="merge_directions")]
+    graph = helper.make_graph(nodes, "bilstm", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                                ["N", steps, features])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_a_bidirectional_lstm_at_a_symbolic_batch_becomes_relayout_lstm_relayout():
+    """Structural: drop_zero_initial_states, constant_reshape_target and fuse_relayout at a symbolic dim leave
+    Relayout -> LSTM (no initial states) -> Relayout, the Relayouts' batch dim -1."""
+    report = PassReport()
+    model = optimize(onnx_frontend.load(bidirectional_lstm_at_a_symbolic_batch()), PassOptions(cpu_rules=True), report)
+    ops = [n.op_type for n in model.graph]
+    assert ops == ["Relayout", "LSTM", "Relayout"], (ops, report.refused)
+    first, lstm, last = list(model.graph)
+    assert all(i is None for i in lstm.inputs[5:]), f"the zero initial states are still read: {lstm.inputs}"
+    assert list(first.attributes["perm"].value) == [1, 0, 2] and -1 in first.attributes["dims"].value
+    assert list(last.attributes["shape"].value) == [7, -1, 10] and list(last.attributes["perm"].value) == [0, 2, 1, 3]
+    assert report.fired.get("drop_zero_initial_states") == 1 and report.fired.get("constant_reshape_target") == 1
+
+
+def test_a_bidirectional_lstm_at_a_symbolic_batch_is_one_segment_at_every_batch():
+    """Numerical: the engine equals onnxruntime at fresh batches (fp32: 7 steps of 5-wide sums, 1e-5), every step a
+    member of one segment that binds each batch."""
+    proto = bidirectional_lstm_at_a_symbolic_batch()
+    engine = kiln.build(proto.SerializeToString(), profiles=[{"x": "1x7x3,4x7x3,9x7x3"}], timing_cache=None)
+    (segment,) = engine.program.segments
+    assert [m.ctx.name for m in segment.members] == [s.name for s in engine.plan.program.steps]
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    for batch in (1, 2, 9, int(rng.integers(3, 9))):
+        x = rng.standard_normal((batch, 7, 3)).astype(np.float32)
+        np.testing.assert_allclose(next(iter(context.run({"x": x}).values())), _onnxruntime(proto, {"x": x}),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"batch {batch}")
+        assert any(key[0][0] == batch and view is not None for key, view in segment.resized.items()) or batch == 4, \
+            f"batch {batch} ran the layers one by one"

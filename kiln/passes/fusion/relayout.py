@@ -14,7 +14,10 @@ a chain whose table no strided walk gives is left alone. MobileViT's unfold and 
 ([1, C, H, W] -> [4, H*W/4, C] and back): unfused, each Transpose is a step on torch that splits the
 CPU's native segment in two; fused, one copy kernel inside it (kiln/kernels/cpu/relayout.py).
 Only CPU builds ask for it (fusion.CPU_RULES); the chain must have a Transpose (or a 4-D end as above),
-float32 values of static shapes, and each inner value read only by the next node.
+float32 values of static shapes, and each inner value read only by the next node. One exception: a chain that
+moves a recurrent layer's X or Y over one symbolic dim (a dynamic batch: the exporter's batch-first Transpose, a
+bidirectional Y's merge) is found at two sizes of that dim and fused with -1 where they differ (dims and shape),
+which holds at every batch (kiln/tactics/cpu/relayout.py binds it at each size a segment meets).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kiln.passes._rewrite import (
     KILN_DOMAIN,
     PassReport,
     attr,
+    const,
     is_op,
     new_initializer,
     only_user,
@@ -34,6 +38,8 @@ from kiln.passes._rewrite import (
     replace_with,
     static_shape,
 )
+from kiln.passes.fusion.symbolic_shapes import RECURRENT as _RECURRENT
+from kiln.passes.fusion.symbolic_shapes import symbolic_shape
 
 RULE = "fuse_relayout"
 MOVERS = ("Reshape", "Transpose", "Flatten", "Squeeze", "Unsqueeze")
@@ -84,6 +90,8 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         return False
     x = chain[0].inputs[0]
     shape, out = static_shape(x), static_shape(node.outputs[0])
+    if shape is None and any(n.op_type == "Transpose" for n in chain) and _around_recurrent(chain):
+        return _fuse_at_symbolic_batch(chain, report)
     relaid = shape is not None and out is not None and not (_keeps_order(shape) and _keeps_order(out))
     if not any(n.op_type == "Transpose" for n in chain) and not relaid:
         return False  # Reshapes alone: a view, and inside a segment an alias
@@ -112,6 +120,97 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         return True
     fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
                     [ir.AttrInt64s("dims", dims), ir.AttrInt64s("perm", perm), ir.AttrInt64s("shape", out)],
+                    name=f"{node.name}_relayout")
+    replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
+    return True
+
+
+# ---- a chain over one symbolic dim (a dynamic batch) ------------------------------------------------
+
+PROBES = (3, 5)  # two sizes of the symbolic dim, both > 1: strided_form merges the same dims at either
+
+
+def _around_recurrent(chain: list[ir.Node]) -> bool:
+    """Whether the chain moves a recurrent layer's Y or X (the only chains fused at a symbolic dim so far: the
+    exporter's batch-first Transposes and bidirectional merges; other models' dynamic chains stay as they were)."""
+    reader = only_user(chain[-1].outputs[0])
+    return is_op(producer(chain[0].inputs[0]), *_RECURRENT) or (
+        is_op(reader, *_RECURRENT) and reader.inputs[0] is chain[-1].outputs[0])
+
+
+def _table_at(chain: list[ir.Node], shape: list[int], probe: int) -> np.ndarray | str:
+    """The chain run on arange over `shape` (the symbolic dim at `probe`): Reshapes by their constant target."""
+    table = np.arange(int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    for node in chain:
+        if node.op_type == "Transpose":
+            perm = attr(node, "perm")
+            table = table.transpose(perm if perm is not None else list(range(table.ndim))[::-1])
+            continue
+        target = const(node.inputs[1]) if node.op_type == "Reshape" and len(node.inputs) > 1 else None
+        if target is not None and not attr(node, "allowzero", 0):
+            size = [table.shape[k] if int(d) == 0 else int(d) for k, d in enumerate(target.reshape(-1))]
+        else:
+            dims = symbolic_shape(node.outputs[0])
+            if dims is None or any(not isinstance(d, int) and not isinstance(d, str) for d in dims):
+                return f"{node.name!r}'s output shape is not known"
+            size = [probe if isinstance(d, str) else d for d in dims]
+        try:
+            table = table.reshape(size)
+        except ValueError:
+            return f"{node.name!r}'s target {size} does not hold the input's {table.size} elements"
+    return table
+
+
+def _one_inferred(a: list[int], b: list[int]) -> list[int] | None:
+    """Sizes at the two probes as one list with -1 (torch's and ONNX's inferred dim) where they differ, or None
+    when more than one differs."""
+    if len(a) != len(b):
+        return None
+    differ = [k for k in range(len(a)) if a[k] != b[k]]
+    if len(differ) > 1:
+        return None
+    return [-1 if k in differ else a[k] for k in range(len(a))]
+
+
+def _fuse_at_symbolic_batch(chain: list[ir.Node], report: PassReport) -> bool:
+    # Transpose(Y [S, 2, batch, H], (0, 2, 1, 3)); Reshape(.., [S, 0, 2H]) -> Relayout(dims [S, 2, -1, H],
+    #   perm (0, 2, 1, 3), shape [S, -1, 2H]): the walk found at two sizes of the symbolic dim, -1 where they differ
+    node = chain[-1]
+    x = chain[0].inputs[0]
+    dims = symbolic_shape(x)
+    symbols = {d for d in dims or () if not isinstance(d, int)}
+    if dims is None or len(symbols) != 1 or None in symbols:
+        report.refuse(RULE, node, "the chain's input shape is neither static nor of one named symbolic dim")
+        return False
+    found, outs = [], []
+    for probe in PROBES:
+        shape = [probe if isinstance(d, str) else d for d in dims]
+        table = _table_at(chain, shape, probe)
+        if isinstance(table, str):
+            report.refuse(RULE, node, table)
+            return False
+        form = strided_form(table)
+        walk = dims_and_perm(form, table.size) if form is not None else None
+        if walk is None:
+            report.refuse(RULE, node, "no strided walk of the input gives the chain's result")
+            return False
+        found.append(walk)
+        outs.append(list(table.shape))
+    (dims_a, perm_a), (dims_b, perm_b) = found
+    walk_dims, shape = _one_inferred(dims_a, dims_b), _one_inferred(*outs)
+    if perm_a != perm_b or walk_dims is None or shape is None:
+        report.refuse(RULE, node, "the chain moves elements otherwise at different sizes of its symbolic dim")
+        return False
+    symbol = next(iter(symbols))
+    node.outputs[0].shape = ir.Shape([symbol if a != b and a == PROBES[0] and b == PROBES[1] else
+                                      (a if a == b else None) for a, b in zip(*outs)])
+    if perm_a == sorted(perm_a):  # moves no element (a unidirectional Y's Transpose of its size-1 dim): one Reshape
+        target = new_initializer(node.graph, f"{node.name}_shape", np.array(shape, dtype=np.int64))
+        reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
+        replace_with(chain, reshape, node.outputs[0], insert_before=chain[0])
+        return True
+    fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
+                    [ir.AttrInt64s("dims", walk_dims), ir.AttrInt64s("perm", perm_a), ir.AttrInt64s("shape", shape)],
                     name=f"{node.name}_relayout")
     replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
     return True

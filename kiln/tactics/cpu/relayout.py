@@ -25,7 +25,7 @@ from kiln.ops.registry import OpContext, lookup
 from kiln.ops.relayout import TABLE_LIMIT
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _F32 = torch.float32
@@ -34,6 +34,15 @@ _F32 = torch.float32
 def _attributes(step: StepSpec) -> tuple[list[int], list[int], tuple[int, ...]]:
     return ([int(d) for d in _attr(step, "dims", [])], [int(p) for p in _attr(step, "perm", [])],
             tuple(int(s) for s in _attr(step, "shape", [])))
+
+
+def _resolved(sizes: Any, numel: int) -> list[int]:
+    """dims or shape with its -1 (a dynamic batch's dim, kiln/passes/fusion/relayout.py) at `numel` elements."""
+    sizes = [int(s) for s in sizes]
+    if -1 in sizes:
+        known = int(np.prod([s for s in sizes if s != -1]))
+        sizes[sizes.index(-1)] = numel // known if known and numel % known == 0 else 0
+    return sizes
 
 
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -46,6 +55,7 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not 0 < numel <= TABLE_LIMIT:
         return f"{numel} elements: 1 to {TABLE_LIMIT}"
     dims, perm, shape = _attributes(step)
+    dims, shape = _resolved(dims, numel), tuple(_resolved(shape, numel))
     if int(np.prod(dims)) != numel or int(np.prod(shape)) != numel or sorted(perm) != list(range(len(dims))):
         return f"dims {dims}, perm {perm} and shape {list(shape)} do not move the input's {numel} elements"
     try:
@@ -62,27 +72,41 @@ def _configure(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
 def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
     dims, perm, shape = _attributes(step)
     tuned = tuple(step.tactic_config["input_size"])
-    move = relayout.relayout_move(dims, perm, shape)
+    move = relayout.relayout_move(dims, perm, shape)  # a -1 (a dynamic batch's dim) is torch's at every size
     kernel = relayout.Relayout(tuned, move)  # at load
-    # the attributes hold for the tuned size only: at another, the op's own code says why not
-    return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape), move)
+    # the attributes hold for the tuned size only (or, with a -1, at every size whose elements it divides): at
+    # another, the op's own code says why not
+    return _launch(tuned, kernel, lambda x: x.reshape(dims).permute(perm).reshape(shape), move,
+                   resizes=-1 in dims or -1 in shape)
 
 
 def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Callable[[torch.Tensor], torch.Tensor],
-            move: Callable[[torch.Tensor], torch.Tensor]):
+            move: Callable[[torch.Tensor], torch.Tensor], resizes: bool = False):
     """The kernel at the tuned input size (and as a segment member), `other_sizes` at any other. A 4-D input whose
     NHWC order differs from row-major offers the walk of its row-major memory too (NativeStep.reading_rows: after a
-    recurrent layer's Y [S, D, N, H], which kiln's loop writes row-major)."""
+    recurrent layer's Y [S, D, N, H], which kiln's loop writes row-major). `resizes`: `move` holds at every input
+    size (a Relayout over a dynamic batch), so a segment binds the walk at new sizes (NativeStep.at) in either form."""
     def launch(ctx, x, *_inputs, **_attributes):
         return kernel(x) if tuple(x.shape) == tuned else other_sizes(x)
 
-    def reading_rows() -> NativeStep:  # ValueError: no strided walk of the row-major memory gives the output
-        rows = relayout.Relayout(tuned, move, kernel.what.split(" ")[0], rows_input=True)
-        return NativeStep(tuned, rows.output_size, same_primitive(rows), rows_input=True)
+    def walk_at(size: tuple[int, ...], rows_input: bool) -> relayout.Relayout:
+        if size == tuned and not rows_input:
+            return kernel
+        try:
+            return relayout.Relayout(size, move, kernel.what.split(" ")[0], rows_input=rows_input)
+        except RuntimeError as e:  # torch's reshape: the -1 does not divide this size's elements
+            raise ValueError(f"{kernel.what.split(' ')[0]} at {list(size)}: {e}") from e
 
-    four_d_order = len(tuned) == 4 and tuned[1] != 1 and tuned[2] * tuned[3] != 1
-    launch.native = NativeStep(tuned, kernel.output_size, same_primitive(kernel),
-                               reading_rows=reading_rows if four_d_order else None)
+    def native_of(size: tuple[int, ...], rows_input: bool) -> NativeStep:
+        walk = walk_at(size, rows_input)  # ValueError: no strided walk gives the output at this size
+        four_d_order = len(size) == 4 and size[1] != 1 and size[2] * size[3] != 1
+        return NativeStep(size, walk.output_size, same_primitive(walk), rows_input=rows_input,
+                          reading_rows=(lambda: rows_at(size)) if four_d_order and not rows_input else None)
+
+    plain_at = resizable(lambda size: native_of(tuple(size), False)) if resizes else None
+    rows_at = resizable(lambda size: native_of(tuple(size), True)) if resizes \
+        else (lambda size: native_of(tuple(size), True))
+    launch.native = plain_at(tuned) if resizes else native_of(tuned, False)
     return launch
 
 
@@ -123,7 +147,9 @@ def _prepare_slice(step: StepSpec, constants: list[Any], device: torch.device):
     tuned = tuple(step.tactic_config["input_size"])
     move = _slice_move(step, constants)
     kernel = relayout.Relayout(tuned, move, "slice")  # at load; a slice no walk gives raises: the tactic fails its check
-    return _launch(tuned, kernel, move, move)  # the walk holds for the tuned size only
+    # the walk is found from the op's own code at each size: a Gather of constant indices (a forecaster's last step
+    # over a dynamic batch) binds at new sizes; a Slice's walk is kept to the tuned size, as before
+    return _launch(tuned, kernel, move, move, resizes=step.op_type == "Gather")
 
 
 # a Slice of constant bounds and a Gather by constant indices: one walk of the data either way
