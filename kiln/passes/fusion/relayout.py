@@ -112,17 +112,22 @@ def fuse_relayout(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, "no strided walk of the input gives the chain's result")
         return False
     dims, perm = found
-    if perm == sorted(perm) and not relaid:  # the chain moves no element: one Reshape (a view; in a segment, an alias)
-        graph = node.graph
-        target = new_initializer(graph, f"{node.name}_shape", np.array(out, dtype=np.int64))
-        reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
-        replace_with(chain, reshape, node.outputs[0], insert_before=chain[0])
-        return True
-    fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
-                    [ir.AttrInt64s("dims", dims), ir.AttrInt64s("perm", perm), ir.AttrInt64s("shape", out)],
-                    name=f"{node.name}_relayout")
-    replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
+    # the chain moves no element: one Reshape (a view; in a segment, an alias)
+    _replace_chain(node, chain, x, dims, perm, out, reshape=perm == sorted(perm) and not relaid)
     return True
+
+
+def _replace_chain(node: ir.Node, chain: list, x: ir.Value, dims: list[int], perm: list[int], shape: list[int],
+                   reshape: bool) -> None:
+    """The chain ending at `node` as one Reshape of x to `shape` (reshape: it moves no element) or one Relayout."""
+    if reshape:
+        target = new_initializer(node.graph, f"{node.name}_shape", np.array(shape, dtype=np.int64))
+        fused = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
+    else:
+        fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
+                        [ir.AttrInt64s("dims", dims), ir.AttrInt64s("perm", perm), ir.AttrInt64s("shape", shape)],
+                        name=f"{node.name}_relayout")
+    replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
 
 
 # ---- a chain over one symbolic dim (a dynamic batch) ------------------------------------------------
@@ -204,15 +209,8 @@ def _fuse_at_symbolic_batch(chain: list[ir.Node], report: PassReport) -> bool:
     symbol = next(iter(symbols))
     node.outputs[0].shape = ir.Shape([symbol if a != b and a == PROBES[0] and b == PROBES[1] else
                                       (a if a == b else None) for a, b in zip(*outs)])
-    if perm_a == sorted(perm_a):  # moves no element (a unidirectional Y's Transpose of its size-1 dim): one Reshape
-        target = new_initializer(node.graph, f"{node.name}_shape", np.array(shape, dtype=np.int64))
-        reshape = ir.Node("", "Reshape", [x, target], name=f"{node.name}_reshape")
-        replace_with(chain, reshape, node.outputs[0], insert_before=chain[0])
-        return True
-    fused = ir.Node(KILN_DOMAIN, "Relayout", [x],
-                    [ir.AttrInt64s("dims", walk_dims), ir.AttrInt64s("perm", perm_a), ir.AttrInt64s("shape", shape)],
-                    name=f"{node.name}_relayout")
-    replace_with(chain, fused, node.outputs[0], insert_before=chain[0])
+    # moves no element (a unidirectional Y's Transpose of its size-1 dim): one Reshape
+    _replace_chain(node, chain, x, walk_dims, perm_a, shape, reshape=perm_a == sorted(perm_a))
     return True
 
 
