@@ -351,12 +351,16 @@ def test_resnet_qdq_engine_on_cuda_matches_onnxruntime(tmp_path, case):
         step *= 32
     classifier = [v for v in scales.values() if v.ndim == 2 and v.dtype == np.float32]
     # one flipped rounding of the last quantized tensor through the classifier's weights bounds the CPU engine
-    # (tests/models/test_qdq_models.py); the CUDA kernels round near-ties where the CPU ones do not, so their
-    # flips fall elsewhere upstream: twice that (a wrong zero point or scale is off by orders of magnitude more)
-    bound = 2 * step * (float(np.abs(classifier[-1]).sum(axis=-1).max()) if classifier else 1.0) + 1e-3
-    # relative L2 within 10%: E4M3 keeps 3 mantissa bits (a flipped rounding moves a value by 6-12%), and the
-    # CUDA kernels' flips upstream reach the logits (measured 5.4% on the H200); a wrong scale or zero point is O(1)
-    chosen = _engine_vs_onnxruntime(path, evaluation, lambda want: bound, relative_l2=0.1)
+    # (tests/models/test_qdq_models.py); the CUDA kernels round near-ties where the CPU ones do not, and a conv
+    # with its residual add fused may be ceil(s_c/s_y) + 1 steps off where the unfused pair is (the rule of
+    # kiln/tactics/cuda/quant_residual_check.py), so their flips fall upstream and add up: four times that.
+    # Measured on the H200 at 0234adb: 0.0107 for int8 S8S8 (1.3x the old 2x bound; U8S8 passed it in one of two
+    # runs). A wrong zero point or scale is off by orders of magnitude more.
+    bound = 4 * step * (float(np.abs(classifier[-1]).sum(axis=-1).max()) if classifier else 1.0) + 1e-3
+    # relative L2 within 20%: E4M3 keeps 3 mantissa bits (a flipped rounding moves a value by 6-12%), and the
+    # CUDA kernels' flips upstream reach the logits (measured 5.4% on the H200 before the FP8 residual was fused,
+    # 10.4% at 0234adb with it); a wrong scale or zero point is O(1)
+    chosen = _engine_vs_onnxruntime(path, evaluation, lambda want: bound, relative_l2=0.2)
     print(case, chosen)
     if case.startswith("int8"):
         assert any(t.startswith("cuda.q") for t in chosen.values()), \
