@@ -58,9 +58,31 @@ def scale_of(x: torch.Tensor) -> float:
 
 
 def errors(out: torch.Tensor, reference: torch.Tensor) -> str:
+    """max error / max |reference| and mean error / mean |reference|."""
     error = (out.float() - reference).abs()
     return f"{error.max().item() / reference.abs().max().item():.2e} / " \
            f"{error.mean().item() / reference.abs().mean().item():.2e}"
+
+
+def print_table(columns: list[str], rows: list[tuple[str, Callable[[], list[str]] | str]]) -> None:
+    """A markdown table, each row printed as it is measured and the whole table last (shared with
+    bench/fp8_attention_chain.py). A row: its name and what measures its other cells, or a string saying why it was
+    not run; a measure that raises is a row saying why it failed (a variant that does not run stays in the table)."""
+    def line(cells: list[str]) -> str:
+        return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|"
+
+    blank = [""] * (len(columns) - 2)
+    table = [line(columns), "|" + "---|" * len(columns)]
+    for name, measure in rows:
+        if isinstance(measure, str):
+            table.append(line([name, f"not run: {measure}", *blank]))
+        else:
+            try:
+                table.append(line([name, *measure()]))
+            except Exception as e:  # noqa: BLE001  a variant that fails is a row saying why
+                table.append(line([name, f"failed: {type(e).__name__}: {str(e)[:120]}", *blank]))
+        print(table[-1], flush=True)
+    print("\n".join(table))
 
 
 def cudnn_fp8_sdpa(q8: list[torch.Tensor], fp8: Float8Scales, scale: float) -> Callable[[], torch.Tensor] | str:
@@ -185,12 +207,9 @@ def main() -> None:
     rows = [row for row in rows if not wanted or any(w in row[0] for w in wanted)]
     print(f"BERT-base attention, batch {b}, seq {s}, 12 heads, d 64, key lengths {lengths.min().item()}.."
           f"{lengths.max().item()}; scales q {fp8.q:.4g} k {fp8.k:.4g} v {fp8.v:.4g} out {out_scale:.4g}")
-    table = ["| layer | ms | TFLOP/s | error vs fp32: max / mean (relative) |", "|---|---|---|---|"]
-    for name, fn, scales in rows:
-        if isinstance(fn, str):
-            table.append(f"| {name} | not run: {fn} | | |")
-            continue
-        try:
+
+    def measure(name: str, fn: Callable[[], torch.Tensor], scales: Float8Scales | None) -> Callable[[], list[str]]:
+        def cells() -> list[str]:  # ms, TFLOP/s, errors
             out = fn()
             torch.cuda.synchronize()
             got = dequantized(out, scales) if scales is not None else out.float()
@@ -200,12 +219,11 @@ def main() -> None:
                 F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale)
             accuracy = errors(got, check)
             ms = graph_ms(fn)
-        except Exception as e:  # noqa: BLE001  a variant that fails is a row saying why
-            table.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | | |")
-            continue
-        table.append(f"| {name} | {ms:.4f} | {flops / ms / 1e9:.0f} | {accuracy} |")
-        print(table[-1], flush=True)
-    print("\n".join(table))
+            return [f"{ms:.4f}", f"{flops / ms / 1e9:.0f}", accuracy]
+        return cells
+
+    print_table(["layer", "ms", "TFLOP/s", "error vs fp32: max / mean (relative)"],
+                [(name, fn if isinstance(fn, str) else measure(name, fn, scales)) for name, fn, scales in rows])
 
 
 if __name__ == "__main__":

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from fp8_attention import FP8_MAX, HEAD_DIM, HEADS, errors, print_table  # noqa: E402  bench/fp8_attention.py
 from gpu import graph_ms  # noqa: E402  bench/gpu.py
 from kiln.kernels.cuda.triton.attention import ATTENTION_CONFIGS, FP8_DTYPE, Float8Scales, flash_attention  # noqa: E402
 from kiln.kernels.cuda.triton.qelementwise import quantize  # noqa: E402
 
-HEADS, HEAD_DIM, WIDTH = 12, 64, 768
-FP8_MAX = 448.0
+WIDTH = HEADS * HEAD_DIM
 
 
 def e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -55,12 +55,6 @@ def e4m3(x: torch.Tensor) -> tuple[torch.Tensor, float]:
 def heads(t: torch.Tensor, b: int, s: int) -> torch.Tensor:
     """A [B·S, 768] column slice as the [B, H, S, D] view attention reads (no copy)."""
     return t.view(b, s, HEADS, HEAD_DIM).permute(0, 2, 1, 3)
-
-
-def errors(out: torch.Tensor, reference: torch.Tensor) -> str:
-    error = (out.float() - reference).abs()
-    return f"{error.max().item() / reference.abs().max().item():.2e} / " \
-           f"{error.mean().item() / reference.abs().mean().item():.2e}"
 
 
 def main() -> None:
@@ -201,23 +195,20 @@ def main() -> None:
     ]
     print(f"BERT-base attention block, batch {b}, seq {s}; scales x {s_x:.3g} w {s_w:.3g} qkv {s_qkv:.3g} "
           f"out {s_o:.3g}; attention tile {config.name}")
-    table = ["| chain / piece | ms | error vs fp32: max / mean (relative) |", "|---|---|---|"]
-    for name, fn, check in rows:
-        try:
+
+    def measure(fn: Callable[[], torch.Tensor], check: torch.Tensor | None) -> Callable[[], list[str]]:
+        def cells() -> list[str]:  # ms, errors (blank for a piece)
             out = fn()
             torch.cuda.synchronize()
             accuracy = ""
             if check is not None:
                 got = out.float() * s_o if out.dtype == FP8_DTYPE else out.float()
                 accuracy = errors(got.permute(as_bhsd) if got.shape != check.shape else got, check)
-            ms = graph_ms(fn)
-        except Exception as e:  # noqa: BLE001  a variant that fails is a row saying why
-            table.append(f"| {name} | failed: {type(e).__name__}: {str(e)[:120]} | |")
-            print(table[-1], flush=True)
-            continue
-        table.append(f"| {name} | {ms:.4f} | {accuracy} |")
-        print(table[-1], flush=True)
-    print("\n".join(table))
+            return [f"{graph_ms(fn):.4f}", accuracy]
+        return cells
+
+    print_table(["chain / piece", "ms", "error vs fp32: max / mean (relative)"],
+                [(name, measure(fn, check)) for name, fn, check in rows])
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve import _start  # noqa: E402 - bench/serve.py's server start (ports read from its log)
 from serve_overhead_client import grpc_request_bytes  # noqa: E402
+from tests.serve.tls_certificates import write_certificates as _write_certificates  # noqa: E402 - the gRPC tests' CA
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -138,20 +139,6 @@ def _grpc_options(variant: str, certs: Path) -> tuple[tuple[str, ...], dict[str,
     if variant == "gzip":  # requests gzip-compressed by the client, answers by the server (level low: gzip)
         return ("--grpc-infer-response-compression-level", "low"), {"KILN_BENCH_GRPC_COMPRESSION": "gzip"}
     return (), {}
-
-
-def _write_certificates(folder: Path) -> None:
-    """A CA and a server certificate for 127.0.0.1 it signed (openssl's CLI)."""
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
-
-    run("req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-days", "1",
-        "-subj", "/CN=bench CA", "-keyout", "ca.key", "-out", "ca.crt")
-    (folder / "server.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    run("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes", "-subj", "/CN=127.0.0.1",
-        "-keyout", "server.key", "-out", "server.csr")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
-        "-extfile", "server.ext", "-out", "server.crt")
 
 
 def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, model: str, concurrency: int,

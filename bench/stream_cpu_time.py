@@ -33,9 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
+import kiln  # noqa: E402, F401  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _setup import cpu_peers  # noqa: E402  bench/_setup.py: the engine and onnxruntime session
 from dynamic import _cpu_name, commit, stream  # noqa: E402
 
 from kiln import zoo  # noqa: E402
@@ -151,7 +152,6 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200, help="--hot: calls per shape and path")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    import onnxruntime as ort
 
     host_sizes = getattr(kiln_engine.ExecutionContext, "_host_sizes", None)
 
@@ -161,17 +161,8 @@ def main() -> None:
         print(msg, flush=True)
         lines.append(msg)
 
-    exported = zoo.export(args.model, batch=2, seq=16, dynamic=True)
-    if args.engine:
-        engine = kiln.load(args.engine)
-    else:
-        opt = f"{min(8, args.max_batch)}x{min(128, args.max_seq)}"
-        profile = {"input_ids": f"1x1,{opt},{args.max_batch}x{args.max_seq}"}
-        engine = kiln.build(str(exported.path), device="cpu", precision="fp32", profiles=[profile])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = args.threads
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    peers = cpu_peers(args.model, args.engine, args.max_batch, args.max_seq, args.threads)
+    engine, session = peers.engine, peers.session
     requests = stream(args.requests, args.max_batch, args.max_seq, zoo.get(args.model).vocab_size, args.seed)
     session.run(None, requests[0])
     # correctness first: kiln against onnxruntime over real tokens at a few requests

@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dynamic import commit, stream  # noqa: E402  bench/dynamic.py (imports kiln before torch)
+from _setup import dynamic_profile  # noqa: E402  bench/_setup.py
 from gpu import graph_ms  # noqa: E402  bench/gpu.py
 
 import torch  # noqa: E402
@@ -189,9 +190,8 @@ def main() -> None:
     model = zoo.get(args.model)
     t0 = time.perf_counter()
     exported = zoo.export(args.model, batch=2, seq=16, dynamic=True)
-    profile = {"input_ids": f"1x1,{min(8, args.max_batch)}x{min(128, args.max_seq)},{args.max_batch}x{args.max_seq}"}
     engine = kiln.build(str(exported.path), device=args.device, precision="fp16" if cuda else "fp32",
-                        profiles=[profile], remove_padding=cuda)
+                        profiles=[dynamic_profile(args.max_batch, args.max_seq)], remove_padding=cuda)
     t1 = time.perf_counter()
     context = engine.create_execution_context(warm_up=True)
     log(f"export + build {t1 - t0:.1f} s, warm-up at load {time.perf_counter() - t1:.1f} s"

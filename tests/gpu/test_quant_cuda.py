@@ -289,17 +289,11 @@ def test_every_tactic_replays_in_a_cuda_graph(op, name, x_dtype):
 # ---- engines from onnxruntime's QDQ models --------------------------------------------------------------
 
 def _ort_qdq(fp32_path: str, path: str, feeds: list[dict], method, activations, weights) -> None:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(feeds)
-
-        def get_next(self):
-            return next(self.items, None)
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from tests.calibration import FeedsReader
 
     fp8 = activations == QuantType.QFLOAT8E4M3FN
-    quantize_static(fp32_path, path, Reader(), quant_format=QuantFormat.QDQ, activation_type=activations,
+    quantize_static(fp32_path, path, FeedsReader(feeds), quant_format=QuantFormat.QDQ, activation_type=activations,
                     weight_type=weights, per_channel=not fp8, calibrate_method=method)
 
 

@@ -43,12 +43,12 @@ class _Net(torch.nn.Module):
 
 def _qdq_model(tmp_path, activations: str) -> tuple[str, list[dict]]:
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         CalibrationMethod,
         QuantFormat,
         QuantType,
         quantize_static,
     )
+    from tests.calibration import FeedsReader
 
     torch.manual_seed(0)
     fp32 = tmp_path / "net.onnx"
@@ -57,17 +57,10 @@ def _qdq_model(tmp_path, activations: str) -> tuple[str, list[dict]]:
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8), dtype=np.float32)} for _ in range(8)]
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(feeds[:5])
-
-        def get_next(self):
-            return next(self.items, None)
-
     fp8 = activations == "fp8"
     kind = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8, "fp8": QuantType.QFLOAT8E4M3FN}[activations]
     path = tmp_path / f"net_{activations}.onnx"
-    quantize_static(str(fp32), str(path), Reader(), quant_format=QuantFormat.QDQ, activation_type=kind,
+    quantize_static(str(fp32), str(path), FeedsReader(feeds[:5]), quant_format=QuantFormat.QDQ, activation_type=kind,
                     weight_type=QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8, per_channel=not fp8,
                     calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax)
     return str(path), feeds[5:]

@@ -126,7 +126,8 @@ def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypa
     these CUDA kernels forced onto it: the engine matches onnxruntime running the same Q/DQ graph."""
     import numpy as np
     import onnxruntime as ort
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
+    from tests.calibration import FeedsReader
 
     import kiln
     from tests.unit.tactic_check import cuda_tactics_on_cpu
@@ -142,15 +143,8 @@ def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypa
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(5)]
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(feeds[:3])
-
-        def get_next(self):
-            return next(self.items, None)
-
-    quantize_static(str(fp32), str(path), Reader(), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
-                    weight_type=QuantType.QInt8, per_channel=True)
+    quantize_static(str(fp32), str(path), FeedsReader(feeds[:3]), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, per_channel=True)
     engine = kiln.build(str(path), device="cpu", tactics=list(selected), tuning_runs=2, shapes={"x": [2, 3, 16, 16]})
     layers = engine.plan.header["tactics"]["layers"]
     forced = []

@@ -65,51 +65,41 @@ def test_decode_kernel_reads_an_fp8_cache(dtype, tol, f16_dot):
     torch.testing.assert_close(got.cpu().float(), expected, atol=tol, rtol=tol)
 
 
-def test_prefill_kernel_reads_an_fp8_cache():
-    g = torch.Generator().manual_seed(2)
-    requests = [(0, 21), (12, 5), (7, 1)]  # (cached, new) tokens
-    heads, kv_heads, head_dim, page = 4, 2, 16, 4
+def prefill_over_fp8_cache(seed, requests, heads, kv_heads, head_dim, page, q_dtype, q_spread, **kernel_options):
+    """One prefill batch over a random FP8 cache: (the Triton kernel's output, the torch reference's on the same
+    stored values). requests: (cached, new) tokens each; q ~ N(0, q_spread²) in q_dtype, one 16-row tile a step."""
+    g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in requests]
     query_lens = [n for _, n in requests]
     k, v = caches(30, page, kv_heads, head_dim, g)
     tables = tables_for(seq_lens, page, 30, g)
-    q = torch.randn((sum(query_lens), heads, head_dim), generator=g)
+    q = (torch.randn((sum(query_lens), heads, head_dim), generator=g) * q_spread).to(q_dtype)  # [T, H, D]
     starts = [sum(query_lens[:b]) for b in range(len(requests))]
     meta = AttentionMetadata(slot_mapping=torch.empty(0), query_start=starts, query_lens=query_lens, seq_lens=seq_lens,
                              block_tables=tables, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32))
-    expected = paged_attention(q, k, v, meta, head_dim ** -0.5)
+    expected = paged_attention(q.float(), k, v, meta, head_dim ** -0.5)  # the torch path widens the cache itself
     tiles = torch.tensor([(b, r) for b in range(len(requests)) for r in range(0, query_lens[b], 16)],
                          dtype=torch.int32).reshape(-1, 2)
     to = dict(device=DEVICE)
     got = paged_prefill_attention(q.to(**to), k.to(**to), v.to(**to), tables.to(**to),
                                   torch.tensor(starts, dtype=torch.int32, **to),
                                   torch.tensor(query_lens, dtype=torch.int32, **to), meta.seq_lens_tensor.to(**to),
-                                  tiles.to(**to), head_dim ** -0.5, None, block_m=16, block_n=16)
+                                  tiles.to(**to), head_dim ** -0.5, None, block_m=16, block_n=16, **kernel_options)
+    return got, expected
+
+
+def test_prefill_kernel_reads_an_fp8_cache():
+    got, expected = prefill_over_fp8_cache(2, [(0, 21), (12, 5), (7, 1)], heads=4, kv_heads=2, head_dim=16, page=4,
+                                           q_dtype=torch.float32, q_spread=1.0)
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("f16_dot", [False, True])
 def test_prefill_kernel_reads_an_fp8_cache_with_bf16_queries(f16_dot):
     """The engine's case: bf16 q over an FP8 cache, the products in bf16 or (the default) in fp16."""
-    g = torch.Generator().manual_seed(4)
-    requests = [(0, 37), (20, 9), (5, 1)]  # (cached, new) tokens: a whole prompt, a prefix hit, one row
-    heads, kv_heads, head_dim, page = 8, 2, 32, 8
-    seq_lens = [c + n for c, n in requests]
-    query_lens = [n for _, n in requests]
-    k, v = caches(30, page, kv_heads, head_dim, g)
-    tables = tables_for(seq_lens, page, 30, g)
-    q = (torch.randn((sum(query_lens), heads, head_dim), generator=g) * 2).to(torch.bfloat16)
-    starts = [sum(query_lens[:b]) for b in range(len(requests))]
-    meta = AttentionMetadata(slot_mapping=torch.empty(0), query_start=starts, query_lens=query_lens, seq_lens=seq_lens,
-                             block_tables=tables, seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32))
-    expected = paged_attention(q.float(), k, v, meta, head_dim ** -0.5)
-    tiles = torch.tensor([(b, r) for b in range(len(requests)) for r in range(0, query_lens[b], 16)],
-                         dtype=torch.int32).reshape(-1, 2)
-    to = dict(device=DEVICE)
-    got = paged_prefill_attention(q.to(**to), k.to(**to), v.to(**to), tables.to(**to),
-                                  torch.tensor(starts, dtype=torch.int32, **to),
-                                  torch.tensor(query_lens, dtype=torch.int32, **to), meta.seq_lens_tensor.to(**to),
-                                  tiles.to(**to), head_dim ** -0.5, None, block_m=16, block_n=16, fp8_f16_dot=f16_dot)
+    # (cached, new) tokens: a whole prompt, a prefix hit, one row
+    got, expected = prefill_over_fp8_cache(4, [(0, 37), (20, 9), (5, 1)], heads=8, kv_heads=2, head_dim=32, page=8,
+                                           q_dtype=torch.bfloat16, q_spread=2.0, fp8_f16_dot=f16_dot)
     assert got.dtype == torch.bfloat16
     # bf16 output and p rounded to bf16 (fp16 with f16_dot) before p·v: ~2^-8 relative on values of a few units
     torch.testing.assert_close(got.cpu().float(), expected, atol=3e-2, rtol=2e-2)

@@ -9,18 +9,11 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 import kiln
 from kiln import zoo
-
-
-class _Reader(CalibrationDataReader):
-    def __init__(self, batches):
-        self._items = iter(batches)
-
-    def get_next(self):
-        return next(self._items, None)
+from tests.calibration import FeedsReader
 
 
 def _batches(n: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -44,7 +37,7 @@ CASES = [(CalibrationMethod.MinMax, QuantType.QInt8, QuantType.QInt8),
 def test_kiln_runs_onnxruntimes_qdq_model_as_onnxruntime_does(fp32_model, tmp_path, method, activations, weights):
     path = tmp_path / "qdq.onnx"
     fp8 = activations == QuantType.QFLOAT8E4M3FN
-    quantize_static(str(fp32_model), str(path), _Reader(_batches(6, seed=1)), quant_format=QuantFormat.QDQ,
+    quantize_static(str(fp32_model), str(path), FeedsReader(_batches(6, seed=1)), quant_format=QuantFormat.QDQ,
                     activation_type=activations, weight_type=weights, per_channel=not fp8,
                     calibrate_method=method)
     model = onnx.load(str(path))

@@ -15,24 +15,17 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnxruntime.quantization import CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 import kiln
 from kiln import zoo
+from tests.calibration import FeedsReader
 from kiln.cli import main
 from kiln.kernels.cpu import onednn
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here")
 INT8 = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
-
-
-class _Reader(CalibrationDataReader):
-    def __init__(self, batches):
-        self._items = iter(batches)
-
-    def get_next(self):
-        return next(self._items, None)
 
 
 def _images(n: int, seed: int, size: int = 64) -> list[dict[str, np.ndarray]]:
@@ -59,7 +52,7 @@ CASES = [  # (calibration, activations, per channel, reduce_range)
 def test_onnxruntimes_qdq_model_runs_int8_kernels_and_matches_onnxruntime(tmp_path, method, activations,
                                                                           per_channel, reduce_range):
     path = tmp_path / "qdq.onnx"
-    quantize_static(str(zoo.export("resnet_tiny", batch=1).path), str(path), _Reader(_images(6, seed=1)),
+    quantize_static(str(zoo.export("resnet_tiny", batch=1).path), str(path), FeedsReader(_images(6, seed=1)),
                     quant_format=QuantFormat.QDQ, activation_type=activations, weight_type=QuantType.QInt8,
                     per_channel=per_channel, reduce_range=reduce_range, calibrate_method=method)
     options = ort.SessionOptions()

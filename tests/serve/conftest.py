@@ -5,6 +5,8 @@ read from it. Tests that load, unload, overflow or stop a server start their own
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,18 @@ def engines(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory, engines) -> Path:
     return write_repository(tmp_path_factory.mktemp("repository"), engines)
+
+
+def run_clients(client: Callable[[int], None], count: int, timeout: float, failures: list[str]) -> None:
+    """client(0) .. client(count - 1) at once, a thread each; fails if one has not finished after timeout seconds
+    or any of them appended to failures (the first five shown)."""
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"a client did not finish in {timeout:.0f} s"
+    assert not failures, failures[:5]
 
 
 def options(repository: Path, **overrides) -> ServeOptions:

@@ -5,12 +5,12 @@ every response is checked against its own request's input."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from conftest import run_clients
 from onnx import TensorProto, helper, numpy_helper
 from serve_models import OPSET, mlp
 
@@ -284,13 +284,7 @@ def test_concurrent_clients_each_get_their_own_rows(grpc_server, engine_of):
         finally:
             connection.close()
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not any(t.is_alive() for t in threads), "a client did not finish in 120 s"
-    assert not failures, failures[:5]
+    run_clients(client, CLIENTS, 120, failures)
     after = http.get_inference_statistics("mlp")["model_stats"][0]
     requests = after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
     assert requests == CLIENTS * REQUESTS

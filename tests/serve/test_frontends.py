@@ -8,7 +8,6 @@ from __future__ import annotations
 from http.client import HTTPConnection
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from conftest import options, rng
+from conftest import options, rng, run_clients
 from test_lifecycle import test_request_timeout_in_the_queue as request_timeout_in_the_queue
 from test_shared_memory import infer_mlp_in_shared_memory, regions  # noqa: F401 - regions: a fixture
 from tritonclient.utils import InferenceServerException
@@ -181,13 +180,7 @@ def concurrent_clients(served, http, engine_of) -> None:
         finally:
             connection.close()
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(CLIENTS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    assert not any(t.is_alive() for t in threads), "a client did not finish in 180 s"
-    assert not failures, failures[:5]
+    run_clients(client, CLIENTS, 180, failures)
     after = http.get_inference_statistics("mlp")["model_stats"][0]
     requests = after["inference_stats"]["success"]["count"] - before["inference_stats"]["success"]["count"]
     assert requests == sum(mlp_requests)

@@ -4,6 +4,7 @@ A case is one ONNX node on fresh random inputs (seeded per case). The model arou
 through `kiln.build(model).run(feeds)` and through an independent oracle: onnxruntime's CPU
 kernels ("ort") or `onnx.reference.ReferenceEvaluator` ("ref", where onnxruntime has no kernel
 or rounds its own way). Each test file keeps its own case list and per-dtype tolerance table.
+ACTIVATION_ORACLE: the fused activations in float64, for the kernel tests' epilogues.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import onnx
 import onnxruntime as ort
+import torch
 from onnx import TensorProto, helper
 from onnx.reference import ReferenceEvaluator
 
@@ -24,6 +26,22 @@ import kiln
 
 Feeds = Callable[[np.random.Generator], list[Any]]
 Tolerance = dict[np.dtype, tuple[float, float]]  # (rtol, atol) per output dtype
+
+# The fused activations' ONNX definitions in float64 torch, (y, alpha, beta) -> activation(y): the oracle of the
+# kernels that apply them in an epilogue (written out here, not kiln's ops)
+ACTIVATION_ORACLE: dict[str, Callable[[torch.Tensor, float, float], torch.Tensor]] = {
+    "": lambda y, a, b: y,
+    "Relu": lambda y, a, b: y.clamp_min(0),
+    "LeakyRelu": lambda y, a, b: torch.where(y >= 0, y, a * y),
+    "Clip": lambda y, a, b: y.clamp(a, b),
+    "Sigmoid": lambda y, a, b: 1 / (1 + torch.exp(-y)),
+    "Tanh": lambda y, a, b: torch.tanh(y),
+    "SiLU": lambda y, a, b: y / (1 + torch.exp(-y)),
+    "HardSwish": lambda y, a, b: y * (y / 6 + 0.5).clamp(0, 1),
+    "HardSigmoid": lambda y, a, b: (a * y + b).clamp(0, 1),
+    "Gelu": lambda y, a, b: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5)),
+    "GeluTanh": lambda y, a, b: 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))),
+}
 
 
 @dataclass

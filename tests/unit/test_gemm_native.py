@@ -23,6 +23,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.program import Program
+from tests.unit.oracle import ACTIVATION_ORACLE
 from tests.unit.tactic_check import make_step, reason, run_against_reference
 
 NAME = "cpu.gemm.kiln_packed"
@@ -34,19 +35,6 @@ pytestmark = pytest.mark.skipif(not gemm_native.available(), reason=f"kiln's GEM
 # an index or epilogue mistake fails by orders of magnitude.
 RTOL, ATOL = 2e-5, 2e-6
 
-ORACLE_ACT = {  # the ONNX definitions, in float64
-    "": lambda y, a, b: y,
-    "Relu": lambda y, a, b: y.clamp_min(0),
-    "LeakyRelu": lambda y, a, b: torch.where(y >= 0, y, a * y),
-    "Clip": lambda y, a, b: y.clamp(a, b),
-    "Sigmoid": lambda y, a, b: 1 / (1 + torch.exp(-y)),
-    "Tanh": lambda y, a, b: torch.tanh(y),
-    "SiLU": lambda y, a, b: y / (1 + torch.exp(-y)),
-    "HardSwish": lambda y, a, b: y * (y / 6 + 0.5).clamp(0, 1),
-    "HardSigmoid": lambda y, a, b: (a * y + b).clamp(0, 1),
-    "Gelu": lambda y, a, b: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5)),
-    "GeluTanh": lambda y, a, b: 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))),
-}
 PARAMS = {"LeakyRelu": (0.1, 0.0), "Clip": (-0.5, 0.7), "HardSigmoid": (0.2, 0.5)}
 
 
@@ -58,7 +46,7 @@ def oracle(x, w, b, r, activation, after):
     if r is not None and not after:
         z = z + r.double()
     alpha, beta = PARAMS.get(activation, (0.0, 0.0))
-    y = ORACLE_ACT[activation](z, alpha, beta)
+    y = ACTIVATION_ORACLE[activation](z, alpha, beta)
     if r is not None and after:
         y = y + r.double()
     return y, max(z.abs().max().item(), 1.0)
@@ -103,7 +91,7 @@ def test_gemm_matches_float64_at_odd_shapes(kernel, path, m, k, n):
     assert_close(layer(x), want, scale)
 
 
-@pytest.mark.parametrize("activation", sorted(ORACLE_ACT))
+@pytest.mark.parametrize("activation", sorted(ACTIVATION_ORACLE))
 @pytest.mark.parametrize("residual,after", [(False, 1), (True, 1), (True, 0)])
 def test_every_epilogue_matches_float64(activation, residual, after):
     g = torch.Generator().manual_seed(7)
@@ -160,7 +148,7 @@ def test_rational_activations_are_within_1e6_of_float64(activation):
     """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone."""
     grid = torch.linspace(-12, 12, 24001).reshape(-1, 1)  # [G, 1]: K = 1, W = [[1]]
     layer = gemm_native.PackedLinear(torch.ones(1, 1), None, activation)
-    want = ORACLE_ACT[activation](grid.double(), 0.0, 0.0)
+    want = ACTIVATION_ORACLE[activation](grid.double(), 0.0, 0.0)
     error = (layer(grid).double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
     assert error.max().item() <= 1e-6, f"{activation}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
 

@@ -46,12 +46,12 @@ class _Block(torch.nn.Module):
 
 def _fp8_model(tmp_path, keep_activations: bool) -> tuple[str, str, list[dict]]:
     from onnxruntime.quantization import (
-        CalibrationDataReader,
         CalibrationMethod,
         QuantFormat,
         QuantType,
         quantize_static,
     )
+    from tests.calibration import FeedsReader
 
     torch.manual_seed(0)
     fp32 = tmp_path / "block.onnx"
@@ -60,15 +60,8 @@ def _fp8_model(tmp_path, keep_activations: bool) -> tuple[str, str, list[dict]]:
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(6)]
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.items = iter(feeds[:4])
-
-        def get_next(self):
-            return next(self.items, None)
-
     path = tmp_path / f"block_fp8_{keep_activations}.onnx"
-    quantize_static(str(fp32), str(path), Reader(), quant_format=QuantFormat.QDQ,
+    quantize_static(str(fp32), str(path), FeedsReader(feeds[:4]), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN, per_channel=False,
                     calibrate_method=CalibrationMethod.Distribution,
                     extra_options={"QDQKeepRemovableActivations": keep_activations})

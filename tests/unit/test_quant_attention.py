@@ -213,14 +213,6 @@ def test_native_quantize_refuses_a_per_channel_scale_with_or_without_onednn(oned
     assert registry.get("cpu.quantize.native").supports(step, per_tensor) is True
 
 
-class _Reader:
-    def __init__(self, feeds: list[dict[str, np.ndarray]]):
-        self._items = iter(feeds)
-
-    def get_next(self):
-        return next(self._items, None)
-
-
 def _token_feeds(example: dict[str, np.ndarray], vocab: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     feeds = {}
     for name, value in example.items():
@@ -248,15 +240,15 @@ def test_onnxruntime_s_qdq_bert_is_onnxruntime_within_a_step(tmp_path, name, bat
     engine is from kiln fp32 (cosine 0.9981 both). Suspected, not verified: near-ties each GEMM requantization
     rounds the other way (oneDNN by x·(1/s), onnxruntime by its own multiplier), amplified through the layers; so
     it is judged at the quantization's own error level: cosine > 0.998, the largest difference < 10% of the range."""
-    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
-                                          quantize_static)
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from kiln import zoo
+    from tests.calibration import FeedsReader
 
     exported = zoo.export(name, batch=batch, seq=seq)
     example = exported.inputs()
     rng = np.random.default_rng(5)
-    reader = type("Reader", (_Reader, CalibrationDataReader), {})([_token_feeds(example, vocab, rng) for _ in range(4)])
+    reader = FeedsReader([_token_feeds(example, vocab, rng) for _ in range(4)])
     qdq = tmp_path / "qdq.onnx"
     quantize_static(str(exported.path), str(qdq), reader, quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,

@@ -28,6 +28,7 @@ from kiln.runtime.program import Program
 from kiln.builder import autotune
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
+from tests.unit.oracle import ACTIVATION_ORACLE
 
 NAME = "cpu.conv.onednn_direct"
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 not installed (onednn-cpu-gomp)")
@@ -37,19 +38,6 @@ pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 not
 # mistake in any index or epilogue fails by orders of magnitude.
 RTOL, ATOL = 2e-5, 1e-6
 
-_ORACLE_ACT = {  # the ONNX definitions, in float64
-    "": lambda y, a, b: y,
-    "Relu": lambda y, a, b: y.clamp_min(0),
-    "LeakyRelu": lambda y, a, b: torch.where(y >= 0, y, a * y),
-    "Clip": lambda y, a, b: y.clamp(a, b),
-    "Sigmoid": lambda y, a, b: 1 / (1 + torch.exp(-y)),
-    "Tanh": lambda y, a, b: torch.tanh(y),
-    "SiLU": lambda y, a, b: y / (1 + torch.exp(-y)),
-    "HardSwish": lambda y, a, b: y * (y / 6 + 0.5).clamp(0, 1),
-    "HardSigmoid": lambda y, a, b: (a * y + b).clamp(0, 1),
-    "Gelu": lambda y, a, b: 0.5 * y * (1 + torch.erf(y / 2 ** 0.5)),
-    "GeluTanh": lambda y, a, b: 0.5 * y * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3))),
-}
 
 
 def oracle(x, w, b, r, pads, stride, dilation, group, activation, alpha, beta, after):
@@ -57,7 +45,7 @@ def oracle(x, w, b, r, pads, stride, dilation, group, activation, alpha, beta, a
     y = F.conv2d(x64, w.double(), None if b is None else b.double(), stride, 0, dilation, group)
     if r is not None and not after:
         y = y + r.double()
-    y = _ORACLE_ACT[activation](y, alpha, beta)
+    y = ACTIVATION_ORACLE[activation](y, alpha, beta)
     if r is not None and after:
         y = y + r.double()
     return y
