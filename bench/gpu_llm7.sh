@@ -13,7 +13,7 @@
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-llm7
 LIMIT=${LIMIT:-415}
-# DRY=1 (PYTHON=...): a dry run of this script's plumbing on a CPU machine (interpreter, tiny shapes); never on the device
+# DRY=1 (PYTHON=...): a dry run of the plumbing on a CPU machine (interpreter, tiny shapes); never on the device
 PY=${PYTHON:-python3}; INTERP=0; SWEEP=(--batches 512 1 --keys 192); TP=(--batch 512 --kv-cache-memory 36GiB)
 if [ "${DRY:-0}" = 1 ]; then
   INTERP=1; SWEEP=(--batches 2 1 --keys 40 --launches "" "h4 n16 w1 s4");
