@@ -2,13 +2,14 @@
 # Device call for issue 15 (helper llm7, session 14, 2026-12-04), <= 420 s, one call, no carry:
 # FP8-KV decode attention toward the KV bandwidth (81 us a layer at batch 512 = 2.49 TB/s before).
 # 1. GPU tests (~65 s cap): the packed decode kernel (kv_heads_per_program) at Llama-3-8B heads on an FP8 cache
-#    against the reference + batch invariance; the FP8-cache decode tests; then the flash prefill tests, with the
+#    against the reference + batch invariance, the default launch's splits; then the flash prefill tests, with the
 #    flash engine test whose rewritten bound (session 13) never ran on a GPU.
-# 2. bench/llm7_decode_sweep.py: FP8-KV decode attention alone at batch 512 and 1, 192 keys, the engine's launch
-#    against ~20 launches (split kernel with shorter splits; packed kernel hN nN wN sN), each checked against the
-#    reference and for batch invariance; the fastest (sum over the batches) -> $OUT/llm7_best.txt.
+# 2. bench/llm7_decode_sweep.py (~130 s cap): FP8-KV decode attention alone at batch 512 and 1, 192 keys, the
+#    engine's launch against 26 KILN_LLM_DECODE_FP8 launches (packed kernel hN nN wN sN; split kernel with fewer
+#    stages / shorter splits), each checked against the reference and for batch invariance; a read-only kernel of
+#    the same access pattern (the bandwidth bound); the fastest at batch 512 -> $OUT/llm7_best.txt.
 # 3. 128/128 at batch 512, FP8 weights + FP8 KV: default / decode-fp8 (KILN_LLM_DECODE_FP8 = the pick) / default /
-#    decode-fp8, one process each, while the budget lasts; then a short table.
+#    decode-fp8 / default / decode-fp8, one process each, while the budget lasts (27 s a run); then a short table.
 # Every stage under timeout; a failing stage does not stop the later ones. Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-llm7
@@ -42,10 +43,11 @@ echo "(exit ${PIPESTATUS[0]})"
 [ -f "$OUT/llm7_best.txt" ] || { echo "no pick: decode-fp8 runs the engine default"; : > "$OUT/llm7_best.txt"; }
 PICK=$(cat "$OUT/llm7_best.txt")
 left=$((LIMIT - 12 - SECONDS))
-stage "3. 128/128 b512 FP8+FP8-KV: default / decode-fp8 ('$PICK') / default / decode-fp8 (budget $left s)"
+stage "3. 128/128 b512 FP8+FP8-KV: default / decode-fp8 ('$PICK'), A/B x3 while the budget lasts ($left s)"
 mkdir -p "$OUT/tp"
 timeout $((left + 8)) "$PY" bench/llm_throughput.py --trees . "${TP[@]}" \
-  --runs fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 --decode-fp8 "@$OUT/llm7_best.txt" \
+  --runs fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 \
+  --decode-fp8 "@$OUT/llm7_best.txt" \
   --budget $left --per-run 27 --out "$OUT/tp" 2>&1 | grep -v -E "UserWarning|_warn_once"
 echo "(exit ${PIPESTATUS[0]})"
 stage "summary after $SECONDS s"
