@@ -42,10 +42,10 @@ TRITON_INTERPRET=$INTERP timeout 130 "$PY" bench/llm7_decode_sweep.py "${SWEEP[@
 echo "(exit ${PIPESTATUS[0]})"
 [ -f "$OUT/llm7_best.txt" ] || { echo "no pick: decode-fp8 runs the engine default"; : > "$OUT/llm7_best.txt"; }
 PICK=$(cat "$OUT/llm7_best.txt")
-left=$((LIMIT - 12 - SECONDS))
+left=$((LIMIT - 28 - SECONDS))  # the parent prints its table after the budget (a torch import: ~5 s)
 stage "3. 128/128 b512 FP8+FP8-KV: default / decode-fp8 ('$PICK'), A/B x3 while the budget lasts ($left s)"
 mkdir -p "$OUT/tp"
-timeout $((left + 8)) "$PY" bench/llm_throughput.py --trees . "${TP[@]}" \
+timeout $((left + 18)) "$PY" bench/llm_throughput.py --trees . "${TP[@]}" \
   --runs fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 \
   --decode-fp8 "@$OUT/llm7_best.txt" \
   --budget $left --per-run 27 --out "$OUT/tp" 2>&1 | grep -v -E "UserWarning|_warn_once"
