@@ -5,9 +5,9 @@
 #    against the reference + batch invariance, the default launch's splits; then the flash prefill tests, with the
 #    flash engine test whose rewritten bound (session 13) never ran on a GPU.
 # 2. bench/llm7_decode_sweep.py (~130 s cap): FP8-KV decode attention alone at batch 512 and 1, 192 keys, the
-#    engine's launch against 26 KILN_LLM_DECODE_FP8 launches (packed kernel hN nN wN sN; split kernel with fewer
-#    stages / shorter splits), each checked against the reference and for batch invariance; a read-only kernel of
-#    the same access pattern (the bandwidth bound); the fastest at batch 512 -> $OUT/llm7_best.txt.
+#    engine's launch against 28 KILN_LLM_DECODE_FP8 launches (packed kernel hN nN wN sN; split kernel with fewer
+#    stages / heads-first grid / shorter splits), each checked against the reference and for batch invariance; a
+#    read-only kernel of the same access pattern (the bandwidth bound); the fastest at b512 -> $OUT/llm7_best.txt.
 # 3. 128/128 at batch 512, FP8 weights + FP8 KV: default / decode-fp8 (KILN_LLM_DECODE_FP8 = the pick) / default /
 #    decode-fp8 / default / decode-fp8, one process each, while the budget lasts (27 s a run); then a short table.
 # Every stage under timeout; a failing stage does not stop the later ones. Logs in $OUT.

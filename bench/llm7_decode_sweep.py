@@ -57,7 +57,7 @@ DEFAULT_LAUNCHES = [  # in priority order (the budget may cut the tail)
     "h8 n16 w2 s3", "h8 n16 w2 s2", "h8 n32 w2 s3", "h8 n16 w4 s3", "h8 n32 w4 s2", "h8 n32 w8 s2",
     "h2 n32 w1 s4", "h2 n32 w1 s3", "h2 n16 w1 s5", "h2 n32 w2 s3",
     # the split kernel: fewer stages (less shared memory: more programs an SM), and 192 keys in 2 / 3 splits
-    "n32 w1 s2", "n16 w1 s3", "sp128", "sp64",
+    "n32 w1 s2", "n16 w1 s3", "hf1", "n32 w1 s3 hf1", "sp128", "sp64",
     "h4 n16 w1 s4 sp64", "h4 n32 w2 s3 sp64", "h2 n32 w1 s4 sp128", "h8 n16 w2 s3 sp64",
 ]
 
@@ -94,7 +94,8 @@ def gather_read(k, v, tables, lens, hpp: int, block_n: int, warps: int, stages: 
     return out
 
 
-READ_ONLY = ["h1 n32 w1 s5", "h1 n32 w4 s3", "h4 n16 w1 s4", "h4 n32 w4 s3", "h8 n32 w4 s3", "h8 n64 w8 s3"]
+READ_ONLY = ["h1 n32 w1 s5", "h1 n32 w1 s2", "h1 n32 w4 s3", "h4 n16 w1 s4", "h4 n32 w4 s3", "h8 n32 w4 s3",
+             "h8 n64 w8 s3"]
 
 
 def cases(batch: int, keys: int, layers: int = 4, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,

@@ -81,6 +81,7 @@ def test_parse_launch():
     assert parse_launch("h4 n32 w1 s5 sp64") == dict(kv_heads_per_program=4, block_n=32, num_warps=1, num_stages=5,
                                                      split_tokens=64)
     assert parse_launch("") == {}
+    assert parse_launch("n32 hf1") == dict(block_n=32, heads_first=True)
     with pytest.raises(ValueError, match="KILN_LLM_DECODE_FP8='h4 x2': 'x2' is not one of"):
         parse_launch("h4 x2")
 

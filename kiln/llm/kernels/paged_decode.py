@@ -54,22 +54,24 @@ NUM_STAGES = 5
 NUM_WARPS = 4
 FP8_NUM_WARPS = 1
 # An FP8 cache's launch may be overridden (opt-in, until measured) by KILN_LLM_DECODE_FP8: space-separated settings
-# "hH nN wW sS spP" — H K/V heads a program (the packed kernel below when H > 1), N keys a tile, W warps, S stages,
-# P the shortest split (keys); any left out keep the defaults above. Read once, at import: fixed per process, so a
+# "hH nN wW sS spP hf1" — H K/V heads a program (the packed kernel below when H > 1), N keys a tile, W warps,
+# S stages, P the shortest split (keys), hf1 the split kernel's heads-first grid; any left out keep the defaults above. Read once, at import: fixed per process, so a
 # request's result still never depends on its batch.
 FP8_LAUNCH_ENV = "KILN_LLM_DECODE_FP8"
-_LAUNCH_KEYS = {"h": "kv_heads_per_program", "n": "block_n", "w": "num_warps", "s": "num_stages", "sp": "split_tokens"}
+_LAUNCH_KEYS = {"h": "kv_heads_per_program", "n": "block_n", "w": "num_warps", "s": "num_stages", "sp": "split_tokens",
+                "hf": "heads_first"}
 
 
 def parse_launch(text: str) -> dict[str, int]:
     """"h4 n32 w1 s5 sp256" -> {"kv_heads_per_program": 4, "block_n": 32, ...}; a clear error otherwise."""
     launch = {}
     for item in text.split():
-        match = re.fullmatch(r"(sp|h|n|w|s)(\d+)", item)
+        match = re.fullmatch(r"(sp|hf|h|n|w|s)(\d+)", item)
         if match is None:
-            raise ValueError(f"{FP8_LAUNCH_ENV}={text!r}: {item!r} is not one of hN nN wN sN spN "
-                             "(K/V heads a program, keys a tile, warps, stages, shortest split)")
-        launch[_LAUNCH_KEYS[match.group(1)]] = int(match.group(2))
+            raise ValueError(f"{FP8_LAUNCH_ENV}={text!r}: {item!r} is not one of hN nN wN sN spN hf0/hf1 "
+                             "(K/V heads a program, keys a tile, warps, stages, shortest split, heads-first grid)")
+        key = _LAUNCH_KEYS[match.group(1)]
+        launch[key] = bool(int(match.group(2))) if key == "heads_first" else int(match.group(2))
     return launch
 
 
@@ -274,7 +276,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_seq_len: int | None = None, split_tokens: int | None = None,
                            block_n: int | None = None, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
                            out: torch.Tensor | None = None, fp8_f16_dot: bool = True,
-                           num_stages: int | None = None, heads_first: bool = False,
+                           num_stages: int | None = None, heads_first: bool | None = None,
                            kv_heads_per_program: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
@@ -305,6 +307,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_stages = num_stages if num_stages is not None else launch.get("num_stages", NUM_STAGES)
     if num_warps is None:
         num_warps = launch.get("num_warps", FP8_NUM_WARPS if f16_dot else NUM_WARPS)
+    heads_first = heads_first if heads_first is not None else launch.get("heads_first", False)
     hpp = kv_heads_per_program if kv_heads_per_program is not None else launch.get("kv_heads_per_program", 1)
     if hpp < 1 or hpp & (hpp - 1) or num_kv_heads % hpp:
         raise ValueError(f"paged_decode_attention: kv_heads_per_program must be a power of two dividing the "
