@@ -8,8 +8,9 @@
 #    engine's launch against 28 KILN_LLM_DECODE_FP8 launches (packed kernel hN nN wN sN; split kernel with fewer
 #    stages / heads-first grid / shorter splits), each checked against the reference and for batch invariance; a
 #    read-only kernel of the same access pattern (the bandwidth bound); the fastest at b512 -> $OUT/llm7_best.txt.
-# 3. 128/128 at batch 512, FP8 weights + FP8 KV: default / decode-fp8 (KILN_LLM_DECODE_FP8 = the pick) / default /
-#    decode-fp8 / default / decode-fp8, one process each, while the budget lasts (27 s a run); then a short table.
+# 3. 128/128 at batch 512, FP8 weights + FP8 KV: default / decode-fp8 (KILN_LLM_DECODE_FP8 = the pick) /
+#    decode-fp8+flash (and KILN_LLM_PREFILL=flash), then again, one process each, while the budget lasts (27 s a
+#    run: ~5-6 runs); then a short table.
 # Every stage under timeout; a failing stage does not stop the later ones. Logs in $OUT.
 set -u
 . "$(dirname "$0")/device_env.sh" kiln-llm7
@@ -43,10 +44,11 @@ echo "(exit ${PIPESTATUS[0]})"
 [ -f "$OUT/llm7_best.txt" ] || { echo "no pick: decode-fp8 runs the engine default"; : > "$OUT/llm7_best.txt"; }
 PICK=$(cat "$OUT/llm7_best.txt")
 left=$((LIMIT - 28 - SECONDS))  # the parent prints its table after the budget (a torch import: ~5 s)
-stage "3. 128/128 b512 FP8+FP8-KV: default / decode-fp8 ('$PICK'), A/B x3 while the budget lasts ($left s)"
+stage "3. 128/128 b512 FP8+FP8-KV: default / decode-fp8 ('$PICK') / decode-fp8+flash, x3 (budget $left s)"
 mkdir -p "$OUT/tp"
 timeout $((left + 18)) "$PY" bench/llm_throughput.py --trees . "${TP[@]}" \
-  --runs fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:default fp8-kv8:decode-fp8 \
+  --runs fp8-kv8:default fp8-kv8:decode-fp8 fp8-kv8:decode-fp8+flash fp8-kv8:default fp8-kv8:decode-fp8 \
+  fp8-kv8:decode-fp8+flash fp8-kv8:default fp8-kv8:decode-fp8 \
   --decode-fp8 "@$OUT/llm7_best.txt" \
   --budget $left --per-run 27 --out "$OUT/tp" 2>&1 | grep -v -E "UserWarning|_warn_once"
 echo "(exit ${PIPESTATUS[0]})"

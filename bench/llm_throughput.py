@@ -158,14 +158,15 @@ def main() -> int:
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
                         choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen",
-                                 "main-attn", "flash", "main-attn+flash", "decode-fp8"],
+                                 "main-attn", "flash", "main-attn+flash", "decode-fp8", "decode-fp8+flash"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
                              "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
                              "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
                              "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12); "
                              "main-attn: FP8-KV attention launched as before llm8 (decode 4 warps, prefill bf16 "
                              "products); flash: prefill_attention='flash' (whole prompts through flash attention); decode-fp8: "
-                             "the process run with KILN_LLM_DECODE_FP8=--decode-fp8 (an FP8 cache's decode launch)")
+                             "the process run with KILN_LLM_DECODE_FP8=--decode-fp8 (an FP8 cache's decode launch); "
+                             "decode-fp8+flash: and flash prefill")
     parser.add_argument("--runs", nargs="+", default=None,
                         help="CONFIG:VARIANT in the order to run (instead of configs x variants; the last tree)")
     parser.add_argument("--profile", nargs="*", default=[],
@@ -201,12 +202,12 @@ def main() -> int:
                       if k != "name"}
         env = {**os.environ, "PYTHONPATH": str(tree)}
         env.pop("KILN_LLM_DECODE_FP8", None)  # only the decode-fp8 variant sets it
-        if variant == "decode-fp8":
+        if variant.startswith("decode-fp8"):
             decode_fp8 = args.decode_fp8
             if decode_fp8.startswith("@"):
                 decode_fp8 = Path(decode_fp8[1:]).read_text().strip() if Path(decode_fp8[1:]).exists() else ""
             env["KILN_LLM_DECODE_FP8"] = decode_fp8
-            print(f"{config} decode-fp8: KILN_LLM_DECODE_FP8={decode_fp8!r}", flush=True)
+            print(f"{config} {variant}: KILN_LLM_DECODE_FP8={decode_fp8!r}", flush=True)
         started = time.monotonic()
         try:
             child = {"config": config, "batch": args.batch, "input_len": args.input_len,
