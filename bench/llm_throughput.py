@@ -158,13 +158,15 @@ def main() -> int:
                         help="async scheduling per timed run (each batch runs once per mode, in this order)")
     parser.add_argument("--variants", nargs="+", default=["default"],
                         choices=["default", "unfused-fp8", "attn", "unfused-fp8+attn", "gc-off", "heap-unfrozen",
-                                 "main-attn", "flash", "main-attn+flash"],
+                                 "main-attn", "flash", "main-attn+flash", "decode-fp8", "decode-fp8+flash"],
                         help="per tree, one process each: unfused-fp8: FP8 GEMMs quantize their input themselves (no "
                              "norm/SwiGLU + quantize fusion); attn: the decode attention launch of --attention-json; "
                              "gc-off: automatic garbage collection disabled after the warm-up; heap-unfrozen: "
                              "LLM.generate's static_heap freezes nothing (kiln before llm6 on CPython 3.12); "
                              "main-attn: FP8-KV attention launched as before llm8 (decode 4 warps, prefill bf16 "
-                             "products); flash: prefill_attention='flash' (whole prompts through flash attention)")
+                             "products); flash: prefill_attention='flash' (whole prompts through flash attention); decode-fp8: "
+                             "the process run with KILN_LLM_DECODE_FP8=--decode-fp8 (an FP8 cache's decode launch); "
+                             "decode-fp8+flash: and flash prefill")
     parser.add_argument("--runs", nargs="+", default=None,
                         help="CONFIG:VARIANT in the order to run (instead of configs x variants; the last tree)")
     parser.add_argument("--profile", nargs="*", default=[],
@@ -172,6 +174,9 @@ def main() -> int:
                              "replay (~192 keys) kernel by kernel after its timed generate (one table per step kind)")
     parser.add_argument("--attention-json", default=None,
                         help="bench/llm_step_profile.py's decode_attention_best.json: launch settings per KV dtype")
+    parser.add_argument("--decode-fp8", default="",
+                        help="KILN_LLM_DECODE_FP8 for the decode-fp8 variant (e.g. 'h4 n16 w1 s4'), or @FILE holding "
+                             "it (bench/llm7_decode_sweep.py's llm7_best.txt)")
     parser.add_argument("--budget", type=float, default=200.0, help="seconds for all processes")
     parser.add_argument("--per-run", type=float, default=40.0, help="seconds one process is expected to take")
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
@@ -196,6 +201,13 @@ def main() -> int:
             launch = {k: v for k, v in best_attention["fp8" if config == "fp8-kv8" else "bf16"].items()
                       if k != "name"}
         env = {**os.environ, "PYTHONPATH": str(tree)}
+        env.pop("KILN_LLM_DECODE_FP8", None)  # only the decode-fp8 variant sets it
+        if variant.startswith("decode-fp8"):
+            decode_fp8 = args.decode_fp8
+            if decode_fp8.startswith("@"):
+                decode_fp8 = Path(decode_fp8[1:]).read_text().strip() if Path(decode_fp8[1:]).exists() else ""
+            env["KILN_LLM_DECODE_FP8"] = decode_fp8
+            print(f"{config} {variant}: KILN_LLM_DECODE_FP8={decode_fp8!r}", flush=True)
         started = time.monotonic()
         try:
             child = {"config": config, "batch": args.batch, "input_len": args.input_len,

@@ -30,6 +30,8 @@ any batch and length.
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import torch
 import triton
@@ -51,6 +53,29 @@ NUM_STAGES = 5
 # change bits (the dot's accumulation order): fixed per cache dtype, so a request never depends on its batch.
 NUM_WARPS = 4
 FP8_NUM_WARPS = 1
+# An FP8 cache's launch may be overridden (opt-in, until measured) by KILN_LLM_DECODE_FP8: space-separated settings
+# "hH nN wW sS spP hf1" — H K/V heads a program (the packed kernel below when H > 1), N keys a tile, W warps,
+# S stages, P the shortest split (keys), hf1 the split kernel's heads-first grid; any left out keep the defaults above. Read once, at import: fixed per process, so a
+# request's result still never depends on its batch.
+FP8_LAUNCH_ENV = "KILN_LLM_DECODE_FP8"
+_LAUNCH_KEYS = {"h": "kv_heads_per_program", "n": "block_n", "w": "num_warps", "s": "num_stages", "sp": "split_tokens",
+                "hf": "heads_first"}
+
+
+def parse_launch(text: str) -> dict[str, int]:
+    """"h4 n32 w1 s5 sp256" -> {"kv_heads_per_program": 4, "block_n": 32, ...}; a clear error otherwise."""
+    launch = {}
+    for item in text.split():
+        match = re.fullmatch(r"(sp|hf|h|n|w|s)(\d+)", item)
+        if match is None:
+            raise ValueError(f"{FP8_LAUNCH_ENV}={text!r}: {item!r} is not one of hN nN wN sN spN hf0/hf1 "
+                             "(K/V heads a program, keys a tile, warps, stages, shortest split, heads-first grid)")
+        key = _LAUNCH_KEYS[match.group(1)]
+        launch[key] = bool(int(match.group(2))) if key == "heads_first" else int(match.group(2))
+    return launch
+
+
+FP8_LAUNCH = parse_launch(os.environ.get(FP8_LAUNCH_ENV, ""))
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
@@ -133,6 +158,90 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
 
 
 @triton.jit
+def _decode_packed_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partial_ptr, lse_ptr, out_ptr, scale,
+                          window, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                          stride_vh, stride_tb, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                          stride_oh, GROUP: tl.constexpr, HPP: tl.constexpr, BLOCK_H: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                          MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                          F16_DOT: tl.constexpr):
+    """_decode_split_kernel with HPP adjacent K/V heads a program (kv_heads_per_program): the rows are the
+    HPP x GROUP query heads of those K/V heads (contiguous in q; GQA 4:1 and HPP 4 fill tl.dot's 16 rows with no
+    padding), the columns of a tile are BLOCK_N keys x HPP heads, key-major (a key's HPP heads are HPP x HEAD_DIM
+    contiguous bytes of its cache slot: longer runs for the loads), and a row sees only its own head's columns
+    (the others are masked to -inf before the softmax, so p is exactly 0 there and p·v adds exact zeros). The same
+    splits (from the request's length alone) and the same partial/lse layout: _merge_splits_kernel merges them."""
+    b = tl.program_id(0).to(tl.int64)
+    kv0 = tl.program_id(1) * HPP
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens + b)
+    split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)
+    start = split * split_len
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_len, seq_len)
+    lowest = tl.maximum(seq_len - window, 0)
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv0 * GROUP + rows
+    row_ok = rows < HPP * GROUP
+    row_kv = rows // GROUP  # the row's K/V head, relative to kv0
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+    if F16_DOT:
+        q = tl.clamp(q.to(tl.float32) * scale, -65504.0, 65504.0).to(tl.float16)
+
+    cols = tl.arange(0, BLOCK_N * HPP)
+    col_key = cols // HPP
+    col_kv = cols % HPP
+    own = row_kv[:, None] == col_kv[None, :]  # [BLOCK_H, BLOCK_N * HPP]: a row's own head's columns
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + col_key
+        valid = (pos < end) & (pos >= lowest)
+        block = tl.load(block_tables + b * stride_tb + pos // PAGE, mask=pos < end, other=0).to(tl.int64)
+        slot = pos % PAGE
+        k_off = block * stride_kb + slot * stride_kt + (kv0 + col_kv) * stride_kh
+        k = tl.load(k_cache + k_off[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
+                    other=0.0).to(q.dtype)  # [BLOCK_N * HPP, BLOCK_D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if not F16_DOT:
+            s = s * scale
+        s = tl.where(valid[None, :] & own, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v_off = block * stride_vb + slot * stride_vt + (kv0 + col_kv) * stride_vh
+        v = tl.load(v_cache + v_off[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
+                    other=0.0).to(q.dtype)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0
+    out = acc / tl.where(has_keys, l, 1.0)[:, None]
+    if split_len >= seq_len:
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        return
+    lse = tl.where(has_keys, m + tl.log(tl.where(has_keys, l, 1.0)), float("-inf"))
+    tl.store(partial_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :], out,
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
                          stride_lb, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -164,10 +273,11 @@ def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, st
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                           max_seq_len: int | None = None, split_tokens: int = MIN_SPLIT_TOKENS,
-                           block_n: int = TILE_TOKENS, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
+                           max_seq_len: int | None = None, split_tokens: int | None = None,
+                           block_n: int | None = None, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
                            out: torch.Tensor | None = None, fp8_f16_dot: bool = True,
-                           num_stages: int = NUM_STAGES, heads_first: bool = False) -> torch.Tensor:
+                           num_stages: int | None = None, heads_first: bool | None = None,
+                           kv_heads_per_program: int | None = None) -> torch.Tensor:
     """q: [B, Hq, D] (one token per request); k_cache, v_cache: [num_blocks, page, Hkv, D] in q's dtype or FP8 E4M3
     (read widened to q's dtype, unit scale);
     block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (keys per request, the new one included).
@@ -180,18 +290,31 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     to write into (e.g. rows of the step's attention output: no copy after), else a new tensor. fp8_f16_dot: with an
     FP8 cache and a bf16 q, the products in fp16 (q·scale saturated at fp16's ±65504, K, V and p rounded to fp16:
     3 more mantissa bits than bf16) instead of bf16, whose widening from E4M3 takes a second conversion on sm_90:
-    8-14% faster alone on the H200 (the default since llm4 run 1, where a 128/128 engine run at batch 512 took it)."""
+    8-14% faster alone on the H200 (the default since llm4 run 1, where a 128/128 engine run at batch 512 took it).
+    kv_heads_per_program: K/V heads a program (a power of two dividing the K/V heads; > 1 runs _decode_packed_kernel:
+    all those heads' query rows in one tile, each K/V byte read once). split_tokens, block_n, num_stages, num_warps,
+    kv_heads_per_program left None: MIN_SPLIT_TOKENS, TILE_TOKENS, NUM_STAGES, (FP8_)NUM_WARPS and 1, an FP8 cache
+    with fp16 products taking KILN_LLM_DECODE_FP8's settings (FP8_LAUNCH) over those."""
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * page
+    f16_dot = fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
+    launch = FP8_LAUNCH if f16_dot else {}
+    split_tokens = split_tokens if split_tokens is not None else launch.get("split_tokens", MIN_SPLIT_TOKENS)
+    block_n = block_n if block_n is not None else launch.get("block_n", TILE_TOKENS)
+    num_stages = num_stages if num_stages is not None else launch.get("num_stages", NUM_STAGES)
+    if num_warps is None:
+        num_warps = launch.get("num_warps", FP8_NUM_WARPS if f16_dot else NUM_WARPS)
+    heads_first = heads_first if heads_first is not None else launch.get("heads_first", False)
+    hpp = kv_heads_per_program if kv_heads_per_program is not None else launch.get("kv_heads_per_program", 1)
+    if hpp < 1 or hpp & (hpp - 1) or num_kv_heads % hpp:
+        raise ValueError(f"paged_decode_attention: kv_heads_per_program must be a power of two dividing the "
+                         f"{num_kv_heads} K/V heads of k_cache {list(k_cache.shape)}, got {hpp}")
     block_n = max(16, min(block_n, split_tokens))
     split_tokens = math.ceil(split_tokens / block_n) * block_n  # whole tiles, as the kernel rounds
     num_splits = max(1, min(max_splits, math.ceil(max_seq_len / split_tokens)))
-    f16_dot = fp8_f16_dot and k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-    if num_warps is None:
-        num_warps = FP8_NUM_WARPS if f16_dot else NUM_WARPS
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -200,16 +323,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     partial = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
-        out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
-        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
-        F16_DOT=f16_dot, HEADS_FIRST=heads_first)
+    if hpp > 1:
+        _decode_packed_kernel[(batch, num_kv_heads // hpp, num_splits)](
+            q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+            out.stride(1), GROUP=group, HPP=hpp, BLOCK_H=max(16, triton.next_power_of_2(group * hpp)),
+            HEAD_DIM=head_dim, BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens,
+            MAX_SPLITS=max_splits, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+            F16_DOT=f16_dot)
+    else:
+        grid = (num_kv_heads, batch, num_splits) if heads_first else (batch, num_kv_heads, num_splits)
+        _decode_split_kernel[grid](
+            q, k_cache, v_cache, block_tables, seq_lens, partial, lse, out, scale, sliding_window or NO_WINDOW,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1), out.stride(0),
+            out.stride(1), GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+            BLOCK_D=max(16, block_d), PAGE=page, BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits,
+            IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+            F16_DOT=f16_dot, HEADS_FIRST=heads_first)
     if num_splits == 1:  # every request fits one split: the split kernel wrote every result
         return out
     _merge_splits_kernel[(batch, num_kv_heads)](
