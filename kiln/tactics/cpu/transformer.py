@@ -269,8 +269,17 @@ def _add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    tuned = _tuned_sizes(step)
+    swapped_tuned = kernels.Add.size_fields(tuned[0], tuned[1])[0]
+
+    def sized(sizes):  # the kernel's fields without the kernel; its operands on the sides they were tuned on
+        swapped, out, fields = kernels.Add.size_fields(sizes[0], sizes[1])
+        if swapped != swapped_tuned:  # the larger operand changed sides: other memory fields
+            raise ValueError(f"add {list(sizes[0])} + {list(sizes[1])}: the larger operand is on the other side")
+        return SizedPlan((out,), fields)
+
     return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]),
-                           max_rank=3)
+                           max_rank=3, plan_at=PlanRule(sized, ("add", swapped_tuned)))
 
 
 register(Tactic(
