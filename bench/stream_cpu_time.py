@@ -131,10 +131,6 @@ def one_round(engine, session, requests, label: str, log, explain: bool = False)
     for i, feeds in enumerate(requests):
         signature = tuple((v.shape, torch.int64) for v in feeds.values())
         before = (padding.padded_runs, signature in padding.bound) if padding is not None else (0, True)
-        if padding is not None and not before[1] and hasattr(padding, "_host"):
-            host = padding._host(list(feeds.values()), signature, padding._sizes(signature), paying=False)
-            if host is not None:
-                hosts[i] = host.signature
         pair = [("kiln", context.run), ("ort", lambda r: session.run(None, r))]
         for name, run in (pair if i % 2 == 0 else pair[::-1]):
             cpu, wall = timed(run, feeds)
@@ -142,6 +138,10 @@ def one_round(engine, session, requests, label: str, log, explain: bool = False)
             (kiln_wall if name == "kiln" else ort_wall).append(wall)
         ratios.append(kiln_ms[-1] / max(ort_ms[-1], 1e-6))
         kinds.append("bound" if before[1] else "padded" if padding.padded_runs > before[0] else "binds")
+        if explain and kinds[-1] == "padded":  # the host it ran in (looked up after the timed run: unchanged since)
+            host = padding._host(list(feeds.values()), signature, padding._sizes(signature), paying=False)
+            if host is not None:
+                hosts[i] = host.signature
     padded = padding.padded_runs if padding is not None else 0
     log(f"round {label}: above onnxruntime: " + ", ".join(
         f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {kinds[i]} {ratios[i]:.2f} "
