@@ -207,7 +207,7 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynami
 
 def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny,
                                                                                        monkeypatch):
-    engine, _ = dynamic_bert_tiny
+    engine, ort_session = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
     monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
@@ -223,6 +223,21 @@ def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padd
     assert (report.runs, report.shapes, report.bound, report.stopped) == (2 * shapes, shapes, shapes,
                                                                           "every shape run")
     assert report.seconds > 0 and "72 bound" in report.describe()
+    # each host ready for numpy calls: its signature checked and its direct run made, so a stream's first numpy call
+    # at it neither checks nor makes them (and runs as one loop call, matching onnxruntime)
+    checked = {tuple(shape for _, shape in key) for key in context._checked}
+    assert {((b, s), (b, s)) for b in batches for s in seqs} <= checked
+    made = []
+    original = context._direct._make
+    monkeypatch.setattr(context._direct, "_make", lambda signature: made.append(signature) or original(signature))
+    monkeypatch.setattr(context, "_check", lambda feeds: pytest.fail(f"{feeds} checked again"))
+    rng = np.random.default_rng()
+    for b, s in ((1, 1), (3, 14), (4, 48)):
+        feeds = _feeds(rng, b, s)
+        np.testing.assert_allclose(next(iter(context.run(feeds).values())), ort_session.run(None, feeds)[0],
+                                   rtol=ORT_TOL, atol=ORT_TOL, err_msg=f"batch {b} x seq {s} vs onnxruntime")
+    assert made == []
+    monkeypatch.undo()
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already
