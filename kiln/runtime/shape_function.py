@@ -78,6 +78,12 @@ class _Memo:
                 old, _ = self._kept.popitem(last=False)
                 self.held -= self._bytes.pop(old)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._bytes.clear()
+            self.held = 0
+
     def __len__(self) -> int:
         return len(self._kept)
 
