@@ -56,7 +56,56 @@ def buckets_as_hosts(context, symbol: str, low: int, high: int) -> list[int]:
     return context._first_calls.buckets.sizes(symbol, low, high)
 
 
-def one_round(engine, session, requests, label: str, log) -> dict:
+def explain_above(engine, session, requests, above: list[int], kinds: list[str], ratios: list[float],
+                  hosts: dict[int, tuple], log, calls: int = 30) -> None:
+    """Why each request above onnxruntime was: after the round, timed hot (interleaved, median thread CPU µs of
+    `calls`): onnxruntime; kiln padded in its host as the stream ran it (the host's direct run on zero-padded inputs,
+    padding and cropping included); kiln at its own shape, bound. Own shape above onnxruntime: kiln is slower there
+    (a small shape's fixed costs); padded above but own below: padding's waste; both below: the stream's (caches
+    cold after the other runtime, the machine's load)."""
+    if not above:
+        return
+    from kiln.runtime import first_calls as fc
+
+    context = engine.create_execution_context()
+    padding, direct = context._first_calls, context._direct
+    log("| request | shape | path | in stream kiln/ort | host | padding (work) | hot ort µs | hot kiln padded µs | "
+        "hot kiln own µs | padded/ort | own/ort | class |")
+    log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for i in above:
+        feeds = requests[i]
+        arrays = list(feeds.values())
+        shape = "x".join(map(str, arrays[0].shape))
+        host = hosts.get(i)
+        padded_run = None
+        if host is not None and padding is not None and direct is not None:
+            record = direct.find(host)
+            if record is not None:
+                sizes = padding._sizes(host)
+
+                def padded_run(record=record, sizes=sizes, arrays=arrays):
+                    padded = [fc._padded_array(a, axes, sizes) for a, axes in zip(arrays, padding._pads)]
+                    return [fc._cropped_array(y, axes, padding._sizes(tuple((a.shape, None) for a in arrays)))
+                            for y, axes in zip(record.run(padded), padding._crops)]
+        for _ in range(3):  # its own shape bound (and its repeat measured), then direct
+            context.run(feeds)
+        got: dict[str, list[float]] = {"ort": [], "padded": [], "own": []}
+        for _ in range(calls):
+            got["ort"].append(timed(lambda r: session.run(None, r), feeds)[0] * 1e3)
+            if padded_run is not None:
+                got["padded"].append(timed(lambda r: padded_run(), feeds)[0] * 1e3)
+            got["own"].append(timed(context.run, feeds)[0] * 1e3)
+        med = {k: statistics.median(v) if v else float("nan") for k, v in got.items()}
+        work = (np.prod(host[0][0]) / arrays[0].size - 1) if host is not None else 0.0
+        own, pad = med["own"] / med["ort"], med["padded"] / med["ort"]
+        why = ("kiln slower at this shape" if own > 1 else "padding's waste" if pad > 1 else
+               "the stream (hot: below onnxruntime)")
+        log(f"| #{i} | {shape} | {kinds[i]} | {ratios[i]:.2f} | "
+            f"{'x'.join(map(str, host[0][0])) if host is not None else '-'} | {work:+.0%} | {med['ort']:.0f} | "
+            f"{med['padded']:.0f} | {med['own']:.0f} | {pad:.2f} | {own:.2f} | {why} |")
+
+
+def one_round(engine, session, requests, label: str, log, explain: bool = False) -> dict:
     """A fresh context (the engine's padding state started over) warmed up, then the stream."""
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs) \
         if engine.first_calls is not None else None
@@ -79,6 +128,7 @@ def one_round(engine, session, requests, label: str, log) -> dict:
     ratios, kiln_ms, ort_ms, kiln_wall, ort_wall = [], [], [], [], []
     padding = context._first_calls
     kinds: list[str] = []  # how kiln ran each request: at a bound shape, padded in one, or binding its own
+    hosts: dict[int, tuple] = {}  # request -> the signature of the bound shape it would run padded in
     for i, feeds in enumerate(requests):
         signature = tuple((v.shape, torch.int64) for v in feeds.values())
         before = (padding.padded_runs, signature in padding.bound) if padding is not None else (0, True)
@@ -89,6 +139,10 @@ def one_round(engine, session, requests, label: str, log) -> dict:
             (kiln_wall if name == "kiln" else ort_wall).append(wall)
         ratios.append(kiln_ms[-1] / max(ort_ms[-1], 1e-6))
         kinds.append("bound" if before[1] else "padded" if padding.padded_runs > before[0] else "binds")
+        if explain and kinds[-1] == "padded":  # the host it ran in (looked up after the timed run: unchanged since)
+            host = padding._host(list(feeds.values()), signature, padding._sizes(signature), paying=False)
+            if host is not None:
+                hosts[i] = host.signature
     padded = padding.padded_runs if padding is not None else 0
     log(f"round {label}: above onnxruntime: " + ", ".join(
         f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {kinds[i]} {ratios[i]:.2f} "
@@ -102,11 +156,14 @@ def one_round(engine, session, requests, label: str, log) -> dict:
     log(f"round {label}: padded runs in the stream {padded}; load {os.getloadavg()[0]:.1f}; worst: "
         + ", ".join(f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {ratios[i]:.2f} "
                     f"({kiln_ms[i]:.3f} / {ort_ms[i]:.3f} ms)" for i in worst))
+    if explain:
+        explain_above(engine, session, requests, [i for i, r in enumerate(ratios) if r > 1], kinds, ratios, hosts, log)
     return {"label": label, "above": sum(r > 1 for r in ratios), "n": len(ratios),
             "median": statistics.median(ratios), "p90": float(np.percentile(ratios, 90)), "worst": max(ratios),
             "kiln_total": sum(kiln_ms), "ort_total": sum(ort_ms), "wall_above": sum(r > 1 for r in wall_ratios),
             "wall_median": statistics.median(wall_ratios), "warm_s": warm_s, "bound": bound,
-            "kiln_p50": statistics.median(kiln_ms), "ort_p50": statistics.median(ort_ms)}
+            "kiln_p50": statistics.median(kiln_ms), "ort_p50": statistics.median(ort_ms),
+            "kiln_p99": float(np.percentile(kiln_ms, 99)), "ort_p99": float(np.percentile(ort_ms, 99))}
 
 
 def hot_table(engine, session, shapes: str, calls: int, vocab: int, log) -> None:
@@ -150,6 +207,8 @@ def main() -> None:
     ap.add_argument("--out", help="append the log and table to this file")
     ap.add_argument("--hot", default="", help="bound shapes (e.g. 1x7,8x64) timed by path before the rounds")
     ap.add_argument("--calls", type=int, default=200, help="--hot: calls per shape and path")
+    ap.add_argument("--explain", action="store_true", help="after each round, each request above onnxruntime timed "
+                    "hot: onnxruntime, kiln padded in its host, kiln at its own shape bound (why it was above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -188,7 +247,8 @@ def main() -> None:
             if before:
                 kiln_engine.ExecutionContext._host_sizes = buckets_as_hosts
         try:
-            rows.append(one_round(engine, session, requests, f"{r}{' ' + args.ab if switched else ''}", log))
+            rows.append(one_round(engine, session, requests, f"{r}{' ' + args.ab if switched else ''}", log,
+                                  args.explain))
         finally:
             if switched:
                 kiln_engine.ExecutionContext._host_sizes = host_sizes
@@ -203,14 +263,14 @@ def main() -> None:
         f"thread(s) each runtime; thread CPU time per call (wall columns: wall clock); load average "
         f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores, shared)")
     log("")
-    log("| round | warm-up s (shapes bound) | above onnxruntime | median kiln/ort | p90 | worst | kiln p50 ms | "
-        "ort p50 ms | kiln / ort total | wall: above, median |")
+    log("| round | warm-up s (shapes bound) | above onnxruntime | median kiln/ort | p90 | worst | kiln p50 / p99 ms | "
+        "ort p50 / p99 ms | kiln / ort total | wall: above, median |")
     log("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         log(f"| {row['label']} | {row['warm_s']:.2f} ({row['bound']}) | {row['above']} of {row['n']} | "
-            f"{row['median']:.2f} | {row['p90']:.2f} | {row['worst']:.2f} | {row['kiln_p50']:.3f} | "
-            f"{row['ort_p50']:.3f} | {row['kiln_total'] / row['ort_total']:.2f} | {row['wall_above']}, "
-            f"{row['wall_median']:.2f} |")
+            f"{row['median']:.2f} | {row['p90']:.2f} | {row['worst']:.2f} | {row['kiln_p50']:.3f} / "
+            f"{row['kiln_p99']:.2f} | {row['ort_p50']:.3f} / {row['ort_p99']:.2f} | "
+            f"{row['kiln_total'] / row['ort_total']:.2f} | {row['wall_above']}, {row['wall_median']:.2f} |")
     if args.out:
         with open(args.out, "a") as f:
             f.write("\n".join(lines) + "\n\n")

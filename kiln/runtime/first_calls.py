@@ -34,6 +34,7 @@ a run is not padded along the sequence.
 
 from __future__ import annotations
 
+import bisect
 import operator
 import statistics
 import threading
@@ -76,41 +77,56 @@ class Hosts:
     """The bound shapes of one group (equal but for the padded dims). A plain loop: after a run has streamed the
     caches full of activations, numpy's calls over these sizes took twice the loop's time (670 against 340 µs of
     a first call, bert_tiny, load 9). Its answer is remembered per (sizes, unpaddable dims) until a shape is added
-    or removed: over a warm-up's ~190 hosts the loop took ~35-40 µs a call (bert_tiny's small padded calls take
-    ~170). Host times measured in between (each host's least) refine the choice at the next add or removal."""
+    or removed. Host times measured in between refine the choice at the next add or removal.
+
+    The loop walks the shapes by work, least first, and stops where no later one can do better: a host's extra is
+    (t / its work) x (its work - work) >= floor x (its work - work), `floor` at most any bound shape's time per unit
+    of work (FirstCalls.rate_floor, lowered as times are measured), and that bound only grows along the walk. Over a
+    warm-up's ~190 hosts the whole loop took ~35-40 µs a call on a quiet machine and 75-130 µs in a loaded stream
+    (bert_tiny's small padded calls take ~170-500), where most padded calls are at sizes not searched before; the walk
+    stops after the few hosts just above the call's work."""
 
     def __init__(self) -> None:
-        self.shapes: list[BoundShape] = []
+        self.shapes: list[BoundShape] = []  # by work, least first (equal work: in the order added)
+        self._works: list[int] = []  # each one's work, for bisect
         self._least: dict[tuple, BoundShape | None] = {}  # (sizes, fixed) -> the host of least extra, any budget
 
     def add(self, shape: BoundShape) -> None:
-        self.shapes.append(shape)
+        i = bisect.bisect_right(self._works, shape.work)
+        self.shapes.insert(i, shape)
+        self._works.insert(i, shape.work)
         self._least.clear()
 
     def remove(self, shape: BoundShape) -> None:
-        self.shapes.remove(shape)
+        i = next(k for k, held in enumerate(self.shapes) if held is shape)
+        del self.shapes[i], self._works[i]
         self._least.clear()
 
-    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any
+    def cheapest(self, sizes: tuple[int, ...], fixed: list[int], budget: float, plans: Any, floor: float = 0.0
                  ) -> tuple[BoundShape, float] | None:
         """The shape of least estimated extra (t * (1 - work / its work)) that holds `sizes` (>= along each padded
         dim, equal along the `fixed` ones, not equal along all), its shape plan kept, and that extra, when the extra
-        is below `budget`; else None."""
+        is below `budget`; else None. `floor`: at most any shape's t / work (0: the loop walks every shape)."""
         key = (sizes, tuple(fixed))
         host = self._least.get(key, _UNKNOWN)
         if host is _UNKNOWN or (host is not None and plans is not None and host.signature not in plans):
             if len(self._least) >= SEEN_SHAPES:
                 self._least.clear()
-            host = self._least[key] = self._search(sizes, fixed, plans)
+            host = self._least[key] = self._search(sizes, fixed, plans, floor)
         if host is None:
             return None
         extra = host.ms * (1.0 - _product(sizes) / host.work)
         return (host, extra) if extra < budget else None
 
-    def _search(self, sizes: tuple[int, ...], fixed: list[int], plans: Any) -> BoundShape | None:
+    def _search(self, sizes: tuple[int, ...], fixed: list[int], plans: Any, floor: float = 0.0
+                ) -> BoundShape | None:
         work = _product(sizes)
         best, best_extra = None, float("inf")
-        for host in self.shapes:
+        shapes = self.shapes
+        for k in range(bisect.bisect_left(self._works, work), len(shapes)):  # less work cannot hold `sizes`
+            host = shapes[k]
+            if floor * (host.work - work) >= best_extra:
+                break  # this one's extra, and every later one's, is at least that bound
             held = host.sizes
             if held == sizes or not all(map(operator.ge, held, sizes)) \
                     or (fixed and any(held[j] != sizes[j] for j in fixed)):
@@ -147,6 +163,7 @@ class FirstCalls:
         self._paid: dict[tuple, float] = {}  # unbound signature -> its padded runs' estimated extra ms so far
         self.bind_ms: deque[float] = deque(maxlen=BIND_SAMPLES)
         self.padded_runs = 0
+        self.rate_floor = float("inf")  # at most the ms / work of every bound shape (Hosts' bound)
         self._lock = threading.Lock()
 
     def run(self, args: list[Any]) -> list[Any]:
@@ -192,6 +209,7 @@ class FirstCalls:
         with self._lock:
             self.padded_runs += 1
             host.ms = min(host.ms, ms)
+            self._lower_floor(host)
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)
         return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
@@ -212,6 +230,7 @@ class FirstCalls:
                 else:
                     known.ms = min(known.ms, ms)
                 known.runs += 1
+                self._lower_floor(known)
         return results
 
     def _run_padded(self, args: list[Any], sizes: tuple[int, ...], host: BoundShape) -> list[Any]:
@@ -224,6 +243,7 @@ class FirstCalls:
         with self._lock:
             self.padded_runs += 1
             host.ms = min(host.ms, ms)  # a padded run takes no less than the host's own
+            self._lower_floor(host)
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)  # used: as the program's shape plans and views are
         return [_cropped(y, axes, sizes) for y, axes in zip(results, self._crops)]
@@ -238,7 +258,7 @@ class FirstCalls:
         fixed = self._unpaddable(args)
         with self._lock:  # another context's run may be adding or evicting a bound shape
             found = hosts.cheapest(sizes, fixed, self.budget_ms() - self._paid.get(signature, 0.0),
-                                   self.program.shape_plans)
+                                   self.program.shape_plans, self.rate_floor)
             if found is None:
                 return None
             if paying:
@@ -265,6 +285,13 @@ class FirstCalls:
         no real token (it would attend to the pads)."""
         return [j for k, j in self._masks if not _every_row_kept(args[k])]
 
+    def _lower_floor(self, shape: BoundShape) -> None:
+        """Keep rate_floor at most `shape`'s time per unit of work, its time just measured (the caller holds the
+        lock). It never rises: a shape let go leaves it lower than it need be, a bound that still holds."""
+        rate = shape.ms / shape.work
+        if rate < self.rate_floor:
+            self.rate_floor = rate
+
     def _sizes(self, signature: tuple) -> tuple[int, ...]:
         return tuple(signature[k][0][axis] for k, axis in self._carriers)
 
@@ -272,6 +299,7 @@ class FirstCalls:
         """Record a bound shape (the caller holds the lock); the least recently used out past SHAPE_PLANS, as the
         program's shape plans and segment views go."""
         shape.work = _product(shape.sizes)
+        self._lower_floor(shape)
         self.bound[shape.signature] = shape
         self._groups.setdefault(_group(shape.signature, self._padded_axes), Hosts()).add(shape)
         while len(self.bound) > SHAPE_PLANS:

@@ -14,7 +14,11 @@ segment's run has cooled the caches. Here the steps become straight-line code, g
 - a Gather or GatherElements by indices known >= 0 (a constant's position ids, an arange, views of them)
   skips the op's negative-index normalization;
 - any other step is a direct call of its implementation, its dims made tensors just before;
-- only values a later step reads leave the function (as tensors: what the steps would have stored).
+- only values a later step reads leave the function (as tensors: what the steps would have stored);
+- values that follow from some of the input dims only (an encoder's position embeddings and mask grids from the
+  sequence length alone) are kept per those dims (_Memo, bounded): a new batch x sequence whose sequence was seen
+  before computes only what needs both. The statements run grouped by the dims they follow (each group after the
+  groups of fewer dims it reads; a statement reading an input's data, or a random op, is never kept).
 
 A kind stands for the tensor a step would make: "int" a 0-D int64 tensor, "ints" a 1-D one, "tensor"
 the value itself. Any exception inside the generated function makes the caller run the steps one by
@@ -24,7 +28,9 @@ int64) is computed by the op itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,6 +44,48 @@ from kiln.runtime.step import BoundStep
 _INT64 = 7  # ONNX TensorProto.INT64
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 SMALL = 64  # an int64 constant of at most this many elements (0-D or 1-D) is known as Python ints at load
+MEMO_ENTRIES = 256  # a group's values kept for at most this many values of its dims ...
+MEMO_BYTES = 8 << 20  # ... and this many bytes of tensors (an encoder's position embeddings: seq x hidden floats)
+_RANDOM = {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
+
+
+class _Memo:
+    """A group's values by the values of the dims it follows, least recently used out (MEMO_ENTRIES, MEMO_BYTES;
+    the newest always kept). Contexts of one engine share it: a lock around the dict."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[tuple, tuple] = OrderedDict()
+        self._bytes: dict[tuple, int] = {}
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> tuple | None:
+        with self._lock:
+            found = self._kept.get(key)
+            if found is not None:
+                self._kept.move_to_end(key)
+            return found
+
+    def put(self, key: tuple, values: tuple) -> None:
+        size = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        with self._lock:
+            if key in self._kept:
+                return
+            self._kept[key] = values
+            self._bytes[key] = size
+            self.held += size
+            while len(self._kept) > 1 and (len(self._kept) > MEMO_ENTRIES or self.held > MEMO_BYTES):
+                old, _ = self._kept.popitem(last=False)
+                self.held -= self._bytes.pop(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._kept.clear()
+            self._bytes.clear()
+            self.held = 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
 
 
 @dataclass
@@ -48,6 +96,7 @@ class ShapeFunction:
     fn: Any
     source: str
     slots: list[int]
+    memos: list[_Memo] = field(default_factory=list)  # the groups' kept values (tests read them)
 
     def __call__(self, env: list[Any]) -> None:
         self.fn(env)
@@ -155,6 +204,13 @@ class _Writer:
         self.globals: dict[str, Any] = dict(_HELPERS)
         self.values: dict[int, _Value] = {}  # slot -> what holds it
         self._count = 0
+        # per line after the header: (the variables it defines, those of other lines it reads, its kind:
+        # "input" (x = env[s]), "dims" (a Shape or Size of an input: a group's key), "data" (never kept) or "")
+        self.meta: list[tuple[tuple[str, ...], tuple[str, ...], str]] = []
+
+    def line(self, text: str, defines: tuple[str, ...], reads: tuple[str, ...], kind: str = "") -> None:
+        self.lines.append(text)
+        self.meta.append((defines, reads, kind))
 
     def name(self, prefix: str) -> str:
         self._count += 1
@@ -169,7 +225,7 @@ class _Writer:
         """An expression for the value as the step would have stored it (its dims made a tensor once)."""
         if value.tensor is None:
             value.tensor = self.name("t")
-            self.lines.append(f"{value.tensor} = _tensor({value.var})")
+            self.line(f"{value.tensor} = _tensor({value.var})", (value.tensor,), (value.var,))
         return value.tensor
 
 
@@ -292,11 +348,11 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     steps made direct calls of their kernel whatever their op (a layer pinned to fp32 in a half-precision
     engine: its kernel casts around the op)."""
     w = _Writer()
-    w.lines.append("def shape_values(env):")
-    body_start = len(w.lines)
+    inputs = set()
     for s in input_slots:
         w.values[s] = _Value(f"x{s}", "tensor", f"x{s}")
-        w.lines.append(f"x{s} = env[{s}]")
+        w.line(f"x{s} = env[{s}]", (f"x{s}",), (), "input")
+        inputs.add(f"x{s}")
     for i in order:
         step = steps[i]
         ins: list[_Value | None] = []
@@ -314,10 +370,13 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
                                      len(dims[1]) if dims[0] == "ints" else None) if dims else \
                     _Value(tensor, "tensor", tensor, nonneg=_nonnegative(value))
             ins.append(w.values[s])
+        reads = tuple(dict.fromkeys(name for v in ins if v is not None for name in (v.var, v.tensor) if name))
+        op = step.ctx.op_type if step.ctx.domain in ("", "ai.onnx") else None
         emitted = _emit(w, step, ins, step.attributes) if len(step.outputs) == 1 and i not in calls else None
         if emitted is not None:
             var = w.name("v")
-            w.lines.append(f"{var} = {emitted.expr}")
+            dims = op in ("Shape", "Size") and len(ins) == 1 and ins[0] is not None and ins[0].var in inputs
+            w.line(f"{var} = {emitted.expr}", (var,), reads, "dims" if dims else "")
             out = step.outputs[0]
             if out >= 0:
                 w.values[out] = _Value(var, emitted.kind, var if emitted.kind == "tensor" else None,
@@ -330,14 +389,16 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
         if step.attributes:
             call += f", **{w.object('a', step.attributes)}"
         call += ")"
+        reads = tuple(dict.fromkeys((*reads, *(v.tensor for v in ins if v is not None))))
+        kind = "data" if op in _RANDOM else ""
         if len(step.outputs) == 1:
             var = w.name("v")
-            w.lines.append(f"{var} = _one({call})")
+            w.line(f"{var} = _one({call})", (var,), reads, kind)
             if step.outputs[0] >= 0:
                 w.values[step.outputs[0]] = _Value(var, "tensor", var)
         else:
             names = [w.name("v") for _ in step.outputs]
-            w.lines.append(f"{', '.join(names)}, = {call}")
+            w.line(f"{', '.join(names)}, = {call}", tuple(names), reads, kind)
             for s, var in zip(step.outputs, names):
                 if s >= 0:
                     w.values[s] = _Value(var, "tensor", var)
@@ -345,8 +406,56 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
         if s not in w.values:
             return None
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
-    w.lines.extend(stores)
-    source = w.lines[0] + "\n" + "\n".join("    " + line for line in w.lines[body_start:]) + "\n"
+    body, memos = _grouped(w)
+    source = "def shape_values(env):\n" + "\n".join("    " + line for line in body + stores) + "\n"
     namespace = dict(w.globals)
     exec(compile(source, "<kiln shape function>", "exec"), namespace)  # noqa: S102  code generated above
-    return ShapeFunction(namespace["shape_values"], source, list(slots))
+    return ShapeFunction(namespace["shape_values"], source, list(slots), memos)
+
+
+def _grouped(w: _Writer) -> tuple[list[str], list[_Memo]]:
+    """The lines in groups by the input dims they follow (the "dims" lines they read, transitively), each group
+    that follows some but not all of them kept per their values in a _Memo: the inputs and the dims lines first,
+    then the groups by how many dims they follow (a group reads only lines of groups of fewer dims, or its own,
+    earlier), then the lines never kept (reading an input's data, a random op, or what such a line made) in
+    their order. Every variable a group defines is kept (what later lines read of it is among them)."""
+    follows: dict[str, frozenset | None] = {}  # variable -> the dims lines it follows; None: never kept
+    head, groups, rest = [], {}, []
+    for k, (line, (defines, reads, kind)) in enumerate(zip(w.lines, w.meta)):
+        if kind == "input":
+            deps = None
+        elif kind == "dims":
+            deps = frozenset(defines)
+        elif kind == "data" or any(follows.get(r, frozenset()) is None for r in reads):
+            deps = None
+        else:
+            deps = frozenset().union(*(follows.get(r, frozenset()) for r in reads))
+        for d in defines:
+            follows[d] = deps
+        if kind in ("input", "dims"):
+            head.append(line)
+        elif deps is None:
+            rest.append(line)
+        else:
+            groups.setdefault(deps, []).append((line, defines))
+    every = frozenset(name for line, (defines, _, kind) in zip(w.lines, w.meta) if kind == "dims"
+                      for name in defines)
+    body, memos = list(head), []
+    for deps in sorted(groups, key=lambda d: (len(d), sorted(d))):
+        lines = groups[deps]
+        if deps == every or not every:  # what follows every dim: one signature's, which the Program keeps
+            body += [line for line, _ in lines]
+            continue
+        memo = _Memo()
+        name = w.object("_memo", memo)
+        memos.append(memo)
+        names = [d for _, defines in lines for d in defines]
+        kept = ", ".join(names) + ("," if len(names) == 1 else "")
+        key = "(" + "".join(f"{d}, " for d in sorted(deps)) + ")"
+        body.append(f"_m = {name}.get({key})")
+        body.append("if _m is None:")
+        body += ["    " + line for line, _ in lines]
+        body.append(f"    {name}.put({key}, ({kept}))")
+        body.append("else:")
+        body.append(f"    {kept} = _m")
+    return body + rest, memos

@@ -26,6 +26,7 @@ from kiln.ops.registry import lookup
 from kiln.runtime import engine as engine_module
 from kiln.runtime import native
 from kiln.runtime import program as program_module
+from kiln.runtime import shape_function
 from kiln.tactics import registry
 from kiln.tactics.cpu import onednn as onednn_tactics
 from kiln.tactics.tactic import DEFAULT
@@ -197,7 +198,10 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
     program = engine.program
     monkeypatch.setattr(native, "VIEWS", 5)
     monkeypatch.setattr(engine_module, "CHECKED_SIGNATURES", 6)
+    monkeypatch.setattr(shape_function, "MEMO_ENTRIES", 3)
     (segment,) = engine.program.segments
+    for memo in program.shape_function.memos:
+        memo.clear()
     # the module's engine: start from empty caches (tests before this one, in whatever order pytest-xdist
     # ran them, filled them under the unlowered bounds, which only an insertion trims)
     with program._plans_lock:
@@ -217,6 +221,7 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
                                                for _, v in values if isinstance(v, torch.Tensor))
         assert len(segment.resized) <= 5
         assert len(context._checked) <= 6
+        assert all(len(memo) <= 3 for memo in program.shape_function.memos)
         if k % 5 == 0 or k >= len(shapes):
             real = x["attention_mask"].astype(bool)
             np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL,
@@ -245,6 +250,37 @@ def test_onednn_layers_of_a_new_shape_bind_on_the_shared_primitive_bit_for_bit(b
     assert all(isinstance(segment.resized[key], native._Resized) for key in list(segment.resized)[1:])
     segment.resized.clear()
     monkeypatch.setattr(native.Segment, "_rewritten", lambda self, key: None)  # member by member, as before
+    for (b, s), x, got in zip(shapes, feeds, ours):
+        np.testing.assert_array_equal(got, next(iter(context.run(x).values())), err_msg=f"{b}x{s}")
+        real = x["attention_mask"].astype(bool)
+        np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")
+
+
+def test_views_of_one_row_count_share_the_layers_bounds_and_run_bit_for_bit(bert, monkeypatch):
+    """bound_at keeps each inner product's Bound at the arena's addresses by row count: views of other shapes of the
+    same rows (1 x 24, 2 x 12, 3 x 8) take it instead of binding anew, and run bit for bit what views bound without
+    it run (BOUND_KEPT 0), and onnxruntime's answer."""
+    engine, session = bert
+    monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
+    made = []
+    bind, bound_at = onednn_primitives.InnerProduct.bind, onednn_primitives.InnerProduct.bound_at
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "bind", lambda self, *a: made.append(1) or bind(self, *a))
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "bound_at",
+                        lambda self, *a: made.append(1) or bound_at(self, *a))
+    (segment,) = engine.program.segments
+    segment.resized.clear()
+    context = engine.create_execution_context(pad_first_calls=False)
+    context.run(request(6, 80))  # the template grows to the profile's largest: the views fit in it
+    shapes = [(1, 24), (2, 12), (3, 8), (4, 6), (1, 24)]
+    feeds = [request(b, s) for b, s in shapes]
+    made.clear()
+    ours = [next(iter(context.run(x).values())) for x in feeds[:1]]
+    first = len(made)
+    assert first > 0, "the first view of 24 rows bound no inner product"
+    ours += [next(iter(context.run(x).values())) for x in feeds[1:]]
+    assert len(made) == first, f"views of 24 rows bound {len(made) - first} inner products anew"
+    segment.resized.clear()
+    monkeypatch.setattr(onednn_tactics, "BOUND_KEPT", 0)
     for (b, s), x, got in zip(shapes, feeds, ours):
         np.testing.assert_array_equal(got, next(iter(context.run(x).values())), err_msg=f"{b}x{s}")
         real = x["attention_mask"].astype(bool)

@@ -134,6 +134,34 @@ def test_the_host_is_the_one_of_least_estimated_extra_within_the_budget(dynamic_
     assert padding._host(args, (((5, 18), torch.int64),) * 2, (5, 18)) is None  # no bound shape holds 5 rows
 
 
+def test_the_walk_by_work_finds_the_host_of_least_extra_that_the_whole_loop_finds():
+    """Hosts' walk stops where floor x (its work - work) reaches the best extra: at random hosts, times, sizes, fixed
+    dims and kept plans it finds a host of the least extra the plain loop over every host finds (floor 0), and so
+    does it with each host's time lowered below the floor's bound only where the floor is lowered too."""
+    rng = np.random.default_rng()
+    for _ in range(30):
+        hosts, shapes, floor = first_calls.Hosts(), [], float("inf")
+        for b, s in {(int(rng.integers(1, 9)), int(rng.integers(1, 129))) for _ in range(int(rng.integers(1, 120)))}:
+            shape = first_calls.BoundShape(((b, s),), (b, s), b * s, 1.0, float(rng.uniform(0.01, 3.0)) * b * s / 100)
+            shapes.append(shape)
+            hosts.add(shape)
+            floor = min(floor, shape.ms / shape.work)
+        for gone in shapes[::7]:
+            hosts.remove(gone)  # the floor stays: a bound still
+        plans = {shape.signature for shape in hosts.shapes if rng.random() < 0.9}
+        for _ in range(40):
+            sizes = (int(rng.integers(1, 9)), int(rng.integers(1, 129)))
+            fixed = [1] if rng.random() < 0.2 else []
+            walked = hosts._search(sizes, fixed, plans, floor)
+            looped = hosts._search(sizes, fixed, plans, 0.0)
+            assert (walked is None) == (looped is None)
+            if walked is not None:
+                work = sizes[0] * sizes[1]
+                assert walked.ms * (1 - work / walked.work) == looped.ms * (1 - work / looped.work)
+                assert walked.signature in plans and all(h >= d for h, d in zip(walked.sizes, sizes))
+    assert [s.work for s in hosts.shapes] == sorted(s.work for s in hosts.shapes)
+
+
 def test_the_host_choice_is_remembered_until_a_shape_is_bound_or_let_go(dynamic_bert_tiny):
     engine, _ = dynamic_bert_tiny
     context = _fresh(engine)
@@ -179,7 +207,7 @@ def test_a_mask_row_without_a_real_token_is_not_padded_along_the_sequence(dynami
 
 def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padding_off(dynamic_bert_tiny,
                                                                                        monkeypatch):
-    engine, _ = dynamic_bert_tiny
+    engine, ort_session = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
     monkeypatch.setattr(kiln_engine, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
@@ -195,6 +223,21 @@ def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padd
     assert (report.runs, report.shapes, report.bound, report.stopped) == (2 * shapes, shapes, shapes,
                                                                           "every shape run")
     assert report.seconds > 0 and "72 bound" in report.describe()
+    # each host ready for numpy calls: its signature checked and its direct run made, so a stream's first numpy call
+    # at it neither checks nor makes them (and runs as one loop call, matching onnxruntime)
+    checked = {tuple(shape for _, shape in key) for key in context._checked}
+    assert {((b, s), (b, s)) for b in batches for s in seqs} <= checked
+    made = []
+    original = context._direct._make
+    monkeypatch.setattr(context._direct, "_make", lambda signature: made.append(signature) or original(signature))
+    monkeypatch.setattr(context, "_check", lambda feeds: pytest.fail(f"{feeds} checked again"))
+    rng = np.random.default_rng()
+    for b, s in ((1, 1), (3, 14), (4, 48)):
+        feeds = _feeds(rng, b, s)
+        np.testing.assert_allclose(next(iter(context.run(feeds).values())), ort_session.run(None, feeds)[0],
+                                   rtol=ORT_TOL, atol=ORT_TOL, err_msg=f"batch {b} x seq {s} vs onnxruntime")
+    assert made == []
+    monkeypatch.undo()
     monkeypatch.setenv("KILN_PAD_FIRST_CALLS", "0")
     assert engine.create_execution_context()._first_calls is None
     assert engine.create_execution_context(buckets=True)._first_calls is None  # buckets pad every call already

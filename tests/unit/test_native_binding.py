@@ -121,6 +121,23 @@ def test_layer_norm_at_another_size_is_the_kernel_built_there(keep_sum):
         template.at_size((2, 3, n + 1), (1, 3, n + 1))
 
 
+def test_add_size_fields_are_the_kernels_fields_and_say_which_side_is_larger():
+    """Add.size_fields (the plan rule of kiln's Add in a view) against the kernel built at the sizes: the same output
+    size and integer fields, the larger operand's side as the kernel's roles say; sizes that do not repeat refuse."""
+    rng = np.random.default_rng()
+    for _ in range(40):
+        b, s, n = (int(x) for x in rng.integers(1, 9, 3) * (1, 8, 8))
+        big = (b, s, n)
+        small = [(b, s, n), (1, s, n), (s, n), (n,), (1, 1, n)][int(rng.integers(5))]
+        a_size, b_size = (big, small) if rng.random() < 0.5 else (small, big)
+        built = kernels.Add(a_size, b_size)
+        swapped, out, fields = kernels.Add.size_fields(a_size, b_size)
+        assert out == built.output_size and fields == built.integer_fields()
+        assert swapped == (built.roles[1] == ("a",)) and built.roles[0] == (("b",) if swapped else ("a",))
+    with pytest.raises(ValueError):
+        kernels.Add.size_fields((2, 5, 8), (3, 8))
+
+
 def _segment(engine):
     return max(engine.program.segments, key=lambda s: len(s.members))
 

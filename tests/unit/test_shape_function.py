@@ -209,6 +209,30 @@ def test_an_exported_encoders_shape_values_match_the_steps_at_random_shapes(bert
         _assert_same_shape_values(program, [ids, mask])
 
 
+def test_values_of_some_dims_are_kept_per_those_dims_and_equal_the_steps_at_shapes_that_reuse_them(bert, monkeypatch):
+    """An encoder's position embeddings and mask grids follow the sequence length alone, the batch's aranges the batch
+    alone: kept per those dims (bounded), so a new batch x sequence whose dims were seen computes only the rest; what
+    the function then gives equals the steps at fresh shapes, on a miss and on a hit, and the memos stay bounded."""
+    from kiln.runtime import shape_function as sf
+
+    _, engine = bert
+    program = engine.program
+    source = program.shape_function.source
+    assert len(program.shape_function.memos) == 2, source  # one per dim: batch alone, sequence alone
+    assert "_memo" in source and ".put(" in source
+    monkeypatch.setattr(sf, "MEMO_ENTRIES", 5)
+    for memo in program.shape_function.memos:
+        memo.clear()  # the module's engine: earlier tests filled them
+    rng = np.random.default_rng()
+    for b, s in [(2, 7), (3, 7), (3, 11), (2, 11), (5, 3), (5, 7)] + \
+            [(int(rng.integers(1, 9)), int(rng.integers(1, 65))) for _ in range(16)]:
+        ids = torch.from_numpy(rng.integers(0, 1000, (b, s), dtype=np.int64))
+        mask = torch.from_numpy((rng.random((b, s)) < 0.8).astype(np.int64))
+        _assert_same_shape_values(program, [ids, mask])
+        assert all(len(m) <= 5 for m in program.shape_function.memos)
+    assert all(len(m) >= 3 for m in program.shape_function.memos)
+
+
 @pytest.mark.parametrize("name", ["gpt2_tiny", "llama_tiny"])
 def test_decoders_shape_values_match_the_steps_and_first_calls_match_onnxruntime(name):
     """GPT-2's shape values all follow from the input shapes; Llama's include a Shape of a layer's output,

@@ -367,14 +367,20 @@ class Add(NativeKernel):
 
     def __init__(self, a_size: tuple[int, ...], b_size: tuple[int, ...]):
         super().__init__(f"add {list(a_size)} + {list(b_size)}")
-        big, small, roles = (a_size, b_size, {0: ("a",), 1: ("b",)}) if _numel(a_size) >= _numel(b_size) \
-            else (b_size, a_size, {1: ("a",), 0: ("b",)})
+        swapped, self.output_size, self.fields = self.size_fields(a_size, b_size)
+        self.roles = {**({1: ("a",), 0: ("b",)} if swapped else {0: ("a",), 1: ("b",)}), "dst": ("y",)}
+
+    @staticmethod
+    def size_fields(a_size: tuple[int, ...], b_size: tuple[int, ...]) -> tuple[bool, tuple[int, ...], dict[str, int]]:
+        """(whether step input 1 is the larger operand, the plan's "a"; the output size; the plan fields), without a
+        kernel: a segment's view rewrites a template's plan with them (every field follows the sizes)."""
+        swapped = _numel(a_size) < _numel(b_size)
+        big, small = (b_size, a_size) if swapped else (a_size, b_size)
         if not repeats_over_rows(small, big):
             raise ValueError(f"{list(small)} does not repeat over the rows of {list(big)}")
-        self.output_size = tuple(big)
         n = int(big[-1])
-        self.roles = {**roles, "dst": ("y",)}
-        self.fields = dict(rows=_rows(big), n=n, b_rows=_rows(small), grain=max(1, PARALLEL_ELEMENTS // max(n, 1)))
+        return swapped, tuple(big), dict(rows=_rows(big), n=n, b_rows=_rows(small),
+                                         grain=max(1, PARALLEL_ELEMENTS // max(n, 1)))
 
 
 def _numel(size: tuple[int, ...]) -> int:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,7 @@ from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
 _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the tuned one
+BOUND_KEPT = 64  # an inner product's Bounds at a segment's arena kept per layer, by row count (bound_at)
 
 
 def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
@@ -434,16 +436,38 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         return NativeStep(size, (*size[:-1], n), same_primitive(layer),
                           residual_input=3 if with_residual else None, bound_at=bound_at)
 
+    # Bounds made by bound_at at fixed addresses (a segment's arena: none an entry's or exit's, which a run moves),
+    # by (rows, src, dst, residual): a view at another shape of the same row count (2 x 16 after 1 x 32) takes the
+    # one made before instead of its memory objects anew (~11 µs a layer; BERT-base's 12 a view). What a Bound
+    # holds is its primitive, this layer's weight and those addresses; the views that run it share their template's
+    # arena and lock, so one Bound serves them all. Least recently used out past BOUND_KEPT.
+    bounds: OrderedDict[tuple, Any] = OrderedDict()
+    bounds_lock = threading.Lock()
+
     def bound_at(size: tuple[int, ...], src: int, dst: int, residual: int | None) -> BoundAt | None:
         """native_at(size)'s layer bound at these addresses (NativeStep.bound_at), where it is an inner product on
         the tuned layer's packed weight; None where native_at takes another kernel or another weight layout."""
         rows = rows_of(size)
         if len(size) not in (2, 3) or size[-1] != tuned[-1] or on_kiln_gemm(rows) or on_runtime_matmul(rows):
             return None
+        key = (rows, src, dst, residual) if src and dst and residual != 0 else None
+        if key is not None:
+            with bounds_lock:
+                found = bounds.get(key)
+                if found is not None:
+                    bounds.move_to_end(key)
+                    return BoundAt((*size[:-1], n), found)
         made = primitives.get(rows)  # the tuned row count's own, or one built for a row count before
         bound = made.bind(src, dst, residual) if made is not None else \
             primitives[rows_of(tuned)].bound_at(rows, src, dst, residual)
-        return None if bound is None else BoundAt((*size[:-1], n), bound)
+        if bound is None:
+            return None
+        if key is not None:
+            with bounds_lock:
+                bounds[key] = bound
+                while len(bounds) > BOUND_KEPT:
+                    bounds.popitem(last=False)
+        return BoundAt((*size[:-1], n), bound)
 
     def ahead(scale: float) -> list[onednn_ahead.Job]:
         """What kiln/kernels/cpu/onednn_ahead.py makes before the row counts are met, up to AHEAD_ROWS and `scale` x

@@ -26,6 +26,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -269,8 +270,17 @@ def _add_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
 
 
 def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    tuned = _tuned_sizes(step)
+    swapped_tuned = kernels.Add.size_fields(tuned[0], tuned[1])[0]
+
+    def sized(sizes):  # the kernel's fields without the kernel; its operands on the sides they were tuned on
+        swapped, out, fields = kernels.Add.size_fields(sizes[0], sizes[1])
+        if swapped != swapped_tuned:  # the larger operand changed sides: other memory fields
+            raise ValueError(f"add {list(sizes[0])} + {list(sizes[1])}: the larger operand is on the other side")
+        return SizedPlan((out,), fields)
+
     return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]),
-                           max_rank=3)
+                           max_rank=3, plan_at=PlanRule(sized, ("add", swapped_tuned)))
 
 
 register(Tactic(
@@ -358,7 +368,58 @@ def _unflatten_last(view: tuple, parts: int) -> tuple:
     return new_shape, _view_strides(shape, strides, new_shape), offset
 
 
-def _head_views(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]]) -> dict[str, Any] | str:
+@dataclass(frozen=True, slots=True)
+class _AttentionAttributes:
+    """A kiln::Attention's attributes as attention_plan reads them, parsed once per layer (its rule at a new input
+    size then does only the size arithmetic): the values and the checks that depend on the attributes alone, each
+    check's answer given where attention_plan gives it."""
+
+    split: list[int] | None  # qkv_split's widths
+    q_heads: int
+    kv_heads: int
+    perms: dict[str, tuple[Any, tuple[int, ...], int] | None]  # name -> (as given, as ints, its rank or -1)
+    gqa: bool
+    out_perm: Any
+    out_merge_heads: bool
+    scale: float | None  # None: 1 / sqrt(D)
+    causal: bool
+    nan_to_zero: bool
+    quant: dict[str, list[float]]
+    quant_refused: str | None  # why the quantization attributes cannot be, checked in attention_plan's order
+
+    @classmethod
+    def of(cls, attrs: dict[str, Any]) -> _AttentionAttributes:
+        split = attrs.get("qkv_split")
+        perms = {}
+        for name in ("q", "k", "v"):
+            perm = attrs.get(f"{name}_perm")
+            if perm:
+                ints = tuple(int(p) for p in perm)
+                perms[name] = (perm, ints, len(ints) if sorted(ints) == list(range(len(ints))) else -1)
+            else:
+                perms[name] = None
+        scale = attrs.get("scale", 1.0)
+        quant = {name: [float(x) for x in attrs[name]] for name in QUANT_ATTRIBUTES if attrs.get(name)}
+        refused = None
+        if quant and not all(name in quant for name in ("q_quant", "k_quant", "v_quant")):
+            refused = "q, k and v are not all 8-bit (the kernel reads all three as uint8 or none)"
+        elif "out_quant" in quant and "q_quant" not in quant:
+            refused = "an 8-bit output of float inputs"
+        else:
+            for name, q in quant.items():  # in QUANT_ATTRIBUTES' order
+                if q[0] <= 0:
+                    refused = f"{name} has scale {q[0]}"
+                    break
+                if len(q) > 2 and (q[2], q[3]) != (0.0, 255.0):
+                    refused = f"{name} quantizes to [{q[2]:g}, {q[3]:g}]: the kernel writes uint8"
+                    break
+        return cls([int(w) for w in split] if split else None, int(attrs.get("q_num_heads") or 0),
+                   int(attrs.get("kv_num_heads") or 0), perms, bool(attrs.get("gqa")), attrs.get("out_perm"),
+                   bool(attrs.get("out_merge_heads")), None if scale is None else float(scale),
+                   bool(attrs.get("is_causal")), bool(attrs.get("nan_to_zero")), quant, refused)
+
+
+def _head_views(parsed: _AttentionAttributes, sizes: dict[int, tuple[int, ...]]) -> dict[str, Any] | str:
     """q, k, v as the op views them ([B, H, S, D], kiln/ops/fused.py attention), computed as views are
     (shape, strides, storage offset: the arithmetic of torch's split, unflatten and permute, without a
     tensor: this runs per layer for every new input size): {name: (step input, storage offset,
@@ -368,10 +429,9 @@ def _head_views(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]]) -> dic
     tensors = {k: _contiguous(sizes[k]) for k in (0, 1, 2) if k in sizes}
     q, k, v = tensors.get(0), tensors.get(1), tensors.get(2)
     source = {"q": 0, "k": 1, "v": 2}
-    split = attrs.get("qkv_split")
-    if split:
+    widths = parsed.split
+    if widths:
         shape, strides, offset = q
-        widths = [int(w) for w in split]
         if not shape or sum(widths) != shape[-1]:
             return f"qkv_split {widths} does not cover the last axis of {list(shape)}"
         parts, start = [], 0
@@ -382,30 +442,31 @@ def _head_views(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]]) -> dic
         source = {"q": 0, "k": 0, "v": 0}
     if k is None or v is None:
         return "k or v is missing"
-    qh, kvh = attrs.get("q_num_heads") or 0, attrs.get("kv_num_heads") or 0
+    qh, kvh = parsed.q_heads, parsed.kv_heads
     try:
         if qh and len(q[0]) == 3:
-            q = _unflatten_last(q, int(qh))
+            q = _unflatten_last(q, qh)
         if kvh and len(k[0]) == 3:
-            k = _unflatten_last(k, int(kvh))
+            k = _unflatten_last(k, kvh)
         if kvh and len(v[0]) == 3:
-            v = _unflatten_last(v, int(kvh))
+            v = _unflatten_last(v, kvh)
     except ValueError as e:
         return str(e)
     views = {}
     for name, (shape, strides, offset) in (("q", q), ("k", k), ("v", v)):
-        perm = attrs.get(f"{name}_perm")
-        if perm:
-            if sorted(int(p) for p in perm) != list(range(len(shape))):
-                return f"{name}_perm {list(perm)} is not a permutation of {len(shape)} axes"
-            shape, strides = tuple(shape[int(p)] for p in perm), tuple(strides[int(p)] for p in perm)
+        perm = parsed.perms[name]
+        if perm is not None:
+            given, ints, rank = perm
+            if rank != len(shape):
+                return f"{name}_perm {list(given)} is not a permutation of {len(shape)} axes"
+            shape, strides = tuple(shape[p] for p in ints), tuple(strides[p] for p in ints)
         if len(shape) != 4 or strides[3] != 1:
             return f"{name} is not [B, H, S, D] with a contiguous last axis ({list(shape)}, strides {list(strides)})"
         views[name] = (source[name], offset, tuple(strides[:3]), tuple(shape))
     (B, H, S, D), (Bk, Hkv, T, Dk), (Bv, Hv, Tv, Dv) = views["q"][3], views["k"][3], views["v"][3]
     if not (B == Bk == Bv) or Dk != D or Tv != T or Hv != Hkv or Hkv < 1 or H % Hkv:
         return f"q {list(views['q'][3])}, k {list(views['k'][3])}, v {list(views['v'][3])} do not fit together"
-    if Hkv != H and not attrs.get("gqa"):
+    if Hkv != H and not parsed.gqa:
         return "k and v have fewer heads than q without gqa"
     return {"views": views, "dims": dict(B=B, H=H, Hkv=Hkv, S=S, T=T, D=D, Dv=Dv)}
 
@@ -425,9 +486,12 @@ def _expanded_strides(size: tuple[int, ...], to: tuple[int, ...]) -> tuple[int, 
     return tuple(out)
 
 
-def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None):
-    """Everything kernels.Attention needs at these sizes, or why not."""
-    found = _head_views(attrs, sizes)
+def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mask_dtype: torch.dtype | None,
+                   parsed: _AttentionAttributes | None = None):
+    """Everything kernels.Attention needs at these sizes, or why not. `parsed`: _AttentionAttributes.of(attrs), when
+    the caller keeps it (a layer's rule at new input sizes)."""
+    parsed = parsed if parsed is not None else _AttentionAttributes.of(attrs)
+    found = _head_views(parsed, sizes)
     if isinstance(found, str):
         return found
     dims = found["dims"]
@@ -440,7 +504,7 @@ def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mas
         if len(m) > 4 or any(d not in (1, want) for d, want in zip(reversed(m), (T, S, H, B))):
             return f"the mask {list(m)} does not broadcast to [B, H, S, T] = {[B, H, S, T]}"
         mask = ("add" if mask_dtype == _F32 else "bool", _expanded_strides(m, (B, H, S, T)))
-    out_perm = attrs.get("out_perm")
+    out_perm = parsed.out_perm
     shape = [B, H, S, Dv]
     permuted = [shape[i] for i in out_perm] if out_perm else shape
     _, out_strides, _ = _contiguous(tuple(permuted))
@@ -451,24 +515,16 @@ def attention_plan(attrs: dict[str, Any], sizes: dict[int, tuple[int, ...]], mas
         out_strides = tuple(out_strides[i] for i in inverse)  # [B, H, S, Dv] over the output's memory
     if out_strides[3] != 1:
         return "the output's last axis would not be contiguous"
-    output_size = (*permuted[:2], permuted[2] * permuted[3]) if attrs.get("out_merge_heads") else tuple(permuted)
-    scale = attrs.get("scale", 1.0)
-    scale = 1.0 / math.sqrt(dims["D"]) if scale is None else float(scale)
-    causal = bool(attrs.get("is_causal")) and 3 not in sizes
+    output_size = (*permuted[:2], permuted[2] * permuted[3]) if parsed.out_merge_heads else tuple(permuted)
+    scale = 1.0 / math.sqrt(dims["D"]) if parsed.scale is None else parsed.scale
+    causal = parsed.causal and 3 not in sizes
     views = {name: view[:3] for name, view in found["views"].items()}
-    quant = {name: [float(x) for x in attrs[name]] for name in QUANT_ATTRIBUTES if attrs.get(name)}
-    if quant and not all(name in quant for name in ("q_quant", "k_quant", "v_quant")):
-        return "q, k and v are not all 8-bit (the kernel reads all three as uint8 or none)"
-    if "out_quant" in quant and "q_quant" not in quant:
-        return "an 8-bit output of float inputs"
-    for name, q in quant.items():  # in QUANT_ATTRIBUTES' order
-        if q[0] <= 0:
-            return f"{name} has scale {q[0]}"
-        if len(q) > 2 and (q[2], q[3]) != (0.0, 255.0):
-            return f"{name} quantizes to [{q[2]:g}, {q[3]:g}]: the kernel writes uint8"
+    if parsed.quant_refused is not None:
+        return parsed.quant_refused
+    quant = {name: list(q) for name, q in parsed.quant.items()}  # the caller's own lists
     return dict(dims=dims, q=views["q"], k=views["k"], v=views["v"], out_strides=tuple(out_strides[:3]),
                 output_size=output_size, mask=mask, scale=scale, causal=causal,
-                nan_to_zero=bool(attrs.get("nan_to_zero")), quant=quant or None)
+                nan_to_zero=parsed.nan_to_zero, quant=quant or None)
 
 
 # kiln::Attention's quantization attributes (kiln/ops/fused.py attention): an explicitly quantized graph's
@@ -511,9 +567,10 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
         return found
 
     described = repr(sorted(attrs.items()))  # plain data: ints, floats, lists of ints
+    parsed = _AttentionAttributes.of(attrs)  # once: a new input size does only the size arithmetic
 
     def planned(sizes):
-        plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None)
+        plan = attention_plan(attrs, sizes, mask_dtype if 3 in sizes else None, parsed)
         if isinstance(plan, str):
             raise ValueError(f"attention at {sizes}: {plan}")
         return plan
