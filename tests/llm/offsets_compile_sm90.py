@@ -50,7 +50,7 @@ def cases():
     merge = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "seq_lens": "*i32", "num_splits": "i32"}
     merge |= {n: "i32" for n in paged_decode._merge_splits_kernel.arg_names if n.startswith("stride")}
     yield "paged decode merge", paged_decode._merge_splits_kernel, merge, dict(
-        GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16)
+        GROUP=4, BLOCK_G=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, MIN_SPLIT=256, MAX_SPLITS=16)
 
 
 def narrow_row_products(ptx: str) -> list[str]:

@@ -80,6 +80,12 @@ def test_a_request_does_not_depend_on_its_batch():
     wide = paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], 0.25, max_seq_len=4096, split_tokens=16,
                                   block_n=16)
     assert torch.equal(wide, alone)  # nor on the grid (a CUDA graph is captured for max_model_len)
+    # request 1: 70 keys, 5 splits merged (request 0 is one split, written by the split kernel: no merge)
+    alone = paged_decode_attention(q[1:2], k, v, tables[1:2], lens[1:2], 0.25, split_tokens=16, block_n=16)
+    assert torch.equal(both[1:2], alone)
+    wide = paged_decode_attention(q[1:2], k, v, tables[1:2], lens[1:2], 0.25, max_seq_len=4096, split_tokens=16,
+                                  block_n=16)
+    assert torch.equal(wide, alone)
 
 
 @pytest.mark.parametrize("max_splits", [1, 2, 3])

@@ -4,6 +4,11 @@ TRITON_INTERPRET=1 at small shapes, and on the GPU (TRITON_INTERPRET=0) at Llama
 GQA groups, splits, sliding windows, ragged lengths, scattered block tables, batch invariance; the FP8 launch's
 environment variable (KILN_LLM_DECODE_FP8) and its errors."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -40,6 +45,9 @@ def test_packed_kernel_sliding_window_and_merge():
 
 
 def test_packed_kernel_request_does_not_depend_on_its_batch():
+    """Request 1 (70 keys: 5 splits of 16, merged) alone, in the batch and in a grid for 4096 keys (16 splits):
+    the same bits. On the H200 the wider grid failed (2026-12-04): the merge summed its splits in a register layout
+    picked from the grid's split count; it now adds them one at a time in split order (merge_order_sm90 below)."""
     q, k, v, tables, lens = case(3, 16, 4, 16, 4, [9, 70, 33])
     launch = dict(split_tokens=16, block_n=16, kv_heads_per_program=4)
     both = paged_decode_attention(q, k, v, tables, lens, 0.25, **launch)
@@ -47,6 +55,19 @@ def test_packed_kernel_request_does_not_depend_on_its_batch():
     assert torch.equal(both[1:2], alone)
     wide = paged_decode_attention(q[1:2], k, v, tables[1:2], lens[1:2], 0.25, max_seq_len=4096, **launch)
     assert torch.equal(wide, alone)
+    torch.testing.assert_close(both, reference(q, k, v, tables, lens, 0.25), atol=2e-5, rtol=1e-5)
+
+
+def test_the_decode_kernels_compile_to_one_order_for_any_batch_or_grid():
+    """The real compiler (no GPU; tests/llm/merge_order_sm90.py): the split and packed kernels compile to the same
+    TTGIR for a request alone, in a batch and in a wider grid (other pointer alignments and stride divisibilities),
+    and the merge has no reduction that adds across splits. The merge before llm7b fails it (its tl.sum's layout
+    followed the grid's split count)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "tests.llm.merge_order_sm90"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    assert done.stdout.count("ok  ") == 8, done.stdout
 
 
 @pytest.mark.parametrize("hpp", [1, 2, 4])
@@ -118,7 +139,7 @@ def test_the_fp8_launch_applies_to_an_fp8_cache_only(monkeypatch):
                                     dict(kv_heads_per_program=1, split_tokens=64)])
 def test_packed_kernel_on_the_gpu_at_llama3_8b_heads(launch):
     """32 q / 8 K/V heads x 128, page 16, FP8 cache, bf16 q: rows of 1-700 keys (one split and several) against
-    the reference, and a request alone gets its bits in the batch."""
+    the reference; a request alone gets its bits in the batch, and merged rows theirs in a wider grid."""
     seq_lens = [1, 15, 64, 192, 193, 256, 257, 700]
     q, k, v, tables, lens = case(len(seq_lens), 32, 8, 128, 16, seq_lens, dtype=torch.bfloat16, seed=7)
     k, v = k.to(FP8), v.to(FP8)
@@ -126,3 +147,6 @@ def test_packed_kernel_on_the_gpu_at_llama3_8b_heads(launch):
     torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, 128 ** -0.5), atol=3e-2, rtol=3e-2)
     alone = paged_decode_attention(q[3:4], k, v, tables[3:4], lens[3:4], 128 ** -0.5, max_seq_len=1024, **launch)
     assert torch.equal(got[3:4], alone)
+    # rows merged from several splits (257 and 700 keys) in a grid for 4096 keys: the same bits as in 1024's
+    wide = paged_decode_attention(q[6:8], k, v, tables[6:8], lens[6:8], 128 ** -0.5, max_seq_len=4096, **launch)
+    assert torch.equal(got[6:8], wide)

@@ -243,32 +243,52 @@ def _decode_packed_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, parti
 
 @triton.jit
 def _merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, seq_lens, num_splits, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         stride_lb, stride_lh, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          MIN_SPLIT: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Program (request, K/V head) merges the splits of the GROUP query heads sharing that K/V head (one program per
-    query head made 16k programs a layer at batch 512 that mostly exit at once: 10.6 us a layer on the H200)."""
+    query head made 16k programs a layer at batch 512 that mostly exit at once: 10.6 us a layer on the H200).
+
+    The splits are added one at a time, in split order (an unrolled loop over MAX_SPLITS, a per-engine constant):
+    no reduction runs across splits but the max (exact in any order). A tl.sum over a [splits, head dim] tile, as
+    before, added them in an order the compiler's register layout picked, and that layout followed the grid (the
+    tile's power-of-two height from the grid's split count, the lse row stride's divisibility by 16): a request
+    merged from 5 splits got other bits in a grid sized for 4096 keys than in one for 72 (the H200 failed that
+    check, llm7 2026-12-04). Compiled for sm_90 the tile had 2 splits a warp at 8 rows and 4 at 16, and a warp
+    reduction shuffles from the widest lane offset down: (x0+x1)+(x2+x3) against (x0+x2)+(x1+x3).
+    tests/llm/merge_order_sm90.py checks that no reduction here adds. Splits that hold no keys (past the request,
+    or outside its window) weigh an exact 0 and are never read; the loop's masked iterations add exact zeros."""
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens + b)
     split_len = tl.maximum(MIN_SPLIT, tl.cdiv(tl.cdiv(seq_len, MAX_SPLITS), BLOCK_N) * BLOCK_N)  # as the split kernel
     if split_len >= seq_len:  # one split: the split kernel wrote the result
         return
-    s = tl.arange(0, BLOCK_S)
-    # the splits that hold keys; the others wrote nothing. Read as (lse -inf, partial 0) they would weigh an exact
-    # 0 in the same sums, so masking them changes no bit
-    s_ok = (s < num_splits) & (s * split_len < seq_len)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    heads = kv_head * GROUP + g
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    for g in tl.static_range(GROUP):
-        head = kv_head * GROUP + g
-        lse = tl.load(lse_ptr + b * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-        top = tl.max(lse, 0)
-        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))  # [BLOCK_S]
-        partial = tl.load(partial_ptr + b * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
-                          mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        out = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
-        tl.store(out_ptr + b * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    lse_row = lse_ptr + b * stride_lb + heads * stride_lh  # [BLOCK_G]
+    part_row = partial_ptr + b * stride_pb + heads[:, None] * stride_ph + d[None, :]  # [BLOCK_G, BLOCK_D]
+    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for i in tl.static_range(MAX_SPLITS):  # the largest lse of each head: a max, exact in any order
+        split = g * 0 + i  # [BLOCK_G]: the mask a tensor (a scalar one is not, in the interpreter)
+        has = g_ok & (split < num_splits) & (split * split_len < seq_len)
+        top = tl.maximum(top, tl.load(lse_row + i, mask=has, other=float("-inf")))
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    for i in tl.static_range(MAX_SPLITS):  # split 0, then 1, ...: the order is the code's, not the layout's
+        split = g * 0 + i
+        has = g_ok & (split < num_splits) & (split * split_len < seq_len)
+        lse = tl.load(lse_row + i, mask=has, other=float("-inf"))
+        weight = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - tl.where(top == float("-inf"), 0.0, top)))
+        partial = tl.load(part_row + i * stride_ps, mask=has[:, None] & d_ok[None, :], other=0.0)
+        acc = acc + weight[:, None] * partial
+        total = total + weight
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=g_ok[:, None] & d_ok[None, :])
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -348,6 +368,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return out
     _merge_splits_kernel[(batch, num_kv_heads)](
         partial, lse, out, seq_lens, num_splits, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=block_n, MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
+        lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n,
+        MIN_SPLIT=split_tokens, MAX_SPLITS=max_splits)
     return out
