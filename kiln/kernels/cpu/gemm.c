@@ -77,10 +77,12 @@ typedef struct {
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
         int load_c) {                                                                                        \
         NAME##_vec acc[MR][NV];                                                                              \
-        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j) {                   \
-            if (load_c) memcpy(&acc[i][j], c + i * ldc + j * (W), sizeof(NAME##_vec));                       \
-            else acc[i][j] = (NAME##_vec){0};                                                                \
+        if (load_c) KILN_UNROLL for (int i = 0; i < M; ++i) {                                                \
+            __builtin_prefetch(c + i * ldc, 1, 3);                                                           \
+            __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                          \
         }                                                                                                    \
+        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)                     \
+            acc[i][j] = (NAME##_vec){0};                                                                     \
         for (long p = 0; p < k; ++p) {                                                                       \
             NAME##_vec bv[NV];                                                                               \
             KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + p * (BS) + j * (W),                  \
@@ -90,8 +92,14 @@ typedef struct {
                 KILN_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] += av * bv[j];                            \
             }                                                                                                \
         }                                                                                                    \
-        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)                     \
-            memcpy(c + i * ldc + j * (W), &acc[i][j], sizeof(NAME##_vec));                                   \
+        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j) {                   \
+            if (load_c) {                                                                                    \
+                NAME##_vec old;                                                                              \
+                memcpy(&old, c + i * ldc + j * (W), sizeof(NAME##_vec));                                     \
+                acc[i][j] += old;                                                                            \
+            }                                                                                                \
+            memcpy(c + i * ldc + j * (W), &acc[i][j], sizeof(NAME##_vec));                                  \
+        }                                                                                                    \
     }                                                                                                        \
     KILN_BODIES(NAME, TARGET, MR)                                                                            \
     static inline __attribute__((always_inline)) TARGET void NAME##_run(int m, long k, const float *a, long rs, \
