@@ -541,9 +541,19 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
             const long col0 = pn * nr;
             const int n = (int)(N - col0 < nr ? N - col0 : nr);
             const float *b = p->packed_w + pn * K * nr + k0 * nr;
+            /* The next kc x NR micro-panel (the next panel's, else the first panel's at the next K block) is
+               prefetched into L2 a slice per tile: without it the first tile on each micro-panel waits on
+               W from L3/memory at every line (W is read once, too large for L2; ~10% of a core at BERT's
+               shapes). Prefetches do not fault: past the last panel they are harmless. */
+            const char *next = pn + 1 < p1 ? (const char *)(b + K * nr)
+                               : k0 + kc < K ? (const char *)(p->packed_w + p0 * K * nr + (k0 + kc) * nr) : NULL;
+            const long lines = kb * nr * (long)sizeof(float) / 64, per_tile = ceil_div(lines, q1 - q0);
             for (long q = q0; q < q1; ++q) {
                 long row0, m;
                 row_block(M, row_blocks, b0 + q, &row0, &m);
+                if (next != NULL)
+                    for (long l = (q - q0) * per_tile; l < (q - q0 + 1) * per_tile && l < lines; ++l)
+                        __builtin_prefetch(next + l * 64, 0, 2);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
                 tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
                 if (last && p->activation == ACT_SWIGLU)
