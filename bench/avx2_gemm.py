@@ -14,8 +14,12 @@ The peak: cores x clock x 32 FLOP/cycle (2 FMA units x 8 lanes x 2). The clock i
 /proc/cpuinfo (a VM reports the TSC's 2.6 GHz, its cores boost past it): a chain of dependent FMAs retires one
 per 4 cycles (FMA latency on Intel since Skylake and on AMD Zen 2-4), so chain steps per second x 4 is the
 clock. Also printed: the measured FMA throughput (12 independent chains per core). Both are measured in
-every round, just before the kernels, so a machine that others load moves them together; "% of peak" is
-per round (the kernel's fastest call over the peak of its round), the median over rounds.
+every round, just before the kernels; "% of peak" is per round (the kernel's fastest call over the peak of its
+round), the median over rounds. --threads 1 counts the calling thread's CPU time (steady on a shared machine);
+more threads count wall time, which on a machine others load says more about the load than the kernels. Not the
+process's CPU time: Linux adds another thread's running slice to it only at the next tick or switch, so a call of
+a few ms that ran on two threads can read less CPU time than one core's peak allows (seen here: MKL at 2 threads
+"205 GFLOP/s per CPU-second" against a 130 GFLOP/s core).
 BERT-base and DistilBERT share their GEMM shapes (hidden 768, FFN 3072); MiniLM-L6 is hidden 384, FFN 1536.
 """
 
@@ -136,7 +140,7 @@ def time_shape(m: int, k: int, n: int, args, peak, clock_ghz) -> tuple[dict[str,
         fn(), fn()
     for _ in range(args.rounds):
         round_peak = max(peak(args.threads, 2_000_000, 0, int(thread_clock)) for _ in range(2))
-        ghz = max(clock_ghz(2_000_000, int(thread_clock)) for _ in range(2))
+        ghz = max(clock_ghz(2_000_000, 1) for _ in range(2))  # the core's clock: its CPU time, whatever the load
         peaks.append(round_peak)
         clocks.append(ghz)
         nominal = args.threads * ghz * 32
