@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.kernels.cpu import gemm_native, onednn
+from kiln.kernels.cpu import cpu_features, gemm_native, onednn
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.program import Program
 from tests.unit.oracle import ACTIVATION_ORACLE
@@ -182,10 +182,42 @@ def test_threads_follow_torch_and_agree(m, k, n, small, pack):
         assert_close(y, want, scale)
 
 
+def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int]]:
+    """M x K x N drawn at random: M around the AVX2 tile's whole-K / K-blocked switch (AVX2_SMALL_ROWS) and up
+    to past one M block, K and N off the tile and block multiples (edge rows, a partial panel, a short last K block)."""
+    rng = np.random.default_rng(seed)
+    switch = gemm_native.AVX2_SMALL_ROWS
+    rows = [switch - 1, switch, switch + 1, int(rng.integers(60, 300)), int(rng.integers(240, 700))]
+    return [(rows[i % len(rows)], int(rng.integers(200, 900)), int(rng.integers(17, 400))) for i in range(count)]
+
+
+@pytest.mark.parametrize("m,k,n", _random_shapes(11, 6), ids=lambda v: str(v))
+def test_default_paths_on_two_threads_match_numpy_at_random_shapes(m, k, n):
+    """The path and blocking kiln picks by itself (no small_m / pack_m given), two threads sharing the panels:
+    fresh random x, W, b and residual against numpy in float64."""
+    rng = np.random.default_rng(m * 7919 + k * 31 + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = (rng.standard_normal((n, k)) / k ** 0.5).astype(np.float32)
+    b = rng.standard_normal(n, dtype=np.float32)
+    r = rng.standard_normal((m, n), dtype=np.float32)
+    layer = gemm_native.PackedLinear(torch.from_numpy(w), torch.from_numpy(b), residual=True)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = layer(torch.from_numpy(x), torch.from_numpy(r)).numpy()
+    finally:
+        torch.set_num_threads(before)
+    z = x.astype(np.float64) @ w.astype(np.float64).T + b
+    error = np.abs(got - (z + r)).max()
+    assert error <= ATOL + RTOL * max(np.abs(z).max(), 1.0), f"max abs error {error:.3g}"
+
+
 def _cpu_flags() -> set[str]:
+    """/proc/cpuinfo's flags, less those above a KILN_CPU_ISA cap (the kernels are built for the cap)."""
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
+            found = set(line.partition(":")[2].split())
+            return {f for f in found if not f.startswith(("avx512", "amx", "avx_"))} if cpu_features.isa_cap() else found
     return set()
 
 

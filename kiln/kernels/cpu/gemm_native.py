@@ -168,13 +168,25 @@ NEVER = 1 << 62
 PARALLEL_MACS = 4 << 20
 
 
+# The AVX2 tile's whole-K path up to this many rows (8 row blocks of 6): past it, the K-blocked loop.
+AVX2_SMALL_ROWS = 48
+
+
 def small_rows(kernel: Kernel, k: int) -> int:
     """Up to this many rows x is read in place over the whole K, each W panel streamed once and the rows
     re-read from L2/L3 per panel: no packing, no K blocks, one fork/join (nothing for a thread that other
     work descheduled to hold up). Measured on an AVX2 EPYC at BERT-base's shapes (M = 8..512, K = 768 or
     3072, one thread, CPU time): as fast as the K-blocked paths, packed or not, within the noise (~85 GFLOP/s
-    of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches."""
-    return max(2 * (14 if kernel.nr >= 32 else 6), IN_PLACE_BYTES // max(4 * k, 1))
+    of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches.
+
+    The AVX2 6x16 tile stops at AVX2_SMALL_ROWS: since its K-blocked loop prefetches the next W micro-panel
+    and adds C after the K loop (gemm.c), that loop runs BERT's shapes at 86-91% of the AVX2 FMA peak where
+    the whole-K path ran at 74-85% (its kc x 16 micro-panel of W stays in L1 down the rows; the whole-K
+    panel, 48-192 KB, comes from L2 for every tile). Crossover measured between 32 rows (whole K 81-85%,
+    K-blocked 78-81%) and 64 (81-87% against 89%); Xeon capped to AVX2, one thread, CPU time
+    (bench/results/avx2-gemm-2026-12-04d.md)."""
+    rows = max(2 * (14 if kernel.nr >= 32 else 6), IN_PLACE_BYTES // max(4 * k, 1))
+    return min(rows, AVX2_SMALL_ROWS) if kernel.nr == 16 else rows
 
 
 def swiglu_panels(w: torch.Tensor, b: torch.Tensor | None, nr: int) -> tuple[torch.Tensor, torch.Tensor | None]:
