@@ -233,7 +233,7 @@ def main() -> None:
     parser.add_argument("--grpc-transports", nargs="+", default=[None], choices=["kiln", "grpcio"],
                         help="kiln serve --grpc-transport values to compare (default: the tree's default)")
     parser.add_argument("--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"])
-    parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "tritonclient"])
+    parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "h2", "tritonclient"])
     parser.add_argument("--batching", nargs="+", default=["on"], choices=list(MODELS),
                         help="the model's dynamic batching (off: each request its own engine call)")
     parser.add_argument("--floor", nargs="*", default=[], choices=list(FLOORS),
@@ -292,6 +292,8 @@ def main() -> None:
                         if variant and protocol != "grpc":
                             continue
                         for c in args.concurrency:
+                            if client == "h2" and (c != 1 or protocol != "grpc"):
+                                continue  # bench/serve_overhead_client.py's h2: gRPC at concurrency 1 only
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
                                          MODELS[batching], c, args.seconds, python, env)
                             name = tree if transport is None else f"{tree} (gRPC transport {transport})"
