@@ -36,6 +36,7 @@ import hpack
 
 from kiln.serve.grpc_call import MESSAGE_PREFIX, Call, CallFailed, RequestHead, Requests, unparsable
 from kiln.serve.grpc_compression import ACCEPT_ENCODING, compress
+from kiln.serve.eager import run_eagerly
 from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
                                   ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
@@ -66,6 +67,7 @@ COMPRESSED_HEADERS = {encoding: RESPONSE_HEADERS + literal(b"grpc-encoding", enc
 class GrpcConnection(asyncio.Protocol):
     def __init__(self, server: GrpcServer):
         self.server = server
+        self._loop: asyncio.AbstractEventLoop | None = None  # looked up once: asking costs a getpid() call on 3.11
         self.handlers = server.handlers
         self.limit = server.max_message_bytes
         self.compression_level = server.options.infer_response_compression_level
@@ -97,6 +99,11 @@ class GrpcConnection(asyncio.Protocol):
                          CONTINUATION: self._continuation}
 
     # ---- the socket ----
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -188,7 +195,7 @@ class GrpcConnection(asyncio.Protocol):
         self.out.append(data)
         if not self.receiving and not self.flush_pending:
             self.flush_pending = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self.loop().call_soon(self._flush)
 
     def _flush(self) -> None:
         self.flush_pending = False
@@ -304,9 +311,9 @@ class GrpcConnection(asyncio.Protocol):
             self._fail(call, CallFailed(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {head.path}"))
         else:
             if head.timeout is not None:
-                call.timer = asyncio.get_running_loop().call_later(head.timeout, self._deadline, call)
+                call.timer = self.loop().call_later(head.timeout, self._deadline, call)
             if call.requests is not None:
-                call.task = asyncio.get_running_loop().create_task(self._stream_call(call))
+                call.task = self.loop().create_task(self._stream_call(call))
                 call.task.add_done_callback(lambda task: self._task_done(call, task))
             if call.remote_closed:
                 self._end_of_request(call)
@@ -394,8 +401,8 @@ class GrpcConnection(asyncio.Protocol):
         if not asyncio.iscoroutine(answer):
             self._answer(call, answer, None)
             return
-        call.task = asyncio.get_running_loop().create_task(answer)
-        call.task.add_done_callback(lambda task: self._task_done(call, task))
+        # its first step now: an answer that needs no waiting goes out with this read's write (kiln/serve/eager.py)
+        call.task = run_eagerly(answer, self.loop(), lambda result, error: self._handler_done(call, result, error))
 
     def _settings(self, flags: int, stream: int, payload: bytes) -> None:
         if stream != 0:
@@ -504,6 +511,10 @@ class GrpcConnection(asyncio.Protocol):
             error = task.exception()
             self._answer(call, None if error else task.result(), error)
 
+    def _handler_done(self, call: Call, result, error: BaseException | None) -> None:
+        if not call.finished:
+            self._answer(call, result, error)
+
     def _answer(self, call: Call, result, error: BaseException | None) -> None:
         """The handler returned (its answer, for a unary call; the end of its stream of answers) or failed."""
         if error is None:
@@ -516,7 +527,7 @@ class GrpcConnection(asyncio.Protocol):
                 else:
                     encoding = call.head.response_encoding
                     if encoding is not None and len(body) >= COMPRESS_IN_THREAD_BYTES:
-                        packing = asyncio.get_running_loop().run_in_executor(None, compress, body, encoding)
+                        packing = self.loop().run_in_executor(None, compress, body, encoding)
                         packing.add_done_callback(lambda done: self._compressed(call, body, done))
                         return
                     self._send_message(call, body)
