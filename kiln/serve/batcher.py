@@ -203,8 +203,8 @@ class BatchResult:
 
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
-    the loop's next turn (so requests that arrive together are seen together; a model without dynamic
-    batching, whose instance runs inline and has nothing queued, is dispatched at once); a dispatch hands
+    the loop's next turn (so requests that arrive together are seen together; a request that finds nothing
+    queued and an instance idle that runs inline is dispatched at once: _alone_now); a dispatch hands
     batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
@@ -231,6 +231,7 @@ class Batcher:
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._ran_alone = False  # a request ran alone at submit in this turn of the loop (_alone_now)
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Event | None = None
 
@@ -252,13 +253,29 @@ class Batcher:
             request.group, request.sizes = self.padding.group(inputs, signature)
         self.pending.append(request)
         self.stats.pending = len(self.pending)
-        if not self.batching and len(self.pending) == 1 and self.idle and self.idle[-1].inline:
+        if len(self.pending) == 1 and self.idle and self.idle[-1].inline and self._alone_now():
             # nothing to merge it with and a tiny call: answered now, so the caller's await does not wait for
             # the loop's next turns (the dispatch, then the future's callback)
             self._dispatch()
         else:
             self._schedule()
         return request
+
+    def _alone_now(self) -> bool:
+        """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic
+        batching, always. With it and no queue delay, the first such request of a turn of the loop: as Triton's
+        scheduler, an idle server does not hold a lone request back; the requests that arrive after it in the
+        same turn (other connections' reads) wait for the turn's dispatch and share a call, as before."""
+        if not self.batching:
+            return True
+        if self.delay_ns or self._ran_alone:
+            return False
+        self._ran_alone = True
+        self.loop.call_soon(self._next_turn)
+        return True
+
+    def _next_turn(self) -> None:
+        self._ran_alone = False
 
     def _schedule(self) -> None:
         if not self._scheduled:

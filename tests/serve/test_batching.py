@@ -133,25 +133,35 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
 
 
 @pytest.mark.parametrize("batching", [False, True])
-def test_inline_call_without_dynamic_batching_is_answered_at_submit(double_engine, batching):
-    """Once its calls run inline, a model without dynamic batching answers a request inside submit (its
-    caller's await does not wait for the loop); with dynamic batching the request waits for the loop's
-    next turn, where requests that arrived with it join its call."""
+def test_inline_call_is_answered_at_submit(double_engine, batching):
+    """Once its calls run inline, a request that finds nothing queued is answered inside submit (its caller's
+    await does not wait for the loop). Without dynamic batching every such request; with it (no queue delay) the
+    first of a turn of the loop only: the ones submitted after it in the same turn wait for the turn's dispatch
+    and share one call."""
     config = _config(double_engine, "max_batch_size: 8" + ("\ndynamic_batching {}" if batching else ""))
     generator = np.random.default_rng()
 
     async def run() -> None:
-        batcher = Batcher(double_engine, config, ModelStats("m", "1"), 64)
+        stats = ModelStats("m", "1")
+        batcher = Batcher(double_engine, config, stats, 64)
         batcher.start()
         try:
             for _ in range(INLINE_AFTER + 8):
                 inline = batcher.instances[0].inline
                 x = generator.standard_normal((2, 8)).astype(np.float32)
                 pending = batcher.submit({"x": x}, 2, ((8,),), None)
-                assert pending.future.done() == (inline and not batching)
+                assert pending.future.done() == inline
                 out = await asyncio.wait_for(pending.future, 60)
                 np.testing.assert_array_equal(out["y"], 2 * x)
+                await asyncio.sleep(0)  # the next turn of the loop
             assert inline  # the tiny model's calls went inline
+            calls = stats.execution_count
+            xs = [generator.standard_normal((1, 8)).astype(np.float32) for _ in range(4)]  # one turn: 4 requests
+            pending = [batcher.submit({"x": x}, 1, ((8,),), None) for x in xs]
+            assert [p.future.done() for p in pending] == [True, not batching, not batching, not batching]
+            for x, out in zip(xs, await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)):
+                np.testing.assert_array_equal(out["y"], 2 * x)
+            assert stats.execution_count - calls == (2 if batching else 4)  # alone, then the other three merged
         finally:
             await batcher.close()
 
