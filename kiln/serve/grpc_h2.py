@@ -526,6 +526,8 @@ class GrpcConnection(asyncio.Protocol):
                     call.code, call.details = grpc.StatusCode.INTERNAL, f"serializing the answer: {e}"
                 else:
                     encoding = call.head.response_encoding
+                    if encoding is None and self._answer_whole(call, body):
+                        return
                     if encoding is not None and len(body) >= COMPRESS_IN_THREAD_BYTES:
                         packing = self.loop().run_in_executor(None, compress, body, encoding)
                         packing.add_done_callback(lambda done: self._compressed(call, body, done))
@@ -535,6 +537,29 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("gRPC %s: internal error", call.head.path, exc_info=error)
             call.code, call.details = grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"
         self._end(call)
+
+    def _answer_whole(self, call: Call, body: bytes) -> bool:
+        """The common unary answer (status OK, no trailing metadata, uncompressed) whose message fits the send
+        windows and one frame: its headers, message and trailers written at once, what _send_message, _send, _end
+        and _trailers would write, in a fraction of the calls. False (nothing written): the general path."""
+        size = len(body) + MESSAGE_PREFIX.size
+        if call.code is not grpc.StatusCode.OK or call.details or call.trailing or call.headers_sent or call.outbox \
+                or size > call.send_window or size > self.send_window or size > self.peer_frame_size:
+            return False
+        stream = call.id
+        call.send_window -= size
+        self.send_window -= size
+        self.keepalive.data_sent()
+        call.headers_sent = call.finished = True
+        if call.timer is not None:
+            call.timer.cancel()
+        self.write(b"".join((frame(HEADERS, END_HEADERS, stream, RESPONSE_HEADERS),
+                             FRAME.pack(size >> 8, size & 0xFF, DATA, 0, stream), MESSAGE_PREFIX.pack(0, len(body)), body,
+                             frame(HEADERS, END_HEADERS | END_STREAM, stream, OK_TRAILERS))))
+        if not call.remote_closed:  # answered before the request ended: the client need send no more
+            self.write(frame(RST_STREAM, 0, stream, WORD.pack(NO_ERROR)))
+        self._forget(call)
+        return True
 
     def _compressed(self, call: Call, body: bytes, done: asyncio.Future) -> None:
         """A large unary answer back from its compression thread: sent, then its trailers; nothing when the call
