@@ -251,14 +251,14 @@ class Batcher:
         request = Pending(inputs, rows, signature, self.loop.create_future(), deadline_ns=deadline_ns)
         if self.padding is not None and self.padding.floors:
             request.group, request.sizes = self.padding.group(inputs, signature)
+        if not self.pending and self.idle and self.idle[-1].inline and self._alone_now():
+            # nothing to merge it with and a tiny call: answered now, never queued, so the caller's await does not
+            # wait for the loop's next turns (the dispatch, then the future's callback)
+            self._start(self.idle.pop(), [request])
+            return request
         self.pending.append(request)
         self.stats.pending = len(self.pending)
-        if len(self.pending) == 1 and self.idle and self.idle[-1].inline and self._alone_now():
-            # nothing to merge it with and a tiny call: answered now, so the caller's await does not wait for
-            # the loop's next turns (the dispatch, then the future's callback)
-            self._dispatch()
-        else:
-            self._schedule()
+        self._schedule()
         return request
 
     def _alone_now(self) -> bool:
@@ -309,25 +309,31 @@ class Batcher:
                 wake = self.pending[0].arrival_ns + self.delay_ns
                 self._timer = self.loop.call_later(max(0, wake - time.monotonic_ns()) / 1e9, self._dispatch)
                 break
-            instance = self.idle.pop()
-            start = time.monotonic_ns()
-            for r in batch:
-                r.queue_ns = start - r.arrival_ns
-            if instance.inline:
-                try:
-                    result = self._run_batch(instance, batch)
-                except Exception as e:  # noqa: BLE001 - answered to the batch's callers
-                    result = e
-                self._answer(instance, batch, result)
-            else:
-                instance.submit(self.loop, batch)
+            self._start(self.idle.pop(), batch)
         self.stats.pending = len(self.pending)
         if not self.pending and len(self.idle) == len(self.instances):
             self._drained.set()
 
+    def _start(self, instance: Instance, batch: list[Pending]) -> None:
+        """The batch on this instance: run here and answered (an inline instance), or handed to its thread."""
+        start = time.monotonic_ns()
+        for r in batch:
+            r.queue_ns = start - r.arrival_ns
+        if instance.inline:
+            try:
+                result = self._run_batch(instance, batch)
+            except Exception as e:  # noqa: BLE001 - answered to the batch's callers
+                result = e
+            self._answer(instance, batch, result)
+        else:
+            instance.submit(self.loop, batch)
+
     def _drop_finished(self) -> None:
         """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""
-        if all(not r.future.done() and r.deadline_ns is None for r in self.pending):
+        for r in self.pending:
+            if r.deadline_ns is not None or r.future.done():
+                break
+        else:  # none to drop (a loop, not all() over a generator: this runs at every dispatch)
             return
         now = time.monotonic_ns()
         kept = deque()
@@ -398,15 +404,17 @@ class Batcher:
     def _run_batch(self, instance: Instance, batch: list[Pending]) -> BatchResult:
         """Merge, run, split (one request alone: no copy at all)."""
         t0 = time.perf_counter_ns()
-        rows = sum(r.rows for r in batch)
+        rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         padded = rows
         if self.config.max_batch_size > 0:
             padded = self.shapes.padded(batch[0].signature, rows) or rows
         targets: dict[str, int] = {}  # padded dims: the longest of the batch
-        for r in batch:
-            for symbol, size in r.sizes.items():
-                targets[symbol] = max(targets.get(symbol, 0), size)
-        ragged = any(size != targets[symbol] for r in batch for symbol, size in r.sizes.items())
+        ragged = False  # one request alone is never padded to another's
+        if len(batch) > 1:
+            for r in batch:
+                for symbol, size in r.sizes.items():
+                    targets[symbol] = max(targets.get(symbol, 0), size)
+            ragged = any(size != targets[symbol] for r in batch for symbol, size in r.sizes.items())
         feeds = {}
         for name in batch[0].inputs:
             parts = [r.inputs[name] for r in batch]
