@@ -39,7 +39,7 @@ def run_eagerly(coroutine: Coroutine, loop: asyncio.AbstractEventLoop, done: Don
         except Exception as e:  # noqa: BLE001 - the coroutine's failure, reported as a task's would be
             done(None, e)
             return None
-        task = loop.create_task(_rest(coroutine, waiting))
+        task = loop.create_task(_resume(coroutine, waiting))  # 3.11's tasks take a generator-based coroutine
     task.add_done_callback(lambda finished: _report(finished, done))
     return task
 
@@ -49,10 +49,6 @@ def _report(task: asyncio.Task, done: Done) -> None:
         return
     error = task.exception()
     done(None if error is not None else task.result(), error)
-
-
-async def _rest(coroutine: Coroutine, waiting: Any) -> Any:
-    return await _resume(coroutine, waiting)
 
 
 @types.coroutine
