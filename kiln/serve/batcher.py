@@ -232,6 +232,7 @@ class Batcher:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
         self._ran_alone = False  # a request ran alone at submit in this turn of the loop (_alone_now)
+        self._merging = False  # the last call started ran more than one request
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Event | None = None
 
@@ -263,12 +264,14 @@ class Batcher:
 
     def _alone_now(self) -> bool:
         """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic
-        batching, always. With it and no queue delay, the first such request of a turn of the loop: as Triton's
-        scheduler, an idle server does not hold a lone request back; the requests that arrive after it in the
-        same turn (other connections' reads) wait for the turn's dispatch and share a call, as before."""
+        batching, always. With it and no queue delay, the first such request of a turn of the loop, while requests
+        come one at a time (the last call ran one request): as Triton's scheduler, an idle server does not hold a
+        lone request back. The requests that arrive after it in the same turn (other connections' reads) wait for
+        the turn's dispatch and share a call; once calls merge requests, every request waits for the dispatch
+        (under load, one more call per turn would cost more than the loop's turn it saves)."""
         if not self.batching:
             return True
-        if self.delay_ns or self._ran_alone:
+        if self.delay_ns or self._ran_alone or self._merging:
             return False
         self._ran_alone = True
         self.loop.call_soon(self._next_turn)
@@ -319,6 +322,7 @@ class Batcher:
         start = time.monotonic_ns()
         for r in batch:
             r.queue_ns = start - r.arrival_ns
+        self._merging = len(batch) > 1
         if instance.inline:
             try:
                 result = self._run_batch(instance, batch)

@@ -136,8 +136,9 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
 def test_inline_call_is_answered_at_submit(double_engine, batching):
     """Once its calls run inline, a request that finds nothing queued is answered inside submit (its caller's
     await does not wait for the loop). Without dynamic batching every such request; with it (no queue delay) the
-    first of a turn of the loop only: the ones submitted after it in the same turn wait for the turn's dispatch
-    and share one call."""
+    first of a turn of the loop only, while requests come one at a time: the ones submitted after it in the same
+    turn wait for the turn's dispatch and share one call, and once calls merge requests every request waits for
+    the dispatch until a call runs one request again."""
     config = _config(double_engine, "max_batch_size: 8" + ("\ndynamic_batching {}" if batching else ""))
     generator = np.random.default_rng()
 
@@ -162,6 +163,18 @@ def test_inline_call_is_answered_at_submit(double_engine, batching):
             for x, out in zip(xs, await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)):
                 np.testing.assert_array_equal(out["y"], 2 * x)
             assert stats.execution_count - calls == (2 if batching else 4)  # alone, then the other three merged
+            await asyncio.sleep(0)
+            # calls merge requests now: with batching, every request waits for the turn's dispatch, until a call
+            # runs one request again
+            for turn in range(3):
+                calls = stats.execution_count
+                xs = [generator.standard_normal((1, 8)).astype(np.float32) for _ in range(4 if turn == 0 else 1)]
+                pending = [batcher.submit({"x": x}, 1, ((8,),), None) for x in xs]
+                assert [p.future.done() for p in pending] == [not batching or turn == 2] * len(xs)
+                for x, out in zip(xs, await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)):
+                    np.testing.assert_array_equal(out["y"], 2 * x)
+                assert stats.execution_count - calls == (1 if batching else len(xs))
+                await asyncio.sleep(0)
         finally:
             await batcher.close()
 
