@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import kiln
 from kiln.serve import batcher as batcher_module
 from kiln.serve.batcher import Batcher, BatchShapes, merge_rows
 from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
-from kiln.serve.instances import INLINE_AFTER
+from kiln.serve.instances import INLINE_AFTER, Instance
 from kiln.serve.stats import ModelStats
 
 
@@ -179,6 +180,42 @@ def test_inline_call_is_answered_at_submit(double_engine, batching):
             await batcher.close()
 
     asyncio.run(run())
+
+
+def test_inline_timing_skips_a_preempted_call_and_sees_slow_ones(double_engine):
+    """An instance's calls are timed by the wall clock; one past INLINE_NS (preempted, or slow) is not counted and
+    the next is timed on the thread's CPU clock: a call that slept (wall time, no CPU) leaves the instance inline,
+    calls that spend CPU take it back to its thread within two calls."""
+    instance = Instance(double_engine, "m", 0, run=None, finish=None)
+    x = {"x": np.random.default_rng().standard_normal((2, 8)).astype(np.float32)}
+    real = instance.context.run
+
+    def asleep(feeds):
+        time.sleep(0.02)  # 20 ms of wall time, no CPU: as a call preempted on a busy machine
+        return real(feeds)
+
+    def busy(feeds):
+        end = time.thread_time() + 0.002  # 2 ms of this thread's CPU
+        while time.thread_time() < end:
+            pass
+        return real(feeds)
+
+    try:
+        for _ in range(INLINE_AFTER + 1):
+            np.testing.assert_array_equal(instance.execute(x)["y"], 2 * x["x"])
+        assert instance.inline
+        instance.context.run = asleep
+        instance.execute(x)
+        assert instance.inline
+        instance.context.run = real
+        instance.execute(x)  # timed on the CPU clock: fast
+        assert instance.inline
+        instance.context.run = busy
+        instance.execute(x)
+        np.testing.assert_array_equal(instance.execute(x)["y"], 2 * x["x"])
+        assert not instance.inline
+    finally:
+        instance.stop()
 
 
 def test_batches_below_the_profile_are_padded_and_cropped(padded_engine):
