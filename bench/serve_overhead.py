@@ -10,7 +10,7 @@ from the server's side as CPU time per request, thread by thread, read from /pro
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
     python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
     python bench/serve_overhead.py --grpc-transports kiln grpcio --protocols grpc --rounds 3   # interleaved
-    python bench/serve_overhead.py --inproc                  # kiln's own path without grpc, in this process
+    python bench/serve_overhead.py --inproc                  # kiln's path without a socket, in this process
     python bench/serve_overhead.py --trees /work/main . --grpc-options tls gzip --protocols grpc --concurrency 1
                                        # also the last tree with TLS (--grpc-use-ssl), with gzip both ways
 
@@ -191,13 +191,47 @@ def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, m
             "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
+class _Transport:
+    """What a GrpcConnection driven by hand writes to (no socket): the bytes kept until read, answers counted."""
+
+    def __init__(self):
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def close(self) -> None:
+        pass
+
+    def answers(self) -> int:
+        count = sum(chunk.count(b"grpc-status") for chunk in self.out)
+        self.out.clear()
+        return count
+
+
+def _call_frames(stream: int, message: bytes) -> bytes:
+    """A ModelInfer call's HEADERS (literals that touch no HPACK table) and DATA (END_STREAM), as the h2 client's."""
+    from kiln.serve.h2_frames import DATA, END_HEADERS, END_STREAM, HEADERS, frame, literal
+
+    block = (b"\x83\x86" + literal(b":path", b"/inference.GRPCInferenceService/ModelInfer") +
+             literal(b":authority", b"bench") + literal(b"content-type", b"application/grpc") +
+             literal(b"te", b"trailers"))
+    return frame(HEADERS, END_HEADERS, stream, block) + frame(DATA, END_STREAM, stream,
+                                                              b"\x00" + len(message).to_bytes(4, "big") + message)
+
+
 def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model: str) -> None:
-    """kiln's own share, without grpc's transport: the ModelInfer handler as kiln serve registers it (the request's
-    deserializer, the handler, the response's serializer) called on kiln serve's event loop with the request's
-    bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
+    """kiln's own share, without a socket, on kiln serve's event loop, CPU time of the loop thread
+    (time.thread_time) and of the whole process per request. "handler": the ModelInfer handler as kiln serve
+    registers it (the request's deserializer, the handler, the response's serializer) called with the request's
+    bytes. "transport": kiln's gRPC transport (a GrpcConnection fed the calls' HTTP/2 frames, C calls per read, its
+    writes kept in memory) with that handler behind it: everything of a request but the socket and epoll. At
+    concurrency 1 the loop turns once between requests, as a server's does between reads."""
     sys.path.insert(0, str(tree))
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer, method_handlers
+    from kiln.serve.grpc_h2 import GrpcServer
+    from kiln.serve.grpc_server import SERVICE, InferenceServicer, method_handlers
+    from kiln.serve.h2_frames import PREFACE, SETTINGS, WINDOW_UPDATE, frame
     from kiln.serve.repository import ModelRepository
     from kiln.serve.server import run as run_on_serve_loop
 
@@ -206,27 +240,48 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        handler = method_handlers(InferenceServicer(core))["ModelInfer"]  # what both transports serve
+        handlers = method_handlers(InferenceServicer(core))  # what both transports serve
+        handler = handlers["ModelInfer"]
         parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
+        connection = GrpcServer(SERVICE, handlers, 1 << 26)._connection()
+        transport = _Transport()
+        connection.connection_made(transport)
+        connection.data_received(PREFACE + frame(SETTINGS, 0, 0))
+        stream = 1
 
         async def one() -> bytes:
             return serialize(await infer(parse(data), None))
 
-        for c in concurrency:
-            for _ in range(300):
+        async def by_transport(c: int) -> None:
+            nonlocal stream
+            window = frame(WINDOW_UPDATE, 0, 0, (1 << 12).to_bytes(4, "big"))  # the answers' bytes given back
+            connection.data_received(b"".join(_call_frames(stream + 2 * k, data) for k in range(c)) + window)
+            stream += 2 * c
+            answered = transport.answers()
+            while answered < c:
+                await asyncio.sleep(0)
+                answered += transport.answers()
+
+        async def by_handler(c: int) -> None:
+            if c == 1:
                 await one()
-            n = requests - requests % c
-            loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-            for _ in range(n // c):
-                if c == 1:
-                    await one()
-                else:
-                    await asyncio.gather(*[one() for _ in range(c)])
-            loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
-            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
-                  f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
-                  f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
-                  flush=True)
+            else:
+                await asyncio.gather(*[one() for _ in range(c)])
+
+        for c in concurrency:
+            for path, step in (("handler", by_handler), ("transport", by_transport)):
+                for _ in range(300 // c + 20):
+                    await step(c)
+                    await asyncio.sleep(0)
+                n = requests - requests % c
+                loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+                for _ in range(n // c):
+                    await step(c)
+                    await asyncio.sleep(0)
+                loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
+                print(f"| inproc {tree} | {path} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
+                      f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
+                      f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |", flush=True)
         await core.close()
 
     run_on_serve_loop(run())
@@ -257,13 +312,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
     parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
     parser.add_argument("--profile", help="cProfile the server's main thread into this file (one tree)")
-    parser.add_argument("--inproc", action="store_true", help="kiln's own path without grpc, in this process "
-                        "(one tree)")
+    parser.add_argument("--inproc", action="store_true", help="kiln's own path without a socket, in this process: "
+                        "the ModelInfer handler alone, then kiln's gRPC transport fed the calls' frames (one tree)")
     args = parser.parse_args()
     if args.inproc:
         with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
             tree = Path(args.trees[0]).resolve()
             _write_repository(Path(tmp), sys.executable, tree)
+            print(f"CPU: {_cpu_model()}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
             for batching in args.batching:
                 _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
