@@ -30,7 +30,7 @@ log ("kiln.serve", info) report it.
 Tiny CPU calls: handing a batch to a thread and back costs two thread wake-ups and the loop's
 polling for the answer (tens of microseconds of CPU, far more wall time on a loaded machine), and the
 thread's Python competes with the event loop for the GIL. A CPU instance whose calls take less than
-INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls; see execute) runs its batches on the loop
+INLINE_NS of CPU time (a moving average, after INLINE_AFTER calls) runs its batches on the loop
 itself; a slower call lifts the average and sends the instance back to its thread. On a 2-core VM
 this halved the CPU time per request of an empty model at concurrency 1 (bench/serve_overhead.py
 --inproc). A call inline holds the loop for its duration: at most about INLINE_NS.
@@ -122,7 +122,6 @@ class Instance:
         self._evictions = 0
         self.captured_all = False  # CUDA: warm-up captured a graph for every shape the engine takes
         self._call_ns = float(INLINE_NS)  # CPU: moving average of a call's CPU time (this thread's)
-        self._cpu_clock = False  # CPU: the next call is timed on this thread's CPU clock (execute)
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._run, self._finish = run, finish
         self.warmed_up: WarmUp | None = None  # what the CPU warm-up did (None: none ran)
@@ -182,24 +181,9 @@ class Instance:
         """One engine call in the calling thread; on CUDA, on this instance's stream and done when it returns."""
         self.calls += 1
         if not self.cuda:
-            # timed by the wall clock (a vDSO read), which bounds this thread's CPU time from above: a call under
-            # INLINE_NS counts as it is. One over it may have been preempted on a busy machine, which is not a slow
-            # call: it does not count, and the next call is timed on the thread's CPU clock, which does. That
-            # clock is a system call that on the loaded 2-core VM took from ~2 us to hundreds (two a call cost
-            # a third of a c=1 request's CPU time in an in-process loop, bench/results/serve-overhead-2026-12-04d.md)
-            if self._cpu_clock:
-                start = time.thread_time_ns()
-                outputs = self.context.run(feeds)
-                self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
-                self._cpu_clock = False
-                return outputs
-            start = time.perf_counter_ns()
+            start = time.thread_time_ns()  # CPU time: a call preempted on a busy machine is not a slow call
             outputs = self.context.run(feeds)
-            elapsed = time.perf_counter_ns() - start
-            if elapsed < INLINE_NS:
-                self._call_ns += (elapsed - self._call_ns) / 8
-            else:
-                self._cpu_clock = True
+            self._call_ns += (time.thread_time_ns() - start - self._call_ns) / 8
             return outputs
         key, seen = None, 2
         if not self.captured_all:
