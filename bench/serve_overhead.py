@@ -358,8 +358,8 @@ def main() -> None:
                         if variant and protocol != "grpc":
                             continue
                         for c in args.concurrency:
-                            if client == "h2" and (c != 1 or protocol != "grpc"):
-                                continue  # bench/serve_overhead_client.py's h2: gRPC at concurrency 1 only
+                            if client == "h2" and (c != 1 or protocol != "grpc" or variant):
+                                continue  # bench/serve_overhead_client.py's h2: plain gRPC at concurrency 1 only
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
                                          MODELS[batching], c, args.seconds, python, env)
                             name = tree if transport is None else f"{tree} (gRPC transport {transport})"
