@@ -3,12 +3,14 @@ from the server's side as CPU time per request, thread by thread, read from /pro
 (latency p50/p99, requests/s, the client's own CPU per request).
 
     python bench/serve_overhead.py --floor grpcio h2 h2-kiln # this checkout, gRPC and HTTP, raw and tritonclient
+    python bench/serve_overhead.py --grpc-transports kiln grpcio --protocols grpc --clients h2 raw tritonclient \
+        --floor h2 grpcio --concurrency 1 64 --rounds 3       # issue 14's c=1 overhead and c=64 rate (d: 2026-12-04)
     python bench/serve_overhead.py --trees /tmp/before . --rounds 3   # interleaved: A B A B A B
     python bench/serve_overhead.py --batching on off         # the model with and without dynamic batching
     python bench/serve_overhead.py --profile /tmp/serve.prof # cProfile of the server's loop thread
     python bench/serve_overhead.py --frontends 0 1 2 --rounds 3   # kiln serve --frontends N, interleaved
     python bench/serve_overhead.py --grpc-transports kiln grpcio --protocols grpc --rounds 3   # interleaved
-    python bench/serve_overhead.py --inproc                  # kiln's own path without grpc, in this process
+    python bench/serve_overhead.py --inproc                  # kiln's path without a socket, in this process
     python bench/serve_overhead.py --trees /work/main . --grpc-options tls gzip --protocols grpc --concurrency 1
                                        # also the last tree with TLS (--grpc-use-ssl), with gzip both ways
 
@@ -25,6 +27,14 @@ CPU time over the measured requests (utime + stime of each of its threads, befor
 their count is what kiln serve and grpc cost per request, whatever else runs on the machine; wall-clock
 numbers (p50, requests/s) are printed too but on a shared machine (client and server on its cores) they
 move with its load. CPU time per request is the number to compare between trees, in interleaved rounds.
+
+The server's own overhead per request at concurrency 1 (issue 14's <= 100 us p50) is read two ways, both
+printed: its CPU time per request, and "p50 over the floor", the round trip's p50 less that of the h2 floor
+(HTTP/2 answering a constant, ~6 us of CPU) with the same client in the same round, which takes out the
+client's own time, the loopback and the process wake-ups. With `--clients h2` (bench/serve_overhead_client.py:
+frames encoded once, ~10 us of client per call) the client hardly competes with the server for the 2 cores;
+with grpc's and tritonclient's Python clients (150-250 us of client CPU per call) it does, and the server's CPU
+per request roughly doubles (cold caches, preemption): those rows say what users see.
 With --frontends the server's CPU time is its processes' (the engine's and its front ends'), shown whole
 and split: the engine process, of it its event loop thread, and the front ends together.
 """
@@ -168,13 +178,47 @@ def _measure(process: subprocess.Popen, port: int, protocol: str, client: str, m
             "others_us": [round(us) for us, t in threads if t[0] == process.pid and t[1] != process.pid and us >= 1][:4]}
 
 
+class _Transport:
+    """What a GrpcConnection driven by hand writes to (no socket): the bytes kept until read, answers counted."""
+
+    def __init__(self):
+        self.out: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.out.append(data)
+
+    def close(self) -> None:
+        pass
+
+    def answers(self) -> int:
+        count = sum(chunk.count(b"grpc-status") for chunk in self.out)
+        self.out.clear()
+        return count
+
+
+def _call_frames(stream: int, message: bytes) -> bytes:
+    """A ModelInfer call's HEADERS (literals that touch no HPACK table) and DATA (END_STREAM), as the h2 client's."""
+    from kiln.serve.h2_frames import DATA, END_HEADERS, END_STREAM, HEADERS, frame, literal
+
+    block = (b"\x83\x86" + literal(b":path", b"/inference.GRPCInferenceService/ModelInfer") +
+             literal(b":authority", b"bench") + literal(b"content-type", b"application/grpc") +
+             literal(b"te", b"trailers"))
+    return frame(HEADERS, END_HEADERS, stream, block) + frame(DATA, END_STREAM, stream,
+                                                              b"\x00" + len(message).to_bytes(4, "big") + message)
+
+
 def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model: str) -> None:
-    """kiln's own share, without grpc's transport: the ModelInfer handler as kiln serve registers it (the request's
-    deserializer, the handler, the response's serializer) called on kiln serve's event loop with the request's
-    bytes; CPU time of the loop thread (time.thread_time) and of the whole process per request."""
+    """kiln's own share, without a socket, on kiln serve's event loop, CPU time of the loop thread
+    (time.thread_time) and of the whole process per request. "handler": the ModelInfer handler as kiln serve
+    registers it (the request's deserializer, the handler, the response's serializer) called with the request's
+    bytes. "transport": kiln's gRPC transport (a GrpcConnection fed the calls' HTTP/2 frames, C calls per read, its
+    writes kept in memory) with that handler behind it: everything of a request but the socket and epoll. At
+    concurrency 1 the loop turns once between requests, as a server's does between reads."""
     sys.path.insert(0, str(tree))
     from kiln.serve.core import ServerCore
-    from kiln.serve.grpc_server import InferenceServicer, method_handlers
+    from kiln.serve.grpc_h2 import GrpcServer
+    from kiln.serve.grpc_server import SERVICE, InferenceServicer, method_handlers
+    from kiln.serve.h2_frames import PREFACE, SETTINGS, WINDOW_UPDATE, frame
     from kiln.serve.repository import ModelRepository
     from kiln.serve.server import run as run_on_serve_loop
 
@@ -183,27 +227,48 @@ def _inproc(tree: Path, repo: Path, requests: int, concurrency: list[int], model
     async def run() -> None:
         core = ServerCore(ModelRepository(repo))
         await core.start()
-        handler = method_handlers(InferenceServicer(core))["ModelInfer"]  # what both transports serve
+        handlers = method_handlers(InferenceServicer(core))  # what both transports serve
+        handler = handlers["ModelInfer"]
         parse, infer, serialize = handler.request_deserializer, handler.unary_unary, handler.response_serializer
+        connection = GrpcServer(SERVICE, handlers, 1 << 26)._connection()
+        transport = _Transport()
+        connection.connection_made(transport)
+        connection.data_received(PREFACE + frame(SETTINGS, 0, 0))
+        stream = 1
 
         async def one() -> bytes:
             return serialize(await infer(parse(data), None))
 
-        for c in concurrency:
-            for _ in range(300):
+        async def by_transport(c: int) -> None:
+            nonlocal stream
+            window = frame(WINDOW_UPDATE, 0, 0, (1 << 12).to_bytes(4, "big"))  # the answers' bytes given back
+            connection.data_received(b"".join(_call_frames(stream + 2 * k, data) for k in range(c)) + window)
+            stream += 2 * c
+            answered = transport.answers()
+            while answered < c:
+                await asyncio.sleep(0)
+                answered += transport.answers()
+
+        async def by_handler(c: int) -> None:
+            if c == 1:
                 await one()
-            n = requests - requests % c
-            loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
-            for _ in range(n // c):
-                if c == 1:
-                    await one()
-                else:
-                    await asyncio.gather(*[one() for _ in range(c)])
-            loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
-            print(f"| inproc {tree} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
-                  f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
-                  f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |",
-                  flush=True)
+            else:
+                await asyncio.gather(*[one() for _ in range(c)])
+
+        for c in concurrency:
+            for path, step in (("handler", by_handler), ("transport", by_transport)):
+                for _ in range(300 // c + 20):
+                    await step(c)
+                    await asyncio.sleep(0)
+                n = requests - requests % c
+                loop0, cpu0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+                for _ in range(n // c):
+                    await step(c)
+                    await asyncio.sleep(0)
+                loop1, cpu1, t1 = time.thread_time(), time.process_time(), time.perf_counter()
+                print(f"| inproc {tree} | {path} | {model} | {c} | {n} | {n / (t1 - t0):.0f} "
+                      f"| wall {(t1 - t0) / n * 1e6:.1f} us/req | loop thread {(loop1 - loop0) / n * 1e6:.1f} us/req "
+                      f"| process {(cpu1 - cpu0) / n * 1e6:.1f} us/req |", flush=True)
         await core.close()
 
     run_on_serve_loop(run())
@@ -220,7 +285,7 @@ def main() -> None:
     parser.add_argument("--grpc-transports", nargs="+", default=[None], choices=["kiln", "grpcio"],
                         help="kiln serve --grpc-transport values to compare (default: the tree's default)")
     parser.add_argument("--protocols", nargs="+", default=["grpc", "http"], choices=["grpc", "http"])
-    parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "tritonclient"])
+    parser.add_argument("--clients", nargs="+", default=["raw", "tritonclient"], choices=["raw", "h2", "tritonclient"])
     parser.add_argument("--batching", nargs="+", default=["on"], choices=list(MODELS),
                         help="the model's dynamic batching (off: each request its own engine call)")
     parser.add_argument("--floor", nargs="*", default=[], choices=list(FLOORS),
@@ -234,13 +299,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="each row's window")
     parser.add_argument("--requests", type=int, default=3000, help="--inproc: requests per concurrency")
     parser.add_argument("--profile", help="cProfile the server's main thread into this file (one tree)")
-    parser.add_argument("--inproc", action="store_true", help="kiln's own path without grpc, in this process "
-                        "(one tree)")
+    parser.add_argument("--inproc", action="store_true", help="kiln's own path without a socket, in this process: "
+                        "the ModelInfer handler alone, then kiln's gRPC transport fed the calls' frames (one tree)")
     args = parser.parse_args()
     if args.inproc:
         with tempfile.TemporaryDirectory(prefix="kiln-overhead-") as tmp:
             tree = Path(args.trees[0]).resolve()
             _write_repository(Path(tmp), sys.executable, tree)
+            print(f"CPU: {_cpu_model()}; load average before: {os.getloadavg()[0]:.2f}", flush=True)
             for batching in args.batching:
                 _inproc(tree, Path(tmp), args.requests, args.concurrency, MODELS[batching])
         return
@@ -279,11 +345,14 @@ def main() -> None:
                         if variant and protocol != "grpc":
                             continue
                         for c in args.concurrency:
+                            if client == "h2" and (c != 1 or protocol != "grpc" or variant):
+                                continue  # bench/serve_overhead_client.py's h2: plain gRPC at concurrency 1 only
                             m = _measure(process, ports["gRPC" if protocol == "grpc" else "HTTP"], protocol, client,
                                          MODELS[batching], c, args.seconds, python, env)
                             name = tree if transport is None else f"{tree} (gRPC transport {transport})"
                             name += f", {variant}" if variant else ""
                             key = (name, frontends, protocol, client, batching, c)
+                            m["round"] = r
                             rows.append((key, m))
                             print(f"| {r} | {name} | {frontends} | {protocol} | {client} | {batching} | {c} "
                                   f"| {m['count']} | {m['rate']:.0f} | {m['p50_us']:.0f} | {m['p99_us']:.0f} "
@@ -295,17 +364,30 @@ def main() -> None:
         print(f"load average after: {os.getloadavg()[0]:.2f}", flush=True)
         shutil.rmtree(tmp, ignore_errors=True)
     if args.rounds > 1:
-        print("\nmedians over rounds (CPU per request: least of rounds in brackets)\n"
-              "| server | front ends | protocol | client | batching | concurrency | req/s | p50 us | p99 us "
-              "| server CPU us/req | its loop thread | client CPU us/req |\n" + "|---" * 12 + "|")
+        print("\nmedians over rounds (CPU per request: least of rounds in brackets; p50 over the floor: the median "
+              "over rounds of p50 minus the h2 floor's p50 with the same client and concurrency in the same round)\n"
+              "| server | front ends | protocol | client | batching | concurrency | req/s | p50 us | p50 over the floor us "
+              "| p99 us | server CPU us/req | its loop thread | client CPU us/req |\n" + "|---" * 13 + "|")
         for key in dict.fromkeys(k for k, _ in rows):
             ms = [m for k, m in rows if k == key]
             med = {f: statistics.median(m[f] for m in ms) for f in ms[0] if f != "others_us"}
             low = {f: min(m[f] for m in ms) for f in ("server_us", "loop_us", "client_us")}
             tree, frontends, protocol, client, batching, c = key
             print(f"| {tree} | {frontends} | {protocol} | {client} | {batching} | {c} | {med['rate']:.0f} "
-                  f"| {med['p50_us']:.0f} | {med['p99_us']:.0f} | {med['server_us']:.0f} ({low['server_us']:.0f}) "
+                  f"| {med['p50_us']:.0f} | {_over_floor(rows, key)} | {med['p99_us']:.0f} "
+                  f"| {med['server_us']:.0f} ({low['server_us']:.0f}) "
                   f"| {med['loop_us']:.0f} ({low['loop_us']:.0f}) | {med['client_us']:.0f} ({low['client_us']:.0f}) |")
+
+
+def _over_floor(rows: list, key: tuple) -> str:
+    """The server's own share of the round trip: the row's p50 less the h2 floor's (bench/serve_h2_floor.py, an
+    HTTP/2 server answering a constant for ~6 us of CPU: the client, the loopback and the wake-ups) with the same
+    client and concurrency, round by round; the median over rounds. "-": no floor measured beside it."""
+    _, _, protocol, client, _, c = key
+    floor = {m["round"]: m["p50_us"] for k, m in rows
+             if k[0] == "floor h2" and k[2:4] == (protocol, client) and k[5] == c}
+    over = [m["p50_us"] - floor[m["round"]] for k, m in rows if k == key and m["round"] in floor]
+    return f"{statistics.median(over):.0f}" if over and key[0] != "floor h2" else "-"
 
 
 def _cpu_model() -> str:

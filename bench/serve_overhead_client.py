@@ -3,7 +3,9 @@
     python bench/serve_overhead_client.py PROTOCOL CLIENT PORT MODEL CONCURRENCY SECONDS
 
 PROTOCOL grpc | http; CLIENT raw (gRPC: a bare grpc stub sending the serialized request; HTTP: HTTP/1.1
-keep-alive with the binary tensor extension, written by hand) or tritonclient (what users run: its
+keep-alive with the binary tensor extension, written by hand), h2 (gRPC at concurrency 1 only: a blocking
+socket writing HEADERS and DATA frames encoded once, reading frames to the call's trailers: the client costs
+~10 us a call, so the round trip is the loopback's and the server's) or tritonclient (what users run: its
 blocking client at concurrency 1; at N, tritonclient.grpc.aio's clients on one event loop, or
 tritonclient.http's gevent clients). Every client has its own connection. The process warms up, prints
 "go", waits for a line on stdin, runs for SECONDS (concurrency 1: one call after another) and prints one
@@ -17,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import struct
 import sys
 import time
 
@@ -70,8 +74,85 @@ class RawHttp:
         await self.reader.readexactly(length)
 
 
+class RawH2:
+    """gRPC's ModelInfer over HTTP/2 with next to no client: the call's frames (HEADERS of literals that touch no
+    HPACK table, so the same bytes serve every call but the stream id; DATA with the message and END_STREAM)
+    written in one send, frames read until the HEADERS that ends the stream. Checked once, at the first call:
+    the answer's message and its trailers (grpc-status 0, HPACK-decoded)."""
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    HEADER = struct.Struct(">HBBBI")  # the frame header: 24-bit length as 16 + 8 bits, type, flags, stream id
+
+    def __init__(self, port: int, model: str):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = b""
+        self.stream = 1
+        # SETTINGS (empty), then the connection's receive window opened to 2^31 - 1: the server never waits for
+        # a WINDOW_UPDATE (each stream's 64 KB window is far above an answer)
+        self.sock.sendall(self.PREFACE + self._frame(4, 0, 0, b"") + self._frame(8, 0, 0, struct.pack(">I", (1 << 31) - 1 - 65535)))
+
+        def literal(name: bytes, value: bytes) -> bytes:  # HPACK literal without indexing, a new name, plain strings
+            return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+        self.block = (b"\x83\x86" + literal(b":path", GRPC_METHOD.encode()) +  # :method POST, :scheme http
+                      literal(b":authority", f"127.0.0.1:{port}".encode()) +
+                      literal(b"content-type", b"application/grpc") + literal(b"te", b"trailers"))
+        body = grpc_request_bytes(model)
+        self.message = b"\x00" + struct.pack(">I", len(body)) + body
+        self.first = True
+
+    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+        n = len(payload)
+        return self.HEADER.pack(n >> 8, n & 0xFF, kind, flags, stream) + payload
+
+    def __call__(self) -> None:
+        stream = self.stream
+        self.stream += 2
+        self.sock.sendall(self._frame(1, 4, stream, self.block) + self._frame(0, 1, stream, self.message))
+        frames = []
+        while True:
+            buffer = self.buffer
+            while len(buffer) >= 9:
+                high, low, kind, flags, sid = self.HEADER.unpack_from(buffer)
+                end = 9 + (high << 8 | low)
+                if len(buffer) < end:
+                    break
+                frames.append((kind, flags, sid, buffer[9:end]))
+                buffer = buffer[end:]
+                if kind == 6 and not flags & 1:  # PING: acknowledged
+                    self.sock.sendall(self._frame(6, 1, 0, frames[-1][3]))
+                elif kind == 4 and not flags & 1:  # SETTINGS: acknowledged
+                    self.sock.sendall(self._frame(4, 1, 0, b""))
+                elif kind == 1 and sid == stream and flags & 1:  # the trailers: the call is over
+                    self.buffer = buffer
+                    if self.first:
+                        self._check(stream, frames)
+                    return
+            self.buffer = buffer + self.sock.recv(1 << 16)
+
+    def _check(self, stream: int, frames: list) -> None:
+        import hpack
+        from tritonclient.grpc import service_pb2 as pb
+
+        self.first = False
+        decoder = hpack.Decoder()  # every header block of the connection so far, in order (its dynamic table)
+        blocks = [(sid, dict(decoder.decode(payload, raw=True))) for kind, _, sid, payload in frames if kind == 1]
+        data = b"".join(payload for kind, _, sid, payload in frames if kind == 0 and sid == stream)
+        trailers = blocks[-1][1] if blocks else {}
+        if trailers.get(b"grpc-status") != b"0" or len(data) < 5:
+            raise RuntimeError(f"the first call failed: trailers {trailers}")
+        answer = pb.ModelInferResponse.FromString(data[5:])
+        if [list(o.shape) for o in answer.outputs] != [list(X.shape)] or len(answer.raw_output_contents[0]) != X.nbytes:
+            raise RuntimeError(f"the first call's answer is not an FP32 {list(X.shape)}: {answer}")
+
+
 def _sync_call(protocol: str, client: str, port: int, model: str):
     """A blocking call (concurrency 1)."""
+    if client == "h2":
+        if protocol != "grpc" or os.environ.get("KILN_BENCH_GRPC_ROOT_CERT") or os.environ.get("KILN_BENCH_GRPC_COMPRESSION"):
+            raise SystemExit("the h2 client speaks plaintext gRPC, uncompressed")
+        return RawH2(port, model)
     root_cert = os.environ.get("KILN_BENCH_GRPC_ROOT_CERT")
     compression = os.environ.get("KILN_BENCH_GRPC_COMPRESSION")
     if client == "raw" and protocol == "grpc":
@@ -211,6 +292,8 @@ def _result(latencies: list[float], wall: float, cpu: float) -> dict:
 def main() -> None:
     protocol, client, port, model, concurrency, seconds = sys.argv[1:7]
     port, concurrency, seconds = int(port), int(concurrency), float(seconds)
+    if client == "h2" and concurrency != 1:
+        raise SystemExit("the h2 client runs at concurrency 1 only")
     if concurrency == 1:
         result = _measure_sync(_sync_call(protocol, client, port, model), seconds)
     elif protocol == "http" and client == "tritonclient":

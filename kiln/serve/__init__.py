@@ -14,7 +14,8 @@ names. `tritonclient` works against it unchanged. docs/serving.md is the user's 
     core.py        models and their states, validation, inference: what both frontends call
     http_codec.py, http_server.py, openapi.py   the HTTP frontend
     grpc_server.py the gRPC frontend: the servicer and its method handlers, grpc.aio's server
-    grpc_h2.py, grpc_call.py, h2_frames.py   kiln's own gRPC transport (HTTP/2 on the event loop), the default
+    grpc_h2.py, grpc_call.py, eager.py   kiln's own gRPC transport (the default): calls over h2_connection.py
+                   (HTTP/2 on the event loop), h2_frames.py, h2_keepalive.py
     stats.py, metrics.py   Triton's statistics and Prometheus metrics
     server.py      the process: frontends + core on one event loop; graceful shutdown
     options.py     ServeOptions; frontdoors.py: the HTTP, gRPC and metrics ports of a process

@@ -203,8 +203,8 @@ class BatchResult:
 
 class Batcher:
     """Everything runs on the event loop as plain callbacks: a submit schedules one dispatch for
-    the loop's next turn (so requests that arrive together are seen together; a model without dynamic
-    batching, whose instance runs inline and has nothing queued, is dispatched at once); a dispatch hands
+    the loop's next turn (so requests that arrive together are seen together; a request that finds nothing
+    queued and an instance idle that runs inline is dispatched at once: _alone_now); a dispatch hands
     batches to idle instances (or runs them right there, for an instance whose calls are tiny: see
     kiln/serve/instances.py), or sets a timer when the oldest request may still wait for company;
     an instance's result comes back as a callback that answers the futures and dispatches again."""
@@ -231,6 +231,8 @@ class Batcher:
         self.closing = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self._scheduled = False
+        self._ran_alone = False  # a request ran alone at submit in this turn of the loop (_alone_now)
+        self._merging = False  # the last call started ran more than one request
         self._timer: asyncio.TimerHandle | None = None
         self._drained: asyncio.Event | None = None
 
@@ -250,15 +252,33 @@ class Batcher:
         request = Pending(inputs, rows, signature, self.loop.create_future(), deadline_ns=deadline_ns)
         if self.padding is not None and self.padding.floors:
             request.group, request.sizes = self.padding.group(inputs, signature)
+        if not self.pending and self.idle and self.idle[-1].inline and self._alone_now():
+            # nothing to merge it with and a tiny call: answered now, never queued, so the caller's await does not
+            # wait for the loop's next turns (the dispatch, then the future's callback)
+            self._start(self.idle.pop(), [request])
+            return request
         self.pending.append(request)
         self.stats.pending = len(self.pending)
-        if not self.batching and len(self.pending) == 1 and self.idle and self.idle[-1].inline:
-            # nothing to merge it with and a tiny call: answered now, so the caller's await does not wait for
-            # the loop's next turns (the dispatch, then the future's callback)
-            self._dispatch()
-        else:
-            self._schedule()
+        self._schedule()
         return request
+
+    def _alone_now(self) -> bool:
+        """Whether a request that finds the queue empty and an instance idle runs now, alone. Without dynamic
+        batching, always. With it and no queue delay, the first such request of a turn of the loop, while requests
+        come one at a time (the last call ran one request): as Triton's scheduler, an idle server does not hold a
+        lone request back. The requests that arrive after it in the same turn (other connections' reads) wait for
+        the turn's dispatch and share a call; once calls merge requests, every request waits for the dispatch
+        (under load, one more call per turn would cost more than the loop's turn it saves)."""
+        if not self.batching:
+            return True
+        if self.delay_ns or self._ran_alone or self._merging:
+            return False
+        self._ran_alone = True
+        self.loop.call_soon(self._next_turn)
+        return True
+
+    def _next_turn(self) -> None:
+        self._ran_alone = False
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -292,25 +312,32 @@ class Batcher:
                 wake = self.pending[0].arrival_ns + self.delay_ns
                 self._timer = self.loop.call_later(max(0, wake - time.monotonic_ns()) / 1e9, self._dispatch)
                 break
-            instance = self.idle.pop()
-            start = time.monotonic_ns()
-            for r in batch:
-                r.queue_ns = start - r.arrival_ns
-            if instance.inline:
-                try:
-                    result = self._run_batch(instance, batch)
-                except Exception as e:  # noqa: BLE001 - answered to the batch's callers
-                    result = e
-                self._answer(instance, batch, result)
-            else:
-                instance.submit(self.loop, batch)
+            self._start(self.idle.pop(), batch)
         self.stats.pending = len(self.pending)
         if not self.pending and len(self.idle) == len(self.instances):
             self._drained.set()
 
+    def _start(self, instance: Instance, batch: list[Pending]) -> None:
+        """The batch on this instance: run here and answered (an inline instance), or handed to its thread."""
+        start = time.monotonic_ns()
+        for r in batch:
+            r.queue_ns = start - r.arrival_ns
+        self._merging = len(batch) > 1
+        if instance.inline:
+            try:
+                result = self._run_batch(instance, batch)
+            except Exception as e:  # noqa: BLE001 - answered to the batch's callers
+                result = e
+            self._answer(instance, batch, result)
+        else:
+            instance.submit(self.loop, batch)
+
     def _drop_finished(self) -> None:
         """Remove requests whose caller gave up (timeout, disconnect) or whose deadline passed."""
-        if all(not r.future.done() and r.deadline_ns is None for r in self.pending):
+        for r in self.pending:
+            if r.deadline_ns is not None or r.future.done():
+                break
+        else:  # none to drop (a loop, not all() over a generator: this runs at every dispatch)
             return
         now = time.monotonic_ns()
         kept = deque()
@@ -381,15 +408,17 @@ class Batcher:
     def _run_batch(self, instance: Instance, batch: list[Pending]) -> BatchResult:
         """Merge, run, split (one request alone: no copy at all)."""
         t0 = time.perf_counter_ns()
-        rows = sum(r.rows for r in batch)
+        rows = batch[0].rows if len(batch) == 1 else sum(r.rows for r in batch)
         padded = rows
         if self.config.max_batch_size > 0:
             padded = self.shapes.padded(batch[0].signature, rows) or rows
         targets: dict[str, int] = {}  # padded dims: the longest of the batch
-        for r in batch:
-            for symbol, size in r.sizes.items():
-                targets[symbol] = max(targets.get(symbol, 0), size)
-        ragged = any(size != targets[symbol] for r in batch for symbol, size in r.sizes.items())
+        ragged = False  # one request alone is never padded to another's
+        if len(batch) > 1:
+            for r in batch:
+                for symbol, size in r.sizes.items():
+                    targets[symbol] = max(targets.get(symbol, 0), size)
+            ragged = any(size != targets[symbol] for r in batch for symbol, size in r.sizes.items())
         feeds = {}
         for name in batch[0].inputs:
             parts = [r.inputs[name] for r in batch]

@@ -5,6 +5,7 @@ every response is checked against its own request's input."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import kiln
 from kiln.serve import batcher as batcher_module
 from kiln.serve.batcher import Batcher, BatchShapes, merge_rows
 from kiln.serve.config import DynamicBatching, complete, parse_pbtxt
-from kiln.serve.instances import INLINE_AFTER
+from kiln.serve.instances import INLINE_AFTER, Instance
 from kiln.serve.stats import ModelStats
 
 
@@ -133,29 +134,88 @@ def test_without_dynamic_batching_each_request_runs_alone(double_engine):
 
 
 @pytest.mark.parametrize("batching", [False, True])
-def test_inline_call_without_dynamic_batching_is_answered_at_submit(double_engine, batching):
-    """Once its calls run inline, a model without dynamic batching answers a request inside submit (its
-    caller's await does not wait for the loop); with dynamic batching the request waits for the loop's
-    next turn, where requests that arrived with it join its call."""
+def test_inline_call_is_answered_at_submit(double_engine, batching):
+    """Once its calls run inline, a request that finds nothing queued is answered inside submit (its caller's
+    await does not wait for the loop). Without dynamic batching every such request; with it (no queue delay) the
+    first of a turn of the loop only, while requests come one at a time: the ones submitted after it in the same
+    turn wait for the turn's dispatch and share one call, and once calls merge requests every request waits for
+    the dispatch until a call runs one request again."""
     config = _config(double_engine, "max_batch_size: 8" + ("\ndynamic_batching {}" if batching else ""))
     generator = np.random.default_rng()
 
     async def run() -> None:
-        batcher = Batcher(double_engine, config, ModelStats("m", "1"), 64)
+        stats = ModelStats("m", "1")
+        batcher = Batcher(double_engine, config, stats, 64)
         batcher.start()
         try:
             for _ in range(INLINE_AFTER + 8):
                 inline = batcher.instances[0].inline
                 x = generator.standard_normal((2, 8)).astype(np.float32)
                 pending = batcher.submit({"x": x}, 2, ((8,),), None)
-                assert pending.future.done() == (inline and not batching)
+                assert pending.future.done() == inline
                 out = await asyncio.wait_for(pending.future, 60)
                 np.testing.assert_array_equal(out["y"], 2 * x)
+                await asyncio.sleep(0)  # the next turn of the loop
             assert inline  # the tiny model's calls went inline
+            calls = stats.execution_count
+            xs = [generator.standard_normal((1, 8)).astype(np.float32) for _ in range(4)]  # one turn: 4 requests
+            pending = [batcher.submit({"x": x}, 1, ((8,),), None) for x in xs]
+            assert [p.future.done() for p in pending] == [True, not batching, not batching, not batching]
+            for x, out in zip(xs, await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)):
+                np.testing.assert_array_equal(out["y"], 2 * x)
+            assert stats.execution_count - calls == (2 if batching else 4)  # alone, then the other three merged
+            await asyncio.sleep(0)
+            # calls merge requests now: with batching, every request waits for the turn's dispatch, until a call
+            # runs one request again
+            for turn in range(3):
+                calls = stats.execution_count
+                xs = [generator.standard_normal((1, 8)).astype(np.float32) for _ in range(4 if turn == 0 else 1)]
+                pending = [batcher.submit({"x": x}, 1, ((8,),), None) for x in xs]
+                assert [p.future.done() for p in pending] == [not batching or turn == 2] * len(xs)
+                for x, out in zip(xs, await asyncio.wait_for(asyncio.gather(*(p.future for p in pending)), 60)):
+                    np.testing.assert_array_equal(out["y"], 2 * x)
+                assert stats.execution_count - calls == (1 if batching else len(xs))
+                await asyncio.sleep(0)
         finally:
             await batcher.close()
 
     asyncio.run(run())
+
+
+def test_inline_timing_skips_a_preempted_call_and_sees_slow_ones(double_engine):
+    """An instance's calls are timed by the wall clock; one past INLINE_NS (preempted, or slow) is not counted and
+    the next is timed on the thread's CPU clock: a call that slept (wall time, no CPU) leaves the instance inline,
+    calls that spend CPU take it back to its thread within two calls."""
+    instance = Instance(double_engine, "m", 0, run=None, finish=None)
+    x = {"x": np.random.default_rng().standard_normal((2, 8)).astype(np.float32)}
+    real = instance.context.run
+
+    def asleep(feeds):
+        time.sleep(0.02)  # 20 ms of wall time, no CPU: as a call preempted on a busy machine
+        return real(feeds)
+
+    def busy(feeds):
+        end = time.thread_time() + 0.002  # 2 ms of this thread's CPU
+        while time.thread_time() < end:
+            pass
+        return real(feeds)
+
+    try:
+        for _ in range(INLINE_AFTER + 1):
+            np.testing.assert_array_equal(instance.execute(x)["y"], 2 * x["x"])
+        assert instance.inline
+        instance.context.run = asleep
+        instance.execute(x)
+        assert instance.inline
+        instance.context.run = real
+        instance.execute(x)  # timed on the CPU clock: fast
+        assert instance.inline
+        instance.context.run = busy
+        instance.execute(x)
+        np.testing.assert_array_equal(instance.execute(x)["y"], 2 * x["x"])
+        assert not instance.inline
+    finally:
+        instance.stop()
 
 
 def test_batches_below_the_profile_are_padded_and_cropped(padded_engine):
