@@ -21,7 +21,7 @@ tokens are a prefix, the flash kernel visits its first n keys and reads no mask.
 
 Each program is tuned for the runs it gets: the plain one as a plain build tunes it (the profile's opt shape), the
 packed one at a representative token bucket (`tuning_tokens`), so its GEMMs are timed on the [T', K] rows they meet.
-The runtime runs the plain program wherever packed_rows(...) is B·S (kiln/runtime/engine.py).
+The runtime runs the plain program wherever packed_rows(...) is B·S (kiln/runtime/context.py).
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ class GraphRunner:
 
     def run(self, inputs: list[Any], program: Program | None = None) -> list[Any]:
         """`program`: another program of the engine than the runner's own (a padding-free engine's plain one,
-        kiln/runtime/engine.py); its graphs share this cache, its bounds and its stats."""
+        kiln/runtime/context.py); its graphs share this cache, its bounds and its stats."""
         program = program or self.program
         key = self._key(inputs, program is not self.program)
         if key is None:  # sequences/optionals: no shape signature, run eagerly

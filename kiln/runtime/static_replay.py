@@ -17,7 +17,7 @@ call does as little as a call can before the launch:
 H200 (bench/results/stream-2026-12-04c.md, 2,000 calls): batch-1 p99/p50 through run() 1.16 -> 1.09 (BERT-base 1 x 128
 with its mask) and 1.17 -> 1.07 (ResNet-50), outputs bitwise the old path's; execute() on bound tensors stays 1.02-1.03.
 
-ExecutionContext makes one once its graph is captured (kiln/runtime/engine.py; KILN_DIRECT_REPLAY=0: the old path,
+ExecutionContext makes one once its graph is captured (kiln/runtime/context.py; KILN_DIRECT_REPLAY=0: the old path,
 inference mode and a copy_ an input); anything the path does not take
 (another dtype or shape, a CPU tensor, an extra key, an evicted graph) returns None, and the general path checks,
 explains and runs.

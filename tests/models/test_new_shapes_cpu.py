@@ -23,7 +23,7 @@ from kiln.builder import autotune
 from kiln.kernels.cpu import gemm_native, onednn, onednn_primitives
 from kiln.kernels.cpu import transformer as kernels
 from kiln.ops.registry import lookup
-from kiln.runtime import engine as engine_module
+from kiln.runtime import context as context_module
 from kiln.runtime import native
 from kiln.runtime import program as program_module
 from kiln.runtime import shape_function
@@ -197,7 +197,7 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
     monkeypatch.setattr(program_module, "SHAPE_PLAN_BYTES", budget)
     program = engine.program
     monkeypatch.setattr(native, "VIEWS", 5)
-    monkeypatch.setattr(engine_module, "CHECKED_SIGNATURES", 6)
+    monkeypatch.setattr(context_module, "CHECKED_SIGNATURES", 6)
     monkeypatch.setattr(shape_function, "MEMO_ENTRIES", 3)
     (segment,) = engine.program.segments
     for memo in program.shape_function.memos:

@@ -17,7 +17,7 @@ import kiln
 from kiln import zoo
 from kiln.runtime.buckets import PACKING_RULES, pad_to
 from kiln.runtime.cuda_graphs import GraphRunner, _Captured
-from kiln.runtime.engine import _cuda_static_signature
+from kiln.runtime.context import _cuda_static_signature
 from kiln.runtime.host import ShapePlan
 from kiln.runtime.static_replay import StaticReplay
 from tests.unit.test_runtime import _model, _reference
