@@ -219,7 +219,7 @@ class Segment:
         for k, size in enumerate(self.entry_sizes):
             if self.entry_layouts[k] == "nhwc":
                 buffer = hugepages.empty(math.prod(size)).as_strided(size, native_strides(size))
-                reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB)
+                reorder = onednn.Reorder(size, onednn.TAG_ABCD, onednn.TAG_ACDB, serial=torch.get_num_threads() > 1)
                 self._staged.append((k, reorder.bind(0, buffer.data_ptr()), buffer))
         # What a run points at its inputs and outputs: (memory object, source), the source an
         # ("entry", k), an ("exit", j) or a fixed address (a staged entry's buffer).
@@ -238,7 +238,8 @@ class Segment:
             for i, role in self.per_call.get(g, ()):
                 plain.append((self.bound[i].memory(role), ("exit", j)))
                 staged.append((self.bound[i].memory(role), ("exit", j)))
-        reorders = [c for _, b, _ in self._staged for c in b.calls()]
+        reorders = {PARALLEL: [c for _, b, _ in self._staged for c in b.calls()],  # the serial form's on one thread
+                    SERIAL: [c for _, b, _ in self._staged for c in (b.serial_calls() or b.calls())]}
         staged_names = [f"reorder of input {k}" for k, _, _ in self._staged] + self._names
         # the forms a run may take (kiln/kernels/cpu/form_choice.py): small layers on OpenMP's count, and, where
         # some have one (onednn_primitives.thread_forms), on one thread
@@ -251,7 +252,7 @@ class Segment:
         for form, calls in forms.items():
             self._variants[False, form] = (plain, calls, self._names)
             if self._staged:  # only a segment reading NCHW images has the reordering variant
-                self._variants[True, form] = (staged, reorders + calls, staged_names)
+                self._variants[True, form] = (staged, reorders[form] + calls, staged_names)
         # the loop in C when it could be built (kiln/kernels/cpu/native_loop.py): one call per run
         loop = native_loop.load()
         self._set_handle = lib.lib.dnnl_memory_set_data_handle
@@ -303,6 +304,13 @@ class Segment:
         chooser.record(form, time.perf_counter() - start)
 
     def _run_form(self, sources: dict[str, list[int]], staged: bool, form: str) -> None:
+        if form == SERIAL:  # OpenMP's count at 1 meanwhile: no layer of the serial form forks (one_openmp_thread)
+            with onednn.one_openmp_thread():
+                self._run_form_as_is(sources, staged, form)
+        else:
+            self._run_form_as_is(sources, staged, form)
+
+    def _run_form_as_is(self, sources: dict[str, list[int]], staged: bool, form: str) -> None:
         bindings, calls, names = self._variants[staged, form]
         if self._c is not None:
             _run_loop(self._c[staged, form], self._stream, sources, names)
@@ -1013,6 +1021,10 @@ class _Resized:
             chooser = self.chooser
             form = chooser.choose() if chooser is not None else PARALLEL
             start = time.perf_counter()
-            _run_loop(self._c[form], template._stream, sources, self._names)
+            if form == SERIAL:  # as Segment._run_form: no parallel region in the serial form
+                with onednn.one_openmp_thread():
+                    _run_loop(self._c[form], template._stream, sources, self._names)
+            else:
+                _run_loop(self._c[form], template._stream, sources, self._names)
             if chooser is not None:
                 chooser.record(form, time.perf_counter() - start)

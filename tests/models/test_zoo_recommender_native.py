@@ -40,3 +40,24 @@ def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_on
         got = engine.run(feeds)
         for n, want in zip(names, session.run(None, feeds)):
             assert_fp32_close(got[n], want, f"dcn_tiny {n} (seed {seed})")
+
+
+def test_dcn_embedding_lookups_run_in_the_segment_too_and_match_onnxruntime(monkeypatch):
+    """kiln::EmbeddingConcat (26 lookups + the Concat with the dense features) as cpu.embedding_concat.native: the
+    whole network one native segment (2026-12-04d; its default was torch's index_select per field, a Python step
+    before the segment)."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
+    exported = zoo.export("dcn_tiny")
+    engine = kiln.build(str(exported.path), tactics=[*NATIVE, "cpu.embedding_concat.native"], timing_cache=None)
+    steps = engine.plan.program.steps
+    lookups = [s for s in steps if s.op_type == "EmbeddingConcat"]
+    assert len(lookups) == 1 and lookups[0].tactic == "cpu.embedding_concat.native", [(s.op_type, s.tactic) for s in steps]
+    segments = [s.fn for s in engine.program.run_steps if isinstance(s.fn, Segment)]
+    assert len(segments) == 1 and lookups[0].name in {m.ctx.name for m in segments[0].members}
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    for seed in (3, 4):
+        feeds = zoo.random_inputs("dcn_tiny", exported, seed=seed)
+        got = engine.run(feeds)
+        for n, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[n], want, f"dcn_tiny {n} (seed {seed})")

@@ -129,11 +129,41 @@ def test_both_forms_of_a_small_convolution_match_torch(measured, channels, size,
 
 
 def test_a_large_convolution_has_one_form(measured):
-    x = torch.randn(1, 96, 112, 112).contiguous(memory_format=torch.channels_last)  # 1.2M floats (B0's expand)
-    w = torch.randn(96, 1, 3, 3)
-    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [1, 1], [1] * 4, [1, 1], 96, None, False, False)
+    x = torch.randn(1, 192, 112, 112).contiguous(memory_format=torch.channels_last)  # 2.4M floats: past the bound
+    w = torch.randn(192, 1, 3, 3)
+    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [1, 1], [1] * 4, [1, 1], 192, None, False, False)
     assert conv.threads is None and conv.bind(0, 0).serial_primitive is None
-    np.testing.assert_allclose(conv(x).numpy(), F.conv2d(x, w, padding=1, groups=96).numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(conv(x).numpy(), F.conv2d(x, w, padding=1, groups=192).numpy(), rtol=RTOL, atol=ATOL)
+
+
+def test_efficientnet_b0s_largest_layers_are_small(measured):
+    """B0's depthwise layer at 112x112 (96 channels, 1.2M floats a side) has a serial form since 2026-12-04d: the
+    serial form of a B0 segment then forks no OpenMP thread at all."""
+    x = torch.randn(1, 96, 112, 112).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(96, 1, 3, 3)
+    conv = onednn_primitives.Conv2d(w, None, list(x.shape), [2, 2], [0, 0, 1, 1], [1, 1], 96, None, False, False)
+    bound = conv.bind(0, 0)
+    assert conv.threads is None and bound.serial_primitive is not None
+    want = F.conv2d(F.pad(x, (0, 1, 0, 1)), w, stride=2, groups=96)
+    for serial in (False, True):
+        got = _run_bound(bound, x, tuple(want.shape), serial)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"serial={serial}")
+
+
+def test_one_openmp_thread_lowers_the_count_and_restores_it():
+    get_max, _ = onednn._openmp_threads(onednn.load().lib)
+    before, seen = get_max(), {}
+    if before < 2:
+        pytest.skip("one OpenMP thread: nothing to lower")
+    with onednn.one_openmp_thread():
+        seen["inside"] = get_max()
+        with onednn.one_openmp_thread():  # nested: restores what it found
+            pass
+        seen["after nested"] = get_max()
+        other = threading.Thread(target=lambda: seen.setdefault("other", get_max()))
+        other.start(), other.join()
+    assert seen["inside"] == seen["after nested"] == 1 and get_max() == before
+    assert seen["other"] > 1  # the calling thread's count only
 
 
 def test_a_heavy_convolution_has_one_form(measured):

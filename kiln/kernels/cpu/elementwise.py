@@ -18,6 +18,7 @@ from kiln.ops._util import broadcast_sizes, merge_walked_dims
 
 EW_INPUTS = 8   # EW_INPUTS in elementwise.c
 EW_LINES = 32   # EW_LINES in elementwise.c
+EC_PARTS = 64   # EC_PARTS in elementwise.c: parts of an EmbeddingConcat
 # the program's op names (kiln/passes/fusion/elementwise.py) in elementwise.c's enum order
 OPS = ("Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Neg", "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Relu",
        "Sigmoid", "Tanh", "Erf", "Sin", "Cos", "Floor", "Ceil", "Gelu", "GeluTanh")
@@ -144,3 +145,51 @@ class Concat(NativeKernel):
         self.roles = {k: (f"in_{k}",) for k in range(len(sizes))} | {"dst": ("out",)}
         self.fields = dict(widths=(ctypes.c_long * EW_INPUTS)(*widths), outer=math.prod(sizes[0][:axis]),
                            inputs=len(sizes))
+
+
+class _EmbeddingConcatPlan(ctypes.Structure):  # embedding_concat_plan
+    _fields_ = [("get_handle", ctypes.c_void_p), ("ids", ctypes.c_void_p), ("in_", ctypes.c_void_p * EC_PARTS),
+                ("table", ctypes.c_void_p * EC_PARTS), ("out", ctypes.c_void_p), ("width", ctypes.c_long * EC_PARTS),
+                ("vocab", ctypes.c_long * EC_PARTS), ("field", ctypes.c_long * EC_PARTS), ("rows", ctypes.c_long),
+                ("fields", ctypes.c_long), ("parts", ctypes.c_int), ("ids_int32", ctypes.c_int)]
+
+
+class EmbeddingConcat(NativeKernel):
+    """y = Concat(part_k if fields[k] < 0 else part_k[ids[:, fields[k]]], axis=1) (kiln::EmbeddingConcat,
+    kiln/ops/fused.py): step input 0 the ids [N, F] (int64 or int32), step input k + 1 part k, a table [V, D] (in
+    `tables`, by part: baked into the plan) or an activation [N, C] (float32, in `sizes` by step input)."""
+
+    PLAN, FUNCTION = _EmbeddingConcatPlan, "kiln_embedding_concat"
+
+    def __init__(self, ids_size: tuple[int, ...], ids_dtype: torch.dtype, fields: list[int],
+                 sizes: dict[int, tuple[int, ...]], tables: dict[int, torch.Tensor]):
+        super().__init__(f"embedding concat of {len(fields)} parts, ids {list(ids_size)}")
+        if len(fields) > EC_PARTS:
+            raise ValueError(f"{self.what}: {len(fields)} parts, at most {EC_PARTS}")
+        if len(ids_size) != 2 or ids_dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"{self.what}: ids must be [N, F] int64 or int32, given {list(ids_size)} {ids_dtype}")
+        rows, columns = ids_size
+        self._tables = {k: t.detach().to(torch.float32).contiguous() for k, t in tables.items()}
+        widths, vocabs = [], []
+        for k, field in enumerate(fields):
+            if field >= 0:
+                table = self._tables.get(k)
+                if table is None or table.dim() != 2 or field >= columns:
+                    raise ValueError(f"{self.what}: part {k} looks up field {field} of {columns} in no 2-D table")
+                vocabs.append(table.shape[0])
+                widths.append(table.shape[1])
+            else:
+                size = sizes.get(k + 1)
+                if size is None or len(size) != 2 or size[0] != rows:
+                    raise ValueError(f"{self.what}: part {k} must be [{rows}, C], given {size}")
+                vocabs.append(0)
+                widths.append(size[1])
+        self.output_size = (rows, sum(widths))
+        longs = ctypes.c_long * EC_PARTS
+        self.roles = {0: ("ids",)} | {k + 1: (f"in_{k}",) for k, field in enumerate(fields) if field < 0} | \
+            {"dst": ("out",)}
+        self.fields = dict(
+            table=(ctypes.c_void_p * EC_PARTS)(*[self._tables[k].data_ptr() if k in self._tables and fields[k] >= 0
+                                                 else None for k in range(len(fields))]),
+            width=longs(*widths), vocab=longs(*vocabs), field=longs(*[max(f, 0) for f in fields]), rows=rows,
+            fields=columns, parts=len(fields), ids_int32=int(ids_dtype == torch.int32))

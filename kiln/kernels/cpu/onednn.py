@@ -260,6 +260,33 @@ def creating_with_threads(threads: int | None) -> Iterator[None]:
         set_count(before)
 
 
+_OPENMP_COUNT: list = []  # [(omp_get_max_threads, omp_set_num_threads) or None], looked up once
+
+
+@contextlib.contextmanager
+def one_openmp_thread() -> Iterator[None]:
+    """What runs inside runs with OpenMP's count at 1 in the calling thread, restored on the way out: a native
+    segment's serial form (kiln/runtime/native.py). A oneDNN kernel created at one thread runs in the caller
+    anyway, but some read the count when they execute (depthwise convolutions, eltwise, reorders: parallel(0, ...)
+    forks omp_get_max_threads() threads), and kiln's own kernels clamp their plan's count to it: with the count at
+    1 the serial form enters no parallel region of two threads (EfficientNet-B0: 20 -> 0 a run, counted by
+    bench/openmp_regions.py), so its time does not hang on how OpenMP's idle workers wait. The count is the
+    calling thread's own: torch's and other threads' are untouched."""
+    if not _OPENMP_COUNT:
+        _OPENMP_COUNT.append(_openmp_threads(load().lib))
+    openmp = _OPENMP_COUNT[0]
+    if openmp is None:  # a libdnnl without OpenMP: nothing to lower
+        yield
+        return
+    get_max, set_count = openmp
+    before = get_max()
+    set_count(1)
+    try:
+        yield
+    finally:
+        set_count(before)
+
+
 def _openmp_threads(lib: ctypes.CDLL):
     """(omp_get_max_threads, omp_set_num_threads) as libdnnl's calls resolve them, or None without OpenMP."""
     try:
@@ -494,18 +521,28 @@ class Reorder:
     """One float32 layout change of a fixed size, e.g. an NCHW image into the NHWC a segment runs
     in: oneDNN's jitted reorder, both threads (torch's copy runs on one)."""
 
-    def __init__(self, size: list[int] | tuple[int, ...], src_tag: int, dst_tag: int):
+    def __init__(self, size: list[int] | tuple[int, ...], src_tag: int, dst_tag: int, serial: bool = False):
+        """`serial`: a second primitive created on one thread, the serial form a segment may run (Bound)."""
         lib = load()
         self.size = tuple(size)
         src_md, dst_md = memory_desc(list(size), src_tag), memory_desc(list(size), dst_tag)
-        pd = ctypes.c_void_p()
-        _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src_md.value, lib.engine, dst_md.value,
-                                                          lib.engine, None), f"reorder {list(size)}")
-        self._pd, self._prim = _primitive(pd, "reorder")
+
+        def created() -> tuple:
+            pd = ctypes.c_void_p()
+            _check(lib.lib.dnnl_reorder_primitive_desc_create(ctypes.byref(pd), src_md.value, lib.engine, dst_md.value,
+                                                              lib.engine, None), f"reorder {list(size)}")
+            return pd, *_primitive(pd, "reorder")
+
+        pd, self._pd, self._prim = created()
         self.implementation = _implementation(pd)
+        self._serial = None
+        if serial:
+            with creating_with_threads(1):
+                self._serial = created()[1:]
         self._mds = (src_md, dst_md)
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> Bound:
         """Arguments at fixed addresses (Bound)."""
         roles = {"src": (ARG_FROM, self._mds[0].value, src), "dst": (ARG_TO, self._mds[1].value, dst)}
-        return Bound(self._prim.value, roles, [], f"reorder {list(self.size)}", self)
+        return Bound(self._prim.value, roles, [], f"reorder {list(self.size)}", self,
+                     None if self._serial is None else self._serial[1].value)

@@ -57,6 +57,7 @@ from kiln.kernels.cpu.onednn import (
     creating_with_threads,
     load,
     memory_desc,
+    one_openmp_thread,
     packed_weight,
     row_major_desc,
 )
@@ -70,9 +71,10 @@ from kiln.kernels.cpu.onednn import (
 # 2 threads than at 1, where most take 0.05-0.5 ms of work; on free cores the same layers are 25-55% faster
 # on two threads (bench/results/efficientnet-cpu-2026-12-02.md). Which form a native segment runs is chosen
 # per run from their measured times (kiln/kernels/cpu/form_choice.py), not from a load average that lags the
-# moment. With these bounds every B0 layer but its three at 112x112 (1.2M floats) is small, and ResNet-50's
-# convolutions (51M MACs and up) are not.
-SERIAL_ELEMENTS = 1 << 20  # 4 MiB of float32 each side
+# moment. With these bounds every B0 layer is small, its three at 112x112 (1.2M floats) included (2026-12-04d:
+# so its serial form forks no OpenMP thread at all; before, those three still waited on a worker's wake-up), and
+# ResNet-50's convolutions (51M MACs and up) are not.
+SERIAL_ELEMENTS = 1 << 21  # 8 MiB of float32 each side
 SERIAL_MACS = 1 << 25  # ~34M multiply-adds: ~0.7 ms on one AVX-512 core
 MEASURED = "measured"
 
@@ -177,7 +179,11 @@ def _execute(forms: _PerCallForms, execute, prim: int, stream, nargs: int, args)
         return execute(prim, stream, nargs, args)
     form = chooser.choose()
     start = time.perf_counter()
-    status = execute(prim if form == PARALLEL else forms.serial, stream, nargs, args)
+    if form == PARALLEL:
+        status = execute(prim, stream, nargs, args)
+    else:
+        with one_openmp_thread():  # as a segment's serial form: no parallel region (onednn.one_openmp_thread)
+            status = execute(forms.serial, stream, nargs, args)
     chooser.record(form, time.perf_counter() - start)
     return status
 

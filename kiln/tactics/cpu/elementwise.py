@@ -4,6 +4,7 @@ native-segment members:
     cpu.elementwise.native  a fused chain of float32 elementwise ops (kiln/passes/fusion/elementwise.py),
                             inputs broadcast, constants baked into the plan
     cpu.concat.native       Concat of float32 tensors along any axis
+    cpu.embedding_concat.native  a recommender's per-field embedding lookups and their Concat (kiln::EmbeddingConcat)
     cpu.add.nhwc            Add of two 4-D images of one size as a segment lays them out (ConvNeXt's residual)
     cpu.concat.nhwc         Concat of 4-D values along any axis as a segment lays them out (NHWC), between
                             convolutions (MobileViT's fusion of its input and its transformer's output) and
@@ -200,4 +201,50 @@ register(Tactic(
     available=transformer_kernels.available, native=True,
     description="Add of two float32 NHWC images of one size in kiln's C (a residual between convolutions), "
                 "a native-segment member",
+))
+
+
+# ---- kiln::EmbeddingConcat ----------------------------------------------------------------------------
+
+def _embedding_concat_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+    if not transformer_kernels.available():
+        return f"kiln's C kernels are not built: {transformer_kernels.reason()}"
+    fields = [int(f) for f in _attr(step, "fields", [])]
+    ids, parts = inputs[0], inputs[1:]
+    if ids.shape is None or len(ids.shape) != 2 or ids.dtype not in (torch.int64, torch.int32) or ids.constant:
+        return "ids must be a computed [N, F] int64 or int32 tensor"
+    if len(fields) != len(parts) or not 1 <= len(parts) <= kernels.EC_PARTS:
+        return f"{len(parts)} parts and {len(fields)} fields: 1 to {kernels.EC_PARTS} parts, one field each"
+    for k, (part, field) in enumerate(zip(parts, fields)):
+        if part.shape is None or len(part.shape) != 2 or part.dtype != _F32:
+            return f"part {k}: only 2-D float32 tensors of known shapes"
+        if field >= 0 and not part.constant:
+            return f"part {k}: a table looked up must be a weight of the engine"
+        if field < 0 and (part.constant or part.shape[0] != ids.shape[0]):
+            return f"part {k}: a part copied as it is must be computed, with the ids' {ids.shape[0]} rows"
+    return True
+
+
+def _embedding_concat_config(step: StepSpec, inputs: list[InputMeta]) -> dict[str, Any]:
+    return {**sizes_config(step, inputs), "ids_dtype": str(inputs[0].dtype).removeprefix("torch.")}
+
+
+def _embedding_concat_prepare(step: StepSpec, constants: list[Any], device: torch.device):
+    fields = [int(f) for f in _attr(step, "fields", [])]
+    tables = {k - 1: c for k, c in enumerate(constants) if k >= 1 and isinstance(c, torch.Tensor)}
+    ids_dtype = torch.int32 if step.tactic_config.get("ids_dtype") == "int32" else torch.int64
+
+    def reads(sizes: dict[int, tuple[int, ...]]) -> dict[int, torch.dtype]:
+        return {0: ids_dtype} | {k: _F32 for k in sizes if k >= 1 and fields[k - 1] < 0}
+
+    return prepared_native(step, reads, lambda sizes: kernels.EmbeddingConcat(sizes[0], ids_dtype, fields, sizes,
+                                                                              tables), max_rank=2)
+
+
+register(Tactic(
+    name="cpu.embedding_concat.native", op_type="EmbeddingConcat", domain="kiln", device="cpu",
+    dtypes=(torch.int64, torch.int32),
+    supports=_embedding_concat_supports, configure=_embedding_concat_config, prepare=_embedding_concat_prepare,
+    available=transformer_kernels.available, native=True,
+    description="a recommender's per-field embedding lookups and their Concat in one C loop, a native-segment member",
 ))
