@@ -431,6 +431,21 @@ def test_cast_and_logical_ops_and_where_are_exact_over_broadcasts():
     assert "bool and float32" in refusal("cpu.cast.native", "Cast", "", [t(m)], {"to": 7}, set())
 
 
+
+@pytest.mark.parametrize("cond_size, x_size, y_size", [
+    ((1, 1, 7, 33), (1, 4, 7, 33), ()),        # T5's mask over its position bias, a scalar fill: a unit-stride loop
+    ((2, 1, 7, 33), (), (2, 3, 7, 33)),        # the fill first
+    ((2, 3, 7, 33), (2, 3, 7, 33), (2, 3, 7, 33)),  # nothing broadcast
+    ((2, 3, 7, 1), (1, 3, 7, 33), ()),         # the condition repeating along the last axis: the strided loop
+    ((1, 1, 1, 33), (33,), (2, 1, 7, 1)),
+])
+def test_where_unit_stride_paths_match_numpy(cond_size, x_size, y_size):
+    cond = rng.random(cond_size) < 0.5
+    x = rng.standard_normal(x_size).astype(np.float32)
+    y = np.array(-np.inf, np.float32) if y_size == () else rng.standard_normal(y_size).astype(np.float32)
+    launch, op, ctx = prepared("cpu.where.native", "Where", "", [t(cond), t(x), t(y)], {}, set())
+    np.testing.assert_array_equal(launch(ctx, t(cond), t(x), t(y)).numpy(), np.where(cond, x, y))
+
 def gather_nd_reference(data: np.ndarray, indices: np.ndarray) -> np.ndarray:
     elem = {np.dtype(np.float32): onnx.TensorProto.FLOAT, np.dtype(np.bool_): onnx.TensorProto.BOOL}[data.dtype]
     graph = helper.make_graph([helper.make_node("GatherND", ["data", "indices"], ["y"])], "g",

@@ -298,7 +298,19 @@ int kiln_broadcast(void *object, void *stream, int nargs, const void *args) {
                 const unsigned char *c = (const unsigned char *)in[0] + off[0];
                 const float *a = (const float *)in[1] + off[1], *b = (const float *)in[2] + off[2];
                 float *y = (float *)out + base;
-                for (long j = 0; j < n; ++j) y[j] = c[j * s0] ? a[j * s1] : b[j * s2];
+                /* unit or zero strides (a mask over a contiguous bias, a scalar fill): loops the compiler
+                   vectorizes; the general strided loop otherwise */
+                if (s0 == 1 && s1 == 1 && s2 == 0) {
+                    const float fill = b[0];
+                    for (long j = 0; j < n; ++j) y[j] = c[j] ? a[j] : fill;
+                } else if (s0 == 1 && s1 == 0 && s2 == 1) {
+                    const float fill = a[0];
+                    for (long j = 0; j < n; ++j) y[j] = c[j] ? fill : b[j];
+                } else if (s0 == 1 && s1 == 1 && s2 == 1) {
+                    for (long j = 0; j < n; ++j) y[j] = c[j] ? a[j] : b[j];
+                } else {
+                    for (long j = 0; j < n; ++j) y[j] = c[j * s0] ? a[j * s1] : b[j * s2];
+                }
                 break;
             }
         }
