@@ -55,6 +55,19 @@ def onnxruntime_session(path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def assert_matches_onnxruntime(engine, name: str, exported, seeds=(1, 2)) -> None:
+    """engine.run against onnxruntime running the zoo model's file, on its fresh random inputs of each seed:
+    every output within assert_fp32_close's bound."""
+    session = onnxruntime_session(exported.path)
+    names = [o.name for o in session.get_outputs()]
+    assert engine.output_names == names
+    for seed in seeds:
+        feeds = zoo.random_inputs(name, exported, seed=seed)
+        got = engine.run(feeds)
+        for out, want in zip(names, session.run(None, feeds)):
+            assert_fp32_close(got[out], want, f"{name} output {out!r} (seed {seed})")
+
+
 @pytest.fixture(scope="module")
 def mobilenet():
     exported = zoo.export("mobilenet_v2")
@@ -71,15 +84,7 @@ def minilm():
 def test_kiln_matches_onnxruntime(name):
     exported = zoo.export(name)
     engine = kiln.build(str(exported.path))
-    session = onnxruntime_session(exported.path)
-    output_names = [o.name for o in session.get_outputs()]
-    assert engine.output_names == output_names
-    for seed in (1, 2):  # fresh inputs, not the ones the model was exported with
-        feeds = zoo.random_inputs(name, exported, seed=seed)
-        got = engine.run(feeds)
-        want = session.run(None, feeds)
-        for out, expected in zip(output_names, want):
-            assert_fp32_close(got[out], expected, f"{name} output {out!r} (seed {seed})")
+    assert_matches_onnxruntime(engine, name, exported)  # fresh inputs, not the ones the model was exported with
 
 
 @pytest.mark.parametrize("name", EXPORT_PARAMS)

@@ -17,7 +17,7 @@ import kiln
 from kiln import zoo
 from kiln.builder import autotune
 from kiln.runtime.native import Segment
-from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
+from tests.models.test_zoo import assert_matches_onnxruntime
 
 NATIVE = ["cpu.conv.onednn_direct", "cpu.squeeze_excite.native", "cpu.gap", "cpu.pool", "cpu.alias",
           "cpu.gemm.onednn_direct", "cpu.gemm.kiln_packed"]
@@ -35,13 +35,7 @@ def test_whole_network_is_one_native_segment_and_matches_onnxruntime(name, block
     assert len(run_steps) == 1 and isinstance(run_steps[0].fn, Segment), \
         [s.ctx.name for s in run_steps if not isinstance(s.fn, Segment)]
     assert len(run_steps[0].fn.members) == len(ops)
-    session = onnxruntime_session(exported.path)
-    names = [o.name for o in session.get_outputs()]
-    for seed in (1, 2):
-        feeds = zoo.random_inputs(name, exported, seed=seed)
-        got = engine.run(feeds)
-        for n, want in zip(names, session.run(None, feeds)):
-            assert_fp32_close(got[n], want, f"{name} {n} (seed {seed})")
+    assert_matches_onnxruntime(engine, name, exported)
 
 
 def test_convnext_keeps_its_native_layers_and_matches_onnxruntime(monkeypatch):
@@ -58,13 +52,7 @@ def test_convnext_keeps_its_native_layers_and_matches_onnxruntime(monkeypatch):
     assert not tactics.get("reverted_layers"), list(tactics.get("reverted_layers", {}))
     chosen = [layer.get("tactic") for layer in tactics["layers"].values()]
     assert "cpu.add.nhwc" in chosen and "cpu.layernormalization.native" in chosen
-    session = onnxruntime_session(exported.path)
-    names = [o.name for o in session.get_outputs()]
-    for seed in (1, 2):
-        feeds = zoo.random_inputs("convnext_tiny", exported, seed=seed)
-        got = engine.run(feeds)
-        for name, want in zip(names, session.run(None, feeds)):
-            assert_fp32_close(got[name], want, f"convnext_tiny {name}")
+    assert_matches_onnxruntime(engine, "convnext_tiny", exported)
 
 
 TRANSFORMER_CNN = ["cpu.conv.onednn_direct", "cpu.relayout.native", "cpu.slice.native", "cpu.concat.nhwc",
@@ -84,10 +72,4 @@ def test_mobilevit_and_convnext_are_one_native_segment_and_match_onnxruntime(nam
     run_steps = engine.program.run_steps
     assert len(run_steps) == 1 and isinstance(run_steps[0].fn, Segment), \
         [(s.ctx.name, s.ctx.op_type) for s in run_steps if not isinstance(s.fn, Segment)]
-    session = onnxruntime_session(exported.path)
-    names = [o.name for o in session.get_outputs()]
-    for seed in (1, 2):
-        feeds = zoo.random_inputs(name, exported, seed=seed)
-        got = engine.run(feeds)
-        for n, want in zip(names, session.run(None, feeds)):
-            assert_fp32_close(got[n], want, f"{name} {n} (seed {seed})")
+    assert_matches_onnxruntime(engine, name, exported)

@@ -14,7 +14,7 @@ import kiln
 from kiln import zoo
 from kiln.builder import autotune
 from kiln.runtime.native import Segment
-from tests.models.test_zoo import assert_fp32_close, onnxruntime_session
+from tests.models.test_zoo import assert_matches_onnxruntime
 
 NATIVE = ["cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.elementwise.native", "cpu.concat.native"]
 
@@ -33,13 +33,7 @@ def test_dcn_cross_layers_and_head_concat_run_in_one_native_segment_and_match_on
     members = {m.ctx.name for seg in segments for m in seg.members}
     assert set(elementwise) | set(concats) <= members, f"outside a segment: {set(elementwise) | set(concats) - members}"
     assert len(segments) == 1, [len(seg.members) for seg in segments]
-    session = onnxruntime_session(exported.path)
-    names = [o.name for o in session.get_outputs()]
-    for seed in (1, 2):
-        feeds = zoo.random_inputs("dcn_tiny", exported, seed=seed)
-        got = engine.run(feeds)
-        for n, want in zip(names, session.run(None, feeds)):
-            assert_fp32_close(got[n], want, f"dcn_tiny {n} (seed {seed})")
+    assert_matches_onnxruntime(engine, "dcn_tiny", exported)
 
 
 def test_dcn_embedding_lookups_run_in_the_segment_too_and_match_onnxruntime(monkeypatch):
@@ -54,10 +48,4 @@ def test_dcn_embedding_lookups_run_in_the_segment_too_and_match_onnxruntime(monk
     assert len(lookups) == 1 and lookups[0].tactic == "cpu.embedding_concat.native", [(s.op_type, s.tactic) for s in steps]
     segments = [s.fn for s in engine.program.run_steps if isinstance(s.fn, Segment)]
     assert len(segments) == 1 and lookups[0].name in {m.ctx.name for m in segments[0].members}
-    session = onnxruntime_session(exported.path)
-    names = [o.name for o in session.get_outputs()]
-    for seed in (3, 4):
-        feeds = zoo.random_inputs("dcn_tiny", exported, seed=seed)
-        got = engine.run(feeds)
-        for n, want in zip(names, session.run(None, feeds)):
-            assert_fp32_close(got[n], want, f"dcn_tiny {n} (seed {seed})")
+    assert_matches_onnxruntime(engine, "dcn_tiny", exported, seeds=(3, 4))
