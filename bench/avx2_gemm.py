@@ -145,12 +145,7 @@ def time_shape(m: int, k: int, n: int, args, peak, clock_ghz) -> tuple[dict[str,
         clocks.append(ghz)
         nominal = args.threads * ghz * 32
         for key, fn in fns.items():
-            times = []
-            for _ in range(calls):
-                t0 = clock()
-                fn()
-                times.append(clock() - t0)
-            best = flops / min(times) / 1e9
+            best = flops / min(gemm_bench.call_times(fn, calls, clock)) / 1e9
             gflops[key].append(best)
             fractions[key].append(best / nominal)
     return {key: (gflops[key], fractions[key]) for key in fns}, peaks, clocks, pick

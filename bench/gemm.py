@@ -178,6 +178,16 @@ class Rounds:
     fastest: list[float] = field(default_factory=list)
 
 
+def call_times(fn, calls: int, clock) -> list[float]:
+    """`calls` calls of fn, each timed on `clock` (time.thread_time or time.perf_counter)."""
+    times = []
+    for _ in range(calls):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return times
+
+
 def time_shape(m: int, k: int, n: int, args) -> dict[str, Rounds]:
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     fns = runners(m, k, n, args.threads)
@@ -189,11 +199,7 @@ def time_shape(m: int, k: int, n: int, args) -> dict[str, Rounds]:
     for _ in range(args.rounds):
         wait_for_quiet(args.quiet_wait)
         for key, fn in fns.items():
-            times = []
-            for _ in range(calls):
-                t0 = clock()
-                fn()
-                times.append(clock() - t0)
+            times = call_times(fn, calls, clock)
             samples[key].median.append(statistics.median(times))
             samples[key].fastest.append(min(times))
     return samples
