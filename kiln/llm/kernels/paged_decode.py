@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.llm.kernels.online_softmax import accumulate, scores, softmax_step
+
 MIN_SPLIT_TOKENS = 256  # keys per split at least (see above: 32 is faster at batch 1, 2x slower at batch 256+)
 MAX_SPLITS = 16  # splits per request at most: a request of L keys has splits of max(256, ceil(L / 16)) keys
 # The split kernel's launch (H200, 192 keys, batch 512 + 1024, bench/llm_step_profile.py, llm4 run 1, 2026-12-03:
@@ -123,25 +125,12 @@ def _decode_split_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, partia
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]; fp8 KV widened
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if not F16_DOT:
-            s = s * scale
+        s = scores(q, k, scale, IEEE, F16_DOT)
         s = tl.where(valid[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile: no NaN from -inf - -inf
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, l, m = softmax_step(s, m, l)
         v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        acc = accumulate(acc, alpha, p, v, IEEE)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]
@@ -208,26 +197,13 @@ def _decode_packed_kernel(q_ptr, k_cache, v_cache, block_tables, seq_lens, parti
         k_off = block * stride_kb + slot * stride_kt + (kv0 + col_kv) * stride_kh
         k = tl.load(k_cache + k_off[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
                     other=0.0).to(q.dtype)  # [BLOCK_N * HPP, BLOCK_D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if not F16_DOT:
-            s = s * scale
+        s = scores(q, k, scale, IEEE, F16_DOT)
         s = tl.where(valid[None, :] & own, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, l, m = softmax_step(s, m, l)
         v_off = block * stride_vb + slot * stride_vt + (kv0 + col_kv) * stride_vh
         v = tl.load(v_cache + v_off[:, None] + d[None, :], mask=valid[:, None] & d_ok[None, :],
                     other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        acc = accumulate(acc, alpha, p, v, IEEE)
 
     has_keys = l > 0
     out = acc / tl.where(has_keys, l, 1.0)[:, None]

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.llm.kernels.online_softmax import accumulate, scores, softmax_step
+
 NO_WINDOW = 1 << 30  # the window passed when there is none: every key is within it
 
 
@@ -56,26 +58,13 @@ def _prefill_kernel(q_ptr, k_cache, v_cache, block_tables, query_start, query_le
         slot = pos % PAGE
         k = tl.load(k_cache + block[:, None] * stride_kb + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
                     mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(q.dtype)  # fp8 KV widened
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if not F16_DOT:
-            s = s * scale
+        s = scores(q, k, scale, IEEE, F16_DOT)
         visible = in_seq[None, :] & (pos[None, :] <= query_pos[:, None]) & (pos[None, :] > query_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, l, m = softmax_step(s, m, l)
         v = tl.load(v_cache + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                     mask=in_seq[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        acc = accumulate(acc, alpha, p, v, IEEE)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
