@@ -655,6 +655,9 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    if kernels is not None:
+        record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
+                             "seconds_summed": round(kernels.pool.seconds, 1)}
     if fallbacks:
         record["fallback_layers"] = fallbacks
         say(f"tactics: WARNING {len(fallbacks)} layer(s) run their default implementation because every candidate "
