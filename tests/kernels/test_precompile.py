@@ -157,6 +157,52 @@ def main() -> None:
         print(f"ok  {launched} candidate launches: {len(calls)} JIT compiles, every one a disk-cache hit", flush=True)
 
 
+def quick() -> None:
+    """Recording alone (no compile): a QConv tactic's launch on sm_90 gives the kernel Triton would compile, once; a
+    compile a worker cannot do fails its future and the pool goes on."""
+    import dataclasses
+    import pickle
+
+    import torch
+
+    from kiln.kernels.cuda.triton.precompile import CompilePool, recorded_launches
+    from kiln.tactics import registry
+    from tests.kernels.compile_sm90 import sm90_driver
+    from tests.kernels.qlayers import FP8, conv_layer
+
+    layer = conv_layer(FP8, FP8, cin=64, cout=128, size=(16, 16))
+    tactic = registry.get("cuda.qconv.triton_igemm.128x64x64w4s4")
+    launch = tactic.prepare(layer.step, [None, *layer.args[1:]], torch.device("cpu"))
+    x = tactic.to_layout(layer.args[0])
+    with sm90_driver(), recorded_launches() as kernels:
+        for _ in range(2):  # the same kernel twice: recorded once
+            assert launch(layer.ctx, x, *layer.args[1:], **layer.attributes) is not None
+    (kernel,) = kernels
+    constants = {fn_path: value for fn_path, value in kernel.constexprs.items() if isinstance(value, (str, bool))}
+    assert kernel.name == "_qconv_kernel" and "taps" in constants.values(), kernel
+    assert (kernel.options["num_warps"], kernel.options["num_stages"]) == (4, 4), kernel.options
+    assert pickle.loads(pickle.dumps(kernel)).key == kernel.key
+    print(f"ok  recorded {kernel.name} ({len(kernel.constexprs)} constants, {len(kernel.attrs)} specialized)")
+
+    pool = CompilePool(workers=1)
+    missing = dataclasses.replace(kernel, name="_no_such_kernel")
+    failed, = pool.submit([missing])
+    assert "AttributeError" in str(failed.exception(timeout=120))
+    again, = pool.submit([missing])  # submitted before: the same future, not compiled twice
+    assert again is failed and len(pool.submitted) == 1
+    pool.close()
+    print("ok  a failed compile fails its future only")
+
+
+def test_a_launch_records_the_kernel_it_would_compile():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "tests.kernels.test_precompile", "--quick"], env=env, cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("ok ") == 2, result.stdout
+
+
 @pytest.mark.slow
 def test_the_workers_compile_the_kernels_the_candidates_launch():
     pytest.importorskip("triton")
@@ -171,4 +217,4 @@ def test_the_workers_compile_the_kernels_the_candidates_launch():
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         sys.exit("the sm_90 compile needs the real compiler: unset TRITON_INTERPRET")
-    main()
+    quick() if "--quick" in sys.argv else main()
