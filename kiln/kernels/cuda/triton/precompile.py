@@ -134,7 +134,6 @@ class CompilePool:
         self._threads: list[threading.Thread] = []
         self._futures: dict[str, Future] = {}
         self.submitted: list[KernelCompile] = []  # each distinct kernel once, in the order submitted
-        self.seconds = 0.0  # compile time summed over the workers: what the launching thread would have spent
 
     def submit(self, kernels: Iterable[KernelCompile]) -> list[Future]:
         """A future per kernel (seconds it took, or the compile's error), each distinct kernel compiled once."""
@@ -150,6 +149,11 @@ class CompilePool:
                 self._jobs.put((kernel, self._futures[kernel.key]))
             futures.append(self._futures[kernel.key])
         return futures
+
+    @property
+    def seconds(self) -> float:
+        """Compile time of the kernels done, summed over the workers: what the launching thread would have spent."""
+        return sum(f.result() for f in self._futures.values() if f.done() and not f.cancelled() and not f.exception())
 
     def _serve(self) -> None:
         """One worker process, fed jobs until `close`; every future it takes is settled, the worker dead or not."""
@@ -177,7 +181,6 @@ class CompilePool:
                 future.set_exception(RuntimeError(died))
                 continue
             if ok:
-                self.seconds += value
                 future.set_result(value)
             else:
                 future.set_exception(RuntimeError(value))
@@ -188,6 +191,15 @@ class CompilePool:
         worker.wait()
 
     def close(self) -> None:
+        """End the workers once the compiles they hold are done; the ones not started are dropped (a search that
+        stopped early needs none of them; a launch compiles what it needs)."""
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[1].cancel()
         for _ in self._threads:
             self._jobs.put(None)
         for thread in self._threads:
