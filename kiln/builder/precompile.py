@@ -2,8 +2,8 @@
 
 Triton compiles a kernel when a launch first needs it, on the launching thread, one at a time. The tactic
 search launches every candidate of every distinct layer, so a build compiles them all in turn: ResNet-50 FP8 at
-opt level 3 has 85 distinct kernels among its candidates (59 implicit-GEMM convolution variants), about 1.2 s of
-a core each with ptxas (bench/results/fp8-build-2026-12-05.md): a minute and more of a build on one core.
+opt level 3 has 74 distinct kernels among its candidates (51 implicit-GEMM convolution variants, ~1.2 s of a core
+each with ptxas): 84 s of one core (bench/results/fp8-build-2026-12-05.md), most of a build that ran past 125 s.
 
 Before the search, one more run of the reference program hands each layer's inputs to `CandidateKernels.record`,
 which prepares and launches the candidates that the search will prepare, with Triton's launches recorded instead
