@@ -162,6 +162,7 @@ def quick() -> None:
     compile a worker cannot do fails its future and the pool goes on."""
     import dataclasses
     import pickle
+    import threading
 
     import torch
 
@@ -170,6 +171,7 @@ def quick() -> None:
     from tests.kernels.compile_sm90 import sm90_driver
     from tests.kernels.qlayers import FP8, conv_layer
 
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp()  # this process's compiles (another thread's) go there
     layer = conv_layer(FP8, FP8, cin=64, cout=128, size=(16, 16))
     tactic = registry.get("cuda.qconv.triton_igemm.128x64x64w4s4")
     launch = tactic.prepare(layer.step, [None, *layer.args[1:]], torch.device("cpu"))
@@ -178,6 +180,19 @@ def quick() -> None:
         for _ in range(2):  # the same kernel twice: recorded once
             assert launch(layer.ctx, x, *layer.args[1:], **layer.attributes) is not None
     (kernel,) = kernels
+    failed = []
+
+    def launch_elsewhere():
+        try:
+            launch(layer.ctx, x, *layer.args[1:], **layer.attributes)
+        except Exception as e:  # noqa: BLE001  the stand-in driver cannot launch what Triton compiled
+            failed.append(e)
+
+    with sm90_driver(), recorded_launches() as elsewhere:  # another thread's launch is not recorded: it compiles
+        thread = threading.Thread(target=launch_elsewhere)
+        thread.start()
+        thread.join()
+    assert not elsewhere and "launcher" in str(failed), failed  # compiled, then failed to launch: not skipped
     constants = {fn_path: value for fn_path, value in kernel.constexprs.items() if isinstance(value, (str, bool))}
     assert kernel.name == "_qconv_kernel" and "taps" in constants.values(), kernel
     assert (kernel.options["num_warps"], kernel.options["num_stages"]) == (4, 4), kernel.options

@@ -76,13 +76,18 @@ def _importable(jit_function: Any) -> tuple[str, str] | None:
 
 @contextlib.contextmanager
 def recorded_launches() -> Iterator[list[KernelCompile]]:
-    """Inside, a Triton launch whose kernel this process has not compiled compiles nothing and runs nothing:
-    the compile it needs is appended to the yielded list (once per distinct kernel). The launch returns None
-    and its outputs are left as allocated: record on inputs whose results no one reads."""
+    """Inside, a Triton launch of this thread whose kernel this process has not compiled compiles nothing and runs
+    nothing: the compile it needs is appended to the yielded list (once per distinct kernel). The launch returns None
+    and its outputs are left as allocated: record on inputs whose results no one reads (a later op of the same launch
+    reads them as they are: kiln's tactics index by their layer's inputs only, never by a kernel's output)."""
     recorded: dict[str, KernelCompile] = {}
     target = driver.active.get_current_target()
+    recording = threading.get_ident()  # Triton's hook is process-wide: another thread's launches run as ever
+    before = knobs.runtime.jit_cache_hook
 
-    def hook(*, fn, compile, **_kwargs) -> bool:
+    def hook(*, fn, compile, **kwargs) -> bool:
+        if threading.get_ident() != recording:
+            return bool(before(fn=fn, compile=compile, **kwargs)) if before is not None else False
         where = _importable(fn.jit_function)
         if where is None:
             return False  # compiled by the JIT now, as without recording
@@ -93,7 +98,6 @@ def recorded_launches() -> Iterator[list[KernelCompile]]:
         recorded.setdefault(kernel.key, kernel)
         return True  # skip: no compile, no launch
 
-    before = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = hook
     kernels: list[KernelCompile] = []
     try:
