@@ -84,9 +84,10 @@ def recorded_launches() -> Iterator[list[KernelCompile]]:
     target = driver.active.get_current_target()
     recording = threading.get_ident()  # Triton's hook is process-wide: another thread's launches run as ever
     before = knobs.runtime.jit_cache_hook
+    active = True
 
     def hook(*, fn, compile, **kwargs) -> bool:
-        if threading.get_ident() != recording:
+        if not active or threading.get_ident() != recording:
             return bool(before(fn=fn, compile=compile, **kwargs)) if before is not None else False
         where = _importable(fn.jit_function)
         if where is None:
@@ -103,7 +104,9 @@ def recorded_launches() -> Iterator[list[KernelCompile]]:
     try:
         yield kernels
     finally:
-        knobs.runtime.jit_cache_hook = before
+        active = False  # a pass-through from now on, wherever it stays chained (a recording of another thread's)
+        if knobs.runtime.jit_cache_hook is hook:
+            knobs.runtime.jit_cache_hook = before
         kernels.extend(recorded.values())
 
 
