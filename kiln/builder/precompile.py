@@ -39,7 +39,10 @@ class CandidateKernels:
         """A pool for a CUDA build with Triton (None on the CPU, without Triton, or with workers 0)."""
         if device.type != "cuda" or workers == 0 or importlib.util.find_spec("triton") is None:
             return None
-        return cls(workers)
+        try:
+            return cls(workers)
+        except (ImportError, AttributeError):  # a Triton without the hooks used here: kernels compile on launch
+            return None
 
     def record(self, i: int, tactics: list[Tactic], prepare: Callable[[Tactic], Launch], ctx: Any,
                inputs: list[Any], attributes: dict) -> None:
