@@ -33,7 +33,7 @@ import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kiln.runtime import native  # noqa: E402
+from kiln.runtime import native, native_views  # noqa: E402
 from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
 from kiln.tactics.tactic import PlanRule, resizable  # noqa: E402
 
@@ -97,7 +97,7 @@ def main() -> None:
     if args.parts and args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at, _view call them too)
         _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
         _timing(resizable, "__call__", per_call["    at() of members without a rule"])
-        native._rebound = _timed(native._rebound, per_call["    _rebound (those members' calls)"])
+        native_views._rebound = _timed(native_views._rebound, per_call["    _rebound (those members' calls)"])
     rng = np.random.default_rng(args.seed)
     shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
     gc.collect()

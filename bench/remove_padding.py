@@ -266,7 +266,7 @@ def interleaved_cpu_ms(fns: dict[str, Callable[[], Any]], rounds: int, clock: st
 
 def fresh_tokens_ms(context, ids: np.ndarray, calls: int) -> tuple[float, float]:
     """(wall ms of a call at a real-token count the context has not run yet, of the same call again), medians:
-    a new token count binds the native segment at its packed rows (kiln/runtime/native.py views)."""
+    a new token count binds the native segment at its packed rows (kiln/runtime/native_views.py)."""
     batch, seq = ids.shape
     fresh, again = [], []
     for pad in range(1, calls + 1):

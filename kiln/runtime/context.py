@@ -1,14 +1,13 @@
 """ExecutionContext: per-caller execution state over a shared engine (kiln/runtime/engine.py, which makes it and
 imports this module: the engine is not imported back, tests/unit/test_layering.py); checks every binding, picks
-the profile, pads to buckets, replays CUDA graphs, warms up, and takes the CPU's direct paths.
+the profile, pads to buckets, packs a padding-free engine's tokens and runs the program. Its mixins, a module each:
+the CUDA graph paths (graph_paths.py), the CPU's direct paths (cpu_paths.py) and the warm-up (warm_up.py).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,13 +16,13 @@ import torch
 
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
-from kiln.plan.spec import Profile
 from kiln.runtime.bindings import _check_value, _numpy_signature, _tensor_signature, _to_user
-from kiln.runtime.buckets import PACKING, graph_rows, graph_token_buckets, packed_rows, packing_rule, plan_buckets
+from kiln.runtime.buckets import PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
+from kiln.runtime.cpu_paths import CpuPaths, _static_signature, _whole_segment
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
-from kiln.runtime.direct_run import torch_signature
-from kiln.runtime.first_calls import WARM_UP_HOSTS, WARM_UP_S, host_sizes, primitives_made
+from kiln.runtime.graph_paths import GraphPaths, _cuda_static_signature
 from kiln.runtime.static_replay import StaticReplay
+from kiln.runtime.warm_up import WarmingUp, WarmUp
 
 # run()'s direct replays (kiln/runtime/static_replay.py; a bucketed run's inputs written straight into its graph's,
 # GraphRunner.replay_padded): on for CUDA contexts, off with the environment's KILN_DIRECT_REPLAY=0 (H200,
@@ -31,7 +30,7 @@ from kiln.runtime.static_replay import StaticReplay
 # batch-1 p99/p50 through run() 1.16 -> 1.09 BERT-base, 1.17 -> 1.07 ResNet-50, outputs bitwise the old path's)
 
 
-class ExecutionContext:
+class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
     """Per-caller execution state over a shared engine; checks every binding before running."""
 
     def __init__(self, engine: Any, use_cuda_graphs: bool | None = None, buckets: bool | None = None,
@@ -174,59 +173,6 @@ class ExecutionContext:
             outputs[name] = bound
         return outputs
 
-    def _capture_io_graph(self, feeds: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]] | None:
-        """One CUDA graph of the whole call over the bound tensors: each input cast into the network's dtype,
-        the network (replaying the shape values its ordinary graph recorded), each output copied (cast) into its
-        bound tensor or into a context-owned one. It shares the ordinary graph's memory pool: the two are never
-        replayed at once and neither keeps a freed block's contents between replays. None when the ordinary
-        graph is not captured (a layer that syncs): execute() then runs the general path."""
-        for _ in range(2):  # the first run records the shapes and warms up, the second captures (GraphRunner)
-            self.run(feeds)
-        names, _, key, outputs = self._cuda_static
-        entry = self.runner.entries.get(key)
-        if entry is None or entry.graph is None:
-            return None
-        targets = {}
-        for (name, dtype), static in zip(outputs, entry.static_outputs):
-            bound = self._bound.get(name)
-            targets[name] = bound if bound is not None else torch.empty(
-                static.shape, dtype=dtype or static.dtype, device=self.engine.device)
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, pool=entry.graph.pool(), stream=stream):
-                args = [feeds[n].to(d) for n, (_, d) in zip(names, key)]
-                results = self.engine.program.run(args, plan=entry.plan)
-                for (name, _), r in zip(outputs, results):
-                    targets[name].copy_(r)
-        torch.cuda.current_stream().wait_stream(stream)
-        return graph, targets
-
-    def _capture_inputs(self, sources: list[torch.Tensor]) -> tuple[Any, list[torch.Tensor]] | None:
-        """StaticReplay's graph of a caller's inputs at their addresses (its capture_inputs): each input copied (cast)
-        from the caller's tensor into the network's dtype, then the network, on the ordinary graph's memory pool
-        (as _capture_io_graph's: never replayed at once). None where the ordinary graph is gone."""
-        names, _, key, _ = self._cuda_static
-        entry = self.runner.entries.get(key)
-        if entry is None or entry.graph is None:
-            return None
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.inference_mode(), torch.cuda.stream(stream):
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, pool=entry.graph.pool(), stream=stream):
-                    args = [source.to(dtype, copy=True) for source, (_, dtype) in zip(sources, key)]
-                    results = self.engine.program.run(args, plan=entry.plan)
-        except RuntimeError:  # the ordinary graph captured; this one failing leaves the call on the direct path
-            return None
-        finally:
-            torch.cuda.current_stream().wait_stream(stream)
-        return graph, results
-
     def _check(self, feeds: dict[str, Any]) -> None:
         expected = {b.name: b for b in self.engine.inputs}
         missing = [n for n in expected if n not in feeds]
@@ -250,126 +196,11 @@ class ExecutionContext:
         if self.engine.profiles:
             self.profile = self._select_profile(feeds)
 
-    def warm_up(self, profile: int = 0, seconds: float = WARM_UP_S) -> int:
-        """Run once at every bucket of a profile (every combination of the padded dims' sizes), so a
-        stream of requests meets no first call: on CUDA each run captures its graph. Returns the
-        number of runs. Without buckets: one run at the profile's opt shape. With padded first calls on the CPU
-        (kiln/runtime/first_calls.py), two runs at each host size (first_calls.host_sizes: at most 25% padding
-        along each dim), smallest work first: each is then bound, a host a new shape may run padded in, its time and
-        what binding it cost measured; up to the first whose run takes longer than HOSTS_UP_TO times binding
-        (padding in a larger one would cost more than binding: BERT-base's past ~2 x 32 at one thread), at most
-        WARM_UP_HOSTS shapes and `seconds` of wall clock (bert_tiny's 192 shapes of 8 x 128: ~0.4-0.6 s).
-        `self.warmed_up` says what it did. On the CPU it returns once the oneDNN primitives of the profiles' row
-        counts are made (BERT-base: ~1-1.5 s after load, on another thread)."""
-        plan = self.engine.profiles[profile] if self.engine.profiles else None
-        if plan is None:
-            return 0
-        start = time.perf_counter()
-        symbols: dict[str, list[int]] = {}
-        ladder = self.buckets if self.buckets is not None else getattr(self._first_calls, "buckets", None)
-        hosts = self.buckets is None and self._first_calls is not None  # the CPU's ladder of hosts
-        for b in self.engine.inputs:
-            r = plan.inputs.get(b.name)
-            for axis, d in enumerate(b.shape or []):
-                if isinstance(d, str) and r is not None and d not in symbols:
-                    if ladder is not None and d in ladder.symbols:
-                        symbols[d] = self._host_sizes(d, r.min[axis], r.max[axis]) if hosts \
-                            else ladder.sizes(d, r.min[axis], r.max[axis])
-                    else:
-                        symbols[d] = [r.opt[axis]]
-        shapes = [dict(zip(symbols, values)) for values in itertools.product(*symbols.values())]
-        stopped = "every shape run"
-        if self._graph_packing is not None:
-            runs = self._warm_up_graph_packing(plan, shapes)
-        elif self._first_calls is None:
-            for sizes in shapes:
-                self.run(self._warm_up_feeds(plan, sizes))
-            runs = len(shapes)
-        else:
-            runs, stopped = self._bind_hosts(plan, sorted(shapes, key=lambda sizes: math.prod(sizes.values())),
-                                             start + seconds)
-        if self.engine.device.type == "cuda":
-            torch.cuda.synchronize()
-        else:  # and what the background thread makes ahead of new row counts (first_calls.primitives_ahead)
-            primitives_made()
-        bound = len(self._first_calls.bound) if self._first_calls is not None else 0
-        self.warmed_up = WarmUp(runs, len(shapes), bound, time.perf_counter() - start, stopped)
-        return runs
-
-    def _host_sizes(self, symbol: str, low: int, high: int) -> list[int]:
-        """The sizes of `symbol` a CPU warm-up binds as hosts of first calls (first_calls.host_sizes)."""
-        return host_sizes(low, high)
-
-    def _warm_up_graph_packing(self, plan: Profile, shapes: list[dict[str, int]]) -> int:
-        """Every graph a context packing by graph_rows replays: the plain program's at each bucket below
-        graphs_from positions, the packed program's at the profile's largest shape for each token bucket (a mask
-        of exactly that many real tokens), and the plain program's there (a mask of ones). Returns the runs."""
-        mask_name = self.engine.input_names[self._token_mask]
-        mask_symbols = [d for d in self.engine.inputs[self._token_mask].shape if isinstance(d, str)]
-        small = [sizes for sizes in shapes if math.prod(sizes.get(d, 1) for d in mask_symbols)
-                 < self._graph_packing.graphs_from]
-        for sizes in small:
-            self.run(self._warm_up_feeds(plan, sizes))
-        largest = self._warm_up_feeds(plan, {d: max(sizes[d] for sizes in shapes) for d in shapes[0]})
-        mask = largest[mask_name]
-        for rows in graph_token_buckets(mask.numel(), self._graph_packing):
-            mask.zero_()
-            mask.view(-1)[:rows] = 1  # exactly `rows` real tokens: their own token bucket
-            self.run(largest)
-        mask.fill_(1)
-        self.run(largest)
-        return len(small) + len(graph_token_buckets(mask.numel(), self._graph_packing)) + 1
-
-    def _bind_hosts(self, plan: Profile, shapes: list[dict[str, int]], deadline: float) -> tuple[int, str]:
-        """Each shape (by work, ascending: none is then padded in an earlier one) run twice, bound and timed, until
-        one's repeat takes longer than HOSTS_UP_TO times binding (once BUDGET_FROM bindings are measured),
-        WARM_UP_HOSTS are bound or the clock passes `deadline` (perf_counter). Returns the runs and why it stopped."""
-        runs = 0
-        for k, sizes in enumerate(shapes):
-            if k >= WARM_UP_HOSTS:
-                return runs, f"WARM_UP_HOSTS ({WARM_UP_HOSTS}) bound"
-            if time.perf_counter() > deadline:
-                return runs, "out of time"
-            feeds = self._warm_up_feeds(plan, sizes)
-            self.run(feeds)
-            start = time.thread_time_ns()
-            self.run(feeds)
-            runs += 2
-            self._ready_for_numpy(feeds)
-            ms = (time.thread_time_ns() - start) / 1e6
-            measured = len(self._first_calls.bind_ms) >= BUDGET_FROM  # one sample may be 0: a repeat slower
-            if measured and ms > HOSTS_UP_TO * self._first_calls.budget_ms():  # than its first call
-                return runs, f"a run at {sizes} took over HOSTS_UP_TO x binding"
-        return runs, "every shape run"
-
-    def _ready_for_numpy(self, feeds: dict[str, torch.Tensor]) -> None:
-        """A bound host as a stream's numpy calls meet it: its numpy signature checked (the profile its run selected)
-        and its direct run made (kiln/runtime/direct_run.py), here rather than at the stream's first call of that
-        shape (~13 + ~22 µs of a ~120-200 µs bert_tiny call, load 6)."""
-        if self._checked is None:
-            return
-        arrays = {name: v.numpy() for name, v in feeds.items()}  # CPU tensors: numpy views of them
-        key = _numpy_signature(self.engine.input_names, arrays)
-        if key is None:
-            return
-        if key not in self._checked and len(self._checked) < CHECKED_SIGNATURES:
-            self._checked[key] = self.profile  # as _check set it for these shapes in the run just made
-        if self._direct is not None:
-            signature = torch_signature([arrays[name] for name in self.engine.input_names])
-            if signature is not None:
-                self._direct.find(signature)
-
-    def _warm_up_feeds(self, plan: Profile, sizes: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Inputs of the symbols' `sizes` (other dims at the profile's opt): zeros, masks of ones."""
-        feeds = {}
-        for b in self.engine.inputs:
-            r = plan.inputs.get(b.name)
-            shape = [sizes[d] if isinstance(d, str) and d in sizes else (r.opt[axis] if r else d)
-                     for axis, d in enumerate(b.shape or [])]
-            dt = dtypes.BY_NAME[b.dtype or "float"].torch
-            fill = 1 if "mask" in b.name.lower() else 0  # a mask keeps every token: no empty row
-            feeds[b.name] = torch.full(shape, fill, dtype=dt, device=self.engine.device)
-        return feeds
+    def _remember_checked(self, key: tuple) -> None:
+        """A CPU context's numpy signature `key` as checked, at the profile of its last check (CHECKED_SIGNATURES
+        at most: a signature past them is checked at each call)."""
+        if len(self._checked) < CHECKED_SIGNATURES:
+            self._checked[key] = self.profile
 
     def _select_profile(self, feeds: dict[str, Any]) -> int:
         """The first optimization profile holding every input's shape, or an error naming them all."""
@@ -450,8 +281,8 @@ class ExecutionContext:
                        else r for r, b in zip(results, self.engine.outputs)]
         if self._checked is not None:
             key = _numpy_signature(self.engine.input_names, feeds)
-            if key is not None and len(self._checked) < CHECKED_SIGNATURES:
-                self._checked[key] = self.profile
+            if key is not None:
+                self._remember_checked(key)
         return {b.name: _to_user(v, as_torch) for b, v in zip(self.engine.outputs, results)}
 
     def _run_program(self, args: list[Any], rows: int | None = None) -> list[Any]:
@@ -470,22 +301,6 @@ class ExecutionContext:
         if self._first_calls is not None:
             return self._first_calls.run(args)
         return self.engine.program.run(args)
-
-    def _replay_padded(self, args: list[Any], rows: int | None,
-                       targets: dict[str, tuple[int, int]]) -> list[Any] | None:
-        """A bucketed run whose graph is captured: its inputs written straight into the graph's, zero-padded to their
-        buckets (GraphRunner.replay_padded), the program's as _run_program picks it; None where there is no such
-        graph (or no CUDA graphs), and the run pads and runs."""
-        if self.runner is None or not self.runner.use_graphs:
-            return None
-        shapes = self.buckets.padded_shapes(args, targets)
-        program = None
-        if rows is not None:
-            args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
-            shapes.append((rows,))
-        elif self._token_mask is not None:
-            program = self.engine.plain_program
-        return self.runner.replay_padded(args, shapes, program)
 
     def _token_bucket(self, rows: int, device: torch.device) -> torch.Tensor:
         """A padding-free program's last input: `rows` bytes, read for its shape alone, made once per row count."""
@@ -590,116 +405,6 @@ class ExecutionContext:
             self.runner.stats.split_runs += 1
         return outputs
 
-    def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
-        """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
-        signature (remembered), then straight to the program. Else None: the general path."""
-        names = self.engine.input_names
-        key = _numpy_signature(names, feeds)
-        if key is None:
-            return None
-        profile = self._checked.get(key)
-        if profile is None:  # a new signature: checked here (errors as the general path raises them), then run
-            self._check(feeds)  # as a checked one (the general path's conversions give the same tensors for these)
-            profile = self.profile
-            if len(self._checked) < CHECKED_SIGNATURES:
-                self._checked[key] = profile
-        self.profile = profile
-        if self._direct is not None:
-            results = self._run_direct([feeds[n] for n in names])
-            if results is not None:
-                return {b.name: v for b, v in zip(self.engine.outputs, results)}
-        args = [torch.from_numpy(feeds[n]) for n in names]
-        with torch.inference_mode():
-            results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
-        return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
-
-    def _run_direct(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
-        """Checked numpy inputs of a bound shape (or, padding first calls, of a new one a bound shape hosts) as one
-        call of the segment's compiled loop (kiln/runtime/direct_run.py); None: the general path."""
-        signature = torch_signature(arrays)
-        if signature is None:
-            return None
-        if self._first_calls is not None:
-            return self._first_calls.run_direct(arrays, signature, self._direct)
-        record = self._direct.find(signature)
-        return record.run(arrays) if record is not None else None
-
-    def _replay_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
-        """A CUDA engine of fixed shapes, fed CUDA tensors of exactly its bindings, whose graph is
-        captured: copy into the graph's inputs (the boundary cast to fp16/bf16 in the same copy) and
-        replay, with as little Python as a call can have; a batch-1 call is about 0.4 ms, so the host
-        work around the replay is much of it, and much of its jitter. Else None: the general path."""
-        names, signature, key, outputs = self._cuda_static
-        if len(feeds) != len(names):
-            return None
-        entry = self.runner.entries.get(key)
-        if entry is None or entry.graph is None:
-            return None  # the general path checks, runs the first time and captures
-        if self._direct_replay:
-            if self._static_replay is not None and self._static_replay.entry is entry:
-                return None  # it was asked first and declined these feeds: the general path checks and runs them
-            capture = self._capture_inputs if self._inputs_in_graph else None
-            self._static_replay = StaticReplay(names, signature, outputs, entry, self.runner.stats,
-                                               on_cuda=self.engine.device.type == "cuda", capture_inputs=capture)
-            return self._static_replay(feeds)
-        values = []
-        for name, (dtype, shape) in zip(names, signature):
-            value = feeds.get(name)
-            if type(value) is not torch.Tensor or value.dtype != dtype or value.shape != shape or not value.is_cuda:
-                return None
-            values.append(value)
-        with torch.inference_mode():
-            for dst, src in zip(entry.static_inputs, values):
-                dst.copy_(src)
-            entry.graph.replay()
-            self.runner.entries.move_to_end(key)
-            self.runner.stats.replays += 1
-            return {name: r if dtype is None else r.to(dtype) for (name, dtype), r in zip(outputs, entry.static_outputs)}
-
-    def _run_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
-        """The common case in a few lines: a CPU engine of fixed input shapes fed exactly those, as
-        C-contiguous writable numpy arrays of the bound dtypes. After a large network each line of
-        Python runs from cold caches (~0.2 ms for ResNet-50's general path); anything else returns
-        None and takes the general path, which checks and explains."""
-        names, signature, outputs = self._static
-        if len(feeds) != len(names):
-            return None
-        arrays = []
-        for name, (dtype, shape) in zip(names, signature):
-            value = feeds.get(name)
-            if (type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape
-                    or not value.flags.c_contiguous or not value.flags.writeable):
-                return None
-            arrays.append(value)
-        whole = self._whole_segment
-        if whole is not None:  # the program is one native segment: numpy in, numpy out, no torch call
-            results = whole.run_numpy(arrays)
-            if results is not None:
-                return {b.name: r for b, r in zip(outputs, results)}
-        args = [torch.from_numpy(a) for a in arrays]
-        with torch.inference_mode():
-            results = self.engine.program.run(args)
-        return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
-
-
-HOSTS_UP_TO = 4  # warm_up binds buckets as hosts while a run takes at most this many times binding's cost
-BUDGET_FROM = 3  # ... binding's cost once this many are measured (their median)
-
-
-@dataclass(frozen=True)
-class WarmUp:
-    """What ExecutionContext.warm_up did: runs, the shapes it could run (buckets or hosts), the shapes the engine
-    holds bound after it (padded first calls; 0 otherwise), seconds (wall clock) and why it stopped."""
-
-    runs: int
-    shapes: int
-    bound: int
-    seconds: float
-    stopped: str
-
-    def describe(self) -> str:
-        return (f"warm-up: {self.runs} runs of {self.shapes} shapes, {self.bound} bound, {self.seconds:.2f} s "
-                f"({self.stopped})")
 
 CHECKED_SIGNATURES = 4096  # input signatures a CPU context remembers as checked (a few hundred bytes each)
 
@@ -717,41 +422,6 @@ class _BucketedRun:
     most: int = 0  # graph packing: B·S of the mask there
 
 
-def _cuda_static_signature(engine: Any) -> tuple | None:
-    """(input names, [(user dtype, shape)], the graph key with internal dtypes, output bindings with the
-    dtype each is handed back in) of a CUDA engine whose inputs are all tensors of fixed shapes; else None."""
-    if engine.profiles:
-        return None
-    names, signature, key = [], [], []
-    for b in engine.inputs:
-        dt = dtypes.BY_NAME.get(b.dtype) if b.dtype else None
-        if b.kind != "tensor" or b.shape is None or not all(isinstance(d, int) for d in b.shape) or dt is None \
-                or dt.torch is None:
-            return None
-        shape = torch.Size(b.shape)
-        names.append(b.name)
-        signature.append((dt.torch, shape))
-        key.append((tuple(b.shape), engine.internal_dtype.get(b.dtype, dt.torch)))
-    outputs = [(b.name, dtypes.BY_NAME[b.dtype].torch if b.dtype in engine.internal_dtype else None)
-               for b in engine.outputs]
-    return names, signature, tuple(key), outputs
-
-
-def _static_signature(engine: Any) -> tuple | None:
-    """(input names, [(numpy dtype, shape)], output bindings) of a CPU engine whose inputs are all
-    tensors of fixed shapes and numpy-native dtypes, run without boundary casts; else None."""
-    if engine.device.type != "cpu" or engine.internal_dtype:
-        return None
-    signature = []
-    for b in engine.inputs:
-        dt = dtypes.BY_NAME.get(b.dtype) if b.dtype else None
-        if (b.kind != "tensor" or b.shape is None or not all(isinstance(d, int) for d in b.shape) or dt is None
-                or dt.torch not in dtypes.NUMPY_REAL):
-            return None
-        signature.append((np.dtype(dt.numpy), tuple(b.shape)))
-    return [b.name for b in engine.inputs], signature, list(engine.outputs)
-
-
 def _token_mask_position(engine: Any) -> int | None:
     """The padding mask's position among a padding-free engine's inputs (None for other engines); its program
     takes one input more, last: the token bucket (kiln/passes/remove_padding.py)."""
@@ -764,15 +434,3 @@ def _token_mask_position(engine: Any) -> int | None:
                                 f"{removal['bucket_input']!r} last and the mask {removal['mask']!r} as an input; "
                                 f"its inputs are {program_inputs}: rebuild it")
     return engine.input_names.index(removal["mask"])
-
-
-def _whole_segment(engine: Any):
-    """The program's one step when it is a native segment reading the inputs and writing the
-    outputs, in their order (kiln/runtime/native.py); else None."""
-    program = engine.program
-    if len(program.run_steps) != 1 or len(program.segments) != 1:
-        return None
-    segment = program.segments[0]
-    if segment.entries != program.input_slots or segment.exits != program.output_slots:
-        return None
-    return segment

@@ -24,7 +24,7 @@ from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.host import ShapePlan, on_device, outputs_of, place, upload
-from kiln.runtime.native import segments
+from kiln.runtime.native_runs import segments
 from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
 from kiln.runtime.step import BoundStep, call_step, pinned_fp32

@@ -166,11 +166,11 @@ class NativeStep:
     # (a relayout after a recurrent layer's Y [S, D, N, H]), not NHWC
     rows_input: bool = False
     # the same layer reading its 4-D src row-major (a NativeStep with rows_input), where that differs from this one:
-    # a segment takes it for a member whose src another member wrote row-major (kiln/runtime/native.py segments)
+    # a segment takes it for a member whose src another member wrote row-major (kiln/runtime/native_runs.py segments)
     reading_rows: Callable[[], NativeStep] | None = None
     # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
-    # template's plan (kiln/runtime/native.py _PlanRewrite)
+    # template's plan (kiln/runtime/native_views.py _PlanRewrite)
     plan_at: PlanRule | None = None
     # oneDNN's inner products only: the layer at other input sizes bound at fixed addresses with no NativeStep or
     # primitive object of its own (a segment's view, _PlanRewrite): bound_at(size, src, dst, residual) -> BoundAt,

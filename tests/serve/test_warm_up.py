@@ -65,7 +65,7 @@ def test_first_request_at_a_new_shape_runs_padded(tmp_path, engines, monkeypatch
 
     # binding this tiny model costs about what a run does, so the warm-up would stop at the smallest hosts (whose
     # every size is a host: nothing left to pad); binding every host (160 shapes, milliseconds) leaves sizes to pad
-    monkeypatch.setattr("kiln.runtime.context.HOSTS_UP_TO", 10**9)
+    monkeypatch.setattr("kiln.runtime.warm_up.HOSTS_UP_TO", 10**9)
     thread = ServerThread(options(seq_repository(tmp_path, engines)))
     server = thread.start()
     try:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.runtime import context as kiln_context
+from kiln.runtime import warm_up as kiln_warm_up
 from kiln.runtime import first_calls
 
 # Padded and unpadded runs differ only in the GEMMs' and attention's summation order over other shapes (fp32):
@@ -210,7 +210,7 @@ def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padd
     engine, ort_session = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
-    monkeypatch.setattr(kiln_context, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
+    monkeypatch.setattr(kiln_warm_up, "HOSTS_UP_TO", 1e9)  # every shape, however long its run on a loaded machine
     batches, seqs = first_calls.host_sizes(1, 4), first_calls.host_sizes(1, 48)
     assert batches == [1, 2, 3, 4] and seqs == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48]
     shapes = len(batches) * len(seqs)
@@ -246,17 +246,17 @@ def test_warm_up_binds_the_host_sizes_measures_binding_and_the_switch_turns_padd
 def test_warm_up_stops_at_the_first_shape_whose_run_costs_more_than_binding_would(dynamic_bert_tiny, monkeypatch):
     engine, _ = dynamic_bert_tiny
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
-    monkeypatch.setattr(kiln_context, "HOSTS_UP_TO", 0.0)  # any run costs more: as soon as binding is measured
+    monkeypatch.setattr(kiln_warm_up, "HOSTS_UP_TO", 0.0)  # any run costs more: as soon as binding is measured
     context = engine.create_execution_context()
-    assert context.warm_up() == 2 * kiln_context.BUDGET_FROM  # the smallest shapes, each binding measured
+    assert context.warm_up() == 2 * kiln_warm_up.BUDGET_FROM  # the smallest shapes, each binding measured
     assert [shape.sizes for shape in engine.first_calls.bound.values()] == [(1, 1), (1, 2), (2, 1)]
     assert "HOSTS_UP_TO" in context.warmed_up.stopped
 
 
 def test_warm_up_is_bounded_in_shapes_and_in_time(dynamic_bert_tiny, monkeypatch):
     engine, _ = dynamic_bert_tiny
-    monkeypatch.setattr(kiln_context, "HOSTS_UP_TO", 1e9)
-    monkeypatch.setattr(kiln_context, "WARM_UP_HOSTS", 5)
+    monkeypatch.setattr(kiln_warm_up, "HOSTS_UP_TO", 1e9)
+    monkeypatch.setattr(kiln_warm_up, "WARM_UP_HOSTS", 5)
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs)
     context = engine.create_execution_context()
     assert context.warm_up() == 2 * 5 and len(engine.first_calls.bound) == 5

@@ -1,7 +1,7 @@
 """Binding a native segment at a new input size (issue 10: a first call costs little more than a repeat): every
 fresh shape binds and matches onnxruntime, a size bound once reuses its kernels when bound again, and a kernel
 derived from another size's (LayerNorm.at_size) computes what one built at that size does. A view's plans of kiln's
-own kernels written by arithmetic (kiln/runtime/native.py _PlanRewrite) are byte for byte the plans replanning
+own kernels written by arithmetic (kiln/runtime/native_views.py _PlanRewrite) are byte for byte the plans replanning
 makes, run bit for bit as those, and a rule that does not give back its template's plan is not used."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from kiln.kernels.cpu import gemm_native, native_loop
 from kiln.kernels.cpu import transformer as kernels
 from kiln.kernels.cpu.form_choice import PARALLEL
-from kiln.runtime import native
+from kiln.runtime import native, native_views
 from kiln.tactics.tactic import SizedPlan
 
 ORT_TOL = 1e-4  # kiln against onnxruntime: two fp32 implementations' rounding over 2 layers (test_first_calls.py)
@@ -230,14 +230,14 @@ def test_a_rule_that_does_not_give_back_the_template_plan_is_not_used(dynamic_be
     bound = segment.bound[segment._bound_members.index(k)]
     at, reads, x = segment._resizers[k]
     arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
-    assert native._plan_layout(natives, bound, arg) is not None
+    assert native_views._plan_layout(natives, bound, arg) is not None
 
     def off_by_one(sizes_):
         sized = natives.plan_at(sizes_)
         name, value = next((n, v) for n, v in sized.fields.items() if not isinstance(v, tuple))
         return SizedPlan(sized.output_sizes, {**sized.fields, name: value + 1})
 
-    assert native._plan_layout(dataclasses.replace(natives, plan_at=off_by_one), bound, arg) is None
+    assert native_views._plan_layout(dataclasses.replace(natives, plan_at=off_by_one), bound, arg) is None
 
 
 @pytest.mark.skipif(not gemm_native.available(), reason="kiln's GEMM is not built")

@@ -216,7 +216,7 @@ def run_calls(calls: list[tuple[int | None, int, int, int]]) -> tuple[int, int]:
 def integer_field(kind: type) -> tuple[int, int] | None:
     """(how many, bytes each) of the C integers or addresses a plan field of ctypes type `kind` holds (an array,
     nested or not, holds its elements), or None when it holds anything else (a float): what a native segment's view
-    may write into a copy of a plan (kiln/runtime/native.py _PlanRewrite)."""
+    may write into a copy of a plan (kiln/runtime/native_views.py _PlanRewrite)."""
     count = 1
     while issubclass(kind, ctypes.Array):
         kind, count = kind._type_, count * kind._length_

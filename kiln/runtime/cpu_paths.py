@@ -1,0 +1,105 @@
+"""run()'s direct paths on the CPU (kiln/runtime/context.py): a fixed-shape engine fed exactly its bindings as numpy
+arrays (a program that is one native segment: numpy in, numpy out), and numpy feeds of a signature checked once,
+then straight to the program or to one call of its segment's compiled loop (kiln/runtime/direct_run.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.ir import dtypes
+from kiln.runtime.bindings import _numpy_signature, _to_user
+from kiln.runtime.direct_run import torch_signature
+
+
+class CpuPaths:
+    """run()'s direct paths on the CPU, a mixin of ExecutionContext: they read what its __init__ set (engine,
+    _static, _whole_segment, _checked, _direct, _first_calls) and fall back on its general path's helpers."""
+
+    def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
+        """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
+        signature (remembered), then straight to the program. Else None: the general path."""
+        names = self.engine.input_names
+        key = _numpy_signature(names, feeds)
+        if key is None:
+            return None
+        profile = self._checked.get(key)
+        if profile is None:  # a new signature: checked here (errors as the general path raises them), then run
+            self._check(feeds)  # as a checked one (the general path's conversions give the same tensors for these)
+            profile = self.profile
+            self._remember_checked(key)
+        self.profile = profile
+        if self._direct is not None:
+            results = self._run_direct([feeds[n] for n in names])
+            if results is not None:
+                return {b.name: v for b, v in zip(self.engine.outputs, results)}
+        args = [torch.from_numpy(feeds[n]) for n in names]
+        with torch.inference_mode():
+            results = self._run_program(args, self._packed_rows(args, self._host_tokens(feeds)))
+        return {b.name: _to_user(v, False) for b, v in zip(self.engine.outputs, results)}
+
+    def _run_direct(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """Checked numpy inputs of a bound shape (or, padding first calls, of a new one a bound shape hosts) as one
+        call of the segment's compiled loop (kiln/runtime/direct_run.py); None: the general path."""
+        signature = torch_signature(arrays)
+        if signature is None:
+            return None
+        if self._first_calls is not None:
+            return self._first_calls.run_direct(arrays, signature, self._direct)
+        record = self._direct.find(signature)
+        return record.run(arrays) if record is not None else None
+
+    def _run_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
+        """The common case in a few lines: a CPU engine of fixed input shapes fed exactly those, as
+        C-contiguous writable numpy arrays of the bound dtypes. After a large network each line of
+        Python runs from cold caches (~0.2 ms for ResNet-50's general path); anything else returns
+        None and takes the general path, which checks and explains."""
+        names, signature, outputs = self._static
+        if len(feeds) != len(names):
+            return None
+        arrays = []
+        for name, (dtype, shape) in zip(names, signature):
+            value = feeds.get(name)
+            if (type(value) is not np.ndarray or value.dtype != dtype or value.shape != shape
+                    or not value.flags.c_contiguous or not value.flags.writeable):
+                return None
+            arrays.append(value)
+        whole = self._whole_segment
+        if whole is not None:  # the program is one native segment: numpy in, numpy out, no torch call
+            results = whole.run_numpy(arrays)
+            if results is not None:
+                return {b.name: r for b, r in zip(outputs, results)}
+        args = [torch.from_numpy(a) for a in arrays]
+        with torch.inference_mode():
+            results = self.engine.program.run(args)
+        return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
+
+
+def _static_signature(engine: Any) -> tuple | None:
+    """(input names, [(numpy dtype, shape)], output bindings) of a CPU engine whose inputs are all
+    tensors of fixed shapes and numpy-native dtypes, run without boundary casts; else None."""
+    if engine.device.type != "cpu" or engine.internal_dtype:
+        return None
+    signature = []
+    for b in engine.inputs:
+        dt = dtypes.BY_NAME.get(b.dtype) if b.dtype else None
+        if (b.kind != "tensor" or b.shape is None or not all(isinstance(d, int) for d in b.shape) or dt is None
+                or dt.torch not in dtypes.NUMPY_REAL):
+            return None
+        signature.append((np.dtype(dt.numpy), tuple(b.shape)))
+    return [b.name for b in engine.inputs], signature, list(engine.outputs)
+
+
+def _whole_segment(engine: Any):
+    """The program's one step when it is a native segment reading the inputs and writing the
+    outputs, in their order (kiln/runtime/native.py); else None."""
+    program = engine.program
+    if len(program.run_steps) != 1 or len(program.segments) != 1:
+        return None
+    segment = program.segments[0]
+    if segment.entries != program.input_slots or segment.exits != program.output_slots:
+        return None
+    return segment

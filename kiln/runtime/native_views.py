@@ -1,0 +1,327 @@
+"""A native segment at other input sizes, as a view over a template segment's memory (kiln/runtime/native.py picks
+when): the template's arena and memory plan, each member at the new sizes bound to the template's planned
+addresses. kiln's own kernels replan on the template's memory objects, or have their plans written by arithmetic
+(_PlanRewrite); a oneDNN primitive binds anew. `template` is that Segment: native.py makes views and imports this
+module, which does not import it back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from kiln.kernels.cpu import native_loop, onednn
+from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
+from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
+from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
+
+
+def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
+    """A segment's compiled-loop arrays (`c`: Segment._c_loop's, for `template_calls`) with other calls on the
+    same memory objects: its bindings kept, an addresses array of its own (written per run, under the template's
+    lock). Calls of the template's functions without arguments (replanned kernels: only the plan is new) share
+    the template's functions, nargs and args arrays (the loop only reads them); calls that differ (members bound
+    anew) are written into copies of them."""
+    run, functions, set_handle, nbind, memories, _addresses, moving, _count, _objects, nargs, args, _ = c
+    if len(calls) != len(template_calls):
+        functions, objects, nargs, args = native_loop.call_arrays(calls)
+    else:
+        objects = (ctypes.c_void_p * max(len(calls), 1))(*[o for _, o, _, _ in calls])
+        differ = [i for i, ((f, _, n, a), t) in enumerate(zip(calls, template_calls))
+                  if f != t[0] or n != t[2] or a != t[3]]
+        if differ:  # members bound anew (a oneDNN primitive's arguments): the template's arrays copied, those set
+            functions, nargs, args = (type(array).from_buffer_copy(array) for array in (functions, nargs, args))
+            execute = native_loop.execute_function()
+            for i in differ:
+                f, _, nargs[i], args[i] = calls[i]
+                functions[i] = f or execute
+    return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, len(calls),
+            objects, nargs, args, ctypes.c_int(-1))
+
+
+def _replanned(bound: Any, primitive: Any) -> Any | None:
+    """`bound` (a template's call of kiln's own kernel) replanned for `primitive`, or None when the member is
+    another kind of call at these sizes (a oneDNN layer: its tuned row count on oneDNN, the others on
+    kiln's GEMM, kiln/tactics/cpu/onednn.py): then it is bound anew."""
+    try:
+        return bound.replan(primitive)
+    except ValueError:
+        return None
+
+
+class _PlanRewrite:
+    """A segment's views at other input sizes with the plans of kiln's own kernels written by arithmetic.
+
+    A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention, broadcasts and gathers by rules of
+    their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's
+    plan with the fields that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds
+    all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
+    member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
+    member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product binds its layer
+    shape's primitive at the new rows on its own packed weight (NativeStep.bound_at: one Bound, no NativeStep or
+    InnerProduct; bench/results/first-call-2026-12-04.md). The other members (kernels whose plans hold floats,
+    squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
+
+    Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
+    do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
+    template plan's bytes at the template's sizes is bound the other way (tests/unit/test_native_binding.py compares
+    every rewritten plan with the replanned one, byte for byte, at fresh shapes)."""
+
+    def __init__(self, template: Any):
+        """The rewrite of `template`'s plans. It does not hold the template (the template holds it: a reference back
+        would be a cycle); view() is given it."""
+        call_of = {k: i for i, k in enumerate(template._bound_members)}
+        image = bytearray()
+        # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
+        # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
+        # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
+        # a oneDNN layer's (NativeStep.bound_at, its src, dst and residual addresses) or None)
+        self._members: list[tuple] = []
+        words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
+        values = 0  # values a view's rules give, in member order
+        sizes = dict(zip(template.entries, template.entry_sizes))
+        for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
+            arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
+            outputs = [(0, m.outputs[0])] + [(j, m.outputs[j]) for j in range(1, 1 + len(native.more_outputs))
+                                             if j < len(m.outputs) and m.outputs[j] >= 0]
+            for slot, _role, size, _strides, _dtype in writes_of(m, native):
+                sizes[slot] = size
+            residual = m.inputs[native.residual_input] if native.residual_input is not None else None
+            call = call_of.get(k)
+            layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
+            if layout is None:
+                address = template._address
+                bind = None if native.bound_at is None else (
+                    native.bound_at, address.get(x, 0), address.get(m.outputs[0], 0),
+                    None if residual is None else address.get(residual, 0))  # as _bind_member binds it
+                self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
+                continue
+            function, plan_bytes, fields = layout
+            for offset, width in fields:
+                words[0 if width == 8 else 2].append((len(image) + offset) // width)
+                words[1 if width == 8 else 3].append(values)
+                values += 1
+            read = tuple(slot for _, slot in reads) if reads is not None else (x,)
+            follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
+            placed = (function, len(image))
+            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read, None))
+            image += plan_bytes + bytes(-len(plan_bytes) % 16)
+        self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
+        self._values = values
+        self._words = [np.array(w, np.intp) for w in words]
+        forms = _forms(template.members, template._natives)
+        self._arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
+        # each exit's dtype and strides rule (a NativeStep's output_strides: NHWC for a 4-D output of oneDNN's
+        # layers or a channels-last kernel, row-major otherwise and for outputs past the first)
+        nhwc = {m.outputs[0]: native.reads is None or native.channels_last
+                for m, native in zip(template.members, template._natives)}
+        self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
+
+    def view(self, template: Any, key: tuple) -> _Resized | None:
+        """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
+        layer refuses them, the template's arena cannot hold them (Segment._view then grows it), or an entry's rank
+        differs from the template's."""
+        if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return None
+        sizes = dict(zip(template.entries, key))
+        values: list[int] = []  # what the rules write, in member order
+        natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
+        bound: dict[int, Any] = {}  # the oneDNN members bound by NativeStep.bound_at (no NativeStep made)
+        worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
+        try:
+            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read, bind) in enumerate(self._members):
+                if rule is None:
+                    done = None if bind is None else bind[0](sizes[x], *bind[1:])
+                    if done is not None:  # the layer's form is its template's (an inner product, as bound there)
+                        bound[k] = done.bound
+                        written = (done.output_size,)
+                    else:
+                        native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None
+                                                 else sizes[x])
+                        if _form(native) != template._structure[k]:
+                            return None
+                        written = (tuple(native.output_size), *(tuple(size) for size, _ in native.more_outputs))
+                else:
+                    found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
+                    if found is None:  # the first layer of its shape at these sizes
+                        sized = rule({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
+                        flat: list[int] = []
+                        for value in sized.fields.values():
+                            if type(value) is tuple:
+                                flat.extend(value)
+                            else:
+                                flat.append(value)
+                        found = worked[at_sizes] = (sized.output_sizes, flat)
+                    written = found[0]
+                    values += found[1]
+                if residual is not None and sizes[residual] != written[0]:
+                    return None  # as _natives_at: the layers run one by one
+                for j, slot in outputs:
+                    sizes[slot] = written[j]
+        except ValueError:
+            return None
+        if len(values) != self._values:
+            return None
+        for s, itemsize, capacity in self._arena:
+            if math.prod(sizes[s]) * itemsize > capacity:
+                return None
+        buffer = self._image.copy()  # every rewritten plan, in one array the collector does not track
+        if values:
+            flat = np.array(values, np.int64)
+            where64, value64, where32, value32 = self._words
+            buffer[where64] = flat[value64]
+            buffer.view(np.int32)[where32] = flat[value32]
+        base = buffer.ctypes.data
+        owners, member_calls, owned, anew = [], [], [buffer], set()
+        for b, k in zip(template.bound, template._bound_members):
+            placed = self._members[k][6]
+            if placed is not None:  # the copy points at the template call's memory objects
+                owners.append(b)
+                member_calls.append([(placed[0], base + placed[1], 0, 0)])
+                continue
+            owner, bound_anew = (bound[k], True) if k in bound else _rebound(template, b, k, natives[k])
+            if bound_anew:
+                anew.add(len(owners))
+            owners.append(owner)
+            owned.append(owner)
+            member_calls.append(owner.calls())
+        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
+                       for s, dtype, nhwc in self._exits]
+        return _Resized(template, owners, member_calls, anew, exit_shapes,
+                        ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts), owned)
+
+
+def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
+    """(function, plan bytes, [(byte offset, width)] of each value its rule writes, in order) of a member whose plan
+    a view rewrites, or None: no rule, not one plan of kiln's own, a field that is not an integer, or a rule that
+    does not give back the template call's plan at its own sizes (`arg`)."""
+    if native.plan_at is None or not hasattr(bound, "plan") or hasattr(bound, "serial_calls") \
+            or len(bound.calls()) != 1:
+        return None
+    plan = bound.plan
+    original = ctypes.string_at(ctypes.addressof(plan), ctypes.sizeof(plan))
+    try:
+        sized = native.plan_at(arg)
+    except ValueError:
+        return None
+    kinds = dict(type(plan)._fields_)
+    fields: list[tuple[int, int]] = []
+    rewritten = bytearray(original)
+    for name, value in sized.fields.items():
+        kind = kinds.get(name)
+        if kind is None:
+            return None
+        held = native_loop.integer_field(kind)  # an array of arrays: a broadcast's strides
+        items = value if isinstance(value, tuple) else (value,)
+        if held is None or len(items) != held[0]:
+            return None
+        width, start = held[1], getattr(type(plan), name).offset
+        for j, item in enumerate(items):
+            offset = start + j * width
+            fields.append((offset, width))
+            rewritten[offset:offset + width] = int(item).to_bytes(width, "little", signed=True)
+    if bytes(rewritten) != original:
+        return None
+    return bound.calls()[0][0], original, fields
+
+
+def _rebound(template: Any, bound: Any, k: int, native: NativeStep) -> tuple[Any, bool]:
+    """Member k's call at `native`'s sizes over the template's memory: its template call (`bound`) replanned, else
+    bound anew with memory objects of its own (a oneDNN primitive, made for its row count); True when anew."""
+    replanned = _replanned(bound, native.primitive(template._accumulate[k])) if hasattr(bound, "replan") else None
+    if replanned is not None:
+        return replanned, False
+    return _bind_member(template.members[k], native, template._accumulate[k], template._address)[0], True
+
+
+class _Resized:
+    """A segment at other input sizes over its template's memory: the template's arena, each member
+    at these sizes bound to the template's planned addresses. kiln's own kernels replan on the
+    template's memory objects (only their plan changes: tens of microseconds a layer, or none where
+    _PlanRewrite writes the plans of a view at once); a oneDNN primitive binds anew at these sizes.
+    Building one skips the memory plan, the arena's pages and the structure's analysis that a Segment
+    of its own does (milliseconds for a transformer block). The template's lock serializes runs: they
+    share its arena and memory objects."""
+
+    def __init__(self, template: Any, owners: list[Any], member_calls: list[list], anew: set[int],
+                 exit_shapes: list[tuple], entry_forms: tuple[list, list, list], owned: list[Any]):
+        """`owners`: the memory objects of each bound member's calls (a Bound, a Replanned, or the template's own
+        call, whose plan a rewritten copy runs); `member_calls`: their calls; `anew`: the owners (indices) with memory
+        objects of their own, which a run binds where they are entries or exits; `owned`: what the calls point at
+        that the view keeps alive."""
+        self.template = template
+        self.entries, self.exits = template.entries, template.exits
+        self._bound, self._owned = owners, owned  # each bound member's memory objects; what the view keeps alive
+        calls = [c for made in member_calls for c in made]
+        self.exit_shapes = exit_shapes
+        self.entry_sizes, self.entry_dtypes, self.entry_layouts = entry_forms
+        forms = {PARALLEL: calls}
+        serial = serial_calls(owners, member_calls)
+        if serial is not None:
+            forms[SERIAL] = serial
+        self.chooser = FormChooser() if serial is not None else None  # this size's own times
+        counts = [len(made) for made in member_calls]
+        self._names = template._names if counts == template._call_counts else \
+            [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
+        if not anew & template._per_call_bound and len(calls) == len(template._calls):
+            # what a run points at its entries and exits are the template's memory objects (members bound anew,
+            # with memory objects of their own, read and write only the arena): its bindings hold, and only the
+            # calls' arrays are new (the common case: a transformer's interior GEMMs on oneDNN)
+            self._c = {form: _c_loop_over(template._c[False, PARALLEL], c, template._calls) for form, c in forms.items()}
+            return
+        bindings = []
+        for k, s in enumerate(self.entries):
+            bindings += [(owners[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
+        for j, g in enumerate(template.exit_groups):
+            bindings += [(owners[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
+        loop = native_loop.load()
+        self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
+
+    @classmethod
+    def bound_at(cls, template: Any, natives: list[NativeStep], forms: dict[int, tuple] | None = None
+                 ) -> _Resized:
+        """The view of every member at `natives`' sizes, each replanned or bound anew. `forms`:
+        _forms(template.members, natives), when the caller has them."""
+        owners = []
+        anew = set()  # members bound anew have memory objects of their own: a run binds those it points at
+        for b, k in zip(template.bound, template._bound_members):
+            owner, bound_anew = _rebound(template, b, k, natives[k])
+            if bound_anew:
+                anew.add(len(owners))
+            owners.append(owner)
+        forms = forms if forms is not None else _forms(template.members, natives)
+        return cls(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
+                   _entry_forms(template.entries, template._entry_readers, natives), owners)
+
+    def _run_bound(self, values: tuple) -> Any:
+        exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]
+        entries = []
+        for v, layout in zip(values, self.entry_layouts):
+            laid_out = v.is_contiguous(memory_format=torch.channels_last) if layout == "nhwc" else v.is_contiguous()
+            entries.append(v if laid_out else (v.contiguous(memory_format=torch.channels_last) if layout == "nhwc"
+                                               else v.contiguous()))
+        self.run_at([v.data_ptr() for v in entries], [v.data_ptr() for v in exits])
+        return tuple(exits) if len(exits) != 1 else exits[0]
+
+    def run_at(self, entry_addresses: list[int], exit_addresses: list[int]) -> None:
+        """One run on entries and exits at these addresses, each laid out as this view's entry_layouts and
+        exit_shapes say (the template's lock held: views share its arena and memory objects)."""
+        template = self.template
+        sources = {"entry": entry_addresses, "exit": exit_addresses}
+        with template._lock:
+            chooser = self.chooser
+            form = chooser.choose() if chooser is not None else PARALLEL
+            start = time.perf_counter()
+            if form == SERIAL:  # as Segment._run_form: no parallel region in the serial form
+                with onednn.one_openmp_thread():
+                    _run_loop(self._c[form], template._stream, sources, self._names)
+            else:
+                _run_loop(self._c[form], template._stream, sources, self._names)
+            if chooser is not None:
+                chooser.record(form, time.perf_counter() - start)
