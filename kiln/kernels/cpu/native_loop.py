@@ -138,11 +138,10 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(built))
-        fn = library.kiln_run_segment
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.POINTER(ctypes.c_int)]
+        loop = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, [*loop, ctypes.c_void_p])):
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
     except OSError as e:
         _REASON = f"{type(e).__name__}: {e}"
         return None
