@@ -140,7 +140,8 @@ def load() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(built))
         loop = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-        for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, [*loop, ctypes.c_void_p])):
+        timed = [*loop, ctypes.c_void_p]  # ... and the per-call times
+        for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, timed)):
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
     except OSError as e:
         _REASON = f"{type(e).__name__}: {e}"

@@ -1,0 +1,145 @@
+"""GEMM tactics timed in context: close contenders re-timed as the engine runs them, inside its native segments.
+
+The search (autotune.py) times each candidate alone: a loop of its own calls on its own inputs, its weights
+and activations warm in the caches and its threads awake. In the engine a layer runs after others that evicted
+them, and where two tactics use different thread pools (kiln's GEMM on pool.c, oneDNN's inner product on
+OpenMP) one's workers are asleep or spinning when the other starts. On the T5-small encoder (2 threads, quiet
+Xeon) cpu.gemm.kiln_packed timed 2-5% faster than cpu.gemm.onednn_direct alone on the attention GEMMs and ~7%
+slower in the network (bench/results/t5-cpu-2026-12-04d.md); on the same machine under load the tuner's
+process CPU time put onednn_direct's out projection at 0.2 ms where the network's wall clock saw 16-18 ms
+(a barrier waiting out a descheduled thread: bench/results/intune-cpu-2026-12-05.md).
+
+So, on the CPU, after the search: every FusedGemm layer whose chosen tactic and a rival are both native and
+within CONTEXT_MARGIN of each other alone is run in two whole programs — the chosen tactics (A) and every such
+layer's rival swapped in (B) — in interleaved rounds, each segment call timed by the segment's own loop
+(Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
+swapped layer (the layer reading its output pays for where it left it), by the wall clock; the layers of one
+signature (every block's QKV GEMM) are judged together, by the median over rounds of their spans' sum. The
+rival is kept where that is faster. Cost: two programs bound (weights packed again) and
+CONTEXT_ROUNDS runs of each, at most CONTEXT_BUDGET_S beyond the first MIN_ROUNDS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from kiln.builder.cpu_clock import PROCESS_CPU
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime.profiler import profile_segments
+from kiln.runtime.program import Program
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in context
+CONTEXT_MARGIN = 1.25  # a rival within this factor of the chosen tactic's time alone is re-timed ...
+# ... or within this one where the search timed several threads by the process's CPU time (a shared machine,
+# cpu_clock.py): a wait at a barrier for a descheduled thread sleeps, uncounted, and a pool that does not wait
+# for it (pool.c) counts its spinning
+CPU_TIME_MARGIN = 2.0
+CONTEXT_ROUNDS = 12
+MIN_ROUNDS = 5
+CONTEXT_BUDGET_S = 2.0
+WARMUP_RUNS = 2
+
+
+@dataclasses.dataclass
+class Rival:
+    """The tactic a layer would run instead, with its config, both tactics' times alone, and the layers it is
+    judged with (`group`: those of the same op, inputs and attributes, e.g. every block's QKV GEMM)."""
+
+    tactic: str
+    config: dict[str, Any]
+    chosen_ms: float
+    rival_ms: float
+    group: str
+
+
+def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> Rival | None:
+    """The closest native rival of a layer's native chosen tactic within its margin alone, or None; `found`: the
+    search's LayerTuning, `configure(tactic)` a tactic's config for this layer. The margin is CONTEXT_MARGIN, or
+    CPU_TIME_MARGIN where several threads were timed by the process's CPU time."""
+    chosen, candidates = found.tactic, found.candidates
+    if step.op_type not in RETIMED_OPS or not _native(chosen) or not isinstance(candidates.get(chosen), float):
+        return None
+    margin = CPU_TIME_MARGIN if found.clock == PROCESS_CPU and torch.get_num_threads() > 1 else CONTEXT_MARGIN
+    chosen_ms = candidates[chosen]
+    rivals = [(ms, name) for name, ms in candidates.items()
+              if name != chosen and isinstance(ms, float) and _native(name) and ms <= margin * chosen_ms]
+    if not rivals:
+        return None
+    rival_ms, name = min(rivals)
+    group = json.dumps([step.op_type, step.domain, chosen, name, step.attributes,
+                        [(m.shape and list(m.shape), str(m.dtype), m.constant) for m in inputs]], default=str)
+    return Rival(name, configure(name), chosen_ms, rival_ms, group)
+
+
+def _native(name: str) -> bool:
+    tactic = registry.get(name)
+    return tactic is not None and tactic.native
+
+
+def _spans(segments: list[Any], swapped: set[str]) -> dict[str, list[str]]:
+    """Swapped layer -> the segment members it is charged with: itself and the members after it up to the next
+    swapped one (in one segment)."""
+    spans: dict[str, list[str]] = {}
+    for segment in segments:
+        current: list[str] | None = None
+        for member in segment.members:
+            name = member.ctx.name
+            if name in swapped:
+                current = spans[name] = [name]
+            elif current is not None:
+                current.append(name)
+    return spans
+
+
+def _span_ms(per_layer: dict[str, float], span: list[str]) -> float:
+    return sum(per_layer.get(name, 0.0) for name in span)
+
+
+def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
+           rivals: dict[int, Rival]) -> dict[int, dict[str, float]]:
+    """Step index -> {chosen tactic: ms in context, rival: ms in context} for the layers in `rivals` that run inside
+    a native segment in both programs; `spec`'s steps whose rival was faster take it (in place)."""
+    if not rivals:
+        return {}
+    swapped_spec = dataclasses.replace(spec, steps=[
+        dataclasses.replace(step, tactic=rivals[i].tactic, tactic_config=rivals[i].config) if i in rivals else step
+        for i, step in enumerate(spec.steps)])
+    names = {spec.steps[i].name: i for i in rivals}
+    programs = [Program(spec, weights, device), Program(swapped_spec, weights, device)]
+    spans = [_spans(p.segments, set(names)) for p in programs]
+    comparable = [name for name in names if name in spans[0] and spans[0][name] == spans[1].get(name)]
+    if not comparable:
+        return {}
+    groups: dict[str, list[str]] = {}
+    for name in comparable:
+        groups.setdefault(rivals[names[name]].group, []).append(name)
+    samples: list[dict[str, list[float]]] = [{group: [] for group in groups} for _ in programs]
+    with torch.inference_mode():
+        for program in programs:
+            profile_segments(program, inputs, WARMUP_RUNS)
+        deadline = time.perf_counter() + CONTEXT_BUDGET_S
+        for round_ in range(CONTEXT_ROUNDS):
+            if round_ >= MIN_ROUNDS and time.perf_counter() > deadline:
+                break
+            for k in (round_ % 2, 1 - round_ % 2):  # A B, B A, ...: what one run leaves falls on each in turn
+                per_layer = {name: ms[0] for name, ms in profile_segments(programs[k], inputs, 1).items()}
+                for group, members in groups.items():
+                    samples[k][group].append(sum(_span_ms(per_layer, spans[k][name]) for name in members))
+    found = {}
+    for group, members in groups.items():
+        chosen_ms, rival_ms = (statistics.median(s[group]) / len(members) for s in samples)
+        for name in members:
+            i = names[name]
+            chosen, rival = spec.steps[i].tactic, rivals[i].tactic
+            found[i] = {chosen: round(chosen_ms, 4), rival: round(rival_ms, 4)}
+            if rival_ms < chosen_ms:
+                spec.steps[i].tactic, spec.steps[i].tactic_config = rival, rivals[i].config
+    return found
