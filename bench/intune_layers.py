@@ -57,8 +57,11 @@ def main() -> None:
     parser.add_argument("--model", default="t5_small_encoder")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="in-network calls by the wall clock or the calling thread's CPU time")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock = time.CLOCK_MONOTONIC if args.clock == "wall" else time.CLOCK_THREAD_CPUTIME_ID
     exported = zoo.export(args.model, **CASES.get(args.model, {}))
     feeds = exported.inputs()
     engines = builds(str(exported.path))
@@ -66,11 +69,11 @@ def main() -> None:
     in_network: dict[str, dict[str, list[float]]] = {label: defaultdict(list) for label in engines}
     whole: dict[str, list[float]] = {label: [] for label in engines}
     for label, e in engines.items():  # warm-up
-        profile_segments(e.program, inputs[label], 3)
+        profile_segments(e.program, inputs[label], 3, clock)
     for _ in range(args.rounds):
         for label, e in engines.items():
             start = time.perf_counter()
-            for name, ms in profile_segments(e.program, inputs[label], 1).items():
+            for name, ms in profile_segments(e.program, inputs[label], 1, clock).items():
                 in_network[label][name] += ms
             whole[label].append(1e3 * (time.perf_counter() - start))
 
@@ -89,8 +92,8 @@ def main() -> None:
                 cell["alone"].append(alone)
             cell["clock"] = layers.get(step.name, {}).get("clock")
     print(f"\n{args.model}, {args.threads} threads, {args.rounds} interleaved rounds, load average "
-          f"{os.getloadavg()[0]:.2f}, KILN_POOL={os.environ.get('KILN_POOL', '(by load)')}")
-    print("| GEMM [rows, K] | build: tactic | layers | in network ms (median) | alone ms (tuner) | network / alone |")
+          f"{os.getloadavg()[0]:.2f}, in-network clock {args.clock}, KILN_POOL={os.environ.get('KILN_POOL', '(by load)')}")
+    print("| GEMM [rows, K] | build: tactic | layers | in network ms (median of layer medians) | alone ms (tuner) | network / alone |")
     print("|---|---|---|---|---|---|")
     for shape, by_tactic in rows.items():
         for label, cell in sorted(by_tactic.items()):

@@ -13,7 +13,8 @@ So, on the CPU, after the search: every FusedGemm layer whose chosen tactic and 
 within CONTEXT_MARGIN of each other alone is run in two whole programs — the chosen tactics (A) and every such
 layer's rival swapped in (B) — in interleaved rounds, each segment call timed by the segment's own loop
 (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
-swapped layer (the layer reading its output pays for where it left it), by the wall clock; the layers of one
+swapped layer (the layer reading its output pays for where it left it), by the wall clock (at one thread, the
+thread's CPU time: context_clock); the layers of one
 signature (every block's QKV GEMM) are judged together, by the median over rounds of their spans' sum. The
 rival is kept where that is faster. Cost: two programs bound (weights packed again) and
 CONTEXT_ROUNDS runs of each, at most CONTEXT_BUDGET_S beyond the first MIN_ROUNDS.
@@ -79,6 +80,13 @@ def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> 
     return Rival(name, configure(name), chosen_ms, rival_ms, group)
 
 
+def context_clock(threads: int) -> int:
+    """The clock a layer's calls are timed by in context: at one thread the calling thread's CPU time (its latency
+    on a core of its own, and what other work on the machine does not add to), at several the wall clock (what
+    waits for the other threads cost: the process's CPU time leaves a sleeping wait out)."""
+    return time.CLOCK_THREAD_CPUTIME_ID if threads == 1 else time.CLOCK_MONOTONIC
+
+
 def _native(name: str) -> bool:
     tactic = registry.get(name)
     return tactic is not None and tactic.native
@@ -122,15 +130,16 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     for name in comparable:
         groups.setdefault(rivals[names[name]].group, []).append(name)
     samples: list[dict[str, list[float]]] = [{group: [] for group in groups} for _ in programs]
+    clock = context_clock(torch.get_num_threads())
     with torch.inference_mode():
         for program in programs:
-            profile_segments(program, inputs, WARMUP_RUNS)
+            profile_segments(program, inputs, WARMUP_RUNS, clock)
         deadline = time.perf_counter() + CONTEXT_BUDGET_S
         for round_ in range(CONTEXT_ROUNDS):
             if round_ >= MIN_ROUNDS and time.perf_counter() > deadline:
                 break
             for k in (round_ % 2, 1 - round_ % 2):  # A B, B A, ...: what one run leaves falls on each in turn
-                per_layer = {name: ms[0] for name, ms in profile_segments(programs[k], inputs, 1).items()}
+                per_layer = {name: ms[0] for name, ms in profile_segments(programs[k], inputs, 1, clock).items()}
                 for group, members in groups.items():
                     samples[k][group].append(sum(_span_ms(per_layer, spans[k][name]) for name in members))
     found = {}

@@ -327,9 +327,10 @@ class Segment:
                 self._check(status, f"layer {names[k]!r} of a native segment")
 
     @contextlib.contextmanager
-    def timed(self) -> Iterator[dict[str, list[float]]]:
+    def timed(self, clock: int = time.CLOCK_MONOTONIC) -> Iterator[dict[str, list[float]]]:
         """Within: each run of this segment at its planned size adds, per layer, its ms in that run (its calls'
-        wall time summed) to the dict's list. What a layer costs as the network runs it, after the layer before
+        times summed, by `clock`: the wall's, or time.CLOCK_THREAD_CPUTIME_ID, the calling thread's CPU time) to
+        the dict's list. What a layer costs as the network runs it, after the layer before
         it evicted its weights and activations, not as a loop of its own calls finds it (kiln/runtime/profiler.py:
         profile_segments). Needs the compiled loop."""
         if self._c is None:
@@ -342,7 +343,7 @@ class Segment:
             elapsed = (ctypes.c_longlong * max(len(names), 1))()
 
             def run(*args) -> int:
-                status = timed_run(*args, elapsed)
+                status = timed_run(*args, elapsed, clock)
                 per_layer: dict[str, float] = {}
                 for name, ns in zip(names, elapsed):
                     per_layer[name] = per_layer.get(name, 0.0) + ns / 1e6

@@ -189,15 +189,16 @@ def profile_layers(program: Program, inputs: list[Any], runs: int = 10) -> list[
     return layers
 
 
-def profile_segments(program: Program, inputs: list[Any], runs: int = 10) -> dict[str, list[float]]:
+def profile_segments(program: Program, inputs: list[Any], runs: int = 10,
+                     clock: int = time.CLOCK_MONOTONIC) -> dict[str, list[float]]:
     """Layer name -> its ms in each of `runs` runs of `program` as it is (its native segments' compiled loops
-    timing each call; Segment.timed), for the layers inside native segments.
+    timing each call by `clock`; Segment.timed), for the layers inside native segments.
 
     profile_layers runs every layer through its own launch, without segments; this times the engine's own
     loop, where a layer runs after the layer before it evicted its weights and activations: a GEMM tactic
     that won alone may lose here (kiln/builder/in_context.py)."""
     with contextlib.ExitStack() as stack, torch.inference_mode():
-        found = [stack.enter_context(segment.timed()) for segment in program.segments]
+        found = [stack.enter_context(segment.timed(clock)) for segment in program.segments]
         for _ in range(runs):
             program.run(inputs)
     return {name: ms for per_segment in found for name, ms in per_segment.items()}

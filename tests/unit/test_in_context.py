@@ -4,6 +4,7 @@ reads (kiln/runtime/profiler.py: profile_segments): the layers' times as the eng
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -76,6 +77,8 @@ def test_profile_segments_times_every_member_of_every_run_and_changes_no_result(
     assert sorted(times) == sorted(s.name for s in spec.steps)
     assert all(len(ms) == 3 and all(0 < t < 1e4 for t in ms) for ms in times.values())
     assert segment._c == loop  # the plain loop is back
+    cpu = profiler.profile_segments(program, [x], runs=2, clock=time.CLOCK_THREAD_CPUTIME_ID)
+    assert sorted(cpu) == sorted(times) and all(len(ms) == 2 and all(t >= 0 for t in ms) for ms in cpu.values())
     with torch.inference_mode(), segment.timed() as during:
         got = program.run([x])[0]
     assert sorted(during) == sorted(times)
@@ -122,7 +125,7 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
     """profile_segments made to say each program's times: the rival ONEDNN costs 0.5 ms on the `faster` layers and
     2 ms elsewhere, the chosen PACKED 1 ms; a layer's span is itself and the members after it up to the next
     swapped one (here: itself)."""
-    def fake(program, inputs, runs=10):
+    def fake(program, inputs, runs=10, clock=None):
         tactics = {s.name: s.tactic for s in program.spec.steps}
         return {name: [(0.5 if name.startswith(faster) else 2.0) if tactic == ONEDNN else 1.0] * runs
                 for name, tactic in tactics.items()}

@@ -140,7 +140,7 @@ def load() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(built))
         loop = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
-        timed = [*loop, ctypes.c_void_p]  # ... and the per-call times
+        timed = [*loop, ctypes.c_void_p, ctypes.c_int]  # ... and the per-call times, by a clock
         for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, timed)):
             fn.restype, fn.argtypes = ctypes.c_int, argtypes
     except OSError as e:

@@ -12,16 +12,16 @@
 typedef int (*call_fn)(void *object, void *stream, int nargs, const void *args);
 typedef int (*set_handle_fn)(void *memory, void *handle);
 
-static long long now_ns(void) {
+static long long now_ns(clockid_t clock) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(clock, &t);
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
 /* The loop of both entry points below; elapsed_ns NULL: no clock read. */
 static int run_segment(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
                        void *const *memories, void *const *addresses, int n, void *const *objects,
-                       const int *nargs, void *const *args, int *failed, long long *elapsed_ns) {
+                       const int *nargs, void *const *args, int *failed, long long *elapsed_ns, clockid_t clock) {
     for (int i = 0; i < nbind; ++i) {
         int status = set_handle(memories[i], addresses[i]);
         if (status != 0) {
@@ -29,7 +29,7 @@ static int run_segment(call_fn const *functions, set_handle_fn set_handle, void 
             return status;
         }
     }
-    long long before = elapsed_ns ? now_ns() : 0;
+    long long before = elapsed_ns ? now_ns(clock) : 0;
     for (int i = 0; i < n; ++i) {
         int status = functions[i](objects[i], stream, nargs[i], args[i]);
         if (status != 0) {
@@ -37,7 +37,7 @@ static int run_segment(call_fn const *functions, set_handle_fn set_handle, void 
             return status;
         }
         if (elapsed_ns) {
-            long long after = now_ns();
+            long long after = now_ns(clock);
             elapsed_ns[i] = after - before;
             before = after;
         }
@@ -53,16 +53,17 @@ int kiln_run_segment(call_fn const *functions, set_handle_fn set_handle, void *s
                      void *const *memories, void *const *addresses, int n, void *const *objects,
                      const int *nargs, void *const *args, int *failed) {
     return run_segment(functions, set_handle, stream, nbind, memories, addresses, n, objects, nargs, args, failed,
-                       NULL);
+                       NULL, CLOCK_MONOTONIC);
 }
 
-/* kiln_run_segment with each call's wall time in elapsed_ns[i]: the layers' times as the network runs them, each
-   after the layer before it (kiln/runtime/native.py: Segment.timed). */
+/* kiln_run_segment with each call's time by `clock` in elapsed_ns[i] (CLOCK_MONOTONIC: wall; CLOCK_THREAD_CPUTIME_ID:
+   the calling thread's CPU time): the layers' times as the network runs them, each after the layer before it
+   (kiln/runtime/native.py: Segment.timed). */
 int kiln_run_segment_timed(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
                            void *const *memories, void *const *addresses, int n, void *const *objects,
-                           const int *nargs, void *const *args, int *failed, long long *elapsed_ns) {
+                           const int *nargs, void *const *args, int *failed, long long *elapsed_ns, int clock) {
     return run_segment(functions, set_handle, stream, nbind, memories, addresses, n, objects, nargs, args, failed,
-                       elapsed_ns);
+                       elapsed_ns, (clockid_t)clock);
 }
 
 /* ---- Winograd F(2x2, 3x3) ------------------------------------------------------------------------
