@@ -47,9 +47,11 @@ def builds(path: str) -> dict[str, kiln.Engine]:
     return engines
 
 
-def gemm_shape(step) -> str:
+def gemm_shape(step, widths: dict[str, int]) -> str:
     size = step.tactic_config.get("input_size") or ["?"]
-    return f"{size}" + (" +res" if step.tactic_config.get("residual") else "")
+    activation = step.attributes.get("activation") or ""
+    return (f"{size} -> {widths.get(step.inputs[1], '?')}" + (f" {activation}" if activation else "")
+            + (" +res" if step.tactic_config.get("residual") else ""))
 
 
 def main() -> None:
@@ -81,11 +83,13 @@ def main() -> None:
     rows: dict[str, dict[str, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for label, e in engines.items():
         layers = e.plan.header["tactics"].get("layers", {})
+        widths = {name: e.plan.weights[key].shape[0] for name, key in e.plan.program.constants.items()
+                  if key in e.plan.weights and e.plan.weights[key].dim() == 2}
         for step in e.plan.program.steps:
             if step.op_type != "FusedGemm" or step.name not in in_network[label]:
                 continue
             tactic = step.tactic or "default"
-            cell = rows[gemm_shape(step)][f"{label}: {tactic.replace('cpu.gemm.', '')}"]
+            cell = rows[gemm_shape(step, widths)][f"{label}: {tactic.replace('cpu.gemm.', '')}"]
             cell["network"].append(statistics.median(in_network[label][step.name]))
             alone = layers.get(step.name, {}).get("candidates", {}).get(step.tactic or "default")
             if isinstance(alone, float):
@@ -93,7 +97,7 @@ def main() -> None:
             cell["clock"] = layers.get(step.name, {}).get("clock")
     print(f"\n{args.model}, {args.threads} threads, {args.rounds} interleaved rounds, load average "
           f"{os.getloadavg()[0]:.2f}, in-network clock {args.clock}, KILN_POOL={os.environ.get('KILN_POOL', '(by load)')}")
-    print("| GEMM [rows, K] | build: tactic | layers | in network ms (median of layer medians) | alone ms (tuner) | network / alone |")
+    print("| GEMM [rows, K] -> N | build: tactic | layers | in network ms (median of layer medians) | alone ms (tuner) | network / alone |")
     print("|---|---|---|---|---|---|")
     for shape, by_tactic in rows.items():
         for label, cell in sorted(by_tactic.items()):
