@@ -105,6 +105,10 @@ def main() -> None:
             alone = statistics.median(cell["alone"]) if cell["alone"] else float("nan")
             print(f"| {shape} | {label} | {len(cell['network'])} | {net:.3f} | {alone:.3f} ({cell['clock']}) | "
                   f"{net / alone:.2f} |")
+    context = {name: layer["in_network"] for name, layer in engines["default"].plan.header["tactics"]["layers"].items()
+               if "in_network" in layer}
+    print(f"default build: {len(context)} layers timed in context; first of each result: "
+          + "; ".join(f"{name} {times}" for name, times in {repr(t): (n, t) for n, t in context.items()}.values()))
     print("| whole run | " + " | ".join(f"{label} {statistics.median(v):.2f} ms" for label, v in whole.items()) + " |")
 
 

@@ -10,7 +10,7 @@ process CPU time put onednn_direct's out projection at 0.2 ms where the network'
 (a barrier waiting out a descheduled thread: bench/results/intune-cpu-2026-12-05.md).
 
 So, on the CPU, after the search: every FusedGemm layer whose chosen tactic and a rival are both native and
-within CONTEXT_MARGIN of each other alone is run in two whole programs — the chosen tactics (A) and every such
+within CONTEXT_MARGIN of each other alone (any, where CPU time timed several threads) is run in two whole programs — the chosen tactics (A) and every such
 layer's rival swapped in (B) — in interleaved rounds, each segment call timed by the segment's own loop
 (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
 swapped layer (the layer reading its output pays for where it left it), by the wall clock (at one thread, the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from typing import Any
@@ -38,11 +39,12 @@ from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
 
 RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in context
-CONTEXT_MARGIN = 1.25  # a rival within this factor of the chosen tactic's time alone is re-timed ...
-# ... or within this one where the search timed several threads by the process's CPU time (a shared machine,
-# cpu_clock.py): a wait at a barrier for a descheduled thread sleeps, uncounted, and a pool that does not wait
-# for it (pool.c) counts its spinning
-CPU_TIME_MARGIN = 2.0
+# A rival within this factor of the chosen tactic's time alone is re-timed; where the search timed several threads
+# by the process's CPU time (a shared machine, cpu_clock.py) every native rival is: a wait at a barrier for a
+# descheduled thread sleeps, uncounted, while a pool that does not wait for it (pool.c) counts its spinning. On
+# the T5-small encoder at load ~14 on 2 vCPUs, oneDNN's inner products timed 0.6-1.0 ms by CPU time alone, 2.5x
+# under kiln_packed's, and cost 24-28 ms each in the network, where kiln_packed's cost 1.7-4.8.
+CONTEXT_MARGIN = 1.25
 CONTEXT_ROUNDS = 12
 MIN_ROUNDS = 5
 CONTEXT_BUDGET_S = 2.0
@@ -63,12 +65,12 @@ class Rival:
 
 def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> Rival | None:
     """The closest native rival of a layer's native chosen tactic within its margin alone, or None; `found`: the
-    search's LayerTuning, `configure(tactic)` a tactic's config for this layer. The margin is CONTEXT_MARGIN, or
-    CPU_TIME_MARGIN where several threads were timed by the process's CPU time."""
+    search's LayerTuning, `configure(tactic)` a tactic's config for this layer. The margin is CONTEXT_MARGIN, or none
+    where several threads were timed by the process's CPU time."""
     chosen, candidates = found.tactic, found.candidates
     if step.op_type not in RETIMED_OPS or not _native(chosen) or not isinstance(candidates.get(chosen), float):
         return None
-    margin = CPU_TIME_MARGIN if found.clock == PROCESS_CPU and torch.get_num_threads() > 1 else CONTEXT_MARGIN
+    margin = math.inf if found.clock == PROCESS_CPU and torch.get_num_threads() > 1 else CONTEXT_MARGIN
     chosen_ms = candidates[chosen]
     rivals = [(ms, name) for name, ms in candidates.items()
               if name != chosen and isinstance(ms, float) and _native(name) and ms <= margin * chosen_ms]

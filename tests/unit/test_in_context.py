@@ -103,8 +103,9 @@ def test_the_closest_native_rival_within_the_margin_is_the_one_timed_again(monke
     assert rival.config == configure(ONEDNN)
     assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None  # past the margin
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    rival = in_context.rival_of(step, found(PROCESS_CPU, packed=1.0, onednn=1.9), metas, configure)
-    assert rival is not None and rival.tactic == ONEDNN  # several threads timed by CPU time: the wider margin
+    rival = in_context.rival_of(step, found(PROCESS_CPU, packed=1.0, onednn=9.0), metas, configure)
+    assert rival is not None and rival.tactic == ONEDNN  # several threads timed by CPU time: any native rival
+    assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None
     other = dataclasses.replace(step, op_type="FusedConv")
     assert in_context.rival_of(other, found(WALL, packed=1.0, onednn=1.1), metas, configure) is None
     again = in_context.rival_of(spec.steps[2], found(WALL, packed=1.0, onednn=1.1), metas, configure)
