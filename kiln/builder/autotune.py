@@ -496,7 +496,12 @@ def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: tor
     """Close native contenders timed again as the engine runs them (in_context.py); each layer's record says so
     (`in_network`: ms of each in the network) and takes the choice."""
     start = time.perf_counter()
-    found = in_context.retime(program, placed, device, examples, rivals)
+    try:
+        found = in_context.retime(program, placed, device, examples, rivals)
+    except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
+        say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
+            "the choices made alone stand")
+        return
     for i, in_network in found.items():
         step = program.steps[i]
         layer = layers[step.name]
