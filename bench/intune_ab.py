@@ -35,7 +35,9 @@ def main() -> None:
     exported = zoo.export(model, **CASES.get(model, {"batch": 1}))
     feeds = exported.inputs()
     start = time.perf_counter()
-    engine = kiln.build(str(exported.path), timing_cache=None)
+    said: list[str] = []
+    engine = kiln.build(str(exported.path), timing_cache=None, progress=said.append)
+    in_context_s = next((m.split("in context in ")[1].split(" s")[0] for m in said if "timed in context in" in m), "-")
     built_s = time.perf_counter() - start
     layers = engine.plan.header["tactics"]["layers"]
     picks = Counter(s.tactic.removeprefix("cpu.gemm.") for s in engine.plan.program.steps if s.op_type == "FusedGemm")
@@ -51,7 +53,7 @@ def main() -> None:
     tree = Path(kiln.__file__).parents[1].name
     print(f"{tree:10s} {model} thr {threads} load {os.getloadavg()[0]:.1f} build {built_s:.0f} s | "
           f"kiln {statistics.median(samples['kiln']):.2f} ort {statistics.median(samples['onnxruntime']):.2f} "
-          f"ratio {ratio:.3f} | GEMMs {dict(picks)} in context {in_context}", flush=True)
+          f"ratio {ratio:.3f} | GEMMs {dict(picks)} in context {in_context} ({in_context_s} s)", flush=True)
 
 
 if __name__ == "__main__":
