@@ -40,6 +40,7 @@ from kiln.builder import in_context
 from kiln.builder.accuracy import (FLOAT8_HALF_SLACK, TOLERANCE, full_float32, half_dtype, integer_steps, mismatch,
                                    settle, upcast)
 from kiln.builder.cpu_clock import PROCESS_CPU, WALL, cpu_clock
+from kiln.builder.precompile import CandidateKernels
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
@@ -293,14 +294,9 @@ def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: l
     return found
 
 
-def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
-                tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
-                runs: int, others: dict[str, _Recorded] | None = None) -> tuple[LayerTuning, dict[str, Any]]:
-    """(what was found, the chosen tactic's config) for one layer; `others`: its inputs at other points of
-    the profile ("mid", "min"), where every candidate is also checked and timed (see _choose_over)."""
-    labels = list(others or {})
-    points = [record] + [others[label] for label in labels]
-    metas = [[InputMeta.of(a, c is not None) for a, c in zip(r.args, constants)] for r in points]
+def _usable(tactics: list[Tactic], step: StepSpec,
+            metas: list[list[InputMeta]]) -> tuple[list[Tactic], dict[str, float | str]]:
+    """The tactics that support the layer at every point's inputs, and why each other one does not."""
     notes: dict[str, float | str] = {}
     usable: list[Tactic] = []
     for t in tactics:
@@ -309,6 +305,18 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
             usable.append(t)
         else:
             notes[t.name] = f"unsupported: {ok}"
+    return usable, notes
+
+
+def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
+                tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
+                runs: int, others: dict[str, _Recorded] | None = None) -> tuple[LayerTuning, dict[str, Any]]:
+    """(what was found, the chosen tactic's config) for one layer; `others`: its inputs at other points of
+    the profile ("mid", "min"), where every candidate is also checked and timed (see _choose_over)."""
+    labels = list(others or {})
+    points = [record] + [others[label] for label in labels]
+    metas = [[InputMeta.of(a, c is not None) for a, c in zip(r.args, constants)] for r in points]
+    usable, notes = _usable(tactics, step, metas)
     if not usable:
         return LayerTuning(DEFAULT, None, candidates=notes), {}
 
@@ -325,6 +333,10 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
         hit, wanted = False, None  # an entry from before `confirmed`: a non-native win is timed again, once
         cache.hits, cache.misses = cache.hits - len(keys), cache.misses + len(keys)
     checks = [_checker(fn, ctx, r, attrs) for r in points]
+    # A tactic's own checker judges the layer, not the tactic: made once per point for every tactic that shares it
+    # (the FP8 residual bound runs the reference twice over the layer's outputs: 2·10^8 of them at ResNet-50 b256,
+    # and every CUDA QConv tactic, up to 22 on a layer at opt level 3, carries the same checker)
+    own_checks: dict[tuple[Any, int], Callable[[Any], str | None] | None] = {}
     launches: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
     for t in usable:
         if wanted is not None and wanted != t.name:
@@ -334,9 +346,11 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
         problem = None
         try:
             launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
-            for r, check in zip(points, checks):
+            for p, (r, check) in enumerate(zip(points, checks)):
                 if t.checker is not None:  # a tactic whose arithmetic is not the op's says how it is judged
-                    check = t.checker(fn, ctx, r.args, attrs) or check  # None: as every tactic
+                    if (t.checker, p) not in own_checks:
+                        own_checks[t.checker, p] = t.checker(fn, ctx, r.args, attrs)
+                    check = own_checks[t.checker, p] or check  # None: as every tactic
                 args = [t.to_layout(a) for a in r.args]
                 with torch.inference_mode():
                     problem = check(launch(ctx, *args, **attrs))
@@ -535,12 +549,46 @@ def fallback_reason(found: LayerTuning) -> str | None:
     return f"every candidate ({len(dropped)}) was rejected by the per-layer check against its reference: {listed}"
 
 
+def _record_candidate_kernels(kernels: CandidateKernels, program: ProgramSpec, tunable: dict[int, list[Tactic]],
+                              reference_program: Program, constants_of: Callable[[StepSpec], list[Any]],
+                              examples: list[Any], cache: TimingCache, env: dict, device: torch.device,
+                              say: Progress) -> None:
+    """One run of the reference program; each distinct layer's candidates (what _tune_layer will prepare: all it
+    supports, or the timing cache's choice) recorded and submitted to `kernels` as the run reaches the layer."""
+    seen: set[str] = set()
+
+    def record(i: int, recorded: _Recorded) -> None:
+        step, bound = program.steps[i], reference_program.steps[i]
+        constants = constants_of(step)
+        metas = [InputMeta.of(a, c is not None) for a, c in zip(recorded.args, constants)]
+        usable, _ = _usable(tunable[i], step, [metas])
+        key = signature_key(layer_signature(step, metas, [DEFAULT] + [t.name for t in usable], env))
+        if key in seen:  # an identical layer: the timing cache answers it with the kernels of the first
+            return
+        seen.add(key)
+        if (cached := cache.entries.get(key)) is not None:
+            names = {DEFAULT} | {t.name for t in usable}
+            known = {k: v for k, v in cached["times_ms"].items() if k in names}
+            usable = [t for t in usable if known and t.name == _choose_over([known])]
+
+        def prepare(t: Tactic) -> Launch:
+            config = t.configure(step, metas)
+            return t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
+
+        kernels.record(i, usable, prepare, bound.ctx, recorded.args, bound.attributes)
+
+    try:
+        _record(reference_program, set(tunable), examples, on_record=record)
+    except Exception as e:  # noqa: BLE001  the search's own example run says what failed; kernels compile on launch
+        say(f"tactics: recording the candidates' kernels stopped ({type(e).__name__}: {str(e)[:200]})")
+
+
 def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding], *, device: torch.device,
              opt_level: int, shapes: dict[str, list[int]], timing_cache: str | None = None,
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
              io_casts: dict[str, str] | None = None,
              other_shapes: dict[str, dict[str, list[int]]] | None = None,
-             examples: list[Any] | None = None) -> dict[str, Any]:
+             examples: list[Any] | None = None, compile_workers: int | None = None) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
     `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
     also timed (_choose_over). `examples`: the program's inputs at the tuning point when they are not
@@ -576,13 +624,16 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     order = {i: n for n, i in enumerate(sorted(tunable))}
     rivals: dict[int, in_context.Rival] = {}  # layers whose native rival was close alone: timed again in context
 
+    def constants_of(step: StepSpec) -> list[Any]:
+        return [placed[program.constants[name]] if name in program.constants else None for name in step.inputs]
+
     def tune(i: int, record: _Recorded, others: dict[str, _Recorded]) -> None:
         step = program.steps[i]
         bound = reference_program.steps[i]
-        constants = [placed[program.constants[name]] if name in program.constants else None
-                     for name in step.inputs]
-        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants, tunable[i],
-                                    device, cache, env, runs, others)
+        if kernels is not None:
+            kernels.wait(i)
+        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants_of(step),
+                                    tunable[i], device, cache, env, runs, others)
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
@@ -604,6 +655,12 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         except Exception as e:  # the search's own failure, not the example run's: raised as it is below
             raise _TuningFailed() from e
 
+    # Triton kernels compile in worker processes while the first layers are timed (kiln/builder/precompile.py)
+    kernels = CandidateKernels.start(device, compile_workers)
+    if kernels is not None:
+        say(f"tactics: compiling the candidates' Triton kernels in {kernels.pool.workers} processes")
+        _record_candidate_kernels(kernels, program, tunable, reference_program, constants_of, examples, cache, env,
+                                  device, say)
     try:
         if not points:
             # One point: each layer is tuned as the example run reaches it, on a record no other holds.
@@ -630,11 +687,19 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
             step.tactic, step.tactic_config = "", {}
         return {"skipped": f"the example run failed ({type(e).__name__}: {str(e)[:200]}); every layer "
                            "runs its default implementation"}
+    finally:
+        if kernels is not None:
+            kernels.close()
+            say(f"tactics: {kernels.kernels} Triton kernels compiled in workers, {kernels.pool.seconds:.1f} s of "
+                "compile summed")
 
     if rivals:
         _retime_in_context(program, placed, device, examples, rivals, layers, say)
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    if kernels is not None:
+        record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
+                             "seconds_summed": round(kernels.pool.seconds, 1)}
     if fallbacks:
         record["fallback_layers"] = fallbacks
         say(f"tactics: WARNING {len(fallbacks)} layer(s) run their default implementation because every candidate "

@@ -24,6 +24,9 @@ class BuildConfig:
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
     tuning_runs: int = 10  # timed rounds per layer in the tactic search (median)
+    # processes compiling a CUDA build's Triton kernels while the search runs (kiln/builder/precompile.py);
+    # None: the cores less one; 0: none (each kernel compiles on its first launch, on the building thread)
+    compile_workers: int | None = None
     # post-training quantization (precision int8 / fp8): calibration data (a folder of .npy/.npz or of
     # images, or an iterable of {input: array}), the calibrator, a cache of the measured ranges, how
     # images are preprocessed, and "auto" (quantize the layers an int8/fp8 kernel of the device runs;

@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",
                    help="tactic timings to reuse and extend: a rebuild with it times nothing (kiln/tactics)")
+    p.add_argument("--compile-workers", type=int, metavar="N",
+                   help="CUDA: processes compiling the candidates' Triton kernels while the tactic search runs "
+                        "(default: the cores less one; 0: each kernel compiles on its first launch)")
     p.add_argument("--refittable", action="store_true",
                    help="keep every weight refittable (kiln refit): none stored once for being equal to another, "
                         "so an engine built from freshly initialised weights takes trained ones")

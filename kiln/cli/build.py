@@ -37,6 +37,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "device": args.device,
         "precision": args.precision,
         "timing_cache": args.timing_cache,
+        "compile_workers": args.compile_workers,
         "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
         "calibration": args.calib,
         "calibrator": args.calibrator,

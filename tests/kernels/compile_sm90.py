@@ -8,6 +8,7 @@ Prints one line per kernel; exits non-zero on the first failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -268,3 +269,33 @@ def main(args: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+
+
+class SM90Driver:
+    """A stand-in for Triton's CUDA driver where there is no GPU: the target is an H100/H200 (sm_90), device 0,
+    stream 0. With it active, a launch goes through the JIT's own binding and specialization up to the compile,
+    which `precompile.recorded_launches` intercepts (nothing may actually launch)."""
+
+    def get_current_target(self):
+        return TARGET
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def sm90_driver():
+    from triton.runtime import driver
+    previous = driver._active  # None until a driver was asked for; reset_active() would look for a GPU
+    driver.set_active(SM90Driver())
+    try:
+        yield
+    finally:
+        driver._active = previous

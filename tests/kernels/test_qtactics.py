@@ -241,6 +241,28 @@ def test_qconv_triton_options_match_the_reference(flag, cases):
             check_tactic(name, layer, what=f"{x_dtype} {geometry}")
 
 
+def test_fp8_layers_of_many_input_channels_take_wide_k_steps_only():
+    """An FP8 layer of >= 256 input channels and > 64 outputs is no candidate for a 64-wide K tile (measured slower on
+    every such ResNet-50 layer on the H200); int8 layers, FP8 ones of fewer channels or of 64 outputs keep them."""
+    short_k = [t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=3)
+               if t.name.startswith("cuda.qconv.triton_igemm.") and "x64w" in t.name
+               and not any(other in t.name for other in ("int8_on_fp16", "space_to_depth", "then_qadd"))]
+    assert "cuda.qconv.triton_igemm.128x64x64w4s4" in short_k and len(short_k) == 5, short_k
+
+    def accepted(name, layer):
+        return registry.get(name).check(layer.step, layer.metas()) is True
+
+    def layer(x_dtype, cin, cout):  # 1x1 (the persistent tile's loop too), 2 x 12 x 12 = 288 output pixels
+        return conv_layer(x_dtype, x_dtype, cin=cin, cout=cout, size=(12, 12), kernel=1, pads=[0] * 4)
+
+    for name in short_k:
+        assert "128-wide K steps" in refusal(name, layer(FP8, 256, 256)), name
+        assert accepted(name, layer(I8, 256, 256)), name
+    assert accepted("cuda.qconv.triton_igemm.128x128x128w8s3", layer(FP8, 256, 256))
+    assert accepted("cuda.qconv.triton_igemm.128x64x64w4s4", layer(FP8, 128, 256))
+    assert accepted("cuda.qconv.triton_igemm.128x64x64w4s4", layer(FP8, 256, 64))
+
+
 def test_qconv_triton_options_refuse_the_other_family():
     assert "int8 layers" in refusal(_first_tile("mma_f16"), conv_layer(FP8, FP8, cin=64, cout=128, size=(12, 12)))
     assert "FP8 option" in refusal(_first_tile("fp8_fast_accumulation"),

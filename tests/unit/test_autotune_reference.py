@@ -51,3 +51,35 @@ def test_a_layer_whose_output_dtype_is_an_attribute_is_checked_in_float32():
     assert check(record.output) is None
     problem = check(record.output + 0.5)
     assert problem is not None and "max abs error" in problem
+
+
+def test_a_checker_shared_by_tactics_judges_the_layer_once():
+    """Tactic.checker is a function of the layer (the op, its inputs, attributes), not of the tactic: the tuner makes
+    it once for every candidate that shares it (every CUDA QConv tactic carries the FP8 residual bound, which runs the
+    reference twice over the layer's outputs), and still judges each candidate by it: a wrong one is dropped."""
+    from kiln.builder.autotune import _tune_layer
+    from kiln.builder.timing_cache import TimingCache
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics.tactic import Tactic
+
+    made = []
+
+    def within_a_tenth(reference, ctx, args, attributes):
+        made.append(1)
+        want = reference(ctx, *args, **attributes)
+        return lambda result: None if float((result - want).abs().max()) <= 0.1 else "more than 0.1 off"
+
+    def tactic(name, offset):
+        return Tactic(name=f"cpu.test_shared_checker.{name}", op_type="Mul", domain="", device="cpu",
+                      dtypes=(torch.float32,), supports=lambda step, inputs: True, checker=within_a_tenth,
+                      prepare=lambda step, constants, device: lambda ctx, x, w, **_: x * w + offset)
+
+    x, w = torch.randn(64), torch.randn(64)
+    record = _Recorded([x, w], _default(None, x, w))
+    step = StepSpec(op_type="Mul", name="mul", inputs=["x", "w"], outputs=["y"], attributes={}, domain="", opset=14)
+    found, _ = _tune_layer(step, record, _default, None, {}, [None, None],
+                           [tactic("exact", 0.0), tactic("close", 0.05), tactic("wrong", 1.0)],
+                           torch.device("cpu"), TimingCache(None), {}, runs=3)
+    assert len(made) == 1
+    assert {"cpu.test_shared_checker.exact", "cpu.test_shared_checker.close"} <= set(found.candidates)
+    assert found.candidates["cpu.test_shared_checker.wrong"] == "rejected: more than 0.1 off"

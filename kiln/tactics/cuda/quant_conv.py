@@ -97,6 +97,9 @@ class IgemmTile:
         return "cuda.qconv.triton_igemm." + ".".join([tile, *flags])
 
 
+FP8_WIDE_K, FP8_WIDE_K_FROM = 128, 256  # FP8 layers of >= 256 input channels take 128-wide K steps only
+
+
 def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> str | None:
     """Why this config is no candidate for the layer (None: it is)."""
     x, w = inputs[0], inputs[3]
@@ -124,6 +127,12 @@ def _igemm_refusal(tile: IgemmTile, step: StepSpec, inputs: list[InputMeta]) -> 
         return f"{tile.block_n}-channel tiles for {w.shape[0]} output channels: mostly padding"
     if x.shape[1] % 64 == 0 and tile.block_k > x.shape[1]:  # the configs of 64-wide K steps run its channel loop
         return f"{tile.block_k}-wide K steps over {x.shape[1]} input channels: the per-element K loop"
+    if fp8 and tile.block_k < FP8_WIDE_K and x.shape[1] >= FP8_WIDE_K_FROM and w.shape[0] > 64 and rows > 64:
+        # the FP8 kernel promotes its partial sums to fp32 every K step: a 64-wide step pays that twice as often.
+        # On the H200 (bench/results/qconv-2026-12-02.md run 2) the best 64-wide tile was 3-59% slower than the best
+        # 128-wide one on each of the 15 ResNet-50 FP8 layers of >= 256 input and > 64 output channels
+        return (f"FP8 over {x.shape[1]} input channels: {FP8_WIDE_K}-wide K steps (half the fp32 promotions) win "
+                "there (bench/results/qconv-2026-12-02.md)")
     return None
 
 
