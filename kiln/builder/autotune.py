@@ -632,7 +632,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         bound = reference_program.steps[i]
         if kernels is not None:
             kernels.wait(i)
-        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants_of(step),
+        constants = constants_of(step)
+        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants,
                                     tunable[i], device, cache, env, runs, others)
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
