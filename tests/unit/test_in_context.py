@@ -23,7 +23,7 @@ from kiln.tactics.tactic import InputMeta
 pytestmark = pytest.mark.skipif(not (onednn.available() and gemm_native.available() and native_loop.load()),
                                 reason="oneDNN, kiln's GEMM or the compiled segment loop is not available")
 
-PACKED, ONEDNN = "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct"
+PACKED, ONEDNN, MKL = "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.gemm.mkl"
 ROWS, WIDTH, HIDDEN = 24, 32, 48
 # float32 GEMMs of K <= 48 against the float64 reference, relative to the output's scale
 RTOL, ATOL = 2e-5, 1e-6
@@ -100,6 +100,8 @@ def test_the_closest_native_rival_within_the_margin_is_the_one_timed_again(monke
 
     rival = in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.2, mkl=1.01, default=1.0), metas, configure)
     assert rival is not None and (rival.tactic, rival.chosen_ms, rival.rival_ms) == (ONEDNN, 1.0, 1.2)  # mkl: no
+    mkl_won = dataclasses.replace(found(WALL, packed=1.1, onednn=1.2, mkl=1.0), tactic=MKL)
+    assert in_context.rival_of(step, mkl_won, metas, configure).tactic == PACKED  # a non-native winner's native rival
     assert rival.config == configure(ONEDNN)
     assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None  # past the margin
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -115,7 +117,7 @@ def test_the_closest_native_rival_within_the_margin_is_the_one_timed_again(monke
 
 
 def _rivals(spec: ProgramSpec) -> dict[int, in_context.Rival]:
-    config = {i: {"input_size": s.tactic_config["input_size"], "residual": s.tactic_config["residual"]}
+    config = {i: {"input_size": [1, ROWS, WIDTH if i % 2 == 0 else HIDDEN], "residual": i % 2 == 1}
               for i, s in enumerate(spec.steps)}
     return {i: in_context.Rival(ONEDNN, config[i], 1.0, 1.05, group=s.name.rstrip("01")) for i, s in
             enumerate(spec.steps)}
@@ -192,3 +194,33 @@ def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     feed = rng.standard_normal((1, 64, 64), dtype=np.float32)
     np.testing.assert_allclose(engine.run({"x": feed})[x], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypatch):
+    """The up projections chosen on MKL (cpu.gemm.mkl, outside the segments), the down ones on PACKED; profile_segments
+    made to cost 4 ms of the calling thread's CPU whenever MKL runs the up projections: the up signature takes its
+    native rival on the whole runs."""
+    from kiln.tactics.cpu import torch_mkl
+
+    if not torch_mkl.mkl_available():
+        pytest.skip("torch has no MKL here")
+
+    def fake(program, inputs, runs=10, clock=None):
+        tactics = {s.name: s.tactic for s in program.spec.steps}
+        if tactics["up0"] == MKL:
+            spin_until = time.thread_time() + 0.004 * runs
+            while time.thread_time() < spin_until:
+                pass
+        return {name: [2.0 if tactic == ONEDNN else 1.0] * runs for name, tactic in tactics.items()
+                if tactic != MKL}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # timed by the thread's CPU time
+    spec, weights = _blocks()
+    for i in (0, 2):
+        spec.steps[i].tactic, spec.steps[i].tactic_config = MKL, {"rows": ROWS}
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    # the down projections, alone between MKL layers, are in no segment of A: not compared, kept
+    assert sorted(found) == [0, 2]
+    assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
+    assert found[0] == found[2] and found[0][MKL] >= 3.5 > found[0][ONEDNN]  # whole runs: 4 ms of spinning, or none
