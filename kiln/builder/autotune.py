@@ -15,7 +15,9 @@
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked); on the CPU, a profile's mid and min shapes are
        checked and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
-    4. the whole program runs once more with the chosen tactics and is judged against the error
+    4. on the CPU, a GEMM layer whose chosen native tactic had a native rival close to it alone is timed again
+       in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py);
+    5. the whole program runs once more with the chosen tactics and is judged against the error
        the default engine itself makes at its precision (accuracy.py): when it is worse, only the
        layers to blame go back to their default, and the header and the build log say which and why.
 
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kiln.builder import in_context
 from kiln.builder.accuracy import (FLOAT8_HALF_SLACK, TOLERANCE, full_float32, half_dtype, integer_steps, mismatch,
                                    settle, upcast)
 from kiln.builder.cpu_clock import PROCESS_CPU, WALL, cpu_clock
@@ -366,7 +369,8 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
 
     if hit:
         chosen = wanted if wanted == DEFAULT or wanted in launches else DEFAULT  # a failed winner: the default
-        times = [{k: v for k, v in c["times_ms"].items() if k in launches or k == DEFAULT} for c in cached]
+        # every usable tactic's cached time: a rival close to the winner is timed again in context (in_context.py)
+        times = [{k: v for k, v in c["times_ms"].items() if k in names} for c in cached]
         found = _result(chosen, times, {**cached[0].get("notes", {}), **notes}, cached=True, labels=labels)
         found.clock = cached[0].get("clock", WALL if device.type == "cpu" else None)
         return found, launches[chosen][1] if chosen in launches else {}
@@ -501,6 +505,30 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
     )
 
 
+def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
+                       rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], say: Progress) -> None:
+    """Close native contenders timed again as the engine runs them (in_context.py); each layer's record says so
+    (`in_network`: ms of each in the network) and takes the choice."""
+    start = time.perf_counter()
+    try:
+        found = in_context.retime(program, placed, device, examples, rivals)
+    except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
+        say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
+            "the choices made alone stand")
+        return
+    for i, in_network in found.items():
+        step = program.steps[i]
+        layer = layers[step.name]
+        chosen = step.tactic or DEFAULT
+        if chosen != layer["tactic"]:
+            layer.update(tactic=chosen, time_ms=rivals[i].rival_ms,
+                         runner_up=layer["tactic"], runner_up_ms=rivals[i].chosen_ms)
+        layer["in_network"] = in_network
+    changed = sum(program.steps[i].tactic == rivals[i].tactic for i in found)
+    say(f"tactics: {len(found)} layer(s) timed in context in {time.perf_counter() - start:.1f} s: "
+        f"{changed} took the tactic that was slower alone")
+
+
 def fallback_reason(found: LayerTuning) -> str | None:
     """Why a layer runs its default implementation although it has candidates, when none passed the
     per-layer check (None otherwise: the default won on time, or nothing supported the layer). The default of
@@ -594,6 +622,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     layers: dict[str, dict[str, Any]] = {}
     fallbacks: dict[str, str] = {}  # layer -> why it runs its default although it had candidates
     order = {i: n for n, i in enumerate(sorted(tunable))}
+    rivals: dict[int, in_context.Rival] = {}  # layers whose native rival was close alone: timed again in context
 
     def constants_of(step: StepSpec) -> list[Any]:
         return [placed[program.constants[name]] if name in program.constants else None for name in step.inputs]
@@ -603,11 +632,17 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         bound = reference_program.steps[i]
         if kernels is not None:
             kernels.wait(i)
-        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants_of(step),
+        constants = constants_of(step)
+        found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants,
                                     tunable[i], device, cache, env, runs, others)
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
+        if device.type == "cpu" and not points:
+            metas = [InputMeta.of(a, c is not None) for a, c in zip(record.args, constants)]
+            rival = in_context.rival_of(step, found, metas, lambda name: registry.get(name).configure(step, metas))
+            if rival is not None:
+                rivals[i] = rival
         say(f"tactics: {order[i] + 1}/{len(tunable)} {step.name}: {found.tactic}"
             + (f" {found.time_ms:.3f} ms" if found.time_ms is not None else "") + (" (cached)" if found.cached else ""))
         fallback = fallback_reason(found)
@@ -659,6 +694,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
             say(f"tactics: {kernels.kernels} Triton kernels compiled in workers, {kernels.pool.seconds:.1f} s of "
                 "compile summed")
 
+    if rivals:
+        _retime_in_context(program, placed, device, examples, rivals, layers, say)
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
     if kernels is not None:

@@ -37,8 +37,10 @@ def _layers(plan: EnginePlan) -> list[dict]:
         if step.fused_from:
             layer["fused_from"] = list(step.fused_from)
         tuned = plan.header.get("tactics", {}).get("layers", {}).get(step.name)
-        if tuned:  # chosen tactic, its time and the runner-up's (kiln/builder/autotune.py)
+        if tuned:  # chosen tactic, its time and the runner-up's (kiln/builder/autotune.py), times in the network
             layer["tactic"] = {k: tuned.get(k) for k in ("tactic", "time_ms", "runner_up", "runner_up_ms", "cached")}
+            if "in_network" in tuned:  # timed again in context (kiln/builder/in_context.py)
+                layer["tactic"]["in_network"] = tuned["in_network"]
         precision = quantized.get(step.name)
         if precision:  # a quantized layer: int8 kernel or its float layer, and why (builder/calibration.py)
             layer["precision"] = precision

@@ -35,11 +35,13 @@ other sizes (_Resized, _PlanRewrite); native_runs.py finds the runs of a program
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +292,40 @@ class Segment:
             status = self._execute(obj, self._stream, nargs, args)
             if status:
                 self._check(status, f"layer {names[k]!r} of a native segment")
+
+    @contextlib.contextmanager
+    def timed(self, clock: int = time.CLOCK_MONOTONIC) -> Iterator[dict[str, list[float]]]:
+        """Within: each run of this segment at its planned size adds, per layer, its ms in that run (its calls'
+        times summed, by `clock`: the wall's, or time.CLOCK_THREAD_CPUTIME_ID, the calling thread's CPU time) to
+        the dict's list. What a layer costs as the network runs it, after the layer before
+        it evicted its weights and activations, not as a loop of its own calls finds it (kiln/runtime/profiler.py:
+        profile_segments). Needs the compiled loop."""
+        if self._c is None:
+            raise RuntimeError(f"a segment's per-layer times need kiln's compiled loop: {native_loop.reason()}")
+        found: dict[str, list[float]] = {}
+        timed_run = native_loop.load().kiln_run_segment_timed
+        plain = dict(self._c)
+
+        def clocked(c: tuple, names: list[str]) -> tuple:
+            elapsed = (ctypes.c_longlong * max(len(names), 1))()
+
+            def run(*args) -> int:
+                status = timed_run(*args, elapsed, clock)
+                per_layer: dict[str, float] = {}
+                for name, ns in zip(names, elapsed):
+                    per_layer[name] = per_layer.get(name, 0.0) + ns / 1e6
+                for name, ms in per_layer.items():
+                    found.setdefault(name, []).append(ms)
+                return status
+            return (run, *c[1:])
+
+        with self._lock:
+            self._c = {key: clocked(c, self._variants[key][2]) for key, c in plain.items()}
+        try:
+            yield found
+        finally:
+            with self._lock:
+                self._c = plain
 
     def _staging(self, k: int, v: torch.Tensor) -> torch.Tensor:
         """Entry k copied into its own buffer in the segment's layout (made on first use)."""

@@ -6,6 +6,7 @@ they only check that the helpers run and return sane shapes of data.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -186,3 +187,18 @@ def profile_layers(program: Program, inputs: list[Any], runs: int = 10) -> list[
         layers.append({"name": spec.name, "op_type": spec.op_type, "tactic": getattr(spec, "tactic", "") or "default",
                        "ms": statistics.median(s) if s else 0.0})
     return layers
+
+
+def profile_segments(program: Program, inputs: list[Any], runs: int = 10,
+                     clock: int = time.CLOCK_MONOTONIC) -> dict[str, list[float]]:
+    """Layer name -> its ms in each of `runs` runs of `program` as it is (its native segments' compiled loops
+    timing each call by `clock`; Segment.timed), for the layers inside native segments.
+
+    profile_layers runs every layer through its own launch, without segments; this times the engine's own
+    loop, where a layer runs after the layer before it evicted its weights and activations: a GEMM tactic
+    that won alone may lose here (kiln/builder/in_context.py)."""
+    with contextlib.ExitStack() as stack, torch.inference_mode():
+        found = [stack.enter_context(segment.timed(clock)) for segment in program.segments]
+        for _ in range(runs):
+            program.run(inputs)
+    return {name: ms for per_segment in found for name, ms in per_segment.items()}

@@ -138,11 +138,11 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         library = ctypes.CDLL(str(built))
-        fn = library.kiln_run_segment
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.POINTER(ctypes.c_int)]
+        loop = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
+        timed = [*loop, ctypes.c_void_p, ctypes.c_int]  # ... and the per-call times, by a clock
+        for fn, argtypes in ((library.kiln_run_segment, loop), (library.kiln_run_segment_timed, timed)):
+            fn.restype, fn.argtypes = ctypes.c_int, argtypes
     except OSError as e:
         _REASON = f"{type(e).__name__}: {e}"
         return None

@@ -1,14 +1,49 @@
 /* kiln's native CPU code, compiled once at first use by kiln/kernels/cpu/native_loop.py with the
  * machine's C compiler (-O3 -march=native -fopenmp) into kiln's cache.
  *
- * kiln_run_segment: the loop of a native segment (kiln/runtime/native.py), one call a run.
+ * kiln_run_segment: the loop of a native segment (kiln/runtime/native.py), one call a run;
+ * kiln_run_segment_timed: the same, each call timed (a segment's per-layer profile).
  * kiln_wino_input / kiln_wino_output: the transforms of a Winograd F(2x2, 3x3) convolution
  * (kiln/kernels/cpu/winograd.py), around a batched GEMM that oneDNN runs.
  */
 #include <stddef.h>
+#include <time.h>
 
 typedef int (*call_fn)(void *object, void *stream, int nargs, const void *args);
 typedef int (*set_handle_fn)(void *memory, void *handle);
+
+static long long now_ns(clockid_t clock) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* The loop of both entry points below; elapsed_ns NULL: no clock read. */
+static int run_segment(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
+                       void *const *memories, void *const *addresses, int n, void *const *objects,
+                       const int *nargs, void *const *args, int *failed, long long *elapsed_ns, clockid_t clock) {
+    for (int i = 0; i < nbind; ++i) {
+        int status = set_handle(memories[i], addresses[i]);
+        if (status != 0) {
+            *failed = -1 - i;
+            return status;
+        }
+    }
+    long long before = elapsed_ns ? now_ns(clock) : 0;
+    for (int i = 0; i < n; ++i) {
+        int status = functions[i](objects[i], stream, nargs[i], args[i]);
+        if (status != 0) {
+            *failed = i;
+            return status;
+        }
+        if (elapsed_ns) {
+            long long after = now_ns(clock);
+            elapsed_ns[i] = after - before;
+            before = after;
+        }
+    }
+    return 0;
+}
 
 /* Points memories [0, nbind) at their addresses (the run's inputs and outputs), then makes calls
    [0, n) in order: functions[i](objects[i], stream, nargs[i], args[i]) -- dnnl_primitive_execute
@@ -17,21 +52,18 @@ typedef int (*set_handle_fn)(void *memory, void *handle);
 int kiln_run_segment(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
                      void *const *memories, void *const *addresses, int n, void *const *objects,
                      const int *nargs, void *const *args, int *failed) {
-    for (int i = 0; i < nbind; ++i) {
-        int status = set_handle(memories[i], addresses[i]);
-        if (status != 0) {
-            *failed = -1 - i;
-            return status;
-        }
-    }
-    for (int i = 0; i < n; ++i) {
-        int status = functions[i](objects[i], stream, nargs[i], args[i]);
-        if (status != 0) {
-            *failed = i;
-            return status;
-        }
-    }
-    return 0;
+    return run_segment(functions, set_handle, stream, nbind, memories, addresses, n, objects, nargs, args, failed,
+                       NULL, CLOCK_MONOTONIC);
+}
+
+/* kiln_run_segment with each call's time by `clock` in elapsed_ns[i] (CLOCK_MONOTONIC: wall; CLOCK_THREAD_CPUTIME_ID:
+   the calling thread's CPU time): the layers' times as the network runs them, each after the layer before it
+   (kiln/runtime/native.py: Segment.timed). */
+int kiln_run_segment_timed(call_fn const *functions, set_handle_fn set_handle, void *stream, int nbind,
+                           void *const *memories, void *const *addresses, int n, void *const *objects,
+                           const int *nargs, void *const *args, int *failed, long long *elapsed_ns, int clock) {
+    return run_segment(functions, set_handle, stream, nbind, memories, addresses, n, objects, nargs, args, failed,
+                       elapsed_ns, (clockid_t)clock);
 }
 
 /* ---- Winograd F(2x2, 3x3) ------------------------------------------------------------------------

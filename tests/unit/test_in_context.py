@@ -1,0 +1,226 @@
+"""GEMM tactics timed in context (kiln/builder/in_context.py) and the per-layer profile of native segments it
+reads (kiln/runtime/profiler.py: profile_segments): the layers' times as the engine runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.builder import in_context
+from kiln.builder.autotune import LayerTuning
+from kiln.builder.cpu_clock import PROCESS_CPU, WALL
+from kiln.kernels.cpu import gemm_native, native_loop, onednn
+from kiln.plan.spec import ProgramSpec, StepSpec
+from kiln.runtime import profiler
+from kiln.runtime.program import Program
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+pytestmark = pytest.mark.skipif(not (onednn.available() and gemm_native.available() and native_loop.load()),
+                                reason="oneDNN, kiln's GEMM or the compiled segment loop is not available")
+
+PACKED, ONEDNN, MKL = "cpu.gemm.kiln_packed", "cpu.gemm.onednn_direct", "cpu.gemm.mkl"
+ROWS, WIDTH, HIDDEN = 24, 32, 48
+# float32 GEMMs of K <= 48 against the float64 reference, relative to the output's scale
+RTOL, ATOL = 2e-5, 1e-6
+
+
+def _gemm(name: str, x: str, w: str, b: str, out: str, k: int, activation: str = "", residual: str = "",
+          tactic: str = PACKED) -> StepSpec:
+    return StepSpec("FusedGemm", name, [x, w, b] + ([residual] if residual else []), [out],
+                    {"activation": activation}, domain="kiln", tactic=tactic,
+                    tactic_config={"input_size": [1, ROWS, k], "residual": bool(residual)})
+
+
+def _blocks(tactic: str = PACKED) -> tuple[ProgramSpec, dict[str, torch.Tensor]]:
+    """Two FFN blocks x -> h = relu(x W1ᵀ + b1) -> y = h W2ᵀ + b2 + x: two GEMM signatures, two layers each."""
+    g = torch.Generator().manual_seed(11)
+    weights, steps, x = {}, [], "x"
+    for block in range(2):
+        weights |= {f"w1_{block}": torch.randn(HIDDEN, WIDTH, generator=g) * 0.2,
+                    f"b1_{block}": torch.randn(HIDDEN, generator=g),
+                    f"w2_{block}": torch.randn(WIDTH, HIDDEN, generator=g) * 0.2,
+                    f"b2_{block}": torch.randn(WIDTH, generator=g)}
+        out = "y" if block == 1 else f"y{block}"
+        steps += [_gemm(f"up{block}", x, f"w1_{block}", f"b1_{block}", f"h{block}", WIDTH, "Relu", tactic=tactic),
+                  _gemm(f"down{block}", f"h{block}", f"w2_{block}", f"b2_{block}", out, HIDDEN, residual=x,
+                        tactic=tactic)]
+        x = out
+    return ProgramSpec(["x"], ["y"], steps, {k: k for k in weights}), weights
+
+
+def _reference(spec: ProgramSpec, weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The registered FusedGemm in float64: the oracle."""
+    plain = dataclasses.replace(spec, steps=[dataclasses.replace(s, tactic="", tactic_config={}) for s in spec.steps])
+    with torch.inference_mode():
+        return Program(plain, {k: v.double() for k, v in weights.items()}).run([x.double()])[0]
+
+
+def _assert_close(got: torch.Tensor, want64: torch.Tensor) -> None:
+    scale = want64.abs().max().item()
+    error = (got.double() - want64).abs().max().item()
+    assert error <= ATOL + RTOL * scale, f"max abs error {error:.3g} at scale {scale:.3g}"
+
+
+def test_profile_segments_times_every_member_of_every_run_and_changes_no_result():
+    spec, weights = _blocks()
+    program = Program(spec, weights)
+    assert len(program.segments) == 1
+    segment = program.segments[0]
+    loop = dict(segment._c)
+    x = torch.randn(1, ROWS, WIDTH)
+    times = profiler.profile_segments(program, [x], runs=3)
+    assert sorted(times) == sorted(s.name for s in spec.steps)
+    assert all(len(ms) == 3 and all(0 < t < 1e4 for t in ms) for ms in times.values())
+    assert segment._c == loop  # the plain loop is back
+    cpu = profiler.profile_segments(program, [x], runs=2, clock=time.CLOCK_THREAD_CPUTIME_ID)
+    assert sorted(cpu) == sorted(times) and all(len(ms) == 2 and all(t >= 0 for t in ms) for ms in cpu.values())
+    with torch.inference_mode(), segment.timed() as during:
+        got = program.run([x])[0]
+    assert sorted(during) == sorted(times)
+    _assert_close(got, _reference(spec, weights, x))
+
+
+def test_the_closest_native_rival_within_the_margin_is_the_one_timed_again(monkeypatch):
+    spec, _ = _blocks()
+    step = spec.steps[0]
+    metas = [InputMeta((1, ROWS, WIDTH), torch.float32, False), InputMeta((HIDDEN, WIDTH), torch.float32, True),
+             InputMeta((HIDDEN,), torch.float32, True)]
+
+    def found(clock: str, **times: float) -> LayerTuning:
+        names = {"packed": PACKED, "onednn": ONEDNN, "mkl": "cpu.gemm.mkl", "default": "default"}
+        return LayerTuning(PACKED, times["packed"], candidates={names[k]: v for k, v in times.items()}, clock=clock)
+
+    def configure(name: str) -> dict:
+        return registry.get(name).configure(step, metas)
+
+    rival = in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.2, mkl=1.01, default=1.0), metas, configure)
+    assert rival is not None and (rival.tactic, rival.chosen_ms, rival.rival_ms) == (ONEDNN, 1.0, 1.2)  # mkl: no
+    mkl_won = dataclasses.replace(found(WALL, packed=1.1, onednn=1.2, mkl=1.0), tactic=MKL)
+    assert in_context.rival_of(step, mkl_won, metas, configure).tactic == PACKED  # a non-native winner's native rival
+    assert rival.config == configure(ONEDNN)
+    assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None  # past the margin
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    rival = in_context.rival_of(step, found(PROCESS_CPU, packed=1.0, onednn=9.0), metas, configure)
+    assert rival is not None and rival.tactic == ONEDNN  # several threads timed by CPU time: any native rival
+    assert in_context.rival_of(step, found(WALL, packed=1.0, onednn=1.3), metas, configure) is None
+    other = dataclasses.replace(step, op_type="FusedConv")
+    assert in_context.rival_of(other, found(WALL, packed=1.0, onednn=1.1), metas, configure) is None
+    again = in_context.rival_of(spec.steps[2], found(WALL, packed=1.0, onednn=1.1), metas, configure)
+    assert again.group == rival.group  # the second block's up projection: judged with the first's
+    down = [InputMeta((1, ROWS, HIDDEN), torch.float32, False), InputMeta((WIDTH, HIDDEN), torch.float32, True)]
+    assert in_context.rival_of(spec.steps[1], found(WALL, packed=1.0, onednn=1.1), down, configure).group != rival.group
+
+
+def _rivals(spec: ProgramSpec) -> dict[int, in_context.Rival]:
+    config = {i: {"input_size": [1, ROWS, WIDTH if i % 2 == 0 else HIDDEN], "residual": i % 2 == 1}
+              for i, s in enumerate(spec.steps)}
+    return {i: in_context.Rival(ONEDNN, config[i], 1.0, 1.05, group=s.name.rstrip("01")) for i, s in
+            enumerate(spec.steps)}
+
+
+@pytest.mark.parametrize("faster", ["up", "down", "neither"])
+def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(monkeypatch, faster):
+    """profile_segments made to say each program's times: the rival ONEDNN costs 0.5 ms on the `faster` layers and
+    2 ms elsewhere, the chosen PACKED 1 ms; a layer's span is itself and the members after it up to the next
+    swapped one (here: itself)."""
+    def fake(program, inputs, runs=10, clock=None):
+        tactics = {s.name: s.tactic for s in program.spec.steps}
+        return {name: [(0.5 if name.startswith(faster) else 2.0) if tactic == ONEDNN else 1.0] * runs
+                for name, tactic in tactics.items()}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    spec, weights = _blocks()
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    assert sorted(found) == [0, 1, 2, 3]
+    for i, step in enumerate(spec.steps):
+        swapped = step.name.startswith(faster)
+        assert step.tactic == (ONEDNN if swapped else PACKED)
+        assert found[i] == {PACKED: 1.0, ONEDNN: 0.5 if swapped else 2.0}
+
+
+def test_retimed_choices_run_and_match_the_reference():
+    """The real profile: whatever each signature took, the program built from the result is right."""
+    spec, weights = _blocks()
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    assert sorted(found) == [0, 1, 2, 3]
+    assert all(set(times) == {PACKED, ONEDNN} and all(ms > 0 for ms in times.values()) for times in found.values())
+    assert spec.steps[0].tactic == spec.steps[2].tactic and spec.steps[1].tactic == spec.steps[3].tactic
+    program = Program(spec, weights)
+    assert len(program.segments) == 1
+    for seed in range(2):
+        x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            _assert_close(program.run([x])[0], _reference(spec, weights, x))
+
+
+def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime():
+    """A two-block FFN built with both native GEMMs allowed, at one thread: every layer the search timed again in
+    context runs the tactic that was faster there, and the engine agrees with onnxruntime."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    import kiln
+
+    rng = np.random.default_rng()
+    inits, nodes, x = [], [], "x"
+    for block in range(2):
+        w1 = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
+        w2 = rng.standard_normal((256, 64)).astype(np.float32) * 0.1
+        inits += [numpy_helper.from_array(w1, f"w1_{block}"), numpy_helper.from_array(w2, f"w2_{block}")]
+        nodes += [helper.make_node("MatMul", [x, f"w1_{block}"], [f"h{block}"]),
+                  helper.make_node("Relu", [f"h{block}"], [f"a{block}"]),
+                  helper.make_node("MatMul", [f"a{block}", f"w2_{block}"], [f"m{block}"]),
+                  helper.make_node("Add", [f"m{block}", x], [f"y{block}"])]
+        x = f"y{block}"
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 64])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 64, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = kiln.build(model, tactics=[PACKED, ONEDNN])
+    finally:
+        torch.set_num_threads(threads)
+    layers = engine.plan.header["tactics"]["layers"]
+    steps = {s.name: s for s in engine.plan.program.steps}
+    for name, layer in layers.items():
+        if "in_network" in layer:
+            assert steps[name].tactic == layer["tactic"] == min(layer["in_network"], key=layer["in_network"].get)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    feed = rng.standard_normal((1, 64, 64), dtype=np.float32)
+    np.testing.assert_allclose(engine.run({"x": feed})[x], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypatch):
+    """The up projections chosen on MKL (cpu.gemm.mkl, outside the segments), the down ones on PACKED; profile_segments
+    made to cost 4 ms of the calling thread's CPU whenever MKL runs the up projections: the up signature takes its
+    native rival on the whole runs."""
+    from kiln.tactics.cpu import torch_mkl
+
+    if not torch_mkl.mkl_available():
+        pytest.skip("torch has no MKL here")
+
+    def fake(program, inputs, runs=10, clock=None):
+        tactics = {s.name: s.tactic for s in program.spec.steps}
+        if tactics["up0"] == MKL:
+            spin_until = time.thread_time() + 0.004 * runs
+            while time.thread_time() < spin_until:
+                pass
+        return {name: [2.0 if tactic == ONEDNN else 1.0] * runs for name, tactic in tactics.items()
+                if tactic != MKL}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # timed by the thread's CPU time
+    spec, weights = _blocks()
+    for i in (0, 2):
+        spec.steps[i].tactic, spec.steps[i].tactic_config = MKL, {"rows": ROWS}
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    # the down projections, alone between MKL layers, are in no segment of A: not compared, kept
+    assert sorted(found) == [0, 2]
+    assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
+    assert found[0] == found[2] and found[0][MKL] >= 3.5 > found[0][ONEDNN]  # whole runs: 4 ms of spinning, or none
