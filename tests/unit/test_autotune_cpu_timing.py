@@ -26,13 +26,14 @@ def _spin(seconds: float) -> None:
 
 def test_the_least_round_decides_not_a_burst_on_most_rounds():
     """'fast' takes 2 ms, but 4 of its 5 calls are held up 30 ms more (a descheduled thread's slice); 'steady'
-    takes 6 ms every time. The least of the rounds is 'fast''s own cost; the lower quartile (the old
-    estimate) took a delayed round and chose 'steady'. Sleeps, not spins: their wall time holds on a
-    loaded test machine."""
+    takes 12 ms every time. The least of the rounds is 'fast''s own cost; the lower quartile (the old
+    estimate) takes a delayed round and would choose 'steady'. Sleeps, not spins: their wall time holds on a
+    loaded test machine; 10 rounds give 'fast' two undelayed calls and 10 ms of margin, since a loaded machine
+    wakes a sleeper late (a 2 ms sleep took 10 ms at load 15)."""
     delays = itertools.cycle([0.030, 0.030, 0.0, 0.030, 0.030])
-    fns = {"fast": lambda: time.sleep(0.002 + next(delays)), "steady": lambda: time.sleep(0.006)}
-    times = autotune.measure(fns, CPU, runs=5, budget_s=10.0)
-    assert 2.0 <= times["fast"] < 5.0 and times["steady"] >= 6.0, times
+    fns = {"fast": lambda: time.sleep(0.002 + next(delays)), "steady": lambda: time.sleep(0.012)}
+    times = autotune.measure(fns, CPU, runs=10, budget_s=10.0)
+    assert 2.0 <= times["fast"] < times["steady"] and times["steady"] >= 12.0, times
 
 
 def test_the_process_cpu_clock_leaves_out_time_off_the_cpu():
