@@ -231,7 +231,7 @@ def main_cpu(args) -> list[str]:
                 "inflated, torch's OpenMP threads (kiln, torch eager) more than onnxruntime's pool, and the "
                 "per-round ratios scatter. Re-run on an idle machine before drawing conclusions.", ""]
                if contended else [])
-    write_results(args.results / f"zoo-cpu-{now:%Y-%m-%d}.md", [
+    write_results(results_file(args, "cpu", now), [
         f"kiln zoo CPU benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
         "",
         *warning,
@@ -254,6 +254,11 @@ def main_cpu(args) -> list[str]:
         "",
     ])
     return lines
+
+
+def results_file(args, device: str, when: datetime.datetime) -> Path:
+    """bench/results/zoo-<device>[-<tag>]-<date>.md (--tag names a variant of the run, e.g. avx2)."""
+    return args.results / f"zoo-{device}{'-' + args.tag if args.tag else ''}-{when:%Y-%m-%d}.md"
 
 
 def write_results(path: Path, lines: list[str]) -> None:
@@ -387,7 +392,7 @@ def main_cuda(args) -> list[str]:
     print("\n" + "\n".join(lines))
     if not args.no_write:
         now = datetime.datetime.now(datetime.timezone.utc)
-        write_results(args.results / f"zoo-cuda-{now:%Y-%m-%d}.md", [
+        write_results(results_file(args, "cuda", now), [
             f"kiln zoo CUDA benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
             "",
             f"- device: {device}; commit {commit()}; kiln {kiln.__version__}; torch {torch.__version__}",
@@ -424,6 +429,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jsonl", help="CUDA: append each model's row to this JSON-lines file as it is measured")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the results file")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
+    parser.add_argument("--tag", default="", help="results file zoo-<device>-<tag>-<date>.md (a variant of the run)")
     return parser.parse_args(argv)
 
 
