@@ -68,7 +68,7 @@ typedef struct {
     int kernel, threads, reverse, batch_major;
     int gates;             /* 1 RNN, 3 GRU, 4 LSTM */
     int linear_before_reset, input_forget;
-    int generic;           /* 0: the default activations, no clip (LSTM: no peepholes or input_forget): fused cells */
+    int generic;           /* LSTM: 0 = the default activations, no clip, peepholes or input_forget (fused cell) */
     recurrent_act act[3];  /* the spec's f, g, h (RNN: f; GRU: f, g; LSTM: f, g, h) */
     float clip;            /* > 0: gate pre-activations clamped to [-clip, clip] */
     int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
@@ -438,12 +438,10 @@ static void rnn_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg
     }
 }
 
-static inline float sigmoid_poly(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
-
 /* GRU cell, units [j0, j0 + w): z, r activated in place (linear_before_reset=0: already, by gru_reset),
    the candidate's pre-activation in g_h (plus r ⊙ (hr + Rb_h) with linear_before_reset=1). */
-static void gru_cell_generic(const kiln_recurrent_plan *p, long step, float *g, long ldg, const float *hr, long ldhr,
-                             const float *h_prev, float *h_next, long j0, long w, long nr) {
+static void gru_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg, const float *hr, long ldhr,
+                     const float *h_prev, float *h_next, long j0, long w, long nr) {
     const float *rbh = p->bias_rh ? p->bias_rh + j0 : NULL;
     for (long n = 0; n < p->N; ++n) {
         if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
@@ -463,45 +461,15 @@ static void gru_cell_generic(const kiln_recurrent_plan *p, long step, float *g, 
     }
 }
 
-/* The same cell with the default activations (σ, tanh) and no clip: one loop a row, the gates activated in
-   registers (the staged cell's three recurrent_activate calls a row were a fifth of an AVX2 GRU layer). */
-static void gru_cell(const kiln_recurrent_plan *p, long step, float *g, long ldg, const float *hr, long ldhr,
-                     const float *h_prev, float *h_next, long j0, long w, long nr) {
-    if (p->generic) { gru_cell_generic(p, step, g, ldg, hr, ldhr, h_prev, h_next, j0, w, nr); return; }
-    const float *rbh = p->bias_rh ? p->bias_rh + j0 : NULL;
-    for (long n = 0; n < p->N; ++n) {
-        if (step >= length_of(p, n)) { hold_row(p, step, n, h_prev, h_next, j0, w); continue; }
-        const float *gz = g + n * ldg, *gr = gz + nr, *gh = gz + 2 * nr;
-        const float *hp = h_prev + n * p->H + j0;
-        float *hn = h_next + n * p->H + j0;
-        if (p->linear_before_reset) {
-            const float *hrn = hr + n * ldhr;
-            for (long j = 0; j < w; ++j) {
-                const float z = sigmoid_poly(gz[j]), r = sigmoid_poly(gr[j]);
-                const float candidate = tanh_rational(gh[j] + r * (hrn[j] + rbh[j]));
-                hn[j] = (1.0f - z) * candidate + z * hp[j];
-            }
-        } else {
-            for (long j = 0; j < w; ++j) hn[j] = (1.0f - gz[j]) * tanh_rational(gh[j]) + gz[j] * hp[j];
-        }
-        float *y = y_row(p, step, n);
-        if (y) memcpy(y + j0, hn, (size_t)w * sizeof(float));
-    }
-}
-
 /* GRU linear_before_reset=0, first half of a step: z, r of units [j0, j0 + w) activated, rh = r ⊙ h. */
 static void gru_reset(const kiln_recurrent_plan *p, float *g, long ldg, const float *h_prev, float *rh, long j0,
                       long w, long nr) {
     for (long n = 0; n < p->N; ++n) {
         float *gz = g + n * ldg, *gr = gz + nr;
-        const float *hp = h_prev + n * p->H + j0;
-        float *out = rh + n * p->H + j0;
-        if (!p->generic) {
-            for (long j = 0; j < w; ++j) { gz[j] = sigmoid_poly(gz[j]); out[j] = sigmoid_poly(gr[j]) * hp[j]; }
-            continue;
-        }
         recurrent_activate(gz, w, &p->act[0], p->clip);
         recurrent_activate(gr, w, &p->act[0], p->clip);
+        const float *hp = h_prev + n * p->H + j0;
+        float *out = rh + n * p->H + j0;
         for (long j = 0; j < w; ++j) out[j] = gr[j] * hp[j];
     }
 }

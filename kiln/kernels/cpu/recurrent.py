@@ -272,10 +272,9 @@ class RecurrentDirection(_Direction):
         if clip is not None and not clip > 0:
             raise ValueError(f"clip must be positive, given {clip}")
         self._linear_before_reset, self._input_forget = int(bool(linear_before_reset)), int(bool(input_forget))
-        # generic: the staged cells (any activations, clip; the LSTM's peepholes, input_forget), else fused ones
-        self._generic = int([a.name for a in names] != DEFAULT_ACTIVATIONS[cell]
-                            or any(a.alpha or a.beta for a in names) or clip is not None
-                            or (cell == "LSTM" and (peepholes is not None or bool(input_forget))))
+        self._generic = int(cell == "LSTM" and ([a.name for a in names] != DEFAULT_ACTIVATIONS["LSTM"]
+                                                or any(a.alpha or a.beta for a in names) or clip is not None
+                                                or peepholes is not None or bool(input_forget)))
         self._function = getattr(lib, {"RNN": "kiln_rnn", "GRU": "kiln_gru", "LSTM": "kiln_lstm"}[cell])
         self.what = cell
         self._scratch: dict[tuple[int, int], torch.Tensor] = {}
