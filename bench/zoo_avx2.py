@@ -1,6 +1,7 @@
 """The zoo with both sides on an AVX2-only CPU (issue 11), emulated on an AVX-512 one, in one process.
 
     python bench/zoo_avx2.py --full --models bert_base,distilbert_base --threads 2 --rounds 5   # bench/zoo.py's options
+    python bench/zoo_avx2.py --models bert_base,gru_forecaster --threads 1 --clock thread      # a loaded machine
 
 kiln runs under KILN_CPU_ISA=avx2 (its C kernels built for x86-64-v3; oneDNN, MKL and ATen capped by their
 variables) and every library, onnxruntime's MLAS included, under bench/cpuid_avx2.py's cpuid mask, both set
