@@ -117,6 +117,27 @@ def measured_peak(threads: int, per_cycle: int, thread_clock: bool) -> float | N
     return max(fn(threads, 20_000_000, int(per_cycle == 64), int(thread_clock)) for _ in range(5))
 
 
+def mlas_runner(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, threads: int):
+    """onnxruntime's MatMul + Add (MLAS) computing x Wᵀ + b, one call per call of the returned function
+    (its output a list of one array). ImportError without onnxruntime."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    (m, k), n = x.shape, w.shape[0]
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "wt"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
+        "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+        [numpy_helper.from_array(w.numpy().T.copy(), "wt"), numpy_helper.from_array(b.numpy(), "b")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = min(model.ir_version, 10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"x": x.numpy()}
+    return lambda: session.run(None, feeds)
+
+
 def runners(m: int, k: int, n: int, threads: int) -> dict:
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
@@ -147,22 +168,9 @@ def runners(m: int, k: int, n: int, threads: int) -> dict:
         at_rows = Matmul(w, b, None).rows(m)  # the tactic takes it only at <= 2 or >= 256 rows (RUNTIME_ROWS_*)
         out[f"oneDNN matmul, runtime M ({at_rows.implementation})"] = lambda: at_rows(x)
     try:
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
+        out[MLAS] = mlas_runner(x, w, b, threads)
     except ImportError:
         return out
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "wt"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
-        "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-        [numpy_helper.from_array(w.numpy().T.copy(), "wt"), numpy_helper.from_array(b.numpy(), "b")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = min(model.ir_version, 10)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {"x": x.numpy()}
-    out[MLAS] = lambda: session.run(None, feeds)
     reference = F.linear(x.double(), w.double(), b.double())
     for name, fn in out.items():  # every kernel computes the same thing before it is timed
         got = torch.as_tensor(np.asarray(fn()[0] if name == MLAS else fn()))

@@ -152,12 +152,14 @@ def run_cpu(label: str, name: str, args) -> CpuRow:
     row.max_error = relative_error([got[n] for n in engine.output_names], runners["onnxruntime"]())
 
     samples: dict[str, list[float]] = {p: [] for p in CPU_PEERS}
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     for _ in range(args.rounds):
         medians = {}
         for peer in CPU_PEERS:
             wait_for_quiet(args.quiet_wait)
             block = time_samples(runners[peer], iterations=max(1, args.iterations // args.rounds),
-                                 warmup=args.warmup, budget_s=args.budget / len(CPU_PEERS) / args.rounds, min_runs=5)
+                                 warmup=args.warmup, budget_s=args.budget / len(CPU_PEERS) / args.rounds, min_runs=5,
+                                 clock=clock)
             samples[peer] += block
             medians[peer] = float(np.median(block))
         row.kiln_over_ort_by_round.append(medians["kiln"] / medians["onnxruntime"])
@@ -231,13 +233,13 @@ def main_cpu(args) -> list[str]:
                 "inflated, torch's OpenMP threads (kiln, torch eager) more than onnxruntime's pool, and the "
                 "per-round ratios scatter. Re-run on an idle machine before drawing conclusions.", ""]
                if contended else [])
-    write_results(args.results / f"zoo-cpu-{now:%Y-%m-%d}.md", [
+    write_results(results_file(args, "cpu", now), [
         f"kiln zoo CPU benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
         "",
         *warning,
         f"- device: {cpu_name()} ({platform.machine()}, {isa}), {args.threads} thread(s) for every runtime",
         f"- commit: {commit()}; kiln {kiln.__version__}; " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- fp32, latency in ms: median of every run of {args.rounds} interleaved rounds of blocks (kiln, "
+        f"- fp32, latency in ms ({'CPU time of the calling thread' if args.clock == 'thread' else 'wall time'}): median of every run of {args.rounds} interleaved rounds of blocks (kiln, "
         f"onnxruntime, torch eager, kiln, ...), each block {args.warmup} warm-up runs then up to "
         f"{max(1, args.iterations // args.rounds)} runs ({args.budget:.0f} s per model at most); 'by round': kiln / "
         "onnxruntime of each round's block medians",
@@ -254,6 +256,11 @@ def main_cpu(args) -> list[str]:
         "",
     ])
     return lines
+
+
+def results_file(args, device: str, when: datetime.datetime) -> Path:
+    """bench/results/zoo-<device>[-<tag>]-<date>.md (--tag names a variant of the run, e.g. avx2)."""
+    return args.results / f"zoo-{device}{'-' + args.tag if args.tag else ''}-{when:%Y-%m-%d}.md"
 
 
 def write_results(path: Path, lines: list[str]) -> None:
@@ -387,7 +394,7 @@ def main_cuda(args) -> list[str]:
     print("\n" + "\n".join(lines))
     if not args.no_write:
         now = datetime.datetime.now(datetime.timezone.utc)
-        write_results(args.results / f"zoo-cuda-{now:%Y-%m-%d}.md", [
+        write_results(results_file(args, "cuda", now), [
             f"kiln zoo CUDA benchmark, {now:%Y-%m-%d %H:%M} UTC ({'models ' + args.models if args.models else 'full sizes' if args.full else 'CI variants'})",
             "",
             f"- device: {device}; commit {commit()}; kiln {kiln.__version__}; torch {torch.__version__}",
@@ -412,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=60, help="CPU: timed runs per runtime over all rounds")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--budget", type=float, default=30.0, help="CPU: seconds of timed blocks per model at most")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="CPU: 'thread' times the calling thread's CPU time (with --threads 1 every runtime "
+                             "runs there: what each costs on a machine others load, without the time it waits)")
     parser.add_argument("--quiet-wait", type=float, default=0.0,
                         help="CPU: before each block, wait up to this many seconds for the machine to go idle")
     parser.add_argument("--timing-cache", default=str(zoo.cache_dir().parent / "timing-cache-cpu.json"),
@@ -424,7 +434,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--jsonl", help="CUDA: append each model's row to this JSON-lines file as it is measured")
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of the results file")
     parser.add_argument("--no-write", action="store_true", help="print only, write no results file")
-    return parser.parse_args(argv)
+    parser.add_argument("--tag", default="", help="results file zoo-<device>-<tag>-<date>.md (a variant of the run)")
+    args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1: at more threads the calling thread's CPU time leaves out "
+                     "the workers' share")
+    return args
 
 
 def main(argv: list[str] | None = None) -> list[str]:

@@ -50,6 +50,18 @@ def test_cpu_run_prints_a_table_and_writes_results(bench, tmp_path, capsys):
     assert "kiln / ort by round" in text and "failed: none" in text
 
 
+def test_thread_clock_run_is_tagged_and_needs_one_thread(bench, tmp_path):
+    """--clock thread times the calling thread's CPU (one thread only: more would leave the workers out);
+    --tag names the results file (bench/zoo_avx2.py writes zoo-cpu-avx2-<date>.md)."""
+    lines = bench.main(["--models", "dcn_tiny", "--results", str(tmp_path), "--threads", "1", "--clock", "thread",
+                        "--tag", "avx2", *QUICK])
+    assert any(line.startswith("| DCN recommender") and "failed" not in line for line in lines), lines
+    (written,) = tmp_path.glob("zoo-cpu-avx2-*.md")
+    assert "latency in ms (CPU time of the calling thread)" in written.read_text()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--threads", "2", "--clock", "thread"])
+
+
 def test_a_failing_model_is_a_row(bench, tmp_path, monkeypatch):
     def refuse(*args, **kwargs):
         raise RuntimeError("node 'x' (Foo, #3): no kernel")

@@ -71,27 +71,40 @@ typedef struct {
    n <= NR columns (a partial tile goes through a buffer). */
 #define KILN_UNROLL _Pragma("GCC unroll 16")
 
+/* One k of the tile: ACC[i][j] += a[i, p] · B[p, j-th vector] for its M rows. */
+#define KILN_FMA_STEP(NAME, W, NV, BS, M, ACC, P)                                                            \
+    do {                                                                                                     \
+        NAME##_vec bv[NV];                                                                                   \
+        KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + (P) * (BS) + j * (W), sizeof(NAME##_vec)); \
+        KILN_UNROLL for (int i = 0; i < (M); ++i) {                                                          \
+            const float av = a[i * rs + (P) * cs];                                                           \
+            KILN_UNROLL for (int j = 0; j < NV; ++j) ACC[i][j] += av * bv[j];                                \
+        }                                                                                                    \
+    } while (0)
+
 #define KILN_DEFINE_KERNEL(NAME, TARGET, W, NV, MR, BS)                                                      \
     typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
     static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
         int load_c) {                                                                                        \
-        NAME##_vec acc[MR][NV];                                                                              \
+        NAME##_vec acc[MR][NV], odd[MR][NV];                                                                 \
         if (load_c) KILN_UNROLL for (int i = 0; i < M; ++i) {                                                \
             __builtin_prefetch(c + i * ldc, 1, 3);                                                           \
             __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                          \
         }                                                                                                    \
         KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)                     \
-            acc[i][j] = (NAME##_vec){0};                                                                     \
-        for (long p = 0; p < k; ++p) {                                                                       \
-            NAME##_vec bv[NV];                                                                               \
-            KILN_UNROLL for (int j = 0; j < NV; ++j) memcpy(&bv[j], b + p * (BS) + j * (W),                  \
-                                                            sizeof(NAME##_vec));                            \
-            KILN_UNROLL for (int i = 0; i < M; ++i) {                                                        \
-                const float av = a[i * rs + p * cs];                                                         \
-                KILN_UNROLL for (int j = 0; j < NV; ++j) acc[i][j] += av * bv[j];                            \
-            }                                                                                                \
+            acc[i][j] = odd[i][j] = (NAME##_vec){0};                                                         \
+        /* A short tile has fewer FMA chains than 2 ports x 4 cycles of latency keep busy: it alternates k   \
+           between two sets of accumulators (the 2-row rest of an 8-row batch ran at half the 6-row speed). */\
+        const int split = (M) * (NV) <= 6;                                                                   \
+        long p = 0;                                                                                          \
+        if (split) for (; p + 1 < k; p += 2) {                                                               \
+            KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                                                       \
+            KILN_FMA_STEP(NAME, W, NV, BS, M, odd, p + 1);                                                   \
         }                                                                                                    \
+        for (; p < k; ++p) KILN_FMA_STEP(NAME, W, NV, BS, M, acc, p);                                        \
+        if (split) KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)          \
+            acc[i][j] += odd[i][j];                                                                          \
         KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j) {                   \
             if (load_c) {                                                                                    \
                 NAME##_vec old;                                                                              \
