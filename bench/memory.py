@@ -2,6 +2,7 @@
 
     python bench/memory.py                                    # resnet50, bert_base, albert_base, mobilenet_v2
     python bench/memory.py --models albert_tiny,resnet_tiny --runs 5 --no-write
+    python bench/memory.py --zoo full                         # bench/zoo.py's architectures, full sizes (or ci)
 
 Per model, three child processes start from the same imports (torch, onnxruntime, kiln) and report the
 growth of their resident memory over what they held after importing (VmHWM reset at each phase,
@@ -113,9 +114,16 @@ def measure(name: str, args, folder: str) -> list[str]:
     return row
 
 
+def zoo_names(size: str) -> list[str]:
+    from zoo import ARCHITECTURES  # bench/zoo.py
+
+    return [a.full if size == "full" else a.ci for a in ARCHITECTURES]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet50,bert_base,albert_base,mobilenet_v2")
+    parser.add_argument("--zoo", choices=("ci", "full"), help="every architecture of bench/zoo.py instead of --models")
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
@@ -127,7 +135,7 @@ def main() -> None:
     rows = []
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as folder:
-        for name in args.models.split(","):
+        for name in zoo_names(args.zoo) if args.zoo else args.models.split(","):
             try:
                 rows.append(measure(name.strip(), args, folder))
             except Exception as e:  # noqa: BLE001  a failing model is a row saying how
