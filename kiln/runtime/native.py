@@ -914,23 +914,28 @@ class _PlanRewrite:
     def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]) -> dict[int, tuple[int, int, int]]:
         """member -> (primitive, nargs, args address) of each oneDNN member in `bound` (member -> its primitive at a
         view's sizes): every member's execution arguments in one array, each role a memory object of its descriptor
-        there at its arena address (one per descriptor and address); `owned` keeps them and the primitives."""
-        rows: list[tuple[int, int]] = []  # (execution argument, memory object), member after member
+        there at its arena address (one per descriptor and address); `owned` gets what they point at (_HeldArguments)."""
+        ids: list[int] = []  # execution arguments, member after member ...
+        memories: list[int] = []  # ... and their memory objects
         held: dict[tuple[int, int], Any] = {}
+        kept: list[Any] = []
         starts: dict[int, tuple[int, int, int]] = {}  # member -> (primitive, its first argument, nargs)
         for k, sized in bound.items():
             arguments, bind = sized.arguments, self._members[k][9]
-            addresses, fixed = bind.addresses, bind.rule.fixed
-            starts[k] = (arguments.primitive, len(rows), len(arguments.roles) + len(fixed))
+            addresses = bind.addresses
+            starts[k] = (arguments.primitive, len(ids), len(arguments.roles) + len(bind.fixed_ids))
             for role, argument, md in arguments.roles:
                 memory = held.get((md, addresses[role]))
                 if memory is None:
                     memory = held[md, addresses[role]] = onednn.shared_memory(md, addresses[role])
-                rows.append((argument, memory.value.value))
-            rows += fixed
-            owned.append(arguments.keep)
-        array = np.array(rows, _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
-        owned += [array, *held.values()]
+                ids.append(argument)
+                memories.append(memory.value.value)
+            ids += bind.fixed_ids
+            memories += bind.fixed_memories
+            kept.append(arguments.keep)
+        array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
+        array["arg"], array["memory"] = ids, memories
+        owned.append(_HeldArguments(array, list(held.values()), kept))
         base = array.ctypes.data
         return {k: (primitive, nargs, base + first * _EXEC_ARG.itemsize) for k, (primitive, first, nargs) in
                 starts.items()}
@@ -939,13 +944,25 @@ class _PlanRewrite:
 _EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
 
 
+@dataclass
+class _HeldArguments:
+    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, and
+    what their primitives need alive (RoleArguments.keep)."""
+
+    array: np.ndarray
+    memories: list[Any]
+    kept: list[Any]
+
+
 @dataclass(frozen=True, slots=True)
 class _ArgumentsRewrite:
-    """A oneDNN member whose execution arguments a view writes (NativeStep.primitive_at): its rule, and the arena
-    address of each role it binds."""
+    """A oneDNN member whose execution arguments a view writes (NativeStep.primitive_at): its rule, the arena
+    address of each role it binds, and its own arguments after them (the rule's `fixed`: ids, memory objects)."""
 
     rule: PrimitiveRule
     addresses: dict[str, int]
+    fixed_ids: tuple[int, ...]
+    fixed_memories: tuple[int, ...]
 
 
 def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, address: dict[int, int]
@@ -968,7 +985,8 @@ def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, ad
         if got is None or got.primitive != bound.primitive_handle or got.roles != bound.roles \
                 or given[len(got.roles):] != list(native.primitive_at.fixed):
             return None
-    return _ArgumentsRewrite(native.primitive_at, addresses)
+    fixed = native.primitive_at.fixed
+    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(a for a, _ in fixed), tuple(m for _, m in fixed))
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
