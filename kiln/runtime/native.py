@@ -914,7 +914,8 @@ class _PlanRewrite:
     def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]) -> dict[int, tuple[int, int, int]]:
         """member -> (primitive, nargs, args address) of each oneDNN member in `bound` (member -> its primitive at a
         view's sizes): every member's execution arguments in one array, each role a memory object of its descriptor
-        there at its arena address (one per descriptor and address); `owned` gets what they point at (_HeldArguments)."""
+        there at its arena address (one per descriptor and address); `owned` gets what they point at
+        (_HeldArguments)."""
         ids: list[int] = []  # execution arguments, member after member ...
         memories: list[int] = []  # ... and their memory objects
         held: dict[tuple[int, int], Any] = {}
@@ -986,7 +987,8 @@ def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, ad
                 or given[len(got.roles):] != list(native.primitive_at.fixed):
             return None
     fixed = native.primitive_at.fixed
-    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(a for a, _ in fixed), tuple(m for _, m in fixed))
+    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(argument for argument, _ in fixed),
+                             tuple(memory for _, memory in fixed))
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

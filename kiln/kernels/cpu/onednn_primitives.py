@@ -537,8 +537,8 @@ class InnerProduct:
         here) for this layer's packed weight layout, and the descriptors of its roles there, in bind()'s order (src,
         dst, residual). Layers of one shape and weight layout get the same primitive (it holds no weights): a view
         works it out once per layer shape (BERT-base's 24 oneDNN layers, 2 shapes), each layer's weight and bias
-        (fixed_arguments) after the roles. None where oneDNN wants another weight layout at `rows`: an InnerProduct of its
-        own packs one."""
+        (fixed_arguments) after the roles. None where oneDNN wants another weight layout at `rows`: an InnerProduct
+        of its own packs one."""
         made = self._made if rows == self.input_size[0] else _shared_inner_product(rows, self._epilogue,
                                                                                     self._weight_md)
         if made is None:
