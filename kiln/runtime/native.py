@@ -888,7 +888,7 @@ class _PlanRewrite:
             buffer.view(np.int32)[where32] = flat[value32]
         base = buffer.ctypes.data
         owners, member_calls, owned, anew = [], [], [buffer], set()
-        arguments = self._arguments_at(bound, owned)
+        arguments = self._arguments_at(bound, owned) if bound else {}
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
