@@ -11,6 +11,11 @@ tree in turn (interleaved) and compare the least and the lower quartile: on a sh
 more between runs than the change.
 
     python bench/bind_new_shapes.py --engine E --path replan    # every view bound member by member (no _PlanRewrite)
+    python bench/bind_new_shapes.py --engine E --hot 3          # then every shape's view bound again, 3 passes, hot
+
+--hot N: after the stream, the segment's views dropped and bound again from its sizes alone (Segment._bind_sizes, no
+run between: caches warm), N passes over the shapes: binding's own Python and oneDNN calls without a run's cold caches
+(a first call in a stream pays ~2-3x this).
 
 --path rewrite (the runtime's default) writes the plans of kiln's own kernels by arithmetic (_PlanRewrite); --path
 replan turns that off in this process, so the two ways run from one tree (interleave the runs).
@@ -65,6 +70,31 @@ def _timed(function, into: list[float]):
     return timed
 
 
+def _recording(into: list) -> None:
+    """Wrap Segment._bind_sizes to append (segment, sizes) of each sizes not bound yet to `into`."""
+    original = native.Segment._bind_sizes
+
+    def recorded(self, key):
+        if key not in self.resized:
+            into.append((self, key))
+        return original(self, key)
+
+    native.Segment._bind_sizes = recorded
+
+
+def _bind_again(bind_sizes, bound: list[tuple[native.Segment, tuple]], passes: int) -> list[float]:
+    """Thread CPU µs of binding each (segment, sizes) again by `bind_sizes` (Segment._bind_sizes), its view dropped
+    first, `passes` times."""
+    found = []
+    for _ in range(passes):
+        for segment, key in bound:
+            segment.resized.pop(key, None)
+            start = time.thread_time_ns()
+            bind_sizes(segment, key)
+            found.append((time.thread_time_ns() - start) / 1e3)
+    return found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
@@ -73,6 +103,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--path", choices=("rewrite", "replan"), default="rewrite")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--hot", type=int, default=0, help="passes binding every shape's view again, hot (0: none)")
     ap.add_argument("--parts", action="store_true",
                     help="also time the rewrite's parts (their timers add to the total: leave off for an A/B)")
     args = ap.parse_args()
@@ -87,7 +118,10 @@ def main() -> None:
             "    _rebound (those members' calls)", "  _natives_at", "  _view")
     times: dict[str, list[float]] = {name: [] for name in rows}
     _timing(ShapeFunction, "__call__", times["shape values (ShapeFunction)"])
+    bind_sizes = native.Segment._bind_sizes  # unwrapped, for --hot
     _timing(native.Segment, "_bind_sizes", times["_bind_sizes"], only_new=True)
+    bound: list[tuple[native.Segment, tuple]] = []  # (segment, sizes) of every view the stream bound
+    _recording(bound)
     _timing(native.Segment, "_rewritten", times["  _rewritten"])
     _timing(native.Segment, "_natives_at", times["  _natives_at"])
     _timing(native.Segment, "_view", times["  _view"])
@@ -116,6 +150,12 @@ def main() -> None:
                 found.clear()
     gc.collect()
     kept = (len(gc.get_objects()) - tracked) / len(shapes)
+    if args.hot:
+        streamed = {name: len(found) for name, found in times.items()}
+        hot = _bind_again(bind_sizes, bound, args.hot)
+        for name, count in streamed.items():  # the parts' timers saw the hot passes too: the stream's rows only
+            del times[name][count:]
+        times["_bind_sizes, hot"] = hot
     print(f"# binding new shapes: {Path(args.engine).name}, {len(shapes)} shapes, {args.threads} thread(s), "
           f"--path {args.path}, load average {os.getloadavg()[0]:.1f}")
     print(f"objects tracked by the garbage collector kept per new shape: {kept:.0f}\n")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,8 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
-from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
+from kiln.runtime.step import BoundStep
+from kiln.tactics.tactic import NativeStep, PrimitiveRule, SizedPrimitive, native_strides, row_major_strides
 
 
 def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
@@ -63,9 +65,11 @@ class _PlanRewrite:
     all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
     member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
     member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
-    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product binds its layer
-    shape's primitive at the new rows on its own packed weight (NativeStep.bound_at: one Bound, no NativeStep or
-    InnerProduct; bench/results/first-call-2026-12-04.md). The other members (kernels whose plans hold floats,
+    rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product runs its layer
+    shape's primitive at the new rows on its own weight (NativeStep.primitive_at, worked out once per layer shape a
+    view): all of a view's such members' execution arguments are one array, each role a memory object at its arena
+    place (one per descriptor and place), no Bound, NativeStep or InnerProduct per member (BERT-base's 24: ~0.35 ->
+    ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). The other members (kernels whose plans hold floats,
     squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
@@ -81,7 +85,7 @@ class _PlanRewrite:
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
         # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
-        # a oneDNN layer's (NativeStep.bound_at, its src, dst and residual addresses) or None)
+        # a oneDNN layer whose arguments a view writes (_ArgumentsRewrite) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values a view's rules give, in member order
@@ -96,10 +100,8 @@ class _PlanRewrite:
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
-                address = template._address
-                bind = None if native.bound_at is None else (
-                    native.bound_at, address.get(x, 0), address.get(m.outputs[0], 0),
-                    None if residual is None else address.get(residual, 0))  # as _bind_member binds it
+                bind = None if call is None or template._accumulate[k] else \
+                    _arguments_layout(m, native, template.bound[call], arg, template._address)
                 self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
                 continue
             function, plan_bytes, fields = layout
@@ -132,15 +134,20 @@ class _PlanRewrite:
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
-        bound: dict[int, Any] = {}  # the oneDNN members bound by NativeStep.bound_at (no NativeStep made)
+        bound: dict[int, SizedPrimitive] = {}  # the oneDNN members whose arguments are rewritten (no NativeStep made)
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
+        primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         try:
             for k, (rule, at, reads, x, residual, outputs, _placed, follows, read, bind) in enumerate(self._members):
                 if rule is None:
-                    done = None if bind is None else bind[0](sizes[x], *bind[1:])
-                    if done is not None:  # the layer's form is its template's (an inner product, as bound there)
-                        bound[k] = done.bound
-                        written = (done.output_size,)
+                    sized = None
+                    if bind is not None:
+                        at_size = (bind.rule.key, sizes[x])
+                        sized = primitives[at_size] if at_size in primitives else \
+                            primitives.setdefault(at_size, bind.rule(sizes[x]))
+                    if sized is not None:  # the layer's form is its template's (an inner product, as bound there)
+                        bound[k] = sized
+                        written = (sized.output_size,)
                     else:
                         native = natives[k] = at({i: sizes[slot] for i, slot in reads} if reads is not None
                                                  else sizes[x])
@@ -179,13 +186,19 @@ class _PlanRewrite:
             buffer.view(np.int32)[where32] = flat[value32]
         base = buffer.ctypes.data
         owners, member_calls, owned, anew = [], [], [buffer], set()
+        arguments = self._arguments_at(bound, owned) if bound else {}
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
                 owners.append(b)
                 member_calls.append([(placed[0], base + placed[1], 0, 0)])
                 continue
-            owner, bound_anew = (bound[k], True) if k in bound else _rebound(template, b, k, natives[k])
+            if k in bound:  # its own arguments: memory objects of the arena's places, none a run points elsewhere
+                primitive, nargs, args = arguments[k]
+                owners.append(None)
+                member_calls.append([(None, primitive, nargs, args)])
+                continue
+            owner, bound_anew = _rebound(template, b, k, natives[k])
             if bound_anew:
                 anew.add(len(owners))
             owners.append(owner)
@@ -195,6 +208,85 @@ class _PlanRewrite:
                        for s, dtype, nhwc in self._exits]
         return _Resized(template, owners, member_calls, anew, exit_shapes,
                         ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts), owned)
+
+    def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]) -> dict[int, tuple[int, int, int]]:
+        """member -> (primitive, nargs, args address) of each oneDNN member in `bound` (member -> its primitive at a
+        view's sizes): every member's execution arguments in one array, each role a memory object of its descriptor
+        there at its arena address (one per descriptor and address); `owned` gets what they point at
+        (_HeldArguments)."""
+        ids: list[int] = []  # execution arguments, member after member ...
+        memories: list[int] = []  # ... and their memory objects
+        held: dict[tuple[int, int], Any] = {}
+        kept: list[Any] = []
+        starts: dict[int, tuple[int, int, int]] = {}  # member -> (primitive, its first argument, nargs)
+        for k, sized in bound.items():
+            arguments, bind = sized.arguments, self._members[k][9]
+            addresses = bind.addresses
+            starts[k] = (arguments.primitive, len(ids), len(arguments.roles) + len(bind.fixed_ids))
+            for role, argument, md in arguments.roles:
+                memory = held.get((md, addresses[role]))
+                if memory is None:
+                    memory = held[md, addresses[role]] = onednn.shared_memory(md, addresses[role])
+                ids.append(argument)
+                memories.append(memory.value.value)
+            ids += bind.fixed_ids
+            memories += bind.fixed_memories
+            kept.append(arguments.keep)
+        array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
+        array["arg"], array["memory"] = ids, memories
+        owned.append(_HeldArguments(array, list(held.values()), kept))
+        base = array.ctypes.data
+        return {k: (primitive, nargs, base + first * _EXEC_ARG.itemsize) for k, (primitive, first, nargs) in
+                starts.items()}
+
+
+_EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
+
+
+@dataclass
+class _HeldArguments:
+    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, and
+    what their primitives need alive (RoleArguments.keep)."""
+
+    array: np.ndarray
+    memories: list[Any]
+    kept: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _ArgumentsRewrite:
+    """A oneDNN member whose execution arguments a view writes (NativeStep.primitive_at): its rule, the arena
+    address of each role it binds, and its own arguments after them (the rule's `fixed`: ids, memory objects)."""
+
+    rule: PrimitiveRule
+    addresses: dict[str, int]
+    fixed_ids: tuple[int, ...]
+    fixed_memories: tuple[int, ...]
+
+
+def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, address: dict[int, int]
+                      ) -> _ArgumentsRewrite | None:
+    """How a view writes a oneDNN member's arguments, or None: no primitive rule, a role an entry or exit (a run
+    points it elsewhere), a template call in a serial form (a view would lose it), or a template call of oneDNN
+    (`bound`) that the rule does not give back at its own sizes (`arg`), arguments and all."""
+    if native.primitive_at is None or getattr(bound, "serial_primitive", None) is not None:
+        return None
+    slots = {"src": m.inputs[0], "dst": m.outputs[0]}
+    if native.residual_input is not None:
+        slots["residual"] = m.inputs[native.residual_input]
+    addresses = {role: address.get(slot, 0) for role, slot in slots.items()}
+    if not all(addresses.values()):
+        return None
+    if type(bound) is onednn.Bound:  # else the template runs this layer on another kernel at its sizes
+        sized = native.primitive_at(arg)
+        got = None if sized is None else sized.arguments
+        given = [(a.arg, a.memory) for a in bound.args]
+        if got is None or got.primitive != bound.primitive_handle or got.roles != bound.roles \
+                or given[len(got.roles):] != list(native.primitive_at.fixed):
+            return None
+    fixed = native.primitive_at.fixed
+    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(argument for argument, _ in fixed),
+                             tuple(memory for _, memory in fixed))
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

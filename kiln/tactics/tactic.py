@@ -172,10 +172,11 @@ class NativeStep:
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
     # template's plan (kiln/runtime/native_views.py _PlanRewrite)
     plan_at: PlanRule | None = None
-    # oneDNN's inner products only: the layer at other input sizes bound at fixed addresses with no NativeStep or
-    # primitive object of its own (a segment's view, _PlanRewrite): bound_at(size, src, dst, residual) -> BoundAt,
-    # or None where `at` would put those sizes on another kernel or weight layout (then `at` binds them)
-    bound_at: Callable[[tuple[int, ...], int, int, int | None], BoundAt | None] | None = None
+    # oneDNN's inner products only: the layer's primitive at other input sizes (the argument `at` takes) with no
+    # NativeStep or primitive object of its own: a segment's view writes its arguments into a copy of its template
+    # call's (kiln/runtime/native.py _PlanRewrite); the rule gives None where `at` would put those sizes on another
+    # kernel or weight layout (then `at` binds them)
+    primitive_at: PrimitiveRule | None = None
 
     @property
     def output_strides(self) -> tuple[int, ...]:
@@ -193,18 +194,19 @@ class SizedPlan:
 
 
 @dataclass(slots=True)
-class BoundAt:
-    """A layer bound at other input sizes by NativeStep.bound_at: its output's size and its call's memory objects
-    (a Bound, kiln/kernels/cpu/onednn.py)."""
+class SizedPrimitive:
+    """A oneDNN layer at other input sizes, as NativeStep.primitive_at gives it: its output's size and its
+    primitive's arguments there (a RoleArguments, kiln/kernels/cpu/onednn.py)."""
 
     output_size: tuple[int, ...]
-    bound: Any
+    arguments: Any
 
 
 class PlanRule:
-    """NativeStep.plan_at: `rule(sizes) -> SizedPlan` (ValueError where `at` would refuse the sizes). Rules of equal
-    `key` give equal plans at equal sizes (the layers of one shape: BERT-base's 25 LayerNorms are 1 key, its 36 kiln
-    GEMMs 3), so a view at new sizes works each out once."""
+    """NativeStep.plan_at: `rule(sizes) -> SizedPlan` (ValueError where `at` would refuse the sizes); or
+    NativeStep.primitive_at: `rule(size) -> SizedPrimitive | None`. Rules of equal `key` give equal answers at equal
+    sizes (the layers of one shape: BERT-base's 25 LayerNorms are 1 key, its 36 kiln GEMMs 3, its 24 oneDNN inner
+    products 2), so a view at new sizes works each out once."""
 
     __slots__ = ("_rule", "key")
 
@@ -213,6 +215,17 @@ class PlanRule:
 
     def __call__(self, sizes: Any) -> SizedPlan:
         return self._rule(sizes)
+
+
+class PrimitiveRule(PlanRule):
+    """NativeStep.primitive_at: a PlanRule whose answers (SizedPrimitive), shared by the layers of its key, leave out
+    each layer's own execution arguments: `fixed`, (execution argument, memory object) each (its weight and bias)."""
+
+    __slots__ = ("fixed",)
+
+    def __init__(self, rule: Callable[[Any], SizedPrimitive | None], key: tuple, fixed: tuple[tuple[int, int], ...]):
+        super().__init__(rule, key)
+        self.fixed = fixed
 
 
 class same_primitive:

@@ -12,6 +12,8 @@ run padded in a bound shape, timed against binding, is tests/unit/test_first_cal
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -228,60 +230,84 @@ def test_every_per_shape_cache_stays_within_its_bound_over_a_long_stream(bert, m
                                        err_msg=f"#{k} {b}x{s}")
 
 
-def test_onednn_layers_of_a_new_shape_bind_on_the_shared_primitive_bit_for_bit(bert, monkeypatch):
-    """A view at a new shape binds its oneDNN inner products by NativeStep.bound_at (the primitive the layer shape
-    shares at those rows, on the layer's packed weight: no InnerProduct or NativeStep of their own): bit for bit
-    what the views bound member by member run (_rewritten off: each layer's `at`), and onnxruntime's answer."""
+def test_onednn_layers_of_a_new_shape_run_the_shared_primitive_on_rewritten_arguments_bit_for_bit(bert, monkeypatch):
+    """A view at a new shape binds its oneDNN inner products by NativeStep.primitive_at (the primitive the layer
+    shape shares at those rows, on the layer's packed weight layout) with no Bound, InnerProduct or NativeStep of
+    their own: their template calls' arguments copied and pointed at memory objects of the new rows. Views of fresh
+    shapes, and of shapes of one row count (1 x 24, 2 x 12, 3 x 8, 4 x 6), run bit for bit what the views bound
+    member by member run (_rewritten off: each layer's `at`), and onnxruntime's answer."""
     engine, session = bert
     monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
-    rows_bound = []
-    bound_at = onednn_primitives.InnerProduct.bound_at
-    monkeypatch.setattr(onednn_primitives.InnerProduct, "bound_at",
-                        lambda self, rows, *a: rows_bound.append(rows) or bound_at(self, rows, *a))
+    rows_asked, bounds = [], []
+    arguments_at, bind = onednn_primitives.InnerProduct.arguments_at, onednn_primitives.InnerProduct.bind
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "arguments_at",
+                        lambda self, rows: rows_asked.append(rows) or arguments_at(self, rows))
+    monkeypatch.setattr(onednn_primitives.InnerProduct, "bind", lambda self, *a: bounds.append(1) or bind(self, *a))
     (segment,) = engine.program.segments
     segment.resized.clear()
     context = engine.create_execution_context(pad_first_calls=False)
     context.run(request(6, 80))  # the template grows to the profile's largest: the fresh shapes' views fit in it
-    shapes = fresh_shapes(8)
-    feeds = [request(b, s) for b, s in shapes]
+    shapes = [*fresh_shapes(6), (1, 24), (2, 12), (3, 8), (4, 6)]
+    feeds = [request(b, s) for b, s in dict.fromkeys(shapes)]
+    rows_asked.clear()
+    bounds.clear()
     ours = [next(iter(context.run(x).values())) for x in feeds]
-    # (6 x 80 rows too: its view over the template was tried before the template grew)
-    assert rows_bound and set(rows_bound) <= {b * s for b, s in [*shapes, (6, 80)]}, rows_bound
+    # (and the template's own rows: its rewrite checks each rule there once)
+    assert rows_asked and set(rows_asked) <= {b * s for b, s in [*shapes, (6, 80)]}, rows_asked
+    assert not bounds, f"the views bound {len(bounds)} inner products"
     assert all(isinstance(segment.resized[key], native._Resized) for key in list(segment.resized)[1:])
     segment.resized.clear()
     monkeypatch.setattr(native.Segment, "_rewritten", lambda self, key: None)  # member by member, as before
-    for (b, s), x, got in zip(shapes, feeds, ours):
+    for x, got in zip(feeds, ours):
+        b, s = x["input_ids"].shape
         np.testing.assert_array_equal(got, next(iter(context.run(x).values())), err_msg=f"{b}x{s}")
         real = x["attention_mask"].astype(bool)
         np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")
 
 
-def test_views_of_one_row_count_share_the_layers_bounds_and_run_bit_for_bit(bert, monkeypatch):
-    """bound_at keeps each inner product's Bound at the arena's addresses by row count: views of other shapes of the
-    same rows (1 x 24, 2 x 12, 3 x 8) take it instead of binding anew, and run bit for bit what views bound without
-    it run (BOUND_KEPT 0), and onnxruntime's answer."""
-    engine, session = bert
+def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch):
+    """Each oneDNN member of a view at a fresh shape runs the primitive its layer binds member by member at those rows
+    (_bind_member) on the same execution arguments: the layer's own weight and bias memory objects, and for each role
+    a memory object of an equal descriptor at the same address."""
+    engine, _session = bert
     monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
-    made = []
-    bind, bound_at = onednn_primitives.InnerProduct.bind, onednn_primitives.InnerProduct.bound_at
-    monkeypatch.setattr(onednn_primitives.InnerProduct, "bind", lambda self, *a: made.append(1) or bind(self, *a))
-    monkeypatch.setattr(onednn_primitives.InnerProduct, "bound_at",
-                        lambda self, *a: made.append(1) or bound_at(self, *a))
+    made = []  # (owners, member_calls) of each view
+    resized_init = native._Resized.__init__
+    monkeypatch.setattr(native._Resized, "__init__",
+                        lambda self, template, owners, calls, *a: made.append((owners, calls)) or
+                        resized_init(self, template, owners, calls, *a))
     (segment,) = engine.program.segments
     segment.resized.clear()
     context = engine.create_execution_context(pad_first_calls=False)
-    context.run(request(6, 80))  # the template grows to the profile's largest: the views fit in it
-    shapes = [(1, 24), (2, 12), (3, 8), (4, 6), (1, 24)]
-    feeds = [request(b, s) for b, s in shapes]
-    made.clear()
-    ours = [next(iter(context.run(x).values())) for x in feeds[:1]]
-    first = len(made)
-    assert first > 0, "the first view of 24 rows bound no inner product"
-    ours += [next(iter(context.run(x).values())) for x in feeds[1:]]
-    assert len(made) == first, f"views of 24 rows bound {len(made) - first} inner products anew"
-    segment.resized.clear()
-    monkeypatch.setattr(onednn_tactics, "BOUND_KEPT", 0)
-    for (b, s), x, got in zip(shapes, feeds, ours):
-        np.testing.assert_array_equal(got, next(iter(context.run(x).values())), err_msg=f"{b}x{s}")
-        real = x["attention_mask"].astype(bool)
-        np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")
+    context.run(request(6, 80))  # the template grows to the profile's largest
+    template = segment._grown or segment
+    lib = onednn.load().lib
+
+    def handle_and_desc(memory: int) -> tuple[int, int]:
+        address, md = ctypes.c_void_p(), ctypes.c_void_p()
+        assert not lib.dnnl_memory_get_data_handle(memory, ctypes.byref(address))
+        assert not lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md))
+        return address.value, md.value
+
+    for b, s in fresh_shapes(3):
+        made.clear()
+        context.run(request(b, s))
+        ((owners, member_calls),) = made
+        natives = segment._natives_at(next(reversed(segment.resized))).natives
+        rewritten = [i for i, owner in enumerate(owners) if owner is None]
+        assert rewritten, f"no oneDNN member of the {b}x{s} view was rewritten"
+        for i in rewritten:
+            k = template._bound_members[i]
+            expected, _roles = native._bind_member(template.members[k], natives[k], False, template._address)
+            ((function, primitive, nargs, args),) = member_calls[i]
+            name = f"{template.members[k].ctx.name} at {b}x{s}"
+            assert (function, primitive, nargs) == (None, expected.primitive_handle, expected.nargs), name
+            got = (onednn._ExecArg * nargs).from_address(args)
+            for j, want in enumerate(expected.args):
+                assert got[j].arg == want.arg, name
+                if j >= len(expected.roles):  # weights and bias: the layer's own memory objects
+                    assert got[j].memory == want.memory, name
+                    continue
+                (got_address, got_md), (want_address, want_md) = handle_and_desc(got[j].memory), \
+                    handle_and_desc(want.memory)
+                assert got_address == want_address and lib.dnnl_memory_desc_equal(got_md, want_md), name

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch  # first: libdnnl's libgomp.so.1 must resolve to the one torch loaded
 
@@ -90,6 +91,7 @@ _SIGNATURES = {
     "dnnl_inner_product_forward_primitive_desc_create": (_S, [_PP, _P, ctypes.c_int, _P, _P, _P, _P, _P]),
     "dnnl_matmul_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P, _P]),
     "dnnl_memory_get_data_handle": (_S, [_P, _PP]),
+    "dnnl_memory_get_memory_desc": (_S, [_P, _PP]),
     "dnnl_reorder_primitive_desc_create": (_S, [_PP, _P, _P, _P, _P, _P]),
     "dnnl_primitive_desc_query_md": (_P, [_P, ctypes.c_int, ctypes.c_int]),
     "dnnl_primitive_desc_query": (_S, [_P, ctypes.c_int, ctypes.c_int, _P]),
@@ -401,6 +403,25 @@ def _bound_memory(md: ctypes.c_void_p | int, address: int | None, shared: dict |
     return found
 
 
+def shared_memory(md: int, address: int) -> _Handle:
+    """A memory object of descriptor `md` at a fixed `address`: this thread's shared_memories() one, where a scope is
+    open (a segment's view binding its layers' arguments, kiln/runtime/native.py), else a new one."""
+    return _bound_memory(md, address, getattr(_SHARING, "memories", None))
+
+
+@dataclass(frozen=True, slots=True)
+class RoleArguments:
+    """A layer shape's primitive at other sizes, as a segment's view binds its layers with no Bound of their own
+    (kiln/runtime/native.py _PlanRewrite): the primitive, and each role a Bound of it binds at an address as (role,
+    execution argument, memory descriptor) at those sizes, in a Bound's order; handles as ints. A layer's own
+    arguments (its weights, bias) follow the roles. `keep`: what the calls need alive (the primitive's owner, the
+    descriptors)."""
+
+    primitive: int
+    roles: tuple[tuple[str, int, int], ...]
+    keep: Any
+
+
 class Bound:
     """One primitive's execution arguments on memory objects of its own, their addresses fixed
     when bound: a native segment (kiln/runtime/native.py) binds every layer once, at load, to
@@ -419,11 +440,19 @@ class Bound:
         self._owner = owner  # the primitive object: it owns the primitive and the fixed memories
         shared = getattr(_SHARING, "memories", None)
         self._memories = {role: _bound_memory(md, address, shared) for role, (_, md, address) in roles.items()}
+        # (role, execution argument, descriptor) of each role, in the args array's order: the roles come first
+        self.roles = tuple((role, arg, md.value if isinstance(md, ctypes.c_void_p) else md)
+                           for role, (arg, md, _) in roles.items())
         args = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + fixed
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
         self.primitive = primitive
         self.serial_primitive = serial_primitive
+
+    @property
+    def primitive_handle(self) -> int:
+        """The primitive's handle as an int (`primitive` may be a ctypes pointer)."""
+        return self.primitive.value if isinstance(self.primitive, ctypes.c_void_p) else self.primitive
 
     def rebind(self, role: str, address: int) -> None:
         _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)

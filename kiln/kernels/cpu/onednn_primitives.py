@@ -46,6 +46,7 @@ from kiln.kernels.cpu.onednn import (
     Bound,
     Eltwise,
     OneDNNError,
+    RoleArguments,
     _check,
     _dims,
     _epilogue_attr,
@@ -530,20 +531,33 @@ class InnerProduct:
         """Arguments at fixed addresses (Bound)."""
         return self._bound(self._made, self.input_size[0], self._mds, src, dst, residual, self)
 
-    def bound_at(self, rows: int, src: int, dst: int, residual: int | None = None) -> Bound | None:
-        """This layer at another row count bound at fixed addresses with no InnerProduct of its own: the primitive
-        its layer shape shares at `rows` (made ahead by kiln/kernels/cpu/onednn_ahead.py, else created here) on
-        this layer's packed weight. A native segment's view at a new shape binds its oneDNN layers so (an
-        InnerProduct, a NativeStep and their Bound per layer were ~35 µs of Python each, BERT-base's 12: ~0.4 ms a
-        new shape). None where oneDNN wants another weight layout at `rows`: an InnerProduct of its own packs one."""
-        made = _shared_inner_product(rows, self._epilogue, self._weight_md)
+    def arguments_at(self, rows: int) -> RoleArguments | None:
+        """This layer at another row count as a segment's view binds it, with no InnerProduct or Bound of its own: the
+        primitive its layer shape shares at `rows` (made ahead by kiln/kernels/cpu/onednn_ahead.py, else created
+        here) for this layer's packed weight layout, and the descriptors of its roles there, in bind()'s order (src,
+        dst, residual). Layers of one shape and weight layout get the same primitive (it holds no weights): a view
+        works it out once per layer shape (BERT-base's 24 oneDNN layers, 2 shapes), each layer's weight and bias
+        (fixed_arguments) after the roles. None where oneDNN wants another weight layout at `rows`: an InnerProduct
+        of its own packs one."""
+        made = self._made if rows == self.input_size[0] else _shared_inner_product(rows, self._epilogue,
+                                                                                    self._weight_md)
         if made is None:
             return None
         n, k = self._epilogue[:2]
         mds = (row_major_desc((rows, k)), row_major_desc((rows, n)))
-        # the owner keeps the primitive (the shared cache may drop it), this layer's weight and the descriptors
-        # that key the memory objects shared in this binding (onednn.shared_memories)
-        return self._bound(made, rows, mds, src, dst, residual, (self, made, mds))
+        src_md, dst_md = mds[0].value.value, mds[1].value.value
+        roles = [("src", ARG_SRC, src_md), ("dst", ARG_DST, dst_md)]
+        if self.residual:
+            roles.append(("residual", ARG_POST_OP(made.residual_index) | ARG_SRC_1, dst_md))
+        # the primitive's owner (the shared cache may drop it) and the descriptors that key the memory objects
+        return RoleArguments(made.primitive.value.value, tuple(roles), (made, mds))
+
+    @property
+    def fixed_arguments(self) -> tuple[tuple[int, int], ...]:
+        """(execution argument, memory object) of the weight and bias, as every Bound of this layer holds them after
+        its roles (arguments_at's primitives take them: the same weight layout)."""
+        fixed = [(ARG_WEIGHTS, self._w_mem.value.value)]
+        return tuple(fixed + ([(ARG_BIAS, self._b_mem.value.value)] if self._b_mem is not None else []))
 
     def _bound(self, made: _Made, rows: int, mds: tuple[_Handle, _Handle], src: int, dst: int, residual: int | None,
                owner: object) -> Bound:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -57,12 +56,11 @@ from kiln.kernels.cpu import conv_silu, gemm_native, onednn, onednn_ahead, onedn
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import BoundAt, InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import InputMeta, NativeStep, PrimitiveRule, SizedPrimitive, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
 _CACHED_SHAPES = 8  # primitives kept per layer for input sizes other than the tuned one
-BOUND_KEPT = 64  # an inner product's Bounds at a segment's arena kept per layer, by row count (bound_at)
 
 
 def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
@@ -431,43 +429,25 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, same_primitive(bound),
-                              residual_input=3 if with_residual else None, bound_at=bound_at)
+                              residual_input=3 if with_residual else None, primitive_at=primitive_at)
         layer = layer_at(rows_of(size))
         return NativeStep(size, (*size[:-1], n), same_primitive(layer),
-                          residual_input=3 if with_residual else None, bound_at=bound_at)
+                          residual_input=3 if with_residual else None, primitive_at=primitive_at)
 
-    # Bounds made by bound_at at fixed addresses (a segment's arena: none an entry's or exit's, which a run moves),
-    # by (rows, src, dst, residual): a view at another shape of the same row count (2 x 16 after 1 x 32) takes the
-    # one made before instead of its memory objects anew (~11 µs a layer; BERT-base's 12 a view). What a Bound
-    # holds is its primitive, this layer's weight and those addresses; the views that run it share their template's
-    # arena and lock, so one Bound serves them all. Least recently used out past BOUND_KEPT.
-    bounds: OrderedDict[tuple, Any] = OrderedDict()
-    bounds_lock = threading.Lock()
-
-    def bound_at(size: tuple[int, ...], src: int, dst: int, residual: int | None) -> BoundAt | None:
-        """native_at(size)'s layer bound at these addresses (NativeStep.bound_at), where it is an inner product on
-        the tuned layer's packed weight; None where native_at takes another kernel or another weight layout."""
+    def sized_primitive(size: tuple[int, ...]) -> SizedPrimitive | None:
+        """native_at(size)'s layer as a segment's view binds it (NativeStep.primitive_at), where it is an inner
+        product on the tuned layer's packed weight layout; None where native_at takes another kernel or layout."""
         rows = rows_of(size)
         if len(size) not in (2, 3) or size[-1] != tuned[-1] or on_kiln_gemm(rows) or on_runtime_matmul(rows):
             return None
-        key = (rows, src, dst, residual) if src and dst and residual != 0 else None
-        if key is not None:
-            with bounds_lock:
-                found = bounds.get(key)
-                if found is not None:
-                    bounds.move_to_end(key)
-                    return BoundAt((*size[:-1], n), found)
-        made = primitives.get(rows)  # the tuned row count's own, or one built for a row count before
-        bound = made.bind(src, dst, residual) if made is not None else \
-            primitives[rows_of(tuned)].bound_at(rows, src, dst, residual)
-        if bound is None:
-            return None
-        if key is not None:
-            with bounds_lock:
-                bounds[key] = bound
-                while len(bounds) > BOUND_KEPT:
-                    bounds.popitem(last=False)
-        return BoundAt((*size[:-1], n), bound)
+        arguments = primitives[rows_of(tuned)].arguments_at(rows)
+        return None if arguments is None else SizedPrimitive((*size[:-1], n), arguments)
+
+    # layers of one shape and epilogue, tuned at one row count, with the same other kernels, give the same answer
+    primitive_at = PrimitiveRule(sized_primitive, ("inner product", tuple(w.shape), eltwise, with_residual, after,
+                                                   b is not None, tuned, packed is not None,
+                                                   None if runtime is None else runtime.key),
+                                 primitives[rows_of(tuned)].fixed_arguments)
 
     def ahead(scale: float) -> list[onednn_ahead.Job]:
         """What kiln/kernels/cpu/onednn_ahead.py makes before the row counts are met, up to AHEAD_ROWS and `scale` x
@@ -513,6 +493,11 @@ class RuntimeRows:
         self._few_rows = self._serial or w.numel() >= RUNTIME_ROWS_PARALLEL_WEIGHT
         self._rows: dict[int, onednn_matmul.MatmulRows] = {}
         self._lock = threading.Lock()
+
+    @property
+    def key(self) -> tuple[bool, bool]:
+        """What takes() follows besides the rows."""
+        return self._few_rows, self._serial
 
     def takes(self, rows: int) -> bool:
         return (self._few_rows and rows <= RUNTIME_ROWS_AT_MOST) or (self._serial and rows >= RUNTIME_ROWS_FROM_SERIAL)
