@@ -9,7 +9,6 @@ import asyncio
 import socket
 import struct
 import threading
-import time
 
 import hpack
 import numpy as np
@@ -370,7 +369,13 @@ def test_graceful_shutdown_finishes_calls_in_flight(repository):
     client = RawClient(server.ports.grpc)
     try:
         client.call(1, "ModelInfer", _slow_request())
-        time.sleep(0.05)
+        # the server has taken stream 1 once it acknowledges a PING sent after it (frames are handled in order);
+        # then stop at once: the slow call (~40 ms on a quiet 2-core machine) is still running, where a fixed sleep
+        # of 50 ms let it finish first and the connection close with nothing in flight
+        client.send(frame(PING, 0, 0, b"taken-1?"))
+        while (got := client.read_frame()) is not None and got[0] != PING:
+            pass
+        assert got is not None and got[1] == ACK
         stopping = threading.Thread(target=thread.stop)
         stopping.start()
         while (got := client.read_frame()) is not None and got[0] != GOAWAY:
