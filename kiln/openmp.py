@@ -6,9 +6,14 @@ other work (a shared VM, a host running other jobs) the spinning threads take th
 working ones need: ResNet-50 batch 1 on a 2-vCPU EPYC with two busy loops beside it ran at 1.97x
 onnxruntime's latency spinning and at 0.95x with a short spin. On an idle machine the short spin costs
 instead (0-27% on CNNs, ~1.4x on a stream of small transformer requests: a sleeping thread wakes for
-every layer). So: a short spin when the machine is busy as kiln is imported (1-min load average at least
-half its CPUs), unless the user chose a policy, and only before torch is loaded
+every layer). So: a short spin when the machine is busy as kiln is imported (other tasks runnable at that
+moment at least half its CPUs), unless the user chose a policy, and only before torch is loaded
 (bench/results/cpu-2026-12-01.md). No torch import here.
+
+Busy is judged by the tasks runnable now (/proc/loadavg's count, a median of readings), not by the 1-min load
+average, which trails what ran the minute before: `bash scripts/demo.sh` installs its packages and then imports
+kiln on an idle 2-vCPU Xeon at a load average of ~1.4, which chose the short spin and ran MobileNetV2 at 4.4 ms
+against onnxruntime's 2.8 (torch eager 32.8 ms); with libgomp's default, 2.5 ms (torch eager 10.7).
 
 How short: 100 iterations, not 10,000. On the busy 2-vCPU EPYC at 2 threads, 10,000 still let MobileNetV2's
 engines run 2-5x slower than with 100 or 0 (int8: one oneDNN call per layer, each ~0.5 ms instead of tens
@@ -19,32 +24,58 @@ quant-cpu-epyc-2026-12-03.md, "2 threads: the spin").
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 from collections.abc import MutableMapping
 
 SHORT_SPIN = "100"  # GOMP_SPINCOUNT when busy
-BUSY = 0.5  # load average per CPU from which the machine counts as busy
+BUSY = 0.5  # other work per CPU (tasks runnable, or the load average) from which the machine counts as busy
 POLICY = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
+# waking for a moment on a quiet machine does not decide (it did for 2 of 10 layers in 5 quiet builds).
+RUNNABLE_READINGS = 5
 
 
-def busy(load: float, cpus: int) -> bool:
-    return load >= BUSY * max(cpus, 1)
+def runnable_tasks(readings: int = RUNNABLE_READINGS) -> int | None:
+    """Tasks runnable on the machine, this reading one included: the median of `readings` of /proc/loadavg's
+    count, 1 ms apart; None off Linux."""
+    found = []
+    for i in range(readings):
+        if i:
+            time.sleep(0.001)
+        try:
+            with open("/proc/loadavg") as f:
+                found.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, IndexError, ValueError):
+            return None
+    return int(statistics.median(found))
+
+
+def busy(others: float, cpus: int) -> bool:
+    """Whether `others` (work beside this process: runnable tasks, or a load average) is at least BUSY a CPU."""
+    return others >= BUSY * max(cpus, 1)
 
 
 def choose_wait_policy(environ: MutableMapping[str, str] | None = None, modules: dict | None = None,
-                       load: float | None = None, cpus: int | None = None) -> str | None:
+                       runnable: int | None = None, load: float | None = None,
+                       cpus: int | None = None) -> str | None:
     """Set GOMP_SPINCOUNT in `environ` (os.environ) when the machine is busy, the user set no policy and
-    torch is not loaded yet; returns what it set, or None."""
+    torch is not loaded yet; returns what it set, or None. Busy: the tasks `runnable` now besides this one
+    (runnable_tasks), or, where that cannot be read, the 1-min `load` average."""
     environ = os.environ if environ is None else environ
     modules = sys.modules if modules is None else modules
     if "torch" in modules or any(k in environ for k in POLICY):
         return None
-    if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:  # no load average on this platform: libgomp's default
-            return None
-    if not busy(load, cpus if cpus is not None else (os.cpu_count() or 1)):
+    if runnable is None and load is None:
+        runnable = runnable_tasks()
+        if runnable is None:
+            try:
+                load = os.getloadavg()[0]
+            except OSError:  # no load average on this platform: libgomp's default
+                return None
+    others = runnable - 1 if runnable is not None else load
+    if not busy(others, cpus if cpus is not None else (os.cpu_count() or 1)):
         return None
     environ["GOMP_SPINCOUNT"] = SHORT_SPIN
     return SHORT_SPIN

@@ -4,31 +4,13 @@ quiet machine, the process's CPU time where other work shares the CPUs."""
 from __future__ import annotations
 
 import os
-import statistics
-import time
+
+from kiln.openmp import runnable_tasks
 
 WALL, PROCESS_CPU = "wall", "process cpu"
 
 # Other work shares the CPUs when its runnable tasks are at least this share of them (kiln/openmp.py's BUSY).
 BUSY_SHARE = 0.5
-# /proc/loadavg's count is of one instant: the median of a few readings a millisecond apart, so that one task
-# waking for a moment on a quiet machine does not decide (it did for 2 of 10 layers in 5 quiet builds).
-RUNNABLE_READINGS = 5
-
-
-def runnable_tasks(readings: int = RUNNABLE_READINGS) -> int | None:
-    """Tasks runnable on the machine, this reading one included: the median of `readings` of /proc/loadavg's
-    count, 1 ms apart; None off Linux."""
-    found = []
-    for i in range(readings):
-        if i:
-            time.sleep(0.001)
-        try:
-            with open("/proc/loadavg") as f:
-                found.append(int(f.read().split()[3].split("/")[0]))
-        except (OSError, IndexError, ValueError):
-            return None
-    return int(statistics.median(found))
 
 
 def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None,
