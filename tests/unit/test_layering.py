@@ -2,9 +2,9 @@
 back through others. Every import counts: module level, inside functions, under TYPE_CHECKING.
 
     apps (the `kiln` facade, cli, tools, zoo, demo, backend, compat, torch_backend)
-      -> builder -> {frontend, passes, runtime} -> tactics -> kernels -> ops -> plan -> ir -> base (errors, version)
+      -> builder -> {frontend, passes, runtime} -> tactics -> kernels -> ops -> plan -> ir -> base (errors, version, openmp)
 
-Packages of one level (frontend, passes and runtime; errors and version) may not import one another.
+Packages of one level (frontend, passes and runtime; errors, version and openmp) may not import one another.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ ROOT = Path(kiln.__file__).resolve().parent
 
 # Lowest first. A module may import its own package and the packages of lower layers, nothing else.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("base", {"kiln.errors", "kiln.version"}),
+    ("base", {"kiln.errors", "kiln.version", "kiln.openmp"}),  # openmp: a leaf read before torch loads
     ("ir", {"kiln.ir"}),
     ("plan", {"kiln.plan"}),
     ("ops", {"kiln.ops"}),
