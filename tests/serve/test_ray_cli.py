@@ -7,7 +7,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,12 +21,25 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import tritonclient.http as httpclient
-from conftest import free_port
 from serve_models import CONFIGS, MLP_W, mlp
 
 import kiln
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _port_ray_leaves_alone() -> int:
+    """A free loopback port outside the kernel's ephemeral range (32768-60999) and Ray's worker ports (10002-19999):
+    a port the OS handed out as free could be handed again to one of the processes Ray starts before its proxy
+    binds it (CI failed once: "Failed to bind to address '127.0.0.1:41997'")."""
+    for port in random.sample(range(20000, 32000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
 
 
 def test_kiln_serve_ray_cli(tmp_path, engines):
@@ -34,7 +49,7 @@ def test_kiln_serve_ray_cli(tmp_path, engines):
     (tmp_path / "mlp" / "1").mkdir(parents=True)
     shutil.copy(engine, tmp_path / "mlp" / "1" / "model.kiln")
     (tmp_path / "mlp" / "config.pbtxt").write_text(CONFIGS["mlp"])
-    port = free_port()
+    port = _port_ray_leaves_alone()
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # Ray's loopback mode: every Ray process on 127.0.0.1
            "RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION": "0.01"}  # ~230 MiB of this machine's 23 GiB
