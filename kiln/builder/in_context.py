@@ -147,10 +147,12 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
             chosen_ms, rival_ms = (statistics.median(samples[j]["run"]) for j in (0, k))
         else:
             chosen_ms, rival_ms = (statistics.median(s[group]) / len(members) for s in samples[:2])
+        # decided on the times as recorded, so the record explains the choice (a tie keeps the chosen tactic)
+        chosen_ms, rival_ms = round(chosen_ms, 4), round(rival_ms, 4)
         for name in members:
             i = names[name]
             chosen, rival = spec.steps[i].tactic or DEFAULT, rivals[i].tactic
-            found[i] = {chosen: round(chosen_ms, 4), rival: round(rival_ms, 4)}
+            found[i] = {chosen: chosen_ms, rival: rival_ms}
             if rival_ms < chosen_ms:
                 spec.steps[i].tactic, spec.steps[i].tactic_config = rival, rivals[i].config
     return found

@@ -190,7 +190,8 @@ def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime
     steps = {s.name: s for s in engine.plan.program.steps}
     for name, layer in layers.items():
         if "in_network" in layer:
-            assert steps[name].tactic == layer["tactic"] == min(layer["in_network"], key=layer["in_network"].get)
+            assert steps[name].tactic == layer["tactic"] == min(layer["in_network"], key=layer["in_network"].get), \
+                (name, steps[name].tactic, layer)
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     feed = rng.standard_normal((1, 64, 64), dtype=np.float32)
     np.testing.assert_allclose(engine.run({"x": feed})[x], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
