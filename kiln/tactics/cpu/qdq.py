@@ -21,9 +21,9 @@ from kiln.kernels.cpu import elementwise as elementwise_kernels
 from kiln.kernels.cpu import onednn, onednn_int8
 from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.plan.spec import StepSpec
+from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.cpu.onednn import _pool_supports
 from kiln.tactics.cpu.quantized import _CACHED_SHAPES, _CL, _QUANTIZED, _activation, _built
-from kiln.tactics.cpu.transformer import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
 from kiln.tactics.tactic import attribute as _attr
