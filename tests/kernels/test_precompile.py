@@ -30,13 +30,12 @@ def _fp8_block_program(tmp: Path):
 
     import numpy as np
     import torch
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from kiln.builder.build import pass_options
     from kiln.builder.config import BuildConfig
     from kiln.builder.padding_free import lower_precision_of, optimize_and_lower
     from kiln.frontend import onnx as onnx_frontend
-    from tests.calibration import FeedsReader
+    from tests.calibration import quantize_fp8
     from tests.resnet_block import Bottleneck
 
     torch.manual_seed(0)
@@ -48,10 +47,7 @@ def _fp8_block_program(tmp: Path):
                       output_names=["y"])
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal(SHAPE, dtype=np.float32)} for _ in range(2)]
-    quantize_static(str(fp32), str(qdq), FeedsReader(feeds), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN, per_channel=False,
-                    calibrate_method=CalibrationMethod.Distribution,  # the only one onnxruntime has for FP8
-                    extra_options={"QDQKeepRemovableActivations": True})
+    quantize_fp8(str(fp32), str(qdq), feeds)
     config = BuildConfig(device="cuda", opt_level=3)
     options = dataclasses.replace(pass_options(config), cuda_rules=True)
     _, lowered = optimize_and_lower(onnx_frontend.load(str(qdq)), options)

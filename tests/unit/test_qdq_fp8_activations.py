@@ -27,13 +27,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _fp8_model(tmp_path, keep_activations: bool) -> tuple[str, str, list[dict]]:
-    from onnxruntime.quantization import (
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from tests.calibration import FeedsReader
+    from tests.calibration import quantize_fp8
 
     torch.manual_seed(0)
     fp32 = tmp_path / "block.onnx"
@@ -44,10 +38,7 @@ def _fp8_model(tmp_path, keep_activations: bool) -> tuple[str, str, list[dict]]:
     feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(6)]
 
     path = tmp_path / f"block_fp8_{keep_activations}.onnx"
-    quantize_static(str(fp32), str(path), FeedsReader(feeds[:4]), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN, per_channel=False,
-                    calibrate_method=CalibrationMethod.Distribution,
-                    extra_options={"QDQKeepRemovableActivations": keep_activations})
+    quantize_fp8(str(fp32), str(path), feeds[:4], keep_activations)
     return str(fp32), str(path), feeds[4:]
 
 
