@@ -36,14 +36,21 @@ _QUANTIZED = (torch.uint8, torch.int8)
 _CACHED_SHAPES = 8
 
 
-def _common(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
-    """What QConv and QGemm on oneDNN both need."""
+def _constants_refusal(inputs: list[InputMeta]) -> str | None:
+    """Why a QConv or QGemm cannot run on oneDNN at all: the library, and its quantization parameters and weight
+    (inputs 1-5) as constants of the engine; None when they are."""
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
-    names = ("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point")
-    for i, name in enumerate(names, start=1):
+    for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
         if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
             return f"{name} is not a constant of the engine"
+    return None
+
+
+def _common(step: StepSpec, inputs: list[InputMeta], w_rank: int) -> bool | str:
+    """What QConv and QGemm on oneDNN's int8 primitives both need."""
+    if (refusal := _constants_refusal(inputs)) is not None:
+        return refusal
     x, w = inputs[0], inputs[3]
     if x.dtype != torch.uint8:
         return (f"source {str(x.dtype).removeprefix('torch.')}: only uint8 (oneDNN's signed sources are inexact "
@@ -106,6 +113,17 @@ def _residual_refusal(inputs: list[InputMeta]) -> str | None:
     return "a residual input: the add fused into the convolution is CUDA's" if _input(inputs, 9) is not None else None
 
 
+def _conv_refusal(step: StepSpec, x: InputMeta, w: InputMeta) -> str | None:
+    """Why the convolution's attributes do not fit x [N, C, H, W] and w [O, C/group, kH, kW], or None."""
+    geometry = _geometry(step, w.shape)
+    if isinstance(geometry, str):
+        return geometry
+    groups = int(_attr(step, "group", 1))
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    return None
+
+
 def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if (refusal := _residual_refusal(inputs)) is not None:
         return refusal
@@ -115,34 +133,19 @@ def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x, w = inputs[0], inputs[3]
     if len(x.shape) != 4:
         return "only 2-D convolutions (4-D input)"
-    geometry = _geometry(step, w.shape)
-    if isinstance(geometry, str):
-        return geometry
-    groups = int(_attr(step, "group", 1))
-    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
-        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
-    return True
+    return _conv_refusal(step, x, w) or True
 
 
 def _qconv_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if (refusal := _residual_refusal(inputs)) is not None:
+    if (refusal := _residual_refusal(inputs) or _constants_refusal(inputs)) is not None:
         return refusal
-    if not onednn.available():
-        return "libdnnl.so.3 cannot be loaded"
-    for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
-        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
-            return f"{name} is not a constant of the engine"
     x, w = inputs[0], inputs[3]
     if len(x.shape) != 4 or w.dtype not in _QUANTIZED or len(w.shape) != 4:
         return "only 2-D convolutions of an int8/uint8 weight"
     if int(_attr(step, "output_dtype", 1)) != 1 and (len(inputs) <= 6 or inputs[6].shape is None):
         return "a float output other than float32"
-    geometry = _geometry(step, w.shape)
-    if isinstance(geometry, str):
-        return geometry
-    groups = int(_attr(step, "group", 1))
-    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
-        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    if (refusal := _conv_refusal(step, x, w)) is not None:
+        return refusal
     if isinstance(onednn.eltwise_for(*_activation(step)), str):
         return f"activation {_attr(step, 'activation', '')!r}"
     return True
@@ -311,11 +314,8 @@ register(Tactic(
 
 
 def _qgemm_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
-    if not onednn.available():
-        return "libdnnl.so.3 cannot be loaded"
-    for i, name in enumerate(("x_scale", "x_zero_point", "w", "w_scale", "w_zero_point"), start=1):
-        if i >= len(inputs) or inputs[i].shape is None or not inputs[i].constant:
-            return f"{name} is not a constant of the engine"
+    if (refusal := _constants_refusal(inputs)) is not None:
+        return refusal
     x, w = inputs[0], inputs[3]
     if len(w.shape) != 2 or w.dtype not in _QUANTIZED or len(x.shape) < 2 or x.shape[-1] != w.shape[1]:
         return f"input {list(x.shape)} and weight {list(w.shape)} are not [..., K] and an 8-bit [N, K]"
