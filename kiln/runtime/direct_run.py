@@ -10,15 +10,18 @@ constants) and the exits' numpy forms; a run writes the inputs' addresses, makes
 loop.
 
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
-compares outputs bit for bit, and with onnxruntime). A record keeps its view, shape values and constants alive: the
-cache is cleared whenever the program lets a shape plan go or the segment a view (their LRU bounds then hold), a
-record whose plan or view is no longer the one there goes (made again once the shape is bound again), and each run
-marks its signature used in both, as the general path does.
+compares outputs bit for bit, and with onnxruntime). A record holds its view weakly: the segment's LRU owns views,
+and when it lets one go the view is freed there and then, its record with it. A record keeps its shape values and
+constants alive: the cache is cleared whenever the program lets a shape plan go (its LRU bound then holds), a record
+whose plan or view is no longer the one there goes (made again once the shape is bound again), and each run marks
+its signature used in both, as the general path does.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,10 +40,10 @@ NUMPY_TO_TORCH = {np.dtype(t): torch.from_numpy(np.empty(0, t)).dtype for t in (
 
 @dataclass(frozen=True)
 class DirectRun:
-    """One signature's run: `view` (the Segment or its _Resized at these sizes) called on entry addresses, the
-    inputs' written in at `moving` [(entry position, input index)], the others fixed in `addresses`."""
+    """One signature's run: `view` (the Segment or its _Resized at these sizes, held weakly) called on entry
+    addresses, the inputs' written in at `moving` [(entry position, input index)], the others fixed in `addresses`."""
 
-    view: Any  # has run_at(entry_addresses, exit_addresses)
+    view: weakref.ref  # to an object with run_at(entry_addresses, exit_addresses)
     addresses: tuple[int, ...]  # every entry's address, the inputs' as 0
     moving: tuple[tuple[int, int], ...]
     exits: tuple[tuple[tuple[int, ...], np.dtype], ...]
@@ -49,12 +52,17 @@ class DirectRun:
     view_key: tuple  # the segment's key of the view (its LRU)
     plan: list  # the program's shape plan it was made from (its LRU)
 
-    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+    def run(self, arrays: list[np.ndarray]) -> list[np.ndarray] | None:
+        """The outputs, or None when the view was let go since the record was found (another thread bound other
+        sizes): then the caller's general path runs."""
+        view = self.view()
+        if view is None:
+            return None
         addresses = list(self.addresses)
         for position, k in self.moving:
             addresses[position] = arrays[k].ctypes.data
         exits = [np.empty(size, dtype) for size, dtype in self.exits]
-        self.view.run_at(addresses, [e.ctypes.data for e in exits])
+        view.run_at(addresses, [e.ctypes.data for e in exits])
         return [exits[j] for j in self.outputs]
 
 
@@ -71,7 +79,7 @@ class DirectRuns:
         exits = list(step.outputs)
         self._outputs = tuple(exits.index(s) for s in program.output_slots)
         self._records: dict[tuple, DirectRun | None] = {}
-        self._evictions = (program.plan_evictions, segment.view_evictions)
+        self._plan_evictions = program.plan_evictions
         self._lock = threading.Lock()
 
     @classmethod
@@ -90,10 +98,10 @@ class DirectRuns:
     def find(self, signature: tuple) -> DirectRun | None:
         """The signature's record (made here when the program has bound it), or None: not bound, or not runnable
         directly (another dtype or layout than the segment's, a size its layers run one by one)."""
-        if (self.program.plan_evictions, self.segment.view_evictions) != self._evictions:
-            with self._lock:  # something the records hold was let go: they go too (made again on demand)
+        if self.program.plan_evictions != self._plan_evictions:
+            with self._lock:  # a shape plan the records hold was let go: they go too (made again on demand)
                 self._records.clear()
-                self._evictions = (self.program.plan_evictions, self.segment.view_evictions)
+                self._plan_evictions = self.program.plan_evictions
         record = self._records.get(signature, _UNBOUND)  # one look-up: another thread may clear the records
         if record is _UNBOUND:
             record = self._make(signature)
@@ -117,9 +125,10 @@ class DirectRuns:
             if program.shape_plans.get(signature) is not record.plan:
                 return False
             program.shape_plans.move_to_end(signature)
-        if record.view is not segment:
+        view = record.view()
+        if view is not segment:
             with segment._resize_lock:
-                if segment.resized.get(record.view_key) is not record.view:
+                if view is None or segment.resized.get(record.view_key) is not view:
                     return False
                 segment.resized.move_to_end(record.view_key)
         return True
@@ -168,7 +177,18 @@ class DirectRuns:
             if numpy_dtype is None or tuple(strides) != row_major_strides(tuple(size)):
                 return None
             exits.append((tuple(size), numpy_dtype))
-        return DirectRun(view, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
+        held = weakref.ref(view, functools.partial(_forget, weakref.ref(self), signature))
+        return DirectRun(held, tuple(addresses), tuple(moving), tuple(exits), self._outputs, tuple(keep), key, plan)
+
+
+def _forget(runs: weakref.ref, signature: tuple, view: weakref.ref) -> None:
+    """A record's view was freed (its segment's LRU let it go): the record goes too, and what it holds. No lock: this
+    runs wherever the view's last reference went (under the segment's resize lock, or inside a collector pass), and
+    one dict look-up and pop need none; a newer record popped by a race is made again on demand."""
+    direct = runs()
+    record = direct._records.get(signature) if direct is not None else None
+    if record is not None and record.view is view:
+        direct._records.pop(signature, None)
 
 
 _NUMPY_OF = {t: d for d, t in NUMPY_TO_TORCH.items()}

@@ -184,7 +184,7 @@ class FirstCalls:
         """`run`'s choice for numpy inputs (C-contiguous, of `signature`) through `direct` (kiln/runtime/direct_run.py):
         a bound shape whose binding cost is measured (its repeat ran) run at its size, a new one padded in its host,
         each as one call of the host's compiled loop; None where `run` would do something else (bind the shape,
-        measure a repeat) or the shape has no DirectRun: then the caller takes `run`."""
+        measure a repeat) or the shape has no DirectRun (or its view went meanwhile): then the caller takes `run`."""
         known = self.bound.get(signature)
         if known is not None:
             if known.runs < 2:
@@ -201,11 +201,13 @@ class FirstCalls:
         record = direct.find(host.signature) if host is not None else None
         if record is None:
             return None
-        self._pay(signature, host)
         padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
         t0 = time.thread_time_ns()
         results = record.run(padded)
         ms = (time.thread_time_ns() - t0) / 1e6
+        if results is None:  # the host's view was let go since find()
+            return None
+        self._pay(signature, host)
         with self._lock:
             self.padded_runs += 1
             host.ms = min(host.ms, ms)

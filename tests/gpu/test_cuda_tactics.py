@@ -1,5 +1,5 @@
 """CUDA tactics on the H200 (`pytest tests/gpu/test_cuda_tactics.py -s`): every tactic of kiln/tactics/cuda/library.py
-against the op's registered implementation at real layer sizes in fp16 (and bf16 where it matters),
+and memory_bound.py against the op's registered implementation at real layer sizes in fp16 (and bf16 where it matters),
 captured into a CUDA graph and replayed (no host synchronisation inside a launch), with a printed
 timing table (never asserted: tests do not assert on time); then small CNN and transformer engines built
 with device="cuda", precision="fp16", autotuned, their chosen tactics printed, against onnxruntime fp32.

@@ -21,29 +21,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bottleneck():
-    """ResNet-50's layer kinds at 64 channels (the Triton tiles' smallest), 8x8 after the stem and the pool: the
-    stem, 1x1 and 3x3 convolutions, the expanding 1x1 with the shortcut's residual add fused (opt level 3)."""
-    import torch
-
-    class Bottleneck(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = torch.nn.Conv2d(3, 64, 3, stride=2, padding=1)
-            self.reduce = torch.nn.Conv2d(64, 64, 1)
-            self.conv = torch.nn.Conv2d(64, 64, 3, padding=1)
-            self.expand = torch.nn.Conv2d(64, 256, 1)
-            self.shortcut = torch.nn.Conv2d(64, 256, 1)
-            self.fc = torch.nn.Linear(256, 10)
-
-        def forward(self, x):
-            x = torch.nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
-            y = self.expand(torch.relu(self.conv(torch.relu(self.reduce(x)))))
-            return self.fc(torch.relu(y + self.shortcut(x)).mean(dim=(2, 3)))
-
-    return Bottleneck().eval()
-
-
 SHAPE = (2, 3, 32, 32)
 
 
@@ -53,24 +30,24 @@ def _fp8_block_program(tmp: Path):
 
     import numpy as np
     import torch
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     from kiln.builder.build import pass_options
     from kiln.builder.config import BuildConfig
     from kiln.builder.padding_free import lower_precision_of, optimize_and_lower
     from kiln.frontend import onnx as onnx_frontend
-    from tests.calibration import FeedsReader
+    from tests.calibration import quantize_fp8
+    from tests.resnet_block import Bottleneck
 
     torch.manual_seed(0)
     fp32, qdq = tmp / "block.onnx", tmp / "block_fp8.onnx"
-    torch.onnx.export(_bottleneck(), (torch.randn(SHAPE),), str(fp32), dynamo=True, input_names=["x"],
+    # ResNet-50's layer kinds at 64 channels (the Triton tiles' smallest), 8x8 after the stem and the pool: the
+    # stem, 1x1 and 3x3 convolutions, the expanding 1x1 with the shortcut's residual add fused (opt level 3)
+    block = Bottleneck(stem=64, width=64, out=256).eval()
+    torch.onnx.export(block, (torch.randn(SHAPE),), str(fp32), dynamo=True, input_names=["x"],
                       output_names=["y"])
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal(SHAPE, dtype=np.float32)} for _ in range(2)]
-    quantize_static(str(fp32), str(qdq), FeedsReader(feeds), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN, per_channel=False,
-                    calibrate_method=CalibrationMethod.Distribution,  # the only one onnxruntime has for FP8
-                    extra_options={"QDQKeepRemovableActivations": True})
+    quantize_fp8(str(fp32), str(qdq), feeds)
     config = BuildConfig(device="cuda", opt_level=3)
     options = dataclasses.replace(pass_options(config), cuda_rules=True)
     _, lowered = optimize_and_lower(onnx_frontend.load(str(qdq)), options)

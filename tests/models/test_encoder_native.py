@@ -1,5 +1,5 @@
 """Transformer encoders exported with symbolic batch and sequence run on the CPU as one native segment
-(kiln/tactics/cpu/transformer.py, broadcast.py; kiln/runtime/native.py) when their layers' native tactics
+(kiln/tactics/cpu/transformer.py, attention.py, broadcast.py; kiln/runtime/native.py) when their layers' native tactics
 are chosen (made deterministic here: see native_first), mask preparation included,
 and match onnxruntime at fresh random shapes inside their profile with real padding masks (left,
 right, none, a row with no token). Tolerance: fp32 through 2 layers of 64-wide sums, 1e-4 absolute

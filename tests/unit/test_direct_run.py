@@ -1,11 +1,12 @@
 """Bound shapes of a one-segment CPU program run as one call of its compiled loop, numpy in and out
 (kiln/runtime/direct_run.py): the same outputs as the general path bit for bit and onnxruntime's at fresh random
-shapes, padded first calls through it as the unpadded runs, records let go with what they hold, torch inputs and
-threads."""
+shapes, padded first calls through it as the unpadded runs, records let go with what they hold (a view at once), torch
+inputs and threads."""
 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -110,16 +111,22 @@ def test_padded_first_calls_run_directly_in_their_host_as_unpadded_runs_do(dynam
                                    err_msg=f"padded vs onnxruntime, {batch}x{seq}")
 
 
-def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dynamic_bert_tiny, counted):
-    engine, session = dynamic_bert_tiny
+def _one_direct_record(engine, counted) -> tuple:
+    """A fresh context, and a 3 x S request run until it has a record (its second call runs directly): (context,
+    feeds, signature)."""
     context = _fresh(engine, pad=False)
     rng = np.random.default_rng()
     feeds = _feeds(rng, 3, int(rng.integers(2, 40)))
     context.run(feeds)
     context.run(feeds)
     assert len(counted) == 1
+    return context, feeds, direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
+
+
+def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dynamic_bert_tiny, counted):
+    engine, session = dynamic_bert_tiny
+    context, feeds, signature = _one_direct_record(engine, counted)
     direct = engine.direct_runs
-    signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
     record = direct._records[signature]
     # the program lets the shape plan go (its LRU): the records go, the shape runs the general path and binds again
     program = engine.program
@@ -149,6 +156,27 @@ def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dyn
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
     context.run(feeds)
     assert len(counted) == 4
+
+
+def test_an_evicted_view_is_freed_at_once_and_its_record_with_it(dynamic_bert_tiny, counted):
+    """A record holds its view weakly: when the segment's LRU lets the view go, the view is freed there and then, not
+    kept alive by the record until the next direct-run look-up notices the eviction."""
+    engine, session = dynamic_bert_tiny
+    context, feeds, signature = _one_direct_record(engine, counted)
+    direct, segment = engine.direct_runs, engine.direct_runs.segment
+    key = direct._records[signature].view_key
+    assert key != segment._planned_key, "the shape ran on the template, not a view"
+    view = weakref.ref(segment.resized[key])
+    with segment._resize_lock:  # as Segment._bind_sizes lets its least recently used view go
+        segment.resized.pop(key)
+        segment.view_evictions += 1
+    assert view() is None, "the evicted view is still held"
+    assert signature not in direct._records
+    got = next(iter(context.run(feeds).values()))  # the general path binds the shape again
+    assert len(counted) == 1
+    np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    context.run(feeds)
+    assert len(counted) == 2
 
 
 def test_a_direct_run_marks_its_shape_used_in_the_plans_and_views(dynamic_bert_tiny):

@@ -79,7 +79,8 @@ def test_new_shapes_leave_no_garbage_for_the_collector_and_a_dropped_view_dies(d
     leaves nothing for it to find, and an evicted view (its replanned calls with it) is freed by its reference
     count once the runtime has let it go. A cycle would wait for a full pass, which scans every object of the
     process (~110 ms with torch and BERT-base loaded, kiln/runtime/heap.py). The stream repeats its first shape:
-    that call runs through the engine's direct run (kiln/runtime/direct_run.py), whose record holds the view."""
+    that call runs through the engine's direct run (kiln/runtime/direct_run.py), whose record refers to the view
+    (weakly: nothing but the segment's LRU keeps it)."""
     engine, _ = dynamic_bert_tiny
     context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds a view
     rng = np.random.default_rng(seed)
@@ -103,14 +104,11 @@ def test_new_shapes_leave_no_garbage_for_the_collector_and_a_dropped_view_dies(d
 
 
 def _evict_views(engine) -> None:
-    """Let every segment's views go as its LRU bound does (Segment._bind_sizes: counted in view_evictions), and have
-    the engine's direct runs, whose records hold their views, notice it (any look-up does; a signature never bound
-    makes no record)."""
+    """Let every segment's views go as its LRU bound does (Segment._bind_sizes: counted in view_evictions); the
+    engine's direct runs notice nothing first: their records hold views weakly."""
     for segment in engine.program.segments:
         segment.view_evictions += len(segment.resized)
         segment.resized.clear()
-    if engine.direct_runs is not None:
-        engine.direct_runs.find(())
 
 
 def _referrers(objects: list) -> list[str]:

@@ -21,50 +21,24 @@ import torch
 
 import kiln
 from kiln.builder.accuracy import FLOAT8_HALF_SLACK, float8_ordinal, mismatch
+from tests.resnet_block import Bottleneck
 
 FP8 = torch.float8_e4m3fn
 
 
-class _Block(torch.nn.Module):
-    """ResNet's layer kinds: a strided stem with Relu, MaxPool, a bottleneck with a projection shortcut,
-    the residual Add -> Relu, global average pooling and the classifier."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = torch.nn.Conv2d(3, 16, 3, stride=2, padding=1)
-        self.reduce = torch.nn.Conv2d(16, 8, 1)
-        self.conv = torch.nn.Conv2d(8, 8, 3, padding=1)
-        self.expand = torch.nn.Conv2d(8, 32, 1)
-        self.shortcut = torch.nn.Conv2d(16, 32, 1)
-        self.fc = torch.nn.Linear(32, 10)
-
-    def forward(self, x):
-        x = torch.nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, 2, 1)
-        y = self.expand(torch.relu(self.conv(torch.relu(self.reduce(x)))))
-        return self.fc(torch.relu(y + self.shortcut(x)).mean(dim=(2, 3)))
-
-
 def _fp8_model(tmp_path, keep_activations: bool) -> tuple[str, str, list[dict]]:
-    from onnxruntime.quantization import (
-        CalibrationMethod,
-        QuantFormat,
-        QuantType,
-        quantize_static,
-    )
-    from tests.calibration import FeedsReader
+    from tests.calibration import quantize_fp8
 
     torch.manual_seed(0)
     fp32 = tmp_path / "block.onnx"
-    torch.onnx.export(_Block().eval(), (torch.randn(2, 3, 16, 16),), str(fp32), dynamo=True, input_names=["x"],
+    block = Bottleneck(stem=16, width=8, out=32).eval()  # ResNet's layer kinds at a few channels
+    torch.onnx.export(block, (torch.randn(2, 3, 16, 16),), str(fp32), dynamo=True, input_names=["x"],
                       output_names=["y"])
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(6)]
 
     path = tmp_path / f"block_fp8_{keep_activations}.onnx"
-    quantize_static(str(fp32), str(path), FeedsReader(feeds[:4]), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QFLOAT8E4M3FN, weight_type=QuantType.QFLOAT8E4M3FN, per_channel=False,
-                    calibrate_method=CalibrationMethod.Distribution,
-                    extra_options={"QDQKeepRemovableActivations": keep_activations})
+    quantize_fp8(str(fp32), str(path), feeds[:4], keep_activations)
     return str(fp32), str(path), feeds[4:]
 
 

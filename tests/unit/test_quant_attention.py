@@ -121,7 +121,7 @@ def test_the_quantized_attention_is_onnxruntime_within_a_step(mask, tactic):
 def test_the_c_kernel_is_the_reference_on_random_uint8(causal, masked):
     """cpu.attention.native against kiln/ops/fused.py's attention on random uint8 q/k/v (permuted views, as the
     fusion leaves them), each quantization on: within one output step."""
-    from kiln.tactics.cpu.transformer import attention_plan
+    from kiln.tactics.cpu.attention import attention_plan
     from kiln.kernels.cpu import transformer as kernels
 
     if not kernels.available():
@@ -151,7 +151,7 @@ def test_the_c_kernel_is_the_reference_on_random_uint8(causal, masked):
 
 
 def test_a_partly_quantized_attention_is_refused_by_the_c_kernel():
-    from kiln.tactics.cpu.transformer import attention_plan
+    from kiln.tactics.cpu.attention import attention_plan
 
     sizes = {k: (1, 4, 2, 8) for k in (0, 1, 2)}
     found = attention_plan({"q_quant": [0.1, 0.0], "score_quant": [0.1, 0.0, 0.0, 255.0]}, sizes, None)

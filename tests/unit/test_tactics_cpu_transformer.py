@@ -1,4 +1,4 @@
-"""kiln's C kernels for a transformer's layers (kiln/tactics/cpu/transformer.py, broadcast.py) against
+"""kiln's C kernels for a transformer's layers (kiln/tactics/cpu/transformer.py, attention.py, broadcast.py) against
 independent oracles on fresh random inputs: float64 numpy for LayerNorm and attention, numpy for the
 exact ops (Add, Gather, Cast, And/Or, Where), onnx.reference for GatherND; and each tactic against
 the op's registered implementation, as the autotuner checks it. Tolerances: float32 sums of up to
@@ -350,7 +350,7 @@ def _torch_views(attrs, sizes):
 def test_the_attention_plan_has_torch_s_view_geometry_at_every_size():
     """The plan is index arithmetic (it runs per layer at every new input size): its offsets and strides,
     size-1 axes included, are those of the views torch makes, over fresh random sizes and layouts."""
-    from kiln.tactics.cpu.transformer import attention_plan
+    from kiln.tactics.cpu.attention import attention_plan
 
     for _ in range(300):
         b, s, tt, h, d = (int(rng.integers(1, 5)), int(rng.integers(1, 9)), int(rng.integers(1, 9)),

@@ -1,5 +1,5 @@
-"""CUDA tactics (kiln/tactics/cuda/library.py) without a GPU: each tactic's launch on CPU tensors against the op's
-registered implementation — Triton kernels under TRITON_INTERPRET=1, torch library calls on their CPU
+"""CUDA tactics (kiln/tactics/cuda/library.py, memory_bound.py) without a GPU: each tactic's launch on CPU tensors
+against the op's registered implementation — Triton kernels under TRITON_INTERPRET=1, torch library calls on their CPU
 kernels — plus what supports() refuses, and one engine built with the tactics standing in for CPU ones.
 
 The same tactics at real sizes on the H200, fp16, with timings: tests/gpu/test_cuda_tactics.py.

@@ -4,8 +4,11 @@
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
                    (conv, Winograd conv, pooling, inner product, no-copy reshapes)
     gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
-    quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives, QAdd (kiln/ops/quantized.py)
-    transformer.py kiln's C kernels for LayerNorm, attention, Add and embedding Gather, native-segment members
+    quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives (kiln/ops/quantized.py)
+    qdq.py         per-tensor Q/DQ and the 8-bit ops between quantized layers: QAdd, MaxPool
+    native_member.py  a kiln C kernel as a layer's launch, runnable inside native segments (prepared_native)
+    transformer.py kiln's C kernels for LayerNorm, RMSNorm, Add and embedding Gather, native-segment members
+    attention.py   ... and for kiln::Attention (attention_plan: q/k/v/mask views from the sizes alone)
     broadcast.py   ... and for Cast, And, Or, Where, GatherND (an exported attention mask's preparation)
     recurrent.py   ONNX RNN, GRU, LSTM as kiln's C loop (kiln/kernels/cpu/recurrent.c, lstm.c): input
                    projection + one loop over time
@@ -20,8 +23,10 @@
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
 import kiln.tactics.cpu.gemm_packed  # noqa: F401
-import kiln.tactics.cpu.quantized  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
+import kiln.tactics.cpu.attention  # noqa: F401
+import kiln.tactics.cpu.quantized  # noqa: F401
+import kiln.tactics.cpu.qdq  # noqa: F401
 import kiln.tactics.cpu.broadcast  # noqa: F401
 import kiln.tactics.cpu.elementwise  # noqa: F401
 import kiln.tactics.cpu.rotary  # noqa: F401

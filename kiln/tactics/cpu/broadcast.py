@@ -22,7 +22,7 @@ import torch
 
 from kiln.kernels.cpu import transformer as kernels
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.transformer import prepared_native, sizes_config
+from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, PlanRule, SizedPlan, Tactic
 from kiln.tactics.tactic import attribute as _attr

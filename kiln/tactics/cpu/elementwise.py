@@ -26,7 +26,7 @@ from kiln.kernels.cpu import elementwise as kernels
 from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.broadcast import broadcast_input_shapes
-from kiln.tactics.cpu.transformer import prepared_native, sizes_config
+from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, same_primitive
 from kiln.tactics.tactic import attribute as _attr

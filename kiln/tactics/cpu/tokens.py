@@ -22,7 +22,8 @@ import torch
 from kiln.kernels.cpu import tokens as kernels
 from kiln.kernels.cpu import transformer as transformer_kernels
 from kiln.plan.spec import StepSpec
-from kiln.tactics.cpu.transformer import attention_plan, prepared_native, shared_attention, sizes_config
+from kiln.tactics.cpu.attention import attention_plan, shared_attention
+from kiln.tactics.cpu.native_member import prepared_native, sizes_config
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
 from kiln.tactics.tactic import attribute as _attr

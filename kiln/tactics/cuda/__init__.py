@@ -1,6 +1,7 @@
 """CUDA tactics (loaded by kiln/tactics/registry.py for CUDA engines and CUDA builds only).
 
-    library.py     cuBLAS/cuBLASLt GEMMs, cuDNN convolutions, SDPA backends, Triton elementwise/norms
+    library.py     cuBLAS/cuBLASLt GEMMs (+ Triton GEMM and epilogues), cuDNN convolutions, SDPA backends
+    memory_bound.py  Triton elementwise chains, LayerNorm, RMSNorm, Softmax
     gemm_padded.py a half GEMM of K or N not a multiple of 8 on zero-padded, aligned operands (cuBLAS)
     swiglu.py      a gated MLP's gate|up GEMM (FusedGemm SwiGLU): cuBLAS + one gating kernel, or one Triton GEMM
     attention.py   kiln's Triton flash attention
@@ -21,6 +22,7 @@ when a tactic using it is prepared.
 
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cuda.library  # noqa: F401, I001
+import kiln.tactics.cuda.memory_bound  # noqa: F401
 import kiln.tactics.cuda.swiglu  # noqa: F401
 import kiln.tactics.cuda.gemm_padded  # noqa: F401
 import kiln.tactics.cuda.attention  # noqa: F401
