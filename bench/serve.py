@@ -285,6 +285,8 @@ def run(args, report) -> list[Row]:
                 opt = args.max_batch if batching else 1
                 print(f"building {model} ({args.device}, {args.precision}, tuned at batch {opt}) ...", flush=True)
                 options = {"device": args.device, "precision": args.precision}
+                if args.tuning_runs:
+                    options["tuning_runs"] = args.tuning_runs
                 profile = _profile(model, opt, args)
                 if profile:
                     options["profiles"] = profile
@@ -432,6 +434,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--delay-us", type=int, default=0, help="max_queue_delay_microseconds (default 0)")
     parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--tuning-runs", type=int, help="the engines' timed rounds per layer (kiln's default: 10)")
     parser.add_argument("--seq", type=int, default=128, help="BERT sequence length")
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per level")
     parser.add_argument("--warmup", type=float, default=1.0)

@@ -24,13 +24,14 @@
 #    SERVE_BENCH_S (the bench's timeout, default 450), GPU_TESTS (0: skip stage 2), SERVE_TREES (checkouts
 #    serving, a server each: an A/B in one run; default .), FRONTENDS (kiln serve --frontends values,
 #    one server each, e.g. "0 2 4"; default 0), STAGING_MIB (kiln serve --staging-mib values for servers with front
-#    ends, a server each; default 64; 0: tensors over the engine's socket). With FRONTENDS other than 0, stage 2 also runs
-#    tests/serve/test_frontends.py (front-end processes on this host's grpcio and Python).
+#    ends, a server each; default 64; 0: tensors over the engine's socket), SERVE_ARGS (more bench/serve.py flags,
+#    e.g. "--client tritonclient"). With FRONTENDS other than 0, stage 2 also runs tests/serve/test_frontends.py
+#    (front-end processes on this host's grpcio and Python).
 # Each stage runs under its own timeout; the log is $OUT/serve_gpu.log.
 set -u
 if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPython 3.12, --no-deps (each need listed)
   mkdir -p .whl-serve
-  .venv/bin/pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  ${PIP:-.venv/bin/pip} download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl-serve \
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
@@ -101,7 +102,7 @@ fi
 stage "bench/serve.py on cuda"
 timeout "${SERVE_BENCH_S:-450}" python3 bench/serve.py --models ${SERVE_MODELS:-mobilenet_v2 bert_base} --device cuda \
   --precision fp16 --instances 2 --processes ${SERVE_PROCESSES:-4} --random-weights --concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
-  --frontends ${FRONTENDS:-0} --staging-mib ${STAGING_MIB:-64} --trees ${SERVE_TREES:-.} --window 1.0 --warmup 0.5 --out "$OUT" 2>&1
+  --frontends ${FRONTENDS:-0} --staging-mib ${STAGING_MIB:-64} --trees ${SERVE_TREES:-.} --window 1.0 --warmup 0.5 ${SERVE_ARGS:-} --out "$OUT" 2>&1
 echo "bench exit $?"
 stage "done"
 } 2>&1 | tee "$OUT/serve_gpu.log"
