@@ -18,6 +18,7 @@ connections, and a `kiln serve --frontends N`'s processes, see the whole load.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import time
 from collections.abc import Callable
@@ -29,6 +30,8 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.serve.perf_wire import VARIANTS, Plan, make_plan, run_share
+
+log = logging.getLogger("kiln.serve")
 
 
 # a connection of its own per gRPC client (its own subchannel pool), with tritonclient's message size limits
@@ -286,8 +289,11 @@ async def _wire_plan(options: PerfOptions, metadata: dict, batched: bool) -> Pla
     """The wire client's requests (VARIANTS of them, distinct random inputs) and their answers alone."""
     rng = np.random.default_rng(options.seed)
     inputs = [_inputs(options, metadata, rng, batched) for _ in range(VARIANTS)]
-    return await asyncio.to_thread(make_plan, options.protocol, options.address, options.model, options.version,
+    plan = await asyncio.to_thread(make_plan, options.protocol, options.address, options.model, options.version,
                                    inputs, options.streams, options.full_every)
+    for warning in plan.warnings:
+        log.warning("kiln perf: %s", warning)
+    return plan
 
 
 async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = None,

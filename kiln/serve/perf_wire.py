@@ -8,12 +8,12 @@ tens, so the server, not the load, is what a run measures.
           a block seen before is looked up), so grpcio and Triton servers work too. `streams` calls share a connection.
     HTTP  POST .../infer, HTTP/1.1 keep-alive, the binary tensor extension both ways; one call in flight a connection.
 
-Every answer is checked against its own request. A plan holds VARIANTS distinct random requests, each with its id;
-before the load each is sent alone and its answer kept as the reference. Under load an answer must carry its
-request's id and the reference's outputs (names, datatypes, shapes, sizes), with SAMPLES values spread over each
-output within the datatype's tolerance, and every `full_every`-th answer all its values (an output of the very
-bytes answered alone passes at once): a batch split wrong (rows of another request) fails the check. The reference is the server's own answer alone, not an independent oracle:
-it checks that batching and concurrency change nothing, not that the model is right.
+Every answer is checked against its own request (kiln/serve/perf_check.py). A plan holds VARIANTS distinct random
+requests, each with its id; before the load each is sent alone and its answer kept as the reference. Under load an
+answer must carry its request's id and the reference's outputs, sampled values within the datatype's tolerance and
+every `full_every`-th answer all of them: a batch split wrong (rows of another request) fails the check. The
+reference is the server's own answer alone, not an independent oracle: it checks that batching and concurrency
+change nothing, not that the model is right.
 """
 
 from __future__ import annotations
@@ -31,87 +31,12 @@ from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, D
                                   END_HEADERS, END_STREAM, FRAME, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
                                   MAX_FRAME_SIZE, MAX_WINDOW, PING, PREFACE, PRIORITY_FLAG, RST_STREAM, SETTING,
                                   SETTINGS, WINDOW_UPDATE, WORD, HeaderBlocks, frame, literal, unpad)
+from kiln.serve.perf_check import Answer, Reference, numpy_type
 
 VARIANTS = 8  # distinct requests a plan cycles through: a batch mixes several
-SAMPLES = 16  # values of each output checked in every answer
 GRPC_METHOD = b"/inference.GRPCInferenceService/ModelInfer"
 RECEIVE_FRAME_SIZE = 1 << 20  # asked of the server: large answers in few frames
 DRAIN_S = 10.0  # after the window: how long calls still in flight are awaited
-NUMPY_TYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-               "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-               "FP32": np.float32, "FP64": np.float64}
-# of the output's largest magnitude: a batched call may take other kernels than the request alone (other tiles,
-# other accumulation orders; fp16 rounds each partial sum to 11 bits); integers and booleans exact
-RTOL = {"FP16": 2e-2, "FP32": 1e-3, "FP64": 1e-9}
-
-
-@dataclass
-class Answer:
-    id: str
-    outputs: list[tuple[str, str, list[int], memoryview | bytes]]  # name, datatype, shape, the values' bytes
-
-
-@dataclass
-class Expected:
-    """One output of a reference answer, and where its values are sampled."""
-    name: str
-    datatype: str
-    shape: list[int]
-    raw: bytes  # the values as answered: an answer of the same bytes passes at once
-    values: np.ndarray  # [n] float64
-    tolerance: float
-    at: np.ndarray  # [SAMPLES] positions checked in every answer
-    sample: np.ndarray  # values[at]
-
-
-class Reference:
-    """A request's answer alone: what every answer to it under load is checked against."""
-
-    def __init__(self, answer: Answer, rtol: float | None):
-        self.id = answer.id
-        self.outputs = []
-        for name, datatype, shape, data in answer.outputs:
-            values = np.frombuffer(data, _numpy_type(datatype, name)).astype(np.float64)
-            at = np.linspace(0, values.size - 1, min(SAMPLES, values.size)).astype(np.int64)
-            largest = float(np.abs(values).max()) if values.size else 0.0
-            relative = RTOL.get(datatype, 0.0) if rtol is None else rtol
-            self.outputs.append(Expected(name, datatype, list(shape), bytes(data), values, relative * largest, at,
-                                         values[at]))
-
-    def check(self, answer: Answer, full: bool) -> str | None:
-        """None when `answer` is this request's; else what differs."""
-        if answer.id != self.id:
-            return f"request {self.id!r} answered with id {answer.id!r}"
-        got = [(name, datatype, list(shape)) for name, datatype, shape, _ in answer.outputs]
-        want = [(e.name, e.datatype, e.shape) for e in self.outputs]
-        if got != want:
-            return f"request {self.id!r}: outputs {got}, alone it was answered {want}"
-        for (name, _, _, data), e in zip(answer.outputs, self.outputs):
-            if data == e.raw:
-                continue
-            values = np.frombuffer(data, NUMPY_TYPES[e.datatype])
-            if values.size != e.values.size:
-                return f"request {self.id!r}: output {name!r} of {values.size} values, expected {e.values.size}"
-            error = np.abs(values.astype(np.float64) - e.values).max() if full else np.abs(values[e.at] - e.sample).max()
-            if not error <= e.tolerance:  # NaN fails too
-                return (f"request {self.id!r}: output {name!r} differs from its answer alone by {error:.4g} "
-                        f"(tolerance {e.tolerance:.4g}{'' if full else ', sampled values'})")
-        return None
-
-    def distance(self, other: Reference) -> float:
-        """How far apart two requests' answers are, in tolerances (inf when their outputs differ in shape)."""
-        if [e.values.size for e in self.outputs] != [e.values.size for e in other.outputs]:
-            return float("inf")
-        return max((np.abs(a.values - b.values).max() / a.tolerance if a.tolerance else
-                    float("inf") if (a.values != b.values).any() else 0.0)
-                   for a, b in zip(self.outputs, other.outputs)) if self.outputs else 0.0
-
-
-def _numpy_type(datatype: str, name: str):
-    if datatype not in NUMPY_TYPES:
-        raise KilnError(f"{name!r} is {datatype}: the wire client sends and checks numeric tensors "
-                        f"({', '.join(NUMPY_TYPES)}); use --client tritonclient")
-    return NUMPY_TYPES[datatype]
 
 
 @dataclass
@@ -144,7 +69,7 @@ def make_plan(protocol: str, address: str, model: str, version: str, inputs: lis
         raise KilnError(f"--url {address!r}: expected HOST:PORT")
     for request in inputs:
         for name, datatype, _ in request:
-            _numpy_type(datatype, name)
+            numpy_type(datatype, name)
     if protocol == "grpc":
         variants = [Variant(str(k), _grpc_message(model, version, str(k), request)) for k, request in enumerate(inputs)]
         block = (b"\x83\x86" + literal(b":path", GRPC_METHOD) +  # :method POST, :scheme http (static table)

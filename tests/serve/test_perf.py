@@ -12,7 +12,7 @@ from conftest import options
 from kiln.cli import main
 from kiln.serve import ServerThread
 from kiln.serve.batcher import Batcher
-from kiln.serve.perf_wire import Answer, Reference
+from kiln.serve.perf_check import Answer, Reference
 
 
 @pytest.mark.parametrize("client", ["wire", "tritonclient"])
