@@ -268,8 +268,7 @@ async def _spread_level(options: PerfOptions, concurrency: int, executor: Execut
     clients, `share(k, clients, begin_at)`, all measure one window."""
     shares = [concurrency // processes + (k < concurrency % processes) for k in range(processes)]
     shares = [n for n in shares if n]
-    # + the workers' set-up (clients, connections; a process's plan unpickled)
-    begin_at = time.time() + options.warmup_s + (1.0 if executor is not None else 0.2)
+    begin_at = time.time() + options.warmup_s + 1.0  # + the workers' set-up (clients, connections)
     loop = asyncio.get_running_loop()
     futures = [loop.run_in_executor(executor, share, k, n, begin_at) for k, n in enumerate(shares)]
     if hook is not None:
