@@ -241,10 +241,10 @@ def _level_in_process(options: PerfOptions, metadata: dict, batched: bool, k: in
     return asyncio.run(_level(replace(options, seed=options.seed + k), metadata, batched, concurrency, begin_at))
 
 
-def _wire_share(plan: Plan, options: PerfOptions, batched: bool, k: int, concurrency: int,
+def _wire_share(plan: Plan, options: PerfOptions, batched: bool, level: int, k: int, concurrency: int,
                 begin_at: float) -> PerfResult:
-    """Worker k's share of a level: the wire client."""
-    limit = options.max_requests and -(-options.max_requests * concurrency // max(options.concurrency))
+    """Worker k's share (`concurrency` of the level's `level` clients) of a level: the wire client."""
+    limit = options.max_requests and -(-options.max_requests * concurrency // level)  # its share of max_requests
     share = run_share(plan, concurrency, begin_at, options.window_s, limit)
     return PerfResult(concurrency, share.requests, share.errors, share.seconds, share.latencies_us.tolist(),
                       options.batch_size if batched else 1, share.first_error, share.wrong, share.checked,
@@ -319,7 +319,7 @@ async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = 
             processes = min(options.processes, concurrency)
             if plan is not None:
                 result = await _spread_level(options, concurrency, executor if processes > 1 else None, processes,
-                                             hook, partial(_wire_share, plan, options, batched))
+                                             hook, partial(_wire_share, plan, options, batched, concurrency))
             elif processes > 1:
                 result = await _spread_level(options, concurrency, executor, processes, hook,
                                              partial(_level_in_process, options, metadata, batched))
