@@ -14,7 +14,9 @@
 #    Seen on the device on 2026-12-01 (python 3.12.3): no fastapi, starlette, pydantic, uvicorn,
 #    tritonclient, gevent, opentelemetry; grpcio 1.84.0, protobuf 7.36.2 (tritonclient's stubs are
 #    protobuf 6 code: 6.33.6 is put first), anyio 4.15.1, h11 0.16.0, typing-extensions 4.16.0; httptools is
-#    carried since 2026-12-01 evening: without it uvicorn parses HTTP with h11, in pure Python
+#    carried since 2026-12-01 evening: without it uvicorn parses HTTP with h11, in pure Python; hpack since
+#    2026-12-05 (kiln's own gRPC transport, kiln/serve/grpc_h2.py, the default since 2026-12-04, and kiln perf's
+#    wire client decode HTTP/2 header blocks with it)
 # 2. tests/serve's gpu-marked tests (test_cuda.py: two instances on their own streams, concurrent requests)
 # 3. bench/serve.py on cuda: MobileNetV2 (random weights: the ImageNet ones come from a package) and
 #    BERT-base (seq 128), fp16 engines, 2 instances, batching on/off, concurrency 1 8 32 64, gRPC and
@@ -38,7 +40,7 @@ if [ "${1:-}" = "--fetch" ]; then  # here: pinned wheels for the device's CPytho
     typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 \
     tritonclient==2.73.0 python-rapidjson==1.25 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
     zope.event==6.2 zope.interface==8.7 brotli==1.2.1 grpcio==1.85.3 protobuf==6.33.6 typing-extensions==4.16.0 \
-    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0 httptools==0.9.0
+    anyio==4.16.0 click==8.5.1 prometheus-client==0.26.0 urllib3==2.8.0 httptools==0.9.0 hpack==4.2.0
   git archive HEAD -o .whl-serve/kiln-src.tar
   du -sh .whl-serve; echo "kiln-src.tar: $(git rev-parse --short HEAD)"
   exit 0
@@ -76,7 +78,7 @@ if [ -s /tmp/serve-wheels.txt ]; then
 fi
 export PYTHONPATH=/tmp/serve-deps${PYTHONPATH:+:$PYTHONPATH}
 python3 -c "
-import fastapi, uvicorn, grpc, google.protobuf, tritonclient.grpc.aio, tritonclient.http.aio, torch, kiln.serve
+import fastapi, uvicorn, grpc, google.protobuf, tritonclient.grpc.aio, tritonclient.http.aio, torch, kiln.serve, hpack
 try:
     import httptools; parser = 'httptools ' + httptools.__version__
 except ImportError:
