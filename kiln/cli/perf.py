@@ -1,9 +1,12 @@
 """kiln perf: a perf_analyzer-like concurrency sweep against a running server (kiln serve or Triton).
 
     kiln perf -m MODEL [-u localhost:8000] [-i http|grpc] [--concurrency-range 1:8:2] [-b 1]
-              [--shape NAME:DIMS] [--measurement-interval MS] [--json OUT.json] [--plot OUT.png]
+              [--shape NAME:DIMS] [--measurement-interval MS] [--processes N] [--client wire|tritonclient]
+              [--streams N] [--json OUT.json] [--plot OUT.png]
 
-Prints one row per concurrency level: inferences/s and latency p50/p90/p95/p99 (ms), errors.
+Prints one row per concurrency level: inferences/s and latency p50/p90/p95/p99 (ms), errors, and with the
+wire client (the default: kiln/serve/perf_wire.py) the answers checked against their own requests, the wrong
+ones, and the client's CPU per request.
 """
 
 from __future__ import annotations
@@ -61,7 +64,14 @@ def add_parser(verbs) -> None:
     p.add_argument("--max-requests", type=int, metavar="N", help="stop a level after N answered requests")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="client processes sharing each level's concurrency (default 1; a fast server outruns one)")
-    p.add_argument("--json-data", action="store_true", help="HTTP: send tensors as JSON (default binary)")
+    p.add_argument("--client", choices=["wire", "tritonclient"], default="wire",
+                   help="wire (default): requests encoded once on raw sockets, every answer checked against its own "
+                        "request, tens of us of client CPU a request; tritonclient: its asyncio clients (~0.7 ms)")
+    p.add_argument("--streams", type=int, default=1, metavar="N",
+                   help="wire client over gRPC: calls in flight on one HTTP/2 connection (default 1: a connection "
+                        "per client)")
+    p.add_argument("--json-data", action="store_true",
+                   help="HTTP: send tensors as JSON (default binary; needs --client tritonclient)")
     p.add_argument("--json", metavar="OUT.json", help="also write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="also draw throughput against latency (Pillow)")
     p.set_defaults(func=cmd_perf)
@@ -78,17 +88,20 @@ def cmd_perf(args: argparse.Namespace) -> int:
         model=args.model, url=args.url, protocol=args.protocol, version=args.model_version,
         concurrency=args.concurrency or args.concurrency_range, batch_size=args.batch_size,
         shapes=dict(args.shape or []), binary=not args.json_data, warmup_s=args.warmup,
-        window_s=args.measurement_interval / 1000, max_requests=args.max_requests, processes=max(1, args.processes))
+        window_s=args.measurement_interval / 1000, max_requests=args.max_requests, processes=max(1, args.processes),
+        client=args.client, streams=max(1, args.streams))
     out = console()
     out.print(f"kiln perf: {args.model} over {args.protocol} at {options.address}, batch {args.batch_size}, "
               f"{args.measurement_interval} ms per level")
+    wire = args.client == "wire"
     out.print(f"{'concurrency':>11} {'infer/s':>10} {'p50 ms':>8} {'p90 ms':>8} {'p95 ms':>8} {'p99 ms':>8} "
-              f"{'requests':>9} {'errors':>7}")
+              f"{'requests':>9} {'errors':>7}" + (f" {'checked':>8} {'wrong':>6} {'client us/req':>13}" if wire else ""))
 
     def row(r) -> None:
+        checks = f" {r.checked:>8} {r.wrong:>6} {r.client_cpu_s / max(r.requests, 1) * 1e6:>13.1f}" if wire else ""
         out.print(text(f"{r.concurrency:>11} {r.throughput:>10.1f} {r.percentile(50) / 1000:>8.3f} "
                        f"{r.percentile(90) / 1000:>8.3f} {r.percentile(95) / 1000:>8.3f} "
-                       f"{r.percentile(99) / 1000:>8.3f} {r.requests:>9} {r.errors:>7}"))
+                       f"{r.percentile(99) / 1000:>8.3f} {r.requests:>9} {r.errors:>7}" + checks))
         if r.first_error:
             out.print(text(f"{'':>11} first error: {r.first_error}"))
 
@@ -106,4 +119,4 @@ def cmd_perf(args: argparse.Namespace) -> int:
                        "results": [r.to_json() for r in results]}, f, indent=2)
     if args.plot:
         plot(results, args.plot, args.model)
-    return 1 if any(r.errors for r in results) else 0
+    return 1 if any(r.errors or r.wrong for r in results) else 0

@@ -88,7 +88,7 @@ class Call:
         self.id = stream_id
         self.handler = handler
         self.head = head
-        self.chunks: list[bytes] = []  # request bytes not yet cut into messages
+        self.chunks: list[bytes | memoryview] = []  # request bytes not yet cut into messages
         self.held = 0
         self.messages: list[bytes] = []  # a unary call's message, until END_STREAM
         self.requests: asyncio.Queue | None = asyncio.Queue() if handler and handler.request_streaming else None
@@ -125,8 +125,9 @@ class Call:
     def set_details(self, details: str) -> None:
         self.details = details
 
-    def cut_messages(self, limit: int) -> list[bytes]:
-        """The complete messages among the bytes received so far, decompressed; CallFailed for one over `limit`
+    def cut_messages(self, limit: int) -> list[bytes | memoryview]:
+        """The complete messages among the bytes received so far (views of the received DATA where a message
+        arrived in one frame), decompressed; CallFailed for one over `limit`
         bytes (told from its prefix before its body arrives, or while it is inflated), or compressed without a
         grpc-encoding."""
         out = []

@@ -18,16 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import hpack
-
 from kiln.serve.grpc_call import Call, RequestHead
 from kiln.serve.grpc_options import GrpcOptions
-from kiln.serve.h2_frames import (ACK, COMPRESSION_ERROR, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
+from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
                                   ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
                                   FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
                                   INTERNAL_ERROR, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR, PING,
                                   PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM, SETTING,
-                                  SETTINGS, WINDOW_UPDATE, WORD, ConnectionFault, frame, unpad)
+                                  SETTINGS, WINDOW_UPDATE, WORD, ConnectionFault, HeaderBlocks, frame, unpad)
 from kiln.serve.h2_keepalive import Keepalive
 
 log = logging.getLogger("kiln.serve")
@@ -38,7 +36,6 @@ CONNECTION_WINDOW = 1 << 24
 RECEIVE_FRAME_SIZE = 1 << 20  # larger DATA frames: fewer passes through data_received for large tensors
 MAX_STREAMS = 1024  # concurrent calls per connection (past it: REFUSED_STREAM; clients queue)
 MAX_HEADER_BLOCK = 1 << 16  # bytes of one header block, CONTINUATIONs included (past it: ENHANCE_YOUR_CALM)
-HEADER_CACHE_SIZE = 64
 
 class H2Server:
     """What a connection needs of its server: its options (keepalive) and the set of open connections."""
@@ -73,8 +70,7 @@ class H2Connection(asyncio.Protocol):
         self.last_stream = 0  # the highest stream id the client opened
         self.last_taken = 0  # the highest it opened that this server took (not refused after its GOAWAY)
         self.continuing: tuple[int, int, list[bytes], int] | None = None  # a header block awaiting CONTINUATION
-        self.decoder = hpack.Decoder()
-        self.heads: dict[bytes, RequestHead] = {}  # header block -> its RequestHead, while the dynamic table stands
+        self._decode = HeaderBlocks(self._head)  # a header block -> its RequestHead
         self.receive_window = CONNECTION_WINDOW
         self.received = 0  # bytes received since the connection's last WINDOW_UPDATE
         self.send_window = DEFAULT_WINDOW
@@ -169,6 +165,7 @@ class H2Connection(asyncio.Protocol):
             buffer = buffer[len(PREFACE):]
             self.preface = True
         pos, end = 0, len(buffer)
+        view = memoryview(buffer)  # DATA payloads as views: a request's tensors are not copied again to be cut out
         while end - pos >= 9 and self.transport is not None:
             high, low, kind, flags, stream = FRAME.unpack_from(buffer, pos)
             length = high << 8 | low
@@ -177,7 +174,7 @@ class H2Connection(asyncio.Protocol):
             if end - pos < 9 + length:
                 self.needed = 9 + length
                 break
-            payload = buffer[pos + 9:pos + 9 + length]
+            payload = view[pos + 9:pos + 9 + length] if kind == DATA else buffer[pos + 9:pos + 9 + length]
             pos += 9 + length
             stream &= 0x7FFFFFFF
             if self.continuing is not None and kind != CONTINUATION:
@@ -259,31 +256,6 @@ class H2Connection(asyncio.Protocol):
         if flags & END_HEADERS:
             self.continuing = None
             self._header_block(stream, first_flags, b"".join(blocks))
-
-    def _decode(self, block: bytes) -> RequestHead:
-        """The block's RequestHead (_head). A block decoded before is looked up, not decoded again, while the dynamic
-        table is the one it was decoded against: only blocks that left the table as they found it (nothing
-        added, evicted or resized) are kept, and any block that changes the table empties the cache, so a
-        block found in it would decode to the same headers and change nothing."""
-        head = self.heads.get(block)
-        if head is not None:
-            return head
-        table = self.decoder.header_table
-        entries = table.dynamic_entries
-        size, first, maxsize = len(entries), entries[0] if entries else None, table.maxsize
-        try:
-            headers = self.decoder.decode(block, raw=True)
-        except hpack.HPACKError as e:
-            raise ConnectionFault(COMPRESSION_ERROR, f"header block: {e}") from None
-        head = self._head(headers)
-        # an entry added is a new tuple at the front; evictions and resizes change the length or the size
-        if len(entries) == size and table.maxsize == maxsize and (entries[0] if entries else None) is first:
-            if len(self.heads) >= HEADER_CACHE_SIZE:
-                self.heads.clear()
-            self.heads[block] = head
-        else:
-            self.heads.clear()
-        return head
 
     def _settings(self, flags: int, stream: int, payload: bytes) -> None:
         if stream != 0:

@@ -1,6 +1,7 @@
 """HTTP/2 (RFC 9113) as kiln's gRPC transport (kiln/serve/grpc_h2.py) writes it: frame types, flags, error
 codes and settings; frames; header blocks of literals (HPACK, RFC 7541) that never touch the client's dynamic
-table; gRPC's response headers and percent-encoded grpc-message.
+table; gRPC's response headers and percent-encoded grpc-message; header blocks decoded once while the peer's
+dynamic table stands (HeaderBlocks: the server's requests, kiln perf's answers).
 
 A connection starts with the client's 24-byte preface; every frame is a 9-byte header (24-bit length, type,
 flags, 31-bit stream id) and its payload.
@@ -9,6 +10,10 @@ flags, 31-bit stream id) and its payload.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import hpack
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
@@ -69,6 +74,43 @@ class ConnectionFault(Exception):
     def __init__(self, code: int, reason: str):
         super().__init__(reason)
         self.code = code
+
+
+T = TypeVar("T")
+HEADER_CACHE_SIZE = 64
+
+
+class HeaderBlocks(Generic[T]):
+    """A connection's received header blocks, HPACK-decoded and made into `make(headers)`. A block decoded before is
+    looked up, not decoded again, while the dynamic table is the one it was decoded against: only blocks that left
+    the table as they found it (nothing added, evicted or resized) are kept, and any block that changes the table
+    empties the cache, so a block found in it would decode to the same headers and change nothing."""
+
+    def __init__(self, make: Callable[[list[tuple[bytes, bytes]]], T]):
+        self.decoder = hpack.Decoder()
+        self.make = make
+        self.made: dict[bytes, T] = {}
+
+    def __call__(self, block: bytes) -> T:
+        made = self.made.get(block)
+        if made is not None:
+            return made
+        table = self.decoder.header_table
+        entries = table.dynamic_entries
+        size, first, maxsize = len(entries), entries[0] if entries else None, table.maxsize
+        try:
+            headers = self.decoder.decode(block, raw=True)
+        except hpack.HPACKError as e:
+            raise ConnectionFault(COMPRESSION_ERROR, f"header block: {e}") from None
+        made = self.make(headers)
+        # an entry added is a new tuple at the front; evictions and resizes change the length or the size
+        if len(entries) == size and table.maxsize == maxsize and (entries[0] if entries else None) is first:
+            if len(self.made) >= HEADER_CACHE_SIZE:
+                self.made.clear()
+            self.made[block] = made
+        else:
+            self.made.clear()
+        return made
 
 
 def unpad(flags: int, payload: bytes) -> bytes:

@@ -2,27 +2,36 @@
 
 At concurrency N, N clients each keep one request outstanding (the next one leaves when the
 previous answers) for a measurement window after a warm-up; every request's latency is kept.
-The clients are tritonclient's asyncio clients on one event loop in this process (so the
-generator itself costs one core at most: on a small machine, run it where the server is not,
-or read its numbers as a lower bound), or, with `processes` > 1, spread over that many worker
-processes measuring the same wall-clock window (a fast server outruns one Python client loop).
-Inputs are random, shaped from the model's metadata. Every client has its own connection (gRPC
-channels too: grpc shares one connection between a process's channels to a target unless told not
-to), so a server's connections, and a `kiln serve --frontends N`'s processes, see the whole load.
+Two clients (`client`):
+- "wire" (the default): kiln/serve/perf_wire.py, requests encoded once and written on raw sockets, one
+  epoll loop per process, every answer checked against its own request; a few tens of us of client
+  CPU a request.
+- "tritonclient": tritonclient's asyncio clients (the compatibility path, JSON tensors included), ~700-800
+  us of client CPU a request: on a fast server the load generator is the limit.
+Either runs on one loop here or, with `processes` > 1, spread over that many worker processes measuring the
+same wall-clock window. Inputs are random, shaped from the model's metadata. Every client has its own
+connection (gRPC channels too: grpc shares one connection between a process's channels to a target unless
+told not to; the wire client's `streams` > 1 puts that many calls on a connection), so a server's
+connections, and a `kiln serve --frontends N`'s processes, see the whole load.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import numpy as np
 
 from kiln.errors import KilnError
+from kiln.serve.perf_wire import VARIANTS, Plan, make_plan, run_share
+
+log = logging.getLogger("kiln.serve")
 
 
 # a connection of its own per gRPC client (its own subchannel pool), with tritonclient's message size limits
@@ -45,6 +54,9 @@ class PerfOptions:
     max_requests: int | None = None  # per concurrency level (after warm-up): stop early
     seed: int = 0
     processes: int = 1  # client processes sharing each level's concurrency
+    client: str = "wire"  # wire | tritonclient
+    streams: int = 1  # wire, gRPC: calls in flight on one connection
+    full_every: int = 8  # wire: every n-th answer checked in full (the others: sampled values)
 
     @property
     def address(self) -> str:
@@ -60,6 +72,9 @@ class PerfResult:
     latencies_us: list[float]
     batch_size: int = 1
     first_error: str = ""
+    wrong: int = 0  # answers not matching their own request (the wire client's check)
+    checked: int = 0  # answers checked
+    client_cpu_s: float = float("nan")  # the client processes' CPU time over the window (wire client)
 
     @property
     def throughput(self) -> float:
@@ -72,12 +87,34 @@ class PerfResult:
     def to_json(self) -> dict:
         return {"concurrency": self.concurrency, "requests": self.requests, "errors": self.errors,
                 "seconds": self.seconds, "batch_size": self.batch_size, "throughput_infer_per_s": self.throughput,
+                "wrong": self.wrong, "checked": self.checked, "client_cpu_s": self.client_cpu_s,
                 **{f"p{q}_us": self.percentile(q) for q in (50, 90, 95, 99)},
                 "mean_us": float(np.mean(self.latencies_us)) if self.latencies_us else float("nan")}
 
 
+def _inputs(options: PerfOptions, metadata: dict, rng: np.random.Generator,
+            batched: bool) -> list[tuple[str, str, np.ndarray]]:
+    """A request's inputs (name, datatype, random values), shaped from the model's metadata and options.shapes."""
+    inputs = []
+    for tensor in metadata["inputs"]:
+        shape = list(tensor["shape"])
+        if batched:
+            shape[0] = options.batch_size
+        given = options.shapes.get(tensor["name"])
+        rest = shape[1:] if batched else shape
+        if given is not None:
+            if len(given) != len(rest):
+                raise KilnError(f"--shape {tensor['name']}: {len(given)} dims given, the input has {len(rest)} "
+                                f"past the batch axis ({tensor['shape']})")
+            rest = given
+        rest = [1 if d < 0 else d for d in rest]
+        shape = ([shape[0]] if batched else []) + rest
+        inputs.append((tensor["name"], tensor["datatype"], _random(tensor["datatype"], shape, tensor["name"], rng)))
+    return inputs
+
+
 class _Client:
-    """One protocol's client with the request prepared once: `await infer()` sends it."""
+    """tritonclient's client with the request prepared once: `await infer()` sends it."""
 
     def __init__(self, options: PerfOptions, metadata: dict, rng: np.random.Generator, batched: bool):
         self.options = options
@@ -91,21 +128,8 @@ class _Client:
             self.client = client_module.InferenceServerClient(options.address)
         else:
             self.client = client_module.InferenceServerClient(options.address, channel_args=GRPC_CHANNEL_ARGS)
-        for tensor in metadata["inputs"]:
-            shape = list(tensor["shape"])
-            if batched:
-                shape[0] = options.batch_size
-            given = options.shapes.get(tensor["name"])
-            rest = shape[1:] if batched else shape
-            if given is not None:
-                if len(given) != len(rest):
-                    raise KilnError(f"--shape {tensor['name']}: {len(given)} dims given, the input has {len(rest)} "
-                                    f"past the batch axis ({tensor['shape']})")
-                rest = given
-            rest = [1 if d < 0 else d for d in rest]
-            shape = ([shape[0]] if batched else []) + rest
-            data = _random(tensor["datatype"], shape, tensor["name"], rng)
-            tensor_input = client_module.InferInput(tensor["name"], shape, tensor["datatype"])
+        for name, datatype, data in _inputs(options, metadata, rng, batched):
+            tensor_input = client_module.InferInput(name, list(data.shape), datatype)
             if options.protocol == "http":
                 tensor_input.set_data_from_numpy(data, binary_data=options.binary)
             else:
@@ -211,30 +235,42 @@ async def _level(options: PerfOptions, metadata: dict, batched: bool, concurrenc
                       options.batch_size if batched else 1, first_error[0])
 
 
-def _level_in_process(options: PerfOptions, metadata: dict, batched: bool, concurrency: int,
+def _level_in_process(options: PerfOptions, metadata: dict, batched: bool, k: int, concurrency: int,
                       begin_at: float) -> PerfResult:
-    """A worker process's share of a level."""
-    return asyncio.run(_level(options, metadata, batched, concurrency, begin_at))
+    """Worker k's share of a level: tritonclient's clients."""
+    return asyncio.run(_level(replace(options, seed=options.seed + k), metadata, batched, concurrency, begin_at))
 
 
-def _get_ready(protocol: str) -> None:
+def _wire_share(plan: Plan, options: PerfOptions, batched: bool, level: int, k: int, concurrency: int,
+                begin_at: float) -> PerfResult:
+    """Worker k's share (`concurrency` of the level's `level` clients) of a level: the wire client."""
+    limit = options.max_requests and -(-options.max_requests * concurrency // level)  # its share of max_requests
+    share = run_share(plan, concurrency, begin_at, options.window_s, limit)
+    return PerfResult(concurrency, share.requests, share.errors, share.seconds, share.latencies_us.tolist(),
+                      options.batch_size if batched else 1, share.first_error, share.wrong, share.checked,
+                      share.cpu_s)
+
+
+def _get_ready(options: PerfOptions) -> None:
     """In each worker process, before the first level: the client modules imported."""
-    if protocol == "http":
+    if options.client == "wire":
+        import tritonclient.grpc.service_pb2  # noqa: F401
+    elif options.protocol == "http":
         import tritonclient.http.aio  # noqa: F401
     else:
         import tritonclient.grpc.aio  # noqa: F401
     time.sleep(0.5)  # held, so that each worker of the pool takes one of these
 
 
-async def _spread_level(options: PerfOptions, metadata: dict, batched: bool, concurrency: int,
-                        executor: Executor, processes: int, hook: WindowHook | None) -> PerfResult:
-    """One level over worker processes: each takes a share of the clients, all measure one window."""
+async def _spread_level(options: PerfOptions, concurrency: int, executor: Executor | None, processes: int,
+                        hook: WindowHook | None, share: Callable[..., PerfResult]) -> PerfResult:
+    """One level over workers (processes, or a thread here when `executor` is None): each takes a share of the
+    clients, `share(k, clients, begin_at)`, all measure one window."""
     shares = [concurrency // processes + (k < concurrency % processes) for k in range(processes)]
     shares = [n for n in shares if n]
     begin_at = time.time() + options.warmup_s + 1.0  # + the workers' set-up (clients, connections)
     loop = asyncio.get_running_loop()
-    futures = [loop.run_in_executor(executor, _level_in_process, replace(options, seed=options.seed + k), metadata,
-                                    batched, n, begin_at) for k, n in enumerate(shares)]
+    futures = [loop.run_in_executor(executor, share, k, n, begin_at) for k, n in enumerate(shares)]
     if hook is not None:
         await asyncio.sleep(max(0.0, begin_at - time.time()))
         hook("start")
@@ -243,7 +279,20 @@ async def _spread_level(options: PerfOptions, metadata: dict, batched: bool, con
     parts = await asyncio.gather(*futures)
     return PerfResult(concurrency, sum(p.requests for p in parts), sum(p.errors for p in parts),
                       max(p.seconds for p in parts), [x for p in parts for x in p.latencies_us],
-                      parts[0].batch_size, next((p.first_error for p in parts if p.first_error), ""))
+                      parts[0].batch_size, next((p.first_error for p in parts if p.first_error), ""),
+                      sum(p.wrong for p in parts), sum(p.checked for p in parts),
+                      sum(p.client_cpu_s for p in parts))
+
+
+async def _wire_plan(options: PerfOptions, metadata: dict, batched: bool) -> Plan:
+    """The wire client's requests (VARIANTS of them, distinct random inputs) and their answers alone."""
+    rng = np.random.default_rng(options.seed)
+    inputs = [_inputs(options, metadata, rng, batched) for _ in range(VARIANTS)]
+    plan = await asyncio.to_thread(make_plan, options.protocol, options.address, options.model, options.version,
+                                   inputs, options.streams, options.full_every)
+    for warning in plan.warnings:
+        log.warning("kiln perf: %s", warning)
+    return plan
 
 
 async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = None,
@@ -251,7 +300,12 @@ async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = 
     """Measure every concurrency level in turn; `on_result(result)` as each finishes, `hook("start")` and
     `hook("end")` around each measured window. With options.processes > 1 the levels run in worker
     processes (`executor`, or a pool made for this sweep)."""
+    if options.client not in ("wire", "tritonclient"):
+        raise KilnError(f"client {options.client!r}: expected wire or tritonclient")
+    if options.client == "wire" and options.protocol == "http" and not options.binary:
+        raise KilnError("the wire client sends binary tensors: JSON tensors need --client tritonclient")
     metadata, batched = await _metadata(options)
+    plan = await _wire_plan(options, metadata, batched) if options.client == "wire" else None
     own = None
     if options.processes > 1 and executor is None:
         executor = own = ProcessPoolExecutor(options.processes, mp_context=multiprocessing.get_context("spawn"))
@@ -259,12 +313,16 @@ async def sweep(options: PerfOptions, on_result=None, hook: WindowHook | None = 
     try:
         if options.processes > 1:
             loop = asyncio.get_running_loop()
-            await asyncio.gather(*[loop.run_in_executor(executor, _get_ready, options.protocol)
+            await asyncio.gather(*[loop.run_in_executor(executor, _get_ready, options)
                                    for _ in range(options.processes)])
         for concurrency in options.concurrency:
-            if options.processes > 1 and concurrency > 1:
-                result = await _spread_level(options, metadata, batched, concurrency, executor,
-                                             min(options.processes, concurrency), hook)
+            processes = min(options.processes, concurrency)
+            if plan is not None:
+                result = await _spread_level(options, concurrency, executor if processes > 1 else None, processes,
+                                             hook, partial(_wire_share, plan, options, batched, concurrency))
+            elif processes > 1:
+                result = await _spread_level(options, concurrency, executor, processes, hook,
+                                             partial(_level_in_process, options, metadata, batched))
             else:
                 result = await _level(options, metadata, batched, concurrency, hook=hook)
             results.append(result)

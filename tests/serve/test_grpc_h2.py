@@ -500,3 +500,40 @@ def test_fuzzed_calls_leave_the_server_serving(h2_server, bystander, engine_of, 
     request = _mlp_request(x)
     _feed(h2_server.ports.grpc, _call_session(frames, struct.pack(">BI", 0, len(request)) + request))
     _still_serving(h2_server.ports.grpc, bystander, engine_of("mlp", "2"), caplog)
+
+
+def test_large_data_frames_over_many_reads(h2_server, engine_of):
+    """A DATA frame past LARGE_FRAME arriving over several socket reads is read into a buffer of its own (not
+    joined): calls whose ~300 KB messages (a long request id, echoed whole) come in pieces, some with the next
+    call's frames right behind them in the same write, each answered with its own id and rows."""
+    import time
+
+    client = RawClient(h2_server.ports.grpc, {INITIAL_WINDOW_SIZE: 1 << 30})  # the answers echo the ids: windows
+    client.send(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 30)))
+    try:
+        calls = []
+        for k in range(4):
+            x = np.random.default_rng().standard_normal((k + 1, 8)).astype(np.float32)
+            request_id = f"{k}-" + "".join(np.random.default_rng().choice(list("abcdefgh"), 300_000))
+            message = _mlp_request(x, request_id)
+            stream = 2 * k + 1
+            data = frame(HEADERS, END_HEADERS, stream, client.headers("ModelInfer")) + \
+                frame(DATA, END_STREAM, stream, struct.pack(">BI", 0, len(message)) + message)
+            calls.append((stream, x, request_id, data))
+        pending = b""
+        for k, (_, _, _, data) in enumerate(calls):
+            data = pending + data
+            if k % 2 == 0:  # this call's last piece goes out with the next call's first frames
+                data, pending = data[:-1000], data[-1000:]
+            else:
+                pending = b""
+            for at in range(0, len(data), 40_000):
+                client.send(data[at:at + 40_000])
+                time.sleep(0.002)
+        client.send(pending)
+        for stream, x, request_id, _ in calls:
+            answer = client.answer(stream)
+            _check_mlp(answer, x, engine_of("mlp", "2"))
+            assert answer.message(pb.ModelInferResponse).id == request_id
+    finally:
+        client.close()

@@ -1,28 +1,88 @@
-"""`kiln perf` against a live server: a short concurrency sweep over HTTP and gRPC, JSON and PNG out."""
+"""`kiln perf` against a live server: a short concurrency sweep over HTTP and gRPC with either client, JSON and PNG
+out; the wire client's check of every answer against its own request, failing on a server that mixes answers up."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+from conftest import options
 
 from kiln.cli import main
+from kiln.serve import ServerThread
+from kiln.serve.batcher import Batcher
+from kiln.serve.perf_check import Answer, Reference
 
 
+@pytest.mark.parametrize("client", ["wire", "tritonclient"])
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_perf_sweep(grpc_server, tmp_path, capsys, protocol):
+def test_perf_sweep(grpc_server, tmp_path, capsys, protocol, client):
     port = grpc_server.ports.http if protocol == "http" else grpc_server.ports.grpc
     out, png = tmp_path / "perf.json", tmp_path / "perf.png"
     code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "1", "4",
                  "-b", "2", "--measurement-interval", "300", "--warmup", "0.1", "--max-requests", "200",
-                 "--json", str(out), "--plot", str(png)])
+                 "--client", client, "--json", str(out), "--plot", str(png)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "infer/s" in printed and "p99 ms" in printed
     results = json.loads(out.read_text())["results"]
     assert [r["concurrency"] for r in results] == [1, 4]
     assert all(r["requests"] > 0 and r["errors"] == 0 and r["batch_size"] == 2 for r in results)
+    if client == "wire":  # every answer checked (warm-up included), none wrong
+        assert all(r["checked"] >= r["requests"] and r["wrong"] == 0 and r["requests"] <= 200 for r in results)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wire_client_catches_answers_mixed_up(repository, monkeypatch, tmp_path, capsys, protocol):
+    """A server whose batcher hands each request of a merged call the next request's rows (shapes right, values
+    another's): the wire client's check fails and kiln perf exits 1."""
+    run_batch = Batcher._run_batch
+
+    def mixed_up(self, instance, batch):
+        result = run_batch(self, instance, batch)
+        result.outputs = result.outputs[1:] + result.outputs[:1]
+        return result
+
+    monkeypatch.setattr(Batcher, "_run_batch", mixed_up)
+    thread = ServerThread(options(repository, metrics_port=None))
+    running = thread.start()
+    try:
+        port = running.ports.http if protocol == "http" else running.ports.grpc
+        out = tmp_path / "perf.json"
+        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
+                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out)])
+    finally:
+        thread.stop()
+    assert code == 1
+    result = json.loads(out.read_text())["results"][0]
+    assert result["wrong"] > 0, result
+    assert "differs from its answer alone" in capsys.readouterr().out
+
+
+def _answer(request_id: str, values: np.ndarray, datatype: str = "FP16") -> Answer:
+    return Answer(request_id, [("y", datatype, list(values.shape), values.tobytes())])
+
+
+def test_reference_tolerance_is_the_datatypes():
+    rng = np.random.default_rng()
+    values = rng.standard_normal((2, 300)).astype(np.float16)
+    reference = Reference(_answer("3", values), None)
+    largest = float(np.abs(values).max())
+    near = (values.astype(np.float32) + 0.01 * largest).astype(np.float16)  # fp16's 2e-2 of the largest: passes
+    far = values.copy()
+    far[1, -1] += np.float16(0.05 * largest)  # the last value, always among the sampled ones
+    assert reference.check(_answer("3", near), full=True) is None
+    assert "differs from its answer alone" in reference.check(_answer("3", far), full=False)
+    assert "answered with id '4'" in reference.check(_answer("4", values), full=False)
+    assert "outputs" in reference.check(_answer("3", values.reshape(300, 2)), full=False)
+    integers = rng.integers(0, 100, (4, 5)).astype(np.int64)
+    exact = Reference(_answer("0", integers, "INT64"), None)
+    off = integers.copy()
+    off[2, 3] += 1
+    assert exact.check(_answer("0", integers, "INT64"), full=True) is None
+    assert exact.check(_answer("0", off, "INT64"), full=True) is not None  # integers exact
 
 
 def test_perf_reports_an_unknown_model(server, capsys):
@@ -38,4 +98,4 @@ def test_perf_spreads_clients_over_processes(grpc_server, capsys):
     assert code == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip()[:1].isdigit()]
     assert [int(r[0]) for r in rows] == [1, 4]
-    assert all(int(r[-2]) > 0 and int(r[-1]) == 0 for r in rows)  # requests answered, no errors
+    assert all(int(r[6]) > 0 and int(r[7]) == 0 and int(r[9]) == 0 for r in rows)  # answered; no errors, none wrong
