@@ -1,0 +1,126 @@
+"""Stacked recurrent layers side by side (kiln/kernels/cpu/recurrent_member.c's stack) vs one after the other, beside
+onnxruntime, on the zoo's recurrent forecasters.
+
+    python bench/recurrent_stack.py                          # 2 threads, lstm_forecaster, 9 rounds
+    python bench/recurrent_stack.py --models lstm_forecaster,gru_forecaster --threads 1,2
+    python bench/recurrent_stack.py --realtime               # the rounds at SCHED_FIFO priority (root)
+
+One engine per model and thread count; "stacked" and "in turn" are that engine with the stack on and off
+(recurrent.set_stacking), onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
+runner, warm-up then `--runs` calls, starting at the next runner each round). Per runner: the median over rounds of
+each block's median wall time and of its median process CPU time (every thread of the process: at two threads what
+the call cost the machine, spinning included), and per round the ratio of wall medians to onnxruntime's.
+`--realtime`: every thread of the process at SCHED_FIFO while the rounds run (bench/lstm_engine.py), so that a shared
+VM's other work waits: the wall clock then approaches a quiet machine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their first kernel)
+from kiln import zoo  # noqa: E402
+from kiln.builder.timing_cache import cpu_name  # noqa: E402
+from kiln.kernels.cpu import recurrent  # noqa: E402
+from lstm_engine import realtime  # noqa: E402  (bench/ is on sys.path: a script's folder)
+
+
+def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, float]:
+    """(median wall ms, median process CPU ms) of `runs` calls after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    wall, cpu = [], []
+    for _ in range(runs):
+        w, c = time.perf_counter(), time.process_time()
+        fn()
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - w)
+    return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
+
+
+def stacking(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+    def run() -> object:
+        recurrent.set_stacking(on)
+        return fn()
+    return run
+
+
+def measure(model: str, threads: int, args) -> list[str]:
+    import onnxruntime as ort
+    import torch
+
+    torch.set_num_threads(threads)  # before the build: tactics are tuned at the thread count they run with
+    exported = zoo.export(model)
+    feeds = exported.inputs()
+    engine = kiln.build(str(exported.path), timing_cache=None)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
+    want = session.run(None, feeds)[0]
+    runners = {"kiln stacked": stacking(True, lambda: engine.run(feeds)),
+               "kiln in turn": stacking(False, lambda: engine.run(feeds)),
+               "onnxruntime": lambda: session.run(None, feeds)}
+    for label in ("kiln stacked", "kiln in turn"):
+        got = runners[label]()[engine.output_names[0]]
+        error = float(np.abs(np.asarray(got) - want).max())
+        if error > 1e-4:
+            raise SystemExit(f"{model} {label}: output differs from onnxruntime's by {error:.2e}")
+    calls = [b for s in engine.program.segments for b in s.bound if isinstance(b, recurrent.RecurrentCall)]
+    recurrent.set_stacking(True)
+    engine.run(feeds)
+    stacked = sum(c.stacked for c in calls)
+    rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
+    order = list(runners.items())
+    load = os.getloadavg()[0]
+    with realtime(args.realtime):
+        for r in range(args.rounds):
+            shift = r % len(order)
+            for label, fn in order[shift:] + order[:shift]:
+                rounds[label].append(block(fn, args.runs, args.warmup))
+    recurrent.set_stacking(True)
+    ort_wall = [w for w, _ in rounds["onnxruntime"]]
+    lines = [f"| {model} | {threads} | {stacked} of {len(calls)} |"]
+    for label, values in rounds.items():
+        wall = statistics.median(w for w, _ in values)
+        cpu = statistics.median(c for _, c in values)
+        by_round = ", ".join(f"{w / o:.2f}" for (w, _), o in zip(values, ort_wall))
+        lines.append(f"| | | | {label} | {wall:.3f} | {cpu:.3f} | {wall / statistics.median(ort_wall):.2f} | "
+                     f"{by_round} | {load:.2f} -> {os.getloadavg()[0]:.2f} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="lstm_forecaster", help="comma-separated zoo names")
+    ap.add_argument("--threads", default="2", help="comma-separated thread counts")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--runs", type=int, default=40, help="timed calls per block")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
+    args = ap.parse_args()
+    import onnxruntime as ort
+    import torch
+
+    print(f"# Stacked recurrent layers, {cpu_name()} ({platform.machine()}), kiln at "
+          f"{os.popen('git rev-parse --short HEAD').read().strip()}, torch {torch.__version__}, onnxruntime "
+          f"{ort.__version__}, {args.rounds} rounds of {args.runs} calls{', SCHED_FIFO' if args.realtime else ''}\n",
+          flush=True)
+    print("| model | threads | members stacked | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
+          "| 1-min load |\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    for model in args.models.split(","):
+        for threads in (int(t) for t in args.threads.split(",")):
+            print("\n".join(measure(model, threads, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
