@@ -4,9 +4,11 @@ onnxruntime, on the zoo's recurrent forecasters.
     python bench/recurrent_stack.py                          # 2 threads, lstm_forecaster, 9 rounds
     python bench/recurrent_stack.py --models lstm_forecaster,gru_forecaster --threads 1,2
     python bench/recurrent_stack.py --realtime               # the rounds at SCHED_FIFO priority (root)
+    python bench/recurrent_stack.py --avx2                   # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
 
-One engine per model and thread count; "stacked" and "in turn" are that engine with the stack on and off
-(recurrent.set_stacking), onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
+One engine per model and thread count; "measured" (the default: each pair's runs choose the faster form), "stacked"
+and "in turn" are that engine with the stack chosen by its runs, always and never (recurrent.set_stacking),
+onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
 runner, warm-up then `--runs` calls, starting at the next runner each round). Per runner: the median over rounds of
 each block's median wall time and of its median process CPU time (every thread of the process: at two threads what
 the call cost the machine, spinning included), and per round the ratio of wall medians to onnxruntime's.
@@ -25,7 +27,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/zoo_avx2.py checks MLAS obeys)
+    import cpuid_avx2
+
+    cpuid_avx2.enable()
+    os.environ["KILN_CPU_ISA"] = "avx2"
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their first kernel)
@@ -48,9 +57,9 @@ def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, floa
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-def stacking(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
+def stacking(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        recurrent.set_stacking(on)
+        recurrent.set_stacking(mode)
         return fn()
     return run
 
@@ -67,16 +76,17 @@ def measure(model: str, threads: int, args) -> list[str]:
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
     want = session.run(None, feeds)[0]
-    runners = {"kiln stacked": stacking(True, lambda: engine.run(feeds)),
-               "kiln in turn": stacking(False, lambda: engine.run(feeds)),
+    runners = {"kiln measured": stacking("measured", lambda: engine.run(feeds)),
+               "kiln stacked": stacking("always", lambda: engine.run(feeds)),
+               "kiln in turn": stacking("never", lambda: engine.run(feeds)),
                "onnxruntime": lambda: session.run(None, feeds)}
-    for label in ("kiln stacked", "kiln in turn"):
+    for label in ("kiln stacked", "kiln in turn", "kiln measured"):
         got = runners[label]()[engine.output_names[0]]
         error = float(np.abs(np.asarray(got) - want).max())
         if error > 1e-4:
             raise SystemExit(f"{model} {label}: output differs from onnxruntime's by {error:.2e}")
     calls = [b for s in engine.program.segments for b in s.bound if isinstance(b, recurrent.RecurrentCall)]
-    recurrent.set_stacking(True)
+    recurrent.set_stacking("always")
     engine.run(feeds)
     stacked = sum(c.stacked for c in calls)
     rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
@@ -87,7 +97,7 @@ def measure(model: str, threads: int, args) -> list[str]:
             shift = r % len(order)
             for label, fn in order[shift:] + order[:shift]:
                 rounds[label].append(block(fn, args.runs, args.warmup))
-    recurrent.set_stacking(True)
+    recurrent.set_stacking("measured")
     ort_wall = [w for w, _ in rounds["onnxruntime"]]
     lines = [f"| {model} | {threads} | {stacked} of {len(calls)} |"]
     for label, values in rounds.items():
@@ -107,15 +117,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=40, help="timed calls per block")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
+    ap.add_argument("--avx2", action="store_true", help="kiln and onnxruntime on an AVX2-only CPU (cpuid masked)")
     args = ap.parse_args()
     import onnxruntime as ort
     import torch
 
     print(f"# Stacked recurrent layers, {cpu_name()} ({platform.machine()}), kiln at "
           f"{os.popen('git rev-parse --short HEAD').read().strip()}, torch {torch.__version__}, onnxruntime "
-          f"{ort.__version__}, {args.rounds} rounds of {args.runs} calls{', SCHED_FIFO' if args.realtime else ''}\n",
+          f"{ort.__version__}, {args.rounds} rounds of {args.runs} calls{', SCHED_FIFO' if args.realtime else ''}"
+          f"{', AVX2 only (cpuid masked, KILN_CPU_ISA=avx2)' if args.avx2 else ''}\n",
           flush=True)
-    print("| model | threads | members stacked | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
+    print("| model | threads | members stackable | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
           "| 1-min load |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for model in args.models.split(","):
         for threads in (int(t) for t in args.threads.split(",")):

@@ -13,6 +13,8 @@ recurrence carrying each step's rounding over 2 x 7 steps).
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import onnx
 import pytest
@@ -77,11 +79,13 @@ def recurrent_calls(engine) -> list[recurrent.RecurrentCall]:
 
 
 def check_stack(model: onnx.ModelProto, tactics: list[str], feeds_of, threads: int, stacks: bool, label: str,
-                monkeypatch, oracles: tuple[str, ...] = ("ort", "ref"), links: int = 1) -> None:
-    """`model` built and run at `threads`: both layers members of one segment, `links` of them linked (0: a layer
-    between them), the stack run where `stacks`, every output as each oracle's on three runs of fresh inputs."""
+                monkeypatch, oracles: tuple[str, ...] = ("ort", "ref"), links: int = 1, mode: str = "always") -> None:
+    """`model` built and run at `threads` with recurrent.set_stacking(mode): both layers members of one segment,
+    `links` of them linked (0: a layer between them), the stack run where `stacks`, every output as each oracle's
+    on three runs of fresh inputs."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    recurrent.set_stacking(mode)  # "always": the stack wherever it is safe (by default, the form measured faster)
     try:
         engine = build(model, [*tactics, "cpu.alias.Reshape", "cpu.gather.slice"], monkeypatch)
         calls = recurrent_calls(engine)
@@ -96,6 +100,7 @@ def check_stack(model: onnx.ModelProto, tactics: list[str], feeds_of, threads: i
                     assert_close(got[output.name], want, TOLERANCE, f"{label} run {run} {output.name} vs {oracle}")
     finally:
         torch.set_num_threads(before)
+        recurrent.set_stacking("measured")
 
 
 def x_of(rng) -> np.ndarray:
@@ -179,13 +184,57 @@ def test_a_lower_layer_reading_a_value_of_the_segment(threads, monkeypatch):
                 threads == 2, f"X transposed in the segment, {threads} thread(s)", monkeypatch)
 
 
-def test_stack_off_runs_in_turn_with_the_same_answers(monkeypatch):
-    """recurrent.set_stacking(False) (a benchmark's other side): the same engine, one layer after the other."""
+def test_measured_form_alternates_then_keeps_answers(monkeypatch):
+    """The default ("measured"): the pair's first runs alternate between one after the other and the stack (each
+    timed in the lower member's call), every run with onnxruntime's answers."""
+    rng = case_rng("stack-measured")
+    constants = layer_constants(rng, "LSTM", "l", FEATURES) | layer_constants(rng, "LSTM", "u", HIDDEN)
+    model = stacked_forecaster("LSTM", {}, constants)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine = build(model, ["cpu.lstm.fused", "cpu.alias.Reshape", "cpu.gather.slice"], monkeypatch)
+        lower = recurrent_calls(engine)[0]
+        forms = []
+        for run in range(6):
+            feeds = {"X": x_of(rng)}
+            got = engine.run(dict(feeds))
+            forms.append(lower.stacked)
+            for output, want in zip(model.graph.output, run_oracle(model, feeds, "ort")):
+                assert_close(got[output.name], want, TOLERANCE, f"measured run {run} {output.name}")
+        assert forms == [False, True] * 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_stack_choice_takes_the_faster_form_and_probes_the_other():
+    """recurrent_member.c's stack_choice on made-up times: the forms alternate until each has three counted times
+    (the first run of each not counted), then the lower median runs, the other every 16th run; faster probes move
+    the choice once they move the median."""
+    lib = recurrent.load()
+    choice = recurrent._StackChoice()
+    address = ctypes.addressof(choice)
+
+    def run(times: dict[int, int]) -> int:
+        form = lib.kiln_recurrent_stack_form(address)
+        lib.kiln_recurrent_stack_record(address, form, times[form])
+        return form
+
+    slow_stack = {0: 1000, 1: 1500}
+    assert [run(slow_stack) for _ in range(8)] == [0, 1] * 4  # warm-up pair, then three counted of each
+    assert choice.best == 0
+    later = [run(slow_stack) for _ in range(32)]
+    assert later.count(1) == 2 and all(later[k] == 1 for k in range(32) if (8 + k) % 16 == 0)
+    fast_stack = {0: 1000, 1: 600}  # the machine changed: the stack now wins at each probe
+    forms = [run(fast_stack) for _ in range(48)]  # runs 40..87: the stack probed at 48 and 64
+    assert forms[:25] == [0] * 8 + [1] + [0] * 15 + [1]  # the second probe moves the stack's median below in turn's
+    assert forms[25:] == [1] * 15 + [0] + [1] * 7  # then in turn is the form probed (run 80)
+
+
+def test_stack_never_runs_in_turn_with_the_same_answers(monkeypatch):
+    """recurrent.set_stacking("never") (a benchmark's other side): the same engine, one layer after the other."""
     rng = case_rng("stack-off")
     constants = layer_constants(rng, "LSTM", "l", FEATURES) | layer_constants(rng, "LSTM", "u", HIDDEN)
     model = stacked_forecaster("LSTM", {}, constants)
-    recurrent.set_stacking(False)
-    try:
-        check_stack(model, ["cpu.lstm.fused"], lambda run: {"X": x_of(rng)}, 2, False, "stack off", monkeypatch)
-    finally:
-        recurrent.set_stacking(True)
+    check_stack(model, ["cpu.lstm.fused"], lambda run: {"X": x_of(rng)}, 2, False, "stack never", monkeypatch,
+                mode="never")

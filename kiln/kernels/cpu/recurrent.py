@@ -125,6 +125,10 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
                                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
+        lib.kiln_recurrent_stack_form.restype = ctypes.c_int
+        lib.kiln_recurrent_stack_form.argtypes = [ctypes.c_void_p]
+        lib.kiln_recurrent_stack_record.restype = None
+        lib.kiln_recurrent_stack_record.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
         lib.kiln_recurrent_member.restype = ctypes.c_int
         lib.kiln_recurrent_member.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         _LOADED[test_kernels] = lib
@@ -139,12 +143,17 @@ def set_directions_apart(apart: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_recurrent_directions_apart").value = int(apart)
 
 
-def set_stacking(on: bool) -> None:
-    """Whether a segment member may run the recurrent layer above it alongside itself (recurrent_member.c's stack;
-    the default). False: one after the other, as a benchmark's other side."""
+STACKING = {"never": 0, "measured": 1, "always": 2}
+
+
+def set_stacking(mode: str) -> None:
+    """Whether a segment member runs the recurrent layer above it alongside itself (recurrent_member.c's stack):
+    "measured" (the default: the form its runs measured faster), "always" or "never" (a benchmark's other sides)."""
+    if mode not in STACKING:
+        raise ValueError(f"stacking mode {mode!r}: one of {sorted(STACKING)}")
     lib = load()
     if lib is not None:
-        ctypes.c_int.in_dll(lib, "kiln_recurrent_stack").value = int(on)
+        ctypes.c_int.in_dll(lib, "kiln_recurrent_stack").value = STACKING[mode]
 
 
 def reason(test_kernels: bool = False) -> str | None:
@@ -449,13 +458,18 @@ class FusedLSTMDirection(_Direction):
                      reverse=int(reverse), batch_major=int(batch_major), gates=4)
 
 
+class _StackChoice(ctypes.Structure):  # stack_choice in recurrent_member.c
+    _fields_ = [("ns", (ctypes.c_long * 3) * 2), ("counted", ctypes.c_long * 2), ("runs", ctypes.c_long),
+                ("best", ctypes.c_int)]
+
+
 class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent_member.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("h0", ctypes.c_void_p), ("c0", ctypes.c_void_p), ("yh", ctypes.c_void_p), ("yc", ctypes.c_void_p),
                 ("plans", ctypes.c_void_p), ("loop", ctypes.c_void_p), ("directions", ctypes.c_long),
                 ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long), ("lengths", ctypes.c_void_p),
                 ("above", ctypes.c_void_p), ("ran", ctypes.c_int), ("status", ctypes.c_int),
-                ("stacked", ctypes.c_int)]
+                ("stacked", ctypes.c_int), ("choice", _StackChoice)]
 
 
 # the step inputs a layer reads as a native segment's member, by ONNX input index, and its outputs' roles past Y
@@ -542,7 +556,8 @@ class RecurrentCall:
     def stack_under(self, above: object) -> bool:
         """Lets this call run `above`, the segment's next call, alongside itself where it may (recurrent_member.c's
         stack decides at each run: one forward direction each, its Y exactly above's X, above on lstm_fused.c, two or
-        three threads); True when `above` is a recurrent layer's call."""
+        three threads), or one after the other in its call, whichever its runs measured faster; True when `above`
+        is a recurrent layer's call."""
         if not isinstance(above, RecurrentCall):
             return False
         self._plan.above = ctypes.addressof(above._plan)

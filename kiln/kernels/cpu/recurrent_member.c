@@ -10,9 +10,58 @@
  * layers' time is about the slower one's plus one step. The upper member's own call then only returns the
  * status of its run. Layers that cannot be stacked (two directions, a reverse one, a loop reading all of X before
  * its first step, states or lengths written by the layer below) run one after the other, as without the link.
+ *
+ * Which is faster is measured, not guessed: the stack is bound by the slower layer (the upper LSTM reads 2·H
+ * inputs a step where the lower one reads I + H), splitting each step by the barrier's cost against the step's
+ * work. On the Xeon (2 threads, SCHED_FIFO, the zoo's LSTM forecaster) the stack won with AVX-512 (1.20 vs 1.42 ms)
+ * and lost capped to AVX2 (2.18 vs 2.06 ms), where a step is twice the work. So the lower member times both forms
+ * (the pair's wall time, both in its call): stack_choice below, a C twin of kiln/kernels/cpu/form_choice.py's
+ * rule (the median of each form's last runs; the other form probed every STACK_PROBE_EVERY runs).
  */
 
 typedef int (*recurrent_loop_fn)(void *object, void *stream, int nargs, const void *args);
+
+#define STACK_WINDOW 3       /* run times per form the estimate is the median of */
+#define STACK_PROBE_EVERY 16 /* runs between probes of the form not chosen */
+#define STACK_WARMUP 2       /* the first runs (one of each form) are not counted: cold caches, pages first touched */
+
+/* Which form a linked pair runs, from the pair's measured wall times: 0 in turn, 1 stacked. Pure bookkeeping, no
+   clock (tests/unit/test_recurrent_stack.py feeds it made-up times through kiln_recurrent_stack_record). */
+typedef struct {
+    long ns[2][STACK_WINDOW];  /* each form's last counted times, a ring */
+    long counted[2];
+    long runs;                 /* recorded so far, warm-up included */
+    int best;                  /* the form of the lower estimate */
+} stack_choice;
+
+static long median_ns(const long *ns, long counted) {
+    long v[STACK_WINDOW];
+    const long n = counted < STACK_WINDOW ? counted : STACK_WINDOW;
+    for (long i = 0; i < n; ++i) v[i] = ns[i];
+    for (long i = 1; i < n; ++i)  /* insertion sort of at most three */
+        for (long j = i; j > 0 && v[j - 1] > v[j]; --j) {
+            const long t = v[j];
+            v[j] = v[j - 1];
+            v[j - 1] = t;
+        }
+    return v[n / 2];
+}
+
+/* The form to run next: the two alternate until each has a window of counted times, then the better one, and the
+   other every STACK_PROBE_EVERY runs. */
+static int stack_form(const stack_choice *s) {
+    if (s->counted[0] < STACK_WINDOW || s->counted[1] < STACK_WINDOW) return (int)(s->runs % 2);
+    return s->runs % STACK_PROBE_EVERY == 0 ? !s->best : s->best;
+}
+
+static void stack_record(stack_choice *s, int form, long ns) {
+    if (s->runs++ >= STACK_WARMUP) s->ns[form][s->counted[form]++ % STACK_WINDOW] = ns;
+    if (s->counted[0] > 0 && s->counted[1] > 0)
+        s->best = median_ns(s->ns[1], s->counted[1]) < median_ns(s->ns[0], s->counted[0]);
+}
+
+int kiln_recurrent_stack_form(const void *choice) { return stack_form((const stack_choice *)choice); }
+void kiln_recurrent_stack_record(void *choice, int form, long ns) { stack_record((stack_choice *)choice, form, ns); }
 
 /* One ONNX RNN / GRU / LSTM layer (every direction) inside a native segment (kiln/runtime/native.py): its
    operands are oneDNN memory objects whose addresses are read at each call, as the segment points its
@@ -33,6 +82,7 @@ typedef struct recurrent_member_plan {
     int ran;                   /* set by the member below when it ran this one: this one's call returns `status` */
     int status;
     int stacked;               /* out: 1 when this member's last call ran the member above alongside itself */
+    stack_choice choice;       /* the times of the pair's two forms (where `above` may be stacked) */
 } recurrent_member_plan;
 
 #define KILN_RECURRENT_BAD_LENGTHS 1001  /* kiln/kernels/cpu/onednn.py _STATUS says it */
@@ -72,7 +122,8 @@ static void member_direction(void *ctx, long d) {
 /* 0: two directions always one after the other (bench/recurrent_members.py times both ways in one process) */
 int kiln_recurrent_directions_apart = 1;
 
-/* 0: a member never runs the one above alongside itself (bench/recurrent_stack.py times both ways in one process) */
+/* 1: a linked pair runs the form measured faster (stack_choice); 0: never stacked, 2: always (tests; and
+   bench/recurrent_stack.py, which times the three in one process) */
 int kiln_recurrent_stack = 1;
 
 /* sequence_lens the segment computes, checked here, where the segment runs without Python: each in [0, S]. *lengths:
@@ -203,6 +254,18 @@ static int member_stack(recurrent_member_plan *m, const int *lengths) {
     return r.status[0];
 }
 
+/* The member and the one above it one after the other, each on every thread (the pair timed in one call). */
+static int member_pair(recurrent_member_plan *m, const int *lengths, int threads) {
+    recurrent_member_plan *above = m->above;
+    const int *above_lengths;
+    int status = member_layer(m, lengths, threads);
+    if (status) return status;
+    above->status = member_lengths(above, &above_lengths);
+    if (above->status == 0) above->status = member_layer(above, above_lengths, threads);
+    above->ran = 1;
+    return 0;
+}
+
 /* A recurrent layer as a native segment's member: its directions (member_layer), or it and the member above (the
    file's comment); the member above's own call then only returns its status. */
 int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
@@ -213,11 +276,17 @@ int kiln_recurrent_member(void *object, void *stream, int nargs, const void *arg
         return m->status;
     }
     const int *lengths;
-    const int status = member_lengths(m, &lengths);
+    int status = member_lengths(m, &lengths);
     if (status) return status;
     const int threads = openmp_threads();
-    m->stacked = kiln_recurrent_stack && m->above != NULL && threads >= 2 && threads < 4 && stackable(m, m->above);
-    if (m->stacked) return member_stack(m, lengths);
-    if (m->above) m->above->ran = 0;  /* a run stacked before, cut short by an error: the member above runs itself */
-    return member_layer(m, lengths, threads);
+    m->stacked = 0;
+    if (!(kiln_recurrent_stack && m->above != NULL && threads >= 2 && threads < 4 && stackable(m, m->above))) {
+        if (m->above) m->above->ran = 0;  /* a run stacked before, cut short by an error: the member above runs */
+        return member_layer(m, lengths, threads);
+    }
+    m->stacked = kiln_recurrent_stack == 2 || stack_form(&m->choice);
+    const long start = now_ns();
+    status = m->stacked ? member_stack(m, lengths) : member_pair(m, lengths, threads);
+    if (kiln_recurrent_stack == 1 && status == 0) stack_record(&m->choice, m->stacked, now_ns() - start);
+    return status;
 }
