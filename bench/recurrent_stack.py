@@ -7,8 +7,9 @@ onnxruntime, on the zoo's recurrent forecasters.
     python bench/recurrent_stack.py --avx2                   # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
 
 One engine per model and thread count; "measured" (the default: each pair's runs choose the faster form), "stacked"
-and "in turn" are that engine with the stack chosen by its runs, always and never (recurrent.set_stacking),
-onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
+and "in turn" are that engine with the stack chosen by its runs, always and never (recurrent.set_stacking), "in turn,
+block split" the last with lstm_fused.c's threads splitting each step's unit blocks instead of the batch's rows
+(recurrent.set_row_split: the form before 2026-12-05), onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
 runner, warm-up then `--runs` calls, starting at the next runner each round). Per runner: the median over rounds of
 each block's median wall time and of its median process CPU time (every thread of the process: at two threads what
 the call cost the machine, spinning included), and per round the ratio of wall medians to onnxruntime's.
@@ -57,9 +58,10 @@ def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, floa
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-def stacking(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
+def stacking(mode: str, fn: Callable[[], object], row_split: bool = True) -> Callable[[], object]:
     def run() -> object:
         recurrent.set_stacking(mode)
+        recurrent.set_row_split(row_split)
         return fn()
     return run
 
@@ -79,8 +81,9 @@ def measure(model: str, threads: int, args) -> list[str]:
     runners = {"kiln measured": stacking("measured", lambda: engine.run(feeds)),
                "kiln stacked": stacking("always", lambda: engine.run(feeds)),
                "kiln in turn": stacking("never", lambda: engine.run(feeds)),
+               "kiln in turn, block split": stacking("never", lambda: engine.run(feeds), row_split=False),
                "onnxruntime": lambda: session.run(None, feeds)}
-    for label in ("kiln stacked", "kiln in turn", "kiln measured"):
+    for label in [k for k in runners if k.startswith("kiln")]:
         got = runners[label]()[engine.output_names[0]]
         error = float(np.abs(np.asarray(got) - want).max())
         if error > 1e-4:
@@ -98,6 +101,7 @@ def measure(model: str, threads: int, args) -> list[str]:
             for label, fn in order[shift:] + order[:shift]:
                 rounds[label].append(block(fn, args.runs, args.warmup))
     recurrent.set_stacking("measured")
+    recurrent.set_row_split(True)
     ort_wall = [w for w, _ in rounds["onnxruntime"]]
     lines = [f"| {model} | {threads} | {stacked} of {len(calls)} |"]
     for label, values in rounds.items():
@@ -127,7 +131,7 @@ def main() -> None:
           f"{ort.__version__}, {args.rounds} rounds of {args.runs} calls{', SCHED_FIFO' if args.realtime else ''}"
           f"{', AVX2 only (cpuid masked, KILN_CPU_ISA=avx2)' if args.avx2 else ''}\n",
           flush=True)
-    print("| model | threads | members stackable | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
+    print("| model | threads | lower members stackable | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
           "| 1-min load |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for model in args.models.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
