@@ -5,6 +5,7 @@ onnxruntime, on the zoo's recurrent forecasters.
     python bench/recurrent_stack.py --models lstm_forecaster,gru_forecaster --threads 1,2
     python bench/recurrent_stack.py --realtime               # the rounds at SCHED_FIFO priority (root)
     python bench/recurrent_stack.py --avx2                   # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
+    python bench/recurrent_stack.py --lstm cpu.lstm.fused    # the LSTMs on one tactic (the tuner's pick drifts, loaded)
 
 One engine per model and thread count; "measured" (the default: each pair's runs choose the faster form), "stacked"
 and "in turn" are that engine with the stack chosen by its runs, always and never (recurrent.set_stacking), "in turn,
@@ -42,7 +43,7 @@ import kiln  # noqa: E402  (first: KILN_CPU_ISA caps the libraries before their 
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
-from lstm_engine import realtime  # noqa: E402  (bench/ is on sys.path: a script's folder)
+from lstm_engine import lstm_picks, pinned, realtime  # noqa: E402  (bench/ is on sys.path: a script's folder)
 
 
 def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, float]:
@@ -74,6 +75,9 @@ def measure(model: str, threads: int, args) -> list[str]:
     exported = zoo.export(model)
     feeds = exported.inputs()
     engine = kiln.build(str(exported.path), timing_cache=None)
+    tuned = engine
+    if args.lstm:
+        engine = pinned(engine, args.lstm)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
@@ -103,7 +107,8 @@ def measure(model: str, threads: int, args) -> list[str]:
     recurrent.set_stacking("measured")
     recurrent.set_row_split(True)
     ort_wall = [w for w, _ in rounds["onnxruntime"]]
-    lines = [f"| {model} | {threads} | {stacked} of {len(calls)} |"]
+    picks = f"LSTMs pinned to {args.lstm}; the tuner's: {lstm_picks(tuned)}" if args.lstm else lstm_picks(engine)
+    lines = [f"| {model} | {threads} | {stacked} of {len(calls)} | {picks and 'LSTM tactics [tuner ms]: ' + picks} |"]
     for label, values in rounds.items():
         wall = statistics.median(w for w, _ in values)
         cpu = statistics.median(c for _, c in values)
@@ -122,6 +127,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--avx2", action="store_true", help="kiln and onnxruntime on an AVX2-only CPU (cpuid masked)")
+    ap.add_argument("--lstm", help="every LSTM layer on this tactic (cpu.lstm.fused, ...), not the tuner's pick")
     args = ap.parse_args()
     import onnxruntime as ort
     import torch
