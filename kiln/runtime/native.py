@@ -51,8 +51,8 @@ import torch
 from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
-from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, beside_next, reads_of,
-                                         serial_calls, stack_members, writes_of)
+from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
+                                         writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
 from kiln.runtime.step import BoundStep, call_step
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
@@ -94,7 +94,6 @@ class Segment:
         self.exits = [s for s in produced if s in read_after]  # written here, read after it
         exits = set(self.exits)
         last_read = {s: max(k for k, _ in uses) for s, uses in consumers.items()}
-        self._beside_next = beside_next(members, natives, consumers, last_read)
 
         # Values that share memory: an alias's output is its input's memory; an accumulated result
         # is written over its residual. root[s]: the first value of s's group.
@@ -171,8 +170,6 @@ class Segment:
             self._names += [m.ctx.name] * len(calls)
             self._call_counts.append(len(calls))
             member_calls.append(calls)
-        # recurrent layers in a row: side by side at two threads
-        self.stacked = stack_members(self.bound, [k in self._beside_next for k in self._bound_members])
         self.exit_groups = [group[s] for s in self.exits]
         self._per_call_bound = {i for uses in self.per_call.values() for i, _ in uses}  # bound calls a run points
         self.exit_shapes = [forms[s] for s in self.exits]

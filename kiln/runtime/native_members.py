@@ -106,31 +106,6 @@ def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: di
     return b, [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
 
 
-def beside_next(members: list[BoundStep], natives: list[NativeStep], consumers: dict[int, list[tuple[int, Any]]],
-                last_read: dict[int, int]) -> set[int]:
-    """The members that may run alongside the segment's next member (NativeStep.overlaps_next: a recurrent layer under
-    another one), with what each reads, and its outputs past the first, kept live in `last_read` until that member
-    is done. Not where an alias reads what it reads (an alias's input dies at it)."""
-    bound = [k for k, native in enumerate(natives) if not native.alias]
-    found = set()
-    for k, j in zip(bound, bound[1:]):
-        reads = [s for s, _role in reads_of(members[k], natives[k])]
-        if not natives[k].overlaps_next or any(natives[m].alias for s in reads for m, _ in consumers[s]):
-            continue
-        for s in reads + [s for s, *_ in writes_of(members[k], natives[k])[1:]]:
-            last_read[s] = max(last_read.get(s, k), j)
-        found.add(k)
-    return found
-
-
-def stack_members(bound: list[Any], beside: list[bool]) -> int:
-    """Links bound member i to member i + 1 where beside[i] (its reads kept live past it: beside_next) and it offers
-    to run that one alongside itself (`stack_under`: a recurrent layer under the next recurrent layer,
-    kiln/kernels/cpu/recurrent_member.c). Returns the links made."""
-    return sum(bool(bound[i].stack_under(bound[i + 1])) for i in range(len(bound) - 1)
-               if beside[i] and hasattr(bound[i], "stack_under"))
-
-
 def serial_calls(bound: list[Any], member_calls: list[list]) -> list | None:
     """The calls of bound members (`member_calls`: each one's calls()) with each small layer in its serial form
     (a Bound's serial_calls), the others as they are; None when no member has a serial form."""

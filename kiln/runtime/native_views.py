@@ -18,8 +18,7 @@ import torch
 
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
-from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls,
-                                         stack_members, writes_of)
+from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.step import BoundStep
 from kiln.tactics.tactic import NativeStep, PrimitiveRule, SizedPrimitive, native_strides, row_major_strides
 
@@ -388,9 +387,6 @@ class _Resized:
             if bound_anew:
                 anew.add(len(owners))
             owners.append(owner)
-        # the template's memory plan keeps what a stacked member reads live; the template's own calls keep their links
-        stack_members(owners, [i in anew and i + 1 in anew and k in template._beside_next
-                               for i, k in enumerate(template._bound_members)])
         forms = forms if forms is not None else _forms(template.members, natives)
         return cls(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
                    _entry_forms(template.entries, template._entry_readers, natives), owners)

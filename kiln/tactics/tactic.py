@@ -177,10 +177,6 @@ class NativeStep:
     # call's (kiln/runtime/native.py _PlanRewrite); the rule gives None where `at` would put those sizes on another
     # kernel or weight layout (then `at` binds them)
     primitive_at: PrimitiveRule | None = None
-    # kiln's own kernels only: the layer may run alongside the segment's next member (a recurrent layer under another
-    # one, kiln/kernels/cpu/recurrent_member.c's stack), so the segment keeps what it reads, and its outputs past the
-    # first, live until that member is done
-    overlaps_next: bool = False
 
     @property
     def output_strides(self) -> tuple[int, ...]:

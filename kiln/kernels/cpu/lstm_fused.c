@@ -363,8 +363,7 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
        slower than the block split; two and more 0.83-0.97x with AVX-512, 0.88-1.04x capped to AVX2: the table in
        bench/results/recurrent-2026-12-05b.md) */
     const long pairs_of_rows = N / 2 > 1 ? N / 2 : 1;
-    const long slices = kiln_lstm_fused_row_split && p->steps_in == NULL ? (pairs_of_rows < threads ? pairs_of_rows
-                                                                                                    : threads) : 1;
+    const long slices = kiln_lstm_fused_row_split ? (pairs_of_rows < threads ? pairs_of_rows : threads) : 1;
     const long rows = (N + slices - 1) / slices;
     /* rows past the one-pass tile's: the two-pass tile's, where the kernel has one */
     const int two_pass = kernel->pairs_mr > 0 && rows > kernel->mr;

@@ -74,9 +74,6 @@ typedef struct {
     int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
     long waited_ns;        /* out: the longest time one thread spent waiting for another's items */
     long loop_ns;          /* out: the loop over time, start to end */
-    const long *steps_in;  /* the steps of X written so far by the layer below, on another thread (recurrent_member.c's
-                              stack: a loop that reads X step by step waits on it), or NULL: all of X is there */
-    long *steps_out;       /* where the one-thread loop counts the steps of Y it has written, or NULL */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {
@@ -368,12 +365,6 @@ static void stage_participant(void *ctx, long id_) {
     }
 }
 
-/* Until the layer below has written `steps` steps of X (recurrent_member.c's stack). */
-static void await_steps(const long *written, long steps) {
-    long spins = 0;
-    while (__atomic_load_n(written, __ATOMIC_ACQUIRE) < steps) spin_pause(&spins);
-}
-
 /* Stages 0 .. stages-1 in order, each `items` calls of fn, one participant per thread on kiln_parallel_for
    (pool.c: a worker that has not started when the caller is done is not waited for; OpenMP's loop where the
    pool is off). Returns when every stage is done; 1 when a thread waited out a stall and the others left (the
@@ -384,14 +375,9 @@ static int run_stages(const loop_ctx *c, long stages, long items, int threads, i
     if (threads <= 1 || items <= 1) {
         /* one thread: the items in order, no counters. A locked read-modify-write per claim also keeps the
            core from overlapping one item's tail (an LSTM cell's chain of dependent operations) with the next
-           item's loads: the fused LSTM (lstm_fused.c) ran 5-10% faster on the Xeon without them. Stacked on
-           the layer below (plan.steps_in / steps_out: only here, on one thread), stage k reads X's step
-           k·S/stages and writes Y's step (k+1)·S/stages - 1 (RNN, LSTM: a stage a step; the GRU two). */
-        for (long k = 0; k < stages; ++k) {
-            if (p->steps_in) await_steps(p->steps_in, k * p->S / stages + 1);
+           item's loads: the fused LSTM (lstm_fused.c) ran 5-10% faster on the Xeon without them. */
+        for (long k = 0; k < stages; ++k)
             for (long item = 0; item < items; ++item) fn(c, k, item);
-            if (p->steps_out) __atomic_store_n(p->steps_out, (k + 1) * p->S / stages, __ATOMIC_RELEASE);
-        }
         p->waited_ns = 0;
         p->loop_ns = now_ns() - start;
         return 0;
@@ -566,4 +552,94 @@ int kiln_gru(void *object, void *stream, int nargs, const void *args) {
         run_stages(&c, p->S * phases, G / (3 * c.nr), threads, phases == 1 ? gru_item : gru_reset_item);
     store_states(p, h_prev_of(&c, p->S), NULL);
     return 0;
+}
+
+/* ---- a layer as a member of a native segment ------------------------------------------------------- */
+
+typedef int (*recurrent_loop_fn)(void *object, void *stream, int nargs, const void *args);
+
+/* One ONNX RNN / GRU / LSTM layer (every direction) inside a native segment (kiln/runtime/native.py): its
+   operands are oneDNN memory objects whose addresses are read at each call, as the segment points its
+   entries and exits per run; everything else is in the directions' plans, made when the layer was bound. */
+typedef struct {
+    get_handle_fn get_handle;
+    void *x, *y;               /* dnnl_memory_t: X (row-major, as the plans' layout says), Y or NULL */
+    void *h0, *c0;             /* dnnl_memory_t of initial states the segment computes, or NULL: the plans' own */
+    void *yh, *yc;             /* dnnl_memory_t of the final states, or NULL: not asked for */
+    kiln_recurrent_plan *plans;  /* [directions] */
+    recurrent_loop_fn loop;    /* kiln_rnn, kiln_gru, kiln_lstm, kiln_lstm_lanes or kiln_lstm_fused */
+    long directions;
+    long y_direction, state_direction;  /* floats from one direction's Y / state to the next's */
+    void *lengths;             /* dnnl_memory_t of sequence_lens (int32 [N]) the segment computes, or NULL: the
+                                  plans' own (constants of the engine, or none) */
+} recurrent_member_plan;
+
+#define KILN_RECURRENT_BAD_LENGTHS 1001  /* kiln/kernels/cpu/onednn.py _STATUS says it */
+
+static float *member_operand(const recurrent_member_plan *m, void *memory, long offset, int *missing) {
+    void *h = NULL;
+    if (memory == NULL) return NULL;
+    if (m->get_handle(memory, &h) != 0 || h == NULL) *missing = 1;
+    return h == NULL ? NULL : (float *)h + offset;
+}
+
+/* One direction of a member's run: its operands pointed from the memory objects, then its loop. */
+typedef struct {
+    const recurrent_member_plan *m;
+    const int *lengths;
+    int threads;              /* each direction's loop: 0 OpenMP's count, 1 in order on the calling thread */
+    int status[2];
+} member_run;
+
+static void member_direction(void *ctx, long d) {
+    member_run *r = (member_run *)ctx;
+    const recurrent_member_plan *m = r->m;
+    kiln_recurrent_plan *p = &m->plans[d];
+    int missing = 0;
+    if (m->lengths) p->lengths = r->lengths;
+    p->threads = r->threads;
+    p->x = member_operand(m, m->x, 0, &missing);
+    p->y = member_operand(m, m->y, d * m->y_direction, &missing);
+    if (m->h0) p->h0 = member_operand(m, m->h0, d * m->state_direction, &missing);
+    if (m->c0) p->c0 = member_operand(m, m->c0, d * m->state_direction, &missing);
+    p->yh = member_operand(m, m->yh, d * m->state_direction, &missing);
+    p->yc = member_operand(m, m->yc, d * m->state_direction, &missing);
+    /* an operand not bound: the segment names the layer */
+    r->status[d] = missing || p->x == NULL ? 2 : m->loop(p, NULL, 0, NULL);
+}
+
+/* 0: two directions always one after the other (bench/recurrent_members.py times both ways in one process) */
+int kiln_recurrent_directions_apart = 1;
+
+/* A recurrent layer as a native segment's member. Two directions on two or three threads run one per thread, each
+   loop in order (a step of one direction is a few microseconds of work: two threads on it wait for each other
+   at every step's barrier, two directions never do); on one thread, or four and more, one after the other, each on
+   every thread. */
+int kiln_recurrent_member(void *object, void *stream, int nargs, const void *args) {
+    const recurrent_member_plan *m = (const recurrent_member_plan *)object;
+    member_run r = {m, NULL, 0, {0, 0}};
+    (void)stream, (void)nargs, (void)args;
+    if (m->lengths) {  /* checked here, where the segment runs without Python: each in [0, S]; all S: none */
+        void *h = NULL;
+        if (m->get_handle(m->lengths, &h) != 0 || h == NULL) return 2;
+        const long S = m->plans[0].S, N = m->plans[0].N;
+        int full = 1;
+        for (long n = 0; n < N; ++n) {
+            const int length = ((const int *)h)[n];
+            if (length < 0 || length > S) return KILN_RECURRENT_BAD_LENGTHS;
+            full &= length == S;
+        }
+        r.lengths = full ? NULL : (const int *)h;
+    }
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    if (kiln_recurrent_directions_apart && m->directions == 2 && threads >= 2 && threads < 4) {
+        r.threads = 1;
+        kiln_parallel_for(2, 2, member_direction, &r);
+    } else {
+        for (long d = 0; d < m->directions && d < 2; ++d) member_direction(&r, d);
+    }
+    return r.status[0] ? r.status[0] : r.status[1];
 }

@@ -19,10 +19,7 @@ kiln_recurrent_member, which reads its operands from oneDNN memory objects and r
 the reshapes, the last-step Gather and the head around it run without Python (an LSTM launched from Python cost
 ~24 us above its kernel, and split the segment around it).
 
-Two such layers in a row, the lower one's Y the upper one's X, run side by side at two threads (recurrent_member.c's
-stack: the upper layer's step t waits until the lower one has written step t; RecurrentCall.stack_under links them).
-
-The library is gemm.c, recurrent.c, lstm.c, lstm_lanes.c, lstm_fused.c and recurrent_member.c, compiled on first use as kiln's GEMM is
+The library is gemm.c, recurrent.c, lstm.c, lstm_lanes.c and lstm_fused.c, compiled on first use as kiln's GEMM is
 (kiln/kernels/cpu/native_loop.py: cached per source, CPU and flags); the microkernel is picked from
 cpuid when a layer is built (AVX-512, AVX2, portable).
 """
@@ -42,8 +39,7 @@ from kiln.kernels.cpu import gemm_native, hugepages, onednn
 
 _HERE = Path(__file__).parent
 SOURCE = "\n".join([gemm_native.SOURCE, *((_HERE / name).read_text()
-                                           for name in ("recurrent.c", "lstm.c", "lstm_lanes.c", "lstm_fused.c",
-                                                        "recurrent_member.c"))])
+                                           for name in ("recurrent.c", "lstm.c", "lstm_lanes.c", "lstm_fused.c"))])
 
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}  # gate blocks of W's rows, in ONNX's order (GRU z r h, LSTM i o f c)
 # ONNX activation name (lower case) -> recurrent.c's RACT_* code
@@ -79,8 +75,7 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
-                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long), ("steps_in", ctypes.c_void_p),
-                ("steps_out", ctypes.c_void_p)]
+                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -125,10 +120,6 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
                                              ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
         lib.kiln_lstm_fused_scratch_floats.restype = ctypes.c_long
         lib.kiln_lstm_fused_scratch_floats.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_long]
-        lib.kiln_recurrent_stack_form.restype = ctypes.c_int
-        lib.kiln_recurrent_stack_form.argtypes = [ctypes.c_void_p]
-        lib.kiln_recurrent_stack_record.restype = None
-        lib.kiln_recurrent_stack_record.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long]
         lib.kiln_recurrent_member.restype = ctypes.c_int
         lib.kiln_recurrent_member.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
         _LOADED[test_kernels] = lib
@@ -136,8 +127,8 @@ def load(test_kernels: bool = False) -> ctypes.CDLL | None:
 
 
 def set_directions_apart(apart: bool) -> None:
-    """Whether a segment member's two directions may run one per thread (recurrent_member.c kiln_recurrent_member;
-    the default). False: one after the other, as a benchmark's other side."""
+    """Whether a segment member's two directions may run one per thread (recurrent.c kiln_recurrent_member; the
+    default). False: one after the other, as a benchmark's other side."""
     lib = load()
     if lib is not None:
         ctypes.c_int.in_dll(lib, "kiln_recurrent_directions_apart").value = int(apart)
@@ -145,23 +136,11 @@ def set_directions_apart(apart: bool) -> None:
 
 def set_row_split(on: bool) -> None:
     """Whether lstm_fused.c splits the batch's rows between threads (each thread its rows through every step, no
-    barrier; the default) or each step's unit blocks (a barrier a step), as a benchmark's other side."""
+    barrier; the default, where each thread gets two rows or more) or each step's unit blocks (a barrier a step), as
+    a benchmark's other side."""
     lib = load()
     if lib is not None:
         ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
-
-
-STACKING = {"never": 0, "measured": 1, "always": 2}
-
-
-def set_stacking(mode: str) -> None:
-    """Whether a segment member runs the recurrent layer above it alongside itself (recurrent_member.c's stack):
-    "measured" (the default: the form its runs measured faster), "always" or "never" (a benchmark's other sides)."""
-    if mode not in STACKING:
-        raise ValueError(f"stacking mode {mode!r}: one of {sorted(STACKING)}")
-    lib = load()
-    if lib is not None:
-        ctypes.c_int.in_dll(lib, "kiln_recurrent_stack").value = STACKING[mode]
 
 
 def reason(test_kernels: bool = False) -> str | None:
@@ -466,18 +445,11 @@ class FusedLSTMDirection(_Direction):
                      reverse=int(reverse), batch_major=int(batch_major), gates=4)
 
 
-class _StackChoice(ctypes.Structure):  # stack_choice in recurrent_member.c
-    _fields_ = [("ns", (ctypes.c_long * 3) * 2), ("counted", ctypes.c_long * 2), ("runs", ctypes.c_long),
-                ("best", ctypes.c_int)]
-
-
-class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent_member.c
+class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent.c
     _fields_ = [("get_handle", ctypes.c_void_p), ("x", ctypes.c_void_p), ("y", ctypes.c_void_p),
                 ("h0", ctypes.c_void_p), ("c0", ctypes.c_void_p), ("yh", ctypes.c_void_p), ("yc", ctypes.c_void_p),
                 ("plans", ctypes.c_void_p), ("loop", ctypes.c_void_p), ("directions", ctypes.c_long),
-                ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long), ("lengths", ctypes.c_void_p),
-                ("above", ctypes.c_void_p), ("ran", ctypes.c_int), ("status", ctypes.c_int),
-                ("stacked", ctypes.c_int), ("choice", _StackChoice)]
+                ("y_direction", ctypes.c_long), ("state_direction", ctypes.c_long), ("lengths", ctypes.c_void_p)]
 
 
 # the step inputs a layer reads as a native segment's member, by ONNX input index, and its outputs' roles past Y
@@ -560,22 +532,6 @@ class RecurrentCall:
 
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         return [(self._function, ctypes.addressof(self._plan), 0, 0)]
-
-    def stack_under(self, above: object) -> bool:
-        """Lets this call run `above`, the segment's next call, alongside itself where it may (recurrent_member.c's
-        stack decides at each run: one forward direction each, its Y exactly above's X, above on lstm_fused.c, two or
-        three threads), or one after the other in its call, whichever its runs measured faster; True when `above`
-        is a recurrent layer's call."""
-        if not isinstance(above, RecurrentCall):
-            return False
-        self._plan.above = ctypes.addressof(above._plan)
-        self._above = above  # the plan this one points at
-        return True
-
-    @property
-    def stacked(self) -> bool:
-        """Whether the last run ran the call above alongside this one."""
-        return bool(self._plan.stacked)
 
     def memory(self, role: object) -> int:
         return self._memories[role].value

@@ -237,9 +237,8 @@ def _preparer(cell: str, loop: str = "rows"):
             if lengths_input:
                 reads[recurrent.LENGTHS] = ((batch,), torch.int32)
             reads.update({k: (layer.state_size, torch.float32) for k in state_inputs})
-            # one forward direction: its Y's steps in order, which the next layer may read as they come
             return NativeStep(x_size, layer.output_size, same_primitive(layer), reads=reads,
-                              more_outputs=layer.more_outputs, overlaps_next=directions == 1 and not reverse_only)
+                              more_outputs=layer.more_outputs)
 
         # the initial states: constants of the engine (bound into the layer), or values the graph computes (read)
         state_indices = (_INITIAL_H, _INITIAL_H + 1) if has_c else (_INITIAL_H,)

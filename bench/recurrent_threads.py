@@ -1,21 +1,21 @@
-"""Stacked recurrent layers side by side (kiln/kernels/cpu/recurrent_member.c's stack) vs one after the other, beside
-onnxruntime, on the zoo's recurrent forecasters.
+"""The zoo's recurrent forecasters at 1 and 2 threads: kiln with lstm_fused.c's row split and with its block split,
+beside onnxruntime.
 
-    python bench/recurrent_stack.py                          # 2 threads, lstm_forecaster, 9 rounds
-    python bench/recurrent_stack.py --models lstm_forecaster,gru_forecaster --threads 1,2
-    python bench/recurrent_stack.py --realtime               # the rounds at SCHED_FIFO priority (root)
-    python bench/recurrent_stack.py --avx2                   # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
-    python bench/recurrent_stack.py --lstm cpu.lstm.fused    # the LSTMs on one tactic (the tuner's pick drifts, loaded)
+    python bench/recurrent_threads.py                        # lstm_forecaster, 2 threads, 9 rounds
+    python bench/recurrent_threads.py --models lstm_forecaster,bilstm_forecaster,gru_forecaster --threads 2,1
+    python bench/recurrent_threads.py --realtime             # the rounds at SCHED_FIFO priority (root)
+    python bench/recurrent_threads.py --avx2                 # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
+    python bench/recurrent_threads.py --lstm cpu.lstm.fused  # the LSTMs on one tactic (the tuner's pick drifts, loaded)
 
-One engine per model and thread count; "measured" (the default: each pair's runs choose the faster form), "stacked"
-and "in turn" are that engine with the stack chosen by its runs, always and never (recurrent.set_stacking), "in turn,
-block split" the last with lstm_fused.c's threads splitting each step's unit blocks instead of the batch's rows
-(recurrent.set_row_split: the form before 2026-12-05), onnxruntime's session the other peer, timed in interleaved rounds (each round a block per
-runner, warm-up then `--runs` calls, starting at the next runner each round). Per runner: the median over rounds of
-each block's median wall time and of its median process CPU time (every thread of the process: at two threads what
-the call cost the machine, spinning included), and per round the ratio of wall medians to onnxruntime's.
-`--realtime`: every thread of the process at SCHED_FIFO while the rounds run (bench/lstm_engine.py), so that a shared
-VM's other work waits: the wall clock then approaches a quiet machine's.
+One engine per model and thread count; "kiln" as built (lstm_fused.c: each thread a slice of the batch's rows through
+every step, where each gets two rows or more), "kiln, block split" the same engine with each step's unit blocks split
+between the threads instead, a barrier a step (recurrent.set_row_split(False): the form before 2026-12-05), and
+onnxruntime's session, timed in interleaved rounds (each round a block per runner, warm-up then `--runs` calls,
+starting at the next runner each round). Per runner: the median over rounds of each block's median wall time and of
+its median process CPU time (every thread of the process: at two threads what the call cost the machine, spinning
+included), and per round the ratio of wall medians to onnxruntime's. `--realtime`: every thread of the process at
+SCHED_FIFO while the rounds run (bench/lstm_engine.py), so that a shared VM's other work waits: the wall clock then
+approaches a quiet machine's.
 """
 
 from __future__ import annotations
@@ -59,10 +59,9 @@ def block(fn: Callable[[], object], runs: int, warmup: int) -> tuple[float, floa
     return statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3
 
 
-def stacking(mode: str, fn: Callable[[], object], row_split: bool = True) -> Callable[[], object]:
+def row_split(on: bool, fn: Callable[[], object]) -> Callable[[], object]:
     def run() -> object:
-        recurrent.set_stacking(mode)
-        recurrent.set_row_split(row_split)
+        recurrent.set_row_split(on)
         return fn()
     return run
 
@@ -74,28 +73,20 @@ def measure(model: str, threads: int, args) -> list[str]:
     torch.set_num_threads(threads)  # before the build: tactics are tuned at the thread count they run with
     exported = zoo.export(model)
     feeds = exported.inputs()
-    engine = kiln.build(str(exported.path), timing_cache=None)
-    tuned = engine
-    if args.lstm:
-        engine = pinned(engine, args.lstm)
+    tuned = kiln.build(str(exported.path), timing_cache=None)
+    engine = pinned(tuned, args.lstm) if args.lstm else tuned
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
     want = session.run(None, feeds)[0]
-    runners = {"kiln measured": stacking("measured", lambda: engine.run(feeds)),
-               "kiln stacked": stacking("always", lambda: engine.run(feeds)),
-               "kiln in turn": stacking("never", lambda: engine.run(feeds)),
-               "kiln in turn, block split": stacking("never", lambda: engine.run(feeds), row_split=False),
+    runners = {"kiln": row_split(True, lambda: engine.run(feeds)),
+               "kiln, block split": row_split(False, lambda: engine.run(feeds)),
                "onnxruntime": lambda: session.run(None, feeds)}
-    for label in [k for k in runners if k.startswith("kiln")]:
+    for label in ("kiln", "kiln, block split"):
         got = runners[label]()[engine.output_names[0]]
         error = float(np.abs(np.asarray(got) - want).max())
         if error > 1e-4:
             raise SystemExit(f"{model} {label}: output differs from onnxruntime's by {error:.2e}")
-    calls = [b for s in engine.program.segments for b in s.bound if isinstance(b, recurrent.RecurrentCall)]
-    recurrent.set_stacking("always")
-    engine.run(feeds)
-    stacked = sum(c.stacked for c in calls)
     rounds: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
     order = list(runners.items())
     load = os.getloadavg()[0]
@@ -104,11 +95,10 @@ def measure(model: str, threads: int, args) -> list[str]:
             shift = r % len(order)
             for label, fn in order[shift:] + order[:shift]:
                 rounds[label].append(block(fn, args.runs, args.warmup))
-    recurrent.set_stacking("measured")
     recurrent.set_row_split(True)
     ort_wall = [w for w, _ in rounds["onnxruntime"]]
-    picks = f"LSTMs pinned to {args.lstm}; the tuner's: {lstm_picks(tuned)}" if args.lstm else lstm_picks(engine)
-    lines = [f"| {model} | {threads} | {stacked} of {len(calls)} | {picks and 'LSTM tactics [tuner ms]: ' + picks} |"]
+    picks = f"pinned to {args.lstm}; the tuner's: {lstm_picks(tuned)}" if args.lstm else lstm_picks(tuned)
+    lines = [f"| {model} | {threads} | {picks} |"]
     for label, values in rounds.items():
         wall = statistics.median(w for w, _ in values)
         cpu = statistics.median(c for _, c in values)
@@ -132,12 +122,12 @@ def main() -> None:
     import onnxruntime as ort
     import torch
 
-    print(f"# Stacked recurrent layers, {cpu_name()} ({platform.machine()}), kiln at "
+    print(f"# Recurrent forecasters by threads, {cpu_name()} ({platform.machine()}), kiln at "
           f"{os.popen('git rev-parse --short HEAD').read().strip()}, torch {torch.__version__}, onnxruntime "
           f"{ort.__version__}, {args.rounds} rounds of {args.runs} calls{', SCHED_FIFO' if args.realtime else ''}"
           f"{', AVX2 only (cpuid masked, KILN_CPU_ISA=avx2)' if args.avx2 else ''}\n",
           flush=True)
-    print("| model | threads | lower members stackable | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
+    print("| model | threads | LSTM tactics [tuner ms] | runner | wall ms | process CPU ms | wall / ort | wall / ort by round "
           "| 1-min load |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for model in args.models.split(","):
         for threads in (int(t) for t in args.threads.split(",")):
