@@ -24,7 +24,7 @@
  * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
  * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
  * step's unit blocks, a barrier a step (run_stages). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
- * 1.17 ms against 1.51 (onnxruntime 1.43), capped to AVX2 1.94 against 2.02 (1.91).
+ * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
  *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
  * gates i, c̃, panel B f, o; column slot·U + j: unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb,
@@ -318,7 +318,7 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
 
 /* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
    where each gets two rows or more; 0: the threads split each step's unit blocks (run_stages), a barrier a step.
-   bench/recurrent_stack.py times both in one process. */
+   bench/recurrent_threads.py times both in one process. */
 int kiln_lstm_fused_row_split = 1;
 
 typedef struct {
@@ -362,8 +362,8 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     /* the rows a thread runs: all of them, or a slice of at least two rows (row split: one row a thread ran 1.2x
        slower than the block split; two and more 0.83-0.97x with AVX-512, 0.88-1.04x capped to AVX2: the table in
        bench/results/recurrent-2026-12-05b.md) */
-    const long pairs_of_rows = N / 2 > 1 ? N / 2 : 1;
-    const long slices = kiln_lstm_fused_row_split ? (pairs_of_rows < threads ? pairs_of_rows : threads) : 1;
+    const long most_slices = N / 2 > 1 ? N / 2 : 1;  /* two rows or more each */
+    const long slices = kiln_lstm_fused_row_split ? (most_slices < threads ? most_slices : threads) : 1;
     const long rows = (N + slices - 1) / slices;
     /* rows past the one-pass tile's: the two-pass tile's, where the kernel has one */
     const int two_pass = kernel->pairs_mr > 0 && rows > kernel->mr;
