@@ -91,6 +91,7 @@ ARCHITECTURES = [
     Architecture("BiLSTM forecaster", "bilstm_forecaster", "bilstm_forecaster"),
     Architecture("GRU forecaster", "gru_forecaster", "gru_forecaster"),
     Architecture("1D-CNN", "cnn1d", "cnn1d"),
+    Architecture("Causal TCN", "tcn", "tcn"),
     Architecture("DCN recommender", "dcn_tiny", "dcn"),
 ]
 

@@ -347,6 +347,7 @@ _LSTM_FORECASTER = dict(features=16, hidden=128, layers=2, horizon=1)
 _BILSTM_FORECASTER = dict(cell="LSTM", features=16, hidden=128, layers=2, horizon=1, bidirectional=True)
 _GRU_FORECASTER = dict(cell="GRU", features=16, hidden=128, layers=2, horizon=1)
 _TEMPORAL_CNN = dict(features=16, widths=[32, 64, 128], classes=6)
+_CAUSAL_TCN = dict(features=16, channels=64, levels=4, kernel=3, horizon=1)
 _DCN = dict(dense=13, fields=26, vocab=100_000, dim=32, cross_layers=4, mlp=[1024, 1024, 512])
 _DCN_TINY = dict(dense=13, fields=26, vocab=1000, dim=8, cross_layers=2, mlp=[64, 32])
 
@@ -466,6 +467,8 @@ MODELS: dict[str, ZooModel] = {m.name: m for m in [
            sensor.recurrent_forecaster, _GRU_FORECASTER, batch=8, seq=96, features=16),
     _torch("cnn1d", "sensor", "1D-CNN activity classifier: stem, strided and dilated residual blocks, 96 steps",
            sensor.temporal_cnn, _TEMPORAL_CNN, batch=8, seq=96, features=16),
+    _torch("tcn", "sensor", "causal TCN forecaster: 4 residual blocks of dilated Conv1d (1, 2, 4, 8), 64 wide, 96 steps",
+           sensor.causal_tcn, _CAUSAL_TCN, batch=8, seq=96, features=16),
     _torch("dcn", "recommender", "DCN-v2: 26 fields x 100k ids x 32, 4 cross layers, MLP 1024-1024-512",
            recommender.dcn, _DCN, batch=256, vocab_size=100_000, features=13, slow=True),
     _torch("dcn_tiny", "recommender", "DCN-v2: 26 fields x 1000 ids x 8, 2 cross layers, MLP 64-32",

@@ -1,5 +1,5 @@
 """Sensor-data models written in plain torch (no transformers class fits): recurrent forecasters (LSTM, bidirectional
-LSTM, GRU) and a 1D-CNN, all over a window of readings `x: [batch, steps, features]`, as users write them.
+LSTM, GRU), a 1D-CNN and a causal TCN, all over a window of readings `x: [batch, steps, features]`, as users write them.
 
 torch.onnx.export(dynamo=True) turns each nn.LSTM layer into an ONNX LSTM node and each Conv1d into a
 Conv with one spatial axis, so these exercise kiln's recurrent and 1D-convolution paths end to end.
@@ -70,6 +70,40 @@ class TemporalCNN(nn.Module):
         return self.head(y.mean(dim=2))  # [B, classes]
 
 
+class _CausalBlock(nn.Module):
+    """Two causal dilated convolutions, each followed by ReLU, and the residual (a 1x1 convolution where the width
+    changes). Causal as the TCN reference code writes it: padded (k-1)·d on both sides, the last (k-1)·d steps cut
+    off, so that step t reads steps t - (k-1)·d .. t only."""
+
+    def __init__(self, inp: int, out: int, kernel: int, dilation: int):
+        super().__init__()
+        self.cut = (kernel - 1) * dilation
+        self.conv1 = nn.Conv1d(inp, out, kernel, padding=self.cut, dilation=dilation)
+        self.conv2 = nn.Conv1d(out, out, kernel, padding=self.cut, dilation=dilation)
+        self.down = nn.Conv1d(inp, out, 1) if inp != out else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, C, S]
+        y = torch.relu(self.conv1(x)[:, :, :-self.cut])
+        y = torch.relu(self.conv2(y)[:, :, :-self.cut])
+        return torch.relu(y + (x if self.down is None else self.down(x)))
+
+
+class CausalTCN(nn.Module):
+    """A temporal convolutional network (Bai, Kolter and Koltun, 2018) as sensor forecasters use it: residual blocks of
+    causal dilated convolutions, the dilation doubling per block (receptive field 1 + 2·(k-1)·(2^levels - 1) steps), a
+    linear head on the last step."""
+
+    def __init__(self, features: int = 16, channels: int = 64, levels: int = 4, kernel: int = 3, horizon: int = 1):
+        super().__init__()
+        self.blocks = nn.Sequential(*(_CausalBlock(features if i == 0 else channels, channels, kernel, 2 ** i)
+                                      for i in range(levels)))
+        self.head = nn.Linear(channels, horizon)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.blocks(x.transpose(1, 2))  # [B, F, S] -> [B, C, S]
+        return self.head(y[:, :, -1])  # [B, horizon]
+
+
 def init_like_keras(lstm: nn.LSTM | nn.GRU, generator: torch.Generator) -> None:
     """Keras' LSTM init (what many forecasters are trained from): Glorot-uniform input weights and
     orthogonal recurrent weights per gate, zero biases but 1 on the forget gate. torch's uniform(±1/sqrt(H))
@@ -132,3 +166,8 @@ def temporal_cnn(seed: int, **config) -> TemporalCNN:
     model = TemporalCNN(**config)
     calibrate_batchnorm(model, config.get("features", 16), torch.Generator().manual_seed(seed))
     return model.eval()
+
+
+def causal_tcn(seed: int, **config) -> CausalTCN:
+    torch.manual_seed(seed)
+    return CausalTCN(**config).eval()

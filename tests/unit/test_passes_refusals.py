@@ -165,6 +165,15 @@ def conv1d_same_padded():
                  [value("y", [2, 5, 9])], [("w", randn(5, 4, 3))])
 
 
+def strided_conv_cut_at_the_end():
+    """Conv1d stride 2 padded 2 at each end, its last output cut: an output is two input steps, not one pad."""
+    nodes = [node("Conv", ["x", "w"], ["c"], pads=[2, 2], strides=[2]),
+             node("Slice", ["c", "zero", "minus_one", "two"], ["y"])]
+    return model(nodes, [value("x", [2, 4, 9])], [value("y", [2, 5, 5])],
+                 [("w", randn(5, 4, 3)), ("zero", np.array([0], np.int64)), ("minus_one", np.array([-1], np.int64)),
+                  ("two", np.array([2], np.int64))])
+
+
 def mean_over_time_of_a_dynamic_batch():
     """Squeeze([N, C, 1, W], 2) -> mean over time: the [N, C] to restore has a symbolic dim."""
     nodes = [node("Squeeze", ["x", "two"], ["s"]), node("ReduceMean", ["s", "minus_one"], ["y"], keepdims=0)]
@@ -467,6 +476,7 @@ CASES = {
     "squeeze_excite/mean_is_an_output": Case("fuse_squeeze_excite", squeeze_excite_whose_mean_is_an_output,
                                              "is read elsewhere too", before=["fuse_conv"]),
     "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),
+    "causal_conv/strided": Case("causal_conv_pads", strided_conv_cut_at_the_end, "stride 2"),
     "conv1d_mean/dynamic_batch": Case("conv1d_mean_as_global_pool", mean_over_time_of_a_dynamic_batch,
                                       "shape is not static"),
     "embedding_concat/two_ids_tensors": Case("fuse_embedding_concat", lookups_from_two_ids_tensors, "different ids"),

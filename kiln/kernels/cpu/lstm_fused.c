@@ -20,12 +20,18 @@
  * Two tiles: the four gates of up to MR rows in one pass over K (FUSED_ROWS), and on AVX-512, for a batch past
  * its 6 rows, the gates in two passes of two for up to 8 rows (FUSED_PAIRS: each weight read once a step).
  *
+ * Threads: where each gets two rows or more, each runs a slice of the batch's rows through every step
+ * (fused_row_slice): a row's recurrence reads only its own h and c, so the threads never wait for each other
+ * (kiln_parallel_for's join at the end; a worker that starts late finds its slice taken). Else they split each
+ * step's unit blocks, a barrier a step (run_stages). The zoo's LSTM forecaster (batch 8) at 2 threads on the Xeon:
+ * 1.06 ms against 1.40 (onnxruntime 1.28), capped to AVX2 1.96 against 2.05 (1.96).
+ *
  * Layouts: W and R packed per block, side by side along K, as two panels [blocks][2][I + H][2·U] (panel A
  * gates i, c̃, panel B f, o; column slot·U + j: unit block·U + j, zeros past H), the bias [blocks][4·U] (Wb + Rb,
  * slots i, c̃, f, o). h ping-pongs between
  * two [N, H] buffers (a step reads all of the previous h), c is [N, H]. A work item is one block for its
- * row groups (some of them where a thread would otherwise get fewer than two items); a step's items all
- * finish before the next step's start (recurrent.c's run_stages).
+ * row groups (some of them where a thread would otherwise get fewer than two items); in the block split a step's
+ * items all finish before the next step's start (recurrent.c's run_stages).
  * Rows past their length keep h and c and write zeros to Y; a reverse direction reads X backwards within
  * each row's length (recurrent.c).
  */
@@ -310,6 +316,30 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
     }
 }
 
+/* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
+   where each gets two rows or more; 0: the threads split each step's unit blocks (run_stages), a barrier a step.
+   bench/recurrent_threads.py times both in one process. */
+int kiln_lstm_fused_row_split = 1;
+
+typedef struct {
+    const fused_ctx *c;
+    long participants;
+} fused_slices;
+
+/* Participant q's row groups through every step, with no barrier: a row's recurrence reads its own h and c only. */
+static void fused_row_slice(void *ctx, long q) {
+    const fused_slices *r = (const fused_slices *)ctx;
+    const fused_ctx *c = r->c;
+    const long first = c->groups * q / r->participants, last = c->groups * (q + 1) / r->participants;
+    for (long step = 0; step < c->p->S; ++step)
+        for (long block = 0; block < c->blocks; ++block)
+            for (long g = first; g < last; ++g) {
+                long rows;
+                const long row0 = fused_group(c->p->N, c->groups, g, &rows);
+                c->tiles[rows - 1](c, step, block, row0);
+            }
+}
+
 /* plan.packed_w: kiln_lstm_fused_pack's layout for plan.kernel (an index of FUSED_KERNELS), the bias after
    the weights (plan.bias points there). */
 int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
@@ -328,20 +358,36 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
     c.h[1] = c.h[0] + N * H;
     c.c = c.h[1] + N * H;
     c.blocks = fused_blocks(p->kernel, H);
-    /* a batch past the one-pass tile's rows: the two-pass tile's, where the kernel has one */
-    const int two_pass = kernel->pairs_mr > 0 && N > kernel->mr;
+    const int threads = recurrent_threads(p);
+    /* the rows a thread runs: all of them, or a slice of at least two rows (row split: one row a thread ran 1.2x
+       slower than the block split; two and more 0.83-0.97x with AVX-512, 0.88-1.04x capped to AVX2: the table in
+       bench/results/recurrent-2026-12-05b.md) */
+    const long most_slices = N / 2 > 1 ? N / 2 : 1;  /* two rows or more each */
+    const long slices = kiln_lstm_fused_row_split ? (most_slices < threads ? most_slices : threads) : 1;
+    const long rows = (N + slices - 1) / slices;
+    /* rows past the one-pass tile's: the two-pass tile's, where the kernel has one */
+    const int two_pass = kernel->pairs_mr > 0 && rows > kernel->mr;
     const long group_rows = two_pass ? kernel->pairs_mr : kernel->mr;
     c.tiles = two_pass ? kernel->pairs : kernel->rows;
-    c.groups = (N + group_rows - 1) / group_rows;
+    c.groups = slices * ((rows + group_rows - 1) / group_rows);
     /* whole blocks as items while there are two items a thread, else fewer groups an item */
-    const int threads = recurrent_threads(p);
     const long splits = (2L * threads + c.blocks - 1) / c.blocks;
     c.per_item = (c.groups + splits - 1) / splits;
     recurrent_scratch states = {0};
     states.h_a = c.h[0];
     states.c = c.c;
     load_states(p, &states);
-    p->stalled = run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
+    if (slices > 1) {
+        const long start = now_ns();
+        fused_slices r = {&c, slices};
+        kiln_parallel_for(slices, (int)slices, fused_row_slice, &r);
+        p->stalled = 0;
+        p->waited_ns = 0;
+        p->loop_ns = now_ns() - start;
+    } else {
+        p->stalled =
+            run_stages(&c.loop, p->S, c.blocks * ((c.groups + c.per_item - 1) / c.per_item), threads, fused_item);
+    }
     store_states(p, c.h[p->S % 2], c.c);
     return 0;
 }

@@ -134,6 +134,15 @@ def set_directions_apart(apart: bool) -> None:
         ctypes.c_int.in_dll(lib, "kiln_recurrent_directions_apart").value = int(apart)
 
 
+def set_row_split(on: bool) -> None:
+    """Whether lstm_fused.c splits the batch's rows between threads (each thread its rows through every step, no
+    barrier; the default, where each thread gets two rows or more) or each step's unit blocks (a barrier a step), as
+    a benchmark's other side."""
+    lib = load()
+    if lib is not None:
+        ctypes.c_int.in_dll(lib, "kiln_lstm_fused_row_split").value = int(on)
+
+
 def reason(test_kernels: bool = False) -> str | None:
     return _REASON.get(test_kernels)
 

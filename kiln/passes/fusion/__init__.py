@@ -8,6 +8,7 @@ from __future__ import annotations
 from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
 from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_broadcast_attention_mask
+from kiln.passes.fusion.causal_conv import trim_conv_padding
 from kiln.passes.fusion.conv import fuse_conv
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
@@ -44,6 +45,7 @@ RULES = [
     ("fuse_quantized_residual", fuse_quantized_residual),  # QConv -> QAdd: the add in the conv's epilogue
     ("fuse_quantized_residual_fp8", fuse_quantized_residual_fp8),  # the same on E4M3 layers (opt_level 3)
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
+    ("causal_conv_pads", trim_conv_padding),  # before fuse_conv: the chomp sat between the conv and its ReLU
     ("fuse_conv", fuse_conv),
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
     ("conv1d_mean_as_global_pool", conv1d_mean_as_global_pool),

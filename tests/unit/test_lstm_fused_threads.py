@@ -1,0 +1,58 @@
+"""lstm_fused.c at two threads: the batch's rows split between the threads (each slice through every step, no barrier)
+where each gets two rows or more, else each step's unit blocks split (a barrier a step). Each form against
+onnxruntime's LSTM on fresh inputs (every batch from 1 to 17 rows: slices of 1 to 9 rows, even and uneven, both
+tiles; reverse, sequence_lens, initial states), and the two forms against each other.
+
+Tolerance (fp32): test_tactics_cpu_lstm.py's (rational σ / tanh, sums in kiln's order, 7 steps of carried rounding).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.kernels.cpu import recurrent
+from tests.unit.oracle import assert_close, case_rng
+from tests.unit.test_tactics_cpu_lstm import inputs, oracle
+
+TOLERANCE = {np.dtype(np.float32): (1e-5, 2e-6)}
+STEPS, FEATURES, HIDDEN = 7, 6, 40  # 40 units: two whole AVX-512 blocks and a partial one
+pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop is not built: {recurrent.reason()}")
+
+
+def run_fused(values: dict[str, np.ndarray], batch: int, *, reverse: bool, lengths: np.ndarray | None,
+              row_split: bool) -> list[np.ndarray]:
+    """Y, Y_h, Y_c of one FusedLSTMDirection run at two threads, rows split or not."""
+    t = {k: torch.from_numpy(v) for k, v in values.items()}
+    layer = recurrent.FusedLSTMDirection(t["W"][0], t["R"][0], t["B"][0])
+    y, yh, yc = torch.empty(STEPS, batch, HIDDEN), torch.empty(batch, HIDDEN), torch.empty(batch, HIDDEN)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    recurrent.set_row_split(row_split)
+    try:
+        layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=reverse, batch_major=False,
+                  lengths=None if lengths is None else torch.from_numpy(lengths))
+    finally:
+        recurrent.set_row_split(True)
+        torch.set_num_threads(before)
+    return [y.numpy(), yh.numpy(), yc.numpy()]
+
+
+@pytest.mark.parametrize("reverse, with_lengths", [(False, False), (True, False), (False, True), (True, True)])
+def test_rows_and_blocks_split_match_onnxruntime(reverse, with_lengths):
+    rng = case_rng(f"fused-threads-{reverse}-{with_lengths}")
+    for batch in range(1, 18):
+        values = inputs(rng, steps=STEPS, batch=batch, features=FEATURES, hidden=HIDDEN, directions=1, layout=0,
+                        bias=True, initial=True)
+        lengths = rng.integers(0, STEPS + 1, batch).astype(np.int32) if with_lengths else None
+        feeds = values | ({"sequence_lens": lengths} if with_lengths else {})
+        wants = oracle(feeds, {"direction": "reverse"} if reverse else {}, HIDDEN)
+        wants = [wants[0][:, 0], wants[1][0], wants[2][0]]  # Y [S, 1, N, H] -> [S, N, H]; states [1, N, H] -> [N, H]
+        forms = {split: run_fused(values, batch, reverse=reverse, lengths=lengths, row_split=split)
+                 for split in (True, False)}
+        for split, got in forms.items():
+            for name, g, w in zip(["Y", "Y_h", "Y_c"], got, wants):
+                assert_close(g, w, TOLERANCE, f"batch {batch} rows split {split} {name}")
+        for g, h in zip(forms[True], forms[False]):  # each row's sums in one order whichever thread runs them
+            np.testing.assert_array_equal(g, h, err_msg=f"batch {batch}: the two splits differ")
