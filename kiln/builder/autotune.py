@@ -506,27 +506,37 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
 
 
 def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
-                       rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], say: Progress) -> None:
-    """Close native contenders timed again as the engine runs them (in_context.py); each layer's record says so
-    (`in_network`: ms of each in the network) and takes the choice."""
+                       rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], cache: TimingCache,
+                       env: dict, say: Progress) -> dict[str, Any]:
+    """Close native contenders timed again as the engine runs them, or the timing cache's choice for this network
+    (in_context.py); each layer's record says so (`in_network`: ms of each in the network) and takes the choice.
+    Returns the header's record of the stage: what it cost and which layers changed (`kiln inspect` shows it)."""
     start = time.perf_counter()
     try:
-        found = in_context.retime(program, placed, device, examples, rivals)
+        result = in_context.choose(program, placed, device, examples, rivals, cache, env, say)
     except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
         say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
             "the choices made alone stand")
-        return
-    for i, in_network in found.items():
+        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+    changed: dict[str, str] = {}
+    for i, in_network in result.found.items():
         step = program.steps[i]
         layer = layers[step.name]
         chosen = step.tactic or DEFAULT
         if chosen != layer["tactic"]:
+            changed[step.name] = f"{layer['tactic']} -> {chosen}"
             layer.update(tactic=chosen, time_ms=rivals[i].rival_ms,
                          runner_up=layer["tactic"], runner_up_ms=rivals[i].chosen_ms)
         layer["in_network"] = in_network
-    changed = sum(program.steps[i].tactic == rivals[i].tactic for i in found)
-    say(f"tactics: {len(found)} layer(s) timed in context in {time.perf_counter() - start:.1f} s: "
-        f"{changed} took the tactic that was slower alone")
+    seconds = time.perf_counter() - start
+    how = "from the timing cache" if result.cached else f"timed in {result.rounds} rounds ({result.stopped})"
+    say(f"tactics: {len(result.found)} GEMM layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took the "
+        "tactic that was slower alone")
+    for swap in sorted(set(changed.values())):
+        names = [name for name, s in changed.items() if s == swap]
+        say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")
+    return {"layers": len(result.found), "changed": changed, "seconds": round(seconds, 2), "cached": result.cached,
+            "rounds": result.rounds, "stopped": result.stopped}
 
 
 def fallback_reason(found: LayerTuning) -> str | None:
@@ -588,12 +598,14 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
              io_casts: dict[str, str] | None = None,
              other_shapes: dict[str, dict[str, list[int]]] | None = None,
-             examples: list[Any] | None = None, compile_workers: int | None = None) -> dict[str, Any]:
+             examples: list[Any] | None = None, compile_workers: int | None = None,
+             in_context_timing: bool = True) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
     `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
     also timed (_choose_over). `examples`: the program's inputs at the tuning point when they are not
     example_inputs(inputs, shapes) (a padding-free program's mask of fewer tokens and its token bucket,
-    kiln/builder/padding_free.py); cast at the boundary as those are."""
+    kiln/builder/padding_free.py); cast at the boundary as those are. `in_context_timing`: step 4 of the module
+    docstring (in_context.py), on by default."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
@@ -694,10 +706,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
             say(f"tactics: {kernels.kernels} Triton kernels compiled in workers, {kernels.pool.seconds:.1f} s of "
                 "compile summed")
 
-    if rivals:
-        _retime_in_context(program, placed, device, examples, rivals, layers, say)
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    if rivals and in_context_timing:
+        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say)
     if kernels is not None:
         record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
                              "seconds_summed": round(kernels.pool.seconds, 1)}

@@ -135,7 +135,7 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
 
     monkeypatch.setattr(in_context, "profile_segments", fake)
     spec, weights = _blocks()
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     assert sorted(found) == [0, 1, 2, 3]
     for i, step in enumerate(spec.steps):
         swapped = step.name.startswith(faster)
@@ -146,7 +146,7 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
 def test_retimed_choices_run_and_match_the_reference():
     """The real profile: whatever each signature took, the program built from the result is right."""
     spec, weights = _blocks()
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     assert sorted(found) == [0, 1, 2, 3]
     assert all(set(times) == {PACKED, ONEDNN} and all(ms > 0 for ms in times.values()) for times in found.values())
     assert spec.steps[0].tactic == spec.steps[2].tactic and spec.steps[1].tactic == spec.steps[3].tactic
@@ -219,7 +219,7 @@ def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypa
     spec, weights = _blocks()
     for i in (0, 2):
         spec.steps[i].tactic, spec.steps[i].tactic_config = MKL, {"rows": ROWS}
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     # the down projections, alone between MKL layers, are in no segment of A: not compared, kept
     assert sorted(found) == [0, 2]
     assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
