@@ -295,9 +295,9 @@ def _tactic_cells(tuned: dict | None) -> list:
         return ["", "", ""]
     ms = "" if tuned.get("time_ms") is None else f"{tuned['time_ms']:.3f}"
     runner_up = "" if not tuned.get("runner_up") else f"{tuned['runner_up']} {tuned['runner_up_ms']:.3f}"
-    chosen = tuned["tactic"] + (" (cached)" if tuned.get("cached") else "") \
-        + (" (in network)" if tuned.get("in_network") else "")  # timed again in context (builder/in_context.py)
-    return [text(chosen), ms, text(runner_up)]
+    # timed again in the network: kiln/builder/in_context.py
+    notes = [note for note, on in (("cached", tuned.get("cached")), ("in network", tuned.get("in_network"))) if on]
+    return [text(tuned["tactic"] + (f" ({', '.join(notes)})" if notes else "")), ms, text(runner_up)]
 
 
 def _print_why_not(out, model_path: str | None, cpu: bool = True) -> None:

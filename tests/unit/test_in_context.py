@@ -323,3 +323,30 @@ def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypa
     assert sorted(found) == [0, 2]
     assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
     assert found[0] == found[2] and found[0][MKL] >= 3.5 > found[0][ONEDNN]  # whole runs: 4 ms of spinning, or none
+
+
+def test_kiln_build_and_inspect_say_what_was_timed_in_context(tmp_path, retimes, capsys, monkeypatch):
+    import kiln
+    from kiln.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # rich's width: no line of the summary or the layer table wrapped
+    model = tmp_path / "ffn.onnx"
+    model.write_bytes(_ffn_model())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["build", str(model), "-o", str(tmp_path / "ffn.kiln")]) == 0
+        built = capsys.readouterr().out
+        assert main(["build", str(model), "-o", str(tmp_path / "alone.kiln"), "--no-in-context"]) == 0
+        alone = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert len(retimes) == 1  # --no-in-context: not timed
+    assert "GEMM layer(s) timed again in the network" in built and "timed again" not in alone
+    assert main(["inspect", str(tmp_path / "ffn.kiln")]) == 0
+    shown = capsys.readouterr().out
+    compared = kiln.load(tmp_path / "ffn.kiln").plan.header["tactics"]["in_context"]["layers"]
+    assert f"{compared} GEMM layer(s) timed again in the network" in shown
+    assert main(["inspect", str(tmp_path / "ffn.kiln"), "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert sum("in_network" in layer.get("tactic", {}) for layer in layers) == compared
