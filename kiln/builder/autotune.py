@@ -16,7 +16,8 @@
        tactic is chosen (its result is still checked); on the CPU, a profile's mid and min shapes are
        checked and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
     4. on the CPU, a GEMM layer whose chosen native tactic had a native rival close to it alone is timed again
-       in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py);
+       in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py;
+       the timing cache keeps that choice per network: a rebuild times nothing here either);
     5. the whole program runs once more with the chosen tactics and is judged against the error
        the default engine itself makes at its precision (accuracy.py): when it is worse, only the
        layers to blame go back to their default, and the header and the build log say which and why.
