@@ -39,7 +39,7 @@ from kiln.ops.tokens import key_lengths  # noqa: E402
 from kiln.tactics.cuda.attention import attention_views  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.builder.autotune import TOLERANCE, mismatch  # noqa: E402
+from kiln.builder.accuracy import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from gpu import graph_ms  # noqa: E402  bench/gpu.py
 

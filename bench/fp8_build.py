@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 from kiln import zoo  # noqa: E402
-from kiln.builder.autotune import _candidates, _record, _usable, example_inputs  # noqa: E402
+from kiln.builder.autotune import _candidates, _usable, example_inputs  # noqa: E402
+from kiln.builder.layer_records import record_layers  # noqa: E402
 from kiln.builder.build import pass_options  # noqa: E402
 from kiln.builder.config import BuildConfig  # noqa: E402
 from kiln.builder.padding_free import lower_precision_of, optimize_and_lower  # noqa: E402
@@ -74,7 +75,7 @@ def count(path: str, opt_level: int) -> dict:
     reference = Program(program, placed, CPU)
     examples = [v.half() if v.is_floating_point() else v
                 for v in example_inputs(lowered.inputs, {"pixel_values": [RECORDED, 3, 224, 224]})]
-    records, _ = _record(reference, set(tunable), examples)
+    records, _ = record_layers(reference, set(tunable), examples)
     seen: set[str] = set()
     kernels: dict[str, object] = {}
     layers = candidates = distinct_candidates = 0

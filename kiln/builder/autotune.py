@@ -9,14 +9,15 @@
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
        with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
        events over CUDA-graph replays, on the CPU the least of the rounds, of wall time or, where
-       other work shares the CPUs, of the process's CPU time (see measure; kiln/builder/cpu_clock.py) — and
+       other work shares the CPUs, of the process's CPU time (measure.py; cpu_clock.py) — and
        keep the fastest; a layer whose every candidate was dropped by the check runs its default,
        and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked); on the CPU, a profile's mid and min shapes are
        checked and timed too, and the choice is the least summed ratio to each shape's best (_choose_over);
     4. on the CPU, a GEMM layer whose chosen native tactic had a native rival close to it alone is timed again
-       in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py);
+       in context, the two whole programs run as the engine runs them, and takes the faster there (in_context.py;
+       the timing cache keeps that choice per network: a rebuild times nothing here either);
     5. the whole program runs once more with the chosen tactics and is judged against the error
        the default engine itself makes at its precision (accuracy.py): when it is worse, only the
        layers to blame go back to their default, and the header and the build log say which and why.
@@ -28,32 +29,27 @@ to the engine header for `kiln inspect`.
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kiln.builder import in_context
-from kiln.builder.accuracy import (FLOAT8_HALF_SLACK, TOLERANCE, full_float32, half_dtype, integer_steps, mismatch,
-                                   settle, upcast)
+from kiln.builder.accuracy import settle
 from kiln.builder.cpu_clock import PROCESS_CPU, WALL, cpu_clock
+from kiln.builder.layer_records import Recorded, record_layers, reference_check
+from kiln.builder.measure import measure
 from kiln.builder.precompile import CandidateKernels
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 from kiln.runtime.engine import place_weight
-from kiln.runtime.host import host_sync_is_an_error
 from kiln.runtime.program import Program
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Launch, Tactic
 
 Progress = Callable[[str], None]
-
-WARMUP_RUNS = 2
-LAYER_BUDGET_S = 0.4  # timing time per layer at most, beyond the minimum of 3 rounds
 
 
 @dataclasses.dataclass
@@ -94,197 +90,12 @@ def example_inputs(bindings: list[Binding], shapes: dict[str, list[int]], seed: 
     return values
 
 
-# ---- measuring ---------------------------------------------------------------------------------
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_once(fn: Callable[[], Any], device: torch.device, clock: str = WALL) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    read = time.process_time if clock == PROCESS_CPU else time.perf_counter
-    start_s = read()
-    fn()
-    return (read() - start_s) * 1e3
-
-
-GRAPH_CALLS = 4  # calls per captured CUDA graph when timing a candidate: one replay, several kernels' worth
-
-
-def _graph_replays(fns: dict[str, Callable[[], Any]]) -> dict[str, Callable[[], Any]]:
-    """Each callable that can be captured, GRAPH_CALLS times into one CUDA graph: the replays to time instead.
-
-    The engine runs as one CUDA graph per input shape, so a candidate's cost there is its GPU
-    time; timed eagerly, a small layer's host launch cost (tens of µs through Python for a
-    Triton or cuDNN-frontend kernel) would hide it and pick the tactic with the cheapest launch.
-    A candidate that cannot be captured (it syncs with the host) is left out and timed eagerly: chosen,
-    it makes the engine run eagerly, so its eager time is the honest one. (Until 2026-12-04 one such
-    candidate sent every candidate of the layer to eager timing: a quantized layer's reference default
-    reads its zero point on the host, so every INT8/FP8 layer was tuned on eager times, where a Triton
-    launch's host work counted: ResNet-50's 3x3 64->64 @56 QConvs ran cuDNN's dequantized form, 0.39 ms eager
-    against the Triton kernel's 0.41, where graphs time them at ~0.29 and ~0.13; the INT8 engine went from 8.43
-    to 7.75 ms with this alone: bench/results/quant-gpu-2026-12-04.md.)
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    capturable = []
-    for name, fn in fns.items():
-        try:
-            with host_sync_is_an_error(), torch.cuda.stream(stream):  # else capture is impossible
-                fn()
-            capturable.append(name)
-        except Exception:  # noqa: BLE001  it syncs: timed eagerly
-            continue
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graphs: dict[str, torch.cuda.CUDAGraph] = {}
-    for name in capturable:
-        try:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(GRAPH_CALLS):
-                    fns[name]()
-            graphs[name] = graph
-        except Exception:  # noqa: BLE001  the capture failed after all: timed eagerly
-            torch.cuda.synchronize()
-    return {name: graph.replay for name, graph in graphs.items()}
-
-
-def measure(fns: dict[str, Callable[[], Any]], device: torch.device, runs: int = 10,
-            budget_s: float = LAYER_BUDGET_S, clock: str = WALL) -> dict[str, float]:
-    """ms per call of each callable, timed in interleaved rounds so a burst of load hits all alike.
-
-    On CUDA the median of event timings, of CUDA-graph replays for every candidate that can be
-    captured (as the engine will run them), of eager calls for one that cannot. On the CPU by `clock`
-    (cpu_clock: WALL, or PROCESS_CPU where other work shares the CPUs), the least of the rounds:
-    interference only ever adds time (a descheduled OpenMP thread stalls a whole kernel for a scheduler
-    slice; a burst of other work evicts its caches), so the fastest round is the kernel's own cost. Each
-    round starts at the next candidate: what one call leaves behind (workers still spinning, counted by
-    the process's CPU time) falls on each candidate in turn, not always on the same one.
-    """
-    for fn in fns.values():
-        for _ in range(WARMUP_RUNS):
-            fn()
-    _synchronize(device)
-    per_call = dict.fromkeys(fns, 1)
-    if device.type == "cuda" and (replays := _graph_replays(fns)):
-        fns = {name: replays.get(name, fn) for name, fn in fns.items()}
-        per_call.update(dict.fromkeys(replays, GRAPH_CALLS))
-        for fn in replays.values():
-            fn()
-        _synchronize(device)
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns.items())
-    deadline = time.perf_counter() + budget_s
-    for round_ in range(runs):
-        if round_ >= 3 and time.perf_counter() > deadline:
-            break
-        shift = 0 if device.type == "cuda" else round_ % len(order)
-        for name, fn in order[shift:] + order[:shift]:
-            samples[name].append(_time_once(fn, device, clock))
-    if device.type == "cuda":
-        return {name: statistics.median(s) / per_call[name] for name, s in samples.items()}
-    return {name: min(s) for name, s in samples.items()}
-
-
 # ---- the search --------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Recorded:
-    args: list[Any]
-    output: Any
-
 
 class _TuningFailed(Exception):
     """Carries an error of the tactic search out of the example run it happened inside."""
 
 
-def _clone(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
-
-
-def _record(program: Program, indices: set[int], inputs: list[Any],
-            on_record: Callable[[int, _Recorded], None] | None = None) -> tuple[dict[int, _Recorded], list[Any]]:
-    """Run the program once; keep the inputs and output of the steps in `indices`. A layer's weights are
-    kept by reference, not copied: they never change, and a weight every layer shares (ALBERT's) would
-    otherwise be copied once per layer. With `on_record`, each record is handed to it as soon as its
-    layer has run (and kept by no one else): the search tunes a layer while the run goes on, so at most
-    one layer's record is alive at a time, not every layer's activations at once."""
-    records: dict[int, _Recorded] = {}
-    weights = {id(v) for v in program.template if isinstance(v, torch.Tensor)}
-    # One copy per activation: a layer's output is the next layer's input (and Q, K and V read one
-    # tensor). The copy is made when the tensor is first seen, right after the layer that made it, and
-    # found again by identity while the tensor lives (a weak reference: a freed tensor's id may be reused).
-    copies: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def copy(value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return _clone(value)
-        found = copies.get(id(value))
-        if found is not None and found[0]() is value:
-            return found[1]
-        made = value.clone()
-        copies[id(value)] = (weakref.ref(value), made)
-        return made
-
-    def recording(i: int, fn: Launch) -> Launch:
-        if i not in indices:
-            return fn
-
-        def call(ctx, *args, **attrs):
-            result = fn(ctx, *args, **attrs)
-            if on_record is not None:  # copies of its own: nothing here outlives the handler
-                on_record(i, _Recorded([a if id(a) in weights else _clone(a) for a in args], _clone(result)))
-                return result
-            records[i] = _Recorded([a if id(a) in weights else copy(a) for a in args],
-                                   tuple(copy(r) for r in result) if isinstance(result, tuple) else copy(result))
-            return result
-        return call
-
-    with torch.inference_mode():
-        outputs = program.with_kernels(recording).run(inputs)
-    copies.clear()
-    return records, [_clone(o) for o in outputs]
-
-
-def _checker(fn: Launch, ctx, record: _Recorded, attrs: dict) -> Callable[[Any], str | None]:
-    """How a candidate's output is judged: None when it passes, else what differs.
-
-    A half-precision layer is checked against its default implementation run in float32 on
-    float32 copies of the same inputs (the fp32 reference), within the half dtype's tolerance:
-    a tactic must be as close to the exact result as fp16/bf16 storage allows, not merely close
-    to another fp16 kernel. Where the default cannot run in float32, against its recorded output.
-    """
-    half = half_dtype(record.output)
-    if half is None and attrs.get("output_float32"):  # a half layer storing the engine's fp32 output (precision.py):
-        half = half_dtype(record.args[0])  # judged as the half layer it is
-    # an FP8 output may be off near zero by more than its steps where a tactic's values go through half precision
-    # (a half input; cuda.qgemm.scaled_mm_half's cuBLASLt FP8 GEMM writing fp16 inside): accuracy.FLOAT8_HALF_SLACK
-    slack = FLOAT8_HALF_SLACK
-    if half is None:
-        steps = integer_steps(ctx)  # a quantized layer's output may be one step off (kiln/ops/quantized.py)
-        return lambda result: mismatch(result, record.output, integer_steps=steps, float8_slack=slack)
-    try:
-        with torch.inference_mode(), full_float32():
-            # upcast again: an op whose output dtype is an attribute (a quantized layer's float output_dtype, made
-            # half by precision.py) still writes half from float32 inputs, and the candidate's result is upcast
-            reference = upcast(fn(ctx, *[upcast(a) for a in record.args], **attrs))
-    except Exception:  # noqa: BLE001  an op with a half-only path: compare with its half output
-        return lambda result: mismatch(result, record.output)
-    tolerance = {**TOLERANCE, torch.float32: TOLERANCE[half]}
-    steps = integer_steps(ctx)  # a LayerNormQuantize's 8-bit output beside its fp16 y
-    return lambda result: mismatch(upcast(result), reference, tolerance, integer_steps=steps, float8_slack=slack)
 
 
 def _candidates(step: StepSpec, device: torch.device, opt_level: int, allowed: list[str]) -> list[Tactic]:
@@ -308,9 +119,9 @@ def _usable(tactics: list[Tactic], step: StepSpec,
     return usable, notes
 
 
-def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
+def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, constants: list[Any],
                 tactics: list[Tactic], device: torch.device, cache: TimingCache, env: dict,
-                runs: int, others: dict[str, _Recorded] | None = None) -> tuple[LayerTuning, dict[str, Any]]:
+                runs: int, others: dict[str, Recorded] | None = None) -> tuple[LayerTuning, dict[str, Any]]:
     """(what was found, the chosen tactic's config) for one layer; `others`: its inputs at other points of
     the profile ("mid", "min"), where every candidate is also checked and timed (see _choose_over)."""
     labels = list(others or {})
@@ -332,7 +143,7 @@ def _tune_layer(step: StepSpec, record: _Recorded, fn: Launch, ctx, attrs: dict,
             and not all(c.get("confirmed") for c in cached):
         hit, wanted = False, None  # an entry from before `confirmed`: a non-native win is timed again, once
         cache.hits, cache.misses = cache.hits - len(keys), cache.misses + len(keys)
-    checks = [_checker(fn, ctx, r, attrs) for r in points]
+    checks = [reference_check(fn, ctx, r, attrs) for r in points]
     # A tactic's own checker judges the layer, not the tactic: made once per point for every tactic that shares it
     # (the FP8 residual bound runs the reference twice over the layer's outputs: 2·10^8 of them at ResNet-50 b256,
     # and every CUDA QConv tactic, up to 22 on a layer at opt level 3, carries the same checker)
@@ -506,27 +317,37 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
 
 
 def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
-                       rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], say: Progress) -> None:
-    """Close native contenders timed again as the engine runs them (in_context.py); each layer's record says so
-    (`in_network`: ms of each in the network) and takes the choice."""
+                       rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], cache: TimingCache,
+                       env: dict, say: Progress) -> dict[str, Any]:
+    """Close native contenders timed again as the engine runs them, or the timing cache's choice for this network
+    (in_context.py); each layer's record says so (`in_network`: ms of each in the network) and takes the choice.
+    Returns the header's record of the stage: what it cost and which layers changed (`kiln inspect` shows it)."""
     start = time.perf_counter()
     try:
-        found = in_context.retime(program, placed, device, examples, rivals)
+        result = in_context.choose(program, placed, device, examples, rivals, cache, env, say)
     except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
         say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
             "the choices made alone stand")
-        return
-    for i, in_network in found.items():
+        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+    changed: dict[str, str] = {}
+    for i, in_network in result.found.items():
         step = program.steps[i]
         layer = layers[step.name]
         chosen = step.tactic or DEFAULT
         if chosen != layer["tactic"]:
+            changed[step.name] = f"{layer['tactic']} -> {chosen}"
             layer.update(tactic=chosen, time_ms=rivals[i].rival_ms,
                          runner_up=layer["tactic"], runner_up_ms=rivals[i].chosen_ms)
         layer["in_network"] = in_network
-    changed = sum(program.steps[i].tactic == rivals[i].tactic for i in found)
-    say(f"tactics: {len(found)} layer(s) timed in context in {time.perf_counter() - start:.1f} s: "
-        f"{changed} took the tactic that was slower alone")
+    seconds = time.perf_counter() - start
+    how = "from the timing cache" if result.cached else f"timed in {result.rounds} rounds ({result.stopped})"
+    say(f"tactics: {len(result.found)} GEMM layer(s) in context, {how}, {seconds:.1f} s: {len(changed)} took the "
+        "tactic that was slower alone")
+    for swap in sorted(set(changed.values())):
+        names = [name for name, s in changed.items() if s == swap]
+        say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")
+    return {"layers": len(result.found), "changed": changed, "seconds": round(seconds, 2), "cached": result.cached,
+            "rounds": result.rounds, "stopped": result.stopped}
 
 
 def fallback_reason(found: LayerTuning) -> str | None:
@@ -557,7 +378,7 @@ def _record_candidate_kernels(kernels: CandidateKernels, program: ProgramSpec, t
     supports, or the timing cache's choice) recorded and submitted to `kernels` as the run reaches the layer."""
     seen: set[str] = set()
 
-    def record(i: int, recorded: _Recorded) -> None:
+    def record(i: int, recorded: Recorded) -> None:
         step, bound = program.steps[i], reference_program.steps[i]
         constants = constants_of(step)
         metas = [InputMeta.of(a, c is not None) for a, c in zip(recorded.args, constants)]
@@ -578,7 +399,7 @@ def _record_candidate_kernels(kernels: CandidateKernels, program: ProgramSpec, t
         kernels.record(i, usable, prepare, bound.ctx, recorded.args, bound.attributes)
 
     try:
-        _record(reference_program, set(tunable), examples, on_record=record)
+        record_layers(reference_program, set(tunable), examples, on_record=record)
     except Exception as e:  # noqa: BLE001  the search's own example run says what failed; kernels compile on launch
         say(f"tactics: recording the candidates' kernels stopped ({type(e).__name__}: {str(e)[:200]})")
 
@@ -588,12 +409,14 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
              allowed: list[str] | None = None, runs: int = 10, progress: Progress | None = None,
              io_casts: dict[str, str] | None = None,
              other_shapes: dict[str, dict[str, list[int]]] | None = None,
-             examples: list[Any] | None = None, compile_workers: int | None = None) -> dict[str, Any]:
+             examples: list[Any] | None = None, compile_workers: int | None = None,
+             in_context_timing: bool = True) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
     `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
     also timed (_choose_over). `examples`: the program's inputs at the tuning point when they are not
     example_inputs(inputs, shapes) (a padding-free program's mask of fewer tokens and its token bucket,
-    kiln/builder/padding_free.py); cast at the boundary as those are."""
+    kiln/builder/padding_free.py); cast at the boundary as those are. `in_context_timing`: step 4 of the module
+    docstring (in_context.py), on by default."""
     say = progress or (lambda _msg: None)
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
@@ -627,7 +450,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     def constants_of(step: StepSpec) -> list[Any]:
         return [placed[program.constants[name]] if name in program.constants else None for name in step.inputs]
 
-    def tune(i: int, record: _Recorded, others: dict[str, _Recorded]) -> None:
+    def tune(i: int, record: Recorded, others: dict[str, Recorded]) -> None:
         step = program.steps[i]
         bound = reference_program.steps[i]
         if kernels is not None:
@@ -650,7 +473,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
             fallbacks[step.name] = f"{step.op_type}: {fallback}"
             say(f"tactics: WARNING layer {step.name} ({step.op_type}) runs its default implementation: {fallback}")
 
-    def tune_now(i: int, record: _Recorded) -> None:
+    def tune_now(i: int, record: Recorded) -> None:
         try:
             tune(i, record, {})
         except Exception as e:  # the search's own failure, not the example run's: raised as it is below
@@ -665,15 +488,15 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     try:
         if not points:
             # One point: each layer is tuned as the example run reaches it, on a record no other holds.
-            _, reference_outputs = _record(reference_program, set(tunable), examples, on_record=tune_now)
+            _, reference_outputs = record_layers(reference_program, set(tunable), examples, on_record=tune_now)
         else:
-            records, reference_outputs = _record(reference_program, set(tunable), examples)
-            others: dict[str, dict[int, _Recorded]] = {}
+            records, reference_outputs = record_layers(reference_program, set(tunable), examples)
+            others: dict[str, dict[int, Recorded]] = {}
             for label, point in points:
                 point_examples = [v.to(device) for v in example_inputs(inputs, {**shapes, **point})]
                 point_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v
                                   for v, b in zip(point_examples, inputs)]
-                others[label], _ = _record(reference_program, set(tunable), point_examples)
+                others[label], _ = record_layers(reference_program, set(tunable), point_examples)
             for i in sorted(tunable):
                 if i in records:  # else not reached (a branch not taken): stays default
                     # each layer's record is let go once tuned: its activations that no later layer's record
@@ -694,10 +517,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
             say(f"tactics: {kernels.kernels} Triton kernels compiled in workers, {kernels.pool.seconds:.1f} s of "
                 "compile summed")
 
-    if rivals:
-        _retime_in_context(program, placed, device, examples, rivals, layers, say)
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    if rivals and in_context_timing:
+        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say)
     if kernels is not None:
         record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
                              "seconds_summed": round(kernels.pool.seconds, 1)}

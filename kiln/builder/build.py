@@ -124,7 +124,7 @@ def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torc
     a tactic that refuses or errs there goes back to the default."""
     tactics = autotune(spec, lowered.weights, lowered.inputs, device=device, opt_level=config.opt_level,
                        shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
-                       compile_workers=config.compile_workers,
+                       compile_workers=config.compile_workers, in_context_timing=config.in_context,
                        runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes,
                        examples=examples)
     return_free_memory()  # the search's records and candidates are gone: before the engine packs its weights

@@ -18,9 +18,13 @@ thread, the thread's CPU time: context_clock); the layers of one signature (ever
 together, by the median over rounds of their spans' sum. The rival is kept where that is faster. A chosen tactic
 that is not native (MKL, torch's default: outside the segments, where its rival would join them) is compared by
 whole runs instead, of a third program with only its signature swapped (on T5 at 2 threads and load 16, a build
-whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime). Cost: two programs bound (weights packed
-again), one more per non-native signature, and CONTEXT_ROUNDS runs of each, at most CONTEXT_BUDGET_S beyond the
-first MIN_ROUNDS.
+whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
+
+Cost: two programs bound (the rival program shares every launch it does not swap: shared_launches), one more per
+non-native signature, one warm-up run of each, then interleaved rounds: they stop after CLEAR_ROUNDS where every
+comparison's samples lie apart, else after MIN_ROUNDS once CONTEXT_BUDGET_S has passed, at most CONTEXT_ROUNDS.
+The choice goes to the timing cache, keyed by the whole network as it runs (network_key): a rebuild of the same
+model on the same machine and threads times nothing here.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import json
 import math
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kiln.builder.cpu_clock import PROCESS_CPU
+from kiln.builder.timing_cache import TimingCache, attributes_json, signature_key
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.profiler import profile_segments
 from kiln.runtime.program import Program
@@ -50,8 +56,11 @@ RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in cont
 CONTEXT_MARGIN = 1.25
 CONTEXT_ROUNDS = 12
 MIN_ROUNDS = 5
+CLEAR_ROUNDS = 3  # ... or this many, where every comparison's samples already lie apart (_apart)
 CONTEXT_BUDGET_S = 2.0
-WARMUP_RUNS = 2
+WARMUP_RUNS = 1
+# how a choice in context is made: part of its timing cache key (a new method does not read the old one's choices)
+CONTEXT_METHOD = "spans of native segments, whole runs for a non-native winner; wall clock, thread CPU at 1 thread"
 
 
 @dataclasses.dataclass
@@ -64,6 +73,22 @@ class Rival:
     chosen_ms: float
     rival_ms: float
     group: str
+
+
+@dataclasses.dataclass
+class InContext:
+    """What the stage found: step index -> {tactic: ms in context} for each layer compared (the faster is kept),
+    and how: `rounds` of the programs, why they `stopped` ("clear", "budget" or "rounds"), or `cached`."""
+
+    found: dict[int, dict[str, float]]
+    rounds: int = 0
+    stopped: str = ""
+    cached: bool = False
+
+    def to_entry(self, spec: ProgramSpec, seconds: float) -> dict[str, Any]:
+        """The timing cache's entry: the layers by name, each with its times in context."""
+        return {"layers": {spec.steps[i].name: times for i, times in self.found.items()}, "rounds": self.rounds,
+                "stopped": self.stopped, "seconds": round(seconds, 2)}
 
 
 def rival_of(step: StepSpec, found: Any, inputs: list[InputMeta], configure) -> Rival | None:
@@ -116,30 +141,103 @@ def _span_ms(per_layer: dict[str, float], span: list[str]) -> float:
     return sum(per_layer.get(name, 0.0) for name in span)
 
 
+def choose(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
+           rivals: dict[int, Rival], cache: TimingCache, env: dict[str, Any], say: Callable[[str], None]) -> InContext:
+    """The layers in `rivals` timed in context (retime), or the timing cache's choice for this network on this
+    machine: `spec`'s steps whose rival was faster there take it (in place). An entry that does not fit the network
+    (a hand-edited or damaged file) is said and timed again."""
+    start = time.perf_counter()
+    key = network_key(spec, weights, inputs, rivals, env)
+    entry = cache.contexts.get(key)
+    if entry is not None:
+        try:
+            found = InContext(_found_in(entry, spec, rivals), cached=True)
+        except ValueError as e:
+            say(f"tactics: WARNING the timing cache's choice in context {key} does not fit this network ({e}): "
+                "ignored, timed again")
+        else:
+            _apply(spec, rivals, found.found)
+            return found
+    found = retime(spec, weights, device, inputs, rivals)
+    cache.contexts[key] = found.to_entry(spec, time.perf_counter() - start)
+    return found
+
+
+def network_key(spec: ProgramSpec, weights: dict[str, Any], inputs: list[Any], rivals: dict[int, Rival],
+                env: dict[str, Any]) -> str:
+    """The timing cache key of a network's choice in context: a layer's cost there depends on every layer around
+    it, so the key holds them all as they run (op, attributes, the values read and written, tactic and config),
+    the shapes and dtypes of the weights and inputs, each rival, the machine (env: threads among it) and the
+    method. Weight values are not in it: they do not change a float GEMM's time."""
+    def meta(value: Any) -> Any:
+        return [list(value.shape), str(value.dtype)] if isinstance(value, torch.Tensor) else type(value).__name__
+
+    network = {
+        "method": CONTEXT_METHOD,
+        "steps": [{**{k: v for k, v in step.to_json().items() if k != "fused_from"},
+                   "attributes": attributes_json(step.attributes)} for step in spec.steps],
+        "constants": {name: meta(weights.get(key)) for name, key in spec.constants.items()},
+        "inputs": [meta(value) for value in inputs],
+        "rivals": {spec.steps[i].name: [rival.tactic, rival.config] for i, rival in rivals.items()},
+        "environment": env,
+    }
+    return signature_key(network)
+
+
+def _found_in(entry: Any, spec: ProgramSpec, rivals: dict[int, Rival]) -> dict[int, dict[str, float]]:
+    """A cache entry's times in context by step index; ValueError (why) where it does not fit: a layer that is not
+    one of `rivals`, or times of other tactics than the layer's chosen one and its rival."""
+    layers = entry.get("layers") if isinstance(entry, dict) else None
+    if not isinstance(layers, dict):
+        raise ValueError("no layers")
+    index = {spec.steps[i].name: i for i in rivals}
+    found = {}
+    for name, times in layers.items():
+        if name not in index:
+            raise ValueError(f"layer {name!r} is not one compared here")
+        i = index[name]
+        pair = {spec.steps[i].tactic or DEFAULT, rivals[i].tactic}
+        if not isinstance(times, dict) or set(times) != pair or \
+                not all(isinstance(ms, (int, float)) and ms >= 0 for ms in times.values()):
+            raise ValueError(f"layer {name!r}: times {times!r}, expected ms of {sorted(pair)}")
+        found[i] = {tactic: float(ms) for tactic, ms in times.items()}
+    return found
+
+
+def _apply(spec: ProgramSpec, rivals: dict[int, Rival], found: dict[int, dict[str, float]]) -> None:
+    """Each layer whose rival ran faster in context takes it."""
+    for i, times in found.items():
+        chosen, rival = spec.steps[i].tactic or DEFAULT, rivals[i].tactic
+        if times[rival] < times[chosen]:
+            spec.steps[i].tactic, spec.steps[i].tactic_config = rival, rivals[i].config
+
+
 def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-           rivals: dict[int, Rival]) -> dict[int, dict[str, float]]:
+           rivals: dict[int, Rival]) -> InContext:
     """Step index -> {chosen tactic: ms in context, rival: ms in context} for the layers in `rivals` that could be
-    compared; `spec`'s steps whose rival was faster take it (in place).
+    compared (`found`), and the rounds that timed them; `spec`'s steps whose rival was faster take it (in place).
 
     A native chosen tactic is compared by spans (in the native segments of both programs); a chosen tactic that is
     not native runs outside the segments, and its rival would join them, so its signature is compared by whole runs
     of a program of its own with only that signature swapped (`ms`: the whole run's median, both sides)."""
     if not rivals:
-        return {}
+        return InContext({})
     names = {spec.steps[i].name: i for i in rivals}
     outside = {rivals[i].group for i in rivals if not _native(spec.steps[i].tactic)}
     swapped = _swapped(spec, rivals, {i for i in rivals if rivals[i].group not in outside})
-    programs = [Program(spec, weights, device), Program(swapped, weights, device)]
-    programs += [Program(_swapped(spec, rivals, {i for i in rivals if rivals[i].group == group}), weights, device)
-                 for group in sorted(outside)]
+    shared: dict[tuple, Any] = {}  # a layer that is not swapped is prepared (its weights packed) once for all
+    programs = [Program(spec, weights, device, shared_launches=shared),
+                Program(swapped, weights, device, shared_launches=shared)]
+    programs += [Program(_swapped(spec, rivals, {i for i in rivals if rivals[i].group == group}), weights, device,
+                         shared_launches=shared) for group in sorted(outside)]
     spans = [_spans(p.segments, set(names)) for p in programs[:2]]
     groups: dict[str, list[str]] = {}
     for name, i in names.items():
         if rivals[i].group in outside or (name in spans[0] and spans[0][name] == spans[1].get(name)):
             groups.setdefault(rivals[i].group, []).append(name)
     if not groups:
-        return {}
-    samples = _rounds(programs, inputs, spans, {g: m for g, m in groups.items() if g not in outside})
+        return InContext({})
+    samples, stopped = _rounds(programs, inputs, spans, {g: m for g, m in groups.items() if g not in outside})
     found = {}
     for group, members in groups.items():
         if group in outside:  # whole runs: A against this signature's own program
@@ -147,15 +245,11 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
             chosen_ms, rival_ms = (statistics.median(samples[j]["run"]) for j in (0, k))
         else:
             chosen_ms, rival_ms = (statistics.median(s[group]) / len(members) for s in samples[:2])
-        # decided on the times as recorded, so the record explains the choice (a tie keeps the chosen tactic)
-        chosen_ms, rival_ms = round(chosen_ms, 4), round(rival_ms, 4)
         for name in members:
             i = names[name]
-            chosen, rival = spec.steps[i].tactic or DEFAULT, rivals[i].tactic
-            found[i] = {chosen: chosen_ms, rival: rival_ms}
-            if rival_ms < chosen_ms:
-                spec.steps[i].tactic, spec.steps[i].tactic_config = rival, rivals[i].config
-    return found
+            found[i] = {spec.steps[i].tactic or DEFAULT: round(chosen_ms, 4), rivals[i].tactic: round(rival_ms, 4)}
+    _apply(spec, rivals, found)
+    return InContext(found, rounds=len(samples[0]["run"]), stopped=stopped)
 
 
 def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> ProgramSpec:
@@ -165,9 +259,9 @@ def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> Pr
 
 
 def _rounds(programs: list[Program], inputs: list[Any], spans: list[dict[str, list[str]]],
-            groups: dict[str, list[str]]) -> list[dict[str, list[float]]]:
+            groups: dict[str, list[str]]) -> tuple[list[dict[str, list[float]]], str]:
     """Per program, per round: each group's spans summed (the first two programs) and the whole run ("run"), ms,
-    the programs in interleaved rounds, each round starting at the next one."""
+    the programs in interleaved rounds, each round starting at the next one; and why the rounds stopped."""
     clock = context_clock(torch.get_num_threads())
     samples: list[dict[str, list[float]]] = [{"run": [], **{g: [] for g in groups}} for _ in programs]
     with torch.inference_mode():
@@ -175,8 +269,10 @@ def _rounds(programs: list[Program], inputs: list[Any], spans: list[dict[str, li
             profile_segments(program, inputs, WARMUP_RUNS, clock)
         deadline = time.perf_counter() + CONTEXT_BUDGET_S
         for round_ in range(CONTEXT_ROUNDS):
+            if round_ >= CLEAR_ROUNDS and _apart(samples, groups):
+                return samples, "clear"
             if round_ >= MIN_ROUNDS and time.perf_counter() > deadline:
-                break
+                return samples, "budget"
             shift = round_ % len(programs)  # what one run leaves behind falls on each program in turn
             for k in [*range(shift, len(programs)), *range(shift)]:
                 start = time.clock_gettime(clock)
@@ -185,4 +281,12 @@ def _rounds(programs: list[Program], inputs: list[Any], spans: list[dict[str, li
                 if k < 2:
                     for group, members in groups.items():
                         samples[k][group].append(sum(_span_ms(per_layer, spans[k][name]) for name in members))
-    return samples
+    return samples, "rounds"
+
+
+def _apart(samples: list[dict[str, list[float]]], groups: dict[str, list[str]]) -> bool:
+    """Whether every comparison is decided by any of its samples: each group's sums in the two programs, and each
+    further program's whole runs against the first's, do not overlap (in 3 rounds of two equal costs, 1 in 10)."""
+    pairs = [(samples[0][g], samples[1][g]) for g in groups]
+    pairs += [(samples[0]["run"], s["run"]) for s in samples[2:]]
+    return all(max(a) < min(b) or max(b) < min(a) for a, b in pairs)

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from kiln.builder.autotune import _checker, _record, _Recorded, example_inputs
+from kiln.builder.autotune import example_inputs
+from kiln.builder.layer_records import Recorded, record_layers, reference_check
 from kiln.builder.profiles import shapes_at
 from kiln.ir import dtypes
 from kiln.plan.spec import Binding, Profile, ProgramSpec
@@ -91,7 +92,7 @@ def check_at_profile_ends(program: ProgramSpec, weights: dict[str, Any], inputs:
     reverted: dict[str, str] = {}
     opt_examples = [v.to(device) for v in example_inputs(inputs, tuning_shapes)]
     opt_examples = [v.to(casts[b.dtype]) if b.dtype in casts else v for v, b in zip(opt_examples, inputs)]
-    records, _ = _record(reference, set(tuned), opt_examples)
+    records, _ = record_layers(reference, set(tuned), opt_examples)
     for i in tuned:
         if i in records:
             constants = [name in program.constants for name in program.steps[i].inputs]
@@ -173,7 +174,7 @@ def _check_layer(program: ProgramSpec, weights: dict[str, Any], i: int, fn, ctx,
     ok = tactic.check(step, metas)
     if ok is not True:
         return f"unsupported: {ok}"
-    check = _checker(fn, ctx, _Recorded(args, result), attrs)
+    check = reference_check(fn, ctx, Recorded(args, result), attrs)
     if tactic.checker is not None:  # judged as the autotuner judged it (Tactic.checker)
         check = tactic.checker(fn, ctx, args, attrs) or check
     try:

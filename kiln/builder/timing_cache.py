@@ -6,6 +6,9 @@ which inputs are weights, the candidate tactics, and the environment (device nam
 capability, driver, thread count, torch/triton/kiln versions). A key that matches means the
 same problem on the same machine: the cached winner is taken without timing, so a rebuild is
 deterministic. Entries for other machines may share the file; they never match here.
+
+A second table, `in_context`, holds the GEMM tactics chosen in context (kiln/builder/in_context.py), keyed by a
+whole network as it runs on this machine: a layer's cost there depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     return env
 
 
-def _attributes_json(attributes: dict[str, Any]) -> Any:
+def attributes_json(attributes: dict[str, Any]) -> Any:
     """Attributes as the key sees them: weight references (layer-specific names) become a marker."""
     def clean(v: Any) -> Any:
         if isinstance(v, dict):
@@ -90,7 +93,7 @@ def layer_signature(step: StepSpec, inputs: list[InputMeta], candidates: list[st
     return {
         "op": f"{step.domain or 'ai.onnx'}::{step.op_type}",
         "opset": step.opset,
-        "attributes": _attributes_json(step.attributes),
+        "attributes": attributes_json(step.attributes),
         "inputs": [None if m.shape is None else
                    {"shape": list(m.shape), "dtype": str(m.dtype).removeprefix("torch."), "constant": m.constant}
                    for m in inputs],
@@ -100,7 +103,7 @@ def layer_signature(step: StepSpec, inputs: list[InputMeta], candidates: list[st
 
 
 def signature_key(signature: dict[str, Any]) -> str:
-    text = json.dumps(signature, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(signature, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
@@ -110,13 +113,14 @@ class TimingCache:
     def __init__(self, path: str | os.PathLike | None = None):
         self.path = Path(path) if path else None
         self.entries: dict[str, dict[str, Any]] = {}
+        self.contexts: dict[str, Any] = {}  # network key -> the choice in context (in_context.py checks its fit)
         self.hits = 0
         self.misses = 0
         if self.path is not None and self.path.exists():
-            self.entries = self._read(self.path)
+            self.entries, self.contexts = self._read(self.path)
 
     @staticmethod
-    def _read(path: Path) -> dict[str, dict[str, Any]]:
+    def _read(path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -126,7 +130,8 @@ class TimingCache:
                 f"timing cache {path}: not a kiln timing cache of version {CACHE_VERSION}; "
                 "delete it (or point --timing-cache elsewhere) to start a new one"
             )
-        return dict(doc.get("entries", {}))
+        contexts = doc.get("in_context", {})
+        return dict(doc.get("entries", {})), dict(contexts) if isinstance(contexts, dict) else {}
 
     def get(self, key: str) -> dict[str, Any] | None:
         entry = self.entries.get(key)
@@ -143,8 +148,9 @@ class TimingCache:
         if self.path is None:
             return
         if self.path.exists():  # another build may have added entries meanwhile: keep them
-            self.entries = {**self._read(self.path), **self.entries}
-        doc = {"kiln_timing_cache": CACHE_VERSION, "entries": self.entries}
+            entries, contexts = self._read(self.path)
+            self.entries, self.contexts = {**entries, **self.entries}, {**contexts, **self.contexts}
+        doc = {"kiln_timing_cache": CACHE_VERSION, "entries": self.entries, "in_context": self.contexts}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         try:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import kiln
 from kiln.cli.common import console, fmt_bytes, make_inputs, parse_profile, parse_shapes, text
-from kiln.cli.inspect import padding_summary, tactics_summary, whole_engine_check
+from kiln.cli.inspect import in_context_summary, padding_summary, tactics_summary, whole_engine_check
 from kiln.errors import KilnError
 from kiln.plan.spec import EnginePlan
 from kiln.runtime.rss import PeakMemory
@@ -38,6 +38,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "precision": args.precision,
         "timing_cache": args.timing_cache,
         "compile_workers": args.compile_workers,
+        "in_context": args.in_context,
         "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
         "calibration": args.calib,
         "calibrator": args.calibrator,
@@ -179,6 +180,7 @@ def _print_build_summary(plan: EnginePlan, output: Path, seconds: float, verbose
     tactics = header.get("tactics") or {}
     if tactics:  # what the tuner chose, and what its whole-engine check reverted and why
         rows.append(("tactics", tactics_summary(tactics)))
+        rows += [("  in context", line) for line in [in_context_summary(tactics)] if line]
         rows += [("", line) for line in whole_engine_check(tactics)]
     if header.get("plain_tactics"):  # a padding-free engine's plain program (kiln/builder/padding_free.py)
         rows.append(("plain program tactics", tactics_summary(header["plain_tactics"])))

@@ -140,6 +140,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if cache.get("path"):
             summary += f"; timing cache {cache['path']}: {cache.get('hits', 0)} hit(s), {cache.get('misses', 0)} miss(es)"
         rows.append(("tactics", summary))
+        rows += [("  in context", line) for line in [in_context_summary(tactics)] if line]
         if header.get("plain_tactics"):  # a padding-free engine's plain program (kiln/builder/padding_free.py)
             rows.append(("plain program tactics", tactics_summary(header["plain_tactics"])))
         layouts = layout_conversions(plan)
@@ -238,6 +239,22 @@ def tactics_summary(tactics: dict) -> str:
     return summary
 
 
+def in_context_summary(tactics: dict) -> str | None:
+    """One line: how many GEMM layers were timed again in the network (kiln/builder/in_context.py), how (rounds, or
+    the timing cache), what it cost and which changed tactic; None where the stage did not run."""
+    stage = tactics.get("in_context")
+    if not stage:
+        return None
+    if "failed" in stage:
+        return f"failed ({stage['failed']}): the choices made alone stand"
+    how = "from the timing cache" if stage.get("cached") else f"{stage.get('rounds')} rounds ({stage.get('stopped')})"
+    changed = stage.get("changed") or {}
+    swaps = sorted(set(changed.values()))
+    listed = "; ".join(f"{sum(v == swap for v in changed.values())} x {swap}" for swap in swaps)
+    return (f"{stage.get('layers')} GEMM layer(s) timed again in the network, {how}, {stage.get('seconds')} s; "
+            f"{len(changed)} changed" + (f": {listed}" if listed else ""))
+
+
 def whole_engine_check(tactics: dict) -> list[str]:
     """What the tuned engine was judged against and how close it came (kiln/builder/accuracy.py), and
     each layer the check reverted with why, and each layer on its default because every candidate failed the
@@ -278,7 +295,9 @@ def _tactic_cells(tuned: dict | None) -> list:
         return ["", "", ""]
     ms = "" if tuned.get("time_ms") is None else f"{tuned['time_ms']:.3f}"
     runner_up = "" if not tuned.get("runner_up") else f"{tuned['runner_up']} {tuned['runner_up_ms']:.3f}"
-    return [text(tuned["tactic"] + (" (cached)" if tuned.get("cached") else "")), ms, text(runner_up)]
+    # timed again in the network: kiln/builder/in_context.py
+    notes = [note for note, on in (("cached", tuned.get("cached")), ("in network", tuned.get("in_network"))) if on]
+    return [text(tuned["tactic"] + (f" ({', '.join(notes)})" if notes else "")), ms, text(runner_up)]
 
 
 def _print_why_not(out, model_path: str | None, cpu: bool = True) -> None:

@@ -23,7 +23,8 @@ import torch
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
-from kiln.builder.autotune import measure, mismatch
+from kiln.builder.accuracy import mismatch
+from kiln.builder.measure import measure
 from kiln.tactics.tactic import InputMeta
 from tests.gpu.common import graph_replay
 
@@ -306,19 +307,19 @@ def test_engine_autotunes_cuda_tactics_and_matches_onnxruntime(name, tmp_path):
 def test_measure_times_candidates_as_cuda_graph_replays_and_one_that_syncs_eagerly():
     """The autotuner times candidates as the engine runs them: inside a CUDA graph, without host launch cost; a
     candidate that syncs with the host (a quantized layer's reference default) eagerly, and only that one."""
-    from kiln.builder import autotune
+    from kiln.builder import measure as measure_module
 
     x = torch.randn(64, device=DEVICE)
     chain = lambda: [x.mul(1.0001) for _ in range(50)]  # noqa: E731  50 tiny kernels: launch-bound when eager
     one = lambda: x.mul(1.0001)  # noqa: E731
-    replays = autotune._graph_replays({"chain": chain, "one": one})
+    replays = measure_module._graph_replays({"chain": chain, "one": one})
     assert replays is not None and set(replays) == {"chain", "one"}
     graphed = measure({"chain": chain, "one": one}, DEVICE)
-    eager = {"chain": statistics.median(autotune._time_once(chain, DEVICE) for _ in range(10))}
+    eager = {"chain": statistics.median(measure_module._time_once(chain, DEVICE) for _ in range(10))}
     print(f"\n50 tiny kernels: {graphed['chain'] * 1e3:.1f} us in a graph, {eager['chain'] * 1e3:.1f} us eager")
     assert graphed["chain"] > 0 and graphed["one"] > 0  # printed, not asserted: tests do not assert on time
     syncs = lambda: x.sum().item()  # noqa: E731
-    assert set(autotune._graph_replays({"one": one, "syncs": syncs, "chain": chain})) == {"one", "chain"}
+    assert set(measure_module._graph_replays({"one": one, "syncs": syncs, "chain": chain})) == {"one", "chain"}
     timed = measure({"one": one, "syncs": syncs, "chain": chain}, DEVICE)  # "syncs" eagerly, no exception
     assert set(timed) == {"one", "syncs", "chain"} and all(t > 0 for t in timed.values())
     print(f"beside a syncing candidate: 50 tiny kernels {timed['chain'] * 1e3:.1f} us (a graph's time)")

@@ -27,7 +27,7 @@ from kiln.ops.fused import attention  # noqa: E402
 from kiln.ops.tokens import key_lengths  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.builder.autotune import TOLERANCE, mismatch  # noqa: E402
+from kiln.builder.accuracy import TOLERANCE, mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.gpu.common import capture, graph_replay  # noqa: E402
 

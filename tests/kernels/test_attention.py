@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from kiln.kernels.cuda.triton.attention import AttentionConfig, flash_attention  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.builder.autotune import mismatch  # noqa: E402
+from kiln.builder.accuracy import mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.unit import tactic_check  # noqa: E402
 

@@ -25,7 +25,7 @@ from kiln.kernels.cuda.triton.conv import CONV_CONFIGS, ConvConfig, conv2d, pack
 from kiln.ops.fused import _epilogue  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
-from kiln.builder.autotune import mismatch  # noqa: E402
+from kiln.builder.accuracy import mismatch  # noqa: E402
 from kiln.tactics.tactic import InputMeta  # noqa: E402
 from tests.unit import tactic_check  # noqa: E402
 

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.builder import autotune  # noqa: E402
+from kiln.builder import autotune, layer_records  # noqa: E402
 from kiln.builder.timing_cache import TimingCache  # noqa: E402
 from kiln.ops.registry import OpContext, lookup  # noqa: E402
 from kiln.tactics import registry  # noqa: E402
@@ -89,7 +89,7 @@ def test_the_autotuner_keeps_the_fp8_tactic_by_its_own_check(monkeypatch):
     step, args = bert_layer()
     op = lookup("Attention", "kiln").fn
     ctx = context(step, args)
-    record = autotune._Recorded(args, op(ctx, *args, **step.attributes))
+    record = layer_records.Recorded(args, op(ctx, *args, **step.attributes))
     tactics = [registry.get(FP8_TACTIC), registry.get(HALF_TACTIC)]
     found, _ = autotune._tune_layer(step, record, op, ctx, step.attributes, [None] * 5, tactics, CPU, TimingCache(),
                                     {}, runs=1)

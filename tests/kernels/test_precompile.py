@@ -79,7 +79,8 @@ def main() -> None:
 
     from triton.runtime.jit import KernelInterface
 
-    from kiln.builder.autotune import _candidates, _record, _record_candidate_kernels, _usable
+    from kiln.builder.autotune import _candidates, _record_candidate_kernels, _usable
+    from kiln.builder.layer_records import record_layers
     from kiln.builder.precompile import CandidateKernels
     from kiln.builder.timing_cache import TimingCache
     from kiln.runtime.engine import place_weight
@@ -118,7 +119,7 @@ def main() -> None:
 
         # every candidate's launch, as the search makes it: the JIT compiles (then launches nothing: warm-up)
         KernelInterface.__getitem__ = lambda self, grid: lambda *a, **k: self.run(*a, grid=grid, warmup=True, **k)
-        records, _ = _record(reference, set(tunable), examples)
+        records, _ = record_layers(reference, set(tunable), examples)
         launched = 0
         with sm90_driver():
             for i, record in records.items():

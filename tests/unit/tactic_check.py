@@ -13,7 +13,7 @@ import torch
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics import registry
-from kiln.builder.autotune import mismatch
+from kiln.builder.accuracy import mismatch
 from kiln.tactics.tactic import InputMeta
 
 CPU = torch.device("cpu")

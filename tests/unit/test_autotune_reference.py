@@ -3,7 +3,7 @@ another fp16 kernel: the layer's default implementation run in float32 on float3
 
 import torch
 
-from kiln.builder.autotune import _checker, _Recorded
+from kiln.builder.layer_records import Recorded, reference_check
 
 
 def _default(ctx, x, w):
@@ -14,8 +14,8 @@ def _default(ctx, x, w):
 
 def test_a_half_layer_is_checked_against_its_fp32_reference():
     x, w = torch.randn(64, dtype=torch.float16), torch.full((64,), 3.0, dtype=torch.float16)
-    record = _Recorded([x, w], _default(None, x, w))
-    check = _checker(_default, None, record, {})
+    record = Recorded([x, w], _default(None, x, w))
+    check = reference_check(_default, None, record, {})
     exact = (x.float() * w.float()).half()
     assert check(exact) is None  # as close to the exact result as fp16 storage allows
     problem = check(record.output)  # the fp16 default's own output: off by 0.5 from the fp32 reference
@@ -24,8 +24,8 @@ def test_a_half_layer_is_checked_against_its_fp32_reference():
 
 def test_float32_layers_and_half_only_defaults_are_checked_against_the_recorded_output():
     x, w = torch.randn(8), torch.randn(8)
-    record = _Recorded([x, w], _default(None, x, w))
-    assert _checker(_default, None, record, {})(x * w) is None
+    record = Recorded([x, w], _default(None, x, w))
+    assert reference_check(_default, None, record, {})(x * w) is None
 
     def half_only(ctx, x, w):
         if x.dtype != torch.float16:
@@ -33,8 +33,8 @@ def test_float32_layers_and_half_only_defaults_are_checked_against_the_recorded_
         return x * w
 
     xh, wh = x.half(), w.half()
-    record = _Recorded([xh, wh], half_only(None, xh, wh))
-    check = _checker(half_only, None, record, {})
+    record = Recorded([xh, wh], half_only(None, xh, wh))
+    check = reference_check(half_only, None, record, {})
     assert check(xh * wh) is None and check(xh * wh + 1) is not None
 
 
@@ -46,8 +46,8 @@ def test_a_layer_whose_output_dtype_is_an_attribute_is_checked_in_float32():
         return (x.float() * w.float()).to(torch.float16 if output_dtype == 10 else torch.float32)
 
     x, w = torch.randn(64, dtype=torch.float16), torch.full((64,), 3.0, dtype=torch.float16)
-    record = _Recorded([x, w], attribute_dtype(None, x, w, output_dtype=10))
-    check = _checker(attribute_dtype, None, record, {"output_dtype": 10})
+    record = Recorded([x, w], attribute_dtype(None, x, w, output_dtype=10))
+    check = reference_check(attribute_dtype, None, record, {"output_dtype": 10})
     assert check(record.output) is None
     problem = check(record.output + 0.5)
     assert problem is not None and "max abs error" in problem
@@ -75,7 +75,7 @@ def test_a_checker_shared_by_tactics_judges_the_layer_once():
                       prepare=lambda step, constants, device: lambda ctx, x, w, **_: x * w + offset)
 
     x, w = torch.randn(64), torch.randn(64)
-    record = _Recorded([x, w], _default(None, x, w))
+    record = Recorded([x, w], _default(None, x, w))
     step = StepSpec(op_type="Mul", name="mul", inputs=["x", "w"], outputs=["y"], attributes={}, domain="", opset=14)
     found, _ = _tune_layer(step, record, _default, None, {}, [None, None],
                            [tactic("exact", 0.0), tactic("close", 0.05), tactic("wrong", 1.0)],

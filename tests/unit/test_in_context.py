@@ -4,7 +4,9 @@ reads (kiln/runtime/profiler.py: profile_segments): the layers' times as the eng
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from kiln.builder import in_context
 from kiln.builder.autotune import LayerTuning
 from kiln.builder.cpu_clock import PROCESS_CPU, WALL
+from kiln.builder.timing_cache import environment
 from kiln.kernels.cpu import gemm_native, native_loop, onednn
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime import profiler
@@ -135,7 +138,7 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
 
     monkeypatch.setattr(in_context, "profile_segments", fake)
     spec, weights = _blocks()
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     assert sorted(found) == [0, 1, 2, 3]
     for i, step in enumerate(spec.steps):
         swapped = step.name.startswith(faster)
@@ -146,7 +149,7 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
 def test_retimed_choices_run_and_match_the_reference():
     """The real profile: whatever each signature took, the program built from the result is right."""
     spec, weights = _blocks()
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     assert sorted(found) == [0, 1, 2, 3]
     assert all(set(times) == {PACKED, ONEDNN} and all(ms > 0 for ms in times.values()) for times in found.values())
     assert spec.steps[0].tactic == spec.steps[2].tactic and spec.steps[1].tactic == spec.steps[3].tactic
@@ -158,34 +161,45 @@ def test_retimed_choices_run_and_match_the_reference():
             _assert_close(program.run([x])[0], _reference(spec, weights, x))
 
 
-def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime():
-    """A two-block FFN built with both native GEMMs allowed, at one thread: every layer the search timed again in
-    context runs the tactic that was faster there, and the engine agrees with onnxruntime."""
-    import onnxruntime as ort
+def _ffn_model(blocks: int = 2, width: int = 64, seed: int | None = None) -> bytes:
+    """`blocks` FFN blocks x -> relu(x W1) W2 + x on [1, 64, width] (64 -> 256 -> 64 wide at width 64), as ONNX."""
     from onnx import TensorProto, helper, numpy_helper
 
-    import kiln
-
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(seed)
     inits, nodes, x = [], [], "x"
-    for block in range(2):
-        w1 = rng.standard_normal((64, 256)).astype(np.float32) * 0.1
-        w2 = rng.standard_normal((256, 64)).astype(np.float32) * 0.1
+    for block in range(blocks):
+        w1 = rng.standard_normal((width, 4 * width)).astype(np.float32) * 0.1
+        w2 = rng.standard_normal((4 * width, width)).astype(np.float32) * 0.1
         inits += [numpy_helper.from_array(w1, f"w1_{block}"), numpy_helper.from_array(w2, f"w2_{block}")]
         nodes += [helper.make_node("MatMul", [x, f"w1_{block}"], [f"h{block}"]),
                   helper.make_node("Relu", [f"h{block}"], [f"a{block}"]),
                   helper.make_node("MatMul", [f"a{block}", f"w2_{block}"], [f"m{block}"]),
                   helper.make_node("Add", [f"m{block}", x], [f"y{block}"])]
         x = f"y{block}"
-    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 64])],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 64, 64])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    graph = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, width])], inits)
+    graph.node[-1].output[0] = "y"
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def _build_one_thread(model: bytes, **options):
+    import kiln
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = kiln.build(model, tactics=[PACKED, ONEDNN])
+        return kiln.build(model, tactics=[PACKED, ONEDNN], **options)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime():
+    """A two-block FFN built with both native GEMMs allowed, at one thread: every layer the search timed again in
+    context runs the tactic that was faster there, and the engine agrees with onnxruntime."""
+    import onnxruntime as ort
+
+    model = _ffn_model()
+    engine = _build_one_thread(model)
     layers = engine.plan.header["tactics"]["layers"]
     steps = {s.name: s for s in engine.plan.program.steps}
     for name, layer in layers.items():
@@ -193,8 +207,93 @@ def test_a_built_engine_records_what_it_timed_in_context_and_matches_onnxruntime
             assert steps[name].tactic == layer["tactic"] == min(layer["in_network"], key=layer["in_network"].get), \
                 (name, steps[name].tactic, layer)
     session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
-    feed = rng.standard_normal((1, 64, 64), dtype=np.float32)
-    np.testing.assert_allclose(engine.run({"x": feed})[x], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
+    feed = np.random.default_rng().standard_normal((1, 64, 64), dtype=np.float32)
+    np.testing.assert_allclose(engine.run({"x": feed})["y"], session.run(None, {"x": feed})[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def retimes(monkeypatch) -> list[int]:
+    """Every rival judged in context (no margin), and a count of the stage's timings (in_context.retime calls)."""
+    monkeypatch.setattr(in_context, "CONTEXT_MARGIN", float("inf"))
+    calls: list[int] = []
+    retime = in_context.retime
+
+    def counted(spec, weights, device, inputs, rivals):
+        calls.append(len(rivals))
+        return retime(spec, weights, device, inputs, rivals)
+
+    monkeypatch.setattr(in_context, "retime", counted)
+    return calls
+
+
+def _choices(engine) -> list[tuple[str, dict]]:
+    return [(s.tactic, s.tactic_config) for s in engine.plan.program.steps]
+
+
+def test_a_rebuild_with_the_timing_cache_takes_the_choice_in_context_without_timing(tmp_path, retimes):
+    cache = str(tmp_path / "timing.json")
+    model = _ffn_model()
+    first = _build_one_thread(model, timing_cache=cache)
+    stage = first.plan.header["tactics"]["in_context"]
+    assert retimes == [4] and stage["layers"] == 4 and not stage["cached"] and stage["rounds"] >= in_context.CLEAR_ROUNDS
+    said: list[str] = []
+    again = _build_one_thread(model, timing_cache=cache, progress=said.append)
+    assert retimes == [4]  # not timed again
+    assert again.plan.header["tactics"]["in_context"]["cached"]
+    assert _choices(again) == _choices(first)
+    layers = [first.plan.header["tactics"]["layers"], again.plan.header["tactics"]["layers"]]
+    assert {n: (v["tactic"], v["in_network"]) for n, v in layers[1].items()} == \
+           {n: (v["tactic"], v["in_network"]) for n, v in layers[0].items()}
+    assert any("in context, from the timing cache" in m for m in said)
+    # the same model with other weights: the same network, the same choice
+    assert _choices(_build_one_thread(_ffn_model(seed=5), timing_cache=cache)) == _choices(first)
+    assert retimes == [4]
+
+
+def test_another_network_or_thread_count_is_timed_again(tmp_path, retimes, monkeypatch):
+    cache = str(tmp_path / "timing.json")
+    _build_one_thread(_ffn_model(), timing_cache=cache)
+    _build_one_thread(_ffn_model(blocks=3), timing_cache=cache)  # one block more: every layer's context differs
+    assert retimes == [4, 6]
+    _build_one_thread(_ffn_model(blocks=3), timing_cache=cache)
+    assert retimes == [4, 6]
+    assert len(json.loads(Path(cache).read_text())["in_context"]) == 2
+    spec, weights = _blocks()
+    x = [torch.randn(1, ROWS, WIDTH)]
+    env = environment(torch.device("cpu"))
+    key = in_context.network_key(spec, weights, x, _rivals(spec), env)
+    assert key == in_context.network_key(spec, weights, x, _rivals(spec), dict(env))
+    assert key != in_context.network_key(spec, weights, x, _rivals(spec), {**env, "threads": env["threads"] + 1})
+    assert key != in_context.network_key(spec, weights, [torch.randn(1, ROWS + 1, WIDTH)], _rivals(spec), env)
+    assert key != in_context.network_key(spec, weights, x, {i: r for i, r in _rivals(spec).items() if i}, env)
+    other = dataclasses.replace(spec, steps=[dataclasses.replace(spec.steps[0], tactic=ONEDNN), *spec.steps[1:]])
+    assert key != in_context.network_key(other, weights, x, _rivals(spec), env)
+
+
+@pytest.mark.parametrize("damage", ["not a dict", "a layer of another network", "another tactic", "no times"])
+def test_a_cache_entry_that_does_not_fit_the_network_is_said_and_timed_again(tmp_path, retimes, damage):
+    cache = tmp_path / "timing.json"
+    model = _ffn_model()
+    first = _build_one_thread(model, timing_cache=str(cache))
+    doc = json.loads(cache.read_text())
+    (key, entry), = doc["in_context"].items()
+    name, times = next(iter(entry["layers"].items()))
+    if damage == "not a dict":
+        doc["in_context"][key] = "garbage"
+    elif damage == "a layer of another network":
+        entry["layers"]["encoder.layer.0.fc"] = times
+    elif damage == "another tactic":
+        entry["layers"][name] = {MKL: 0.1, **{t: ms for t, ms in list(times.items())[1:]}}
+    else:
+        entry["layers"][name] = {}
+    cache.write_text(json.dumps(doc))
+    said: list[str] = []
+    again = _build_one_thread(model, timing_cache=str(cache), progress=said.append)
+    assert retimes == [4, 4]
+    assert any("WARNING the timing cache's choice in context" in m and "timed again" in m for m in said)
+    assert not again.plan.header["tactics"]["in_context"]["cached"]
+    assert json.loads(cache.read_text())["in_context"][key] != doc["in_context"][key]  # written anew
+    assert len(_choices(again)) == len(_choices(first))
 
 
 def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypatch):
@@ -220,8 +319,35 @@ def test_a_signature_whose_winner_is_not_native_is_judged_by_whole_runs(monkeypa
     spec, weights = _blocks()
     for i in (0, 2):
         spec.steps[i].tactic, spec.steps[i].tactic_config = MKL, {"rows": ROWS}
-    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
     # the down projections, alone between MKL layers, are in no segment of A: not compared, kept
     assert sorted(found) == [0, 2]
     assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
     assert found[0] == found[2] and found[0][MKL] >= 3.5 > found[0][ONEDNN]  # whole runs: 4 ms of spinning, or none
+
+
+def test_kiln_build_and_inspect_say_what_was_timed_in_context(tmp_path, retimes, capsys, monkeypatch):
+    import kiln
+    from kiln.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")  # rich's width: no line of the summary or the layer table wrapped
+    model = tmp_path / "ffn.onnx"
+    model.write_bytes(_ffn_model())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["build", str(model), "-o", str(tmp_path / "ffn.kiln")]) == 0
+        built = capsys.readouterr().out
+        assert main(["build", str(model), "-o", str(tmp_path / "alone.kiln"), "--no-in-context"]) == 0
+        alone = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    assert len(retimes) == 1  # --no-in-context: not timed
+    assert "GEMM layer(s) timed again in the network" in built and "timed again" not in alone
+    assert main(["inspect", str(tmp_path / "ffn.kiln")]) == 0
+    shown = capsys.readouterr().out
+    compared = kiln.load(tmp_path / "ffn.kiln").plan.header["tactics"]["in_context"]["layers"]
+    assert f"{compared} GEMM layer(s) timed again in the network" in shown
+    assert main(["inspect", str(tmp_path / "ffn.kiln"), "--json"]) == 0
+    layers = json.loads(capsys.readouterr().out)["layers"]
+    assert sum("in_network" in layer.get("tactic", {}) for layer in layers) == compared

@@ -101,12 +101,12 @@ def test_no_residual_leaves_the_builder_s_check_and_every_cuda_qconv_tactic_has_
 
 def test_autotune_keeps_the_builder_s_check_where_the_checker_says_none():
     """A QConv tactic on a layer without a residual is judged by the builder's check (one step)."""
-    from kiln.builder.autotune import _checker as builder_checker, _Recorded
+    from kiln.builder.layer_records import Recorded, reference_check as builder_checker
 
     plain = conv_layer(I8, I8, seed=27)
     want = plain.reference()
     check = residual_layer_checker(qconv, plain.ctx, plain.args, plain.attributes) or \
-        builder_checker(qconv, plain.ctx, _Recorded(plain.args, want), plain.attributes)
+        builder_checker(qconv, plain.ctx, Recorded(plain.args, want), plain.attributes)
     free = want.int() < 126
     assert check(torch.where(free, want.int() + 1, want.int()).to(I8)) is None
     assert check(torch.where(free, want.int() + 2, want.int()).to(I8)) is not None

@@ -17,7 +17,7 @@ import pytest
 from onnx import numpy_helper
 
 import kiln
-from kiln.builder import autotune
+from kiln.builder import autotune, layer_records
 from tests.unit.test_memory_shared_weights import ATOL, LAYERS, RTOL, D, shared_layers_model
 
 
@@ -118,7 +118,7 @@ def test_the_search_holds_one_layer_record_at_a_time(monkeypatch):
     made: list[weakref.ref] = []
     tuned = []
 
-    class Recorded(autotune._Recorded):
+    class Recorded(layer_records.Recorded):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             made.append(weakref.ref(self))
@@ -132,7 +132,7 @@ def test_the_search_holds_one_layer_record_at_a_time(monkeypatch):
         tuned.append(step.name)
         return original(step, record, *args, **kwargs)
 
-    monkeypatch.setattr(autotune, "_Recorded", Recorded)
+    monkeypatch.setattr(layer_records, "Recorded", Recorded)
     monkeypatch.setattr(autotune, "_tune_layer", spy)
     engine = kiln.build(proto.SerializeToString())
     assert len(tuned) >= LAYERS and len(made) == len(tuned)

@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kiln
 from kiln.builder import autotune
+from kiln.builder.accuracy import mismatch
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.errors import ExecutionError
 from kiln.kernels.cpu import mkl_available, onednn_available
@@ -214,12 +215,12 @@ def test_an_unknown_tactic_in_an_engine_file_is_named(tmp_path):
 
 def test_mismatch_tolerances():
     ref = torch.randn(64, 64) * 10
-    assert autotune.mismatch(ref + 1e-5, ref) is None
-    assert "max abs error" in autotune.mismatch(ref + 1e-1, ref)
-    assert "NaNs" in autotune.mismatch(torch.full_like(ref, float("nan")), ref)
-    assert autotune.mismatch(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64)) is None
-    assert "integer" in autotune.mismatch(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
-    assert "float16" in autotune.mismatch(ref.half(), ref)
+    assert mismatch(ref + 1e-5, ref) is None
+    assert "max abs error" in mismatch(ref + 1e-1, ref)
+    assert "NaNs" in mismatch(torch.full_like(ref, float("nan")), ref)
+    assert mismatch(torch.ones(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64)) is None
+    assert "integer" in mismatch(torch.zeros(3, dtype=torch.int64), torch.ones(3, dtype=torch.int64))
+    assert "float16" in mismatch(ref.half(), ref)
 
 
 # ---- each CPU tactic against the default implementation ------------------------------------------
