@@ -18,9 +18,9 @@ thread, the thread's CPU time: context_clock); the layers of one signature (ever
 together, by the median over rounds of their spans' sum. The rival is kept where that is faster. A chosen tactic
 that is not native (MKL, torch's default: outside the segments, where its rival would join them) is compared by
 whole runs instead, of a third program with only its signature swapped (on T5 at 2 threads and load 16, a build
-whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime). Cost: two programs bound (weights packed
-again), one more per non-native signature, and CONTEXT_ROUNDS runs of each, at most CONTEXT_BUDGET_S beyond the
-first MIN_ROUNDS.
+whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime). Cost: two programs bound, one more per
+non-native signature, sharing every layer prepared alike (only the rivals' weights are packed again), and
+CONTEXT_ROUNDS runs of each, at most CONTEXT_BUDGET_S beyond the first MIN_ROUNDS.
 """
 
 from __future__ import annotations
@@ -129,9 +129,12 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     names = {spec.steps[i].name: i for i in rivals}
     outside = {rivals[i].group for i in rivals if not _native(spec.steps[i].tactic)}
     swapped = _swapped(spec, rivals, {i for i in rivals if rivals[i].group not in outside})
-    programs = [Program(spec, weights, device), Program(swapped, weights, device)]
-    programs += [Program(_swapped(spec, rivals, {i for i in rivals if rivals[i].group == group}), weights, device)
-                 for group in sorted(outside)]
+    # the programs share every layer prepared alike (its tactic, configuration and weights: shared_launch_key), so
+    # only the swapped layers' weights are packed again, not the whole network's once per program
+    shared: dict[tuple, Any] = {}
+    specs = [spec, swapped, *(_swapped(spec, rivals, {i for i in rivals if rivals[i].group == group})
+                              for group in sorted(outside))]
+    programs = [Program(s, weights, device, shared_launches=shared) for s in specs]
     spans = [_spans(p.segments, set(names)) for p in programs[:2]]
     groups: dict[str, list[str]] = {}
     for name, i in names.items():
