@@ -43,5 +43,9 @@ class SharedArena:
         if nbytes > self.nbytes:
             return None
         if self._buffer is None:
-            self._buffer = hugepages.empty(-(-self.nbytes // 4))
+            try:
+                self._buffer = hugepages.empty(-(-self.nbytes // 4))
+            except (RuntimeError, MemoryError):  # no address space that large (strict overcommit, a ulimit -v): the
+                self.nbytes = 0  # segments plan into arenas of their own, as large as each one's plan
+                return None
         return self._buffer[:nbytes // 4]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -219,6 +220,23 @@ def test_the_segments_of_a_program_share_one_arena_and_one_lock():
     for t in threads:
         t.join()
     assert problems == []
+
+
+def test_segments_whose_shared_arena_cannot_be_mapped_plan_arenas_of_their_own(monkeypatch):
+    """A shared arena is as large as the most any one segment could need; where that much address space is refused,
+    each segment gets its own (as large as its plan) and the program still gets the reference."""
+    from kiln.runtime import native_arena
+
+    def refused(numel, *args, **kwargs):
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {numel * 4} bytes")
+
+    monkeypatch.setattr(native_arena, "hugepages", types.SimpleNamespace(empty=refused))  # the shared arena's only
+    spec, weights = _two_segments()
+    program = Program(spec, weights)
+    first, second = program.segments
+    assert first.buffers[0].data_ptr() != second.buffers[0].data_ptr() and first._lock is not second._lock
+    x = torch.randn(1, 8, 12, 12)
+    assert_close(_run(spec, weights, x)[0], _want(spec, weights, x)[0])
 
 
 def test_segments_can_be_switched_off(monkeypatch):
