@@ -8,7 +8,7 @@ sizes: kernels, primitives, plans) are timed by the kind of what they bind (Inne
 made for the row count; MatmulRows: the runtime-M matmul at it; BoundRows: kiln's GEMM...), and `_Resized` (the
 members bound to the template's memory, the call arrays). Thread CPU time of the calling thread, median over a
 group's shapes. The shapes (batch x sequence) are grouped by row count, which decides the oneDNN layers' path
-(kiln/tactics/cpu/onednn.py, RuntimeRows); they must lie inside the engine's profile.
+(kiln/tactics/cpu/onednn_gemm.py, RuntimeRows); they must lie inside the engine's profile.
 """
 
 from __future__ import annotations

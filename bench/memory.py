@@ -14,7 +14,11 @@ kiln/runtime/rss.py):
 
 "load" is what a runtime holds once ready (weights, packed copies, the libraries it loads on first
 use); "runs" the peak above that during the runs (activations, arenas, scratch); "total" the peak over
-both, the number a deployment sizes for. The model's weight bytes (its initializers) are the unit the
+both, the number a deployment sizes for. "of it engine file": the engine file's pages resident after the
+runs, weights read where they lie (an embedding table's Gather): kiln.load lets them go once packed copies
+are made, and a run maps back what it reads; the kernel maps 64 KiB around each page a read faults in
+(fault-around), so a Gather of a few thousand random rows brings back nearly a whole table (DCN: 317 MiB),
+in the first run, and no more after it. The model's weight bytes (its initializers) are the unit the
 issue states its build target in (<= 3x). Writes bench/results/memory-<date>.md.
 """
 
@@ -49,6 +53,15 @@ _CHILD = textwrap.dedent("""
     from kiln import zoo
     from kiln.runtime.rss import PeakMemory, resident_bytes
 
+    def mapped_bytes(path):  # what of the file at `path` is resident here: its mappings' Rss in /proc/self/smaps
+        total, mine = 0, False
+        for line in open("/proc/self/smaps"):
+            if line[0] in "0123456789abcdef" and " " in line and "-" in line.split()[0]:
+                mine = line.rstrip().endswith(path)
+            elif mine and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+        return total
+
     phase, name, engine_path, runs, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     torch.set_num_threads(threads)
     exported = zoo.export(name)
@@ -81,6 +94,7 @@ _CHILD = textwrap.dedent("""
             run()
         report["runs"] = max(peak.peak() - loaded, 0)
         report["total"] = max(peak.peak(), base + report["load"]) - base
+        report["file_pages"] = mapped_bytes(engine_path) if phase == "kiln" else 0
     print(json.dumps(report))
 """)
 
@@ -107,7 +121,7 @@ def measure(name: str, args, folder: str) -> list[str]:
     ort_run = child("onnxruntime", name, engine_path, args.runs, args.threads)
     weights = built["weights"]
     row = [name, mib(weights), f"{mib(built['build'])} ({built['build'] / weights:.1f}x)",
-           mib(kiln_run["load"]), mib(kiln_run["runs"]), mib(kiln_run["total"]),
+           mib(kiln_run["load"]), mib(kiln_run["runs"]), mib(kiln_run["total"]), mib(kiln_run["file_pages"]),
            mib(ort_run["load"]), mib(ort_run["runs"]), mib(ort_run["total"]),
            f"**{kiln_run['total'] / max(ort_run['total'], 1):.2f}x**"]
     print("  " + " | ".join(row), flush=True)
@@ -131,6 +145,7 @@ def main() -> None:
     from kiln.builder.timing_cache import cpu_name
 
     header = ["model", "weights MiB", "kiln build MiB (x weights)", "kiln load", "kiln runs", "kiln total",
+              "of it engine file",
               "ort load", "ort runs", "ort total", "kiln / ort total"]
     rows = []
     load = os.getloadavg()[0]

@@ -6,7 +6,7 @@ binds memory objects only), side by side in one process (issue 10: binding a new
     python bench/onednn_rows.py --threads 2 --rows 1,8,128
 
 Per (layer shape, M): the fixed-M inner product is created the way a new row count is in kiln (weight taken from
-the tuned row count's packed copy, kiln/tactics/cpu/onednn.py), its creation timed; the runtime-M matmul's row
+the tuned row count's packed copy, kiln/tactics/cpu/onednn_gemm.py), its creation timed; the runtime-M matmul's row
 count is bound (MatmulRows + Bound), that timed. Then both run in alternated rounds (ABAB...), median per call.
 Times are the calling thread's CPU time at 1 thread; at 2 threads wall time (the worker's CPU time is not the
 caller's). Also each one's largest difference from float64 torch on the same input.

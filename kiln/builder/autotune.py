@@ -46,6 +46,7 @@ from kiln.ir import dtypes
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 from kiln.runtime.engine import place_weight
 from kiln.runtime.program import Program
+from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta, Launch, Tactic
 
@@ -458,6 +459,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         constants = constants_of(step)
         found, config = _tune_layer(step, record, bound.fn, bound.ctx, bound.attributes, constants,
                                     tunable[i], device, cache, env, runs, others)
+        # the candidates' packed weights and outputs are freed now, but the C heap keeps the pages of freed blocks
+        # that are not at its top: given back per layer, the search's resident memory is what it holds, not the
+        # heap's high-water mark over every layer's candidates
+        return_free_memory()
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()

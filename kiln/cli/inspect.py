@@ -92,9 +92,9 @@ def _native_segments(plan) -> str:
     if not segments:
         return "none (no run of two or more layers with bound-primitive tactics)" + left_out
     layers = sum(len(s.members) for s in segments)
-    buffers = sum(s.planned_bytes for s in segments)
+    arena = max(s.planned_bytes for s in segments)  # the segments share one arena (kiln/runtime/native_arena.py)
     return (f"{len(segments)} segment(s) run {layers} of {len(program.steps)} layers as bound primitives; "
-            f"their activations in {fmt_bytes(buffers)} of buffers reused by liveness "
+            f"their activations in one arena of {fmt_bytes(arena)} reused by liveness "
             f"({sum(s.accumulated for s in segments)} residual(s) accumulated in place, "
             f"{sum(s.aliased for s in segments)} reshape(s) as aliases)" + left_out)
 

@@ -51,6 +51,7 @@ import torch
 from kiln.kernels.cpu import hugepages, native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.plan.memory import Interval, place
+from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_members import (_bind_member, _entry_forms, _form, _forms, _run_loop, reads_of, serial_calls,
                                          writes_of)
 from kiln.runtime.native_views import _PlanRewrite, _Resized
@@ -70,8 +71,9 @@ class Segment:
     """Consecutive layers of a program run as bound primitives; called as one step."""
 
     def __init__(self, members: list[BoundStep], read_after: set[int], constants: dict[int, Any] | None = None,
-                 natives: list[NativeStep] | None = None):
-        """`natives`: the members' NativeSteps at other input sizes than their tuned ones (see resized)."""
+                 natives: list[NativeStep] | None = None, arena: SharedArena | None = None):
+        """`natives`: the members' NativeSteps at other input sizes than their tuned ones (see resized). `arena`:
+        the memory (and lock) this segment shares with the program's other segments (native_arena.py)."""
         self.members = members
         self.read_after = read_after
         self.constants = constants or {}  # slot -> weight: what the layers' own launches read besides activations
@@ -137,7 +139,8 @@ class Segment:
         self._layout = (produced, group, exit_group, last_read)
         placed = place(list(spans.values()))
         peak = max((iv.offset + iv.size for iv in placed), default=0)
-        self.buffers = [hugepages.empty(peak // 4)] if peak else []
+        shared = arena.take(peak) if arena is not None and peak else None
+        self.buffers = [shared if shared is not None else hugepages.empty(peak // 4)] if peak else []
         base = self.buffers[0].data_ptr() if peak else 0
         address: dict[int, int] = {s: base + spans[group[s]].offset for s in produced if group[s] in spans}
 
@@ -180,7 +183,7 @@ class Segment:
         lib = onednn.load()
         self._execute, self._stream = lib.lib.dnnl_primitive_execute, lib.stream
         self._check = onednn._check
-        self._lock = threading.Lock()
+        self._lock = arena.lock if shared is not None else threading.Lock()  # the arena's users run one at a time
         self._stage: dict[int, torch.Tensor] = {}
         # NCHW images (4-D entries as users hand them) are laid out NHWC by a reorder at the head
         # of the loop, into a buffer of the segment's: no allocation, both threads.

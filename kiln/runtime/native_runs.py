@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 from kiln.runtime.native import Segment
+from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_members import _expects, reads_of, writes_of
 from kiln.runtime.step import BoundStep
 from kiln.tactics.tactic import NativeStep, native_strides, row_major_strides
@@ -139,6 +140,9 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     start = {run[0]: (run, before) for run, before in runs if len(run) >= 2}
     if not start:
         return steps, []
+    # one arena for them all: the program runs its segments one at a time (kiln/runtime/native_arena.py)
+    arena = SharedArena(SharedArena.bound([[(size, dtype) for k in run for _s, _r, size, _w, dtype
+                                            in writes_of(steps[k], steps[k].fn.native)] for run, _ in start.values()]))
     result: list[BoundStep] = []
     made: list[Segment] = []
     moved: set[int] = set()
@@ -154,7 +158,8 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
         read_after = {s for s, last in last_read.items() if last > end} | outputs
         try:
             read_by = {s for m in members_ for s in m.inputs}
-            segment = Segment(members_, read_after, {s: v for s, v in (constants or {}).items() if s in read_by})
+            segment = Segment(members_, read_after, {s: v for s, v in (constants or {}).items() if s in read_by},
+                              arena=arena)
         except Exception:  # noqa: BLE001  a run that cannot be planned runs layer by layer, as before
             result.append(step)
             continue

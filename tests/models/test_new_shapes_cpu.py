@@ -30,7 +30,7 @@ from kiln.runtime import native
 from kiln.runtime import program as program_module
 from kiln.runtime import shape_function
 from kiln.tactics import registry
-from kiln.tactics.cpu import onednn as onednn_tactics
+from kiln.tactics.cpu import onednn_gemm as onednn_tactics
 from kiln.tactics.tactic import DEFAULT
 
 pytestmark = pytest.mark.skipif(not (onednn.available() and kernels.available() and gemm_native.available()),

@@ -19,6 +19,7 @@ from kiln.builder.timing_cache import environment
 from kiln.kernels.cpu import gemm_native, native_loop, onednn
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime import profiler
+from kiln.runtime import program as program_module
 from kiln.runtime.program import Program
 from kiln.tactics import registry
 from kiln.tactics.tactic import InputMeta
@@ -144,6 +145,27 @@ def test_a_signature_takes_its_rival_where_its_spans_run_faster_in_the_network(m
         swapped = step.name.startswith(faster)
         assert step.tactic == (ONEDNN if swapped else PACKED)
         assert found[i] == {PACKED: 1.0, ONEDNN: 0.5 if swapped else 2.0}
+
+
+def test_the_programs_timed_in_context_pack_only_the_rivals_weights_again(monkeypatch):
+    """The chosen program and the swapped one share every layer prepared alike (one launch, its weights packed
+    once): only the swapped layers have launches of their own. Before, each program packed the whole network."""
+    made: list[Program] = []
+
+    class Recorded(Program):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(in_context, "Program", Recorded)
+    monkeypatch.setattr(program_module, "SHARE_MIN_ELEMENTS", 1)  # these weights count as large
+    spec, weights = _blocks()
+    rivals = {i: r for i, r in _rivals(spec).items() if spec.steps[i].name.startswith("up")}
+    in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], rivals)
+    chosen, swapped = made
+    for i, step in enumerate(spec.steps):
+        shared = chosen.steps[i].fn is swapped.steps[i].fn
+        assert shared == (i not in rivals), f"{step.name}: shared {shared}"
 
 
 def test_retimed_choices_run_and_match_the_reference():

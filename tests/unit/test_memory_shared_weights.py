@@ -188,3 +188,22 @@ def test_kiln_build_verbose_reports_build_memory(tmp_path, capsys):
     assert "build memory" in out and "peak RSS +" in out and "of weights" in out
     assert main(["build", str(path), "-o", str(tmp_path / "shared.kiln")]) == 0
     assert "build memory" not in capsys.readouterr().out  # -v only
+
+
+def test_the_tactic_search_gives_the_heaps_free_pages_back_after_every_layer(monkeypatch):
+    """Each layer's candidates (packed weights, outputs) are freed when it is tuned, but the C heap keeps the pages
+    of freed blocks below its top: kept, they add up over the layers (ResNet-50's search: ~230 MiB of free heap at
+    its end). The search gives them back once per layer tuned, and the engine still agrees with onnxruntime."""
+    from kiln.builder import autotune
+
+    given_back = []
+    monkeypatch.setattr(autotune, "return_free_memory", lambda: given_back.append(1))
+    proto = shared_layers_model(transpose_per_layer=True)
+    tuned = []
+    engine = kiln.build(proto, progress=lambda msg: tuned.append(msg) if msg.startswith("tactics: ") and
+                        msg.split()[1][0].isdigit() and "/" in msg.split()[1] else None)
+    assert tuned and len(given_back) == len(tuned)
+    x = np.random.default_rng().standard_normal((2, 8, D)).astype(np.float32)
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    output = proto.graph.output[0].name
+    np.testing.assert_allclose(engine.run({"x": x})[output], session.run(None, {"x": x})[0], rtol=RTOL, atol=ATOL)

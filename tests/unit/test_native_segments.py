@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import numpy as np
 import pytest
@@ -175,6 +176,67 @@ def test_two_threads_share_one_program():
     for t in threads:
         t.join()
     assert problems == []
+
+
+def _two_segments() -> tuple[ProgramSpec, dict]:
+    """x -> a -> b -> c (3x3 convolutions) | Relu | cr -> d -> e -> out: two segments, each with two values that
+    live and die inside it (a, b; d, e) and one it hands on."""
+    g = torch.Generator().manual_seed(7)
+    weights = {f"w{i}": torch.randn(8, 8, 3, 3, generator=g) * 0.2 for i in range(6)}
+    chain = ["x", "a", "b", "c", "cr", "d", "e", "out"]
+    steps = [_conv(f"c{i}", chain[i], f"w{i}", chain[i + 1], [1, 8, 12, 12]) for i in range(3)]
+    steps.append(StepSpec("Relu", "between", ["c"], ["cr"]))
+    steps += [_conv(f"c{i}", chain[i + 1], f"w{i}", chain[i + 2], [1, 8, 12, 12]) for i in range(3, 6)]
+    return ProgramSpec(["x"], ["out"], steps, {k: k for k in weights}), weights
+
+
+def test_the_segments_of_a_program_share_one_arena_and_one_lock():
+    """The second segment plans its values into the memory the first planned its own into (the arena is as large
+    as the larger plan, not the sum; kiln/runtime/native_arena.py), and two threads running the program at once
+    still get the reference: the segments run one at a time."""
+    spec, weights = _two_segments()
+    program = Program(spec, weights)
+    first, second = program.segments
+    assert [len(s.members) for s in (first, second)] == [3, 3]
+    value = 8 * 12 * 12 * 4
+    assert first.planned_bytes == second.planned_bytes == 2 * value  # a and b; d and e
+    assert first.buffers[0].data_ptr() == second.buffers[0].data_ptr() and first._lock is second._lock
+    inputs = [torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    wants = [_want(spec, weights, x)[0] for x in inputs]
+    problems = []
+
+    def work(offset):
+        with torch.inference_mode():
+            for _ in range(10):
+                for k in range(offset, len(inputs), 2):
+                    got = program.run([inputs[k]])[0]
+                    scale = wants[k].abs().max().item()
+                    if (got.double() - wants[k]).abs().max().item() > ATOL + RTOL * scale:
+                        problems.append(k)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert problems == []
+
+
+def test_segments_whose_shared_arena_cannot_be_mapped_plan_arenas_of_their_own(monkeypatch):
+    """A shared arena is as large as the most any one segment could need; where that much address space is refused,
+    each segment gets its own (as large as its plan) and the program still gets the reference."""
+    from kiln.runtime import native_arena
+
+    def refused(numel, *args, **kwargs):
+        raise RuntimeError(f"DefaultCPUAllocator: can't allocate memory: you tried to allocate {numel * 4} bytes")
+
+    monkeypatch.setattr(native_arena, "hugepages", types.SimpleNamespace(empty=refused))  # the shared arena's only
+    spec, weights = _two_segments()
+    program = Program(spec, weights)
+    first, second = program.segments
+    assert first.buffers[0].data_ptr() != second.buffers[0].data_ptr() and first._lock is not second._lock
+    x = torch.randn(1, 8, 12, 12)
+    assert_close(_run(spec, weights, x)[0], _want(spec, weights, x)[0])
 
 
 def test_segments_can_be_switched_off(monkeypatch):

@@ -1,7 +1,7 @@
 """A oneDNN linear layer at row counts it was not built for (issue 10: binding a new shape without creating
 primitives): the runtime-M matmul (kiln/kernels/cpu/onednn_matmul.py) against float64 torch at fresh row counts,
 one primitive for every row count and every layer of a shape, and the tactic's choice between it and an inner
-product per row count (kiln/tactics/cpu/onednn.py, RuntimeRows) against onnxruntime, natively and per layer."""
+product per row count (kiln/tactics/cpu/onednn_gemm.py, RuntimeRows) against onnxruntime, natively and per layer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_matmul, onednn_primitives
-from kiln.tactics.cpu import onednn as onednn_tactics
+from kiln.tactics.cpu import onednn_gemm as onednn_tactics
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
 
@@ -83,7 +83,7 @@ def test_layers_and_row_counts_of_one_shape_share_one_primitive():
 
 
 def test_inner_products_of_one_shape_at_a_new_row_count_share_one_primitive_not_their_weights():
-    """The other path (kiln/tactics/cpu/onednn.py binds 3-255 rows on inner products made for them): the second
+    """The other path (kiln/tactics/cpu/onednn_gemm.py binds 3-255 rows on inner products made for them): the second
     layer of a shape takes the first's primitive and its own tuned layer's weight, bias and memory objects."""
     gelu = onednn.Eltwise("gelu_erf")
     weights = [(torch.randn(N, K) / K ** 0.5, torch.randn(N)) for _ in range(2)]

@@ -2,7 +2,7 @@
 (issue 10: a new shape's first call should cost no more than a repeat).
 
 A linear layer at a row count other than its tuned one runs on an inner product created and JIT-compiled for that
-row count (kiln/tactics/cpu/onednn.py): ~0.5-1.4 ms of thread CPU each, one per layer shape (shared by the layers
+row count (kiln/tactics/cpu/onednn_gemm.py): ~0.5-1.4 ms of thread CPU each, one per layer shape (shared by the layers
 of that shape: 3 for BERT-base), so a BERT-base first call at a new row count of 3-255 waited that long for them.
 The runtime-M matmul (one primitive for every row count, kiln/kernels/cpu/onednn_matmul.py) would spare the wait,
 but a whole BERT-base call on it is 1.26-1.69x slower at 4-64 rows (21-67 ms a call, in situ, 1 thread;

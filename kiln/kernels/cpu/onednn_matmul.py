@@ -11,7 +11,7 @@ The kernel is another one. On oneDNN 3.2 only `gemm:jit:f32` takes a runtime M (
 it reads the weight where it lies: ONNX's [N, K] row-major is matmul's [K, N] in tag `ba`, so the layer keeps no
 packed copy. Measured against the fixed-M brgemm inner product at BERT-base's shapes (bench/onednn_rows.py,
 bench/results/first-calls-2026-12-03.md): as fast at 1-2 rows and, on one thread, from ~256; 1.1-2.4x slower at
-4-128 rows, where the jit GEMM's per-call packing of the weight is most of the work. kiln/tactics/cpu/onednn.py
+4-128 rows, where the jit GEMM's per-call packing of the weight is most of the work. kiln/tactics/cpu/onednn_gemm.py
 picks it only where it measured as fast (RUNTIME_ROWS_* there).
 
 No residual: a binary post-op's operand cannot have a runtime dimension (oneDNN 3.2 refuses it: "invalid

@@ -2,7 +2,8 @@
 
     torch_mkl.py   convolutions and GEMMs through torch's oneDNN/MKL entry points, weights packed at load
     onednn.py      oneDNN's C API: primitives built once at load, runnable inside native segments
-                   (conv, Winograd conv, pooling, inner product, no-copy reshapes)
+                   (conv, Winograd conv, pooling, no-copy reshapes)
+    onednn_gemm.py ... the inner product (kiln::FusedGemm), other row counts on kiln's GEMM or a runtime-M matmul
     gemm_packed.py kiln's own packed GEMM (kiln/kernels/cpu/gemm.c), runnable inside native segments
     quantized.py   kiln::QConv / QGemm on oneDNN's int8 primitives (kiln/ops/quantized.py)
     qdq.py         per-tensor Q/DQ and the 8-bit ops between quantized layers: QAdd, MaxPool
@@ -22,6 +23,7 @@
 # Registration order is the candidates' order (a tie in timing goes to the earlier one).
 import kiln.tactics.cpu.torch_mkl  # noqa: F401, I001
 import kiln.tactics.cpu.onednn  # noqa: F401
+import kiln.tactics.cpu.onednn_gemm  # noqa: F401
 import kiln.tactics.cpu.gemm_packed  # noqa: F401
 import kiln.tactics.cpu.transformer  # noqa: F401
 import kiln.tactics.cpu.attention  # noqa: F401

@@ -1,0 +1,51 @@
+"""One arena for every native segment of a program (kiln/runtime/native.py).
+
+A program runs its segments one after another, and nothing a segment leaves in its arena is read after its run:
+its exits are fresh tensors, its entries the caller's, its arena holds only the values that live and die inside
+it. So the segments of one program can plan their values into the same memory, which is then as large as the
+largest segment's plan instead of the sum of them all. YOLOS-Ti at full size (24 segments, one per encoder block
+and its neighbours, of 0.8-1.6 MiB each): 20.6 MiB of arenas, 1.6 MiB resident shared.
+
+The arena is a range of address space as large as the largest segment could need (every value its members
+write, SharedArena.bound); only the pages a segment's plan reaches are ever touched, so what is resident is the
+largest plan. The price is one lock for them all: two contexts of one engine run its segments one at a time,
+where before each segment had a lock of its own (a segment's layers already take every core: oneDNN's and
+kiln's kernels run on OpenMP's thread count).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from kiln.kernels.cpu import hugepages
+
+
+class SharedArena:
+    """`nbytes` of float32 memory shared by a program's segments, each planned from its start (take), one lock
+    for their runs."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.lock = threading.Lock()
+        self._buffer: torch.Tensor | None = None  # mapped at the first take: untouched pages hold no memory
+
+    @staticmethod
+    def bound(runs: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> int:
+        """The most any one run of values (size, dtype) could plan: each value on a 64-byte line, none reused."""
+        return max((sum(-(-math.prod(size) * dtype.itemsize // 64) * 64 for size, dtype in run) for run in runs),
+                   default=0)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """The arena's first `nbytes` (a multiple of 4) as a float32 tensor; None when it is smaller than that."""
+        if nbytes > self.nbytes:
+            return None
+        if self._buffer is None:
+            try:
+                self._buffer = hugepages.empty(-(-self.nbytes // 4))
+            except (RuntimeError, MemoryError):  # no address space that large (strict overcommit, a ulimit -v): the
+                self.nbytes = 0  # segments plan into arenas of their own, as large as each one's plan
+                return None
+        return self._buffer[:nbytes // 4]
