@@ -154,21 +154,30 @@ def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypa
     shared = onednn_primitives._shared_inner_product
     monkeypatch.setattr(onednn_primitives, "_shared_inner_product",
                         lambda rows, *a: created.append(rows) or shared(rows, *a))
-    for rows in (39, 41):
+    # 481 rows: past the profile's 6 x 80, so no other test's context made the layer an inner product there (a
+    # layer keeps the ones it made per row count, and a kept one is not looked up again)
+    for rows in (39, 481):
         x = torch.randn(rows, w.shape[1])  # x: [M, K]
         got = step.fn(step.ctx, x, *constants[1:], **step.attributes)
         want = reference(step.ctx, x, *constants[1:], **step.attributes)  # kiln::FusedGemm's own op (its GELU)
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL, rtol=RTOL, err_msg=f"{rows} rows")
-    assert created == [41]
+    assert created == [481]
     _, session = bert
+    (segment,) = engine.program.segments
+    # views bound anew under this threshold: one an earlier test bound at 3 x 29 (its fresh shapes are random) is
+    # kept, and ran on kiln's GEMM without a look-up (failed 2 of 7 CI-like runs); the template grown to the
+    # profile's largest first, so both shapes are views of it whatever ran before
+    segment.resized.clear()
     context = engine.create_execution_context(pad_first_calls=False)
+    context.run(request(6, 80))
+    created.clear()
     for bs, s in ((1, 37), (3, 29)):  # 37 rows: kiln's GEMM; 87 rows: oneDNN primitives, bound in the view
         x = request(bs, s)
         got = next(iter(context.run(x).values()))
         real = x["attention_mask"].astype(bool)
         np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL,
                                    err_msg=f"{bs}x{s}")
-    assert 87 in created and 37 not in created
+    assert 87 in created and 37 not in created, created
 
 
 def test_large_layers_keep_a_onednn_primitive_per_row_count(bert):
