@@ -53,15 +53,14 @@ def onednn_gemms_first(points: list[dict[str, float]]) -> str:
 @pytest.fixture(scope="module")
 def bert():
     exported = zoo.export("bert_tiny", dynamic=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(autotune, "_choose_over", onednn_gemms_first)
-        engine = kiln.build(str(exported.path), profiles=[{"input_ids": PROFILE}])
-    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    # no primitives made ahead on a background thread: the tests count which row counts the calls themselves make
-    # (a made-ahead 87-row primitive failed test_large_work_at_other_rows_still_builds_a_onednn_primitive at random)
+    # no primitives made ahead on a background thread (the engine schedules them as it is made): the tests count
+    # which row counts the calls themselves make
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KILN_ONEDNN_AHEAD", "0")
-        yield engine, session
+        with pytest.MonkeyPatch.context() as tuning:
+            tuning.setattr(autotune, "_choose_over", onednn_gemms_first)
+            engine = kiln.build(str(exported.path), profiles=[{"input_ids": PROFILE}])
+        yield engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
 def request(b: int, s: int) -> dict[str, np.ndarray]:
