@@ -1,8 +1,8 @@
 """The autotuner's CPU timing (kiln/builder/autotune.py: measure, cpu_clock, contenders_again) on callables
 whose costs are known: a burst of other work on most rounds does not decide (on a clock only the calls move),
 the process-CPU clock leaves out time a candidate spent off the CPU, the clock follows the machine's runnable
-tasks, and the close candidates are timed again. An end-to-end check under real load is bench/tuner_load.py (a benchmark: timings are not
-asserted in tests)."""
+tasks, and the close candidates are timed again. An end-to-end check under real load is bench/tuner_load.py (a
+benchmark: timings are not asserted in tests)."""
 
 from __future__ import annotations
 
