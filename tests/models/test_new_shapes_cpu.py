@@ -70,12 +70,12 @@ def request(b: int, s: int) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(0, 1000, (b, s), dtype=np.int64), "attention_mask": mask}
 
 
-def fresh_shapes(count: int) -> list[tuple[int, int]]:
-    """`count` distinct random (batch, seq) inside the profile, never its opt shape."""
+def fresh_shapes(count: int, besides: tuple[tuple[int, int], ...] = ()) -> list[tuple[int, int]]:
+    """`count` distinct random (batch, seq) inside the profile, never its opt shape nor one of `besides`."""
     shapes: dict[tuple[int, int], None] = {}
     while len(shapes) < count:
         b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
-        if (b, s) != (2, 16):
+        if (b, s) != (2, 16) and (b, s) not in besides:
             shapes[(b, s)] = None
     return list(shapes)
 
@@ -297,7 +297,7 @@ def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch
         assert not lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md))
         return address.value, md.value
 
-    for b, s in fresh_shapes(3):
+    for b, s in fresh_shapes(3, besides=((6, 80),)):  # 6 x 80 has its view: a run there would make none
         made.clear()
         context.run(request(b, s))
         ((owners, member_calls),) = made
