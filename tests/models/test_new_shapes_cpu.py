@@ -53,15 +53,14 @@ def onednn_gemms_first(points: list[dict[str, float]]) -> str:
 @pytest.fixture(scope="module")
 def bert():
     exported = zoo.export("bert_tiny", dynamic=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(autotune, "_choose_over", onednn_gemms_first)
-        engine = kiln.build(str(exported.path), profiles=[{"input_ids": PROFILE}])
-    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
-    # no primitives made ahead on a background thread: the tests count which row counts the calls themselves make
-    # (a made-ahead 87-row primitive failed test_large_work_at_other_rows_still_builds_a_onednn_primitive at random)
+    # no primitives made ahead on a background thread (the engine schedules them as it is made): the tests count
+    # which row counts the calls themselves make
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KILN_ONEDNN_AHEAD", "0")
-        yield engine, session
+        with pytest.MonkeyPatch.context() as tuning:
+            tuning.setattr(autotune, "_choose_over", onednn_gemms_first)
+            engine = kiln.build(str(exported.path), profiles=[{"input_ids": PROFILE}])
+        yield engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
 
 
 def request(b: int, s: int) -> dict[str, np.ndarray]:
@@ -71,12 +70,12 @@ def request(b: int, s: int) -> dict[str, np.ndarray]:
     return {"input_ids": rng.integers(0, 1000, (b, s), dtype=np.int64), "attention_mask": mask}
 
 
-def fresh_shapes(count: int) -> list[tuple[int, int]]:
-    """`count` distinct random (batch, seq) inside the profile, never its opt shape."""
+def fresh_shapes(count: int, besides: tuple[tuple[int, int], ...] = ()) -> list[tuple[int, int]]:
+    """`count` distinct random (batch, seq) inside the profile, never its opt shape nor one of `besides`."""
     shapes: dict[tuple[int, int], None] = {}
     while len(shapes) < count:
         b, s = int(rng.integers(1, 7)), int(rng.integers(1, 81))
-        if (b, s) != (2, 16):
+        if (b, s) != (2, 16) and (b, s) not in besides:
             shapes[(b, s)] = None
     return list(shapes)
 
@@ -154,21 +153,30 @@ def test_large_work_at_other_rows_still_builds_a_onednn_primitive(bert, monkeypa
     shared = onednn_primitives._shared_inner_product
     monkeypatch.setattr(onednn_primitives, "_shared_inner_product",
                         lambda rows, *a: created.append(rows) or shared(rows, *a))
-    for rows in (39, 41):
+    # 481 rows: past the profile's 6 x 80, so no other test's context made the layer an inner product there (a
+    # layer keeps the ones it made per row count, and a kept one is not looked up again)
+    for rows in (39, 481):
         x = torch.randn(rows, w.shape[1])  # x: [M, K]
         got = step.fn(step.ctx, x, *constants[1:], **step.attributes)
         want = reference(step.ctx, x, *constants[1:], **step.attributes)  # kiln::FusedGemm's own op (its GELU)
         np.testing.assert_allclose(got.numpy(), want.numpy(), atol=ATOL, rtol=RTOL, err_msg=f"{rows} rows")
-    assert created == [41]
+    assert created == [481]
     _, session = bert
+    (segment,) = engine.program.segments
+    # views bound anew under this threshold: one an earlier test bound at 3 x 29 (its fresh shapes are random) is
+    # kept, and ran on kiln's GEMM without a look-up (failed 2 of 7 CI-like runs); the template grown to the
+    # profile's largest first, so both shapes are views of it whatever ran before
+    segment.resized.clear()
     context = engine.create_execution_context(pad_first_calls=False)
+    context.run(request(6, 80))
+    created.clear()
     for bs, s in ((1, 37), (3, 29)):  # 37 rows: kiln's GEMM; 87 rows: oneDNN primitives, bound in the view
         x = request(bs, s)
         got = next(iter(context.run(x).values()))
         real = x["attention_mask"].astype(bool)
         np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL,
                                    err_msg=f"{bs}x{s}")
-    assert 87 in created and 37 not in created
+    assert 87 in created and 37 not in created, created
 
 
 def test_large_layers_keep_a_onednn_primitive_per_row_count(bert):
@@ -289,7 +297,7 @@ def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch
         assert not lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md))
         return address.value, md.value
 
-    for b, s in fresh_shapes(3):
+    for b, s in fresh_shapes(3, besides=((6, 80),)):  # 6 x 80 has its view: a run there would make none
         made.clear()
         context.run(request(b, s))
         ((owners, member_calls),) = made

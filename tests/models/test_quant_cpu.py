@@ -19,6 +19,7 @@ from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, 
 
 import kiln
 from kiln import zoo
+from kiln.builder import autotune
 from tests.calibration import FeedsReader
 from kiln.cli import main
 from kiln.kernels.cpu import onednn
@@ -26,6 +27,15 @@ from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 is not loadable here")
 INT8 = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
+
+
+@pytest.fixture(autouse=True)
+def native_tactics_win(monkeypatch):
+    """The int8 kernels and the segments they make, not the tuner's choice on a loaded machine: the native tactics
+    (oneDNN's int8 kernels, quantize, add, pool) win wherever they run. Timed, a layer or two took a non-native
+    tactic under load and split the segment (the longest 9 layers, not 26: both fast cases failed with two CPU hogs
+    beside them at load ~16)."""
+    monkeypatch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
 
 
 def _images(n: int, seed: int, size: int = 64) -> list[dict[str, np.ndarray]]:
@@ -64,9 +74,10 @@ def test_onnxruntimes_qdq_model_runs_int8_kernels_and_matches_onnxruntime(tmp_pa
     chosen = _tactics(engine)
     on_int8 = [n for n, t in chosen.items() if t in INT8]
     if reduce_range or has_int8_dot_product():
-        assert len(on_int8) >= 12, chosen  # the first 3-channel convolution may time faster in float
+        assert len(on_int8) >= 12, chosen
         # the 8-bit layers run as native segments (bound oneDNN primitives, one call into a C loop)
-        assert max((len(seg.members) for seg in engine.program.segments), default=0) >= 10
+        segments = [len(seg.members) for seg in engine.program.segments]
+        assert max(segments, default=0) >= 10, (segments, chosen)
     else:  # vpmaddubsw would saturate on full-range weights: their float layer runs, and says why
         assert not on_int8
         why = [v["why"] for v in engine.plan.header["quantization"]["layers"].values()]

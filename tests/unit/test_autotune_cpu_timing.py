@@ -1,13 +1,14 @@
 """The autotuner's CPU timing (kiln/builder/autotune.py: measure, cpu_clock, contenders_again) on callables
-whose costs are known: a burst of other work on most rounds does not decide, the process-CPU clock leaves out
-time a candidate spent off the CPU, the clock follows the machine's runnable tasks, and the close candidates
-are timed again. An end-to-end check under real load is bench/tuner_load.py (a benchmark: timings are not
-asserted in tests)."""
+whose costs are known: a burst of other work on most rounds does not decide (on a clock only the calls move),
+the process-CPU clock leaves out time a candidate spent off the CPU, the clock follows the machine's runnable
+tasks, and the close candidates are timed again. An end-to-end check under real load is bench/tuner_load.py (a
+benchmark: timings are not asserted in tests)."""
 
 from __future__ import annotations
 
 import itertools
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,16 +25,22 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def test_the_least_round_decides_not_a_burst_on_most_rounds():
+def test_the_least_round_decides_not_a_burst_on_most_rounds(monkeypatch):
     """'fast' takes 2 ms, but 4 of its 5 calls are held up 30 ms more (a descheduled thread's slice); 'steady'
     takes 12 ms every time. The least of the rounds is 'fast''s own cost; the lower quartile (the old
-    estimate) takes a delayed round and would choose 'steady'. Sleeps, not spins: their wall time holds on a
-    loaded test machine; 10 rounds give 'fast' two undelayed calls and 10 ms of margin, since a loaded machine
-    wakes a sleeper late (a 2 ms sleep took 10 ms at load 15)."""
+    estimate) takes a delayed round and would choose 'steady'. On a wall clock only the calls move: real
+    sleeps woke late on the loaded test machine (a 2 ms one took 13-16 ms at load 15: 3 of 60 runs chose
+    'steady')."""
+    now = [0.0]  # seconds
+
+    def takes(seconds: float) -> None:
+        now[0] += seconds
+
+    monkeypatch.setattr(autotune, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     delays = itertools.cycle([0.030, 0.030, 0.0, 0.030, 0.030])
-    fns = {"fast": lambda: time.sleep(0.002 + next(delays)), "steady": lambda: time.sleep(0.012)}
+    fns = {"fast": lambda: takes(0.002 + next(delays)), "steady": lambda: takes(0.012)}
     times = autotune.measure(fns, CPU, runs=10, budget_s=10.0)
-    assert 2.0 <= times["fast"] < times["steady"] and times["steady"] >= 12.0, times
+    assert times == pytest.approx({"fast": 2.0, "steady": 12.0}), times
 
 
 def test_the_process_cpu_clock_leaves_out_time_off_the_cpu():

@@ -57,7 +57,10 @@ def test_a_second_binding_at_the_same_sizes_reuses_the_kernels(dynamic_bert_tiny
     engine, session = dynamic_bert_tiny
     context = engine.create_execution_context(pad_first_calls=False)
     rng = np.random.default_rng()
-    feeds = _feeds(rng, int(rng.integers(1, 5)), int(rng.integers(2, 49)))
+    batch, seq = 4, 32
+    while (batch, seq) == (4, 32):  # the tuned shape runs the segment itself: it has no view to bind again
+        batch, seq = int(rng.integers(1, 5)), int(rng.integers(2, 49))
+    feeds = _feeds(rng, batch, seq)
     first = context.run(feeds)
     segment = next(s for s in engine.program.segments if s.resized)
     key, view = next(reversed(segment.resized.items()))
