@@ -69,7 +69,9 @@ class _PlanRewrite:
     shape's primitive at the new rows on its own weight (NativeStep.primitive_at, worked out once per layer shape a
     view): all of a view's such members' execution arguments are one array, each role a memory object at its arena
     place (one per descriptor and place), no Bound, NativeStep or InnerProduct per member (BERT-base's 24: ~0.35 ->
-    ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). The other members (kernels whose plans hold floats,
+    ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). Where every member is one of those two kinds, a view's
+    loop arrays are the template's numpy images with those calls stored in (_CallImage: BERT-base's view ~0.27 ->
+    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). The other members (kernels whose plans hold floats,
     squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
