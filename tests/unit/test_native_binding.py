@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.kernels.cpu import gemm_native, native_loop, onednn
+from kiln.kernels.cpu import gemm_native, native_loop
 from kiln.kernels.cpu import transformer as kernels
 from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.runtime import native, native_views
@@ -213,44 +213,6 @@ def test_rewritten_views_run_bit_for_bit_as_replanned_ones_and_match_onnxruntime
         for a, b, w in zip(ours.values(), theirs.values(), session.run(None, f)):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_allclose(a, w, rtol=ORT_TOL, atol=ORT_TOL)
-
-
-def test_call_arrays_stored_by_numpy_are_the_ones_assembled_member_by_member(dynamic_bert_tiny, monkeypatch):
-    """A view whose every member is rewritten has its loop's arrays written by numpy stores on the template's images
-    (native_views._CallImage): the same functions, plans (byte for byte), argument counts and memory bindings as
-    the view's calls assembled member by member (_Resized.from_members), at fresh shapes."""
-    engine, _ = dynamic_bert_tiny
-    context = engine.create_execution_context(pad_first_calls=False)
-    rng = np.random.default_rng()
-    segment = _segment(engine)
-    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(6)} | {(1, 1)}
-    compared = 0
-    for batch, seq in sorted(shapes, key=lambda _: rng.random()):
-        context.run(_feeds(rng, batch, seq))
-        key = next(reversed(segment.resized))
-        template = segment._grown or segment
-        ours = segment._rewritten(key)
-        assert ours is not None, f"{batch}x{seq}: not rewritten"
-        assert template._rewrite._calls is not None, "bert_tiny's segment: every member is rewritten"
-        with monkeypatch.context() as patch:
-            patch.setattr(template._rewrite, "_calls", None)
-            theirs = segment._rewritten(key)
-        a, b = ours._c[PARALLEL], theirs._c[PARALLEL]
-        assert list(ours._c) == list(theirs._c) == [PARALLEL] and ours._names == theirs._names
-        assert a[7] == b[7] == len(template._bound_members)
-        assert (a[0], a[2], a[3], a[4], a[6]) == (b[0], b[2], b[3], b[4], b[6])  # the template's bindings
-        assert list(a[1]) == list(b[1]) and list(a[9]) == list(b[9])  # functions, nargs
-        plans = [ctypes.sizeof(b_.plan) if hasattr(b_, "plan") else None for b_ in template.bound]
-        for i, size in enumerate(plans):
-            if a[9][i]:  # a oneDNN primitive's call: its primitive, and its arguments' ids
-                assert a[8][i] == b[8][i]
-                got, want = (onednn._ExecArg * a[9][i]).from_address(a[10][i]), \
-                    (onednn._ExecArg * b[9][i]).from_address(b[10][i])
-                assert [x.arg for x in got] == [x.arg for x in want]
-            else:
-                assert ctypes.string_at(a[8][i], size) == ctypes.string_at(b[8][i], size), f"{batch}x{seq}: call {i}"
-                compared += 1
-    assert compared > 0
 
 
 def test_a_rule_that_does_not_give_back_the_template_plan_is_not_used(dynamic_bert_tiny):
