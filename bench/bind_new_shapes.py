@@ -61,13 +61,25 @@ def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -
 def _timed(function, into: list[float]):
     """`function` appending each call's thread CPU time (µs) to `into`."""
 
-    def timed(*args):
+    def timed(*args, **kwargs):
         start = time.thread_time_ns()
-        result = function(*args)
+        result = function(*args, **kwargs)
         into.append((time.thread_time_ns() - start) / 1e3)
         return result
 
     return timed
+
+
+def _op_timers(namespace: dict) -> dict[str, list[float]]:
+    """Each function a generated shape function calls (its namespace: helpers `_x`, steps' ops `fN`) wrapped to
+    append its calls' thread CPU µs to a list named after it (rows "  shape op NAME", summed per new shape)."""
+    found: dict[str, list[float]] = {}
+    for name, value in list(namespace.items()):
+        if callable(value) and not name.startswith("__") and (name.startswith("_") or name[1:].isdigit()) \
+                and not name.startswith("_memo"):
+            into = found.setdefault(f"  shape op {getattr(value, '__name__', name)}", [])
+            namespace[name] = _timed(value, into)
+    return found
 
 
 def _recording(into: list) -> None:
@@ -105,7 +117,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--hot", type=int, default=0, help="passes binding every shape's view again, hot (0: none)")
     ap.add_argument("--parts", action="store_true",
-                    help="also time the rewrite's parts (their timers add to the total: leave off for an A/B)")
+                    help="also time the rewrite's parts and the shape function's calls by what they call (their "
+                         "timers add to the totals: leave off for an A/B)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.path == "replan":
@@ -132,6 +145,9 @@ def main() -> None:
         _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
         _timing(resizable, "__call__", per_call["    at() of members without a rule"])
         native_views._rebound = _timed(native_views._rebound, per_call["    _rebound (those members' calls)"])
+    if args.parts:  # the shape function's calls, by what they call (a step's op, or a helper of the generator)
+        if engine.program.shape_function is not None:
+            per_call.update(_op_timers(engine.program.shape_function.fn.__globals__))
     rng = np.random.default_rng(args.seed)
     shapes = [(b, s) for s in range(*args.seq) for b in range(1, args.max_batch + 1)]
     gc.collect()
@@ -146,7 +162,7 @@ def main() -> None:
         times["first call - its repeat"].append(calls[0] - calls[1])
         for name, found in per_call.items():
             if found:
-                times[name].append(sum(found))
+                times.setdefault(name, []).append(sum(found))
                 found.clear()
     gc.collect()
     kept = (len(gc.get_objects()) - tracked) / len(shapes)

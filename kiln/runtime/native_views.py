@@ -69,7 +69,9 @@ class _PlanRewrite:
     shape's primitive at the new rows on its own weight (NativeStep.primitive_at, worked out once per layer shape a
     view): all of a view's such members' execution arguments are one array, each role a memory object at its arena
     place (one per descriptor and place), no Bound, NativeStep or InnerProduct per member (BERT-base's 24: ~0.35 ->
-    ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). The other members (kernels whose plans hold floats,
+    ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). Where every member is one of those two kinds, a view's
+    loop arrays are the template's numpy images with those calls stored in (_CallImage: BERT-base's view ~0.27 ->
+    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). The other members (kernels whose plans hold floats,
     squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
@@ -124,6 +126,7 @@ class _PlanRewrite:
         nhwc = {m.outputs[0]: native.reads is None or native.channels_last
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
+        self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -185,8 +188,18 @@ class _PlanRewrite:
             buffer[where64] = flat[value64]
             buffer.view(np.int32)[where32] = flat[value32]
         base = buffer.ctypes.data
-        owners, member_calls, owned, anew = [], [], [buffer], set()
-        arguments = self._arguments_at(bound, owned) if bound else {}
+        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
+                       for s, dtype, nhwc in self._exits]
+        entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
+        owned = [buffer]
+        if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
+            c = self._calls.at(base, self._arguments_at(bound, owned) if bound else None)
+            return _Resized(template, {PARALLEL: c}, template._names, exit_shapes, entry_forms, owned)
+        owners, member_calls, anew = [], [], set()
+        arguments = {}
+        if bound:
+            primitives, counts, addresses = self._arguments_at(bound, owned)
+            arguments = dict(zip(bound, zip(primitives, counts, addresses.tolist())))
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
@@ -204,25 +217,27 @@ class _PlanRewrite:
             owners.append(owner)
             owned.append(owner)
             member_calls.append(owner.calls())
-        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
-                       for s, dtype, nhwc in self._exits]
-        return _Resized(template, owners, member_calls, anew, exit_shapes,
-                        ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts), owned)
+        return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
-    def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]) -> dict[int, tuple[int, int, int]]:
-        """member -> (primitive, nargs, args address) of each oneDNN member in `bound` (member -> its primitive at a
-        view's sizes): every member's execution arguments in one array, each role a memory object of its descriptor
-        there at its arena address (one per descriptor and address); `owned` gets what they point at
+    def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]
+                      ) -> tuple[list[int], list[int], np.ndarray]:
+        """(primitives, nargs, args addresses) of the oneDNN members in `bound` (member -> its primitive at a view's
+        sizes), in its order: every member's execution arguments in one array, each role a memory object of its
+        descriptor there at its arena address (one per descriptor and address); `owned` gets what they point at
         (_HeldArguments)."""
         ids: list[int] = []  # execution arguments, member after member ...
         memories: list[int] = []  # ... and their memory objects
         held: dict[tuple[int, int], Any] = {}
         kept: list[Any] = []
-        starts: dict[int, tuple[int, int, int]] = {}  # member -> (primitive, its first argument, nargs)
+        primitives: list[int] = []
+        firsts: list[int] = []  # each member's first argument ...
+        counts: list[int] = []  # ... and how many
         for k, sized in bound.items():
             arguments, bind = sized.arguments, self._members[k][9]
             addresses = bind.addresses
-            starts[k] = (arguments.primitive, len(ids), len(arguments.roles) + len(bind.fixed_ids))
+            primitives.append(arguments.primitive)
+            firsts.append(len(ids))
+            counts.append(len(arguments.roles) + len(bind.fixed_ids))
             for role, argument, md in arguments.roles:
                 memory = held.get((md, addresses[role]))
                 if memory is None:
@@ -235,9 +250,7 @@ class _PlanRewrite:
         array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
         array["arg"], array["memory"] = ids, memories
         owned.append(_HeldArguments(array, list(held.values()), kept))
-        base = array.ctypes.data
-        return {k: (primitive, nargs, base + first * _EXEC_ARG.itemsize) for k, (primitive, first, nargs) in
-                starts.items()}
+        return primitives, counts, np.array(firsts, np.uintp) * _EXEC_ARG.itemsize + array.ctypes.data
 
 
 _EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
@@ -251,6 +264,58 @@ class _HeldArguments:
     array: np.ndarray
     memories: list[Any]
     kept: list[Any]
+
+
+@dataclass(frozen=True)
+class _CallImage:
+    """A template's compiled-loop arrays (Segment._c_loop's) as numpy images, for its views whose every member is
+    rewritten (a plan of kiln's own kernel, or a oneDNN member's arguments): a view's objects, nargs and args arrays
+    are copies with those calls written by numpy stores; the rest (functions, bindings: none of these members is an
+    entry's or exit's) is the template's, which the loop only reads."""
+
+    loop: tuple  # the template's Segment._c_loop arrays
+    objects: np.ndarray  # uintp, every call's
+    nargs: np.ndarray  # int32
+    args: np.ndarray  # uintp
+    plan_calls: np.ndarray  # the calls running a rewritten plan ...
+    plan_offsets: np.ndarray  # ... and where in a view's plan buffer it is (uintp)
+    argument_calls: np.ndarray  # the oneDNN members' calls, in member order
+
+    @classmethod
+    def of(cls, template: Any, members: list[tuple]) -> _CallImage | None:
+        """The image, or None where a member is neither kind, makes another count of calls than one, or the
+        template's call of a oneDNN member is not oneDNN's execute (then views assemble their calls member by
+        member)."""
+        loop = template._c[False, PARALLEL]
+        functions, objects, nargs, args = loop[1], loop[8], loop[9], loop[10]
+        if set(template._call_counts) != {1} or len(functions) != len(template.bound):
+            return None
+        plan_calls, plan_offsets, argument_calls = [], [], []
+        execute = native_loop.execute_function()
+        for i, k in enumerate(template._bound_members):
+            placed, bind = members[k][6], members[k][9]
+            if placed is not None and functions[i] == placed[0]:
+                plan_calls.append(i)
+                plan_offsets.append(placed[1])
+            elif bind is not None and functions[i] == execute:
+                argument_calls.append(i)
+            else:
+                return None
+        return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
+                   np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
+                   np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
+
+    def at(self, base: int, arguments: tuple[list[int], list[int], np.ndarray] | None) -> tuple:
+        """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
+        are `arguments` (_PlanRewrite._arguments_at's, every such member's)."""
+        objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
+        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
+        if arguments is not None:
+            objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
+        run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, _nargs, _args, _ = self.loop
+        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
+                type(_objects).from_buffer(objects), type(_nargs).from_buffer(nargs), type(_args).from_buffer(args),
+                ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +376,7 @@ def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, 
             return None
         held = native_loop.integer_field(kind)  # an array of arrays: a broadcast's strides
         items = value if isinstance(value, tuple) else (value,)
-        if held is None or len(items) != held[0]:
+        if held is None or len(items) != held[0] or None in items:  # None: a field the rule leaves unset
             return None
         width, start = held[1], getattr(type(plan), name).offset
         for j, item in enumerate(items):
@@ -341,39 +406,46 @@ class _Resized:
     of its own does (milliseconds for a transformer block). The template's lock serializes runs: they
     share its arena and memory objects."""
 
-    def __init__(self, template: Any, owners: list[Any], member_calls: list[list], anew: set[int],
-                 exit_shapes: list[tuple], entry_forms: tuple[list, list, list], owned: list[Any]):
-        """`owners`: the memory objects of each bound member's calls (a Bound, a Replanned, or the template's own
-        call, whose plan a rewritten copy runs); `member_calls`: their calls; `anew`: the owners (indices) with memory
-        objects of their own, which a run binds where they are entries or exits; `owned`: what the calls point at
-        that the view keeps alive."""
+    def __init__(self, template: Any, c: dict[str, tuple], names: list[str], exit_shapes: list[tuple],
+                 entry_forms: tuple[list, list, list], owned: list[Any]):
+        """`c`: the compiled loop's arrays of each form (PARALLEL, and SERIAL where a member has a serial form: then
+        a FormChooser picks per run); `names`: the layer of each call; `owned`: what the calls point at that the view
+        keeps alive."""
         self.template = template
         self.entries, self.exits = template.entries, template.exits
-        self._bound, self._owned = owners, owned  # each bound member's memory objects; what the view keeps alive
-        calls = [c for made in member_calls for c in made]
+        self._c, self._names, self._owned = c, names, owned
         self.exit_shapes = exit_shapes
         self.entry_sizes, self.entry_dtypes, self.entry_layouts = entry_forms
+        self.chooser = FormChooser() if SERIAL in c else None  # this size's own times
+
+    @classmethod
+    def from_members(cls, template: Any, owners: list[Any], member_calls: list[list], anew: set[int],
+                     exit_shapes: list[tuple], entry_forms: tuple[list, list, list], owned: list[Any]) -> _Resized:
+        """The view whose bound members' calls are `member_calls`: `owners`, the memory objects of each (a Bound, a
+        Replanned, or the template's own call, whose plan a rewritten copy runs); `anew`: the owners (indices) with
+        memory objects of their own, which a run binds where they are entries or exits."""
+        calls = [c for made in member_calls for c in made]
         forms = {PARALLEL: calls}
         serial = serial_calls(owners, member_calls)
         if serial is not None:
             forms[SERIAL] = serial
-        self.chooser = FormChooser() if serial is not None else None  # this size's own times
         counts = [len(made) for made in member_calls]
-        self._names = template._names if counts == template._call_counts else \
+        names = template._names if counts == template._call_counts else \
             [template.members[k].ctx.name for n, k in zip(counts, template._bound_members) for _ in range(n)]
         if not anew & template._per_call_bound and len(calls) == len(template._calls):
             # what a run points at its entries and exits are the template's memory objects (members bound anew,
             # with memory objects of their own, read and write only the arena): its bindings hold, and only the
             # calls' arrays are new (the common case: a transformer's interior GEMMs on oneDNN)
-            self._c = {form: _c_loop_over(template._c[False, PARALLEL], c, template._calls) for form, c in forms.items()}
-            return
+            c = {form: _c_loop_over(template._c[False, PARALLEL], made, template._calls) for form, made in forms.items()}
+            return cls(template, c, names, exit_shapes, entry_forms, owned)
         bindings = []
-        for k, s in enumerate(self.entries):
+        for k, s in enumerate(template.entries):
             bindings += [(owners[i].memory(role), ("entry", k)) for i, role in template.per_call[s]]
         for j, g in enumerate(template.exit_groups):
             bindings += [(owners[i].memory(role), ("exit", j)) for i, role in template.per_call.get(g, ())]
         loop = native_loop.load()
-        self._c = {form: template._c_loop(loop, bindings, c) for form, c in forms.items()}
+        c = {form: template._c_loop(loop, bindings, made) for form, made in forms.items()}
+        return cls(template, c, names, exit_shapes, entry_forms, owned)
 
     @classmethod
     def bound_at(cls, template: Any, natives: list[NativeStep], forms: dict[int, tuple] | None = None
@@ -388,8 +460,8 @@ class _Resized:
                 anew.add(len(owners))
             owners.append(owner)
         forms = forms if forms is not None else _forms(template.members, natives)
-        return cls(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
-                   _entry_forms(template.entries, template._entry_readers, natives), owners)
+        return cls.from_members(template, owners, [b.calls() for b in owners], anew, [forms[s] for s in template.exits],
+                                _entry_forms(template.entries, template._entry_readers, natives), owners)
 
     def _run_bound(self, values: tuple) -> Any:
         exits = [torch.empty_strided(size, strides, dtype=dtype) for size, strides, dtype in self.exit_shapes]

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops._util import norm_axis
+from kiln.ops._util import broadcast_sizes, norm_axis
 from kiln.ops.generators import arange_int64
 from kiln.ops.indexing import gather, gather_elements
 from kiln.ops.tensor import expand_to, reshape_to, slice_ints, squeeze_axes, unsqueeze_axes
@@ -105,11 +105,13 @@ class ShapeFunction:
 @dataclass
 class _Value:
     var: str  # the expression holding it: a variable, or a literal for a constant's ints
-    kind: str  # "tensor" | "ints" (a tuple standing for a 1-D int64 tensor) | "int" (for a 0-D one)
+    kind: str  # "tensor" | "ints" (a tuple standing for a 1-D int64 tensor) | "int" (for a 0-D one) | "shape" (a
+    # tuple of ints: the sizes alone of a tensor only Shape steps read, _shape_of_broadcast)
     tensor: str | None = None  # a variable holding its tensor form, once made
     constant: Any = None  # a constant's dims, read at load (its axes, starts...)
     length: int | None = None  # of "ints": its length when the graph says it (a Shape's start:end), else None
     nonneg: bool = False  # of "tensor": every element an integer >= 0 (a constant's position ids, an arange)
+    expanded: tuple[_Value, str] | None = None  # of an Expand's "tensor": (its input, the shape's expression)
 
 
 def _only(dims: tuple) -> int:
@@ -184,7 +186,8 @@ def _one(result: Any) -> Any:
 _HELPERS = {"_only": _only, "_at": _at, "_arith": _arith, "_tensor": _tensor, "_one": _one,
             "_gather_nonneg": _gather_nonneg, "_gather_elements_nonneg": _gather_elements_nonneg,
             "_reshape_to": reshape_to, "_slice_ints": slice_ints, "_squeeze_axes": squeeze_axes,
-            "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64}
+            "_unsqueeze_axes": unsqueeze_axes, "_expand_to": expand_to, "_arange_int64": arange_int64,
+            "_broadcast_sizes": broadcast_sizes}
 
 
 def _constant_dims(value: Any) -> tuple[str, Any] | None:
@@ -255,6 +258,8 @@ class _Out:
     kind: str
     length: int | None = None
     nonneg: bool = False
+    expanded: tuple[_Value, str] | None = None  # an Expand's: (its input, the shape's expression)
+    reads: tuple[str, ...] | None = None  # the variables the expression reads (None: its inputs')
 
 
 def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str, Any]) -> _Out | None:
@@ -266,7 +271,7 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
     if op == "Shape" and len(ins) == 1:
         start, end = attrs.get("start", 0), attrs.get("end")
         index = f"{int(start)}:{'' if end is None else int(end)}"
-        dims = {"tensor": f"{x.var}.shape", "ints": f"(len({x.var}),)", "int": "()"}[x.kind]
+        dims = {"tensor": f"{x.var}.shape", "ints": f"(len({x.var}),)", "int": "()", "shape": x.var}[x.kind]
         length = int(end) - int(start) if end is not None and 0 <= int(start) < int(end) else None
         return _Out(f"tuple({dims}[{index}])", "ints", length)  # length: at most, when the rank is short
     if op == "Size" and len(ins) == 1:
@@ -310,7 +315,7 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
     if x.kind != "tensor":
         return None
     if op == "Expand" and i is not None and i.kind == "ints":
-        return _Out(f"_expand_to({x.var}, {i.var})", "tensor", nonneg=x.nonneg)
+        return _Out(f"_expand_to({x.var}, {i.var})", "tensor", nonneg=x.nonneg, expanded=(x, i.var))
     if op == "Reshape" and i is not None and i.kind == "ints" and "shape" not in attrs:
         return _Out(f"_reshape_to({x.var}, list({i.var}), {int(attrs.get('allowzero', 0))})", "tensor",
                     nonneg=x.nonneg)
@@ -322,8 +327,33 @@ def _emit(w: _Writer, step: BoundStep, ins: list[_Value | None], attrs: dict[str
     if op in ("Gather", "GatherElements") and i is not None and i.kind == "tensor" and i.nonneg:
         fn = "_gather_nonneg" if op == "Gather" else "_gather_elements_nonneg"
         ctx = w.object("ctx", step.ctx)
+        if op == "Gather" and i.expanded is not None and attrs.get("axis", 0) == 0 \
+                and isinstance(w.globals.get(x.var), torch.Tensor):
+            # Gather(T, Expand(I, S)) = Expand(Gather(T, I), S ++ T.shape[1:]): the table's rows gathered at I's
+            # sizes (kept with I's group: a token-type embedding's [1, seq, hidden] per sequence length), then
+            # broadcast (laid out row-major, as a segment reads it: a copy where the batch is > 1, none at 1)
+            source, shape = i.expanded
+            rows = w.name("g")
+            w.line(f"{rows} = {fn}({ctx}, {x.var}, {source.var}, 0)", (rows,), (x.var, source.var))
+            trailing = "".join(f"{d}, " for d in w.globals[x.var].shape[1:])
+            return _Out(f"_expand_to({rows}, (*{shape}, {trailing})).contiguous()", "tensor", nonneg=x.nonneg,
+                        reads=(rows, shape))
         return _Out(f"{fn}({ctx}, {x.var}, {i.var}, {int(attrs.get('axis', 0))})", "tensor", nonneg=x.nonneg)
     return None
+
+
+_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Equal", "Less",
+                           "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "BitShift",
+                           "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
+
+
+def _shape_of_broadcast(op: str | None, ins: list[_Value | None], readers: tuple[str, ...]) -> _Out | None:
+    """The output shape alone of a broadcasting elementwise op whose result only Shape steps read (an exported
+    mask's Expand to Shape(Max(a, b))): the inputs' sizes broadcast (kind "shape": a tuple of ints), no op run."""
+    if op not in _BROADCASTING or not readers or any(r != "Shape" for r in readers) or not ins or None in ins:
+        return None
+    shapes = {"tensor": "tuple({}.shape)", "ints": "(len({}),)", "int": "()", "shape": "{}"}
+    return _Out("_broadcast_sizes(" + ", ".join(shapes[v.kind].format(v.var) for v in ins) + ")", "shape")
 
 
 def computable_ahead(steps: list[BoundStep], order: list[int], template: list[Any],
@@ -349,6 +379,15 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     engine: its kernel casts around the op)."""
     w = _Writer()
     inputs = set()
+    wanted = set(slots)
+    shape_read: dict[int, tuple[str, ...]] = {}  # slot -> what each of `order`'s steps reading it is ("Shape": an
+    for i in order:  # ONNX Shape that _emit computes)
+        step = steps[i]
+        shape = step.ctx.op_type == "Shape" and step.ctx.domain in ("", "ai.onnx") and len(step.inputs) == 1 \
+            and len(step.outputs) == 1 and i not in calls
+        for s in step.inputs:
+            if s >= 0:
+                shape_read[s] = (*shape_read.get(s, ()), "Shape" if shape else "other")
     for s in input_slots:
         w.values[s] = _Value(f"x{s}", "tensor", f"x{s}")
         w.line(f"x{s} = env[{s}]", (f"x{s}",), (), "input")
@@ -373,14 +412,17 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
         reads = tuple(dict.fromkeys(name for v in ins if v is not None for name in (v.var, v.tensor) if name))
         op = step.ctx.op_type if step.ctx.domain in ("", "ai.onnx") else None
         emitted = _emit(w, step, ins, step.attributes) if len(step.outputs) == 1 and i not in calls else None
+        if emitted is None and len(step.outputs) == 1 and step.outputs[0] not in wanted and i not in calls:
+            emitted = _shape_of_broadcast(op, ins, shape_read.get(step.outputs[0], ()))
         if emitted is not None:
             var = w.name("v")
             dims = op in ("Shape", "Size") and len(ins) == 1 and ins[0] is not None and ins[0].var in inputs
-            w.line(f"{var} = {emitted.expr}", (var,), reads, "dims" if dims else "")
+            w.line(f"{var} = {emitted.expr}", (var,), reads if emitted.reads is None else emitted.reads,
+                   "dims" if dims else "")
             out = step.outputs[0]
             if out >= 0:
                 w.values[out] = _Value(var, emitted.kind, var if emitted.kind == "tensor" else None,
-                                       length=emitted.length, nonneg=emitted.nonneg)
+                                       length=emitted.length, nonneg=emitted.nonneg, expanded=emitted.expanded)
             continue
         # a direct call of the step's implementation on tensors
         fn, ctx = w.object("f", step.fn), w.object("ctx", step.ctx)
@@ -406,11 +448,26 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
         if s not in w.values:
             return None
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
+    _drop_unread(w, {w.values[s].tensor for s in slots})
     body, memos = _grouped(w)
     source = "def shape_values(env):\n" + "\n".join("    " + line for line in body + stores) + "\n"
     namespace = dict(w.globals)
     exec(compile(source, "<kiln shape function>", "exec"), namespace)  # noqa: S102  code generated above
     return ShapeFunction(namespace["shape_values"], source, list(slots), memos)
+
+
+def _drop_unread(w: _Writer, stored: set[str]) -> None:
+    """Remove the lines whose values no stored value needs (an Expand whose Gather was hoisted above it); the
+    inputs, the dims lines (the groups' keys) and lines reading an input's data or drawing random numbers stay."""
+    needed = set(stored)
+    kept = []
+    for line, meta in zip(reversed(w.lines), reversed(w.meta)):
+        defines, reads, kind = meta
+        if kind or needed.intersection(defines):
+            needed.update(reads)
+            kept.append((line, meta))
+    w.lines = [line for line, _ in reversed(kept)]
+    w.meta = [meta for _, meta in reversed(kept)]
 
 
 def _grouped(w: _Writer) -> tuple[list[str], list[_Memo]]:

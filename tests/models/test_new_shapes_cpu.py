@@ -22,11 +22,12 @@ import torch
 import kiln
 from kiln import zoo
 from kiln.builder import autotune
-from kiln.kernels.cpu import gemm_native, onednn, onednn_primitives
+from kiln.kernels.cpu import gemm_native, native_loop, onednn, onednn_primitives
+from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.kernels.cpu import transformer as kernels
 from kiln.ops.registry import lookup
 from kiln.runtime import context as context_module
-from kiln.runtime import native
+from kiln.runtime import native, native_views
 from kiln.runtime import program as program_module
 from kiln.runtime import shape_function
 from kiln.tactics import registry
@@ -279,11 +280,6 @@ def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch
     a memory object of an equal descriptor at the same address."""
     engine, _session = bert
     monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
-    made = []  # (owners, member_calls) of each view
-    resized_init = native._Resized.__init__
-    monkeypatch.setattr(native._Resized, "__init__",
-                        lambda self, template, owners, calls, *a: made.append((owners, calls)) or
-                        resized_init(self, template, owners, calls, *a))
     (segment,) = engine.program.segments
     segment.resized.clear()
     context = engine.create_execution_context(pad_first_calls=False)
@@ -297,19 +293,25 @@ def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch
         assert not lib.dnnl_memory_get_memory_desc(memory, ctypes.byref(md))
         return address.value, md.value
 
+    execute = native_loop.execute_function()
     for b, s in fresh_shapes(3, besides=((6, 80),)):  # 6 x 80 has its view: a run there would make none
-        made.clear()
         context.run(request(b, s))
-        ((owners, member_calls),) = made
-        natives = segment._natives_at(next(reversed(segment.resized))).natives
-        rewritten = [i for i, owner in enumerate(owners) if owner is None]
+        key = next(reversed(segment.resized))
+        natives = segment._natives_at(key).natives
+        # the view's loop: one call per bound member (template._call_counts), (function, object, nargs, args) each
+        loop = segment.resized[key]._c[PARALLEL]
+        assert set(template._call_counts) == {1} and loop[7] == len(template._bound_members)
+        # rewritten: its arguments in the view's one array (a member bound anew, at rows another kernel takes, is not)
+        (held,) = [o for o in segment.resized[key]._owned if isinstance(o, native_views._HeldArguments)]
+        start = held.array.ctypes.data
+        rewritten = [i for i in range(loop[7]) if loop[9][i] and start <= loop[10][i] < start + held.array.nbytes]
         assert rewritten, f"no oneDNN member of the {b}x{s} view was rewritten"
         for i in rewritten:
             k = template._bound_members[i]
             expected, _roles = native._bind_member(template.members[k], natives[k], False, template._address)
-            ((function, primitive, nargs, args),) = member_calls[i]
+            function, primitive, nargs, args = loop[1][i], loop[8][i], loop[9][i], loop[10][i]
             name = f"{template.members[k].ctx.name} at {b}x{s}"
-            assert (function, primitive, nargs) == (None, expected.primitive_handle, expected.nargs), name
+            assert (function, primitive, nargs) == (execute, expected.primitive_handle, expected.nargs), name
             got = (onednn._ExecArg * nargs).from_address(args)
             for j, want in enumerate(expected.args):
                 assert got[j].arg == want.arg, name

@@ -4,6 +4,8 @@ which a step fails names that layer as the steps do."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -13,6 +15,7 @@ from onnx import TensorProto, helper
 import kiln
 from kiln import zoo
 from kiln.errors import ExecutionError
+from kiln.ops.elementwise import max_
 from kiln.runtime.shape_function import compile_shape_steps, computable_ahead
 from kiln.runtime.step import call_step
 
@@ -105,10 +108,24 @@ def _shape_model() -> bytes:
         helper.make_node("ReduceSum", ["rows", "ax0"], ["row_sums"], keepdims=0),
         helper.make_node("Add", ["row_sums", "last_first"], ["y5"]),  # [3] + [2, 3]
         helper.make_node("Add", ["y3", "pickedf"], ["y6"]),
+        # rows of a table gathered by ids broadcast to [n, m] (an encoder's token types): gathered at [1, m], then
+        # broadcast; a mask grid expanded to Shape(Max(a, b)), a Max only its Shape reads: no Max run
+        helper.make_node("Expand", ["r_row", "nm64"], ["r_grid"]),  # [n, m]
+        helper.make_node("Gather", ["table", "r_grid"], ["grid_rows"], axis=0),  # [n, m, 3]
+        helper.make_node("Unsqueeze", ["x", "ax2"], ["x3"]),
+        helper.make_node("Add", ["grid_rows", "x3"], ["y7"]),
+        helper.make_node("Range", ["zero", "n", "one"], ["rn"]),
+        helper.make_node("Unsqueeze", ["rn", "ax0"], ["rn_row"]),  # [1, n]
+        helper.make_node("Max", ["r_col", "rn_row"], ["widest"]),  # [m, n]
+        helper.make_node("Shape", ["widest"], ["widest_shape"]),
+        helper.make_node("Expand", ["r_col", "widest_shape"], ["col_grid"]),
+        helper.make_node("Cast", ["col_grid"], ["col_gridf"], to=TensorProto.FLOAT),
+        helper.make_node("Transpose", ["col_gridf"], ["col_gridt"], perm=[1, 0]),
+        helper.make_node("Add", ["col_gridt", "x"], ["y8"]),
     ]
     graph = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
-                               for name in ("y1", "y3", "y4", "y5", "y6", "tail")]
+                               for name in ("y1", "y3", "y4", "y5", "y6", "y7", "y8", "tail")]
                               + [helper.make_tensor_value_info("dims", TensorProto.INT64, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
@@ -130,7 +147,13 @@ def test_the_shape_arithmetic_is_one_generated_function_without_the_dispatch_whe
                     "_squeeze_axes(", "_slice_ints(", "_reshape_to(", "_gather_nonneg(", "_gather_elements_nonneg("):
         assert emitted in source, f"{emitted} not generated:\n{source}"
     assert source.count("_one(") >= 1  # ConstantOfShape (and the float casts): their implementation, called as is
-    assert source.count("_gather_nonneg(") == 1  # the gather by a negative constant index keeps the op's path
+    # the gather by a negative constant index keeps the op's path; the one by ids broadcast to [n, m] gathers by the
+    # [1, m] ids (kept per m), then broadcasts the rows; the Max whose Shape alone is read is its inputs' sizes
+    assert source.count("_gather_nonneg(") == 2
+    assert re.search(r"= _gather_nonneg\(ctx\d+, c\d+, v\d+, 0\)\n", source), source
+    assert re.search(r"= _expand_to\(g\d+, \(\*v\d+, 3, \)\)\.contiguous\(\)", source), source
+    assert "_broadcast_sizes(" in source
+    assert not [v for v in program.shape_function.fn.__globals__.values() if v is max_], "the Max ran"
 
 
 def test_the_generated_function_gives_what_the_steps_give_at_random_shapes(shapes):
@@ -285,7 +308,7 @@ def test_a_layer_pinned_to_fp32_is_called_through_its_kernel(shapes):
     expand = next(i for i in ahead if spec.steps[i].op_type == "Expand")
     function = compile_shape_steps(program.steps, ahead, program.template, program.input_slots,
                                    program.shape_function.slots, {expand})
-    assert "_expand_to(" not in function.source and "_expand_to(" in program.shape_function.source
+    assert function.source.count("_expand_to(") == program.shape_function.source.count("_expand_to(") - 1
     rng = np.random.default_rng()
     for _ in range(5):
         x = torch.from_numpy(rng.standard_normal((int(rng.integers(1, 10)), int(rng.integers(1, 18))),
