@@ -14,7 +14,7 @@ from conftest import options
 from kiln.cli import main
 from kiln.serve import ServerThread, perf, perf_wire
 from kiln.serve.batcher import Batcher
-from kiln.serve.perf_check import Answer, Reference
+from kiln.serve.perf_check import FLOOR, RTOL, SPREAD_FACTOR, Answer, Reference
 
 
 @pytest.mark.parametrize("client", ["wire", "tritonclient"])
@@ -154,6 +154,21 @@ def test_reference_tolerance_is_the_datatypes():
     off[2, 3] += 1
     assert exact.check(_answer("0", integers, "INT64"), full=True) is None
     assert exact.check(_answer("0", off, "INT64"), full=True) is not None  # integers exact
+
+
+def test_reference_tolerance_narrows_to_the_spread():
+    """narrow(): SPREAD_FACTOR x the batched-vs-alone spread, no less than the datatype's FLOOR, never above RTOL."""
+    values = np.random.default_rng().standard_normal((4, 50)).astype(np.float16)
+    largest = float(np.abs(values.astype(np.float64)).max())
+    for spread, expected in ((0.0, FLOOR["FP16"] * largest), (2e-3 * largest, SPREAD_FACTOR * 2e-3 * largest),
+                             (largest, RTOL["FP16"] * largest)):
+        reference = Reference(_answer("0", values), None)
+        reference.narrow([spread])
+        assert reference.outputs[0].tolerance == pytest.approx(expected)
+    reference.narrow([0.0])  # at the floor: 1% of the largest off fails, as two alike requests' answers would
+    off = (values.astype(np.float32) + 0.01 * largest).astype(np.float16)
+    assert "differs from its answer alone" in reference.check(_answer("0", off), full=True)
+    assert reference.off(_answer("0", off)) > 1
 
 
 def test_perf_reports_an_unknown_model(server, capsys):
