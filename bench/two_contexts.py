@@ -1,7 +1,7 @@
 """Two execution contexts of one CPU engine running at once, on two threads (what `kiln serve` does with
 instance_group count 2): each row of their answers against the same request run alone on a third context.
 
-    python bench/two_contexts.py bert_base     # issue 14: 1.4-1.8 off (values up to 5.3), 2026-12-05 (5 min build)
+    python bench/two_contexts.py bert_base     # issue 14: 4.4 and 4.0 off (values up to 5.3), 2026-12-05 (5 min build)
     python bench/two_contexts.py bert_tiny     # exact
 
 The same engine on one thread, merged batches of 1..16 rows and a context warmed up as the server's (0.5 s), is
