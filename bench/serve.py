@@ -352,6 +352,9 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
                   client=args.client)
         rows.append(row)
         print(_format(row), flush=True)
+        if result.first_error:  # what an error or a wrong answer was (the H200's BERT-base row said only "5 wrong")
+            print(f"{model} batching {row.batching} over {protocol}: first error or wrong answer: {result.first_error}",
+                  flush=True)
         report(done + rows)
 
     asyncio.run(sweep(options, on_result, hook=lambda _: views.append(_server_view(ports["HTTP"], served, pid)),

@@ -36,7 +36,9 @@ from kiln.serve.perf_check import Answer, Reference, numpy_type
 VARIANTS = 8  # distinct requests a plan cycles through: a batch mixes several
 GRPC_METHOD = b"/inference.GRPCInferenceService/ModelInfer"
 RECEIVE_FRAME_SIZE = 1 << 20  # asked of the server: large answers in few frames
-DRAIN_S = 10.0  # after the window: how long calls still in flight are awaited
+DRAIN_S = 10.0  # after the window: how long calls still in flight are awaited (then each counts as an error)
+ANSWER_S = 60.0  # before the load: how long a request alone, or the requests together, are awaited
+TOGETHER_ROUNDS = 3  # before the load: the requests sent together this many times (their batched-vs-alone spread)
 
 
 @dataclass
@@ -106,43 +108,86 @@ def _http_request(path: str, address: str, request_id: str,
     return head, body
 
 
-class _Alone:
-    """The sink of the reference pass: one call at a time, its answer kept."""
+class _Collect:
+    """The sink of the passes before the load: each call's answer (or error) by its request's id; nothing follows."""
+
+    running = False
 
     def __init__(self):
-        self.answer: Answer | None = None
-        self.error = ""
-        self.running = False
+        self.answers: dict[str, tuple[Answer | None, str]] = {}
 
     def answered(self, variant: Variant, t0: float, answer: Answer | None, error: str) -> None:
-        self.answer, self.error = answer, error
+        self.answers[variant.id] = (answer, error)
+
+
+def _exchange(plan: Plan, variants: list[Variant], what: str) -> dict[str, Answer]:
+    """`variants` sent at once (HTTP: a connection each; gRPC: streams of one connection), their answers by id."""
+    sink = _Collect()
+    connections = [_connect(plan, sink) for _ in (variants if plan.protocol == "http" else variants[:1])]
+    try:
+        for k, variant in enumerate(variants):
+            connections[k % len(connections)].send(variant)
+        deadline = time.monotonic() + ANSWER_S
+        while len(sink.answers) < len(variants):
+            if time.monotonic() > deadline:
+                missing = ", ".join(repr(v.id) for v in variants if v.id not in sink.answers)
+                raise KilnError(f"{what}: no answer in {ANSWER_S:.0f} s (request {missing})")
+            for connection in connections:
+                connection.flush()
+            select.select([c.sock for c in connections], [c.sock for c in connections if c.out], [], 1.0)
+            for connection in connections:
+                connection.readable()
+    finally:
+        for connection in connections:
+            connection.close()
+    failed = [f"request {key!r}: {error}" for key, (_, error) in sink.answers.items() if error]
+    if failed:
+        raise KilnError(f"the server answered {what} with an error: {'; '.join(failed)}")
+    return {key: answer for key, (answer, _) in sink.answers.items()}
 
 
 def _answer_alone(plan: Plan, rtol: float | None) -> None:
-    sink = _Alone()
-    connection = _connect(plan, sink)
-    try:
+    """Each request's answer alone, its reference; then (rtol None) the tolerances narrowed to the spread of the
+    requests answered together; a warning for the requests whose answers remain alike."""
+    for variant in plan.variants:
+        answer = _exchange(plan, [variant], f"request {variant.id!r} alone")[variant.id]
+        variant.reference = Reference(answer, rtol)
+    if rtol is None:
+        _narrow(plan)
+    alike = [f"{a.id} ~ {b.id}" for k, a in enumerate(plan.variants) for b in plan.variants[k + 1:]
+             if a.reference.distance(b.reference) <= 1]
+    if alike:
+        pairs = len(plan.variants) * (len(plan.variants) - 1) // 2
+        plan.warnings.append(f"{len(alike)} of {pairs} pairs of requests have answers within tolerance of each other "
+                             f"({', '.join(alike[:6])}{', ...' if len(alike) > 6 else ''}): an answer given to the "
+                             "wrong one of such a pair would pass the check")
+
+
+def _narrow(plan: Plan) -> None:
+    """The requests sent together TOGETHER_ROUNDS times (the server batches them): every answer checked in full at
+    the datatype's tolerance (a wrong one fails here, before the load), then each output's tolerance narrowed to
+    the largest spread of these answers from their answers alone (perf_check.Reference.narrow)."""
+    spreads = {v.id: [0.0] * len(v.reference.outputs) for v in plan.variants}
+    for _ in range(TOGETHER_ROUNDS):
+        answers = _exchange(plan, plan.variants, "the requests together")
         for variant in plan.variants:
-            sink.answer = None
-            connection.send(variant)
-            connection.flush()
-            deadline = time.monotonic() + 60
-            while sink.answer is None and not sink.error:
-                if time.monotonic() > deadline:
-                    raise KilnError(f"request {variant.id!r} alone: no answer in 60 s")
-                select.select([connection.sock], [connection.sock] if connection.out else [], [], 1.0)
-                connection.readable()
-                connection.flush()
-            if sink.error:
-                raise KilnError(f"the server answered request {variant.id!r} alone with an error: {sink.error}")
-            variant.reference = Reference(sink.answer, rtol)
-    finally:
-        connection.close()
-    for k, a in enumerate(plan.variants):
-        for b in plan.variants[k + 1:]:
-            if a.reference.distance(b.reference) <= 1:
-                plan.warnings.append(f"the answers to requests {a.id} and {b.id} are within tolerance of each other: "
-                                     "an answer given to the wrong one of them would pass the check")
+            problem = variant.reference.check(answers[variant.id], full=True)
+            if problem is not None:
+                raise KilnError(f"answered together (batched): {problem}{nearest(plan, answers[variant.id], variant)}")
+            spreads[variant.id] = [max(a, b) for a, b in zip(spreads[variant.id],
+                                                              variant.reference.errors(answers[variant.id]))]
+    for variant in plan.variants:
+        variant.reference.narrow(spreads[variant.id])
+
+
+def nearest(plan: Plan, answer: Answer, variant: Variant) -> str:
+    """For a wrong answer: which request's answer alone it is nearest to, when not its own ("" then)."""
+    off = {v.id: v.reference.off(answer) for v in plan.variants}
+    closest = min(off, key=off.get)
+    if closest == variant.id or off[closest] >= off[variant.id]:
+        return ""
+    return (f"; it is request {closest!r}'s answer alone within {off[closest]:.3g} of its tolerances (its own: "
+            f"{off[variant.id]:.3g}): answers mixed up")
 
 
 # ---- the load: one process's share --------------------------------------------------------------------------------
@@ -152,7 +197,7 @@ def _answer_alone(plan: Plan, rtol: float | None) -> None:
 class Share:
     """What one process measured over the window."""
     requests: int
-    errors: int
+    errors: int  # error answers in the window, and calls unanswered DRAIN_S after it
     wrong: int  # answers that failed the check (any time, warm-up included)
     checked: int
     seconds: float
@@ -185,7 +230,7 @@ class _Load:
             problem = variant.reference.check(answer, self.checked % self.plan.full_every == 0)
             if problem is not None:
                 self.wrong += 1
-                self.first_error = self.first_error or problem
+                self.first_error = self.first_error or problem + nearest(self.plan, answer, variant)
                 return
         if not self.counting:
             return
@@ -234,10 +279,15 @@ def run_share(plan: Plan, slots: int, begin_at: float, window_s: float, max_requ
                 connection = by_fd[fd]
                 connection.readable()
                 connection.flush()
+        unanswered = sum(c.in_flight() for c in connections)
     finally:
         for connection in connections:
             connection.close()
         poll.close()
+    if unanswered:  # timeouts: errors, not wrong answers
+        load.errors += unanswered
+        load.first_error = load.first_error or (f"{unanswered} call(s) unanswered {DRAIN_S:.0f} s after the window "
+                                                "(a server that stopped answering, or a backlog of slow calls)")
     return Share(len(load.latencies), load.errors, load.wrong, load.checked, seconds,
                  np.asarray(load.latencies), cpu, load.first_error)
 
@@ -329,8 +379,8 @@ class _H2(_Connection):
                          SETTINGS: self._settings, WINDOW_UPDATE: self._window_update, PING: self._ping,
                          RST_STREAM: self._reset, GOAWAY: self._goaway}
 
-    def in_flight(self) -> bool:
-        return bool(self.streams)
+    def in_flight(self) -> int:
+        return len(self.streams)
 
     def send(self, variant: Variant) -> None:
         stream = self.next_stream
@@ -488,8 +538,8 @@ class _Http1(_Connection):
         self.buffer = b""
         self.layouts: dict[bytes, tuple[str, list]] = {}  # an answer's JSON header -> its id and outputs' places
 
-    def in_flight(self) -> bool:
-        return self.variant is not None
+    def in_flight(self) -> int:
+        return int(self.variant is not None)
 
     def send(self, variant: Variant) -> None:
         self.variant, self.t0 = variant, time.perf_counter()

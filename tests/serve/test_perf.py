@@ -4,15 +4,17 @@ out; the wire client's check of every answer against its own request, failing on
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
 from conftest import options
 
 from kiln.cli import main
-from kiln.serve import ServerThread
+from kiln.serve import ServerThread, perf, perf_wire
 from kiln.serve.batcher import Batcher
-from kiln.serve.perf_check import Answer, Reference
+from kiln.serve.perf_check import FLOOR, RTOL, SPREAD_FACTOR, Answer, Reference
 
 
 @pytest.mark.parametrize("client", ["wire", "tritonclient"])
@@ -34,10 +36,9 @@ def test_perf_sweep(grpc_server, tmp_path, capsys, protocol, client):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_wire_client_catches_answers_mixed_up(repository, monkeypatch, tmp_path, capsys, protocol):
-    """A server whose batcher hands each request of a merged call the next request's rows (shapes right, values
-    another's): the wire client's check fails and kiln perf exits 1."""
+def _perf_mixed_up(repository, monkeypatch, tmp_path, protocol: str, extra: list[str]) -> tuple[int, dict | None]:
+    """kiln perf (wire client, concurrency 16) against a server whose batcher hands each request of a merged call
+    the next request's rows (shapes right, values another's): the exit code and the level's JSON (None: none)."""
     run_batch = Batcher._run_batch
 
     def mixed_up(self, instance, batch):
@@ -52,13 +53,83 @@ def test_wire_client_catches_answers_mixed_up(repository, monkeypatch, tmp_path,
         port = running.ports.http if protocol == "http" else running.ports.grpc
         out = tmp_path / "perf.json"
         code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
-                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out)])
+                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out), *extra])
     finally:
         thread.stop()
+    return code, json.loads(out.read_text())["results"][0] if out.exists() else None
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wire_client_catches_answers_mixed_up_before_the_load(repository, monkeypatch, tmp_path, capsys, protocol):
+    """The requests sent together before the load (their batched-vs-alone spread) already show the mix-up."""
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
+    assert code == 1 and result is None
+    error = capsys.readouterr().err
+    assert "answered together (batched)" in error and "answers mixed up" in error, error
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wire_client_catches_answers_mixed_up_under_load(repository, monkeypatch, tmp_path, capsys, protocol):
+    """Without the pass together (a server that mixes up only under load), each answer's check fails."""
+    monkeypatch.setattr(perf_wire, "TOGETHER_ROUNDS", 0)
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
     assert code == 1
-    result = json.loads(out.read_text())["results"][0]
     assert result["wrong"] > 0, result
-    assert "differs from its answer alone" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "differs from its answer alone" in printed and "answers mixed up" in printed, printed
+
+
+def _alike(datatype, shape, name, rng):
+    """Requests whose answers differ by ~1e-4 of their magnitude: within FP32's RTOL (1e-3) of each other, as
+    random-weight MobileNetV2's and BERT-base's were within FP16's (2e-2)."""
+    return (100 + 0.01 * rng.standard_normal(shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wire_client_catches_alike_answers_mixed_up(repository, monkeypatch, tmp_path, capsys, protocol):
+    """Answers alike within the datatype's tolerance: the tolerance narrowed to the server's batched-vs-alone spread
+    (exact on the CPU: the floor) still tells them apart; at FP32's 1e-3 of the largest value the mix-up passed."""
+    monkeypatch.setattr(perf, "_random", _alike)
+    monkeypatch.setattr(perf_wire, "TOGETHER_ROUNDS", 0)
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
+    assert code == 1 and result["wrong"] > 0, result
+    assert "answers mixed up" in capsys.readouterr().out
+
+
+def test_wire_client_counts_unanswered_calls_as_errors(repository, monkeypatch, tmp_path, capsys):
+    """Calls still unanswered DRAIN_S after the window (a stalled engine) are errors, not wrong answers, not nothing:
+    the H200's BERT-base row read 0 infer/s and 0 errors."""
+    stalled = threading.Event()
+    run_batch = Batcher._run_batch
+
+    def stalling(self, instance, batch):
+        if stalled.is_set():
+            time.sleep(2.0)
+        return run_batch(self, instance, batch)
+
+    wire_plan = perf._wire_plan
+
+    async def then_stall(*args):
+        plan = await wire_plan(*args)
+        stalled.set()
+        return plan
+
+    monkeypatch.setattr(Batcher, "_run_batch", stalling)
+    monkeypatch.setattr(perf, "_wire_plan", then_stall)
+    monkeypatch.setattr(perf_wire, "DRAIN_S", 0.3)
+    thread = ServerThread(options(repository, metrics_port=None))
+    running = thread.start()
+    out = tmp_path / "perf.json"
+    try:
+        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{running.ports.grpc}", "-i", "grpc", "--concurrency", "4",
+                     "--measurement-interval", "300", "--warmup", "0.1", "--json", str(out)])
+    finally:
+        stalled.clear()
+        thread.stop()
+    result = json.loads(out.read_text())["results"][0]
+    assert code == 1
+    assert result["requests"] == 0 and result["wrong"] == 0 and result["errors"] == 4, result
+    assert "4 call(s) unanswered" in capsys.readouterr().out
 
 
 def _answer(request_id: str, values: np.ndarray, datatype: str = "FP16") -> Answer:
@@ -83,6 +154,21 @@ def test_reference_tolerance_is_the_datatypes():
     off[2, 3] += 1
     assert exact.check(_answer("0", integers, "INT64"), full=True) is None
     assert exact.check(_answer("0", off, "INT64"), full=True) is not None  # integers exact
+
+
+def test_reference_tolerance_narrows_to_the_spread():
+    """narrow(): SPREAD_FACTOR x the batched-vs-alone spread, no less than the datatype's FLOOR, never above RTOL."""
+    values = np.random.default_rng().standard_normal((4, 50)).astype(np.float16)
+    largest = float(np.abs(values.astype(np.float64)).max())
+    for spread, expected in ((0.0, FLOOR["FP16"] * largest), (2e-3 * largest, SPREAD_FACTOR * 2e-3 * largest),
+                             (largest, RTOL["FP16"] * largest)):
+        reference = Reference(_answer("0", values), None)
+        reference.narrow([spread])
+        assert reference.outputs[0].tolerance == pytest.approx(expected)
+    reference.narrow([0.0])  # at the floor: 1% of the largest off fails, as two alike requests' answers would
+    off = (values.astype(np.float32) + 0.01 * largest).astype(np.float16)
+    assert "differs from its answer alone" in reference.check(_answer("0", off), full=True)
+    assert reference.off(_answer("0", off)) > 1
 
 
 def test_perf_reports_an_unknown_model(server, capsys):
