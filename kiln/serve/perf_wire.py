@@ -232,7 +232,7 @@ class _Load:
                 self.wrong += 1
                 self.first_error = self.first_error or problem + nearest(self.plan, answer, variant)
                 return
-        if not self.counting:
+        if not (self.counting and self.running):  # before the window, or after max_requests were answered in it
             return
         if error:
             self.errors += 1
