@@ -301,6 +301,9 @@ def test_load_unload_through_one_front_end_seen_by_both(repository, grpc_transpo
         assert not any(c.is_model_ready("fixed") for c in clients)
         grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.ports.grpc}")
         grpc.load_model("fixed")
+        deadline = time.monotonic() + 5  # the other front end hears of the load from the engine process (CI: once late)
+        while not all(c.is_model_ready("fixed") for c in clients) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert all(c.is_model_ready("fixed") for c in clients)
         clients[0].unload_model("fixed")
         assert not grpc.is_model_ready("fixed") and not any(c.is_model_ready("fixed") for c in clients)
