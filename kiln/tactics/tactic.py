@@ -62,6 +62,19 @@ def tensor_input(inputs: list[InputMeta], i: int) -> InputMeta | None:
     return inputs[i] if i < len(inputs) and inputs[i].shape is not None else None
 
 
+def gemm_operands_refusal(x: InputMeta, w: InputMeta | None, b: InputMeta | None) -> str | None:
+    """Why a GEMM's weight [N, K] and bias [N] are not the engine's float32 constants matching `x`'s rows [..., K]
+    (None: they are) — the CPU GEMM tactics' shared check."""
+    if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
+        return "the weight is not a constant float32 matrix of the engine"
+    if w.shape[1] != x.shape[-1]:
+        return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
+    if b is not None and b.shape is not None and (not b.constant or list(b.shape) != [w.shape[0]]
+                                                  or b.dtype != torch.float32):
+        return "the bias is not a float32 constant [N] of the engine"
+    return None
+
+
 def _why_unavailable(available: Callable[[], bool]) -> str | None:
     """What the library behind an `available` check says of itself: kiln's C kernel libraries and oneDNN keep a
     `reason()` beside `available()` (a bound KernelLibrary method, or a module function)."""

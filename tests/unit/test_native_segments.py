@@ -160,14 +160,20 @@ def test_two_threads_share_one_program():
     program = Program(spec, weights)
     inputs = [torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(s)) for s in range(8)]
     wants = [_run(_reference(spec), weights, x)[0] for x in inputs]
+    assert _wrong_on_two_threads(program, inputs, 20, lambda got, k: torch.allclose(got, wants[k], rtol=1e-4,
+                                                                                  atol=1e-5)) == []
+
+
+def _wrong_on_two_threads(program: Program, inputs: list[torch.Tensor], rounds: int, right) -> list[int]:
+    """Two threads running `program` at once, `rounds` times over their halves of `inputs` (alternate ones): the
+    indices whose output `right(got, k)` rejected."""
     problems = []
 
     def work(offset):
         with torch.inference_mode():
-            for _ in range(20):
+            for _ in range(rounds):
                 for k in range(offset, len(inputs), 2):
-                    got = program.run([inputs[k]])[0]
-                    if not torch.allclose(got, wants[k], rtol=1e-4, atol=1e-5):
+                    if not right(program.run([inputs[k]])[0], k):
                         problems.append(k)
 
     threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
@@ -175,7 +181,7 @@ def test_two_threads_share_one_program():
         t.start()
     for t in threads:
         t.join()
-    assert problems == []
+    return problems
 
 
 def _two_segments() -> tuple[ProgramSpec, dict]:
@@ -203,23 +209,11 @@ def test_the_segments_of_a_program_share_one_arena_and_one_lock():
     assert first.buffers[0].data_ptr() == second.buffers[0].data_ptr() and first._lock is second._lock
     inputs = [torch.randn(1, 8, 12, 12, generator=torch.Generator().manual_seed(s)) for s in range(6)]
     wants = [_want(spec, weights, x)[0] for x in inputs]
-    problems = []
 
-    def work(offset):
-        with torch.inference_mode():
-            for _ in range(10):
-                for k in range(offset, len(inputs), 2):
-                    got = program.run([inputs[k]])[0]
-                    scale = wants[k].abs().max().item()
-                    if (got.double() - wants[k]).abs().max().item() > ATOL + RTOL * scale:
-                        problems.append(k)
+    def right(got, k):
+        return (got.double() - wants[k]).abs().max().item() <= ATOL + RTOL * wants[k].abs().max().item()
 
-    threads = [threading.Thread(target=work, args=(o,)) for o in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert problems == []
+    assert _wrong_on_two_threads(program, inputs, 10, right) == []
 
 
 def test_segments_whose_shared_arena_cannot_be_mapped_plan_arenas_of_their_own(monkeypatch):

@@ -25,7 +25,8 @@ import torch
 from kiln.kernels.cpu import gemm_native, onednn
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, gemm_operands_refusal, resizable,
+                                 same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -38,13 +39,9 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     residual = inputs[3] if len(inputs) > 3 else None
     if x.shape is None or len(x.shape) < 2:
         return "only rows [..., K] of rank 2 or more"
-    if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
-        return "the weight is not a constant float32 matrix of the engine"
-    if w.shape[1] != x.shape[-1]:
-        return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
-    if b is not None and b.shape is not None and (not b.constant or list(b.shape) != [w.shape[0]]
-                                                  or b.dtype != torch.float32):
-        return "the bias is not a float32 constant [N] of the engine"
+    operands = gemm_operands_refusal(x, w, b)
+    if operands is not None:
+        return operands
     activation = _attr(step, "activation", "")
     if activation not in gemm_native.ACTIVATIONS:
         return f"activation {activation!r} is not one kiln's GEMM applies"

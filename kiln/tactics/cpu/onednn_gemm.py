@@ -22,7 +22,8 @@ from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, o
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _CACHED_SHAPES, _built, _configure
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, PrimitiveRule, SizedPrimitive, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, PrimitiveRule, SizedPrimitive, Tactic, gemm_operands_refusal,
+                                 resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -35,13 +36,9 @@ def _gemm_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     residual = inputs[3] if len(inputs) > 3 else None
     if x.shape is None or len(x.shape) not in (2, 3):
         return "only a matrix [M, K] or a batch of rows [B, S, K] (other ranks: cpu.gemm.*)"
-    if w is None or not w.constant or w.shape is None or len(w.shape) != 2 or w.dtype != torch.float32:
-        return "the weight is not a constant float32 matrix of the engine"
-    if w.shape[1] != x.shape[-1]:
-        return f"input {list(x.shape)} does not match the weight [N, K] {list(w.shape)}"
-    if b is not None and b.shape is not None and (not b.constant or list(b.shape) != [w.shape[0]]
-                                                  or b.dtype != torch.float32):
-        return "the bias is not a float32 constant [N] of the engine"
+    operands = gemm_operands_refusal(x, w, b)
+    if operands is not None:
+        return operands
     if _attr(step, "activation", "") == "SwiGLU":
         return "activation 'SwiGLU' halves the output: no post-op gates it"
     eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
