@@ -10,8 +10,8 @@ echo "== kiln $(git rev-parse --short HEAD), $(nvidia-smi --query-gpu=name --for
 timeout 290 bash bench/gpu_servewrong.sh 2>&1 | tail -20
 for lvl in 3 2; do
   mkdir -p "$OUT/fp8_o$lvl"
-  timeout 140 python3 bench/quant_gpu.py --sections engines --engines resnet50_b256 --modes kiln_fp16,kiln_fp8 \
-    --opt-level $lvl --profile --row-timeout 130 --out "$OUT/fp8_o$lvl" > "$OUT/fp8_o$lvl/stdout.txt" 2>&1
+  timeout 145 python3 bench/quant_gpu.py --sections engines --engines resnet50_b256 --modes kiln_fp16,kiln_fp8 \
+    --opt-level $lvl --profile --row-timeout 100 --out "$OUT/fp8_o$lvl" > "$OUT/fp8_o$lvl/stdout.txt" 2>&1
   echo "== FP8 R50 b256 opt $lvl"; tail -8 "$OUT/fp8_o$lvl/stdout.txt"
   python3 bench/quant_gpu.py --show-profiles "$OUT/fp8_o$lvl/quant_gpu.log" > "$OUT/fp8_o$lvl/profiles.txt" 2>&1
   head -c 3000 "$OUT/fp8_o$lvl/profiles.txt"
