@@ -185,8 +185,7 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
         # The cached winner, checked on this layer's inputs; where it fails, the next by the same rule, down to the
         # default. An identical layer timed it and its data passed: FP8 fast accumulation is not within the bound
         # on every layer's data (ResNet-50 FP8 at batch 256, H200: node_Conv_896 took a fast-accumulation tile,
-        # node_Conv_905, the same shape, rejected it and ran its default, 1.05 ms where the next candidate took
-        # 0.033)
+        # node_Conv_905, the same shape, rejected it and ran its default: 1.05 ms, the next candidate 0.033 ms)
         usable_by_name = {t.name: t for t in usable}
         while wanted != DEFAULT and not admitted(usable_by_name[wanted]):
             known = [{k: v for k, v in point.items() if k != wanted} for point in known]
