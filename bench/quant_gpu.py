@@ -303,6 +303,40 @@ def _onnxruntime_agreement(name: str, qdq_path: str, feeds: dict, got: torch.Ten
     return _accuracy(name, got[:images].cpu(), torch.from_numpy(want)).replace("fp32", "onnxruntime")
 
 
+FUSED, UNFUSED = "fused epilogue", "conv, then QAdd"
+
+
+def _residual_way(tactic: str) -> str:
+    """How a residual QConv's tactic runs the add: in the conv's epilogue (the plain Triton tiles), or unfused, the
+    conv's own 8-bit result then the QAdd kernel in the same call (.then_qadd tiles, the dequantized tactics)."""
+    return UNFUSED if tactic.endswith(".then_qadd") or tactic.startswith("cuda.qconv.dequantized") else FUSED
+
+
+def residual_choice(candidates: dict[str, float | str], ran: str) -> dict:
+    """One residual QConv's record from the tuner's candidates (ms, or why dropped): the tactic that ran, its time,
+    and the tuner's best of each way to run the add. The unfused way is the QAdd layer of an unfused engine with
+    its conv, timed as one candidate (the QAdd kernel inside the timed call), as the tuner times every candidate."""
+    timed = {k: v for k, v in candidates.items() if not isinstance(v, str) and k != "default"}
+    record = {"ran": (ran or "default").removeprefix("cuda.qconv."), "ran_ms": candidates.get(ran or "default"),
+              "way": _residual_way(ran) if ran else "default"}
+    for way in (FUSED, UNFUSED):
+        ms = {k: v for k, v in timed.items() if _residual_way(k) == way}
+        best = min(ms, key=ms.get, default=None)
+        record[way] = None if best is None else [best.removeprefix("cuda.qconv."), round(ms[best], 4)]
+    return record
+
+
+def residual_summary(residual: dict[str, dict]) -> str:
+    """The residual layers of one engine: which way each ran, and the tuner's times summed over them."""
+    ways = [r["way"] for r in residual.values()]
+    both = [r for r in residual.values() if r[FUSED] and r[UNFUSED]]
+    ran = [r["ran_ms"] for r in both if isinstance(r["ran_ms"], float)]
+    return (f"residual layers {len(residual)}: ran {UNFUSED} on {ways.count(UNFUSED)}, {FUSED} on "
+            f"{ways.count(FUSED)}, default on {ways.count('default')}; the tuner's ms summed over the {len(both)} "
+            f"with both ways timed: best {FUSED} {sum(r[FUSED][1] for r in both):.3f}, best {UNFUSED} "
+            f"{sum(r[UNFUSED][1] for r in both):.3f}, ran " + (f"{sum(ran):.3f}" if len(ran) == len(both) else "?"))
+
+
 def _profile(engine, dev: dict) -> dict:
     """Per-layer eager profile (kiln/runtime/profiler.py): ms per (op, tactic) and the slowest layers, and
     the autotuner's notes on the quantized layers' candidates (why a kernel was not taken)."""
@@ -321,16 +355,12 @@ def _profile(engine, dev: dict) -> dict:
             if isinstance(note, str) and tactic.startswith(("cuda.q", "cuda.layer_norm_quantize")):
                 short = f"{tactic.rsplit('.', 1)[0] if 'triton' in tactic else tactic}: {note[:90]}"
                 notes[short] = notes.get(short, 0) + 1
-    # the QConvs with a fused residual (inputs 9-13): the tuner's times of the fused epilogue, the unfused pair
-    # (.then_qadd) and the rest, so that fused vs conv + QAdd is read per layer
+    # the QConvs with a fused residual (inputs 9-13): per layer, what ran and the tuner's best of each way to run
+    # the add (residual_choice), so that the choice between them is read per layer
     tuned_layers = engine.plan.header.get("tactics", {}).get("layers", {})
-    residual = {}
-    for step in engine.plan.program.steps:
-        if step.op_type == "QConv" and len([i for i in step.inputs if i]) > 9 and step.name in tuned_layers:
-            candidates = tuned_layers[step.name]["candidates"]
-            times = {k.removeprefix("cuda.qconv."): round(v, 3) for k, v in candidates.items()
-                     if not isinstance(v, str)}
-            residual[step.name[-24:]] = dict(sorted(times.items(), key=lambda t: t[1])[:4])
+    residual = {step.name[-24:]: residual_choice(tuned_layers[step.name]["candidates"], step.tactic)
+                for step in engine.plan.program.steps
+                if step.op_type == "QConv" and len([i for i in step.inputs if i]) > 9 and step.name in tuned_layers}
     # the encoder's first block (fp16: the GEMMs and the attention; FP8: LayerNormQuantize, q/k/v, the attention (its
     # E4M3 tactics beside the fp16 ones, kiln/quant/attention.py), attention output, LayerNormQuantize,
     # FFN up + Gelu, FFN down): every candidate's time or why it was dropped, and a revert by the whole-engine check,
@@ -357,12 +387,14 @@ def _profile(engine, dev: dict) -> dict:
         if step.op_type in ("QConv", "QGemm", "QAdd") and step.name in tuned_layers and \
                 not step.tactic.startswith(("cuda.qconv.triton", "cuda.qgemm.triton", "cuda.qgemm.scaled",
                                             "cuda.qadd.triton")):
-            fallbacks[step.name] = {"chosen": step.tactic, **{
+            tuned = tuned_layers[step.name]  # cached: chosen from the timing cache's times (an identical layer's)
+            fallbacks[step.name] = {"chosen": step.tactic or "default", "cached": tuned.get("cached", False),
+                                    **({"reverted": tuned["reverted"][:160]} if "reverted" in tuned else {}), **{
                 k.removeprefix("cuda."): round(v, 4) if not isinstance(v, str) else v[:140]
-                for k, v in tuned_layers[step.name]["candidates"].items()}}
+                for k, v in tuned["candidates"].items()}}
     # the stem (the first QConv): every candidate's time or why it was dropped (the space-to-depth tactic's row)
     first = next((s for s in engine.plan.program.steps if s.op_type == "QConv" and s.name in tuned_layers), None)
-    stem = {} if first is None else {"chosen": first.tactic, **{
+    stem = {} if first is None else {"chosen": first.tactic or "default", **{
         k.removeprefix("cuda.qconv."): round(v, 4) if not isinstance(v, str) else v[:100]
         for k, v in tuned_layers[first.name]["candidates"].items()}}
     return {"eager_ms_total": round(sum(float(layer["ms"]) for layer in layers), 3), "by_kind": kinds, "stem": stem,
@@ -570,15 +602,10 @@ def show_profiles(log_path: str) -> None:
         if profile.get("stem"):
             print(f"   stem: {json.dumps(profile['stem'])[:500]}")
         residual = profile.get("residual_layers_ms", {})
-        for name, times in list(residual.items())[:3]:  # fused epilogue vs .then_qadd (the unfused pair)
-            print(f"   residual {name}: {json.dumps(times)[:240]}")
-        if residual:  # per layer, the fastest fused candidate against the fastest unfused pair, summed
-            fused = [min((v for k, v in t.items() if "then_qadd" not in k and "dequantized" not in k), default=None)
-                     for t in residual.values()]
-            pair = [min((v for k, v in t.items() if "then_qadd" in k), default=None) for t in residual.values()]
-            both = [(f, p) for f, p in zip(fused, pair) if f is not None and p is not None]
-            print(f"   residual layers {len(residual)}: fused {sum(f for f, _ in both):.3f} ms vs conv + QAdd "
-                  f"{sum(p for _, p in both):.3f} ms (the tuner's times, {len(both)} layers with both in their top 4)")
+        for name, choice in list(residual.items())[:3]:
+            print(f"   residual {name}: {json.dumps(choice)[:300]}")
+        if residual and all("way" in r for r in residual.values()):  # older logs: each layer's top-4 times
+            print(f"   {residual_summary(residual)}")
     print("\n".join(layer_gaps(rows)))
 
 
