@@ -20,12 +20,12 @@ import logging
 
 from kiln.serve.grpc_call import Call, RequestHead
 from kiln.serve.grpc_options import GrpcOptions
-from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW,
-                                  ENABLE_PUSH, END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME,
-                                  FRAME_SIZE_ERROR, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
-                                  INTERNAL_ERROR, MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR, PING,
-                                  PREFACE, PRIORITY, PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM, SETTING,
-                                  SETTINGS, WINDOW_UPDATE, WORD, ConnectionFault, HeaderBlocks, frame, unpad)
+from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, ENABLE_PUSH,
+                                  END_HEADERS, END_STREAM, ENHANCE_YOUR_CALM, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR,
+                                  GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE, INTERNAL_ERROR,
+                                  MAX_CONCURRENT_STREAMS, MAX_FRAME_SIZE, MAX_WINDOW, NO_ERROR, PING, PREFACE, PRIORITY,
+                                  PRIORITY_FLAG, PROTOCOL_ERROR, PUSH_PROMISE, RST_STREAM, SETTING, SETTINGS,
+                                  WINDOW_UPDATE, WORD, ConnectionFault, FrameReader, HeaderBlocks, frame, unpad)
 from kiln.serve.h2_keepalive import Keepalive
 
 log = logging.getLogger("kiln.serve")
@@ -59,9 +59,7 @@ class H2Connection(asyncio.Protocol):
         self._loop: asyncio.AbstractEventLoop | None = None  # looked up once: asking costs a getpid() call on 3.11
         self.keepalive = Keepalive(server.options, self._send_ping, self._keepalive_timed_out, self._has_calls)
         self.transport: asyncio.Transport | None = None
-        self.held: list[bytes] = []  # received bytes not yet a whole frame, joined once they are
-        self.held_size = 0
-        self.needed = 0  # bytes the first held frame needs (0: not known yet, a header short)
+        self.reader = FrameReader(RECEIVE_FRAME_SIZE)
         self.preface = False
         self.out: list[bytes] = []
         self.receiving = False  # inside data_received: what it writes goes out at its end, in one write
@@ -134,13 +132,9 @@ class H2Connection(asyncio.Protocol):
         self.server.connection_closed(self)
 
     def data_received(self, data: bytes) -> None:
-        if self.held:  # a large frame arrives over many reads: its pieces are joined once, not at every read
-            self.held.append(data)
-            self.held_size += len(data)
-            if self.held_size < self.needed:
-                return
-            data = b"".join(self.held)
-            self.held, self.held_size = [], 0
+        data = self.reader.whole(data)  # a large frame arrives over many reads: its pieces are joined once
+        if data is None:
+            return
         self.receiving = True
         try:
             self._receive(data)
@@ -154,39 +148,25 @@ class H2Connection(asyncio.Protocol):
             self._flush()
 
     def _receive(self, buffer: bytes) -> None:
+        start = 0
         if not self.preface:
             if len(buffer) < len(PREFACE):
                 if not PREFACE.startswith(buffer):
                     raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-                self.held, self.held_size, self.needed = [buffer], len(buffer), len(PREFACE)
+                self.reader.hold(buffer, len(PREFACE))
                 return
             if not buffer.startswith(PREFACE):
                 raise ConnectionFault(PROTOCOL_ERROR, "not the HTTP/2 connection preface")
-            buffer = buffer[len(PREFACE):]
+            start = len(PREFACE)
             self.preface = True
-        pos, end = 0, len(buffer)
-        view = memoryview(buffer)  # DATA payloads as views: a request's tensors are not copied again to be cut out
-        while end - pos >= 9 and self.transport is not None:
-            high, low, kind, flags, stream = FRAME.unpack_from(buffer, pos)
-            length = high << 8 | low
-            if length > RECEIVE_FRAME_SIZE:
-                raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {RECEIVE_FRAME_SIZE})")
-            if end - pos < 9 + length:
-                self.needed = 9 + length
+        for kind, flags, stream, payload in self.reader.frames(buffer, start):
+            if self.transport is None:  # closed by a frame before
                 break
-            payload = view[pos + 9:pos + 9 + length] if kind == DATA else buffer[pos + 9:pos + 9 + length]
-            pos += 9 + length
-            stream &= 0x7FFFFFFF
             if self.continuing is not None and kind != CONTINUATION:
                 raise ConnectionFault(PROTOCOL_ERROR, "a header block interrupted before its END_HEADERS")
             handle = self.dispatch.get(kind)
             if handle is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
                 handle(flags, stream, payload)
-        if pos < end:
-            rest = buffer[pos:]
-            if end - pos < 9:
-                self.needed = 9
-            self.held, self.held_size = [rest], len(rest)
         if self.received >= CONNECTION_WINDOW // 2:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, WORD.pack(self.received)))
             self.receive_window += self.received

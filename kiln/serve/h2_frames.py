@@ -1,7 +1,8 @@
 """HTTP/2 (RFC 9113) as kiln's gRPC transport (kiln/serve/grpc_h2.py) writes it: frame types, flags, error
 codes and settings; frames; header blocks of literals (HPACK, RFC 7541) that never touch the client's dynamic
 table; gRPC's response headers and percent-encoded grpc-message; header blocks decoded once while the peer's
-dynamic table stands (HeaderBlocks: the server's requests, kiln perf's answers).
+dynamic table stands (HeaderBlocks: the server's requests, kiln perf's answers); frames read across socket reads
+(FrameReader: both sides).
 
 A connection starts with the client's 24-byte preface; every frame is a 9-byte header (24-bit length, type,
 flags, 31-bit stream id) and its payload.
@@ -10,7 +11,7 @@ flags, 31-bit stream id) and its payload.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
 import hpack
@@ -28,6 +29,7 @@ HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX
 MAX_WINDOW = (1 << 31) - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME_SIZE = 16384
+LARGEST_FRAME = (1 << 24) - 1  # the 24-bit length field's limit
 
 FRAME = struct.Struct(">HBBBI")  # the frame header: the 24-bit length as 16 + 8 bits, type, flags, stream id
 SETTING = struct.Struct(">HI")
@@ -111,6 +113,52 @@ class HeaderBlocks(Generic[T]):
         else:
             self.made.clear()
         return made
+
+
+class FrameReader:
+    """The frames of a connection's received bytes, read in pieces. The bytes after the last whole frame of a read
+    are held; a frame over many reads is held in its pieces and joined once, when it is whole, not at every read.
+    DATA payloads are views of the bytes read (a request's tensors are not copied again to be cut out); the others
+    are bytes."""
+
+    def __init__(self, max_length: int = LARGEST_FRAME):
+        self.max_length = max_length
+        self.held: list[bytes] = []  # received bytes not yet a whole frame
+        self.held_size = 0
+        self.needed = 0  # bytes the first held frame needs: 9 while its header is short
+
+    def whole(self, data: bytes) -> bytes | None:
+        """`data`, after the bytes held if any; None while they are still short of what the held frame needs."""
+        if not self.held:
+            return data
+        self.held.append(data)
+        self.held_size += len(data)
+        if self.held_size < self.needed:
+            return None
+        data = b"".join(self.held)
+        self.held, self.held_size = [], 0
+        return data
+
+    def hold(self, rest: bytes, needed: int) -> None:
+        """`rest` kept until `needed` bytes are there (a connection's preface, say)."""
+        self.held, self.held_size, self.needed = [rest], len(rest), needed
+
+    def frames(self, data: bytes, pos: int = 0) -> Iterator[tuple[int, int, int, bytes | memoryview]]:
+        """Each whole frame of `data` from `pos` on as (type, flags, stream, payload); the rest is held."""
+        end = len(data)
+        view = memoryview(data)
+        while end - pos >= 9:
+            high, low, kind, flags, stream = FRAME.unpack_from(data, pos)
+            length = high << 8 | low
+            if length > self.max_length:
+                raise ConnectionFault(FRAME_SIZE_ERROR, f"a frame of {length} bytes (at most {self.max_length})")
+            if end - pos < 9 + length:
+                self.hold(data[pos:], 9 + length)
+                return
+            start, pos = pos + 9, pos + 9 + length
+            yield kind, flags, stream & 0x7FFFFFFF, view[start:pos] if kind == DATA else data[start:pos]
+        if pos < end:
+            self.hold(data[pos:], 9)
 
 
 def unpad(flags: int, payload: bytes) -> bytes:

@@ -30,7 +30,7 @@ from kiln.errors import KilnError
 from kiln.serve.h2_frames import (ACK, CONTINUATION, DATA, DEFAULT_FRAME_SIZE, DEFAULT_WINDOW, ENABLE_PUSH,
                                   END_HEADERS, END_STREAM, FRAME, GOAWAY, GOAWAY_PAYLOAD, HEADERS, INITIAL_WINDOW_SIZE,
                                   MAX_FRAME_SIZE, MAX_WINDOW, PING, PREFACE, PRIORITY_FLAG, RST_STREAM, SETTING,
-                                  SETTINGS, WINDOW_UPDATE, WORD, HeaderBlocks, frame, literal, unpad)
+                                  SETTINGS, WINDOW_UPDATE, WORD, FrameReader, HeaderBlocks, frame, literal, unpad)
 from kiln.serve.perf_check import Answer, Reference, numpy_type
 
 VARIANTS = 8  # distinct requests a plan cycles through: a batch mixes several
@@ -372,7 +372,7 @@ class _H2(_Connection):
         self.peer_window = DEFAULT_WINDOW  # the server's SETTINGS_INITIAL_WINDOW_SIZE
         self.frame_size = DEFAULT_FRAME_SIZE
         self.received = 0  # DATA bytes since the connection's last WINDOW_UPDATE
-        self.held, self.held_size, self.needed = [], 0, 0
+        self.reader = FrameReader()
         self.continuing: tuple[int, int, list[bytes]] | None = None
         self.status = HeaderBlocks(_grpc_status)
         self.dispatch = {DATA: self._data, HEADERS: self._headers, CONTINUATION: self._continuation,
@@ -409,26 +409,13 @@ class _H2(_Connection):
         data = self.receive()
         if data is None:
             return
-        if self.held:  # a large frame over many reads: joined once it is whole
-            self.held.append(data)
-            self.held_size += len(data)
-            if self.held_size < self.needed:
-                return
-            data = b"".join(self.held)
-            self.held, self.held_size = [], 0
-        pos, end = 0, len(data)
-        while end - pos >= 9:
-            high, low, kind, flags, stream = FRAME.unpack_from(data, pos)
-            length = high << 8 | low
-            if end - pos < 9 + length:
-                break
+        data = self.reader.whole(data)  # a large frame over many reads: joined once it is whole
+        if data is None:
+            return
+        for kind, flags, stream, payload in self.reader.frames(data):
             handle = self.dispatch.get(kind)
             if handle is not None:
-                handle(flags, stream & 0x7FFFFFFF, data[pos + 9:pos + 9 + length])
-            pos += 9 + length
-        if pos < end:
-            self.held, self.held_size = [data[pos:]], end - pos
-            self.needed = 9 if end - pos < 9 else 9 + (data[pos] << 16 | data[pos + 1] << 8 | data[pos + 2])
+                handle(flags, stream, payload)
         if self.received >= 1 << 30:
             self.out.append(frame(WINDOW_UPDATE, 0, 0, WORD.pack(self.received)))
             self.received = 0

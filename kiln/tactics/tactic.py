@@ -75,6 +75,34 @@ def gemm_operands_refusal(x: InputMeta, w: InputMeta | None, b: InputMeta | None
     return None
 
 
+def conv_geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
+    """(pads [top, left, bottom, right], strides, dilations) of a 2-D convolution of weight [O, C/group, kH, kW],
+    or why not: pads that depend on the input size, a kernel_shape other than the weight's."""
+    auto_pad = attribute(step, "auto_pad", "NOTSET")
+    if auto_pad not in ("NOTSET", "", "VALID"):
+        return f"auto_pad={auto_pad} (pads depend on the input size)"
+    pads = [0, 0, 0, 0] if auto_pad == "VALID" else [int(p) for p in attribute(step, "pads", [0, 0, 0, 0])]
+    kernel = list(attribute(step, "kernel_shape", list(w_shape[2:])))
+    if kernel != list(w_shape[2:]):
+        return f"kernel_shape {kernel} differs from the weight's {list(w_shape[2:])}"
+    strides = [int(s) for s in attribute(step, "strides", [1, 1])]
+    dilations = [int(d) for d in attribute(step, "dilations", [1, 1])]
+    return pads, strides, dilations
+
+
+def conv_operands_refusal(step: StepSpec, x: InputMeta, w: InputMeta) -> str | None:
+    """Why a 2-D convolution's attributes do not fit x [N, C, H, W] and its weight w [O, C/group, kH, kW] (None:
+    they do) — the CPU convolution tactics' shared check, float (onednn.py) and 8-bit (quantized.py); the weight's
+    dtype is each tactic's own."""
+    geometry = conv_geometry(step, w.shape)
+    if isinstance(geometry, str):
+        return geometry
+    groups = int(attribute(step, "group", 1))
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    return None
+
+
 def _why_unavailable(available: Callable[[], bool]) -> str | None:
     """What the library behind an `available` check says of itself: kiln's C kernel libraries and oneDNN keep a
     `reason()` beside `available()` (a bound KernelLibrary method, or a module function)."""

@@ -503,9 +503,9 @@ def test_fuzzed_calls_leave_the_server_serving(h2_server, bystander, engine_of, 
 
 
 def test_large_data_frames_over_many_reads(h2_server, engine_of):
-    """A DATA frame past LARGE_FRAME arriving over several socket reads is read into a buffer of its own (not
-    joined): calls whose ~300 KB messages (a long request id, echoed whole) come in pieces, some with the next
-    call's frames right behind them in the same write, each answered with its own id and rows."""
+    """A DATA frame arriving over several socket reads is held in its pieces and joined once, when it is whole
+    (h2_frames.FrameReader): calls whose ~300 KB messages (a long request id, echoed whole) come in pieces, some
+    with the next call's frames right behind them in the same write, each answered with its own id and rows."""
     import time
 
     client = RawClient(h2_server.ports.grpc, {INITIAL_WINDOW_SIZE: 1 << 30})  # the answers echo the ids: windows

@@ -54,7 +54,8 @@ from kiln.kernels.cpu import conv_silu, onednn, onednn_primitives, se
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable,
+                                 same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -73,20 +74,6 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
 _DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
 
 
-def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
-    """(pads [top, left, bottom, right], strides, dilations) of a 2-D FusedConv, or why not."""
-    auto_pad = _attr(step, "auto_pad", "NOTSET")
-    if auto_pad not in ("NOTSET", "", "VALID"):
-        return f"auto_pad={auto_pad} (pads depend on the input size)"
-    pads = [0, 0, 0, 0] if auto_pad == "VALID" else [int(p) for p in _attr(step, "pads", [0, 0, 0, 0])]
-    kernel = list(_attr(step, "kernel_shape", list(w_shape[2:])))
-    if kernel != list(w_shape[2:]):
-        return f"kernel_shape {kernel} differs from the weight's {list(w_shape[2:])}"
-    strides = [int(s) for s in _attr(step, "strides", [1, 1])]
-    dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
-    return pads, strides, dilations
-
-
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
@@ -102,17 +89,13 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return f"weight dtype {w.dtype}, only float32"
     if b is not None and b.shape is not None and (not b.constant or b.dtype != torch.float32):
         return "the bias is not a float32 constant of the engine"
-    geometry = _geometry(step, w.shape)
-    if isinstance(geometry, str):
-        return geometry
-    groups = int(_attr(step, "group", 1))
-    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
-        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
+    if (refusal := conv_operands_refusal(step, x, w)) is not None:
+        return refusal
     eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
     if isinstance(eltwise, str):
         return eltwise
     if residual is not None and residual.shape is not None:
-        pads, strides, dilations = geometry
+        pads, strides, dilations = conv_geometry(step, w.shape)
         out = [x.shape[0], w.shape[0]] + [
             (x.shape[2 + i] + pads[i] + pads[2 + i] - dilations[i] * (w.shape[2 + i] - 1) - 1) // strides[i] + 1
             for i in range(2)]
@@ -133,7 +116,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
     swish post-op."""
     w = constants[1]
     b = constants[2] if len(constants) > 2 else None
-    pads, strides, dilations = _geometry(step, tuple(w.shape))
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     groups = int(_attr(step, "group", 1))
     eltwise = None if kiln_silu else onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0),
                                                          _attr(step, "beta", 0.0))
@@ -404,7 +387,7 @@ def _winograd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not winograd.available():
         return "kiln's native code (a C compiler at first use) is not available"
     w = inputs[1]
-    pads, strides, dilations = _geometry(step, w.shape)
+    pads, strides, dilations = conv_geometry(step, w.shape)
     if list(w.shape[2:]) != [3, 3] or strides != [1, 1] or dilations != [1, 1] or pads != [1, 1, 1, 1]:
         return "only 3x3 convolutions of stride 1, dilation 1 and padding 1"
     if int(_attr(step, "group", 1)) != 1:

@@ -27,7 +27,8 @@ from kiln.kernels.cpu import onednn, onednn_int8, onednn_primitives
 from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import InputMeta, NativeStep, Tactic, resizable, same_primitive
+from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable,
+                                 same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 from kiln.tactics.tactic import tensor_input as _input
 
@@ -97,31 +98,10 @@ def _built(cache: dict, key, build, tuned):
 
 # ---- QConv -------------------------------------------------------------------------------------
 
-def _geometry(step: StepSpec, w_shape: tuple[int, ...]) -> tuple[list[int], list[int], list[int]] | str:
-    auto_pad = _attr(step, "auto_pad", "NOTSET")
-    if auto_pad not in ("NOTSET", "", "VALID"):
-        return f"auto_pad={auto_pad} (pads depend on the input size)"
-    pads = [0, 0, 0, 0] if auto_pad == "VALID" else [int(p) for p in _attr(step, "pads", [0, 0, 0, 0])]
-    strides = [int(s) for s in _attr(step, "strides", [1, 1])]
-    dilations = [int(d) for d in _attr(step, "dilations", [1, 1])]
-    return pads, strides, dilations
-
-
 def _residual_refusal(inputs: list[InputMeta]) -> str | None:
     """A QConv with a residual (inputs 9-13) is made for CUDA builds only (fusion.CUDA_RULES): oneDNN's
     tactics here do not add it, so they refuse it (the reference op runs it)."""
     return "a residual input: the add fused into the convolution is CUDA's" if _input(inputs, 9) is not None else None
-
-
-def _conv_refusal(step: StepSpec, x: InputMeta, w: InputMeta) -> str | None:
-    """Why the convolution's attributes do not fit x [N, C, H, W] and w [O, C/group, kH, kW], or None."""
-    geometry = _geometry(step, w.shape)
-    if isinstance(geometry, str):
-        return geometry
-    groups = int(_attr(step, "group", 1))
-    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
-        return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
-    return None
 
 
 def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -133,7 +113,7 @@ def _qconv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     x, w = inputs[0], inputs[3]
     if len(x.shape) != 4:
         return "only 2-D convolutions (4-D input)"
-    return _conv_refusal(step, x, w) or True
+    return conv_operands_refusal(step, x, w) or True
 
 
 def _qconv_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
@@ -144,7 +124,7 @@ def _qconv_float_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str
         return "only 2-D convolutions of an int8/uint8 weight"
     if int(_attr(step, "output_dtype", 1)) != 1 and (len(inputs) <= 6 or inputs[6].shape is None):
         return "a float output other than float32"
-    if (refusal := _conv_refusal(step, x, w)) is not None:
+    if (refusal := conv_operands_refusal(step, x, w)) is not None:
         return refusal
     if isinstance(onednn.eltwise_for(*_activation(step)), str):
         return f"activation {_attr(step, 'activation', '')!r}"
@@ -165,7 +145,7 @@ def _prepare_qconv(step: StepSpec, constants: list[Any], device: torch.device):
     if safe is not True:
         raise ValueError(safe)
     bias = constants[8] if len(constants) > 8 else None
-    pads, strides, dilations = _geometry(step, tuple(w.shape))
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     groups = int(_attr(step, "group", 1))
     y = _y(constants)
     activation, alpha, beta = _activation(step)
@@ -211,7 +191,7 @@ def _dequantized_conv(step: StepSpec, constants: list[Any], device: torch.device
     past 7 bits on a CPU without VNNI) or slower, this is what runs."""
     x_scale, x_zero, w, w_scale, w_zero = constants[1:6]
     bias = constants[8] if len(constants) > 8 else None
-    pads, strides, dilations = _geometry(step, tuple(w.shape))
+    pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     groups = int(_attr(step, "group", 1))
     activation, alpha, beta = _activation(step)
     eltwise = onednn.eltwise_for(activation, alpha, beta)
