@@ -18,7 +18,10 @@ included), and per round the ratio of wall medians to onnxruntime's. `--realtime
 SCHED_FIFO while the build and the rounds run (bench/lstm_engine.py), so that a shared VM's other work waits: the
 wall clock then approaches a quiet machine's, and the tuner, seeing a real-time priority, times the candidates by it
 as on a quiet machine (kiln/builder/cpu_clock.py; built at normal priority beside the load, it timed the two threads
-taking turns and put an LSTM on cpu.lstm.lanes, 17% slower with the cores free: bench/results/tcn-2026-12-05c.md).
+taking turns and put an LSTM on cpu.lstm.lanes, 17% slower with the cores free: bench/results/tcn-2026-12-05c.md),
+and libgomp spins as kiln lets it on a quiet machine (GOMP_SPINCOUNT 300000, libgomp's default, unless set: kiln
+imported beside the load sets 100, with which the TCN's parallel form, 13 small convolutions, ran no faster than its
+serial one at 2 threads).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--realtime" in sys.argv:  # the quiet machine SCHED_FIFO stands for: libgomp's own spin, which kiln keeps there
+    os.environ.setdefault("GOMP_SPINCOUNT", "300000")  # (imported beside the load it sets 100: kiln/openmp.py)
 if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/zoo_avx2.py checks MLAS obeys)
     import cpuid_avx2
 
