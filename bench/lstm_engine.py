@@ -69,20 +69,19 @@ def engines(path: Path, builds: int) -> dict[str, object]:
 
 @contextlib.contextmanager
 def realtime(on: bool):
-    """Every thread of this process (kiln's pool, onnxruntime's, OpenMP's: all started by the builds and warm-up
-    calls before) at SCHED_FIFO priority 10 while the rounds run, then back: on a VM shared with other work the
-    neighbours wait instead of taking the cores in the middle of a call (root only; the kernel still leaves them
-    5% of each second)."""
+    """Every thread of this process (kiln's pool, onnxruntime's, OpenMP's: started by the builds and warm-up calls
+    before, or meanwhile, inheriting it) at SCHED_FIFO priority 10 while the rounds run, then back: on a VM shared
+    with other work the neighbours wait instead of taking the cores in the middle of a call (root only; the kernel
+    still leaves them 5% of each second)."""
     if not on:
         yield
         return
-    threads = [int(t) for t in os.listdir("/proc/self/task")]
-    for t in threads:
+    for t in (int(t) for t in os.listdir("/proc/self/task")):
         os.sched_setscheduler(t, os.SCHED_FIFO, os.sched_param(10))
     try:
         yield
     finally:
-        for t in threads:
+        for t in (int(t) for t in os.listdir("/proc/self/task")):  # those started meanwhile (a build's) inherited it
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
 

@@ -6,6 +6,7 @@ beside onnxruntime.
     python bench/recurrent_threads.py --realtime             # the rounds at SCHED_FIFO priority (root)
     python bench/recurrent_threads.py --avx2                 # both sides on an AVX2-only CPU (bench/zoo_avx2.py's cap)
     python bench/recurrent_threads.py --lstm cpu.lstm.fused  # the LSTMs on one tactic (the tuner's pick drifts, loaded)
+    python bench/recurrent_threads.py --realtime --avx2 --beside cpu.lstm.fused --normal-build  # pick vs pinned
 
 One engine per model and thread count; "kiln" as built (lstm_fused.c: each thread a slice of the batch's rows through
 every step, where each gets two rows or more), "kiln, block split" the same engine with each step's unit blocks split
@@ -14,8 +15,13 @@ onnxruntime's session, timed in interleaved rounds (each round a block per runne
 starting at the next runner each round). Per runner: the median over rounds of each block's median wall time and of
 its median process CPU time (every thread of the process: at two threads what the call cost the machine, spinning
 included), and per round the ratio of wall medians to onnxruntime's. `--realtime`: every thread of the process at
-SCHED_FIFO while the rounds run (bench/lstm_engine.py), so that a shared VM's other work waits: the wall clock then
-approaches a quiet machine's.
+SCHED_FIFO while the build and the rounds run (bench/lstm_engine.py), so that a shared VM's other work waits: the
+wall clock then approaches a quiet machine's, and the tuner, seeing a real-time priority, times the candidates by it
+as on a quiet machine (kiln/builder/cpu_clock.py; built at normal priority beside the load, it timed the two threads
+taking turns and put an LSTM on cpu.lstm.lanes, 17% slower with the cores free: bench/results/tcn-2026-12-05c.md),
+and libgomp spins as kiln lets it on a quiet machine (GOMP_SPINCOUNT 300000, libgomp's default, unless set: kiln
+imported beside the load sets 100, with which the TCN's parallel form, 13 small convolutions, ran no faster than its
+serial one at 2 threads).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+if "--realtime" in sys.argv:  # the quiet machine SCHED_FIFO stands for: libgomp's own spin, which kiln keeps there
+    os.environ.setdefault("GOMP_SPINCOUNT", "300000")  # (imported beside the load it sets 100: kiln/openmp.py)
 if "--avx2" in sys.argv:  # before torch, onnxruntime or kiln read cpuid (bench/zoo_avx2.py checks MLAS obeys)
     import cpuid_avx2
 
@@ -73,16 +81,21 @@ def measure(model: str, threads: int, args) -> list[str]:
     torch.set_num_threads(threads)  # before the build: tactics are tuned at the thread count they run with
     exported = zoo.export(model)
     feeds = exported.inputs()
-    tuned = kiln.build(str(exported.path), timing_cache=None)
+    with realtime(args.realtime):  # the tactics tuned with the cores the rounds will have (cpu_clock.py: wall clock)
+        tuned = kiln.build(str(exported.path), timing_cache=None)
     engine = pinned(tuned, args.lstm) if args.lstm else tuned
+    others = {f"kiln, LSTMs on {args.beside}": pinned(tuned, args.beside)} if args.beside else {}
+    if args.normal_build:  # tuned beside the machine's other work, as a build without the priority is
+        others["kiln, built at normal priority"] = normal = kiln.build(str(exported.path), timing_cache=None)
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
     want = session.run(None, feeds)[0]
     runners = {"kiln": row_split(True, lambda: engine.run(feeds)),
                "kiln, block split": row_split(False, lambda: engine.run(feeds)),
+               **{label: (lambda e=e: e.run(feeds)) for label, e in others.items()},
                "onnxruntime": lambda: session.run(None, feeds)}
-    for label in ("kiln", "kiln, block split"):
+    for label in list(runners)[:-1]:
         got = runners[label]()[engine.output_names[0]]
         error = float(np.abs(np.asarray(got) - want).max())
         if error > 1e-4:
@@ -98,6 +111,7 @@ def measure(model: str, threads: int, args) -> list[str]:
     recurrent.set_row_split(True)
     ort_wall = [w for w, _ in rounds["onnxruntime"]]
     picks = f"pinned to {args.lstm}; the tuner's: {lstm_picks(tuned)}" if args.lstm else lstm_picks(tuned)
+    picks += f"; at normal priority: {lstm_picks(normal)}" if args.normal_build else ""
     lines = [f"| {model} | {threads} | {picks} |"]
     for label, values in rounds.items():
         wall = statistics.median(w for w, _ in values)
@@ -118,6 +132,9 @@ def main() -> None:
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--avx2", action="store_true", help="kiln and onnxruntime on an AVX2-only CPU (cpuid masked)")
     ap.add_argument("--lstm", help="every LSTM layer on this tactic (cpu.lstm.fused, ...), not the tuner's pick")
+    ap.add_argument("--beside", help="also the tuned engine with every LSTM layer on this tactic, as one more runner")
+    ap.add_argument("--normal-build", action="store_true",
+                    help="with --realtime: also an engine tuned at normal priority (beside the machine's other work)")
     args = ap.parse_args()
     import onnxruntime as ort
     import torch

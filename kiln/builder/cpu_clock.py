@@ -13,8 +13,17 @@ WALL, PROCESS_CPU = "wall", "process cpu"
 BUSY_SHARE = 0.5
 
 
+def real_time() -> bool:
+    """Whether the calling thread runs at a real-time priority (SCHED_FIFO or SCHED_RR), as threads it starts will:
+    other work then waits for it instead of taking its cores."""
+    try:
+        return os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR)
+    except (AttributeError, OSError):  # not Linux
+        return False
+
+
 def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None,
-              load: float | None = None) -> str:
+              load: float | None = None, has_cores: bool | None = None) -> str:
     """The clock candidates are timed by on the CPU: WALL, or PROCESS_CPU where other work shares the CPUs.
 
     Why: with other work runnable, a kernel of several threads waits at each of its barriers for a thread the
@@ -31,7 +40,18 @@ def cpu_clock(threads: int, cpus: int | None = None, runnable: int | None = None
     neither clock sees past it (bench/results/zoo-cpu-avx2-2026-12-03.md, "the failure left").
 
     Busy: tasks runnable beyond this process's `threads` (its OpenMP workers spin between calls) at least
-    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average."""
+    BUSY_SHARE of the CPUs, from /proc/loadavg's count (runnable_tasks) or, without it, the 1-min load average.
+    Not where the build runs at a real-time priority (`has_cores`, by default real_time()): the other tasks wait,
+    its threads run side by side as on a quiet machine, and only the wall clock sees how well a kernel's threads
+    share its work. Timed by the process's CPU time there, or under load by either clock, two threads that take
+    turns on the cores measure the sum of their work: the LSTM forecaster's layers capped to AVX2 then timed
+    cpu.lstm.lanes within 4% of cpu.lstm.fused, where with the cores free its per-step barrier made it 18-23%
+    slower (bench/results/tcn-2026-12-05c.md). The process's CPU time of a call also leaves out a worker's time
+    since its last context switch or scheduler tick: a worker that never sleeps in a 1 ms call counted nothing."""
+    if has_cores is None:
+        has_cores = real_time()
+    if has_cores:
+        return WALL
     cpus = max(cpus if cpus is not None else (os.cpu_count() or 1), 1)
     if runnable is None and load is None:
         runnable = runnable_tasks()

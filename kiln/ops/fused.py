@@ -7,6 +7,9 @@ gives the maths. The epilogue of FusedConv/FusedGemm is shared:
     y = act(y) + residual        (residual_after_activation = 1, e.g. MobileNetV2, BERT)
     y = act(y + residual)        (residual_after_activation = 0, e.g. ResNet)
 
+FusedConv may apply a second activation to that sum, final_activation (final_alpha, final_beta):
+    y = final_act(act(y) + residual)   (a TCN block: relu(relu(conv2(h)) + x))
+
 In-place epilogue ops reuse the layer's output buffer: no intermediate touches memory twice.
 """
 
@@ -58,8 +61,8 @@ def _epilogue(y, residual, activation, alpha, beta, residual_after_activation):
 @register("FusedConv", domain="kiln")
 def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations=None, group=1,
                kernel_shape=None, pads=None, strides=None, activation="", alpha=0.0, beta=0.0,
-               residual_after_activation=0):
-    """Conv(x, W, b) followed by the shared epilogue (activation and/or residual Add)."""
+               residual_after_activation=0, final_activation="", final_alpha=0.0, final_beta=0.0):
+    """Conv(x, W, b) followed by the shared epilogue (activation and/or residual Add), then final_activation."""
     n = x.dim() - 2
     kernel = list(kernel_shape) if kernel_shape else list(w.shape[2:])
     strides, dilations, pads = _conv_params(x, kernel, auto_pad, dilations, pads, strides)
@@ -67,7 +70,8 @@ def fused_conv(ctx, x, w, b=None, residual=None, *, auto_pad="NOTSET", dilations
         y = convolution(x, w, b, stride=strides, padding=pads[:n], dilation=dilations, groups=group)
     else:
         y = convolution(_pad_spatial(x, pads[:n], pads[n:]), w, b, stride=strides, dilation=dilations, groups=group)
-    return _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
+    y = _epilogue(y, residual, activation, alpha, beta, residual_after_activation)
+    return _activate_(y, final_activation, final_alpha, final_beta)
 
 
 @register("FusedGemm", domain="kiln")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import os
+import threading
 import time
 from types import SimpleNamespace
 
@@ -79,6 +81,32 @@ def test_each_round_starts_at_the_next_candidate():
 ])
 def test_the_clock_follows_the_tasks_runnable_beside_this_process(runnable, load, threads, cpus, clock):
     assert cpu_clock.cpu_clock(threads, cpus=cpus, runnable=runnable, load=load) == clock
+
+
+def test_a_build_at_real_time_priority_has_its_cores_and_times_by_the_wall_clock(monkeypatch):
+    assert cpu_clock.cpu_clock(2, cpus=2, runnable=9, has_cores=True) == autotune.WALL
+    assert cpu_clock.cpu_clock(2, cpus=2, runnable=9, has_cores=False) == autotune.PROCESS_CPU
+    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_FIFO)
+    assert cpu_clock.real_time() and cpu_clock.cpu_clock(2, cpus=2, runnable=9) == autotune.WALL
+
+
+def test_real_time_reads_the_calling_threads_policy():
+    """A thread of its own set to SCHED_FIFO (root only) reads True; this one, as tests run, False."""
+    seen: list[bool] = []
+
+    def at_fifo() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except PermissionError:
+            return
+        seen.append(cpu_clock.real_time())
+
+    thread = threading.Thread(target=at_fifo)
+    thread.start()
+    thread.join()
+    if not seen:
+        pytest.skip("SCHED_FIFO needs root")
+    assert seen == [True] and not cpu_clock.real_time()
 
 
 def test_runnable_tasks_reads_this_machine():

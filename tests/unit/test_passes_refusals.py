@@ -174,6 +174,13 @@ def strided_conv_cut_at_the_end():
                   ("two", np.array([2], np.int64))])
 
 
+def conv_relu_then_sigmoid():
+    """Conv -> Relu -> Sigmoid: the epilogue takes the ReLU; no residual Add for the Sigmoid to follow."""
+    nodes = [node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), node("Relu", ["c"], ["r"]),
+             node("Sigmoid", ["r"], ["y"])]
+    return model(nodes, [value("x", [1, 4, 6, 6])], [value("y", [1, 4, 6, 6])], [("w", randn(4, 4, 3, 3))])
+
+
 def mean_over_time_of_a_dynamic_batch():
     """Squeeze([N, C, 1, W], 2) -> mean over time: the [N, C] to restore has a symbolic dim."""
     nodes = [node("Squeeze", ["x", "two"], ["s"]), node("ReduceMean", ["s", "minus_one"], ["y"], keepdims=0)]
@@ -477,6 +484,8 @@ CASES = {
                                              "is read elsewhere too", before=["fuse_conv"]),
     "conv1d/same_padded": Case("conv1d_as_conv2d", conv1d_same_padded, "auto_pad=SAME_UPPER"),
     "causal_conv/strided": Case("causal_conv_pads", strided_conv_cut_at_the_end, "stride 2"),
+    "conv_final_activation/no_residual": Case("fuse_conv_final_activation", conv_relu_then_sigmoid,
+                                              "without a residual", before=["fuse_conv"]),
     "conv1d_mean/dynamic_batch": Case("conv1d_mean_as_global_pool", mean_over_time_of_a_dynamic_batch,
                                       "shape is not static"),
     "embedding_concat/two_ids_tensors": Case("fuse_embedding_concat", lookups_from_two_ids_tensors, "different ids"),

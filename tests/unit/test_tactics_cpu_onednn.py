@@ -148,6 +148,60 @@ def test_refuses_what_it_cannot_run():
     assert "no oneDNN" in tactic.check(step, [x, w])
 
 
+FINAL_CASES = [  # activation, residual_after_activation, final activation, final alpha, final beta, dilation
+    ("Relu", 1, "Relu", 0.0, 0.0, 1),  # a TCN block: relu(relu(conv2(h)) + x)
+    ("Relu", 1, "Relu", 0.0, 0.0, 8),
+    ("", 0, "LeakyRelu", 0.1, 0.0, 2),
+    ("Tanh", 1, "Clip", -0.5, 0.5, 4),
+]
+
+
+@pytest.mark.parametrize("case", FINAL_CASES, ids=lambda c: f"{c[0] or 'none'}-r{c[1]}-{c[2]}-d{c[5]}")
+@pytest.mark.parametrize("in_place", [False, True], ids=["binary", "accumulated"])
+def test_final_activation_after_the_residual_matches_float64_oracle(case, in_place):
+    """A causal dilated 1-D convolution as the segment runs it ([N, C, 1, S], left pads only), its epilogue's second
+    activation after the residual add: the residual read as a binary post-op, or accumulated in its own memory (a sum
+    post-op between the two eltwise ones)."""
+    activation, after, final, alpha, beta, dilation = case
+    g = torch.Generator().manual_seed(sum(map(hash, map(str, case))) % 2**31 + in_place)
+    n, c, o, steps, k = 2, 24, 32, 37, 3
+    pads = [0, (k - 1) * dilation, 0, 0]  # [top, left, bottom, right]: causal
+    x = torch.randn(n, c, 1, steps, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(o, c, 1, k, generator=g) * (2.0 / (c * k)) ** 0.5
+    b = torch.randn(o, generator=g)
+    r = torch.randn(n, o, 1, steps, generator=g).contiguous(memory_format=torch.channels_last)
+    want = ACTIVATION_ORACLE[final](oracle(x, w, b, r, pads, [1, 1], [1, dilation], 1, activation, 0.0, 0.0, after),
+                                    alpha, beta)
+    attrs = dict(pads=pads, dilations=[1, dilation], activation=activation, residual_after_activation=after,
+                 final_activation=final, final_alpha=alpha, final_beta=beta)
+    if in_place:
+        conv = onednn_primitives.Conv2d(w, b, [n, c, 1, steps], [1, 1], pads, [1, dilation], 1,
+                                        onednn.eltwise_for(activation, 0.0, 0.0), True, bool(after),
+                                        residual_in_place=True, final=onednn.eltwise_for(final, alpha, beta))
+        got = conv.accumulate(x, r.clone())
+    else:
+        step = StepSpec("FusedConv", "conv", ["x", "w", "b", "r"], ["y"], attrs, domain="kiln")
+        got = prepare(step, [x, w, b, r], [None, w, b, None])(None, x, w, b, r, **attrs)
+    assert_close(got, want)
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    assert_close(fused_conv(ctx, x, w, b, r, **attrs), want)  # the registered op: the autotuner's reference
+
+
+@pytest.mark.parametrize("name, activation, kernel", [
+    ("cpu.conv.onednn_silu", "SiLU", 3), ("cpu.conv.winograd", "Relu", 3), ("cpu.conv.onednn_nhwc", "Relu", 3),
+    ("cpu.conv.onednn_1x1", "Relu", 1), ("cpu.conv.onednn_graph", "Relu", 3)])
+def test_tactics_with_one_activation_refuse_a_final_one(name, activation, kernel):
+    """The FusedConv tactics whose kernels apply one activation say so, rather than drop the second."""
+    tactic = registry.get(name)
+    x, w = InputMeta((1, 16, 8, 8), torch.float32, False), InputMeta((16, 16, kernel, kernel), torch.float32, True)
+    attrs = {"pads": [kernel // 2] * 4, "activation": activation, "residual_after_activation": 1}
+    step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], attrs, domain="kiln")
+    if not tactic.available() or tactic.check(step, [x, w]) is not True:
+        pytest.skip(f"{name} does not take this layer here even without a final activation")
+    step.attributes["final_activation"] = "Relu"
+    assert "final activation" in tactic.check(step, [x, w])
+
+
 def test_engine_without_the_library_runs_the_registered_op(monkeypatch):
     """An engine naming the tactic, loaded where libdnnl is missing, still runs (the default op)."""
     g = torch.Generator().manual_seed(3)

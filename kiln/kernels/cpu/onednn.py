@@ -501,12 +501,13 @@ def eltwise_for(activation: str, alpha: float, beta: float) -> Eltwise | None | 
 
 
 def _epilogue_attr(eltwise: Eltwise | None, residual: bool, residual_after_activation: bool, residual_in_place: bool,
-                   dst_md: _Handle) -> tuple[_Handle, int]:
+                   dst_md: _Handle, final: Eltwise | None = None) -> tuple[_Handle, int]:
     """(primitive attr with the epilogue as post-ops, the residual's post-op index or -1).
 
-    y = act(op(x) + r) or act(op(x)) + r, as kiln::FusedConv / FusedGemm order them: the residual is
-    a binary-add post-op reading r where it lies or, residual_in_place, a sum post-op accumulating
-    into dst's own memory (which holds r). fpmath strict: no implicit bf16/tf32 down-conversion."""
+    y = act(op(x) + r) or act(op(x)) + r, as kiln::FusedConv / FusedGemm order them, then final(y) (FusedConv's
+    final_activation): the residual is a binary-add post-op reading r where it lies or, residual_in_place, a sum
+    post-op accumulating into dst's own memory (which holds r). fpmath strict: no implicit bf16/tf32
+    down-conversion."""
     lib = load()
     attr = ctypes.c_void_p()
     _check(lib.lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "attr")
@@ -515,18 +516,20 @@ def _epilogue_attr(eltwise: Eltwise | None, residual: bool, residual_after_activ
     post = ctypes.c_void_p()
     _check(lib.lib.dnnl_post_ops_create(ctypes.byref(post)), "post ops")
     post_h = _Handle(post, "dnnl_post_ops_destroy")
-    order: list[str] = []
+    order: list[Eltwise | str] = []  # eltwise post-ops and "residual", in the order they apply
     if residual and not residual_after_activation:
         order.append("residual")
     if eltwise is not None:
-        order.append("eltwise")
+        order.append(eltwise)
     if residual and residual_after_activation:
         order.append("residual")
+    if final is not None:
+        order.append(final)
     residual_index = -1
-    for index, kind in enumerate(order):
-        if kind == "eltwise":
-            _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[eltwise.alg], eltwise.alpha, eltwise.beta),
-                   f"eltwise post-op {eltwise}")
+    for index, op in enumerate(order):
+        if isinstance(op, Eltwise):
+            _check(lib.lib.dnnl_post_ops_append_eltwise(post, ELTWISE[op.alg], op.alpha, op.beta),
+                   f"eltwise post-op {op}")
         elif residual_in_place:  # dst += residual: the residual is already in dst's memory
             _check(lib.lib.dnnl_post_ops_append_sum(post, 1.0, 0, 0), "sum post-op")
         else:

@@ -201,17 +201,17 @@ def _out_size(size: int, kernel: int, stride: int, dilation: int, pad_l: int, pa
 class Conv2d:
     """One 2-D convolution primitive with its epilogue as post-ops, for one input shape.
 
-    y = act(conv(x, W) + b [+ r]) [+ r] on NHWC (channels-last) tensors, the residual r placed
-    before or after the activation as kiln::FusedConv orders them: a binary-add post-op that
-    reads r where it lies (__call__), or, built with residual_in_place, a sum post-op that
-    accumulates into r's own memory (accumulate). The weight is reordered into the blocked
+    y = final(act(conv(x, W) + b [+ r]) [+ r]) on NHWC (channels-last) tensors, the residual r placed
+    before or after the activation as kiln::FusedConv orders them, final its final_activation (or none):
+    a binary-add post-op that reads r where it lies (__call__), or, built with residual_in_place, a sum
+    post-op that accumulates into r's own memory (accumulate). The weight is reordered into the blocked
     layout the chosen kernel wants, once, here.
     """
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, input_size: list[int], stride: list[int],
                  pads: list[int], dilation: list[int], groups: int, eltwise: Eltwise | None,
                  residual: bool, residual_after_activation: bool, residual_in_place: bool = False,
-                 share_weight_with: Conv2d | None = None, prefer: str | None = None):
+                 share_weight_with: Conv2d | None = None, prefer: str | None = None, final: Eltwise | None = None):
         """`prefer`: the first of oneDNN's kernels whose name starts so ("jit_dw:"), when it offers one."""
         lib = load()
         self._lib = lib
@@ -235,7 +235,7 @@ class Conv2d:
         b_md = memory_desc([o], TAG_A) if b is not None else None
 
         attr_h, self._residual_index = _epilogue_attr(eltwise, residual, residual_after_activation,
-                                                      residual_in_place, dst_md)
+                                                      residual_in_place, dst_md, final)
 
         def descriptor() -> ctypes.c_void_p:
             pd = ctypes.c_void_p()

@@ -9,7 +9,7 @@ from kiln.passes.fusion.attention import fuse_attention
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
 from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_broadcast_attention_mask
 from kiln.passes.fusion.causal_conv import trim_conv_padding
-from kiln.passes.fusion.conv import fuse_conv
+from kiln.passes.fusion.conv import fuse_conv, fuse_conv_final_activation
 from kiln.passes.fusion.conv1d import conv1d_as_conv2d, conv1d_mean_as_global_pool
 from kiln.passes.fusion.elementwise import fuse_elementwise
 from kiln.passes.fusion.embedding_concat import fuse_embedding_concat
@@ -47,6 +47,7 @@ RULES = [
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("causal_conv_pads", trim_conv_padding),  # before fuse_conv: the chomp sat between the conv and its ReLU
     ("fuse_conv", fuse_conv),
+    ("fuse_conv_final_activation", fuse_conv_final_activation),  # before conv1d_as_conv2d: a TCN block's last ReLU
     ("conv1d_as_conv2d", conv1d_as_conv2d),  # after fuse_conv: the epilogue goes with the layer
     ("conv1d_mean_as_global_pool", conv1d_mean_as_global_pool),
     ("fuse_squeeze_excite", fuse_squeeze_excite),  # after fuse_conv: reads the 1x1 convolutions' epilogues
@@ -71,7 +72,7 @@ RULES = [
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
-CPU_RULES = {"fuse_squeeze_excite", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
+CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
              "drop_zero_initial_states", "constant_reshape_target", "fuse_relayout", "flatten_channels_last_runs"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)

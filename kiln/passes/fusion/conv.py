@@ -1,18 +1,24 @@
-"""Conv + bias + activation + residual Add -> kiln::FusedConv.
+"""Conv + bias + activation + residual Add -> kiln::FusedConv, and the activation of that sum.
 
-    y = act(Conv(x, W, b) + r)   or   y = act(Conv(x, W, b)) + r
+    y = act(Conv(x, W, b) + r)   or   y = act(Conv(x, W, b)) + r                 (fuse_conv)
+    final(FusedConv(x, W, b, r))  ->  FusedConv(x, W, b, r, final_activation)   (fuse_conv_final_activation)
 
-One step instead of up to three; the epilogue runs in place on the convolution's output.
+One step instead of up to four; the epilogue runs in place on the convolution's output. The second rule takes the
+activation a residual block applies after its sum when the convolution's own activation came before it: a TCN block
+(Bai, Kolter and Koltun 2018) is relu(relu(conv2(h)) + x). Left out, that ReLU is a step of its own between two
+convolutions; on the CPU it also splits the native segment (bench/results/tcn-2026-12-05c.md). Only the CPU asks
+for it (fusion.CPU_RULES): its convolution tactics apply the activation as one more oneDNN post-op.
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-from kiln.passes._rewrite import KILN_DOMAIN, PassReport, const, is_op, new_initializer, replace_with
-from kiln.passes.fusion.epilogue import absorb_epilogue
+from kiln.passes._rewrite import KILN_DOMAIN, PassReport, attr, const, is_op, new_initializer, replace_with
+from kiln.passes.fusion.epilogue import absorb_epilogue, activation_of
 
 RULE = "fuse_conv"
+RULE_FINAL = "fuse_conv_final_activation"
 
 
 def fuse_conv(node: ir.Node, report: PassReport) -> bool:
@@ -40,4 +46,22 @@ def fuse_conv(node: ir.Node, report: PassReport) -> bool:
     attrs = [a for a in node.attributes.values()] + ep.attributes()
     fused = ir.Node(KILN_DOMAIN, "FusedConv", inputs, attrs, name=node.name)
     replace_with([node, *ep.nodes], fused, ep.output)
+    return True
+
+
+def fuse_conv_final_activation(node: ir.Node, report: PassReport) -> bool:
+    if not is_op(node, "FusedConv", domain=KILN_DOMAIN) or attr(node, "final_activation", ""):
+        return False
+    act = activation_of(node.outputs[0])
+    if act is None:
+        return False
+    if len(node.inputs) < 4 or node.inputs[3] is None:
+        report.refuse(RULE_FINAL, node, f"{act[0]} after a convolution without a residual: the epilogue's own "
+                      "activation is taken first, a second one only after the residual Add")
+        return False
+    name, alpha, beta, nodes, output = act
+    attrs = [*node.attributes.values(), ir.AttrString("final_activation", name),
+             ir.AttrFloat32("final_alpha", alpha), ir.AttrFloat32("final_beta", beta)]
+    fused = ir.Node(KILN_DOMAIN, "FusedConv", list(node.inputs), attrs, name=node.name)
+    replace_with([node, *nodes], fused, output)
     return True

@@ -25,6 +25,7 @@ from kiln.passes._rewrite import (
     PassReport,
     attr,
     const,
+    consumers,
     is_op,
     new_initializer,
     producer,
@@ -49,16 +50,25 @@ def _axes_input(graph: ir.Graph, name: str) -> ir.Value:
     return new_initializer(graph, name, np.array([2], np.int64))
 
 
+def _height_axis(node: ir.Node) -> bool:
+    """Whether a Squeeze / Unsqueeze node's constant axes are [2] alone (a [N, C, W] <-> [N, C, 1, W] move)."""
+    axes = const(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    return axes is not None and [int(a) % 4 for a in axes.reshape(-1)] == [2]
+
+
 def _as_4d(node: ir.Node, value: ir.Value, name: str) -> tuple[ir.Value, ir.Node | None]:
-    """value [N, C, W] as [N, C, 1, W]: the 4-D value it was squeezed from, or a new Unsqueeze (not yet
-    in the graph)."""
+    """value [N, C, W] as [N, C, 1, W]: the 4-D value it was squeezed from, the Unsqueeze another layer reading it
+    already made (a block's input read by its first convolution and its 1x1 downsample: one copy, not two), or a
+    new Unsqueeze (not yet in the graph)."""
     source = producer(value, "Squeeze")
-    if source is not None and len(source.inputs) > 1 and source.inputs[1] is not None:
-        axes = const(source.inputs[1])
+    if source is not None and _height_axis(source):
         x = source.inputs[0]
-        if axes is not None and [int(a) % 4 for a in axes.reshape(-1)] == [2] and _rank(x) == 4 \
-                and x.shape[2] == 1:
+        if _rank(x) == 4 and x.shape[2] == 1:
             return x, None
+    made = next((n for n in consumers(value) if is_op(n, "Unsqueeze") and n.inputs[0] is value and _height_axis(n)),
+                None)
+    if made is not None:
+        return made.outputs[0], None
     unsqueeze = ir.Node("", "Unsqueeze", [value, _axes_input(node.graph, f"{name}_axes")], name=name)
     out = unsqueeze.outputs[0]
     out.type = value.type

@@ -47,7 +47,7 @@ class Epilogue:
                 ir.AttrInt64("residual_after_activation", self.residual_after_activation)]
 
 
-def _activation(v: ir.Value) -> tuple[str, float, float, list[ir.Node], ir.Value] | None:
+def activation_of(v: ir.Value) -> tuple[str, float, float, list[ir.Node], ir.Value] | None:
     """(name, alpha, beta, nodes, output) if the reader(s) of v apply one activation to it."""
     users = consumers(v)
     if v.is_graph_output():
@@ -122,7 +122,7 @@ def absorb_epilogue(value: ir.Value, channels: int, channel_axis: int, take_bias
         ep.bias = found[1]
         ep.output = found[0].outputs[0]
     for _ in range(2):
-        if not ep.activation and (act := _activation(ep.output)):
+        if not ep.activation and (act := activation_of(ep.output)):
             ep.activation, ep.alpha, ep.beta, nodes, ep.output = act
             ep.nodes += nodes
             continue

@@ -38,7 +38,7 @@ from kiln.passes._rewrite import (
     producer,
     replace_with,
 )
-from kiln.passes.fusion.epilogue import _activation
+from kiln.passes.fusion.epilogue import activation_of
 
 RULE = "fuse_swiglu"
 SPLIT_RULE = "fuse_split_swiglu"
@@ -112,7 +112,7 @@ def fuse_split_swiglu(node: ir.Node, report: PassReport) -> bool:
     if split is None or len(split.outputs) != 2:
         return False
     gate, up = split.outputs
-    silu = _activation(gate)
+    silu = activation_of(gate)
     if silu is None or silu[0] != "SiLU" or up not in node.inputs or silu[4] not in node.inputs:
         return False  # not silu(first half) · second half
     gemm = producer(split.inputs[0], "FusedGemm", KILN_DOMAIN)

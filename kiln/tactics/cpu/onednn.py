@@ -1,7 +1,7 @@
 """CPU convolution tactic on oneDNN's C API: primitives built once at load, NHWC activations.
 
-    cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation
-                             and residual as post-ops), created and JIT-compiled when the engine
+    cpu.conv.onednn_direct   kiln::FusedConv as one oneDNN convolution primitive (bias, activation,
+                             residual and final activation as post-ops), created and JIT-compiled when the engine
                              loads, weight reordered into the kernel's blocked layout then
     cpu.conv.onednn_silu     the same for a SiLU convolution without a residual, but the SiLU run by kiln's loop over
                              the output (kiln/kernels/cpu/conv_silu.py) instead of oneDNN's swish post-op: on AVX2
@@ -74,6 +74,12 @@ def _built(primitives: dict, key, build, tuned: Callable[[Any], bool]):
 _DEPTHWISE_KERNEL = "jit_dw:"  # any ISA's
 
 
+def _eltwise(step: StepSpec, prefix: str = "") -> onednn.Eltwise | None | str:
+    """The epilogue's activation (prefix "") or its final_activation ("final_") as a oneDNN post-op."""
+    return onednn.eltwise_for(_attr(step, f"{prefix}activation", ""), _attr(step, f"{prefix}alpha", 0.0),
+                              _attr(step, f"{prefix}beta", 0.0))
+
+
 def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if not onednn.available():
         return "libdnnl.so.3 cannot be loaded"
@@ -91,9 +97,9 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "the bias is not a float32 constant of the engine"
     if (refusal := conv_operands_refusal(step, x, w)) is not None:
         return refusal
-    eltwise = onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0))
-    if isinstance(eltwise, str):
-        return eltwise
+    for eltwise in (_eltwise(step), _eltwise(step, "final_")):
+        if isinstance(eltwise, str):
+            return eltwise
     if residual is not None and residual.shape is not None:
         pads, strides, dilations = conv_geometry(step, w.shape)
         out = [x.shape[0], w.shape[0]] + [
@@ -118,8 +124,7 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
     b = constants[2] if len(constants) > 2 else None
     pads, strides, dilations = conv_geometry(step, tuple(w.shape))
     groups = int(_attr(step, "group", 1))
-    eltwise = None if kiln_silu else onednn.eltwise_for(_attr(step, "activation", ""), _attr(step, "alpha", 0.0),
-                                                         _attr(step, "beta", 0.0))
+    eltwise = None if kiln_silu else _eltwise(step)
     after = bool(_attr(step, "residual_after_activation", 0))
     with_residual = bool(step.tactic_config.get("residual"))
     # The residual's value dies here (the runtime says so, kiln/runtime/program.py): the result may
@@ -135,7 +140,8 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device, kiln_si
 
     def build(input_size: tuple[int, ...], accumulate: bool, weight_of: onednn_primitives.Conv2d | None = None):
         conv = onednn_primitives.Conv2d(w, b, list(input_size), strides, pads, dilations, groups, eltwise, with_residual,
-                                        after, residual_in_place=accumulate, share_weight_with=weight_of, prefer=prefer)
+                                        after, residual_in_place=accumulate, share_weight_with=weight_of, prefer=prefer,
+                                        final=_eltwise(step, "final_"))
         return conv_silu.ConvSiLU(conv) if kiln_silu else conv
 
     tuned = tuple(step.tactic_config["input_size"])
@@ -197,6 +203,8 @@ def _supports_kiln_silu(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return f"activation {_attr(step, 'activation', '')!r}: this tactic applies SiLU only"
     if len(inputs) > 3 and inputs[3].shape is not None:
         return "a residual: kiln's SiLU follows the convolution, not its residual add"
+    if _attr(step, "final_activation", ""):
+        return "a final activation: kiln's SiLU is the last thing this tactic applies"
     if not se.available():
         return f"kiln's SiLU kernel is not built: {se.reason()}"
     return _supports(step, inputs)
@@ -394,6 +402,8 @@ def _winograd_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return "grouped convolution"
     if _attr(step, "activation", "") not in winograd.ACTIVATIONS:
         return f"activation {_attr(step, 'activation', '')!r} is not one the output transform applies"
+    if _attr(step, "final_activation", ""):
+        return "a final activation: the output transform applies one activation"
     size = winograd.transformed_weight_bytes(int(w.shape[1]), int(w.shape[0]))
     if size > winograd.WEIGHT_LIMIT:
         return (f"transformed weights of {size >> 20} MiB: past {winograd.WEIGHT_LIMIT >> 20} MiB streaming them "

@@ -67,6 +67,8 @@ def _conv_supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
         return geometry
     if post_op(_attr(step, "activation", ""), _attr(step, "alpha", 0.0), _attr(step, "beta", 0.0)) is None:
         return f"activation {_attr(step, 'activation', '')!r} has no oneDNN post-op"
+    if _attr(step, "final_activation", ""):
+        return "a final activation: torch's fused convolution applies one (cpu.conv.onednn_direct takes both)"
     residual = inputs[3] if len(inputs) > 3 else None
     if residual is not None and residual.shape is not None:
         padding, stride, dilation = geometry
