@@ -59,7 +59,7 @@ class H2Connection(asyncio.Protocol):
         self._loop: asyncio.AbstractEventLoop | None = None  # looked up once: asking costs a getpid() call on 3.11
         self.keepalive = Keepalive(server.options, self._send_ping, self._keepalive_timed_out, self._has_calls)
         self.transport: asyncio.Transport | None = None
-        self.held: list[bytes | memoryview] = []  # received bytes not yet a whole frame, joined once they are
+        self.held: list[bytes] = []  # received bytes not yet a whole frame, joined once they are
         self.held_size = 0
         self.needed = 0  # bytes the first held frame needs (0: not known yet, a header short)
         self.preface = False
@@ -182,8 +182,8 @@ class H2Connection(asyncio.Protocol):
             handle = self.dispatch.get(kind)
             if handle is not None:  # unknown frame types are ignored (RFC 9113 section 4.1)
                 handle(flags, stream, payload)
-        if pos < end:  # a view: the next frame's start is copied once, when its pieces are joined
-            rest = view[pos:]
+        if pos < end:
+            rest = buffer[pos:]
             if end - pos < 9:
                 self.needed = 9
             self.held, self.held_size = [rest], len(rest)
