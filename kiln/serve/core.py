@@ -22,7 +22,6 @@ from kiln import BindingError, Engine
 from kiln.serve import datatypes
 from kiln.serve.batcher import Batcher, Pending, Signature
 from kiln.serve.config import WARM_UP_DEFAULT, ModelConfig, parse_json
-from kiln.serve.eager import within
 from kiln.serve.errors import (
     InvalidRequest,
     ModelLoadError,
@@ -189,7 +188,8 @@ class ServerCore:
             pending, timeout = _submit(request, model, arrival)
             if pending.deadline_ns is not None:
                 try:
-                    outputs = await within(pending.future, (pending.deadline_ns - arrival) / 1e9)
+                    outputs = await asyncio.wait_for(asyncio.shield(pending.future),
+                                                     (pending.deadline_ns - arrival) / 1e9)
                 except TimeoutError:
                     pending.future.cancel()  # the batcher skips it if still queued
                     raise _timed_out(model, timeout) from None

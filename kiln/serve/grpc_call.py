@@ -13,7 +13,6 @@ import struct
 
 import grpc
 
-from kiln.serve.eager import Stepped
 from kiln.serve.grpc_compression import WBITS, CompressionFailed, accepted, decompress, response_encoding
 
 MESSAGE_PREFIX = struct.Struct(">BI")  # gRPC's: compressed flag, length
@@ -101,7 +100,7 @@ class Call:
         self.sent = 0
         self.headers_sent = False
         self.finished = False  # its trailers are written (or waiting in outbox's wake), or it was reset
-        self.task: asyncio.Task | Stepped | None = None  # Stepped: a unary call's handler (kiln/serve/eager.py)
+        self.task: asyncio.Task | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.code = grpc.StatusCode.OK
         self.details = ""

@@ -1,6 +1,6 @@
-"""kiln/serve/eager.py: a servicer's coroutine run at once, the rest stepped by the futures it awaits (no task).
-Compared with what a plain task of the same coroutine does (the oracle): the same result, the same exception, the
-same cancellation seen inside the coroutine; `within` against asyncio.wait_for(asyncio.shield(...))."""
+"""kiln/serve/eager.py: a servicer's coroutine run at once, the rest as a task when it has to wait. Compared with
+what a plain task of the same coroutine does (the oracle): the same result, the same exception, the same
+cancellation seen inside the coroutine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kiln.serve.eager import Stepped, run_eagerly, within
+from kiln.serve.eager import run_eagerly
 
 
 class Probe:
@@ -48,17 +48,8 @@ def test_a_failure_before_any_wait_is_reported_at_once():
     asyncio.run(run())
 
 
-async def _settled(stepped: Stepped, probe: Probe, turns: int = 20) -> None:
-    """The loop turned until `stepped` finished (at most `turns` times)."""
-    for _ in range(turns):
-        if stepped.finished:
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the coroutine did not finish")
-
-
 @pytest.mark.parametrize("fails", [False, True])
-def test_a_coroutine_that_waits_goes_on_as_its_futures_finish(fails):
+def test_a_coroutine_that_waits_goes_on_as_a_task(fails):
     values = [random.random() for _ in range(3)]
 
     async def answer(futures):
@@ -72,43 +63,31 @@ def test_a_coroutine_that_waits_goes_on_as_its_futures_finish(fails):
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        outcomes = []
-        for stepped in (True, False):  # kiln's, then the oracle: a task of the same coroutine
-            futures = [loop.create_future() for _ in values]
-            probe = Probe()
-            if stepped:
-                handle = run_eagerly(answer(futures), loop, probe.done)
-                assert isinstance(handle, Stepped) and probe.calls == []
-            else:
-                task = loop.create_task(answer(futures))
-            for future, value in zip(futures, values):
-                loop.call_soon(future.set_result, value)
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
-            if stepped:
-                await _settled(handle, probe)
-                assert len(probe.calls) == 1
-                outcomes.append(probe.calls[0])
-            else:
-                [outcome] = await asyncio.gather(task, return_exceptions=True)
-                outcomes.append((None, outcome) if isinstance(outcome, BaseException) else (outcome, None))
-        (result, error), (oracle_result, oracle_error) = outcomes
+        futures = [loop.create_future() for _ in values]
+        probe = Probe()
+        task = run_eagerly(answer(futures), loop, probe.done)
+        assert isinstance(task, asyncio.Task) and probe.calls == []
+        for future, value in zip(futures, values):
+            loop.call_soon(future.set_result, value)
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+        await asyncio.sleep(0)
+        assert len(probe.calls) == 1
+        result, error = probe.calls[0]
         if fails:
-            assert result is None and isinstance(error, KeyError) and error.args == oracle_error.args == (sum(values),)
+            assert result is None and isinstance(error, KeyError) and error.args == (sum(values),)
         else:
-            assert error is None and result == oracle_result == pytest.approx(sum(values), abs=0)
+            assert error is None and result == pytest.approx(sum(values), abs=0)
 
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("already_done", [False, True])
 @pytest.mark.parametrize("recovers", [False, True])
-def test_cancelling_cancels_the_coroutine_where_it_waits(recovers, already_done):
-    """As Task.cancel: the awaited future cancelled and CancelledError thrown in where the coroutine waits; when that
-    future has its result already (its callback not yet run), CancelledError in its place. Not reported unless
-    the coroutine recovers."""
+def test_cancelling_the_task_cancels_the_coroutine_where_it_waits(recovers):
+    seen = []
 
-    async def answer(future, seen):
+    async def answer(future):
         try:
             return await future
         except asyncio.CancelledError:
@@ -122,66 +101,18 @@ def test_cancelling_cancels_the_coroutine_where_it_waits(recovers, already_done)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        outcomes = []
-        for stepped in (True, False):
-            future, seen, probe = loop.create_future(), [], Probe()
-            handle = run_eagerly(answer(future, seen), loop, probe.done) if stepped else \
-                loop.create_task(answer(future, seen))
-            await asyncio.sleep(0)
-            if already_done:
-                future.set_result("too late")
-            handle.cancel()
-            if stepped:
-                await _settled(handle, probe)
-                outcome = probe.calls[0][0] if probe.calls else "not reported"
-            else:
-                [outcome] = await asyncio.gather(handle, return_exceptions=True)
-                outcome = outcome if outcome == "recovered" else "not reported"
-            outcomes.append((outcome, seen, future.cancelled()))
-        assert outcomes[0] == outcomes[1]  # as the task did
-        assert outcomes[0] == ("recovered" if recovers else "not reported", ["cancelled", "finally"], not already_done)
-
-    asyncio.run(run())
-
-
-@pytest.mark.parametrize("case", ["answered", "failed", "timed out", "cancelled"])
-def test_within_is_wait_for_of_a_shielded_future(case):
-    """within(future, s), run by a Stepped coroutine (no current task), against a task awaiting
-    asyncio.wait_for(asyncio.shield(future), s) (the oracle): the future's result or exception, or TimeoutError;
-    the future left pending on a timeout and when the waiting coroutine is cancelled."""
-
-    async def waits(wait, future):
-        try:
-            return await wait(future, 0.05)
-        except TimeoutError:
-            return "timeout"
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        outcomes = []
-        for stepped in (True, False):
-            future, probe = loop.create_future(), Probe()
-            if stepped:
-                handle = run_eagerly(waits(within, future), loop, probe.done)
-            else:
-                handle = loop.create_task(waits(lambda f, s: asyncio.wait_for(asyncio.shield(f), s), future))
-            if case == "answered":
-                loop.call_later(0.01, future.set_result, 7)
-            elif case == "failed":
-                loop.call_later(0.01, future.set_exception, ValueError("no"))
-            elif case == "cancelled":
-                loop.call_later(0.01, handle.cancel)
-            await asyncio.sleep(0.2)
-            if stepped:
-                assert handle.finished
-                outcome = (probe.calls[0][1] or probe.calls[0][0]) if probe.calls else asyncio.CancelledError()
-            else:
-                [outcome] = await asyncio.gather(handle, return_exceptions=True)
-            if isinstance(outcome, BaseException):  # a task's CancelledError carries a message of ''
-                outcome = (type(outcome).__name__, *([] if isinstance(outcome, asyncio.CancelledError) else outcome.args))
-            outcomes.append((outcome, future.done()))
-        assert outcomes[0] == outcomes[1]
-        assert outcomes[0] == ({"answered": 7, "failed": ("ValueError", "no"), "timed out": "timeout",
-                                "cancelled": ("CancelledError",)}[case], case in ("answered", "failed"))
+        future = loop.create_future()
+        probe = Probe()
+        task = run_eagerly(answer(future), loop, probe.done)
+        await asyncio.sleep(0)
+        task.cancel()
+        outcome = await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0)
+        assert future.cancelled()  # the future the coroutine awaited was cancelled, as a task cancels it
+        assert seen == ["cancelled", "finally"]
+        if recovers:
+            assert outcome == ["recovered"] and probe.calls == [("recovered", None)]
+        else:
+            assert isinstance(outcome[0], asyncio.CancelledError) and probe.calls == []  # not reported
 
     asyncio.run(run())
