@@ -6,7 +6,9 @@
 # were computed in FP16 (2.5 FP16 ulps at the largest value 4.44) and judged at FP32's 1e-3. kiln perf now judges an
 # output on FP16's grid as FP16 (kiln/serve/perf_check.py). Expect: both rows measured, wrong 0. The rows' CPU
 # columns (server CPU us/req; engine loop, engine process, per front end %core) say where the host's CPU per request
-# goes: the engine process less its loop is the 2 instance threads (waiting on their CUDA streams: spinning?).
+# goes: the engine process less its loop is the 2 instance threads (waiting on their CUDA streams: spinning? see
+# bench/results/serve5-2026-12-05c.md, section 3). The HTTP row also reads 301 KB-class bodies unpaused now (uvicorn's
+# 64 KiB pause raised to 4 MiB, kiln/serve/frontdoors.py).
 #   (here, once)  PIP=/tmp/ci1/.venv/bin/pip bash bench/serve_gpu.sh --fetch   # wheels into .whl-serve/ (git-ignored)
 #   (device)      bash bench/gpu_serve5c.sh   # run's carry: [".whl-serve"]; <= 290 s; serve.md and the log in $OUT
 set -u
