@@ -168,3 +168,19 @@ def test_openapi_document(server):
     doc = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{server.ports.http}/openapi.json", timeout=30).read())
     assert "/v2/models/{model_name}/infer" in doc["paths"]
     assert "requestBody" in doc["paths"]["/v2/models/{model_name}/infer"]["post"]
+
+
+@pytest.mark.parametrize("size", [200_000, 6_000_000])
+def test_infer_body_past_uvicorns_pause(server, size):
+    """A body past uvicorn's 64 KiB pause (read unpaused up to frontdoors.BODY_HIGH_WATER) and one past that (read in
+    pieces, paused and resumed) are read whole: the request's id of `size` characters comes back, and its answer."""
+    x = np.random.default_rng().standard_normal((1, 8)).astype(np.float32)
+    body = json.dumps({"id": "r" * size, "inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
+                                                      "data": x.ravel().tolist()}]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{server.ports.http}/v2/models/mlp/infer", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        got = json.loads(answer.read())
+    assert got["id"] == "r" * size
+    z = next(o for o in got["outputs"] if o["name"] == "z")
+    np.testing.assert_array_equal(np.asarray(z["data"], np.float32).reshape(1, 8), 2 * x)  # exact: z = 2x

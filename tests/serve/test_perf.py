@@ -14,7 +14,7 @@ from conftest import options
 from kiln.cli import main
 from kiln.serve import ServerThread, perf, perf_wire
 from kiln.serve.batcher import Batcher
-from kiln.serve.perf_check import FLOOR, RTOL, SPREAD_FACTOR, Answer, Reference
+from kiln.serve.perf_check import FLOOR_ULPS, NUMPY_TYPES, RTOL, SPREAD_FACTOR, Answer, Reference
 
 
 @pytest.mark.parametrize("client", ["wire", "tritonclient"])
@@ -96,6 +96,52 @@ def test_wire_client_catches_alike_answers_mixed_up(repository, monkeypatch, tmp
     assert "answers mixed up" in capsys.readouterr().out
 
 
+def _fp16_engine(run_batch, ulps: int):
+    """Batcher._run_batch answering as an FP16 engine with FP32 bindings: every output on FP16's grid, and a batch
+    of several requests `ulps` FP16 spacings off (at each output's largest magnitude) in its top binade's values,
+    as BERT-base fp16's batch 8 was from batch 1 on the H200 (2.5)."""
+
+    def answered(self, instance, batch):
+        result = run_batch(self, instance, batch)
+        rng = np.random.default_rng()
+        for outputs in result.outputs:
+            for name, array in outputs.items():
+                values = array.astype(np.float16).astype(np.float64)
+                if len(batch) > 1 and values.any():
+                    top = np.exp2(np.floor(np.log2(np.abs(values).max())))
+                    noise = ulps * top * 2.0 ** -10 * rng.choice([-1.0, 1.0], values.shape)
+                    values = np.where(np.abs(values) >= top, values + noise, values)
+                outputs[name] = values.astype(np.float32)
+        return result
+
+    return answered
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_wire_client_passes_an_fp16_engines_batch_noise(repository, monkeypatch, tmp_path, capsys, protocol):
+    """FP32 answers of an FP16 engine, batched ones 3 FP16 ulps off their answers alone: honest noise, every answer
+    passes (at FP32's 1e-3 the H200's BERT-base stopped before its load); mixed up as well, they fail before the load."""
+    monkeypatch.setattr(Batcher, "_run_batch", _fp16_engine(Batcher._run_batch, 3))
+    thread = ServerThread(options(repository, metrics_port=None))
+    running = thread.start()
+    try:
+        port = running.ports.http if protocol == "http" else running.ports.grpc
+        out = tmp_path / "perf.json"
+        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
+                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out)])
+    finally:
+        thread.stop()
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())["results"][0]
+    assert result["requests"] > 0 and result["wrong"] == 0 and result["errors"] == 0, result
+    assert result["checked"] >= result["requests"]
+    (tmp_path / "mixed").mkdir()
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path / "mixed", protocol, [])
+    assert code == 1 and result is None
+    error = capsys.readouterr().err
+    assert "answered together (batched)" in error and "answers mixed up" in error, error
+
+
 def test_wire_client_counts_unanswered_calls_as_errors(repository, monkeypatch, tmp_path, capsys):
     """Calls still unanswered DRAIN_S after the window (a stalled engine) are errors, not wrong answers, not nothing:
     the H200's BERT-base row read 0 infer/s and 0 errors."""
@@ -157,10 +203,12 @@ def test_reference_tolerance_is_the_datatypes():
 
 
 def test_reference_tolerance_narrows_to_the_spread():
-    """narrow(): SPREAD_FACTOR x the batched-vs-alone spread, no less than the datatype's FLOOR, never above RTOL."""
+    """narrow(): SPREAD_FACTOR x the batched-vs-alone spread, no less than FLOOR_ULPS of the datatype's spacing at
+    the largest magnitude, never above RTOL."""
     values = np.random.default_rng().standard_normal((4, 50)).astype(np.float16)
     largest = float(np.abs(values.astype(np.float64)).max())
-    for spread, expected in ((0.0, FLOOR["FP16"] * largest), (2e-3 * largest, SPREAD_FACTOR * 2e-3 * largest),
+    floor = FLOOR_ULPS * float(np.spacing(np.float16(largest)))
+    for spread, expected in ((0.0, floor), (2e-3 * largest, SPREAD_FACTOR * 2e-3 * largest),
                              (largest, RTOL["FP16"] * largest)):
         reference = Reference(_answer("0", values), None)
         reference.narrow([spread])
@@ -169,6 +217,61 @@ def test_reference_tolerance_narrows_to_the_spread():
     off = (values.astype(np.float32) + 0.01 * largest).astype(np.float16)
     assert "differs from its answer alone" in reference.check(_answer("0", off), full=True)
     assert reference.off(_answer("0", off)) > 1
+
+
+def _on_grid(values: np.ndarray, grid: str, datatype: str) -> np.ndarray:
+    """`values` rounded to `grid`'s values and answered as `datatype` (an FP16 engine's FP32 output)."""
+    return values.astype(NUMPY_TYPES[grid]).astype(NUMPY_TYPES[datatype])
+
+
+def _noise(alone: np.ndarray, ulps: int, spacing: float, rng: np.random.Generator) -> np.ndarray:
+    """`alone` with its values of the largest magnitude's binade (the last one among them: always sampled) moved by
+    +-`ulps` of that binade's `spacing`: still on the grid."""
+    noisy = alone.astype(np.float64).reshape(-1)
+    moved = np.flatnonzero(np.abs(noisy) >= np.exp2(np.floor(np.log2(np.abs(noisy).max()))))
+    noisy[moved] += ulps * spacing * rng.choice([-1.0, 1.0], moved.size)
+    return noisy.reshape(alone.shape).astype(alone.dtype)
+
+
+@pytest.mark.parametrize("grid, datatype", [("FP16", "FP16"), ("FP16", "FP32"), ("BF16", "BF16"), ("BF16", "FP32"),
+                                            ("FP32", "FP32")])
+def test_reference_tolerance_is_ulps_of_the_precision_computed_in(grid, datatype):
+    """An output computed in `grid` (answered as `datatype`: the FP16 engine's FP32 bindings of BERT-base on the
+    H200) is judged in `grid`'s units in the last place at its largest magnitude: batch noise of 2-3 of them passes
+    before and after narrowing (at the floor, when the rounds before the load showed none), another request's
+    answer alike within 30 of them (FP16: 2.6% of the largest; random-weight MobileNetV2's were within 2%) does not. The spacing is numpy's (ml_dtypes' for bfloat16)."""
+    rng = np.random.default_rng()
+    alone = _on_grid(4.44 * rng.uniform(-1, 1, (16, 768)), grid, datatype)
+    alone[-1, -1] = _on_grid(np.float64(4.44), grid, datatype)
+    largest = np.abs(alone.astype(np.float64)).max()
+    spacing = float(np.spacing(np.asarray(largest, NUMPY_TYPES[grid])))
+    other = _on_grid(alone.astype(np.float64) + 30 * spacing * rng.uniform(-1, 1, alone.shape), grid, datatype)
+    for rounds_spread in (0, 3):  # ulps the requests answered together differed by before the load
+        reference = Reference(_answer("0", alone, datatype), None)
+        assert reference.outputs[0].precision == grid
+        together = _noise(alone, rounds_spread, spacing, rng)
+        assert reference.check(_answer("0", together, datatype), full=True) is None
+        reference.narrow(reference.errors(_answer("0", together, datatype)))
+        assert reference.outputs[0].tolerance == pytest.approx(max(FLOOR_ULPS, SPREAD_FACTOR * rounds_spread) * spacing)
+        for ulps in (2, 3):
+            assert reference.check(_answer("0", _noise(alone, ulps, spacing, rng), datatype), full=True) is None
+        swapped = reference.check(_answer("0", other, datatype), full=True)
+        assert swapped is not None and "differs from its answer alone" in swapped
+        assert reference.off(_answer("0", other, datatype)) > 1
+
+
+def test_reference_fp32_off_the_fp16_grid_keeps_fp32s_tolerance():
+    """An FP32 output with values off FP16's grid was computed in FP32: judged at FP32's 1e-3 of its largest, the
+    H200's 2.5 FP16 ulps of BERT-base (0.0098 at 4.44) fail, as they did before FP16 answers were told apart."""
+    rng = np.random.default_rng()
+    alone = (4.44 * rng.uniform(-1, 1, (16, 768))).astype(np.float32)
+    alone[0, 0] = 4.44
+    reference = Reference(_answer("0", alone, "FP32"), None)
+    assert reference.outputs[0].precision == "FP32"
+    assert reference.outputs[0].tolerance == pytest.approx(RTOL["FP32"] * 4.44, rel=1e-6)
+    noisy = alone.copy()
+    noisy[-1, -1] += 2.5 * 2.0 ** -8
+    assert "differs from its answer alone" in reference.check(_answer("0", noisy, "FP32"), full=False)
 
 
 def test_perf_reports_an_unknown_model(server, capsys):
