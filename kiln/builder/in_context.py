@@ -46,6 +46,7 @@ from kiln.builder.timing_cache import TimingCache, attributes_json, signature_ke
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.profiler import profile_segments
 from kiln.runtime.program import Program
+from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta
 
@@ -236,6 +237,7 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     rounds, stops = 0, []
     for members in groups.values():
         timed = _time_group(network, members)
+        return_free_memory()  # the rival program's packed weights and outputs: before the next one is bound
         if timed is None:
             continue
         for i in timed.layers:
