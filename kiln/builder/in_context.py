@@ -82,7 +82,8 @@ class Rival:
 @dataclasses.dataclass
 class InContext:
     """What the stage found: step index -> {tactic: ms in context} for each layer compared (the faster is kept),
-    and how: `rounds` of the programs, why they `stopped` ("clear", "budget" or "rounds"), or `cached`."""
+    and how: `rounds` of the programs (over all signatures), why they `stopped` ("clear", "budget" or "rounds";
+    the signatures' distinct reasons joined), or `cached`."""
 
     found: dict[int, dict[str, float]]
     rounds: int = 0
