@@ -73,6 +73,7 @@ _CHILD = textwrap.dedent("""
         report["build"] = peak.delta()
         report["weights"] = engine.plan.header["build_memory"]["model_weight_bytes"]
         report["engine_weights"] = engine.plan.header["weights_bytes"]
+        report["in_context"] = engine.plan.header["tactics"].get("in_context")
         engine.save(engine_path)
     else:
         base = resident_bytes()
@@ -99,9 +100,11 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def child(phase: str, name: str, engine_path: str, runs: int, threads: int) -> dict:
+def child(phase: str, name: str, engine_path: str, runs: int, threads: int, root: Path = ROOT) -> dict:
+    """One phase in a process of its own, importing kiln from `root` (a checkout of another commit: an A/B)."""
     done = subprocess.run([sys.executable, "-c", _CHILD, phase, name, engine_path, str(runs), str(threads)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=3600)
+                          capture_output=True, text=True, cwd=root, timeout=3600,
+                          env={**os.environ, "PYTHONPATH": str(root)})
     if done.returncode != 0:
         raise RuntimeError(f"{phase} {name}: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -4,12 +4,13 @@
     python bench/memory_attribution.py --model yolos_ti            # build (stages) then load + runs
     python bench/memory_attribution.py --model dcn --phase run --engine /tmp/dcn.kiln
 
-The build phase prints, at each stage kiln.build reports (and every 10th layer of the tactic search), the
-resident memory above the start by kind; the run phase the same after the load and after --runs runs, with the
-native segments' arena bytes. The kinds are /proc/self/smaps' mappings grouped: a shared library's pages
-("code"), anonymous mappings of 2 MiB or more (packed weights, segment arenas: kiln/kernels/cpu/hugepages.py),
+The build phase prints, at each stage kiln.build reports and each layer of the tactic search, the resident memory
+above the start by kind and the peak since the line before (VmHWM reset at every message, so kiln.build's own
+measure is too: the build's peak is the lines' largest); the run phase the same after the load and after --runs
+runs, with the native segments' arena bytes. The kinds are /proc/self/smaps' mappings grouped: a shared library's
+pages ("code"), anonymous mappings of 2 MiB or more (packed weights, segment arenas: kiln/kernels/cpu/hugepages.py),
 the C heap ([heap], with mallinfo2's in-use and free bytes), the engine file. Results:
-bench/results/memory-cpu-2026-12-05b.md.
+bench/results/memory-cpu-2026-12-05b.md, bench/results/mem3-2026-12-05c.md.
 """
 
 from __future__ import annotations
@@ -79,20 +80,24 @@ def line(label: str, base: collections.Counter, engine_path: str | None = None, 
 def build_phase(name: str, engine_path: str) -> None:
     import kiln
     from kiln import zoo
+    from kiln.runtime.rss import PeakMemory
 
     path = str(zoo.export(name).path)
     base = resident_by_kind()
+    start = PeakMemory.start()
+    stage = [start]  # the current stage's VmHWM, reset at every message
+    peaks: list[int] = []
 
     def say(msg: str) -> None:
-        search = re.match(r"tactics: (\d+)/\d+ ", msg)
-        if search is None or int(search.group(1)) % 10 == 1:
-            print(line(msg, base), flush=True)
+        peaks.append(stage[0].peak() - start.start_rss)
+        stage[0] = PeakMemory.start()
+        print(line(msg, base, extra=f"; peak before it +{peaks[-1] / MiB:.0f}"), flush=True)
 
     engine = kiln.build(path, progress=say)
-    memory = engine.plan.header["build_memory"]
-    print(line("built", base))
-    print(f"  build peak +{memory['peak_rss_delta_bytes'] / MiB:.0f} MiB, "
-          f"{memory['peak_rss_delta_bytes'] / memory['model_weight_bytes']:.1f}x the weights")
+    say("built")
+    weights = engine.plan.header["build_memory"]["model_weight_bytes"]
+    peak = max(peaks)
+    print(f"  build peak +{peak / MiB:.0f} MiB, {peak / weights:.1f}x the weights ({weights / MiB:.0f} MiB)")
     engine.save(engine_path)
 
 

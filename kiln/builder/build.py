@@ -71,22 +71,30 @@ def _value_sizes(model: ir.Model, shapes: dict[str, list[int]]) -> dict[str, int
     return sizes
 
 
-def _release_weights(model: ir.Model) -> None:
-    """Drop the graph's large initializers' bytes once lowering has copied them into the engine's weights:
-    what the build still reads of the graph is shapes and types, and the tactic search peaks with both
-    copies held otherwise (ALBERT-base: its 42 MiB, and as much again of folded transposes)."""
+def _own_weights(model: ir.Model) -> None:
+    """Every tensor the imported graph reads from its proto (initializers, tensor attributes) in an array of its
+    own, and the proto let go: protobuf's messages share one arena, and a reference to any part holds all of it.
+    Held until lowering was done, the proto kept a second copy of the weights through the passes (a folded
+    Conv+BatchNorm's new weights beside the proto's) and lowering (its copies of the tensors read from the proto):
+    ResNet-50 peaked at +235 MiB there for its 97 MiB of weights. Owned arrays are also what lowering shares
+    with the engine instead of copying (lower.py: copy_weights=False)."""
     for g in [model.graph, *model.graph.subgraphs()]:
         for value in g.initializers.values():
-            if value.const_value is not None and value.const_value.nbytes >= 1 << 16:
-                value.const_value = None
-            elif isinstance(value.const_value, ir.TensorProtoTensor):
+            if isinstance(value.const_value, ir.TensorProtoTensor):
                 value.const_value = _own_copy(value.const_value)
         for node in g:
             for name, attr in list(node.attributes.items()):
                 if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.TensorProtoTensor):
                     node.attributes[name] = ir.AttrTensor(name, _own_copy(attr.value))
-    # A small tensor still read from the imported proto keeps the whole proto alive: protobuf's messages share
-    # one arena, and a reference to any part holds all of it (BERT-base: 415 MiB of raw weights, freed only now).
+
+
+def _release_weights(model: ir.Model) -> None:
+    """Drop the graph's large initializers once lowering has made them the engine's weights: what the build still
+    reads of the graph is shapes and types, and a weight lowering had to copy (a cast) is held twice otherwise."""
+    for g in [model.graph, *model.graph.subgraphs()]:
+        for value in g.initializers.values():
+            if value.const_value is not None and value.const_value.nbytes >= 1 << 16:
+                value.const_value = None
 
 
 def _own_copy(tensor: ir.TensorProtoTensor) -> ir.TensorProtocol:
@@ -147,6 +155,9 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     say("importing")
     graph = model if isinstance(model, ir.Model) else onnx_frontend.load(model)
     model_weight_bytes = _weight_bytes(graph)
+    if not isinstance(model, ir.Model):  # the graph is the build's own
+        _own_weights(graph)
+        return_free_memory()
     if config.precision == "best":  # the fastest storage kiln can run accurately on the device
         config.precision = "fp16" if config.device == "cuda" else "fp32"
     quantization: dict = {}

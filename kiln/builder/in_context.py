@@ -10,19 +10,21 @@ process CPU time put onednn_direct's out projection at 0.2 ms where the network'
 (a barrier waiting out a descheduled thread: bench/results/intune-cpu-2026-12-05.md).
 
 So, on the CPU, after the search: every FusedGemm layer whose chosen tactic has a native rival within
-CONTEXT_MARGIN of it alone (any, where CPU time timed several threads) is run in two whole programs, the chosen
-tactics (A) and every such layer's rival swapped in (B), in interleaved rounds, each segment call timed by the
-segment's own loop (Segment.timed). A layer's cost in context is its span: its own call and the calls after it up
-to the next swapped layer (the layer reading its output pays for where it left it), by the wall clock (at one
-thread, the thread's CPU time: context_clock); the layers of one signature (every block's QKV GEMM) are judged
-together, by the median over rounds of their spans' sum. The rival is kept where that is faster. A chosen tactic
-that is not native (MKL, torch's default: outside the segments, where its rival would join them) is compared by
-whole runs instead, of a third program with only its signature swapped (on T5 at 2 threads and load 16, a build
-whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
+CONTEXT_MARGIN of it alone (any, where CPU time timed several threads) is judged with the layers of its signature
+(every block's QKV GEMM), one signature at a time: two whole programs, the chosen tactics (A) and that signature's
+rival swapped in (B), run in interleaved rounds, each segment call timed by the segment's own loop
+(Segment.timed). A layer's cost in context is its span: its own call and the calls after it up to the next
+compared layer (the layer reading its output pays for where it left it), by the wall clock (at one thread, the
+thread's CPU time: context_clock); a signature's cost is the median over rounds of its layers' spans' sum. The
+rival is kept where that is faster. A chosen tactic that is not native (MKL, torch's default: outside the
+segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
+build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
 
-Cost: two programs bound (the rival program shares every launch it does not swap: shared_launches), one more per
-non-native signature, one warm-up run of each, then interleaved rounds: they stop after CLEAR_ROUNDS where every
-comparison's samples lie apart, else after MIN_ROUNDS once CONTEXT_BUDGET_S has passed, at most CONTEXT_ROUNDS.
+Cost: A bound once; each B shares every launch of A it does not swap (shared_launches) and is let go before the
+next is bound, so the stage holds the network's packed weights and one signature's rivals' (binding every rival
+at once packed DeiT-small's 49 GEMMs twice: +175-183 MiB). One warm-up run of each program, then interleaved
+rounds per signature: they stop after CLEAR_ROUNDS where the two programs' samples lie apart, else after
+MIN_ROUNDS once CONTEXT_BUDGET_S has passed, at most CONTEXT_ROUNDS.
 The choice goes to the timing cache, keyed by the whole network as it runs (network_key): a rebuild of the same
 model on the same machine and threads times nothing here.
 """
@@ -44,6 +46,7 @@ from kiln.builder.timing_cache import TimingCache, attributes_json, signature_ke
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.profiler import profile_segments
 from kiln.runtime.program import Program
+from kiln.runtime.rss import return_free_memory
 from kiln.tactics import registry
 from kiln.tactics.tactic import DEFAULT, InputMeta
 
@@ -56,11 +59,12 @@ RETIMED_OPS = ("FusedGemm",)  # layers whose native tactics are re-timed in cont
 CONTEXT_MARGIN = 1.25
 CONTEXT_ROUNDS = 12
 MIN_ROUNDS = 5
-CLEAR_ROUNDS = 3  # ... or this many, where every comparison's samples already lie apart (_apart)
-CONTEXT_BUDGET_S = 2.0
+CLEAR_ROUNDS = 3  # ... or this many, where the two programs' samples already lie apart (_apart)
+CONTEXT_BUDGET_S = 2.0  # per signature
 WARMUP_RUNS = 1
 # how a choice in context is made: part of its timing cache key (a new method does not read the old one's choices)
-CONTEXT_METHOD = "spans of native segments, whole runs for a non-native winner; wall clock, thread CPU at 1 thread"
+CONTEXT_METHOD = ("one signature at a time; spans of native segments, whole runs for a non-native winner; "
+                  "wall clock, thread CPU at 1 thread")
 
 
 @dataclasses.dataclass
@@ -78,7 +82,8 @@ class Rival:
 @dataclasses.dataclass
 class InContext:
     """What the stage found: step index -> {tactic: ms in context} for each layer compared (the faster is kept),
-    and how: `rounds` of the programs, why they `stopped` ("clear", "budget" or "rounds"), or `cached`."""
+    and how: `rounds` of the programs (over all signatures), why they `stopped` ("clear", "budget" or "rounds";
+    the signatures' distinct reasons joined), or `cached`."""
 
     found: dict[int, dict[str, float]]
     rounds: int = 0
@@ -217,39 +222,95 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     """Step index -> {chosen tactic: ms in context, rival: ms in context} for the layers in `rivals` that could be
     compared (`found`), and the rounds that timed them; `spec`'s steps whose rival was faster take it (in place).
 
-    A native chosen tactic is compared by spans (in the native segments of both programs); a chosen tactic that is
-    not native runs outside the segments, and its rival would join them, so its signature is compared by whole runs
-    of a program of its own with only that signature swapped (`ms`: the whole run's median, both sides)."""
+    One signature at a time: its layers swapped to their rival in a program that shares every other launch of the
+    chosen program, timed against it, then let go before the next signature's is bound, so the stage holds the
+    network's packed weights and one signature's rivals' (DeiT-small: all 49 GEMMs were rivals, and binding them
+    at once packed the network twice). A native chosen tactic is compared by spans (in the native segments of
+    both programs); one that is not native runs outside the segments, and its rival would join them, so its
+    signature is compared by whole runs (`ms`: the whole run's median, both sides)."""
     if not rivals:
         return InContext({})
-    names = {spec.steps[i].name: i for i in rivals}
-    outside = {rivals[i].group for i in rivals if not _native(spec.steps[i].tactic)}
-    swapped = _swapped(spec, rivals, {i for i in rivals if rivals[i].group not in outside})
-    shared: dict[tuple, Any] = {}  # a layer that is not swapped is prepared (its weights packed) once for all
-    programs = [Program(spec, weights, device, shared_launches=shared),
-                Program(swapped, weights, device, shared_launches=shared)]
-    programs += [Program(_swapped(spec, rivals, {i for i in rivals if rivals[i].group == group}), weights, device,
-                         shared_launches=shared) for group in sorted(outside)]
-    spans = [_spans(p.segments, set(names)) for p in programs[:2]]
-    groups: dict[str, list[str]] = {}
-    for name, i in names.items():
-        if rivals[i].group in outside or (name in spans[0] and spans[0][name] == spans[1].get(name)):
-            groups.setdefault(rivals[i].group, []).append(name)
-    if not groups:
-        return InContext({})
-    samples, stopped = _rounds(programs, inputs, spans, {g: m for g, m in groups.items() if g not in outside})
-    found = {}
-    for group, members in groups.items():
-        if group in outside:  # whole runs: A against this signature's own program
-            k = 2 + sorted(outside).index(group)
-            chosen_ms, rival_ms = (statistics.median(samples[j]["run"]) for j in (0, k))
-        else:
-            chosen_ms, rival_ms = (statistics.median(s[group]) / len(members) for s in samples[:2])
-        for name in members:
-            i = names[name]
-            found[i] = {spec.steps[i].tactic or DEFAULT: round(chosen_ms, 4), rivals[i].tactic: round(rival_ms, 4)}
+    network = _network(spec, weights, device, inputs, rivals)
+    groups: dict[str, list[int]] = {}
+    for i in sorted(rivals):
+        groups.setdefault(rivals[i].group, []).append(i)
+    found: dict[int, dict[str, float]] = {}
+    rounds, stops = 0, []
+    for members in groups.values():
+        timed = _time_group(network, members)
+        return_free_memory()  # the rival program's packed weights and outputs: before the next one is bound
+        if timed is None:
+            continue
+        for i in timed.layers:
+            found[i] = {spec.steps[i].tactic or DEFAULT: round(timed.chosen_ms, 4),
+                        rivals[i].tactic: round(timed.rival_ms, 4)}
+        rounds += timed.rounds
+        stops += [timed.stopped] if timed.stopped not in stops else []
     _apply(spec, rivals, found)
-    return InContext(found, rounds=len(samples[0]["run"]), stopped=stopped)
+    return InContext(found, rounds=rounds, stopped=", ".join(stops))
+
+
+@dataclasses.dataclass
+class _Network:
+    """The chosen program each signature's rival program is timed against: the launches it prepared (shared with
+    the rival programs) and the spans of the compared layers in its segments."""
+
+    spec: ProgramSpec
+    weights: dict[str, Any]
+    device: torch.device
+    inputs: list[Any]
+    rivals: dict[int, Rival]
+    program: Program
+    launches: dict[tuple, Any]
+    compared: set[str]
+    spans: dict[str, list[str]]
+
+
+@dataclasses.dataclass
+class _Timed:
+    """One signature's layers compared (`layers`: step indices), the median cost per layer in context of the chosen
+    tactic and of the rival, and the rounds that timed them."""
+
+    layers: list[int]
+    chosen_ms: float
+    rival_ms: float
+    rounds: int
+    stopped: str
+
+
+def _network(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
+             rivals: dict[int, Rival]) -> _Network:
+    """The chosen program bound (every launch it prepares kept for the rival programs to share) and warmed up."""
+    launches: dict[tuple, Any] = {}
+    program = Program(spec, weights, device, shared_launches=launches)
+    compared = {spec.steps[i].name for i in rivals}
+    with torch.inference_mode():
+        profile_segments(program, inputs, WARMUP_RUNS, context_clock(torch.get_num_threads()))
+    return _Network(spec, weights, device, inputs, rivals, program, launches, compared,
+                    _spans(program.segments, compared))
+
+
+def _time_group(network: _Network, members: list[int]) -> _Timed | None:
+    """The signature of `members` (step indices) swapped to its rival in a program of its own, timed against the
+    chosen program; None where no layer of it can be compared (a native layer whose span differs between the
+    programs). The rival program packs only the swapped layers' weights (a copy of the chosen program's launches:
+    what it adds goes with it)."""
+    spec, rivals = network.spec, network.rivals
+    swapped = Program(_swapped(spec, rivals, set(members)), network.weights, network.device,
+                      shared_launches=dict(network.launches))
+    programs = [network.program, swapped]
+    if not _native(spec.steps[members[0]].tactic):  # whole runs
+        samples, stopped = _rounds(programs, network.inputs)
+        chosen_ms, rival_ms = (statistics.median(s["run"]) for s in samples)
+        return _Timed(members, chosen_ms, rival_ms, len(samples[0]["run"]), stopped)
+    names = {i: spec.steps[i].name for i in members}
+    spans = [network.spans, _spans(swapped.segments, network.compared)]
+    layers = [i for i in members if names[i] in spans[0] and spans[0][names[i]] == spans[1].get(names[i])]
+    if not layers:
+        return None
+    samples, stopped = _rounds(programs, network.inputs, [[side[names[i]] for i in layers] for side in spans])
+    chosen_ms, rival_ms = (statistics.median(s["spans"]) / len(layers) for s in samples)
+    return _Timed(layers, chosen_ms, rival_ms, len(samples[0]["run"]), stopped)
 
 
 def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> ProgramSpec:
@@ -258,18 +319,19 @@ def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> Pr
         for i, step in enumerate(spec.steps)])
 
 
-def _rounds(programs: list[Program], inputs: list[Any], spans: list[dict[str, list[str]]],
-            groups: dict[str, list[str]]) -> tuple[list[dict[str, list[float]]], str]:
-    """Per program, per round: each group's spans summed (the first two programs) and the whole run ("run"), ms,
-    the programs in interleaved rounds, each round starting at the next one; and why the rounds stopped."""
+def _rounds(programs: list[Program], inputs: list[Any], spans: list[list[list[str]]] | None = None
+            ) -> tuple[list[dict[str, list[float]]], str]:
+    """Per program (the chosen, then the rival), per round: the whole run ("run") and, with `spans` (per program,
+    the compared layers' spans), the spans summed ("spans"), ms, in interleaved rounds, each round starting at
+    the next program; and why the rounds stopped. The rival program is warmed up first (the chosen one was)."""
     clock = context_clock(torch.get_num_threads())
-    samples: list[dict[str, list[float]]] = [{"run": [], **{g: [] for g in groups}} for _ in programs]
+    key = "run" if spans is None else "spans"
+    samples: list[dict[str, list[float]]] = [{"run": [], "spans": []} for _ in programs]
     with torch.inference_mode():
-        for program in programs:
-            profile_segments(program, inputs, WARMUP_RUNS, clock)
+        profile_segments(programs[1], inputs, WARMUP_RUNS, clock)
         deadline = time.perf_counter() + CONTEXT_BUDGET_S
         for round_ in range(CONTEXT_ROUNDS):
-            if round_ >= CLEAR_ROUNDS and _apart(samples, groups):
+            if round_ >= CLEAR_ROUNDS and _apart(samples[0][key], samples[1][key]):
                 return samples, "clear"
             if round_ >= MIN_ROUNDS and time.perf_counter() > deadline:
                 return samples, "budget"
@@ -278,15 +340,12 @@ def _rounds(programs: list[Program], inputs: list[Any], spans: list[dict[str, li
                 start = time.clock_gettime(clock)
                 per_layer = {name: ms[0] for name, ms in profile_segments(programs[k], inputs, 1, clock).items()}
                 samples[k]["run"].append((time.clock_gettime(clock) - start) * 1e3)
-                if k < 2:
-                    for group, members in groups.items():
-                        samples[k][group].append(sum(_span_ms(per_layer, spans[k][name]) for name in members))
+                if spans is not None:
+                    samples[k]["spans"].append(sum(_span_ms(per_layer, span) for span in spans[k]))
     return samples, "rounds"
 
 
-def _apart(samples: list[dict[str, list[float]]], groups: dict[str, list[str]]) -> bool:
-    """Whether every comparison is decided by any of its samples: each group's sums in the two programs, and each
-    further program's whole runs against the first's, do not overlap (in 3 rounds of two equal costs, 1 in 10)."""
-    pairs = [(samples[0][g], samples[1][g]) for g in groups]
-    pairs += [(samples[0]["run"], s["run"]) for s in samples[2:]]
-    return all(max(a) < min(b) or max(b) < min(a) for a, b in pairs)
+def _apart(a: list[float], b: list[float]) -> bool:
+    """Whether the comparison is decided by any of its samples: the two programs' do not overlap (in 3 rounds of
+    two equal costs, 1 in 10)."""
+    return max(a) < min(b) or max(b) < min(a)

@@ -4,8 +4,10 @@ reads (kiln/runtime/profiler.py: profile_segments): the layers' times as the eng
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +168,32 @@ def test_the_programs_timed_in_context_pack_only_the_rivals_weights_again(monkey
     for i, step in enumerate(spec.steps):
         shared = chosen.steps[i].fn is swapped.steps[i].fn
         assert shared == (i not in rivals), f"{step.name}: shared {shared}"
+
+
+def test_the_rival_weights_packed_at_once_are_one_signatures(monkeypatch):
+    """Every launch prepared counts the bytes of the weights it packs (its constant inputs) while it lives: the
+    stage's peak is the chosen program's and one signature's rivals', not every rival's at once (before: 8 of
+    these GEMMs' weights for 4 GEMMs, now 6)."""
+    live, peak = [0], [0]
+    launch_for = program_module.launch_for
+
+    def counted(step, default, constants, device):
+        fn = launch_for(step, default, constants, device)
+        packed = sum(c.nbytes for c in constants if isinstance(c, torch.Tensor) and c.dim() == 2)
+        live[0] += packed
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(fn, lambda: live.__setitem__(0, live[0] - packed))
+        return fn
+
+    monkeypatch.setattr(program_module, "launch_for", counted)
+    monkeypatch.setattr(program_module, "SHARE_MIN_ELEMENTS", 1)  # these weights count as large
+    spec, weights = _blocks()
+    per_gemm = HIDDEN * WIDTH * 4
+    found = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec)).found
+    assert sorted(found) == [0, 1, 2, 3]  # both signatures compared
+    assert peak[0] == 4 * per_gemm + 2 * per_gemm  # the network, and one signature's two layers again
+    gc.collect()
+    assert live[0] == 0  # every program let go
 
 
 def test_retimed_choices_run_and_match_the_reference():
