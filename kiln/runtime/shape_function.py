@@ -475,7 +475,7 @@ def _unsqueezed(x: _Along | None, axes: tuple[int, ...] | None) -> _Along | None
 
 
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And",
-                          "Or", "Xor", "Not", "Where", "Neg", "Abs"})
+                          "Or", "Xor", "Not", "Where", "Neg", "Abs", "Cast"})
 
 
 def _elementwise(w: _Writer, op: str | None, ins: list[_Value | None]) -> _Along | None:
