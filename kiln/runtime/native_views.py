@@ -193,6 +193,10 @@ class _PlanRewrite:
                     return None  # as _natives_at: the layers run one by one
                 for j, slot in outputs:
                     sizes[slot] = written[j]
+                if mirror is not None:  # a oneDNN layer's mirror on another kernel, as the layer it mirrors
+                    for slot, same in mirror.outputs:
+                        if sizes[slot] != sizes[same]:
+                            return None
         except ValueError:
             return None
         if len(values) != self._values:
