@@ -71,8 +71,11 @@ class _PlanRewrite:
     place (one per descriptor and place), no Bound, NativeStep or InnerProduct per member (BERT-base's 24: ~0.35 ->
     ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). Where every member is one of those two kinds, a view's
     loop arrays are the template's numpy images with those calls stored in (_CallImage: BERT-base's view ~0.27 ->
-    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). The other members (kernels whose plans hold floats,
-    squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
+    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). A member that reads, by the template's wiring, what
+    a layer one period before it read (_Mirror: a transformer's layers after its first) takes that layer's answers
+    without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). The
+    other members (kernels whose plans hold floats, squeeze-excite, a oneDNN layer at rows another kernel takes) are
+    bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
@@ -125,8 +128,8 @@ class _PlanRewrite:
         self._words = [np.array(w, np.intp) for w in words]
         self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
         forms = _forms(template.members, template._natives)
-        self._arena = _arena_checks([(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots],
-                                    self._schedule)
+        arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
+        self._arena = _arena_checks(arena, self._schedule)
         # each exit's dtype and strides rule (a NativeStep's output_strides: NHWC for a 4-D output of oneDNN's
         # layers or a channels-last kernel, row-major otherwise and for outputs past the first)
         nhwc = {m.outputs[0]: native.reads is None or native.channels_last
@@ -295,7 +298,7 @@ def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
              ) -> tuple[list[tuple[int, int, _Mirror | None]], np.ndarray, int]:
     """(every member's (index, how many values its rule gives, its _Mirror or None), where each value in member order
     is among those of the members a view evaluates, how many those give). The period of the mirrors is the one that
-    makes the most (a transformer's layer: BERT-base's 91 members evaluate 21 rules' answers, 70 copy them); a
+    makes the most (a transformer's layer: of BERT-base's 91 members a view evaluates 15, 76 copy); a
     member mirrors one whose template sizes equal its own, so a view that finds them unequal is bound otherwise."""
     made: dict[int, tuple[int, int]] = {}  # slot -> (member, output j), of slots one member writes
     for k, member in enumerate(members):
