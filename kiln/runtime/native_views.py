@@ -282,6 +282,9 @@ class _PlanRewrite:
 _EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
 
 
+MIRROR_PERIODS = 64  # the longest layer _mirrors looks for (members): its search is this many passes over a segment
+
+
 @dataclass(frozen=True, slots=True)
 class _Mirror:
     """A member that reads, by the template's wiring, what the member `of` (a layer before it of the same rule)
@@ -305,7 +308,7 @@ def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
         for j, slot in member[5]:
             made[slot] = (k, j) if slot not in made else (-1, -1)
     best: dict[int, _Mirror] = {}
-    for period in range(1, len(members) // 2 + 1):
+    for period in range(1, min(len(members) // 2, MIRROR_PERIODS) + 1):
         found: dict[int, _Mirror] = {}
         for k in range(period, len(members)):
             mirror = _mirror(members[k], members[k - period], k - period, period, made, found, sizes)
