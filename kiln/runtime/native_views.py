@@ -71,8 +71,11 @@ class _PlanRewrite:
     place (one per descriptor and place), no Bound, NativeStep or InnerProduct per member (BERT-base's 24: ~0.35 ->
     ~0.05 ms hot, bench/results/bind-base-cpu-2026-12-05.md). Where every member is one of those two kinds, a view's
     loop arrays are the template's numpy images with those calls stored in (_CallImage: BERT-base's view ~0.27 ->
-    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). The other members (kernels whose plans hold floats,
-    squeeze-excite, a oneDNN layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
+    ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). A member that reads, by the template's wiring, what
+    a layer one period before it read (_Mirror: a transformer's layers after its first) takes that layer's answers
+    without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). The
+    other members (kernels whose plans hold floats, squeeze-excite, a oneDNN layer at rows another kernel takes) are
+    bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
@@ -90,7 +93,8 @@ class _PlanRewrite:
         # a oneDNN layer whose arguments a view writes (_ArgumentsRewrite) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
-        values = 0  # values a view's rules give, in member order
+        values = 0  # values the members' rules give, in member order
+        counts: list[int] = []  # each member's
         sizes = dict(zip(template.entries, template.entry_sizes))
         for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
             arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
@@ -105,6 +109,7 @@ class _PlanRewrite:
                 bind = None if call is None or template._accumulate[k] else \
                     _arguments_layout(m, native, template.bound[call], arg, template._address)
                 self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
+                counts.append(0)
                 continue
             function, plan_bytes, fields = layout
             for offset, width in fields:
@@ -115,12 +120,16 @@ class _PlanRewrite:
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
             self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read, None))
+            counts.append(len(fields))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
-        self._values = values
+        # a view evaluates the members that mirror none (_mirrors) and writes every plan from their values
+        self._schedule, remap, self._values = _mirrors(self._members, counts, sizes)
         self._words = [np.array(w, np.intp) for w in words]
+        self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
         forms = _forms(template.members, template._natives)
-        self._arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
+        arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
+        self._arena = _arena_checks(arena, self._schedule)
         # each exit's dtype and strides rule (a NativeStep's output_strides: NHWC for a 4-D output of oneDNN's
         # layers or a channels-last kernel, row-major otherwise and for outputs past the first)
         nhwc = {m.outputs[0]: native.reads is None or native.channels_last
@@ -141,7 +150,18 @@ class _PlanRewrite:
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         try:
-            for k, (rule, at, reads, x, residual, outputs, _placed, follows, read, bind) in enumerate(self._members):
+            for k, count, mirror in self._schedule:
+                if mirror is not None:
+                    for a, b in mirror.checks:
+                        if sizes[a] != sizes[b]:
+                            return None  # a layer's sizes differ from those of the one it mirrors: bound one by one
+                    if mirror.of not in natives:  # else a oneDNN layer on another kernel: its own NativeStep
+                        if mirror.of in bound:
+                            bound[k] = bound[mirror.of]
+                        for slot, same in mirror.outputs:
+                            sizes[slot] = sizes[same]
+                        continue
+                rule, at, reads, x, residual, outputs, _placed, follows, read, bind = self._members[k]
                 if rule is None:
                     sized = None
                     if bind is not None:
@@ -168,12 +188,18 @@ class _PlanRewrite:
                             else:
                                 flat.append(value)
                         found = worked[at_sizes] = (sized.output_sizes, flat)
+                    if len(found[1]) != count:
+                        return None  # the template's plan has other fields
                     written = found[0]
                     values += found[1]
                 if residual is not None and sizes[residual] != written[0]:
                     return None  # as _natives_at: the layers run one by one
                 for j, slot in outputs:
                     sizes[slot] = written[j]
+                if mirror is not None:  # a oneDNN layer's mirror on another kernel, as the layer it mirrors
+                    for slot, same in mirror.outputs:
+                        if sizes[slot] != sizes[same]:
+                            return None
         except ValueError:
             return None
         if len(values) != self._values:
@@ -254,6 +280,97 @@ class _PlanRewrite:
 
 
 _EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
+
+
+MIRROR_PERIODS = 64  # the longest layer _mirrors looks for (members): its search is this many passes over a segment
+
+
+@dataclass(frozen=True, slots=True)
+class _Mirror:
+    """A member that reads, by the template's wiring, what the member `of` (a layer before it of the same rule)
+    reads: each input made by a member that mirrors the one making `of`'s, or the same slot, or a size `checks`
+    compares per view. Its rule's answer is then `of`'s (rules of one key give equal answers at equal sizes): a view
+    copies `of`'s output sizes and oneDNN primitive, and writes its plan from `of`'s values."""
+
+    of: int
+    checks: tuple[tuple[int, int], ...]  # (its input's slot, `of`'s): sizes a view compares
+    outputs: tuple[tuple[int, int], ...]  # (its output's slot, `of`'s)
+
+
+def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
+             ) -> tuple[list[tuple[int, int, _Mirror | None]], np.ndarray, int]:
+    """(every member's (index, how many values its rule gives, its _Mirror or None), where each value in member order
+    is among those of the members a view evaluates, how many those give). The period of the mirrors is the one that
+    makes the most (a transformer's layer: of BERT-base's 91 members a view evaluates 15, 76 copy); a
+    member mirrors one whose template sizes equal its own, so a view that finds them unequal is bound otherwise."""
+    made: dict[int, tuple[int, int]] = {}  # slot -> (member, output j), of slots one member writes
+    for k, member in enumerate(members):
+        for j, slot in member[5]:
+            made[slot] = (k, j) if slot not in made else (-1, -1)
+    best: dict[int, _Mirror] = {}
+    for period in range(1, min(len(members) // 2, MIRROR_PERIODS) + 1):
+        found: dict[int, _Mirror] = {}
+        for k in range(period, len(members)):
+            mirror = _mirror(members[k], members[k - period], k - period, period, made, found, sizes)
+            if mirror is not None:
+                found[k] = mirror
+        if len(found) > len(best):
+            best = found
+    schedule, remap, evaluated, start = [], [], 0, {}
+    for k, count in enumerate(counts):
+        mirror = best.get(k)
+        if mirror is None:
+            start[k] = evaluated
+            evaluated += count
+        else:
+            start[k] = start[mirror.of]
+        remap += range(start[k], start[k] + count)
+        schedule.append((k, count, mirror))
+    return schedule, np.array(remap, np.intp), evaluated
+
+
+def _arena_checks(arena: list[tuple[int, int, int]], schedule: list[tuple[int, int, _Mirror | None]]
+                  ) -> list[tuple[int, int, int]]:
+    """The arena's (slot, itemsize, capacity) checks a view makes: a mirror's output is as large as its mirrored
+    member's (else the view stops at the mirror's checks), so each slot is checked as the first slot it copies,
+    once per itemsize at the least capacity of those (BERT-base: 90 checks -> 15)."""
+    copied = {slot: same for _, _, mirror in schedule if mirror is not None for slot, same in mirror.outputs}
+    least: dict[tuple[int, int], int] = {}
+    for slot, itemsize, capacity in arena:
+        while slot in copied:
+            slot = copied[slot]
+        least[slot, itemsize] = min(capacity, least.get((slot, itemsize), capacity))
+    return [(slot, itemsize, capacity) for (slot, itemsize), capacity in least.items()]
+
+
+def _mirror(member: tuple, earlier: tuple, of: int, period: int, made: dict[int, tuple[int, int]],
+            found: dict[int, _Mirror], sizes: dict[int, tuple]) -> _Mirror | None:
+    """`member`'s _Mirror of `earlier` (member `of`), or None: another rule or wiring, a member without a rule, or an
+    input of another template size."""
+    rule, _at, reads, x, residual, outputs, _placed, follows, _read, bind = member
+    rule_e, _, reads_e, x_e, residual_e, outputs_e, _, follows_e, _, bind_e = earlier
+    key = rule.key if rule is not None else bind.rule.key if bind is not None else None
+    key_e = rule_e.key if rule_e is not None else bind_e.rule.key if bind_e is not None else None
+    if key is None or key != key_e or (rule is None) != (rule_e is None) or follows != follows_e \
+            or (reads is None) != (reads_e is None) or (residual is None) != (residual_e is None) \
+            or [j for j, _ in outputs] != [j for j, _ in outputs_e]:
+        return None
+    slots = [slot for _, slot in reads] if reads is not None else [x]
+    slots_e = [slot for _, slot in reads_e] if reads_e is not None else [x_e]
+    if len(slots) != len(slots_e):
+        return None
+    checks = []
+    for a, b in zip(slots + [residual], slots_e + [residual_e]):
+        if a == b:
+            continue
+        maker, maker_e = made.get(a), made.get(b)
+        if maker is not None and maker[0] >= 0 and maker_e == (maker[0] - period, maker[1]) \
+                and maker[0] in found and found[maker[0]].of == maker_e[0]:
+            continue  # made by a member that mirrors the one making b: equal sizes
+        if sizes.get(a) is None or sizes.get(a) != sizes.get(b):
+            return None
+        checks.append((a, b))
+    return _Mirror(of, tuple(checks), tuple((slot, slot_e) for (_, slot), (_, slot_e) in zip(outputs, outputs_e)))
 
 
 @dataclass

@@ -253,3 +253,35 @@ def test_gemm_row_fields_are_the_plan_fields_and_refuse_rows_that_need_scratch()
     assert swiglu.row_fields(swiglu.small_m)["M"] == swiglu.small_m
     with pytest.raises(ValueError, match="needs scratch"):
         swiglu.row_fields(swiglu.small_m + 1)  # SwiGLU's C before the gating: plan() makes it
+
+
+
+def test_layers_that_mirror_an_earlier_one_take_its_answers_and_a_view_where_their_sizes_differ_is_bound_otherwise(
+        dynamic_bert_tiny):
+    """An encoder's second layer reads, by the template's wiring, what its first read: its members mirror those (a
+    view copies their answers; their plans are the replanned ones byte for byte: the test above). A mirror whose
+    checked sizes differ at a view (made so here) leaves the view to member-by-member binding, and the run still
+    matches onnxruntime."""
+    engine, session = dynamic_bert_tiny
+    segment = _segment(engine)
+    rng = np.random.default_rng()
+    context = engine.create_execution_context(pad_first_calls=False)
+    context.run(_feeds(rng, 2, 5))
+    template = segment._grown or segment
+    rewrite = template._rewrite
+    mirrors = {k: mirror for k, _, mirror in rewrite._schedule if mirror is not None}
+    assert len(mirrors) >= 5, f"{len(mirrors)} of {len(rewrite._schedule)} members mirror another"
+    for k, mirror in mirrors.items():
+        ours, theirs = rewrite._members[k], rewrite._members[mirror.of]
+        assert mirror.of < k and (ours[0] or ours[9].rule).key == (theirs[0] or theirs[9].rule).key
+    key = next(reversed(segment.resized))
+    assert rewrite.view(template, key) is not None
+    checked = next(mirror for mirror in mirrors.values() if mirror.checks)
+    a, b = template.entries[:2]
+    assert template.entry_sizes[0] != template.entry_sizes[1]
+    unequal = native_views._Mirror(checked.of, ((a, b),), checked.outputs)
+    rewrite._schedule = [(k, count, unequal if mirror is checked else mirror) for k, count, mirror in rewrite._schedule]
+    assert rewrite.view(template, key) is None
+    feeds = _feeds(rng, 3, int(rng.integers(6, 40)))
+    for got, want in zip(context.run(feeds).values(), session.run(None, feeds)):
+        np.testing.assert_allclose(got, want, rtol=ORT_TOL, atol=ORT_TOL)

@@ -321,3 +321,55 @@ def test_a_layer_pinned_to_fp32_is_called_through_its_kernel(shapes):
             envs.append(env)
         for s in function.slots:
             assert torch.equal(envs[0][s], envs[1][s])
+
+
+def _prefix_model() -> bytes:
+    """Values that follow the second dim m alone as prefixes along it: a Slice [0, m) of a constant of 10 positions
+    (clamped past m = 10), rows of a table gathered by it, an arange(0, m) unsqueezed, compared and cast (then
+    expanded to [n, m]: that follows both dims)."""
+    def const(name, dims, values, kind=TensorProto.INT64):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, dims, values))
+
+    nodes = [
+        const("positions", [1, 10], [(3 * i + 1) % 12 for i in range(10)]),
+        const("table", [12, 4], np.random.default_rng(0).standard_normal(48).tolist(), TensorProto.FLOAT),
+        const("zero", [1], [0]), const("one", [1], [1]), const("ax0", [1], [0]), const("two", [], [2]),
+        const("zero0", [], [0]), const("one0", [], [1]),
+        helper.make_node("Shape", ["x"], ["m1"], start=1, end=2),
+        helper.make_node("Slice", ["positions", "zero", "m1", "one"], ["picked"]),  # [1, min(m, 10)]
+        helper.make_node("Gather", ["table", "picked"], ["rows"], axis=0),  # [1, min(m, 10), 4]
+        helper.make_node("Relu", ["rows"], ["y1"]),
+        helper.make_node("Squeeze", ["m1", "ax0"], ["m"]),
+        helper.make_node("Range", ["zero0", "m", "one0"], ["r"]),
+        helper.make_node("Unsqueeze", ["r", "ax0"], ["r_row"]),  # [1, m]
+        helper.make_node("GreaterOrEqual", ["r_row", "two"], ["late"]),
+        helper.make_node("Cast", ["late"], ["latef"], to=TensorProto.FLOAT),
+        helper.make_node("Shape", ["x"], ["n1"], start=0, end=1),  # a second dim: the group of m is kept per m
+        helper.make_node("Concat", ["n1", "m1"], ["nm"], axis=0),
+        helper.make_node("Expand", ["latef", "nm"], ["late_grid"]),
+        helper.make_node("Add", ["x", "late_grid"], ["y2"]),
+    ]
+    graph = helper.make_graph(nodes, "prefixes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y1", "y2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_values_that_are_prefixes_along_one_dim_are_narrowed_from_a_larger_one_and_equal_the_steps(tmp_path):
+    """The group following m is computed once at the Slice's constant's length (10) and narrowed at each new m:
+    equal to the steps, strides included, at fresh m in any order and at m past 10 (the Slice clamps: computed, not
+    narrowed); first calls equal onnxruntime."""
+    path = tmp_path / "prefixes.onnx"
+    path.write_bytes(_prefix_model())
+    engine = kiln.build(str(path), profiles=[{"x": "1x1,2x8,4x16"}])
+    program = engine.program
+    source = program.shape_function.source
+    assert "_narrow(_b[" in source and "_prefix" in source, source
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    for m in [5, 3, 10, 12, 7, 1, 15, 2, 9, 11, 4] + [int(v) for v in rng.integers(1, 17, 6)]:
+        x = rng.standard_normal((int(rng.integers(1, 5)), m)).astype(np.float32)
+        _assert_same_shape_values(program, [torch.from_numpy(x)])
+        for memo in program.shape_function.memos:
+            memo.clear()  # every m a miss: narrowed (or computed) again
+        for got, want in zip(engine.run({"x": x}).values(), session.run(None, {"x": x})):
+            np.testing.assert_array_equal(got, want)  # gathered rows and 0/1 added: exact
