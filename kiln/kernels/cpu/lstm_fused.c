@@ -85,10 +85,11 @@ static inline fused_v4 fused_rcp(fused_v4 d) { return 1.0f / d; }
    divisions (RCP: 14 bits on AVX-512, 12 on AVX2; one step gives ~2 ulp): the cell costs as much as a third of
    the step's FMAs at 8 rows x 128 units, and a vector division is the slowest of its operations. tanh is
    lstm_lanes.c's LSTM_VECTOR_TANH (gemm.c's tanh_rational on a vector); σ is the rational form MLAS's logistic
-   takes from Eigen, x·p(x²) / q(x²) + 1/2 on x clamped to ±18 (p of degree 4 in x², q of 5): 17 operations
-   against 25 for 1 / (1 + exp(-x)), and a chain two thirds as long, since p and q run side by side. Its 3 σ a
-   unit were a quarter of the cell: capped to AVX2 (one thread, batch 8, 128 units, 96 steps, I = 16 / 128)
-   one layer ran 1.350 -> 1.298 ms and 2.190 -> 2.127 ms (bench/results/lstmavx2-2026-12-05c.md). */
+   takes from Eigen, x·p(x²) / q(x²) + 1/2 on x clamped to ±18 (p of degree 4 in x², q of 5; within 2.2e-7
+   of the exact σ): 17 operations against 25 for 1 / (1 + exp(-x)), and a chain two thirds as long, since p and q
+   run side by side. σ and tanh were 10-16% of a layer's time; capped to AVX2 (one thread, batch 8, 128 units,
+   96 steps, I = 16 / 128) a layer ran 1.333 -> 1.319 ms and 2.199 -> 2.153 ms, with AVX-512 0.812 -> 0.781 and
+   1.324 -> 1.290 (bench/recurrent_layer_ab.py, bench/results/lstmavx2-2026-12-05c.md). */
 #define FUSED_MATH(NAME, TARGET, V, MIN, MAX, RCP)                                                           \
     static inline __attribute__((always_inline)) TARGET V NAME##_clamp(V x, float lo, float hi) {           \
         return (V)MIN(MAX(x, (V){0} + lo), (V){0} + hi);                                                     \
