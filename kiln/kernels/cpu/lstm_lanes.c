@@ -65,10 +65,14 @@ static inline __attribute__((always_inline)) lanes_v lanes_clamp(lanes_v x, floa
 static inline __attribute__((always_inline)) lanes_v lanes_div(lanes_v a, lanes_v b) { return a / b; }
 
 /* gemm.c's exp_poly and tanh_rational (the scalar cell's and the GEMM epilogue's) on a vector V of floats (VI:
-   of ints), with the caller's CLAMP(x, lo, hi) and DIV(a, b): here and in lstm_fused.c. With a division and
+   of ints), with the caller's CLAMP(x, lo, hi) and DIV(a, b); lstm_fused.c takes the tanh. With a division and
    select-based clamps (this file's), the same operations in the same order as the scalar forms, so both cells
    round alike. rint: the 1.5·2²³ trick (|x·log2 e| < 2²²). */
 #define LSTM_VECTOR_MATH(NAME, TARGET, V, VI, CLAMP, DIV)                                                    \
+    LSTM_VECTOR_SIGMOID(NAME, TARGET, V, VI, CLAMP, DIV)                                                     \
+    LSTM_VECTOR_TANH(NAME, TARGET, V, CLAMP, DIV)
+
+#define LSTM_VECTOR_SIGMOID(NAME, TARGET, V, VI, CLAMP, DIV)                                                 \
     static inline __attribute__((always_inline)) TARGET V NAME##_exp(V x) {                                 \
         x = CLAMP(x, -87.0f, 88.0f);                                                                         \
         const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                 \
@@ -85,7 +89,9 @@ static inline __attribute__((always_inline)) lanes_v lanes_div(lanes_v a, lanes_
     }                                                                                                        \
     static inline __attribute__((always_inline)) TARGET V NAME##_sigmoid(V x) {                             \
         return DIV((V){0} + 1.0f, 1.0f + NAME##_exp(-x));                                                    \
-    }                                                                                                        \
+    }
+
+#define LSTM_VECTOR_TANH(NAME, TARGET, V, CLAMP, DIV)                                                        \
     static inline __attribute__((always_inline)) TARGET V NAME##_tanh(V x) {                                \
         x = CLAMP(x, -9.0f, 9.0f);                                                                           \
         const V x2 = x * x;                                                                                  \
