@@ -25,12 +25,22 @@ FP32_TOLERANCE = 1e-4  # of the largest output value: the same sums in other blo
 
 
 def _at_once(work, count: int) -> None:
-    """work(k) on `count` threads at once."""
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(count)]
+    """work(k) on `count` threads at once; a thread's exception is raised here, after they all end."""
+    raised: list[BaseException] = []
+
+    def guarded(k: int) -> None:
+        try:
+            work(k)
+        except BaseException as e:  # noqa: BLE001  re-raised below, in the test's thread
+            raised.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(k,)) for k in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if raised:
+        raise raised[0]
 
 
 def test_two_layers_sharing_an_inner_product_run_at_once():
