@@ -14,6 +14,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
+from kiln.builder import autotune
 from kiln.kernels.cpu import onednn, onednn_primitives
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="libdnnl.so.3 cannot be loaded")
@@ -95,11 +96,15 @@ def _stack() -> bytes:
 def stack(request):
     model = _stack()
     with pytest.MonkeyPatch.context() as patch:
+        # oneDNN's GEMM on every layer whatever one timing sample says (on a busy machine the op's own
+        # implementation won a layer now and then, and its pair made no segment): this is about the runtime
+        patch.setattr(autotune, "NATIVE_CREDIT_MS", 1e3)
         if request.param != "segments":
             patch.setenv("KILN_NATIVE_SEGMENTS", "0")
         engine = kiln.build(model, tactics=["cpu.gemm.onednn_direct"], tuning_runs=1,
                             profiles=[{"x": f"1x{SEQ}x{WIDTH},4x{SEQ}x{WIDTH},8x{SEQ}x{WIDTH}"}])
-    assert len(engine.program.segments) == (2 if request.param == "segments" else 0)
+    assert len(engine.program.segments) == (2 if request.param == "segments" else 0), \
+        [(s.op_type, s.tactic) for s in engine.program.spec.steps]
     return engine, ort.InferenceSession(model, providers=["CPUExecutionProvider"])
 
 
