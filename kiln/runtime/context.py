@@ -55,7 +55,6 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
-        self._serial = getattr(engine, "cpu_runs", None) if engine.device.type == "cpu" else None
         self._direct_replay = engine.device.type == "cuda" and os.environ.get("KILN_DIRECT_REPLAY", "1") != "0"
         self._inputs_in_graph = os.environ.get("KILN_REPLAY_CAPTURES_INPUTS") == "1"  # StaticReplay's capture_inputs
         if engine.device.type == "cuda":
@@ -217,12 +216,6 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
                            + "\n  ".join(problems) + "\nrebuild it with a --profile (profiles=[...]) that covers them")
 
     def run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
-        if self._serial is None:
-            return self._run(feeds)
-        with self._serial:  # the engine's other contexts wait (Engine.cpu_runs)
-            return self._run(feeds)
-
-    def _run(self, feeds: dict[str, Any] | list[Any]) -> dict[str, Any]:
         if self._static_replay is not None and type(feeds) is dict:
             done = self._static_replay(feeds)
             if done is not None:

@@ -93,9 +93,6 @@ class Engine:
         if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
             primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
-        # a CPU engine's contexts run one at a time: two BERT-base contexts running at once on two threads answered
-        # 4.4 off (bench/two_contexts.py, a race in state they share, not yet found); a run takes every core anyway
-        self.cpu_runs = threading.RLock()
 
     def _make_programs(self, weights: dict[str, Any]) -> None:
         """The program, and a padding-free engine's plain program (run where a run would not pack its tokens)

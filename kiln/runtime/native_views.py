@@ -255,13 +255,19 @@ class _PlanRewrite:
         memories: list[int] = []  # ... and their memory objects
         held: dict[tuple[int, int], Any] = {}
         kept: list[Any] = []
+        handles: dict[int, Any] = {}  # a shared primitive -> the view's handle of it (onednn.own_primitive)
+        made_from: list[int] = []  # each member's shared primitive
         primitives: list[int] = []
         firsts: list[int] = []  # each member's first argument ...
         counts: list[int] = []  # ... and how many
         for k, sized in bound.items():
             arguments, bind = sized.arguments, self._members[k][9]
             addresses = bind.addresses
-            primitives.append(arguments.primitive)
+            handle = handles.get(arguments.primitive)
+            if handle is None:  # the view's runs (under its template's lock) share no scratchpad with other locks'
+                handle = handles[arguments.primitive] = onednn.own_primitive(arguments.primitive)
+            made_from.append(arguments.primitive)
+            primitives.append(handle.value.value)
             firsts.append(len(ids))
             counts.append(len(arguments.roles) + len(bind.fixed_ids))
             for role, argument, md in arguments.roles:
@@ -275,7 +281,7 @@ class _PlanRewrite:
             kept.append(arguments.keep)
         array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
         array["arg"], array["memory"] = ids, memories
-        owned.append(_HeldArguments(array, list(held.values()), kept))
+        owned.append(_HeldArguments(array, list(held.values()), kept, list(handles.values()), made_from))
         return primitives, counts, np.array(firsts, np.uintp) * _EXEC_ARG.itemsize + array.ctypes.data
 
 
@@ -375,12 +381,14 @@ def _mirror(member: tuple, earlier: tuple, of: int, period: int, made: dict[int,
 
 @dataclass
 class _HeldArguments:
-    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, and
-    what their primitives need alive (RoleArguments.keep)."""
+    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, what
+    their primitives need alive (RoleArguments.keep) and the handles they run."""
 
     array: np.ndarray
     memories: list[Any]
     kept: list[Any]
+    handles: list[Any]  # the primitive handles the calls run, the view's own (onednn.own_primitive)
+    made_from: list[int]  # each call's shared primitive, in member order
 
 
 @dataclass(frozen=True)
@@ -463,7 +471,7 @@ def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, ad
         sized = native.primitive_at(arg)
         got = None if sized is None else sized.arguments
         given = [(a.arg, a.memory) for a in bound.args]
-        if got is None or got.primitive != bound.primitive_handle or got.roles != bound.roles \
+        if got is None or got.primitive != bound.made_from or got.roles != bound.roles \
                 or given[len(got.roles):] != list(native.primitive_at.fixed):
             return None
     fixed = native.primitive_at.fixed

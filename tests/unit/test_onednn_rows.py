@@ -75,11 +75,13 @@ def test_layers_and_row_counts_of_one_shape_share_one_primitive():
     first = onednn_matmul.Matmul(torch.randn(N, K), torch.randn(N), gelu)
     created = onednn_matmul._runtime_primitive.cache_info().misses
     other = onednn_matmul.Matmul(torch.randn(N, K), torch.randn(N), gelu)  # another layer of the same shape
-    primitives = {at.bind(0, 0).primitive.value for layer in (first, other) for at in (layer.rows(1), layer.rows(300))}
+    bound = [at.bind(0, 0) for layer in (first, other) for at in (layer.rows(1), layer.rows(300))]
+    primitives = {b.made_from for b in bound}
     assert len(primitives) == 1
+    assert len({b.primitive for b in bound}) == len(bound)  # each binding runs a handle of its own (own_primitive)
     assert onednn_matmul._runtime_primitive.cache_info().misses == created  # nothing created for them
     relu = onednn_matmul.Matmul(torch.randn(N, K), torch.randn(N), onednn.Eltwise("relu"))  # another epilogue
-    assert relu.rows(1).bind(0, 0).primitive.value not in primitives
+    assert relu.rows(1).bind(0, 0).made_from not in primitives
 
 
 def test_inner_products_of_one_shape_at_a_new_row_count_share_one_primitive_not_their_weights():
@@ -90,7 +92,8 @@ def test_inner_products_of_one_shape_at_a_new_row_count_share_one_primitive_not_
     tuned = [onednn_primitives.InnerProduct(w, b, 16, gelu, False, False) for w, b in weights]
     rows = int(np.random.default_rng().integers(3, 256)) | 1
     at = [onednn_primitives.InnerProduct(w, b, rows, gelu, False, False, weight_from=t) for (w, b), t in zip(weights, tuned)]
-    assert at[0].bind(0, 0).primitive.value == at[1].bind(0, 0).primitive.value
+    bound = [layer.bind(0, 0) for layer in at]
+    assert bound[0].made_from == bound[1].made_from and bound[0].primitive != bound[1].primitive  # own handles
     for layer, (w, b) in zip(at, weights):
         x = torch.randn(rows, K)
         torch.testing.assert_close(layer(x).double(), _reference(x, w, b, "gelu_erf"), rtol=TOL, atol=TOL)

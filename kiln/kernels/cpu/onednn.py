@@ -98,6 +98,7 @@ _SIGNATURES = {
     "dnnl_primitive_desc_destroy": (_S, [_P]),
     "dnnl_primitive_desc_next_impl": (_S, [_P]),
     "dnnl_primitive_create": (_S, [_PP, _P]),
+    "dnnl_primitive_get_primitive_desc": (_S, [_P, _PP]),
     "dnnl_primitive_destroy": (_S, [_P]),
     "dnnl_primitive_execute": (_S, [_P, _P, ctypes.c_int, _P]),
     "dnnl_memory_create": (_S, [_PP, _P, _P, _P]),
@@ -422,14 +423,35 @@ class RoleArguments:
     keep: Any
 
 
+def own_primitive(primitive: int) -> _Handle:
+    """A primitive handle of its own for `primitive`'s kernel: what one binding's calls run (Bound), never another's.
+
+    A oneDNN primitive handle is not to be run from two threads at once: libdnnl's scratchpad (the library-managed
+    one, private to each handle in this build) is written by every run of the handle, so two runs at once corrupt
+    each other ("the same primitive cannot be run concurrently from two different threads", dnnl_scratchpad_mode_t).
+    Handles are shared (the inner products of a layer shape at a row count, onednn_primitives._SHARED_PRIMITIVES; a
+    layer's per-call path and a segment's binding of it; a runtime-M matmul), and the users of one handle run under
+    locks of their own: two BERT-base contexts of one engine on two threads answered up to 4.4 off (issue 14,
+    bench/results/race-2026-12-05c.md). A handle made from the primitive's descriptor finds the kernel in oneDNN's
+    primitive cache (no second JIT; a kernel's thread count is its descriptor's): ~2 µs and the handle's own
+    scratchpad (8 KiB for BERT-base's inner products)."""
+    lib = load().lib
+    pd = ctypes.c_void_p()
+    _check(lib.dnnl_primitive_get_primitive_desc(primitive, ctypes.byref(pd)), "primitive's descriptor")
+    handle = ctypes.c_void_p()
+    _check(lib.dnnl_primitive_create(ctypes.byref(handle), pd), "primitive of its own")
+    return _Handle(handle, "dnnl_primitive_destroy")
+
+
 class Bound:
     """One primitive's execution arguments on memory objects of its own, their addresses fixed
     when bound: a native segment (kiln/runtime/native.py) binds every layer once, at load, to
     its planned buffer and then only calls `execute`. `rebind(role, address)` moves one role
     ("src", "dst", "residual") for a call: the segment's entry and exit values.
 
-    The primitive object's own memory objects (its per-call path) are not touched: both paths may
-    run the same primitive.
+    The primitive object's own memory objects (its per-call path) are not touched, and its calls run a primitive
+    handle of their own (own_primitive): a Bound runs under its user's lock (a segment's, a per-call path's), and
+    no other lock's runs share its handle's scratchpad.
     """
 
     def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
@@ -446,13 +468,13 @@ class Bound:
         args = [(arg, self._memories[role]) for role, (arg, _, _) in roles.items()] + fixed
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
-        self.primitive = primitive
-        self.serial_primitive = serial_primitive
-
-    @property
-    def primitive_handle(self) -> int:
-        """The primitive's handle as an int (`primitive` may be a ctypes pointer)."""
-        return self.primitive.value if isinstance(self.primitive, ctypes.c_void_p) else self.primitive
+        self.made_from = primitive.value if isinstance(primitive, ctypes.c_void_p) else primitive  # the shared one
+        self._handles = [own_primitive(self.made_from)]
+        if serial_primitive is not None:
+            with creating_with_threads(1):  # as the serial form was made (its descriptor holds the count)
+                self._handles.append(own_primitive(serial_primitive))
+        self.primitive = self._handles[0].value.value
+        self.serial_primitive = self._handles[1].value.value if serial_primitive is not None else None
 
     def rebind(self, role: str, address: int) -> None:
         _LIBRARY.lib.dnnl_memory_set_data_handle(self._memories[role].value, address)

@@ -133,6 +133,7 @@ class _Bound:
         self._m_mem = onednn._memory(dst_md.value, self._m.data_ptr())
         args = [(onednn.ARG_SRC, self._v_mem), (onednn.ARG_WEIGHTS, conv._w_mem), (onednn.ARG_DST, self._m_mem)]
         self._args = (onednn._ExecArg * 3)(*[onednn._ExecArg(a, m.value) for a, m in args])
+        self._primitive = onednn.own_primitive(conv._prim.value)  # its scratchpad too: no other binding runs it
         get_handle = ctypes.cast(lib.lib.dnnl_memory_get_data_handle, ctypes.c_void_p).value
         self._plan = _Plan(get_handle=get_handle, src=self._memories["src"].value, dst=self._memories["dst"].value,
                            residual=self._memories["residual"].value if residual is not None else None,
@@ -146,7 +147,7 @@ class _Bound:
     def calls(self) -> list[tuple[int | None, int, int, int]]:
         plan = ctypes.addressof(self._plan)
         return [(self._functions[0], plan, 0, 0),
-                (None, self._conv._prim.value, 3, ctypes.cast(self._args, ctypes.c_void_p).value),
+                (None, self._primitive.value.value, 3, ctypes.cast(self._args, ctypes.c_void_p).value),
                 (self._functions[1], plan, 0, 0)]
 
     def memory(self, role: str) -> int:
