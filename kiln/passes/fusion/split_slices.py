@@ -4,9 +4,11 @@
 
 Why: a Split has no CPU tactic of its own, so it runs on torch as a step of its own (views, but a step) and cuts
 the native segment around it in two. DETR's attention adds the position embedding to q and k but not to v:
-merge_parallel_gemms makes q|k one GEMM and a Split that no attention absorbs (it absorbs a q|k|v Split),
-and each of DETR-tiny's 3 attentions ran its segment in pieces (9 steps a run). A Slice of constant bounds is
-a member of the segment (cpu.slice.native, one strided copy: kiln/tactics/cpu/relayout.py).
+merge_parallel_gemms makes q|k one GEMM and a Split that no attention absorbs (it absorbs a q|k|v Split); the
+k and v of every cross-attention read the encoder's output, one GEMM and a Split too (DETR's decoder, T5's).
+DETR-tiny ran 4 such Splits, 9 steps a run around them; as Slices of constant bounds they are members of one
+segment (cpu.slice.native, one strided copy each: kiln/tactics/cpu/relayout.py). One thread, thread clock,
+kiln / onnxruntime: detr_tiny 1.31 -> 0.89, t5_tiny 0.74 -> 0.59 (bench/results/zoo-cpu-all-2026-12-05c.md).
 
 It runs after the rules that read a Split (swiglu, packed rotary, attention layouts): what is left is read by
 layers that take whole tensors. Only float32 Splits of constant sizes along a static dim are rewritten (the
