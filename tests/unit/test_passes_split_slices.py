@@ -138,3 +138,21 @@ def test_a_split_along_a_dynamic_dim_is_left_alone():
     ops, report = _optimized(proto, cpu_rules=True)
     assert "split_as_slices" not in report.fired and ops.count("Split") == 1, ops
     assert any("no static size" in line for line in report.refused), report.refused
+
+
+@pytest.mark.slow
+def test_detr_runs_as_one_segment_and_matches_onnxruntime():
+    """kiln.zoo's DETR (ResNet backbone, 1 encoder + 2 decoder layers): its q|k and cross-attention k|v Splits
+    were 4 torch steps between 5 pieces of segment; as slices the whole model is one segment."""
+    from kiln import zoo
+
+    exported = zoo.export("detr_tiny")
+    engine = kiln.build(str(exported.path))
+    assert [s.tactic for s in engine.plan.program.steps].count("cpu.slice.native") == 8
+    assert len(engine.program.run_steps) == 1 and isinstance(engine.program.run_steps[0].fn, Segment)
+    session = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    for seed in (1, 2):
+        feeds = {k: randn(np.random.default_rng(seed), *v.shape) for k, v in exported.inputs().items()}
+        for name, want in zip(engine.output_names, session.run(None, feeds)):
+            # fp32: a ResNet's convolutions and 3 transformer layers sum in other orders than onnxruntime's
+            np.testing.assert_allclose(engine.run(feeds)[name], want, rtol=1e-4, atol=1e-4, err_msg=name)
