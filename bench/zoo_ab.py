@@ -36,7 +36,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--block", type=int, default=10, help="runs per peer per round")
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="'thread': the calling thread's CPU time (with --threads 1 every peer runs there: what "
+                             "each costs on a machine others load, without the time it waits for a core)")
     args = parser.parse_args(argv)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error("--clock thread needs --threads 1: at more threads it leaves out the workers' share")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     exported = zoo.export(args.model)
     feeds = exported.inputs()
@@ -61,12 +67,12 @@ def main(argv: list[str] | None = None) -> None:
         for name, run in runners.items():
             block = []
             for _ in range(args.block):
-                start = time.perf_counter()
+                start = clock()
                 run()
-                block.append(time.perf_counter() - start)
+                block.append(clock() - start)
             samples[name] += block
             medians[name].append(statistics.median(block))
-    print(f"{args.model}, {cpu_name()}, {args.threads} threads, 1-min load {min(loads):.1f}-{max(loads):.1f}")
+    print(f"{args.model}, {cpu_name()}, {args.threads} threads, {args.clock} clock, 1-min load {min(loads):.1f}-{max(loads):.1f}")
     for name in runners:
         ratios = [a / b for a, b in zip(medians[name], medians["onnxruntime"])]
         print(f"  {name:32s} median {statistics.median(samples[name]) * 1e3:9.2f} ms   / onnxruntime by round "

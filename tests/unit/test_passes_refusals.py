@@ -435,6 +435,12 @@ def transpose_of_a_dynamic_batch():
                  [value("y", ["N", 4, 5, 3])])
 
 
+def split_of_a_dynamic_batch():
+    """A Split of the symbolic batch axis: the Slices' bounds would hold one size only."""
+    return model([node("Split", ["x"], ["a", "b"], axis=0, num_outputs=2)], [value("x", ["N", 4])],
+                 [value("a", ["M", 4]), value("b", ["M", 4])])
+
+
 def lstm_whose_initial_state_is_not_zeros():
     """An LSTM whose initial_h is an Expand of 0.5 over a symbolic batch: not zeros, so it stays."""
     inits = [("w", randn(1, 8, 3)), ("r", randn(1, 8, 2)), ("half", np.array([0.5], np.float32)),
@@ -475,6 +481,7 @@ CASES = {
     "conv/symbolic_channels": Case("fuse_conv", lambda: conv(["C", 3, 3, 3]), "output channels is not static"),
     "conv/unknown_weight_rank": Case("fuse_conv", lambda: conv(None), "rank is unknown"),
     "relayout/dynamic_batch": Case("fuse_relayout", transpose_of_a_dynamic_batch, "shape is not static"),
+    "split_slices/dynamic_axis": Case("split_as_slices", split_of_a_dynamic_batch, "has no static size"),
     "zero_initial_states/not_zeros": Case("drop_zero_initial_states", lstm_whose_initial_state_is_not_zeros, None),
     "reshape_target/two_computed_dims": Case("constant_reshape_target", reshape_to_two_computed_dims,
                                              "more than one dim of unknown size"),

@@ -28,6 +28,7 @@ from kiln.passes.fusion.rmsnorm import fuse_rms_norm
 from kiln.passes.fusion.rotary import fuse_rotary
 from kiln.passes.fusion.skip_layernorm import fuse_skip_layer_norm
 from kiln.passes.fusion.softmax import fuse_softmax
+from kiln.passes.fusion.split_slices import split_as_slices
 from kiln.passes.fusion.squeeze_excite import fuse_squeeze_excite
 from kiln.passes.fusion.symbolic_shapes import constant_reshape_target, drop_zero_initial_states
 from kiln.passes.fusion.swiglu import fuse_split_swiglu, fuse_swiglu
@@ -67,13 +68,15 @@ RULES = [
     ("fuse_elementwise", fuse_elementwise),
     ("drop_zero_initial_states", drop_zero_initial_states),  # a dynamic batch's zero states: absent
     ("constant_reshape_target", constant_reshape_target),  # a dynamic batch's shape arithmetic: 0 and -1
+    ("split_as_slices", split_as_slices),  # after every rule that reads a Split: the rest cut segments
     ("fuse_relayout", fuse_relayout),  # last: the rules above match Transposes and Reshapes of their own
     ("flatten_channels_last_runs", flatten_channels_last_runs),  # reads fuse_relayout's Relayouts
 ]
 # Rules only a build for the CPU asks for (PassOptions): their fused op has a CPU kernel, and on CUDA the
 # unfused layers are what was measured.
 CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_conv2d", "conv1d_mean_as_global_pool",
-             "drop_zero_initial_states", "constant_reshape_target", "fuse_relayout", "flatten_channels_last_runs"}
+             "drop_zero_initial_states", "constant_reshape_target", "split_as_slices", "fuse_relayout",
+             "flatten_channels_last_runs"}
 # (fuse_packed_rotary and fuse_split_swiglu run for both: CUDA has cuda.rotary.triton over a packed q|k|v,
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
