@@ -28,22 +28,25 @@ ALIGN = 64  # each weight's offset in the file: what the kernels' loads align to
 def spill(weights: dict[str, Any]) -> MappedWeights | None:
     """Every CPU tensor of `weights` of OWN_COPY_BYTES or more replaced (in place) by a view of its bytes in a mapped,
     unlinked temporary file, its pages released; the mapping (`release()` lets the pages read since go again), or
-    None where no weight is that large. Smaller weights stay as they are: a loaded engine copies them into its own
+    None where no weight is that large or the file cannot be written (the weights then stay as they are). Smaller weights stay as they are: a loaded engine copies them into its own
     memory too (kiln/runtime/engine.py OWN_COPY_BYTES), and a view would fault in the neighbours' pages."""
     large = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)
              and value.device.type == "cpu" and value.numel() * value.element_size() >= OWN_COPY_BYTES}
     if not large:
         return None
     offsets, size = {}, 0
-    with tempfile.TemporaryFile(prefix="kiln-weights-") as f:
-        for name, value in large.items():
-            f.write(b"\0" * (-size % ALIGN))
-            size += -size % ALIGN
-            offsets[name] = size
-            f.write(value.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
-            size += value.numel() * value.element_size()
-        f.flush()
-        mapped = MappedWeights(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), 0, size)
+    try:
+        with tempfile.TemporaryFile(prefix="kiln-weights-") as f:
+            for name, value in large.items():
+                f.write(b"\0" * (-size % ALIGN))
+                size += -size % ALIGN
+                offsets[name] = size
+                f.write(value.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+                size += value.numel() * value.element_size()
+            f.flush()
+            mapped = MappedWeights(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), 0, size)
+    except OSError:  # no room in the temporary directory (or none writable): the weights stay where they are
+        return None
     for name, value in large.items():  # each view holds the mapping
         weights[name] = torch.frombuffer(mapped.mm, dtype=value.dtype, count=value.numel(),
                                          offset=offsets[name]).view(value.shape)

@@ -82,3 +82,12 @@ def test_a_cpu_build_holds_its_large_weights_in_a_mapped_file_and_saves_and_runs
     engine.save(tmp_path / "mlp.kiln")
     for runs in (engine, kiln.load(tmp_path / "mlp.kiln")):
         np.testing.assert_allclose(runs.run({"x": x})[runs.output_names[0]], want, rtol=RTOL, atol=ATOL)
+
+
+def test_without_a_writable_temporary_directory_the_weights_stay_as_they_are(monkeypatch, tmp_path):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    weights = {"large": torch.ones(D, D)}
+    kept = weights["large"]
+    assert spill(weights) is None and weights["large"] is kept
