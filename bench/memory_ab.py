@@ -7,7 +7,7 @@ choices, and with them to what a build packs, falls on both).
 
 Prints one row per model: the model's weights, each build's peak RSS growth over its imports (MiB, in run order),
 the medians and their multiple of the weights (issue 11's unit: <= 3x), and the in-context stage's seconds and
-layers (kiln/builder/in_context.py). Results: bench/results/mem3-2026-12-05c.md.
+layers (kiln/builder/in_context.py). Results: bench/results/mem3-2026-12-05c.md, mem4-2026-12-05c.md.
 """
 
 from __future__ import annotations

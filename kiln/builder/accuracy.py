@@ -363,11 +363,14 @@ class Verdict:
 
 
 def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-          base: Baseline) -> Verdict:
-    """Run the engine `spec` describes (its tactics, native segments and all) and judge its outputs."""
+          base: Baseline, launches: dict[tuple, Any] | None = None,
+          release: Callable[[], None] | None = None) -> Verdict:
+    """Run the engine `spec` describes (its tactics, native segments and all) and judge its outputs; `launches`:
+    prepared launches to share (Program's shared_launches: the build's, kept for the engine), `release` its
+    after_packing."""
     try:
         with torch.inference_mode():
-            outputs = Program(spec, weights, device).run(inputs)
+            outputs = Program(spec, weights, device, after_packing=release, shared_launches=launches).run(inputs)
     except Exception as e:  # noqa: BLE001
         return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
     found: dict[str, dict[str, Any]] = {}
@@ -516,10 +519,13 @@ def _revert(step: StepSpec, why: str, reverted: dict[str, str], say: Progress) -
 
 
 def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-           default: Program, default_outputs: list[Any], say: Progress) -> Settlement:
-    """Judge the tuned engine `spec` describes; revert (in place) the layers to blame until it passes."""
+           default: Program, default_outputs: list[Any], say: Progress,
+           launches: dict[tuple, Any] | None = None, release: Callable[[], None] | None = None) -> Settlement:
+    """Judge the tuned engine `spec` describes; revert (in place) the layers to blame until it passes. `launches`:
+    the prepared launches its programs share (the build's: the network is packed once, not once per program),
+    `release` their after_packing (a build's mapped weights let go, spill.py)."""
     base = baseline(spec, default, default_outputs, inputs)
-    verdict, runs = judge(spec, weights, device, inputs, base), 1
+    verdict, runs = judge(spec, weights, device, inputs, base, launches, release), 1
     first = verdict.problem
     reverted: dict[str, str] = {}
     if verdict.problem is None:
@@ -531,14 +537,15 @@ def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         tuned = {i for i, s in enumerate(spec.steps) if s.tactic}
         checkers = {i: t.checker for i in tuned if (t := registry.get(spec.steps[i].tactic)) is not None
                     and t.checker is not None}
-        blames = blame(default, Program(spec, weights, device), tuned, inputs, checkers)
+        blames = blame(default, Program(spec, weights, device, after_packing=release, shared_launches=launches),
+                       tuned, inputs, checkers)
         guilty = sorted(i for i, b in blames.items() if b.ratio > 1)
         if not guilty:
             break
         for i in guilty:
             _revert(spec.steps[i], f"wrong in this engine, on the inputs its neighbours give it: {blames[i].problem}",
                     reverted, say)
-        verdict, runs = judge(spec, weights, device, inputs, base), runs + 1
+        verdict, runs = judge(spec, weights, device, inputs, base, launches, release), runs + 1
         if verdict.problem is None:
             return Settlement(verdict, first, reverted, runs, base.source)
 
@@ -550,7 +557,7 @@ def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     while low < high:
         middle = (low + high) // 2
         names = {spec.steps[i].name for i in ranked[:middle]}
-        trial, runs = judge(_without(spec, names), weights, device, inputs, base), runs + 1
+        trial, runs = judge(_without(spec, names), weights, device, inputs, base, launches, release), runs + 1
         if trial.problem is None:
             high, passing = middle, trial
         else:
@@ -562,5 +569,5 @@ def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
                                f"one of the {low} layer(s) closest to their allowance, the fewest whose revert "
                                "lets the engine pass", reverted, say)
     if passing is None:  # every remaining layer reverted: the default engine, which passes by definition
-        passing, runs = judge(spec, weights, device, inputs, base), runs + 1
+        passing, runs = judge(spec, weights, device, inputs, base, launches, release), runs + 1
     return Settlement(passing, first, reverted, runs, base.source)

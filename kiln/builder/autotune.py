@@ -331,13 +331,14 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
 
 def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
                        rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], cache: TimingCache,
-                       env: dict, say: Progress) -> dict[str, Any]:
+                       env: dict, say: Progress, launches: dict[tuple, Any],
+                       release: Callable[[], None] | None) -> dict[str, Any]:
     """Close native contenders timed again as the engine runs them, or the timing cache's choice for this network
     (in_context.py); each layer's record says so (`in_network`: ms of each in the network) and takes the choice.
     Returns the header's record of the stage: what it cost and which layers changed (`kiln inspect` shows it)."""
     start = time.perf_counter()
     try:
-        result = in_context.choose(program, placed, device, examples, rivals, cache, env, say)
+        result = in_context.choose(program, placed, device, examples, rivals, cache, env, say, launches, release)
     except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
         say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
             "the choices made alone stand")
@@ -423,14 +424,20 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
              io_casts: dict[str, str] | None = None,
              other_shapes: dict[str, dict[str, list[int]]] | None = None,
              examples: list[Any] | None = None, compile_workers: int | None = None,
-             in_context_timing: bool = True) -> dict[str, Any]:
+             in_context_timing: bool = True, launches: dict[tuple, Any] | None = None,
+             release: Callable[[], None] | None = None) -> dict[str, Any]:
     """Choose a tactic for every top-level layer of `program` (in place); returns the header record.
     `other_shapes`: a profile's other points ({"mid": shapes, "min": shapes}), where every candidate is
     also timed (_choose_over). `examples`: the program's inputs at the tuning point when they are not
     example_inputs(inputs, shapes) (a padding-free program's mask of fewer tokens and its token bucket,
     kiln/builder/padding_free.py); cast at the boundary as those are. `in_context_timing`: step 4 of the module
-    docstring (in_context.py), on by default."""
+    docstring (in_context.py), on by default. `launches`: where the programs bound after the search (in context, the
+    whole-network check) keep the launches they prepare (Program's shared_launches), for the engine to bind: on the
+    CPU the network's weights are then packed once per build, not once per program (three times before).
+    `release`: lets the pages of weights read since go (a build's mapped weights, spill.py), called after each layer
+    tuned and each layer those programs pack."""
     say = progress or (lambda _msg: None)
+    launches = {} if launches is None else launches
     if opt_level <= 1:
         return {"skipped": f"opt_level {opt_level}: every layer runs its default implementation"}
     tunable = {i: found for i, step in enumerate(program.steps)
@@ -475,6 +482,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         # that are not at its top: given back per layer, the search's resident memory is what it holds, not the
         # heap's high-water mark over every layer's candidates
         return_free_memory()
+        if release is not None:
+            release()
         step.tactic = "" if found.tactic == DEFAULT else found.tactic
         step.tactic_config = config if step.tactic else {}
         layers[step.name] = found.to_json()
@@ -537,7 +546,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
     if rivals and in_context_timing:
-        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say)
+        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say,
+                                                  launches, release)
     if kernels is not None:
         record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
                              "seconds_summed": round(kernels.pool.seconds, 1)}
@@ -548,7 +558,8 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
     if any(step.tactic for step in program.steps):
         # Tactics checked one by one can still go wrong together: judge the whole engine against the
         # error the default engine itself makes at this precision; revert only the layers to blame.
-        settled = settle(program, placed, device, examples, reference_program, reference_outputs, say)
+        settled = settle(program, placed, device, examples, reference_program, reference_outputs, say, launches,
+                         release)
         record["accuracy"] = settled.to_json()
         for name, why in settled.reverted.items():
             layer = layers[name]

@@ -8,6 +8,7 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 import torch
@@ -21,6 +22,7 @@ from kiln.builder.precision import allow_fp8_attention, write_float32_outputs
 from kiln.builder.profile_check import check_at_profile_ends
 from kiln.builder.profiles import resolve as resolve_profiles
 from kiln.builder.profiles import shapes_at
+from kiln.builder.spill import spill
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
@@ -127,14 +129,16 @@ def pass_options(config: BuildConfig) -> PassOptions:
 
 def _tune(spec: ProgramSpec, lowered: Lowered, config: BuildConfig, device: torch.device, profiles: list[Profile],
           tuning_shapes: dict[str, list[int]], other_shapes: dict | None, io_casts: dict[str, str],
-          shapes_of_values: dict[str, list | None], say: Progress, examples: list | None = None) -> dict:
+          shapes_of_values: dict[str, list | None], say: Progress, examples: list | None = None,
+          launches: dict[tuple, Any] | None = None, release: Callable[[], None] | None = None) -> dict:
     """Tactic search for one program (the tuner's header record), and each choice checked at every profile's ends:
-    a tactic that refuses or errs there goes back to the default."""
+    a tactic that refuses or errs there goes back to the default. `launches`: the prepared launches of the programs
+    the search binds after it (autotune's), for the engine to share; `release`: autotune's (spill.py)."""
     tactics = autotune(spec, lowered.weights, lowered.inputs, device=device, opt_level=config.opt_level,
                        shapes=tuning_shapes, timing_cache=config.timing_cache, allowed=config.tactics,
                        compile_workers=config.compile_workers, in_context_timing=config.in_context,
                        runs=config.tuning_runs, progress=say, io_casts=io_casts, other_shapes=other_shapes,
-                       examples=examples)
+                       examples=examples, launches=launches, release=release)
     return_free_memory()  # the search's records and candidates are gone: before the engine packs its weights
     if profiles and "layers" in tactics:
         say("checking tactics at the profiles' ends")
@@ -195,6 +199,9 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     shapes_of_values = value_shapes(graph)
     if not isinstance(model, ir.Model):  # the graph is the build's own: its weights are now the engine's copies
         _release_weights(graph)
+    # On the CPU the large weights go to a mapped file: their pages leave memory once packed (spill.py)
+    mapped = spill(weights) if config.device == "cpu" else None
+    release = mapped.release if mapped is not None else None
     return_free_memory()
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
     say("selecting tactics")
@@ -221,7 +228,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
             plain_shapes = {"max": shapes_at(profiles[0], "max")}
         say("tactics of the plain program (runs that do not pack their tokens)")
         plain_tactics = _tune(lowered.plain, lowered, config, device, profiles, tuning_shapes, plain_shapes,
-                              io_casts, lowered.plain_value_shapes, say)
+                              io_casts, lowered.plain_value_shapes, say, release=release)
         # ... and its packed program where it runs: on the rows of a packed run, not at the opt shape's B·S
         mask = graph.meta[REMOVE_PADDING]["mask"]
         examples, tokens = packed_examples(example_inputs(inputs, tuning_shapes), inputs, mask)
@@ -231,8 +238,13 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
             "just enough to pack: kiln/builder/padding_free.py tuning_tokens)")
     else:
         examples = None
+    # the launches the search's last programs prepared (the network packed as it will run) are the engine's: its load
+    # packs only what they lack (ResNet-50 packed its weights three times in a row: in context, the whole-network
+    # check, the engine). The plain program's are not kept: held through this search they would add a network.
+    launches: dict[tuple, Any] = {}
     tactics = _tune(program, lowered, config, device, profiles, tuning_shapes,
-                    other_shapes if examples is None else None, io_casts, shapes_of_values, say, examples)
+                    other_shapes if examples is None else None, io_casts, shapes_of_values, say, examples, launches,
+                    release)
     if quantization.get("mode") == "kernels" or any(s.op_type in ("QConv", "QGemm") for s in program.steps):
         # what each quantized layer runs in, and why (int8 where its kernel was faster and exact)
         quantization["layers"] = summarize(program, tactics, quantization.get("smoothquant"))
@@ -262,7 +274,9 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
         **({"plain_tactics": plain_tactics} if lowered.plain is not None else {}),
         "weights_bytes": int(sum(getattr(w, "nbytes", 0) for w in weights.values())),
     }
-    engine = Engine(EnginePlan(header=header, program=program, weights=weights, plain=lowered.plain))
+    engine = Engine(EnginePlan(header=header, program=program, weights=weights, plain=lowered.plain), launches)
+    if release is not None:  # what the engine's load packed anew, and the profiles' check, read
+        release()
     # Peak RSS growth over the whole build, the engine's load (its layers' packed weights) included.
     header["build_memory"] = {"peak_rss_delta_bytes": memory_at_start.delta(), "measured_by": memory_at_start.method,
                               "model_weight_bytes": model_weight_bytes}

@@ -147,10 +147,13 @@ def _span_ms(per_layer: dict[str, float], span: list[str]) -> float:
 
 
 def choose(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-           rivals: dict[int, Rival], cache: TimingCache, env: dict[str, Any], say: Callable[[str], None]) -> InContext:
+           rivals: dict[int, Rival], cache: TimingCache, env: dict[str, Any], say: Callable[[str], None],
+           launches: dict[tuple, Any] | None = None, release: Callable[[], None] | None = None) -> InContext:
     """The layers in `rivals` timed in context (retime), or the timing cache's choice for this network on this
     machine: `spec`'s steps whose rival was faster there take it (in place). An entry that does not fit the network
-    (a hand-edited or damaged file) is said and timed again."""
+    (a hand-edited or damaged file) is said and timed again. `launches`: the build's prepared launches, which the
+    chosen program shares and adds to (the engine binds them: the network is packed once per build); `release`: called
+    after each layer the programs pack (Program's after_packing: a build's mapped weights let go, spill.py)."""
     start = time.perf_counter()
     key = network_key(spec, weights, inputs, rivals, env)
     entry = cache.contexts.get(key)
@@ -163,7 +166,7 @@ def choose(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         else:
             _apply(spec, rivals, found.found)
             return found
-    found = retime(spec, weights, device, inputs, rivals)
+    found = retime(spec, weights, device, inputs, rivals, launches, release)
     cache.contexts[key] = found.to_entry(spec, time.perf_counter() - start)
     return found
 
@@ -218,7 +221,8 @@ def _apply(spec: ProgramSpec, rivals: dict[int, Rival], found: dict[int, dict[st
 
 
 def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-           rivals: dict[int, Rival]) -> InContext:
+           rivals: dict[int, Rival], launches: dict[tuple, Any] | None = None,
+           release: Callable[[], None] | None = None) -> InContext:
     """Step index -> {chosen tactic: ms in context, rival: ms in context} for the layers in `rivals` that could be
     compared (`found`), and the rounds that timed them; `spec`'s steps whose rival was faster take it (in place).
 
@@ -230,7 +234,7 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     signature is compared by whole runs (`ms`: the whole run's median, both sides)."""
     if not rivals:
         return InContext({})
-    network = _network(spec, weights, device, inputs, rivals)
+    network = _network(spec, weights, device, inputs, rivals, {} if launches is None else launches, release)
     groups: dict[str, list[int]] = {}
     for i in sorted(rivals):
         groups.setdefault(rivals[i].group, []).append(i)
@@ -262,6 +266,7 @@ class _Network:
     rivals: dict[int, Rival]
     program: Program
     launches: dict[tuple, Any]
+    release: Callable[[], None] | None
     compared: set[str]
     spans: dict[str, list[str]]
 
@@ -279,14 +284,14 @@ class _Timed:
 
 
 def _network(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
-             rivals: dict[int, Rival]) -> _Network:
-    """The chosen program bound (every launch it prepares kept for the rival programs to share) and warmed up."""
-    launches: dict[tuple, Any] = {}
-    program = Program(spec, weights, device, shared_launches=launches)
+             rivals: dict[int, Rival], launches: dict[tuple, Any], release: Callable[[], None] | None) -> _Network:
+    """The chosen program bound (every launch it prepares kept in `launches` for the rival programs to share)
+    and warmed up."""
+    program = Program(spec, weights, device, after_packing=release, shared_launches=launches)
     compared = {spec.steps[i].name for i in rivals}
     with torch.inference_mode():
         profile_segments(program, inputs, WARMUP_RUNS, context_clock(torch.get_num_threads()))
-    return _Network(spec, weights, device, inputs, rivals, program, launches, compared,
+    return _Network(spec, weights, device, inputs, rivals, program, launches, release, compared,
                     _spans(program.segments, compared))
 
 
@@ -297,7 +302,7 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     what it adds goes with it)."""
     spec, rivals = network.spec, network.rivals
     swapped = Program(_swapped(spec, rivals, set(members)), network.weights, network.device,
-                      shared_launches=dict(network.launches))
+                      after_packing=network.release, shared_launches=dict(network.launches))
     programs = [network.program, swapped]
     if not _native(spec.steps[members[0]].tactic):  # whole runs
         samples, stopped = _rounds(programs, network.inputs)

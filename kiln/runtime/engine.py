@@ -74,11 +74,13 @@ REFIT: Any = None
 class Engine:
     """A loaded engine plan, ready to run. `kiln.build` and `kiln.load` return one."""
 
-    def __init__(self, plan: EnginePlan):
+    def __init__(self, plan: EnginePlan, shared_launches: dict[tuple, Any] | None = None):
+        """`shared_launches`: launches prepared on these very weights (the build's: its layers are not packed
+        again), as Program takes them."""
         self.plan = plan
         self.device = _check_device(plan.header)
         weights = {k: place_weight(v, self.device, mapped=plan.mapped is not None) for k, v in plan.weights.items()}
-        self._make_programs(weights)
+        self._make_programs(weights, shared_launches)
         # Reduced-precision engines keep float32 bindings; values are cast at the boundary.
         casts = plan.header.get("io_casts", {})
         self.internal_dtype = {n: dtypes.BY_NAME[casts[n]].torch for n in casts}
@@ -94,13 +96,13 @@ class Engine:
             primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
 
-    def _make_programs(self, weights: dict[str, Any]) -> None:
+    def _make_programs(self, weights: dict[str, Any], launches: dict[tuple, Any] | None = None) -> None:
         """The program, and a padding-free engine's plain program (run where a run would not pack its tokens)
         on the same weights: on the CPU a layer of each that reads the same weights with the same tactic and
         configuration shares one prepared (packed) launch. A loaded file's weight pages leave memory as each
         layer's copy is packed (or moved to the GPU)."""
         release = self.plan.mapped.release if self.plan.mapped is not None else None
-        launches: dict[tuple, Any] = {}
+        launches = {} if launches is None else launches
         self.program = Program(self.plan.program, weights, self.device, after_packing=release,
                                shared_launches=launches)
         self.plain_program = None if self.plan.plain is None else Program(

@@ -268,9 +268,9 @@ def retimes(monkeypatch) -> list[int]:
     calls: list[int] = []
     retime = in_context.retime
 
-    def counted(spec, weights, device, inputs, rivals):
+    def counted(spec, weights, device, inputs, rivals, *args):
         calls.append(len(rivals))
-        return retime(spec, weights, device, inputs, rivals)
+        return retime(spec, weights, device, inputs, rivals, *args)
 
     monkeypatch.setattr(in_context, "retime", counted)
     return calls

@@ -228,3 +228,28 @@ def test_the_tactic_search_gives_the_heaps_free_pages_back_after_every_layer(mon
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     output = proto.graph.output[0].name
     np.testing.assert_allclose(engine.run({"x": x})[output], session.run(None, {"x": x})[0], rtol=RTOL, atol=ATOL)
+
+
+def test_a_build_packs_each_weight_once_and_the_engine_binds_those_launches(monkeypatch):
+    """The programs the search binds after it (in context, the whole-network check) keep the launches they prepare,
+    and the engine binds them: each layer's weights are packed once per build. Before, once per program bound
+    (ResNet-50: three times in a row, the engine's load the last, each ~100 MiB). The engine = onnxruntime."""
+    import collections
+
+    from kiln.runtime import program as program_module
+
+    packed: collections.Counter = collections.Counter()
+    launch_for = program_module.launch_for
+
+    def counted(step, default, constants, device):
+        for c in constants:
+            if getattr(c, "numel", lambda: 0)() >= program_module.SHARE_MIN_ELEMENTS:
+                packed[step.name, step.tactic, id(c)] += 1
+        return launch_for(step, default, constants, device)
+
+    monkeypatch.setattr(program_module, "launch_for", counted)
+    proto = shared_layers_model(transpose_per_layer=True)
+    engine = kiln.build(proto)
+    assert engine.plan.header["tactics"].get("accuracy")  # the whole-network check ran (a program bound)
+    assert packed and max(packed.values()) == 1, packed
+    check_against_onnxruntime(proto, engine, seed=5)
