@@ -30,12 +30,13 @@ _F32 = torch.float32
 
 
 def _contiguous(size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """A row-major tensor of `size` as (shape, strides, storage offset), as torch.empty(size) has them."""
+    """A row-major tensor of `size` as (shape, strides, storage offset), as torch.empty(size) has them. Plain
+    arithmetic on the dims (no int()): a traced rule (kiln/tactics/traced_rules.py) follows it as expressions."""
     strides, step = [], 1
     for d in reversed(size):
         strides.append(step)
-        step *= max(int(d), 1)
-    return tuple(int(d) for d in size), tuple(reversed(strides)), 0
+        step *= max(d, 1)
+    return tuple(size), tuple(reversed(strides)), 0
 
 
 def _view_strides(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...]:
