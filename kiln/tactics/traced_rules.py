@@ -153,47 +153,34 @@ def _written(value: Any) -> str:
     raise _Untraceable(f"an answer holding a {type(value).__name__}")
 
 
-_COMPILED: dict[str, Callable] = {}  # source -> function of the dims
-
-
-def _compiled(source: str) -> Callable:
-    function = _COMPILED.get(source)
-    if function is None:
-        function = _COMPILED[source] = eval(f"lambda d: {source}", {"SizedPlan": SizedPlan})  # noqa: S307
-    return function
-
-
-class _Node:
-    """A step of a rule's traced paths: the guard it evaluates next and the step after each outcome, or (at a path's
-    end) the compiled answer."""
-
-    __slots__ = ("guard", "source", "after", "answer")
-
-    def __init__(self):
-        self.guard: Callable | None = None
-        self.source: str | None = None
-        self.after: dict[Any, _Node] = {}
-        self.answer: Callable | None = None
+def _condition(guards: list[tuple[str, Any]]) -> str:
+    """Python source true where every guard gives its traced outcome."""
+    tests = [(source if outcome else f"not {source}") if type(outcome) is bool else f"{source} == {outcome!r}"
+             for source, outcome in guards]
+    return " and ".join(tests) or "True"
 
 
 class TracedRule:
     """A PlanRule (NativeStep.plan_at) answering from its traced closed forms where the sizes follow a traced path,
-    else by running it (and tracing that path, up to TRACES)."""
+    else by running it (and tracing that path, up to TRACES).
+
+    Per structure of its sizes (which inputs, their ranks), the paths compile to one function of the dims: each
+    path's guards as one condition, then its answer; the first path whose guards hold answers (any would: a path
+    whose every guard holds is the one the rule takes)."""
 
     def __init__(self, rule: PlanRule):
         self.rule, self.key = rule, rule.key
-        self._roots: dict[tuple, _Node] = {}  # per structure (_flatten's)
+        self._paths_of: dict[tuple, list[str]] = {}  # per structure (_flatten's): each path's source
+        self._answers: dict[tuple, Callable] = {}  # ... compiled: dims -> SizedPlan, or None off every path
         self._paths = 0
         self._traceable = True
         self._lock = threading.Lock()
 
     def __call__(self, sizes: Any) -> SizedPlan:
         structure, dims = _flatten(sizes)
-        node = self._roots.get(structure)
-        while node is not None and node.guard is not None:
-            node = node.after.get(node.guard(dims))
-        if node is not None and node.answer is not None:
-            return node.answer(dims)
+        answers = self._answers.get(structure)
+        if answers is not None and (found := answers(dims)) is not None:
+            return found
         answer = self.rule(sizes)
         if self._traceable and self._paths < TRACES:
             self._trace(sizes, structure, dims, answer)
@@ -205,22 +192,18 @@ class TracedRule:
             traced = self.rule(_symbolic(sizes, trace))
             if type(traced) is not SizedPlan:
                 raise _Untraceable(f"an answer of type {type(traced).__name__}")
-            compiled = _compiled(f"SizedPlan({_written(traced.output_sizes)}, {_written(traced.fields)})")
-        except (_Untraceable, TypeError, AttributeError, ValueError):  # what a symbol does not support: the rule runs always
-            self._traceable = False
-            return
-        if compiled(dims) != answer:  # the rule took another path for symbols than for ints
+            path = (f"    if {_condition(trace.guards)}:\n"
+                    f"        return SizedPlan({_written(traced.output_sizes)}, {_written(traced.fields)})\n")
+        except (_Untraceable, TypeError, AttributeError, ValueError):  # what a symbol does not support: run the rule
             self._traceable = False
             return
         with self._lock:
-            node = self._roots.setdefault(structure, _Node())
-            for source, outcome in trace.guards:
-                if node.answer is not None or (node.source is not None and node.source != source):
-                    return  # another path through the same outcomes: not deterministic in the sizes, keep none
-                if node.source is None:
-                    node.source, node.guard = source, _compiled(source)
-                node = node.after.setdefault(outcome, _Node())
-            if node.source is not None or node.answer is not None:
+            paths = self._paths_of.get(structure, []) + [path]
+            namespace = {"SizedPlan": SizedPlan}
+            exec("def answers(d):\n" + "".join(paths) + "    return None\n", namespace)  # noqa: S102
+            answers = namespace["answers"]
+            if answers(dims) != answer:  # the rule took another path for symbols than for ints
+                self._traceable = False
                 return
-            node.answer = compiled
+            self._paths_of[structure], self._answers[structure] = paths, answers
             self._paths += 1
