@@ -201,7 +201,7 @@ class TracedRule:
             paths = self._paths_of.get(structure, []) + [path]
             namespace = {"SizedPlan": SizedPlan}
             exec("def answers(d):\n" + "".join(paths) + "    return None\n", namespace)  # noqa: S102
-            answers = namespace["answers"]
+            answers = namespace.pop("answers")  # not left in its own globals: a reference cycle
             if answers(dims) != answer:  # the rule took another path for symbols than for ints
                 self._traceable = False
                 return
