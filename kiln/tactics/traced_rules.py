@@ -162,7 +162,7 @@ def _condition(guards: list[tuple[str, Any]]) -> str:
 
 class TracedRule:
     """A PlanRule (NativeStep.plan_at) answering from its traced closed forms where the sizes follow a traced path,
-    else by running it (and tracing that path, up to TRACES).
+    else by running it (and tracing that path, up to TRACES, where the rule is `traceable`).
 
     Per structure of its sizes (which inputs, their ranks), the paths compile to one function of the dims: each
     path's guards as one condition, then its answer; the first path whose guards hold answers (any would: a path
@@ -173,7 +173,7 @@ class TracedRule:
         self._paths_of: dict[tuple, list[str]] = {}  # per structure (_flatten's): each path's source
         self._answers: dict[tuple, Callable] = {}  # ... compiled: dims -> SizedPlan, or None off every path
         self._paths = 0
-        self._traceable = True
+        self._traceable = rule.traceable  # else the rule is always run
         self._lock = threading.Lock()
 
     def __call__(self, sizes: Any) -> SizedPlan:

@@ -25,7 +25,7 @@ def _counted(function):
         runs.append(sizes)
         return function(sizes)
 
-    return PlanRule(rule, ("test", id(runs))), runs
+    return PlanRule(rule, ("test", id(runs)), traceable=True), runs
 
 
 def _gemm_like(size):  # rows = prod(leading dims); a thread count by a threshold on rows; strides
@@ -74,7 +74,7 @@ def test_a_rule_reading_another_dim_by_comparison_is_not_stale():
         out = tuple(x if x != 1 else y for x, y in zip(a, b))
         return SizedPlan((out,), {"strides": tuple(0 if x == 1 and y != 1 else 1 for x, y in zip(a, b))})
 
-    traced = TracedRule(PlanRule(rule, ("broadcast-like",)))
+    traced = TracedRule(PlanRule(rule, ("broadcast-like",), traceable=True))
     rng = np.random.default_rng()
     for _ in range(300):
         a = tuple(int(v) for v in rng.choice([1, 2, 3], 3))
@@ -96,7 +96,7 @@ def test_a_rule_passing_a_dim_to_c_reads_its_value():
     def rule(size):
         return SizedPlan((size,), {"n": ctypes.c_long(size[0]).value * size[1]})
 
-    traced = TracedRule(PlanRule(rule, ("c",)))
+    traced = TracedRule(PlanRule(rule, ("c",), traceable=True))
     for b, s in [(2, 3), (5, 3), (5, 4)]:
         assert traced((b, s)).fields == {"n": b * s}
 
@@ -107,11 +107,26 @@ def test_a_rule_raising_raises_through_the_trace():
             raise ValueError(f"too wide: {size}")
         return SizedPlan((size,), {"n": size[0]})
 
-    traced = TracedRule(PlanRule(rule, ("raising",)))
+    traced = TracedRule(PlanRule(rule, ("raising",), traceable=True))
     assert traced((2,)).fields == {"n": 2}
     with pytest.raises(ValueError, match="too wide"):
         traced((7,))
     assert traced((3,)).fields == {"n": 3}
+
+
+def test_a_rule_not_marked_traceable_is_run_with_ints_only():
+    """A rule with a side effect (here a cache of what it saw, as a kernel-making rule has) is never run with
+    symbols: nothing it keeps holds one."""
+    seen = {}
+
+    def rule(size):
+        seen[size] = True
+        return SizedPlan((size,), {"n": size[0] * size[1]})
+
+    traced = TracedRule(PlanRule(rule, ("kernel-like",)))
+    for b, s in [(2, 3), (5, 3), (5, 4)]:
+        assert traced((b, s)).fields == {"n": b * s}
+    assert list(seen) == [(2, 3), (5, 3), (5, 4)] and all(type(d) is int for size in seen for d in size)
 
 
 def test_paths_are_bounded():
@@ -135,7 +150,7 @@ def test_attention_size_rule_traced_equals_attention_plan(mask_batch):
         return SizedPlan((found["output_size"],), {"B": found["dims"]["B"], "S": found["dims"]["S"],
                                                   "q": found["q"], "os": found["out_strides"], "ms": found["mask"][1]})
 
-    traced = TracedRule(PlanRule(plan, ("attention-test",)))
+    traced = TracedRule(PlanRule(plan, ("attention-test",), traceable=True))
     rng = np.random.default_rng()
     for b, s in zip(rng.integers(1, 9, 60), rng.integers(1, 200, 60)):
         b, s = int(b), int(s)

@@ -287,7 +287,7 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
         plan = planned(sizes)
         return SizedPlan((tuple(plan["output_size"]),), kernels.Attention.size_fields(**plan))
 
-    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype)))
+    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype), traceable=True))
 
 
 # attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel
