@@ -123,11 +123,10 @@ class _Dim:
 
 
 def _flatten(sizes: Any) -> tuple[tuple, tuple[int, ...]]:
-    """(the sizes' structure: which inputs, each size's rank; every dim in order)."""
+    """(the sizes' structure: which inputs in which order, each size's rank; every dim in that order). The order is
+    the caller's: a rule may answer in the order it iterates its sizes (a view writes fields in their order)."""
     if type(sizes) is dict:
-        keys = sorted(sizes)
-        return (tuple((k, len(sizes[k])) for k in keys),
-                tuple(d for k in keys for d in sizes[k]))
+        return tuple((k, len(v)) for k, v in sizes.items()), tuple(d for v in sizes.values() for d in v)
     return len(sizes), tuple(sizes)
 
 
@@ -136,7 +135,7 @@ def _symbolic(sizes: Any, trace: _Trace) -> Any:
     counter = iter(range(1 << 30))
     symbols = lambda size: tuple(_Dim(f"d[{next(counter)}]", int(v), trace) for v in size)  # noqa: E731
     if type(sizes) is dict:
-        return {k: symbols(sizes[k]) for k in sorted(sizes)}
+        return {k: symbols(v) for k, v in sizes.items()}
     return symbols(sizes)
 
 
@@ -202,7 +201,8 @@ class TracedRule:
             namespace = {"SizedPlan": SizedPlan}
             exec("def answers(d):\n" + "".join(paths) + "    return None\n", namespace)  # noqa: S102
             answers = namespace.pop("answers")  # not left in its own globals: a reference cycle
-            if answers(dims) != answer:  # the rule took another path for symbols than for ints
+            found = answers(dims)
+            if found != answer or list(found.fields) != list(answer.fields):  # another path for symbols than ints
                 self._traceable = False
                 return
             self._paths_of[structure], self._answers[structure] = paths, answers

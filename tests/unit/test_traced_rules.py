@@ -82,6 +82,18 @@ def test_a_rule_reading_another_dim_by_comparison_is_not_stale():
         assert traced({0: a, 1: b}) == rule({0: a, 1: b}), (a, b)
 
 
+def test_fields_keep_the_rules_order():
+    """A view writes a rule's fields in their order: an answer for sizes given in another order is the rule's own,
+    order included."""
+    def rule(sizes):
+        return SizedPlan((sizes[0],), {f"n{k}": size[0] * 2 for k, size in sizes.items()})
+
+    traced = TracedRule(PlanRule(rule, ("ordered",), traceable=True))
+    for sizes in ({0: (3,), 1: (4,)}, {1: (5,), 0: (6,)}, {0: (7,), 1: (8,)}, {1: (9,), 0: (2,)}):
+        answer = traced(sizes)
+        assert answer == rule(sizes) and list(answer.fields) == list(rule(sizes).fields), sizes
+
+
 def test_a_rule_branching_on_type_is_run_always():
     """isinstance(d, int) is False for a symbol: the trace's answer differs from the rule's, and the rule is kept
     untraced (its answers are its own)."""
