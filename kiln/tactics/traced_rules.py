@@ -26,7 +26,7 @@ from typing import Any
 
 from kiln.tactics.tactic import PlanRule, SizedPlan
 
-TRACES = 64  # paths kept per rule: past these, new paths run the rule (a rule reading a size's value keys by it)
+TRACES = 16  # paths kept per rule (each adds its guards to one compiled function): past these, the rule runs
 
 
 class _Untraceable(Exception):
