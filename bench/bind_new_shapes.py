@@ -40,7 +40,8 @@ import torch  # noqa: E402
 
 from kiln.runtime import native, native_views  # noqa: E402
 from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
-from kiln.tactics.tactic import PlanRule, resizable  # noqa: E402
+from kiln.tactics.tactic import resizable  # noqa: E402
+from kiln.tactics.traced_rules import TracedRule  # noqa: E402
 
 
 def _timing(owner: type, name: str, into: list[float], only_new: bool = False) -> None:
@@ -142,7 +143,7 @@ def main() -> None:
                                                               "    at() of members without a rule",
                                                               "    _rebound (those members' calls)")}
     if args.parts and args.path == "rewrite":  # inside _PlanRewrite.view only (_natives_at, _view call them too)
-        _timing(PlanRule, "__call__", per_call["    rules (once per layer shape)"])
+        _timing(TracedRule, "__call__", per_call["    rules (once per layer shape)"])  # traced answers or the rule
         _timing(resizable, "__call__", per_call["    at() of members without a rule"])
         native_views._rebound = _timed(native_views._rebound, per_call["    _rebound (those members' calls)"])
     if args.parts:  # the shape function's calls, by what they call (a step's op, or a helper of the generator)

@@ -20,6 +20,7 @@ from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.step import BoundStep
+from kiln.tactics.traced_rules import TracedRule
 from kiln.tactics.tactic import NativeStep, PrimitiveRule, SizedPrimitive, native_strides, row_major_strides
 
 
@@ -95,6 +96,7 @@ class _PlanRewrite:
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values the members' rules give, in member order
         counts: list[int] = []  # each member's
+        traced: dict[tuple, TracedRule] = {}  # a rule per key (rules of one key give equal answers at equal sizes)
         sizes = dict(zip(template.entries, template.entry_sizes))
         for k, (m, native, (at, reads, x)) in enumerate(zip(template.members, template._natives, template._resizers)):
             arg = {i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x]
@@ -119,7 +121,8 @@ class _PlanRewrite:
             read = tuple(slot for _, slot in reads) if reads is not None else (x,)
             follows = (native.plan_at.key, tuple(i for i, _ in reads) if reads is not None else None)
             placed = (function, len(image))
-            self._members.append((native.plan_at, at, reads, x, residual, outputs, placed, follows, read, None))
+            rule = traced.get(native.plan_at.key) or traced.setdefault(native.plan_at.key, TracedRule(native.plan_at))
+            self._members.append((rule, at, reads, x, residual, outputs, placed, follows, read, None))
             counts.append(len(fields))
             image += plan_bytes + bytes(-len(plan_bytes) % 16)
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples

@@ -247,12 +247,14 @@ class PlanRule:
     """NativeStep.plan_at: `rule(sizes) -> SizedPlan` (ValueError where `at` would refuse the sizes); or
     NativeStep.primitive_at: `rule(size) -> SizedPrimitive | None`. Rules of equal `key` give equal answers at equal
     sizes (the layers of one shape: BERT-base's 25 LayerNorms are 1 key, its 36 kiln GEMMs 3, its 24 oneDNN inner
-    products 2), so a view at new sizes works each out once."""
+    products 2), so a view at new sizes works each out once. `traceable`: the rule is arithmetic and comparisons on
+    its sizes with no side effect (no cache it fills, no kernel it makes): a view may then answer it from closed forms
+    traced from it (kiln/tactics/traced_rules.py), which run it with symbols for sizes."""
 
-    __slots__ = ("_rule", "key")
+    __slots__ = ("_rule", "key", "traceable")
 
-    def __init__(self, rule: Callable[[Any], SizedPlan], key: tuple):
-        self._rule, self.key = rule, key
+    def __init__(self, rule: Callable[[Any], SizedPlan], key: tuple, traceable: bool = False):
+        self._rule, self.key, self.traceable = rule, key, traceable
 
     def __call__(self, sizes: Any) -> SizedPlan:
         return self._rule(sizes)

@@ -448,7 +448,7 @@ class Attention(NativeKernel):
         alone), from the constructor's arguments: attention_plan's, with which a segment's view rewrites a template's
         plan without a kernel."""
         return dict(q_off=q[1], k_off=k[1], v_off=v[1],
-                    **{d: int(dims[d]) for d in ("B", "H", "Hkv", "S", "T", "D", "Dv")},
+                    **{d: dims[d] for d in ("B", "H", "Hkv", "S", "T", "D", "Dv")},
                     qs=tuple(q[2]), ks=tuple(k[2]), vs=tuple(v[2]), os=tuple(out_strides),
                     ms=tuple(mask[1]) if mask is not None else (0, 0, 0, 0),
                     rows=int(varlen[1]) if varlen is not None else 0)

@@ -30,12 +30,13 @@ _F32 = torch.float32
 
 
 def _contiguous(size: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """A row-major tensor of `size` as (shape, strides, storage offset), as torch.empty(size) has them."""
+    """A row-major tensor of `size` as (shape, strides, storage offset), as torch.empty(size) has them. Plain
+    arithmetic on the dims (no int()): a traced rule (kiln/tactics/traced_rules.py) follows it as expressions."""
     strides, step = [], 1
     for d in reversed(size):
         strides.append(step)
-        step *= max(int(d), 1)
-    return tuple(int(d) for d in size), tuple(reversed(strides)), 0
+        step *= max(d, 1)
+    return tuple(size), tuple(reversed(strides)), 0
 
 
 def _view_strides(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -286,7 +287,7 @@ def _attention_prepare(step: StepSpec, constants: list[Any], device: torch.devic
         plan = planned(sizes)
         return SizedPlan((tuple(plan["output_size"]),), kernels.Attention.size_fields(**plan))
 
-    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype)))
+    return prepared_native(step, reads, build, plan_at=PlanRule(sized, ("attention", described, mask_dtype), traceable=True))
 
 
 # attention kernels by (configuration, input sizes), shared by the layers of one configuration: a kernel

@@ -66,7 +66,7 @@ def _plan_rule(op: str, count: int, source: torch.dtype = torch.bool) -> PlanRul
         out, fields = kernels.Broadcast.size_fields([sizes[k] for k in range(count)])
         return SizedPlan((out,), fields)
 
-    return PlanRule(sized, ("broadcast", op, count, source))
+    return PlanRule(sized, ("broadcast", op, count, source), traceable=True)
 
 
 def _cast_prepare(step: StepSpec, constants: list[Any], device: torch.device):
@@ -162,7 +162,7 @@ def _gather_nd_prepare(step: StepSpec, constants: list[Any], device: torch.devic
 
     return prepared_native(step, lambda sizes: {0: dtype, 1: torch.int64},
                            lambda sizes: kernels.GatherND(sizes[0], dtype, sizes[1]),
-                           plan_at=PlanRule(sized, ("gather_nd", dtype)))
+                           plan_at=PlanRule(sized, ("gather_nd", dtype), traceable=True))
 
 
 register(Tactic(

@@ -93,7 +93,8 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return SizedPlan(((*size[:-1], layer.n),), layer.row_fields(rows_of(size)))
 
     # row_fields follows these alone
-    plan_at = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu))
+    plan_at = PlanRule(sized, ("kiln_gemm", layer.k, layer.n, layer.gemm_n, layer.small_m, layer.pack_m, layer.swiglu),
+                       traceable=True)
 
     # a segment points oneDNN memory objects at each run's buffers; its 4-D values are NHWC in memory,
     # so rows of rank 4 ([N, H, W, C] after a Transpose: ConvNeXt's MLP) run outside segments

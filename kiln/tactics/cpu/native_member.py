@@ -109,7 +109,7 @@ def prepared_native(step: StepSpec, reads: Callable[[dict[int, tuple[int, ...]]]
 
     # the layer's own kernels are in its fields (a table's address): its key is its own
     sized_plan = PlanRule(lambda sizes: from_kernel(read_sizes(sizes)[1]), ("layer", id(kept))) if plan_at is None \
-        else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key)
+        else PlanRule(lambda sizes: plan_at(read_sizes(sizes)[1]), plan_at.key, plan_at.traceable)
 
     def timed(*inputs) -> Callable[[], None]:
         """The layer on `inputs` as a native segment runs it: bound once, then one call into its C function

@@ -88,7 +88,7 @@ def _ln_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return SizedPlan((size, size) if keep_sum else (size,), kernels.LayerNorm.size_fields(size, sizes.get(3)))
 
     return prepared_native(step, reads, build, max_rank=3,
-                           plan_at=PlanRule(sized, ("layer_norm", _tuned_sizes(step)[0][-1], keep_sum)))
+                           plan_at=PlanRule(sized, ("layer_norm", _tuned_sizes(step)[0][-1], keep_sum), traceable=True))
 
 
 register(Tactic(
@@ -157,7 +157,7 @@ def _add_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return SizedPlan((out,), fields)
 
     return prepared_native(step, lambda sizes: {0: _F32, 1: _F32}, lambda sizes: kernels.Add(sizes[0], sizes[1]),
-                           max_rank=3, plan_at=PlanRule(sized, ("add", swapped_tuned)))
+                           max_rank=3, plan_at=PlanRule(sized, ("add", swapped_tuned), traceable=True))
 
 
 register(Tactic(
@@ -191,7 +191,7 @@ def _gather_prepare(step: StepSpec, constants: list[Any], device: torch.device):
         return SizedPlan((out,), fields)
 
     return prepared_native(step, lambda sizes: {1: torch.int64}, lambda sizes: kernels.GatherRows(table, sizes[1]),
-                           plan_at=PlanRule(sized, ("gather_rows", n)))
+                           plan_at=PlanRule(sized, ("gather_rows", n), traceable=True))
 
 
 register(Tactic(
