@@ -292,6 +292,31 @@ def test_attention_with_head_dims_past_a_whole_register_tile(d, s):
     np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
 
 
+
+@pytest.mark.parametrize("d, dv", [(64, 64), (64, 40), (20, 20), (48, 80)])
+def test_attention_on_t5_s_position_bias_without_scaling(d, dv):
+    """T5's attention: heads split from [B, S, H·D], no 1/sqrt(D) scaling, the additive mask the relative
+    position bias [1, H, S, S] plus the key padding [B, 1, 1, S]. The head dims cover AVX-512's 32-wide tiles
+    (64), a last one that is half padding (40, 80: a masked store) and one 16-wide tile after a pair (48)."""
+    b, h, s = 2, 8, int(rng.choice([7, 33, 128]))
+    q, k = (rng.standard_normal((b, s, h * d)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((b, s, h * dv)).astype(np.float32)
+    bias = (rng.standard_normal((1, h, s, s)) * 3).astype(np.float32)
+    keep = np.ones((b, s), bool)
+    keep[1, int(rng.integers(1, s + 1)):] = False
+    mask = (bias + np.where(keep, 0.0, np.finfo(np.float32).min)[:, None, None, :]).astype(np.float32)
+    perm = [0, 2, 1, 3]
+    attrs = {"scale": 1.0, "q_perm": perm, "k_perm": perm, "v_perm": perm, "out_perm": perm, "q_num_heads": h,
+             "kv_num_heads": h, "out_merge_heads": 1}
+    inputs = [t(q), t(k), t(v), t(mask)]
+    launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+    got = launch(ctx, *inputs, **attrs)
+    heads = [x.reshape(b, s, h, -1).transpose(0, 2, 1, 3) for x in (q, k, v)]
+    want = attention64(*heads, mask, 1.0, False, False).transpose(0, 2, 1, 3).reshape(b, s, h * dv)
+    np.testing.assert_allclose(got.numpy(), want, atol=ATOL, rtol=RTOL)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*(t(x) for x in heads), attn_mask=t(mask), scale=1.0)
+    torch.testing.assert_close(got, sdpa.transpose(1, 2).reshape(b, s, h * dv), atol=ATOL, rtol=RTOL)
+
 @pytest.mark.parametrize("h, s, tt, case", [(3, 300, 300, "causal"), (1, 200, 200, "bool_mask"),
                                          (3, 301, 257, "float_mask"), (6, 198, 198, "none")])
 def test_attention_splits_long_heads_into_row_runs_across_threads(h, s, tt, case):
