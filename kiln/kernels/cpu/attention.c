@@ -34,49 +34,36 @@ typedef struct {
 #define QB 6    /* query rows computed together: a 6x16 tile of 12 accumulators, AVX2's GEMM shape */
 #define KB 16   /* keys (or output dims) per register tile */
 
-#ifdef KILN_AVX2
-/* exp(x) for x <= 0 (a softmax's shifted scores), 8 lanes; below -87.3 it is exactly 0 as torch's is
-   for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. */
-static inline __m256 exp_le0(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), keep);
-}
-#endif
+/* exp(x) for x <= 0 (a softmax's shifted scores) on a vector V of floats, NAME##_i its ints; below -87.3 it is
+   exactly 0 as torch's is for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. MAX and
+   ROUND: the ISA's max and round-to-nearest at V's width; the multiply-adds contract to FMAs (GNU C's
+   fp-contract=fast, -march with FMA). Both widths below compile to the instructions their intrinsics forms did. */
+#define EXP_LE0(NAME, V, MAX, ROUND)                                                                         \
+    typedef int NAME##_i __attribute__((vector_size(sizeof(V))));                                            \
+    static inline V NAME(V x) {                                                                              \
+        const V lo = (V){0} - 87.3f;                                                                         \
+        const NAME##_i keep = x >= lo;                                                                       \
+        x = MAX(x, lo);                                                                                      \
+        const V n = ROUND(x * 1.44269504088896341f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);         \
+        V r = x - n * 0.693359375f;                                                                          \
+        r = r + n * 2.12194440e-4f;                                                                          \
+        V p = (V){0} + 1.9875691500e-4f;                                                                     \
+        p = p * r + 1.3981999507e-3f;                                                                        \
+        p = p * r + 8.3334519073e-3f;                                                                        \
+        p = p * r + 4.1665795894e-2f;                                                                        \
+        p = p * r + 1.6666665459e-1f;                                                                        \
+        p = p * r + 5.0000001201e-1f;                                                                        \
+        p = p * (r * r) + (r + 1.0f);                                                                        \
+        const NAME##_i e = (__builtin_convertvector(n, NAME##_i) + 127) << 23;  /* 2^n */                    \
+        return (V)((NAME##_i)(p * (V)e) & keep);                                                             \
+    }
 
+#ifdef KILN_AVX2
+EXP_LE0(exp_le0, __m256, _mm256_max_ps, _mm256_round_ps)
+#endif
 #ifdef __AVX512F__
-/* exp_le0 on 16 lanes (the same reduction and polynomial): T5's softmax spent half its time in the 8-lane one */
-static inline __m512 exp_le0_16(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(keep, p, _mm512_castsi512_ps(e));
-}
+/* 16 lanes: T5's softmax spent half its time in the 8-lane one */
+EXP_LE0(exp_le0_16, __m512, _mm512_max_ps, _mm512_roundscale_ps)
 #endif
 
 /* r[j] = clamp(round(x[j] / s) + z, qmin, qmax) for j < n (round half to even, as ONNX QuantizeLinear), qp =
