@@ -36,9 +36,24 @@ def test_perf_sweep(grpc_server, tmp_path, capsys, protocol, client):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _perf_mixed_up(repository, monkeypatch, tmp_path, protocol: str, extra: list[str]) -> tuple[int, dict | None]:
-    """kiln perf (wire client, concurrency 16) against a server whose batcher hands each request of a merged call
-    the next request's rows (shapes right, values another's): the exit code and the level's JSON (None: none)."""
+def _perf(repository, tmp_path, protocol: str) -> tuple[int, dict | None]:
+    """kiln perf (wire client, concurrency 16, a 500 ms window) against a server of `repository` started for it and
+    stopped after: the exit code and the level's JSON (None: none)."""
+    thread = ServerThread(options(repository, metrics_port=None))
+    running = thread.start()
+    out = tmp_path / "perf.json"
+    try:
+        port = running.ports.http if protocol == "http" else running.ports.grpc
+        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
+                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out)])
+    finally:
+        thread.stop()
+    return code, json.loads(out.read_text())["results"][0] if out.exists() else None
+
+
+def _perf_mixed_up(repository, monkeypatch, tmp_path, protocol: str) -> tuple[int, dict | None]:
+    """_perf against a server whose batcher hands each request of a merged call the next request's rows (shapes
+    right, values another's)."""
     run_batch = Batcher._run_batch
 
     def mixed_up(self, instance, batch):
@@ -47,22 +62,13 @@ def _perf_mixed_up(repository, monkeypatch, tmp_path, protocol: str, extra: list
         return result
 
     monkeypatch.setattr(Batcher, "_run_batch", mixed_up)
-    thread = ServerThread(options(repository, metrics_port=None))
-    running = thread.start()
-    try:
-        port = running.ports.http if protocol == "http" else running.ports.grpc
-        out = tmp_path / "perf.json"
-        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
-                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out), *extra])
-    finally:
-        thread.stop()
-    return code, json.loads(out.read_text())["results"][0] if out.exists() else None
+    return _perf(repository, tmp_path, protocol)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_wire_client_catches_answers_mixed_up_before_the_load(repository, monkeypatch, tmp_path, capsys, protocol):
     """The requests sent together before the load (their batched-vs-alone spread) already show the mix-up."""
-    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol)
     assert code == 1 and result is None
     error = capsys.readouterr().err
     assert "answered together (batched)" in error and "answers mixed up" in error, error
@@ -72,7 +78,7 @@ def test_wire_client_catches_answers_mixed_up_before_the_load(repository, monkey
 def test_wire_client_catches_answers_mixed_up_under_load(repository, monkeypatch, tmp_path, capsys, protocol):
     """Without the pass together (a server that mixes up only under load), each answer's check fails."""
     monkeypatch.setattr(perf_wire, "TOGETHER_ROUNDS", 0)
-    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol)
     assert code == 1
     assert result["wrong"] > 0, result
     printed = capsys.readouterr().out
@@ -91,7 +97,7 @@ def test_wire_client_catches_alike_answers_mixed_up(repository, monkeypatch, tmp
     (exact on the CPU: the floor) still tells them apart; at FP32's 1e-3 of the largest value the mix-up passed."""
     monkeypatch.setattr(perf, "_random", _alike)
     monkeypatch.setattr(perf_wire, "TOGETHER_ROUNDS", 0)
-    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol, [])
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path, protocol)
     assert code == 1 and result["wrong"] > 0, result
     assert "answers mixed up" in capsys.readouterr().out
 
@@ -122,21 +128,12 @@ def test_wire_client_passes_an_fp16_engines_batch_noise(repository, monkeypatch,
     """FP32 answers of an FP16 engine, batched ones 3 FP16 ulps off their answers alone: honest noise, every answer
     passes (at FP32's 1e-3 the H200's BERT-base stopped before its load); mixed up as well, they fail before the load."""
     monkeypatch.setattr(Batcher, "_run_batch", _fp16_engine(Batcher._run_batch, 3))
-    thread = ServerThread(options(repository, metrics_port=None))
-    running = thread.start()
-    try:
-        port = running.ports.http if protocol == "http" else running.ports.grpc
-        out = tmp_path / "perf.json"
-        code = main(["perf", "-m", "mlp", "-u", f"127.0.0.1:{port}", "-i", protocol, "--concurrency", "16",
-                     "--measurement-interval", "500", "--warmup", "0.2", "--json", str(out)])
-    finally:
-        thread.stop()
+    code, result = _perf(repository, tmp_path, protocol)
     assert code == 0, capsys.readouterr().err
-    result = json.loads(out.read_text())["results"][0]
     assert result["requests"] > 0 and result["wrong"] == 0 and result["errors"] == 0, result
     assert result["checked"] >= result["requests"]
     (tmp_path / "mixed").mkdir()
-    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path / "mixed", protocol, [])
+    code, result = _perf_mixed_up(repository, monkeypatch, tmp_path / "mixed", protocol)
     assert code == 1 and result is None
     error = capsys.readouterr().err
     assert "answered together (batched)" in error and "answers mixed up" in error, error
