@@ -5,6 +5,7 @@
     python bench/serve.py --models mobilenet_v2 bert_base --device cuda --precision fp16 --instances 2 \
         --processes 4 --out $OUT                           # the H200 run (bench/serve_gpu.sh)
     python bench/serve.py --models empty --frontends 0 2    # kiln serve in one process, then with 2 front ends
+    python bench/serve.py ... --device cuda --cuda-sync spin blocking   # CUDA instances' waits: a server each
 
 For each model and batching mode, one `kiln serve` subprocess on 127.0.0.1 (free ports) serves a
 repository written for the run; this process drives it with kiln.serve.perf: --client wire (default; requests
@@ -73,7 +74,7 @@ class Row:
     staging_mib: int = 0  # kiln serve --staging-mib (front ends' shared-memory arenas; 0: tensors over the socket)
     processes: int = 1  # client processes of the load generator
     busy: dict | None = None  # % of one core over the window: engine loop thread, engine process, per front end, per client
-    tree: str = ""  # the checkout serving (--trees: its folder's name; "" for this one alone)
+    variant: str = ""  # the server of an A/B run: --trees' folder name, --cuda-sync's value ("" for one server alone)
     client: str = "wire"  # the load generator (kiln.serve.perf's client)
 
 
@@ -307,16 +308,18 @@ def run(args, report) -> list[Row]:
                 engine_path = tmp / f"{model}-{opt}.kiln"
                 kiln.build(str(onnx_path), **options).save(engine_path)
                 _write_repository(root, _served_name(model, batching), engine_path, batching, args)
-            servers = [(n, m, t) for n in args.frontends for m in (args.staging_mib if n else [0]) for t in args.trees]
-            for frontends, mib, tree in servers:
-                process, ports = _start(root, frontends, mib, tree=Path(tree))
+            servers = [(n, m, t, s) for n in args.frontends for m in (args.staging_mib if n else [0]) for t in args.trees
+                       for s in args.cuda_sync or [None]]
+            for frontends, mib, tree, sync in servers:
+                process, ports = _start(root, frontends, mib, tree=Path(tree),
+                                        extra=("--cuda-sync", sync) if sync else ())
                 try:
                     for processes in args.processes:
                         for batching in modes:
                             for protocol in args.protocols:
                                 try:
                                     rows += _measure(model, batching, protocol, frontends, (process.pid, ports), pool,
-                                                     args, rows, report, mib, processes, _tree_label(tree, args))
+                                                     args, rows, report, mib, processes, _variant(tree, sync, args))
                                 except Exception as e:  # noqa: BLE001 - one sweep failing leaves the others to run
                                     print(f"{model} batching {batching} over {protocol}, {frontends} front ends, "
                                           f"{processes} client processes: failed: {type(e).__name__}: {e}", flush=True)
@@ -329,12 +332,15 @@ def run(args, report) -> list[Row]:
     return rows
 
 
-def _tree_label(tree: str, args) -> str:
-    return Path(tree).resolve().name if len(args.trees) > 1 else ""
+def _variant(tree: str, sync: str | None, args) -> str:
+    """What tells this server from the run's others: its tree's folder name, its --cuda-sync."""
+    names = ([Path(tree).resolve().name] if len(args.trees) > 1 else []) + \
+        ([f"sync {sync}"] if args.cuda_sync and len(args.cuda_sync) > 1 else [])
+    return ", ".join(names)
 
 
 def _measure(model: str, batching: bool, protocol: str, frontends: int, server: tuple[int, dict[str, int]], pool,
-             args, done: list[Row], report, staging_mib: int = 0, processes: int = 1, tree: str = "") -> list[Row]:
+             args, done: list[Row], report, staging_mib: int = 0, processes: int = 1, variant: str = "") -> list[Row]:
     """One sweep over the concurrency levels; the server's statistics read around each measured window."""
     pid, ports = server
     port = ports["HTTP"] if protocol == "http" else ports["gRPC"]
@@ -348,7 +354,7 @@ def _measure(model: str, batching: bool, protocol: str, frontends: int, server: 
 
     def on_result(result: PerfResult) -> None:
         row = Row(model, "on" if batching else "off", protocol, frontends, result, **_delta(views[-1], views[-2]),
-                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), tree=tree,
+                  staging_mib=staging_mib, processes=processes, busy=_busy(views[-1], views[-2]), variant=variant,
                   client=args.client)
         rows.append(row)
         print(_format(row), flush=True)
@@ -375,7 +381,7 @@ def _format(row: Row) -> str:
     busy = row.busy or {}
     cores = " | ".join(f"{busy[k]:.0f}" if k in busy else "-" for k in ("loop", "engine", "front end", "client"))
     client_us = r.client_cpu_s / r.requests * 1e6 if r.requests else float("nan")
-    return (f"| {row.model}{' @' + row.tree if row.tree else ''} | {row.batching} | {row.protocol} | {row.frontends} "
+    return (f"| {row.model}{' @' + row.variant if row.variant else ''} | {row.batching} | {row.protocol} | {row.frontends} "
             f"| {row.staging_mib} | {row.client} | {row.processes} "
             f"| {r.concurrency} "
             f"| {r.throughput:.0f} | {r.percentile(50) / 1000:.2f} | {r.percentile(90) / 1000:.2f} "
@@ -391,10 +397,10 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
              "| off | on / off | p99 ms (on) | delay + 2 calls ms | p99 within |", "|---" * 12 + "|"]
     for model in dict.fromkeys(r.model for r in rows):
         for protocol in dict.fromkeys(r.protocol for r in rows):
-            for frontends, mib, processes, tree in dict.fromkeys((r.frontends, r.staging_mib, r.processes, r.tree)
-                                                                for r in rows):
-                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib, r.processes, r.tree)
-                        == (model, protocol, frontends, mib, processes, tree)]
+            for frontends, mib, processes, variant in dict.fromkeys((r.frontends, r.staging_mib, r.processes, r.variant)
+                                                                   for r in rows):
+                mine = [r for r in rows if (r.model, r.protocol, r.frontends, r.staging_mib, r.processes, r.variant)
+                        == (model, protocol, frontends, mib, processes, variant)]
                 on = {r.result.concurrency: r for r in mine if r.batching == "on"}
                 off = {r.result.concurrency: r for r in mine if r.batching == "off"}
                 both = sorted(set(on) & set(off))
@@ -405,7 +411,7 @@ def summary(rows: list[Row], delay_us: int) -> list[str]:
                 bound = delay_us / 1000 + 2 * a.call_ms
                 p99 = a.result.percentile(99) / 1000
                 ratio = a.result.throughput / b.result.throughput if b.result.throughput else float("nan")
-                lines.append(f"| {model}{' @' + tree if tree else ''} | {protocol} | {frontends} | {mib} | {processes} | {c} "
+                lines.append(f"| {model}{' @' + variant if variant else ''} | {protocol} | {frontends} | {mib} | {processes} | {c} "
                              f"| {a.result.throughput:.0f} | {b.result.throughput:.0f} | {ratio:.2f}x | {p99:.2f} | {bound:.2f} "
                              f"| {'yes' if p99 <= bound else 'no'} |")
     return lines
@@ -436,7 +442,8 @@ def _machine(args) -> str:
             f"{' / '.join(map(str, args.processes))} {args.client} client process(es), "
             f"{'one connection per client' if args.streams == 1 else f'{args.streams} gRPC calls a connection'}; kiln serve "
             f"--frontends "
-            f"{' / '.join(map(str, args.frontends))}")
+            f"{' / '.join(map(str, args.frontends))}"
+            + (f", --cuda-sync {' / '.join(args.cuda_sync)}" if args.cuda_sync else ""))
 
 
 def main() -> None:
@@ -472,6 +479,9 @@ def main() -> None:
     parser.add_argument("--trees", nargs="+", default=[str(ROOT)],
                         help="kiln checkouts serving, a server each for every front-end setting (A/B in one run; rows "
                              "say the folder's name after the model); the engines are built by this one")
+    parser.add_argument("--cuda-sync", nargs="+", choices=["spin", "blocking"],
+                        help="kiln serve --cuda-sync values, a server each for every other setting (A/B in one run; "
+                             "rows say the value after the model); default: the flag left out")
     parser.add_argument("--out", help="write serve.md into this folder instead of appending to bench/results/")
     parser.add_argument("--no-save", action="store_true")
     args = parser.parse_args()

@@ -52,6 +52,10 @@ def add_parser(verbs) -> None:
                         "before the model is ready, so no request pays a new shape's binding (a model's config "
                         "overrides it: parameters warm_up) (default %(default)s s; true: that cap; bench/results/"
                         "serve-warmup-2026-12-04c.md)")
+    p.add_argument("--cuda-sync", default="spin", choices=["spin", "blocking"],
+                   help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
+                        "spin (CUDA's default schedule: the thread polls, about a core per busy instance) or blocking "
+                        "(it sleeps on an event until the GPU signals) (default %(default)s; kiln/serve/instances.py)")
     p.add_argument("--max-request-mb", type=float, default=64, metavar="MB", help="largest request body (default 64)")
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",
                    help="seconds requests in flight get to finish at shutdown (default 30)")
@@ -178,7 +182,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_transport=args.grpc_transport, grpc=_grpc_options(args),
         load_models=(args.load_model or []) if args.model_control_mode == "explicit" else None,
         max_queue_size=args.max_queue_size, max_request_bytes=int(args.max_request_mb * (1 << 20)),
-        warm_up=args.warm_up,
+        warm_up=args.warm_up, cuda_sync=args.cuda_sync,
         shutdown_timeout=args.shutdown_timeout, log_level=args.log_level, frontends=args.frontends,
         staging_bytes=args.staging_mib << 20)
     if args.staging_mib < 0:

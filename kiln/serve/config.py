@@ -18,7 +18,9 @@ its name, never silently dropped. What kiln serve reads:
                             SECONDS (a CPU instance binds the profile's shapes before the model is
                             ready, for at most SECONDS, "true": WARM_UP_DEFAULT; default: the server's
                             --warm-up; "false" also skips a CUDA instance's graph captures at load;
-                            Triton's model_warmup, sample requests, is refused: kiln makes its own)
+                            Triton's model_warmup, sample requests, is refused: kiln makes its own);
+                            cuda_sync: spin | blocking (how a CUDA instance waits for its stream,
+                            kiln/serve/instances.py; default: the server's --cuda-sync)
 
 A config that leaves out inputs and outputs is completed from the engine's bindings (Triton's
 auto-complete); with max_batch_size also 0, batching is inferred: an engine whose inputs and
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,12 +47,16 @@ from kiln.serve.errors import ModelLoadError
 
 PLATFORMS = {"", "kiln", "onnxruntime_onnx", "onnxruntime"}
 # parameters { key: ... }: build options for a model.onnx, and the batcher's own
-PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up"}
+PARAMETERS = {"precision", "opt_level", "profile", "pad_dims", "pad_to_merge", "buckets", "warm_up", "cuda_sync"}
 UNSUPPORTED = ["sequence_batching", "ensemble_scheduling", "batch_input", "batch_output", "response_cache",
                "model_transaction_policy", "model_repository_agents"]
 # warm_up's default (ServeOptions.warm_up, `kiln serve --warm-up`): a CPU instance binds the profile's shapes for at
 # most this many seconds before its model is ready (bench/results/serve-warmup-2026-12-04c.md)
 WARM_UP_DEFAULT = "0.5"
+# how a CUDA instance waits for its stream (kiln/serve/instances.py), where a model's config sets no cuda_sync parameter
+# (ServeOptions.cuda_sync, `kiln serve --cuda-sync`)
+CUDA_SYNCS = ("spin", "blocking")
+CUDA_SYNC_DEFAULT = "spin"
 
 
 @dataclass
@@ -264,11 +271,12 @@ def from_proto(message: pb.ModelConfig, where: str) -> ModelConfig:
     unknown = sorted(set(parameters) - PARAMETERS)
     if unknown:
         problems.append(f"parameters {unknown} are not kiln's; it reads {sorted(PARAMETERS)}")
-    if "warm_up" in parameters:
-        try:
-            parse_warm_up(parameters["warm_up"], "parameter warm_up")
-        except ValueError as e:
-            problems.append(str(e))
+    for key, parse in (("warm_up", parse_warm_up), ("cuda_sync", parse_cuda_sync)):
+        if key in parameters:
+            try:
+                parse(parameters[key], f"parameter {key}")
+            except ValueError as e:
+                problems.append(str(e))
     if problems:
         raise ModelLoadError(f"{where}:\n  " + "\n  ".join(problems))
     return ModelConfig(
@@ -296,11 +304,31 @@ def parse_warm_up(value: str, what: str) -> float | None:
     return seconds
 
 
+def parse_cuda_sync(value: str, what: str) -> str:
+    """A CUDA instance's wait for its stream: "spin" or "blocking" (ValueError naming `what` otherwise)."""
+    text = value.strip().lower()
+    if text not in CUDA_SYNCS:
+        raise ValueError(f"{what} {value!r}: expected one of {', '.join(CUDA_SYNCS)}")
+    return text
+
+
 def warm_up_seconds(config: ModelConfig, default: str = WARM_UP_DEFAULT) -> float | None:
     """The model's warm-up cap in seconds (None: no warm-up): its warm_up parameter, else the server's default."""
-    value = config.parameters.get("warm_up", default)
+    return _setting(config, "warm_up", default, parse_warm_up)
+
+
+def cuda_sync_mode(config: ModelConfig, default: str = CUDA_SYNC_DEFAULT) -> str:
+    """How the model's CUDA instances wait for their streams: its cuda_sync parameter, else the server's default."""
+    return _setting(config, "cuda_sync", default, parse_cuda_sync)
+
+
+def _setting(config: ModelConfig, key: str, default: str, parse: Callable[[str, str], Any]) -> Any:
+    """parse(the model's parameter `key`, else the server's default --key): ModelLoadError naming the model and
+    which of the two was wrong."""
+    flag = "--" + key.replace("_", "-")
+    value = config.parameters.get(key, default)
     try:
-        return parse_warm_up(value, "parameter warm_up" if "warm_up" in config.parameters else "the server's --warm-up")
+        return parse(value, f"parameter {key}" if key in config.parameters else f"the server's {flag}")
     except ValueError as e:
         raise ModelLoadError(f"model {config.name!r}: {e}") from None
 

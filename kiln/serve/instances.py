@@ -10,6 +10,16 @@ computes. The runtime hands outputs back as host arrays, which waits for that st
 also synchronizes its stream before answering, so no request is answered before its own work is
 done, and no instance waits for another's.
 
+How an instance waits for its stream (cuda_sync, the model's parameter or `kiln serve --cuda-sync`): "spin" (the
+default) lets the runtime copy the outputs to host arrays and then synchronizes the stream, both waits as CUDA
+schedules them for the process ("auto": spinning while the host has more cores than busy contexts): on the H200
+the instance threads then used about a core each while their calls kept the GPU busy, a third of the engine process's
+CPU a request (bench/results/serve5-2026-12-05c.md, section 3). "blocking" feeds the runtime host tensors, so its
+outputs stay on the GPU; they are copied into pinned host memory on the stream, and the thread sleeps on a
+torch.cuda.Event(blocking=True) recorded after the copies until the GPU signals it (a wake-up's latency, tens of
+microseconds, against the CPU a spin burns). The runtime's copies of the inputs to the GPU still wait as CUDA
+schedules them (short: the stream holds nothing else then).
+
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
 cudaMalloc, a copy to the host — on every thread of the process while it lasts; another instance
@@ -50,7 +60,9 @@ from typing import Any
 import torch
 
 from kiln import Engine
+from kiln.ir import dtypes
 from kiln.runtime.engine import WarmUp
+from kiln.serve.config import CUDA_SYNC_DEFAULT
 
 log = logging.getLogger("kiln.serve")
 
@@ -112,11 +124,14 @@ class Instance:
     """One execution context and the thread (and CUDA stream) that runs it."""
 
     def __init__(self, engine: Engine, name: str, index: int, run: Callable, finish: Callable,
-                 buckets: bool | None = None, warm_up: bool = True, warm_up_s: float | None = None):
+                 buckets: bool | None = None, warm_up: bool = True, warm_up_s: float | None = None,
+                 cuda_sync: str = CUDA_SYNC_DEFAULT):
         self.index = index
         self.context = engine.create_execution_context(buckets=buckets)
         self.cuda = engine.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=engine.device) if self.cuda else None
+        # cuda_sync "blocking": the event this instance's thread sleeps on (None: spin, or a CPU instance)
+        self.done = torch.cuda.Event(blocking=True) if self.cuda and cuda_sync == "blocking" else None
         self.calls = 0  # engine calls run (tests: which instances served)
         self._seen: dict[tuple, int] = {}  # CUDA: runs per input signature (captures happen in the first two)
         self._evictions = 0
@@ -190,8 +205,7 @@ class Instance:
             key = tuple((tuple(v.shape), str(v.dtype)) for v in feeds.values())
             seen = self._seen.get(key, 0)
         with GATE.alone() if seen < 2 else GATE.shared(), torch.cuda.stream(self.stream):
-            outputs = self.context.run(feeds)
-            self.stream.synchronize()
+            outputs = self._run_spinning(feeds) if self.done is None else self._run_blocking(feeds)
         runner = self.context.runner
         if runner is not None and runner.stats.evictions != self._evictions:
             self._evictions = runner.stats.evictions
@@ -202,6 +216,19 @@ class Instance:
                 self._seen.clear()
             self._seen[key] = seen + 1
         return outputs
+
+    def _run_spinning(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        outputs = self.context.run(feeds)  # host arrays in, host arrays out: the runtime waits for the copies
+        self.stream.synchronize()
+        return outputs
+
+    def _run_blocking(self, feeds: dict[str, Any]) -> dict[str, Any]:
+        """The call's outputs left on the GPU, copied to pinned host memory on the stream, waited for asleep."""
+        outputs = self.context.run({name: dtypes.numpy_to_torch(array) for name, array in feeds.items()})
+        host = {name: tensor.to("cpu", non_blocking=True) for name, tensor in outputs.items()}  # pinned
+        self.done.record(self.stream)
+        self.done.synchronize()
+        return {name: dtypes.torch_to_numpy(tensor) for name, tensor in host.items()}
 
     def submit(self, loop: asyncio.AbstractEventLoop, batch: list) -> None:
         self._work.put((loop, batch))

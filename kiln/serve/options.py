@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kiln.serve.config import WARM_UP_DEFAULT
+from kiln.serve.config import CUDA_SYNC_DEFAULT, WARM_UP_DEFAULT
 from kiln.serve.core import DEFAULT_MAX_QUEUE_SIZE
 from kiln.serve.grpc_options import GrpcOptions
 from kiln.serve.http_server import DEFAULT_MAX_REQUEST_BYTES
@@ -36,6 +36,9 @@ class ServeOptions:
     # CPU instances' warm-up at load, where a model's config sets no warm_up parameter: "true" | "false" | seconds
     # (the most one instance's warm-up takes; "true": WARM_UP_DEFAULT); the model is ready only after it
     warm_up: str = WARM_UP_DEFAULT
+    # how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "spin" | "blocking"
+    # (kiln/serve/instances.py)
+    cuda_sync: str = CUDA_SYNC_DEFAULT
     shutdown_timeout: float = 30.0  # seconds for requests in flight to finish at shutdown
     log_level: str = "warning"
     # Python's GIL switch interval while serving (None: leave Python's 5 ms). An instance's thread gives the

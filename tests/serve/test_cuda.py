@@ -1,6 +1,7 @@
 """kiln serve on CUDA: every instance on its own stream, concurrent requests each answered with its
-own rows (gpu-marked: skipped without CUDA). And the gate that keeps graph captures apart from other
-instances' runs, which needs no GPU."""
+own rows, its waits spinning or blocking (gpu-marked: skipped without CUDA). And what needs no GPU: the gate that
+keeps graph captures apart from other instances' runs; cuda_sync's parameter and flag, and the wait each selects
+(torch.cuda's stream and event stood in for)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,25 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import asyncio
+import contextlib
+
 import numpy as np
 import pytest
 import torch
 import tritonclient.grpc as grpcclient
 from conftest import options
-from serve_models import MLP_W, mlp, slow
+from serve_models import CONFIGS, MLP_W, mlp, slow, write_repository
 
 import kiln
+import kiln.serve
+from kiln.cli import main as kiln_main
 from kiln.serve import ServerThread
-from kiln.serve.instances import GpuGate
+from kiln.serve.config import cuda_sync_mode, parse_pbtxt
+from kiln.serve.core import ServerCore
+from kiln.serve.errors import ModelLoadError
+from kiln.serve.instances import GpuGate, Instance
+from kiln.serve.repository import ModelRepository
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -61,11 +71,13 @@ def _ask(port: int, model: str, x: np.ndarray) -> dict[str, np.ndarray]:
 
 BATCHED = "dynamic_batching { max_queue_delay_microseconds: 500 }"
 NO_BUCKETS = 'parameters { key: "buckets" value: { string_value: "false" } }'  # graphs captured while serving
+BLOCKING = 'parameters { key: "cuda_sync" value: { string_value: "blocking" } }'
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("batching", ["", BATCHED, f"{BATCHED}\n{NO_BUCKETS}"], ids=["alone", "batched", "captures"])
+@pytest.mark.parametrize("batching", ["", BATCHED, f"{BATCHED}\n{NO_BUCKETS}", f"{BATCHED}\n{BLOCKING}"],
+                         ids=["alone", "batched", "captures", "blocking"])
 def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_rows(tmp_path, cuda_engines, batching):
     repository = _repository(tmp_path / "repo", cuda_engines, batching)
     thread = ServerThread(options(repository))
@@ -75,6 +87,7 @@ def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_row
             instances = server.core.model(name).batcher.instances
             streams = {instance.stream for instance in instances}
             assert len(streams) == 2 and torch.cuda.default_stream() not in streams
+            assert all((instance.done is not None) == (BLOCKING in batching) for instance in instances)
             assert all(instance.context.runner.stats.captures > 0 for instance in instances)  # warmed up at load
             # every batch size's graph captured at load, unless buckets are off (then captures come with requests)
             assert all(instance.captured_all == (NO_BUCKETS not in batching) for instance in instances)
@@ -133,3 +146,119 @@ def test_gate_runs_shared_calls_together_and_an_exclusive_one_alone():
     assert end == start + 1, log  # nothing ran while the exclusive one did
     assert log.index("a out") < start and log.index("b out") < start, log
     assert log.index("c in") > end, log
+
+
+def test_cuda_sync_parameter_else_the_servers_default():
+    blocking = parse_pbtxt(f"max_batch_size: 4\n{BLOCKING}", "m/config.pbtxt")
+    assert cuda_sync_mode(blocking) == "blocking" and cuda_sync_mode(blocking, "spin") == "blocking"
+    plain = parse_pbtxt("max_batch_size: 4", "m/config.pbtxt")
+    assert cuda_sync_mode(plain) == "spin" and cuda_sync_mode(plain, "blocking") == "blocking"
+    with pytest.raises(ModelLoadError, match=r"m/config.pbtxt:\n  parameter cuda_sync 'busy': expected one of spin, "
+                                             r"blocking"):
+        parse_pbtxt('parameters { key: "cuda_sync" value: { string_value: "busy" } }', "m/config.pbtxt")
+    plain.name = "m"
+    with pytest.raises(ModelLoadError, match=r"model 'm': the server's --cuda-sync 'yield': expected one of"):
+        cuda_sync_mode(plain, "yield")
+
+
+def test_cuda_sync_reaches_each_instance(tmp_path, engines, monkeypatch):
+    """The model's parameter over the server's default, handed to every instance (a CPU instance ignores it)."""
+    root = write_repository(tmp_path, engines)
+    seen = []
+    init = Instance.__init__
+
+    def recording(self, *args, cuda_sync, **kwargs):
+        seen.append(cuda_sync)
+        init(self, *args, cuda_sync=cuda_sync, **kwargs)
+
+    monkeypatch.setattr(Instance, "__init__", recording)
+    for config, default, expected in ((CONFIGS["mlp"], "blocking", "blocking"),
+                                      (CONFIGS["mlp"] + BLOCKING, "spin", "blocking"), (CONFIGS["mlp"], "spin", "spin")):
+        (root / "mlp" / "config.pbtxt").write_text(config)
+        core = ServerCore(ModelRepository(root), cuda_sync=default)
+        asyncio.run(core.load("mlp"))
+        instances = core.model("mlp").batcher.instances
+        assert seen[-2:] == [expected] * 2 and all(i.done is None for i in instances)  # KIND_CPU: no event
+        asyncio.run(core.unload("mlp"))
+
+
+def test_cuda_sync_flag(tmp_path, monkeypatch, capsys):
+    served = []
+
+    class Recorded:  # kiln serve's Server, stopped before it serves
+        def __init__(self, options):
+            served.append(options)
+
+        async def serve_forever(self, started):
+            pass
+
+    monkeypatch.setattr(kiln.serve, "Server", Recorded)
+    assert kiln_main(["serve", str(tmp_path), "--cuda-sync", "blocking"]) == 0
+    assert kiln_main(["serve", str(tmp_path)]) == 0
+    assert [o.cuda_sync for o in served] == ["blocking", "spin"]
+    with pytest.raises(SystemExit):
+        kiln_main(["serve", str(tmp_path), "--cuda-sync", "yield"])
+    assert "--cuda-sync: invalid choice: 'yield'" in capsys.readouterr().err
+
+
+class _Stream:  # torch.cuda.Stream without a GPU: counts its synchronizations
+    def __init__(self, device=None):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+class _Event:  # torch.cuda.Event without a GPU: where it was recorded, how often waited on
+    def __init__(self, blocking=False):
+        self.blocking, self.recorded, self.waited = blocking, [], 0
+
+    def record(self, stream):
+        self.recorded.append(stream)
+
+    def synchronize(self):
+        self.waited += 1
+
+
+class _Context:  # an execution context whose run doubles its input, torch in -> torch out (CPU tensors stand in)
+    runner = None
+
+    def __init__(self):
+        self.fed = []
+
+    def run(self, feeds):
+        self.fed.append(feeds)
+        x = feeds["x"]
+        return {"y": 2 * x}
+
+
+class _Engine:
+    device = torch.device("cuda")
+
+    def create_execution_context(self, buckets=None):
+        return _Context()
+
+
+@pytest.mark.parametrize("sync", ["spin", "blocking"])
+def test_cuda_sync_selects_the_wait(monkeypatch, sync):
+    """spin: the runtime's host arrays, then the stream synchronized; blocking: host tensors in, the outputs copied
+    to the host and a blocking event recorded on the instance's stream waited on, the stream never synchronized."""
+    monkeypatch.setattr(torch.cuda, "Stream", _Stream)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
+    instance = Instance(_Engine(), "m", 0, None, None, warm_up=False, cuda_sync=sync)
+    try:
+        x = np.random.default_rng().standard_normal((3, 8)).astype(np.float32)
+        for _ in range(3):
+            outputs = instance.execute({"x": x})
+            assert type(outputs["y"]) is np.ndarray
+            np.testing.assert_array_equal(outputs["y"], 2 * x)
+        fed = [type(feeds["x"]) for feeds in instance.context.fed]
+        if sync == "spin":
+            assert instance.done is None and instance.stream.synchronized == 3 and fed == [np.ndarray] * 3
+        else:
+            assert instance.done.blocking and instance.done.recorded == [instance.stream] * 3
+            assert instance.done.waited == 3 and instance.stream.synchronized == 0 and fed == [torch.Tensor] * 3
+    finally:
+        instance.stop()
