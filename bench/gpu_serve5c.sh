@@ -14,16 +14,19 @@
 #   (kiln/serve/instances.py). The A/B: server CPU us/req, infer/s and p99 of the "@sync blocking" rows against the
 #   "@sync spin" ones. The HTTP rows read 301 KB-class bodies unpaused (uvicorn's pause at 4 MiB, frontdoors.py).
 #   (here, once)  PIP=/tmp/ci1/.venv/bin/pip bash bench/serve_gpu.sh --fetch   # wheels into .whl-serve/ (git-ignored)
-#   (device)      bash bench/gpu_serve5c.sh   # run's carry: [".whl-serve"]; <= 295 s; serve.md and the log in $OUT
+#   (device)      bash bench/gpu_serve5c.sh   # run's carry: [".whl-serve"]; <= 285 s; serve.md and the log in $OUT
 set -u
 export OUT=${OUT:-/tmp/kiln-serve5c}
 mkdir -p "$OUT"
 export KILN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 GPU_TESTS=0 FRONTEND_TESTS=0 FRONTENDS=8 STAGING_MIB=64 SERVE_MODELS=bert_base SERVE_CONCURRENCY=64 SERVE_PROCESSES=4 \
-  SERVE_BENCH_S=255 \
+  SERVE_BENCH_S=195 \
   SERVE_ARGS="--client wire --window 2.0 --warmup 0.5 --tuning-runs 3 --batching on --cuda-sync spin blocking" \
-  timeout 290 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
+  timeout 220 bash bench/serve_gpu.sh .whl-serve > /dev/null 2>&1
 echo "== kiln $KILN_COMMIT, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null), $(nproc) CPUs"
+# the blocking wait's GPU test (two instances, 128 concurrent requests, each answered with its own rows), on the
+# serving wheels serve_gpu.sh installed
+PYTHONPATH=/tmp/serve-deps timeout 60 python3 -m pytest -q -m gpu tests/serve/test_cuda.py -k blocking 2>&1 | tail -3
 # model @sync, batching, protocol, infer/s, p50 ms, p99 ms, requests/call, call ms, server CPU us/req, engine loop
 # %core, engine process %core, per front end %core, client CPU us/req, errors, wrong
 grep -E "^\| bert" "$OUT/serve_gpu.log" | head -8 | awk -F'|' '{print $2,$3,$4,$10,$11,$13,$18,$19,$20,$21,$22,$23,$25,$26,$27}'
