@@ -54,7 +54,7 @@ def add_parser(verbs) -> None:
                         "serve-warmup-2026-12-04c.md)")
     p.add_argument("--cuda-sync", default="spin", choices=["spin", "blocking"],
                    help="how CUDA instances wait for their streams, where a model's config sets no cuda_sync parameter: "
-                        "spin (CUDA's default schedule: the thread polls, about a core per busy instance) or blocking "
+                        "spin (CUDA's default schedule: a waiting thread polls, a core while it waits) or blocking "
                         "(it sleeps on an event until the GPU signals) (default %(default)s; kiln/serve/instances.py)")
     p.add_argument("--max-request-mb", type=float, default=64, metavar="MB", help="largest request body (default 64)")
     p.add_argument("--shutdown-timeout", type=float, default=30, metavar="S",

@@ -6,19 +6,18 @@ loop with call_soon_threadsafe: one wake-up each way, no executor futures in bet
 
 On CUDA each instance runs its context on its own `torch.cuda.Stream` (set as the thread's current
 stream), so the instances of a model overlap on the GPU: one copies its inputs in while another
-computes. The runtime hands outputs back as host arrays, which waits for that stream; the instance
-also synchronizes its stream before answering, so no request is answered before its own work is
-done, and no instance waits for another's.
+computes. An instance waits for its own stream before answering, so no request is answered before
+its own work is done, and no instance waits for another's.
 
-How an instance waits for its stream (cuda_sync, the model's parameter or `kiln serve --cuda-sync`): "spin" (the
-default) lets the runtime copy the outputs to host arrays and then synchronizes the stream, both waits as CUDA
-schedules them for the process ("auto": spinning while the host has more cores than busy contexts): on the H200
-the instance threads then used about a core each while their calls kept the GPU busy, a third of the engine process's
-CPU a request (bench/results/serve5-2026-12-05c.md, section 3). "blocking" feeds the runtime host tensors, so its
-outputs stay on the GPU; they are copied into pinned host memory on the stream, and the thread sleeps on a
-torch.cuda.Event(blocking=True) recorded after the copies until the GPU signals it (a wake-up's latency, tens of
-microseconds, against the CPU a spin burns). The runtime's copies of the inputs to the GPU still wait as CUDA
-schedules them (short: the stream holds nothing else then).
+How it waits (cuda_sync: the model's parameter, else `kiln serve --cuda-sync`): "spin" (the default) lets the
+runtime hand the outputs back as host arrays, a copy that waits for the stream, then synchronizes the stream; both
+wait as CUDA schedules the process ("auto": spinning while the host has more cores than busy contexts). On the H200
+(MobileNetV2, 8 front ends) the 2 instance threads so used ~1.1 cores while their calls kept the GPU busy: ~270-300
+us of the host's CPU a request, a third of the server's (bench/results/serve5-2026-12-05c.md, section 3).
+"blocking" feeds the runtime host tensors, so its outputs stay on the GPU; they are copied into pinned host memory
+on the stream, and the thread sleeps on a torch.cuda.Event(blocking=True) recorded after the copies until the GPU
+signals it: a wake-up's latency instead of a spinning core. The runtime's copies of the inputs to the GPU still wait
+as CUDA schedules them (briefly: nothing else is queued on the stream then).
 
 CUDA graphs and threads: the runtime captures a graph the second time a context meets an input
 signature, and a capture (torch's default, global mode) forbids calls that may synchronize — a
