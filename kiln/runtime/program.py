@@ -24,7 +24,6 @@ from kiln.ir import dtypes
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.host import ShapePlan, on_device, outputs_of, place, upload
-from kiln.runtime.native_arena import SharedArena
 from kiln.runtime.native_runs import segments
 from kiln.runtime.shape_function import ShapeFunction, compile_shape_steps, computable_ahead
 from kiln.runtime.shapes import HOST_INPUTS, shape_only_steps
@@ -204,15 +203,11 @@ class Program:
             return self
         copy = object.__new__(Program)
         copy.__dict__.update(self.__dict__)
-        siblings: dict[int, SharedArena] = {}
-        twins: dict[int, BoundStep] = {}  # id of a segment's step -> the copy's
-        for step in self.run_steps:
-            segment = step.fn
-            if segment in self.segments:
-                arena = segment.arena
-                if arena is not None:
-                    arena = siblings.setdefault(id(arena), arena.sibling())
-                twins[id(step)] = replace(step, fn=segment.on_arena(arena))
+        arena = self.segments[0].arena  # the program's segments share one (kiln/runtime/native_runs.py)
+        sibling = arena.sibling() if arena is not None else None
+        owned = {id(segment) for segment in self.segments}
+        twins = {id(step): replace(step, fn=step.fn.on_arena(sibling))  # id of a segment's step -> the copy's
+                 for step in self.run_steps if id(step.fn) in owned}
         copy.run_steps = [twins.get(id(s), s) for s in self.run_steps]
         copy.lean_steps = [twins.get(id(s), s) for s in self.lean_steps]
         copy.first_steps = [twins.get(id(s), s) for s in self.first_steps]
