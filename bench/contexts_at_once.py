@@ -9,15 +9,15 @@ Each configuration runs in a process of its own (OMP_NUM_THREADS = its threads a
 thread count when it is created, at load), the configurations alternating round by round. Each context's thread
 calls run() on one fixed request for the window, all starting together; per call its wall interval and its thread's
 CPU time. On a machine other work shares, wall clock says little, nor does the CPU the contexts got together (Linux's
-autogroup gives this process's threads one share between them: on a loaded machine two threads get ~1.4x one's CPU,
-whatever they do). What says whether contexts computed at once is where each context's thread spent the window, from
-the kernel's accounting (/proc/self/task/<tid>/schedstat):
+autogroup gives this process's threads one share between them: when one context waits, the other gets its CPU).
+What says whether contexts computed at once is where each context's thread spent the window:
 
-    on CPU       computing
-    runnable     ready to compute, waiting for a CPU the machine's other work holds
-    blocked      neither: waiting for something, here the lock of a segment another context runs (one arena)
+    lock wait    waiting to enter a native segment another context runs (its lock: one arena, one lock)
+    on CPU       computing (the kernel's accounting, /proc/self/task/<tid>/schedstat)
+    runnable     ready to compute, waiting for a CPU the machine's other work holds (a thread woken for a lock
+                 it then finds taken again waits here too: read it with lock wait)
     overlap      of each call's wall time, the share during which another context's call was in progress too (a
-                 context blocked on the lock counts as in progress: read it with blocked)
+                 context waiting for the lock counts as in progress: read it with lock wait)
 
 Engines are built once (tactics tuned at the machine's default thread count) and saved under --engines.
 """
@@ -82,23 +82,28 @@ def measure(name: str, path: Path, contexts: int, one_arena: bool, seconds: floa
     engine = kiln.load(str(path))
     feeds = request(name)
     made = [engine.create_execution_context() for _ in range(contexts)]
+    waited: dict[int, float] = {}  # thread -> seconds waiting for segments' locks
+    locks: dict[int, TimedLock] = {}
+    for segment in {id(s): s for context in made for s in context.program.segments}.values():
+        segment._lock = locks.setdefault(id(segment._lock), TimedLock(segment._lock, waited))
     calls: list[list[tuple[float, float, float]]] = [[] for _ in range(contexts)]
     start_together = threading.Barrier(contexts)
 
-    spent: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * contexts  # (on CPU, runnable, wall) s
+    spent: list[tuple[float, ...]] = [(0.0, 0.0, 0.0, 0.0)] * contexts  # (on CPU, runnable, lock wait, wall) s
 
     def serve(k: int) -> None:
         for _ in range(3):  # warm: bound, its form chosen
             made[k].run(feeds)
         start_together.wait()
-        before, wall = schedstat(), time.perf_counter()
+        before, wall, waits = schedstat(), time.perf_counter(), waited.get(threading.get_ident(), 0.0)
         end = wall + seconds
         while (start := time.perf_counter()) < end:
             cpu = time.thread_time()
             made[k].run(feeds)
             calls[k].append((start, time.perf_counter(), time.thread_time() - cpu))
         after = schedstat()
-        spent[k] = (after[0] - before[0], after[1] - before[1], time.perf_counter() - wall)
+        spent[k] = (after[0] - before[0], after[1] - before[1], waited.get(threading.get_ident(), 0.0) - waits,
+                    time.perf_counter() - wall)
 
     threads = [threading.Thread(target=serve, args=(k,)) for k in range(contexts)]
     for t in threads:
@@ -106,6 +111,22 @@ def measure(name: str, path: Path, contexts: int, one_arena: bool, seconds: floa
     for t in threads:
         t.join()
     return {"calls": calls, "spent": spent, "load": os.getloadavg()[0]}
+
+
+class TimedLock:
+    """A segment's lock that adds each wait for it to the waiting thread's total."""
+
+    def __init__(self, lock: threading.Lock, waited: dict[int, float]):
+        self.lock, self.waited = lock, waited
+
+    def __enter__(self) -> None:
+        start = time.perf_counter()
+        self.lock.acquire()
+        thread = threading.get_ident()
+        self.waited[thread] = self.waited.get(thread, 0.0) + time.perf_counter() - start
+
+    def __exit__(self, *_exception) -> None:
+        self.lock.release()
 
 
 def schedstat() -> tuple[float, float]:
@@ -159,12 +180,13 @@ def summary(result: dict) -> dict:
     calls = result["calls"]
     every = [c for per in calls for c in per]
     first, last = min(c[0] for c in every), max(c[1] for c in every)
-    spent = result["spent"]  # each context thread's share of its window: on CPU, runnable, blocked
-    on_cpu = statistics.mean(c / w for c, _, w in spent)
-    runnable = statistics.mean(r / w for _, r, w in spent)
+    spent = result["spent"]  # each context thread's share of its window: on CPU, runnable, waiting for a lock
     return {"per_s": len(every) / (last - first), "wall_ms": 1e3 * statistics.median(e - s for s, e, _ in every),
-            "cpu_ms": 1e3 * statistics.median(c for _, _, c in every), "on_cpu": on_cpu, "runnable": runnable,
-            "blocked": max(0.0, 1.0 - on_cpu - runnable), "overlap": overlap(calls), "load": result["load"]}
+            "cpu_ms": 1e3 * statistics.median(c for _, _, c in every),
+            "lock_wait": statistics.mean(k / w for _, _, k, w in spent),
+            "on_cpu": statistics.mean(c / w for c, _, _, w in spent),
+            "runnable": statistics.mean(r / w for _, r, _, w in spent), "overlap": overlap(calls),
+            "load": result["load"]}
 
 
 def run_config(name: str, path: Path, config: str, seconds: float) -> dict:
@@ -178,14 +200,14 @@ def run_config(name: str, path: Path, config: str, seconds: float) -> dict:
 
 def table(label: str, found: dict[str, list[dict]]) -> list[str]:
     lines = [f"\n{label}: medians of {len(next(iter(found.values())))} rounds\n",
-             "| run | calls/s | wall ms a call | thread CPU ms a call | on CPU | runnable | blocked | overlap | load |",
+             "| run | calls/s | wall ms a call | thread CPU ms a call | lock wait | on CPU | runnable | overlap | load |",
              "|---|---|---|---|---|---|---|---|---|"]
     for config, rows in found.items():
         def med(key):
             values = [r[key] for r in rows if r[key] is not None]
             return statistics.median(values) if values else None
         share = med("overlap")
-        shares = " | ".join(f"{100 * med(key):.0f}%" for key in ("on_cpu", "runnable", "blocked"))
+        shares = " | ".join(f"{100 * med(key):.0f}%" for key in ("lock_wait", "on_cpu", "runnable"))
         lines.append(f"| {config} | {med('per_s'):.2f} | {med('wall_ms'):.1f} | {med('cpu_ms'):.1f} | {shares} | "
                      f"{'-' if share is None else f'{100 * share:.0f}%'} | {med('load'):.1f} |")
     return lines
