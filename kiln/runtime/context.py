@@ -52,6 +52,11 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if packing not in PACKING:
             raise ValueError(f"packing={packing!r}: expected one of {PACKING}")
         self.engine = engine
+        # the programs it runs: on the CPU a lane of the engine's, its own while it lives (activation arenas of its
+        # own: contexts on threads of their own compute at once); on CUDA the engine's, each context its own graphs
+        lane = engine.lend_lane(self) if engine.device.type == "cpu" else None
+        self.program = lane.program if lane is not None else engine.program
+        self.plain_program = lane.plain_program if lane is not None else engine.plain_program
         self.packing = packing
         self.profile = 0  # the optimization profile of the last run
         self.runner = None
@@ -68,7 +73,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         self.buckets = plan_buckets(engine.inputs, engine.outputs, pad_dims) if buckets and engine.profiles else None
         # a padding-free engine: each run says how many rows it packs (a token bucket where shapes are bucketed)
         self._token_mask = _token_mask_position(engine)
-        if self._token_mask is not None and self.buckets is not None and engine.plain_program is None:
+        if self._token_mask is not None and self.buckets is not None and self.plain_program is None:
             self.buckets.batch = None  # padded rows hold no real token: they cost nothing, so a batch never splits
         # (with a plain program, a run that does not pack may split its batch as the plain engine's would)
         self._graph_packing = self._graph_packing_rule()
@@ -76,7 +81,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             self.buckets.batch = None  # a run of graphs_from positions packs (no row of padding costs a GEMM row);
             # a smaller one costs the GPU about as much at its bucket as at its rows: no split either way
         self._static = _static_signature(engine) if self._token_mask is None else None
-        self._whole_segment = _whole_segment(engine) if self._static is not None else None
+        self._whole_segment = _whole_segment(self.program) if self._static is not None else None
         # CPU engines with symbolic dims: the input signatures already checked, so a call of one of them
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again)
         self._checked: dict[tuple, int] | None = {} if self._static is None and self.runner is None \
@@ -85,11 +90,11 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
             and self._token_mask is None else None
         if pad_first_calls is None:
             pad_first_calls = os.environ.get("KILN_PAD_FIRST_CALLS", "1") != "0"
-        self._first_calls = engine.first_calls if pad_first_calls and self.buckets is None and self.runner is None \
+        self._first_calls = lane.first_calls if pad_first_calls and self.buckets is None and self.runner is None \
             and self._token_mask is None else None
         # numpy feeds of a bound shape of a one-segment program: one call of its compiled loop (direct_run.py); off
         # with the environment's KILN_DIRECT_RUN=0
-        self._direct = engine.direct_runs if self._checked is not None and self._token_mask is None \
+        self._direct = lane.direct_runs if self._checked is not None and self._token_mask is None \
             and os.environ.get("KILN_DIRECT_RUN", "1") != "0" else None
         self._bucketed: dict[tuple, _BucketedRun] = {}  # bucketed runs: input signature -> what its shapes decide
         self._bound: dict[str, torch.Tensor] = {}  # set_tensor_address: caller-owned tensors by binding name
@@ -270,7 +275,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
                         results = self._run_program(args, rows)
                         if rows is None and self.runner is not None and self.runner.stats.captures != captured:
                             # timed at its capture
-                            plain = self.engine.plain_program if self._token_mask is not None else None
+                            plain = self.plain_program if self._token_mask is not None else None
                             self.buckets.learn(targets, self.runner.replay_ms(args) if plain is None
                                                else self.runner.replay_ms(args, plain))
                     results = self.buckets.crop(results, targets)
@@ -293,14 +298,14 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if rows is not None:
             args = [*args, self._token_bucket(rows, args[self._token_mask].device)]
         elif self._token_mask is not None:
-            program = self.engine.plain_program
+            program = self.plain_program
         if self.runner is not None:
             return self.runner.run(args) if program is None else self.runner.run(args, program)
         if program is not None:
             return program.run(args)
         if self._first_calls is not None:
             return self._first_calls.run(args)
-        return self.engine.program.run(args)
+        return self.program.run(args)
 
     def _token_bucket(self, rows: int, device: torch.device) -> torch.Tensor:
         """A padding-free program's last input: `rows` bytes, read for its shape alone, made once per row count."""
@@ -323,7 +328,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         mask = args[self._token_mask]
         positions = mask.numel() if targets is None else self._positions(mask, targets)
         rows = packed_rows(mask, tokens, self.buckets is not None, self.packing, positions)
-        return None if rows == positions and self.engine.plain_program is not None else rows
+        return None if rows == positions and self.plain_program is not None else rows
 
     def _bucketed_run(self, args: list[Any]) -> _BucketedRun:
         """What a bucketed run derives from its inputs' shapes alone (the profile is self.profile, selected)."""
@@ -348,10 +353,10 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         if rule is None:
             return None
         if known.positions < rule.graphs_from:
-            return (None, known.targets) if self.engine.plain_program is not None else None
+            return (None, known.targets) if self.plain_program is not None else None
         mask = args[self._token_mask]
         rows = graph_rows(int(torch.count_nonzero(mask)) if tokens is None else tokens, known.most, rule)
-        return (None if rows == known.most and self.engine.plain_program is not None else rows), known.widest
+        return (None if rows == known.most and self.plain_program is not None else rows), known.widest
 
     def _positions(self, mask: torch.Tensor, targets: dict[str, tuple[int, int]]) -> int:
         """B·S of the padding mask padded to `targets`."""

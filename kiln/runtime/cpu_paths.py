@@ -17,7 +17,7 @@ from kiln.runtime.direct_run import torch_signature
 
 class CpuPaths:
     """run()'s direct paths on the CPU, a mixin of ExecutionContext: they read what its __init__ set (engine,
-    _static, _whole_segment, _checked, _direct, _first_calls) and fall back on its general path's helpers."""
+    program, _static, _whole_segment, _checked, _direct, _first_calls) and fall back on its general path's helpers."""
 
     def _run_checked(self, feeds: dict[str, Any]) -> dict[str, Any] | None:
         """A CPU engine fed numpy arrays (C-contiguous, writable, of numpy's own dtypes): checked once per
@@ -74,7 +74,7 @@ class CpuPaths:
                 return {b.name: r for b, r in zip(outputs, results)}
         args = [torch.from_numpy(a) for a in arrays]
         with torch.inference_mode():
-            results = self.engine.program.run(args)
+            results = self.program.run(args)
         return {b.name: _to_user(v, False) for b, v in zip(outputs, results)}  # real dtypes: one .numpy() each
 
 
@@ -93,10 +93,9 @@ def _static_signature(engine: Any) -> tuple | None:
     return [b.name for b in engine.inputs], signature, list(engine.outputs)
 
 
-def _whole_segment(engine: Any):
+def _whole_segment(program: Any):
     """The program's one step when it is a native segment reading the inputs and writing the
     outputs, in their order (kiln/runtime/native.py); else None."""
-    program = engine.program
     if len(program.run_steps) != 1 or len(program.segments) != 1:
         return None
     segment = program.segments[0]

@@ -2,13 +2,15 @@
 
 Its ExecutionContext (kiln/runtime/context.py) binds inputs, runs the program and hands outputs back; the conversion
 and checking of bindings is kiln/runtime/bindings.py. numpy in -> numpy out; torch in -> torch out. Several
-contexts share one engine's weights.
+contexts share one engine's weights; on the CPU each runs a lane of its own (CpuLane: its activation arenas).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +46,20 @@ def _check_device(header: dict) -> torch.device:
             "engines are tuned per GPU: rebuild it here"
         )
     return torch.device("cuda")
+
+
+@dataclass(frozen=True)
+class CpuLane:
+    """What one CPU execution context runs: the engine's programs as it owns them for its life (Engine.lend_lane),
+    with what remembers their bound shapes. A lane's native segments plan into an activation arena of its own
+    (kiln/runtime/native_arena.py), so contexts on threads of their own compute at once (issue 14); the layers,
+    packed weights, shape plans and shape function are the engine's, shared. The engine's own programs are its
+    first lane; more are made as more contexts live at once (Program.with_own_arena)."""
+
+    program: Program
+    plain_program: Program | None  # a padding-free engine's plain program
+    first_calls: FirstCalls | None
+    direct_runs: DirectRuns | None
 
 
 # A loaded file's weights below this size are copied into the process's own memory on the CPU (biases, norm
@@ -90,8 +106,7 @@ class Engine:
         self.inputs: list[Binding] = plan.inputs
         self.outputs: list[Binding] = plan.outputs
         self.profiles: list[Profile] = plan.profiles
-        self.first_calls = _first_calls(self)  # new shapes run padded in bound ones (CPU; kiln/runtime/first_calls.py)
-        self.direct_runs = _direct_runs(self)  # bound shapes of a one-segment program (kiln/runtime/direct_run.py)
+        self._make_lanes()
         if self.device.type == "cpu":  # the oneDNN primitives of the profiles' row counts, made in the background
             primitives_ahead(self.program, self.profiles)
         self._threads = threading.local()  # Engine.run's contexts, one per calling thread
@@ -107,6 +122,35 @@ class Engine:
                                shared_launches=launches)
         self.plain_program = None if self.plan.plain is None else Program(
             self.plan.plain, weights, self.device, after_packing=release, shared_launches=launches)
+
+    def _make_lanes(self) -> None:
+        """The engine's own lane (its programs) as the first a CPU context takes, and an empty pool behind it."""
+        self.first_calls = _first_calls(self, self.program)  # new shapes run padded in bound ones (CPU; first_calls.py)
+        self.direct_runs = _direct_runs(self, self.program)  # bound shapes of a one-segment program (direct_run.py)
+        self._free_lanes: list[CpuLane | None] = [None]  # None: the engine's own, as its attributes are when lent
+        self._lending = threading.Lock()
+
+    def lend_lane(self, context: Any) -> CpuLane:
+        """The lane a new CPU execution context runs on until it is freed: the engine's own where no living context
+        holds it (a lone context runs engine.program), else one a freed context gave back, else a new one (its
+        programs' activation arenas its own, CpuLane). So an engine binds as many lanes as it had contexts alive at
+        once. Lanes lent before a refit go back to the old weights' pool."""
+        pool = self._free_lanes
+        with self._lending:
+            if None in pool:
+                pool.remove(None)
+                lane = None
+            else:
+                lane = pool.pop() if pool else self._new_lane()
+        weakref.finalize(context, pool.append, lane)
+        if lane is None:
+            return CpuLane(self.program, self.plain_program, self.first_calls, self.direct_runs)
+        return lane
+
+    def _new_lane(self) -> CpuLane:
+        program = self.program.with_own_arena()
+        plain = None if self.plain_program is None else self.plain_program.with_own_arena()
+        return CpuLane(program, plain, _first_calls(self, program), _direct_runs(self, program))
 
     @property
     def input_names(self) -> list[str]:
@@ -161,8 +205,7 @@ class Engine:
         self.plan.weights.update(weights)
         placed = {k: place_weight(v, self.device) for k, v in self.plan.weights.items()}
         self._make_programs(placed)
-        self.first_calls = _first_calls(self)
-        self.direct_runs = _direct_runs(self)
+        self._make_lanes()
         self._threads = threading.local()  # contexts of the old weights (bound segments, graphs) go
 
     def __repr__(self) -> str:
@@ -172,18 +215,18 @@ class Engine:
         return f"<kiln.Engine {len(self.plan.program.steps)} layers{plain} on {self.device}; ({ins}) -> ({outs})>"
 
 
-def _direct_runs(engine: Engine) -> DirectRuns | None:
-    """A CPU engine's DirectRuns where its program is one native segment once its shape values are known, it runs
-    without boundary casts and is not padding-free; else None."""
+def _direct_runs(engine: Engine, program: Program) -> DirectRuns | None:
+    """The DirectRuns of a CPU engine's program (one lane's) where it is one native segment once its shape values
+    are known, and the engine runs without boundary casts and is not padding-free; else None."""
     if engine.device.type != "cpu" or engine.internal_dtype or engine.plan.header.get("remove_padding"):
         return None
-    return DirectRuns.of(engine.program)
+    return DirectRuns.of(program)
 
 
-def _first_calls(engine: Engine) -> FirstCalls | None:
-    """The padding of first calls for a CPU engine of dynamic shapes whose first calls bind something (shape values,
-    native segments) and that has dims where padding is exact; else None."""
-    program = engine.program
+def _first_calls(engine: Engine, program: Program) -> FirstCalls | None:
+    """The padding of first calls over a CPU engine's program (one lane's) for an engine of dynamic shapes whose
+    first calls bind something (shape values, native segments) and that has dims where padding is exact; else
+    None."""
     if engine.device.type != "cpu" or not engine.profiles or (not program.segments and program.shape_plans is None):
         return None
     pad_dims = engine.plan.header.get("build_config", {}).get("pad_dims") or []

@@ -139,6 +139,7 @@ class Segment:
         self._layout = (produced, group, exit_group, last_read)
         placed = place(list(spans.values()))
         peak = max((iv.offset + iv.size for iv in placed), default=0)
+        self.arena = arena  # another context's program binds these layers anew on its sibling (on_arena)
         shared = arena.take(peak) if arena is not None and peak else None
         self.buffers = [shared if shared is not None else hugepages.empty(peak // 4)] if peak else []
         base = self.buffers[0].data_ptr() if peak else 0
@@ -249,6 +250,16 @@ class Segment:
         # oneDNN primitives then waited for the garbage collector)
         self._grown: Segment | None = None
         self._rewrite: _PlanRewrite | None = None  # made at the first view over this segment
+
+    def on_arena(self, arena: SharedArena | None) -> Segment:
+        """These layers bound anew over `arena` (another execution context's: SharedArena.sibling): the same memory
+        plan, at the same offsets from the arena's start, with bound calls, staging buffers and views of their own;
+        the layers' launches and packed weights are shared. Views are bound under this segment's resize lock: a
+        layer's primitives at other sizes (NativeStep.at, cached in its launch) are made one at a time, as within
+        one program."""
+        twin = Segment(self.members, self.read_after, self.constants, self._natives, arena=arena)
+        twin._resize_lock = self._resize_lock
+        return twin
 
     def _c_loop(self, loop, bindings: list, calls: list) -> tuple:
         nbind = len(bindings)

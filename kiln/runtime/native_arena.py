@@ -8,9 +8,10 @@ and its neighbours, of 0.8-1.6 MiB each): 20.6 MiB of arenas, 1.6 MiB resident s
 
 The arena is a range of address space as large as the largest segment could need (every value its members
 write, SharedArena.bound); only the pages a segment's plan reaches are ever touched, so what is resident is the
-largest plan. The price is one lock for them all: two contexts of one engine run its segments one at a time,
-where before each segment had a lock of its own (a segment's layers already take every core: oneDNN's and
-kiln's kernels run on OpenMP's thread count).
+largest plan. The price is one lock for them all: two runs of one program take turns in its segments. So each
+execution context of an engine runs a program of its own (Program.with_own_arena, kiln/runtime/engine.py CpuLane):
+the same layers and weights, its segments planned the same into an arena of its own (`sibling`), so two contexts
+on two threads compute at once (issue 14), each at OpenMP's thread count of its own thread.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class SharedArena:
 
     def __init__(self, nbytes: int):
         self.nbytes = nbytes
+        self.planned = nbytes  # what it was made for (nbytes drops to 0 where no address space was had)
         self.lock = threading.Lock()
         self._buffer: torch.Tensor | None = None  # mapped at the first take: untouched pages hold no memory
 
@@ -37,6 +39,11 @@ class SharedArena:
         """The most any one run of values (size, dtype) could plan: each value on a 64-byte line, none reused."""
         return max((sum(-(-math.prod(size) * dtype.itemsize // 64) * 64 for size, dtype in run) for run in runs),
                    default=0)
+
+    def sibling(self) -> SharedArena:
+        """An arena as large as this one was made, of its own, with a lock of its own: another execution context's
+        (Program.with_own_arena), whose segments plan into it at the same offsets as this one's."""
+        return SharedArena(self.planned)
 
     def take(self, nbytes: int) -> torch.Tensor | None:
         """The arena's first `nbytes` (a multiple of 4) as a float32 tensor; None when it is smaller than that."""

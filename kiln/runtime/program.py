@@ -14,7 +14,7 @@ import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -148,10 +148,10 @@ class Program:
         self.plan_slots = sorted({s for step in self.lean_steps for s in step.inputs if s in shape_slots}
                                  | (shape_slots & set(self.output_slots)))
         self.shape_plans: OrderedDict[tuple, list[tuple[int, Any]]] | None = OrderedDict() if shape_steps else None
-        self.shape_plan_bytes = 0  # what the remembered shape values hold (an encoder's position and token-type
-        # embeddings are shape-only: [batch, seq, hidden] floats per signature)
         self._plan_sizes: dict[tuple, int] = {}
-        self.plan_evictions = 0  # shape plans let go so far (what holds on to them notices: direct_run.py)
+        # the plans' bytes and evictions (shape_plan_bytes, plan_evictions), in an object of their own: the copies of
+        # with_own_arena share the plans, their lock and these counts by reference
+        self._plan_tally = _PlanTally()
         self._plans_lock = threading.Lock()
         self.num_slots = len(slots) + 1  # the last slot takes outputs nobody reads
         self.template = [None] * self.num_slots
@@ -173,6 +173,46 @@ class Program:
                                                       sorted(written & read_later), pinned)
             if self.shape_function is not None:
                 self.first_steps = first_steps
+
+    @property
+    def shape_plan_bytes(self) -> int:
+        """What the remembered shape values hold (an encoder's position and token-type embeddings are shape-only:
+        [batch, seq, hidden] floats per signature)."""
+        return self._plan_tally.bytes
+
+    @shape_plan_bytes.setter
+    def shape_plan_bytes(self, value: int) -> None:
+        self._plan_tally.bytes = value
+
+    @property
+    def plan_evictions(self) -> int:
+        """Shape plans let go so far (what holds on to them notices: direct_run.py)."""
+        return self._plan_tally.evictions
+
+    @plan_evictions.setter
+    def plan_evictions(self, value: int) -> None:
+        self._plan_tally.evictions = value
+
+    def with_own_arena(self) -> Program:
+        """A copy for another execution context (kiln/runtime/engine.py CpuLane): the same layers (prepared
+        launches, packed weights), shape plans and shape function, shared; each native segment bound anew over an
+        arena of its own, planned the same (Segment.on_arena). Two contexts' runs then compute at once, where
+        segments over one arena take turns under its lock. A program without segments holds no activations
+        between runs: it is its own copy."""
+        if not self.segments:
+            return self
+        copy = object.__new__(Program)
+        copy.__dict__.update(self.__dict__)
+        arena = self.segments[0].arena  # the program's segments share one (kiln/runtime/native_runs.py)
+        sibling = arena.sibling() if arena is not None else None
+        owned = {id(segment) for segment in self.segments}
+        twins = {id(step): replace(step, fn=step.fn.on_arena(sibling))  # id of a segment's step -> the copy's
+                 for step in self.run_steps if id(step.fn) in owned}
+        copy.run_steps = [twins.get(id(s), s) for s in self.run_steps]
+        copy.lean_steps = [twins.get(id(s), s) for s in self.lean_steps]
+        copy.first_steps = [twins.get(id(s), s) for s in self.first_steps]
+        copy.segments = [twins[id(s)].fn for s in self.run_steps if id(s) in twins]
+        return copy
 
     def with_kernels(self, wrap: Callable[[int, Any], Any], keep_values: bool = False) -> Program:
         """A copy whose step i calls `wrap(i, kernel)` instead of its kernel (for tracing, timing,
@@ -242,12 +282,12 @@ class Program:
                 return
             self.shape_plans[signature] = values
             self._plan_sizes[signature] = size
-            self.shape_plan_bytes += size
-            while len(self.shape_plans) > 1 and (len(self.shape_plans) > SHAPE_PLANS
-                                                 or self.shape_plan_bytes > SHAPE_PLAN_BYTES):
+            tally = self._plan_tally
+            tally.bytes += size
+            while len(self.shape_plans) > 1 and (len(self.shape_plans) > SHAPE_PLANS or tally.bytes > SHAPE_PLAN_BYTES):
                 old, _ = self.shape_plans.popitem(last=False)
-                self.shape_plan_bytes -= self._plan_sizes.pop(old)
-                self.plan_evictions += 1
+                tally.bytes -= self._plan_sizes.pop(old)
+                tally.evictions += 1
 
     def _run_on_device(self, inputs: list[Any], outer: dict[str, Any] | None, plan: ShapePlan | None) -> list[Any]:
         """Host steps (every input a constant or shape-derived value) run on the CPU, once per input
@@ -305,6 +345,14 @@ class Program:
             for s in step.free:
                 env[s] = None
         return [env[s] for s in self.output_slots]
+
+
+@dataclass
+class _PlanTally:
+    """What a program's shape plans hold (bytes) and how many it let go (evictions)."""
+
+    bytes: int = 0
+    evictions: int = 0
 
 
 SHAPE_PLANS = 256  # input-shape signatures whose shape values a Program remembers (least recently used go): as

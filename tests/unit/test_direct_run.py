@@ -222,4 +222,6 @@ def test_torch_inputs_and_threads(dynamic_bert_tiny, counted):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert len(counted) == 3 * 10 * len(requests)
+    # each thread's context runs a lane of its own (its own arena and views, Engine.lend_lane): it binds each shape at
+    # its first calls (its binding measured at the second), then runs it directly
+    assert len(counted) >= 3 * (10 - 2) * len(requests)
