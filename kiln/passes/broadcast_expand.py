@@ -53,7 +53,8 @@ def _reader_refusal(reader: ir.Node, value: ir.Value) -> str | None:
         return f"{reader.op_type} {reader.name!r} reads {value.name!r} more than once"
     if any(v.shape is not None and broadcasts_into(full, list(v.shape)) for v in others):
         return None
-    return f"no other operand of {reader.op_type} {reader.name!r} has the shape {full} or one it broadcasts into"
+    shape = "[" + ", ".join(str(d) for d in full) + "]"  # symbols by name: [batch, 1, seq, seq]
+    return f"no other operand of {reader.op_type} {reader.name!r} has the shape {shape} or one it broadcasts into"
 
 
 def _lookup_refusal(gather: ir.Node, source: ir.Value, expanded: ir.Value) -> str | None:
