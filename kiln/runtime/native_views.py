@@ -139,6 +139,7 @@ class _PlanRewrite:
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
+        self._tables: dict[tuple, _ArgumentsTable] = {}  # by the oneDNN members a view binds, their answers' sharing
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -228,7 +229,7 @@ class _PlanRewrite:
         arguments = {}
         if bound:
             primitives, counts, addresses = self._arguments_at(bound, owned)
-            arguments = dict(zip(bound, zip(primitives, counts, addresses.tolist())))
+            arguments = dict(zip(bound, zip(primitives.tolist(), counts.tolist(), addresses.tolist())))
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
@@ -249,43 +250,83 @@ class _PlanRewrite:
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
     def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]
-                      ) -> tuple[list[int], list[int], np.ndarray]:
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(primitives, nargs, args addresses) of the oneDNN members in `bound` (member -> its primitive at a view's
         sizes), in its order: every member's execution arguments in one array, each role a memory object of its
         descriptor there at its arena address (one per descriptor and address); `owned` gets what they point at
-        (_HeldArguments)."""
-        ids: list[int] = []  # execution arguments, member after member ...
-        memories: list[int] = []  # ... and their memory objects
-        held: dict[tuple[int, int], Any] = {}
-        kept: list[Any] = []
+        (_HeldArguments). Where the array goes is the members' _ArgumentsTable (made at the first view of their
+        wiring): a view makes only its primitives' handles and memory objects, and writes them by numpy stores."""
+        index: dict[int, int] = {}  # a shared answer (mirrors share their layer's) -> its place among `shared`
+        groups = tuple([index.setdefault(id(sized), len(index)) for sized in bound.values()])
+        shared = list({id(sized): sized for sized in bound.values()}.values())
+        roles = tuple(tuple((role, argument) for role, argument, _md in sized.arguments.roles) for sized in shared)
+        key = (tuple(bound), groups, roles)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = _ArgumentsTable.of([self._members[k][9] for k in bound], groups, roles)
         handles: dict[int, Any] = {}  # a shared primitive -> the view's handle of it (onednn.own_primitive)
-        made_from: list[int] = []  # each member's shared primitive
-        primitives: list[int] = []
-        firsts: list[int] = []  # each member's first argument ...
-        counts: list[int] = []  # ... and how many
-        for k, sized in bound.items():
-            arguments, bind = sized.arguments, self._members[k][9]
-            addresses = bind.addresses
-            handle = handles.get(arguments.primitive)
-            if handle is None:  # the view's runs (under its template's lock) share no scratchpad with other locks'
-                handle = handles[arguments.primitive] = onednn.own_primitive(arguments.primitive)
-            made_from.append(arguments.primitive)
-            primitives.append(handle.value.value)
+        for sized in shared:  # the view's runs (under its template's lock) share no scratchpad with other locks'
+            primitive = sized.arguments.primitive
+            if primitive not in handles:
+                handles[primitive] = onednn.own_primitive(primitive)
+        held: dict[tuple[int, int], Any] = {}
+        memories = []  # each place's memory object
+        for group, j, address in table.places:
+            md = shared[group].arguments.roles[j][2]
+            memory = held.get((md, address))
+            if memory is None:
+                memory = held[md, address] = onednn.shared_memory(md, address)
+            memories.append(memory.value.value)
+        array = table.array.copy()  # dnnl_exec_arg_t's, in one array the collector does not track
+        array["memory"][table.role_positions] = np.array(memories, np.uintp)[table.role_places]
+        made_from = np.array([sized.arguments.primitive for sized in shared], np.uintp)[table.groups]
+        primitives = np.array([handles[sized.arguments.primitive].value.value for sized in shared],
+                              np.uintp)[table.groups]
+        owned.append(_HeldArguments(array, list(held.values()), [sized.arguments.keep for sized in shared],
+                                    list(handles.values()), made_from.tolist()))
+        return primitives, table.counts, table.offsets + np.uintp(array.ctypes.data)
+
+
+@dataclass(frozen=True)
+class _ArgumentsTable:
+    """Where a view's oneDNN members' execution arguments go in its one array, for members of one wiring: which
+    members share an answer (`groups`: a layer and its mirrors), the roles of each answer, each member's weight
+    and bias. Each entry of the array is a fixed argument (its id and memory object, written once here) or a role
+    of a member: the memory object of its answer's descriptor at the member's arena address, one per `places`
+    entry (answer, role, address), which a view makes and stores."""
+
+    array: np.ndarray  # _EXEC_ARG: ids, and the fixed arguments' memory objects
+    places: tuple[tuple[int, int, int], ...]  # (answer, its role j, address): a memory object each, per view
+    role_positions: np.ndarray  # the array's entries of roles ...
+    role_places: np.ndarray  # ... and the place of each
+    groups: np.ndarray  # each member's answer
+    counts: np.ndarray  # each member's arguments (int32) ...
+    offsets: np.ndarray  # ... and the byte offset of its first (uintp)
+
+    @classmethod
+    def of(cls, binds: list[_ArgumentsRewrite], groups: tuple[int, ...], roles: tuple[tuple[tuple[str, int], ...], ...]
+           ) -> _ArgumentsTable:
+        """The table of members `binds` (their _ArgumentsRewrite), member i answered by answer groups[i], whose roles
+        are roles[groups[i]] ((role, execution argument) each)."""
+        ids: list[int] = []
+        fixed: list[int] = []  # the memory object of each entry, 0 for a role's
+        places: dict[tuple[int, int, int], int] = {}
+        role_positions, role_places, counts, firsts = [], [], [], []
+        for bind, group in zip(binds, groups):
             firsts.append(len(ids))
-            counts.append(len(arguments.roles) + len(bind.fixed_ids))
-            for role, argument, md in arguments.roles:
-                memory = held.get((md, addresses[role]))
-                if memory is None:
-                    memory = held[md, addresses[role]] = onednn.shared_memory(md, addresses[role])
+            counts.append(len(roles[group]) + len(bind.fixed_ids))
+            for j, (role, argument) in enumerate(roles[group]):
+                role_positions.append(len(ids))
+                role_places.append(places.setdefault((group, j, bind.addresses[role]), len(places)))
                 ids.append(argument)
-                memories.append(memory.value.value)
+                fixed.append(0)
             ids += bind.fixed_ids
-            memories += bind.fixed_memories
-            kept.append(arguments.keep)
-        array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
-        array["arg"], array["memory"] = ids, memories
-        owned.append(_HeldArguments(array, list(held.values()), kept, list(handles.values()), made_from))
-        return primitives, counts, np.array(firsts, np.uintp) * _EXEC_ARG.itemsize + array.ctypes.data
+            fixed += bind.fixed_memories
+        array = np.empty(len(ids), _EXEC_ARG)
+        array["arg"], array["memory"] = ids, fixed
+        return cls(array, tuple(places), np.array(role_positions, np.intp), np.array(role_places, np.intp),
+                   np.array(groups, np.intp), np.array(counts, np.int32),
+                   np.array(firsts, np.uintp) * np.uintp(_EXEC_ARG.itemsize))
 
 
 _EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
@@ -433,7 +474,7 @@ class _CallImage:
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
 
-    def at(self, base: int, arguments: tuple[list[int], list[int], np.ndarray] | None) -> tuple:
+    def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (_PlanRewrite._arguments_at's, every such member's)."""
         objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
