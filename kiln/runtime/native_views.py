@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +129,7 @@ class _PlanRewrite:
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         # a view evaluates the members that mirror none (_mirrors) and writes every plan from their values
         self._schedule, remap, self._values = _mirrors(self._members, counts, sizes)
+        self._steps = _mirror_runs(self._schedule, self._members)
         self._words = [np.array(w, np.intp) for w in words]
         self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
         forms = _forms(template.members, template._natives)
@@ -154,7 +156,7 @@ class _PlanRewrite:
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         try:
-            for k, count, mirror in self._schedule:
+            for k, count, mirror in self._scheduled(sizes, bound, natives):
                 if mirror is not None:
                     for a, b in mirror.checks:
                         if sizes[a] != sizes[b]:
@@ -248,6 +250,19 @@ class _PlanRewrite:
             owned.append(owner)
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
+
+    def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
+                   ) -> Iterator[tuple[int, int, _Mirror | None]]:
+        """The schedule's members a view evaluates one by one, in order: a run of mirrors is copied at once
+        (_MirrorRun.copy) while no member is bound on another kernel (`natives` empty: every layer a mirror copies
+        has its rule's or primitive's answer), else its members are given one by one."""
+        for step in self._steps:
+            if type(step) is not _MirrorRun:
+                yield step
+            elif natives:
+                yield from step.members
+            else:
+                step.copy(sizes, bound)
 
     def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,6 +360,52 @@ class _Mirror:
     of: int
     checks: tuple[tuple[int, int], ...]  # (its input's slot, `of`'s): sizes a view compares
     outputs: tuple[tuple[int, int], ...]  # (its output's slot, `of`'s)
+
+
+@dataclass(frozen=True, slots=True)
+class _MirrorRun:
+    """Consecutive mirrors of a view's schedule, the first's checks before them (a transformer's layers after its
+    first: BERT-base's 76 mirrors are 3 runs), copied by a view at once: what a view's loop does for each (its output
+    sizes and oneDNN answer those of the member it mirrors), in the same order, as two dict updates."""
+
+    members: tuple[tuple[int, int, _Mirror], ...]  # the schedule's entries
+    checks: tuple[tuple[int, int], ...]  # the first member's
+    slots: tuple[int, ...]  # each output slot, in order ...
+    sames: tuple[int, ...]  # ... and the one whose size it takes
+    layers: tuple[int, ...]  # each oneDNN member, in order ...
+    answers_of: tuple[int, ...]  # ... and the member whose answer it takes
+
+    def copy(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive]) -> None:
+        """The run's sizes and oneDNN answers copied (ValueError where the first's checked sizes differ: the view
+        refuses, and the layers are bound one by one). Each update goes in order, so a mirror of a mirror in the
+        run takes what the run copied before it."""
+        for a, b in self.checks:
+            if sizes[a] != sizes[b]:
+                raise ValueError("a layer's sizes differ from those of the one it mirrors")
+        sizes.update(zip(self.slots, map(sizes.__getitem__, self.sames)))
+        bound.update(zip(self.layers, map(bound.__getitem__, self.answers_of)))
+
+
+def _mirror_runs(schedule: list[tuple[int, int, _Mirror | None]], members: list[tuple]
+                 ) -> list[tuple[int, int, _Mirror | None] | _MirrorRun]:
+    """`schedule` with each run of consecutive mirrors, split before every mirror with checks, as a _MirrorRun."""
+    steps: list = []
+    run: list[tuple[int, int, _Mirror]] = []
+    for entry in [*schedule, (None, 0, None)]:
+        mirror = entry[2]
+        if run and (mirror is None or mirror.checks):
+            outputs = [pair for _, _, m in run for pair in m.outputs]
+            layers = [(k, m.of) for k, _, m in run if members[k][9] is not None]
+            steps.append(_MirrorRun(tuple(run), run[0][2].checks, tuple(s for s, _ in outputs),
+                                    tuple(s for _, s in outputs), tuple(k for k, _ in layers),
+                                    tuple(of for _, of in layers)))
+            run = []
+        if mirror is None:
+            if entry[0] is not None:
+                steps.append(entry)
+        else:
+            run.append(entry)
+    return steps
 
 
 def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
