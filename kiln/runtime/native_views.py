@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,7 @@ class _PlanRewrite:
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
         self._tables: dict[tuple, _ArgumentsTable] = {}  # by the oneDNN members a view binds, their answers' sharing
+        self._handles = _ViewHandles()
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -153,8 +155,8 @@ class _PlanRewrite:
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
         bound: dict[int, SizedPrimitive] = {}  # the oneDNN members whose arguments are rewritten (no NativeStep made)
-        worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
+        worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         try:
             for k, count, mirror in self._scheduled(sizes, bound, natives):
                 if mirror is not None:
@@ -279,11 +281,11 @@ class _PlanRewrite:
         table = self._tables.get(key)
         if table is None:
             table = self._tables[key] = _ArgumentsTable.of([self._members[k][9] for k in bound], groups, roles)
-        handles: dict[int, Any] = {}  # a shared primitive -> the view's handle of it (onednn.own_primitive)
-        for sized in shared:  # the view's runs (under its template's lock) share no scratchpad with other locks'
+        handles: dict[int, Any] = {}  # a shared primitive -> the views' handle of it (_ViewHandles)
+        for sized in shared:
             primitive = sized.arguments.primitive
             if primitive not in handles:
-                handles[primitive] = onednn.own_primitive(primitive)
+                handles[primitive] = self._handles.of(sized.arguments)
         held: dict[tuple[int, int], Any] = {}
         memories = []  # each place's memory object
         for group, j, address in table.places:
@@ -300,6 +302,32 @@ class _PlanRewrite:
         owned.append(_HeldArguments(array, list(held.values()), [sized.arguments.keep for sized in shared],
                                     list(handles.values()), made_from.tolist()))
         return primitives, table.counts, table.offsets + np.uintp(array.ctypes.data)
+
+
+VIEW_HANDLES = 256  # primitive handles a template's views share, least recently used out (as many as VIEWS)
+
+
+class _ViewHandles:
+    """A handle of each shared primitive (onednn.own_primitive) that a template's views run, kept across views: a new
+    shape at a row count seen before (1 x 2s after 2 x s; the primitive is the rows') makes none (3 for BERT-base,
+    ~10 µs each). The views share them because they run under their template's lock, one at a time: no other lock's
+    runs share a handle's scratchpad. Views are bound under their segment's resize lock."""
+
+    def __init__(self) -> None:
+        self._handles: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # primitive -> (what keeps it, handle)
+
+    def of(self, arguments: onednn.RoleArguments) -> Any:
+        """The views' handle of `arguments`' primitive (kept with what keeps the primitive alive: while it is here,
+        no other primitive has its address)."""
+        found = self._handles.get(arguments.primitive)
+        if found is not None:
+            self._handles.move_to_end(arguments.primitive)
+            return found[1]
+        handle = onednn.own_primitive(arguments.primitive)
+        self._handles[arguments.primitive] = (arguments.keep, handle)
+        if len(self._handles) > VIEW_HANDLES:
+            self._handles.popitem(last=False)
+        return handle
 
 
 @dataclass(frozen=True)
@@ -492,7 +520,7 @@ class _HeldArguments:
     array: np.ndarray
     memories: list[Any]
     kept: list[Any]
-    handles: list[Any]  # the primitive handles the calls run, the view's own (onednn.own_primitive)
+    handles: list[Any]  # the primitive handles the calls run, its template's views' (_ViewHandles)
     made_from: list[int]  # each call's shared primitive, in member order
 
 
