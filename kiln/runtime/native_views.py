@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +20,9 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
-from kiln.runtime.step import BoundStep
+from kiln.runtime.view_arguments import ViewArguments, arguments_layout
 from kiln.tactics.traced_rules import TracedRule
-from kiln.tactics.tactic import NativeStep, PrimitiveRule, SizedPrimitive, native_strides, row_major_strides
+from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
 
 def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
@@ -93,7 +92,7 @@ class _PlanRewrite:
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
         # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
-        # a oneDNN layer whose arguments a view writes (_ArgumentsRewrite) or None)
+        # a oneDNN layer whose arguments a view writes (ArgumentsRewrite) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values the members' rules give, in member order
@@ -111,7 +110,7 @@ class _PlanRewrite:
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
                 bind = None if call is None or template._accumulate[k] else \
-                    _arguments_layout(m, native, template.bound[call], arg, template._address)
+                    arguments_layout(m, native, template.bound[call], arg, template._address)
                 self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
                 counts.append(0)
                 continue
@@ -142,8 +141,8 @@ class _PlanRewrite:
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
-        self._tables: dict[tuple, _ArgumentsTable] = {}  # by the oneDNN members a view binds, their answers' sharing
-        self._handles = _ViewHandles()
+        self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
+        self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -155,8 +154,8 @@ class _PlanRewrite:
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
         bound: dict[int, SizedPrimitive] = {}  # the oneDNN members whose arguments are rewritten (no NativeStep made)
-        primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
+        primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         try:
             for k, count, mirror in self._scheduled(sizes, bound, natives):
                 if mirror is not None:
@@ -227,12 +226,12 @@ class _PlanRewrite:
         entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
         owned = [buffer]
         if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
-            c = self._calls.at(base, self._arguments_at(bound, owned) if bound else None)
+            c = self._calls.at(base, self._arguments.at(bound, self._binds, owned) if bound else None)
             return _Resized(template, {PARALLEL: c}, template._names, exit_shapes, entry_forms, owned)
         owners, member_calls, anew = [], [], set()
         arguments = {}
         if bound:
-            primitives, counts, addresses = self._arguments_at(bound, owned)
+            primitives, counts, addresses = self._arguments.at(bound, self._binds, owned)
             arguments = dict(zip(bound, zip(primitives.tolist(), counts.tolist(), addresses.tolist())))
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
@@ -265,115 +264,6 @@ class _PlanRewrite:
                 yield from step.members
             else:
                 step.copy(sizes, bound)
-
-    def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(primitives, nargs, args addresses) of the oneDNN members in `bound` (member -> its primitive at a view's
-        sizes), in its order: every member's execution arguments in one array, each role a memory object of its
-        descriptor there at its arena address (one per descriptor and address); `owned` gets what they point at
-        (_HeldArguments). Where the array goes is the members' _ArgumentsTable (made at the first view of their
-        wiring): a view makes only its primitives' handles and memory objects, and writes them by numpy stores."""
-        index: dict[int, int] = {}  # a shared answer (mirrors share their layer's) -> its place among `shared`
-        groups = tuple([index.setdefault(id(sized), len(index)) for sized in bound.values()])
-        shared = list({id(sized): sized for sized in bound.values()}.values())
-        roles = tuple(tuple((role, argument) for role, argument, _md in sized.arguments.roles) for sized in shared)
-        key = (tuple(bound), groups, roles)
-        table = self._tables.get(key)
-        if table is None:
-            table = self._tables[key] = _ArgumentsTable.of([self._members[k][9] for k in bound], groups, roles)
-        handles: dict[int, Any] = {}  # a shared primitive -> the views' handle of it (_ViewHandles)
-        for sized in shared:
-            primitive = sized.arguments.primitive
-            if primitive not in handles:
-                handles[primitive] = self._handles.of(sized.arguments)
-        held: dict[tuple[int, int], Any] = {}
-        memories = []  # each place's memory object
-        for group, j, address in table.places:
-            md = shared[group].arguments.roles[j][2]
-            memory = held.get((md, address))
-            if memory is None:
-                memory = held[md, address] = onednn.shared_memory(md, address)
-            memories.append(memory.value.value)
-        array = table.array.copy()  # dnnl_exec_arg_t's, in one array the collector does not track
-        array["memory"][table.role_positions] = np.array(memories, np.uintp)[table.role_places]
-        made_from = np.array([sized.arguments.primitive for sized in shared], np.uintp)[table.groups]
-        primitives = np.array([handles[sized.arguments.primitive].value.value for sized in shared],
-                              np.uintp)[table.groups]
-        owned.append(_HeldArguments(array, list(held.values()), [sized.arguments.keep for sized in shared],
-                                    list(handles.values()), made_from.tolist()))
-        return primitives, table.counts, table.offsets + np.uintp(array.ctypes.data)
-
-
-VIEW_HANDLES = 256  # primitive handles a template's views share, least recently used out (as many as VIEWS)
-
-
-class _ViewHandles:
-    """A handle of each shared primitive (onednn.own_primitive) that a template's views run, kept across views: a new
-    shape at a row count seen before (1 x 2s after 2 x s; the primitive is the rows') makes none (3 for BERT-base,
-    ~10 µs each). The views share them because they run under their template's lock, one at a time: no other lock's
-    runs share a handle's scratchpad. Views are bound under their segment's resize lock."""
-
-    def __init__(self) -> None:
-        self._handles: OrderedDict[int, tuple[Any, Any]] = OrderedDict()  # primitive -> (what keeps it, handle)
-
-    def of(self, arguments: onednn.RoleArguments) -> Any:
-        """The views' handle of `arguments`' primitive (kept with what keeps the primitive alive: while it is here,
-        no other primitive has its address)."""
-        found = self._handles.get(arguments.primitive)
-        if found is not None:
-            self._handles.move_to_end(arguments.primitive)
-            return found[1]
-        handle = onednn.own_primitive(arguments.primitive)
-        self._handles[arguments.primitive] = (arguments.keep, handle)
-        if len(self._handles) > VIEW_HANDLES:
-            self._handles.popitem(last=False)
-        return handle
-
-
-@dataclass(frozen=True)
-class _ArgumentsTable:
-    """Where a view's oneDNN members' execution arguments go in its one array, for members of one wiring: which
-    members share an answer (`groups`: a layer and its mirrors), the roles of each answer, each member's weight
-    and bias. Each entry of the array is a fixed argument (its id and memory object, written once here) or a role
-    of a member: the memory object of its answer's descriptor at the member's arena address, one per `places`
-    entry (answer, role, address), which a view makes and stores."""
-
-    array: np.ndarray  # _EXEC_ARG: ids, and the fixed arguments' memory objects
-    places: tuple[tuple[int, int, int], ...]  # (answer, its role j, address): a memory object each, per view
-    role_positions: np.ndarray  # the array's entries of roles ...
-    role_places: np.ndarray  # ... and the place of each
-    groups: np.ndarray  # each member's answer
-    counts: np.ndarray  # each member's arguments (int32) ...
-    offsets: np.ndarray  # ... and the byte offset of its first (uintp)
-
-    @classmethod
-    def of(cls, binds: list[_ArgumentsRewrite], groups: tuple[int, ...], roles: tuple[tuple[tuple[str, int], ...], ...]
-           ) -> _ArgumentsTable:
-        """The table of members `binds` (their _ArgumentsRewrite), member i answered by answer groups[i], whose roles
-        are roles[groups[i]] ((role, execution argument) each)."""
-        ids: list[int] = []
-        fixed: list[int] = []  # the memory object of each entry, 0 for a role's
-        places: dict[tuple[int, int, int], int] = {}
-        role_positions, role_places, counts, firsts = [], [], [], []
-        for bind, group in zip(binds, groups):
-            firsts.append(len(ids))
-            counts.append(len(roles[group]) + len(bind.fixed_ids))
-            for j, (role, argument) in enumerate(roles[group]):
-                role_positions.append(len(ids))
-                role_places.append(places.setdefault((group, j, bind.addresses[role]), len(places)))
-                ids.append(argument)
-                fixed.append(0)
-            ids += bind.fixed_ids
-            fixed += bind.fixed_memories
-        array = np.empty(len(ids), _EXEC_ARG)
-        array["arg"], array["memory"] = ids, fixed
-        return cls(array, tuple(places), np.array(role_positions, np.intp), np.array(role_places, np.intp),
-                   np.array(groups, np.intp), np.array(counts, np.int32),
-                   np.array(firsts, np.uintp) * np.uintp(_EXEC_ARG.itemsize))
-
-
-_EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
-
 
 MIRROR_PERIODS = 64  # the longest layer _mirrors looks for (members): its search is this many passes over a segment
 
@@ -512,18 +402,6 @@ def _mirror(member: tuple, earlier: tuple, of: int, period: int, made: dict[int,
     return _Mirror(of, tuple(checks), tuple((slot, slot_e) for (_, slot), (_, slot_e) in zip(outputs, outputs_e)))
 
 
-@dataclass
-class _HeldArguments:
-    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, what
-    their primitives need alive (RoleArguments.keep) and the handles they run."""
-
-    array: np.ndarray
-    memories: list[Any]
-    kept: list[Any]
-    handles: list[Any]  # the primitive handles the calls run, its template's views' (_ViewHandles)
-    made_from: list[int]  # each call's shared primitive, in member order
-
-
 @dataclass(frozen=True)
 class _CallImage:
     """A template's compiled-loop arrays (Segment._c_loop's) as numpy images, for its views whose every member is
@@ -565,7 +443,7 @@ class _CallImage:
 
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
-        are `arguments` (_PlanRewrite._arguments_at's, every such member's)."""
+        are `arguments` (ViewArguments.at's, every such member's)."""
         objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
         objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
         if arguments is not None:
@@ -574,42 +452,6 @@ class _CallImage:
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
                 type(_objects).from_buffer(objects), type(_nargs).from_buffer(nargs), type(_args).from_buffer(args),
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
-
-
-@dataclass(frozen=True, slots=True)
-class _ArgumentsRewrite:
-    """A oneDNN member whose execution arguments a view writes (NativeStep.primitive_at): its rule, the arena
-    address of each role it binds, and its own arguments after them (the rule's `fixed`: ids, memory objects)."""
-
-    rule: PrimitiveRule
-    addresses: dict[str, int]
-    fixed_ids: tuple[int, ...]
-    fixed_memories: tuple[int, ...]
-
-
-def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, address: dict[int, int]
-                      ) -> _ArgumentsRewrite | None:
-    """How a view writes a oneDNN member's arguments, or None: no primitive rule, a role an entry or exit (a run
-    points it elsewhere), a template call in a serial form (a view would lose it), or a template call of oneDNN
-    (`bound`) that the rule does not give back at its own sizes (`arg`), arguments and all."""
-    if native.primitive_at is None or getattr(bound, "serial_primitive", None) is not None:
-        return None
-    slots = {"src": m.inputs[0], "dst": m.outputs[0]}
-    if native.residual_input is not None:
-        slots["residual"] = m.inputs[native.residual_input]
-    addresses = {role: address.get(slot, 0) for role, slot in slots.items()}
-    if not all(addresses.values()):
-        return None
-    if type(bound) is onednn.Bound:  # else the template runs this layer on another kernel at its sizes
-        sized = native.primitive_at(arg)
-        got = None if sized is None else sized.arguments
-        given = [(a.arg, a.memory) for a in bound.args]
-        if got is None or got.primitive != bound.made_from or got.roles != bound.roles \
-                or given[len(got.roles):] != list(native.primitive_at.fixed):
-            return None
-    fixed = native.primitive_at.fixed
-    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(argument for argument, _ in fixed),
-                             tuple(memory for _, memory in fixed))
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
