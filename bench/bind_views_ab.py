@@ -7,8 +7,9 @@ Both engines run one stream of new shapes (BERT-like inputs input_ids and attent
 padding of first calls off), each shape on A and B back to back, the order flipped every shape, so both see the
 same load and the same cold caches after a run. Thread CPU time of the shape values (ShapeFunction), of binding the
 view (Segment._bind_sizes, in the stream: cold), of binding it again with the views dropped (--hot passes,
-interleaved: hot) and of the first call minus its repeat. Only native_views differs between A and B: the rest of the
-code is this tree's, so it measures a change to views (and, with two engines, one built by each tree: their graphs).
+interleaved: hot) and of the first call minus its repeat. Only native_views.py differs between A and B (what it
+imports is this tree's: a revision whose native_views needs another kiln/runtime/view_arguments.py is not comparable
+this way), so it measures a change to views (and, with two engines, one built by each tree: their graphs).
 On a shared machine this is steadier than alternating processes: load moves both sides alike.
 """
 
@@ -103,8 +104,9 @@ def main() -> None:
                 contexts[i].run(feeds)
                 calls.append((time.thread_time_ns() - start) / 1e3)
             times[i, ROWS[3]].append(calls[0] - calls[1])
-    if not all(type(v).__module__ == other.__name__ for v in segments[0].resized.values() if v is not None):
-        raise RuntimeError("engine A's views were not bound by the other revision's native_views")
+    for segment, module in zip(segments, (other.__name__, "kiln.runtime.native_views")):
+        if not all(type(v).__module__ == module for v in segment.resized.values()):  # None: the layers ran one by one
+            raise RuntimeError(f"a view of {segment} was not bound by {module}")
     for _ in range(args.hot):
         for j in range(0, len(bound), 2):  # the stream's pairs, A and B back to back
             for segment, key in bound[j:j + 2]:

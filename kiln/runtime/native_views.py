@@ -283,7 +283,7 @@ class _Mirror:
 @dataclass(frozen=True, slots=True)
 class _MirrorRun:
     """Consecutive mirrors of a view's schedule, the first's checks before them (a transformer's layers after its
-    first: BERT-base's 76 mirrors are 3 runs), copied by a view at once: what a view's loop does for each (its output
+    first: BERT-base's 76 mirrors are 2 runs), copied by a view at once: what a view's loop does for each (its output
     sizes and oneDNN answer those of the member it mirrors), in the same order, as two dict updates."""
 
     members: tuple[tuple[int, int, _Mirror], ...]  # the schedule's entries
