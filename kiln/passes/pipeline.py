@@ -20,6 +20,7 @@ from kiln.ops.registry import lookup
 from kiln.passes import fusion
 from kiln.passes._rewrite import WEIGHTS_APART, PassReport, graphs_of, run_rule, shares_weights
 from kiln.passes.batchnorm import fold_batchnorm_and_affine
+from kiln.passes.broadcast_expand import drop_broadcast_expands
 from kiln.passes.dce import eliminate_dead_code
 from kiln.passes.fold import fold_constants
 from kiln.passes.fusion.qdq_propagate import RULE_UNSIGNED, use_unsigned_activations
@@ -74,6 +75,9 @@ def cleanup(model: ir.Model, report: PassReport, check=lambda model, stage: None
     # Identity, inference Dropout, Reshape/Transpose/Cast chains that cancel.
     remove_noops(model, report)
     check(model, "remove_noops")
+    # An Expand whose readers broadcast anyway (BERT's token-type ids at batch > 1) copies for nothing.
+    drop_broadcast_expands(model, report)
+    check(model, "drop_broadcast_expands")
     # Folding may expose more constants (a Reshape of a folded shape); one more round.
     fold_constants(model, report)
     # Identical subexpressions (same op, inputs, attributes) need computing once.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +20,9 @@ import torch
 from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
-from kiln.runtime.step import BoundStep
+from kiln.runtime.view_arguments import ViewArguments, arguments_layout
 from kiln.tactics.traced_rules import TracedRule
-from kiln.tactics.tactic import NativeStep, PrimitiveRule, SizedPrimitive, native_strides, row_major_strides
+from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
 
 def _c_loop_over(c: tuple, calls: list, template_calls: list) -> tuple:
@@ -91,7 +92,7 @@ class _PlanRewrite:
         # per member: (its rule or None, at, reads, x: as Segment._resizers, the residual's slot or None,
         # [(output j, slot)] of the values it writes, its plan's function and offset in a view's buffer or None,
         # what its rule's result follows besides the sizes (its key, the step inputs it reads), the slots it reads,
-        # a oneDNN layer whose arguments a view writes (_ArgumentsRewrite) or None)
+        # a oneDNN layer whose arguments a view writes (ArgumentsRewrite) or None)
         self._members: list[tuple] = []
         words: tuple[list[int], list[int], list[int], list[int]] = ([], [], [], [])  # int64 word, value; int32 ...
         values = 0  # values the members' rules give, in member order
@@ -109,7 +110,7 @@ class _PlanRewrite:
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
             if layout is None:
                 bind = None if call is None or template._accumulate[k] else \
-                    _arguments_layout(m, native, template.bound[call], arg, template._address)
+                    arguments_layout(m, native, template.bound[call], arg, template._address)
                 self._members.append((None, at, reads, x, residual, outputs, None, None, (), bind))
                 counts.append(0)
                 continue
@@ -128,6 +129,7 @@ class _PlanRewrite:
         self._image = np.frombuffer(bytes(image), np.int64)  # 16-byte multiples
         # a view evaluates the members that mirror none (_mirrors) and writes every plan from their values
         self._schedule, remap, self._values = _mirrors(self._members, counts, sizes)
+        self._steps = _mirror_runs(self._schedule, self._members)
         self._words = [np.array(w, np.intp) for w in words]
         self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
         forms = _forms(template.members, template._natives)
@@ -139,6 +141,8 @@ class _PlanRewrite:
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
+        self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
+        self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -153,7 +157,7 @@ class _PlanRewrite:
         worked: dict[tuple, tuple[tuple, list[int]]] = {}  # a rule's key and sizes -> (output sizes, values)
         primitives: dict[tuple, SizedPrimitive | None] = {}  # a primitive rule's key and size -> its answer
         try:
-            for k, count, mirror in self._schedule:
+            for k, count, mirror in self._scheduled(sizes, bound, natives):
                 if mirror is not None:
                     for a, b in mirror.checks:
                         if sizes[a] != sizes[b]:
@@ -222,13 +226,13 @@ class _PlanRewrite:
         entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
         owned = [buffer]
         if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
-            c = self._calls.at(base, self._arguments_at(bound, owned) if bound else None)
+            c = self._calls.at(base, self._arguments.at(bound, self._binds, owned) if bound else None)
             return _Resized(template, {PARALLEL: c}, template._names, exit_shapes, entry_forms, owned)
         owners, member_calls, anew = [], [], set()
         arguments = {}
         if bound:
-            primitives, counts, addresses = self._arguments_at(bound, owned)
-            arguments = dict(zip(bound, zip(primitives, counts, addresses.tolist())))
+            primitives, counts, addresses = self._arguments.at(bound, self._binds, owned)
+            arguments = dict(zip(bound, zip(primitives.tolist(), counts.tolist(), addresses.tolist())))
         for b, k in zip(template.bound, template._bound_members):
             placed = self._members[k][6]
             if placed is not None:  # the copy points at the template call's memory objects
@@ -248,48 +252,18 @@ class _PlanRewrite:
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
-    def _arguments_at(self, bound: dict[int, SizedPrimitive], owned: list[Any]
-                      ) -> tuple[list[int], list[int], np.ndarray]:
-        """(primitives, nargs, args addresses) of the oneDNN members in `bound` (member -> its primitive at a view's
-        sizes), in its order: every member's execution arguments in one array, each role a memory object of its
-        descriptor there at its arena address (one per descriptor and address); `owned` gets what they point at
-        (_HeldArguments)."""
-        ids: list[int] = []  # execution arguments, member after member ...
-        memories: list[int] = []  # ... and their memory objects
-        held: dict[tuple[int, int], Any] = {}
-        kept: list[Any] = []
-        handles: dict[int, Any] = {}  # a shared primitive -> the view's handle of it (onednn.own_primitive)
-        made_from: list[int] = []  # each member's shared primitive
-        primitives: list[int] = []
-        firsts: list[int] = []  # each member's first argument ...
-        counts: list[int] = []  # ... and how many
-        for k, sized in bound.items():
-            arguments, bind = sized.arguments, self._members[k][9]
-            addresses = bind.addresses
-            handle = handles.get(arguments.primitive)
-            if handle is None:  # the view's runs (under its template's lock) share no scratchpad with other locks'
-                handle = handles[arguments.primitive] = onednn.own_primitive(arguments.primitive)
-            made_from.append(arguments.primitive)
-            primitives.append(handle.value.value)
-            firsts.append(len(ids))
-            counts.append(len(arguments.roles) + len(bind.fixed_ids))
-            for role, argument, md in arguments.roles:
-                memory = held.get((md, addresses[role]))
-                if memory is None:
-                    memory = held[md, addresses[role]] = onednn.shared_memory(md, addresses[role])
-                ids.append(argument)
-                memories.append(memory.value.value)
-            ids += bind.fixed_ids
-            memories += bind.fixed_memories
-            kept.append(arguments.keep)
-        array = np.empty(len(ids), _EXEC_ARG)  # dnnl_exec_arg_t's, in one array the collector does not track
-        array["arg"], array["memory"] = ids, memories
-        owned.append(_HeldArguments(array, list(held.values()), kept, list(handles.values()), made_from))
-        return primitives, counts, np.array(firsts, np.uintp) * _EXEC_ARG.itemsize + array.ctypes.data
-
-
-_EXEC_ARG = np.dtype([("arg", np.int32), ("memory", np.uintp)], align=True)  # dnnl_exec_arg_t, as C lays it out
-
+    def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
+                   ) -> Iterator[tuple[int, int, _Mirror | None]]:
+        """The schedule's members a view evaluates one by one, in order: a run of mirrors is copied at once
+        (_MirrorRun.copy) while no member is bound on another kernel (`natives` empty: every layer a mirror copies
+        has its rule's or primitive's answer), else its members are given one by one."""
+        for step in self._steps:
+            if type(step) is not _MirrorRun:
+                yield step
+            elif natives:
+                yield from step.members
+            else:
+                step.copy(sizes, bound)
 
 MIRROR_PERIODS = 64  # the longest layer _mirrors looks for (members): its search is this many passes over a segment
 
@@ -304,6 +278,52 @@ class _Mirror:
     of: int
     checks: tuple[tuple[int, int], ...]  # (its input's slot, `of`'s): sizes a view compares
     outputs: tuple[tuple[int, int], ...]  # (its output's slot, `of`'s)
+
+
+@dataclass(frozen=True, slots=True)
+class _MirrorRun:
+    """Consecutive mirrors of a view's schedule, the first's checks before them (a transformer's layers after its
+    first: BERT-base's 76 mirrors are 2 runs), copied by a view at once: what a view's loop does for each (its output
+    sizes and oneDNN answer those of the member it mirrors), in the same order, as two dict updates."""
+
+    members: tuple[tuple[int, int, _Mirror], ...]  # the schedule's entries
+    checks: tuple[tuple[int, int], ...]  # the first member's
+    slots: tuple[int, ...]  # each output slot, in order ...
+    sames: tuple[int, ...]  # ... and the one whose size it takes
+    layers: tuple[int, ...]  # each oneDNN member, in order ...
+    answers_of: tuple[int, ...]  # ... and the member whose answer it takes
+
+    def copy(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive]) -> None:
+        """The run's sizes and oneDNN answers copied (ValueError where the first's checked sizes differ: the view
+        refuses, and the layers are bound one by one). Each update goes in order, so a mirror of a mirror in the
+        run takes what the run copied before it."""
+        for a, b in self.checks:
+            if sizes[a] != sizes[b]:
+                raise ValueError("a layer's sizes differ from those of the one it mirrors")
+        sizes.update(zip(self.slots, map(sizes.__getitem__, self.sames)))
+        bound.update(zip(self.layers, map(bound.__getitem__, self.answers_of)))
+
+
+def _mirror_runs(schedule: list[tuple[int, int, _Mirror | None]], members: list[tuple]
+                 ) -> list[tuple[int, int, _Mirror | None] | _MirrorRun]:
+    """`schedule` with each run of consecutive mirrors, split before every mirror with checks, as a _MirrorRun."""
+    steps: list = []
+    run: list[tuple[int, int, _Mirror]] = []
+    for entry in [*schedule, (None, 0, None)]:
+        mirror = entry[2]
+        if run and (mirror is None or mirror.checks):
+            outputs = [pair for _, _, m in run for pair in m.outputs]
+            layers = [(k, m.of) for k, _, m in run if members[k][9] is not None]
+            steps.append(_MirrorRun(tuple(run), run[0][2].checks, tuple(s for s, _ in outputs),
+                                    tuple(s for _, s in outputs), tuple(k for k, _ in layers),
+                                    tuple(of for _, of in layers)))
+            run = []
+        if mirror is None:
+            if entry[0] is not None:
+                steps.append(entry)
+        else:
+            run.append(entry)
+    return steps
 
 
 def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
@@ -382,18 +402,6 @@ def _mirror(member: tuple, earlier: tuple, of: int, period: int, made: dict[int,
     return _Mirror(of, tuple(checks), tuple((slot, slot_e) for (_, slot), (_, slot_e) in zip(outputs, outputs_e)))
 
 
-@dataclass
-class _HeldArguments:
-    """What a view's rewritten oneDNN calls point at: their execution arguments, the memory objects those name, what
-    their primitives need alive (RoleArguments.keep) and the handles they run."""
-
-    array: np.ndarray
-    memories: list[Any]
-    kept: list[Any]
-    handles: list[Any]  # the primitive handles the calls run, the view's own (onednn.own_primitive)
-    made_from: list[int]  # each call's shared primitive, in member order
-
-
 @dataclass(frozen=True)
 class _CallImage:
     """A template's compiled-loop arrays (Segment._c_loop's) as numpy images, for its views whose every member is
@@ -433,9 +441,9 @@ class _CallImage:
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
 
-    def at(self, base: int, arguments: tuple[list[int], list[int], np.ndarray] | None) -> tuple:
+    def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
-        are `arguments` (_PlanRewrite._arguments_at's, every such member's)."""
+        are `arguments` (ViewArguments.at's, every such member's)."""
         objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
         objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
         if arguments is not None:
@@ -444,42 +452,6 @@ class _CallImage:
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
                 type(_objects).from_buffer(objects), type(_nargs).from_buffer(nargs), type(_args).from_buffer(args),
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
-
-
-@dataclass(frozen=True, slots=True)
-class _ArgumentsRewrite:
-    """A oneDNN member whose execution arguments a view writes (NativeStep.primitive_at): its rule, the arena
-    address of each role it binds, and its own arguments after them (the rule's `fixed`: ids, memory objects)."""
-
-    rule: PrimitiveRule
-    addresses: dict[str, int]
-    fixed_ids: tuple[int, ...]
-    fixed_memories: tuple[int, ...]
-
-
-def _arguments_layout(m: BoundStep, native: NativeStep, bound: Any, arg: Any, address: dict[int, int]
-                      ) -> _ArgumentsRewrite | None:
-    """How a view writes a oneDNN member's arguments, or None: no primitive rule, a role an entry or exit (a run
-    points it elsewhere), a template call in a serial form (a view would lose it), or a template call of oneDNN
-    (`bound`) that the rule does not give back at its own sizes (`arg`), arguments and all."""
-    if native.primitive_at is None or getattr(bound, "serial_primitive", None) is not None:
-        return None
-    slots = {"src": m.inputs[0], "dst": m.outputs[0]}
-    if native.residual_input is not None:
-        slots["residual"] = m.inputs[native.residual_input]
-    addresses = {role: address.get(slot, 0) for role, slot in slots.items()}
-    if not all(addresses.values()):
-        return None
-    if type(bound) is onednn.Bound:  # else the template runs this layer on another kernel at its sizes
-        sized = native.primitive_at(arg)
-        got = None if sized is None else sized.arguments
-        given = [(a.arg, a.memory) for a in bound.args]
-        if got is None or got.primitive != bound.made_from or got.roles != bound.roles \
-                or given[len(got.roles):] != list(native.primitive_at.fixed):
-            return None
-    fixed = native.primitive_at.fixed
-    return _ArgumentsRewrite(native.primitive_at, addresses, tuple(argument for argument, _ in fixed),
-                             tuple(memory for _, memory in fixed))
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

@@ -27,7 +27,7 @@ from kiln.kernels.cpu.form_choice import PARALLEL
 from kiln.kernels.cpu import transformer as kernels
 from kiln.ops.registry import lookup
 from kiln.runtime import context as context_module
-from kiln.runtime import native, native_views
+from kiln.runtime import native, view_arguments
 from kiln.runtime import program as program_module
 from kiln.runtime import shape_function
 from kiln.tactics import registry
@@ -274,6 +274,32 @@ def test_onednn_layers_of_a_new_shape_run_the_shared_primitive_on_rewritten_argu
         np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")
 
 
+def test_views_at_a_row_count_seen_before_run_its_handles(bert, monkeypatch):
+    """Views of one template at shapes of one row count (2 x 12, then 1 x 24 and 3 x 8) run the same oneDNN handles
+    (made once, kept across views: view_arguments.ViewHandles), which no other template's views run; each matches
+    onnxruntime."""
+    engine, session = bert
+    monkeypatch.setattr(onednn_tactics, "ONEDNN_FROM_MACS", 0)  # every other row count on an inner product
+    (segment,) = engine.program.segments
+    segment.resized.clear()
+    context = engine.create_execution_context(pad_first_calls=False)
+    context.run(request(6, 80))  # the template grows to the profile's largest: the views below are of it
+    handles = []
+    for b, s in ((2, 12), (1, 24), (3, 8)):
+        x = request(b, s)
+        got = next(iter(context.run(x).values()))
+        view = segment.resized[next(reversed(segment.resized))]
+        (held,) = [o for o in view._owned if isinstance(o, view_arguments.HeldArguments)]
+        handles.append(sorted(h.value.value for h in held.handles))
+        real = x["attention_mask"].astype(bool)
+        np.testing.assert_allclose(got[real], session.run(None, x)[0][real], atol=ATOL, rtol=RTOL, err_msg=f"{b}x{s}")
+    assert handles[0] and handles[0] == handles[1] == handles[2]
+    assert not set(handles[0]) & set(held.made_from)  # the views' own handles, not the shared primitives
+    other = [o for v in segment.resized.values() if v is not None and v.template is not view.template
+             for o in v._owned if isinstance(o, view_arguments.HeldArguments)]
+    assert not {h.value.value for o in other for h in o.handles} & set(handles[0])
+
+
 def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch):
     """Each oneDNN member of a view at a fresh shape runs the primitive its layer binds member by member at those rows
     (_bind_member) on the same execution arguments: the layer's own weight and bias memory objects, and for each role
@@ -302,7 +328,7 @@ def test_rewritten_arguments_are_the_ones_a_bound_member_holds(bert, monkeypatch
         loop = segment.resized[key]._c[PARALLEL]
         assert set(template._call_counts) == {1} and loop[7] == len(template._bound_members)
         # rewritten: its arguments in the view's one array (a member bound anew, at rows another kernel takes, is not)
-        (held,) = [o for o in segment.resized[key]._owned if isinstance(o, native_views._HeldArguments)]
+        (held,) = [o for o in segment.resized[key]._owned if isinstance(o, view_arguments.HeldArguments)]
         start = held.array.ctypes.data
         rewritten = [i for i in range(loop[7]) if loop[9][i] and start <= loop[10][i] < start + held.array.nbytes]
         assert rewritten, f"no oneDNN member of the {b}x{s} view was rewritten"
