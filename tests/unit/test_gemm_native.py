@@ -183,10 +183,10 @@ def test_threads_follow_torch_and_agree(m, k, n, small, pack):
 
 
 def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int]]:
-    """M x K x N drawn at random: M around the AVX2 tile's whole-K / K-blocked switch (AVX2_SMALL_ROWS) and up
+    """M x K x N drawn at random: M around the tile's whole-K / K-blocked switch (WHOLE_K_ROW_BLOCKS) and up
     to past one M block, K and N off the tile and block multiples (edge rows, a partial panel, a short last K block)."""
     rng = np.random.default_rng(seed)
-    switch = gemm_native.AVX2_SMALL_ROWS
+    switch = gemm_native.WHOLE_K_ROW_BLOCKS * gemm_native.best_kernel().mr
     rows = [switch - 1, switch, switch + 1, int(rng.integers(60, 300)), int(rng.integers(240, 700))]
     return [(rows[i % len(rows)], int(rng.integers(200, 900)), int(rng.integers(17, 400))) for i in range(count)]
 

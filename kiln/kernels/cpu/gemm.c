@@ -216,6 +216,7 @@ const char *kiln_gemm_kernel_name(int i) { return i >= 0 && i < KERNEL_COUNT ? K
 int kiln_gemm_kernel_supported(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].supported(); }
 int kiln_gemm_kernel_test_only(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].test_only; }
 int kiln_gemm_kernel_nr(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].nr : 0; }
+int kiln_gemm_kernel_mr(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].mr : 0; }
 
 long kiln_gemm_packed_floats(int kernel, long n, long k) {
     long nr = KERNELS[kernel].nr;
@@ -429,6 +430,15 @@ static long panel_chunk(long panels, long row_groups, int threads) {
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
 }
 
+/* Slice `part` of `parts` of the `floats` floats at `next` into L2 (nothing when next is NULL): a W panel
+   the tiles will read next, prefetched a slice per tile, so that the first tile on it does not wait on W from
+   L3 at every line (W is read once and is larger than L2). */
+static inline void prefetch_slice(const void *next, long floats, long part, long parts) {
+    if (next == NULL) return;
+    const long lines = floats * (long)sizeof(float) / 64, per = ceil_div(lines, parts);
+    for (long l = part * per; l < (part + 1) * per && l < lines; ++l) __builtin_prefetch((const char *)next + l * 64, 0, 2);
+}
+
 /* The shared state of run_small's parallel loop (kiln_parallel_for: pool.c). */
 typedef struct {
     const kiln_gemm_plan *p;
@@ -562,14 +572,10 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
             const char *next = next_panel ? (const char *)(b + K * nr)
                                : k0 + kc < K ? (const char *)(p->packed_w + p0 * K * nr + (k0 + kc) * nr) : NULL;
             const long next_kb = next_panel ? kb : (K - k0 - kc < kc ? K - k0 - kc : kc);
-            const long lines = next != NULL ? next_kb * nr * (long)sizeof(float) / 64 : 0;
-            const long per_tile = q1 > q0 ? ceil_div(lines, q1 - q0) : 0;
             for (long q = q0; q < q1; ++q) {
                 long row0, m;
                 row_block(M, row_blocks, b0 + q, &row0, &m);
-                if (next != NULL)
-                    for (long l = (q - q0) * per_tile; l < (q - q0 + 1) * per_tile && l < lines; ++l)
-                        __builtin_prefetch(next + l * 64, 0, 2);
+                prefetch_slice(next, next_kb * nr, q - q0, q1 - q0);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
                 tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
                 if (last && p->activation == ACT_SWIGLU)
