@@ -4,7 +4,7 @@
 side by side, at the ISA kiln runs (KILN_CPU_ISA=avx2 caps kiln and the libraries it calls; bench/avx2_gemm.py
 caps onnxruntime's MLAS too).
 
-    python bench/gemm_models.py [--threads 1] [--rounds 5] [--models t5,bert] [--batches 1] [--out FILE]
+    python bench/gemm_models.py [--threads 1] [--rounds 5] [--models t5,bert] [--batches 1] [--cold] [--write]
 
 The peak: cores x clock x FLOPs per cycle (2 FMA units x lanes x 2: 32 on AVX2, 64 on AVX-512). The clock is
 measured, not read from /proc/cpuinfo (a VM reports the TSC's 2.6 GHz, its cores boost past it, and a core
@@ -49,6 +49,7 @@ MODELS = {
                    ("FFN wo", 2048, 512)]),
 }
 SEQ = 128
+COLD_BYTES = 64 << 20  # --cold: written between calls, more than this VM's cores' L2 and their share of L3
 
 _CLOCK = r"""
 #include <omp.h>
@@ -124,6 +125,20 @@ def kiln_engine(m: int, k: int, n: int, threads: int, bias: bool):
     return (lambda: engine.run({"x": x})), layer
 
 
+def call_times(fn, calls: int, clock, evict: torch.Tensor | None) -> list[float]:
+    """`calls` calls of fn, each timed on `clock`; with `evict`, that buffer is written before each call (not
+    timed), so that the weight comes from memory as in a network, where the layers between two calls of one
+    GEMM stream tens of MB of other weights through the caches."""
+    times = []
+    for _ in range(calls):
+        if evict is not None:
+            evict.add_(1.0)
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return times
+
+
 def time_shape(m: int, k: int, n: int, bias: bool, args, peak, clock_ghz, per_cycle: int):
     """Per kernel: per round, the fastest call's GFLOP/s and its fraction of the round's peak; plus the rounds'
     12-chain throughputs and clocks, and the engine's pick."""
@@ -134,10 +149,11 @@ def time_shape(m: int, k: int, n: int, bias: bool, args, peak, clock_ghz, per_cy
     run, pick = kiln_engine(m, k, n, args.threads, bias)
     fns = {f"kiln engine (tuner's pick: {pick['tactic']})": run, **fns}
     flops = 2 * m * k * n
-    calls = max(3, min(100, int(args.seconds_per_block * 100e9 / flops)))
+    calls = max(3, min(10 if args.cold else 100, int(args.seconds_per_block * 100e9 / flops)))
     fractions = {key: [] for key in fns}
     gflops = {key: [] for key in fns}
     peaks, clocks = [], []
+    evict = torch.zeros(COLD_BYTES // 4) if args.cold else None
     for fn in fns.values():
         fn(), fn()
     for _ in range(args.rounds):
@@ -146,7 +162,7 @@ def time_shape(m: int, k: int, n: int, bias: bool, args, peak, clock_ghz, per_cy
         clocks.append(ghz)
         round_peak = max(args.threads * ghz * per_cycle, peaks[-1])  # each reads low when interference hits it
         for key, fn in fns.items():
-            best = flops / min(gemm_bench.call_times(fn, calls, clock)) / 1e9
+            best = flops / min(call_times(fn, calls, clock, evict)) / 1e9
             gflops[key].append(best)
             fractions[key].append(best / round_peak)
     return {key: (gflops[key], fractions[key]) for key in fns}, peaks, clocks, pick
@@ -160,6 +176,7 @@ def main(capped: str = "", out_stem: str = "gemm") -> None:
     ap.add_argument("--seconds-per-block", type=float, default=0.05)
     ap.add_argument("--models", default="t5,bert", help=f"of {sorted(MODELS)}")
     ap.add_argument("--batches", default="1", help=f"sequences of {SEQ} tokens: M = batch x {SEQ}")
+    ap.add_argument("--cold", action="store_true", help=f"evict the caches before each call ({COLD_BYTES >> 20} MB written)")
     ap.add_argument("--no-cpuid-cap", action="store_true", help="bench/avx2_gemm.py: leave cpuid alone")
     ap.add_argument("--write", action="store_true", help=f"append the tables to bench/results/{out_stem}-<date>d.md")
     args = ap.parse_args()
@@ -174,7 +191,9 @@ def main(capped: str = "", out_stem: str = "gemm") -> None:
     head = (f"FP32 GEMM, {name}, {args.threads} thread(s), "
             + ("CPU time of the calling thread" if args.threads == 1 else "wall time")
             + f"; {isa} ({per_cycle} FLOP/cycle/core); {capped}; kiln's tile {gemm_native.best_kernel().name}; "
-            f"torch {torch.__version__}; {args.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f} at the start")
+            f"torch {torch.__version__}; {args.rounds} interleaved rounds"
+            + ("; caches evicted before each call (--cold)" if args.cold else "; caches warm (calls back to back)")
+            + f"; load {os.getloadavg()[0]:.1f} at the start")
     print(head, flush=True)
     lines = [f"| model GEMM | M x K x N | kernel | GFLOP/s (fastest call, median of rounds) | % of {isa} peak "
              "(per round, median) | % by round |", "|---|---|---|---|---|---|"]
