@@ -45,7 +45,7 @@ MODELS = {
                     ("FFN down", 3072, 768)]),
     "minilm": (True, [("QKV fused", 384, 1152), ("Q/K/V or attention out", 384, 384), ("FFN up", 384, 1536),
                       ("FFN down", 1536, 384)]),
-    "t5": (False, [("q|k|v", 512, 1536), ("q/k/v or attention out", 512, 512), ("FFN wi", 512, 2048),
+    "t5": (False, [("QKV fused", 512, 1536), ("q/k/v or attention out", 512, 512), ("FFN wi", 512, 2048),
                    ("FFN wo", 2048, 512)]),
 }
 SEQ = 128
