@@ -240,7 +240,7 @@ def main() -> None:
 
     from kiln.kernels.cpu import cpu_features
 
-    kernel = gemm_native.best_kernel().name if gemm_native.available() else "not built"
+    kernel = gemm_native.linear_kernel().name if gemm_native.available() else "not built"
     if cpu_features.isa_cap():  # onnxruntime has no such cap: MLAS still runs the CPU's widest kernels
         name += (f" capped to {cpu_features.isa_cap()} (KILN_CPU_ISA; torch ATen {torch.backends.cpu.get_cpu_capability()},"
                  f" MKL {os.environ.get('MKL_ENABLE_INSTRUCTIONS')}, oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA')};"

@@ -190,7 +190,7 @@ def main(capped: str = "", out_stem: str = "gemm") -> None:
                         "NOT: bench/avx2_gemm.py caps it)" if cpu_features.isa_cap() else "no ISA cap")
     head = (f"FP32 GEMM, {name}, {args.threads} thread(s), "
             + ("CPU time of the calling thread" if args.threads == 1 else "wall time")
-            + f"; {isa} ({per_cycle} FLOP/cycle/core); {capped}; kiln's tile {gemm_native.best_kernel().name}; "
+            + f"; {isa} ({per_cycle} FLOP/cycle/core); {capped}; kiln's tile {gemm_native.linear_kernel().name}; "
             f"torch {torch.__version__}; {args.rounds} interleaved rounds"
             + ("; caches evicted before each call (--cold)" if args.cold else "; caches warm (calls back to back)")
             + f"; load {os.getloadavg()[0]:.1f} at the start")
