@@ -150,8 +150,13 @@ def runners(m: int, k: int, n: int, threads: int, bias: bool = True) -> dict:
     from kiln.kernels.cpu import gemm, gemm_native, mkl_available, onednn
 
     if gemm_native.available():
-        packed, y = gemm_native.PackedLinear(w, b), torch.empty(m, n)
-        out[KILN] = lambda: packed(x, out=y)  # into a buffer of its own, as into a native segment's arena
+        y = torch.empty(m, n)
+        default = gemm_native.linear_kernel()
+        for kernel in gemm_native.kernels():  # the default tile, and the other tiles of its ISA
+            if kernel.supported and not kernel.test_only and kernel.name.split()[0] == default.name.split()[0]:
+                packed = gemm_native.PackedLinear(w, b, kernel=kernel)
+                key = KILN if kernel == default else f"kiln packed GEMM, its {kernel.name} tile"
+                out[key] = lambda packed=packed: packed(x, out=y)  # into a buffer of its own, as into a segment's arena
     out["torch F.linear (MKL)"] = lambda: F.linear(x, w, b)
     from kiln.kernels.cpu.conv import post_op
 
