@@ -181,7 +181,7 @@ KILN_DEFINE_KERNEL(avx512_narrow, KILN_AVX512, 16, 1, 16, 32)
 KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
 /* AVX-512 for linear layers (gemm_native.linear_kernel): 8 rows x 48 columns, 24 zmm accumulators fed by 3 loads
    of W and 8 broadcasts of x per 24 FMAs (the 14x32 tile: 2 + 14 per 28). At 1-512 rows of T5-small's and
-   BERT-base's shapes, one core, CPU time: level to 35% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
+   BERT-base's shapes, one core, CPU time: level to 28% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
    No narrow tile: half a panel is not one vector; 9-16 rows run as two row blocks of the wide one. */
 KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
 #ifdef KILN_GEMM_TEST_KERNELS

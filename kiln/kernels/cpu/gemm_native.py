@@ -160,7 +160,7 @@ def best_kernel() -> Kernel:
 
 # The AVX-512 tile of linear layers: 8x48 (24 zmm accumulators; 3 loads of W and 8 broadcasts of x per 24 FMAs
 # where the 14x32 tile issues 2 + 14 per 28). T5-small's and BERT-base's GEMMs at 1-512 rows, one core, CPU
-# time, interleaved: level with the 14x32 at 4 and 32 rows, 2-16% faster at 64-512 rows, 11-35% at 8-16
+# time, interleaved: level with the 14x32 at 1-4 and 32 rows, 1-15% faster at 64-512 rows, 12-28% at 8-16
 # (bench/results/gemm-2026-12-05d.md).
 LINEAR_TILE = "avx512 8x48"
 
