@@ -43,7 +43,7 @@ from cpu import commit, wait_for_quiet  # noqa: E402  bench/cpu.py
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(m, k, n) for m in (1, 8, 128, 512) for k, n in ((768, 768), (768, 3072), (3072, 768))] + [
     (128, 768, 2304)]  # BERT-base: attention output (768 -> 768), FFN up, FFN down at M tokens; fused QKV
-KILN, MLAS = "kiln packed GEMM (cpu.gemm.kiln_packed)", "onnxruntime MatMul+Add (MLAS)"
+KILN, MLAS = "kiln packed GEMM (cpu.gemm.kiln_packed)", "onnxruntime MatMul[+Add] (MLAS)"
 
 _FMA_PEAK = r"""
 #include <omp.h>
@@ -117,18 +117,20 @@ def measured_peak(threads: int, per_cycle: int, thread_clock: bool) -> float | N
     return max(fn(threads, 20_000_000, int(per_cycle == 64), int(thread_clock)) for _ in range(5))
 
 
-def mlas_runner(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, threads: int):
-    """onnxruntime's MatMul + Add (MLAS) computing x Wᵀ + b, one call per call of the returned function
-    (its output a list of one array). ImportError without onnxruntime."""
+def mlas_runner(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, threads: int):
+    """onnxruntime's MatMul (+ Add with a bias b; MLAS) computing x Wᵀ (+ b), one call per call of the returned
+    function (its output a list of one array). ImportError without onnxruntime."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     (m, k), n = x.shape, w.shape[0]
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "wt"], ["xw"]), helper.make_node("Add", ["xw", "b"], ["y"])],
-        "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
-        [numpy_helper.from_array(w.numpy().T.copy(), "wt"), numpy_helper.from_array(b.numpy(), "b")])
+    nodes = [helper.make_node("MatMul", ["x", "wt"], ["y" if b is None else "xw"])]
+    constants = [numpy_helper.from_array(w.numpy().T.copy(), "wt")]
+    if b is not None:
+        nodes.append(helper.make_node("Add", ["xw", "b"], ["y"]))
+        constants.append(numpy_helper.from_array(b.numpy(), "b"))
+    graph = helper.make_graph(nodes, "gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], constants)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = min(model.ir_version, 10)
     options = ort.SessionOptions()
@@ -138,17 +140,23 @@ def mlas_runner(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, threads: int)
     return lambda: session.run(None, feeds)
 
 
-def runners(m: int, k: int, n: int, threads: int) -> dict:
+def runners(m: int, k: int, n: int, threads: int, bias: bool = True) -> dict:
+    """Every kernel computing x Wᵀ (+ b with `bias`) on fresh random operands, checked against float64 first."""
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal((m, k), dtype=np.float32))
     w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
-    b = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+    b = torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) if bias else None
     out = {}
     from kiln.kernels.cpu import gemm, gemm_native, mkl_available, onednn
 
     if gemm_native.available():
-        packed, y = gemm_native.PackedLinear(w, b), torch.empty(m, n)
-        out[KILN] = lambda: packed(x, out=y)  # into a buffer of its own, as into a native segment's arena
+        y = torch.empty(m, n)
+        default = gemm_native.linear_kernel()
+        for kernel in gemm_native.kernels():  # the default tile, and the other tiles of its ISA
+            if kernel.supported and not kernel.test_only and kernel.name.split()[0] == default.name.split()[0]:
+                packed = gemm_native.PackedLinear(w, b, kernel=kernel)
+                key = KILN if kernel == default else f"kiln packed GEMM, its {kernel.name} tile"
+                out[key] = lambda packed=packed: packed(x, out=y)  # into a buffer of its own, as into a segment's arena
     out["torch F.linear (MKL)"] = lambda: F.linear(x, w, b)
     from kiln.kernels.cpu.conv import post_op
 
@@ -171,7 +179,7 @@ def runners(m: int, k: int, n: int, threads: int) -> dict:
         out[MLAS] = mlas_runner(x, w, b, threads)
     except ImportError:
         return out
-    reference = F.linear(x.double(), w.double(), b.double())
+    reference = F.linear(x.double(), w.double(), None if b is None else b.double())
     for name, fn in out.items():  # every kernel computes the same thing before it is timed
         got = torch.as_tensor(np.asarray(fn()[0] if name == MLAS else fn()))
         assert torch.allclose(got.double(), reference, rtol=1e-3, atol=1e-3 * k ** 0.5), name
@@ -237,7 +245,7 @@ def main() -> None:
 
     from kiln.kernels.cpu import cpu_features
 
-    kernel = gemm_native.best_kernel().name if gemm_native.available() else "not built"
+    kernel = gemm_native.linear_kernel().name if gemm_native.available() else "not built"
     if cpu_features.isa_cap():  # onnxruntime has no such cap: MLAS still runs the CPU's widest kernels
         name += (f" capped to {cpu_features.isa_cap()} (KILN_CPU_ISA; torch ATen {torch.backends.cpu.get_cpu_capability()},"
                  f" MKL {os.environ.get('MKL_ENABLE_INSTRUCTIONS')}, oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA')};"

@@ -31,7 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import zoo  # noqa: E402  bench/zoo.py
-from avx2_gemm import peak_functions  # noqa: E402
+from gemm_models import peak_functions  # noqa: E402
 from gemm import call_times, mlas_runner  # noqa: E402
 
 AVX2_FLOPS_PER_CYCLE = 32
@@ -45,7 +45,7 @@ def mlas_share_of_avx2_peak(m: int = 128, k: int = 768, n: int = 3072, calls: in
     run = mlas_runner(x, w, b, threads=1)
     run()
     _, clock_ghz = peak_functions()
-    ghz = max(clock_ghz(2_000_000, 1) for _ in range(3))
+    ghz = max(clock_ghz(2_000_000, 0, 1) for _ in range(3))  # 8-lane chains, CPU time
     gflops = 2 * m * k * n / min(call_times(run, calls, time.thread_time)) / 1e9
     return gflops / (ghz * AVX2_FLOPS_PER_CYCLE), ghz
 

@@ -2,10 +2,10 @@
 against independent oracles.
 
 Kernel: y = epilogue(x @ Wᵀ) in float64 torch, the epilogue written out here from the ONNX
-definitions (not kiln's op), on random inputs at odd shapes (every M, N, K edge of the 6x16 and 14x32
-tiles, the K blocks of 256 and 192, the M blocks), every activation, a residual before or after it,
+definitions (not kiln's op), on random inputs at odd shapes (every M, N, K edge of the 6x16, 14x32 and
+8x48 tiles, the K blocks of 256, 192 and 128, the M blocks), every activation, a residual before or after it,
 [B, S, K] inputs, both paths (x read in place for a small M, x packed otherwise) and every kernel this
-CPU runs. The AVX-512 kernel cannot run on an AVX2 machine: its tile shape runs here through the
+CPU runs. The AVX-512 kernels cannot run on an AVX2 machine: their tile shapes run here through the
 tests' build (the same template at 16 lanes, AVX2 instructions), and kiln must pick it exactly where
 the CPU reports avx512f. Tactic: the autotuner's check against the registered op, native segments at
 the tuned and other row counts, and an engine against onnxruntime.
@@ -70,10 +70,11 @@ def runnable(test_kernels=False):
     return [k for k in gemm_native.kernels(test_kernels) if k.supported and (k.test_only or not test_kernels)]
 
 
-SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 tiles, K past one block (256 / 192), M past one block,
-    # the narrow tiles (7-8 rows on AVX2, 15-16 on AVX-512)
+SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 / 8x48 tiles, K past one block (256 / 192 / 128), M past one
+    # block, the narrow tiles (7-8 rows on AVX2, 15-16 on AVX-512's 14x32)
     (1, 1, 1), (1, 7, 5), (7, 17, 33), (8, 40, 24), (13, 63, 129), (16, 50, 40), (17, 129, 16), (63, 257, 31),
-    (129, 300, 70), (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100),
+    (129, 300, 70), (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100), (8, 128, 48), (9, 129, 49),
+    (65, 385, 97),
 ]
 
 
@@ -183,10 +184,10 @@ def test_threads_follow_torch_and_agree(m, k, n, small, pack):
 
 
 def _random_shapes(seed: int, count: int) -> list[tuple[int, int, int]]:
-    """M x K x N drawn at random: M around the AVX2 tile's whole-K / K-blocked switch (AVX2_SMALL_ROWS) and up
+    """M x K x N drawn at random: M around the tile's whole-K / K-blocked switch (WHOLE_K_ROW_BLOCKS) and up
     to past one M block, K and N off the tile and block multiples (edge rows, a partial panel, a short last K block)."""
     rng = np.random.default_rng(seed)
-    switch = gemm_native.AVX2_SMALL_ROWS
+    switch = gemm_native.WHOLE_K_ROW_BLOCKS * gemm_native.linear_kernel().mr
     rows = [switch - 1, switch, switch + 1, int(rng.integers(60, 300)), int(rng.integers(240, 700))]
     return [(rows[i % len(rows)], int(rng.integers(200, 900)), int(rng.integers(17, 400))) for i in range(count)]
 
@@ -229,27 +230,32 @@ def test_the_kernel_is_the_widest_the_cpu_reports():
     names = [k.name for k in gemm_native.kernels()]
     assert any(n.startswith("avx512") for n in names) and any(n.startswith("avx2") for n in names), names  # built
     if "avx512f" in flags:
-        assert best.name.startswith("avx512") and best.nr == 32
+        assert best.name.startswith("avx512") and best.nr == 32  # the recurrent kernels' tile
+        assert gemm_native.linear_kernel().name == gemm_native.LINEAR_TILE == "avx512 8x48"
+        assert gemm_native.PackedLinear(torch.ones(2, 2), None).kernel == gemm_native.linear_kernel()
     elif {"avx2", "fma"} <= flags:
         assert best.name.startswith("avx2") and best.nr == 16
         assert not next(k for k in gemm_native.kernels() if k.name.startswith("avx512")).supported
     else:
         assert best.name.startswith("generic")
+    if "avx512f" not in flags:
+        assert gemm_native.linear_kernel() == best
     for unsupported in [k for k in gemm_native.kernels() if not k.supported]:
         with pytest.raises(ValueError, match="does not run on this CPU"):
             gemm_native.PackedLinear(torch.ones(2, 2), None, kernel=unsupported)
 
 
-@pytest.mark.slow  # the tests' build compiles the 14x32 template for AVX2 (~1 minute, then cached)
-def test_the_avx512_tile_shape_runs_right_on_this_cpu():
+@pytest.mark.slow  # the tests' build compiles the 14x32 and 8x48 templates for AVX2 (~1 minute, then cached)
+@pytest.mark.parametrize("index", [0, 1])
+def test_the_avx512_tile_shapes_run_right_on_this_cpu(index):
     kernels = runnable(test_kernels=True)
-    if not kernels:
-        pytest.skip("the tests' build has no test kernel for this CPU")
+    if len(kernels) <= index:
+        pytest.skip("the tests' build has no such test kernel for this CPU")
     g = torch.Generator().manual_seed(5)
-    for m, k, n in [(1, 7, 5), (15, 193, 33), (16, 64, 48), (29, 385, 64), (170, 200, 31)]:
+    for m, k, n in [(1, 7, 5), (15, 193, 33), (16, 64, 48), (29, 385, 64), (170, 200, 31), (9, 129, 97)]:
         for small, pack in ((1 << 30, 0), (0, 0), (0, 1 << 30)):
             x, w, b, r = data(g, (m,), k, n, residual=True)
-            layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[0], small_m=small,
+            layer = gemm_native.PackedLinear(w, b, "Gelu", residual=True, kernel=kernels[index], small_m=small,
                                              pack_m=pack)
             want, scale = oracle(x, w, b, r, "Gelu", 1)
             assert_close(layer(x, r), want, scale)

@@ -11,8 +11,8 @@
  * call into MR-row panels per M block of up to MC rows (GotoBLAS; two barriers per M block, which a thread
  * descheduled by other work holds up: off by default, gemm_native.py says why).
  * The microkernel keeps an MR x NR tile of C in registers: 6x16 on AVX2+FMA (12 ymm
- * accumulators), 14x32 on AVX-512 (28 zmm), chosen at run time from cpuid (__builtin_cpu_supports), so
- * one build runs on either. Written with GCC vector extensions: one template, instantiated per ISA by
+ * accumulators), 8x48 (24 zmm) on AVX-512 for linear layers and 14x32 (28 zmm) for the recurrent kernels,
+ * chosen at run time from cpuid (__builtin_cpu_supports), so one build runs on either. Written with GCC vector extensions: one template, instantiated per ISA by
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
@@ -179,12 +179,18 @@ KILN_DEFINE_KERNEL(avx2, KILN_AVX2, 8, 2, 6, 16)
    so the W panel is read once for all the rows (the wide tile would pass over it twice). */
 KILN_DEFINE_KERNEL(avx512_narrow, KILN_AVX512, 16, 1, 16, 32)
 KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
+/* AVX-512 for linear layers (gemm_native.linear_kernel): 8 rows x 48 columns, 24 zmm accumulators fed by 3 loads
+   of W and 8 broadcasts of x per 24 FMAs (the 14x32 tile: 2 + 14 per 28). At 1-512 rows of T5-small's and
+   BERT-base's shapes, one core, CPU time: level to 28% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
+   No narrow tile: half a panel is not one vector; 9-16 rows run as two row blocks of the wide one. */
+KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
 #ifdef KILN_GEMM_TEST_KERNELS
 /* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
    instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
    selection. Slow to run and to compile (its 28 accumulators spill): a build of its own, for tests. */
 KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
 KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
+KILN_DEFINE_KERNEL(wide_8x48_on_avx2, KILN_AVX2, 16, 3, 8, 48)
 #endif
 #ifdef KILN_MAX_ISA_AVX2  /* KILN_CPU_ISA=avx2 (kiln/kernels/cpu/cpu_features.py): run as an AVX2-only CPU */
 static int has_avx512(void) { return 0; }
@@ -201,10 +207,13 @@ KILN_DEFINE_KERNEL(generic, , 4, 2, 4, 8)
 static const kernel_desc KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, avx512_narrow_direct, 16, has_avx512, 0},
+    {"avx512 8x48", 8, 48, 128, 168, avx512_8x48_packed, avx512_8x48_direct, NULL, 0, has_avx512, 0},
     {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, avx2_narrow_direct, 8, has_avx2, 0},
 #ifdef KILN_GEMM_TEST_KERNELS
     {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct,
      wide_on_avx2_narrow_direct, 16, has_avx2, 1},
+    {"avx512 8x48 tile on avx2 (test)", 8, 48, 128, 168, wide_8x48_on_avx2_packed, wide_8x48_on_avx2_direct, NULL, 0,
+     has_avx2, 1},
 #endif
 #endif
     {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, NULL, 0, always, 0},
@@ -216,6 +225,7 @@ const char *kiln_gemm_kernel_name(int i) { return i >= 0 && i < KERNEL_COUNT ? K
 int kiln_gemm_kernel_supported(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].supported(); }
 int kiln_gemm_kernel_test_only(int i) { return i >= 0 && i < KERNEL_COUNT && KERNELS[i].test_only; }
 int kiln_gemm_kernel_nr(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].nr : 0; }
+int kiln_gemm_kernel_mr(int i) { return i >= 0 && i < KERNEL_COUNT ? KERNELS[i].mr : 0; }
 
 long kiln_gemm_packed_floats(int kernel, long n, long k) {
     long nr = KERNELS[kernel].nr;
@@ -383,7 +393,7 @@ static void swiglu_epilogue(const kiln_gemm_plan *p, long nr, const float *c, lo
     const long half = nr / 2, col0 = q * half, out_n = p->out_n;
     const int n = (int)(out_n - col0 < half ? out_n - col0 : half);
     const float *bias = p->bias ? p->bias + q * nr : NULL;
-    float gate[16], up[16];  /* half <= 16: copies, so that the loops below vectorise (no aliasing) */
+    float gate[32], up[32];  /* half <= 32 (NR <= 64): copies, so that the loops below vectorise (no aliasing) */
     for (int i = 0; i < m; ++i) {
         memcpy(gate, c + i * ldc, (size_t)half * sizeof(float));
         memcpy(up, c + i * ldc + half, (size_t)half * sizeof(float));
@@ -427,6 +437,15 @@ long kiln_gemm_scratch_floats(int kernel, long m, long k) {
 static long panel_chunk(long panels, long row_groups, int threads) {
     long chunk = panels * row_groups / (4L * threads);
     return chunk < 1 ? 1 : (chunk > 8 ? 8 : chunk);
+}
+
+/* Slice `part` of `parts` of the `floats` floats at `next` into L2 (nothing when next is NULL): a W panel
+   the tiles will read next, prefetched a slice per tile, so that the first tile on it does not wait on W from
+   L3 at every line (W is read once and is larger than L2). */
+static inline void prefetch_slice(const void *next, long floats, long part, long parts) {
+    if (next == NULL) return;
+    const long lines = floats * (long)sizeof(float) / 64, per = ceil_div(lines, parts);
+    for (long l = part * per; l < (part + 1) * per && l < lines; ++l) __builtin_prefetch((const char *)next + l * 64, 0, 2);
 }
 
 /* The shared state of run_small's parallel loop (kiln_parallel_for: pool.c). */
@@ -562,14 +581,10 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
             const char *next = next_panel ? (const char *)(b + K * nr)
                                : k0 + kc < K ? (const char *)(p->packed_w + p0 * K * nr + (k0 + kc) * nr) : NULL;
             const long next_kb = next_panel ? kb : (K - k0 - kc < kc ? K - k0 - kc : kc);
-            const long lines = next != NULL ? next_kb * nr * (long)sizeof(float) / 64 : 0;
-            const long per_tile = q1 > q0 ? ceil_div(lines, q1 - q0) : 0;
             for (long q = q0; q < q1; ++q) {
                 long row0, m;
                 row_block(M, row_blocks, b0 + q, &row0, &m);
-                if (next != NULL)
-                    for (long l = (q - q0) * per_tile; l < (q - q0 + 1) * per_tile && l < lines; ++l)
-                        __builtin_prefetch(next + l * 64, 0, 2);
+                prefetch_slice(next, next_kb * nr, q - q0, q1 - q0);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
                 tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
                 if (last && p->activation == ACT_SWIGLU)

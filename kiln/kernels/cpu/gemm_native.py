@@ -1,7 +1,7 @@
 """kiln's own packed FP32 GEMM for linear layers (gemm.c): y = epilogue(x @ Wᵀ), W [N, K] constant.
 
 W is packed once, when the engine loads, into the panels the microkernel reads (6x16 on AVX2+FMA,
-14x32 on AVX-512, picked from cpuid at run time); any row count M runs on the same packed weight,
+8x48 on AVX-512, picked from cpuid at run time); any row count M runs on the same packed weight,
 so one layer serves every input size a profile allows. kiln::FusedGemm's epilogue (bias, activation,
 residual before or after it) is applied to each tile while it is in L1.
 
@@ -55,6 +55,7 @@ class Kernel:
     index: int
     name: str
     nr: int  # columns per packed panel
+    mr: int  # rows of the register tile
     supported: bool  # this CPU runs it
     test_only: bool  # another ISA's tile shape on this one, in the tests' build only
 
@@ -146,14 +147,28 @@ def kernels(test_kernels: bool = False) -> list[Kernel]:
     lib = load(test_kernels)
     if lib is None:
         return []
-    return [Kernel(i, lib.kiln_gemm_kernel_name(i).decode(), lib.kiln_gemm_kernel_nr(i),
+    return [Kernel(i, lib.kiln_gemm_kernel_name(i).decode(), lib.kiln_gemm_kernel_nr(i), lib.kiln_gemm_kernel_mr(i),
                    bool(lib.kiln_gemm_kernel_supported(i)), bool(lib.kiln_gemm_kernel_test_only(i)))
             for i in range(lib.kiln_gemm_kernel_count())]
 
 
 def best_kernel() -> Kernel:
-    """The first kernel this CPU runs (AVX-512, else AVX2, else the portable one)."""
+    """The first kernel this CPU runs (AVX-512 14x32, else AVX2, else the portable one): the recurrent kernels'
+    tile (recurrent.py), whose gate blocks pad the hidden size to a multiple of its NR."""
     return next(k for k in kernels() if k.supported and not k.test_only)
+
+
+# The AVX-512 tile of linear layers: 8x48 (24 zmm accumulators; 3 loads of W and 8 broadcasts of x per 24 FMAs
+# where the 14x32 tile issues 2 + 14 per 28). T5-small's and BERT-base's GEMMs at 1-512 rows, one core, CPU
+# time, interleaved: level with the 14x32 at 1-4 and 32 rows, 1-15% faster at 64-512 rows, 12-28% at 8-16
+# (bench/results/gemm-2026-12-05d.md).
+LINEAR_TILE = "avx512 8x48"
+
+
+def linear_kernel() -> Kernel:
+    """The kernel PackedLinear runs by default: LINEAR_TILE where this CPU runs it, else best_kernel()."""
+    runs = [k for k in kernels() if k.supported and not k.test_only]
+    return next((k for k in runs if k.name == LINEAR_TILE), runs[0])
 
 
 IN_PLACE_BYTES = 4 << 20  # x up to this size is read in place over the whole K (kiln_gemm_plan.small_m)
@@ -168,8 +183,9 @@ NEVER = 1 << 62
 PARALLEL_MACS = 4 << 20
 
 
-# The AVX2 tile's whole-K path up to this many rows (8 row blocks of 6): past it, the K-blocked loop.
-AVX2_SMALL_ROWS = 48
+# The whole-K path up to this many row blocks of the tile (AVX2 6x16: 48 rows, AVX-512 8x48: 64); past it,
+# the K-blocked loop.
+WHOLE_K_ROW_BLOCKS = 8
 
 
 def small_rows(kernel: Kernel, k: int) -> int:
@@ -179,14 +195,15 @@ def small_rows(kernel: Kernel, k: int) -> int:
     3072, one thread, CPU time): as fast as the K-blocked paths, packed or not, within the noise (~85 GFLOP/s
     of a ~98 GFLOP/s core). Past a few MB of x, re-reading it per panel would leave the caches.
 
-    The AVX2 6x16 tile stops at AVX2_SMALL_ROWS: since its K-blocked loop prefetches the next W micro-panel
-    and adds C after the K loop (gemm.c), that loop runs BERT's shapes at 86-91% of the AVX2 FMA peak where
-    the whole-K path ran at 74-85% (its kc x 16 micro-panel of W stays in L1 down the rows; the whole-K
-    panel, 48-192 KB, comes from L2 for every tile). Crossover measured between 32 rows (whole K 81-85%,
-    K-blocked 78-81%) and 64 (81-87% against 89%); Xeon capped to AVX2, one thread, CPU time
-    (bench/results/avx2-gemm-2026-12-04d.md)."""
-    rows = max(2 * (14 if kernel.nr >= 32 else 6), IN_PLACE_BYTES // max(4 * k, 1))
-    return min(rows, AVX2_SMALL_ROWS) if kernel.nr == 16 else rows
+    Both tiles stop at WHOLE_K_ROW_BLOCKS row blocks: since the K-blocked loop prefetches the next W
+    micro-panel and adds C after the K loop (gemm.c), it keeps its kc x NR micro-panel of W in L1 down the
+    rows, where the whole-K panel (K x NR floats, 32-384 KB) comes from L2 for every tile. AVX2 6x16 (Xeon
+    capped to AVX2, bench/results/avx2-gemm-2026-12-04d.md): crossover between 32 rows (whole K 81-85% of
+    the peak, K-blocked 78-81%) and 64 (81-87% against 89%). AVX-512 14x32 (bench/results/gemm-2026-12-05d.md):
+    at 128 rows the K-blocked loop ran BERT-base's FFN GEMMs 10-18% faster and T5-small's level or faster;
+    at 56-96 rows the whole-K path was level or up to 10% faster. The 8x48 tile takes the same rule."""
+    rows = max(2 * kernel.mr, IN_PLACE_BYTES // max(4 * k, 1))
+    return min(rows, WHOLE_K_ROW_BLOCKS * kernel.mr)
 
 
 def swiglu_panels(w: torch.Tensor, b: torch.Tensor | None, nr: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,7 +237,7 @@ class PackedLinear:
         lib = load(test_kernels)
         if lib is None:
             raise RuntimeError(f"kiln's GEMM is not built: {reason(test_kernels)}")
-        self.kernel = kernel or best_kernel()
+        self.kernel = kernel or linear_kernel()
         if not self.kernel.supported:
             raise ValueError(f"kernel {self.kernel.name!r} does not run on this CPU")
         self._lib = lib

@@ -1,7 +1,7 @@
 """CPU linear-layer tactic on kiln's own packed GEMM (kiln/kernels/cpu/gemm.c).
 
     cpu.gemm.kiln_packed   kiln::FusedGemm as kiln's GEMM: the weight packed once at load for the
-                           microkernel this CPU runs (AVX-512 14x32, AVX2 6x16), A packed per call,
+                           microkernel this CPU runs (AVX-512 8x48, AVX2 6x16), A packed per call,
                            bias/activation/residual applied to each tile in cache (SwiGLU's gating
                            too: gate and up rows interleaved per panel); runnable inside native
                            segments (rows of rank 2 or 3), at any row count (one packed weight serves
@@ -106,5 +106,5 @@ def _prepare(step: StepSpec, constants: list[Any], device: torch.device):
 register(Tactic(
     name="cpu.gemm.kiln_packed", op_type="FusedGemm", domain="kiln", device="cpu", dtypes=(torch.float32,),
     supports=_supports, configure=_configure, prepare=_prepare, available=gemm_native.available, native=True,
-    description="kiln's packed GEMM (AVX2 6x16 / AVX-512 14x32 by cpuid), weight packed at load, epilogue fused",
+    description="kiln's packed GEMM (AVX2 6x16 / AVX-512 8x48 by cpuid), weight packed at load, epilogue fused",
 ))
