@@ -3,9 +3,9 @@
 One JSON file (`BuildConfig.timing_cache`, `kiln build --timing-cache`). An entry is keyed by
 everything a timing depends on: the layer's op, opset, attributes, input shapes, dtypes and
 which inputs are weights, the candidate tactics, and the environment (device name, compute
-capability, driver, thread count, torch/triton/kiln versions). A key that matches means the
-same problem on the same machine: the cached winner is taken without timing, so a rebuild is
-deterministic. Entries for other machines may share the file; they never match here.
+capability, driver, thread count, torch/triton/kiln versions, a digest of kiln's kernel
+sources). A key that matches means the same problem on the same machine and kernels: the
+cached winner is taken without timing, so a rebuild is deterministic. Entries for other machines may share the file; they never match here.
 
 A second table, `in_context`, holds the GEMM tactics chosen in context (kiln/builder/in_context.py), keyed by a
 whole network as it runs on this machine: a layer's cost there depends on its neighbours.
@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import tempfile
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +51,24 @@ def _version(package: str) -> str | None:
         return None
 
 
+@cache
+def kernels_digest() -> str:
+    """A digest of kiln's own kernels' sources (kiln/kernels: C and Python): a kernel changed between two builds
+    of one kiln version times differently, so its old timings must not pick the winner (session 18: a cache
+    written before the GEMM's new tile kept choosing oneDNN over it)."""
+    root = Path(__file__).resolve().parent.parent / "kernels"
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".c", ".h", ".py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """The machine facts a timing depends on; part of every cache key."""
     env: dict[str, Any] = {
         "device_type": device.type,
         "kiln": __version__,
+        "kernels": kernels_digest(),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "threads": torch.get_num_threads(),

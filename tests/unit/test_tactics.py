@@ -4,6 +4,8 @@ machine in them) and every CPU tactic against the op's registered implementation
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import kiln
-from kiln.builder import autotune
+from kiln.builder import autotune, timing_cache
 from kiln.builder.accuracy import mismatch
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.errors import ExecutionError
@@ -164,12 +166,13 @@ def test_an_old_cached_non_native_win_is_timed_again_once(tmp_path):
 
 def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
     env = environment(torch.device("cpu"))
-    assert {"device_name", "capability", "driver", "torch", "triton", "kiln", "threads"} <= set(env)
+    assert {"device_name", "capability", "driver", "torch", "triton", "kiln", "kernels", "threads"} <= set(env)
     step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]}, domain="kiln")
     metas = [InputMeta((1, 8, 4, 4), torch.float32, False), InputMeta((8, 8, 3, 3), torch.float32, True)]
     key = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], env))
     for field, other in (("device_name", "another CPU"), ("torch", "0.0"), ("kiln", "9.9"), ("threads", 64),
-                         ("driver", {"cuda": "1.0"}), ("capability", [9, 0]), ("triton", "0.1")):
+                         ("driver", {"cuda": "1.0"}), ("capability", [9, 0]), ("triton", "0.1"),
+                         ("kernels", "another gemm.c")):
         changed = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], {**env, field: other}))
         assert changed != key, field
     other_shape = [InputMeta((2, 8, 4, 4), torch.float32, False), metas[1]]
@@ -182,6 +185,28 @@ def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
     record = kiln.build(model, timing_cache=str(cache)).plan.header["tactics"]
     assert record["cache"]["hits"] == 0 and record["cache"]["misses"] == 2
     assert len(json.loads(cache.read_text())["entries"]) == 4  # both machines' entries kept
+
+
+def test_kernels_digest_follows_the_kernel_sources(tmp_path, monkeypatch):
+    """A kernel edited under one kiln version is another candidate: the digest reads every source under
+    kiln/kernels, so changing one byte of one file changes it."""
+    here = timing_cache.kernels_digest()
+    assert here == environment(torch.device("cpu"))["kernels"] and len(here) == 16
+    copy = tmp_path / "kiln" / "kernels"
+    shutil.copytree(Path(timing_cache.__file__).resolve().parent.parent / "kernels", copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    fake = tmp_path / "kiln" / "builder" / "timing_cache.py"
+    fake.parent.mkdir()
+    monkeypatch.setattr(timing_cache, "__file__", str(fake))
+    timing_cache.kernels_digest.cache_clear()
+    try:
+        assert timing_cache.kernels_digest() == here  # the same sources, elsewhere: the same digest
+        gemm = copy / "cpu" / "gemm.c"
+        gemm.write_bytes(gemm.read_bytes() + b"\n")
+        timing_cache.kernels_digest.cache_clear()
+        assert timing_cache.kernels_digest() != here
+    finally:
+        timing_cache.kernels_digest.cache_clear()
 
 
 def test_a_corrupt_cache_is_a_clear_error(tmp_path):
