@@ -5,8 +5,10 @@ at least half real, padded at the end, BERT's additive mask of the dtype's minim
     python bench/cpu_attention_padding.py --shapes 8x512,32x256 --threads 2
 
 One BERT-base attention layer (q, k, v side by side in the QKV GEMM's [B, S, 3·768] output, the output merged
-[B, S, 768]), timed with three masks, calls interleaved (median thread CPU ms of --calls): every key real (the
-layer's full work), the stream's padding (each row real for a random length in [S/2, S]) and, for scale, every row
+[B, S, 768]), timed with four masks, calls interleaved (median thread CPU ms of --calls): every key real (the
+layer's full work), the stream's padding (each row real for a random length in [S/2, S]) as BERT's extended mask
+[B, 1, 1, S] and as the exported BERT's materialized [B, 1, S, S] (what kiln's engine of the zoo's export is fed:
+the kernel leaves out keys hidden from every query only for the first), and, for scale, every row
 at the batch's mean real length unpadded (about the least the padded layer could cost); torch's SDPA on the padded
 mask beside them. kiln's padded output is checked against SDPA in float64 over the real rows first.
 """
@@ -60,8 +62,12 @@ def sdpa(qkv: torch.Tensor, mask: torch.Tensor):
     return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, s, H * D)
 
 
-def additive(keep: np.ndarray) -> torch.Tensor:
-    """[B, 1, 1, S]: 0 for a real key, float32's minimum for a pad (BERT's extended mask)."""
+def additive(keep: np.ndarray, per_query: bool = False) -> torch.Tensor:
+    """[B, 1, 1, S]: 0 for a real key, float32's minimum for a pad (BERT's extended mask); `per_query`: [B, 1, S, S],
+    -inf for a pad (as an exported SDPA mask is materialized: Where(padding & index grid, 0, -inf))."""
+    if per_query:
+        rows = np.broadcast_to(keep[:, None, None, :], (*keep.shape[:1], 1, keep.shape[1], keep.shape[1]))
+        return torch.from_numpy(np.where(rows, 0.0, -np.inf).astype(np.float32))
     return torch.from_numpy(np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :])
 
 
@@ -84,6 +90,7 @@ def main() -> None:
         cut = qkv[:, :mean].contiguous()
         runs = {"kiln, every key real": kiln_attention(qkv, additive(np.ones((b, s), bool))),
                 "kiln, padded": kiln_attention(qkv, additive(keep)),
+                "kiln, padded [B,1,S,S]": kiln_attention(qkv, additive(keep, per_query=True)),
                 f"kiln, the mean real length ({mean}) unpadded": kiln_attention(cut, additive(np.ones((b, mean), bool))),
                 "SDPA, padded": sdpa(qkv, additive(keep))}
         got = runs["kiln, padded"]().numpy()
