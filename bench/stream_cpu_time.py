@@ -298,6 +298,8 @@ def main() -> None:
     ap.add_argument("--subset", type=int, default=0, help="time only this many requests of the stream, drawn "
                     "at random (seeded by --seed) and kept in the stream's order: the same distribution, where the "
                     "whole stream takes too long (BERT-base's b 1-32 x s 1-512 at one thread)")
+    ap.add_argument("--tokens-up-to", type=int, default=0, help="time only the stream's requests of at most this "
+                    "many positions (batch x sequence), in its order: its small stratum (per-call costs show there)")
     ap.add_argument("--explain-calls", type=int, default=30, help="--explain: hot calls per request and runtime")
     ap.add_argument("--split", action="store_true", help="--explain: where kiln is slower at its own shape, its "
                     "time by class of layer (linear, attention, norms and elementwise, the rest)")
@@ -320,6 +322,12 @@ def main() -> None:
     if args.subset:
         picked = sorted(np.random.default_rng(args.seed + 1).choice(len(requests), args.subset, replace=False))
         log(f"a subset of {args.subset} of the {len(requests)} requests (seed {args.seed + 1}), the stream's #"
+            + ", #".join(f"{k} {'x'.join(map(str, requests[k]['input_ids'].shape))}" for k in picked)
+            + " (numbered 0.. below)")
+        requests = [requests[k] for k in picked]
+    if args.tokens_up_to:
+        picked = [k for k, r in enumerate(requests) if r["input_ids"].size <= args.tokens_up_to]
+        log(f"the {len(picked)} requests of at most {args.tokens_up_to} positions: #"
             + ", #".join(f"{k} {'x'.join(map(str, requests[k]['input_ids'].shape))}" for k in picked)
             + " (numbered 0.. below)")
         requests = [requests[k] for k in picked]
@@ -361,7 +369,7 @@ def main() -> None:
     log("")
     log(f"# kiln vs onnxruntime per request: {args.model}, {_cpu_name()}, commit {commit()}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    log(f"{args.subset or args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq} (seed {args.seed}), {args.threads} "
+    log(f"{len(requests)} requests b 1-{args.max_batch} x s 1-{args.max_seq} (seed {args.seed}), {args.threads} "
         f"thread(s) each runtime; thread CPU time per call (wall columns: wall clock); load average "
         f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores, shared)")
     log("")
