@@ -22,6 +22,8 @@ general path (KILN_DIRECT_RUN=0) and onnxruntime, interleaved: median thread CPU
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import datetime
 import os
 import statistics
@@ -51,18 +53,84 @@ def timed(run, feeds) -> tuple[float, float]:
     return (time.thread_time_ns() - c0) / 1e6, (time.perf_counter_ns() - w0) / 1e6
 
 
+LAYER_CLASSES = ("linear", "attention", "norms and elementwise", "layout and the rest")
+
+
+def _kiln_class(op_type: str) -> str:
+    op = op_type.lower()
+    if "attention" in op:
+        return "attention"
+    if any(k in op for k in ("matmul", "gemm", "linear", "dense")):
+        return "linear"
+    if any(k in op for k in ("norm", "add", "gelu", "erf", "mul", "bias", "softmax")):
+        return "norms and elementwise"
+    return "layout and the rest"
+
+
+@contextlib.contextmanager
+def kiln_layer_times(program):
+    """Within: every run of any view of the program's native segments adds each layer's thread CPU ms to the dict
+    (layer name -> ms per run): Segment.timed's clock wrapped around each bound view's compiled loop."""
+    from kiln.kernels.cpu import native_loop
+
+    timed_run = native_loop.load().kiln_run_segment_timed
+    found: dict[str, list[float]] = {}
+    saved = []
+    for segment in program.segments:
+        for view in [segment, *(v for v in segment.resized.values() if v is not None)]:
+            if not hasattr(view, "_names") or not isinstance(getattr(view, "_c", None), dict):
+                continue
+            names = view._names
+            plain = dict(view._c)
+            saved.append((view, plain))
+
+            def clocked(c: tuple, names: list[str] = names) -> tuple:
+                elapsed = (ctypes.c_longlong * max(len(names), 1))()
+
+                def run(*args) -> int:
+                    status = timed_run(*args, elapsed, time.CLOCK_THREAD_CPUTIME_ID)
+                    for name, ns in zip(names, elapsed):
+                        found.setdefault(name, [0.0])[-1] += ns / 1e6
+                    return status
+                return (run, *c[1:])
+            view._c = {key: clocked(c) for key, c in plain.items()}
+    try:
+        yield found
+    finally:
+        for view, plain in saved:
+            view._c = plain
+
+
+def layer_split(engine, feeds: dict, log) -> None:
+    """kiln's time at one shape by class of layer (linear, attention, norms and elementwise, the rest): thread CPU ms
+    per layer of its bound view at this shape. (onnxruntime's profile times its nodes by the wall clock: on a
+    loaded machine a 15 ms run was profiled at 244 ms, one node at half of it; so no split of its time here.)"""
+    context = engine.create_execution_context(pad_first_calls=False)
+    for _ in range(2):  # bound at its own shape, then a repeat
+        context.run(feeds)
+    op_of = {spec.name: spec.op_type for spec in engine.program.spec.steps}
+    kiln_ms = dict.fromkeys(LAYER_CLASSES, 0.0)
+    with kiln_layer_times(engine.program) as found:
+        total = timed(context.run, feeds)[0]
+    for name, ms in found.items():
+        kiln_ms[_kiln_class(op_of.get(name, name))] += ms[-1]
+    shape = "x".join(map(str, next(iter(feeds.values())).shape))
+    log(f"| {shape} | {total:.1f} | " + " | ".join(f"{kiln_ms[c]:.1f}" for c in LAYER_CLASSES) + " |")
+
+
 def buckets_as_hosts(context, symbol: str, low: int, high: int) -> list[int]:
     """The warm-up's hosts before first_calls.host_sizes: CUDA's buckets."""
     return context._first_calls.buckets.sizes(symbol, low, high)
 
 
 def explain_above(engine, session, requests, above: list[int], kinds: list[str], ratios: list[float],
-                  hosts: dict[int, tuple], log, calls: int = 30) -> None:
+                  hosts: dict[int, tuple], log, calls: int = 30, split=None) -> None:
     """Why each request above onnxruntime was: after the round, timed hot (interleaved, median thread CPU µs of
     `calls`): onnxruntime; kiln padded in its host as the stream ran it (the host's direct run on zero-padded inputs,
     padding and cropping included); kiln at its own shape, bound. Own shape above onnxruntime: kiln is slower there
     (a small shape's fixed costs); padded above but own below: padding's waste; both below: the stream's (caches
-    cold after the other runtime, the machine's load)."""
+    cold after the other runtime, the machine's load). `split`: called with a request's feeds where kiln is slower at
+    its own shape (layer_split's table of where)."""
     if not above:
         return
     from kiln.runtime import first_calls as fc
@@ -72,6 +140,7 @@ def explain_above(engine, session, requests, above: list[int], kinds: list[str],
     log("| request | shape | path | in stream kiln/ort | host | padding (work) | hot ort µs | hot kiln padded µs | "
         "hot kiln own µs | padded/ort | own/ort | class |")
     log("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    slower = []
     for i in above:
         feeds = requests[i]
         arrays = list(feeds.values())
@@ -103,9 +172,19 @@ def explain_above(engine, session, requests, above: list[int], kinds: list[str],
         log(f"| #{i} | {shape} | {kinds[i]} | {ratios[i]:.2f} | "
             f"{'x'.join(map(str, host[0][0])) if host is not None else '-'} | {work:+.0%} | {med['ort']:.0f} | "
             f"{med['padded']:.0f} | {med['own']:.0f} | {pad:.2f} | {own:.2f} | {why} |")
+        if own > 1:
+            slower.append(i)
+    if split is not None and slower:
+        log("")
+        log("Where kiln is slower at its own shape: its run's thread CPU ms by class of layer")
+        log("| shape | kiln ms | " + " | ".join(LAYER_CLASSES) + " |")
+        log("|---|---|" + "---|" * len(LAYER_CLASSES))
+        for i in slower:
+            split(requests[i])
 
 
-def one_round(engine, session, requests, label: str, log, explain: bool = False) -> dict:
+def one_round(engine, session, requests, label: str, log, explain: bool = False, explain_calls: int = 30,
+              split=None) -> dict:
     """A fresh context (the engine's padding state started over) warmed up, then the stream."""
     engine.first_calls = first_calls.FirstCalls(engine.program, engine.first_calls.buckets, engine.inputs) \
         if engine.first_calls is not None else None
@@ -125,25 +204,33 @@ def one_round(engine, session, requests, label: str, log, explain: bool = False)
     report = getattr(context, "warmed_up", None)
     log(f"round {label}: {report.describe() if report else f'warm-up {bound} shapes bound, {warm_s:.2f} s'}, "
         f"{warm_cpu:.2f} s CPU")
-    ratios, kiln_ms, ort_ms, kiln_wall, ort_wall = [], [], [], [], []
+    ratios, kiln_ms, ort_ms, kiln_wall, ort_wall, errors = [], [], [], [], [], []
     padding = context._first_calls
     kinds: list[str] = []  # how kiln ran each request: at a bound shape, padded in one, or binding its own
     hosts: dict[int, tuple] = {}  # request -> the signature of the bound shape it would run padded in
     for i, feeds in enumerate(requests):
         signature = tuple((v.shape, torch.int64) for v in feeds.values())
         before = (padding.padded_runs, signature in padding.bound) if padding is not None else (0, True)
-        pair = [("kiln", context.run), ("ort", lambda r: session.run(None, r))]
+        got = {}
+        pair = [("kiln", lambda r: got.setdefault("kiln", next(iter(context.run(r).values())))),
+                ("ort", lambda r: got.setdefault("ort", session.run(None, r)[0]))]
         for name, run in (pair if i % 2 == 0 else pair[::-1]):
             cpu, wall = timed(run, feeds)
             (kiln_ms if name == "kiln" else ort_ms).append(cpu)
             (kiln_wall if name == "kiln" else ort_wall).append(wall)
         ratios.append(kiln_ms[-1] / max(ort_ms[-1], 1e-6))
+        real = feeds["attention_mask"].astype(bool)
+        errors.append(float(np.abs(got["kiln"][real] - got["ort"][real]).max()))
         kinds.append("bound" if before[1] else "padded" if padding.padded_runs > before[0] else "binds")
         if explain and kinds[-1] == "padded":  # the host it ran in (looked up after the timed run: unchanged since)
             host = padding._host(list(feeds.values()), signature, padding._sizes(signature), paying=False)
             if host is not None:
                 hosts[i] = host.signature
     padded = padding.padded_runs if padding is not None else 0
+    worst_error = max(range(len(errors)), key=errors.__getitem__)
+    log(f"round {label}: max |kiln - onnxruntime| over real tokens {errors[worst_error]:.3g} (request #{worst_error})")
+    if errors[worst_error] > 1e-3:
+        raise SystemExit(f"kiln differs from onnxruntime by {errors[worst_error]:.3g} at request #{worst_error}")
     log(f"round {label}: above onnxruntime: " + ", ".join(
         f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {kinds[i]} {ratios[i]:.2f} "
         f"({kiln_ms[i]:.3f}/{ort_ms[i]:.3f})" for i in range(len(ratios)) if ratios[i] > 1))
@@ -157,7 +244,8 @@ def one_round(engine, session, requests, label: str, log, explain: bool = False)
         + ", ".join(f"#{i} {'x'.join(map(str, requests[i]['input_ids'].shape))} {ratios[i]:.2f} "
                     f"({kiln_ms[i]:.3f} / {ort_ms[i]:.3f} ms)" for i in worst))
     if explain:
-        explain_above(engine, session, requests, [i for i, r in enumerate(ratios) if r > 1], kinds, ratios, hosts, log)
+        explain_above(engine, session, requests, [i for i, r in enumerate(ratios) if r > 1], kinds, ratios, hosts, log,
+                      explain_calls, split)
     return {"label": label, "above": sum(r > 1 for r in ratios), "n": len(ratios),
             "median": statistics.median(ratios), "p90": float(np.percentile(ratios, 90)), "worst": max(ratios),
             "kiln_total": sum(kiln_ms), "ort_total": sum(ort_ms), "wall_above": sum(r > 1 for r in wall_ratios),
@@ -207,6 +295,14 @@ def main() -> None:
     ap.add_argument("--out", help="append the log and table to this file")
     ap.add_argument("--hot", default="", help="bound shapes (e.g. 1x7,8x64) timed by path before the rounds")
     ap.add_argument("--calls", type=int, default=200, help="--hot: calls per shape and path")
+    ap.add_argument("--subset", type=int, default=0, help="time only this many requests of the stream, drawn "
+                    "at random (seeded by --seed) and kept in the stream's order: the same distribution, where the "
+                    "whole stream takes too long (BERT-base's b 1-32 x s 1-512 at one thread)")
+    ap.add_argument("--tokens-up-to", type=int, default=0, help="time only the stream's requests of at most this "
+                    "many positions (batch x sequence), in its order: its small stratum (per-call costs show there)")
+    ap.add_argument("--explain-calls", type=int, default=30, help="--explain: hot calls per request and runtime")
+    ap.add_argument("--split", action="store_true", help="--explain: where kiln is slower at its own shape, its "
+                    "time by class of layer (linear, attention, norms and elementwise, the rest)")
     ap.add_argument("--explain", action="store_true", help="after each round, each request above onnxruntime timed "
                     "hot: onnxruntime, kiln padded in its host, kiln at its own shape bound (why it was above)")
     args = ap.parse_args()
@@ -223,10 +319,22 @@ def main() -> None:
     peers = cpu_peers(args.model, args.engine, args.max_batch, args.max_seq, args.threads)
     engine, session = peers.engine, peers.session
     requests = stream(args.requests, args.max_batch, args.max_seq, zoo.get(args.model).vocab_size, args.seed)
+    if args.subset:
+        picked = sorted(np.random.default_rng(args.seed + 1).choice(len(requests), args.subset, replace=False))
+        log(f"a subset of {args.subset} of the {len(requests)} requests (seed {args.seed + 1}), the stream's #"
+            + ", #".join(f"{k} {'x'.join(map(str, requests[k]['input_ids'].shape))}" for k in picked)
+            + " (numbered 0.. below)")
+        requests = [requests[k] for k in picked]
+    if args.tokens_up_to:
+        picked = [k for k, r in enumerate(requests) if r["input_ids"].size <= args.tokens_up_to]
+        log(f"the {len(picked)} requests of at most {args.tokens_up_to} positions: #"
+            + ", #".join(f"{k} {'x'.join(map(str, requests[k]['input_ids'].shape))}" for k in picked)
+            + " (numbered 0.. below)")
+        requests = [requests[k] for k in picked]
     session.run(None, requests[0])
     # correctness first: kiln against onnxruntime over real tokens at a few requests
     check = engine.create_execution_context()
-    for k in range(0, len(requests), max(1, len(requests) // 4)):
+    for k in range(0, len(requests), max(1, len(requests) // 4)) if not args.subset else ():  # (a subset: checked
         got = next(iter(check.run(requests[k]).values()))
         want = session.run(None, requests[k])[0]
         real = requests[k]["attention_mask"].astype(bool)
@@ -234,6 +342,7 @@ def main() -> None:
         log(f"request {k} {list(requests[k]['input_ids'].shape)}: max |kiln - onnxruntime| over real tokens {err:.3g}")
         if err > 1e-3:
             raise SystemExit(f"kiln differs from onnxruntime by {err:.3g} at request {k}: not timed")
+    # as the stream runs, every request: one_round's error column)
     before = args.ab == "before"
     if args.hot:
         hot_table(engine, session, args.hot, args.calls, zoo.get(args.model).vocab_size, log)
@@ -247,8 +356,9 @@ def main() -> None:
             if before:
                 kiln_engine.ExecutionContext._host_sizes = buckets_as_hosts
         try:
+            split = (lambda feeds: layer_split(engine, feeds, log)) if args.split else None
             rows.append(one_round(engine, session, requests, f"{r}{' ' + args.ab if switched else ''}", log,
-                                  args.explain))
+                                  args.explain, args.explain_calls, split))
         finally:
             if switched:
                 kiln_engine.ExecutionContext._host_sizes = host_sizes
@@ -259,7 +369,7 @@ def main() -> None:
     log("")
     log(f"# kiln vs onnxruntime per request: {args.model}, {_cpu_name()}, commit {commit()}, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    log(f"{args.requests} requests b 1-{args.max_batch} x s 1-{args.max_seq} (seed {args.seed}), {args.threads} "
+    log(f"{len(requests)} requests b 1-{args.max_batch} x s 1-{args.max_seq} (seed {args.seed}), {args.threads} "
         f"thread(s) each runtime; thread CPU time per call (wall columns: wall clock); load average "
         f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} cores, shared)")
     log("")

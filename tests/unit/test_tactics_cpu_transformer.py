@@ -248,6 +248,33 @@ def test_attention_on_bert_s_packed_qkv_with_padding_masks():
         np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_attention_leaves_out_keys_hidden_from_every_query(kind):
+    """A mask broadcast over the queries ([B, 1, 1, T]: BERT's padding, the dtype's minimum added) whose last keys
+    are hidden: the kernel stops at the last visible key of each (batch, head). Rows of every kind: right-padded
+    by any amount (one key left, a tile's worth, none), a hidden key before visible ones (kept), every key hidden
+    (all attended alike for an additive mask, as softmax does; NaN -> 0 for a boolean one)."""
+    b, h, d = 6, 3, 64
+    s = int(rng.integers(40, 140))
+    q, k, v = (rng.standard_normal((b, h, s, d)).astype(np.float32) for _ in range(3))
+    keep = np.ones((b, 1, 1, s), bool)
+    keep[0, ..., int(rng.integers(1, s)):] = False  # right-padded
+    keep[1, ..., 1:] = False  # one key left
+    keep[2, ..., s - int(rng.integers(1, 17)):] = False  # less than a tile of keys hidden
+    keep[3, ..., : int(rng.integers(1, s))] = False  # left-padded: the last key visible, nothing left out
+    keep[3, ..., -1] = True
+    keep[4] = False  # every key hidden
+    keep[5, ..., [s // 3, s - 5]] = False  # hidden keys among visible ones, the last visible
+    mask = keep if kind == "bool" else np.where(keep, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    attrs = {"scale": d ** -0.5, "nan_to_zero": 1}
+    inputs = [t(q), t(k), t(v), t(mask)]
+    launch, op, ctx = prepared("cpu.attention.native", "Attention", "kiln", inputs, attrs, set())
+    got = launch(ctx, *inputs, **attrs).numpy()
+    want = attention64(q, k, v, mask, d ** -0.5, False, True)
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=RTOL, err_msg=f"{kind} mask, {s} keys")
+    np.testing.assert_allclose(got, op(ctx, *inputs, **attrs).numpy(), atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("case", ["causal", "gqa_bool_mask", "cross", "no_mask_default_scale"])
 def test_attention_on_separate_heads(case):
     b, h, hkv, s, tt, d = 2, 4, 4, int(rng.integers(1, 40)), None, int(rng.choice([16, 20, 64]))

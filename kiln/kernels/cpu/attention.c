@@ -428,6 +428,29 @@ typedef struct {
     int failed;
 } attention_loop;
 
+/* The keys of (b, h) up to the last one its mask leaves visible to every query: the keys past it are hidden
+   (additive mask <= HIDDEN, boolean false, key padding 0) from every row alike, so their exp is exactly 0:
+   leaving them out adds no term, only moves the sums' vector/tail split (fp32 rounding), and skips their scores,
+   softmax and products (a right-padded sequence's pads: BERT's additive mask is the dtype's minimum). A mask
+   that varies by query, or hides every key (such a row attends to all alike, or is NaN), keeps T. */
+#define HIDDEN -1e30f
+static long visible_keys(const attention_plan *p, const void *mask, long b, long h, long T) {
+    if (!p->mask_kind || p->ms[2] != 0 || p->cu) return T;
+    const long at = b * p->ms[0] + h * p->ms[1], step = p->ms[3];
+    long t = T;
+    if (p->mask_kind == 1) {
+        const float *m = (const float *)mask + at;
+        while (t > 0 && m[(t - 1) * step] <= HIDDEN) --t;
+    } else if (p->mask_kind == 2) {
+        const unsigned char *m = (const unsigned char *)mask + at;
+        while (t > 0 && !m[(t - 1) * step]) --t;
+    } else if (p->mask_kind == 3) {
+        const int64_t *m = (const int64_t *)mask + at;
+        while (t > 0 && !m[(t - 1) * step]) --t;
+    }
+    return t > 0 ? t : T;
+}
+
 /* Item = (batch·head, run of query rows). */
 static void attention_item(void *loop, long item) {
     attention_loop *l = (attention_loop *)loop;
@@ -444,8 +467,8 @@ static void attention_item(void *loop, long item) {
     const long start = l->cu ? l->cu[b] : 0, length = l->cu ? l->cu[b + 1] - start : p->S;
     const long last = first + l->rows < length ? first + l->rows : length;
     if (first < last)
-        attention_head(p, l->q, l->k, l->v, l->mask, l->out, b, bh % p->H, first, last, l->cu ? length : p->T,
-                       start, work);
+        attention_head(p, l->q, l->k, l->v, l->mask, l->out, b, bh % p->H, first, last,
+                       l->cu ? length : visible_keys(p, l->mask, b, bh % p->H, p->T), start, work);
 }
 
 int kiln_attention(void *object, void *stream, int nargs, const void *args) {
