@@ -43,6 +43,7 @@ import torch
 
 from kiln.builder.cpu_clock import PROCESS_CPU
 from kiln.builder.timing_cache import TimingCache, attributes_json, signature_key
+from kiln.kernels.cpu import hugepages
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.profiler import profile_segments
 from kiln.runtime.program import Program
@@ -241,7 +242,9 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     found: dict[int, dict[str, float]] = {}
     rounds, stops = 0, []
     for members in groups.values():
+        hugepages.new_chunk()  # the rival program's small packed weights in chunks of their own: they go with it
         timed = _time_group(network, members)
+        hugepages.new_chunk()
         return_free_memory()  # the rival program's packed weights and outputs: before the next one is bound
         if timed is None:
             continue
