@@ -200,7 +200,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     if not isinstance(model, ir.Model):  # the graph is the build's own: its weights are now the engine's copies
         _release_weights(graph)
     # On the CPU the large weights go to a mapped file: their pages leave memory once packed (spill.py)
-    mapped = spill(weights) if config.device == "cpu" else None
+    mapped = spill(weights, say) if config.device == "cpu" else None
     release = mapped.release if mapped is not None else None
     return_free_memory()
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.

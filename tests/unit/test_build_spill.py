@@ -90,4 +90,6 @@ def test_without_a_writable_temporary_directory_the_weights_stay_as_they_are(mon
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
     weights = {"large": torch.ones(D, D)}
     kept = weights["large"]
-    assert spill(weights) is None and weights["large"] is kept
+    said: list[str] = []
+    assert spill(weights, said.append) is None and weights["large"] is kept
+    assert len(said) == 1 and "cannot take the 1 MiB of large weights" in said[0] and "TMPDIR" in said[0], said
