@@ -261,7 +261,7 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
 def _drop_replaced(network: _Network, swapped: set[int]) -> None:
     """The chosen program's launches of the layers that took their rival, out of the build's launches: the engine
     binds the rival, and held to the end of the build they were a signature's weights packed twice through the
-    whole-network check and the engine's load (DeiT-small's FFN: 12 layers, 27 MiB). A launch that a layer not
+    whole-network check and the engine's load (DeiT-small's FFN: 12 layers, 28 MiB). A launch that a layer not
     swapped also runs goes too (that layer packs it again)."""
     stale = {id(network.program.steps[i].fn) for i in swapped}
     for key in [key for key, fn in network.launches.items() if id(fn) in stale]:
