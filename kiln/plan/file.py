@@ -160,6 +160,8 @@ def save(plan: EnginePlan, path: str | os.PathLike) -> None:
                 f.write(part)
             f.write(digest.digest())
         os.replace(tmp, path)
+        if plan.mapped is not None:  # the weights' pages the write read back go again (MappedWeights)
+            plan.mapped.release()
     except BaseException:
         os.unlink(tmp)
         raise
