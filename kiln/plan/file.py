@@ -18,6 +18,7 @@ digest before anything is built from the file.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -101,11 +102,23 @@ class MappedWeights:
     start: int
     end: int
 
-    def release(self) -> None:
+    def release(self, start: int | None = None, end: int | None = None) -> None:
+        """Let the pages of [start, end) go (offsets in the mapping; default: the weights section), those wholly inside
+        it only: a page shared with a neighbour stays (the section's last page goes with the section's end)."""
         page = mmap.PAGESIZE
-        low = (self.start + page - 1) // page * page
-        if self.end > low and hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            self.mm.madvise(mmap.MADV_DONTNEED, low, self.end - low)
+        start = self.start if start is None else max(start, self.start)
+        end = self.end if end is None else min(end, self.end)
+        low = -(-start // page) * page
+        high = end if end == self.end else end // page * page
+        if high > low and hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED, low, high - low)
+
+    def release_part(self, part: Any) -> None:
+        """Let go the whole pages of `part` (an array) where it lies in this mapping: a save, once it is written."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        offset = getattr(getattr(part, "ctypes", None), "data", -1) - base
+        if self.start <= offset < self.end:
+            self.release(offset, offset + part.nbytes)
 
 
 def _unpack_weights(buf: memoryview | mmap.mmap, start: int, end: int, notes: dict) -> dict[str, Any]:
@@ -158,6 +171,8 @@ def save(plan: EnginePlan, path: str | os.PathLike) -> None:
             for part in (prefix, header, pad, *weight_parts):
                 digest.update(part)
                 f.write(part)
+                if plan.mapped is not None:  # a mapped weight's pages, read to be written, go again
+                    plan.mapped.release_part(part)
             f.write(digest.digest())
         os.replace(tmp, path)
         if plan.mapped is not None:  # the weights' pages the write read back go again (MappedWeights)

@@ -124,3 +124,26 @@ def test_saving_a_built_engine_lets_the_spilled_pages_it_read_go_again(tmp_path)
     np.testing.assert_allclose(engine.run({"x": x})[engine.output_names[0]],
                                kiln.load(tmp_path / "mlp.kiln").run({"x": x})[engine.output_names[0]],
                                rtol=0, atol=0)  # the same kernels on the same weights: bit for bit
+
+
+def test_releasing_a_written_part_lets_only_its_whole_pages_go(tmp_path):
+    """A save releases each mapped weight's pages once written (kiln/plan/file.py release_part): the pages wholly
+    inside the part go, a page it shares with a neighbour stays, and the values read back are the file's."""
+    import mmap
+
+    from kiln.plan.file import MappedWeights
+
+    page = mmap.PAGESIZE
+    values = np.random.default_rng().standard_normal(4 * page // 4 * 4).astype(np.float32)  # 16 pages
+    path = tmp_path / "weights.bin"
+    values.tofile(path)
+    with open(path, "rb") as f:
+        mapped = MappedWeights(mmap.mmap(f.fileno(), values.nbytes, access=mmap.ACCESS_COPY), 0, values.nbytes)
+    view = torch.frombuffer(mapped.mm, dtype=torch.float32)
+    assert torch.equal(view, torch.from_numpy(values))  # every page read: resident
+    part = view[page // 4 + 10: 5 * page // 4 + 10].numpy()  # from inside page 1 to inside page 5
+    mapped.release_part(part)
+    assert _mapping_rss(view) == 16 * page - 3 * page  # pages 2, 3, 4: wholly inside; 1 and 5 shared
+    mapped.release_part(np.zeros(4, dtype=np.float32))  # not in the mapping: nothing
+    assert _mapping_rss(view) == 13 * page
+    assert torch.equal(view, torch.from_numpy(values))
