@@ -7,7 +7,10 @@ choices, and with them to what a build packs, falls on both).
 
 Prints one row per model: the model's weights, each build's peak RSS growth over its imports (MiB, in run order),
 the medians and their multiple of the weights (issue 11's unit: <= 3x), and the in-context stage's seconds and
-layers (kiln/builder/in_context.py). Results: bench/results/mem3-2026-12-05c.md, mem4-2026-12-05c.md.
+layers (kiln/builder/in_context.py). A CPU build writes its large weights to the temporary directory (spill.py): where
+that disk is full they stay in memory and the build peaks ~1x the weights higher (the build says so); TMPDIR=/dev/shm
+counts the same (pages released leave the process's RSS; they stay in the machine's memory). Results:
+bench/results/mem3-2026-12-05c.md, mem4-2026-12-05c.md, mem5-2026-12-05d.md.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ from kiln.builder.measure import measure
 from kiln.builder.precompile import CandidateKernels
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.ir import dtypes
+from kiln.kernels.cpu import hugepages
 from kiln.plan.spec import Binding, ProgramSpec, StepSpec
 from kiln.runtime.engine import place_weight
 from kiln.runtime.program import Program
@@ -480,8 +481,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
                                     tunable[i], device, cache, env, runs, others)
         # the candidates' packed weights and outputs are freed now, but the C heap keeps the pages of freed blocks
         # that are not at its top: given back per layer, the search's resident memory is what it holds, not the
-        # heap's high-water mark over every layer's candidates
+        # heap's high-water mark over every layer's candidates; their small packed weights were carved from a chunk
+        # of huge pages that stays resident while it is the current one: the next layer's go to a chunk of their own
         return_free_memory()
+        hugepages.new_chunk()
         if release is not None:
             release()
         step.tactic = "" if found.tactic == DEFAULT else found.tactic

@@ -200,7 +200,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     if not isinstance(model, ir.Model):  # the graph is the build's own: its weights are now the engine's copies
         _release_weights(graph)
     # On the CPU the large weights go to a mapped file: their pages leave memory once packed (spill.py)
-    mapped = spill(weights) if config.device == "cpu" else None
+    mapped = spill(weights, say) if config.device == "cpu" else None
     release = mapped.release if mapped is not None else None
     return_free_memory()
     # Tactic search: time each layer's candidate kernels on real shapes, keep the fastest correct one.
@@ -277,6 +277,7 @@ def build(model: onnx_frontend.ModelSource | ir.Model, config: BuildConfig | Non
     engine = Engine(EnginePlan(header=header, program=program, weights=weights, plain=lowered.plain), launches)
     if release is not None:  # what the engine's load packed anew, and the profiles' check, read
         release()
+        engine.plan.mapped = mapped  # engine.save reads the spilled pages back to write them, then lets them go
     # Peak RSS growth over the whole build, the engine's load (its layers' packed weights) included.
     header["build_memory"] = {"peak_rss_delta_bytes": memory_at_start.delta(), "measured_by": memory_at_start.method,
                               "model_weight_bytes": model_weight_bytes}

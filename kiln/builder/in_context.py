@@ -43,6 +43,7 @@ import torch
 
 from kiln.builder.cpu_clock import PROCESS_CPU
 from kiln.builder.timing_cache import TimingCache, attributes_json, signature_key
+from kiln.kernels.cpu import hugepages
 from kiln.plan.spec import ProgramSpec, StepSpec
 from kiln.runtime.profiler import profile_segments
 from kiln.runtime.program import Program
@@ -241,7 +242,9 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     found: dict[int, dict[str, float]] = {}
     rounds, stops = 0, []
     for members in groups.values():
+        hugepages.new_chunk()  # the rival program's small packed weights in chunks of their own: they go with it
         timed = _time_group(network, members)
+        hugepages.new_chunk()
         return_free_memory()  # the rival program's packed weights and outputs: before the next one is bound
         if timed is None:
             continue
@@ -251,7 +254,18 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         rounds += timed.rounds
         stops += [timed.stopped] if timed.stopped not in stops else []
     _apply(spec, rivals, found)
+    _drop_replaced(network, {i for i in found if spec.steps[i].tactic == rivals[i].tactic})
     return InContext(found, rounds=rounds, stopped=", ".join(stops))
+
+
+def _drop_replaced(network: _Network, swapped: set[int]) -> None:
+    """The chosen program's launches of the layers that took their rival, out of the build's launches: the engine
+    binds the rival, and held to the end of the build they were a signature's weights packed twice through the
+    whole-network check and the engine's load (DeiT-small's FFN: 12 layers, 28 MiB). A launch that a layer not
+    swapped also runs goes too (that layer packs it again)."""
+    stale = {id(network.program.steps[i].fn) for i in swapped}
+    for key in [key for key, fn in network.launches.items() if id(fn) in stale]:
+        del network.launches[key]
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,11 +26,13 @@ from kiln.runtime.engine import OWN_COPY_BYTES
 ALIGN = 64  # each weight's offset in the file: what the kernels' loads align to
 
 
-def spill(weights: dict[str, Any]) -> MappedWeights | None:
+def spill(weights: dict[str, Any], say: Callable[[str], None] = lambda _msg: None) -> MappedWeights | None:
     """Every CPU tensor of `weights` of OWN_COPY_BYTES or more replaced (in place) by a view of its bytes in a mapped,
     unlinked temporary file, its pages released; the mapping (`release()` lets the pages read since go again), or
-    None where no weight is that large or the file cannot be written (the weights then stay as they are). Smaller weights stay as they are: a loaded engine copies them into its own
-    memory too (kiln/runtime/engine.py OWN_COPY_BYTES), and a view would fault in the neighbours' pages."""
+    None where no weight is that large or the file cannot be written (the weights then stay as they are, and `say`
+    tells why: on a full disk a ResNet-50 build peaked 97 MiB higher with nothing said). Smaller weights stay as they
+    are: a loaded engine copies them into its own memory too (kiln/runtime/engine.py OWN_COPY_BYTES), and a view would
+    fault in the neighbours' pages."""
     large = {name: value for name, value in weights.items() if isinstance(value, torch.Tensor)
              and value.device.type == "cpu" and value.numel() * value.element_size() >= OWN_COPY_BYTES}
     if not large:
@@ -45,7 +48,11 @@ def spill(weights: dict[str, Any]) -> MappedWeights | None:
                 size += value.numel() * value.element_size()
             f.flush()
             mapped = MappedWeights(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), 0, size)
-    except OSError:  # no room in the temporary directory (or none writable): the weights stay where they are
+    except OSError as e:  # no room in the temporary directory (or none writable): the weights stay where they are
+        total = sum(value.numel() * value.element_size() for value in large.values())
+        say(f"weights: WARNING the temporary directory {tempfile.gettempdir()} cannot take the {total / 2**20:.0f} MiB "
+            f"of large weights ({e}): they stay in memory, and the build peaks that much higher (set TMPDIR to a "
+            "directory with room)")
         return None
     for name, value in large.items():  # each view holds the mapping
         weights[name] = torch.frombuffer(mapped.mm, dtype=value.dtype, count=value.numel(),

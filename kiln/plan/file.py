@@ -18,6 +18,7 @@ digest before anything is built from the file.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import mmap
@@ -51,36 +52,38 @@ for _d in dtypes.BY_NAME.values():
 _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
 
 
-def _pack_weights(weights: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
-    """Weights -> (safetensors blob, header notes for values safetensors cannot type)."""
+def _pack_weights(weights: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Weights -> (the safetensors blob as the parts to write one after another, header notes for values safetensors
+    cannot type). Each weight's part is a view of its own bytes (a copy only where it is not contiguous): joined, the
+    blob was three more copies of the weights at once (every tensor's bytes, their join, the join after the header:
+    256 MiB of weights saved at +770 MiB peak RSS, now +2), and a build's weights mapped from its spill file
+    (kiln/builder/spill.py) are read from there as they are written."""
     notes: dict[str, Any] = {}
-    entries: list[tuple[str, str, list[int], bytes]] = []
+    entries: list[tuple[str, str, list[int], np.ndarray]] = []  # name, safetensors dtype, shape, its bytes (uint8)
     for name, value in weights.items():
         if isinstance(value, np.ndarray) and value.dtype == object:
             notes[name] = {"strings": [str(s) for s in value.ravel().tolist()], "shape": list(value.shape)}
             continue
         if isinstance(value, np.ndarray):
             notes[name] = {"dtype": dtypes.from_numpy(value.dtype).name, "shape": list(value.shape)}
-            entries.append((name, "U8", [value.nbytes], np.ascontiguousarray(value).tobytes()))
+            entries.append((name, "U8", [value.nbytes], np.ascontiguousarray(value).reshape(-1).view(np.uint8)))
             continue
         t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, dtype=np.uint8)
         st = _TORCH_TO_ST.get(t.dtype)
         if st is None:  # complex, fnuz float8, unsigned wider than 8 bits: store the bytes
             notes[name] = {"dtype": dtypes.from_torch(t.dtype).name, "shape": list(t.shape)}
-            raw = t.view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-            entries.append((name, "U8", [raw.numel()], raw.numpy().tobytes()))
+            entries.append((name, "U8", [raw.size], raw))
             continue
-        raw = t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
-        entries.append((name, st, list(t.shape), raw.numpy().tobytes()))
+        entries.append((name, st, list(t.shape), raw))
     meta: dict[str, Any] = {}
     offset = 0
     for name, st, shape, data in entries:
-        meta[name] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
+        meta[name] = {"dtype": st, "shape": shape, "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
     head = json.dumps(meta, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)
-    blob = struct.pack("<Q", len(head)) + head + b"".join(e[3] for e in entries)
-    return blob, notes
+    return [struct.pack("<Q", len(head)) + head, *(e[3] for e in entries)], notes
 
 
 @dataclass
@@ -99,11 +102,23 @@ class MappedWeights:
     start: int
     end: int
 
-    def release(self) -> None:
+    def release(self, start: int | None = None, end: int | None = None) -> None:
+        """Let the pages of [start, end) go (offsets in the mapping; default: the weights section), those wholly inside
+        it only: a page shared with a neighbour stays (the section's last page goes with the section's end)."""
         page = mmap.PAGESIZE
-        low = (self.start + page - 1) // page * page
-        if self.end > low and hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-            self.mm.madvise(mmap.MADV_DONTNEED, low, self.end - low)
+        start = self.start if start is None else max(start, self.start)
+        end = self.end if end is None else min(end, self.end)
+        low = -(-start // page) * page
+        high = end if end == self.end else end // page * page
+        if high > low and hasattr(self.mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            self.mm.madvise(mmap.MADV_DONTNEED, low, high - low)
+
+    def release_part(self, part: Any) -> None:
+        """Let go the whole pages of `part` (an array) where it lies in this mapping: a save, once it is written."""
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        offset = getattr(getattr(part, "ctypes", None), "data", -1) - base
+        if self.start <= offset < self.end:
+            self.release(offset, offset + part.nbytes)
 
 
 def _unpack_weights(buf: memoryview | mmap.mmap, start: int, end: int, notes: dict) -> dict[str, Any]:
@@ -141,7 +156,7 @@ def _unpack_weights(buf: memoryview | mmap.mmap, start: int, end: int, notes: di
 
 def save(plan: EnginePlan, path: str | os.PathLike) -> None:
     path = Path(path)
-    blob, notes = _pack_weights(plan.weights)
+    weight_parts, notes = _pack_weights(plan.weights)  # written one by one, never joined
     doc = {"header": plan.header, "program": plan.program.to_json(), "weight_notes": notes}
     if plan.plain is not None:
         doc["plain_program"] = plan.plain.to_json()
@@ -153,11 +168,15 @@ def save(plan: EnginePlan, path: str | os.PathLike) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            for part in (prefix, header, pad, blob):
+            for part in (prefix, header, pad, *weight_parts):
                 digest.update(part)
                 f.write(part)
+                if plan.mapped is not None:  # a mapped weight's pages, read to be written, go again
+                    plan.mapped.release_part(part)
             f.write(digest.digest())
         os.replace(tmp, path)
+        if plan.mapped is not None:  # the weights' pages the write read back go again (MappedWeights)
+            plan.mapped.release()
     except BaseException:
         os.unlink(tmp)
         raise

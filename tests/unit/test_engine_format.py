@@ -74,6 +74,19 @@ def test_torch_weights_round_trip_bit_exact(tmp_path):
         assert _bits(got) == _bits(want), name  # bit for bit: NaN payloads, -0.0, extremes
 
 
+def test_saving_writes_each_contiguous_weight_from_its_own_memory():
+    """The weights section is written part by part, each contiguous weight's part a view of its own bytes: a save
+    copies only what is not contiguous. Before, every weight was copied to bytes and the copies joined twice (256 MiB
+    of weights saved at +770 MiB peak RSS; now +2)."""
+    weights = _torch_weights()
+    weights["numpy"] = np.arange(12, dtype=np.int32).reshape(3, 4)
+    parts, _ = engine_file._pack_weights(weights)
+    addresses = {w.ctypes.data if isinstance(w, np.ndarray) else w.data_ptr() for w in weights.values()}
+    copied = sum(part.nbytes for part in parts[1:] if part.ctypes.data not in addresses)  # parts[0]: length, JSON
+    assert copied == weights["non_contiguous"].nbytes  # the transposed weight alone (made contiguous to be written)
+    assert sum(p.nbytes for p in parts[1:]) == sum(w.nbytes for w in weights.values())
+
+
 def test_numpy_only_weights_round_trip(tmp_path):
     """Strings and sub-byte types stay numpy arrays (torch cannot hold them)."""
     rng = np.random.default_rng()

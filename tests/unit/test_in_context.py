@@ -401,3 +401,25 @@ def test_kiln_build_and_inspect_say_what_was_timed_in_context(tmp_path, retimes,
     assert main(["inspect", str(tmp_path / "ffn.kiln"), "--json"]) == 0
     layers = json.loads(capsys.readouterr().out)["layers"]
     assert sum("in_network" in layer.get("tactic", {}) for layer in layers) == compared
+
+
+def test_the_launches_a_signature_replaced_leave_the_builds_launches(monkeypatch):
+    """The build's launches (the chosen program's, for the engine) keep no launch of a layer that took its rival:
+    the `up` layers swap to ONEDNN, and the launches left are the `down` layers' PACKED ones (before: the `up` layers'
+    PACKED launches too, packed weights the engine never binds, held to the end of the build)."""
+    def fake(program, inputs, runs=10, clock=None):
+        return {s.name: [0.5 if s.tactic == ONEDNN and s.name.startswith("up") else 1.0] * runs
+                for s in program.spec.steps}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    monkeypatch.setattr(program_module, "SHARE_MIN_ELEMENTS", 1)  # these weights count as large: launches kept
+    spec, weights = _blocks()
+    launches: dict = {}
+    in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec), launches)
+    assert [s.tactic for s in spec.steps] == [ONEDNN, PACKED, ONEDNN, PACKED]
+    assert sorted(key[3] for key in launches) == [PACKED, PACKED]
+    program = Program(spec, weights, shared_launches=launches)  # the engine: packs the rivals, shares the rest
+    assert sum(step.fn in launches.values() for step in program.steps) == 4
+    x = torch.randn(1, ROWS, WIDTH)
+    with torch.inference_mode():
+        _assert_close(program.run([x])[0], _reference(spec, weights, x))
