@@ -133,12 +133,14 @@ def test_torch_in_torch_out(engine):
     x = _x(2)
     out = engine.run({"x": torch.from_numpy(x)})["y"]
     assert isinstance(out, torch.Tensor) and out.dtype == torch.float32 and out.device.type == "cpu"
-    np.testing.assert_array_equal(out.numpy(), engine.run({"x": x})["y"])
+    np.testing.assert_allclose(out.numpy(), engine.run({"x": x})["y"], rtol=RTOL, atol=ATOL)
 
 
 def test_positional_inputs(engine):
+    """Two calls agree to float32's tolerance, not bitwise: a segment runs in the form (OpenMP parallel or serial)
+    its FormChooser times fastest, and the forms' kernels may sum in another order (CI under load saw 1.2e-6)."""
     x = _x(3)
-    np.testing.assert_array_equal(engine.run([x])["y"], engine.run({"x": x})["y"])
+    np.testing.assert_allclose(engine.run([x])["y"], engine.run({"x": x})["y"], rtol=RTOL, atol=ATOL)
 
 
 def test_inputs_are_not_modified(engine):
