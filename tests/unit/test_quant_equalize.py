@@ -13,6 +13,7 @@ from onnx import TensorProto, helper, numpy_helper
 import kiln
 from kiln.builder.calibration import equalize_channels
 from kiln.builder.config import BuildConfig
+from kiln.builder.refit import RefitError
 from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassOptions, optimize
@@ -150,3 +151,15 @@ def test_int8_with_equalization_quantizes_the_projection_input_more_finely():
     without = _int8_error(model, {}, fp32, feeds)
     with_eq = _int8_error(model, {"equalize": 0.5}, fp32, feeds)
     assert with_eq < 0.9 * without, (with_eq, without)
+
+
+def test_an_equalized_engine_refits_only_with_recalibration(tmp_path):
+    """The factors come from the activations' channel maxima at build, which the engine does not keep: a refit
+    that keeps the recorded ranges would pair them with unequalized weights, so it is refused, naming the cure."""
+    for seed in (0, 1):
+        (tmp_path / f"block{seed}.onnx").write_bytes(_block(seed))
+    engine = kiln.build(str(tmp_path / "block0.onnx"), precision="int8", quantization="emulate",
+                        calibration=_batches(4, seed=100), calibrator="percentile", equalize=0.5)
+    assert engine.plan.header["quantization"]["equalization"]["pairs"] == 2
+    with pytest.raises(RefitError, match="cross-layer equalization .* recalibrate=DATA"):
+        engine.refit(str(tmp_path / "block1.onnx"))
