@@ -5,6 +5,7 @@ torch fake-quant of kiln's scheme (issue 12; bench/results/quantacc-2026-12-05d.
     python bench/quantacc_lab.py equalize weights int8,fp8    # the paper's factors √(r1/r2) on both pairs
     python bench/quantacc_lab.py equalize acts int8           # depthwise outputs grown to 6 (alpha 1)
     python bench/quantacc_lab.py equalize acts05 int8         # s = (a/A)^0.5 on both pairs (kiln's --equalize)
+    python bench/quantacc_lab.py mse int8,fp8            # per-tensor ranges from kiln's mse calibrator
 
 Each count is held-out images (of 74) whose top-1 equals fp32's; relerr the mean relative L2 logit error.
 Equalization here rescales the folded torch network with an exact per-channel clamp (ReLU6's bound becomes
@@ -20,7 +21,10 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from quant_lab import Lab, act_quantizers, is_depthwise, set_weights  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from quant_lab import Lab, act_quantizers, fq_fp8, fq_int, is_depthwise, set_weights  # noqa: E402
+
+from kiln.quant import calibrators  # noqa: E402
 
 torch.set_grad_enabled(False)
 
@@ -126,10 +130,44 @@ def equalized(lab: Lab, mode: str, dtypes: list[str]) -> None:
         score(lab, acts, f"{mode} {dtype} all")
 
 
+def mse_quantizers(lab: Lab, dtype: str) -> list:
+    """act_quantizers' per-tensor ranges replaced by kiln's mse calibrator's (the amax minimising the tensor's
+    own squared quantization error over its histogram; uint8's 255 steps for a ReLU6 output, E4M3's grid for
+    fp8); the depthwise inputs keep their per-channel percentile (int8) / max (fp8) ranges."""
+    fns = act_quantizers(lab, dtype, "percentile" if dtype == "int8" else "minmax")
+    for i, (m, x) in enumerate(zip(lab.layers, lab.inputs)):
+        if is_depthwise(m):
+            continue
+        one_sided = lab.nonneg[i] and dtype == "int8"
+        observer = calibrators.make("mse", one_sided, dtype == "fp8")
+        observer.observe(x)
+        amax = observer.amax()
+        if lab.nonneg[i] and i > 0:
+            amax = min(amax, 6.0)
+        if dtype == "fp8":
+            fns[i] = lambda t, s=amax / 448: fq_fp8(t, s)
+        elif one_sided:
+            fns[i] = lambda t, s=amax / 255: fq_int(t, s, 0, 255)
+        else:
+            fns[i] = lambda t, s=amax / 127: fq_int(t, s, -128, 127)
+    return fns
+
+
+def mse_ranges(lab: Lab, dtypes: list[str]) -> None:
+    for dtype in dtypes:
+        acts = mse_quantizers(lab, dtype)
+        lab.reset()
+        score(lab, acts, f"mse {dtype} activations only")
+        set_weights(lab, dtype)
+        score(lab, acts, f"mse {dtype} all")
+
+
 if __name__ == "__main__":
     lab = Lab()
     lab.model_fp32_out = lab.model(lab.held)
     if sys.argv[1] == "groups":
         by_group(lab)
+    elif sys.argv[1] == "mse":
+        mse_ranges(lab, sys.argv[2].split(","))
     else:
         equalized(lab, sys.argv[2], sys.argv[3].split(",") if len(sys.argv) > 3 else ["int8", "fp8"])

@@ -169,7 +169,8 @@ def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
 def equalize_channels(model: ir.Model, config, alpha: float, say: Callable[[str], None],
                       keep: list | None = None) -> dict:
     """Cross-layer equalization (kiln/quant/equalize.py), in place: every Conv -> Relu/ReLU6 -> Conv pair's
-    channels rescaled from the activation's per-channel maxima on the calibration data; the header record."""
+    channels rescaled from the activation's per-channel maxima on the calibration data; the header record.
+    The calibration cache is then neither read nor written (quantize): its ranges would be of another model."""
     pairs = equalize.find(model.graph)
     if not pairs:
         return {"alpha": alpha, "pairs": 0, "spread": {}}

@@ -25,6 +25,10 @@ column; α = 0.5 splits the range between the activation and that column (Smooth
 gives it all to the activation. Conv_1's weights are quantized per output channel: dividing a row by
 s_i does not change its relative rounding.
 
+Measured on MobileNetV2 (bench/results/quantacc-2026-12-05d.md): kiln's per-channel weights and per-channel
+depthwise inputs already hold what equalization buys a per-tensor scheme, and growing the projection's input
+costs its weights as much as it saves; so it is off by default (BuildConfig.equalize, --equalize).
+
 A pair qualifies when Conv_1 has constant weights (and bias), its output is read by f alone, and f's output
 is read only as input 0 of convolutions with constant weights (grouped ones included: input channel i is
 channel i mod C/g of group i div C/g), and is no graph output.
