@@ -5,6 +5,7 @@ torch fake-quant of kiln's scheme (issue 12; bench/results/quantacc-2026-12-05d.
     python bench/quantacc_lab.py equalize weights int8,fp8    # the paper's factors √(r1/r2) on both pairs
     python bench/quantacc_lab.py equalize acts int8           # depthwise outputs grown to 6 (alpha 1)
     python bench/quantacc_lab.py equalize acts05 int8         # s = (a/A)^0.5 on both pairs (kiln's --equalize)
+    python bench/quantacc_lab.py equalize none int8,fp8       # no equalization: the baseline
     python bench/quantacc_lab.py mse int8,fp8            # per-tensor ranges from kiln's mse calibrator
 
 Each count is held-out images (of 74) whose top-1 equals fp32's; relerr the mean relative L2 logit error.
@@ -117,7 +118,8 @@ def equalize(lab: Lab, mode: str) -> None:
 
 
 def equalized(lab: Lab, mode: str, dtypes: list[str]) -> None:
-    equalize(lab, mode)
+    if mode != "none":  # none: the baseline, measured the same way
+        equalize(lab, mode)
     change = float((lab.model(lab.held) - lab.model_fp32_out).abs().max())
     print(f"equalize {mode}: the float network's largest logit change {change:.2e}", flush=True)
     none = [None] * len(lab.layers)
