@@ -142,8 +142,12 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-bias-correction", action="store_true")
     parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
+    parser.add_argument("--equalize", type=float, nargs="?", const=0.5, metavar="ALPHA",
+                        help="cross-layer equalization (kiln/quant/equalize.py) with this strength (0.5 alone)")
     args = parser.parse_args()
     options = {"bias_correction": not args.no_bias_correction, "per_channel_depthwise": not args.per_tensor_depthwise}
+    if args.equalize is not None:
+        options["equalize"] = args.equalize
     options["accuracy_metric"] = args.accuracy_metric
     rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, **options)
     if args.minilm:

@@ -26,7 +26,7 @@ from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
 from kiln.quant import attention as fp8_attention
-from kiln.quant import calibrators, data, qdq, residual, smoothquant
+from kiln.quant import calibrators, data, equalize, qdq, residual, smoothquant
 from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
@@ -166,6 +166,25 @@ def smooth(model: ir.Model, config, alpha: float, say: Callable[[str], None],
     return channel_max, record
 
 
+def equalize_channels(model: ir.Model, config, alpha: float, say: Callable[[str], None],
+                      keep: list | None = None) -> dict:
+    """Cross-layer equalization (kiln/quant/equalize.py), in place: every Conv -> Relu/ReLU6 -> Conv pair's
+    channels rescaled from the activation's per-channel maxima on the calibration data; the header record.
+    The calibration cache is then neither read nor written (quantize): its ranges would be of another model."""
+    pairs = equalize.find(model.graph)
+    if not pairs:
+        return {"alpha": alpha, "pairs": 0, "spread": {}}
+    if config.calibration is None:  # the cache holds ranges of the equalized model, not these statistics
+        raise _data_needed(config.precision, None, "cross-layer equalization measures the activations' "
+                           "per-channel maxima on it")
+    observers = {p.activation.outputs[0].name: equalize.ChannelMax() for p in pairs}
+    _observe(model, config.calibration, observers, preprocessing=config.calibration_preprocessing, say=say,
+             keep=keep, what="equalization statistics")
+    record = equalize.equalize(model, pairs, {name: obs.value() for name, obs in observers.items()}, alpha)
+    say(f"cross-layer equalization (alpha {alpha:g}): {len(pairs)} convolution pair(s)")
+    return record
+
+
 def per_tensor_fp8_weights(config) -> bool:
     """FP8 weights on CUDA: one scale per weight, so that cuBLASLt's FP8 GEMM applies x_scale·w_scale itself and
     writes fp16 (its row-wise scaling for per-channel scales writes bfloat16 only)."""
@@ -205,12 +224,16 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
         return model, {"dtype": dtype, "mode": "auto", "quantized": [], "kept_float": layers, "note": note}
     evaluation: list = []
     alpha = smoothquant.check_alpha(config.smoothquant)
-    channel_max, smoothing = None, None
-    if (alpha is not None or config.accuracy_metric == "top1") and isinstance(config.calibration, Iterator):
+    channel_max, smoothing, equalization = None, None, None
+    equalize_alpha = equalize.check_alpha(config.equalize)
+    if (alpha is not None or equalize_alpha is not None or config.accuracy_metric == "top1") \
+            and isinstance(config.calibration, Iterator):
         # read twice: statistics, then ranges of the smoothed model; ranges, then a top-1 target's TOP1_BATCHES
         config = dataclasses.replace(config, calibration=list(data.batches(
             config.calibration, [v.name for v in model.graph.inputs],
             preprocessing=config.calibration_preprocessing, limit=MAX_BATCHES)))
+    if equalize_alpha is not None:
+        equalization = equalize_channels(model, config, equalize_alpha, say, keep=evaluation)
     if alpha is not None:
         channel_max, smoothing = smooth(model, config, alpha, say, keep=evaluation)
     # int8 activations that cannot be negative (a Relu's, a ReLU6's) as uint8 over [0, amax]: what the CPU's
@@ -225,7 +248,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     # int8: the activations' smallest values, so that a mostly non-negative one (a Gelu's) is uint8 with a zero point
     lows: dict[str, float] | None = {} if unsigned else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
-                                    cache_path=config.calibration_cache,
+                                    cache_path=None if equalization else config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
                                     per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
@@ -269,7 +292,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    # (kiln/builder/refit.py), as it keeps the ranges
                    "channel_means": {k: np.asarray(v).tolist() for k, v in sorted((channel_means or {}).items())},
                    "lows": {k: float(v) for k, v in sorted((lows or {}).items())},
-                   **({"smoothquant": smoothing} if smoothing is not None else {})}
+                   **({"smoothquant": smoothing} if smoothing is not None else {}),
+                   **({"equalization": equalization} if equalization is not None else {})}
 
 
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")

@@ -54,6 +54,10 @@ class BuildConfig:
     # SmoothQuant's migration strength alpha in [0, 1] (None: off): the inputs of MatMul/Gemm layers fed
     # by a LayerNorm or a MatMul/Gemm are smoothed per channel before calibration (kiln/quant/smoothquant.py)
     smoothquant: float | None = None
+    # cross-layer equalization's strength alpha in (0, 1] (None: off): every Conv -> Relu/ReLU6 -> Conv pair's
+    # narrow channels are grown towards the widest before calibration, the float model unchanged
+    # (kiln/quant/equalize.py)
+    equalize: float | None = None
     # weights that a refit can replace by any others (kiln refit): none stored once for being equal to
     # another, so an engine built from a freshly initialised model takes trained weights (TensorRT's REFIT)
     refittable: bool = False

@@ -279,6 +279,11 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                          "smoothing factors are formed from the weights and the activations' per-channel maxima "
                          "measured at build, which the engine does not record; refit with recalibrate=DATA "
                          "(kiln refit --calib DIR), or rebuild")
+    if config.equalize is not None:
+        raise RefitError(f"this {config.precision} engine was built with cross-layer equalization (alpha "
+                         f"{config.equalize}): its factors are formed from the activations' per-channel maxima "
+                         "measured at build, which the engine does not record; refit with recalibrate=DATA "
+                         "(kiln refit --calib DIR), or rebuild")
     ranges = built.get("ranges")
     if not isinstance(ranges, dict):
         raise RefitError(f"this {config.precision} engine does not record the activation ranges it was calibrated "

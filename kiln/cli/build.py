@@ -48,6 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "accuracy_target": args.accuracy_target,
         "accuracy_metric": args.accuracy_metric,
         "smoothquant": args.smoothquant,
+        "equalize": args.equalize,
         "refittable": args.refittable,
         "remove_padding": args.remove_padding,
     }

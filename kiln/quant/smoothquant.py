@@ -199,7 +199,7 @@ def factors(group: Group, channel_max: np.ndarray, alpha: float) -> np.ndarray:
     return np.where((x_max > 0) & (w_max > 0), s, 1.0)
 
 
-def _replace_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, suffix: str) -> None:
+def replace_constant(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, suffix: str) -> None:
     """The node's input `index` becomes a new initializer holding `array` (the old one is kept for other
     readers, and dropped when it has none)."""
     old = node.inputs[index]
@@ -225,19 +225,19 @@ def _divide_output(graph: ir.Graph, node: ir.Node, s: np.ndarray) -> None:
     key = (_domain(node), node.op_type)
     if key in NORMALIZATIONS:  # γ' = γ/s, β' = β/s
         scale, shift = NORMALIZATIONS[key]
-        _replace_constant(graph, node, scale, _per_last_axis(_const(node.inputs[scale]), s.size) / s, "smoothed_scale")
+        replace_constant(graph, node, scale, _per_last_axis(_const(node.inputs[scale]), s.size) / s, "smoothed_scale")
         if shift is not None and len(node.inputs) > shift and node.inputs[shift] is not None:
-            _replace_constant(graph, node, shift, _per_last_axis(_const(node.inputs[shift]), s.size) / s,
+            replace_constant(graph, node, shift, _per_last_axis(_const(node.inputs[shift]), s.size) / s,
                               "smoothed_bias")
     elif node.op_type in ("MatMul", "Gemm"):  # its output channels are W_p's columns (B's rows with transB)
         trans_b = node.op_type == "Gemm" and bool(node.attributes.get_int("transB", 0))
         w = _const(node.inputs[1]).astype(np.float64)
-        _replace_constant(graph, node, 1, w / (s[:, None] if trans_b else s[None, :]), "smoothed_weight")
+        replace_constant(graph, node, 1, w / (s[:, None] if trans_b else s[None, :]), "smoothed_weight")
         if node.op_type == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None:
-            _replace_constant(graph, node, 2, _per_last_axis(_const(node.inputs[2]), s.size) / s, "smoothed_bias")
+            replace_constant(graph, node, 2, _per_last_axis(_const(node.inputs[2]), s.size) / s, "smoothed_bias")
     else:  # Mul(a, c): c/s;  Add(a, c): a/s + c/s
         k = _constant_operand(node)
-        _replace_constant(graph, node, k, _per_last_axis(_const(node.inputs[k]), s.size) / s, "smoothed_constant")
+        replace_constant(graph, node, k, _per_last_axis(_const(node.inputs[k]), s.size) / s, "smoothed_constant")
         if node.op_type == "Add":
             _divide_output(graph, node.inputs[1 - k].producer(), s)
 
@@ -249,7 +249,7 @@ def apply(graph: ir.Graph, group: Group, s: np.ndarray) -> None:
         w = t.weight.const_value.numpy().astype(np.float64)
         shape = [1, 1]
         shape[_input_axis(t)] = -1
-        _replace_constant(graph, t.node, 1, w * s.reshape(shape), "smoothed_weight")
+        replace_constant(graph, t.node, 1, w * s.reshape(shape), "smoothed_weight")
 
 
 def smooth(model: ir.Model, found: Plan, channel_max: dict[str, np.ndarray], alpha: float) -> dict:
@@ -263,13 +263,13 @@ def smooth(model: ir.Model, found: Plan, channel_max: dict[str, np.ndarray], alp
     for group, s in scaled:
         apply(model.graph, group, s)
         x_max = np.asarray(channel_max[group.activation.name], np.float64)
-        spread[group.activation.name] = [round(_spread(x_max), 2), round(_spread(x_max / s), 2)]
+        spread[group.activation.name] = [round(channel_spread(x_max), 2), round(channel_spread(x_max / s), 2)]
         for t in group.consumers:
             smoothed[t.node.name] = (f"smoothed (alpha {alpha:g}): 1/s folded into {group.producer.op_type} "
                                      f"{group.producer.name!r}, shared by {len(group.consumers)} layer(s)")
     return {"alpha": alpha, "smoothed": smoothed, "skipped": dict(found.skipped), "spread": spread}
 
 
-def _spread(channel_max: np.ndarray) -> float:
+def channel_spread(channel_max: np.ndarray) -> float:
     median = float(np.median(channel_max))
     return float(channel_max.max()) / median if median > 0 else float("inf")
