@@ -132,14 +132,14 @@ def test_other_shapes_are_views_over_one_growing_template(bert, monkeypatch):
     over a template whose arena grows to the largest sizes seen; the views equal onnxruntime, and equal
     a segment bound on its own at that shape bit for bit (same kernels, same plans)."""
     engine, session = bert
-    (segment,) = engine.program.segments
+    context = engine.create_execution_context(pad_first_calls=False)
+    (segment,) = context.program.segments  # the engine's, or a lane's when another context is alive (own arena)
     segment.resized.clear()
     segment._grown = None  # the segment is its own template again
     ran = []
     run_view = native._Resized._run_bound
     monkeypatch.setattr(native._Resized, "_run_bound", lambda view, values: ran.append((view, values))
                         or run_view(view, values))
-    context = engine.create_execution_context(pad_first_calls=False)
     shapes = [(1, 5), (2, 9), (6, 80), (3, 33), (1, 80), (5, 2), (4, 61)]
     for b, s in shapes:
         x = feeds(b, s, padded_mask(b, s, "mixed"))

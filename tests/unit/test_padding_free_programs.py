@@ -98,7 +98,11 @@ def test_the_plain_program_is_the_plain_build(engines):
 
 
 @pytest.mark.parametrize("buckets", [False, True], ids=["exact", "buckets"])
-def test_where_it_does_not_pack_it_is_the_plain_engine_to_the_bit(engines, buckets, monkeypatch):
+def test_where_it_does_not_pack_it_is_the_plain_engine(engines, buckets, monkeypatch):
+    """Unpadded exact runs are the plain engine's to the bit; padded ones (and runs in a bucket) to float32's
+    tolerance: the free engine's plain program reads a key mask, with which CPU attention stops at the last visible
+    key (attention.c), where the plain engine's [B, 1, S, S] mask runs every key; the shorter sums round apart
+    (1.2e-7 to 3.6e-7 seen)."""
     _, plain, free, _, _ = engines
     # the CUDA rule on the CPU: it leaves these runs unpacked (the CPU's own packs whenever a bucket saves a row)
     monkeypatch.setitem(buckets_module.PACKING_RULES, "cpu", buckets_module.PACKING_RULES["cuda"])
@@ -115,9 +119,9 @@ def test_where_it_does_not_pack_it_is_the_plain_engine_to_the_bit(engines, bucke
         want = reference.run(feeds)["layer_norm_4"]
         got = context.run(feeds)["layer_norm_4"]
         keep = mask != 0
-        np.testing.assert_array_equal(got[keep], want[keep], err_msg=f"{batch}x{seq} {kind}")
+        np.testing.assert_allclose(got[keep], want[keep], rtol=1e-5, atol=1e-5, err_msg=f"{batch}x{seq} {kind}")
         assert not got[~keep].any(), f"{batch}x{seq} {kind}: outputs at padding positions must be zero"
-        if kind == "ones":
+        if kind == "ones" and not buckets:
             np.testing.assert_array_equal(got, want)
 
 
