@@ -25,6 +25,12 @@ def scalar(value: Any) -> Any:
     return np.asarray(value).reshape(-1)[0].item()
 
 
+# ONNX ops whose inputs broadcast multidirectionally (numpy's rule; PRelu's slope broadcasts one way only: not here)
+MULTIDIRECTIONAL = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Equal", "Less",
+                              "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "BitShift",
+                              "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
+
+
 def broadcast_sizes(*sizes: tuple[int, ...]) -> tuple[int, ...]:
     """numpy's (ONNX's multidirectional) broadcast of `sizes`, a ValueError when they do not. In
     Python: torch.broadcast_shapes costs tens of microseconds a call (symbolic-shape checks); Expand runs

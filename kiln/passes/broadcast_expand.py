@@ -18,15 +18,10 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from kiln.ops._util import MULTIDIRECTIONAL
 from kiln.passes._rewrite import PassReport, bypass, consumers, dims_equal, is_op, run_rule
 
 RULE = "drop_broadcast_expand"
-
-# ONNX ops whose inputs broadcast multidirectionally (PRelu's slope broadcasts one way only: not here).
-MULTIDIRECTIONAL = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "BitShift", "Max", "Min", "Sum", "Mean",
-                              "And", "Or", "Xor", "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual",
-                              "Where"})
-
 
 def broadcasts_into(dims: list, full: list) -> bool:
     """Whether a tensor of shape `dims` broadcast against one of shape `full` gives shape `full`: no more axes,

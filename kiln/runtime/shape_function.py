@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kiln.ops._util import broadcast_sizes, norm_axis
+from kiln.ops._util import MULTIDIRECTIONAL, broadcast_sizes, norm_axis
 from kiln.ops.generators import arange_int64
 from kiln.ops.indexing import gather, gather_elements
 from kiln.ops.tensor import expand_to, reshape_to, slice_ints, squeeze_axes, unsqueeze_axes
@@ -500,15 +500,10 @@ def _elementwise(w: _Writer, op: str | None, ins: list[_Value | None]) -> _Along
     return _Along(alongs[0].dim, axis, rank, True)
 
 
-_BROADCASTING = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean", "Equal", "Less",
-                           "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Where", "BitShift",
-                           "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
-
-
 def _shape_of_broadcast(op: str | None, ins: list[_Value | None], readers: tuple[str, ...]) -> _Out | None:
     """The output shape alone of a broadcasting elementwise op whose result only Shape steps read (an exported
     mask's Expand to Shape(Max(a, b))): the inputs' sizes broadcast (kind "shape": a tuple of ints), no op run."""
-    if op not in _BROADCASTING or not readers or any(r != "Shape" for r in readers) or not ins or None in ins:
+    if op not in MULTIDIRECTIONAL or not readers or any(r != "Shape" for r in readers) or not ins or None in ins:
         return None
     shapes = {"tensor": "tuple({}.shape)", "ints": "(len({}),)", "int": "()", "shape": "{}"}
     return _Out("_broadcast_sizes(" + ", ".join(shapes[v.kind].format(v.var) for v in ins) + ")", "shape")
