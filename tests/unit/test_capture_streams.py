@@ -159,7 +159,7 @@ def test_each_runner_warms_up_and_captures_on_a_stream_of_its_own(captures):
     runners[0].run([torch.randn(4, 3)])  # a second signature of the first runner
     assert None not in captured, "a graph captured on torch.cuda.graph's one default stream, shared by every runner"
     first, second, again = captured
-    assert first.cuda_stream != second.cuda_stream, "two runners' graphs captured on one stream share cuBLAS's workspace"
+    assert first.cuda_stream != second.cuda_stream, "two runners' graphs on one stream share cuBLAS's workspace"
     assert again is first
     for program, stream in zip(programs, (first, second)):
         assert program.ran_on[1] is stream  # the host-sync check's eager run: on the capture stream
