@@ -30,7 +30,7 @@ IN_FLIGHT = 4  # calls a thread queues on its stream before it waits and checks 
 @pytest.fixture(scope="module")
 def deep_engine():
     model, weights = deep_mlp()
-    engine = kiln.build(model.SerializeToString(), device="cuda", precision="fp16",
+    engine = kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3,
                         profiles=[{"x": ([1, DEEP_WIDTH], [8, DEEP_WIDTH], [16, DEEP_WIDTH])}])
     return engine, weights
 

@@ -165,3 +165,12 @@ def test_each_runner_warms_up_and_captures_on_a_stream_of_its_own(captures):
         assert program.ran_on[1] is stream  # the host-sync check's eager run: on the capture stream
         assert all(s.cuda_stream != -1 for s in program.ran_on[1:3])
     assert all(r.stats.captures >= 1 for r in runners)
+
+
+def test_kiln_capture_streams_0_captures_on_torchs_one_default_stream(captures, monkeypatch):
+    """The A/B switch: the old behaviour, every runner's graphs on torch.cuda.graph's default capture stream."""
+    captured, current, _ = captures
+    monkeypatch.setenv("KILN_CAPTURE_STREAMS", "0")
+    for _ in range(2):
+        GraphRunner(_Program(current)).run([torch.randn(2, 3)])
+    assert captured == [None, None]
