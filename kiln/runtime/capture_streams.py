@@ -8,8 +8,9 @@ torch.cuda.graph's default capture stream is one per process. Two such graphs re
 write that workspace at once (split-K and stream-K GEMMs keep partial sums and tile flags there), and each may
 read the other's. kiln serve's instances are such contexts: all of a model's instances warm up (capture) on the
 thread that loads it, then replay each on its own stream, side by side (issue 14: BERT-base fp16, two instances,
-11 answers of ~15k wrong by up to 2.2 under `--cuda-sync blocking`, whose pinned copies let the two replays overlap
-freely; `spin`'s pageable copies narrowed the window without closing it: 0 of ~14.5k).
+8 front ends, gRPC: 11 answers of ~15k wrong by up to 2.2 under `--cuda-sync blocking`; 0 of ~14.5k under `spin` in
+the same run, whose synchronous copies to pageable memory plausibly leave the two replays less overlap, but which
+replays them at once all the same: the same hazard, a narrower window).
 
 A runner's graphs never replay at once (a context runs one call at a time), so a stream per runner is enough: the
 runner warms each signature up on it (the thread's workspace for it is allocated then, outside every graph's
