@@ -18,9 +18,9 @@ private pool, so evicting a graph frees none of it) and captures on it. torch.cu
 streams per priority, round robin, so two runners may draw the same one; CaptureStreams hands a runner a pooled
 stream no live runner holds, and takes it back when the runner is gone (the next runner's captures start with a
 device synchronize: nothing of the old runner's graphs is still running then). Once every priority-0 stream is
-held it draws from the next priorities' pools (a graph's kernels run at the priority of the stream it was
-captured on: torch instantiates graphs with per-node priorities); past those, runners share the least-held stream,
-logged (their graphs must not run at the same time).
+held it draws from the next priorities' pools (a graph's kernels then run at the priority of the stream it was
+captured on: recent torch instantiates graphs with per-node priorities); past those, runners share the least-held
+stream, logged (their graphs must not run at the same time).
 
 What this cannot rule out: a thread that captured a runner's graphs running other cuBLAS work of its own on that
 runner's capture stream, where the pool gave the same stream to that other work (kiln draws it only here).
