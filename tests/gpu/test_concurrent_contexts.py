@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kiln
-from tests.gpu.common import DEEP_WIDTH, deep_mlp, deep_reference
+from tests.gpu.common import CUBLAS_ONLY, DEEP_WIDTH, deep_mlp, deep_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,13 +24,13 @@ ORACLE_TOL = 2e-2  # x max|y|: fp16 storage between 8 GEMMs of fp32 accumulation
 ALONE_TOL = 4e-3
 SECONDS = 3.0  # of concurrent runs
 ROWS = (1, 2, 3, 5, 8, 13, 16)  # batch sizes: several bucket graphs, few rows (the GEMMs cuBLAS splits along K)
-IN_FLIGHT = 4  # calls a thread queues on its stream before it waits and checks them
+IN_FLIGHT = 8  # calls a thread queues on its stream before it waits and checks them
 
 
 @pytest.fixture(scope="module")
 def deep_engine():
     model, weights = deep_mlp()
-    engine = kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3,
+    engine = kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3, tactics=CUBLAS_ONLY,
                         profiles=[{"x": ([1, DEEP_WIDTH], [8, DEEP_WIDTH], [16, DEEP_WIDTH])}])
     return engine, weights
 

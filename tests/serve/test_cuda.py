@@ -32,7 +32,7 @@ from kiln.serve.errors import ModelLoadError
 from kiln.serve.instances import GpuGate, Instance
 from kiln.serve.perf import PerfOptions, sweep
 from kiln.serve.repository import ModelRepository
-from tests.gpu.common import DEEP_WIDTH, deep_mlp, deep_reference
+from tests.gpu.common import CUBLAS_ONLY, DEEP_WIDTH, deep_mlp, deep_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -130,7 +130,7 @@ def deep_engine(tmp_path_factory):
     """tests/gpu/common.deep_mlp built fp16 for batch 1..16: GEMMs cuBLAS splits along K (its workspace)."""
     model, weights = deep_mlp()
     path = tmp_path_factory.mktemp("deep-engine") / "deep.kiln"
-    kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3,
+    kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3, tactics=CUBLAS_ONLY,
                profiles=[{"x": ([1, DEEP_WIDTH], [8, DEEP_WIDTH], [16, DEEP_WIDTH])}]).save(path)
     return path, weights
 
