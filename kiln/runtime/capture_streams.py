@@ -16,8 +16,8 @@ A runner's graphs never replay at once (a context runs one call at a time), so a
 runner warms each signature up on it (the thread's workspace for it is allocated then, outside every graph's
 private pool, so evicting a graph frees none of it) and captures on it. torch.cuda.Stream() hands out a pool of 32
 streams per priority, round robin, so two runners may draw the same one; CaptureStreams hands a runner a pooled
-stream no live runner holds, and takes it back when the runner is gone (the next runner's captures start with a
-device synchronize: nothing of the old runner's graphs is still running then). Once every priority-0 stream is
+stream no live runner holds, and takes it back when the runner is gone (with its graphs: none of them replays any
+more; the next holder's captures begin with torch's device synchronize). Once every priority-0 stream is
 held it draws from the next priorities' pools (a graph's kernels then run at the priority of the stream it was
 captured on: recent torch instantiates graphs with per-node priorities); past those, runners share the least-held
 stream, logged (their graphs must not run at the same time).
@@ -80,9 +80,9 @@ class CaptureStreams:
                         return stream
             key, held = min(((k, h) for k, h in self._held.items() if k[0] == str(device)), key=lambda kh: kh[1][1])
             held[1] += 1
-            log.warning("%d CUDA graph runners on %s hold every stream of torch's pools: one more captures on a stream "
-                        "%d others captured on; their graphs share cuBLAS workspaces and must not run at the same time",
-                        len(self._held) + 1, device, held[1] - 1)
+            log.warning("CUDA graph runners hold every stream of torch's pools on %s (%d): one more captures on a "
+                        "stream %d other(s) captured on; their graphs share cuBLAS workspaces and must not run at the "
+                        "same time", device, len(self._held), held[1] - 1)
             return held[0]
 
     def give_back(self, device: torch.device, handle: int) -> None:
