@@ -164,6 +164,8 @@ def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_pat
     try:
         instances = server.core.model("deep").batcher.instances
         assert all((i.done is not None) == (sync == "blocking") and i.captured_all for i in instances)
+        captured_on = {i.context.runner.capture_stream(i.context.engine.device).cuda_stream for i in instances}
+        assert len(captured_on) == 2, "two instances' graphs captured on one stream share cuBLAS's workspace"
         rng = np.random.default_rng()
         for rows in (1, 3, 16):
             x = rng.standard_normal((rows, DEEP_WIDTH)).astype(np.float32)
