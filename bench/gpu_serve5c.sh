@@ -26,7 +26,7 @@ GPU_TESTS=0 FRONTEND_TESTS=0 FRONTENDS=8 STAGING_MIB=64 SERVE_MODELS=bert_base S
 echo "== kiln $KILN_COMMIT, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null), $(nproc) CPUs"
 # the blocking wait's GPU test (two instances, 128 concurrent requests, each answered with its own rows), on the
 # serving wheels serve_gpu.sh installed
-PYTHONPATH=/tmp/serve-deps timeout 60 python3 -m pytest -q -m gpu tests/serve/test_cuda.py -k blocking 2>&1 | tail -3
+PYTHONPATH=/tmp/serve-deps timeout 60 python3 -m pytest -q -m gpu tests/serve/test_cuda.py -k "blocking and not front_ends" 2>&1 | tail -3
 # model @sync, batching, protocol, infer/s, p50 ms, p99 ms, requests/call, call ms, server CPU us/req, engine loop
 # %core, engine process %core, per front end %core, client CPU us/req, errors, wrong
 grep -E "^\| bert" "$OUT/serve_gpu.log" | head -8 | awk -F'|' '{print $2,$3,$4,$10,$11,$13,$18,$19,$20,$21,$22,$23,$25,$26,$27}'

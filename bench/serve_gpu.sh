@@ -23,7 +23,8 @@
 #    HTTP binary, 4 client processes; its tables in $OUT/serve.md (rewritten after every row)
 #    Options by environment: SERVE_MODELS (default "mobilenet_v2 bert_base"), SERVE_CONCURRENCY (default
 #    "1 8 32 64"), SERVE_PROCESSES (client processes, default 4; several values: every row with each),
-#    SERVE_BENCH_S (the bench's timeout, default 450), GPU_TESTS (0: skip stage 2), SERVE_TREES (checkouts
+#    SERVE_BENCH_S (the bench's timeout, default 450; 0: no bench), GPU_TESTS (0: skip stage 2; GPU_TESTS_S its
+#    timeout, default 240: test_cuda.py builds a GEMM-heavy engine and serves it twice with front ends), SERVE_TREES (checkouts
 #    serving, a server each: an A/B in one run; default .), FRONTENDS (kiln serve --frontends values,
 #    one server each, e.g. "0 2 4"; default 0), STAGING_MIB (kiln serve --staging-mib values for servers with front
 #    ends, a server each; default 64; 0: tensors over the engine's socket), SERVE_ARGS (more bench/serve.py flags,
@@ -92,7 +93,7 @@ print('fastapi', fastapi.__version__, 'uvicorn', uvicorn.__version__, 'grpcio', 
 
 if [ "${GPU_TESTS:-1}" = "1" ]; then
   stage "tests/serve gpu-marked"
-  timeout 90 python3 -m pytest -q -m gpu tests/serve/test_cuda.py 2>&1
+  timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -s -m gpu tests/serve/test_cuda.py 2>&1
   echo "pytest exit $?"
 fi
 if [ "${FRONTENDS:-0}" != "0" ] && [ "${FRONTEND_TESTS:-1}" = "1" ]; then
@@ -101,10 +102,12 @@ if [ "${FRONTENDS:-0}" != "0" ] && [ "${FRONTEND_TESTS:-1}" = "1" ]; then
   echo "pytest exit $?"
 fi
 
+if [ "${SERVE_BENCH_S:-450}" != "0" ]; then
 stage "bench/serve.py on cuda"
 timeout "${SERVE_BENCH_S:-450}" python3 bench/serve.py --models ${SERVE_MODELS:-mobilenet_v2 bert_base} --device cuda \
   --precision fp16 --instances 2 --processes ${SERVE_PROCESSES:-4} --random-weights --concurrency ${SERVE_CONCURRENCY:-1 8 32 64} \
   --frontends ${FRONTENDS:-0} --staging-mib ${STAGING_MIB:-64} --trees ${SERVE_TREES:-.} --window 1.0 --warmup 0.5 ${SERVE_ARGS:-} --out "$OUT" 2>&1
 echo "bench exit $?"
+fi
 stage "done"
 } 2>&1 | tee "$OUT/serve_gpu.log"

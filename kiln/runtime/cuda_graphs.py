@@ -6,10 +6,16 @@ kept least recently used first out, within a count and a memory budget (each gra
 what its capture allocated: its private pool, inputs and outputs), so a stream of shapes cannot
 grow device memory without bound; shape buckets (kiln/runtime/buckets.py) keep the number of
 signatures small in the first place. `stats` counts captures, replays, evictions and eager runs.
+
+Each runner warms up and captures on a stream of its own (kiln/runtime/capture_streams.py): graphs captured on one
+stream by one thread share torch's cuBLAS workspace, and two contexts' graphs replayed at once must not. The
+environment's KILN_CAPTURE_STREAMS=0 gives back the old behaviour (torch.cuda.graph's one default capture stream, the
+warm-up run on a fresh side stream), for A/B runs of that race (tests/gpu/test_concurrent_contexts.py).
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +23,7 @@ from typing import Any
 import torch
 
 from kiln.runtime.buckets import pad_to
+from kiln.runtime.capture_streams import CAPTURE_STREAMS
 from kiln.runtime.host import ShapePlan, host_sync_is_an_error
 from kiln.runtime.program import Program
 
@@ -79,6 +86,18 @@ class GraphRunner:
         self.memory_budget = memory_budget
         self.entries: OrderedDict[tuple, _Captured] = OrderedDict()
         self.stats = GraphStats()
+        self._capture_stream: Any = None  # taken at the first capture (capture_stream), given back with the runner
+        self.own_capture_stream = os.environ.get("KILN_CAPTURE_STREAMS", "1") != "0"  # 0: the old shared one (A/B)
+
+    def capture_stream(self, device: torch.device) -> Any:
+        """The stream this runner warms up and captures its graphs on, no other live runner's (its graphs' cuBLAS
+        workspace is then theirs alone: kiln/runtime/capture_streams.py). KILN_CAPTURE_STREAMS=0: a side stream from
+        torch's pool, as before (the capture then on torch.cuda.graph's default stream)."""
+        if not self.own_capture_stream:
+            return torch.cuda.Stream()
+        if self._capture_stream is None:
+            self._capture_stream = CAPTURE_STREAMS.take_for(self, device)
+        return self._capture_stream
 
     @staticmethod
     def _key(inputs: list[Any], other: bool = False) -> tuple | None:
@@ -146,11 +165,12 @@ class GraphRunner:
         free_before = torch.cuda.memory_allocated()
         with torch.inference_mode(not self.plain_inputs):
             static_inputs = [t.clone() for t in inputs]
-        stream = torch.cuda.Stream()
+        stream = self.capture_stream(static_inputs[0].device if static_inputs else torch.cuda.current_device())
         stream.wait_stream(torch.cuda.current_stream())
         try:
             # A second eager run that may not synchronize with the host: if any layer does
-            # (data-dependent shapes: NonZero, Unique, a Loop on data...), capture is impossible.
+            # (data-dependent shapes: NonZero, Unique, a Loop on data...), capture is impossible. On the capture
+            # stream: cuBLAS's workspace for it is allocated here, outside the graph's private pool.
             with host_sync_is_an_error(), torch.cuda.stream(stream):
                 program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001  any failure here means: stay eager
@@ -161,7 +181,8 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph):
+            # this runner's stream, not torch.cuda.graph's one default (unless KILN_CAPTURE_STREAMS=0)
+            with torch.cuda.graph(graph, stream=stream if self.own_capture_stream else None):
                 static_outputs = program.run(static_inputs, plan=plan)
         except Exception as e:  # noqa: BLE001
             entry.reason = f"capture failed ({type(e).__name__}: {str(e)[:120]})"

@@ -35,7 +35,7 @@ class GraphPaths:
             targets[name] = bound if bound is not None else torch.empty(
                 static.shape, dtype=dtype or static.dtype, device=self.engine.device)
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
+        stream = self.runner.capture_stream(self.engine.device)  # its own: cuBLAS's workspace (capture_streams.py)
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             torch.cuda.synchronize()
@@ -56,7 +56,7 @@ class GraphPaths:
         if entry is None or entry.graph is None:
             return None
         graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
+        stream = self.runner.capture_stream(self.engine.device)  # its own: cuBLAS's workspace (capture_streams.py)
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.inference_mode(), torch.cuda.stream(stream):

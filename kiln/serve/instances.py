@@ -27,7 +27,9 @@ a run that may capture runs alone; the others run side by side. At load, each CU
 the profile's shape buckets (ExecutionContext.warm_up), alone, capturing their graphs; when that
 covers every shape the engine takes (one profile, each dynamic dim bucketed or fixed), serving
 captures nothing and every run is shared. Otherwise an instance's first two runs of an input
-signature run alone, and so does every run after the runtime evicted a graph.
+signature run alone, and so does every run after the runtime evicted a graph. Each instance's context captures on a
+stream of its own (kiln/runtime/capture_streams.py): graphs captured by one thread on one stream share torch's cuBLAS
+workspace, and two instances' graphs replayed side by side on one workspace corrupt each other's GEMMs (issue 14).
 
 CPU warm-up: a CPU engine of dynamic shapes binds each new input shape (shape values, native segment
 views) at its first calls, or runs it padded in a bound one (kiln/runtime/first_calls.py). Made with

@@ -1,7 +1,9 @@
 """kiln serve on CUDA: every instance on its own stream, concurrent requests each answered with its
-own rows, its waits spinning or blocking (gpu-marked: skipped without CUDA). And what needs no GPU: the gate that
-keeps graph captures apart from other instances' runs; cuda_sync's parameter and flag, and the wait each selects
-(torch.cuda's stream and event stood in for)."""
+own rows, its waits spinning or blocking (gpu-marked: skipped without CUDA); front ends staging their inputs, two
+instances of a GEMM-heavy fp16 model replaying at once, every gRPC answer checked against its request's answer alone
+(issue 14's wrong answers under --cuda-sync blocking). And what needs no GPU: the gate that keeps graph captures apart
+from other instances' runs; cuda_sync's parameter and flag, and the wait each selects (torch.cuda's stream and event
+stood in for)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import asyncio
 import contextlib
+import shutil
 
 import numpy as np
 import pytest
@@ -27,7 +30,9 @@ from kiln.serve.config import cuda_sync_mode, parse_pbtxt
 from kiln.serve.core import ServerCore
 from kiln.serve.errors import ModelLoadError
 from kiln.serve.instances import GpuGate, Instance
+from kiln.serve.perf import PerfOptions, sweep
 from kiln.serve.repository import ModelRepository
+from tests.gpu.common import CUBLAS_ONLY, DEEP_WIDTH, deep_mlp, deep_reference
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -107,6 +112,76 @@ def test_two_instances_on_their_own_streams_answer_each_request_with_its_own_row
             assert all(instance.calls > 0 for instance in instances), "both instances served"
             if NO_BUCKETS in batching:  # batch sizes met first while serving were captured then
                 assert sum(instance.context.runner.stats.captures for instance in instances) > 2
+    finally:
+        thread.stop()
+
+
+DEEP_CONFIG = """
+max_batch_size: 16
+instance_group [{{ count: 2 kind: KIND_GPU }}]
+dynamic_batching {{ max_queue_delay_microseconds: 0 }}
+parameters {{ key: "cuda_sync" value: {{ string_value: "{sync}" }} }}
+"""
+FP16_TOL = 2e-2  # x max|y|: fp16 storage between the model's 8 GEMMs (tests/gpu's fp16 tolerance)
+
+
+@pytest.fixture(scope="module")
+def deep_engine(tmp_path_factory):
+    """tests/gpu/common.deep_mlp built fp16 for batch 1..16: GEMMs cuBLAS splits along K (its workspace)."""
+    model, weights = deep_mlp()
+    path = tmp_path_factory.mktemp("deep-engine") / "deep.kiln"
+    kiln.build(model.SerializeToString(), device="cuda", precision="fp16", tuning_runs=3, tactics=CUBLAS_ONLY,
+               profiles=[{"x": ([1, DEEP_WIDTH], [8, DEEP_WIDTH], [16, DEEP_WIDTH])}]).save(path)
+    return path, weights
+
+
+def _ask_deep(port: int, x: np.ndarray) -> np.ndarray:
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        tensor = grpcclient.InferInput("x", list(x.shape), "FP32")
+        tensor.set_data_from_numpy(x)
+        return client.infer("deep", [tensor]).as_numpy("y")
+    finally:
+        client.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("sync", ["spin", "blocking"])
+def test_front_ends_and_two_instances_answer_every_grpc_request_as_alone(tmp_path, deep_engine, sync):
+    """Issue 14's load in small: 2 front ends staging every input, gRPC (kiln's transport), 2 instances of an fp16
+    model replaying at once, dynamic batching, 64 calls in flight for 3 s from kiln perf's wire client, whose 8
+    distinct requests are each answered alone first and every answer under load checked in full against that
+    (a wrong answer: another request's rows, or GEMMs corrupted by the other instance's graphs). The answers alone
+    are checked against a float64 oracle first."""
+    path, weights = deep_engine
+    (tmp_path / "deep" / "1").mkdir(parents=True)
+    shutil.copy(path, tmp_path / "deep" / "1" / "model.kiln")
+    (tmp_path / "deep" / "config.pbtxt").write_text(DEEP_CONFIG.format(sync=sync))
+    thread = ServerThread(options(tmp_path, frontends=2, staging_bytes=1 << 20, staging_min_bytes=1,
+                                  grpc_transport="kiln"))
+    server = thread.start()
+    try:
+        instances = server.core.model("deep").batcher.instances
+        assert all((i.done is not None) == (sync == "blocking") and i.captured_all for i in instances)
+        captured_on = {i.context.runner.capture_stream(i.context.engine.device).cuda_stream for i in instances}
+        assert len(captured_on) == 2, "two instances' graphs captured on one stream share cuBLAS's workspace"
+        rng = np.random.default_rng()
+        for rows in (1, 3, 16):
+            x = rng.standard_normal((rows, DEEP_WIDTH)).astype(np.float32)
+            want = deep_reference(weights, x)
+            assert np.abs(_ask_deep(server.ports.grpc, x) - want).max() <= FP16_TOL * np.abs(want).max()
+        staged = sum(f.connection.staging.taken for f in server.frontends.frontends)
+        load = PerfOptions(model="deep", url=f"127.0.0.1:{server.ports.grpc}", protocol="grpc", concurrency=[64],
+                           warmup_s=0.5, window_s=3.0, client="wire", full_every=1, seed=int(rng.integers(1 << 30)))
+        result = asyncio.run(sweep(load))[0]
+        staged = sum(f.connection.staging.taken for f in server.frontends.frontends) - staged
+        calls = [i.calls for i in instances]
+        print(f"\n{sync}: {result.checked} answers checked, {result.wrong} wrong, {result.errors} errors, "
+              f"{result.requests / result.seconds:.0f} infer/s, {staged} tensors staged, calls per instance {calls}")
+        assert result.wrong == 0 and result.errors == 0, result.first_error
+        assert result.checked > 1000 and staged >= result.checked  # every request's tensor through an arena
+        assert min(calls) > 100, "both instances served"
     finally:
         thread.stop()
 
