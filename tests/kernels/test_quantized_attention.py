@@ -144,3 +144,62 @@ def test_refusals_say_why():
     assert "is_causal" in supports({**quant, "is_causal": 1})
     assert "float8_e4m3fn" in supports({**quant, "float8_quant": 1})  # uint8 tensors, E4M3 attributes
     assert supports({**_quantizations("fp8"), "float8_quant": 1}, (FP8,) * 3) is True
+
+
+@pytest.mark.slow  # ~45 s a kind on a loaded 2-vCPU VM (export, calibration, the interpreter)
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, monkeypatch):
+    """bert_tiny quantized by onnxruntime as bench/quant_gpu.py does (kiln_fp8 / kiln_int8), the CUDA build's passes,
+    the kernel registered for the CPU (interpreter): the builder's check passes it on every attention, and the engine
+    forced onto it is onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the CPU
+    engine is (tests/models/test_qdq_bert_attention.py)."""
+    import dataclasses
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import FeedsReader
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    exported = zoo.export("bert_tiny", batch=2, seq=24, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=24, seed=s) for s in (1, 2)]
+    fp8 = kind == "fp8"
+    qtype = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
+    path = str(tmp_path / "qdq.onnx")
+    quantize_static(str(exported.path), path, FeedsReader(calibration), quant_format=QuantFormat.QDQ,
+                    activation_type=qtype, weight_type=qtype, per_channel=not fp8, op_types_to_quantize=["MatMul", "Gemm"],
+                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax,
+                    extra_options={"QDQKeepRemovableActivations": fp8})
+    name = "cuda.attention.quantized.64x64.w4s2"
+    cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # the CUDA build's graph
+    engine = kiln.build(path, device="cpu", tactics=[name], tuning_runs=2)
+    steps = [s for s in engine.plan.program.steps if s.op_type == "Attention"]
+    assert len(steps) == 2
+    layers = engine.plan.header["tactics"]["layers"]
+    checked = {n for layer in layers.values() for n, note in layer["candidates"].items() if isinstance(note, float)}
+    assert name in checked, {n: layer["candidates"] for n, layer in layers.items()}
+    for step in steps:  # on the CPU the interpreter never wins a timing
+        step.tactic, step.tactic_config = name, {}
+    on_kernel = kiln.Engine(engine.plan)
+    model = onnx.load(path)
+    coarsest = max(float(numpy_helper.to_array(i).astype(np.float32).reshape(-1)[0]) for i in model.graph.initializer
+                   if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=24, seed=seed)
+        want = session.run(None, feeds)[0]
+        got = np.asarray(on_kernel.run(feeds)[session.get_outputs()[0].name])
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest
