@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kiln.kernels.cuda.triton import qmath
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
 MAX_HEAD_DIM = 128
 INT8_DTYPES = (torch.int8, torch.uint8)
 FP8_DTYPE = torch.float8_e4m3fn
