@@ -154,7 +154,7 @@ def softmax(ctx, x, *, axis=-1):
 def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0, q_perm=None, k_perm=None,
               v_perm=None, out_perm=None, gqa=0, nan_to_zero=0, is_causal=0, q_num_heads=0, kv_num_heads=0, qkv_split=None,
               out_merge_heads=0, q_quant=None, k_quant=None, v_quant=None, score_quant=None, prob_quant=None,
-              out_quant=None, fp8_scale=None):
+              out_quant=None, float8_quant=0, fp8_scale=None):
     """softmax(q·kᵀ·scale + mask)·v with q/k/v permuted to [B, H, S, D] first (views, no copies).
 
     `gqa` = 1: k and v have fewer heads than q (grouped-query attention), each shared by
@@ -171,7 +171,9 @@ def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0,
     `score_quant`/`prob_quant` = [scale, zero_point, qmin, qmax]: the scores q·kᵀ·scale (before the mask) and
     the probabilities (after the NaN guard) go through DQ(Q(·)), (clamp(round(x / s) + z, qmin, qmax) - z)·s,
     round half to even as ONNX QuantizeLinear; `out_quant` = [scale, zero_point, qmin, qmax]: the output is
-    Q(out), 8-bit (uint8 when qmin = 0, else int8).
+    Q(out), 8-bit (uint8 when qmin = 0, else int8). `float8_quant` = 1: every one of them is E4M3FN instead
+    (onnxruntime's FP8 QDQ model): the inputs are float8_e4m3fn read as x·s, and Q(x) is x / s clamped to ±448
+    and rounded to E4M3 (round half to even), as ONNX QuantizeLinear with saturate = 1; the output is float8_e4m3fn.
 
     `fp8_scale` (an FP8 engine's attention, kiln/quant/attention.py) changes nothing here: it allows a tactic to
     compute with q, k and v on the E4M3 grid at that scale (and the probabilities in E4M3), checked against this
@@ -199,7 +201,7 @@ def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0,
         v = v.repeat_interleave(repeat, dim=-3)
     if score_quant or prob_quant:
         out = _fake_quantized_attention(q, k, v, mask, scale, bool(is_causal) and mask is None, nan_to_zero,
-                                        score_quant, prob_quant)
+                                        score_quant, prob_quant, bool(float8_quant))
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                              is_causal=bool(is_causal) and mask is None)  # [B, H, S, D]
@@ -207,7 +209,9 @@ def attention(ctx, q, k=None, v=None, mask=None, key_lengths=None, *, scale=1.0,
         out = torch.nan_to_num_(out, nan=0.0) if not out.requires_grad else torch.nan_to_num(out, nan=0.0)
     out = out.permute(out_perm) if out_perm else out
     out = out.flatten(-2) if out_merge_heads else out
-    if out_quant:
+    if out_quant and float8_quant:
+        out = _quantized(out, out_quant, float8=True)  # float8_e4m3fn
+    elif out_quant:
         out = _quantized(out, out_quant).to(torch.uint8 if out_quant[2] >= 0 else torch.int8)
     return out
 
@@ -236,24 +240,29 @@ def _dequantized(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
     return (x.float() - quant[1]) * quant[0]
 
 
-def _quantized(x: torch.Tensor, quant: list[float]) -> torch.Tensor:
+def _quantized(x: torch.Tensor, quant: list[float], float8: bool = False) -> torch.Tensor:
     """Q(x) = clamp(round(x / s) + z, qmin, qmax), integer-valued floats, for quant = [s, z, qmin, qmax] (round half
-    to even, as ONNX QuantizeLinear)."""
+    to even, as ONNX QuantizeLinear); float8: x / s clamped to [qmin, qmax] (±448: saturate = 1; NaN stays NaN) and
+    rounded to E4M3 (half to even), a float8_e4m3fn tensor."""
     s, z, low, high = quant
+    if float8:
+        return torch.clamp(x.float() / s, low, high).to(torch.float8_e4m3fn)
     return torch.clamp(torch.round(x / s) + z, low, high)
 
 
-def _fake_quant(x: torch.Tensor, quant: list[float] | None) -> torch.Tensor:
+def _fake_quant(x: torch.Tensor, quant: list[float] | None, float8: bool = False) -> torch.Tensor:
     """DQ(Q(x)) = (Q(x) - z)·s for quant = [s, z, qmin, qmax]; x itself without one."""
     if not quant:
         return x
+    if float8:  # z = 0
+        return _quantized(x, quant, float8=True).to(x.dtype) * quant[0]
     return (_quantized(x, quant) - quant[1]) * quant[0]
 
 
-def _fake_quantized_attention(q, k, v, mask, scale, causal, nan_to_zero, score_quant, prob_quant):
+def _fake_quantized_attention(q, k, v, mask, scale, causal, nan_to_zero, score_quant, prob_quant, float8=False):
     """softmax(DQ(Q(q·kᵀ·scale)) + mask), NaN guard, DQ(Q(·)), times v: an explicitly quantized graph's attention
-    with its score and probability quantization (q, k, v: [B, H, S|T, D], float)."""
-    scores = _fake_quant(torch.matmul(q, k.transpose(-1, -2)) * scale, score_quant)  # [B, H, S, T]
+    with its score and probability quantization (q, k, v: [B, H, S|T, D], float; float8: Q rounds to E4M3)."""
+    scores = _fake_quant(torch.matmul(q, k.transpose(-1, -2)) * scale, score_quant, float8)  # [B, H, S, T]
     if causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -262,7 +271,7 @@ def _fake_quantized_attention(q, k, v, mask, scale, causal, nan_to_zero, score_q
     p = torch.softmax(scores, dim=-1)
     if nan_to_zero:
         p = torch.nan_to_num(p, nan=0.0)
-    return torch.matmul(_fake_quant(p, prob_quant), v)  # [B, H, S, Dv]
+    return torch.matmul(_fake_quant(p, prob_quant, float8), v)  # [B, H, S, Dv]
 
 
 @register("Rotary", domain="kiln")

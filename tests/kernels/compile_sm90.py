@@ -26,6 +26,7 @@ from kiln.kernels.cuda.triton import elementwise, epilogue, fused_gemm, normaliz
 from kiln.kernels.cuda.triton import pool
 from kiln.kernels.cuda.triton import conv
 from kiln.kernels.cuda.triton import embedding
+from kiln.kernels.cuda.triton import quantized_attention
 from kiln.tactics.cuda.attention import shared_memory_bound
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -236,6 +237,38 @@ QUICK |= {"attention fp16 128x64.w4s3 d64 padding-mask", "attention fp16 128x64.
           "attention bf16 128x128.w8s3 d128 causal",
           "attention fp16 64x64.w4s3 d80 bool-mask", "attention fp8e4nv>fp16 128x64.w4s3 d64 fp8 key-lengths",
           "attention fp8e4nv 128x64.w4s3 d64 fp8 key-lengths", "attention fp16 128x64.w4s3 d64 fp8qk key-lengths"}
+
+
+def quantized_attention_cases():
+    """The quantized attention (cuda.attention.quantized) at BERT's head dim 64 with the padding mask, each tactic's
+    tile: int8 and uint8 in and out, E4M3 in and out (onnxruntime's FP8 QDQ BERT), uint8 with a float32 output;
+    the fp16 products must be tensor-core wgmma."""
+    fn = quantized_attention._quantized_attention_kernel
+    unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")
+    ints = {name: "i32" for name in fn.arg_names
+            if (name.startswith("stride_") or name in ("S", "T", "kv_group")) and name not in unit}
+    floats = dict.fromkeys(("q_zero", "k_zero", "v_zero", "qk_scale", "score_inverse", "score_zero", "score_scale",
+                            "prob_inverse", "prob_zero", "pv_scale", "out_inverse", "out_zero"), "fp32")
+    divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
+    ranges = {"i8": (-128.0, 127.0), "u8": (0.0, 255.0), "fp8e4nv": (-448.0, 448.0)}
+    for block_m, block_n, warps, stages in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 2)):
+        for dtype, out_dtype in (("i8", "i8"), ("u8", "u8"), ("fp8e4nv", "fp8e4nv"), ("u8", "fp32")):
+            low, high = ranges[dtype]
+            out = {"fp32": 0, "fp8e4nv": 2}.get(out_dtype, 1)
+            types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "mask_ptr": "*fp16",
+                     "out_ptr": f"*{out_dtype}"} | ints | floats
+            constexprs = {"HEAD_DIM": 64, "HEAD_DIM_V": 64, "HAS_MASK": True, "MASK_BOOL": False, "HAS_SCORE_Q": True,
+                          "SCORE_MIN": low, "SCORE_MAX": high, "HAS_PROB_Q": True, "PROB_MIN": low, "PROB_MAX": high,
+                          "OUT": out, "OUT_MIN": low, "OUT_MAX": high, "NAN_TO_ZERO": True,
+                          "FLOAT8": dtype == "fp8e4nv", "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 64,
+                          "BLOCK_DV": 64} | dict.fromkeys(unit, 1)
+            yield (f"quantized_attention {dtype}>{out_dtype} {block_m}x{block_n}.w{warps}s{stages} d64", fn, types,
+                   constexprs, {"options": {"num_warps": warps, "num_stages": stages}, "divisible": divisible,
+                                "ptx_contains": ("wgmma.mma_async",)})
+
+
+CASES["quantized_attention"] = quantized_attention_cases
+QUICK |= {"quantized_attention i8>i8 64x64.w4s2 d64", "quantized_attention fp8e4nv>fp8e4nv 64x64.w4s2 d64"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases

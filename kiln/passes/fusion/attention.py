@@ -27,6 +27,10 @@ taken whole, its Q/DQ as attributes the kernel applies exactly where the graph d
     Softmax [-> NaN guard] -> Q -> DQ -> MatMul(·, V)    -> prob_quant
     MatMul(P, V) -> Q               -> out_quant: the output written 8-bit
 
+The same holds for onnxruntime's FP8 QDQ model (E4M3FN activations, zero points 0): its Q/DQ become the same
+attributes with `float8_quant` = 1 (the kernel rounds to E4M3 with saturation, as ONNX QuantizeLinear does). One
+attention is quantized to one kind (8-bit integers or E4M3): a mix of the two is left as it is.
+
 Without this the attention ran as some twenty separate steps (two float MatMuls, six Q/DQ, Softmax, the mask
 Add, the NaN guard, head transposes of 8-bit tensors), most of them outside the CPU's native segments.
 """
@@ -57,6 +61,10 @@ from kiln.passes.fusion.attention_mask import broadcast_constant, evaluate_on_co
 from kiln.passes.fusion.qdq_propagate import INT8_TYPES, QParams, dequantized, qparams, quantized_type
 
 RULE = "fuse_attention"
+# the 8-bit types of a quantized attention: integers (scale, zero point) and E4M3FN (scale; zero point 0, saturating)
+FLOAT8 = ir.DataType.FLOAT8E4M3FN
+QUANT_TYPES = (*INT8_TYPES, FLOAT8)
+FLOAT8_MAX = 448.0  # E4M3FN's largest finite value: a saturating QuantizeLinear clamps there
 MASKED = -1e30  # an additive mask entry at or below this hides its key (exp underflows to 0 exactly)
 
 
@@ -91,7 +99,10 @@ def _absorb_transpose(value: ir.Value, perm: list[int] | None, nodes: list[ir.No
 
 
 def _quant(p: QParams, dtype: ir.DataType) -> list[float]:
-    """[scale, zero point, qmin, qmax] of a per-tensor 8-bit quantization."""
+    """[scale, zero point, qmin, qmax] of a per-tensor 8-bit quantization (E4M3FN: [s, 0, -448, 448])."""
+    if dtype == FLOAT8:
+        return [float(p.scale.reshape(())), float(p.zero_point.astype(np.float32).reshape(())), -FLOAT8_MAX,
+                FLOAT8_MAX]
     info = np.iinfo(dtype.numpy())
     return [float(p.scale.reshape(())), float(p.zero_point.reshape(())), float(info.min), float(info.max)]
 
@@ -102,7 +113,7 @@ def _dequantized_input(value: ir.Value) -> tuple[ir.Node, ir.Value, list[float]]
     if found is None or not only_user(value) or not found[1].per_tensor:
         return None
     dq, p = found
-    if quantized_type(dq.inputs[0]) not in INT8_TYPES:
+    if quantized_type(dq.inputs[0]) not in QUANT_TYPES:
         return None
     return dq, dq.inputs[0], _quant(p, quantized_type(dq.inputs[0]))[:2]
 
@@ -114,7 +125,7 @@ def _output_quantize(value: ir.Value) -> tuple[ir.Node, list[float]] | None:
     if p is None or not p.per_tensor or attr(q, "saturate", 1) != 1:
         return None
     dtype = ir.DataType.from_numpy(p.zero_point.dtype)
-    return (q, _quant(p, dtype)) if dtype in INT8_TYPES else None
+    return (q, _quant(p, dtype)) if dtype in QUANT_TYPES else None
 
 
 def _fake_quant_after(value: ir.Value) -> tuple[list[ir.Node], ir.Value, list[float]] | None:
@@ -135,6 +146,17 @@ def _fake_quant_before(value: ir.Value) -> tuple[list[ir.Node], ir.Value, list[f
         if producer(value, "DequantizeLinear") is not None else None
     found = _fake_quant_after(q.inputs[0]) if q is not None else None
     return (found[0], q.inputs[0], found[2]) if found is not None and found[1] is value else None
+
+
+def _quantized_kinds(nodes: list[ir.Node]) -> set[bool]:
+    """For each Q/DQ among `nodes`: whether it quantizes to E4M3 (True) or to 8-bit integers (False)."""
+    kinds = set()
+    for node in nodes:
+        if is_op(node, "QuantizeLinear"):
+            kinds.add(quantized_type(node.outputs[0]) == FLOAT8)
+        elif is_op(node, "DequantizeLinear"):
+            kinds.add(quantized_type(node.inputs[0]) == FLOAT8)
+    return kinds
 
 
 def _unrepeat_kv(value: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, bool]:
@@ -397,6 +419,10 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
     if is_op(tr, "Transpose") and attr(tr, "perm") is not None:
         nodes.append(tr)
         out, out_perm = tr.outputs[0], attr(tr, "perm")
+    kinds = _quantized_kinds(nodes)
+    if len(kinds) > 1:
+        report.refuse(RULE, node, "its Q/DQ mix 8-bit integers and float8: the kernel takes one kind")
+        return False
     causal = mask is not None and _is_causal(mask.constant(node.graph))
     if causal:
         mask, nan_to_zero = None, 0
@@ -409,6 +435,8 @@ def fuse_attention(node: ir.Node, report: PassReport) -> bool:
         if perm is not None and perm != [0, 1, 2, 3]:
             attrs.append(ir.AttrInt64s(name, perm))
     attrs += [ir.AttrFloat32s(name, values) for name, values in quant.items()]
+    if quant and kinds == {True}:
+        attrs.append(ir.AttrInt64("float8_quant", 1))
     inputs = [q, k, v] + ([mask.build(node)] if mask is not None else [])
     fused = ir.Node(KILN_DOMAIN, "Attention", inputs, attrs, name=pv.name)
     replace_with(nodes, fused, out)

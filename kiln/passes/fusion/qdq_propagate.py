@@ -17,6 +17,9 @@ propagation does), taking a scale by a scalar with it, and above a MaxPool:
                                                      MaxPool because Q is non-decreasing)
     Q(op(x)·c; s, z) = op(Q(x·c; s, z))              c a scalar constant (> 0 for MaxPool)
 
+(8-bit integers and E4M3FN alike: the op moves values, Q rounds each the same wherever it stands; MaxPool on
+integers only, as below)
+
 so `linear -> Reshape -> Transpose -> Mul(c) -> Q -> DQ -> MatMul` (an exported BERT's Q and Kᵀ) becomes
 `linear -> Mul(c) -> Q -> Reshape -> Transpose -> DQ -> MatMul`: the 8-bit tensor moves, the scale joins the
 bias Add in one elementwise step, and kiln/passes/fusion/attention.py finds the head transposes next to
@@ -179,7 +182,9 @@ def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
     if not is_op(node, "QuantizeLinear"):
         return False
     params = qparams(node)
-    if params is None or not params.per_tensor or quantized_type(node.outputs[0]) not in INT8_TYPES:
+    kind = quantized_type(node.outputs[0])
+    # E4M3 too (onnxruntime's FP8 QDQ BERT: the head split's Q rises to the projection, kiln::Attention reads q8)
+    if params is None or not params.per_tensor or kind not in (*INT8_TYPES, ir.DataType.FLOAT8E4M3FN):
         return False
     value, mul, factor = node.inputs[0], None, None
     found = producer(value, "Mul")
@@ -195,6 +200,9 @@ def hoist_quantize(node: ir.Node, report: PassReport) -> bool:
         return False
     if mover.op_type == "MaxPool" and mul is not None and not const_scalar(factor) > 0:
         return False  # max(x)·c = max(x·c) only for c > 0
+    if mover.op_type == "MaxPool" and kind not in INT8_TYPES:
+        report.refuse(RULE_HOIST, node, "MaxPool on float8 values: torch has no such kernel")
+        return False
     origin = mover.inputs[0]
     while is_op(producer(origin), *HOISTED_MOVERS):
         origin = producer(origin).inputs[0]

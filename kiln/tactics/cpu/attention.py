@@ -105,7 +105,9 @@ class _AttentionAttributes:
         scale = attrs.get("scale", 1.0)
         quant = {name: [float(x) for x in attrs[name]] for name in QUANT_ATTRIBUTES if attrs.get(name)}
         refused = None
-        if quant and not all(name in quant for name in ("q_quant", "k_quant", "v_quant")):
+        if quant and attrs.get("float8_quant"):
+            refused = "a float8 (E4M3) quantized attention: the kernel reads and writes uint8"
+        elif quant and not all(name in quant for name in ("q_quant", "k_quant", "v_quant")):
             refused = "q, k and v are not all 8-bit (the kernel reads all three as uint8 or none)"
         elif "out_quant" in quant and "q_quant" not in quant:
             refused = "an 8-bit output of float inputs"

@@ -3,6 +3,9 @@
     cuda.attention.triton.<BMxBN>.w<warps>s<stages>       kiln/kernels/cuda/triton/attention.py
     cuda.attention.triton_fp8.<BMxBN>.w<warps>s<stages>   the same kernel with E4M3 products (Float8Scales)
     cuda.attention.triton_fp8qk.<BMxBN>.w<warps>s<stages> q·kᵀ in E4M3, p·v in fp16 (Float8Scales.pv False)
+    cuda.attention.quantized.<BMxBN>.w<warps>s<stages>    an explicitly quantized attention (int8 or E4M3 Q/DQ
+                                                          absorbed: q/k/v_quant, ...), exactly as the op rounds
+                                                          (kiln/kernels/cuda/triton/quantized_attention.py)
 
 The kernel reads q, k and v through their strides and writes the output in its final layout, so
 the layouts the optimizer absorbs into the op (qkv_split of one QKV GEMM output, [B, S, H·D]
@@ -80,18 +83,21 @@ def attention_views(q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | N
     return q, k, v  # q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv]
 
 
-def output_buffer(q: torch.Tensor, v: torch.Tensor, out_perm: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the op's output before out_merge_heads, contiguous; the same memory as a [B, H, S, Dv] view).
+def output_buffer(q: torch.Tensor, v: torch.Tensor, out_perm: list[int] | None,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the op's output before out_merge_heads, contiguous; the same memory as a [B, H, S, Dv] view), of q's dtype
+    unless `dtype` says.
 
     The kernel writes the [B, H, S, Dv] view; with out_perm = [0, 2, 1, 3] the buffer is the
     [B, S, H, Dv] tensor the next GEMM reads, and merging the heads is a free flatten.
     """
     shape = (*q.shape[:3], v.shape[3])  # [B, H, S, Dv]
+    dtype = dtype or q.dtype
     if not out_perm:
-        buffer = torch.empty(shape, dtype=q.dtype, device=q.device)
+        buffer = torch.empty(shape, dtype=dtype, device=q.device)
         return buffer, buffer
     out_perm = list(out_perm)
-    buffer = torch.empty([shape[p] for p in out_perm], dtype=q.dtype, device=q.device)
+    buffer = torch.empty([shape[p] for p in out_perm], dtype=dtype, device=q.device)
     inverse = sorted(range(4), key=out_perm.__getitem__)  # buffer.permute(inverse) is [B, H, S, Dv] again
     return buffer, buffer.permute(inverse)
 
@@ -260,3 +266,93 @@ for _block_m, _block_n, _warps, _stages, _level in ((128, 64, 4, 3, 2), (128, 12
     # engine (64 x 384, padding mask, H200, bench/results/fp8-bert-2026-12-04c.md): 0.134-0.138 ms against the fp16
     # tile's 0.121 (q and k converted as they are loaded): the tuner keeps the fp16 kernel
     register(_triton_attention_tactic(_block_m, _block_n, _warps, _stages, max(_level, 3), fp8="qk"))
+
+
+# ---- an explicitly quantized attention (onnxruntime's QDQ BERT, int8 or E4M3): its own kernel ------------------
+
+_QUANTIZED_INPUTS = {False: (torch.int8, torch.uint8), True: (_FP8,)}
+
+
+def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -> bool | str:
+    attributes = step.attributes
+    if not all(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant")):
+        return "not a quantized attention with 8-bit q, k and v (the flash tactics take float ones)"
+    if tensor_input(inputs, 4) is not None:
+        return "key lengths (kiln::KeyLengths): this kernel reads the mask only"
+    if _attr(attributes, "is_causal", 0):
+        return "is_causal: this kernel takes a mask tensor only"
+    if any(i >= len(inputs) or inputs[i].shape is None for i in range(1 if _attr(attributes, "qkv_split", None) else 3)):
+        return "q, k or v is not a tensor"
+    meta = [torch.empty(x.shape, device="meta", dtype=x.dtype) if x.shape is not None else None
+            for x in inputs[:3]] + [None] * (3 - min(len(inputs), 3))
+    try:
+        q, k, v = attention_views(*meta, attributes)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        return f"q/k/v layout does not resolve: {e}"
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
+    wanted = _QUANTIZED_INPUTS[bool(_attr(attributes, "float8_quant", 0))]
+    if any(t.dtype not in wanted for t in (q, k, v)):
+        return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the attributes say {' or '.join(map(str, wanted))}"
+    batch, heads, s_len, d = q.shape
+    kv_batch, kv_heads, t_len, dv = v.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[3] != d or kv_batch not in (1, batch) or heads % max(kv_heads, 1):
+        return f"k {list(k.shape)} and v {list(v.shape)} do not pair with q {list(q.shape)}"
+    if max(d, dv) > _MAX_HEAD_DIM or min(s_len, t_len, d, dv) == 0:
+        return f"head dims {d}/{dv}, {s_len} queries, {t_len} keys: the kernel takes 1-{_MAX_HEAD_DIM} dims, a key"
+    if max(batch, heads) > _GRID_AXIS_LIMIT:
+        return f"{batch} batches x {heads} heads: above the {_GRID_AXIS_LIMIT} CUDA grid limit per axis"
+    if block_m > 64 and s_len <= 64:
+        return f"{block_m}-row tiles for {s_len} queries: mostly padding"
+    mask = tensor_input(inputs, 3)
+    if mask is not None:
+        if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+            return f"mask dtype {mask.dtype}: the kernel takes bool or an additive float mask"
+        try:
+            expanded = torch.empty(mask.shape, device="meta", dtype=mask.dtype).expand(batch, heads, s_len, t_len)
+        except RuntimeError:
+            return f"mask {list(mask.shape)} does not broadcast to [B, H, S, T] = {[batch, heads, s_len, t_len]}"
+        if _extent(tuple(expanded.shape), expanded.stride()) >= 2**31:
+            return "the mask's (batch, head) slab spans more than 2^31 elements"
+    if max(_extent(tuple(t.shape), t.stride()) for t in (q, k, v)) >= 2**31 or s_len * heads * dv >= 2**31:
+        return "one (batch, head) slab spans more than 2^31 elements: the kernel indexes it in 32 bits"
+    return True
+
+
+def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        kernels = importlib.import_module("kiln.kernels.cuda.triton.quantized_attention")
+        attributes = step.attributes
+        quant = {name: kernels.Quantization.of(_attr(attributes, name, None)) for name in
+                 ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant")}
+        float8 = bool(_attr(attributes, "float8_quant", 0))
+        out_quant = quant["out_quant"]
+        if out_quant is None:
+            out_dtype = torch.float32  # the op's: its q, k, v are dequantized to float32
+        else:
+            out_dtype = _FP8 if float8 else torch.uint8 if out_quant.qmin >= 0 else torch.int8
+
+        def launch(ctx, q, k=None, v=None, mask=None, key_lengths=None, **attributes):
+            q4, k4, v4 = attention_views(q, k, v, attributes)  # [B, H, S, D] views of the inputs' memory
+            buffer, out = output_buffer(q4, v4, _attr(attributes, "out_perm", None), out_dtype)
+            kernels.quantized_attention(q4, k4, v4, mask, scale=float(_attr(attributes, "scale", 1.0)), **quant,
+                                        float8=float8, nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)),
+                                        out=out, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                                        num_stages=num_stages)
+            return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
+
+        return launch
+
+    return Tactic(
+        name=f"cuda.attention.quantized.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
+        domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
+        supports=lambda step, inputs: _supports_quantized(step, inputs, block_m), prepare=prepare, level=level,
+        available=triton_available,
+        description=f"Triton attention of an explicitly quantized graph (int8 or E4M3 Q/DQ as attributes): two passes "
+                    f"over the keys (the row's max and sum, then the rounded probabilities times v), {block_m} "
+                    f"queries x {block_n} keys per step, {num_warps} warps, {num_stages} stages",
+    )
+
+
+for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (64, 32, 4, 2, 3)):
+    register(_quantized_attention_tactic(_block_m, _block_n, _warps, _stages, _level))

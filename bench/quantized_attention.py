@@ -1,0 +1,122 @@
+"""BERT-base's attention layer as onnxruntime's QDQ model quantizes it (issue 12), on the GPU: the op's torch reference
+(what a quantized attention ran on CUDA before cuda.attention.quantized), each quantized tactic, and kiln's fp16 flash
+attention on the same shape (the fp16 engine's layer) for scale.
+
+    python3 bench/quantized_attention.py [--batch 64 --seq 384] [--iters 20] [--dry-run]
+
+E4M3 and int8 q/k/v [B, S, 768] (the projections' outputs, the fused BERT layout: heads split by the op, output
+merged), a padding mask [B, 1, 1, S] (fp16, rows padded from a random length >= S/2). ms per call: median of CUDA
+events after a warm-up (bench/gpu.py time_cuda). Each tactic's output is checked against the reference first
+(QUANTIZED_ATTENTION_STEPS); a table last. --dry-run: on the CPU under Triton's interpreter at 1 x 64 (checks the
+script; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+HEADS, HEAD_DIM = 12, 64
+QUANT = {  # tests/gpu/test_quantized_attention_cuda.py's
+    "fp8": {"q_quant": [0.0113, 0.0], "k_quant": [0.0121, 0.0], "v_quant": [0.0207, 0.0],
+            "score_quant": [0.00817, 0.0, -448.0, 448.0], "prob_quant": [1 / 448 / 1.3, 0.0, -448.0, 448.0],
+            "out_quant": [0.00163, 0.0, -448.0, 448.0], "float8_quant": 1},
+    "int8": {"q_quant": [0.0213, -2.0], "k_quant": [0.0187, 5.0], "v_quant": [0.0311, 0.0],
+             "score_quant": [0.0937, -25.0, -128.0, 127.0], "prob_quant": [1 / 255, -128.0, -128.0, 127.0],
+             "out_quant": [0.0193, 1.0, -128.0, 127.0]},
+}
+LAYOUT = {"scale": 1.0, "nan_to_zero": 1, "q_num_heads": HEADS, "kv_num_heads": HEADS, "q_perm": [0, 2, 1, 3],
+          "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
+TACTICS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
+           "cuda.attention.quantized.64x32.w4s2")
+
+
+def _time_once(fn, warmup: int, iters: int) -> list[float]:
+    """--dry-run's stand-in for time_cuda: one call, wall clock."""
+    start = time.perf_counter()
+    fn()
+    return [(time.perf_counter() - start) * 1e3]
+
+
+def main() -> int:
+    dry = "--dry-run" in sys.argv
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        import tests.kernels.conftest  # noqa: F401  the interpreter's scalar-index fix for older Triton
+    from gpu import time_cuda
+
+    from kiln.builder.accuracy import QUANTIZED_ATTENTION_STEPS, float8_ordinal
+    from kiln.ops.fused import attention
+    from kiln.ops.registry import OpContext
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--seq", type=int, default=384)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true")
+    args = ap.parse_args()
+    cuda = torch.device("cpu" if dry else "cuda")
+    if dry:
+        args.batch, args.seq, time_cuda = 1, 64, _time_once
+    g = torch.Generator(device=cuda).manual_seed(0)
+    width = HEADS * HEAD_DIM
+    lengths = torch.randint(args.seq // 2, args.seq + 1, (args.batch, 1, 1, 1), device=cuda, generator=g)
+    mask = torch.where(torch.arange(args.seq, device=cuda) < lengths, 0.0, torch.finfo(torch.float16).min).half()
+    ctx = OpContext("attention", "Attention", domain="kiln")
+    device = "CPU, Triton interpreter (dry run)" if dry else torch.cuda.get_device_name()
+    print(f"device: {device}  torch {torch.__version__}  BERT-base attention "
+          f"{args.batch} x {args.seq}, padding mask")
+    rows = []
+    for kind, attributes in QUANT.items():
+        attributes = {**LAYOUT, **attributes}
+        if kind == "fp8":
+            q, k, v = ((torch.randn(args.batch, args.seq, width, device=cuda, generator=g) * 60).clamp(-448, 448)
+                       .to(torch.float8_e4m3fn) for _ in range(3))
+        else:
+            q, k, v = (torch.randint(-128, 128, (args.batch, args.seq, width), device=cuda, generator=g,
+                                     dtype=torch.int32).to(torch.int8) for _ in range(3))
+        with torch.inference_mode():
+            want = attention(ctx, q, k, v, mask, **attributes)
+            reference_ms = statistics.median(time_cuda(lambda: attention(ctx, q, k, v, mask, **attributes), 3,
+                                                       args.iters))
+            rows.append((kind, "op reference (torch; CUDA's only way before)", reference_ms, "-"))
+            step = StepSpec(op_type="Attention", domain="kiln", name="attention", inputs=["q", "k", "v", "mask"],
+                            outputs=["y"], attributes=attributes)
+            for name in TACTICS:
+                launch = registry.get(name).prepare(step, [None] * 4, cuda)
+                got = launch(ctx, q, k, v, mask, **attributes)
+                apart = ((float8_ordinal(got) - float8_ordinal(want)) if kind == "fp8"
+                         else (got.int() - want.int())).abs().float()
+                agreement = f"max {apart.max().item():.0f} steps, {(apart > 0).float().mean().item():.3%} off"
+                if apart.max().item() > QUANTIZED_ATTENTION_STEPS:
+                    agreement += " (FAILS the builder's check)"
+                ms = statistics.median(time_cuda(lambda: launch(ctx, q, k, v, mask, **attributes), 3, args.iters))
+                rows.append((kind, name, ms, agreement))
+    half = {"scale": 0.125, "nan_to_zero": 1, **{n: LAYOUT[n] for n in LAYOUT if n not in ("scale", "nan_to_zero")}}
+    q, k, v = (torch.randn(args.batch, args.seq, width, device=cuda, generator=g, dtype=torch.float16) for _ in range(3))
+    step = StepSpec(op_type="Attention", domain="kiln", name="attention", inputs=["q", "k", "v", "mask"],
+                    outputs=["y"], attributes=half)
+    with torch.inference_mode():
+        launch = registry.get("cuda.attention.triton.64x64.w4s3").prepare(step, [None] * 4, cuda)
+        ms = statistics.median(time_cuda(lambda: launch(ctx, q, k, v, mask, **half), 3, args.iters))
+    rows.append(("fp16", "cuda.attention.triton.64x64.w4s3 (the fp16 engine's)", ms, "-"))
+    print("\n| q/k/v | kernel | ms | vs the op reference |\n|---|---|---|---|")
+    for kind, name, ms, agreement in rows:
+        print(f"| {kind} | {name} | {ms:.3f} | {agreement} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

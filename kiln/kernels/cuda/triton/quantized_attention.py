@@ -1,0 +1,218 @@
+"""An explicitly quantized attention (kiln::Attention with q/k/v_quant, score_quant, prob_quant, out_quant: the
+Q/DQ of onnxruntime's QDQ BERT, int8 or E4M3, kiln/passes/fusion/attention.py) without materialising q·kᵀ.
+
+The op (kiln/ops/fused.py) is, per row of scores, with x̂ = (x8 - z)·s the dequantized inputs:
+
+    s_j = FQ_score(q̂·k̂_j·scale) + mask_j        FQ(x) = DQ(Q(x)): int8 (round half even, clamp) or E4M3 (saturating)
+    p_j = exp(s_j - max s) / Σ exp(s - max s)    [NaN -> 0 for a row whose every key is masked: nan_to_zero]
+    o   = Σ_j FQ_prob(p_j)·v̂_j                  [-> Q_out(o)]
+
+FQ_prob needs each p_j normalised, i.e. the row's max and sum before any p·v: so each program walks its keys
+twice (flash attention's online softmax cannot round p before knowing l). Pass 1 keeps the running max m and sum l
+of the rounded scores; pass 2 recomputes the same scores, p = exp(s - m) / l, rounds p and accumulates p·v.
+Twice the q·kᵀ work of a flash kernel, none of the [B, H, S, T] traffic of the unfused graph (BERT-base 64 x 384:
+113 M scores a layer, 453 MB a float32 pass).
+
+Exact products: the integer q8 - z, k8 - z (|x| <= 255) and E4M3 values are exact in fp16, so each tl.dot of them
+sums exact products in fp32; the scales multiply the sums after. The probabilities' rounded values (integers
+of [qmin - z, qmax - z], or E4M3 grid values in units of the probability scale) are exact in fp16 too. What may
+differ from the op is fp32 summation order (the scores, the row sum), which sends a near-tie of a rounding the other
+way now and then: the builder checks the tactic against the op, with a quantized attention's two output steps
+(kiln/builder/accuracy.py QUANTIZED_ATTENTION_STEPS).
+
+Roundings are fp32 arithmetic (qmath: round_half_even, round_to_e4m3), correct in the interpreter and on the GPU alike;
+x / s is x·(1/s) here (the op divides: a tie may go the other way, as in kiln's other quantized kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.cuda.triton import qmath
+
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): e^x = 2^(x·log2 e)
+MAX_HEAD_DIM = 128
+INT8_DTYPES = (torch.int8, torch.uint8)
+FP8_DTYPE = torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """One tensor's per-tensor quantization: x = (x8 - zero)·scale; [qmin, qmax] the 8-bit range (E4M3: ±448)."""
+    scale: float
+    zero: float = 0.0
+    qmin: float = -448.0
+    qmax: float = 448.0
+
+    @classmethod
+    def of(cls, values: list[float] | None) -> Quantization | None:
+        """From an attribute of kiln::Attention: [s, z] (an input) or [s, z, qmin, qmax]."""
+        if not values:
+            return None
+        return cls(*[float(v) for v in values]) if len(values) == 4 else cls(float(values[0]), float(values[1]))
+
+
+@triton.jit
+def _fake_quant(x, inverse, zero, QMIN: tl.constexpr, QMAX: tl.constexpr, FLOAT8: tl.constexpr):
+    """Q(x) - z in units of the scale (x·inverse rounded): an integer of [QMIN - z, QMAX - z], or an E4M3 value."""
+    v = x * inverse
+    if FLOAT8:
+        return qmath.round_to_e4m3(v)
+    return tl.minimum(tl.maximum(qmath.round_half_even(v) + zero, QMIN), QMAX) - zero
+
+
+@triton.jit
+def _scores(q, k_base, mask_base, offs_m, offs_n, row_ok, T, stride_kt, stride_kd, stride_ms, stride_mt, k_zero,
+            qk_scale, score_inverse, score_zero, score_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, HAS_SCORE_Q: tl.constexpr, SCORE_MIN: tl.constexpr,
+            SCORE_MAX: tl.constexpr, FLOAT8: tl.constexpr):
+    """The rounded, masked scores of one key block, in natural-log units: [BM, BN] fp32 (-inf where hidden)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    key_ok = offs_n < T
+    k_ok = (offs_d[:, None] < HEAD_DIM) & key_ok[None, :]
+    k = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=k_ok)  # kᵀ: [BD, BN]
+    k = tl.where(k_ok, k.to(tl.float32) - k_zero, 0.0).to(tl.float16)  # exact: |k8 - z| <= 255, or E4M3
+    s = tl.dot(q, k) * qk_scale  # s: [BM, BN] = q̂·k̂ᵀ·scale
+    if HAS_SCORE_Q:
+        s = _fake_quant(s, score_inverse, score_zero, SCORE_MIN, SCORE_MAX, FLOAT8) * score_scale
+    if HAS_MASK:
+        m_ptrs = mask_base + offs_m[:, None] * stride_ms + offs_n[None, :] * stride_mt
+        bias = tl.load(m_ptrs, mask=row_ok[:, None] & key_ok[None, :], other=0)
+        if MASK_BOOL:
+            s = tl.where(bias != 0, s, float("-inf"))
+        else:
+            s = s + bias.to(tl.float32)
+    return tl.where(key_ok[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _quantized_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
+                                stride_qb, stride_qh, stride_qs, stride_qd,
+                                stride_kb, stride_kh, stride_kt, stride_kd,
+                                stride_vb, stride_vh, stride_vt, stride_vd,
+                                stride_mb, stride_mh, stride_ms, stride_mt,
+                                stride_ob, stride_oh, stride_os, stride_od,
+                                S, T, kv_group, q_zero, k_zero, v_zero, qk_scale,
+                                score_inverse, score_zero, score_scale, prob_inverse, prob_zero, pv_scale,
+                                out_inverse, out_zero,
+                                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_MASK: tl.constexpr,
+                                MASK_BOOL: tl.constexpr, HAS_SCORE_Q: tl.constexpr, SCORE_MIN: tl.constexpr,
+                                SCORE_MAX: tl.constexpr, HAS_PROB_Q: tl.constexpr, PROB_MIN: tl.constexpr,
+                                PROB_MAX: tl.constexpr, OUT: tl.constexpr, OUT_MIN: tl.constexpr,
+                                OUT_MAX: tl.constexpr, NAN_TO_ZERO: tl.constexpr, FLOAT8: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                                BLOCK_DV: tl.constexpr):
+    """OUT: qmath.OUT_FLOAT / OUT_INT / OUT_FP8 (out_inverse, out_zero: the output's quantization)."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = (head // kv_group).to(tl.int64)
+    head = head.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # offs_m: [BM]
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < S
+    q_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                mask=q_ok)  # q: [BM, BD]; masked lanes undefined (no `other` converts to E4M3 everywhere)
+    q = tl.where(q_ok, q.to(tl.float32) - q_zero, 0.0).to(tl.float16)  # padding: 0 whatever z is
+    k_base = k_ptr + batch * stride_kb + kv_head * stride_kh
+    v_base = v_ptr + batch * stride_vb + kv_head * stride_vh
+    mask_base = mask_ptr + batch * stride_mb + head * stride_mh
+
+    # pass 1: the row's max and sum of exp over the rounded, masked scores (online)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(0, T, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        s = _scores(q, k_base, mask_base, offs_m, offs_n, row_ok, T, stride_kt, stride_kd, stride_ms, stride_mt,
+                    k_zero, qk_scale, score_inverse, score_zero, score_scale, HEAD_DIM, BLOCK_D, HAS_MASK, MASK_BOOL,
+                    HAS_SCORE_Q, SCORE_MIN, SCORE_MAX, FLOAT8)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # every key so far hidden: no -inf - -inf
+        l_i = l_i * tl.math.exp2((m_i - m_safe) * LOG2E) + tl.sum(tl.math.exp2((s - m_safe[:, None]) * LOG2E), 1)
+        m_i = m_new
+    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
+    # l = 0: every key hidden: the op's softmax gives NaN there (0 with nan_to_zero)
+    inverse_l = tl.where(l_i == 0.0, float("nan"), 1.0 / l_i)
+
+    # pass 2: the same scores, p = exp(s - m) / l rounded, times v
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for start_n in range(0, T, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        s = _scores(q, k_base, mask_base, offs_m, offs_n, row_ok, T, stride_kt, stride_kd, stride_ms, stride_mt,
+                    k_zero, qk_scale, score_inverse, score_zero, score_scale, HEAD_DIM, BLOCK_D, HAS_MASK, MASK_BOOL,
+                    HAS_SCORE_Q, SCORE_MIN, SCORE_MAX, FLOAT8)
+        p = tl.math.exp2((s - m_safe[:, None]) * LOG2E) * inverse_l[:, None]  # p: [BM, BN]
+        if NAN_TO_ZERO:
+            p = tl.where(p != p, 0.0, p)
+        if HAS_PROB_Q:
+            p = _fake_quant(p, prob_inverse, prob_zero, PROB_MIN, PROB_MAX, FLOAT8)  # in units of prob_scale
+        key_ok = offs_n < T
+        v_ok = key_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd, mask=v_ok)  # v: [BN, BDV]
+        v = tl.where(v_ok, v.to(tl.float32) - v_zero, 0.0).to(tl.float16)
+        if HAS_PROB_Q:
+            acc = tl.dot(p.to(tl.float16), v, acc)  # exact products: both on 8-bit grids
+        else:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+    out = acc * pv_scale  # the scales of p (1 without prob_quant) and of v
+    if NAN_TO_ZERO:
+        out = tl.where(out != out, 0.0, out)
+    if OUT != 0:
+        out = qmath.quantize_value(out * out_inverse, out_zero, OUT, OUT_MIN, OUT_MAX)
+    o_ptrs = out_ptr + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+def _block_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))  # tl.dot wants every tile dim >= 16
+
+
+def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+                        scale: float, q_quant: Quantization, k_quant: Quantization, v_quant: Quantization,
+                        score_quant: Quantization | None, prob_quant: Quantization | None,
+                        out_quant: Quantization | None, float8: bool, nan_to_zero: bool, out: torch.Tensor,
+                        block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """kiln::Attention's quantized form into `out` ([B, H, S, Dv] view; int8/uint8/float8_e4m3fn with out_quant,
+    else float). q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv], 8-bit (float8_e4m3fn with float8), any
+    strides; mask: bool (True = attend) or additive float, broadcastable to [B, H, S, T]."""
+    wanted = (FP8_DTYPE,) if float8 else INT8_DTYPES
+    if any(t.dtype not in wanted for t in (q, k, v)):
+        raise TypeError(f"quantized_attention: q, k, v must be {' or '.join(map(str, wanted))}, "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, heads, s_len, d = q.shape
+    kv_heads, t_len, dv = k.shape[1], k.shape[2], v.shape[3]
+    if max(d, dv) > MAX_HEAD_DIM or heads % kv_heads:
+        raise ValueError(f"quantized_attention: head dims {d}/{dv}, heads {heads}/{kv_heads}")
+    if out.shape != (batch, heads, s_len, dv):
+        raise ValueError(f"quantized_attention: out {tuple(out.shape)}, expected {(batch, heads, s_len, dv)}")
+    if out.numel() == 0:
+        return out
+    k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
+    mask_strides = (0, 0, 0, 0)
+    if mask is not None:
+        mask = mask.expand(batch, heads, s_len, t_len)
+        if mask.dtype == torch.bool:
+            mask = mask.view(torch.uint8)
+        mask_strides = mask.stride()
+    kind = qmath.OUT_FLOAT if out_quant is None else qmath.OUT_FP8 if float8 else qmath.OUT_INT
+    score = score_quant or Quantization(1.0)
+    prob = prob_quant or Quantization(1.0)
+    output = out_quant or Quantization(1.0)
+    grid = (triton.cdiv(s_len, block_m), heads, batch)
+    _quantized_attention_kernel[grid](
+        q, k, v, mask if mask is not None else q, out, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
+        *out.stride(), s_len, t_len, heads // kv_heads, q_quant.zero, k_quant.zero, v_quant.zero,
+        float(scale) * q_quant.scale * k_quant.scale, 1.0 / score.scale, score.zero, score.scale,
+        1.0 / prob.scale, prob.zero, prob.scale * v_quant.scale, 1.0 / output.scale, output.zero,
+        HEAD_DIM=d, HEAD_DIM_V=dv, HAS_MASK=mask is not None, MASK_BOOL=mask is not None and mask.dtype == torch.uint8,
+        HAS_SCORE_Q=score_quant is not None, SCORE_MIN=score.qmin, SCORE_MAX=score.qmax,
+        HAS_PROB_Q=prob_quant is not None, PROB_MIN=prob.qmin, PROB_MAX=prob.qmax, OUT=kind, OUT_MIN=output.qmin,
+        OUT_MAX=output.qmax, NAN_TO_ZERO=bool(nan_to_zero), FLOAT8=bool(float8), BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,205 @@
+"""cuda.attention.quantized (kiln/kernels/cuda/triton/quantized_attention.py): kiln::Attention of an explicitly
+quantized graph, int8/uint8 or E4M3 (issue 12: onnxruntime's QDQ BERT on CUDA ran the op's torch reference, or,
+for FP8, twenty unfused steps), under Triton's interpreter against the op itself (kiln/ops/fused.py attention).
+
+Scales are arbitrary floats, as calibrated ones are (round ones make exact ties of the score rounding common, which
+fp32's order of summation then breaks either way). Outputs within the builder's allowance for a quantized attention:
+QUANTIZED_ATTENTION_STEPS (two steps, a near-tie rounding the other way), on few elements; float outputs within
+float32's. Every case also checks that the comparison can fail: the kernel without the score rounding is far off.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from kiln.builder.accuracy import QUANTIZED_ATTENTION_STEPS, float8_ordinal
+from kiln.ops.fused import attention
+from kiln.ops.registry import OpContext
+from kiln.plan.spec import StepSpec
+from kiln.tactics import registry
+from kiln.tactics.tactic import InputMeta
+
+B, H, S, T, D = 2, 3, 20, 37, 16
+FP8 = torch.float8_e4m3fn
+
+
+def _quantizations(kind: str) -> dict[str, list[float]]:
+    if kind == "fp8":
+        return {"q_quant": [0.0113, 0.0], "k_quant": [0.0121, 0.0], "v_quant": [0.0207, 0.0],
+                "score_quant": [0.00217, 0.0, -448.0, 448.0], "prob_quant": [1 / 448 / 3.7, 0.0, -448.0, 448.0],
+                "out_quant": [0.00113, 0.0, -448.0, 448.0]}
+    if kind == "uint8":
+        return {"q_quant": [0.0213, 128.0], "k_quant": [0.0187, 120.0], "v_quant": [0.0311, 131.0],
+                "score_quant": [0.0537, 3.0, 0.0, 255.0], "prob_quant": [1 / 255, 0.0, 0.0, 255.0],
+                "out_quant": [0.0193, 128.0, 0.0, 255.0]}
+    return {"q_quant": [0.0213, -2.0], "k_quant": [0.0187, 5.0], "v_quant": [0.0311, 0.0],  # int8
+            "score_quant": [0.0537, -125.0, -128.0, 127.0], "prob_quant": [1 / 255, -128.0, -128.0, 127.0],
+            "out_quant": [0.0193, 1.0, -128.0, 127.0]}
+
+
+def _eight_bit(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    if kind == "fp8":
+        return (torch.randn(shape, generator=g) * 40).clamp(-448, 448).to(FP8)
+    low, high = (0, 256) if kind == "uint8" else (-128, 128)
+    return torch.randint(low, high, shape, generator=g, dtype=torch.int32).to(getattr(torch, kind))
+
+
+def _mask(name: str, g: torch.Generator) -> torch.Tensor | None:
+    if name == "none":
+        return None
+    if name == "padding":  # BERT's [B, 1, 1, T] additive mask: the second sequence's last keys hidden
+        mask = torch.zeros(B, 1, 1, T)
+        mask[1, ..., T - 11:] = torch.finfo(torch.float32).min
+        return mask
+    if name == "bool":  # one value per (query, key), a row of the first head with every key hidden
+        mask = torch.rand(B, 1, S, T, generator=g) > 0.3
+        mask[0, 0, 3] = False
+        return mask
+    mask = torch.randn(B, H, S, T, generator=g)  # "float": a dense additive mask, -inf somewhere
+    mask[1, 2, :, 5] = float("-inf")
+    return mask
+
+
+def _steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    if want.dtype == FP8:
+        return (float8_ordinal(got) - float8_ordinal(want)).abs().float()
+    return (got.int() - want.int()).abs().float()
+
+
+def _tactic(name: str):
+    registry.load_device("cuda")
+    return registry.get(name)
+
+
+def _launch(tactic: str, attributes: dict, *inputs):
+    step = StepSpec(op_type="Attention", domain="kiln", name="attention", inputs=["q", "k", "v", "mask"][:len(inputs)],
+                    outputs=["y"], attributes=attributes)
+    launch = _tactic(tactic).prepare(step, [None] * len(inputs), torch.device("cpu"))  # the interpreter's tensors
+    return launch(OpContext("attention", "Attention", domain="kiln"), *inputs, **attributes)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "uint8", "int8"])
+@pytest.mark.parametrize("mask_name", ["none", "padding", "bool", "float"])
+@pytest.mark.parametrize("out_quant", [True, False], ids=["8-bit out", "float out"])
+def test_the_kernel_is_the_op(kind, mask_name, out_quant):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{kind} {mask_name} {out_quant}".encode()))
+    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, T, D), (B, H, T, D)))
+    mask = _mask(mask_name, g)
+    attributes = {"scale": 0.61, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind)}
+    if not out_quant:
+        del attributes["out_quant"]
+    ctx = OpContext("attention", "Attention", domain="kiln")
+    want = attention(ctx, q, k, v, mask, **attributes)
+    got = _launch("cuda.attention.quantized.64x32.w4s2", attributes, q, k, v, mask)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if out_quant:
+        apart = _steps_apart(got, want)
+        assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01, \
+            (apart.max(), (apart > 0).float().mean())
+        assert _steps_apart(want, torch.zeros_like(want)).float().std() > 2  # outputs spread over many steps
+    else:
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max()), (got - want).abs().max()
+    # the comparison can fail: without its score rounding the kernel is off by far more than a near-tie
+    unrounded = dict(attributes, score_quant=None)
+    wrong = _launch("cuda.attention.quantized.64x32.w4s2", unrounded, q, k, v, mask)
+    if out_quant:
+        assert _steps_apart(wrong, want).max() > QUANTIZED_ATTENTION_STEPS
+    else:
+        assert not torch.allclose(wrong, want, rtol=1e-3, atol=1e-3 * want.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["fp8", "uint8"])
+def test_bert_s_layout_heads_of_projections_and_merged_output(kind):
+    """As the fused BERT attention reads them: q, k, v [B, S, H·D] (the projections' 8-bit outputs), q_num_heads
+    and q/v_perm (k_perm [0, 2, 1, 3] too), the output written [B, S, H·D] through out_perm and out_merge_heads."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (_eight_bit(kind, (B, n, H * D), g) for n in (S, T, T))
+    mask = _mask("padding", g)
+    layout = {"q_num_heads": H, "kv_num_heads": H, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3],
+              "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
+    attributes = {"scale": 1.0, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind), **layout}
+    want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+    for tactic in ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2"):
+        got = _launch(tactic, attributes, q, k, v, mask)
+        assert got.shape == want.shape == (B, S, H * D) and got.dtype == want.dtype
+        apart = _steps_apart(got, want)
+        assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01
+
+
+def test_refusals_say_why():
+    tactic = _tactic("cuda.attention.quantized.64x64.w4s2")
+
+    def supports(attributes, dtypes=(torch.uint8,) * 3):
+        step = StepSpec(op_type="Attention", domain="kiln", name="a", inputs=["q", "k", "v"], outputs=["y"],
+                        attributes=attributes)
+        metas = [InputMeta(shape=(B, H, n, D), dtype=dt, constant=False) for dt, n in zip(dtypes, (S, T, T))]
+        return tactic.supports(step, metas)
+
+    quant = _quantizations("uint8")
+    assert supports(quant) is True
+    assert "not a quantized attention" in supports({"scale": 1.0})
+    assert "is_causal" in supports({**quant, "is_causal": 1})
+    assert "float8_e4m3fn" in supports({**quant, "float8_quant": 1})  # uint8 tensors, E4M3 attributes
+    assert supports({**_quantizations("fp8"), "float8_quant": 1}, (FP8,) * 3) is True
+
+
+@pytest.mark.slow  # ~45 s a kind on a loaded 2-vCPU VM (export, calibration, the interpreter)
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, monkeypatch):
+    """bert_tiny quantized by onnxruntime as bench/quant_gpu.py does (kiln_fp8 / kiln_int8), the CUDA build's passes,
+    the kernel registered for the CPU (interpreter): the builder's check passes it on every attention, and the engine
+    forced onto it is onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the CPU
+    engine is (tests/models/test_qdq_bert_attention.py)."""
+    import dataclasses
+
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import FeedsReader
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    exported = zoo.export("bert_tiny", batch=2, seq=24, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=24, seed=s) for s in (1, 2)]
+    fp8 = kind == "fp8"
+    qtype = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
+    path = str(tmp_path / "qdq.onnx")
+    quantize_static(str(exported.path), path, FeedsReader(calibration), quant_format=QuantFormat.QDQ,
+                    activation_type=qtype, weight_type=qtype, per_channel=not fp8, op_types_to_quantize=["MatMul", "Gemm"],
+                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax,
+                    extra_options={"QDQKeepRemovableActivations": fp8})
+    name = "cuda.attention.quantized.64x64.w4s2"
+    cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # the CUDA build's graph
+    engine = kiln.build(path, device="cpu", tactics=[name], tuning_runs=2)
+    steps = [s for s in engine.plan.program.steps if s.op_type == "Attention"]
+    assert len(steps) == 2
+    layers = engine.plan.header["tactics"]["layers"]
+    checked = {n for layer in layers.values() for n, note in layer["candidates"].items() if isinstance(note, float)}
+    assert name in checked, {n: layer["candidates"] for n, layer in layers.items()}
+    for step in steps:  # on the CPU the interpreter never wins a timing
+        step.tactic, step.tactic_config = name, {}
+    on_kernel = kiln.Engine(engine.plan)
+    model = onnx.load(path)
+    coarsest = max(float(numpy_helper.to_array(i).astype(np.float32).reshape(-1)[0]) for i in model.graph.initializer
+                   if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=24, seed=seed)
+        want = session.run(None, feeds)[0]
+        got = np.asarray(on_kernel.run(feeds)[session.get_outputs()[0].name])
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest
