@@ -7,6 +7,8 @@
  * handle_of, max_threads and the plan conventions described there.
  */
 
+#include "exp_poly.h"
+
 /* ---- Attention ---------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -35,27 +37,21 @@ typedef struct {
 #define KB 16   /* keys (or output dims) per register tile */
 
 /* exp(x) for x <= 0 (a softmax's shifted scores) on a vector V of floats, NAME##_i its ints; below -87.3 it is
-   exactly 0 as torch's is for a masked key. Cody-Waite reduction by ln 2, Cephes' expf polynomial: ~2 ulp. MAX and
-   ROUND: the ISA's max and round-to-nearest at V's width; the multiply-adds contract to FMAs (GNU C's
-   fp-contract=fast, -march with FMA). Both widths below compile to the instructions their intrinsics forms did. */
+   exactly 0 as torch's is for a masked key. exp_poly.h's reduction and polynomial (Cephes' expf: ~2 ulp), n by
+   the ISA's round; the last step keeps its own association, p·r² + (r + 1), which this softmax has always had
+   (exp_poly's (p·r)·r + r + 1 rounds differently by an ulp now and then). MAX and ROUND: the ISA's max and
+   round-to-nearest at V's width; the multiply-adds contract to FMAs (GNU C's fp-contract=fast, -march with
+   FMA). Both widths below compile to the instructions their intrinsics forms did. */
 #define EXP_LE0(NAME, V, MAX, ROUND)                                                                         \
     typedef int NAME##_i __attribute__((vector_size(sizeof(V))));                                            \
     static inline V NAME(V x) {                                                                              \
         const V lo = (V){0} - 87.3f;                                                                         \
         const NAME##_i keep = x >= lo;                                                                       \
         x = MAX(x, lo);                                                                                      \
-        const V n = ROUND(x * 1.44269504088896341f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);         \
-        V r = x - n * 0.693359375f;                                                                          \
-        r = r + n * 2.12194440e-4f;                                                                          \
-        V p = (V){0} + 1.9875691500e-4f;                                                                     \
-        p = p * r + 1.3981999507e-3f;                                                                        \
-        p = p * r + 8.3334519073e-3f;                                                                        \
-        p = p * r + 4.1665795894e-2f;                                                                        \
-        p = p * r + 1.6666665459e-1f;                                                                        \
-        p = p * r + 5.0000001201e-1f;                                                                        \
-        p = p * (r * r) + (r + 1.0f);                                                                        \
-        const NAME##_i e = (__builtin_convertvector(n, NAME##_i) + 127) << 23;  /* 2^n */                    \
-        return (V)((NAME##_i)(p * (V)e) & keep);                                                             \
+        const V n = ROUND(x * KILN_EXP_LOG2E, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                \
+        const V r = KILN_EXP_REDUCE(x, n);                                                                   \
+        const V p = KILN_EXP_P(r) * (r * r) + (r + 1.0f);                                                    \
+        return (V)((NAME##_i)(p * (V)KILN_EXP_2N(n, NAME##_i)) & keep);                                      \
     }
 
 #ifdef KILN_AVX2

@@ -27,6 +27,8 @@
 #include <omp.h>
 #endif
 
+#include "exp_poly.h"  /* exp_poly: the activations' σ, SiLU and GELU-tanh; recurrent.c's and lstm.c's cells */
+
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
 /* Activations (kiln/kernels/cpu/gemm_native.py: ACTIVATIONS). */
@@ -293,25 +295,6 @@ static inline float tanh_rational(float x) {
     q = q * x2 + 4.89352518554385e-03f;
     float r = x * p / q;
     return r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
-}
-
-/* e^x (Cephes' expf): x = n·ln2 + r, |r| <= ln2/2, e^r by a degree-7 polynomial, 2^n into the exponent
-   bits. Relative error ~2 ulp; x clamped to where 2^n is a normal float (below: ~0, above: ~FLT_MAX). */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int bits = ((int)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 static void activate(float *c, int n, int activation, float alpha, float beta) {

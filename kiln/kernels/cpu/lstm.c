@@ -11,7 +11,7 @@
  * last block). A work item is a unit block: its four gate panels and then the cell of those units,
  * claimed by whichever thread is free (recurrent.c's run_stages); a step's items all finish before the
  * next step's start (every item reads all of h).
- * σ and tanh are gemm.c's Cephes/Eigen rational forms (vectorised loops; ~1e-7 from libm's).
+ * σ and tanh: exp_poly.h's Cephes exp and gemm.c's Eigen rational tanh (vectorised loops; ~1e-7 from libm's).
  * The default activations without clip, peepholes or input_forget run one fused cell loop (lstm_cell);
  * the rest the staged cell (lstm_cell_generic: each gate activated in place by recurrent_activate):
  *     i = f(g_i + P_i ⊙ c),  f = input_forget ? 1 − i : f(g_f + P_f ⊙ c),  c = f ⊙ c + i ⊙ g(g_c),

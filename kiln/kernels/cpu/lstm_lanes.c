@@ -23,6 +23,8 @@
  * on zeros and are never stored. Rows past their length keep h and c and write zeros to Y (recurrent.c).
  */
 
+#include "exp_poly.h"
+
 #define LANES 8
 
 typedef float lanes_v __attribute__((vector_size(LANES * 4)));
@@ -64,29 +66,16 @@ static inline __attribute__((always_inline)) lanes_v lanes_clamp(lanes_v x, floa
 
 static inline __attribute__((always_inline)) lanes_v lanes_div(lanes_v a, lanes_v b) { return a / b; }
 
-/* gemm.c's exp_poly and tanh_rational (the scalar cell's and the GEMM epilogue's) on a vector V of floats (VI:
-   of ints), with the caller's CLAMP(x, lo, hi) and DIV(a, b); lstm_fused.c takes the tanh. With a division and
-   select-based clamps (this file's), the same operations in the same order as the scalar forms, so both cells
-   round alike. rint: the 1.5·2²³ trick (|x·log2 e| < 2²²). */
+/* exp_poly (exp_poly.h) and gemm.c's tanh_rational (the scalar cell's and the GEMM epilogue's) on a vector V of
+   floats (VI: of ints), with the caller's CLAMP(x, lo, hi) and DIV(a, b); lstm_fused.c takes the tanh. With a
+   division and select-based clamps (this file's), the same operations in the same order as the scalar forms, so
+   both cells round alike (but for exp's n near a half-integer: exp_poly.h). */
 #define LSTM_VECTOR_MATH(NAME, TARGET, V, VI, CLAMP, DIV)                                                    \
     LSTM_VECTOR_SIGMOID(NAME, TARGET, V, VI, CLAMP, DIV)                                                     \
     LSTM_VECTOR_TANH(NAME, TARGET, V, CLAMP, DIV)
 
 #define LSTM_VECTOR_SIGMOID(NAME, TARGET, V, VI, CLAMP, DIV)                                                 \
-    static inline __attribute__((always_inline)) TARGET V NAME##_exp(V x) {                                 \
-        x = CLAMP(x, -87.0f, 88.0f);                                                                         \
-        const V n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;                                 \
-        const V r = x - n * 0.693359375f + n * 2.12194440e-4f;                                               \
-        V q = (V){0} + 1.9875691500e-4f;                                                                     \
-        q = q * r + 1.3981999507e-3f;                                                                        \
-        q = q * r + 8.3334519073e-3f;                                                                        \
-        q = q * r + 4.1665795894e-2f;                                                                        \
-        q = q * r + 1.6666665459e-1f;                                                                        \
-        q = q * r + 5.0000001201e-1f;                                                                        \
-        q = q * r * r + r + 1.0f;                                                                            \
-        const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;                                        \
-        return q * (V)bits;                                                                                  \
-    }                                                                                                        \
+    KILN_VEXP(NAME##_exp, static inline __attribute__((always_inline)) TARGET, V, VI, CLAMP)                 \
     static inline __attribute__((always_inline)) TARGET V NAME##_sigmoid(V x) {                             \
         return DIV((V){0} + 1.0f, 1.0f + NAME##_exp(-x));                                                    \
     }

@@ -29,6 +29,10 @@ from typing import Any
 from kiln.kernels.cpu import cpu_features
 
 SOURCE = (Path(__file__).with_name("segment_loop.c")).read_text()
+# The headers kiln's C files include by name (exp_poly.h): on the compiler's -I, since a source is compiled from a
+# copy in a temporary folder, and part of every library's cache key, since the source text alone does not show
+# a change to them.
+INCLUDE_DIR = Path(__file__).parent
 
 FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O2",))
 # KILN_CPU_ISA=avx2 (cpu_features.py): compiled for x86-64-v3 (AVX2 + FMA, no AVX-512 in any loop the
@@ -150,12 +154,22 @@ def load() -> ctypes.CDLL | None:
     return library
 
 
+def headers_digest(directory: Path | None = None) -> str:
+    """A digest of the C headers in `directory` (INCLUDE_DIR), names and contents: a library is rebuilt when one
+    changes."""
+    digest = hashlib.sha256()
+    for path in sorted((directory or INCLUDE_DIR).glob("*.h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def build(stem: str, source: str) -> Path | str:
-    """`source` compiled into a shared library in kiln's cache (once per source, CPU and flags): its
+    """`source` compiled into a shared library in kiln's cache (once per source, headers, CPU and flags): its
     path, or why it could not be built. Also compiles kiln's GEMM (kiln/kernels/cpu/gemm_native.py)."""
     # -march=native: the binary is for this CPU's instruction sets; the cache may be shared with others
     options = compile_flags()
-    digest = hashlib.sha256((source + _cpu_identity() + repr(options)).encode()).hexdigest()[:16]
+    key = source + headers_digest() + _cpu_identity() + repr(options)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{stem}-{digest}.so"
     if target.exists():
         return target
@@ -168,7 +182,8 @@ def build(stem: str, source: str) -> Path | str:
             code, built = Path(work) / f"{stem}.c", Path(work) / f"{stem}.so"
             code.write_text(source)
             for flags in options:  # the best the compiler takes: without OpenMP the transforms run on one thread
-                done = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(code)],
+                done = subprocess.run([compiler, *flags, "-I", str(INCLUDE_DIR), "-shared", "-fPIC", "-o", str(built),
+                                       str(code)],
                                       capture_output=True, text=True, timeout=120)
                 if done.returncode == 0:
                     break

@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #endif
 
+#include "exp_poly.h"
+
 typedef int (*get_handle_fn)(void *memory, void **handle);
 
 enum { ACT_NONE = 0, ACT_RELU = 1, ACT_SILU = 2, ACT_HARD_SWISH = 3, ACT_CLIP = 4, ACT_LEAKY_RELU = 5,
@@ -51,25 +53,6 @@ typedef struct {
 #pragma GCC push_options
 #pragma GCC optimize("no-trapping-math")  /* selects below vectorise (kiln never unmasks FP exceptions) */
 
-/* e^x (Cephes' expf, as kiln/kernels/cpu/gemm.c): x = n·ln2 + r, e^r by a degree-7 polynomial, 2^n into the
-   exponent bits. Relative error ~2 ulp; x clamped to where 2^n is a normal float. */
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = __builtin_rintf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int bits = ((int)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 #if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
 #define SILU_LANES 16
@@ -83,24 +66,23 @@ static inline float exp_poly(float x) {
 typedef float silu_v __attribute__((vector_size(SILU_LANES * 4)));
 typedef int silu_vi __attribute__((vector_size(SILU_LANES * 4)));
 
-/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps with the ISA's min/max for the clamp (GCC compiles
-   exp_poly's ternary clamp into compares and masked blends, and other select forms into a second division)
-   and a polynomial of degree 5, not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's
+/* x·σ(x) = x / (1 + e^-x) on a vector: exp_poly's steps (exp_poly.h) with the ISA's min/max for the clamp
+   (GCC compiles exp_poly's ternary clamp into compares and masked blends, and other select forms into a second
+   division) and a polynomial of degree 5, not 7, fitted to e^r's relative error on [-ln2/2, ln2/2] (Lawson's
    iteration; 1.7e-7 there in float). SiLU's relative error against float64 stays under 2.5e-7 (4 ulp;
    exp_poly's loop: 1.7e-7) for x > -80 (below, e^-x is clamped at e^87 and SiLU is under 1e-33;
    tests/unit/test_conv_silu.py). A pass over B0's maps costs 0.24-0.34 ns an element with AVX-512 and
    0.35-0.50 with AVX2 on a Zen 4 core, against 0.36-0.46 and 0.56-0.79 for the scalar loop GCC vectorised. */
 static inline silu_v silu_vector(silu_v x) {
     const silu_v z = (silu_v)SILU_MIN(SILU_MAX(-x, (silu_v){0} - 87.0f), (silu_v){0} + 88.0f);
-    const silu_v n = (z * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  /* rint: |z·log2 e| < 2^22 */
-    const silu_v r = z - n * 0.693359375f + n * 2.12194440e-4f;
+    const silu_v n = KILN_EXP_RINT(z);
+    const silu_v r = KILN_EXP_REDUCE(z, n);
     silu_v p = (silu_v){0} + 8.3128601646e-3f;
     p = p * r + 4.1889020096e-2f;
     p = p * r + 1.6667110632e-1f;
     p = p * r + 4.9999243235e-1f;
     p = p * r * r + r + 1.0f;
-    const silu_vi bits = (__builtin_convertvector(n, silu_vi) + 127) << 23;
-    return x / (1.0f + p * (silu_v)bits);
+    return x / (1.0f + p * (silu_v)KILN_EXP_2N(n, silu_vi));
 }
 
 static void silu(float *v, long n) {
