@@ -534,6 +534,12 @@ def engines_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _float_name(name: str) -> str:
+    """The fp16 engine's name of an 8-bit engine's layer: the Q/DQ propagation (kiln/passes/fusion/qdq_propagate.py)
+    renames the op it moves onto the 8-bit tensor `<name>_quantized` (the stem's MaxPool): the same layer."""
+    return name.removesuffix("_quantized")
+
+
 def layer_gaps(rows: list[dict], top: int = 12) -> list[str]:
     """Per layer, each 8-bit engine against kiln fp16 (the --profile rows' eager ms, joined by layer name: the
     frontend names a convolution alike in every engine), largest loss first: where the next gap is. A layer of
@@ -550,7 +556,7 @@ def layer_gaps(rows: list[dict], top: int = 12) -> list[str]:
                 continue
             gaps = []
             for name, op, tactic, ms in layers:
-                base_tactic, base = fp16.get(name, ("(none: not a layer of its own in fp16)", 0.0))
+                base_tactic, base = fp16.get(_float_name(name), ("(none: not a layer of its own in fp16)", 0.0))
                 gaps.append((ms - base, name, op, tactic, ms, base_tactic, base))
             total, base_total = sum(g[4] for g in gaps), sum(ms for _, ms in fp16.values())
             lines += [f"### {workload}: {mode} vs kiln_fp16 per layer (eager ms; {mode} {total:.2f}, fp16 "

@@ -20,6 +20,13 @@ HALF = {"fp16": (torch.float16, "float16", 10), "bf16": (torch.bfloat16, "bfloat
 FLOAT_ID = 1
 # (op, input index) pairs that must stay float32: they are coordinates, not activations.
 KEEP_FP32_INPUTS = {("Resize", 1), ("Resize", 2), ("Upsample", 1), ("GridSample", 1), ("RoiAlign", 1)}
+# ... and the scales of explicit quantization (kiln/ops/quantized.py's and ONNX's Q/DQ): a Q/DQ graph is honoured
+# exactly (DESIGN.md's strongly typed precision). Rounded to fp16 (11 bits) a scale moves every requantized value by
+# up to ~5e-4 of itself (0.06 of a step at 127), flipping roundings that onnxruntime's float32 scales do not; every
+# kernel reads them as host numbers once, at prepare, so they cost nothing in float32.
+QUANTIZATION_SCALES = {("QuantizeLinear", 1), ("DequantizeLinear", 1), ("QConv", 1), ("QConv", 4), ("QConv", 6),
+                       ("QConv", 10), ("QConv", 12), ("QGemm", 1), ("QGemm", 4), ("QGemm", 6), ("QAdd", 1),
+                       ("QAdd", 4), ("QAdd", 6), ("LayerNormQuantize", 4)}
 
 
 def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: str,
@@ -34,7 +41,7 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
     readers: dict[str, list[bool]] = {}
     for step in program.steps:
         for i, value in enumerate(step.inputs):
-            if (step.op_type, i) in KEEP_FP32_INPUTS:
+            if (step.op_type, i) in KEEP_FP32_INPUTS | QUANTIZATION_SCALES:
                 keep.add(value)
             readers.setdefault(value, []).append(is_pinned(step))
     # Weights only pinned layers read stay fp32: pinning should not start from rounded weights.
@@ -50,6 +57,10 @@ def lower_precision(program: ProgramSpec, weights: dict[str, Any], precision: st
             continue
         if step.op_type == "Cast" and step.attributes.get("to") == FLOAT_ID:
             step.attributes["to"] = onnx_id
+        if step.op_type == "DequantizeLinear" and not step.attributes.get("output_dtype") and \
+                step.output_dtypes[:1] == ["float"]:
+            # its output type is its scale's, which stays float32 (QUANTIZATION_SCALES): the engine's storage type
+            step.attributes["output_dtype"] = onnx_id
         if step.domain == "kiln" and step.op_type in QUANTIZED_LAYERS and \
                 step.attributes.get("output_dtype", FLOAT_ID) == FLOAT_ID:
             # a quantized layer's float output (no y_scale: a float reader) is written in the storage dtype: a

@@ -11,7 +11,9 @@ QLinearConv order, so a reader of ORT's QLinearConv/QLinearMatMul/QLinearAdd kno
     QAdd  (a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
 
     x, a, b       quantized activations: uint8 or int8 (float8e4m3fn for FP8); QConv x is [N, C, *spatial],
-                  QGemm x is [..., K]
+                  QGemm x is [..., K]. QConv x may also be float32/float16/bfloat16: the layer then reads
+                  QuantizeLinear(x; x_scale, x_zero_point) (a stem's input quantization folded into it on CUDA
+                  builds, kiln/passes/fusion/qdq_layers.py: the kernel quantizes as it lays the image out)
     *_scale       float32; activations per tensor (a scalar); w_scale a scalar or one per output
                   channel ([O] for QConv, [N] for QGemm)
     *_zero_point  the quantized value of real 0, of the tensor's own dtype, same shape as its scale
@@ -70,6 +72,7 @@ from kiln.ops.quantization import _param, quantize_linear
 from kiln.ops.registry import register
 
 QUANTIZED_LAYERS = ("QConv", "QGemm", "QAdd")
+FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)  # a QConv x QuantizeLinear makes 8-bit first
 LAYER_NORM_QUANTIZE_OPS = ("LayerNormQuantize",)
 
 
@@ -124,6 +127,8 @@ def qconv(ctx, x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale=None,
           activation="", alpha=0.0, beta=0.0, output_dtype=1):
     """Convolution of quantized x and w with int32 bias, activation and requantization (module docstring);
     with a residual, the convolution's own 8-bit result plus the residual, then activation and requantization."""
+    if x.dtype in FLOAT_INPUTS:  # the input's QuantizeLinear folded in
+        x = quantize_linear(ctx, x, x_scale, x_zero_point)
     exact = _exact_dtype(x, x_zero_point, w, w_zero_point, w[0].numel())
     xf = _real(x, x_scale, x_zero_point, dtype=exact)  # [N, C, *spatial]
     wf = _real(w, w_scale, w_zero_point, axis=0, dtype=exact)  # [O, C/group, *kernel]

@@ -546,3 +546,40 @@ def test_fp8_encoder_engine_on_cuda():
     got = next(iter(fp8.run(feed).values())).reshape(4, -1).astype(np.float64)
     cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
     assert cosine.min() >= 0.99, cosine
+
+
+# ---- the stem reading the float image (kiln/passes/fusion/qdq_layers.py fold_quantize_into_stem) --------------
+
+@pytest.mark.parametrize("name", ["cuda.qconv.triton_igemm.128x64x64w4s4.space_to_depth",
+                                  "cuda.qconv.triton_igemm.64x64x64w4s4.space_to_depth", "cuda.qconv.dequantized"])
+@pytest.mark.parametrize("x_dtype", [I8, U8])
+@pytest.mark.parametrize("source", [torch.float16, torch.float32])
+def test_the_stem_on_the_float_image_is_the_stem_on_its_quantize_linear(name, x_dtype, source):
+    """ResNet-50's stem (7x7/2, 3 -> 64, 224x224) given the float image: bit for bit the same tactic on the image's
+    QuantizeLinear (cuda.quantize.triton, the step the fold removed), eager and replayed in a CUDA graph after the
+    image changed in place; the space-to-depth fold's bytes equal the quantize kernel's then the fold's."""
+    from kiln.kernels.cuda.triton import qelementwise, qstem
+    from kiln.tactics import registry
+
+    layer = conv_layer(x_dtype, I8, n=2, cin=3, cout=64, size=(224, 224), kernel=7, stride=2, pads=[3] * 4, seed=51)
+    scale, zero = float(layer.args[1]), float(layer.args[2].float())
+    image = (torch.randn(BATCH, 3, 224, 224, device=CUDA) * 1.5).to(source)
+    quantized = Layer("QConv", [qelementwise.quantize(image, scale, zero, x_dtype),
+                                *[a.to(CUDA) if isinstance(a, torch.Tensor) else a for a in layer.args[1:]]],
+                      layer.attributes)
+    floating = Layer("QConv", [image, *quantized.args[1:]], layer.attributes)
+    if registry.get(name).check(floating.step, floating.metas()) is not True:
+        pytest.skip(f"{name} refuses the layer: {registry.get(name).check(floating.step, floating.metas())}")
+    zero_bits = int(layer.args[2].view(torch.uint8))
+    folded = qstem.space_to_depth(image, zero_bits, 7, (3, 3, 3, 3), 112, 112, quantize=(scale, zero, x_dtype))
+    assert torch.equal(folded, qstem.space_to_depth(quantized.args[0], zero_bits, 7, (3, 3, 3, 3), 112, 112))
+    on_float, on_int8 = prepared(name, floating, CUDA), prepared(name, quantized, CUDA)
+    want = on_int8(quantized.ctx, *quantized.args, **layer.attributes)
+    got = on_float(floating.ctx, *floating.args, **layer.attributes)
+    assert torch.equal(got, want), f"{name}: {int((got.int() - want.int()).abs().max())} steps from the int8 stem"
+    graph, out = capture(lambda: on_float(floating.ctx, *floating.args, **layer.attributes))
+    image.copy_((torch.randn(BATCH, 3, 224, 224, device=CUDA) * 1.5).to(source))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = Layer("QConv", [qelementwise.quantize(image, scale, zero, x_dtype), *quantized.args[1:]], layer.attributes)
+    assert torch.equal(out, on_int8(fresh.ctx, *fresh.args, **layer.attributes)), f"{name}: the replay differs"

@@ -120,10 +120,15 @@ def test_max_pool_of_an_8bit_nhwc_tensor_is_the_max_of_its_values(dtype):
 
 
 @pytest.mark.slow
-def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["cpu-graph", "cuda-graph"])
+def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypatch, cuda_graph):
     """onnxruntime's int8 QDQ model of a ResNet block (input QuantizeLinear, MaxPool on the 8-bit tensor, the
     residual QAdd of two NHWC tensors, the DequantizeLinear before the head), every step that has one of
-    these CUDA kernels forced onto it: the engine matches onnxruntime running the same Q/DQ graph."""
+    these CUDA kernels forced onto it: the engine matches onnxruntime running the same Q/DQ graph. cuda_graph:
+    the graph a CUDA build makes (fusion.CUDA_RULES: the input's QuantizeLinear folded into the stem's QConv, which
+    quantizes its float input itself; the residual add in its QConv)."""
+    import dataclasses
+
     import numpy as np
     import onnxruntime as ort
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_static
@@ -131,14 +136,20 @@ def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypa
 
     import kiln
     from tests.unit.tactic_check import cuda_tactics_on_cpu
-    from tests.unit.test_qdq_fp8_activations import _Block
+    from tests.resnet_block import Bottleneck
 
     selected = ("cuda.quantize.triton", "cuda.dequantize.triton", "cuda.pool.max.triton", "cuda.qadd.triton",
                 "cuda.qconv.dequantized_fp32", "cuda.qgemm.dequantized")
     cuda_tactics_on_cpu(monkeypatch, lambda name: name in selected)
+    if cuda_graph:
+        from kiln.builder import build as build_module
+
+        plain = build_module.pass_options
+        monkeypatch.setattr(build_module, "pass_options",
+                            lambda config: dataclasses.replace(plain(config), cuda_rules=True))
     torch.manual_seed(0)
     fp32, path = tmp_path / "block.onnx", tmp_path / "block_int8.onnx"
-    torch.onnx.export(_Block().eval(), (torch.randn(2, 3, 16, 16),), str(fp32), dynamo=True, input_names=["x"],
+    torch.onnx.export(Bottleneck(stem=16, width=8, out=32).eval(), (torch.randn(2, 3, 16, 16),), str(fp32), dynamo=True, input_names=["x"],
                       output_names=["y"])
     rng = np.random.default_rng(0)
     feeds = [{"x": rng.standard_normal((2, 3, 16, 16), dtype=np.float32)} for _ in range(5)]
@@ -154,7 +165,13 @@ def test_an_int8_resnet_block_on_these_kernels_is_onnxruntime(tmp_path, monkeypa
         if kernel is not None:
             step.tactic, step.tactic_config = kernel, {}
             forced.append(kernel)
-    assert {"cuda.quantize.triton", "cuda.pool.max.triton", "cuda.qadd.triton"} <= set(forced), (forced, layers)
+    if cuda_graph:  # the stem reads the float image: no QuantizeLinear step; its QConv on the kernel quantizing it
+        steps = engine.plan.program.steps
+        assert not any(s.op_type == "QuantizeLinear" and s.inputs[0] == "x" for s in steps), steps[0]
+        assert steps[0].tactic == "cuda.qconv.dequantized_fp32" and steps[0].inputs[0] == "x"
+        assert {"cuda.pool.max.triton", "cuda.qconv.dequantized_fp32"} <= set(forced), (forced, layers)
+    else:
+        assert {"cuda.quantize.triton", "cuda.pool.max.triton", "cuda.qadd.triton"} <= set(forced), (forced, layers)
     on_kernels = kiln.Engine(engine.plan)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

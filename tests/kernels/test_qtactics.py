@@ -418,3 +418,47 @@ def test_qconv_stem_by_space_to_depth_refusals():
     assert "residual" in refusal(STEM, residual_layer(conv_layer(I8, I8, activation=""), I8, I8))
     default = {t.name for t in registry.candidates("QConv", "kiln", "cuda", opt_level=2)}
     assert STEM in default and "cuda.qconv.triton_igemm.128x64x64w4s4.space_to_depth" in default
+
+
+# ---- a QConv of float x: the image's QuantizeLinear folded into the stem (kiln/passes/fusion/qdq_layers.py) ------
+
+def _float_image_layer(quantized, dtype: torch.dtype, seed: int):
+    """`quantized` with x replaced by a float image whose QuantizeLinear (the layer's x_scale, x_zero_point) is
+    the layer's 8-bit x again, plus near-ties and saturating pixels: (the float layer, the 8-bit one it reads)."""
+    from kiln.ops.quantization import quantize_linear
+    from kiln.ops.registry import OpContext
+
+    x_q, scale, zero = quantized.args[0], quantized.args[1], quantized.args[2]
+    gen = torch.Generator().manual_seed(seed)
+    real = (x_q.float() - zero.float()) * scale + (torch.rand(x_q.shape, generator=gen) - 0.5) * 0.9 * scale
+    real[0, 0, 0, : real.shape[-1] // 2] = (torch.arange(real.shape[-1] // 2) - 3 + 0.5) * scale  # ties (x / s)
+    real[-1, -1, -1, -2:] = torch.tensor([1e4, -1e4])  # saturates
+    x = real.to(dtype)
+    q = quantize_linear(OpContext("q", "QuantizeLinear"), x, scale, zero)
+    return (dataclasses.replace(quantized, args=[x, *quantized.args[1:]]),
+            dataclasses.replace(quantized, args=[q, *quantized.args[1:]]))
+
+
+@pytest.mark.parametrize("name", [STEM, TRITON_CONV, "cuda.qconv.dequantized"])
+@pytest.mark.parametrize("x_dtype", [I8, U8])
+@pytest.mark.parametrize("source", [F32, F16])
+def test_qconv_of_a_float_image_is_the_layer_on_its_quantize_linear(name, x_dtype, source):
+    """Every tactic runs a QConv whose x is float: the space-to-depth stem quantizes in its fold, the others run the
+    quantize kernel first. Bit for bit the tactic on QuantizeLinear(x) (within a step of the reference, tested above),
+    and the op's reference reads QuantizeLinear(x) the same way."""
+    quantized = conv_layer(x_dtype, I8, n=2, cin=3, cout=64, size=(20, 18), kernel=7, stride=2, pads=[3, 3, 3, 3],
+                           seed=41)
+    floating, quantized = _float_image_layer(quantized, source, seed=42)
+    assert torch.equal(floating.reference(), quantized.reference())
+    got, want = run_tactic(name, floating), run_tactic(name, quantized)
+    assert got.dtype == want.dtype and torch.equal(got, want), \
+        f"{name}: {int((got.int() - want.int()).abs().max())} steps from the tactic on QuantizeLinear(x)"
+
+
+def test_qconv_of_a_float_image_refusals():
+    quantized = conv_layer(FP8, FP8, n=2, cin=3, cout=64, size=(20, 20), kernel=7, stride=2, pads=[3] * 4, seed=43)
+    floating = dataclasses.replace(quantized, args=[torch.randn(2, 3, 20, 20), *quantized.args[1:]])
+    for name in (STEM, TRITON_CONV, "cuda.qconv.dequantized"):
+        assert "int8 / uint8" in refusal(name, floating)
+    default = registry.get("cuda.qconv.dequantized")
+    assert F16 in default.dtypes and F32 in default.dtypes and I8 in default.dtypes

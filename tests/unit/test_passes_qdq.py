@@ -178,12 +178,12 @@ def test_a_cuda_build_moves_the_residual_add_into_the_convolution(activation_typ
     report = PassReport()
     graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
     steps = [(n.domain, n.op_type) for n in graph.graph]
-    assert steps == [("", "QuantizeLinear"), ("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv"),
-                     ("", "Reshape"), ("kiln", "QGemm")], steps
+    # (the input's QuantizeLinear folded into the first QConv, 4 channels: fold_quantize_into_stem, below)
+    assert steps == [("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv"), ("", "Reshape"), ("kiln", "QGemm")], steps
     assert report.fired["fuse_quantized_add"] == 1 and report.fired["fuse_quantized_residual"] == 1
-    conv2 = list(graph.graph)[3]
+    conv2 = list(graph.graph)[2]
     inputs = list(conv2.inputs)
-    assert len(inputs) == 14 and inputs[9] is list(graph.graph)[2].outputs[0]  # the residual: the pooled tensor
+    assert len(inputs) == 14 and inputs[9] is list(graph.graph)[1].outputs[0]  # the residual: the pooled tensor
     # the sum's quantization is the layer's output; the convolution's own (c2) moved to conv_scale/zero point
     assert inputs[6].const_value.numpy() == np.float32(0.07) and inputs[12].const_value.numpy() == np.float32(0.08)
     assert inputs[10].const_value.numpy() == np.float32(0.05)
@@ -224,6 +224,71 @@ def test_the_fused_residual_on_the_reference_is_onnxruntime_within_a_step(monkey
     fresh = np.random.default_rng(11)
     for _ in range(4):
         x = fresh.standard_normal((1, 4, 8, 8), dtype=np.float32) * 2
+        got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
+        assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
+        assert np.abs(want).max() > 10 * bound
+
+
+# ---- the image's QuantizeLinear into the stem's QConv (fold_quantize_into_stem, CUDA builds) ---------------------
+
+def test_a_cuda_build_folds_the_image_quantization_into_the_stem():
+    model, _ = _float_stem_model()
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
+    nodes = list(graph.graph)
+    assert [(n.domain, n.op_type) for n in nodes] == [("kiln", "QConv"), ("", "MaxPool"), ("kiln", "QConv")], nodes
+    assert report.fired["fold_quantize_into_stem"] == 1
+    stem = nodes[0]
+    assert stem.inputs[0].name == "x" and stem.inputs[0].dtype == TensorProto.FLOAT  # the graph's float input
+    assert stem.inputs[1].const_value.numpy() == np.float32(0.03) and stem.inputs[2].const_value.dtype == U8
+    # CPU builds keep the QuantizeLinear (their QConv kernels read 8-bit x only)
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cpu_rules=True), report)
+    assert [n.op_type for n in graph.graph][0] == "QuantizeLinear" and "fold_quantize_into_stem" not in report.fired
+
+
+def test_the_image_quantization_stays_where_the_8bit_image_has_other_readers_or_many_channels():
+    model, _ = _float_stem_model()
+    model.graph.output.append(helper.make_tensor_value_info("xq", U8, None))  # the 8-bit image is an output too
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
+    assert [n.op_type for n in graph.graph][0] == "QuantizeLinear"
+    assert any("fold_quantize_into_stem" in line and "other readers" in line for line in report.refused), \
+        report.refused
+    model, _ = _qdq_model(U8)  # a 4-channel first layer folds; widen the image to 5 channels and it does not
+    model.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 5
+    for init in model.graph.initializer:
+        if init.name == "c1_wq":
+            w = numpy_helper.to_array(init)
+            init.CopyFrom(numpy_helper.from_array(np.concatenate([w, w[:, :1]], axis=1), "c1_wq"))
+    report = PassReport()
+    graph = optimize(onnx_frontend.load(model.SerializeToString()), PassOptions(cuda_rules=True), report)
+    assert [n.op_type for n in graph.graph][0] == "QuantizeLinear"
+    assert any("fold_quantize_into_stem" in line and "at most 4 channels" in line for line in report.refused), \
+        report.refused
+
+
+def test_the_folded_stem_on_the_reference_is_onnxruntime_within_a_step(monkeypatch):
+    """A CPU build with the CUDA rules (the CPU's QConv tactics refuse a float x: the folded stem runs as the op's
+    reference, QuantizeLinear then the layer) against onnxruntime on the Q/DQ graph."""
+    import dataclasses
+
+    from kiln.builder import build as build_module
+
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(plain(config), cuda_rules=True))
+    model, inits = _float_stem_model()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    engine = kiln.build(model.SerializeToString())
+    steps = engine.plan.program.steps
+    assert "QuantizeLinear" not in [s.op_type for s in steps] and steps[0].inputs[0] == "x"
+    bound = 4 * 0.02 * np.abs(inits["c2_wq"] * inits["c2_ws"][:, None, None, None]).max() + 1e-4  # a few flips
+    fresh = np.random.default_rng(13)
+    for _ in range(4):
+        x = fresh.standard_normal((1, 3, 16, 16), dtype=np.float32) * 2
+        x[0, 0, 0, :6] = (np.arange(6, dtype=np.float32) - 3 + 0.5) * np.float32(0.03)  # x / scale at ties
         got, want = engine.run({"x": x})["y"], session.run(None, {"x": x})[0]
         assert np.abs(got - want).max() <= bound, (np.abs(got - want).max(), bound)
         assert np.abs(want).max() > 10 * bound

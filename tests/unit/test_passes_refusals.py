@@ -377,6 +377,13 @@ def qdq_conv(weight_zero: int = 0):
     return model(nodes, [value("x", [1, 3, 6, 6])], [value("y", None)], inits)
 
 
+def qdq_stem_whose_8bit_image_is_an_output():
+    """Q(x) -> DQ -> Conv on 3 channels, the 8-bit image also a graph output: the QuantizeLinear must stay."""
+    m = qdq_conv()
+    m.graph.output.append(value("x_q", None, U8))
+    return m
+
+
 def qdq_conv_relu_residual():
     """DQ(x) -> Conv -> Relu -> Q -> DQ -> + DQ(r) -> Q: the convolution's own Relu comes before the add (the
     fused epilogue applies one activation, after it)."""
@@ -545,6 +552,8 @@ CASES = {
     # the FP8 rule (opt_level 3) passes over an integer layer in silence (fuse_quantized_residual's)
     "quantized_residual_fp8/integer_layer": Case("fuse_quantized_residual_fp8", qdq_conv_relu_residual, None,
                                                  before=["fuse_quantized_layers", "fuse_quantized_add"]),
+    "quantize_into_stem/image_read_twice": Case("fold_quantize_into_stem", qdq_stem_whose_8bit_image_is_an_output,
+                                                "other readers", before=["fuse_quantized_layers"]),
     "hoist_quantize/after_a_head_merge": Case("hoist_quantize", quantize_after_a_head_merge, "follow a MatMul"),
     "sink_dequantize/concat_of_two_scales": Case("sink_dequantize", qdq_concat_of_two_scales, "different scales"),
     # These rules take what they can and never refuse: a near match is declined without a reason.

@@ -20,7 +20,7 @@ from kiln.passes.fusion.layernorm import fuse_layer_norm
 from kiln.passes.fusion.layernorm_quantize import fuse_layer_norm_quantize
 from kiln.passes.fusion.packed_rotary import fuse_packed_rotary
 from kiln.passes.fusion.parallel_gemm import merge_parallel_gemms
-from kiln.passes.fusion.qdq_layers import fuse_quantized_add, fuse_quantized_layer
+from kiln.passes.fusion.qdq_layers import fold_quantize_into_stem, fuse_quantized_add, fuse_quantized_layer
 from kiln.passes.fusion.qdq_propagate import hoist_quantize, remove_qdq_round_trips, sink_dequantize
 from kiln.passes.fusion.qdq_residual import fuse_quantized_residual, fuse_quantized_residual_fp8
 from kiln.passes.fusion.relayout import flatten_channels_last_runs, fuse_relayout
@@ -45,6 +45,7 @@ RULES = [
     ("fuse_quantized_add", fuse_quantized_add),
     ("fuse_quantized_residual", fuse_quantized_residual),  # QConv -> QAdd: the add in the conv's epilogue
     ("fuse_quantized_residual_fp8", fuse_quantized_residual_fp8),  # the same on E4M3 layers (opt_level 3)
+    ("fold_quantize_into_stem", fold_quantize_into_stem),  # after the residual fusions: the stem's QConv is final
     ("global_average_pool", pool_as_global_mean),  # one window over the whole input: a plain mean
     ("causal_conv_pads", trim_conv_padding),  # before fuse_conv: the chomp sat between the conv and its ReLU
     ("fuse_conv", fuse_conv),
@@ -81,6 +82,7 @@ CPU_RULES = {"fuse_squeeze_excite", "fuse_conv_final_activation", "conv1d_as_con
 # the Triton attention's qkv_split, and kiln/tactics/cuda/swiglu.py for the gated GEMM)
 # Rules only a build for CUDA asks for (PassOptions.cuda_rules): every CUDA tactic of their fused op takes
 # it, the CPU's do not (a QConv with a residual would run as the float64 reference there).
-CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize"}
+CUDA_RULES = {"fuse_quantized_residual", "fuse_quantized_residual_fp8", "fuse_layer_norm_quantize",
+              "fold_quantize_into_stem"}
 # Rules tried from opt_level 3 only: their fused layers are not yet measured on a GPU (default builds unchanged)
 LEVEL3_RULES = {"fuse_quantized_residual_fp8"}

@@ -30,6 +30,12 @@ directly: exact (_activation_behind_round_trip).
 
 a residual Add between quantized tensors (QLinearAdd-style), one pass over 8-bit tensors instead of
 two dequantizations, a float add and a quantization.
+
+On CUDA builds, the image's quantization into the stem (fold_quantize_into_stem):
+
+    Q(x; s, z) -> QConv(·, s, z, ...)  =>  QConv(x, s, z, ...)     x float, at most 4 channels, Q read by it alone
+
+the QConv of a float x quantizes it itself (kiln/ops/quantized.py): its space-to-depth kernel in the same pass.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from kiln.passes._rewrite import (
     new_initializer,
     only_user,
     other_input,
+    producer,
     replace_with,
 )
 from kiln.passes.fusion.qdq_propagate import QParams, dequantized, qparams, quantized_type
@@ -368,4 +375,44 @@ def fuse_quantized_add(node: ir.Node, report: PassReport) -> bool:
     fused = ir.Node(KILN_DOMAIN, "QAdd", inputs, attributes, name=node.name)
     replace_with(absorbed, fused, output[0].outputs[0])
     fused.outputs[0].type = ir.TensorType(ir.DataType.from_numpy(output[1].zero_point.dtype))
+    return True
+
+
+RULE_STEM = "fold_quantize_into_stem"
+FLOAT_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+STEM_CHANNELS = 4  # the space-to-depth stem's most input channels (kiln/kernels/cuda/triton/qstem.py)
+
+
+def fold_quantize_into_stem(node: ir.Node, report: PassReport) -> bool:
+    # QConv(Q(x; s, z), s, z, ...) -> QConv(x, s, z, ...)    x float: the layer quantizes it (kiln/ops/quantized.py)
+    """The image's QuantizeLinear into the stem's QConv (CUDA builds): the space-to-depth kernel quantizes as it lays
+    the image out, one pass over the float image where the Q step read it, wrote 8 bits, and the fold read those
+    again. Only a stem of at most 4 channels: a wider layer reads its 8-bit input tap by tap, several times over,
+    where a float read costs 2-4x the bytes."""
+    if not is_op(node, "QConv", domain=KILN_DOMAIN):
+        return False
+    q = producer(node.inputs[0], "QuantizeLinear")
+    if q is None:
+        return False
+    x, params = q.inputs[0], qparams(q)
+    if x is None or x.dtype not in FLOAT_TYPES or const(x) is not None:
+        return False
+    why = None
+    if only_user(node.inputs[0]) is not node:
+        why = "the 8-bit input has other readers: it stays a tensor of its own"
+    elif params is None or not params.per_tensor or params.zero_point.dtype not in (np.int8, np.uint8):
+        why = "the input is not quantized per tensor to int8 / uint8"
+    elif len(node.inputs) > 9 and node.inputs[9] is not None:
+        why = "a residual layer (the folded quantization is the stem's)"
+    elif x.shape is None or len(x.shape) != 4 or not isinstance(x.shape[1], int) or x.shape[1] > STEM_CHANNELS:
+        why = f"input {x.shape}: not a stem of at most {STEM_CHANNELS} channels (the space-to-depth kernel's)"
+    elif not (np.array_equal(const(node.inputs[1]), params.scale) and
+              np.array_equal(const(node.inputs[2]), params.zero_point)):
+        why = "the layer's x scale / zero point are not the QuantizeLinear's"
+    if why is not None:
+        report.refuse(RULE_STEM, node, why)
+        return False
+    node.replace_input_with(0, x)
+    if not q.outputs[0].uses():
+        node.graph.remove(q, safe=True)
     return True

@@ -13,6 +13,10 @@
     cuda.qconv.dequantized_fp32          the same in fp32 with TF32 off, for layers whose values fp16 cannot
                                          hold to one output step (large scales, wide sums)
 
+A QConv whose x is float (the image's QuantizeLinear folded into the stem, kiln/passes/fusion/qdq_layers.py) runs on
+every tactic here: the space-to-depth stem quantizes as it folds the image (one pass), the others run the quantize
+kernel first (cuda.quantize.triton's, the two steps the graph had).
+
 A QConv with a residual (inputs 9-13, made on CUDA builds by kiln/passes/fusion/qdq_residual.py; INT8 or FP8)
 runs on every tactic here: the Triton kernel adds it in its epilogue, or (cuda.qconv.triton_igemm.<tile>.then_qadd)
 writes the convolution's own 8-bit result and runs the QAdd kernel on it: the unfused pair, timed against
@@ -28,6 +32,7 @@ host arithmetic on shapes only, and run inside captured CUDA graphs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.nn import _conv, _conv_params
+from kiln.ops.quantized import FLOAT_INPUTS
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cuda.library import padded_tile
 from kiln.tactics.cuda.quant_common import FP8, QUANTIZED, QuantizedLayer, Residual, check_layer, check_residual, \
-    kernels, triton_available
+    kernels, name_of, triton_available
 from kiln.tactics.cuda.quant_residual_check import residual_layer_checker
 from kiln.tactics.registry import register
 from kiln.tactics.tactic import InputMeta, Tactic
@@ -74,6 +80,41 @@ def _supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
     if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
         return f"channels {x.shape[1]} do not match the weight {list(w.shape)} in {groups} groups"
     return True
+
+
+def _as_quantized(inputs: list[InputMeta]) -> list[InputMeta] | str:
+    """inputs with a float x seen as the 8-bit tensor its folded QuantizeLinear makes (x_zero_point's type), or
+    why the layer's quantization cannot be run here."""
+    x, zero = inputs[0], inputs[2] if len(inputs) > 2 else None
+    if x.dtype not in FLOAT_INPUTS:
+        return inputs
+    if zero is None or zero.dtype not in (torch.int8, torch.uint8):
+        return f"a float x quantized to {name_of(zero.dtype) if zero else 'nothing'}: the folded quantization " \
+               "is int8 / uint8"
+    return [dataclasses.replace(x, dtype=zero.dtype), *inputs[1:]]
+
+
+def _reading_float(tactic: Tactic) -> Tactic:
+    """`tactic` also for a QConv of float x (module docstring): its launch runs the quantize kernel on x first,
+    QuantizeLinear's arithmetic exactly (kiln/kernels/cuda/triton/qelementwise.py), then the 8-bit layer."""
+    def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        quantized = _as_quantized(inputs)
+        return quantized if isinstance(quantized, str) else tactic.supports(step, quantized)
+
+    def prepare(step: StepSpec, constants: list[Any], device: torch.device):
+        launch = tactic.prepare(step, constants, device)
+        quantize = kernels("qelementwise").quantize
+        scale, zero = float(constants[1].reshape(-1)[0]), float(constants[2].reshape(-1)[0].to(torch.float32))
+        dtype = constants[2].dtype
+
+        def launch_quantized(ctx, x, *inputs, **attributes):
+            if x.dtype in FLOAT_INPUTS:
+                x = quantize(x, scale, zero, dtype)  # x's layout
+            return launch(ctx, x, *inputs, **attributes)
+
+        return launch_quantized
+
+    return dataclasses.replace(tactic, dtypes=tactic.dtypes + FLOAT_INPUTS, supports=supports, prepare=prepare)
 
 
 @dataclass(frozen=True)
@@ -243,8 +284,8 @@ IGEMM_TILES = (
     (IgemmTile(128, 256, 128, 8, 3, fp8_fast_accumulation=True), 3),
 )
 for _tile, _level in IGEMM_TILES:
-    register(_igemm_tactic(_tile, level=_level))
-    register(_igemm_tactic(_tile, level=max(_level, 2), then_qadd=True))
+    register(_reading_float(_igemm_tactic(_tile, level=_level)))
+    register(_reading_float(_igemm_tactic(_tile, level=max(_level, 2), then_qadd=True)))
 
 
 # ---- the stem: a stride-2 convolution of <= 4 channels by space-to-depth (kiln/kernels/cuda/triton/qstem.py) ----
@@ -273,6 +314,9 @@ def _space_to_depth_tactic(tile: IgemmTile, level: int) -> Tactic:
     convolution whose K steps are 64 contiguous bytes (qstem.py), where the plain kernel gathers K element by
     element ("flat" loop: 3.4-3.6 ms for ResNet-50's stem at batch 256 on the H200)."""
     def supports(step: StepSpec, inputs: list[InputMeta]) -> bool | str:
+        inputs = _as_quantized(inputs)  # a float x: quantized in the fold
+        if isinstance(inputs, str):
+            return inputs
         common = check_layer(step, inputs, 4)
         if common is not True:
             return common
@@ -297,13 +341,15 @@ def _space_to_depth_tactic(tile: IgemmTile, level: int) -> Tactic:
 
         def launch(ctx, x, *inputs, **_attributes):
             _, _, pads = _geometry(step, x, [kernel, kernel])
+            quantize = (layer.x_scale, layer.x_dtype) if x.dtype in FLOAT_INPUTS else None  # in the fold, one pass
             return qstem.qconv2d_space_to_depth(x, w_packed, kernel, epilogue, x_zero=layer.x_zero,
-                                                pads=tuple(pads), config=config, padding=padding)
+                                                pads=tuple(pads), config=config, padding=padding, quantize=quantize)
 
         return launch
 
     return Tactic(
-        name=tile.name + ".space_to_depth", op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED,
+        name=tile.name + ".space_to_depth", op_type="QConv", domain="kiln", device="cuda",
+        dtypes=QUANTIZED + FLOAT_INPUTS,
         supports=supports, prepare=prepare, layout="channels_last", level=level, available=triton_available,
         checker=residual_layer_checker,
         description=f"Triton int8/fp8 implicit-GEMM convolution of a stride-2 stem (<= 4 channels) on its "
@@ -371,10 +417,10 @@ def _dequantized(dtype: torch.dtype):
 
 
 for _suffix, _dtype, _what in (("", torch.float16, "fp16"), ("_fp32", torch.float32, "fp32 (TF32 off)")):
-    register(Tactic(
+    register(_reading_float(Tactic(
         name=f"cuda.qconv.dequantized{_suffix}", op_type="QConv", domain="kiln", device="cuda", dtypes=QUANTIZED,
         supports=_supports, prepare=_dequantized(_dtype), layout="channels_last", available=triton_available,
         checker=residual_layer_checker,
         description=f"the float layer in {_what}: x dequantized in one pass, cuDNN convolution on the dequantized "
                     "weight, bias (fp32) / Relu / requantization in one Triton pass",
-    ))
+    )))
