@@ -7,8 +7,9 @@ candidate of ResNet-50's 3x3 convolutions is compiled, run and dropped, as the s
 Each checkout in a process of its own (the same imports first); the candidates are GraphConv layers
 (kiln/kernels/cpu/conv_graph.py) made for ResNet-50's 3x3 layer shapes in network order, each run once and
 dropped, the heap's free pages given back after each (malloc_trim, as the search does). "heap in use" is
-mallinfo2's allocated bytes (what is still referenced); RSS also counts code and free heap blocks below the top. Prints one row per checkout: growth over the process after the first candidate (a warm-up that
-loads the fusion code), after the last, and per candidate. Results: bench/results/mem6-2026-12-05.md.
+mallinfo2's allocated bytes (what is still referenced); RSS also counts code and free heap blocks below the top.
+Prints one row per checkout: the growth from after the first candidate (a warm-up that loads the fusion code) to
+after the last, in all and per candidate. Results: bench/results/mem6-2026-12-05.md.
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ def main() -> None:
 
     roots = ([("A", args.before.resolve())] if args.before else []) + [("B", ROOT)]
     print(f"{cpu_name()}; the import's peak RSS growth and what it holds after, MiB (x the weights)\n")
-    header = ["model", "weights MiB"] + [f"{label} peak" for label, _ in roots] + [f"{label} held" for label, _ in roots]
+    labels = [label for label, _ in roots]
+    header = ["model", "weights MiB"] + [f"{label} peak" for label in labels] + [f"{label} held" for label in labels]
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     mib = 1 << 20
     for name in args.models.split(","):
