@@ -79,7 +79,8 @@ def _own_weights(model: ir.Model) -> None:
     Held until lowering was done, the proto kept a second copy of the weights through the passes (a folded
     Conv+BatchNorm's new weights beside the proto's) and lowering (its copies of the tensors read from the proto):
     ResNet-50 peaked at +235 MiB there for its 97 MiB of weights. Owned arrays are also what lowering shares
-    with the engine instead of copying (lower.py: copy_weights=False)."""
+    with the engine instead of copying (lower.py: copy_weights=False). A model file's large weights arrive owned
+    already (read from the file into arrays of their own: kiln/frontend/onnx_file.py); this copies the rest."""
     for g in [model.graph, *model.graph.subgraphs()]:
         for value in g.initializers.values():
             if isinstance(value.const_value, ir.TensorProtoTensor):

@@ -2,6 +2,8 @@
 
 Every problem is collected and reported at once, by node name: unreadable bytes, missing
 external-data files, undefined inputs, cycles, and every node kiln has no implementation for.
+A file's large weights, and a model's external data, are read once into arrays of their own,
+never through protobuf (onnx_file.py says why).
 """
 
 from __future__ import annotations
@@ -17,21 +19,32 @@ from onnx import numpy_helper
 from onnx_ir.passes import common as ir_passes
 
 from kiln.errors import ModelError, UnsupportedModelError
+from kiln.frontend import onnx_file
 from kiln.ops.registry import lookup
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
+WEIGHT_BYTES = 1 << 16  # initializers this large: left in the file until read into their own arrays, and left
+                        # out of the copy ONNX's shape inference makes
 
 
-def _read_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
+def _read_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None, str | None]:
+    """The parsed model, the folder its external data lies in, and the file's name where its large weights were
+    left in it as external data (onnx_file.skeleton)."""
     if isinstance(source, onnx.ModelProto):
-        return source, None
+        return source, None, None
+    own_file = None
     if isinstance(source, bytes):
         data, base, label = source, None, "the given bytes"
     else:
         path = Path(source)
         if not path.is_file():
             raise ModelError(f"{path}: no such model file")
-        data, base, label = path.read_bytes(), path.parent, str(path)
+        base, label = path.parent, str(path)
+        in_place = onnx_file.skeleton(path, WEIGHT_BYTES)
+        if in_place is not None:
+            data, own_file = in_place.data, path.name
+        else:
+            data = path.read_bytes()
     if not data:
         raise ModelError(f"{label}: the file is empty, not an ONNX model")
     model = onnx.ModelProto()
@@ -44,7 +57,7 @@ def _read_proto(source: ModelSource) -> tuple[onnx.ModelProto, Path | None]:
         raise ModelError(f"{label}: parsed, but holds no graph: not an ONNX model (or truncated)")
     if not model.opset_import:  # required since IR version 3; its absence means a cut-off file
         raise ModelError(f"{label}: the model declares no opset_import: not a complete ONNX model (truncated?)")
-    return model, base
+    return model, base, own_file
 
 
 def _external_tensors(graph: onnx.GraphProto):
@@ -58,9 +71,17 @@ def _external_tensors(graph: onnx.GraphProto):
                 yield from _external_tensors(g)
 
 
-def _load_external_data(model: onnx.ModelProto, base: Path | None) -> None:
+def _location(t: onnx.TensorProto) -> str:
+    return {e.key: e.value for e in t.external_data}.get("location", "")
+
+
+def _load_external_data(model: onnx.ModelProto, base: Path | None, own_file: str | None) -> None:
+    """Check that every external-data file is there, and read the small tensors' data into the message (shape
+    inference reads small initializers' values); the large stay external until the import reads each into an array
+    of its own (onnx_file.read_external), as do the weights left in the model file itself."""
     problems = []
-    external = [t for t in _external_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    external = [t for t in _external_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL
+                and not (own_file is not None and _location(t) == own_file)]
     if not external:
         return
     if base is None:
@@ -69,15 +90,27 @@ def _load_external_data(model: onnx.ModelProto, base: Path | None) -> None:
             "given as bytes/proto: pass the .onnx path so kiln can find the data files"
         )
     for t in external:
-        location = {e.key: e.value for e in t.external_data}.get("location", "")
+        location = _location(t)
         if not (base / location).is_file():
             problems.append(f"initializer {t.name!r}: external data file {str(base / location)!r} is missing")
     if problems:
         raise ModelError("external data cannot be loaded:\n" + "\n".join(f"  - {p}" for p in problems))
     try:
-        onnx.load_external_data_for_model(model, str(base))
-    except (OSError, ValueError) as e:
+        for t in external:
+            if _tensor_bytes(t) < WEIGHT_BYTES:
+                onnx.external_data_helper.load_external_data_for_tensor(t, str(base))
+                t.data_location = onnx.TensorProto.DEFAULT
+                del t.external_data[:]
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:  # onnx's: a location outside the folder
         raise ModelError(f"external data cannot be loaded from {base}: {e}") from None
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    length = {e.key: e.value for e in t.external_data}.get("length")
+    if length is not None and length.isdigit():
+        return int(length)
+    itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+    return itemsize * int(np.prod(t.dims, dtype=np.int64))
 
 
 def _node_label(node: onnx.NodeProto, index: int, where: str) -> str:
@@ -198,9 +231,6 @@ def _unsupported(model: ir.Model) -> list[str]:
     return problems
 
 
-WEIGHT_BYTES = 1 << 16  # initializers this large are left out of the copy ONNX's shape inference makes
-
-
 def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
     """`proto` with ONNX's inferred shapes and dtypes, inferred on a skeleton without its large weights.
 
@@ -241,10 +271,10 @@ def _infer_shapes(proto: onnx.ModelProto) -> onnx.ModelProto:
 
 def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
     """Read, check and import an ONNX model into onnx_ir, with shapes and dtypes inferred."""
-    proto, base = _read_proto(source)
+    proto, base, own_file = _read_proto(source)
     if isinstance(source, onnx.ModelProto):
         proto = onnx.ModelProto.FromString(proto.SerializeToString())  # never mutate the caller's
-    _load_external_data(proto, base)
+    _load_external_data(proto, base, own_file)
     _densify_sparse_constants(proto.graph)
     problems: list[str] = []
     _check_graph(proto.graph, set(), "the main graph", problems)
@@ -255,6 +285,12 @@ def load(source: ModelSource, check_ops: bool = True) -> ir.Model:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # noqa: BLE001  onnx_ir raises assorted errors on malformed protos
         raise ModelError(f"the model cannot be imported: {type(e).__name__}: {e}") from None
+    del proto  # nothing large is left in it; the weights are read next, one at a time
+    if base is not None:
+        try:
+            onnx_file.read_external(model, base, own_file)
+        except (OSError, ValueError) as e:
+            raise ModelError(f"external data cannot be loaded from {base}: {e}") from None
     if model.functions:
         ir_passes.InlinePass()(model)
     ir_passes.NameFixPass()(model)

@@ -460,6 +460,31 @@ def test_onednn_graph_conv_runs_other_sizes_and_leaves_the_fusion_switch_alone()
     assert_close(launch(ctx, other, w, b), fused_conv(ctx, other, w, b, **attrs))
 
 
+@pytest.mark.skipif(not registry.get("cpu.conv.onednn_graph").available(), reason="no oneDNN Graph in this torch")
+def test_onednn_graph_conv_lets_its_frozen_weight_go_with_it():
+    """The tactic search prepares, times and drops a cpu.conv.onednn_graph candidate per conv layer: the frozen
+    graph's constants (the channels-last weight and the bias) must die with the launch. Frozen in TorchScript's
+    process-wide compilation unit they lived to the end of the process (kiln/kernels/cpu/conv_graph.py)."""
+    import gc
+    import weakref
+
+    g = torch.Generator().manual_seed(11)
+    x, w, b = rand(1, 8, 10, 10, generator=g), rand(16, 8, 3, 3, generator=g) * 0.2, rand(16, generator=g)
+    attrs = dict(pads=[1] * 4, strides=[1, 1], group=1, activation="Relu", kernel_shape=[3, 3])
+    ctx = OpContext(name="conv", op_type="FusedConv", domain="kiln")
+    step = StepSpec("FusedConv", "conv", ["x", "w", "b"], ["y"], attrs, domain="kiln")
+    launch = _prepare("cpu.conv.onednn_graph", step, [x, w, b], [None, w, b])
+    assert_close(launch(ctx, x, w, b), fused_conv(ctx, x, w, b, **attrs))  # compiled and run, as a timed candidate
+    layer = next(c.cell_contents for c in launch.__closure__ if hasattr(c.cell_contents, "module"))
+    constants = [n.t("value") for n in layer.module.graph.nodes()
+                 if n.kind() == "prim::Constant" and n.output().type().kind() == "TensorType"]
+    assert sorted(tuple(c.shape) for c in constants) == [(16,), (16, 8, 3, 3)]
+    alive = [weakref.ref(c) for c in constants]
+    del constants, layer, launch
+    gc.collect()
+    assert [ref() is None for ref in alive] == [True, True]
+
+
 def test_unavailable_tactic_says_why():
     """A tactic whose library did not load names the library's own reason, not a generic one."""
     from kiln.kernels.cpu import native_loop

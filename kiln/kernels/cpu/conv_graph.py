@@ -13,9 +13,18 @@ can fuse the epilogue) on example inputs of the tuned size in channels-last layo
 process-wide TorchScript fusion switch is put back as it was afterwards: the compiled plan
 keeps its fused partition. Any other input shape or layout fails the plan's guard and runs the
 unfused TorchScript fallback (same result, eager speed).
+
+The traced module is frozen in a compilation unit of its own (`_private_copy`): freezing clones the module's
+methods into its type's compilation unit with the weight as a graph constant, and a traced module's type lies in
+TorchScript's process-wide unit (torch.jit.trace ignores `_compilation_unit` for modules), which never lets a
+function go. Frozen there, every layer ever compiled kept its channels-last weight to the end of the process: the
+tactic search's candidates (2.25 MiB per 256x256x3x3 layer; 22.5 MiB alive at ResNet-50's last layer tuned,
+bench/results/mem5-2026-12-05d.md). A module loaded by torch.jit.load has a unit of its own, which goes with it.
 """
 
 from __future__ import annotations
+
+import io
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +79,19 @@ class _Layer(torch.nn.Module):
         return y
 
 
+def _private_copy(traced: torch.jit.ScriptModule) -> torch.jit.ScriptModule:
+    """`traced` saved and loaded again: the same module, its type in a compilation unit of its own.
+
+    torch.jit.load makes a new unit per load, and freezing clones into the module's own unit, so the frozen
+    graph (and the weight it holds as a constant) is freed with the module. The copy costs the weight's bytes
+    twice for a moment (the archive, then the loaded tensor), one layer at a time.
+    """
+    archive = io.BytesIO()
+    torch.jit.save(traced, archive)
+    archive.seek(0)
+    return torch.jit.load(archive)
+
+
 class GraphConv:
     """One FusedConv layer compiled by oneDNN Graph for `input_size` (channels-last input)."""
 
@@ -84,7 +106,8 @@ class GraphConv:
             out = layer(x)
             examples = (x, torch.randn(out.shape, generator=generator).contiguous(memory_format=torch.channels_last)) \
                 if with_residual else (x,)
-            module = torch.jit.freeze(torch.jit.trace(layer, examples, check_trace=False))
+            module = torch.jit.freeze(_private_copy(torch.jit.trace(layer, examples, check_trace=False)))
+            del layer  # the private copy holds its own weight: the channels-last one made here can go
             was_enabled = torch.jit.onednn_fusion_enabled()
             torch.jit.enable_onednn_fusion(True)
             try:
