@@ -54,6 +54,14 @@ _MAX_DIM = 2 ** 62
 Bounds = tuple[int | None, int | None]  # the least and greatest element, None: unknown
 
 
+@dataclass
+class _Iota:
+    """value[i] = i[axis]: an arange of `length` (a dim) laid on `axis`."""
+
+    axis: int
+    length: int | ir.SymbolicDim
+
+
 class _Varies(Exception):
     """The value may vary along the query axis (the message says which node, and why)."""
 
@@ -82,6 +90,31 @@ def _ints(value: ir.Value | None) -> list[int] | None:
 def _unsqueeze_axes(node: ir.Node, rank: int) -> list[int] | None:
     axes = _ints(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else attr(node, "axes")
     return None if axes is None else sorted(a + rank if a < 0 else a for a in axes)
+
+
+def _dim_of(value: ir.Value | None) -> int | ir.SymbolicDim | None:
+    """The dim a scalar holds when it is read off a tensor's shape (Squeeze(Shape(x, start=d, end=d+1)),
+    Gather(Shape(x), d)) or a constant; None otherwise."""
+    if (ints := _ints(value)) is not None:
+        return ints[0] if len(ints) == 1 else None
+    node = value.producer() if value is not None else None
+    if is_op(node, "Squeeze") or is_op(node, "Gather"):
+        shape, index = node.inputs[0].producer() if node.inputs[0] is not None else None, 0
+        if is_op(node, "Gather"):
+            picked = _ints(node.inputs[1])
+            if picked is None or len(picked) != 1 or const(node.inputs[1]).ndim != 0:
+                return None
+            index = picked[0]
+        if not is_op(shape, "Shape") or (x := shape.inputs[0]) is None or x.shape is None:
+            return None
+        rank = len(x.shape)
+        start, end = attr(shape, "start", 0), attr(shape, "end", rank)
+        start, end = (max(0, min(rank, a + rank if a < 0 else a)) for a in (start, end))
+        dims = list(x.shape)[start:end]
+        if is_op(node, "Squeeze") and len(dims) != 1:
+            return None
+        return dims[index] if -len(dims) <= index < len(dims) else None
+    return None
 
 
 def _broadcast(shapes: list[list]) -> list | None:
@@ -217,6 +250,8 @@ class _QueryFree:
             return _Uniform(scalar, value if const(value) is not None and const(value).ndim == 0 else None)
         node = value.producer()
         if is_op(node, "GatherND") and (rows := self._rows(node)) is not None:
+            if len(rows.shape) >= 2 and not _is_one(rows.shape[-2]):  # gathered by the query index
+                raise _Varies(f"GatherND {node.name!r} reads its data along the query axis")
             return rows
         if value.shape is not None and (len(value.shape) < 2 or _is_one(value.shape[-2])):
             return _Keep(value)
@@ -370,35 +405,36 @@ class _QueryFree:
 
     # -- index grids
 
-    def iota_axis(self, value: ir.Value, depth: int = 0) -> int | None:
-        """The axis a with value[i] = i[a] for every index i of value (an arange laid on axis a), or None."""
+    def iota(self, value: ir.Value, depth: int = 0) -> _Iota | None:
+        """value[i] = i[axis] for every index i of value (an arange laid on `axis`), or None."""
         node = value.producer() if value is not None else None
         if node is None or depth > _MAX_DEPTH or node.domain not in ("", "ai.onnx") or _rank(value) is None:
             return None
         op, source = node.op_type, node.inputs[0]
         if op == "Range":
-            starts, deltas = _ints(node.inputs[0]), _ints(node.inputs[2])
-            return 0 if starts == [0] and deltas == [1] and _rank(value) == 1 else None
+            if _ints(node.inputs[0]) != [0] or _ints(node.inputs[2]) != [1] or _rank(value) != 1:
+                return None
+            return _Iota(0, _dim_of(node.inputs[1]) or value.shape[0])  # Range(0, n, 1): n long
         if op == "Identity" or (op == "Cast" and _integer(dtype_of(source))
                                 and dtype_of(value) in (ir.DataType.INT64, dtype_of(source))):
-            return self.iota_axis(source, depth + 1)
+            return self.iota(source, depth + 1)
         if op == "Add" and (zero := next((v for v in node.inputs if self.uniform(v) is not None
                                           and int(self.uniform(v)) == 0), None)) is not None:
             other = node.inputs[1] if zero is node.inputs[0] else node.inputs[0]  # x + 0 (a zero offset)
-            return self.iota_axis(other, depth + 1) if _rank(other) == _rank(value) else None
+            return self.iota(other, depth + 1) if _rank(other) == _rank(value) else None
         if op == "Unsqueeze":
-            inner, axes = self.iota_axis(source, depth + 1), _unsqueeze_axes(node, _rank(value))
+            inner, axes = self.iota(source, depth + 1), _unsqueeze_axes(node, _rank(value))
             if inner is None or axes is None:
                 return None
             kept = [i for i in range(_rank(value)) if i not in axes]
-            return kept[inner] if inner < len(kept) else None
+            return _Iota(kept[inner.axis], inner.length) if inner.axis < len(kept) else None
         if op == "Expand":
-            inner = self.iota_axis(source, depth + 1)
-            if inner is None or _rank(source) is None:
+            inner = self.iota(source, depth + 1)
+            if inner is None or _rank(source) is None or _rank(value) < _rank(source):
                 return None
-            axis = inner + _rank(value) - _rank(source)
+            axis = inner.axis + _rank(value) - _rank(source)
             # not broadcast along the arange's own axis (it keeps its length): the same arange there
-            return axis if _same_dim(source.shape[inner], value.shape[axis]) else None
+            return _Iota(axis, inner.length) if _same_dim(source.shape[inner.axis], value.shape[axis]) else None
         return None
 
     def _rows(self, gather: ir.Node) -> _Rows | None:
@@ -419,10 +455,10 @@ class _QueryFree:
             if not is_op(unsqueeze, "Unsqueeze") or _unsqueeze_axes(unsqueeze, rank + 1) != [rank]:
                 return None
             component = unsqueeze.inputs[0]
-            axis = self.iota_axis(component)
-            if axis is None or not _same_dim(component.shape[axis], data.shape[j]):
-                return None
-            axes.append(axis)
+            found = self.iota(component)
+            if found is None or not _same_dim(found.length, data.shape[j]):
+                return None  # not an arange over all of data's axis j
+            axes.append(found.axis)
         if axes != sorted(set(axes)):
             return None  # a transposed gather
         others = [i for i in range(rank) if i not in axes]
