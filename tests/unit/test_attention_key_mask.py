@@ -19,6 +19,7 @@ from kiln import zoo
 from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassOptions, fusion, optimize
 from kiln.passes._rewrite import PassReport
+from kiln.passes.fusion.attention_key_mask import QueryFree
 
 RULE = "attention_key_mask"
 # fp32 attention and GEMMs against onnxruntime's: summation order only (the CPU kernel stops at a row's last real
@@ -260,3 +261,76 @@ def test_per_query_mask_input_left_alone():
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     _, report, _, masks = _optimized(proto)
     assert report.fired.get(RULE, 0) == 0 and masks[0].name == "mask"
+
+
+# ---------------------------------------------------------------- the proof's pieces, on small graphs
+
+
+def _values(nodes: list, inits: list) -> dict:
+    """The kiln IR values of a graph over x [batch, seq] (float), by name."""
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, ["batch", "seq"])],
+                              [helper.make_tensor_value_info(nodes[-1].output[0], TensorProto.UNDEFINED, None)], inits)
+    model = onnx_frontend.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    return {v.name: v for n in model.graph for v in n.outputs}
+
+
+def _aranges(start: int, delta: int = 1) -> tuple[list, list]:
+    """r = Range(start, start + seq·delta, delta): start, start + delta, ..., seq of them (Range(0, seq, 1) as the
+    exporter writes it for start 0, delta 1)."""
+    n = helper.make_node
+    nodes = [n("Shape", ["x"], ["s_shape"], start=1, end=2), n("Squeeze", ["s_shape", "zero_axis"], ["s_n"])]
+    if (start, delta) == (0, 1):
+        nodes.append(n("Range", ["start", "s_n", "delta"], ["r"]))
+    else:
+        nodes += [n("Mul", ["s_n", "delta"], ["length"]), n("Add", ["length", "start"], ["limit"]),
+                  n("Range", ["start", "limit", "delta"], ["r"])]
+    return nodes, [_c("zero_axis", [0]), _c("start", start), _c("delta", delta)]
+
+
+@pytest.mark.parametrize("start,delta,op,than,decided", [
+    (0, 1, "GreaterOrEqual", 0, True), (0, 1, "Less", 0, False), (0, 1, "Greater", 0, None),
+    (1, 1, "Greater", 0, True), (1, 1, "GreaterOrEqual", 2, None), (-1, 1, "GreaterOrEqual", 0, None),
+    (-3, 1, "Less", -3, False), (5, -1, "LessOrEqual", 5, True), (5, -1, "Less", 5, None),
+])
+def test_comparisons_decided_from_bounds(start, delta, op, than, decided):
+    # Range(start, start + seq·delta, delta) OP than: all True / all False where the bounds decide it, else undecided
+    nodes, inits = _aranges(start, delta)
+    nodes.append(helper.make_node(op, ["r", "than"], ["out"]))
+    values = _values(nodes, inits + [_c("than", than)])
+    found = QueryFree(18).uniform(values["out"])
+    assert (None if found is None else bool(found)) == decided
+
+
+def test_sums_that_may_wrap_have_no_bounds():
+    nodes, inits = _aranges(0)
+    nodes += [helper.make_node("Add", ["r", "big"], ["near_max"]), helper.make_node("Sub", ["r", "one"], ["shifted"])]
+    values = _values(nodes, inits + [_c("big", np.iinfo(np.int64).max - 5), _c("one", 1)])
+    proof = QueryFree(18)
+    assert proof.bounds(values["r"]) == (0, 2 ** 62 - 1)  # Range(0, a dim, 1): a dim is below 2^62
+    assert proof.bounds(values["near_max"]) == (None, None)  # up to 2^62 + 2^63 - 6: the sum could wrap
+    assert proof.bounds(values["shifted"]) == (-1, 2 ** 62 - 2)
+
+
+@pytest.mark.parametrize("axes,expand_by,axis", [
+    ([0, 1, 2], None, 3), ([1, 2, 3], None, 0), ([0, 2], None, 1), ([0, 1, 3], None, 2),
+    ([0, 1, 2], "rows", 3),   # [1, 1, 1, S] expanded by [S, 1, 1]'s shape: other axes, the arange stays on axis 3
+    ([0, 1, 3], "rows", 2),   # [1, 1, S, 1] by [S, 1, 1] -> [1, S, S, 1]: axis 2 keeps its S
+    ([0, 1, 2], "batch", None),  # [1, 1, 1, S] by an arange of batch on axis 3: S may be 1 and broadcast
+])
+def test_arange_axes(axes, expand_by, axis):
+    n = helper.make_node
+    nodes, inits = _aranges(0)
+    nodes.append(n("Unsqueeze", ["r", "axes"], ["u"]))
+    inits += [_c("axes", axes), _c("other_axes", [1, 2] if expand_by == "rows" else [0, 1, 2])]
+    out = "u"
+    if expand_by:
+        if expand_by == "batch":
+            nodes += [n("Shape", ["x"], ["b_shape"], start=0, end=1), n("Squeeze", ["b_shape", "zero_axis"], ["b_n"]),
+                      n("Range", ["start", "b_n", "delta"], ["b"])]
+        nodes += [n("Unsqueeze", ["b" if expand_by == "batch" else "r", "other_axes"], ["other"]),
+                  n("Max", ["u", "other"], ["like"]), n("Shape", ["like"], ["to"]), n("Expand", ["u", "to"], ["e"])]
+        out = "e"
+    found = QueryFree(18).iota(_values(nodes, inits)[out])
+    assert (None if found is None else found.axis) == axis
+    if found is not None:
+        assert str(found.length) == "seq"  # Range(0, Shape(x)[1], 1): as long as x's axis 1

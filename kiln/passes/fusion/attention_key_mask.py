@@ -117,6 +117,18 @@ def _dim_of(value: ir.Value | None) -> int | ir.SymbolicDim | None:
     return None
 
 
+def _sum_bounds(a: Bounds, b: Bounds, info: np.iinfo) -> Bounds:
+    """Bounds of a + b in a dtype of range `info`, or none at all where the sum might wrap around."""
+    (a_lo, a_hi), (b_lo, b_hi) = a, b
+    add = lambda x, y: None if x is None or y is None else x + y  # noqa: E731
+    lo, hi = add(a_lo, b_lo), add(a_hi, b_hi)
+    no_wrap_up = (hi is not None and hi <= info.max) or (a_hi is not None and a_hi <= 0) or \
+        (b_hi is not None and b_hi <= 0)  # adding a non-positive number never passes the maximum
+    no_wrap_down = (lo is not None and lo >= info.min) or (a_lo is not None and a_lo >= 0) or \
+        (b_lo is not None and b_lo >= 0)
+    return (lo, hi) if no_wrap_up and no_wrap_down else (None, None)
+
+
 def _broadcast(shapes: list[list]) -> list | None:
     """The multidirectional broadcast of declared shapes; None where two symbols are not known to be equal."""
     rank = max((len(s) for s in shapes), default=0)
@@ -234,7 +246,7 @@ class _Builder:
 # ---------------------------------------------------------------- the proof
 
 
-class _QueryFree:
+class QueryFree:
     """Decides, off the graph, how a mask value is computed with one row for every query (`plan`), and which
     values are one number throughout (`uniform`) or lie between bounds (`bounds`)."""
 
@@ -371,12 +383,10 @@ class _QueryFree:
         elif op == "Range":
             found = self._range_bounds(node, of)
         elif op in ("Add", "Sub"):
-            (a_lo, a_hi), (b_lo, b_hi) = of(inputs[0]), of(inputs[1])
-            if None in (a_lo, a_hi, b_lo, b_hi):
-                return None, None  # unbounded on one side: the sum might wrap around
-            found = (a_lo + b_lo, a_hi + b_hi) if op == "Add" else (a_lo - b_hi, a_hi - b_lo)
-            if found[0] < info.min or found[1] > info.max:
-                return None, None  # it might wrap around: nothing is known
+            b = of(inputs[1])
+            if op == "Sub":  # a - b = a + (-b); -min wraps
+                b = (None if b[1] is None or b[1] == info.min else -b[1], None if b[0] is None else -b[0])
+            found = _sum_bounds(of(inputs[0]), b, info)
         elif op in ("Max", "Min"):
             parts = [of(v) for v in inputs]
             lows, highs = [lo for lo, _ in parts if lo is not None], [hi for _, hi in parts if hi is not None]
@@ -482,7 +492,7 @@ def use_key_mask(node: ir.Node, report: PassReport) -> bool:
     if broadcast_constant(mask) is not None:
         return False  # constants: drop_empty_attention_mask / attention_mask_broadcast
     try:
-        plan = _QueryFree(graph.opset_imports.get("", 21)).plan(mask)
+        plan = QueryFree(graph.opset_imports.get("", 21)).plan(mask)
     except _Varies as e:
         report.refuse(RULE, node, f"the mask may vary along the query axis: {e}")
         return False
