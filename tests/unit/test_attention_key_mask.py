@@ -291,6 +291,7 @@ def _aranges(start: int, delta: int = 1) -> tuple[list, list]:
     (0, 1, "GreaterOrEqual", 0, True), (0, 1, "Less", 0, False), (0, 1, "Greater", 0, None),
     (1, 1, "Greater", 0, True), (1, 1, "GreaterOrEqual", 2, None), (-1, 1, "GreaterOrEqual", 0, None),
     (-3, 1, "Less", -3, False), (5, -1, "LessOrEqual", 5, True), (5, -1, "Less", 5, None),
+    (1, 1, "LessOrEqual", 1, None), (2, 1, "LessOrEqual", 1, False), (0, 1, "Equal", -1, None),
 ])
 def test_comparisons_decided_from_bounds(start, delta, op, than, decided):
     # Range(start, start + seq·delta, delta) OP than: all True / all False where the bounds decide it, else undecided
@@ -313,6 +314,7 @@ def test_sums_that_may_wrap_have_no_bounds():
 
 @pytest.mark.parametrize("axes,expand_by,axis", [
     ([0, 1, 2], None, 3), ([1, 2, 3], None, 0), ([0, 2], None, 1), ([0, 1, 3], None, 2),
+    ([[1], [0]], None, 1),    # Unsqueeze(Unsqueeze(r, [1]), [0]): [S, 1] then [1, S, 1]
     ([0, 1, 2], "rows", 3),   # [1, 1, 1, S] expanded by [S, 1, 1]'s shape: other axes, the arange stays on axis 3
     ([0, 1, 3], "rows", 2),   # [1, 1, S, 1] by [S, 1, 1] -> [1, S, S, 1]: axis 2 keeps its S
     ([0, 1, 2], "batch", None),  # [1, 1, 1, S] by an arange of batch on axis 3: S may be 1 and broadcast
@@ -320,8 +322,13 @@ def test_sums_that_may_wrap_have_no_bounds():
 def test_arange_axes(axes, expand_by, axis):
     n = helper.make_node
     nodes, inits = _aranges(0)
-    nodes.append(n("Unsqueeze", ["r", "axes"], ["u"]))
-    inits += [_c("axes", axes), _c("other_axes", [1, 2] if expand_by == "rows" else [0, 1, 2])]
+    if isinstance(axes[0], list):
+        nodes += [n("Unsqueeze", ["r", "axes"], ["u0"]), n("Unsqueeze", ["u0", "axes2"], ["u"])]
+        inits += [_c("axes", axes[0]), _c("axes2", axes[1])]
+    else:
+        nodes.append(n("Unsqueeze", ["r", "axes"], ["u"]))
+        inits.append(_c("axes", axes))
+    inits.append(_c("other_axes", [1, 2] if expand_by == "rows" else [0, 1, 2]))
     out = "u"
     if expand_by:
         if expand_by == "batch":
@@ -334,3 +341,31 @@ def test_arange_axes(axes, expand_by, axis):
     assert (None if found is None else found.axis) == axis
     if found is not None:
         assert str(found.length) == "seq"  # Range(0, Shape(x)[1], 1): as long as x's axis 1
+
+
+@pytest.mark.parametrize("data,rows", [("x", True), ("wide", False), ("x_t", False), ("square", False)])
+def test_gather_over_an_arange_grid_is_its_data(data, rows):
+    # GatherND(data, [b_idx, kv_idx] over [B, 1, 1, S]) = Unsqueeze(data, [1, 2]) only where the aranges span data's
+    # axes: not for data of 2·S columns (the grid reads its first S), nor for data [S, B] (the grid would transpose),
+    # nor for data [S, S] read as [kv_idx, q_idx] (a transposed gather)
+    n = helper.make_node
+    square = data == "square"
+    nodes = [n("Shape", ["x"], ["b_shape"], start=0, end=1), n("Shape", ["x"], ["s_shape"], start=1, end=2),
+             n("Squeeze", ["b_shape", "zero_axis"], ["b_n"]), n("Squeeze", ["s_shape", "zero_axis"], ["s_n"]),
+             n("Range", ["zero", "b_n", "one"], ["b_idx"]), n("Range", ["zero", "s_n", "one"], ["s_idx"]),
+             n("Unsqueeze", ["s_idx" if square else "b_idx", "axes_123" if not square else "axes_013"], ["b4"]),
+             n("Unsqueeze", ["s_idx", "axes_012"], ["kv4"]),
+             n("Max", ["b4", "kv4"], ["like"]), n("Shape", ["like"], ["to"]),
+             n("Expand", ["b4", "to"], ["bg"]), n("Expand", ["kv4", "to"], ["kg"]),
+             n("Unsqueeze", ["bg", "last"], ["bg1"]), n("Unsqueeze", ["kg", "last"], ["kg1"]),
+             n("Concat", ["kg1", "bg1"] if square else ["bg1", "kg1"], ["grid"], axis=-1),
+             n("Transpose", ["x"], ["xt"], perm=[1, 0]), n("MatMul", ["xt", "x"], ["square"]),
+             n("Concat", ["x", "x"], ["wide"], axis=1), n("Transpose", ["x"], ["x_t"], perm=[1, 0]),
+             n("GatherND", [data, "grid"], ["keys"])]
+    inits = [_c("zero", 0), _c("one", 1), _c("zero_axis", [0]), _c("axes_123", [1, 2, 3]), _c("axes_012", [0, 1, 2]),
+             _c("axes_013", [0, 1, 3]), _c("last", [-1])]
+    keys = _values(nodes, inits)["keys"]
+    found = QueryFree(18)._rows(keys.producer())
+    assert (found is not None) == rows
+    if rows:
+        assert found.axes == [1, 2] and [str(d) for d in found.shape] == ["batch", "1", "1", "seq"]
