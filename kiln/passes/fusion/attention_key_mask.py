@@ -29,7 +29,7 @@ graph declares them (symbols by name), as the rest of the passes do.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
@@ -43,7 +43,8 @@ RULE = "attention_key_mask"
 
 _MAX_DEPTH = 24
 # Ops applied element by element: each commutes with broadcasting its inputs
-_ELEMENTWISE = MULTIDIRECTIONAL | {"Not", "Neg", "Abs", "Cast", "Identity"}
+_ELEMENTWISE = MULTIDIRECTIONAL | {"Not", "Neg", "Abs", "Cast", "Identity"}  # (_UNARY below)
+_UNARY = frozenset({"Not", "Neg", "Abs", "Cast", "Identity"})
 _COMPARISONS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 # Ops whose output holds only values of their first input (bounds carry over)
 _MOVES = frozenset({"Identity", "Squeeze", "Unsqueeze", "Reshape", "Expand", "Flatten", "Transpose", "Slice",
@@ -204,9 +205,22 @@ class _Rows:
         data = self.gather.inputs[0]
         if not self.axes:
             return data
+        # Unsqueeze(f(x)) = f(Unsqueeze(x)) for a unary elementwise f: the Unsqueeze (a step of its own on the CPU,
+        # outside the native segments) reads the graph's input where it can, ahead of every layer, so it splits
+        # no segment (BERT: Cast(attention_mask, bool))
+        unary = []
+        while (inner := data.producer()) is not None and inner.domain in ("", "ai.onnx") and len(inner.inputs) == 1 \
+                and inner.op_type in _UNARY and _rank(inner.inputs[0]) == _rank(data):
+            unary.append(inner)
+            data = inner.inputs[0]
         axes = new_initializer(builder.graph, f"{builder.prefix}_axes", np.array(self.axes, np.int64))
-        return builder.add(ir.Node("", "Unsqueeze", [data, axes], name=f"{self.gather.name}_rows"),
-                           dtype_of(data), self.shape_)
+        value = builder.add(ir.Node("", "Unsqueeze", [data, axes], name=f"{self.gather.name}_rows"),
+                            dtype_of(data), self.shape_)
+        for op in reversed(unary):
+            attributes = [ir.Attr(a.name, a.type, a.value) for a in op.attributes.values()]
+            value = builder.add(ir.Node("", op.op_type, [value], attributes, name=f"{op.name}_rows"),
+                                dtype_of(op.outputs[0]), self.shape_)
+        return value
 
 
 @dataclass
@@ -233,13 +247,29 @@ _Plan = _Keep | _Uniform | _Constant | _Rows | _Rebuilt
 
 @dataclass
 class _Builder:
+    """Adds the new nodes, each right after the last node it reads from (first in the graph where it reads only
+    inputs and constants): a mask made from the graph's inputs is computed ahead of the layers, not between two of
+    them, where on the CPU a step that is no native kernel (an Unsqueeze) would cut a native segment in two."""
+
     graph: ir.Graph
-    before: ir.Node  # the new nodes go before it (after every value they read)
     prefix: str
+    order: dict[int, float] = field(default_factory=dict)  # id(node) -> position in the graph
+
+    def __post_init__(self) -> None:
+        self.order = {id(n): float(i) for i, n in enumerate(self.graph)}
 
     def add(self, node: ir.Node, dtype: ir.DataType, shape: list) -> ir.Value:
         node.outputs[0].type, node.outputs[0].shape = ir.TensorType(dtype), ir.Shape(shape)
-        self.graph.insert_before(self.before, node)
+        producers = [v.producer() for v in node.inputs if v is not None and v.producer() is not None]
+        anchor = max(producers, key=lambda n: self.order[id(n)], default=None)
+        if anchor is None:
+            first = next(iter(self.graph))
+            self.graph.insert_before(first, node)
+            self.order[id(node)] = self.order[id(first)] - 0.5
+        else:
+            self.graph.insert_after(anchor, node)
+            later = [p for p in self.order.values() if p > self.order[id(anchor)]]
+            self.order[id(node)] = (self.order[id(anchor)] + min(later, default=self.order[id(anchor)] + 1)) / 2
         return node.outputs[0]
 
 
@@ -497,7 +527,7 @@ def use_key_mask(node: ir.Node, report: PassReport) -> bool:
         report.refuse(RULE, node, f"the mask may vary along the query axis: {e}")
         return False
     # Decided: from here on the graph changes.
-    builder = _Builder(graph, mask.producer(), f"{mask.name or node.name}_keys")
+    builder = _Builder(graph, f"{mask.name or node.name}_keys")
     if isinstance(plan, _Uniform):
         keys = new_initializer(graph, builder.prefix, plan.scalar.reshape((1,) * rank))
     else:
