@@ -190,32 +190,49 @@ class _Constant:
 
 
 @dataclass
-class _Rows:
-    """GatherND(data, iota grid) = Unsqueeze(data, axes): data's own values, on the grid's axes."""
+class _Unsqueezed:
+    """Unsqueeze(inner, axes): a GatherND over an iota grid (its data on the grid's axes), and elementwise ops of
+    that with scalars, done on the data before it is unsqueezed (f(Unsqueeze(x), c) = Unsqueeze(f(x, c)))."""
 
-    gather: ir.Node
-    axes: list[int]  # the grid's axes no data axis lies on (each of size 1 here)
+    inner: _Plan
+    axes: list[int]  # of the result: the axes the inner value does not have (each of size 1)
     shape_: list
 
     @property
     def shape(self) -> list:
         return self.shape_
 
+    def _reshape_target(self) -> np.ndarray | None:
+        """A constant Reshape target giving `shape` from the inner value: 1 on the new axes, 0 (the input's dim
+        at the same index) or the static dim on the others, -1 for one that is neither; None if none fits."""
+        target, kept = [], 0
+        for i, dim in enumerate(self.shape_):
+            if i in self.axes:
+                target.append(1)
+                continue
+            target.append(0 if kept == i else dim if isinstance(dim, int) else -1)
+            kept += 1
+        return np.array(target, np.int64) if target.count(-1) <= 1 else None
+
     def build(self, builder: _Builder) -> ir.Value:
-        data = self.gather.inputs[0]
-        if not self.axes:
-            return data
-        # Unsqueeze(f(x)) = f(Unsqueeze(x)) for a unary elementwise f: the Unsqueeze (a step of its own on the CPU,
-        # outside the native segments) reads the graph's input where it can, ahead of every layer, so it splits
-        # no segment (BERT: Cast(attention_mask, bool))
+        value = self.inner.build(builder)
+        target = self._reshape_target()
+        if dtype_of(value) == ir.DataType.FLOAT and target is not None:
+            # a float32 Reshape is an alias inside the CPU's native segments (cpu.alias.Reshape): the mask's steps
+            # and the layers stay one segment, which a one-segment program runs directly (kiln/runtime/direct_run.py)
+            shape = new_initializer(builder.graph, f"{builder.prefix}_rows_shape", target)
+            return builder.add(ir.Node("", "Reshape", [value, shape], name=f"{builder.prefix}_rows"),
+                               dtype_of(value), self.shape_)
+        # else Unsqueeze(f(x)) = f(Unsqueeze(x)) for a unary elementwise f: the Unsqueeze (a step of its own on the
+        # CPU) reads the graph's input where it can, ahead of every layer, and splits no native segment
         unary = []
-        while (inner := data.producer()) is not None and inner.domain in ("", "ai.onnx") and len(inner.inputs) == 1 \
-                and inner.op_type in _UNARY and _rank(inner.inputs[0]) == _rank(data):
+        while (inner := value.producer()) is not None and inner.domain in ("", "ai.onnx") and len(inner.inputs) == 1 \
+                and inner.op_type in _UNARY and _rank(inner.inputs[0]) == _rank(value):
             unary.append(inner)
-            data = inner.inputs[0]
+            value = inner.inputs[0]
         axes = new_initializer(builder.graph, f"{builder.prefix}_axes", np.array(self.axes, np.int64))
-        value = builder.add(ir.Node("", "Unsqueeze", [data, axes], name=f"{self.gather.name}_rows"),
-                            dtype_of(data), self.shape_)
+        value = builder.add(ir.Node("", "Unsqueeze", [value, axes], name=f"{builder.prefix}_rows"),
+                            dtype_of(value), self.shape_)
         for op in reversed(unary):
             attributes = [ir.Attr(a.name, a.type, a.value) for a in op.attributes.values()]
             value = builder.add(ir.Node("", op.op_type, [value], attributes, name=f"{op.name}_rows"),
@@ -228,7 +245,7 @@ class _Rebuilt:
     """The elementwise `node` on its inputs' query-free forms."""
 
     node: ir.Node
-    inputs: list[_Keep | _Uniform | _Constant | _Rows | _Rebuilt | None]
+    inputs: list[_Keep | _Uniform | _Constant | _Unsqueezed | _Rebuilt | None]
     shape_: list
 
     @property
@@ -242,7 +259,7 @@ class _Rebuilt:
         return builder.add(node, dtype_of(self.node.outputs[0]), self.shape_)
 
 
-_Plan = _Keep | _Uniform | _Constant | _Rows | _Rebuilt
+_Plan = _Keep | _Uniform | _Constant | _Unsqueezed | _Rebuilt
 
 
 @dataclass
@@ -325,6 +342,11 @@ class QueryFree:
             rest = [p for p, u in zip(inputs, uniform) if u is None or bool(u) != neutral]
             if len(rest) == 1 and not isinstance(rest[0], _Uniform):
                 return rest[0]
+        unsqueezed = [p for p in inputs if isinstance(p, _Unsqueezed)]
+        if len(unsqueezed) == 1 and all(p is None or p is unsqueezed[0] or isinstance(p, _Uniform) for p in inputs):
+            inner = unsqueezed[0]  # f(Unsqueeze(x), c) = Unsqueeze(f(x, c)): on the smaller tensor, unsqueezed last
+            rebuilt = _Rebuilt(node, [inner.inner if p is inner else p for p in inputs], inner.inner.shape)
+            return _Unsqueezed(rebuilt, inner.axes, inner.shape)
         shape = _broadcast([p.shape for p in inputs if p is not None])
         if shape is None:
             raise _Varies(f"{node.op_type} {node.name!r}: its inputs' dims are not known to broadcast")
@@ -477,7 +499,7 @@ class QueryFree:
             return _Iota(axis, inner.length) if _same_dim(source.shape[inner.axis], value.shape[axis]) else None
         return None
 
-    def _rows(self, gather: ir.Node) -> _Rows | None:
+    def _rows(self, gather: ir.Node) -> _Unsqueezed | None:
         """GatherND(data, grid) with grid[..., j] an arange over data's axis j laid on the grid's axis a_j
         (a_0 < a_1 < ...) and every other grid axis of size 1: out[i] = data[i[a_0], i[a_1], ...], which is
         Unsqueeze(data, the other axes)."""
@@ -505,7 +527,7 @@ class QueryFree:
         if not all(_is_one(out.shape[i]) for i in others):
             return None
         shape = [data.shape[axes.index(i)] if i in axes else 1 for i in range(rank)]
-        return _Rows(gather, others, shape)
+        return _Unsqueezed(_Keep(data), others, shape)
 
 
 # ---------------------------------------------------------------- the rule
