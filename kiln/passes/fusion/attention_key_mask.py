@@ -1,6 +1,6 @@
 """A computed attention mask that is the same for every query becomes the key mask it broadcasts: [B, 1, 1, T].
 
-transformers (sdpa_mask, 4.5x on) builds a bidirectional encoder's mask from index functions broadcast over
+transformers' sdpa_mask (masking_utils) builds a bidirectional encoder's mask from index functions broadcast over
 (batch, head, query, key) grids; the dynamo export of BERT with `attention_mask` [B, S] is
 
     ones  = And(True, GreaterOrEqual(Range(0, S, 1)[None, None, :, None], 0))   # bidirectional: q_idx >= 0, [1, 1, S, 1]
@@ -20,7 +20,12 @@ constant along the query axis and rewrites it to its [B, 1, 1, T] form, the same
   so q_idx >= 0 is all True) is that scalar, and And(x, True) = x, Or(x, False) = x, Where(True, x, y) = x;
 - GatherND(data, grid) whose grid is an iota on axis a_j for each data axis j (grid[..., j] = i[a_j], the axis'
   length data's dim j: the broadcast aranges of padding_mask[b_idx, kv_idx]) is data itself, laid on the a_j:
-  Unsqueeze(data, the other axes), constant along them.
+  Unsqueeze(data, the other axes), constant along them; elementwise ops of it with scalars run before the
+  Unsqueeze (f(Unsqueeze(x), c) = Unsqueeze(f(x, c))), which for float32 is a Reshape.
+
+BERT's mask becomes Reshape(Where(Cast(attention_mask, bool), 0, -inf), [0, 1, 1, -1]): on the CPU three members
+of the native segment (the Reshape an alias), added right after what they read, ahead of the layers. (An
+Unsqueeze there, no native kernel, cut BERT's one segment in two and cost its direct run: slower than before.)
 
 Anything else (a causal or sliding-window term, kv_idx <= q_idx, a mask input of the graph that is [B, 1, S, S])
 varies or may vary along the queries, and the mask is left as it was, with the reason. Dims are compared as the
