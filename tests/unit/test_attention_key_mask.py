@@ -199,11 +199,15 @@ def _masked_attention(kind: str) -> onnx.ModelProto:
         ]
     else:
         nodes += [n("Where", ["allowed", "zero_f", "minus_inf"], ["mask"])]
-    nodes += [
-        n("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), n("MatMul", ["q", "kt"], ["qk"]),
-        n("Mul", ["qk", "scale"], ["scores0"]), n("Add", ["scores0", "mask"], ["scores"]),
-        n("Softmax", ["scores"], ["p"], axis=-1), n("MatMul", ["p", "v"], ["out"]),
-    ]
+    if kind == "bool":  # a fused attention handed the boolean mask itself
+        nodes = [x for x in nodes if x.output[0] != "mask"]
+        nodes.append(n("Attention", ["q", "k", "v", "allowed"], ["out"], domain="kiln", scale=float(D ** -0.5)))
+    else:
+        nodes += [
+            n("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), n("MatMul", ["q", "kt"], ["qk"]),
+            n("Mul", ["qk", "scale"], ["scores0"]), n("Add", ["scores0", "mask"], ["scores"]),
+            n("Softmax", ["scores"], ["p"], axis=-1), n("MatMul", ["p", "v"], ["out"]),
+        ]
     inits = [_c("zero", 0), _c("one", 1), _c("zero_axis", [0]), _c("axes_123", [1, 2, 3]), _c("axes_013", [0, 1, 3]),
              _c("axes_012", [0, 1, 2]), _c("axes_12", [1, 2]), _c("last", [-1]), _c("one_1", [1]),
              _c("true", True, np.bool_), _c("zero_f", 0.0, np.float32), _c("minus_inf", -np.inf, np.float32),
@@ -212,7 +216,8 @@ def _masked_attention(kind: str) -> onnx.ModelProto:
     qkv = [helper.make_tensor_value_info(x, F, ["batch", H, "seq", D]) for x in "qkv"]
     graph = helper.make_graph(nodes, kind, [*qkv, helper.make_tensor_value_info("attention_mask", I64, ["batch", "seq"])],
                               [helper.make_tensor_value_info("out", F, ["batch", H, "seq", D])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])  # shapes: kiln's frontend infers
+    opsets = [helper.make_opsetid("", 18)] + ([helper.make_opsetid("kiln", 1)] if kind == "bool" else [])
+    return helper.make_model(graph, opset_imports=opsets)  # shapes: kiln's frontend infers
 
 
 def _feeds(rng, batch: int, seq: int, empty_row: bool = False) -> dict:
@@ -241,6 +246,25 @@ def test_written_out_masks(kind, fires, monkeypatch):
     rng = np.random.default_rng(len(kind))
     for batch, seq, empty_row in ((1, 5, False), (3, 16, True), (4, 37, False), (2, 1, False)):
         _compare(proto, engine, _feeds(rng, batch, seq, empty_row), rtol=1e-5, atol=1e-6, without_rule=without)
+
+
+def test_boolean_key_mask_unsqueezes_the_input(monkeypatch):
+    # a bool mask has no float32 Reshape alias: Cast(Unsqueeze(attention_mask)), the Unsqueeze on the graph input
+    # ahead of every layer; the same outputs as the engine without the rule (onnxruntime has no kiln::Attention)
+    proto = _masked_attention("bool")
+    model, report, ops, masks = _optimized(proto)
+    assert report.fired[RULE] == 1 and not {"GatherND", "Range", "Expand", "And"} & set(ops), ops
+    cast = masks[0].producer()
+    assert cast.op_type == "Cast" and [str(d) for d in masks[0].shape] == ["batch", "1", "1", "seq"]
+    unsqueeze = cast.inputs[0].producer()
+    assert unsqueeze.op_type == "Unsqueeze" and unsqueeze.inputs[0].name == "attention_mask"
+    assert list(model.graph).index(unsqueeze) == 0
+    profile = [{"q": f"1x{H}x1x{D},2x{H}x16x{D},4x{H}x40x{D}"}]
+    engine, without = kiln.build(proto, profiles=profile), _build_without_rule(proto, monkeypatch, profiles=profile)
+    rng = np.random.default_rng(11)
+    for batch, seq in ((1, 5), (3, 16), (4, 37)):
+        feeds = _feeds(rng, batch, seq)
+        np.testing.assert_allclose(engine.run(feeds)["out"], without.run(feeds)["out"], rtol=1e-5, atol=1e-6)
 
 
 def test_uniform_mask_is_dropped():
