@@ -126,7 +126,8 @@ def main() -> None:
 
     print(f"# attention_key_mask before/after: {args.model}, cpu ({_cpu_name()}), commit {commit()}, "
           f"{args.threads} thread(s), load average {load0:.1f} -> {os.getloadavg()[0]:.1f}")
-    print(f"builds: after {after_s:.0f} s, before {before_s:.0f} s (profile 1x1 / {top} / {top}); max |kiln - onnxruntime| "
+    print(f"builds: after {after_s:.0f} s, before {before_s:.0f} s (profile 1x1 / {top} / {top}); "
+          "max |kiln - onnxruntime| "
           f"at real tokens: before {errors['before']:.2e}, after {errors['after']:.2e}")
     for name, engine in (("before", before), ("after", after)):
         steps = engine.plan.program.steps

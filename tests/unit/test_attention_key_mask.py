@@ -214,7 +214,8 @@ def _masked_attention(kind: str) -> onnx.ModelProto:
              _c("one_f", 1.0, np.float32), _c("min_f", np.finfo(np.float32).min, np.float32),
              _c("scale", 1 / np.sqrt(D), np.float32)]
     qkv = [helper.make_tensor_value_info(x, F, ["batch", H, "seq", D]) for x in "qkv"]
-    graph = helper.make_graph(nodes, kind, [*qkv, helper.make_tensor_value_info("attention_mask", I64, ["batch", "seq"])],
+    inputs = [*qkv, helper.make_tensor_value_info("attention_mask", I64, ["batch", "seq"])]
+    graph = helper.make_graph(nodes, kind, inputs,
                               [helper.make_tensor_value_info("out", F, ["batch", H, "seq", D])], inits)
     opsets = [helper.make_opsetid("", 18)] + ([helper.make_opsetid("kiln", 1)] if kind == "bool" else [])
     return helper.make_model(graph, opset_imports=opsets)  # shapes: kiln's frontend infers

@@ -3,9 +3,9 @@
 transformers' sdpa_mask (masking_utils) builds a bidirectional encoder's mask from index functions broadcast over
 (batch, head, query, key) grids; the dynamo export of BERT with `attention_mask` [B, S] is
 
-    ones  = And(True, GreaterOrEqual(Range(0, S, 1)[None, None, :, None], 0))   # bidirectional: q_idx >= 0, [1, 1, S, 1]
-    keys  = GatherND(Cast(attention_mask, bool), Concat(b_idx, kv_idx))        # padding_mask[b, kv]: [B, 1, 1, S]
-    mask  = Where(And(ones, keys), 0, -inf)                                    # [B, 1, S, S]
+    ones = And(True, GreaterOrEqual(Range(0, S, 1)[None, None, :, None], 0))  # q_idx >= 0: [1, 1, S, 1]
+    keys = GatherND(Cast(attention_mask, bool), Concat(b_idx, kv_idx))       # padding_mask[b, kv]: [B, 1, 1, S]
+    mask = Where(And(ones, keys), 0, -inf)                                   # [B, 1, S, S]
 
 so every layer's attention reads an [B, 1, S, S] mask whose rows are all alike, the CPU kernel cannot stop at a
 row's last real key (it does so only for a mask with stride 0 along the queries), and each new shape computes the
