@@ -78,7 +78,8 @@ def test_the_encoder_is_one_native_segment_mask_included(bert):
     (step,) = lean_steps(engine)  # a known shape: nothing but the segment runs
     assert isinstance(step.fn, Segment)
     ops = {m.ctx.op_type for m in step.fn.members}
-    assert {"Gather", "LayerNorm", "FusedGemm", "Attention", "Cast", "GatherND", "Where"} <= ops
+    # the mask: Reshape(Where(Cast(attention_mask)), [0, 1, 1, -1]), the [B, 1, 1, S] key mask (attention_key_mask)
+    assert {"Gather", "LayerNorm", "FusedGemm", "Attention", "Cast", "Where", "Reshape"} <= ops
     shape_only = {id(program.steps[i]) for i in program.shape_steps}
     outside = [s.ctx.op_type for s in program.run_steps if s is not step and id(s) not in shape_only]
     assert outside == [], f"layers outside the segment: {outside}"

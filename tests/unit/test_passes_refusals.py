@@ -340,6 +340,16 @@ def attention_mask(materialised: bool):
     return model(nodes, [value("q", [B, H, S, D])], [value("y", [B, H, S, D])], inits)
 
 
+def attention_mask_per_query():
+    """kiln::Attention with a mask computed from a [B, 1, S, S] input: Where(Not(hidden), 0, -big) may differ
+    between queries, so it stays [B, 1, S, S] (attention_key_mask)."""
+    nodes = [node("Not", ["hidden"], ["keep"]), node("Where", ["keep", "zero", "big"], ["m"]),
+             node("Attention", ["q", "q", "q", "m"], ["y"], domain="kiln", scale=0.35)]
+    inits = [("zero", np.array(0, np.float32)), ("big", np.array(-3e38, np.float32))]
+    return model(nodes, [value("q", [B, H, S, D]), value("hidden", [B, 1, S, S], BOOL)], [value("y", [B, H, S, D])],
+                 inits)
+
+
 def attention_with_a_head_split_read_twice():
     # q = Reshape(x, [B, S, H, D]) is also a graph output: the Reshape cannot go into the op
     nodes = [node("Reshape", ["x", "heads"], ["q4"]),
@@ -535,6 +545,8 @@ CASES = {
         "fuse_attention", lambda: attention("none", q_k_read_twice=True), "not a (scaled) MatMul of Q and Kᵀ"),
     "attention_mask/constant_masks_something": Case(
         "drop_empty_attention_mask", lambda: attention_mask(materialised=False), "masks some positions"),
+    "attention_key_mask/mask_varies_by_query": Case("attention_key_mask", attention_mask_per_query,
+                                                    "may vary along the query axis"),
     "attention_mask/materialised_masks_something": Case(
         "drop_empty_attention_mask", lambda: attention_mask(materialised=True), "masks some positions"),
     "skip_layer_norm/broadcasting_add": Case("fuse_skip_layer_norm", skip_layer_norm_of_a_broadcasting_add,

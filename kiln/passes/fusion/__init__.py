@@ -6,6 +6,7 @@ their Conv/Gemm), then layer epilogues, then attention, then the elementwise cha
 from __future__ import annotations
 
 from kiln.passes.fusion.attention import fuse_attention
+from kiln.passes.fusion.attention_key_mask import use_key_mask
 from kiln.passes.fusion.attention_layout import absorb_attention_reshapes
 from kiln.passes.fusion.attention_mask import drop_empty_attention_mask, use_broadcast_attention_mask
 from kiln.passes.fusion.causal_conv import trim_conv_padding
@@ -62,6 +63,8 @@ RULES = [
     ("fuse_attention", fuse_attention),
     ("absorb_attention_reshapes", absorb_attention_reshapes),
     ("fuse_packed_rotary", fuse_packed_rotary),  # after the head reshapes: q and k are Rotary(.., num_heads)
+    ("attention_key_mask", use_key_mask),  # a computed mask alike for every query: [B, 1, 1, T] (before the drop:
+    # a mask proved one number throughout becomes a constant it drops)
     ("drop_empty_attention_mask", drop_empty_attention_mask),
     ("attention_mask_broadcast", use_broadcast_attention_mask),  # a materialised mask that masks: its small form
     ("fuse_skip_layer_norm", fuse_skip_layer_norm),
