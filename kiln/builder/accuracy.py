@@ -80,6 +80,18 @@ QUANTIZED_STEPS = 1
 # the probabilities of that row; then the output). Measured on onnxruntime's QDQ BERT-base (12 layers, 3
 # inputs): at most 1 step, on <= 3e-5 of the elements; the check allows one more for the chained roundings
 QUANTIZED_ATTENTION_STEPS = 2
+# ... and an E4M3 attention output beyond those steps (issue 12, the H100 run of 2026-12-05): a probability whose
+# fp32 value (exp, the row sum, 1/l: another order than torch's softmax) sits at an E4M3 midpoint rounds to the
+# neighbouring step, one step of p (up to p/8) times v for each key sharing that rounded score (saturated scores
+# are equal: a third of BERT-base's keys flip at once). The output moves by a few of its units, which near zero,
+# where the E4M3 grid is logarithmic, is dozens of steps (1.125 -> -2.0 is 121). Measured on the GPU test's layer
+# (8 x 384, BERT-base): 11 of 36,864 rows, at most 1.1% of the largest |output| beyond two steps (kernel arithmetic
+# emulated in float32 on the CPU, tests/unit/test_quantized_attention_float8_check.py; 116 steps on the H100).
+# Allowed: 2^-5 of the largest |reference|, on at most 1e-4 of the elements (measured 2.5e-6 beyond two steps; the
+# H100's 3e-5 off at all). The share is what catches a wrong kernel: one that forgets to round the probabilities
+# stays within the slack but is beyond two steps on 3.9% of that layer's outputs.
+QUANTIZED_ATTENTION_FLOAT8_SLACK = 2.0**-5
+QUANTIZED_ATTENTION_FLOAT8_SHARE = 1e-4
 # An FP8 output whose value went through half precision on the way (cuBLASLt's FP8 GEMM writing fp16, the fp16 y
 # a LayerNormQuantize rounds): near zero, where the float8 grid is finer than fp16 at the tensor's scale (2^-9 of
 # y_scale against fp16's 2^-11 of the largest terms), a value may be more than a step off. What an fp16 layer is
@@ -122,17 +134,17 @@ def float8_ordinal(x: torch.Tensor) -> torch.Tensor:
 
 
 def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer_steps: int = 0,
-             float8_slack: float = 0.0) -> str | None:
+             float8_slack: float = 0.0, float8_slack_share: float = 1.0) -> str | None:
     """None when `result` matches `reference` within the dtype's tolerance, else what differs.
     `integer_steps`: how far integers may be (a quantized layer's output: QUANTIZED_STEPS). `float8_slack`: for a
     layer whose values went through half precision (FLOAT8_HALF_SLACK), what an FP8 output may be off beyond
-    those steps, as a share of its largest |value|."""
+    those steps, as a share of its largest |value|, on at most `float8_slack_share` of its elements."""
     tolerance = tolerance or TOLERANCE
     if isinstance(reference, (tuple, list)):
         if not isinstance(result, (tuple, list)) or len(result) != len(reference):
             return f"gave {type(result).__name__} where the reference gives {len(reference)} values"
         for i, (r, e) in enumerate(zip(result, reference)):
-            problem = mismatch(r, e, tolerance, integer_steps, float8_slack)
+            problem = mismatch(r, e, tolerance, integer_steps, float8_slack, float8_slack_share)
             if problem:
                 return f"output {i}: {problem}"
         return None
@@ -151,8 +163,9 @@ def mismatch(result: Any, reference: Any, tolerance: dict | None = None, integer
         steps = int(apart.max()) if reference.numel() else 0
         if steps <= integer_steps:
             return None
-        if float8_slack and _float8_within_slack(result, reference, apart > integer_steps, integer_steps,
-                                                 float8_slack):
+        beyond = apart > integer_steps
+        if (float8_slack and beyond.double().mean().item() <= float8_slack_share
+                and _float8_within_slack(result, reference, beyond, integer_steps, float8_slack)):
             return None
         return f"float8 results differ by up to {steps} steps of their grid"
     if not reference.is_floating_point():
@@ -187,6 +200,15 @@ def _float8_within_slack(result: torch.Tensor, reference: torch.Tensor, off: tor
     step = torch.exp2(binade - 3)  # E4M3: 3 mantissa bits
     allowed = slack * float(want.abs().max())
     return bool(((got - want).abs()[off] <= (steps * step + allowed)[off]).all())
+
+
+def float8_allowance(ctx) -> tuple[float, float]:
+    """What an FP8 output may be off beyond its steps, as a share of its largest |reference|, and on what share of
+    its elements at most: a quantized attention's probability near-ties (QUANTIZED_ATTENTION_FLOAT8_SLACK, on few
+    elements), else a half-precision rounding of the terms near a zero (FLOAT8_HALF_SLACK, anywhere)."""
+    if ctx is not None and ctx.domain == "kiln" and ctx.op_type == "Attention":
+        return QUANTIZED_ATTENTION_FLOAT8_SLACK, QUANTIZED_ATTENTION_FLOAT8_SHARE
+    return FLOAT8_HALF_SLACK, 1.0
 
 
 def integer_steps(ctx) -> int:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kiln.builder.accuracy import FLOAT8_HALF_SLACK, TOLERANCE, full_float32, half_dtype, integer_steps, mismatch, upcast
+from kiln.builder.accuracy import TOLERANCE, float8_allowance, full_float32, half_dtype, integer_steps, mismatch, upcast
 from kiln.runtime.program import Program
 from kiln.tactics.tactic import Launch
 
@@ -87,11 +87,13 @@ def reference_check(fn: Launch, ctx, record: Recorded, attrs: dict) -> Callable[
     if half is None and attrs.get("output_float32"):  # a half layer storing the engine's fp32 output (precision.py):
         half = half_dtype(record.args[0])  # judged as the half layer it is
     # an FP8 output may be off near zero by more than its steps where a tactic's values go through half precision
-    # (a half input; cuda.qgemm.scaled_mm_half's cuBLASLt FP8 GEMM writing fp16 inside): accuracy.FLOAT8_HALF_SLACK
-    slack = FLOAT8_HALF_SLACK
+    # (a half input; cuda.qgemm.scaled_mm_half's cuBLASLt FP8 GEMM writing fp16 inside): accuracy.FLOAT8_HALF_SLACK;
+    # a quantized attention's by a probability's near-tie: accuracy.QUANTIZED_ATTENTION_FLOAT8_SLACK
+    slack, share = float8_allowance(ctx)
     if half is None:
         steps = integer_steps(ctx)  # a quantized layer's output may be one step off (kiln/ops/quantized.py)
-        return lambda result: mismatch(result, record.output, integer_steps=steps, float8_slack=slack)
+        return lambda result: mismatch(result, record.output, integer_steps=steps, float8_slack=slack,
+                                       float8_slack_share=share)
     try:
         with torch.inference_mode(), full_float32():
             # upcast again: an op whose output dtype is an attribute (a quantized layer's float output_dtype, made
@@ -101,4 +103,5 @@ def reference_check(fn: Launch, ctx, record: Recorded, attrs: dict) -> Callable[
         return lambda result: mismatch(result, record.output)
     tolerance = {**TOLERANCE, torch.float32: TOLERANCE[half]}
     steps = integer_steps(ctx)  # a LayerNormQuantize's 8-bit output beside its fp16 y
-    return lambda result: mismatch(upcast(result), reference, tolerance, integer_steps=steps, float8_slack=slack)
+    return lambda result: mismatch(upcast(result), reference, tolerance, integer_steps=steps,
+                                   float8_slack=slack, float8_slack_share=share)

@@ -1,6 +1,8 @@
 """cuda.attention.quantized on the GPU (`pytest tests/gpu/test_quantized_attention_cuda.py -q`): BERT-base's
 attention layer (12 heads, d 64, 384 keys, a padding mask) as onnxruntime's QDQ model quantizes it, int8/uint8 and
 E4M3, against the op's torch reference on the same GPU, within the builder's allowance for a quantized attention
+(kiln/builder/accuracy.py: QUANTIZED_ATTENTION_STEPS; an E4M3 output also QUANTIZED_ATTENTION_FLOAT8_SLACK, since a
+probability's near-tie moves an output by a few of its units, dozens of E4M3 steps near zero: issue 12)
 (tests/kernels/test_quantized_attention.py runs the same comparisons under the interpreter; on the GPU the fp16 dots
 are tensor-core wgmma accumulating in fp32). Skipped without CUDA; run alone (not with tests/kernels, whose conftest
 sets TRITON_INTERPRET=1).
@@ -20,7 +22,8 @@ pytestmark = [
                        reason="TRITON_INTERPRET is set (tests/kernels ran in this session): run tests/gpu alone"),
 ]
 
-from kiln.builder.accuracy import QUANTIZED_ATTENTION_STEPS, float8_ordinal  # noqa: E402
+from kiln.builder.accuracy import (QUANTIZED_ATTENTION_FLOAT8_SHARE, QUANTIZED_ATTENTION_FLOAT8_SLACK,  # noqa: E402
+                                   QUANTIZED_ATTENTION_STEPS, float8_ordinal, mismatch)
 from kiln.ops.fused import attention  # noqa: E402
 from kiln.ops.registry import OpContext  # noqa: E402
 from kiln.plan.spec import StepSpec  # noqa: E402
@@ -70,4 +73,12 @@ def test_bert_base_layer_is_the_op(kind, tactic):
         spread = want.float().std()
     assert spread > 4  # the outputs use many steps: a wrong scale or key is far off
     share = (apart > 0).float().mean().item()
-    assert apart.max().item() <= QUANTIZED_ATTENTION_STEPS and share < 0.01, (apart.max().item(), share)
+    far = (apart > QUANTIZED_ATTENTION_STEPS).float().mean().item()
+    print(f"\n{tactic} {kind}: max {apart.max().item():.0f} steps, {share:.4%} off, {far:.4%} beyond "
+          f"{QUANTIZED_ATTENTION_STEPS} steps, max |got - want| {(got.float() - want.float()).abs().max().item():g}")
+    assert share < 0.01 and far < 1e-4, (apart.max().item(), share, far)  # near-ties are rare; a wrong kernel isn't
+    if kind == "fp8":  # beyond two steps only by a probability's near-tie: the builder's check
+        assert mismatch(got, want, integer_steps=QUANTIZED_ATTENTION_STEPS, float8_slack=QUANTIZED_ATTENTION_FLOAT8_SLACK,
+                        float8_slack_share=QUANTIZED_ATTENTION_FLOAT8_SHARE) is None
+    else:
+        assert apart.max().item() <= QUANTIZED_ATTENTION_STEPS, apart.max().item()
