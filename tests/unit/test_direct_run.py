@@ -154,6 +154,29 @@ def test_a_new_shapes_first_call_binds_without_a_run_and_runs_directly_bit_for_b
         _forget_bindings(program)
 
 
+def test_padding_first_calls_a_shape_without_a_host_binds_directly_and_is_recorded_as_bound(dynamic_bert_tiny,
+                                                                                              counted):
+    """Padding first calls, a new shape no bound shape hosts is bound through DirectRuns.bind (FirstCalls._bind_direct):
+    one direct call, recorded as bound (its first run's time), its repeat measuring what binding cost, as a first
+    exact run through the program is recorded; outputs as onnxruntime's."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad=True, budget_ms=0.0)  # no padding: every new shape binds
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    for batch, seq in sorted({(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(4)}):
+        feeds = _feeds(rng, batch, seq)
+        signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
+        before, measured = len(counted), len(padding.bind_ms)
+        got = next(iter(context.run(feeds).values()))
+        assert len(counted) == before + 1, f"{batch}x{seq}: its first call did not run directly"
+        assert padding.bound[signature].runs == 1 and padding.bound[signature].first_ms > 0
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"first call, direct vs onnxruntime, {batch}x{seq}")
+        again = next(iter(context.run(feeds).values()))  # its repeat: binding's cost measured
+        assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == min(measured + 1, padding.bind_ms.maxlen)
+        np.testing.assert_array_equal(got, again)
+
+
 def test_a_first_call_the_direct_path_cannot_take_runs_the_general_path(dynamic_bert_tiny, counted, monkeypatch):
     """Where the shape function cannot make a plan ahead (here: it raises), DirectRuns.bind makes no record and the
     first call runs the general path, with the same outputs; the next call at the shape runs directly."""
