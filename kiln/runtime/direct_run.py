@@ -9,6 +9,9 @@ for one signature, found once: the view bound at its sizes, the addresses of its
 constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
 loop.
 
+A new signature's first call makes its record without a run of the program (DirectRuns.bind: shape values by the
+shape function, the view bound at their sizes), so it too is one call of the loop (bench/results/first-call-2026-12-05.md).
+
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
 compares outputs bit for bit, and with onnxruntime). A record holds its view weakly: the segment's LRU owns views,
 and when it lets one go the view is freed there and then, its record with it. A record keeps its shape values and
