@@ -10,7 +10,8 @@ constants) and the exits' numpy forms; a run writes the inputs' addresses, makes
 loop.
 
 A new signature's first call makes its record without a run of the program (DirectRuns.bind: shape values by the
-shape function, the view bound at their sizes), so it too is one call of the loop (bench/results/first-call-2026-12-05.md).
+shape function, the view bound at their sizes), so it too is one call of the loop
+(bench/results/first-call-2026-12-05.md).
 
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
 compares outputs bit for bit, and with onnxruntime). A record holds its view weakly: the segment's LRU owns views,
