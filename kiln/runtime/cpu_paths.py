@@ -50,6 +50,8 @@ class CpuPaths:
         if self._first_calls is not None:
             return self._first_calls.run_direct(arrays, signature, self._direct)
         record = self._direct.find(signature)
+        if record is None:  # a new shape: bound without a run of the program, then run as its repeats are
+            record = self._direct.bind(signature, arrays)
         return record.run(arrays) if record is not None else None
 
     def _run_static(self, feeds: dict[str, Any]) -> dict[str, Any] | None:

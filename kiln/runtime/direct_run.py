@@ -9,6 +9,10 @@ for one signature, found once: the view bound at its sizes, the addresses of its
 constants) and the exits' numpy forms; a run writes the inputs' addresses, makes the exits with numpy and calls the
 loop.
 
+A new signature's first call makes its record without a run of the program (DirectRuns.bind: shape values by the
+shape function, the view bound at their sizes), so it too is one call of the loop
+(bench/results/first-call-2026-12-05.md).
+
 Exact by construction: the same view runs on the same addresses as the general path (tests/unit/test_direct_run.py
 compares outputs bit for bit, and with onnxruntime). A record holds its view weakly: the segment's LRU owns views,
 and when it lets one go the view is freed there and then, its record with it. A record keeps its shape values and
@@ -79,6 +83,7 @@ class DirectRuns:
         exits = list(step.outputs)
         self._outputs = tuple(exits.index(s) for s in program.output_slots)
         self._records: dict[tuple, DirectRun | None] = {}
+        self._refused: set[tuple] = set()  # signatures bind() could not make a record of
         self._plan_evictions = program.plan_evictions
         self._lock = threading.Lock()
 
@@ -117,6 +122,37 @@ class DirectRuns:
             return None
         return record
 
+    def bind(self, signature: tuple, arrays: list[np.ndarray]) -> DirectRun | None:
+        """A new signature's record, made without a run of the program: its shape values computed
+        (Program.plan_ahead) and its segment bound at their sizes (Segment._bind_sizes, as a run's call binds it),
+        so that its first call runs as one call of the loop, as its repeats do. The general path's first call would
+        compute the same shape values and bind the same view, then run it through Program.run's loop, the segment's
+        entry key and torch outputs (~0.15-0.4 ms more on bert_tiny and BERT-base). None where the record cannot be
+        made (the program computes some shape values only by running, or the view cannot run directly): the caller's
+        general path runs, and finds the plan and the view (or their absence) there."""
+        program = self.program
+        if not program.plans_ahead or signature in self._refused or program.plan_evictions != self._plan_evictions:
+            return None  # evictions: find() clears the records first
+        with program._plans_lock:
+            known = signature in program.shape_plans
+        if not known:
+            with torch.inference_mode():  # as the general path computes them
+                if not program.plan_ahead([torch.from_numpy(a) for a in arrays], signature):
+                    return None
+        record = self._make(signature, bind=True)
+        if record is None:  # it cannot run directly: the general path's at every call, not asked again
+            with self._lock:
+                if len(self._refused) >= DIRECT_RUNS:
+                    self._refused.clear()
+                self._refused.add(signature)
+        if record is _UNBOUND or record is None:
+            return None
+        with self._lock:
+            if len(self._records) >= DIRECT_RUNS:
+                self._records.clear()
+            self._records[signature] = record
+        return record if self._touch(signature, record) else None
+
     def _touch(self, signature: tuple, record: DirectRun) -> bool:
         """Mark the signature used where the general path would: its shape plan and its view (least recent out).
         False when either is no longer there."""
@@ -133,9 +169,9 @@ class DirectRuns:
                 segment.resized.move_to_end(record.view_key)
         return True
 
-    def _make(self, signature: tuple) -> DirectRun | None | object:
+    def _make(self, signature: tuple, bind: bool = False) -> DirectRun | None | object:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
-        (or no longer) there."""
+        (or no longer) there. `bind`: a view not there is bound (Segment._bind_sizes)."""
         program, segment = self.program, self.segment
         with program._plans_lock:
             plan = program.shape_plans.get(signature)
@@ -169,6 +205,8 @@ class DirectRuns:
         else:
             with segment._resize_lock:
                 view = segment.resized.get(key, _UNBOUND)
+                if view is _UNBOUND and bind:
+                    view = segment._bind_sizes(key)
         if view is None or view is _UNBOUND:
             return view  # None: a size its layers run one by one
         exits = []

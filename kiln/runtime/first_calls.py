@@ -198,7 +198,9 @@ class FirstCalls:
             return record.run(arrays)
         sizes = self._sizes(signature)
         host = self._host(arrays, signature, sizes, paying=False)
-        record = direct.find(host.signature) if host is not None else None
+        if host is None:  # bound: without a run of the program, then one call of its loop
+            return self._bind_direct(arrays, signature, direct)
+        record = direct.find(host.signature)
         if record is None:
             return None
         padded = [_padded_array(a, axes, host.sizes) for a, axes in zip(arrays, self._pads)]
@@ -215,6 +217,23 @@ class FirstCalls:
             if host.signature in self.bound:
                 self.bound.move_to_end(host.signature)
         return [_cropped_array(y, axes, sizes) for y, axes in zip(results, self._crops)]
+
+    def _bind_direct(self, arrays: list[np.ndarray], signature: tuple, direct: DirectRuns
+                     ) -> list[np.ndarray] | None:
+        """A new shape bound as `run` would bind it (its first exact run, recorded as _run_exact records one), but
+        through `direct`: its shape values and view made without a run of the program (DirectRuns.bind), then one
+        call of the loop. None where that cannot be (`run` then binds it by a run of the program)."""
+        t0 = time.thread_time_ns()
+        record = direct.bind(signature, arrays)
+        results = record.run(arrays) if record is not None else None
+        if results is None:
+            return None
+        ms = (time.thread_time_ns() - t0) / 1e6
+        with self._lock:
+            self._paid.pop(signature, None)
+            if signature not in self.bound:  # else another context's run bound it meanwhile
+                self._add(BoundShape(signature, self._sizes(signature), 0, ms, ms))
+        return results
 
     def _run_exact(self, args: list[Any], signature: tuple, known: BoundShape | None) -> list[Any]:
         """The program at the call's own size; its time recorded (a first run's: the shape's first_ms)."""

@@ -187,7 +187,7 @@ class _PlanRewrite:
                 else:
                     found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
                     if found is None:  # the first layer of its shape at these sizes
-                        sized = rule({i: sizes[slot] for i, slot in reads} if reads is not None else sizes[x])
+                        sized = rule.at(follows[1], at_sizes[1])  # rule({i: sizes[slot] ...}) or rule(sizes[x])
                         flat: list[int] = []
                         for value in sized.fields.values():
                             if type(value) is tuple:

@@ -173,6 +173,10 @@ class Program:
                                                       sorted(written & read_later), pinned)
             if self.shape_function is not None:
                 self.first_steps = first_steps
+        # the shape function computes every shape value the loop reads: a new signature's plan can be made without a
+        # run (plan_ahead), so a first call binds its segment and runs as its repeats do (kiln/runtime/direct_run.py)
+        self.plans_ahead = self.shape_function is not None and \
+            [id(s) for s in self.first_steps] == [id(s) for s in self.lean_steps]
 
     @property
     def shape_plan_bytes(self) -> int:
@@ -272,6 +276,23 @@ class Program:
         if signature is not None:
             self._remember(signature, [(s, env[s]) for s in self.plan_slots])
         return [env[s] for s in self.output_slots]
+
+    def plan_ahead(self, inputs: list[Any], signature: tuple) -> bool:
+        """Compute and remember a new signature's shape values without running a layer (the CPU's shape function;
+        `plans_ahead`: it computes every shape value the loop reads). The values are those run() computes and keeps
+        at this signature's first run: the same function on the same inputs. False where it cannot (no such
+        function, or it raises: run() then names the failing layer)."""
+        if not self.plans_ahead or self.shape_plans is None:
+            return False
+        env = list(self.template)
+        for s, v in zip(self.input_slots, inputs):
+            env[s] = v
+        try:
+            self.shape_function(env)
+        except Exception:  # noqa: BLE001  run()'s steps one by one say what failed
+            return False
+        self._remember(signature, [(s, env[s]) for s in self.plan_slots])
+        return True
 
     def _remember(self, signature: tuple, values: list[tuple[int, Any]]) -> None:
         """Keep a signature's shape values: at most SHAPE_PLANS signatures and SHAPE_PLAN_BYTES of tensors

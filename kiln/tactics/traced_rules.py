@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from itertools import chain
 from collections.abc import Callable
 from typing import Any
 
@@ -184,6 +185,21 @@ class TracedRule:
         if self._traceable and self._paths < TRACES:
             self._trace(sizes, structure, dims, answer)
         return answer
+
+    def at(self, names: tuple | None, read: tuple[tuple[int, ...], ...]) -> SizedPlan:
+        """`self({names[j]: read[j]})` (names None: `self(read[0])`, a layer of one input), what a segment's view asks
+        per layer shape: the structure and dims taken from the tuples by C iteration, the dict built only where no
+        traced path answers (_flatten's per-dim generator and the dict were ~1/3 of a rule's ~14 µs, BERT-base). A
+        structure with a name twice (a dict would keep one) is none _flatten makes, so never answered here."""
+        if names is None:
+            size = read[0]
+            structure, dims = len(size), tuple(size)
+        else:
+            structure, dims = tuple(zip(names, map(len, read))), tuple(chain.from_iterable(read))
+        answers = self._answers.get(structure)
+        if answers is not None and (found := answers(dims)) is not None:
+            return found
+        return self(dict(zip(names, read)) if names is not None else read[0])
 
     def _trace(self, sizes: Any, structure: tuple, dims: tuple[int, ...], answer: SizedPlan) -> None:
         trace = _Trace()

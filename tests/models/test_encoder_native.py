@@ -133,7 +133,8 @@ def test_other_shapes_are_views_over_one_growing_template(bert, monkeypatch):
     over a template whose arena grows to the largest sizes seen; the views equal onnxruntime, and equal
     a segment bound on its own at that shape bit for bit (same kernels, same plans)."""
     engine, session = bert
-    context = engine.create_execution_context(pad_first_calls=False)
+    monkeypatch.setenv("KILN_DIRECT_RUN", "0")  # the general path, whose runs of a view (_run_bound) this counts:
+    context = engine.create_execution_context(pad_first_calls=False)  # direct runs' are test_direct_run.py's
     (segment,) = context.program.segments  # the engine's, or a lane's when another context is alive (own arena)
     segment.resized.clear()
     segment._grown = None  # the segment is its own template again

@@ -111,13 +111,98 @@ def test_padded_first_calls_run_directly_in_their_host_as_unpadded_runs_do(dynam
                                    err_msg=f"padded vs onnxruntime, {batch}x{seq}")
 
 
+def _forget_bindings(program) -> None:
+    """The program's shape plans and its segments' views dropped: every shape is new again."""
+    with program._plans_lock:
+        program.shape_plans.clear()
+        program._plan_sizes.clear()
+        program.shape_plan_bytes = 0
+        program.plan_evictions += 1  # the records go too
+    for segment in program.segments:
+        with segment._resize_lock:
+            segment.resized.clear()
+
+
+def test_a_new_shapes_first_call_binds_without_a_run_and_runs_directly_bit_for_bit_as_the_general_path(
+        dynamic_bert_tiny, counted, monkeypatch):
+    """A first call at a shape never seen (numpy feeds, no padding) computes its shape values and binds its view
+    without running the program (DirectRuns.bind), then runs as one call of the loop: the outputs the general path's
+    first call gives at that shape (the same engine, its plans and views dropped, bound again by the general path),
+    bit for bit, and onnxruntime's."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad=False)
+    monkeypatch.setenv("KILN_DIRECT_RUN", "0")
+    general = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(6)} | {(1, 1), (4, 48), (3, 5)}
+    program = engine.program
+    for batch, seq in sorted(shapes):
+        feeds = _feeds(rng, batch, seq)
+        signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
+        assert signature not in program.shape_plans
+        before = len(counted)
+        got = next(iter(context.run(feeds).values()))
+        assert len(counted) == before + 1, f"{batch}x{seq}: its first call did not run directly"
+        assert signature in program.shape_plans and signature in engine.direct_runs._records
+        assert isinstance(got, np.ndarray) and got.shape == (batch, seq, 64) and got.flags.c_contiguous
+        _forget_bindings(program)
+        want = next(iter(general.run(feeds).values()))  # the general path's first call, binding anew
+        assert signature in program.shape_plans and len(counted) == before + 1
+        np.testing.assert_array_equal(got, want, err_msg=f"first call, direct vs general path, {batch}x{seq}")
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"first call, direct vs onnxruntime, {batch}x{seq}")
+        _forget_bindings(program)
+
+
+def test_padding_first_calls_a_shape_without_a_host_binds_directly_and_is_recorded_as_bound(dynamic_bert_tiny,
+                                                                                              counted):
+    """Padding first calls, a new shape no bound shape hosts is bound through DirectRuns.bind (FirstCalls._bind_direct):
+    one direct call, recorded as bound (its first run's time), its repeat measuring what binding cost, as a first
+    exact run through the program is recorded; outputs as onnxruntime's."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad=True, budget_ms=0.0)  # no padding: every new shape binds
+    padding = engine.first_calls
+    rng = np.random.default_rng()
+    for batch, seq in sorted({(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(4)}):
+        feeds = _feeds(rng, batch, seq)
+        signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
+        before, measured = len(counted), len(padding.bind_ms)
+        got = next(iter(context.run(feeds).values()))
+        assert len(counted) == before + 1, f"{batch}x{seq}: its first call did not run directly"
+        assert padding.bound[signature].runs == 1 and padding.bound[signature].first_ms > 0
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"first call, direct vs onnxruntime, {batch}x{seq}")
+        again = next(iter(context.run(feeds).values()))  # its repeat: binding's cost measured
+        assert padding.bound[signature].runs == 2 and len(padding.bind_ms) == min(measured + 1, padding.bind_ms.maxlen)
+        np.testing.assert_array_equal(got, again)
+
+
+def test_a_first_call_the_direct_path_cannot_take_runs_the_general_path(dynamic_bert_tiny, counted, monkeypatch):
+    """Where the shape function cannot make a plan ahead (here: it raises), DirectRuns.bind makes no record and the
+    first call runs the general path, with the same outputs; the next call at the shape runs directly."""
+    engine, session = dynamic_bert_tiny
+    context = _fresh(engine, pad=False)
+    program = engine.program
+
+    def failing(inputs, signature):
+        return False
+
+    monkeypatch.setattr(program, "plan_ahead", failing)
+    feeds = _feeds(np.random.default_rng(), 2, 13)
+    got = next(iter(context.run(feeds).values()))
+    assert len(counted) == 0
+    np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    again = next(iter(context.run(feeds).values()))
+    assert len(counted) == 1
+    np.testing.assert_array_equal(got, again)
+
+
 def _one_direct_record(engine, counted) -> tuple:
-    """A fresh context, and a 3 x S request run until it has a record (its second call runs directly): (context,
-    feeds, signature)."""
+    """A fresh context, and a 3 x S request run once (its first call binds and runs directly): (context, feeds,
+    signature)."""
     context = _fresh(engine, pad=False)
     rng = np.random.default_rng()
     feeds = _feeds(rng, 3, int(rng.integers(2, 40)))
-    context.run(feeds)
     context.run(feeds)
     assert len(counted) == 1
     return context, feeds, direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])
@@ -128,34 +213,34 @@ def test_records_go_when_a_shape_plan_or_view_goes_and_the_shape_binds_again(dyn
     context, feeds, signature = _one_direct_record(engine, counted)
     direct = engine.direct_runs
     record = direct._records[signature]
-    # the program lets the shape plan go (its LRU): the records go, the shape runs the general path and binds again
+    # the program lets the shape plan go (its LRU): the records go, the shape's plan is made again and its call runs
+    # directly in a new record (DirectRuns.bind)
     program = engine.program
     with program._plans_lock:
         program.shape_plans.pop(signature)
         program.shape_plan_bytes -= program._plan_sizes.pop(signature)
         program.plan_evictions += 1
     got = next(iter(context.run(feeds).values()))
-    assert len(counted) == 1 and signature not in direct._records and signature in program.shape_plans
+    assert len(counted) == 2 and signature in program.shape_plans and direct._records[signature] is not record
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
+    record = direct._records[signature]
     context.run(feeds)
-    assert len(counted) == 2 and direct._records[signature] is not record
-    # the segment lets a view go: the same
+    assert len(counted) == 3 and direct._records[signature] is record
+    # the segment lets a view go: the shape is bound again, in a new record
     segment = direct.segment
     with segment._resize_lock:
-        segment.resized.pop(direct._records[signature].view_key)
+        segment.resized.pop(record.view_key)
         segment.view_evictions += 1
+    assert signature not in direct._records  # its view was freed, the record with it
     context.run(feeds)
-    assert len(counted) == 2
-    context.run(feeds)
-    assert len(counted) == 3
+    assert len(counted) == 4 and direct._records[signature] is not record
+    record = direct._records[signature]
     # the views cleared another way (no eviction counted): the record sees its view is not the segment's any more
     with segment._resize_lock:
         segment.resized.clear()
     got = next(iter(context.run(feeds).values()))
-    assert len(counted) == 3 and signature not in direct._records
+    assert len(counted) == 5 and direct._records[signature] is not record
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
-    context.run(feeds)
-    assert len(counted) == 4
 
 
 def test_an_evicted_view_is_freed_at_once_and_its_record_with_it(dynamic_bert_tiny, counted):
@@ -172,11 +257,9 @@ def test_an_evicted_view_is_freed_at_once_and_its_record_with_it(dynamic_bert_ti
         segment.view_evictions += 1
     assert view() is None, "the evicted view is still held"
     assert signature not in direct._records
-    got = next(iter(context.run(feeds).values()))  # the general path binds the shape again
-    assert len(counted) == 1
+    got = next(iter(context.run(feeds).values()))  # bound again (DirectRuns.bind), run directly
+    assert len(counted) == 2 and segment.resized[key] is not None
     np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL)
-    context.run(feeds)
-    assert len(counted) == 2
 
 
 def test_a_direct_run_marks_its_shape_used_in_the_plans_and_views(dynamic_bert_tiny):

@@ -48,6 +48,37 @@ def test_answers_equal_the_rule_at_fresh_sizes_and_follow_few_paths():
     assert traced._paths <= 2 and len(runs) <= 2 * traced._paths + 2
 
 
+def _two_inputs(sizes):  # a layer reading inputs 0 and 2 (a view's dict of input index -> size), in that order
+    a, b = sizes[0], sizes[2]
+    rows = math.prod(a[:-1])
+    return SizedPlan(((*a[:-1], b[-1]),), {"M": rows, "K": a[-1], "N": b[-1], "big": rows > 64,
+                                           "strides": (a[1] * a[2], b[0] * b[1])})
+
+
+def test_at_equals_the_call_on_the_dict_or_the_one_size_and_answers_from_the_trace():
+    """TracedRule.at (what a view asks: input indices and their sizes as tuples) gives __call__'s answer on the dict
+    (or, one input, on the size) at fresh sizes, from the traced paths once they are traced (the rule not run), and
+    never a traced answer for a structure naming an input twice (a dict of those would hold one)."""
+    rng = np.random.default_rng()
+    rule, runs = _counted(_two_inputs)
+    traced = TracedRule(rule)
+    for b, s, k, n in zip(rng.integers(1, 9, 100), rng.integers(1, 200, 100), rng.integers(1, 64, 100),
+                          rng.integers(1, 64, 100)):
+        a_size, b_size = (int(b), int(s), int(k)), (int(k), int(s), int(n))
+        want = _two_inputs({0: a_size, 2: b_size})
+        got = traced.at((0, 2), (a_size, b_size))
+        assert got == want and list(got.fields) == list(want.fields), (a_size, b_size)
+    assert len(runs) <= 2 * traced._paths + 2  # at most the traces' runs: the others answered from them
+    one = lambda sizes: SizedPlan((sizes[0],), {"n": sizes[0][0] * sizes[0][1]})  # noqa: E731
+    keyed = TracedRule(_counted(one)[0])
+    keyed.at((0,), ((2, 3),))  # traced at structure ((0, 2),)
+    assert keyed.at((0, 0), ((2, 3), (5, 7))) == one({0: (5, 7)})  # the dict's answer: the last size kept
+    single, _ = _counted(_gemm_like)
+    alone, by_call = TracedRule(single), TracedRule(_counted(_gemm_like)[0])
+    for size in _fresh_sizes(rng, 50):
+        assert alone.at(None, (size,)) == by_call(size) == _gemm_like(size), size
+
+
 def test_a_new_batch_at_a_known_sequence_is_not_a_new_path():
     rule, runs = _counted(lambda size: SizedPlan((size,), {"count": size[0] * size[1]}))
     traced = TracedRule(rule)
