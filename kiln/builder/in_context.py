@@ -20,8 +20,8 @@ rival is kept where that is faster. A chosen tactic that is not native (MKL, tor
 segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
 build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
 
-Cost: A bound once; each B shares every launch of A it does not swap (shared_launches) and is let go before the
-next is bound, so the stage holds the network's packed weights and one signature's rivals' (binding every rival
+Cost: A bound once; each B shares every launch of A it does not swap (shared_launches) and A's activation arena
+(they run in turn: one arena resident, not two), and is let go before the next is bound, so the stage holds the network's packed weights and one signature's rivals' (binding every rival
 at once packed DeiT-small's 49 GEMMs twice: +175-183 MiB). One warm-up run of each program, then interleaved
 rounds per signature: they stop after CLEAR_ROUNDS where the two programs' samples lie apart, else after
 MIN_ROUNDS once CONTEXT_BUDGET_S has passed, at most CONTEXT_ROUNDS.
@@ -315,8 +315,10 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     programs). The rival program packs only the swapped layers' weights (a copy of the chosen program's launches:
     what it adds goes with it)."""
     spec, rivals = network.spec, network.rivals
+    chosen = network.program
     swapped = Program(_swapped(spec, rivals, set(members)), network.weights, network.device,
-                      after_packing=network.release, shared_launches=dict(network.launches))
+                      after_packing=network.release, shared_launches=dict(network.launches),
+                      arena=chosen.segments[0].arena if chosen.segments else None)
     programs = [network.program, swapped]
     if not _native(spec.steps[members[0]].tactic):  # whole runs
         samples, stopped = _rounds(programs, network.inputs)

@@ -75,11 +75,15 @@ def _hoistable(pending: list[BoundStep], produced: dict[int, Any], read: set[int
 
 
 def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[int, Any] | None = None,
-             not_members: set[int] | None = None) -> tuple[list[BoundStep], list[Segment]]:
+             not_members: set[int] | None = None, arena: SharedArena | None = None
+             ) -> tuple[list[BoundStep], list[Segment]]:
     """steps with each run of >= 2 native steps replaced by one Segment step. Steps that are not native
     but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
     before the segment when they do not depend on it. `not_members`: indices of steps never made
-    members (shape-only steps, which the program computes once per input-shape signature)."""
+    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another
+    program's arena to plan into, one that never runs at the same time as this one (the build's in-context stage
+    runs its two programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot
+    hold gets memory of its own (Segment)."""
     steps = list(steps)  # a member may take its row-reading form (_reading_rows)
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
@@ -141,8 +145,10 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     if not start:
         return steps, []
     # one arena for them all: the program runs its segments one at a time (kiln/runtime/native_arena.py)
-    arena = SharedArena(SharedArena.bound([[(size, dtype) for k in run for _s, _r, size, _w, dtype
-                                            in writes_of(steps[k], steps[k].fn.native)] for run, _ in start.values()]))
+    if arena is None:
+        arena = SharedArena(SharedArena.bound([[(size, dtype) for k in run for _s, _r, size, _w, dtype
+                                                in writes_of(steps[k], steps[k].fn.native)]
+                                               for run, _ in start.values()]))
     result: list[BoundStep] = []
     made: list[Segment] = []
     moved: set[int] = set()

@@ -51,11 +51,14 @@ class Program:
     """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
 
     def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None,
-                 after_packing: Callable[[], None] | None = None, shared_launches: dict[tuple, Any] | None = None):
+                 after_packing: Callable[[], None] | None = None, shared_launches: dict[tuple, Any] | None = None,
+                 arena: Any = None):
         """`after_packing`: called after each layer's tactic is prepared (its weights packed), and once at
         the end: a loaded engine file lets go of the pages its weights were packed from. `shared_launches`:
         prepared launches another program of the same engine made (a padding-free engine's plain and packed
-        programs), shared as this program's own layers share them (shared_launch_key)."""
+        programs), shared as this program's own layers share them (shared_launch_key). `arena`: another program's
+        native arena (its segments[0].arena) for this one's segments to plan into, where the two never run at once
+        (the build's in-context stage, kiln/builder/in_context.py: one arena resident, not two)."""
         self.spec = spec
         self.device = device  # None or cpu: plain loop; cuda: host/device split (kiln/runtime/host.py)
         slots: dict[str, int] = {}
@@ -135,7 +138,8 @@ class Program:
         self.segments = []
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
-            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps)
+            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps,
+                                                     arena=arena)
         if after_packing is not None:
             after_packing()
         self.shape_steps = shape_steps
