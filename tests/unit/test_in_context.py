@@ -170,6 +170,38 @@ def test_the_programs_timed_in_context_pack_only_the_rivals_weights_again(monkey
         assert shared == (i not in rivals), f"{step.name}: shared {shared}"
 
 
+def test_the_rival_program_plans_into_the_chosen_programs_arena_and_goes_before_the_next(monkeypatch):
+    """The two programs of a signature run in turn: the rival's segments plan into the chosen program's arena (one
+    arena resident, not two: ResNet-50's in-context stage bound two), and each rival program is dead (weakref) before
+    the next signature's is bound; what each runs stays right (float64 oracle)."""
+    made: list[weakref.ref] = []
+    arenas: list[object] = []
+    alive_at_bind: list[int] = []
+    outputs: list[torch.Tensor] = []
+    x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(5))
+
+    class Recorded(Program):
+        def __init__(self, *args, **kwargs):
+            gc.collect()
+            alive_at_bind.append(sum(ref() is not None for ref in made))
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+            arenas.append(self.segments[0].arena)
+            with torch.inference_mode():
+                outputs.append((self.spec, self.run([x])[0].clone()))
+
+    monkeypatch.setattr(in_context, "Program", Recorded)
+    spec, weights = _blocks()
+    found = in_context.retime(spec, weights, torch.device("cpu"), [x], _rivals(spec)).found
+    assert sorted(found) == [0, 1, 2, 3] and len(made) == 3  # the chosen program, one per signature
+    assert arenas[0] is not None and all(arena is arenas[0] for arena in arenas)
+    assert alive_at_bind == [0, 1, 1]  # the chosen one only: the first rival program went before the second
+    gc.collect()
+    assert all(ref() is None for ref in made)
+    for program_spec, got in outputs:
+        _assert_close(got, _reference(program_spec, weights, x))
+
+
 def test_the_rival_weights_packed_at_once_are_one_signatures(monkeypatch):
     """Every launch prepared counts the bytes of the weights it packs (its constant inputs) while it lives: the
     stage's peak is the chosen program's and one signature's rivals', not every rival's at once (before: 8 of
