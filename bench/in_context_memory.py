@@ -50,8 +50,8 @@ def main() -> None:
         grown = sum(now.values()) - sum(base.values())
         used, free = heap_in_use_and_free()
         print(f"  {msg[:52]:52s} +{grown / MiB:5.0f} MiB, peak before it +{peaks[-1] / MiB:4.0f}; heap in use "
-              f"{used / MiB:.0f}, free {free / MiB:.0f}; anon>=2M {(now['anon>=2M'] - base['anon>=2M']) / MiB:.0f}",
-              flush=True)
+              f"{used / MiB:.0f}, free {free / MiB:.0f}; " + ", ".join(
+                  f"{kind} {(now[kind] - base[kind]) / MiB:.0f}" for kind in ("anon>=2M", "heap", "other")), flush=True)
 
     program_class, rounds, retime = in_context.Program, in_context._rounds, in_context.retime
 

@@ -42,16 +42,16 @@ def _gemm(name: str, x: str, w: str, b: str, out: str, k: int, activation: str =
                     tactic_config={"input_size": [1, ROWS, k], "residual": bool(residual)})
 
 
-def _blocks(tactic: str = PACKED) -> tuple[ProgramSpec, dict[str, torch.Tensor]]:
+def _blocks(tactic: str = PACKED, blocks: int = 2) -> tuple[ProgramSpec, dict[str, torch.Tensor]]:
     """Two FFN blocks x -> h = relu(x W1ᵀ + b1) -> y = h W2ᵀ + b2 + x: two GEMM signatures, two layers each."""
     g = torch.Generator().manual_seed(11)
     weights, steps, x = {}, [], "x"
-    for block in range(2):
+    for block in range(blocks):
         weights |= {f"w1_{block}": torch.randn(HIDDEN, WIDTH, generator=g) * 0.2,
                     f"b1_{block}": torch.randn(HIDDEN, generator=g),
                     f"w2_{block}": torch.randn(WIDTH, HIDDEN, generator=g) * 0.2,
                     f"b2_{block}": torch.randn(WIDTH, generator=g)}
-        out = "y" if block == 1 else f"y{block}"
+        out = "y" if block == blocks - 1 else f"y{block}"
         steps += [_gemm(f"up{block}", x, f"w1_{block}", f"b1_{block}", f"h{block}", WIDTH, "Relu", tactic=tactic),
                   _gemm(f"down{block}", f"h{block}", f"w2_{block}", f"b2_{block}", out, HIDDEN, residual=x,
                         tactic=tactic)]
@@ -200,6 +200,30 @@ def test_the_rival_program_plans_into_the_chosen_programs_arena_and_goes_before_
     assert all(ref() is None for ref in made)
     for program_spec, got in outputs:
         _assert_close(got, _reference(program_spec, weights, x))
+
+
+def test_a_program_that_runs_in_turn_shares_the_segments_it_would_bind_alike():
+    """Program(turns_with=): the rival program's segments that hold none of its swapped layers are the chosen
+    program's own objects (their bound calls and scratch exist once), the one that holds a swapped layer is bound
+    anew into the same arena; both programs' results match the float64 oracle, run in turn."""
+    spec, weights = _blocks(blocks=3)
+    spec.steps[2].tactic, spec.steps[2].tactic_config = "", {}  # up1 runs outside: [up0, down0] | [down1, up2, down2]
+    launches: dict = {}
+    chosen = Program(spec, weights, shared_launches=launches)
+    assert [[m.ctx.name for m in s.members] for s in chosen.segments] == [["up0", "down0"], ["down1", "up2", "down2"]]
+    swapped_spec = dataclasses.replace(spec, steps=[
+        dataclasses.replace(step, tactic=ONEDNN) if step.name == "up2" else step for step in spec.steps])
+    swapped = Program(swapped_spec, weights, shared_launches=dict(launches), turns_with=chosen)
+    assert swapped.segments[0] is chosen.segments[0]
+    assert swapped.segments[1] is not chosen.segments[1]
+    assert swapped.segments[1].arena is chosen.segments[0].arena
+    alone = Program(swapped_spec, weights, shared_launches=dict(launches))  # without turns_with: its own
+    assert all(a is not b for a, b in zip(alone.segments, chosen.segments))
+    for seed in range(3):
+        x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(seed))
+        with torch.inference_mode():
+            for program in (chosen, swapped, chosen):
+                _assert_close(program.run([x])[0], _reference(program.spec, weights, x))
 
 
 def test_the_rival_weights_packed_at_once_are_one_signatures(monkeypatch):
