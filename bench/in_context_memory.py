@@ -57,7 +57,9 @@ def main() -> None:
 
     def bound(*a, **k):
         program = program_class(*a, **k)
-        say(f"in context: a program bound ({len(program.segments)} segments)")
+        chosen = k.get("turns_with")
+        shared = sum(s in chosen.segments for s in program.segments) if chosen is not None else 0
+        say(f"in context: a program bound ({len(program.segments)} segments, {shared} the chosen one's)")
         return program
 
     def timed(programs, *a, **k):
