@@ -27,7 +27,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--as-memory-py", action="store_true",
+                        help="import numpy and onnxruntime first, as bench/memory.py's build child does")
     args = parser.parse_args()
+    if args.as_memory_py:
+        import numpy  # noqa: F401
+        import onnxruntime  # noqa: F401
 
     import torch
 
