@@ -226,6 +226,29 @@ def test_a_program_that_runs_in_turn_shares_the_segments_it_would_bind_alike():
                 _assert_close(program.run([x])[0], _reference(program.spec, weights, x))
 
 
+def test_the_stage_gives_the_heaps_free_pages_back_after_each_layer_it_packs(monkeypatch):
+    """Packing passes through freed heap blocks, whose pages glibc keeps resident: the stage trims after every layer
+    its programs pack, and still calls the build's own release each time (ResNet-50's chosen program bound +177 MiB
+    resident without it, +83-94 with it, for ~+100 MiB of packed weights)."""
+    trims, releases, packed = [0], [0], [0]
+    monkeypatch.setattr(in_context, "return_free_memory", lambda: trims.__setitem__(0, trims[0] + 1))
+    launch_for = program_module.launch_for
+
+    def counted(*args, **kwargs):
+        packed[0] += 1
+        return launch_for(*args, **kwargs)
+
+    monkeypatch.setattr(program_module, "launch_for", counted)
+    monkeypatch.setattr(program_module, "SHARE_MIN_ELEMENTS", 1)  # these weights count as large
+    spec, weights = _blocks()
+    in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec),
+                      release=lambda: releases.__setitem__(0, releases[0] + 1))
+    programs = 3  # the chosen one, one per signature: each calls after_packing once more at its end
+    assert packed[0] == 4 + 2 + 2
+    assert releases[0] == packed[0] + programs
+    assert trims[0] >= releases[0]
+
+
 def test_the_rival_weights_packed_at_once_are_one_signatures(monkeypatch):
     """Every launch prepared counts the bytes of the weights it packs (its constant inputs) while it lives: the
     stage's peak is the chosen program's and one signature's rivals', not every rival's at once (before: 8 of
