@@ -20,8 +20,9 @@ rival is kept where that is faster. A chosen tactic that is not native (MKL, tor
 segments, where its rival would join them) is compared by whole runs instead (on T5 at 2 threads and load 16, a
 build whose search took MKL for 12 GEMMs by CPU time ran 3.1x onnxruntime).
 
-Cost: A bound once; each B shares every launch of A it does not swap (shared_launches) and is let go before the
-next is bound, so the stage holds the network's packed weights and one signature's rivals' (binding every rival
+Cost: A bound once; each B shares every launch of A it does not swap (shared_launches), A's activation arena and
+every native segment of A it would bind alike (they run in turn: Program's turns_with; one arena and one set of
+bound calls and scratch resident, not two), and is let go before the next is bound, so the stage holds the network's packed weights and one signature's rivals' (binding every rival
 at once packed DeiT-small's 49 GEMMs twice: +175-183 MiB). One warm-up run of each program, then interleaved
 rounds per signature: they stop after CLEAR_ROUNDS where the two programs' samples lie apart, else after
 MIN_ROUNDS once CONTEXT_BUDGET_S has passed, at most CONTEXT_ROUNDS.
@@ -235,6 +236,7 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     signature is compared by whole runs (`ms`: the whole run's median, both sides)."""
     if not rivals:
         return InContext({})
+    release = _trimmed(release)
     network = _network(spec, weights, device, inputs, rivals, {} if launches is None else launches, release)
     groups: dict[str, list[int]] = {}
     for i in sorted(rivals):
@@ -256,6 +258,18 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
     _apply(spec, rivals, found)
     _drop_replaced(network, {i for i in found if spec.steps[i].tactic == rivals[i].tactic})
     return InContext(found, rounds=rounds, stopped=", ".join(stops))
+
+
+def _trimmed(release: Callable[[], None] | None) -> Callable[[], None]:
+    """`release` (the build's mapped weights let go), then the C heap's free pages given back, after each layer the
+    stage's programs pack. Packing passes through freed blocks (a reorder's temporaries, a candidate's copies), and
+    the heap keeps the pages of free blocks it touched: ResNet-50's chosen program bound +177 MiB resident for
+    +106 MiB of packed weights and arena, the rest free heap it had been handed back after the search."""
+    def after_packing() -> None:
+        if release is not None:
+            release()
+        return_free_memory()
+    return after_packing
 
 
 def _drop_replaced(network: _Network, swapped: set[int]) -> None:
@@ -316,7 +330,8 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     what it adds goes with it)."""
     spec, rivals = network.spec, network.rivals
     swapped = Program(_swapped(spec, rivals, set(members)), network.weights, network.device,
-                      after_packing=network.release, shared_launches=dict(network.launches))
+                      after_packing=network.release, shared_launches=dict(network.launches),
+                      turns_with=network.program)
     programs = [network.program, swapped]
     if not _native(spec.steps[members[0]].tactic):  # whole runs
         samples, stopped = _rounds(programs, network.inputs)

@@ -75,11 +75,20 @@ def _hoistable(pending: list[BoundStep], produced: dict[int, Any], read: set[int
 
 
 def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[int, Any] | None = None,
-             not_members: set[int] | None = None) -> tuple[list[BoundStep], list[Segment]]:
+             not_members: set[int] | None = None, arena: SharedArena | None = None,
+             reuse: list[Segment] | None = None, origins: list[Any] | None = None
+             ) -> tuple[list[BoundStep], list[Segment]]:
     """steps with each run of >= 2 native steps replaced by one Segment step. Steps that are not native
     but met between a run's members (an exported attention mask's preparation, shape arithmetic) run
     before the segment when they do not depend on it. `not_members`: indices of steps never made
-    members (shape-only steps, which the program computes once per input-shape signature)."""
+    members (shape-only steps, which the program computes once per input-shape signature). `arena`: another
+    program's arena to plan into, one that never runs at the same time as this one (the build's in-context stage
+    runs its two programs in turn: kiln/builder/in_context.py); its lock is shared. A segment whose plan it cannot
+    hold gets memory of its own (Segment). `reuse`: that program's segments: a run of the same layers, at the same
+    places, on the same launches or launches alike (`origins`, per step: Program's; default the launch's identity)
+    is that segment (Segment.origin), not one bound anew (the in-context stage's rival program differs from the
+    chosen one in one signature's layers: its other segments, their bound calls and their scratch, exist once)."""
+    origin = list(origins) if origins is not None else [id(step.fn) for step in steps]
     steps = list(steps)  # a member may take its row-reading form (_reading_rows)
     last_read: dict[int, int] = {}
     for i, step in enumerate(steps):
@@ -141,8 +150,11 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
     if not start:
         return steps, []
     # one arena for them all: the program runs its segments one at a time (kiln/runtime/native_arena.py)
-    arena = SharedArena(SharedArena.bound([[(size, dtype) for k in run for _s, _r, size, _w, dtype
-                                            in writes_of(steps[k], steps[k].fn.native)] for run, _ in start.values()]))
+    if arena is None:
+        arena = SharedArena(SharedArena.bound([[(size, dtype) for k in run for _s, _r, size, _w, dtype
+                                                in writes_of(steps[k], steps[k].fn.native)]
+                                               for run, _ in start.values()]))
+    reusable = {getattr(segment, "origin", None): segment for segment in reuse or []}
     result: list[BoundStep] = []
     made: list[Segment] = []
     moved: set[int] = set()
@@ -156,13 +168,18 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
         members_ = [steps[k] for k in run]
         end = run[-1]
         read_after = {s for s, last in last_read.items() if last > end} | outputs
-        try:
-            read_by = {s for m in members_ for s in m.inputs}
-            segment = Segment(members_, read_after, {s: v for s, v in (constants or {}).items() if s in read_by},
-                              arena=arena)
-        except Exception:  # noqa: BLE001  a run that cannot be planned runs layer by layer, as before
-            result.append(step)
-            continue
+        key = (tuple(run), tuple(origin[k] for k in run), tuple((tuple(m.inputs), tuple(m.outputs), tuple(m.free))
+                                                                for m in members_), frozenset(read_after))
+        segment = reusable.get(key)
+        if segment is None:
+            try:
+                read_by = {s for m in members_ for s in m.inputs}
+                segment = Segment(members_, read_after, {s: v for s, v in (constants or {}).items() if s in read_by},
+                                  arena=arena)
+            except Exception:  # noqa: BLE001  a run that cannot be planned runs layer by layer, as before
+                result.append(step)
+                continue
+            segment.origin = key
         result.extend(steps[k] for k in before)  # they depend on nothing the segment writes
         moved.update(run)
         moved.update(before)

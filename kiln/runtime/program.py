@@ -51,11 +51,16 @@ class Program:
     """Runs a ProgramSpec. One Program per (sub)graph; it holds no activations between runs."""
 
     def __init__(self, spec: ProgramSpec, weights: dict[str, Any], device: Any = None,
-                 after_packing: Callable[[], None] | None = None, shared_launches: dict[tuple, Any] | None = None):
+                 after_packing: Callable[[], None] | None = None, shared_launches: dict[tuple, Any] | None = None,
+                 turns_with: Program | None = None):
         """`after_packing`: called after each layer's tactic is prepared (its weights packed), and once at
         the end: a loaded engine file lets go of the pages its weights were packed from. `shared_launches`:
         prepared launches another program of the same engine made (a padding-free engine's plain and packed
-        programs), shared as this program's own layers share them (shared_launch_key)."""
+        programs), shared as this program's own layers share them (shared_launch_key). `turns_with`: another program
+        that never runs at the same time as this one (the build's in-context stage runs its two in turn,
+        kiln/builder/in_context.py): this one's native segments plan into its arena, and a segment of the same layers
+        on the same launches is its segment (native_runs.segments' reuse): one arena and one set of bound calls
+        resident, not two."""
         self.spec = spec
         self.device = device  # None or cpu: plain loop; cuda: host/device split (kiln/runtime/host.py)
         slots: dict[str, int] = {}
@@ -85,6 +90,7 @@ class Program:
                 free_after[i].append(slot(n))
 
         self.steps = []
+        origins: list[Any] = []  # per step, what its launch is: two programs' segments of the same ones are alike
         # Layers that read the same weights with the same tactic and configuration (ALBERT's 12 layers of
         # one layer's weights) share one prepared launch: its packed weights exist once, not once per layer.
         shared_launches = {} if shared_launches is None else shared_launches
@@ -127,6 +133,10 @@ class Program:
                         shared_launches[key] = fn
                     if after_packing is not None:
                         after_packing()
+                alike = key if key is not None else launch_key(prepared, constants)
+                origins.append(("launch", id(fn)) if key is not None or alike is None else ("alike", alike))
+            else:
+                origins.append(("own", id(fn)))
             fn = fn if step.precision != "fp32" else pinned_fp32(fn)
             self.steps.append(BoundStep(fn, ctx, in_slots, out_slots, attrs, free_after[i]))
         self.output_slots = [slot(n) for n in spec.outputs]
@@ -135,7 +145,10 @@ class Program:
         self.segments = []
         self.run_steps = self.steps
         if (device is None or getattr(device, "type", "cpu") == "cpu") and os.environ.get("KILN_NATIVE_SEGMENTS") != "0":
-            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps)
+            shared = turns_with.segments if turns_with is not None else []
+            self.run_steps, self.segments = segments(self.steps, self.output_slots, template_values, shape_steps,
+                                                     arena=shared[0].arena if shared else None, reuse=shared,
+                                                     origins=origins)
         if after_packing is not None:
             after_packing()
         self.shape_steps = shape_steps
@@ -395,6 +408,13 @@ def shared_launch_key(step: StepSpec, constants: list[Any]) -> tuple | None:
     on memory objects of its own, so two layers may call one launch in turn."""
     if not any(isinstance(c, torch.Tensor) and c.numel() >= SHARE_MIN_ELEMENTS for c in constants):
         return None
+    return launch_key(step, constants)
+
+
+def launch_key(step: StepSpec, constants: list[Any]) -> tuple | None:
+    """shared_launch_key for any layer, one without a large weight too (a pooling layer): what makes two prepared
+    launches of it do the same (Program's turns_with compares segments by it); None where the attributes are not
+    plain data."""
     try:
         described = json.dumps([step.tactic_config, step.attributes], sort_keys=True)
     except (TypeError, ValueError):
