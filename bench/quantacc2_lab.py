@@ -4,6 +4,7 @@
     python bench/quantacc2_lab.py layers int8,fp8     # each layer quantized alone (input + weight), ranked
     python bench/quantacc2_lab.py float int8,fp8      # the k most sensitive layers kept float, k = 0..
     python bench/quantacc2_lab.py stream 0.5 int8,fp8 # residual-stream channel equalization through the Adds
+    python bench/quantacc2_lab.py first fp8           # b1.dw's fp8 error split; stem + b1.dw int8, the rest fp8
 
 Sensitivity is measured on the 38 calibration images (what a build may look at) and the counts on the 74
 held-out ones; relerr is the mean over images of |logits - fp32 logits| / |fp32 logits| (L2).
@@ -19,7 +20,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_lab import Lab, act_quantizers, is_depthwise, set_weights  # noqa: E402
+from quant_lab import Lab, act_quantizers, is_depthwise, quantize_weight, set_weights  # noqa: E402
 
 torch.set_grad_enabled(False)
 
@@ -150,6 +151,36 @@ def every_layer(lab: Lab, dtype: str, tag: str) -> None:
           f"{relerr(w, lab.held_ref):.4f} | **{count(both)}/74**, {relerr(both, lab.held_ref):.4f} |", flush=True)
 
 
+def first_layers(lab: Lab) -> None:
+    """FP8's largest share (b1.dw, layer 1): its input's and weight's error apart, how much its filters cancel
+    over the stem's output, and fp8 everywhere but the stem and b1.dw in int8."""
+    n = len(lab.layers)
+    top2 = lab.calib_ref.topk(2, dim=1).values
+    closest = (top2[:, 0] - top2[:, 1]).argsort()[:RANK_IMAGES]
+    x, ref = lab.calib[closest], lab.calib_ref[closest]
+    for dtype in ("int8", "fp8"):
+        acts = act_quantizers(lab, dtype, "percentile" if dtype == "int8" else "minmax")
+        for tag, weight, act in (("input", False, True), ("weight", True, False), ("both", True, True)):
+            lab.reset()
+            set_weights(lab, dtype, skip=set(range(n)) - ({1} if weight else set()))
+            out = lab.run([acts[1] if act and i == 1 else None for i in range(n)], x)
+            print(f"{dtype} b1.dw {tag} alone: relerr {relerr(out, ref):.4f}", flush=True)
+    m, a = lab.layers[1], lab.inputs[1][closest]
+    y = nn.functional.conv2d(a, m.weight, None, m.stride, m.padding, groups=m.groups)
+    mag = nn.functional.conv2d(a.abs(), m.weight.abs(), None, m.stride, m.padding, groups=m.groups)
+    print(f"b1.dw cancellation |Σ|w||x|| / |Σwx|: {float(mag.norm() / y.norm()):.1f} (norms), per output median "
+          f"{float((mag / y.abs().clamp_min(1e-6)).median()):.1f}; stem output max {float(a.max()):.2f}, "
+          f"zeros {float((a == 0).float().mean()):.2f}")
+    a8, af = act_quantizers(lab, "int8", "percentile"), act_quantizers(lab, "fp8", "minmax")
+    lab.reset()
+    set_weights(lab, "fp8", skip={0, 1})
+    for i in (0, 1):  # round to nearest int8, no bias correction for these two
+        lab.layers[i].weight.copy_(quantize_weight(lab.float_w[i], "int8"))
+    out = lab.run([a8[i] if i in (0, 1) else af[i] for i in range(n)])
+    print(f"fp8 with the stem and b1.dw int8: {int((out.argmax(1) == lab.reference).sum())}/74, "
+          f"relerr {relerr(out, lab.held_ref):.4f}", flush=True)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     lab = Lab()
@@ -161,6 +192,8 @@ if __name__ == "__main__":
             order = ranking(lab, dtype, acts)
             if sys.argv[1] == "float":
                 fewest_float(lab, dtype, acts, order)
+    elif sys.argv[1] == "first":
+        first_layers(lab)
     elif sys.argv[1] == "stream":
         print("| stream equalization | dtype | activations only | weights only | all |\n|---|---|---|---|---|")
         for dtype in dtypes:
