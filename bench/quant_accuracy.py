@@ -67,10 +67,11 @@ def runner(model, config: BuildConfig | None, output: int = 0):
 
 
 def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | None], more_held_out: int = 0,
-              **options) -> list[dict]:
+              float_layers: list[str] = ("",), **options) -> list[dict]:
     """targets: one build per entry (None: every layer quantized), the ranges measured once (a calibration cache
     per dtype and calibrator). more_held_out: also judged on photo_variants(more_held_out, seed=1) (16 x that
-    many other crops of the same photographs, none calibrates): one image is less than a point there."""
+    many other crops of the same photographs, none calibrates): one image is less than a point there.
+    float_layers: one build per entry, the comma-separated layer names in it pinned fp32 (layer_precision)."""
     images = photo_variants()
     calibration = [{"pixel_values": v} for v in images[::3]]
     sets = {"held_out": [v for i, v in enumerate(images) if i % 3]}
@@ -81,9 +82,11 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | 
     reference = {k: [fp32({"pixel_values": v}).argmax() for v in vs] for k, vs in sets.items()}
     rows = []
     with tempfile.TemporaryDirectory() as caches:
-        for dtype, calibrator, target in itertools.product(dtypes_, calibrators, targets):
+        for dtype, calibrator, target, pinned in itertools.product(dtypes_, calibrators, targets, float_layers):
             start = time.perf_counter()
             metric = {"accuracy_metric": options.get("accuracy_metric", "error")} if target is not None else {}
+            if pinned:
+                metric["layer_precision"] = {name: "fp32" for name in pinned.split(",")}
             config = BuildConfig(precision=dtype, quantization="emulate", calibration=calibration,
                                  calibrator=calibrator, accuracy_target=target,
                                  calibration_cache=f"{caches}/{dtype}-{calibrator}.json",
@@ -138,6 +141,9 @@ def main() -> None:
     parser.add_argument("--accuracy-metric", choices=["error", "top1"], default="error")
     parser.add_argument("--more-held-out", type=int, default=0, metavar="PER_PHOTO",
                         help="also judge on photo_variants(PER_PHOTO, seed=1): 16 x PER_PHOTO other crops")
+    parser.add_argument("--float-layers", nargs="+", default=[""], metavar="NAMES",
+                        help="one MobileNetV2 build per entry, its comma-separated layers pinned fp32 ('' none); "
+                             "the stem and the first depthwise: node_Conv_809,node_Conv_811")
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-bias-correction", action="store_true")
@@ -149,7 +155,8 @@ def main() -> None:
     if args.equalize is not None:
         options["equalize"] = args.equalize
     options["accuracy_metric"] = args.accuracy_metric
-    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, **options)
+    rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, args.float_layers,
+                     **options)
     if args.minilm:
         rows += [minilm(c, **options) for c in args.calibrators]
     if args.no_write:
