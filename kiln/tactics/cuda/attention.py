@@ -106,12 +106,8 @@ def _extent(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:
     return sum((n - 1) * abs(s) for n, s in zip(shape[2:], strides[2:]))
 
 
-def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
-                     stages: int) -> bool | str:
-    attributes = step.attributes
-    if any(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant",
-                                                      "out_quant")):
-        return "a quantized attention (8-bit inputs or quantized scores): this kernel has no such form"
+def _meta_views(inputs: list[InputMeta], attributes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
+    """q, k, v as [B, H, S, D] meta tensors through the op's layout attributes, or why they are not."""
     n_qkv = 1 if _attr(attributes, "qkv_split", None) else 3
     if any(i >= len(inputs) or inputs[i].shape is None for i in range(n_qkv)):
         return "q, k or v is not a tensor"
@@ -123,6 +119,19 @@ def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, bloc
         return f"q/k/v layout does not resolve: {e}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
+    return q, k, v
+
+
+def _supports_layout(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
+                     stages: int) -> bool | str:
+    attributes = step.attributes
+    if any(_attr(attributes, name, None) for name in ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant",
+                                                      "out_quant")):
+        return "a quantized attention (8-bit inputs or quantized scores): this kernel has no such form"
+    views = _meta_views(inputs, attributes)
+    if isinstance(views, str):
+        return views
+    q, k, v = views
     if q.dtype not in _HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the kernel takes one of float16, bfloat16"
     batch, heads, s_len, d = q.shape
@@ -281,16 +290,10 @@ def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -
         return "key lengths (kiln::KeyLengths): this kernel reads the mask only"
     if _attr(attributes, "is_causal", 0):
         return "is_causal: this kernel takes a mask tensor only"
-    if any(i >= len(inputs) or inputs[i].shape is None for i in range(1 if _attr(attributes, "qkv_split", None) else 3)):
-        return "q, k or v is not a tensor"
-    meta = [torch.empty(x.shape, device="meta", dtype=x.dtype) if x.shape is not None else None
-            for x in inputs[:3]] + [None] * (3 - min(len(inputs), 3))
-    try:
-        q, k, v = attention_views(*meta, attributes)
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        return f"q/k/v layout does not resolve: {e}"
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return f"q/k/v are not [B, H, S, D] after the layout (ranks {q.dim()}, {k.dim()}, {v.dim()})"
+    views = _meta_views(inputs, attributes)
+    if isinstance(views, str):
+        return views
+    q, k, v = views
     wanted = _QUANTIZED_INPUTS[bool(_attr(attributes, "float8_quant", 0))]
     if any(t.dtype not in wanted for t in (q, k, v)):
         return f"q/k/v dtypes {q.dtype}/{k.dtype}/{v.dtype}: the attributes say {' or '.join(map(str, wanted))}"
