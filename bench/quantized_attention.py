@@ -26,15 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from tests.gpu.test_quantized_attention_cuda import QUANT  # noqa: E402  the GPU test's scales, one table
+
 HEADS, HEAD_DIM = 12, 64
-QUANT = {  # tests/gpu/test_quantized_attention_cuda.py's
-    "fp8": {"q_quant": [0.0113, 0.0], "k_quant": [0.0121, 0.0], "v_quant": [0.0207, 0.0],
-            "score_quant": [0.00817, 0.0, -448.0, 448.0], "prob_quant": [1 / 448 / 1.3, 0.0, -448.0, 448.0],
-            "out_quant": [0.00163, 0.0, -448.0, 448.0], "float8_quant": 1},
-    "int8": {"q_quant": [0.0213, -2.0], "k_quant": [0.0187, 5.0], "v_quant": [0.0311, 0.0],
-             "score_quant": [0.0937, -25.0, -128.0, 127.0], "prob_quant": [1 / 255, -128.0, -128.0, 127.0],
-             "out_quant": [0.0193, 1.0, -128.0, 127.0]},
-}
 LAYOUT = {"scale": 1.0, "nan_to_zero": 1, "q_num_heads": HEADS, "kv_num_heads": HEADS, "q_perm": [0, 2, 1, 3],
           "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
 TACTICS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
