@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+from memory import run_script  # noqa: E402  bench/memory.py
 MiB = 1 << 20
 
 # ResNet-50's 3x3 convolutions at batch 1: (channels, input side, stride), network order (3, 4, 6, 3 blocks).
@@ -71,11 +71,7 @@ _CHILD = textwrap.dedent("""
 
 
 def child(root: Path, layers: list, threads: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(layers), str(threads)], capture_output=True,
-                          text=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else str(done.returncode))
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_CHILD, [json.dumps(layers), str(threads)], root)
 
 
 def main() -> None:

@@ -12,14 +12,13 @@ and what is held after it, in MiB and as a multiple of the model's weights. Resu
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+from memory import run_script  # noqa: E402  bench/memory.py
 
 _CHILD = textwrap.dedent("""
     import json, sys
@@ -41,11 +40,7 @@ _CHILD = textwrap.dedent("""
 
 
 def child(root: Path, name: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _CHILD, name], capture_output=True, text=True, cwd=root,
-                          env={**os.environ, "PYTHONPATH": str(root)}, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr else str(done.returncode))
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_CHILD, [name], root)
 
 
 def main() -> None:

@@ -100,14 +100,20 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def run_script(code: str, args: list[str], root: Path = ROOT, label: str = "", timeout: float = 1800) -> dict:
+    """`code` in a process of its own, importing kiln from `root` (a checkout of another commit: an A/B); the JSON
+    object its last line of output prints."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=root,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(root)})
+    if done.returncode != 0:
+        why = done.stderr.strip().splitlines()[-1] if done.stderr else str(done.returncode)
+        raise RuntimeError(f"{label}: {why}" if label else why)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def child(phase: str, name: str, engine_path: str, runs: int, threads: int, root: Path = ROOT) -> dict:
     """One phase in a process of its own, importing kiln from `root` (a checkout of another commit: an A/B)."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, phase, name, engine_path, str(runs), str(threads)],
-                          capture_output=True, text=True, cwd=root, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(root)})
-    if done.returncode != 0:
-        raise RuntimeError(f"{phase} {name}: {done.stderr.strip().splitlines()[-1] if done.stderr else done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_script(_CHILD, [phase, name, engine_path, str(runs), str(threads)], root, f"{phase} {name}", 3600)
 
 
 def mib(v: int | None) -> str:
