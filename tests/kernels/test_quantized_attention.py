@@ -156,27 +156,18 @@ def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, mon
     import dataclasses
 
     import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import numpy_helper
-    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     import kiln
     from kiln import zoo
     from kiln.builder import build as build_module
     from kiln.zoo.models import make_inputs
-    from tests.calibration import FeedsReader
+    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
     from tests.unit.tactic_check import cuda_tactics_on_cpu
 
     exported = zoo.export("bert_tiny", batch=2, seq=24, dynamic=True)
     calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=24, seed=s) for s in (1, 2)]
-    fp8 = kind == "fp8"
-    qtype = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
     path = str(tmp_path / "qdq.onnx")
-    quantize_static(str(exported.path), path, FeedsReader(calibration), quant_format=QuantFormat.QDQ,
-                    activation_type=qtype, weight_type=qtype, per_channel=not fp8, op_types_to_quantize=["MatMul", "Gemm"],
-                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax,
-                    extra_options={"QDQKeepRemovableActivations": fp8})
+    quantize_transformer(str(exported.path), path, calibration, kind)
     name = "cuda.attention.quantized.64x64.w4s2"
     cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
     plain = build_module.pass_options
@@ -191,12 +182,8 @@ def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, mon
     for step in steps:  # on the CPU the interpreter never wins a timing
         step.tactic, step.tactic_config = name, {}
     on_kernel = kiln.Engine(engine.plan)
-    model = onnx.load(path)
-    coarsest = max(float(numpy_helper.to_array(i).astype(np.float32).reshape(-1)[0]) for i in model.graph.initializer
-                   if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
     for seed in (7, 8):
         feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=24, seed=seed)
         want = session.run(None, feeds)[0]

@@ -13,11 +13,7 @@ attention fusion took 8-bit integer Q/DQ only: BERT-base FP8 on the H100 at 39.7
 from __future__ import annotations
 
 import numpy as np
-import onnx
-import onnxruntime as ort
 import pytest
-from onnx import numpy_helper
-from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
 import kiln
 from kiln import zoo
@@ -26,7 +22,7 @@ from kiln.builder.config import BuildConfig
 from kiln.frontend import onnx as onnx_frontend
 from kiln.passes import PassReport, optimize
 from kiln.zoo.models import make_inputs
-from tests.calibration import FeedsReader
+from tests.calibration import coarsest_scale, quantize_transformer, reference_session
 
 LAYERS = 2  # bert_tiny's
 
@@ -37,14 +33,8 @@ def qdq_bert(request, tmp_path_factory) -> tuple[str, str]:
     kind = request.param
     exported = zoo.export("bert_tiny", batch=2, seq=32, dynamic=True)  # symbolic batch and seq, as the bench's
     calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=32, seed=s) for s in (1, 2)]
-    fp8 = kind == "fp8"
-    qtype = QuantType.QFLOAT8E4M3FN if fp8 else QuantType.QInt8
     path = str(tmp_path_factory.mktemp(f"qdq_{kind}") / "bert_tiny_qdq.onnx")
-    quantize_static(str(exported.path), path, FeedsReader(calibration), quant_format=QuantFormat.QDQ,
-                    activation_type=qtype, weight_type=qtype, per_channel=not fp8,
-                    op_types_to_quantize=["MatMul", "Gemm"],
-                    calibrate_method=CalibrationMethod.Distribution if fp8 else CalibrationMethod.MinMax,
-                    extra_options={"QDQKeepRemovableActivations": fp8})
+    quantize_transformer(str(exported.path), path, calibration, kind)
     return kind, path
 
 
@@ -74,12 +64,8 @@ def test_the_cpu_engine_is_onnxruntime_within_a_step(qdq_bert):
     kind, path = qdq_bert
     engine = kiln.build(path)
     assert sum(s.op_type == "Attention" for s in engine.plan.program.steps) == LAYERS
-    model = onnx.load(path)
-    coarsest = max(float(numpy_helper.to_array(i).astype(np.float32).reshape(-1)[0]) for i in model.graph.initializer
-                   if i.name.endswith("_scale") and numpy_helper.to_array(i).size == 1)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
     for seed, batch, seq in ((11, 3, 20), (12, 1, 32)):
         feeds = make_inputs(zoo.get("bert_tiny"), batch=batch, seq=seq, seed=seed)  # right-padded rows but the first
         want = session.run(None, feeds)[0]

@@ -4,8 +4,6 @@ which a step fails names that layer as the steps do."""
 
 from __future__ import annotations
 
-import contextlib
-
 import re
 
 import numpy as np
@@ -20,6 +18,7 @@ from kiln.errors import ExecutionError
 from kiln.ops.elementwise import max_
 from kiln.runtime.shape_function import compile_shape_steps, computable_ahead
 from kiln.runtime.step import call_step
+from tests.exported_encoder import bert_tiny_with_mask_machinery
 
 
 def _step_by_step(program, inputs: list[torch.Tensor]) -> list:
@@ -215,24 +214,9 @@ def test_a_shape_at_which_a_step_fails_names_its_layer(tmp_path):
         engine.run({"x": np.ones((1, 7), np.float32)})
 
 
-@contextlib.contextmanager
-def _without_key_mask_rule():
-    """Builds that keep the exporter's mask machinery (Range, index grids): the attention_key_mask rule would reduce
-    bert_tiny's [B,1,S,S] mask to the padding mask and leave these tests nothing of it to compute."""
-    from kiln.passes import fusion
-    rules = fusion.RULES
-    fusion.RULES = [(name, rule) for name, rule in rules if name != "attention_key_mask"]
-    try:
-        yield
-    finally:
-        fusion.RULES = rules
-
-
 @pytest.fixture(scope="module")
 def bert():
-    exported = zoo.export("bert_tiny", dynamic=True)
-    with _without_key_mask_rule():
-        return exported, kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,8x64"}])
+    return bert_tiny_with_mask_machinery("1x1,4x32,8x64")
 
 
 def test_an_exported_encoders_shape_values_match_the_steps_at_random_shapes(bert):

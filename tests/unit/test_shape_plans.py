@@ -3,41 +3,24 @@ for a shape: outputs stay right against onnxruntime when the same shapes carry o
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 import kiln
-from kiln import zoo
 from kiln.runtime import program as program_module
 from kiln.runtime.shapes import shape_only_steps
+from tests.exported_encoder import bert_tiny_with_mask_machinery
 
 
 def _session(model_bytes: bytes) -> ort.InferenceSession:
     return ort.InferenceSession(model_bytes, providers=["CPUExecutionProvider"])
 
 
-@contextlib.contextmanager
-def _without_key_mask_rule():
-    """Builds that keep the exporter's mask machinery (Range, index grids): the attention_key_mask rule would reduce
-    bert_tiny's [B,1,S,S] mask to the padding mask and leave these tests nothing of it to compute."""
-    from kiln.passes import fusion
-    rules = fusion.RULES
-    fusion.RULES = [(name, rule) for name, rule in rules if name != "attention_key_mask"]
-    try:
-        yield
-    finally:
-        fusion.RULES = rules
-
-
 @pytest.fixture(scope="module")
 def bert():
-    exported = zoo.export("bert_tiny", dynamic=True)
-    with _without_key_mask_rule():
-        return exported, kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,2x16,4x32"}])
+    return bert_tiny_with_mask_machinery("1x1,2x16,4x32")
 
 
 def test_the_mask_and_position_machinery_is_shape_only_the_data_is_not(bert):
