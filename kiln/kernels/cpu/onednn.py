@@ -455,9 +455,13 @@ class Bound:
     """
 
     def __init__(self, primitive: ctypes.c_void_p, roles: dict[str, tuple[int, ctypes.c_void_p, int]],
-                 fixed: list[tuple[int, _Handle]], what: str, owner: object, serial_primitive: int | None = None):
+                 fixed: list[tuple[int, _Handle]], what: str, owner: object, serial_primitive: int | None = None,
+                 threads: int | None = None):
         """`serial_primitive`: the same layer created on one thread, taking the same arguments (its owner keeps it):
-        the serial form a segment may run instead (serial_calls)."""
+        the serial form a segment may run instead (serial_calls). `threads`: the count `primitive` was created at
+        (creating_with_threads; None: OpenMP's): its own handle is made at the same count, as the serial one is. A
+        handle made at another count than its descriptor's is not the descriptor's kernel: with small layers forced
+        serial (KILN_SERIAL_SMALL_LAYERS=1) MobileNetV2's build crashed in dnnl_primitive_create."""
         self.what = what
         self._owner = owner  # the primitive object: it owns the primitive and the fixed memories
         shared = getattr(_SHARING, "memories", None)
@@ -469,7 +473,8 @@ class Bound:
         self.nargs = len(args)
         self.args = (_ExecArg * len(args))(*[_ExecArg(a, m.value) for a, m in args])
         self.made_from = primitive.value if isinstance(primitive, ctypes.c_void_p) else primitive  # the shared one
-        self._handles = [own_primitive(self.made_from)]
+        with creating_with_threads(threads):
+            self._handles = [own_primitive(self.made_from)]
         if serial_primitive is not None:
             with creating_with_threads(1):  # as the serial form was made (its descriptor holds the count)
                 self._handles.append(own_primitive(serial_primitive))

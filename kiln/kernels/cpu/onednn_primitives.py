@@ -313,7 +313,7 @@ class Conv2d:
             roles["residual"] = (ARG_POST_OP(self._residual_index) | ARG_SRC_1, dst_md.value, residual)
         fixed = [(ARG_WEIGHTS, self._w_mem)] + ([(ARG_BIAS, self._b_mem)] if self._bias is not None else [])
         what = f"convolution {list(self.input_size)} -> {list(self.output_size)}"
-        return Bound(self._prim.value, roles, fixed, what, self, _value(self._serial))
+        return Bound(self._prim.value, roles, fixed, what, self, _value(self._serial), threads=self.threads)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 -> y [N, O, H', W'] channels-last, a view of a
@@ -396,7 +396,7 @@ class Pool2d:
         """Arguments at fixed addresses (Bound)."""
         roles = {"src": (ARG_SRC, self._mds[0].value, src), "dst": (ARG_DST, self._mds[1].value, dst)}
         return Bound(self._prim.value, roles, [], f"pooling {list(self.input_size)} -> {list(self.output_size)}", self,
-                     _value(self._serial))
+                     _value(self._serial), threads=self.threads)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> [N, C, H', W'] channels-last."""
