@@ -10,6 +10,7 @@ from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 
 QUIET = {PARALLEL: 10.0, SERIAL: 14.0}  # EfficientNet-B0, 2 threads, free cores (ms)
 BUSY = {PARALLEL: 64.0, SERIAL: 31.0}  # the same on cores other work holds
+START = [PARALLEL, PARALLEL, SERIAL, SERIAL, PARALLEL, SERIAL, PARALLEL, SERIAL]  # warm-up + window (3) runs each
 
 
 def _drive(chooser: FormChooser, times, runs: int) -> list[str]:
@@ -24,9 +25,18 @@ def _drive(chooser: FormChooser, times, runs: int) -> list[str]:
 
 def test_each_form_is_measured_first_its_warm_up_not_counted():
     chooser = FormChooser(warmup=1)
-    assert _drive(chooser, QUIET, 4) == [PARALLEL, PARALLEL, SERIAL, SERIAL]
+    assert _drive(chooser, QUIET, len(START)) == START
     assert chooser.estimate(PARALLEL) == 10.0 and chooser.estimate(SERIAL) == 14.0
-    assert chooser.runs == {PARALLEL: 2, SERIAL: 2}
+    assert chooser.runs == {PARALLEL: 4, SERIAL: 4}
+
+
+def test_one_disturbed_run_does_not_decide_the_start():
+    # bench/zoo.py on a 2-vCPU EPYC: kiln's first counted parallel run came right after an onnxruntime run whose
+    # workers still spun on the other core. Decided on that one run, serial ran for the bench's 45 runs.
+    chooser = FormChooser(warmup=1)
+    chosen = _drive(chooser, lambda i, form: 25.0 if i == 1 else QUIET[form], len(START) + 20)
+    assert chosen[:len(START)] == START and chooser.best() == PARALLEL
+    assert chosen[len(START):].count(SERIAL) <= 1  # the interval's probe at most
 
 
 def test_a_slow_first_run_is_not_counted():
@@ -40,7 +50,7 @@ def test_a_slow_first_run_is_not_counted():
 @pytest.mark.parametrize("times, best, interval", [(QUIET, PARALLEL, 16), (BUSY, SERIAL, 36)])
 def test_the_faster_form_runs_and_the_other_once_an_interval(times, best, interval):
     chooser = FormChooser(explore_every=16, probe_cost=0.03)
-    chosen = _drive(chooser, times, 4 + 10 * interval)[4:]
+    chosen = _drive(chooser, times, len(START) + 10 * interval)[len(START):]
     other = [i for i, form in enumerate(chosen) if form != best]
     assert chooser.interval() == interval
     assert len(other) == 10 and all(b - a == interval for a, b in zip(other, other[1:]))
@@ -72,7 +82,8 @@ def test_freed_cores_are_followed_within_a_probe_interval():
     assert first < 64
     # the probe beat serial's estimate (10 < 14): probed again at once, two of three quiet times decide
     assert chosen[first + 1] == PARALLEL and chooser.estimate(PARALLEL) == 10.0
-    assert chosen[first + 2:].count(SERIAL) <= 3  # from then on only probes
+    rest = chosen[first + 2:]
+    assert rest.count(SERIAL) <= len(rest) // 16  # from then on only probes, one an interval
 
 
 def test_one_slow_run_moves_nothing():
@@ -85,7 +96,7 @@ def test_one_slow_run_moves_nothing():
 
 def test_a_probe_slower_than_the_incumbent_waits_a_full_interval():
     chooser = FormChooser(explore_every=8, probe_cost=1.0)  # the interval never longer than explore_every
-    chosen = _drive(chooser, QUIET, 4 + 24)[4:]
+    chosen = _drive(chooser, QUIET, len(START) + 24)[len(START):]
     probes = [i for i, form in enumerate(chosen) if form == SERIAL]
     assert probes == [7, 15, 23]
 

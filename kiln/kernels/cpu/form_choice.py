@@ -9,6 +9,12 @@ moment; this follows it run by run (each segment, and each small layer's per-cal
 is also what the tuner times):
 
 - each form's estimate is the median of its last WINDOW run times (one slow run, a preemption, moves nothing);
+- neither is preferred before each has WINDOW counted runs, the two taken in turn: one disturbed run must not
+  decide. With one run each, bench/zoo.py's MobileNetV2 and EfficientNet-B0 on a quiet 2-vCPU EPYC ran their
+  serial forms (7.7 and 13.5 ms against the parallel forms' ~4.3 and ~10, 1.48x and 1.55x onnxruntime; the demo,
+  which times kiln before onnxruntime has run, 0.98x): the first counted parallel run came right after an
+  onnxruntime run whose workers were still spinning on the other core, and with parallel's estimate ~2x serial's
+  the next probe was up to LONGEST_INTERVAL runs away, after the bench's 45 (bench/results/dw-zen4-2026-12-06.md);
 - the form with the lower estimate runs; every EXPLORE_EVERY runs the other one runs once, so its estimate
   follows the machine too; a probe faster than the incumbent's estimate is probed again at once (two of three
   decide), so a change of load is followed within a probe interval plus two runs;
@@ -78,7 +84,7 @@ class FormChooser:
             raise ValueError(f"FormChooser: unknown form {form!r}, not one of {self.forms}")
         self.runs[form] += 1
         if self.runs[form] > self.warmup:
-            measured = all(self._times.values())
+            measured = not self._starting()
             if measured and form != self._best:  # a probe: again at once when it beat the incumbent's estimate
                 self._challenger = form if seconds < self.estimate(self._best) else None
                 self._since_probe = 0
@@ -101,11 +107,18 @@ class FormChooser:
         slower that probing it that often would cost more than probe_cost of the run time."""
         return self._interval
 
+    def _starting(self) -> bool:
+        """Whether some form has fewer than `window` counted runs: no form is preferred yet."""
+        return any(len(times) < self.window for times in self._times.values())
+
     def _decide(self) -> None:
-        for form in self.forms:  # each form measured before any is preferred
+        for form in self.forms:  # each form's warm-up and first counted run, one form after the other
             if not self._times[form]:
                 self._next = form
                 return
+        if self._starting():  # then in turn until each has `window` (the form with fewer first)
+            self._next = min(self.forms, key=lambda f: len(self._times[f]))
+            return
         a, b = self.forms
         ea, eb = self.estimate(a), self.estimate(b)
         best, other, fast, slow = (b, a, eb, ea) if eb < ea else (a, b, ea, eb)
