@@ -3,7 +3,7 @@
 One JSON file (`BuildConfig.timing_cache`, `kiln build --timing-cache`). An entry is keyed by
 everything a timing depends on: the layer's op, opset, attributes, input shapes, dtypes and
 which inputs are weights, the candidate tactics, and the environment (device name, compute
-capability, driver, thread count, torch/triton/kiln versions, a digest of kiln's kernel
+capability or CPU family/model and ISA, driver, thread count, torch/triton/kiln versions, a digest of kiln's kernel
 sources). A key that matches means the same problem on the same machine and kernels: the
 cached winner is taken without timing, so a rebuild is deterministic. Entries for other machines may share the file; they never match here.
 
@@ -83,6 +83,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         env["timing"] = "cuda graphs; a syncing candidate eagerly, alone"
     else:
         env["device_name"] = cpu_name()
+        env["cpu"] = cpu_features.identity()  # the brand string alone may be 'AMD EPYC' on Zen 2, 3 or 4
         env["capability"] = None
         env["driver"] = {"onednn": torch.backends.mkldnn.is_available(), "mkl": bool(torch._C.has_mkl)}
         if (cap := cpu_features.isa_cap()) is not None:  # KILN_CPU_ISA: other kernels, other times

@@ -37,6 +37,9 @@ def test_one_disturbed_run_does_not_decide_the_start():
     chosen = _drive(chooser, lambda i, form: 25.0 if i == 1 else QUIET[form], len(START) + 20)
     assert chosen[:len(START)] == START and chooser.best() == PARALLEL
     assert chosen[len(START):].count(SERIAL) <= 1  # the interval's probe at most
+    before = FormChooser(warmup=1, start_runs=1)  # decided on one run each, as before 2026-12-06
+    chosen = _drive(before, lambda i, form: 25.0 if i == 1 else QUIET[form], len(START) + 20)
+    assert before.best() == SERIAL and chosen[4:].count(PARALLEL) == 0
 
 
 def test_a_slow_first_run_is_not_counted():
@@ -106,6 +109,8 @@ def test_bad_arguments_are_refused():
         FormChooser(forms=(PARALLEL,))
     with pytest.raises(ValueError, match="explore_every"):
         FormChooser(explore_every=1)
+    with pytest.raises(ValueError, match="start_runs"):
+        FormChooser(start_runs=4)  # more than the window holds
     with pytest.raises(ValueError, match="probe_cost"):
         FormChooser(probe_cost=0.0)
     with pytest.raises(ValueError, match="unknown form 'gpu'"):

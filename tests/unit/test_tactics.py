@@ -17,7 +17,7 @@ from kiln.builder import autotune, timing_cache
 from kiln.builder.accuracy import mismatch
 from kiln.builder.timing_cache import TimingCache, environment, layer_signature, signature_key
 from kiln.errors import ExecutionError
-from kiln.kernels.cpu import mkl_available, onednn_available
+from kiln.kernels.cpu import cpu_features, mkl_available, onednn_available
 from kiln.ops.fused import fused_conv, fused_gemm
 from kiln.ops.registry import OpContext
 from kiln.plan.spec import StepSpec
@@ -170,7 +170,9 @@ def test_cache_keys_hold_the_device_and_versions(tmp_path, monkeypatch):
     step = StepSpec("FusedConv", "c", ["x", "w"], ["y"], {"pads": [1, 1, 1, 1]}, domain="kiln")
     metas = [InputMeta((1, 8, 4, 4), torch.float32, False), InputMeta((8, 8, 3, 3), torch.float32, True)]
     key = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], env))
-    for field, other in (("device_name", "another CPU"), ("torch", "0.0"), ("kiln", "9.9"), ("threads", 64),
+    assert env["cpu"] == cpu_features.identity() and cpu_features.isa() in env["cpu"]
+    for field, other in (("device_name", "another CPU"), ("cpu", "AuthenticAMD family 23 model 49; avx2, no VNNI"),
+                         ("torch", "0.0"), ("kiln", "9.9"), ("threads", 64),
                          ("driver", {"cuda": "1.0"}), ("capability", [9, 0]), ("triton", "0.1"),
                          ("kernels", "another gemm.c")):
         changed = signature_key(layer_signature(step, metas, [DEFAULT, "cpu.conv.onednn_nhwc"], {**env, field: other}))

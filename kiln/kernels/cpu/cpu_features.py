@@ -58,6 +58,31 @@ def cap_libraries(environ: MutableMapping[str, str] | None = None) -> dict[str, 
 
 
 @functools.cache
+def _cpuinfo_fields() -> dict[str, str]:
+    """The first processor's 'key: value' lines of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def identity() -> str:
+    """'AuthenticAMD family 25 model 17; avx512, avx512_vnni': the CPU's vendor, family and model numbers and the ISA
+    kiln's kernels use, for the timing cache's key. The brand string is not enough: a cloud VM may call itself
+    'AMD EPYC' on Zen 2, 3 and 4 alike (AVX2 only, or AVX-512 on half-width units), whose kernels time differently.
+    Empty fields where /proc/cpuinfo has none (the ISA still says what the kernels use)."""
+    f = _cpuinfo_fields()
+    return f"{f.get('vendor_id', '?')} family {f.get('cpu family', '?')} model {f.get('model', '?')}; {describe()}"
+
+
+@functools.cache
 def _cpuinfo_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()

@@ -54,6 +54,7 @@ class FormChooser:
     warmup: int = WARMUP
     probe_cost: float = PROBE_COST
     longest_interval: int = LONGEST_INTERVAL
+    start_runs: int | None = None  # counted runs of each form before either is preferred (None: window; 1: one each)
     runs: dict[str, int] = field(default_factory=dict)  # form -> runs made (warm-up included): what a bench reports
     _times: dict[str, deque] = field(default_factory=dict)
     _since_probe: int = 0
@@ -63,11 +64,14 @@ class FormChooser:
     _next: str = PARALLEL
 
     def __post_init__(self):
+        self.start_runs = self.window if self.start_runs is None else self.start_runs
         if len(self.forms) != 2 or self.explore_every < 2 or self.window < 1 or self.warmup < 0 \
-                or self.probe_cost <= 0 or self.longest_interval < self.explore_every:
+                or self.probe_cost <= 0 or self.longest_interval < self.explore_every \
+                or not 1 <= self.start_runs <= self.window:
             raise ValueError(f"FormChooser: two forms, explore_every >= 2, window >= 1, warmup >= 0, probe_cost > 0, "
-                             f"longest_interval >= explore_every; got {self.forms}, {self.explore_every}, {self.window}, "
-                             f"{self.warmup}, {self.probe_cost}, {self.longest_interval}")
+                             f"longest_interval >= explore_every, 1 <= start_runs <= window; got {self.forms}, "
+                             f"{self.explore_every}, {self.window}, {self.warmup}, {self.probe_cost}, "
+                             f"{self.longest_interval}, {self.start_runs}")
         self.runs = {f: 0 for f in self.forms}
         self._times = {f: deque(maxlen=self.window) for f in self.forms}
         self._best = self._next = self.forms[0]
@@ -108,15 +112,15 @@ class FormChooser:
         return self._interval
 
     def _starting(self) -> bool:
-        """Whether some form has fewer than `window` counted runs: no form is preferred yet."""
-        return any(len(times) < self.window for times in self._times.values())
+        """Whether some form has fewer than `start_runs` counted runs: no form is preferred yet."""
+        return any(len(times) < self.start_runs for times in self._times.values())
 
     def _decide(self) -> None:
         for form in self.forms:  # each form's warm-up and first counted run, one form after the other
             if not self._times[form]:
                 self._next = form
                 return
-        if self._starting():  # then in turn until each has `window` (the form with fewer first)
+        if self._starting():  # then in turn until each has `start_runs` (the form with fewer first)
             self._next = min(self.forms, key=lambda f: len(self._times[f]))
             return
         a, b = self.forms
