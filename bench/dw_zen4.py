@@ -160,7 +160,8 @@ def zoo_order(name: str, args) -> None:
             rows.append((trial, start_runs, load, kiln_ms, ort_ms, "".join(log)))
     print(f"{name}, {cpu_name()} ({cpu_features.describe()}), {args.threads} threads, bench/zoo.py's order, "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
-    print("| trial | chooser start | 1-min load | kiln ms | onnxruntime ms | kiln / ort | forms kiln ran (P parallel, s serial) |")
+    print("| trial | chooser start | 1-min load | kiln ms | onnxruntime ms | kiln / ort "
+          "| forms kiln ran (P parallel, s serial) |")
     print("|---|---|---|---|---|---|---|")
     for trial, start_runs, load, kiln_ms, ort_ms, log in rows:
         print(f"| {trial} | {start_runs} run(s) each | {load:.1f} | {kiln_ms:.2f} | {ort_ms:.2f} | "
