@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
-from kiln.zoo.timing import Latency, peer_runners, time_runners, time_samples  # noqa: E402
+from kiln.zoo.timing import SETTLE_S, Latency, peer_runners, time_runners, time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -98,7 +98,8 @@ def run_case(case: Case, args) -> tuple[dict[str, Latency], float, dict, str]:
         for peer in PEERS:  # each in its own block, after the machine has gone quiet (--quiet-wait)
             waited.append(wait_for_quiet(args.quiet_wait))
             block = time_samples(runners[peer], iterations=max(1, args.iterations // args.rounds),
-                                 warmup=args.warmup, budget_s=args.budget / len(PEERS) / args.rounds, min_runs=5)
+                                 warmup=args.warmup, budget_s=args.budget / len(PEERS) / args.rounds, min_runs=5,
+                                 settle_s=SETTLE_S)
             samples[peer] += block
             medians[peer] = float(np.median(block))
         by_round.append(medians)

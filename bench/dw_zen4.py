@@ -1,7 +1,7 @@
 """MobileNetV2 / EfficientNet-B0 at 2 threads: kiln's two forms of small layers, and the chooser, against onnxruntime.
 
     python bench/dw_zen4.py --models mobilenet_v2,efficientnet_b0 --rounds 6 --block 10 [--torch]
-    python bench/dw_zen4.py --zoo-order --trials 4      # the chooser's start, one run each vs three, as zoo.py runs
+    python bench/dw_zen4.py --zoo-order --trials 4 [--settle]  # the chooser's start, one run each vs three
 
 Issue 11: bench/zoo.py measured MobileNetV2 at 1.48x and EfficientNet-B0 at 1.55x onnxruntime on a 2-vCPU EPYC
 while the quickstart demo timed the same MobileNetV2 export at 0.98x. A native segment's small layers are bound
@@ -14,8 +14,9 @@ median, the ratio to onnxruntime per round, and for the chooser's engine which f
 
 --zoo-order replays bench/zoo.py's sequence for one engine, `--trials` times with fresh choosers: kiln once,
 onnxruntime once (the correctness check), then rounds of blocks (kiln, onnxruntime, torch eager; 5 warm-up + 10
-runs each), with every segment's chooser deciding on one counted run of each form (start_runs=1, before
-2026-12-06) or on three (now); prints kiln's median, its ratio to onnxruntime and the forms kiln ran.
+runs each; --settle: each block first sleeps SETTLE_S, as bench/zoo.py now does), with every segment's chooser
+deciding on one counted run of each form (start_runs=1, before 2026-12-06) or on three (now); prints kiln's
+median, its ratio to onnxruntime and the forms kiln ran.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def bench_model(name: str, args) -> None:
 def zoo_order(name: str, args) -> None:
     """bench/zoo.py's run_cpu sequence on one engine, each trial with fresh choosers of each start-up rule."""
     from kiln.kernels.cpu.form_choice import FormChooser
-    from kiln.zoo.timing import peer_runners, time_samples
+    from kiln.zoo.timing import SETTLE_S, peer_runners, time_samples
 
     exported = zoo.export(name)
     feeds = exported.inputs()
@@ -153,12 +154,14 @@ def zoo_order(name: str, args) -> None:
             samples: dict[str, list[float]] = {"kiln": [], "onnxruntime": []}
             for _ in range(3):
                 for peer in ("kiln", "onnxruntime", "torch eager"):
-                    block = time_samples(runners[peer], iterations=10, warmup=5, budget_s=4.0, min_runs=5)
+                    block = time_samples(runners[peer], iterations=10, warmup=5, budget_s=4.0, min_runs=5,
+                                         settle_s=SETTLE_S if args.settle else 0.0)
                     if peer in samples:
                         samples[peer] += block
             kiln_ms, ort_ms = statistics.median(samples["kiln"]), statistics.median(samples["onnxruntime"])
             rows.append((trial, start_runs, load, kiln_ms, ort_ms, "".join(log)))
-    print(f"{name}, {cpu_name()} ({cpu_features.describe()}), {args.threads} threads, bench/zoo.py's order, "
+    print(f"{name}, {cpu_name()} ({cpu_features.describe()}), {args.threads} threads, bench/zoo.py's order "
+          f"({'a settle before each block' if args.settle else 'no settle, as before 2026-12-06'}), "
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'unset')}")
     print("| trial | chooser start | 1-min load | kiln ms | onnxruntime ms | kiln / ort "
           "| forms kiln ran (P parallel, s serial) |")
@@ -180,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timing-cache", help="the builds' timing cache (default: none, every build times)")
     parser.add_argument("--zoo-order", action="store_true", help="bench/zoo.py's sequence, chooser start 1 vs 3 runs")
     parser.add_argument("--trials", type=int, default=3, help="--zoo-order: fresh choosers per start-up rule")
+    parser.add_argument("--settle", action="store_true",
+                        help="--zoo-order: each block first waits SETTLE_S (bench/zoo.py now; before 2026-12-06 not)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     for name in args.models.split(","):

@@ -47,7 +47,7 @@ from cpu import commit, tactic_summary, wait_for_quiet  # noqa: E402  bench/cpu.
 import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
-from kiln.zoo.timing import Latency, peer_runners, time_samples  # noqa: E402
+from kiln.zoo.timing import SETTLE_S, Latency, peer_runners, time_samples  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CPU_PEERS = ("kiln", "onnxruntime", "torch eager")
@@ -160,7 +160,7 @@ def run_cpu(label: str, name: str, args) -> CpuRow:
             wait_for_quiet(args.quiet_wait)
             block = time_samples(runners[peer], iterations=max(1, args.iterations // args.rounds),
                                  warmup=args.warmup, budget_s=args.budget / len(CPU_PEERS) / args.rounds, min_runs=5,
-                                 clock=clock)
+                                 clock=clock, settle_s=SETTLE_S)  # onnxruntime's worker stops spinning first
             samples[peer] += block
             medians[peer] = float(np.median(block))
         row.kiln_over_ort_by_round.append(medians["kiln"] / medians["onnxruntime"])

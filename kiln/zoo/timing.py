@@ -14,6 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 Runner = Callable[[], object]
+# Seconds a block waits before its first run. onnxruntime's intra-op worker keeps spinning after a call returns:
+# 1.32's burned 30-50 ms of CPU after each MobileNetV2 call on a 2-vCPU EPYC (bench/results/dw-zen4-2026-12-06.md),
+# on the core the next runtime's second thread needs. Its warm-up runs absorbed that time, but kiln learns during
+# warm-up which form of its small layers is faster (kiln/kernels/cpu/form_choice.py), and bench/zoo.py's kiln
+# learned "serial" from runs made beside the spinning worker (1.48x onnxruntime instead of ~1.0x).
+SETTLE_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -24,10 +30,12 @@ class Latency:
 
 
 def time_samples(fn: Runner, *, iterations: int, warmup: int, budget_s: float, min_runs: int = 10,
-                 clock: Callable[[], float] = time.perf_counter) -> list[float]:
+                 clock: Callable[[], float] = time.perf_counter, settle_s: float = 0.0) -> list[float]:
     """ms of each of up to `iterations` calls after `warmup` (at least `min_runs` calls, then only
     while `budget_s` lasts). `clock=time.thread_time`: the calling thread's CPU time, what a one-thread
-    runtime spends on a shared machine without the time it waits for a core."""
+    runtime spends on a shared machine without the time it waits for a core. `settle_s`: a sleep first, so
+    that the runtime timed before has stopped spinning (SETTLE_S)."""
+    time.sleep(settle_s)
     for _ in range(warmup):
         fn()
     samples: list[float] = []
@@ -47,7 +55,7 @@ def time_runners(runners: dict[str, Runner], *, iterations: int = 100, warmup: i
     results = {}
     share = budget_s / max(len(runners), 1)
     for name, fn in runners.items():
-        samples = time_samples(fn, iterations=iterations, warmup=warmup, budget_s=share)
+        samples = time_samples(fn, iterations=iterations, warmup=warmup, budget_s=share, settle_s=SETTLE_S)
         results[name] = Latency(float(np.median(samples)), float(np.percentile(samples, 90)), len(samples))
     return results
 
