@@ -9,7 +9,10 @@
 Why: MobileViT-S's unfold and fold ran as 15 torch steps a run, each splitting the native segment around
 its convolutions and transformer layers; here each is one call of the segment loop (rows of channels
 copied whole on the NHWC side). A kernel is bound per input size; a size the kernel cannot walk (its
-table not strided, or past TABLE_LIMIT elements) runs as a step of its own on torch.
+table not strided, or past TABLE_LIMIT elements) runs as a step of its own on torch. A relayout whose output, as a
+segment lays values out, is its input's memory byte for byte (ConvNeXt's permute of an NHWC image to [N, H·W, C] rows
+and back: 18 copies a run of convnext_tiny) offers an alias form (NativeStep.aliasing), which a segment takes where
+the input dies at the relayout.
 """
 
 from __future__ import annotations
