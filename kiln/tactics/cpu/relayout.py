@@ -109,7 +109,8 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
 
     def alias_of(size: tuple[int, ...], rows_input: bool) -> NativeStep:
         """The relayout at `size` as an alias of its input's memory (NativeStep.aliasing); at another size of a
-        dynamic profile where the walk does move bytes, a ValueError (the segment then binds the layers anew)."""
+        dynamic profile where the walk does move bytes, a ValueError (there the layers run one by one, as for any
+        layer a segment cannot bind at a size)."""
         walk = walk_at(size, rows_input)
         if not walk.moves_nothing:
             raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
