@@ -65,6 +65,39 @@ def _reading_rows(step: BoundStep, native: NativeStep, produced: dict[int, tuple
     return replace(step, fn=launch), rows
 
 
+def _may_alias(step: BoundStep, native: NativeStep, i: int, steps: list[BoundStep], members: list[int],
+               pending: list[int], produced: dict[int, tuple[int, ...]], strides: dict[int, tuple[int, ...]],
+               last_read: dict[int, int], outputs: set[int]) -> bool:
+    """Whether step i may join the open run as an alias of its src: right after the member that wrote it, the src
+    a value of the run that dies here and is no output of the program, in the size and order the step reads."""
+    x = step.inputs[0]
+    return bool(members and not pending and members[-1] == i - 1 and steps[i - 1].outputs[0] == x
+                and last_read.get(x) == i and x not in outputs and _joins(step, produced, strides, native))
+
+
+def _aliasing(step: BoundStep, native: NativeStep, i: int, steps: list[BoundStep], members: list[int],
+              pending: list[int], produced: dict[int, tuple[int, ...]], strides: dict[int, tuple[int, ...]],
+              last_read: dict[int, int], outputs: set[int]) -> tuple[BoundStep, NativeStep]:
+    """step with its alias form (NativeStep.aliasing: a relayout that moves no byte) where it may join the run so;
+    else step as it is (its copy)."""
+    if native.alias or native.aliasing is None:
+        return step, native
+    try:
+        alias = native.aliasing()
+    except ValueError:
+        return step, native
+    if not _may_alias(step, alias, i, steps, members, pending, produced, strides, last_read, outputs):
+        return step, native
+    fn = step.fn
+
+    def launch(ctx, *args, **attributes):  # outside a segment the layer copies as before
+        return fn(ctx, *args, **attributes)
+
+    launch.__dict__.update(fn.__dict__)
+    launch.native = alias
+    return replace(step, fn=launch), alias
+
+
 def _hoistable(pending: list[BoundStep], produced: dict[int, Any], read: set[int]) -> bool:
     """Steps that are not native, met between members of a run, may run before it: none reads a value
     the run writes, and none frees a value the run reads (its last use would move before theirs)."""
@@ -121,15 +154,15 @@ def segments(steps: list[BoundStep], output_slots: list[int], constants: dict[in
             continue
         if members:
             step, native = _reading_rows(step, native, produced, strides)
+            step, native = _aliasing(step, native, i, steps, members, pending, produced, strides, last_read, outputs)
         if native.alias:  # only right after a member of the run, over a value of it that dies here
-            x = step.inputs[0]
-            if (members and not pending and members[-1] == i - 1 and steps[i - 1].outputs[0] == x
-                    and last_read.get(x) == i and x not in outputs and _joins(step, produced, strides, native)):
+            if _may_alias(step, native, i, steps, members, pending, produced, strides, last_read, outputs):
                 members.append(i)
                 steps[i] = step
                 produced[step.outputs[0]] = tuple(native.output_size)  # an alias writes one value
-                # (an alias's 4-D output is one whose order row-major and NHWC is the same)
-                strides[step.outputs[0]] = row_major_strides(tuple(native.output_size))
+                # (a Reshape's 4-D output is one whose order row-major and NHWC is the same; a relayout's alias has
+                # its output laid out as the segment lays 4-D values out, as its copy would write it)
+                strides[step.outputs[0]] = native.output_strides
             else:
                 close()
             continue

@@ -209,6 +209,11 @@ class NativeStep:
     # the same layer reading its 4-D src row-major (a NativeStep with rows_input), where that differs from this one:
     # a segment takes it for a member whose src another member wrote row-major (kiln/runtime/native_runs.py segments)
     reading_rows: Callable[[], NativeStep] | None = None
+    # the same layer as an alias of its src's memory (an `alias` NativeStep), where that moves no byte: a relayout whose
+    # output, as a segment lays it out, is its input's memory as laid out (ConvNeXt's NCHW <-> [N, H·W, C] permutes
+    # of NHWC memory); a segment takes it where the src is a value of the run that dies at this layer
+    # (kiln/runtime/native_runs.py segments), else runs the copy
+    aliasing: Callable[[], NativeStep] | None = None
     # kiln's own kernels only: the layer's plan at other input sizes (the argument `at` takes) as the fields that
     # follow the sizes, without a kernel object: a native segment's view writes them into a copy of its
     # template's plan (kiln/runtime/native_views.py _PlanRewrite)

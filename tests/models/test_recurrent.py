@@ -80,8 +80,9 @@ def test_forecaster_matches_onnxruntime_and_runs_fused(name, tmp_path, monkeypat
         np.testing.assert_allclose(output, want, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} run {run}")
         np.testing.assert_allclose(output, eager, rtol=1e-4, atol=1e-5 * scale, err_msg=f"{name} vs torch")
         # every layer one whole-sequence kernel: kiln's own loop (cpu.lstm.native / cpu.gru.native / cpu.lstm.lanes /
-        # cpu.lstm.fused, the tuner's choice where it was faster) or torch's (run_fused), never the step-by-step path
-        loops = (f"cpu.{op.lower()}.native", "cpu.lstm.lanes", "cpu.lstm.fused")
+        # cpu.lstm.fused(_blocks), the tuner's choice where it was faster) or torch's (run_fused), never the
+        # step-by-step path
+        loops = (f"cpu.{op.lower()}.native", "cpu.lstm.lanes", "cpu.lstm.fused", "cpu.lstm.fused_blocks")
         native = sum(s.op_type == op and s.tactic in loops for s in engine.plan.program.steps)
         assert calls == [op] * (layers - native), f"{name}: fused calls {calls}, {native} native layer(s)"
 
@@ -112,7 +113,8 @@ def test_gru_forecaster_in_kilns_loop_matches_onnxruntime(bidirectional, tmp_pat
 
 
 @pytest.mark.parametrize("name, loop", [("bilstm_forecaster", "cpu.lstm.fused"), ("gru_forecaster", "cpu.gru.native"),
-                                        ("lstm_forecaster", "cpu.lstm.fused")])
+                                        ("lstm_forecaster", "cpu.lstm.fused"),
+                                        ("lstm_forecaster", "cpu.lstm.fused_blocks")])
 def test_zoo_forecaster_is_one_native_segment(name, loop, monkeypatch):
     """The zoo's recurrent forecasters with kiln's loops picked: every step, the bidirectional layers and the moves
     between them (a Relayout reading Y [S, 2, N, H] row-major) included, runs in one native segment, and the engine

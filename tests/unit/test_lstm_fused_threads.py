@@ -22,20 +22,23 @@ pytestmark = pytest.mark.skipif(not recurrent.available(), reason=f"kiln's loop 
 
 
 def run_fused(values: dict[str, np.ndarray], batch: int, *, reverse: bool, lengths: np.ndarray | None,
-              row_split: bool) -> list[np.ndarray]:
-    """Y, Y_h, Y_c of one FusedLSTMDirection run at two threads, rows split or not."""
+              row_split: bool, split: str | None = None, slices: list[int] | None = None) -> list[np.ndarray]:
+    """Y, Y_h, Y_c of one FusedLSTMDirection run at two threads, the library's default split set to rows or not
+    (`row_split`), the layer's own `split` (None: that default); the row slices it ran appended to `slices`."""
     t = {k: torch.from_numpy(v) for k, v in values.items()}
-    layer = recurrent.FusedLSTMDirection(t["W"][0], t["R"][0], t["B"][0])
+    layer = recurrent.FusedLSTMDirection(t["W"][0], t["R"][0], t["B"][0], split=split)
     y, yh, yc = torch.empty(STEPS, batch, HIDDEN), torch.empty(batch, HIDDEN), torch.empty(batch, HIDDEN)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     recurrent.set_row_split(row_split)
     try:
-        layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=reverse, batch_major=False,
-                  lengths=None if lengths is None else torch.from_numpy(lengths))
+        plan = layer.run(t["X"], y, t["initial_h"][0], t["initial_c"][0], yh, yc, reverse=reverse, batch_major=False,
+                         lengths=None if lengths is None else torch.from_numpy(lengths))
     finally:
         recurrent.set_row_split(True)
         torch.set_num_threads(before)
+    if slices is not None:
+        slices.append(plan.row_slices)
     return [y.numpy(), yh.numpy(), yc.numpy()]
 
 
@@ -56,3 +59,28 @@ def test_rows_and_blocks_split_match_onnxruntime(reverse, with_lengths):
                 assert_close(g, w, TOLERANCE, f"batch {batch} rows split {split} {name}")
         for g, h in zip(forms[True], forms[False]):  # each row's sums in one order whichever thread runs them
             np.testing.assert_array_equal(g, h, err_msg=f"batch {batch}: the two splits differ")
+
+
+@pytest.mark.parametrize("batch", [4, 8, 13])
+def test_a_layers_own_split_overrides_the_default(batch):
+    """cpu.lstm.fused_blocks' layers (split="blocks") split the unit blocks whatever the library's default, and a
+    split="rows" layer the rows: each bit-equal to the default set that way, and onnxruntime's answer."""
+    rng = case_rng(f"fused-own-split-{batch}")
+    values = inputs(rng, steps=STEPS, batch=batch, features=FEATURES, hidden=HIDDEN, directions=1, layout=0,
+                    bias=True, initial=True)
+    wants = oracle(values, {}, HIDDEN)
+    wants = [wants[0][:, 0], wants[1][0], wants[2][0]]
+    for split, row_split in (("blocks", True), ("rows", False)):
+        slices: list[int] = []
+        got = run_fused(values, batch, reverse=False, lengths=None, row_split=row_split, split=split, slices=slices)
+        same = run_fused(values, batch, reverse=False, lengths=None, row_split=split == "rows", slices=slices)
+        assert slices == ([1, 1] if split == "blocks" else [2, 2]), (split, slices)  # two threads, 2+ rows each
+        for name, g, h, w in zip(["Y", "Y_h", "Y_c"], got, same, wants):
+            assert_close(g, w, TOLERANCE, f"batch {batch} split {split} {name}")
+            np.testing.assert_array_equal(g, h, err_msg=f"batch {batch} split {split} {name}: not the default's bits")
+
+
+def test_an_unknown_split_is_refused():
+    w, r = torch.zeros(4 * HIDDEN, FEATURES), torch.zeros(4 * HIDDEN, HIDDEN)
+    with pytest.raises(ValueError, match="split 'columns'"):
+        recurrent.FusedLSTMDirection(w, r, None, split="columns")

@@ -186,9 +186,10 @@ def test_a_dynamic_batch_keeps_its_transpose_and_runs_every_batch():
         np.testing.assert_array_equal(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}))
 
 
-def convnext_block_model(c: int = 12, h: int = 6, w: int = 5, seed: int = 0) -> onnx.ModelProto:
+def convnext_block_model(c: int = 12, h: int = 6, w: int = 5, seed: int = 0, residual: str = "x") -> onnx.ModelProto:
     """ConvNeXt's block as exported: depthwise conv, permute to NHWC, LayerNorm, Linear, Gelu, Linear,
-    permute back, residual Add; then a 1x1 conv."""
+    permute back, residual Add (of `residual`: the block's input x, or "d", the depthwise conv's output, which is
+    then read past the first permute); then a 1x1 conv."""
     rng = np.random.default_rng(seed)
     inits = {
         "wd": rng.standard_normal((c, 1, 7, 7)).astype(np.float32) * 0.2,
@@ -207,7 +208,7 @@ def convnext_block_model(c: int = 12, h: int = 6, w: int = 5, seed: int = 0) -> 
         helper.make_node("Gelu", ["a1"], ["ge"], name="gelu"),
         helper.make_node("MatMul", ["ge", "w2"], ["m2"], name="pwconv2"),
         helper.make_node("Transpose", ["m2"], ["q"], perm=[0, 3, 1, 2], name="permute_back"),
-        helper.make_node("Add", ["x", "q"], ["r"], name="residual"),
+        helper.make_node("Add", [residual, "q"], ["r"], name="residual"),
         helper.make_node("Conv", ["r", "wo"], ["y"], name="conv_out"),
     ]
     graph = helper.make_graph(
@@ -235,10 +236,43 @@ def test_convnext_block_is_one_segment_and_matches_onnxruntime(c, h, w):
     assert "" not in tactics and tactics.count("cpu.add.nhwc") == 1, tactics
     segments = engine.program.segments
     assert len(segments) == 1 and len(segments[0].members) == len(tactics), [len(s.members) for s in segments]
+    # NCHW -> [1, H·W, C] and back are the same bytes as the segment lays the 4-D values out (NHWC): aliases
+    relayouts = [m for m in segments[0].members if m.ctx.op_type == "Relayout"]
+    assert segments[0].aliased == 2 and len(relayouts) == 2 and all(m.fn.native.alias for m in relayouts)
     for seed in (1, 2):
         x = np.random.default_rng(seed).standard_normal((1, c, h, w)).astype(np.float32)
         # fp32: LayerNorm, the GEMMs and the convolutions sum in other orders than onnxruntime's
         np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+def test_a_relayout_whose_input_lives_on_copies_and_the_other_aliases():
+    """The residual read from the depthwise conv's output: the first permute's input lives past it, so that relayout
+    copies (an alias would have the LayerNorm's rows overwrite what the Add reads); the permute back still aliases.
+    Both segments' forms against onnxruntime."""
+    proto = convnext_block_model(c=12, h=6, w=5, residual="d")
+    engine = kiln.build(proto.SerializeToString(), tactics=["cpu.conv.onednn_direct", "cpu.relayout.native",
+                                                            "cpu.layernormalization.native", "cpu.gemm.kiln_packed",
+                                                            "cpu.add.nhwc"])
+    segments = engine.program.segments
+    assert len(segments) == 1 and segments[0].aliased == 1, [(len(s.members), s.aliased) for s in segments]
+    relayouts = [m for m in segments[0].members if m.ctx.op_type == "Relayout"]
+    assert [m.fn.native.alias for m in relayouts] == [False, True], [m.ctx.name for m in relayouts]
+    for seed in (3, 4):
+        x = np.random.default_rng(seed).standard_normal((1, 12, 6, 5)).astype(np.float32)
+        np.testing.assert_allclose(engine.run({"x": x})["y"], _onnxruntime(proto, {"x": x}), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("input_size, dims, perm, output_size, moves", [
+    ((2, 5, 3, 4), [2, 5, 12], [0, 2, 1], (2, 12, 5), False),  # NHWC memory to [N, H·W, C] rows: the same bytes
+    ((2, 12, 5), [2, 3, 4, 5], [0, 3, 1, 2], (2, 5, 3, 4), False),  # and back
+    ((2, 5, 3, 4), [2, 5, 12], [0, 1, 2], (2, 5, 12), True),  # NHWC memory read as NCHW rows: a transpose
+    ((3, 4), [3, 4], [1, 0], (4, 3), True),
+])
+def test_a_walk_that_moves_no_byte_is_known(input_size, dims, perm, output_size, moves):
+    from kiln.kernels.cpu.relayout import Relayout, relayout_move
+
+    walk = Relayout(input_size, relayout_move(dims, perm, output_size))
+    assert walk.moves_nothing is (not moves), (walk.base, walk.walk)
 
 
 def test_a_chain_that_moves_no_element_becomes_one_reshape():

@@ -110,7 +110,8 @@ def engine(values, attrs, hidden, monkeypatch, *, name: str = NAME, sequence_len
 # rows the two-pass tile's groups of up to 8: 13 = 7 + 6).
 KERNEL_CASES = [(NAME, 16, 4), (NAME, 20, 9), (NAME, 40, 8),
                 ("cpu.lstm.lanes", 16, 4), ("cpu.lstm.lanes", 37, 8), ("cpu.lstm.lanes", 7, 1),
-                ("cpu.lstm.fused", 32, 4), ("cpu.lstm.fused", 37, 13), ("cpu.lstm.fused", 7, 1)]
+                ("cpu.lstm.fused", 32, 4), ("cpu.lstm.fused", 37, 13), ("cpu.lstm.fused", 7, 1),
+                ("cpu.lstm.fused_blocks", 37, 13)]
 KERNELS = [NAME, "cpu.lstm.lanes", "cpu.lstm.fused"]
 
 

@@ -85,6 +85,34 @@ def test_layer_norm_matches_float64(residual, affine):
         np.testing.assert_allclose(got.numpy(), op(ctx, *inputs, epsilon=eps).numpy(), atol=ATOL * 4, rtol=RTOL)
 
 
+@pytest.mark.parametrize("rms", [False, True])
+def test_narrow_rows_in_registers_match_the_row_loop_and_float64(rms):
+    """Rows of at most 64 floats on AVX-512 are held in registers (transformer.c ln_row_narrow): widths across each
+    register's mask (16, 17, 33, 48, 64; 65 takes the row loop), with a residual repeating over the rows and the sum
+    kept, against float64 and the row loop (kernels.set_narrow_norm(False))."""
+    from kiln.kernels.cpu import transformer as kernels
+
+    for n in (16, 17, 33, 48, 64, 65):
+        x = rng.standard_normal((2, 37, n)).astype(np.float32) * 3 + 1
+        r = rng.standard_normal((1, 37, n)).astype(np.float32)
+        scale, bias = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+        norm = kernels.LayerNorm(x.shape, t(scale), t(bias), 1e-5, residual_size=r.shape, rms=rms, keep_sum=True)
+        s64 = x.astype(np.float64) + r
+        mean = 0.0 if rms else s64.mean(-1, keepdims=True)
+        want = (s64 - mean) / np.sqrt(((s64 - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * scale + bias
+        forms = {}
+        try:
+            for narrow in (True, False):
+                kernels.set_narrow_norm(narrow)
+                forms[narrow] = [o.numpy() for o in norm({0: t(x), 3: t(r)})]
+        finally:
+            kernels.set_narrow_norm(True)
+        for narrow, (y, total) in forms.items():
+            np.testing.assert_array_equal(total, x + r, err_msg=f"n={n} narrow {narrow}")
+            np.testing.assert_allclose(y, want, atol=ATOL * 4, rtol=RTOL, err_msg=f"n={n} narrow {narrow}")
+        np.testing.assert_allclose(forms[True][0], forms[False][0], atol=ATOL * 4, rtol=RTOL, err_msg=f"n={n}")
+
+
 @pytest.mark.parametrize("residual", [None, "same", "rows"])
 def test_pre_ln_layer_norm_also_gives_the_sum(residual):
     """A pre-LN block's norm: y = LN(x + r) and the sum s = x + r (the residual stream) as a second output."""

@@ -338,7 +338,12 @@ static void fused_item(const loop_ctx *lc, long step, long item) {
 
 /* 1: at two threads and more, each thread runs a slice of the batch's rows through every step (fused_row_slice),
    where each gets two rows or more; 0: the threads split each step's unit blocks (run_stages), a barrier a step.
-   bench/recurrent_threads.py times both in one process. */
+   The default of a plan whose `split` is 0; bench/recurrent_threads.py times both in one process. Which wins
+   depends on the CPU: on the Xeon the row split (forecaster 1.06 vs 1.40 ms), on the Zen 4 EPYC the block split
+   (one layer, 2 threads, batch 8: I = 16 0.665 vs 0.740 ms, I = 128 1.060 vs 1.247; bench/results/
+   small-zen4-2026-12-06.md), where each thread's 4-row one-pass tile runs further below the FMA peak than the
+   8-row two-pass tile both threads share by blocks. So the builder times both: cpu.lstm.fused (split 0: this
+   default) and cpu.lstm.fused_blocks (split 2). */
 int kiln_lstm_fused_row_split = 1;
 
 typedef struct {
@@ -383,7 +388,9 @@ int kiln_lstm_fused(void *object, void *stream, int nargs, const void *args) {
        slower than the block split; two and more 0.83-0.97x with AVX-512, 0.88-1.04x capped to AVX2: the table in
        bench/results/recurrent-2026-12-05b.md) */
     const long most_slices = N / 2 > 1 ? N / 2 : 1;  /* two rows or more each */
-    const long slices = kiln_lstm_fused_row_split ? (most_slices < threads ? most_slices : threads) : 1;
+    const int row_split = p->split ? p->split == 1 : kiln_lstm_fused_row_split;
+    const long slices = row_split ? (most_slices < threads ? most_slices : threads) : 1;
+    p->row_slices = (int)slices;
     const long rows = (N + slices - 1) / slices;
     /* rows past the one-pass tile's: the two-pass tile's, where the kernel has one */
     const int two_pass = kernel->pairs_mr > 0 && rows > kernel->mr;

@@ -74,6 +74,9 @@ typedef struct {
     int stalled;           /* out: 1 when a thread held a stage up past STALL_NS and the call went on alone */
     long waited_ns;        /* out: the longest time one thread spent waiting for another's items */
     long loop_ns;          /* out: the loop over time, start to end */
+    int split;             /* lstm_fused.c at two threads and more: 0 the library's default (kiln_lstm_fused_row_split),
+                              1 the batch's rows, 2 each step's unit blocks (cpu.lstm.fused / cpu.lstm.fused_blocks) */
+    int row_slices;        /* out: lstm_fused.c: the slices of rows the threads ran (1: one, or the block split) */
 } kiln_recurrent_plan;
 
 static long recurrent_gate_columns(int kernel, long h, int gates) {

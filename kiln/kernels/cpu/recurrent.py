@@ -75,7 +75,8 @@ class _Plan(ctypes.Structure):  # kiln_recurrent_plan in recurrent.c
                 ("threads", ctypes.c_int), ("reverse", ctypes.c_int), ("batch_major", ctypes.c_int),
                 ("gates", ctypes.c_int), ("linear_before_reset", ctypes.c_int), ("input_forget", ctypes.c_int),
                 ("generic", ctypes.c_int), ("act", _Act * 3), ("clip", ctypes.c_float), ("stalled", ctypes.c_int),
-                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long)]
+                ("waited_ns", ctypes.c_long), ("loop_ns", ctypes.c_long), ("split", ctypes.c_int),
+                ("row_slices", ctypes.c_int)]
 
 
 def load(test_kernels: bool = False) -> ctypes.CDLL | None:
@@ -202,11 +203,12 @@ class _Direction:
 
     def run(self, x: torch.Tensor, y: torch.Tensor | None, h0: torch.Tensor | None, c0: torch.Tensor | None,
             yh: torch.Tensor | None, yc: torch.Tensor | None, *, reverse: bool, batch_major: bool,
-            lengths: torch.Tensor | None = None) -> None:
+            lengths: torch.Tensor | None = None) -> _Plan:
         """x: contiguous [S, N, I] (or [N, S, I] batch_major); y: where h of (t, n) goes, a [S, N, H] view
         whose last dim is contiguous (or [N, S, H] batch_major), or None; h0, c0, yh, yc: [N, H] views with
         contiguous rows, sharing one row stride (c0, yc: the LSTM's only); lengths: contiguous int32 [N] in
-        [0, S] (checked by the caller), or None."""
+        [0, S] (checked by the caller), or None. Returns the plan it ran: its out fields say how (stalled,
+        waited_ns, loop_ns; row_slices on lstm_fused.c)."""
         steps, batch, y_ts, y_ns, state_ns = _geometry(self.cell, x, y, (h0, c0, yh, yc), lengths, batch_major)
         with self._lock:  # the scratch is this layer's: two contexts of one engine take turns
             scratch = _scratch(self._scratch, (steps, batch), lambda: self.scratch_floats(steps, batch))
@@ -217,6 +219,7 @@ class _Direction:
             status = self._function(ctypes.byref(plan), None, 0, None)
         if status:
             raise RuntimeError(f"kiln {self.what} [{steps}, {batch}, {self.inputs}] -> {self.hidden} failed ({status})")
+        return plan
 
 
 class RecurrentDirection(_Direction):
@@ -406,10 +409,20 @@ class FusedLSTMDirection(_Direction):
     """One direction of an ONNX LSTM with the default activations (no clip, peepholes or input_forget) on
     lstm_fused.c: per step and block of hidden units, the input projection, the recurrent GEMM and the cell
     in one register tile. W [4H, I], R [4H, H] are packed once side by side along K, B [8H] (or None) folded
-    to Wb + Rb after them. run() takes what RecurrentDirection.run takes, any batch."""
+    to Wb + Rb after them. run() takes what RecurrentDirection.run takes, any batch.
+
+    `split`: how two threads and more share a call: "rows" (each thread a slice of the batch's rows through every
+    step, where each gets two rows or more), "blocks" (each step's unit blocks, a barrier a step), or None: the
+    library's default (set_row_split). Which is faster depends on the CPU (lstm_fused.c's note on
+    kiln_lstm_fused_row_split): the builder times cpu.lstm.fused (rows) and cpu.lstm.fused_blocks."""
+
+    SPLITS = {None: 0, "rows": 1, "blocks": 2}  # kiln_recurrent_plan.split
 
     def __init__(self, w: torch.Tensor, r: torch.Tensor, b: torch.Tensor | None, *,
-                 kernel: FusedKernel | None = None):
+                 kernel: FusedKernel | None = None, split: str | None = None):
+        if split not in self.SPLITS:
+            raise ValueError(f"split {split!r} is not one of {sorted(k for k in self.SPLITS if k)} or None")
+        self.split = split
         test_kernels = kernel is not None and kernel.test_only
         lib = load(test_kernels)
         if lib is None:
@@ -442,7 +455,7 @@ class FusedLSTMDirection(_Direction):
     def plan(self, steps: int, batch: int, *, reverse: bool, batch_major: bool, scratch: torch.Tensor) -> _Plan:
         return _Plan(packed_w=self._packed.data_ptr(), bias=self._bias.data_ptr(), scratch=scratch.data_ptr(),
                      S=steps, N=batch, I=self.inputs, H=self.hidden, kernel=self.kernel.index, threads=0,
-                     reverse=int(reverse), batch_major=int(batch_major), gates=4)
+                     reverse=int(reverse), batch_major=int(batch_major), gates=4, split=self.SPLITS[self.split])
 
 
 class _MemberPlan(ctypes.Structure):  # recurrent_member_plan in recurrent.c

@@ -100,6 +100,10 @@ class Relayout:
             raise onednn.OneDNNError(f"kiln's relayout kernel is not built: {reason()}")
         self.input_size, self.rows_input = tuple(input_size), rows_input
         self.base, self.walk, self.output_size = memory_walk(self.input_size, move, rows_input)
+        # y's memory is x's, byte for byte (a walk from the first element in one contiguous run): ConvNeXt's
+        # permute of an NHWC image to [N, H·W, C] rows and back, which a segment then runs as an alias
+        numel = int(np.prod(self.input_size))
+        self.moves_nothing = self.base == 0 and [tuple(d) for d in self.walk] == [(numel, 1)]
         self.library = library
         self.what = f"{what} {list(self.input_size)} -> {list(self.output_size)}"
         self._lock = threading.Lock()

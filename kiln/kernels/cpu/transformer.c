@@ -138,6 +138,52 @@ static void ln_row(const float *x, const float *r, float *y, float *s_out, const
     }
 }
 
+#if defined(__AVX512F__) && defined(KILN_AVX2)
+/* 1: rows of at most NARROW_WIDTH floats take ln_row_narrow (kiln/kernels/cpu/transformer.py set_narrow_norm: a
+   bench's other side) */
+int kiln_layer_norm_narrow = 1;
+#define NARROW_WIDTH 64
+
+/* ln_row for a row of n <= 64 floats held in up to four zmm registers (masked past n): read once, each reduction a
+   single vector's, no scalar tail. Why: ConvNeXt's channel norms in its first stages are rows of 16 and 32 (its CI
+   variant's [2, 256, 16]: 512 rows); ln_row's 16-float loops, horizontal sums and scalar tails cost ~20 ns a row
+   there, 10 µs a norm on the Zen 4 EPYC, where onnxruntime's whole network takes 280 µs
+   (bench/results/small-zen4-2026-12-06.md). */
+static inline __attribute__((always_inline)) void ln_row_narrow(const float *x, const float *r, float *y,
+                                                                 float *s_out, const float *scale, const float *bias,
+                                                                 long n, float epsilon, int rms, float inv_n) {
+    __m512 v[4];
+    __mmask16 m[4];
+    __m512 acc = _mm512_setzero_ps();
+    const int k = (int)((n + 15) / 16);
+    for (int j = 0; j < 4; ++j) {
+        if (j >= k) break;
+        const long left = n - 16L * j;
+        m[j] = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);
+        v[j] = _mm512_maskz_loadu_ps(m[j], x + 16 * j);
+        if (r) v[j] = _mm512_add_ps(v[j], _mm512_maskz_loadu_ps(m[j], r + 16 * j));
+        if (s_out) _mm512_mask_storeu_ps(s_out + 16 * j, m[j], v[j]);
+        acc = _mm512_add_ps(acc, v[j]);
+    }
+    const float mean = rms ? 0.0f : _mm512_reduce_add_ps(acc) * inv_n;
+    const __m512 mv = _mm512_set1_ps(mean);
+    __m512 sq = _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+        if (j >= k) break;
+        v[j] = _mm512_maskz_sub_ps(m[j], v[j], mv);  /* zeros past n */
+        sq = _mm512_fmadd_ps(v[j], v[j], sq);
+    }
+    const __m512 rstd = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(sq) * inv_n + epsilon));
+    for (int j = 0; j < 4; ++j) {
+        if (j >= k) break;
+        __m512 o = _mm512_mul_ps(v[j], rstd);
+        if (scale) o = _mm512_mul_ps(o, _mm512_maskz_loadu_ps(m[j], scale + 16 * j));
+        if (bias) o = _mm512_add_ps(o, _mm512_maskz_loadu_ps(m[j], bias + 16 * j));
+        _mm512_mask_storeu_ps(y + 16 * j, m[j], o);
+    }
+}
+#endif
+
 static int max_threads(void) {
 #ifdef _OPENMP
     return omp_get_max_threads();
@@ -155,6 +201,16 @@ int kiln_layer_norm(void *object, void *stream, int nargs, const void *args) {
     float *s = p->sum ? (float *)handle_of(p->get_handle, p->sum) : NULL;
     if (!x || !y || (p->residual && !r) || (p->sum && !s)) return 2;
     const long rows = p->rows, n = p->n, rr = p->residual_rows > 0 ? p->residual_rows : rows;
+#if defined(__AVX512F__) && defined(KILN_AVX2)
+    if (kiln_layer_norm_narrow && n <= NARROW_WIDTH) {
+        const float inv_n = 1.0f / (float)n;
+        #pragma omp parallel for schedule(static) if (rows > p->grain)
+        for (long row = 0; row < rows; ++row)
+            ln_row_narrow(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale,
+                          p->bias, n, p->epsilon, p->rms, inv_n);
+        return 0;
+    }
+#endif
     #pragma omp parallel for schedule(static) if (rows > p->grain)
     for (long row = 0; row < rows; ++row)
         ln_row(x + row * n, r ? r + (row % rr) * n : NULL, y + row * n, s ? s + row * n : NULL, p->scale, p->bias,

@@ -44,6 +44,15 @@ _HANDLE_MD: Any = None  # the memory descriptor every operand's memory object is
 PARALLEL_ELEMENTS = 1 << 20
 
 
+def set_narrow_norm(on: bool) -> None:
+    """Whether LayerNorm / RMSNorm rows of at most 64 floats take the AVX-512 path that holds a row in registers
+    (transformer.c ln_row_narrow; the default where the library was compiled with AVX-512), as a benchmark's other
+    side or a test's."""
+    lib = load()
+    if lib is not None and hasattr(lib, "kiln_layer_norm_narrow"):
+        ctypes.c_int.in_dll(lib, "kiln_layer_norm_narrow").value = int(on)
+
+
 def _share_the_pool(lib: ctypes.CDLL) -> None:
     """attention's and Elementwise's loops on the GEMM's pool (pool.c), else OpenMP's."""
     ctypes.c_void_p.in_dll(lib, "kiln_shared_parallel_for").value = gemm_native.parallel_for_address()

@@ -8,7 +8,11 @@
                       (lstm_lanes.c); a larger batch runs cpu.lstm.native's loop.
     cpu.lstm.fused    the same LSTMs, any batch: the batch in the rows, the four gates of a block of hidden
                       units in one vector each, input projection, recurrent GEMM and cell in one register tile
-                      (lstm_fused.c). The builder times the three.
+                      (lstm_fused.c); at two threads and more each thread runs a slice of the batch's rows.
+    cpu.lstm.fused_blocks
+                      cpu.lstm.fused with the threads splitting each step's unit blocks instead (a barrier a
+                      step): the faster form on the Zen 4 EPYC, the row split on the Xeon (lstm_fused.c's note on
+                      kiln_lstm_fused_row_split). The builder times the four.
 
 Each: every direction and layout, initial states, sequence_lens (given at run time), clip, every activation
 of the spec but Softplus (with activation_alpha / activation_beta), outputs Y, Y_h (, Y_c). Per direction,
@@ -137,8 +141,10 @@ def _native_reason(step: StepSpec, constants: list[Any]) -> str | None:
 
 def _preparer(cell: str, loop: str = "rows"):
     """`loop`: "rows" (recurrent.c / lstm.c), "lanes" (the LSTM on lstm_lanes.c up to its batch, the row loop,
-    built on first use, past it) or "fused" (the LSTM on lstm_fused.c, any batch)."""
-    lanes, fused = loop == "lanes", loop == "fused"
+    built on first use, past it), "fused" (the LSTM on lstm_fused.c, any batch, the threads splitting the batch's
+    rows) or "fused_blocks" (the same, the threads splitting each step's unit blocks)."""
+    lanes, fused = loop == "lanes", loop in ("fused", "fused_blocks")
+    split = "blocks" if loop == "fused_blocks" else None  # None: the library's default, the rows (set_row_split)
     op = lookup(cell, "").fn
     has_c = cell == "LSTM"
 
@@ -159,7 +165,8 @@ def _preparer(cell: str, loop: str = "rows"):
 
         rows: list[recurrent.RecurrentDirection | recurrent.FusedLSTMDirection] = []  # lanes: built past the lanes
         if fused:
-            rows = [recurrent.FusedLSTMDirection(W[d], R[d], None if B is None else B[d]) for d in range(directions)]
+            rows = [recurrent.FusedLSTMDirection(W[d], R[d], None if B is None else B[d], split=split)
+                    for d in range(directions)]
         elif not lanes:
             rows = row_layers()
         lane_layers = [recurrent.LanesLSTMDirection(W[d], R[d], None if B is None else B[d])
@@ -302,4 +309,12 @@ register(Tactic(
     available=recurrent.available, native=True,
     description="LSTM as kiln's C loop with a step's input projection, recurrent GEMM and cell in one register "
                 "tile per block of hidden units (four gate vectors) and group of batch rows",
+))
+
+register(Tactic(
+    name="cpu.lstm.fused_blocks", op_type="LSTM", domain="", device="cpu", dtypes=(torch.float32,),
+    supports=_supports_default_cell, configure=_configure, prepare=_preparer("LSTM", "fused_blocks"),
+    available=recurrent.available, native=True,
+    description="cpu.lstm.fused with the threads splitting each step's blocks of hidden units (a barrier a step) "
+                "rather than the batch's rows: the faster form on some CPUs (Zen 4), so the builder times both",
 ))

@@ -9,7 +9,10 @@
 Why: MobileViT-S's unfold and fold ran as 15 torch steps a run, each splitting the native segment around
 its convolutions and transformer layers; here each is one call of the segment loop (rows of channels
 copied whole on the NHWC side). A kernel is bound per input size; a size the kernel cannot walk (its
-table not strided, or past TABLE_LIMIT elements) runs as a step of its own on torch.
+table not strided, or past TABLE_LIMIT elements) runs as a step of its own on torch. A relayout whose output, as a
+segment lays values out, is its input's memory byte for byte (ConvNeXt's permute of an NHWC image to [N, H·W, C] rows
+and back: 18 copies a run of convnext_tiny) offers an alias form (NativeStep.aliasing), which a segment takes where
+the input dies at the relayout.
 """
 
 from __future__ import annotations
@@ -101,7 +104,22 @@ def _launch(tuned: tuple[int, ...], kernel: relayout.Relayout, other_sizes: Call
         walk = walk_at(size, rows_input)  # ValueError: no strided walk gives the output at this size
         four_d_order = len(size) == 4 and size[1] != 1 and size[2] * size[3] != 1
         return NativeStep(size, walk.output_size, same_primitive(walk), rows_input=rows_input,
-                          reading_rows=(lambda: rows_at(size)) if four_d_order and not rows_input else None)
+                          reading_rows=(lambda: rows_at(size)) if four_d_order and not rows_input else None,
+                          aliasing=(lambda: alias_at(size, rows_input)) if walk.moves_nothing else None)
+
+    def alias_of(size: tuple[int, ...], rows_input: bool) -> NativeStep:
+        """The relayout at `size` as an alias of its input's memory (NativeStep.aliasing); at another size of a
+        dynamic profile where the walk does move bytes, a ValueError (there the layers run one by one, as for any
+        layer a segment cannot bind at a size)."""
+        walk = walk_at(size, rows_input)
+        if not walk.moves_nothing:
+            raise ValueError(f"{walk.what}: moves bytes at this size, not an alias")
+        return NativeStep(size, walk.output_size, None, alias=True, rows_input=rows_input)
+
+    def alias_at(size: tuple[int, ...], rows_input: bool) -> NativeStep:
+        step = alias_of(size, rows_input)
+        step.at = resizable(lambda other: alias_of(tuple(other), rows_input))
+        return step
 
     plain_at = resizable(lambda size: native_of(tuple(size), False)) if resizes else None
     rows_at = resizable(lambda size: native_of(tuple(size), True)) if resizes \
