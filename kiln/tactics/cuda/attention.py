@@ -39,6 +39,7 @@ from kiln.tactics.tactic import InputMeta, Launch, Tactic, tensor_input
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
 _GRID_AXIS_LIMIT = 65535
+_ONE_PASS_VALUES_PER_THREAD = 128  # kiln/kernels/cuda/triton/quantized_attention.py, without importing triton here
 _SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (H100/H200); a larger tile fails at launch
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
@@ -322,7 +323,25 @@ def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -
     return True
 
 
-def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+def _one_pass_keys(block_m: int, block_n: int, num_warps: int) -> int:
+    """quantized_attention.one_pass_keys without importing triton here: the keys whose scores a tile's registers hold."""
+    return _ONE_PASS_VALUES_PER_THREAD * 32 * num_warps // (block_m * block_n) * block_n
+
+
+def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
+                       num_warps: int) -> bool | str:
+    verdict = _supports_quantized(step, inputs, block_m)
+    if verdict is not True:
+        return verdict
+    t_len = _meta_views(inputs, step.attributes)[1].shape[2]
+    limit = _one_pass_keys(block_m, block_n, num_warps)
+    if t_len > limit:
+        return f"{t_len} keys: this tile holds a row block's scores for {limit} at most (the two-pass tactics take more)"
+    return True
+
+
+def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int,
+                                one_pass: bool = False) -> Tactic:
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.quantized_attention")
         attributes = step.attributes
@@ -341,11 +360,21 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
             kernels.quantized_attention(q4, k4, v4, mask, scale=float(_attr(attributes, "scale", 1.0)), **quant,
                                         float8=float8, nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)),
                                         out=out, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                                        num_stages=num_stages)
+                                        num_stages=num_stages, one_pass=one_pass)
             return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
 
         return launch
 
+    if one_pass:
+        return Tactic(
+            name=f"cuda.attention.quantized_one_pass.{block_m}x{block_n}.w{num_warps}", op_type="Attention",
+            domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
+            supports=lambda step, inputs: _supports_one_pass(step, inputs, block_m, block_n, num_warps),
+            prepare=prepare, level=level, available=triton_available,
+            description=f"Triton attention of an explicitly quantized graph (int8 or E4M3 Q/DQ as attributes): one "
+                        f"pass, a row block's every score in registers ({block_m} queries x up to "
+                        f"{_one_pass_keys(block_m, block_n, num_warps)} keys, {block_n} at a time), {num_warps} warps",
+        )
     return Tactic(
         name=f"cuda.attention.quantized.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
         domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
@@ -359,3 +388,7 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
 
 for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (64, 32, 4, 2, 3)):
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
+# One pass where a row block's scores fit in registers (issue 12: the two-pass kernel took 0.53-0.61 ms a BERT-base
+# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100): up to 512 keys with these tiles
+for _block_m, _block_n, _warps in ((64, 128, 8), (32, 128, 4), (64, 64, 4)):
+    register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, 2, one_pass=True))
