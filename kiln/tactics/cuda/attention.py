@@ -39,7 +39,6 @@ from kiln.tactics.tactic import InputMeta, Launch, Tactic, tensor_input
 _HALF = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 128  # kiln/kernels/cuda/triton/attention.py MAX_HEAD_DIM, without importing triton here
 _GRID_AXIS_LIMIT = 65535
-_ONE_PASS_VALUES_PER_THREAD = 128  # kiln/kernels/cuda/triton/quantized_attention.py, without importing triton here
 _SHARED_MEMORY_LIMIT = 232448  # bytes per block on sm_90 (H100/H200); a larger tile fails at launch
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
@@ -323,25 +322,21 @@ def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -
     return True
 
 
-def _one_pass_keys(block_m: int, block_n: int, num_warps: int) -> int:
-    """quantized_attention.one_pass_keys without importing triton here: the keys whose scores a tile's registers hold."""
-    return _ONE_PASS_VALUES_PER_THREAD * 32 * num_warps // (block_m * block_n) * block_n
-
-
-def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, block_n: int,
-                       num_warps: int) -> bool | str:
+def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, max_keys: int) -> bool | str:
     verdict = _supports_quantized(step, inputs, block_m)
     if verdict is not True:
         return verdict
     t_len = _meta_views(inputs, step.attributes)[1].shape[2]
-    limit = _one_pass_keys(block_m, block_n, num_warps)
-    if t_len > limit:
-        return f"{t_len} keys: this tile holds a row block's scores for {limit} at most (the two-pass tactics take more)"
+    if t_len > max_keys:
+        return f"{t_len} keys: this tile holds a row block's scores for {max_keys} at most (the two-pass tactics take more)"
     return True
 
 
 def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int,
-                                one_pass: bool = False) -> Tactic:
+                                one_pass_keys: int = 0) -> Tactic:
+    """one_pass_keys > 0: the one-pass kernel, for at most that many keys (what the tile's registers hold)."""
+    one_pass = one_pass_keys > 0
+
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.quantized_attention")
         attributes = step.attributes
@@ -369,11 +364,11 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
         return Tactic(
             name=f"cuda.attention.quantized_one_pass.{block_m}x{block_n}.w{num_warps}", op_type="Attention",
             domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
-            supports=lambda step, inputs: _supports_one_pass(step, inputs, block_m, block_n, num_warps),
+            supports=lambda step, inputs: _supports_one_pass(step, inputs, block_m, one_pass_keys),
             prepare=prepare, level=level, available=triton_available,
             description=f"Triton attention of an explicitly quantized graph (int8 or E4M3 Q/DQ as attributes): one "
-                        f"pass, a row block's every score in registers ({block_m} queries x up to "
-                        f"{_one_pass_keys(block_m, block_n, num_warps)} keys, {block_n} at a time), {num_warps} warps",
+                        f"pass, a row block's every score in registers ({block_m} queries x up to {one_pass_keys} "
+                        f"keys, {block_n} at a time), {num_warps} warps",
         )
     return Tactic(
         name=f"cuda.attention.quantized.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
@@ -389,6 +384,9 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
 for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (64, 32, 4, 2, 3)):
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
 # One pass where a row block's scores fit in registers (issue 12: the two-pass kernel took 0.53-0.61 ms a BERT-base
-# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100): up to 512 keys with these tiles
-for _block_m, _block_n, _warps in ((64, 128, 8), (32, 128, 4), (64, 64, 4)):
-    register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, 2, one_pass=True))
+# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100). Registers per thread at 384 / 512 keys, E4M3,
+# ptxas for sm_90 (no spill unless said): 64x128.w8 255 + 192 B of stack (wgmma; 512 keys spill more), 32x128.w8
+# 128 / 148, 16x128.w4 122 / 160 (mma.sync: M < 64), 16x64.w4 124 (6 blocks) / 152 (8)
+for _block_m, _block_n, _warps, _keys, _level in ((64, 128, 8, 384, 2), (32, 128, 8, 512, 2), (16, 128, 4, 512, 2),
+                                                 (16, 64, 4, 512, 3)):
+    register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys))

@@ -7,11 +7,24 @@ The op (kiln/ops/fused.py) is, per row of scores, with x̂ = (x8 - z)·s the deq
     p_j = exp(s_j - max s) / Σ exp(s - max s)    [NaN -> 0 for a row whose every key is masked: nan_to_zero]
     o   = Σ_j FQ_prob(p_j)·v̂_j                  [-> Q_out(o)]
 
-FQ_prob needs each p_j normalised, i.e. the row's max and sum before any p·v: so each program walks its keys
-twice (flash attention's online softmax cannot round p before knowing l). Pass 1 keeps the running max m and sum l
-of the rounded scores; pass 2 recomputes the same scores, p = exp(s - m) / l, rounds p and accumulates p·v.
-Twice the q·kᵀ work of a flash kernel, none of the [B, H, S, T] traffic of the unfused graph (BERT-base 64 x 384:
-113 M scores a layer, 453 MB a float32 pass).
+FQ_prob needs each p_j normalised, i.e. the row's max and sum before any p·v: flash attention's online softmax
+cannot round p before knowing l (a rescaled p rounds differently: E4M3 and integer grids are not scale-invariant).
+Two kernels, none of the [B, H, S, T] traffic of the unfused graph (BERT-base 64 x 384: 113 M scores a layer,
+453 MB a float32 pass):
+
+- one pass (`_one_pass_kernel`, T up to ONE_PASS_MAX_CHUNKS key blocks): a program holds all its rows' scores in
+  registers, a tuple of [BM, BN] tiles, so q·kᵀ, the score rounding and exp run once per score, as in a flash
+  kernel; then l, and p = e·(1/l) rounded times v. A [.., 1, T] padding mask is one key vector per block, and E4M3
+  rounding is a magic add (_e4m3_grid, ~7 instructions). Issue 12: the two-pass kernel took 0.53-0.61 ms a
+  BERT-base layer on the H100, 4x the fp16 flash tile's 0.14: its q·kᵀ, score rounding (~17 instructions a value,
+  round_to_e4m3) and [BM, BN] mask loads twice, two exps a score.
+- two passes (`_quantized_attention_kernel`, any T): pass 1 keeps the running max m and sum l of the rounded
+  scores; pass 2 recomputes the same scores, p = exp(s - m) / l, rounds p and accumulates p·v.
+
+The products stay fp16 tensor-core dots, not E4M3 ones: Hopper's E4M3 wgmma sums with ~13 mantissa bits
+(kiln/kernels/cuda/triton/attention.py), enough to send a score near a rounding midpoint of the score grid the
+other way on about a percent of BERT-like scores (1.7e-4 of Σ|q_i·k_i| measured on the H200, ~8x |q·k|, against
+a grid step of 2^-4 of it), each moving its row's output by many steps.
 
 Exact products: the integer q8 - z, k8 - z (|x| <= 255) and E4M3 values are exact in fp16, so each tl.dot of them
 sums exact products in fp32; the scales multiply the sums after. The probabilities' rounded values (integers
@@ -24,8 +37,9 @@ score at once. That moves an output by a few of its units, which near zero is do
 on the H100; the same arithmetic in torch on the CPU, 121): QUANTIZED_ATTENTION_FLOAT8_SLACK. Not a conversion: no
 value here is rounded by `.to(float8)`, only stored after round_to_e4m3 put it on the grid (exact).
 
-Roundings are fp32 arithmetic (qmath: round_half_even, round_to_e4m3), correct in the interpreter and on the GPU alike;
-x / s is x·(1/s) here (the op divides: a tie may go the other way, as in kiln's other quantized kernels).
+Roundings are fp32 arithmetic (qmath: round_half_even, round_to_e4m3; here _e4m3_grid), correct in the interpreter
+and on the GPU alike; x / s is x·(1/s) here (the op divides: a tie may go the other way, as in kiln's other quantized
+kernels), and the one-pass kernel folds scale / s_score and (1/l) / s_prob into one multiplier each.
 """
 
 from __future__ import annotations
@@ -173,7 +187,7 @@ def _quantized_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
-# ---- one pass: a row block's every score held in registers (keys <= one_pass_keys) ---------------------------------
+# ---- one pass: a row block's every score held in registers (up to ONE_PASS_MAX_CHUNKS key blocks) ----------------
 
 @triton.jit
 def _e4m3_grid(v, SIGNED: tl.constexpr):
@@ -327,12 +341,7 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V))
 
 
-ONE_PASS_VALUES_PER_THREAD = 128  # fp32 scores a thread holds at most: the row block's registers, ~half of 255
-
-
-def one_pass_keys(block_m: int, block_n: int, num_warps: int) -> int:
-    """The most keys the one-pass kernel takes with this tile: every score of a row block lives in registers."""
-    return ONE_PASS_VALUES_PER_THREAD * 32 * num_warps // (block_m * block_n) * block_n
+ONE_PASS_MAX_CHUNKS = 8  # key blocks a one-pass program holds at most (its tactics hold 3-8: registers, spills)
 
 
 def _block_dim(d: int) -> int:
@@ -348,7 +357,8 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """kiln::Attention's quantized form into `out` ([B, H, S, Dv] view; int8/uint8/float8_e4m3fn with out_quant,
     else float). q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv], 8-bit (float8_e4m3fn with float8), any
     strides; mask: bool (True = attend) or additive float, broadcastable to [B, H, S, T]. one_pass: the kernel that
-    holds a row block's scores (T <= one_pass_keys(block_m, block_n, num_warps)), else the two-pass one."""
+    holds a row block's scores (T <= ONE_PASS_MAX_CHUNKS·block_n; its tactics' tiles hold fewer without spilling),
+    else the two-pass one."""
     wanted = (FP8_DTYPE,) if float8 else INT8_DTYPES
     if any(t.dtype not in wanted for t in (q, k, v)):
         raise TypeError(f"quantized_attention: q, k, v must be {' or '.join(map(str, wanted))}, "
@@ -374,10 +384,9 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     output = out_quant or Quantization(1.0)
     grid = (triton.cdiv(s_len, block_m), heads, batch)
     if one_pass:
-        limit = one_pass_keys(block_m, block_n, num_warps)
-        if t_len > limit:
-            raise ValueError(f"quantized_attention: {t_len} keys, the one-pass kernel's {block_m}x{block_n} tile with "
-                             f"{num_warps} warps holds {limit} (use the two-pass kernel)")
+        if triton.cdiv(t_len, block_n) > ONE_PASS_MAX_CHUNKS:
+            raise ValueError(f"quantized_attention: {t_len} keys, more than the one-pass kernel holds in "
+                             f"{ONE_PASS_MAX_CHUNKS} blocks of {block_n} (use the two-pass kernel)")
         multiplier = float(scale) * q_quant.scale * k_quant.scale / (score.scale if score_quant is not None else 1.0)
         _one_pass_kernel[grid](
             q, k, v, mask if mask is not None else q, out, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
