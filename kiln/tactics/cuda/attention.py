@@ -387,6 +387,7 @@ for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64,
 # layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100). Registers per thread at 384 / 512 keys, E4M3,
 # ptxas for sm_90 (no spill unless said): 64x128.w8 255 + 192 B of stack (wgmma; 512 keys spill more), 32x128.w8
 # 128 / 148, 16x128.w4 122 / 160 (mma.sync: M < 64), 16x64.w4 124 (6 blocks) / 152 (8)
-for _block_m, _block_n, _warps, _keys, _level in ((64, 128, 8, 384, 2), (32, 128, 8, 512, 2), (16, 128, 4, 512, 2),
-                                                 (16, 64, 4, 512, 3)):
+ONE_PASS_TILES = ((64, 128, 8, 384, 2), (32, 128, 8, 512, 2), (16, 128, 4, 512, 2), (16, 64, 4, 512, 3))  # BM, BN,
+# warps, keys, level
+for _block_m, _block_n, _warps, _keys, _level in ONE_PASS_TILES:
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys))
