@@ -161,6 +161,53 @@ def test_refusals_say_why():
         assert got is True if verdict is True else verdict in got, got
 
 
+@pytest.mark.slow  # ~45 s a kind on a loaded 2-vCPU VM (export, calibration, the interpreter)
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize("name", ["cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized_one_pass.32x128.w8"],
+                         ids=["two-pass", "one-pass"])
+def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, name, tmp_path, monkeypatch):
+    """bert_tiny quantized by onnxruntime as bench/quant_gpu.py does (kiln_fp8 / kiln_int8), the CUDA build's passes,
+    the kernel registered for the CPU (interpreter): the builder's check passes it on every attention, and the engine
+    forced onto it is onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the CPU
+    engine is (tests/models/test_qdq_bert_attention.py)."""
+    import dataclasses
+
+    import numpy as np
+
+    import kiln
+    from kiln import zoo
+    from kiln.builder import build as build_module
+    from kiln.zoo.models import make_inputs
+    from tests.calibration import coarsest_scale, quantize_transformer, reference_session
+    from tests.unit.tactic_check import cuda_tactics_on_cpu
+
+    exported = zoo.export("bert_tiny", batch=2, seq=24, dynamic=True)
+    calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=24, seed=s) for s in (1, 2)]
+    path = str(tmp_path / "qdq.onnx")
+    quantize_transformer(str(exported.path), path, calibration, kind)
+    cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
+    plain = build_module.pass_options
+    monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
+        plain(config), cuda_rules=True, cpu_rules=False, unsigned_activations=False))  # the CUDA build's graph
+    engine = kiln.build(path, device="cpu", tactics=[name], tuning_runs=2)
+    steps = [s for s in engine.plan.program.steps if s.op_type == "Attention"]
+    assert len(steps) == 2
+    layers = engine.plan.header["tactics"]["layers"]
+    checked = {n for layer in layers.values() for n, note in layer["candidates"].items() if isinstance(note, float)}
+    assert name in checked, {n: layer["candidates"] for n, layer in layers.items()}
+    for step in steps:  # on the CPU the interpreter never wins a timing
+        step.tactic, step.tactic_config = name, {}
+    on_kernel = kiln.Engine(engine.plan)
+    coarsest = coarsest_scale(path)
+    session = reference_session(path)
+    for seed in (7, 8):
+        feeds = make_inputs(zoo.get("bert_tiny"), batch=3, seq=24, seed=seed)
+        want = session.run(None, feeds)[0]
+        got = np.asarray(on_kernel.run(feeds)[session.get_outputs()[0].name])
+        assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
+        assert np.abs(want).max() > 10 * coarsest
+
+
 @triton.jit
 def _e4m3_grid_kernel(x_ptr, y_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
