@@ -34,8 +34,9 @@ LAYOUT = {"scale": 1.0, "nan_to_zero": 1, "q_num_heads": HEADS, "kv_num_heads": 
           "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
 TWO_PASS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
             "cuda.attention.quantized.64x32.w4s2")  # session 19's kernel (issue 12: 0.53-0.61 ms on the H100)
-ONE_PASS = ("cuda.attention.quantized_one_pass.64x128.w8", "cuda.attention.quantized_one_pass.32x128.w8",
-            "cuda.attention.quantized_one_pass.16x128.w4", "cuda.attention.quantized_one_pass.16x64.w4")
+ONE_PASS = ("cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.16x128.w4",
+            "cuda.attention.quantized_one_pass.16x64.w4", "cuda.attention.quantized_one_pass.32x64.w4",
+            "cuda.attention.quantized_one_pass.64x64.w4")  # the last for <= 256 keys
 
 
 def _time_once(fn, warmup: int, iters: int) -> list[float]:

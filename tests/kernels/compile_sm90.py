@@ -269,8 +269,8 @@ def quantized_attention_cases():
 
 def quantized_attention_one_pass_cases():
     """The one-pass quantized attention (cuda.attention.quantized_one_pass) at each tactic's tile and its most keys (the
-    key blocks a program holds: registers), head dim 64, the padding mask read as a key vector; E4M3 also with a
-    per-query bool mask. Tensor-core products: wgmma for 64-row tiles, mma.sync (M < 64) for the others."""
+    key blocks a program holds: registers), head dim 64, the padding mask read as a key vector with whole key blocks
+    (FULL_BLOCKS: BERT's 384 keys); E4M3 also with a per-query bool mask and a partial last block. Tensor-core products: wgmma for 64-row tiles, mma.sync (M < 64) for the others."""
     from kiln.tactics.cuda import attention as tactics
 
     fn = quantized_attention._one_pass_kernel
@@ -293,7 +293,8 @@ def quantized_attention_one_pass_cases():
                           "MASK_ROWS": mask == "bool", "HAS_SCORE_Q": True, "SCORE_MIN": low, "SCORE_MAX": high,
                           "HAS_PROB_Q": True, "PROB_MIN": low, "PROB_MAX": high, "OUT": out, "OUT_MIN": low,
                           "OUT_MAX": high, "NAN_TO_ZERO": True, "FLOAT8": dtype == "fp8e4nv",
-                          "CHUNKS": -(-keys // block_n), "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": 64,
+                          "CHUNKS": -(-keys // block_n), "FULL_BLOCKS": mask == "padding", "BLOCK_M": block_m,
+                          "BLOCK_N": block_n, "BLOCK_D": 64,
                           "BLOCK_DV": 64} | dict.fromkeys(unit, 1)
             yield (f"quantized_attention_one_pass {dtype}>{out_dtype} {block_m}x{block_n}.w{warps} {keys} keys d64 "
                    f"{mask}", fn, types, constexprs,
@@ -304,7 +305,7 @@ def quantized_attention_one_pass_cases():
 CASES["quantized_attention"] = quantized_attention_cases
 CASES["quantized_attention_one_pass"] = quantized_attention_one_pass_cases
 QUICK |= {"quantized_attention i8>i8 64x64.w4s2 d64", "quantized_attention fp8e4nv>fp8e4nv 64x64.w4s2 d64",
-          "quantized_attention_one_pass fp8e4nv>fp8e4nv 64x128.w8 384 keys d64 padding",
+          "quantized_attention_one_pass fp8e4nv>fp8e4nv 16x64.w4 512 keys d64 padding",
           "quantized_attention_one_pass i8>i8 32x128.w8 512 keys d64 padding"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases

@@ -118,6 +118,21 @@ def test_the_kernel_is_the_op(kind, mask_name, out_quant, tactic, keys):
         assert not torch.allclose(wrong, want, rtol=1e-3, atol=1e-3 * want.abs().max())
 
 
+@pytest.mark.parametrize("kind", ["fp8", "uint8", "int8"])
+@pytest.mark.parametrize("mask_name", ["none", "padding", "bool"])
+def test_one_pass_whole_key_blocks(kind, mask_name):
+    """Keys a multiple of the key block and no head-dim padding: the one-pass kernel's unmasked loads (FULL_BLOCKS)."""
+    keys = 128  # two blocks of ONE_PASS's 64
+    g = torch.Generator().manual_seed(zlib.crc32(f"full {kind} {mask_name}".encode()))
+    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, keys, D), (B, H, keys, D)))
+    mask = _mask(mask_name, g, keys)
+    attributes = {"scale": 0.61, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind)}
+    want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+    apart = _steps_apart(_launch(ONE_PASS, attributes, q, k, v, mask), want)
+    assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01
+    assert _steps_apart(want, torch.zeros_like(want)).float().std() > 2
+
+
 @pytest.mark.parametrize("kind", ["fp8", "uint8"])
 def test_bert_s_layout_heads_of_projections_and_merged_output(kind):
     """As the fused BERT attention reads them: q, k, v [B, S, H·D] (the projections' 8-bit outputs), q_num_heads
@@ -130,7 +145,7 @@ def test_bert_s_layout_heads_of_projections_and_merged_output(kind):
     attributes = {"scale": 1.0, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind), **layout}
     want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
     for tactic in ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
-                   "cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.64x128.w8"):
+                   "cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.64x64.w4"):
         got = _launch(tactic, attributes, q, k, v, mask)
         assert got.shape == want.shape == (B, S, H * D) and got.dtype == want.dtype
         apart = _steps_apart(got, want)
@@ -152,7 +167,7 @@ def test_refusals_say_why():
     assert "is_causal" in supports({**quant, "is_causal": 1})
     assert "float8_e4m3fn" in supports({**quant, "float8_quant": 1})  # uint8 tensors, E4M3 attributes
     assert supports({**_quantizations("fp8"), "float8_quant": 1}, (FP8,) * 3) is True
-    one_pass = _tactic("cuda.attention.quantized_one_pass.64x128.w8")  # its registers hold 384 keys' scores
+    one_pass = _tactic("cuda.attention.quantized_one_pass.32x64.w4")  # its registers hold 384 keys' scores
     step = StepSpec(op_type="Attention", domain="kiln", name="a", inputs=["q", "k", "v"], outputs=["y"],
                     attributes=quant)
     for keys, verdict in ((384, True), (385, "385 keys")):

@@ -384,10 +384,12 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
 for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (64, 32, 4, 2, 3)):
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
 # One pass where a row block's scores fit in registers (issue 12: the two-pass kernel took 0.53-0.61 ms a BERT-base
-# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100). Registers per thread at 384 / 512 keys, E4M3,
-# ptxas for sm_90 (no spill unless said): 64x128.w8 255 + 192 B of stack (wgmma; 512 keys spill more), 32x128.w8
-# 128 / 148, 16x128.w4 122 / 160 (mma.sync: M < 64), 16x64.w4 124 (6 blocks) / 152 (8)
-ONE_PASS_TILES = ((64, 128, 8, 384, 2), (32, 128, 8, 512, 2), (16, 128, 4, 512, 2), (16, 64, 4, 512, 3))  # BM, BN,
-# warps, keys, level
+# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100). Tiles of 16-32 rows: their dots are mma.sync
+# with the warps side by side along the keys; a 64-row tile is wgmma, but with 8 warps Triton stacks both warp
+# groups on the same 64 rows (warpsPerCTA [8, 1]: every score computed twice, 255 registers), and with 4 its 384
+# scores a row spill. Registers a thread, E4M3, whole key blocks, ptxas for sm_90 at 384 / 512 keys: 32x128.w8
+# 136 / 146, 16x128.w4 139 / 140, 16x64.w4 106 / 139, 32x64.w4 184 at 384, 64x64.w4 183 at 256 (no spills)
+ONE_PASS_TILES = ((32, 128, 8, 512, 2), (16, 128, 4, 512, 2), (16, 64, 4, 512, 2), (32, 64, 4, 384, 3),
+                  (64, 64, 4, 256, 3))  # BM, BN, warps, keys, level
 for _block_m, _block_n, _warps, _keys, _level in ONE_PASS_TILES:
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys))

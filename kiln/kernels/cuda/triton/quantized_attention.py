@@ -218,18 +218,24 @@ def _chunk_scores(q, k_base, mask_base, offs_m, row_ok, start_n, T, stride_kt, s
                   k_zero, score_multiplier, score_zero, score_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, MASK_ROWS: tl.constexpr,
                   HAS_SCORE_Q: tl.constexpr, SCORE_MIN: tl.constexpr, SCORE_MAX: tl.constexpr,
-                  FLOAT8: tl.constexpr):
+                  FLOAT8: tl.constexpr, FULL_BLOCKS: tl.constexpr):
     """Keys [start_n, start_n + BLOCK_N)'s rounded, masked scores: [BM, BN] fp32, natural-log units, -inf where
-    hidden. score_multiplier = scale·s_q·s_k / s_score (with score_quant), the scores' scale (without)."""
+    hidden. score_multiplier = scale·s_q·s_k / s_score (with score_quant), the scores' scale (without).
+    FULL_BLOCKS: every key block whole (T % BLOCK_N == 0) and no head-dim padding: no masked loads, no key tests."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     key_ok = offs_n < T
-    k_ok = (offs_d[:, None] < HEAD_DIM) & key_ok[None, :]
-    k = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt, mask=k_ok)  # kᵀ: [BD, BN]
-    if FLOAT8:
-        k = tl.where(k_ok, k.to(tl.float16), 0.0)  # exact: E4M3 values are fp16 values
+    k_ptrs = k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kt  # kᵀ: [BD, BN]
+    if FULL_BLOCKS:
+        k = tl.load(k_ptrs)
+        k = k.to(tl.float16) if FLOAT8 else (qmath.to_float(k) - k_zero).to(tl.float16)
     else:
-        k = tl.where(k_ok, qmath.to_float(k) - k_zero, 0.0).to(tl.float16)  # exact: |k8 - z| <= 255
+        k_ok = (offs_d[:, None] < HEAD_DIM) & key_ok[None, :]
+        k = tl.load(k_ptrs, mask=k_ok)  # masked lanes undefined (no `other` converts to E4M3 everywhere): zeroed
+        if FLOAT8:
+            k = tl.where(k_ok, k.to(tl.float16), 0.0)  # exact: E4M3 values are fp16 values
+        else:
+            k = tl.where(k_ok, qmath.to_float(k) - k_zero, 0.0).to(tl.float16)  # exact: |k8 - z| <= 255
     x = tl.dot(q, k) * score_multiplier  # exact products summed in fp32, then q̂·k̂ᵀ·scale / s_score
     if HAS_SCORE_Q:
         if FLOAT8:
@@ -246,13 +252,19 @@ def _chunk_scores(q, k_base, mask_base, offs_m, row_ok, start_n, T, stride_kt, s
         else:
             s = s + bias.to(tl.float32)
         s = tl.where(key_ok[None, :], s, float("-inf"))
-    elif HAS_MASK:  # a padding mask, [.., 1, T]: one key vector for every row, and the keys past T folded into it
+    elif HAS_MASK and FULL_BLOCKS:  # a padding mask, [.., 1, T]: one key vector for every row
+        bias = tl.load(mask_base + offs_n * stride_mt)
+        if MASK_BOOL:
+            s = tl.where((bias != 0)[None, :], s, float("-inf"))
+        else:
+            s = s + bias.to(tl.float32)[None, :]
+    elif HAS_MASK:  # the same, the keys past T folded into the vector
         bias = tl.load(mask_base + offs_n * stride_mt, mask=key_ok, other=0)
         if MASK_BOOL:
             s = tl.where(((bias != 0) & key_ok)[None, :], s, float("-inf"))
         else:
             s = s + tl.where(key_ok, bias.to(tl.float32), float("-inf"))[None, :]
-    else:
+    elif not FULL_BLOCKS:
         s = tl.where(key_ok[None, :], s, float("-inf"))
     return s
 
@@ -271,7 +283,8 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
                      SCORE_MIN: tl.constexpr, SCORE_MAX: tl.constexpr, HAS_PROB_Q: tl.constexpr,
                      PROB_MIN: tl.constexpr, PROB_MAX: tl.constexpr, OUT: tl.constexpr, OUT_MIN: tl.constexpr,
                      OUT_MAX: tl.constexpr, NAN_TO_ZERO: tl.constexpr, FLOAT8: tl.constexpr, CHUNKS: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+                     FULL_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_DV: tl.constexpr):
     """All T <= CHUNKS·BLOCK_N scores of BLOCK_M rows at once (a tuple of [BM, BN] tiles): q·kᵀ, the score rounding
     and the exponentials once each, then p = e / l rounded times v. OUT: qmath.OUT_FLOAT / OUT_INT / OUT_FP8."""
     pid_m = tl.program_id(0)
@@ -299,7 +312,7 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     for c in tl.static_range(CHUNKS):
         s = _chunk_scores(q, k_base, mask_base, offs_m, row_ok, c * BLOCK_N, T, stride_kt, stride_kd, stride_ms,
                           stride_mt, k_zero, score_multiplier, score_zero, score_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                          HAS_MASK, MASK_BOOL, MASK_ROWS, HAS_SCORE_Q, SCORE_MIN, SCORE_MAX, FLOAT8)
+                          HAS_MASK, MASK_BOOL, MASK_ROWS, HAS_SCORE_Q, SCORE_MIN, SCORE_MAX, FLOAT8, FULL_BLOCKS)
         scores = scores + (s,)
         m_i = tl.maximum(m_i, tl.max(s, 1))
     m_log2 = tl.where(m_i == float("-inf"), 0.0, m_i) * LOG2E  # every key hidden: no -inf - -inf
@@ -318,12 +331,17 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     for c in tl.static_range(CHUNKS):
         p = exps[c] * inverse_l[:, None]  # p: [BM, BN], in units of the probability scale
         offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
-        v_ok = (offs_n < T)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd, mask=v_ok)  # v: [BN, BDV]
-        if FLOAT8:
-            v = tl.where(v_ok, v.to(tl.float16), 0.0)
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd  # v: [BN, BDV]
+        if FULL_BLOCKS:
+            v = tl.load(v_ptrs)
+            v = v.to(tl.float16) if FLOAT8 else (qmath.to_float(v) - v_zero).to(tl.float16)
         else:
-            v = tl.where(v_ok, qmath.to_float(v) - v_zero, 0.0).to(tl.float16)
+            v_ok = (offs_n < T)[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
+            v = tl.load(v_ptrs, mask=v_ok)  # padding: 0 (a hidden key's p is 0, but 0·garbage need not be)
+            if FLOAT8:
+                v = tl.where(v_ok, v.to(tl.float16), 0.0)
+            else:
+                v = tl.where(v_ok, qmath.to_float(v) - v_zero, 0.0).to(tl.float16)
         if HAS_PROB_Q:
             if FLOAT8:
                 p = _e4m3_grid(p, False)
@@ -397,7 +415,9 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             HAS_SCORE_Q=score_quant is not None, SCORE_MIN=score.qmin, SCORE_MAX=score.qmax,
             HAS_PROB_Q=prob_quant is not None, PROB_MIN=prob.qmin, PROB_MAX=prob.qmax, OUT=kind, OUT_MIN=output.qmin,
             OUT_MAX=output.qmax, NAN_TO_ZERO=bool(nan_to_zero), FLOAT8=bool(float8),
-            CHUNKS=triton.cdiv(t_len, block_n), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_dim(d),
+            CHUNKS=triton.cdiv(t_len, block_n),
+            FULL_BLOCKS=t_len % block_n == 0 and d == _block_dim(d) and dv == _block_dim(dv),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_dim(d),
             BLOCK_DV=_block_dim(dv), num_warps=num_warps, num_stages=1)
         return out
     _quantized_attention_kernel[grid](
