@@ -34,7 +34,8 @@ LAYOUT = {"scale": 1.0, "nan_to_zero": 1, "q_num_heads": HEADS, "kv_num_heads": 
           "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
 TWO_PASS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
             "cuda.attention.quantized.64x32.w4s2")  # session 19's kernel (issue 12: 0.53-0.61 ms on the H100)
-ONE_PASS = ("cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.16x128.w4",
+ONE_PASS = ("cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.32x128.w8r128",
+            "cuda.attention.quantized_one_pass.16x128.w4",
             "cuda.attention.quantized_one_pass.16x64.w4", "cuda.attention.quantized_one_pass.32x64.w4",
             "cuda.attention.quantized_one_pass.64x64.w4")  # the last for <= 256 keys
 
@@ -61,7 +62,8 @@ def main() -> int:
     from kiln.tactics import registry
     from kiln.tactics.cuda.attention import ONE_PASS_TILES
 
-    one_pass_keys = {f"cuda.attention.quantized_one_pass.{bm}x{bn}.w{w}": keys for bm, bn, w, keys, _ in ONE_PASS_TILES}
+    one_pass_keys = {f"cuda.attention.quantized_one_pass.{bm}x{bn}.w{w}{f'r{r}' if r else ''}": keys
+                     for bm, bn, w, keys, _, r in ONE_PASS_TILES}
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=384)

@@ -45,6 +45,7 @@ QUANT = {  # scales of the size onnxruntime calibrates on BERT (arbitrary floats
 @pytest.mark.parametrize("tactic", ["cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
                                     "cuda.attention.quantized.64x32.w4s2",
                                     "cuda.attention.quantized_one_pass.32x128.w8",
+                                    "cuda.attention.quantized_one_pass.32x128.w8r128",
                                     "cuda.attention.quantized_one_pass.16x128.w4",
                                     "cuda.attention.quantized_one_pass.16x64.w4",
                                     "cuda.attention.quantized_one_pass.32x64.w4"])

@@ -281,7 +281,7 @@ def quantized_attention_one_pass_cases():
                             "prob_inverse", "prob_zero", "pv_scale", "out_inverse", "out_zero"), "fp32")
     divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
     ranges = {"i8": (-128.0, 127.0), "u8": (0.0, 255.0), "fp8e4nv": (-448.0, 448.0)}
-    for block_m, block_n, warps, keys, _ in tactics.ONE_PASS_TILES:
+    for block_m, block_n, warps, keys, _, registers in tactics.ONE_PASS_TILES:
         for dtype, out_dtype, mask in (("i8", "i8", "padding"), ("u8", "u8", "padding"),
                                        ("fp8e4nv", "fp8e4nv", "padding"), ("u8", "fp32", "padding"),
                                        ("fp8e4nv", "fp8e4nv", "bool")):
@@ -296,9 +296,10 @@ def quantized_attention_one_pass_cases():
                           "CHUNKS": -(-keys // block_n), "FULL_BLOCKS": mask == "padding", "BLOCK_M": block_m,
                           "BLOCK_N": block_n, "BLOCK_D": 64,
                           "BLOCK_DV": 64} | dict.fromkeys(unit, 1)
-            yield (f"quantized_attention_one_pass {dtype}>{out_dtype} {block_m}x{block_n}.w{warps} {keys} keys d64 "
-                   f"{mask}", fn, types, constexprs,
-                   {"options": {"num_warps": warps, "num_stages": 1}, "divisible": divisible,
+            yield (f"quantized_attention_one_pass {dtype}>{out_dtype} {block_m}x{block_n}.w{warps}"
+                   f"{f'r{registers}' if registers else ''} {keys} keys d64 {mask}", fn, types, constexprs,
+                   {"options": {"num_warps": warps, "num_stages": 1} | ({"maxnreg": registers} if registers else {}),
+                    "divisible": divisible,
                     "ptx_contains": ("wgmma.mma_async",) if block_m >= 64 else ("mma.sync",)})
 
 

@@ -145,7 +145,7 @@ def test_bert_s_layout_heads_of_projections_and_merged_output(kind):
     attributes = {"scale": 1.0, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind), **layout}
     want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
     for tactic in ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
-                   "cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.64x64.w4"):
+                   "cuda.attention.quantized_one_pass.32x128.w8r128", "cuda.attention.quantized_one_pass.64x64.w4"):
         got = _launch(tactic, attributes, q, k, v, mask)
         assert got.shape == want.shape == (B, S, H * D) and got.dtype == want.dtype
         apart = _steps_apart(got, want)

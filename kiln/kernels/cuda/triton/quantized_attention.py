@@ -371,12 +371,12 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
                         score_quant: Quantization | None, prob_quant: Quantization | None,
                         out_quant: Quantization | None, float8: bool, nan_to_zero: bool, out: torch.Tensor,
                         block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
-                        one_pass: bool = False) -> torch.Tensor:
+                        one_pass: bool = False, max_registers: int = 0) -> torch.Tensor:
     """kiln::Attention's quantized form into `out` ([B, H, S, Dv] view; int8/uint8/float8_e4m3fn with out_quant,
     else float). q: [B, H, S, D], k: [B, Hkv, T, D], v: [B, Hkv, T, Dv], 8-bit (float8_e4m3fn with float8), any
     strides; mask: bool (True = attend) or additive float, broadcastable to [B, H, S, T]. one_pass: the kernel that
     holds a row block's scores (T <= ONE_PASS_MAX_CHUNKS·block_n; its tactics' tiles hold fewer without spilling),
-    else the two-pass one."""
+    else the two-pass one; max_registers (one pass): ptxas's cap a thread (maxnreg), to fit more programs an SM."""
     wanted = (FP8_DTYPE,) if float8 else INT8_DTYPES
     if any(t.dtype not in wanted for t in (q, k, v)):
         raise TypeError(f"quantized_attention: q, k, v must be {' or '.join(map(str, wanted))}, "
@@ -418,7 +418,8 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             CHUNKS=triton.cdiv(t_len, block_n),
             FULL_BLOCKS=t_len % block_n == 0 and d == _block_dim(d) and dv == _block_dim(dv),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=_block_dim(d),
-            BLOCK_DV=_block_dim(dv), num_warps=num_warps, num_stages=1)
+            BLOCK_DV=_block_dim(dv), num_warps=num_warps, num_stages=1,
+            **({"maxnreg": max_registers} if max_registers else {}))
         return out
     _quantized_attention_kernel[grid](
         q, k, v, mask if mask is not None else q, out, *q.stride(), *k.stride(), *v.stride(), *mask_strides,
