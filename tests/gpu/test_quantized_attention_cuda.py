@@ -4,7 +4,8 @@ E4M3, against the op's torch reference on the same GPU, within the builder's all
 (kiln/builder/accuracy.py: QUANTIZED_ATTENTION_STEPS; an E4M3 output also QUANTIZED_ATTENTION_FLOAT8_SLACK, since a
 probability's near-tie moves an output by a few of its units, dozens of E4M3 steps near zero: issue 12)
 (tests/kernels/test_quantized_attention.py runs the same comparisons under the interpreter; on the GPU the fp16 dots
-are tensor-core wgmma or, for the one-pass kernel's tiles under 64 rows, mma.sync, accumulating in fp32). Skipped without CUDA; run alone (not with tests/kernels, whose conftest
+are tensor-core wgmma or, for the one-pass kernel's tiles under 64 rows, mma.sync, accumulating in fp32). Skipped
+without CUDA; run alone (not with tests/kernels, whose conftest
 sets TRITON_INTERPRET=1).
 """
 

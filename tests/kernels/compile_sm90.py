@@ -270,7 +270,8 @@ def quantized_attention_cases():
 def quantized_attention_one_pass_cases():
     """The one-pass quantized attention (cuda.attention.quantized_one_pass) at each tactic's tile and its most keys (the
     key blocks a program holds: registers), head dim 64, the padding mask read as a key vector with whole key blocks
-    (FULL_BLOCKS: BERT's 384 keys); E4M3 also with a per-query bool mask and a partial last block. Tensor-core products: wgmma for 64-row tiles, mma.sync (M < 64) for the others."""
+    (FULL_BLOCKS: BERT's 384 keys); E4M3 also with a per-query bool mask and a partial last block. Tensor-core
+    products: wgmma for 64-row tiles, mma.sync (M < 64) for the others."""
     from kiln.tactics.cuda import attention as tactics
 
     fn = quantized_attention._one_pass_kernel

@@ -328,7 +328,8 @@ def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, ma
         return verdict
     t_len = _meta_views(inputs, step.attributes)[1].shape[2]
     if t_len > max_keys:
-        return f"{t_len} keys: this tile holds a row block's scores for {max_keys} at most (the two-pass tactics take more)"
+        return (f"{t_len} keys: this tile holds a row block's scores for {max_keys} at most (the two-pass tactics "
+                f"take more)")
     return True
 
 

@@ -297,8 +297,8 @@ def _one_pass_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < S
     q_ok = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_ptr + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                mask=q_ok)  # q: [BM, BD]; masked lanes undefined (no `other` converts to E4M3 everywhere)
+    q_ptrs = q_ptr + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=q_ok)  # q: [BM, BD]; masked lanes undefined (no `other` converts to E4M3 everywhere)
     if FLOAT8:
         q = tl.where(q_ok, q.to(tl.float16), 0.0)
     else:
