@@ -1,8 +1,9 @@
 """BERT-base's attention layer as onnxruntime's QDQ model quantizes it (issue 12), on the GPU: the op's torch reference
-(what a quantized attention ran on CUDA before cuda.attention.quantized), each quantized tactic, and kiln's fp16 flash
-attention on the same shape (the fp16 engine's layer) for scale.
+(what a quantized attention ran on CUDA before cuda.attention.quantized), each quantized tactic (session 19's
+two-pass kernel, the one-pass kernel), and kiln's fp16 flash attention on the same shape (the fp16 engine's layer) for
+scale.
 
-    python3 bench/quantized_attention.py [--batch 64 --seq 384] [--iters 20] [--dry-run]
+    python3 bench/quantized_attention.py [--batch 64 --seq 384] [--iters 20] [--two-pass N] [--dry-run]
 
 E4M3 and int8 q/k/v [B, S, 768] (the projections' outputs, the fused BERT layout: heads split by the op, output
 merged), a padding mask [B, 1, 1, S] (fp16, rows padded from a random length >= S/2). ms per call: median of CUDA
@@ -31,8 +32,12 @@ from tests.gpu.test_quantized_attention_cuda import QUANT  # noqa: E402  the GPU
 HEADS, HEAD_DIM = 12, 64
 LAYOUT = {"scale": 1.0, "nan_to_zero": 1, "q_num_heads": HEADS, "kv_num_heads": HEADS, "q_perm": [0, 2, 1, 3],
           "k_perm": [0, 2, 1, 3], "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
-TACTICS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
-           "cuda.attention.quantized.64x32.w4s2")
+TWO_PASS = ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
+            "cuda.attention.quantized.64x32.w4s2")  # session 19's kernel (issue 12: 0.53-0.61 ms on the H100)
+ONE_PASS = ("cuda.attention.quantized_one_pass.32x128.w8", "cuda.attention.quantized_one_pass.32x128.w8r128",
+            "cuda.attention.quantized_one_pass.16x128.w4",
+            "cuda.attention.quantized_one_pass.16x64.w4", "cuda.attention.quantized_one_pass.32x64.w4",
+            "cuda.attention.quantized_one_pass.64x64.w4")  # the last for <= 256 keys
 
 
 def _time_once(fn, warmup: int, iters: int) -> list[float]:
@@ -55,12 +60,16 @@ def main() -> int:
     from kiln.ops.registry import OpContext
     from kiln.plan.spec import StepSpec
     from kiln.tactics import registry
+    from kiln.tactics.cuda.attention import ONE_PASS_TILES
 
+    one_pass_keys = {f"cuda.attention.quantized_one_pass.{bm}x{bn}.w{w}{f'r{r}' if r else ''}": keys
+                     for bm, bn, w, keys, _, r in ONE_PASS_TILES}
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=384)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--two-pass", type=int, default=len(TWO_PASS), help="how many two-pass tiles to time (compiles)")
     args = ap.parse_args()
     cuda = torch.device("cpu" if dry else "cuda")
     if dry:
@@ -89,7 +98,9 @@ def main() -> int:
             rows.append((kind, "op reference (torch; CUDA's only way before)", reference_ms, "-"))
             step = StepSpec(op_type="Attention", domain="kiln", name="attention", inputs=["q", "k", "v", "mask"],
                             outputs=["y"], attributes=attributes)
-            for name in TACTICS:
+            for name in TWO_PASS[:args.two_pass] + ONE_PASS:
+                if one_pass_keys.get(name, args.seq) < args.seq:
+                    continue  # the tile's registers do not hold this many keys' scores
                 launch = registry.get(name).prepare(step, [None] * 4, cuda)
                 got = launch(ctx, q, k, v, mask, **attributes)
                 apart = ((float8_ordinal(got) - float8_ordinal(want)) if kind == "fp8"
@@ -107,9 +118,10 @@ def main() -> int:
     step = StepSpec(op_type="Attention", domain="kiln", name="attention", inputs=["q", "k", "v", "mask"],
                     outputs=["y"], attributes=half)
     with torch.inference_mode():
-        launch = registry.get("cuda.attention.triton.64x64.w4s3").prepare(step, [None] * 4, cuda)
-        ms = statistics.median(time_cuda(lambda: launch(ctx, q, k, v, mask, **half), 3, args.iters))
-    rows.append(("fp16", "cuda.attention.triton.64x64.w4s3 (the fp16 engine's)", ms, "-"))
+        for name in ("cuda.attention.triton.64x64.w4s3", "cuda.attention.triton.128x64.w4s3"):
+            launch = registry.get(name).prepare(step, [None] * 4, cuda)
+            ms = statistics.median(time_cuda(lambda: launch(ctx, q, k, v, mask, **half), 3, args.iters))
+            rows.append(("fp16", f"{name} (an fp16 engine's tile)", ms, "-"))
     print("\n| q/k/v | kernel | ms | vs the op reference |\n|---|---|---|---|")
     for kind, name, ms, agreement in rows:
         print(f"| {kind} | {name} | {ms:.3f} | {agreement} |")

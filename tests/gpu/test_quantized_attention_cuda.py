@@ -4,7 +4,8 @@ E4M3, against the op's torch reference on the same GPU, within the builder's all
 (kiln/builder/accuracy.py: QUANTIZED_ATTENTION_STEPS; an E4M3 output also QUANTIZED_ATTENTION_FLOAT8_SLACK, since a
 probability's near-tie moves an output by a few of its units, dozens of E4M3 steps near zero: issue 12)
 (tests/kernels/test_quantized_attention.py runs the same comparisons under the interpreter; on the GPU the fp16 dots
-are tensor-core wgmma accumulating in fp32). Skipped without CUDA; run alone (not with tests/kernels, whose conftest
+are tensor-core wgmma or, for the one-pass kernel's tiles under 64 rows, mma.sync, accumulating in fp32). Skipped
+without CUDA; run alone (not with tests/kernels, whose conftest
 sets TRITON_INTERPRET=1).
 """
 
@@ -43,7 +44,12 @@ QUANT = {  # scales of the size onnxruntime calibrates on BERT (arbitrary floats
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 @pytest.mark.parametrize("tactic", ["cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
-                                    "cuda.attention.quantized.64x32.w4s2"])
+                                    "cuda.attention.quantized.64x32.w4s2",
+                                    "cuda.attention.quantized_one_pass.32x128.w8",
+                                    "cuda.attention.quantized_one_pass.32x128.w8r128",
+                                    "cuda.attention.quantized_one_pass.16x128.w4",
+                                    "cuda.attention.quantized_one_pass.16x64.w4",
+                                    "cuda.attention.quantized_one_pass.32x64.w4"])
 def test_bert_base_layer_is_the_op(kind, tactic):
     g = torch.Generator(device=CUDA).manual_seed(0)
     width = HEADS * HEAD_DIM

@@ -14,8 +14,11 @@ import zlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kiln.builder.accuracy import QUANTIZED_ATTENTION_STEPS, float8_ordinal
+from kiln.kernels.cuda.triton.quantized_attention import _e4m3_grid
 from kiln.ops.fused import attention
 from kiln.ops.registry import OpContext
 from kiln.plan.spec import StepSpec
@@ -24,6 +27,9 @@ from kiln.tactics.tactic import InputMeta
 
 B, H, S, T, D = 2, 3, 20, 37, 16
 FP8 = torch.float8_e4m3fn
+TWO_PASS = "cuda.attention.quantized.64x32.w4s2"
+ONE_PASS = "cuda.attention.quantized_one_pass.16x64.w4"  # 64-key blocks: ONE_PASS_KEYS is three, the last partial
+ONE_PASS_KEYS = 150
 
 
 def _quantizations(kind: str) -> dict[str, list[float]]:
@@ -47,18 +53,18 @@ def _eight_bit(kind: str, shape: tuple[int, ...], g: torch.Generator) -> torch.T
     return torch.randint(low, high, shape, generator=g, dtype=torch.int32).to(getattr(torch, kind))
 
 
-def _mask(name: str, g: torch.Generator) -> torch.Tensor | None:
+def _mask(name: str, g: torch.Generator, keys: int = T) -> torch.Tensor | None:
     if name == "none":
         return None
     if name == "padding":  # BERT's [B, 1, 1, T] additive mask: the second sequence's last keys hidden
-        mask = torch.zeros(B, 1, 1, T)
-        mask[1, ..., T - 11:] = torch.finfo(torch.float32).min
+        mask = torch.zeros(B, 1, 1, keys)
+        mask[1, ..., keys - 11:] = torch.finfo(torch.float32).min
         return mask
     if name == "bool":  # one value per (query, key), a row of the first head with every key hidden
-        mask = torch.rand(B, 1, S, T, generator=g) > 0.3
+        mask = torch.rand(B, 1, S, keys, generator=g) > 0.3
         mask[0, 0, 3] = False
         return mask
-    mask = torch.randn(B, H, S, T, generator=g)  # "float": a dense additive mask, -inf somewhere
+    mask = torch.randn(B, H, S, keys, generator=g)  # "float": a dense additive mask, -inf somewhere
     mask[1, 2, :, 5] = float("-inf")
     return mask
 
@@ -84,16 +90,17 @@ def _launch(tactic: str, attributes: dict, *inputs):
 @pytest.mark.parametrize("kind", ["fp8", "uint8", "int8"])
 @pytest.mark.parametrize("mask_name", ["none", "padding", "bool", "float"])
 @pytest.mark.parametrize("out_quant", [True, False], ids=["8-bit out", "float out"])
-def test_the_kernel_is_the_op(kind, mask_name, out_quant):
-    g = torch.Generator().manual_seed(zlib.crc32(f"{kind} {mask_name} {out_quant}".encode()))
-    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, T, D), (B, H, T, D)))
-    mask = _mask(mask_name, g)
+@pytest.mark.parametrize("tactic, keys", [(TWO_PASS, T), (ONE_PASS, ONE_PASS_KEYS)], ids=["two-pass", "one-pass"])
+def test_the_kernel_is_the_op(kind, mask_name, out_quant, tactic, keys):
+    g = torch.Generator().manual_seed(zlib.crc32(f"{kind} {mask_name} {out_quant} {keys}".encode()))
+    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, keys, D), (B, H, keys, D)))
+    mask = _mask(mask_name, g, keys)
     attributes = {"scale": 0.61, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind)}
     if not out_quant:
         del attributes["out_quant"]
     ctx = OpContext("attention", "Attention", domain="kiln")
     want = attention(ctx, q, k, v, mask, **attributes)
-    got = _launch("cuda.attention.quantized.64x32.w4s2", attributes, q, k, v, mask)
+    got = _launch(tactic, attributes, q, k, v, mask)
     assert got.dtype == want.dtype and got.shape == want.shape
     if out_quant:
         apart = _steps_apart(got, want)
@@ -104,11 +111,26 @@ def test_the_kernel_is_the_op(kind, mask_name, out_quant):
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-6 * want.abs().max()), (got - want).abs().max()
     # the comparison can fail: without its score rounding the kernel is off by far more than a near-tie
     unrounded = dict(attributes, score_quant=None)
-    wrong = _launch("cuda.attention.quantized.64x32.w4s2", unrounded, q, k, v, mask)
+    wrong = _launch(tactic, unrounded, q, k, v, mask)
     if out_quant:
         assert _steps_apart(wrong, want).max() > QUANTIZED_ATTENTION_STEPS
     else:
         assert not torch.allclose(wrong, want, rtol=1e-3, atol=1e-3 * want.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["fp8", "uint8", "int8"])
+@pytest.mark.parametrize("mask_name", ["none", "padding", "bool"])
+def test_one_pass_whole_key_blocks(kind, mask_name):
+    """Keys a multiple of the key block and no head-dim padding: the one-pass kernel's unmasked loads (FULL_BLOCKS)."""
+    keys = 128  # two blocks of ONE_PASS's 64
+    g = torch.Generator().manual_seed(zlib.crc32(f"full {kind} {mask_name}".encode()))
+    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, keys, D), (B, H, keys, D)))
+    mask = _mask(mask_name, g, keys)
+    attributes = {"scale": 0.61, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind)}
+    want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+    apart = _steps_apart(_launch(ONE_PASS, attributes, q, k, v, mask), want)
+    assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01
+    assert _steps_apart(want, torch.zeros_like(want)).float().std() > 2
 
 
 @pytest.mark.parametrize("kind", ["fp8", "uint8"])
@@ -122,7 +144,8 @@ def test_bert_s_layout_heads_of_projections_and_merged_output(kind):
               "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
     attributes = {"scale": 1.0, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind), **layout}
     want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
-    for tactic in ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2"):
+    for tactic in ("cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized.128x64.w8s2",
+                   "cuda.attention.quantized_one_pass.32x128.w8r128", "cuda.attention.quantized_one_pass.64x64.w4"):
         got = _launch(tactic, attributes, q, k, v, mask)
         assert got.shape == want.shape == (B, S, H * D) and got.dtype == want.dtype
         apart = _steps_apart(got, want)
@@ -144,11 +167,20 @@ def test_refusals_say_why():
     assert "is_causal" in supports({**quant, "is_causal": 1})
     assert "float8_e4m3fn" in supports({**quant, "float8_quant": 1})  # uint8 tensors, E4M3 attributes
     assert supports({**_quantizations("fp8"), "float8_quant": 1}, (FP8,) * 3) is True
+    one_pass = _tactic("cuda.attention.quantized_one_pass.32x64.w4")  # its registers hold 384 keys' scores
+    step = StepSpec(op_type="Attention", domain="kiln", name="a", inputs=["q", "k", "v"], outputs=["y"],
+                    attributes=quant)
+    for keys, verdict in ((384, True), (385, "385 keys")):
+        metas = [InputMeta(shape=(B, H, n, D), dtype=torch.uint8, constant=False) for n in (S, keys, keys)]
+        got = one_pass.supports(step, metas)
+        assert got is True if verdict is True else verdict in got, got
 
 
 @pytest.mark.slow  # ~45 s a kind on a loaded 2-vCPU VM (export, calibration, the interpreter)
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
-def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["cuda.attention.quantized.64x64.w4s2", "cuda.attention.quantized_one_pass.32x128.w8"],
+                         ids=["two-pass", "one-pass"])
+def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, name, tmp_path, monkeypatch):
     """bert_tiny quantized by onnxruntime as bench/quant_gpu.py does (kiln_fp8 / kiln_int8), the CUDA build's passes,
     the kernel registered for the CPU (interpreter): the builder's check passes it on every attention, and the engine
     forced onto it is onnxruntime (its Q/DQ as written) within the model's coarsest per-tensor scale, as the CPU
@@ -168,7 +200,6 @@ def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, mon
     calibration = [make_inputs(zoo.get("bert_tiny"), batch=4, seq=24, seed=s) for s in (1, 2)]
     path = str(tmp_path / "qdq.onnx")
     quantize_transformer(str(exported.path), path, calibration, kind)
-    name = "cuda.attention.quantized.64x64.w4s2"
     cuda_tactics_on_cpu(monkeypatch, lambda tactic: tactic == name)
     plain = build_module.pass_options
     monkeypatch.setattr(build_module, "pass_options", lambda config: dataclasses.replace(
@@ -190,3 +221,57 @@ def test_onnxruntime_s_qdq_bert_on_the_kernel_is_onnxruntime(kind, tmp_path, mon
         got = np.asarray(on_kernel.run(feeds)[session.get_outputs()[0].name])
         assert np.abs(got - want).max() <= coarsest, (np.abs(got - want).max(), coarsest)
         assert np.abs(want).max() > 10 * coarsest
+
+
+@triton.jit
+def _e4m3_grid_kernel(x_ptr, y_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, _e4m3_grid(tl.load(x_ptr + offs, mask=offs < n), SIGNED), mask=offs < n)
+
+
+def test_e4m3_grid_is_the_conversion():
+    """_e4m3_grid (the one-pass kernel's rounding) against torch's float32 -> float8_e4m3fn, saturated as the op
+    does: every E4M3 value, the midpoints between neighbours (ties: to even) and a hair either side of them, the
+    subnormals, values past ±448, random magnitudes over the whole range, and NaN."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[~grid.isnan()].unique()  # sorted, every finite E4M3 value
+    midpoints = (grid[1:] + grid[:-1]) / 2
+    near = torch.cat([midpoints, torch.nextafter(midpoints, torch.tensor(float("inf"))),
+                      torch.nextafter(midpoints, torch.tensor(float("-inf")))])
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(4096, generator=g) * torch.exp2(torch.randint(-14, 10, (4096,), generator=g).float())
+    x = torch.cat([grid, near, wide, torch.tensor([449.0, 465.0, -500.0, 1e30, -1e30, 2.0**-10, -2.0**-10,
+                                                   2.0**-11, 3 * 2.0**-11, float("nan")])])
+    for signed in (True, False):
+        values = x if signed else x[~(x < 0)]  # probabilities: >= 0 (NaN kept)
+        got = torch.empty_like(values)
+        _e4m3_grid_kernel[(triton.cdiv(values.numel(), 1024),)](values, got, values.numel(), SIGNED=signed, BLOCK=1024)
+        want = values.clamp(-448, 448).to(FP8).float()
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert same.all(), (values[~same][:5], got[~same][:5], want[~same][:5])
+    assert (got != values)[~values.isnan()].any()  # the rounding did something
+
+
+def test_a_nan_score_row_is_the_op_s():
+    """A NaN in an additive mask: its row's softmax is NaN in the op, 0 with nan_to_zero, NaN without. The one-pass
+    kernel tests l per row, not p per value: the grids' clamps must carry the NaN through to the output. (A NaN in an
+    E4M3 q would do the same on the GPU; the interpreter converts the E4M3FN NaN byte to 480.)"""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (_eight_bit("fp8", shape, g) for shape in ((B, H, S, D), (B, H, T, D), (B, H, T, D)))
+    mask = _mask("float", g)
+    mask[1, 2, 7, 5] = float("nan")
+    for nan_to_zero, out_quant in ((1, False), (0, False), (1, True)):
+        attributes = {"scale": 0.61, "nan_to_zero": nan_to_zero, "float8_quant": 1, **_quantizations("fp8")}
+        if not out_quant:
+            del attributes["out_quant"]
+        want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+        got = _launch(ONE_PASS, attributes, q, k, v, mask)
+        row = want[1, 2, 7].float()
+        assert (row == 0).all() if nan_to_zero else row.isnan().all()
+        if out_quant:
+            apart = _steps_apart(got, want)
+            assert apart[1, 2, 7].max() == 0 and apart.max() <= QUANTIZED_ATTENTION_STEPS
+        else:
+            assert torch.equal(got.isnan(), want.isnan())
+            finite = want.nan_to_num()
+            assert torch.allclose(got.nan_to_num(), finite, rtol=1e-5, atol=1e-6 * finite.abs().max())

@@ -35,13 +35,22 @@ def _e4m3(x: torch.Tensor) -> torch.Tensor:
     return torch.clamp(x, -448, 448).to(torch.float8_e4m3fn).float()
 
 
-def _kernel_arithmetic(q, k, v, mask, prob_rounding: bool = True) -> torch.Tensor:
-    """The kernel's float32 steps in torch: [B, S, H·D] E4M3."""
+def _kernel_arithmetic(q, k, v, mask, prob_rounding: bool = True, one_pass: bool = False) -> torch.Tensor:
+    """The kernel's float32 steps in torch: [B, S, H·D] E4M3. one_pass: the one-pass kernel's (the scale over the
+    score scale one multiplier, the row's max and sum at once, (1/l) times the probability scale's inverse)."""
     q8, k8, v8 = (x.float().unflatten(-1, (H, D)).permute(0, 2, 1, 3) for x in (q, k, v))
     f = lambda value: torch.tensor(value, dtype=F32)  # noqa: E731  a Python float as the kernel's fp32 argument
+    log2e = f(1.4426950408889634)
+    if one_pass:
+        s = (q8.double() @ k8.double().transpose(-1, -2)).float() * f(1.0 * 0.0113 * 0.0121 / 0.00817)
+        s = _e4m3(s) * f(0.00817) + mask.float()
+        e = torch.exp2(s * log2e - (s.amax(-1) * log2e)[..., None])
+        p = e * ((1.0 / e.sum(-1)) * f(448 * 1.3))[..., None]
+        p = _e4m3(p) if prob_rounding else p
+        o = (p.double() @ v8.double()).float() * f((1 / 448 / 1.3) * 0.0207)
+        return _e4m3(o.permute(0, 2, 1, 3).flatten(-2) * f(1 / 0.00163)).to(torch.float8_e4m3fn)
     s = (q8.double() @ k8.double().transpose(-1, -2)).float() * f(1.0 * 0.0113 * 0.0121)  # exact products
     s = _e4m3(s * f(1 / 0.00817)) * f(0.00817) + mask.float()
-    log2e = f(1.4426950408889634)
     m = torch.full(s.shape[:-1], float("-inf"))
     l = torch.zeros(s.shape[:-1])  # noqa: E741
     for start in range(0, S, 64):  # pass 1: online max and sum
@@ -55,7 +64,8 @@ def _kernel_arithmetic(q, k, v, mask, prob_rounding: bool = True) -> torch.Tenso
     return _e4m3(o.permute(0, 2, 1, 3).flatten(-2) * f(1 / 0.00163)).to(torch.float8_e4m3fn)
 
 
-def test_probability_near_ties_need_the_float8_slack():
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two-pass", "one-pass"])
+def test_probability_near_ties_need_the_float8_slack(one_pass):
     g = torch.Generator().manual_seed(0)  # the GPU test's inputs, drawn on the CPU
     q, k, v = ((torch.randn(B, S, H * D, generator=g) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
                for _ in range(3))
@@ -63,8 +73,8 @@ def test_probability_near_ties_need_the_float8_slack():
     mask = torch.where(torch.arange(S) < lengths, 0.0, torch.finfo(torch.float16).min).half()
     with torch.inference_mode():
         want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **LAYOUT, **QUANT)
-        got = _kernel_arithmetic(q, k, v, mask)
-        unrounded = _kernel_arithmetic(q, k, v, mask, prob_rounding=False)
+        got = _kernel_arithmetic(q, k, v, mask, one_pass=one_pass)
+        unrounded = _kernel_arithmetic(q, k, v, mask, prob_rounding=False, one_pass=one_pass)
     apart = (float8_ordinal(got) - float8_ordinal(want)).abs()
     # the old claim, QUANTIZED_ATTENTION_STEPS alone, fails here: a near-tie crosses zero or the small binades
     assert apart.max() > 10 * QUANTIZED_ATTENTION_STEPS

@@ -322,7 +322,23 @@ def _supports_quantized(step: StepSpec, inputs: list[InputMeta], block_m: int) -
     return True
 
 
-def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int) -> Tactic:
+def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, max_keys: int) -> bool | str:
+    verdict = _supports_quantized(step, inputs, block_m)
+    if verdict is not True:
+        return verdict
+    t_len = _meta_views(inputs, step.attributes)[1].shape[2]
+    if t_len > max_keys:
+        return (f"{t_len} keys: this tile holds a row block's scores for {max_keys} at most (the two-pass tactics "
+                f"take more)")
+    return True
+
+
+def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int,
+                                one_pass_keys: int = 0, max_registers: int = 0) -> Tactic:
+    """one_pass_keys > 0: the one-pass kernel, for at most that many keys (what the tile's registers hold), with
+    max_registers a thread if given (ptxas's cap)."""
+    one_pass = one_pass_keys > 0
+
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.quantized_attention")
         attributes = step.attributes
@@ -341,11 +357,23 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
             kernels.quantized_attention(q4, k4, v4, mask, scale=float(_attr(attributes, "scale", 1.0)), **quant,
                                         float8=float8, nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)),
                                         out=out, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                                        num_stages=num_stages)
+                                        num_stages=num_stages, one_pass=one_pass, max_registers=max_registers)
             return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
 
         return launch
 
+    if one_pass:
+        return Tactic(
+            name=f"cuda.attention.quantized_one_pass.{block_m}x{block_n}.w{num_warps}"
+                 f"{f'r{max_registers}' if max_registers else ''}", op_type="Attention",
+            domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
+            supports=lambda step, inputs: _supports_one_pass(step, inputs, block_m, one_pass_keys),
+            prepare=prepare, level=level, available=triton_available,
+            description=f"Triton attention of an explicitly quantized graph (int8 or E4M3 Q/DQ as attributes): one "
+                        f"pass, a row block's every score in registers ({block_m} queries x up to {one_pass_keys} "
+                        f"keys, {block_n} at a time), {num_warps} warps"
+                        f"{f', at most {max_registers} registers a thread' if max_registers else ''}",
+        )
     return Tactic(
         name=f"cuda.attention.quantized.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
         domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
@@ -359,3 +387,15 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
 
 for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64, 8, 2, 2), (64, 32, 4, 2, 3)):
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, _stages, _level))
+# One pass where a row block's scores fit in registers (issue 12: the two-pass kernel took 0.53-0.61 ms a BERT-base
+# layer, 64 x 384, against the fp16 flash tile's 0.14 on the H100). Tiles of 16-32 rows: their dots are mma.sync
+# with the warps side by side along the keys; a 64-row tile is wgmma, but with 8 warps Triton stacks both warp
+# groups on the same 64 rows (warpsPerCTA [8, 1]: every score computed twice, 255 registers), and with 4 its 384
+# scores a row spill. Registers a thread, E4M3, whole key blocks, ptxas for sm_90 at 384 / 512 keys: 32x128.w8
+# 136 / 146 (one program of 8 warps an SM; capped at 128, two: 8 bytes spilled), 16x128.w4 139 / 140, 16x64.w4
+# 106 / 139, 32x64.w4 184 at 384, 64x64.w4 183 at 256 (no spills)
+ONE_PASS_TILES = ((32, 128, 8, 512, 2, 0), (32, 128, 8, 384, 2, 128), (16, 128, 4, 512, 2, 0), (16, 64, 4, 512, 2, 0),
+                  (32, 64, 4, 384, 3, 0), (64, 64, 4, 256, 3, 0))  # BM, BN, warps, keys, level, register cap
+for _block_m, _block_n, _warps, _keys, _level, _registers in ONE_PASS_TILES:
+    register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys,
+                                         max_registers=_registers))
