@@ -21,6 +21,7 @@ from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
+from kiln.runtime.view_trace import ViewTrace
 from kiln.tactics.traced_rules import TracedRule
 from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
@@ -143,6 +144,8 @@ class _PlanRewrite:
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
+        # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
+        self._whole = ViewTrace(self, template.entries, tuple(len(size) for size in template.entry_sizes))
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -150,6 +153,9 @@ class _PlanRewrite:
         differs from the template's."""
         if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
             return None
+        whole = self._whole(key) if self._calls is not None else None
+        if whole is not None:  # a traced path of the walk below (view_trace.py): its values and exits in one call
+            return self._assembled(template, key, whole[0], whole[1])
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -214,15 +220,13 @@ class _PlanRewrite:
         for s, itemsize, capacity in self._arena:
             if math.prod(sizes[s]) * itemsize > capacity:
                 return None
-        buffer = self._image.copy()  # every rewritten plan, in one array the collector does not track
-        if values:
-            flat = np.array(values, np.int64)
-            where64, value64, where32, value32 = self._words
-            buffer[where64] = flat[value64]
-            buffer.view(np.int32)[where32] = flat[value32]
+        exits = [sizes[s] for s, _dtype, _nhwc in self._exits]
+        if self._calls is not None and not natives and not bound:  # every member's plan rewritten
+            self._whole.learn(key, values, exits)  # the next views on this path: one call (TRACES paths at most)
+            return self._assembled(template, key, values, exits)
+        buffer = self._plans(values)
         base = buffer.ctypes.data
-        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
-                       for s, dtype, nhwc in self._exits]
+        exit_shapes = self._exit_shapes(exits)
         entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
         owned = [buffer]
         if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
@@ -251,6 +255,31 @@ class _PlanRewrite:
             owned.append(owner)
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
+
+    def _plans(self, values: list[int]) -> np.ndarray:
+        """A view's plans: the template's, each rule's values written over (one array the collector does not
+        track)."""
+        buffer = self._image.copy()
+        if values:
+            flat = np.array(values, np.int64)
+            where64, value64, where32, value32 = self._words
+            buffer[where64] = flat[value64]
+            buffer.view(np.int32)[where32] = flat[value32]
+        return buffer
+
+    def _exit_shapes(self, exits: list[tuple[int, ...]]) -> list[tuple]:
+        """(size, strides, dtype) of each exit at sizes `exits`."""
+        return [(size, native_strides(size) if nhwc else row_major_strides(size), dtype)
+                for size, (_s, dtype, nhwc) in zip(exits, self._exits)]
+
+    def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]]
+                   ) -> _Resized:
+        """The view whose every member's plan is rewritten (no oneDNN arguments, no member bound otherwise): its
+        plans from `values` (in member order), the call image's arrays pointed at them."""
+        buffer = self._plans(values)
+        entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
+        c = self._calls.at(buffer.ctypes.data, None)
+        return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
 
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
                    ) -> Iterator[tuple[int, int, _Mirror | None]]:
@@ -444,13 +473,17 @@ class _CallImage:
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (ViewArguments.at's, every such member's)."""
-        objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
-        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
-        if arguments is not None:
-            objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, _nargs, _args, _ = self.loop
+        objects = self.objects.copy()
+        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
+        if arguments is None:  # no oneDNN member: the template's nargs and args arrays (the loop only reads them)
+            nargs, args = _nargs, _args
+        else:
+            nargs, args = self.nargs.copy(), self.args.copy()
+            objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
+            nargs, args = type(_nargs).from_buffer(nargs), type(_args).from_buffer(args)
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
-                type(_objects).from_buffer(objects), type(_nargs).from_buffer(nargs), type(_args).from_buffer(args),
+                type(_objects).from_buffer(objects), nargs, args,
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
 
 
