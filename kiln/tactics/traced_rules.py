@@ -272,7 +272,7 @@ class ClosedForms:
             if traced is None:
                 return False
             path = f"    if {_condition(trace.guards)}:\n        return {_written(traced)}\n"
-        except (_Untraceable, TypeError, AttributeError, ValueError):
+        except (_Untraceable, TypeError, AttributeError, ValueError, ArithmeticError):
             self.traceable = False
             return False
         with self._lock:
