@@ -5,7 +5,7 @@ closed forms (B, kiln/runtime/view_trace.py), in one process, shapes interleaved
 
 An engine of a BERT-like model (inputs input_ids and attention_mask, symbolic batch and sequence), padding of first
 calls off (every new shape binds, through DirectRuns.bind: one call of the compiled loop). Shapes 1x8, 2x16, 4x64,
-1x200, then b 1-3 x s 3..seq-to shuffled; each shape's first call takes path A (ViewTrace off: no path answers, none
+1x200 (--named), then b 1-3 x s 3..seq-to shuffled; each shape's first call takes path A (ViewTrace off: no path answers, none
 is learned) or B (on: views on a traced path are one call; a view off every path is walked, then traced), A and B
 alternating in pairs, then 3 repeats (the least is the repeat). Both first calls' outputs must equal their repeats
 bit for bit. Rows, thread CPU µs, median / lower quartile / least over each path's shapes:
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
     ap.add_argument("--seq-to", type=int, default=43, help="sequence lengths 3 .. this - 1")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--named", default="1x8,2x16,4x64,1x200", help="the first shapes, reported one by one (bert_tiny's "
+                    "positions end at 128: 1x8,2x16,4x64)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     engine = kiln.load(args.engine)
@@ -70,7 +72,7 @@ def main() -> None:
     view_trace.ViewTrace.__call__ = lambda self, key: answer(self, key) if on[0] else None
     view_trace.ViewTrace.learn = lambda self, key, values, exits: learn(self, key, values, exits) if on[0] else False
     rng = np.random.default_rng(args.seed)
-    named = [(1, 8), (2, 16), (4, 64), (1, 200)]
+    named = [tuple(int(v) for v in shape.split("x")) for shape in args.named.split(",")]
     stream = [(b, s) for s in range(3, args.seq_to) for b in (1, 2, 3) if (b, s) not in named]
     rng.shuffle(stream)
     rows = {(path, what): [] for path in "AB" for what in ("first", "outside", "view", "bind")}
@@ -108,8 +110,8 @@ def main() -> None:
     template = segment._grown or segment
     paths = template._rewrite._whole.paths if template._rewrite is not None else 0
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"# {Path(args.engine).name}: {len(stream)} new shapes (b 1-3 x s 3-{args.seq_to - 1}) after 1x8, 2x16, "
-          f"4x64, 1x200; 1 thread, {cpu}, load average {os.getloadavg()[0]:.1f}; {paths} traced paths of the walk")
+    print(f"# {Path(args.engine).name}: {len(stream)} new shapes (b 1-3 x s 3-{args.seq_to - 1}) after {args.named}; "
+          f"1 thread, {cpu}, load average {os.getloadavg()[0]:.1f}; {paths} traced paths of the walk")
     print("; ".join(notes) + " (µs)\n")
     print("| thread CPU µs | shapes | median | lower quartile | least |\n|---|---|---|---|---|")
     labels = {"first": "first call - its repeat", "outside": "outside the loop: first - repeat",

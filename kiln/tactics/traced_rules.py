@@ -238,14 +238,15 @@ class TracedRule:
 
 class ClosedForms:
     """A computation over int dims answered from its traced closed forms, as TracedRule answers a rule: each path
-    (its guards' outcomes) is traced once, by the caller running the computation on symbols (`learn`), and the paths
-    compile to one function of the dims (TRACES at most). A computation built of traced rules' answers (TracedRule.
-    traced on symbols) and integer arithmetic, with a guard on each size it branches on, is then one call: a native
-    segment's view at new sizes (kiln/runtime/view_trace.py). Its answer is a tuple of ints, symbols and tuples."""
+    (its guards' outcomes) is traced once, by the caller running the computation on symbols (`learn`), and compiled
+    into a function of the dims (TRACES at most, tried in order). A computation built of traced rules' answers
+    (TracedRule.traced on symbols) and integer arithmetic, with a guard on each size it branches on, is then one call:
+    a native segment's view at new sizes (kiln/runtime/view_trace.py). Its answer is a tuple of ints, symbols and
+    tuples. A function per path: a new path compiles only its own source (BERT-base's walk: ~10 KB a path; one
+    function of every path made the n-th path's trace recompile n of them)."""
 
     def __init__(self) -> None:
-        self._paths: list[str] = []
-        self._answers: Callable | None = None  # dims -> the answer, or None off every path
+        self._paths: tuple[Callable, ...] = ()  # each path's dims -> the answer, or None where its guards do not hold
         self.traceable = True  # False once a trace failed or disagreed: then learn() does nothing
         self._lock = threading.Lock()
 
@@ -255,8 +256,11 @@ class ClosedForms:
 
     def __call__(self, dims: tuple[int, ...]) -> Any:
         """The answer at `dims` from a traced path, or None (no path's guards hold: the caller computes it)."""
-        answers = self._answers
-        return None if answers is None else answers(dims)
+        for answer in self._paths:
+            found = answer(dims)
+            if found is not None:
+                return found
+        return None
 
     def learn(self, dims: tuple[int, ...], compute: Callable[[tuple], Any], expected: Any) -> bool:
         """Trace `compute` (the computation, on a tuple of dims) on symbols standing for `dims`, where it answered
@@ -271,19 +275,20 @@ class ClosedForms:
             traced = compute(tuple(_Dim(f"d[{j}]", int(v), trace) for j, v in enumerate(dims)))
             if traced is None:
                 return False
-            path = f"    if {_condition(trace.guards)}:\n        return {_written(traced)}\n"
+            source = f"def answer(d):\n    if {_condition(trace.guards)}:\n        return {_written(traced)}\n" \
+                     f"    return None\n"
         except (_Untraceable, TypeError, AttributeError, ValueError, ArithmeticError):
             self.traceable = False
             return False
+        namespace: dict[str, Any] = {}
+        exec(source, namespace)  # noqa: S102
+        answer = namespace.pop("answer")  # not left in its own globals: a reference cycle
+        if answer(dims) != expected:
+            self.traceable = False
+            return False
         with self._lock:
-            paths = self._paths + [path]
-            namespace: dict[str, Any] = {}
-            exec("def answers(d):\n" + "".join(paths) + "    return None\n", namespace)  # noqa: S102
-            answers = namespace.pop("answers")
-            if answers(dims) != expected:
-                self.traceable = False
-                return False
-            self._paths, self._answers = paths, answers
+            if len(self._paths) < TRACES:
+                self._paths = (*self._paths, answer)  # replaced whole: a reader holds one tuple
         return True
 
 
