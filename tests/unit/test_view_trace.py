@@ -4,9 +4,9 @@ sizes, byte for byte (plans, exits, call arrays), and run as it does, bit for bi
 random shapes; off every traced path (sizes whose checks or rules go another way) the walk binds, as before.
 
 The engine: an MLP block with a residual and a LayerNorm ([batch, seq, 64], symbolic batch and sequence), every
-member of its one segment a kiln kernel with a plan rule once the template has grown past the tuned rows (its GEMMs
-on kiln's GEMM: onednn_gemm's rule of those rows). bert_tiny's views keep a Reshape alias, which the trace does not
-follow: it is bound by the walk (tests/unit/test_native_binding.py)."""
+member of its one segment a kiln kernel with a plan rule (two of kiln's packed GEMMs, kiln's LayerNorm), as
+BERT-base's are. bert_tiny's views keep a Reshape alias, which the trace does not follow: they are bound by the walk
+(tests/unit/test_native_binding.py)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_views_on_a_traced_walk_are_the_walks_byte_for_byte_and_runs_match_onnxr
         return found
 
     monkeypatch.setattr(view_trace.ViewTrace, "__call__", counting)
-    context.run(_x(rng, 4, 16))  # the largest sizes first: the template grows to them, its GEMMs on kiln's GEMM
+    context.run(_x(rng, 4, 16))  # the largest sizes first: the template grows to them once, the views fit it after
     shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 17))) for _ in range(14)} - {(4, 16)}
     for batch, seq in sorted(shapes, key=lambda _: rng.random()):
         feeds = _x(rng, batch, seq)

@@ -22,8 +22,8 @@ from kiln.kernels.cpu import gemm_native, onednn, onednn_ahead, onednn_matmul, o
 from kiln.plan.spec import StepSpec
 from kiln.tactics.cpu.onednn import _CACHED_SHAPES, _built, _configure
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, PrimitiveRule, SizedPlan, SizedPrimitive, Tactic,
-                                 gemm_operands_refusal, resizable, same_primitive)
+from kiln.tactics.tactic import (InputMeta, NativeStep, PrimitiveRule, SizedPrimitive, Tactic, gemm_operands_refusal,
+                                 resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 
@@ -98,27 +98,6 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
             return layer(x_rows).reshape(*lead, n)  # [..., N]
         return layer(x_rows, residual.reshape(rows, n).contiguous()).reshape(*lead, n)
 
-    kiln_rows: list[PlanRule] = []  # native_at's plan rule on kiln's GEMM, made with its packed layer
-
-    def on_kiln_gemm_rule() -> PlanRule:
-        """The rows on kiln's GEMM as kiln_packed's rule gives them (gemm_packed.py: PackedLinear.row_fields), a
-        ValueError at rows another kernel takes: a view over a template whose call of this layer is kiln's GEMM
-        (one bound at rows past the tuned one) rewrites its plan at new rows as it does kiln_packed's layers'
-        (bert_tiny's two oneDNN layers were bound member by member at every new shape)."""
-        if not kiln_rows:
-            layer = packed.linear()
-
-            def sized(size: tuple[int, ...]) -> SizedPlan:
-                if len(size) not in (2, 3) or size[-1] != tuned[-1] or not on_kiln_gemm(rows_of(size)):
-                    raise ValueError(f"{list(size)}: not rows of this layer on kiln's GEMM")
-                return SizedPlan(((*size[:-1], n),), layer.row_fields(rows_of(size)))
-
-            # on_kiln_gemm follows the tuned rows and the weight's size (k, n), row_fields the layer's blocking
-            kiln_rows.append(PlanRule(sized, ("inner product on kiln_gemm", layer.k, layer.n, layer.gemm_n,
-                                              layer.small_m, layer.pack_m, layer.swiglu, rows_of(tuned)),
-                                      traceable=True))
-        return kiln_rows[0]
-
     @resizable
 
     def native_at(size: tuple[int, ...]) -> NativeStep:
@@ -127,8 +106,7 @@ def _prepare_gemm(step: StepSpec, constants: list[Any], device: torch.device):
         if on_kiln_gemm(rows_of(size)):
             bound = packed.rows(size)
             return NativeStep(size, bound.output_size, same_primitive(bound),
-                              residual_input=3 if with_residual else None, primitive_at=primitive_at,
-                              plan_at=on_kiln_gemm_rule())
+                              residual_input=3 if with_residual else None, primitive_at=primitive_at)
         layer = layer_at(rows_of(size))
         return NativeStep(size, (*size[:-1], n), same_primitive(layer),
                           residual_input=3 if with_residual else None, primitive_at=primitive_at)
