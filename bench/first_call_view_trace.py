@@ -70,7 +70,7 @@ def main() -> None:
     answer, learn = view_trace.ViewTrace.__call__, view_trace.ViewTrace.learn
     on = [True]
     view_trace.ViewTrace.__call__ = lambda self, key: answer(self, key) if on[0] else None
-    view_trace.ViewTrace.learn = lambda self, key, values, exits: learn(self, key, values, exits) if on[0] else False
+    view_trace.ViewTrace.learn = lambda self, *a: learn(self, *a) if on[0] else False
     rng = np.random.default_rng(args.seed)
     named = [tuple(int(v) for v in shape.split("x")) for shape in args.named.split(",")]
     stream = [(b, s) for s in range(3, args.seq_to) for b in (1, 2, 3) if (b, s) not in named]

@@ -149,7 +149,7 @@ class _PlanRewrite:
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
-        self._whole = ViewTrace(self, template.entries, tuple(len(size) for size in template.entry_sizes))
+        self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -226,7 +226,7 @@ class _PlanRewrite:
                 return None
         exits = [sizes[s] for s, _dtype, _nhwc in self._exits]
         if self._calls is not None and not natives and not bound:  # every member's plan rewritten
-            self._whole.learn(key, values, exits)  # the next views on this path: one call (TRACES paths at most)
+            self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES paths at most)
             return self._assembled(template, key, values, exits)
         buffer = self._plans(values)
         base = buffer.ctypes.data

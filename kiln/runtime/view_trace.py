@@ -17,6 +17,7 @@ test_native_binding.py compares views bound both ways, byte for byte).
 
 from __future__ import annotations
 
+import functools
 import math
 from itertools import chain
 from typing import Any
@@ -28,10 +29,10 @@ class ViewTrace:
     """A _PlanRewrite's walks at new sizes as closed forms of the entry dims: (the values its rules write, in member
     order; each exit's sizes), or None off every traced path."""
 
-    def __init__(self, rewrite: Any, entries: list[int], ranks: tuple[int, ...]):
-        """`rewrite`: the _PlanRewrite (its schedule's steps, members, arena checks and exits); `entries`: the
-        template's entry slots, `ranks` their ranks (a view's key has them: _PlanRewrite.view checks)."""
-        self._rewrite = rewrite
+    def __init__(self, entries: list[int], ranks: tuple[int, ...]):
+        """`entries`: the template's entry slots, `ranks` their ranks (a view's key has them: _PlanRewrite.view
+        checks). It does not hold its _PlanRewrite (which holds it: a reference back would be a cycle): learn() is
+        given it."""
         self._entries, self._ranks = list(entries), ranks
         self._forms = ClosedForms()
 
@@ -45,15 +46,15 @@ class ViewTrace:
         except ArithmeticError:  # a closed form's division by zero: the view's walk raises it as the rule would
             return None
 
-    def learn(self, key: tuple, values: list[int], exits: list[tuple[int, ...]]) -> bool:
-        """Trace the walk at `key`, where the view found `values` (in member order) and exit sizes `exits`."""
-        return self._forms.learn(tuple(chain.from_iterable(key)), self._walk,
+    def learn(self, rewrite: Any, key: tuple, values: list[int], exits: list[tuple[int, ...]]) -> bool:
+        """Trace `rewrite`'s walk (the _PlanRewrite's schedule, members, arena checks and exits) at `key`, where its
+        view found `values` (in member order) and exit sizes `exits`."""
+        return self._forms.learn(tuple(chain.from_iterable(key)), functools.partial(self._walk, rewrite),
                                  (tuple(values), tuple(tuple(size) for size in exits)))
 
-    def _walk(self, dims: tuple) -> tuple[tuple, tuple] | None:
-        """_PlanRewrite.view's walk on `dims` (symbols) where every member it evaluates has a rule: the values and
+    def _walk(self, rewrite: Any, dims: tuple) -> tuple[tuple, tuple] | None:
+        """`rewrite`'s view's walk on `dims` (symbols) where every member it evaluates has a rule: the values and
         the exits' sizes, or None where a check refuses (the view would) or a rule has no traced path there."""
-        rewrite = self._rewrite
         it = iter(dims)
         key = [tuple(next(it) for _ in range(rank)) for rank in self._ranks]
         sizes = dict(zip(self._entries, key))

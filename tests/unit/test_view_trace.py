@@ -11,6 +11,8 @@ BERT-base's are. bert_tiny's views keep a Reshape alias, which the trace does no
 from __future__ import annotations
 
 import ctypes
+import gc
+import weakref
 
 import numpy as np
 import onnx
@@ -142,14 +144,33 @@ def test_sizes_off_every_traced_path_are_walked_and_a_walk_it_cannot_follow_is_n
     key = next(reversed(segment.resized))
     assert rewrite._whole.paths > 0
     # a fresh trace whose every path is refused: views are still made (by the walk), none from a trace
-    monkeypatch.setattr(rewrite, "_whole", view_trace.ViewTrace(rewrite, template.entries, rewrite._whole._ranks))
+    monkeypatch.setattr(rewrite, "_whole", view_trace.ViewTrace(template.entries, rewrite._whole._ranks))
     walk = view_trace.ViewTrace._walk
-    monkeypatch.setattr(view_trace.ViewTrace, "_walk", lambda self, dims: None)
+    monkeypatch.setattr(view_trace.ViewTrace, "_walk", lambda self, rewrite, dims: None)
     assert rewrite.view(template, key) is not None and rewrite._whole.paths == 0
     assert rewrite._whole._forms.traceable  # refused at these sizes, not for good
     # a member the trace cannot follow (no rule): never traced again
     monkeypatch.setattr(view_trace.ViewTrace, "_walk", walk)
     members = list(rewrite._members)
     monkeypatch.setattr(rewrite, "_members", [(None, *m[1:]) if k == 0 else m for k, m in enumerate(members)])
-    assert rewrite._whole.learn(key, [0] * rewrite._values, [(3, 5, 64)] * len(rewrite._exits)) is False
+    assert rewrite._whole.learn(rewrite, key, [0] * rewrite._values, [(3, 5, 64)] * len(rewrite._exits)) is False
     assert not rewrite._whole._forms.traceable
+
+
+def test_a_rewrite_with_traced_paths_dies_with_its_last_reference(mlp):
+    """Its ViewTrace does not hold it back (no cycle): a template let go frees its rewrite at once, collector off."""
+    engine, _ = mlp
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    for batch, seq in ((4, 16), (2, 3), (3, 5)):
+        context.run(_x(rng, batch, seq))
+    segment = _segment(engine)
+    template = segment._grown or segment
+    assert template._rewrite._whole.paths > 0
+    held = weakref.ref(template._rewrite)
+    gc.disable()
+    try:
+        template._rewrite = None
+        assert held() is None, "a reference cycle holds the rewrite"
+    finally:
+        gc.enable()
