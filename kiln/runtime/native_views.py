@@ -21,6 +21,8 @@ from kiln.kernels.cpu import native_loop, onednn
 from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL, FormChooser
 from kiln.runtime.native_members import _bind_member, _entry_forms, _form, _forms, _run_loop, serial_calls, writes_of
 from kiln.runtime.view_arguments import ViewArguments, arguments_layout
+from kiln.runtime.view_mirrors import _Mirror, _MirrorRun, _arena_checks, _mirror_runs, _mirrors
+from kiln.runtime.view_trace import ViewTrace
 from kiln.tactics.traced_rules import TracedRule
 from kiln.tactics.tactic import NativeStep, SizedPrimitive, native_strides, row_major_strides
 
@@ -75,7 +77,10 @@ class _PlanRewrite:
     loop arrays are the template's numpy images with those calls stored in (_CallImage: BERT-base's view ~0.27 ->
     ~0.22 ms hot, bench/results/bind-base-cpu-2026-12-05b.md). A member that reads, by the template's wiring, what
     a layer one period before it read (_Mirror: a transformer's layers after its first) takes that layer's answers
-    without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). The
+    without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). Where
+    every member the walk evaluates has a rule, the walk itself is traced into one generated function of the entry
+    dims (view_trace.py): a view on a traced path is one call of it, then the plans' stores (BERT-base's view ~65 ->
+    ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md). The
     other members (kernels whose plans hold floats, squeeze-excite, a oneDNN layer at rows another kernel takes) are
     bound as _Resized.bound_at binds them.
 
@@ -143,6 +148,8 @@ class _PlanRewrite:
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
+        # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
+        self._whole = ViewTrace(template.entries, tuple(len(size) for size in template.entry_sizes))
 
     def view(self, template: Any, key: tuple) -> _Resized | None:
         """`template`'s view (the segment this rewrite was made for) at entry sizes `key`, or None: a rule or a
@@ -150,6 +157,9 @@ class _PlanRewrite:
         differs from the template's."""
         if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
             return None
+        whole = self._whole(key) if self._calls is not None else None
+        if whole is not None:  # a traced path of the walk below (view_trace.py): its values and exits in one call
+            return self._assembled(template, key, whole[0], whole[1])
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -214,15 +224,13 @@ class _PlanRewrite:
         for s, itemsize, capacity in self._arena:
             if math.prod(sizes[s]) * itemsize > capacity:
                 return None
-        buffer = self._image.copy()  # every rewritten plan, in one array the collector does not track
-        if values:
-            flat = np.array(values, np.int64)
-            where64, value64, where32, value32 = self._words
-            buffer[where64] = flat[value64]
-            buffer.view(np.int32)[where32] = flat[value32]
+        exits = [sizes[s] for s, _dtype, _nhwc in self._exits]
+        if self._calls is not None and not natives and not bound:  # every member's plan rewritten
+            self._whole.learn(self, key, values, exits)  # the next views on this path: one call (TRACES paths at most)
+            return self._assembled(template, key, values, exits)
+        buffer = self._plans(values)
         base = buffer.ctypes.data
-        exit_shapes = [(sizes[s], native_strides(sizes[s]) if nhwc else row_major_strides(sizes[s]), dtype)
-                       for s, dtype, nhwc in self._exits]
+        exit_shapes = self._exit_shapes(exits)
         entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
         owned = [buffer]
         if self._calls is not None and not natives:  # every member rewritten: the call arrays by numpy stores
@@ -252,6 +260,31 @@ class _PlanRewrite:
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
+    def _plans(self, values: list[int]) -> np.ndarray:
+        """A view's plans: the template's, each rule's values written over (one array the collector does not
+        track)."""
+        buffer = self._image.copy()
+        if values:
+            flat = np.array(values, np.int64)
+            where64, value64, where32, value32 = self._words
+            buffer[where64] = flat[value64]
+            buffer.view(np.int32)[where32] = flat[value32]
+        return buffer
+
+    def _exit_shapes(self, exits: list[tuple[int, ...]]) -> list[tuple]:
+        """(size, strides, dtype) of each exit at sizes `exits`."""
+        return [(size, native_strides(size) if nhwc else row_major_strides(size), dtype)
+                for size, (_s, dtype, nhwc) in zip(exits, self._exits)]
+
+    def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]]
+                   ) -> _Resized:
+        """The view whose every member's plan is rewritten (no oneDNN arguments, no member bound otherwise): its
+        plans from `values` (in member order), the call image's arrays pointed at them."""
+        buffer = self._plans(values)
+        entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
+        c = self._calls.at(buffer.ctypes.data, None)
+        return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
+
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
                    ) -> Iterator[tuple[int, int, _Mirror | None]]:
         """The schedule's members a view evaluates one by one, in order: a run of mirrors is copied at once
@@ -264,143 +297,6 @@ class _PlanRewrite:
                 yield from step.members
             else:
                 step.copy(sizes, bound)
-
-MIRROR_PERIODS = 64  # the longest layer _mirrors looks for (members): its search is this many passes over a segment
-
-
-@dataclass(frozen=True, slots=True)
-class _Mirror:
-    """A member that reads, by the template's wiring, what the member `of` (a layer before it of the same rule)
-    reads: each input made by a member that mirrors the one making `of`'s, or the same slot, or a size `checks`
-    compares per view. Its rule's answer is then `of`'s (rules of one key give equal answers at equal sizes): a view
-    copies `of`'s output sizes and oneDNN primitive, and writes its plan from `of`'s values."""
-
-    of: int
-    checks: tuple[tuple[int, int], ...]  # (its input's slot, `of`'s): sizes a view compares
-    outputs: tuple[tuple[int, int], ...]  # (its output's slot, `of`'s)
-
-
-@dataclass(frozen=True, slots=True)
-class _MirrorRun:
-    """Consecutive mirrors of a view's schedule, the first's checks before them (a transformer's layers after its
-    first: BERT-base's 76 mirrors are 2 runs), copied by a view at once: what a view's loop does for each (its output
-    sizes and oneDNN answer those of the member it mirrors), in the same order, as two dict updates."""
-
-    members: tuple[tuple[int, int, _Mirror], ...]  # the schedule's entries
-    checks: tuple[tuple[int, int], ...]  # the first member's
-    slots: tuple[int, ...]  # each output slot, in order ...
-    sames: tuple[int, ...]  # ... and the one whose size it takes
-    layers: tuple[int, ...]  # each oneDNN member, in order ...
-    answers_of: tuple[int, ...]  # ... and the member whose answer it takes
-
-    def copy(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive]) -> None:
-        """The run's sizes and oneDNN answers copied (ValueError where the first's checked sizes differ: the view
-        refuses, and the layers are bound one by one). Each update goes in order, so a mirror of a mirror in the
-        run takes what the run copied before it."""
-        for a, b in self.checks:
-            if sizes[a] != sizes[b]:
-                raise ValueError("a layer's sizes differ from those of the one it mirrors")
-        sizes.update(zip(self.slots, map(sizes.__getitem__, self.sames)))
-        bound.update(zip(self.layers, map(bound.__getitem__, self.answers_of)))
-
-
-def _mirror_runs(schedule: list[tuple[int, int, _Mirror | None]], members: list[tuple]
-                 ) -> list[tuple[int, int, _Mirror | None] | _MirrorRun]:
-    """`schedule` with each run of consecutive mirrors, split before every mirror with checks, as a _MirrorRun."""
-    steps: list = []
-    run: list[tuple[int, int, _Mirror]] = []
-    for entry in [*schedule, (None, 0, None)]:
-        mirror = entry[2]
-        if run and (mirror is None or mirror.checks):
-            outputs = [pair for _, _, m in run for pair in m.outputs]
-            layers = [(k, m.of) for k, _, m in run if members[k][9] is not None]
-            steps.append(_MirrorRun(tuple(run), run[0][2].checks, tuple(s for s, _ in outputs),
-                                    tuple(s for _, s in outputs), tuple(k for k, _ in layers),
-                                    tuple(of for _, of in layers)))
-            run = []
-        if mirror is None:
-            if entry[0] is not None:
-                steps.append(entry)
-        else:
-            run.append(entry)
-    return steps
-
-
-def _mirrors(members: list[tuple], counts: list[int], sizes: dict[int, tuple]
-             ) -> tuple[list[tuple[int, int, _Mirror | None]], np.ndarray, int]:
-    """(every member's (index, how many values its rule gives, its _Mirror or None), where each value in member order
-    is among those of the members a view evaluates, how many those give). The period of the mirrors is the one that
-    makes the most (a transformer's layer: of BERT-base's 91 members a view evaluates 15, 76 copy); a
-    member mirrors one whose template sizes equal its own, so a view that finds them unequal is bound otherwise."""
-    made: dict[int, tuple[int, int]] = {}  # slot -> (member, output j), of slots one member writes
-    for k, member in enumerate(members):
-        for j, slot in member[5]:
-            made[slot] = (k, j) if slot not in made else (-1, -1)
-    best: dict[int, _Mirror] = {}
-    for period in range(1, min(len(members) // 2, MIRROR_PERIODS) + 1):
-        found: dict[int, _Mirror] = {}
-        for k in range(period, len(members)):
-            mirror = _mirror(members[k], members[k - period], k - period, period, made, found, sizes)
-            if mirror is not None:
-                found[k] = mirror
-        if len(found) > len(best):
-            best = found
-    schedule, remap, evaluated, start = [], [], 0, {}
-    for k, count in enumerate(counts):
-        mirror = best.get(k)
-        if mirror is None:
-            start[k] = evaluated
-            evaluated += count
-        else:
-            start[k] = start[mirror.of]
-        remap += range(start[k], start[k] + count)
-        schedule.append((k, count, mirror))
-    return schedule, np.array(remap, np.intp), evaluated
-
-
-def _arena_checks(arena: list[tuple[int, int, int]], schedule: list[tuple[int, int, _Mirror | None]]
-                  ) -> list[tuple[int, int, int]]:
-    """The arena's (slot, itemsize, capacity) checks a view makes: a mirror's output is as large as its mirrored
-    member's (else the view stops at the mirror's checks), so each slot is checked as the first slot it copies,
-    once per itemsize at the least capacity of those (BERT-base: 90 checks -> 15)."""
-    copied = {slot: same for _, _, mirror in schedule if mirror is not None for slot, same in mirror.outputs}
-    least: dict[tuple[int, int], int] = {}
-    for slot, itemsize, capacity in arena:
-        while slot in copied:
-            slot = copied[slot]
-        least[slot, itemsize] = min(capacity, least.get((slot, itemsize), capacity))
-    return [(slot, itemsize, capacity) for (slot, itemsize), capacity in least.items()]
-
-
-def _mirror(member: tuple, earlier: tuple, of: int, period: int, made: dict[int, tuple[int, int]],
-            found: dict[int, _Mirror], sizes: dict[int, tuple]) -> _Mirror | None:
-    """`member`'s _Mirror of `earlier` (member `of`), or None: another rule or wiring, a member without a rule, or an
-    input of another template size."""
-    rule, _at, reads, x, residual, outputs, _placed, follows, _read, bind = member
-    rule_e, _, reads_e, x_e, residual_e, outputs_e, _, follows_e, _, bind_e = earlier
-    key = rule.key if rule is not None else bind.rule.key if bind is not None else None
-    key_e = rule_e.key if rule_e is not None else bind_e.rule.key if bind_e is not None else None
-    if key is None or key != key_e or (rule is None) != (rule_e is None) or follows != follows_e \
-            or (reads is None) != (reads_e is None) or (residual is None) != (residual_e is None) \
-            or [j for j, _ in outputs] != [j for j, _ in outputs_e]:
-        return None
-    slots = [slot for _, slot in reads] if reads is not None else [x]
-    slots_e = [slot for _, slot in reads_e] if reads_e is not None else [x_e]
-    if len(slots) != len(slots_e):
-        return None
-    checks = []
-    for a, b in zip(slots + [residual], slots_e + [residual_e]):
-        if a == b:
-            continue
-        maker, maker_e = made.get(a), made.get(b)
-        if maker is not None and maker[0] >= 0 and maker_e == (maker[0] - period, maker[1]) \
-                and maker[0] in found and found[maker[0]].of == maker_e[0]:
-            continue  # made by a member that mirrors the one making b: equal sizes
-        if sizes.get(a) is None or sizes.get(a) != sizes.get(b):
-            return None
-        checks.append((a, b))
-    return _Mirror(of, tuple(checks), tuple((slot, slot_e) for (_, slot), (_, slot_e) in zip(outputs, outputs_e)))
-
 
 @dataclass(frozen=True)
 class _CallImage:
@@ -444,13 +340,17 @@ class _CallImage:
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (ViewArguments.at's, every such member's)."""
-        objects, nargs, args = self.objects.copy(), self.nargs.copy(), self.args.copy()
-        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
-        if arguments is not None:
-            objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, _nargs, _args, _ = self.loop
+        objects = self.objects.copy()
+        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
+        if arguments is None:  # no oneDNN member: the template's nargs and args arrays (the loop only reads them)
+            nargs, args = _nargs, _args
+        else:
+            nargs, args = self.nargs.copy(), self.args.copy()
+            objects[self.argument_calls], nargs[self.argument_calls], args[self.argument_calls] = arguments
+            nargs, args = type(_nargs).from_buffer(nargs), type(_args).from_buffer(args)
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
-                type(_objects).from_buffer(objects), type(_nargs).from_buffer(nargs), type(_args).from_buffer(args),
+                type(_objects).from_buffer(objects), nargs, args,
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
 
 

@@ -201,6 +201,17 @@ class TracedRule:
             return found
         return self(dict(zip(names, read)) if names is not None else read[0])
 
+    def traced(self, names: tuple | None, read: tuple[tuple, ...]) -> SizedPlan | None:
+        """at()'s answer from a traced path only, None where none is traced for these sizes: the rule is never run.
+        The dims may be symbols (ClosedForms): a path's guards then become the caller's guards, its closed forms
+        expressions of the caller's dims."""
+        if names is None:
+            structure, dims = len(read[0]), tuple(read[0])
+        else:
+            structure, dims = tuple(zip(names, map(len, read))), tuple(chain.from_iterable(read))
+        answers = self._answers.get(structure)
+        return None if answers is None else answers(dims)
+
     def _trace(self, sizes: Any, structure: tuple, dims: tuple[int, ...], answer: SizedPlan) -> None:
         trace = _Trace()
         try:
@@ -223,3 +234,63 @@ class TracedRule:
                 return
             self._paths_of[structure], self._answers[structure] = paths, answers
             self._paths += 1
+
+
+class ClosedForms:
+    """A computation over int dims answered from its traced closed forms, as TracedRule answers a rule: each path
+    (its guards' outcomes) is traced once, by the caller running the computation on symbols (`learn`), and compiled
+    into a function of the dims (TRACES at most, tried in order). A computation built of traced rules' answers
+    (TracedRule.traced on symbols) and integer arithmetic, with a guard on each size it branches on, is then one call:
+    a native segment's view at new sizes (kiln/runtime/view_trace.py). Its answer is a tuple of ints, symbols and
+    tuples. A function per path: a new path compiles only its own source (BERT-base's walk: ~10 KB a path; one
+    function of every path made the n-th path's trace recompile n of them)."""
+
+    def __init__(self) -> None:
+        self._paths: tuple[Callable, ...] = ()  # each path's dims -> the answer, or None where its guards do not hold
+        self.traceable = True  # False once a trace failed or disagreed: then learn() does nothing
+        self._lock = threading.Lock()
+
+    @property
+    def paths(self) -> int:
+        return len(self._paths)
+
+    def __call__(self, dims: tuple[int, ...]) -> Any:
+        """The answer at `dims` from a traced path, or None (no path's guards hold: the caller computes it)."""
+        for answer in self._paths:
+            found = answer(dims)
+            if found is not None:
+                return found
+        return None
+
+    def learn(self, dims: tuple[int, ...], compute: Callable[[tuple], Any], expected: Any) -> bool:
+        """Trace `compute` (the computation, on a tuple of dims) on symbols standing for `dims`, where it answered
+        `expected`, and add its path. False where it is not added: TRACES paths already, `compute` answered None (it
+        cannot follow this path: another may be traced), or it did with a symbol what a symbol does not support (or
+        raised Untraceable: a part it can never follow), or the compiled path's answer at `dims` is not `expected`
+        (in those two cases no path is added again)."""
+        if not self.traceable or len(self._paths) >= TRACES:
+            return False
+        trace = _Trace()
+        try:
+            traced = compute(tuple(_Dim(f"d[{j}]", int(v), trace) for j, v in enumerate(dims)))
+            if traced is None:
+                return False
+            source = f"def answer(d):\n    if {_condition(trace.guards)}:\n        return {_written(traced)}\n" \
+                     f"    return None\n"
+        except (_Untraceable, TypeError, AttributeError, ValueError, ArithmeticError):
+            self.traceable = False
+            return False
+        namespace: dict[str, Any] = {}
+        exec(source, namespace)  # noqa: S102
+        answer = namespace.pop("answer")  # not left in its own globals: a reference cycle
+        if answer(dims) != expected:
+            self.traceable = False
+            return False
+        with self._lock:
+            if len(self._paths) < TRACES:
+                self._paths = (*self._paths, answer)  # replaced whole: a reader holds one tuple
+        return True
+
+
+class Untraceable(_Untraceable):
+    """Raised by a ClosedForms computation at a part it cannot follow on symbols: no path is traced."""

@@ -200,3 +200,53 @@ def test_attention_size_rule_traced_equals_attention_plan(mask_batch):
         sizes = {0: (b, s, 2304), 3: (mask_batch or b, 1, s, s)}
         assert traced(sizes) == plan(sizes), (b, s, mask_batch)
     assert traced._traceable and traced._paths <= 4
+
+
+def test_closed_forms_answer_as_the_computation_does_on_every_traced_path_and_none_off_them():
+    """A computation over dims built of a traced rule's answers (TracedRule.traced on symbols), arithmetic and checks
+    (kiln/runtime/view_trace.py's walk): learned at a few dims, its compiled paths give its own answer wherever their
+    guards hold, and None elsewhere (the caller computes it)."""
+    traced, _ = _counted(lambda size: SizedPlan(((size[0] * size[1],),), {"M": size[0] * size[1],
+                                                                          "threads": int(size[0] * size[1] >= 64)}))
+    rule = TracedRule(traced)
+
+    def compute(dims):
+        batch, seq, width = dims
+        if seq > width:  # a check the caller refuses at
+            return None
+        sized = rule.traced(None, ((batch, seq),))
+        if sized is None:
+            return None
+        return (sized.fields["M"], sized.fields["threads"], batch * seq * width), ((batch, seq, width),)
+
+    def direct(dims):
+        batch, seq, width = dims
+        rows = batch * seq
+        return None if seq > width else ((rows, int(rows >= 64), rows * width), (dims,))
+
+    forms = traced_rules.ClosedForms()
+    assert forms.learn((2, 3, 8), compute, direct((2, 3, 8))) is False  # the rule has no traced path yet
+    rule((2, 3))  # traces its path below 64 rows
+    assert forms.learn((2, 3, 8), compute, direct((2, 3, 8))) and forms.paths == 1
+    rng = np.random.default_rng()
+    answered = 0
+    for _ in range(200):
+        dims = tuple(int(v) for v in rng.integers(1, 40, 3))
+        found = forms(dims)
+        if found is not None:
+            assert found == direct(dims), dims
+            answered += 1
+        elif direct(dims) is not None:
+            rule((dims[0], dims[1]))  # as the int walk asks it (tracing the rule's path there)
+            assert forms.learn(dims, compute, direct(dims)), dims  # a new path of the walk
+    assert answered > 50 and 2 <= forms.paths <= 4  # below 64 rows and past: a path each (and the refusals)
+    assert forms.learn((1, 9, 4), compute, None) is False and forms.traceable  # a check refuses: no path, no harm
+
+    def untraceable(dims):
+        raise traced_rules.Untraceable("a part symbols cannot follow")
+
+    other = traced_rules.ClosedForms()
+    assert other.learn((2, 3, 8), untraceable, None) is False and not other.traceable
+    wrong = traced_rules.ClosedForms()  # a compiled answer that is not the computation's own is not kept
+    assert wrong.learn((2, 3, 8), compute, ((0, 0, 0), ((2, 3, 8),))) is False and not wrong.traceable
+    assert wrong((2, 3, 8)) is None

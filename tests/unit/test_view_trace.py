@@ -1,0 +1,176 @@
+"""A native segment's view at new sizes from its template's traced walk (kiln/runtime/view_trace.py): on a traced path
+the view is one call of a generated function of the entry dims, and it must be the view the walk makes at the same
+sizes, byte for byte (plans, exits, call arrays), and run as it does, bit for bit, and as onnxruntime does, at fresh
+random shapes; off every traced path (sizes whose checks or rules go another way) the walk binds, as before.
+
+The engine: an MLP block with a residual and a LayerNorm ([batch, seq, 64], symbolic batch and sequence), every
+member of its one segment a kiln kernel with a plan rule (two of kiln's packed GEMMs, kiln's LayerNorm), as
+BERT-base's are. bert_tiny's views keep a Reshape alias, which the trace does not follow: they are bound by the walk
+(tests/unit/test_native_binding.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln.kernels.cpu import transformer as kernels
+from kiln.kernels.cpu.form_choice import PARALLEL
+from kiln.runtime import view_trace
+
+ORT_TOL = 1e-4  # kiln against onnxruntime: fp32, two GEMMs and a LayerNorm summed in other orders
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="kiln's transformer kernels are not built")
+
+
+def _mlp(path, rng) -> None:
+    """y = LayerNorm(x + Relu(x W1 + b1) W2 + b2), x [batch, seq, 64]."""
+    def init(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), name)
+
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"]), helper.make_node("Add", ["h", "b1"], ["hb"]),
+             helper.make_node("Relu", ["hb"], ["r"]), helper.make_node("MatMul", ["r", "w2"], ["o"]),
+             helper.make_node("Add", ["o", "b2"], ["ob"]), helper.make_node("Add", ["ob", "x"], ["res"]),
+             helper.make_node("LayerNormalization", ["res", "g", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 64])],
+        [init("w1", 64, 128), init("b1", 128), init("w2", 128, 64), init("b2", 64), init("g", 64), init("beta", 64)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    import onnxruntime as ort
+
+    import kiln
+
+    path = tmp_path_factory.mktemp("view_trace") / "mlp.onnx"
+    _mlp(path, np.random.default_rng(0))
+    engine = kiln.build(str(path), profiles=[{"x": "1x1x64,2x8x64,4x16x64"}])
+    return engine, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _x(rng, batch, seq):
+    return {"x": rng.standard_normal((batch, seq, 64)).astype(np.float32)}
+
+
+def _segment(engine):
+    (segment,) = engine.program.segments
+    return segment
+
+
+def _calls(view) -> list[tuple[int, int]]:
+    """(function, plan offset in the view's plan buffer) of each call of its loop."""
+    c = view._c[PARALLEL]
+    base = view._owned[0].ctypes.data
+    return [(c[1][i], c[8][i] - base) for i in range(c[7])]
+
+
+def test_views_on_a_traced_walk_are_the_walks_byte_for_byte_and_runs_match_onnxruntime(mlp, monkeypatch):
+    engine, session = mlp
+    context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds
+    rng = np.random.default_rng()
+    segment = _segment(engine)
+    answered = []
+    call = view_trace.ViewTrace.__call__
+
+    def counting(self, key):
+        found = call(self, key)
+        answered.append(found is not None)
+        return found
+
+    monkeypatch.setattr(view_trace.ViewTrace, "__call__", counting)
+    context.run(_x(rng, 4, 16))  # the largest sizes first: the template grows to them once, the views fit it after
+    shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 17))) for _ in range(14)} - {(4, 16)}
+    for batch, seq in sorted(shapes, key=lambda _: rng.random()):
+        feeds = _x(rng, batch, seq)
+        got = context.run(feeds)["y"]
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
+                                   err_msg=f"{batch}x{seq}")
+    template = segment._grown or segment
+    rewrite = template._rewrite
+    assert rewrite._whole.paths > 0, "no path of the walk was traced"
+    assert sum(answered) >= len(shapes) // 2, f"{sum(answered)} of {len(answered)} views from the traced walk"
+    compared = 0
+    for key, view in list(segment.resized.items()):
+        if view is None or view.template is not template or rewrite._whole(key) is None:
+            continue
+        traced = rewrite.view(template, key)
+        with monkeypatch.context() as walking:
+            walking.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)
+            walked = rewrite.view(template, key)
+        assert traced is not None and walked is not None, key
+        assert traced.exit_shapes == walked.exit_shapes and traced.entry_sizes == walked.entry_sizes, key
+        assert _calls(traced) == _calls(walked), key
+        plans_traced, plans_walked = traced._owned[0], walked._owned[0]
+        assert ctypes.string_at(plans_traced.ctypes.data, plans_traced.nbytes) == \
+            ctypes.string_at(plans_walked.ctypes.data, plans_walked.nbytes), f"{key}: the plans differ"
+        compared += 1
+    assert compared >= 3, f"{compared} views compared"
+
+
+def test_a_traced_walks_runs_are_the_walks_bit_for_bit(mlp, monkeypatch):
+    engine, session = mlp
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    context.run(_x(rng, 4, 16))
+    feeds = [_x(rng, int(rng.integers(1, 5)), int(rng.integers(1, 17))) for _ in range(8)]
+    traced = [context.run(f)["y"] for f in feeds]
+    segment = _segment(engine)
+    assert (segment._grown or segment)._rewrite._whole.paths > 0
+    segment.resized.clear()
+    monkeypatch.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)  # the walk at every view
+    for f, ours in zip(feeds, traced):
+        theirs = context.run(f)["y"]
+        np.testing.assert_array_equal(ours, theirs)
+        np.testing.assert_allclose(ours, session.run(None, f)[0], rtol=ORT_TOL, atol=ORT_TOL)
+
+
+def test_sizes_off_every_traced_path_are_walked_and_a_walk_it_cannot_follow_is_never_traced(mlp, monkeypatch):
+    engine, _ = mlp
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    context.run(_x(rng, 4, 16))
+    segment = _segment(engine)
+    template = segment._grown or segment
+    rewrite = template._rewrite
+    context.run(_x(rng, 3, 5))
+    key = next(reversed(segment.resized))
+    assert rewrite._whole.paths > 0
+    # a fresh trace whose every path is refused: views are still made (by the walk), none from a trace
+    monkeypatch.setattr(rewrite, "_whole", view_trace.ViewTrace(template.entries, rewrite._whole._ranks))
+    walk = view_trace.ViewTrace._walk
+    monkeypatch.setattr(view_trace.ViewTrace, "_walk", lambda self, rewrite, dims: None)
+    assert rewrite.view(template, key) is not None and rewrite._whole.paths == 0
+    assert rewrite._whole._forms.traceable  # refused at these sizes, not for good
+    # a member the trace cannot follow (no rule): never traced again
+    monkeypatch.setattr(view_trace.ViewTrace, "_walk", walk)
+    members = list(rewrite._members)
+    monkeypatch.setattr(rewrite, "_members", [(None, *m[1:]) if k == 0 else m for k, m in enumerate(members)])
+    assert rewrite._whole.learn(rewrite, key, [0] * rewrite._values, [(3, 5, 64)] * len(rewrite._exits)) is False
+    assert not rewrite._whole._forms.traceable
+
+
+def test_a_rewrite_with_traced_paths_dies_with_its_last_reference(mlp):
+    """Its ViewTrace does not hold it back (no cycle): a template let go frees its rewrite at once, collector off."""
+    engine, _ = mlp
+    context = engine.create_execution_context(pad_first_calls=False)
+    rng = np.random.default_rng()
+    for batch, seq in ((4, 16), (2, 3), (3, 5)):
+        context.run(_x(rng, batch, seq))
+    segment = _segment(engine)
+    template = segment._grown or segment
+    assert template._rewrite._whole.paths > 0
+    held = weakref.ref(template._rewrite)
+    gc.disable()
+    try:
+        template._rewrite = None
+        assert held() is None, "a reference cycle holds the rewrite"
+    finally:
+        gc.enable()
