@@ -373,3 +373,74 @@ def test_values_that_are_prefixes_along_one_dim_are_narrowed_from_a_larger_one_a
             memo.clear()  # every m a miss: narrowed (or computed) again
         for got, want in zip(engine.run({"x": x}).values(), session.run(None, {"x": x})):
             np.testing.assert_array_equal(got, want)  # gathered rows and 0/1 added: exact
+
+
+def _grid_model() -> bytes:
+    """An exported mask's index grid over both dims of x [n, m]: aranges of n and m unsqueezed to [n, 1] and [1, m],
+    each expanded to Shape(Max(a, b)), unsqueezed at -1 and concatenated ([n, m, 2] = (i, j)), then a GatherND of x
+    by it (x itself) and the grid cast to float (both exact)."""
+    def scalar(name, value):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [], [value]))
+
+    def axes(name, values):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64,
+                                                                                  [len(values)], values))
+
+    nodes = [
+        scalar("zero", 0), scalar("one", 1), axes("ax0", [0]), axes("ax1", [1]), axes("last", [-1]),
+        helper.make_node("Shape", ["x"], ["n1"], start=0, end=1),
+        helper.make_node("Shape", ["x"], ["m1"], start=1, end=2),
+        helper.make_node("Squeeze", ["n1", "ax0"], ["n"]),
+        helper.make_node("Squeeze", ["m1", "ax0"], ["m"]),
+        helper.make_node("Range", ["zero", "n", "one"], ["rn"]),
+        helper.make_node("Range", ["zero", "m", "one"], ["rm"]),
+        helper.make_node("Unsqueeze", ["rn", "ax1"], ["a"]),  # [n, 1]
+        helper.make_node("Unsqueeze", ["rm", "ax0"], ["b"]),  # [1, m]
+        helper.make_node("Max", ["a", "b"], ["ab"]),
+        helper.make_node("Shape", ["ab"], ["size"]),
+        helper.make_node("Expand", ["a", "size"], ["ea"]),
+        helper.make_node("Expand", ["b", "size"], ["eb"]),
+        helper.make_node("Unsqueeze", ["ea", "last"], ["ua"]),
+        helper.make_node("Unsqueeze", ["eb", "last"], ["ub"]),
+        helper.make_node("Concat", ["ua", "ub"], ["grid"], axis=-1),  # [n, m, 2]
+        helper.make_node("GatherND", ["x", "grid"], ["y1"]),
+        helper.make_node("Cast", ["grid"], ["y2"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(nodes, "grid", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
+                              [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y1", "y2")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_steps(tmp_path, monkeypatch):
+    """The grid is made once at the largest dims seen (growing along either dim) and a new n x m's is its corner:
+    equal to the steps, strides included, at fresh shapes in any order (smaller, larger along one dim and smaller
+    along the other, 1s); past GRID_BYTES computed by the ops, equal too; first calls equal onnxruntime."""
+    from kiln.runtime import shape_function as sf
+
+    path = tmp_path / "grid.onnx"
+    path.write_bytes(_grid_model())
+    engine = kiln.build(str(path), profiles=[{"x": "1x1,4x8,8x16"}])
+    program = engine.program
+    source = program.shape_function.source
+    assert "_grid" in source and "_expand_to(" not in source, source  # the Concat's grid a corner, no Expand left
+    grids = [v for v in program.shape_function.fn.__globals__.values() if isinstance(v, sf._Grid)]
+    assert len(grids) == 1
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    shapes = [(2, 5), (3, 3), (1, 7), (4, 2), (1, 1), (3, 6), (5, 1), (2, 9)] + \
+        [(int(rng.integers(1, 7)), int(rng.integers(1, 13))) for _ in range(8)]
+    for limit in (sf.GRID_BYTES, 64):
+        monkeypatch.setattr(sf, "GRID_BYTES", limit)
+        grids[0]._base = None
+        for n, m in shapes:
+            x = rng.standard_normal((n, m)).astype(np.float32)
+            _assert_same_shape_values(program, [torch.from_numpy(x)])
+            for memo in program.shape_function.memos:
+                memo.clear()  # every dim a miss: the prefixes computed or narrowed again
+            for got, want in zip(engine.run({"x": x}).values(), session.run(None, {"x": x})):
+                np.testing.assert_array_equal(got, want)  # x gathered whole and the grid's integers: exact
+        base = grids[0]._base
+        if limit == 64:
+            assert base is None or base[1].numel() * 8 <= 64
+        else:
+            assert base is not None and tuple(base[1].shape) == (max(n for n, _ in shapes), max(m for _, m in shapes), 2)
