@@ -200,45 +200,37 @@ class _Grid:
     is their broadcast: an exported mask's index grid G[b, 1, 1, s] = (i, j), five ops at each new b x s (~0.2 ms
     right after a run). Each P_i at a smaller dim is a corner of P_i at a larger one, and where every axis of S is
     longer than 1 in at most one P_i, G at smaller dims is a corner of G at larger ones: G is made once at the largest
-    dims seen (each P_i the larger of the kept one and the new one) and a new signature's is its corner, one
-    as_strided and one copy (laid out as the Concat lays it out). Any other case (S not the parts'
-    broadcast, a 0 dim, a base past GRID_BYTES) is computed by the ops. The base is replaced whole, so contexts of one
-    engine may share it unlocked."""
+    dims seen (each P_i the larger of the kept one and the new one) and a new signature's is its corner, a slice
+    and a copy (_GridBase). Any other case (S not the parts' broadcast, a 0 dim, a base past GRID_BYTES) is computed
+    by the ops. The base is replaced whole, so contexts of one engine may share it unlocked."""
 
     def __init__(self, fn: Any, ctx: Any, attributes: dict[str, Any]):
         self._fn, self._ctx, self._attributes = fn, ctx, attributes
-        self._base: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None  # (the parts, G at their sizes)
+        self._base: _GridBase | None = None
 
     def __call__(self, parts: tuple[tuple[Any, tuple], ...]) -> Any:
-        values = tuple(p for p, _ in parts)
-        shape = self._shape(values)
-        if shape is None or any(s != shape for _, s in parts) or min(shape, default=0) < 1:
+        shape = parts[0][1]
+        try:
+            if any(s != shape for _, s in parts) or broadcast_sizes(*(p.shape for p, _ in parts)) != shape \
+                    or 0 in shape:
+                return self._made(parts)
+        except (AttributeError, ValueError):  # not tensors, or not broadcastable: the ops say what is wrong
             return self._made(parts)
         base = self._base
-        if base is not None and len(base[1].shape) == len(shape) + 1 \
-                and all(n <= m for n, m in zip(shape, base[1].shape)):
-            grid = base[1]
-            return _corner(grid, shape)
+        if base is not None and len(shape) + 1 == len(base.sizes) and all(n <= m for n, m in zip(shape, base.sizes)):
+            return base.corner(shape)
+        values = tuple(p for p, _ in parts)
         if base is not None:  # grow: each part the larger of the two (one is a corner of the other)
-            values = tuple(_larger(old, new) for old, new in zip(base[0], values))
-        larger = None if any(v is None for v in values) else self._shape(values)
-        if larger is None or any(sum(n > 1 for n in sizes) > 1 for sizes in zip(*(p.shape for p in values))):
+            values = tuple(_larger(old, new) for old, new in zip(base.parts, values))
+        if any(v is None for v in values) or len({v.dim() for v in values}) != 1:
             return self._made(parts)
-        if values[0].element_size() * len(values) * _count(larger) > GRID_BYTES:
+        larger = broadcast_sizes(*(v.shape for v in values))
+        if any(sum(n > 1 for n in sizes) > 1 for sizes in zip(*(v.shape for v in values))) \
+                or values[0].element_size() * len(values) * _count(larger) > GRID_BYTES:
             return self._made(parts)
-        grid = self._made(tuple((p, larger) for p in values))
-        self._base = (values, grid)
-        return _corner(grid, shape)
-
-    @staticmethod
-    def _shape(values: tuple) -> tuple | None:
-        """The parts' broadcast, or None where one is not a tensor or the ranks differ."""
-        if not all(isinstance(p, torch.Tensor) for p in values) or len({p.dim() for p in values}) != 1:
-            return None
-        try:
-            return broadcast_sizes(*(tuple(p.shape) for p in values))
-        except ValueError:
-            return None
+        base = _GridBase(values, self._made(tuple((v, larger) for v in values)))
+        self._base = base
+        return base.corner(shape)
 
     def _made(self, parts: tuple) -> Any:
         """The ops' own computation: each part expanded and unsqueezed, the Concat's kernel."""
@@ -246,10 +238,24 @@ class _Grid:
                              **self._attributes))
 
 
-def _corner(grid: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """The grid's corner at `shape` (its last axis whole), a new tensor laid out as the Concat makes it (contiguous()
-    would keep a view's strides on axes of size 1)."""
-    return grid.as_strided((*shape, grid.shape[-1]), grid.stride()).clone(memory_format=torch.contiguous_format)
+class _GridBase:
+    """A _Grid's grid at the sizes of `parts`, and its numpy view: a corner is cut by numpy (a slice and a copy, then
+    torch.from_numpy: ~3x cheaper than as_strided and clone through torch's dispatch), laid out as the Concat lays
+    it out (a fresh C-ordered array: canonical strides, axes of size 1 included)."""
+
+    def __init__(self, parts: tuple[torch.Tensor, ...], grid: torch.Tensor):
+        self.parts, self.grid, self.sizes = parts, grid, tuple(grid.shape)
+        try:
+            self.array = grid.numpy() if grid.is_contiguous() else None
+        except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16)
+            self.array = None
+
+    def corner(self, shape: tuple) -> torch.Tensor:
+        """The grid's corner at `shape` (its last axis whole), a new contiguous tensor."""
+        if self.array is not None:
+            return torch.from_numpy(self.array[tuple(map(slice, shape))].copy())
+        grid = self.grid
+        return grid.as_strided((*shape, grid.shape[-1]), grid.stride()).clone(memory_format=torch.contiguous_format)
 
 
 def _larger(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor | None:

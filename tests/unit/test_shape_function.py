@@ -441,6 +441,6 @@ def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_
                 np.testing.assert_array_equal(got, want)  # x gathered whole and the grid's integers: exact
         base = grids[0]._base
         if limit == 64:
-            assert base is None or base[1].numel() * 8 <= 64
+            assert base is None or base.grid.numel() * 8 <= 64
         else:
-            assert base is not None and tuple(base[1].shape) == (max(n for n, _ in shapes), max(m for _, m in shapes), 2)
+            assert base is not None and base.sizes == (max(n for n, _ in shapes), max(m for _, m in shapes), 2)
