@@ -224,6 +224,7 @@ def test_an_exported_encoders_shape_values_match_the_steps_at_random_shapes(bert
     program = engine.program
     assert program.shape_function is not None
     assert "_arange_int64(" in program.shape_function.source  # the mask's index grids from dims kept as ints
+    assert "_grid" in program.shape_function.source  # the [b, 1, 1, s, 2] grid a corner of a larger one (_Grid)
     rng = np.random.default_rng()
     for _ in range(20):
         b, s = int(rng.integers(1, 9)), int(rng.integers(1, 65))
