@@ -172,8 +172,8 @@ def mixed_fp8(lab: Lab, judge: Judge, mixed: Mixed) -> None:
     better = [i for e, i in f8 if i8[i] < e]
     print(f"int8 alone beats fp8 alone on {len(better)} of {n} layers")
     print(HEADER)
-    for other in ("int8", "fp16", "w8a16"):
-        for k in (0, 2, 4, 8, 12, 16, 24):
+    for other in ("int8", "fp16"):
+        for k in ((0,) if other == "int8" else ()) + (2, 4, 8, 16):
             plan = ["fp8"] * n
             for i in order[:k]:
                 plan[i] = other
