@@ -5,7 +5,8 @@ mixed INT8/FP8 and AdaRound, in bench/quant_lab.py's torch fake-quant of kiln's 
     python bench/quantacc3_lab.py floor        # fp16 / bf16 end to end and random logit noise: the set's own floor
     python bench/quantacc3_lab.py wide         # int8, the k layers whose int8 input costs most at 16 bits (W8A16)
     python bench/quantacc3_lab.py mixed        # fp8, the k most sensitive layers int8 or fp16
-    python bench/quantacc3_lab.py adaround     # AdaRound weights (int8), with and without the other remedies
+    python bench/quantacc3_lab.py adaround     # AdaRound weights (int8), every input int8 / weights alone
+    python bench/quantacc3_lab.py gptq         # GPTQ weights (int8), with the inputs int8 or 16-bit
 
 Every count is on the 74 held-out images (held) and on 128 other crops of the same photographs (more:
 photo_variants(8, seed=1), none calibrates), both against fp32's top-1; relerr: mean over the held-out images of
@@ -23,7 +24,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_lab import Lab, act_quantizers, fq_int, hessian, is_depthwise, quantize_weight, weight_scale  # noqa: E402
+from quant_lab import Lab, act_quantizers, fq_int, gptq_weights, hessian, is_depthwise, quantize_weight, weight_scale  # noqa: E402
 from quantacc2_lab import RANK_IMAGES, names, relerr  # noqa: E402
 
 from kiln.quant.data import photo_variants  # noqa: E402
@@ -239,8 +240,29 @@ def adaround_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
     mixed.rounded.pop("int8", None)
 
 
+def gptq_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
+    """GPTQ weights (quant_lab.gptq: the same layer objective as AdaRound, errors spread over later columns)
+    with the inputs int8, and with the widest 16 / every input at 16 bits (wide's order)."""
+    import time
+
+    n = len(lab.layers)
+    order = [i for _, i in judge.rank(mixed, "a8")][:16]
+    start = time.time()
+    rounded = gptq_weights(lab, "int8")
+    print(f"GPTQ: {time.time() - start:.0f} s for {n} layers")
+    print(HEADER)
+    plans = (("int8", ["int8"] * n), ("int8 weights only", ["int8w"] * n),
+             ("int8, 16 widest inputs 16-bit", ["w8a16" if i in order else "int8" for i in range(n)]),
+             ("int8 weights, every input 16-bit", ["w8a16"] * n))
+    for label, plan in plans:
+        mixed.rounded["int8"] = rounded
+        print(f"| {label}, GPTQ | {judge.row(mixed.apply(plan))} |", flush=True)
+    mixed.rounded.pop("int8", None)
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     lab = Lab()
     judge, mixed = Judge(lab), Mixed(lab)
-    {"floor": floor, "wide": wide, "mixed": mixed_fp8, "adaround": adaround_main}[sys.argv[1]](lab, judge, mixed)
+    {"floor": floor, "wide": wide, "mixed": mixed_fp8, "adaround": adaround_main,
+     "gptq": gptq_main}[sys.argv[1]](lab, judge, mixed)
