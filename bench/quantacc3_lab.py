@@ -7,6 +7,7 @@ mixed INT8/FP8 and AdaRound, in bench/quant_lab.py's torch fake-quant of kiln's 
     python bench/quantacc3_lab.py mixed        # fp8, the k most sensitive layers int8 or fp16
     python bench/quantacc3_lab.py adaround     # AdaRound weights (int8), every input int8 / weights alone
     python bench/quantacc3_lab.py gptq         # GPTQ weights (int8), with the inputs int8 or 16-bit
+    python bench/quantacc3_lab.py gptq-fp8     # GPTQ on E4M3's grid
 
 Every count is on the 74 held-out images (held) and on 128 other crops of the same photographs (more:
 photo_variants(8, seed=1), none calibrates), both against fp32's top-1; relerr: mean over the held-out images of
@@ -260,9 +261,21 @@ def gptq_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
     mixed.rounded.pop("int8", None)
 
 
+def gptq_fp8(lab: Lab, judge: Judge, mixed: Mixed) -> None:
+    """GPTQ on E4M3's grid: fp8 weights with fp16 inputs, every layer fp8, and the stem and b1.dw int8 (GPTQ too)."""
+    n = len(lab.layers)
+    mixed.rounded = {"fp8": gptq_weights(lab, "fp8"), "int8": gptq_weights(lab, "int8")}
+    print(HEADER)
+    plans = (("fp8 weights, every input fp16", ["wf8a16"] * n), ("fp8", ["fp8"] * n),
+             ("stem and b1.dw int8, rest fp8", ["int8", "int8"] + ["fp8"] * (n - 2)))
+    for label, plan in plans:
+        print(f"| {label}, GPTQ | {judge.row(mixed.apply(plan))} |", flush=True)
+    mixed.rounded = {}
+
+
 if __name__ == "__main__":
     torch.manual_seed(0)
     lab = Lab()
     judge, mixed = Judge(lab), Mixed(lab)
     {"floor": floor, "wide": wide, "mixed": mixed_fp8, "adaround": adaround_main,
-     "gptq": gptq_main}[sys.argv[1]](lab, judge, mixed)
+     "gptq": gptq_main, "gptq-fp8": gptq_fp8}[sys.argv[1]](lab, judge, mixed)
