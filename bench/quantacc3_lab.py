@@ -247,14 +247,15 @@ def gptq_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
     import time
 
     n = len(lab.layers)
-    order = [i for _, i in judge.rank(mixed, "a8")][:16]
+    order = [i for _, i in judge.rank(mixed, "a8")]
     start = time.time()
     rounded = gptq_weights(lab, "int8")
     print(f"GPTQ: {time.time() - start:.0f} s for {n} layers")
     print(HEADER)
-    plans = (("int8", ["int8"] * n), ("int8 weights only", ["int8w"] * n),
-             ("int8, 16 widest inputs 16-bit", ["w8a16" if i in order else "int8" for i in range(n)]),
-             ("int8 weights, every input 16-bit", ["w8a16"] * n))
+    plans = [("int8", ["int8"] * n), ("int8 weights only", ["int8w"] * n)]
+    plans += [(f"int8, {k} widest inputs 16-bit", ["w8a16" if i in order[:k] else "int8" for i in range(n)])
+              for k in (4, 8, 12, 16)]
+    plans.append(("int8 weights, every input 16-bit", ["w8a16"] * n))
     for label, plan in plans:
         mixed.rounded["int8"] = rounded
         print(f"| {label}, GPTQ | {judge.row(mixed.apply(plan))} |", flush=True)
