@@ -17,6 +17,7 @@ photo_variants(8, seed=1), none calibrates), both against fp32's top-1; relerr: 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from quant_lab import Lab, act_quantizers, fq_int, gptq_weights, hessian, is_depthwise, quantize_weight, weight_scale  # noqa: E402
+from quant_lab import (Lab, act_quantizers, fq_int, gptq_weights, hessian, quantize_weight,  # noqa: E402
+                       weight_scale)
 from quantacc2_lab import RANK_IMAGES, names, relerr  # noqa: E402
 
 from kiln.quant.data import photo_variants  # noqa: E402
@@ -225,8 +227,6 @@ def adaround_weights(lab: Lab) -> list[torch.Tensor]:
 
 
 def adaround_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
-    import time
-
     n = len(lab.layers)
     start = time.time()
     rounded = adaround_weights(lab)
@@ -244,8 +244,6 @@ def adaround_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
 def gptq_main(lab: Lab, judge: Judge, mixed: Mixed) -> None:
     """GPTQ weights (quant_lab.gptq: the same layer objective as AdaRound, errors spread over later columns)
     with the inputs int8, and with the widest 16 / every input at 16 bits (wide's order)."""
-    import time
-
     n = len(lab.layers)
     order = [i for _, i in judge.rank(mixed, "a8")]
     start = time.time()
