@@ -373,17 +373,18 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
 def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
                        rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], cache: TimingCache,
                        env: dict, say: Progress, launches: dict[tuple, Any],
-                       release: Callable[[], None] | None) -> dict[str, Any]:
+                       release: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
     """Close native contenders timed again as the engine runs them, or the timing cache's choice for this network
     (in_context.py); each layer's record says so (`in_network`: ms of each in the network) and takes the choice.
-    Returns the header's record of the stage: what it cost and which layers changed (`kiln inspect` shows it)."""
+    Returns the header's record of the stage (what it cost and which layers changed: `kiln inspect` shows it), and the
+    tuned network's outputs on `examples` where the stage ran it (InContext.outputs; else None)."""
     start = time.perf_counter()
     try:
         result = in_context.choose(program, placed, device, examples, rivals, cache, env, say, launches, release)
     except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
         say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
             "the choices made alone stand")
-        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}, None
     changed: dict[str, str] = {}
     for i, in_network in result.found.items():
         step = program.steps[i]
@@ -402,7 +403,7 @@ def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: tor
         names = [name for name, s in changed.items() if s == swap]
         say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")
     return {"layers": len(result.found), "changed": changed, "seconds": round(seconds, 2), "cached": result.cached,
-            "rounds": result.rounds, "stopped": result.stopped}
+            "rounds": result.rounds, "stopped": result.stopped}, result.outputs
 
 
 def fallback_reason(found: LayerTuning) -> str | None:
@@ -588,9 +589,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    tuned_outputs = None  # the tuned engine's outputs on `examples`, where the in-context stage ran it
     if rivals and in_context_timing:
-        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say,
-                                                  launches, release)
+        record["in_context"], tuned_outputs = _retime_in_context(program, placed, device, examples, rivals, layers,
+                                                                 cache, env, say, launches, release)
     if kernels is not None:
         record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
                              "seconds_summed": round(kernels.pool.seconds, 1)}
@@ -602,7 +604,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         # Tactics checked one by one can still go wrong together: judge the whole engine against the
         # error the default engine itself makes at this precision; revert only the layers to blame.
         settled = settle(program, placed, device, examples, reference_program, reference_outputs, say, launches,
-                         release)
+                         release, tuned_outputs)
         record["accuracy"] = settled.to_json()
         for name, why in settled.reverted.items():
             layer = layers[name]

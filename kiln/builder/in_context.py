@@ -91,6 +91,10 @@ class InContext:
     rounds: int = 0
     stopped: str = ""
     cached: bool = False
+    # the network's outputs on the stage's inputs, run by the chosen program where it runs the tactics the stage
+    # leaves (no signature took its rival), else None: the accuracy check judges these instead of binding and
+    # running the same program again (accuracy.settle's `tuned_outputs`)
+    outputs: list[Any] | None = None
 
     def to_entry(self, spec: ProgramSpec, seconds: float) -> dict[str, Any]:
         """The timing cache's entry: the layers by name, each with its times in context."""
@@ -256,8 +260,21 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         rounds += timed.rounds
         stops += [timed.stopped] if timed.stopped not in stops else []
     _apply(spec, rivals, found)
-    _drop_replaced(network, {i for i in found if spec.steps[i].tactic == rivals[i].tactic})
-    return InContext(found, rounds=rounds, stopped=", ".join(stops))
+    swapped = {i for i in found if spec.steps[i].tactic == rivals[i].tactic}
+    _drop_replaced(network, swapped)
+    outputs = None if swapped else _outputs(network)
+    return InContext(found, rounds=rounds, stopped=", ".join(stops), outputs=outputs)
+
+
+def _outputs(network: _Network) -> list[Any]:
+    """The chosen program's outputs on the stage's inputs, copies of their own (a program's output may be a view of
+    its arena, which would keep the arena alive). Why: where no signature took its rival this program is the tuned
+    engine the accuracy check judges (accuracy.py); bound and run again there, it cost ResNet-50 a third program's
+    segments, arena, scratch and run temporaries (+35-43 MiB, the build's peak in some builds:
+    bench/results/mem8-2026-12-06.md). It is warm here: one more run costs no memory."""
+    with torch.inference_mode():
+        outputs = network.program.run(network.inputs)
+    return [value.clone() if isinstance(value, torch.Tensor) else value for value in outputs]
 
 
 def _trimmed(release: Callable[[], None] | None) -> Callable[[], None]:
