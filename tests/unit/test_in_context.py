@@ -537,16 +537,26 @@ def test_the_stage_hands_the_accuracy_check_the_chosen_programs_outputs_and_lets
     assert made and all(ref() is None for ref in made + arenas)
 
 
-def test_where_a_signature_took_its_rival_the_stage_hands_no_outputs(monkeypatch):
-    """The chosen program no longer runs the tuned tactics: the accuracy check binds the engine itself."""
+@pytest.mark.parametrize("faster", ["up", "up and down"])
+def test_where_signatures_took_their_rivals_the_outputs_are_the_rival_programs_that_ran_the_tuned_tactics(
+        monkeypatch, faster):
+    """One signature swapped: its rival program ran exactly the tuned tactics, and its outputs (right: float64 oracle
+    of the tuned spec) are handed on. Two swapped: no program of the stage ran both swaps, so none."""
     def fake(program, inputs, runs=10, clock=None):
-        return {s.name: [0.5 if s.tactic == ONEDNN and s.name.startswith("up") else 1.0] * runs
+        return {s.name: [0.5 if s.tactic == ONEDNN and s.name.rstrip("01") in faster else 1.0] * runs
                 for s in program.spec.steps}
 
     monkeypatch.setattr(in_context, "profile_segments", fake)
     spec, weights = _blocks()
-    result = in_context.retime(spec, weights, torch.device("cpu"), [torch.randn(1, ROWS, WIDTH)], _rivals(spec))
-    assert spec.steps[0].tactic == ONEDNN and result.outputs is None
+    x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(10))
+    result = in_context.retime(spec, weights, torch.device("cpu"), [x], _rivals(spec))
+    assert [s.tactic for s in spec.steps] == [ONEDNN if s.name.rstrip("01") in faster else PACKED
+                                              for s in spec.steps]
+    if faster == "up":
+        (y,) = result.outputs
+        _assert_close(y, _reference(spec, weights, x))
+    else:
+        assert result.outputs is None
 
 
 def test_the_accuracy_check_judges_outputs_it_is_given_without_binding_a_program(monkeypatch):
