@@ -7,8 +7,6 @@ timing them all together did (the rule, _choose_over, applied to every candidate
 from __future__ import annotations
 
 import dataclasses
-import gc
-import itertools
 import weakref
 
 import pytest
@@ -51,7 +49,7 @@ class _Tracked:
 
     def tactic(self, name: str, offset: float = 0.0, native: bool = False) -> Tactic:
         def prepare(step, constants, device):
-            gc.collect()  # a cycle would not keep a loser alive unnoticed: only real references count
+            # no collection forced: a loser kept alive by a reference cycle would stay until the next one, as in a build
             self.alive_at_prepare.append(sum(ref() is not None for ref in self.refs))
             launch = _Launch(offset)
             self.refs.append(weakref.ref(launch))
@@ -105,7 +103,6 @@ def test_no_more_than_two_candidates_are_prepared_at_a_time_and_losers_die_at_on
     # when each was prepared, at most the best so far was alive: "a" (best after beating the default) at b's and c's
     # prepare, then "c" (which beat "a": a let go) at d's and e's
     assert tracked.alive_at_prepare == [0, 1, 1, 1, 1]
-    gc.collect()
     assert all(ref() is None for ref in tracked.refs)  # and none outlives the layer
     # every match is the best so far against the next, the default first
     assert calls == [[DEFAULT, tactics[0].name], [tactics[0].name, tactics[1].name],
@@ -122,11 +119,10 @@ def test_a_loser_is_dead_before_the_next_candidate_is_prepared(injected, monkeyp
     _tune([slow, fast, next_])
     refs = dict(zip(("slow", "fast", "next"), tracked.refs))
     assert tracked.alive_at_prepare == [0, 1, 1]  # at next's prepare only "fast" was alive: "slow" had lost
-    gc.collect()
     assert refs["slow"]() is None and refs["fast"]() is None and refs["next"]() is None
 
 
-@pytest.mark.parametrize("order", list(itertools.permutations(range(4))))
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (3, 2, 1, 0), (1, 0, 3, 2), (2, 3, 0, 1), (1, 2, 3, 0)])
 def test_the_same_times_choose_the_same_tactic_in_any_order(injected, order, monkeypatch):
     """The tournament's choice is the rule's over every candidate's times, whatever the candidates' order: the native
     preference and credit, the layout preference and the default's tie-break included."""
@@ -176,7 +172,6 @@ def test_a_real_conv_layers_candidates_are_let_go_one_by_one():
 
     def tracked(t: Tactic) -> Tactic:
         def prepare(step, constants, device):
-            gc.collect()
             alive.append(sum(ref() is not None for ref in refs))
             launch = t.prepare(step, constants, device)
             refs.append(weakref.ref(launch))
@@ -190,7 +185,6 @@ def test_a_real_conv_layers_candidates_are_let_go_one_by_one():
     admitted = [name for name, v in found.candidates.items() if name != DEFAULT and isinstance(v, float)]
     assert len(admitted) >= 3, found.candidates  # enough candidates for a tournament
     assert max(alive) <= 1, alive
-    gc.collect()
     assert all(ref() is None for ref in refs)
     (entry,) = cache.entries.values()
     assert found.tactic == autotune._choose(entry["times_ms"])
