@@ -33,7 +33,9 @@ def _sample():
                 frame = sys._current_frames().get(main)
                 stack = traceback.extract_stack(frame)
                 del frame  # held, it would keep the sampled stage's locals alive
-                _best[:] = [rss, [f"{f.filename.split('kiln/')[-1]}:{f.lineno} {f.name}" for f in stack][-10:]]
+                huge = sum(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
+                _best[:] = [rss, [f"AnonHugePages {huge >> 10} MiB"] +
+                            [f"{f.filename.split('kiln/')[-1]}:{f.lineno} {f.name}" for f in stack][-10:]]
         time.sleep(0.005)
 threading.Thread(target=_sample, daemon=True).start()
 import kiln.runtime.rss as _rss
