@@ -7,11 +7,12 @@
     2. per layer: drop candidates that do not support it (with the reason), check each
        survivor against the op's registered implementation on those inputs — in float32 on
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
-       with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
-       events over CUDA-graph replays, on the CPU the least of the rounds, of wall time or, where
-       other work shares the CPUs, of the process's CPU time (measure.py; cpu_clock.py) — and
-       keep the fastest; a layer whose every candidate was dropped by the check runs its default,
-       and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
+       with the error; time what is left in a tournament, the best so far against the next, the
+       loser's prepared state let go at once (tournament: two candidates prepared at a time) —
+       interleaved rounds after a warm-up, median of CUDA events over CUDA-graph replays, on the
+       CPU the least of the rounds, of wall time or, where other work shares the CPUs, of the
+       process's CPU time (measure.py; cpu_clock.py) — and keep the fastest by every candidate's
+       times; a layer whose every candidate was dropped by the check runs its default, and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked: where this layer's inputs fail it, the next fastest
        cached one that passes); on the CPU, a profile's mid and min shapes are checked and timed too, and
