@@ -12,7 +12,8 @@
        interleaved rounds after a warm-up, median of CUDA events over CUDA-graph replays, on the
        CPU the least of the rounds, of wall time or, where other work shares the CPUs, of the
        process's CPU time (measure.py; cpu_clock.py) — and keep the fastest by every candidate's
-       times; a layer whose every candidate was dropped by the check runs its default, and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
+       times; a layer whose every candidate was dropped by the check runs its default, and the build
+       log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked: where this layer's inputs fail it, the next fastest
        cached one that passes); on the CPU, a profile's mid and min shapes are checked and timed too, and
