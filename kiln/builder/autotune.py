@@ -228,7 +228,9 @@ def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[
     and outputs set the build's peak (ResNet-50 on a 2-vCPU EPYC: +110-130 MiB above what the search holds at a
     3x3 512-channel layer, each of four candidates packing its 9.4 MiB weight, onednn_graph's freeze twice that;
     bench/results/mem8-2026-12-06.md). Now two candidates are prepared at a time. A match is timed as the whole
-    layer was (measure; on a shared CPU contenders_again; a non-native winner confirmed against a native loser)."""
+    layer was (measure; on a shared CPU contenders_again; a non-native winner confirmed against a native loser).
+    Cost: N candidates take N-1 matches, each with its own warm-up, rounds and re-timing passes: ResNet-50's search
+    took 66-81 s where timing all together took 37-54 (2 vCPUs, load 3-5)."""
     times: list[dict[str, float]] = [{} for _ in default]
     clocked = {} if clock is None else {"clock": clock}
 
@@ -255,7 +257,7 @@ def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[
         if _choose_over([{k: point[k] for k in pair} for point in times]) == t.name:
             best = (t.name, calls)
         # the loser's launch, its packed weights and outputs go now (the heap's pages they touched serve the next
-        # candidate; trimmed once per layer, by the search: malloc_trim per candidate doubled ResNet-50's search time)
+        # candidate; the search trims once per layer)
         del calls
     if not played:
         play({DEFAULT: default})  # nothing admitted: the default's time alone, for the header and the cache
