@@ -25,6 +25,7 @@ def sample():
         if rss > best[0] + (1 << 20):
             frame = sys._current_frames().get(main)
             best[:] = [rss, [f"{f.filename.split('kiln/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)][-12:]]
+            del frame  # held to the next maximum, the frame kept its locals alive: a stage's programs past their end
         time.sleep(0.005)
 t = threading.Thread(target=sample, daemon=True); t.start()
 engine = kiln.build(str(exported.path))

@@ -386,15 +386,17 @@ class Verdict:
 
 def judge(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
           base: Baseline, launches: dict[tuple, Any] | None = None,
-          release: Callable[[], None] | None = None) -> Verdict:
+          release: Callable[[], None] | None = None, outputs: list[Any] | None = None) -> Verdict:
     """Run the engine `spec` describes (its tactics, native segments and all) and judge its outputs; `launches`:
     prepared launches to share (Program's shared_launches: the build's, kept for the engine), `release` its
-    after_packing."""
-    try:
-        with torch.inference_mode():
-            outputs = Program(spec, weights, device, after_packing=release, shared_launches=launches).run(inputs)
-    except Exception as e:  # noqa: BLE001
-        return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
+    after_packing; `outputs`: that engine's outputs on `inputs` where a program of these very tactics already ran
+    them (the in-context stage's chosen program): judged as they are, no program bound."""
+    if outputs is None:
+        try:
+            with torch.inference_mode():
+                outputs = Program(spec, weights, device, after_packing=release, shared_launches=launches).run(inputs)
+        except Exception as e:  # noqa: BLE001
+            return Verdict(f"it failed: {type(e).__name__}: {str(e)[:200]}", {})
     found: dict[str, dict[str, Any]] = {}
     problem = None
     quantized = any(s.domain == "kiln" and s.op_type in QUANTIZED_LAYERS for s in spec.steps)
@@ -542,12 +544,15 @@ def _revert(step: StepSpec, why: str, reverted: dict[str, str], say: Progress) -
 
 def settle(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
            default: Program, default_outputs: list[Any], say: Progress,
-           launches: dict[tuple, Any] | None = None, release: Callable[[], None] | None = None) -> Settlement:
+           launches: dict[tuple, Any] | None = None, release: Callable[[], None] | None = None,
+           tuned_outputs: list[Any] | None = None) -> Settlement:
     """Judge the tuned engine `spec` describes; revert (in place) the layers to blame until it passes. `launches`:
     the prepared launches its programs share (the build's: the network is packed once, not once per program),
-    `release` their after_packing (a build's mapped weights let go, spill.py)."""
+    `release` their after_packing (a build's mapped weights let go, spill.py); `tuned_outputs`: the tuned engine's
+    outputs on `inputs` where a program of exactly `spec`'s tactics already ran (in_context.py): the first verdict
+    judges them instead of a program bound anew (a third whole program's memory at ResNet-50's build peak)."""
     base = baseline(spec, default, default_outputs, inputs)
-    verdict, runs = judge(spec, weights, device, inputs, base, launches, release), 1
+    verdict, runs = judge(spec, weights, device, inputs, base, launches, release, tuned_outputs), 1
     first = verdict.problem
     reverted: dict[str, str] = {}
     if verdict.problem is None:

@@ -7,11 +7,13 @@
     2. per layer: drop candidates that do not support it (with the reason), check each
        survivor against the op's registered implementation on those inputs — in float32 on
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
-       with the error; time what is left — interleaved rounds after a warm-up, median of CUDA
-       events over CUDA-graph replays, on the CPU the least of the rounds, of wall time or, where
-       other work shares the CPUs, of the process's CPU time (measure.py; cpu_clock.py) — and
-       keep the fastest; a layer whose every candidate was dropped by the check runs its default,
-       and the build log, the header (`fallback_layers`) and inspect say so (fallback_reason);
+       with the error; time what is left in a tournament, the best so far against the next, the
+       loser's prepared state let go at once (tournament: two candidates prepared at a time) —
+       interleaved rounds after a warm-up, median of CUDA events over CUDA-graph replays, on the
+       CPU the least of the rounds, of wall time or, where other work shares the CPUs, of the
+       process's CPU time (measure.py; cpu_clock.py) — and keep the fastest by every candidate's
+       times; a layer whose every candidate was dropped by the check runs its default, and the build
+       log, the header (`fallback_layers`) and inspect say so (fallback_reason);
     3. the timing cache answers layers it has seen on this machine: nothing is timed, the same
        tactic is chosen (its result is still checked: where this layer's inputs fail it, the next fastest
        cached one that passes); on the CPU, a profile's mid and min shapes are checked and timed too, and
@@ -30,6 +32,7 @@ to the engine header for `kiln inspect`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,13 +154,15 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
     # (the FP8 residual bound runs the reference twice over the layer's outputs: 2·10^8 of them at ResNet-50 b256,
     # and every CUDA QConv tactic, up to 22 on a layer at opt level 3, carries the same checker)
     own_checks: dict[tuple[Any, int], Callable[[Any], str | None] | None] = {}
-    launches: dict[str, tuple[list[Callable[[], Any]], dict[str, Any]]] = {}
+    configs: dict[str, dict[str, Any]] = {}
 
-    def admitted(t: Tactic) -> bool:
-        """Prepare `t` and check it at every point: its launches kept, or why it is dropped noted."""
-        config = t.configure(step, metas[0])
+    def admitted(t: Tactic) -> list[Callable[[], Any]] | None:
+        """Prepare `t` and check it at every point: its timed calls (one per point), or None with why it is dropped
+        noted."""
+        config = configs[t.name] = t.configure(step, metas[0])
         calls: list[Callable[[], Any]] = []
         problem = None
+        hugepages.new_chunk()  # its small packed weights in a chunk of their own: they go with it, not with a rival
         try:
             launch = t.prepare(dataclasses.replace(step, tactic=t.name, tactic_config=config), constants, device)
             for p, (r, check) in enumerate(zip(points, checks)):
@@ -178,9 +183,8 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
             problem = f"failed: {type(e).__name__}: {str(e)[:200]}"
         if problem:
             notes[t.name] = f"rejected: {problem}"
-            return False
-        launches[t.name] = (calls, config)
-        return True
+            return None
+        return calls
 
     if hit:
         # The cached winner, checked on this layer's inputs; where it fails, the next by the same rule, down to the
@@ -188,36 +192,76 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
         # on every layer's data (ResNet-50 FP8 at batch 256, H200: node_Conv_896 took a fast-accumulation tile,
         # node_Conv_905, the same shape, rejected it and ran its default: 1.05 ms, the next candidate 0.033 ms)
         usable_by_name = {t.name: t for t in usable}
-        while wanted != DEFAULT and not admitted(usable_by_name[wanted]):
+        while wanted != DEFAULT and admitted(usable_by_name[wanted]) is None:
             known = [{k: v for k, v in point.items() if k != wanted} for point in known]
             wanted = _choose_over(known) if all(known) else DEFAULT
         # every usable tactic's cached time but the rejected ones': a rival close to the winner is timed again in
         # context (in_context.py)
         found = _result(wanted, known, {**cached[0].get("notes", {}), **notes}, cached=True, labels=labels)
         found.clock = cached[0].get("clock", WALL if device.type == "cpu" else None)
-        return found, launches[wanted][1] if wanted in launches else {}
+        return found, configs.get(wanted, {})
 
-    for t in usable:
-        admitted(t)
-
-    times = []
     # one clock for every point of the layer: its times are compared with each other (_choose_over)
     clock = cpu_clock(torch.get_num_threads()) if device.type == "cpu" else None
-    for p, (r, key) in enumerate(zip(points, keys)):
-        timed = {DEFAULT: lambda r=r: fn(ctx, *r.args, **attrs)} | {k: v[0][p] for k, v in launches.items()}
-        with torch.inference_mode():
-            clocked = {} if clock is None else {"clock": clock}
-            measured = measure(timed, device, runs, **clocked)
-            if clock == PROCESS_CPU:
-                measured = contenders_again(measured, timed, device, runs, clock)
-            measured = confirmed(measured, timed, device, runs, **clocked)
-        times.append(measured)
+    times = tournament(usable, admitted, [lambda r=r: fn(ctx, *r.args, **attrs) for r in points], device, runs, clock)
+    for measured, key in zip(times, keys):
         cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes, "confirmed": True,
-                        "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}", **clocked})
+                        "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}",
+                        **({} if clock is None else {"clock": clock})})
     chosen = _choose_over(times)
     found = _result(chosen, times, notes, cached=False, labels=labels)
     found.clock = clock
-    return found, launches[chosen][1] if chosen in launches else {}
+    return found, configs.get(chosen, {})
+
+
+def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[[], Any]] | None],
+               default: list[Callable[[], Any]], device: torch.device, runs: int,
+               clock: str | None) -> list[dict[str, float]]:
+    """Per point of the layer, every candidate's ms (the default's first, then each admitted tactic's in `usable`'s
+    order), timed in a tournament: the best so far (the default to begin with) against the next candidate,
+    prepared and checked (`admitted`: its timed call per point, or None where it is dropped), in interleaved
+    rounds at every point, then the loser's prepared state let go at once. Each candidate keeps its least time
+    over the matches it played (interference only ever adds time); the choice is made from these times by the
+    same rule as ever (_choose_over), so the same times choose the same tactic.
+
+    Why: held all at once while they were timed together, a layer's candidates' packed weights, frozen graphs
+    and outputs set the build's peak (ResNet-50 on a 2-vCPU EPYC: +110-130 MiB above what the search holds at a
+    3x3 512-channel layer, each of four candidates packing its 9.4 MiB weight, onednn_graph's freeze twice that;
+    bench/results/mem8-2026-12-06.md). Now two candidates are prepared at a time. A match is timed as the whole
+    layer was (measure; on a shared CPU contenders_again; a non-native winner confirmed against a native loser).
+    Cost: N candidates take N-1 matches, each with its own warm-up, rounds and re-timing passes: ResNet-50's search
+    took 66-81 s where timing all together took 37-54 (2 vCPUs, load 3-5)."""
+    times: list[dict[str, float]] = [{} for _ in default]
+    clocked = {} if clock is None else {"clock": clock}
+
+    def play(sides: dict[str, list[Callable[[], Any]]]) -> None:
+        for p, point in enumerate(times):
+            timed = {name: calls[p] for name, calls in sides.items()}
+            with torch.inference_mode():
+                measured = measure(timed, device, runs, **clocked)
+                if clock == PROCESS_CPU:
+                    measured = contenders_again(measured, timed, device, runs, clock)
+                measured = confirmed(measured, timed, device, runs, **clocked)
+            for name, ms in measured.items():
+                point[name] = min(point.get(name, math.inf), ms)
+
+    best: tuple[str, list[Callable[[], Any]]] = (DEFAULT, default)
+    played = False
+    for t in usable:
+        calls = admitted(t)
+        if calls is None:
+            continue
+        play({best[0]: best[1], t.name: calls})
+        played = True
+        pair = (best[0], t.name)
+        if _choose_over([{k: point[k] for k in pair} for point in times]) == t.name:
+            best = (t.name, calls)
+        # the loser's launch, its packed weights and outputs go now (the heap's pages they touched serve the next
+        # candidate; the search trims once per layer)
+        del calls
+    if not played:
+        play({DEFAULT: default})  # nothing admitted: the default's time alone, for the header and the cache
+    return times
 
 
 # Where other work shares the CPUs, the candidates within this factor of the best are timed again ...
@@ -333,17 +377,18 @@ def _result(chosen: str, points: list[dict[str, float]], notes: dict[str, float 
 def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: torch.device, examples: list[Any],
                        rivals: dict[int, in_context.Rival], layers: dict[str, dict[str, Any]], cache: TimingCache,
                        env: dict, say: Progress, launches: dict[tuple, Any],
-                       release: Callable[[], None] | None) -> dict[str, Any]:
+                       release: Callable[[], None] | None) -> tuple[dict[str, Any], list[Any] | None]:
     """Close native contenders timed again as the engine runs them, or the timing cache's choice for this network
     (in_context.py); each layer's record says so (`in_network`: ms of each in the network) and takes the choice.
-    Returns the header's record of the stage: what it cost and which layers changed (`kiln inspect` shows it)."""
+    Returns the header's record of the stage (what it cost and which layers changed: `kiln inspect` shows it), and the
+    tuned network's outputs on `examples` where the stage ran it (InContext.outputs; else None)."""
     start = time.perf_counter()
     try:
         result = in_context.choose(program, placed, device, examples, rivals, cache, env, say, launches, release)
     except Exception as e:  # noqa: BLE001  a rival that cannot be bound or run (not checked on a cache hit): kept out
         say(f"tactics: timing {len(rivals)} layer(s) in context failed ({type(e).__name__}: {str(e)[:200]}); "
             "the choices made alone stand")
-        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}
+        return {"failed": f"{type(e).__name__}: {str(e)[:200]}"}, None
     changed: dict[str, str] = {}
     for i, in_network in result.found.items():
         step = program.steps[i]
@@ -362,7 +407,7 @@ def _retime_in_context(program: ProgramSpec, placed: dict[str, Any], device: tor
         names = [name for name, s in changed.items() if s == swap]
         say(f"tactics: in context {swap}: {len(names)} layer(s), e.g. {names[0]}")
     return {"layers": len(result.found), "changed": changed, "seconds": round(seconds, 2), "cached": result.cached,
-            "rounds": result.rounds, "stopped": result.stopped}
+            "rounds": result.rounds, "stopped": result.stopped}, result.outputs
 
 
 def fallback_reason(found: LayerTuning) -> str | None:
@@ -548,9 +593,10 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
 
     record: dict[str, Any] = {"layers": layers, "environment": env,
                               "cache": {"path": timing_cache, "hits": cache.hits, "misses": cache.misses}}
+    tuned_outputs = None  # the tuned engine's outputs on `examples`, where the in-context stage ran it
     if rivals and in_context_timing:
-        record["in_context"] = _retime_in_context(program, placed, device, examples, rivals, layers, cache, env, say,
-                                                  launches, release)
+        record["in_context"], tuned_outputs = _retime_in_context(program, placed, device, examples, rivals, layers,
+                                                                 cache, env, say, launches, release)
     if kernels is not None:
         record["compile"] = {"workers": kernels.pool.workers, "kernels": kernels.kernels,
                              "seconds_summed": round(kernels.pool.seconds, 1)}
@@ -562,7 +608,7 @@ def autotune(program: ProgramSpec, weights: dict[str, Any], inputs: list[Binding
         # Tactics checked one by one can still go wrong together: judge the whole engine against the
         # error the default engine itself makes at this precision; revert only the layers to blame.
         settled = settle(program, placed, device, examples, reference_program, reference_outputs, say, launches,
-                         release)
+                         release, tuned_outputs)
         record["accuracy"] = settled.to_json()
         for name, why in settled.reverted.items():
             layer = layers[name]

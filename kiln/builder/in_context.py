@@ -91,6 +91,10 @@ class InContext:
     rounds: int = 0
     stopped: str = ""
     cached: bool = False
+    # the network's outputs on the stage's inputs, run by the stage's program that runs the tactics it leaves (the
+    # chosen program where no signature took its rival, the rival program where one did), else None: the accuracy
+    # check judges these instead of binding and running the same program again (accuracy.settle's `tuned_outputs`)
+    outputs: list[Any] | None = None
 
     def to_entry(self, spec: ProgramSpec, seconds: float) -> dict[str, Any]:
         """The timing cache's entry: the layers by name, each with its times in context."""
@@ -243,9 +247,12 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         groups.setdefault(rivals[i].group, []).append(i)
     found: dict[int, dict[str, float]] = {}
     rounds, stops = 0, []
+    ran_rivals: list[tuple[list[tuple[str, dict[str, Any]]], list[Any]]] = []  # a faster rival program's outputs
     for members in groups.values():
         hugepages.new_chunk()  # the rival program's small packed weights in chunks of their own: they go with it
         timed = _time_group(network, members)
+        if timed is not None and timed.outputs is not None:
+            ran_rivals.append(timed.outputs)
         hugepages.new_chunk()
         return_free_memory()  # the rival program's packed weights and outputs: before the next one is bound
         if timed is None:
@@ -256,8 +263,29 @@ def retime(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inp
         rounds += timed.rounds
         stops += [timed.stopped] if timed.stopped not in stops else []
     _apply(spec, rivals, found)
-    _drop_replaced(network, {i for i in found if spec.steps[i].tactic == rivals[i].tactic})
-    return InContext(found, rounds=rounds, stopped=", ".join(stops))
+    swapped = {i for i in found if spec.steps[i].tactic == rivals[i].tactic}
+    _drop_replaced(network, swapped)
+    # the tuned engine's outputs where one of the stage's programs runs exactly its tactics: the chosen one where no
+    # signature took its rival, else the rival program of the one signature that did
+    final = _tactics(spec)
+    outputs = _outputs(network.program, inputs) if not swapped else \
+        next((ran for tactics, ran in ran_rivals if tactics == final), None)
+    return InContext(found, rounds=rounds, stopped=", ".join(stops), outputs=outputs)
+
+
+def _tactics(spec: ProgramSpec) -> list[tuple[str, dict[str, Any]]]:
+    return [(step.tactic, step.tactic_config) for step in spec.steps]
+
+
+def _outputs(program: Program, inputs: list[Any]) -> list[Any]:
+    """A program's outputs on the stage's inputs, copies of their own (a program's output may be a view of its
+    arena, which would keep the arena alive). Why: the program that runs the tactics the stage leaves is the tuned
+    engine the accuracy check judges (accuracy.py); bound and run again there, it cost ResNet-50 a third program's
+    segments, arena, scratch and run temporaries (+35-43 MiB, the build's peak in some builds:
+    bench/results/mem8-2026-12-06.md). It is warm here: one more run costs no memory."""
+    with torch.inference_mode():
+        outputs = program.run(inputs)
+    return [value.clone() if isinstance(value, torch.Tensor) else value for value in outputs]
 
 
 def _trimmed(release: Callable[[], None] | None) -> Callable[[], None]:
@@ -309,6 +337,8 @@ class _Timed:
     rival_ms: float
     rounds: int
     stopped: str
+    # where the rival was faster: the rival program's tactics and its outputs on the stage's inputs (_outputs)
+    outputs: tuple[list[tuple[str, dict[str, Any]]], list[Any]] | None = None
 
 
 def _network(spec: ProgramSpec, weights: dict[str, Any], device: torch.device, inputs: list[Any],
@@ -336,15 +366,19 @@ def _time_group(network: _Network, members: list[int]) -> _Timed | None:
     if not _native(spec.steps[members[0]].tactic):  # whole runs
         samples, stopped = _rounds(programs, network.inputs)
         chosen_ms, rival_ms = (statistics.median(s["run"]) for s in samples)
-        return _Timed(members, chosen_ms, rival_ms, len(samples[0]["run"]), stopped)
-    names = {i: spec.steps[i].name for i in members}
-    spans = [network.spans, _spans(swapped.segments, network.compared)]
-    layers = [i for i in members if names[i] in spans[0] and spans[0][names[i]] == spans[1].get(names[i])]
-    if not layers:
-        return None
-    samples, stopped = _rounds(programs, network.inputs, [[side[names[i]] for i in layers] for side in spans])
-    chosen_ms, rival_ms = (statistics.median(s["spans"]) / len(layers) for s in samples)
-    return _Timed(layers, chosen_ms, rival_ms, len(samples[0]["run"]), stopped)
+        layers = members
+    else:
+        names = {i: spec.steps[i].name for i in members}
+        spans = [network.spans, _spans(swapped.segments, network.compared)]
+        layers = [i for i in members if names[i] in spans[0] and spans[0][names[i]] == spans[1].get(names[i])]
+        if not layers:
+            return None
+        samples, stopped = _rounds(programs, network.inputs, [[side[names[i]] for i in layers] for side in spans])
+        chosen_ms, rival_ms = (statistics.median(s["spans"]) / len(layers) for s in samples)
+    # as retime rounds them: where the rival is kept, its program may be the tuned engine (retime's `outputs`)
+    outputs = (_tactics(swapped.spec), _outputs(swapped, network.inputs)) \
+        if round(rival_ms, 4) < round(chosen_ms, 4) else None
+    return _Timed(layers, chosen_ms, rival_ms, len(samples[0]["run"]), stopped, outputs)
 
 
 def _swapped(spec: ProgramSpec, rivals: dict[int, Rival], which: set[int]) -> ProgramSpec:

@@ -17,7 +17,7 @@ from kiln.builder.cpu_clock import PROCESS_CPU, WALL
 from kiln.runtime.host import host_sync_is_an_error
 
 WARMUP_RUNS = 2
-LAYER_BUDGET_S = 0.4  # timing time per layer at most, beyond the minimum of 3 rounds
+LAYER_BUDGET_S = 0.4  # timing time per measure call (a layer's match: autotune.tournament) at most, beyond 3 rounds
 
 
 def _synchronize(device: torch.device) -> None:

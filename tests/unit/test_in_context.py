@@ -502,3 +502,86 @@ def test_the_launches_a_signature_replaced_leave_the_builds_launches(monkeypatch
     x = torch.randn(1, ROWS, WIDTH)
     with torch.inference_mode():
         _assert_close(program.run([x])[0], _reference(spec, weights, x))
+
+
+def _faster_nowhere(monkeypatch) -> None:
+    """profile_segments made to say the rival is slower on every layer: no signature takes it."""
+    def fake(program, inputs, runs=10, clock=None):
+        return {s.name: [2.0 if s.tactic == ONEDNN else 1.0] * runs for s in program.spec.steps}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+
+
+def test_the_stage_hands_the_accuracy_check_the_chosen_programs_outputs_and_lets_the_program_go(monkeypatch):
+    """Where no signature took its rival, the chosen program is the tuned engine: its outputs on the stage's inputs
+    are returned (right: float64 oracle) for the accuracy check to judge instead of binding and running a third
+    program; copies, so they keep neither the program nor its arena alive (weakrefs)."""
+    _faster_nowhere(monkeypatch)
+    made: list[weakref.ref] = []
+    arenas: list[weakref.ref] = []
+
+    class Recorded(Program):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+            arenas.append(weakref.ref(self.segments[0].arena))
+
+    monkeypatch.setattr(in_context, "Program", Recorded)
+    spec, weights = _blocks()
+    x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(8))
+    result = in_context.retime(spec, weights, torch.device("cpu"), [x], _rivals(spec))
+    assert all(step.tactic == PACKED for step in spec.steps)  # nothing swapped
+    (y,) = result.outputs
+    _assert_close(y, _reference(spec, weights, x))
+    gc.collect()
+    assert made and all(ref() is None for ref in made + arenas)
+
+
+@pytest.mark.parametrize("faster", ["up", "up and down"])
+def test_where_signatures_took_their_rivals_the_outputs_are_the_rival_programs_that_ran_the_tuned_tactics(
+        monkeypatch, faster):
+    """One signature swapped: its rival program ran exactly the tuned tactics, and its outputs (right: float64 oracle
+    of the tuned spec) are handed on. Two swapped: no program of the stage ran both swaps, so none."""
+    def fake(program, inputs, runs=10, clock=None):
+        return {s.name: [0.5 if s.tactic == ONEDNN and s.name.rstrip("01") in faster else 1.0] * runs
+                for s in program.spec.steps}
+
+    monkeypatch.setattr(in_context, "profile_segments", fake)
+    spec, weights = _blocks()
+    x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(10))
+    result = in_context.retime(spec, weights, torch.device("cpu"), [x], _rivals(spec))
+    assert [s.tactic for s in spec.steps] == [ONEDNN if s.name.rstrip("01") in faster else PACKED
+                                              for s in spec.steps]
+    if faster == "up":
+        (y,) = result.outputs
+        _assert_close(y, _reference(spec, weights, x))
+    else:
+        assert result.outputs is None
+
+
+def test_the_accuracy_check_judges_outputs_it_is_given_without_binding_a_program(monkeypatch):
+    """settle's tuned_outputs: the first verdict judges them as they are (no Program bound: counted); outputs off by
+    more than the whole-model tolerance fail it, so they are what is judged."""
+    from kiln.builder import accuracy
+
+    bound: list[int] = []
+
+    class Counted(Program):
+        def __init__(self, *args, **kwargs):
+            bound.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(accuracy, "Program", Counted)
+    spec, weights = _blocks()
+    plain = dataclasses.replace(spec, steps=[dataclasses.replace(s, tactic="", tactic_config={}) for s in spec.steps])
+    x = torch.randn(1, ROWS, WIDTH, generator=torch.Generator().manual_seed(9))
+    default = Program(plain, weights)
+    with torch.inference_mode():
+        default_outputs = default.run([x])
+        tuned = Program(spec, weights).run([x])
+    settled = accuracy.settle(spec, weights, torch.device("cpu"), [x], default, default_outputs, lambda msg: None,
+                              tuned_outputs=[t.clone() for t in tuned])
+    assert settled.first_problem is None and settled.whole_runs == 1 and not bound
+    off = accuracy.settle(spec, weights, torch.device("cpu"), [x], default, default_outputs, lambda msg: None,
+                          tuned_outputs=[t + 1.0 for t in tuned])
+    assert off.first_problem is not None and "max abs error" in off.first_problem

@@ -24,6 +24,7 @@ bench/results/mem5-2026-12-05d.md). A module loaded by torch.jit.load has a unit
 
 from __future__ import annotations
 
+import gc
 import io
 
 import torch
@@ -79,17 +80,27 @@ class _Layer(torch.nn.Module):
         return y
 
 
-def _private_copy(traced: torch.jit.ScriptModule) -> torch.jit.ScriptModule:
-    """`traced` saved and loaded again: the same module, its type in a compilation unit of its own.
+def _frozen_private_copy(layer: _Layer, examples: tuple[torch.Tensor, ...]) -> torch.jit.ScriptModule:
+    """`layer` (handed over: the caller keeps no reference) traced, saved, loaded again and frozen: the module's
+    type in a compilation unit of its own.
 
     torch.jit.load makes a new unit per load, and freezing clones into the module's own unit, so the frozen
-    graph (and the weight it holds as a constant) is freed with the module. The copy costs the weight's bytes
-    twice for a moment (the archive, then the loaded tensor), one layer at a time.
+    graph (and the weight it holds as a constant) is freed with the module. Each form of the weight goes as soon
+    as the next exists (the layer's, which the traced module shares, once saved; the archive once loaded; the
+    loaded module once frozen): two at a time. Held to the end, they were four: ResNet-50's 9.4 MiB 3x3 layers took
+    +52 MiB resident while one was prepared, and the tactic search prepares one per conv layer
+    (bench/results/mem8-2026-12-06.md).
     """
+    traced = torch.jit.trace(layer, examples, check_trace=False)
+    del layer
     archive = io.BytesIO()
     torch.jit.save(traced, archive)
+    del traced
+    gc.collect(1)  # tracing leaves the layer in a reference cycle: only a collection frees it (young: cheap)
     archive.seek(0)
-    return torch.jit.load(archive)
+    loaded = torch.jit.load(archive)
+    del archive
+    return torch.jit.freeze(loaded)
 
 
 class GraphConv:
@@ -98,16 +109,16 @@ class GraphConv:
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, padding: list[int], stride: list[int],
                  dilation: list[int], groups: int, activation: str, alpha: float, beta: float,
                  residual_after_activation: bool, input_size: list[int], with_residual: bool):
-        layer = _Layer(w, b, padding, stride, dilation, groups, activation, alpha, beta,
-                       residual_after_activation).eval()
+        layers = [_Layer(w, b, padding, stride, dilation, groups, activation, alpha, beta,
+                         residual_after_activation).eval()]
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(input_size, generator=generator).contiguous(memory_format=torch.channels_last)
         with torch.no_grad():
-            out = layer(x)
-            examples = (x, torch.randn(out.shape, generator=generator).contiguous(memory_format=torch.channels_last)) \
+            shape = layers[0](x).shape
+            examples = (x, torch.randn(shape, generator=generator).contiguous(memory_format=torch.channels_last)) \
                 if with_residual else (x,)
-            module = torch.jit.freeze(_private_copy(torch.jit.trace(layer, examples, check_trace=False)))
-            del layer  # the private copy holds its own weight: the channels-last one made here can go
+            # the layer handed over: its channels-last weight goes once the archive holds it
+            module = _frozen_private_copy(layers.pop(), examples)
             was_enabled = torch.jit.onednn_fusion_enabled()
             torch.jit.enable_onednn_fusion(True)
             try:
