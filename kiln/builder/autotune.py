@@ -7,8 +7,8 @@
     2. per layer: drop candidates that do not support it (with the reason), check each
        survivor against the op's registered implementation on those inputs — in float32 on
        float32 copies for a half-precision layer (the fp32 reference) — a wrong result drops it,
-       with the error; time what is left in a tournament, the best so far against the next, the
-       loser's prepared state let go at once (tournament: two candidates prepared at a time) —
+       with the error; time what is left together (or, with KILN_TUNE_TOURNAMENT=1, in a tournament: the
+       best so far against the next, the loser's prepared state let go at once, two prepared at a time) —
        interleaved rounds after a warm-up, median of CUDA events over CUDA-graph replays, on the
        CPU the least of the rounds, of wall time or, where other work shares the CPUs, of the
        process's CPU time (measure.py; cpu_clock.py) — and keep the fastest by every candidate's
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -203,7 +204,8 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
 
     # one clock for every point of the layer: its times are compared with each other (_choose_over)
     clock = cpu_clock(torch.get_num_threads()) if device.type == "cpu" else None
-    times = tournament(usable, admitted, [lambda r=r: fn(ctx, *r.args, **attrs) for r in points], device, runs, clock)
+    timing = tournament if TOURNAMENT else together
+    times = timing(usable, admitted, [lambda r=r: fn(ctx, *r.args, **attrs) for r in points], device, runs, clock)
     for measured, key in zip(times, keys):
         cache.put(key, {"chosen": _choose(measured), "times_ms": measured, "notes": notes, "confirmed": True,
                         "layer": f"{step.domain or 'ai.onnx'}::{step.op_type}",
@@ -212,6 +214,32 @@ def _tune_layer(step: StepSpec, record: Recorded, fn: Launch, ctx, attrs: dict, 
     found = _result(chosen, times, notes, cached=False, labels=labels)
     found.clock = clock
     return found, configs.get(chosen, {})
+
+
+# Time a layer's candidates in a tournament (two prepared at a time) instead of all together. Off by default: on
+# ResNet-50 (2-vCPU EPYC) it lowered the search's own peak (277 -> 244 MiB) but not the build's (the in-context stage
+# sets it: 336 MiB both ways) and made the search 1.5-2x slower (37-54 -> 66-81 s); bench/results/mem8-2026-12-06.md.
+TOURNAMENT = os.environ.get("KILN_TUNE_TOURNAMENT", "0") == "1"
+
+
+def together(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[[], Any]] | None],
+             default: list[Callable[[], Any]], device: torch.device, runs: int,
+             clock: str | None) -> list[dict[str, float]]:
+    """Per point of the layer, every candidate's ms, all admitted candidates prepared first and timed together in
+    interleaved rounds (the default's first, then each admitted tactic's in `usable`'s order): the search as it was
+    before `tournament`, and still the default."""
+    prepared = {t.name: calls for t in usable if (calls := admitted(t)) is not None}
+    clocked = {} if clock is None else {"clock": clock}
+    times = []
+    for p, run_default in enumerate(default):
+        timed = {DEFAULT: run_default} | {name: calls[p] for name, calls in prepared.items()}
+        with torch.inference_mode():
+            measured = measure(timed, device, runs, **clocked)
+            if clock == PROCESS_CPU:
+                measured = contenders_again(measured, timed, device, runs, clock)
+            measured = confirmed(measured, timed, device, runs, **clocked)
+        times.append(measured)
+    return times
 
 
 def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[[], Any]] | None],

@@ -81,6 +81,7 @@ def injected(monkeypatch):
     monkeypatch.setattr(autotune, "measure", measure)
     # the wall clock, whatever the machine's load (under load a match's close pair is timed again: contenders_again)
     monkeypatch.setattr(autotune, "cpu_clock", lambda threads: autotune.WALL)
+    monkeypatch.setattr(autotune, "TOURNAMENT", True)
     return times, calls
 
 
@@ -158,9 +159,10 @@ def test_the_default_keeps_a_tie_and_the_rule_holds_over_a_profile(injected, mon
     assert found.at == {"mid": {k: round(v, 4) for k, v in per_point["mid"].items()}}
 
 
-def test_a_real_conv_layers_candidates_are_let_go_one_by_one():
+def test_a_real_conv_layers_candidates_are_let_go_one_by_one(monkeypatch):
     """The CPU conv tactics of a 3x3 layer, timed for real: each candidate's launch (its packed weight) dead by the
     time the one after next is prepared, none after the layer; the choice is the rule's over the times measured."""
+    monkeypatch.setattr(autotune, "TOURNAMENT", True)
     g = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(1, 16, 12, 12, generator=g), torch.randn(32, 16, 3, 3, generator=g) * 0.2, \
         torch.randn(32, generator=g)
@@ -188,3 +190,22 @@ def test_a_real_conv_layers_candidates_are_let_go_one_by_one():
     assert all(ref() is None for ref in refs)
     (entry,) = cache.entries.values()
     assert found.tactic == autotune._choose(entry["times_ms"])
+
+
+@pytest.mark.parametrize("order", [0, 1, 2])
+def test_together_the_default_times_every_candidate_at_once_and_chooses_as_the_tournament(injected, order,
+                                                                                         monkeypatch):
+    """Without KILN_TUNE_TOURNAMENT the search prepares every candidate, times them in one measure call per point,
+    and the same times choose the same tactic as the tournament's."""
+    times, calls = injected
+    tracked = _Tracked(monkeypatch)
+    tactics = [tracked.tactic(n) for n in ("a", "b", "c")]
+    times.update({DEFAULT: 1.0, tactics[0].name: 0.9, tactics[1].name: 0.5, tactics[2].name: 0.7})
+    tactics = tactics[order:] + tactics[:order]
+    monkeypatch.setattr(autotune, "TOURNAMENT", True)
+    by_tournament, _ = _tune(tactics)
+    calls.clear()
+    monkeypatch.setattr(autotune, "TOURNAMENT", False)
+    together, _ = _tune(tactics)
+    assert together.tactic == by_tournament.tactic == tactics[(1 - order) % 3].name
+    assert len(calls[0]) == 4  # the default and all three candidates in one call
