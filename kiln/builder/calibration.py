@@ -26,7 +26,7 @@ from kiln.kernels.cpu.cpu_features import has_int8_dot_product
 from kiln.passes import PassOptions, optimize
 from kiln.quant import cache as calibration_cache
 from kiln.quant import attention as fp8_attention
-from kiln.quant import calibrators, data, equalize, qdq, residual, smoothquant
+from kiln.quant import calibrators, data, equalize, gptq, qdq, residual, smoothquant
 from kiln.runtime.program import Program
 
 MAX_BATCHES = 512
@@ -91,6 +91,7 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
                    per_channel_depthwise: bool = True, unsigned: bool = False,
                    channel_means: dict[str, np.ndarray] | None = None,
                    lows: dict[str, float] | None = None,
+                   moments: dict[str, np.ndarray] | None = None,
                    extra: set[str] = frozenset()) -> tuple[dict, dict]:
     """({tensor: amax}, a record for the engine header) for every quantized layer's activation input;
     the first EVALUATION_BATCHES batches are appended to `keep` when given. per_channel_depthwise: the
@@ -100,7 +101,9 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
     channel_means: when given (bias correction), filled with each activation's mean per channel, measured
     on the same batches (left empty when the ranges come from the cache: then no correction). lows: when given
     (unsigned int8), filled with each per-tensor activation's smallest value (qdq.insert's `lows`; from the cache
-    when it holds them). smoothquant / channel_max:
+    when it holds them). moments: when given (GPTQ), filled with each layer's E[x xᵀ] over its input rows
+    ({layer name: [g, K, K]}, kiln/quant/gptq.py), measured on the same batches (left empty from the cache: the
+    weights then round to nearest). smoothquant / channel_max:
     the strength the model was smoothed with and the statistics it was smoothed from, kept in the cache."""
     # extra: other activations to measure (the residual Adds' inputs, kiln/quant/residual.py)
     needed = {t.activation.name for t in qdq.targets(model.graph, exclude)} | set(extra)
@@ -129,7 +132,16 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
         means = {t.activation.name: calibrators.ChannelMean(1 if t.node.op_type == "Conv" else -1)
                  for t in qdq.targets(model.graph, exclude)}
     low_seen = {name: calibrators.Low() for name in needed - per_channel} if lows is not None else {}
-    watched = {name: calibrators.Together(obs, *[o[name] for o in (means, low_seen) if name in o])
+    second: dict[str, gptq.Moments] = {}
+    if moments is not None:
+        for t in qdq.targets(model.graph, exclude):
+            try:
+                layer = gptq.SecondMoment(t.node)
+            except KilnError as e:  # a layer GPTQ cannot unfold (3-D, auto_pad) rounds to nearest
+                say(str(e) + ": its weights round to nearest")
+                continue
+            second.setdefault(t.activation.name, gptq.Moments({})).layers[t.node.name] = layer
+    watched = {name: calibrators.Together(obs, *[o[name] for o in (means, low_seen, second) if name in o])
                for name, obs in observers.items()}
     count = _observe(model, source, watched, preprocessing=preprocessing, say=say, keep=keep, what="calibration")
     ranges = {name: obs.amax() for name, obs in observers.items()}
@@ -137,6 +149,8 @@ def measure_ranges(model: ir.Model, source: Any, calibrator: str, dtype: str, *,
         channel_means.update({name: m.value() for name, m in means.items()})
     if lows is not None:
         lows.update({name: o.value() for name, o in low_seen.items() if o.value() is not None})
+    if moments is not None:
+        moments.update({layer: m.value() for group in second.values() for layer, m in group.layers.items()})
     calibration_cache.save(cache_path, calibrator, dtype, ranges, count, smoothquant, channel_max, channel_means,
                            lows)
     return ranges, {"calibrator": calibrator, "batches": count, "tensors": len(ranges), "cache": cache_path,
@@ -247,12 +261,14 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     channel_means: dict[str, np.ndarray] | None = {} if config.bias_correction else None
     # int8: the activations' smallest values, so that a mostly non-negative one (a Gelu's) is uint8 with a zero point
     lows: dict[str, float] | None = {} if unsigned else None
+    # GPTQ (int8 per-channel weights): each layer's input second moments
+    moments: dict[str, np.ndarray] | None = {} if config.gptq and dtype == "int8" else None
     ranges, record = measure_ranges(model, config.calibration, config.calibrator, dtype, exclude=exclude,
                                     cache_path=None if equalization else config.calibration_cache,
                                     preprocessing=config.calibration_preprocessing, say=say, keep=evaluation,
                                     smoothquant=alpha, channel_max=channel_max,
                                     per_channel_depthwise=config.per_channel_depthwise, unsigned=unsigned,
-                                    channel_means=channel_means, lows=lows,
+                                    channel_means=channel_means, lows=lows, moments=moments,
                                     extra=residual.activations(adds) | {n for a in attentions for n in a.activations})
     accuracy: dict = {}
     sensitive: set[str] = set()
@@ -271,12 +287,18 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     if config.accuracy_target is not None:
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
                                                   exclude, say, metric=config.accuracy_metric, unsigned=unsigned,
-                                                  weight_max=weight_max, channel_means=channel_means, lows=lows)
+                                                  weight_max=weight_max, channel_means=channel_means, lows=lows,
+                                                  moments=moments)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
+    if config.gptq and dtype != "int8":
+        say(f"gptq: int8 weights only; the {dtype} weights round to nearest")
+    elif config.gptq and not moments:
+        say("gptq: the ranges came from the cache, which holds no second moments: weights rounded to nearest")
     adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
-                         channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights)
+                         channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights,
+                         moments=moments)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
     quantized = [name for name in layers if name not in skipped and name not in sensitive]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
@@ -286,6 +308,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
                    "bias_correction": bool(channel_means),
+                   "gptq": bool(moments),
                    "residual_adds": residual_adds,
                    "attention_fp8_scales": fp8_attention.scales(attentions, ranges),
                    # what the correction was formed from: a refit forms it again from the new weights with these

@@ -51,6 +51,9 @@ class BuildConfig:
     # bias correction: each quantized layer's bias absorbs the mean shift its weights' rounding causes,
     # from the per-channel means of its input on the calibration data (kiln/quant/qdq.py)
     bias_correction: bool = True
+    # GPTQ (kiln/quant/gptq.py): int8 weight integers rounded column by column against each layer's input second
+    # moments on the calibration data, each rounding error spread over the columns not yet rounded; scales unchanged
+    gptq: bool = False
     # SmoothQuant's migration strength alpha in [0, 1] (None: off): the inputs of MatMul/Gemm layers fed
     # by a LayerNorm or a MatMul/Gemm are smoothed per channel before calibration (kiln/quant/smoothquant.py)
     smoothquant: float | None = None

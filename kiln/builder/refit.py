@@ -284,6 +284,10 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                          f"{config.equalize}): its factors are formed from the activations' per-channel maxima "
                          "measured at build, which the engine does not record; refit with recalibrate=DATA "
                          "(kiln refit --calib DIR), or rebuild")
+    if config.gptq:
+        raise RefitError(f"this {config.precision} engine was built with GPTQ weights: their rounding is formed from "
+                         "the layers' input second moments measured at build, which the engine does not record; "
+                         "refit with recalibrate=DATA (kiln refit --calib DIR), or rebuild")
     ranges = built.get("ranges")
     if not isinstance(ranges, dict):
         raise RefitError(f"this {config.precision} engine does not record the activation ranges it was calibrated "

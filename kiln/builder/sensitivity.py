@@ -68,13 +68,14 @@ class SwitchedModel:
 
     def __init__(self, model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str],
                  batches: list[dict[str, np.ndarray]], *, unsigned: bool = False, weight_max: float | None = None,
-                 channel_means: dict[str, np.ndarray] | None = None, lows: dict[str, float] | None = None):
+                 channel_means: dict[str, np.ndarray] | None = None, lows: dict[str, float] | None = None,
+                 moments: dict[str, np.ndarray] | None = None):
         targets = {t.node.name: t for t in qdq.targets(model.graph, exclude)}
         originals = {name: t.weight.const_value.numpy().copy() for name, t in targets.items()}
         biases = {name: _bias(t.node) for name, t in targets.items()}
         trial = _copy(model)
         skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
-                             channel_means=channel_means, lows=lows)
+                             channel_means=channel_means, lows=lows, moments=moments)
         self.layers = [name for name in originals if name not in skipped]
         program, weights, inputs, _ = lower(trial)  # no folding: every Q/DQ is a step that can be switched
         index = {s.name: i for i, s in enumerate(program.steps)}
@@ -184,15 +185,16 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
                         target: float, exclude: set[str], say: Callable[[str], None], *, metric: str = "error",
                         unsigned: bool = False, weight_max: float | None = None,
                         channel_means: dict[str, np.ndarray] | None = None,
-                        lows: dict[str, float] | None = None) -> tuple[set[str], dict]:
+                        lows: dict[str, float] | None = None,
+                        moments: dict[str, np.ndarray] | None = None) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max, channel_means (bias
-    correction), lows: as the build's qdq.insert will quantize. metric (METRICS): "error", the target is the
+    correction), lows, moments (GPTQ): as the build's qdq.insert will quantize. metric (METRICS): "error", the target is the
     largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
     batches whose top-1 class is fp32's (expected_top1), layers ranked by softmax_kl."""
     if metric not in METRICS:
         raise KilnError(f"accuracy metric {metric!r}: kiln knows {list(METRICS)}")
     switched = SwitchedModel(model, ranges, dtype, exclude, batches, unsigned=unsigned, weight_max=weight_max,
-                             channel_means=channel_means, lows=lows)
+                             channel_means=channel_means, lows=lows, moments=moments)
     if metric == "top1":
         return _fewest_for_top1(switched, target, say)
     return _greedy_for_error(switched, target, say)

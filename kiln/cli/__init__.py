@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --int8/--fp8: cross-layer equalization, grow the narrow channels of every "
                         "Conv -> Relu/ReLU6 -> Conv activation towards the widest (strength ALPHA in (0, 1], "
                         "0.5 when given alone) before calibration; the float model is unchanged (default off)")
+    p.add_argument("--gptq", action="store_true",
+                   help="with --int8: round the weights by GPTQ against each layer's input statistics on the "
+                        "calibration data instead of to nearest (scales unchanged; default off)")
     for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")

@@ -49,6 +49,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "accuracy_metric": args.accuracy_metric,
         "smoothquant": args.smoothquant,
         "equalize": args.equalize,
+        "gptq": args.gptq,
         "refittable": args.refittable,
         "remove_padding": args.remove_padding,
     }

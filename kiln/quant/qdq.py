@@ -29,6 +29,7 @@ import numpy as np
 import onnx_ir as ir
 
 from kiln.errors import KilnError
+from kiln.quant import gptq
 
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 INT8_MAX = 127.0
@@ -135,7 +136,8 @@ def non_negative(value: ir.Value) -> bool:
 def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, exclude: set[str] = frozenset(),
            unsigned: bool = False, weight_max: float | None = None,
            channel_means: dict[str, np.ndarray] | None = None,
-           lows: dict[str, float] | None = None, per_tensor_weights: bool = False) -> dict[str, str]:
+           lows: dict[str, float] | None = None, per_tensor_weights: bool = False,
+           moments: dict[str, np.ndarray] | None = None) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
 
@@ -167,7 +169,10 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     itself and writes fp16 (row-wise scales write bfloat16 only). E4M3's 3-bit mantissa is relative, so a
     channel 100x smaller than the largest still sits on normal values (4.5 of 448). The layers reading one
     activation (attention's Q, K and V projections) share the scale of their largest weight, so that they
-    merge into one GEMM (kiln/passes/fusion/parallel_gemm.py)."""
+    merge into one GEMM (kiln/passes/fusion/parallel_gemm.py).
+
+    moments ({layer name: E[x xᵀ] of its input rows, [g, K, K]}; int8 per-channel weights only): the layer's
+    weight integers are GPTQ's (kiln/quant/gptq.py) instead of the nearest, the scales unchanged."""
     if dtype not in ("int8", "fp8"):
         raise KilnError(f"quantization to {dtype!r}: kiln quantizes to int8 or fp8")
     graph = model.graph
@@ -225,7 +230,8 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                 axis = {"axis": 1}
             dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
         t.node.replace_input_with(0, dq)
-        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name))
+        h = (moments or {}).get(t.node.name) if dtype == "int8" and not per_tensor_weights else None
+        weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name), h)
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
@@ -253,9 +259,10 @@ def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale
     return d.outputs[0]
 
 
-def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tensor_amax: float | None = None) -> ir.Value:
+def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tensor_amax: float | None = None,
+                      moment: np.ndarray | None = None) -> ir.Value:
     """DQ(W_q, s_w per output channel, 0): the weight stored quantized; with `tensor_amax`, one scale
-    tensor_amax / qmax for the whole weight."""
+    tensor_amax / qmax for the whole weight; with `moment` (int8), W_q rounded by GPTQ on it."""
     w = t.weight.const_value.numpy().astype(np.float32)
     axes = tuple(a for a in range(w.ndim) if a != t.channel_axis)
     amax = np.abs(w).max(axis=axes) if tensor_amax is None else np.asarray(tensor_amax)  # per channel, or one
@@ -264,7 +271,12 @@ def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tenso
     shape[t.channel_axis] = -1
     q = w / scale.reshape(shape)
     base = f"{t.node.name or t.weight.name}_weight"
-    if dtype == "int8":
+    if dtype == "int8" and moment is not None and moment.size:
+        rows = gptq.rows_of(w.astype(np.float64), t.node.op_type, t.channel_axis)
+        ints = gptq.round_weights(rows, moment, scale.astype(np.float64), qmax)
+        ints = ints.T if t.node.op_type != "Conv" and t.channel_axis == 1 else ints.reshape(w.shape)
+        stored = ir.tensor(np.ascontiguousarray(ints).astype(np.int8), name=f"{base}_q")
+    elif dtype == "int8":
         stored = ir.tensor(np.clip(np.round(q), -qmax, qmax).astype(np.int8), name=f"{base}_q")
     else:
         stored = ir.tensor(np.clip(q, -qmax, qmax).astype(ml_dtypes.float8_e4m3fn), name=f"{base}_q")
