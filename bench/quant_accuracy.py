@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-bias-correction", action="store_true")
+    parser.add_argument("--gptq", action="store_true", help="GPTQ int8 weights (kiln/quant/gptq.py)")
     parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
     parser.add_argument("--equalize", type=float, nargs="?", const=0.5, metavar="ALPHA",
                         help="cross-layer equalization (kiln/quant/equalize.py) with this strength (0.5 alone)")
@@ -154,6 +155,8 @@ def main() -> None:
     options = {"bias_correction": not args.no_bias_correction, "per_channel_depthwise": not args.per_tensor_depthwise}
     if args.equalize is not None:
         options["equalize"] = args.equalize
+    if args.gptq:
+        options["gptq"] = True
     options["accuracy_metric"] = args.accuracy_metric
     rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, args.float_layers,
                      **options)

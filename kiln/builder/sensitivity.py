@@ -188,8 +188,8 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
                         lows: dict[str, float] | None = None,
                         moments: dict[str, np.ndarray] | None = None) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max, channel_means (bias
-    correction), lows, moments (GPTQ): as the build's qdq.insert will quantize. metric (METRICS): "error", the target is the
-    largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
+    correction), lows, moments (GPTQ): as the build's qdq.insert will quantize. metric (METRICS): "error", the
+    target is the largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
     batches whose top-1 class is fp32's (expected_top1), layers ranked by softmax_kl."""
     if metric not in METRICS:
         raise KilnError(f"accuracy metric {metric!r}: kiln knows {list(METRICS)}")
