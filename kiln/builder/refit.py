@@ -284,7 +284,7 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                          f"{config.equalize}): its factors are formed from the activations' per-channel maxima "
                          "measured at build, which the engine does not record; refit with recalibrate=DATA "
                          "(kiln refit --calib DIR), or rebuild")
-    if config.gptq:
+    if built.get("gptq"):
         raise RefitError(f"this {config.precision} engine was built with GPTQ weights: their rounding is formed from "
                          "the layers' input second moments measured at build, which the engine does not record; "
                          "refit with recalibrate=DATA (kiln refit --calib DIR), or rebuild")

@@ -13,6 +13,7 @@ import torch
 from onnx import helper
 
 from kiln.builder.calibration import quantize
+from kiln.builder import refit
 from kiln.builder.config import BuildConfig
 from kiln.errors import KilnError
 from kiln.quant import gptq
@@ -163,3 +164,12 @@ def test_fp8_and_mismatched_moments():
     assert record["gptq"] is False and any("gptq: int8 weights only" in s for s in said)
     with pytest.raises(KilnError, match="second moments"):
         gptq.round_weights(np.ones((4, 8)), np.eye(6)[None], np.ones(4), 127)
+
+
+def test_refit_from_recorded_ranges_refuses_gptq_weights():
+    """The second moments are not in the engine: a refit without recalibration cannot round as the build did."""
+    rng = np.random.default_rng(5)
+    proto, _ = _gemm_model(rng, 8, 4, "Gemm")
+    with pytest.raises(refit.RefitError, match="GPTQ"):
+        refit._requantize(ir.from_proto(proto), BuildConfig(precision="int8", quantization="emulate", gptq=True),
+                          {"mode": "emulate", "gptq": True, "ranges": {"x": 1.0}}, None)
