@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,11 +50,21 @@ from kiln.quant.data import photo_variants  # noqa: E402
 from kiln.runtime.program import Program  # noqa: E402
 
 
-def runner(model, config: BuildConfig | None, output: int = 0):
+def float_inputs(model) -> None:
+    """Every activation's Q/DQ pair bypassed (in place): the quantized weights' error alone (--weights-only)."""
+    for node in list(model.graph):
+        producer = node.inputs[0].producer() if node.op_type == "DequantizeLinear" else None
+        if producer is not None and producer.op_type == "QuantizeLinear":
+            ir.convenience.replace_all_uses_with(node.outputs[0], producer.inputs[0], replace_graph_outputs=True)
+
+
+def runner(model, config: BuildConfig | None, output: int = 0, weights_only: bool = False):
     """A callable feeds -> the output of index `output` (numpy): the model as built for `config` (None: fp32)."""
     info = {}
     if config is not None:
         model, info = quantize(model, config, lambda _msg: None)
+        if weights_only:
+            float_inputs(model)
     model = optimize(model, PassOptions(unsigned_activations=True, cpu_rules=False))
     program, weights, inputs, _ = lower(model)
     run = Program(program, weights)
@@ -67,7 +78,7 @@ def runner(model, config: BuildConfig | None, output: int = 0):
 
 
 def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | None], more_held_out: int = 0,
-              float_layers: list[str] = ("",), **options) -> list[dict]:
+              float_layers: list[str] = ("",), weights_only: bool = False, **options) -> list[dict]:
     """targets: one build per entry (None: every layer quantized), the ranges measured once (a calibration cache
     per dtype and calibrator). more_held_out: also judged on photo_variants(more_held_out, seed=1) (16 x that
     many other crops of the same photographs, none calibrates): one image is less than a point there.
@@ -79,7 +90,8 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | 
         sets["more"] = photo_variants(more_held_out, seed=1)
     path = str(zoo.mobilenet_v2())
     fp32, _ = runner(onnx_frontend.load(path), None)
-    reference = {k: [fp32({"pixel_values": v}).argmax() for v in vs] for k, vs in sets.items()}
+    logits = {k: [fp32({"pixel_values": v}) for v in vs] for k, vs in sets.items()}
+    reference = {k: [out.argmax() for out in outs] for k, outs in logits.items()}
     rows = []
     with tempfile.TemporaryDirectory() as caches:
         for dtype, calibrator, target, pinned in itertools.product(dtypes_, calibrators, targets, float_layers):
@@ -91,17 +103,22 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | 
                                  calibrator=calibrator, accuracy_target=target,
                                  calibration_cache=f"{caches}/{dtype}-{calibrator}.json",
                                  **{**{k: v for k, v in options.items() if k != "accuracy_metric"}, **metric})
-            engine, info = runner(onnx_frontend.load(path), config)
+            engine, info = runner(onnx_frontend.load(path), config, weights_only=weights_only)
             built = time.perf_counter() - start
             row = {"model": "MobileNetV2", "dtype": dtype, "calibrator": calibrator, "target": target,
                    "calibration": len(calibration), "kept_float": len(info.get("kept_float") or {}),
                    "quantized": len(info.get("quantized") or []),
                    "accuracy": {k: v for k, v in (info.get("accuracy") or {}).items()
                                 if k in ("metric", "top1", "top1_all_quantized", "error", "met", "measured")},
-                   "build_s": round(built), "options": {**options, **metric}}
+                   "build_s": round(built), "options": {**options, **metric,
+                                                        **({"weights_only": True} if weights_only else {})}}
             for name, vs in sets.items():
-                got = [engine({"pixel_values": v}).argmax() for v in vs]
+                outs = [engine({"pixel_values": v}) for v in vs]
+                got = [out.argmax() for out in outs]
                 row[name] = (int(sum(a == b for a, b in zip(got, reference[name]))), len(vs))
+                # the logits' mean relative error |q - fp32| / |fp32| (L2): finer than a count of flipped images
+                row[f"relerr_{name}"] = round(float(np.mean([np.linalg.norm(o - f) / np.linalg.norm(f)
+                                                             for o, f in zip(outs, logits[name])])), 4)
             row["agreement"] = row["held_out"][0] / row["held_out"][1]
             row["seconds"] = round(time.perf_counter() - start)
             print(row, flush=True)
@@ -147,6 +164,8 @@ def main() -> None:
     parser.add_argument("--minilm", action="store_true")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--no-bias-correction", action="store_true")
+    parser.add_argument("--weights-only", action="store_true",
+                        help="MobileNetV2 with the activations' Q/DQ bypassed: the weights' rounding alone")
     parser.add_argument("--gptq", action="store_true", help="GPTQ int8 weights (kiln/quant/gptq.py)")
     parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
     parser.add_argument("--equalize", type=float, nargs="?", const=0.5, metavar="ALPHA",
@@ -159,7 +178,7 @@ def main() -> None:
         options["gptq"] = True
     options["accuracy_metric"] = args.accuracy_metric
     rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, args.float_layers,
-                     **options)
+                     args.weights_only, **options)
     if args.minilm:
         rows += [minilm(c, **options) for c in args.calibrators]
     if args.no_write:
@@ -171,7 +190,8 @@ def main() -> None:
              "| model | dtype | calibrator | options | result | kept float |", "|---|---|---|---|---|---|"]
     for r in rows:
         result = (f"top-1 {r['held_out'][0]}/{r['held_out'][1]} held out" + (
-            f", {r['more'][0]}/{r['more'][1]} more" if "more" in r else "") if "agreement" in r
+            f", {r['more'][0]}/{r['more'][1]} more" if "more" in r else "") + f", relerr {r['relerr_held_out']}"
+            if "agreement" in r
                   else f"cosine min {r['cosine_min']:.4f}, mean {r['cosine_mean']:.4f}")
         opts = ", ".join(f"{k}={v}" for k, v in r["options"].items())
         target = f", accuracy_target={r['target']}" if r.get("target") is not None else ""
