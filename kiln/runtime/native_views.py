@@ -157,9 +157,9 @@ class _PlanRewrite:
         differs from the template's."""
         if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
             return None
-        whole = self._whole(key) if self._calls is not None else None
-        if whole is not None:  # a traced path of the walk below (view_trace.py): its values and exits in one call
-            return self._assembled(template, key, whole[0], whole[1])
+        traced = self.traced_view(template, key)
+        if traced is not None:
+            return traced
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -260,6 +260,15 @@ class _PlanRewrite:
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
+    def traced_view(self, template: Any, key: tuple) -> _Resized | None:
+        """`template`'s view at `key` from a traced path of view()'s walk (view_trace.py: its values and exits in one
+        call), or None where no path holds (view() walks). No oneDNN member is bound on it: Segment._bind_sizes asks
+        here before it opens the oneDNN memories' scope that a walk's bound members need."""
+        if self._calls is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return None
+        whole = self._whole(key)
+        return self._assembled(template, key, whole[0], whole[1]) if whole is not None else None
+
     def _plans(self, values: list[int]) -> np.ndarray:
         """A view's plans: the template's, each rule's values written over (one array the collector does not
         track)."""
@@ -341,8 +350,11 @@ class _CallImage:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (ViewArguments.at's, every such member's)."""
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, _nargs, _args, _ = self.loop
-        objects = self.objects.copy()
-        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
+        if len(self.plan_calls) == len(self.objects):  # every call a rewritten plan, in order (BERT-base's 91)
+            objects = self.plan_offsets + np.uintp(base)
+        else:
+            objects = self.objects.copy()
+            objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
         if arguments is None:  # no oneDNN member: the template's nargs and args arrays (the loop only reads them)
             nargs, args = _nargs, _args
         else:
