@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -135,8 +136,7 @@ class _PlanRewrite:
         # a view evaluates the members that mirror none (_mirrors) and writes every plan from their values
         self._schedule, remap, self._values = _mirrors(self._members, counts, sizes)
         self._steps = _mirror_runs(self._schedule, self._members)
-        self._words = [np.array(w, np.intp) for w in words]
-        self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
+        self._stores = _int32_stores(*(np.array(w, np.intp) for w in words), remap)
         forms = _forms(template.members, template._natives)
         arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
         self._arena = _arena_checks(arena, self._schedule)
@@ -274,10 +274,8 @@ class _PlanRewrite:
         track)."""
         buffer = self._image.copy()
         if values:
-            flat = np.array(values, np.int64)
-            where64, value64, where32, value32 = self._words
-            buffer[where64] = flat[value64]
-            buffer.view(np.int32)[where32] = flat[value32]
+            where, halves = self._stores
+            buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
         return buffer
 
     def _exit_shapes(self, exits: list[tuple[int, ...]]) -> list[tuple]:
@@ -364,6 +362,19 @@ class _CallImage:
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
                 type(_objects).from_buffer(objects), nargs, args,
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
+
+
+def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray, value32: np.ndarray,
+                  remap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A view's plan stores as one: (int32 word of the plan buffer, int32 half of the values array) of every
+    value's 64-bit field (both halves) and 32-bit field (its low half: what an int64 -> int32 cast keeps). One
+    gather and one scatter instead of two of each: a first call runs them right after a run has cooled the caches,
+    where each numpy call costs several times its warm time (bench/results/first-call-2026-12-06.md)."""
+    low = 0 if sys.byteorder == "little" else 1
+    value64, value32 = remap[value64], remap[value32]
+    where = np.concatenate([2 * where64, 2 * where64 + 1, where32])
+    halves = np.concatenate([2 * value64 + low, 2 * value64 + 1 - low, 2 * value32 + low])
+    return where, halves
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
