@@ -137,8 +137,11 @@ class DirectRuns:
         with program._plans_lock:
             known = signature in program.shape_plans
         if not known:
+            # a shape function reading only its inputs' sizes takes the numpy arrays (torch.from_numpy's two calls
+            # cost ~30 µs right after a run: bench/results/first-call-2026-12-06.md)
+            inputs = arrays if program.shape_function.shapes_only else [torch.from_numpy(a) for a in arrays]
             with torch.inference_mode():  # as the general path computes them
-                if not program.plan_ahead([torch.from_numpy(a) for a in arrays], signature):
+                if not program.plan_ahead(inputs, signature):
                     return None
         record = self._make(signature, bind=True)
         if record is None:  # it cannot run directly: the general path's at every call, not asked again

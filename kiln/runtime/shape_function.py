@@ -36,6 +36,7 @@ int64) is computed by the op itself.
 from __future__ import annotations
 
 import keyword
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class ShapeFunction:
     source: str
     slots: list[int]
     memos: list[_Memo] = field(default_factory=list)  # the groups' kept values (tests read them)
+    # every input is read only as `tuple(x.shape[a:b])` (its sizes, never its data, never stored): `fn` gives the
+    # same values for numpy inputs as for their torch.from_numpy tensors (DirectRuns.bind skips the conversion)
+    shapes_only: bool = False
 
     def __call__(self, env: list[Any]) -> None:
         self.fn(env)
@@ -718,6 +722,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
             return None
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
     _drop_unread(w, {w.values[s].tensor for s in slots})
+    shapes_only = _reads_shapes_only(w, inputs, stores)
     grouped = _grouped(w, {w.values[s].tensor for s in slots})
     source = "".join(grouped.functions) + "def shape_values(env):\n" + \
         "\n".join("    " + line for line in grouped.body + stores) + "\n"
@@ -725,7 +730,19 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     exec(compile(source, "<kiln shape function>", "exec"), namespace)  # noqa: S102  code generated above
     for name, function, narrowed, bound in grouped.prefixes:
         namespace[name] = _Prefix(namespace[function], narrowed, bound)
-    return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos)
+    return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos, shapes_only)
+
+
+def _reads_shapes_only(w: _Writer, inputs: set[str], stores: list[str]) -> bool:
+    """Whether every line reading an input is a Shape of it, `v = tuple(x.shape[a:b])` (a tuple of Python ints for
+    a numpy array as for a tensor), and no store names an input."""
+    for line, (_defines, reads, kind) in zip(w.lines, w.meta):
+        read = inputs.intersection(reads) | {x for x in inputs if re.search(rf"\b{x}\b", line)}
+        if kind == "input" or not read:
+            continue
+        if len(read) != 1 or not re.fullmatch(rf"v\d+ = tuple\({next(iter(read))}\.shape\[\d*:\d*\]\)", line):
+            return False
+    return not any(re.search(rf"\b{x}\b", store) for store in stores for x in inputs)
 
 
 def _drop_unread(w: _Writer, stored: set[str]) -> None:
