@@ -137,12 +137,17 @@ class DirectRuns:
         with program._plans_lock:
             known = signature in program.shape_plans
         if not known:
-            # a shape function reading only its inputs' sizes takes the numpy arrays (torch.from_numpy's two calls
-            # cost ~30 µs right after a run: bench/results/first-call-2026-12-06.md)
-            inputs = arrays if program.shape_function.shapes_only else [torch.from_numpy(a) for a in arrays]
-            with torch.inference_mode():  # as the general path computes them
-                if not program.plan_ahead(inputs, signature):
+            if program.shape_function.shapes_only:
+                # it reads only the inputs' sizes: the numpy arrays, no torch.from_numpy, no inference mode (the same
+                # values, as ordinary tensors where the general path's are inference tensors: it reads both alike,
+                # and views of its kept inference tensors are allowed outside the mode). Right after a run, the two
+                # conversions and entering the mode cost ~30 and ~45 µs (bench/results/first-call-2026-12-06.md)
+                if not program.plan_ahead(arrays, signature):
                     return None
+            else:
+                with torch.inference_mode():  # as the general path computes them
+                    if not program.plan_ahead([torch.from_numpy(a) for a in arrays], signature):
+                        return None
         record = self._make(signature, bind=True)
         if record is None:  # it cannot run directly: the general path's at every call, not asked again
             with self._lock:
