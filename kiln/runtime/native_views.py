@@ -67,9 +67,10 @@ class _PlanRewrite:
     A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention, broadcasts and gathers by rules of
     their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's
     plan with the fields that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds
-    all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
-    member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
-    member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
+    all of a view's such plans, written by one numpy store (_int32_stores), and no NativeStep, plan or Replanned
+    object is made per member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91
+    members member by member cost 2-3 ms of Python and kept ~640 objects a new shape
+    (bench/results/first-calls-2026-12-03b.md);
     rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product runs its layer
     shape's primitive at the new rows on its own weight (NativeStep.primitive_at, worked out once per layer shape a
     view): all of a view's such members' execution arguments are one array, each role a memory object at its arena
