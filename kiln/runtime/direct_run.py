@@ -82,6 +82,7 @@ class DirectRuns:
         self._input_of = {slot: k for k, slot in enumerate(program.input_slots)}
         exits = list(step.outputs)
         self._outputs = tuple(exits.index(s) for s in program.output_slots)
+        self._entries = self._entry_table()
         self._records: dict[tuple, DirectRun | None] = {}
         self._refused: set[tuple] = set()  # signatures bind() could not make a record of
         self._plan_evictions = program.plan_evictions
@@ -136,9 +137,17 @@ class DirectRuns:
         with program._plans_lock:
             known = signature in program.shape_plans
         if not known:
-            with torch.inference_mode():  # as the general path computes them
-                if not program.plan_ahead([torch.from_numpy(a) for a in arrays], signature):
+            if program.shape_function.shapes_only:
+                # it reads only the inputs' sizes: the numpy arrays, no torch.from_numpy, no inference mode (the same
+                # values, as ordinary tensors where the general path's are inference tensors: it reads both alike,
+                # and views of its kept inference tensors are allowed outside the mode). Right after a run, the two
+                # conversions and entering the mode cost ~30 and ~45 µs (bench/results/first-call-2026-12-06.md)
+                if not program.plan_ahead(arrays, signature):
                     return None
+            else:
+                with torch.inference_mode():  # as the general path computes them
+                    if not program.plan_ahead([torch.from_numpy(a) for a in arrays], signature):
+                        return None
         record = self._make(signature, bind=True)
         if record is None:  # it cannot run directly: the general path's at every call, not asked again
             with self._lock:
@@ -169,6 +178,36 @@ class DirectRuns:
                 segment.resized.move_to_end(record.view_key)
         return True
 
+    def _entry_table(self) -> tuple | None:
+        """What _make fills in per signature, found once: [(entry position, input index or None, plan index or None,
+        dtype)] of the entries that move (the inputs; the shape values, at their place in every shape plan: the
+        program's plan_slots, in order), and the fixed entries' addresses, sizes and tensors (the template's
+        constants: the same for every signature). None where no signature can run directly (an entry not in rows,
+        a constant of another dtype or device): a first call at a new shape ran this loop over BERT-base's 8
+        entries, the constants' torch calls included (~66 µs with the exits and the record, after a run had cooled
+        the caches: bench/results/first-call-2026-12-06.md)."""
+        program, segment = self.program, self.segment
+        in_plan = {slot: j for j, slot in enumerate(program.plan_slots)}
+        moving, addresses, keep, key = [], [], [], []
+        for position, (slot, dtype, layout) in enumerate(zip(self._entry_slots, segment.entry_dtypes,
+                                                            segment.entry_layouts)):
+            if layout != "rows":
+                return None
+            k, j = self._input_of.get(slot), in_plan.get(slot)
+            if k is not None or j is not None:
+                moving.append((position, k, j, dtype))
+                addresses.append(0)
+                key.append(())
+                continue
+            value = program.template[slot]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device.type != "cpu":
+                return None
+            value = value.contiguous()
+            keep.append(value)
+            addresses.append(value.data_ptr())
+            key.append(tuple(value.shape))
+        return tuple(moving), tuple(addresses), tuple(keep), tuple(key)
+
     def _make(self, signature: tuple, bind: bool = False) -> DirectRun | None | object:
         """The signature's record; None where it cannot run directly; _UNBOUND where its shape plan or view is not
         (or no longer) there. `bind`: a view not there is bound (Segment._bind_sizes)."""
@@ -177,28 +216,25 @@ class DirectRuns:
             plan = program.shape_plans.get(signature)
         if plan is None:
             return _UNBOUND
-        known = dict(plan)
-        addresses, moving, keep, key = [], [], [], []
-        for position, (slot, dtype, layout) in enumerate(zip(self._entry_slots, segment.entry_dtypes,
-                                                            segment.entry_layouts)):
-            if layout != "rows":
-                return None
-            k = self._input_of.get(slot)
+        if self._entries is None:
+            return None
+        table, fixed, constants, sizes = self._entries
+        addresses, key, moving, keep = list(fixed), list(sizes), [], list(constants)
+        for position, k, j, dtype in table:
             if k is not None:
                 shape, given = signature[k]
                 if given != dtype:
                     return None
                 moving.append((position, k))
-                addresses.append(0)
-                key.append(tuple(shape))
+                key[position] = tuple(shape)
                 continue
-            value = known.get(slot, program.template[slot])
-            if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device.type != "cpu":
+            value = plan[j][1]  # plan_slots[j]'s value
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or not value.is_cpu:
                 return None
             value = value.contiguous()
             keep.append(value)
-            addresses.append(value.data_ptr())
-            key.append(tuple(value.shape))
+            addresses[position] = value.data_ptr()
+            key[position] = tuple(value.shape)
         key = tuple(key)
         if key == segment._planned_key:
             view = segment

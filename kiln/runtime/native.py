@@ -395,21 +395,31 @@ class Segment:
             self.resized.move_to_end(key)
             return self.resized[key]
         try:
-            with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
-                segment = self._rewritten(key) if self._views else None
-                if segment is None:
-                    at = self._natives_at(key)
-                    segment = self._view(key, at) if self._views else None
-                if segment is None:
-                    segment = Segment(self.members, self.read_after, self.constants, at.natives)
-                    if segment.entries != self.entries or segment.exits != self.exits:
-                        raise ValueError("the segment's entries or exits changed")
+            template = self._grown or self
+            rewrite = template._rewrite if self._views else None
+            segment = rewrite.traced_view(template, key) if rewrite is not None else None  # no oneDNN scope
+            if segment is None:
+                with onednn.shared_memories():  # the layers' memory objects at one arena place and size: one each
+                    segment = self._bound_at(key)
         except Exception:  # noqa: BLE001  a size the layers cannot bind: they run one by one, as before
             segment = None
         self.resized[key] = segment
         while len(self.resized) > (VIEWS if self._views else RESIZED):
             self.resized.popitem(last=False)
             self.view_evictions += 1
+        return segment
+
+    def _bound_at(self, key: tuple) -> Segment | _Resized:
+        """_bind_sizes's view at `key` where no traced path answers: rewritten, a view bound member by member, or a
+        Segment of its own."""
+        segment = self._rewritten(key) if self._views else None
+        if segment is None:
+            at = self._natives_at(key)
+            segment = self._view(key, at) if self._views else None
+        if segment is None:
+            segment = Segment(self.members, self.read_after, self.constants, at.natives)
+            if segment.entries != self.entries or segment.exits != self.exits:
+                raise ValueError("the segment's entries or exits changed")
         return segment
 
     def _rewritten(self, key: tuple) -> _Resized | None:

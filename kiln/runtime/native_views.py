@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,9 +67,10 @@ class _PlanRewrite:
     A member whose NativeStep has `plan_at` (kiln's GEMM, LayerNorm, attention, broadcasts and gathers by rules of
     their own, kiln's other kernels by their kernel's integer fields) runs at new sizes a copy of its template call's
     plan with the fields that follow the sizes (row counts, batch, sequence, strides) written over: one buffer holds
-    all of a view's such plans, written by two numpy stores, and no NativeStep, plan or Replanned object is made per
-    member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91 members member by
-    member cost 2-3 ms of Python and kept ~640 objects a new shape (bench/results/first-calls-2026-12-03b.md);
+    all of a view's such plans, written by one numpy store (_int32_stores), and no NativeStep, plan or Replanned
+    object is made per member; rules of one key (a layer shape) are worked out once a view. Binding BERT-base's 91
+    members member by member cost 2-3 ms of Python and kept ~640 objects a new shape
+    (bench/results/first-calls-2026-12-03b.md);
     rewritten, ~0.9-1.6 ms and 117 (bench/results/first-call-2026-12-03c.md). A oneDNN inner product runs its layer
     shape's primitive at the new rows on its own weight (NativeStep.primitive_at, worked out once per layer shape a
     view): all of a view's such members' execution arguments are one array, each role a memory object at its arena
@@ -135,8 +137,7 @@ class _PlanRewrite:
         # a view evaluates the members that mirror none (_mirrors) and writes every plan from their values
         self._schedule, remap, self._values = _mirrors(self._members, counts, sizes)
         self._steps = _mirror_runs(self._schedule, self._members)
-        self._words = [np.array(w, np.intp) for w in words]
-        self._words[1], self._words[3] = remap[self._words[1]], remap[self._words[3]]
+        self._stores = _int32_stores(*(np.array(w, np.intp) for w in words), remap)
         forms = _forms(template.members, template._natives)
         arena = [(s, forms[s][2].itemsize, template._capacity[g]) for s, g in template._arena_slots]
         self._arena = _arena_checks(arena, self._schedule)
@@ -157,9 +158,9 @@ class _PlanRewrite:
         differs from the template's."""
         if any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
             return None
-        whole = self._whole(key) if self._calls is not None else None
-        if whole is not None:  # a traced path of the walk below (view_trace.py): its values and exits in one call
-            return self._assembled(template, key, whole[0], whole[1])
+        traced = self.traced_view(template, key)
+        if traced is not None:
+            return traced
         sizes = dict(zip(template.entries, key))
         values: list[int] = []  # what the rules write, in member order
         natives: dict[int, NativeStep] = {}  # the members without a rule, at the new sizes
@@ -260,15 +261,22 @@ class _PlanRewrite:
             member_calls.append(owner.calls())
         return _Resized.from_members(template, owners, member_calls, anew, exit_shapes, entry_forms, owned)
 
+    def traced_view(self, template: Any, key: tuple) -> _Resized | None:
+        """`template`'s view at `key` from a traced path of view()'s walk (view_trace.py: its values and exits in one
+        call), or None where no path holds (view() walks). No oneDNN member is bound on it: Segment._bind_sizes asks
+        here before it opens the oneDNN memories' scope that a walk's bound members need."""
+        if self._calls is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+            return None
+        whole = self._whole(key)
+        return self._assembled(template, key, whole[0], whole[1]) if whole is not None else None
+
     def _plans(self, values: list[int]) -> np.ndarray:
         """A view's plans: the template's, each rule's values written over (one array the collector does not
         track)."""
         buffer = self._image.copy()
         if values:
-            flat = np.array(values, np.int64)
-            where64, value64, where32, value32 = self._words
-            buffer[where64] = flat[value64]
-            buffer.view(np.int32)[where32] = flat[value32]
+            where, halves = self._stores
+            buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
         return buffer
 
     def _exit_shapes(self, exits: list[tuple[int, ...]]) -> list[tuple]:
@@ -341,8 +349,11 @@ class _CallImage:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (ViewArguments.at's, every such member's)."""
         run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, _nargs, _args, _ = self.loop
-        objects = self.objects.copy()
-        objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
+        if len(self.plan_calls) == len(self.objects):  # every call a rewritten plan, in order (BERT-base's 91)
+            objects = self.plan_offsets + np.uintp(base)
+        else:
+            objects = self.objects.copy()
+            objects[self.plan_calls] = self.plan_offsets + np.uintp(base)
         if arguments is None:  # no oneDNN member: the template's nargs and args arrays (the loop only reads them)
             nargs, args = _nargs, _args
         else:
@@ -352,6 +363,19 @@ class _CallImage:
         return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
                 type(_objects).from_buffer(objects), nargs, args,
                 ctypes.c_int(-1))  # ctypes arrays over the numpy copies (which they keep alive)
+
+
+def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray, value32: np.ndarray,
+                  remap: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A view's plan stores as one: (int32 word of the plan buffer, int32 half of the values array) of every
+    value's 64-bit field (both halves) and 32-bit field (its low half: what an int64 -> int32 cast keeps). One
+    gather and one scatter instead of two of each: a first call runs them right after a run has cooled the caches,
+    where each numpy call costs several times its warm time (bench/results/first-call-2026-12-06.md)."""
+    low = 0 if sys.byteorder == "little" else 1
+    value64, value32 = remap[value64], remap[value32]
+    where = np.concatenate([2 * where64, 2 * where64 + 1, where32])
+    halves = np.concatenate([2 * value64 + low, 2 * value64 + 1 - low, 2 * value32 + low])
+    return where, halves
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

@@ -36,6 +36,7 @@ int64) is computed by the op itself.
 from __future__ import annotations
 
 import keyword
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -106,6 +107,9 @@ class ShapeFunction:
     source: str
     slots: list[int]
     memos: list[_Memo] = field(default_factory=list)  # the groups' kept values (tests read them)
+    # every input is read only as `tuple(x.shape[a:b])` (its sizes, never its data, never stored): `fn` gives the
+    # same values for numpy inputs as for their torch.from_numpy tensors (DirectRuns.bind skips the conversion)
+    shapes_only: bool = False
 
     def __call__(self, env: list[Any]) -> None:
         self.fn(env)
@@ -137,14 +141,25 @@ class _Along:
     fresh: bool  # a new contiguous tensor (an op's result); False: a view of a constant (a Slice's), its strides
 
 
-def _narrow(base: torch.Tensor, axis: int, d: int, fresh: bool) -> torch.Tensor:
+def _narrow(base: _NarrowBase, axis: int, d: int, fresh: bool) -> torch.Tensor:
     """The first d >= 1 of `base` along `axis` (every axis before it of size 1: _Prefix checks), laid out as the op
     lays out V(d): a fresh value contiguous (the size-1 axes' strides d times the axis'), a constant's Slice with the
-    constant's strides. One view (as_strided): a narrow and a reshape cost ~15 µs each right after a run."""
-    strides = base.stride()
+    constant's strides. One view (as_strided): a narrow and a reshape cost ~15 µs each right after a run; the base's
+    size and strides are read once, when it is made (two torch calls fewer a narrow)."""
+    strides = base.strides
     if fresh:
         strides = (d * strides[axis],) * axis + strides[axis:]
-    return base.as_strided((*base.shape[:axis], d, *base.shape[axis + 1:]), strides)
+    shape = base.shape
+    return base.tensor.as_strided((*shape[:axis], d, *shape[axis + 1:]), strides)
+
+
+@dataclass(frozen=True)
+class _NarrowBase:
+    """A value _Prefix narrows at smaller d, with its size and strides."""
+
+    tensor: torch.Tensor
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
 
 
 class _Prefix:
@@ -156,7 +171,7 @@ class _Prefix:
 
     def __init__(self, group: Any, narrowed: list[tuple[int, int, bool]], bound: int | None):
         self._group, self._narrowed, self._bound = group, narrowed, bound
-        self._base: tuple[int, list[torch.Tensor]] | None = None  # (its d, the narrowed values there)
+        self._base: tuple[int, list[_NarrowBase]] | None = None  # (its d, the narrowed values there)
 
     def __call__(self, dims: tuple, *free: Any) -> tuple:
         d = dims[0]
@@ -174,7 +189,7 @@ class _Prefix:
             self._base = (d, found)
         return values
 
-    def _base_at(self, at: int, free: tuple) -> tuple[int, list[torch.Tensor]] | None:
+    def _base_at(self, at: int, free: tuple) -> tuple[int, list[_NarrowBase]] | None:
         try:
             values = self._group(None, (at,), *free)
         except Exception:  # noqa: BLE001  any op's error at the larger d (an index past a table): no base there
@@ -182,7 +197,7 @@ class _Prefix:
         found = self._narrowable(values, at)
         return None if found is None else (at, found)
 
-    def _narrowable(self, values: tuple, at: int) -> list[torch.Tensor] | None:
+    def _narrowable(self, values: tuple, at: int) -> list[_NarrowBase] | None:
         """The values to narrow at smaller d, or None where one is not `at` long on its axis (a Slice clamped at
         its constant's end) or not laid out as _narrow needs."""
         found = []
@@ -191,7 +206,7 @@ class _Prefix:
             if not isinstance(v, torch.Tensor) or v.dim() <= axis or v.shape[axis] != at \
                     or any(n != 1 for n in v.shape[:axis]) or (fresh and not v.is_contiguous()):
                 return None
-            found.append(v)
+            found.append(_NarrowBase(v, tuple(v.shape), v.stride()))
         return found
 
 
@@ -707,6 +722,7 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
             return None
     stores = [f"env[{s}] = {w.tensor(w.values[s])}" for s in slots]
     _drop_unread(w, {w.values[s].tensor for s in slots})
+    shapes_only = _reads_shapes_only(w, inputs, stores)
     grouped = _grouped(w, {w.values[s].tensor for s in slots})
     source = "".join(grouped.functions) + "def shape_values(env):\n" + \
         "\n".join("    " + line for line in grouped.body + stores) + "\n"
@@ -714,7 +730,19 @@ def compile_shape_steps(steps: list[BoundStep], order: list[int], template: list
     exec(compile(source, "<kiln shape function>", "exec"), namespace)  # noqa: S102  code generated above
     for name, function, narrowed, bound in grouped.prefixes:
         namespace[name] = _Prefix(namespace[function], narrowed, bound)
-    return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos)
+    return ShapeFunction(namespace["shape_values"], source, list(slots), grouped.memos, shapes_only)
+
+
+def _reads_shapes_only(w: _Writer, inputs: set[str], stores: list[str]) -> bool:
+    """Whether every line reading an input is a Shape of it, `v = tuple(x.shape[a:b])` (a tuple of Python ints for
+    a numpy array as for a tensor), and no store names an input."""
+    for line, (_defines, reads, kind) in zip(w.lines, w.meta):
+        read = inputs.intersection(reads) | {x for x in inputs if re.search(rf"\b{x}\b", line)}
+        if kind == "input" or not read:
+            continue
+        if len(read) != 1 or not re.fullmatch(rf"v\d+ = tuple\({next(iter(read))}\.shape\[\d*:\d*\]\)", line):
+            return False
+    return not any(re.search(rf"\b{x}\b", store) for store in stores for x in inputs)
 
 
 def _drop_unread(w: _Writer, stored: set[str]) -> None:

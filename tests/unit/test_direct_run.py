@@ -136,6 +136,7 @@ def test_a_new_shapes_first_call_binds_without_a_run_and_runs_directly_bit_for_b
     rng = np.random.default_rng()
     shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 49))) for _ in range(6)} | {(1, 1), (4, 48), (3, 5)}
     program = engine.program
+    assert program.shape_function.shapes_only  # bind hands it the numpy arrays, outside inference mode
     for batch, seq in sorted(shapes):
         feeds = _feeds(rng, batch, seq)
         signature = direct_run.torch_signature([feeds["input_ids"], feeds["attention_mask"]])

@@ -445,3 +445,50 @@ def test_an_index_grid_over_two_dims_is_a_corner_of_a_larger_one_and_equals_the_
             assert base is None or base.grid.numel() * 8 <= 64
         else:
             assert base is not None and base.sizes == (max(n for n, _ in shapes), max(m for _, m in shapes), 2)
+
+
+def _size_model() -> bytes:
+    """y = x + Cast(Reshape(Range(0, Size(x), 1), Shape(x))): a shape value made from the input's Size."""
+    nodes = [helper.make_node("Size", ["x"], ["n"]),
+             helper.make_node("Constant", [], ["zero"], value=helper.make_tensor("z", TensorProto.INT64, [], [0])),
+             helper.make_node("Constant", [], ["one"], value=helper.make_tensor("o", TensorProto.INT64, [], [1])),
+             helper.make_node("Range", ["zero", "n", "one"], ["r"]),
+             helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Reshape", ["r", "s"], ["grid"]),
+             helper.make_node("Cast", ["grid"], ["gf"], to=TensorProto.FLOAT),
+             helper.make_node("Add", ["x", "gf"], ["y"])]
+    graph = helper.make_graph(nodes, "sizes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+
+
+def test_a_function_reading_only_its_inputs_sizes_gives_the_steps_values_for_numpy_inputs(bert, tmp_path):
+    """An exported encoder's function reads its inputs only as Shapes (`shapes_only`): given the numpy arrays
+    themselves (as DirectRuns.bind gives them, without torch.from_numpy) it writes exactly the values the steps
+    compute from the tensors, strides included, at fresh shapes. One that reads an input's Size (a tensor's
+    numel) is not shapes_only, and first calls of its engine still match onnxruntime."""
+    _, engine = bert
+    program = engine.program
+    assert program.shape_function.shapes_only, program.shape_function.source
+    rng = np.random.default_rng()
+    for _ in range(12):
+        b, s = int(rng.integers(1, 9)), int(rng.integers(1, 65))
+        arrays = [rng.integers(0, 1000, (b, s), dtype=np.int64), (rng.random((b, s)) < 0.8).astype(np.int64)]
+        expected = _step_by_step(program, [torch.from_numpy(a) for a in arrays])
+        env = list(program.template)
+        for slot, a in zip(program.input_slots, arrays):
+            env[slot] = a
+        program.shape_function(env)
+        for slot in program.shape_function.slots:
+            got, want = env[slot], expected[slot]
+            assert type(got) is type(want) and got.dtype == want.dtype and got.shape == want.shape, (slot, b, s)
+            assert torch.equal(got, want) and got.stride() == want.stride(), (slot, b, s)
+    path = tmp_path / "sizes.onnx"
+    path.write_bytes(_size_model())
+    sized = kiln.build(str(path), profiles=[{"x": "1x1,4x8,9x17"}])
+    assert sized.program.shape_function is not None and "numel()" in sized.program.shape_function.source
+    assert not sized.program.shape_function.shapes_only
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for n, m in ((3, 5), (7, 2), (3, 5)):
+        x = rng.standard_normal((n, m), dtype=np.float32)
+        np.testing.assert_array_equal(sized.run({"x": x})["y"], session.run(None, {"x": x})[0])  # one exact add

@@ -174,3 +174,31 @@ def test_a_rewrite_with_traced_paths_dies_with_its_last_reference(mlp):
         assert held() is None, "a reference cycle holds the rewrite"
     finally:
         gc.enable()
+
+
+def test_one_int32_store_writes_the_plans_as_the_two_stores_did():
+    """_PlanRewrite._plans writes a view's plan fields by one int32 gather and scatter (_int32_stores): each 64-bit
+    field both halves of its value, each 32-bit field the low half (what an int64 -> int32 cast keeps). Against the
+    two stores it replaced (a 64-bit and a 32-bit one, numpy's own casts), with values past int32's range, shared
+    values (mirrors) and a remap, on fresh random layouts; it fails if a half is swapped or a field missed."""
+    from kiln.runtime.native_views import _int32_stores
+
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        image = rng.integers(-2**62, 2**62, int(rng.integers(4, 40)))  # the template's plans, int64 words
+        where64 = rng.choice(len(image), int(rng.integers(1, len(image) // 2)), replace=False)
+        taken = set((2 * where64).tolist()) | set((2 * where64 + 1).tolist())
+        free = np.array([w for w in range(2 * len(image)) if w not in taken])
+        where32 = rng.choice(free, int(rng.integers(0, min(6, len(free)))), replace=False)
+        count = int(rng.integers(1, 20))
+        remap = rng.permutation(count + 3)[:count]  # the walk's value of each field's value index
+        value64, value32 = rng.integers(0, count, len(where64)), rng.integers(0, count, len(where32))
+        values = [int(v) for v in rng.integers(-2**63, 2**63 - 1, count + 3, dtype=np.int64)]
+        expected = image.copy()
+        flat = np.array(values, np.int64)
+        expected[where64] = flat[remap[value64]]
+        expected.view(np.int32)[where32] = flat[remap[value32]]
+        got = image.copy()
+        where, halves = _int32_stores(where64, value64, where32, value32, remap)
+        got.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+        assert np.array_equal(got, expected)
