@@ -39,6 +39,27 @@ def test_runnable_tasks_counts_this_reader():
     assert found is None or found >= 1
 
 
+def test_this_processs_own_threads_are_not_other_work(tmp_path):
+    """A thread of this process that runs (OpenBLAS's workers spin for a moment after `import numpy`) is not work
+    beside it: the count leaves out every running thread of the process but the reading one."""
+    tasks = tmp_path / "task"
+    for tid, state in (("10", "R"), ("11", "R"), ("12", "S"), ("13", "R")):
+        (tasks / tid).mkdir(parents=True)
+        (tasks / tid / "stat").write_text(f"{tid} (py thr) {state} 1 2 3")
+    assert openmp.own_running_threads(str(tasks)) == 3
+    assert openmp.own_running_threads(str(tmp_path / "gone")) == 1
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("0.90 0.80 1.20 3/107 16779\n")  # this process's three running threads, nothing else
+    assert openmp.runnable_tasks(2, str(loadavg), str(tasks)) == 1
+    env: dict[str, str] = {}
+    assert openmp.choose_wait_policy(env, modules={}, runnable=openmp.runnable_tasks(2, str(loadavg), str(tasks)),
+                                     cpus=2) is None
+    assert env == {}
+    loadavg.write_text("0.90 0.80 1.20 5/107 16779\n")  # and two tasks of other processes: busy on 2 CPUs
+    assert openmp.runnable_tasks(2, str(loadavg), str(tasks)) == 3
+    assert openmp.choose_wait_policy(env, modules={}, runnable=3, cpus=2) == openmp.SHORT_SPIN
+
+
 def test_the_users_policy_and_a_loaded_torch_win():
     for given in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "300000"}):
         env = dict(given)
