@@ -199,13 +199,7 @@ class _PlanRewrite:
                     found = worked.get(at_sizes := (follows, tuple(map(sizes.__getitem__, read))))
                     if found is None:  # the first layer of its shape at these sizes
                         sized = rule.at(follows[1], at_sizes[1])  # rule({i: sizes[slot] ...}) or rule(sizes[x])
-                        flat: list[int] = []
-                        for value in sized.fields.values():
-                            if type(value) is tuple:
-                                flat.extend(value)
-                            else:
-                                flat.append(value)
-                        found = worked[at_sizes] = (sized.output_sizes, flat)
+                        found = worked[at_sizes] = (sized.output_sizes, sized.flat_values())
                     if len(found[1]) != count:
                         return None  # the template's plan has other fields
                     written = found[0]

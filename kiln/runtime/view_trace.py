@@ -77,13 +77,7 @@ class ViewTrace:
                 sized = rule.traced(follows[1], read_sizes)
                 if sized is None:
                     return None
-                flat: list[Any] = []
-                for value in sized.fields.values():
-                    if type(value) is tuple:
-                        flat.extend(value)
-                    else:
-                        flat.append(value)
-                found = worked[at_sizes] = (sized.output_sizes, flat)
+                found = worked[at_sizes] = (sized.output_sizes, sized.flat_values())
             if len(found[1]) != count:
                 return None
             written = found[0]

@@ -238,6 +238,16 @@ class SizedPlan:
     output_sizes: tuple[tuple[int, ...], ...]
     fields: dict[str, int | tuple[int, ...]]
 
+    def flat_values(self) -> list:
+        """The fields' values in their order, an array field's elements in place: what a view writes."""
+        flat: list = []
+        for value in self.fields.values():
+            if type(value) is tuple:
+                flat.extend(value)
+            else:
+                flat.append(value)
+        return flat
+
 
 @dataclass(slots=True)
 class SizedPrimitive:
