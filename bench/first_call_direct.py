@@ -44,16 +44,17 @@ def _row(name: str, found: list[float]) -> str:
     return f"| {name} | {len(found)} | {statistics.median(found):.0f} | {found[len(found) // 4]:.0f} | {found[0]:.0f} |"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
-    ap.add_argument("--seq-to", type=int, default=43, help="sequence lengths 3 .. this - 1")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+def warm_context(engine_path: str):
+    """One thread; the saved engine's execution context, warmed up (the benches of first calls share it)."""
     torch.set_num_threads(1)
-    engine = kiln.load(args.engine)
-    context = engine.create_execution_context()
+    context = kiln.load(engine_path).create_execution_context()
     context.warm_up()
+    return context
+
+
+def span_timer():
+    """(spans, timed): timed(function, name) wraps `function` to add its thread-CPU µs to spans[name]; the compiled
+    loop's C call (either path) is wrapped already, as "loop"."""
     spans: dict[str, float] = {}
 
     def timed(function, name):
@@ -66,6 +67,17 @@ def main() -> None:
 
     native._run_loop = timed(native._run_loop, "loop")  # the compiled loop's C call, either path
     native_views._run_loop = timed(native_views._run_loop, "loop")
+    return spans, timed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", required=True, help="a saved engine with symbolic batch and sequence")
+    ap.add_argument("--seq-to", type=int, default=43, help="sequence lengths 3 .. this - 1")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    context = warm_context(args.engine)
+    spans, timed = span_timer()
     ShapeFunction.__call__ = timed(ShapeFunction.__call__, "shape values")
     native.Segment._bind_sizes = timed(native.Segment._bind_sizes, "view")
     kiln_context.ExecutionContext._check = timed(kiln_context.ExecutionContext._check, "check")

@@ -25,9 +25,9 @@ os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first c
 
 import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from kiln.runtime import context as kiln_context  # noqa: E402
+from first_call_direct import span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
 from kiln.runtime import direct_run, native, native_views, view_trace  # noqa: E402
 from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
 from kiln.tactics import traced_rules  # noqa: E402
@@ -52,22 +52,8 @@ def main() -> None:
     ap.add_argument("--shapes", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    engine = kiln.load(args.engine)
-    context = engine.create_execution_context()
-    context.warm_up()
-    spans: dict[str, float] = {}
-
-    def timed(function, name):
-        def wrapper(*a, **k):
-            start = time.thread_time_ns()
-            result = function(*a, **k)
-            spans[name] = spans.get(name, 0.0) + (time.thread_time_ns() - start) / 1e3
-            return result
-        return wrapper
-
-    native._run_loop = timed(native._run_loop, "loop")
-    native_views._run_loop = timed(native_views._run_loop, "loop")
+    context = warm_context(args.engine)
+    spans, timed = span_timer()
     for owner, attribute, name in PARTS:
         setattr(owner, attribute, timed(getattr(owner, attribute), name))
     rng = np.random.default_rng(args.seed)

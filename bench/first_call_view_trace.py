@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,14 +30,9 @@ os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first c
 
 import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
-from kiln.runtime import direct_run, native, native_views, view_trace  # noqa: E402
-
-
-def _row(name: str, found: list[float]) -> str:
-    found = sorted(found)
-    return f"| {name} | {len(found)} | {statistics.median(found):.0f} | {found[len(found) // 4]:.0f} | {found[0]:.0f} |"
+from first_call_direct import _row, span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
+from kiln.runtime import direct_run, native, view_trace  # noqa: E402
 
 
 def main() -> None:
@@ -49,22 +43,8 @@ def main() -> None:
     ap.add_argument("--named", default="1x8,2x16,4x64,1x200", help="the first shapes, reported one by one (bert_tiny's "
                     "positions end at 128: 1x8,2x16,4x64)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    engine = kiln.load(args.engine)
-    context = engine.create_execution_context()
-    context.warm_up()
-    spans: dict[str, float] = {}
-
-    def timed(function, name):
-        def wrapper(*a, **k):
-            start = time.thread_time_ns()
-            result = function(*a, **k)
-            spans[name] = spans.get(name, 0.0) + (time.thread_time_ns() - start) / 1e3
-            return result
-        return wrapper
-
-    native._run_loop = timed(native._run_loop, "loop")  # the compiled loop's C call
-    native_views._run_loop = timed(native_views._run_loop, "loop")
+    context = warm_context(args.engine)
+    spans, timed = span_timer()
     native.Segment._bind_sizes = timed(native.Segment._bind_sizes, "view")
     direct_run.DirectRuns.bind = timed(direct_run.DirectRuns.bind, "bind")
     answer, learn = view_trace.ViewTrace.__call__, view_trace.ViewTrace.learn
