@@ -229,17 +229,21 @@ def together(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[[]
     interleaved rounds (the default's first, then each admitted tactic's in `usable`'s order): the search as it was
     before `tournament`, and still the default."""
     prepared = {t.name: calls for t in usable if (calls := admitted(t)) is not None}
+    return [_timed_together({DEFAULT: run_default} | {name: calls[p] for name, calls in prepared.items()},
+                            device, runs, clock)
+            for p, run_default in enumerate(default)]
+
+
+def _timed_together(timed: dict[str, Callable[[], Any]], device: torch.device, runs: int,
+                    clock: str | None) -> dict[str, float]:
+    """One point's calls timed in interleaved rounds (measure), the close ones again on a shared CPU
+    (contenders_again), a non-native winner confirmed against a native loser (confirmed): each one's ms."""
     clocked = {} if clock is None else {"clock": clock}
-    times = []
-    for p, run_default in enumerate(default):
-        timed = {DEFAULT: run_default} | {name: calls[p] for name, calls in prepared.items()}
-        with torch.inference_mode():
-            measured = measure(timed, device, runs, **clocked)
-            if clock == PROCESS_CPU:
-                measured = contenders_again(measured, timed, device, runs, clock)
-            measured = confirmed(measured, timed, device, runs, **clocked)
-        times.append(measured)
-    return times
+    with torch.inference_mode():
+        measured = measure(timed, device, runs, **clocked)
+        if clock == PROCESS_CPU:
+            measured = contenders_again(measured, timed, device, runs, clock)
+        return confirmed(measured, timed, device, runs, **clocked)
 
 
 def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[[], Any]] | None],
@@ -260,16 +264,10 @@ def tournament(usable: list[Tactic], admitted: Callable[[Tactic], list[Callable[
     Cost: N candidates take N-1 matches, each with its own warm-up, rounds and re-timing passes: ResNet-50's search
     took 66-81 s where timing all together took 37-54 (2 vCPUs, load 3-5)."""
     times: list[dict[str, float]] = [{} for _ in default]
-    clocked = {} if clock is None else {"clock": clock}
 
     def play(sides: dict[str, list[Callable[[], Any]]]) -> None:
         for p, point in enumerate(times):
-            timed = {name: calls[p] for name, calls in sides.items()}
-            with torch.inference_mode():
-                measured = measure(timed, device, runs, **clocked)
-                if clock == PROCESS_CPU:
-                    measured = contenders_again(measured, timed, device, runs, clock)
-                measured = confirmed(measured, timed, device, runs, **clocked)
+            measured = _timed_together({name: calls[p] for name, calls in sides.items()}, device, runs, clock)
             for name, ms in measured.items():
                 point[name] = min(point.get(name, math.inf), ms)
 
