@@ -86,6 +86,26 @@ def realtime(on: bool):
                 os.sched_setscheduler(t, os.SCHED_OTHER, os.sched_param(0))
 
 
+def blocks(calls: dict, rounds: int, runs: int, *, rotate: bool = True, clock=time.perf_counter,
+           warmup: int = 5) -> dict:
+    """Per call, its block medians in ms: `rounds` rounds, each call in turn (the order rotated by one each round
+    where `rotate`) `warmup` untimed runs then a block of `runs` timed by `clock`."""
+    times: dict = {k: [] for k in calls}
+    order = list(calls.items())
+    for r in range(rounds):
+        shift = r % len(order) if rotate else 0
+        for key, fn in order[shift:] + order[:shift]:
+            for _ in range(warmup):
+                fn()
+            block = []
+            for _ in range(runs):
+                start = clock()
+                fn()
+                block.append(clock() - start)
+            times[key].append(statistics.median(block) * 1e3)
+    return times
+
+
 def measure(threads: int, args) -> list[str]:
     import onnxruntime as ort
     import torch

@@ -15,7 +15,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -26,7 +25,7 @@ import torch  # noqa: E402
 
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import recurrent  # noqa: E402
-from lstm_engine import realtime  # noqa: E402
+from lstm_engine import blocks, realtime  # noqa: E402
 
 STEPS, HIDDEN = 96, 128
 
@@ -54,19 +53,9 @@ def main() -> None:
                 runs[(inputs, kernel.name.split(" ")[0], split)] = (
                     lambda layer=layer, x=x, y=y: layer.run(x, y, None, None, None, None, reverse=False,
                                                             batch_major=False))
-    times: dict[tuple, list[float]] = {k: [] for k in runs}
     load = os.getloadavg()[0]
     with realtime(args.realtime):
-        for _ in range(args.rounds):
-            for key, fn in runs.items():
-                for _ in range(5):
-                    fn()
-                block = []
-                for _ in range(args.runs):
-                    start = time.perf_counter()
-                    fn()
-                    block.append(time.perf_counter() - start)
-                times[key].append(statistics.median(block) * 1e3)
+        times: dict[tuple, list[float]] = blocks(runs, args.rounds, args.runs, rotate=False)
     print(f"# One LSTM layer ({STEPS} steps, batch {args.batch}, {HIDDEN} units), {cpu_name()}, {args.threads} "
           f"thread(s), wall ms{', SCHED_FIFO' if args.realtime else ''}, 1-min load {load:.2f} -> "
           f"{os.getloadavg()[0]:.2f}\n")

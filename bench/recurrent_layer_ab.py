@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import kiln  # noqa: E402, F401  (first: KILN_CPU_ISA caps the libraries before their first kernel)
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.kernels.cpu import gemm_native, recurrent  # noqa: E402
-from lstm_engine import realtime  # noqa: E402
+from lstm_engine import blocks, realtime  # noqa: E402
 
 STEPS, HIDDEN = 96, 128
 
@@ -121,21 +121,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     calls = runners(args.versions, args.batch, args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    order = list(calls.items())
     load = os.getloadavg()[0]
     with realtime(True):
-        for r in range(args.rounds):
-            shift = r % len(order)
-            for label, fn in order[shift:] + order[:shift]:
-                for _ in range(5):
-                    fn()
-                block = []
-                for _ in range(args.runs):
-                    start = clock()
-                    fn()
-                    block.append(clock() - start)
-                times[label].append(statistics.median(block) * 1e3)
+        times: dict[str, list[float]] = blocks(calls, args.rounds, args.runs, clock=clock)
     what = "calling thread's CPU" if args.threads == 1 else "wall"
     print(f"# One LSTM layer ({STEPS} steps, batch {args.batch}, {HIDDEN} units), {cpu_name()}, "
           f"{'AVX2 only' if args.avx2 else 'native ISA'}, {args.threads} thread(s), {what} ms, SCHED_FIFO, "

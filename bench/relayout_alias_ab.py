@@ -19,7 +19,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 
@@ -33,7 +32,7 @@ import kiln  # noqa: E402
 from kiln import zoo  # noqa: E402
 from kiln.builder.timing_cache import cpu_name  # noqa: E402
 from kiln.runtime import native_runs  # noqa: E402
-from lstm_engine import realtime  # noqa: E402
+from lstm_engine import blocks, realtime  # noqa: E402
 
 
 def copies(engine) -> tuple[int, int]:
@@ -66,21 +65,9 @@ def measure(name: str, args) -> list[str]:
                             for n, w in zip(engine.output_names, want))
     calls = {label: (lambda e=engine: e.run(feeds)) for label, engine in runners.items()}
     calls["onnxruntime"] = lambda: session.run(None, feeds)
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    order = list(calls.items())
     load = os.getloadavg()[0]
     with realtime(args.realtime):
-        for r in range(args.rounds):
-            shift = r % len(order)
-            for label, fn in order[shift:] + order[:shift]:
-                for _ in range(5):
-                    fn()
-                block = []
-                for _ in range(args.runs):
-                    start = time.perf_counter()
-                    fn()
-                    block.append(time.perf_counter() - start)
-                times[label].append(statistics.median(block) * 1e3)
+        times: dict[str, list[float]] = blocks(calls, args.rounds, args.runs)
     lines = [f"### {name}, {cpu_name()}, {args.threads} thread(s), wall ms, {args.rounds} rounds of {args.runs}"
              f"{', SCHED_FIFO' if args.realtime else ''}, 1-min load {load:.2f} -> {os.getloadavg()[0]:.2f}", "",
              "| runner | relayouts (copy / alias) | ms | / onnxruntime | by round | max err vs ort |",
