@@ -62,8 +62,8 @@ def main() -> int:
     from kiln.tactics import registry
     from kiln.tactics.cuda.attention import ONE_PASS_TILES
 
-    one_pass_keys = {f"cuda.attention.quantized_one_pass.{bm}x{bn}.w{w}{f'r{r}' if r else ''}": keys
-                     for bm, bn, w, keys, _, r in ONE_PASS_TILES}
+    one_pass_keys = {f"cuda.attention.quantized_one_pass.{bm}x{bn}.w{w}{f'r{r}' if r else ''}{form}": keys
+                     for bm, bn, w, keys, _, r, form in ONE_PASS_TILES}
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seq", type=int, default=384)
