@@ -407,10 +407,14 @@ def _exact_half(x, ok, zero, FLOAT8: tl.constexpr, KV_HALF: tl.constexpr, FULL_B
     return h
 
 
+# the lean kernel's E4M3 rounding (HARDWARE_E4M3): _e4m3_grid, a clamp and a conversion, the conversion alone
+E4M3_ARITHMETIC, E4M3_CONVERT, E4M3_SATFINITE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
 def _saturated(v):
     """v clamped to ±448, NaN kept: E4M3's saturating range, before a conversion rounds it (cvt.rn.satfinite
-    saturates by itself; the interpreter's conversion, torch's, would give NaN past 480)."""
+    saturates by itself: E4M3_SATFINITE, the GPU's; the interpreter's conversion, torch's, gives NaN past 464)."""
     v = tl.minimum(v, 448.0, propagate_nan=tl.PropagateNan.ALL)
     return tl.maximum(v, -448.0, propagate_nan=tl.PropagateNan.ALL)
 
@@ -420,13 +424,14 @@ def _score_units(x, score_zero, SCORE_MIN: tl.constexpr, SCORE_MAX: tl.constexpr
                  FLOAT8: tl.constexpr, HARDWARE_E4M3: tl.constexpr):
     """(g, code): g the score rounded, in units of its scale (Q(x) - z: an integer, or an E4M3 value; x itself
     without score_quant), code its byte as an int32 in [0, 255] (the E4M3 bits, or Q(x)'s low byte), for _held.
-    HARDWARE_E4M3: the conversion rounds (nearest-even: the op's x / s -> float8_e4m3fn), one cvt a pair of values
-    where _e4m3_grid takes ~7 instructions a value; the compiler drops whichever of g and code goes unused."""
+    HARDWARE_E4M3 (E4M3_CONVERT or E4M3_SATFINITE): the conversion rounds (nearest-even: the op's x / s ->
+    float8_e4m3fn), one cvt a pair of values where _e4m3_grid takes ~7 instructions a value; the compiler drops
+    whichever of g and code goes unused."""
     if not HAS_SCORE_Q:
         return x, x.to(tl.int32, bitcast=True)
     if FLOAT8:
         if HARDWARE_E4M3:
-            f8 = _saturated(x).to(tl.float8e4nv)
+            f8 = (x if HARDWARE_E4M3 == E4M3_SATFINITE else _saturated(x)).to(tl.float8e4nv)
             g = f8.to(tl.float32)
         else:
             g = _e4m3_grid(x, True)
@@ -482,6 +487,8 @@ def _prob_units(p, prob_zero, PROB_MIN: tl.constexpr, PROB_MAX: tl.constexpr, FL
                 HARDWARE_E4M3: tl.constexpr):
     """p (in units of its scale, >= 0 or NaN) rounded as the op's prob_quant, as the fp16 the p·v dot takes."""
     if FLOAT8:
+        if HARDWARE_E4M3 == E4M3_SATFINITE:
+            return p.to(tl.float8e4nv).to(tl.float16)
         if HARDWARE_E4M3:
             return tl.minimum(p, 448.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv).to(tl.float16)
         return _e4m3_grid(p, False).to(tl.float16)
@@ -510,7 +517,8 @@ def _one_pass_lean_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr,
       (num_stages pipelines loops only): the 16-32-row kernel waited on each block's load;
     - the row max and sum are elementwise over [BM, BN] tiles, reduced across the row once (each tl.max / tl.sum of
       a tile whose warps split the keys is a shuffle tree and a barrier through shared memory);
-    - HARDWARE_E4M3 (the GPU): E4M3 roundings are conversions (cvt.rn.satfinite after a clamp: _score_units);
+    - HARDWARE_E4M3: E4M3 roundings are conversions (_score_units): E4M3_SATFINITE on the GPU (sm_90's
+      cvt.rn.satfinite.e4m3x2.f32 saturates at ±448 and keeps NaN), E4M3_CONVERT (a clamp first) in the interpreter;
     - HOLD: each score is held as its 8-bit code, four to an int32 (_score_units, _held), and its exponential
       computed again for p: a 64- or 128-row tile (Hopper's wgmma, a warp owning whole rows: no cross-warp
       reductions) then holds 384-512 scores a row in 48-64 registers, where fp32 scores (exps) would take 192;
@@ -619,7 +627,7 @@ def quantized_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     lean (one pass): _one_pass_lean_kernel, with `hold` (scores held as bytes; only with score_quant, else fp32),
     `kv_half` (k and v converted to fp16 once, by torch, before the kernel) and `hardware_e4m3` (E4M3 rounding by
     conversion: the default on CUDA tensors; the interpreter's conversion is right only with tests/kernels/conftest's
-    fix)."""
+    fix, and after a clamp, which the GPU's saturating conversion needs not)."""
     wanted = (FP8_DTYPE,) if float8 else INT8_DTYPES
     if any(t.dtype not in wanted for t in (q, k, v)):
         raise TypeError(f"quantized_attention: q, k, v must be {' or '.join(map(str, wanted))}, "
@@ -702,7 +710,9 @@ def _one_pass_lean(q, k, v, mask, mask_strides, out, grid, s_len, t_len, kv_grou
         MASK_ROWS=mask_strides[2] != 0, HAS_SCORE_Q=score_quant is not None, SCORE_MIN=score.qmin,
         SCORE_MAX=score.qmax, HAS_PROB_Q=prob_quant is not None, PROB_MIN=prob.qmin, PROB_MAX=prob.qmax, OUT=kind,
         OUT_MIN=output.qmin, OUT_MAX=output.qmax, NAN_TO_ZERO=bool(nan_to_zero), FLOAT8=bool(float8),
-        HARDWARE_E4M3=bool(hardware_e4m3 and float8), HOLD=bool(hold and score_quant is not None),
+        HARDWARE_E4M3=(E4M3_ARITHMETIC if not (hardware_e4m3 and float8) else E4M3_SATFINITE if q.is_cuda
+                       else E4M3_CONVERT).value,
+        HOLD=bool(hold and score_quant is not None),
         KV_HALF=bool(kv_half), CHUNKS=triton.cdiv(t_len, block_n),
         FULL_BLOCKS=t_len % block_n == 0 and d == _block_dim(d) and dv == _block_dim(dv), BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_D=_block_dim(d), BLOCK_DV=_block_dim(dv), num_warps=num_warps, num_stages=1,
