@@ -313,7 +313,9 @@ CASES["quantized_attention"] = quantized_attention_cases
 CASES["quantized_attention_one_pass"] = quantized_attention_one_pass_cases
 QUICK |= {"quantized_attention i8>i8 64x64.w4s2 d64", "quantized_attention fp8e4nv>fp8e4nv 64x64.w4s2 d64",
           "quantized_attention_one_pass fp8e4nv>fp8e4nv 16x64.w4 512 keys d64 padding",
-          "quantized_attention_one_pass i8>i8 32x128.w8 512 keys d64 padding"}
+          "quantized_attention_one_pass i8>i8 32x128.w8 512 keys d64 padding",
+          "quantized_attention_one_pass fp8e4nv>fp8e4nv 32x128.w8r128lk 384 keys d64 padding",
+          "quantized_attention_one_pass fp8e4nv>fp8e4nv 64x64.w4h 384 keys d64 bool"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases

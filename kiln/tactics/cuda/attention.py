@@ -400,13 +400,17 @@ for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64,
 # scores a row spill. Registers a thread, E4M3, whole key blocks, ptxas for sm_90 at 384 / 512 keys: 32x128.w8
 # 136 / 146 (one program of 8 warps an SM; capped at 128, two: 8 bytes spilled), 16x128.w4 139 / 140, 16x64.w4
 # 106 / 139, 32x64.w4 184 at 384, 64x64.w4 183 at 256 (no spills)
-# Session 21 (issue 12, the one-pass kernel at 2.1x the fp16 tile): the lean kernel's tiles, from opt_level 3 until
-# the H100 has timed them (bench/gpu_qatt2.sh).  TODO registers
+# Session 21 (issue 12: the one-pass kernel at 0.475 ms, 2.1x the fp16 tile's 0.222): the lean kernel's tiles (form
+# l: loads ahead, one row reduction, E4M3 by conversion; h: scores held as bytes, 64/128-row wgmma tiles; k: k/v
+# fp16 once a call), from opt_level 3 until the H100 has timed them (bench/gpu_qatt2.sh). ptxas for sm_90 at 384 keys,
+# padding mask, E4M3 (int8), registers / SASS instructions a thread: 32x128.w8r128l 128 (124) / 2016 (3272; the
+# session-20 tile: 2688, 3592), ...lk 126 / 1680, 16x128.w4l (512 keys) 255 (167) / 2672, 64x64.w4h 194 (255, 72 B
+# spilled) / 7136 for 4x the rows, 128x64.w8h 223 (255, 96 B) / 6952, 64x128.w4h 255 (16 B spilled)
 ONE_PASS_TILES = ((32, 128, 8, 512, 2, 0, ""), (32, 128, 8, 384, 2, 128, ""), (16, 128, 4, 512, 2, 0, ""),
                   (16, 64, 4, 512, 2, 0, ""), (32, 64, 4, 384, 3, 0, ""), (64, 64, 4, 256, 3, 0, ""),
-                  (32, 128, 8, 384, 3, 128, "l"), (16, 128, 4, 512, 3, 0, "l"), (64, 64, 4, 512, 3, 0, "h"),
-                  (128, 64, 8, 512, 3, 0, "h"), (64, 128, 4, 512, 3, 0, "h"), (32, 128, 8, 384, 3, 128, "lk"),
-                  (64, 64, 4, 512, 3, 0, "hk"))  # BM, BN, warps, keys, level, register cap, form
+                  (32, 128, 8, 384, 3, 128, "l"), (16, 128, 4, 512, 3, 0, "l"), (64, 64, 4, 384, 3, 0, "h"),
+                  (128, 64, 8, 384, 3, 0, "h"), (64, 128, 4, 384, 3, 0, "h"), (32, 128, 8, 384, 3, 128, "lk"),
+                  (64, 64, 4, 384, 3, 0, "hk"))  # BM, BN, warps, keys, level, register cap, form
 for _block_m, _block_n, _warps, _keys, _level, _registers, _form in ONE_PASS_TILES:
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys,
                                          max_registers=_registers, form=_form))
