@@ -49,7 +49,15 @@ QUANT = {  # scales of the size onnxruntime calibrates on BERT (arbitrary floats
                                     "cuda.attention.quantized_one_pass.32x128.w8r128",
                                     "cuda.attention.quantized_one_pass.16x128.w4",
                                     "cuda.attention.quantized_one_pass.16x64.w4",
-                                    "cuda.attention.quantized_one_pass.32x64.w4"])
+                                    "cuda.attention.quantized_one_pass.32x64.w4",
+                                    # session 21's lean kernel (E4M3 rounded by the saturating conversion here)
+                                    "cuda.attention.quantized_one_pass.32x128.w8r128l",
+                                    "cuda.attention.quantized_one_pass.32x128.w8r128lk",
+                                    "cuda.attention.quantized_one_pass.16x128.w4l",
+                                    "cuda.attention.quantized_one_pass.64x64.w4h",
+                                    "cuda.attention.quantized_one_pass.64x64.w4hk",
+                                    "cuda.attention.quantized_one_pass.128x64.w8h",
+                                    "cuda.attention.quantized_one_pass.64x128.w4h"])
 def test_bert_base_layer_is_the_op(kind, tactic):
     g = torch.Generator(device=CUDA).manual_seed(0)
     width = HEADS * HEAD_DIM

@@ -157,7 +157,7 @@ def attention_cases():
     fn = attention._flash_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")  # 1: Triton makes them constants
     ints = {name: "i32" for name in fn.arg_names
-            if (name.startswith("stride_") or name in ("S", "T", "kv_group")) and name not in unit}
+            if (name.startswith("stride_") or name in ("S", "T", "kv_group", "opaque_zero")) and name not in unit}
     divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
     variants = {"plain": {}, "causal": {"CAUSAL": True}, "padding-mask": {"HAS_MASK": True},
                 "key-lengths": {"HAS_MASK": True, "HAS_KEY_LENGTHS": True},
@@ -246,7 +246,7 @@ def quantized_attention_cases():
     fn = quantized_attention._quantized_attention_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")
     ints = {name: "i32" for name in fn.arg_names
-            if (name.startswith("stride_") or name in ("S", "T", "kv_group")) and name not in unit}
+            if (name.startswith("stride_") or name in ("S", "T", "kv_group", "opaque_zero")) and name not in unit}
     floats = dict.fromkeys(("q_zero", "k_zero", "v_zero", "qk_scale", "score_inverse", "score_zero", "score_scale",
                             "prob_inverse", "prob_zero", "pv_scale", "out_inverse", "out_zero"), "fp32")
     divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
@@ -271,24 +271,27 @@ def quantized_attention_one_pass_cases():
     """The one-pass quantized attention (cuda.attention.quantized_one_pass) at each tactic's tile and its most keys (the
     key blocks a program holds: registers), head dim 64, the padding mask read as a key vector with whole key blocks
     (FULL_BLOCKS: BERT's 384 keys); E4M3 also with a per-query bool mask and a partial last block. Tensor-core
-    products: wgmma for 64-row tiles, mma.sync (M < 64) for the others."""
+    products: wgmma for 64-row tiles, mma.sync (M < 64) for the others. A tactic with a form runs the lean kernel
+    (_one_pass_lean_kernel: E4M3 rounded by conversion as on the GPU, k/v fp16 with "k")."""
     from kiln.tactics.cuda import attention as tactics
 
-    fn = quantized_attention._one_pass_kernel
     unit = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_mt")
-    ints = {name: "i32" for name in fn.arg_names
-            if (name.startswith("stride_") or name in ("S", "T", "kv_group")) and name not in unit}
-    floats = dict.fromkeys(("q_zero", "k_zero", "v_zero", "score_multiplier", "score_zero", "score_scale",
-                            "prob_inverse", "prob_zero", "pv_scale", "out_inverse", "out_zero"), "fp32")
-    divisible = tuple(name for name in fn.arg_names if name.endswith("_ptr") or name in ints and name != "kv_group")
     ranges = {"i8": (-128.0, 127.0), "u8": (0.0, 255.0), "fp8e4nv": (-448.0, 448.0)}
-    for block_m, block_n, warps, keys, _, registers in tactics.ONE_PASS_TILES:
+    for block_m, block_n, warps, keys, _, registers, form in tactics.ONE_PASS_TILES:
+        fn = quantized_attention._one_pass_lean_kernel if form else quantized_attention._one_pass_kernel
+        ints = {name: "i32" for name in fn.arg_names
+                if (name.startswith("stride_") or name in ("S", "T", "kv_group", "opaque_zero")) and name not in unit}
+        floats = dict.fromkeys(("q_zero", "k_zero", "v_zero", "score_multiplier", "score_zero", "score_scale",
+                                "prob_inverse", "prob_zero", "pv_scale", "out_inverse", "out_zero"), "fp32")
+        divisible = tuple(name for name in fn.arg_names
+                          if name.endswith("_ptr") or name in ints and name not in ("kv_group", "opaque_zero"))
         for dtype, out_dtype, mask in (("i8", "i8", "padding"), ("u8", "u8", "padding"),
                                        ("fp8e4nv", "fp8e4nv", "padding"), ("u8", "fp32", "padding"),
                                        ("fp8e4nv", "fp8e4nv", "bool")):
             low, high = ranges[dtype]
             out = {"fp32": 0, "fp8e4nv": 2}.get(out_dtype, 1)
-            types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+            kv = "fp16" if "k" in form else dtype
+            types = {"q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}",
                      "mask_ptr": "*u8" if mask == "bool" else "*fp16", "out_ptr": f"*{out_dtype}"} | ints | floats
             constexprs = {"HEAD_DIM": 64, "HEAD_DIM_V": 64, "HAS_MASK": True, "MASK_BOOL": mask == "bool",
                           "MASK_ROWS": mask == "bool", "HAS_SCORE_Q": True, "SCORE_MIN": low, "SCORE_MAX": high,
@@ -297,8 +300,10 @@ def quantized_attention_one_pass_cases():
                           "CHUNKS": -(-keys // block_n), "FULL_BLOCKS": mask == "padding", "BLOCK_M": block_m,
                           "BLOCK_N": block_n, "BLOCK_D": 64,
                           "BLOCK_DV": 64} | dict.fromkeys(unit, 1)
+            if form:
+                constexprs |= {"HARDWARE_E4M3": 2 if dtype == "fp8e4nv" else 0, "HOLD": "h" in form, "KV_HALF": "k" in form}
             yield (f"quantized_attention_one_pass {dtype}>{out_dtype} {block_m}x{block_n}.w{warps}"
-                   f"{f'r{registers}' if registers else ''} {keys} keys d64 {mask}", fn, types, constexprs,
+                   f"{f'r{registers}' if registers else ''}{form} {keys} keys d64 {mask}", fn, types, constexprs,
                    {"options": {"num_warps": warps, "num_stages": 1} | ({"maxnreg": registers} if registers else {}),
                     "divisible": divisible,
                     "ptx_contains": ("wgmma.mma_async",) if block_m >= 64 else ("mma.sync",)})
@@ -308,7 +313,9 @@ CASES["quantized_attention"] = quantized_attention_cases
 CASES["quantized_attention_one_pass"] = quantized_attention_one_pass_cases
 QUICK |= {"quantized_attention i8>i8 64x64.w4s2 d64", "quantized_attention fp8e4nv>fp8e4nv 64x64.w4s2 d64",
           "quantized_attention_one_pass fp8e4nv>fp8e4nv 16x64.w4 512 keys d64 padding",
-          "quantized_attention_one_pass i8>i8 32x128.w8 512 keys d64 padding"}
+          "quantized_attention_one_pass i8>i8 32x128.w8 512 keys d64 padding",
+          "quantized_attention_one_pass fp8e4nv>fp8e4nv 32x128.w8r128lk 384 keys d64 padding",
+          "quantized_attention_one_pass fp8e4nv>fp8e4nv 64x64.w4h 384 keys d64 bool"}
 CASES["pool"] = pool_cases
 CASES["conv"] = conv_cases
 CASES["swiglu_gemm"] = swiglu_gemm_cases

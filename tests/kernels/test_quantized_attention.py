@@ -275,3 +275,100 @@ def test_a_nan_score_row_is_the_op_s():
             assert torch.equal(got.isnan(), want.isnan())
             finite = want.nan_to_num()
             assert torch.allclose(got.nan_to_num(), finite, rtol=1e-5, atol=1e-6 * finite.abs().max())
+
+
+LEAN_FORMS = {"lean": {"block_m": 16, "block_n": 64, "lean": True},  # _one_pass_lean_kernel's forms, as the tactics
+              "held": {"block_m": 32, "block_n": 32, "lean": True, "hold": True},  # pass them, at tiles the
+              "lean, fp16 k/v": {"block_m": 16, "block_n": 64, "lean": True, "kv_half": True},  # interpreter runs
+              "held, fp16 k/v": {"block_m": 16, "block_n": 32, "lean": True, "hold": True, "kv_half": True}}
+
+
+def _lean(q, k, v, mask, attributes, hardware_e4m3: bool, **form):
+    """The lean one-pass kernel on [B, H, S|T, D] inputs, called directly: `hardware_e4m3` (the GPU's E4M3 rounding
+    by conversion) is its own choice here, where a tactic on CPU tensors never takes it."""
+    from kiln.kernels.cuda.triton.quantized_attention import Quantization, quantized_attention
+
+    quant = {name: Quantization.of(attributes.get(name)) for name in
+             ("q_quant", "k_quant", "v_quant", "score_quant", "prob_quant", "out_quant")}
+    float8 = bool(attributes["float8_quant"])
+    out_quant = quant["out_quant"]
+    dtype = torch.float32 if out_quant is None else FP8 if float8 else torch.uint8 if out_quant.qmin >= 0 else torch.int8
+    out = torch.empty(*q.shape[:3], v.shape[3], dtype=dtype)
+    return quantized_attention(q, k, v, mask, scale=attributes["scale"], **quant, float8=float8,
+                               nan_to_zero=bool(attributes["nan_to_zero"]), out=out, one_pass=True,
+                               hardware_e4m3=hardware_e4m3, num_warps=4, **form)
+
+
+_LEAN_FAST = {("fp8", "padding", "held"), ("fp8", "bool", "held"), ("fp8", "float", "lean"),
+              ("fp8", "padding", "lean, fp16 k/v"), ("fp8", "none", "held, fp16 k/v"), ("int8", "padding", "held"),
+              ("uint8", "bool", "held"), ("int8", "float", "lean, fp16 k/v")}  # CI's; the rest slow (~4 s each)
+
+
+@pytest.mark.parametrize("kind, mask_name, form", [
+    pytest.param(kind, mask_name, form, marks=() if (kind, mask_name, form) in _LEAN_FAST else pytest.mark.slow)
+    for kind in ("fp8", "uint8", "int8") for mask_name in ("none", "padding", "bool", "float") for form in LEAN_FORMS])
+def test_the_lean_kernel_is_the_op(kind, mask_name, form):
+    """_one_pass_lean_kernel (issue 12's second round: loads ahead, one row reduction, E4M3 rounded by conversion,
+    scores held as bytes and their exponentials computed twice, k/v converted once) against the op, as the two
+    kernels are: the partial last key block (ONE_PASS_KEYS) and, separately, whole ones; E4M3 both with the GPU's
+    rounding by conversion (tests/kernels/conftest.py makes the interpreter's conversion torch's, nearest-even) and
+    with the arithmetic one. Fails without its score rounding."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"lean {kind} {mask_name} {form}".encode()))
+    for keys in (ONE_PASS_KEYS, 128):
+        q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, keys, D), (B, H, keys, D)))
+        mask = _mask(mask_name, g, keys)
+        attributes = {"scale": 0.61, "nan_to_zero": 1, "float8_quant": int(kind == "fp8"), **_quantizations(kind)}
+        want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+        for hardware in (True, False) if kind == "fp8" else (False,):
+            got = _lean(q, k, v, mask, attributes, hardware, **LEAN_FORMS[form])
+            assert got.dtype == want.dtype and got.shape == want.shape
+            apart = _steps_apart(got, want)
+            assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01, \
+                (keys, hardware, apart.max(), (apart > 0).float().mean())
+        assert _steps_apart(want, torch.zeros_like(want)).float().std() > 2
+    wrong = _lean(q, k, v, mask, dict(attributes, score_quant=None), kind == "fp8", **LEAN_FORMS[form])
+    assert _steps_apart(wrong, want).max() > QUANTIZED_ATTENTION_STEPS
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_the_lean_kernel_float_output_and_a_nan_row(kind):
+    """Without out_quant the lean kernel's float output is the op's to float32's precision (held scores, fp16 k/v);
+    a NaN in the additive mask gives its row NaN, or 0 with nan_to_zero, through the held codes too. E4M3 rounded
+    by arithmetic: by conversion the NaN row's p would go through the E4M3FN NaN byte, which the interpreter reads
+    back as 480 (the GPU's cvt keeps NaN)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"lean float {kind}".encode()))
+    q, k, v = (_eight_bit(kind, shape, g) for shape in ((B, H, S, D), (B, H, T, D), (B, H, T, D)))
+    mask = _mask("float", g)
+    mask[1, 2, 7, 5] = float("nan")
+    for nan_to_zero in (1, 0):
+        attributes = {"scale": 0.61, "nan_to_zero": nan_to_zero, "float8_quant": int(kind == "fp8"),
+                      **_quantizations(kind)}
+        del attributes["out_quant"]
+        want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+        assert (want[1, 2, 7] == 0).all() if nan_to_zero else want[1, 2, 7].isnan().all()
+        for form in ("held", "held, fp16 k/v", "lean"):
+            got = _lean(q, k, v, mask, attributes, False, **LEAN_FORMS[form])
+            assert torch.equal(got.isnan(), want.isnan()), form
+            finite = want.nan_to_num()
+            assert torch.allclose(got.nan_to_num(), finite, rtol=1e-5, atol=1e-6 * finite.abs().max()), form
+
+
+def test_the_lean_tactics_are_the_op_on_bert_s_layout():
+    """The registered lean tactics (one of each form) through their prepare, on the fused BERT layout (heads of
+    [B, S, H·D] projections, the output merged), E4M3 at 256 keys: the tactics' own tiles (64-128 rows, 64-128 keys
+    a block) under the interpreter."""
+    g = torch.Generator().manual_seed(21)
+    keys = 256
+    q, k, v = (_eight_bit("fp8", (1, n, 2 * 64), g) for n in (S, keys, keys))
+    mask = torch.zeros(1, 1, 1, keys)
+    mask[..., keys - 40:] = torch.finfo(torch.float32).min
+    layout = {"q_num_heads": 2, "kv_num_heads": 2, "q_perm": [0, 2, 1, 3], "k_perm": [0, 2, 1, 3],
+              "v_perm": [0, 2, 1, 3], "out_perm": [0, 2, 1, 3], "out_merge_heads": 1}
+    attributes = {"scale": 0.125, "nan_to_zero": 1, "float8_quant": 1, **_quantizations("fp8"), **layout}
+    want = attention(OpContext("attention", "Attention", domain="kiln"), q, k, v, mask, **attributes)
+    for tactic in ("cuda.attention.quantized_one_pass.32x128.w8r128l", "cuda.attention.quantized_one_pass.64x64.w4h",
+                   "cuda.attention.quantized_one_pass.64x64.w4hk"):
+        got = _launch(tactic, attributes, q, k, v, mask)
+        assert got.shape == want.shape == (1, S, 2 * 64) and got.dtype == want.dtype
+        apart = _steps_apart(got, want)
+        assert apart.max() <= QUANTIZED_ATTENTION_STEPS and (apart > 0).float().mean() < 0.01, tactic

@@ -334,10 +334,13 @@ def _supports_one_pass(step: StepSpec, inputs: list[InputMeta], block_m: int, ma
 
 
 def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_stages: int, level: int,
-                                one_pass_keys: int = 0, max_registers: int = 0) -> Tactic:
+                                one_pass_keys: int = 0, max_registers: int = 0, form: str = "") -> Tactic:
     """one_pass_keys > 0: the one-pass kernel, for at most that many keys (what the tile's registers hold), with
-    max_registers a thread if given (ptxas's cap)."""
+    max_registers a thread if given (ptxas's cap). form (one pass): "" the session-20 kernel; else the lean one
+    (_one_pass_lean_kernel) with "l" (fp32 scores held), "h" (scores held as bytes, exps computed twice), and "k"
+    (k and v converted to fp16 once a call, before the kernel) after either."""
     one_pass = one_pass_keys > 0
+    lean, hold, kv_half = bool(form), "h" in form, "k" in form
 
     def prepare(step: StepSpec, constants: list[Any], device: torch.device):
         kernels = importlib.import_module("kiln.kernels.cuda.triton.quantized_attention")
@@ -357,7 +360,8 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
             kernels.quantized_attention(q4, k4, v4, mask, scale=float(_attr(attributes, "scale", 1.0)), **quant,
                                         float8=float8, nan_to_zero=bool(_attr(attributes, "nan_to_zero", 0)),
                                         out=out, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                                        num_stages=num_stages, one_pass=one_pass, max_registers=max_registers)
+                                        num_stages=num_stages, one_pass=one_pass, max_registers=max_registers,
+                                        lean=lean, hold=hold, kv_half=kv_half)
             return buffer.flatten(-2) if _attr(attributes, "out_merge_heads", 0) else buffer
 
         return launch
@@ -365,14 +369,16 @@ def _quantized_attention_tactic(block_m: int, block_n: int, num_warps: int, num_
     if one_pass:
         return Tactic(
             name=f"cuda.attention.quantized_one_pass.{block_m}x{block_n}.w{num_warps}"
-                 f"{f'r{max_registers}' if max_registers else ''}", op_type="Attention",
+                 f"{f'r{max_registers}' if max_registers else ''}{form}", op_type="Attention",
             domain="kiln", device="cuda", dtypes=(torch.int8, torch.uint8, _FP8),
             supports=lambda step, inputs: _supports_one_pass(step, inputs, block_m, one_pass_keys),
             prepare=prepare, level=level, available=triton_available,
             description=f"Triton attention of an explicitly quantized graph (int8 or E4M3 Q/DQ as attributes): one "
                         f"pass, a row block's every score in registers ({block_m} queries x up to {one_pass_keys} "
                         f"keys, {block_n} at a time), {num_warps} warps"
-                        f"{f', at most {max_registers} registers a thread' if max_registers else ''}",
+                        f"{f', at most {max_registers} registers a thread' if max_registers else ''}"
+                        f"{'; lean: loads ahead, one row reduction' if lean else ''}"
+                        f"{', scores held as bytes' if hold else ''}{', k/v converted to fp16 once' if kv_half else ''}",
         )
     return Tactic(
         name=f"cuda.attention.quantized.{block_m}x{block_n}.w{num_warps}s{num_stages}", op_type="Attention",
@@ -394,8 +400,17 @@ for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64,
 # scores a row spill. Registers a thread, E4M3, whole key blocks, ptxas for sm_90 at 384 / 512 keys: 32x128.w8
 # 136 / 146 (one program of 8 warps an SM; capped at 128, two: 8 bytes spilled), 16x128.w4 139 / 140, 16x64.w4
 # 106 / 139, 32x64.w4 184 at 384, 64x64.w4 183 at 256 (no spills)
-ONE_PASS_TILES = ((32, 128, 8, 512, 2, 0), (32, 128, 8, 384, 2, 128), (16, 128, 4, 512, 2, 0), (16, 64, 4, 512, 2, 0),
-                  (32, 64, 4, 384, 3, 0), (64, 64, 4, 256, 3, 0))  # BM, BN, warps, keys, level, register cap
-for _block_m, _block_n, _warps, _keys, _level, _registers in ONE_PASS_TILES:
+# Session 21 (issue 12: the one-pass kernel at 0.475 ms, 2.1x the fp16 tile's 0.222): the lean kernel's tiles (form
+# l: loads ahead, one row reduction, E4M3 by conversion; h: scores held as bytes, 64/128-row wgmma tiles; k: k/v
+# fp16 once a call), from opt_level 3 until the H100 has timed them (bench/gpu_qatt2.sh). ptxas for sm_90 at 384 keys,
+# padding mask, E4M3 (int8), registers / SASS instructions a thread: 32x128.w8r128l 128 (124) / 2016 (3272; the
+# session-20 tile: 2688, 3592), ...lk 126 / 1680, 16x128.w4l (512 keys) 255 (167) / 2672, 64x64.w4h 194 (255, 72 B
+# spilled) / 7136 for 4x the rows, 128x64.w8h 223 (255, 96 B) / 6952, 64x128.w4h 255 (16 B spilled)
+ONE_PASS_TILES = ((32, 128, 8, 512, 2, 0, ""), (32, 128, 8, 384, 2, 128, ""), (16, 128, 4, 512, 2, 0, ""),
+                  (16, 64, 4, 512, 2, 0, ""), (32, 64, 4, 384, 3, 0, ""), (64, 64, 4, 256, 3, 0, ""),
+                  (32, 128, 8, 384, 3, 128, "l"), (16, 128, 4, 512, 3, 0, "l"), (64, 64, 4, 384, 3, 0, "h"),
+                  (128, 64, 8, 384, 3, 0, "h"), (64, 128, 4, 384, 3, 0, "h"), (32, 128, 8, 384, 3, 128, "lk"),
+                  (64, 64, 4, 384, 3, 0, "hk"))  # BM, BN, warps, keys, level, register cap, form
+for _block_m, _block_n, _warps, _keys, _level, _registers, _form in ONE_PASS_TILES:
     register(_quantized_attention_tactic(_block_m, _block_n, _warps, 1, _level, one_pass_keys=_keys,
-                                         max_registers=_registers))
+                                         max_registers=_registers, form=_form))
