@@ -65,6 +65,8 @@ typedef struct {
     int narrow_mr;
     int (*supported)(void);
     int test_only;              /* never picked by kiln: runs another ISA's tile shape on this one */
+    int edge_w;                 /* edge tiles: columns of one vector, or 0 (none) */
+    tile_fn edge_packed[2], edge_direct[2];  /* a panel's first edge_w / 2·edge_w columns (see tile_for) */
 } kernel_desc;
 
 /* ---- the microkernel template ------------------------------------------------------------------------
@@ -186,6 +188,12 @@ KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
    BERT-base's shapes, one core, CPU time: level to 28% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
    No narrow tile: half a panel is not one vector; 9-16 rows run as two row blocks of the wide one. */
 KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
+/* Its edge tiles: the last panel of an N that is not a multiple of 48 holds 16 or 32 real columns (ConvNeXt's
+   N = 16, 64, 256: 16; N = 32, 128, 512: 32), where the wide tile ran all 48 through a stack buffer (2/3 or
+   1/3 of its FMAs on zero columns, then the copy out): 512 x 64 x 16 at 24% of a Zen 4 core's peak. These read
+   the first one or two vectors of each k row of the same packed panel (B stride 48) and write C in place. */
+KILN_DEFINE_KERNEL(avx512_8x16of48, KILN_AVX512, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(avx512_8x32of48, KILN_AVX512, 16, 2, 8, 48)
 #ifdef KILN_GEMM_TEST_KERNELS
 /* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
    instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
@@ -193,6 +201,8 @@ KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
 KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
 KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
 KILN_DEFINE_KERNEL(wide_8x48_on_avx2, KILN_AVX2, 16, 3, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x16of48_on_avx2, KILN_AVX2, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x32of48_on_avx2, KILN_AVX2, 16, 2, 8, 48)
 #endif
 #ifdef KILN_MAX_ISA_AVX2  /* KILN_CPU_ISA=avx2 (kiln/kernels/cpu/cpu_features.py): run as an AVX2-only CPU */
 static int has_avx512(void) { return 0; }
@@ -209,13 +219,15 @@ KILN_DEFINE_KERNEL(generic, , 4, 2, 4, 8)
 static const kernel_desc KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, avx512_narrow_direct, 16, has_avx512, 0},
-    {"avx512 8x48", 8, 48, 128, 168, avx512_8x48_packed, avx512_8x48_direct, NULL, 0, has_avx512, 0},
+    {"avx512 8x48", 8, 48, 128, 168, avx512_8x48_packed, avx512_8x48_direct, NULL, 0, has_avx512, 0,
+     16, {avx512_8x16of48_packed, avx512_8x32of48_packed}, {avx512_8x16of48_direct, avx512_8x32of48_direct}},
     {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, avx2_narrow_direct, 8, has_avx2, 0},
 #ifdef KILN_GEMM_TEST_KERNELS
     {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct,
      wide_on_avx2_narrow_direct, 16, has_avx2, 1},
     {"avx512 8x48 tile on avx2 (test)", 8, 48, 128, 168, wide_8x48_on_avx2_packed, wide_8x48_on_avx2_direct, NULL, 0,
-     has_avx2, 1},
+     has_avx2, 1, 16, {wide_8x16of48_on_avx2_packed, wide_8x32of48_on_avx2_packed},
+     {wide_8x16of48_on_avx2_direct, wide_8x32of48_on_avx2_direct}},
 #endif
 #endif
     {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, NULL, 0, always, 0},
@@ -403,6 +415,14 @@ static void row_block(long M, long blocks, long q, long *first, long *rows) {
     *rows = base + (q < rem);
 }
 
+/* The tile for a panel's first n columns: an edge tile where n fits one (fewer FMAs on zero columns, no copy
+   through a buffer), else the full-width tile. */
+static inline tile_fn tile_for(const kernel_desc *kd, int n, int packed) {
+    for (int e = 0; e < 2 && kd->edge_w > 0; ++e)
+        if (n <= (e + 1) * kd->edge_w) return packed ? kd->edge_packed[e] : kd->edge_direct[e];
+    return packed ? kd->packed : kd->direct;
+}
+
 /* Row blocks per M block: the fewest M blocks of at most kd->mc rows (packed A, mc x kc, stays in L2). */
 static long blocks_per_m_block(const kernel_desc *kd, long row_blocks) {
     const long most = kd->mc / kd->mr, m_blocks = ceil_div(row_blocks, most);
@@ -509,7 +529,8 @@ static void small_item(void *loop, long it) {
                 swiglu_epilogue(p, nr, tile, nr, l->y, l->res, row0, q, (int)m);
                 continue;
             }
-            l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n, 0);
+            tile_for(l->kd, n, 0)((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n,
+                                  0);
             if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n);
         }
     }
@@ -548,7 +569,6 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                          const float *res, const float *a_packed, long row_blocks, long b0, long q0, long q1,
                          long p0, long p1, int epi) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
-    const tile_fn tile = a_packed ? kd->packed : kd->direct;
     for (long k0 = 0; k0 < K; k0 += kc) {
         const long kb = K - k0 < kc ? K - k0 : kc;
         const int last = k0 + kb == K;
@@ -569,7 +589,7 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                 row_block(M, row_blocks, b0 + q, &row0, &m);
                 prefetch_slice(next, next_kb * nr, q - q0, q1 - q0);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
-                tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
+                tile_for(kd, n, a_packed != NULL)((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
                 if (last && p->activation == ACT_SWIGLU)
                     swiglu_epilogue(p, nr, y + row0 * N + col0, N, out, res, row0, pn, (int)m);
                 else if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
