@@ -154,7 +154,7 @@ def runners(m, k, n, activation, layers, threads, timer, base):
     for name, lib in libs:
         fn = ctypes.cast(lib.kiln_gemm, ctypes.c_void_p).value
         calls = [(fn, ctypes.addressof(p), 0, 0) for p, _ in plans]
-        out[name] = (NativeCalls(timer, calls, [plans, x, ys]), ys)
+        out[name] = (NativeCalls(timer, calls, [packed, plans, x, ys]), ys)  # packed: the weights the plans read
     if threads > 1 and any(p.threads == 1 for p, _ in plans):  # kiln's rule keeps a small layer on one thread
         forked = []
         for layer, y in zip(packed, ys):
@@ -163,7 +163,7 @@ def runners(m, k, n, activation, layers, threads, timer, base):
             forked.append((plan, scratch))
         fn = ctypes.cast(gemm_native.load().kiln_gemm, ctypes.c_void_p).value
         out["kiln packed, all threads"] = (NativeCalls(timer, [(fn, ctypes.addressof(p), 0, 0) for p, _ in forked],
-                                                       [forked, x, ys]), ys)
+                                                       [packed, forked, x, ys]), ys)
     if onednn.available():
         from kiln.kernels.cpu.onednn_primitives import InnerProduct
 
