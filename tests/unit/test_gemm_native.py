@@ -149,12 +149,17 @@ def test_swiglu_with_an_empty_k_is_the_gated_bias():
 
 @pytest.mark.parametrize("activation", ["Gelu", "GeluTanh", "Tanh", "Sigmoid", "SiLU"])
 def test_rational_activations_are_within_1e6_of_float64(activation):
-    """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone."""
-    grid = torch.linspace(-12, 12, 24001).reshape(-1, 1)  # [G, 1]: K = 1, W = [[1]]
-    layer = gemm_native.PackedLinear(torch.ones(1, 1), None, activation)
+    """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone. Rows of 1 (every value
+    in a vector's masked or scalar tail) and rows of 40 through W = I (x Iᵀ is exact: two full AVX-512 vectors and
+    a tail of 8, five AVX2 vectors)."""
+    grid = torch.linspace(-12, 12, 24000)
     want = ACTIVATION_ORACLE[activation](grid.double(), 0.0, 0.0)
-    error = (layer(grid).double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
-    assert error.max().item() <= 1e-6, f"{activation}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
+    for width in (1, 40):
+        layer = gemm_native.PackedLinear(torch.eye(width), None, activation)
+        got = layer(grid.reshape(-1, width)).reshape(-1)
+        error = (got.double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
+        assert error.max().item() <= 1e-6, \
+            f"{activation}, rows of {width}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
 
 
 def test_no_bias_and_an_empty_k():

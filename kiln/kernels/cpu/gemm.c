@@ -309,6 +309,75 @@ static inline float tanh_rational(float x) {
     return r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* GELU (erf_rational's x·P(x²)/Q(x²), the same coefficients) of n floats at c, a register of lanes at a time.
+   Why not activate()'s loop: GCC's auto-vectorised form of it ran 1.35-1.5x slower on a Zen 4 core (32768 outputs
+   in rows of 16 / 32 / 64: 20.5 / 18.0 / 17.3 us against 15.2 / 12.1 / 11.3, thread CPU time): the epilogue of
+   ConvNeXt's 512 x 16 x 64 GELU GEMM was twice its multiply-adds. The tail of a row: masked (AVX-512), scalar
+   (AVX2). ½x(1 + erf) as h + h·erf, h = ½x. */
+#define KILN_GELU_COEFFICIENTS                                                                                  \
+    static const float P[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,          \
+                               -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,         \
+                               -1.60960333262415e-02f};                                                        \
+    static const float Q[5] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,          \
+                               -7.37332916720468e-03f, -1.42647390514189e-02f};
+KILN_AVX512 static void gelu_avx512(float *c, int n) {
+    KILN_GELU_COEFFICIENTS
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(mask, c + j);
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)),
+                                                     _mm512_set1_ps(-4.0f)), _mm512_set1_ps(4.0f));
+        const __m512 x2 = _mm512_mul_ps(x, x);
+        __m512 p = _mm512_set1_ps(P[0]), q = _mm512_set1_ps(Q[0]);
+        for (int t = 1; t < 7; ++t) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(P[t]));
+        for (int t = 1; t < 5; ++t) q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(Q[t]));
+        const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_mul_ps(x, p), q), _mm512_set1_ps(-1.0f)),
+                                       _mm512_set1_ps(1.0f));
+        const __m512 h = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
+        _mm512_mask_storeu_ps(c + j, mask, _mm512_fmadd_ps(h, r, h));
+    }
+}
+KILN_AVX2 static void gelu_avx2(float *c, int n) {
+    KILN_GELU_COEFFICIENTS
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(c + j);
+        const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)),
+                                                     _mm256_set1_ps(-4.0f)), _mm256_set1_ps(4.0f));
+        const __m256 x2 = _mm256_mul_ps(x, x);
+        __m256 p = _mm256_set1_ps(P[0]), q = _mm256_set1_ps(Q[0]);
+        for (int t = 1; t < 7; ++t) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(P[t]));
+        for (int t = 1; t < 5; ++t) q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(Q[t]));
+        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_mul_ps(x, p), q), _mm256_set1_ps(-1.0f)),
+                                       _mm256_set1_ps(1.0f));
+        const __m256 h = _mm256_mul_ps(v, _mm256_set1_ps(0.5f));
+        _mm256_storeu_ps(c + j, _mm256_fmadd_ps(h, r, h));
+    }
+    for (; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
+}
+/* 2: AVX-512, 1: AVX2 + FMA, 0: neither (cpuid once; KILN_CPU_ISA=avx2 caps it as it caps the tiles) */
+static int gelu_isa(void) {
+    static int isa = -1;
+    if (isa < 0) isa = has_avx512() ? 2 : (has_avx2() ? 1 : 0);
+    return isa;
+}
+#endif
+
+/* GELU of n floats by the widest registers this CPU has; 0 where it has none of those (activate's loop runs). */
+static int gelu_vector(float *c, int n) {
+#if defined(__x86_64__) || defined(__i386__)
+    switch (gelu_isa()) {
+    case 2: gelu_avx512(c, n); return 1;
+    case 1: gelu_avx2(c, n); return 1;
+    default: break;
+    }
+#endif
+    (void)c; (void)n;
+    return 0;
+}
+
 static void activate(float *c, int n, int activation, float alpha, float beta) {
     switch (activation) {
     case ACT_RELU:
@@ -321,6 +390,7 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
         for (int j = 0; j < n; ++j) c[j] = c[j] >= 0.0f ? c[j] : alpha * c[j];
         break;
     case ACT_GELU:  /* x·Φ(x) = ½x(1 + erf(x/√2)) */
+        if (gelu_vector(c, n)) break;
         for (int j = 0; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
         break;
     case ACT_GELU_TANH:  /* ½x(1 + tanh(u)) = x·σ(2u), u = √(2/π)(x + 0.044715x³): no cancellation for x < 0 */
