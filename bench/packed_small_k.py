@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemm import cpu_facts, measured_peak  # noqa: E402  bench/gemm.py
+from lstm_engine import realtime  # noqa: E402  bench/lstm_engine.py: SCHED_FIFO while the rounds run (root)
 
 from kiln.kernels.cpu import gemm_native, native_loop, onednn  # noqa: E402
 
@@ -199,6 +200,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=0, help="passes per block (default: ~20 ms of work)")
     ap.add_argument("--shapes", default="convnext,bert", help=f"of {sorted(SHAPES)}, or MxKxN[:Gelu],...")
     ap.add_argument("--base", default="", help="also kiln's GEMM as gemm.c was at this git revision")
+    ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shapes = []
@@ -223,7 +225,8 @@ def main() -> None:
     peak = args.threads * measured_peak(1, per_cycle, True)
     load = os.getloadavg()[0]
     print(f"# {name}, {args.threads} thread(s), {'thread CPU time' if thread_clock else 'wall'}; measured FMA peak "
-          f"{peak:.0f} GFLOP/s ({args.threads} x one core's); kiln's tile {gemm_native.linear_kernel().name}; load {load:.2f}", flush=True)
+          f"{peak:.0f} GFLOP/s ({args.threads} x one core's); kiln's tile {gemm_native.linear_kernel().name}; "
+          f"{'SCHED_FIFO; ' if args.realtime else ''}load {load:.2f}", flush=True)
     print("| M x K x N (act) | runner | us per GEMM | GFLOP/s | % peak | / onnxruntime by round |\n|---|---|---|---|---|---|")
     for m, k, n, act in shapes:
         flops = 2 * m * k * n
@@ -232,11 +235,12 @@ def main() -> None:
         passes = args.passes or max(3, min(400, int(0.02 * 50e9 / (flops * layers))))
         names = list(fns)
         per_round: dict[str, list[float]] = {key: [] for key in names}
-        for r in range(args.rounds):
-            for key in names[r % len(names):] + names[:r % len(names)]:
-                fn = fns[key][0]
-                fn(thread_clock)
-                per_round[key].append(statistics.median(fn(thread_clock) for _ in range(passes)) / layers)
+        with realtime(args.realtime):
+            for r in range(args.rounds):
+                for key in names[r % len(names):] + names[:r % len(names)]:
+                    fn = fns[key][0]
+                    fn(thread_clock)
+                    per_round[key].append(statistics.median(fn(thread_clock) for _ in range(passes)) / layers)
         ort = per_round["onnxruntime (MLAS)"]
         for key in sorted(names, key=lambda key: statistics.median(per_round[key])):
             t = statistics.median(per_round[key])
