@@ -9,7 +9,8 @@ a fresh build (no timing cache); the pinned ones allow one GEMM tactic (BuildCon
 name, the other cpu.gemm.* left out). The tuned build's GEMM picks and its in-context stage are printed. Outputs are
 checked against onnxruntime; then interleaved rounds of blocks (lstm_engine.blocks), wall clock; `--realtime`: the
 rounds at SCHED_FIFO (root), `--build-realtime`: the tuned build too (the tuner then times by the wall clock,
-cpu_clock.py's has_cores).
+cpu_clock.py's has_cores). `--base REV`: also the kiln_packed engine on gemm.c as it was at REV (bench/packed_small_k.py's
+base_library, loaded beside the working tree's): the A/B of a kernel change in the network.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def measure(name: str, args) -> list[str]:
     for tactic in PINNED:
         engines[f"kiln, GEMMs on {tactic.removeprefix('cpu.gemm.')}"] = kiln.build(str(exported.path),
                                                                                  tactics=only_gemm(tactic))
+    if args.base:  # kiln's GEMM as gemm.c was at args.base, for that engine's build and load (its plans' library)
+        from unittest import mock
+
+        from kiln.kernels.cpu import gemm_native
+        from packed_small_k import base_library
+
+        lib, sha = base_library(args.base)
+        with mock.patch.dict(gemm_native._LOADED, {False: lib}):
+            engines[f"kiln, GEMMs on kiln_packed, gemm.c at {sha}"] = kiln.build(
+                str(exported.path), tactics=only_gemm("cpu.gemm.kiln_packed"))
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = args.threads, 1
     session = ort.InferenceSession(str(exported.path), options, providers=["CPUExecutionProvider"])
@@ -97,6 +108,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100, help="timed calls per block")
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--build-realtime", action="store_true", help="build the tuned engine at SCHED_FIFO too")
+    ap.add_argument("--base", default="", help="also every GEMM on kiln_packed with gemm.c as at this git revision")
     args = ap.parse_args()
     for name in args.models.split(","):
         print("\n".join(measure(name.strip(), args)) + "\n", flush=True)

@@ -101,6 +101,12 @@ def base_library(rev: str):
     lib = gemm_native.open_library(f"gemm-{sha}", source, False)
     if isinstance(lib, str):
         raise SystemExit(f"kiln's GEMM at {rev} did not build: {lib}")
+    # declared as gemm_native.load() declares the working tree's (an engine built on it calls these)
+    lib.kiln_gemm.restype = ctypes.c_int
+    lib.kiln_gemm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.kiln_gemm_kernel_name.restype = ctypes.c_char_p
+    lib.kiln_gemm_scratch_floats.restype = ctypes.c_long
+    lib.kiln_gemm_scratch_floats.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return lib, sha
 
 
