@@ -48,6 +48,16 @@ def gemm_picks(engine) -> str:
     return ", ".join(f"{n} {t.removeprefix('cpu.gemm.')}" for t, n in sorted(picks.items()))
 
 
+def forms(engine) -> str:
+    """Runs of each form over the engine's segments that choose one (kiln/kernels/cpu/form_choice.py)."""
+    from kiln.kernels.cpu.form_choice import PARALLEL, SERIAL
+
+    choosers = [s.chooser for s in engine.program.segments if getattr(s, "chooser", None) is not None]
+    if not choosers:
+        return "one form"
+    return f"{sum(c.runs[PARALLEL] for c in choosers)} / {sum(c.runs[SERIAL] for c in choosers)}"
+
+
 def measure(name: str, args) -> list[str]:
     import onnxruntime as ort
     import torch
@@ -61,6 +71,17 @@ def measure(name: str, args) -> list[str]:
     for tactic in PINNED:
         engines[f"kiln, GEMMs on {tactic.removeprefix('cpu.gemm.')}"] = kiln.build(str(exported.path),
                                                                                  tactics=only_gemm(tactic))
+    if args.one_thread:  # small kiln GEMMs bound as before SmallGemmCall: one thread in both forms of a segment
+        from unittest import mock
+
+        from kiln.kernels.cpu import gemm_native
+
+        def one_thread(self, src, dst, residual=None):
+            return gemm_native.GemmCall(self, src, dst, residual if self.residual else None)
+
+        with mock.patch.object(gemm_native.BoundRows, "bind", one_thread):
+            engines["kiln, GEMMs on kiln_packed, small ones one thread"] = kiln.build(
+                str(exported.path), tactics=only_gemm("cpu.gemm.kiln_packed"))
     if args.base:  # kiln's GEMM as gemm.c was at args.base, for that engine's build and load (its plans' library)
         from unittest import mock
 
@@ -90,12 +111,14 @@ def measure(name: str, args) -> list[str]:
              f"{', SCHED_FIFO' if args.realtime else ''}, tuned build {'at SCHED_FIFO' if args.build_realtime else 'as is'}"
              f", 1-min load {load:.2f} -> {os.getloadavg()[0]:.2f}", "",
              f"tuned build's in-context stage: { {k: v for k, v in in_context.items() if k != 'layers'} }", "",
-             "| runner | GEMM tactics | ms | / onnxruntime | by round | max err vs ort |", "|---|---|---|---|---|---|"]
+             "| runner | GEMM tactics | segment runs (parallel / serial form) | ms | / onnxruntime | by round "
+             "| max err vs ort |", "|---|---|---|---|---|---|---|"]
     for label, values in times.items():
         ratios = [a / o for a, o in zip(values, times["onnxruntime"])]
         picks = gemm_picks(engines[label]) if label in engines else ""
         error = f"{errors[label]:.1e}" if label in errors else ""
-        lines.append(f"| {label} | {picks} | {statistics.median(values):.3f} | {statistics.median(ratios):.3f} | "
+        lines.append(f"| {label} | {picks} | {forms(engines[label]) if label in engines else ''} "
+                     f"| {statistics.median(values):.3f} | {statistics.median(ratios):.3f} | "
                      f"{', '.join(f'{q:.2f}' for q in ratios)} | {error} |")
     return lines
 
@@ -108,6 +131,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100, help="timed calls per block")
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--build-realtime", action="store_true", help="build the tuned engine at SCHED_FIFO too")
+    ap.add_argument("--one-thread", action="store_true",
+                    help="also every GEMM on kiln_packed with its small layers on one thread in both segment forms")
     ap.add_argument("--base", default="", help="also every GEMM on kiln_packed with gemm.c as at this git revision")
     args = ap.parse_args()
     for name in args.models.split(","):
