@@ -71,17 +71,6 @@ def measure(name: str, args) -> list[str]:
     for tactic in PINNED:
         engines[f"kiln, GEMMs on {tactic.removeprefix('cpu.gemm.')}"] = kiln.build(str(exported.path),
                                                                                  tactics=only_gemm(tactic))
-    if args.one_thread:  # small kiln GEMMs bound as before SmallGemmCall: one thread in both forms of a segment
-        from unittest import mock
-
-        from kiln.kernels.cpu import gemm_native
-
-        def one_thread(self, src, dst, residual=None):
-            return gemm_native.GemmCall(self, src, dst, residual if self.residual else None)
-
-        with mock.patch.object(gemm_native.BoundRows, "bind", one_thread):
-            engines["kiln, GEMMs on kiln_packed, small ones one thread"] = kiln.build(
-                str(exported.path), tactics=only_gemm("cpu.gemm.kiln_packed"))
     if args.base:  # kiln's GEMM as gemm.c was at args.base, for that engine's build and load (its plans' library)
         from unittest import mock
 
@@ -131,8 +120,6 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=100, help="timed calls per block")
     ap.add_argument("--realtime", action="store_true", help="time the rounds at SCHED_FIFO priority (root)")
     ap.add_argument("--build-realtime", action="store_true", help="build the tuned engine at SCHED_FIFO too")
-    ap.add_argument("--one-thread", action="store_true",
-                    help="also every GEMM on kiln_packed with its small layers on one thread in both segment forms")
     ap.add_argument("--base", default="", help="also every GEMM on kiln_packed with gemm.c as at this git revision")
     args = ap.parse_args()
     for name in args.models.split(","):

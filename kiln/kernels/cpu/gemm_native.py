@@ -342,8 +342,7 @@ class BoundRows:
         self.rows = math.prod(input_size[:-1])
 
     def bind(self, src: int, dst: int, residual: int | None = None) -> GemmCall:
-        small = self.gemm._threads(self.rows) == 1
-        return (SmallGemmCall if small else GemmCall)(self, src, dst, residual if self.residual else None)
+        return GemmCall(self, src, dst, residual if self.residual else None)
 
 
 class GemmCall:
@@ -389,25 +388,3 @@ class GemmCall:
 
     def rebind(self, role: str, address: int) -> None:
         onednn.load().lib.dnnl_memory_set_data_handle(self._memories[role].value, address)
-
-
-class SmallGemmCall(GemmCall):
-    """A layer under PARALLEL_MACS bound into a native segment: its plan takes OpenMP's count (threads 0) and it offers
-    the segment a serial form, so the segment's FormChooser (kiln/kernels/cpu/form_choice.py) decides run by run
-    whether it runs on one thread or on all, as it does for oneDNN's small layers, instead of PARALLEL_MACS deciding
-    once for every machine. The serial form is the same call: a segment runs it with OpenMP's count at 1
-    (onednn.one_openmp_thread), which kiln_gemm reads for threads 0.
-
-    Why: one thread was chosen for a loaded machine, where a parallel loop's end waited out a descheduled thread; on
-    free cores it left half the machine idle, and the tuner compared it with oneDNN's inner product on two threads:
-    ConvNeXt-tiny's ~1 MFLOP GEMMs (512 x 16 x 64 ... 8 x 512 x 128) on a Zen 4 ran at 0.5-0.9x of oneDNN's speed
-    on one thread against two (bench/results/packed-2026-12-06.md), so a build on a loaded machine that picked
-    kiln's GEMM (least CPU time) ran it at half speed once the cores were free. At other row counts (a view's
-    replanned call) PARALLEL_MACS still decides."""
-
-    def __init__(self, bound: BoundRows, src: int, dst: int, residual: int | None):
-        super().__init__(bound, src, dst, residual)
-        self._plan.threads = 0
-
-    def serial_calls(self) -> list[tuple[int | None, int, int, int]]:
-        return self.calls()
