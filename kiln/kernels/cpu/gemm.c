@@ -16,7 +16,9 @@
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
- * after it; applied to each C tile right after its last K block, while the tile is in L1.
+ * after it. The bias is where a tile's sums start (its first K block); the rest is applied to each C tile
+ * right after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
+ * 8x48 tile has edge tiles for a last panel of 16 or 32 columns (tile_for).
  * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
  * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
  * before it claimed any is not waited for; the packed GotoBLAS path (off by default) stays on OpenMP.
@@ -200,7 +202,7 @@ KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
 KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
 /* Its edge tiles: the last panel of an N that is not a multiple of 48 holds 16 or 32 real columns (ConvNeXt's
    N = 16, 64, 256: 16; N = 32, 128, 512: 32), where the wide tile ran all 48 through a stack buffer (2/3 or
-   1/3 of its FMAs on zero columns, then the copy out): 512 x 64 x 16 at 24% of a Zen 4 core's peak. These read
+   1/3 of its FMAs on zero columns, then the copy out): 512 x 64 x 16 at 28% of a Zen 4 core's peak. These read
    the first one or two vectors of each k row of the same packed panel (B stride 48) and write C in place. */
 KILN_DEFINE_KERNEL(avx512_8x16of48, KILN_AVX512, 16, 1, 8, 48)
 KILN_DEFINE_KERNEL(avx512_8x32of48, KILN_AVX512, 16, 2, 8, 48)
