@@ -75,6 +75,9 @@ SHAPES = [  # M, K, N: every edge of the 6x16 / 14x32 / 8x48 tiles, K past one b
     (1, 1, 1), (1, 7, 5), (7, 17, 33), (8, 40, 24), (13, 63, 129), (16, 50, 40), (17, 129, 16), (63, 257, 31),
     (129, 300, 70), (6, 256, 16), (14, 192, 32), (300, 513, 47), (2, 800, 100), (8, 128, 48), (9, 129, 49),
     (65, 385, 97),
+    # small K and the 8x48 tile's edge panels of 16 and 32 columns (ConvNeXt-tiny's pointwise GEMMs: 512 x 16 x 64,
+    # 512 x 64 x 16, 128 x 128 x 32), alone (N = 16, 32) or after full panels (N = 80, 112), and an edge of 10
+    (512, 16, 64), (512, 64, 16), (128, 128, 32), (70, 33, 80), (65, 16, 112), (9, 20, 10), (3, 5, 32),
 ]
 
 
@@ -146,12 +149,17 @@ def test_swiglu_with_an_empty_k_is_the_gated_bias():
 
 @pytest.mark.parametrize("activation", ["Gelu", "GeluTanh", "Tanh", "Sigmoid", "SiLU"])
 def test_rational_activations_are_within_1e6_of_float64(activation):
-    """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone."""
-    grid = torch.linspace(-12, 12, 24001).reshape(-1, 1)  # [G, 1]: K = 1, W = [[1]]
-    layer = gemm_native.PackedLinear(torch.ones(1, 1), None, activation)
+    """y = act(x · 1) over a dense grid of x: the epilogue's erf/tanh approximations alone. Rows of 1 (every value
+    in a vector's masked or scalar tail) and rows of 40 through W = I (x Iᵀ is exact: two full AVX-512 vectors and
+    a tail of 8, five AVX2 vectors)."""
+    grid = torch.linspace(-12, 12, 24000)
     want = ACTIVATION_ORACLE[activation](grid.double(), 0.0, 0.0)
-    error = (layer(grid).double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
-    assert error.max().item() <= 1e-6, f"{activation}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
+    for width in (1, 40):
+        layer = gemm_native.PackedLinear(torch.eye(width), None, activation)
+        got = layer(grid.reshape(-1, width)).reshape(-1)
+        error = (got.double() - want).abs() / want.abs().clamp_min(1.0)  # absolute below 1, relative above
+        assert error.max().item() <= 1e-6, \
+            f"{activation}, rows of {width}: {error.max().item():.3g} at x = {grid[error.argmax()].item()}"
 
 
 def test_no_bias_and_an_empty_k():

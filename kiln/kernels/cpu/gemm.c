@@ -16,7 +16,9 @@
  * a target attribute; "a*b + c" contracts to FMA (GNU C's default -ffp-contract=fast).
  *
  * The epilogue is kiln::FusedGemm's (kiln/ops/fused.py): + bias, the activation, the residual before or
- * after it; applied to each C tile right after its last K block, while the tile is in L1.
+ * after it. The bias is where a tile's sums start (its first K block); the rest is applied to each C tile
+ * right after its last K block, while the tile is in L1 (erf-GELU in AVX-512 / AVX2 registers by cpuid). The
+ * 8x48 tile has edge tiles for a last panel of 16 or 32 columns (tile_for).
  * Threads: kiln_parallel_for (pool.c, compiled in front of this file) over work items (row group, panel
  * chunk) claimed dynamically, so a core slowed by other work takes fewer of them, and a worker descheduled
  * before it claimed any is not waited for; the packed GotoBLAS path (off by default) stays on OpenMP.
@@ -53,8 +55,10 @@ typedef struct {
     float *c_scratch;           /* ACT_SWIGLU past small_m rows: [M, N] floats of C before the gating */
 } kiln_gemm_plan;
 
+/* bias: NULL, or n floats the tile starts its sums from where it does not load C (the bias fused: no pass over C
+   for it afterwards; measured 512 x 16 x 64 on a Zen 4 core: the epilogue's bias pass took 5.5 of 16.5 us) */
 typedef void (*tile_fn)(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, int n,
-                        int load_c);
+                        int load_c, const float *bias);
 
 typedef struct {
     const char *name;
@@ -65,6 +69,8 @@ typedef struct {
     int narrow_mr;
     int (*supported)(void);
     int test_only;              /* never picked by kiln: runs another ISA's tile shape on this one */
+    int edge_w;                 /* edge tiles: columns of one vector, or 0 (none) */
+    tile_fn edge_packed[2], edge_direct[2];  /* a panel's first edge_w / 2·edge_w columns (see tile_for) */
 } kernel_desc;
 
 /* ---- the microkernel template ------------------------------------------------------------------------
@@ -88,14 +94,20 @@ typedef struct {
     typedef float NAME##_vec __attribute__((vector_size((W) * 4)));                                          \
     static inline __attribute__((always_inline)) TARGET void NAME##_rows(                                    \
         const int M, long k, const float *a, const long rs, const long cs, const float *b, float *c, long ldc, \
-        int load_c) {                                                                                        \
-        NAME##_vec acc[MR][NV], odd[MR][NV];                                                                 \
+        int load_c, const float *bias) {                                                                     \
+        NAME##_vec acc[MR][NV], odd[MR][NV], start[NV];                                                      \
         if (load_c) KILN_UNROLL for (int i = 0; i < M; ++i) {                                                \
             __builtin_prefetch(c + i * ldc, 1, 3);                                                           \
             __builtin_prefetch(c + i * ldc + (W) * (NV) - 1, 1, 3);                                          \
         }                                                                                                    \
-        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j)                     \
-            acc[i][j] = odd[i][j] = (NAME##_vec){0};                                                         \
+        KILN_UNROLL for (int j = 0; j < NV; ++j) {                                                           \
+            start[j] = (NAME##_vec){0};                                                                      \
+            if (bias && !load_c) memcpy(&start[j], bias + j * (W), sizeof(NAME##_vec));                      \
+        }                                                                                                    \
+        KILN_UNROLL for (int i = 0; i < M; ++i) KILN_UNROLL for (int j = 0; j < NV; ++j) {                   \
+            acc[i][j] = start[j];                                                                            \
+            odd[i][j] = (NAME##_vec){0};                                                                     \
+        }                                                                                                    \
         /* A short tile has fewer FMA chains than 2 ports x 4 cycles of latency keep busy: it alternates k   \
            between two sets of accumulators (the 2-row rest of an 8-row batch ran at half the 6-row speed). */\
         const int split = (M) * (NV) <= 6;                                                                   \
@@ -118,25 +130,27 @@ typedef struct {
     }                                                                                                        \
     KILN_BODIES(NAME, TARGET, MR)                                                                            \
     static inline __attribute__((always_inline)) TARGET void NAME##_run(int m, long k, const float *a, long rs, \
-                                  int packed, const float *b, float *c, long ldc, int n, int load_c) {      \
+                                  int packed, const float *b, float *c, long ldc, int n, int load_c,        \
+                                  const float *bias) {                                                       \
         if (n == (W) * (NV)) {                                                                               \
-            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, load_c));                                           \
+            KILN_DISPATCH(NAME, m, (k, a, rs, b, c, ldc, load_c, bias));                                     \
             return;                                                                                          \
         }                                                                                                    \
-        float tile[(MR) * (W) * (NV)] __attribute__((aligned(64)));                                          \
+        float tile[(MR) * (W) * (NV)] __attribute__((aligned(64))), padded[(W) * (NV)];                      \
         for (int i = 0; i < m; ++i)                                                                          \
             for (int j = 0; j < (W) * (NV); ++j) tile[i * (W) * (NV) + j] = load_c && j < n ? c[i * ldc + j] : 0.0f; \
-        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), load_c));                                     \
+        if (bias) for (int j = 0; j < (W) * (NV); ++j) padded[j] = j < n ? bias[j] : 0.0f;                   \
+        KILN_DISPATCH(NAME, m, (k, a, rs, b, tile, (W) * (NV), load_c, bias ? padded : NULL));               \
         for (int i = 0; i < m; ++i) memcpy(c + i * ldc, tile + i * (W) * (NV), (size_t)n * sizeof(float));  \
     }                                                                                                        \
     static __attribute__((unused)) TARGET void NAME##_packed(int m, long k, const float *a, long lda, const float *b, float *c, long ldc, \
-                              int n, int load_c) {                                                           \
+                              int n, int load_c, const float *bias) {                                        \
         (void)lda;                                                                                           \
-        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, load_c);                                                     \
+        NAME##_run(m, k, a, 0, 1, b, c, ldc, n, load_c, bias);                                               \
     }                                                                                                        \
     static TARGET void NAME##_direct(int m, long k, const float *a, long lda, const float *b, float *c, long ldc,   \
-                              int n, int load_c) {                                                           \
-        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, load_c);                                                   \
+                              int n, int load_c, const float *bias) {                                        \
+        NAME##_run(m, k, a, lda, 0, b, c, ldc, n, load_c, bias);                                             \
     }
 
 /* One function per row count M (<= MR; larger ones are never called) and A layout, each compiled on its
@@ -144,13 +158,13 @@ typedef struct {
    where each alone runs at 102). NAME_pM reads A packed ([k][MR]), NAME_dM in place (row stride rs). */
 #define KILN_BODY(NAME, TARGET, MR, M)                                                                       \
     static __attribute__((noinline)) TARGET void NAME##_p##M(long k, const float *a, long rs, const float *b, \
-                                                           float *c, long ldc, int load_c) {                 \
+                                                           float *c, long ldc, int load_c, const float *bias) { \
         (void)rs;                                                                                            \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, load_c);                                  \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, 1, MR, b, c, ldc, load_c, bias);                            \
     }                                                                                                        \
     static __attribute__((noinline)) TARGET void NAME##_d##M(long k, const float *a, long rs, const float *b, \
-                                                           float *c, long ldc, int load_c) {                 \
-        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, load_c);                                  \
+                                                           float *c, long ldc, int load_c, const float *bias) { \
+        NAME##_rows((M) <= (MR) ? (M) : 1, k, a, rs, 1, b, c, ldc, load_c, bias);                            \
     }
 #define KILN_BODIES(NAME, TARGET, MR)                                                                        \
     KILN_BODY(NAME, TARGET, MR, 1) KILN_BODY(NAME, TARGET, MR, 2) KILN_BODY(NAME, TARGET, MR, 3)             \
@@ -186,6 +200,12 @@ KILN_DEFINE_KERNEL(avx2_narrow, KILN_AVX2, 8, 1, 8, 16)
    BERT-base's shapes, one core, CPU time: level to 28% faster than the 14x32 (bench/results/gemm-2026-12-05d.md).
    No narrow tile: half a panel is not one vector; 9-16 rows run as two row blocks of the wide one. */
 KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
+/* Its edge tiles: the last panel of an N that is not a multiple of 48 holds 16 or 32 real columns (ConvNeXt's
+   N = 16, 64, 256: 16; N = 32, 128, 512: 32), where the wide tile ran all 48 through a stack buffer (2/3 or
+   1/3 of its FMAs on zero columns, then the copy out): 512 x 64 x 16 at 28% of a Zen 4 core's peak. These read
+   the first one or two vectors of each k row of the same packed panel (B stride 48) and write C in place. */
+KILN_DEFINE_KERNEL(avx512_8x16of48, KILN_AVX512, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(avx512_8x32of48, KILN_AVX512, 16, 2, 8, 48)
 #ifdef KILN_GEMM_TEST_KERNELS
 /* AVX-512's 14x32 tile (the same template at 16 lanes: its packing, edges, blocking) run with AVX2
    instructions: lets the tests of an AVX2 machine check all of the AVX-512 path but its instruction
@@ -193,6 +213,8 @@ KILN_DEFINE_KERNEL(avx512_8x48, KILN_AVX512, 16, 3, 8, 48)
 KILN_DEFINE_KERNEL(wide_on_avx2, KILN_AVX2, 16, 2, 14, 32)
 KILN_DEFINE_KERNEL(wide_on_avx2_narrow, KILN_AVX2, 16, 1, 16, 32)
 KILN_DEFINE_KERNEL(wide_8x48_on_avx2, KILN_AVX2, 16, 3, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x16of48_on_avx2, KILN_AVX2, 16, 1, 8, 48)
+KILN_DEFINE_KERNEL(wide_8x32of48_on_avx2, KILN_AVX2, 16, 2, 8, 48)
 #endif
 #ifdef KILN_MAX_ISA_AVX2  /* KILN_CPU_ISA=avx2 (kiln/kernels/cpu/cpu_features.py): run as an AVX2-only CPU */
 static int has_avx512(void) { return 0; }
@@ -209,13 +231,15 @@ KILN_DEFINE_KERNEL(generic, , 4, 2, 4, 8)
 static const kernel_desc KERNELS[] = {
 #if defined(__x86_64__) || defined(__i386__)
     {"avx512 14x32", 14, 32, 192, 168, avx512_packed, avx512_direct, avx512_narrow_direct, 16, has_avx512, 0},
-    {"avx512 8x48", 8, 48, 128, 168, avx512_8x48_packed, avx512_8x48_direct, NULL, 0, has_avx512, 0},
+    {"avx512 8x48", 8, 48, 128, 168, avx512_8x48_packed, avx512_8x48_direct, NULL, 0, has_avx512, 0,
+     16, {avx512_8x16of48_packed, avx512_8x32of48_packed}, {avx512_8x16of48_direct, avx512_8x32of48_direct}},
     {"avx2 6x16", 6, 16, 256, 240, avx2_packed, avx2_direct, avx2_narrow_direct, 8, has_avx2, 0},
 #ifdef KILN_GEMM_TEST_KERNELS
     {"avx512 14x32 tile on avx2 (test)", 14, 32, 192, 168, wide_on_avx2_packed, wide_on_avx2_direct,
      wide_on_avx2_narrow_direct, 16, has_avx2, 1},
     {"avx512 8x48 tile on avx2 (test)", 8, 48, 128, 168, wide_8x48_on_avx2_packed, wide_8x48_on_avx2_direct, NULL, 0,
-     has_avx2, 1},
+     has_avx2, 1, 16, {wide_8x16of48_on_avx2_packed, wide_8x32of48_on_avx2_packed},
+     {wide_8x16of48_on_avx2_direct, wide_8x32of48_on_avx2_direct}},
 #endif
 #endif
     {"generic 4x8", 4, 8, 256, 256, generic_packed, generic_direct, NULL, 0, always, 0},
@@ -297,6 +321,75 @@ static inline float tanh_rational(float x) {
     return r > 1.0f ? 1.0f : (r < -1.0f ? -1.0f : r);
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+/* GELU (erf_rational's x·P(x²)/Q(x²), the same coefficients) of n floats at c, a register of lanes at a time.
+   Why not activate()'s loop: GCC's auto-vectorised form of it ran 1.35-1.5x slower on a Zen 4 core (32768 outputs
+   in rows of 16 / 32 / 64: 20.5 / 18.0 / 17.3 us against 15.2 / 12.1 / 11.3, thread CPU time): the epilogue of
+   ConvNeXt's 512 x 16 x 64 GELU GEMM was twice its multiply-adds. The tail of a row: masked (AVX-512), scalar
+   (AVX2). ½x(1 + erf) as h + h·erf, h = ½x. */
+#define KILN_GELU_COEFFICIENTS                                                                                  \
+    static const float P[7] = {-2.72614225801306e-10f, 2.77068142495902e-08f, -2.10102402082508e-06f,          \
+                               -5.69250639462346e-05f, -7.34990630326855e-04f, -2.95459980854025e-03f,         \
+                               -1.60960333262415e-02f};                                                        \
+    static const float Q[5] = {-1.45660718464996e-05f, -2.13374055278905e-04f, -1.68282697438203e-03f,          \
+                               -7.37332916720468e-03f, -1.42647390514189e-02f};
+KILN_AVX512 static void gelu_avx512(float *c, int n) {
+    KILN_GELU_COEFFICIENTS
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 mask = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(mask, c + j);
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(0.70710678118654752f)),
+                                                     _mm512_set1_ps(-4.0f)), _mm512_set1_ps(4.0f));
+        const __m512 x2 = _mm512_mul_ps(x, x);
+        __m512 p = _mm512_set1_ps(P[0]), q = _mm512_set1_ps(Q[0]);
+        for (int t = 1; t < 7; ++t) p = _mm512_fmadd_ps(p, x2, _mm512_set1_ps(P[t]));
+        for (int t = 1; t < 5; ++t) q = _mm512_fmadd_ps(q, x2, _mm512_set1_ps(Q[t]));
+        const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(_mm512_mul_ps(x, p), q), _mm512_set1_ps(-1.0f)),
+                                       _mm512_set1_ps(1.0f));
+        const __m512 h = _mm512_mul_ps(v, _mm512_set1_ps(0.5f));
+        _mm512_mask_storeu_ps(c + j, mask, _mm512_fmadd_ps(h, r, h));
+    }
+}
+KILN_AVX2 static void gelu_avx2(float *c, int n) {
+    KILN_GELU_COEFFICIENTS
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(c + j);
+        const __m256 x = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752f)),
+                                                     _mm256_set1_ps(-4.0f)), _mm256_set1_ps(4.0f));
+        const __m256 x2 = _mm256_mul_ps(x, x);
+        __m256 p = _mm256_set1_ps(P[0]), q = _mm256_set1_ps(Q[0]);
+        for (int t = 1; t < 7; ++t) p = _mm256_fmadd_ps(p, x2, _mm256_set1_ps(P[t]));
+        for (int t = 1; t < 5; ++t) q = _mm256_fmadd_ps(q, x2, _mm256_set1_ps(Q[t]));
+        const __m256 r = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_mul_ps(x, p), q), _mm256_set1_ps(-1.0f)),
+                                       _mm256_set1_ps(1.0f));
+        const __m256 h = _mm256_mul_ps(v, _mm256_set1_ps(0.5f));
+        _mm256_storeu_ps(c + j, _mm256_fmadd_ps(h, r, h));
+    }
+    for (; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
+}
+/* 2: AVX-512, 1: AVX2 + FMA, 0: neither (cpuid once; KILN_CPU_ISA=avx2 caps it as it caps the tiles) */
+static int gelu_isa(void) {
+    static int isa = -1;
+    if (isa < 0) isa = has_avx512() ? 2 : (has_avx2() ? 1 : 0);
+    return isa;
+}
+#endif
+
+/* GELU of n floats by the widest registers this CPU has; 0 where it has none of those (activate's loop runs). */
+static int gelu_vector(float *c, int n) {
+#if defined(__x86_64__) || defined(__i386__)
+    switch (gelu_isa()) {
+    case 2: gelu_avx512(c, n); return 1;
+    case 1: gelu_avx2(c, n); return 1;
+    default: break;
+    }
+#endif
+    (void)c; (void)n;
+    return 0;
+}
+
 static void activate(float *c, int n, int activation, float alpha, float beta) {
     switch (activation) {
     case ACT_RELU:
@@ -309,6 +402,7 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
         for (int j = 0; j < n; ++j) c[j] = c[j] >= 0.0f ? c[j] : alpha * c[j];
         break;
     case ACT_GELU:  /* x·Φ(x) = ½x(1 + erf(x/√2)) */
+        if (gelu_vector(c, n)) break;
         for (int j = 0; j < n; ++j) c[j] = 0.5f * c[j] * (1.0f + erf_rational(c[j] * 0.70710678118654752f));
         break;
     case ACT_GELU_TANH:  /* ½x(1 + tanh(u)) = x·σ(2u), u = √(2/π)(x + 0.044715x³): no cancellation for x < 0 */
@@ -346,14 +440,24 @@ static void activate(float *c, int n, int activation, float alpha, float beta) {
 
 #pragma GCC pop_options
 
+/* Whether a tile needs the epilogue pass: the tiles start their sums from the bias (tile_bias), so only an activation
+   or a residual is left for it. */
 static int has_epilogue(const kiln_gemm_plan *p, const float *res) {
-    return p->bias != NULL || res != NULL || p->activation != ACT_NONE;
+    return res != NULL || p->activation != ACT_NONE;
 }
 
-/* Rows [row0, row0 + m), columns [col0, col0 + n) of y: + bias, activation and residual. */
-static void epilogue(const kiln_gemm_plan *p, float *y, const float *res, long row0, long col0, int m, int n) {
+/* The bias the tile at columns [col0, ...) starts from: at the first K block (later ones add to C), not for SwiGLU
+   (its epilogue adds the interleaved bias to both halves). */
+static inline const float *tile_bias(const kiln_gemm_plan *p, long col0, long k0) {
+    return p->bias != NULL && k0 == 0 && p->activation != ACT_SWIGLU ? p->bias + col0 : NULL;
+}
+
+/* Rows [row0, row0 + m), columns [col0, col0 + n) of y: + bias (with_bias: where no tile added it), activation and
+   residual. */
+static void epilogue(const kiln_gemm_plan *p, float *y, const float *res, long row0, long col0, int m, int n,
+                     int with_bias) {
     const long N = p->N;
-    const float *bias = p->bias ? p->bias + col0 : NULL;
+    const float *bias = p->bias && with_bias ? p->bias + col0 : NULL;
     for (int i = 0; i < m; ++i) {
         float *c = y + (row0 + i) * N + col0;
         const float *r = res ? res + (row0 + i) * N + col0 : NULL;
@@ -401,6 +505,14 @@ static void row_block(long M, long blocks, long q, long *first, long *rows) {
     const long base = M / blocks, rem = M % blocks;
     *first = q * base + (q < rem ? q : rem);
     *rows = base + (q < rem);
+}
+
+/* The tile for a panel's first n columns: an edge tile where n fits one (fewer FMAs on zero columns, no copy
+   through a buffer), else the full-width tile. */
+static inline tile_fn tile_for(const kernel_desc *kd, int n, int packed) {
+    for (int e = 0; e < 2 && kd->edge_w > 0; ++e)
+        if (n <= (e + 1) * kd->edge_w) return packed ? kd->edge_packed[e] : kd->edge_direct[e];
+    return packed ? kd->packed : kd->direct;
 }
 
 /* Row blocks per M block: the fewest M blocks of at most kd->mc rows (packed A, mc x kc, stays in L2). */
@@ -480,11 +592,11 @@ static void narrow_item(void *loop, long c) {
             const int n = (int)(N - col0 < half ? N - col0 : half);
             const float *w = p->packed_w + q * K * nr + (col0 - q * nr);
             if (l->swiglu) {
-                l->kd->narrow((int)M, K, l->x, K, w, tile + (col0 - q * nr), nr, n, 0);
+                l->kd->narrow((int)M, K, l->x, K, w, tile + (col0 - q * nr), nr, n, 0, NULL);
                 continue;
             }
-            l->kd->narrow((int)M, K, l->x, K, w, l->y + col0, N, n, 0);
-            if (l->epi) epilogue(p, l->y, l->res, 0, col0, (int)M, n);
+            l->kd->narrow((int)M, K, l->x, K, w, l->y + col0, N, n, 0, tile_bias(p, col0, 0));
+            if (l->epi) epilogue(p, l->y, l->res, 0, col0, (int)M, n, 0);
         }
         if (l->swiglu) swiglu_epilogue(p, nr, tile, nr, l->y, l->res, 0, q, (int)M);
     }
@@ -505,12 +617,13 @@ static void small_item(void *loop, long it) {
             row_block(M, row_blocks, r, &row0, &m);
             if (l->swiglu) {  /* the tile on the stack, gated into y */
                 float tile[16 * 32] __attribute__((aligned(64)));
-                l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, tile, nr, n, 0);
+                l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, tile, nr, n, 0, NULL);
                 swiglu_epilogue(p, nr, tile, nr, l->y, l->res, row0, q, (int)m);
                 continue;
             }
-            l->kd->direct((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n, 0);
-            if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n);
+            tile_for(l->kd, n, 0)((int)m, K, l->x + row0 * K, K, p->packed_w + q * K * nr, l->y + row0 * N + col0, N, n,
+                                  0, tile_bias(p, col0, 0));
+            if (l->epi) epilogue(p, l->y, l->res, row0, col0, (int)m, n, 0);
         }
     }
 }
@@ -548,7 +661,6 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                          const float *res, const float *a_packed, long row_blocks, long b0, long q0, long q1,
                          long p0, long p1, int epi) {
     const long M = p->M, K = p->K, N = p->N, mr = kd->mr, nr = kd->nr, kc = kd->kc;
-    const tile_fn tile = a_packed ? kd->packed : kd->direct;
     for (long k0 = 0; k0 < K; k0 += kc) {
         const long kb = K - k0 < kc ? K - k0 : kc;
         const int last = k0 + kb == K;
@@ -569,10 +681,11 @@ static void blocked_item(const kiln_gemm_plan *p, const kernel_desc *kd, const f
                 row_block(M, row_blocks, b0 + q, &row0, &m);
                 prefetch_slice(next, next_kb * nr, q - q0, q1 - q0);
                 const float *a = a_packed ? a_packed + q * mr * K + k0 * mr : x + row0 * K + k0;
-                tile((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0);
+                tile_for(kd, n, a_packed != NULL)((int)m, kb, a, K, b, y + row0 * N + col0, N, n, k0 > 0,
+                                                  tile_bias(p, col0, k0));
                 if (last && p->activation == ACT_SWIGLU)
                     swiglu_epilogue(p, nr, y + row0 * N + col0, N, out, res, row0, pn, (int)m);
-                else if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n);
+                else if (last && epi) epilogue(p, y, res, row0, col0, (int)m, n, 0);
             }
         }
     }
@@ -669,7 +782,7 @@ int kiln_gemm(void *object, void *stream, int nargs, const void *args) {
     }
     if (p->K <= 0) {  /* an empty sum: y = epilogue(0) */
         for (long i = 0; i < p->M; ++i) memset(y + i * p->N, 0, (size_t)p->N * sizeof(float));
-        for (long i = 0; i < p->M; ++i) epilogue(p, y, res, i, 0, 1, (int)p->N);
+        for (long i = 0; i < p->M; ++i) epilogue(p, y, res, i, 0, 1, (int)p->N, 1);
         return 0;
     }
     int threads = p->threads;

@@ -200,7 +200,7 @@ static void recurrent_panel(const kernel_desc *kd, long N, long H, const float *
                             long ldc, int load_c) {
     for (long r0 = 0; r0 < N; r0 += kd->mr) {
         const int m = (int)(N - r0 < kd->mr ? N - r0 : kd->mr);
-        kd->direct(m, H, h + r0 * H, H, r_panel, c + r0 * ldc, ldc, (int)kd->nr, load_c);
+        kd->direct(m, H, h + r0 * H, H, r_panel, c + r0 * ldc, ldc, (int)kd->nr, load_c, NULL);
     }
 }
 
