@@ -115,6 +115,13 @@ class _PlanRewrite:
             residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
+            if layout is None and call is None and _alias_rule_holds(native, arg):
+                # an alias: its output size by its rule, no plan and no call (a walk of rules only is traced)
+                key = native.plan_at.key
+                rule = traced.get(key) or traced.setdefault(key, TracedRule(native.plan_at))
+                self._members.append((rule, at, reads, x, residual, outputs, None, (key, None), (x,), None))
+                counts.append(0)
+                continue
             if layout is None:
                 bind = None if call is None or template._accumulate[k] else \
                     arguments_layout(m, native, template.bound[call], arg, template._address)
@@ -370,6 +377,17 @@ def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray,
     where = np.concatenate([2 * where64, 2 * where64 + 1, where32])
     halves = np.concatenate([2 * value64 + low, 2 * value64 + 1 - low, 2 * value32 + low])
     return where, halves
+
+
+def _alias_rule_holds(native: NativeStep, arg: Any) -> bool:
+    """Whether `native` is an alias (a Reshape that moves no byte: no call) whose size rule gives back its own output
+    size at its template's sizes (`arg`)."""
+    if not native.alias or native.plan_at is None or native.reads is not None:
+        return False
+    try:
+        return native.plan_at(arg).output_sizes == (tuple(native.output_size),)
+    except ValueError:
+        return False
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:
