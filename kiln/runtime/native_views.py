@@ -266,7 +266,7 @@ class _PlanRewrite:
         """`template`'s view at `key` from a traced path of view()'s walk (view_trace.py: its values and exits in one
         call), or None where no path holds (view() walks). No oneDNN member is bound on it: Segment._bind_sizes asks
         here before it opens the oneDNN memories' scope that a walk's bound members need."""
-        if self._calls is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+        if self._calls is None or tuple(map(len, key)) != self._whole.ranks:
             return None
         whole = self._whole(key)
         return self._assembled(template, key, whole[0], whole[1]) if whole is not None else None
