@@ -154,6 +154,13 @@ class _PlanRewrite:
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
+        # where every call runs a rewritten plan (_assembled's views: BERT-base's 91), a view's plans and its loop's
+        # objects array are one buffer: the template's plans, then a word per call (its plan's offset, the buffer's
+        # address added per view)
+        self._image_calls, self._plan_words = None, None
+        if self._calls is not None and len(self._calls.plan_calls) == len(self._calls.objects):
+            self._image_calls = np.concatenate([self._image, np.zeros(len(self._calls.objects), np.int64)])
+            self._plan_words = self._calls.plan_offsets.astype(np.int64)
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
@@ -288,10 +295,25 @@ class _PlanRewrite:
     def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]]
                    ) -> _Resized:
         """The view whose every member's plan is rewritten (no oneDNN arguments, no member bound otherwise): its
-        plans from `values` (in member order), the call image's arrays pointed at them."""
-        buffer = self._plans(values)
-        entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
-        c = self._calls.at(buffer.ctypes.data, None)
+        plans from `values` (in member order), the call image's arrays pointed at them. Where every call runs a
+        rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
+        __array_interface__ and the objects array a ctypes view of it by address: numpy's `.ctypes`, a second
+        array and ctypes' from_buffer cost ~30 µs of a first call's ~150 for the view, right after a run has cooled
+        the caches (bench/results/first-call-2026-12-06.md). The view owns the buffer (its last `owned`)."""
+        image = self._image_calls
+        if image is None:
+            buffer = self._plans(values)
+            c = self._calls.at(buffer.ctypes.data, None)
+        else:
+            buffer = image.copy()
+            if values:
+                where, halves = self._stores
+                buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+            base = buffer.__array_interface__["data"][0]
+            plans = len(self._image)
+            np.add(self._plan_words, base, out=buffer[plans:])
+            c = self._calls.over(base + plans * 8)
+        entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
         return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
 
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
@@ -345,6 +367,14 @@ class _CallImage:
         return cls(loop, np.frombuffer(objects, np.uintp).copy(), np.frombuffer(nargs, np.int32).copy(),
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
+
+    def over(self, objects: int) -> tuple:
+        """The loop's arrays of a view whose every call runs a rewritten plan, its objects array (each call's plan
+        address) at address `objects`, kept alive by the view (_PlanRewrite._assembled): the template's nargs and args
+        arrays (no oneDNN member)."""
+        run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, nargs, args, _ = self.loop
+        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
+                type(_objects).from_address(objects), nargs, args, ctypes.c_int(-1))
 
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)

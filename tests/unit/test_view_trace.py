@@ -96,9 +96,10 @@ def _traced_views_are_the_walks(segment, monkeypatch) -> int:
         assert traced is not None and walked is not None, key
         assert traced.exit_shapes == walked.exit_shapes and traced.entry_sizes == walked.entry_sizes, key
         assert _calls(traced) == _calls(walked), key
-        plans_traced, plans_walked = traced._owned[0], walked._owned[0]
-        assert ctypes.string_at(plans_traced.ctypes.data, plans_traced.nbytes) == \
-            ctypes.string_at(plans_walked.ctypes.data, plans_walked.nbytes), f"{key}: the plans differ"
+        plans_traced, plans_walked = traced._owned[0], walked._owned[0]  # the plans, then the calls' objects
+        plans = rewrite._image.nbytes  # (the objects: addresses in each buffer, compared by _calls)
+        assert ctypes.string_at(plans_traced.ctypes.data, plans) == \
+            ctypes.string_at(plans_walked.ctypes.data, plans), f"{key}: the plans differ"
         compared += 1
     return compared
 
