@@ -82,9 +82,10 @@ class _PlanRewrite:
     without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). Where
     every member the walk evaluates has a rule, the walk itself is traced into one generated function of the entry
     dims (view_trace.py): a view on a traced path is one call of it, then the plans' stores (BERT-base's view ~65 ->
-    ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md). The
-    other members (kernels whose plans hold floats, squeeze-excite, a oneDNN layer at rows another kernel takes) are
-    bound as _Resized.bound_at binds them.
+    ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md); an alias (a Reshape
+    that moves no byte: no call, no plan) whose NativeStep has a size rule is such a member with no values (bert_tiny's
+    key mask [B, S] -> [B, 1, 1, S]). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
+    layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
