@@ -6,9 +6,10 @@ first call at a new input shape, and the same run's repeat, on an engine of a BE
 Padding of first calls off (every new shape binds: DirectRuns.bind, then one call of the compiled loop). After
 warm_up and two throw-away shapes (3x5, 2x7: one-time costs), the shapes 1x8, 2x16, 4x64, 1x200 (--named) one by one,
 then --shapes more of b 1-3 x s 3-39 shuffled; each first call, then 3 repeats (the least is the repeat). Rows (µs):
-first - repeat; of it inside the loop's C call and outside it; the context's check, the shape values (the generated
-ShapeFunction), the view (Segment._bind_sizes: _PlanRewrite.view, its rules, its call image, a traced walk's
-function), DirectRuns._make (the view included) and DirectRuns.bind (shape values, view, record).
+first - repeat; of it inside the loop's C call and outside it; the context's check (ExecutionContext._check, or
+NumpyCheck where the signature alone passes), the shape values (the generated ShapeFunction), the view
+(Segment._bind_sizes: _PlanRewrite.view, its rules, its call image, a traced walk's function), DirectRuns._make (the
+view included) and DirectRuns.bind (shape values, view, record).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ["KILN_PAD_FIRST_CALLS"] = "0"  # every new shape binds at its first c
 import kiln  # noqa: E402  (before torch: kiln sets OpenMP's wait policy)
 import numpy as np  # noqa: E402
 
-from kiln.runtime import context as kiln_context  # noqa: E402
+from kiln.runtime import bindings, context as kiln_context  # noqa: E402
 from first_call_direct import span_timer, warm_context  # noqa: E402  bench/first_call_direct.py
 from kiln.runtime import direct_run, native, native_views, view_trace  # noqa: E402
 from kiln.runtime.shape_function import ShapeFunction  # noqa: E402
@@ -34,6 +35,8 @@ from kiln.tactics import traced_rules  # noqa: E402
 
 PARTS = [  # (owner, attribute, name): inclusive spans, nested ones indented
     (kiln_context.ExecutionContext, "_check", "check"),
+    *([(bindings.NumpyCheck, "__call__", "check from the signature (NumpyCheck)")]
+      if hasattr(bindings, "NumpyCheck") else []),  # a tree before it (A/B runs of this script on both)
     (ShapeFunction, "__call__", "shape values"),
     (direct_run.DirectRuns, "bind", "DirectRuns.bind"),
     (direct_run.DirectRuns, "_make", "DirectRuns._make"),

@@ -96,3 +96,63 @@ def _numpy_signature(names: list[str], feeds: dict[str, Any]) -> tuple | None:
             return None  # bfloat16 and float8 arrays (ml_dtypes' types) take the general path's conversion
         key.append((a.dtype, a.shape))
     return tuple(key)
+
+
+class NumpyCheck:
+    """A new numpy signature's check (ExecutionContext._check: dtypes, ranks, fixed dims, symbols agreeing, the first
+    optimization profile holding the shapes) made from the signature alone (_numpy_signature's (dtype, shape) per
+    input), with the bindings' and profiles' facts found once: a CPU context checks each new signature once, right
+    after a run has cooled the caches, where _check's dicts, per-input calls and messages' machinery cost ~40 µs for
+    BERT-base's two inputs (bench/results/first-call-2026-12-06.md). It answers only where every check passes (the
+    profile's index); anything else is None, and the caller runs _check, which raises the error it always did."""
+
+    def __init__(self, inputs: list[tuple], symbols: list[tuple], profiles: list[tuple]):
+        self._inputs, self._symbols, self._profiles = inputs, symbols, profiles
+
+    @classmethod
+    def of(cls, bindings: list[Binding], profiles: list[Any]) -> NumpyCheck | None:
+        """The check of inputs `bindings` (in order) and optimization `profiles` (kiln/plan/spec.py Profile), or None
+        where _check does something else too (an input not a tensor, no profile: it keeps the last one)."""
+        if not profiles or any(b.kind != "tensor" for b in bindings):
+            return None
+        inputs, seen = [], {}
+        for i, b in enumerate(bindings):
+            accepted = None if not b.dtype else frozenset(d for d in _NUMPY_OWN if dtypes.from_numpy(d).name == b.dtype)
+            rank = None if b.shape is None else len(b.shape)
+            fixed = () if b.shape is None else tuple((a, d) for a, d in enumerate(b.shape) if isinstance(d, int))
+            inputs.append((accepted, rank, fixed))
+            for a, d in enumerate(b.shape or ()):
+                if isinstance(d, str):
+                    seen.setdefault(d, []).append((i, a))
+        symbols = [tuple(uses) for uses in seen.values() if len(uses) > 1]
+        index = {b.name: i for i, b in enumerate(bindings)}
+        bounds = [tuple((index[name], tuple(r.min), tuple(r.max)) for name, r in profile.inputs.items()
+                        if name in index) for profile in profiles]
+        return cls(inputs, symbols, bounds)
+
+    def __call__(self, key: tuple) -> int | None:
+        """The profile of numpy signature `key` where every check passes, else None."""
+        if len(key) != len(self._inputs):
+            return None
+        for (dtype, shape), (accepted, rank, fixed) in zip(key, self._inputs):
+            if accepted is not None and dtype not in accepted:
+                return None
+            if rank is not None:
+                if len(shape) != rank:
+                    return None
+                for axis, want in fixed:
+                    if shape[axis] != want:
+                        return None
+        for (i, a), *others in self._symbols:
+            size = key[i][1][a]
+            for j, b in others:
+                if key[j][1][b] != size:
+                    return None
+        for k, bounds in enumerate(self._profiles):
+            for i, low, high in bounds:
+                shape = key[i][1]
+                if len(shape) != len(low) or not all(lo <= d <= hi for d, lo, hi in zip(shape, low, high)):
+                    break
+            else:
+                return k
+        return None

@@ -16,7 +16,7 @@ import torch
 
 from kiln.errors import BindingError, EngineFormatError
 from kiln.ir import dtypes
-from kiln.runtime.bindings import _check_value, _numpy_signature, _tensor_signature, _to_user
+from kiln.runtime.bindings import NumpyCheck, _check_value, _numpy_signature, _tensor_signature, _to_user
 from kiln.runtime.buckets import PACKING, graph_rows, packed_rows, packing_rule, plan_buckets
 from kiln.runtime.cpu_paths import CpuPaths, _static_signature, _whole_segment
 from kiln.runtime.cuda_graphs import MAX_GRAPHS, MEMORY_BUDGET, GraphRunner
@@ -86,6 +86,7 @@ class ExecutionContext(WarmingUp, CpuPaths, GraphPaths):
         # skips the checks (a BERT at 7 tokens runs in ~0.1 ms of C; the checks were as much again)
         self._checked: dict[tuple, int] | None = {} if self._static is None and self.runner is None \
             and not engine.internal_dtype and self.buckets is None else None
+        self._numpy_check = NumpyCheck.of(engine.inputs, engine.profiles) if self._checked is not None else None
         self._cuda_static = _cuda_static_signature(engine) if self.runner is not None and self.runner.use_graphs \
             and self._token_mask is None else None
         if pad_first_calls is None:

@@ -231,7 +231,8 @@ class DirectRuns:
             value = plan[j][1]  # plan_slots[j]'s value
             if not isinstance(value, torch.Tensor) or value.dtype != dtype or not value.is_cpu:
                 return None
-            value = value.contiguous()
+            if not value.is_contiguous():  # (contiguous() is a dispatched op even where it returns the tensor)
+                value = value.contiguous()
             keep.append(value)
             addresses[position] = value.data_ptr()
             key[position] = tuple(value.shape)

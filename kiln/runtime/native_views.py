@@ -82,9 +82,10 @@ class _PlanRewrite:
     without its rule or loop step (BERT-base's view 0.22 -> 0.18 ms hot, bench/results/bind4-2026-12-05c.md). Where
     every member the walk evaluates has a rule, the walk itself is traced into one generated function of the entry
     dims (view_trace.py): a view on a traced path is one call of it, then the plans' stores (BERT-base's view ~65 ->
-    ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md). The
-    other members (kernels whose plans hold floats, squeeze-excite, a oneDNN layer at rows another kernel takes) are
-    bound as _Resized.bound_at binds them.
+    ~20 µs hot, ~0.31 -> ~0.17 ms in a first call, bench/results/first-call-2026-12-06.md); an alias (a Reshape
+    that moves no byte: no call, no plan) whose NativeStep has a size rule is such a member with no values (bert_tiny's
+    key mask [B, S] -> [B, 1, 1, S]). The other members (kernels whose plans hold floats, squeeze-excite, a oneDNN
+    layer at rows another kernel takes) are bound as _Resized.bound_at binds them.
 
     Exact: a rule's fields are computed by the functions the kernels' own constructors use, a member's other fields
     do not follow the sizes (its weights, epsilon, memory objects), and a member whose rule does not give back its
@@ -115,6 +116,13 @@ class _PlanRewrite:
             residual = m.inputs[native.residual_input] if native.residual_input is not None else None
             call = call_of.get(k)
             layout = _plan_layout(native, template.bound[call], arg) if call is not None else None
+            if layout is None and call is None and _alias_rule_holds(native, arg):
+                # an alias: its output size by its rule, no plan and no call (a walk of rules only is traced)
+                key = native.plan_at.key
+                rule = traced.get(key) or traced.setdefault(key, TracedRule(native.plan_at))
+                self._members.append((rule, at, reads, x, residual, outputs, None, (key, None), (x,), None))
+                counts.append(0)
+                continue
             if layout is None:
                 bind = None if call is None or template._accumulate[k] else \
                     arguments_layout(m, native, template.bound[call], arg, template._address)
@@ -147,6 +155,13 @@ class _PlanRewrite:
                 for m, native in zip(template.members, template._natives)}
         self._exits = [(s, forms[s][2], nhwc.get(s, False)) for s in template.exits]
         self._calls = _CallImage.of(template, self._members)  # None: views assemble their calls member by member
+        # where every call runs a rewritten plan (_assembled's views: BERT-base's 91), a view's plans and its loop's
+        # objects array are one buffer: the template's plans, then a word per call (its plan's offset, the buffer's
+        # address added per view)
+        self._image_calls, self._plan_words = None, None
+        if self._calls is not None and len(self._calls.plan_calls) == len(self._calls.objects):
+            self._image_calls = np.concatenate([self._image, np.zeros(len(self._calls.objects), np.int64)])
+            self._plan_words = self._calls.plan_offsets.astype(np.int64)
         self._binds = {k: member[9] for k, member in enumerate(self._members) if member[9] is not None}
         self._arguments = ViewArguments()  # the oneDNN members' arguments, kept across views (tables, handles)
         # the walk of view() as closed forms of the entry dims, where every member it evaluates has a rule
@@ -259,7 +274,7 @@ class _PlanRewrite:
         """`template`'s view at `key` from a traced path of view()'s walk (view_trace.py: its values and exits in one
         call), or None where no path holds (view() walks). No oneDNN member is bound on it: Segment._bind_sizes asks
         here before it opens the oneDNN memories' scope that a walk's bound members need."""
-        if self._calls is None or any(len(k) != len(t) for k, t in zip(key, template.entry_sizes)):
+        if self._calls is None or tuple(map(len, key)) != self._whole.ranks:
             return None
         whole = self._whole(key)
         return self._assembled(template, key, whole[0], whole[1]) if whole is not None else None
@@ -281,10 +296,25 @@ class _PlanRewrite:
     def _assembled(self, template: Any, key: tuple, values: list[int] | tuple[int, ...], exits: list[tuple[int, ...]]
                    ) -> _Resized:
         """The view whose every member's plan is rewritten (no oneDNN arguments, no member bound otherwise): its
-        plans from `values` (in member order), the call image's arrays pointed at them."""
-        buffer = self._plans(values)
-        entry_forms = ([tuple(size) for size in key], template.entry_dtypes, template.entry_layouts)
-        c = self._calls.at(buffer.ctypes.data, None)
+        plans from `values` (in member order), the call image's arrays pointed at them. Where every call runs a
+        rewritten plan, the plans and the calls' objects array are one buffer (_image_calls), its address asked of
+        __array_interface__ and the objects array a ctypes view of it by address: numpy's `.ctypes`, a second
+        array and ctypes' from_buffer cost ~30 µs of a first call's ~150 for the view, right after a run has cooled
+        the caches (bench/results/first-call-2026-12-06.md). The view owns the buffer (its last `owned`)."""
+        image = self._image_calls
+        if image is None:
+            buffer = self._plans(values)
+            c = self._calls.at(buffer.ctypes.data, None)
+        else:
+            buffer = image.copy()
+            if values:
+                where, halves = self._stores
+                buffer.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
+            base = buffer.__array_interface__["data"][0]
+            plans = len(self._image)
+            np.add(self._plan_words, base, out=buffer[plans:])
+            c = self._calls.over(base + plans * 8)
+        entry_forms = ([*map(tuple, key)], template.entry_dtypes, template.entry_layouts)
         return _Resized(template, {PARALLEL: c}, template._names, self._exit_shapes(exits), entry_forms, [buffer])
 
     def _scheduled(self, sizes: dict[int, tuple], bound: dict[int, SizedPrimitive], natives: dict[int, NativeStep]
@@ -339,6 +369,14 @@ class _CallImage:
                    np.frombuffer(args, np.uintp).copy(), np.array(plan_calls, np.intp),
                    np.array(plan_offsets, np.uintp), np.array(argument_calls, np.intp))
 
+    def over(self, objects: int) -> tuple:
+        """The loop's arrays of a view whose every call runs a rewritten plan, its objects array (each call's plan
+        address) at address `objects`, kept alive by the view (_PlanRewrite._assembled): the template's nargs and args
+        arrays (no oneDNN member)."""
+        run, functions, set_handle, nbind, memories, _addresses, moving, count, _objects, nargs, args, _ = self.loop
+        return (run, functions, set_handle, nbind, memories, (ctypes.c_void_p * max(nbind, 1))(), moving, count,
+                type(_objects).from_address(objects), nargs, args, ctypes.c_int(-1))
+
     def at(self, base: int, arguments: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple:
         """The loop's arrays of a view whose plans are at `base` and whose oneDNN members' (primitives, nargs, args)
         are `arguments` (ViewArguments.at's, every such member's)."""
@@ -370,6 +408,17 @@ def _int32_stores(where64: np.ndarray, value64: np.ndarray, where32: np.ndarray,
     where = np.concatenate([2 * where64, 2 * where64 + 1, where32])
     halves = np.concatenate([2 * value64 + low, 2 * value64 + 1 - low, 2 * value32 + low])
     return where, halves
+
+
+def _alias_rule_holds(native: NativeStep, arg: Any) -> bool:
+    """Whether `native` is an alias (a Reshape that moves no byte: no call) whose size rule gives back its own output
+    size at its template's sizes (`arg`)."""
+    if not native.alias or native.plan_at is None or native.reads is not None:
+        return False
+    try:
+        return native.plan_at(arg).output_sizes == (tuple(native.output_size),)
+    except ValueError:
+        return False
 
 
 def _plan_layout(native: NativeStep, bound: Any, arg: Any) -> tuple[int, bytes, list[tuple[int, int]]] | None:

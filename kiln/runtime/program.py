@@ -310,7 +310,7 @@ class Program:
     def _remember(self, signature: tuple, values: list[tuple[int, Any]]) -> None:
         """Keep a signature's shape values: at most SHAPE_PLANS signatures and SHAPE_PLAN_BYTES of tensors
         (the newest always kept), the least recently used out."""
-        size = sum(v.numel() * v.element_size() for _, v in values if isinstance(v, torch.Tensor))
+        size = sum(v.nbytes for _, v in values if isinstance(v, torch.Tensor))
         with self._plans_lock:
             if signature in self.shape_plans:  # another thread's run recorded it meanwhile
                 return

@@ -77,7 +77,7 @@ class _Memo:
             return found
 
     def put(self, key: tuple, values: tuple) -> None:
-        size = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+        size = sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
         with self._lock:
             if key in self._kept:
                 return
@@ -802,7 +802,12 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
     found = _Grouped(list(head), [], [], [])
     for deps in sorted(groups, key=lambda d: (len(d), sorted(d))):
         lines = groups[deps]
-        if deps == every or not every:  # what follows every dim: one signature's, which the Program keeps
+        if (deps == every or not every) and not _has_prefix(w, deps, lines):
+            # what follows every dim read is one signature's, which the Program keeps. A group of prefixes is kept
+            # even so: an input dim no line reads (an encoder's batch, where only the sequence is read) makes other
+            # signatures at the same dim, and at a new dim its _Prefix narrows a base (BERT-base's two embedding
+            # rows: two gathers of [s, 768] at each new s, ~0.15 ms of a first call: bench/results/
+            # first-call-2026-12-06.md)
             found.body += [line for line, _, _ in lines]
             continue
         memo = _Memo()
@@ -823,6 +828,14 @@ def _grouped(w: _Writer, stored: set[str]) -> _Grouped:
             found.body += [f"    _m = {call}", f"    {name}.put({key}, _m)", f"{kept} = _m"]
     found.body += rest
     return found
+
+
+def _has_prefix(w: _Writer, deps: frozenset, lines: list[tuple[str, tuple, tuple]]) -> bool:
+    """Whether the group of `deps` (one dim) defines a prefix along it (_prefix_group would make it a _Prefix)."""
+    if len(deps) != 1:
+        return False
+    (dim,) = deps
+    return any(var in w.along and w.along[var].dim == dim for _, defines, _ in lines for var in defines)
 
 
 def _prefix_group(w: _Writer, deps: frozenset, lines: list[tuple[str, tuple, tuple]], names: list[str],

@@ -37,6 +37,10 @@ class ViewTrace:
         self._forms = ClosedForms()
 
     @property
+    def ranks(self) -> tuple[int, ...]:
+        return self._ranks
+
+    @property
     def paths(self) -> int:
         return self._forms.paths
 

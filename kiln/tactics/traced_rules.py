@@ -59,6 +59,9 @@ def _source(x: Any) -> str | None:
     return None
 
 
+_IDENTITY = {("*", 1), ("+", 0), ("-", 0), ("//", 1)}  # x op n == x (n on the right; * and + on either side)
+
+
 def _arithmetic(symbol: str, function: Callable[[int, int], int], reflected: bool = False):
     def method(self: _Dim, other: Any) -> Any:
         source = _source(other)
@@ -66,6 +69,8 @@ def _arithmetic(symbol: str, function: Callable[[int, int], int], reflected: boo
         if source is None:  # a float, a bool...: the value is read
             self.trace.observe(self.source, self.value)
             return function(value, self.value) if reflected else function(self.value, value)
+        if type(other) is int and (symbol, other) in _IDENTITY and (not reflected or symbol in "*+"):
+            return self  # `1*d[0]` (a product's start) is d[0]: shorter closed forms, less code a view runs
         if reflected:
             return _Dim(f"({source}{symbol}{self.source})", function(value, self.value), self.trace)
         return _Dim(f"({self.source}{symbol}{source})", function(self.value, value), self.trace)

@@ -324,10 +324,11 @@ def test_a_layer_pinned_to_fp32_is_called_through_its_kernel(shapes):
             assert torch.equal(envs[0][s], envs[1][s])
 
 
-def _prefix_model() -> bytes:
+def _prefix_model(second_dim: bool = True) -> bytes:
     """Values that follow the second dim m alone as prefixes along it: a Slice [0, m) of a constant of 10 positions
     (clamped past m = 10), rows of a table gathered by it, an arange(0, m) unsqueezed, compared and cast (then
-    expanded to [n, m]: that follows both dims)."""
+    expanded to [n, m]: that follows both dims; `second_dim` False: added to x as it is, [1, m], and no line reads
+    n, as an exported encoder reads only its sequence length)."""
     def const(name, dims, values, kind=TensorProto.INT64):
         return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, kind, dims, values))
 
@@ -345,22 +346,28 @@ def _prefix_model() -> bytes:
         helper.make_node("Unsqueeze", ["r", "ax0"], ["r_row"]),  # [1, m]
         helper.make_node("GreaterOrEqual", ["r_row", "two"], ["late"]),
         helper.make_node("Cast", ["late"], ["latef"], to=TensorProto.FLOAT),
-        helper.make_node("Shape", ["x"], ["n1"], start=0, end=1),  # a second dim: the group of m is kept per m
-        helper.make_node("Concat", ["n1", "m1"], ["nm"], axis=0),
-        helper.make_node("Expand", ["latef", "nm"], ["late_grid"]),
-        helper.make_node("Add", ["x", "late_grid"], ["y2"]),
     ]
+    if second_dim:
+        nodes += [helper.make_node("Shape", ["x"], ["n1"], start=0, end=1),  # a second dim: the group of m is kept
+                  helper.make_node("Concat", ["n1", "m1"], ["nm"], axis=0),
+                  helper.make_node("Expand", ["latef", "nm"], ["late_grid"]),
+                  helper.make_node("Add", ["x", "late_grid"], ["y2"])]
+    else:
+        nodes.append(helper.make_node("Add", ["x", "latef"], ["y2"]))
     graph = helper.make_graph(nodes, "prefixes", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"])],
                               [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("y1", "y2")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
-def test_values_that_are_prefixes_along_one_dim_are_narrowed_from_a_larger_one_and_equal_the_steps(tmp_path):
+@pytest.mark.parametrize("second_dim", [True, False])
+def test_values_that_are_prefixes_along_one_dim_are_narrowed_from_a_larger_one_and_equal_the_steps(tmp_path,
+                                                                                                  second_dim):
     """The group following m is computed once at the Slice's constant's length (10) and narrowed at each new m:
     equal to the steps, strides included, at fresh m in any order and at m past 10 (the Slice clamps: computed, not
-    narrowed); first calls equal onnxruntime."""
+    narrowed); first calls equal onnxruntime. Also where m is the only dim any line reads (`second_dim` False: the
+    group follows every dim read, yet a new n at a known m is another signature, and a new m narrows)."""
     path = tmp_path / "prefixes.onnx"
-    path.write_bytes(_prefix_model())
+    path.write_bytes(_prefix_model(second_dim))
     engine = kiln.build(str(path), profiles=[{"x": "1x1,2x8,4x16"}])
     program = engine.program
     source = program.shape_function.source

@@ -5,8 +5,9 @@ random shapes; off every traced path (sizes whose checks or rules go another way
 
 The engine: an MLP block with a residual and a LayerNorm ([batch, seq, 64], symbolic batch and sequence), every
 member of its one segment a kiln kernel with a plan rule (two of kiln's packed GEMMs, kiln's LayerNorm), as
-BERT-base's are. bert_tiny's views keep a Reshape alias, which the trace does not follow: they are bound by the walk
-(tests/unit/test_native_binding.py)."""
+BERT-base's are. bert_tiny's segment has a Reshape alias (its key mask [B, S] -> [B, 1, 1, S]): its size rule
+(cpu.alias.Reshape's plan_at) puts bert_tiny's views on a traced walk too, checked the same way; the rule itself
+against the op at random sizes."""
 
 from __future__ import annotations
 
@@ -65,6 +66,44 @@ def _segment(engine):
     return segment
 
 
+def _answers_counted(monkeypatch) -> list[bool]:
+    """Whether each view asked of a traced walk found a path (ViewTrace.__call__ wrapped)."""
+    answered: list[bool] = []
+    call = view_trace.ViewTrace.__call__
+
+    def counting(self, key):
+        found = call(self, key)
+        answered.append(found is not None)
+        return found
+
+    monkeypatch.setattr(view_trace.ViewTrace, "__call__", counting)
+    return answered
+
+
+def _traced_views_are_the_walks(segment, monkeypatch) -> int:
+    """Each view of `segment` on a traced path made again from the trace and by the walk: exits, entries, calls and
+    plans byte for byte. Returns how many were compared."""
+    template = segment._grown or segment
+    rewrite = template._rewrite
+    compared = 0
+    for key, view in list(segment.resized.items()):
+        if view is None or view.template is not template or rewrite._whole(key) is None:
+            continue
+        traced = rewrite.view(template, key)
+        with monkeypatch.context() as walking:
+            walking.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)
+            walked = rewrite.view(template, key)
+        assert traced is not None and walked is not None, key
+        assert traced.exit_shapes == walked.exit_shapes and traced.entry_sizes == walked.entry_sizes, key
+        assert _calls(traced) == _calls(walked), key
+        plans_traced, plans_walked = traced._owned[0], walked._owned[0]  # the plans, then the calls' objects
+        plans = rewrite._image.nbytes  # (the objects: addresses in each buffer, compared by _calls)
+        assert ctypes.string_at(plans_traced.ctypes.data, plans) == \
+            ctypes.string_at(plans_walked.ctypes.data, plans), f"{key}: the plans differ"
+        compared += 1
+    return compared
+
+
 def _calls(view) -> list[tuple[int, int]]:
     """(function, plan offset in the view's plan buffer) of each call of its loop."""
     c = view._c[PARALLEL]
@@ -77,15 +116,7 @@ def test_views_on_a_traced_walk_are_the_walks_byte_for_byte_and_runs_match_onnxr
     context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds
     rng = np.random.default_rng()
     segment = _segment(engine)
-    answered = []
-    call = view_trace.ViewTrace.__call__
-
-    def counting(self, key):
-        found = call(self, key)
-        answered.append(found is not None)
-        return found
-
-    monkeypatch.setattr(view_trace.ViewTrace, "__call__", counting)
+    answered = _answers_counted(monkeypatch)
     context.run(_x(rng, 4, 16))  # the largest sizes first: the template grows to them once, the views fit it after
     shapes = {(int(rng.integers(1, 5)), int(rng.integers(1, 17))) for _ in range(14)} - {(4, 16)}
     for batch, seq in sorted(shapes, key=lambda _: rng.random()):
@@ -93,25 +124,9 @@ def test_views_on_a_traced_walk_are_the_walks_byte_for_byte_and_runs_match_onnxr
         got = context.run(feeds)["y"]
         np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=ORT_TOL, atol=ORT_TOL,
                                    err_msg=f"{batch}x{seq}")
-    template = segment._grown or segment
-    rewrite = template._rewrite
-    assert rewrite._whole.paths > 0, "no path of the walk was traced"
+    assert (segment._grown or segment)._rewrite._whole.paths > 0, "no path of the walk was traced"
     assert sum(answered) >= len(shapes) // 2, f"{sum(answered)} of {len(answered)} views from the traced walk"
-    compared = 0
-    for key, view in list(segment.resized.items()):
-        if view is None or view.template is not template or rewrite._whole(key) is None:
-            continue
-        traced = rewrite.view(template, key)
-        with monkeypatch.context() as walking:
-            walking.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)
-            walked = rewrite.view(template, key)
-        assert traced is not None and walked is not None, key
-        assert traced.exit_shapes == walked.exit_shapes and traced.entry_sizes == walked.entry_sizes, key
-        assert _calls(traced) == _calls(walked), key
-        plans_traced, plans_walked = traced._owned[0], walked._owned[0]
-        assert ctypes.string_at(plans_traced.ctypes.data, plans_traced.nbytes) == \
-            ctypes.string_at(plans_walked.ctypes.data, plans_walked.nbytes), f"{key}: the plans differ"
-        compared += 1
+    compared = _traced_views_are_the_walks(segment, monkeypatch)
     assert compared >= 3, f"{compared} views compared"
 
 
@@ -202,3 +217,115 @@ def test_one_int32_store_writes_the_plans_as_the_two_stores_did():
         where, halves = _int32_stores(where64, value64, where32, value32, remap)
         got.view(np.int32)[where] = np.array(values, np.int64).view(np.int32)[halves]
         assert np.array_equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def tiny_on_kiln_gemms():
+    """bert_tiny (symbolic batch and sequence, profile 1x1..4x32..4x48 as tests/conftest.py's dynamic_bert_tiny) with
+    its linear layers on kiln's GEMM (the other FusedGemm tactics left out of the search: a layer tuned on oneDNN
+    binds its own rows, and such a walk is never traced), and an onnxruntime session of the same file. Its one
+    segment: kiln's kernels, each with a plan rule, and the key mask's Reshape alias."""
+    import onnxruntime as ort
+
+    import kiln
+    from kiln import zoo
+    from kiln.tactics import registry
+
+    registry.load_device("cpu")
+    allowed = [name for name, tactic in registry.all_tactics("cpu").items()
+               if tactic.op_type != "FusedGemm" or name == "cpu.gemm.kiln_packed"]
+    exported = zoo.export("bert_tiny", dynamic=True)
+    engine = kiln.build(str(exported.path), profiles=[{"input_ids": "1x1,4x32,4x48"}], tactics=allowed)
+    return engine, ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+
+
+def _tiny_feeds(rng, batch, seq):
+    mask = np.ones((batch, seq), np.int64)
+    for row in range(batch):
+        mask[row, rng.integers(1, seq + 1):] = 0
+    return {"input_ids": rng.integers(0, 1024, (batch, seq), dtype=np.int64), "attention_mask": mask}
+
+
+def test_bert_tinys_views_with_a_reshape_alias_are_traced_and_are_the_walks(tiny_on_kiln_gemms, monkeypatch):
+    """The alias's size rule makes every member bert_tiny's walk evaluates one with a rule: its views come from a
+    traced walk (before the rule, never: the alias was evaluated by making its NativeStep), byte for byte the
+    walk's, their runs bit for bit the walk's and within ORT_TOL of onnxruntime, at fresh shapes."""
+    engine, session = tiny_on_kiln_gemms
+    (segment,) = engine.program.segments
+    template = segment._grown or segment
+    aliases = [k for k, native in enumerate(template._natives) if native.alias]
+    assert aliases, "bert_tiny's segment has no Reshape alias (the key mask's): this test checks nothing"
+    context = engine.create_execution_context(pad_first_calls=False)  # every new shape binds
+    rng = np.random.default_rng()
+    answered = _answers_counted(monkeypatch)
+    context.run(_tiny_feeds(rng, 4, 48))  # the largest first: the views fit the template after
+    shapes = sorted({(int(rng.integers(1, 5)), int(rng.integers(2, 49))) for _ in range(12)} - {(4, 48)},
+                    key=lambda _: rng.random())
+    feeds = [_tiny_feeds(rng, batch, seq) for batch, seq in shapes]
+    traced = []
+    for f in feeds:
+        traced.append(context.run(f))
+        for got, want in zip(traced[-1].values(), session.run(None, f)):
+            np.testing.assert_allclose(got, want, rtol=ORT_TOL, atol=ORT_TOL, err_msg=str(f["input_ids"].shape))
+    template = segment._grown or segment
+    rewrite = template._rewrite
+    assert all(rewrite._members[k][0] is not None for k in aliases), "an alias without its size rule"
+    assert rewrite._whole.paths > 0, "no path of bert_tiny's walk was traced"
+    assert sum(answered) >= len(shapes) // 2, f"{sum(answered)} of {len(answered)} views from the traced walk"
+    assert _traced_views_are_the_walks(segment, monkeypatch) >= 3
+    segment.resized.clear()
+    monkeypatch.setattr(view_trace.ViewTrace, "__call__", lambda self, key: None)  # the walk at every view
+    for f, ours in zip(feeds, traced):
+        for name, theirs in context.run(f).items():
+            np.testing.assert_array_equal(ours[name], theirs)
+
+
+@pytest.mark.parametrize("op_type, target, attributes", [
+    ("Reshape", [0, 1, 1, -1], {}), ("Reshape", [-1, 4], {}), ("Reshape", [0, 0, 2, -1], {}),
+    ("Reshape", [0, -1], {}), ("Reshape", [3, 0, -1], {}), ("Reshape", [2, 3, 4], {}),
+    ("Reshape", [0, 1, 3, 1], {}), ("Flatten", None, {"axis": 1}), ("Flatten", None, {"axis": -1}),
+    ("Flatten", None, {"axis": 0}),
+])
+def test_an_alias_size_rule_gives_the_ops_sizes_and_refuses_what_it_refuses(op_type, target, attributes):
+    """cpu.alias.Reshape / Flatten's plan_at against the alias's own NativeStep (the op on a meta tensor, its
+    layout check) at random sizes of ranks 2-4: the same output size, or ValueError where the step refuses; and
+    its traced closed forms (TracedRule, as a view asks) the same, path by path."""
+    import torch
+
+    from kiln.plan.spec import StepSpec
+    from kiln.tactics import registry
+    from kiln.tactics.traced_rules import TracedRule
+
+    registry.load_device("cpu")
+    rng = np.random.default_rng()
+    constants = [None] + ([torch.tensor(target)] if target is not None else [])
+    checked = answered = 0
+    for rank in [2] * 30 + [3] * 30 + [4] * 30:
+        tuned = tuple(int(d) for d in rng.integers(1, 5, rank))
+        inputs = ["x", "shape"] if target is not None else ["x"]
+        step = StepSpec(op_type, "alias", inputs, ["y"], attributes, tactic=f"cpu.alias.{op_type}",
+                        tactic_config={"input_size": list(tuned)})
+        try:
+            launch = registry.get(f"cpu.alias.{op_type}").prepare(step, constants, torch.device("cpu"))
+        except RuntimeError:  # the op refuses the tuned size itself (a build never tunes it there)
+            continue
+        native = getattr(launch, "native", None)
+        if native is None:
+            continue  # refused at the tuned size: no segment member
+        assert native.plan_at is not None, f"no size rule at {tuned}"
+        rule, traced = native.plan_at, TracedRule(native.plan_at)
+        checked += 1
+        for _ in range(20):
+            size = tuple(int(d) for d in rng.integers(1, 5, rank))
+            try:
+                want = tuple(native.at(size).output_size)
+            except (ValueError, RuntimeError):
+                with pytest.raises(ValueError):
+                    rule(size)
+                with pytest.raises(ValueError):
+                    traced(size)
+                continue
+            assert rule(size).output_sizes == (want,), (size, want)
+            assert traced(size).output_sizes == (want,) and traced(size).fields == {}, (size, want)
+            answered += 1
+    assert checked and answered, f"{checked} tuned sizes took the alias, {answered} sizes answered"

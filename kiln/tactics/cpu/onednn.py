@@ -43,6 +43,7 @@ tactic (cpu.gemm.onednn_direct) is onednn_gemm.py's.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -51,11 +52,12 @@ from typing import Any
 import torch
 
 from kiln.kernels.cpu import conv_silu, onednn, onednn_primitives, se
+from kiln.ops._util import ints
 from kiln.ops.registry import OpContext, lookup
 from kiln.plan.spec import StepSpec
 from kiln.tactics.registry import register
-from kiln.tactics.tactic import (InputMeta, NativeStep, Tactic, conv_geometry, conv_operands_refusal, resizable,
-                                 same_primitive)
+from kiln.tactics.tactic import (InputMeta, NativeStep, PlanRule, SizedPlan, Tactic, conv_geometry,
+                                 conv_operands_refusal, resizable, same_primitive)
 from kiln.tactics.tactic import attribute as _attr
 
 _CL = torch.channels_last
@@ -353,13 +355,15 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
                     num_inputs=len(step.inputs), num_outputs=1)
     attributes = {k: v for k, v in step.attributes.items()}
 
-    @resizable
+    rule = _alias_rule(step, lambda in_size: tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:],
+                                                       **attributes).shape), constants, attributes, size)
 
+    @resizable
     def native_at(in_size: tuple[int, ...]) -> NativeStep:
         out = tuple(op(ctx, torch.empty(in_size, device="meta"), *constants[1:], **attributes).shape)
         if not keeps_order(out):  # rows seen as a 4-D value would be read and handed out as NHWC
             raise ValueError(f"{step.name}: a 4-D output {list(out)} is channels-last in a segment")
-        return NativeStep(in_size, out, None, alias=True)
+        return NativeStep(in_size, out, None, alias=True, plan_at=rule)
 
     def launch(ctx, x, *inputs, **attrs):
         return op(ctx, x, *inputs, **attrs)
@@ -369,6 +373,63 @@ def _prepare_alias(step: StepSpec, constants: list[Any], device: torch.device):
     except ValueError:  # [B, S, C] -> [B, H, W, C] (Swin's token grid): a view outside segments
         pass
     return launch
+
+
+def _alias_rule(step: StepSpec, op_size: Callable[[tuple[int, ...]], tuple[int, ...]], constants: list[Any],
+                attributes: dict[str, Any], size: tuple[int, ...]) -> PlanRule | None:
+    """The alias's output size at other input sizes as arithmetic on them (NativeStep.plan_at: a SizedPlan with no
+    fields, the alias has no plan), or None where it does not give the op's own (`op_size`) at the tuned `size`.
+    A native segment's view evaluates a member without a rule by making its NativeStep (the op run on a meta
+    tensor), and a walk with such a member is never traced (kiln/runtime/view_trace.py): bert_tiny's key-mask
+    Reshape kept its every view on the walk. Traceable: comparisons and products of the sizes only, so a view's
+    traced walk follows it."""
+    if step.op_type == "Flatten":
+        axis = int(attributes.get("axis", 1))
+
+        def out_size(in_size: tuple) -> tuple:
+            at = axis + len(in_size) if axis < 0 else axis
+            if not 0 <= at <= len(in_size):
+                raise ValueError(f"{step.name}: Flatten's axis {axis} on a rank-{len(in_size)} input")
+            return math.prod(in_size[:at]), math.prod(in_size[at:])
+        key: tuple = ("alias", "Flatten", axis)
+    else:
+        if len(constants) > 1 and constants[1] is not None:
+            target = ints(constants[1])
+        else:
+            target = [int(d) for d in attributes.get("shape") or []]
+        allowzero = int(attributes.get("allowzero", 0))
+        if target.count(-1) > 1 or any(d < -1 for d in target):
+            return None
+
+        def out_size(in_size: tuple) -> tuple:
+            if not allowzero and len(target) > len(in_size) and 0 in target[len(in_size):]:
+                raise ValueError(f"{step.name}: a 0 past the input's rank")
+            out = [in_size[i] if d == 0 and not allowzero else d for i, d in enumerate(target)]
+            total = math.prod(in_size)
+            if -1 in target:
+                i = target.index(-1)
+                known = math.prod(out[:i]) * math.prod(out[i + 1:])
+                if known == 0 or total % known != 0:
+                    raise ValueError(f"{step.name}: {list(target)} does not divide an input of {total} elements")
+                out[i] = total // known
+            elif math.prod(out) != total:
+                raise ValueError(f"{step.name}: {list(target)} does not hold an input of {total} elements")
+            return tuple(out)
+        key = ("alias", "Reshape", tuple(target), allowzero)
+
+    def sized(in_size: tuple) -> SizedPlan:
+        out = out_size(tuple(in_size))
+        # keeps_order, the [N, 1, H, W] test first (a [B, 1, 1, S] key mask's path then holds at every S)
+        if len(out) == 4 and not (out[1] == 1 or out[2] * out[3] == 1):
+            raise ValueError(f"{step.name}: a 4-D output is channels-last in a segment")
+        return SizedPlan((out,), {})
+
+    try:
+        if sized(size).output_sizes != (op_size(size),):
+            return None
+    except (ValueError, RuntimeError):
+        return None
+    return PlanRule(sized, key, traceable=True)
 
 
 def keeps_order(size: tuple[int, ...]) -> bool:
