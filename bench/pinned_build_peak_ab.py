@@ -91,7 +91,8 @@ def main() -> None:
         if cache is None:
             cache = folder / "choices.json"
             first = child(ROOT, args.model, str(cache), args.threads)
-            print(f"choices pinned by a first build of B: {first['tactics']}, load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"choices pinned by a first build of B: {first['tactics']}, load {os.getloadavg()[0]:.1f}",
+                  flush=True)
         done: list[list[dict]] = [[], []]
         for r in range(args.rounds):
             for k in [*range(r % 2, 2), *range(r % 2)]:
@@ -102,8 +103,8 @@ def main() -> None:
                       f"changed={len(record.get('changed', {}))}, load {os.getloadavg()[0]:.1f}", flush=True)
                 done[k].append(report)
     weights = done[0][0]["weights"]
-    print(f"\n{args.model}, weights {weights / MiB:.0f} MiB; A {roots[0]}, B {ROOT}; {args.threads} threads; build peak "
-          "RSS growth over the imports, MiB, the same tactics pinned\n")
+    print(f"\n{args.model}, weights {weights / MiB:.0f} MiB; A {roots[0]}, B {ROOT}; {args.threads} threads; "
+          "build peak RSS growth over the imports, MiB, the same tactics pinned\n")
     print("| checkout | builds | median (x weights) |\n|---|---|---|")
     for k, reports in enumerate(done):
         peaks = [r["build"] for r in reports]
