@@ -142,6 +142,8 @@ class Segment:
         self.arena = arena  # another context's program binds these layers anew on its sibling (on_arena)
         shared = arena.take(peak) if arena is not None and peak else None
         self.buffers = [shared if shared is not None else hugepages.empty(peak // 4)] if peak else []
+        # where members take their scratch: the arena whose lock this segment's runs hold (below), else their own
+        self._scratch_arena = arena if shared is not None else None
         base = self.buffers[0].data_ptr() if peak else 0
         address: dict[int, int] = {s: base + spans[group[s]].offset for s in produced if group[s] in spans}
 
@@ -155,8 +157,10 @@ class Segment:
         self._names = []  # the layer each call belongs to
         self._call_counts = []  # calls of each bound member: a view whose members make as many shares _names
         member_calls = []
+        if self._scratch_arena is not None and any(native.scratch_bytes for native in natives):
+            self._scratch_arena.scratch(max(native.scratch_bytes for native in natives))  # its members' at once
         with onednn.shared_memories():  # one memory object per arena place and size (a view's too: _bind_sizes)
-            bound = [None if native.alias else _bind_member(m, native, accumulate[k], address)
+            bound = [None if native.alias else _bind_member(m, native, accumulate[k], address, self._scratch_arena)
                      for k, (m, native) in enumerate(zip(members, natives))]
         for k, (m, native) in enumerate(zip(members, natives)):
             if native.alias:

@@ -33,6 +33,8 @@ class SharedArena:
         self.planned = nbytes  # what it was made for (nbytes drops to 0 where no address space was had)
         self.lock = threading.Lock()
         self._buffer: torch.Tensor | None = None  # mapped at the first take: untouched pages hold no memory
+        self._scratch: torch.Tensor | None = None  # the members' temporaries (scratch)
+        self._scratch_lock = threading.Lock()  # two segments' views may be bound at once (each under its own lock)
 
     @staticmethod
     def bound(runs: list[list[tuple[tuple[int, ...], torch.dtype]]]) -> int:
@@ -56,3 +58,16 @@ class SharedArena:
                 self.nbytes = 0  # segments plan into arenas of their own, as large as each one's plan
                 return None
         return self._buffer[:nbytes // 4]
+
+    def scratch(self, nbytes: int) -> torch.Tensor:
+        """At least `nbytes` (a multiple of 4) of float32 memory for a member's temporaries within its own calls
+        (a Winograd layer's transformed tiles, kiln/kernels/cpu/winograd.py), the same memory for every member bound
+        over this arena: they run one at a time under its lock, and none reads another's temporaries. One of its
+        own per binding, ResNet-50's 8 Winograd layers held 26 MiB of them where the largest is 6.4 MiB (in each
+        program the build binds, and in the engine: bench/results/mem9-2026-12-06.md). A request larger than the
+        current buffer gets a new one, which later requests share; the members bound before keep theirs (they hold
+        it), so bound largest first it is one buffer."""
+        with self._scratch_lock:
+            if self._scratch is None or self._scratch.numel() * 4 < nbytes:
+                self._scratch = hugepages.empty(-(-nbytes // 4))
+            return self._scratch[:-(-nbytes // 4)]

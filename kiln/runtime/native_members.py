@@ -88,10 +88,11 @@ def _form(native: NativeStep) -> tuple:
             len(native.more_outputs), native.channels_last, native.rows_input)
 
 
-def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int]
-                 ) -> tuple[Any, list[tuple[int, Any]]]:
+def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: dict[int, int],
+                 arena: Any = None) -> tuple[Any, list[tuple[int, Any]]]:
     """A member's call bound to the planned addresses of what it reads and writes (0: an entry or
-    exit, pointed at per run): (Bound, [(slot, role)])."""
+    exit, pointed at per run): (Bound, [(slot, role)]). `arena`: the SharedArena whose lock the member's runs hold,
+    where a primitive that takes scratch (`binds_on_arena`) takes it from (SharedArena.scratch); None: its own."""
     x, out = m.inputs[0], m.outputs[0]
     residual = m.inputs[native.residual_input] if native.residual_input is not None else None
     prim = native.primitive(accumulate)
@@ -102,7 +103,9 @@ def _bind_member(m: BoundStep, native: NativeStep, accumulate: bool, address: di
         return b, [(out, "dst"), *more, *reads]
     if accumulate:
         return prim.bind(address.get(x, 0), address.get(out, 0)), [(x, "src"), (out, "dst")]
-    b = prim.bind(address.get(x, 0), address.get(out, 0), address.get(residual, 0) if residual is not None else None)
+    on_arena = {"arena": arena} if arena is not None and getattr(prim, "binds_on_arena", False) else {}
+    b = prim.bind(address.get(x, 0), address.get(out, 0), address.get(residual, 0) if residual is not None else None,
+                  **on_arena)
     return b, [(x, "src"), (out, "dst")] + ([(residual, "residual")] if residual is not None else [])
 
 

@@ -223,6 +223,10 @@ class NativeStep:
     # call's (kiln/runtime/native.py _PlanRewrite); the rule gives None where `at` would put those sizes on another
     # kernel or weight layout (then `at` binds them)
     primitive_at: PrimitiveRule | None = None
+    # bytes of temporaries the primitive's binding takes from its segment's arena where it binds over one (a
+    # Winograd layer's V and M: `bind(..., arena=)`, SharedArena.scratch): the segment asks for its members' largest
+    # before binding them, so they share one buffer whatever their order
+    scratch_bytes: int = 0
 
     @property
     def output_strides(self) -> tuple[int, ...]:

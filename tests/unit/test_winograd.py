@@ -153,3 +153,87 @@ def test_engine_with_winograd_layers_matches_onnxruntime(monkeypatch):
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = engine.run({"x": x})["y"]
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max() + 1e-6
+
+
+def _three_winograd_layers(seed: int = 5):
+    """conv3x3 8->16 -> conv3x3 16->16 (+ residual) -> conv3x3 16->8, all Winograd, on 10x10: one segment whose
+    members' scratch (V: 16·tiles·C, M: 16·tiles·K floats) are of three sizes, the second's the largest."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {"w1": torch.randn(16, 8, 3, 3, generator=g) * 0.2, "b1": torch.randn(16, generator=g),
+               "w2": torch.randn(16, 16, 3, 3, generator=g) * 0.1, "w3": torch.randn(8, 16, 3, 3, generator=g) * 0.1}
+    size1, size2 = [1, 8, 10, 10], [1, 16, 10, 10]
+    pads = {"pads": [1, 1, 1, 1], "kernel_shape": [3, 3]}
+    steps = [
+        StepSpec("FusedConv", "c1", ["x", "w1", "b1"], ["a"], {**pads, "activation": "Relu"}, domain="kiln",
+                 tactic=NAME, tactic_config={"input_size": size1, "residual": False}),
+        StepSpec("FusedConv", "c2", ["a", "w2", "", "a"], ["d"], {**pads, "activation": "Relu",
+                                                                 "residual_after_activation": 1},
+                 domain="kiln", tactic=NAME, tactic_config={"input_size": size2, "residual": True}),
+        StepSpec("FusedConv", "c3", ["d", "w3"], ["y"], pads, domain="kiln", tactic=NAME,
+                 tactic_config={"input_size": size2, "residual": False}),
+    ]
+
+    def want(x):
+        a = F.conv2d(x.double(), weights["w1"].double(), weights["b1"].double(), padding=1).relu()
+        d = F.conv2d(a, weights["w2"].double(), padding=1).relu() + a
+        return F.conv2d(d, weights["w3"].double(), padding=1)
+
+    return ProgramSpec(["x"], ["y"], steps, {k: k for k in weights}), weights, size1, want
+
+
+def test_a_segments_winograd_layers_share_their_arenas_scratch():
+    """Bound in a segment, every Winograd layer's V and M lie in its arena's scratch (SharedArena.scratch: they
+    run one at a time under its lock), not in buffers of their own; a copy for another context
+    (Program.with_own_arena) has a scratch of its own; the per-call path keeps its own. Outputs against float64,
+    the two contexts running at once on two threads. The scratch (weakref) dies with the program."""
+    import threading
+    import weakref
+
+    spec, weights, size, want = _three_winograd_layers()
+    program = Program(spec, weights)
+    (segment,) = program.segments
+    assert len(segment.bound) == 3
+    scratch = segment.arena._scratch
+    low, high = scratch.data_ptr(), scratch.data_ptr() + scratch.numel() * 4
+    for b in segment.bound:
+        for buffer in (b._v, b._m):
+            assert low <= buffer.data_ptr() and buffer.data_ptr() + buffer.numel() * 4 <= high
+    tiles = 25  # 5x5 tiles of 2x2 on 10x10
+    assert scratch.numel() == 16 * tiles * (16 + 16)  # the largest member's V + M: c2's (16 -> 16)
+    other = program.with_own_arena()
+    (twin,) = other.segments
+    assert twin.arena is not segment.arena and twin.arena._scratch.data_ptr() != scratch.data_ptr()
+
+    inputs = [torch.randn(*size, generator=torch.Generator().manual_seed(k)) for k in range(6)]
+    wanted = [want(x) for x in inputs]
+    errors: list[BaseException] = []
+
+    def runs(p):
+        try:
+            with torch.inference_mode():
+                for _ in range(5):
+                    for x, w in zip(inputs, wanted):
+                        assert_close(p.run([x])[0], w)
+        except BaseException as e:  # noqa: BLE001  raised in the main thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=runs, args=(p,)) for p in (program, other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+    convs = [b._conv for b in segment.bound]
+    alone = program.with_kernels(lambda i, fn: fn)  # each layer's launch, alone: its per-call binding's scratch
+    with torch.inference_mode():
+        for x, w in zip(inputs[:2], wanted):  # the same arithmetic on scratch of their own: the same bits
+            got = alone.run([x])[0]
+            assert_close(got, w)
+            assert torch.equal(got, program.run([x])[0])
+    for conv in convs:
+        assert conv._alone is not None and not low <= conv._alone._v.data_ptr() < high
+
+    dead = weakref.ref(scratch)
+    del scratch, segment, twin, program, other, alone, convs, conv, b, buffer, got  # no collection forced
+    assert dead() is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from typing import Any
 
 import torch
 
@@ -95,9 +96,18 @@ class WinogradConv:
         self._lock = threading.Lock()
         self._alone: _Bound | None = None
 
-    def bind(self, src: int, dst: int, residual: int | None = None) -> _Bound:
-        """The layer's three calls on memory objects of its own (scratch included)."""
-        return _Bound(self, src, dst, residual if self.residual else None)
+    @property
+    def scratch_bytes(self) -> int:
+        """A binding's scratch: V [16, tiles, C] then M [16, tiles, K], float32."""
+        return 16 * self._tiles * (self._shape["C"] + self._shape["K"]) * 4
+
+    binds_on_arena = True  # a segment's binding takes its scratch from the segment's arena (native_members.py)
+
+    def bind(self, src: int, dst: int, residual: int | None = None, arena: Any = None) -> _Bound:
+        """The layer's three calls on memory objects of its own; their scratch (V and M) its own too, or, with
+        `arena` (the SharedArena whose lock every run of the binding holds), the arena's scratch, which every
+        member bound over it shares (SharedArena.scratch): V and M live only within the layer's three calls."""
+        return _Bound(self, src, dst, residual if self.residual else None, arena)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, C, H, W] channels-last float32 of the built size -> y [N, K, H, W] channels-last."""
@@ -118,13 +128,17 @@ class WinogradConv:
 class _Bound:
     """A WinogradConv's calls for one segment (or for its own per-call path)."""
 
-    def __init__(self, conv: WinogradConv, src: int, dst: int, residual: int | None):
+    def __init__(self, conv: WinogradConv, src: int, dst: int, residual: int | None, arena: Any = None):
         lib = onednn.load()
         c, k, t = conv._shape["C"], conv._shape["K"], conv._tiles
         self.what = f"winograd conv {list(conv.input_size)} -> {list(conv.output_size)}"
         self._conv = conv
-        self._v = hugepages.empty(16 * t * c)  # scratch of its own: no other binding runs over it
-        self._m = hugepages.empty(16 * t * k)
+        if arena is not None:  # V then M (64·t·c bytes: M starts on a cache line)
+            scratch = arena.scratch(conv.scratch_bytes)
+            self._v, self._m = scratch[:16 * t * c], scratch[16 * t * c:16 * t * (c + k)]
+        else:  # scratch of its own: no other binding runs over it
+            self._v = hugepages.empty(16 * t * c)
+            self._m = hugepages.empty(16 * t * k)
         src_md, _, dst_md, _, x_md, y_md = conv._mds
         self._memories = {"src": onednn._memory(x_md.value, src), "dst": onednn._memory(y_md.value, dst)}
         if residual is not None:

@@ -498,7 +498,7 @@ def _prepare_winograd(step: StepSpec, constants: list[Any], device: torch.device
     def native_at(size: tuple[int, ...]) -> NativeStep:
         conv = _built(primitives, size, build, lambda key: key == tuned)
         return NativeStep(size, conv.output_size, same_primitive(conv),
-                          residual_input=3 if with_residual else None)
+                          residual_input=3 if with_residual else None, scratch_bytes=conv.scratch_bytes)
 
     launch.native = native_at(tuned)
     return launch
