@@ -137,9 +137,17 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
            unsigned: bool = False, weight_max: float | None = None,
            channel_means: dict[str, np.ndarray] | None = None,
            lows: dict[str, float] | None = None, per_tensor_weights: bool = False,
-           moments: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+           moments: dict[str, np.ndarray] | None = None, weight_only: set[str] = frozenset(),
+           private_pairs: bool = False) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
+
+    weight_only (layer names): those layers' weights are quantized (GPTQ and bias correction as for the others)
+    but their input is not: the layer reads its float input, W8A32 on the CPU (the fp32 kernel on int8-grid
+    weights), the precision between int8 and float that the accuracy-target search tries before a whole-float
+    layer (kiln/builder/sensitivity.py). private_pairs: each layer its own activation Q/DQ pair even where
+    several read one tensor (named <activation>_<layer>_q/_dq), so that each can be switched alone (the search's
+    SwitchedModel); the values are those of one shared pair.
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
@@ -198,9 +206,12 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             skipped[t.node.name] = f"its input {t.activation.name!r} has per-channel ranges: only a depthwise " \
                                    "convolution folds them into its weight scales"
             continue
-        dq = pairs.get(t.activation.name)
+        if t.node.name in weight_only:  # the float input: no pair, the weight alone quantized (below)
+            dq = t.activation
+        else:
+            dq = pairs.get(f"{t.activation.name}_{t.node.name}" if private_pairs else t.activation.name)
         if dq is None:
-            base = t.activation.name
+            base = f"{t.activation.name}_{t.node.name}" if private_pairs else t.activation.name
             high = _clip_max(t.activation)
             if high is not None and high > 0:
                 amax = np.minimum(amax, high)
@@ -228,7 +239,7 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                     s, name=f"{base}_qscale")))
                 zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype, amax.shape))
                 axis = {"axis": 1}
-            dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
+            dq = pairs[base] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis, base)
         t.node.replace_input_with(0, dq)
         h = (moments or {}).get(t.node.name) if dtype == "int8" and not per_tensor_weights else None
         weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name), h)
@@ -242,10 +253,10 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
 
 
 def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale: ir.Value, zero: ir.Value,
-                        axis: dict | None = None) -> ir.Value:
+                        axis: dict | None = None, base: str | None = None) -> ir.Value:
     """DQ(Q(value)) with these scale and zero point (initializers), inserted before `before`: the dequantized
-    value, named after `value` (<name>_q, <name>_dq)."""
-    base, axis = value.name, axis or {}
+    value, named after `base` (default: `value`'s name; <base>_q, <base>_dq)."""
+    base, axis = base or value.name, axis or {}
     q = ir.node("QuantizeLinear", [value, scale, zero], attributes=axis, name=f"{base}_quantize", num_outputs=1)
     q.outputs[0].name = f"{base}_q"
     q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
