@@ -110,7 +110,8 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | 
                    "weight_only": len(info.get("weight_only") or {}),
                    "quantized": len(info.get("quantized") or []),
                    "accuracy": {k: v for k, v in (info.get("accuracy") or {}).items()
-                                if k in ("metric", "top1", "top1_all_quantized", "error", "met", "measured")},
+                                if k in ("metric", "top1", "top1_all_quantized", "error", "met", "measured",
+                                         "top1_all_weight_only", "measured_weight_only")},
                    "build_s": round(built), "options": {**options, **metric,
                                                         **({"weights_only": True} if weights_only else {})}}
             for name, vs in sets.items():

@@ -20,11 +20,16 @@ and whether a top-1 survives depends on that noise against the input's margin, n
        picks does not);
     3. the fewest of the most sensitive layers kept float that reach the target, by bisection over how many.
 
-Before any layer goes back to float, the search tries the precision between (weight_only, on by default):
-the layer's weights quantized, its input not (qdq.insert's weight_only; on the CPU the fp32 kernel on int8-grid
-weights). Most of an int8 layer's error on MobileNetV2 is its input's rounding (bench/results/quantacc3-2026-12-06.md:
-weights alone cost relerr 0.02-0.04 of int8's 0.12). The same bisection over the same ranking, with the top layers
-weight-only instead of float; if every layer weight-only still misses the target, the float search runs as before.
+The precision between (weight_only; BuildConfig.accuracy_weight_only, on by default): the layer's weights
+quantized, its input not (qdq.insert's weight_only; on the CPU the fp32 kernel on int8-grid weights). Most of an
+int8 layer's error on MobileNetV2 is its input's rounding (bench/results/quantacc3-2026-12-06.md: weights alone cost
+relerr 0.02-0.04 of int8's 0.12).
+
+    "top1": when every layer weight-only reaches the target, the fewest layers weight-only that reach it, ranked by
+            the softmax KL with their input alone quantized (what going weight-only saves), by the same bisection;
+            chosen unless the float search needs fewer layers (a weight-only layer runs the float kernel on the
+            CPU: fewer layers away from int8 is the faster engine).
+    "error": when every layer weight-only meets it, the most sensitive go weight-only one by one instead of float.
 
 One program serves every measurement: the model with every layer's Q/DQ, lowered without folding, run
 with each layer's quantization switched on, weight-only or off (an off layer's Q/DQ pass values through and
@@ -102,10 +107,11 @@ class SwitchedModel:
             self.reference = [Program(*lower(_copy(model))[:2]).run(f) for f in self.feeds]
 
     def outputs(self, quantized: set[str], batches: list[int] | None = None,
-                weight_only: set[str] = frozenset()) -> list[list[Any]]:
+                weight_only: set[str] = frozenset(), input_only: set[str] = frozenset()) -> list[list[Any]]:
         """Per batch (those of index in `batches`; None: all), the model's outputs with exactly the layers in
-        `quantized` quantized and those in `weight_only` (not in `quantized`) with their weights alone quantized."""
-        on_pairs = {self.switches[n].activation for n in quantized}
+        `quantized` quantized, those in `weight_only` with their weights alone quantized and those in `input_only`
+        their input alone (float weight and bias: what weight-only would save)."""
+        on_pairs = {self.switches[n].activation for n in set(quantized) | set(input_only)}
         off_steps = {i for s in self.switches.values() if s.activation not in on_pairs for i in s.activation}
         off = [s for n, s in self.switches.items() if n not in quantized and n not in weight_only]
         float_weights = {s.weight: s.float_weight for s in off}
@@ -297,23 +303,33 @@ def _fewest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str]
     order = sorted(layers, key=lambda n: -sensitivity[n])
     record["sensitivity"] = {k: round(v, 8) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}
     why = {name: f"sensitivity {sensitivity[name]:.3g} (softmax KL with it alone quantized)" for name in order}
-    if weight_only:
-        every = agreement(set(), set(layers))
-        record["top1_all_weight_only"] = round(every, 6)
-        if every >= target:
-            measured = {0: all_on, len(order): every}
-            count = _fewest(order, lambda k: agreement(set(order[k:]), set(order[:k])), lambda v: v >= target,
-                            measured, say, "weight-only: expected top-1")
-            record.update({"top1": measured[count], "kept_float": {}, "met": True,
-                           "weight_only": {name: why[name] for name in order[:count]},
-                           "measured_weight_only": {str(k): round(v, 6) for k, v in sorted(measured.items())}})
-            return set(), record
-        say(f"accuracy: every layer weight-only keeps an expected {every:.4f} of top-1s < target {target:g}: "
-            "layers go float")
     measured = {0: all_on, len(order): 1.0}  # every layer float: the reference itself
     count = _fewest(order, lambda k: agreement(set(order[k:])), lambda v: v >= target, measured, say,
                     "float: expected top-1")
     record.update({"top1": measured[count], "kept_float": {name: why[name] for name in order[:count]},
                    "weight_only": {}, "met": measured[count] >= target,
                    "measured": {str(k): round(v, 6) for k, v in sorted(measured.items())}})
-    return set(order[:count]), record
+    if not weight_only:
+        return set(order[:count]), record
+    every = agreement(set(), set(layers))
+    record["top1_all_weight_only"] = round(every, 6)
+    if every < target:
+        say(f"accuracy: every layer weight-only keeps an expected {every:.4f} of top-1s < target {target:g}: "
+            f"{count} layer(s) float")
+        return set(order[:count]), record
+    # what going weight-only saves is the input's rounding: ranked by that alone (a layer whose error is its
+    # weights' gains nothing)
+    inputs = {name: softmax_kl(switched.outputs(set(), closest, input_only={name}), reference) for name in layers}
+    by_input = sorted(layers, key=lambda n: -inputs[n])
+    record["input_sensitivity"] = {k: round(inputs[k], 8) for k in by_input}
+    found = {0: all_on, len(by_input): every}
+    moved = _fewest(by_input, lambda k: agreement(set(by_input[k:]), set(by_input[:k])), lambda v: v >= target,
+                    found, say, "weight-only: expected top-1")
+    record["measured_weight_only"] = {str(k): round(v, 6) for k, v in sorted(found.items())}
+    if moved > count:  # float layers reach it with fewer layers away from int8: those (on the CPU, the same kernels)
+        say(f"accuracy: {moved} layer(s) weight-only or {count} float: float")
+        return set(order[:count]), record
+    record.update({"top1": found[moved], "kept_float": {}, "met": True, "weight_only": {
+        name: f"input sensitivity {inputs[name]:.3g} (softmax KL with its input alone quantized)"
+        for name in by_input[:moved]}})
+    return set(), record

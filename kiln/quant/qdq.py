@@ -145,7 +145,8 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     weight_only (layer names): those layers' weights are quantized (GPTQ and bias correction as for the others)
     but their input is not: the layer reads its float input, W8A32 on the CPU (the fp32 kernel on int8-grid
     weights), the precision between int8 and float that the accuracy-target search tries before a whole-float
-    layer (kiln/builder/sensitivity.py). private_pairs: each layer its own activation Q/DQ pair even where
+    layer (kiln/builder/sensitivity.py). Its weight is stored dequantized (a float constant on the int8/E4M3 grid,
+    _folded_weight), so that the float kernels pack it once. private_pairs: each layer its own activation Q/DQ pair even where
     several read one tensor (named <activation>_<layer>_q/_dq), so that each can be switched alone (the search's
     SwitchedModel); the values are those of one shared pair.
 
@@ -246,6 +247,8 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
+        if t.node.name in weight_only and not private_pairs:
+            weight_dq = _folded_weight(graph, weight_dq)
         t.node.replace_input_with(1, weight_dq)
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
@@ -301,6 +304,26 @@ def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tenso
     d.outputs[0].shape = t.weight.shape
     graph.insert_before(t.node, [d])
     return d.outputs[0]
+
+
+def _folded_weight(graph: ir.Graph, weight_dq: ir.Value) -> ir.Value:
+    """A weight-only layer's DQ(W_q) as a float constant, (W_q - 0)·s in float32 as DequantizeLinear computes it:
+    constant folding keeps Q/DQ nodes for the quantized layers' fusion, and a Conv reading a DequantizeLinear
+    step would run no packed float kernel (the weight recomputed and re-laid out every run)."""
+    dq = weight_dq.producer()
+    q, scale = dq.inputs[0].const_value.numpy(), dq.inputs[1].const_value.numpy()
+    shape = [1] * q.ndim
+    shape[dq.attributes["axis"].value] = -1
+    w = (q.astype(np.float32) * scale.astype(np.float32).reshape(shape)).astype(np.float32)
+    name = weight_dq.name.removesuffix("_dq") + "_int8grid" if q.dtype == np.int8 else \
+        weight_dq.name.removesuffix("_dq") + "_fp8grid"
+    value = _initializer(graph, ir.Value(name=name, const_value=ir.tensor(w, name=name)))
+    value.dtype, value.shape = weight_dq.dtype, weight_dq.shape  # what the fusions read (a Conv's kernel size)
+    graph.remove(dq, safe=False)
+    for v in dq.inputs[:3]:
+        if v is not None and not v.uses() and v.name in graph.initializers:
+            graph.initializers.pop(v.name)
+    return value
 
 
 def _dequantized_weight(value: ir.Value) -> np.ndarray:
