@@ -222,7 +222,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     LayerNorm (or a MatMul/Gemm) are smoothed (kiln/quant/smoothquant.py), the float model unchanged.
     """
     dtype = config.precision
-    exclude = set(config.layer_precision)
+    # layer_precision: "fp32" pins a layer float, "weight_only" its weights quantized and its input float
+    pinned_weight_only = {name for name, p in config.layer_precision.items() if p == qdq.WEIGHT_ONLY}
+    exclude = set(config.layer_precision) - pinned_weight_only
     if config.quantization not in ("auto", "emulate"):
         raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
     model = optimize(model, PassOptions(opt_level=config.opt_level, verify=config.verify, fusions=False))
@@ -285,8 +287,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
     if config.accuracy_target is not None:
+        # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude, say, metric=config.accuracy_metric, unsigned=unsigned,
+                                                  exclude | pinned_weight_only, say, metric=config.accuracy_metric, unsigned=unsigned,
                                                   weight_max=weight_max, channel_means=channel_means, lows=lows,
                                                   moments=moments, weight_only=config.accuracy_weight_only)
     if config.bias_correction and not channel_means:
@@ -296,7 +299,8 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     elif config.gptq and not moments:
         say("gptq: the ranges came from the cache, which holds no second moments: weights rounded to nearest")
     # weight-only layers (the search's precision between): their weights quantized, their inputs float
-    weight_only = set(accuracy.get("weight_only") or {})
+    chosen_weight_only = {**{name: "pinned" for name in pinned_weight_only}, **(accuracy.get("weight_only") or {})}
+    weight_only = set(chosen_weight_only)
     # readers kept float or weight-only (a float input): their Adds too
     adds = residual.plan(model.graph, exclude | sensitive | weight_only) if adds else []
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
@@ -307,8 +311,7 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
-                   "weight_only": {name: why for name, why in (accuracy.get("weight_only") or {}).items()
-                                   if name not in skipped},
+                   "weight_only": {name: why for name, why in chosen_weight_only.items() if name not in skipped},
                    "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},

@@ -19,7 +19,8 @@ class BuildConfig:
     profiles: list[dict[str, Any]] = field(default_factory=list)
     # symbolic dims where zero padding is exact, besides batch and a masked sequence (runtime/buckets.py)
     pad_dims: list[str] = field(default_factory=list)
-    layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
+    # layer name -> "fp32" (pinned float) or, in an int8/fp8 build, "weight_only" (its weights quantized, input float)
+    layer_precision: dict[str, str] = field(default_factory=dict)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all

@@ -100,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")
+    p.add_argument("--pin-weight-only", action="append", metavar="LAYER",
+                   help="with --int8/--fp8: quantize this layer's (ONNX node name) weights only, its input stays "
+                        "float; repeatable")
     p.add_argument("--pin-fp32", action="append", metavar="LAYER",
                    help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",

@@ -34,6 +34,7 @@ from kiln.quant import gptq
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # float8e4m3fn
+WEIGHT_ONLY = "weight_only"  # a layer_precision value: the layer's weights quantized, its input float (insert)
 ASYMMETRIC = 0.5  # int8: an activation whose negative side reaches at most this fraction of amax is uint8 + zero point
 
 

@@ -168,3 +168,19 @@ def _float_weight(model: ir.Model, layer: str, proto) -> ir.Model:
 def onnx_numpy(tensor) -> np.ndarray:
     import onnx
     return onnx.numpy_helper.to_array(tensor)
+
+
+def test_a_layer_pinned_weight_only_and_the_build_summary_say_so(net):
+    proto, batches = net
+    model, info = quantize(ir.from_proto(proto), BuildConfig(precision="int8", quantization="emulate",
+                                                             calibration=batches, calibrator="minmax",
+                                                             layer_precision={"mid": "weight_only", "head": "fp32"}),
+                           lambda _m: None)
+    assert info["weight_only"] == {"mid": "pinned"} and "head" in info["kept_float"]
+    assert sorted(info["quantized"]) == ["classifier", "stem"]
+    nodes = {n.name: n for n in model.graph}
+    assert nodes["mid"].inputs[0].producer().op_type == "Relu" and nodes["mid"].inputs[1].producer() is None
+    from kiln.cli.build import _quantization_rows
+    rows = _quantization_rows(info)
+    assert "1 weight-only (int8 weights, float input)" in rows[0][1]
+    assert ("  weight-only", "mid: pinned") in rows
