@@ -91,7 +91,8 @@ def main() -> None:
         inp = relerr(switched.outputs(set(), few, input_only={name}), want)
         rows.append((short.get(name, name), full, weight, inp))
     rows.sort(key=lambda r: -r[1])
-    print(f"\n{args.dtype}: each layer alone (the rest float), mean relerr of the logits over {len(few)} held-out images")
+    print(f"\n{args.dtype}: each layer alone (the rest float), mean relerr of the logits over {len(few)} held-out "
+          "images")
     print("| layer | weight + input | weight alone | input alone |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]:.4f} | {r[2]:.4f} | {r[3]:.4f} |")

@@ -62,7 +62,8 @@ def main() -> None:
         engines[label] = kiln.build(path, **options)
         q = engines[label].plan.header.get("quantization") or {}
         ran = [v["precision"] for v in (q.get("layers") or {}).values()]
-        notes[label] = {"build_s": round(time.perf_counter() - start), "ran": {p: ran.count(p) for p in sorted(set(ran))},
+        notes[label] = {"build_s": round(time.perf_counter() - start),
+                        "ran": {p: ran.count(p) for p in sorted(set(ran))},
                         "weight_only": len(q.get("weight_only") or {}), "kept_float": len(q.get("kept_float") or {}),
                         "expected_top1": (q.get("accuracy") or {}).get("top1")}
         print(label, notes[label], flush=True)

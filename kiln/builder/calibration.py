@@ -289,8 +289,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     if config.accuracy_target is not None:
         # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude | pinned_weight_only, say, metric=config.accuracy_metric, unsigned=unsigned,
-                                                  weight_max=weight_max, channel_means=channel_means, lows=lows,
+                                                  exclude | pinned_weight_only, say, metric=config.accuracy_metric,
+                                                  unsigned=unsigned, weight_max=weight_max,
+                                                  channel_means=channel_means, lows=lows,
                                                   moments=moments, weight_only=config.accuracy_weight_only)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
@@ -331,27 +332,28 @@ INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
 
 
 def summarize(program, tactics: dict, smoothing: dict | None = None,
-              quantization: dict | None = None) -> dict[str, dict[str, str]]:
+              quantization: dict | None = None, storage: str = "fp32") -> dict[str, dict[str, str]]:
     """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
     autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"]);
     with SmoothQuant, whether its input was smoothed or why not. `quantization` (quantize's record): the layers
-    an accuracy target made weight-only or kept float, which run float kernels, with the target's reason."""
+    an accuracy target made weight-only or kept float (or layer_precision pinned weight-only), which run float
+    kernels of the engine's `storage`, with the target's reason."""
     smoothing = smoothing or {}
     notes = {**smoothing.get("smoothed", {}), **smoothing.get("skipped", {})}
     tuned = tactics.get("layers", {})
     found: dict[str, dict[str, str]] = {}
     quantization = quantization or {}
     dtype = quantization.get("dtype", "int8")
-    by_target = {**{name: ("fp32", why) for name, why in
+    by_target = {**{name: (storage, f"accuracy target: {why}") for name, why in
                     ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},
-                 **{name: (f"{dtype} weights, fp32 input", why) for name, why in
-                    (quantization.get("weight_only") or {}).items()}}
+                 **{name: (f"{dtype} weights, {storage} input", why if why == "pinned" else f"accuracy target: {why}")
+                    for name, why in (quantization.get("weight_only") or {}).items()}}
     for step in program.steps:
         layer_names = [step.name, *(step.fused_from or ())]
         chose = next((by_target[n] for n in layer_names if n in by_target), None)
         if chose is not None:  # a float kernel, by the accuracy target's choice
             found[step.name] = {"precision": chose[0], "tactic": (tuned.get(step.name) or {}).get(
-                "tactic", step.tactic or "default"), "why": f"accuracy target: {chose[1]}"}
+                "tactic", step.tactic or "default"), "why": chose[1]}
             continue
         if step.domain != "kiln" or step.op_type not in ("QConv", "QGemm"):
             continue

@@ -147,9 +147,10 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
     but their input is not: the layer reads its float input, W8A32 on the CPU (the fp32 kernel on int8-grid
     weights), the precision between int8 and float that the accuracy-target search tries before a whole-float
     layer (kiln/builder/sensitivity.py). Its weight is stored dequantized (a float constant on the int8/E4M3 grid,
-    _folded_weight), so that the float kernels pack it once. private_pairs: each layer its own activation Q/DQ pair even where
-    several read one tensor (named <activation>_<layer>_q/_dq), so that each can be switched alone (the search's
-    SwitchedModel); the values are those of one shared pair.
+    _folded_weight), so that the float kernels pack it once.
+    private_pairs: each layer its own activation Q/DQ pair even where several read one tensor (named
+    <activation>_<layer>_q/_dq), so that each can be switched alone (the search's SwitchedModel); the values are
+    those of one shared pair.
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
