@@ -78,8 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-target", type=float, metavar="T",
                    help="with --int8/--fp8, measured on the calibration data: the largest output error relative to "
                         "the output's scale (e.g. 0.02), or with --accuracy-metric top1 the share of inputs whose "
-                        "top-1 class stays fp32's (e.g. 0.97); the fewest most sensitive layers go weight-only "
-                        "(int8/fp8 weights, float input) to meet it, else float")
+                        "top-1 class stays fp32's (e.g. 0.97); the fewest most sensitive layers stay float to meet "
+                        "it, or go weight-only (int8/fp8 weights, float input) where that takes no more layers")
     p.add_argument("--no-weight-only", dest="accuracy_weight_only", action="store_false",
                    help="with --accuracy-target: keep layers float only, never weight-only (weights quantized, "
                         "input float; on the CPU the fp32 kernel, so a weight-only layer costs a float layer's time)")
