@@ -107,9 +107,11 @@ def mobilenet(dtypes_: list[str], calibrators: list[str], targets: list[float | 
             built = time.perf_counter() - start
             row = {"model": "MobileNetV2", "dtype": dtype, "calibrator": calibrator, "target": target,
                    "calibration": len(calibration), "kept_float": len(info.get("kept_float") or {}),
+                   "weight_only": len(info.get("weight_only") or {}),
                    "quantized": len(info.get("quantized") or []),
                    "accuracy": {k: v for k, v in (info.get("accuracy") or {}).items()
-                                if k in ("metric", "top1", "top1_all_quantized", "error", "met", "measured")},
+                                if k in ("metric", "top1", "top1_all_quantized", "error", "met", "measured",
+                                         "top1_all_weight_only", "measured_weight_only")},
                    "build_s": round(built), "options": {**options, **metric,
                                                         **({"weights_only": True} if weights_only else {})}}
             for name, vs in sets.items():
@@ -167,6 +169,8 @@ def main() -> None:
     parser.add_argument("--weights-only", action="store_true",
                         help="MobileNetV2 with the activations' Q/DQ bypassed: the weights' rounding alone")
     parser.add_argument("--gptq", action="store_true", help="GPTQ int8 weights (kiln/quant/gptq.py)")
+    parser.add_argument("--no-weight-only", action="store_true",
+                        help="an accuracy target keeps layers float only (accuracy_weight_only=False)")
     parser.add_argument("--per-tensor-depthwise", action="store_true", help="per_channel_depthwise=False")
     parser.add_argument("--equalize", type=float, nargs="?", const=0.5, metavar="ALPHA",
                         help="cross-layer equalization (kiln/quant/equalize.py) with this strength (0.5 alone)")
@@ -176,6 +180,8 @@ def main() -> None:
         options["equalize"] = args.equalize
     if args.gptq:
         options["gptq"] = True
+    if args.no_weight_only:
+        options["accuracy_weight_only"] = False
     options["accuracy_metric"] = args.accuracy_metric
     rows = mobilenet(args.dtypes, args.calibrators, args.accuracy_target, args.more_held_out, args.float_layers,
                      args.weights_only, **options)

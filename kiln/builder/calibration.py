@@ -222,7 +222,9 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     LayerNorm (or a MatMul/Gemm) are smoothed (kiln/quant/smoothquant.py), the float model unchanged.
     """
     dtype = config.precision
-    exclude = set(config.layer_precision)
+    # layer_precision: "fp32" pins a layer float, "weight_only" its weights quantized and its input float
+    pinned_weight_only = {name for name, p in config.layer_precision.items() if p == qdq.WEIGHT_ONLY}
+    exclude = set(config.layer_precision) - pinned_weight_only
     if config.quantization not in ("auto", "emulate"):
         raise KilnError(f"quantization {config.quantization!r}: 'auto' or 'emulate'")
     model = optimize(model, PassOptions(opt_level=config.opt_level, verify=config.verify, fusions=False))
@@ -285,25 +287,32 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
     weight_max = 64.0 if cpu_kernels and not has_int8_dot_product() else None
     per_tensor_weights = per_tensor_fp8_weights(config)
     if config.accuracy_target is not None:
+        # (a layer pinned weight-only is float in the search's measurements: not a candidate)
         sensitive, accuracy = choose_float_layers(model, ranges, dtype, evaluation, config.accuracy_target,
-                                                  exclude, say, metric=config.accuracy_metric, unsigned=unsigned,
-                                                  weight_max=weight_max, channel_means=channel_means, lows=lows,
-                                                  moments=moments)
+                                                  exclude | pinned_weight_only, say, metric=config.accuracy_metric,
+                                                  unsigned=unsigned, weight_max=weight_max,
+                                                  channel_means=channel_means, lows=lows,
+                                                  moments=moments, weight_only=config.accuracy_weight_only)
     if config.bias_correction and not channel_means:
         say("bias correction: the ranges came from the cache, which holds no channel means: not corrected")
     if config.gptq and dtype != "int8":
         say(f"gptq: int8 weights only; the {dtype} weights round to nearest")
     elif config.gptq and not moments:
         say("gptq: the ranges came from the cache, which holds no second moments: weights rounded to nearest")
-    adds = residual.plan(model.graph, exclude | sensitive) if adds else []  # readers kept float: their Adds too
+    # weight-only layers (the search's precision between): their weights quantized, their inputs float
+    chosen_weight_only = {**{name: "pinned" for name in pinned_weight_only}, **(accuracy.get("weight_only") or {})}
+    weight_only = set(chosen_weight_only)
+    # readers kept float or weight-only (a float input): their Adds too
+    adds = residual.plan(model.graph, exclude | sensitive | weight_only) if adds else []
     skipped = qdq.insert(model, ranges, dtype, exclude | sensitive, unsigned=unsigned, weight_max=weight_max,
                          channel_means=channel_means, lows=lows, per_tensor_weights=per_tensor_weights,
-                         moments=moments)
+                         moments=moments, weight_only=weight_only)
     residual_adds = residual.insert(model, adds, ranges, unsigned)
-    quantized = [name for name in layers if name not in skipped and name not in sensitive]
+    quantized = [name for name in layers if name not in skipped and name not in sensitive | weight_only]
     kept = {**skipped, **{name: "pinned" for name in exclude}, **(accuracy.get("kept_float") or {})}
     return model, {"dtype": dtype, "mode": "kernels" if kernels else "emulate", "calibration": record,
                    "quantized": quantized, "kept_float": kept, "accuracy": accuracy,
+                   "weight_only": {name: why for name, why in chosen_weight_only.items() if name not in skipped},
                    "weights": f"{'7' if weight_max else '8'}-bit per {'tensor' if per_tensor_weights else 'channel'}"
                    + (f" (this CPU: {cpu_features.describe()})" if weight_max else ""),
                    "ranges": {k: np.asarray(v).tolist() for k, v in sorted(ranges.items())},
@@ -322,15 +331,30 @@ def quantize(model: ir.Model, config, say: Callable[[str], None]) -> tuple[ir.Mo
 INT8_TACTICS = ("cpu.qconv.onednn", "cpu.qgemm.onednn")
 
 
-def summarize(program, tactics: dict, smoothing: dict | None = None) -> dict[str, dict[str, str]]:
+def summarize(program, tactics: dict, smoothing: dict | None = None,
+              quantization: dict | None = None, storage: str = "fp32") -> dict[str, dict[str, str]]:
     """Per quantized layer (kiln::QConv/QGemm): the precision it runs in and why, from the tactic the
     autotuner chose and the other candidates' times or refusals (header["quantization"]["layers"]);
-    with SmoothQuant, whether its input was smoothed or why not."""
+    with SmoothQuant, whether its input was smoothed or why not. `quantization` (quantize's record): the layers
+    an accuracy target made weight-only or kept float (or layer_precision pinned weight-only), which run float
+    kernels of the engine's `storage`, with the target's reason."""
     smoothing = smoothing or {}
     notes = {**smoothing.get("smoothed", {}), **smoothing.get("skipped", {})}
     tuned = tactics.get("layers", {})
     found: dict[str, dict[str, str]] = {}
+    quantization = quantization or {}
+    dtype = quantization.get("dtype", "int8")
+    by_target = {**{name: (storage, f"accuracy target: {why}") for name, why in
+                    ((quantization.get("accuracy") or {}).get("kept_float") or {}).items()},
+                 **{name: (f"{dtype} weights, {storage} input", why if why == "pinned" else f"accuracy target: {why}")
+                    for name, why in (quantization.get("weight_only") or {}).items()}}
     for step in program.steps:
+        layer_names = [step.name, *(step.fused_from or ())]
+        chose = next((by_target[n] for n in layer_names if n in by_target), None)
+        if chose is not None:  # a float kernel, by the accuracy target's choice
+            found[step.name] = {"precision": chose[0], "tactic": (tuned.get(step.name) or {}).get(
+                "tactic", step.tactic or "default"), "why": chose[1]}
+            continue
         if step.domain != "kiln" or step.op_type not in ("QConv", "QGemm"):
             continue
         layer = tuned.get(step.name) or {}

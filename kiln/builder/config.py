@@ -19,7 +19,8 @@ class BuildConfig:
     profiles: list[dict[str, Any]] = field(default_factory=list)
     # symbolic dims where zero padding is exact, besides batch and a masked sequence (runtime/buckets.py)
     pad_dims: list[str] = field(default_factory=list)
-    layer_precision: dict[str, str] = field(default_factory=dict)  # layer name -> "fp32" (pinned)
+    # layer name -> "fp32" (pinned float) or, in an int8/fp8 build, "weight_only" (its weights quantized, input float)
+    layer_precision: dict[str, str] = field(default_factory=dict)
     cuda_graphs: bool = True  # capture the whole engine per input shape on CUDA
     timing_cache: str | None = None  # JSON file of tactic timings, reused by later builds (kiln/tactics)
     tactics: list[str] = field(default_factory=list)  # tactic names (or prefixes: "cpu.conv") allowed; []: all
@@ -45,6 +46,10 @@ class BuildConfig:
     # what the target bounds (kiln/builder/sensitivity.py): "error", the largest output error relative to the
     # output's scale; "top1" (classifiers), the share of calibration inputs whose top-1 class stays fp32's (0.97)
     accuracy_metric: str = "error"
+    # before the target keeps a layer float, the search tries it weight-only: its weights quantized, its input
+    # float (kiln/builder/sensitivity.py; on the CPU the fp32 kernel on int8-grid weights, so such a layer costs a
+    # float layer's time); False: float layers only, as before
+    accuracy_weight_only: bool = True
     # the inputs of depthwise convolutions quantized with one scale per channel, folded into the layer's
     # per-channel weight scales (kiln/quant/qdq.py): MobileNet-style networks' largest int8 error otherwise
     per_channel_depthwise: bool = True

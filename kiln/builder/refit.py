@@ -58,6 +58,7 @@ from kiln.errors import KilnError
 from kiln.frontend import onnx as onnx_frontend
 from kiln.ir import dtypes
 from kiln.quant import cache as calibration_cache
+from kiln.quant import qdq
 from kiln.runtime.engine import Engine
 from kiln.version import __version__
 
@@ -300,6 +301,7 @@ def _requantize(model: ir.Model, config: BuildConfig, built: dict, recalibrate: 
                          "recalibrate=DATA (kiln refit --calib DIR), or rebuild")
     pinned = dict(config.layer_precision)
     pinned.update({name: "fp32" for name in (built.get("accuracy") or {}).get("kept_float") or {}})
+    pinned.update({name: qdq.WEIGHT_ONLY for name in built.get("weight_only") or {}})  # as the build chose
     with tempfile.TemporaryDirectory(prefix="kiln-refit-") as folder:
         cache = os.path.join(folder, "ranges.json")
         calibration_cache.save(cache, config.calibrator, config.precision, ranges,

@@ -20,10 +20,21 @@ and whether a top-1 survives depends on that noise against the input's margin, n
        picks does not);
     3. the fewest of the most sensitive layers kept float that reach the target, by bisection over how many.
 
+The precision between (weight_only; BuildConfig.accuracy_weight_only, on by default): the layer's weights
+quantized, its input not (qdq.insert's weight_only; on the CPU the fp32 kernel on int8-grid weights). Most of an
+int8 layer's error on MobileNetV2 is its input's rounding (bench/results/quantacc3-2026-12-06.md: weights alone cost
+relerr 0.02-0.04 of int8's 0.12).
+
+    "top1": when every layer weight-only reaches the target, the fewest layers weight-only that reach it, ranked by
+            the softmax KL with their input alone quantized (what going weight-only saves), by the same bisection;
+            chosen unless the float search needs fewer layers (a weight-only layer runs the float kernel on the
+            CPU: fewer layers away from int8 is the faster engine).
+    "error": when every layer weight-only meets it, the most sensitive go weight-only one by one instead of float.
+
 One program serves every measurement: the model with every layer's Q/DQ, lowered without folding, run
-with each layer's quantization switched on or off (a switched-off layer's Q/DQ pass values through and
-its weight and bias are the float ones). A Q/DQ pair shared by several layers (one tensor read by two
-convolutions) is on while any of them is.
+with each layer's quantization switched on, weight-only or off (an off layer's Q/DQ pass values through and
+its weight and bias are the float ones; a weight-only layer's input pair passes through). Each layer has its own
+input pair (qdq.insert's private_pairs), so that one reader of a shared tensor can be switched alone.
 """
 
 from __future__ import annotations
@@ -63,8 +74,9 @@ def _copy(model: ir.Model) -> ir.Model:
 
 class SwitchedModel:
     """The model with every target layer's Q/DQ (as qdq.insert makes them for the build), lowered once,
-    runnable with any subset of its layers quantized: `outputs(quantized)`. Off, a layer reads its input
-    unrounded, its float weight and its uncorrected bias: the float layer exactly."""
+    runnable with any subset of its layers quantized: `outputs(quantized, weight_only)`. Off, a layer reads its
+    input unrounded, its float weight and its uncorrected bias: the float layer exactly. Weight-only, it reads
+    its input unrounded with its quantized weight and corrected bias: the build's weight_only layer exactly."""
 
     def __init__(self, model: ir.Model, ranges: dict[str, float], dtype: str, exclude: set[str],
                  batches: list[dict[str, np.ndarray]], *, unsigned: bool = False, weight_max: float | None = None,
@@ -75,7 +87,7 @@ class SwitchedModel:
         biases = {name: _bias(t.node) for name, t in targets.items()}
         trial = _copy(model)
         skipped = qdq.insert(trial, ranges, dtype, exclude, unsigned=unsigned, weight_max=weight_max,
-                             channel_means=channel_means, lows=lows, moments=moments)
+                             channel_means=channel_means, lows=lows, moments=moments, private_pairs=True)
         self.layers = [name for name in originals if name not in skipped]
         program, weights, inputs, _ = lower(trial)  # no folding: every Q/DQ is a step that can be switched
         index = {s.name: i for i, s in enumerate(program.steps)}
@@ -94,12 +106,14 @@ class SwitchedModel:
         with torch.inference_mode():
             self.reference = [Program(*lower(_copy(model))[:2]).run(f) for f in self.feeds]
 
-    def outputs(self, quantized: set[str], batches: list[int] | None = None) -> list[list[Any]]:
+    def outputs(self, quantized: set[str], batches: list[int] | None = None,
+                weight_only: set[str] = frozenset(), input_only: set[str] = frozenset()) -> list[list[Any]]:
         """Per batch (those of index in `batches`; None: all), the model's outputs with exactly the layers in
-        `quantized` quantized."""
-        on_pairs = {self.switches[n].activation for n in quantized}
+        `quantized` quantized, those in `weight_only` with their weights alone quantized and those in `input_only`
+        their input alone (float weight and bias: what weight-only would save)."""
+        on_pairs = {self.switches[n].activation for n in set(quantized) | set(input_only)}
         off_steps = {i for s in self.switches.values() if s.activation not in on_pairs for i in s.activation}
-        off = [s for n, s in self.switches.items() if n not in quantized]
+        off = [s for n, s in self.switches.items() if n not in quantized and n not in weight_only]
         float_weights = {s.weight: s.float_weight for s in off}
         float_biases = {s.layer: s.float_bias for s in off if s.float_bias is not None}
 
@@ -186,35 +200,70 @@ def choose_float_layers(model: ir.Model, ranges: dict[str, float], dtype: str, b
                         unsigned: bool = False, weight_max: float | None = None,
                         channel_means: dict[str, np.ndarray] | None = None,
                         lows: dict[str, float] | None = None,
-                        moments: dict[str, np.ndarray] | None = None) -> tuple[set[str], dict]:
+                        moments: dict[str, np.ndarray] | None = None,
+                        weight_only: bool = False) -> tuple[set[str], dict]:
     """(layer names to keep in float, the record for the header); unsigned, weight_max, channel_means (bias
     correction), lows, moments (GPTQ): as the build's qdq.insert will quantize. metric (METRICS): "error", the
     target is the largest max |error| / max |output| on the batches; "top1", the target is the smallest expected share of
-    batches whose top-1 class is fp32's (expected_top1), layers ranked by softmax_kl."""
+    batches whose top-1 class is fp32's (expected_top1), layers ranked by softmax_kl. weight_only: the most sensitive
+    layers are first tried with their weights alone quantized (the record's "weight_only": {layer: why}); float
+    layers only where every layer so still misses the target."""
     if metric not in METRICS:
         raise KilnError(f"accuracy metric {metric!r}: kiln knows {list(METRICS)}")
     switched = SwitchedModel(model, ranges, dtype, exclude, batches, unsigned=unsigned, weight_max=weight_max,
                              channel_means=channel_means, lows=lows, moments=moments)
     if metric == "top1":
-        return _fewest_for_top1(switched, target, say)
-    return _greedy_for_error(switched, target, say)
+        return _fewest_for_top1(switched, target, say, weight_only)
+    return _greedy_for_error(switched, target, say, weight_only)
 
 
-def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str], None]) -> tuple[set[str], dict]:
+def _fewest(order: list[str], measure: Callable[[int], float], met: Callable[[float], bool],
+            measured: dict[int, float], say: Callable[[str], None], what: str) -> int:
+    """The smallest k with met(measure(k)), by bisection over k in (0, len(order)]: measure(k) with the k first
+    layers of `order` moved up a precision grows with k. measured holds k = 0 (not met) and len(order) (met)."""
+    low, high = 0, len(order)  # not met at low, met at high
+    while high - low > 1:
+        middle = (low + high) // 2
+        measured[middle] = measure(middle)
+        say(f"accuracy: the {middle} most sensitive layer(s) {what} -> {measured[middle]:.4g}")
+        low, high = (low, middle) if met(measured[middle]) else (middle, high)
+    return high
+
+
+def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str], None],
+                      weight_only: bool = False) -> tuple[set[str], dict]:
     """Each layer's sensitivity is the output error with it alone quantized; the most sensitive go float one by
-    one, the error re-measured each time, until it is within the target."""
-    def error(quantized: set[str]) -> float:
-        return output_error(switched.outputs(quantized), switched.reference)
+    one, the error re-measured each time, until it is within the target. weight_only: first the same walk with
+    each going weight-only, when every layer weight-only meets the target."""
+    def error(quantized: set[str], weights: set[str] = frozenset()) -> float:
+        return output_error(switched.outputs(quantized, weight_only=weights), switched.reference)
 
     layers = switched.layers
     all_on = error(set(layers))
     record: dict[str, Any] = {"metric": "error", "target": target, "error_all_quantized": all_on}
     if all_on <= target:
         say(f"accuracy: every layer quantized gives {all_on:.3g} <= target {target:g}")
-        return set(), {**record, "error": all_on, "kept_float": {}}
+        return set(), {**record, "error": all_on, "kept_float": {}, "weight_only": {}}
     say(f"accuracy: every layer quantized gives {all_on:.3g} > target {target:g}: measuring each layer")
     sensitivity = {name: error({name}) for name in layers}
     order = sorted(layers, key=lambda n: -sensitivity[n])
+    record["sensitivity"] = {k: round(v, 6) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}
+    why = {name: f"sensitivity {sensitivity[name]:.3g} (output error with it alone quantized)" for name in order}
+    if weight_only:
+        every = error(set(), set(layers))
+        record["error_all_weight_only"] = every
+        if every <= target:
+            moved: list[str] = []
+            current = all_on
+            for name in order:
+                if current <= target:
+                    break
+                moved.append(name)
+                current = error(set(layers) - set(moved), set(moved))
+                say(f"accuracy: {name} weight-only -> error {current:.3g}")
+            return set(), {**record, "error": current, "kept_float": {}, "met": current <= target,
+                           "weight_only": {name: why[name] for name in moved}}
+        say(f"accuracy: every layer weight-only gives {every:.3g} > target {target:g}: layers go float")
     kept: dict[str, str] = {}
     quantized = set(layers)
     current = all_on
@@ -223,43 +272,64 @@ def _greedy_for_error(switched: SwitchedModel, target: float, say: Callable[[str
             break
         quantized.discard(name)
         current = error(quantized)
-        kept[name] = f"sensitivity {sensitivity[name]:.3g} (output error with it alone quantized)"
+        kept[name] = why[name]
         say(f"accuracy: {name} kept float -> error {current:.3g}")
-    record.update({"error": current, "kept_float": kept, "met": current <= target,
-                   "sensitivity": {k: round(v, 6) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}})
+    record.update({"error": current, "kept_float": kept, "weight_only": {}, "met": current <= target})
     return set(kept), record
 
 
-def _fewest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str], None]) -> tuple[set[str], dict]:
+def _fewest_for_top1(switched: SwitchedModel, target: float, say: Callable[[str], None],
+                     weight_only: bool = False) -> tuple[set[str], dict]:
     """Layers ranked by softmax_kl with each alone quantized (on the RANK_BATCHES inputs of the lowest top-1
     margins: 53 layers x 8 runs instead of x 38 for MobileNetV2; a layer's effect on a top-1 shows where the
     classes are close); the fewest of the top of that ranking kept float
     for expected_top1 >= target, found by bisection over how many (the agreement grows as layers go float, up
-    to 1 with all of them: log2(layers) measurements instead of one per layer kept)."""
-    def agreement(quantized: set[str]) -> float:
-        return expected_top1(switched.outputs(quantized), switched.reference)
+    to 1 with all of them: log2(layers) measurements instead of one per layer kept). weight_only: first the
+    fewest of the top of that ranking weight-only, when every layer weight-only reaches the target."""
+    def agreement(quantized: set[str], weights: set[str] = frozenset()) -> float:
+        return expected_top1(switched.outputs(quantized, weight_only=weights), switched.reference)
 
     layers = switched.layers
     all_on = agreement(set(layers))
     record: dict[str, Any] = {"metric": "top1", "target": target, "top1_all_quantized": round(all_on, 6)}
     if all_on >= target:
         say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s >= target {target:g}")
-        return set(), {**record, "top1": all_on, "kept_float": {}}
+        return set(), {**record, "top1": all_on, "kept_float": {}, "weight_only": {}}
     say(f"accuracy: every layer quantized keeps an expected {all_on:.4f} of top-1s < target {target:g}: "
         "measuring each layer")
     closest = lowest_margins(switched.reference, RANK_BATCHES)  # the inputs whose top-1 a layer can flip
     reference = [switched.reference[k] for k in closest]
     sensitivity = {name: softmax_kl(switched.outputs({name}, closest), reference) for name in layers}
     order = sorted(layers, key=lambda n: -sensitivity[n])
+    record["sensitivity"] = {k: round(v, 8) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}
+    why = {name: f"sensitivity {sensitivity[name]:.3g} (softmax KL with it alone quantized)" for name in order}
     measured = {0: all_on, len(order): 1.0}  # every layer float: the reference itself
-    low, high = 0, len(order)  # agreement(low) < target <= agreement(high)
-    while high - low > 1:
-        middle = (low + high) // 2
-        measured[middle] = agreement(set(order[middle:]))
-        say(f"accuracy: the {middle} most sensitive layer(s) float -> expected top-1 {measured[middle]:.4f}")
-        low, high = (low, middle) if measured[middle] >= target else (middle, high)
-    kept = {name: f"sensitivity {sensitivity[name]:.3g} (softmax KL with it alone quantized)" for name in order[:high]}
-    record.update({"top1": measured[high], "kept_float": kept, "met": measured[high] >= target,
-                   "measured": {str(k): round(v, 6) for k, v in sorted(measured.items())},
-                   "sensitivity": {k: round(v, 8) for k, v in sorted(sensitivity.items(), key=lambda kv: -kv[1])}})
-    return set(kept), record
+    count = _fewest(order, lambda k: agreement(set(order[k:])), lambda v: v >= target, measured, say,
+                    "float: expected top-1")
+    record.update({"top1": measured[count], "kept_float": {name: why[name] for name in order[:count]},
+                   "weight_only": {}, "met": measured[count] >= target,
+                   "measured": {str(k): round(v, 6) for k, v in sorted(measured.items())}})
+    if not weight_only:
+        return set(order[:count]), record
+    every = agreement(set(), set(layers))
+    record["top1_all_weight_only"] = round(every, 6)
+    if every < target:
+        say(f"accuracy: every layer weight-only keeps an expected {every:.4f} of top-1s < target {target:g}: "
+            f"{count} layer(s) float")
+        return set(order[:count]), record
+    # what going weight-only saves is the input's rounding: ranked by that alone (a layer whose error is its
+    # weights' gains nothing)
+    inputs = {name: softmax_kl(switched.outputs(set(), closest, input_only={name}), reference) for name in layers}
+    by_input = sorted(layers, key=lambda n: -inputs[n])
+    record["input_sensitivity"] = {k: round(inputs[k], 8) for k in by_input}
+    found = {0: all_on, len(by_input): every}
+    moved = _fewest(by_input, lambda k: agreement(set(by_input[k:]), set(by_input[:k])), lambda v: v >= target,
+                    found, say, "weight-only: expected top-1")
+    record["measured_weight_only"] = {str(k): round(v, 6) for k, v in sorted(found.items())}
+    if moved > count:  # float layers reach it with fewer layers away from int8: those (on the CPU, the same kernels)
+        say(f"accuracy: {moved} layer(s) weight-only or {count} float: float")
+        return set(order[:count]), record
+    record.update({"top1": found[moved], "kept_float": {}, "met": True, "weight_only": {
+        name: f"input sensitivity {inputs[name]:.3g} (softmax KL with its input alone quantized)"
+        for name in by_input[:moved]}})
+    return set(), record

@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-target", type=float, metavar="T",
                    help="with --int8/--fp8, measured on the calibration data: the largest output error relative to "
                         "the output's scale (e.g. 0.02), or with --accuracy-metric top1 the share of inputs whose "
-                        "top-1 class stays fp32's (e.g. 0.97); the fewest most sensitive layers stay float to meet it")
+                        "top-1 class stays fp32's (e.g. 0.97); the fewest most sensitive layers stay float to meet "
+                        "it, or go weight-only (int8/fp8 weights, float input) where that takes no more layers")
+    p.add_argument("--no-weight-only", dest="accuracy_weight_only", action="store_false",
+                   help="with --accuracy-target: keep layers float only, never weight-only (weights quantized, "
+                        "input float; on the CPU the fp32 kernel, so a weight-only layer costs a float layer's time)")
     p.add_argument("--accuracy-metric", choices=["error", "top1"], default="error",
                    help="what --accuracy-target bounds: error (default) or top1 (classifiers; layers ranked by "
                         "their softmax KL divergence from fp32)")
@@ -96,6 +100,9 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("fp16", "bf16", "tf32", "best", "int8", "fp8"):  # trtexec's spelling: --fp16 is --precision fp16
         p.add_argument(f"--{flag}", dest="precision", action="store_const", const=flag,
                        help=f"same as --precision {flag}")
+    p.add_argument("--pin-weight-only", action="append", metavar="LAYER",
+                   help="with --int8/--fp8: quantize this layer's (ONNX node name) weights only, its input stays "
+                        "float; repeatable")
     p.add_argument("--pin-fp32", action="append", metavar="LAYER",
                    help="keep this layer (ONNX node name) in fp32 in a half-precision engine; repeatable")
     p.add_argument("--timing-cache", metavar="FILE.json",

@@ -39,7 +39,8 @@ def cmd_build(args: argparse.Namespace) -> int:
         "timing_cache": args.timing_cache,
         "compile_workers": args.compile_workers,
         "in_context": args.in_context,
-        "layer_precision": {name: "fp32" for name in args.pin_fp32 or []},
+        "layer_precision": {**{name: "weight_only" for name in args.pin_weight_only or []},
+                            **{name: "fp32" for name in args.pin_fp32 or []}},
         "calibration": args.calib,
         "calibrator": args.calibrator,
         "calibration_cache": args.calib_cache,
@@ -47,6 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "quantization": args.quantization,
         "accuracy_target": args.accuracy_target,
         "accuracy_metric": args.accuracy_metric,
+        "accuracy_weight_only": args.accuracy_weight_only,
         "smoothquant": args.smoothquant,
         "equalize": args.equalize,
         "gptq": args.gptq,
@@ -121,11 +123,14 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
         return [("quantization", f"explicit Q/DQ: {len(q.get('layers') or {})} quantized layer(s)")] + \
             _precision_row(q.get("layers") or {})
     kept = q.get("kept_float") or {}
+    weight_only = q.get("weight_only") or {}
     calibration = q.get("calibration") or {}
     source = "the cache" if calibration.get("from_cache") else f"{calibration.get('batches', '?')} batch(es)"
     how = "emulated" if q.get("mode") == "emulate" else "kernels"
     rows = [("quantization", f"{q['dtype']} ({how}): {len(q.get('quantized', []))} layer(s) quantized, "
-                             f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
+                             + (f"{len(weight_only)} weight-only ({q['dtype']} weights, float input), "
+                                if weight_only else "")
+                             + f"{len(kept)} kept float; ranges by {calibration.get('calibrator')} from {source}")]
     rows += _precision_row(q.get("layers") or {})
     accuracy = q.get("accuracy") or {}
     if accuracy.get("metric") == "top1":
@@ -136,6 +141,7 @@ def _quantization_rows(q: dict) -> list[tuple[str, str]]:
         rows.append(("accuracy", f"output error {accuracy['error']:.3g} (target {accuracy['target']:g}; every "
                                  f"layer quantized: {accuracy['error_all_quantized']:.3g})"
                                  + ("" if accuracy.get("met", True) else ": NOT met")))
+    rows += [("  weight-only", f"{name}: {why}") for name, why in weight_only.items()]
     rows += [("  kept float", f"{name}: {why}") for name, why in kept.items()]
     smoothing = q.get("smoothquant")
     if smoothing:

@@ -34,6 +34,7 @@ from kiln.quant import gptq
 QUANTIZABLE = ("Conv", "Gemm", "MatMul")
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # float8e4m3fn
+WEIGHT_ONLY = "weight_only"  # a layer_precision value: the layer's weights quantized, its input float (insert)
 ASYMMETRIC = 0.5  # int8: an activation whose negative side reaches at most this fraction of amax is uint8 + zero point
 
 
@@ -137,9 +138,19 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
            unsigned: bool = False, weight_max: float | None = None,
            channel_means: dict[str, np.ndarray] | None = None,
            lows: dict[str, float] | None = None, per_tensor_weights: bool = False,
-           moments: dict[str, np.ndarray] | None = None) -> dict[str, str]:
+           moments: dict[str, np.ndarray] | None = None, weight_only: set[str] = frozenset(),
+           private_pairs: bool = False) -> dict[str, str]:
     """Quantize every target layer whose activation has a measured range (in place). Returns
     {layer name: why it was left in float} for the targets it skipped.
+
+    weight_only (layer names): those layers' weights are quantized (GPTQ and bias correction as for the others)
+    but their input is not: the layer reads its float input, W8A32 on the CPU (the fp32 kernel on int8-grid
+    weights), the precision between int8 and float that the accuracy-target search tries before a whole-float
+    layer (kiln/builder/sensitivity.py). Its weight is stored dequantized (a float constant on the int8/E4M3 grid,
+    _folded_weight), so that the float kernels pack it once.
+    private_pairs: each layer its own activation Q/DQ pair even where several read one tensor (named
+    <activation>_<layer>_q/_dq), so that each can be switched alone (the search's SwitchedModel); the values are
+    those of one shared pair.
 
     unsigned (int8 only): an activation that cannot be negative (a Relu's, a ReLU6's) is quantized to
     uint8 with zero point 0, all 256 steps over [0, amax], instead of int8's 128. weight_max: the largest
@@ -198,9 +209,12 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
             skipped[t.node.name] = f"its input {t.activation.name!r} has per-channel ranges: only a depthwise " \
                                    "convolution folds them into its weight scales"
             continue
-        dq = pairs.get(t.activation.name)
+        if t.node.name in weight_only:  # the float input: no pair, the weight alone quantized (below)
+            dq = t.activation
+        else:
+            dq = pairs.get(f"{t.activation.name}_{t.node.name}" if private_pairs else t.activation.name)
         if dq is None:
-            base = t.activation.name
+            base = f"{t.activation.name}_{t.node.name}" if private_pairs else t.activation.name
             high = _clip_max(t.activation)
             if high is not None and high > 0:
                 amax = np.minimum(amax, high)
@@ -228,13 +242,15 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
                     s, name=f"{base}_qscale")))
                 zero = _initializer(graph, _zero_point(f"{base}_qzero", "uint8" if positive else dtype, amax.shape))
                 axis = {"axis": 1}
-            dq = pairs[t.activation.name] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis)
+            dq = pairs[base] = quantize_dequantize(graph, t.node, t.activation, scale, zero, axis, base)
         t.node.replace_input_with(0, dq)
         h = (moments or {}).get(t.node.name) if dtype == "int8" and not per_tensor_weights else None
         weight_dq = _quantized_weight(graph, t, dtype, weight_max or qmax, shared_amax.get(t.activation.name), h)
         mean = (channel_means or {}).get(t.activation.name)
         if mean is not None:
             _correct_bias(graph, t, weight_dq, mean)
+        if t.node.name in weight_only and not private_pairs:
+            weight_dq = _folded_weight(graph, weight_dq)
         t.node.replace_input_with(1, weight_dq)
         if not t.weight.uses() and t.weight.name in graph.initializers:  # the float weight: no reader left
             graph.initializers.pop(t.weight.name)
@@ -242,10 +258,10 @@ def insert(model: ir.Model, ranges: dict[str, float | np.ndarray], dtype: str, e
 
 
 def quantize_dequantize(graph: ir.Graph, before: ir.Node, value: ir.Value, scale: ir.Value, zero: ir.Value,
-                        axis: dict | None = None) -> ir.Value:
+                        axis: dict | None = None, base: str | None = None) -> ir.Value:
     """DQ(Q(value)) with these scale and zero point (initializers), inserted before `before`: the dequantized
-    value, named after `value` (<name>_q, <name>_dq)."""
-    base, axis = value.name, axis or {}
+    value, named after `base` (default: `value`'s name; <base>_q, <base>_dq)."""
+    base, axis = base or value.name, axis or {}
     q = ir.node("QuantizeLinear", [value, scale, zero], attributes=axis, name=f"{base}_quantize", num_outputs=1)
     q.outputs[0].name = f"{base}_q"
     q.outputs[0].type = ir.TensorType(zero.const_value.dtype)
@@ -290,6 +306,26 @@ def _quantized_weight(graph: ir.Graph, t: Target, dtype: str, qmax: float, tenso
     d.outputs[0].shape = t.weight.shape
     graph.insert_before(t.node, [d])
     return d.outputs[0]
+
+
+def _folded_weight(graph: ir.Graph, weight_dq: ir.Value) -> ir.Value:
+    """A weight-only layer's DQ(W_q) as a float constant, (W_q - 0)·s in float32 as DequantizeLinear computes it:
+    constant folding keeps Q/DQ nodes for the quantized layers' fusion, and a Conv reading a DequantizeLinear
+    step would run no packed float kernel (the weight recomputed and re-laid out every run)."""
+    dq = weight_dq.producer()
+    q, scale = dq.inputs[0].const_value.numpy(), dq.inputs[1].const_value.numpy()
+    shape = [1] * q.ndim
+    shape[dq.attributes["axis"].value] = -1
+    w = (q.astype(np.float32) * scale.astype(np.float32).reshape(shape)).astype(np.float32)
+    name = weight_dq.name.removesuffix("_dq") + "_int8grid" if q.dtype == np.int8 else \
+        weight_dq.name.removesuffix("_dq") + "_fp8grid"
+    value = _initializer(graph, ir.Value(name=name, const_value=ir.tensor(w, name=name)))
+    value.dtype, value.shape = weight_dq.dtype, weight_dq.shape  # what the fusions read (a Conv's kernel size)
+    graph.remove(dq, safe=False)
+    for v in dq.inputs[:3]:
+        if v is not None and not v.uses() and v.name in graph.initializers:
+            graph.initializers.pop(v.name)
+    return value
 
 
 def _dequantized_weight(value: ir.Value) -> np.ndarray:

@@ -169,19 +169,22 @@ def test_recalibrated_refit_equals_a_fresh_build_with_that_data(tmp_path, net):
     _same_as_fresh(engine, fresh, net)
 
 
-def test_the_layers_an_accuracy_target_kept_float_stay_float(tmp_path):
-    """Without recalibration the float layers are the build's (the new weights' sensitivity is not measured:
-    that needs calibration data), so the refit equals a fresh build with those layers pinned float."""
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_the_layers_an_accuracy_target_kept_float_stay_float(tmp_path, weight_only):
+    """Without recalibration the float (or weight-only) layers are the build's (the new weights' sensitivity is not
+    measured: that needs calibration data), so the refit equals a fresh build with those layers pinned so."""
     paths = _save(tmp_path, "conv")
     cache = str(tmp_path / "ranges.json")
     engine = _build(paths[0], tmp_path, "conv", "emulate", calibration=_batches("conv", 0, 3), calibration_cache=cache,
-                    accuracy_target=0.002)
-    kept = engine.plan.header["quantization"]["accuracy"]["kept_float"]
-    assert kept  # the target keeps some layers float on this net
+                    accuracy_target=0.002, accuracy_weight_only=weight_only)
+    quantization = engine.plan.header["quantization"]
+    kept = quantization["weight_only"] if weight_only else quantization["accuracy"]["kept_float"]
+    assert kept  # the target keeps some layers float (weight-only) on this net
     report = engine.refit(paths[1])
+    # (a weight-only layer's weights are rounded again too, but it is not a quantized layer)
     assert report.requantized == [n for n in ("conv1", "conv2", "fc") if n not in kept]
     fresh = _build(paths[1], tmp_path, "conv", "emulate", calibration_cache=cache,
-                   layer_precision={name: "fp32" for name in kept})
+                   layer_precision={name: "weight_only" if weight_only else "fp32" for name in kept})
     _same_as_fresh(engine, fresh, "conv")
 
 

@@ -275,3 +275,38 @@ def _run_plain_tactic(name: str, op: str, args: list):
     step = dataclasses.replace(step, tactic=name, tactic_config=tactic.configure(step, metas))
     launch = tactic.prepare(step, [None, *args[1:]], torch.device("cpu"))
     return launch(OpContext(name="q", op_type=op), tactic.to_layout(args[0]), *args[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_per_channel_quantize_tactic_is_onnx_references(dtype, channels_last):
+    """cpu.quantize.torch_per_channel (a depthwise input written by a float layer) against onnx.reference's
+    QuantizeLinear along axis 1: equal (both divide in float32 and round half to even), saturated at the type's ends."""
+    rng = np.random.default_rng(3 + channels_last)
+    x = (rng.normal(size=(2, 24, 7, 5)) * rng.uniform(0.1, 30, size=(1, 24, 1, 1))).astype(np.float32)
+    scale = rng.uniform(0.01, 0.3, size=24).astype(np.float32)
+    info = np.iinfo(np.uint8 if dtype == torch.uint8 else np.int8)
+    zero = rng.integers(info.min, info.max // 2 + 1, size=24).astype(info.dtype)
+    node = helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"], axis=1)
+    elem = TensorProto.UINT8 if dtype == torch.uint8 else TensorProto.INT8
+    graph = helper.make_graph([node], "q", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x.shape)],
+                              [helper.make_tensor_value_info("y", elem, x.shape)],
+                              [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zero, "z")])
+    want = ReferenceEvaluator(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])).run(
+        None, {"x": x})[0]
+    assert (want == info.min).any() and (want == info.max).any()  # the saturation is exercised
+    tensor = torch.from_numpy(x)
+    if channels_last:
+        tensor = tensor.contiguous(memory_format=torch.channels_last)
+    args = [tensor, torch.from_numpy(scale), torch.from_numpy(zero)]
+    tactic = registry.get("cpu.quantize.torch_per_channel")
+    step = StepSpec(op_type="QuantizeLinear", name="q", inputs=["x", "s", "z"], outputs=["y"],
+                    attributes={"axis": 1})
+    metas = [InputMeta.of(a, i > 0) for i, a in enumerate(args)]
+    assert tactic.check(step, metas) is True
+    launch = tactic.prepare(dataclasses.replace(step, tactic=tactic.name), [None, *args[1:]], torch.device("cpu"))
+    got = launch(OpContext(name="q", op_type="QuantizeLinear"), *args)
+    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)  # what QConv reads
+    np.testing.assert_array_equal(got.numpy(), want)
+    wrong_axis = dataclasses.replace(step, attributes={"axis": 2})
+    assert "axis 1 only" in tactic.check(wrong_axis, metas)
