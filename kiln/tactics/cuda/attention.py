@@ -402,13 +402,17 @@ for _block_m, _block_n, _warps, _stages, _level in ((64, 64, 4, 2, 2), (128, 64,
 # 106 / 139, 32x64.w4 184 at 384, 64x64.w4 183 at 256 (no spills)
 # Session 21 (issue 12: the one-pass kernel at 0.475 ms, 2.1x the fp16 tile's 0.222): the lean kernel's tiles (form
 # l: loads ahead, one row reduction, E4M3 by conversion; h: scores held as bytes, 64/128-row wgmma tiles; k: k/v
-# fp16 once a call), from opt_level 3 until the H100 has timed them (bench/gpu_qatt2.sh). ptxas for sm_90 at 384 keys,
+# fp16 once a call). ptxas for sm_90 at 384 keys,
 # padding mask, E4M3 (int8), registers / SASS instructions a thread: 32x128.w8r128l 128 (124) / 2016 (3272; the
 # session-20 tile: 2688, 3592), ...lk 126 / 1680, 16x128.w4l (512 keys) 255 (167) / 2672, 64x64.w4h 194 (255, 72 B
-# spilled) / 7136 for 4x the rows, 128x64.w8h 223 (255, 96 B) / 6952, 64x128.w4h 255 (16 B spilled)
+# spilled) / 7136 for 4x the rows, 128x64.w8h 223 (255, 96 B) / 6952, 64x128.w4h 255 (16 B spilled).
+# Timed on the H100 (bench/gpu_qatt2.sh, 64 x 384, padding mask; fp16 flash tile 0.228 ms), E4M3 / int8 ms:
+# 32x128.w8r128 0.464 / 0.526, ...l 0.405 / 0.493, ...lk 0.443 / 0.474, 16x128.w4l 0.580 / 0.686, 64x64.w4h
+# **0.332** / 0.842, 64x64.w4hk 0.439 / 0.815, 128x64.w8h 0.357 / 0.766, 64x128.w4h 0.345 / 0.810: the E4M3 winner
+# 64x64.w4h and the lean 32x128.w8r128l (int8's best but one) join opt_level 2; the tuner times them per engine.
 ONE_PASS_TILES = ((32, 128, 8, 512, 2, 0, ""), (32, 128, 8, 384, 2, 128, ""), (16, 128, 4, 512, 2, 0, ""),
                   (16, 64, 4, 512, 2, 0, ""), (32, 64, 4, 384, 3, 0, ""), (64, 64, 4, 256, 3, 0, ""),
-                  (32, 128, 8, 384, 3, 128, "l"), (16, 128, 4, 512, 3, 0, "l"), (64, 64, 4, 384, 3, 0, "h"),
+                  (32, 128, 8, 384, 2, 128, "l"), (16, 128, 4, 512, 3, 0, "l"), (64, 64, 4, 384, 2, 0, "h"),
                   (128, 64, 8, 384, 3, 0, "h"), (64, 128, 4, 384, 3, 0, "h"), (32, 128, 8, 384, 3, 128, "lk"),
                   (64, 64, 4, 384, 3, 0, "hk"))  # BM, BN, warps, keys, level, register cap, form
 for _block_m, _block_n, _warps, _keys, _level, _registers, _form in ONE_PASS_TILES:
